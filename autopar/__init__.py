@@ -1,0 +1,1 @@
+"""autopar: an auto-parallel compiler for PyTorch training."""

@@ -1,0 +1,164 @@
+"""Differentiable collectives under the replicated-loss convention.
+
+Every rank computes the same, whole loss. Each local tensor's gradient is then held in the *dual*
+placement of the tensor: a Shard(d) tensor's gradient is the same shard of the true gradient,
+and a Replicate or Partial tensor's gradient is the whole true gradient on every rank.
+
+Each forward collective below therefore has the dual backward, not the adjoint that the stock
+differentiable functional collectives use (those assume each rank holds a partial loss, as in
+DDP, and on torch 2.13 gave gradients ``world_size`` times too large under our convention):
+
+==================  ==================  ==========================================
+forward             placements          backward
+==================  ==================  ==========================================
+``all_reduce``      P → R               identity
+``reduce_scatter``  P → S(d)            all-gather along d
+``all_gather``      S(d) → R            keep the local chunk along d
+``chunk``           R → S(d)            all-gather along d
+``all_to_all``      S(a) → S(b)         all-to-all S(b) → S(a)
+``allreduce_grad``  R → R (identity)    all-reduce: used where an R input feeds a
+                                        computation that is split on that axis, whose
+                                        local input gradient is a partial sum
+==================  ==================  ==========================================
+
+Each function takes the process group by *name* (``group.group_name``) so that FX code generation
+can print it; ``print(pm.graph)`` then shows every collective the module runs. The work itself is
+done by ``torch.distributed._functional_collectives``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+
+def group_size(group_name: str) -> int:
+    return _resolve_process_group(group_name).size()
+
+
+def group_rank(group_name: str) -> int:
+    return _resolve_process_group(group_name).rank()
+
+
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group_name))
+
+
+def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, group_name))
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group_name))
+
+
+def _chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    pg = _resolve_process_group(group_name)
+    return x.chunk(pg.size(), dim)[pg.rank()].contiguous()
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group_name):
+        return _all_reduce(x, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group_name):
+        ctx.dim, ctx.group_name = dim, group_name
+        return _all_gather(x, dim, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunk(grad, ctx.dim, ctx.group_name), None, None
+
+
+class _Chunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group_name):
+        ctx.dim, ctx.group_name = dim, group_name
+        return _chunk(x, dim, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group_name), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group_name):
+        ctx.dim, ctx.group_name = dim, group_name
+        return _reduce_scatter(x, dim, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group_name), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    # gloo has no tensor all_to_all; gather-then-chunk moves the same result with more bytes.
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, group_name):
+        ctx.src_dim, ctx.dst_dim, ctx.group_name = src_dim, dst_dim, group_name
+        return _chunk(_all_gather(x, src_dim, group_name), dst_dim, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = _all_gather(grad, ctx.dst_dim, ctx.group_name)
+        return _chunk(full, ctx.src_dim, ctx.group_name), None, None, None
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group_name):
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group_name), None
+
+
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """P → R: sum the partial values of every rank on the axis."""
+    return _AllReduce.apply(x, group_name)
+
+
+def all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """S(dim) → R: concatenate the shards of every rank along ``dim``."""
+    return _AllGather.apply(x, dim, group_name)
+
+
+def chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """R → S(dim): keep this rank's chunk along ``dim``; no communication in forward."""
+    return _Chunk.apply(x, dim, group_name)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """P → S(dim): sum the partial values and keep this rank's chunk along ``dim``."""
+    return _ReduceScatter.apply(x, dim, group_name)
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) -> torch.Tensor:
+    """S(src_dim) → S(dst_dim) on one axis."""
+    return _AllToAll.apply(x, src_dim, dst_dim, group_name)
+
+
+def allreduce_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Identity in forward; all-reduces the gradient in backward (Megatron's ``f``)."""
+    return _AllReduceGrad.apply(x, group_name)
+
+
+def no_grad_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """S(dim) → R outside autograd, for gathering state dicts and gradients."""
+    return _all_gather(x, dim, group_name)
+
+
+def no_grad_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _all_reduce(x, group_name)

@@ -1,0 +1,3 @@
+"""Sharding rules: reductions (to be filled in)."""
+
+from autopar.rules.registry import Row, register  # noqa: F401

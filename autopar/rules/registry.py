@@ -1,0 +1,362 @@
+"""The strategy registry: one rule function per op family, expanded over every mesh axis.
+
+A rule looks at one op (an ``OpInfo``: shapes and normalized arguments) and returns ``Row``s for
+*one* mesh axis: which placement each tensor input takes and which placement the output(s) get.
+``node_strategies`` expands those rows over all mesh axes (a cartesian product), drops
+combinations whose shards would be uneven, and returns full-mesh ``Strategy`` objects.
+
+A row's local computation is the op itself applied to the local shards, with size arguments
+rewritten to local sizes (``localize_kwargs``). When that is not enough (the mean over a sharded
+dim, a loss whose denominator is global, batch-norm statistics over a sharded batch), the row
+names a *kernel* from ``autopar.kernels``: the op's semantics plus collectives over the axes on
+which that row was chosen.
+
+Where no rule is registered, ``autopar.rules.dtensor_adapter`` asks DTensor's own sharding
+registry; where that fails too, the op is replicated on every axis and marked as a fallback.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.spec import Placement, Spec, is_valid
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True, slots=True)
+class TensorArg:
+    """A tensor argument of an op, as seen by a rule: its position among tensor inputs and shape."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    """What a rule may look at. ``kw`` holds every argument by schema name, tensors as TensorArg."""
+
+    name: str
+    target: Any
+    kw: dict[str, Any]
+    inputs: tuple[TensorArg, ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    out_is_tuple: bool
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.out_shapes[0]
+
+    @property
+    def out_ndim(self) -> int:
+        return len(self.out_shapes[0])
+
+    def describe(self) -> str:
+        return f"{self.name} = {self.target}({', '.join(f'{k}={v}' for k, v in self.kw.items())})"
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One strategy on one mesh axis: a placement per tensor input, one per output, a kernel."""
+
+    ins: tuple[Placement, ...]
+    out: Placement | tuple[Placement, ...]
+    kernel: str | None = None
+
+    def __post_init__(self) -> None:
+        for placement in self.ins + self.outs:
+            if isinstance(placement, Shard) and placement.dim < 0:
+                raise ValueError(f"rows use non-negative dims, got {placement} in {self}")
+
+    @property
+    def outs(self) -> tuple[Placement, ...]:
+        return self.out if isinstance(self.out, tuple) else (self.out,)
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """A full-mesh choice for one node: a spec per tensor input, a spec per output, a kernel.
+
+    ``kernel_axes`` are the mesh axes on which the row that named ``kernel`` was chosen; the
+    kernel reduces over exactly those axes. ``source`` says where the strategy came from:
+    ``rule``, ``dtensor`` or ``fallback`` (replicate everything).
+    """
+
+    ins: tuple[Spec, ...]
+    outs: tuple[Spec, ...]
+    kernel: str | None = None
+    kernel_axes: tuple[int, ...] = ()
+    source: str = "rule"
+
+    @property
+    def out(self) -> Spec:
+        return self.outs[0]
+
+
+Rule = Callable[[OpInfo], list[Row]]
+RULES: dict[Any, Rule] = {}
+
+
+def register(*targets: Any) -> Callable[[Rule], Rule]:
+    """Register ``fn`` as the rule for each target. Registering a target twice is an error."""
+
+    def wrap(fn: Rule) -> Rule:
+        for target in targets:
+            if target in RULES:
+                raise ValueError(
+                    f"duplicate sharding rule for {target}: {RULES[target].__qualname__} "
+                    f"and {fn.__qualname__}"
+                )
+            RULES[target] = fn
+        return fn
+
+    return wrap
+
+
+def replicate_row(info: OpInfo) -> Row:
+    outs = tuple(Replicate() for _ in info.out_shapes)
+    return Row(tuple(Replicate() for _ in info.inputs), outs if info.out_is_tuple else outs[0])
+
+
+# Ops whose size argument must be rewritten to the local output shape after sharding.
+SIZE_ARGS: dict[Any, str] = {
+    aten.view.default: "size",
+    aten._unsafe_view.default: "size",
+    aten.reshape.default: "shape",
+    aten.expand.default: "size",
+    aten.new_zeros.default: "size",
+    aten.new_ones.default: "size",
+    aten.new_empty.default: "size",
+    aten.new_full.default: "size",
+    aten.zeros.default: "size",
+    aten.ones.default: "size",
+    aten.empty.memory_format: "size",
+    aten.full.default: "size",
+}
+
+
+def localize_kwargs(target: Any, kw: dict[str, Any], local_out_shape: Sequence[int]) -> dict[str, Any]:
+    """Rewrite global sizes in ``kw`` to the local output shape, for ops listed in SIZE_ARGS."""
+    name = SIZE_ARGS.get(target)
+    if name is None:
+        if target is aten.unflatten.int:
+            dim = kw["dim"] % (len(local_out_shape) - len(kw["sizes"]) + 1)
+            return {**kw, "sizes": list(local_out_shape[dim : dim + len(kw["sizes"])])}
+        return kw
+    return {**kw, name: list(local_out_shape)}
+
+
+def node_strategies(info: OpInfo, mesh_shape: Sequence[int]) -> list[Strategy]:
+    """All valid full-mesh strategies for one op. Never empty: falls back to replication."""
+    from autopar.rules import dtensor_adapter
+
+    rule = RULES.get(info.target)
+    rows: list[Row] | None = None
+    source = "rule"
+    if rule is not None:
+        rows = rule(info)
+    else:
+        rows = dtensor_adapter.rows_for(info)
+        source = "dtensor"
+    if not rows:
+        return [fallback_strategy(info, len(mesh_shape))]
+    strategies = expand_rows(info, rows, mesh_shape, source)
+    if not strategies:
+        return [fallback_strategy(info, len(mesh_shape))]
+    return strategies
+
+
+def fallback_strategy(info: OpInfo, num_axes: int) -> Strategy:
+    rep = (Replicate(),) * num_axes
+    return Strategy(
+        ins=tuple(rep for _ in info.inputs),
+        outs=tuple(rep for _ in info.out_shapes),
+        source="fallback",
+    )
+
+
+def expand_rows(
+    info: OpInfo, rows: Iterable[Row], mesh_shape: Sequence[int], source: str = "rule"
+) -> list[Strategy]:
+    """Cartesian product of per-axis rows, keeping combinations with even shards everywhere."""
+    rows = _dedupe(rows)
+    for row in rows:
+        if len(row.ins) != len(info.inputs) or len(row.outs) != len(info.out_shapes):
+            raise ValueError(
+                f"rule for {info.target} returned {row} with {len(row.ins)} inputs and "
+                f"{len(row.outs)} outputs; the op has {len(info.inputs)} tensor inputs and "
+                f"{len(info.out_shapes)} outputs ({info.describe()})"
+            )
+    strategies: list[Strategy] = []
+    seen: set[tuple] = set()
+    for combo in itertools.product(rows, repeat=len(mesh_shape)):
+        kernels = {row.kernel for row in combo if row.kernel is not None}
+        if len(kernels) > 1:
+            continue
+        ins = tuple(tuple(row.ins[i] for row in combo) for i in range(len(info.inputs)))
+        outs = tuple(tuple(row.outs[i] for row in combo) for i in range(len(info.out_shapes)))
+        if not all(is_valid(arg.shape, spec, mesh_shape) for arg, spec in zip(info.inputs, ins)):
+            continue
+        if not all(is_valid(shape, spec, mesh_shape) for shape, spec in zip(info.out_shapes, outs)):
+            continue
+        kernel = kernels.pop() if kernels else None
+        kernel_axes = tuple(a for a, row in enumerate(combo) if kernel and row.kernel == kernel)
+        key = (ins, outs, kernel, kernel_axes)
+        if key in seen:
+            continue
+        seen.add(key)
+        strategies.append(Strategy(ins, outs, kernel, kernel_axes, source))
+    return strategies
+
+
+def _dedupe(rows: Iterable[Row]) -> list[Row]:
+    out: list[Row] = []
+    for row in rows:
+        if row not in out:
+            out.append(row)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Building an OpInfo from an fx node
+
+
+def tensor_meta(value: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+    if isinstance(value, torch.Tensor):
+        return tuple(int(s) for s in value.shape), value.dtype
+    return None
+
+
+def normalized_kwargs(node: torch.fx.Node) -> dict[str, Any]:
+    """Every argument of ``node`` by its schema name (positional ones included)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        kw: dict[str, Any] = {}
+        for i, arg in enumerate(schema.arguments):
+            if i < len(node.args):
+                kw[arg.name] = node.args[i]
+            elif arg.name in node.kwargs:
+                kw[arg.name] = node.kwargs[arg.name]
+            elif arg.has_default_value():
+                kw[arg.name] = arg.default_value
+            else:
+                kw[arg.name] = None
+        return kw
+    kw = {f"arg{i}": a for i, a in enumerate(node.args)}
+    kw.update(node.kwargs)
+    return kw
+
+
+def op_info(node: torch.fx.Node) -> OpInfo:
+    """The rule-facing view of a call_function node (shapes come from FakeTensor metadata)."""
+
+    def to_value(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            return value.meta.get("val")
+        if isinstance(value, (list, tuple)):
+            return type(value)(to_value(v) for v in value)
+        return value
+
+    kw = {name: to_value(value) for name, value in normalized_kwargs(node).items()}
+    return op_info_from_values(node.name, node.target, kw, node.meta.get("val"))
+
+
+def op_info_from_values(name: str, target: Any, kw_values: dict[str, Any], out_value: Any) -> OpInfo:
+    """Build an OpInfo from argument values (real or fake tensors). Tensors become TensorArgs,
+    numbered in the order they appear; every other argument is passed through unchanged."""
+    inputs: list[TensorArg] = []
+
+    def convert(value: Any) -> Any:
+        meta = tensor_meta(value)
+        if meta is not None:
+            arg = TensorArg(len(inputs), *meta)
+            inputs.append(arg)
+            return arg
+        if isinstance(value, (list, tuple)):
+            return type(value)(convert(v) for v in value)
+        return value
+
+    kw = {key: convert(value) for key, value in kw_values.items()}
+    if isinstance(out_value, (list, tuple)):
+        out_shapes = tuple(tensor_meta(v)[0] for v in out_value if tensor_meta(v) is not None)
+        out_is_tuple = True
+    else:
+        meta = tensor_meta(out_value)
+        out_shapes = (meta[0],) if meta else ()
+        out_is_tuple = False
+    return OpInfo(name, target, kw, tuple(inputs), out_shapes, out_is_tuple)
+
+
+def replace_tensors(kw: dict[str, Any], tensors: Sequence[Any]) -> dict[str, Any]:
+    """Put ``tensors`` (in TensorArg index order) back where the TensorArgs of ``kw`` stand."""
+
+    def put(value: Any) -> Any:
+        if isinstance(value, TensorArg):
+            return tensors[value.index]
+        if isinstance(value, (list, tuple)):
+            return type(value)(put(v) for v in value)
+        return value
+
+    return {key: put(value) for key, value in kw.items()}
+
+
+def call_with_kw(target: Any, kw: dict[str, Any]) -> Any:
+    """Call an OpOverload with arguments given by schema name."""
+    args, kwargs = [], {}
+    for arg in target._schema.arguments:
+        if arg.kwarg_only:
+            kwargs[arg.name] = kw[arg.name]
+        else:
+            args.append(kw[arg.name])
+    return target(*args, **kwargs)
+
+
+def tensor_input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The fx nodes feeding ``node``'s tensor inputs, in the same order as OpInfo.inputs."""
+    found: list[torch.fx.Node] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.fx.Node):
+            if tensor_meta(value.meta.get("val")) is not None:
+                found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
+    for value in normalized_kwargs(node).values():
+        visit(value)
+    return found
+
+
+__all__ = [
+    "OpInfo",
+    "Row",
+    "Strategy",
+    "TensorArg",
+    "RULES",
+    "SIZE_ARGS",
+    "register",
+    "replicate_row",
+    "localize_kwargs",
+    "node_strategies",
+    "expand_rows",
+    "fallback_strategy",
+    "op_info",
+    "tensor_input_nodes",
+    "normalized_kwargs",
+    "op_info_from_values",
+    "replace_tensors",
+    "call_with_kw",
+]

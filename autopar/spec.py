@@ -1,0 +1,197 @@
+"""Sharding specs: one DTensor placement per mesh axis, and how to move between them.
+
+A *spec* is a tuple with one placement per mesh axis, each ``Replicate()``, ``Shard(dim)`` or
+``Partial("sum")`` from ``torch.distributed.tensor``. Plan files spell them ``R``, ``S(d)`` and ``P``.
+
+Sharding is nested in axis order: a tensor dim sharded on axes 0 and 1 is first cut into
+``mesh[0]`` chunks, and each chunk again into ``mesh[1]`` chunks, as DTensor does. autopar only
+uses even shards: a dim may be sharded only when its size divides by the product of the axis
+sizes that shard it (``is_valid``). Uneven shards are excluded, never approximated.
+
+``transition_steps`` is the single source of truth for resharding. The cost model prices these
+steps and the collectives pass inserts exactly these steps, so what is priced is what runs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+Placement = Replicate | Shard | Partial
+Spec = tuple[Placement, ...]
+
+R = Replicate()
+P = Partial()
+
+
+def S(dim: int) -> Shard:
+    return Shard(dim)
+
+
+_SHARD_RE = re.compile(r"^S\((\d+)\)$")
+
+
+def parse_placement(text: str) -> Placement:
+    """``"R"`` → Replicate(), ``"S(1)"`` → Shard(1), ``"P"`` → Partial("sum")."""
+    if text == "R":
+        return R
+    if text == "P":
+        return P
+    match = _SHARD_RE.match(text)
+    if match:
+        return Shard(int(match.group(1)))
+    raise ValueError(f"unknown placement {text!r}: expected 'R', 'P' or 'S(<dim>)'")
+
+
+def format_placement(placement: Placement) -> str:
+    if isinstance(placement, Replicate):
+        return "R"
+    if isinstance(placement, Shard):
+        return f"S({placement.dim})"
+    if isinstance(placement, Partial):
+        if placement.reduce_op != "sum":
+            raise ValueError(f"only Partial('sum') is used by autopar, got {placement!r}")
+        return "P"
+    raise TypeError(f"not a placement: {placement!r}")
+
+
+def parse_spec(texts: Sequence[str]) -> Spec:
+    return tuple(parse_placement(t) for t in texts)
+
+
+def format_spec(spec: Spec) -> list[str]:
+    return [format_placement(p) for p in spec]
+
+
+def replicated(num_axes: int) -> Spec:
+    return (R,) * num_axes
+
+
+def shard_axes(spec: Spec, dim: int) -> list[int]:
+    """Mesh axes that shard tensor dim ``dim``, in nesting order."""
+    return [axis for axis, p in enumerate(spec) if isinstance(p, Shard) and p.dim == dim]
+
+
+def is_valid(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
+    """True when every sharded dim exists and divides evenly by the axes that shard it."""
+    for placement in spec:
+        if isinstance(placement, Shard) and not 0 <= placement.dim < len(shape):
+            return False
+    for dim, size in enumerate(shape):
+        factor = math.prod(mesh_shape[a] for a in shard_axes(spec, dim))
+        if size % factor:
+            return False
+    return True
+
+
+def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape each rank holds. Assumes ``is_valid``."""
+    out = list(shape)
+    for axis, placement in enumerate(spec):
+        if isinstance(placement, Shard):
+            out[placement.dim] //= mesh_shape[axis]
+    return tuple(out)
+
+
+def split_factor(spec: Spec, mesh_shape: Sequence[int]) -> int:
+    """How many ways the data is divided: the product of the sizes of non-replicated axes."""
+    return math.prod(size for size, p in zip(mesh_shape, spec) if not isinstance(p, Replicate))
+
+
+def shard_factor(spec: Spec, mesh_shape: Sequence[int]) -> int:
+    """Product of the sizes of axes that shard (S) the tensor; a local tensor is 1/this of it."""
+    return math.prod(size for size, p in zip(mesh_shape, spec) if isinstance(p, Shard))
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One collective (or local slice) on one mesh axis.
+
+    kinds: ``all_reduce`` (P→R), ``reduce_scatter`` (P→S(dim)), ``all_gather`` (S(dim)→R),
+    ``chunk`` (R→S(dim), local, no communication in forward), ``all_to_all`` (S(src_dim)→S(dim)).
+    """
+
+    kind: str
+    axis: int
+    dim: int = -1
+    src_dim: int = -1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("all_reduce", "reduce_scatter", "all_gather", "chunk", "all_to_all"):
+            raise ValueError(f"unknown step kind {self.kind!r}")
+
+
+def transition_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:
+    """The collectives that turn a tensor held as ``src`` into ``dst``, or None if impossible.
+
+    Turning R or S into P is never needed by autopar's rules and is reported impossible.
+    Phase 1 walks axes innermost first and brings each changing axis to R (or straight to its
+    target with one reduce-scatter or all-to-all when no other axis shards the same dim, so
+    nesting order is kept). Phase 2 walks axes outermost first and chunks R into the target.
+    """
+    if len(src) != len(dst):
+        raise ValueError(f"spec lengths differ: {src} vs {dst}")
+    if src == dst:
+        return ()
+    for s, d in zip(src, dst):
+        if isinstance(d, Partial) and not isinstance(s, Partial):
+            return None
+    reset = _axes_to_reset(src, dst)
+    current = list(src)
+    steps: list[Step] = []
+    for axis in reversed(range(len(src))):
+        if axis not in reset:
+            continue
+        s, d = current[axis], dst[axis]
+        others = [a for a in range(len(src)) if a != axis]
+        if isinstance(s, Partial):
+            if isinstance(d, Shard) and _dim_free(d.dim, others, current, dst):
+                steps.append(Step("reduce_scatter", axis, d.dim))
+                current[axis] = d
+            else:
+                steps.append(Step("all_reduce", axis))
+                current[axis] = R
+        elif isinstance(s, Shard):
+            if (
+                isinstance(d, Shard)
+                and s != d
+                and _dim_free(d.dim, others, current, dst)
+                and _dim_free(s.dim, others, current, dst)
+            ):
+                steps.append(Step("all_to_all", axis, d.dim, s.dim))
+                current[axis] = d
+            else:
+                steps.append(Step("all_gather", axis, s.dim))
+                current[axis] = R
+    for axis in range(len(src)):
+        if current[axis] != dst[axis]:
+            assert isinstance(current[axis], Replicate) and isinstance(dst[axis], Shard)
+            steps.append(Step("chunk", axis, dst[axis].dim))
+            current[axis] = dst[axis]
+    return tuple(steps)
+
+
+def _axes_to_reset(src: Spec, dst: Spec) -> set[int]:
+    """Axes that must be gathered and re-cut: those that change, plus inner axes that shard a
+    dim whose outer sharding changes (their chunks would otherwise come out in the wrong order)."""
+    reset = {axis for axis in range(len(src)) if src[axis] != dst[axis]}
+    changed = True
+    while changed:
+        changed = False
+        for axis, placement in enumerate(src):
+            if axis in reset or not isinstance(placement, Shard):
+                continue
+            if any(b < axis and placement in (src[b], dst[b]) for b in reset):
+                reset.add(axis)
+                changed = True
+    return reset
+
+
+def _dim_free(dim: int, axes: list[int], current: list[Placement], dst: Spec) -> bool:
+    """No other axis shards ``dim`` now or in the target, so nesting order cannot be broken."""
+    shard = Shard(dim)
+    return all(current[a] != shard and dst[a] != shard for a in axes)
