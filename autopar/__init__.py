@@ -1,1 +1,25 @@
-"""autopar: an auto-parallel compiler for PyTorch training."""
+"""autopar: an auto-parallel compiler for PyTorch training.
+
+    plan = autopar.plan(model, mesh=(2, 4), example_inputs=(x,))       # offline, no process group
+    pm = autopar.compile(model, mesh=(2, 4), example_inputs=(x,))      # under torch.distributed
+"""
+
+from autopar.api import compile, plan
+from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
+from autopar.plan import Plan
+from autopar.runtime import ParallelModule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "plan",
+    "compile",
+    "Plan",
+    "ParallelModule",
+    "AutoparError",
+    "TraceError",
+    "MeshError",
+    "PlanError",
+    "InfeasibleError",
+    "PassError",
+]

@@ -1,0 +1,51 @@
+"""Run the rewrite passes from an explicit list, timing and linting after each one."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Callable, Sequence
+
+import torch.fx
+
+from autopar.errors import PassError
+from autopar.passes.rewrite import insert_collectives, localize_shapes, use_kernels
+from autopar.plan import Plan
+
+log = logging.getLogger("autopar")
+
+Pass = Callable[[torch.fx.GraphModule, Plan], torch.fx.GraphModule]
+
+
+def default_passes(groups: Sequence[str]) -> list[Pass]:
+    """The passes ``compile`` runs, in order. ``groups`` are the mesh axes' process-group names."""
+    return [
+        localize_shapes,
+        functools.partial(use_kernels, groups=tuple(groups)),
+        functools.partial(insert_collectives, groups=tuple(groups)),
+    ]
+
+
+def pass_name(fn: Pass) -> str:
+    return getattr(fn, "func", fn).__name__
+
+
+def run_passes(gm: torch.fx.GraphModule, plan: Plan, passes: Sequence[Pass]) -> torch.fx.GraphModule:
+    done: list[str] = []
+    for fn in passes:
+        name = pass_name(fn)
+        start = time.perf_counter()
+        try:
+            gm = fn(gm, plan)
+            gm.graph.lint()
+            gm.recompile()
+        except Exception as error:
+            before = ", ".join(done) or "none"
+            raise PassError(f"pass {name} failed (passes run before it: {before}): {type(error).__name__}: {error}") from error
+        log.debug("pass %s took %.3f s", name, time.perf_counter() - start)
+        done.append(name)
+    return gm
+
+
+__all__ = ["default_passes", "run_passes", "insert_collectives", "localize_shapes", "use_kernels"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from autopar.rules.registry import OpInfo, Row, register
+from autopar.rules.pointwise import broadcast_shard, is_tensor
+from autopar.rules.registry import OpInfo, Row, register, replicate_row
 from autopar.spec import P, R, S
 
 aten = torch.ops.aten
@@ -26,3 +27,104 @@ def mm_rule(info: OpInfo) -> list[Row]:
         Row((P, R), P),
         Row((R, P), P),
     ]
+
+
+@register(aten.bmm.default)
+def bmm_rule(info: OpInfo) -> list[Row]:
+    # a[B, M, K] @ b[B, K, N]
+    return [
+        Row((R, R), R),
+        Row((S(0), S(0)), S(0)),
+        Row((S(1), R), S(1)),
+        Row((R, S(2)), S(2)),
+        Row((S(2), S(1)), P),
+        Row((P, R), P),
+        Row((R, P), P),
+    ]
+
+
+@register(aten.addmm.default)
+def addmm_rule(info: OpInfo) -> list[Row]:
+    # beta * bias + alpha * (a[M, K] @ b[K, N]); bias broadcasts to [M, N]
+    bias = info.kw["self"]
+    out_shape = info.out_shape
+    return [
+        Row((R, R, R), R),
+        Row((broadcast_shard(bias, out_shape, 0), S(0), R), S(0)),
+        Row((broadcast_shard(bias, out_shape, 1), R, S(1)), S(1)),
+        # Each rank adds beta * bias / k, so the partial sums add up to the biased result.
+        Row((R, S(1), S(0)), P, kernel="addmm_bias_split"),
+        Row((P, S(1), S(0)), P),
+        Row((P, P, R), P),
+        Row((P, R, P), P),
+    ]
+
+
+@register(aten.linear.default)
+def linear_rule(info: OpInfo) -> list[Row]:
+    # x[..., K] @ weight[N, K]^T + bias[N]
+    x, weight = info.kw["input"], info.kw["weight"]
+    has_bias = is_tensor(info, "bias")
+    if weight.ndim != 2 or x.ndim < 1:
+        return [replicate_row(info)]
+    out_last = info.out_ndim - 1
+
+    def row(x_p, w_p, b_p, out, kernel=None) -> Row:
+        return Row((x_p, w_p, b_p) if has_bias else (x_p, w_p), out, kernel)
+
+    rows = [row(R, R, R, R)]
+    rows += [row(S(d), R, R, S(d)) for d in range(x.ndim - 1)]  # data parallel / sequence
+    rows.append(row(R, S(0), S(0), S(out_last)))  # column parallel
+    # Row parallel: each rank holds a partial sum; a bias is added as bias / k on each rank.
+    rows.append(row(S(x.ndim - 1), S(1), R, P, "linear_bias_split" if has_bias else None))
+    rows.append(row(S(x.ndim - 1), S(1), P, P))
+    rows.append(row(P, R, P, P))
+    rows.append(row(R, P, P, P))
+    return rows
+
+
+def _batched_matmul_rows(info: OpInfo, a, b, bias=None) -> list[Row]:
+    """Rows for a[..., M, K] @ b[..., K, N] with broadcast batch dims (both at least 2-D).
+
+    ``bias`` (an optional TensorArg, placed first) broadcasts to the output; the K-sharded
+    row is only offered when the bias is Partial too, since R would be added k times."""
+    out_shape = info.out_shape
+    out_ndim = len(out_shape)
+
+    def row(bias_p, a_p, b_p, out) -> Row:
+        return Row(((bias_p,) if bias is not None else ()) + (a_p, b_p), out)
+
+    rows = [row(R, R, R, R)]
+    for out_dim in range(out_ndim - 2):
+        a_p = broadcast_shard(a, out_shape, out_dim)
+        b_p = broadcast_shard(b, out_shape, out_dim)
+        bias_p = broadcast_shard(bias, out_shape, out_dim) if bias is not None else R
+        rows.append(row(bias_p, a_p, b_p, S(out_dim)))
+    m_bias = broadcast_shard(bias, out_shape, out_ndim - 2) if bias is not None else R
+    n_bias = broadcast_shard(bias, out_shape, out_ndim - 1) if bias is not None else R
+    rows.append(row(m_bias, S(a.ndim - 2), R, S(out_ndim - 2)))
+    rows.append(row(n_bias, R, S(b.ndim - 1), S(out_ndim - 1)))
+    if bias is None:
+        rows.append(row(R, S(a.ndim - 1), S(b.ndim - 2), P))
+        rows.append(row(R, P, R, P))
+        rows.append(row(R, R, P, P))
+    else:
+        rows.append(row(P, S(a.ndim - 1), S(b.ndim - 2), P))
+        rows.append(row(P, P, R, P))
+        rows.append(row(P, R, P, P))
+    return rows
+
+
+@register(aten.matmul.default)
+def matmul_rule(info: OpInfo) -> list[Row]:
+    a, b = info.kw["self"], info.kw["other"]
+    if a.ndim < 2 or b.ndim < 2:
+        # Vector operands squeeze dims out of the result; linear in each operand alone.
+        return [Row((R, R), R), Row((P, R), P), Row((R, P), P)]
+    return _batched_matmul_rows(info, a, b)
+
+
+@register(aten.baddbmm.default)
+def baddbmm_rule(info: OpInfo) -> list[Row]:
+    # beta * bias + alpha * (a[B, M, K] @ b[B, K, N]); bias broadcasts to [B, M, N]
+    return _batched_matmul_rows(info, info.kw["batch1"], info.kw["batch2"], bias=info.kw["self"])

@@ -1,0 +1,133 @@
+"""Simplify the graph, solve the sharding ILP, and turn the solution into a Plan."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from autopar.cost.cluster import ClusterSpec
+from autopar.errors import InfeasibleError
+from autopar.plan import NodePlan, Plan
+from autopar.solver.choices import ChoiceGraph, build_choice_graph
+from autopar.solver.ilp import ShardingILP, Solution
+from autopar.spec import Spec, format_spec
+from autopar.trace import TracedModel
+
+log = logging.getLogger("autopar")
+
+__all__ = ["solve", "build_choice_graph", "ShardingILP", "plan_from_solution"]
+
+
+def solve(
+    traced: TracedModel,
+    mesh_shape: Sequence[int],
+    cluster: ClusterSpec,
+    *,
+    memory_budget: float | None = None,
+    time_limit_s: float = 60.0,
+    forced: dict[str, Spec] | None = None,
+) -> Plan:
+    graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced)
+    ilp = ShardingILP(graph, memory_budget)
+    solution = ilp.solve(time_limit_s)
+    if not solution.choice:
+        if memory_budget is not None:
+            raise _infeasible(graph, memory_budget, time_limit_s)
+        raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
+    return plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
+
+
+def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float) -> InfeasibleError:
+    """Say how much memory the leanest plan needs, and which tensors weigh most."""
+    lean = ShardingILP(graph, None)
+    lean.problem.setObjective(lean.memory_expression())
+    solution = lean.solve(time_limit_s)
+    minimum = solution.objective_s if solution.choice else float("nan")
+    biggest = sorted(
+        ((max(c.memory_bytes), c.fqn or c.name) for c in graph.choices.values() if c.memory_bytes),
+        reverse=True,
+    )[:5]
+    lines = "\n".join(f"    {name}: {size / 2**20:.1f} MiB replicated" for size, name in biggest)
+    return InfeasibleError(
+        f"no sharding of this model fits memory_budget={budget:.0f} bytes ({budget / 2**20:.1f} MiB) per device "
+        f"on mesh {graph.mesh_shape}.\n  The leanest plan needs {minimum:.0f} bytes ({minimum / 2**20:.1f} MiB) "
+        f"per device (parameters, gradients, optimizer state and saved activations).\n  Largest tensors:\n{lines}\n"
+        "  Raise the budget, use a larger mesh, or reduce the batch size."
+    )
+
+
+def plan_from_solution(
+    traced: TracedModel,
+    graph: ChoiceGraph,
+    solution: Solution,
+    cluster_name: str,
+    memory_budget: float | None,
+) -> Plan:
+    nodes: dict[str, NodePlan] = {}
+    params: dict[str, Spec] = {}
+    compute_s = memory_bytes = comm_bytes = 0.0
+    for name in graph.order:
+        choice = graph.choices[name]
+        index = solution.choice[name]
+        strategy = choice.strategies[index]
+        op = str(choice.info.target) if choice.info is not None else (
+            "getitem" if strategy.source == "follow" else choice.kind
+        )
+        nodes[name] = NodePlan(
+            op=op,
+            outs=strategy.outs,
+            ins=strategy.ins,
+            inputs=tuple(choice.inputs) if choice.kind != "output" else tuple(
+                (e.producer, e.out_index) for e in graph.edges if e.consumer == name
+            ),
+            shapes=choice.out_shapes,
+            kernel=strategy.kernel,
+            kernel_axes=strategy.kernel_axes,
+            source=strategy.source,
+            cost_s=choice.compute_s[index],
+        )
+        compute_s += choice.compute_s[index]
+        memory_bytes += choice.memory_bytes[index]
+        comm_bytes += choice.grad_sync_bytes[index]
+        if choice.kind in ("param", "buffer") and choice.fqn is not None and strategy.outs:
+            params[choice.fqn] = strategy.outs[0]
+    for fqn, canonical in traced.ties.items():
+        if canonical in params:
+            params[fqn] = params[canonical]
+    reshard_s = 0.0
+    for e, edge in enumerate(graph.edges):
+        src, dst = solution.edge_specs[e]
+        if src != dst:
+            seconds, sent = edge.price[(src, dst)]
+            reshard_s += seconds
+            comm_bytes += sent
+    predicted = {
+        "step_time_s": compute_s + reshard_s,
+        "compute_s": compute_s,
+        "reshard_s": reshard_s,
+        "peak_memory_bytes": int(memory_bytes),
+        "comm_bytes": int(comm_bytes),
+    }
+    solver_info = {
+        "status": solution.status,
+        "objective_s": solution.objective_s,
+        "num_variables": solution.num_variables,
+        "num_constraints": solution.num_constraints,
+        "memory_budget_bytes": memory_budget,
+        "fallbacks": sorted(n for n, p in nodes.items() if p.source == "fallback"),
+    }
+    log.debug("solved: %s in %.3f s", solver_info["status"], solution.solve_time_s)
+    return Plan(
+        mesh_shape=tuple(graph.mesh_shape),
+        graph_hash=traced.graph_hash,
+        params=params,
+        nodes=nodes,
+        predicted=predicted,
+        solver=solver_info,
+        cluster=cluster_name,
+        stats={"solve_time_s": solution.solve_time_s},
+    )
+
+
+def describe_spec(spec: Spec) -> str:
+    return "(" + ", ".join(format_spec(spec)) + ")"

@@ -1,0 +1,140 @@
+"""The public entry points: ``autopar.plan`` (offline) and ``autopar.compile`` (distributed)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.cost.cluster import ClusterSpec, get_cluster
+from autopar.errors import MeshError, PlanError
+from autopar.passes import default_passes, run_passes
+from autopar.plan import Plan
+from autopar.runtime import ParallelModule, mesh_groups
+from autopar.solver import solve
+from autopar.trace import TracedModel, trace
+
+log = logging.getLogger("autopar")
+
+
+def _mesh_shape(mesh: Sequence[int] | int) -> tuple[int, ...]:
+    if isinstance(mesh, int):
+        mesh = (mesh,)
+    try:
+        shape = tuple(int(n) for n in mesh)
+    except (TypeError, ValueError):
+        raise MeshError(f"mesh must be a tuple of positive ints such as (2, 4), got {mesh!r}") from None
+    if not shape or any(n < 1 for n in shape) or any(int(a) != a for a in mesh):
+        raise MeshError(f"mesh must be a tuple of positive ints such as (2, 4), got {mesh!r}")
+    return shape
+
+
+def plan(
+    model: torch.nn.Module,
+    mesh: Sequence[int] | int,
+    *,
+    example_inputs: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    cluster: str | ClusterSpec | os.PathLike | None = None,
+    memory_budget: float | None = None,
+    time_limit_s: float = 60.0,
+) -> Plan:
+    """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
+
+    ``memory_budget`` is in bytes per device. ``cluster`` is a preset name ("h100-80g",
+    "a100-40g", "v100-16g", "cpu"), a ClusterSpec, or a JSON/TOML file.
+    """
+    mesh_shape = _mesh_shape(mesh)
+    traced = trace(model, example_inputs, example_kwargs)
+    return _solve(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s)
+
+
+def _solve(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s) -> Plan:
+    if memory_budget is not None and not memory_budget > 0:
+        raise ValueError(f"memory_budget is bytes per device and must be positive, got {memory_budget!r}")
+    start = time.perf_counter()
+    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s)
+    log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
+    return result
+
+
+def compile(
+    model: torch.nn.Module,
+    mesh: Sequence[int] | int,
+    *,
+    example_inputs: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    plan: Plan | str | os.PathLike | None = None,
+    cluster: str | ClusterSpec | os.PathLike | None = None,
+    memory_budget: float | None = None,
+    time_limit_s: float = 60.0,
+) -> ParallelModule:
+    """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
+
+    Runs under an initialized ``torch.distributed`` process group whose world size equals the
+    mesh size. Every rank must call it with the same model and example inputs.
+    """
+    mesh_shape = _mesh_shape(mesh)
+    if not dist.is_available() or not dist.is_initialized():
+        raise MeshError(
+            "autopar.compile needs an initialized process group: run under torchrun and call "
+            "torch.distributed.init_process_group(backend, timeout=...) first, or use autopar.plan "
+            "to plan without one"
+        )
+    world = dist.get_world_size()
+    if math.prod(mesh_shape) != world:
+        raise MeshError(
+            f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices but the world size is {world}: "
+            f"pass a mesh whose sizes multiply to {world}"
+        )
+    traced = trace(model, example_inputs, example_kwargs)
+    chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s)
+    check_rank_agreement(chosen)
+    groups, coordinate = mesh_groups(mesh_shape)
+    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups))
+    return ParallelModule(model, traced, gm, chosen, groups, coordinate)
+
+
+def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s) -> Plan:
+    if plan is None:
+        # Rank 0 solves and broadcasts; the solve is deterministic, but eight identical solves
+        # on one host would only compete for its cores.
+        payload = [None]
+        if dist.get_rank() == 0:
+            payload[0] = _solve(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s).to_json()
+        dist.broadcast_object_list(payload, src=0)
+        chosen = Plan.from_json(payload[0])
+    elif isinstance(plan, Plan):
+        chosen = plan
+    else:
+        chosen = Plan.load(plan)
+    check_plan_matches(chosen, traced, mesh_shape)
+    return chosen
+
+
+def check_plan_matches(chosen: Plan, traced: TracedModel, mesh_shape: tuple[int, ...]) -> None:
+    if tuple(chosen.mesh_shape) != tuple(mesh_shape):
+        raise PlanError(f"the plan was made for mesh {tuple(chosen.mesh_shape)}, not {tuple(mesh_shape)}: re-plan for this mesh")
+    if chosen.graph_hash != traced.graph_hash:
+        raise PlanError(
+            f"the plan was made for a different graph (hash {chosen.graph_hash}, this model and these inputs "
+            f"give {traced.graph_hash}): the model or the example input shapes changed; re-plan"
+        )
+
+
+def check_rank_agreement(chosen: Plan) -> None:
+    """Every rank must run the same plan; a mismatch is an error on every rank, not a hang."""
+    hashes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, chosen.hash)
+    if len(set(hashes)) > 1:
+        groups: dict[str, list[int]] = {}
+        for rank, value in enumerate(hashes):
+            groups.setdefault(value, []).append(rank)
+        detail = "; ".join(f"plan {h} on ranks {r}" for h, r in groups.items())
+        raise PlanError(f"ranks hold different plans ({detail}): give every rank the same plan file and model")

@@ -1,0 +1,254 @@
+"""What the cost model knows about the hardware: a ``ClusterSpec``.
+
+A cluster is ``num_nodes`` nodes of ``devices_per_node`` identical devices. A device has a peak
+FLOP rate per dtype, a memory bandwidth and a memory size. Two links connect devices: one inside
+a node (NVLink, loopback) and one between nodes (InfiniBand, Ethernet), each an alpha-beta link
+(``latency_s``, ``bandwidth_bytes_per_s``).
+
+Which link a mesh axis uses (``ClusterSpec.axis_link``): ranks are laid out row-major over the
+mesh, so the last mesh axis is innermost and rank ``r`` sits at the row-major position of ``r``;
+ranks ``0 .. devices_per_node - 1`` share node 0, and so on. The ranks of one group on ``axis``
+differ only in that axis's coordinate, and all of them lie in one block of
+``prod(mesh_shape[axis:])`` consecutive ranks. When that block size divides ``devices_per_node``
+(so it is at most a node and never straddles a node boundary) the axis uses ``intra_node``,
+otherwise ``inter_node``.
+
+Specs come from JSON presets in ``presets/`` (``get_cluster("h100-80g")``), from a JSON or TOML
+file, or (later) from ``autopar profile``. The numbers in the presets are approximate datasheet
+values; each preset says where they come from in its ``source`` and ``notes`` fields.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+DEFAULT_PRESET = "h100-80g"
+
+
+def _positive_number(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{owner}.{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be finite and > 0, got {value!r}")
+
+
+def _positive_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}.{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSpec:
+    """An alpha-beta link: sending ``n`` bytes once costs ``latency_s + n / bandwidth_bytes_per_s``.
+
+    ``bandwidth_bytes_per_s`` is the effective bandwidth per device and per direction that a ring
+    collective reaches (NCCL's "bus bandwidth"), not a marketing bidirectional total.
+    """
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        _positive_number("LinkSpec", "latency_s", self.latency_s)
+        _positive_number("LinkSpec", "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+
+    def to_json(self) -> dict[str, float]:
+        return {"latency_s": self.latency_s, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = "link") -> LinkSpec:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where} must be a table with latency_s and bandwidth_bytes_per_s, got {data!r}")
+        expected = {"latency_s", "bandwidth_bytes_per_s"}
+        if set(data) != expected:
+            raise ValueError(f"{where} has keys {sorted(data)}; expected exactly {sorted(expected)}")
+        return cls(latency_s=data["latency_s"], bandwidth_bytes_per_s=data["bandwidth_bytes_per_s"])
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """Nodes of identical devices and the two links between them. Units: seconds, bytes, FLOP/s.
+
+    ``peak_flops`` maps a torch dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``) to the
+    dense peak FLOP/s of one device in that dtype; ``"float32"`` is required and is the fallback
+    for dtypes not listed. ``source`` and ``notes`` say where the numbers come from.
+    """
+
+    name: str
+    devices_per_node: int
+    num_nodes: int
+    peak_flops: dict[str, float]
+    memory_bandwidth_bytes_per_s: float
+    memory_bytes: int
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    source: str = field(default="", repr=False)
+    notes: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        owner = f"ClusterSpec {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"ClusterSpec.name must be a non-empty string, got {self.name!r}")
+        _positive_int(owner, "devices_per_node", self.devices_per_node)
+        _positive_int(owner, "num_nodes", self.num_nodes)
+        if not isinstance(self.peak_flops, Mapping) or "float32" not in self.peak_flops:
+            raise ValueError(
+                f"{owner}: peak_flops must map dtype names to FLOP/s and include 'float32', "
+                f"got {self.peak_flops!r}"
+            )
+        for dtype_name, value in self.peak_flops.items():
+            if not isinstance(getattr(torch, str(dtype_name), None), torch.dtype):
+                raise ValueError(
+                    f"{owner}: peak_flops key {dtype_name!r} is not a torch dtype name "
+                    f"(expected e.g. 'float32', 'bfloat16', 'float16')"
+                )
+            _positive_number(owner, f"peak_flops[{dtype_name!r}]", value)
+        # A private copy, so that the caller's dict cannot change a frozen spec.
+        object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in self.peak_flops.items()})
+        _positive_number(owner, "memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
+        _positive_int(owner, "memory_bytes", self.memory_bytes)
+        for name in ("intra_node", "inter_node"):
+            if not isinstance(getattr(self, name), LinkSpec):
+                raise ValueError(f"{owner}.{name} must be a LinkSpec, got {getattr(self, name)!r}")
+        for name in ("source", "notes"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{owner}.{name} must be a string, got {getattr(self, name)!r}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+    def peak_flops_for(self, dtype: torch.dtype) -> float:
+        """Peak FLOP/s in ``dtype``, or the float32 peak where the dtype is not listed."""
+        return self.peak_flops.get(str(dtype).removeprefix("torch."), self.peak_flops["float32"])
+
+    def axis_link(self, mesh_shape: Sequence[int], axis: int) -> LinkSpec:
+        """The link that collectives on mesh axis ``axis`` run over (see the module docstring).
+
+        The group block is ``prod(mesh_shape[axis:])`` consecutive ranks (the last axis is
+        innermost). It is ``intra_node`` when the block divides ``devices_per_node``, so that every
+        group lies inside one node, and ``inter_node`` otherwise.
+        """
+        if not 0 <= axis < len(mesh_shape):
+            raise ValueError(f"mesh axis {axis} out of range for mesh {tuple(mesh_shape)}")
+        block = math.prod(mesh_shape[axis:])
+        if self.devices_per_node % block == 0:
+            return self.intra_node
+        return self.inter_node
+
+    # ---------------------------------------------------------------------------------------
+    # Serialization: a flat JSON object (or TOML document) whose links are sub-tables.
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; ``ClusterSpec.from_json(spec.to_json()) == spec``."""
+        return {
+            "name": self.name,
+            "devices_per_node": self.devices_per_node,
+            "num_nodes": self.num_nodes,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+            "memory_bytes": self.memory_bytes,
+            "intra_node": self.intra_node.to_json(),
+            "inter_node": self.inter_node.to_json(),
+            "source": self.source,
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | str) -> ClusterSpec:
+        """Build from a dict (as ``to_json`` returns) or from a JSON string."""
+        if isinstance(data, str):
+            data = json.loads(data)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a cluster spec must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        required = known - {"source", "notes"}
+        unknown = set(data) - known
+        missing = required - set(data)
+        if unknown or missing:
+            raise ValueError(
+                f"cluster spec {data.get('name', '?')!r}: unknown keys {sorted(unknown)}, "
+                f"missing keys {sorted(missing)}; expected {sorted(known)}"
+            )
+        kwargs = dict(data)
+        kwargs["intra_node"] = LinkSpec.from_json(data["intra_node"], "intra_node")
+        kwargs["inter_node"] = LinkSpec.from_json(data["inter_node"], "inter_node")
+        return cls(**kwargs)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write JSON, or TOML when ``path`` ends in ``.toml``."""
+        path = Path(path)
+        if path.suffix == ".toml":
+            path.write_text(_to_toml(self.to_json()))
+        else:
+            path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ClusterSpec:
+        """Read JSON, or TOML when ``path`` ends in ``.toml``."""
+        path = Path(path)
+        try:
+            if path.suffix == ".toml":
+                data = tomllib.loads(path.read_text())
+            else:
+                data = json.loads(path.read_text())
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+            raise ValueError(f"cannot parse cluster spec {str(path)!r}: {err}") from err
+        try:
+            return cls.from_json(data)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"invalid cluster spec in {str(path)!r}: {err}") from err
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string for our text
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def _to_toml(data: Mapping[str, Any]) -> str:
+    """TOML for a dict of scalars and one level of sub-tables (all a ClusterSpec needs)."""
+    lines = [f"{key} = {_toml_value(v)}" for key, v in data.items() if not isinstance(v, Mapping)]
+    for key, table in data.items():
+        if isinstance(table, Mapping):
+            lines += ["", f"[{key}]"] + [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def get_cluster(spec: str | ClusterSpec | os.PathLike | None = None) -> ClusterSpec:
+    """A ``ClusterSpec`` from a spec, a preset name, or a JSON/TOML file; None gives "h100-80g"."""
+    if spec is None:
+        spec = DEFAULT_PRESET
+    if isinstance(spec, ClusterSpec):
+        return spec
+    if isinstance(spec, str) and (PRESETS_DIR / f"{spec}.json").is_file():
+        return ClusterSpec.load(PRESETS_DIR / f"{spec}.json")
+    path = Path(spec)
+    if path.suffix in (".json", ".toml") or isinstance(spec, os.PathLike):
+        if not path.is_file():
+            raise ValueError(f"cluster spec file {str(path)!r} does not exist")
+        return ClusterSpec.load(path)
+    raise ValueError(
+        f"unknown cluster {spec!r}: expected a preset name ({', '.join(preset_names())}), "
+        f"a .json or .toml file, or a ClusterSpec"
+    )
+
+
+__all__ = ["LinkSpec", "ClusterSpec", "get_cluster", "preset_names", "PRESETS_DIR", "DEFAULT_PRESET"]

@@ -1,0 +1,222 @@
+"""Communication cost: an alpha-beta model per mesh axis, with ring algorithms.
+
+On mesh axis ``axis`` a collective runs among ``k = mesh_shape[axis]`` ranks over the link that
+``ClusterSpec.axis_link`` picks, with latency ``α`` (s) and bandwidth ``β`` (bytes/s). ``bytes``
+is the size of the whole tensor each rank holds (as named in each function). With ``k == 1``
+every cost is 0.
+
+=====================  ===================================  ==================================
+collective             time (s)                             bytes each device sends
+=====================  ===================================  ==================================
+all-reduce             2(k-1)·α + 2(k-1)/k · bytes/β        2(k-1)/k · bytes
+all-gather             (k-1)·α + (k-1)/k · bytes_out/β      (k-1)/k · bytes_out
+reduce-scatter         (k-1)·α + (k-1)/k · bytes_in/β       (k-1)/k · bytes_in
+all-to-all             (k-1)·α + (k-1)/k · bytes/β          (k-1)/k · bytes
+chunk (local slice)    0                                    0
+=====================  ===================================  ==================================
+
+``transition_cost`` prices exactly the steps of ``autopar.spec.transition_steps``, so what is
+priced is what the collectives pass inserts. The backward of each step is its dual under the
+replicated-loss convention (see ``autopar.collectives``): all-reduce → nothing; reduce-scatter →
+all-gather; all-gather → nothing (keep the local chunk); chunk → all-gather; all-to-all →
+all-to-all back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import Shard
+
+from autopar.cost.cluster import ClusterSpec, LinkSpec
+from autopar.spec import R, Spec, local_shape, transition_steps
+
+
+@dataclass(frozen=True, slots=True)
+class CommCost:
+    """Seconds spent communicating in forward and in backward, and the bytes each device sends
+    (forward and backward together)."""
+
+    forward_s: float
+    backward_s: float
+    bytes_sent: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def __add__(self, other: CommCost) -> CommCost:
+        return CommCost(
+            self.forward_s + other.forward_s,
+            self.backward_s + other.backward_s,
+            self.bytes_sent + other.bytes_sent,
+        )
+
+
+ZERO = CommCost(0.0, 0.0, 0.0)
+
+
+def _axis(axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> tuple[int, LinkSpec]:
+    return mesh_shape[axis], cluster.axis_link(mesh_shape, axis)
+
+
+def all_reduce_s(num_bytes: float, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> float:
+    """Ring all-reduce of a ``num_bytes`` tensor: 2(k-1)·α + 2(k-1)/k · bytes/β."""
+    k, link = _axis(axis, mesh_shape, cluster)
+    if k == 1:
+        return 0.0
+    return 2 * (k - 1) * link.latency_s + 2 * (k - 1) / k * num_bytes / link.bandwidth_bytes_per_s
+
+
+def all_gather_s(num_bytes_out: float, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> float:
+    """Ring all-gather producing ``num_bytes_out`` per rank: (k-1)·α + (k-1)/k · bytes_out/β."""
+    k, link = _axis(axis, mesh_shape, cluster)
+    if k == 1:
+        return 0.0
+    return (k - 1) * link.latency_s + (k - 1) / k * num_bytes_out / link.bandwidth_bytes_per_s
+
+
+def reduce_scatter_s(num_bytes_in: float, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> float:
+    """Ring reduce-scatter of ``num_bytes_in`` per rank: (k-1)·α + (k-1)/k · bytes_in/β."""
+    k, link = _axis(axis, mesh_shape, cluster)
+    if k == 1:
+        return 0.0
+    return (k - 1) * link.latency_s + (k - 1) / k * num_bytes_in / link.bandwidth_bytes_per_s
+
+
+def all_to_all_s(num_bytes: float, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> float:
+    """All-to-all of a ``num_bytes`` local tensor: (k-1)·α + (k-1)/k · bytes/β."""
+    k, link = _axis(axis, mesh_shape, cluster)
+    if k == 1:
+        return 0.0
+    return (k - 1) * link.latency_s + (k - 1) / k * num_bytes / link.bandwidth_bytes_per_s
+
+
+_COST_FNS = {
+    "all_reduce": all_reduce_s,
+    "all_gather": all_gather_s,
+    "reduce_scatter": reduce_scatter_s,
+    "all_to_all": all_to_all_s,
+}
+
+_SENT_FRACTION = {
+    "all_reduce": lambda k: 2 * (k - 1) / k,
+    "all_gather": lambda k: (k - 1) / k,
+    "reduce_scatter": lambda k: (k - 1) / k,
+    "all_to_all": lambda k: (k - 1) / k,
+    "chunk": lambda k: 0.0,
+}
+
+
+def bytes_sent(kind: str, num_bytes: float, k: int) -> float:
+    """Bytes each device sends in one collective over ``k`` ranks (see the module table).
+
+    ``num_bytes`` is the same size the matching ``*_s`` function takes: the output for
+    all-gather, the input for reduce-scatter, the tensor for all-reduce and all-to-all.
+    """
+    if kind not in _SENT_FRACTION:
+        raise ValueError(f"unknown collective {kind!r}: expected one of {sorted(_SENT_FRACTION)}")
+    if k < 1:
+        raise ValueError(f"a group has at least one rank, got k={k}")
+    return _SENT_FRACTION[kind](k) * num_bytes
+
+
+def _bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def transition_cost(
+    src: Spec,
+    dst: Spec,
+    global_shape: Sequence[int],
+    dtype: torch.dtype,
+    mesh_shape: Sequence[int],
+    cluster: ClusterSpec,
+    requires_grad: bool,
+) -> CommCost | None:
+    """The cost of resharding a ``global_shape`` tensor from ``src`` to ``dst``, or None when
+    ``transition_steps`` says it is impossible.
+
+    Each step is priced at the local size of the tensor just before it. Backward costs (the
+    dual of each step, see the module docstring) are counted only when ``requires_grad``.
+    """
+    steps = transition_steps(src, dst)
+    if steps is None:
+        return None
+    current = list(src)
+    total = ZERO
+    for step in steps:
+        local_bytes = _bytes(local_shape(global_shape, tuple(current), mesh_shape), dtype)
+        forward, backward = _step_collectives(step.kind, local_bytes, mesh_shape[step.axis])
+        forward_s, forward_sent = _price(forward, step.axis, mesh_shape, cluster)
+        backward_s, backward_sent = 0.0, 0.0
+        if requires_grad:
+            backward_s, backward_sent = _price(backward, step.axis, mesh_shape, cluster)
+        total = total + CommCost(forward_s, backward_s, forward_sent + backward_sent)
+        current[step.axis] = R if step.kind in ("all_reduce", "all_gather") else Shard(step.dim)
+    return total
+
+
+Collective = tuple[str, float] | None  # (kind, the byte size its cost function takes), or nothing
+
+
+def _step_collectives(kind: str, local_bytes: int, k: int) -> tuple[Collective, Collective]:
+    """The forward collective of one step and the backward one (its dual), each with the byte
+    size that its ``*_s`` function takes; ``local_bytes`` is the local size before the step."""
+    if kind == "all_reduce":  # P → R; backward: identity
+        return ("all_reduce", local_bytes), None
+    if kind == "reduce_scatter":  # P → S; backward all-gathers the gradient to the input's size
+        return ("reduce_scatter", local_bytes), ("all_gather", local_bytes)
+    if kind == "all_gather":  # S → R, output k times larger; backward keeps the local chunk
+        return ("all_gather", local_bytes * k), None
+    if kind == "chunk":  # R → S, local; backward all-gathers the gradient to the input's size
+        return None, ("all_gather", local_bytes)
+    if kind == "all_to_all":  # S(a) → S(b), same local size; backward: the reverse all-to-all
+        return ("all_to_all", local_bytes), ("all_to_all", local_bytes)
+    raise AssertionError(f"unhandled step kind {kind!r}")
+
+
+def _price(
+    collective: Collective, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec
+) -> tuple[float, float]:
+    """(seconds, bytes each device sends) of one collective on ``axis``."""
+    if collective is None:
+        return 0.0, 0.0
+    kind, num_bytes = collective
+    seconds = _COST_FNS[kind](num_bytes, axis, mesh_shape, cluster)
+    return seconds, bytes_sent(kind, num_bytes, mesh_shape[axis])
+
+
+def grad_allreduce_cost(
+    global_shape: Sequence[int],
+    spec_of_input: Spec,
+    axis: int,
+    dtype: torch.dtype,
+    mesh_shape: Sequence[int],
+    cluster: ClusterSpec,
+) -> CommCost:
+    """The backward all-reduce on ``axis`` of the gradient of a tensor held as ``spec_of_input``
+    (``allreduce_grad``: a replicated input feeding work split on that axis, or a replicated
+    parameter's gradient). Nothing happens in forward."""
+    local_bytes = _bytes(local_shape(global_shape, spec_of_input, mesh_shape), dtype)
+    k = mesh_shape[axis]
+    return CommCost(
+        forward_s=0.0,
+        backward_s=all_reduce_s(local_bytes, axis, mesh_shape, cluster),
+        bytes_sent=bytes_sent("all_reduce", local_bytes, k),
+    )
+
+
+__all__ = [
+    "CommCost",
+    "all_reduce_s",
+    "all_gather_s",
+    "reduce_scatter_s",
+    "all_to_all_s",
+    "bytes_sent",
+    "transition_cost",
+    "grad_allreduce_cost",
+]

@@ -1,0 +1,213 @@
+"""Compute cost: a roofline over FLOPs and bytes moved.
+
+For one op and one strategy, the time on each rank is
+
+    forward_s  = max(flops / split / peak_flops(dtype), bytes / split / memory_bandwidth)
+    backward_s = backward_factor · forward_s     (only when requires_grad, else 0)
+
+* ``flops`` (``node_flops``) is the FLOP count of the whole, unsharded forward: torch's
+  ``flop_counter.flop_registry`` where it has the op (mm, addmm, bmm, baddbmm, convolution, the
+  fused attention kernels); explicit formulas for the composite ops that training IR keeps whole
+  (linear: 2·numel(x)·N; matmul; conv1d/2d/3d and their transposes; scaled_dot_product_attention:
+  2·B·H·T·S·(D_qk + D_v), which is 4·B·H·T·S·D when the head dims agree, ignoring causal masks);
+  0 for view ops; else one FLOP per output element, or per input element for reductions.
+* ``bytes`` (``node_bytes``) is the bytes read and written: the sum of the tensor inputs' and
+  outputs' sizes, 0 for view ops. Embedding reads only the rows it gathers, not its whole table.
+* ``split`` is the product of the sizes of the mesh axes on which any input or output of the
+  strategy is not replicated (Shard or Partial): on such an axis each rank does 1/k of the work,
+  and on an axis where everything is replicated each rank does all of it. This equals the largest
+  ``split_factor`` over the inputs and outputs whenever one tensor is split on every split axis,
+  which is the usual case (for mm, S(1) x S(0) → P splits the work through its Partial output).
+* ``backward_factor`` is 2 for the matmul family (mm, bmm, addmm, baddbmm, linear, matmul,
+  convolutions, attention: a gradient for each of the two operands) and 1 for everything else.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import Replicate
+from torch.utils.flop_counter import conv_flop_count, flop_registry
+
+from autopar.cost.cluster import ClusterSpec
+from autopar.rules.registry import OpInfo, Strategy, TensorArg
+
+aten = torch.ops.aten
+
+
+def _packets(*names: str) -> frozenset:
+    """The aten overload packets that exist in this torch build, by name."""
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+VIEW_OPS = _packets(
+    "view", "reshape", "_unsafe_view", "_reshape_alias", "view_as", "transpose", "permute",
+    "expand", "expand_as", "t", "unsqueeze", "squeeze", "alias", "detach", "split",
+    "split_with_sizes", "unbind", "chunk", "select", "slice", "narrow", "unflatten", "flatten",
+    "as_strided", "movedim", "swapaxes", "lift_fresh",
+) | {operator.getitem}
+
+MATMUL_OPS = _packets(
+    "mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "convolution", "_convolution",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+)
+
+REDUCTION_OPS = _packets(
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "var_mean", "norm",
+    "linalg_vector_norm", "argmax", "argmin", "logsumexp", "any", "all",
+)
+
+_CONV_OPS = _packets("conv1d", "conv2d", "conv3d")
+_CONV_TRANSPOSE_OPS = _packets("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
+
+
+def _packet(target: Any) -> Any:
+    return getattr(target, "overloadpacket", target)
+
+
+def _shape(arg: Any) -> tuple[int, ...]:
+    assert isinstance(arg, TensorArg), f"expected a tensor argument, got {arg!r}"
+    return arg.shape
+
+
+def compute_dtype(info: OpInfo) -> torch.dtype:
+    """The dtype an op computes in: its first floating input's, an explicit ``dtype`` argument's,
+    or float32."""
+    for arg in info.inputs:
+        if arg.dtype.is_floating_point:
+            return arg.dtype
+    if isinstance(info.kw.get("dtype"), torch.dtype):
+        return info.kw["dtype"]
+    return torch.float32
+
+
+def node_flops(info: OpInfo) -> float:
+    """FLOPs of the whole (unsharded) op's forward. See the module docstring for the formulas."""
+    packet = _packet(info.target)
+    if packet in VIEW_OPS:
+        return 0.0
+    if packet is aten.linear:
+        x, weight = _shape(info.kw["input"]), _shape(info.kw["weight"])
+        return 2.0 * math.prod(x) * weight[0]
+    if packet is aten.matmul:
+        return _matmul_flops(_shape(info.kw["self"]), _shape(info.kw["other"]))
+    if packet is aten.scaled_dot_product_attention:
+        q, k, v = (_shape(info.kw[n]) for n in ("query", "key", "value"))
+        batch_heads = math.prod(q[:-2])
+        return 2.0 * batch_heads * q[-2] * k[-2] * (q[-1] + v[-1])
+    if packet in _CONV_OPS or packet in _CONV_TRANSPOSE_OPS:
+        x, weight = _shape(info.kw["input"]), _shape(info.kw["weight"])
+        if len(x) == len(weight) - 1:  # unbatched input
+            x = (1, *x)
+        out = info.out_shape if len(info.out_shape) == len(weight) else (1, *info.out_shape)
+        return float(conv_flop_count(list(x), list(weight), list(out), packet in _CONV_TRANSPOSE_OPS))
+    if packet in flop_registry:
+        return float(_registry_flops(info, flop_registry[packet]))
+    if packet in REDUCTION_OPS:
+        return float(max((math.prod(a.shape) for a in info.inputs), default=0))
+    return float(sum(math.prod(shape) for shape in info.out_shapes))
+
+
+def _matmul_flops(a: Sequence[int], b: Sequence[int]) -> float:
+    """torch.matmul with broadcasting: 2·M·K·N per batch element, vectors counted as M or N = 1."""
+    m = a[-2] if len(a) >= 2 else 1
+    k = a[-1]
+    n = b[-1] if len(b) >= 2 else 1
+    batch = torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2]))
+    return 2.0 * math.prod(batch) * m * k * n
+
+
+def _registry_flops(info: OpInfo, formula: Any) -> int:
+    """Call a ``flop_registry`` formula the way ``FlopCounterMode`` does: the op's own arguments
+    (here meta tensors of the right shapes) and ``out_val``."""
+
+    def meta(value: Any) -> Any:
+        if isinstance(value, TensorArg):
+            return torch.empty(value.shape, dtype=value.dtype, device="meta")
+        if isinstance(value, (list, tuple)):
+            return type(value)(meta(v) for v in value)
+        return value
+
+    dtype = compute_dtype(info)
+    outs = [torch.empty(shape, dtype=dtype, device="meta") for shape in info.out_shapes]
+    out_val = tuple(outs) if info.out_is_tuple else (outs[0] if outs else None)
+    args, kwargs = [], {}
+    for arg in info.target._schema.arguments:
+        if arg.kwarg_only:
+            kwargs[arg.name] = meta(info.kw.get(arg.name))
+        else:
+            args.append(meta(info.kw.get(arg.name)))
+    return formula(*args, out_val=out_val, **kwargs)
+
+
+def _tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def node_bytes(info: OpInfo) -> float:
+    """Bytes read and written by the whole op: inputs plus outputs, 0 for view ops.
+
+    Outputs are taken to have ``compute_dtype(info)``. Embedding reads the rows it gathers
+    (one output's worth) and its indices, not the whole table.
+    """
+    packet = _packet(info.target)
+    if packet in VIEW_OPS:
+        return 0.0
+    out_dtype = compute_dtype(info)
+    out_bytes = sum(_tensor_bytes(shape, out_dtype) for shape in info.out_shapes)
+    if packet is aten.embedding:
+        indices = info.kw["indices"]
+        return float(_tensor_bytes(indices.shape, indices.dtype) + 2 * out_bytes)
+    in_bytes = sum(_tensor_bytes(a.shape, a.dtype) for a in info.inputs)
+    return float(in_bytes + out_bytes)
+
+
+def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
+    """Product of the mesh axes on which some input or output is not replicated."""
+    specs = strategy.ins + strategy.outs
+    return math.prod(
+        size
+        for axis, size in enumerate(mesh_shape)
+        if any(not isinstance(spec[axis], Replicate) for spec in specs)
+    )
+
+
+def backward_factor(info: OpInfo) -> float:
+    """Backward time as a multiple of forward time: 2 for the matmul family, else 1."""
+    return 2.0 if _packet(info.target) in MATMUL_OPS else 1.0
+
+
+def compute_cost_s(
+    info: OpInfo,
+    strategy: Strategy,
+    mesh_shape: Sequence[int],
+    cluster: ClusterSpec,
+    requires_grad: bool,
+) -> float:
+    """Forward plus backward seconds of the local op on one rank (the module docstring's
+    roofline); the backward term is counted only when ``requires_grad``."""
+    split = work_split(strategy, mesh_shape)
+    flops_s = node_flops(info) / split / cluster.peak_flops_for(compute_dtype(info))
+    memory_s = node_bytes(info) / split / cluster.memory_bandwidth_bytes_per_s
+    forward_s = max(flops_s, memory_s)
+    if not requires_grad:
+        return forward_s
+    return forward_s * (1.0 + backward_factor(info))
+
+
+__all__ = [
+    "node_flops",
+    "node_bytes",
+    "compute_cost_s",
+    "compute_dtype",
+    "work_split",
+    "backward_factor",
+    "VIEW_OPS",
+    "MATMUL_OPS",
+    "REDUCTION_OPS",
+]

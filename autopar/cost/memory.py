@@ -1,0 +1,134 @@
+"""Memory cost: bytes per device of tensors, parameter state, and what backward keeps alive.
+
+The solver sums these over a liveness walk of the graph. This module gives the pieces:
+
+* ``tensor_bytes`` / ``local_bytes``: a whole tensor, and the shard one rank holds.
+* ``param_state_bytes``: a parameter's local shard, its gradient (same dtype and sharding), and
+  the optimizer's state, which follows the parameter's sharding (ZeRO for free) and is kept in
+  float32: adam/adamw keep 2 states per element (exp_avg, exp_avg_sq), sgd with momentum 1,
+  plain sgd none.
+* ``SAVES_INPUTS`` / ``saves_output``: which activations an op keeps for its backward.
+  An op in ``SAVES_INPUTS`` keeps its tensor inputs (the activation ones: parameters are alive
+  anyway and are counted by ``param_state_bytes``). An op for which ``saves_output`` is true keeps
+  its output, because its derivative is written in terms of the result (relu, sigmoid, tanh, exp,
+  softmax, ...); dropout is listed there too, since its mask has the output's shape. Ops in
+  neither (add, views, sum, ...) keep nothing. This follows ``derivatives.yaml`` roughly and is
+  deliberately simple: it ignores small saved statistics (a norm's mean and rstd) and the fact
+  that a fused kernel may save less.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from autopar.spec import Spec, local_shape
+
+aten = torch.ops.aten
+
+# Optimizer name → float32 state tensors kept per parameter element.
+OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+_STATE_DTYPE = torch.float32
+
+
+def tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a whole tensor of ``shape`` and ``dtype``."""
+    return math.prod(shape) * dtype.itemsize
+
+
+def local_bytes(shape: Sequence[int], dtype: torch.dtype, spec: Spec, mesh_shape: Sequence[int]) -> int:
+    """Bytes of the shard that each rank holds of a ``shape`` tensor placed as ``spec``.
+
+    A Partial tensor is whole on every rank, so only Shard placements divide it."""
+    return tensor_bytes(local_shape(shape, spec, mesh_shape), dtype)
+
+
+def param_state_bytes(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    spec: Spec,
+    mesh_shape: Sequence[int],
+    optimizer: str = "adamw",
+) -> int:
+    """Local parameter + gradient + optimizer state, in bytes on one rank."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(OPTIMIZER_STATES))}"
+        )
+    local = local_shape(shape, spec, mesh_shape)
+    param_bytes = tensor_bytes(local, dtype)
+    state_bytes = OPTIMIZER_STATES[optimizer] * tensor_bytes(local, _STATE_DTYPE)
+    return 2 * param_bytes + state_bytes
+
+
+def _overloads(*names: str) -> frozenset:
+    """Every overload of the named aten ops that exist in this torch build."""
+    found = set()
+    for name in names:
+        packet = getattr(aten, name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            found.add(getattr(packet, overload))
+    return frozenset(found)
+
+
+SAVES_INPUTS: frozenset = _overloads(
+    # matmul family: each operand's gradient needs the other operand
+    "mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "einsum",
+    "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    # attention: q, k, v (the fused kernels also save their output and logsumexp)
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    # products and nonlinear pointwise ops whose derivative needs the input
+    "mul", "div", "pow", "gelu", "silu", "mish", "softplus", "elu", "leaky_relu", "hardswish",
+    "hardsigmoid", "log", "log1p", "sin", "cos", "erf", "reciprocal", "abs", "clamp", "where",
+    "maximum", "minimum",
+    # norms: the input (and weight) to recompute the normalized value
+    "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
+    "native_group_norm", "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "_batch_norm_with_update",
+    # losses: logits and targets
+    "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward", "mse_loss",
+    "binary_cross_entropy_with_logits",
+    # pooling: the input (max pooling also its indices)
+    "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "avg_pool1d",
+    "avg_pool2d", "avg_pool3d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d",
+    # embedding: the indices (the table is a parameter)
+    "embedding",
+    # reductions whose backward needs the input (the position of the max, the mean)
+    "amax", "amin", "var", "std", "var_mean", "norm", "linalg_vector_norm", "prod",
+) - _overloads("mul", "div").difference(
+    # x * scalar and x / scalar need no saved tensor; only the Tensor-by-Tensor forms do
+    {aten.mul.Tensor, aten.div.Tensor, aten.div.Tensor_mode}
+)
+
+SAVES_OUTPUT: frozenset = _overloads(
+    "relu", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "_softmax", "softmax",
+    "_log_softmax", "log_softmax", "dropout", "native_dropout",
+)
+
+
+def saves_inputs(target: Any) -> bool:
+    """True when ``target``'s backward needs its tensor inputs kept."""
+    return target in SAVES_INPUTS
+
+
+def saves_output(target: Any) -> bool:
+    """True when ``target``'s backward needs its output kept (see the module docstring)."""
+    return target in SAVES_OUTPUT
+
+
+__all__ = [
+    "tensor_bytes",
+    "local_bytes",
+    "param_state_bytes",
+    "OPTIMIZER_STATES",
+    "SAVES_INPUTS",
+    "SAVES_OUTPUT",
+    "saves_inputs",
+    "saves_output",
+]

@@ -1,0 +1,62 @@
+"""autopar's own errors. Each message says what was given, what was expected, and the fix."""
+
+from __future__ import annotations
+
+import re
+import traceback
+
+import torch
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class TraceError(AutoparError):
+    """The model could not be traced to a graph."""
+
+    @classmethod
+    def from_export_error(cls, model: torch.nn.Module, error: Exception) -> "TraceError":
+        text = str(error).strip()
+        where = _user_frame(error)
+        hint = (
+            "autopar traces with torch.export.export(strict=False). Control flow that depends on "
+            "tensor values (if x.sum() > 0, .item(), .tolist(), nonzero) cannot be traced: make the "
+            "branch depend on shapes or Python values only, or use torch.cond / torch.where."
+        )
+        first = text.splitlines()[0] if text else type(error).__name__
+        location = f"\n  at {where}" if where else ""
+        return cls(
+            f"could not trace {type(model).__name__}: {type(error).__name__}: {first}{location}\n{hint}"
+        )
+
+
+class MeshError(AutoparError, ValueError):
+    """The mesh does not fit the world or is malformed."""
+
+
+class PlanError(AutoparError, ValueError):
+    """A plan file is malformed or does not match the model, mesh or torch version."""
+
+
+class InfeasibleError(AutoparError):
+    """No sharding fits the constraints (a memory budget, say)."""
+
+
+class PassError(AutoparError):
+    """A rewrite pass failed; the message names the pass and those that ran before it."""
+
+
+def _user_frame(error: BaseException) -> str | None:
+    """The last traceback frame outside torch and autopar, as 'file:line: code'."""
+    best = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" in path or "/autopar/" in path or path.startswith("<"):
+            continue
+        best = f"{frame.filename}:{frame.lineno}: {frame.line}"
+    if best is None:
+        match = re.search(r'File "([^"]+)", line (\d+)', str(error))
+        if match and "/torch/" not in match.group(1):
+            best = f"{match.group(1)}:{match.group(2)}"
+    return best

@@ -1,0 +1,327 @@
+"""Small reference models for tests, benchmarks and the demo.
+
+Every model returns a scalar loss from ``forward`` when given targets, so that a plan covers the
+whole training step. Initialization draws only from torch's global generator, so
+``torch.manual_seed(s)`` before construction gives the same weights every time. Every model
+traces with ``torch.export.export(model, args, strict=False)``.
+
+``build_model(name, seed)`` and ``example_batch(name, batch_size, seed)`` give a model and a
+matching batch by name (``MODEL_NAMES``). Shapes are chosen to divide evenly on meshes of up to
+8 devices: channel and hidden counts divide by 4, and batches in the examples by 8.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "MLP",
+    "GPT",
+    "CausalSelfAttention",
+    "GPTBlock",
+    "AttentionBlock",
+    "MLPBlock",
+    "WithMSELoss",
+    "SmallCNN",
+    "MODEL_NAMES",
+    "DEFAULT_CONFIGS",
+    "build_model",
+    "example_batch",
+]
+
+
+class MLP(nn.Module):
+    """``depth`` hidden layers of Linear + GELU, then a Linear head; forward returns the MSE loss.
+
+    Parameters: ``layers.{i}.weight/bias`` for the hidden layers and ``head.weight/bias``.
+    """
+
+    def __init__(self, d_in: int = 32, d_hidden: int = 128, d_out: int = 32, depth: int = 2):
+        super().__init__()
+        if depth < 1:
+            raise ValueError(f"MLP depth must be at least 1, got {depth}")
+        self.config = dict(d_in=d_in, d_hidden=d_hidden, d_out=d_out, depth=depth)
+        widths = [d_in] + [d_hidden] * depth
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.head = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        return F.mse_loss(self.head(x), y)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention, as in nanoGPT.
+
+    With ``fused_qkv`` one Linear ``c_attn`` makes q, k and v, which are then split; otherwise
+    there are three Linears ``q_proj``, ``k_proj`` and ``v_proj``. ``c_proj`` is the output.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, fused_qkv: bool = False, bias: bool = True,
+                 causal: bool = True):
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ValueError(f"n_embd ({n_embd}) must divide by n_head ({n_head})")
+        self.n_embd, self.n_head, self.fused_qkv, self.causal = n_embd, n_head, fused_qkv, causal
+        if fused_qkv:
+            self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        else:
+            self.q_proj = nn.Linear(n_embd, n_embd, bias=bias)
+            self.k_proj = nn.Linear(n_embd, n_embd, bias=bias)
+            self.v_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, n_embd = x.shape
+        if self.fused_qkv:
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        head_dim = n_embd // self.n_head
+        # (batch, seq, n_embd) -> (batch, n_head, seq, head_dim)
+        q = q.view(batch, seq, self.n_head, head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.n_head, head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.n_head, head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        y = y.transpose(1, 2).contiguous().view(batch, seq, n_embd)
+        return self.c_proj(y)
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, n_embd: int, bias: bool = True):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class GPTBlock(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, n_embd: int, n_head: int, fused_qkv: bool = False, bias: bool = True):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, fused_qkv=fused_qkv, bias=bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = GPTMLP(n_embd, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT without dropout. ``forward(idx, targets=None)``: the loss if targets, else logits.
+
+    Parameter names follow nanoGPT: ``transformer.wte``, ``transformer.wpe``,
+    ``transformer.h.{i}.{ln_1,attn,ln_2,mlp}``, ``transformer.ln_f`` and ``lm_head``. With
+    ``tied`` (the default) ``lm_head.weight`` *is* ``transformer.wte.weight``, so
+    ``named_parameters()`` lists it once, as ``transformer.wte.weight``, while ``state_dict()``
+    holds both names.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 32,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 64,
+        tied: bool = True,
+        fused_qkv: bool = False,
+        bias: bool = True,
+    ):
+        super().__init__()
+        self.config = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
+                           n_head=n_head, n_embd=n_embd, tied=tied, fused_qkv=fused_qkv, bias=bias)
+        self.block_size = block_size
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd),
+            wpe=nn.Embedding(block_size, n_embd),
+            h=nn.ModuleList(GPTBlock(n_embd, n_head, fused_qkv, bias) for _ in range(n_layer)),
+            ln_f=nn.LayerNorm(n_embd, bias=bias),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        if tied:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the projections into the residual stream.
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        batch, seq = idx.shape
+        if seq > self.block_size:
+            raise ValueError(f"sequence length {seq} exceeds block_size {self.block_size}")
+        pos = torch.arange(seq, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class AttentionBlock(nn.Module):
+    """Causal self-attention alone (separate q/k/v, output projection), for golden-plan tests.
+
+    Under tensor parallelism Megatron splits ``attn.q_proj``/``k_proj``/``v_proj`` by columns
+    (heads) and ``attn.c_proj`` by rows, with one all-reduce at the end.
+    """
+
+    def __init__(self, n_embd: int = 64, n_head: int = 8, bias: bool = True):
+        super().__init__()
+        self.config = dict(n_embd=n_embd, n_head=n_head, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, fused_qkv=False, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x)
+
+
+class MLPBlock(nn.Module):
+    """``fc2(gelu(fc1(x)))``, for golden-plan tests: Megatron splits fc1 by columns, fc2 by rows."""
+
+    def __init__(self, d: int = 64, hidden: int = 256, bias: bool = True):
+        super().__init__()
+        self.config = dict(d=d, hidden=hidden, bias=bias)
+        self.fc1 = nn.Linear(d, hidden, bias=bias)
+        self.fc2 = nn.Linear(hidden, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class WithMSELoss(nn.Module):
+    """``forward(x, target)`` returns ``mse_loss(module(x), target)``; parameters keep their names
+    under the prefix ``module.``."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.module(x), target)
+
+
+class SmallCNN(nn.Module):
+    """conv → BatchNorm → relu → max-pool → conv → BatchNorm → relu → global avg-pool → linear.
+
+    ``forward(x, y)`` returns the cross-entropy loss. In training mode BatchNorm updates its
+    running statistics, so the exported graph mutates buffers.
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, channels: int = 16):
+        super().__init__()
+        self.config = dict(num_classes=num_classes, in_channels=in_channels, channels=channels)
+        self.conv1 = nn.Conv2d(in_channels, channels, kernel_size=3, padding=1)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, 2 * channels, kernel_size=3, padding=1)
+        self.bn2 = nn.BatchNorm2d(2 * channels)
+        self.fc = nn.Linear(2 * channels, num_classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.relu(self.bn2(self.conv2(x)))
+        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        return F.cross_entropy(self.fc(x), y)
+
+
+# ---------------------------------------------------------------------------------------------
+# By name
+
+DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
+    "mlp": dict(d_in=32, d_hidden=128, d_out=32, depth=2),
+    "gpt": dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, tied=True,
+                fused_qkv=False, bias=True),
+    "attention": dict(n_embd=64, n_head=8, bias=True),
+    "mlp_block": dict(d=64, hidden=256, bias=True),
+    "cnn": dict(num_classes=10, in_channels=3, channels=16),
+}
+MODEL_NAMES = tuple(DEFAULT_CONFIGS)
+
+# Extra batch settings per model, not constructor arguments.
+_BATCH_DEFAULTS: dict[str, dict[str, int]] = {
+    "gpt": dict(seq_len=0),  # 0: the model's block_size
+    "attention": dict(seq_len=16),
+    "cnn": dict(image_size=16),
+}
+
+
+def _check_name(name: str) -> None:
+    if name not in DEFAULT_CONFIGS:
+        raise ValueError(f"unknown model {name!r}; expected one of {list(MODEL_NAMES)}")
+
+
+def build_model(name: str, seed: int = 0, **config: Any) -> nn.Module:
+    """The model ``name`` with ``DEFAULT_CONFIGS[name]`` updated by ``config``, seeded with ``seed``.
+
+    ``attention`` and ``mlp_block`` come wrapped in ``WithMSELoss``, so that forward(x, target)
+    returns a loss and parameters are named ``module.attn.q_proj.weight``, ``module.fc1.weight``.
+    """
+    _check_name(name)
+    unknown = set(config) - set(DEFAULT_CONFIGS[name])
+    if unknown:
+        raise ValueError(f"unknown config for {name!r}: {sorted(unknown)}; "
+                         f"expected some of {sorted(DEFAULT_CONFIGS[name])}")
+    kwargs = {**DEFAULT_CONFIGS[name], **config}
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return MLP(**kwargs)
+    if name == "gpt":
+        return GPT(**kwargs)
+    if name == "attention":
+        return WithMSELoss(AttentionBlock(**kwargs))
+    if name == "mlp_block":
+        return WithMSELoss(MLPBlock(**kwargs))
+    return SmallCNN(**kwargs)
+
+
+def example_batch(name: str, batch_size: int = 8, seed: int = 0, **config: Any) -> tuple:
+    """Positional inputs for ``build_model(name, **config)``'s forward, including the targets.
+
+    ``config`` takes the same keys as ``build_model`` (only the shape-related ones matter) plus
+    ``seq_len`` for ``gpt`` (default: ``block_size``) and ``attention`` (default 16), and
+    ``image_size`` for ``cnn`` (default 16). Draws from a private generator, so the global
+    random state is left alone.
+    """
+    _check_name(name)
+    allowed = set(DEFAULT_CONFIGS[name]) | set(_BATCH_DEFAULTS.get(name, {}))
+    unknown = set(config) - allowed
+    if unknown:
+        raise ValueError(f"unknown config for {name!r}: {sorted(unknown)}; "
+                         f"expected some of {sorted(allowed)}")
+    cfg = {**DEFAULT_CONFIGS[name], **_BATCH_DEFAULTS.get(name, {}), **config}
+    gen = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        return (torch.randn(batch_size, cfg["d_in"], generator=gen),
+                torch.randn(batch_size, cfg["d_out"], generator=gen))
+    if name == "gpt":
+        seq_len = cfg["seq_len"] or cfg["block_size"]
+        tokens = torch.randint(0, cfg["vocab_size"], (batch_size, seq_len + 1), generator=gen)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if name == "attention":
+        shape = (batch_size, cfg["seq_len"], cfg["n_embd"])
+        return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    if name == "mlp_block":
+        return (torch.randn(batch_size, cfg["d"], generator=gen),
+                torch.randn(batch_size, cfg["d"], generator=gen))
+    size = cfg["image_size"]
+    return (torch.randn(batch_size, cfg["in_channels"], size, size, generator=gen),
+            torch.randint(0, cfg["num_classes"], (batch_size,), generator=gen))

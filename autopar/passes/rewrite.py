@@ -1,0 +1,140 @@
+"""Passes that carry out a plan on the traced graph. None of them chooses anything.
+
+- ``localize_shapes``: size arguments (view, reshape, expand, ...) become local sizes.
+- ``use_kernels``: ops whose chosen strategy names a kernel call that kernel instead.
+- ``insert_collectives``: wherever a producer's spec differs from what its consumer takes, the
+  steps of ``spec.transition_steps`` are inserted as explicit collective nodes; where an
+  replicated input feeds a split computation, an ``allreduce_grad`` node is inserted so the
+  input's gradient is summed in backward (``solver.choices.grad_sync_axes``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from autopar import collectives
+from autopar.kernels import get_kernel
+from autopar.plan import NodePlan, Plan
+from autopar.rules.registry import SIZE_ARGS, Strategy, localize_kwargs, normalized_kwargs, tensor_meta
+from autopar.solver.choices import grad_sync_axes
+from autopar.spec import local_shape, transition_steps
+
+
+def localize_shapes(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target not in SIZE_ARGS and node.target is not torch.ops.aten.unflatten.int:
+            continue
+        decision = plan.nodes[node.name]
+        local = local_shape(decision.shapes[0], decision.outs[0], plan.mesh_shape)
+        kw = normalized_kwargs(node)
+        _set_arguments(node, localize_kwargs(node.target, kw, local))
+    return gm
+
+
+def use_kernels(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str]) -> torch.fx.GraphModule:
+    for node in gm.graph.nodes:
+        decision = plan.nodes.get(node.name)
+        if node.op != "call_function" or decision is None or decision.kernel is None:
+            continue
+        kernel = get_kernel(decision.kernel)
+        kw = normalized_kwargs(node)
+        kw["groups"] = tuple(groups[axis] for axis in decision.kernel_axes)
+        node.target = kernel
+        node.args = ()
+        node.kwargs = kw
+    return gm
+
+
+def insert_collectives(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str]) -> torch.fx.GraphModule:
+    graph = gm.graph
+    nodes = {node.name: node for node in graph.nodes}
+    for node in list(graph.nodes):
+        decision = plan.nodes.get(node.name)
+        if decision is None or node.op == "placeholder" or not decision.inputs:
+            continue
+        replacements: list[torch.fx.Node] = []
+        for index, ((producer, out_index), dst) in enumerate(zip(decision.inputs, decision.ins)):
+            source = nodes[producer]
+            src = plan.nodes[producer].outs[out_index]
+            value = source
+            if out_index:
+                # getitem follows its tuple-valued producer: nothing to move.
+                assert src == dst, f"getitem {node.name} must take {producer}[{out_index}] as it is"
+                replacements.append(value)
+                continue
+            steps = transition_steps(src, dst)
+            if steps is None:
+                raise AssertionError(f"plan asks for impossible transition {src} → {dst} into {node.name}")
+            requires_grad = bool(getattr(source.meta.get("val"), "requires_grad", False))
+            with graph.inserting_before(node):
+                for step in steps:
+                    value = _step_node(graph, value, step, groups)
+                if requires_grad and node.op != "output":
+                    strategy = Strategy(decision.ins, decision.outs)
+                    for axis in grad_sync_axes(strategy, index):
+                        value = graph.call_function(collectives.allreduce_grad, (value, groups[axis]))
+            replacements.append(value)
+        if any(r is not nodes[p] for r, (p, _) in zip(replacements, decision.inputs)):
+            _replace_tensor_inputs(node, replacements)
+    return gm
+
+
+def _step_node(graph: torch.fx.Graph, value: torch.fx.Node, step, groups: Sequence[str]) -> torch.fx.Node:
+    group = groups[step.axis]
+    if step.kind == "all_reduce":
+        return graph.call_function(collectives.all_reduce, (value, group))
+    if step.kind == "all_gather":
+        return graph.call_function(collectives.all_gather, (value, step.dim, group))
+    if step.kind == "chunk":
+        return graph.call_function(collectives.chunk, (value, step.dim, group))
+    if step.kind == "reduce_scatter":
+        return graph.call_function(collectives.reduce_scatter, (value, step.dim, group))
+    if step.kind == "all_to_all":
+        return graph.call_function(collectives.all_to_all, (value, step.src_dim, step.dim, group))
+    raise AssertionError(f"unknown step {step}")
+
+
+def _replace_tensor_inputs(node: torch.fx.Node, replacements: list[torch.fx.Node]) -> None:
+    """Swap the tensor inputs of ``node`` (in OpInfo order) for ``replacements``."""
+    position = iter(replacements)
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            if tensor_meta(value.meta.get("val")) is not None:
+                return next(position)
+            return value
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    if node.op == "output" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op == "call_function" and getattr(node.target, "__autopar_kernel__", None):
+            node.kwargs = swap(dict(node.kwargs))
+            return
+        node.args = swap(node.args)
+        node.kwargs = swap(dict(node.kwargs))
+        return
+    _set_arguments(node, {k: swap(v) for k, v in normalized_kwargs(node).items()})
+
+
+def _set_arguments(node: torch.fx.Node, kw: dict[str, Any]) -> None:
+    """Write schema-named arguments back as positional args (and kwarg-only as kwargs)."""
+    args, kwargs = [], {}
+    for arg in node.target._schema.arguments:
+        if arg.kwarg_only:
+            if arg.name in node.kwargs or kw[arg.name] != (arg.default_value if arg.has_default_value() else None):
+                kwargs[arg.name] = kw[arg.name]
+        else:
+            args.append(kw[arg.name])
+    node.args = tuple(args)
+    node.kwargs = kwargs
+
+
+__all__ = ["localize_shapes", "use_kernels", "insert_collectives", "NodePlan"]

@@ -1,0 +1,167 @@
+"""The plan: a frozen, versioned record of every sharding decision, saved as JSON.
+
+A plan is keyed by node names of the traced graph plus the graph's structural hash, and by
+parameter FQNs. It holds decisions only; the passes carry them out. Nothing is pickled.
+See docs/plan-format.md for the format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autopar.errors import PlanError
+from autopar.spec import Spec, format_spec, parse_spec
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """The decision for one graph node."""
+
+    op: str
+    outs: tuple[Spec, ...]
+    ins: tuple[Spec, ...]
+    inputs: tuple[tuple[str, int], ...]  # (producer node, output index) per tensor input
+    shapes: tuple[tuple[int, ...], ...]  # global output shapes
+    kernel: str | None = None
+    kernel_axes: tuple[int, ...] = ()
+    source: str = "rule"  # rule | dtensor | fallback | placeholder | follow | output
+    cost_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "op": self.op,
+            "out": [format_spec(s) for s in self.outs],
+            "in": [format_spec(s) for s in self.ins],
+            "inputs": [[name, index] for name, index in self.inputs],
+            "shape": [list(s) for s in self.shapes],
+            "source": self.source,
+            "cost_s": self.cost_s,
+        }
+        if self.kernel:
+            out["kernel"] = self.kernel
+            out["kernel_axes"] = list(self.kernel_axes)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "NodePlan":
+        return cls(
+            op=data["op"],
+            outs=tuple(parse_spec(s) for s in data["out"]),
+            ins=tuple(parse_spec(s) for s in data["in"]),
+            inputs=tuple((name, int(index)) for name, index in data["inputs"]),
+            shapes=tuple(tuple(s) for s in data["shape"]),
+            kernel=data.get("kernel"),
+            kernel_axes=tuple(data.get("kernel_axes", ())),
+            source=data.get("source", "rule"),
+            cost_s=float(data.get("cost_s", 0.0)),
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh_shape: tuple[int, ...]
+    graph_hash: str
+    params: dict[str, Spec]  # parameter and buffer FQN → spec
+    nodes: dict[str, NodePlan]  # node name → decision, in graph order
+    predicted: dict[str, Any]
+    solver: dict[str, Any] = field(default_factory=dict)
+    cluster: str = ""
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+    version: int = PLAN_VERSION
+    # Wall-clock timings of the run that made this plan. Not serialized: a plan's JSON must be
+    # byte-identical across runs and ranks.
+    stats: dict[str, float] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.mesh_shape or any(int(n) < 1 for n in self.mesh_shape):
+            raise PlanError(f"plan mesh shape must be positive integers, got {self.mesh_shape}")
+        for fqn, spec in self.params.items():
+            if len(spec) != len(self.mesh_shape):
+                raise PlanError(f"param {fqn!r} has {len(spec)} placements for a {len(self.mesh_shape)}-axis mesh")
+
+    # -- serialization ------------------------------------------------------------------------
+    def to_json(self) -> str:
+        data = {
+            "version": self.version,
+            "torch_version": self.torch_version,
+            "mesh": {"shape": list(self.mesh_shape)},
+            "graph_hash": self.graph_hash,
+            "cluster": self.cluster,
+            "predicted": self.predicted,
+            "solver": self.solver,
+            "params": {fqn: format_spec(spec) for fqn, spec in self.params.items()},
+            "nodes": {name: node.to_json() for name, node in self.nodes.items()},
+        }
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise PlanError(f"plan is not valid JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise PlanError("plan JSON must be an object")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"plan format version {version!r}; this autopar reads version {PLAN_VERSION}: re-plan")
+        try:
+            return cls(
+                mesh_shape=tuple(int(n) for n in data["mesh"]["shape"]),
+                graph_hash=data["graph_hash"],
+                params={fqn: parse_spec(spec) for fqn, spec in data["params"].items()},
+                nodes={name: NodePlan.from_json(node) for name, node in data["nodes"].items()},
+                predicted=data["predicted"],
+                solver=data.get("solver", {}),
+                cluster=data.get("cluster", ""),
+                torch_version=data.get("torch_version", ""),
+                version=version,
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise PlanError(f"malformed plan: {type(error).__name__}: {error}") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as handle:
+            handle.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        try:
+            with open(path) as handle:
+                return cls.from_json(handle.read())
+        except FileNotFoundError:
+            raise PlanError(f"plan file {os.fspath(path)!r} does not exist") from None
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    # -- reporting ----------------------------------------------------------------------------
+    def redistributions(self) -> list[tuple[str, str, Spec, Spec]]:
+        """(producer, consumer, src spec, dst spec) for every edge whose spec changes."""
+        found = []
+        for name, node in self.nodes.items():
+            for (producer, index), dst in zip(node.inputs, node.ins):
+                src = self.nodes[producer].outs[index]
+                if src != dst:
+                    found.append((producer, name, src, dst))
+        return found
+
+    def summary(self, max_rows: int = 60) -> str:
+        from autopar.report import summary_text
+
+        return summary_text(self, max_rows=max_rows)
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(mesh={self.mesh_shape}, nodes={len(self.nodes)}, params={len(self.params)}, "
+            f"step_time_s={self.predicted.get('step_time_s', float('nan')):.3g}, hash={self.hash})"
+        )

@@ -1,0 +1,89 @@
+"""Human-readable plan summaries."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from autopar.spec import format_spec, transition_steps
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
+
+_VIEWS = ("view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "getitem", "split", "t.default", "alias", "flatten", "contiguous")
+
+
+def _spec(spec) -> str:
+    return "(" + ", ".join(format_spec(spec)) + ")"
+
+
+def _bytes(num: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num) < 1024 or unit == "TiB":
+            return f"{num:.1f} {unit}" if unit != "B" else f"{int(num)} B"
+        num /= 1024
+    return str(num)
+
+
+def summary_text(plan: "Plan", max_rows: int = 60) -> str:
+    pred = plan.predicted
+    lines = [
+        f"autopar plan  mesh={tuple(plan.mesh_shape)}  cluster={plan.cluster or '-'}  graph={plan.graph_hash}  plan={plan.hash}",
+        f"  predicted step time {pred.get('step_time_s', 0) * 1e3:.3f} ms "
+        f"(compute {pred.get('compute_s', 0) * 1e3:.3f} ms, resharding {pred.get('reshard_s', 0) * 1e3:.3f} ms)",
+        f"  peak memory per device {_bytes(pred.get('peak_memory_bytes', 0))}   "
+        f"communication per device per step {_bytes(pred.get('comm_bytes', 0))}",
+    ]
+    solver = plan.solver
+    if solver:
+        lines.append(
+            f"  solver: {solver.get('status')}"
+            + (f" in {plan.stats['solve_time_s']:.2f} s" if "solve_time_s" in plan.stats else "")
+            + ", "
+            f"{solver.get('num_variables', 0)} variables, {solver.get('num_constraints', 0)} constraints"
+        )
+    lines.append("")
+    lines.append("Parameters")
+    width = max((len(f) for f in plan.params), default=10)
+    groups: dict[tuple, list[str]] = {}
+    for fqn, spec in plan.params.items():
+        groups.setdefault(tuple(format_spec(spec)), []).append(fqn)
+    for fqn, spec in plan.params.items():
+        lines.append(f"  {fqn:<{width}}  {_spec(spec)}")
+    lines.append("")
+    lines.append("Operators (views and getitems omitted)")
+    header = f"  {'node':<28} {'op':<34} {'output shape':<18} {'placements':<16} {'cost ms':>9}  note"
+    lines.append(header)
+    rows = 0
+    for name, node in plan.nodes.items():
+        if node.source in ("placeholder", "output") or any(v in node.op for v in _VIEWS):
+            continue
+        rows += 1
+        if rows > max_rows:
+            continue
+        note = []
+        if node.kernel:
+            note.append(f"kernel {node.kernel} on axes {list(node.kernel_axes)}")
+        if node.source == "fallback":
+            note.append("FALLBACK: replicated (no rule)")
+        elif node.source == "dtensor":
+            note.append("rule from DTensor")
+        shape = "x".join(str(d) for d in node.shapes[0]) if node.shapes else "-"
+        placements = _spec(node.outs[0]) if node.outs else "-"
+        lines.append(f"  {name:<28} {node.op:<34} {shape:<18} {placements:<16} {node.cost_s * 1e3:>9.4f}  {'; '.join(note)}")
+    if rows > max_rows:
+        lines.append(f"  ... {rows - max_rows} more operators")
+    lines.append("")
+    counts: Counter = Counter()
+    for _producer, _consumer, src, dst in plan.redistributions():
+        for step in transition_steps(src, dst) or ():
+            counts[(step.kind, step.axis)] += 1
+    if counts:
+        lines.append("Collectives in forward (kind, mesh axis: count)")
+        for (kind, axis), count in sorted(counts.items()):
+            lines.append(f"  {kind:<15} axis {axis}: {count}")
+    else:
+        lines.append("Collectives in forward: none")
+    fallbacks = [n for n, p in plan.nodes.items() if p.source == "fallback"]
+    lines.append(f"Fallbacks (replicated, no rule): {', '.join(fallbacks) if fallbacks else 'none'}")
+    return "\n".join(lines)

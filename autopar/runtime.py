@@ -1,0 +1,194 @@
+"""ParallelModule: the compiled model, an nn.Module over this rank's shards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import Shard
+
+from autopar import collectives
+from autopar.plan import Plan
+from autopar.spec import Spec
+from autopar.trace import TracedModel
+
+
+def shard_tensor(full: torch.Tensor, spec: Spec, coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's piece of ``full`` under ``spec`` (axis 0 outermost, even shards)."""
+    local = full
+    for axis, placement in enumerate(spec):
+        if isinstance(placement, Shard):
+            local = local.chunk(mesh_shape[axis], placement.dim)[coordinate[axis]]
+    return local.contiguous()
+
+
+def gather_tensor(local: torch.Tensor, spec: Spec, groups: tuple[str, ...]) -> torch.Tensor:
+    """The whole tensor from every rank's shard (no autograd)."""
+    full = local.detach()
+    for axis in reversed(range(len(spec))):
+        placement = spec[axis]
+        if isinstance(placement, Shard):
+            full = collectives.no_grad_all_gather(full, placement.dim, groups[axis])
+    return full
+
+
+class _Holder(torch.nn.Module):
+    """An empty module used to rebuild the model's module tree for parameter names."""
+
+
+class ParallelModule(torch.nn.Module):
+    """Runs the rewritten graph on this rank's shards.
+
+    Called like the original model with whole inputs (the same on every rank); returns the
+    model's outputs, whole on every rank. ``pm.module`` holds the local shards under the
+    model's own names, so ``pm.parameters()`` is what an optimizer steps (like DDP, names carry
+    the ``module.`` prefix; ``full_state_dict`` uses the original names).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        traced: TracedModel,
+        gm: torch.fx.GraphModule,
+        plan: Plan,
+        groups: tuple[str, ...],
+        coordinate: tuple[int, ...],
+    ):
+        super().__init__()
+        self._plan = plan
+        self._traced = traced
+        self._groups = groups
+        self.graph_module = gm
+        self.module = _Holder()
+        full = dict(model.named_parameters(remove_duplicate=False))
+        full.update(dict(model.named_buffers(remove_duplicate=False)))
+        made: dict[str, torch.Tensor] = {}
+        for graph_input in traced.inputs:
+            if graph_input.kind not in ("param", "buffer"):
+                continue
+            fqn = graph_input.fqn
+            canonical = traced.ties.get(fqn, fqn)
+            if canonical in made:
+                _attach(self.module, fqn, made[canonical], graph_input.kind)
+                continue
+            spec = plan.params[fqn]
+            local = shard_tensor(full[fqn].detach(), spec, coordinate, plan.mesh_shape).clone()
+            if graph_input.kind == "param":
+                value: torch.Tensor = torch.nn.Parameter(local, requires_grad=full[fqn].requires_grad)
+            else:
+                value = local
+            made[canonical] = value
+            made[fqn] = value
+            _attach(self.module, fqn, value, graph_input.kind)
+        self._inputs = [(gi.name, gi.kind, gi.fqn) for gi in traced.inputs]
+        self._constants = dict(traced.constants)
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.graph_module.graph
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        flat = _flatten_inputs(args, kwargs, self._traced.in_spec)
+        user = iter(flat)
+        values = []
+        for name, kind, fqn in self._inputs:
+            if kind in ("param", "buffer"):
+                values.append(_lookup(self.module, fqn))
+            elif kind == "constant":
+                values.append(self._constants[name])
+            else:
+                values.append(next(user))
+        outputs = self.graph_module(*values)
+        return pytree.tree_unflatten(list(outputs), self._traced.out_spec)
+
+    def _named_locals(self, kind: str) -> dict[str, torch.Tensor]:
+        return {fqn: _lookup(self.module, fqn) for _, k, fqn in self._inputs if k == kind}
+
+    def _fqns(self) -> list[tuple[str, str]]:
+        names = [(fqn, kind) for _, kind, fqn in self._inputs if kind in ("param", "buffer")]
+        seen = {fqn for fqn, _ in names}
+        names += [(fqn, "param") for fqn in self._traced.ties if fqn not in seen]
+        return names
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, gathered whole, under the model's original names."""
+        out = {}
+        for fqn, _kind in self._fqns():
+            canonical = self._traced.ties.get(fqn, fqn)
+            local = _lookup(self.module, fqn if _has(self.module, fqn) else canonical)
+            out[fqn] = gather_tensor(local, self._plan.params[fqn], self._groups)
+        return out
+
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's gradient, gathered whole, under the model's original names."""
+        out: dict[str, torch.Tensor | None] = {}
+        for fqn, kind in self._fqns():
+            if kind != "param":
+                continue
+            canonical = self._traced.ties.get(fqn, fqn)
+            param = _lookup(self.module, fqn if _has(self.module, fqn) else canonical)
+            grad = param.grad
+            out[fqn] = None if grad is None else gather_tensor(grad, self._plan.params[fqn], self._groups)
+        return out
+
+    def local_param_bytes(self) -> int:
+        """Bytes of parameters this rank holds (each shared tensor counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+def _flatten_inputs(args, kwargs, in_spec) -> list[Any]:
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if spec != in_spec:
+        raise ValueError(
+            "ParallelModule was called with a different argument structure than the example inputs "
+            f"it was compiled with.\n  expected: {in_spec}\n  got:      {spec}"
+        )
+    return flat
+
+
+def _attach(root: torch.nn.Module, fqn: str, value: torch.Tensor, kind: str) -> None:
+    *path, leaf = fqn.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part) or part not in module._modules:
+            module.add_module(part, _Holder())
+        module = module._modules[part]
+    if kind == "param":
+        module.register_parameter(leaf, value)
+    else:
+        module.register_buffer(leaf, value)
+
+
+def _lookup(root: torch.nn.Module, fqn: str) -> torch.Tensor:
+    *path, leaf = fqn.split(".")
+    module = root
+    for part in path:
+        module = module._modules[part]
+    return getattr(module, leaf)
+
+
+def _has(root: torch.nn.Module, fqn: str) -> bool:
+    try:
+        _lookup(root, fqn)
+        return True
+    except (KeyError, AttributeError):
+        return False
+
+
+def mesh_groups(mesh_shape: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Create the device mesh; return each axis's process-group name and this rank's coordinate."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, mesh_shape)
+    groups = tuple(mesh.get_group(axis).group_name for axis in range(len(mesh_shape)))
+    return groups, tuple(mesh.get_coordinate())

@@ -1,0 +1,314 @@
+"""The choice graph: every node's candidate strategies with their prices, and the edges between.
+
+This is what the ILP is built from. It is computed once per (graph, mesh, cluster) and holds
+no solver state, so that the formulation (``ilp.py``) and the reporting (``plan.py``) read the
+same numbers.
+
+- A *free* node chooses among its strategies.
+- A *follower* (getitem always; otherwise a node with one tensor input whose rule maps each of
+  its producer's output specs to exactly one strategy, such as views and elementwise ops) takes
+  the strategy that matches its producer's choice, so it never reshards its input.
+- An *edge* joins output ``out_index`` of a producer to tensor input ``in_index`` of a consumer.
+  Its price table gives the cost of each (producer spec → consumer spec) transition; missing
+  entries are impossible transitions (into Partial, or any change on a tensor mutated in place).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.cost import comm, compute, memory
+from autopar.cost.cluster import ClusterSpec
+from autopar.rules import node_strategies, op_info
+from autopar.rules.registry import OpInfo, Strategy, tensor_input_nodes, tensor_meta
+from autopar.spec import Spec, is_valid, replicated
+from autopar.trace import TracedModel
+
+
+@dataclass
+class Choice:
+    """One graph node's decision: its strategies and the price of each."""
+
+    name: str
+    kind: str  # "param" | "buffer" | "constant" | "user" | "op" | "output"
+    strategies: list[Strategy]
+    compute_s: list[float]
+    memory_bytes: list[float]
+    inputs: list[tuple[str, int]]  # (producer, output index) per tensor input
+    out_shapes: tuple[tuple[int, ...], ...] = ()
+    out_dtypes: tuple[torch.dtype, ...] = ()
+    requires_grad: bool = False
+    follower_of: str | None = None
+    fqn: str | None = None
+    info: OpInfo | None = None
+    grad_sync_bytes: list[float] = field(default_factory=list)
+
+    def out_specs(self, index: int) -> list[Spec]:
+        """Distinct specs of output ``index`` over the strategies, in first-seen order."""
+        return list(dict.fromkeys(s.outs[index] for s in self.strategies))
+
+    def in_specs(self, index: int) -> list[Spec]:
+        return list(dict.fromkeys(s.ins[index] for s in self.strategies))
+
+
+@dataclass
+class Edge:
+    producer: str
+    out_index: int
+    consumer: str
+    in_index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    mutated: bool
+    # (src spec, dst spec) → (seconds, bytes sent); absent = impossible
+    price: dict[tuple[Spec, Spec], tuple[float, float]] = field(default_factory=dict)
+
+
+@dataclass
+class ChoiceGraph:
+    mesh_shape: tuple[int, ...]
+    choices: dict[str, Choice]
+    edges: list[Edge]
+    order: list[str]  # node names in graph order
+
+    def free(self) -> list[Choice]:
+        return [self.choices[n] for n in self.order if self.choices[n].follower_of is None]
+
+
+def build_choice_graph(
+    traced: TracedModel,
+    mesh_shape: Sequence[int],
+    cluster: ClusterSpec,
+    *,
+    optimizer: str = "adamw",
+    forced: dict[str, Spec] | None = None,
+) -> ChoiceGraph:
+    """Enumerate strategies and prices for every node of ``traced``.
+
+    ``forced`` pins the output spec of named nodes (tests use it for hand plans).
+    """
+    mesh_shape = tuple(mesh_shape)
+    num_axes = len(mesh_shape)
+    kinds = {i.name: i for i in traced.inputs}
+    choices: dict[str, Choice] = {}
+    order: list[str] = []
+    saved = _saved_for_backward(traced.gm)
+    for node in traced.gm.graph.nodes:
+        order.append(node.name)
+        if node.op == "placeholder":
+            graph_input = kinds[node.name]
+            choices[node.name] = _placeholder_choice(node, graph_input.kind, graph_input.fqn, mesh_shape, optimizer)
+        elif node.op == "output":
+            choices[node.name] = _output_choice(node, num_axes)
+        elif node.op == "call_function":
+            choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, node.name in saved)
+        else:
+            raise NotImplementedError(f"autopar cannot plan a {node.op} node yet: {node.format_node()}")
+        if forced and node.name in forced:
+            choice = choices[node.name]
+            keep = [i for i, s in enumerate(choice.strategies) if s.outs and s.outs[0] == forced[node.name]]
+            if not keep:
+                raise ValueError(f"forced spec {forced[node.name]} is not a strategy of {node.format_node()}")
+            _keep_only(choice, keep)
+    edges = _edges(traced.gm, choices, mesh_shape, cluster)
+    _mark_followers(choices, edges, order)
+    return ChoiceGraph(mesh_shape, choices, edges, order)
+
+
+def _keep_only(choice: Choice, keep: list[int]) -> None:
+    choice.strategies = [choice.strategies[i] for i in keep]
+    choice.compute_s = [choice.compute_s[i] for i in keep]
+    choice.memory_bytes = [choice.memory_bytes[i] for i in keep]
+    choice.grad_sync_bytes = [choice.grad_sync_bytes[i] for i in keep]
+
+
+def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec]:
+    """Every R/S spec with even shards (Partial is never a placeholder's placement)."""
+    per_axis = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    return [spec for spec in itertools.product(per_axis, repeat=len(mesh_shape)) if is_valid(shape, spec, mesh_shape)]
+
+
+def _placeholder_choice(node, kind, fqn, mesh_shape, optimizer) -> Choice:
+    meta = tensor_meta(node.meta.get("val"))
+    num_axes = len(mesh_shape)
+    if meta is None:
+        return Choice(node.name, kind, [Strategy((), ())], [0.0], [0.0], [], fqn=fqn, grad_sync_bytes=[0.0])
+    shape, dtype = meta
+    if kind in ("param", "buffer"):
+        specs = _all_specs(shape, mesh_shape)
+    else:
+        # User inputs arrive whole on every rank and constants are whole: the first consumer
+        # decides how to cut them (a local chunk, free of communication).
+        specs = [replicated(num_axes)]
+    strategies = [Strategy((), (spec,), source="placeholder") for spec in specs]
+    if kind == "param":
+        mem = [float(memory.param_state_bytes(shape, dtype, spec, mesh_shape, optimizer)) for spec in specs]
+    else:
+        mem = [float(memory.local_bytes(shape, dtype, spec, mesh_shape)) for spec in specs]
+    requires_grad = bool(getattr(node.meta.get("val"), "requires_grad", False))
+    return Choice(
+        node.name, kind, strategies, [0.0] * len(specs), mem, [], (shape,), (dtype,),
+        requires_grad, fqn=fqn, grad_sync_bytes=[0.0] * len(specs),
+    )
+
+
+def _output_choice(node: torch.fx.Node, num_axes: int) -> Choice:
+    # Outputs come back whole on every rank.
+    inputs = [n for n in _flatten(node.args) if isinstance(n, torch.fx.Node) and tensor_meta(n.meta.get("val"))]
+    strategy = Strategy(tuple(replicated(num_axes) for _ in inputs), (), source="output")
+    return Choice(node.name, "output", [strategy], [0.0], [0.0], [], grad_sync_bytes=[0.0])
+
+
+def _op_choice(node, choices, mesh_shape, cluster, saved: bool) -> Choice:
+    val = node.meta.get("val")
+    requires_grad = any(getattr(v, "requires_grad", False) for v in _flatten(val) if isinstance(v, torch.Tensor))
+    if node.target is operator.getitem:
+        return _getitem_choice(node, choices, requires_grad)
+    info = op_info(node)
+    strategies = node_strategies(info, mesh_shape)
+    input_nodes = tensor_input_nodes(node)
+    inputs = [(n.name, 0) for n in input_nodes]
+    compute_s, memory_bytes, sync_bytes = [], [], []
+    for strategy in strategies:
+        seconds = compute.compute_cost_s(info, strategy, mesh_shape, cluster, requires_grad)
+        synced = 0.0
+        for index, arg in enumerate(info.inputs):
+            if not choices[input_nodes[index].name].requires_grad:
+                continue
+            for axis in grad_sync_axes(strategy, index):
+                cost = comm.grad_allreduce_cost(arg.shape, strategy.ins[index], axis, arg.dtype, mesh_shape, cluster)
+                seconds += cost.backward_s
+                synced += cost.bytes_sent
+        compute_s.append(seconds)
+        sync_bytes.append(synced)
+        kept = 0.0
+        if saved and requires_grad:
+            for shape, spec, out in zip(info.out_shapes, strategy.outs, _flatten(val)):
+                kept += memory.local_bytes(shape, out.dtype, spec, mesh_shape)
+        memory_bytes.append(float(kept))
+    out_dtypes = tuple(v.dtype for v in _flatten(val) if isinstance(v, torch.Tensor))
+    return Choice(
+        node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
+        requires_grad, info=info, grad_sync_bytes=sync_bytes,
+    )
+
+
+def grad_sync_axes(strategy: Strategy, index: int) -> list[int]:
+    """Axes on which input ``index`` is replicated while the op's result is split.
+
+    There every rank's local gradient for that input is only a partial sum, so it needs an
+    all-reduce in backward (DDP's gradient all-reduce and Megatron's ``f`` are both this case).
+    """
+    axes = []
+    for axis, placement in enumerate(strategy.ins[index]):
+        if isinstance(placement, Replicate) and any(not isinstance(out[axis], Replicate) for out in strategy.outs):
+            axes.append(axis)
+    return axes
+
+
+def _getitem_choice(node, choices, requires_grad) -> Choice:
+    producer, index = node.args
+    source = choices[producer.name]
+    specs = source.out_specs(index)
+    strategies = [Strategy((spec,), (spec,), source="follow") for spec in specs]
+    zeros = [0.0] * len(specs)
+    return Choice(
+        node.name, "op", strategies, zeros, list(zeros), [(producer.name, index)],
+        (source.out_shapes[index],), (source.out_dtypes[index],), requires_grad,
+        grad_sync_bytes=list(zeros),
+    )
+
+
+def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
+    edges = []
+    for node in gm.graph.nodes:
+        choice = choices[node.name]
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            producers = [(n.name, 0) for n in _flatten(node.args) if isinstance(n, torch.fx.Node) and tensor_meta(n.meta.get("val"))]
+            mutated: set[int] = set()
+        else:
+            producers = choice.inputs
+            mutated = _mutated_inputs(node)
+        for in_index, (producer, out_index) in enumerate(producers):
+            source = choices[producer]
+            shape, dtype = source.out_shapes[out_index], source.out_dtypes[out_index]
+            edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, in_index in mutated)
+            for src in source.out_specs(out_index):
+                for dst in choice.in_specs(in_index):
+                    if edge.mutated and src != dst:
+                        continue
+                    cost = comm.transition_cost(src, dst, shape, dtype, mesh_shape, cluster, edge.requires_grad)
+                    if cost is not None:
+                        edge.price[(src, dst)] = (cost.forward_s + cost.backward_s, cost.bytes_sent)
+            edges.append(edge)
+    return edges
+
+
+def _mutated_inputs(node: torch.fx.Node) -> set[int]:
+    """Tensor-input indices that the op writes in place (schema alias info with is_write)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return set()
+    written = {a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    if not written:
+        return set()
+    indices, index = set(), 0
+    args = {a.name: (node.args[i] if i < len(node.args) else node.kwargs.get(a.name)) for i, a in enumerate(target._schema.arguments)}
+    for name, value in args.items():
+        for leaf in _flatten(value):
+            if isinstance(leaf, torch.fx.Node) and tensor_meta(leaf.meta.get("val")):
+                if name in written:
+                    indices.add(index)
+                index += 1
+    return indices
+
+
+def _mark_followers(choices: dict[str, Choice], edges: list[Edge], order: list[str]) -> None:
+    """Mark nodes whose choice is a function of their single producer's choice."""
+    for name in order:
+        choice = choices[name]
+        if choice.kind != "op" or len(choice.inputs) != 1:
+            continue
+        producer, out_index = choice.inputs[0]
+        source_specs = choices[producer].out_specs(out_index)
+        by_in: dict[Spec, list[int]] = {}
+        for i, strategy in enumerate(choice.strategies):
+            if strategy.kernel is None:
+                by_in.setdefault(strategy.ins[0], []).append(i)
+        if all(len(by_in.get(spec, [])) == 1 for spec in source_specs):
+            keep = [by_in[spec][0] for spec in source_specs]
+            _keep_only(choice, keep)
+            choice.follower_of = producer
+
+
+def _saved_for_backward(gm: torch.fx.GraphModule) -> set[str]:
+    """Names of nodes whose outputs autograd keeps until backward (an estimate, see memory)."""
+    saved: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if memory.saves_output(node.target):
+            saved.add(node.name)
+        if node.target in memory.SAVES_INPUTS:
+            for arg in _flatten((node.args, node.kwargs)):
+                if isinstance(arg, torch.fx.Node) and arg.op != "placeholder":
+                    saved.add(arg.name)
+    return saved
+
+
+def _flatten(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _flatten(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _flatten(v)]
+    return [value]

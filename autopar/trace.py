@@ -1,0 +1,160 @@
+"""Trace a model to an ATen-level ``torch.fx`` graph with FakeTensor shapes.
+
+``torch.export.export(..., strict=False)`` gives the training IR: ATen ops that keep composite
+ops such as ``linear``, ``layer_norm``, ``scaled_dot_product_attention``, ``embedding``,
+``cross_entropy_loss``, ``conv2d`` and ``batch_norm`` whole, so that each stays one sharding
+decision. Parameters, buffers and lifted constants become placeholders, which we map back to
+their fully qualified names (FQNs). Every node carries its FakeTensor in ``node.meta["val"]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind
+from torch.utils._pytree import TreeSpec
+
+from autopar.errors import TraceError
+
+# Runtime shape and dtype assertions that export leaves behind; after sharding they would
+# check local tensors against global shapes, and they decide nothing, so they are dropped.
+_ASSERTION_OPS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GraphInput:
+    """A placeholder of the traced graph: a parameter, buffer, lifted constant or user input."""
+
+    name: str
+    kind: str  # "param" | "buffer" | "constant" | "user"
+    fqn: str | None
+
+
+@dataclass(frozen=True)
+class TracedModel:
+    gm: torch.fx.GraphModule
+    inputs: tuple[GraphInput, ...]
+    in_spec: TreeSpec
+    out_spec: TreeSpec
+    ties: dict[str, str] = field(default_factory=dict)  # FQN → canonical FQN of the same tensor
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # placeholder → value
+    graph_hash: str = ""
+
+    def placeholders(self, kind: str) -> list[GraphInput]:
+        return [i for i in self.inputs if i.kind == kind]
+
+    def node(self, name: str) -> torch.fx.Node:
+        for node in self.gm.graph.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+
+_KINDS = {
+    InputKind.PARAMETER: "param",
+    InputKind.BUFFER: "buffer",
+    InputKind.CONSTANT_TENSOR: "constant",
+    InputKind.USER_INPUT: "user",
+}
+
+
+def trace(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+) -> TracedModel:
+    """Export ``model`` called on the example inputs to an ATen graph."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    try:
+        exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
+    except Exception as error:  # export raises many types; all mean "cannot trace"
+        raise TraceError.from_export_error(model, error) from error
+
+    gm = exported.graph_module
+    _drop_assertions(gm)
+    inputs: list[GraphInput] = []
+    constants: dict[str, torch.Tensor] = {}
+    for spec in exported.graph_signature.input_specs:
+        kind = _KINDS.get(spec.kind)
+        if kind is None:
+            raise TraceError(
+                f"the exported graph has an input of kind {spec.kind} ({spec.arg.name}), "
+                "which autopar does not handle yet"
+            )
+        name = spec.arg.name
+        inputs.append(GraphInput(name, kind, spec.target))
+        if kind == "constant":
+            constants[name] = exported.constants[spec.target]
+    for node in gm.graph.nodes:
+        node.meta.setdefault("autopar", {})
+    call_spec = exported.call_spec
+    return TracedModel(
+        gm=gm,
+        inputs=tuple(inputs),
+        in_spec=call_spec.in_spec,
+        out_spec=call_spec.out_spec,
+        ties=_ties(model),
+        constants=constants,
+        graph_hash=graph_hash(gm),
+    )
+
+
+def _drop_assertions(gm: torch.fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERTION_OPS and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _ties(model: torch.nn.Module) -> dict[str, str]:
+    """Map every parameter FQN to the first FQN under which the same tensor appears."""
+    canonical: dict[int, str] = {}
+    ties: dict[str, str] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        first = canonical.setdefault(id(param), fqn)
+        ties[fqn] = first
+    return ties
+
+
+def graph_hash(gm: torch.fx.GraphModule) -> str:
+    """A structural hash: ops, argument structure, shapes and dtypes, in graph order."""
+    digest = hashlib.sha256()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        digest.update(f"{node.op}|{node.name}|{_target_name(node.target)}|".encode())
+        digest.update(repr(_describe(node.args)).encode())
+        digest.update(repr(_describe(node.kwargs)).encode())
+        digest.update(repr(_describe(val)).encode())
+    return digest.hexdigest()[:16]
+
+
+def _target_name(target: Any) -> str:
+    # str() of a plain function includes its address, which differs between processes.
+    if isinstance(target, torch._ops.OpOverload) or not callable(target):
+        return str(target)
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return f"%{value.name}"
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _describe(v)) for k, v in sorted(value.items()))
+    if isinstance(value, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(value)
+    return value

@@ -1,0 +1,415 @@
+"""Cost model tests: every number here is computed by hand in the comment beside it."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+
+import pytest
+import torch
+
+from autopar.cost import (
+    ClusterSpec,
+    CommCost,
+    LinkSpec,
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    bytes_sent,
+    compute_cost_s,
+    get_cluster,
+    grad_allreduce_cost,
+    local_bytes,
+    node_bytes,
+    node_flops,
+    param_state_bytes,
+    preset_names,
+    reduce_scatter_s,
+    saves_inputs,
+    saves_output,
+    tensor_bytes,
+    transition_cost,
+)
+from autopar.cost.cluster import PRESETS_DIR
+from autopar.rules.registry import Strategy, op_info_from_values
+from autopar.spec import P, R, S
+
+aten = torch.ops.aten
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def round_cluster(devices_per_node: int = 8) -> ClusterSpec:
+    """A cluster with round numbers: α = 10 us and β = 1e9 B/s inside a node, 100 us and 1e8 B/s
+    between nodes; 1e12 FLOP/s fp32, 1e11 B/s memory."""
+    return ClusterSpec(
+        name="round",
+        devices_per_node=devices_per_node,
+        num_nodes=2,
+        peak_flops={"float32": 1e12, "bfloat16": 4e12},
+        memory_bandwidth_bytes_per_s=1e11,
+        memory_bytes=16 * GiB,
+        intra_node=LinkSpec(latency_s=1e-5, bandwidth_bytes_per_s=1e9),
+        inter_node=LinkSpec(latency_s=1e-4, bandwidth_bytes_per_s=1e8),
+        source="test",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# cluster
+
+
+def test_presets_load_and_describe_their_source():
+    assert set(preset_names()) >= {"h100-80g", "a100-40g", "v100-16g", "cpu"}
+    for name in preset_names():
+        cluster = get_cluster(name)
+        assert cluster.name == name
+        assert cluster.source and cluster.notes
+    assert get_cluster(None) == get_cluster("h100-80g")
+    spec = get_cluster("cpu")
+    assert get_cluster(spec) is spec
+
+
+def test_h100_preset_numbers():
+    h100 = get_cluster("h100-80g")
+    assert h100.devices_per_node == 8
+    assert h100.peak_flops_for(torch.bfloat16) == 989e12
+    assert h100.memory_bytes == 80 * GiB
+    assert h100.intra_node == LinkSpec(5e-6, 450e9)
+    assert h100.inter_node == LinkSpec(10e-6, 50e9)
+
+
+def test_peak_flops_falls_back_to_float32():
+    v100 = get_cluster("v100-16g")
+    assert v100.peak_flops_for(torch.bfloat16) == v100.peak_flops["float32"] == 15.7e12
+    assert v100.peak_flops_for(torch.float16) == 125e12
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ValueError, match="unknown cluster 'tpu-v9'") as err:
+        get_cluster("tpu-v9")
+    for name in ("h100-80g", "a100-40g", "v100-16g", "cpu"):
+        assert name in str(err.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        get_cluster(tmp_path / "nope.json")
+
+
+def test_axis_link_last_axis_is_innermost():
+    cluster = round_cluster(devices_per_node=8)
+    # mesh (2, 8): axis 1 groups 8 consecutive ranks (one node); axis 0 groups ranks r and r + 8.
+    assert cluster.axis_link((2, 8), 1) == cluster.intra_node
+    assert cluster.axis_link((2, 8), 0) == cluster.inter_node
+    assert cluster.axis_link((16, 8), 1) == cluster.intra_node
+    assert cluster.axis_link((16, 8), 0) == cluster.inter_node
+    # mesh (2, 4) fits in one node of 8: both axes intra-node.
+    assert cluster.axis_link((2, 4), 0) == cluster.intra_node
+    # mesh (4, 2) with 4 devices per node: axis 0's block is 8 ranks, two nodes.
+    assert round_cluster(4).axis_link((4, 2), 0) == cluster.inter_node
+    assert round_cluster(4).axis_link((4, 2), 1) == cluster.intra_node
+    # with 16 devices per node the whole (2, 8) mesh is one node
+    assert round_cluster(16).axis_link((2, 8), 0) == cluster.intra_node
+    # a block of 3 does not divide 8: the group of ranks 6, 7, 8 straddles two nodes
+    assert cluster.axis_link((4, 3), 1) == cluster.inter_node
+    with pytest.raises(ValueError, match="out of range"):
+        cluster.axis_link((2, 8), 2)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_save_load_round_trip(tmp_path, suffix):
+    cluster = get_cluster("h100-80g")
+    path = tmp_path / f"cluster{suffix}"
+    cluster.save(path)
+    text = path.read_text()
+    data = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
+    assert data["intra_node"]["bandwidth_bytes_per_s"] == 450e9
+    assert ClusterSpec.load(path) == cluster
+    assert get_cluster(path) == cluster
+    assert get_cluster(str(path)) == cluster
+    assert ClusterSpec.from_json(json.dumps(cluster.to_json())) == cluster
+
+
+def test_validation_errors():
+    good = round_cluster().to_json()
+    with pytest.raises(ValueError, match="latency_s must be finite and > 0"):
+        LinkSpec(latency_s=-1.0, bandwidth_bytes_per_s=1e9)
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s"):
+        LinkSpec(latency_s=1e-6, bandwidth_bytes_per_s=0)
+    with pytest.raises(ValueError, match="devices_per_node must be an integer >= 1"):
+        ClusterSpec.from_json({**good, "devices_per_node": 0})
+    with pytest.raises(ValueError, match="include 'float32'"):
+        ClusterSpec.from_json({**good, "peak_flops": {"bfloat16": 1e12}})
+    with pytest.raises(ValueError, match="not a torch dtype name"):
+        ClusterSpec.from_json({**good, "peak_flops": {"float32": 1e12, "fp8": 1e12}})
+    with pytest.raises(ValueError, match=r"unknown keys \['bandwith'\]"):
+        ClusterSpec.from_json({**good, "bandwith": 1})
+    with pytest.raises(ValueError, match=r"missing keys \['memory_bytes'\]"):
+        ClusterSpec.from_json({k: v for k, v in good.items() if k != "memory_bytes"})
+
+
+def test_load_reports_the_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**round_cluster().to_json(), "num_nodes": -2}))
+    with pytest.raises(ValueError, match="bad.json.*num_nodes"):
+        ClusterSpec.load(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# comm
+
+
+def test_all_reduce_1gib_on_8_way_h100_node():
+    h100 = get_cluster("h100-80g")
+    # 2·7·5e-6 + 2·7/8 · 2^30 / 450e9 = 7e-5 + 4.17566e-3
+    expected_s = 7e-5 + 1.75 * GiB / 450e9
+    assert all_reduce_s(GiB, 1, (2, 8), h100) == pytest.approx(expected_s)
+    assert all_reduce_s(GiB, 1, (2, 8), h100) == pytest.approx(4.2456627e-3)
+    # the same on the inter-node axis of mesh (8, 8): 2·7·10e-6 + 1.75 · 2^30 / 50e9
+    assert all_reduce_s(GiB, 0, (8, 8), h100) == pytest.approx(1.4e-4 + 1.75 * GiB / 50e9)
+
+
+def test_collective_formulas():
+    cluster = round_cluster()
+    mesh = (4,)
+    # (k-1)·α + (k-1)/k · bytes/β = 3e-5 + 0.75 · 4 MiB / 1e9
+    expected_s = 3e-5 + 0.75 * 4 * MiB / 1e9
+    assert all_gather_s(4 * MiB, 0, mesh, cluster) == pytest.approx(expected_s)
+    assert reduce_scatter_s(4 * MiB, 0, mesh, cluster) == pytest.approx(expected_s)
+    assert all_to_all_s(4 * MiB, 0, mesh, cluster) == pytest.approx(expected_s)
+    for fn in (all_reduce_s, all_gather_s, reduce_scatter_s, all_to_all_s):
+        assert fn(4 * MiB, 0, (1, 4), cluster) == 0.0
+
+
+def test_bytes_sent():
+    assert bytes_sent("all_reduce", 800, 8) == 1400  # 2·7/8·800
+    assert bytes_sent("all_gather", 800, 8) == 700  # 7/8·800
+    assert bytes_sent("reduce_scatter", 800, 8) == 700
+    assert bytes_sent("all_to_all", 800, 8) == 700
+    assert bytes_sent("chunk", 800, 8) == 0
+    assert bytes_sent("all_reduce", 800, 1) == 0
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        bytes_sent("broadcast", 800, 8)
+
+
+# A [1024, 1024] fp32 tensor is 4 MiB; on mesh (4,) with α = 1e-5, β = 1e9:
+FULL = 4 * MiB
+GATHER_FULL_S = 3e-5 + 0.75 * FULL / 1e9  # all-gather to 4 MiB, or reduce-scatter of 4 MiB
+ALL_REDUCE_FULL_S = 6e-5 + 1.5 * FULL / 1e9
+
+
+def _cost(src, dst, requires_grad, mesh=(4,), shape=(1024, 1024)):
+    return transition_cost(src, dst, shape, torch.float32, mesh, round_cluster(), requires_grad)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_transition_shard_to_replicate(requires_grad):
+    # all-gather forward; backward keeps the local chunk (free)
+    cost = _cost((S(0),), (R,), requires_grad)
+    assert cost.forward_s == pytest.approx(GATHER_FULL_S)
+    assert cost.backward_s == 0.0
+    assert cost.bytes_sent == pytest.approx(0.75 * FULL)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_transition_partial_to_replicate(requires_grad):
+    # all-reduce forward; identity backward
+    cost = _cost((P,), (R,), requires_grad)
+    assert cost.forward_s == pytest.approx(ALL_REDUCE_FULL_S)
+    assert cost.backward_s == 0.0
+    assert cost.bytes_sent == pytest.approx(1.5 * FULL)
+
+
+def test_transition_replicate_to_shard():
+    # chunk is free forward; its backward all-gathers the 1 MiB gradient shards into 4 MiB
+    assert _cost((R,), (S(0),), requires_grad=False) == CommCost(0.0, 0.0, 0.0)
+    cost = _cost((R,), (S(0),), requires_grad=True)
+    assert cost.forward_s == 0.0
+    assert cost.backward_s == pytest.approx(GATHER_FULL_S)
+    assert cost.bytes_sent == pytest.approx(0.75 * FULL)
+
+
+def test_transition_partial_to_shard_and_all_to_all():
+    # reduce-scatter of 4 MiB; backward all-gathers the gradient back to 4 MiB
+    cost = _cost((P,), (S(0),), requires_grad=True)
+    assert cost.forward_s == pytest.approx(GATHER_FULL_S)
+    assert cost.backward_s == pytest.approx(GATHER_FULL_S)
+    assert cost.bytes_sent == pytest.approx(1.5 * FULL)
+    # all-to-all of the 1 MiB local shard, both ways
+    shard_s = 3e-5 + 0.75 * MiB / 1e9
+    cost = _cost((S(0),), (S(1),), requires_grad=True)
+    assert cost.forward_s == pytest.approx(shard_s)
+    assert cost.backward_s == pytest.approx(shard_s)
+    assert cost.bytes_sent == pytest.approx(2 * 0.75 * MiB)
+
+
+def test_transition_identity_and_impossible():
+    assert _cost((S(0),), (S(0),), requires_grad=True) == CommCost(0.0, 0.0, 0.0)
+    assert _cost((R,), (P,), requires_grad=True) is None
+
+
+def test_transition_two_axes_prices_each_step_at_its_local_size():
+    # mesh (2, 8) on the round cluster with 8 devices per node: axis 1 intra, axis 0 inter.
+    # S(0),S(1) → R,R: all-gather on axis 1 first ([512,128] → [512,1024], 2 MiB out, intra),
+    # then on axis 0 ([512,1024] → [1024,1024], 4 MiB out, inter).
+    cost = _cost((S(0), S(1)), (R, R), requires_grad=True, mesh=(2, 8))
+    axis1_s = 7e-5 + 7 / 8 * 2 * MiB / 1e9
+    axis0_s = 1e-4 + 1 / 2 * 4 * MiB / 1e8
+    assert cost.forward_s == pytest.approx(axis1_s + axis0_s)
+    assert cost.backward_s == 0.0
+    assert cost.bytes_sent == pytest.approx(7 / 8 * 2 * MiB + 1 / 2 * 4 * MiB)
+
+
+def test_grad_allreduce_cost():
+    # a replicated [1024, 1024] fp32 gradient all-reduced over mesh (4,) in backward
+    cost = grad_allreduce_cost((1024, 1024), (R,), 0, torch.float32, (4,), round_cluster())
+    assert cost.forward_s == 0.0
+    assert cost.backward_s == pytest.approx(ALL_REDUCE_FULL_S)
+    assert cost.bytes_sent == pytest.approx(1.5 * FULL)
+    # sharded on axis 0 of (2, 4), all-reduced on axis 1: the local tensor is 2 MiB
+    cost = grad_allreduce_cost((1024, 1024), (S(0), R), 1, torch.float32, (2, 4), round_cluster())
+    assert cost.backward_s == pytest.approx(6e-5 + 1.5 * 2 * MiB / 1e9)
+
+
+# ---------------------------------------------------------------------------------------------
+# compute
+
+
+def info_for(target, *args, **kwargs):
+    """An OpInfo for ``target`` called on meta tensors, as the tracer would see it."""
+    kw = {}
+    positional = [a for a in target._schema.arguments if not a.kwarg_only]
+    for arg, value in zip(positional, args):
+        kw[arg.name] = value
+    for arg in target._schema.arguments:
+        if arg.name in kwargs:
+            kw[arg.name] = kwargs[arg.name]
+        elif arg.name not in kw:
+            kw[arg.name] = arg.default_value if arg.has_default_value() else None
+    out = target(*args, **kwargs)
+    return op_info_from_values("node", target, kw, out)
+
+
+def meta(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def test_node_flops_formulas():
+    # mm [128, 256] x [256, 512]: 2·128·256·512, via torch's flop_registry
+    assert node_flops(info_for(aten.mm.default, meta(128, 256), meta(256, 512))) == 33554432
+    # addmm and bmm via the registry too
+    assert node_flops(info_for(aten.addmm.default, meta(512), meta(128, 256), meta(256, 512))) == 33554432
+    assert node_flops(info_for(aten.bmm.default, meta(3, 4, 5), meta(3, 5, 6))) == 2 * 3 * 4 * 5 * 6
+    # linear x [4, 8, 16], weight [32, 16]: 2 · (512/16) · 16 · 32
+    assert node_flops(info_for(aten.linear.default, meta(4, 8, 16), meta(32, 16), meta(32))) == 32768
+    # matmul [2, 3, 4] x [4, 5]: 2 · 6 · 4 · 5
+    assert node_flops(info_for(aten.matmul.default, meta(2, 3, 4), meta(4, 5))) == 240
+    # sdpa q [2, 4, 8, 16], k, v [2, 4, 10, 16]: 4·B·H·T·S·D = 4·2·4·8·10·16
+    q, kv = meta(2, 4, 8, 16), meta(2, 4, 10, 16)
+    assert node_flops(info_for(aten.scaled_dot_product_attention.default, q, kv, kv)) == 40960
+    # conv2d x [2, 3, 8, 8], w [4, 3, 3, 3] → out [2, 4, 6, 6]: 2 · 36 · 9 · 2 · 4 · 3
+    assert node_flops(info_for(aten.conv2d.default, meta(2, 3, 8, 8), meta(4, 3, 3, 3))) == 15552
+    # the same convolution as aten.convolution goes through the registry and agrees
+    conv = info_for(aten.convolution.default, meta(2, 3, 8, 8), meta(4, 3, 3, 3), None,
+                    [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    assert node_flops(conv) == 15552
+    # pointwise: one per output element; reductions: one per input element; views: none
+    assert node_flops(info_for(aten.add.Tensor, meta(10, 10), meta(10))) == 100
+    assert node_flops(info_for(aten.sum.dim_IntList, meta(10, 10), [1])) == 100
+    assert node_flops(info_for(aten.view.default, meta(10, 10), [100])) == 0
+
+
+def test_node_bytes():
+    # add [10, 10] + [10] → [10, 10], fp32: (100 + 10 + 100) · 4
+    assert node_bytes(info_for(aten.add.Tensor, meta(10, 10), meta(10))) == 840
+    # bf16 mm [128, 256] x [256, 512]: (32768 + 131072 + 65536) · 2
+    mm = info_for(aten.mm.default, meta(128, 256, dtype=torch.bfloat16), meta(256, 512, dtype=torch.bfloat16))
+    assert node_bytes(mm) == 458752
+    for view in (
+        info_for(aten.view.default, meta(10, 10), [100]),
+        info_for(aten.transpose.int, meta(10, 10), 0, 1),
+        info_for(aten.t.default, meta(10, 10)),
+    ):
+        assert node_bytes(view) == 0
+    # embedding: int64 indices [4, 8] and the gathered rows read and written, [4, 8, 16] fp32
+    emb = info_for(aten.embedding.default, meta(1000, 16), meta(4, 8, dtype=torch.int64))
+    assert node_bytes(emb) == 32 * 8 + 2 * 512 * 4
+
+
+def test_compute_cost_roofline_and_split():
+    cluster = round_cluster()
+    mesh = (4,)
+    info = info_for(aten.mm.default, meta(128, 256), meta(256, 512))
+    # flops 33554432 / 1e12 = 3.3554432e-5 s; bytes 917504 / 1e11 = 9.17504e-6 s: compute bound
+    forward_s = 33554432 / 1e12
+    replicated = Strategy(ins=((R,), (R,)), outs=((R,),))
+    assert compute_cost_s(info, replicated, mesh, cluster, requires_grad=False) == pytest.approx(forward_s)
+    # backward of a matmul is 2× its forward
+    assert compute_cost_s(info, replicated, mesh, cluster, requires_grad=True) == pytest.approx(3 * forward_s)
+    row_split = Strategy(ins=((S(0),), (R,)), outs=((S(0),),))
+    assert compute_cost_s(info, row_split, mesh, cluster, False) == pytest.approx(forward_s / 4)
+    # S(1) x S(0) → P splits the contraction: also a quarter of the work
+    contraction_split = Strategy(ins=((S(1),), (S(0),)), outs=((P,),))
+    assert compute_cost_s(info, contraction_split, mesh, cluster, False) == pytest.approx(forward_s / 4)
+    # on mesh (2, 4), rows on axis 0 and columns on axis 1: an eighth
+    both = Strategy(ins=((S(0), R), (R, S(1))), outs=((S(0), S(1)),))
+    assert compute_cost_s(info, both, (2, 4), cluster, False) == pytest.approx(forward_s / 8)
+
+
+def test_compute_cost_memory_bound_pointwise():
+    cluster = round_cluster()
+    info = info_for(aten.add.Tensor, meta(1000, 1000), meta(1000, 1000))
+    # 1e6 flops / 1e12 = 1e-6 s; 12e6 bytes / 1e11 = 1.2e-4 s: memory bound; backward 1× forward
+    strategy = Strategy(ins=((R,), (R,)), outs=((R,),))
+    assert compute_cost_s(info, strategy, (4,), cluster, False) == pytest.approx(1.2e-4)
+    assert compute_cost_s(info, strategy, (4,), cluster, True) == pytest.approx(2.4e-4)
+    # a bf16 matmul uses the bf16 peak (4e12)
+    mm = info_for(aten.mm.default, meta(1024, 1024, dtype=torch.bfloat16), meta(1024, 1024, dtype=torch.bfloat16))
+    replicated = Strategy(ins=((R,), (R,)), outs=((R,),))
+    assert compute_cost_s(mm, replicated, (4,), cluster, False) == pytest.approx(2 * 1024**3 / 4e12)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+
+
+def test_tensor_and_local_bytes():
+    assert tensor_bytes((1024, 1024), torch.float32) == 4 * MiB
+    assert tensor_bytes((1024, 1024), torch.bfloat16) == 2 * MiB
+    assert local_bytes((1024, 1024), torch.float32, (S(0),), (4,)) == MiB
+    assert local_bytes((1024, 1024), torch.float32, (S(0), S(1)), (2, 4)) == MiB // 2
+    assert local_bytes((1024, 1024), torch.float32, (P,), (4,)) == 4 * MiB
+
+
+def test_param_state_bytes():
+    shape, mesh = (1024, 1024), (4,)
+    # local shard [256, 1024] fp32 = 1 MiB; param + grad = 2 MiB; adamw adds 2 fp32 states
+    assert param_state_bytes(shape, torch.float32, (S(0),), mesh) == 4 * MiB
+    assert param_state_bytes(shape, torch.float32, (S(0),), mesh, optimizer="adam") == 4 * MiB
+    assert param_state_bytes(shape, torch.float32, (S(0),), mesh, optimizer="sgd") == 2 * MiB
+    assert param_state_bytes(shape, torch.float32, (S(0),), mesh, optimizer="sgd-momentum") == 3 * MiB
+    # replicated: the whole 4 MiB on every rank, four times over
+    assert param_state_bytes(shape, torch.float32, (R,), mesh) == 16 * MiB
+    # bf16 params keep fp32 optimizer state: 0.5 + 0.5 + 2 MiB
+    assert param_state_bytes(shape, torch.bfloat16, (S(0),), mesh) == 3 * MiB
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'.*adam, adamw, sgd, sgd-momentum"):
+        param_state_bytes(shape, torch.float32, (S(0),), mesh, optimizer="lamb")
+
+
+def test_saved_for_backward():
+    for target in (aten.mm.default, aten.linear.default, aten.gelu.default, aten.mul.Tensor,
+                   aten.native_layer_norm.default, aten.embedding.default,
+                   aten.scaled_dot_product_attention.default, aten.convolution.default):
+        assert saves_inputs(target), target
+    for target in (aten.add.Tensor, aten.view.default, aten.mul.Scalar, aten.relu.default):
+        assert not saves_inputs(target), target
+    for target in (aten.relu.default, aten._softmax.default, aten._log_softmax.default, aten.tanh.default):
+        assert saves_output(target), target
+    assert not saves_output(aten.mm.default)
+
+
+def test_presets_dir_is_packaged_data():
+    assert PRESETS_DIR.name == "presets"
+    assert all(math.isfinite(get_cluster(n).memory_bandwidth_bytes_per_s) for n in preset_names())
