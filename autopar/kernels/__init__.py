@@ -26,7 +26,7 @@ def register_kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., A
 
 
 def get_kernel(name: str) -> Callable[..., Any]:
-    from autopar.kernels import ops  # noqa: F401  (registers the kernels)
+    from autopar.kernels import losses, ops  # noqa: F401  (registers the kernels)
 
     try:
         return KERNELS[name]

@@ -75,7 +75,7 @@ def _cache_key(info: OpInfo) -> Hashable | None:
     key = (info.target, tuple(sorted((k, freeze(v)) for k, v in info.kw.items())), info.out_shapes)
     try:
         hash(key)
-    except TypeError:
+    except Exception:  # an unhashable argument (a SymInt, an odd object): no caching
         return None
     return key
 
@@ -103,7 +103,9 @@ def _rows_from_dtensor(info: OpInfo) -> list[Row] | None:
     # DTensor runs these with code of its own (halo exchange for convolution, a gather for
     # argmax over a sharded dim, its RNG tracker for random ops), so their strategies do not
     # describe the plain op on local shards.
-    if target in dispatcher._custom_op_handlers or target in dispatcher._random_ops:
+    if target in getattr(dispatcher, "_custom_op_handlers", {}) or target in getattr(
+        dispatcher, "_random_ops", ()
+    ):
         return None
     propagator = dispatcher.sharding_propagator
     if target in propagator.op_single_dim_strategy_funcs:
@@ -128,12 +130,12 @@ def _runs_locally(info: OpInfo, row: Row, propagator: Any) -> bool:
     target = info.target
     sharded_out = any(isinstance(p, Shard) for p in row.outs)
     sharded_in = any(isinstance(p, Shard) for p in row.ins)
-    if target in propagator.op_to_shape_and_stride_idx and target not in SIZE_ARGS and sharded_out:
-        return False
-    if target in propagator.op_to_scalar_shape_adjuster and sharded_in:
-        return False
-    if target in propagator.squeeze_op_to_dims_variant and (sharded_in or sharded_out):
-        return False
+    if target in getattr(propagator, "op_to_shape_and_stride_idx", {}) and target not in SIZE_ARGS:
+        return not sharded_out
+    if target in getattr(propagator, "op_to_scalar_shape_adjuster", {}):
+        return not sharded_in
+    if target in getattr(propagator, "squeeze_op_to_dims_variant", {}):
+        return not (sharded_in or sharded_out)
     return True
 
 
@@ -174,15 +176,16 @@ def _make_row(info: OpInfo, in_values: list[Any], out_values: list[Any]) -> Row 
 
 
 def _single_dim_rows(info: OpInfo, strategy: Any) -> list[Row | None] | None:
-    from torch.distributed.tensor._dtensor_spec import TensorMeta
     from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
 
     def to_meta(value: Any) -> Any:
+        # As DTensor's OpSchema.args_meta: a list of tensors becomes a tuple of TensorMeta.
         if isinstance(value, TensorArg):
-            return TensorMeta(torch.Size(value.shape), _contiguous_stride(value.shape), value.dtype)
+            return _tensor_meta(value)
         if isinstance(value, (list, tuple)):
             metas = [to_meta(v) for v in value]
-            return tuple(metas) if value and all(isinstance(v, TensorArg) for v in value) else type(value)(metas)
+            all_tensors = bool(value) and all(isinstance(v, TensorArg) for v in value)
+            return tuple(metas) if all_tensors else type(value)(metas)
         return value
 
     args, kwargs = _split_args(info.target, info.kw, to_meta)
@@ -204,16 +207,18 @@ def _single_dim_rows(info: OpInfo, strategy: Any) -> list[Row | None] | None:
 
 
 def _strategy_func_rows(info: OpInfo, propagator: Any) -> list[Row | None] | None:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 
     mesh = _mesh()
 
     def to_strategy(value: Any) -> Any:
+        # Offer every placement, so that strategies that follow their input list them all.
         if isinstance(value, TensorArg):
-            meta = TensorMeta(torch.Size(value.shape), _contiguous_stride(value.shape), value.dtype)
+            meta = _tensor_meta(value)
             candidates = [Replicate(), Partial()] + [Shard(d) for d in range(value.ndim)]
-            return OpStrategy([OpSpec(DTensorSpec(mesh, (p,), tensor_meta=meta)) for p in candidates])
+            specs = [DTensorSpec(mesh, (p,), tensor_meta=meta) for p in candidates]
+            return OpStrategy([OpSpec(spec) for spec in specs])
         if isinstance(value, (list, tuple)):
             if value and all(isinstance(v, TensorArg) for v in value):
                 return TupleStrategy([to_strategy(v) for v in value])
@@ -266,12 +271,14 @@ def _split_args(target: Any, kw: dict[str, Any], convert: Any) -> tuple[list[Any
     return args, kwargs
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+def _tensor_meta(arg: TensorArg) -> Any:
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
     stride, running = [], 1
-    for size in reversed(shape):
+    for size in reversed(arg.shape):
         stride.append(running)
         running *= max(size, 1)
-    return tuple(reversed(stride))
+    return TensorMeta(torch.Size(arg.shape), tuple(reversed(stride)), arg.dtype)
 
 
 __all__ = ["rows_for", "clear_cache"]

@@ -147,6 +147,8 @@ def _permutation(info: OpInfo) -> list[int]:
     ndim = info.inputs[0].ndim
     order = list(range(ndim))
     target, kw = info.target, info.kw
+    if ndim == 0:  # transpose(0, 0) and friends accept a 0-d tensor
+        return order
     if target is aten.permute.default:
         return [_norm(d, ndim) for d in kw["dims"]]
     if target in (aten.transpose.int, aten.swapaxes.default):

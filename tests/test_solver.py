@@ -1,0 +1,86 @@
+"""Golden plans: the solver must find the plans an expert would write, where those are clear.
+
+Planned offline (no process group) on the h100-80g preset, so these run in one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import InfeasibleError
+from autopar.models import AttentionBlock, MLPBlock, WithMSELoss
+from autopar.spec import transition_steps
+from torch.distributed.tensor import Replicate, Shard
+
+
+def _activation_all_reduces(plan: autopar.Plan) -> list[tuple[str, str]]:
+    """Forward all-reduces of non-scalar tensors: (producer, consumer) per all-reduce step."""
+    found = []
+    for producer, consumer, src, dst in plan.redistributions():
+        shape = plan.nodes[producer].shapes[0] if plan.nodes[producer].shapes else ()
+        for step in transition_steps(src, dst) or ():
+            if step.kind == "all_reduce" and len(shape) > 0:
+                found.append((producer, consumer))
+    return found
+
+
+def test_batch_heavy_with_ample_memory_is_data_parallel():
+    torch.manual_seed(0)
+    model = WithMSELoss(MLPBlock(d=256, hidden=1024))
+    x, y = torch.randn(65536, 256), torch.randn(65536, 256)
+    plan = autopar.plan(model, (2, 4), example_inputs=(x, y), cluster="h100-80g")
+    for fqn, spec in plan.params.items():
+        assert spec == (Replicate(), Replicate()), f"{fqn} should be replicated under DP, got {spec}"
+    for name in ("linear", "linear_1"):
+        assert plan.nodes[name].outs[0] == (Shard(0), Shard(0)), f"{name}: batch not sharded over both axes"
+    assert _activation_all_reduces(plan) == [], "DP moves no activations"
+
+
+def _megatron_plan(model: torch.nn.Module, x: torch.Tensor, mesh=(4,)) -> autopar.Plan:
+    y = torch.randn_like(x)
+    replicated = autopar.plan(model, mesh, example_inputs=(x, y), cluster="h100-80g")
+    budget = 0.5 * replicated.predicted["peak_memory_bytes"]
+    return autopar.plan(model, mesh, example_inputs=(x, y), cluster="h100-80g", memory_budget=budget)
+
+
+def test_tight_budget_small_batch_mlp_gets_megatron_split():
+    torch.manual_seed(0)
+    model = WithMSELoss(MLPBlock(d=1024, hidden=4096))
+    plan = _megatron_plan(model, torch.randn(8, 1024))
+    assert plan.params["module.fc1.weight"] == (Shard(0),), "fc1 should be column-parallel"
+    assert plan.params["module.fc1.bias"] == (Shard(0),)
+    assert plan.params["module.fc2.weight"] == (Shard(1),), "fc2 should be row-parallel"
+    assert len(_activation_all_reduces(plan)) == 1, plan.summary()
+
+
+def test_tight_budget_small_batch_attention_gets_megatron_split():
+    torch.manual_seed(0)
+    model = WithMSELoss(AttentionBlock(n_embd=1024, n_head=16))
+    plan = _megatron_plan(model, torch.randn(2, 4, 1024))
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert plan.params[f"module.attn.{proj}.weight"] == (Shard(0),), f"{proj} should be split by heads"
+    assert plan.params["module.attn.c_proj.weight"] == (Shard(1),), "c_proj should be row-parallel"
+    assert len(_activation_all_reduces(plan)) == 1, plan.summary()
+
+
+def test_budget_is_respected_and_infeasible_budget_says_minimum():
+    torch.manual_seed(0)
+    model = WithMSELoss(MLPBlock(d=256, hidden=1024))
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    free = autopar.plan(model, (4,), example_inputs=(x, y))
+    budget = 0.4 * free.predicted["peak_memory_bytes"]
+    tight = autopar.plan(model, (4,), example_inputs=(x, y), memory_budget=budget)
+    assert tight.predicted["peak_memory_bytes"] <= budget
+    with pytest.raises(InfeasibleError, match="leanest plan needs"):
+        autopar.plan(model, (4,), example_inputs=(x, y), memory_budget=1000)
+
+
+def test_solve_is_deterministic():
+    torch.manual_seed(0)
+    model = WithMSELoss(MLPBlock(d=64, hidden=256))
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    first = autopar.plan(model, (2, 2), example_inputs=(x, y), cluster="cpu").to_json()
+    second = autopar.plan(model, (2, 2), example_inputs=(x, y), cluster="cpu").to_json()
+    assert first == second
