@@ -79,11 +79,13 @@ def _run_mesh(rank: int, world: int, mesh: tuple[int, ...], budget_fraction: flo
     torch.manual_seed(0)
     results = {name: _train_one(name, mesh) for name in MODELS}
     # A budget below the replicated parameter+gradient+AdamW state: the plan must shard.
-    model = build_model("mlp", seed=0)
-    full = sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
-    results["mlp_budget"] = _train_one("mlp", mesh, memory_budget=budget_fraction * full)
-    results["mlp_budget"]["budget"] = budget_fraction * full
-    results["mlp_budget"]["full_param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    for name in ("mlp", "gpt"):
+        model = build_model(name, seed=0)
+        full = sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
+        budgeted = _train_one(name, mesh, memory_budget=budget_fraction * full)
+        budgeted["budget"] = budget_fraction * full
+        budgeted["full_param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        results[f"{name}_budget"] = budgeted
     return results
 
 
@@ -106,13 +108,14 @@ def _check(results_by_rank: list[dict]) -> None:
 
 def _check_budget(results_by_rank: list[dict]) -> None:
     for rank, results in enumerate(results_by_rank):
-        budgeted = results["mlp_budget"]
-        assert budgeted["local_param_bytes"] < budgeted["budget"], (
-            f"rank {rank}: holds {budgeted['local_param_bytes']} parameter bytes, budget {budgeted['budget']:.0f}"
-        )
-        assert budgeted["local_param_bytes"] < budgeted["full_param_bytes"], "tight budget but parameters not sharded"
-        sharded = [fqn for fqn, spec in budgeted["params"].items() if any(p.startswith("S") for p in spec)]
-        assert sharded, f"no parameter sharded under a tight budget: {budgeted['params']}"
+        for name in ("mlp_budget", "gpt_budget"):
+            budgeted = results[name]
+            assert budgeted["local_param_bytes"] < budgeted["budget"], (
+                f"rank {rank} {name}: holds {budgeted['local_param_bytes']} parameter bytes, budget {budgeted['budget']:.0f}"
+            )
+            assert budgeted["local_param_bytes"] < budgeted["full_param_bytes"], f"{name}: tight budget but nothing sharded"
+            sharded = [fqn for fqn, spec in budgeted["params"].items() if any(p.startswith("S") for p in spec)]
+            assert sharded, f"{name}: no parameter sharded under a tight budget: {budgeted['params']}"
 
 
 @pytest.mark.parametrize("mesh", [(2, 2), (2, 4)], ids=["mesh2x2", "mesh2x4"])

@@ -40,7 +40,7 @@ def check(target, args, kwargs=None, mesh=(2,), atol=1e-5):
 def has(strategies, ins, out, kernel=None):
     """True when some strategy has these per-input and output specs (1-axis lists accepted)."""
     ins = tuple(tuple(spec) for spec in ins)
-    outs = tuple(out) if isinstance(out, tuple) and isinstance(out[0], tuple) else (tuple(out),)
+    outs = tuple(tuple(o) for o in out) if isinstance(out, tuple) else (tuple(out),)
     return any(s.ins == ins and s.outs == outs and s.kernel == kernel for s in strategies)
 
 
@@ -159,12 +159,11 @@ def test_pointwise_binary(mesh):
                    aten.rsub.Tensor, aten.maximum.default, aten.pow.Tensor_Tensor,
                    aten.atan2.default, aten.eq.Tensor, aten.lt.Tensor, aten.masked_fill.Tensor):
         for other in (x.clone(), row, col, torch.tensor(1.5)):
-            if target is aten.pow.Tensor_Tensor:
-                other = other.abs()
             if target is aten.masked_fill.Tensor:
-                strategies = check(target, (x, other > 0, torch.tensor(2.0)), mesh=mesh) if other.ndim else []
+                check(target, (x, other > 0, torch.tensor(2.0)), mesh=mesh)
                 continue
-            strategies = check(target, (x, other), mesh=mesh)
+            base = x.abs() + 0.1 if target is aten.pow.Tensor_Tensor else x  # no NaN from pow
+            strategies = check(target, (base, other), mesh=mesh)
             if mesh == (2,) and other.shape == (4, 1):
                 assert has(strategies, [[S(1)], [R]], [S(1)])  # broadcast input stays R
                 assert has(strategies, [[S(0)], [S(0)]], [S(0)])
@@ -253,6 +252,25 @@ def test_selection_and_fills(mesh):
     check(aten.full_like.default, (x, 3.0), mesh=mesh)
     check(aten.fill.Scalar, (x, 2.0), mesh=mesh)
     check(aten.zero.default, (x,), mesh=mesh)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_positional_masks_type_as_and_metadata_checks(mesh):
+    x = torch.randn(4, 8, 8)
+    for target in (aten.triu.default, aten.tril.default):
+        s = check(target, (x, 1), mesh=mesh)
+        assert not any(S(1) in st.ins[0] or S(2) in st.ins[0] for st in s)
+        assert any(P in st.ins[0] for st in s) and any(S(0) in st.ins[0] for st in s)
+    s = check(aten.type_as.default, (x, torch.randn(4, 8, 8).double()), mesh=mesh)
+    assert any(st.ins[1] == st.ins[0] == (S(2),) * len(mesh) for st in s)
+    check(aten.type_as.default, (x, torch.ones(2, dtype=torch.int32)), mesh=mesh)
+    s = strategies_for(aten._assert_tensor_metadata.default, (x,), {"dtype": torch.float32}, mesh=mesh)
+    assert any(S(1) in st.ins[0] for st in s) and all(st.outs == () for st in s)
+    s = strategies_for(aten._assert_tensor_metadata.default, (x, [4, 8, 8]), mesh=mesh)
+    assert [st.ins for st in s] == [((R,) * len(mesh),)]
+    o = check(aten.outer.default, (torch.randn(4), torch.randn(8)), mesh=mesh)
+    if mesh == (2,):
+        assert has(o, [[S(0)], [R]], [S(0)]) and has(o, [[R], [S(0)]], [S(1)]) and has(o, [[P], [R]], [P])
 
 
 def test_like_ops_without_fixed_values_have_rules():
@@ -418,7 +436,7 @@ def test_cross_entropy(mesh):
     spatial, spatial_target = torch.randn(4, 5, 6), torch.randint(0, 5, (4, 6))
     for reduction in (0, 1, 2):
         s = check(aten.cross_entropy_loss.default, (spatial, spatial_target, None, reduction), mesh=mesh)
-    assert any(st.ins[0] == (S(2),) * len(mesh) for st in s)
+    assert any(S(2) in st.ins[0] for st in s)
     probabilities = torch.softmax(torch.randn(8, 5), -1)
     check(aten.cross_entropy_loss.default, (logits, probabilities, None, 0), mesh=mesh)
     check(aten.cross_entropy_loss.default, (logits, probabilities, weight, 2, -100, 0.1), mesh=mesh)

@@ -183,3 +183,13 @@ def test_training_ir_view_ops_have_rules():
     targets.discard(operator.getitem)  # handled by the solver
     missing = {t for t in targets if t not in RULES}
     assert not missing, f"training IR view ops without a rule: {missing}"
+
+
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)])
+def test_broadcast_tensors(mesh):
+    a, b = torch.randn(8, 1, 6), torch.randn(4, 6)
+    results = check_op(aten.broadcast_tensors.default, ([a, b],), mesh_shape=mesh)
+    bad = [r for r in results if not r.ok]
+    assert not bad, bad
+    outs = {r.strategy.outs[0] for r in results}
+    assert any(spec[0] == S(0) for spec in outs) and any(spec[0] == S(1) for spec in outs)

@@ -27,9 +27,10 @@ def _activation_all_reduces(plan: autopar.Plan) -> list[tuple[str, str]]:
 
 
 def test_batch_heavy_with_ample_memory_is_data_parallel():
-    torch.manual_seed(0)
-    model = WithMSELoss(MLPBlock(d=256, hidden=1024))
-    x, y = torch.randn(65536, 256), torch.randn(65536, 256)
+    # A million tokens through a small block: planned on the meta device, nothing allocated.
+    with torch.device("meta"):
+        model = WithMSELoss(MLPBlock(d=256, hidden=1024))
+        x, y = torch.randn(1 << 20, 256), torch.randn(1 << 20, 256)
     plan = autopar.plan(model, (2, 4), example_inputs=(x, y), cluster="h100-80g")
     for fqn, spec in plan.params.items():
         assert spec == (Replicate(), Replicate()), f"{fqn} should be replicated under DP, got {spec}"
@@ -84,3 +85,13 @@ def test_solve_is_deterministic():
     first = autopar.plan(model, (2, 2), example_inputs=(x, y), cluster="cpu").to_json()
     second = autopar.plan(model, (2, 2), example_inputs=(x, y), cluster="cpu").to_json()
     assert first == second
+
+
+def test_tied_weights_get_one_spec_even_under_a_tight_budget():
+    from autopar.models import build_model, example_batch
+
+    model = build_model("gpt", seed=0)
+    plan = autopar.plan(model, (2, 2), example_inputs=example_batch("gpt", 8, seed=1), memory_budget=1e6)
+    assert plan.params["lm_head.weight"] == plan.params["transformer.wte.weight"]
+    placeholders = [n for n, p in plan.nodes.items() if n in ("p_lm_head_weight", "p_transformer_wte_weight")]
+    assert len({plan.nodes[n].outs for n in placeholders}) == 1, "tied placeholders were planned apart"

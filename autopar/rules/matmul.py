@@ -1,4 +1,4 @@
-"""Sharding rules for the matmul family: mm, bmm, addmm, linear, matmul, baddbmm.
+"""Sharding rules for the matmul family: mm, bmm, addmm, linear, matmul, baddbmm, outer.
 
 Each row is Megatron's algebra on one mesh axis: shard the rows of the left operand (output
 rows sharded), shard the columns of the right operand (output columns sharded), or shard the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from autopar.rules.pointwise import broadcast_shard, is_tensor
-from autopar.rules.registry import OpInfo, Row, register, replicate_row
+from autopar.rules.registry import OpInfo, Row, TensorArg, register, replicate_row
 from autopar.spec import P, R, S
 
 aten = torch.ops.aten
@@ -41,6 +41,12 @@ def bmm_rule(info: OpInfo) -> list[Row]:
         Row((P, R), P),
         Row((R, P), P),
     ]
+
+
+@register(aten.outer.default)
+def outer_rule(info: OpInfo) -> list[Row]:
+    # a[M] outer b[N] -> [M, N]; linear in each operand alone
+    return [Row((R, R), R), Row((S(0), R), S(0)), Row((R, S(0)), S(1)), Row((P, R), P), Row((R, P), P)]
 
 
 @register(aten.addmm.default)
@@ -83,7 +89,9 @@ def linear_rule(info: OpInfo) -> list[Row]:
     return rows
 
 
-def _batched_matmul_rows(info: OpInfo, a, b, bias=None) -> list[Row]:
+def _batched_matmul_rows(
+    info: OpInfo, a: TensorArg, b: TensorArg, bias: TensorArg | None = None
+) -> list[Row]:
     """Rows for a[..., M, K] @ b[..., K, N] with broadcast batch dims (both at least 2-D).
 
     ``bias`` (an optional TensorArg, placed first) broadcasts to the output; the K-sharded

@@ -63,6 +63,7 @@ def sdpa_rule(info: OpInfo) -> list[Row]:
     rows = [replicate_row(info)]
     if not (q.ndim == k.ndim == v.ndim):
         return rows
+    # With dropout_p > 0 each rank draws its own attention-dropout mask, as for dropout below.
     gqa = bool(info.kw.get("enable_gqa"))
     for dim in range(q.ndim - 2):
         # Grouped-query attention maps query head h to kv head h // group; equal chunks of both

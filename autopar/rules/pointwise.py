@@ -267,6 +267,44 @@ def like_rule(info: OpInfo) -> list[Row]:
     return []
 
 
+# Zeroing the entries above or below a diagonal of the last two dims: a fixed mask, so linear
+# (P → P); those two dims hold the positions the mask depends on, so only leading dims shard.
+POSITIONAL_MASK = (aten.triu.default, aten.tril.default)
+
+
+@register(*POSITIONAL_MASK, aten.triu_.default, aten.tril_.default)
+def positional_mask_rule(info: OpInfo) -> list[Row]:
+    ndim = info.inputs[0].ndim
+    return [replicate_row(info)] + [Row((S(d),), S(d)) for d in range(ndim - 2)] + [Row((P,), P)]
+
+
+@register(aten.type_as.default)
+def type_as_rule(info: OpInfo) -> list[Row]:
+    """``self`` cast to ``other``'s dtype: ``other`` gives only its dtype, so it may stay R or
+    keep ``self``'s placement when the shapes match (no gather just to read a dtype)."""
+    self_arg, other = info.kw["self"], info.kw["other"]
+    src, dst = self_arg.dtype, other.dtype
+    placements = [R] + [S(d) for d in range(self_arg.ndim)]
+    if dst.is_floating_point and (src.is_floating_point or src == dst):
+        placements.append(P)
+    rows = []
+    for placement in placements:
+        rows.append(Row((placement, R), placement))
+        if other.shape == self_arg.shape:
+            rows.append(Row((placement, placement), placement))
+    return rows
+
+
+@register(aten._assert_tensor_metadata.default)
+def assert_metadata_rule(info: OpInfo) -> list[Row]:
+    """A metadata check with no output. Dtype, device and layout hold for any shard; a size or
+    stride check would see the local shape, so then only R."""
+    if info.kw.get("size") is not None or info.kw.get("stride") is not None:
+        return [Row((R,), ())]
+    arg = info.inputs[0]
+    return [Row((placement,), ()) for placement in [R, P] + [S(d) for d in range(arg.ndim)]]
+
+
 __all__ = [
     "broadcast_shard",
     "out_placement",

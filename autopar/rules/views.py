@@ -225,6 +225,23 @@ def expand_as_rule(info: OpInfo) -> list[Row]:
     return _expand_rows(info.inputs[0].shape, info.out_shape, 2)
 
 
+@register(aten.broadcast_tensors.default)
+def broadcast_tensors_rule(info: OpInfo) -> list[Row]:
+    # Each output is its input expanded to the common shape: expand's rows, applied to all.
+    out_shape = info.out_shape
+    num = len(info.inputs)
+    rows = _linear_rows(num, num)
+    for out_dim, size in enumerate(out_shape):
+        if size <= 1:
+            continue
+        ins = []
+        for arg in info.inputs:
+            in_dim = out_dim - (len(out_shape) - arg.ndim)
+            ins.append(S(in_dim) if in_dim >= 0 and arg.shape[in_dim] == size else R)
+        rows.append(Row(tuple(ins), (S(out_dim),) * num))
+    return rows
+
+
 # --------------------------------------------------------------------------------------------
 # Ops along one dim: split, cat, stack, slice, select, narrow
 

@@ -92,8 +92,9 @@ def plan_from_solution(
         if choice.kind in ("param", "buffer") and choice.fqn is not None and strategy.outs:
             params[choice.fqn] = strategy.outs[0]
     for fqn, canonical in traced.ties.items():
-        if canonical in params:
+        if canonical in params and fqn not in params:
             params[fqn] = params[canonical]
+        assert params.get(fqn) == params.get(canonical), f"tied {fqn} and {canonical} planned apart"
     reshard_s = 0.0
     for e, edge in enumerate(graph.edges):
         src, dst = solution.edge_specs[e]

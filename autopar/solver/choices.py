@@ -78,6 +78,9 @@ class ChoiceGraph:
     choices: dict[str, Choice]
     edges: list[Edge]
     order: list[str]  # node names in graph order
+    # Placeholders that are one tensor under several names (tied weights): each group must
+    # take one spec. Export lifts a tied weight once per name, and may route every use to one.
+    ties: list[list[str]] = field(default_factory=list)
 
     def free(self) -> list[Choice]:
         return [self.choices[n] for n in self.order if self.choices[n].follower_of is None]
@@ -120,7 +123,24 @@ def build_choice_graph(
             _keep_only(choice, keep)
     edges = _edges(traced.gm, choices, mesh_shape, cluster)
     _mark_followers(choices, edges, order)
-    return ChoiceGraph(mesh_shape, choices, edges, order)
+    return ChoiceGraph(mesh_shape, choices, edges, order, _tie_groups(traced, choices))
+
+
+def _tie_groups(traced: TracedModel, choices: dict[str, Choice]) -> list[list[str]]:
+    """Groups of parameter placeholders holding one tensor. Members share the first one's
+    strategy list, and only the first carries the memory of the shared state."""
+    by_canonical: dict[str, list[str]] = {}
+    for graph_input in traced.placeholders("param"):
+        canonical = traced.ties.get(graph_input.fqn, graph_input.fqn)
+        by_canonical.setdefault(canonical, []).append(graph_input.name)
+    groups = [names for names in by_canonical.values() if len(names) > 1]
+    for names in groups:
+        first = choices[names[0]]
+        for name in names[1:]:
+            member = choices[name]
+            assert [s.outs for s in member.strategies] == [s.outs for s in first.strategies], names
+            member.memory_bytes = [0.0] * len(member.strategies)
+    return groups
 
 
 def _keep_only(choice: Choice, keep: list[int]) -> None:

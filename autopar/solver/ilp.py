@@ -24,6 +24,7 @@ Constraints
     edge_out[e, p]:    Σ_q y[e, p, q] = Σ_{s : out_j(s) = p} x[u, s]          ∀ e, p ∈ O_e
     edge_in[e, q]:     Σ_p y[e, p, q] = Σ_{s : in_i(s) = q} x[v, s]           ∀ e, q ∈ I_e
     memory:            Σ_n Σ_s m[n, s] · x[n, s] ≤ B                          (if a budget B)
+    tie[a, b, s]:      x[a, s] = x[b, s]      for placeholders a, b naming one tensor (tied weights)
 
     The two edge families make y the joint distribution of the two endpoint choices, which is
     exact for 0/1 x and gives a tight LP relaxation. m counts parameters, gradients and
@@ -37,6 +38,7 @@ choice can be traced back to the family that forced it.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import pulp
@@ -60,6 +62,12 @@ class ShardingILP:
     """Builds the formulation above from a ChoiceGraph and solves it with PuLP."""
 
     def __init__(self, graph: ChoiceGraph, memory_budget_bytes: float | None = None):
+        # PuLP 3.x deprecates the 2.x construction API we use to stay compatible with both.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self._build(graph, memory_budget_bytes)
+
+    def _build(self, graph: ChoiceGraph, memory_budget_bytes: float | None) -> None:
         self.graph = graph
         self.memory_budget_bytes = memory_budget_bytes
         self.problem = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
@@ -70,6 +78,7 @@ class ShardingILP:
         self.add_pick_constraints()
         self.add_edge_constraints()
         self.add_memory_constraint()
+        self.add_tie_constraints()
         self.set_objective()
 
     # -- variables ----------------------------------------------------------------------------
@@ -128,6 +137,13 @@ class ShardingILP:
             return
         self.problem += self.memory_expression() <= self.memory_budget_bytes, "memory__peak"
 
+    def add_tie_constraints(self) -> None:
+        for group in self.graph.ties:
+            first = group[0]
+            for other in group[1:]:
+                for s, (a, b) in enumerate(zip(self.x[first], self.x[other])):
+                    self.problem += a == b, f"tie__{self._node_ids[first]}__{self._node_ids[other]}__{s}"
+
     def memory_expression(self) -> pulp.LpAffineExpression:
         terms = []
         for name in self.graph.order:
@@ -147,9 +163,13 @@ class ShardingILP:
 
     # -- solving ------------------------------------------------------------------------------
     def solve(self, time_limit_s: float = 60.0) -> Solution:
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, options=["randomSeed 1", "randomCbcSeed 1"])
         start = time.perf_counter()
-        self.problem.solve(solver)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            solver = pulp.PULP_CBC_CMD(
+                msg=False, timeLimit=time_limit_s, threads=1, options=["randomSeed 1", "randomCbcSeed 1"]
+            )
+            self.problem.solve(solver)
         elapsed = time.perf_counter() - start
         status = pulp.LpStatus[self.problem.status]
         has_solution = self.problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
@@ -171,7 +191,7 @@ class ShardingILP:
         return best
 
     def _size(self) -> tuple[int, int]:
-        return len(self.problem.variables()), len(self.problem.constraints)
+        return len(self.problem.variables()), self.problem.numConstraints()
 
 
 def _spec_name(spec: Spec) -> str:

@@ -1,0 +1,95 @@
+"""Plan JSON: round trips, summaries, and clear errors for bad files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import PlanError
+from autopar.models import build_model, example_batch
+
+
+@pytest.fixture(scope="module")
+def gpt_plan() -> autopar.Plan:
+    model = build_model("gpt", seed=0)
+    return autopar.plan(model, (2, 2), example_inputs=example_batch("gpt", 8, seed=1), cluster="cpu")
+
+
+def test_json_round_trip_is_exact(gpt_plan, tmp_path):
+    path = tmp_path / "plan.json"
+    gpt_plan.save(path)
+    loaded = autopar.Plan.load(path)
+    assert loaded.to_json() == gpt_plan.to_json()
+    assert loaded == gpt_plan
+    assert loaded.hash == gpt_plan.hash
+
+
+def test_required_keys(gpt_plan):
+    data = json.loads(gpt_plan.to_json())
+    assert data["version"] == 1
+    assert data["mesh"]["shape"] == [2, 2]
+    assert set(data["predicted"]) >= {"step_time_s", "peak_memory_bytes", "comm_bytes"}
+    assert data["params"]["transformer.wte.weight"] == data["params"]["lm_head.weight"], "tied weights share a spec"
+    linear = next(node for node in data["nodes"].values() if node["op"] == "aten.linear.default")
+    assert {"op", "out", "in"} <= set(linear)
+
+
+def test_summary_lists_params_ops_and_fallbacks(gpt_plan):
+    text = gpt_plan.summary()
+    assert "predicted step time" in text
+    assert "transformer.h.0.attn.q_proj.weight" in text
+    assert "aten.scaled_dot_product_attention.default" in text
+    assert "Fallbacks" in text
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(version=99), "version"),
+        (lambda d: d.pop("nodes"), "malformed plan"),
+        (lambda d: d["params"].update({"x": ["S(a)"]}), "unknown placement|malformed"),
+        (lambda d: d["params"].update({"x": ["R", "R", "R"]}), "placements"),
+    ],
+)
+def test_malformed_plans_are_refused(gpt_plan, mutate, message):
+    data = json.loads(gpt_plan.to_json())
+    mutate(data)
+    with pytest.raises(PlanError, match=message):
+        autopar.Plan.from_json(json.dumps(data))
+
+
+def test_not_json_and_missing_file(tmp_path):
+    with pytest.raises(PlanError, match="not valid JSON"):
+        autopar.Plan.from_json("{nope")
+    with pytest.raises(PlanError, match="does not exist"):
+        autopar.Plan.load(tmp_path / "missing.json")
+
+
+def test_plan_for_another_graph_or_mesh_is_refused(gpt_plan):
+    from autopar.api import check_plan_matches
+    from autopar.trace import trace
+
+    model = build_model("gpt", seed=0)
+    traced = trace(model, example_batch("gpt", 8, seed=1))
+    check_plan_matches(gpt_plan, traced, (2, 2))
+    with pytest.raises(PlanError, match="mesh"):
+        check_plan_matches(gpt_plan, traced, (4,))
+    other = trace(model, example_batch("gpt", 4, seed=1))
+    with pytest.raises(PlanError, match="different graph"):
+        check_plan_matches(gpt_plan, other, (2, 2))
+
+
+def test_bad_mesh_is_a_clear_error():
+    model = build_model("mlp", seed=0)
+    for mesh in [(0, 2), (-1,), (), "2x4"]:
+        with pytest.raises(autopar.MeshError, match="positive ints"):
+            autopar.plan(model, mesh, example_inputs=example_batch("mlp", 8))
+
+
+def test_compile_without_process_group_is_a_clear_error():
+    model = build_model("mlp", seed=0)
+    with pytest.raises(autopar.MeshError, match="initialized process group"):
+        autopar.compile(model, (2,), example_inputs=example_batch("mlp", 8))
