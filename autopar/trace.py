@@ -96,8 +96,7 @@ def trace(
         inputs.append(GraphInput(name, kind, spec.target))
         if kind == "constant":
             constants[name] = exported.constants[spec.target]
-    for node in gm.graph.nodes:
-        node.meta.setdefault("autopar", {})
+    _mark_requires_grad(gm)
     call_spec = exported.call_spec
     return TracedModel(
         gm=gm,
@@ -108,6 +107,26 @@ def trace(
         constants=constants,
         graph_hash=graph_hash(gm),
     )
+
+
+def requires_grad(node: torch.fx.Node) -> bool:
+    """Whether autograd will carry a gradient for ``node``'s output (set by ``trace``)."""
+    return bool(node.meta.get("autopar", {}).get("requires_grad", False))
+
+
+def _mark_requires_grad(gm: torch.fx.GraphModule) -> None:
+    """Propagate requires_grad from the placeholders: export's FakeTensors carry it only on
+    parameters and inputs, not on the values computed from them."""
+    for node in gm.graph.nodes:
+        meta = node.meta.setdefault("autopar", {})
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            meta["requires_grad"] = bool(getattr(val, "requires_grad", False))
+            continue
+        inputs = [n for n in node.all_input_nodes if requires_grad(n)]
+        values = val if isinstance(val, (list, tuple)) else [val]
+        floating = any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values)
+        meta["requires_grad"] = bool(inputs) and floating and node.op != "output"
 
 
 def _drop_assertions(gm: torch.fx.GraphModule) -> None:

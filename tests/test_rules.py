@@ -371,11 +371,7 @@ def test_softmax(mesh):
                          (aten.log_softmax.int, (x, 2)), (aten._log_softmax.default, (x, -1, False))):
         s = check(target, args, mesh=mesh)
         dim = args[1] % 3
-        assert not any(Shard_on(st.ins[0], dim) for st in s)
-
-
-def Shard_on(spec, dim):
-    return S(dim) in spec
+        assert not any(S(dim) in st.ins[0] for st in s)
 
 
 @pytest.mark.parametrize("mesh", MESHES + [(2, 4)])
@@ -583,7 +579,8 @@ def test_kernels_equal_their_op_without_groups():
     for dim, keepdim in (([1], False), ([0, 2], True), (None, False)):
         torch.testing.assert_close(_kernel("mean_partial", self=x, dim=dim, keepdim=keepdim, dtype=None),
                                    aten.mean.dim(x, dim, keepdim))
-    torch.testing.assert_close(_kernel("mean_partial", self=x, dtype=torch.float64), aten.mean.default(x, dtype=torch.float64))
+    torch.testing.assert_close(_kernel("mean_partial", self=x, dtype=torch.float64),
+                               aten.mean.default(x, dtype=torch.float64))
     table, idx = torch.randn(10, 4), torch.randint(0, 10, (3, 5))
     for padding_idx in (-1, 3):
         torch.testing.assert_close(
@@ -653,7 +650,8 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     c = torch.randn(4, 3, 6)
     (F.linear(x, w, b) * c).sum().backward()
     xl, wl, bl = chunk(x, 2), chunk(w, 1), b.detach().clone().requires_grad_()
-    out = collectives.all_reduce(get_kernel("linear_bias_split")(groups=(group,), input=xl, weight=wl, bias=bl), group)
+    out = get_kernel("linear_bias_split")(groups=(group,), input=xl, weight=wl, bias=bl)
+    out = collectives.all_reduce(out, group)
     close(out, F.linear(x, w, b).detach(), "linear forward")
     (out * c).sum().backward()
     close(xl.grad, x.grad.chunk(world_size, 2)[rank], "linear x grad")
@@ -693,7 +691,8 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     c = torch.randn(4, 3)
     (x.mean(1) * c).sum().backward()
     xl = chunk(x, 1)
-    out = collectives.all_reduce(get_kernel("mean_partial")(groups=(group,), self=xl, dim=[1], keepdim=False, dtype=None), group)
+    out = get_kernel("mean_partial")(groups=(group,), self=xl, dim=[1], keepdim=False, dtype=None)
+    out = collectives.all_reduce(out, group)
     close(out, x.mean(1).detach(), "mean forward")
     (out * c).sum().backward()
     close(xl.grad, x.grad.chunk(world_size, 1)[rank], "mean grad")
@@ -721,9 +720,9 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
         loss = F.cross_entropy(logits, target, weight, label_smoothing=smoothing)
         loss.backward()
         logitsl = chunk(logits, 0)
-        out = get_kernel("cross_entropy_mean")(groups=(group,), self=logitsl, target=target.chunk(world_size)[rank],
-                                               weight=weight, reduction=1, ignore_index=-100,
-                                               label_smoothing=smoothing)
+        out = get_kernel("cross_entropy_mean")(groups=(group,), self=logitsl,
+                                               target=target.chunk(world_size)[rank], weight=weight,
+                                               reduction=1, ignore_index=-100, label_smoothing=smoothing)
         out = collectives.all_reduce(out, group)
         close(out, loss.detach(), f"cross entropy forward (weight={weight is not None}, ls={smoothing})")
         out.backward()

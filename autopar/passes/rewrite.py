@@ -21,6 +21,7 @@ from autopar.plan import NodePlan, Plan
 from autopar.rules.registry import SIZE_ARGS, Strategy, localize_kwargs, normalized_kwargs, tensor_meta
 from autopar.solver.choices import grad_sync_axes
 from autopar.spec import local_shape, transition_steps
+from autopar.trace import requires_grad
 
 
 def localize_shapes(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
@@ -70,11 +71,10 @@ def insert_collectives(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[st
             steps = transition_steps(src, dst)
             if steps is None:
                 raise AssertionError(f"plan asks for impossible transition {src} → {dst} into {node.name}")
-            requires_grad = bool(getattr(source.meta.get("val"), "requires_grad", False))
             with graph.inserting_before(node):
                 for step in steps:
                     value = _step_node(graph, value, step, groups)
-                if requires_grad and node.op != "output":
+                if requires_grad(source) and node.op != "output":
                     strategy = Strategy(decision.ins, decision.outs)
                     for axis in grad_sync_axes(strategy, index):
                         value = graph.call_function(collectives.allreduce_grad, (value, groups[axis]))

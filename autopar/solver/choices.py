@@ -29,7 +29,7 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.rules import node_strategies, op_info
 from autopar.rules.registry import OpInfo, Strategy, tensor_input_nodes, tensor_meta
 from autopar.spec import Spec, is_valid, replicated
-from autopar.trace import TracedModel
+from autopar.trace import TracedModel, requires_grad
 
 
 @dataclass
@@ -173,10 +173,9 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, optimizer) -> Choice:
         mem = [float(memory.param_state_bytes(shape, dtype, spec, mesh_shape, optimizer)) for spec in specs]
     else:
         mem = [float(memory.local_bytes(shape, dtype, spec, mesh_shape)) for spec in specs]
-    requires_grad = bool(getattr(node.meta.get("val"), "requires_grad", False))
     return Choice(
         node.name, kind, strategies, [0.0] * len(specs), mem, [], (shape,), (dtype,),
-        requires_grad, fqn=fqn, grad_sync_bytes=[0.0] * len(specs),
+        requires_grad(node), fqn=fqn, grad_sync_bytes=[0.0] * len(specs),
     )
 
 
@@ -189,16 +188,16 @@ def _output_choice(node: torch.fx.Node, num_axes: int) -> Choice:
 
 def _op_choice(node, choices, mesh_shape, cluster, saved: bool) -> Choice:
     val = node.meta.get("val")
-    requires_grad = any(getattr(v, "requires_grad", False) for v in _flatten(val) if isinstance(v, torch.Tensor))
+    needs_grad = requires_grad(node)
     if node.target is operator.getitem:
-        return _getitem_choice(node, choices, requires_grad)
+        return _getitem_choice(node, choices, needs_grad)
     info = op_info(node)
     strategies = node_strategies(info, mesh_shape)
     input_nodes = tensor_input_nodes(node)
     inputs = [(n.name, 0) for n in input_nodes]
     compute_s, memory_bytes, sync_bytes = [], [], []
     for strategy in strategies:
-        seconds = compute.compute_cost_s(info, strategy, mesh_shape, cluster, requires_grad)
+        seconds = compute.compute_cost_s(info, strategy, mesh_shape, cluster, needs_grad)
         synced = 0.0
         for index, arg in enumerate(info.inputs):
             if not choices[input_nodes[index].name].requires_grad:
@@ -210,14 +209,14 @@ def _op_choice(node, choices, mesh_shape, cluster, saved: bool) -> Choice:
         compute_s.append(seconds)
         sync_bytes.append(synced)
         kept = 0.0
-        if saved and requires_grad:
+        if saved and needs_grad:
             for shape, spec, out in zip(info.out_shapes, strategy.outs, _flatten(val)):
                 kept += memory.local_bytes(shape, out.dtype, spec, mesh_shape)
         memory_bytes.append(float(kept))
     out_dtypes = tuple(v.dtype for v in _flatten(val) if isinstance(v, torch.Tensor))
     return Choice(
         node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
-        requires_grad, info=info, grad_sync_bytes=sync_bytes,
+        needs_grad, info=info, grad_sync_bytes=sync_bytes,
     )
 
 
@@ -234,7 +233,7 @@ def grad_sync_axes(strategy: Strategy, index: int) -> list[int]:
     return axes
 
 
-def _getitem_choice(node, choices, requires_grad) -> Choice:
+def _getitem_choice(node, choices, needs_grad) -> Choice:
     producer, index = node.args
     source = choices[producer.name]
     specs = source.out_specs(index)
@@ -242,7 +241,7 @@ def _getitem_choice(node, choices, requires_grad) -> Choice:
     zeros = [0.0] * len(specs)
     return Choice(
         node.name, "op", strategies, zeros, list(zeros), [(producer.name, index)],
-        (source.out_shapes[index],), (source.out_dtypes[index],), requires_grad,
+        (source.out_shapes[index],), (source.out_dtypes[index],), needs_grad,
         grad_sync_bytes=list(zeros),
     )
 
