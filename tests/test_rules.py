@@ -1,7 +1,7 @@
 """Simulation checks of the matmul, pointwise, reduction, nn and factory rules, and the kernels.
 
 Every plain strategy of every op is run on simulated ranks (``check_op``) and compared with the
-unsharded op. Kernel strategies are checked twice: with ``groups=()`` each kernel must equal its
+unsharded op. Kernel strategies are checked twice: with ``axis_groups=()`` each kernel must equal its
 aten op, and one multi-process test runs every kernel on two gloo ranks against eager, forward
 and gradients.
 """
@@ -557,11 +557,11 @@ def test_training_ir_ops_have_rules():
 
 
 # --------------------------------------------------------------------------------------------
-# Kernels: with groups=() each is exactly its op
+# Kernels: with axis_groups=() each is exactly its op
 
 
 def _kernel(name, **kw):
-    return get_kernel(name)(groups=(), **kw)
+    return get_kernel(name)(axis_groups=(), **kw)
 
 
 def test_kernels_equal_their_op_without_groups():
@@ -650,7 +650,7 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     c = torch.randn(4, 3, 6)
     (F.linear(x, w, b) * c).sum().backward()
     xl, wl, bl = chunk(x, 2), chunk(w, 1), b.detach().clone().requires_grad_()
-    out = get_kernel("linear_bias_split")(groups=(group,), input=xl, weight=wl, bias=bl)
+    out = get_kernel("linear_bias_split")(axis_groups=(group,), input=xl, weight=wl, bias=bl)
     out = collectives.all_reduce(out, group)
     close(out, F.linear(x, w, b).detach(), "linear forward")
     (out * c).sum().backward()
@@ -664,7 +664,7 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     c = torch.randn(4, 5)
     (torch.addmm(bias, m1, m2, beta=0.5, alpha=2.0) * c).sum().backward()
     biasl, m1l, m2l = bias.detach().clone().requires_grad_(), chunk(m1, 1), chunk(m2, 0)
-    out = get_kernel("addmm_bias_split")(groups=(group,), self=biasl, mat1=m1l, mat2=m2l, beta=0.5, alpha=2.0)
+    out = get_kernel("addmm_bias_split")(axis_groups=(group,), self=biasl, mat1=m1l, mat2=m2l, beta=0.5, alpha=2.0)
     out = collectives.all_reduce(out, group)
     close(out, torch.addmm(bias, m1, m2, beta=0.5, alpha=2.0).detach(), "addmm forward")
     (out * c).sum().backward()
@@ -677,7 +677,7 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     c = torch.randn(2, 3, 6, 6)
     (F.conv2d(img, cw, cb, 1, 1) * c).sum().backward()
     imgl, cwl, cbl = chunk(img, 1), chunk(cw, 1), cb.detach().clone().requires_grad_()
-    out = get_kernel("conv2d_bias_split")(groups=(group,), input=imgl, weight=cwl, bias=cbl,
+    out = get_kernel("conv2d_bias_split")(axis_groups=(group,), input=imgl, weight=cwl, bias=cbl,
                                           stride=[1, 1], padding=[1, 1], dilation=[1, 1])
     out = collectives.all_reduce(out, group)
     close(out, F.conv2d(img, cw, cb, 1, 1).detach(), "conv2d forward")
@@ -691,7 +691,7 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     c = torch.randn(4, 3)
     (x.mean(1) * c).sum().backward()
     xl = chunk(x, 1)
-    out = get_kernel("mean_partial")(groups=(group,), self=xl, dim=[1], keepdim=False, dtype=None)
+    out = get_kernel("mean_partial")(axis_groups=(group,), self=xl, dim=[1], keepdim=False, dtype=None)
     out = collectives.all_reduce(out, group)
     close(out, x.mean(1).detach(), "mean forward")
     (out * c).sum().backward()
@@ -705,7 +705,7 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     c = torch.randn(3, 5, 4)
     (F.embedding(idx, table, padding_idx=7) * c).sum().backward()
     tablel = chunk(table, 0)
-    out = get_kernel("embedding_vocab_split")(groups=(group, solo), weight=tablel, indices=idx, padding_idx=7,
+    out = get_kernel("embedding_vocab_split")(axis_groups=(group, solo), weight=tablel, indices=idx, padding_idx=7,
                                               scale_grad_by_freq=False, sparse=False)
     out = collectives.all_reduce(out, group)
     close(out, F.embedding(idx, table).detach(), "embedding forward")
@@ -720,7 +720,7 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
         loss = F.cross_entropy(logits, target, weight, label_smoothing=smoothing)
         loss.backward()
         logitsl = chunk(logits, 0)
-        out = get_kernel("cross_entropy_mean")(groups=(group,), self=logitsl,
+        out = get_kernel("cross_entropy_mean")(axis_groups=(group,), self=logitsl,
                                                target=target.chunk(world_size)[rank], weight=weight,
                                                reduction=1, ignore_index=-100, label_smoothing=smoothing)
         out = collectives.all_reduce(out, group)
@@ -740,7 +740,7 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     weight = bn.weight.detach().clone().requires_grad_()
     bias = bn.bias.detach().clone().requires_grad_()
     running_mean, running_var = torch.zeros(3), torch.ones(3)
-    out = get_kernel("sync_batch_norm")(groups=(group, solo), input=xl, weight=weight, bias=bias,
+    out = get_kernel("sync_batch_norm")(axis_groups=(group, solo), input=xl, weight=weight, bias=bias,
                                         running_mean=running_mean, running_var=running_var,
                                         training=True, momentum=0.1, eps=1e-5, cudnn_enabled=False)
     close(out, ref.detach().chunk(world_size, 0)[rank], "batch norm forward")

@@ -1,8 +1,8 @@
 """Parallel op implementations that one collective cannot express.
 
 A kernel stands in for one aten op under a strategy row that names it. It is called with the
-op's arguments by schema name plus ``groups``: the process-group names of the mesh axes on which
-the kernel's row was chosen, outermost axis first. With ``groups=()`` a kernel must compute
+op's arguments by schema name plus ``axis_groups``: the process-group names of the mesh axes on which
+the kernel's row was chosen, outermost axis first. With ``axis_groups=()`` a kernel must compute
 exactly the op. Kernels are built from local torch ops and ``autopar.collectives``, so autograd
 differentiates them under the replicated-loss convention without hand-written backwards.
 """

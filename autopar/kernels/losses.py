@@ -20,9 +20,9 @@ _LOSSES = {
 
 
 def _mean_kernel(op: Any):
-    def kernel(*, groups: tuple[str, ...], **kw: Any) -> torch.Tensor:
+    def kernel(*, axis_groups: tuple[str, ...], **kw: Any) -> torch.Tensor:
         """The local sum of the loss over the global element count: a partial sum of the mean."""
-        total = kw["self"].numel() * math.prod(group_size(g) for g in groups)
+        total = kw["self"].numel() * math.prod(group_size(g) for g in axis_groups)
         return call_with_kw(op, {**kw, "reduction": 2}) / total
 
     return kernel

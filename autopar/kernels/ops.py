@@ -1,14 +1,13 @@
 """Kernel implementations (see ``autopar.kernels``).
 
-Each kernel takes the aten op's arguments by schema name plus ``groups``: the process-group names
-of the mesh axes on which its row was chosen, outermost first. With ``groups=()`` each computes
+Each kernel takes the aten op's arguments by schema name plus ``axis_groups``: the process-group names
+of the mesh axes on which its row was chosen, outermost first. With ``axis_groups=()`` each computes
 exactly its op. Values that are summed over ranks go through ``collectives.all_reduce`` (identity
 backward); a value that is then used by every rank's *local* slice also goes through
 ``collectives.allreduce_grad``, because each rank's gradient for it is only a partial sum.
 
-Name clash to know about: ``conv2d`` has an int argument called ``groups``. Its kernel row is
-only offered for ``groups == 1``, so ``conv2d_bias_split`` reads ``groups`` as the process
-groups; the caller must pass the process groups in place of the op's ``groups`` argument.
+The process groups come as ``axis_groups`` so that they never clash with an op argument (conv2d
+has an int argument called ``groups``).
 """
 
 from __future__ import annotations
@@ -48,30 +47,30 @@ def _sum_over(x: torch.Tensor, groups: Sequence[str]) -> torch.Tensor:
 
 
 @register_kernel("linear_bias_split")
-def linear_bias_split(*, groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor,
+def linear_bias_split(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor, **_: Any) -> torch.Tensor:
     """Row-parallel linear: each rank adds ``bias / k``, so the partial sums add up to the
     biased result."""
-    return aten.linear(input, weight, bias / split_count(groups))
+    return aten.linear(input, weight, bias / split_count(axis_groups))
 
 
 @register_kernel("addmm_bias_split")
-def addmm_bias_split(*, groups: Sequence[str], self: torch.Tensor, mat1: torch.Tensor,
+def addmm_bias_split(*, axis_groups: Sequence[str], self: torch.Tensor, mat1: torch.Tensor,
                      mat2: torch.Tensor, beta: Any = 1, alpha: Any = 1, **_: Any) -> torch.Tensor:
     """Contraction-split addmm: each rank adds ``beta * self / k``."""
-    return aten.addmm(self / split_count(groups), mat1, mat2, beta=beta, alpha=alpha)
+    return aten.addmm(self / split_count(axis_groups), mat1, mat2, beta=beta, alpha=alpha)
 
 
 @register_kernel("conv2d_bias_split")
-def conv2d_bias_split(*, groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor,
+def conv2d_bias_split(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor, stride: Any = (1, 1), padding: Any = (0, 0),
                       dilation: Any = (1, 1), **_: Any) -> torch.Tensor:
     """Input-channel-split conv2d (conv groups == 1): each rank adds ``bias / k``."""
-    return aten.conv2d(input, weight, bias / split_count(groups), stride, padding, dilation, 1)
+    return aten.conv2d(input, weight, bias / split_count(axis_groups), stride, padding, dilation, 1)
 
 
 @register_kernel("mean_partial")
-def mean_partial(*, groups: Sequence[str], self: torch.Tensor, dim: Any = None,
+def mean_partial(*, axis_groups: Sequence[str], self: torch.Tensor, dim: Any = None,
                  keepdim: bool = False, dtype: torch.dtype | None = None, **_: Any) -> torch.Tensor:
     """The mean over a sharded dim as a Partial: the local sum over the *global* count. Shards
     are even, so that is the local mean divided by the number of ranks."""
@@ -79,16 +78,16 @@ def mean_partial(*, groups: Sequence[str], self: torch.Tensor, dim: Any = None,
         local = aten.mean.default(self, dtype=dtype)
     else:
         local = aten.mean.dim(self, dim, keepdim, dtype=dtype)
-    return local / split_count(groups)
+    return local / split_count(axis_groups)
 
 
 @register_kernel("embedding_vocab_split")
-def embedding_vocab_split(*, groups: Sequence[str], weight: torch.Tensor, indices: torch.Tensor,
+def embedding_vocab_split(*, axis_groups: Sequence[str], weight: torch.Tensor, indices: torch.Tensor,
                           padding_idx: int = -1, **_: Any) -> torch.Tensor:
     """Vocab-parallel embedding: this rank holds rows [start, start + rows) of the table, looks
     up the indices that fall there and writes zeros for the rest (a Partial result)."""
     rows = weight.shape[0]
-    start = block_index(groups) * rows
+    start = block_index(axis_groups) * rows
     local = indices - start
     outside = (local < 0) | (local >= rows)
     local_padding = -1  # the padding row only changes the gradient, on the rank that holds it
@@ -99,7 +98,7 @@ def embedding_vocab_split(*, groups: Sequence[str], weight: torch.Tensor, indice
 
 
 @register_kernel("cross_entropy_mean")
-def cross_entropy_mean(*, groups: Sequence[str], self: torch.Tensor, target: torch.Tensor,
+def cross_entropy_mean(*, axis_groups: Sequence[str], self: torch.Tensor, target: torch.Tensor,
                        weight: torch.Tensor | None = None, ignore_index: int = -100,
                        label_smoothing: float = 0.0, **_: Any) -> torch.Tensor:
     """Batch-split mean cross entropy as a Partial: the local loss sum over the *global*
@@ -115,28 +114,28 @@ def cross_entropy_mean(*, groups: Sequence[str], self: torch.Tensor, target: tor
         else:
             picked = weight.detach()[target.masked_fill(~valid, 0)]
             denominator = picked.masked_fill(~valid, 0).sum()
-    for group in groups:
+    for group in axis_groups:
         denominator = collectives.no_grad_all_reduce(denominator, group)
     return local_sum / denominator.to(local_sum.dtype)
 
 
 @register_kernel("sync_batch_norm")
-def sync_batch_norm(*, groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor | None,
+def sync_batch_norm(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor | None,
                     bias: torch.Tensor | None, running_mean: torch.Tensor | None,
                     running_var: torch.Tensor | None, training: bool, momentum: float,
                     eps: float, cudnn_enabled: bool = True, **_: Any) -> torch.Tensor:
-    """Training-mode batch norm with the batch (or spatial) dims sharded on ``groups``: the
+    """Training-mode batch norm with the batch (or spatial) dims sharded on ``axis_groups``: the
     per-channel mean and biased variance are all-reduced, and the running statistics are
     updated in place with the global ones (unbiased variance), as eager does."""
     if not training:
         return aten.batch_norm(input, weight, bias, running_mean, running_var, training,
                                momentum, eps, cudnn_enabled)
     dims = [0] + list(range(2, input.ndim))
-    count = input.numel() // input.shape[1] * split_count(groups)
-    mean = _sum_over(input.sum(dims), groups) / count
+    count = input.numel() // input.shape[1] * split_count(axis_groups)
+    mean = _sum_over(input.sum(dims), axis_groups) / count
     shape = [1, -1] + [1] * (input.ndim - 2)
     centered = input - mean.reshape(shape)
-    var = _sum_over((centered * centered).sum(dims), groups) / count
+    var = _sum_over((centered * centered).sum(dims), axis_groups) / count
     out = centered * torch.rsqrt(var + eps).reshape(shape)
     if weight is not None:
         out = out * weight.reshape(shape)

@@ -44,7 +44,7 @@ def use_kernels(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str]) -> 
             continue
         kernel = get_kernel(decision.kernel)
         kw = normalized_kwargs(node)
-        kw["groups"] = tuple(groups[axis] for axis in decision.kernel_axes)
+        kw["axis_groups"] = tuple(groups[axis] for axis in decision.kernel_axes)
         node.target = kernel
         node.args = ()
         node.kwargs = kw
