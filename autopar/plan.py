@@ -34,6 +34,7 @@ class NodePlan:
     kernel_axes: tuple[int, ...] = ()
     source: str = "rule"  # rule | dtensor | fallback | placeholder | follow | output
     cost_s: float = 0.0
+    whole_grad: tuple[tuple[int, int], ...] = ()  # (input, axis): replicated input, gradient whole
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -48,6 +49,8 @@ class NodePlan:
         if self.kernel:
             out["kernel"] = self.kernel
             out["kernel_axes"] = list(self.kernel_axes)
+        if self.whole_grad:
+            out["whole_grad"] = [list(pair) for pair in self.whole_grad]
         return out
 
     @classmethod
@@ -62,6 +65,7 @@ class NodePlan:
             kernel_axes=tuple(data.get("kernel_axes", ())),
             source=data.get("source", "rule"),
             cost_s=float(data.get("cost_s", 0.0)),
+            whole_grad=tuple((int(i), int(a)) for i, a in data.get("whole_grad", ())),
         )
 
 

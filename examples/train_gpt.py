@@ -51,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tol", type=float, default=1e-4, help="largest relative difference")
-    parser.add_argument("--cluster", default=None, help="ClusterSpec preset or file for planning")
+    parser.add_argument("--cluster", default="cpu",
+                        help="ClusterSpec preset or file for planning (default: cpu, the machine "
+                             "this runs on; on h100-80g prices a model this small stays replicated)")
     parser.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     parser.add_argument("--plan", default=None, metavar="PATH",
                         help="use this saved plan instead of planning")

@@ -75,18 +75,29 @@ def _train_one(name: str, mesh: tuple[int, ...], memory_budget: float | None = N
     return result
 
 
-def _run_mesh(rank: int, world: int, mesh: tuple[int, ...], budget_fraction: float) -> dict:
+def _run_mesh(rank: int, world: int, mesh: tuple[int, ...], budgets: dict[str, float]) -> dict:
     torch.manual_seed(0)
     results = {name: _train_one(name, mesh) for name in MODELS}
-    # A budget below the replicated parameter+gradient+AdamW state: the plan must shard.
-    for name in ("mlp", "gpt"):
+    for name, budget in budgets.items():
         model = build_model(name, seed=0)
-        full = sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
-        budgeted = _train_one(name, mesh, memory_budget=budget_fraction * full)
-        budgeted["budget"] = budget_fraction * full
+        budgeted = _train_one(name, mesh, memory_budget=budget)
+        budgeted["budget"] = budget
         budgeted["full_param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
         results[f"{name}_budget"] = budgeted
     return results
+
+
+def _tight_budgets(mesh: tuple[int, ...]) -> dict[str, float]:
+    """60% of what replicating the parameters (with gradients and AdamW state) would take on
+    top of the unconstrained plan's peak: the plan must shard parameters to fit."""
+    budgets = {}
+    for name in ("mlp", "gpt"):
+        model = build_model(name, seed=0)
+        batch = example_batch(name, batch_size=BATCH, seed=1)
+        free = autopar.plan(model, mesh, example_inputs=batch)
+        state = sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
+        budgets[name] = free.predicted["peak_memory_bytes"] - 0.4 * state
+    return budgets
 
 
 def _check(results_by_rank: list[dict]) -> None:
@@ -120,7 +131,7 @@ def _check_budget(results_by_rank: list[dict]) -> None:
 
 @pytest.mark.parametrize("mesh", [(2, 2), (2, 4)], ids=["mesh2x2", "mesh2x4"])
 def test_models_match_eager(mesh: tuple[int, ...]) -> None:
-    results = run_distributed(_run_mesh, math.prod(mesh), mesh, 0.4, timeout_s=600)
+    results = run_distributed(_run_mesh, math.prod(mesh), mesh, _tight_budgets(mesh), timeout_s=600)
     _check(results)
     _check_budget(results)
     counts = results[0]["mlp"]["collectives"]

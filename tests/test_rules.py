@@ -656,7 +656,7 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     (out * c).sum().backward()
     close(xl.grad, x.grad.chunk(world_size, 2)[rank], "linear x grad")
     close(wl.grad, w.grad.chunk(world_size, 1)[rank], "linear weight grad")
-    close(partial_grad(bl), b.grad, "linear bias grad")
+    close(bl.grad, b.grad, "linear bias grad (whole on every rank, no all-reduce)")
 
     # addmm_bias_split: bias R, mat1 S(1), mat2 S(0) -> P
     bias, m1, m2 = (torch.randn(5, requires_grad=True), torch.randn(4, 8, requires_grad=True),
@@ -669,7 +669,7 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     close(out, torch.addmm(bias, m1, m2, beta=0.5, alpha=2.0).detach(), "addmm forward")
     (out * c).sum().backward()
     close(m1l.grad, m1.grad.chunk(world_size, 1)[rank], "addmm mat1 grad")
-    close(partial_grad(biasl), bias.grad, "addmm bias grad")
+    close(biasl.grad, bias.grad, "addmm bias grad (whole on every rank, no all-reduce)")
 
     # conv2d_bias_split: input S(1), weight S(1), bias R -> P (the op's `groups` is replaced)
     img, cw, cb = (torch.randn(2, 4, 6, 6, requires_grad=True), torch.randn(3, 4, 3, 3, requires_grad=True),
@@ -684,7 +684,7 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     (out * c).sum().backward()
     close(imgl.grad, img.grad.chunk(world_size, 1)[rank], "conv2d input grad")
     close(cwl.grad, cw.grad.chunk(world_size, 1)[rank], "conv2d weight grad")
-    close(partial_grad(cbl), cb.grad, "conv2d bias grad")
+    close(cbl.grad, cb.grad, "conv2d bias grad (whole on every rank, no all-reduce)")
 
     # mean_partial: self S(1) reduced over dim 1 -> P
     x = torch.randn(4, 6, 3, requires_grad=True)

@@ -46,19 +46,41 @@ def _sum_over(x: torch.Tensor, groups: Sequence[str]) -> torch.Tensor:
     return x
 
 
+class _ShareBias(torch.autograd.Function):
+    """``bias / k`` in forward, identity in backward.
+
+    The op's output is Partial, so its gradient is whole on every rank, and so is the bias
+    gradient computed from it: each rank already holds the full bias gradient, and the rule
+    marks the bias ``whole_grad`` so that no all-reduce is added. (Megatron adds the bias after
+    the all-reduce for the same effect.)
+    """
+
+    @staticmethod
+    def forward(ctx, bias, k):
+        return bias / k
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _share_bias(bias: torch.Tensor, axis_groups: Sequence[str]) -> torch.Tensor:
+    return _ShareBias.apply(bias, split_count(axis_groups))
+
+
 @register_kernel("linear_bias_split")
 def linear_bias_split(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor, **_: Any) -> torch.Tensor:
     """Row-parallel linear: each rank adds ``bias / k``, so the partial sums add up to the
     biased result."""
-    return aten.linear(input, weight, bias / split_count(axis_groups))
+    return aten.linear(input, weight, _share_bias(bias, axis_groups))
 
 
 @register_kernel("addmm_bias_split")
 def addmm_bias_split(*, axis_groups: Sequence[str], self: torch.Tensor, mat1: torch.Tensor,
                      mat2: torch.Tensor, beta: Any = 1, alpha: Any = 1, **_: Any) -> torch.Tensor:
     """Contraction-split addmm: each rank adds ``beta * self / k``."""
-    return aten.addmm(self / split_count(axis_groups), mat1, mat2, beta=beta, alpha=alpha)
+    return aten.addmm(_share_bias(self, axis_groups), mat1, mat2, beta=beta, alpha=alpha)
 
 
 @register_kernel("conv2d_bias_split")
@@ -66,7 +88,7 @@ def conv2d_bias_split(*, axis_groups: Sequence[str], input: torch.Tensor, weight
                       bias: torch.Tensor, stride: Any = (1, 1), padding: Any = (0, 0),
                       dilation: Any = (1, 1), **_: Any) -> torch.Tensor:
     """Input-channel-split conv2d (conv groups == 1): each rank adds ``bias / k``."""
-    return aten.conv2d(input, weight, bias / split_count(axis_groups), stride, padding, dilation, 1)
+    return aten.conv2d(input, weight, _share_bias(bias, axis_groups), stride, padding, dilation, 1)
 
 
 @register_kernel("mean_partial")

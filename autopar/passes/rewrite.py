@@ -75,7 +75,7 @@ def insert_collectives(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[st
                 for step in steps:
                     value = _step_node(graph, value, step, groups)
                 if requires_grad(source) and node.op != "output":
-                    strategy = Strategy(decision.ins, decision.outs)
+                    strategy = Strategy(decision.ins, decision.outs, whole_grad=decision.whole_grad)
                     for axis in grad_sync_axes(strategy, index):
                         value = graph.call_function(collectives.allreduce_grad, (value, groups[axis]))
             replacements.append(value)

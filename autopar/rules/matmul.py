@@ -58,8 +58,9 @@ def addmm_rule(info: OpInfo) -> list[Row]:
         Row((R, R, R), R),
         Row((broadcast_shard(bias, out_shape, 0), S(0), R), S(0)),
         Row((broadcast_shard(bias, out_shape, 1), R, S(1)), S(1)),
-        # Each rank adds beta * bias / k, so the partial sums add up to the biased result.
-        Row((R, S(1), S(0)), P, kernel="addmm_bias_split"),
+        # Each rank adds beta * bias / k, so the partial sums add up to the biased result; the
+        # bias gradient comes out whole on every rank (kernels.ops._ShareBias).
+        Row((R, S(1), S(0)), P, kernel="addmm_bias_split", whole_grad=(0,)),
         Row((P, S(1), S(0)), P),
         Row((P, P, R), P),
         Row((P, R, P), P),
@@ -76,7 +77,8 @@ def linear_rule(info: OpInfo) -> list[Row]:
     out_last = info.out_ndim - 1
 
     def row(x_p, w_p, b_p, out, kernel=None) -> Row:
-        return Row((x_p, w_p, b_p) if has_bias else (x_p, w_p), out, kernel)
+        whole = (2,) if kernel else ()  # the bias-split kernel leaves the bias gradient whole
+        return Row((x_p, w_p, b_p) if has_bias else (x_p, w_p), out, kernel, whole)
 
     rows = [row(R, R, R, R)]
     rows += [row(S(d), R, R, S(d)) for d in range(x.ndim - 1)]  # data parallel / sequence

@@ -119,7 +119,8 @@ def _conv_rows(info: OpInfo, bias_kernel: str | None) -> list[Row]:
     channel = 1 if batched else 0
 
     def row(x_p, w_p, b_p, out, kernel=None) -> Row:
-        return Row((x_p, w_p, b_p) if has_bias else (x_p, w_p), out, kernel)
+        whole = (2,) if kernel else ()  # the bias-split kernel leaves the bias gradient whole
+        return Row((x_p, w_p, b_p) if has_bias else (x_p, w_p), out, kernel, whole)
 
     rows = [row(R, R, R, R)]
     if batched:

@@ -73,8 +73,14 @@ class Row:
     ins: tuple[Placement, ...]
     out: Placement | tuple[Placement, ...]
     kernel: str | None = None
+    # Inputs (by index) that are replicated here and whose local gradient the computation
+    # already makes whole, so they need no gradient all-reduce (see solver.choices.grad_sync_axes).
+    whole_grad: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        for index in self.whole_grad:
+            if not isinstance(self.ins[index], Replicate):
+                raise ValueError(f"whole_grad names input {index}, which is not replicated in {self}")
         for placement in self.ins + self.outs:
             if isinstance(placement, Shard) and placement.dim < 0:
                 raise ValueError(f"rows use non-negative dims, got {placement} in {self}")
@@ -98,6 +104,7 @@ class Strategy:
     kernel: str | None = None
     kernel_axes: tuple[int, ...] = ()
     source: str = "rule"
+    whole_grad: tuple[tuple[int, int], ...] = ()  # (input index, mesh axis) pairs
 
     @property
     def out(self) -> Spec:
@@ -212,11 +219,12 @@ def expand_rows(
             continue
         kernel = kernels.pop() if kernels else None
         kernel_axes = tuple(a for a, row in enumerate(combo) if kernel and row.kernel == kernel)
-        key = (ins, outs, kernel, kernel_axes)
+        whole_grad = tuple((i, a) for a, row in enumerate(combo) for i in row.whole_grad)
+        key = (ins, outs, kernel, kernel_axes, whole_grad)
         if key in seen:
             continue
         seen.add(key)
-        strategies.append(Strategy(ins, outs, kernel, kernel_axes, source))
+        strategies.append(Strategy(ins, outs, kernel, kernel_axes, source, whole_grad))
     return strategies
 
 

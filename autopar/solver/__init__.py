@@ -85,6 +85,7 @@ def plan_from_solution(
             kernel_axes=strategy.kernel_axes,
             source=strategy.source,
             cost_s=choice.compute_s[index],
+            whole_grad=strategy.whole_grad,
         )
         compute_s += choice.compute_s[index]
         memory_bytes += choice.memory_bytes[index]

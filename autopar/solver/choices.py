@@ -228,6 +228,8 @@ def grad_sync_axes(strategy: Strategy, index: int) -> list[int]:
     """
     axes = []
     for axis, placement in enumerate(strategy.ins[index]):
+        if (index, axis) in strategy.whole_grad:
+            continue
         if isinstance(placement, Replicate) and any(not isinstance(out[axis], Replicate) for out in strategy.outs):
             axes.append(axis)
     return axes
