@@ -230,9 +230,11 @@ class SmallCNN(nn.Module):
     def __init__(self, num_classes: int = 10, in_channels: int = 3, channels: int = 16):
         super().__init__()
         self.config = dict(num_classes=num_classes, in_channels=in_channels, channels=channels)
-        self.conv1 = nn.Conv2d(in_channels, channels, kernel_size=3, padding=1)
+        # No conv biases: BatchNorm subtracts the mean right after, so a bias there is cancelled
+        # and its gradient is exactly zero (as in ResNets).
+        self.conv1 = nn.Conv2d(in_channels, channels, kernel_size=3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, 2 * channels, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(channels, 2 * channels, kernel_size=3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(2 * channels)
         self.fc = nn.Linear(2 * channels, num_classes)
 

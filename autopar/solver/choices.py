@@ -275,12 +275,23 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
     return edges
 
 
+# Composite ops that write arguments their schema does not mark as written: they update running
+# statistics in place through the native op they call.
+_UNDECLARED_WRITES = {
+    torch.ops.aten.batch_norm.default: {"running_mean", "running_var"},
+    torch.ops.aten.instance_norm.default: {"running_mean", "running_var"},
+}
+
+
 def _mutated_inputs(node: torch.fx.Node) -> set[int]:
-    """Tensor-input indices that the op writes in place (schema alias info with is_write)."""
+    """Tensor-input indices that the op writes in place: schema alias info with is_write, plus
+    ``_UNDECLARED_WRITES``. Such an input can never be resharded on its way in, or the write
+    would land in a temporary."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return set()
     written = {a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    written |= _UNDECLARED_WRITES.get(target, set())
     if not written:
         return set()
     indices, index = set(), 0
