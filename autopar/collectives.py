@@ -45,12 +45,18 @@ def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group_name))
 
 
+# torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single; older torch has only
+# the old names.
+_gather_along = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_scatter_along = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, group_name))
+    return funcol.wait_tensor(_gather_along(x.contiguous(), dim, group_name))
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group_name))
+    return funcol.wait_tensor(_scatter_along(x.contiguous(), "sum", dim, group_name))
 
 
 def _chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:

@@ -48,6 +48,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-embd", type=int, default=64)
     parser.add_argument("--fused-qkv", action="store_true", help="one qkv Linear, then split")
     parser.add_argument("--untied", action="store_true", help="do not tie lm_head to wte")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                        help="parameter dtype. Losses at every step and the first gradients are "
+                             "checked in both; final parameters only in float64 (see --tol)")
+    parser.add_argument("--bias", action="store_true",
+                        help="give Linear layers biases. Off by default: the key bias has an exactly "
+                             "zero gradient (softmax cancels it), and AdamW turns the float noise "
+                             "there into full-size steps, so final parameters would differ in "
+                             "that one tensor between two correct runs")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tol", type=float, default=1e-4, help="largest relative difference")
@@ -87,8 +95,9 @@ def log(rank: int, *parts: Any) -> None:
 
 def build_gpt(args: argparse.Namespace) -> GPT:
     torch.manual_seed(args.seed)
-    return GPT(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd,
-               tied=not args.untied, fused_qkv=args.fused_qkv)
+    model = GPT(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd,
+                tied=not args.untied, fused_qkv=args.fused_qkv, bias=args.bias)
+    return model.to(getattr(torch, args.dtype))
 
 
 def batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +246,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     checks = [("loss", "max over steps", max(loss_diffs, default=0.0))]
     if grad_diffs:
         checks.append(("gradient", *worst(grad_diffs)))
-    checks.append(("final parameter", *worst(param_diffs)))
+    if args.dtype == "float64":
+        checks.append(("final parameter", *worst(param_diffs)))
     passed = all(diff < args.tol for _, _, diff in checks)
     if pm_times:
         steady, steady_eager = pm_times[1:] or pm_times, eager_times[1:] or eager_times
@@ -246,6 +256,12 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> bool:
                   f"ms, eager {eager_times[0] * 1e3:.0f} ms)")
     for kind, name, diff in checks:
         log(rank, f"  largest {kind} rel diff: {diff:.2e} ({name})")
+    if args.dtype != "float64":
+        # AdamW's first step moves every element by ±lr by the sign of its gradient, so where a
+        # gradient is at float32 rounding level two correct runs can step apart by 2·lr. The
+        # losses above depend on every parameter, and are checked at every step.
+        log(rank, f"  final parameters, for information (checked with --dtype float64): largest rel "
+                  f"diff {worst(param_diffs)[1]:.2e} ({worst(param_diffs)[0]})")
     if passed:
         log(rank, f"PASS: autopar matches eager (rel diff < {args.tol:g}) over {args.steps} "
                   f"steps on mesh {args.mesh}")
