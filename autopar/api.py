@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.cost.cluster import ClusterSpec, get_cluster
-from autopar.errors import MeshError, PlanError
+from autopar.errors import AutoparError, MeshError, PlanError
 from autopar.passes import default_passes, run_passes
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule, mesh_groups
@@ -104,12 +104,23 @@ def compile(
 def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s) -> Plan:
     if plan is None:
         # Rank 0 solves and broadcasts; the solve is deterministic, but eight identical solves
-        # on one host would only compete for its cores.
-        payload = [None]
+        # on one host would only compete for its cores. A failure is broadcast too, so that
+        # every rank raises it now instead of waiting out the process-group timeout.
+        payload: list[Any] = [None]
         if dist.get_rank() == 0:
-            payload[0] = _solve(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s).to_json()
+            try:
+                payload[0] = ("plan", _solve(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s).to_json())
+            except Exception as error:
+                payload[0] = ("error", error)
         dist.broadcast_object_list(payload, src=0)
-        chosen = Plan.from_json(payload[0])
+        kind, value = payload[0]
+        if kind == "error":
+            if dist.get_rank() == 0:
+                raise value
+            raise type(value)(f"{value}\n(planned on rank 0)") if isinstance(value, AutoparError) else RuntimeError(
+                f"planning failed on rank 0: {type(value).__name__}: {value}"
+            )
+        chosen = Plan.from_json(value)
     elif isinstance(plan, Plan):
         chosen = plan
     else:

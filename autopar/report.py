@@ -10,7 +10,11 @@ from autopar.spec import format_spec, transition_steps
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
-_VIEWS = ("view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "getitem", "split", "t.default", "alias", "flatten", "contiguous")
+def _is_view(op: str) -> bool:
+    from autopar.cost.compute import VIEW_OPS
+
+    # VIEW_OPS holds overload packets ("aten.view"); plans name overloads ("aten.view.default").
+    return op == "getitem" or op.rsplit(".", 1)[0] in {str(v) for v in VIEW_OPS}
 
 
 def _spec(spec) -> str:
@@ -45,9 +49,6 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     lines.append("")
     lines.append("Parameters")
     width = max((len(f) for f in plan.params), default=10)
-    groups: dict[tuple, list[str]] = {}
-    for fqn, spec in plan.params.items():
-        groups.setdefault(tuple(format_spec(spec)), []).append(fqn)
     for fqn, spec in plan.params.items():
         lines.append(f"  {fqn:<{width}}  {_spec(spec)}")
     lines.append("")
@@ -56,7 +57,7 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     lines.append(header)
     rows = 0
     for name, node in plan.nodes.items():
-        if node.source in ("placeholder", "output") or any(v in node.op for v in _VIEWS):
+        if node.source in ("placeholder", "output") or _is_view(node.op):
             continue
         rows += 1
         if rows > max_rows:
@@ -68,7 +69,7 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
             note.append("FALLBACK: replicated (no rule)")
         elif node.source == "dtensor":
             note.append("rule from DTensor")
-        shape = "x".join(str(d) for d in node.shapes[0]) if node.shapes else "-"
+        shape = ("x".join(str(d) for d in node.shapes[0]) or "scalar") if node.shapes else "-"
         placements = _spec(node.outs[0]) if node.outs else "-"
         lines.append(f"  {name:<28} {node.op:<34} {shape:<18} {placements:<16} {node.cost_s * 1e3:>9.4f}  {'; '.join(note)}")
     if rows > max_rows:

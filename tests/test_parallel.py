@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 
 import pytest
 import torch
@@ -113,14 +114,18 @@ def _tight_budgets(mesh: tuple[int, ...]) -> dict[str, float]:
     return budgets
 
 
+def _check_first_step(rank: int, label: str, result: dict) -> None:
+    got, want = result["loss"]
+    assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {label}: loss {got} vs eager {want}"
+    worst = max(result["grad_rel"], key=result["grad_rel"].get)
+    assert result["grad_rel"][worst] < TOL, f"rank {rank} {label}: gradient of {worst} off by {result['grad_rel'][worst]:.2e}"
+
+
 def _check(results_by_rank: list[dict]) -> None:
     first = results_by_rank[0]
     for rank, results in enumerate(results_by_rank):
         for name, result in results.items():
-            got, want = result["loss"]
-            assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {name}: loss {got} vs eager {want}"
-            worst = max(result["grad_rel"], key=result["grad_rel"].get)
-            assert result["grad_rel"][worst] < TOL, f"rank {rank} {name}: gradient of {worst} off by {result['grad_rel'][worst]:.2e}"
+            _check_first_step(rank, name, result)
             for step, (got, want) in enumerate(result["step_losses"], start=2):
                 assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {name}: step {step} loss {got} vs {want}"
             worst = max(result["state_rel"], key=result["state_rel"].get)
@@ -192,8 +197,21 @@ def test_forced_plans_with_split_activations_match_eager() -> None:
     results = run_distributed(_run_forced, 2, timeout_s=300)
     for rank, by_label in enumerate(results):
         for label, result in by_label.items():
-            got, want = result["loss"]
-            assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {label}: loss {got} vs {want}"
-            worst = max(result["grad_rel"], key=result["grad_rel"].get)
-            assert result["grad_rel"][worst] < TOL, f"rank {rank} {label}: gradient of {worst} off by {result['grad_rel'][worst]:.2e}"
+            _check_first_step(rank, label, result)
     assert results[0]["replicated_then_column"]["collectives"].get("allreduce_grad"), "the gelu gradient must be all-reduced"
+
+
+def _infeasible_on_every_rank(rank: int, world: int) -> str:
+    model = build_model("mlp", seed=0)
+    try:
+        autopar.compile(model, (world,), example_inputs=example_batch("mlp", 8), memory_budget=1000)
+    except autopar.InfeasibleError as error:
+        return str(error)
+    return "compiled"
+
+
+def test_planning_error_reaches_every_rank_without_waiting_for_a_timeout() -> None:
+    start = time.monotonic()
+    messages = run_distributed(_infeasible_on_every_rank, 2, timeout_s=300)
+    assert all("leanest plan needs" in m for m in messages), messages
+    assert time.monotonic() - start < 60, "ranks waited for the process-group timeout"

@@ -10,7 +10,7 @@ from autopar.errors import InfeasibleError
 from autopar.plan import NodePlan, Plan
 from autopar.solver.choices import ChoiceGraph, build_choice_graph
 from autopar.solver.ilp import ShardingILP, Solution
-from autopar.spec import Spec, format_spec
+from autopar.spec import Spec
 from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
@@ -130,6 +130,3 @@ def plan_from_solution(
         stats={"solve_time_s": solution.solve_time_s},
     )
 
-
-def describe_spec(spec: Spec) -> str:
-    return "(" + ", ".join(format_spec(spec)) + ")"
