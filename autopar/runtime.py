@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
+import logging
+import math
 from typing import Any
 
 import torch
@@ -14,6 +17,8 @@ from autopar import collectives
 from autopar.plan import Plan
 from autopar.spec import Spec
 from autopar.trace import TracedModel
+
+log = logging.getLogger("autopar")
 
 
 def shard_tensor(full: torch.Tensor, spec: Spec, coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]) -> torch.Tensor:
@@ -184,11 +189,31 @@ def _has(root: torch.nn.Module, fqn: str) -> bool:
         return False
 
 
-def mesh_groups(mesh_shape: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """Create the device mesh; return each axis's process-group name and this rank's coordinate."""
-    from torch.distributed.device_mesh import init_device_mesh
+def world_timeout() -> "datetime.timedelta | None":
+    """The timeout the default process group was created with, or None if it cannot be read."""
+    group = dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device, mesh_shape)
-    groups = tuple(mesh.get_group(axis).group_name for axis in range(len(mesh_shape)))
-    return groups, tuple(mesh.get_coordinate())
+
+def mesh_groups(mesh_shape: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """One process group per mesh axis; return their names and this rank's mesh coordinate.
+
+    Rank r sits at the row-major position of r. The groups take the default group's timeout:
+    groups made without one get torch's default (30 minutes on gloo), so a dead rank would stall
+    its peers that long instead of failing them within the timeout the user chose.
+    """
+    ranks = torch.arange(math.prod(mesh_shape)).reshape(mesh_shape)
+    timeout = world_timeout()
+    if timeout is None:
+        log.warning("autopar: could not read the default process group's timeout; mesh groups use torch's default")
+    names = []
+    for axis, size in enumerate(mesh_shape):
+        members = ranks.movedim(axis, -1).reshape(-1, size).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout)
+        names.append(group.group_name)
+    coordinate = tuple(int(i) for i in torch.unravel_index(torch.tensor(dist.get_rank()), mesh_shape))
+    return tuple(names), coordinate

@@ -190,12 +190,20 @@ def _run_forced(rank: int, world: int) -> dict:
             "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager)),
             "collectives": _collective_counts(pm),
         }
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from autopar.runtime import world_timeout
+
+    group = _resolve_process_group(pm._groups[0])
+    results["timeouts"] = (world_timeout(), group._get_backend(torch.device("cpu")).options._timeout)
     return results
 
 
 def test_forced_plans_with_split_activations_match_eager() -> None:
-    results = run_distributed(_run_forced, 2, timeout_s=300)
+    results = run_distributed(_run_forced, 2, timeout_s=300, pg_timeout_s=45)
     for rank, by_label in enumerate(results):
+        world, axis = by_label.pop("timeouts")
+        assert world.total_seconds() == 45 and axis == world, f"mesh groups must inherit the world timeout: {axis} vs {world}"
         for label, result in by_label.items():
             _check_first_step(rank, label, result)
     assert results[0]["replicated_then_column"]["collectives"].get("allreduce_grad"), "the gelu gradient must be all-reduced"
