@@ -90,6 +90,12 @@ class ParallelModule(torch.nn.Module):
             _attach(self.module, fqn, value, graph_input.kind)
         self._inputs = [(gi.name, gi.kind, gi.fqn) for gi in traced.inputs]
         self._constants = dict(traced.constants)
+        placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+        self._user_metas = [
+            (gi.name, tuple(placeholders[gi.name].meta["val"].shape), placeholders[gi.name].meta["val"].dtype)
+            if isinstance(placeholders[gi.name].meta.get("val"), torch.Tensor) else (gi.name, None, None)
+            for gi in traced.inputs if gi.kind == "user"
+        ]
 
     @property
     def plan(self) -> Plan:
@@ -101,6 +107,7 @@ class ParallelModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat = _flatten_inputs(args, kwargs, self._traced.in_spec)
+        self._check_inputs(flat)
         user = iter(flat)
         values = []
         for name, kind, fqn in self._inputs:
@@ -113,8 +120,16 @@ class ParallelModule(torch.nn.Module):
         outputs = self.graph_module(*values)
         return pytree.tree_unflatten(list(outputs), self._traced.out_spec)
 
-    def _named_locals(self, kind: str) -> dict[str, torch.Tensor]:
-        return {fqn: _lookup(self.module, fqn) for _, k, fqn in self._inputs if k == kind}
+    def _check_inputs(self, flat: list[Any]) -> None:
+        for value, (name, shape, dtype) in zip(flat, self._user_metas):
+            if shape is None or not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape) != shape or value.dtype != dtype:
+                raise ValueError(
+                    f"input {name!r} has shape {tuple(value.shape)} and dtype {value.dtype}, but this module "
+                    f"was planned for shape {shape} and dtype {dtype} (its example inputs). Pass inputs of the "
+                    "planned shape, or compile again with example inputs of the new shape"
+                )
 
     def _fqns(self) -> list[tuple[str, str]]:
         names = [(fqn, kind) for _, kind, fqn in self._inputs if kind in ("param", "buffer")]
