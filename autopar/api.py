@@ -93,12 +93,34 @@ def compile(
             f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices but the world size is {world}: "
             f"pass a mesh whose sizes multiply to {world}"
         )
+    _check_backend_dtypes(model, example_inputs, example_kwargs)
     traced = trace(model, example_inputs, example_kwargs)
     chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s)
     check_rank_agreement(chosen)
     groups, coordinate = mesh_groups(mesh_shape)
     gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups))
     return ParallelModule(model, traced, gm, chosen, groups, coordinate)
+
+
+# Dtypes each backend cannot reduce (gloo has no bfloat16 all-reduce).
+_UNREDUCIBLE = {"gloo": {torch.bfloat16}}
+
+
+def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs) -> None:
+    backend = str(dist.get_backend())
+    bad = _UNREDUCIBLE.get(backend, set())
+    if not bad:
+        return
+    leaves = torch.utils._pytree.tree_leaves((example_inputs, example_kwargs or {}))
+    named = [(f"parameter {n}", t) for n, t in model.named_parameters()]
+    named += [(f"buffer {n}", t) for n, t in model.named_buffers()]
+    named += [(f"input {i}", t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+    for name, tensor in named:
+        if tensor.dtype in bad:
+            raise ValueError(
+                f"{name} is {tensor.dtype}, which the {backend} backend cannot reduce: use float32 "
+                f"(model.float()) when running on {backend}, or NCCL on GPUs for {tensor.dtype}"
+            )
 
 
 def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s) -> Plan:
@@ -130,6 +152,12 @@ def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s
 
 
 def check_plan_matches(chosen: Plan, traced: TracedModel, mesh_shape: tuple[int, ...]) -> None:
+    made_with, running = chosen.torch_version.split("+")[0], torch.__version__.split("+")[0]
+    if made_with != running:
+        raise PlanError(
+            f"the plan was made with torch {chosen.torch_version}, and this is torch {torch.__version__}: "
+            "traced graphs (and node names) differ between versions; re-plan with this torch"
+        )
     if tuple(chosen.mesh_shape) != tuple(mesh_shape):
         raise PlanError(f"the plan was made for mesh {tuple(chosen.mesh_shape)}, not {tuple(mesh_shape)}: re-plan for this mesh")
     if chosen.graph_hash != traced.graph_hash:

@@ -28,9 +28,79 @@ done by ``torch.distributed._functional_collectives``.
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
+from typing import Callable, TypeVar
+
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.distributed_c10d import _resolve_process_group
+
+from autopar.errors import CollectiveError
+
+_T = TypeVar("_T")
+_PEER_KEY = "autopar/peer/{}"
+
+
+def register_peer() -> None:
+    """Record this rank's host and pid in the default store, so that after a failed collective
+    the survivors can say which rank died (``_diagnose``)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(_PEER_KEY.format(dist.get_rank()), f"{socket.gethostname()}:{os.getpid()}")
+
+
+def _diagnose(ranks: list[int]) -> str:
+    """Which of ``ranks`` are gone, as far as this host can tell."""
+    dead, unknown = [], []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        here = socket.gethostname()
+        for rank in ranks:
+            host, pid = store.get(_PEER_KEY.format(rank)).decode().rsplit(":", 1)
+            if host != here:
+                unknown.append(rank)
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                dead.append(rank)
+    except Exception as error:  # the store may have died with rank 0
+        return f"could not tell which rank failed ({type(error).__name__}: {error})"
+    if dead:
+        return f"rank {', '.join(map(str, dead))} is no longer running"
+    if unknown:
+        return f"no rank on this host died; ranks {unknown} run on other hosts"
+    return "every rank of the group is still running: one of them did not answer within the timeout"
+
+
+def _guarded(kind: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
+    """Turn a failed collective into a CollectiveError that names the group and the dead rank."""
+
+    def wrap(fn: Callable[..., _T]) -> Callable[..., _T]:
+        @functools.wraps(fn)
+        def run(*args, **kwargs) -> _T:
+            try:
+                return fn(*args, **kwargs)
+            except CollectiveError:
+                raise
+            except (RuntimeError, dist.DistError) as error:
+                group_name = args[-1]
+                try:
+                    ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
+                except Exception:
+                    ranks = []
+                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise CollectiveError(
+                    f"{kind} over ranks {ranks} failed on rank {dist.get_rank()}: {_diagnose(ranks)}.\n"
+                    f"  {type(error).__name__}: {first}\n"
+                    "  This step cannot finish; restart the job (torchrun --max-restarts, or from a checkpoint)."
+                ) from error
+
+        return run
+
+    return wrap
 
 
 def group_size(group_name: str) -> int:
@@ -41,6 +111,7 @@ def group_rank(group_name: str) -> int:
     return _resolve_process_group(group_name).rank()
 
 
+@_guarded("all-reduce")
 def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group_name))
 
@@ -51,10 +122,12 @@ _gather_along = getattr(funcol, "all_gather_single", None) or funcol.all_gather_
 _scatter_along = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
+@_guarded("all-gather")
 def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     return funcol.wait_tensor(_gather_along(x.contiguous(), dim, group_name))
 
 
+@_guarded("reduce-scatter")
 def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     return funcol.wait_tensor(_scatter_along(x.contiguous(), "sum", dim, group_name))
 

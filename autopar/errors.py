@@ -43,6 +43,10 @@ class InfeasibleError(AutoparError):
     """No sharding fits the constraints (a memory budget, say)."""
 
 
+class CollectiveError(AutoparError, RuntimeError):
+    """A collective failed: a peer rank died, or did not answer within the timeout."""
+
+
 class PassError(AutoparError):
     """A rewrite pass failed; the message names the pass and those that ran before it."""
 
