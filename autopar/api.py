@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from autopar import collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster
 from autopar.errors import AutoparError, MeshError, PlanError
 from autopar.passes import default_passes, run_passes
@@ -94,6 +95,7 @@ def compile(
             f"pass a mesh whose sizes multiply to {world}"
         )
     _check_backend_dtypes(model, example_inputs, example_kwargs)
+    collectives.register_peer()  # lets a failed collective name a dead rank
     traced = trace(model, example_inputs, example_kwargs)
     chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s)
     check_rank_agreement(chosen)
@@ -134,7 +136,7 @@ def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s
                 payload[0] = ("plan", _solve(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s).to_json())
             except Exception as error:
                 payload[0] = ("error", error)
-        dist.broadcast_object_list(payload, src=0)
+        collectives.call_on_world("plan broadcast", dist.broadcast_object_list, payload, src=0)
         kind, value = payload[0]
         if kind == "error":
             if dist.get_rank() == 0:
@@ -170,7 +172,7 @@ def check_plan_matches(chosen: Plan, traced: TracedModel, mesh_shape: tuple[int,
 def check_rank_agreement(chosen: Plan) -> None:
     """Every rank must run the same plan; a mismatch is an error on every rank, not a hang."""
     hashes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hashes, chosen.hash)
+    collectives.call_on_world("plan hash check", dist.all_gather_object, hashes, chosen.hash)
     if len(set(hashes)) > 1:
         groups: dict[str, list[int]] = {}
         for rank, value in enumerate(hashes):

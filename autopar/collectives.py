@@ -53,12 +53,16 @@ def register_peer() -> None:
 
 def _diagnose(ranks: list[int]) -> str:
     """Which of ``ranks`` are gone, as far as this host can tell."""
-    dead, unknown = [], []
+    dead, unknown, absent = [], [], []
     try:
         store = dist.distributed_c10d._get_default_store()
         here = socket.gethostname()
         for rank in ranks:
-            host, pid = store.get(_PEER_KEY.format(rank)).decode().rsplit(":", 1)
+            key = _PEER_KEY.format(rank)
+            if not store.check([key]):
+                absent.append(rank)
+                continue
+            host, pid = store.get(key).decode().rsplit(":", 1)
             if host != here:
                 unknown.append(rank)
                 continue
@@ -70,13 +74,29 @@ def _diagnose(ranks: list[int]) -> str:
         return f"could not tell which rank failed ({type(error).__name__}: {error})"
     if dead:
         return f"rank {', '.join(map(str, dead))} is no longer running"
+    if absent:
+        return f"rank {', '.join(map(str, absent))} never reached autopar.compile (it failed or was killed before)"
     if unknown:
         return f"no rank on this host died; ranks {unknown} run on other hosts"
     return "every rank of the group is still running: one of them did not answer within the timeout"
 
 
+def _collective_error(kind: str, group_name: str, error: BaseException) -> CollectiveError:
+    try:
+        ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
+    except Exception:
+        ranks = []
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return CollectiveError(
+        f"{kind} over ranks {ranks} failed on rank {dist.get_rank()}: {_diagnose(ranks)}.\n"
+        f"  {type(error).__name__}: {first}\n"
+        "  This step cannot finish; restart the job (torchrun --max-restarts, or from a checkpoint)."
+    )
+
+
 def _guarded(kind: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
-    """Turn a failed collective into a CollectiveError that names the group and the dead rank."""
+    """Turn a failed collective into a CollectiveError that names the group and the dead rank.
+    The wrapped function takes the group name as its last positional argument."""
 
     def wrap(fn: Callable[..., _T]) -> Callable[..., _T]:
         @functools.wraps(fn)
@@ -86,34 +106,20 @@ def _guarded(kind: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
             except CollectiveError:
                 raise
             except (RuntimeError, dist.DistError) as error:
-                group_name = args[-1]
-                try:
-                    ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
-                except Exception:
-                    ranks = []
-                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                raise CollectiveError(
-                    f"{kind} over ranks {ranks} failed on rank {dist.get_rank()}: {_diagnose(ranks)}.\n"
-                    f"  {type(error).__name__}: {first}\n"
-                    "  This step cannot finish; restart the job (torchrun --max-restarts, or from a checkpoint)."
-                ) from error
+                raise _collective_error(kind, args[-1], error) from error
 
         return run
 
     return wrap
 
 
-def group_size(group_name: str) -> int:
-    return _resolve_process_group(group_name).size()
-
-
-def group_rank(group_name: str) -> int:
-    return _resolve_process_group(group_name).rank()
-
-
-@_guarded("all-reduce")
-def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group_name))
+def call_on_world(kind: str, fn: Callable[..., _T], *args, **kwargs) -> _T:
+    """Run an object collective on the default group (plan broadcast, hash check) with the same
+    diagnosis as the tensor collectives when a rank is missing."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, dist.DistError) as error:
+        raise _collective_error(kind, dist.group.WORLD.group_name, error) from error
 
 
 # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single; older torch has only

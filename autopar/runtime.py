@@ -231,5 +231,4 @@ def mesh_groups(mesh_shape: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int
         group, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout)
         names.append(group.group_name)
     coordinate = tuple(int(i) for i in torch.unravel_index(torch.tensor(dist.get_rank()), mesh_shape))
-    collectives.register_peer()
     return tuple(names), coordinate

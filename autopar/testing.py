@@ -111,6 +111,7 @@ def run_distributed(
     timeout_s: float = 120,
     backend: str = "gloo",
     pg_timeout_s: float | None = None,
+    grace_s: float = _ERROR_GRACE_S,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results by rank.
 
@@ -121,7 +122,8 @@ def run_distributed(
     torchrun would set them.
 
     Raises ``DistributedRankError`` naming the rank, with its traceback, if any rank raises or
-    dies, and ``TimeoutError`` naming the ranks that did not report if the run takes longer than
+    dies (after the first failure the other ranks get ``grace_s`` seconds to report; fault tests
+    raise it to see what the survivors say), and ``TimeoutError`` naming the ranks that did not report if the run takes longer than
     ``timeout_s + 30`` seconds. In both cases every child is killed first.
     """
     if world_size < 1:
@@ -155,7 +157,7 @@ def run_distributed(
             proc.start()
             procs.append(proc)
         return _collect(fn, procs, report_queue, deadline=time.monotonic() + timeout_s
-                        + _EXTRA_DEADLINE_S, timeout_s=timeout_s)
+                        + _EXTRA_DEADLINE_S, timeout_s=timeout_s, grace_s=grace_s)
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -172,6 +174,7 @@ def _collect(
     report_queue: Any,
     deadline: float,
     timeout_s: float,
+    grace_s: float = _ERROR_GRACE_S,
 ) -> list[Any]:
     world_size = len(procs)
     results: dict[int, Any] = {}
@@ -182,7 +185,7 @@ def _collect(
 
     while len(results) + len(errors) + len(lost) < world_size:
         now = time.monotonic()
-        if first_error_at is not None and now - first_error_at > _ERROR_GRACE_S:
+        if first_error_at is not None and now - first_error_at > grace_s:
             break
         if now > deadline:
             break

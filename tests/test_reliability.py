@@ -107,9 +107,23 @@ def _one_rank_dies(rank: int, world: int) -> str:
 def test_a_killed_rank_fails_the_others_quickly_naming_it():
     start = time.monotonic()
     with pytest.raises(DistributedRankError) as info:
-        run_distributed(_one_rank_dies, 4, timeout_s=120, pg_timeout_s=30)
+        run_distributed(_one_rank_dies, 4, timeout_s=120, pg_timeout_s=30, grace_s=60)
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert "rank 2 exited" in message, message
     assert "CollectiveError" in message and "rank 2 is no longer running" in message, message
     assert elapsed < 90, f"the survivors took {elapsed:.0f} s to fail"
+
+
+def _one_rank_never_compiles(rank: int, world: int) -> str:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    autopar.compile(build_model("mlp", seed=0), (world,), example_inputs=example_batch("mlp", 8))
+    return "compiled without rank 1"
+
+
+def test_a_rank_missing_at_compile_is_named():
+    with pytest.raises(DistributedRankError) as info:
+        run_distributed(_one_rank_never_compiles, 2, timeout_s=120, pg_timeout_s=30, grace_s=60)
+    message = str(info.value)
+    assert "rank 1 exited" in message and "rank 1 never reached autopar.compile" in message, message
