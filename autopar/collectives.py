@@ -122,6 +122,19 @@ def call_on_world(kind: str, fn: Callable[..., _T], *args, **kwargs) -> _T:
         raise _collective_error(kind, dist.group.WORLD.group_name, error) from error
 
 
+def group_size(group_name: str) -> int:
+    return _resolve_process_group(group_name).size()
+
+
+def group_rank(group_name: str) -> int:
+    return _resolve_process_group(group_name).rank()
+
+
+@_guarded("all-reduce")
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group_name))
+
+
 # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single; older torch has only
 # the old names.
 _gather_along = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
