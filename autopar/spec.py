@@ -14,6 +14,7 @@ steps and the collectives pass inserts exactly these steps, so what is priced is
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -125,6 +126,7 @@ class Step:
             raise ValueError(f"unknown step kind {self.kind!r}")
 
 
+@functools.lru_cache(maxsize=65536)
 def transition_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:
     """The collectives that turn a tensor held as ``src`` into ``dst``, or None if impossible.
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -81,6 +82,9 @@ class ChoiceGraph:
     # Placeholders that are one tensor under several names (tied weights): each group must
     # take one spec. Export lifts a tied weight once per name, and may route every use to one.
     ties: list[list[str]] = field(default_factory=list)
+    # Repeated layers: node → the node at the same place in the first layer of its ModuleList,
+    # whose strategy it shares (see ``repeated_layers``).
+    layer_template: dict[str, str] = field(default_factory=dict)
 
     def free(self) -> list[Choice]:
         return [self.choices[n] for n in self.order if self.choices[n].follower_of is None]
@@ -93,10 +97,12 @@ def build_choice_graph(
     *,
     optimizer: str = "adamw",
     forced: dict[str, Spec] | None = None,
+    share_layers: bool = True,
 ) -> ChoiceGraph:
     """Enumerate strategies and prices for every node of ``traced``.
 
     ``forced`` pins the output spec of named nodes (tests use it for hand plans).
+    ``share_layers`` ties repeated layers to one choice (``repeated_layers``).
     """
     mesh_shape = tuple(mesh_shape)
     num_axes = len(mesh_shape)
@@ -104,6 +110,7 @@ def build_choice_graph(
     choices: dict[str, Choice] = {}
     order: list[str] = []
     saved = _saved_for_backward(traced.gm)
+    cache: dict[tuple, tuple] = {}
     for node in traced.gm.graph.nodes:
         order.append(node.name)
         if node.op == "placeholder":
@@ -112,7 +119,7 @@ def build_choice_graph(
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
         elif node.op == "call_function":
-            choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, node.name in saved)
+            choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, node.name in saved, cache)
         else:
             raise NotImplementedError(f"autopar cannot plan a {node.op} node yet: {node.format_node()}")
         if forced and node.name in forced:
@@ -123,7 +130,67 @@ def build_choice_graph(
             _keep_only(choice, keep)
     edges = _edges(traced.gm, choices, mesh_shape, cluster)
     _mark_followers(choices, edges, order)
-    return ChoiceGraph(mesh_shape, choices, edges, order, _tie_groups(traced, choices))
+    templates = repeated_layers(traced.gm, choices, traced) if share_layers else {}
+    return ChoiceGraph(mesh_shape, choices, edges, order, _tie_groups(traced, choices), templates)
+
+
+_LAYER_RE = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def _layer_key(node: torch.fx.Node, fqn: str | None) -> tuple[str, int] | None:
+    """(ModuleList path, index) of the first numbered module on the node's module path."""
+    path = fqn
+    if path is None:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            return None
+        path = list(stack.values())[-1][0]
+    match = _LAYER_RE.match(path or "")
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def repeated_layers(gm: torch.fx.GraphModule, choices: dict[str, Choice], traced: TracedModel) -> dict[str, str]:
+    """Map each node of a repeated layer to its counterpart in the first layer of the list.
+
+    A layer is tied only if it matches the first one node for node: the same op, the same
+    output shapes, and the same strategies with the same prices. Then choosing the same
+    strategy for every layer is a restriction of the ILP, not an approximation of its costs.
+    """
+    fqns = {i.name: i.fqn for i in traced.inputs}
+    layers: dict[tuple[str, int], list[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        if node.op == "placeholder" and choices[node.name].kind != "param":
+            continue
+        key = _layer_key(node, fqns.get(node.name))
+        if key is not None:
+            layers.setdefault(key, []).append(node.name)
+    by_list: dict[str, list[int]] = {}
+    for prefix, index in layers:
+        by_list.setdefault(prefix, []).append(index)
+    templates: dict[str, str] = {}
+    for prefix, indices in by_list.items():
+        indices.sort()
+        first = layers[(prefix, indices[0])]
+        for index in indices[1:]:
+            names = layers[(prefix, index)]
+            if len(names) == len(first) and all(_same_choice(choices[a], choices[b]) for a, b in zip(names, first)):
+                templates.update(zip(names, first))
+    return templates
+
+
+def _same_choice(a: Choice, b: Choice) -> bool:
+    same_info = (a.info is None) == (b.info is None) and (a.info is None or a.info.target == b.info.target)
+    return (
+        same_info
+        and a.kind == b.kind
+        and a.out_shapes == b.out_shapes
+        and (a.follower_of is None) == (b.follower_of is None)
+        and a.strategies == b.strategies
+        and a.compute_s == b.compute_s
+        and a.memory_bytes == b.memory_bytes
+    )
 
 
 def _tie_groups(traced: TracedModel, choices: dict[str, Choice]) -> list[list[str]]:
@@ -186,15 +253,32 @@ def _output_choice(node: torch.fx.Node, num_axes: int) -> Choice:
     return Choice(node.name, "output", [strategy], [0.0], [0.0], [], grad_sync_bytes=[0.0])
 
 
-def _op_choice(node, choices, mesh_shape, cluster, saved: bool) -> Choice:
+def _op_choice(node, choices, mesh_shape, cluster, saved: bool, cache: dict) -> Choice:
     val = node.meta.get("val")
     needs_grad = requires_grad(node)
     if node.target is operator.getitem:
         return _getitem_choice(node, choices, needs_grad)
     info = op_info(node)
-    strategies = node_strategies(info, mesh_shape)
     input_nodes = tensor_input_nodes(node)
     inputs = [(n.name, 0) for n in input_nodes]
+    out_dtypes = tuple(v.dtype for v in _flatten(val) if isinstance(v, torch.Tensor))
+    # Identical ops (same arguments and shapes, as in repeated layers) get identical strategies
+    # and prices: enumerate and price each distinct one once.
+    key = (
+        info.target, repr(info.kw), info.out_shapes, out_dtypes, needs_grad, saved,
+        tuple(choices[n.name].requires_grad for n in input_nodes),
+    )
+    if key not in cache:
+        cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, saved)
+    strategies, compute_s, memory_bytes, sync_bytes = cache[key]
+    return Choice(
+        node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
+        needs_grad, info=info, grad_sync_bytes=sync_bytes,
+    )
+
+
+def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, saved) -> tuple:
+    strategies = node_strategies(info, mesh_shape)
     compute_s, memory_bytes, sync_bytes = [], [], []
     for strategy in strategies:
         seconds = compute.compute_cost_s(info, strategy, mesh_shape, cluster, needs_grad)
@@ -213,11 +297,7 @@ def _op_choice(node, choices, mesh_shape, cluster, saved: bool) -> Choice:
             for shape, spec, out in zip(info.out_shapes, strategy.outs, _flatten(val)):
                 kept += memory.local_bytes(shape, out.dtype, spec, mesh_shape)
         memory_bytes.append(float(kept))
-    out_dtypes = tuple(v.dtype for v in _flatten(val) if isinstance(v, torch.Tensor))
-    return Choice(
-        node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
-        needs_grad, info=info, grad_sync_bytes=sync_bytes,
-    )
+    return strategies, compute_s, memory_bytes, sync_bytes
 
 
 def grad_sync_axes(strategy: Strategy, index: int) -> list[int]:
@@ -250,6 +330,7 @@ def _getitem_choice(node, choices, needs_grad) -> Choice:
 
 def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
     edges = []
+    prices: dict[tuple, tuple[float, float] | None] = {}  # edges of one shape share prices
     for node in gm.graph.nodes:
         choice = choices[node.name]
         if node.op == "placeholder":
@@ -268,9 +349,12 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
                 for dst in choice.in_specs(in_index):
                     if edge.mutated and src != dst:
                         continue
-                    cost = comm.transition_cost(src, dst, shape, dtype, mesh_shape, cluster, edge.requires_grad)
-                    if cost is not None:
-                        edge.price[(src, dst)] = (cost.forward_s + cost.backward_s, cost.bytes_sent)
+                    key = (src, dst, shape, dtype, edge.requires_grad)
+                    if key not in prices:
+                        cost = comm.transition_cost(src, dst, shape, dtype, mesh_shape, cluster, edge.requires_grad)
+                        prices[key] = None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent)
+                    if prices[key] is not None:
+                        edge.price[(src, dst)] = prices[key]
             edges.append(edge)
     return edges
 

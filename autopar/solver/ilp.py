@@ -26,6 +26,12 @@ Constraints
     memory:            Σ_n Σ_s m[n, s] · x[n, s] ≤ B                          (if a budget B)
     tie[a, b, s]:      x[a, s] = x[b, s]      for placeholders a, b naming one tensor (tied weights)
 
+    Repeated layers (``choices.repeated_layers``) share variables outright: a node of layer k
+    uses the x of its counterpart in the first layer, and an edge whose two ends share x with
+    an earlier edge's ends (inside a layer, or from one layer into the next) uses that edge's y,
+    whose constraints already stand. Costs and memory still count every layer, because the
+    shared variables collect every layer's coefficients.
+
     The two edge families make y the joint distribution of the two endpoint choices, which is
     exact for 0/1 x and gives a tight LP relaxation. m counts parameters, gradients and
     optimizer state of each parameter spec, buffers, and the activations kept for backward:
@@ -85,7 +91,10 @@ class ShardingILP:
     def add_node_variables(self) -> None:
         for name in self.graph.order:
             choice = self.graph.choices[name]
-            if choice.follower_of is not None:
+            template = self.graph.layer_template.get(name)
+            if template is not None:
+                self.x[name] = self.x[template]
+            elif choice.follower_of is not None:
                 producer, out_index = choice.inputs[0]
                 leader = self.graph.choices[producer]
                 leader_x = self.x[producer]
@@ -106,14 +115,26 @@ class ShardingILP:
     def add_pick_constraints(self) -> None:
         for name in self.graph.order:
             choice = self.graph.choices[name]
+            if name in self.graph.layer_template:
+                continue
             if choice.follower_of is None and len(choice.strategies) > 1:
                 self.problem += pulp.lpSum(self.x[name]) == 1, f"pick__{self._node_ids[name]}"
 
     def add_edge_constraints(self) -> None:
+        template = self.graph.layer_template
+        first_edge: dict[tuple[str, int, str, int], int] = {}
         for e, edge in enumerate(self.graph.edges):
             consumer = self.graph.choices[edge.consumer]
             if consumer.follower_of == edge.producer:
                 continue  # the follower's choice already equals its producer's output spec
+            # Edges whose two ends share x variables (repeated layers) and whose prices agree
+            # have identical marginals: one y serves them all, and its constraints stand once.
+            key = (template.get(edge.producer, edge.producer), edge.out_index,
+                   template.get(edge.consumer, edge.consumer), edge.in_index)
+            twin = first_edge.setdefault(key, e)
+            if twin != e and twin in self.y and self.graph.edges[twin].price == edge.price:
+                self.y[e] = self.y[twin]
+                continue
             producer = self.graph.choices[edge.producer]
             self.y[e] = {
                 pair: pulp.LpVariable(f"y_{e}_{k}", lowBound=0, upBound=1)
