@@ -99,3 +99,26 @@ def test_tied_weights_get_one_spec_even_under_a_tight_budget():
     assert plan.params["lm_head.weight"] == plan.params["transformer.wte.weight"]
     placeholders = [n for n, p in plan.nodes.items() if n in ("p_lm_head_weight", "p_transformer_wte_weight")]
     assert len({plan.nodes[n].outs for n in placeholders}) == 1, "tied placeholders were planned apart"
+
+
+def test_repeated_layers_share_one_choice_at_the_same_optimum():
+    from autopar.cost.cluster import get_cluster
+    from autopar.models import GPT
+    from autopar.solver.choices import build_choice_graph
+    from autopar.solver.ilp import ShardingILP
+    from autopar.trace import trace
+
+    def solve(n_layer: int, share: bool):
+        with torch.device("meta"):
+            model = GPT(vocab_size=512, block_size=64, n_layer=n_layer, n_head=4, n_embd=128, bias=False)
+            idx = torch.zeros(8, 64, dtype=torch.long)
+        graph = build_choice_graph(trace(model, (idx, idx)), (2, 2), get_cluster("cpu"), share_layers=share)
+        return graph, ShardingILP(graph).solve()
+
+    tied_graph, tied = solve(3, True)
+    _, untied = solve(3, False)
+    assert tied_graph.layer_template, "the blocks of a GPT should be recognised as repeated layers"
+    assert tied.objective_s == pytest.approx(untied.objective_s, rel=1e-9)
+    assert tied.num_variables < untied.num_variables
+    _, deeper = solve(6, True)
+    assert deeper.num_variables == tied.num_variables, "the problem must not grow with depth"
