@@ -24,10 +24,18 @@ from autopar.spec import local_shape, transition_steps
 from autopar.trace import requires_grad
 
 
+# Views become reshapes: export drops a .contiguous() when the traced tensor happened to be
+# contiguous, but a resharded local tensor may not be, and then view() fails. reshape() is the
+# same view wherever a view is possible, and copies only where view() would raise.
+_VIEW_TO_RESHAPE = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+
+
 def localize_shapes(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
+        if node.target in _VIEW_TO_RESHAPE:
+            node.target = torch.ops.aten.reshape.default
         if node.target not in SIZE_ARGS and node.target is not torch.ops.aten.unflatten.int:
             continue
         decision = plan.nodes[node.name]

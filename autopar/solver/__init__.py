@@ -10,7 +10,7 @@ from autopar.errors import InfeasibleError
 from autopar.plan import NodePlan, Plan
 from autopar.solver.choices import ChoiceGraph, build_choice_graph
 from autopar.solver.ilp import ShardingILP, Solution
-from autopar.spec import Spec
+from autopar.spec import Spec, format_spec
 from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
@@ -31,6 +31,12 @@ def solve(
     ilp = ShardingILP(graph, memory_budget)
     solution = ilp.solve(time_limit_s)
     if not solution.choice:
+        if forced:
+            raise InfeasibleError(
+                f"no plan satisfies the forced specs {({k: format_spec(v) for k, v in forced.items()})}"
+                + (f" within memory_budget={memory_budget:.0f}" if memory_budget is not None else "")
+                + ": they need a resharding that does not exist (into Partial, or of a tensor written in place)"
+            )
         if memory_budget is not None:
             raise _infeasible(graph, memory_budget, time_limit_s)
         raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")

@@ -68,7 +68,9 @@ class Edge:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
-    mutated: bool
+    # The tensor must arrive as it is: the consumer writes it in place, or is a getitem, which
+    # only names one output of its producer.
+    no_reshard: bool
     # (src spec, dst spec) → (seconds, bytes sent); absent = impossible
     price: dict[tuple[Spec, Spec], tuple[float, float]] = field(default_factory=dict)
 
@@ -344,10 +346,11 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
         for in_index, (producer, out_index) in enumerate(producers):
             source = choices[producer]
             shape, dtype = source.out_shapes[out_index], source.out_dtypes[out_index]
-            edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, in_index in mutated)
+            pinned = in_index in mutated or node.target is operator.getitem
+            edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, pinned)
             for src in source.out_specs(out_index):
                 for dst in choice.in_specs(in_index):
-                    if edge.mutated and src != dst:
+                    if edge.no_reshard and src != dst:
                         continue
                     key = (src, dst, shape, dtype, edge.requires_grad)
                     if key not in prices:
