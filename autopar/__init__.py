@@ -5,6 +5,7 @@
 """
 
 from autopar.api import compile, plan
+from autopar.hand_plans import hand_plan
 from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "plan",
     "compile",
+    "hand_plan",
     "Plan",
     "ParallelModule",
     "AutoparError",

@@ -190,6 +190,23 @@ def _run_forced(rank: int, world: int) -> dict:
             "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager)),
             "collectives": _collective_counts(pm),
         }
+    # Hand plans compile and run like any plan: real baselines.
+    for kind in ("megatron", "fsdp"):
+        model = build_model("gpt", seed=0, bias=False)
+        eager = copy.deepcopy(model)
+        batch = example_batch("gpt", batch_size=4, seed=1)
+        plan = autopar.hand_plan(kind, model, (world,), example_inputs=batch, cluster="cpu")
+        hand = autopar.compile(model, (world,), example_inputs=batch, plan=plan)
+        loss = hand(*batch)
+        loss.backward()
+        want = eager(*batch)
+        want.backward()
+        results[f"hand_{kind}"] = {
+            "loss": (loss.item(), want.item()),
+            "grad_rel": max_rel_diff(hand.full_grads(), _eager_grads(eager)),
+            "collectives": _collective_counts(hand),
+        }
+
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     from autopar.runtime import world_timeout
@@ -214,6 +231,8 @@ def test_forced_plans_with_split_activations_match_eager() -> None:
         for label, result in by_label.items():
             _check_first_step(rank, label, result)
     assert results[0]["replicated_then_column"]["collectives"].get("allreduce_grad"), "the gelu gradient must be all-reduced"
+    assert results[0]["hand_megatron"]["collectives"].get("all_reduce"), "Megatron all-reduces activations"
+    assert results[0]["hand_fsdp"]["collectives"].get("all_gather"), "FSDP gathers parameters"
 
 
 def _infeasible_on_every_rank(rank: int, world: int) -> str:
