@@ -53,10 +53,11 @@ def plan(
     """
     mesh_shape = _mesh_shape(mesh)
     traced = trace(model, example_inputs, example_kwargs)
-    return _solve(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s)
+    return plan_traced(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s)
 
 
-def _solve(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s) -> Plan:
+def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s) -> Plan:
+    """Plan an already traced model (``autopar.plan`` without the tracing)."""
     if memory_budget is not None and not memory_budget > 0:
         raise ValueError(f"memory_budget is bytes per device and must be positive, got {memory_budget!r}")
     start = time.perf_counter()
@@ -133,7 +134,7 @@ def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s
         payload: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                payload[0] = ("plan", _solve(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s).to_json())
+                payload[0] = ("plan", plan_traced(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s).to_json())
             except Exception as error:
                 payload[0] = ("error", error)
         collectives.call_on_world("plan broadcast", dist.broadcast_object_list, payload, src=0)

@@ -1,0 +1,6 @@
+"""``python -m autopar``: the autopar command line (see autopar/cli.py)."""
+
+from autopar.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
