@@ -23,7 +23,6 @@ import os
 import re
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -169,13 +168,7 @@ def param_groups(plan) -> list[dict[str, Any]]:
 
 def collective_counts(plan) -> list[dict[str, Any]]:
     """Forward collectives of the plan's redistributions: kind, mesh axis, count."""
-    from autopar.spec import transition_steps
-
-    counts: Counter = Counter()
-    for _producer, _consumer, src, dst in plan.redistributions():
-        for step in transition_steps(src, dst) or ():
-            counts[(step.kind, step.axis)] += 1
-    return [{"kind": kind, "axis": axis, "count": n} for (kind, axis), n in sorted(counts.items())]
+    return [{"kind": kind, "axis": axis, "count": n} for (kind, axis), n in plan.collective_counts().items()]
 
 
 def groups_text(plan) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +159,16 @@ class Plan:
                 if src != dst:
                     found.append((producer, name, src, dst))
         return found
+
+    def collective_counts(self) -> dict[tuple[str, int], int]:
+        """How many collectives of each (kind, mesh axis) the forward runs, sorted by key."""
+        from autopar.spec import transition_steps
+
+        counts: Counter = Counter()
+        for _producer, _consumer, src, dst in self.redistributions():
+            for step in transition_steps(src, dst) or ():
+                counts[(step.kind, step.axis)] += 1
+        return dict(sorted(counts.items()))
 
     def summary(self, max_rows: int = 60) -> str:
         from autopar.report import summary_text

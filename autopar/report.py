@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING
 
-from autopar.spec import format_spec, transition_steps
+from autopar.spec import format_spec
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
@@ -75,13 +74,10 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     if rows > max_rows:
         lines.append(f"  ... {rows - max_rows} more operators")
     lines.append("")
-    counts: Counter = Counter()
-    for _producer, _consumer, src, dst in plan.redistributions():
-        for step in transition_steps(src, dst) or ():
-            counts[(step.kind, step.axis)] += 1
+    counts = plan.collective_counts()
     if counts:
         lines.append("Collectives in forward (kind, mesh axis: count)")
-        for (kind, axis), count in sorted(counts.items()):
+        for (kind, axis), count in counts.items():
             lines.append(f"  {kind:<15} axis {axis}: {count}")
     else:
         lines.append("Collectives in forward: none")

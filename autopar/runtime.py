@@ -137,15 +137,14 @@ class ParallelModule(torch.nn.Module):
         names += [(fqn, "param") for fqn in self._traced.ties if fqn not in seen]
         return names
 
+    def _local(self, fqn: str) -> torch.Tensor:
+        """This rank's shard under ``fqn``, or under its tie's first name if only that one is held."""
+        return _lookup(self.module, fqn if _has(self.module, fqn) else self._traced.ties.get(fqn, fqn))
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, gathered whole, under the model's original names."""
-        out = {}
-        for fqn, _kind in self._fqns():
-            canonical = self._traced.ties.get(fqn, fqn)
-            local = _lookup(self.module, fqn if _has(self.module, fqn) else canonical)
-            out[fqn] = gather_tensor(local, self._plan.params[fqn], self._groups)
-        return out
+        return {fqn: gather_tensor(self._local(fqn), self._plan.params[fqn], self._groups) for fqn, _ in self._fqns()}
 
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor | None]:
@@ -154,9 +153,7 @@ class ParallelModule(torch.nn.Module):
         for fqn, kind in self._fqns():
             if kind != "param":
                 continue
-            canonical = self._traced.ties.get(fqn, fqn)
-            param = _lookup(self.module, fqn if _has(self.module, fqn) else canonical)
-            grad = param.grad
+            grad = self._local(fqn).grad
             out[fqn] = None if grad is None else gather_tensor(grad, self._plan.params[fqn], self._groups)
         return out
 

@@ -83,9 +83,7 @@ def plan_from_solution(
             op=op,
             outs=strategy.outs,
             ins=strategy.ins,
-            inputs=tuple(choice.inputs) if choice.kind != "output" else tuple(
-                (e.producer, e.out_index) for e in graph.edges if e.consumer == name
-            ),
+            inputs=tuple(choice.inputs),
             shapes=choice.out_shapes,
             kernel=strategy.kernel,
             kernel_axes=strategy.kernel_axes,

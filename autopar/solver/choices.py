@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.rules import node_strategies, op_info
-from autopar.rules.registry import OpInfo, Strategy, tensor_input_nodes, tensor_meta
+from autopar.rules.registry import OpInfo, Strategy, normalized_kwargs, tensor_input_nodes, tensor_meta
 from autopar.spec import Spec, is_valid, replicated
 from autopar.trace import TracedModel, requires_grad
 
@@ -131,7 +131,7 @@ def build_choice_graph(
                 raise ValueError(f"forced spec {forced[node.name]} is not a strategy of {node.format_node()}")
             _keep_only(choice, keep)
     edges = _edges(traced.gm, choices, mesh_shape, cluster)
-    _mark_followers(choices, edges, order)
+    _mark_followers(choices, order)
     templates = repeated_layers(traced.gm, choices, traced) if share_layers else {}
     return ChoiceGraph(mesh_shape, choices, edges, order, _tie_groups(traced, choices), templates)
 
@@ -250,9 +250,9 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, optimizer) -> Choice:
 
 def _output_choice(node: torch.fx.Node, num_axes: int) -> Choice:
     # Outputs come back whole on every rank.
-    inputs = [n for n in _flatten(node.args) if isinstance(n, torch.fx.Node) and tensor_meta(n.meta.get("val"))]
+    inputs = [(n.name, 0) for n in _flatten(node.args) if isinstance(n, torch.fx.Node) and tensor_meta(n.meta.get("val"))]
     strategy = Strategy(tuple(replicated(num_axes) for _ in inputs), (), source="output")
-    return Choice(node.name, "output", [strategy], [0.0], [0.0], [], grad_sync_bytes=[0.0])
+    return Choice(node.name, "output", [strategy], [0.0], [0.0], inputs, grad_sync_bytes=[0.0])
 
 
 def _op_choice(node, choices, mesh_shape, cluster, saved: bool, cache: dict) -> Choice:
@@ -337,13 +337,8 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
         choice = choices[node.name]
         if node.op == "placeholder":
             continue
-        if node.op == "output":
-            producers = [(n.name, 0) for n in _flatten(node.args) if isinstance(n, torch.fx.Node) and tensor_meta(n.meta.get("val"))]
-            mutated: set[int] = set()
-        else:
-            producers = choice.inputs
-            mutated = _mutated_inputs(node)
-        for in_index, (producer, out_index) in enumerate(producers):
+        mutated = _mutated_inputs(node)
+        for in_index, (producer, out_index) in enumerate(choice.inputs):
             source = choices[producer]
             shape, dtype = source.out_shapes[out_index], source.out_dtypes[out_index]
             pinned = in_index in mutated or node.target is operator.getitem
@@ -382,8 +377,7 @@ def _mutated_inputs(node: torch.fx.Node) -> set[int]:
     if not written:
         return set()
     indices, index = set(), 0
-    args = {a.name: (node.args[i] if i < len(node.args) else node.kwargs.get(a.name)) for i, a in enumerate(target._schema.arguments)}
-    for name, value in args.items():
+    for name, value in normalized_kwargs(node).items():
         for leaf in _flatten(value):
             if isinstance(leaf, torch.fx.Node) and tensor_meta(leaf.meta.get("val")):
                 if name in written:
@@ -392,7 +386,7 @@ def _mutated_inputs(node: torch.fx.Node) -> set[int]:
     return indices
 
 
-def _mark_followers(choices: dict[str, Choice], edges: list[Edge], order: list[str]) -> None:
+def _mark_followers(choices: dict[str, Choice], order: list[str]) -> None:
     """Mark nodes whose choice is a function of their single producer's choice."""
     for name in order:
         choice = choices[name]
