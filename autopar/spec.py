@@ -98,16 +98,6 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
     return tuple(out)
 
 
-def split_factor(spec: Spec, mesh_shape: Sequence[int]) -> int:
-    """How many ways the data is divided: the product of the sizes of non-replicated axes."""
-    return math.prod(size for size, p in zip(mesh_shape, spec) if not isinstance(p, Replicate))
-
-
-def shard_factor(spec: Spec, mesh_shape: Sequence[int]) -> int:
-    """Product of the sizes of axes that shard (S) the tensor; a local tensor is 1/this of it."""
-    return math.prod(size for size, p in zip(mesh_shape, spec) if isinstance(p, Shard))
-
-
 @dataclass(frozen=True, slots=True)
 class Step:
     """One collective (or local slice) on one mesh axis.

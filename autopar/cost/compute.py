@@ -15,9 +15,8 @@ For one op and one strategy, the time on each rank is
   outputs' sizes, 0 for view ops. Embedding reads only the rows it gathers, not its whole table.
 * ``split`` is the product of the sizes of the mesh axes on which any input or output of the
   strategy is not replicated (Shard or Partial): on such an axis each rank does 1/k of the work,
-  and on an axis where everything is replicated each rank does all of it. This equals the largest
-  ``split_factor`` over the inputs and outputs whenever one tensor is split on every split axis,
-  which is the usual case (for mm, S(1) x S(0) → P splits the work through its Partial output).
+  and on an axis where everything is replicated each rank does all of it (for mm,
+  S(1) x S(0) → P splits the work through its Partial output).
 * ``backward_factor`` is 2 for the matmul family (mm, bmm, addmm, baddbmm, linear, matmul,
   convolutions, attention: a gradient for each of the two operands) and 1 for everything else.
 """

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.spec import Placement, Spec, is_valid
 

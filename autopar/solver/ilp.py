@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from autopar.solver.choices import ChoiceGraph, Edge
+from autopar.solver.choices import ChoiceGraph
 from autopar.spec import Spec, format_spec
 
 
@@ -222,6 +222,3 @@ def _spec_name(spec: Spec) -> str:
 def _pair_key(pair: tuple[Spec, Spec]) -> tuple[list[str], list[str]]:
     return format_spec(pair[0]), format_spec(pair[1])
 
-
-def edge_label(edge: Edge) -> str:
-    return f"{edge.producer}[{edge.out_index}] → {edge.consumer}[{edge.in_index}]"
