@@ -28,6 +28,8 @@ __all__ = [
     "MLPBlock",
     "WithMSELoss",
     "SmallCNN",
+    "Llama",
+    "LLAMA_SHAPES",
     "MODEL_NAMES",
     "DEFAULT_CONFIGS",
     "build_model",
@@ -245,6 +247,140 @@ class SmallCNN(nn.Module):
         return F.cross_entropy(self.fc(x), y)
 
 
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x²) + eps) * weight``, written out so that it traces to plain ATen ops."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention with rotary position embeddings, as in LLaMA 2/3.
+
+    ``n_kv_head`` key/value heads serve ``n_head`` query heads (``n_head % n_kv_head == 0``);
+    the key/value heads are repeated (``expand`` + ``reshape``, as Hugging Face's ``repeat_kv``).
+    """
+
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int):
+        super().__init__()
+        if n_embd % n_head or n_head % n_kv_head:
+            raise ValueError(f"n_embd ({n_embd}) must divide by n_head ({n_head}), "
+                             f"and n_head by n_kv_head ({n_kv_head})")
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, n_embd // n_head
+        self.q_proj = nn.Linear(n_embd, n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_head * self.head_dim, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        groups = self.n_head // self.n_kv_head
+        if groups > 1:
+            shape = (batch, self.n_kv_head, groups, seq, self.head_dim)
+            k = k[:, :, None].expand(shape).reshape(batch, self.n_head, seq, self.head_dim)
+            v = v[:, :, None].expand(shape).reshape(batch, self.n_head, seq, self.head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(batch, seq, self.n_head * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, n_embd: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(n_embd, hidden, bias=False)
+        self.up_proj = nn.Linear(n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, hidden: int, eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(n_embd, eps)
+        self.self_attn = LlamaAttention(n_embd, n_head, n_kv_head)
+        self.post_attention_layernorm = RMSNorm(n_embd, eps)
+        self.mlp = LlamaMLP(n_embd, hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """A LLaMA-shaped decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head).
+
+    Parameter names follow Hugging Face's ``LlamaForCausalLM``: ``model.embed_tokens``,
+    ``model.layers.{i}.{input_layernorm,self_attn,post_attention_layernorm,mlp}``,
+    ``model.norm`` and ``lm_head``. ``forward(idx, targets=None)``: the loss if targets, else
+    logits. The rotary tables are computed in forward from the positions, so a model built on
+    the meta device holds no real tensors at all. ``LLAMA_SHAPES`` has the published sizes
+    (``build_model("llama", **LLAMA_SHAPES["llama-3-8b"])``).
+    """
+
+    def __init__(self, vocab_size: int = 256, n_layer: int = 2, n_head: int = 4, n_kv_head: int = 2,
+                 n_embd: int = 64, hidden: int = 128, rope_theta: float = 10000.0, eps: float = 1e-5):
+        super().__init__()
+        self.config = dict(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
+                           n_embd=n_embd, hidden=hidden, rope_theta=rope_theta, eps=eps)
+        self.head_dim, self.rope_theta = n_embd // n_head, rope_theta
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(vocab_size, n_embd),
+            layers=nn.ModuleList(LlamaBlock(n_embd, n_head, n_kv_head, hidden, eps) for _ in range(n_layer)),
+            norm=RMSNorm(n_embd, eps),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def rotary(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** exponents)
+        angles = torch.arange(seq, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.model.embed_tokens(idx)
+        cos, sin = self.rotary(idx.shape[1], idx.device)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.model.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+# Published LLaMA sizes (vocabulary, depth, heads, key/value heads, width, SwiGLU hidden width).
+LLAMA_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-2-7b": dict(vocab_size=32000, n_layer=32, n_head=32, n_kv_head=32, n_embd=4096, hidden=11008),
+    "llama-2-70b": dict(vocab_size=32000, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, hidden=28672),
+    "llama-3-8b": dict(vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, hidden=14336,
+                       rope_theta=500000.0),
+    "llama-3-70b": dict(vocab_size=128256, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, hidden=28672,
+                        rope_theta=500000.0),
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # By name
 
@@ -255,6 +391,8 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     "attention": dict(n_embd=64, n_head=8, bias=True),
     "mlp_block": dict(d=64, hidden=256, bias=True),
     "cnn": dict(num_classes=10, in_channels=3, channels=16),
+    "llama": dict(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, hidden=128,
+                  rope_theta=10000.0, eps=1e-5),
 }
 MODEL_NAMES = tuple(DEFAULT_CONFIGS)
 
@@ -263,6 +401,7 @@ _BATCH_DEFAULTS: dict[str, dict[str, int]] = {
     "gpt": dict(seq_len=0),  # 0: the model's block_size
     "attention": dict(seq_len=16),
     "cnn": dict(image_size=16),
+    "llama": dict(seq_len=16),
 }
 
 
@@ -292,6 +431,8 @@ def build_model(name: str, seed: int = 0, **config: Any) -> nn.Module:
         return WithMSELoss(AttentionBlock(**kwargs))
     if name == "mlp_block":
         return WithMSELoss(MLPBlock(**kwargs))
+    if name == "llama":
+        return Llama(**kwargs)
     return SmallCNN(**kwargs)
 
 
@@ -299,7 +440,8 @@ def example_batch(name: str, batch_size: int = 8, seed: int = 0, **config: Any) 
     """Positional inputs for ``build_model(name, **config)``'s forward, including the targets.
 
     ``config`` takes the same keys as ``build_model`` (only the shape-related ones matter) plus
-    ``seq_len`` for ``gpt`` (default: ``block_size``) and ``attention`` (default 16), and
+    ``seq_len`` for ``gpt`` (default: ``block_size``), ``llama`` (default 16) and ``attention``
+    (default 16), and
     ``image_size`` for ``cnn`` (default 16). Draws from a private generator, so the global
     random state is left alone.
     """
@@ -314,7 +456,7 @@ def example_batch(name: str, batch_size: int = 8, seed: int = 0, **config: Any) 
     if name == "mlp":
         return (torch.randn(batch_size, cfg["d_in"], generator=gen),
                 torch.randn(batch_size, cfg["d_out"], generator=gen))
-    if name == "gpt":
+    if name in ("gpt", "llama"):
         seq_len = cfg["seq_len"] or cfg["block_size"]
         tokens = torch.randint(0, cfg["vocab_size"], (batch_size, seq_len + 1), generator=gen)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
