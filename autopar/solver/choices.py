@@ -332,7 +332,19 @@ def _getitem_choice(node, choices, needs_grad) -> Choice:
 
 def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
     edges = []
-    prices: dict[tuple, tuple[float, float] | None] = {}  # edges of one shape share prices
+    # Edges of one shape share prices: one table per (spec lists, shape, dtype, grad, pinned),
+    # and one price per (src, dst, shape, dtype, grad) across tables. Spec lists are computed
+    # once per strategy list (identical ops share one, see ``_op_choice``).
+    tables: dict[tuple, dict] = {}
+    prices: dict[tuple, tuple[float, float] | None] = {}
+    spec_lists: dict[tuple[int, str, int], tuple[Spec, ...]] = {}
+
+    def specs_of(choice: Choice, side: str, index: int) -> tuple[Spec, ...]:
+        key = (id(choice.strategies), side, index)
+        if key not in spec_lists:
+            spec_lists[key] = tuple(choice.out_specs(index) if side == "out" else choice.in_specs(index))
+        return spec_lists[key]
+
     for node in gm.graph.nodes:
         choice = choices[node.name]
         if node.op == "placeholder":
@@ -343,16 +355,22 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
             shape, dtype = source.out_shapes[out_index], source.out_dtypes[out_index]
             pinned = in_index in mutated or node.target is operator.getitem
             edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, pinned)
-            for src in source.out_specs(out_index):
-                for dst in choice.in_specs(in_index):
-                    if edge.no_reshard and src != dst:
-                        continue
-                    key = (src, dst, shape, dtype, edge.requires_grad)
-                    if key not in prices:
-                        cost = comm.transition_cost(src, dst, shape, dtype, mesh_shape, cluster, edge.requires_grad)
-                        prices[key] = None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent)
-                    if prices[key] is not None:
-                        edge.price[(src, dst)] = prices[key]
+            srcs, dsts = specs_of(source, "out", out_index), specs_of(choice, "in", in_index)
+            table_key = (srcs, dsts, shape, dtype, edge.requires_grad, pinned)
+            if table_key not in tables:
+                table = {}
+                for src in srcs:
+                    for dst in dsts:
+                        if pinned and src != dst:
+                            continue
+                        key = (src, dst, shape, dtype, edge.requires_grad)
+                        if key not in prices:
+                            cost = comm.transition_cost(src, dst, shape, dtype, mesh_shape, cluster, edge.requires_grad)
+                            prices[key] = None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent)
+                        if prices[key] is not None:
+                            table[(src, dst)] = prices[key]
+                tables[table_key] = table
+            edge.price = tables[table_key]  # shared, read-only from here on
             edges.append(edge)
     return edges
 

@@ -43,6 +43,7 @@ choice can be traced back to the family that forced it.
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
 from dataclasses import dataclass
@@ -132,26 +133,31 @@ class ShardingILP:
             key = (template.get(edge.producer, edge.producer), edge.out_index,
                    template.get(edge.consumer, edge.consumer), edge.in_index)
             twin = first_edge.setdefault(key, e)
-            if twin != e and twin in self.y and self.graph.edges[twin].price == edge.price:
+            twin_price = self.graph.edges[twin].price
+            if twin != e and twin in self.y and (twin_price is edge.price or twin_price == edge.price):
                 self.y[e] = self.y[twin]
                 continue
             producer = self.graph.choices[edge.producer]
             self.y[e] = {
                 pair: pulp.LpVariable(f"y_{e}_{k}", lowBound=0, upBound=1)
-                for k, pair in enumerate(sorted(edge.price, key=_pair_key))
+                for k, pair in enumerate(edge.price)  # in spec order, which is deterministic
             }
+            # Group once, so each family is linear in the number of y and x terms.
+            y_out: dict[Spec, list] = {}
+            y_in: dict[Spec, list] = {}
+            for (src, dst), var in self.y[e].items():
+                y_out.setdefault(src, []).append(var)
+                y_in.setdefault(dst, []).append(var)
+            x_out: dict[Spec, list] = {}
+            for s, strategy in enumerate(producer.strategies):
+                x_out.setdefault(strategy.outs[edge.out_index], []).append(self.x[edge.producer][s])
+            x_in: dict[Spec, list] = {}
+            for s, strategy in enumerate(consumer.strategies):
+                x_in.setdefault(strategy.ins[edge.in_index], []).append(self.x[edge.consumer][s])
             for p in producer.out_specs(edge.out_index):
-                lhs = pulp.lpSum(var for (src, _), var in self.y[e].items() if src == p)
-                rhs = pulp.lpSum(
-                    self.x[edge.producer][s] for s, st in enumerate(producer.strategies) if st.outs[edge.out_index] == p
-                )
-                self.problem += lhs == rhs, f"edge_out__{e}__{_spec_name(p)}"
+                self.problem += _difference(y_out.get(p, []), x_out[p]) == 0, f"edge_out__{e}__{_spec_name(p)}"
             for q in consumer.in_specs(edge.in_index):
-                lhs = pulp.lpSum(var for (_, dst), var in self.y[e].items() if dst == q)
-                rhs = pulp.lpSum(
-                    self.x[edge.consumer][s] for s, st in enumerate(consumer.strategies) if st.ins[edge.in_index] == q
-                )
-                self.problem += lhs == rhs, f"edge_in__{e}__{_spec_name(q)}"
+                self.problem += _difference(y_in.get(q, []), x_in[q]) == 0, f"edge_in__{e}__{_spec_name(q)}"
 
     def add_memory_constraint(self) -> None:
         if self.memory_budget_bytes is None:
@@ -166,21 +172,28 @@ class ShardingILP:
                     self.problem += a == b, f"tie__{self._node_ids[first]}__{self._node_ids[other]}__{s}"
 
     def memory_expression(self) -> pulp.LpAffineExpression:
-        terms = []
-        for name in self.graph.order:
-            choice = self.graph.choices[name]
-            terms.extend(m * x for m, x in zip(choice.memory_bytes, self.x[name]) if m)
-        return pulp.lpSum(terms)
+        return _weighted(
+            (m, x) for name in self.graph.order
+            for m, x in zip(self.graph.choices[name].memory_bytes, self.x[name]) if m
+        )
 
     def set_objective(self) -> None:
-        terms = []
-        for name in self.graph.order:
-            choice = self.graph.choices[name]
-            terms.extend(c * x for c, x in zip(choice.compute_s, self.x[name]) if c)
+        compute_terms = (
+            (c, x) for name in self.graph.order
+            for c, x in zip(self.graph.choices[name].compute_s, self.x[name]) if c
+        )
+        # Edges that share y (repeated layers) have equal prices: count each shared y once,
+        # weighted by how many edges use it. y was built in the order of the price table.
+        shared: dict[int, list] = {}
         for e, variables in self.y.items():
-            price = self.graph.edges[e].price
-            terms.extend(price[pair][0] * var for pair, var in variables.items() if price[pair][0])
-        self.problem += pulp.lpSum(terms)
+            entry = shared.setdefault(id(variables), [variables, self.graph.edges[e].price, 0])
+            entry[2] += 1
+        reshard_terms = (
+            (count * seconds, var)
+            for variables, price, count in shared.values()
+            for (seconds, _), var in zip(price.values(), variables.values()) if seconds
+        )
+        self.problem += _weighted(itertools.chain(compute_terms, reshard_terms))
 
     # -- solving ------------------------------------------------------------------------------
     def solve(self, time_limit_s: float = 60.0) -> Solution:
@@ -215,10 +228,44 @@ class ShardingILP:
         return len(self.problem.variables()), self.problem.numConstraints()
 
 
+def _linear(terms) -> dict:
+    """Sum variables and affine expressions into one coefficient map (the constant under None),
+    in one pass: ``pulp.lpSum`` copies expressions as it goes, which is quadratic here."""
+    total: dict = {}
+    for term in terms:
+        if isinstance(term, pulp.LpVariable):
+            total[term] = total.get(term, 0.0) + 1.0
+        else:
+            for var, coef in term.items():
+                total[var] = total.get(var, 0.0) + coef
+            if term.constant:
+                total[None] = total.get(None, 0.0) + term.constant
+    return total
+
+
+def _weighted(terms) -> pulp.LpAffineExpression:
+    """Σ coefficient · term over (coefficient, variable or affine expression) pairs."""
+    coefs: dict = {}
+    for weight, term in terms:
+        if isinstance(term, pulp.LpVariable):
+            coefs[term] = coefs.get(term, 0.0) + weight
+        else:
+            for var, coef in term.items():
+                coefs[var] = coefs.get(var, 0.0) + weight * coef
+            if term.constant:
+                coefs[None] = coefs.get(None, 0.0) + weight * term.constant
+    constant = coefs.pop(None, 0.0)
+    return pulp.LpAffineExpression(coefs, constant=constant)
+
+
+def _difference(plus, minus) -> pulp.LpAffineExpression:
+    """Σ plus − Σ minus as one affine expression."""
+    coefs = _linear(plus)
+    for var, coef in _linear(minus).items():
+        coefs[var] = coefs.get(var, 0.0) - coef
+    constant = coefs.pop(None, 0.0)
+    return pulp.LpAffineExpression({v: c for v, c in coefs.items() if c}, constant=constant)
+
+
 def _spec_name(spec: Spec) -> str:
     return "_".join(format_spec(spec)).replace("(", "").replace(")", "")
-
-
-def _pair_key(pair: tuple[Spec, Spec]) -> tuple[list[str], list[str]]:
-    return format_spec(pair[0]), format_spec(pair[1])
-
