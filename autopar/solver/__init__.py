@@ -30,6 +30,16 @@ def solve(
     graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced)
     ilp = ShardingILP(graph, memory_budget)
     solution = ilp.solve(time_limit_s)
+    for _ in range(_MAX_MEMORY_ROUNDS):
+        if not solution.choice or memory_budget is None:
+            break
+        peak_bytes, time = peak_memory(graph, solution)
+        if peak_bytes <= memory_budget * (1 + 1e-9):
+            break
+        log.debug("memory overshoot %.0f > %.0f at %s: adding that time", peak_bytes, memory_budget,
+                  graph.timeline.time_name(time))
+        ilp.add_memory_constraint_at(time)
+        solution = ilp.solve(time_limit_s)
     if not solution.choice:
         if forced:
             raise InfeasibleError(
@@ -43,12 +53,26 @@ def solve(
     return plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
 
 
+# Rounds of the memory cutting-plane loop in ``solve`` (each adds one memory[t] and solves again).
+_MAX_MEMORY_ROUNDS = 20
+
+
+def _chosen_bytes(graph: ChoiceGraph, solution: Solution):
+    return lambda name: graph.choices[name].memory_bytes[solution.choice[name]]
+
+
+def peak_memory(graph: ChoiceGraph, solution: Solution) -> tuple[float, int]:
+    """(peak bytes per device, timeline time of the peak) of a solution's liveness curve."""
+    return graph.timeline.peak(_chosen_bytes(graph, solution))
+
+
 def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float) -> InfeasibleError:
     """Say how much memory the leanest plan needs, and which tensors weigh most."""
     lean = ShardingILP(graph, None)
-    lean.problem.setObjective(lean.memory_expression())
+    leanest = {n: min(c.memory_bytes, default=0.0) for n, c in graph.choices.items()}
+    lean.minimize_peak_memory(graph.timeline.checkpoints([leanest.__getitem__]))
     solution = lean.solve(time_limit_s)
-    minimum = solution.objective_s if solution.choice else float("nan")
+    minimum = peak_memory(graph, solution)[0] if solution.choice else float("nan")
     biggest = sorted(
         ((max(c.memory_bytes), c.fqn or c.name) for c in graph.choices.values() if c.memory_bytes),
         reverse=True,
@@ -71,7 +95,7 @@ def plan_from_solution(
 ) -> Plan:
     nodes: dict[str, NodePlan] = {}
     params: dict[str, Spec] = {}
-    compute_s = memory_bytes = comm_bytes = 0.0
+    compute_s = comm_bytes = 0.0
     for name in graph.order:
         choice = graph.choices[name]
         index = solution.choice[name]
@@ -92,7 +116,6 @@ def plan_from_solution(
             whole_grad=strategy.whole_grad,
         )
         compute_s += choice.compute_s[index]
-        memory_bytes += choice.memory_bytes[index]
         comm_bytes += choice.grad_sync_bytes[index]
         if choice.kind in ("param", "buffer") and choice.fqn is not None and strategy.outs:
             params[choice.fqn] = strategy.outs[0]
@@ -107,11 +130,15 @@ def plan_from_solution(
             seconds, sent = edge.price[(src, dst)]
             reshard_s += seconds
             comm_bytes += sent
+    chosen = _chosen_bytes(graph, solution)
+    peak_bytes, peak_time = graph.timeline.peak(chosen)
     predicted = {
         "step_time_s": compute_s + reshard_s,
         "compute_s": compute_s,
         "reshard_s": reshard_s,
-        "peak_memory_bytes": int(memory_bytes),
+        "peak_memory_bytes": int(peak_bytes),
+        "peak_memory_at": graph.timeline.time_name(peak_time),
+        "memory_at_peak_bytes": {k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},
         "comm_bytes": int(comm_bytes),
     }
     solver_info = {

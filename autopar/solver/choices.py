@@ -25,7 +25,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.cost import comm, compute, memory
+from autopar.cost import comm, compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.rules import node_strategies, op_info
 from autopar.rules.registry import OpInfo, Strategy, normalized_kwargs, tensor_input_nodes, tensor_meta
@@ -41,6 +41,8 @@ class Choice:
     kind: str  # "param" | "buffer" | "constant" | "user" | "op" | "output"
     strategies: list[Strategy]
     compute_s: list[float]
+    # Local bytes of the node's outputs under each strategy (a parameter's: its shard). The
+    # liveness walk (``ChoiceGraph.timeline``) says when, and in what kinds, they are alive.
     memory_bytes: list[float]
     inputs: list[tuple[str, int]]  # (producer, output index) per tensor input
     out_shapes: tuple[tuple[int, ...], ...] = ()
@@ -87,6 +89,8 @@ class ChoiceGraph:
     # Repeated layers: node → the node at the same place in the first layer of its ModuleList,
     # whose strategy it shares (see ``repeated_layers``).
     layer_template: dict[str, str] = field(default_factory=dict)
+    # When each node's bytes are alive over forward and backward (``autopar.cost.liveness``).
+    timeline: liveness.Timeline | None = None
 
     def free(self) -> list[Choice]:
         return [self.choices[n] for n in self.order if self.choices[n].follower_of is None]
@@ -111,7 +115,6 @@ def build_choice_graph(
     kinds = {i.name: i for i in traced.inputs}
     choices: dict[str, Choice] = {}
     order: list[str] = []
-    saved = _saved_for_backward(traced.gm)
     cache: dict[tuple, tuple] = {}
     for node in traced.gm.graph.nodes:
         order.append(node.name)
@@ -121,7 +124,7 @@ def build_choice_graph(
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
         elif node.op == "call_function":
-            choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, node.name in saved, cache)
+            choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, cache)
         else:
             raise NotImplementedError(f"autopar cannot plan a {node.op} node yet: {node.format_node()}")
         if forced and node.name in forced:
@@ -133,7 +136,27 @@ def build_choice_graph(
     edges = _edges(traced.gm, choices, mesh_shape, cluster)
     _mark_followers(choices, order)
     templates = repeated_layers(traced.gm, choices, traced) if share_layers else {}
-    return ChoiceGraph(mesh_shape, choices, edges, order, _tie_groups(traced, choices), templates)
+    ties = _tie_groups(traced, choices)
+    timeline = liveness.build_timeline(_live_nodes(traced.gm, choices), optimizer, ties)
+    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline)
+
+
+def _live_nodes(gm: torch.fx.GraphModule, choices: dict[str, Choice]) -> list[liveness.LiveNode]:
+    """What the liveness walk needs of each node (views and getitems alias their input)."""
+    nodes = []
+    for node in gm.graph.nodes:
+        choice = choices[node.name]
+        kind = choice.kind
+        target = node.target if node.op == "call_function" else None
+        if kind == "op" and (target is operator.getitem or compute._packet(target) in compute.VIEW_OPS):
+            kind = "alias"
+        inputs = tuple(producer for producer, _ in choice.inputs)
+        itemsize = choice.out_dtypes[0].itemsize if choice.out_dtypes else 4
+        nodes.append(liveness.LiveNode(
+            node.name, kind, inputs, target, choice.requires_grad,
+            tuple(choices[p].requires_grad for p in inputs), itemsize,
+        ))
+    return nodes
 
 
 _LAYER_RE = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
@@ -208,7 +231,6 @@ def _tie_groups(traced: TracedModel, choices: dict[str, Choice]) -> list[list[st
         for name in names[1:]:
             member = choices[name]
             assert [s.outs for s in member.strategies] == [s.outs for s in first.strategies], names
-            member.memory_bytes = [0.0] * len(member.strategies)
     return groups
 
 
@@ -238,10 +260,7 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, optimizer) -> Choice:
         # decides how to cut them (a local chunk, free of communication).
         specs = [replicated(num_axes)]
     strategies = [Strategy((), (spec,), source="placeholder") for spec in specs]
-    if kind == "param":
-        mem = [float(memory.param_state_bytes(shape, dtype, spec, mesh_shape, optimizer)) for spec in specs]
-    else:
-        mem = [float(memory.local_bytes(shape, dtype, spec, mesh_shape)) for spec in specs]
+    mem = [float(memory.local_bytes(shape, dtype, spec, mesh_shape)) for spec in specs]
     return Choice(
         node.name, kind, strategies, [0.0] * len(specs), mem, [], (shape,), (dtype,),
         requires_grad(node), fqn=fqn, grad_sync_bytes=[0.0] * len(specs),
@@ -255,7 +274,7 @@ def _output_choice(node: torch.fx.Node, num_axes: int) -> Choice:
     return Choice(node.name, "output", [strategy], [0.0], [0.0], inputs, grad_sync_bytes=[0.0])
 
 
-def _op_choice(node, choices, mesh_shape, cluster, saved: bool, cache: dict) -> Choice:
+def _op_choice(node, choices, mesh_shape, cluster, cache: dict) -> Choice:
     val = node.meta.get("val")
     needs_grad = requires_grad(node)
     if node.target is operator.getitem:
@@ -267,11 +286,11 @@ def _op_choice(node, choices, mesh_shape, cluster, saved: bool, cache: dict) -> 
     # Identical ops (same arguments and shapes, as in repeated layers) get identical strategies
     # and prices: enumerate and price each distinct one once.
     key = (
-        info.target, repr(info.kw), info.out_shapes, out_dtypes, needs_grad, saved,
+        info.target, repr(info.kw), info.out_shapes, out_dtypes, needs_grad,
         tuple(choices[n.name].requires_grad for n in input_nodes),
     )
     if key not in cache:
-        cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, saved)
+        cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad)
     strategies, compute_s, memory_bytes, sync_bytes = cache[key]
     return Choice(
         node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
@@ -279,7 +298,7 @@ def _op_choice(node, choices, mesh_shape, cluster, saved: bool, cache: dict) -> 
     )
 
 
-def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, saved) -> tuple:
+def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad) -> tuple:
     strategies = node_strategies(info, mesh_shape)
     compute_s, memory_bytes, sync_bytes = [], [], []
     for strategy in strategies:
@@ -294,11 +313,11 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
                 synced += cost.bytes_sent
         compute_s.append(seconds)
         sync_bytes.append(synced)
-        kept = 0.0
-        if saved and needs_grad:
-            for shape, spec, out in zip(info.out_shapes, strategy.outs, _flatten(val)):
-                kept += memory.local_bytes(shape, out.dtype, spec, mesh_shape)
-        memory_bytes.append(float(kept))
+        out_bytes = sum(
+            memory.local_bytes(shape, out.dtype, spec, mesh_shape)
+            for shape, spec, out in zip(info.out_shapes, strategy.outs, _flatten(val))
+        )
+        memory_bytes.append(float(out_bytes))
     return strategies, compute_s, memory_bytes, sync_bytes
 
 
@@ -420,21 +439,6 @@ def _mark_followers(choices: dict[str, Choice], order: list[str]) -> None:
             keep = [by_in[spec][0] for spec in source_specs]
             _keep_only(choice, keep)
             choice.follower_of = producer
-
-
-def _saved_for_backward(gm: torch.fx.GraphModule) -> set[str]:
-    """Names of nodes whose outputs autograd keeps until backward (an estimate, see memory)."""
-    saved: set[str] = set()
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if memory.saves_output(node.target):
-            saved.add(node.name)
-        if node.target in memory.SAVES_INPUTS:
-            for arg in _flatten((node.args, node.kwargs)):
-                if isinstance(arg, torch.fx.Node) and arg.op != "placeholder":
-                    saved.add(arg.name)
-    return saved
 
 
 def _flatten(value) -> list:

@@ -23,7 +23,7 @@ Constraints
     pick[n]:           Σ_s x[n, s] = 1                                        ∀ n ∈ N
     edge_out[e, p]:    Σ_q y[e, p, q] = Σ_{s : out_j(s) = p} x[u, s]          ∀ e, p ∈ O_e
     edge_in[e, q]:     Σ_p y[e, p, q] = Σ_{s : in_i(s) = q} x[v, s]           ∀ e, q ∈ I_e
-    memory:            Σ_n Σ_s m[n, s] · x[n, s] ≤ B                          (if a budget B)
+    memory[t]:         Σ_{(n, f) alive at t} f · Σ_s m[n, s] · x[n, s] ≤ B     (if a budget B)
     tie[a, b, s]:      x[a, s] = x[b, s]      for placeholders a, b naming one tensor (tied weights)
 
     Repeated layers (``choices.repeated_layers``) share variables outright: a node of layer k
@@ -33,9 +33,21 @@ Constraints
     shared variables collect every layer's coefficients.
 
     The two edge families make y the joint distribution of the two endpoint choices, which is
-    exact for 0/1 x and gives a tight LP relaxation. m counts parameters, gradients and
-    optimizer state of each parameter spec, buffers, and the activations kept for backward:
-    all of these are live together when backward starts, which is the training step's peak.
+    exact for 0/1 x and gives a tight LP relaxation.
+
+    Memory is the peak of a liveness walk (``autopar.cost.liveness``) over 2N times: forward
+    after each node, then backward of each node in reverse. m[n, s] is the local bytes of n's
+    outputs under strategy s; each stored tensor is an interval of times with a factor on the m
+    of its owner (a parameter's shard, its gradient from its last use's backward to the end,
+    its optimizer state; user inputs and buffers; each op's output from the op to its last
+    forward use, or to the backward of the first op that saves it; the gradient of each op's
+    output in backward). memory[t] is linear in x, so the peak ≤ B is one constraint per time.
+    Rather than 2N constraints, ``memory[t]`` stands at a handful of times t: the end of
+    forward and the highest local maxima of the curve when every node takes its leanest, or
+    its largest, strategy. ``solve`` then checks the solution's whole curve and adds memory[t]
+    at the time of any overshoot, and solves again (a cutting-plane loop; in practice zero or
+    one extra round). With repeated layers the terms of all layers fall on the shared
+    variables, so each memory[t] keeps the size of one layer's variables.
 
 Every constraint is named ``<family>__<node>[__<detail>]`` so that an infeasible model or a
 choice can be traced back to the family that forced it.
@@ -63,6 +75,13 @@ class Solution:
     solve_time_s: float
     num_variables: int
     num_constraints: int
+
+
+def pulp_constraint_missing(problem: pulp.LpProblem, name: str) -> bool:
+    """Whether ``problem`` has no constraint ``name`` (PuLP 3 deprecates the dict lookup)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return name not in problem.constraints
 
 
 class ShardingILP:
@@ -160,9 +179,47 @@ class ShardingILP:
                 self.problem += _difference(y_in.get(q, []), x_in[q]) == 0, f"edge_in__{e}__{_spec_name(q)}"
 
     def add_memory_constraint(self) -> None:
+        """memory[t] <= B at the checkpoint times (``Timeline.checkpoints``)."""
         if self.memory_budget_bytes is None:
             return
-        self.problem += self.memory_expression() <= self.memory_budget_bytes, "memory__peak"
+        timeline = self.graph.timeline
+        leanest = {n: min(c.memory_bytes, default=0.0) for n, c in self.graph.choices.items()}
+        largest = {n: max(c.memory_bytes, default=0.0) for n, c in self.graph.choices.items()}
+        for time in timeline.checkpoints([leanest.__getitem__, largest.__getitem__]):
+            self.add_memory_constraint_at(time)
+
+    def add_memory_constraint_at(self, time: int) -> None:
+        """memory[t] <= B at one more time t (the solve adds the times a solution overshoots)."""
+        name = self.memory_constraint_name(time)
+        if pulp_constraint_missing(self.problem, name):
+            self.problem += self.memory_expression(time) <= self.memory_budget_bytes, name
+
+    def memory_constraint_name(self, time: int) -> str:
+        num = len(self.graph.order)
+        node_id = time if time < num else 2 * num - 1 - time
+        return f"memory__{'fwd' if time < num else 'bwd'}__{node_id}"
+
+    def memory_expression(self, time: int) -> pulp.LpAffineExpression:
+        """Bytes alive per device at timeline time ``time``: Σ factor · m[n, s] · x[n, s] over the
+        liveness intervals alive then."""
+        factors: dict[str, float] = {}
+        for interval in self.graph.timeline.alive_at(time):
+            factors[interval.node] = factors.get(interval.node, 0.0) + interval.factor
+        terms = []
+        for name, factor in factors.items():
+            choice = self.graph.choices[name]
+            terms.extend(factor * m * x for m, x in zip(choice.memory_bytes, self.x[name]) if m)
+        return pulp.lpSum(terms)
+
+    def minimize_peak_memory(self, times: list[int]) -> None:
+        """Replace the objective by the peak of memory[t] over ``times`` (``solve`` uses it to
+        say how much memory the leanest plan needs)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            peak = pulp.LpVariable("peak_memory_bytes", lowBound=0)
+        for time in times:
+            self.problem += self.memory_expression(time) <= peak, f"peak_{self.memory_constraint_name(time)}"
+        self.problem.setObjective(pulp.LpAffineExpression(peak))
 
     def add_tie_constraints(self) -> None:
         for group in self.graph.ties:
@@ -170,12 +227,6 @@ class ShardingILP:
             for other in group[1:]:
                 for s, (a, b) in enumerate(zip(self.x[first], self.x[other])):
                     self.problem += a == b, f"tie__{self._node_ids[first]}__{self._node_ids[other]}__{s}"
-
-    def memory_expression(self) -> pulp.LpAffineExpression:
-        return _weighted(
-            (m, x) for name in self.graph.order
-            for m, x in zip(self.graph.choices[name].memory_bytes, self.x[name]) if m
-        )
 
     def set_objective(self) -> None:
         compute_terms = (

@@ -1,0 +1,227 @@
+"""Peak memory: a liveness walk over forward and backward of one training step.
+
+The timeline has ``2N`` times for a graph of ``N`` nodes in graph order:
+
+* time ``i`` (``0 <= i < N``): forward, just after node ``i`` ran;
+* time ``bwd(i) = 2N - 1 - i``: backward of node ``i``, while its saved tensors, the gradient of
+  its output and the gradients of its inputs that it produces are all alive.
+
+Every stored tensor is an ``Interval`` of times (both ends included) whose size is ``factor``
+times the local bytes of some node's outputs under that node's chosen strategy. So the memory at
+any time is linear in the ILP's strategy variables, and the peak is a max over times.
+
+================  ======================  ============================================  =========
+kind              owner                   alive                                         factor
+================  ======================  ============================================  =========
+param             parameter p             the whole step                                1
+optimizer_state   parameter p             the whole step                                states·4/itemsize
+grad              parameter p             bwd(last use of p) … end of step              1
+input             user input, buffer,     the whole step                                1
+                  constant
+activation        op output (a root)      from its op to its last forward use, or, if   1
+                                          saved for backward, to bwd(first saver)
+activation_grad   op output (a root)      bwd(last use) … bwd(the op)                   1
+================  ======================  ============================================  =========
+
+* A *root* is a node that owns storage. Views and getitems alias their input's root: they add no
+  bytes, and their uses and savers count as the root's.
+* What an op saves for backward follows ``autopar.cost.memory`` (``saves_inputs`` and
+  ``saves_output``), only when the op itself needs a gradient. ``mul``/``div`` of two tensors save
+  an operand only when the *other* operand needs a gradient (``d(a·b)/da = b``); by a scalar they
+  save nothing.
+* Gradients of parameters are kept to the end of the step (the optimizer reads them). The
+  optimizer state is taken as alive all step: from the second step on it always is.
+* Not modelled: workspace inside a kernel, the allocator's fragmentation and caching, and the
+  fused kernels' small extra saved statistics (a norm's mean and rstd, attention's logsumexp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from autopar.cost import memory
+
+KINDS = ("param", "optimizer_state", "grad", "input", "activation", "activation_grad")
+
+
+@dataclass(frozen=True, slots=True)
+class LiveNode:
+    """What the walk needs to know of one graph node.
+
+    ``kind`` is ``param``, ``buffer``, ``user``, ``constant``, ``op``, ``alias`` (a view or a
+    getitem: shares its first input's storage) or ``output``. ``inputs`` names the producer of
+    each tensor input, in order; ``input_requires_grad`` says which of them need a gradient.
+    """
+
+    name: str
+    kind: str
+    inputs: tuple[str, ...] = ()
+    target: Any = None
+    requires_grad: bool = False
+    input_requires_grad: tuple[bool, ...] = ()
+    itemsize: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    node: str  # whose strategy sets the size
+    kind: str  # one of KINDS
+    start: int
+    end: int  # inclusive
+    factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        assert self.kind in KINDS and 0 <= self.start <= self.end, self
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """The intervals of one graph; ``curve`` and ``breakdown`` price them for chosen sizes."""
+
+    names: tuple[str, ...]  # node names in graph order
+    intervals: tuple[Interval, ...]
+
+    @property
+    def num_times(self) -> int:
+        return 2 * len(self.names)
+
+    def time_name(self, time: int) -> str:
+        num = len(self.names)
+        if time < num:
+            return f"forward after {self.names[time]}"
+        return f"backward of {self.names[2 * num - 1 - time]}"
+
+    def alive_at(self, time: int) -> list[Interval]:
+        return [iv for iv in self.intervals if iv.start <= time <= iv.end]
+
+    def curve(self, bytes_of: Callable[[str], float]) -> list[float]:
+        """Bytes alive at every time, where node ``n``'s outputs take ``bytes_of(n)`` bytes."""
+        delta = [0.0] * (self.num_times + 1)
+        for iv in self.intervals:
+            size = iv.factor * bytes_of(iv.node)
+            delta[iv.start] += size
+            delta[iv.end + 1] -= size
+        out, running = [], 0.0
+        for change in delta[:-1]:
+            running += change
+            out.append(running)
+        return out
+
+    def peak(self, bytes_of: Callable[[str], float]) -> tuple[float, int]:
+        """(peak bytes, the first time it is reached)."""
+        values = self.curve(bytes_of)
+        time = max(range(len(values)), key=lambda t: (values[t], -t))
+        return values[time], time
+
+    def breakdown(self, time: int, bytes_of: Callable[[str], float]) -> dict[str, float]:
+        """Bytes alive at ``time`` by kind."""
+        out = dict.fromkeys(KINDS, 0.0)
+        for iv in self.alive_at(time):
+            out[iv.kind] += iv.factor * bytes_of(iv.node)
+        return out
+
+    def checkpoints(self, references: Sequence[Callable[[str], float]], per_reference: int = 4) -> list[int]:
+        """A handful of times at which the peak is likely: the end of forward, and the highest
+        local maxima of the curve under each reference sizing (for example every node's leanest
+        and its largest strategy)."""
+        chosen = [len(self.names) - 1] if self.names else []
+        for bytes_of in references:
+            values = self.curve(bytes_of)
+            maxima = [
+                t for t in range(len(values))
+                if (t == 0 or values[t] >= values[t - 1]) and (t + 1 == len(values) or values[t] > values[t + 1])
+            ]
+            maxima.sort(key=lambda t: (-values[t], t))
+            chosen.extend(maxima[:per_reference])
+        return sorted(dict.fromkeys(chosen))
+
+
+def _saved_inputs(node: LiveNode) -> list[int]:
+    """Indices of the tensor inputs that ``node`` keeps for its backward."""
+    if not node.requires_grad or node.target is None:
+        return []
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet in (torch.ops.aten.mul, torch.ops.aten.div):
+        if len(node.inputs) != 2:
+            return []  # by a scalar: the gradient needs only the scalar
+        a_grad, b_grad = node.input_requires_grad
+        saved = ([1] if a_grad else []) + ([0] if b_grad else [])
+        if packet is torch.ops.aten.div and a_grad:
+            saved.append(1)
+        return sorted(set(saved))
+    if memory.saves_inputs(node.target):
+        return list(range(len(node.inputs)))
+    return []
+
+
+def build_timeline(
+    nodes: Sequence[LiveNode],
+    optimizer: str = "adamw",
+    ties: Sequence[Sequence[str]] = (),
+) -> Timeline:
+    """The intervals of the module docstring for ``nodes`` in graph order.
+
+    ``ties`` groups parameter placeholders that hold one tensor: only the first of each group
+    carries the parameter's bytes, and its gradient is alive from the last use of any member.
+    """
+    if optimizer not in memory.OPTIMIZER_STATES:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(memory.OPTIMIZER_STATES))}"
+        )
+    num = len(nodes)
+    index = {node.name: i for i, node in enumerate(nodes)}
+    by_name = {node.name: node for node in nodes}
+
+    def bwd(i: int) -> int:
+        return 2 * num - 1 - i
+
+    root: dict[str, str] = {}
+    for node in nodes:
+        root[node.name] = root[node.inputs[0]] if node.kind == "alias" and node.inputs else node.name
+    tie_leader = {member: group[0] for group in ties for member in group}
+    uses: dict[str, list[int]] = {}
+    savers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        if node.kind == "alias":
+            continue
+        for producer in node.inputs:
+            base = tie_leader.get(root[producer], root[producer])
+            uses.setdefault(base, []).append(i)
+        for j in _saved_inputs(node):
+            savers.setdefault(root[node.inputs[j]], []).append(i)
+        if node.kind == "op" and node.requires_grad and memory.saves_output(node.target):
+            savers.setdefault(node.name, []).append(i)
+
+    intervals: list[Interval] = []
+    last = 2 * num - 1
+    for i, node in enumerate(nodes):
+        name = node.name
+        if node.kind == "param":
+            if name in tie_leader and tie_leader[name] != name:
+                continue
+            intervals.append(Interval(name, "param", 0, last))
+            states = memory.OPTIMIZER_STATES[optimizer]
+            if node.requires_grad:
+                if states:
+                    factor = states * memory._STATE_DTYPE.itemsize / node.itemsize
+                    intervals.append(Interval(name, "optimizer_state", 0, last, factor))
+                if uses.get(name):
+                    intervals.append(Interval(name, "grad", bwd(max(uses[name])), last))
+        elif node.kind in ("buffer", "user", "constant"):
+            intervals.append(Interval(name, "input", 0, last))
+        elif node.kind == "op":
+            end = max(uses.get(name, [i]))
+            if savers.get(name):
+                end = max(end, bwd(min(savers[name])))
+            intervals.append(Interval(name, "activation", i, end))
+            if node.requires_grad and uses.get(name):
+                grad_uses = [u for u in uses[name] if by_name[nodes[u].name].requires_grad or nodes[u].kind == "output"]
+                if grad_uses:
+                    intervals.append(Interval(name, "activation_grad", bwd(max(grad_uses)), bwd(i)))
+    return Timeline(tuple(n.name for n in nodes), tuple(intervals))
+
+
+__all__ = ["KINDS", "LiveNode", "Interval", "Timeline", "build_timeline"]
