@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Sequence
 
@@ -9,6 +10,7 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError
 from autopar.plan import NodePlan, Plan
 from autopar.solver.choices import ChoiceGraph, build_choice_graph
+from autopar.solver.explain import explain_decisions
 from autopar.solver.ilp import ShardingILP, Solution
 from autopar.spec import Spec, format_spec
 from autopar.trace import TracedModel
@@ -40,7 +42,8 @@ def solve(
         if memory_budget is not None:
             raise _infeasible(graph, memory_budget, time_limit_s)
         raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
-    return plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
+    plan = plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
+    return dataclasses.replace(plan, decisions=explain_decisions(graph, solution, cluster, memory_budget))
 
 
 def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float) -> InfeasibleError:
