@@ -42,7 +42,7 @@ def validate_plan_json(data: Any) -> None:
         return
     where = "/".join(str(part) for part in error.absolute_path) or "(top level)"
     raise PlanError(
-        f"plan does not match the plan schema at {where}: {error.message}; the file is damaged "
+        f"malformed plan: at {where}, {error.message} (autopar/plan.schema.json); the file is damaged "
         "or was not written by autopar: re-plan (docs/plan-format.md describes the format)"
     )
 

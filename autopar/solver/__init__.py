@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Sequence
 
 from autopar.cost.cluster import ClusterSpec
@@ -29,9 +30,15 @@ def solve(
     time_limit_s: float = 60.0,
     forced: dict[str, Spec] | None = None,
 ) -> Plan:
+    start = time.perf_counter()
+    log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
     graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced)
+    log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
+             time.perf_counter() - start)
     ilp = ShardingILP(graph, memory_budget)
+    log.info("autopar: solving the ILP (%d variables, %d constraints) ...", *ilp._size())
     solution = ilp.solve(time_limit_s)
+    log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
         if forced:
             raise InfeasibleError(
@@ -43,7 +50,10 @@ def solve(
             raise _infeasible(graph, memory_budget, time_limit_s)
         raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
     plan = plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
-    return dataclasses.replace(plan, decisions=explain_decisions(graph, solution, cluster, memory_budget))
+    start = time.perf_counter()
+    decisions = explain_decisions(graph, solution, cluster, memory_budget)
+    log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
+    return dataclasses.replace(plan, decisions=decisions)
 
 
 def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float) -> InfeasibleError:
