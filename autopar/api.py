@@ -15,6 +15,7 @@ import torch.distributed as dist
 from autopar import collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster
 from autopar.errors import AutoparError, MeshError, PlanError
+from autopar.mesh_search import search_mesh
 from autopar.passes import default_passes, run_passes
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule, mesh_groups
@@ -38,22 +39,40 @@ def _mesh_shape(mesh: Sequence[int] | int) -> tuple[int, ...]:
 
 def plan(
     model: torch.nn.Module,
-    mesh: Sequence[int] | int,
+    mesh: Sequence[int] | int | str = "auto",
     *,
     example_inputs: tuple[Any, ...] = (),
     example_kwargs: dict[str, Any] | None = None,
     cluster: str | ClusterSpec | os.PathLike | None = None,
     memory_budget: float | None = None,
     time_limit_s: float = 60.0,
+    devices: int | None = None,
+    max_axes: int = 3,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
     ``memory_budget`` is in bytes per device. ``cluster`` is a preset name ("h100-80g",
     "a100-40g", "v100-16g", "cpu"), a ClusterSpec, or a JSON/TOML file.
+
+    ``mesh="auto"`` with ``devices=N`` plans on every factorization of N into 1..``max_axes``
+    axes (``autopar.mesh_search``) from one trace and returns the fastest plan; the table of all
+    candidates, with predicted step times and infeasible meshes marked, is in
+    ``plan.stats["mesh_search"]``.
     """
+    cluster_spec = get_cluster(cluster)
+    if isinstance(mesh, str):
+        if mesh != "auto":
+            raise MeshError(f"mesh must be a tuple of positive ints such as (2, 4), or 'auto', got {mesh!r}")
+        if devices is None:
+            raise MeshError("mesh='auto' searches the meshes of a number of devices: pass devices=N as well")
+        traced = trace(model, example_inputs, example_kwargs)
+        return search_mesh(traced, devices, cluster_spec, memory_budget, time_limit_s, max_axes=max_axes)
     mesh_shape = _mesh_shape(mesh)
+    if devices is not None and math.prod(mesh_shape) != devices:
+        raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
+                        "pass one of them, or mesh='auto' to search the meshes of that many devices")
     traced = trace(model, example_inputs, example_kwargs)
-    return plan_traced(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s)
+    return plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s)
 
 
 def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s) -> Plan:

@@ -1,12 +1,18 @@
 """The ``autopar`` command line.
 
-    autopar plan MODEL_SPEC --mesh 2x4 [--cluster h100-80g|FILE] [--memory-budget 70GiB]
-                 [--batch-size N] [--meta] [--out plan.json] [--json]
-    autopar show plan.json [--json]
+    autopar plan MODEL_SPEC (--mesh 2x4 | --devices 64) [--cluster h100-80g|FILE]
+                 [--memory-budget 70GiB] [--batch-size N] [--seq-len N] [--num-layers N] [--meta]
+                 [--out plan.json] [--json]
+    autopar show plan.json [--json] [--html report.html]
+    autopar explain plan.json NODE_OR_PARAM [--json]
     autopar diff a.json b.json [--json]
+    autopar check plan.json [--model MODEL_SPEC] [--rank R] [--json]
 
-MODEL_SPEC is a built-in model name (``autopar.models.MODEL_NAMES``) or ``module:callable``
-(``path/to/file.py:callable`` works too), where the callable returns ``(model, example_inputs)``.
+MODEL_SPEC is a built-in model name (``autopar.models.MODEL_NAMES``), a published shape
+(``autopar.model_specs.PRESETS``: gpt2, gpt2-xl, llama-2-7b, llama-2-70b, llama-3-8b, built on
+the meta device), or ``module:callable`` (``path/to/file.py:callable`` works too), where the
+callable returns ``(model, example_inputs)``. ``plan`` records the MODEL_SPEC in the plan, so
+that ``check`` can rebuild the model.
 
 Every user mistake prints one line ``autopar: error: <reason>`` to stderr and exits with status 2
 (bad arguments) or 1 (errors while running); ``--debug`` shows the traceback instead.
@@ -99,6 +105,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return value
 
 
@@ -203,30 +219,43 @@ def _progress(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
-def load_model(spec: str, batch_size: int, meta: bool) -> tuple[Any, tuple]:
-    """``(model, example_inputs)`` for a built-in name or a ``module:callable`` MODEL_SPEC."""
+def _shape_overrides(spec: str, seq_len: int | None, num_layers: int | None) -> tuple[dict, dict]:
+    """(model config, batch config) for --seq-len and --num-layers of a built-in gpt or llama."""
+    if (seq_len or num_layers) and spec not in ("gpt", "llama"):
+        raise CliError(f"--seq-len and --num-layers apply to gpt, llama and the presets, not to {spec!r}")
+    return ({"n_layer": num_layers} if num_layers else {}), ({"seq_len": seq_len} if seq_len else {})
+
+
+def load_model(spec: str, batch_size: int, meta: bool, seq_len: int | None = None,
+               num_layers: int | None = None) -> tuple[Any, tuple]:
+    """``(model, example_inputs)`` for a built-in name, a preset, or a ``module:callable`` MODEL_SPEC."""
     import torch
 
-    from autopar import models
+    from autopar import model_specs, models
 
+    if spec in model_specs.PRESETS:
+        return model_specs.build_preset(spec, batch_size, seq_len, num_layers)
     if spec in models.MODEL_NAMES:
+        config, batch_config = _shape_overrides(spec, seq_len, num_layers)
         if meta:
             with torch.device("meta"):
-                model = models.build_model(spec)
-                inputs = models.example_batch(spec, batch_size)
+                model = models.build_model(spec, **config)
+                inputs = models.example_batch(spec, batch_size, **config, **batch_config)
             inputs = tuple(
                 t if not isinstance(t, torch.Tensor) or t.is_meta else torch.empty_like(t, device="meta")
                 for t in inputs
             )
         else:
-            model = models.build_model(spec)
-            inputs = models.example_batch(spec, batch_size)
+            model = models.build_model(spec, **config)
+            inputs = models.example_batch(spec, batch_size, **config, **batch_config)
         return model, tuple(inputs)
     if ":" not in spec:
         raise CliError(
-            f"unknown model {spec!r}: expected a built-in name ({', '.join(models.MODEL_NAMES)}) "
-            "or module:callable returning (model, example_inputs)"
+            f"unknown model {spec!r}: expected a built-in name ({', '.join(models.MODEL_NAMES)}), a preset "
+            f"({', '.join(model_specs.PRESETS)}) or module:callable returning (model, example_inputs)"
         )
+    if seq_len or num_layers:
+        raise CliError("--seq-len and --num-layers apply to gpt, llama and the presets, not to module:callable")
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
         raise CliError(f"invalid MODEL_SPEC {spec!r}: expected module:callable")
@@ -282,15 +311,50 @@ def _import(module_name: str, spec: str):
 
 # -- commands ---------------------------------------------------------------------------------
 
+def _model_record(args: argparse.Namespace) -> dict[str, Any]:
+    """How ``check`` rebuilds the model: the MODEL_SPEC and the settings that shape it."""
+    record: dict[str, Any] = {"spec": args.model, "batch_size": args.batch_size, "meta": bool(args.meta)}
+    if args.seq_len:
+        record["seq_len"] = args.seq_len
+    if args.num_layers:
+        record["num_layers"] = args.num_layers
+    return record
+
+
+class _ProgressLog:
+    """Prints the planner's stage messages (INFO on the ``autopar`` logger) as progress lines."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.logger = logging.getLogger("autopar")
+        self.handler = logging.StreamHandler(sys.stderr)
+        self.handler.setFormatter(logging.Formatter("%(message)s"))
+        self.handler.addFilter(lambda record: record.levelno == logging.INFO)
+        self.level = self.logger.level
+
+    def __enter__(self) -> "_ProgressLog":
+        import logging
+
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from autopar import api
     from autopar.cost.cluster import get_cluster
+    from autopar.mesh_search import mesh_search_text, search_mesh
     from autopar.trace import trace
 
     cluster = args.cluster if args.cluster is not None else get_cluster(None)
     start = time.perf_counter()
     _progress(f"building {args.model}{' on the meta device' if args.meta else ''} ...")
-    model, inputs = load_model(args.model, args.batch_size, args.meta)
+    model, inputs = load_model(args.model, args.batch_size, args.meta, args.seq_len, args.num_layers)
     _progress(f"built {type(model).__name__} in {time.perf_counter() - start:.2f} s")
     stage = time.perf_counter()
     _progress("tracing ...")
@@ -298,14 +362,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _progress(f"traced {len(traced.gm.graph.nodes)} graph nodes in {time.perf_counter() - stage:.2f} s")
     stage = time.perf_counter()
     budget = f", memory budget {_fmt_bytes(args.memory_budget)}" if args.memory_budget else ""
-    _progress(f"planning on mesh {args.mesh} for cluster {getattr(cluster, 'name', '?')}{budget} ...")
-    plan = api.plan_traced(traced, args.mesh, cluster, args.memory_budget, args.time_limit)
+    where = f"mesh {args.mesh}" if args.mesh else f"every mesh of {args.devices} devices"
+    _progress(f"planning on {where} for cluster {getattr(cluster, 'name', '?')}{budget} ...")
+    with _ProgressLog():
+        if args.mesh:
+            plan = api.plan_traced(traced, args.mesh, cluster, args.memory_budget, args.time_limit)
+        else:
+            plan = search_mesh(traced, args.devices, cluster, args.memory_budget, args.time_limit,
+                               on_progress=_progress)
+    plan = plan.with_model(_model_record(args))
     _progress(f"planned {len(plan.nodes)} nodes in {time.perf_counter() - stage:.2f} s "
               f"(total {time.perf_counter() - start:.2f} s)")
     if args.out:
         plan.save(args.out)
         _progress(f"saved the plan to {args.out}")
-    print(plan.to_json() if args.json else plan_text(plan))
+    if args.json:
+        print(plan.to_json())
+        return 0
+    if "mesh_search" in plan.stats:
+        print(mesh_search_text(plan.stats["mesh_search"]) + "\n")
+    print(plan_text(plan))
     return 0
 
 
@@ -313,11 +389,61 @@ def cmd_show(args: argparse.Namespace) -> int:
     from autopar.plan import Plan
 
     plan = Plan.load(args.plan)
+    if args.html:
+        from autopar.html_report import write_html
+
+        write_html(plan, args.html, title=f"autopar plan {Path(args.plan).name}")
+        _progress(f"wrote {args.html}")
     if args.json:
         print(json.dumps(show_json(plan), separators=(",", ":")))
-    else:
+    elif not args.html:
         print(plan_text(plan))
     return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from autopar.explain import explain_json, explain_text
+    from autopar.plan import Plan
+
+    plan = Plan.load(args.plan)
+    if not plan.decisions:
+        raise CliError(f"{args.plan} holds no decisions to explain (it was written by an autopar "
+                       "without them, or by hand): re-plan it with this autopar")
+    if args.json:
+        print(json.dumps(explain_json(plan, args.node), separators=(",", ":")))
+    else:
+        print(explain_text(plan, args.node))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from autopar.check import check_plan
+    from autopar.plan import Plan
+
+    plan = Plan.load(args.plan)
+    record = dict(plan.model)
+    if args.model:
+        record = {"spec": args.model, "batch_size": args.batch_size or 8, "meta": args.meta,
+                  "seq_len": args.seq_len, "num_layers": args.num_layers}
+    if not record.get("spec"):
+        raise CliError(f"{args.plan} does not say which model it plans (it was not made by `autopar plan`): "
+                       "pass --model MODEL_SPEC")
+    start = time.perf_counter()
+    _progress(f"building {record['spec']} ...")
+    model, inputs = load_model(record["spec"], record.get("batch_size") or 8, bool(record.get("meta")),
+                               record.get("seq_len"), record.get("num_layers"))
+    world = math.prod(plan.mesh_shape)
+    _progress(f"checking rank {args.rank} of {world} on a fake process group ...")
+    result = check_plan(plan, model, inputs, rank=args.rank)
+    _progress(f"checked in {time.perf_counter() - start:.2f} s")
+    if args.json:
+        print(json.dumps({"ok": result.ok, "rank": result.rank, "world_size": result.world_size,
+                          "coordinate": list(result.coordinate), "num_nodes": result.num_nodes,
+                          "num_inputs": result.num_inputs, "num_collectives": result.num_collectives,
+                          "mismatches": list(result.mismatches)}, separators=(",", ":")))
+    else:
+        print(result.text())
+    return 0 if result.ok else 1
 
 
 _MAIN_PREDICTED = ("step_time_s", "peak_memory_bytes", "comm_bytes")
@@ -442,6 +568,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from autopar.cost.cluster import DEFAULT_PRESET, preset_names
+    from autopar.model_specs import PRESETS
     from autopar.models import MODEL_NAMES
 
     parser = _Parser(prog=PROG, description="autopar: an auto-parallel compiler for PyTorch training.")
@@ -451,14 +578,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan a model on a mesh and print the plan summary")
     p.add_argument("model", metavar="MODEL_SPEC",
-                   help=f"a built-in model ({', '.join(MODEL_NAMES)}) or module:callable returning "
-                        "(model, example_inputs)")
-    p.add_argument("--mesh", required=True, type=parse_mesh, help="mesh sizes: 2x4, 2,4 or 8")
+                   help=f"a built-in model ({', '.join(MODEL_NAMES)}), a preset ({', '.join(PRESETS)}) "
+                        "or module:callable returning (model, example_inputs)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--mesh", type=parse_mesh, help="mesh sizes: 2x4, 2,4 or 8")
+    where.add_argument("--devices", type=_positive_int,
+                       help="search every mesh of this many devices (1 to 3 axes) and keep the fastest")
     p.add_argument("--cluster", type=_cluster, default=None,
                    help=f"a preset ({', '.join(preset_names())}; default {DEFAULT_PRESET}) or a JSON/TOML file")
     p.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="bytes per device, e.g. 70GiB, 512MiB, 16GB")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="batch size of built-in models (default 8)")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="sequence length of gpt, llama and presets")
+    p.add_argument("--num-layers", type=_positive_int, default=None,
+                   help="depth of gpt, llama and presets (a 2-layer llama-2-70b has the real widths)")
     p.add_argument("--meta", action="store_true", help="build built-in models and inputs on the meta device")
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="solver time limit in seconds")
     p.add_argument("--out", help="save the plan JSON here")
@@ -468,7 +601,25 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="print a saved plan's summary")
     s.add_argument("plan", help="plan JSON file")
     s.add_argument("--json", action="store_true", help="print a compact JSON summary")
+    s.add_argument("--html", metavar="PATH", help="write a self-contained HTML report here")
     s.set_defaults(func=cmd_show)
+
+    e = sub.add_parser("explain", help="why the plan chose a node's or a parameter's sharding")
+    e.add_argument("plan", help="plan JSON file")
+    e.add_argument("node", metavar="NODE_OR_PARAM", help="a node name or a parameter FQN")
+    e.add_argument("--json", action="store_true", help="print the decision as JSON")
+    e.set_defaults(func=cmd_explain)
+
+    c = sub.add_parser("check", help="run the plan's rewritten forward at full world size on a fake process group")
+    c.add_argument("plan", help="plan JSON file")
+    c.add_argument("--model", metavar="MODEL_SPEC", help="the model (default: the MODEL_SPEC recorded in the plan)")
+    c.add_argument("--batch-size", type=_positive_int, default=None, help="with --model: batch size (default 8)")
+    c.add_argument("--seq-len", type=_positive_int, default=None, help="with --model: sequence length")
+    c.add_argument("--num-layers", type=_positive_int, default=None, help="with --model: depth")
+    c.add_argument("--meta", action="store_true", help="with --model: build a built-in model on the meta device")
+    c.add_argument("--rank", type=_nonnegative_int, default=0, help="the rank whose module runs (default 0)")
+    c.add_argument("--json", action="store_true", help="print the result as JSON")
+    c.set_defaults(func=cmd_check)
 
     d = sub.add_parser("diff", help="what changed between two plans")
     d.add_argument("a", help="first plan JSON file")

@@ -7,11 +7,14 @@ See docs/plan-format.md for the format.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +23,28 @@ from autopar.errors import PlanError
 from autopar.spec import Spec, format_spec, parse_spec
 
 PLAN_VERSION = 1
+SCHEMA_PATH = Path(__file__).parent / "plan.schema.json"
+
+
+@functools.lru_cache(maxsize=1)
+def plan_schema() -> dict[str, Any]:
+    """The JSON Schema of plan files (``autopar/plan.schema.json``)."""
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+def validate_plan_json(data: Any) -> None:
+    """Raise PlanError naming the first place where ``data`` breaks the plan schema."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(plan_schema())
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is None:
+        return
+    where = "/".join(str(part) for part in error.absolute_path) or "(top level)"
+    raise PlanError(
+        f"malformed plan: at {where}, {error.message} (autopar/plan.schema.json); the file is damaged "
+        "or was not written by autopar: re-plan (docs/plan-format.md describes the format)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +106,14 @@ class Plan:
     cluster: str = ""
     torch_version: str = field(default_factory=lambda: torch.__version__)
     version: int = PLAN_VERSION
-    # Wall-clock timings of the run that made this plan. Not serialized: a plan's JSON must be
-    # byte-identical across runs and ranks.
-    stats: dict[str, float] = field(default_factory=dict, compare=False)
+    # Representative node → the decision's chosen strategy and runner-ups with their costs
+    # (``autopar.solver.explain``); read by ``autopar explain``.
+    decisions: dict[str, Any] = field(default_factory=dict)
+    # How to rebuild the model (the CLI's MODEL_SPEC and batch settings), for ``autopar check``.
+    model: dict[str, Any] = field(default_factory=dict)
+    # Facts about the run that made this plan, such as wall-clock timings and the mesh search
+    # table. Not serialized: a plan's JSON must be byte-identical across runs and ranks.
+    stats: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not self.mesh_shape or any(int(n) < 1 for n in self.mesh_shape):
@@ -105,6 +135,10 @@ class Plan:
             "params": {fqn: format_spec(spec) for fqn, spec in self.params.items()},
             "nodes": {name: node.to_json() for name, node in self.nodes.items()},
         }
+        if self.model:
+            data["model"] = self.model
+        if self.decisions:
+            data["decisions"] = self.decisions
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -118,6 +152,7 @@ class Plan:
         version = data.get("version")
         if version != PLAN_VERSION:
             raise PlanError(f"plan format version {version!r}; this autopar reads version {PLAN_VERSION}: re-plan")
+        validate_plan_json(data)
         try:
             return cls(
                 mesh_shape=tuple(int(n) for n in data["mesh"]["shape"]),
@@ -129,6 +164,8 @@ class Plan:
                 cluster=data.get("cluster", ""),
                 torch_version=data.get("torch_version", ""),
                 version=version,
+                decisions=data.get("decisions", {}),
+                model=data.get("model", {}),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"malformed plan: {type(error).__name__}: {error}") from None
@@ -144,6 +181,10 @@ class Plan:
                 return cls.from_json(handle.read())
         except FileNotFoundError:
             raise PlanError(f"plan file {os.fspath(path)!r} does not exist") from None
+
+    def with_model(self, model: dict[str, Any]) -> "Plan":
+        """This plan, recording how to rebuild its model (``model`` goes into the JSON)."""
+        return dataclasses.replace(self, model=dict(model), stats=self.stats)
 
     @property
     def hash(self) -> str:

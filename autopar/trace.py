@@ -147,7 +147,8 @@ def _ties(model: torch.nn.Module) -> dict[str, str]:
 
 
 def graph_hash(gm: torch.fx.GraphModule) -> str:
-    """A structural hash: ops, argument structure, shapes and dtypes, in graph order."""
+    """A structural hash: ops, argument structure, shapes and dtypes, in graph order. Devices
+    are left out, so that a plan made on the meta device matches the model on its real one."""
     digest = hashlib.sha256()
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -174,6 +175,9 @@ def _describe(value: Any) -> Any:
         return tuple(_describe(v) for v in value)
     if isinstance(value, dict):
         return tuple((k, _describe(v)) for k, v in sorted(value.items()))
-    if isinstance(value, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+    if isinstance(value, torch.device):
+        # A plan made on the meta device must apply to the model on its real device.
+        return "device"
+    if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
         return str(value)
     return value

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Sequence
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError
 from autopar.plan import NodePlan, Plan
 from autopar.solver.choices import ChoiceGraph, build_choice_graph
+from autopar.solver.explain import explain_decisions
 from autopar.solver.ilp import ShardingILP, Solution
 from autopar.spec import Spec, format_spec
 from autopar.trace import TracedModel
@@ -27,19 +30,25 @@ def solve(
     time_limit_s: float = 60.0,
     forced: dict[str, Spec] | None = None,
 ) -> Plan:
+    start = time.perf_counter()
+    log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
     graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced)
+    log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
+             time.perf_counter() - start)
     ilp = ShardingILP(graph, memory_budget)
+    log.info("autopar: solving the ILP (%d variables, %d constraints) ...", *ilp._size())
     solution = ilp.solve(time_limit_s)
     for _ in range(_MAX_MEMORY_ROUNDS):
         if not solution.choice or memory_budget is None:
             break
-        peak_bytes, time = peak_memory(graph, solution)
+        peak_bytes, peak_time = peak_memory(graph, solution)
         if peak_bytes <= memory_budget * (1 + 1e-9):
             break
         log.debug("memory overshoot %.0f > %.0f at %s: adding that time", peak_bytes, memory_budget,
-                  graph.timeline.time_name(time))
-        ilp.add_memory_constraint_at(time)
+                  graph.timeline.time_name(peak_time))
+        ilp.add_memory_constraint_at(peak_time)
         solution = ilp.solve(time_limit_s)
+    log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
         if forced:
             raise InfeasibleError(
@@ -50,7 +59,11 @@ def solve(
         if memory_budget is not None:
             raise _infeasible(graph, memory_budget, time_limit_s)
         raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
-    return plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
+    plan = plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
+    start = time.perf_counter()
+    decisions = explain_decisions(graph, solution, cluster, memory_budget)
+    log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
+    return dataclasses.replace(plan, decisions=decisions)
 
 
 # Rounds of the memory cutting-plane loop in ``solve`` (each adds one memory[t] and solves again).

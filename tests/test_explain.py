@@ -1,0 +1,162 @@
+"""Explanations: each decision's runner-ups, priced as the ILP prices them, and what decided."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.cost.cluster import get_cluster
+from autopar.errors import PlanError
+from autopar.explain import explain_json, explain_text, find_decision
+from autopar.models import build_model, example_batch
+from autopar.solver import ShardingILP, build_choice_graph
+from autopar.solver.explain import explain_decisions
+from autopar.trace import trace
+
+
+def _objective(graph, assignment) -> tuple[float, float]:
+    """Seconds and memory of a full assignment, summed from scratch over every node and edge."""
+    seconds = sum(graph.choices[n].compute_s[assignment[n]] for n in graph.order)
+    memory = sum(graph.choices[n].memory_bytes[assignment[n]] for n in graph.order)
+    for edge in graph.edges:
+        src = graph.choices[edge.producer].strategies[assignment[edge.producer]].outs[edge.out_index]
+        dst = graph.choices[edge.consumer].strategies[assignment[edge.consumer]].ins[edge.in_index]
+        if src != dst:
+            seconds += edge.price[(src, dst)][0]
+    return seconds, memory
+
+
+def _with_candidate(graph, solution, record, strategy: int) -> dict[str, int]:
+    """The solution with this decision's members switched to ``strategy`` (followers follow)."""
+    assignment = dict(solution.choice)
+    members = set(record["members"])
+    for name in graph.order:
+        if name not in members:
+            continue
+        choice = graph.choices[name]
+        if choice.follower_of is None:
+            assignment[name] = strategy
+            continue
+        producer, out_index = choice.inputs[0]
+        spec = graph.choices[producer].strategies[assignment[producer]].outs[out_index]
+        assignment[name] = [s.ins[0] for s in choice.strategies].index(spec)
+    return assignment
+
+
+@pytest.fixture(scope="module")
+def gpt_traced():
+    return trace(build_model("gpt", seed=0), example_batch("gpt", 8, seed=1))
+
+
+@pytest.fixture(scope="module")
+def solved(gpt_traced):
+    cluster = get_cluster("cpu")
+    graph = build_choice_graph(gpt_traced, (2,), cluster)
+    solution = ShardingILP(graph).solve()
+    return graph, solution, explain_decisions(graph, solution, cluster, None)
+
+
+def test_objective_helper_matches_the_solver(solved):
+    graph, solution, _ = solved
+    assert _objective(graph, solution.choice)[0] == pytest.approx(solution.objective_s, rel=1e-9)
+
+
+def test_runner_up_costs_are_exact_counterfactuals(solved):
+    graph, solution, decisions = solved
+    base_s, base_mem = _objective(graph, solution.choice)
+    checked = 0
+    for record in decisions.values():
+        chosen = record["candidates"][0]
+        assert chosen.get("chosen") and chosen["strategy"] == solution.choice[next(iter(record["members"]))]
+        for cand in record["candidates"]:
+            parts = cand["compute_s"] + cand["grad_sync_s"] + cand["reshard_in_s"] + cand["reshard_out_s"]
+            assert parts == pytest.approx(cand["total_s"], rel=1e-9, abs=1e-15)
+            if cand is chosen:
+                continue
+            seconds, memory = _objective(graph, _with_candidate(graph, solution, record, cand["strategy"]))
+            assert seconds - base_s == pytest.approx(cand["total_s"] - chosen["total_s"], rel=1e-6, abs=1e-12)
+            assert memory - base_mem == pytest.approx(cand["memory_bytes"] - chosen["memory_bytes"], abs=2)
+            checked += 1
+        totals = [c["total_s"] for c in record["candidates"][1:]]
+        assert totals == sorted(totals)
+    assert checked > 20
+
+
+def test_optimal_unconstrained_plan_is_decided_by_cost(solved):
+    graph, solution, decisions = solved
+    assert solution.status == "Optimal"
+    assert decisions and all(r["binding"] == "cost" for r in decisions.values())
+    for record in decisions.values():
+        chosen = record["candidates"][0]["total_s"]
+        assert all(c["total_s"] >= chosen - 1e-12 for c in record["candidates"])
+    # Data parallel on 2 devices: some replicated weight's gradient is all-reduced.
+    assert any(r["candidates"][0]["grad_sync_s"] > 0 for r in decisions.values())
+    # Repeated layers and tied weights share one decision.
+    tied = next(r for r in decisions.values() if "transformer.wte.weight" in r["fqns"])
+    assert "lm_head.weight" in tied["fqns"]
+    q_proj = next(r for r in decisions.values() if "transformer.h.0.attn.q_proj.weight" in r["fqns"])
+    assert "transformer.h.1.attn.q_proj.weight" in q_proj["fqns"]
+
+
+def test_memory_budget_binding(gpt_traced):
+    cluster = get_cluster("cpu")
+    graph = build_choice_graph(gpt_traced, (2,), cluster)
+    free = ShardingILP(graph).solve()
+    lean = ShardingILP(graph)
+    lean.problem.setObjective(lean.memory_expression())
+    leanest = lean.solve().objective_s
+    peak = _objective(graph, free.choice)[1]
+    assert leanest < peak
+    budget = (leanest + peak) / 2
+    solution = ShardingILP(graph, budget).solve()
+    decisions = explain_decisions(graph, solution, cluster, budget)
+    bound = [r for r in decisions.values() if r["binding"] == "memory_budget"]
+    assert bound, "a budget between the leanest and the free plan must bind somewhere"
+    for record in bound:
+        chosen = record["candidates"][0]
+        cheaper = [c for c in record["candidates"][1:] if c["total_s"] < chosen["total_s"]]
+        assert cheaper and all(c["memory_bytes"] > chosen["memory_bytes"] for c in cheaper)
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    return autopar.plan(build_model("gpt", seed=0), (2,), example_inputs=example_batch("gpt", 8, seed=1),
+                        cluster="cpu")
+
+
+def test_plan_carries_decisions_and_round_trips(gpt_plan):
+    assert gpt_plan.decisions
+    again = autopar.Plan.from_json(gpt_plan.to_json())
+    assert again.decisions == gpt_plan.decisions and again.to_json() == gpt_plan.to_json()
+    covered = {m for r in gpt_plan.decisions.values() for m in r["members"]}
+    assert covered <= set(gpt_plan.nodes)
+    from autopar.spec import format_spec
+
+    for rep, record in gpt_plan.decisions.items():
+        chosen = record["candidates"][0]
+        assert chosen["out"] == [format_spec(s) for s in gpt_plan.nodes[rep].outs]
+
+
+def test_find_by_node_param_and_unknown(gpt_plan):
+    rep, record = find_decision(gpt_plan, "transformer.h.1.attn.q_proj.weight")
+    assert "transformer.h.0.attn.q_proj.weight" in record["fqns"]
+    member = record["members"][-1]
+    assert find_decision(gpt_plan, member)[0] == rep
+    with pytest.raises(PlanError, match="did you mean"):
+        find_decision(gpt_plan, "transformer.h.1.attn.q_proj.weigth")
+    with pytest.raises(PlanError, match="neither a node nor a parameter"):
+        find_decision(gpt_plan, "zzz")
+
+
+def test_explain_text_and_json(gpt_plan):
+    linear = next(n for n, p in gpt_plan.nodes.items() if p.op == "aten.linear.default" and
+                  any(n in r["members"] for r in gpt_plan.decisions.values()))
+    text = explain_text(gpt_plan, linear)
+    assert text.startswith(f"explain {linear} (aten.linear.default)")
+    for part in ("chosen: out", "compute", "gradient sync", "resharding in", "resharding out", "memory",
+                 "decided by cost"):
+        assert part in text
+    data = explain_json(gpt_plan, linear)
+    assert data["binding"] == "cost" and data["candidates"][0]["chosen"]
+    single = next(n for n, p in gpt_plan.nodes.items() if p.source == "output")
+    assert "nothing to decide" in explain_text(gpt_plan, single)
