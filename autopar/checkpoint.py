@@ -66,9 +66,10 @@ def device_mesh(mesh_shape: tuple[int, ...], groups: tuple[str, ...]) -> DeviceM
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     ranks = torch.arange(math.prod(mesh_shape)).reshape(mesh_shape)
     process_groups = [_resolve_process_group(name) for name in groups]
+    names = tuple(f"axis{axis}" for axis in range(len(mesh_shape)))
     if len(process_groups) == 1:
-        return DeviceMesh.from_group(process_groups[0], device_type)
-    return DeviceMesh.from_group(process_groups, device_type, mesh=ranks)
+        return DeviceMesh.from_group(process_groups[0], device_type, mesh_dim_names=names)
+    return DeviceMesh.from_group(process_groups, device_type, mesh=ranks, mesh_dim_names=names)
 
 
 def to_dtensor(local: torch.Tensor, spec: Spec, full_shape: tuple[int, ...], mesh: DeviceMesh) -> DTensor:
