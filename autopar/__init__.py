@@ -7,8 +7,10 @@
 from autopar.api import compile, plan
 from autopar.hand_plans import hand_plan
 from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
+from autopar.materialize import FromCheckpoint, SeededInit
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule
+from autopar import checkpoint
 
 __version__ = "0.1.0"
 
@@ -17,6 +19,8 @@ __all__ = [
     "compile",
     "hand_plan",
     "Plan",
+    "SeededInit",
+    "FromCheckpoint",
     "ParallelModule",
     "AutoparError",
     "TraceError",

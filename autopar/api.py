@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from autopar import collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster
+from autopar.materialize import FromCheckpoint, SeededInit, empty_shards, fake_tensors, has_meta_tensors, seeded_shards
 from autopar.errors import AutoparError, MeshError, PlanError
 from autopar.mesh_search import search_mesh
 from autopar.passes import default_passes, run_passes
@@ -95,11 +97,17 @@ def compile(
     cluster: str | ClusterSpec | os.PathLike | None = None,
     memory_budget: float | None = None,
     time_limit_s: float = 60.0,
+    init: SeededInit | FromCheckpoint | None = None,
 ) -> ParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
 
     Runs under an initialized ``torch.distributed`` process group whose world size equals the
     mesh size. Every rank must call it with the same model and example inputs.
+
+    ``init`` says where the shards' values come from: None takes them from ``model``'s own
+    tensors (each rank cuts its shards from the whole model); ``autopar.SeededInit(seed, fn)``
+    or ``autopar.FromCheckpoint(path)`` make each rank materialize only its own shards, which is
+    how a model built on the meta device is compiled (see ``autopar.materialize``).
     """
     mesh_shape = _mesh_shape(mesh)
     if not dist.is_available() or not dist.is_initialized():
@@ -115,13 +123,36 @@ def compile(
             f"pass a mesh whose sizes multiply to {world}"
         )
     _check_backend_dtypes(model, example_inputs, example_kwargs)
+    meta = has_meta_tensors(model)
+    if init is None and meta:
+        raise ValueError(
+            f"{type(model).__name__} has tensors on the meta device, which hold no values: pass "
+            "init=autopar.SeededInit(seed) to initialize each rank's shards with the modules' own "
+            "reset_parameters (and SeededInit(seed, fn=...) for a custom init), or "
+            "init=autopar.FromCheckpoint(path) to read them from an autopar checkpoint"
+        )
+    if init is not None and not isinstance(init, (SeededInit, FromCheckpoint)):
+        raise TypeError(f"init must be None, autopar.SeededInit(...) or autopar.FromCheckpoint(path), got {init!r}")
     collectives.register_peer()  # lets a failed collective name a dead rank
-    traced = trace(model, example_inputs, example_kwargs)
+    device = init.device if isinstance(init, SeededInit) else "cpu"
+    with fake_tensors(model, device) if meta else contextlib.nullcontext():
+        traced = trace(model, example_inputs, example_kwargs)
     chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s)
     check_rank_agreement(chosen)
     groups, coordinate = mesh_groups(mesh_shape)
     gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups))
-    return ParallelModule(model, traced, gm, chosen, groups, coordinate)
+    if isinstance(init, SeededInit):
+        local = seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
+    elif isinstance(init, FromCheckpoint):
+        local = empty_shards(model, chosen.params, mesh_shape)
+    else:
+        local = None
+    pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local)
+    if isinstance(init, FromCheckpoint):
+        from autopar import checkpoint
+
+        checkpoint.load(init.path, pm)
+    return pm
 
 
 # Dtypes each backend cannot reduce (gloo has no bfloat16 all-reduce).

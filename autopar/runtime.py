@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -61,15 +61,21 @@ class ParallelModule(torch.nn.Module):
         plan: Plan,
         groups: tuple[str, ...],
         coordinate: tuple[int, ...],
+        local_shards: Mapping[str, torch.Tensor] | None = None,
     ):
+        """``local_shards`` (FQN → this rank's shard) replaces cutting the model's own tensors:
+        ``compile`` passes it for models on the meta device (``autopar.materialize``)."""
         super().__init__()
         self._plan = plan
         self._traced = traced
         self._groups = groups
+        self._coordinate = coordinate
+        self._device_mesh: Any = None
         self.graph_module = gm
         self.module = _Holder()
         full = dict(model.named_parameters(remove_duplicate=False))
         full.update(dict(model.named_buffers(remove_duplicate=False)))
+        self._full_shapes = {fqn: tuple(t.shape) for fqn, t in full.items()}
         made: dict[str, torch.Tensor] = {}
         for graph_input in traced.inputs:
             if graph_input.kind not in ("param", "buffer"):
@@ -80,7 +86,10 @@ class ParallelModule(torch.nn.Module):
                 _attach(self.module, fqn, made[canonical], graph_input.kind)
                 continue
             spec = plan.params[fqn]
-            local = shard_tensor(full[fqn].detach(), spec, coordinate, plan.mesh_shape).clone()
+            if local_shards is not None:
+                local = local_shards[fqn]
+            else:
+                local = shard_tensor(full[fqn].detach(), spec, coordinate, plan.mesh_shape).clone()
             if graph_input.kind == "param":
                 value: torch.Tensor = torch.nn.Parameter(local, requires_grad=full[fqn].requires_grad)
             else:
@@ -89,6 +98,8 @@ class ParallelModule(torch.nn.Module):
             made[fqn] = value
             _attach(self.module, fqn, value, graph_input.kind)
         self._inputs = [(gi.name, gi.kind, gi.fqn) for gi in traced.inputs]
+        # The original state_dict()'s names, in its order: tied names, no non-persistent buffers.
+        self._state_keys = [k for k in model.state_dict(keep_vars=True) if _has(self.module, k) or k in traced.ties]
         self._constants = dict(traced.constants)
         placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
         self._user_metas = [
@@ -143,8 +154,68 @@ class ParallelModule(torch.nn.Module):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer, gathered whole, under the model's original names."""
-        return {fqn: gather_tensor(self._local(fqn), self._plan.params[fqn], self._groups) for fqn, _ in self._fqns()}
+        """The original model's ``state_dict()``, gathered whole on every rank.
+
+        Same names (tied names both present, sharing one tensor, as in the model's own state
+        dict; non-persistent buffers left out), so ``model.load_state_dict(pm.full_state_dict())``
+        loads into the unsharded model.
+        """
+        out: dict[str, torch.Tensor] = {}
+        gathered: dict[int, torch.Tensor] = {}
+        for fqn in self._state_keys:
+            local = self._local(fqn)
+            if id(local) not in gathered:
+                gathered[id(local)] = gather_tensor(local, self._plan.params[fqn], self._groups)
+            out[fqn] = gathered[id(local)]
+        return out
+
+    # -- torch.distributed.checkpoint (autopar/checkpoint.py) ----------------------------------
+
+    @property
+    def coordinate(self) -> tuple[int, ...]:
+        """This rank's position on the mesh."""
+        return self._coordinate
+
+    @property
+    def device_mesh(self) -> Any:
+        """A ``DeviceMesh`` over autopar's mesh-axis process groups (made on first use)."""
+        if self._device_mesh is None:
+            from autopar.checkpoint import device_mesh
+
+            self._device_mesh = device_mesh(self._plan.mesh_shape, self._groups)
+        return self._device_mesh
+
+    def state_dict_keys(self) -> list[str]:
+        """The names of ``state_dict()``: those of the original model's ``state_dict()``."""
+        return list(self._state_keys)
+
+    def full_shape(self, fqn: str) -> tuple[int, ...]:
+        """The whole (unsharded) shape of the parameter or buffer ``fqn``."""
+        return self._full_shapes[fqn]
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """The original model's ``state_dict()`` names, each a DTensor over ``device_mesh``
+        with the plan's placements that shares this rank's shard (no copy). For
+        ``torch.distributed.checkpoint``: ``dcp.save(pm.state_dict(), checkpoint_id=path)``;
+        ``sd = pm.state_dict(); dcp.load(sd, checkpoint_id=path)`` reads into the shards."""
+        from autopar.checkpoint import model_state_dict
+
+        out = model_state_dict(self)
+        if destination is None:
+            return out if not prefix else {prefix + k: v for k, v in out.items()}
+        for key, value in out.items():
+            destination[prefix + key] = value
+        return destination
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Copy whole tensors (a plain ``state_dict()``) or DTensors on ``device_mesh`` (a filled
+        ``pm.state_dict()``) into this rank's shards."""
+        from autopar.checkpoint import load_model_state_dict
+
+        if assign:
+            raise ValueError("ParallelModule.load_state_dict copies into its shards; assign=True is not supported")
+        missing, unexpected = load_model_state_dict(self, state_dict, strict=strict)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor | None]:

@@ -1,0 +1,190 @@
+"""Checkpoints on real gloo ranks: DTensor views, a DCP round trip across mesh shapes and plans,
+meta-device compiles, and ``full_state_dict`` loading into the original model.
+
+One spawn of 4 ranks runs every check; the ranks return numbers and the parent asserts.
+Reference: an eager AdamW run of the same model, uninterrupted, in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import autopar
+from autopar.models import GPT, build_model, example_batch
+from autopar.testing import max_rel_diff, run_distributed
+
+pytestmark = pytest.mark.multiproc
+
+DTYPE = torch.float64
+# No biases: a key-projection bias has an exactly-zero gradient, which AdamW turns into
+# full-size steps of rounding noise (see test_parallel.py).
+CONFIG = dict(bias=False)
+BATCH = 8
+STEPS_BEFORE = 2  # AdamW steps before the checkpoint
+STEPS_AFTER = 2  # and after it, on each resumed module
+LR = 1e-2
+TOL = 1e-4
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    return build_model("gpt", seed=seed, **CONFIG).to(DTYPE)
+
+
+def _batch(step: int) -> tuple:
+    return example_batch("gpt", batch_size=BATCH, seed=100 + step)
+
+
+def _train(module, optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        loss = module(*_batch(step))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _resume(pm: autopar.ParallelModule, path: str) -> dict:
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=LR / 7)  # the checkpoint's lr must win
+    autopar.checkpoint.load(path, pm, optimizer)
+    lr = optimizer.param_groups[0]["lr"]
+    losses = _train(pm, optimizer, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    return {"losses": losses, "lr": lr, "state": pm.full_state_dict(), "mesh": pm.plan.mesh_shape,
+            "params": {k: [str(p) for p in v] for k, v in pm.plan.params.items()}}
+
+
+def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
+    out: dict = {}
+    # The uninterrupted reference.
+    eager = _model()
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=LR)
+    out["eager_losses"] = _train(eager, eager_opt, range(STEPS_BEFORE + STEPS_AFTER))
+    out["eager_state"] = eager.state_dict()
+
+    # Save on mesh (2, 2) under torchtitan's layout (Megatron on axis 1, FSDP on axis 0).
+    model = _model()
+    pm = autopar.compile(model, (2, 2), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["2x2"]))
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=LR)
+    out["saved_losses"] = _train(pm, optimizer, range(STEPS_BEFORE))
+    state = pm.state_dict()
+    out["dtensor"] = {
+        "keys": list(state) == list(model.state_dict()),
+        "aliases": all(state[k].to_local().data_ptr() == pm._local(k).data_ptr() for k in state),
+        "tied": state["lm_head.weight"] is state["transformer.wte.weight"],
+        "placements": {k: [str(p) for p in v.placements] for k, v in state.items()},
+        "mesh": tuple(state["lm_head.weight"].device_mesh.shape),
+        "full_equal": all(torch.equal(v.full_tensor(), pm.full_state_dict()[k]) for k, v in state.items()),
+    }
+    full = pm.full_state_dict()
+    original = _model(seed=9)
+    result = original.load_state_dict(full, strict=True)
+    out["full"] = {
+        "keys": list(full) == list(model.state_dict()),
+        "tie_shared": full["lm_head.weight"].data_ptr() == full["transformer.wte.weight"].data_ptr(),
+        "incompatible": (list(result.missing_keys), list(result.unexpected_keys)),
+        "loaded_rel": max_rel_diff(original.state_dict(), full),
+        "still_tied": original.lm_head.weight is original.transformer.wte.weight,
+    }
+    autopar.checkpoint.save(path, pm, optimizer)
+    out["state_at_save"] = full
+
+    # Load on mesh (4,) under FSDP, into a model built from another seed.
+    other = autopar.compile(_model(seed=5), (4,), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["4"]))
+    out["fsdp"] = _resume(other, path)
+
+    # Load on mesh (1, 4) under Megatron, into a meta-built model: shards straight from the checkpoint.
+    with torch.device("meta"):
+        meta = _model()
+    megatron = autopar.compile(meta, (1, 4), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["1x4"]),
+                               init=autopar.FromCheckpoint(path))
+    out["megatron_compiled_state"] = max_rel_diff(megatron.full_state_dict(), full)
+    out["megatron"] = _resume(megatron, path)
+
+    # A meta-built GPT with seeded init against the same init on CPU (float32, autopar's own plan).
+    init = autopar.SeededInit(seed=4, fn=GPT._init_weights)
+    with torch.device("meta"):
+        meta = build_model("gpt", **CONFIG)
+    seeded = autopar.compile(meta, (2, 2), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["2x2_f32"]), init=init)
+    reference = init.apply(build_model("gpt", **CONFIG))
+    out["seeded"] = {
+        "state_equal": {k: torch.equal(v, reference.state_dict()[k]) for k, v in seeded.full_state_dict().items()},
+        "loss": (seeded(*_batch(0)).item(), reference(*_batch(0)).item()),
+        "local_param_bytes": seeded.local_param_bytes(),
+        "full_param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
+    }
+    try:
+        autopar.compile(meta, (2, 2), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["2x2_f32"]))
+        out["meta_without_init"] = "no error"
+    except ValueError as error:
+        out["meta_without_init"] = str(error)
+    return out
+
+
+def _plans() -> dict[str, str]:
+    batch = _batch(0)
+    return {
+        "2x2": autopar.hand_plan("tp_fsdp", _model(), (2, 2), example_inputs=batch, cluster="cpu").to_json(),
+        "4": autopar.hand_plan("fsdp", _model(), (4,), example_inputs=batch, cluster="cpu").to_json(),
+        "1x4": autopar.hand_plan("megatron", _model(), (1, 4), example_inputs=batch, cluster="cpu").to_json(),
+        "2x2_f32": autopar.plan(build_model("gpt", **CONFIG), (2, 2), example_inputs=batch, cluster="cpu").to_json(),
+    }
+
+
+def _sharded(params: dict[str, list[str]]) -> list[str]:
+    return [fqn for fqn, spec in params.items() if any(p.startswith("S") for p in spec)]
+
+
+def test_checkpoint_round_trip_across_meshes(tmp_path) -> None:
+    plans = _plans()
+    results = run_distributed(_run, 4, str(tmp_path / "ckpt"), plans, timeout_s=600)
+    for rank, out in enumerate(results):
+        where = f"rank {rank}"
+        eager = out["eager_losses"]
+        for step, got in enumerate(out["saved_losses"]):
+            assert math.isclose(got, eager[step], rel_tol=TOL), f"{where}: step {step} loss {got} vs eager {eager[step]}"
+
+        dt = out["dtensor"]
+        assert dt["keys"] and dt["tied"] and dt["full_equal"], f"{where}: pm.state_dict() {dt}"
+        assert dt["aliases"], f"{where}: pm.state_dict() must wrap the local shards without copying"
+        assert dt["mesh"] == (2, 2)
+        assert _sharded(dt["placements"]), f"{where}: the (2, 2) plan must shard: {dt['placements']}"
+
+        full = out["full"]
+        assert full["keys"] and full["tie_shared"] and full["still_tied"], f"{where}: full_state_dict {full}"
+        assert full["incompatible"] == ([], []), f"{where}: {full['incompatible']}"
+        assert max(full["loaded_rel"].values()) == 0.0
+
+        assert max(out["megatron_compiled_state"].values()) == 0.0, f"{where}: FromCheckpoint shards differ"
+        for label in ("fsdp", "megatron"):
+            resumed = out[label]
+            assert resumed["lr"] == 1e-2, f"{where} {label}: lr {resumed['lr']} not restored from the checkpoint"
+            assert _sharded(resumed["params"]), f"{where} {label}: the plan shards nothing"
+            for step, got in enumerate(resumed["losses"], start=STEPS_BEFORE):
+                assert math.isclose(got, eager[step], rel_tol=TOL), (
+                    f"{where} {label} on mesh {resumed['mesh']}: step {step} loss {got} vs uninterrupted {eager[step]}"
+                )
+            rel = max_rel_diff(resumed["state"], out["eager_state"])
+            worst = max(rel, key=rel.get)
+            assert rel[worst] < TOL, f"{where} {label}: after resuming, {worst} off by {rel[worst]:.2e}"
+
+        seeded = out["seeded"]
+        differ = [k for k, same in seeded["state_equal"].items() if not same]
+        assert not differ, f"{where}: meta-built shards differ from SeededInit on CPU: {differ}"
+        got, want = seeded["loss"]
+        assert math.isclose(got, want, rel_tol=TOL), f"{where}: meta-built loss {got} vs CPU {want}"
+        assert seeded["local_param_bytes"] < seeded["full_param_bytes"]
+        assert "init=autopar.SeededInit(seed)" in out["meta_without_init"], out["meta_without_init"]
+
+    # The model half of the checkpoint is a plain DCP checkpoint: it loads into an unsharded model.
+    model = _model(seed=9)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    model.load_state_dict(state["model"])
+    assert max(max_rel_diff(model.state_dict(), results[0]["state_at_save"]).values()) == 0.0
+    assert model.lm_head.weight is model.transformer.wte.weight
