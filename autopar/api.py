@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import os
@@ -45,15 +46,30 @@ def plan(
     cluster: str | ClusterSpec | os.PathLike | None = None,
     memory_budget: float | None = None,
     time_limit_s: float = 60.0,
+    symbolic_batch: bool = False,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
     ``memory_budget`` is in bytes per device. ``cluster`` is a preset name ("h100-80g",
-    "a100-40g", "v100-16g", "cpu"), a ClusterSpec, or a JSON/TOML file.
+    "a100-40g", "v100-16g", "cpu"), a ClusterSpec, or a JSON/TOML file. ``symbolic_batch``
+    also writes the predicted time, bytes and memory as functions of the batch size (dim 0 of
+    the example inputs; it costs one more trace, at twice the batch), so that
+    ``plan.predict(batch=...)`` answers for other batch sizes without tracing.
     """
     mesh_shape = _mesh_shape(mesh)
     traced = trace(model, example_inputs, example_kwargs)
-    return plan_traced(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s)
+    spec = get_cluster(cluster)
+    result = plan_traced(traced, mesh_shape, spec, memory_budget, time_limit_s)
+    if symbolic_batch:
+        from autopar.solver import symbolic
+
+        batch = symbolic.batch_size((example_inputs, example_kwargs))
+        doubled = trace(model, symbolic.double_batch(example_inputs), symbolic.double_batch(example_kwargs))
+        costs = symbolic.symbolic_costs(
+            symbolic.price_plan(traced, result, spec), symbolic.price_plan(doubled, result, spec), batch
+        )
+        result = dataclasses.replace(result, predicted={**result.predicted, "symbolic": costs})
+    return result
 
 
 def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s) -> Plan:
