@@ -47,6 +47,7 @@ def plan(
     memory_budget: float | None = None,
     time_limit_s: float = 60.0,
     symbolic_batch: bool = False,
+    compute: str | None = None,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
@@ -54,11 +55,15 @@ def plan(
     "a100-40g", "v100-16g", "cpu"), a ClusterSpec, or a JSON/TOML file. ``symbolic_batch``
     also writes the predicted time, bytes and memory as functions of the batch size (dim 0 of
     the example inputs; it costs one more trace, at twice the batch), so that
-    ``plan.predict(batch=...)`` answers for other batch sizes without tracing.
+    ``plan.predict(batch=...)`` answers for other batch sizes without tracing. ``compute``
+    ("roofline" or "measured") overrides the cluster's way of pricing ops: "measured" times each
+    distinct op and local shape on this machine's device, cached on disk (``autopar.cost.measured``).
     """
     mesh_shape = _mesh_shape(mesh)
     traced = trace(model, example_inputs, example_kwargs)
     spec = get_cluster(cluster)
+    if compute is not None:
+        spec = dataclasses.replace(spec, compute=compute)
     result = plan_traced(traced, mesh_shape, spec, memory_budget, time_limit_s)
     if symbolic_batch:
         from autopar.solver import symbolic

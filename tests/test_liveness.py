@@ -168,3 +168,19 @@ def test_memory_constraints_do_not_grow_with_depth_and_the_budget_holds_at_every
     assert tight.predicted["peak_memory_bytes"] <= budget
     assert set(tight.predicted["memory_at_peak_bytes"]) == {
         "param", "optimizer_state", "grad", "input", "activation", "activation_grad"}
+
+
+def test_cross_entropy_backward_keeps_a_logits_sized_temporary():
+    nodes = [
+        LiveNode("w", "param", requires_grad=True),
+        LiveNode("x", "user"),
+        LiveNode("t", "user"),
+        LiveNode("logits", "op", ("x", "w"), aten.mm.default, True, (False, True)),
+        LiveNode("loss", "op", ("logits", "t"), aten.cross_entropy_loss.default, True, (True, False)),
+        LiveNode("output", "output", ("loss",)),
+    ]
+    sizes = {"w": 100.0, "x": 10.0, "t": 1.0, "logits": 50.0, "loss": 1.0, "output": 0.0}
+    timeline = build_timeline(nodes, "sgd")
+    # N = 6, bwd(4) = 7: logits (saved by the loss) 50, the loss's gradient 1, the logits'
+    # gradient 50, and the temporary gradient of the log-probabilities 50, over 111 always alive.
+    assert timeline.curve(sizes.__getitem__)[7] == 111 + 50 + 1 + 50 + 50

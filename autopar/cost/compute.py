@@ -189,11 +189,20 @@ def roofline_terms(
     requires_grad: bool,
 ) -> tuple[float, float, float]:
     """(FLOP-bound seconds, memory-bound seconds, forward+backward factor) of the local op: its
-    time is ``max(flops_s, bytes_s) · factor`` (``compute_cost_s``)."""
+    time is ``max(flops_s, bytes_s) · factor`` (``compute_cost_s``).
+
+    With ``cluster.compute == "measured"`` an op that ``autopar.cost.measured`` can time gives
+    ``(measured seconds / factor, 0, factor)``, so that the same product is its measured time."""
+    factor = 1.0 + backward_factor(info) if requires_grad else 1.0
+    if cluster.compute == "measured" and _packet(info.target) not in VIEW_OPS:
+        from autopar.cost.measured import measured_seconds
+
+        seconds = measured_seconds(info, strategy, mesh_shape, requires_grad)
+        if seconds is not None:
+            return seconds / factor, 0.0, factor
     split = work_split(strategy, mesh_shape)
     flops_s = node_flops(info) / split / cluster.peak_flops_for(compute_dtype(info))
     memory_s = node_bytes(info) / split / cluster.memory_bandwidth_bytes_per_s
-    factor = 1.0 + backward_factor(info) if requires_grad else 1.0
     return flops_s, memory_s, factor
 
 
