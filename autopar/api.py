@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import os
@@ -50,6 +51,8 @@ def plan(
     time_limit_s: float = 60.0,
     devices: int | None = None,
     max_axes: int = 3,
+    symbolic_batch: bool = False,
+    compute: str | None = None,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
@@ -60,8 +63,16 @@ def plan(
     axes (``autopar.mesh_search``) from one trace and returns the fastest plan; the table of all
     candidates, with predicted step times and infeasible meshes marked, is in
     ``plan.stats["mesh_search"]``.
+
+    ``symbolic_batch`` also writes the predicted time, bytes and memory as functions of the batch size (dim 0 of
+    the example inputs; it costs one more trace, at twice the batch), so that
+    ``plan.predict(batch=...)`` answers for other batch sizes without tracing. ``compute``
+    ("roofline" or "measured") overrides the cluster's way of pricing ops: "measured" times each
+    distinct op and local shape on this machine's device, cached on disk (``autopar.cost.measured``).
     """
     cluster_spec = get_cluster(cluster)
+    if compute is not None:
+        cluster_spec = dataclasses.replace(cluster_spec, compute=compute)
     if isinstance(mesh, str):
         if mesh != "auto":
             raise MeshError(f"mesh must be a tuple of positive ints such as (2, 4), or 'auto', got {mesh!r}")
@@ -74,7 +85,17 @@ def plan(
         raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
                         "pass one of them, or mesh='auto' to search the meshes of that many devices")
     traced = trace(model, example_inputs, example_kwargs)
-    return plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s)
+    result = plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s)
+    if symbolic_batch:
+        from autopar.solver import symbolic
+
+        batch = symbolic.batch_size((example_inputs, example_kwargs))
+        doubled = trace(model, symbolic.double_batch(example_inputs), symbolic.double_batch(example_kwargs))
+        costs = symbolic.symbolic_costs(
+            symbolic.price_plan(traced, result, cluster_spec), symbolic.price_plan(doubled, result, cluster_spec), batch
+        )
+        result = dataclasses.replace(result, predicted={**result.predicted, "symbolic": costs})
+    return result
 
 
 def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s) -> Plan:

@@ -626,7 +626,25 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("b", help="second plan JSON file")
     d.add_argument("--json", action="store_true", help="print the differences as JSON")
     d.set_defaults(func=cmd_diff)
+
+    f = sub.add_parser("profile", help="measure this machine (roofline, links per mesh axis) into a ClusterSpec file")
+    f.add_argument("--out", required=True, help="write the ClusterSpec JSON (or .toml) here")
+    f.add_argument("--mesh", type=parse_mesh, default=None, help="mesh whose axes' links to time, e.g. 2x2")
+    f.add_argument("--spawn", action="store_true", help="start prod(mesh) local gloo ranks to time collectives")
+    f.add_argument("--full", action="store_true", help="larger matmuls, copies and all-reduces (slower, steadier)")
+    f.set_defaults(func=cmd_profile)
     return parser
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from autopar.cost.profile import run_profile
+
+    spec = run_profile(args.out, args.mesh, args.spawn, quick=not args.full)
+    if spec is not None:
+        print(f"wrote {args.out}: {spec.name}, float32 {spec.peak_flops['float32']:.3g} FLOP/s, "
+              f"memory {spec.memory_bandwidth_bytes_per_s:.3g} B/s, intra-node alpha {spec.intra_node.latency_s:.3g} s "
+              f"beta {spec.intra_node.bandwidth_bytes_per_s:.3g} B/s")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -211,6 +211,19 @@ class Plan:
                 counts[(step.kind, step.axis)] += 1
         return dict(sorted(counts.items()))
 
+    def predict(self, batch: int) -> dict[str, float]:
+        """Predicted ``step_time_s``, ``comm_bytes`` and ``peak_memory_bytes`` at another batch
+        size, from the plan's symbolic costs (``autopar.plan(..., symbolic_batch=True)``), with
+        the same strategies and no tracing."""
+        if "symbolic" not in self.predicted:
+            raise PlanError(
+                "this plan has no symbolic costs: make it with autopar.plan(..., symbolic_batch=True) "
+                "to predict other batch sizes"
+            )
+        from autopar.solver.symbolic import evaluate
+
+        return evaluate(self.predicted["symbolic"], batch)
+
     def summary(self, max_rows: int = 60) -> str:
         from autopar.report import summary_text
 

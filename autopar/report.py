@@ -34,9 +34,19 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
         f"autopar plan  mesh={tuple(plan.mesh_shape)}  cluster={plan.cluster or '-'}  graph={plan.graph_hash}  plan={plan.hash}",
         f"  predicted step time {pred.get('step_time_s', 0) * 1e3:.3f} ms "
         f"(compute {pred.get('compute_s', 0) * 1e3:.3f} ms, resharding {pred.get('reshard_s', 0) * 1e3:.3f} ms)",
-        f"  peak memory per device {_bytes(pred.get('peak_memory_bytes', 0))}   "
-        f"communication per device per step {_bytes(pred.get('comm_bytes', 0))}",
+        f"  peak memory per device {_bytes(pred.get('peak_memory_bytes', 0))}"
+        + (f" ({pred['peak_memory_at']})" if pred.get("peak_memory_at") else "")
+        + f"   communication per device per step {_bytes(pred.get('comm_bytes', 0))}",
     ]
+    if pred.get("memory_at_peak_bytes"):
+        parts = ", ".join(f"{kind} {_bytes(size)}" for kind, size in pred["memory_at_peak_bytes"].items() if size)
+        lines.append(f"  memory at the peak: {parts}")
+    if pred.get("comm_bytes_per_axis"):
+        parts = ", ".join(
+            f"axis {axis} (size {size}): {_bytes(sent)}"
+            for axis, (size, sent) in enumerate(zip(plan.mesh_shape, pred["comm_bytes_per_axis"]))
+        )
+        lines.append(f"  bytes sent per device per step by mesh axis: {parts}")
     solver = plan.solver
     if solver:
         lines.append(

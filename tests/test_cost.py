@@ -27,10 +27,12 @@ from autopar.cost import (
     preset_names,
     reduce_scatter_s,
     saves_inputs,
+    send_recv_s,
     saves_output,
     tensor_bytes,
     transition_cost,
 )
+from autopar.cost.comm import transition_bytes_per_axis
 from autopar.cost.cluster import PRESETS_DIR
 from autopar.rules.registry import Strategy, op_info_from_values
 from autopar.spec import P, R, S
@@ -183,6 +185,37 @@ def test_collective_formulas():
         assert fn(4 * MiB, 0, (1, 4), cluster) == 0.0
 
 
+@pytest.mark.parametrize(
+    "axis, alpha, beta",
+    [(1, 1e-5, 1e9), (0, 1e-4, 1e8)],  # mesh (2, 4) on 8-device nodes: axis 1 intra; (4, 4): axis 0 inter
+)
+def test_every_collective_per_link_level(axis, alpha, beta):
+    cluster = round_cluster()
+    mesh = (2, 4) if axis == 1 else (4, 4)
+    k = 4
+    assert cluster.axis_link(mesh, axis).latency_s == alpha
+    size = 8 * MiB
+    # ring all-reduce: 2(k-1)·α + 2(k-1)/k · bytes/β
+    assert all_reduce_s(size, axis, mesh, cluster) == pytest.approx(6 * alpha + 1.5 * size / beta)
+    # all-gather (output size), reduce-scatter (input size), all-to-all: (k-1)·α + (k-1)/k · bytes/β
+    for fn in (all_gather_s, reduce_scatter_s, all_to_all_s):
+        assert fn(size, axis, mesh, cluster) == pytest.approx(3 * alpha + 0.75 * size / beta)
+    # send/recv to a neighbour: α + bytes/β
+    assert send_recv_s(size, axis, mesh, cluster) == pytest.approx(alpha + size / beta)
+    assert bytes_sent("send_recv", size, k) == size
+
+
+def test_send_recv_and_numbers_by_hand():
+    cluster = round_cluster()
+    # 1 MiB intra-node: 1e-5 + 1048576 / 1e9 = 1.058576e-3 s
+    assert send_recv_s(MiB, 0, (8,), cluster) == pytest.approx(1.058576e-3)
+    # all-reduce of 1 MiB on 8 intra-node ranks: 14e-5 + 1.75 · 1048576 / 1e9 = 1.975008e-3 s
+    assert all_reduce_s(MiB, 0, (8,), cluster) == pytest.approx(1.975008e-3)
+    # all-gather to 1 MiB on 2 inter-node ranks of mesh (2, 8): 1e-4 + 0.5 · 1048576 / 1e8
+    assert all_gather_s(MiB, 0, (2, 8), cluster) == pytest.approx(5.34288e-3)
+    assert send_recv_s(MiB, 0, (1, 8), cluster) == 0.0
+
+
 def test_bytes_sent():
     assert bytes_sent("all_reduce", 800, 8) == 1400  # 2·7/8·800
     assert bytes_sent("all_gather", 800, 8) == 700  # 7/8·800
@@ -260,6 +293,27 @@ def test_transition_two_axes_prices_each_step_at_its_local_size():
     assert cost.forward_s == pytest.approx(axis1_s + axis0_s)
     assert cost.backward_s == 0.0
     assert cost.bytes_sent == pytest.approx(7 / 8 * 2 * MiB + 1 / 2 * 4 * MiB)
+    assert dict(cost.bytes_per_axis) == pytest.approx({1: 7 / 8 * 2 * MiB, 0: 1 / 2 * 4 * MiB})
+    assert transition_bytes_per_axis((S(0), S(1)), (R, R), (1024, 1024), torch.float32, (2, 8), True) == (
+        pytest.approx({1: 7 / 8 * 2 * MiB, 0: 1 / 2 * 4 * MiB})
+    )
+    # R → S(0) on axis 0 of (2, 8): a free chunk forward, an all-gather of the gradient backward
+    chunk = transition_bytes_per_axis((R, R), (S(0), R), (1024, 1024), torch.float32, (2, 8), True)
+    assert chunk == {0: 0.5 * 4 * MiB}
+    assert transition_bytes_per_axis((R, R), (S(0), R), (1024, 1024), torch.float32, (2, 8), False) == {}
+
+
+def test_plan_reports_bytes_per_mesh_axis():
+    import autopar
+    from autopar.models import MLP
+
+    # a large batch on mesh (2, 2): data parallel, so every byte is a gradient all-reduce
+    model = MLP(d_in=64, d_hidden=256, d_out=64, depth=2)
+    plan = autopar.plan(model, (2, 2), example_inputs=(torch.randn(4096, 64), torch.randn(4096, 64)), cluster="cpu")
+    per_axis = plan.predicted["comm_bytes_per_axis"]
+    assert plan.predicted["comm_bytes"] > 0 and all(b > 0 for b in per_axis)
+    assert len(per_axis) == 2 and sum(per_axis) == pytest.approx(plan.predicted["comm_bytes"], abs=2)
+    assert "by mesh axis: axis 0 (size 2)" in plan.summary()
 
 
 def test_grad_allreduce_cost():

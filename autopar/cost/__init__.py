@@ -15,6 +15,7 @@ from autopar.cost.comm import (
     bytes_sent,
     grad_allreduce_cost,
     reduce_scatter_s,
+    send_recv_s,
     transition_cost,
 )
 from autopar.cost.compute import compute_cost_s, node_bytes, node_flops
@@ -37,6 +38,7 @@ __all__ = [
     "all_gather_s",
     "reduce_scatter_s",
     "all_to_all_s",
+    "send_recv_s",
     "bytes_sent",
     "transition_cost",
     "grad_allreduce_cost",

@@ -32,6 +32,7 @@ import torch
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "h100-80g"
+COMPUTE_MODES = ("roofline", "measured")
 
 
 def _positive_number(owner: str, name: str, value: Any) -> None:
@@ -93,6 +94,9 @@ class ClusterSpec:
     inter_node: LinkSpec
     source: str = field(default="", repr=False)
     notes: str = field(default="", repr=False)
+    # How ops are priced: "roofline" (FLOPs and bytes against the peaks above) or "measured"
+    # (timed on this machine's device and cached on disk; ``autopar.cost.measured``).
+    compute: str = "roofline"
 
     def __post_init__(self) -> None:
         owner = f"ClusterSpec {self.name!r}"
@@ -119,6 +123,8 @@ class ClusterSpec:
         for name in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, name), LinkSpec):
                 raise ValueError(f"{owner}.{name} must be a LinkSpec, got {getattr(self, name)!r}")
+        if self.compute not in COMPUTE_MODES:
+            raise ValueError(f"{owner}.compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
         for name in ("source", "notes"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{owner}.{name} must be a string, got {getattr(self, name)!r}")
@@ -161,6 +167,7 @@ class ClusterSpec:
             "inter_node": self.inter_node.to_json(),
             "source": self.source,
             "notes": self.notes,
+            **({"compute": self.compute} if self.compute != "roofline" else {}),
         }
 
     @classmethod
@@ -171,7 +178,7 @@ class ClusterSpec:
         if not isinstance(data, Mapping):
             raise ValueError(f"a cluster spec must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        required = known - {"source", "notes"}
+        required = known - {"source", "notes", "compute"}
         unknown = set(data) - known
         missing = required - set(data)
         if unknown or missing:

@@ -12,6 +12,7 @@ all-reduce             2(k-1)·α + 2(k-1)/k · bytes/β        2(k-1)/k · byte
 all-gather             (k-1)·α + (k-1)/k · bytes_out/β      (k-1)/k · bytes_out
 reduce-scatter         (k-1)·α + (k-1)/k · bytes_in/β       (k-1)/k · bytes_in
 all-to-all             (k-1)·α + (k-1)/k · bytes/β          (k-1)/k · bytes
+send/recv              α + bytes/β                          bytes (the sender)
 chunk (local slice)    0                                    0
 =====================  ===================================  ==================================
 
@@ -43,16 +44,22 @@ class CommCost:
     forward_s: float
     backward_s: float
     bytes_sent: float
+    # (mesh axis, bytes sent on it), sorted by axis: ``bytes_sent`` split by the axis it crosses
+    bytes_per_axis: tuple[tuple[int, float], ...] = ()
 
     @property
     def total_s(self) -> float:
         return self.forward_s + self.backward_s
 
     def __add__(self, other: CommCost) -> CommCost:
+        per_axis = dict(self.bytes_per_axis)
+        for axis, sent in other.bytes_per_axis:
+            per_axis[axis] = per_axis.get(axis, 0.0) + sent
         return CommCost(
             self.forward_s + other.forward_s,
             self.backward_s + other.backward_s,
             self.bytes_sent + other.bytes_sent,
+            tuple(sorted(per_axis.items())),
         )
 
 
@@ -107,6 +114,7 @@ _SENT_FRACTION = {
     "all_gather": lambda k: (k - 1) / k,
     "reduce_scatter": lambda k: (k - 1) / k,
     "all_to_all": lambda k: (k - 1) / k,
+    "send_recv": lambda k: 1.0 if k > 1 else 0.0,
     "chunk": lambda k: 0.0,
 }
 
@@ -155,9 +163,34 @@ def transition_cost(
         backward_s, backward_sent = 0.0, 0.0
         if requires_grad:
             backward_s, backward_sent = _price(backward, step.axis, mesh_shape, cluster)
-        total = total + CommCost(forward_s, backward_s, forward_sent + backward_sent)
+        sent = forward_sent + backward_sent
+        total = total + CommCost(forward_s, backward_s, sent, ((step.axis, sent),) if sent else ())
         current[step.axis] = R if step.kind in ("all_reduce", "all_gather") else Shard(step.dim)
     return total
+
+
+def transition_bytes_per_axis(
+    src: Spec,
+    dst: Spec,
+    global_shape: Sequence[int],
+    dtype: torch.dtype,
+    mesh_shape: Sequence[int],
+    requires_grad: bool,
+) -> dict[int, float]:
+    """Bytes each device sends on each mesh axis for ``transition_cost``'s steps (forward, and
+    backward when ``requires_grad``); empty when nothing is sent or the transition is impossible."""
+    steps = transition_steps(src, dst) or ()
+    current = list(src)
+    per_axis: dict[int, float] = {}
+    for step in steps:
+        local_bytes = _bytes(local_shape(global_shape, tuple(current), mesh_shape), dtype)
+        k = mesh_shape[step.axis]
+        forward, backward = _step_collectives(step.kind, local_bytes, k)
+        for collective in (forward, backward if requires_grad else None):
+            if collective is not None and k > 1:
+                per_axis[step.axis] = per_axis.get(step.axis, 0.0) + bytes_sent(collective[0], collective[1], k)
+        current[step.axis] = R if step.kind in ("all_reduce", "all_gather") else Shard(step.dim)
+    return per_axis
 
 
 Collective = tuple[str, float] | None  # (kind, the byte size its cost function takes), or nothing
@@ -203,11 +236,22 @@ def grad_allreduce_cost(
     parameter's gradient). Nothing happens in forward."""
     local_bytes = _bytes(local_shape(global_shape, spec_of_input, mesh_shape), dtype)
     k = mesh_shape[axis]
+    sent = bytes_sent("all_reduce", local_bytes, k)
     return CommCost(
         forward_s=0.0,
         backward_s=all_reduce_s(local_bytes, axis, mesh_shape, cluster),
-        bytes_sent=bytes_sent("all_reduce", local_bytes, k),
+        bytes_sent=sent,
+        bytes_per_axis=((axis, sent),) if sent else (),
     )
+
+
+def send_recv_s(num_bytes: float, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> float:
+    """One point-to-point send of ``num_bytes`` between neighbours on ``axis`` (pipeline stages):
+    α + bytes/β; the sender sends ``num_bytes``. 0 when the axis has one rank."""
+    k, link = _axis(axis, mesh_shape, cluster)
+    if k == 1:
+        return 0.0
+    return link.latency_s + num_bytes / link.bandwidth_bytes_per_s
 
 
 __all__ = [
@@ -216,7 +260,9 @@ __all__ = [
     "all_gather_s",
     "reduce_scatter_s",
     "all_to_all_s",
+    "send_recv_s",
     "bytes_sent",
     "transition_cost",
+    "transition_bytes_per_axis",
     "grad_allreduce_cost",
 ]

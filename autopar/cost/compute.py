@@ -181,6 +181,31 @@ def backward_factor(info: OpInfo) -> float:
     return 2.0 if _packet(info.target) in MATMUL_OPS else 1.0
 
 
+def roofline_terms(
+    info: OpInfo,
+    strategy: Strategy,
+    mesh_shape: Sequence[int],
+    cluster: ClusterSpec,
+    requires_grad: bool,
+) -> tuple[float, float, float]:
+    """(FLOP-bound seconds, memory-bound seconds, forward+backward factor) of the local op: its
+    time is ``max(flops_s, bytes_s) · factor`` (``compute_cost_s``).
+
+    With ``cluster.compute == "measured"`` an op that ``autopar.cost.measured`` can time gives
+    ``(measured seconds / factor, 0, factor)``, so that the same product is its measured time."""
+    factor = 1.0 + backward_factor(info) if requires_grad else 1.0
+    if cluster.compute == "measured" and _packet(info.target) not in VIEW_OPS:
+        from autopar.cost.measured import measured_seconds
+
+        seconds = measured_seconds(info, strategy, mesh_shape, requires_grad)
+        if seconds is not None:
+            return seconds / factor, 0.0, factor
+    split = work_split(strategy, mesh_shape)
+    flops_s = node_flops(info) / split / cluster.peak_flops_for(compute_dtype(info))
+    memory_s = node_bytes(info) / split / cluster.memory_bandwidth_bytes_per_s
+    return flops_s, memory_s, factor
+
+
 def compute_cost_s(
     info: OpInfo,
     strategy: Strategy,
@@ -190,19 +215,15 @@ def compute_cost_s(
 ) -> float:
     """Forward plus backward seconds of the local op on one rank (the module docstring's
     roofline); the backward term is counted only when ``requires_grad``."""
-    split = work_split(strategy, mesh_shape)
-    flops_s = node_flops(info) / split / cluster.peak_flops_for(compute_dtype(info))
-    memory_s = node_bytes(info) / split / cluster.memory_bandwidth_bytes_per_s
-    forward_s = max(flops_s, memory_s)
-    if not requires_grad:
-        return forward_s
-    return forward_s * (1.0 + backward_factor(info))
+    flops_s, memory_s, factor = roofline_terms(info, strategy, mesh_shape, cluster, requires_grad)
+    return max(flops_s, memory_s) * factor
 
 
 __all__ = [
     "node_flops",
     "node_bytes",
     "compute_cost_s",
+    "roofline_terms",
     "compute_dtype",
     "work_split",
     "backward_factor",

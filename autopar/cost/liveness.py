@@ -21,6 +21,8 @@ input             user input, buffer,     the whole step                        
 activation        op output (a root)      from its op to its last forward use, or, if   1
                                           saved for backward, to bwd(first saver)
 activation_grad   op output (a root)      bwd(last use) … bwd(the op)                   1
+activation_grad   first input of an op    bwd(the op) only: the intermediate gradient   see
+                  in BACKWARD_TEMPORARIES a composite op's backward makes               memory
 ================  ======================  ============================================  =========
 
 * A *root* is a node that owns storage. Views and getitems alias their input's root: they add no
@@ -217,6 +219,9 @@ def build_timeline(
             if savers.get(name):
                 end = max(end, bwd(min(savers[name])))
             intervals.append(Interval(name, "activation", i, end))
+            temporary = memory.backward_temporary_factor(node.target)
+            if node.requires_grad and temporary and node.inputs:
+                intervals.append(Interval(root[node.inputs[0]], "activation_grad", bwd(i), bwd(i), temporary))
             if node.requires_grad and uses.get(name):
                 grad_uses = [u for u in uses[name] if by_name[nodes[u].name].requires_grad or nodes[u].kind == "output"]
                 if grad_uses:

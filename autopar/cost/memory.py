@@ -112,6 +112,19 @@ SAVES_OUTPUT: frozenset = _overloads(
 )
 
 
+# Ops kept whole in the graph whose backward materializes an intermediate gradient the size of
+# their first input, alive while their backward runs: cross-entropy's backward is nll_loss's
+# (a gradient of the log-probabilities, the logits' size), then log_softmax's (another one).
+BACKWARD_TEMPORARIES: dict[Any, float] = {
+    op: 1.0 for op in _overloads("cross_entropy_loss")
+}
+
+
+def backward_temporary_factor(target: Any) -> float:
+    """How many copies of its first input ``target``'s backward keeps as temporaries."""
+    return BACKWARD_TEMPORARIES.get(target, 0.0)
+
+
 def saves_inputs(target: Any) -> bool:
     """True when ``target``'s backward needs its tensor inputs kept."""
     return target in SAVES_INPUTS
@@ -131,4 +144,6 @@ __all__ = [
     "SAVES_OUTPUT",
     "saves_inputs",
     "saves_output",
+    "BACKWARD_TEMPORARIES",
+    "backward_temporary_factor",
 ]

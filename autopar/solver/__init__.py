@@ -10,7 +10,8 @@ from typing import Sequence
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError
 from autopar.plan import NodePlan, Plan
-from autopar.solver.choices import ChoiceGraph, build_choice_graph
+from autopar.cost.comm import transition_bytes_per_axis
+from autopar.solver.choices import ChoiceGraph, build_choice_graph, grad_sync_bytes_per_axis
 from autopar.solver.explain import explain_decisions
 from autopar.solver.ilp import ShardingILP, Solution
 from autopar.spec import Spec, format_spec
@@ -109,6 +110,7 @@ def plan_from_solution(
     nodes: dict[str, NodePlan] = {}
     params: dict[str, Spec] = {}
     compute_s = comm_bytes = 0.0
+    per_axis = [0.0] * len(graph.mesh_shape)  # bytes each device sends on each mesh axis
     for name in graph.order:
         choice = graph.choices[name]
         index = solution.choice[name]
@@ -130,6 +132,8 @@ def plan_from_solution(
         )
         compute_s += choice.compute_s[index]
         comm_bytes += choice.grad_sync_bytes[index]
+        for axis, sent in grad_sync_bytes_per_axis(choice, index, graph.choices, graph.mesh_shape).items():
+            per_axis[axis] += sent
         if choice.kind in ("param", "buffer") and choice.fqn is not None and strategy.outs:
             params[choice.fqn] = strategy.outs[0]
     for fqn, canonical in traced.ties.items():
@@ -143,6 +147,10 @@ def plan_from_solution(
             seconds, sent = edge.price[(src, dst)]
             reshard_s += seconds
             comm_bytes += sent
+            for axis, axis_sent in transition_bytes_per_axis(
+                src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad
+            ).items():
+                per_axis[axis] += axis_sent
     chosen = _chosen_bytes(graph, solution)
     peak_bytes, peak_time = graph.timeline.peak(chosen)
     predicted = {
@@ -153,6 +161,7 @@ def plan_from_solution(
         "peak_memory_at": graph.timeline.time_name(peak_time),
         "memory_at_peak_bytes": {k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},
         "comm_bytes": int(comm_bytes),
+        "comm_bytes_per_axis": [int(b) for b in per_axis],
     }
     solver_info = {
         "status": solution.status,

@@ -321,6 +321,24 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
     return strategies, compute_s, memory_bytes, sync_bytes
 
 
+def grad_sync_bytes_per_axis(
+    choice: Choice, index: int, choices: dict[str, Choice], mesh_shape: Sequence[int]
+) -> dict[int, float]:
+    """Bytes each device sends per mesh axis in the backward gradient all-reduces of strategy
+    ``index`` of ``choice`` (what ``grad_sync_bytes[index]`` sums)."""
+    per_axis: dict[int, float] = {}
+    if choice.info is None:
+        return per_axis
+    strategy = choice.strategies[index]
+    for position, arg in enumerate(choice.info.inputs):
+        if not choices[choice.inputs[position][0]].requires_grad:
+            continue
+        for axis in grad_sync_axes(strategy, position):
+            local = memory.local_bytes(arg.shape, arg.dtype, strategy.ins[position], mesh_shape)
+            per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent("all_reduce", local, mesh_shape[axis])
+    return per_axis
+
+
 def grad_sync_axes(strategy: Strategy, index: int) -> list[int]:
     """Axes on which input ``index`` is replicated while the op's result is split.
 

@@ -77,13 +77,6 @@ class Solution:
     num_constraints: int
 
 
-def pulp_constraint_missing(problem: pulp.LpProblem, name: str) -> bool:
-    """Whether ``problem`` has no constraint ``name`` (PuLP 3 deprecates the dict lookup)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return name not in problem.constraints
-
-
 class ShardingILP:
     """Builds the formulation above from a ChoiceGraph and solves it with PuLP."""
 
@@ -100,6 +93,7 @@ class ShardingILP:
         self.x: dict[str, list[pulp.LpAffineExpression | pulp.LpVariable]] = {}
         self.y: dict[int, dict[tuple[Spec, Spec], pulp.LpVariable]] = {}
         self._node_ids = {name: i for i, name in enumerate(graph.order)}
+        self.memory_times: set[int] = set()  # timeline times with a memory[t] constraint
         self.add_node_variables()
         self.add_pick_constraints()
         self.add_edge_constraints()
@@ -190,9 +184,9 @@ class ShardingILP:
 
     def add_memory_constraint_at(self, time: int) -> None:
         """memory[t] <= B at one more time t (the solve adds the times a solution overshoots)."""
-        name = self.memory_constraint_name(time)
-        if pulp_constraint_missing(self.problem, name):
-            self.problem += self.memory_expression(time) <= self.memory_budget_bytes, name
+        if time not in self.memory_times:
+            self.memory_times.add(time)
+            self.problem += self.memory_expression(time) <= self.memory_budget_bytes, self.memory_constraint_name(time)
 
     def memory_constraint_name(self, time: int) -> str:
         num = len(self.graph.order)
