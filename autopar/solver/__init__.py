@@ -8,6 +8,7 @@ from typing import Sequence
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError
 from autopar.plan import NodePlan, Plan
+from autopar.solver.backends import SOLVERS, check_solver
 from autopar.solver.choices import ChoiceGraph, build_choice_graph
 from autopar.solver.ilp import ShardingILP, Solution
 from autopar.spec import Spec, format_spec
@@ -15,7 +16,7 @@ from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
 
-__all__ = ["solve", "build_choice_graph", "ShardingILP", "plan_from_solution"]
+__all__ = ["solve", "build_choice_graph", "ShardingILP", "plan_from_solution", "SOLVERS"]
 
 
 def solve(
@@ -26,10 +27,15 @@ def solve(
     memory_budget: float | None = None,
     time_limit_s: float = 60.0,
     forced: dict[str, Spec] | None = None,
+    solver: str = "auto",
 ) -> Plan:
+    """Plan ``traced`` on ``mesh_shape``. ``solver`` is "auto", "highs" or "cbc" (see
+    ``solver.backends``); ``time_limit_s`` bounds the solve, after which the best plan found
+    (or a rounded / greedy fallback) is returned with its gap to the LP bound."""
+    check_solver(solver)
     graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced)
     ilp = ShardingILP(graph, memory_budget)
-    solution = ilp.solve(time_limit_s)
+    solution = ilp.solve(time_limit_s, solver)
     if not solution.choice:
         if forced:
             raise InfeasibleError(
@@ -38,16 +44,16 @@ def solve(
                 + ": they need a resharding that does not exist (into Partial, or of a tensor written in place)"
             )
         if memory_budget is not None:
-            raise _infeasible(graph, memory_budget, time_limit_s)
+            raise _infeasible(graph, memory_budget, time_limit_s, solver)
         raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
     return plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
 
 
-def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float) -> InfeasibleError:
+def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: str) -> InfeasibleError:
     """Say how much memory the leanest plan needs, and which tensors weigh most."""
     lean = ShardingILP(graph, None)
     lean.problem.setObjective(lean.memory_expression())
-    solution = lean.solve(time_limit_s)
+    solution = lean.solve(time_limit_s, solver)
     minimum = solution.objective_s if solution.choice else float("nan")
     biggest = sorted(
         ((max(c.memory_bytes), c.fqn or c.name) for c in graph.choices.values() if c.memory_bytes),
@@ -121,6 +127,10 @@ def plan_from_solution(
         "num_constraints": solution.num_constraints,
         "memory_budget_bytes": memory_budget,
         "fallbacks": sorted(n for n, p in nodes.items() if p.source == "fallback"),
+        "method": solution.method,
+        "backend": solution.backend,
+        "lower_bound_s": solution.bound_s,
+        "gap": solution.gap,
     }
     log.debug("solved: %s in %.3f s", solver_info["status"], solution.solve_time_s)
     return Plan(
