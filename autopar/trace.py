@@ -76,10 +76,16 @@ def trace(
         raise TypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    # Nothing here reads node stack traces, and recording one per node is an eighth of the
+    # export time on deep models.
+    emit_stack_traces = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
     try:
         exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = emit_stack_traces
 
     gm = exported.graph_module
     _drop_assertions(gm)

@@ -11,6 +11,7 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError
 from autopar.plan import NodePlan, Plan
 from autopar.cost.comm import transition_bytes_per_axis
+from autopar.solver.backends import SOLVERS, check_solver
 from autopar.solver.choices import ChoiceGraph, build_choice_graph, grad_sync_bytes_per_axis
 from autopar.solver.explain import explain_decisions
 from autopar.solver.ilp import ShardingILP, Solution
@@ -19,7 +20,7 @@ from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
 
-__all__ = ["solve", "build_choice_graph", "ShardingILP", "plan_from_solution"]
+__all__ = ["solve", "build_choice_graph", "ShardingILP", "plan_from_solution", "SOLVERS"]
 
 
 def solve(
@@ -30,15 +31,20 @@ def solve(
     memory_budget: float | None = None,
     time_limit_s: float = 60.0,
     forced: dict[str, Spec] | None = None,
+    solver: str = "auto",
 ) -> Plan:
+    """Plan ``traced`` on ``mesh_shape``. ``solver`` is "auto", "highs" or "cbc" (see
+    ``solver.backends``); ``time_limit_s`` bounds the solve, after which the best plan found
+    (or a rounded / greedy fallback) is returned with its gap to the LP bound."""
+    check_solver(solver)
     start = time.perf_counter()
     log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
     graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced)
     log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
              time.perf_counter() - start)
     ilp = ShardingILP(graph, memory_budget)
-    log.info("autopar: solving the ILP (%d variables, %d constraints) ...", *ilp._size())
-    solution = ilp.solve(time_limit_s)
+    log.info("autopar: solving the ILP (%d variables, %d constraints) ...", *ilp.size())
+    solution = ilp.solve(time_limit_s, solver)
     for _ in range(_MAX_MEMORY_ROUNDS):
         if not solution.choice or memory_budget is None:
             break
@@ -48,7 +54,7 @@ def solve(
         log.debug("memory overshoot %.0f > %.0f at %s: adding that time", peak_bytes, memory_budget,
                   graph.timeline.time_name(peak_time))
         ilp.add_memory_constraint_at(peak_time)
-        solution = ilp.solve(time_limit_s)
+        solution = ilp.solve(time_limit_s, solver)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
         if forced:
@@ -58,7 +64,7 @@ def solve(
                 + ": they need a resharding that does not exist (into Partial, or of a tensor written in place)"
             )
         if memory_budget is not None:
-            raise _infeasible(graph, memory_budget, time_limit_s)
+            raise _infeasible(graph, memory_budget, time_limit_s, solver)
         raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
     plan = plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
     start = time.perf_counter()
@@ -80,12 +86,13 @@ def peak_memory(graph: ChoiceGraph, solution: Solution) -> tuple[float, int]:
     return graph.timeline.peak(_chosen_bytes(graph, solution))
 
 
-def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float) -> InfeasibleError:
+def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: str) -> InfeasibleError:
     """Say how much memory the leanest plan needs, and which tensors weigh most."""
     lean = ShardingILP(graph, None)
     leanest = {n: min(c.memory_bytes, default=0.0) for n, c in graph.choices.items()}
     lean.minimize_peak_memory(graph.timeline.checkpoints([leanest.__getitem__]))
-    solution = lean.solve(time_limit_s)
+    # The LP-rounding fast path prices x and y only; this objective is an extra peak variable.
+    solution = lean.solve(time_limit_s, "highs" if solver == "auto" else solver)
     minimum = peak_memory(graph, solution)[0] if solution.choice else float("nan")
     biggest = sorted(
         ((max(c.memory_bytes), c.fqn or c.name) for c in graph.choices.values() if c.memory_bytes),
@@ -170,6 +177,10 @@ def plan_from_solution(
         "num_constraints": solution.num_constraints,
         "memory_budget_bytes": memory_budget,
         "fallbacks": sorted(n for n, p in nodes.items() if p.source == "fallback"),
+        "method": solution.method,
+        "backend": solution.backend,
+        "lower_bound_s": solution.bound_s,
+        "gap": solution.gap,
     }
     log.debug("solved: %s in %.3f s", solver_info["status"], solution.solve_time_s)
     return Plan(

@@ -56,7 +56,6 @@ choice can be traced back to the family that forced it.
 from __future__ import annotations
 
 import itertools
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -75,6 +74,10 @@ class Solution:
     solve_time_s: float
     num_variables: int
     num_constraints: int
+    method: str = "milp"  # "milp" | "lp-rounding" | "greedy" (see ``solving``)
+    backend: str = "cbc"  # "highs" | "cbc": the solver that produced it
+    bound_s: float | None = None  # best proven lower bound on the optimum
+    gap: float | None = None  # (objective_s - bound_s) / objective_s
 
 
 class ShardingILP:
@@ -240,36 +243,14 @@ class ShardingILP:
         )
         self.problem += _weighted(itertools.chain(compute_terms, reshard_terms))
 
-    # -- solving ------------------------------------------------------------------------------
-    def solve(self, time_limit_s: float = 60.0) -> Solution:
-        start = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            solver = pulp.PULP_CBC_CMD(
-                msg=False, timeLimit=time_limit_s, threads=1, options=["randomSeed 1", "randomCbcSeed 1"]
-            )
-            self.problem.solve(solver)
-        elapsed = time.perf_counter() - start
-        status = pulp.LpStatus[self.problem.status]
-        has_solution = self.problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-        if not has_solution:
-            return Solution({}, {}, status if status != "Optimal" else "Infeasible", float("inf"), elapsed, *self._size())
-        choice = {name: self._chosen(name) for name in self.graph.order}
-        edge_specs = {}
-        for e, edge in enumerate(self.graph.edges):
-            producer = self.graph.choices[edge.producer].strategies[choice[edge.producer]]
-            consumer = self.graph.choices[edge.consumer].strategies[choice[edge.consumer]]
-            edge_specs[e] = (producer.outs[edge.out_index], consumer.ins[edge.in_index])
-        label = "Optimal" if self.problem.sol_status == pulp.LpSolutionOptimal else "Feasible (time limit)"
-        return Solution(choice, edge_specs, label, float(pulp.value(self.problem.objective) or 0.0), elapsed, *self._size())
+    # -- solving (``solving.py``) ------------------------------------------------------------
+    def solve(self, time_limit_s: float = 60.0, solver: str = "auto") -> Solution:
+        """Solve with ``solver`` ("auto", "highs" or "cbc"; see ``backends``) in ``time_limit_s``."""
+        from autopar.solver.solving import solve_ilp
 
-    def _chosen(self, name: str) -> int:
-        values = [pulp.value(x) or 0.0 for x in self.x[name]]
-        best = max(range(len(values)), key=lambda i: values[i])
-        assert values[best] > 0.5, f"no strategy selected for {name}: {values}"
-        return best
+        return solve_ilp(self, time_limit_s, solver)
 
-    def _size(self) -> tuple[int, int]:
+    def size(self) -> tuple[int, int]:
         return len(self.problem.variables()), self.problem.numConstraints()
 
 

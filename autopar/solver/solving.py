@@ -1,0 +1,151 @@
+"""Solving a built ``ShardingILP``: backends, time limits, the LP fast path and the fallbacks.
+
+The steps, each within what is left of ``time_limit_s``:
+
+1. ``solver="auto"``: solve the LP relaxation (HiGHS) and round it (``rounding``). If the
+   rounded plan's cost meets the LP bound, it is optimal: done, ``method="lp-rounding"``.
+2. Solve the MILP with the chosen backend (``backends``): ``method="milp"``, status
+   ``Optimal`` or ``Feasible (time limit)``.
+3. If the MILP failed or found nothing in time: the best of the rounded LP solution and greedy
+   plans (``method="lp-rounding"`` or ``"greedy"``), status ``Feasible (fallback)``.
+
+Every solution carries ``bound_s``, the best lower bound known (the LP relaxation's or the MILP
+solver's), and ``gap = (objective_s - bound_s) / objective_s``, which the plan reports.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import TYPE_CHECKING
+
+import pulp
+
+from autopar.solver import backends, rounding
+
+if TYPE_CHECKING:
+    from autopar.solver.ilp import ShardingILP, Solution
+
+# Relative gap under which a rounded LP solution counts as optimal (float noise in the sums).
+OPTIMAL_GAP = 1e-9
+# Seconds-per-byte weights for greedy plans, as multiples of (step seconds / total bytes).
+_GREEDY_WEIGHTS = (1.0, 10.0, 100.0, 1e4, 1e6)
+
+
+def solve_ilp(ilp: ShardingILP, time_limit_s: float, solver: str) -> Solution:
+    solver = backends.check_solver(solver)
+    start = time.perf_counter()
+    deadline = start + time_limit_s
+
+    def left() -> float:
+        return max(deadline - time.perf_counter(), 1.0)
+
+    bound = None
+    incumbent: tuple[float, dict[str, int], str] | None = None
+    if solver == "auto":
+        bound, incumbent = _relax_and_round(ilp, left())
+        if incumbent is not None and bound is not None and _gap(incumbent[0], bound) <= OPTIMAL_GAP:
+            return _solution(ilp, incumbent, "Optimal", backends.lp_backend(), bound, start)
+    backend = backends.mip_backend(solver)
+    status = _run(ilp, backends.make(backend, left(), mip=True))
+    if ilp.problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        choice = {name: _chosen(ilp, name) for name in ilp.graph.order}
+        objective = float(pulp.value(ilp.problem.objective) or 0.0)
+        optimal = ilp.problem.sol_status == pulp.LpSolutionOptimal
+        mip_bound = backends.mip_bound(ilp.problem, backend)
+        if optimal:
+            bound = max(b for b in (bound, mip_bound, objective if backend == "cbc" else None) if b is not None)
+        elif mip_bound is not None:
+            bound = mip_bound if bound is None else max(bound, mip_bound)
+        label = "Optimal" if optimal else "Feasible (time limit)"
+        return _solution(ilp, (objective, choice, "milp"), label, backend, bound, start)
+    if status == "Infeasible":
+        return _empty(ilp, "Infeasible", backend, start)
+    # The MILP failed or ran out of time with nothing: fall back.
+    if bound is None and incumbent is None:
+        bound, incumbent = _relax_and_round(ilp, left())
+    if bound is None:  # the relaxation itself failed: the problem is infeasible
+        return _empty(ilp, "Infeasible", backend, start)
+    for candidate in _greedy_plans(ilp):
+        if incumbent is None or candidate[0] < incumbent[0]:
+            incumbent = candidate
+    if incumbent is None:
+        return _empty(ilp, f"{status} (no fallback plan fits)", backend, start)
+    return _solution(ilp, incumbent, "Feasible (fallback)", backend, bound, start)
+
+
+def _relax_and_round(ilp: ShardingILP, time_limit_s: float):
+    """(LP bound or None, (objective, choice, "lp-rounding") or None)."""
+    _run(ilp, backends.make(backends.lp_backend(), time_limit_s, mip=False))
+    if ilp.problem.status != pulp.LpStatusOptimal:
+        return None, None
+    bound = float(pulp.value(ilp.problem.objective) or 0.0)
+    choice = rounding.round_relaxation(ilp)
+    value = rounding.check(ilp, choice) if choice is not None else None
+    return bound, (None if value is None else (value, choice, "lp-rounding"))
+
+
+def _greedy_plans(ilp: ShardingILP):
+    """A greedy plan, at rising memory weights until one meets every constraint."""
+    choice = rounding.greedy(ilp, 0.0)
+    if choice is None:
+        return
+    value = rounding.check(ilp, choice)
+    if value is not None:
+        yield value, choice, "greedy"
+        return
+    seconds = sum(ilp.graph.choices[n].compute_s[s] for n, s in choice.items())
+    total_bytes = sum(ilp.graph.choices[n].memory_bytes[s] for n, s in choice.items())
+    if not total_bytes:
+        return
+    for weight in _GREEDY_WEIGHTS:
+        choice = rounding.greedy(ilp, weight * seconds / total_bytes)
+        value = rounding.check(ilp, choice) if choice is not None else None
+        if value is not None:
+            yield value, choice, "greedy"
+            return
+
+
+def _run(ilp: ShardingILP, solver: pulp.LpSolver) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            ilp.problem.solve(solver)
+        except pulp.PulpSolverError as error:
+            return f"Solver error ({error})"
+    return pulp.LpStatus[ilp.problem.status]
+
+
+def _chosen(ilp: ShardingILP, name: str) -> int:
+    values = [pulp.value(x) or 0.0 for x in ilp.x[name]]
+    best = max(range(len(values)), key=lambda i: values[i])
+    assert values[best] > 0.5, f"no strategy selected for {name}: {values}"
+    return best
+
+
+def _gap(objective: float, bound: float) -> float:
+    if objective <= 0:
+        return 0.0
+    return max(0.0, (objective - bound) / objective)
+
+
+def _solution(ilp, incumbent, status, backend, bound, start) -> Solution:
+    from autopar.solver.ilp import Solution
+
+    objective, choice, method = incumbent
+    edge_specs = {}
+    for e, edge in enumerate(ilp.graph.edges):
+        producer = ilp.graph.choices[edge.producer].strategies[choice[edge.producer]]
+        consumer = ilp.graph.choices[edge.consumer].strategies[choice[edge.consumer]]
+        edge_specs[e] = (producer.outs[edge.out_index], consumer.ins[edge.in_index])
+    return Solution(
+        choice, edge_specs, status, objective, time.perf_counter() - start, *ilp.size(),
+        method=method, backend=backend, bound_s=bound,
+        gap=None if bound is None else _gap(objective, bound),
+    )
+
+
+def _empty(ilp, status, backend, start) -> Solution:
+    from autopar.solver.ilp import Solution
+
+    return Solution({}, {}, status, float("inf"), time.perf_counter() - start, *ilp.size(), backend=backend)
