@@ -11,6 +11,7 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError
 from autopar.plan import NodePlan, Plan
 from autopar.cost.comm import transition_bytes_per_axis
+from autopar.solver import backends
 from autopar.solver.backends import SOLVERS, check_solver
 from autopar.solver.choices import ChoiceGraph, build_choice_graph, grad_sync_bytes_per_axis
 from autopar.solver.explain import explain_decisions
@@ -92,7 +93,7 @@ def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: 
     leanest = {n: min(c.memory_bytes, default=0.0) for n, c in graph.choices.items()}
     lean.minimize_peak_memory(graph.timeline.checkpoints([leanest.__getitem__]))
     # The LP-rounding fast path prices x and y only; this objective is an extra peak variable.
-    solution = lean.solve(time_limit_s, "highs" if solver == "auto" else solver)
+    solution = lean.solve(time_limit_s, backends.mip_backend(solver))
     minimum = peak_memory(graph, solution)[0] if solution.choice else float("nan")
     biggest = sorted(
         ((max(c.memory_bytes), c.fqn or c.name) for c in graph.choices.values() if c.memory_bytes),
