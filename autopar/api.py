@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
@@ -15,8 +14,8 @@ import torch.distributed as dist
 
 from autopar import collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster
-from autopar.materialize import FromCheckpoint, SeededInit, empty_shards, fake_tensors, has_meta_tensors, seeded_shards
 from autopar.errors import AutoparError, MeshError, PlanError
+from autopar.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
 from autopar.passes import default_passes, run_passes
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule, mesh_groups
@@ -115,9 +114,7 @@ def compile(
     if init is not None and not isinstance(init, (SeededInit, FromCheckpoint)):
         raise TypeError(f"init must be None, autopar.SeededInit(...) or autopar.FromCheckpoint(path), got {init!r}")
     collectives.register_peer()  # lets a failed collective name a dead rank
-    device = init.device if isinstance(init, SeededInit) else "cpu"
-    with fake_tensors(model, device) if meta else contextlib.nullcontext():
-        traced = trace(model, example_inputs, example_kwargs)
+    traced = trace(model, example_inputs, example_kwargs)  # meta tensors become FakeTensors there
     chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s)
     check_rank_agreement(chosen)
     groups, coordinate = mesh_groups(mesh_shape)

@@ -23,6 +23,9 @@ def test_meta_model_traces_like_the_cpu_model() -> None:
     with fake_tensors(model):
         traced = trace(model, batch)
     assert traced.graph_hash == trace(build_model("gpt"), batch).graph_hash
+    assert trace(model, batch).graph_hash == traced.graph_hash, "trace must fake a meta model called with real inputs"
+    plan = autopar.plan(model, (2,), example_inputs=batch, cluster="cpu")  # planning offline, as on CPU
+    assert plan.graph_hash == traced.graph_hash
     assert traced.ties["lm_head.weight"] == "transformer.wte.weight"
     assert has_meta_tensors(model) and all(p.is_meta for p in model.parameters()), "the model must be left on meta"
     assert model.lm_head.weight is model.transformer.wte.weight
