@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar import collectives
+from autopar import checkpoint, collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster
 from autopar.errors import AutoparError, MeshError, PlanError
 from autopar.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
@@ -122,13 +122,11 @@ def compile(
     if isinstance(init, SeededInit):
         local = seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
     elif isinstance(init, FromCheckpoint):
-        local = empty_shards(model, chosen.params, mesh_shape)
+        local = empty_shards(model, chosen.params, mesh_shape, init.device)
     else:
         local = None
     pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local)
     if isinstance(init, FromCheckpoint):
-        from autopar import checkpoint
-
         checkpoint.load(init.path, pm)
     return pm
 

@@ -125,6 +125,18 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
         "local_param_bytes": seeded.local_param_bytes(),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
     }
+    # Buffers (BatchNorm's running statistics and its int64 step count) go through DCP too.
+    cnn_batch = example_batch("cnn", batch_size=8)
+    cnn = autopar.compile(build_model("cnn"), (4,), example_inputs=cnn_batch, plan=autopar.Plan.from_json(plans["cnn_4"]))
+    cnn(*cnn_batch).backward()  # moves the running statistics
+    autopar.checkpoint.save(f"{path}_cnn", cnn)
+    cnn_other = autopar.compile(build_model("cnn", seed=3), (2, 2), example_inputs=cnn_batch,
+                                plan=autopar.Plan.from_json(plans["cnn_2x2"]))
+    autopar.checkpoint.load(f"{path}_cnn", cnn_other)
+    out["cnn"] = {
+        "rel": max_rel_diff(cnn_other.full_state_dict(), cnn.full_state_dict()),
+        "buffers": {k: [str(p) for p in v.placements] for k, v in cnn.state_dict().items() if "running" in k or "num_batches" in k},
+    }
     try:
         autopar.compile(meta, (2, 2), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["2x2"]))
         out["meta_without_init"] = "no error"
@@ -135,10 +147,13 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
 
 def _plans() -> dict[str, str]:
     batch = _batch(0)
+    cnn_batch = example_batch("cnn", batch_size=8)
     return {
         "2x2": autopar.hand_plan("tp_fsdp", _model(), (2, 2), example_inputs=batch, cluster="cpu").to_json(),
         "4": autopar.hand_plan("fsdp", _model(), (4,), example_inputs=batch, cluster="cpu").to_json(),
         "1x4": autopar.hand_plan("megatron", _model(), (1, 4), example_inputs=batch, cluster="cpu").to_json(),
+        "cnn_4": autopar.hand_plan("fsdp", build_model("cnn"), (4,), example_inputs=cnn_batch, cluster="cpu").to_json(),
+        "cnn_2x2": autopar.hand_plan("ddp", build_model("cnn"), (2, 2), example_inputs=cnn_batch, cluster="cpu").to_json(),
     }
 
 
@@ -189,6 +204,8 @@ def test_checkpoint_round_trip_across_meshes(tmp_path) -> None:
         assert math.isclose(got, want, rel_tol=TOL), f"{where}: meta-built loss {got} vs CPU {want}"
         assert seeded["local_param_bytes"] < seeded["full_param_bytes"]
         assert "init=autopar.SeededInit(seed)" in out["meta_without_init"], out["meta_without_init"]
+        assert max(out["cnn"]["rel"].values()) == 0.0, f"{where}: CNN state after the round trip: {out['cnn']['rel']}"
+        assert len(out["cnn"]["buffers"]) == 6 and _sharded(out["cnn"]["buffers"]), out["cnn"]["buffers"]
 
     # The model half of the checkpoint is a plain DCP checkpoint: it loads into an unsharded model.
     model = _model(seed=9)
