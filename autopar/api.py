@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import logging
@@ -14,10 +13,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar import collectives
+from autopar import checkpoint, collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster
-from autopar.materialize import FromCheckpoint, SeededInit, empty_shards, fake_tensors, has_meta_tensors, seeded_shards
 from autopar.errors import AutoparError, MeshError, PlanError
+from autopar.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
 from autopar.mesh_search import search_mesh
 from autopar.passes import default_passes, run_passes
 from autopar.plan import Plan
@@ -155,9 +154,7 @@ def compile(
     if init is not None and not isinstance(init, (SeededInit, FromCheckpoint)):
         raise TypeError(f"init must be None, autopar.SeededInit(...) or autopar.FromCheckpoint(path), got {init!r}")
     collectives.register_peer()  # lets a failed collective name a dead rank
-    device = init.device if isinstance(init, SeededInit) else "cpu"
-    with fake_tensors(model, device) if meta else contextlib.nullcontext():
-        traced = trace(model, example_inputs, example_kwargs)
+    traced = trace(model, example_inputs, example_kwargs)  # meta tensors become FakeTensors there
     chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s)
     check_rank_agreement(chosen)
     groups, coordinate = mesh_groups(mesh_shape)
@@ -165,13 +162,11 @@ def compile(
     if isinstance(init, SeededInit):
         local = seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
     elif isinstance(init, FromCheckpoint):
-        local = empty_shards(model, chosen.params, mesh_shape)
+        local = empty_shards(model, chosen.params, mesh_shape, init.device)
     else:
         local = None
     pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local)
     if isinstance(init, FromCheckpoint):
-        from autopar import checkpoint
-
         checkpoint.load(init.path, pm)
     return pm
 

@@ -103,7 +103,7 @@ def load_model_state_dict(pm: "ParallelModule", state_dict: Mapping[str, Any], s
     missing = [k for k in keys if k not in state_dict]
     unexpected = [k for k in state_dict if k not in set(keys)]
     if strict and (missing or unexpected):
-        raise KeyError(
+        raise RuntimeError(
             f"state dict does not match the model: missing {missing or 'none'}, unexpected "
             f"{unexpected or 'none'}; pass a state dict of this model, or strict=False to load the common names"
         )

@@ -87,6 +87,7 @@ class FromCheckpoint:
     """Read each rank's shards from an ``autopar.checkpoint.save`` directory."""
 
     path: str | os.PathLike
+    device: str = "cpu"
 
 
 def has_meta_tensors(model: torch.nn.Module) -> bool:

@@ -9,6 +9,7 @@ their fully qualified names (FQNs). Every node carries its FakeTensor in ``node.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,7 +82,8 @@ def trace(
     emit_stack_traces = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:
-        exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
+        with _fake_if_meta(model, (example_inputs, example_kwargs or {})):
+            exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error
     finally:
@@ -113,6 +115,20 @@ def trace(
         constants=constants,
         graph_hash=graph_hash(gm),
     )
+
+
+def _fake_if_meta(model: torch.nn.Module, inputs: Any) -> contextlib.AbstractContextManager:
+    """A model built on the meta device, called with real inputs, is traced as if it were built
+    on the inputs' device (same graph and hash); with meta inputs it is traced as it is."""
+    from autopar.materialize import fake_tensors, has_meta_tensors
+
+    if not has_meta_tensors(model):
+        return contextlib.nullcontext()
+    tensors = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    real = [t.device for t in tensors if not t.is_meta]
+    if tensors and not real:
+        return contextlib.nullcontext()
+    return fake_tensors(model, real[0] if real else "cpu")
 
 
 def requires_grad(node: torch.fx.Node) -> bool:

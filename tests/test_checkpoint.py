@@ -96,6 +96,13 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
 
     # Load on mesh (4,) under FSDP, into a model built from another seed.
     other = autopar.compile(_model(seed=5), (4,), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["4"]))
+    other.load_state_dict(full)  # whole tensors: each rank keeps its shard
+    out["load_whole"] = max_rel_diff(other.full_state_dict(), full)
+    try:
+        other.load_state_dict({k: v for k, v in full.items() if k != "lm_head.weight"})
+        out["load_missing"] = "no error"
+    except RuntimeError as error:
+        out["load_missing"] = str(error)
     out["fsdp"] = _resume(other, path)
 
     # Load on mesh (1, 4) under Megatron, into a meta-built model: shards straight from the checkpoint.
@@ -106,20 +113,32 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
     out["megatron_compiled_state"] = max_rel_diff(megatron.full_state_dict(), full)
     out["megatron"] = _resume(megatron, path)
 
-    # A meta-built GPT with seeded init against the same init on CPU (float32, autopar's own plan).
+    # A meta-built GPT with seeded init against the same init applied to the CPU-built model.
     init = autopar.SeededInit(seed=4, fn=GPT._init_weights)
     with torch.device("meta"):
-        meta = build_model("gpt", **CONFIG)
-    seeded = autopar.compile(meta, (2, 2), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["2x2_f32"]), init=init)
-    reference = init.apply(build_model("gpt", **CONFIG))
+        meta = _model()
+    seeded = autopar.compile(meta, (2, 2), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["2x2"]), init=init)
+    reference = init.apply(_model())
     out["seeded"] = {
         "state_equal": {k: torch.equal(v, reference.state_dict()[k]) for k, v in seeded.full_state_dict().items()},
         "loss": (seeded(*_batch(0)).item(), reference(*_batch(0)).item()),
         "local_param_bytes": seeded.local_param_bytes(),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
     }
+    # Buffers (BatchNorm's running statistics and its int64 step count) go through DCP too.
+    cnn_batch = example_batch("cnn", batch_size=8)
+    cnn = autopar.compile(build_model("cnn"), (4,), example_inputs=cnn_batch, plan=autopar.Plan.from_json(plans["cnn_4"]))
+    cnn(*cnn_batch).backward()  # moves the running statistics
+    autopar.checkpoint.save(f"{path}_cnn", cnn)
+    cnn_other = autopar.compile(build_model("cnn", seed=3), (2, 2), example_inputs=cnn_batch,
+                                plan=autopar.Plan.from_json(plans["cnn_2x2"]))
+    autopar.checkpoint.load(f"{path}_cnn", cnn_other)
+    out["cnn"] = {
+        "rel": max_rel_diff(cnn_other.full_state_dict(), cnn.full_state_dict()),
+        "buffers": {k: [str(p) for p in v.placements] for k, v in cnn.state_dict().items() if "running" in k or "num_batches" in k},
+    }
     try:
-        autopar.compile(meta, (2, 2), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["2x2_f32"]))
+        autopar.compile(meta, (2, 2), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["2x2"]))
         out["meta_without_init"] = "no error"
     except ValueError as error:
         out["meta_without_init"] = str(error)
@@ -128,11 +147,13 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
 
 def _plans() -> dict[str, str]:
     batch = _batch(0)
+    cnn_batch = example_batch("cnn", batch_size=8)
     return {
         "2x2": autopar.hand_plan("tp_fsdp", _model(), (2, 2), example_inputs=batch, cluster="cpu").to_json(),
         "4": autopar.hand_plan("fsdp", _model(), (4,), example_inputs=batch, cluster="cpu").to_json(),
         "1x4": autopar.hand_plan("megatron", _model(), (1, 4), example_inputs=batch, cluster="cpu").to_json(),
-        "2x2_f32": autopar.plan(build_model("gpt", **CONFIG), (2, 2), example_inputs=batch, cluster="cpu").to_json(),
+        "cnn_4": autopar.hand_plan("fsdp", build_model("cnn"), (4,), example_inputs=cnn_batch, cluster="cpu").to_json(),
+        "cnn_2x2": autopar.hand_plan("ddp", build_model("cnn"), (2, 2), example_inputs=cnn_batch, cluster="cpu").to_json(),
     }
 
 
@@ -140,6 +161,7 @@ def _sharded(params: dict[str, list[str]]) -> list[str]:
     return [fqn for fqn, spec in params.items() if any(p.startswith("S") for p in spec)]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # no_dist=True, on purpose
 def test_checkpoint_round_trip_across_meshes(tmp_path) -> None:
     plans = _plans()
     results = run_distributed(_run, 4, str(tmp_path / "ckpt"), plans, timeout_s=600)
@@ -161,6 +183,8 @@ def test_checkpoint_round_trip_across_meshes(tmp_path) -> None:
         assert max(full["loaded_rel"].values()) == 0.0
 
         assert max(out["megatron_compiled_state"].values()) == 0.0, f"{where}: FromCheckpoint shards differ"
+        assert max(out["load_whole"].values()) == 0.0, f"{where}: pm.load_state_dict(whole tensors): {out['load_whole']}"
+        assert "missing ['lm_head.weight']" in out["load_missing"], out["load_missing"]
         for label in ("fsdp", "megatron"):
             resumed = out[label]
             assert resumed["lr"] == 1e-2, f"{where} {label}: lr {resumed['lr']} not restored from the checkpoint"
@@ -180,6 +204,8 @@ def test_checkpoint_round_trip_across_meshes(tmp_path) -> None:
         assert math.isclose(got, want, rel_tol=TOL), f"{where}: meta-built loss {got} vs CPU {want}"
         assert seeded["local_param_bytes"] < seeded["full_param_bytes"]
         assert "init=autopar.SeededInit(seed)" in out["meta_without_init"], out["meta_without_init"]
+        assert max(out["cnn"]["rel"].values()) == 0.0, f"{where}: CNN state after the round trip: {out['cnn']['rel']}"
+        assert len(out["cnn"]["buffers"]) == 6 and _sharded(out["cnn"]["buffers"]), out["cnn"]["buffers"]
 
     # The model half of the checkpoint is a plain DCP checkpoint: it loads into an unsharded model.
     model = _model(seed=9)

@@ -23,6 +23,9 @@ def test_meta_model_traces_like_the_cpu_model() -> None:
     with fake_tensors(model):
         traced = trace(model, batch)
     assert traced.graph_hash == trace(build_model("gpt"), batch).graph_hash
+    assert trace(model, batch).graph_hash == traced.graph_hash, "trace must fake a meta model called with real inputs"
+    plan = autopar.plan(model, (2,), example_inputs=batch, cluster="cpu")  # planning offline, as on CPU
+    assert plan.graph_hash == traced.graph_hash
     assert traced.ties["lm_head.weight"] == "transformer.wte.weight"
     assert has_meta_tensors(model) and all(p.is_meta for p in model.parameters()), "the model must be left on meta"
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -86,3 +89,22 @@ def test_seeded_init_checks_its_arguments() -> None:
     with pytest.raises(TypeError, match="function of one module"):
         SeededInit(seed=0, fn=3)
     assert autopar.SeededInit is SeededInit
+
+
+def test_one_module_is_whole_at_a_time() -> None:
+    """While a module is initialized, its own tensors are the only real ones in the model."""
+    model = _meta("gpt")
+    seen: list[tuple[str, list[int]]] = []
+
+    def record(module: torch.nn.Module) -> None:
+        GPT._init_weights(module)
+        real = [p.numel() for _, p in model.named_parameters(remove_duplicate=False) if not p.is_meta]
+        own = [p.numel() for p in module.parameters(recurse=False)]
+        seen.append((type(module).__name__, real, own))
+
+    specs = {fqn: (R,) for fqn in model.state_dict()}
+    seeded_shards(model, SeededInit(seed=0, fn=record), specs, (0,), (1,))
+    assert len(seen) == len(list(model.modules()))
+    for name, real, own in seen:
+        # (A tied tensor also stays whole, unattached, until its last owner is done.)
+        assert sorted(real) == sorted(own), f"while initializing a {name}, whole tensors {real}, its own {own}"
