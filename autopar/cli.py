@@ -313,7 +313,10 @@ def _import(module_name: str, spec: str):
 
 def _model_record(args: argparse.Namespace) -> dict[str, Any]:
     """How ``check`` rebuilds the model: the MODEL_SPEC and the settings that shape it."""
-    record: dict[str, Any] = {"spec": args.model, "batch_size": args.batch_size, "meta": bool(args.meta)}
+    from autopar.model_specs import PRESETS
+
+    meta = bool(args.meta) or args.model in PRESETS  # presets are always built on the meta device
+    record: dict[str, Any] = {"spec": args.model, "batch_size": args.batch_size, "meta": meta}
     if args.seq_len:
         record["seq_len"] = args.seq_len
     if args.num_layers:

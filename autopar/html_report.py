@@ -128,9 +128,11 @@ def _layer_graph_svg(rows: list[dict[str, Any]], colors: dict[str, str]) -> str:
 
 
 def _per_axis(predicted: dict[str, Any], unit: str) -> dict[str, float]:
-    """Per-axis numbers the cost model writes (a list or a dict under a key naming ``axis``)."""
+    """Per-axis numbers the cost model writes: a list or a dict under a key with the words
+    ``axis`` (or ``axes``) and ``unit``, such as ``comm_s_per_axis``."""
     for key, value in sorted(predicted.items()):
-        if "axis" not in key or not key.endswith(unit):
+        words = key.split("_")
+        if not any(w.startswith("axis") or w == "axes" for w in words) or unit.strip("_") not in words:
             continue
         if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
             return {f"axis {i}": float(v) for i, v in enumerate(value)}

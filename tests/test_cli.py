@@ -139,6 +139,12 @@ def test_parsers():
     assert parse_bytes("1000") == 1000
 
 
+def _without(plan_path: Path, tmp_path: Path, key: str) -> str:
+    data = json.loads(plan_path.read_text())
+    data.pop(key)
+    return _write(tmp_path / f"without_{key}.json", json.dumps(data))
+
+
 def _write(path: Path, text: str) -> str:
     path.write_text(text)
     return str(path)
@@ -148,6 +154,9 @@ def _write(path: Path, text: str) -> str:
     "no-args", "unknown-preset", "mesh-2x", "mesh-0x4", "mesh-abc", "missing-mesh", "bad-budget",
     "budget-unit", "unknown-model", "unimportable", "no-attr", "missing-plan", "malformed-plan",
     "not-json-plan", "missing-diff", "infeasible", "unknown-command", "missing-cluster-file",
+    "unknown-node", "explain-missing-file", "explain-no-decisions", "check-missing-file", "check-no-model",
+    "check-unknown-model", "check-bad-rank", "devices-zero", "mesh-and-devices", "seq-len-on-mlp",
+    "unknown-preset-model", "html-unwritable",
 ])
 def test_errors_are_one_line(capsys, tmp_path, plans, case):
     good = str(plans["gpt2_cpu"])
@@ -170,6 +179,18 @@ def test_errors_are_one_line(capsys, tmp_path, plans, case):
         "infeasible": ["plan", "mlp", "--mesh", "2", "--cluster", "cpu", "--memory-budget", "1KiB"],
         "unknown-command": ["frobnicate"],
         "missing-cluster-file": ["plan", "mlp", "--mesh", "2", "--cluster", str(tmp_path / "c.json")],
+        "unknown-node": ["explain", good, "transformer.h.0.attn.q_proj.weigth"],
+        "explain-missing-file": ["explain", str(tmp_path / "absent.json"), "linear"],
+        "explain-no-decisions": ["explain", _without(plans["gpt2_cpu"], tmp_path, "decisions"), "linear"],
+        "check-missing-file": ["check", str(tmp_path / "absent.json")],
+        "check-no-model": ["check", _without(plans["gpt2_cpu"], tmp_path, "model")],
+        "check-unknown-model": ["check", good, "--model", "no_such_model"],
+        "check-bad-rank": ["check", good, "--rank", "9"],
+        "devices-zero": ["plan", "mlp", "--devices", "0"],
+        "mesh-and-devices": ["plan", "mlp", "--mesh", "2", "--devices", "2"],
+        "seq-len-on-mlp": ["plan", "mlp", "--mesh", "2", "--seq-len", "4", "--cluster", "cpu"],
+        "unknown-preset-model": ["plan", "llama-9-1t", "--mesh", "2"],
+        "html-unwritable": ["show", good, "--html", str(tmp_path / "no" / "such" / "dir" / "r.html")],
     }[case]
     code, out, err = _run(capsys, *argv)
     assert code in (1, 2), (code, err)
@@ -177,8 +198,13 @@ def test_errors_are_one_line(capsys, tmp_path, plans, case):
     assert len(lines) == 1, err
     assert err.rstrip().splitlines()[-1] == lines[0]
     assert "Traceback" not in err and "Traceback" not in out
-    if case in ("mesh-2x", "mesh-0x4", "mesh-abc", "bad-budget", "unknown-preset", "no-args"):
+    if case in ("mesh-2x", "mesh-0x4", "mesh-abc", "bad-budget", "unknown-preset", "no-args",
+                "devices-zero", "mesh-and-devices"):
         assert code == 2
+    if case in ("unknown-node", "check-no-model", "check-unknown-model", "check-bad-rank", "explain-no-decisions"):
+        assert code == 1
+    if case == "unknown-node":
+        assert "did you mean 'transformer.h.0.attn.q_proj.weight'" in lines[0]
     if case == "infeasible":
         assert code == 1 and "InfeasibleError" in lines[0]
 
@@ -194,3 +220,73 @@ def test_python_dash_m(plans):
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 1
     assert result.stderr.strip().startswith("autopar: error:") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_plan_records_the_model_and_check_rebuilds_it(capsys, plans):
+    data = json.loads(plans["gpt2_cpu"].read_text())
+    assert data["model"] == {"spec": "gpt", "batch_size": 8, "meta": False}
+    code, out, err = _run(capsys, "check", str(plans["gpt2_cpu"]), "--rank", "1")
+    assert code == 0, err
+    assert out.startswith("OK: rank 1 of 2")
+    code, out, err = _run(capsys, "check", str(plans["gpt4_cpu"]), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["ok"] is True and data["world_size"] == 4 and data["mismatches"] == []
+    # --model overrides the recorded spec; a different model is refused, saying re-plan.
+    code, out, err = _run(capsys, "check", str(plans["gpt2_cpu"]), "--model", "mlp")
+    assert code == 1 and "re-plan" in err and len(err.strip().splitlines()) == 3  # 2 progress lines + error
+
+
+def test_explain(capsys, plans):
+    code, out, err = _run(capsys, "explain", str(plans["gpt2_cpu"]), "transformer.h.1.mlp.c_fc.weight")
+    assert code == 0, err
+    assert out.startswith("explain parameter transformer.h.1.mlp.c_fc.weight")
+    assert "chosen: out" in out and "decided by" in out
+    data = json.loads(plans["gpt2_cpu"].read_text())
+    node = next(n for n, v in data["nodes"].items() if v["op"] == "aten.addmm.default" or v["op"] == "aten.linear.default")
+    code, out, err = _run(capsys, "explain", str(plans["gpt2_cpu"]), node, "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["node"] == node and record["candidates"][0]["chosen"] is True
+    assert record["binding"] in ("cost", "memory_budget", "time_limit", "coupled")
+
+
+def test_show_html(capsys, plans, tmp_path):
+    page = tmp_path / "report.html"
+    code, out, err = _run(capsys, "show", str(plans["gpt2_cpu"]), "--html", str(page))
+    assert code == 0, err
+    text = page.read_text()
+    assert "transformer.h.*.attn.q_proj" in text and "Step time" in text and "Memory per device" in text
+
+
+def test_plan_devices_prints_the_mesh_table(capsys, tmp_path):
+    out_path = tmp_path / "auto.json"
+    code, out, err = _run(capsys, "plan", "mlp", "--devices", "4", "--cluster", "cpu", "--out", str(out_path))
+    assert code == 0, err
+    assert out.startswith("Mesh search (2 meshes)")
+    assert "<- chosen" in out and "2x2" in out
+    assert "mesh search 1/2" in err and "mesh search 2/2" in err
+    for stage in ("tracing", "rules and costs", "solving the ILP", "solve: Optimal"):
+        assert stage in err
+    assert json.loads(out_path.read_text())["mesh"]["shape"] in ([4], [2, 2])
+
+
+def test_two_layer_llama_70b_flow(capsys, tmp_path):
+    """The 70B benchmark's flow (benchmarks/bench_cli_70b.sh) on the real widths, two layers deep."""
+    small, large = tmp_path / "l4.json", tmp_path / "l8.json"
+    common = ["--num-layers", "2", "--seq-len", "64", "--batch-size", "8", "--cluster", "h100-80g"]
+    for path, mesh in ((small, "4"), (large, "8")):
+        code, out, err = _run(capsys, "plan", "llama-2-70b", "--mesh", mesh, *common, "--out", str(path))
+        assert code == 0, err
+    data = json.loads(large.read_text())
+    assert data["model"] == {"spec": "llama-2-70b", "batch_size": 8, "meta": True, "seq_len": 64, "num_layers": 2}
+    assert data["nodes"]["p_model_layers_0_mlp_up_proj_weight"]["shape"] == [[28672, 8192]]
+    code, out, err = _run(capsys, "show", str(large))
+    assert code == 0 and "model.layers.*.mlp.up_proj.weight" in out
+    code, out, err = _run(capsys, "explain", str(large), "model.layers.1.mlp.down_proj.weight")
+    assert code == 0 and "decided by" in out, err
+    code, out, err = _run(capsys, "diff", str(small), str(large))
+    assert code == 0 and "mesh: (4,) -> (8,)" in out, err
+    code, out, err = _run(capsys, "check", str(large), "--rank", "5")
+    assert code == 0, err
+    assert out.startswith("OK: rank 5 of 8")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import autopar
 from autopar.errors import PlanError
@@ -92,3 +93,56 @@ def test_compile_without_process_group_is_a_clear_error():
     model = build_model("mlp", seed=0)
     with pytest.raises(autopar.MeshError, match="initialized process group"):
         autopar.compile(model, (2,), example_inputs=example_batch("mlp", 8))
+
+
+def test_schema_ships_and_accepts_real_plans(gpt_plan):
+    import jsonschema
+
+    from autopar.plan import SCHEMA_PATH, plan_schema
+
+    assert SCHEMA_PATH.parent.name == "autopar" and SCHEMA_PATH.is_file()
+    jsonschema.Draft202012Validator.check_schema(plan_schema())
+    data = json.loads(gpt_plan.to_json())
+    jsonschema.validate(data, plan_schema())
+    assert data["decisions"], "a solved plan explains its decisions"
+
+
+@pytest.mark.parametrize(
+    "mutate, where",
+    [
+        (lambda d: d["mesh"].update(shape=[2, 0]), "mesh/shape/1"),
+        (lambda d: d["params"].update({"x": ["R", "X"]}), "params/x/1"),
+        (lambda d: next(iter(d["nodes"].values())).pop("out"), "nodes/"),
+        (lambda d: d.update(graph_hash=7), "graph_hash"),
+        (lambda d: next(iter(d["decisions"].values())).update(binding="luck"), "decisions/"),
+    ],
+)
+def test_schema_errors_say_where(gpt_plan, mutate, where):
+    data = json.loads(gpt_plan.to_json())
+    mutate(data)
+    with pytest.raises(PlanError, match="malformed plan") as info:
+        autopar.Plan.from_json(json.dumps(data))
+    assert where in str(info.value) and "re-plan" in str(info.value)
+
+
+def test_plan_from_another_torch_is_refused(gpt_plan):
+    import dataclasses
+
+    from autopar.api import check_plan_matches
+    from autopar.trace import trace
+
+    traced = trace(build_model("gpt", seed=0), example_batch("gpt", 8, seed=1))
+    old = dataclasses.replace(gpt_plan, torch_version="1.13.0")
+    with pytest.raises(PlanError, match=r"torch 1\.13\.0.*re-plan"):
+        check_plan_matches(old, traced, (2, 2))
+
+
+def test_graph_hash_ignores_the_device():
+    # A plan made on the meta device applies to the model on its real device.
+    from autopar.trace import trace
+
+    real = trace(build_model("llama", seed=0), example_batch("llama", 2))
+    with torch.device("meta"):
+        model = build_model("llama", seed=0)
+    meta_inputs = tuple(torch.empty_like(t, device="meta") for t in example_batch("llama", 2))
+    assert trace(model, meta_inputs).graph_hash == real.graph_hash
