@@ -77,17 +77,11 @@ def trace(
         raise TypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    # Nothing here reads node stack traces, and recording one per node is an eighth of the
-    # export time on deep models.
-    emit_stack_traces = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
     try:
-        with _fake_if_meta(model, (example_inputs, example_kwargs or {})):
+        with _no_stack_traces(), _fake_if_meta(model, (example_inputs, example_kwargs or {})):
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error
-    finally:
-        torch.fx.config.do_not_emit_stack_traces = emit_stack_traces
 
     gm = exported.graph_module
     _drop_assertions(gm)
@@ -129,6 +123,22 @@ def _fake_if_meta(model: torch.nn.Module, inputs: Any) -> contextlib.AbstractCon
     if tensors and not real:
         return contextlib.nullcontext()
     return fake_tensors(model, real[0] if real else "cpu")
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Nothing here reads node stack traces, and recording one per node is an eighth of the
+    export time on deep models. Older torch (before the switch existed) records them anyway."""
+    config = getattr(torch.fx, "config", None)
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    saved = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = saved
 
 
 def requires_grad(node: torch.fx.Node) -> bool:

@@ -7,8 +7,9 @@ Three parts, each writing a CSV to ``--out`` (default ``benchmarks/results``):
 * ``gpu_roofline.csv``: the device's measured dense matmul rate per dtype and its copy bandwidth,
   next to the ``h100-80g`` preset's figures (the preset is what offline plans are priced with).
 * ``gpu_step.csv``: for GPT- and LLaMA-shaped models in bfloat16, the predicted time of one
-  forward+backward (``autopar.plan(..., mesh=(1,))`` on the preset) against the measured eager
-  time on this GPU, and the predicted peak memory (parameters, gradients, AdamW state,
+  forward+backward (``autopar.plan(..., mesh=(1,))`` on the preset; with ``--profiled FILE``
+  also on that ``autopar profile`` output, roofline and measured-op pricing) against the
+  measured eager time on this GPU, and the predicted peak memory (parameters, gradients, AdamW state,
   activations) against ``torch.cuda.max_memory_allocated`` over a full AdamW step.
 * ``gpu_compile.csv``: ``autopar.compile`` on CUDA under NCCL (world size 1): loss and gradients
   against eager in float32, then bfloat16 training steps.
@@ -95,7 +96,8 @@ def _models(quick: bool):
         yield name, lambda cfg=cfg: Llama(**cfg), 4, 2048
 
 
-def step_accuracy(out: Path, quick: bool) -> None:
+def step_accuracy(out: Path, quick: bool, pricings: list[tuple[str, str, str | None]]) -> None:
+    """``pricings``: (label, cluster, compute) under which each model is planned and predicted."""
     rows = []
     for name, build, batch, seq in _models(quick):
         torch.manual_seed(0)
@@ -103,9 +105,11 @@ def step_accuracy(out: Path, quick: bool) -> None:
             meta_model = build().to(torch.bfloat16)
         vocab = meta_model.lm_head.weight.shape[0]
         idx_meta = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-        start = time.perf_counter()
-        plan = autopar.plan(meta_model, mesh=(1,), example_inputs=(idx_meta, idx_meta), cluster="h100-80g")
-        plan_s = time.perf_counter() - start
+        plans = {}
+        for label, cluster, compute in pricings:
+            start = time.perf_counter()
+            plans[label] = (autopar.plan(meta_model, mesh=(1,), example_inputs=(idx_meta, idx_meta),
+                                         cluster=cluster, compute=compute), time.perf_counter() - start)
         with torch.device("cuda"):
             model = build().to(torch.bfloat16)
         idx = torch.randint(0, vocab, (batch, seq), device="cuda")
@@ -124,21 +128,24 @@ def step_accuracy(out: Path, quick: bool) -> None:
         opt.step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        predicted = plan.predicted
-        rows.append(dict(model=name, batch=batch, seq=seq, plan_s=round(plan_s, 2),
-                         predicted_compute_s=predicted["compute_s"], measured_fwd_bwd_s=measured_s,
-                         time_ratio=measured_s / predicted["compute_s"],
-                         predicted_peak_bytes=predicted["peak_memory_bytes"], measured_peak_bytes=peak,
-                         memory_ratio=peak / predicted["peak_memory_bytes"]))
-        print(f"  {name:<30} time measured/predicted {rows[-1]['time_ratio']:.2f} "
-              f"({measured_s * 1e3:.1f} ms vs {predicted['compute_s'] * 1e3:.1f} ms); "
-              f"peak measured/predicted {rows[-1]['memory_ratio']:.2f} "
-              f"({peak / 2**30:.1f} GiB vs {predicted['peak_memory_bytes'] / 2**30:.1f} GiB)", flush=True)
+        for label, (plan, plan_s) in plans.items():
+            predicted = plan.predicted
+            rows.append(dict(model=name, pricing=label, batch=batch, seq=seq, plan_s=round(plan_s, 2),
+                             predicted_compute_s=predicted["compute_s"], measured_fwd_bwd_s=measured_s,
+                             time_ratio=measured_s / predicted["compute_s"],
+                             predicted_peak_bytes=predicted["peak_memory_bytes"], measured_peak_bytes=peak,
+                             memory_ratio=peak / predicted["peak_memory_bytes"]))
+            print(f"  {name:<30} {label:<18} time measured/predicted {rows[-1]['time_ratio']:.2f} "
+                  f"({measured_s * 1e3:.1f} ms vs {predicted['compute_s'] * 1e3:.1f} ms); "
+                  f"peak measured/predicted {rows[-1]['memory_ratio']:.2f} "
+                  f"({peak / 2**30:.1f} GiB vs {predicted['peak_memory_bytes'] / 2**30:.1f} GiB); "
+                  f"planned in {plan_s:.1f} s", flush=True)
         del model, opt
         torch.cuda.empty_cache()
     _write(out / "gpu_step.csv", rows)
-    ratios = [r["time_ratio"] for r in rows]
-    print(f"  time ratio: geometric mean {math.exp(statistics.fmean(map(math.log, ratios))):.2f}")
+    for label, _, _ in pricings:
+        ratios = [r["time_ratio"] for r in rows if r["pricing"] == label]
+        print(f"  {label}: time ratio geometric mean {math.exp(statistics.fmean(map(math.log, ratios))):.2f}")
 
 
 def compile_on_cuda(out: Path) -> None:
@@ -199,6 +206,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer models")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for the CSVs")
     parser.add_argument("--parts", default="roofline,step,compile", help="comma-separated parts to run")
+    parser.add_argument("--profiled", default=None,
+                        help="also price with this ClusterSpec file (from `autopar profile`) and with measured compute")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu.py needs a CUDA device; none is visible here", file=sys.stderr)
@@ -211,7 +220,10 @@ def main() -> int:
         roofline(out, args.quick)
     if "step" in parts:
         print("one step, predicted against measured (bfloat16, eager, mesh (1,)):")
-        step_accuracy(out, args.quick)
+        pricings = [("h100-80g preset", "h100-80g", None)]
+        if args.profiled:
+            pricings += [("profiled roofline", args.profiled, "roofline"), ("measured ops", args.profiled, "measured")]
+        step_accuracy(out, args.quick, pricings)
     if "compile" in parts:
         print("autopar.compile on CUDA with NCCL:")
         compile_on_cuda(out)
