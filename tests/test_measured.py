@@ -45,7 +45,7 @@ def test_measures_local_shapes_and_caches_on_disk(private_cache, monkeypatch):
     assert len(files) == 1 and json.loads(files[0].read_text())[key] == seconds
     # a fresh process reads the file instead of measuring again
     monkeypatch.setattr(measured, "_CACHES", {})
-    monkeypatch.setattr(measured, "_run_once", lambda *a: pytest.fail("measured again despite the cache"))
+    monkeypatch.setattr(measured, "_step", lambda *a: pytest.fail("measured again despite the cache"))
     assert measured.measured_seconds(info, batch_split, (2,), True) == seconds
 
 

@@ -123,23 +123,46 @@ def _materialize(value: Any, device: torch.device, leaves: list[torch.Tensor]) -
     return value
 
 
-def _run_once(target: Any, kw: dict, device: torch.device, requires_grad: bool) -> float:
+def _step(target: Any, kw: dict, device: torch.device, requires_grad: bool):
+    """A closure that runs the op once, forward and (when ``requires_grad``) backward, on fresh
+    random inputs made once."""
     leaves: list[torch.Tensor] = []
     kwargs = {name: _materialize(value, device, leaves) for name, value in kw.items()}
     schema = target._schema.arguments
     args = [kwargs.pop(a.name) for a in schema if not a.kwarg_only and a.name in kwargs]
+
+    def run() -> None:
+        out = target(*args, **kwargs)
+        if requires_grad and leaves:
+            outs = [o for o in (out if isinstance(out, (list, tuple)) else [out])
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outs:
+                torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
+
+    return run
+
+
+def _seconds_per_call(run, device: torch.device) -> float:
+    """On CUDA: ``_REPEATS`` calls back to back between two events, per call. Ops in a training
+    step are queued asynchronously, so a step costs the GPU's time per op, not the host's
+    launch-and-wait latency that timing one synchronized call would add to every small op.
+    On CPU (synchronous): the median of ``_REPEATS`` timed calls."""
+    run()  # warm-up
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    out = target(*args, **kwargs)
-    if requires_grad and leaves:
-        outs = [o for o in (out if isinstance(out, (list, tuple)) else [out])
-                if isinstance(o, torch.Tensor) and o.requires_grad]
-        if outs:
-            torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
-    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(_REPEATS):
+            run()
+        end.record()
         torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+        return start.elapsed_time(end) / 1e3 / _REPEATS
+    times = []
+    for _ in range(_REPEATS):
+        begin = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
 
 
 def measured_seconds(
@@ -155,10 +178,7 @@ def measured_seconds(
         return cache.entries[key]
     device = _device()
     try:
-        _run_once(info.target, kw, device, requires_grad)  # warm-up
-        seconds: float | None = statistics.median(
-            _run_once(info.target, kw, device, requires_grad) for _ in range(_REPEATS)
-        )
+        seconds: float | None = _seconds_per_call(_step(info.target, kw, device, requires_grad), device)
     except Exception:  # noqa: BLE001 - any op that cannot run on local shapes uses the roofline
         seconds = None
     cache.put(key, seconds)
