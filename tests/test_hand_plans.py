@@ -50,7 +50,10 @@ def test_autopar_is_never_predicted_slower_than_a_hand_plan(gpt_and_batch, clust
 
 def test_under_a_budget_autopar_still_wins_over_every_feasible_hand_plan(gpt_and_batch, plans):
     model, batch = gpt_and_batch
-    budget = 0.5 * plans["ddp"].predicted["peak_memory_bytes"]
+    # Below autopar's free plan (0.73 of DDP's peak) and above the leanest plan (0.50: the
+    # liveness peak counts backward temporaries that no sharding of parameters removes), so that
+    # DDP and Megatron do not fit and FSDP and tp_fsdp (0.58) do.
+    budget = 0.6 * plans["ddp"].predicted["peak_memory_bytes"]
     auto = autopar.plan(model, MESH, example_inputs=batch, cluster="cpu", memory_budget=budget)
     assert auto.predicted["peak_memory_bytes"] <= budget
     feasible = 0
