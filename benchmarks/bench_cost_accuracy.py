@@ -3,7 +3,8 @@
     python benchmarks/bench_cost_accuracy.py --out benchmarks/results/cost_accuracy.csv
     python benchmarks/bench_cost_accuracy.py --profile   # plan with a spec measured by autopar profile
 
-One small GPT (fp32, AdamW), planned on the ``cpu`` preset (or a profiled spec) under 8
+One small GPT (2 layers, 256 wide, batch 16 × 128 tokens, fp32, AdamW), planned on the ``cpu``
+preset (or a profiled spec; ``--compute measured`` times each op here instead of the roofline) under 8
 different forced plans, each run on 2 and on 4 spawned gloo ranks (mesh (2,) and (4,)):
 
 * ``auto``: autopar's own choice; ``auto_mem90``, ``auto_mem80``: autopar under a memory budget
@@ -63,8 +64,8 @@ from autopar.spec import replicated  # noqa: E402
 from autopar.testing import run_distributed  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 
-CONFIG = dict(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128, bias=True)
-BATCH = 8
+CONFIG = dict(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=256, bias=True)
+BATCH = 16
 PLANS = ("auto", "auto_mem90", "auto_mem80", "ddp", "fsdp", "megatron", "fsdp_mlp", "replicated")
 
 
@@ -282,6 +283,8 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/cost_accuracy.csv")
     parser.add_argument("--cluster", default="cpu", help="preset or ClusterSpec file to plan with")
     parser.add_argument("--profile", action="store_true", help="plan with a spec from autopar profile (4 gloo ranks)")
+    parser.add_argument("--compute", choices=("roofline", "measured"), default="roofline",
+                        help="price ops by the roofline or by timing them here (one thread, as each rank runs)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -294,6 +297,11 @@ def main() -> int:
         print(f"profiled: {cluster.to_json()}", flush=True)
     else:
         cluster = get_cluster(args.cluster)
+    if args.compute == "measured":
+        import dataclasses
+
+        torch.set_num_threads(1)  # as each spawned rank runs
+        cluster = dataclasses.replace(cluster, compute="measured")
     rows = []
     for world in args.worlds:
         mesh = (world,)
@@ -307,7 +315,7 @@ def main() -> int:
         for name, plan in plans.items():
             got = measured[name]
             row = {
-                "plan": name, "ranks": world, "cluster": cluster.name,
+                "plan": name, "ranks": world, "cluster": cluster.name, "compute": cluster.compute,
                 "predicted_step_s": plan.predicted["step_time_s"], "measured_step_s": got["step_s"],
                 "predicted_peak_bytes": plan.predicted["peak_memory_bytes"], "measured_peak_bytes": int(got["peak_bytes"]),
                 "predicted_sent_bytes": plan.predicted["comm_bytes"], "counted_sent_bytes": int(got["sent_bytes"]),
