@@ -16,7 +16,8 @@ different forced plans, each run on 2 and on 4 spawned gloo ranks (mesh (2,) and
 Measured, per plan and mesh:
 
 * **step time**: forward + backward + AdamW step, the median over ``--steps`` timed steps (after
-  ``--warmup``) of the slowest rank's time, each step started after a barrier;
+  ``--warmup``) of the slowest rank's time, each step started after a barrier; the plans take
+  turns step by step (round-robin), so that the shared machine's changing load hits them alike;
 * **peak memory per rank**: bytes of tensor storage alive, tracked over one step by a
   ``TorchDispatchMode`` that registers every op's output storages and frees them when the last
   tensor using them dies, on top of what is alive before the step (parameters, AdamW state, the
@@ -223,38 +224,42 @@ def measure(rank: int, world_size: int, plan_texts: dict[str, str], steps: int, 
     torch.manual_seed(0)
     base = build_model()
     inputs = example_inputs()
-    out = {}
+    runs = {}
     for name, text in plan_texts.items():
         plan = autopar.Plan.from_json(text)
         pm = autopar.compile(copy.deepcopy(base), mesh=plan.mesh_shape, example_inputs=inputs, plan=plan)
-        optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        runs[name] = (pm, torch.optim.AdamW(pm.parameters(), lr=1e-4))
 
-        def step() -> float:
-            loss = pm(*inputs)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return float(loss.detach())
+    def step(name: str) -> None:
+        pm, optimizer = runs[name]
+        pm(*inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-        for _ in range(warmup):
-            step()
-        times = []
-        for _ in range(steps):
+    # Round-robin over the plans, so that the machine's load at any moment (it is shared) falls
+    # on every plan alike instead of on whichever plan ran then.
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_index in range(warmup + steps):
+        for name in runs:
             dist.barrier()
             start = time.perf_counter()
-            step()
-            times.append(_slowest(time.perf_counter() - start))
+            step(name)
+            elapsed = _slowest(time.perf_counter() - start)
+            if round_index >= warmup:
+                times[name].append(elapsed)
+    out = {}
+    for name, (pm, optimizer) in runs.items():
         known = _local_tensors(pm, optimizer, inputs)
         baseline = _bytes_of(known)
         with CountBytes() as counter, LiveBytes(known) as live:
-            step()
+            step(name)
         peak = torch.tensor([baseline + live.peak], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         sent = torch.tensor([counter.sent, counter.sent_as_run], dtype=torch.float64)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-        out[name] = {"step_s": statistics.median(times), "peak_bytes": float(peak.item()),
-                     "baseline_bytes": baseline, "sent_bytes": float(sent[0]), "sent_as_run_bytes": float(sent[1]), "calls": counter.calls}
-        del pm, optimizer
+        out[name] = {"step_s": statistics.median(times[name]), "peak_bytes": float(peak[0]),
+                     "baseline_bytes": baseline, "sent_bytes": float(sent[0]), "sent_as_run_bytes": float(sent[1]),
+                     "calls": counter.calls}
     return out
 
 
