@@ -3,7 +3,8 @@
     python benchmarks/bench_cost_accuracy.py --out benchmarks/results/cost_accuracy.csv
     python benchmarks/bench_cost_accuracy.py --profile   # plan with a spec measured by autopar profile
 
-One small GPT (fp32, AdamW), planned on the ``cpu`` preset (or a profiled spec) under 8
+One small GPT (2 layers, 256 wide, batch 16 × 128 tokens, fp32, AdamW), planned on the ``cpu``
+preset (or a profiled spec; ``--compute measured`` times each op here instead of the roofline) under 8
 different forced plans, each run on 2 and on 4 spawned gloo ranks (mesh (2,) and (4,)):
 
 * ``auto``: autopar's own choice; ``auto_mem90``, ``auto_mem80``: autopar under a memory budget
@@ -15,7 +16,8 @@ different forced plans, each run on 2 and on 4 spawned gloo ranks (mesh (2,) and
 Measured, per plan and mesh:
 
 * **step time**: forward + backward + AdamW step, the median over ``--steps`` timed steps (after
-  ``--warmup``) of the slowest rank's time, each step started after a barrier;
+  ``--warmup``) of the slowest rank's time, each step started after a barrier; the plans take
+  turns step by step (round-robin), so that the shared machine's changing load hits them alike;
 * **peak memory per rank**: bytes of tensor storage alive, tracked over one step by a
   ``TorchDispatchMode`` that registers every op's output storages and frees them when the last
   tensor using them dies, on top of what is alive before the step (parameters, AdamW state, the
@@ -63,8 +65,8 @@ from autopar.spec import replicated  # noqa: E402
 from autopar.testing import run_distributed  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 
-CONFIG = dict(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128, bias=True)
-BATCH = 8
+CONFIG = dict(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=256, bias=True)
+BATCH = 16
 PLANS = ("auto", "auto_mem90", "auto_mem80", "ddp", "fsdp", "megatron", "fsdp_mlp", "replicated")
 
 
@@ -222,38 +224,42 @@ def measure(rank: int, world_size: int, plan_texts: dict[str, str], steps: int, 
     torch.manual_seed(0)
     base = build_model()
     inputs = example_inputs()
-    out = {}
+    runs = {}
     for name, text in plan_texts.items():
         plan = autopar.Plan.from_json(text)
         pm = autopar.compile(copy.deepcopy(base), mesh=plan.mesh_shape, example_inputs=inputs, plan=plan)
-        optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        runs[name] = (pm, torch.optim.AdamW(pm.parameters(), lr=1e-4))
 
-        def step() -> float:
-            loss = pm(*inputs)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return float(loss.detach())
+    def step(name: str) -> None:
+        pm, optimizer = runs[name]
+        pm(*inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-        for _ in range(warmup):
-            step()
-        times = []
-        for _ in range(steps):
+    # Round-robin over the plans, so that the machine's load at any moment (it is shared) falls
+    # on every plan alike instead of on whichever plan ran then.
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_index in range(warmup + steps):
+        for name in runs:
             dist.barrier()
             start = time.perf_counter()
-            step()
-            times.append(_slowest(time.perf_counter() - start))
+            step(name)
+            elapsed = _slowest(time.perf_counter() - start)
+            if round_index >= warmup:
+                times[name].append(elapsed)
+    out = {}
+    for name, (pm, optimizer) in runs.items():
         known = _local_tensors(pm, optimizer, inputs)
         baseline = _bytes_of(known)
         with CountBytes() as counter, LiveBytes(known) as live:
-            step()
+            step(name)
         peak = torch.tensor([baseline + live.peak], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         sent = torch.tensor([counter.sent, counter.sent_as_run], dtype=torch.float64)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-        out[name] = {"step_s": statistics.median(times), "peak_bytes": float(peak.item()),
-                     "baseline_bytes": baseline, "sent_bytes": float(sent[0]), "sent_as_run_bytes": float(sent[1]), "calls": counter.calls}
-        del pm, optimizer
+        out[name] = {"step_s": statistics.median(times[name]), "peak_bytes": float(peak[0]),
+                     "baseline_bytes": baseline, "sent_bytes": float(sent[0]), "sent_as_run_bytes": float(sent[1]),
+                     "calls": counter.calls}
     return out
 
 
@@ -282,6 +288,8 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/cost_accuracy.csv")
     parser.add_argument("--cluster", default="cpu", help="preset or ClusterSpec file to plan with")
     parser.add_argument("--profile", action="store_true", help="plan with a spec from autopar profile (4 gloo ranks)")
+    parser.add_argument("--compute", choices=("roofline", "measured"), default="roofline",
+                        help="price ops by the roofline or by timing them here (one thread, as each rank runs)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -294,6 +302,11 @@ def main() -> int:
         print(f"profiled: {cluster.to_json()}", flush=True)
     else:
         cluster = get_cluster(args.cluster)
+    if args.compute == "measured":
+        import dataclasses
+
+        torch.set_num_threads(1)  # as each spawned rank runs
+        cluster = dataclasses.replace(cluster, compute="measured")
     rows = []
     for world in args.worlds:
         mesh = (world,)
@@ -307,7 +320,7 @@ def main() -> int:
         for name, plan in plans.items():
             got = measured[name]
             row = {
-                "plan": name, "ranks": world, "cluster": cluster.name,
+                "plan": name, "ranks": world, "cluster": cluster.name, "compute": cluster.compute,
                 "predicted_step_s": plan.predicted["step_time_s"], "measured_step_s": got["step_s"],
                 "predicted_peak_bytes": plan.predicted["peak_memory_bytes"], "measured_peak_bytes": int(got["peak_bytes"]),
                 "predicted_sent_bytes": plan.predicted["comm_bytes"], "counted_sent_bytes": int(got["sent_bytes"]),

@@ -2,8 +2,10 @@
 
 * ``cluster``: ``ClusterSpec`` (devices, links) and ``get_cluster`` (presets in ``presets/``).
 * ``comm``: alpha-beta collective costs per mesh axis and ``transition_cost`` of a resharding.
-* ``compute``: roofline time of one op under one strategy.
+* ``compute``: roofline time of one op under one strategy (``measured``: timed on this device).
 * ``memory``: tensor, shard and parameter-state bytes, and what backward keeps alive.
+* ``liveness``: the peak-memory walk over forward and backward that the ILP constrains.
+* ``profile``: ``autopar profile``, which measures a machine into a ClusterSpec.
 """
 
 from autopar.cost.cluster import ClusterSpec, LinkSpec, get_cluster, preset_names

@@ -174,8 +174,6 @@ def build_timeline(
             f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(memory.OPTIMIZER_STATES))}"
         )
     num = len(nodes)
-    index = {node.name: i for i, node in enumerate(nodes)}
-    by_name = {node.name: node for node in nodes}
 
     def bwd(i: int) -> int:
         return 2 * num - 1 - i
@@ -223,7 +221,7 @@ def build_timeline(
             if node.requires_grad and temporary and node.inputs:
                 intervals.append(Interval(root[node.inputs[0]], "activation_grad", bwd(i), bwd(i), temporary))
             if node.requires_grad and uses.get(name):
-                grad_uses = [u for u in uses[name] if by_name[nodes[u].name].requires_grad or nodes[u].kind == "output"]
+                grad_uses = [u for u in uses[name] if nodes[u].requires_grad or nodes[u].kind == "output"]
                 if grad_uses:
                     intervals.append(Interval(name, "activation_grad", bwd(max(grad_uses)), bwd(i)))
     return Timeline(tuple(n.name for n in nodes), tuple(intervals))
