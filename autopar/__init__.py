@@ -2,6 +2,8 @@
 
     plan = autopar.plan(model, mesh=(2, 4), example_inputs=(x,))       # offline, no process group
     pm = autopar.compile(model, mesh=(2, 4), example_inputs=(x,))      # under torch.distributed
+    autopar.checkpoint.save(path, pm, optimizer); autopar.checkpoint.load(path, pm, optimizer)
+    pm = autopar.compile(meta_model, mesh, example_inputs=(x,), init=autopar.SeededInit(seed))
 """
 
 from autopar.api import compile, plan

@@ -50,7 +50,9 @@ class ParallelModule(torch.nn.Module):
     Called like the original model with whole inputs (the same on every rank); returns the
     model's outputs, whole on every rank. ``pm.module`` holds the local shards under the
     model's own names, so ``pm.parameters()`` is what an optimizer steps (like DDP, names carry
-    the ``module.`` prefix; ``full_state_dict`` uses the original names).
+    the ``module.`` prefix; ``full_state_dict`` uses the original names). ``state_dict()``
+    shows the shards as DTensors under the original names, for torch.distributed.checkpoint
+    (``autopar.checkpoint``).
     """
 
     def __init__(

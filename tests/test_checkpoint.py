@@ -195,6 +195,9 @@ def test_checkpoint_round_trip_across_meshes(tmp_path) -> None:
                 )
             rel = max_rel_diff(resumed["state"], out["eager_state"])
             worst = max(rel, key=rel.get)
+            if rank == 0:  # shown with pytest -s
+                loss_rel = max(abs(g - eager[s]) / abs(eager[s]) for s, g in enumerate(resumed["losses"], start=STEPS_BEFORE))
+                print(f"{label} on {resumed['mesh']}: worst loss rel diff {loss_rel:.1e}, worst parameter {worst} {rel[worst]:.1e}")
             assert rel[worst] < TOL, f"{where} {label}: after resuming, {worst} off by {rel[worst]:.2e}"
 
         seeded = out["seeded"]
