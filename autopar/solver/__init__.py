@@ -36,7 +36,7 @@ def solve(
     log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
              time.perf_counter() - start)
     ilp = ShardingILP(graph, memory_budget)
-    log.info("autopar: solving the ILP (%d variables, %d constraints) ...", *ilp._size())
+    log.info("autopar: solving the ILP ...")
     solution = ilp.solve(time_limit_s)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
