@@ -118,10 +118,10 @@ def _layer_graph_svg(rows: list[dict[str, Any]], colors: dict[str, str]) -> str:
         y += height
         if i + 1 < len(rows):
             mid = left + box_w / 2
-            parts.append(f'<line x1="{mid}" y1="{y}" x2="{mid}" y2="{y + gap}" stroke="#888" stroke-width="2" '
+            parts.append(f'<line x1="{mid}" y1="{y + 1}" x2="{mid}" y2="{y + gap - 3}" stroke="#888" stroke-width="2" '
                          f'marker-end="url(#arrow)"/>')
             y += gap
-    defs = ('<defs><marker id="arrow" markerWidth="8" markerHeight="8" refX="4" refY="4" orient="auto">'
+    defs = ('<defs><marker id="arrow" markerWidth="8" markerHeight="8" refX="2" refY="4" orient="auto" markerUnits="userSpaceOnUse">'
             '<path d="M0,0 L8,4 L0,8 z" fill="#888"/></marker></defs>')
     return (f'<svg id="layer-graph" xmlns="http://www.w3.org/2000/svg" width="{box_w + 2 * left}" '
             f'height="{y + 10}">{defs}{"".join(parts)}</svg>')
@@ -208,6 +208,14 @@ def _device_memory(cluster_name: str) -> int | None:
         return None
 
 
+def _comm_bytes_table(predicted: dict[str, Any]) -> str:
+    per_axis = _per_axis(predicted, "_bytes")
+    if not per_axis:
+        return ""
+    rows = "".join(f"<tr><td>{_esc(axis)}</td><td>{_esc(_bytes(value))}</td></tr>" for axis, value in per_axis.items())
+    return f"<table><tr><th>mesh axis</th><th>bytes sent per device per step</th></tr>{rows}</table>"
+
+
 def render_html(plan: "Plan", title: str = "") -> str:
     pred = plan.predicted
     rows = layer_rows(plan)
@@ -234,6 +242,7 @@ communication per device per step {_esc(_bytes(float(pred.get('comm_bytes', 0)))
 {_layer_graph_svg(rows, colors) if rows else '<p class="note">this plan has no parameters</p>'}
 <h2>Step time</h2>
 {_bar_svg(time_breakdown(plan), lambda s: f"{s * 1e3:.4f} ms", "time-breakdown")}
+{_comm_bytes_table(pred)}
 <h2>Memory per device</h2>
 {_memory_section(plan)}
 <h2>Collectives in forward</h2>

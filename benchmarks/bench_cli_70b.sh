@@ -7,7 +7,8 @@
 #   NUM_LAYERS=2 bash benchmarks/bench_cli_70b.sh    # the same flow on two layers of the real widths
 #
 # Settings (environment): MESH_1024 (default 128x8: data parallel across nodes, 8-way inside a
-# node), MESH_512 (64x8), BATCH (global batch in sequences, 1024), SEQ (4096), BUDGET (70GiB per
+# node), MESH_512 (64x8), BATCH (global batch in sequences, 128: 0.5M tokens; more does not fit
+# without activation checkpointing), SEQ (4096), BUDGET (70GiB per
 # device), NUM_LAYERS (80), TIME_LIMIT (solver seconds, 600), OUT (benchmarks/results/cli_70b),
 # PYTHON (python).
 set -euo pipefail
@@ -18,7 +19,7 @@ MESH_1024=${MESH_1024:-128x8}
 MESH_512=${MESH_512:-64x8}
 LAYERS=()
 if [ -n "${NUM_LAYERS:-}" ]; then LAYERS=(--num-layers "$NUM_LAYERS"); fi
-COMMON=(--cluster h100-80g --batch-size "${BATCH:-1024}" --seq-len "${SEQ:-4096}"
+COMMON=(--cluster h100-80g --batch-size "${BATCH:-128}" --seq-len "${SEQ:-4096}"
         --memory-budget "${BUDGET:-70GiB}" --time-limit "${TIME_LIMIT:-600}" "${LAYERS[@]}")
 mkdir -p "$OUT"
 : > "$OUT/timings.txt"

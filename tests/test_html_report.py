@@ -54,11 +54,13 @@ def test_per_axis_and_timeline_keys_are_used_when_present(sharded_plan):
     import dataclasses
 
     predicted = {**sharded_plan.predicted, "comm_s_per_axis": [1e-4, 2e-4],
-                 "memory_timeline_bytes": [10, 30, 20]}
+                 "comm_bytes_per_axis": {"0": 4096, "1": 2 * 2**20}, "memory_timeline_bytes": [10, 30, 20]}
     plan = dataclasses.replace(sharded_plan, predicted=predicted)
     labels = [label for label, _ in time_breakdown(plan)]
     assert "communication axis 0" in labels and "communication axis 1" in labels
-    assert 'id="memory-timeline"' in render_html(plan)
+    page = render_html(plan)
+    assert 'id="memory-timeline"' in page
+    assert "<td>axis 1</td><td>2.00 MiB</td>" in page
     assert 'id="memory-timeline"' not in render_html(sharded_plan)
 
 

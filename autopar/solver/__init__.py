@@ -44,7 +44,7 @@ def solve(
     log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
              time.perf_counter() - start)
     ilp = ShardingILP(graph, memory_budget)
-    log.info("autopar: solving the ILP (%d variables, %d constraints) ...", *ilp.size())
+    log.info("autopar: solving the ILP ...")
     solution = ilp.solve(time_limit_s, solver)
     for _ in range(_MAX_MEMORY_ROUNDS):
         if not solution.choice or memory_budget is None:
