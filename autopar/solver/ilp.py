@@ -140,18 +140,23 @@ class ShardingILP:
                 pair: pulp.LpVariable(f"y_{e}_{k}", lowBound=0, upBound=1)
                 for k, pair in enumerate(sorted(edge.price, key=_pair_key))
             }
+            by_src: dict[Spec, list] = {}
+            by_dst: dict[Spec, list] = {}
+            for (src, dst), var in self.y[e].items():
+                by_src.setdefault(src, []).append(var)
+                by_dst.setdefault(dst, []).append(var)
+            picks_out: dict[Spec, list] = {}
+            for s, st in enumerate(producer.strategies):
+                picks_out.setdefault(st.outs[edge.out_index], []).append(self.x[edge.producer][s])
+            picks_in: dict[Spec, list] = {}
+            for s, st in enumerate(consumer.strategies):
+                picks_in.setdefault(st.ins[edge.in_index], []).append(self.x[edge.consumer][s])
             for p in producer.out_specs(edge.out_index):
-                lhs = pulp.lpSum(var for (src, _), var in self.y[e].items() if src == p)
-                rhs = pulp.lpSum(
-                    self.x[edge.producer][s] for s, st in enumerate(producer.strategies) if st.outs[edge.out_index] == p
-                )
-                self.problem += lhs == rhs, f"edge_out__{e}__{_spec_name(p)}"
+                lhs = pulp.lpSum(by_src.get(p, []))
+                self.problem += lhs == pulp.lpSum(picks_out.get(p, [])), f"edge_out__{e}__{_spec_name(p)}"
             for q in consumer.in_specs(edge.in_index):
-                lhs = pulp.lpSum(var for (_, dst), var in self.y[e].items() if dst == q)
-                rhs = pulp.lpSum(
-                    self.x[edge.consumer][s] for s, st in enumerate(consumer.strategies) if st.ins[edge.in_index] == q
-                )
-                self.problem += lhs == rhs, f"edge_in__{e}__{_spec_name(q)}"
+                lhs = pulp.lpSum(by_dst.get(q, []))
+                self.problem += lhs == pulp.lpSum(picks_in.get(q, [])), f"edge_in__{e}__{_spec_name(q)}"
 
     def add_memory_constraint(self) -> None:
         if self.memory_budget_bytes is None:
