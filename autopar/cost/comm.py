@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor import Shard
 
 from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.spec import R, Spec, local_shape, transition_steps
@@ -156,7 +155,7 @@ def transition_cost(
         if requires_grad:
             backward_s, backward_sent = _price(backward, step.axis, mesh_shape, cluster)
         total = total + CommCost(forward_s, backward_s, forward_sent + backward_sent)
-        current[step.axis] = R if step.kind in ("all_reduce", "all_gather") else Shard(step.dim)
+        current[step.axis] = dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
     return total
 
 
