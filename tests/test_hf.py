@@ -19,6 +19,7 @@ from autopar.api import plan_traced
 from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
 from autopar.rules.registry import node_strategies, op_info
+from autopar.spec import format_spec
 from autopar.testing import max_rel_diff, run_distributed
 from autopar.trace import trace
 
@@ -59,7 +60,7 @@ def _compile_and_compare(name: str, batch_size: int, budget: float | None) -> di
         "loss": (loss.item(), want.item()),
         "grad_rel": max_rel_diff(pm.full_grads(), grads),
         "collectives": _collectives(pm),
-        "params": {fqn: [str(p) for p in spec] for fqn, spec in pm.plan.params.items()},
+        "params": {fqn: format_spec(spec) for fqn, spec in pm.plan.params.items()},
         "local_param_bytes": pm.local_param_bytes(),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in eager.parameters()),
         "plan_hash": pm.plan.hash,
@@ -93,6 +94,10 @@ def test_gpt2_and_llama_match_eager_on_mesh_2x2_with_ample_and_tight_budgets() -
         sharded = [fqn for fqn, spec in tight["params"].items() if any(p.startswith("S") for p in spec)]
         assert sharded, f"{name}: no parameter sharded under a tight budget: {tight['params']}"
         assert tight["collectives"], f"{name}: a sharded plan must communicate"
+    # Under the tight budget GPT-2's fused c_attn is cut by heads (a strided shard), so the ranks
+    # above ran strided gathers, chunks and local splits against eager.
+    strided = [fqn for fqn, spec in results[0]["gpt2_tight"]["params"].items() if any("/" in p for p in spec)]
+    assert any("c_attn.weight" in fqn for fqn in strided), results[0]["gpt2_tight"]["params"]
     # GPT-2's MLP is worth tensor parallelism on the cpu preset even with memory to spare.
     assert results[0]["gpt2"]["collectives"], "gpt2: the ample plan should shard on the cpu preset"
 

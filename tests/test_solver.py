@@ -10,8 +10,8 @@ import torch
 
 import autopar
 from autopar.errors import InfeasibleError
-from autopar.models import AttentionBlock, MLPBlock, WithMSELoss
-from autopar.spec import transition_steps
+from autopar.models import AttentionBlock, CausalSelfAttention, MLPBlock, WithMSELoss
+from autopar.spec import format_spec, transition_steps
 from torch.distributed.tensor import Replicate, Shard
 
 
@@ -65,6 +65,23 @@ def test_tight_budget_small_batch_attention_gets_megatron_split():
         assert plan.params[f"module.attn.{proj}.weight"] == (Shard(0),), f"{proj} should be split by heads"
     assert plan.params["module.attn.c_proj.weight"] == (Shard(1),), "c_proj should be row-parallel"
     assert len(_activation_all_reduces(plan)) == 1, plan.summary()
+
+
+def test_tight_budget_fused_qkv_is_split_by_heads_with_a_strided_shard():
+    # One Linear makes q, k and v, then split(n_embd). Megatron cuts its weight so that each rank
+    # holds its own heads' q, k and v: the strided shard S(0)/3. Between c_attn and c_proj no
+    # collective runs; the block's only all-reduce follows the row-parallel c_proj.
+    torch.manual_seed(0)
+    model = WithMSELoss(CausalSelfAttention(1024, 16, fused_qkv=True))
+    plan = _megatron_plan(model, torch.randn(2, 4, 1024))
+    assert format_spec(plan.params["module.c_attn.weight"]) == ["S(0)/3"], plan.summary()
+    assert format_spec(plan.params["module.c_attn.bias"]) == ["S(0)/3"]
+    assert plan.params["module.c_proj.weight"] == (Shard(1),), "c_proj should be row-parallel"
+    c_attn, c_proj = "linear", "linear_1"
+    between = list(plan.nodes)[list(plan.nodes).index(c_attn) : list(plan.nodes).index(c_proj) + 1]
+    moved = [(p, c) for p, c, _, _ in plan.redistributions() if c in between and plan.nodes[p].op != "param"]
+    assert moved == [], f"collectives inside the attention block: {moved}\n{plan.summary()}"
+    assert _activation_all_reduces(plan) == [(c_proj, "broadcast_tensors")], plan.summary()
 
 
 def test_budget_is_respected_and_infeasible_budget_says_minimum():
