@@ -163,3 +163,22 @@ def test_fallbacks_are_counted_replicated_and_listed_in_the_summary(coverage_pla
     for name, op in expected.items():
         line = next(l for l in summary.splitlines() if l.strip().startswith(f"{op} x"))
         assert name in line.split(": ", 1)[1].split(", "), f"{name} not listed under {op}: {line}"
+
+
+def test_tight_budget_gpt2_c_attn_is_split_by_heads_with_no_collective_before_c_proj() -> None:
+    # GPT-2's c_attn is a Conv1D: addmm with weight [n_embd, 3 n_embd], then split(n_embd). With
+    # memory tight the plan cuts it by heads (S(1)/3 on one mesh axis), so q, k and v are each
+    # rank's own and nothing moves between c_attn and c_proj except parameters.
+    model, kwargs = BUILDERS["gpt2"](batch_size=TIGHT_BATCH)
+    plan = autopar.plan(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=tight_budget("gpt2"))
+    order = list(plan.nodes)
+    for layer in range(2):
+        weight = f"transformer.h.{layer}.attn.c_attn.weight"
+        assert "S(1)/3" in format_spec(plan.params[weight]), f"{weight}: {format_spec(plan.params[weight])}"
+        c_attn = next(n for n, d in plan.nodes.items() if d.op == "aten.addmm.default"
+                      and any(p == f"p_transformer_h_{layer}_attn_c_attn_weight" for p, _ in d.inputs))
+        c_proj = next(n for n, d in plan.nodes.items() if d.op == "aten.addmm.default"
+                      and any(p == f"p_transformer_h_{layer}_attn_c_proj_weight" for p, _ in d.inputs))
+        block = order[order.index(c_attn) + 1 : order.index(c_proj) + 1]
+        moved = [(p, c) for p, c, _, _ in plan.redistributions() if c in block and plan.nodes[p].op != "param"]
+        assert moved == [], f"layer {layer}: collectives between c_attn and c_proj: {moved}"
