@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.cost.memory import param_state_bytes
 from autopar.errors import InfeasibleError
 from autopar.models import AttentionBlock, CausalSelfAttention, MLPBlock, WithMSELoss
 from autopar.spec import format_spec, transition_steps
@@ -82,6 +83,31 @@ def test_tight_budget_fused_qkv_is_split_by_heads_with_a_strided_shard():
     moved = [(p, c) for p, c, _, _ in plan.redistributions() if c in between and plan.nodes[p].op != "param"]
     assert moved == [], f"collectives inside the attention block: {moved}\n{plan.summary()}"
     assert _activation_all_reduces(plan) == [(c_proj, "broadcast_tensors")], plan.summary()
+
+
+class _FusedSwiGLU(torch.nn.Module):
+    """A SwiGLU MLP with gate and up fused into one Linear, then chunked (Phi-3's layout)."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(d, 2 * hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+
+def test_tight_budget_fused_gate_up_is_split_with_a_strided_shard():
+    torch.manual_seed(0)
+    model = WithMSELoss(_FusedSwiGLU(1024, 4096))
+    x = torch.randn(8, 1024)
+    budget = 0.3 * sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
+    plan = autopar.plan(model, (4,), example_inputs=(x, torch.randn_like(x)), cluster="h100-80g", memory_budget=budget)
+    assert format_spec(plan.params["module.gate_up.weight"]) == ["S(0)/2"], plan.summary()
+    assert plan.params["module.down.weight"] == (Shard(1),)
+    assert _activation_all_reduces(plan) == [("linear_1", "broadcast_tensors")], plan.summary()
+    assert len(plan.redistributions()) == 1, plan.redistributions()
 
 
 def test_budget_is_respected_and_infeasible_budget_says_minimum():
