@@ -142,7 +142,9 @@ def _wrapped_body(node: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[Any],
     name = node.target.name()
     if name not in ("wrap_with_set_grad_enabled", "wrap_with_autocast"):
         return None
-    position = next(i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a.op == "get_attr")
+    position = next((i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a.op == "get_attr"), None)
+    if position is None:
+        return None
     body = getattr(node.graph.owning_module, node.args[position].target)
     operands = list(node.args[position + 1 :])
     if name == "wrap_with_autocast":
