@@ -16,6 +16,8 @@ forward             placements          backward
 ``all_gather``      S(d) → R            keep the local chunk along d
 ``chunk``           R → S(d)            all-gather along d
 ``all_to_all``      S(a) → S(b)         all-to-all S(b) → S(a)
+``all_gather``,     S(d)/n ↔ R          as above, with ``blocks=n``: every rank holds
+``chunk`` (strided)                     chunk r of each of n blocks (``spec.SS``)
 ``allreduce_grad``  R → R (identity)    all-reduce: used where an R input feeds a
                                         computation that is split on that axis, whose
                                         local input gradient is a partial sum
@@ -151,9 +153,40 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     return funcol.wait_tensor(_scatter_along(x.contiguous(), "sum", dim, group_name))
 
 
-def _chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+def _chunk(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
     pg = _resolve_process_group(group_name)
+    if blocks > 1:
+        return strided_piece(x, dim, pg.size(), pg.rank(), blocks)
     return x.chunk(pg.size(), dim)[pg.rank()].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
+    full = _all_gather(x, dim, group_name)
+    if blocks > 1:
+        full = unstride(full, dim, group_size(group_name), blocks)
+    return full
+
+
+def _split_dim(x: torch.Tensor, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
+    dim = dim % x.dim()
+    return x.reshape(*x.shape[:dim], *sizes, *x.shape[dim + 1 :])
+
+
+def strided_piece(x: torch.Tensor, dim: int, k: int, index: int, blocks: int) -> torch.Tensor:
+    """Piece ``index`` of ``k`` under a strided shard: chunk ``index`` of each of ``blocks``
+    equal blocks of ``dim``, concatenated in block order."""
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    parts = _split_dim(x, dim, (blocks, k, size // (blocks * k)))
+    return parts.select(dim + 1, index).reshape(*x.shape[:dim], size // k, *x.shape[dim + 1 :]).contiguous()
+
+
+def unstride(x: torch.Tensor, dim: int, k: int, blocks: int) -> torch.Tensor:
+    """The whole tensor from the ``k`` strided pieces concatenated along ``dim`` (rank order)."""
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    parts = _split_dim(x, dim, (k, blocks, size // (blocks * k))).transpose(dim, dim + 1)
+    return parts.reshape(x.shape).contiguous()
 
 
 class _AllReduce(torch.autograd.Function):
@@ -168,24 +201,24 @@ class _AllReduce(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group_name):
-        ctx.dim, ctx.group_name = dim, group_name
-        return _all_gather(x, dim, group_name)
+    def forward(ctx, x, dim, group_name, blocks):
+        ctx.dim, ctx.group_name, ctx.blocks = dim, group_name, blocks
+        return _gather(x, dim, group_name, blocks)
 
     @staticmethod
     def backward(ctx, grad):
-        return _chunk(grad, ctx.dim, ctx.group_name), None, None
+        return _chunk(grad, ctx.dim, ctx.group_name, ctx.blocks), None, None, None
 
 
 class _Chunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group_name):
-        ctx.dim, ctx.group_name = dim, group_name
-        return _chunk(x, dim, group_name)
+    def forward(ctx, x, dim, group_name, blocks):
+        ctx.dim, ctx.group_name, ctx.blocks = dim, group_name, blocks
+        return _chunk(x, dim, group_name, blocks)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group_name), None, None
+        return _gather(grad, ctx.dim, ctx.group_name, ctx.blocks), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -228,14 +261,15 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _AllReduce.apply(x, group_name)
 
 
-def all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """S(dim) → R: concatenate the shards of every rank along ``dim``."""
-    return _AllGather.apply(x, dim, group_name)
+def all_gather(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
+    """S(dim) → R: concatenate the shards of every rank along ``dim`` (S(dim)/blocks → R:
+    interleave them back into their blocks)."""
+    return _AllGather.apply(x, dim, group_name, blocks)
 
 
-def chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """R → S(dim): keep this rank's chunk along ``dim``; no communication in forward."""
-    return _Chunk.apply(x, dim, group_name)
+def chunk(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
+    """R → S(dim) (or S(dim)/blocks): keep this rank's piece; no communication in forward."""
+    return _Chunk.apply(x, dim, group_name, blocks)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
@@ -253,9 +287,9 @@ def allreduce_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _AllReduceGrad.apply(x, group_name)
 
 
-def no_grad_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """S(dim) → R outside autograd, for gathering state dicts and gradients."""
-    return _all_gather(x, dim, group_name)
+def no_grad_all_gather(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
+    """S(dim) (or S(dim)/blocks) → R outside autograd, for gathering state dicts and gradients."""
+    return _gather(x, dim, group_name, blocks)
 
 
 def no_grad_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -91,6 +91,21 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
             lines.append(f"  {kind:<15} axis {axis}: {count}")
     else:
         lines.append("Collectives in forward: none")
-    fallbacks = [n for n, p in plan.nodes.items() if p.source == "fallback"]
-    lines.append(f"Fallbacks (replicated, no rule): {', '.join(fallbacks) if fallbacks else 'none'}")
+    lines += fallback_lines(plan)
     return "\n".join(lines)
+
+
+def fallback_lines(plan: "Plan") -> list[str]:
+    """Every node that fell back to replication (no rule of ours, none from DTensor), grouped
+    by op, so that a model's uncovered ops can be read off at once."""
+    by_op: dict[str, list[str]] = {}
+    for name, node in plan.nodes.items():
+        if node.source == "fallback":
+            by_op.setdefault(node.op, []).append(name)
+    if not by_op:
+        return ["Fallbacks (replicated, no rule): none"]
+    total = sum(len(names) for names in by_op.values())
+    lines = [f"Fallbacks (replicated, no rule): {total} node{'s' * (total != 1)} of {len(by_op)} op{'s' * (len(by_op) != 1)}"]
+    for op, names in sorted(by_op.items()):
+        lines.append(f"  {op} x{len(names)}: {', '.join(names)}")
+    return lines

@@ -15,7 +15,8 @@ from torch.distributed.tensor import Shard
 
 from autopar import collectives
 from autopar.plan import Plan
-from autopar.spec import Spec
+from autopar.collectives import strided_piece
+from autopar.spec import Spec, is_strided
 from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
@@ -25,7 +26,9 @@ def shard_tensor(full: torch.Tensor, spec: Spec, coordinate: tuple[int, ...], me
     """This rank's piece of ``full`` under ``spec`` (axis 0 outermost, even shards)."""
     local = full
     for axis, placement in enumerate(spec):
-        if isinstance(placement, Shard):
+        if is_strided(placement):
+            local = strided_piece(local, placement.dim, mesh_shape[axis], coordinate[axis], placement.split_factor)
+        elif isinstance(placement, Shard):
             local = local.chunk(mesh_shape[axis], placement.dim)[coordinate[axis]]
     return local.contiguous()
 
@@ -35,7 +38,9 @@ def gather_tensor(local: torch.Tensor, spec: Spec, groups: tuple[str, ...]) -> t
     full = local.detach()
     for axis in reversed(range(len(spec))):
         placement = spec[axis]
-        if isinstance(placement, Shard):
+        if is_strided(placement):
+            full = collectives.no_grad_all_gather(full, placement.dim, groups[axis], placement.split_factor)
+        elif isinstance(placement, Shard):
             full = collectives.no_grad_all_gather(full, placement.dim, groups[axis])
     return full
 

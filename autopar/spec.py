@@ -1,7 +1,14 @@
 """Sharding specs: one DTensor placement per mesh axis, and how to move between them.
 
 A *spec* is a tuple with one placement per mesh axis, each ``Replicate()``, ``Shard(dim)`` or
-``Partial("sum")`` from ``torch.distributed.tensor``. Plan files spell them ``R``, ``S(d)`` and ``P``.
+``Partial("sum")`` from ``torch.distributed.tensor``, or DTensor's strided shard
+``_StridedShard(dim, split_factor=n)``. Plan files spell them ``R``, ``S(d)``, ``P`` and ``S(d)/n``.
+
+A strided shard is how Megatron cuts a fused projection: the dim is ``n`` equal blocks (q, k and v
+of a fused attention projection, or gate and up of a fused MLP), each block is cut into ``k``
+chunks along the mesh axis, and rank ``r`` holds chunk ``r`` of every block, in block order. A
+rank's slice of ``split(dim, size / n)`` is then its own q, k and v, with no communication. autopar
+allows a strided dim on one mesh axis only (no other axis shards that dim).
 
 Sharding is nested in axis order: a tensor dim sharded on axes 0 and 1 is first cut into
 ``mesh[0]`` chunks, and each chunk again into ``mesh[1]`` chunks, as DTensor does. autopar only
@@ -21,8 +28,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-Placement = Replicate | Shard | Partial
+Placement = Replicate | Shard | Partial | _StridedShard
 Spec = tuple[Placement, ...]
 
 R = Replicate()
@@ -33,7 +41,24 @@ def S(dim: int) -> Shard:
     return Shard(dim)
 
 
+def SS(dim: int, blocks: int) -> _StridedShard:
+    """A strided shard of ``dim`` seen as ``blocks`` equal blocks (plan spelling ``S(dim)/blocks``)."""
+    if blocks < 2:
+        raise ValueError(f"a strided shard needs at least 2 blocks, got {blocks}: use S({dim}) for 1")
+    return _StridedShard(dim, split_factor=blocks)
+
+
+def is_strided(placement: Placement) -> bool:
+    return isinstance(placement, _StridedShard)
+
+
+def is_sharded(placement: Placement) -> bool:
+    """Shard or strided shard: the rank holds 1/k of the dim."""
+    return isinstance(placement, (Shard, _StridedShard))
+
+
 _SHARD_RE = re.compile(r"^S\((\d+)\)$")
+_STRIDED_RE = re.compile(r"^S\((\d+)\)/(\d+)$")
 
 
 def parse_placement(text: str) -> Placement:
@@ -45,12 +70,17 @@ def parse_placement(text: str) -> Placement:
     match = _SHARD_RE.match(text)
     if match:
         return Shard(int(match.group(1)))
-    raise ValueError(f"unknown placement {text!r}: expected 'R', 'P' or 'S(<dim>)'")
+    match = _STRIDED_RE.match(text)
+    if match:
+        return SS(int(match.group(1)), int(match.group(2)))
+    raise ValueError(f"unknown placement {text!r}: expected 'R', 'P', 'S(<dim>)' or 'S(<dim>)/<blocks>'")
 
 
 def format_placement(placement: Placement) -> str:
     if isinstance(placement, Replicate):
         return "R"
+    if isinstance(placement, _StridedShard):
+        return f"S({placement.dim})/{placement.split_factor}"
     if isinstance(placement, Shard):
         return f"S({placement.dim})"
     if isinstance(placement, Partial):
@@ -78,10 +108,16 @@ def shard_axes(spec: Spec, dim: int) -> list[int]:
 
 
 def is_valid(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
-    """True when every sharded dim exists and divides evenly by the axes that shard it."""
-    for placement in spec:
-        if isinstance(placement, Shard) and not 0 <= placement.dim < len(shape):
+    """True when every sharded dim exists and divides evenly by the axes that shard it; a
+    strided dim must divide into its blocks times the axis size, on that one axis alone."""
+    for axis, placement in enumerate(spec):
+        if is_sharded(placement) and not 0 <= placement.dim < len(shape):
             return False
+        if is_strided(placement):
+            if shape[placement.dim] % (placement.split_factor * mesh_shape[axis]):
+                return False
+            if any(is_sharded(p) and p.dim == placement.dim for a, p in enumerate(spec) if a != axis):
+                return False
     for dim, size in enumerate(shape):
         factor = math.prod(mesh_shape[a] for a in shard_axes(spec, dim))
         if size % factor:
@@ -93,7 +129,7 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
     """The shape each rank holds. Assumes ``is_valid``."""
     out = list(shape)
     for axis, placement in enumerate(spec):
-        if isinstance(placement, Shard):
+        if is_sharded(placement):
             out[placement.dim] //= mesh_shape[axis]
     return tuple(out)
 
@@ -104,12 +140,14 @@ class Step:
 
     kinds: ``all_reduce`` (P→R), ``reduce_scatter`` (P→S(dim)), ``all_gather`` (S(dim)→R),
     ``chunk`` (R→S(dim), local, no communication in forward), ``all_to_all`` (S(src_dim)→S(dim)).
+    ``blocks`` > 1 makes an ``all_gather`` or ``chunk`` strided: S(dim)/blocks ↔ R.
     """
 
     kind: str
     axis: int
     dim: int = -1
     src_dim: int = -1
+    blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in ("all_reduce", "reduce_scatter", "all_gather", "chunk", "all_to_all"):
@@ -129,6 +167,8 @@ def transition_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:
         raise ValueError(f"spec lengths differ: {src} vs {dst}")
     if src == dst:
         return ()
+    if any(map(is_strided, src + dst)):
+        return _strided_steps(src, dst)
     for s, d in zip(src, dst):
         if isinstance(d, Partial) and not isinstance(s, Partial):
             return None
@@ -175,7 +215,7 @@ def _axes_to_reset(src: Spec, dst: Spec) -> set[int]:
     while changed:
         changed = False
         for axis, placement in enumerate(src):
-            if axis in reset or not isinstance(placement, Shard):
+            if axis in reset or not is_sharded(placement):
                 continue
             if any(b < axis and placement in (src[b], dst[b]) for b in reset):
                 reset.add(axis)
@@ -187,3 +227,32 @@ def _dim_free(dim: int, axes: list[int], current: list[Placement], dst: Spec) ->
     """No other axis shards ``dim`` now or in the target, so nesting order cannot be broken."""
     shard = Shard(dim)
     return all(current[a] != shard and dst[a] != shard for a in axes)
+
+
+def _strided_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:
+    """Transitions to or from a strided shard: the changing axes are brought to R (a strided
+    axis by a strided all-gather), innermost first, then cut into the target, outermost
+    first. A strided dim is sharded on one axis only (``is_valid``), so no nesting is broken."""
+    for s, d in zip(src, dst):
+        if isinstance(d, Partial) and not isinstance(s, Partial):
+            return None
+    reset = _axes_to_reset(src, dst)
+    current = list(src)
+    steps: list[Step] = []
+    for axis in reversed(range(len(src))):
+        s = current[axis]
+        if axis not in reset:
+            continue
+        if isinstance(s, Partial):
+            steps.append(Step("all_reduce", axis))
+        elif is_strided(s):
+            steps.append(Step("all_gather", axis, s.dim, blocks=s.split_factor))
+        elif isinstance(s, Shard):
+            steps.append(Step("all_gather", axis, s.dim))
+        current[axis] = R
+    for axis in range(len(src)):
+        d = dst[axis]
+        if current[axis] != d:
+            steps.append(Step("chunk", axis, d.dim, blocks=d.split_factor if is_strided(d) else 1))
+            current[axis] = d
+    return tuple(steps)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,7 @@ def trace(
         raise TraceError.from_export_error(model, error) from error
 
     gm = exported.graph_module
+    _inline_wrappers(gm)
     _drop_assertions(gm)
     inputs: list[GraphInput] = []
     constants: dict[str, torch.Tensor] = {}
@@ -155,10 +157,97 @@ def _mark_requires_grad(gm: torch.fx.GraphModule) -> None:
         if node.op == "placeholder":
             meta["requires_grad"] = bool(getattr(val, "requires_grad", False))
             continue
+        if node.target is torch.ops.aten.detach.default:
+            meta["requires_grad"] = False
+            continue
         inputs = [n for n in node.all_input_nodes if requires_grad(n)]
         values = val if isinstance(val, (list, tuple)) else [val]
         floating = any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values)
         meta["requires_grad"] = bool(inputs) and floating and node.op != "output"
+
+
+def _wrapped_body(node: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[Any], bool] | None:
+    """For a grad-mode or autocast wrapper node: its body, operands and whether its outputs are
+    cut from autograd. None for any other node."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    name = node.target.name()
+    if name not in ("wrap_with_set_grad_enabled", "wrap_with_autocast"):
+        return None
+    position = next((i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a.op == "get_attr"), None)
+    if position is None:
+        return None
+    body = getattr(node.graph.owning_module, node.args[position].target)
+    operands = list(node.args[position + 1 :])
+    if name == "wrap_with_autocast":
+        if node.args[2]:  # (device_type, dtype, enabled, cache_enabled, body, *operands)
+            raise TraceError(
+                f"the model enables autocast inside forward ({node.format_node()}), which autopar "
+                "cannot shard: run it without autocast inside (cast the model, e.g. model.bfloat16())"
+            )
+        return body, operands, False
+    return body, operands, not node.args[0]
+
+
+def _inline_wrappers(gm: torch.fx.GraphModule) -> None:
+    """Inline the bodies of ``torch.no_grad()`` / ``set_grad_enabled`` and disabled-autocast
+    regions, which export keeps as higher-order ops over submodules (Hugging Face rotary
+    embeddings run under both). Rules see only ATen ops, and a flat graph shards like any other.
+    A no-grad region's outputs go through ``aten.detach``, so that autograd still stops there.
+    Disabled autocast is the identity for a model that runs without autocast, as training under
+    autopar does."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        found = _wrapped_body(node)
+        if found is None:
+            continue
+        body, operands, no_grad = found
+        env: dict[torch.fx.Node, Any] = {}
+        outputs: Any = ()
+        placeholders = iter(operands)
+        with graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    env[inner] = next(placeholders)
+                elif inner.op == "output":
+                    outputs = torch.fx.node.map_arg(inner.args[0], lambda n: env[n])
+                elif inner.op == "get_attr":
+                    target = _free_attr_name(gm, inner.target)
+                    setattr(gm, target, getattr(body, inner.target))
+                    env[inner] = graph.get_attr(target)
+                    env[inner].meta = dict(inner.meta)
+                else:
+                    env[inner] = graph.node_copy(inner, lambda n: env[n])
+            if no_grad:
+                outputs = [_detached(graph, out) for out in outputs]
+        for user in list(node.users):
+            assert user.target is operator.getitem, user.format_node()
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        _inline_wrappers(gm)  # a body may hold wrappers of its own
+        return
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
+def _detached(graph: torch.fx.Graph, value: Any) -> Any:
+    if not isinstance(value, torch.fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+        return value
+    detached = graph.call_function(torch.ops.aten.detach.default, (value,))
+    detached.meta["val"] = value.meta["val"].detach()
+    return detached
+
+
+def _free_attr_name(gm: torch.fx.GraphModule, name: str) -> str:
+    candidate, index = name, 0
+    while hasattr(gm, candidate):
+        index += 1
+        candidate = f"{name}_inlined_{index}"
+    return candidate
 
 
 def _drop_assertions(gm: torch.fx.GraphModule) -> None:

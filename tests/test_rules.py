@@ -14,9 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.kernels import get_kernel
-from autopar.rules.registry import RULES, Strategy, node_strategies, op_info_from_values
+from autopar.rules.registry import RULES, Strategy, node_strategies, offering_strided, op_info_from_values
 from autopar.rules.simulate import _normalize, check_op, check_strategy
-from autopar.spec import P, R, S, format_spec
+from autopar.spec import SS, P, R, S, format_spec
 
 aten = torch.ops.aten
 
@@ -759,3 +759,50 @@ def test_kernels_on_two_gloo_ranks():
     from autopar.testing import run_distributed
 
     assert run_distributed(_kernels_on_ranks, 2, timeout_s=60) == ["ok", "ok"]
+
+
+# --------------------------------------------------------------------------------------------
+# Strided shards (fused projections): every row that names one is simulated like any other.
+
+STRIDED_CASES = {
+    "split_qkv": (aten.split.Tensor, lambda: (torch.randn(4, 2, 24), 8, 2), 3),
+    "split_with_sizes": (aten.split_with_sizes.default, lambda: (torch.randn(4, 24), [8, 8, 8], 1), 3),
+    "chunk_gate_up": (aten.chunk.default, lambda: (torch.randn(4, 2, 24), 2, -1), 2),
+    "addmm_conv1d": (aten.addmm.default, lambda: (torch.randn(24), torch.randn(4, 6), torch.randn(6, 24)), 3),
+    "linear": (aten.linear.default, lambda: (torch.randn(2, 4, 6), torch.randn(24, 6), torch.randn(24)), 3),
+    "view_keeps_dim": (aten.view.default, lambda: (torch.randn(8, 24), [2, 4, 24]), 3),
+}
+
+
+def _strided(result) -> bool:
+    return any("/" in text for spec in result.strategy.ins + result.strategy.outs for text in format_spec(spec))
+
+
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)], ids=["mesh2", "mesh2x2"])
+@pytest.mark.parametrize("case", list(STRIDED_CASES))
+def test_strided_rows_are_exact(case, mesh):
+    op, make_args, blocks = STRIDED_CASES[case]
+    torch.manual_seed(0)
+    with offering_strided((blocks,)):
+        results = check_op(op, make_args(), mesh_shape=mesh)
+    strided = [r for r in results if _strided(r)]
+    assert strided, f"{case}: no strided strategy offered"
+    bad = [(r.strategy, r.detail) for r in results if not r.ok]
+    assert not bad, f"{case}: {bad}"
+
+
+def test_strided_rows_only_where_the_graph_splits():
+    torch.manual_seed(0)
+    results = check_op(aten.addmm.default, (torch.randn(24), torch.randn(4, 6), torch.randn(6, 24)), mesh_shape=(2,))
+    assert not any(_strided(r) for r in results), "no strided rows outside offering_strided"
+
+
+def test_simulator_catches_a_plain_shard_split_as_if_strided():
+    # The wrong row a strided rule stands in for: a plain S(1) cut of a fused [q | k | v] dim,
+    # split locally, gives rank 0 all of q and half of k, not q_0, k_0, v_0.
+    x = torch.randn(4, 24)
+    kw = {"self": x, "split_size": 8, "dim": 1}
+    wrong = Strategy(ins=((S(1),),), outs=((S(1),),) * 3)
+    assert not check_strategy(aten.split.Tensor, kw, wrong, (2,)).ok
+    right = Strategy(ins=((SS(1, 3),),), outs=((S(1),),) * 3)
+    assert check_strategy(aten.split.Tensor, kw, right, (2,)).ok

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import autopar
+from autopar.cost.memory import param_state_bytes
 from autopar.errors import InfeasibleError
-from autopar.models import AttentionBlock, MLPBlock, WithMSELoss
-from autopar.spec import transition_steps
+from autopar.models import AttentionBlock, CausalSelfAttention, MLPBlock, WithMSELoss
+from autopar.spec import format_spec, transition_steps
 from torch.distributed.tensor import Replicate, Shard
 
 
@@ -65,6 +66,48 @@ def test_tight_budget_small_batch_attention_gets_megatron_split():
         assert plan.params[f"module.attn.{proj}.weight"] == (Shard(0),), f"{proj} should be split by heads"
     assert plan.params["module.attn.c_proj.weight"] == (Shard(1),), "c_proj should be row-parallel"
     assert len(_activation_all_reduces(plan)) == 1, plan.summary()
+
+
+def test_tight_budget_fused_qkv_is_split_by_heads_with_a_strided_shard():
+    # One Linear makes q, k and v, then split(n_embd). Megatron cuts its weight so that each rank
+    # holds its own heads' q, k and v: the strided shard S(0)/3. Between c_attn and c_proj no
+    # collective runs; the block's only all-reduce follows the row-parallel c_proj.
+    torch.manual_seed(0)
+    model = WithMSELoss(CausalSelfAttention(1024, 16, fused_qkv=True))
+    plan = _megatron_plan(model, torch.randn(2, 4, 1024))
+    assert format_spec(plan.params["module.c_attn.weight"]) == ["S(0)/3"], plan.summary()
+    assert format_spec(plan.params["module.c_attn.bias"]) == ["S(0)/3"]
+    assert plan.params["module.c_proj.weight"] == (Shard(1),), "c_proj should be row-parallel"
+    c_attn, c_proj = "linear", "linear_1"
+    between = list(plan.nodes)[list(plan.nodes).index(c_attn) : list(plan.nodes).index(c_proj) + 1]
+    moved = [(p, c) for p, c, _, _ in plan.redistributions() if c in between and plan.nodes[p].op != "param"]
+    assert moved == [], f"collectives inside the attention block: {moved}\n{plan.summary()}"
+    assert _activation_all_reduces(plan) == [(c_proj, "broadcast_tensors")], plan.summary()
+
+
+class _FusedSwiGLU(torch.nn.Module):
+    """A SwiGLU MLP with gate and up fused into one Linear, then chunked (Phi-3's layout)."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(d, 2 * hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+
+def test_tight_budget_fused_gate_up_is_split_with_a_strided_shard():
+    torch.manual_seed(0)
+    model = WithMSELoss(_FusedSwiGLU(1024, 4096))
+    x = torch.randn(8, 1024)
+    budget = 0.3 * sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
+    plan = autopar.plan(model, (4,), example_inputs=(x, torch.randn_like(x)), cluster="h100-80g", memory_budget=budget)
+    assert format_spec(plan.params["module.gate_up.weight"]) == ["S(0)/2"], plan.summary()
+    assert plan.params["module.down.weight"] == (Shard(1),)
+    assert _activation_all_reduces(plan) == [("linear_1", "broadcast_tensors")], plan.summary()
+    assert len(plan.redistributions()) == 1, plan.redistributions()
 
 
 def test_budget_is_respected_and_infeasible_budget_says_minimum():

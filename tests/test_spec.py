@@ -9,7 +9,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.rules.simulate import local_inputs
+from autopar.collectives import strided_piece, unstride
 from autopar.spec import (
+    SS,
     Step,
     format_spec,
     is_valid,
@@ -29,8 +31,12 @@ def _apply(step: Step, pieces: dict, mesh_shape) -> dict:
         mine = coord[step.axis]
         if step.kind == "all_reduce":
             out[coord] = sum(members[1:], members[0])
+        elif step.kind == "all_gather" and step.blocks > 1:
+            out[coord] = unstride(torch.cat(members, step.dim), step.dim, len(group), step.blocks)
         elif step.kind == "all_gather":
             out[coord] = torch.cat(members, step.dim)
+        elif step.kind == "chunk" and step.blocks > 1:
+            out[coord] = strided_piece(pieces[coord], step.dim, len(group), mine, step.blocks)
         elif step.kind == "chunk":
             out[coord] = pieces[coord].chunk(len(group), step.dim)[mine]
         elif step.kind == "reduce_scatter":
@@ -40,22 +46,24 @@ def _apply(step: Step, pieces: dict, mesh_shape) -> dict:
     return out
 
 
-def _specs(ndim: int, num_axes: int, with_partial: bool):
+def _specs(ndim: int, num_axes: int, with_partial: bool, blocks: tuple[int, ...] = ()):
     per_axis = [Replicate()] + [Shard(d) for d in range(ndim)] + ([Partial()] if with_partial else [])
+    per_axis += [SS(d, n) for n in blocks for d in range(ndim)]
     return list(itertools.product(per_axis, repeat=num_axes))
 
 
+@pytest.mark.parametrize("blocks", [(), (2, 3)], ids=["plain", "strided"])
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2), (2, 3)])
-def test_every_transition_moves_the_right_data(mesh_shape):
+def test_every_transition_moves_the_right_data(mesh_shape, blocks):
     shape = (12, 6)
     tensor = torch.randn(shape, dtype=torch.float64)
     generator = torch.Generator().manual_seed(0)
     checked = 0
-    for src in _specs(2, len(mesh_shape), True):
+    for src in _specs(2, len(mesh_shape), True, blocks):
         if not is_valid(shape, src, mesh_shape):
             continue
         source = local_inputs(tensor, src, mesh_shape, generator)
-        for dst in _specs(2, len(mesh_shape), False):
+        for dst in _specs(2, len(mesh_shape), False, blocks):
             if not is_valid(shape, dst, mesh_shape):
                 continue
             steps = transition_steps(src, dst)
@@ -104,3 +112,31 @@ def test_validity_and_local_shape():
     assert not is_valid((6, 6), (Shard(0), Shard(0)), (2, 4))
     assert not is_valid((8,), (Shard(1),), (2,))
     assert local_shape((8, 6), (Shard(0), Shard(1)), (2, 3)) == (4, 2)
+
+
+def test_strided_shard_holds_each_ranks_chunk_of_every_block():
+    # q, k, v blocks of 4 columns each, cut 2 ways: rank r holds q_r, k_r, v_r, as DTensor's
+    # _StridedShard lays them out.
+    fused = torch.arange(12).reshape(1, 12)
+    pieces = [strided_piece(fused, 1, 2, rank, 3) for rank in range(2)]
+    assert pieces[0].tolist() == [[0, 1, 4, 5, 8, 9]]
+    assert pieces[1].tolist() == [[2, 3, 6, 7, 10, 11]]
+    dtensor_pieces, _ = SS(1, 3)._split_tensor(fused, 2, with_padding=False)
+    assert all(torch.equal(a, b) for a, b in zip(pieces, dtensor_pieces))
+    assert torch.equal(unstride(torch.cat(pieces, 1), 1, 2, 3), fused)
+    for q, k, v in (piece.split(2, dim=1) for piece in pieces):
+        assert q.max() < 4 <= k.min() and k.max() < 8 <= v.min(), "each rank's split is its own q, k, v"
+
+
+def test_strided_spelling_validity_and_steps():
+    spec = parse_spec(["S(1)/3", "S(0)"])
+    assert spec == (SS(1, 3), Shard(0)) and format_spec(spec) == ["S(1)/3", "S(0)"]
+    assert local_shape((8, 24), spec, (2, 2)) == (4, 12)
+    assert is_valid((8, 24), spec, (2, 2))
+    assert not is_valid((8, 9), (SS(1, 3),), (2,)), "9 columns are not 3 blocks of 2 chunks"
+    assert not is_valid((8, 24), (SS(1, 3), Shard(1)), (2, 2)), "a strided dim is cut on one axis only"
+    assert transition_steps((SS(1, 3),), (Replicate(),)) == (Step("all_gather", 0, 1, blocks=3),)
+    assert transition_steps((Replicate(),), (SS(1, 3),)) == (Step("chunk", 0, 1, blocks=3),)
+    assert transition_steps((SS(1, 3),), (Partial(),)) is None
+    with pytest.raises(ValueError, match="at least 2 blocks"):
+        SS(0, 1)

@@ -39,3 +39,47 @@ def test_data_dependent_control_flow_names_the_line():
     with pytest.raises(TraceError, match="test_trace.py") as info:
         trace(Branchy(), (torch.randn(4),))
     assert "torch.where" in str(info.value)
+
+
+class _RotaryLike(torch.nn.Module):
+    """A table computed under no_grad with autocast off (as Hugging Face rotary embeddings do),
+    then used by a parameterized layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("inv_freq", torch.arange(1, 9, dtype=torch.float32) / 8)
+
+    def forward(self, x):
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            table = torch.cos(x.detach() * self.inv_freq).float()
+        return (self.proj(x) * table).sum()
+
+
+def test_no_grad_and_autocast_off_regions_are_inlined_and_detached():
+    model = _RotaryLike()
+    x = torch.randn(4, 8, requires_grad=True)
+    traced = trace(model, (x,))
+    wrappers = [n for n in traced.gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    assert wrappers == [], [n.format_node() for n in wrappers]
+    assert not any(n.op == "get_attr" for n in traced.gm.graph.nodes)
+    detached = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.detach.default]
+    assert detached and not any(n.meta["autopar"]["requires_grad"] for n in detached)
+    params = [p for _, p in model.named_parameters()]
+    buffers = [b for _, b in model.named_buffers()]
+    (got,) = traced.gm(*params, *buffers, x)
+    torch.testing.assert_close(got, model(x))
+
+
+def test_autocast_enabled_inside_forward_is_refused_with_the_fix():
+    class Autocasting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.proj(x).float().sum()
+
+    with pytest.raises(TraceError, match="autocast"):
+        trace(Autocasting(), (torch.randn(4, 8),))

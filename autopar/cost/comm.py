@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor import Shard
 
 from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.spec import R, Spec, local_shape, transition_steps
@@ -165,7 +164,7 @@ def transition_cost(
             backward_s, backward_sent = _price(backward, step.axis, mesh_shape, cluster)
         sent = forward_sent + backward_sent
         total = total + CommCost(forward_s, backward_s, sent, ((step.axis, sent),) if sent else ())
-        current[step.axis] = R if step.kind in ("all_reduce", "all_gather") else Shard(step.dim)
+        current[step.axis] = dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
     return total
 
 
@@ -189,7 +188,7 @@ def transition_bytes_per_axis(
         for collective in (forward, backward if requires_grad else None):
             if collective is not None and k > 1:
                 per_axis[step.axis] = per_axis.get(step.axis, 0.0) + bytes_sent(collective[0], collective[1], k)
-        current[step.axis] = R if step.kind in ("all_reduce", "all_gather") else Shard(step.dim)
+        current[step.axis] = dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
     return per_axis
 
 

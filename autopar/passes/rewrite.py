@@ -30,13 +30,21 @@ from autopar.trace import requires_grad
 _VIEW_TO_RESHAPE = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
 
+# Ops besides SIZE_ARGS whose size arguments ``localize_kwargs`` rewrites.
+_LOCAL_SIZE_OPS = {
+    torch.ops.aten.unflatten.int,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.split_with_sizes.default,
+}
+
+
 def localize_shapes(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target in _VIEW_TO_RESHAPE:
             node.target = torch.ops.aten.reshape.default
-        if node.target not in SIZE_ARGS and node.target is not torch.ops.aten.unflatten.int:
+        if node.target not in SIZE_ARGS and node.target not in _LOCAL_SIZE_OPS:
             continue
         decision = plan.nodes[node.name]
         local = local_shape(decision.shapes[0], decision.outs[0], plan.mesh_shape)
@@ -97,9 +105,11 @@ def _step_node(graph: torch.fx.Graph, value: torch.fx.Node, step, groups: Sequen
     if step.kind == "all_reduce":
         return graph.call_function(collectives.all_reduce, (value, group))
     if step.kind == "all_gather":
-        return graph.call_function(collectives.all_gather, (value, step.dim, group))
+        extra = (step.blocks,) if step.blocks > 1 else ()
+        return graph.call_function(collectives.all_gather, (value, step.dim, group, *extra))
     if step.kind == "chunk":
-        return graph.call_function(collectives.chunk, (value, step.dim, group))
+        extra = (step.blocks,) if step.blocks > 1 else ()
+        return graph.call_function(collectives.chunk, (value, step.dim, group, *extra))
     if step.kind == "reduce_scatter":
         return graph.call_function(collectives.reduce_scatter, (value, step.dim, group))
     if step.kind == "all_to_all":

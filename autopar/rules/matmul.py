@@ -2,7 +2,8 @@
 
 Each row is Megatron's algebra on one mesh axis: shard the rows of the left operand (output
 rows sharded), shard the columns of the right operand (output columns sharded), or shard the
-contracted dim of both (every rank holds a partial sum of the output).
+contracted dim of both (every rank holds a partial sum of the output). ``linear`` and ``addmm``
+also shard the output columns by blocks (``spec.SS``), for fused projections.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from autopar.rules.pointwise import broadcast_shard, is_tensor
-from autopar.rules.registry import OpInfo, Row, TensorArg, register, replicate_row
-from autopar.spec import P, R, S
+from autopar.rules.registry import OpInfo, Row, TensorArg, register, replicate_row, strided_blocks
+from autopar.spec import SS, P, R, S
 
 aten = torch.ops.aten
 
@@ -58,6 +59,7 @@ def addmm_rule(info: OpInfo) -> list[Row]:
         Row((R, R, R), R),
         Row((broadcast_shard(bias, out_shape, 0), S(0), R), S(0)),
         Row((broadcast_shard(bias, out_shape, 1), R, S(1)), S(1)),
+        *(Row((_strided_bias(bias, out_shape, n), R, SS(1, n)), SS(1, n)) for n in strided_blocks()),
         # Each rank adds beta * bias / k, so the partial sums add up to the biased result; the
         # bias gradient comes out whole on every rank (kernels.ops._ShareBias).
         Row((R, S(1), S(0)), P, kernel="addmm_bias_split", whole_grad=(0,)),
@@ -65,6 +67,12 @@ def addmm_rule(info: OpInfo) -> list[Row]:
         Row((P, P, R), P),
         Row((P, R, P), P),
     ]
+
+
+def _strided_bias(bias: TensorArg, out_shape, blocks: int):
+    """The bias of a block-strided addmm: strided like the output columns, R if broadcast."""
+    placement = broadcast_shard(bias, out_shape, 1)
+    return SS(placement.dim, blocks) if placement != R else R
 
 
 @register(aten.linear.default)
@@ -83,6 +91,9 @@ def linear_rule(info: OpInfo) -> list[Row]:
     rows = [row(R, R, R, R)]
     rows += [row(S(d), R, R, S(d)) for d in range(x.ndim - 1)]  # data parallel / sequence
     rows.append(row(R, S(0), S(0), S(out_last)))  # column parallel
+    # Column parallel by blocks: a fused projection cut so that each rank holds its chunk of
+    # every block (its own heads' q, k and v); the output columns come out in the same layout.
+    rows += [row(R, SS(0, n), SS(0, n), SS(out_last, n)) for n in strided_blocks()]
     # Row parallel: each rank holds a partial sum; a bias is added as bias / k on each rank.
     rows.append(row(S(x.ndim - 1), S(1), R, P, "linear_bias_split" if has_bias else None))
     rows.append(row(S(x.ndim - 1), S(1), P, P))

@@ -137,6 +137,7 @@ BINARY_NONLINEAR = (
     aten.gt.Tensor, aten.ge.Tensor, aten.logical_and.default, aten.logical_or.default,
     aten.logical_xor.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
     aten.bitwise_xor.Tensor, aten.masked_fill.Tensor, aten.lerp.Scalar, aten.lerp.Tensor,
+    aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor,
 )
 
 # Copies or sign flips of the input: linear, so Partial passes (P → P).
@@ -147,7 +148,7 @@ UNARY_LINEAR = (
 
 # Dtype casts: linear between floating dtypes (rounding aside); a cast to an integer or bool
 # truncates each rank's summand, so Partial passes only into a floating dtype.
-CASTS = (aten._to_copy.default, aten.to.dtype)
+CASTS = (aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device)
 
 # Sum or difference of two tensors: linear in the pair, so P ± P → P (P ± R would add R k times).
 ADDITIVE = (aten.add.Tensor, aten.sub.Tensor, aten.rsub.Tensor)

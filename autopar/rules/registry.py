@@ -17,6 +17,8 @@ registry; where that fails too, the op is replicated on every axis and marked as
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -114,6 +116,46 @@ class Strategy:
 Rule = Callable[[OpInfo], list[Row]]
 RULES: dict[Any, Rule] = {}
 
+# Block counts for which rules offer strided shards (``spec.SS``). A strided shard only pays off
+# where a split or chunk into that many equal parts consumes it (a fused q/k/v or gate/up
+# projection), so the planner offers the counts that the graph's splits use (``split_blocks``),
+# and nothing else, which keeps the strategy lists of other models as they were.
+_STRIDED_BLOCKS: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("autopar_strided_blocks", default=())
+
+
+def strided_blocks() -> tuple[int, ...]:
+    """The block counts that rules offer strided shards for, in this planning context."""
+    return _STRIDED_BLOCKS.get()
+
+
+@contextlib.contextmanager
+def offering_strided(blocks: Iterable[int]):
+    """Let rules offer strided shards of these block counts inside the ``with`` block."""
+    token = _STRIDED_BLOCKS.set(tuple(sorted(set(blocks))))
+    try:
+        yield
+    finally:
+        _STRIDED_BLOCKS.reset(token)
+
+
+def split_blocks(gm: torch.fx.GraphModule) -> tuple[int, ...]:
+    """Numbers of equal parts of the graph's splits and chunks (a fused projection's split)."""
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _EQUAL_SPLITS:
+            continue
+        values = node.meta.get("val")
+        if not isinstance(values, (list, tuple)) or len(values) < 2:
+            continue
+        kw = normalized_kwargs(node)
+        shapes = {tuple(v.shape) for v in values if isinstance(v, torch.Tensor)}
+        if len(shapes) == 1 and kw.get("dim") is not None:
+            found.add(len(values))
+    return tuple(sorted(found))
+
+
+_EQUAL_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+
 
 def register(*targets: Any) -> Callable[[Rule], Rule]:
     """Register ``fn`` as the rule for each target. Registering a target twice is an error."""
@@ -154,8 +196,17 @@ SIZE_ARGS: dict[Any, str] = {
 
 
 def localize_kwargs(target: Any, kw: dict[str, Any], local_out_shape: Sequence[int]) -> dict[str, Any]:
-    """Rewrite global sizes in ``kw`` to the local output shape, for ops listed in SIZE_ARGS."""
+    """Rewrite global sizes in ``kw`` to the local output shape, for ops listed in SIZE_ARGS
+    and for equal splits (whose first output's local size along the dim is the local part)."""
     name = SIZE_ARGS.get(target)
+    if target in (aten.split.Tensor, aten.split_with_sizes.default):
+        dim = kw["dim"] % len(local_out_shape)
+        if target is aten.split.Tensor:
+            return {**kw, "split_size": local_out_shape[dim]} if kw["split_size"] > local_out_shape[dim] else kw
+        sizes = list(kw["split_sizes"])
+        if len(set(sizes)) == 1 and sizes[0] > local_out_shape[dim]:
+            return {**kw, "split_sizes": [local_out_shape[dim]] * len(sizes)}
+        return kw
     if name is None:
         if target is aten.unflatten.int:
             dim = kw["dim"] % (len(local_out_shape) - len(kw["sizes"]) + 1)
@@ -355,6 +406,9 @@ __all__ = [
     "TensorArg",
     "RULES",
     "SIZE_ARGS",
+    "strided_blocks",
+    "offering_strided",
+    "split_blocks",
     "register",
     "replicate_row",
     "localize_kwargs",

@@ -26,7 +26,8 @@ from autopar.rules.registry import (
     op_info_from_values,
     replace_tensors,
 )
-from autopar.spec import Spec, local_shape
+from autopar.collectives import strided_piece, unstride
+from autopar.spec import Spec, is_strided, local_shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,9 @@ def local_inputs(
         size = mesh_shape[axis]
         nxt: dict[tuple[int, ...], torch.Tensor] = {}
         for coord, piece in pieces.items():
-            if isinstance(placement, Shard):
+            if is_strided(placement):
+                parts = [strided_piece(piece, placement.dim, size, i, placement.split_factor) for i in range(size)]
+            elif isinstance(placement, Shard):
                 parts = list(piece.chunk(size, placement.dim))
             elif isinstance(placement, Partial):
                 if piece.dtype.is_floating_point:
@@ -77,7 +80,9 @@ def assemble(
             groups.setdefault(coord[:axis], []).append(pieces[coord])
         merged: dict[tuple[int, ...], torch.Tensor] = {}
         for prefix, parts in groups.items():
-            if isinstance(placement, Shard):
+            if is_strided(placement):
+                merged[prefix] = unstride(torch.cat(parts, placement.dim), placement.dim, len(parts), placement.split_factor)
+            elif isinstance(placement, Shard):
                 merged[prefix] = torch.cat(parts, placement.dim)
             elif isinstance(placement, Partial):
                 merged[prefix] = sum(parts[1:], parts[0])

@@ -12,6 +12,9 @@ P out). Sharding follows a tensor dim through the op:
 - ``expand`` keeps the dims it does not broadcast; a broadcast output dim may be sharded while
   the input stays replicated, since each rank expands to its own local size.
 - Split, cat, stack, slice, select and narrow work on one dim; every other dim may be sharded.
+- Strided shards (``spec.SS``, a fused projection's layout) pass through a reshape that keeps
+  their dim whole, and a split into as many equal parts as the blocks turns them into plain
+  shards of each part.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from typing import Any, Sequence
 
 import torch
 
-from autopar.rules.registry import OpInfo, Row, TensorArg, register
-from autopar.spec import P, R, S, Placement
+from autopar.rules.registry import OpInfo, Row, TensorArg, register, strided_blocks
+from autopar.spec import SS, P, R, S, Placement
 
 aten = torch.ops.aten
 
@@ -82,6 +85,10 @@ def _reshape_rows(info: OpInfo, frozen_dims: Sequence[int] = ()) -> list[Row]:
     for in_dim, out_dim in reshape_dim_map(source.shape, info.out_shape).items():
         if in_dim not in frozen_dims:
             rows.append(Row((S(in_dim),), S(out_dim)))
+            # A dim that the reshape carries over whole keeps its blocks, so a strided shard of
+            # it passes (a dim that is merged or split would mix the blocks with other dims).
+            if source.shape[in_dim] == info.out_shape[out_dim]:
+                rows += [Row((SS(in_dim, n),), SS(out_dim, n)) for n in strided_blocks()]
     return rows
 
 
@@ -267,7 +274,16 @@ def split_rule(info: OpInfo) -> list[Row]:
     rows = _linear_rows(1, num_outs)
     for other in _other_dims(source.shape, dim):
         rows.append(Row((S(other),), (S(other),) * num_outs))
+    # A fused projection's split: with the dim strided into as many blocks as there are equal
+    # parts, each rank's local split gives its own chunk of every part (split sizes localized).
+    equal = len(set(info.out_shapes)) == 1 and info.target not in _SPLITS_AT_INDICES
+    if num_outs in strided_blocks() and equal:
+        rows.append(Row((SS(dim, num_outs),), (S(dim),) * num_outs))
     return rows
+
+
+# Splits whose arguments name positions, not sizes or counts: they cannot be localized.
+_SPLITS_AT_INDICES = {aten.tensor_split.indices, aten.tensor_split.sections}
 
 
 @register(aten.unbind.int)

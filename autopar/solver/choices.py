@@ -28,8 +28,17 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.cost import comm, compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.rules import node_strategies, op_info
-from autopar.rules.registry import OpInfo, Strategy, normalized_kwargs, tensor_input_nodes, tensor_meta
-from autopar.spec import Spec, is_valid, replicated
+from autopar.rules.registry import (
+    OpInfo,
+    Strategy,
+    normalized_kwargs,
+    offering_strided,
+    split_blocks,
+    strided_blocks,
+    tensor_input_nodes,
+    tensor_meta,
+)
+from autopar.spec import SS, Spec, is_valid, replicated
 from autopar.trace import TracedModel, requires_grad
 
 
@@ -109,7 +118,13 @@ def build_choice_graph(
 
     ``forced`` pins the output spec of named nodes (tests use it for hand plans).
     ``share_layers`` ties repeated layers to one choice (``repeated_layers``).
+    Strided shards are offered for the block counts of the graph's equal splits.
     """
+    with offering_strided(split_blocks(traced.gm)):
+        return _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers)
+
+
+def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers) -> ChoiceGraph:
     mesh_shape = tuple(mesh_shape)
     num_axes = len(mesh_shape)
     kinds = {i.name: i for i in traced.inputs}
@@ -242,8 +257,10 @@ def _keep_only(choice: Choice, keep: list[int]) -> None:
 
 
 def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec]:
-    """Every R/S spec with even shards (Partial is never a placeholder's placement)."""
+    """Every R/S spec with even shards (Partial is never a placeholder's placement), and the
+    strided shards that the graph's splits can use (``registry.strided_blocks``)."""
     per_axis = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    per_axis += [SS(d, n) for n in strided_blocks() for d in range(len(shape))]
     return [spec for spec in itertools.product(per_axis, repeat=len(mesh_shape)) if is_valid(shape, spec, mesh_shape)]
 
 
