@@ -50,7 +50,9 @@ def test_autopar_is_never_predicted_slower_than_a_hand_plan(gpt_and_batch, clust
 
 def test_under_a_budget_autopar_still_wins_over_every_feasible_hand_plan(gpt_and_batch, plans):
     model, batch = gpt_and_batch
-    budget = 0.5 * plans["ddp"].predicted["peak_memory_bytes"]
+    # 0.55, not 0.5: the liveness walk counts cross-entropy's backward temporary (measured in
+    # benchmarks/bench_cost_accuracy.py), which lifts the leanest plan just above half of DDP's peak.
+    budget = 0.55 * plans["ddp"].predicted["peak_memory_bytes"]
     auto = autopar.plan(model, MESH, example_inputs=batch, cluster="cpu", memory_budget=budget)
     assert auto.predicted["peak_memory_bytes"] <= budget
     feasible = 0
