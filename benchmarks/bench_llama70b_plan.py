@@ -2,8 +2,8 @@
 
     python benchmarks/bench_llama70b_plan.py --layers 80 --out benchmarks/results/llama70b_plan.csv
 
-The model is ``build_model("llama", **LLAMA_SHAPES["llama-2-70b"])`` built on the meta device
-(no memory, no process group), planned with ``autopar.plan`` on mesh (128, 8) of the
+The model is ``build_model("llama", **LLAMA_SHAPES["llama-2-70b"])`` built on the meta device in
+bfloat16 (no memory, no process group), planned with ``autopar.plan`` on mesh (128, 8) of the
 ``h100-80g`` preset under an 80 GiB budget per device. ``--layers`` cuts the depth (repeated
 layers share one choice, so the ILP does not grow; tracing and pricing do). Prints the head of
 ``plan.summary()``: predicted step time, peak memory per device (and when it is reached), and
@@ -29,7 +29,7 @@ from autopar.models import LLAMA_SHAPES, build_model, example_batch  # noqa: E40
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=80)
-    parser.add_argument("--batch", type=int, default=512, help="sequences per step (global)")
+    parser.add_argument("--batch", type=int, default=128, help="sequences per step (global; 128 × 4096 tokens)")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--mesh", default="128x8")
     parser.add_argument("--budget-gib", type=float, default=80.0)
@@ -40,7 +40,7 @@ def main() -> int:
     shapes = {**LLAMA_SHAPES["llama-2-70b"], "n_layer": args.layers}
     started = time.perf_counter()
     with torch.device("meta"):
-        model = build_model("llama", **shapes)
+        model = build_model("llama", **shapes).to(torch.bfloat16)  # trained in bf16
         inputs = example_batch("llama", args.batch, seq_len=args.seq_len, **{k: v for k, v in shapes.items() if k in ("vocab_size",)})
     inputs = tuple(t.to("meta") for t in inputs)
     plan = autopar.plan(model, mesh, example_inputs=inputs, cluster="h100-80g",
