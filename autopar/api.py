@@ -45,23 +45,27 @@ def plan(
     cluster: str | ClusterSpec | os.PathLike | None = None,
     memory_budget: float | None = None,
     time_limit_s: float = 60.0,
+    solver: str = "auto",
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
     ``memory_budget`` is in bytes per device. ``cluster`` is a preset name ("h100-80g",
-    "a100-40g", "v100-16g", "cpu"), a ClusterSpec, or a JSON/TOML file.
+    "a100-40g", "v100-16g", "cpu"), a ClusterSpec, or a JSON/TOML file. ``solver`` is
+    "auto" (LP relaxation first, MILP only if rounding leaves a gap), "highs" or "cbc";
+    ``time_limit_s`` bounds the solve (then the best plan found is used, with its gap).
     """
     mesh_shape = _mesh_shape(mesh)
     traced = trace(model, example_inputs, example_kwargs)
-    return plan_traced(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s)
+    return plan_traced(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s, solver)
 
 
-def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s) -> Plan:
+def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s,
+                solver: str = "auto") -> Plan:
     """Plan an already traced model (``autopar.plan`` without the tracing)."""
     if memory_budget is not None and not memory_budget > 0:
         raise ValueError(f"memory_budget is bytes per device and must be positive, got {memory_budget!r}")
     start = time.perf_counter()
-    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s)
+    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     return result
 
