@@ -28,12 +28,13 @@ def solve(
     time_limit_s: float = 60.0,
     forced: dict[str, Spec] | None = None,
     solver: str = "auto",
+    zero_stage: int = 0,
 ) -> Plan:
     """Plan ``traced`` on ``mesh_shape``. ``solver`` is "auto", "highs" or "cbc" (see
     ``solver.backends``); ``time_limit_s`` bounds the solve, after which the best plan found
     (or a rounded / greedy fallback) is returned with its gap to the LP bound."""
     check_solver(solver)
-    graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced)
+    graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage)
     ilp = ShardingILP(graph, memory_budget)
     solution = ilp.solve(time_limit_s, solver)
     if not solution.choice:

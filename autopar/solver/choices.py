@@ -100,11 +100,13 @@ def build_choice_graph(
     optimizer: str = "adamw",
     forced: dict[str, Spec] | None = None,
     share_layers: bool = True,
+    zero_stage: int = 0,
 ) -> ChoiceGraph:
     """Enumerate strategies and prices for every node of ``traced``.
 
     ``forced`` pins the output spec of named nodes (tests use it for hand plans).
     ``share_layers`` ties repeated layers to one choice (``repeated_layers``).
+    ``zero_stage`` (1 or 2) prices parameter state as ZeRO does (``memory.param_state_bytes``).
     """
     mesh_shape = tuple(mesh_shape)
     num_axes = len(mesh_shape)
@@ -117,7 +119,9 @@ def build_choice_graph(
         order.append(node.name)
         if node.op == "placeholder":
             graph_input = kinds[node.name]
-            choices[node.name] = _placeholder_choice(node, graph_input.kind, graph_input.fqn, mesh_shape, optimizer)
+            choices[node.name] = _placeholder_choice(
+                node, graph_input.kind, graph_input.fqn, mesh_shape, optimizer, zero_stage
+            )
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
         elif node.op == "call_function":
@@ -225,7 +229,7 @@ def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec
     return [spec for spec in itertools.product(per_axis, repeat=len(mesh_shape)) if is_valid(shape, spec, mesh_shape)]
 
 
-def _placeholder_choice(node, kind, fqn, mesh_shape, optimizer) -> Choice:
+def _placeholder_choice(node, kind, fqn, mesh_shape, optimizer, zero_stage=0) -> Choice:
     meta = tensor_meta(node.meta.get("val"))
     num_axes = len(mesh_shape)
     if meta is None:
@@ -239,7 +243,7 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, optimizer) -> Choice:
         specs = [replicated(num_axes)]
     strategies = [Strategy((), (spec,), source="placeholder") for spec in specs]
     if kind == "param":
-        mem = [float(memory.param_state_bytes(shape, dtype, spec, mesh_shape, optimizer)) for spec in specs]
+        mem = [float(memory.param_state_bytes(shape, dtype, spec, mesh_shape, optimizer, zero_stage)) for spec in specs]
     else:
         mem = [float(memory.local_bytes(shape, dtype, spec, mesh_shape)) for spec in specs]
     return Choice(
