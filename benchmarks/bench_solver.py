@@ -135,7 +135,8 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_xticks(range(len(chosen)), labels, fontsize=8)
         ax.set_ylabel("CPU seconds")
         ax.set_title(f"{family} shape, mesh 8x8, by layers" if family else "targets (CPU s)")
-    axes[0].legend(fontsize=8)
+    visible = [ax for ax in axes if ax.get_visible()]
+    visible[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
