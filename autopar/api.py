@@ -52,6 +52,7 @@ def plan(
     max_axes: int = 3,
     symbolic_batch: bool = False,
     compute: str | None = None,
+    solver: str = "auto",
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
@@ -68,6 +69,10 @@ def plan(
     ``plan.predict(batch=...)`` answers for other batch sizes without tracing. ``compute``
     ("roofline" or "measured") overrides the cluster's way of pricing ops: "measured" times each
     distinct op and local shape on this machine's device, cached on disk (``autopar.cost.measured``).
+
+    ``solver`` is
+    "auto" (LP relaxation first, MILP only if rounding leaves a gap), "highs" or "cbc";
+    ``time_limit_s`` bounds the solve (then the best plan found is used, with its gap).
     """
     cluster_spec = get_cluster(cluster)
     if compute is not None:
@@ -84,7 +89,7 @@ def plan(
         raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
                         "pass one of them, or mesh='auto' to search the meshes of that many devices")
     traced = trace(model, example_inputs, example_kwargs)
-    result = plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s)
+    result = plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s, solver)
     if symbolic_batch:
         from autopar.solver import symbolic
 
@@ -97,12 +102,13 @@ def plan(
     return result
 
 
-def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s) -> Plan:
+def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s,
+                solver: str = "auto") -> Plan:
     """Plan an already traced model (``autopar.plan`` without the tracing)."""
     if memory_budget is not None and not memory_budget > 0:
         raise ValueError(f"memory_budget is bytes per device and must be positive, got {memory_budget!r}")
     start = time.perf_counter()
-    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s)
+    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     return result
 

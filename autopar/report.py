@@ -54,6 +54,8 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
             + (f" in {plan.stats['solve_time_s']:.2f} s" if "solve_time_s" in plan.stats else "")
             + ", "
             f"{solver.get('num_variables', 0)} variables, {solver.get('num_constraints', 0)} constraints"
+            + (f", {solver['method']} by {solver.get('backend')}" if solver.get("method") else "")
+            + (f", gap {solver['gap']:.2%} to the LP bound" if solver.get("gap") is not None else "")
         )
     lines.append("")
     lines.append("Parameters")

@@ -1,12 +1,22 @@
 """Plan quality: autopar's predicted step time over the best hand plan's, on the same cost model.
 
-    python benchmarks/bench_quality.py --out benchmarks/results/quality.csv
+    python benchmarks/bench_quality.py                 # every cell (long: deep models, 8 plans each)
+    python benchmarks/bench_quality.py --quick         # the same shapes at 4 layers
 
-GPT-shaped models on the meta device, `h100-80g`, 80 GiB budget per device. Hand plans are
-``autopar.hand_plan`` kinds (ddp, fsdp, megatron, tp_fsdp): parameters laid out as the technique
-prescribes, everything else chosen by the solver. A ratio below 1 means autopar found a faster
-plan; "infeasible" means the hand plan does not fit the budget. (LLaMA shapes need the Hugging
-Face models; these are GPT blocks of the same widths and depths.)
+GPT-2-XL, LLaMA-3-8B and LLaMA-2-70B shapes (``autopar.models``) on the meta device,
+``h100-80g``, 80 GiB per device, at 8, 64 and 1,024 devices. Hand plans are
+``autopar.hand_plan`` kinds: parameters (and for ``megatron_sp`` the residual stream) laid out as
+the technique prescribes, everything else chosen by the solver. A ratio above 1 in any cell makes
+the script exit with status 1 (above 1 + 1e-4, the MILP gap tolerance). "infeasible" means the plan does not fit the budget.
+
+Bytes communicated per device per step (``predicted.comm_bytes``) are set against the analytic
+volumes (ring collectives, P = parameter bytes, A = one layer's activation bytes B·S·H·4, L layers,
+N devices, t = the inner mesh axis, d = N / t):
+    DDP and ZeRO-1/2: 2(N-1)/N · P          (all-reduce, or reduce-scatter + all-gather)
+    ZeRO-3 (FSDP):    3(N-1)/N · P          (all-gather forward and backward, reduce-scatter)
+    Megatron TP × DP: 8(t-1)/t · A · L + 2(d-1)/d · P/t
+                      (two all-reduces per layer forward and two backward, then DP on P/t)
+Writes ``results/quality.csv`` and ``results/quality.png``.
 """
 
 from __future__ import annotations
@@ -14,73 +24,140 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import sys
 import time
 
 import torch
 
 from autopar.cost.cluster import get_cluster
 from autopar.errors import InfeasibleError
-from autopar.hand_plans import KINDS, param_specs
-from autopar.models import GPT
+from autopar.hand_plans import KINDS, solve_hand_plan
+from autopar.models import LLAMA_SHAPES, build_model
 from autopar.solver import solve
+from autopar.solver.backends import MIP_REL_GAP
 from autopar.trace import trace
 
 MODELS = {
-    # name: (layers, width, heads, vocab, sequences, tokens per sequence)
-    "gpt2-xl": (48, 1600, 25, 50304, 64, 1024),
-    "gpt-8b": (32, 4096, 32, 128256, 64, 4096),
-    "gpt-65b": (80, 8192, 64, 32000, 128, 4096),
+    # name: (builder name, config, sequences, tokens per sequence)
+    "gpt2-xl": ("gpt", dict(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600, bias=False), 64, 1024),
+    "llama-3-8b": ("llama", LLAMA_SHAPES["llama-3-8b"], 64, 4096),
+    "llama-2-70b": ("llama", LLAMA_SHAPES["llama-2-70b"], 128, 4096),
 }
 MESHES = {8: (8,), 64: (8, 8), 1024: (128, 8)}
-CASES = [("gpt2-xl", 8), ("gpt2-xl", 64), ("gpt-8b", 64), ("gpt-65b", 1024)]
 
 
-def run_case(name: str, devices: int, budget: float) -> dict:
-    layers, width, heads, vocab, batch, seq = MODELS[name]
+def build(name: str, quick: bool):
+    builder, config, batch, seq = MODELS[name]
+    config = dict(config)
+    if quick:
+        config["n_layer"] = 4
     with torch.device("meta"):
-        model = GPT(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=width, bias=False)
+        model = build_model(builder, **config)
         idx = torch.zeros(batch, seq, dtype=torch.long)
+    return model, (idx, idx), config, batch, seq
+
+
+def analytic_bytes(model, config, batch: int, seq: int, mesh: tuple[int, ...]) -> dict:
+    params = 4 * sum(p.numel() for p in model.parameters())
+    devices = 1
+    for size in mesh:
+        devices *= size
+    tp = mesh[-1] if len(mesh) > 1 else devices
+    dp = devices // tp
+    activation = batch * seq * config["n_embd"] * 4
+    return {
+        "ddp_zero12_gib": 2 * (devices - 1) / devices * params / 2**30,
+        "zero3_gib": 3 * (devices - 1) / devices * params / 2**30,
+        "megatron_gib": (8 * (tp - 1) / tp * activation * config["n_layer"] + 2 * (dp - 1) / dp * params / tp) / 2**30,
+    }
+
+
+def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget: float) -> dict:
     mesh = MESHES[devices]
     cluster = get_cluster("h100-80g")
-    traced = trace(model, (idx, idx))
-    row: dict = {"model": name, "devices": devices, "mesh": "x".join(map(str, mesh))}
+    row: dict = {"model": name, "layers": config["n_layer"], "devices": devices, "mesh": "x".join(map(str, mesh))}
     start = time.perf_counter()
-    auto = solve(traced, mesh, cluster, memory_budget=budget)
+    try:
+        auto = solve(traced, mesh, cluster, memory_budget=budget)
+    except InfeasibleError:
+        auto = None
     row["plan_s"] = round(time.perf_counter() - start, 2)
-    row["autopar_step_s"] = auto.predicted["step_time_s"]
-    row["autopar_peak_gib"] = round(auto.predicted["peak_memory_bytes"] / 2**30, 2)
+    row["autopar_step_s"] = auto.predicted["step_time_s"] if auto else "infeasible"
+    row["autopar_gap"] = auto.solver.get("gap") if auto else ""
+    row["autopar_peak_gib"] = round(auto.predicted["peak_memory_bytes"] / 2**30, 2) if auto else ""
+    row["autopar_comm_gib"] = round(auto.predicted["comm_bytes"] / 2**30, 3) if auto else ""
+    row.update({k: round(v, 3) for k, v in analytic_bytes(model, config, batch, seq, mesh).items()})
     best = None
     for kind in KINDS:
         try:
-            hand = solve(traced, mesh, cluster, memory_budget=budget, forced=param_specs(kind, traced, mesh))
+            hand = solve_hand_plan(kind, traced, mesh, cluster, budget)
         except InfeasibleError:
             row[f"{kind}_step_s"] = "infeasible"
             continue
         row[f"{kind}_step_s"] = hand.predicted["step_time_s"]
+        row[f"{kind}_comm_gib"] = round(hand.predicted["comm_bytes"] / 2**30, 3)
         if best is None or hand.predicted["step_time_s"] < best[1]:
             best = (kind, hand.predicted["step_time_s"])
     row["best_hand"] = best[0] if best else "none feasible"
-    row["ratio_to_best_hand"] = round(auto.predicted["step_time_s"] / best[1], 4) if best else ""
+    if best and auto:
+        row["ratio_to_best_hand"] = round(auto.predicted["step_time_s"] / best[1], 4)
+    elif best:
+        row["ratio_to_best_hand"] = "autopar infeasible"
+    else:
+        row["ratio_to_best_hand"] = ""
     return row
 
 
-def main() -> None:
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [r for r in rows if isinstance(r.get("ratio_to_best_hand"), float)]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    labels = [f"{r['model']}\n{r['devices']} dev" for r in cells]
+    ax.bar(range(len(cells)), [r["ratio_to_best_hand"] for r in cells], color="tab:blue")
+    ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+    ax.set_xticks(range(len(cells)), labels, fontsize=8)
+    ax.set_ylabel("autopar / best hand plan\n(predicted step time)")
+    ax.set_title("Plan quality on h100-80g, 80 GiB per device (lower is better; 1.0 = best hand plan)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/quality.csv")
     parser.add_argument("--budget-gib", type=float, default=80)
+    parser.add_argument("--quick", action="store_true", help="4 layers per model instead of the full depth")
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--devices", nargs="*", type=int, default=list(MESHES))
     args = parser.parse_args()
     rows = []
-    for name, devices in CASES:
-        rows.append(run_case(name, devices, args.budget_gib * 2**30))
-        print(rows[-1], flush=True)
+    for name in args.models:
+        model, batch_inputs, config, batch, seq = build(name, args.quick)
+        traced = trace(model, batch_inputs)
+        for devices in args.devices:
+            rows.append(run_cell(name, traced, model, config, batch, seq, devices, args.budget_gib * 2**30))
+            print(rows[-1], flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fields = list(dict.fromkeys(key for row in rows for key in row))
     with open(args.out, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+    plot(rows, os.path.splitext(args.out)[0] + ".png")
     print(f"wrote {args.out}")
+    # Both sides are MILP optima to within MIP_REL_GAP, so a tie can read that much above 1.
+    limit = 1.0 + MIP_REL_GAP
+    worse = [r for r in rows if isinstance(r.get("ratio_to_best_hand"), float) and r["ratio_to_best_hand"] > limit]
+    worse += [r for r in rows if r.get("ratio_to_best_hand") == "autopar infeasible"]
+    for row in worse:
+        print(f"FAIL: autopar is predicted slower than {row['best_hand']} on {row['model']} at {row['devices']} devices: "
+              f"ratio {row['ratio_to_best_hand']}", file=sys.stderr)
+    return 1 if worse else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

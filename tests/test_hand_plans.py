@@ -37,6 +37,32 @@ def test_each_kind_lays_out_parameters_as_prescribed(plans):
     assert plans["megatron"].params[ln] == (Replicate(), Replicate())
     assert plans["tp_fsdp"].params[q] == (Shard(0), Shard(0)), "FSDP outside, TP inside"
     assert plans["tp_fsdp"].params[proj] == (Shard(0), Shard(1))
+    assert plans["megatron_sp"].params == plans["megatron"].params
+    assert plans["zero1"].params == plans["zero2"].params == plans["ddp"].params
+
+
+def test_zero_shards_optimizer_state_then_gradients_at_ddp_speed(gpt_and_batch, plans):
+    ddp, zero1, zero2 = (plans[k].predicted for k in ("ddp", "zero1", "zero2"))
+    assert zero1["step_time_s"] == pytest.approx(ddp["step_time_s"]), "ZeRO-1/2 move DDP's all-reduce bytes"
+    assert zero2["step_time_s"] == pytest.approx(ddp["step_time_s"])
+    # fp32 parameters (tied ones once); AdamW keeps two fp32 states per element.
+    params_bytes = 4 * sum(p.numel() for p in gpt_and_batch[0].parameters())
+    ways = MESH[0] * MESH[1]
+    assert ddp["peak_memory_bytes"] - zero1["peak_memory_bytes"] == pytest.approx(2 * params_bytes * (1 - 1 / ways), rel=1e-6)
+    assert zero1["peak_memory_bytes"] - zero2["peak_memory_bytes"] == pytest.approx(params_bytes * (1 - 1 / ways), rel=1e-6)
+
+
+def test_sequence_parallel_splits_the_residual_stream_along_the_sequence(plans):
+    sp, tp = plans["megatron_sp"], plans["megatron"]
+    residual = [n for n, p in sp.nodes.items() if p.op == "aten.add.Tensor" and len(p.shapes[0]) == 3]
+    assert residual and all(sp.nodes[n].outs[0] == (Shard(0), Shard(1)) for n in residual)
+    assert sp.predicted["peak_memory_bytes"] < tp.predicted["peak_memory_bytes"], "SP keeps 1/TP of those activations"
+
+
+def test_tp_dp_is_megatron_on_two_axes(gpt_and_batch, plans):
+    model, batch = gpt_and_batch
+    tp_dp = autopar.hand_plan("tp_dp", model, MESH, example_inputs=batch, cluster="cpu")
+    assert tp_dp.to_json() == plans["megatron"].to_json()
 
 
 @pytest.mark.parametrize("cluster", ["cpu", "h100-80g"])
@@ -69,5 +95,5 @@ def test_under_a_budget_autopar_still_wins_over_every_feasible_hand_plan(gpt_and
 
 def test_unknown_kind_names_the_kinds(gpt_and_batch):
     model, batch = gpt_and_batch
-    with pytest.raises(ValueError, match="ddp, fsdp, megatron, tp_fsdp"):
+    with pytest.raises(ValueError, match="ddp, zero1, zero2, fsdp, megatron, megatron_sp, tp_fsdp, tp_dp"):
         autopar.hand_plan("zero9", model, MESH, example_inputs=batch)

@@ -163,8 +163,13 @@ def build_timeline(
     nodes: Sequence[LiveNode],
     optimizer: str = "adamw",
     ties: Sequence[Sequence[str]] = (),
+    zero_stage: int = 0,
+    zero_ways: int = 1,
 ) -> Timeline:
     """The intervals of the module docstring for ``nodes`` in graph order.
+
+    ``zero_stage`` 1 splits every parameter's optimizer state ``zero_ways`` ways (ZeRO-1 over
+    ``zero_ways`` replicas), 2 its gradient too (ZeRO-2).
 
     ``ties`` groups parameter placeholders that hold one tensor: only the first of each group
     carries the parameter's bytes, and its gradient is alive from the last use of any member.
@@ -207,9 +212,12 @@ def build_timeline(
             if node.requires_grad:
                 if states:
                     factor = states * memory._STATE_DTYPE.itemsize / node.itemsize
+                    if zero_stage >= 1:
+                        factor /= zero_ways
                     intervals.append(Interval(name, "optimizer_state", 0, last, factor))
                 if uses.get(name):
-                    intervals.append(Interval(name, "grad", bwd(max(uses[name])), last))
+                    grad_factor = 1.0 / zero_ways if zero_stage >= 2 else 1.0
+                    intervals.append(Interval(name, "grad", bwd(max(uses[name])), last, grad_factor))
         elif node.kind in ("buffer", "user", "constant"):
             intervals.append(Interval(name, "input", 0, last))
         elif node.kind == "op":

@@ -33,6 +33,7 @@ def solve(
     time_limit_s: float = 60.0,
     forced: dict[str, Spec] | None = None,
     solver: str = "auto",
+    zero_stage: int = 0,
 ) -> Plan:
     """Plan ``traced`` on ``mesh_shape``. ``solver`` is "auto", "highs" or "cbc" (see
     ``solver.backends``); ``time_limit_s`` bounds the solve, after which the best plan found
@@ -40,7 +41,7 @@ def solve(
     check_solver(solver)
     start = time.perf_counter()
     log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
-    graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced)
+    graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage)
     log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
              time.perf_counter() - start)
     ilp = ShardingILP(graph, memory_budget)

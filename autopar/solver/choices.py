@@ -15,6 +15,8 @@ same numbers.
 
 from __future__ import annotations
 
+import math
+
 import itertools
 import operator
 import re
@@ -113,18 +115,22 @@ def build_choice_graph(
     optimizer: str = "adamw",
     forced: dict[str, Spec] | None = None,
     share_layers: bool = True,
+    zero_stage: int = 0,
 ) -> ChoiceGraph:
     """Enumerate strategies and prices for every node of ``traced``.
 
     ``forced`` pins the output spec of named nodes (tests use it for hand plans).
     ``share_layers`` ties repeated layers to one choice (``repeated_layers``).
     Strided shards are offered for the block counts of the graph's equal splits.
+    ``zero_stage`` (1 or 2) prices parameter state as ZeRO does over a DDP layout: every rank
+    holds every parameter whole, and the optimizer state (stage 1) and the gradients (stage 2)
+    are split among all ranks. So it needs every parameter pinned replicated by ``forced``.
     """
     with offering_strided(split_blocks(traced.gm)):
-        return _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers)
+        return _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage)
 
 
-def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers) -> ChoiceGraph:
+def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage) -> ChoiceGraph:
     mesh_shape = tuple(mesh_shape)
     num_axes = len(mesh_shape)
     kinds = {i.name: i for i in traced.inputs}
@@ -135,7 +141,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
         order.append(node.name)
         if node.op == "placeholder":
             graph_input = kinds[node.name]
-            choices[node.name] = _placeholder_choice(node, graph_input.kind, graph_input.fqn, mesh_shape, optimizer)
+            choices[node.name] = _placeholder_choice(node, graph_input.kind, graph_input.fqn, mesh_shape)
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
         elif node.op == "call_function":
@@ -152,8 +158,20 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     _mark_followers(choices, order)
     templates = repeated_layers(traced.gm, choices, traced) if share_layers else {}
     ties = _tie_groups(traced, choices)
-    timeline = liveness.build_timeline(_live_nodes(traced.gm, choices), optimizer, ties)
+    if zero_stage:
+        _check_zero_layout(choices, zero_stage)
+    zero_ways = math.prod(mesh_shape) if zero_stage else 1
+    timeline = liveness.build_timeline(_live_nodes(traced.gm, choices), optimizer, ties, zero_stage, zero_ways)
     return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline)
+
+
+def _check_zero_layout(choices: dict[str, Choice], zero_stage: int) -> None:
+    for choice in choices.values():
+        if choice.kind == "param" and any(not spec.is_replicate() for s in choice.strategies for spec in s.outs[0]):
+            raise ValueError(
+                f"zero_stage={zero_stage} prices ZeRO over a DDP layout, but parameter {choice.fqn} may be "
+                "sharded: pin every parameter replicated (forced=...), as autopar.hand_plan('zero1') does"
+            )
 
 
 def _live_nodes(gm: torch.fx.GraphModule, choices: dict[str, Choice]) -> list[liveness.LiveNode]:
@@ -264,7 +282,7 @@ def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec
     return [spec for spec in itertools.product(per_axis, repeat=len(mesh_shape)) if is_valid(shape, spec, mesh_shape)]
 
 
-def _placeholder_choice(node, kind, fqn, mesh_shape, optimizer) -> Choice:
+def _placeholder_choice(node, kind, fqn, mesh_shape) -> Choice:
     meta = tensor_meta(node.meta.get("val"))
     num_axes = len(mesh_shape)
     if meta is None:

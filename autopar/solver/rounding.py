@@ -17,6 +17,7 @@ the fallback when a MILP solve fails or runs out of time; the gap to the LP boun
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING
 
 import pulp
@@ -132,7 +133,10 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
         variables[(src, dst)].varValue = 1.0
     if any(var.varValue is None for var in ilp.problem.variables()):
         return _fixed_solve(ilp, choice)  # another family added variables: let the LP set them
-    for constraint in ilp.problem.constraints.values():
+    with warnings.catch_warnings():  # the PuLP 2.x mapping API, as in ``ilp.py``
+        warnings.simplefilter("ignore", DeprecationWarning)
+        constraints = list(ilp.problem.constraints.values())
+    for constraint in constraints:
         if not constraint.valid(_TOLERANCE * max(1.0, abs(constraint.constant))):
             return None
     return float(pulp.value(ilp.problem.objective) or 0.0)

@@ -15,6 +15,7 @@ solver's), and ``gap = (objective_s - bound_s) / objective_s``, which the plan r
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from typing import TYPE_CHECKING
@@ -53,10 +54,13 @@ def solve_ilp(ilp: ShardingILP, time_limit_s: float, solver: str) -> Solution:
         objective = float(pulp.value(ilp.problem.objective) or 0.0)
         optimal = ilp.problem.sol_status == pulp.LpSolutionOptimal
         mip_bound = backends.mip_bound(ilp.problem, backend)
-        if optimal:
-            bound = max(b for b in (bound, mip_bound, objective if backend == "cbc" else None) if b is not None)
-        elif mip_bound is not None:
-            bound = mip_bound if bound is None else max(bound, mip_bound)
+        scale = objective_scale(ilp.problem.objective)
+        if mip_bound is not None:
+            bound = mip_bound / scale if bound is None else max(bound, mip_bound / scale)
+        elif bound is None:  # CBC reports no bound through PuLP: take the LP relaxation's
+            bound = _relaxation_bound(ilp, left())
+        if not optimal and incumbent is not None and incumbent[0] < objective:
+            return _solution(ilp, incumbent, "Feasible (time limit)", backend, bound, start)
         label = "Optimal" if optimal else "Feasible (time limit)"
         return _solution(ilp, (objective, choice, "milp"), label, backend, bound, start)
     if status == "Infeasible":
@@ -85,6 +89,11 @@ def _relax_and_round(ilp: ShardingILP, time_limit_s: float):
     return bound, (None if value is None else (value, choice, "lp-rounding"))
 
 
+def _relaxation_bound(ilp: ShardingILP, time_limit_s: float) -> float | None:
+    _run(ilp, backends.make(backends.lp_backend(), time_limit_s, mip=False))
+    return float(pulp.value(ilp.problem.objective) or 0.0) if ilp.problem.status == pulp.LpStatusOptimal else None
+
+
 def _greedy_plans(ilp: ShardingILP):
     """A greedy plan, at rising memory weights until one meets every constraint."""
     choice = rounding.greedy(ilp, 0.0)
@@ -107,13 +116,31 @@ def _greedy_plans(ilp: ShardingILP):
 
 
 def _run(ilp: ShardingILP, solver: pulp.LpSolver) -> str:
+    """Solve with the objective scaled (``objective_scale``); values are read unscaled after."""
+    objective = ilp.problem.objective
+    scale = objective_scale(objective)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
+        ilp.problem.setObjective(pulp.LpAffineExpression(
+            {var: coef * scale for var, coef in objective.items()}, constant=objective.constant * scale,
+        ))
         try:
             ilp.problem.solve(solver)
         except pulp.PulpSolverError as error:
             return f"Solver error ({error})"
+        finally:
+            ilp.problem.setObjective(objective)
     return pulp.LpStatus[ilp.problem.status]
+
+
+def objective_scale(objective: pulp.LpAffineExpression) -> float:
+    """A power of ten that brings the largest objective coefficient near 1e3.
+
+    Step times are seconds, and the prices of small ops are 1e-9 s or less: below the solvers'
+    absolute tolerances (1e-6 to 1e-9), which then stop early or call a worse plan optimal.
+    Memory objectives (``_infeasible``) are bytes, far above them."""
+    largest = max((abs(coef) for coef in objective.values()), default=0.0)
+    return 10.0 ** round(math.log10(1e3 / largest)) if largest > 0 else 1.0
 
 
 def _chosen(ilp: ShardingILP, name: str) -> int:
