@@ -71,9 +71,15 @@ _COLLECTIVES = {
 }
 
 
+def _group_name(args: tuple) -> str:
+    """The process-group name among a collective's arguments (the only string; ``blocks`` of a
+    strided shard may follow it)."""
+    return next(a for a in args if isinstance(a, str))
+
+
 def _expected_collective_shape(kind: str, args: tuple, shape: tuple[int, ...]) -> tuple[int, ...] | str:
     """The output shape ``kind`` must produce from an input of ``shape``, or why none exists."""
-    size = collectives.group_size(args[-1])
+    size = collectives.group_size(_group_name(args))
     out = list(shape)
     if kind in ("all_reduce", "allreduce_grad"):
         return tuple(out)
@@ -125,7 +131,7 @@ class _ShapeChecker(torch.fx.Interpreter):
         expected = _expected_collective_shape(kind, node.args, tuple(source.shape))
         if isinstance(expected, str) or tuple(result.shape) != expected:
             why = expected if isinstance(expected, str) else f"expected {expected}"
-            self.mismatches.append(f"{node.name} ({kind} on group {node.args[-1]}): input {tuple(source.shape)}, "
+            self.mismatches.append(f"{node.name} ({kind} on group {_group_name(node.args)}): input {tuple(source.shape)}, "
                                    f"output {tuple(result.shape)}, {why}")
 
     def _check_outputs(self, node: torch.fx.Node, decision, result: Any) -> None:
