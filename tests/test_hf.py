@@ -169,8 +169,13 @@ def test_tight_budget_gpt2_c_attn_is_split_by_heads_with_no_collective_before_c_
     # GPT-2's c_attn is a Conv1D: addmm with weight [n_embd, 3 n_embd], then split(n_embd). With
     # memory tight the plan cuts it by heads (S(1)/3 on one mesh axis), so q, k and v are each
     # rank's own and nothing moves between c_attn and c_proj except parameters.
+    # The budget is the replicated parameters' own bytes (with gradients and AdamW state), which
+    # no plan keeping every parameter whole meets. At 90% of it (``tight_budget``) the liveness
+    # peak, which counts backward temporaries, also makes the plan split the attention output
+    # and gather it again before c_proj.
     model, kwargs = BUILDERS["gpt2"](batch_size=TIGHT_BATCH)
-    plan = autopar.plan(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=tight_budget("gpt2"))
+    budget = tight_budget("gpt2") / 0.9
+    plan = autopar.plan(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=budget)
     order = list(plan.nodes)
     for layer in range(2):
         weight = f"transformer.h.{layer}.attn.c_attn.weight"
