@@ -22,6 +22,8 @@ import time
 
 import torch
 
+import autopar
+
 from autopar.cost.cluster import get_cluster
 from autopar.models import LLAMA_SHAPES, build_model
 from autopar.solver import plan_from_solution
@@ -80,6 +82,17 @@ def plan_stages(builder: str, config: dict, batch: int, seq: int, mesh: tuple[in
     }
 
 
+def end_to_end_s(builder: str, config: dict, batch: int, seq: int, mesh: tuple[int, ...]) -> float:
+    """Wall seconds of one ``autopar.plan`` call as a user makes it: the stages above plus the
+    memory rounds of ``solver.solve`` and the explanations stored in the plan."""
+    with torch.device("meta"):
+        model = build_model(builder, **config)
+        idx = torch.zeros(batch, seq, dtype=torch.long)
+    start = time.perf_counter()
+    autopar.plan(model, mesh, example_inputs=(idx, idx), cluster="h100-80g", memory_budget=BUDGET_BYTES)
+    return round(time.perf_counter() - start, 2)
+
+
 def _prod(sizes) -> int:
     out = 1
     for size in sizes:
@@ -106,6 +119,7 @@ def targets() -> list[dict]:
     rows = []
     for label, builder, config, batch, seq, mesh, allowed in TARGETS:
         row = {"sweep": "target", "model": label, **plan_stages(builder, dict(config), batch, seq, mesh)}
+        row["end_to_end_s"] = end_to_end_s(builder, dict(config), batch, seq, mesh)
         row["target_s"] = allowed
         rows.append(row)
         print(row, flush=True)

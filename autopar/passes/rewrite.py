@@ -87,13 +87,16 @@ def insert_collectives(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[st
             steps = transition_steps(src, dst)
             if steps is None:
                 raise AssertionError(f"plan asks for impossible transition {src} → {dst} into {node.name}")
+            # A collective over a mesh axis of size 1 is the identity (and priced at 0): skip it.
             with graph.inserting_before(node):
                 for step in steps:
-                    value = _step_node(graph, value, step, groups)
+                    if plan.mesh_shape[step.axis] > 1:
+                        value = _step_node(graph, value, step, groups)
                 if requires_grad(source) and node.op != "output":
                     strategy = Strategy(decision.ins, decision.outs, whole_grad=decision.whole_grad)
                     for axis in grad_sync_axes(strategy, index):
-                        value = graph.call_function(collectives.allreduce_grad, (value, groups[axis]))
+                        if plan.mesh_shape[axis] > 1:
+                            value = graph.call_function(collectives.allreduce_grad, (value, groups[axis]))
             replacements.append(value)
         if any(r is not nodes[p] for r, (p, _) in zip(replacements, decision.inputs)):
             _replace_tensor_inputs(node, replacements)
