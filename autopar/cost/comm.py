@@ -135,6 +135,16 @@ def _bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def _walk(src: Spec, dst: Spec, global_shape: Sequence[int], dtype: torch.dtype, mesh_shape: Sequence[int]):
+    """Each step of ``transition_steps(src, dst)`` with its forward and backward collectives,
+    sized at the local bytes of the tensor just before it; nothing when it is impossible."""
+    current = list(src)
+    for step in transition_steps(src, dst) or ():
+        local_bytes = _bytes(local_shape(global_shape, tuple(current), mesh_shape), dtype)
+        yield step, _step_collectives(step.kind, local_bytes, mesh_shape[step.axis])
+        current[step.axis] = dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
+
+
 def transition_cost(
     src: Spec,
     dst: Spec,
@@ -150,21 +160,16 @@ def transition_cost(
     Each step is priced at the local size of the tensor just before it. Backward costs (the
     dual of each step, see the module docstring) are counted only when ``requires_grad``.
     """
-    steps = transition_steps(src, dst)
-    if steps is None:
+    if transition_steps(src, dst) is None:
         return None
-    current = list(src)
     total = ZERO
-    for step in steps:
-        local_bytes = _bytes(local_shape(global_shape, tuple(current), mesh_shape), dtype)
-        forward, backward = _step_collectives(step.kind, local_bytes, mesh_shape[step.axis])
+    for step, (forward, backward) in _walk(src, dst, global_shape, dtype, mesh_shape):
         forward_s, forward_sent = _price(forward, step.axis, mesh_shape, cluster)
         backward_s, backward_sent = 0.0, 0.0
         if requires_grad:
             backward_s, backward_sent = _price(backward, step.axis, mesh_shape, cluster)
         sent = forward_sent + backward_sent
         total = total + CommCost(forward_s, backward_s, sent, ((step.axis, sent),) if sent else ())
-        current[step.axis] = dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
     return total
 
 
@@ -178,17 +183,12 @@ def transition_bytes_per_axis(
 ) -> dict[int, float]:
     """Bytes each device sends on each mesh axis for ``transition_cost``'s steps (forward, and
     backward when ``requires_grad``); empty when nothing is sent or the transition is impossible."""
-    steps = transition_steps(src, dst) or ()
-    current = list(src)
     per_axis: dict[int, float] = {}
-    for step in steps:
-        local_bytes = _bytes(local_shape(global_shape, tuple(current), mesh_shape), dtype)
+    for step, (forward, backward) in _walk(src, dst, global_shape, dtype, mesh_shape):
         k = mesh_shape[step.axis]
-        forward, backward = _step_collectives(step.kind, local_bytes, k)
         for collective in (forward, backward if requires_grad else None):
             if collective is not None and k > 1:
                 per_axis[step.axis] = per_axis.get(step.axis, 0.0) + bytes_sent(collective[0], collective[1], k)
-        current[step.axis] = dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
     return per_axis
 
 

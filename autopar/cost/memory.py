@@ -51,28 +51,17 @@ def param_state_bytes(
     spec: Spec,
     mesh_shape: Sequence[int],
     optimizer: str = "adamw",
-    zero_stage: int = 0,
 ) -> int:
-    """Local parameter + gradient + optimizer state, in bytes on one rank.
-
-    ``zero_stage`` models ZeRO on top of ``spec`` for the hand plans: the ranks that hold
-    the same replica split the optimizer state (stage 1) and also the gradient (stage 2)
-    evenly among themselves; the parameter itself stays as ``spec`` places it. (Stage 3 is a
-    sharded ``spec``, which the solver chooses itself.)
-    """
+    """Local parameter + gradient + optimizer state, in bytes on one rank. (ZeRO-1/2 hand plans
+    split state and gradients in the liveness walk: ``liveness.build_timeline(zero_stage=)``.)"""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(
             f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(OPTIMIZER_STATES))}"
         )
-    if zero_stage not in (0, 1, 2):
-        raise ValueError(f"zero_stage must be 0, 1 or 2 (stage 3 is a sharded spec), got {zero_stage!r}")
     local = local_shape(shape, spec, mesh_shape)
     param_bytes = tensor_bytes(local, dtype)
     state_bytes = OPTIMIZER_STATES[optimizer] * tensor_bytes(local, _STATE_DTYPE)
-    replicas = math.prod(size for size, placement in zip(mesh_shape, spec) if placement.is_replicate())
-    grad_ways = replicas if zero_stage >= 2 else 1
-    state_ways = replicas if zero_stage >= 1 else 1
-    return param_bytes + math.ceil(param_bytes / grad_ways) + math.ceil(state_bytes / state_ways)
+    return 2 * param_bytes + state_bytes
 
 
 def _overloads(*names: str) -> frozenset:

@@ -58,10 +58,10 @@ def solve(
         ilp.add_memory_constraint_at(peak_time)
         solution = ilp.solve(time_limit_s, solver)
     else:
-        if solution.choice and memory_budget is not None and peak_memory(graph, solution)[0] > memory_budget * (1 + 1e-9):
+        peak_bytes = peak_memory(graph, solution)[0] if solution.choice and memory_budget is not None else 0.0
+        if memory_budget is not None and peak_bytes > memory_budget * (1 + 1e-9):
             log.warning("autopar: after %d memory rounds the plan still peaks at %.0f bytes, over memory_budget=%.0f; "
-                        "its predicted peak is in plan.predicted", _MAX_MEMORY_ROUNDS,
-                        peak_memory(graph, solution)[0], memory_budget)
+                        "its predicted peak is in plan.predicted", _MAX_MEMORY_ROUNDS, peak_bytes, memory_budget)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
         if forced:
