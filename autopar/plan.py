@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from autopar.errors import PlanError
+from autopar.pipeline import StagePlan
 from autopar.spec import Spec, format_spec, parse_spec
 
 PLAN_VERSION = 1
@@ -132,6 +133,9 @@ class Plan:
     decisions: dict[str, Any] = field(default_factory=dict)
     # How to rebuild the model (the CLI's MODEL_SPEC and batch settings), for ``autopar check``.
     model: dict[str, Any] = field(default_factory=dict)
+    # Pipeline stages (``autopar.pipeline``); None when the plan does not pipeline. When set,
+    # ``params`` and ``nodes`` hold the intra-stage decisions, for ``pipeline.stage_mesh``.
+    pipeline: StagePlan | None = None
     # Facts about the run that made this plan, such as wall-clock timings and the mesh search
     # table. Not serialized: a plan's JSON must be byte-identical across runs and ranks.
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -140,8 +144,13 @@ class Plan:
         if not self.mesh_shape or any(int(n) < 1 for n in self.mesh_shape):
             raise PlanError(f"plan mesh shape must be positive integers, got {self.mesh_shape}")
         for fqn, spec in self.params.items():
-            if len(spec) != len(self.mesh_shape):
-                raise PlanError(f"param {fqn!r} has {len(spec)} placements for a {len(self.mesh_shape)}-axis mesh")
+            if len(spec) != len(self.spec_mesh):
+                raise PlanError(f"param {fqn!r} has {len(spec)} placements for a {len(self.spec_mesh)}-axis mesh")
+
+    @property
+    def spec_mesh(self) -> tuple[int, ...]:
+        """The mesh the node and parameter specs are for: the stage mesh of a pipelined plan."""
+        return tuple(self.pipeline.stage_mesh) if self.pipeline is not None else tuple(self.mesh_shape)
 
     # -- serialization ------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -160,6 +169,8 @@ class Plan:
             data["model"] = self.model
         if self.decisions:
             data["decisions"] = self.decisions
+        if self.pipeline is not None:
+            data["pipeline"] = self.pipeline.to_json()
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -187,6 +198,7 @@ class Plan:
                 version=version,
                 decisions=data.get("decisions", {}),
                 model=data.get("model", {}),
+                pipeline=StagePlan.from_json(data["pipeline"]) if "pipeline" in data else None,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"malformed plan: {type(error).__name__}: {error}") from None
