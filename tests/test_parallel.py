@@ -168,6 +168,9 @@ FORCED = {
 }
 
 
+VOCAB = 4096
+
+
 def _run_forced(rank: int, world: int) -> dict:
     from autopar.cost.cluster import get_cluster
     from autopar.solver import solve
@@ -190,6 +193,21 @@ def _run_forced(rank: int, world: int) -> dict:
             "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager)),
             "collectives": _collective_counts(pm),
         }
+    # A large vocabulary: the planner splits the tied embedding/LM-head table by vocab and takes
+    # the loss on vocab-split logits (the vocab-parallel cross-entropy kernel).
+    model = build_model("gpt", seed=0, bias=False, vocab_size=VOCAB)
+    eager = copy.deepcopy(model)
+    batch = example_batch("gpt", batch_size=4, seed=1, vocab_size=VOCAB)
+    pm_vocab = autopar.compile(model, (world,), example_inputs=batch, cluster="cpu")
+    loss = pm_vocab(*batch)
+    loss.backward()
+    want = eager(*batch)
+    want.backward()
+    results["vocab_parallel"] = {
+        "loss": (loss.item(), want.item()),
+        "grad_rel": max_rel_diff(pm_vocab.full_grads(), _eager_grads(eager)),
+        "kernels": sorted({d.kernel for d in pm_vocab.plan.nodes.values() if d.kernel}),
+    }
     # Hand plans compile and run like any plan: real baselines.
     for kind in ("megatron", "fsdp"):
         model = build_model("gpt", seed=0, bias=False)
@@ -233,6 +251,8 @@ def test_forced_plans_with_split_activations_match_eager() -> None:
     assert results[0]["replicated_then_column"]["collectives"].get("allreduce_grad"), "the gelu gradient must be all-reduced"
     assert results[0]["hand_megatron"]["collectives"].get("all_reduce"), "Megatron all-reduces activations"
     assert results[0]["hand_fsdp"]["collectives"].get("all_gather"), "FSDP gathers parameters"
+    kernels = results[0]["vocab_parallel"]["kernels"]
+    assert {"embedding_vocab_split", "cross_entropy_vocab_split"} <= set(kernels), kernels
 
 
 def _infeasible_on_every_rank(rank: int, world: int) -> str:

@@ -429,6 +429,8 @@ def test_cross_entropy(mesh):
         if mesh == (2,):
             expected = {0: ([S(0)], None), 1: ([P], "cross_entropy_mean"), 2: ([P], None)}[reduction]
             assert has(s, [[S(0)], [S(0)]], *expected)
+            even = check(aten.cross_entropy_loss.default, (torch.randn(8, 6), target, None, reduction), mesh=mesh)
+            assert has(even, [[S(1)], [R]], [R], "cross_entropy_vocab_split"), "vocab-parallel row (6 classes)"
     spatial, spatial_target = torch.randn(4, 5, 6), torch.randint(0, 5, (4, 6))
     for reduction in (0, 1, 2):
         s = check(aten.cross_entropy_loss.default, (spatial, spatial_target, None, reduction), mesh=mesh)
@@ -727,6 +729,22 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
         close(out, loss.detach(), f"cross entropy forward (weight={weight is not None}, ls={smoothing})")
         out.backward()
         close(logitsl.grad, logits.grad.chunk(world_size, 0)[rank], "cross entropy grad")
+
+    # cross_entropy_vocab_split: self S(1) (classes split), target R -> R, ignored targets
+    for reduction, name in ((0, "none"), (1, "mean"), (2, "sum")):
+        logits = torch.randn(6, 10, requires_grad=True)
+        target = torch.randint(0, 10, (6,))
+        target[2] = -100
+        ref = F.cross_entropy(logits, target, reduction=name)
+        c = torch.randn(6) if reduction == 0 else torch.tensor(1.7)
+        (ref * c).sum().backward()
+        logitsl = chunk(logits, 1)
+        out = get_kernel("cross_entropy_vocab_split")(axis_groups=(group, solo), self=logitsl, target=target,
+                                                      weight=None, reduction=reduction, ignore_index=-100,
+                                                      label_smoothing=0.0)
+        close(out, ref.detach(), f"vocab-parallel cross entropy forward ({name})")
+        (out * c).sum().backward()
+        close(logitsl.grad, logits.grad.chunk(world_size, 1)[rank], f"vocab-parallel cross entropy grad ({name})")
 
     # sync_batch_norm: input S(0) (and a trivial second group), weight/bias/stats R -> S(0)
     bn = nn.BatchNorm2d(3)

@@ -141,6 +141,62 @@ def cross_entropy_mean(*, axis_groups: Sequence[str], self: torch.Tensor, target
     return local_sum / denominator.to(local_sum.dtype)
 
 
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross entropy of logits whose class dim is split over ``axis_groups`` (Megatron's
+    vocab-parallel loss). Forward: the global max, sum of exponentials and target logit are
+    all-reduced as [N] vectors, so the [N, C] logits are never gathered. The loss is whole on
+    every rank, so each rank's gradient is its own slice of softmax - one-hot: no communication
+    in backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, axis_groups, ignore_index, reduction):
+        rows = logits.shape[1]
+        start = block_index(axis_groups) * rows
+        x = logits.detach().to(torch.float32)
+        peak = x.max(1).values
+        for group in axis_groups:
+            peak = collectives.no_grad_all_reduce_max(peak, group)
+        exp = (x - peak[:, None]).exp()
+        sum_exp = exp.sum(1)
+        valid = target != ignore_index
+        local = target - start
+        inside = valid & (local >= 0) & (local < rows)
+        local = local.clamp(0, rows - 1)
+        picked = (x.gather(1, local[:, None]).squeeze(1) - peak) * inside
+        for group in axis_groups:
+            sum_exp = collectives.no_grad_all_reduce(sum_exp, group)
+            picked = collectives.no_grad_all_reduce(picked, group)
+        per_sample = (sum_exp.log() - picked) * valid
+        count = valid.sum()
+        ctx.save_for_backward(exp / sum_exp[:, None], local, inside, valid, count)
+        ctx.reduction, ctx.dtype = reduction, logits.dtype
+        if reduction == 0:
+            return per_sample.to(logits.dtype)
+        total = per_sample.sum()
+        return (total / count if reduction == 1 else total).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, inside, valid, count = ctx.saved_tensors
+        out = softmax.clone()
+        out[torch.arange(out.shape[0], device=out.device), local] -= inside.to(out.dtype)
+        out *= valid[:, None]
+        if ctx.reduction == 0:
+            out *= grad.to(out.dtype)[:, None]
+        else:
+            out *= grad.to(out.dtype) / (count if ctx.reduction == 1 else 1)
+        return out.to(ctx.dtype), None, None, None, None
+
+
+@register_kernel("cross_entropy_vocab_split")
+def cross_entropy_vocab_split(*, axis_groups: Sequence[str], self: torch.Tensor, target: torch.Tensor,
+                              reduction: int = 1, ignore_index: int = -100, **_: Any) -> torch.Tensor:
+    """Vocab-parallel cross entropy: logits [N, C] split along C, class-index targets whole; the
+    result (whole on every rank) equals ``cross_entropy(logits, target)`` without a weight or
+    label smoothing."""
+    return _VocabParallelCrossEntropy.apply(self, target, tuple(axis_groups), ignore_index, reduction)
+
+
 @register_kernel("sync_batch_norm")
 def sync_batch_norm(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor | None,
                     bias: torch.Tensor | None, running_mean: torch.Tensor | None,

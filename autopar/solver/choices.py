@@ -346,6 +346,10 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
                 cost = comm.grad_allreduce_cost(arg.shape, strategy.ins[index], axis, arg.dtype, mesh_shape, cluster)
                 seconds += cost.backward_s
                 synced += cost.bytes_sent
+        for axis in strategy.kernel_axes:
+            for num_bytes in kernel_all_reduce_bytes(info, strategy):
+                seconds += comm.all_reduce_s(num_bytes, axis, mesh_shape, cluster)
+                synced += comm.bytes_sent("all_reduce", num_bytes, mesh_shape[axis])
         compute_s.append(seconds)
         sync_bytes.append(synced)
         out_bytes = sum(
@@ -354,6 +358,21 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
         )
         memory_bytes.append(float(out_bytes))
     return strategies, compute_s, memory_bytes, sync_bytes
+
+
+# Kernels that all-reduce tensors of their own, beyond the redistributions of their inputs and
+# outputs (which the edges price): kernel name -> the sizes in bytes of what it all-reduces on each
+# of its axes in one forward. Their backward communicates nothing.
+_KERNEL_ALL_REDUCES = {
+    # The max, the sum of exponentials and the target logit per row, in float32.
+    "cross_entropy_vocab_split": lambda info: [4 * info.kw["self"].shape[0]] * 3,
+}
+
+
+def kernel_all_reduce_bytes(info, strategy: Strategy) -> list[int]:
+    """Sizes of the all-reduces ``strategy``'s kernel runs on each of its ``kernel_axes``."""
+    sizes = _KERNEL_ALL_REDUCES.get(strategy.kernel)
+    return sizes(info) if sizes is not None else []
 
 
 def grad_sync_bytes_per_axis(
@@ -371,6 +390,9 @@ def grad_sync_bytes_per_axis(
         for axis in grad_sync_axes(strategy, position):
             local = memory.local_bytes(arg.shape, arg.dtype, strategy.ins[position], mesh_shape)
             per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent("all_reduce", local, mesh_shape[axis])
+    for axis in strategy.kernel_axes:
+        for num_bytes in kernel_all_reduce_bytes(choice.info, strategy):
+            per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent("all_reduce", num_bytes, mesh_shape[axis])
     return per_axis
 
 
