@@ -35,7 +35,7 @@ TOL = 1e-4
 def tight_budget(name: str) -> float:
     """90% of the replicated parameters' own bytes (with gradients and AdamW state): no plan
     that keeps every parameter whole fits, so the plan must shard parameters."""
-    model, _ = BUILDERS[name](batch_size=TIGHT_BATCH)
+    model, _ = {**BUILDERS, **COVERAGE}[name](batch_size=TIGHT_BATCH)
     return 0.9 * sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
 
 
@@ -48,7 +48,7 @@ def _collectives(pm: autopar.ParallelModule) -> dict[str, int]:
 
 
 def _compile_and_compare(name: str, batch_size: int, budget: float | None) -> dict:
-    model, kwargs = BUILDERS[name](batch_size=batch_size)
+    model, kwargs = {**BUILDERS, **COVERAGE}[name](batch_size=batch_size)
     eager = copy.deepcopy(model)
     pm = autopar.compile(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=budget)
     loss = pm(**kwargs).loss
@@ -56,7 +56,12 @@ def _compile_and_compare(name: str, batch_size: int, budget: float | None) -> di
     want = eager(**kwargs).loss
     want.backward()
     grads = {fqn: p.grad for fqn, p in eager.named_parameters(remove_duplicate=False)}
+    scale = max(g.abs().max().item() for g in grads.values())
     return {
+        # Parameters whose gradient is zero in exact arithmetic (an attention key bias: softmax
+        # is unchanged by adding the same number to every score) hold rounding noise in both
+        # runs, so their relative error means nothing.
+        "zero_grad": sorted(fqn for fqn, g in grads.items() if g.abs().max().item() < 1e-6 * scale),
         "loss": (loss.item(), want.item()),
         "grad_rel": max_rel_diff(pm.full_grads(), grads),
         "collectives": _collectives(pm),
@@ -72,23 +77,31 @@ def _run(rank: int, world: int, budgets: dict[str, float]) -> dict:
     for name in BUILDERS:
         results[name] = _compile_and_compare(name, AMPLE_BATCH, None)
         results[f"{name}_tight"] = _compile_and_compare(name, TIGHT_BATCH, budgets[name])
+    # Encoder (masked LM), vision and mixture-of-experts models train too, under a tight budget
+    # (with memory to spare the cpu preset keeps these tiny models replicated).
+    for name in COVERAGE:
+        results[f"{name}_tight"] = _compile_and_compare(name, TIGHT_BATCH, budgets[name])
     return results
 
 
+def _worst_gradient(grad_rel: dict[str, float], zero: set[str]) -> tuple[str, float]:
+    """The largest relative gradient error among parameters whose gradient is not zero."""
+    return max(((fqn, err) for fqn, err in grad_rel.items() if fqn not in zero), key=lambda item: item[1])
+
+
 @pytest.mark.multiproc
-def test_gpt2_and_llama_match_eager_on_mesh_2x2_with_ample_and_tight_budgets() -> None:
-    budgets = {name: tight_budget(name) for name in BUILDERS}
-    results = run_distributed(_run, math.prod(MESH), budgets, timeout_s=900)
+def test_hf_models_match_eager_on_mesh_2x2_with_ample_and_tight_budgets() -> None:
+    budgets = {name: tight_budget(name) for name in {**BUILDERS, **COVERAGE}}
+    results = run_distributed(_run, math.prod(MESH), budgets, timeout_s=1200)
     for rank, by_label in enumerate(results):
         for label, result in by_label.items():
             got, want = result["loss"]
             assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {label}: loss {got} vs eager {want}"
-            worst = max(result["grad_rel"], key=result["grad_rel"].get)
-            assert result["grad_rel"][worst] < TOL, (
-                f"rank {rank} {label}: gradient of {worst} off by {result['grad_rel'][worst]:.2e}"
-            )
+            worst, error = _worst_gradient(result["grad_rel"], set(result["zero_grad"]))
+            assert error < TOL, f"rank {rank} {label}: gradient of {worst} off by {error:.2e}"
+            assert all("key.bias" in fqn or "k_proj.bias" in fqn for fqn in result["zero_grad"]), result["zero_grad"]
             assert result["plan_hash"] == results[0][label]["plan_hash"], f"rank {rank} {label}: plan differs"
-    for name, budget in budgets.items():
+    for name in budgets:
         tight = results[0][f"{name}_tight"]
         assert tight["local_param_bytes"] < tight["full_param_bytes"], f"{name}: tight budget, nothing sharded"
         sharded = [fqn for fqn, spec in tight["params"].items() if any(p.startswith("S") for p in spec)]
