@@ -57,6 +57,7 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
             + (f", {solver['method']} by {solver.get('backend')}" if solver.get("method") else "")
             + (f", gap {solver['gap']:.2%} to the LP bound" if solver.get("gap") is not None else "")
         )
+    lines += pipeline_lines(plan)
     lines.append("")
     lines.append("Parameters")
     width = max((len(f) for f in plan.params), default=10)
@@ -110,4 +111,26 @@ def fallback_lines(plan: "Plan") -> list[str]:
     lines = [f"Fallbacks (replicated, no rule): {total} node{'s' * (total != 1)} of {len(by_op)} op{'s' * (len(by_op) != 1)}"]
     for op, names in sorted(by_op.items()):
         lines.append(f"  {op} x{len(names)}: {', '.join(names)}")
+    return lines
+
+
+def pipeline_lines(plan: "Plan") -> list[str]:
+    """The stages of a pipelined plan: bubble, and each stage's layers, ranks, time and memory."""
+    stages = plan.pipeline
+    if stages is None:
+        return []
+    lines = [
+        "",
+        f"Pipeline: {stages.num_stages} stages x {stages.num_microbatches} microbatches, schedule {stages.schedule}, "
+        f"stage mesh {tuple(stages.stage_mesh)}; step {stages.step_time_s * 1e3:.3f} ms, "
+        f"bubble {stages.bubble_fraction:.1%} (specs below are per stage)",
+        f"  {'stage':>5}  {'layers':<9} {'ranks':<16} {'nodes':>6} {'ms/microbatch':>13} {'memory':>11}",
+    ]
+    for stage in stages.stages:
+        ranks = ",".join(str(r) for r in stage.ranks)
+        layers = f"[{stage.layers[0]}, {stage.layers[1]})"
+        lines.append(
+            f"  {stage.index:>5}  {layers:<9} {ranks:<16} {len(stage.nodes):>6} {stage.time_s * 1e3:>13.3f} "
+            f"{_bytes(stage.memory_bytes):>11}"
+        )
     return lines
