@@ -50,11 +50,12 @@ def check_num_stages(mesh_shape: Sequence[int], num_stages: int) -> None:
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {num_stages!r}")
     if mesh_shape[0] % num_stages:
+        devices = math.prod(mesh_shape)
+        example = f" (such as {(num_stages, devices // num_stages)})" if devices % num_stages == 0 else ""
         raise ValueError(
             f"pipeline={num_stages} cuts mesh axis 0 into {num_stages} equal groups of ranks, but mesh "
             f"{tuple(mesh_shape)} has {mesh_shape[0]} ranks on axis 0: use a number of stages that divides "
-            f"{mesh_shape[0]}, or a mesh whose first axis is a multiple of {num_stages} "
-            f"(such as {(num_stages, math.prod(mesh_shape) // num_stages)} for {math.prod(mesh_shape)} devices)"
+            f"{mesh_shape[0]}, or a mesh whose first axis is a multiple of {num_stages}{example}"
         )
 
 

@@ -33,7 +33,8 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     lines = [
         f"autopar plan  mesh={tuple(plan.mesh_shape)}  cluster={plan.cluster or '-'}  graph={plan.graph_hash}  plan={plan.hash}",
         f"  predicted step time {pred.get('step_time_s', 0) * 1e3:.3f} ms "
-        f"(compute {pred.get('compute_s', 0) * 1e3:.3f} ms, resharding {pred.get('reshard_s', 0) * 1e3:.3f} ms)",
+        + ("(one microbatch through every stage: " if plan.pipeline is not None else "(")
+        + f"compute {pred.get('compute_s', 0) * 1e3:.3f} ms, resharding {pred.get('reshard_s', 0) * 1e3:.3f} ms)",
         f"  peak memory per device {_bytes(pred.get('peak_memory_bytes', 0))}"
         + (f" ({pred['peak_memory_at']})" if pred.get("peak_memory_at") else "")
         + f"   communication per device per step {_bytes(pred.get('comm_bytes', 0))}",
@@ -44,9 +45,10 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     if pred.get("comm_bytes_per_axis"):
         parts = ", ".join(
             f"axis {axis} (size {size}): {_bytes(sent)}"
-            for axis, (size, sent) in enumerate(zip(plan.mesh_shape, pred["comm_bytes_per_axis"]))
+            for axis, (size, sent) in enumerate(zip(plan.spec_mesh, pred["comm_bytes_per_axis"]))
         )
-        lines.append(f"  bytes sent per device per step by mesh axis: {parts}")
+        scope = "per microbatch by stage-mesh axis" if plan.pipeline is not None else "per step by mesh axis"
+        lines.append(f"  bytes sent per device {scope}: {parts}")
     solver = plan.solver
     if solver:
         lines.append(

@@ -247,3 +247,19 @@ def test_pipelines_match_eager():
     assert [r["2x2_m4"]["stage"] for r in results] == [0, 0, 1, 1]
     for label in ("2x2_m2", "2x2_m4"):
         assert all(r[label]["collectives"] for r in results), f"{label}: the stages should shard over mesh axis 1"
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+
+def test_cli_plans_a_pipeline(capsys, tmp_path):
+    from autopar.cli import main
+
+    out = tmp_path / "pp.json"
+    assert main(["plan", "gpt", "--mesh", "4x1", "--num-layers", "4", "--pipeline", "4", "--num-microbatches", "4",
+                 "--cluster", "cpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Pipeline: 4 stages x 4 microbatches, schedule 1F1B" in text and "bubble" in text
+    assert autopar.Plan.load(out).pipeline.num_stages == 4
+    assert main(["plan", "gpt", "--pipeline", "2", "--devices", "2", "--cluster", "cpu"]) != 0
+    assert "--pipeline N and --mesh" in capsys.readouterr().err
