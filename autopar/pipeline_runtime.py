@@ -28,6 +28,9 @@ several stages (tied embeddings) is held by each of them, and its gradient is su
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import logging
 import math
 from typing import Any
@@ -40,7 +43,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from autopar.errors import PlanError
 from autopar.passes import default_passes, run_passes
-from autopar.passes.split import split_into_stages, stage_io, stage_submodule
+from autopar.passes.split import split_into_stages, stage_io, stage_submodule, stage_wiring
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule, _attach, _flatten_inputs, _Holder, _lookup, gather_tensor, shard_tensor, world_timeout
 from autopar.spec import local_shape
@@ -76,7 +79,8 @@ class _StageModule(torch.nn.Module):
     """One stage: its submodule, parameter shards, and the names it receives and sends."""
 
     def __init__(self, submod: torch.fx.GraphModule, inputs: list[str], outputs: list[str], received: list[str],
-                 sent: list[str] | None, loss_name: str, user_keys: dict[str, str], tensors: dict[str, torch.Tensor]):
+                 sent: list[str] | None, loss_name: str, user_keys: dict[str, str], tensors: dict[str, torch.Tensor],
+                 constants: set[str]):
         super().__init__()
         self.submod = submod
         self._inputs, self._outputs, self._received, self._sent = inputs, outputs, received, sent
@@ -89,7 +93,7 @@ class _StageModule(torch.nn.Module):
                 continue
             if isinstance(value, torch.nn.Parameter):
                 self.held.register_parameter(name, value)
-            elif name.startswith("c_"):
+            elif name in constants:
                 self._constants[name] = value
             else:
                 self.held.register_buffer(name, value)
@@ -129,9 +133,6 @@ def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan) ->
     assert stages is not None
     stage_index, groups, coordinate, line = pipeline_groups(tuple(plan.mesh_shape), stages.num_stages)
     stage_view = _stage_view(plan)
-    import copy
-    import functools
-
     passes = [*default_passes(groups), functools.partial(split_into_stages, stages=stages)]
     split = run_passes(copy.deepcopy(traced.gm), stage_view, passes)
     return PipelineParallelModule(model, traced, split, plan, stage_index, groups, coordinate, line)
@@ -139,8 +140,6 @@ def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan) ->
 
 def _stage_view(plan: Plan) -> Plan:
     """The plan as the passes read it: the intra-stage decisions on the stage mesh."""
-    import dataclasses
-
     return dataclasses.replace(plan, mesh_shape=tuple(plan.pipeline.stage_mesh), pipeline=None, stats={})
 
 
@@ -224,28 +223,16 @@ class PipelineParallelModule(ParallelModule):
         self._state_keys = [k for k in model.state_dict(keep_vars=True) if k in full or k in traced.ties]
 
         users = [gi.name for gi in traced.inputs if gi.kind == "user"]
+        # The schedule takes the user inputs as keyword arguments, which must not meet its own
+        # (target, losses, ...): they go under neutral keys.
         self._user_keys = {f"input_{i}": name for i, name in enumerate(users)}
-        origin = {name: index for index, (_, outputs) in enumerate(io) for name in outputs}
-        order = {node.name: i for i, node in enumerate(split.graph.nodes)}
-        order.update({node.name: i for i, node in enumerate(traced.gm.graph.nodes)})
-        placeholders = {gi.name for gi in traced.inputs}
-        sent: list[list[str]] = [[] for _ in range(self._num_stages)]
-        for index, (inputs, _) in enumerate(io):
-            needed = [n for n in inputs if n not in placeholders]
-            if index == self._num_stages - 1 and loss_node.name not in io[index][1]:
-                needed.append(loss_node.name)
-            for name in needed:
-                for between in range(origin[name], index):
-                    if name not in sent[between]:
-                        sent[between].append(name)
-        for names in sent:
-            names.sort(key=lambda n: order.get(n, 0))
+        sent = stage_wiring(split, {gi.name for gi in traced.inputs}, loss_node.name, self._num_stages)
         received = sent[stage_index - 1] if stage_index else []
         inputs, outputs = io[stage_index]
         is_last = stage_index == self._num_stages - 1
         self._stage = _StageModule(
             stage_submodule(split, stage_index), inputs, outputs, received, None if is_last else sent[stage_index],
-            loss_node.name, self._user_keys, tensors,
+            loss_node.name, self._user_keys, tensors, constants=set(self._constants),
         )
         metas = {n.name: n for n in traced.gm.graph.nodes}
         loss_val = loss_node.meta["val"]

@@ -21,7 +21,7 @@ from autopar.api import plan_pipelined
 from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
 from autopar.models import build_model, example_batch
-from autopar.passes.split import split_into_stages, stage_io
+from autopar.passes.split import split_into_stages, stage_io, stage_wiring
 from autopar.pipeline_runtime import _stage_view
 from autopar.pipeline_split import first_microbatch, split_stages, stage_mesh_of
 from autopar.testing import max_rel_diff, run_distributed
@@ -37,6 +37,28 @@ TOL = 1e-4
 
 def _gpt() -> torch.nn.Module:
     return build_model("gpt", seed=0, **GPT_CONFIG).to(DTYPE)
+
+
+class SkipMLP(torch.nn.Module):
+    """Four layers whose loss also reads the first layer's output: on four stages, that value
+    must pass through stages 1 and 2 to reach stage 3."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        first = torch.nn.functional.gelu(self.layers[0](x))
+        h = first
+        for layer in self.layers[1:]:
+            h = torch.nn.functional.gelu(layer(h))
+        return torch.nn.functional.mse_loss(h + first, y)
+
+
+def _skip_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 16, generator=generator, dtype=DTYPE), torch.randn(8, 16, generator=generator, dtype=DTYPE)
 
 
 def _plan(mesh, stages, microbatches, memory_budget=None) -> autopar.Plan:
@@ -138,6 +160,18 @@ def test_split_pass_runs_the_same_graph():
         assert len(received) == 1, f"stage {index} should read only the residual stream, reads {received}"
 
 
+def test_a_value_read_two_stages_on_passes_through_the_stages_between():
+    model = SkipMLP().to(DTYPE)
+    inputs, _ = first_microbatch(_skip_batch(), None, 2)
+    traced = trace(model, inputs)
+    plan = plan_pipelined(traced, (4, 1), 4, 2, get_cluster("cpu"), None, 60.0)
+    split = split_into_stages(copy.deepcopy(traced.gm), _stage_view(plan), stages=plan.pipeline)
+    sent = stage_wiring(split, {gi.name for gi in traced.inputs}, "mse_loss", 4)
+    first = sent[0][0]
+    assert sent[0] == [first] and first.startswith("gelu")
+    assert [len(s) for s in sent] == [1, 2, 2, 0] and all(first in s for s in sent[1:3]), sent
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 
@@ -221,6 +255,19 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str]) -> dict:
             result["no_grad_loss"] = (pm(*batch).item(), eager(*batch).item())
         result["state_rel"] = max_rel_diff(pm.full_state_dict(), eager.state_dict())
         results[label] = result
+        if label == "4x1_m2":
+            result["local_param_bytes"] = pm.local_param_bytes()
+            result["full_param_bytes"] = sum(p.numel() * p.element_size() for p in eager.parameters())
+    # A value that passes through two stages (SkipMLP), on four stages with GPipe.
+    model = SkipMLP().to(DTYPE)
+    eager = copy.deepcopy(model)
+    batch = _skip_batch()
+    pm = autopar.compile(model, (4, 1), example_inputs=batch, cluster="cpu", pipeline=4, num_microbatches=2)
+    loss = pm(*batch)
+    loss.backward()
+    want = eager(*batch)
+    want.backward()
+    results["skip"] = {"loss": (loss.item(), want.item()), "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager))}
     return results
 
 
@@ -232,6 +279,12 @@ def test_pipelines_match_eager():
     }
     results = run_distributed(_run_pipelines, 4, plans, timeout_s=400, pg_timeout_s=60)
     for rank, by_label in enumerate(results):
+        skip = by_label.pop("skip")
+        assert math.isclose(*skip["loss"], rel_tol=TOL), f"rank {rank} skip: loss {skip['loss']}"
+        worst = max(skip["grad_rel"], key=skip["grad_rel"].get)
+        assert skip["grad_rel"][worst] < TOL, f"rank {rank} skip: gradient of {worst} off by {skip['grad_rel'][worst]:.2e}"
+        held = by_label["4x1_m2"]
+        assert held["local_param_bytes"] < 0.6 * held["full_param_bytes"], f"rank {rank} holds more than its stage: {held}"
         for label, result in by_label.items():
             got, want = result["loss"]
             assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {label}: loss {got} vs eager {want}"

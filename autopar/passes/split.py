@@ -40,3 +40,24 @@ def stage_io(split: torch.fx.GraphModule, index: int) -> tuple[list[str], list[s
     values = output.args[0]
     values = values if isinstance(values, (tuple, list)) else (values,)
     return inputs, [v.name for v in values]
+
+
+def stage_wiring(split: torch.fx.GraphModule, graph_inputs: set[str], loss: str, num_stages: int) -> list[list[str]]:
+    """What each stage sends to the next: the names (original node names, in graph order) that
+    a later stage reads and this stage made or received. Stages only talk to their neighbours,
+    so a value read two stages on passes through the stage in between. The last stage sends
+    nothing; it returns ``loss``, which it may have to receive."""
+    io = [stage_io(split, index) for index in range(num_stages)]
+    origin = {name: index for index, (_, outputs) in enumerate(io) for name in outputs}
+    sent: list[list[str]] = [[] for _ in range(num_stages)]
+    for index, (inputs, outputs) in enumerate(io):
+        needed = [name for name in inputs if name not in graph_inputs]
+        if index == num_stages - 1 and loss not in outputs:
+            needed.append(loss)
+        for name in needed:
+            for between in range(origin[name], index):
+                if name not in sent[between]:
+                    sent[between].append(name)
+    # Graph order: by the producing stage, then by its outputs' order (split_module keeps it).
+    rank = {name: position for position, name in enumerate(origin)}
+    return [sorted(names, key=rank.__getitem__) for names in sent]
