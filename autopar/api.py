@@ -167,7 +167,7 @@ def plan_pipelined(traced: TracedModel, mesh_shape, num_stages: int, num_microba
     memory estimates are in ``plan.pipeline``."""
     stage_mesh = stage_mesh_of(mesh_shape, num_stages)
     intra = plan_traced(traced, stage_mesh, cluster, memory_budget, time_limit_s, solver)
-    stages = split_stages(traced, intra, num_stages, num_microbatches, mesh_shape)
+    stages = split_stages(traced, intra, num_stages, num_microbatches, mesh_shape, cluster)
     heaviest = max(stages.stages, key=lambda s: s.memory_bytes)
     predicted = {key: value for key, value in intra.predicted.items() if key != "memory_at_peak_bytes"}
     predicted.update(

@@ -15,7 +15,8 @@ predicted time (the nodes' ``cost_s``, forward + backward); among those within
 ``_BALANCE_TOLERANCE`` of that optimum, the ones that send the fewest bytes between stages.
 
 Predictions are estimates from the plan's own costs: a stage's time is the ``cost_s`` of its
-nodes plus its share (by compute) of the plan's resharding time; its memory is its parameters'
+nodes plus its share (by compute) of the plan's resharding time, plus (given the cluster) the
+point-to-point time of its activations sent on and its input's gradient sent back; its memory is its parameters'
 state (parameter, gradient, AdamW moments) plus its activations times the microbatches it holds
 at once (``num_microbatches`` under GPipe; ``min(num_microbatches, num_stages - index)`` under
 1F1B). The step is ``sum(t) + (m - 1) * max(t)``.
@@ -29,6 +30,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
+from autopar.cost.cluster import ClusterSpec
 from autopar.cost.memory import local_bytes, param_state_bytes
 from autopar.pipeline import Stage, StagePlan, bubble_fraction
 from autopar.plan import Plan
@@ -76,11 +78,13 @@ def split_stages(
     num_stages: int,
     num_microbatches: int,
     mesh_shape: Sequence[int],
+    cluster: ClusterSpec | None = None,
 ) -> StagePlan:
     """Cut the forward graph of ``traced`` (one microbatch) into ``num_stages`` contiguous stages.
 
     ``plan`` is the intra-stage plan, made for the stage mesh; ``mesh_shape`` is the whole mesh.
-    See the module docstring for how the cuts are chosen and what is predicted.
+    With ``cluster``, each stage's time includes sending its activations on and its input's
+    gradient back over the link of mesh axis 0. See the module docstring for the rest.
     """
     stage_mesh = stage_mesh_of(tuple(mesh_shape), num_stages)
     if tuple(plan.spec_mesh) != stage_mesh:
@@ -127,16 +131,22 @@ def split_stages(
         if decision is None or not requires_grad(node) or not isinstance(val, torch.Tensor) or not decision.outs:
             continue
         activation_bytes[stage_of_node[node.name]] += local_bytes(decision.shapes[0], val.dtype, decision.outs[0], stage_mesh)
+    link = cluster.axis_link(tuple(mesh_shape), 0) if cluster is not None else None
     stages = []
     for stage, (first, last) in enumerate(stages_units):
         cost = sum(unit_cost[first:last])
+        p2p_s = 0.0
+        if link is not None:
+            for cut in (first, last):  # the gradient of the input goes back, the output goes on
+                if 0 < cut < num_units:
+                    p2p_s += link.latency_s + (cut_bytes[starts[cut]] or 0.0) / link.bandwidth_bytes_per_s
         in_flight = num_microbatches if schedule == "GPipe" else min(num_microbatches, num_stages - stage)
         stages.append(Stage(
             index=stage,
             layers=(first, last),
             nodes=tuple(n.name for n in nodes if stage_of_node[n.name] == stage),
             ranks=ranks[stage],
-            time_s=cost + reshard_s * cost / compute,
+            time_s=cost + reshard_s * cost / compute + p2p_s,
             memory_bytes=float(param_bytes[stage] + in_flight * activation_bytes[stage]),
         ))
     times = [s.time_s for s in stages]
