@@ -135,6 +135,8 @@ def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan) ->
     stage_view = _stage_view(plan)
     passes = [*default_passes(groups), functools.partial(split_into_stages, stages=stages)]
     split = run_passes(copy.deepcopy(traced.gm), stage_view, passes)
+    log.info("autopar: rank %d runs pipeline stage %d of %d on stage mesh %s at %s", dist.get_rank(), stage_index,
+             stages.num_stages, tuple(stages.stage_mesh), coordinate)
     return PipelineParallelModule(model, traced, split, plan, stage_index, groups, coordinate, line)
 
 

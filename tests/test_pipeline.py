@@ -316,3 +316,5 @@ def test_cli_plans_a_pipeline(capsys, tmp_path):
     assert autopar.Plan.load(out).pipeline.num_stages == 4
     assert main(["plan", "gpt", "--pipeline", "2", "--devices", "2", "--cluster", "cpu"]) != 0
     assert "--pipeline N and --mesh" in capsys.readouterr().err
+    assert main(["check", str(out)]) != 0
+    assert "does not check pipelined plans yet" in capsys.readouterr().err
