@@ -201,7 +201,7 @@ def plan_text(plan) -> str:
 
 
 def show_json(plan) -> dict[str, Any]:
-    return {
+    out = {
         "mesh": list(plan.mesh_shape),
         "cluster": plan.cluster,
         "graph_hash": plan.graph_hash,
@@ -211,6 +211,13 @@ def show_json(plan) -> dict[str, Any]:
         "params": param_groups(plan),
         "collectives": collective_counts(plan),
     }
+    if plan.pipeline is not None:
+        # The stages without their node lists, which the plan file has.
+        data = plan.pipeline.to_json()
+        data["stages"] = [{k: v for k, v in s.items() if k != "nodes"} | {"num_nodes": len(s["nodes"])}
+                          for s in data["stages"]]
+        out["pipeline"] = data
+    return out
 
 
 # -- model loading ----------------------------------------------------------------------------

@@ -314,6 +314,9 @@ def test_cli_plans_a_pipeline(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "Pipeline: 4 stages x 4 microbatches, schedule 1F1B" in text and "bubble" in text
     assert autopar.Plan.load(out).pipeline.num_stages == 4
+    assert main(["show", str(out), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["pipeline"]
+    assert shown["schedule"] == "1F1B" and [s["layers"] for s in shown["stages"]] == [[0, 1], [1, 2], [2, 3], [3, 4]]
     assert main(["plan", "gpt", "--pipeline", "2", "--devices", "2", "--cluster", "cpu"]) != 0
     assert "--pipeline N and --mesh" in capsys.readouterr().err
     assert main(["check", str(out)]) != 0
