@@ -240,10 +240,10 @@ def compile(
     if plan is not None and (plan.pipeline is not None or num_stages is not None):
         given = (plan.pipeline.num_stages, plan.pipeline.num_microbatches) if plan.pipeline is not None else None
         if num_stages is not None and given != (num_stages, num_microbatches or num_stages):
+            has = f"has {given[0]} stages and {given[1]} microbatches" if given else "does not pipeline"
             raise PlanError(
-                f"pipeline={pipeline!r}, num_microbatches={num_microbatches!r} asks for a pipeline the plan does not "
-                f"have ({'stages, microbatches = ' + str(given) if given else 'it does not pipeline'}): drop "
-                "pipeline and num_microbatches to run the plan as it is, or re-plan"
+                f"pipeline={pipeline!r}, num_microbatches={num_microbatches!r} contradicts the plan, which {has}: "
+                "drop pipeline and num_microbatches to run the plan as it is, or re-plan"
             )
         num_stages, num_microbatches = given
     if num_stages is not None:

@@ -258,6 +258,17 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str]) -> dict:
         if label == "4x1_m2":
             result["local_param_bytes"] = pm.local_param_bytes()
             result["full_param_bytes"] = sum(p.numel() * p.element_size() for p in eager.parameters())
+    # A pipeline= that contradicts the plan's, and init= with a pipeline, are refused up front.
+    plan = autopar.Plan.from_json(plans["2x2_m2"])
+    errors = {}
+    for label, kwargs in {"contradicts": {"plan": plan, "pipeline": 2, "num_microbatches": 4},
+                          "init": {"pipeline": 2, "init": autopar.SeededInit(0)}}.items():
+        try:
+            autopar.compile(_gpt(), (2, 2), example_inputs=example_batch("gpt", BATCH, seed=1), **kwargs)
+            errors[label] = "compiled"
+        except ValueError as error:
+            errors[label] = str(error)
+    results["errors"] = errors
     # A value that passes through two stages (SkipMLP), on four stages with GPipe.
     model = SkipMLP().to(DTYPE)
     eager = copy.deepcopy(model)
@@ -284,6 +295,9 @@ def test_pipelines_match_eager():
     results = run_distributed(_run_pipelines, 4, plans, timeout_s=400, pg_timeout_s=60)
     for rank, by_label in enumerate(results):
         skip = by_label.pop("skip")
+        errors = by_label.pop("errors")
+        assert "contradicts the plan, which has 2 stages and 2 microbatches" in errors["contradicts"], errors
+        assert "init= is not supported with pipelining yet" in errors["init"], errors
         assert math.isclose(*skip["loss"], rel_tol=TOL), f"rank {rank} skip: loss {skip['loss']}"
         worst = max(skip["grad_rel"], key=skip["grad_rel"].get)
         assert skip["grad_rel"][worst] < TOL, f"rank {rank} skip: gradient of {worst} off by {skip['grad_rel'][worst]:.2e}"
