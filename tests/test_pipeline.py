@@ -283,6 +283,11 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str]) -> dict:
     (0.5 * pm(*batch)).backward()
     (0.5 * eager(*batch)).backward()
     results["skip"]["accumulated_rel"] = max_rel_diff(pm.full_grads(), _eager_grads(eager))
+    # Whole tensors load into the stages' shards.
+    other = SkipMLP().to(DTYPE)
+    torch.nn.init.normal_(other.layers[2].weight)
+    pm.load_state_dict(other.state_dict())
+    results["skip"]["loaded_rel"] = max_rel_diff(pm.full_state_dict(), other.state_dict())
     return results
 
 
@@ -302,6 +307,7 @@ def test_pipelines_match_eager():
         worst = max(skip["grad_rel"], key=skip["grad_rel"].get)
         assert skip["grad_rel"][worst] < TOL, f"rank {rank} skip: gradient of {worst} off by {skip['grad_rel'][worst]:.2e}"
         assert max(skip["accumulated_rel"].values()) < TOL, f"rank {rank} skip: accumulated {skip['accumulated_rel']}"
+        assert max(skip["loaded_rel"].values()) == 0, f"rank {rank} skip: load_state_dict {skip['loaded_rel']}"
         held = by_label["4x1_m2"]
         assert held["local_param_bytes"] < 0.6 * held["full_param_bytes"], f"rank {rank} holds more than its stage: {held}"
         for label, result in by_label.items():
