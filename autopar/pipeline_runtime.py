@@ -44,6 +44,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from autopar.errors import PlanError
 from autopar.passes import default_passes, run_passes
 from autopar.passes.split import split_into_stages, stage_io, stage_submodule, stage_wiring
+from autopar.pipeline_split import stage_mesh_of, stage_ranks
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule, _attach, _flatten_inputs, _Holder, _lookup, gather_tensor, shard_tensor, world_timeout
 from autopar.spec import local_shape
@@ -131,6 +132,13 @@ def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan) ->
     """Rewrite and split ``traced`` (one microbatch) by ``plan`` and return this rank's module."""
     stages = plan.pipeline
     assert stages is not None
+    expected = (stage_mesh_of(plan.mesh_shape, stages.num_stages), stage_ranks(plan.mesh_shape, stages.num_stages))
+    if (tuple(stages.stage_mesh), [tuple(s.ranks) for s in stages.stages]) != expected:
+        raise PlanError(
+            f"the plan's pipeline puts its {stages.num_stages} stages on stage mesh {tuple(stages.stage_mesh)} and ranks "
+            f"{[list(s.ranks) for s in stages.stages]}, but on mesh {tuple(plan.mesh_shape)} they are on "
+            f"{expected[0]} and {[list(r) for r in expected[1]]} (mesh axis 0 cut into equal groups): re-plan"
+        )
     stage_index, groups, coordinate, line = pipeline_groups(tuple(plan.mesh_shape), stages.num_stages)
     stage_view = _stage_view(plan)
     passes = [*default_passes(groups), functools.partial(split_into_stages, stages=stages)]
