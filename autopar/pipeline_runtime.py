@@ -179,27 +179,42 @@ class PipelineParallelModule(ParallelModule):
         self.graph_module = split
         self.module = _Holder()
 
-        output = next(n for n in traced.gm.graph.nodes if n.op == "output")
-        results = pytree.tree_leaves(output.args[0])
-        if len(results) != 1 or not isinstance(results[0], torch.fx.Node) or not _is_scalar(results[0]):
-            raise ValueError(
-                "a pipelined model must return its loss, one scalar tensor (the last stage's output): "
-                f"this model returns {len(results)} values; compute the loss inside forward (GPT(..)(idx, targets))"
-            )
-        loss_node = results[0]
-
+        loss_node = _loss_node(traced)
         full = dict(model.named_parameters(remove_duplicate=False))
         full.update(dict(model.named_buffers(remove_duplicate=False)))
         self._full_shapes = {fqn: tuple(t.shape) for fqn, t in full.items()}
         self._full_dtypes = {fqn: t.dtype for fqn, t in full.items()}
         self._inputs = [(gi.name, gi.kind, gi.fqn) for gi in traced.inputs]
         self._constants = dict(traced.constants)
+        self._state_keys = [k for k in model.state_dict(keep_vars=True) if k in full or k in traced.ties]
+        self._param_canonicals = {traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+        tensors = self._hold_tensors(full, split)
+        users = [gi.name for gi in traced.inputs if gi.kind == "user"]
+        # The schedule takes the user inputs as keyword arguments, which must not meet its own
+        # (target, losses, ...): they go under neutral keys.
+        self._user_keys = {f"input_{i}": name for i, name in enumerate(users)}
+        self._device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        self._loss_dtype = loss_node.meta["val"].dtype
+        self._schedule = self._make_schedule(split, loss_node, tensors)
+        placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+        self._user_metas = []
+        for name in users:
+            val = placeholders[name].meta.get("val")
+            if isinstance(val, torch.Tensor):
+                shape = (val.shape[0] * self._num_microbatches, *val.shape[1:]) if val.dim() else tuple(val.shape)
+                self._user_metas.append((name, tuple(shape), val.dtype))
+            else:
+                self._user_metas.append((name, None, None))
 
-        # Which stages read each placeholder, and so hold each (canonical) tensor.
-        io = [stage_io(split, i) for i in range(self._num_stages)]
+    def _hold_tensors(self, full: dict[str, torch.Tensor], split: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+        """Attach this stage's shards to ``self.module``; return placeholder name → tensor.
+
+        A stage holds the parameters and buffers its submodule reads; a tensor read by several
+        stages (tied embeddings) is held by each (``self._holders``: canonical FQN → stages)."""
+        traced, plan = self._traced, self._plan
         readers: dict[str, set[int]] = {}
-        for index, (inputs, _) in enumerate(io):
-            for name in inputs:
+        for index in range(self._num_stages):
+            for name in stage_io(split, index)[0]:
                 readers.setdefault(name, set()).add(index)
         self._holders: dict[str, set[int]] = {}
         for gi in traced.inputs:
@@ -209,8 +224,6 @@ class PipelineParallelModule(ParallelModule):
         for holders in self._holders.values():
             if not holders:
                 holders.add(0)  # read by no stage: the first stage keeps it, for full_state_dict
-        self._param_canonicals = {traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
-
         tensors: dict[str, torch.Tensor] = {}
         made: dict[str, torch.Tensor] = {}
         for gi in traced.inputs:
@@ -220,64 +233,54 @@ class PipelineParallelModule(ParallelModule):
             if gi.kind not in ("param", "buffer"):
                 continue
             canonical = traced.ties.get(gi.fqn, gi.fqn)
-            if stage_index not in self._holders[canonical]:
+            if self._stage_index not in self._holders[canonical]:
                 continue
             if canonical not in made:
-                local = shard_tensor(full[gi.fqn].detach(), plan.params[gi.fqn], coordinate, self._stage_mesh).clone()
+                local = shard_tensor(full[gi.fqn].detach(), plan.params[gi.fqn], self._coordinate, self._stage_mesh)
                 if gi.kind == "param":
-                    made[canonical] = torch.nn.Parameter(local, requires_grad=full[gi.fqn].requires_grad)
+                    made[canonical] = torch.nn.Parameter(local.clone(), requires_grad=full[gi.fqn].requires_grad)
                 else:
-                    made[canonical] = local
+                    made[canonical] = local.clone()
             _attach(self.module, gi.fqn, made[canonical], gi.kind)
             tensors[gi.name] = made[canonical]
-        self._state_keys = [k for k in model.state_dict(keep_vars=True) if k in full or k in traced.ties]
+        return tensors
 
-        users = [gi.name for gi in traced.inputs if gi.kind == "user"]
-        # The schedule takes the user inputs as keyword arguments, which must not meet its own
-        # (target, losses, ...): they go under neutral keys.
-        self._user_keys = {f"input_{i}": name for i, name in enumerate(users)}
+    def _make_schedule(self, split: torch.fx.GraphModule, loss_node: torch.fx.Node, tensors: dict[str, torch.Tensor]):
+        """This rank's stage module, its ``PipelineStage`` (static shapes) and the schedule."""
+        traced, plan, index = self._traced, self._plan, self._stage_index
         sent = stage_wiring(split, {gi.name for gi in traced.inputs}, loss_node.name, self._num_stages)
-        received = sent[stage_index - 1] if stage_index else []
-        inputs, outputs = io[stage_index]
-        is_last = stage_index == self._num_stages - 1
+        received = sent[index - 1] if index else []
+        is_last = index == self._num_stages - 1
+        inputs, outputs = stage_io(split, index)
         self._stage = _StageModule(
-            stage_submodule(split, stage_index), inputs, outputs, received, None if is_last else sent[stage_index],
+            stage_submodule(split, index), inputs, outputs, received, None if is_last else sent[index],
             loss_node.name, self._user_keys, tensors, constants=set(self._constants),
         )
-        metas = {n.name: n for n in traced.gm.graph.nodes}
-        loss_val = loss_node.meta["val"]
-        self._loss_dtype = loss_val.dtype
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        self._device = device
-        example_in = tuple(self._example(metas[name], plan, device) for name in received)
+        nodes = {n.name: n for n in traced.gm.graph.nodes}
+        # Static shapes: torch's pipelining would otherwise infer them by running a microbatch
+        # through every stage first, on uninitialized tensors.
+        example_in = tuple(self._example(nodes[name], plan) for name in received)
         if is_last:
-            example_out = (torch.empty((), dtype=loss_val.dtype, device=device).requires_grad_(True),)
+            example_out = (torch.empty((), dtype=self._loss_dtype, device=self._device).requires_grad_(True),)
         else:
-            example_out = tuple(self._example(metas[name], plan, device) for name in sent[stage_index])
+            example_out = tuple(self._example(nodes[name], plan) for name in sent[index])
         self._pipeline_stage = PipelineStage(
-            self._stage, stage_index, self._num_stages, device,
-            input_args=example_in, output_args=example_out, group=line,
+            self._stage, index, self._num_stages, self._device, input_args=example_in, output_args=example_out,
+            group=self._line,
         )
-        schedule = Schedule1F1B if stages.schedule == "1F1B" else ScheduleGPipe
-        self._schedule = schedule(self._pipeline_stage, self._num_microbatches, loss_fn=_microbatch_loss, scale_grads=True)
-        placeholders_by_name = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
-        self._user_metas = []
-        for name in users:
-            val = placeholders_by_name[name].meta.get("val")
-            if isinstance(val, torch.Tensor):
-                shape = (val.shape[0] * self._num_microbatches, *val.shape[1:]) if val.dim() else tuple(val.shape)
-                self._user_metas.append((name, tuple(shape), val.dtype))
-            else:
-                self._user_metas.append((name, None, None))
+        schedule = Schedule1F1B if plan.pipeline.schedule == "1F1B" else ScheduleGPipe
+        # scale_grads divides the summed microbatch gradients by their number: the model's loss
+        # is a mean over its microbatch, and the whole batch's is the mean of those means.
+        return schedule(self._pipeline_stage, self._num_microbatches, loss_fn=_microbatch_loss, scale_grads=True)
 
-    def _example(self, node: torch.fx.Node, plan: Plan, device: torch.device) -> torch.Tensor:
+    def _example(self, node: torch.fx.Node, plan: Plan) -> torch.Tensor:
         val = node.meta.get("val")
         decision = plan.nodes.get(node.name)
         if not isinstance(val, torch.Tensor) or decision is None:
             raise PlanError(f"pipeline stages may only pass single tensors, but {node.format_node()} crosses a cut")
         shape = local_shape(decision.shapes[0], decision.outs[0], self._stage_mesh)
         grad = requires_grad(node) and (val.is_floating_point() or val.is_complex())
-        return torch.empty(shape, dtype=val.dtype, device=device).requires_grad_(grad)
+        return torch.empty(shape, dtype=val.dtype, device=self._device).requires_grad_(grad)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -409,6 +412,17 @@ class PipelineParallelModule(ParallelModule):
                     local = shard_tensor(state_dict[fqn], self._plan.params[fqn], self._coordinate, self._stage_mesh)
                     _lookup(self.module, fqn).copy_(local)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _loss_node(traced: TracedModel) -> torch.fx.Node:
+    output = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    results = pytree.tree_leaves(output.args[0])
+    if len(results) != 1 or not isinstance(results[0], torch.fx.Node) or not _is_scalar(results[0]):
+        raise ValueError(
+            "a pipelined model must return its loss, one scalar tensor (the last stage's output): "
+            f"this model returns {len(results)} values; compute the loss inside forward (GPT(..)(idx, targets))"
+        )
+    return results[0]
 
 
 def _has_local(root: torch.nn.Module, fqn: str) -> bool:
