@@ -174,7 +174,7 @@ def _units(nodes: list[torch.fx.Node], traced: TracedModel) -> tuple[list[int], 
     units, current = [], 0
     for key in keys:
         if key is not None and key[0] == prefix:
-            current = order[key[1]]
+            current = max(current, order[key[1]])  # a stray node of an earlier layer stays in order
         units.append(current)
     return units, f"ModuleList {prefix}"
 
