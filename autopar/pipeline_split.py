@@ -176,7 +176,8 @@ def _units(nodes: list[torch.fx.Node], traced: TracedModel) -> tuple[list[int], 
         if key is not None and key[0] == prefix:
             current = max(current, order[key[1]])  # a stray node of an earlier layer stays in order
         units.append(current)
-    return units, f"ModuleList {prefix}"
+    dense = {unit: index for index, unit in enumerate(dict.fromkeys(units))}  # no empty units
+    return [dense[u] for u in units], f"ModuleList {prefix}"
 
 
 def _cut_bytes(nodes, position, plan: Plan, stage_mesh) -> list[float | None]:
