@@ -4,6 +4,7 @@
     pm = autopar.compile(model, mesh=(2, 4), example_inputs=(x,))      # under torch.distributed
     autopar.checkpoint.save(path, pm, optimizer); autopar.checkpoint.load(path, pm, optimizer)
     pm = autopar.compile(meta_model, mesh, example_inputs=(x,), init=autopar.SeededInit(seed))
+    pm = autopar.compile(model, mesh=(2, 2), example_inputs=(x, y), pipeline=2, num_microbatches=4)
 """
 
 from autopar.api import compile, plan

@@ -19,6 +19,7 @@ from autopar.errors import AutoparError, MeshError, PlanError
 from autopar.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
 from autopar.mesh_search import search_mesh
 from autopar.passes import default_passes, run_passes
+from autopar.pipeline_split import first_microbatch, split_stages, stage_mesh_of
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule, mesh_groups
 from autopar.solver import solve
@@ -53,6 +54,8 @@ def plan(
     symbolic_batch: bool = False,
     compute: str | None = None,
     solver: str = "auto",
+    pipeline: str | int = "off",
+    num_microbatches: int | None = None,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
@@ -73,11 +76,20 @@ def plan(
     ``solver`` is
     "auto" (LP relaxation first, MILP only if rounding leaves a gap), "highs" or "cbc";
     ``time_limit_s`` bounds the solve (then the best plan found is used, with its gap).
+
+    ``pipeline=N`` cuts mesh axis 0 into N equal groups of ranks, each running one pipeline stage
+    (a contiguous range of layers) on the stage mesh ``(mesh[0] // N, *mesh[1:])``, over
+    ``num_microbatches`` microbatches (default N) of the batch (dim 0 of every tensor input).
+    The intra-stage plan is solved on the graph traced at one microbatch, and the stages are in
+    ``plan.pipeline`` (``autopar.pipeline_split``). ``pipeline="auto"`` is reserved for the stage
+    planner; "off" (the default) does not pipeline.
     """
     cluster_spec = get_cluster(cluster)
     if compute is not None:
         cluster_spec = dataclasses.replace(cluster_spec, compute=compute)
     if isinstance(mesh, str):
+        if pipeline_stages(pipeline, num_microbatches) is not None:
+            raise MeshError("mesh='auto' does not search pipelined plans yet: pass a mesh such as (2, 4) with pipeline=N")
         if mesh != "auto":
             raise MeshError(f"mesh must be a tuple of positive ints such as (2, 4), or 'auto', got {mesh!r}")
         if devices is None:
@@ -88,6 +100,16 @@ def plan(
     if devices is not None and math.prod(mesh_shape) != devices:
         raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
                         "pass one of them, or mesh='auto' to search the meshes of that many devices")
+    num_stages = pipeline_stages(pipeline, num_microbatches)
+    if num_stages is not None:
+        if symbolic_batch:
+            raise ValueError("symbolic_batch does not cover pipelined plans yet: drop symbolic_batch or pipeline")
+        num_microbatches = num_microbatches or num_stages
+        stage_mesh_of(mesh_shape, num_stages)
+        inputs, kwargs = first_microbatch(example_inputs, example_kwargs, num_microbatches)
+        traced = trace(model, inputs, kwargs)
+        return plan_pipelined(traced, mesh_shape, num_stages, num_microbatches, cluster_spec, memory_budget,
+                              time_limit_s, solver)
     traced = trace(model, example_inputs, example_kwargs)
     result = plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s, solver)
     if symbolic_batch:
@@ -113,6 +135,51 @@ def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_bu
     return result
 
 
+def pipeline_stages(pipeline: str | int | None, num_microbatches: int | None) -> int | None:
+    """The number of stages asked for (None: no pipelining), with the options checked."""
+    if pipeline is None or pipeline == "off":
+        if num_microbatches is not None:
+            raise ValueError(
+                f"num_microbatches={num_microbatches!r} cuts the batch for a pipeline, but pipeline is 'off': "
+                "pass pipeline=N (N stages along mesh axis 0) as well, or drop num_microbatches"
+            )
+        return None
+    if pipeline == "auto":
+        raise ValueError(
+            "pipeline='auto' needs the stage planner (autopar.solver.stages), which this build does not have "
+            "yet: pass pipeline=N to cut mesh axis 0 into N stages"
+        )
+    if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
+        raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {pipeline!r}")
+    if num_microbatches is not None and (
+        isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1
+    ):
+        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+    return pipeline
+
+
+def plan_pipelined(traced: TracedModel, mesh_shape, num_stages: int, num_microbatches: int, cluster: ClusterSpec,
+                   memory_budget, time_limit_s, solver: str = "auto") -> Plan:
+    """Plan ``traced`` (the graph of ONE microbatch) on the stage mesh, then cut it into stages.
+
+    ``memory_budget`` bounds the intra-stage plan of the whole microbatch graph on the stage
+    mesh (conservative for parameters, which each stage holds only a part of); the stages'
+    memory estimates are in ``plan.pipeline``."""
+    stage_mesh = stage_mesh_of(mesh_shape, num_stages)
+    intra = plan_traced(traced, stage_mesh, cluster, memory_budget, time_limit_s, solver)
+    stages = split_stages(traced, intra, num_stages, num_microbatches, mesh_shape, cluster)
+    heaviest = max(stages.stages, key=lambda s: s.memory_bytes)
+    predicted = {key: value for key, value in intra.predicted.items() if key != "memory_at_peak_bytes"}
+    predicted.update(
+        step_time_s=stages.step_time_s,
+        microbatch_time_s=intra.predicted["step_time_s"],
+        peak_memory_bytes=int(heaviest.memory_bytes),
+        peak_memory_at=f"stage {heaviest.index} (estimate)",
+    )
+    return dataclasses.replace(intra, mesh_shape=tuple(mesh_shape), pipeline=stages, predicted=predicted,
+                               stats=intra.stats)
+
+
 def compile(
     model: torch.nn.Module,
     mesh: Sequence[int] | int,
@@ -124,6 +191,8 @@ def compile(
     memory_budget: float | None = None,
     time_limit_s: float = 60.0,
     init: SeededInit | FromCheckpoint | None = None,
+    pipeline: str | int = "off",
+    num_microbatches: int | None = None,
 ) -> ParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
 
@@ -134,6 +203,11 @@ def compile(
     tensors (each rank cuts its shards from the whole model); ``autopar.SeededInit(seed, fn)``
     or ``autopar.FromCheckpoint(path)`` make each rank materialize only its own shards, which is
     how a model built on the meta device is compiled (see ``autopar.materialize``).
+
+    ``pipeline=N`` and ``num_microbatches=M`` (or a pipelined ``plan``) compile a pipeline
+    (``autopar.pipeline_runtime``): the model must return its loss; calling the module runs the
+    whole step's forward and backward over the microbatches and returns the loss on every rank,
+    and ``loss.backward()`` then puts the gradients into ``.grad``.
     """
     mesh_shape = _mesh_shape(mesh)
     if not dist.is_available() or not dist.is_initialized():
@@ -160,6 +234,34 @@ def compile(
     if init is not None and not isinstance(init, (SeededInit, FromCheckpoint)):
         raise TypeError(f"init must be None, autopar.SeededInit(...) or autopar.FromCheckpoint(path), got {init!r}")
     collectives.register_peer()  # lets a failed collective name a dead rank
+    num_stages = pipeline_stages(pipeline, num_microbatches)
+    if plan is not None and not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    if plan is not None and (plan.pipeline is not None or num_stages is not None):
+        given = (plan.pipeline.num_stages, plan.pipeline.num_microbatches) if plan.pipeline is not None else None
+        if num_stages is not None and given != (num_stages, num_microbatches or num_stages):
+            has = f"has {given[0]} stages and {given[1]} microbatches" if given else "does not pipeline"
+            raise PlanError(
+                f"pipeline={pipeline!r}, num_microbatches={num_microbatches!r} contradicts the plan, which {has}: "
+                "drop pipeline and num_microbatches to run the plan as it is, or re-plan"
+            )
+        num_stages, num_microbatches = given
+    if num_stages is not None:
+        if init is not None:
+            raise ValueError("init= is not supported with pipelining yet: compile the model with its own tensors (init=None)")
+        from autopar.pipeline_runtime import compile_pipeline
+
+        num_microbatches = num_microbatches or num_stages
+        stage_mesh_of(mesh_shape, num_stages)
+        inputs, kwargs = first_microbatch(example_inputs, example_kwargs, num_microbatches)
+        traced = trace(model, inputs, kwargs)
+
+        def planner(traced, mesh_shape, cluster, memory_budget, time_limit_s):
+            return plan_pipelined(traced, mesh_shape, num_stages, num_microbatches, cluster, memory_budget, time_limit_s)
+
+        chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s, planner)
+        check_rank_agreement(chosen)
+        return compile_pipeline(model, traced, chosen)
     traced = trace(model, example_inputs, example_kwargs)  # meta tensors become FakeTensors there
     chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s)
     check_rank_agreement(chosen)
@@ -198,7 +300,7 @@ def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs
             )
 
 
-def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s) -> Plan:
+def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s, planner=None) -> Plan:
     if plan is None:
         # Rank 0 solves and broadcasts; the solve is deterministic, but eight identical solves
         # on one host would only compete for its cores. A failure is broadcast too, so that
@@ -206,7 +308,8 @@ def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s
         payload: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                payload[0] = ("plan", plan_traced(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s).to_json())
+                make = planner or plan_traced
+                payload[0] = ("plan", make(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s).to_json())
             except Exception as error:
                 payload[0] = ("error", error)
         collectives.call_on_world("plan broadcast", dist.broadcast_object_list, payload, src=0)

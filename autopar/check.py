@@ -30,7 +30,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from autopar import collectives
-from autopar.errors import MeshError
+from autopar.errors import MeshError, PlanError
 from autopar.plan import Plan
 from autopar.spec import format_spec, local_shape
 
@@ -216,6 +216,11 @@ def check_plan(plan: Plan, model: torch.nn.Module, example_inputs: tuple, rank: 
     from autopar.runtime import ParallelModule, mesh_groups
     from autopar.trace import trace
 
+    if plan.pipeline is not None:
+        raise PlanError(
+            "autopar check does not check pipelined plans yet (their stages run under a pipeline schedule, "
+            "which the fake process group cannot drive): run the plan on real ranks with autopar.compile"
+        )
     # Trace the model as it was planned (tracing on another device can give another graph).
     inputs = tuple(example_inputs)
     traced = trace(model, inputs)

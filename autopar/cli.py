@@ -201,7 +201,7 @@ def plan_text(plan) -> str:
 
 
 def show_json(plan) -> dict[str, Any]:
-    return {
+    out = {
         "mesh": list(plan.mesh_shape),
         "cluster": plan.cluster,
         "graph_hash": plan.graph_hash,
@@ -211,6 +211,13 @@ def show_json(plan) -> dict[str, Any]:
         "params": param_groups(plan),
         "collectives": collective_counts(plan),
     }
+    if plan.pipeline is not None:
+        # The stages without their node lists, which the plan file has.
+        data = plan.pipeline.to_json()
+        data["stages"] = [{k: v for k, v in s.items() if k != "nodes"} | {"num_nodes": len(s["nodes"])}
+                          for s in data["stages"]]
+        out["pipeline"] = data
+    return out
 
 
 # -- model loading ----------------------------------------------------------------------------
@@ -360,7 +367,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, inputs = load_model(args.model, args.batch_size, args.meta, args.seq_len, args.num_layers)
     _progress(f"built {type(model).__name__} in {time.perf_counter() - start:.2f} s")
     stage = time.perf_counter()
-    _progress("tracing ...")
+    if args.pipeline is not None or args.num_microbatches is not None:
+        if args.pipeline is None or not args.mesh:
+            raise CliError("--num-microbatches and --pipeline need --pipeline N and --mesh: a pipeline cuts axis 0 "
+                           "of a given mesh into N stages")
+        from autopar.pipeline_split import first_microbatch, stage_mesh_of
+
+        stage_mesh_of(args.mesh, args.pipeline)
+        args.num_microbatches = args.num_microbatches or args.pipeline
+        inputs = first_microbatch(inputs, None, args.num_microbatches)[0]
+    _progress("tracing ..." if args.pipeline is None else f"tracing one microbatch of {args.num_microbatches} ...")
     traced = trace(model, inputs)
     _progress(f"traced {len(traced.gm.graph.nodes)} graph nodes in {time.perf_counter() - stage:.2f} s")
     stage = time.perf_counter()
@@ -368,7 +384,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     where = f"mesh {args.mesh}" if args.mesh else f"every mesh of {args.devices} devices"
     _progress(f"planning on {where} for cluster {getattr(cluster, 'name', '?')}{budget} ...")
     with _ProgressLog():
-        if args.mesh:
+        if args.pipeline is not None:
+            plan = api.plan_pipelined(traced, args.mesh, args.pipeline, args.num_microbatches, cluster,
+                                      args.memory_budget, args.time_limit)
+        elif args.mesh:
             plan = api.plan_traced(traced, args.mesh, cluster, args.memory_budget, args.time_limit)
         else:
             plan = search_mesh(traced, args.devices, cluster, args.memory_budget, args.time_limit,
@@ -597,6 +616,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="depth of gpt, llama and presets (a 2-layer llama-2-70b has the real widths)")
     p.add_argument("--meta", action="store_true", help="build built-in models and inputs on the meta device")
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="solver time limit in seconds")
+    p.add_argument("--pipeline", type=_positive_int, default=None, metavar="N",
+                   help="cut mesh axis 0 into N pipeline stages (needs --mesh)")
+    p.add_argument("--num-microbatches", type=_positive_int, default=None, metavar="M",
+                   help="with --pipeline: microbatches per step (default N)")
     p.add_argument("--out", help="save the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the summary")
     p.set_defaults(func=cmd_plan)

@@ -33,7 +33,8 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     lines = [
         f"autopar plan  mesh={tuple(plan.mesh_shape)}  cluster={plan.cluster or '-'}  graph={plan.graph_hash}  plan={plan.hash}",
         f"  predicted step time {pred.get('step_time_s', 0) * 1e3:.3f} ms "
-        f"(compute {pred.get('compute_s', 0) * 1e3:.3f} ms, resharding {pred.get('reshard_s', 0) * 1e3:.3f} ms)",
+        + ("(one microbatch through every stage: " if plan.pipeline is not None else "(")
+        + f"compute {pred.get('compute_s', 0) * 1e3:.3f} ms, resharding {pred.get('reshard_s', 0) * 1e3:.3f} ms)",
         f"  peak memory per device {_bytes(pred.get('peak_memory_bytes', 0))}"
         + (f" ({pred['peak_memory_at']})" if pred.get("peak_memory_at") else "")
         + f"   communication per device per step {_bytes(pred.get('comm_bytes', 0))}",
@@ -44,9 +45,10 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     if pred.get("comm_bytes_per_axis"):
         parts = ", ".join(
             f"axis {axis} (size {size}): {_bytes(sent)}"
-            for axis, (size, sent) in enumerate(zip(plan.mesh_shape, pred["comm_bytes_per_axis"]))
+            for axis, (size, sent) in enumerate(zip(plan.spec_mesh, pred["comm_bytes_per_axis"]))
         )
-        lines.append(f"  bytes sent per device per step by mesh axis: {parts}")
+        scope = "per microbatch by stage-mesh axis" if plan.pipeline is not None else "per step by mesh axis"
+        lines.append(f"  bytes sent per device {scope}: {parts}")
     solver = plan.solver
     if solver:
         lines.append(
@@ -57,6 +59,7 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
             + (f", {solver['method']} by {solver.get('backend')}" if solver.get("method") else "")
             + (f", gap {solver['gap']:.2%} to the LP bound" if solver.get("gap") is not None else "")
         )
+    lines += pipeline_lines(plan)
     lines.append("")
     lines.append("Parameters")
     width = max((len(f) for f in plan.params), default=10)
@@ -110,4 +113,26 @@ def fallback_lines(plan: "Plan") -> list[str]:
     lines = [f"Fallbacks (replicated, no rule): {total} node{'s' * (total != 1)} of {len(by_op)} op{'s' * (len(by_op) != 1)}"]
     for op, names in sorted(by_op.items()):
         lines.append(f"  {op} x{len(names)}: {', '.join(names)}")
+    return lines
+
+
+def pipeline_lines(plan: "Plan") -> list[str]:
+    """The stages of a pipelined plan: bubble, and each stage's layers, ranks, time and memory."""
+    stages = plan.pipeline
+    if stages is None:
+        return []
+    lines = [
+        "",
+        f"Pipeline: {stages.num_stages} stages x {stages.num_microbatches} microbatches, schedule {stages.schedule}, "
+        f"stage mesh {tuple(stages.stage_mesh)}; step {stages.step_time_s * 1e3:.3f} ms, "
+        f"bubble {stages.bubble_fraction:.1%} (specs below are per stage)",
+        f"  {'stage':>5}  {'layers':<9} {'ranks':<16} {'nodes':>6} {'ms/microbatch':>13} {'memory':>11}",
+    ]
+    for stage in stages.stages:
+        ranks = ",".join(str(r) for r in stage.ranks)
+        layers = f"[{stage.layers[0]}, {stage.layers[1]})"
+        lines.append(
+            f"  {stage.index:>5}  {layers:<9} {ranks:<16} {len(stage.nodes):>6} {stage.time_s * 1e3:>13.3f} "
+            f"{_bytes(stage.memory_bytes):>11}"
+        )
     return lines

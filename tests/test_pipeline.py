@@ -1,0 +1,348 @@
+"""Pipeline parallelism: the stage splitter, the split pass, option errors, and real pipelined
+runs on gloo against eager PyTorch.
+
+The multi-process test is ONE 4-rank spawn that runs every pipelined configuration: 2 stages on
+mesh (2, 2) with 2 and 4 microbatches (1F1B), and 4 stages on mesh (4, 1) with 2 microbatches
+(GPipe, since there are fewer microbatches than stages). Plans are made here, in the parent, and
+handed to the ranks as JSON, so the ranks do not compete for the two cores while solving.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+import autopar
+from autopar.api import plan_pipelined
+from autopar.cost.cluster import get_cluster
+from autopar.cost.memory import param_state_bytes
+from autopar.models import build_model, example_batch
+from autopar.passes.split import split_into_stages, stage_io, stage_wiring
+from autopar.pipeline_runtime import _stage_view
+from autopar.pipeline_split import first_microbatch, split_stages, stage_mesh_of
+from autopar.testing import max_rel_diff, run_distributed
+from autopar.trace import trace
+
+# No biases and float64, as in test_parallel: AdamW's first step turns rounding noise in
+# exactly-zero gradients into full-size steps of either sign.
+GPT_CONFIG = {"n_layer": 4, "bias": False}
+BATCH = 8
+DTYPE = torch.float64
+TOL = 1e-4
+
+
+def _gpt() -> torch.nn.Module:
+    return build_model("gpt", seed=0, **GPT_CONFIG).to(DTYPE)
+
+
+class SkipMLP(torch.nn.Module):
+    """Four layers whose loss also reads the first layer's output: on four stages, that value
+    must pass through stages 1 and 2 to reach stage 3."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        first = torch.nn.functional.gelu(self.layers[0](x))
+        h = first
+        for layer in self.layers[1:]:
+            h = torch.nn.functional.gelu(layer(h))
+        return torch.nn.functional.mse_loss(h + first, y)
+
+
+def _skip_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 16, generator=generator, dtype=DTYPE), torch.randn(8, 16, generator=generator, dtype=DTYPE)
+
+
+def _plan(mesh, stages, microbatches, memory_budget=None) -> autopar.Plan:
+    return autopar.plan(_gpt(), mesh, example_inputs=example_batch("gpt", BATCH, seed=1), cluster="cpu",
+                        pipeline=stages, num_microbatches=microbatches, memory_budget=memory_budget)
+
+
+def _tight_budget() -> float:
+    """90% of the replicated parameters' state: the stage plans on mesh (1, 2) must shard over
+    the second axis (on the cpu preset, unconstrained plans of this small model replicate)."""
+    return 0.9 * sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in _gpt().parameters())
+
+
+@pytest.fixture(scope="module")
+def four_stages() -> autopar.Plan:
+    return _plan((4, 1), 4, 4)
+
+
+# -- the splitter -------------------------------------------------------------------------------
+
+
+def test_every_node_is_in_exactly_one_stage_in_graph_order(four_stages):
+    stages = four_stages.pipeline
+    names = [name for stage in stages.stages for name in stage.nodes]
+    assert len(names) == len(set(names)), "a node is in two stages"
+    model = _gpt()
+    inputs, kwargs = first_microbatch(example_batch("gpt", BATCH, seed=1), None, 4)
+    graph = trace(model, inputs, kwargs).gm.graph
+    forward = [n.name for n in graph.nodes if n.op not in ("placeholder", "output")]
+    assert names == forward, "stages must cover the forward graph, contiguously and in order"
+
+
+def test_four_stages_cut_between_layers_and_balance(four_stages):
+    stages = four_stages.pipeline
+    assert stages.num_stages == 4 and stages.stage_mesh == (1, 1) and stages.num_microbatches == 4
+    assert stages.schedule == "1F1B"
+    assert [s.layers for s in stages.stages] == [(0, 1), (1, 2), (2, 3), (3, 4)], "one GPT block per stage"
+    # Each stage after the first starts with its block's first LayerNorm: cuts fall between layers.
+    assert all(s.nodes[0].startswith("layer_norm") for s in stages.stages[1:]), [s.nodes[0] for s in stages.stages]
+    assert [s.ranks for s in stages.stages] == [(0,), (1,), (2,), (3,)]
+    times = [s.time_s for s in stages.stages]
+    assert max(times) < 1.5 * min(times), f"stages are unbalanced: {times}"
+    assert stages.step_time_s == pytest.approx(sum(times) + 3 * max(times))
+    assert 0 < stages.bubble_fraction < 1
+    assert four_stages.predicted["step_time_s"] == pytest.approx(stages.step_time_s)
+
+
+def test_more_layers_than_stages_are_balanced_by_cost():
+    plan = autopar.plan(build_model("gpt", seed=0, n_layer=6, bias=False), (2, 1),
+                        example_inputs=example_batch("gpt", 4, seed=1), cluster="cpu", pipeline=2, num_microbatches=2)
+    first, second = plan.pipeline.stages
+    # The head (ln_f, lm_head, loss) is heavier than the embeddings, so the cut is at the middle
+    # or one layer early, never late.
+    assert first.layers[1] in (2, 3), [s.layers for s in plan.pipeline.stages]
+    assert max(first.time_s, second.time_s) <= 1.4 * min(first.time_s, second.time_s)
+
+
+def test_stages_on_a_two_axis_mesh_share_the_second_axis():
+    plan = _plan((2, 2), 2, 2)
+    stages = plan.pipeline
+    assert stages.stage_mesh == (1, 2) and plan.spec_mesh == (1, 2) and plan.mesh_shape == (2, 2)
+    assert [s.ranks for s in stages.stages] == [(0, 1), (2, 3)]
+    assert all(len(spec) == 2 for spec in plan.params.values())
+
+
+def test_pipelined_plan_json_round_trip(four_stages, tmp_path):
+    path = tmp_path / "plan.json"
+    four_stages.save(path)
+    loaded = autopar.Plan.load(path)
+    assert loaded == four_stages and loaded.to_json() == four_stages.to_json()
+    data = json.loads(four_stages.to_json())
+    assert data["pipeline"]["schedule"] == "1F1B" and len(data["pipeline"]["stages"]) == 4
+    assert {"index", "layers", "nodes", "ranks", "time_s", "memory_bytes"} <= set(data["pipeline"]["stages"][0])
+
+
+def test_summary_shows_bubble_and_stage_times_and_memory(four_stages):
+    text = four_stages.summary()
+    assert "bubble" in text and "Pipeline" in text
+    for stage in four_stages.pipeline.stages:
+        assert f"{stage.time_s * 1e3:.3f}" in text
+
+
+def test_split_pass_runs_the_same_graph():
+    """On a stage mesh of one device the split graph needs no process group: its submodules, run
+    one after another, must compute the unsplit graph's loss."""
+    model = _gpt()
+    inputs, kwargs = first_microbatch(example_batch("gpt", BATCH, seed=1), None, 4)
+    traced = trace(model, inputs, kwargs)
+    plan = plan_pipelined(traced, (4, 1), 4, 4, get_cluster("cpu"), None, 60.0)
+    split = split_into_stages(copy.deepcopy(traced.gm), _stage_view(plan), stages=plan.pipeline)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    user = iter(inputs)
+    values = [named[gi.fqn] if gi.kind == "param" else next(user) for gi in traced.inputs]
+    (want,) = traced.gm(*values)
+    (got,) = split(*values)
+    assert torch.equal(got, want)
+    for index in range(1, 4):
+        received = [n for n in stage_io(split, index)[0] if not n.startswith("p_") and n not in ("idx", "targets")]
+        assert len(received) == 1, f"stage {index} should read only the residual stream, reads {received}"
+
+
+def test_a_value_read_two_stages_on_passes_through_the_stages_between():
+    model = SkipMLP().to(DTYPE)
+    inputs, _ = first_microbatch(_skip_batch(), None, 2)
+    traced = trace(model, inputs)
+    plan = plan_pipelined(traced, (4, 1), 4, 2, get_cluster("cpu"), None, 60.0)
+    split = split_into_stages(copy.deepcopy(traced.gm), _stage_view(plan), stages=plan.pipeline)
+    sent = stage_wiring(split, {gi.name for gi in traced.inputs}, "mse_loss", 4)
+    first = sent[0][0]
+    assert sent[0] == [first] and first.startswith("gelu")
+    assert [len(s) for s in sent] == [1, 2, 2, 0] and all(first in s for s in sent[1:3]), sent
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mesh, kwargs, message",
+    [
+        ((3, 1), {"pipeline": 2}, r"pipeline=2 cuts mesh axis 0 into 2 equal groups.*3 ranks on axis 0.*divides"),
+        ((2, 1), {"pipeline": 2, "num_microbatches": 3}, r"num_microbatches=3 does not divide the batch of 8.*\[1, 2, 4, 8\]"),
+        ((8, 1), {"pipeline": 8}, r"pipeline=8 needs at least 8 layers.*4 layers \(ModuleList transformer.h\).*at most pipeline=4"),
+        ((2, 1), {"num_microbatches": 2}, r"num_microbatches=2 cuts the batch for a pipeline, but pipeline is 'off'.*pipeline=N"),
+        ((2, 1), {"pipeline": 0}, r"pipeline must be 'off', 'auto' or a positive number of stages, got 0"),
+        ((2, 1), {"pipeline": "auto"}, r"pipeline='auto' needs the stage planner.*pipeline=N"),
+    ],
+    ids=["stages_not_dividing_mesh", "microbatches_not_dividing_batch", "more_stages_than_layers",
+         "microbatches_without_pipeline", "zero_stages", "auto_not_yet"],
+)
+def test_bad_pipeline_options_name_cause_and_fix(mesh, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        autopar.plan(_gpt(), mesh, example_inputs=example_batch("gpt", BATCH, seed=1), cluster="cpu", **kwargs)
+
+
+def test_splitter_refuses_a_plan_for_another_mesh():
+    inputs, kwargs = first_microbatch(example_batch("gpt", BATCH, seed=1), None, 4)
+    traced = trace(_gpt(), inputs, kwargs)
+    on_two = autopar.api.plan_traced(traced, (2, 1), get_cluster("cpu"), None, 60.0)
+    with pytest.raises(ValueError, match=r"intra-stage plan is for mesh \(2, 1\), not the stage mesh \(1, 1\)"):
+        split_stages(traced, on_two, 4, 4, (4, 1))
+
+
+def test_stage_mesh():
+    assert stage_mesh_of((4, 2), 2) == (2, 2)
+    assert stage_mesh_of((4,), 4) == (1,)
+
+
+# -- real pipelined runs on gloo --------------------------------------------------------------------
+
+RUNS = {
+    "2x2_m2": ((2, 2), 2, 2),
+    "2x2_m4": ((2, 2), 2, 4),
+    "4x1_m2": ((4, 1), 4, 2),
+}
+
+
+def _eager_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _run_pipelines(rank: int, world: int, plans: dict[str, str]) -> dict:
+    torch.manual_seed(0)
+    results = {}
+    for label, text in plans.items():
+        mesh = RUNS[label][0]
+        model = _gpt()
+        eager = copy.deepcopy(model)
+        batch = example_batch("gpt", BATCH, seed=1)
+        pm = autopar.compile(model, mesh, example_inputs=batch, plan=autopar.Plan.from_json(text))
+        loss = pm(*batch)
+        grads_before_backward = [p.grad for p in pm.parameters()]
+        loss.backward()
+        want = eager(*batch)
+        want.backward()
+        result = {
+            "loss": (loss.item(), want.item()),
+            "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager)),
+            "untouched_before_backward": all(g is None for g in grads_before_backward),
+            "stage": pm.stage_index,
+            "collectives": sum(1 for n in pm.graph.nodes if getattr(n.target, "__module__", "") == "autopar.collectives"),
+        }
+        try:
+            loss.backward()
+            result["second_backward"] = "ran"
+        except RuntimeError as error:
+            result["second_backward"] = str(error)
+        # One AdamW step, then the next batch's loss and every parameter, against eager.
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+        opt.step()
+        opt_eager.step()
+        batch = example_batch("gpt", BATCH, seed=2)
+        with torch.no_grad():
+            result["no_grad_loss"] = (pm(*batch).item(), eager(*batch).item())
+        result["state_rel"] = max_rel_diff(pm.full_state_dict(), eager.state_dict())
+        results[label] = result
+        if label == "4x1_m2":
+            result["local_param_bytes"] = pm.local_param_bytes()
+            result["full_param_bytes"] = sum(p.numel() * p.element_size() for p in eager.parameters())
+    # A pipeline= that contradicts the plan's, and init= with a pipeline, are refused up front.
+    plan = autopar.Plan.from_json(plans["2x2_m2"])
+    errors = {}
+    for label, kwargs in {"contradicts": {"plan": plan, "pipeline": 2, "num_microbatches": 4},
+                          "init": {"pipeline": 2, "init": autopar.SeededInit(0)}}.items():
+        try:
+            autopar.compile(_gpt(), (2, 2), example_inputs=example_batch("gpt", BATCH, seed=1), **kwargs)
+            errors[label] = "compiled"
+        except ValueError as error:
+            errors[label] = str(error)
+    results["errors"] = errors
+    # A value that passes through two stages (SkipMLP), on four stages with GPipe.
+    model = SkipMLP().to(DTYPE)
+    eager = copy.deepcopy(model)
+    batch = _skip_batch()
+    pm = autopar.compile(model, (4, 1), example_inputs=batch, cluster="cpu", pipeline=4, num_microbatches=2)
+    loss = pm(*batch)
+    loss.backward()
+    want = eager(*batch)
+    want.backward()
+    results["skip"] = {"loss": (loss.item(), want.item()), "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager))}
+    # Gradients accumulate over calls, scaled by what flows into the loss, as in eager.
+    (0.5 * pm(*batch)).backward()
+    (0.5 * eager(*batch)).backward()
+    results["skip"]["accumulated_rel"] = max_rel_diff(pm.full_grads(), _eager_grads(eager))
+    # Whole tensors load into the stages' shards.
+    other = SkipMLP().to(DTYPE)
+    torch.nn.init.normal_(other.layers[2].weight)
+    pm.load_state_dict(other.state_dict())
+    results["skip"]["loaded_rel"] = max_rel_diff(pm.full_state_dict(), other.state_dict())
+    return results
+
+
+@pytest.mark.multiproc
+def test_pipelines_match_eager():
+    plans = {
+        label: _plan(mesh, stages, microbatches, _tight_budget() if mesh[1] > 1 else None).to_json()
+        for label, (mesh, stages, microbatches) in RUNS.items()
+    }
+    results = run_distributed(_run_pipelines, 4, plans, timeout_s=400, pg_timeout_s=60)
+    for rank, by_label in enumerate(results):
+        skip = by_label.pop("skip")
+        errors = by_label.pop("errors")
+        assert "contradicts the plan, which has 2 stages and 2 microbatches" in errors["contradicts"], errors
+        assert "init= is not supported with pipelining yet" in errors["init"], errors
+        assert math.isclose(*skip["loss"], rel_tol=TOL), f"rank {rank} skip: loss {skip['loss']}"
+        worst = max(skip["grad_rel"], key=skip["grad_rel"].get)
+        assert skip["grad_rel"][worst] < TOL, f"rank {rank} skip: gradient of {worst} off by {skip['grad_rel'][worst]:.2e}"
+        assert max(skip["accumulated_rel"].values()) < TOL, f"rank {rank} skip: accumulated {skip['accumulated_rel']}"
+        assert max(skip["loaded_rel"].values()) == 0, f"rank {rank} skip: load_state_dict {skip['loaded_rel']}"
+        held = by_label["4x1_m2"]
+        assert held["local_param_bytes"] < 0.6 * held["full_param_bytes"], f"rank {rank} holds more than its stage: {held}"
+        for label, result in by_label.items():
+            got, want = result["loss"]
+            assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {label}: loss {got} vs eager {want}"
+            worst = max(result["grad_rel"], key=result["grad_rel"].get)
+            assert result["grad_rel"][worst] < TOL, f"rank {rank} {label}: gradient of {worst} off by {result['grad_rel'][worst]:.2e}"
+            assert result["untouched_before_backward"], f"rank {rank} {label}: .grad was set before loss.backward()"
+            assert "second time" in result["second_backward"], f"rank {rank} {label}: {result['second_backward']}"
+            got, want = result["no_grad_loss"]
+            assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {label}: loss after AdamW {got} vs {want}"
+            worst = max(result["state_rel"], key=result["state_rel"].get)
+            assert result["state_rel"][worst] < TOL, f"rank {rank} {label}: after AdamW {worst} off by {result['state_rel'][worst]:.2e}"
+    assert [r["4x1_m2"]["stage"] for r in results] == [0, 1, 2, 3]
+    assert [r["2x2_m4"]["stage"] for r in results] == [0, 0, 1, 1]
+    for label in ("2x2_m2", "2x2_m4"):
+        assert all(r[label]["collectives"] for r in results), f"{label}: the stages should shard over mesh axis 1"
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+
+def test_cli_plans_a_pipeline(capsys, tmp_path):
+    from autopar.cli import main
+
+    out = tmp_path / "pp.json"
+    assert main(["plan", "gpt", "--mesh", "4x1", "--num-layers", "4", "--pipeline", "4", "--num-microbatches", "4",
+                 "--cluster", "cpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Pipeline: 4 stages x 4 microbatches, schedule 1F1B" in text and "bubble" in text
+    assert autopar.Plan.load(out).pipeline.num_stages == 4
+    assert main(["show", str(out), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["pipeline"]
+    assert shown["schedule"] == "1F1B" and [s["layers"] for s in shown["stages"]] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    assert main(["plan", "gpt", "--pipeline", "2", "--devices", "2", "--cluster", "cpu"]) != 0
+    assert "--pipeline N and --mesh" in capsys.readouterr().err
+    assert main(["check", str(out)]) != 0
+    assert "does not check pipelined plans yet" in capsys.readouterr().err
