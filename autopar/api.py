@@ -53,6 +53,8 @@ def plan(
     symbolic_batch: bool = False,
     compute: str | None = None,
     solver: str = "auto",
+    pipeline: str | int = "off",
+    num_microbatches: int = 1,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
@@ -73,10 +75,19 @@ def plan(
     ``solver`` is
     "auto" (LP relaxation first, MILP only if rounding leaves a gap), "highs" or "cbc";
     ``time_limit_s`` bounds the solve (then the best plan found is used, with its gap).
+
+    ``pipeline`` is "off", a number of stages N (mesh axis 0 is cut into N equal rank groups),
+    or "auto" (the stage planner decides whether and where to split; with ``mesh="auto"`` and
+    ``devices`` it also picks each stage's mesh). The example inputs are the global batch; the
+    plan is made for microbatches of batch / ``num_microbatches`` under a 1F1B schedule, and
+    its ``pipeline`` holds the stages (``autopar.solver.stages``).
     """
     cluster_spec = get_cluster(cluster)
     if compute is not None:
         cluster_spec = dataclasses.replace(cluster_spec, compute=compute)
+    if pipeline != "off" or num_microbatches != 1:
+        return _plan_pipeline(model, mesh, devices, example_inputs, example_kwargs, cluster_spec, memory_budget,
+                              time_limit_s, solver, pipeline, num_microbatches, max_axes, symbolic_batch)
     if isinstance(mesh, str):
         if mesh != "auto":
             raise MeshError(f"mesh must be a tuple of positive ints such as (2, 4), or 'auto', got {mesh!r}")
@@ -100,6 +111,33 @@ def plan(
         )
         result = dataclasses.replace(result, predicted={**result.predicted, "symbolic": costs})
     return result
+
+
+def _plan_pipeline(model, mesh, devices, example_inputs, example_kwargs, cluster_spec, memory_budget,
+                   time_limit_s, solver, pipeline, num_microbatches, max_axes, symbolic_batch) -> Plan:
+    """``plan(..., pipeline=...)``: trace one microbatch and run the stage planner."""
+    from autopar.solver.stages import microbatch_inputs, plan_stages
+
+    if pipeline == "off":
+        raise ValueError(f"num_microbatches={num_microbatches} splits the batch for a pipeline: pass "
+                         "pipeline='auto' or a number of stages as well, or leave num_microbatches at 1")
+    if symbolic_batch:
+        raise ValueError("symbolic_batch is not available for pipelined plans yet: pass pipeline='off'")
+    mesh_shape = None
+    if isinstance(mesh, str):
+        if mesh != "auto" or devices is None:
+            raise MeshError(f"mesh must be a tuple of positive ints such as (2, 4), or 'auto' with devices=N, got {mesh!r}")
+    else:
+        mesh_shape = _mesh_shape(mesh)
+        if devices is not None and math.prod(mesh_shape) != devices:
+            raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
+                            "pass one of them")
+        devices = None
+    inputs, kwargs = microbatch_inputs(example_inputs, example_kwargs, num_microbatches)
+    traced = trace(model, inputs, kwargs)
+    return plan_stages(traced, mesh_shape, cluster_spec, num_stages=pipeline, num_microbatches=num_microbatches,
+                       memory_budget=memory_budget, time_limit_s=time_limit_s, devices=devices,
+                       max_axes=min(max_axes, 2), solver=solver)
 
 
 def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s,
