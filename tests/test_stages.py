@@ -79,6 +79,7 @@ def test_step_time_is_the_1f1b_formula_over_the_stages():
     sync = plan.predicted["grad_sync_s"]
     assert plan.pipeline.step_time_s == pytest.approx(sum(times) + 7 * max(times) + sync)
     assert plan.predicted["step_time_s"] == plan.pipeline.step_time_s
+    assert plan.predicted["recompute"] == [False, False]  # the runtime does not recompute yet
     assert 0 <= plan.pipeline.bubble_fraction < 1
 
 
@@ -166,3 +167,18 @@ def test_device_count_lets_the_planner_pick_the_stage_mesh():
     assert plan.mesh_shape == (plan.pipeline.num_stages * stage_mesh[0], *stage_mesh[1:])
     # 2 layers: 1 or 2 stages, on any mesh of 4 or 2 devices
     assert {tuple(r["stage_mesh"]) for r in plan.stats["stage_search"]} == {(4,), (2, 2), (2,)}
+
+
+@pytest.mark.parametrize("candidates", ["lagrangian", "budget"])
+def test_leaner_candidates_let_a_tight_budget_fit(candidates):
+    # On (2,) a 4-layer stage fits only with its parameters sharded: the leaner candidates do that.
+    model = build_model("gpt", n_layer=4, n_embd=128, vocab_size=512)
+    traced = trace(model, example_batch("gpt", 2, n_layer=4, n_embd=128, vocab_size=512))
+    fastest = search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, ladder=())[0]
+    budget = 0.6 * fastest.stages[0].memory_bytes
+    with pytest.raises(InfeasibleError):
+        search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, memory_budget=budget, ladder=())
+    lean, costs = search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, memory_budget=budget,
+                                candidates=candidates)
+    assert lean.stages[0].memory_bytes <= budget and lean.stages[0].candidate > 0
+    assert len(costs[(2,)].candidates) > 1 and lean.step_time_s >= fastest.step_time_s

@@ -12,8 +12,8 @@ Candidates (``solve_candidates``). For one stage mesh, the sharding ILP of ``aut
 is solved on the whole traced graph (repeated blocks share variables, so its size does not
 grow with depth) with each op priced per *step* of ``M`` microbatches: compute and resharding
 run once per microbatch (× M), gradient synchronisation of parameters once per step (× 1).
-Then again under tighter memory budgets (a fraction of the first solution's peak), which
-gives leaner plans. Each solution is a *candidate* intra-stage plan; a stage takes the fastest
+Then, where memory binds, again with memory priced into the objective at a few
+rates, which gives leaner plans (``CandidateSolver``). Each solution is a *candidate* intra-stage plan; a stage takes the fastest
 candidate that fits its memory. So the ILP is solved a handful of times per stage mesh, never
 per layer range: identical layer ranges share one solution.
 
@@ -41,7 +41,6 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
@@ -53,9 +52,11 @@ log = logging.getLogger("autopar")
 
 PRE, POST = "pre", "post"
 FALLBACK_LAYERS = 8
-# Memory budgets of the leaner candidates, between the leanest and the fastest peak
-# (``CandidateSolver``).
-LADDER = (0.5, 0.25, 0.1)
+# Weights of memory against time in the leaner candidates (``CandidateSolver``), and the
+# memory budgets of ``mode="budget"``, as fractions of the way from the leanest to the fastest.
+LADDER = (0.1, 1.0, 10.0, 100.0)
+BUDGET_LADDER = (0.5, 0.25, 0.1)
+CANDIDATE_MODES = ("lagrangian", "budget")
 _STATIC_KINDS = ("param", "optimizer_state", "grad", "input")
 
 
@@ -144,7 +145,7 @@ class Candidate:
     """One intra-stage plan on a stage mesh: a strategy per node of the traced graph."""
 
     solution: Solution
-    budget: float | None  # the memory budget it was solved under (on the whole traced graph)
+    memory_weight: float | None  # the fraction f of ``CandidateSolver`` (None: the fastest plan)
     units: "UnitCosts | None" = None
 
 
@@ -230,63 +231,105 @@ def _split(choice: Choice, grads, params, mesh, cluster) -> tuple[list[float], l
 class CandidateSolver:
     """The candidates of one stage mesh: ``fastest()`` first, ``leaner()`` on demand.
 
-    One ILP serves them all: its memory rows stand from the start with no effective bound,
-    and each rung of the ladder lowers their right-hand side. Rung j bounds the whole traced
-    graph's peak at lean + f_j · (fast − lean), where fast is the fastest plan's peak and lean
-    the peak when every node takes its leanest strategy (a lower bound of any plan's)."""
+    One ILP serves them all. The leaner candidates are Lagrangian: the objective becomes
+    time + λ · memory, where memory = Σ_n w_n · m[n, s] · x[n, s] weighs each node's bytes by
+    how much of the step they are alive in its liveness intervals (a parameter counts with its
+    gradient and optimizer state), and λ_j = f_j · (time / memory of the fastest plan) for the
+    fractions f_j of ``LADDER``. Each rung is a point of the time-memory Pareto front, and with
+    no memory rows the LP relaxation stays tight, so a rung costs one LP solve, where a
+    memory-budget rung would run a MILP. ``mode="budget"`` runs those MILPs instead
+    (``_budgeted``): slower, and it finds plans between the Pareto front's convex-hull points."""
 
     def __init__(self, graph: ChoiceGraph, split: OpSplit, num_microbatches: int, time_limit_s: float,
-                 solver: str, ladder: tuple[float, ...] = LADDER):
+                 solver: str, ladder: tuple[float, ...] = LADDER, mode: str = "lagrangian"):
+        if mode not in CANDIDATE_MODES:
+            raise ValueError(f"candidates must be one of {CANDIDATE_MODES}, got {mode!r}")
         self.graph, self.time_limit_s, self.solver, self.ladder = graph, time_limit_s, solver, ladder
-        self.ilp = ShardingILP(per_step_graph(graph, split, num_microbatches), _NO_BOUND)
+        self.mode = mode
+        self.ilp = ShardingILP(per_step_graph(graph, split, num_microbatches), None)
         self.solves = 0
         self.laddered = False
 
     def fastest(self) -> list[Candidate]:
         self.solves += 1
-        first = _solve(self.ilp, None, self.time_limit_s, self.solver)
+        first = self.ilp.solve(self.time_limit_s, self.solver)
         return [Candidate(first, None)] if first.choice else []
 
     def leaner(self, fastest: Candidate) -> list[Candidate]:
-        from autopar.solver import peak_memory
-
         self.laddered = True
-        fast = peak_memory(self.graph, fastest.solution)[0]
-        lean = self.graph.timeline.peak(lambda n: min(self.graph.choices[n].memory_bytes, default=0.0))[0]
+        if self.mode == "budget":
+            return self._budgeted(fastest)
+        weight: dict[str, float] = {}
+        for interval in self.graph.timeline.intervals:
+            weight[interval.node] = weight.get(interval.node, 0.0) + interval.factor
+        choices = self.graph.choices
+        memory_value = sum(w * choices[n].memory_bytes[fastest.solution.choice[n]] for n, w in weight.items())
+        time_value = fastest.solution.objective_s
+        if memory_value <= 0 or time_value <= 0:
+            return []
+        memory = _weighted_sum((w * m, x) for n, w in weight.items() for m, x in zip(choices[n].memory_bytes, self.ilp.x[n]) if m)
+        time_objective = self.ilp.problem.objective
+        seen = {tuple(sorted(fastest.solution.choice.items()))}
         found = []
-        for fraction in self.ladder:
-            budget = lean + fraction * (fast - lean)
-            self.solves += 1
-            solution = _solve(self.ilp, budget, self.time_limit_s, self.solver)
-            if solution.choice:
-                found.append(Candidate(solution, budget))
+        try:
+            for fraction in self.ladder:
+                multiplier = fraction * time_value / memory_value
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self.ilp.problem.setObjective(time_objective + multiplier * memory)
+                self.solves += 1
+                solution = self.ilp.solve(self.time_limit_s, self.solver)
+                key = tuple(sorted(solution.choice.items()))
+                if solution.choice and key not in seen:
+                    seen.add(key)
+                    found.append(Candidate(solution, fraction))
+        finally:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self.ilp.problem.setObjective(time_objective)
         return found
 
 
-# A memory bound no plan reaches (solvers read 1e30 as infinite).
-_NO_BOUND = 1e30
+    def _budgeted(self, fastest: Candidate) -> list[Candidate]:
+        """``mode="budget"``: the MILP under memory budgets lean + f · (fast − lean) of the
+        whole traced graph's peak, f in ``BUDGET_LADDER`` (lean: every node at its leanest
+        strategy, a lower bound). Reaches plans off the convex hull that the Lagrangian rungs
+        miss, at a MILP per rung."""
+        from autopar.solver import _MAX_MEMORY_ROUNDS, peak_memory
+
+        graph, ilp = self.graph, self.ilp
+        fast = peak_memory(graph, fastest.solution)[0]
+        lean = graph.timeline.peak(lambda n: min(graph.choices[n].memory_bytes, default=0.0))[0]
+        found = []
+        for fraction in BUDGET_LADDER:
+            budget = lean + fraction * (fast - lean)
+            first_time = ilp.memory_budget_bytes is None
+            ilp.memory_budget_bytes = budget
+            if first_time:
+                ilp.add_memory_constraint()
+            with warnings.catch_warnings():  # PuLP 3 deprecates the mapping that PuLP 2 offers alone
+                warnings.simplefilter("ignore", DeprecationWarning)
+                for time_ in ilp.memory_times:
+                    ilp.problem.constraints[ilp.memory_constraint_name(time_)].changeRHS(budget)
+            self.solves += 1
+            solution = ilp.solve(self.time_limit_s, self.solver)
+            for _ in range(_MAX_MEMORY_ROUNDS):
+                if not solution.choice:
+                    break
+                peak_bytes, peak_time = peak_memory(graph, solution)
+                if peak_bytes <= budget * (1 + 1e-9):
+                    break
+                ilp.add_memory_constraint_at(peak_time)
+                solution = ilp.solve(self.time_limit_s, self.solver)
+            if solution.choice:
+                found.append(Candidate(solution, fraction))
+        return found
 
 
-def _solve(ilp: ShardingILP, budget: float | None, time_limit_s: float, solver: str) -> Solution:
-    """``autopar.solver.solve``'s ILP and memory rounds, under ``budget`` (None: none)."""
-    from autopar.solver import _MAX_MEMORY_ROUNDS, peak_memory
+def _weighted_sum(terms):
+    from autopar.solver.ilp import _weighted
 
-    bound = _NO_BOUND if budget is None else budget
-    ilp.memory_budget_bytes = bound
-    with warnings.catch_warnings():  # PuLP 3 deprecates the mapping that PuLP 2 offers alone
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for time_ in ilp.memory_times:
-            ilp.problem.constraints[ilp.memory_constraint_name(time_)].changeRHS(bound)
-    solution = ilp.solve(time_limit_s, solver)
-    for _ in range(_MAX_MEMORY_ROUNDS):
-        if not solution.choice or budget is None:
-            break
-        peak_bytes, peak_time = peak_memory(ilp.graph, solution)
-        if peak_bytes <= budget * (1 + 1e-9):
-            break
-        ilp.add_memory_constraint_at(peak_time)
-        solution = ilp.solve(time_limit_s, solver)
-    return solution
+    return _weighted(terms)
 
 
 # -- per-unit prices ---------------------------------------------------------------------------

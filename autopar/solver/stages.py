@@ -54,7 +54,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from autopar.cost import comm
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError, MeshError
 from autopar.mesh_search import mesh_candidates
@@ -111,12 +110,13 @@ class _MeshCosts:
 
     def __init__(self, traced: TracedModel, layers: Layers, stage_mesh: tuple[int, ...], cluster: ClusterSpec,
                  num_layers: int, num_microbatches: int, time_limit_s: float, solver: str, remat: bool,
-                 ladder: tuple[float, ...] | None):
+                 ladder: tuple[float, ...] | None, candidates: str = "lagrangian"):
         self.stage_mesh, self.layers, self.cluster, self.remat = stage_mesh, layers, cluster, remat
         self.graph: ChoiceGraph = build_stage_graph(traced, stage_mesh, cluster)
         self.split: OpSplit = split_op_costs(self.graph, cluster)
         kwargs = {} if ladder is None else {"ladder": ladder}
-        self.solver = CandidateSolver(self.graph, self.split, num_microbatches, time_limit_s, solver, **kwargs)
+        self.solver = CandidateSolver(self.graph, self.split, num_microbatches, time_limit_s, solver,
+                                      mode=candidates, **kwargs)
         self.rep = _representatives(layers.num_blocks, num_layers)
         self.num_layers = num_layers
         self.candidates: list[Candidate] = []
@@ -231,7 +231,9 @@ def _option_matrices(units: UnitCosts, rep: np.ndarray, num_layers: int, remat: 
     else:
         per_microbatch = ranged(units.saved)
         peak = range_max(units.transient)
-    pre_max = units.pre_bytes[rep][1:].max(axis=0) if L else np.zeros(2)
+    # A stage that starts late receives from pre what its blocks read from there (rotary
+    # tables, say); never the input of block 0 (the embedding), which only the first stage runs.
+    pre_max = units.pre_bytes[rep][2:].max(axis=0)
     crossing = np.where(starts_late[..., None], units.prev_bytes[rep][lo][:, None, :] + pre_max, 0.0)
     crossing = np.broadcast_to(crossing, (L, L + 1, 2))
     inf = np.where(valid, 0.0, np.inf)
@@ -391,12 +393,13 @@ def search_stages(
     devices: int | None = None,
     max_axes: int = 2,
     num_layers: int | None = None,
-    remat: bool = True,
+    remat: bool = False,
     solver: str = "auto",
     stage_meshes: Sequence[tuple[int, ...]] | None = None,
     forced_layers: Sequence[int] | None = None,
     ladder: tuple[float, ...] | None = None,
     layers: Layers | None = None,
+    candidates: str = "lagrangian",
 ) -> tuple[StageSearch, dict]:
     """Run the DP of the module docstring; returns the best pipeline and the per-mesh costs.
 
@@ -404,7 +407,9 @@ def search_stages(
     or ``devices`` (the stage mesh is any mesh of devices / S devices of up to ``max_axes`` axes,
     and the full mesh is (S · a, b, ...)). ``stage_meshes`` limits those meshes, and
     ``forced_layers`` (the boundaries a_0 = 0 < ... < a_S = L) evaluates one partition instead
-    of searching (benchmarks use it to price a published plan).
+    of searching (benchmarks use it to price a published plan). ``candidates`` is how the
+    leaner intra-stage plans are found (``stage_costs.CandidateSolver``): "lagrangian" (an LP
+    each) or "budget" (a MILP each, slower, sometimes better).
     """
     start = time.perf_counter()
     layers = layers or cluster_layers(traced)
@@ -433,7 +438,7 @@ def search_stages(
     for S, stage_mesh in combos:
         if stage_mesh not in costs:
             costs[stage_mesh] = _MeshCosts(traced, layers, stage_mesh, cluster, num_layers, M,
-                                           time_limit_s, solver, remat, ladder)
+                                           time_limit_s, solver, remat, ladder, candidates)
         results[(S, stage_mesh)] = _price(costs[stage_mesh], S, M, memory_budget, cluster, forced_layers)
     best_value = min((r[0] for r in results.values() if r[0] is not None), default=math.inf)
     order = sorted(combos, key=lambda c: results[c][1])
@@ -482,8 +487,9 @@ def plan_stages(
     time_limit_s: float = 60.0,
     devices: int | None = None,
     max_axes: int = 2,
-    remat: bool = True,
+    remat: bool = False,
     solver: str = "auto",
+    candidates: str = "lagrangian",
 ) -> Plan:
     """A pipelined Plan for ``traced`` (traced at one microbatch: global batch / M).
 
@@ -491,12 +497,17 @@ def plan_stages(
     module docstring picks S, one stage meaning no split). The plan's ``pipeline`` is a
     ``StagePlan`` over the forward op nodes; ``nodes`` and ``params`` hold the intra-stage
     decisions for ``pipeline.stage_mesh``; ``mesh_shape`` is the whole mesh.
+
+    ``remat=True`` lets a stage recompute its activations in backward when that is what fits
+    (``predicted["recompute"]`` says which stages do); off by default, since the pipeline
+    runtime does not checkpoint activations yet. A plan of one stage runs its M microbatches
+    one after another (gradient accumulation).
     """
     layers = cluster_layers(traced)
     search, costs = search_stages(
         traced, mesh_shape, cluster, num_stages=num_stages, num_microbatches=num_microbatches,
         memory_budget=memory_budget, time_limit_s=time_limit_s, devices=devices, max_axes=max_axes,
-        remat=remat, solver=solver, layers=layers)
+        remat=remat, solver=solver, layers=layers, candidates=candidates)
     mesh_costs = costs[search.stage_mesh]
     return _assemble(traced, layers, search, mesh_costs, cluster, memory_budget)
 
