@@ -70,7 +70,30 @@ def model_tflops(step_s: float, hidden: int, layers: int, devices: int) -> float
     return flops / step_s / devices / 1e12
 
 
-def row_of(name, who, search, hidden, layers, devices, plan_s) -> dict:
+LAYOUT_PARAMS = {"q": "attn.q_proj.weight", "o": "attn.c_proj.weight", "fc1": "mlp.c_fc.weight",
+                 "fc2": "mlp.c_proj.weight"}
+
+
+def layouts(traced, search, costs) -> str:
+    """The placements of an interior block's weights (traced block 1) in each candidate the
+    stages use, such as ``c0[q:RS(0) o:RS(1) ...]`` per candidate (weights are (out, in))."""
+    from autopar.spec import format_spec
+
+    placeholder = {i.fqn: i.name for i in traced.inputs if i.kind == "param"}
+    mesh_costs = costs[search.stage_mesh]
+    out = []
+    for index in sorted({s.candidate for s in search.stages}):
+        choice = mesh_costs.candidates[index].solution.choice
+        specs = []
+        for label, suffix in LAYOUT_PARAMS.items():
+            name = placeholder[f"transformer.h.1.{suffix}"]
+            strategy = mesh_costs.graph.choices[name].strategies[choice[name]]
+            specs.append(f"{label}:{''.join(format_spec(strategy.outs[0]))}")
+        out.append(f"c{index}[{' '.join(specs)}]")
+    return " ".join(out)
+
+
+def row_of(name, who, search, hidden, layers, devices, plan_s, traced=None, costs=None) -> dict:
     stages = search.stages
     return {
         "model": name, "plan": who, "devices": devices, "microbatches": search.num_microbatches,
@@ -84,6 +107,8 @@ def row_of(name, who, search, hidden, layers, devices, plan_s) -> dict:
         "grad_sync_s": round(max(s.sync_s for s in stages), 3),
         "peak_gib": round(max(s.memory_bytes for s in stages) / 2**30, 2),
         "recompute": sum(s.remat for s in stages),
+        "candidates_used": "/".join(str(s.candidate) for s in stages),
+        "layer_weights": layouts(traced, search, costs) if costs else "",
         "plan_s": round(plan_s, 1),
     }
 
@@ -101,11 +126,11 @@ def run_case(name: str, budget: float, time_limit: float, candidates: str) -> li
     ours_s = time.perf_counter() - start
     per = layers // alpa_stages
     bounds = [i * per for i in range(alpa_stages)] + [layers]
-    alpa, _ = search_stages(traced, None, cluster, num_stages=alpa_stages, stage_meshes=[alpa_mesh],
-                            forced_layers=bounds, **common)
+    alpa, alpa_costs = search_stages(traced, None, cluster, num_stages=alpa_stages, stage_meshes=[alpa_mesh],
+                                     forced_layers=bounds, **common)
     print(f"{name}: trace {trace_s:.1f} s, search {ours_s:.1f} s, {ours.ilp_solves} ILP solves")
-    rows = [row_of(name, f"autopar ({candidates})", ours, hidden, layers, devices, ours_s + trace_s),
-            row_of(name, "alpa", alpa, hidden, layers, devices, 0.0)]
+    rows = [row_of(name, f"autopar ({candidates})", ours, hidden, layers, devices, ours_s + trace_s, traced, costs),
+            row_of(name, "alpa", alpa, hidden, layers, devices, 0.0, traced, alpa_costs)]
     for row in ours.rows[:8]:
         print("   ", row)
     return rows
@@ -153,7 +178,7 @@ def main() -> int:
     parser.add_argument("--timing", action="store_true")
     parser.add_argument("--mesh", default="", help="with --timing: a full mesh such as 8x8 (default: any)")
     parser.add_argument("--family", default="llama", choices=("llama", "gpt"), help="with --timing")
-    parser.add_argument("--candidates", default="lagrangian", choices=("lagrangian", "budget"))
+    parser.add_argument("--candidates", default="lagrangian", choices=("lagrangian", "budget", "both"))
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "alpa.csv"))
     args = parser.parse_args()
     if args.timing:

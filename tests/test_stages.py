@@ -169,7 +169,7 @@ def test_device_count_lets_the_planner_pick_the_stage_mesh():
     assert {tuple(r["stage_mesh"]) for r in plan.stats["stage_search"]} == {(4,), (2, 2), (2,)}
 
 
-@pytest.mark.parametrize("candidates", ["lagrangian", "budget"])
+@pytest.mark.parametrize("candidates", ["lagrangian", "budget", "both"])
 def test_leaner_candidates_let_a_tight_budget_fit(candidates):
     # On (2,) a 4-layer stage fits only with its parameters sharded: the leaner candidates do that.
     model = build_model("gpt", n_layer=4, n_embd=128, vocab_size=512)

@@ -56,7 +56,7 @@ FALLBACK_LAYERS = 8
 # memory budgets of ``mode="budget"``, as fractions of the way from the leanest to the fastest.
 LADDER = (0.1, 1.0, 10.0, 100.0)
 BUDGET_LADDER = (0.5, 0.25, 0.1)
-CANDIDATE_MODES = ("lagrangian", "budget")
+CANDIDATE_MODES = ("lagrangian", "budget", "both")
 _STATIC_KINDS = ("param", "optimizer_state", "grad", "input")
 
 
@@ -238,7 +238,8 @@ class CandidateSolver:
     fractions f_j of ``LADDER``. Each rung is a point of the time-memory Pareto front, and with
     no memory rows the LP relaxation stays tight, so a rung costs one LP solve, where a
     memory-budget rung would run a MILP. ``mode="budget"`` runs those MILPs instead
-    (``_budgeted``): slower, and it finds plans between the Pareto front's convex-hull points."""
+    (``_budgeted``): slower, and it finds plans between the Pareto front's convex-hull points;
+    ``mode="both"`` takes the candidates of both."""
 
     def __init__(self, graph: ChoiceGraph, split: OpSplit, num_microbatches: int, time_limit_s: float,
                  solver: str, ladder: tuple[float, ...] = LADDER, mode: str = "lagrangian"):
@@ -257,8 +258,18 @@ class CandidateSolver:
 
     def leaner(self, fastest: Candidate) -> list[Candidate]:
         self.laddered = True
-        if self.mode == "budget":
-            return self._budgeted(fastest)
+        found = self._budgeted(fastest) if self.mode in ("budget", "both") else []
+        if self.mode in ("lagrangian", "both"):
+            found += self._lagrangian(fastest)
+        unique, seen = [], {tuple(sorted(fastest.solution.choice.items()))}
+        for candidate in found:
+            key = tuple(sorted(candidate.solution.choice.items()))
+            if key not in seen:
+                seen.add(key)
+                unique.append(candidate)
+        return unique
+
+    def _lagrangian(self, fastest: Candidate) -> list[Candidate]:
         weight: dict[str, float] = {}
         for interval in self.graph.timeline.intervals:
             weight[interval.node] = weight.get(interval.node, 0.0) + interval.factor
@@ -289,7 +300,6 @@ class CandidateSolver:
                 self.ilp.problem.setObjective(time_objective)
         return found
 
-
     def _budgeted(self, fastest: Candidate) -> list[Candidate]:
         """``mode="budget"``: the MILP under memory budgets lean + f · (fast − lean) of the
         whole traced graph's peak, f in ``BUDGET_LADDER`` (lean: every node at its leanest
@@ -303,14 +313,7 @@ class CandidateSolver:
         found = []
         for fraction in BUDGET_LADDER:
             budget = lean + fraction * (fast - lean)
-            first_time = ilp.memory_budget_bytes is None
-            ilp.memory_budget_bytes = budget
-            if first_time:
-                ilp.add_memory_constraint()
-            with warnings.catch_warnings():  # PuLP 3 deprecates the mapping that PuLP 2 offers alone
-                warnings.simplefilter("ignore", DeprecationWarning)
-                for time_ in ilp.memory_times:
-                    ilp.problem.constraints[ilp.memory_constraint_name(time_)].changeRHS(budget)
+            _set_budget(ilp, budget)
             self.solves += 1
             solution = ilp.solve(self.time_limit_s, self.solver)
             for _ in range(_MAX_MEMORY_ROUNDS):
@@ -323,7 +326,24 @@ class CandidateSolver:
                 solution = ilp.solve(self.time_limit_s, self.solver)
             if solution.choice:
                 found.append(Candidate(solution, fraction))
+        _set_budget(ilp, _NO_BOUND)  # the memory rows stay, with no effective bound
         return found
+
+
+# A memory bound no plan reaches (solvers read 1e30 as infinite).
+_NO_BOUND = 1e30
+
+
+def _set_budget(ilp: ShardingILP, budget: float) -> None:
+    """Put the memory rows at ``budget``: add them the first time, else move their bound."""
+    if ilp.memory_budget_bytes is None:
+        ilp.memory_budget_bytes = budget
+        ilp.add_memory_constraint()
+    ilp.memory_budget_bytes = budget
+    with warnings.catch_warnings():  # PuLP 3 deprecates the mapping that PuLP 2 offers alone
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for time_ in ilp.memory_times:
+            ilp.problem.constraints[ilp.memory_constraint_name(time_)].changeRHS(budget)
 
 
 def _weighted_sum(terms):

@@ -409,7 +409,7 @@ def search_stages(
     ``forced_layers`` (the boundaries a_0 = 0 < ... < a_S = L) evaluates one partition instead
     of searching (benchmarks use it to price a published plan). ``candidates`` is how the
     leaner intra-stage plans are found (``stage_costs.CandidateSolver``): "lagrangian" (an LP
-    each) or "budget" (a MILP each, slower, sometimes better).
+    each), "budget" (a MILP each, slower, sometimes better) or "both".
     """
     start = time.perf_counter()
     layers = layers or cluster_layers(traced)
