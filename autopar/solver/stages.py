@@ -556,16 +556,17 @@ def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_cos
         num_microbatches=search.num_microbatches, schedule="1F1B", stage_mesh=tuple(search.stage_mesh),
         stages=tuple(stages), step_time_s=search.step_time_s,
         bubble_fraction=bubble_fraction(times, search.num_microbatches))
+    # The whole-graph figures of ``plan_from_solution`` describe one microbatch run as a single
+    # stage on the stage mesh: kept apart, so that they are not read as the pipeline's step.
+    whole = ("compute_s", "reshard_s", "comm_bytes", "comm_bytes_per_axis")
     predicted = {
-        **base.predicted,
         "step_time_s": search.step_time_s,
         "peak_memory_bytes": int(max(s.memory_bytes for s in search.stages)),
         "stage_time_s": times,
         "grad_sync_s": max(s.sync_s for s in search.stages),
         "recompute": [s.remat for s in search.stages],
+        "one_microbatch_unpipelined": {key: base.predicted[key] for key in whole if key in base.predicted},
     }
-    predicted.pop("peak_memory_at", None)
-    predicted.pop("memory_at_peak_bytes", None)
     solver_info = {**base.solver, "stage_search": {
         "ilp_solves": search.ilp_solves, "pipelines_priced": len(search.rows),
         "candidate_plans": len(mesh_costs.candidates)}}
