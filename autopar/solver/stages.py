@@ -9,7 +9,7 @@ Sets and data
                   first stage and post the last)
     M             microbatches per step; the graph is traced at one microbatch
     S             stage counts: divisors of mesh[0] (or N) up to L; ``num_stages`` fixes one
-    c ∈ C(mesh)   candidate intra-stage plans on a stage mesh (``stage_costs.solve_candidates``),
+    c ∈ C(mesh)   candidate intra-stage plans on a stage mesh (``stage_costs.CandidateSolver``),
                   each used with or without recomputation (r ∈ {0, 1})
     t(a, b, c, r) seconds of forward + backward of one microbatch for layers [a, b): the units'
                   own ops and resharding, the resharding from earlier units in the stage, and,
@@ -35,6 +35,12 @@ and Σ = F_{S−1}(L). T runs over the distinct stage times from the smallest fe
 and stops once Σ(T = ∞) + (M − 1) · T cannot beat the best step found (Alpa's enumeration of
 t_max, with an exact stopping rule). The gradient synchronisation term is added to each
 candidate partition found, not optimised inside the DP.
+
+Each stage mesh starts with its fastest candidate only. Its leaner candidates are solved
+where the budget made the best pipeline on that mesh slower than it is without one (or
+infeasible), and that unconstrained pipeline still beats the best found: a pruning heuristic,
+since a leaner candidate minimises the same whole-model objective under less memory but could
+still be faster for one stage.
 
 Layer ranges with the same (starts at 0, ends at L, length) use the same candidate solutions:
 the ILP is solved per stage mesh (a few times, see ``stage_costs``), never per range.
@@ -72,7 +78,7 @@ log = logging.getLogger("autopar")
 __all__ = ["plan_stages", "search_stages", "StageSearch", "StageChoice", "check_pipeline_args", "microbatch_inputs"]
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class StageChoice:
     """One stage of a searched pipeline."""
 
@@ -94,6 +100,7 @@ class StageSearch:
     mesh_shape: tuple[int, ...]
     stages: list[StageChoice]
     step_time_s: float
+    num_microbatches: int = 1
     rows: list[dict[str, Any]] = field(default_factory=list)
     ilp_solves: int = 0
     search_time_s: float = 0.0
@@ -101,8 +108,6 @@ class StageSearch:
     @property
     def bubble_fraction(self) -> float:
         return bubble_fraction([s.time_s for s in self.stages], self.num_microbatches)
-
-    num_microbatches: int = 1
 
 
 class _MeshCosts:
