@@ -182,3 +182,35 @@ def test_leaner_candidates_let_a_tight_budget_fit(candidates):
                                 candidates=candidates)
     assert lean.stages[0].memory_bytes <= budget and lean.stages[0].candidate > 0
     assert len(costs[(2,)].candidates) > 1 and lean.step_time_s >= fastest.step_time_s
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_dp_finds_the_best_partition_that_brute_force_finds(seed):
+    import itertools
+
+    import numpy as np
+
+    from autopar.solver.stages import _search_partition
+
+    rng = np.random.default_rng(seed)
+    num_layers, num_stages, num_microbatches = 8, 3, int(rng.integers(1, 9))
+    tables = []
+    for _ in range(num_stages):
+        table = np.full((num_layers, num_layers + 1), np.inf)
+        for a in range(num_layers):
+            for b in range(a + 1, num_layers + 1):
+                if rng.uniform() > 0.15:  # some ranges do not fit memory
+                    table[a, b] = (b - a) * rng.uniform(1.0, 2.0) + rng.uniform(0.0, 1.0)
+        tables.append(table)
+
+    def score(bounds):
+        times = [tables[i][bounds[i], bounds[i + 1]] for i in range(num_stages)]
+        return sum(times) + (num_microbatches - 1) * max(times)
+
+    found = _search_partition(tables, num_microbatches, score)
+    every = [score([0, *cuts, num_layers]) for cuts in itertools.combinations(range(1, num_layers), num_stages - 1)]
+    best = min(every)
+    if not np.isfinite(best):
+        assert found is None
+    else:
+        assert found[0] == pytest.approx(best) and score(found[1]) == pytest.approx(best)
