@@ -19,7 +19,7 @@ from autopar.errors import AutoparError, MeshError, PlanError
 from autopar.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
 from autopar.mesh_search import search_mesh
 from autopar.passes import default_passes, run_passes
-from autopar.pipeline_split import first_microbatch, split_stages, stage_mesh_of
+from autopar.pipeline_split import first_microbatch
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule, mesh_groups
 from autopar.solver import solve
@@ -77,19 +77,22 @@ def plan(
     "auto" (LP relaxation first, MILP only if rounding leaves a gap), "highs" or "cbc";
     ``time_limit_s`` bounds the solve (then the best plan found is used, with its gap).
 
-    ``pipeline=N`` cuts mesh axis 0 into N equal groups of ranks, each running one pipeline stage
-    (a contiguous range of layers) on the stage mesh ``(mesh[0] // N, *mesh[1:])``, over
-    ``num_microbatches`` microbatches (default N) of the batch (dim 0 of every tensor input).
-    The intra-stage plan is solved on the graph traced at one microbatch, and the stages are in
-    ``plan.pipeline`` (``autopar.pipeline_split``). ``pipeline="auto"`` is reserved for the stage
-    planner; "off" (the default) does not pipeline.
+    ``pipeline`` is "off" (the default), a number of stages N (mesh axis 0 is cut into N equal
+    rank groups, each running a contiguous range of layers on the stage mesh
+    ``(mesh[0] // N, *mesh[1:])``), or "auto" (the stage planner decides whether and where to
+    split; with ``mesh="auto"`` and ``devices`` it also picks the stage mesh). The example
+    inputs are the global batch; the plan is made for ``num_microbatches`` microbatches (default:
+    N, or 1 under "auto") of batch / ``num_microbatches`` each, and its ``pipeline`` holds the
+    stages (``autopar.solver.stages`` chooses them; ``autopar.pipeline_runtime`` runs them).
     """
     cluster_spec = get_cluster(cluster)
     if compute is not None:
         cluster_spec = dataclasses.replace(cluster_spec, compute=compute)
+    num_stages = pipeline_stages(pipeline, num_microbatches)
+    if num_stages is not None:
+        return _plan_pipeline(model, mesh, devices, example_inputs, example_kwargs, cluster_spec, memory_budget,
+                              time_limit_s, solver, num_stages, num_microbatches, max_axes, symbolic_batch)
     if isinstance(mesh, str):
-        if pipeline_stages(pipeline, num_microbatches) is not None:
-            raise MeshError("mesh='auto' does not search pipelined plans yet: pass a mesh such as (2, 4) with pipeline=N")
         if mesh != "auto":
             raise MeshError(f"mesh must be a tuple of positive ints such as (2, 4), or 'auto', got {mesh!r}")
         if devices is None:
@@ -100,16 +103,6 @@ def plan(
     if devices is not None and math.prod(mesh_shape) != devices:
         raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
                         "pass one of them, or mesh='auto' to search the meshes of that many devices")
-    num_stages = pipeline_stages(pipeline, num_microbatches)
-    if num_stages is not None:
-        if symbolic_batch:
-            raise ValueError("symbolic_batch does not cover pipelined plans yet: drop symbolic_batch or pipeline")
-        num_microbatches = num_microbatches or num_stages
-        stage_mesh_of(mesh_shape, num_stages)
-        inputs, kwargs = first_microbatch(example_inputs, example_kwargs, num_microbatches)
-        traced = trace(model, inputs, kwargs)
-        return plan_pipelined(traced, mesh_shape, num_stages, num_microbatches, cluster_spec, memory_budget,
-                              time_limit_s, solver)
     traced = trace(model, example_inputs, example_kwargs)
     result = plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s, solver)
     if symbolic_batch:
@@ -124,6 +117,31 @@ def plan(
     return result
 
 
+def _plan_pipeline(model, mesh, devices, example_inputs, example_kwargs, cluster_spec, memory_budget,
+                   time_limit_s, solver, num_stages, num_microbatches, max_axes, symbolic_batch) -> Plan:
+    """``plan(..., pipeline=...)``: trace one microbatch and run the stage planner."""
+    from autopar.solver.stages import plan_stages
+
+    num_microbatches = default_microbatches(num_stages, num_microbatches)
+    if symbolic_batch:
+        raise ValueError("symbolic_batch is not available for pipelined plans yet: pass pipeline='off'")
+    mesh_shape = None
+    if isinstance(mesh, str):
+        if mesh != "auto" or devices is None:
+            raise MeshError(f"mesh must be a tuple of positive ints such as (2, 4), or 'auto' with devices=N, got {mesh!r}")
+    else:
+        mesh_shape = _mesh_shape(mesh)
+        if devices is not None and math.prod(mesh_shape) != devices:
+            raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
+                            "pass one of them")
+        devices = None
+    inputs, kwargs = first_microbatch(example_inputs, example_kwargs, num_microbatches)
+    traced = trace(model, inputs, kwargs)
+    return plan_stages(traced, mesh_shape, cluster_spec, num_stages=num_stages, num_microbatches=num_microbatches,
+                       memory_budget=memory_budget, time_limit_s=time_limit_s, devices=devices,
+                       max_axes=min(max_axes, 2), solver=solver)
+
+
 def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s,
                 solver: str = "auto") -> Plan:
     """Plan an already traced model (``autopar.plan`` without the tracing)."""
@@ -135,49 +153,29 @@ def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_bu
     return result
 
 
-def pipeline_stages(pipeline: str | int | None, num_microbatches: int | None) -> int | None:
-    """The number of stages asked for (None: no pipelining), with the options checked."""
+def default_microbatches(num_stages: int | str, num_microbatches: int | None) -> int:
+    """``num_microbatches`` as given, or its default: N for N stages, 1 under "auto"."""
+    if num_microbatches is not None:
+        return num_microbatches
+    return 1 if num_stages == "auto" else int(num_stages)
+
+
+def pipeline_stages(pipeline: str | int | None, num_microbatches: int | None) -> int | str | None:
+    """The number of stages asked for, "auto", or None (no pipelining), with the options checked."""
     if pipeline is None or pipeline == "off":
         if num_microbatches is not None:
             raise ValueError(
                 f"num_microbatches={num_microbatches!r} cuts the batch for a pipeline, but pipeline is 'off': "
-                "pass pipeline=N (N stages along mesh axis 0) as well, or drop num_microbatches"
+                "pass pipeline=N (N stages along mesh axis 0) or pipeline='auto' as well, or drop num_microbatches"
             )
         return None
-    if pipeline == "auto":
-        raise ValueError(
-            "pipeline='auto' needs the stage planner (autopar.solver.stages), which this build does not have "
-            "yet: pass pipeline=N to cut mesh axis 0 into N stages"
-        )
-    if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
+    if pipeline != "auto" and (isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1):
         raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {pipeline!r}")
     if num_microbatches is not None and (
         isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1
     ):
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
     return pipeline
-
-
-def plan_pipelined(traced: TracedModel, mesh_shape, num_stages: int, num_microbatches: int, cluster: ClusterSpec,
-                   memory_budget, time_limit_s, solver: str = "auto") -> Plan:
-    """Plan ``traced`` (the graph of ONE microbatch) on the stage mesh, then cut it into stages.
-
-    ``memory_budget`` bounds the intra-stage plan of the whole microbatch graph on the stage
-    mesh (conservative for parameters, which each stage holds only a part of); the stages'
-    memory estimates are in ``plan.pipeline``."""
-    stage_mesh = stage_mesh_of(mesh_shape, num_stages)
-    intra = plan_traced(traced, stage_mesh, cluster, memory_budget, time_limit_s, solver)
-    stages = split_stages(traced, intra, num_stages, num_microbatches, mesh_shape, cluster)
-    heaviest = max(stages.stages, key=lambda s: s.memory_bytes)
-    predicted = {key: value for key, value in intra.predicted.items() if key != "memory_at_peak_bytes"}
-    predicted.update(
-        step_time_s=stages.step_time_s,
-        microbatch_time_s=intra.predicted["step_time_s"],
-        peak_memory_bytes=int(heaviest.memory_bytes),
-        peak_memory_at=f"stage {heaviest.index} (estimate)",
-    )
-    return dataclasses.replace(intra, mesh_shape=tuple(mesh_shape), pipeline=stages, predicted=predicted,
-                               stats=intra.stats)
 
 
 def compile(
@@ -239,7 +237,11 @@ def compile(
         plan = Plan.load(plan)
     if plan is not None and (plan.pipeline is not None or num_stages is not None):
         given = (plan.pipeline.num_stages, plan.pipeline.num_microbatches) if plan.pipeline is not None else None
-        if num_stages is not None and given != (num_stages, num_microbatches or num_stages):
+        if num_stages is not None and (
+            given is None
+            or (num_stages != "auto" and given != (num_stages, default_microbatches(num_stages, num_microbatches)))
+            or (num_stages == "auto" and num_microbatches not in (None, given[1]))
+        ):
             has = f"has {given[0]} stages and {given[1]} microbatches" if given else "does not pipeline"
             raise PlanError(
                 f"pipeline={pipeline!r}, num_microbatches={num_microbatches!r} contradicts the plan, which {has}: "
@@ -251,13 +253,15 @@ def compile(
             raise ValueError("init= is not supported with pipelining yet: compile the model with its own tensors (init=None)")
         from autopar.pipeline_runtime import compile_pipeline
 
-        num_microbatches = num_microbatches or num_stages
-        stage_mesh_of(mesh_shape, num_stages)
+        from autopar.solver.stages import plan_stages
+
+        num_microbatches = default_microbatches(num_stages, num_microbatches)
         inputs, kwargs = first_microbatch(example_inputs, example_kwargs, num_microbatches)
         traced = trace(model, inputs, kwargs)
 
         def planner(traced, mesh_shape, cluster, memory_budget, time_limit_s):
-            return plan_pipelined(traced, mesh_shape, num_stages, num_microbatches, cluster, memory_budget, time_limit_s)
+            return plan_stages(traced, mesh_shape, cluster, num_stages=num_stages, num_microbatches=num_microbatches,
+                               memory_budget=memory_budget, time_limit_s=time_limit_s)
 
         chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s, planner)
         check_rank_agreement(chosen)

@@ -385,8 +385,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _progress(f"planning on {where} for cluster {getattr(cluster, 'name', '?')}{budget} ...")
     with _ProgressLog():
         if args.pipeline is not None:
-            plan = api.plan_pipelined(traced, args.mesh, args.pipeline, args.num_microbatches, cluster,
-                                      args.memory_budget, args.time_limit)
+            from autopar.solver.stages import plan_stages
+
+            plan = plan_stages(traced, args.mesh, cluster, num_stages=args.pipeline,
+                               num_microbatches=args.num_microbatches, memory_budget=args.memory_budget,
+                               time_limit_s=args.time_limit)
         elif args.mesh:
             plan = api.plan_traced(traced, args.mesh, cluster, args.memory_budget, args.time_limit)
         else:

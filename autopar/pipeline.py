@@ -56,7 +56,7 @@ class StagePlan:
     schedule: str  # one of SCHEDULES
     stage_mesh: tuple[int, ...]  # the mesh every stage's intra-stage plan is made for
     stages: tuple[Stage, ...]
-    step_time_s: float  # 1F1B / GPipe: sum of stage times + (m - 1) * the slowest stage
+    step_time_s: float  # 1F1B / GPipe: sum of stage times + (m - 1) * the slowest (+ gradient sync, once)
     bubble_fraction: float  # share of the step the devices of a stage sit idle, on average
 
     def __post_init__(self) -> None:

@@ -248,13 +248,16 @@ class PipelineParallelModule(ParallelModule):
     def _make_schedule(self, split: torch.fx.GraphModule, loss_node: torch.fx.Node, tensors: dict[str, torch.Tensor]):
         """This rank's stage module, its ``PipelineStage`` (static shapes) and the schedule."""
         traced, plan, index = self._traced, self._plan, self._stage_index
-        sent = stage_wiring(split, {gi.name for gi in traced.inputs}, loss_node.name, self._num_stages)
+        # The name the loss has in the rewritten graph: a collective may follow the traced loss
+        # node (an all-reduce of a batch-split loss, on a stage mesh of several devices).
+        loss_name = _returned_name(split)
+        sent = stage_wiring(split, {gi.name for gi in traced.inputs}, loss_name, self._num_stages)
         received = sent[index - 1] if index else []
         is_last = index == self._num_stages - 1
         inputs, outputs = stage_io(split, index)
         self._stage = _StageModule(
             stage_submodule(split, index), inputs, outputs, received, None if is_last else sent[index],
-            loss_node.name, self._user_keys, tensors, constants=set(self._constants),
+            loss_name, self._user_keys, tensors, constants=set(self._constants),
         )
         nodes = {n.name: n for n in traced.gm.graph.nodes}
         # Static shapes: torch's pipelining would otherwise infer them by running a microbatch
@@ -412,6 +415,16 @@ class PipelineParallelModule(ParallelModule):
                     local = shard_tensor(state_dict[fqn], self._plan.params[fqn], self._coordinate, self._stage_mesh)
                     _lookup(self.module, fqn).copy_(local)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _returned_name(split: torch.fx.GraphModule) -> str:
+    """The original node name of the one value the split graph returns (``getitem`` of a stage's
+    outputs)."""
+    output = next(n for n in split.graph.nodes if n.op == "output")
+    (value,) = pytree.tree_leaves(output.args[0])
+    submodule, position = value.args
+    index = int(str(submodule.target).removeprefix("submod_"))
+    return stage_io(split, index)[1][position]
 
 
 def _loss_node(traced: TracedModel) -> torch.fx.Node:

@@ -1,0 +1,466 @@
+"""What one pipeline stage costs: layers, intra-stage plan candidates, and per-layer prices.
+
+Layers (``cluster_layers``). The graph's op nodes are cut into units in graph order: ``pre``
+(everything before the first repeated block: embeddings, rotary tables), one unit per block of
+the model's longest ``ModuleList`` of repeated blocks (the transformer layers), and ``post``
+(everything after the last block: final norm, head, loss). The planner's *layers* are the
+blocks; a stage holding block 0 also runs ``pre``, and the one holding the last block runs
+``post``. Units follow graph order, so a stage only reads values of earlier stages. A model with
+no repeated blocks is cut into up to ``FALLBACK_LAYERS`` units of balanced FLOPs.
+
+Candidates (``solve_candidates``). For one stage mesh, the sharding ILP of ``autopar.solver``
+is solved on the whole traced graph (repeated blocks share variables, so its size does not
+grow with depth) with each op priced per *step* of ``M`` microbatches: compute and resharding
+run once per microbatch (× M), gradient synchronisation of parameters once per step (× 1).
+Then, where memory binds, again with memory priced into the objective at a few
+rates, which gives leaner plans (``CandidateSolver``). Each solution is a *candidate* intra-stage plan; a stage takes the fastest
+candidate that fits its memory. So the ILP is solved a handful of times per stage mesh, never
+per layer range: identical layer ranges share one solution.
+
+Per-layer prices (``unit_costs``). Under a candidate every unit gets, in seconds per
+microbatch: ``own`` (its ops' forward and backward, and the resharding between its own ops and
+from parameters), ``prev`` (resharding of values coming from the previous block) and
+``pre`` (of values coming from ``pre``); ``fwd`` (the forward part of ``own``, paid again when
+the stage recomputes activations); ``sync`` (the per-step gradient all-reduces of its
+parameters). Bytes per device: ``static`` (its parameters, their gradients and optimizer
+state, and user inputs), ``saved`` (activations alive at the end of forward, kept per microbatch
+in flight), ``transient`` (the peak of its own activations and gradients above ``saved``),
+``stash`` (its input activations: what a recomputing stage keeps per microbatch), and the
+bytes of the values it receives from the previous block and from ``pre`` (what crosses a stage
+boundary). A stage's figures are sums of its units' (``autopar.solver.stages``). Time is exact
+for a fixed plan: every op and every edge belongs to exactly one unit. Memory is the usual
+pipeline model: static + k · saved + the largest transient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.cost import comm, compute, memory
+from autopar.cost.cluster import ClusterSpec
+from autopar.solver.choices import ChoiceGraph, Choice, _layer_key, build_choice_graph, grad_sync_axes
+from autopar.solver.ilp import ShardingILP, Solution
+from autopar.trace import TracedModel
+
+log = logging.getLogger("autopar")
+
+PRE, POST = "pre", "post"
+FALLBACK_LAYERS = 8
+# Weights of memory against time in the leaner candidates (``CandidateSolver``), and the
+# memory budgets of ``mode="budget"``, as fractions of the way from the leanest to the fastest.
+LADDER = (0.1, 1.0, 10.0, 100.0)
+BUDGET_LADDER = (0.5, 0.25, 0.1)
+CANDIDATE_MODES = ("lagrangian", "budget", "both")
+_STATIC_KINDS = ("param", "optimizer_state", "grad", "input")
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The units of a graph: ``unit[name]`` is -1 (pre), a block index, or ``num_blocks`` (post)
+    for every op node; ``names[u + 1]`` lists unit u's op nodes in graph order."""
+
+    unit: dict[str, int]
+    num_blocks: int
+    names: tuple[tuple[str, ...], ...]  # pre, block 0 .. block L-1, post
+    repeated: bool  # blocks come from a ModuleList of identical layers
+    list_path: str = ""
+
+    def nodes_of(self, first: int, last: int) -> list[str]:
+        """Op nodes of units first..last-1 (unit -1 is pre, num_blocks is post), graph order."""
+        return [n for u in range(first, last) for n in self.names[u + 1]]
+
+
+def cluster_layers(traced: TracedModel) -> Layers:
+    """Cut ``traced``'s op nodes into pre, the repeated blocks and post (module docstring)."""
+    fqns = {i.name: i.fqn for i in traced.inputs}
+    ops = [n for n in traced.gm.graph.nodes if n.op == "call_function"]
+    keys = {n.name: _layer_key(n, fqns.get(n.name)) for n in ops}
+    counts: dict[str, set[int]] = {}
+    for key in keys.values():
+        if key is not None:
+            counts.setdefault(key[0], set()).add(key[1])
+    if counts:
+        path = max(counts, key=lambda p: (len(counts[p]), p))
+        indices = sorted(counts[path])
+    if not counts or len(indices) < 2:
+        return _balanced_layers(ops)
+    position = {index: i for i, index in enumerate(indices)}
+    block = {n.name: position[keys[n.name][1]] for n in ops if keys[n.name] and keys[n.name][0] == path}
+    first = next(i for i, n in enumerate(ops) if n.name in block)
+    last = max(i for i, n in enumerate(ops) if n.name in block)
+    unit: dict[str, int] = {}
+    running = 0
+    for i, node in enumerate(ops):
+        if i < first:
+            unit[node.name] = -1
+        elif i > last:
+            unit[node.name] = len(indices)
+        else:
+            running = max(running, block.get(node.name, running))
+            unit[node.name] = running
+    return _layers(unit, len(indices), ops, True, path)
+
+
+def _layers(unit: dict[str, int], num_blocks: int, ops, repeated: bool, path: str = "") -> Layers:
+    names: list[list[str]] = [[] for _ in range(num_blocks + 2)]
+    for node in ops:
+        names[unit[node.name] + 1].append(node.name)
+    return Layers(unit, num_blocks, tuple(tuple(n) for n in names), repeated, path)
+
+
+def _balanced_layers(ops) -> Layers:
+    """No repeated blocks: up to FALLBACK_LAYERS units of about equal forward FLOPs."""
+    from autopar.rules import op_info
+
+    flops = []
+    for node in ops:
+        try:
+            flops.append(compute.node_flops(op_info(node)))
+        except Exception:  # an op the FLOP counter does not know weighs nothing
+            flops.append(0.0)
+    num = max(1, min(FALLBACK_LAYERS, len(ops)))
+    total = sum(flops) or 1.0
+    unit: dict[str, int] = {}
+    running = 0.0
+    for node, weight in zip(ops, flops):
+        index = min(num - 1, int(running / total * num))
+        unit[node.name] = index
+        running += weight
+    used = sorted(set(unit.values()))  # drop empty units so that every layer has ops
+    renumber = {u: i for i, u in enumerate(used)}
+    unit = {name: renumber[u] for name, u in unit.items()}
+    return _layers(unit, len(used), ops, False)
+
+
+# -- candidates --------------------------------------------------------------------------------
+
+@dataclass
+class Candidate:
+    """One intra-stage plan on a stage mesh: a strategy per node of the traced graph."""
+
+    solution: Solution
+    memory_weight: float | None  # the fraction f of ``CandidateSolver`` (None: the fastest plan)
+    units: "UnitCosts | None" = None
+
+
+def per_step_graph(graph: ChoiceGraph, split: "OpSplit", num_microbatches: int) -> ChoiceGraph:
+    """``graph`` priced per step of M microbatches: compute and resharding × M, parameter
+    gradient synchronisation × 1 (see the module docstring)."""
+    m = float(num_microbatches)
+    choices = {}
+    for name, choice in graph.choices.items():
+        sync = split.sync.get(name)
+        if sync is None:
+            costs = [m * c for c in choice.compute_s]
+        else:
+            costs = [m * (c - s) + s for c, s in zip(choice.compute_s, sync)]
+        choices[name] = dataclasses.replace(choice, compute_s=costs)
+    scaled: dict[int, dict] = {}
+    edges = []
+    for edge in graph.edges:
+        table = scaled.get(id(edge.price))
+        if table is None:
+            table = scaled[id(edge.price)] = {k: (m * s, b) for k, (s, b) in edge.price.items()}
+        edges.append(dataclasses.replace(edge, price=table))
+    return dataclasses.replace(graph, choices=choices, edges=edges)
+
+
+@dataclass
+class OpSplit:
+    """Per node and strategy: seconds of parameter-gradient all-reduces (once per step) and of
+    the forward pass (paid again under recomputation)."""
+
+    sync: dict[str, list[float]]
+    forward: dict[str, list[float]]
+
+
+def split_op_costs(graph: ChoiceGraph, cluster: ClusterSpec) -> OpSplit:
+    mesh = graph.mesh_shape
+    rooted: dict[str, bool] = {}
+
+    def param_rooted(name: str) -> bool:
+        if name not in rooted:
+            choice = graph.choices[name]
+            rooted[name] = choice.kind == "param" or (
+                choice.kind == "op" and choice.follower_of is not None and len(choice.inputs) == 1
+                and param_rooted(choice.inputs[0][0])
+            )
+        return rooted[name]
+
+    sync: dict[str, list[float]] = {}
+    forward: dict[str, list[float]] = {}
+    cache: dict[tuple, tuple[list[float], list[float]]] = {}
+    for name in graph.order:
+        choice = graph.choices[name]
+        if choice.info is None:
+            continue
+        grads = tuple(graph.choices[p].requires_grad for p, _ in choice.inputs)
+        params = tuple(param_rooted(p) for p, _ in choice.inputs)
+        key = (id(choice.strategies), grads, params, choice.requires_grad)
+        if key not in cache:
+            cache[key] = _split(choice, grads, params, mesh, cluster)
+        sync[name], forward[name] = cache[key]
+    return OpSplit(sync, forward)
+
+
+def _split(choice: Choice, grads, params, mesh, cluster) -> tuple[list[float], list[float]]:
+    factor = 1.0 + compute.backward_factor(choice.info) if choice.requires_grad else 1.0
+    syncs, forwards = [], []
+    for index, strategy in enumerate(choice.strategies):
+        param_s = other_s = 0.0
+        for position, arg in enumerate(choice.info.inputs):
+            if not grads[position]:
+                continue
+            for axis in grad_sync_axes(strategy, position):
+                cost = comm.grad_allreduce_cost(arg.shape, strategy.ins[position], axis, arg.dtype, mesh, cluster)
+                if params[position]:
+                    param_s += cost.backward_s
+                else:
+                    other_s += cost.backward_s
+        syncs.append(param_s)
+        forwards.append(max(choice.compute_s[index] - param_s - other_s, 0.0) / factor)
+    return syncs, forwards
+
+
+class CandidateSolver:
+    """The candidates of one stage mesh: ``fastest()`` first, ``leaner()`` on demand.
+
+    One ILP serves them all. The leaner candidates are Lagrangian: the objective becomes
+    time + λ · memory, where memory = Σ_n w_n · m[n, s] · x[n, s] weighs each node's bytes by
+    how much of the step they are alive in its liveness intervals (a parameter counts with its
+    gradient and optimizer state), and λ_j = f_j · (time / memory of the fastest plan) for the
+    fractions f_j of ``LADDER``. Each rung is a point of the time-memory Pareto front, and with
+    no memory rows the LP relaxation stays tight, so a rung costs one LP solve, where a
+    memory-budget rung would run a MILP. ``mode="budget"`` runs those MILPs instead
+    (``_budgeted``): slower, and it finds plans between the Pareto front's convex-hull points;
+    ``mode="both"`` takes the candidates of both."""
+
+    def __init__(self, graph: ChoiceGraph, split: OpSplit, num_microbatches: int, time_limit_s: float,
+                 solver: str, ladder: tuple[float, ...] = LADDER, mode: str = "lagrangian"):
+        if mode not in CANDIDATE_MODES:
+            raise ValueError(f"candidates must be one of {CANDIDATE_MODES}, got {mode!r}")
+        self.graph, self.time_limit_s, self.solver, self.ladder = graph, time_limit_s, solver, ladder
+        self.mode = mode
+        self.ilp = ShardingILP(per_step_graph(graph, split, num_microbatches), None)
+        self.solves = 0
+        self.laddered = False
+
+    def fastest(self) -> list[Candidate]:
+        self.solves += 1
+        first = self.ilp.solve(self.time_limit_s, self.solver)
+        return [Candidate(first, None)] if first.choice else []
+
+    def leaner(self, fastest: Candidate) -> list[Candidate]:
+        self.laddered = True
+        found = self._budgeted(fastest) if self.mode in ("budget", "both") else []
+        if self.mode in ("lagrangian", "both"):
+            found += self._lagrangian(fastest)
+        unique, seen = [], {tuple(sorted(fastest.solution.choice.items()))}
+        for candidate in found:
+            key = tuple(sorted(candidate.solution.choice.items()))
+            if key not in seen:
+                seen.add(key)
+                unique.append(candidate)
+        return unique
+
+    def _lagrangian(self, fastest: Candidate) -> list[Candidate]:
+        weight: dict[str, float] = {}
+        for interval in self.graph.timeline.intervals:
+            weight[interval.node] = weight.get(interval.node, 0.0) + interval.factor
+        choices = self.graph.choices
+        memory_value = sum(w * choices[n].memory_bytes[fastest.solution.choice[n]] for n, w in weight.items())
+        time_value = fastest.solution.objective_s
+        if memory_value <= 0 or time_value <= 0:
+            return []
+        memory = _weighted_sum((w * m, x) for n, w in weight.items() for m, x in zip(choices[n].memory_bytes, self.ilp.x[n]) if m)
+        time_objective = self.ilp.problem.objective
+        seen = {tuple(sorted(fastest.solution.choice.items()))}
+        found = []
+        try:
+            for fraction in self.ladder:
+                multiplier = fraction * time_value / memory_value
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self.ilp.problem.setObjective(time_objective + multiplier * memory)
+                self.solves += 1
+                solution = self.ilp.solve(self.time_limit_s, self.solver)
+                key = tuple(sorted(solution.choice.items()))
+                if solution.choice and key not in seen:
+                    seen.add(key)
+                    found.append(Candidate(solution, fraction))
+        finally:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self.ilp.problem.setObjective(time_objective)
+        return found
+
+    def _budgeted(self, fastest: Candidate) -> list[Candidate]:
+        """``mode="budget"``: the MILP under memory budgets lean + f · (fast − lean) of the
+        whole traced graph's peak, f in ``BUDGET_LADDER`` (lean: every node at its leanest
+        strategy, a lower bound). Reaches plans off the convex hull that the Lagrangian rungs
+        miss, at a MILP per rung."""
+        from autopar.solver import _MAX_MEMORY_ROUNDS, peak_memory
+
+        graph, ilp = self.graph, self.ilp
+        fast = peak_memory(graph, fastest.solution)[0]
+        lean = graph.timeline.peak(lambda n: min(graph.choices[n].memory_bytes, default=0.0))[0]
+        found = []
+        for fraction in BUDGET_LADDER:
+            budget = lean + fraction * (fast - lean)
+            _set_budget(ilp, budget)
+            self.solves += 1
+            solution = ilp.solve(self.time_limit_s, self.solver)
+            for _ in range(_MAX_MEMORY_ROUNDS):
+                if not solution.choice:
+                    break
+                peak_bytes, peak_time = peak_memory(graph, solution)
+                if peak_bytes <= budget * (1 + 1e-9):
+                    break
+                ilp.add_memory_constraint_at(peak_time)
+                solution = ilp.solve(self.time_limit_s, self.solver)
+            if solution.choice:
+                found.append(Candidate(solution, fraction))
+        _set_budget(ilp, _NO_BOUND)  # the memory rows stay, with no effective bound
+        return found
+
+
+# A memory bound no plan reaches (solvers read 1e30 as infinite).
+_NO_BOUND = 1e30
+
+
+def _set_budget(ilp: ShardingILP, budget: float) -> None:
+    """Put the memory rows at ``budget``: add them the first time, else move their bound."""
+    if ilp.memory_budget_bytes is None:
+        ilp.memory_budget_bytes = budget
+        ilp.add_memory_constraint()
+    ilp.memory_budget_bytes = budget
+    with warnings.catch_warnings():  # PuLP 3 deprecates the mapping that PuLP 2 offers alone
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for time_ in ilp.memory_times:
+            ilp.problem.constraints[ilp.memory_constraint_name(time_)].changeRHS(budget)
+
+
+def _weighted_sum(terms):
+    from autopar.solver.ilp import _weighted
+
+    return _weighted(terms)
+
+
+# -- per-unit prices ---------------------------------------------------------------------------
+
+@dataclass
+class UnitCosts:
+    """Arrays over units (index u + 1: pre, blocks, post); see the module docstring."""
+
+    own: np.ndarray
+    prev: np.ndarray
+    pre: np.ndarray
+    fwd: np.ndarray
+    sync: np.ndarray
+    static: np.ndarray  # parameters used by this unit only, and user inputs
+    saved: np.ndarray
+    transient: np.ndarray
+    stash: np.ndarray
+    prev_bytes: np.ndarray  # (forward, backward) global bytes received from the previous block
+    pre_bytes: np.ndarray  # (forward, backward) global bytes received from pre
+    shared: list[tuple[float, frozenset[int]]]  # (bytes, units) of parameters several units use
+
+
+def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[str, int],
+               cluster: ClusterSpec) -> UnitCosts:
+    """Per-unit seconds and bytes of the plan ``choice`` on ``graph`` (module docstring)."""
+    num = layers.num_blocks + 2
+    mesh = graph.mesh_shape
+    zeros = lambda: np.zeros(num)  # noqa: E731
+    own, prev, pre, fwd, sync = zeros(), zeros(), zeros(), zeros(), zeros()
+    prev_bytes, pre_bytes = np.zeros((num, 2)), np.zeros((num, 2))
+    stash = zeros()
+    consumers: dict[str, set[int]] = {}
+    output_unit = layers.num_blocks  # the loss goes out of post
+
+    def unit_of(name: str) -> int:
+        if name in layers.unit:
+            return layers.unit[name]
+        return output_unit if graph.choices[name].kind == "output" else -2  # -2: a placeholder
+
+    for name in graph.order:
+        u = unit_of(name)
+        if u == -2:
+            continue
+        index = choice[name]
+        if name in split.sync:
+            own[u + 1] += graph.choices[name].compute_s[index] - split.sync[name][index]
+            sync[u + 1] += split.sync[name][index]
+            fwd[u + 1] += split.forward[name][index]
+    received: dict[tuple[int, str, int], tuple[float, float]] = {}
+    for edge in graph.edges:
+        cu, pu = unit_of(edge.consumer), unit_of(edge.producer)
+        producer, consumer = graph.choices[edge.producer], graph.choices[edge.consumer]
+        src = producer.strategies[choice[edge.producer]].outs[edge.out_index]
+        dst = consumer.strategies[choice[edge.consumer]].ins[edge.in_index]
+        seconds = edge.price.get((src, dst), (0.0, 0.0))[0] if src != dst else 0.0
+        if pu == -2:
+            consumers.setdefault(edge.producer, set()).add(cu)
+        if pu == -2 or pu == cu:
+            own[cu + 1] += seconds
+            if seconds:
+                cost = comm.transition_cost(src, dst, edge.shape, edge.dtype, mesh, cluster, edge.requires_grad)
+                fwd[cu + 1] += cost.forward_s if cost is not None else 0.0
+            continue
+        (pre if pu == -1 else prev)[cu + 1] += seconds
+        whole = float(memory.tensor_bytes(edge.shape, edge.dtype))
+        received[(cu, edge.producer, edge.out_index)] = (whole, whole if edge.requires_grad else 0.0)
+    for (cu, producer_name, out_index), (fwd_bytes, bwd_bytes) in received.items():
+        target = pre_bytes if layers.unit.get(producer_name, -2) == -1 else prev_bytes
+        target[cu + 1] += (fwd_bytes, bwd_bytes)
+        producer = graph.choices[producer_name]
+        spec = producer.strategies[choice[producer_name]].outs[out_index]
+        stash[cu + 1] += memory.local_bytes(producer.out_shapes[out_index], producer.out_dtypes[out_index], spec, mesh)
+    static, saved, transient, shared = _memory(graph, layers, choice, consumers, unit_of, num)
+    return UnitCosts(own, prev, pre, fwd, sync, static, saved, transient, stash, prev_bytes, pre_bytes, shared)
+
+
+def _memory(graph: ChoiceGraph, layers: Layers, choice: dict[str, int], consumers, unit_of, num: int):
+    timeline = graph.timeline
+    end = len(timeline.names) - 1  # the end of forward
+    static_of: dict[str, float] = {}
+    curves = np.zeros((num, timeline.num_times + 1))
+    for interval in timeline.intervals:
+        size = interval.factor * graph.choices[interval.node].memory_bytes[choice[interval.node]]
+        if interval.kind in _STATIC_KINDS:
+            static_of[interval.node] = static_of.get(interval.node, 0.0) + size
+            continue
+        u = unit_of(interval.node)
+        if u == -2:  # a placeholder's activation gradient: charge its first consumer
+            u = min(consumers.get(interval.node, {0}))
+        curves[u + 1, interval.start] += size
+        curves[u + 1, interval.end + 1] -= size
+    curves = np.cumsum(curves, axis=1)[:, :-1]
+    saved = curves[:, end].copy()
+    transient = np.maximum(curves.max(axis=1) - saved, 0.0)
+    static = np.zeros(num)
+    shared: list[tuple[float, frozenset[int]]] = []
+    for name, size in static_of.items():
+        units = consumers.get(name) or {-1}
+        if len(units) == 1:
+            static[min(units) + 1] += size
+        else:
+            shared.append((size, frozenset(units)))
+    return static, saved, transient, shared
+
+
+def build_stage_graph(traced: TracedModel, stage_mesh: tuple[int, ...], cluster: ClusterSpec) -> ChoiceGraph:
+    start = time.perf_counter()
+    graph = build_choice_graph(traced, stage_mesh, cluster)
+    log.debug("stage mesh %s: choice graph in %.2f s", stage_mesh, time.perf_counter() - start)
+    return graph
+
+
+__all__ = ["Layers", "cluster_layers", "Candidate", "CandidateSolver", "OpSplit", "split_op_costs",
+           "UnitCosts", "unit_costs", "build_stage_graph", "per_step_graph", "PRE", "POST"]

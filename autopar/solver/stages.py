@@ -1,0 +1,590 @@
+r"""The inter-op stage planner: how many pipeline stages, which layers each runs, on what mesh.
+
+Alpa's formulation (OSDI'22, §5), adapted to uniform stage meshes. A pipelined plan cuts mesh axis
+0 into S equal rank groups; every stage runs on ``stage_mesh = (mesh[0] // S, *mesh[1:])``, or,
+when only a device count N is given, on any mesh of N / S devices of at most ``max_axes`` axes.
+
+Sets and data
+    L             layers (``stage_costs.cluster_layers``: the repeated blocks; pre joins the
+                  first stage and post the last)
+    M             microbatches per step; the graph is traced at one microbatch
+    S             stage counts: divisors of mesh[0] (or N) up to L; ``num_stages`` fixes one
+    c ∈ C(mesh)   candidate intra-stage plans on a stage mesh (``stage_costs.CandidateSolver``),
+                  each used with or without recomputation (r ∈ {0, 1})
+    t(a, b, c, r) seconds of forward + backward of one microbatch for layers [a, b): the units'
+                  own ops and resharding, the resharding from earlier units in the stage, and,
+                  when a > 0, the point-to-point send of the values entering the stage (forward
+                  activations and backward gradients, α + bytes / (|stage| β) on mesh axis 0);
+                  r = 1 adds the forward again
+    mem(a, b, c, r, k)  peak bytes per device with k microbatches in flight:
+                  static + k · saved + max transient        (r = 0)
+                  static + k · stash + max (saved + transient)  (r = 1: keeps only each layer's
+                  inputs per microbatch and recomputes one layer at a time)
+    sync(a, b, c) the per-step gradient all-reduces of the stage's parameters
+
+Stage i of S (0-based) holds k_i = min(S − i, M) microbatches under 1F1B. For a range it takes
+the fastest (c, r) with mem ≤ budget: t_i(a, b) (∞ if none fits).
+
+Objective (1F1B step time)
+    min over S, stage mesh, 0 = a_0 < a_1 < ... < a_S = L of
+        Σ_i t_i(a_i, a_{i+1}) + (M − 1) · max_i t_i(a_i, a_{i+1}) + max_i sync_i
+
+Dynamic program (per S and stage mesh). For a cap T on the slowest stage,
+    F_0(b) = t_0(0, b),  F_i(b) = min_{a < b} F_{i−1}(a) + t_i(a, b)   over t ≤ T,
+and Σ = F_{S−1}(L). T runs over the distinct stage times from the smallest feasible one upward,
+and stops once Σ(T = ∞) + (M − 1) · T cannot beat the best step found (Alpa's enumeration of
+t_max, with an exact stopping rule). The gradient synchronisation term is added to each
+candidate partition found, not optimised inside the DP.
+
+Each stage mesh starts with its fastest candidate only. Its leaner candidates are solved
+where the budget made the best pipeline on that mesh slower than it is without one (or
+infeasible), and that unconstrained pipeline still beats the best found: a pruning heuristic,
+since a leaner candidate minimises the same whole-model objective under less memory but could
+still be faster for one stage.
+
+Layer ranges with the same (starts at 0, ends at L, length) use the same candidate solutions:
+the ILP is solved per stage mesh (a few times, see ``stage_costs``), never per range.
+``num_layers`` larger than the traced blocks plans a deeper model of identical blocks from a
+shallow trace: interior blocks are priced as the traced block 1, which is exact for identical
+layers, since every op and edge belongs to one unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from autopar.cost.cluster import ClusterSpec
+from autopar.errors import InfeasibleError, MeshError
+from autopar.mesh_search import mesh_candidates
+from autopar.pipeline import Stage, StagePlan, bubble_fraction
+from autopar.pipeline_split import schedule_for
+from autopar.plan import Plan
+from autopar.solver.choices import ChoiceGraph
+from autopar.solver.ilp import Solution
+from autopar.solver.stage_costs import (
+    Candidate, CandidateSolver, Layers, OpSplit, UnitCosts, build_stage_graph, cluster_layers, split_op_costs,
+    unit_costs,
+)
+from autopar.trace import TracedModel
+
+log = logging.getLogger("autopar")
+
+__all__ = ["plan_stages", "search_stages", "StageSearch", "StageChoice", "check_pipeline_args"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageChoice:
+    """One stage of a searched pipeline."""
+
+    layers: tuple[int, int]
+    candidate: int
+    remat: bool
+    time_s: float
+    sync_s: float
+    memory_bytes: float
+    in_flight: int
+
+
+@dataclass
+class StageSearch:
+    """The best pipeline found, and every (stages, stage mesh) tried."""
+
+    num_stages: int
+    stage_mesh: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    stages: list[StageChoice]
+    step_time_s: float
+    num_microbatches: int = 1
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    ilp_solves: int = 0
+    search_time_s: float = 0.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        return bubble_fraction([s.time_s for s in self.stages], self.num_microbatches)
+
+
+class _MeshCosts:
+    """Per stage mesh: the candidates and, over the real layers, the per-option matrices."""
+
+    def __init__(self, traced: TracedModel, layers: Layers, stage_mesh: tuple[int, ...], cluster: ClusterSpec,
+                 num_layers: int, num_microbatches: int, time_limit_s: float, solver: str, remat: bool,
+                 ladder: tuple[float, ...] | None, candidates: str = "lagrangian"):
+        self.stage_mesh, self.layers, self.cluster, self.remat = stage_mesh, layers, cluster, remat
+        self.graph: ChoiceGraph = build_stage_graph(traced, stage_mesh, cluster)
+        self.split: OpSplit = split_op_costs(self.graph, cluster)
+        kwargs = {} if ladder is None else {"ladder": ladder}
+        self.solver = CandidateSolver(self.graph, self.split, num_microbatches, time_limit_s, solver,
+                                      mode=candidates, **kwargs)
+        self.rep = _representatives(layers.num_blocks, num_layers)
+        self.num_layers = num_layers
+        self.candidates: list[Candidate] = []
+        self.options: list[tuple[int, bool]] = []
+        self.matrices: list[dict[str, np.ndarray]] = []
+        self._add(self.solver.fastest())
+
+    @property
+    def ilp_solves(self) -> int:
+        return self.solver.solves
+
+    def add_leaner(self) -> bool:
+        """Solve the leaner candidates (once); whether any was found."""
+        if self.solver.laddered or not self.candidates:
+            return False
+        found = self.solver.leaner(self.candidates[0])
+        self._add(found)
+        return bool(found)
+
+    def _add(self, candidates: list[Candidate]) -> None:
+        for candidate in candidates:
+            index = len(self.candidates)
+            self.candidates.append(candidate)
+            candidate.units = unit_costs(self.graph, self.layers, self.split, candidate.solution.choice, self.cluster)
+            for remat in (False, True) if self.remat else (False,):
+                self.options.append((index, remat))
+                self.matrices.append(_option_matrices(candidate.units, self.rep, self.num_layers, remat))
+
+    def best(self, in_flight: int, budget: float | None, send) -> tuple[np.ndarray, np.ndarray]:
+        """(t, option) matrices over [a, b): the fastest option that fits with k in flight."""
+        best_t = None
+        best_o = None
+        for o, mat in enumerate(self.matrices):
+            t = mat["time"] + send(mat)
+            if budget is not None:
+                need = mat["static"] + in_flight * mat["per_microbatch"] + mat["peak"]
+                t = np.where(need <= budget * (1 + 1e-9), t, np.inf)
+            if best_t is None:
+                best_t, best_o = t, np.zeros(t.shape, dtype=int)
+            else:
+                better = t < best_t
+                best_t = np.where(better, t, best_t)
+                best_o = np.where(better, o, best_o)
+        return best_t, best_o
+
+
+def _representatives(traced_blocks: int, num_layers: int) -> np.ndarray:
+    """Position in the traced units (0 pre, 1..L_t blocks, L_t + 1 post) of each real position
+    (0 pre, 1..L blocks, L + 1 post). A deeper model than traced prices its first and last
+    blocks as the traced first and last, and every other block as traced block 1, which (like
+    them) reads a block's output and feeds a block. The last block is not a stand-in for the
+    others: ops that follow its module call (an activation applied in the parent's loop) fall
+    into post."""
+    if num_layers == traced_blocks:
+        return np.arange(num_layers + 2)
+    if traced_blocks < 3:
+        raise ValueError(f"planning {num_layers} layers from a trace of {traced_blocks} blocks needs at least 3 "
+                         "traced blocks (the first, an interior one and the last): trace a deeper model")
+    rep = np.full(num_layers + 2, 2)
+    rep[0], rep[1] = 0, 1
+    rep[num_layers], rep[num_layers + 1] = traced_blocks, traced_blocks + 1
+    return rep
+
+
+def _bounds(num_layers: int):
+    """lo[a], hi[b]: unit positions of a stage [a, b) (pre with a = 0, post with b = L)."""
+    lo = np.arange(num_layers) + 1
+    lo[0] = 0
+    hi = np.arange(num_layers + 1) + 1
+    hi[num_layers] = num_layers + 2
+    return lo, hi
+
+
+def _option_matrices(units: UnitCosts, rep: np.ndarray, num_layers: int, remat: bool) -> dict[str, np.ndarray]:
+    """Matrices over (a, b) of one option's stage time, sync, memory terms and crossing bytes."""
+    L = num_layers
+    lo, hi = _bounds(L)
+    valid = lo[:, None] < hi[None, :]
+    valid &= np.arange(L)[:, None] < np.arange(L + 1)[None, :]
+
+    def prefix(values: np.ndarray) -> np.ndarray:
+        return np.concatenate([[0.0], np.cumsum(values[rep])])
+
+    def ranged(values: np.ndarray) -> np.ndarray:
+        p = prefix(values)
+        return p[hi][None, :] - p[lo][:, None]
+
+    def range_max(values: np.ndarray) -> np.ndarray:
+        real = values[rep]
+        out = np.zeros((L, L + 1))
+        for a in range(L):
+            running = np.maximum.accumulate(real[lo[a]:])  # running[j]: max over lo..lo+j
+            for b in range(a + 1, L + 1):
+                out[a, b] = running[hi[b] - 1 - lo[a]]
+        return out
+
+    starts_late = (lo > 0)[:, None]
+    total = units.own + units.prev + units.pre
+    time_s = ranged(total) - starts_late * (units.prev[rep][lo][:, None] + ranged(units.pre))
+    if remat:
+        time_s = time_s + ranged(units.fwd)
+    static = ranged(units.static)
+    real_units = [set(np.nonzero(np.isin(rep - 1, list(us)))[0]) for _, us in units.shared]
+    for (size, _), positions in zip(units.shared, real_units):
+        p = np.zeros(L + 2)
+        p[list(positions)] = 1.0
+        count = np.concatenate([[0.0], np.cumsum(p)])
+        static = static + size * ((count[hi][None, :] - count[lo][:, None]) > 0)
+    if remat:
+        per_microbatch = ranged(units.stash)
+        peak = range_max(units.saved + units.transient)
+    else:
+        per_microbatch = ranged(units.saved)
+        peak = range_max(units.transient)
+    # A stage that starts late receives from pre what its blocks read from there (rotary
+    # tables, say); never the input of block 0 (the embedding), which only the first stage runs.
+    pre_max = units.pre_bytes[rep][2:].max(axis=0)
+    crossing = np.where(starts_late[..., None], units.prev_bytes[rep][lo][:, None, :] + pre_max, 0.0)
+    crossing = np.broadcast_to(crossing, (L, L + 1, 2))
+    inf = np.where(valid, 0.0, np.inf)
+    return {
+        "time": time_s + inf, "sync": ranged(units.sync), "static": static,
+        "per_microbatch": per_microbatch, "peak": peak, "crossing": crossing,
+    }
+
+
+def _sender(stage_mesh, full_mesh, cluster):
+    """Seconds to send the crossing bytes (forward, backward) into each stage: every device of
+    the stage receives its share over mesh axis 0's link, α + bytes / (|stage| β) each way."""
+    devices = math.prod(stage_mesh)
+    link = cluster.axis_link(full_mesh, 0)
+
+    def send(mat):
+        if full_mesh[0] == stage_mesh[0]:
+            return np.zeros(mat["time"].shape)  # one stage: nothing crosses
+        crossing = mat["crossing"]
+        seconds = np.where(crossing > 0, link.latency_s + crossing / devices / link.bandwidth_bytes_per_s, 0.0)
+        return seconds.sum(axis=-1)
+    return send
+
+
+def _dp(tables: list[np.ndarray], cap: float) -> tuple[float, list[int]] | None:
+    """min Σ t_i over partitions with every t_i ≤ cap: (Σ, boundaries a_0..a_S) or None."""
+    L = tables[0].shape[0]
+    masked = [np.where(t <= cap, t, np.inf) for t in tables]
+    f = masked[0][0].copy()
+    back = []
+    for t in masked[1:]:
+        total = f[:L, None] + t
+        arg = np.argmin(total, axis=0)
+        f = total[arg, np.arange(L + 1)]
+        back.append(arg)
+    if not np.isfinite(f[L]):
+        return None
+    bounds = [L]
+    for arg in reversed(back):
+        bounds.append(int(arg[bounds[-1]]))
+    bounds.append(0)
+    return float(f[L]), bounds[::-1]
+
+
+def _search_partition(tables: list[np.ndarray], num_microbatches: int, score) -> tuple[float, list[int]] | None:
+    """The partition of least ``score`` among the DP's optima over caps on the slowest stage."""
+    values = np.unique(np.concatenate([t[np.isfinite(t)] for t in tables]))
+    if values.size == 0 or _dp(tables, math.inf) is None:
+        return None
+    lower = _dp(tables, math.inf)[0]
+    low, high = 0, len(values) - 1
+    while low < high:  # the smallest cap with a feasible partition
+        mid = (low + high) // 2
+        if _dp(tables, values[mid]) is None:
+            low = mid + 1
+        else:
+            high = mid
+    best: tuple[float, list[int]] | None = None
+    index = low
+    while index < len(values):
+        cap = values[index]
+        if best is not None and lower + (num_microbatches - 1) * cap >= best[0]:
+            break
+        found = _dp(tables, cap)
+        if found is not None:
+            value = score(found[1])
+            if best is None or value < best[0]:
+                best = (value, found[1])
+            slowest = max(tables[i][found[1][i], found[1][i + 1]] for i in range(len(tables)))
+            index = max(index + 1, int(np.searchsorted(values, slowest, side="right")))
+        else:
+            index += 1
+    return best
+
+
+def _price(mesh_costs: _MeshCosts, S: int, M: int, budget: float | None, cluster: ClusterSpec,
+           forced_layers: Sequence[int] | None) -> tuple:
+    """(step seconds or None, the step without a memory budget, the stages) of the best
+    partition into S stages on this stage mesh (or of ``forced_layers``)."""
+    stage_mesh = mesh_costs.stage_mesh
+    full = (S * stage_mesh[0], *stage_mesh[1:])
+    if not mesh_costs.candidates:
+        return None, math.inf, []
+    send = _sender(stage_mesh, full, cluster)
+
+    def solve(limit):
+        per_k = {}
+        for i in range(S):
+            k = min(S - i, M)
+            if k not in per_k:
+                per_k[k] = mesh_costs.best(k, limit, send)
+        tables = [per_k[min(S - i, M)][0] for i in range(S)]
+        options = [per_k[min(S - i, M)][1] for i in range(S)]
+
+        def stages_of(bounds: list[int]) -> list[StageChoice]:
+            out = []
+            for i in range(S):
+                a, b = bounds[i], bounds[i + 1]
+                o = int(options[i][a, b])
+                c, r = mesh_costs.options[o]
+                mat = mesh_costs.matrices[o]
+                k = min(S - i, M)
+                out.append(StageChoice(
+                    (a, b), c, r, float(tables[i][a, b]), float(mat["sync"][a, b]),
+                    float(mat["static"][a, b] + k * mat["per_microbatch"][a, b] + mat["peak"][a, b]), k))
+            return out
+
+        def score(bounds: list[int]) -> float:
+            chosen = stages_of(bounds)
+            times = [s.time_s for s in chosen]
+            return sum(times) + (M - 1) * max(times) + max(s.sync_s for s in chosen)
+
+        if forced_layers is not None:
+            bounds = list(forced_layers)
+            valid = all(np.isfinite(tables[i][bounds[i], bounds[i + 1]]) for i in range(S))
+            found = (score(bounds), bounds) if valid else None
+        else:
+            found = _search_partition(tables, M, score)
+        return (None, []) if found is None else (found[0], stages_of(found[1]))
+
+    value, stages = solve(budget)
+    bound = value if budget is None else solve(None)[0]
+    return value, (math.inf if bound is None else bound), stages
+
+
+def check_pipeline_args(num_stages, num_microbatches, mesh_shape: Sequence[int] | None, devices: int | None,
+                        num_layers: int) -> list[int]:
+    """The stage counts to try; a ValueError naming the cause and the fix otherwise."""
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+    axis0 = mesh_shape[0] if mesh_shape is not None else devices
+    where = f"mesh axis 0 ({axis0})" if mesh_shape is not None else f"the {devices} devices"
+    if num_stages == "auto":
+        counts = [s for s in range(1, axis0 + 1) if axis0 % s == 0 and s <= num_layers]
+        return counts
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {num_stages!r}")
+    if axis0 % num_stages:
+        divisors = [s for s in range(1, axis0 + 1) if axis0 % s == 0]
+        raise MeshError(f"pipeline={num_stages} stages must divide {where} into equal rank groups: "
+                        f"use one of {divisors}, or a mesh whose axis 0 divides by {num_stages}")
+    if num_stages > num_layers:
+        raise ValueError(f"pipeline={num_stages} stages, but the model has only {num_layers} layers to split "
+                         f"(its repeated blocks): use at most {num_layers} stages")
+    return [num_stages]
+
+
+def search_stages(
+    traced: TracedModel,
+    mesh_shape: Sequence[int] | None,
+    cluster: ClusterSpec,
+    *,
+    num_stages: int | str = "auto",
+    num_microbatches: int,
+    memory_budget: float | None = None,
+    time_limit_s: float = 60.0,
+    devices: int | None = None,
+    max_axes: int = 2,
+    num_layers: int | None = None,
+    remat: bool = False,
+    solver: str = "auto",
+    stage_meshes: Sequence[tuple[int, ...]] | None = None,
+    forced_layers: Sequence[int] | None = None,
+    ladder: tuple[float, ...] | None = None,
+    layers: Layers | None = None,
+    candidates: str = "lagrangian",
+) -> tuple[StageSearch, dict]:
+    """Run the DP of the module docstring; returns the best pipeline and the per-mesh costs.
+
+    ``traced`` is the model traced at one microbatch. Give ``mesh_shape`` (stages cut its axis 0)
+    or ``devices`` (the stage mesh is any mesh of devices / S devices of up to ``max_axes`` axes,
+    and the full mesh is (S · a, b, ...)). ``stage_meshes`` limits those meshes, and
+    ``forced_layers`` (the boundaries a_0 = 0 < ... < a_S = L) evaluates one partition instead
+    of searching (benchmarks use it to price a published plan). ``candidates`` is how the
+    leaner intra-stage plans are found (``stage_costs.CandidateSolver``): "lagrangian" (an LP
+    each), "budget" (a MILP each, slower, sometimes better) or "both".
+    """
+    start = time.perf_counter()
+    layers = layers or cluster_layers(traced)
+    num_layers = num_layers or layers.num_blocks
+    if mesh_shape is None and devices is None:
+        raise MeshError("plan_stages needs mesh_shape, or devices=N to choose the stage mesh")
+    counts = check_pipeline_args(num_stages, num_microbatches, tuple(mesh_shape) if mesh_shape else None,
+                                 devices, num_layers)
+    if forced_layers is not None:
+        counts = [len(forced_layers) - 1]
+    costs: dict[tuple[int, ...], _MeshCosts] = {}
+    M = num_microbatches
+    combos = []
+    for S in counts:
+        if mesh_shape is not None:
+            meshes = [(mesh_shape[0] // S, *mesh_shape[1:])]
+        else:
+            meshes = mesh_candidates(devices // S, max_axes)
+        if stage_meshes is not None:
+            meshes = [m for m in meshes if tuple(m) in {tuple(x) for x in stage_meshes}]
+        combos += [(S, tuple(m)) for m in meshes]
+    results: dict[tuple[int, tuple[int, ...]], tuple] = {}
+    # Pass 1: every (S, stage mesh) with the fastest candidate of its mesh. Pass 2: where memory
+    # made the pipeline slower than it would be without a budget (or infeasible), and that
+    # unconstrained bound could beat the best found, add the mesh's leaner candidates.
+    for S, stage_mesh in combos:
+        if stage_mesh not in costs:
+            costs[stage_mesh] = _MeshCosts(traced, layers, stage_mesh, cluster, num_layers, M,
+                                           time_limit_s, solver, remat, ladder, candidates)
+        results[(S, stage_mesh)] = _price(costs[stage_mesh], S, M, memory_budget, cluster, forced_layers)
+    best_value = min((r[0] for r in results.values() if r[0] is not None), default=math.inf)
+    order = sorted(combos, key=lambda c: results[c][1])
+    for combo in order:
+        value, bound = results[combo][:2]
+        if bound >= best_value or (value is not None and value <= bound * (1 + 1e-9)):
+            continue
+        if costs[combo[1]].add_leaner():
+            for other in combos:
+                if other[1] == combo[1]:
+                    results[other] = _price(costs[other[1]], other[0], M, memory_budget, cluster, forced_layers)
+            best_value = min((r[0] for r in results.values() if r[0] is not None), default=math.inf)
+    rows: list[dict[str, Any]] = []
+    best: StageSearch | None = None
+    for (S, stage_mesh), (value, bound, found) in results.items():
+        full = (S * stage_mesh[0], *stage_mesh[1:])
+        row = {"stages": S, "stage_mesh": list(stage_mesh), "mesh": list(full), "status": "ok",
+               "step_time_s": value, "layers": None}
+        if value is None:
+            row["status"] = "infeasible" if costs[stage_mesh].candidates else "no intra-stage plan"
+        else:
+            row["layers"] = [s.layers[1] - s.layers[0] for s in found]
+            if best is None or value < best.step_time_s:
+                best = StageSearch(S, stage_mesh, full, found, value, num_microbatches=M)
+        rows.append(row)
+    rows.sort(key=lambda r: (r["status"] != "ok", r["step_time_s"] or 0.0, r["stages"]))
+    if best is None:
+        detail = "; ".join(f"{r['stages']} stages on {tuple(r['stage_mesh'])}: {r['status']}" for r in rows[:6])
+        raise InfeasibleError(
+            f"no pipeline of {num_layers} layers fits memory_budget={memory_budget} with {M} microbatches "
+            f"({detail}): raise the budget, use more devices or microbatches, or more stages")
+    best.rows = rows
+    best.ilp_solves = sum(c.ilp_solves for c in costs.values())
+    best.search_time_s = time.perf_counter() - start
+    return best, costs
+
+
+def plan_stages(
+    traced: TracedModel,
+    mesh_shape: Sequence[int] | None,
+    cluster: ClusterSpec,
+    *,
+    num_stages: int | str = "auto",
+    num_microbatches: int,
+    memory_budget: float | None = None,
+    time_limit_s: float = 60.0,
+    devices: int | None = None,
+    max_axes: int = 2,
+    remat: bool = False,
+    solver: str = "auto",
+    candidates: str = "lagrangian",
+) -> Plan:
+    """A pipelined Plan for ``traced`` (traced at one microbatch: global batch / M).
+
+    ``num_stages`` is a number S (mesh axis 0 is cut into S groups) or "auto" (the DP of the
+    module docstring picks S, one stage meaning no split). The plan's ``pipeline`` is a
+    ``StagePlan`` over the forward op nodes; ``nodes`` and ``params`` hold the intra-stage
+    decisions for ``pipeline.stage_mesh``; ``mesh_shape`` is the whole mesh.
+
+    ``remat=True`` lets a stage recompute its activations in backward when that is what fits
+    (``predicted["recompute"]`` says which stages do); off by default, since the pipeline
+    runtime does not checkpoint activations yet. A plan of one stage runs its M microbatches
+    one after another (gradient accumulation).
+    """
+    layers = cluster_layers(traced)
+    search, costs = search_stages(
+        traced, mesh_shape, cluster, num_stages=num_stages, num_microbatches=num_microbatches,
+        memory_budget=memory_budget, time_limit_s=time_limit_s, devices=devices, max_axes=max_axes,
+        remat=remat, solver=solver, layers=layers, candidates=candidates)
+    mesh_costs = costs[search.stage_mesh]
+    return _assemble(traced, layers, search, mesh_costs, cluster, memory_budget)
+
+
+def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_costs: _MeshCosts,
+              cluster: ClusterSpec, memory_budget) -> Plan:
+    from autopar.solver import plan_from_solution
+
+    graph = mesh_costs.graph
+    L = layers.num_blocks
+    group = math.prod(search.stage_mesh)
+    stage_of_unit: dict[int, int] = {}
+    stages: list[Stage] = []
+    for index, chosen in enumerate(search.stages):
+        a, b = chosen.layers
+        first, last = (-1 if a == 0 else a), (L + 1 if b == L else b)
+        for u in range(first, last):
+            stage_of_unit[u] = index
+        stages.append(Stage(index, (a, b), tuple(layers.nodes_of(first, last)),
+                            tuple(range(index * group, (index + 1) * group)), chosen.time_s, chosen.memory_bytes))
+    consumer_unit: dict[str, int] = {}
+    for edge in graph.edges:
+        if edge.producer not in layers.unit and edge.consumer in layers.unit:
+            unit = layers.unit[edge.consumer]
+            consumer_unit[edge.producer] = min(consumer_unit.get(edge.producer, unit), unit)
+    choice: dict[str, int] = {}
+    for name in graph.order:
+        unit = layers.unit.get(name, consumer_unit.get(name, L))
+        stage = search.stages[stage_of_unit.get(unit, len(search.stages) - 1)]
+        choice[name] = mesh_costs.candidates[stage.candidate].solution.choice[name]
+    # A tied parameter (an embedding and an LM head in different stages) is one tensor with one
+    # placement: every placeholder of it takes the choice of the first one, and a stage that
+    # wants another placement reshards it like any input.
+    for names in graph.ties:
+        for name in names[1:]:
+            choice[name] = choice[names[0]]
+    stage_index = {name: stage_of_unit[u] for name, u in layers.unit.items()}
+    edge_specs = {}
+    for e, edge in enumerate(graph.edges):
+        src = graph.choices[edge.producer].strategies[choice[edge.producer]].outs[edge.out_index]
+        dst = graph.choices[edge.consumer].strategies[choice[edge.consumer]].ins[edge.in_index]
+        crosses = (edge.producer in stage_index and edge.consumer in stage_index
+                   and stage_index[edge.producer] != stage_index[edge.consumer])
+        # A value crossing stages arrives as the consumer wants it (priced as the send).
+        edge_specs[e] = (src, src) if crosses or (src, dst) not in edge.price and src != dst else (src, dst)
+    first = mesh_costs.candidates[0].solution
+    solution = Solution(choice, edge_specs, first.status, search.step_time_s, first.solve_time_s,
+                        first.num_variables, first.num_constraints, method=first.method, backend=first.backend)
+    base = plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
+    times = [s.time_s for s in search.stages]
+    pipeline = StagePlan(
+        num_microbatches=search.num_microbatches, schedule=schedule_for(search.num_stages, search.num_microbatches),
+        stage_mesh=tuple(search.stage_mesh),
+        stages=tuple(stages), step_time_s=search.step_time_s,
+        bubble_fraction=bubble_fraction(times, search.num_microbatches))
+    # The whole-graph figures of ``plan_from_solution`` describe one microbatch run as a single
+    # stage on the stage mesh: kept apart, so that they are not read as the pipeline's step.
+    whole = ("compute_s", "reshard_s", "comm_bytes", "comm_bytes_per_axis")
+    predicted = {
+        "step_time_s": search.step_time_s,
+        "peak_memory_bytes": int(max(s.memory_bytes for s in search.stages)),
+        "stage_time_s": times,
+        "grad_sync_s": max(s.sync_s for s in search.stages),
+        "recompute": [s.remat for s in search.stages],
+        "one_microbatch_unpipelined": {key: base.predicted[key] for key in whole if key in base.predicted},
+    }
+    solver_info = {**base.solver, "stage_search": {
+        "ilp_solves": search.ilp_solves, "pipelines_priced": len(search.rows),
+        "candidate_plans": len(mesh_costs.candidates)}}
+    return dataclasses.replace(
+        base, mesh_shape=tuple(search.mesh_shape), pipeline=pipeline, predicted=predicted, solver=solver_info,
+        stats={**base.stats, "stage_search": search.rows, "stage_search_time_s": search.search_time_s})
+
+

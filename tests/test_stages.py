@@ -1,0 +1,216 @@
+"""The stage planner (autopar.solver.stages): layer clustering, the DP, solution sharing, errors.
+
+Single process, no process group; small models, so each test takes seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost.cluster import LinkSpec, get_cluster
+from autopar.errors import InfeasibleError, MeshError
+from autopar.models import GPT, MLP, build_model, example_batch
+from autopar.plan import Plan
+from autopar.solver.stage_costs import cluster_layers
+from autopar.solver.stages import plan_stages, search_stages
+from autopar.trace import trace
+
+H100 = get_cluster("h100-80g")
+# A network so fast that splitting the batch over more devices always beats a pipeline.
+FAST = dataclasses.replace(H100, name="fast", intra_node=LinkSpec(1e-12, 1e18), inter_node=LinkSpec(1e-12, 1e18))
+
+
+def _mlp(depth: int, width: int = 64, batch: int = 16):
+    model = MLP(d_in=width, d_hidden=width, d_out=width, depth=depth)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    return model, (x, y)
+
+
+def _op_nodes(traced) -> list[str]:
+    return [n.name for n in traced.gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def test_cluster_layers_finds_the_blocks_with_embedding_and_head_around_them():
+    model = build_model("gpt", n_layer=3)
+    traced = trace(model, example_batch("gpt", 4))
+    layers = cluster_layers(traced)
+    assert layers.num_blocks == 3 and layers.repeated and layers.list_path == "transformer.h"
+    assert all(layers.names[1:-1])  # every block has ops; pre holds the embeddings
+    assert sorted(n for names in layers.names for n in names) == sorted(_op_nodes(traced))
+    assert any("embedding" in n for n in layers.names[0])
+    assert any("cross_entropy" in n for n in layers.names[-1])
+
+
+def test_forced_stages_are_balanced_and_cover_every_node_once():
+    # 7 equal layers and a head of about one layer's cost, on a network too fast to matter:
+    # the only balanced cut into 4 stages is 2, 2, 2 and 1 + the head.
+    model, inputs = _mlp(depth=7, width=512, batch=64)
+    plan = autopar.plan(model, (4,), example_inputs=inputs, cluster=FAST, pipeline=4, num_microbatches=4)
+    pipeline = plan.pipeline
+    assert pipeline.num_stages == 4 and pipeline.stage_mesh == (1,) and plan.mesh_shape == (4,)
+    assert [s.ranks for s in pipeline.stages] == [(0,), (1,), (2,), (3,)]
+    assert [s.layers for s in pipeline.stages] == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    times = [s.time_s for s in pipeline.stages]
+    assert max(times) <= 1.05 * min(times)
+    traced = trace(model, tuple(t[:16] for t in inputs))
+    listed = [n for s in pipeline.stages for n in s.nodes]
+    assert sorted(listed) == sorted(_op_nodes(traced)) and len(listed) == len(set(listed))
+    order = {n: i for i, n in enumerate(_op_nodes(traced))}
+    assert all(list(s.nodes) == sorted(s.nodes, key=order.get) for s in pipeline.stages)
+    assert plan.graph_hash == traced.graph_hash  # planned on one microbatch
+
+
+def _cum(values):
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def test_step_time_is_the_1f1b_formula_over_the_stages():
+    model, inputs = _mlp(depth=4)
+    plan = autopar.plan(model, (2,), example_inputs=inputs, cluster="h100-80g", pipeline=2, num_microbatches=8)
+    times = [s.time_s for s in plan.pipeline.stages]
+    sync = plan.predicted["grad_sync_s"]
+    assert plan.pipeline.step_time_s == pytest.approx(sum(times) + 7 * max(times) + sync)
+    assert plan.predicted["step_time_s"] == plan.pipeline.step_time_s
+    assert plan.predicted["recompute"] == [False, False]  # the runtime does not recompute yet
+    assert 0 <= plan.pipeline.bubble_fraction < 1
+
+
+def test_auto_with_ample_memory_and_a_fast_network_keeps_one_stage():
+    model = build_model("gpt", n_layer=4)
+    plan = autopar.plan(model, (4,), example_inputs=example_batch("gpt", 8), cluster=FAST, pipeline="auto",
+                        num_microbatches=2)
+    assert plan.pipeline.num_stages == 1 and plan.pipeline.stage_mesh == (4,)
+    rows = plan.stats["stage_search"]
+    assert [r["stages"] for r in rows if r["status"] == "ok"][0] == 1 and {r["stages"] for r in rows} == {1, 2, 4}
+
+
+def test_a_budget_one_stage_cannot_hold_forces_a_split():
+    # Odd widths and an odd microbatch: nothing can be sharded over 2 devices, so one stage
+    # holds every layer whole, and two stages hold half each.
+    model, inputs = _mlp(depth=4, width=63, batch=15)
+    unbounded = autopar.plan(model, (2,), example_inputs=inputs, cluster=FAST, pipeline=1, num_microbatches=3)
+    whole = unbounded.pipeline.stages[0].memory_bytes
+    plan = autopar.plan(model, (2,), example_inputs=inputs, cluster=FAST, pipeline="auto", num_microbatches=3,
+                        memory_budget=0.8 * whole)
+    assert plan.pipeline.num_stages == 2
+    assert all(s.memory_bytes <= 0.8 * whole for s in plan.pipeline.stages)
+    assert [r["status"] for r in plan.stats["stage_search"] if r["stages"] == 1] == ["infeasible"]
+    with pytest.raises(InfeasibleError, match="raise the budget"):
+        autopar.plan(model, (2,), example_inputs=inputs, cluster=FAST, pipeline="auto", num_microbatches=3,
+                     memory_budget=0.2 * whole)
+
+
+def test_plan_json_round_trip():
+    model = build_model("gpt", n_layer=2)
+    plan = autopar.plan(model, (2, 2), example_inputs=example_batch("gpt", 4), cluster="h100-80g",
+                        pipeline=2, num_microbatches=2)
+    again = Plan.from_json(plan.to_json())
+    assert again.pipeline == plan.pipeline and again.nodes == plan.nodes and again.params == plan.params
+    assert again.spec_mesh == (1, 2) and again.mesh_shape == (2, 2)
+    assert all(len(spec) == 2 for spec in plan.params.values())
+    assert again.to_json() == plan.to_json()
+
+
+def test_identical_layer_ranges_share_one_ilp_solve():
+    solves = []
+    for depth in (4, 8):
+        model, inputs = _mlp(depth=depth)
+        traced = trace(model, tuple(t[:4] for t in inputs))
+        search, _ = search_stages(traced, (2,), H100, num_stages=2, num_microbatches=4)
+        solves.append(search.ilp_solves)
+    assert solves == [1, 1]  # one stage mesh, no memory budget: one ILP, whatever the depth
+    model, inputs = _mlp(depth=8)
+    traced = trace(model, tuple(t[:4] for t in inputs))
+    search, costs = search_stages(traced, (4,), H100, num_stages="auto", num_microbatches=4)
+    assert len(search.rows) == 3 and search.ilp_solves == len(costs) == 3  # meshes (4,), (2,), (1,)
+
+
+def test_a_shallow_trace_prices_a_deep_model_exactly():
+    deep_model, inputs = _mlp(depth=6)
+    deep = search_stages(trace(deep_model, inputs), (2,), H100, num_stages=2, num_microbatches=4)[0]
+    torch.manual_seed(0)
+    shallow_model, _ = _mlp(depth=3)
+    shallow = search_stages(trace(shallow_model, inputs), (2,), H100, num_stages=2, num_microbatches=4,
+                            num_layers=6)[0]
+    assert shallow.step_time_s == pytest.approx(deep.step_time_s, rel=1e-9)
+    assert [s.layers for s in shallow.stages] == [s.layers for s in deep.stages]
+    assert [s.memory_bytes for s in shallow.stages] == pytest.approx([s.memory_bytes for s in deep.stages])
+
+
+def test_errors_name_the_cause_and_the_fix():
+    model, inputs = _mlp(depth=2)
+    with pytest.raises(MeshError, match=r"pipeline=3 stages must divide mesh axis 0 \(4\).*\[1, 2, 4\]"):
+        autopar.plan(model, (4,), example_inputs=inputs, pipeline=3, num_microbatches=2)
+    with pytest.raises(ValueError, match="only 2 layers.*at most 2 stages"):
+        autopar.plan(model, (4,), example_inputs=inputs, pipeline=4, num_microbatches=2)
+    with pytest.raises(ValueError, match="num_microbatches=3 does not divide the batch of 16"):
+        autopar.plan(model, (2,), example_inputs=inputs, pipeline=2, num_microbatches=3)
+    with pytest.raises(ValueError, match="or pipeline='auto' as well"):
+        autopar.plan(model, (2,), example_inputs=inputs, num_microbatches=2)
+    with pytest.raises(ValueError, match="pipeline must be 'off', 'auto' or a positive number"):
+        autopar.plan(model, (2,), example_inputs=inputs, pipeline="yes", num_microbatches=2)
+
+
+def test_device_count_lets_the_planner_pick_the_stage_mesh():
+    model = build_model("gpt", n_layer=2)
+    plan = autopar.plan(model, "auto", devices=4, example_inputs=example_batch("gpt", 8), cluster="h100-80g",
+                        pipeline="auto", num_microbatches=2)
+    stage_mesh = plan.pipeline.stage_mesh
+    assert plan.mesh_shape == (plan.pipeline.num_stages * stage_mesh[0], *stage_mesh[1:])
+    # 2 layers: 1 or 2 stages, on any mesh of 4 or 2 devices
+    assert {tuple(r["stage_mesh"]) for r in plan.stats["stage_search"]} == {(4,), (2, 2), (2,)}
+
+
+@pytest.mark.parametrize("candidates", ["lagrangian", "budget", "both"])
+def test_leaner_candidates_let_a_tight_budget_fit(candidates):
+    # On (2,) a 4-layer stage fits only with its parameters sharded: the leaner candidates do that.
+    model = build_model("gpt", n_layer=4, n_embd=128, vocab_size=512)
+    traced = trace(model, example_batch("gpt", 2, n_layer=4, n_embd=128, vocab_size=512))
+    fastest = search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, ladder=())[0]
+    budget = 0.6 * fastest.stages[0].memory_bytes
+    with pytest.raises(InfeasibleError):
+        search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, memory_budget=budget, ladder=())
+    lean, costs = search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, memory_budget=budget,
+                                candidates=candidates)
+    assert lean.stages[0].memory_bytes <= budget and lean.stages[0].candidate > 0
+    assert len(costs[(2,)].candidates) > 1 and lean.step_time_s >= fastest.step_time_s
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_dp_finds_the_best_partition_that_brute_force_finds(seed):
+    import itertools
+
+    import numpy as np
+
+    from autopar.solver.stages import _search_partition
+
+    rng = np.random.default_rng(seed)
+    num_layers, num_stages, num_microbatches = 8, 3, int(rng.integers(1, 9))
+    tables = []
+    for _ in range(num_stages):
+        table = np.full((num_layers, num_layers + 1), np.inf)
+        for a in range(num_layers):
+            for b in range(a + 1, num_layers + 1):
+                if rng.uniform() > 0.15:  # some ranges do not fit memory
+                    table[a, b] = (b - a) * rng.uniform(1.0, 2.0) + rng.uniform(0.0, 1.0)
+        tables.append(table)
+
+    def score(bounds):
+        times = [tables[i][bounds[i], bounds[i + 1]] for i in range(num_stages)]
+        return sum(times) + (num_microbatches - 1) * max(times)
+
+    found = _search_partition(tables, num_microbatches, score)
+    every = [score([0, *cuts, num_layers]) for cuts in itertools.combinations(range(1, num_layers), num_stages - 1)]
+    best = min(every)
+    if not np.isfinite(best):
+        assert found is None
+    else:
+        assert found[0] == pytest.approx(best) and score(found[1]) == pytest.approx(best)
