@@ -98,6 +98,10 @@ def _cluster(text: str):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _stages(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -371,10 +375,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.pipeline is None or not args.mesh:
             raise CliError("--num-microbatches and --pipeline need --pipeline N and --mesh: a pipeline cuts axis 0 "
                            "of a given mesh into N stages")
+        from autopar.api import default_microbatches
         from autopar.pipeline_split import first_microbatch, stage_mesh_of
 
-        stage_mesh_of(args.mesh, args.pipeline)
-        args.num_microbatches = args.num_microbatches or args.pipeline
+        if args.pipeline != "auto":
+            stage_mesh_of(args.mesh, args.pipeline)
+        args.num_microbatches = default_microbatches(args.pipeline, args.num_microbatches)
         inputs = first_microbatch(inputs, None, args.num_microbatches)[0]
     _progress("tracing ..." if args.pipeline is None else f"tracing one microbatch of {args.num_microbatches} ...")
     traced = trace(model, inputs)
@@ -619,10 +625,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="depth of gpt, llama and presets (a 2-layer llama-2-70b has the real widths)")
     p.add_argument("--meta", action="store_true", help="build built-in models and inputs on the meta device")
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="solver time limit in seconds")
-    p.add_argument("--pipeline", type=_positive_int, default=None, metavar="N",
-                   help="cut mesh axis 0 into N pipeline stages (needs --mesh)")
+    p.add_argument("--pipeline", type=_stages, default=None, metavar="N|auto",
+                   help="cut mesh axis 0 into N pipeline stages, or let the planner choose (auto); needs --mesh")
     p.add_argument("--num-microbatches", type=_positive_int, default=None, metavar="M",
-                   help="with --pipeline: microbatches per step (default N)")
+                   help="with --pipeline: microbatches per step (default N, or 1 with auto)")
     p.add_argument("--out", help="save the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the summary")
     p.set_defaults(func=cmd_plan)

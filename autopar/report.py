@@ -30,22 +30,26 @@ def _bytes(num: float) -> str:
 
 def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     pred = plan.predicted
+    # A pipelined plan's compute, resharding and bytes are for one microbatch through the whole
+    # graph on the stage mesh (the stage planner keeps them apart from the pipeline's step).
+    per = pred.get("one_microbatch_unpipelined", pred) if plan.pipeline is not None else pred
     lines = [
         f"autopar plan  mesh={tuple(plan.mesh_shape)}  cluster={plan.cluster or '-'}  graph={plan.graph_hash}  plan={plan.hash}",
         f"  predicted step time {pred.get('step_time_s', 0) * 1e3:.3f} ms "
         + ("(one microbatch through every stage: " if plan.pipeline is not None else "(")
-        + f"compute {pred.get('compute_s', 0) * 1e3:.3f} ms, resharding {pred.get('reshard_s', 0) * 1e3:.3f} ms)",
+        + f"compute {per.get('compute_s', 0) * 1e3:.3f} ms, resharding {per.get('reshard_s', 0) * 1e3:.3f} ms)",
         f"  peak memory per device {_bytes(pred.get('peak_memory_bytes', 0))}"
         + (f" ({pred['peak_memory_at']})" if pred.get("peak_memory_at") else "")
-        + f"   communication per device per step {_bytes(pred.get('comm_bytes', 0))}",
+        + (f"   communication per device per microbatch {_bytes(per.get('comm_bytes', 0))}" if plan.pipeline is not None
+           else f"   communication per device per step {_bytes(pred.get('comm_bytes', 0))}"),
     ]
     if pred.get("memory_at_peak_bytes"):
         parts = ", ".join(f"{kind} {_bytes(size)}" for kind, size in pred["memory_at_peak_bytes"].items() if size)
         lines.append(f"  memory at the peak: {parts}")
-    if pred.get("comm_bytes_per_axis"):
+    if per.get("comm_bytes_per_axis"):
         parts = ", ".join(
             f"axis {axis} (size {size}): {_bytes(sent)}"
-            for axis, (size, sent) in enumerate(zip(plan.spec_mesh, pred["comm_bytes_per_axis"]))
+            for axis, (size, sent) in enumerate(zip(plan.spec_mesh, per["comm_bytes_per_axis"]))
         )
         scope = "per microbatch by stage-mesh axis" if plan.pipeline is not None else "per step by mesh axis"
         lines.append(f"  bytes sent per device {scope}: {parts}")
