@@ -53,6 +53,9 @@ def plan(
     symbolic_batch: bool = False,
     compute: str | None = None,
     solver: str = "auto",
+    offload: str = "off",
+    checkpointing: bool | None = None,
+    prefetch: bool = True,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
@@ -73,6 +76,14 @@ def plan(
     ``solver`` is
     "auto" (LP relaxation first, MILP only if rounding leaves a gap), "highs" or "cbc";
     ``time_limit_s`` bounds the solve (then the best plan found is used, with its gap).
+
+    When no sharding fits ``memory_budget``, ``offload`` and ``checkpointing`` let the planner
+    add activation checkpointing and offload by cost (``autopar.memory.planner``), recorded in
+    ``plan.memory``. ``offload`` is "off" (the default: sharding only), "cpu" (pinned host
+    memory), "disk" or "disk:PATH" (files on local disk; the path is used at compile), or
+    "auto" (host memory, or disk where the compute device is the host). ``checkpointing``
+    defaults to on when ``offload`` is not "off". ``prefetch`` fetches each offloaded tensor
+    one use ahead.
     """
     cluster_spec = get_cluster(cluster)
     if compute is not None:
@@ -89,7 +100,8 @@ def plan(
         raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
                         "pass one of them, or mesh='auto' to search the meshes of that many devices")
     traced = trace(model, example_inputs, example_kwargs)
-    result = plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s, solver)
+    result = plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s, solver,
+                         offload=offload, checkpointing=checkpointing, prefetch=prefetch)
     if symbolic_batch:
         from autopar.solver import symbolic
 
@@ -102,13 +114,34 @@ def plan(
     return result
 
 
+def offload_target(offload: str, cluster: ClusterSpec) -> tuple[str | None, str | None]:
+    """(target, disk path) of an ``offload`` argument: "off" gives (None, None)."""
+    if not isinstance(offload, str):
+        raise ValueError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
+    if offload == "off":
+        return None, None
+    if offload == "auto":
+        return ("disk" if cluster.host_link is None else "cpu"), None
+    if offload == "cpu":
+        return "cpu", None
+    if offload == "disk" or offload.startswith("disk:"):
+        path = offload.partition(":")[2]
+        return "disk", path or None
+    raise ValueError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
+
+
 def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s,
-                solver: str = "auto") -> Plan:
+                solver: str = "auto", *, offload: str = "off", checkpointing: bool | None = None,
+                prefetch: bool = True) -> Plan:
     """Plan an already traced model (``autopar.plan`` without the tracing)."""
     if memory_budget is not None and not memory_budget > 0:
         raise ValueError(f"memory_budget is bytes per device and must be positive, got {memory_budget!r}")
+    target, _ = offload_target(offload, cluster)
+    if checkpointing is None:
+        checkpointing = target is not None
     start = time.perf_counter()
-    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver)
+    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver,
+                   offload=target, checkpointing=checkpointing, prefetch=prefetch)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     return result
 
@@ -124,6 +157,9 @@ def compile(
     memory_budget: float | None = None,
     time_limit_s: float = 60.0,
     init: SeededInit | FromCheckpoint | None = None,
+    offload: str = "off",
+    checkpointing: bool | None = None,
+    prefetch: bool = True,
 ) -> ParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
 
@@ -134,6 +170,10 @@ def compile(
     tensors (each rank cuts its shards from the whole model); ``autopar.SeededInit(seed, fn)``
     or ``autopar.FromCheckpoint(path)`` make each rank materialize only its own shards, which is
     how a model built on the meta device is compiled (see ``autopar.materialize``).
+
+    ``offload``, ``checkpointing`` and ``prefetch`` are ``autopar.plan``'s, for the solve;
+    with a given plan, ``offload="disk:PATH"`` only says where its disk offload files go (a
+    temporary directory otherwise). Step a module that offloads with ``autopar.optim.AdamW``.
     """
     mesh_shape = _mesh_shape(mesh)
     if not dist.is_available() or not dist.is_initialized():
@@ -161,20 +201,38 @@ def compile(
         raise TypeError(f"init must be None, autopar.SeededInit(...) or autopar.FromCheckpoint(path), got {init!r}")
     collectives.register_peer()  # lets a failed collective name a dead rank
     traced = trace(model, example_inputs, example_kwargs)  # meta tensors become FakeTensors there
-    chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s)
+    chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s,
+                           dict(offload=offload, checkpointing=checkpointing, prefetch=prefetch))
     check_rank_agreement(chosen)
     groups, coordinate = mesh_groups(mesh_shape)
-    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups))
+    offloader = _offloader(chosen, offload, example_inputs, example_kwargs)
+    fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups, offloader, fqns))
     if isinstance(init, SeededInit):
         local = seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
     elif isinstance(init, FromCheckpoint):
         local = empty_shards(model, chosen.params, mesh_shape, init.device)
     else:
         local = None
-    pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local)
+    pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local, offloader=offloader)
     if isinstance(init, FromCheckpoint):
         checkpoint.load(init.path, pm)
     return pm
+
+
+def _offloader(chosen: Plan, offload: str, example_inputs, example_kwargs):
+    """The store and hooks for a plan that offloads (None for one that does not)."""
+    if chosen.memory is None or not chosen.memory.offload:
+        return None
+    from autopar.memory.offload import Offloader
+    from autopar.memory.store import make_store
+
+    path = offload.partition(":")[2] if isinstance(offload, str) and offload.startswith("disk:") else None
+    if path is not None:
+        path = os.path.join(path, f"rank{dist.get_rank()}")
+    leaves = [t for t in torch.utils._pytree.tree_leaves((example_inputs, example_kwargs or {})) if isinstance(t, torch.Tensor)]
+    device = leaves[0].device if leaves else torch.device("cpu")
+    return Offloader(chosen.memory, make_store(chosen.memory.target, path, device))
 
 
 # Dtypes each backend cannot reduce (gloo has no bfloat16 all-reduce).
@@ -198,7 +256,7 @@ def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs
             )
 
 
-def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s) -> Plan:
+def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s, memory_args=None) -> Plan:
     if plan is None:
         # Rank 0 solves and broadcasts; the solve is deterministic, but eight identical solves
         # on one host would only compete for its cores. A failure is broadcast too, so that
@@ -206,7 +264,8 @@ def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s
         payload: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                payload[0] = ("plan", plan_traced(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s).to_json())
+                payload[0] = ("plan", plan_traced(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s,
+                                                  **(memory_args or {})).to_json())
             except Exception as error:
                 payload[0] = ("error", error)
         collectives.call_on_world("plan broadcast", dist.broadcast_object_list, payload, src=0)

@@ -57,6 +57,8 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
             + (f", {solver['method']} by {solver.get('backend')}" if solver.get("method") else "")
             + (f", gap {solver['gap']:.2%} to the LP bound" if solver.get("gap") is not None else "")
         )
+    if plan.memory is not None:
+        lines.extend("  " + line for line in plan.memory.summary_lines())
     lines.append("")
     lines.append("Parameters")
     width = max((len(f) for f in plan.params), default=10)

@@ -1,0 +1,187 @@
+"""Where offloaded tensors live: pinned host memory, or files on local disk.
+
+Both stores hold whole tensors under string keys and hand back *fresh* tensors on the compute
+device: the caller owns what ``get`` returns and drops it when done, so nothing of the store
+stays resident on the device between uses. ``prefetch(key)`` starts reading ``key`` on a
+background thread; the next ``get(key)`` takes that read instead of starting one.
+
+``DiskStore`` keeps one file per key, read and written with ``os.preadv`` / ``os.pwrite``
+into and out of ordinary tensors. It never maps a file: mapped pages count in the process's
+resident memory while they are mapped, and on a machine whose compute device is the host, the
+point of disk offload (ZeRO-Infinity's NVMe offload) is that they do not.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+class Store:
+    """The common part: shapes and dtypes by key, and one background thread for prefetch."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autopar-offload")
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.meta
+
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        """Store a copy of ``tensor`` under ``key``."""
+        self._drop_pending(key)
+        tensor = tensor.detach()
+        self.meta[key] = (tensor.shape, tensor.dtype)
+        self._write(key, tensor)
+        self.bytes_written += tensor.numel() * tensor.element_size()
+
+    def get(self, key: str) -> torch.Tensor:
+        """A fresh tensor on the compute device holding ``key``'s value."""
+        with self._lock:
+            future = self._pending.pop(key, None)
+        if future is not None:
+            return future.result()
+        return self._load(key)
+
+    def prefetch(self, key: str) -> None:
+        with self._lock:
+            if key in self._pending or key not in self.meta:
+                return
+            self._pending[key] = self._pool.submit(self._load, key)
+
+    def accumulate(self, key: str, tensor: torch.Tensor) -> None:
+        """``key += tensor``, or store ``tensor`` if ``key`` holds nothing yet."""
+        if key in self.meta:
+            total = self.get(key)
+            total += tensor.detach()
+            self.put(key, total)
+        else:
+            self.put(key, tensor)
+
+    def delete(self, key: str) -> None:
+        self._drop_pending(key)
+        self.meta.pop(key, None)
+
+    def _drop_pending(self, key: str) -> None:
+        with self._lock:
+            future = self._pending.pop(key, None)
+        if future is not None:
+            future.result()  # a read in flight must not land after this write
+
+    def _load(self, key: str) -> torch.Tensor:
+        shape, dtype = self.meta[key]
+        out = self._read(key, shape, dtype)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def _write(self, key: str, tensor: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _read(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class HostStore(Store):
+    """Host memory: pinned where the compute device is a GPU, so copies run asynchronously."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        super().__init__(device)
+        self._pin = self.device.type == "cuda"
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def _write(self, key: str, tensor: torch.Tensor) -> None:
+        held = self._tensors.get(key)
+        if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
+            held = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+            self._tensors[key] = held
+        held.copy_(tensor, non_blocking=self._pin)
+        if self._pin:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _read(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return self._tensors[key].to(self.device, non_blocking=self._pin, copy=True)
+
+    def delete(self, key: str) -> None:
+        super().delete(key)
+        self._tensors.pop(key, None)
+
+
+class DiskStore(Store):
+    """One file per key under ``path`` (a temporary directory, removed on ``close``, if None)."""
+
+    def __init__(self, path: str | os.PathLike | None = None, device: torch.device | str = "cpu"):
+        super().__init__(device)
+        self._owned = path is None
+        self.path = tempfile.mkdtemp(prefix="autopar-offload-") if path is None else os.fspath(path)
+        os.makedirs(self.path, exist_ok=True)
+        self._fds: dict[str, int] = {}
+
+    def _fd(self, key: str) -> int:
+        fd = self._fds.get(key)
+        if fd is None:
+            name = key.replace("/", "__")
+            fd = os.open(os.path.join(self.path, name), os.O_RDWR | os.O_CREAT, 0o600)
+            self._fds[key] = fd
+        return fd
+
+    def _write(self, key: str, tensor: torch.Tensor) -> None:
+        host = tensor.to("cpu").contiguous()
+        view = memoryview(host.view(torch.uint8).reshape(-1).numpy())
+        fd, offset = self._fd(key), 0
+        while offset < len(view):
+            offset += os.pwrite(fd, view[offset:], offset)
+
+    def _read(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        pin = self.device.type == "cuda"
+        out = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+        fd, offset = self._fd(key), 0
+        while offset < len(view):
+            got = os.preadv(fd, [view[offset:]], offset)
+            if got <= 0:
+                raise OSError(f"offload file for {key!r} in {self.path} is shorter than its tensor")
+            offset += got
+        return out.to(self.device, non_blocking=pin) if self.device.type != "cpu" else out
+
+    def delete(self, key: str) -> None:
+        super().delete(key)
+        fd = self._fds.pop(key, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        super().close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if self._owned:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def make_store(target: str, path: str | None, device: torch.device | str) -> Store:
+    """The store for a plan's offload ``target`` ("cpu" or "disk"; ``path`` for disk)."""
+    if target == "disk":
+        return DiskStore(path, device)
+    return HostStore(device)
+
+
+__all__ = ["Store", "HostStore", "DiskStore", "make_store"]
