@@ -136,7 +136,22 @@ class _Walk:
                 out.extend(self._checkpointed(iv, in_segment, segments))
                 continue
             out.append((iv.node, iv.kind, iv.start, iv.end, iv.factor))
+        out.extend(self._streamed_step(offloaded, prefetch))
         return out
+
+    def _streamed_step(self, offloaded: dict[str, set[str]], prefetch: bool) -> list[tuple[str, str, int, int, float]]:
+        """The optimizer step streams offloaded state one parameter at a time: at the end of the
+        step, the largest parameter's offloaded tensors and AdamW's temporary (and, with
+        prefetch, the next largest's tensors) are on the device."""
+        factors: dict[str, float] = {}
+        for iv in self.timeline.intervals:
+            if iv.kind in ("optimizer_state", "grad") and iv.node in offloaded[iv.kind]:
+                factors[iv.node] = factors.get(iv.node, 1.0) + iv.factor
+        for node in offloaded["param"]:
+            factors[node] = factors.get(node, 1.0) + 1.0
+        largest = sorted(factors, key=lambda n: (-factors[n] * self.bytes_of(n), n))[: 2 if prefetch else 1]
+        last = 2 * self.num - 1
+        return [(node, "optimizer_state", last, last, factors[node]) for node in largest]
 
     def _fetched(self, param: str, offloaded: set[str], prefetch: bool) -> list[tuple[int, int]]:
         fetches = [(u, p) for u, p in self.fetches if p in offloaded]

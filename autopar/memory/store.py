@@ -13,6 +13,7 @@ point of disk offload (ZeRO-Infinity's NVMe offload) is that they do not.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import tempfile
@@ -119,11 +120,30 @@ class HostStore(Store):
         self._tensors.pop(key, None)
 
 
+def return_freed_memory_to_os(threshold_bytes: int = 1 << 20) -> bool:
+    """Make glibc serve allocations of ``threshold_bytes`` and more by mmap, so that freeing
+    them returns the memory to the OS. By default glibc raises that threshold after the first
+    large free, up to 32 MiB, and keeps later frees below it in its heap, where they still count
+    as resident. Offload on a host device streams many such buffers through memory and lowers
+    resident memory only if they go back. Returns False where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes))
+    except (OSError, AttributeError):
+        return False
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
 class DiskStore(Store):
-    """One file per key under ``path`` (a temporary directory, removed on ``close``, if None)."""
+    """One file per key under ``path`` (a temporary directory, removed on ``close``, if None).
+    On a host device it also calls ``return_freed_memory_to_os``."""
 
     def __init__(self, path: str | os.PathLike | None = None, device: torch.device | str = "cpu"):
         super().__init__(device)
+        if self.device.type == "cpu":
+            return_freed_memory_to_os()
         self._owned = path is None
         self.path = tempfile.mkdtemp(prefix="autopar-offload-") if path is None else os.fspath(path)
         os.makedirs(self.path, exist_ok=True)
@@ -184,4 +204,4 @@ def make_store(target: str, path: str | None, device: torch.device | str) -> Sto
     return HostStore(device)
 
 
-__all__ = ["Store", "HostStore", "DiskStore", "make_store"]
+__all__ = ["Store", "HostStore", "DiskStore", "make_store", "return_freed_memory_to_os"]
