@@ -219,3 +219,25 @@ def test_budget_run_of_an_84m_gpt(tmp_path):
     assert all(abs(a - b) < TOL for a, b in zip(result["losses"], result["eager_losses"]))
     assert result["max_weight_diff"] < TOL
     assert result["growth_bytes"] < 1.5 * result["budget_bytes"], result
+
+
+def _two_rank_run(rank: int, world_size: int, plan_path: str, offload_dir: str) -> dict:
+    torch.manual_seed(0)
+    model, batch = _gpt()
+    eager = copy.deepcopy(model)
+    pm = autopar.compile(model, (2,), example_inputs=batch, plan=plan_path, offload=f"disk:{offload_dir}")
+    return _train(pm, autopar.optim.AdamW(pm, lr=1e-2), eager, batch, steps=2)
+
+
+@pytest.mark.multiproc
+def test_checkpoint_and_offload_on_two_ranks(tmp_path):
+    from autopar.testing import run_distributed
+
+    model, batch = _gpt()
+    free = autopar.plan(model, (2,), example_inputs=batch, cluster="cpu")
+    plan = autopar.plan(model, (2,), example_inputs=batch, cluster="cpu", offload="auto",
+                        memory_budget=0.4 * free.predicted["peak_memory_bytes"])
+    assert plan.memory is not None and plan.memory.checkpoint and plan.memory.offloaded("param")
+    plan.save(tmp_path / "plan.json")
+    for result in run_distributed(_two_rank_run, 2, str(tmp_path / "plan.json"), str(tmp_path / "offload"), timeout_s=300):
+        _check(result)

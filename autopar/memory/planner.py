@@ -117,6 +117,7 @@ class _Walk:
     def intervals(self, decisions: set[tuple[str, str]], prefetch: bool) -> list[tuple[str, str, int, int, float]]:
         """(node, kind, start, end, factor) of every stored tensor under ``decisions``."""
         offloaded = {kind: {node for k, node in decisions if k == kind} for kind in TRANSFERS}
+        offloaded["grad"] |= offloaded["param"]  # a fetched parameter's gradient goes to the store
         segments = [self.segments[int(index)] for k, index in decisions if k == "checkpoint"]
         in_segment: dict[int, tuple[int, int]] = {}
         for _, first, last in segments:
@@ -236,6 +237,12 @@ def plan_memory(
         if trial_peak <= budget:
             keys, peak = trial, trial_peak
     chosen = [c for c in chosen if c.key in keys]
+    by_key = {c.key: c for c in candidates}
+    for candidate in list(chosen):  # an offloaded parameter's gradient is offloaded with it
+        grad = by_key.get(("grad", candidate.key[1])) if candidate.key[0] == "param" else None
+        if grad is not None and grad.key not in keys:
+            chosen.append(grad)
+            keys.add(grad.key)
     compute_s = sum(graph.choices[n].compute_s[choice[n]] for n in graph.order)
     recompute_s = sum(c.cost_s for c in chosen if c.key[0] == "checkpoint")
     transfer_s = sum(c.cost_s for c in chosen if c.key[0] != "checkpoint")

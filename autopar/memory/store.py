@@ -197,6 +197,33 @@ class DiskStore(Store):
             pass
 
 
+def measure_disk_link(path: str | os.PathLike, size_bytes: int = 128 << 20):
+    """A ``LinkSpec`` for ``DiskStore`` under ``path``, measured as the store moves data: one
+    write and one read of ``size_bytes`` through ``os.pwrite`` / ``os.preadv``. The bandwidth is
+    the harmonic mean of the two (an offloaded byte is written once and read once)."""
+    import time
+
+    from autopar.cost.cluster import LinkSpec
+
+    store = DiskStore(os.path.join(os.fspath(path), "measure"))
+    value = torch.ones(size_bytes // 4)
+    start = time.perf_counter()
+    store.put("probe", value)
+    write_s = time.perf_counter() - start
+    start = time.perf_counter()
+    store.get("probe")
+    read_s = time.perf_counter() - start
+    small = torch.ones(1)
+    start = time.perf_counter()
+    for _ in range(20):
+        store.put("latency", small)
+        store.get("latency")
+    latency_s = (time.perf_counter() - start) / 40
+    store.close()
+    shutil.rmtree(os.path.join(os.fspath(path), "measure"), ignore_errors=True)
+    return LinkSpec(latency_s=latency_s, bandwidth_bytes_per_s=2 * size_bytes / (write_s + read_s))
+
+
 def make_store(target: str, path: str | None, device: torch.device | str) -> Store:
     """The store for a plan's offload ``target`` ("cpu" or "disk"; ``path`` for disk)."""
     if target == "disk":
@@ -204,4 +231,5 @@ def make_store(target: str, path: str | None, device: torch.device | str) -> Sto
     return HostStore(device)
 
 
-__all__ = ["Store", "HostStore", "DiskStore", "make_store", "return_freed_memory_to_os"]
+__all__ = ["Store", "HostStore", "DiskStore", "make_store", "return_freed_memory_to_os",
+           "measure_disk_link"]
