@@ -5,7 +5,8 @@ element) for a ``ParallelModule`` whose plan offloads parameters, gradients or o
 (``plan.memory``). It steps one parameter at a time: it reads what is offloaded of that
 parameter (value, gradient, exp_avg, exp_avg_sq) from the offload store onto the compute
 device, updates it, writes back what is offloaded, and frees it before the next parameter; with
-prefetch it reads the next parameter's tensors on the store's thread meanwhile. So the device
+prefetch it reads the next parameter's tensors, and writes the last one's, on the store's thread
+meanwhile. So the device
 never holds more than one parameter's offloaded state. Parameters whose state is not offloaded
 keep it resident, as torch's optimizer would.
 
@@ -90,13 +91,13 @@ class AdamW:
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
             state["step"] += 1
             _adamw_update(value, grad, exp_avg, exp_avg_sq, state["step"], self.lr, self.betas, self.eps, self.weight_decay)
-            if offloaded_state:
-                store.put(f"exp_avg/{fqn}", exp_avg)
-                store.put(f"exp_avg_sq/{fqn}", exp_avg_sq)
+            if offloaded_state:  # with prefetch, written behind the next parameter's update
+                store.put(f"exp_avg/{fqn}", exp_avg, wait=not prefetch)
+                store.put(f"exp_avg_sq/{fqn}", exp_avg_sq, wait=not prefetch)
             else:
                 state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
             if self._offloaded("params", fqn):
-                store.put(param_key(fqn), value)
+                store.put(param_key(fqn), value, wait=not prefetch)
             del value, grad, exp_avg, exp_avg_sq
 
 

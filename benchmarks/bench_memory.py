@@ -4,8 +4,8 @@ shrinks from ample to infeasible, planned and measured, with and without prefetc
     python benchmarks/bench_memory.py                      # the sweep, results/memory.{csv,png}
     python benchmarks/bench_memory.py --fractions 1.2,0.5 --steps 2
 
-A GPT (``autopar.models``, 6 layers, 512 wide, vocabulary 4,096, 8 sequences of 64 tokens, fp32,
-~23M parameters) on mesh (1,) in this process (a world-size-1 gloo group), trained with
+A GPT (``autopar.models``, 4 layers, 384 wide, vocabulary 4,096, 8 sequences of 64 tokens, fp32,
+~8.7M parameters) on mesh (1,) in this process (a world-size-1 gloo group), trained with
 ``autopar.optim.AdamW``. Budgets are fractions of the plan's peak without a budget. Planned on the
 ``cpu`` preset with its ``disk_link`` measured on the offload directory first
 (``autopar.memory.store.measure_disk_link``): the compute device is the host here, so the planner
@@ -43,7 +43,7 @@ from autopar.memory.store import measure_disk_link  # noqa: E402
 from autopar.models import GPT  # noqa: E402
 from memory_budget_run import reset_peak_rss, rss_bytes  # noqa: E402
 
-CONFIG = dict(vocab_size=4096, block_size=64, n_layer=6, n_head=8, n_embd=512, bias=False)
+CONFIG = dict(vocab_size=4096, block_size=64, n_layer=4, n_head=6, n_embd=384, bias=False)
 BATCH, SEQ = 8, 64
 FRACTIONS = (1.2, 0.9, 0.75, 0.6, 0.45, 0.3, 0.2, 0.1, 0.03)
 WARMUP = 2  # the first steps create the offload files and AdamW's state
@@ -197,7 +197,7 @@ def _plot(rows, free_peak, link, path) -> None:
     ax.axvline(free_peak / 2**20, color="tab:green", linestyle=":", linewidth=1)
     ax.set_xlabel("memory_budget (MiB per device)")
     ax.set_ylabel("measured step time (s)")
-    ax.set_title(f"GPT 23M on mesh (1,), CPU, offload to disk ({link.bandwidth_bytes_per_s / 1e9:.2f} GB/s measured)\n"
+    ax.set_title(f"GPT 8.7M on mesh (1,), CPU, offload to disk ({link.bandwidth_bytes_per_s / 1e9:.2f} GB/s measured)\n"
                  "green: sharding only, orange: checkpointing, purple: offload (+ checkpointing)", fontsize=9)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)

@@ -72,7 +72,8 @@ class Offloader(torch.nn.Module):
 
     # -- gradients ------------------------------------------------------------------------------
     def add_grad(self, fqn: str, grad: torch.Tensor) -> None:
-        self.store.accumulate(grad_key(fqn), grad)
+        """Add to the stored gradient; with prefetch the write runs behind the rest of backward."""
+        self.store.accumulate(grad_key(fqn), grad, wait=not self.memory.prefetch)
 
     def grad(self, fqn: str) -> torch.Tensor | None:
         key = grad_key(fqn)

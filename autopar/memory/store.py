@@ -3,7 +3,8 @@
 Both stores hold whole tensors under string keys and hand back *fresh* tensors on the compute
 device: the caller owns what ``get`` returns and drops it when done, so nothing of the store
 stays resident on the device between uses. ``prefetch(key)`` starts reading ``key`` on a
-background thread; the next ``get(key)`` takes that read instead of starting one.
+background thread; the next ``get(key)`` takes that read instead of starting one. ``put(...,
+wait=False)`` writes behind on the same thread, which keeps reads and writes of a key in order.
 
 ``DiskStore`` keeps one file per key, read and written with ``os.preadv`` / ``os.pwrite``
 into and out of ordinary tensors. It never maps a file: mapped pages count in the process's
@@ -23,6 +24,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 
+# Writes a store keeps in flight behind the caller (each holds its tensor until written).
+MAX_WRITES_BEHIND = 2
+
+
 class Store:
     """The common part: shapes and dtypes by key, and one background thread for prefetch."""
 
@@ -30,6 +35,7 @@ class Store:
         self.device = torch.device(device)
         self.meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._pending: dict[str, Future] = {}
+        self._writes: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autopar-offload")
         self.bytes_read = 0
@@ -38,13 +44,21 @@ class Store:
     def __contains__(self, key: str) -> bool:
         return key in self.meta
 
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        """Store a copy of ``tensor`` under ``key``."""
+    def put(self, key: str, tensor: torch.Tensor, wait: bool = True) -> None:
+        """Store ``tensor``'s value under ``key``. ``wait=False`` writes behind, on the store's
+        thread: the caller hands ``tensor`` over and must not change it (at most
+        ``MAX_WRITES_BEHIND`` writes are in flight; a read of ``key`` waits for its write)."""
         self._drop_pending(key)
+        self._wait_write(key)
         tensor = tensor.detach()
         self.meta[key] = (tensor.shape, tensor.dtype)
-        self._write(key, tensor)
         self.bytes_written += tensor.numel() * tensor.element_size()
+        if wait:
+            self._write(key, tensor)
+            return
+        while len(self._writes) >= MAX_WRITES_BEHIND:
+            self._wait_write(next(iter(self._writes)))
+        self._writes[key] = self._pool.submit(self._write, key, tensor)
 
     def get(self, key: str) -> torch.Tensor:
         """A fresh tensor on the compute device holding ``key``'s value."""
@@ -52,7 +66,18 @@ class Store:
             future = self._pending.pop(key, None)
         if future is not None:
             return future.result()
+        self._wait_write(key)
         return self._load(key)
+
+    def _wait_write(self, key: str) -> None:
+        future = self._writes.pop(key, None)
+        if future is not None:
+            future.result()
+
+    def flush(self) -> None:
+        """Wait for every write behind."""
+        for key in list(self._writes):
+            self._wait_write(key)
 
     def prefetch(self, key: str) -> None:
         with self._lock:
@@ -60,17 +85,18 @@ class Store:
                 return
             self._pending[key] = self._pool.submit(self._load, key)
 
-    def accumulate(self, key: str, tensor: torch.Tensor) -> None:
+    def accumulate(self, key: str, tensor: torch.Tensor, wait: bool = True) -> None:
         """``key += tensor``, or store ``tensor`` if ``key`` holds nothing yet."""
         if key in self.meta:
             total = self.get(key)
             total += tensor.detach()
-            self.put(key, total)
+            self.put(key, total, wait)
         else:
-            self.put(key, tensor)
+            self.put(key, tensor, wait)
 
     def delete(self, key: str) -> None:
         self._drop_pending(key)
+        self._wait_write(key)
         self.meta.pop(key, None)
 
     def _drop_pending(self, key: str) -> None:
@@ -92,6 +118,7 @@ class Store:
         raise NotImplementedError
 
     def close(self) -> None:
+        self.flush()
         self._pool.shutdown(wait=True)
 
 
