@@ -3,6 +3,7 @@ shrinks from ample to infeasible, planned and measured, with and without prefetc
 
     python benchmarks/bench_memory.py                      # the sweep, results/memory.{csv,png}
     python benchmarks/bench_memory.py --fractions 1.2,0.5 --steps 2
+    python benchmarks/bench_memory.py --fractions 0.3 --batch 1 --steps 9 --out benchmarks/results/memory_prefetch
 
 A GPT (``autopar.models``, 4 layers, 384 wide, vocabulary 4,096, 8 sequences of 64 tokens, fp32,
 ~8.7M parameters) on mesh (1,) in this process (a world-size-1 gloo group), trained with
@@ -50,12 +51,12 @@ WARMUP = 2  # the first steps create the offload files and AdamW's state
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
-def _model_and_batch():
+def _model_and_batch(batch_size: int = BATCH):
     torch.manual_seed(0)
     model = GPT(**CONFIG)
     gen = torch.Generator().manual_seed(1)
-    batch = (torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=gen),
-             torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=gen))
+    batch = (torch.randint(0, CONFIG["vocab_size"], (batch_size, SEQ), generator=gen),
+             torch.randint(0, CONFIG["vocab_size"], (batch_size, SEQ), generator=gen))
     return model, batch
 
 
@@ -103,16 +104,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per step (fewer: offload weighs more)")
     parser.add_argument("--offload-dir", default=None, help="where disk offload files go (a temporary directory)")
     parser.add_argument("--out", default=os.path.join(RESULTS, "memory"))
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # two threads on a shared two-core machine spin-wait: 10x slower steps
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=300))
     directory = args.offload_dir or tempfile.mkdtemp(prefix="bench-memory-")
     link = measure_disk_link(directory)
     cluster = dataclasses.replace(get_cluster("cpu"), disk_link=link)
     print(f"disk link under {directory}: {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, {link.latency_s * 1e6:.0f} us")
-    model, batch = _model_and_batch()
+    model, batch = _model_and_batch(args.batch)
     free = autopar.plan(model, (1,), example_inputs=batch, cluster=cluster)
     free_peak = free.predicted["peak_memory_bytes"]
     num_params = sum(p.numel() for p in model.parameters())

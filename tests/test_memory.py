@@ -130,10 +130,14 @@ def test_infeasible_budget_states_minimum_and_dominant_tensors(gpt_free_plan):
     assert 0.05 * gpt_free_plan.predicted["peak_memory_bytes"] < minimum < gpt_free_plan.predicted["peak_memory_bytes"]
 
 
-@pytest.mark.parametrize("store_kind", ["disk", "host"])
-def test_store_round_trip_prefetch_and_accumulate(tmp_path, store_kind):
-    store = DiskStore(tmp_path / "offload") if store_kind == "disk" else HostStore()
-    value = torch.randn(3, 5, dtype=torch.float64)
+@pytest.mark.parametrize("store_kind", ["disk", "disk-buffered", "host"])
+@pytest.mark.parametrize("shape", [(3, 5), (), (1500, 1001)])
+def test_store_round_trip_prefetch_and_accumulate(tmp_path, store_kind, shape):
+    if store_kind == "host":
+        store = HostStore()
+    else:
+        store = DiskStore(tmp_path / "offload", direct=store_kind == "disk")
+    value = torch.randn(shape, dtype=torch.float64)
     store.put("a/x", value)
     store.prefetch("a/x")
     got = store.get("a/x")
@@ -143,6 +147,9 @@ def test_store_round_trip_prefetch_and_accumulate(tmp_path, store_kind):
     store.prefetch("a/x")
     store.put("a/x", value)  # a write after a prefetch wins
     assert torch.equal(store.get("a/x"), value)
+    store.put("a/x", 3 * value, wait=False)  # written behind; a read waits for it
+    store.prefetch("a/x")
+    assert torch.equal(store.get("a/x"), 3 * value)
     store.delete("a/x")
     assert "a/x" not in store
     store.close()

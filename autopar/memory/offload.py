@@ -115,17 +115,19 @@ class Offloader(torch.nn.Module):
         if entry is not None:
             base = entry[0]()
             if base is not None and base.untyped_storage().data_ptr() == pointer:
-                return (entry[1], tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.requires_grad)
+                # The offset from the fetched tensor's own: a store may hand out views into buffers.
+                return (entry[1], tensor.shape, tensor.stride(), tensor.storage_offset() - base.storage_offset())
         return tensor
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, tuple):
             return packed
-        fqn, shape, stride, offset, _ = packed
+        fqn, shape, stride, offset = packed
         before = self.previous.get(fqn)
         if before is not None and self.memory.prefetch:
             self.store.prefetch(param_key(before))
-        return self.store.get(param_key(fqn)).as_strided(shape, stride, offset)
+        full = self.store.get(param_key(fqn))
+        return full.as_strided(shape, stride, full.storage_offset() + offset)
 
 
 __all__ = ["Offloader", "param_key", "grad_key"]

@@ -15,6 +15,7 @@ point of disk offload (ZeRO-Infinity's NVMe offload) is that they do not.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import shutil
 import tempfile
@@ -147,6 +148,12 @@ class HostStore(Store):
         self._tensors.pop(key, None)
 
 
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
 def return_freed_memory_to_os(threshold_bytes: int = 1 << 20) -> bool:
     """Make glibc serve allocations of ``threshold_bytes`` and more by mmap, so that freeing
     them returns the memory to the OS. By default glibc raises that threshold after the first
@@ -163,11 +170,29 @@ def return_freed_memory_to_os(threshold_bytes: int = 1 << 20) -> bool:
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
+def _aligned_bytes(num_bytes: int, pin: bool = False) -> torch.Tensor:
+    """A uint8 tensor of ``num_bytes`` rounded up to ``DIRECT_ALIGN``, at an aligned address."""
+    padded = -(-max(num_bytes, 1) // DIRECT_ALIGN) * DIRECT_ALIGN
+    raw = torch.empty(padded + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    start = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[start:start + padded]
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT wants buffer addresses, sizes and file offsets in whole blocks
+_BOUNCE_BYTES = 4 << 20  # writes of unaligned tensors go through an aligned buffer this size
+
+
 class DiskStore(Store):
     """One file per key under ``path`` (a temporary directory, removed on ``close``, if None).
-    On a host device it also calls ``return_freed_memory_to_os``."""
 
-    def __init__(self, path: str | os.PathLike | None = None, device: torch.device | str = "cpu"):
+    Files are opened with ``O_DIRECT`` where the file system takes it, as ZeRO-Infinity's NVMe
+    offload does: reads and writes then go to the device, not the page cache, so the offloaded
+    bytes leave this machine's memory (with buffered I/O they would stay there as cache), and a
+    read waits on the disk, not on a CPU copy, so it overlaps compute. ``direct=False`` (or a
+    file system without O_DIRECT, such as tmpfs) uses buffered I/O. On a host device the store
+    also calls ``return_freed_memory_to_os``."""
+
+    def __init__(self, path: str | os.PathLike | None = None, device: torch.device | str = "cpu", direct: bool = True):
         super().__init__(device)
         if self.device.type == "cpu":
             return_freed_memory_to_os()
@@ -175,28 +200,48 @@ class DiskStore(Store):
         self.path = tempfile.mkdtemp(prefix="autopar-offload-") if path is None else os.fspath(path)
         os.makedirs(self.path, exist_ok=True)
         self._fds: dict[str, int] = {}
+        self.direct = direct and hasattr(os, "O_DIRECT")
 
     def _fd(self, key: str) -> int:
         fd = self._fds.get(key)
         if fd is None:
-            name = key.replace("/", "__")
-            fd = os.open(os.path.join(self.path, name), os.O_RDWR | os.O_CREAT, 0o600)
+            name = os.path.join(self.path, key.replace("/", "__"))
+            flags = os.O_RDWR | os.O_CREAT
+            if self.direct:
+                try:
+                    fd = os.open(name, flags | os.O_DIRECT, 0o600)
+                except OSError:  # EINVAL: this file system has no O_DIRECT
+                    self.direct = False
+            if fd is None:
+                fd = os.open(name, flags, 0o600)
             self._fds[key] = fd
         return fd
 
     def _write(self, key: str, tensor: torch.Tensor) -> None:
-        host = tensor.to("cpu").contiguous()
-        view = memoryview(host.view(torch.uint8).reshape(-1).numpy())
-        fd, offset = self._fd(key), 0
-        while offset < len(view):
-            offset += os.pwrite(fd, view[offset:], offset)
+        data = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        fd = self._fd(key)
+        if not self.direct:
+            _pwrite_all(fd, memoryview(data.numpy()), 0)
+            return
+        bounce = _aligned_bytes(min(data.numel(), _BOUNCE_BYTES))
+        for offset in range(0, data.numel(), bounce.numel()):
+            chunk = data[offset:offset + bounce.numel()]
+            bounce[:chunk.numel()].copy_(chunk)
+            size = -(-chunk.numel() // DIRECT_ALIGN) * DIRECT_ALIGN
+            _pwrite_all(fd, memoryview(bounce[:size].numpy()), offset)
 
     def _read(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"
-        out = torch.empty(shape, dtype=dtype, pin_memory=pin)
-        view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
-        fd, offset = self._fd(key), 0
-        while offset < len(view):
+        num_bytes = math.prod(shape) * dtype.itemsize
+        fd = self._fd(key)
+        if self.direct:
+            buffer = _aligned_bytes(num_bytes, pin)
+            out = buffer[:num_bytes].view(dtype).view(shape)
+        else:
+            out = torch.empty(shape, dtype=dtype, pin_memory=pin)
+            buffer = out.reshape(-1).view(torch.uint8)
+        view, offset = memoryview(buffer.numpy()), 0
+        while offset < num_bytes:
             got = os.preadv(fd, [view[offset:]], offset)
             if got <= 0:
                 raise OSError(f"offload file for {key!r} in {self.path} is shorter than its tensor")
