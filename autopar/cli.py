@@ -1,7 +1,7 @@
 """The ``autopar`` command line.
 
     autopar plan MODEL_SPEC (--mesh 2x4 | --devices 64) [--cluster h100-80g|FILE]
-                 [--memory-budget 70GiB] [--batch-size N] [--seq-len N] [--num-layers N] [--meta]
+                 [--memory-budget 70GiB] [--offload auto] [--batch-size N] [--seq-len N] [--num-layers N] [--meta]
                  [--out plan.json] [--json]
     autopar show plan.json [--json] [--html report.html]
     autopar explain plan.json NODE_OR_PARAM [--json]
@@ -369,7 +369,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _progress(f"planning on {where} for cluster {getattr(cluster, 'name', '?')}{budget} ...")
     with _ProgressLog():
         if args.mesh:
-            plan = api.plan_traced(traced, args.mesh, cluster, args.memory_budget, args.time_limit)
+            plan = api.plan_traced(traced, args.mesh, cluster, args.memory_budget, args.time_limit,
+                                   offload=args.offload)
         else:
             plan = search_mesh(traced, args.devices, cluster, args.memory_budget, args.time_limit,
                                on_progress=_progress)
@@ -597,6 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="depth of gpt, llama and presets (a 2-layer llama-2-70b has the real widths)")
     p.add_argument("--meta", action="store_true", help="build built-in models and inputs on the meta device")
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="solver time limit in seconds")
+    p.add_argument("--offload", default="off", metavar="auto|off|cpu|disk",
+                   help="when no sharding fits --memory-budget, let the planner add checkpointing and offload "
+                        "(autopar.plan's offload=; with --mesh only)")
     p.add_argument("--out", help="save the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the summary")
     p.set_defaults(func=cmd_plan)

@@ -189,8 +189,8 @@ def _plot(rows, free_peak, link, path) -> None:
             offloads = any(word in r["decisions"] for word in ("state", "grad", "param"))
             kind = "tab:green" if r["decisions"] == "sharding only" else ("tab:purple" if offloads else "tab:orange")
             ax.scatter([r["budget_bytes"] / 2**20], [r["step_s"]], s=90, facecolors="none", edgecolors=kind, zorder=3)
-            ax.annotate(r["decisions"], (r["budget_bytes"] / 2**20, r["step_s"]), textcoords="offset points",
-                        xytext=(4, 6), fontsize=7, rotation=20)
+            ax.annotate(r["decisions"].replace(" + ", "\n+ "), (r["budget_bytes"] / 2**20, r["step_s"]),
+                        textcoords="offset points", xytext=(6, 4), fontsize=6.5)
     for r in rows:
         if r["decisions"] == "infeasible":
             ax.axvline(r["budget_bytes"] / 2**20, color="gray", linestyle=":", linewidth=1)
@@ -201,7 +201,7 @@ def _plot(rows, free_peak, link, path) -> None:
     ax.set_ylabel("measured step time (s)")
     ax.set_title(f"GPT 8.7M on mesh (1,), CPU, offload to disk ({link.bandwidth_bytes_per_s / 1e9:.2f} GB/s measured)\n"
                  "green: sharding only, orange: checkpointing, purple: offload (+ checkpointing)", fontsize=9)
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.3 * max((r["step_s"] for r in ran), default=1.0))
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

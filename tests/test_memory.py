@@ -72,6 +72,18 @@ def test_cluster_host_and_disk_links_round_trip(tmp_path):
         assert ClusterSpec.load(tmp_path / "c.toml") == spec
 
 
+def test_offload_argument():
+    from autopar.api import offload_target
+
+    cpu, h100 = get_cluster("cpu"), get_cluster("h100-80g")
+    assert offload_target("off", cpu) == (None, None)
+    assert offload_target("auto", cpu) == ("disk", None)  # the device is the host: host memory saves nothing
+    assert offload_target("auto", h100) == ("cpu", None)
+    assert offload_target("disk:/nvme/x", h100) == ("disk", "/nvme/x")
+    with pytest.raises(ValueError, match="disk:PATH"):
+        offload_target("nvme", cpu)
+
+
 def test_ample_budget_makes_no_memory_decisions(gpt_free_plan):
     plan = _plan(2.0, gpt_free_plan, offload="auto")
     assert plan.memory is None and "memory" not in json.loads(plan.to_json())
@@ -209,7 +221,7 @@ def test_checkpointing_only_trains_with_torch_optimizer(world_of_one, gpt_free_p
     _check(_train(pm, torch.optim.AdamW(pm.parameters(), lr=1e-2), eager, batch))
 
 
-@pytest.mark.multiproc  # a process of its own, ~2 minutes with disk offload on two busy cores
+@pytest.mark.multiproc  # a process of its own: ~35 s (two ~6 s steps against the disk, then eager)
 def test_budget_run_of_an_84m_gpt(tmp_path):
     """The issue's budget test: mesh (1,), AdamW, memory_budget a third of parameter + gradient +
     optimizer bytes; loss and updated weights equal eager; the process's peak resident memory

@@ -64,7 +64,9 @@ class Offloader(torch.nn.Module):
         self._hooks: list[Any] = []
 
     def forward(self, stub: torch.Tensor, key: str, next_key: str | None = None) -> torch.Tensor:
-        if next_key is not None:
+        # A checkpoint's recompute runs fetches again inside backward, where the next fetch in
+        # forward order was needed long ago: prefetch only in forward.
+        if next_key is not None and torch._C._current_graph_task_id() == -1:
             self.store.prefetch(param_key(next_key))
         value = _Fetch.apply(stub, self, key)
         self._fetched[value.untyped_storage().data_ptr()] = (weakref.ref(value), key)
