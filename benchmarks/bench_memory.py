@@ -28,6 +28,7 @@ import datetime
 import gc
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -160,6 +161,8 @@ def main() -> None:
                   f"predicted, RSS +{growth / 2**20:.0f} MiB", flush=True)
         del runs
     dist.destroy_process_group()
+    if args.offload_dir is None:
+        shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     fields = ["fraction", "budget_bytes", "decisions", "prefetch", "predicted_peak_bytes", "predicted_step_s", "step_s",
               "rss_growth_bytes", "saved_bytes", "added_s", "min_bytes"]

@@ -25,12 +25,14 @@ total transfer time less the compute it hides behind, and never below zero.
 The choice is greedy by seconds per byte saved: take the cheapest candidates until the peak of
 the adjusted liveness walk fits, then drop, most expensive first, every chosen decision the peak
 does not need. Savings are not additive (removing bytes at one time does not lower the peak if
-another time is higher), which is why each step re-runs the walk instead of summing.
+another time is higher), which is why each step re-runs the walk instead of summing. A Rotor-style
+dynamic program over the chain of layers would choose the checkpoints optimally; it is not built.
 
 The adjusted walk changes the intervals of ``autopar.cost.liveness``: an offloaded parameter is
 alive only at its uses (from the previous fetch, with prefetch); an offloaded gradient only at
-the time its backward writes it; offloaded optimizer state never (the streaming step holds one
-parameter's state at a time, which is not modelled). A checkpointed layer's activations are
+the time its backward writes it; offloaded optimizer state only in the step, which streams one
+parameter at a time: at the last time of the walk, the largest parameter's offloaded tensors
+and AdamW's temporary (two parameters' with prefetch) are added. A checkpointed layer's activations are
 alive in forward until their last forward use, and again from the start of the layer's backward
 (the recompute) to their old end; the layer's inputs are kept until its backward ends.
 """
