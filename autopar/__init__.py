@@ -13,7 +13,7 @@ from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, 
 from autopar.materialize import FromCheckpoint, SeededInit
 from autopar.plan import Plan
 from autopar.runtime import ParallelModule
-from autopar import checkpoint
+from autopar import checkpoint, optim
 
 __version__ = "0.1.0"
 

@@ -56,6 +56,9 @@ def plan(
     solver: str = "auto",
     pipeline: str | int = "off",
     num_microbatches: int | None = None,
+    offload: str = "off",
+    checkpointing: bool | None = None,
+    prefetch: bool = True,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
@@ -84,11 +87,20 @@ def plan(
     inputs are the global batch; the plan is made for ``num_microbatches`` microbatches (default:
     N, or 1 under "auto") of batch / ``num_microbatches`` each, and its ``pipeline`` holds the
     stages (``autopar.solver.stages`` chooses them; ``autopar.pipeline_runtime`` runs them).
+
+    When no sharding fits ``memory_budget``, ``offload`` and ``checkpointing`` let the planner
+    add activation checkpointing and offload by cost (``autopar.memory.planner``), recorded in
+    ``plan.memory``. ``offload`` is "off" (the default: sharding only), "cpu" (pinned host
+    memory), "disk" or "disk:PATH" (files on local disk; the path is used at compile), or
+    "auto" (host memory, or disk where the compute device is the host). ``checkpointing``
+    defaults to on when ``offload`` is not "off". ``prefetch`` fetches each offloaded tensor
+    one use ahead.
     """
     cluster_spec = get_cluster(cluster)
     if compute is not None:
         cluster_spec = dataclasses.replace(cluster_spec, compute=compute)
     num_stages = pipeline_stages(pipeline, num_microbatches)
+    _check_memory_with_pipeline(num_stages, offload, checkpointing)
     if num_stages is not None:
         return _plan_pipeline(model, mesh, devices, example_inputs, example_kwargs, cluster_spec, memory_budget,
                               time_limit_s, solver, num_stages, num_microbatches, max_axes, symbolic_batch)
@@ -97,6 +109,9 @@ def plan(
             raise MeshError(f"mesh must be a tuple of positive ints such as (2, 4), or 'auto', got {mesh!r}")
         if devices is None:
             raise MeshError("mesh='auto' searches the meshes of a number of devices: pass devices=N as well")
+        if offload != "off" or checkpointing:
+            raise MeshError(f"offload={offload!r}, checkpointing={checkpointing!r} with mesh='auto': the mesh search "
+                            "plans sharding only; pass a mesh such as (2, 4) to plan checkpointing and offload")
         traced = trace(model, example_inputs, example_kwargs)
         return search_mesh(traced, devices, cluster_spec, memory_budget, time_limit_s, max_axes=max_axes)
     mesh_shape = _mesh_shape(mesh)
@@ -104,7 +119,8 @@ def plan(
         raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
                         "pass one of them, or mesh='auto' to search the meshes of that many devices")
     traced = trace(model, example_inputs, example_kwargs)
-    result = plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s, solver)
+    result = plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s, solver,
+                         offload=offload, checkpointing=checkpointing, prefetch=prefetch)
     if symbolic_batch:
         from autopar.solver import symbolic
 
@@ -142,15 +158,44 @@ def _plan_pipeline(model, mesh, devices, example_inputs, example_kwargs, cluster
                        max_axes=min(max_axes, 2), solver=solver)
 
 
+def offload_target(offload: str, cluster: ClusterSpec) -> tuple[str | None, str | None]:
+    """(target, disk path) of an ``offload`` argument: "off" gives (None, None)."""
+    if not isinstance(offload, str):
+        raise ValueError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
+    if offload == "off":
+        return None, None
+    if offload == "auto":
+        return ("disk" if cluster.host_link is None else "cpu"), None
+    if offload == "cpu":
+        return "cpu", None
+    if offload == "disk" or offload.startswith("disk:"):
+        path = offload.partition(":")[2]
+        return "disk", path or None
+    raise ValueError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
+
+
 def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s,
-                solver: str = "auto") -> Plan:
+                solver: str = "auto", *, offload: str = "off", checkpointing: bool | None = None,
+                prefetch: bool = True) -> Plan:
     """Plan an already traced model (``autopar.plan`` without the tracing)."""
     if memory_budget is not None and not memory_budget > 0:
         raise ValueError(f"memory_budget is bytes per device and must be positive, got {memory_budget!r}")
+    target, _ = offload_target(offload, cluster)
+    if checkpointing is None:
+        checkpointing = target is not None
     start = time.perf_counter()
-    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver)
+    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver,
+                   offload=target, checkpointing=checkpointing, prefetch=prefetch)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     return result
+
+
+def _check_memory_with_pipeline(num_stages, offload: str, checkpointing: bool | None) -> None:
+    if num_stages is not None and (offload != "off" or checkpointing):
+        raise ValueError(
+            f"offload={offload!r}, checkpointing={checkpointing!r} with a pipeline: checkpointing and offload "
+            "inside pipeline stages are not built yet; pass pipeline='off' to plan them, or offload='off'"
+        )
 
 
 def default_microbatches(num_stages: int | str, num_microbatches: int | None) -> int:
@@ -191,6 +236,9 @@ def compile(
     init: SeededInit | FromCheckpoint | None = None,
     pipeline: str | int = "off",
     num_microbatches: int | None = None,
+    offload: str = "off",
+    checkpointing: bool | None = None,
+    prefetch: bool = True,
 ) -> ParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
 
@@ -206,6 +254,10 @@ def compile(
     (``autopar.pipeline_runtime``): the model must return its loss; calling the module runs the
     whole step's forward and backward over the microbatches and returns the loss on every rank,
     and ``loss.backward()`` then puts the gradients into ``.grad``.
+
+    ``offload``, ``checkpointing`` and ``prefetch`` are ``autopar.plan``'s, for the solve;
+    with a given plan, ``offload="disk:PATH"`` only says where its disk offload files go (a
+    temporary directory otherwise). Step a module that offloads with ``autopar.optim.AdamW``.
     """
     mesh_shape = _mesh_shape(mesh)
     if not dist.is_available() or not dist.is_initialized():
@@ -249,6 +301,7 @@ def compile(
             )
         num_stages, num_microbatches = given
     if num_stages is not None:
+        _check_memory_with_pipeline(num_stages, offload, checkpointing)
         if init is not None:
             raise ValueError("init= is not supported with pipelining yet: compile the model with its own tensors (init=None)")
         from autopar.pipeline_runtime import compile_pipeline
@@ -263,24 +316,42 @@ def compile(
             return plan_stages(traced, mesh_shape, cluster, num_stages=num_stages, num_microbatches=num_microbatches,
                                memory_budget=memory_budget, time_limit_s=time_limit_s)
 
-        chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s, planner)
+        chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s, planner=planner)
         check_rank_agreement(chosen)
         return compile_pipeline(model, traced, chosen)
     traced = trace(model, example_inputs, example_kwargs)  # meta tensors become FakeTensors there
-    chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s)
+    chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s,
+                           dict(offload=offload, checkpointing=checkpointing, prefetch=prefetch))
     check_rank_agreement(chosen)
     groups, coordinate = mesh_groups(mesh_shape)
-    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups))
+    offloader = _offloader(chosen, offload, example_inputs, example_kwargs)
+    fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups, offloader, fqns))
     if isinstance(init, SeededInit):
         local = seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
     elif isinstance(init, FromCheckpoint):
         local = empty_shards(model, chosen.params, mesh_shape, init.device)
     else:
         local = None
-    pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local)
+    pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local, offloader=offloader)
     if isinstance(init, FromCheckpoint):
         checkpoint.load(init.path, pm)
     return pm
+
+
+def _offloader(chosen: Plan, offload: str, example_inputs, example_kwargs):
+    """The store and hooks for a plan that offloads (None for one that does not)."""
+    if chosen.memory is None or not chosen.memory.offload:
+        return None
+    from autopar.memory.offload import Offloader
+    from autopar.memory.store import make_store
+
+    path = offload.partition(":")[2] if isinstance(offload, str) and offload.startswith("disk:") else None
+    if path is not None:
+        path = os.path.join(path, f"rank{dist.get_rank()}")
+    leaves = [t for t in torch.utils._pytree.tree_leaves((example_inputs, example_kwargs or {})) if isinstance(t, torch.Tensor)]
+    device = leaves[0].device if leaves else torch.device("cpu")
+    return Offloader(chosen.memory, make_store(chosen.memory.target, path, device))
 
 
 # Dtypes each backend cannot reduce (gloo has no bfloat16 all-reduce).
@@ -304,7 +375,8 @@ def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs
             )
 
 
-def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s, planner=None) -> Plan:
+def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s, memory_args=None,
+                  planner=None) -> Plan:
     if plan is None:
         # Rank 0 solves and broadcasts; the solve is deterministic, but eight identical solves
         # on one host would only compete for its cores. A failure is broadcast too, so that
@@ -312,8 +384,12 @@ def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s
         payload: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                make = planner or plan_traced
-                payload[0] = ("plan", make(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s).to_json())
+                if planner is not None:
+                    made = planner(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s)
+                else:
+                    made = plan_traced(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s,
+                                       **(memory_args or {}))
+                payload[0] = ("plan", made.to_json())
             except Exception as error:
                 payload[0] = ("error", error)
         collectives.call_on_world("plan broadcast", dist.broadcast_object_list, payload, src=0)

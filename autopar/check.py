@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -233,8 +234,10 @@ def check_plan(plan: Plan, model: torch.nn.Module, example_inputs: tuple, rank: 
             groups, coordinate = mesh_groups(tuple(plan.mesh_shape))
         finally:
             log.setLevel(level)
-        gm = run_passes(copy.deepcopy(traced.gm), plan, default_passes(groups))
-        module = ParallelModule(model, traced, gm, plan, groups, coordinate)
+        # The sharding is checked; checkpointing and offload (plan.memory) change no shape.
+        sharding = dataclasses.replace(plan, memory=None)
+        gm = run_passes(copy.deepcopy(traced.gm), sharding, default_passes(groups))
+        module = ParallelModule(model, traced, gm, sharding, groups, coordinate)
         checker = _ShapeChecker(gm, plan)
         module.graph_module = _CheckingModule(checker)
         with torch.no_grad(), contextlib.suppress(_Stop), _no_compute(model) as convert:

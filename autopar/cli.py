@@ -1,7 +1,7 @@
 """The ``autopar`` command line.
 
     autopar plan MODEL_SPEC (--mesh 2x4 | --devices 64) [--cluster h100-80g|FILE]
-                 [--memory-budget 70GiB] [--batch-size N] [--seq-len N] [--num-layers N] [--meta]
+                 [--memory-budget 70GiB] [--offload auto] [--batch-size N] [--seq-len N] [--num-layers N] [--meta]
                  [--out plan.json] [--json]
     autopar show plan.json [--json] [--html report.html]
     autopar explain plan.json NODE_OR_PARAM [--json]
@@ -397,7 +397,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                num_microbatches=args.num_microbatches, memory_budget=args.memory_budget,
                                time_limit_s=args.time_limit)
         elif args.mesh:
-            plan = api.plan_traced(traced, args.mesh, cluster, args.memory_budget, args.time_limit)
+            plan = api.plan_traced(traced, args.mesh, cluster, args.memory_budget, args.time_limit,
+                                   offload=args.offload)
         else:
             plan = search_mesh(traced, args.devices, cluster, args.memory_budget, args.time_limit,
                                on_progress=_progress)
@@ -629,6 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut mesh axis 0 into N pipeline stages, or let the planner choose (auto); needs --mesh")
     p.add_argument("--num-microbatches", type=_positive_int, default=None, metavar="M",
                    help="with --pipeline: microbatches per step (default N, or 1 with auto)")
+    p.add_argument("--offload", default="off", metavar="auto|off|cpu|disk",
+                   help="when no sharding fits --memory-budget, let the planner add checkpointing and offload "
+                        "(autopar.plan's offload=; with --mesh only)")
     p.add_argument("--out", help="save the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the summary")
     p.set_defaults(func=cmd_plan)

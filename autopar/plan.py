@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from autopar.errors import PlanError
+from autopar.memory.decisions import MemoryPlan
 from autopar.pipeline import StagePlan
 from autopar.spec import Spec, format_spec, parse_spec
 
@@ -136,6 +137,9 @@ class Plan:
     # Pipeline stages (``autopar.pipeline``); None when the plan does not pipeline. When set,
     # ``params`` and ``nodes`` hold the intra-stage decisions, for ``pipeline.stage_mesh``.
     pipeline: StagePlan | None = None
+    # Activation checkpointing and offload (``autopar.memory``); None when sharding alone fits
+    # the memory budget (or the planner was not allowed to add them).
+    memory: MemoryPlan | None = None
     # Facts about the run that made this plan, such as wall-clock timings and the mesh search
     # table. Not serialized: a plan's JSON must be byte-identical across runs and ranks.
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -171,6 +175,8 @@ class Plan:
             data["decisions"] = self.decisions
         if self.pipeline is not None:
             data["pipeline"] = self.pipeline.to_json()
+        if self.memory is not None:
+            data["memory"] = self.memory.to_json()
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -199,6 +205,7 @@ class Plan:
                 decisions=data.get("decisions", {}),
                 model=data.get("model", {}),
                 pipeline=StagePlan.from_json(data["pipeline"]) if "pipeline" in data else None,
+                memory=MemoryPlan.from_json(data["memory"]) if "memory" in data else None,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"malformed plan: {type(error).__name__}: {error}") from None

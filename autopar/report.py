@@ -64,6 +64,8 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
             + (f", gap {solver['gap']:.2%} to the LP bound" if solver.get("gap") is not None else "")
         )
     lines += pipeline_lines(plan)
+    if plan.memory is not None:
+        lines.extend("  " + line for line in plan.memory.summary_lines())
     lines.append("")
     lines.append("Parameters")
     width = max((len(f) for f in plan.params), default=10)

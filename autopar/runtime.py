@@ -69,9 +69,13 @@ class ParallelModule(torch.nn.Module):
         groups: tuple[str, ...],
         coordinate: tuple[int, ...],
         local_shards: Mapping[str, torch.Tensor] | None = None,
+        offloader: Any = None,
     ):
         """``local_shards`` (FQN → this rank's shard) replaces cutting the model's own tensors:
-        ``compile`` passes it for models on the meta device (``autopar.materialize``)."""
+        ``compile`` passes it for models on the meta device (``autopar.materialize``).
+        ``offloader`` (``autopar.memory.offload.Offloader``) holds the parameters, gradients and
+        optimizer state the plan offloads: an offloaded parameter's shard goes to its store, and
+        the module holds an empty stub in its place (step with ``autopar.optim.AdamW``)."""
         super().__init__()
         self._plan = plan
         self._traced = traced
@@ -93,10 +97,18 @@ class ParallelModule(torch.nn.Module):
                 _attach(self.module, fqn, made[canonical], graph_input.kind)
                 continue
             spec = plan.params[fqn]
+            offloaded = offloader is not None and graph_input.kind == "param" and canonical in offloader.params
             if local_shards is not None:
                 local = local_shards[fqn]
+            elif offloaded:  # no resident copy: straight from the model's tensor to the store
+                local = shard_tensor(full[fqn].detach(), spec, coordinate, plan.mesh_shape)
             else:
                 local = shard_tensor(full[fqn].detach(), spec, coordinate, plan.mesh_shape).clone()
+            if offloaded:
+                from autopar.memory.offload import param_key
+
+                offloader.store.put(param_key(canonical), local)
+                local = torch.empty(0, dtype=local.dtype, device=local.device)
             if graph_input.kind == "param":
                 value: torch.Tensor = torch.nn.Parameter(local, requires_grad=full[fqn].requires_grad)
             else:
@@ -104,6 +116,9 @@ class ParallelModule(torch.nn.Module):
             made[canonical] = value
             made[fqn] = value
             _attach(self.module, fqn, value, graph_input.kind)
+        self._offloader = offloader
+        if offloader is not None:
+            offloader.attach_grad_hooks({traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)})
         self._inputs = [(gi.name, gi.kind, gi.fqn) for gi in traced.inputs]
         # The original state_dict()'s names, in its order: tied names, no non-persistent buffers.
         self._state_keys = [k for k in model.state_dict(keep_vars=True) if _has(self.module, k) or k in traced.ties]
@@ -135,7 +150,11 @@ class ParallelModule(torch.nn.Module):
                 values.append(self._constants[name])
             else:
                 values.append(next(user))
-        outputs = self.graph_module(*values)
+        if self._offloader is not None:
+            with self._offloader.saved_tensor_hooks():
+                outputs = self.graph_module(*values)
+        else:
+            outputs = self.graph_module(*values)
         return pytree.tree_unflatten(list(outputs), self._traced.out_spec)
 
     def _check_inputs(self, flat: list[Any]) -> None:
@@ -155,9 +174,26 @@ class ParallelModule(torch.nn.Module):
         names += [(fqn, "param") for fqn in self._traced.ties if fqn not in seen]
         return names
 
+    @property
+    def offloader(self) -> Any:
+        """The ``autopar.memory.offload.Offloader`` of a plan that offloads, else None."""
+        return self._offloader
+
     def _local(self, fqn: str) -> torch.Tensor:
-        """This rank's shard under ``fqn``, or under its tie's first name if only that one is held."""
-        return _lookup(self.module, fqn if _has(self.module, fqn) else self._traced.ties.get(fqn, fqn))
+        """This rank's shard under ``fqn``, or under its tie's first name if only that one is held
+        (read from the offload store where the plan offloads it)."""
+        canonical = self._traced.ties.get(fqn, fqn)
+        if self._offloader is not None and canonical in self._offloader.params:
+            from autopar.memory.offload import param_key
+
+            return self._offloader.store.get(param_key(canonical))
+        return _lookup(self.module, fqn if _has(self.module, fqn) else canonical)
+
+    def _grad(self, fqn: str) -> torch.Tensor | None:
+        canonical = self._traced.ties.get(fqn, fqn)
+        if self._offloader is not None and canonical in self._offloader.grads:
+            return self._offloader.grad(canonical)
+        return self._local(fqn).grad
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -169,8 +205,10 @@ class ParallelModule(torch.nn.Module):
         """
         out: dict[str, torch.Tensor] = {}
         gathered: dict[int, torch.Tensor] = {}
+        held = []  # an offloaded shard is a fresh tensor: keep it, so that its id is not reused
         for fqn in self._state_keys:
             local = self._local(fqn)
+            held.append(local)
             if id(local) not in gathered:
                 gathered[id(local)] = gather_tensor(local, self._plan.params[fqn], self._groups)
             out[fqn] = gathered[id(local)]
@@ -231,7 +269,7 @@ class ParallelModule(torch.nn.Module):
         for fqn, kind in self._fqns():
             if kind != "param":
                 continue
-            grad = self._local(fqn).grad
+            grad = self._grad(fqn)
             out[fqn] = None if grad is None else gather_tensor(grad, self._plan.params[fqn], self._groups)
         return out
 

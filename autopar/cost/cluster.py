@@ -16,6 +16,11 @@ otherwise ``inter_node``.
 Specs come from JSON presets in ``presets/`` (``get_cluster("h100-80g")``), from a JSON or TOML
 file, or (later) from ``autopar profile``. The numbers in the presets are approximate datasheet
 values; each preset says where they come from in its ``source`` and ``notes`` fields.
+
+Two more links price offload (``autopar.memory``): ``host_link`` between a device and its host's
+memory (PCIe), and ``disk_link`` between the host and local disk (NVMe). A spec without a
+``host_link`` is one whose compute device *is* the host (the ``cpu`` preset): there, offload to
+host memory saves nothing, and ``offload="auto"`` means disk.
 """
 
 from __future__ import annotations
@@ -75,6 +80,10 @@ class LinkSpec:
         return cls(latency_s=data["latency_s"], bandwidth_bytes_per_s=data["bandwidth_bytes_per_s"])
 
 
+# One NVMe drive's sequential bandwidth (~2 GB/s), with a file system call's latency.
+DEFAULT_DISK_LINK = LinkSpec(latency_s=1e-4, bandwidth_bytes_per_s=2e9)
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
     """Nodes of identical devices and the two links between them. Units: seconds, bytes, FLOP/s.
@@ -97,6 +106,10 @@ class ClusterSpec:
     # How ops are priced: "roofline" (FLOPs and bytes against the peaks above) or "measured"
     # (timed on this machine's device and cached on disk; ``autopar.cost.measured``).
     compute: str = "roofline"
+    # Device <-> host memory, per device and direction; None: the device is the host.
+    host_link: LinkSpec | None = None
+    # Host memory <-> local disk, per device (the NVMe bandwidth divided among the node's devices).
+    disk_link: LinkSpec = field(default_factory=lambda: DEFAULT_DISK_LINK)
 
     def __post_init__(self) -> None:
         owner = f"ClusterSpec {self.name!r}"
@@ -123,6 +136,10 @@ class ClusterSpec:
         for name in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, name), LinkSpec):
                 raise ValueError(f"{owner}.{name} must be a LinkSpec, got {getattr(self, name)!r}")
+        if self.host_link is not None and not isinstance(self.host_link, LinkSpec):
+            raise ValueError(f"{owner}.host_link must be a LinkSpec or None, got {self.host_link!r}")
+        if not isinstance(self.disk_link, LinkSpec):
+            raise ValueError(f"{owner}.disk_link must be a LinkSpec, got {self.disk_link!r}")
         if self.compute not in COMPUTE_MODES:
             raise ValueError(f"{owner}.compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
         for name in ("source", "notes"):
@@ -168,6 +185,8 @@ class ClusterSpec:
             "source": self.source,
             "notes": self.notes,
             **({"compute": self.compute} if self.compute != "roofline" else {}),
+            **({"host_link": self.host_link.to_json()} if self.host_link is not None else {}),
+            **({"disk_link": self.disk_link.to_json()} if self.disk_link != DEFAULT_DISK_LINK else {}),
         }
 
     @classmethod
@@ -178,7 +197,7 @@ class ClusterSpec:
         if not isinstance(data, Mapping):
             raise ValueError(f"a cluster spec must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        required = known - {"source", "notes", "compute"}
+        required = known - {"source", "notes", "compute", "host_link", "disk_link"}
         unknown = set(data) - known
         missing = required - set(data)
         if unknown or missing:
@@ -189,6 +208,10 @@ class ClusterSpec:
         kwargs = dict(data)
         kwargs["intra_node"] = LinkSpec.from_json(data["intra_node"], "intra_node")
         kwargs["inter_node"] = LinkSpec.from_json(data["inter_node"], "inter_node")
+        if "host_link" in data:
+            kwargs["host_link"] = LinkSpec.from_json(data["host_link"], "host_link")
+        if "disk_link" in data:
+            kwargs["disk_link"] = LinkSpec.from_json(data["disk_link"], "disk_link")
         return cls(**kwargs)
 
     def save(self, path: str | os.PathLike) -> None:

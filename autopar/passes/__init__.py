@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch.fx
 
 from autopar.errors import PassError
+from autopar.passes.memory import checkpoint_segments, offload_params
 from autopar.passes.rewrite import insert_collectives, localize_shapes, use_kernels
 from autopar.plan import Plan
 
@@ -18,12 +19,16 @@ log = logging.getLogger("autopar")
 Pass = Callable[[torch.fx.GraphModule, Plan], torch.fx.GraphModule]
 
 
-def default_passes(groups: Sequence[str]) -> list[Pass]:
-    """The passes ``compile`` runs, in order. ``groups`` are the mesh axes' process-group names."""
+def default_passes(groups: Sequence[str], offloader=None, fqns: Mapping[str, str] | None = None) -> list[Pass]:
+    """The passes ``compile`` runs, in order. ``groups`` are the mesh axes' process-group names;
+    ``offloader`` (``autopar.memory.offload.Offloader``) and ``fqns`` (placeholder name →
+    canonical parameter FQN) serve a plan that offloads parameters."""
     return [
         localize_shapes,
         functools.partial(use_kernels, groups=tuple(groups)),
         functools.partial(insert_collectives, groups=tuple(groups)),
+        functools.partial(offload_params, offloader=offloader, fqns=fqns),
+        checkpoint_segments,
     ]
 
 
@@ -48,4 +53,5 @@ def run_passes(gm: torch.fx.GraphModule, plan: Plan, passes: Sequence[Pass]) -> 
     return gm
 
 
-__all__ = ["default_passes", "run_passes", "insert_collectives", "localize_shapes", "use_kernels"]
+__all__ = ["default_passes", "run_passes", "insert_collectives", "localize_shapes", "use_kernels", "offload_params",
+           "checkpoint_segments"]

@@ -34,10 +34,18 @@ def solve(
     forced: dict[str, Spec] | None = None,
     solver: str = "auto",
     zero_stage: int = 0,
+    offload: str | None = None,
+    checkpointing: bool = False,
+    prefetch: bool = True,
 ) -> Plan:
     """Plan ``traced`` on ``mesh_shape``. ``solver`` is "auto", "highs" or "cbc" (see
     ``solver.backends``); ``time_limit_s`` bounds the solve, after which the best plan found
-    (or a rounded / greedy fallback) is returned with its gap to the LP bound."""
+    (or a rounded / greedy fallback) is returned with its gap to the LP bound.
+
+    When the sharding does not fit ``memory_budget`` and ``checkpointing`` or ``offload`` (a
+    target, "cpu" or "disk") allows it, ``autopar.memory.planner`` adds checkpointing and
+    offload decisions to the plan's ``memory`` (no sharding fitting at all, it starts from the
+    leanest one)."""
     check_solver(solver)
     start = time.perf_counter()
     log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
@@ -70,10 +78,15 @@ def solve(
                 + (f" within memory_budget={memory_budget:.0f}" if memory_budget is not None else "")
                 + ": they need a resharding that does not exist (into Partial, or of a tensor written in place)"
             )
-        if memory_budget is not None:
+        if memory_budget is not None and not (checkpointing or offload):
             raise _infeasible(graph, memory_budget, time_limit_s, solver)
-        raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
+        if memory_budget is not None:
+            solution = _leanest(graph, time_limit_s, solver)
+        if not solution.choice:
+            raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
     plan = plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
+    if memory_budget is not None and (checkpointing or offload) and plan.predicted["peak_memory_bytes"] > memory_budget:
+        plan = _with_memory_decisions(plan, traced, graph, solution, cluster, memory_budget, offload, checkpointing, prefetch)
     start = time.perf_counter()
     decisions = explain_decisions(graph, solution, cluster, memory_budget)
     log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
@@ -93,13 +106,36 @@ def peak_memory(graph: ChoiceGraph, solution: Solution) -> tuple[float, int]:
     return graph.timeline.peak(_chosen_bytes(graph, solution))
 
 
-def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: str) -> InfeasibleError:
-    """Say how much memory the leanest plan needs, and which tensors weigh most."""
+def _leanest(graph: ChoiceGraph, time_limit_s: float, solver: str) -> Solution:
+    """The sharding of least peak memory."""
     lean = ShardingILP(graph, None)
     leanest = {n: min(c.memory_bytes, default=0.0) for n, c in graph.choices.items()}
     lean.minimize_peak_memory(graph.timeline.checkpoints([leanest.__getitem__]))
     # The LP-rounding fast path prices x and y only; this objective is an extra peak variable.
-    solution = lean.solve(time_limit_s, backends.mip_backend(solver))
+    return lean.solve(time_limit_s, backends.mip_backend(solver))
+
+
+def _with_memory_decisions(plan, traced, graph, solution, cluster, budget, offload, checkpointing, prefetch) -> Plan:
+    """``plan`` with the checkpointing and offload that bring its peak under ``budget``."""
+    from autopar.memory.planner import plan_memory
+
+    memory, breakdown = plan_memory(traced, graph, solution.choice, cluster, budget, target=offload,
+                                    prefetch=prefetch, checkpointing=checkpointing)
+    at = breakdown.pop("time")
+    predicted = {
+        **plan.predicted,
+        "step_time_s": plan.predicted["step_time_s"] + memory.added_s,
+        "memory_s": memory.added_s,
+        "peak_memory_bytes": int(memory.peak_bytes),
+        "peak_memory_at": at,
+        "memory_at_peak_bytes": {k: int(v) for k, v in breakdown.items()},
+    }
+    return dataclasses.replace(plan, memory=memory, predicted=predicted)
+
+
+def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: str) -> InfeasibleError:
+    """Say how much memory the leanest plan needs, and which tensors weigh most."""
+    solution = _leanest(graph, time_limit_s, solver)
     minimum = peak_memory(graph, solution)[0] if solution.choice else float("nan")
     biggest = sorted(
         ((max(c.memory_bytes), c.fqn or c.name) for c in graph.choices.values() if c.memory_bytes),

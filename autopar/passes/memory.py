@@ -1,0 +1,121 @@
+"""Carry out a plan's memory decisions (``plan.memory``): fetch offloaded parameters at their
+uses, and wrap checkpointed segments in ``torch.utils.checkpoint`` (non-reentrant).
+
+Both passes leave a graph without memory decisions as it is. Offload runs before checkpointing,
+so that a fetch whose uses all lie in a checkpointed segment moves into it (and is fetched again
+by the recompute instead of being kept as the segment's input).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Mapping
+
+import torch
+import torch.fx
+import torch.utils.checkpoint
+
+from autopar.plan import Plan
+
+OFFLOADER = "offload"  # the Offloader's attribute name in the rewritten graph module
+
+
+def offload_params(gm: torch.fx.GraphModule, plan: Plan, offloader=None, fqns: Mapping[str, str] | None = None) -> torch.fx.GraphModule:
+    """Before every use of an offloaded parameter's placeholder, insert a fetch from the store
+    (``gm.offload``), with the next fetch in graph order as its prefetch. ``fqns`` maps
+    placeholder names to canonical parameter FQNs."""
+    if plan.memory is None or not plan.memory.offloaded("param"):
+        return gm
+    if offloader is None or fqns is None:
+        raise ValueError("the plan offloads parameters, but compile gave the offload pass no Offloader")
+    gm.add_submodule(OFFLOADER, offloader)
+    offloaded = set(plan.memory.offloaded("param"))
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    uses: list[tuple[int, torch.fx.Node, torch.fx.Node]] = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and fqns.get(node.name) in offloaded:
+            uses.extend((order[user], user, node) for user in node.users)
+    uses.sort(key=lambda use: use[0])
+    keys = [fqns[placeholder.name] for _, _, placeholder in uses]
+    for k, (_, user, placeholder) in enumerate(uses):
+        next_key = keys[k + 1] if plan.memory.prefetch and k + 1 < len(keys) else None
+        with gm.graph.inserting_before(user):
+            fetch = gm.graph.call_module(OFFLOADER, (placeholder,), {"key": keys[k], "next_key": next_key})
+        fetch.meta = dict(placeholder.meta)
+        user.replace_input_with(placeholder, fetch)
+    offloader.previous = {keys[k]: keys[k - 1] for k in range(1, len(keys))}
+    return gm
+
+
+class Checkpointed(torch.nn.Module):
+    """A segment of the graph, recomputed in backward (``torch.utils.checkpoint``, non-reentrant)."""
+
+    def __init__(self, body: torch.fx.GraphModule):
+        super().__init__()
+        self.body = body
+
+    def forward(self, *args):
+        return torch.utils.checkpoint.checkpoint(self.body, *args, use_reentrant=False)
+
+
+def checkpoint_segments(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
+    """Outline each segment of ``plan.memory.checkpoint`` into a ``Checkpointed`` submodule."""
+    if plan.memory is None or not plan.memory.checkpoint:
+        return gm
+    for index, segment in enumerate(plan.memory.checkpoint):
+        nodes = _segment_nodes(gm, segment.first, segment.last)
+        _outline(gm, nodes, f"checkpoint_{index}")
+    gm.graph.eliminate_dead_code()
+    return gm
+
+
+def _segment_nodes(gm: torch.fx.GraphModule, first: str, last: str) -> list[torch.fx.Node]:
+    listed = list(gm.graph.nodes)
+    names = {node.name: i for i, node in enumerate(listed)}
+    if first not in names or last not in names:
+        missing = first if first not in names else last
+        raise ValueError(f"checkpoint segment {first} .. {last}: node {missing} is not in the rewritten graph")
+    start, end = names[first], names[last]
+    nodes = [n for n in listed[start:end + 1] if n.op not in ("placeholder", "output")]
+    inside = set(nodes)
+    # Fetches (and other inputs-free helpers) right before the segment whose every use is inside.
+    while start > 0:
+        candidate = listed[start - 1]
+        if candidate.op != "call_module" or candidate.target != OFFLOADER or not set(candidate.users) <= inside:
+            break
+        nodes.insert(0, candidate)
+        inside.add(candidate)
+        start -= 1
+    return nodes
+
+
+def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str) -> None:
+    inside = set(nodes)
+    inputs: list[torch.fx.Node] = []
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg not in inside and arg not in inputs:
+                inputs.append(arg)
+    outputs = [node for node in nodes if any(user not in inside for user in node.users)]
+    body = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for arg in inputs:
+        env[arg] = body.placeholder(arg.name)
+        env[arg].meta = dict(arg.meta)
+    for node in nodes:
+        env[node] = body.node_copy(node, lambda arg: env[arg])
+    body.output(tuple(env[node] for node in outputs))
+    gm.add_submodule(name, Checkpointed(torch.fx.GraphModule(gm, body)))
+    with gm.graph.inserting_before(nodes[0]):
+        call = gm.graph.call_module(name, tuple(inputs))
+        for k, node in enumerate(outputs):
+            item = gm.graph.call_function(operator.getitem, (call, k))
+            item.meta = dict(node.meta)
+            for user in list(node.users):
+                if user not in inside:
+                    user.replace_input_with(node, item)
+    for node in reversed(nodes):
+        gm.graph.erase_node(node)
+
+
+__all__ = ["offload_params", "checkpoint_segments", "Checkpointed", "OFFLOADER"]
