@@ -341,7 +341,7 @@ def compile(
 
 def _offloader(chosen: Plan, offload: str, example_inputs, example_kwargs):
     """The store and hooks for a plan that offloads (None for one that does not)."""
-    if chosen.memory is None or not chosen.memory.offload:
+    if chosen.memory is None or not (chosen.memory.offload or chosen.memory.offload_activations):
         return None
     from autopar.memory.offload import Offloader
     from autopar.memory.store import make_store

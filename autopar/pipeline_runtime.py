@@ -171,6 +171,7 @@ class PipelineParallelModule(ParallelModule):
         self._groups = groups
         self._coordinate = coordinate
         self._device_mesh = None
+        self._offloader = None  # memory decisions are not combined with pipelines yet
         self._stage_index = stage_index
         self._num_stages = stages.num_stages
         self._num_microbatches = stages.num_microbatches

@@ -9,6 +9,11 @@ kernel's peak-RSS mark and compiles the model on mesh (1,) under a ``memory_budg
 ``autopar.optim.AdamW``. The peak resident memory of that phase, less the baseline, is the growth
 the test bounds. Only then does it train an eager copy (built again from the same seed) with
 ``torch.optim.AdamW`` and compare losses and updated weights. Writes the numbers as JSON.
+
+The model is float64 (``--dtype``): a plan that outlines layers (checkpointing, offloaded
+activations) sums some gradients in another order, and in float32 AdamW's first step turns
+those rounding-level differences into steps of ±lr in different directions (see
+tests/test_parallel.py); in float64 the comparison measures the offload, not the rounding.
 """
 
 from __future__ import annotations
@@ -50,9 +55,9 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=gen)) for _ in range(steps)]
 
 
-def build() -> GPT:
+def build(dtype: torch.dtype) -> GPT:
     torch.manual_seed(0)
-    return GPT(**CONFIG)
+    return GPT(**CONFIG).to(dtype)
 
 
 def main() -> None:
@@ -61,14 +66,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--budget-fraction", type=float, default=1 / 3)
     parser.add_argument("--offload", default="auto")
+    parser.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)  # two threads on a shared two-core machine spin-wait: 10x slower steps
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120))
-    model = build()
+    model = build(dtype)
     data = batches(args.steps)
     num_params = sum(p.numel() for p in model.parameters())
-    state_bytes = 4 * num_params * 4  # parameter + gradient + AdamW's two states, float32
+    state_bytes = 4 * num_params * dtype.itemsize  # parameter + gradient + AdamW's two states
     budget = args.budget_fraction * state_bytes
     gc.collect()
     baseline = rss_bytes()
@@ -101,15 +108,17 @@ def main() -> None:
         "compile_s": compile_s,
         "step_s": step_s,
         "losses": losses,
+        "dtype": args.dtype,
         "decisions": None if memory is None else {
             "target": memory.target,
             "checkpoint": len(memory.checkpoint),
+            "offload_activations": len(memory.offload_activations),
             "offload": {kind: len(memory.offloaded(kind)) for kind in ("param", "grad", "optimizer_state")},
         },
     }
     del pm, opt
     gc.collect()
-    eager = build()
+    eager = build(dtype)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=LR)
     eager_losses = []
     for idx, targets in data:

@@ -124,12 +124,30 @@ def test_cheapest_per_byte_first(gpt_free_plan):
     # moving optimizer state, so a budget checkpointing can meet is met without offload...
     plan = _plan(0.85, gpt_free_plan, offload="auto")
     assert plan.memory.checkpoint and not plan.memory.offload
-    # ...and with a fast host link, offload of optimizer state is cheaper than recompute.
+    # ...and with a fast link, moving tensors is cheaper than recompute: the same budget is met
+    # by offloading (a layer's activations, or optimizer state: two transfers per byte each).
     fast = dataclasses.replace(get_cluster("cpu"), disk_link=LinkSpec(1e-6, 1e13))
     model, batch = _gpt()
     plan = autopar.plan(model, (1,), example_inputs=batch, cluster=fast, offload="auto",
                         memory_budget=0.85 * gpt_free_plan.predicted["peak_memory_bytes"])
-    assert plan.memory.offload and plan.memory.offload[0].kind == "optimizer_state"
+    assert not plan.memory.checkpoint and (plan.memory.offload_activations or plan.memory.offload)
+    assert all(entry.kind == "optimizer_state" for entry in plan.memory.offload)
+
+
+def test_activations_are_offloaded_where_checkpointing_is_not_allowed(gpt_free_plan):
+    # Without checkpointing the same budget is met by moving a layer's saved activations to the
+    # store (written in forward, read in backward) instead of recomputing them.
+    plan = _plan(0.85, gpt_free_plan, offload="auto", checkpointing=False)
+    memory = plan.memory
+    assert memory.offload_activations and not memory.checkpoint
+    assert plan.predicted["peak_memory_bytes"] <= 0.85 * gpt_free_plan.predicted["peak_memory_bytes"]
+    segment = memory.offload_activations[0]
+    assert segment.name.startswith("transformer.h.") and segment.saved_bytes > 0 and segment.cost_s > 0
+    assert Plan.from_json(plan.to_json()) == plan
+    assert f"offload activations of {segment.name}" in plan.summary()
+    # A layer is checkpointed or has its activations offloaded, never both.
+    both = _plan(0.5, gpt_free_plan, offload="auto")
+    assert not {s.name for s in both.memory.checkpoint} & {s.name for s in both.memory.offload_activations}
 
 
 def test_infeasible_budget_states_minimum_and_dominant_tensors(gpt_free_plan):
@@ -210,6 +228,25 @@ def test_checkpoint_and_offload_of_every_kind_match_eager(world_of_one, gpt_free
     offloaded = set(plan.memory.offloaded("param"))
     assert all(p.numel() == 0 for n, p in pm.module.named_parameters() if n in offloaded)
     _check(_train(pm, autopar.optim.AdamW(pm, lr=1e-2), eager, batch))
+
+
+@pytest.mark.parametrize("target", ["disk", "cpu"])
+def test_offloaded_activations_match_eager(world_of_one, gpt_free_plan, tmp_path, target):
+    # The checkpoint plan's segments, turned into offloaded activations: every saved tensor of
+    # those layers goes through the store (disk files, or host memory) and back in backward.
+    plan = _plan(0.85, gpt_free_plan, offload="auto")
+    moved = tuple(autopar.memory.CheckpointSegment(s.name, s.first, s.last, s.saved_bytes, 1e-3) for s in plan.memory.checkpoint)
+    assert moved
+    memory = dataclasses.replace(plan.memory, target=target, checkpoint=(), offload_activations=moved)
+    plan = dataclasses.replace(plan, memory=memory)
+    model, batch = _gpt()
+    eager = copy.deepcopy(model)
+    pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
+    assert "self.offloaded_0(" in pm.graph_module.code and "checkpoint_0" not in pm.graph_module.code
+    _check(_train(pm, torch.optim.AdamW(pm.parameters(), lr=1e-2), eager, batch))
+    store = pm.offloader.store
+    stored = [key for key in store.meta if key.startswith("act/")]
+    assert stored and store.bytes_read > 0, "saved activations must go through the store"
 
 
 def test_checkpointing_only_trains_with_torch_optimizer(world_of_one, gpt_free_plan):

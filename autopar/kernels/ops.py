@@ -152,7 +152,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, axis_groups, ignore_index, reduction):
         rows = logits.shape[1]
         start = block_index(axis_groups) * rows
-        x = logits.detach().to(torch.float32)
+        # At least float32 (half-precision logits are upcast, as F.cross_entropy's kernels do);
+        # float64 stays float64.
+        x = logits.detach().to(torch.promote_types(logits.dtype, torch.float32))
         peak = x.max(1).values
         for group in axis_groups:
             peak = collectives.no_grad_all_reduce_max(peak, group)

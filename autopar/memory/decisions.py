@@ -18,13 +18,15 @@ OFFLOAD_KINDS = ("param", "grad", "optimizer_state")
 
 @dataclass(frozen=True, slots=True)
 class CheckpointSegment:
-    """Recompute nodes ``first`` .. ``last`` (graph order, both included) in backward."""
+    """Nodes ``first`` .. ``last`` (graph order, both included) whose saved activations leave the
+    device between forward and backward: recomputed in backward (``MemoryPlan.checkpoint``), or
+    offloaded and read back (``MemoryPlan.offload_activations``)."""
 
     name: str  # the layer it covers, e.g. "transformer.h.3"
     first: str
     last: str
     saved_bytes: float  # activations no longer kept from forward to backward
-    cost_s: float  # the segment's forward compute, run again in backward
+    cost_s: float  # checkpoint: the segment's forward compute, run again; offload: the transfers
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "first": self.first, "last": self.last,
@@ -68,6 +70,8 @@ class MemoryPlan:
     prefetch: bool  # fetch each offloaded tensor one use ahead, overlapping compute
     checkpoint: tuple[CheckpointSegment, ...] = ()
     offload: tuple[OffloadEntry, ...] = ()
+    # Segments whose saved activations go to the target in forward and come back in backward.
+    offload_activations: tuple[CheckpointSegment, ...] = ()
     peak_before_bytes: float = 0.0  # the sharding's own predicted peak
     peak_bytes: float = 0.0  # the predicted peak with these decisions
     added_s: float = 0.0  # recompute plus the transfer time not hidden behind compute
@@ -90,6 +94,7 @@ class MemoryPlan:
             "prefetch": self.prefetch,
             "checkpoint": [segment.to_json() for segment in self.checkpoint],
             "offload": [entry.to_json() for entry in self.offload],
+            "offload_activations": [segment.to_json() for segment in self.offload_activations],
             "peak_before_bytes": self.peak_before_bytes,
             "peak_bytes": self.peak_bytes,
             "added_s": self.added_s,
@@ -102,6 +107,7 @@ class MemoryPlan:
             prefetch=bool(data["prefetch"]),
             checkpoint=tuple(CheckpointSegment.from_json(s) for s in data.get("checkpoint", ())),
             offload=tuple(OffloadEntry.from_json(e) for e in data.get("offload", ())),
+            offload_activations=tuple(CheckpointSegment.from_json(s) for s in data.get("offload_activations", ())),
             peak_before_bytes=float(data.get("peak_before_bytes", 0.0)),
             peak_bytes=float(data.get("peak_bytes", 0.0)),
             added_s=float(data.get("added_s", 0.0)),
@@ -116,6 +122,9 @@ class MemoryPlan:
         for segment in self.checkpoint:
             lines.append(f"  checkpoint {segment.name} ({segment.first} .. {segment.last}): "
                          f"saves {segment.saved_bytes / mib:.1f} MiB, recompute {segment.cost_s * 1e3:.2f} ms")
+        for segment in self.offload_activations:
+            lines.append(f"  offload activations of {segment.name} ({segment.first} .. {segment.last}): "
+                         f"saves {segment.saved_bytes / mib:.1f} MiB, transfers {segment.cost_s * 1e3:.2f} ms")
         for entry in self.offload:
             lines.append(f"  offload {entry.kind} {entry.fqn}: saves {entry.saved_bytes / mib:.1f} MiB, "
                          f"moves {entry.transfer_bytes / mib:.1f} MiB in {entry.cost_s * 1e3:.2f} ms")

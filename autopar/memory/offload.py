@@ -14,7 +14,11 @@ enters around the graph), such a saved tensor is replaced by its key, and backwa
 again, prefetching the fetch before it. Checkpointed segments keep nothing: their own hooks are
 the innermost ones, and their recompute fetches again.
 
-Store keys: ``param/FQN``, ``grad/FQN``, ``exp_avg/FQN``, ``exp_avg_sq/FQN`` (canonical FQNs).
+Segments whose activations are offloaded run under ``Offloader.activation_hooks``: their saved
+tensors go to the store in forward and come back in backward, one segment prefetched ahead.
+
+Store keys: ``param/FQN``, ``grad/FQN``, ``exp_avg/FQN``, ``exp_avg_sq/FQN`` (canonical FQNs),
+``act/LAYER/N`` (the N-th saved tensor of a layer, this step).
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ import torch
 
 from autopar.memory.decisions import MemoryPlan
 from autopar.memory.store import Store
+
+
+# Saved tensors smaller than this stay on the device (a store entry costs more than they save).
+MIN_ACTIVATION_BYTES = 4096
 
 
 def param_key(fqn: str) -> str:
@@ -49,6 +57,30 @@ class _Fetch(torch.autograd.Function):
         return None, None, None
 
 
+def _stays(tensor: torch.Tensor) -> bool:
+    """Saved tensors kept on the device by activation offload: parameters and views of them
+    (resident already), small ones, and layouts that a dense copy cannot rebuild (broadcast
+    views, overlaps)."""
+    base = tensor._base if tensor._base is not None else tensor
+    if base.requires_grad and base.grad_fn is None:
+        return True
+    if tensor.numel() * tensor.element_size() < MIN_ACTIVATION_BYTES:
+        return True
+    return not tensor.is_contiguous() and not _dense(tensor)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the elements fill their memory exactly once, in some order of the dims."""
+    expected = 1
+    for dim in sorted(range(tensor.dim()), key=tensor.stride):
+        if tensor.size(dim) == 1:
+            continue
+        if tensor.stride(dim) != expected:
+            return False
+        expected *= tensor.size(dim)
+    return True
+
+
 class Offloader(torch.nn.Module):
     """Carries out a plan's offload decisions against one store (see the module docstring)."""
 
@@ -61,6 +93,8 @@ class Offloader(torch.nn.Module):
         self.states = set(memory.offloaded("optimizer_state"))
         self.previous: dict[str, str] = {}  # fetch order, for backward prefetch (set by the pass)
         self._fetched: dict[int, tuple[weakref.ref, str]] = {}
+        self._activation_keys: dict[str, list[str]] = {}  # segment -> its stored activations, this step
+        self._read_started: set[str] = set()  # segments whose backward has begun reading
         self._hooks: list[Any] = []
 
     def forward(self, stub: torch.Tensor, key: str, next_key: str | None = None) -> torch.Tensor:
@@ -98,6 +132,52 @@ class Offloader(torch.nn.Module):
                 self.add_grad(fqn, param.grad)
                 param.grad = None
         return hook
+
+    # -- offloaded activations --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def activation_hooks(self, segment: str, previous: str | None) -> Iterator[None]:
+        """Saved tensors of ``segment`` go to the store under ``act/SEGMENT/N`` (written behind
+        with prefetch) and are read back when backward needs them. The first read of a segment
+        prefetches every tensor of ``previous`` (the offloaded segment before it in forward),
+        whose backward comes next. Parameters stay: a resident one is kept as it is, a fetched
+        one is saved by its key, as under ``saved_tensor_hooks``."""
+        keys: list[str] = []
+        self._activation_keys[segment] = keys
+        self._read_started.discard(segment)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            fetched = self._pack(tensor)
+            if fetched is not tensor:
+                return ("param", fetched)
+            if _stays(tensor):
+                return ("kept", tensor)
+            key = f"act/{segment}/{len(keys)}"
+            keys.append(key)
+            self.store.put(key, tensor.contiguous(), wait=not self.memory.prefetch)
+            return ("stored", (key, None if tensor.is_contiguous() else tensor.stride()))
+
+        def unpack(packed: Any) -> torch.Tensor:
+            kind, value = packed
+            if kind == "kept":
+                return value
+            if kind == "param":
+                return self._unpack(value)
+            if segment not in self._read_started:
+                self._read_started.add(segment)
+                if self.memory.prefetch and previous is not None:
+                    for key in self._activation_keys.get(previous, ()):
+                        self.store.prefetch(key)
+            key, stride = value
+            loaded = self.store.get(key)
+            if stride is None:
+                return loaded
+            # The saved layout, not only the values: a backward matmul on a transposed operand
+            # takes another kernel path (and rounds differently) than on a contiguous one.
+            out = torch.empty_strided(loaded.shape, stride, dtype=loaded.dtype, device=loaded.device)
+            return out.copy_(loaded)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
 
     # -- saved tensors --------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -15,7 +15,11 @@ offload gradient   the gradient, from its backward to the      write it in backw
                    step (alive only while produced)            the step
 offload parameter  the parameter, except around its uses       read it in forward and backward,
                    (one use ahead with prefetch)               read + write it in the step
+offload layer      the same as checkpointing it                write them in forward, read them
+activations                                                    in backward
 =================  ==========================================  ==================================
+
+A layer is either checkpointed or has its activations offloaded, never both.
 
 Transfers run at the target's link: ``cluster.host_link`` for "cpu" (pinned host memory), and
 ``cluster.disk_link`` for "disk" (through the host link too, on a device that is not the host).
@@ -34,7 +38,10 @@ the time its backward writes it; offloaded optimizer state only in the step, whi
 parameter at a time: at the last time of the walk, the largest parameter's offloaded tensors
 and AdamW's temporary (two parameters' with prefetch) are added. A checkpointed layer's activations are
 alive in forward until their last forward use, and again from the start of the layer's backward
-(the recompute) to their old end; the layer's inputs are kept until its backward ends.
+(the recompute) to their old end; the layer's inputs are kept until its backward ends. A layer
+whose activations are offloaded has the same two spans without keeping its inputs; with
+prefetch the second starts one offloaded layer earlier (its read runs during the backward of the
+next offloaded layer).
 """
 
 from __future__ import annotations
@@ -125,6 +132,13 @@ class _Walk:
         for _, first, last in segments:
             for i in range(first, last + 1):
                 in_segment[i] = (first, last)
+        moved = sorted((self.segments[int(index)] for k, index in decisions if k == "activations"), key=lambda seg: seg[1])
+        in_moved: dict[int, tuple[int, int]] = {}  # time -> (last forward time, time the read starts)
+        for position, (_, first, last) in enumerate(moved):
+            later = moved[position + 1:]
+            read_from = self.bwd(later[0][2]) if prefetch and later else self.bwd(last)
+            for i in range(first, last + 1):
+                in_moved[i] = (last, read_from)
         out = []
         for iv in self.timeline.intervals:
             if iv.kind == "optimizer_state" and iv.node in offloaded["optimizer_state"]:
@@ -135,6 +149,13 @@ class _Walk:
             if iv.kind == "param" and iv.node in offloaded["param"]:
                 out.extend((iv.node, iv.kind, s, e, iv.factor) for s, e in self._fetched(iv.node, offloaded["param"], prefetch))
                 continue
+            if iv.kind == "activation" and iv.start in in_moved:
+                last, read_from = in_moved[iv.start]
+                last_forward = max(self.uses.get(iv.node, [iv.start]))
+                if last_forward <= last and iv.end >= self.num:  # saved inside, not an output
+                    out.append((iv.node, iv.kind, iv.start, last_forward, iv.factor))
+                    out.append((iv.node, iv.kind, read_from, iv.end, iv.factor))
+                    continue
             if iv.kind == "activation" and segments:
                 out.extend(self._checkpointed(iv, in_segment, segments))
                 continue
@@ -228,6 +249,8 @@ def plan_memory(
     for candidate in ranked:
         if peak <= budget:
             break
+        if _other_way(candidate.key) in keys:  # the layer is already checkpointed or offloaded
+            continue
         chosen.append(candidate)
         keys.add(candidate.key)
         peak, _ = walk.peak(keys, prefetch)
@@ -246,7 +269,7 @@ def plan_memory(
             chosen.append(grad)
             keys.add(grad.key)
     compute_s = sum(graph.choices[n].compute_s[choice[n]] for n in graph.order)
-    recompute_s = sum(c.cost_s for c in chosen if c.key[0] == "checkpoint")
+    recompute_s = sum(c.cost_s for c in chosen if c.key[0] == "checkpoint")  # the rest are transfers
     transfer_s = sum(c.cost_s for c in chosen if c.key[0] != "checkpoint")
     exposed_s = max(0.0, transfer_s - compute_s) if prefetch else transfer_s
     peak, time = walk.peak(keys, prefetch)
@@ -256,15 +279,25 @@ def plan_memory(
             breakdown[kind] += factor * bytes_of(node)
     segments = tuple(sorted((c.decision for c in chosen if c.key[0] == "checkpoint"), key=lambda s: walk.index[s.first]))
     order = {"optimizer_state": 0, "grad": 1, "param": 2}
-    entries = tuple(sorted((c.decision for c in chosen if c.key[0] != "checkpoint"),
+    moved = tuple(sorted((c.decision for c in chosen if c.key[0] == "activations"), key=lambda s: walk.index[s.first]))
+    entries = tuple(sorted((c.decision for c in chosen if c.key[0] not in ("checkpoint", "activations")),
                            key=lambda e: (order[e.kind], walk.index.get(_param_node(graph, e.fqn), 0))))
     memory = MemoryPlan(
-        target=target or "cpu", prefetch=prefetch, checkpoint=segments, offload=entries,
+        target=target or "cpu", prefetch=prefetch, checkpoint=segments, offload=entries, offload_activations=moved,
         peak_before_bytes=float(int(before)), peak_bytes=float(int(peak)), added_s=recompute_s + exposed_s,
     )
-    log.info("autopar: memory: %d checkpointed segments, %d offloaded tensors; peak %.0f -> %.0f bytes (budget %.0f)",
-             len(segments), len(entries), before, peak, budget)
+    log.info("autopar: memory: %d checkpointed segments, %d with offloaded activations, %d offloaded tensors; "
+             "peak %.0f -> %.0f bytes (budget %.0f)", len(segments), len(moved), len(entries), before, peak, budget)
     return memory, {"time": walk.timeline.time_name(time) if time < walk.timeline.num_times else "", **breakdown}
+
+
+def _other_way(key: tuple[str, str]) -> tuple[str, str] | None:
+    """The other decision for the same layer: checkpointing it, or offloading its activations."""
+    if key[0] == "checkpoint":
+        return ("activations", key[1])
+    if key[0] == "activations":
+        return ("checkpoint", key[1])
+    return None
 
 
 def _param_node(graph, fqn: str) -> str:
@@ -276,8 +309,9 @@ def _param_node(graph, fqn: str) -> str:
 
 def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing) -> list[_Candidate]:
     out: list[_Candidate] = []
-    if checkpointing:
-        base = {(iv.node): iv for iv in walk.timeline.intervals if iv.kind == "activation"}
+    link = offload_link(cluster, target) if target else None
+    base = {(iv.node): iv for iv in walk.timeline.intervals if iv.kind == "activation"}
+    if checkpointing or link is not None:
         for index, (name, first, last) in enumerate(walk.segments):
             saved = 0.0
             forward_s = 0.0
@@ -291,10 +325,16 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing) -> l
                 iv = base.get(node)
                 if iv is not None and iv.end >= walk.num and max(walk.uses.get(node, [i])) <= last:
                     saved += walk.bytes_of(node) * iv.factor
-            if saved > 0:
-                segment = CheckpointSegment(name, walk.timeline.names[first], walk.timeline.names[last], saved, forward_s)
+            if saved <= 0:
+                continue
+            first_name, last_name = walk.timeline.names[first], walk.timeline.names[last]
+            if checkpointing:
+                segment = CheckpointSegment(name, first_name, last_name, saved, forward_s)
                 out.append(_Candidate(("checkpoint", str(index)), saved, forward_s, segment))
-    link = offload_link(cluster, target) if target else None
+            if link is not None:  # written in forward, read in backward
+                seconds = 2 * saved / link.bandwidth_bytes_per_s + 2 * link.latency_s
+                segment = CheckpointSegment(name, first_name, last_name, saved, seconds)
+                out.append(_Candidate(("activations", str(index)), saved, seconds, segment))
     if link is None:
         return out
     for iv in walk.timeline.intervals:
@@ -322,7 +362,8 @@ def _infeasible(walk: _Walk, graph, keys, prefetch, budget, target, checkpointin
     alive.sort(reverse=True)
     lines = "\n".join(f"    {kind} {name}: {size / 2**20:.1f} MiB" for size, kind, name in alive[:5])
     allowed = ("checkpointing every layer" if checkpointing else "no checkpointing") + (
-        f" and offloading every parameter, gradient and optimizer state to {target}" if target else ", no offload"
+        f" and offloading every parameter, gradient, optimizer state and layer's activations to {target}"
+        if target else ", no offload"
     )
     return InfeasibleError(
         f"no plan fits memory_budget={budget:.0f} bytes ({budget / 2**20:.1f} MiB) per device on mesh "

@@ -10,7 +10,7 @@ from typing import Callable, Mapping, Sequence
 import torch.fx
 
 from autopar.errors import PassError
-from autopar.passes.memory import checkpoint_segments, offload_params
+from autopar.passes.memory import checkpoint_segments, offload_activations, offload_params
 from autopar.passes.rewrite import insert_collectives, localize_shapes, use_kernels
 from autopar.plan import Plan
 
@@ -28,6 +28,7 @@ def default_passes(groups: Sequence[str], offloader=None, fqns: Mapping[str, str
         functools.partial(use_kernels, groups=tuple(groups)),
         functools.partial(insert_collectives, groups=tuple(groups)),
         functools.partial(offload_params, offloader=offloader, fqns=fqns),
+        functools.partial(offload_activations, offloader=offloader),
         checkpoint_segments,
     ]
 

@@ -1,5 +1,6 @@
 """Carry out a plan's memory decisions (``plan.memory``): fetch offloaded parameters at their
-uses, and wrap checkpointed segments in ``torch.utils.checkpoint`` (non-reentrant).
+uses, run segments whose activations are offloaded under the offloader's saved-tensor hooks, and
+wrap checkpointed segments in ``torch.utils.checkpoint`` (non-reentrant).
 
 Both passes leave a graph without memory decisions as it is. Offload runs before checkpointing,
 so that a fetch whose uses all lie in a checkpointed segment moves into it (and is fetched again
@@ -58,6 +59,38 @@ class Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.body, *args, use_reentrant=False)
 
 
+class OffloadedActivations(torch.nn.Module):
+    """A segment of the graph whose saved activations go to the offload store in forward and come
+    back in backward (``Offloader.activation_hooks``)."""
+
+    def __init__(self, body: torch.fx.GraphModule, offloader, name: str, previous: str | None):
+        super().__init__()
+        self.body = body
+        self.name, self.previous = name, previous
+        self._offloader = [offloader]  # not a submodule: the graph module holds it once
+
+    def forward(self, *args):
+        with self._offloader[0].activation_hooks(self.name, self.previous):
+            return self.body(*args)
+
+
+def offload_activations(gm: torch.fx.GraphModule, plan: Plan, offloader=None) -> torch.fx.GraphModule:
+    """Outline each segment of ``plan.memory.offload_activations`` into an
+    ``OffloadedActivations`` submodule; in backward each one prefetches the segment before it."""
+    if plan.memory is None or not plan.memory.offload_activations:
+        return gm
+    if offloader is None:
+        raise ValueError("the plan offloads activations, but compile gave the offload pass no Offloader")
+    previous = None
+    for index, segment in enumerate(plan.memory.offload_activations):
+        nodes = _segment_nodes(gm, segment.first, segment.last)
+        _outline(gm, nodes, f"offloaded_{index}",
+                 lambda body, name=segment.name, before=previous: OffloadedActivations(body, offloader, name, before))
+        previous = segment.name
+    gm.graph.eliminate_dead_code()
+    return gm
+
+
 def checkpoint_segments(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
     """Outline each segment of ``plan.memory.checkpoint`` into a ``Checkpointed`` submodule."""
     if plan.memory is None or not plan.memory.checkpoint:
@@ -89,7 +122,7 @@ def _segment_nodes(gm: torch.fx.GraphModule, first: str, last: str) -> list[torc
     return nodes
 
 
-def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str) -> None:
+def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str, wrap=None) -> None:
     inside = set(nodes)
     inputs: list[torch.fx.Node] = []
     for node in nodes:
@@ -105,7 +138,7 @@ def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str) ->
     for node in nodes:
         env[node] = body.node_copy(node, lambda arg: env[arg])
     body.output(tuple(env[node] for node in outputs))
-    gm.add_submodule(name, Checkpointed(torch.fx.GraphModule(gm, body)))
+    gm.add_submodule(name, (wrap or Checkpointed)(torch.fx.GraphModule(gm, body)))
     with gm.graph.inserting_before(nodes[0]):
         call = gm.graph.call_module(name, tuple(inputs))
         for k, node in enumerate(outputs):
@@ -118,4 +151,5 @@ def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str) ->
         gm.graph.erase_node(node)
 
 
-__all__ = ["offload_params", "checkpoint_segments", "Checkpointed", "OFFLOADER"]
+__all__ = ["offload_params", "offload_activations", "checkpoint_segments", "Checkpointed", "OffloadedActivations",
+           "OFFLOADER"]

@@ -364,8 +364,10 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
 # outputs (which the edges price): kernel name -> the sizes in bytes of what it all-reduces on each
 # of its axes in one forward. Their backward communicates nothing.
 _KERNEL_ALL_REDUCES = {
-    # The max, the sum of exponentials and the target logit per row, in float32.
-    "cross_entropy_vocab_split": lambda info: [4 * info.kw["self"].shape[0]] * 3,
+    # The max, the sum of exponentials and the target logit per row, in float32 (float64 logits:
+    # float64).
+    "cross_entropy_vocab_split": lambda info: [
+        max(4, info.kw["self"].dtype.itemsize) * info.kw["self"].shape[0]] * 3,
 }
 
 
