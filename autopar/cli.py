@@ -438,6 +438,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from autopar.plan import Plan
 
     plan = Plan.load(args.plan)
+    if not plan.decisions and plan.pipeline is not None:
+        raise CliError(f"{args.plan} is a pipelined plan, whose stages take their choices from several "
+                       "candidate plans, and it records no explanations yet: plan the same model on the "
+                       "stage mesh without --pipeline to explain the intra-stage choices")
     if not plan.decisions:
         raise CliError(f"{args.plan} holds no decisions to explain (it was written by an autopar "
                        "without them, or by hand): re-plan it with this autopar")

@@ -379,3 +379,9 @@ def test_cli_plans_a_pipeline(capsys, tmp_path):
     assert "--pipeline N and --mesh" in capsys.readouterr().err
     assert main(["check", str(out)]) != 0
     assert "does not check pipelined plans yet" in capsys.readouterr().err
+    assert main(["explain", str(out), "lm_head.weight"]) != 0
+    assert "pipelined plan" in capsys.readouterr().err
+    # --pipeline auto: the planner chooses the stages.
+    assert main(["plan", "gpt", "--mesh", "4x1", "--num-layers", "4", "--pipeline", "auto", "--num-microbatches", "4",
+                 "--cluster", "cpu"]) == 0
+    assert "Pipeline:" in capsys.readouterr().out
