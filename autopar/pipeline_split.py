@@ -14,26 +14,25 @@ from typing import Sequence
 import torch
 import torch.fx
 
+from autopar.errors import MeshError
 from autopar.pipeline import StagePlan
 
 
 def stage_mesh_of(mesh_shape: Sequence[int], num_stages: int) -> tuple[int, ...]:
     """The mesh of one stage: mesh axis 0 cut into ``num_stages`` equal rank groups."""
-    check_num_stages(mesh_shape, num_stages)
+    check_num_stages(mesh_shape[0], num_stages)
     return (mesh_shape[0] // num_stages, *mesh_shape[1:])
 
 
-def check_num_stages(mesh_shape: Sequence[int], num_stages: int) -> None:
+def check_num_stages(axis0: int, num_stages: int, where: str | None = None) -> None:
+    """Pipeline stages cut ``axis0`` ranks (mesh axis 0, or ``where`` says what) into equal groups:
+    a ValueError (MeshError) naming the cause and the fix otherwise."""
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {num_stages!r}")
-    if mesh_shape[0] % num_stages:
-        devices = math.prod(mesh_shape)
-        example = f" (such as {(num_stages, devices // num_stages)})" if devices % num_stages == 0 else ""
-        raise ValueError(
-            f"pipeline={num_stages} cuts mesh axis 0 into {num_stages} equal groups of ranks, but mesh "
-            f"{tuple(mesh_shape)} has {mesh_shape[0]} ranks on axis 0: use a number of stages that divides "
-            f"{mesh_shape[0]}, or a mesh whose first axis is a multiple of {num_stages}{example}"
-        )
+    if axis0 % num_stages:
+        divisors = [s for s in range(1, axis0 + 1) if axis0 % s == 0]
+        raise MeshError(f"pipeline={num_stages} stages must divide {where or f'mesh axis 0 ({axis0})'} into equal "
+                        f"rank groups: use one of {divisors}, or a mesh whose axis 0 divides by {num_stages}")
 
 
 def stage_ranks(mesh_shape: Sequence[int], num_stages: int) -> list[tuple[int, ...]]:

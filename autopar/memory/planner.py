@@ -151,8 +151,8 @@ class _Walk:
                 continue
             if iv.kind == "activation" and iv.start in in_moved:
                 last, read_from = in_moved[iv.start]
-                last_forward = max(self.uses.get(iv.node, [iv.start]))
-                if last_forward <= last and iv.end >= self.num:  # saved inside, not an output
+                last_forward = self.saved_inside(iv, last)
+                if last_forward is not None:
                     out.append((iv.node, iv.kind, iv.start, last_forward, iv.factor))
                     out.append((iv.node, iv.kind, read_from, iv.end, iv.factor))
                     continue
@@ -189,14 +189,21 @@ class _Walk:
             spans.append((self.bwd(after), self.bwd(use)))
         return spans
 
+    def saved_inside(self, iv: liveness.Interval, last: int) -> int | None:
+        """The last forward use of activation ``iv`` if a segment ending at time ``last`` saves it
+        for backward (it is no output of the segment), else None: what checkpointing the segment
+        or offloading its activations frees between forward and backward."""
+        last_forward = max(self.uses.get(iv.node, [iv.start]))
+        return last_forward if last_forward <= last and iv.end >= self.num else None
+
     def _checkpointed(self, iv: liveness.Interval, in_segment, segments) -> list[tuple[str, str, int, int, float]]:
         i = iv.start
         uses = self.uses.get(iv.node, [i])
-        last_forward = max(uses)
         end = iv.end
         if i in in_segment:
             first, last = in_segment[i]
-            if last_forward <= last and end >= self.num:  # saved inside, not an output
+            last_forward = self.saved_inside(iv, last)
+            if last_forward is not None:
                 return [(iv.node, iv.kind, i, last_forward, iv.factor),
                         (iv.node, iv.kind, self.bwd(last), end, iv.factor)]
             return [(iv.node, iv.kind, i, end, iv.factor)]
@@ -323,7 +330,7 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing) -> l
                     seconds /= 1.0 + compute.backward_factor(c.info)
                 forward_s += seconds
                 iv = base.get(node)
-                if iv is not None and iv.end >= walk.num and max(walk.uses.get(node, [i])) <= last:
+                if iv is not None and walk.saved_inside(iv, last) is not None:
                     saved += walk.bytes_of(node) * iv.factor
             if saved <= 0:
                 continue

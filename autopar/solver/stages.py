@@ -64,7 +64,7 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError, MeshError
 from autopar.mesh_search import mesh_candidates
 from autopar.pipeline import Stage, StagePlan, bubble_fraction
-from autopar.pipeline_split import schedule_for
+from autopar.pipeline_split import check_num_stages, schedule_for, stage_mesh_of, stage_ranks
 from autopar.plan import Plan
 from autopar.solver.choices import ChoiceGraph
 from autopar.solver.ilp import Solution
@@ -375,12 +375,7 @@ def check_pipeline_args(num_stages, num_microbatches, mesh_shape: Sequence[int] 
     if num_stages == "auto":
         counts = [s for s in range(1, axis0 + 1) if axis0 % s == 0 and s <= num_layers]
         return counts
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {num_stages!r}")
-    if axis0 % num_stages:
-        divisors = [s for s in range(1, axis0 + 1) if axis0 % s == 0]
-        raise MeshError(f"pipeline={num_stages} stages must divide {where} into equal rank groups: "
-                        f"use one of {divisors}, or a mesh whose axis 0 divides by {num_stages}")
+    check_num_stages(axis0, num_stages, where)
     if num_stages > num_layers:
         raise ValueError(f"pipeline={num_stages} stages, but the model has only {num_layers} layers to split "
                          f"(its repeated blocks): use at most {num_layers} stages")
@@ -431,7 +426,7 @@ def search_stages(
     combos = []
     for S in counts:
         if mesh_shape is not None:
-            meshes = [(mesh_shape[0] // S, *mesh_shape[1:])]
+            meshes = [stage_mesh_of(mesh_shape, S)]
         else:
             meshes = mesh_candidates(devices // S, max_axes)
         if stage_meshes is not None:
@@ -524,7 +519,7 @@ def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_cos
 
     graph = mesh_costs.graph
     L = layers.num_blocks
-    group = math.prod(search.stage_mesh)
+    ranks = stage_ranks(search.mesh_shape, len(search.stages))
     stage_of_unit: dict[int, int] = {}
     stages: list[Stage] = []
     for index, chosen in enumerate(search.stages):
@@ -532,8 +527,8 @@ def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_cos
         first, last = (-1 if a == 0 else a), (L + 1 if b == L else b)
         for u in range(first, last):
             stage_of_unit[u] = index
-        stages.append(Stage(index, (a, b), tuple(layers.nodes_of(first, last)),
-                            tuple(range(index * group, (index + 1) * group)), chosen.time_s, chosen.memory_bytes))
+        stages.append(Stage(index, (a, b), tuple(layers.nodes_of(first, last)), ranks[index], chosen.time_s,
+                            chosen.memory_bytes))
     consumer_unit: dict[str, int] = {}
     for edge in graph.edges:
         if edge.producer not in layers.unit and edge.consumer in layers.unit:
