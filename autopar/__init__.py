@@ -8,11 +8,11 @@
 """
 
 from autopar.api import compile, plan
-from autopar.hand_plans import hand_plan
+from autopar.solver.hand_plans import hand_plan
 from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
-from autopar.materialize import FromCheckpoint, SeededInit
-from autopar.plan import Plan
-from autopar.runtime import ParallelModule
+from autopar.runtime.materialize import FromCheckpoint, SeededInit
+from autopar.ir.plan import Plan
+from autopar.runtime.module import ParallelModule
 from autopar import checkpoint, optim
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""``python -m autopar``: the autopar command line (see autopar/cli.py)."""
+"""``python -m autopar``: the autopar command line (see autopar/cli/main.py)."""
 
 from autopar.cli import main
 

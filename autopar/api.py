@@ -8,22 +8,30 @@ import logging
 import math
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from autopar import checkpoint, collectives
+from autopar.runtime import checkpoint
+
+from autopar.ops import collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster
 from autopar.errors import AutoparError, MeshError, PlanError
-from autopar.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
-from autopar.mesh_search import search_mesh
-from autopar.passes import default_passes, run_passes
-from autopar.pipeline_split import first_microbatch
-from autopar.plan import Plan
-from autopar.runtime import ParallelModule, mesh_groups
+from autopar.runtime.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
+from autopar.solver.mesh_search import search_mesh
+from autopar.passes import check_plan_matches, default_passes, run_passes
+from autopar.ir.options import MemoryOptions, PipelineOptions, PlanOptions, check_mesh_devices
+from autopar.ir.pipeline import first_microbatch, stage_mesh_of
+from autopar.ir.summary import format_bytes
+from autopar.ir.plan import Plan
+from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.solver import solve
 from autopar.trace import TracedModel, trace
+from autopar.solver import symbolic
+from autopar.runtime.pipeline import compile_pipeline
+from autopar.runtime.offload import Offloader
+from autopar.runtime.store import make_store
 
 log = logging.getLogger("autopar")
 
@@ -66,7 +74,7 @@ def plan(
     "a100-40g", "v100-16g", "cpu"), a ClusterSpec, or a JSON/TOML file.
 
     ``mesh="auto"`` with ``devices=N`` plans on every factorization of N into 1..``max_axes``
-    axes (``autopar.mesh_search``) from one trace and returns the fastest plan; the table of all
+    axes (``autopar.solver.mesh_search``) from one trace and returns the fastest plan; the table of all
     candidates, with predicted step times and infeasible meshes marked, is in
     ``plan.stats["mesh_search"]``.
 
@@ -86,61 +94,70 @@ def plan(
     split; with ``mesh="auto"`` and ``devices`` it also picks the stage mesh). The example
     inputs are the global batch; the plan is made for ``num_microbatches`` microbatches (default:
     N, or 1 under "auto") of batch / ``num_microbatches`` each, and its ``pipeline`` holds the
-    stages (``autopar.solver.stages`` chooses them; ``autopar.pipeline_runtime`` runs them).
+    stages (``autopar.solver.stages`` chooses them; ``autopar.runtime.pipeline`` runs them).
 
     When no sharding fits ``memory_budget``, ``offload`` and ``checkpointing`` let the planner
-    add activation checkpointing and offload by cost (``autopar.memory.planner``), recorded in
+    add activation checkpointing and offload by cost (``autopar.solver.memory``), recorded in
     ``plan.memory``. ``offload`` is "off" (the default: sharding only), "cpu" (pinned host
     memory), "disk" or "disk:PATH" (files on local disk; the path is used at compile), or
     "auto" (host memory, or disk where the compute device is the host). ``checkpointing``
     defaults to on when ``offload`` is not "off". ``prefetch`` fetches each offloaded tensor
     one use ahead.
     """
-    cluster_spec = get_cluster(cluster)
-    if compute is not None:
-        cluster_spec = dataclasses.replace(cluster_spec, compute=compute)
-    num_stages = pipeline_stages(pipeline, num_microbatches)
-    _check_memory_with_pipeline(num_stages, offload, checkpointing)
-    if num_stages is not None:
-        return _plan_pipeline(model, mesh, devices, example_inputs, example_kwargs, cluster_spec, memory_budget,
-                              time_limit_s, solver, num_stages, num_microbatches, max_axes, symbolic_batch)
+    options = PlanOptions.from_keywords(
+        memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver, pipeline=pipeline,
+        num_microbatches=num_microbatches, offload=offload, checkpointing=checkpointing, prefetch=prefetch,
+        devices=devices, max_axes=max_axes, symbolic_batch=symbolic_batch, compute=compute,
+    )
+    return plan_model(model, mesh, example_inputs, example_kwargs, get_cluster(cluster), options)
+
+
+def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_inputs: tuple[Any, ...],
+               example_kwargs: dict[str, Any] | None, cluster: ClusterSpec, options: PlanOptions,
+               on_progress: Callable[[str], None] | None = None) -> Plan:
+    """The one planning dispatch, behind ``autopar.plan``, ``autopar.compile`` and ``autopar plan``:
+    a pipeline (the stage planner), a mesh search (``mesh="auto"``), or one mesh. ``on_progress``
+    hears each step of a mesh search."""
+    if options.compute is not None:
+        cluster = dataclasses.replace(cluster, compute=options.compute)
+    if options.pipeline.enabled:
+        return _plan_pipeline(model, mesh, example_inputs, example_kwargs, cluster, options)
     if isinstance(mesh, str):
         if mesh != "auto":
             raise MeshError(f"mesh must be a tuple of positive ints such as (2, 4), or 'auto', got {mesh!r}")
-        if devices is None:
+        if options.devices is None:
             raise MeshError("mesh='auto' searches the meshes of a number of devices: pass devices=N as well")
-        if offload != "off" or checkpointing:
-            raise MeshError(f"offload={offload!r}, checkpointing={checkpointing!r} with mesh='auto': the mesh search "
-                            "plans sharding only; pass a mesh such as (2, 4) to plan checkpointing and offload")
-        traced = trace(model, example_inputs, example_kwargs)
-        return search_mesh(traced, devices, cluster_spec, memory_budget, time_limit_s, max_axes=max_axes)
+        if options.memory.decides_memory:
+            raise MeshError(f"offload={options.memory.offload!r}, checkpointing={options.memory.checkpointing!r} "
+                            "with mesh='auto': the mesh search plans sharding only; pass a mesh such as (2, 4) to "
+                            "plan checkpointing and offload")
+        traced = _trace(model, example_inputs, example_kwargs)
+        return search_mesh(traced, options.devices, cluster, options, plan_traced, on_progress=on_progress)
     mesh_shape = _mesh_shape(mesh)
-    if devices is not None and math.prod(mesh_shape) != devices:
-        raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
-                        "pass one of them, or mesh='auto' to search the meshes of that many devices")
-    traced = trace(model, example_inputs, example_kwargs)
-    result = plan_traced(traced, mesh_shape, cluster_spec, memory_budget, time_limit_s, solver,
-                         offload=offload, checkpointing=checkpointing, prefetch=prefetch)
-    if symbolic_batch:
-        from autopar.solver import symbolic
-
+    check_mesh_devices(mesh_shape, options.devices)
+    traced = _trace(model, example_inputs, example_kwargs)
+    result = plan_traced(traced, mesh_shape, cluster, options)
+    if options.symbolic_batch:
         batch = symbolic.batch_size((example_inputs, example_kwargs))
         doubled = trace(model, symbolic.double_batch(example_inputs), symbolic.double_batch(example_kwargs))
         costs = symbolic.symbolic_costs(
-            symbolic.price_plan(traced, result, cluster_spec), symbolic.price_plan(doubled, result, cluster_spec), batch
+            symbolic.price_plan(traced, result, cluster), symbolic.price_plan(doubled, result, cluster), batch
         )
         result = dataclasses.replace(result, predicted={**result.predicted, "symbolic": costs})
     return result
 
 
-def _plan_pipeline(model, mesh, devices, example_inputs, example_kwargs, cluster_spec, memory_budget,
-                   time_limit_s, solver, num_stages, num_microbatches, max_axes, symbolic_batch) -> Plan:
-    """``plan(..., pipeline=...)``: trace one microbatch and run the stage planner."""
-    from autopar.solver.stages import plan_stages
+def _trace(model: torch.nn.Module, example_inputs, example_kwargs) -> TracedModel:
+    start = time.perf_counter()
+    log.info("tracing ...")
+    traced = trace(model, example_inputs, example_kwargs)
+    log.info("traced %d graph nodes in %.2f s", len(traced.gm.graph.nodes), time.perf_counter() - start)
+    return traced
 
-    num_microbatches = default_microbatches(num_stages, num_microbatches)
-    if symbolic_batch:
-        raise ValueError("symbolic_batch is not available for pipelined plans yet: pass pipeline='off'")
+
+def _plan_pipeline(model, mesh, example_inputs, example_kwargs, cluster: ClusterSpec, options: PlanOptions) -> Plan:
+    """A pipelined plan: trace one microbatch and run the stage planner."""
+    devices = options.devices
     mesh_shape = None
     if isinstance(mesh, str):
         if mesh != "auto" or devices is None:
@@ -150,77 +167,42 @@ def _plan_pipeline(model, mesh, devices, example_inputs, example_kwargs, cluster
         if devices is not None and math.prod(mesh_shape) != devices:
             raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
                             "pass one of them")
+        if options.pipeline.stages != "auto":
+            stage_mesh_of(mesh_shape, options.pipeline.stages)
         devices = None
-    inputs, kwargs = first_microbatch(example_inputs, example_kwargs, num_microbatches)
-    traced = trace(model, inputs, kwargs)
-    return plan_stages(traced, mesh_shape, cluster_spec, num_stages=num_stages, num_microbatches=num_microbatches,
-                       memory_budget=memory_budget, time_limit_s=time_limit_s, devices=devices,
-                       max_axes=min(max_axes, 2), solver=solver)
+    inputs, kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.microbatches)
+    log.info("tracing one microbatch of %d ...", options.pipeline.microbatches)
+    return _plan_stages(_trace(model, inputs, kwargs), mesh_shape, devices, cluster, options)
+
+
+def _plan_stages(traced: TracedModel, mesh_shape: tuple[int, ...] | None, devices: int | None, cluster: ClusterSpec,
+                 options: PlanOptions) -> Plan:
+    """The stage planner on a model traced at one microbatch."""
+    from autopar.solver.stages import plan_stages  # the stage planner loads only for pipelines (start-up speed)
+
+    return plan_stages(traced, mesh_shape, cluster, num_stages=options.pipeline.stages,
+                       num_microbatches=options.pipeline.microbatches, memory_budget=options.memory.budget,
+                       time_limit_s=options.solve.time_limit_s, devices=devices,
+                       max_axes=min(options.max_axes, 2), solver=options.solve.solver)
 
 
 def offload_target(offload: str, cluster: ClusterSpec) -> tuple[str | None, str | None]:
-    """(target, disk path) of an ``offload`` argument: "off" gives (None, None)."""
-    if not isinstance(offload, str):
-        raise ValueError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
-    if offload == "off":
-        return None, None
-    if offload == "auto":
-        return ("disk" if cluster.host_link is None else "cpu"), None
-    if offload == "cpu":
-        return "cpu", None
-    if offload == "disk" or offload.startswith("disk:"):
-        path = offload.partition(":")[2]
-        return "disk", path or None
-    raise ValueError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
+    """(target, disk path) of an ``offload`` argument on ``cluster``: "off" gives (None, None)."""
+    return MemoryOptions(offload=offload).offload_target(has_host=cluster.host_link is not None)
 
 
-def plan_traced(traced: TracedModel, mesh_shape, cluster: ClusterSpec, memory_budget, time_limit_s,
-                solver: str = "auto", *, offload: str = "off", checkpointing: bool | None = None,
-                prefetch: bool = True) -> Plan:
-    """Plan an already traced model (``autopar.plan`` without the tracing)."""
-    if memory_budget is not None and not memory_budget > 0:
-        raise ValueError(f"memory_budget is bytes per device and must be positive, got {memory_budget!r}")
-    target, _ = offload_target(offload, cluster)
-    if checkpointing is None:
-        checkpointing = target is not None
+def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec, options: PlanOptions) -> Plan:
+    """Plan an already traced model on one mesh (``autopar.plan`` without the tracing)."""
+    memory = options.memory
+    target, _ = memory.offload_target(has_host=cluster.host_link is not None)
+    checkpointing = target is not None if memory.checkpointing is None else memory.checkpointing
+    budget = f", memory budget {format_bytes(memory.budget)}" if memory.budget else ""
+    log.info("planning on mesh %s for cluster %s%s ...", tuple(mesh_shape), cluster.name, budget)
     start = time.perf_counter()
-    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver,
-                   offload=target, checkpointing=checkpointing, prefetch=prefetch)
+    result = solve(traced, mesh_shape, cluster, memory_budget=memory.budget, time_limit_s=options.solve.time_limit_s,
+                   solver=options.solve.solver, offload=target, checkpointing=checkpointing, prefetch=memory.prefetch)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     return result
-
-
-def _check_memory_with_pipeline(num_stages, offload: str, checkpointing: bool | None) -> None:
-    if num_stages is not None and (offload != "off" or checkpointing):
-        raise ValueError(
-            f"offload={offload!r}, checkpointing={checkpointing!r} with a pipeline: checkpointing and offload "
-            "inside pipeline stages are not built yet; pass pipeline='off' to plan them, or offload='off'"
-        )
-
-
-def default_microbatches(num_stages: int | str, num_microbatches: int | None) -> int:
-    """``num_microbatches`` as given, or its default: N for N stages, 1 under "auto"."""
-    if num_microbatches is not None:
-        return num_microbatches
-    return 1 if num_stages == "auto" else int(num_stages)
-
-
-def pipeline_stages(pipeline: str | int | None, num_microbatches: int | None) -> int | str | None:
-    """The number of stages asked for, "auto", or None (no pipelining), with the options checked."""
-    if pipeline is None or pipeline == "off":
-        if num_microbatches is not None:
-            raise ValueError(
-                f"num_microbatches={num_microbatches!r} cuts the batch for a pipeline, but pipeline is 'off': "
-                "pass pipeline=N (N stages along mesh axis 0) or pipeline='auto' as well, or drop num_microbatches"
-            )
-        return None
-    if pipeline != "auto" and (isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1):
-        raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {pipeline!r}")
-    if num_microbatches is not None and (
-        isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1
-    ):
-        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
-    return pipeline
 
 
 def compile(
@@ -248,10 +230,10 @@ def compile(
     ``init`` says where the shards' values come from: None takes them from ``model``'s own
     tensors (each rank cuts its shards from the whole model); ``autopar.SeededInit(seed, fn)``
     or ``autopar.FromCheckpoint(path)`` make each rank materialize only its own shards, which is
-    how a model built on the meta device is compiled (see ``autopar.materialize``).
+    how a model built on the meta device is compiled (see ``autopar.runtime.materialize``).
 
     ``pipeline=N`` and ``num_microbatches=M`` (or a pipelined ``plan``) compile a pipeline
-    (``autopar.pipeline_runtime``): the model must return its loss; calling the module runs the
+    (``autopar.runtime.pipeline``): the model must return its loss; calling the module runs the
     whole step's forward and backward over the microbatches and returns the loss on every rank,
     and ``loss.backward()`` then puts the gradients into ``.grad``.
 
@@ -284,44 +266,24 @@ def compile(
     if init is not None and not isinstance(init, (SeededInit, FromCheckpoint)):
         raise TypeError(f"init must be None, autopar.SeededInit(...) or autopar.FromCheckpoint(path), got {init!r}")
     collectives.register_peer()  # lets a failed collective name a dead rank
-    num_stages = pipeline_stages(pipeline, num_microbatches)
+    options = PlanOptions.from_keywords(
+        memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline, num_microbatches=num_microbatches,
+        offload=offload, checkpointing=checkpointing, prefetch=prefetch,
+    )
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
-    if plan is not None and (plan.pipeline is not None or num_stages is not None):
-        given = (plan.pipeline.num_stages, plan.pipeline.num_microbatches) if plan.pipeline is not None else None
-        if num_stages is not None and (
-            given is None
-            or (num_stages != "auto" and given != (num_stages, default_microbatches(num_stages, num_microbatches)))
-            or (num_stages == "auto" and num_microbatches not in (None, given[1]))
-        ):
-            has = f"has {given[0]} stages and {given[1]} microbatches" if given else "does not pipeline"
-            raise PlanError(
-                f"pipeline={pipeline!r}, num_microbatches={num_microbatches!r} contradicts the plan, which {has}: "
-                "drop pipeline and num_microbatches to run the plan as it is, or re-plan"
-            )
-        num_stages, num_microbatches = given
-    if num_stages is not None:
-        _check_memory_with_pipeline(num_stages, offload, checkpointing)
+    if plan is not None and (plan.pipeline is not None or options.pipeline.enabled):
+        options = _pipeline_of(plan, options)
+    if options.pipeline.enabled:
         if init is not None:
             raise ValueError("init= is not supported with pipelining yet: compile the model with its own tensors (init=None)")
-        from autopar.pipeline_runtime import compile_pipeline
-
-        from autopar.solver.stages import plan_stages
-
-        num_microbatches = default_microbatches(num_stages, num_microbatches)
-        inputs, kwargs = first_microbatch(example_inputs, example_kwargs, num_microbatches)
+        inputs, kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.microbatches)
         traced = trace(model, inputs, kwargs)
-
-        def planner(traced, mesh_shape, cluster, memory_budget, time_limit_s):
-            return plan_stages(traced, mesh_shape, cluster, num_stages=num_stages, num_microbatches=num_microbatches,
-                               memory_budget=memory_budget, time_limit_s=time_limit_s)
-
-        chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s, planner=planner)
+        chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
         check_rank_agreement(chosen)
         return compile_pipeline(model, traced, chosen)
     traced = trace(model, example_inputs, example_kwargs)  # meta tensors become FakeTensors there
-    chosen = _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s,
-                           dict(offload=offload, checkpointing=checkpointing, prefetch=prefetch))
+    chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
     check_rank_agreement(chosen)
     groups, coordinate = mesh_groups(mesh_shape)
     offloader = _offloader(chosen, offload, example_inputs, example_kwargs)
@@ -343,9 +305,6 @@ def _offloader(chosen: Plan, offload: str, example_inputs, example_kwargs):
     """The store and hooks for a plan that offloads (None for one that does not)."""
     if chosen.memory is None or not (chosen.memory.offload or chosen.memory.offload_activations):
         return None
-    from autopar.memory.offload import Offloader
-    from autopar.memory.store import make_store
-
     path = offload.partition(":")[2] if isinstance(offload, str) and offload.startswith("disk:") else None
     if path is not None:
         path = os.path.join(path, f"rank{dist.get_rank()}")
@@ -375,8 +334,25 @@ def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs
             )
 
 
-def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s, memory_args=None,
-                  planner=None) -> Plan:
+def _pipeline_of(plan: Plan, options: PlanOptions) -> PlanOptions:
+    """The pipeline options of a given plan, checked against the ones asked for."""
+    asked = options.pipeline
+    given = (plan.pipeline.num_stages, plan.pipeline.num_microbatches) if plan.pipeline is not None else None
+    if asked.enabled and (
+        given is None
+        or (asked.stages != "auto" and given != (asked.stages, asked.microbatches))
+        or (asked.stages == "auto" and asked.num_microbatches not in (None, given[1]))
+    ):
+        has = f"has {given[0]} stages and {given[1]} microbatches" if given else "does not pipeline"
+        raise PlanError(
+            f"pipeline={asked.stages!r}, num_microbatches={asked.num_microbatches!r} contradicts the plan, which {has}: "
+            "drop pipeline and num_microbatches to run the plan as it is, or re-plan"
+        )
+    return options.replace(pipeline=PipelineOptions(*given)) if given else options
+
+
+def _resolve_plan(plan: Plan | None, traced: TracedModel, mesh_shape: tuple[int, ...], cluster,
+                  options: PlanOptions) -> Plan:
     if plan is None:
         # Rank 0 solves and broadcasts; the solve is deterministic, but eight identical solves
         # on one host would only compete for its cores. A failure is broadcast too, so that
@@ -384,11 +360,10 @@ def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s
         payload: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                if planner is not None:
-                    made = planner(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s)
+                if options.pipeline.enabled:  # ``traced`` is one microbatch
+                    made = _plan_stages(traced, mesh_shape, None, get_cluster(cluster), options)
                 else:
-                    made = plan_traced(traced, mesh_shape, get_cluster(cluster), memory_budget, time_limit_s,
-                                       **(memory_args or {}))
+                    made = plan_traced(traced, mesh_shape, get_cluster(cluster), options)
                 payload[0] = ("plan", made.to_json())
             except Exception as error:
                 payload[0] = ("error", error)
@@ -401,28 +376,10 @@ def _resolve_plan(plan, traced, mesh_shape, cluster, memory_budget, time_limit_s
                 f"planning failed on rank 0: {type(value).__name__}: {value}"
             )
         chosen = Plan.from_json(value)
-    elif isinstance(plan, Plan):
-        chosen = plan
     else:
-        chosen = Plan.load(plan)
+        chosen = plan
     check_plan_matches(chosen, traced, mesh_shape)
     return chosen
-
-
-def check_plan_matches(chosen: Plan, traced: TracedModel, mesh_shape: tuple[int, ...]) -> None:
-    made_with, running = chosen.torch_version.split("+")[0], torch.__version__.split("+")[0]
-    if made_with != running:
-        raise PlanError(
-            f"the plan was made with torch {chosen.torch_version}, and this is torch {torch.__version__}: "
-            "traced graphs (and node names) differ between versions; re-plan with this torch"
-        )
-    if tuple(chosen.mesh_shape) != tuple(mesh_shape):
-        raise PlanError(f"the plan was made for mesh {tuple(chosen.mesh_shape)}, not {tuple(mesh_shape)}: re-plan for this mesh")
-    if chosen.graph_hash != traced.graph_hash:
-        raise PlanError(
-            f"the plan was made for a different graph (hash {chosen.graph_hash}, this model and these inputs "
-            f"give {traced.graph_hash}): the model or the example input shapes changed; re-plan"
-        )
 
 
 def check_rank_agreement(chosen: Plan) -> None:

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from autopar.cost.cluster import get_cluster  # noqa: E402
-from autopar.models import LLAMA_SHAPES, build_model  # noqa: E402
+from autopar.zoo.models import LLAMA_SHAPES, build_model  # noqa: E402
 from autopar.solver.stages import search_stages  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 
@@ -77,7 +77,7 @@ LAYOUT_PARAMS = {"q": "attn.q_proj.weight", "o": "attn.c_proj.weight", "fc1": "m
 def layouts(traced, search, costs) -> str:
     """The placements of an interior block's weights (traced block 1) in each candidate the
     stages use, such as ``c0[q:RS(0) o:RS(1) ...]`` per candidate (weights are (out, in))."""
-    from autopar.spec import format_spec
+    from autopar.ir.spec import format_spec
 
     placeholder = {i.fqn: i.name for i in traced.inputs if i.kind == "param"}
     mesh_costs = costs[search.stage_mesh]

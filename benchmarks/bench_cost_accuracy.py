@@ -9,7 +9,7 @@ different forced plans, each run on 2 and on 4 spawned gloo ranks (mesh (2,) and
 
 * ``auto``: autopar's own choice; ``auto_mem90``, ``auto_mem80``: autopar under a memory budget
   of 90% and 80% of ``auto``'s predicted peak (skipped where infeasible);
-* ``ddp``, ``fsdp``, ``megatron``: the hand plans of ``autopar.hand_plans``;
+* ``ddp``, ``fsdp``, ``megatron``: the hand plans of ``autopar.solver.hand_plans``;
 * ``fsdp_mlp``: only the MLP weights sharded FSDP-style (first divisible dim), the rest replicated;
 * ``replicated``: every op output forced replicated (each rank computes the whole step).
 
@@ -23,7 +23,7 @@ Measured, per plan and mesh:
   tensor using them dies, on top of what is alive before the step (parameters, AdamW state, the
   input batch). This is the tensors autopar's model can attribute: no allocator caching, no
   kernel workspace, no Python objects. The maximum over ranks.
-* **bytes sent**: every collective that ``autopar.collectives`` runs during one step is counted
+* **bytes sent**: every collective that ``autopar.ops.collectives`` runs during one step is counted
   (kind, group size, tensor size) and turned into bytes each device sends with the ring formulas
   of ``autopar.cost.comm`` (the all-to-all that gloo emulates with an all-gather is counted as the
   all-gather it is).
@@ -54,15 +54,15 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import autopar  # noqa: E402
-from autopar import collectives  # noqa: E402
+from autopar.ops import collectives  # noqa: E402
 from autopar.cost.cluster import get_cluster  # noqa: E402
 from autopar.cost.comm import bytes_sent  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
-from autopar.hand_plans import param_specs  # noqa: E402
-from autopar.models import GPT  # noqa: E402
+from autopar.solver.hand_plans import param_specs  # noqa: E402
+from autopar.zoo.models import GPT  # noqa: E402
 from autopar.solver import solve  # noqa: E402
-from autopar.spec import replicated  # noqa: E402
-from autopar.testing import run_distributed  # noqa: E402
+from autopar.ir.spec import replicated  # noqa: E402
+from autopar.runtime.launch import run_distributed  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 
 CONFIG = dict(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=256, bias=True)
@@ -151,7 +151,7 @@ class LiveBytes(TorchDispatchMode):
 
 
 class CountBytes:
-    """Bytes this rank sends in the collectives of ``autopar.collectives`` while active."""
+    """Bytes this rank sends in the collectives of ``autopar.ops.collectives`` while active."""
 
     def __init__(self) -> None:
         self.sent = 0.0  # the all-to-all gloo emulates with an all-gather counted as an all-to-all
@@ -296,7 +296,7 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.profile:
-        from autopar.cost.profile import profile_spawn
+        from autopar.runtime.profile import profile_spawn
 
         cluster = profile_spawn((max(args.worlds),), quick=True)
         print(f"profiled: {cluster.to_json()}", flush=True)

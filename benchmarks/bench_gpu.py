@@ -33,7 +33,7 @@ import torch
 
 import autopar
 from autopar.cost.cluster import get_cluster
-from autopar.models import GPT, LLAMA_SHAPES, Llama
+from autopar.zoo.models import GPT, LLAMA_SHAPES, Llama
 
 
 def _time_cuda(fn, warmup: int = 3, repeat: int = 10) -> float:

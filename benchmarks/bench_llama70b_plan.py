@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import autopar  # noqa: E402
-from autopar.models import LLAMA_SHAPES, build_model, example_batch  # noqa: E402
+from autopar.zoo.models import LLAMA_SHAPES, build_model, example_batch  # noqa: E402
 
 
 def main() -> int:

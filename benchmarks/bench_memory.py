@@ -5,11 +5,11 @@ shrinks from ample to infeasible, planned and measured, with and without prefetc
     python benchmarks/bench_memory.py --fractions 1.2,0.5 --steps 2
     python benchmarks/bench_memory.py --fractions 0.3 --batch 1 --steps 9 --out benchmarks/results/memory_prefetch
 
-A GPT (``autopar.models``, 4 layers, 384 wide, vocabulary 4,096, 8 sequences of 64 tokens, fp32,
+A GPT (``autopar.zoo.models``, 4 layers, 384 wide, vocabulary 4,096, 8 sequences of 64 tokens, fp32,
 ~8.7M parameters) on mesh (1,) in this process (a world-size-1 gloo group), trained with
 ``autopar.optim.AdamW``. Budgets are fractions of the plan's peak without a budget. Planned on the
 ``cpu`` preset with its ``disk_link`` measured on the offload directory first
-(``autopar.memory.store.measure_disk_link``): the compute device is the host here, so the planner
+(``autopar.runtime.store.measure_disk_link``): the compute device is the host here, so the planner
 offloads to disk. Every plan that offloads runs twice: as planned (prefetch one use ahead) and
 with the same decisions but no prefetch, each with its own offload directory. Each run: two
 warm-up steps, then the median of ``--steps`` timed steps (forward, backward, optimizer step);
@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import autopar  # noqa: E402
 from autopar.cost.cluster import get_cluster  # noqa: E402
-from autopar.memory.store import measure_disk_link  # noqa: E402
-from autopar.models import GPT  # noqa: E402
+from autopar.runtime.store import measure_disk_link  # noqa: E402
+from autopar.zoo.models import GPT  # noqa: E402
 from memory_budget_run import reset_peak_rss, rss_bytes  # noqa: E402
 
 CONFIG = dict(vocab_size=4096, block_size=64, n_layer=4, n_head=6, n_embd=384, bias=False)

@@ -17,10 +17,11 @@ import time
 import torch
 
 from autopar.cost.cluster import get_cluster
-from autopar.models import GPT
+from autopar.zoo.models import GPT
 from autopar.solver import plan_from_solution
 from autopar.solver.choices import build_choice_graph
 from autopar.solver.ilp import ShardingILP
+from autopar.solver.solving import solve_ilp
 from autopar.trace import trace
 
 
@@ -38,7 +39,7 @@ def plan_stages(n_layer: int, mesh: tuple[int, ...], cluster: str, width: int, b
     times["build_s"] = time.perf_counter() - start
     start = time.perf_counter()
     ilp = ShardingILP(graph)
-    solution = ilp.solve(time_limit_s=600)
+    solution = solve_ilp(ilp, time_limit_s=600)
     times["solve_s"] = time.perf_counter() - start
     start = time.perf_counter()
     plan = plan_from_solution(traced, graph, solution, spec.name, None)

@@ -3,7 +3,7 @@
     python benchmarks/bench_quality.py                 # every cell (long: deep models, 8 plans each)
     python benchmarks/bench_quality.py --quick         # the same shapes at 4 layers
 
-GPT-2-XL, LLaMA-3-8B and LLaMA-2-70B shapes (``autopar.models``) on the meta device,
+GPT-2-XL, LLaMA-3-8B and LLaMA-2-70B shapes (``autopar.zoo.models``) on the meta device,
 ``h100-80g``, 80 GiB per device, at 8, 64 and 1,024 devices. Hand plans are
 ``autopar.hand_plan`` kinds: parameters (and for ``megatron_sp`` the residual stream) laid out as
 the technique prescribes, everything else chosen by the solver. A ratio above 1 in any cell makes
@@ -31,8 +31,8 @@ import torch
 
 from autopar.cost.cluster import get_cluster
 from autopar.errors import InfeasibleError
-from autopar.hand_plans import KINDS, solve_hand_plan
-from autopar.models import LLAMA_SHAPES, build_model
+from autopar.solver.hand_plans import KINDS, solve_hand_plan
+from autopar.zoo.models import LLAMA_SHAPES, build_model
 from autopar.solver import solve
 from autopar.solver.backends import MIP_REL_GAP
 from autopar.trace import trace

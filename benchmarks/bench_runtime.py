@@ -3,9 +3,9 @@
     python benchmarks/bench_runtime.py               # 2 and 4 ranks, and the 1-rank overhead
     python benchmarks/bench_runtime.py --ranks 2 --steps 5
 
-A GPT (``autopar.models``, 4 layers, 256 wide, 16 sequences of 128 tokens, fp32) trained with
+A GPT (``autopar.zoo.models``, 4 layers, 256 wide, 16 sequences of 128 tokens, fp32) trained with
 AdamW for ``--steps`` steps after two warm-up steps, on this machine's CPU with gloo (one thread
-per rank, spawned by ``autopar.testing.run_distributed``). Every plan is compiled with
+per rank, spawned by ``autopar.runtime.launch.run_distributed``). Every plan is compiled with
 ``autopar.compile(..., plan=...)`` and run; ``zero1`` and ``zero2`` run their DDP layout with
 ``torch.distributed.optim.ZeroRedundancyOptimizer``. Bytes are the payloads of the functional
 collectives that each rank runs in one step (forward, backward), counted by a dispatch mode:
@@ -49,7 +49,7 @@ class CollectiveBytes(TorchDispatchMode):
 
 
 def _model_and_batch():
-    from autopar.models import build_model, example_batch
+    from autopar.zoo.models import build_model, example_batch
 
     model = build_model("gpt", seed=0, **CONFIG)
     return model, example_batch("gpt", BATCH, seed=1, **CONFIG)
@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, kind: str, steps: int) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     import autopar
-    from autopar.hand_plans import ALIASES
+    from autopar.solver.hand_plans import ALIASES
 
     model, batch = _model_and_batch()
     mesh = (world,) if world < 4 else (2, world // 2)
@@ -136,7 +136,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main() -> None:
-    from autopar.testing import run_distributed
+    from autopar.runtime.launch import run_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/runtime.csv")

@@ -25,7 +25,7 @@ import torch
 import autopar
 
 from autopar.cost.cluster import get_cluster
-from autopar.models import LLAMA_SHAPES, build_model
+from autopar.zoo.models import LLAMA_SHAPES, build_model
 from autopar.solver import plan_from_solution
 from autopar.solver.choices import build_choice_graph
 from autopar.solver.ilp import ShardingILP

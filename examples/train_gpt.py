@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.models import GPT, example_batch
-from autopar.testing import DistributedRankError, max_rel_diff, run_distributed
+from autopar.zoo.models import GPT, example_batch
+from autopar.runtime.launch import DistributedRankError, max_rel_diff, run_distributed
 
 _PLAN_FAILED = "__autopar_demo_plan_failed__"
 

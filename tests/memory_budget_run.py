@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.models import GPT
+from autopar.zoo.models import GPT
 
 CONFIG = dict(vocab_size=8192, block_size=64, n_layer=11, n_head=12, n_embd=768, bias=False)
 BATCH, SEQ = 1, 16

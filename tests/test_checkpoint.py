@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import autopar
-from autopar.models import GPT, build_model, example_batch
-from autopar.testing import max_rel_diff, run_distributed
+from autopar.zoo.models import GPT, build_model, example_batch
+from autopar.runtime.launch import max_rel_diff, run_distributed
 
 pytestmark = pytest.mark.multiproc
 

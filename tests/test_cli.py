@@ -43,7 +43,7 @@ def test_plan_builtin_mlp(capsys, tmp_path):
     assert out.startswith("autopar plan  mesh=(2, 2)  cluster=cpu")
     assert "Parameter groups" in out
     assert "tracing" in err and "planning" in err and "traced" in err and " s" in err
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     plan = Plan.load(out_path)
     assert plan.mesh_shape == (2, 2)
@@ -59,7 +59,7 @@ def test_plan_builtin_mlp(capsys, tmp_path):
 
 def test_plan_module_callable(capsys, tmp_path, monkeypatch):
     (tmp_path / "my_cli_model.py").write_text(
-        "from autopar.models import build_model, example_batch\n"
+        "from autopar.zoo.models import build_model, example_batch\n"
         "def make():\n"
         "    return build_model('mlp'), example_batch('mlp', 8)\n"
         "def bad():\n"
@@ -171,7 +171,7 @@ def test_errors_are_one_line(capsys, tmp_path, plans, case):
         "budget-unit": ["plan", "mlp", "--mesh", "2", "--memory-budget", "70XB"],
         "unknown-model": ["plan", "no_such_model", "--mesh", "2", "--cluster", "cpu"],
         "unimportable": ["plan", "no_such_module_xyz:make", "--mesh", "2", "--cluster", "cpu"],
-        "no-attr": ["plan", "autopar.models:no_such_fn", "--mesh", "2", "--cluster", "cpu"],
+        "no-attr": ["plan", "autopar.zoo.models:no_such_fn", "--mesh", "2", "--cluster", "cpu"],
         "missing-plan": ["show", str(tmp_path / "absent.json")],
         "malformed-plan": ["show", _write(tmp_path / "bad.json", '{"version": 1, "mesh": {}}')],
         "not-json-plan": ["show", _write(tmp_path / "bad2.json", "this is not json")],

@@ -35,7 +35,7 @@ from autopar.cost import (
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.cost.cluster import PRESETS_DIR
 from autopar.rules.registry import Strategy, op_info_from_values
-from autopar.spec import P, R, S
+from autopar.ir.spec import P, R, S
 
 aten = torch.ops.aten
 MiB = 1 << 20
@@ -305,7 +305,7 @@ def test_transition_two_axes_prices_each_step_at_its_local_size():
 
 def test_plan_reports_bytes_per_mesh_axis():
     import autopar
-    from autopar.models import MLP
+    from autopar.zoo.models import MLP
 
     # a large batch on mesh (2, 2): data parallel, so every byte is a gradient all-reduce
     model = MLP(d_in=64, d_hidden=256, d_out=64, depth=2)
@@ -474,7 +474,7 @@ def test_vocab_parallel_cross_entropy_prices_its_own_all_reduces() -> None:
     # that no edge of the graph shows; the strategy's price must carry them.
     from autopar.cost.cluster import get_cluster
     from autopar.cost.comm import all_reduce_s, bytes_sent
-    from autopar.models import build_model, example_batch
+    from autopar.zoo.models import build_model, example_batch
     from autopar.solver.choices import build_choice_graph
     from autopar.trace import trace
 

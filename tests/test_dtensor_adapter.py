@@ -16,7 +16,7 @@ from autopar.rules.registry import (
     replicate_row,
 )
 from autopar.rules.simulate import _normalize, check_op, check_strategy
-from autopar.spec import P, R, S, format_spec
+from autopar.ir.spec import P, R, S, format_spec
 
 aten = torch.ops.aten
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from autopar.solver.solving import solve_ilp
+
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.errors import PlanError
-from autopar.explain import explain_json, explain_text, find_decision
-from autopar.models import build_model, example_batch
+from autopar.report.explain import explain_json, explain_text, find_decision
+from autopar.zoo.models import build_model, example_batch
 from autopar.solver import ShardingILP, build_choice_graph, peak_memory
-from autopar.solver.explain import explain_decisions
+from autopar.solver.runner_ups import explain_decisions
 from autopar.trace import trace
 
 
@@ -52,7 +54,7 @@ def gpt_traced():
 def solved(gpt_traced):
     cluster = get_cluster("cpu")
     graph = build_choice_graph(gpt_traced, (2,), cluster)
-    solution = ShardingILP(graph).solve()
+    solution = solve_ilp(ShardingILP(graph))
     return graph, solution, explain_decisions(graph, solution, cluster, None)
 
 
@@ -101,16 +103,16 @@ def test_optimal_unconstrained_plan_is_decided_by_cost(solved):
 def test_memory_budget_binding(gpt_traced):
     cluster = get_cluster("cpu")
     graph = build_choice_graph(gpt_traced, (2,), cluster)
-    free = ShardingILP(graph).solve()
+    free = solve_ilp(ShardingILP(graph))
     lean = ShardingILP(graph)
     lean.minimize_peak_memory(graph.timeline.checkpoints([lambda name: min(graph.choices[name].memory_bytes, default=0.0)]))
-    leanest = peak_memory(graph, lean.solve())[0]
+    leanest = peak_memory(graph, solve_ilp(lean))[0]
     peak = peak_memory(graph, free)[0]
     assert leanest < peak
     # Close to the floor, single decisions must trade time for memory. (Halfway up, the budget can
     # be met by moves that are each cost-optimal given their neighbours, so nothing "binds" alone.)
     budget = leanest + 0.05 * (peak - leanest)
-    solution = ShardingILP(graph, budget).solve()
+    solution = solve_ilp(ShardingILP(graph, budget))
     decisions = explain_decisions(graph, solution, cluster, budget)
     bound = [r for r in decisions.values() if r["binding"] == "memory_budget"]
     assert bound, "a budget between the leanest and the free plan must bind somewhere"
@@ -132,7 +134,7 @@ def test_plan_carries_decisions_and_round_trips(gpt_plan):
     assert again.decisions == gpt_plan.decisions and again.to_json() == gpt_plan.to_json()
     covered = {m for r in gpt_plan.decisions.values() for m in r["members"]}
     assert covered <= set(gpt_plan.nodes)
-    from autopar.spec import format_spec
+    from autopar.ir.spec import format_spec
 
     for rep, record in gpt_plan.decisions.items():
         chosen = record["candidates"][0]

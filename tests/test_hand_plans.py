@@ -8,8 +8,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.errors import InfeasibleError
-from autopar.hand_plans import KINDS
-from autopar.models import GPT
+from autopar.solver.hand_plans import KINDS
+from autopar.zoo.models import GPT
 
 MESH = (2, 2)
 

@@ -16,11 +16,12 @@ from torch.distributed.tensor import Replicate
 
 import autopar
 from autopar.api import plan_traced
+from autopar.ir.options import PlanOptions
 from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
 from autopar.rules.registry import node_strategies, op_info
-from autopar.spec import format_spec
-from autopar.testing import max_rel_diff, run_distributed
+from autopar.ir.spec import format_spec
+from autopar.runtime.launch import max_rel_diff, run_distributed
 from autopar.trace import trace
 
 from hf_models import BUILDERS, COVERAGE
@@ -42,7 +43,7 @@ def tight_budget(name: str) -> float:
 def _collectives(pm: autopar.ParallelModule) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in pm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "__module__", "") == "autopar.collectives":
+        if node.op == "call_function" and getattr(node.target, "__module__", "") == "autopar.ops.collectives":
             counts[node.target.__name__] = counts.get(node.target.__name__, 0) + 1
     return counts
 
@@ -127,7 +128,7 @@ def coverage_plans() -> dict:
     for name, build in COVERAGE.items():
         model, kwargs = build(batch_size=4)
         traced = trace(model, (), kwargs)
-        plans[name] = (traced, plan_traced(traced, COVERAGE_MESH, get_cluster(CLUSTER), None, 60.0))
+        plans[name] = (traced, plan_traced(traced, COVERAGE_MESH, get_cluster(CLUSTER), PlanOptions()))
     return plans
 
 

@@ -10,8 +10,8 @@ import subprocess
 import pytest
 
 import autopar
-from autopar.html_report import layer_rows, render_html, time_breakdown, write_html
-from autopar.models import build_model, example_batch
+from autopar.report.html import layer_rows, render_html, time_breakdown, write_html
+from autopar.zoo.models import build_model, example_batch
 
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -140,7 +140,7 @@ def test_activation_memory_matches_korthikanti_for_one_transformer_layer():
 
 
 def test_memory_constraints_do_not_grow_with_depth_and_the_budget_holds_at_every_time():
-    from autopar.models import GPT
+    from autopar.zoo.models import GPT
     from autopar.solver import solve
     from autopar.solver.ilp import ShardingILP
 
@@ -158,7 +158,7 @@ def test_memory_constraints_do_not_grow_with_depth_and_the_budget_holds_at_every
         sizes.append((len(ilp.problem.variables()), ilp.problem.numConstraints()))
         assert ilp.memory_times, "a budget must add memory[t] rows"
     assert sizes[0] == sizes[1], "repeated layers must keep the ILP (memory rows included) one layer's size"
-    from autopar.models import MLP
+    from autopar.zoo.models import MLP
 
     mlp = trace(MLP(d_in=64, d_hidden=256, d_out=64, depth=3), (torch.randn(32, 64), torch.randn(32, 64)))
     free = solve(mlp, (2, 2), cpu)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import autopar
-from autopar.materialize import SeededInit, fake_tensors, has_meta_tensors, seeded_shards
-from autopar.models import GPT, build_model, example_batch
-from autopar.spec import R, S
+from autopar.runtime.materialize import SeededInit, seeded_shards
+from autopar.trace.fake import fake_tensors, has_meta_tensors
+from autopar.zoo.models import GPT, build_model, example_batch
+from autopar.ir.spec import R, S
 from autopar.trace import trace
 
 

@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 import autopar
 from autopar.cost.cluster import ClusterSpec, LinkSpec, get_cluster
-from autopar.memory import MemoryPlan
-from autopar.memory.store import DiskStore, HostStore
-from autopar.models import GPT
-from autopar.plan import Plan, validate_plan_json
+from autopar.ir.memory import CheckpointSegment, MemoryPlan
+from autopar.runtime.store import DiskStore, HostStore
+from autopar.zoo.models import GPT
+from autopar.ir.plan import Plan, validate_plan_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
@@ -235,7 +235,7 @@ def test_offloaded_activations_match_eager(world_of_one, gpt_free_plan, tmp_path
     # The checkpoint plan's segments, turned into offloaded activations: every saved tensor of
     # those layers goes through the store (disk files, or host memory) and back in backward.
     plan = _plan(0.85, gpt_free_plan, offload="auto")
-    moved = tuple(autopar.memory.CheckpointSegment(s.name, s.first, s.last, s.saved_bytes, 1e-3) for s in plan.memory.checkpoint)
+    moved = tuple(CheckpointSegment(s.name, s.first, s.last, s.saved_bytes, 1e-3) for s in plan.memory.checkpoint)
     assert moved
     memory = dataclasses.replace(plan.memory, target=target, checkpoint=(), offload_activations=moved)
     plan = dataclasses.replace(plan, memory=memory)
@@ -287,7 +287,7 @@ def _two_rank_run(rank: int, world_size: int, plan_path: str, offload_dir: str) 
 
 @pytest.mark.multiproc
 def test_checkpoint_and_offload_on_two_ranks(tmp_path):
-    from autopar.testing import run_distributed
+    from autopar.runtime.launch import run_distributed
 
     model, batch = _gpt()
     free = autopar.plan(model, (2,), example_inputs=batch, cluster="cpu")

@@ -7,9 +7,11 @@ import math
 import pytest
 
 import autopar
+from autopar.api import plan_traced
+from autopar.ir.options import PlanOptions
 from autopar.cost.cluster import get_cluster
-from autopar.mesh_search import mesh_candidates, mesh_search_text, search_mesh
-from autopar.models import build_model, example_batch
+from autopar.solver.mesh_search import mesh_candidates, mesh_search_text, search_mesh
+from autopar.zoo.models import build_model, example_batch
 from autopar.trace import trace
 
 
@@ -52,7 +54,7 @@ def test_infeasible_meshes_are_listed():
     cluster = get_cluster("cpu")
     free = autopar.plan(model, (6,), example_inputs=batch, cluster="cpu")
     budget = free.predicted["peak_memory_bytes"] * 0.9
-    best = search_mesh(traced, 6, cluster, budget, 60.0)
+    best = search_mesh(traced, 6, cluster, PlanOptions.from_keywords(memory_budget=budget), plan_traced)
     rows = {tuple(r["mesh"]): r for r in best.stats["mesh_search"]}
     assert set(rows) == {(6,), (2, 3), (3, 2)}
     assert rows[(6,)]["status"] == "infeasible" and "memory_budget" in rows[(6,)]["reason"]
@@ -60,7 +62,7 @@ def test_infeasible_meshes_are_listed():
     assert best.stats["mesh_search"][-1]["status"] == "infeasible"
     assert "infeasible" in mesh_search_text(best.stats["mesh_search"])
     with pytest.raises(autopar.InfeasibleError, match="no mesh of 6 devices"):
-        search_mesh(traced, 6, cluster, 1024, 60.0)
+        search_mesh(traced, 6, cluster, PlanOptions.from_keywords(memory_budget=1024), plan_traced)
 
 
 def test_auto_needs_devices_and_mesh_must_match_devices():

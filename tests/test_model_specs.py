@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.model_specs import PRESETS, build_preset
+from autopar.zoo.shapes import PRESETS, build_preset
 
 
 # Published parameter counts (LLaMA: untied head; GPT-2: tied embedding, vocabulary 50257).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.models import (
+from autopar.zoo.models import (
     GPT,
     MODEL_NAMES,
     AttentionBlock,

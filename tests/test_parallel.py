@@ -15,8 +15,8 @@ import torch
 
 import autopar
 from autopar.cost.memory import param_state_bytes
-from autopar.models import build_model, example_batch
-from autopar.testing import max_rel_diff, run_distributed
+from autopar.zoo.models import build_model, example_batch
+from autopar.runtime.launch import max_rel_diff, run_distributed
 
 pytestmark = pytest.mark.multiproc
 
@@ -50,7 +50,7 @@ def _collective_counts(pm: autopar.ParallelModule) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in pm.graph.nodes:
         module = getattr(node.target, "__module__", "")
-        if node.op == "call_function" and module == "autopar.collectives":
+        if node.op == "call_function" and module == "autopar.ops.collectives":
             counts[node.target.__name__] = counts.get(node.target.__name__, 0) + 1
     return counts
 
@@ -174,7 +174,7 @@ VOCAB = 4096
 def _run_forced(rank: int, world: int) -> dict:
     from autopar.cost.cluster import get_cluster
     from autopar.solver import solve
-    from autopar.spec import parse_spec
+    from autopar.ir.spec import parse_spec
     from autopar.trace import trace
 
     results = {}
@@ -227,7 +227,7 @@ def _run_forced(rank: int, world: int) -> dict:
 
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    from autopar.runtime import world_timeout
+    from autopar.runtime.module import world_timeout
 
     group = _resolve_process_group(pm._groups[0])
     results["timeouts"] = (world_timeout(), group._get_backend(torch.device("cpu")).options._timeout)

@@ -19,12 +19,12 @@ import torch
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
-from autopar.models import build_model, example_batch
+from autopar.zoo.models import build_model, example_batch
 from autopar.passes.split import split_into_stages, stage_io, stage_wiring
-from autopar.pipeline_runtime import _stage_view
-from autopar.pipeline_split import first_microbatch, stage_mesh_of
+from autopar.runtime.pipeline import _stage_view
+from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.solver.stages import plan_stages
-from autopar.testing import max_rel_diff, run_distributed
+from autopar.runtime.launch import max_rel_diff, run_distributed
 from autopar.trace import trace
 
 # No biases and float64, as in test_parallel: AdamW's first step turns rounding noise in
@@ -249,7 +249,7 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
             "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager)),
             "untouched_before_backward": all(g is None for g in grads_before_backward),
             "stage": pm.stage_index,
-            "collectives": sum(1 for n in pm.graph.nodes if getattr(n.target, "__module__", "") == "autopar.collectives"),
+            "collectives": sum(1 for n in pm.graph.nodes if getattr(n.target, "__module__", "") == "autopar.ops.collectives"),
         }
         try:
             loss.backward()

@@ -9,7 +9,7 @@ import torch
 
 import autopar
 from autopar.errors import PlanError
-from autopar.models import build_model, example_batch
+from autopar.zoo.models import build_model, example_batch
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_not_json_and_missing_file(tmp_path):
 
 
 def test_plan_for_another_graph_or_mesh_is_refused(gpt_plan):
-    from autopar.api import check_plan_matches
+    from autopar.passes import check_plan_matches
     from autopar.trace import trace
 
     model = build_model("gpt", seed=0)
@@ -98,9 +98,9 @@ def test_compile_without_process_group_is_a_clear_error():
 def test_schema_ships_and_accepts_real_plans(gpt_plan):
     import jsonschema
 
-    from autopar.plan import SCHEMA_PATH, plan_schema
+    from autopar.ir.plan import SCHEMA_PATH, plan_schema
 
-    assert SCHEMA_PATH.parent.name == "autopar" and SCHEMA_PATH.is_file()
+    assert SCHEMA_PATH.parent.parent.name == "autopar" and SCHEMA_PATH.is_file()  # autopar/ir/plan.schema.json
     jsonschema.Draft202012Validator.check_schema(plan_schema())
     data = json.loads(gpt_plan.to_json())
     jsonschema.validate(data, plan_schema())
@@ -128,7 +128,7 @@ def test_schema_errors_say_where(gpt_plan, mutate, where):
 def test_plan_from_another_torch_is_refused(gpt_plan):
     import dataclasses
 
-    from autopar.api import check_plan_matches
+    from autopar.passes import check_plan_matches
     from autopar.trace import trace
 
     traced = trace(build_model("gpt", seed=0), example_batch("gpt", 8, seed=1))

@@ -33,11 +33,11 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
-from autopar.models import build_model, example_batch
-from autopar.plan import NodePlan, Plan
+from autopar.zoo.models import build_model, example_batch
+from autopar.ir.plan import NodePlan, Plan
 from autopar.rules.registry import op_info_from_values
 from autopar.rules.simulate import _normalize, check_op
-from autopar.spec import format_spec, is_valid
+from autopar.ir.spec import format_spec, is_valid
 from autopar.trace import trace
 
 MESHES = [(2,), (3,), (2, 2)]
@@ -468,7 +468,7 @@ class TransposeMulView(torch.nn.Module):
 
 
 def _compile_and_compare(model: torch.nn.Module, mesh: tuple[int, ...], batch: tuple, plan: Plan) -> dict:
-    from autopar.testing import max_rel_diff
+    from autopar.runtime.launch import max_rel_diff
 
     eager = copy.deepcopy(model)
     pm = autopar.compile(model, mesh, example_inputs=batch, plan=plan)
@@ -484,7 +484,7 @@ def _compile_and_compare(model: torch.nn.Module, mesh: tuple[int, ...], batch: t
 def _run_random_forced(rank: int, world: int, seed: int) -> dict:
     from autopar.cost.cluster import get_cluster
     from autopar.solver import solve
-    from autopar.spec import S
+    from autopar.ir.spec import S
 
     torch.manual_seed(0)
     rng = random.Random(seed)
@@ -510,7 +510,7 @@ def _run_random_forced(rank: int, world: int, seed: int) -> dict:
 
 @pytest.mark.multiproc
 def test_random_forced_plans_match_eager_on_gloo() -> None:
-    from autopar.testing import run_distributed
+    from autopar.runtime.launch import run_distributed
 
     results = run_distributed(_run_random_forced, 2, FORCED_SEED, timeout_s=300, pg_timeout_s=60)
     assert len(results[0]) == sum(case[3] for case in FORCED_CASES) + 1
@@ -539,7 +539,7 @@ def test_forcing_a_getitem_keeps_it_on_its_producer() -> None:
     draws above (mlp_block, mesh (2,), forced {linear_1: S(1), getitem_1: S(0)})."""
     from autopar.cost.cluster import get_cluster
     from autopar.solver import solve
-    from autopar.spec import S
+    from autopar.ir.spec import S
 
     model = build_model("mlp_block", seed=0)
     traced = trace(model, example_batch("mlp_block", 8, seed=1))

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import autopar
 from autopar.errors import PlanError
-from autopar.models import build_model, example_batch
-from autopar.testing import DistributedRankError, run_distributed
+from autopar.zoo.models import build_model, example_batch
+from autopar.runtime.launch import DistributedRankError, run_distributed
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_ranks_with_different_plans_fail_clearly_and_plans_are_deterministic(tmp
 def _one_rank_dies(rank: int, world: int) -> str:
     from autopar.cost.cluster import get_cluster
     from autopar.solver import solve
-    from autopar.spec import S
+    from autopar.ir.spec import S
     from autopar.trace import trace
 
     model = build_model("mlp_block", seed=0)
@@ -94,7 +94,7 @@ def _one_rank_dies(rank: int, world: int) -> str:
     data_parallel = {"linear": (S(0),), "linear_1": (S(0),)}  # the loss is then all-reduced
     plan = solve(trace(model, batch), (world,), get_cluster("cpu"), forced=data_parallel)
     pm = autopar.compile(model, (world,), example_inputs=batch, plan=plan)
-    assert any(n.op == "call_function" and n.target.__module__ == "autopar.collectives" for n in pm.graph.nodes)
+    assert any(n.op == "call_function" and n.target.__module__ == "autopar.ops.collectives" for n in pm.graph.nodes)
     dist.barrier()
     if rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.kernels import get_kernel
+from autopar.ops import get_kernel
 from autopar.rules.registry import RULES, Strategy, node_strategies, offering_strided, op_info_from_values
 from autopar.rules.simulate import _normalize, check_op, check_strategy
-from autopar.spec import SS, P, R, S, format_spec
+from autopar.ir.spec import SS, P, R, S, format_spec
 
 aten = torch.ops.aten
 
@@ -632,7 +632,7 @@ def test_sync_batch_norm_without_groups_matches_eager():
 def _kernels_on_ranks(rank: int, world_size: int) -> str:
     import torch.distributed as dist
 
-    from autopar import collectives
+    from autopar.ops import collectives
 
     group = dist.group.WORLD.group_name
     torch.manual_seed(0)  # the same global tensors on every rank
@@ -774,7 +774,7 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
 
 @pytest.mark.multiproc
 def test_kernels_on_two_gloo_ranks():
-    from autopar.testing import run_distributed
+    from autopar.runtime.launch import run_distributed
 
     assert run_distributed(_kernels_on_ranks, 2, timeout_s=60) == ["ok", "ok"]
 

@@ -11,7 +11,7 @@ import autopar.rules  # noqa: F401  (registers every rule)
 from autopar.rules.registry import RULES
 from autopar.rules.simulate import check_op
 from autopar.rules.views import reshape_dim_map
-from autopar.spec import P, R, S, format_spec
+from autopar.ir.spec import P, R, S, format_spec
 
 aten = torch.ops.aten
 MESHES = [(2,), (2, 2), (2, 4)]

@@ -6,13 +6,15 @@ Planned offline (no process group) on the h100-80g preset, so these run in one p
 from __future__ import annotations
 
 import pytest
+
+from autopar.solver.solving import solve_ilp
 import torch
 
 import autopar
 from autopar.cost.memory import param_state_bytes
 from autopar.errors import InfeasibleError
-from autopar.models import AttentionBlock, CausalSelfAttention, MLPBlock, WithMSELoss
-from autopar.spec import format_spec, transition_steps
+from autopar.zoo.models import AttentionBlock, CausalSelfAttention, MLPBlock, WithMSELoss
+from autopar.ir.spec import format_spec, transition_steps
 from torch.distributed.tensor import Replicate, Shard
 
 
@@ -132,7 +134,7 @@ def test_solve_is_deterministic():
 
 
 def test_tied_weights_get_one_spec_even_under_a_tight_budget():
-    from autopar.models import build_model, example_batch
+    from autopar.zoo.models import build_model, example_batch
 
     model = build_model("gpt", seed=0)
     batch = example_batch("gpt", 8, seed=1)
@@ -146,7 +148,7 @@ def test_tied_weights_get_one_spec_even_under_a_tight_budget():
 
 def test_repeated_layers_share_one_choice_at_the_same_optimum():
     from autopar.cost.cluster import get_cluster
-    from autopar.models import GPT
+    from autopar.zoo.models import GPT
     from autopar.solver.choices import build_choice_graph
     from autopar.solver.ilp import ShardingILP
     from autopar.trace import trace
@@ -156,7 +158,7 @@ def test_repeated_layers_share_one_choice_at_the_same_optimum():
             model = GPT(vocab_size=512, block_size=64, n_layer=n_layer, n_head=4, n_embd=128, bias=False)
             idx = torch.zeros(8, 64, dtype=torch.long)
         graph = build_choice_graph(trace(model, (idx, idx)), (2, 2), get_cluster("cpu"), share_layers=share)
-        return graph, ShardingILP(graph).solve()
+        return graph, solve_ilp(ShardingILP(graph))
 
     tied_graph, tied = solve(3, True)
     _, untied = solve(3, False)

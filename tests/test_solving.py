@@ -7,11 +7,13 @@ on a (2, 2) mesh, traced once on the meta device; each check is one solve of a f
 from __future__ import annotations
 
 import pytest
+
+from autopar.solver.solving import solve_ilp
 import pulp
 import torch
 
 from autopar.cost.cluster import get_cluster
-from autopar.models import build_model
+from autopar.zoo.models import build_model
 from autopar.solver import backends, rounding, solving
 from autopar.solver.choices import build_choice_graph
 from autopar.solver.ilp import ShardingILP
@@ -35,7 +37,7 @@ def graphs(traced):
 @pytest.fixture(scope="module")
 def plain(graphs):
     """The reference: the untied MILP solved to optimality by CBC."""
-    solution = ShardingILP(graphs[False]).solve(120, "cbc")
+    solution = solve_ilp(ShardingILP(graphs[False]), 120, "cbc")
     assert solution.status == "Optimal" and solution.method == "milp"
     return solution
 
@@ -48,7 +50,7 @@ def test_llama_layers_are_tied(graphs):
 
 @pytest.mark.parametrize("solver", ["auto", "highs", "cbc"])
 def test_every_solver_on_the_tied_graph_reaches_the_plain_optimum(graphs, plain, solver):
-    solution = ShardingILP(graphs[True]).solve(120, solver)
+    solution = solve_ilp(ShardingILP(graphs[True]), 120, solver)
     assert solution.status == "Optimal"
     # A MILP stops within MIP_REL_GAP of the optimum; the LP fast path is exact.
     assert solution.objective_s == pytest.approx(plain.objective_s, rel=2 * backends.MIP_REL_GAP)
@@ -68,7 +70,7 @@ def test_fallback_when_the_milp_finds_nothing(graphs, plain, monkeypatch):
 
     monkeypatch.setattr(backends, "make", no_milp)
     ilp = ShardingILP(graphs[True])
-    solution = ilp.solve(30, "highs")
+    solution = solve_ilp(ilp, 30, "highs")
     assert solution.status == "Feasible (fallback)"
     assert solution.method in ("lp-rounding", "greedy")
     assert solution.choice and solution.bound_s is not None
@@ -90,5 +92,5 @@ def test_greedy_plans_are_feasible_and_never_beat_the_optimum(graphs, plain):
 
 def test_unknown_solver_is_refused(graphs):
     with pytest.raises(ValueError, match="unknown solver 'gurobi'"):
-        ShardingILP(graphs[True]).solve(10, "gurobi")
+        solve_ilp(ShardingILP(graphs[True]), 10, "gurobi")
 

@@ -9,8 +9,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.rules.simulate import local_inputs
-from autopar.collectives import strided_piece, unstride
-from autopar.spec import (
+from autopar.ir.spec import strided_piece, unstride
+from autopar.ir.spec import (
     SS,
     Step,
     format_spec,

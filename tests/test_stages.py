@@ -13,8 +13,8 @@ import torch
 import autopar
 from autopar.cost.cluster import LinkSpec, get_cluster
 from autopar.errors import InfeasibleError, MeshError
-from autopar.models import GPT, MLP, build_model, example_batch
-from autopar.plan import Plan
+from autopar.zoo.models import GPT, MLP, build_model, example_batch
+from autopar.ir.plan import Plan
 from autopar.solver.stage_costs import cluster_layers
 from autopar.solver.stages import plan_stages, search_stages
 from autopar.trace import trace

@@ -8,7 +8,7 @@ import torch
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.errors import PlanError
-from autopar.models import GPT
+from autopar.zoo.models import GPT
 from autopar.solver import solve
 from autopar.solver.symbolic import price_plan, totals
 from autopar.trace import trace

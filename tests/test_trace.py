@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autopar.errors import TraceError
-from autopar.models import build_model, example_batch
+from autopar.zoo.models import build_model, example_batch
 from autopar.trace import trace
 
 

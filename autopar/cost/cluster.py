@@ -17,7 +17,7 @@ Specs come from JSON presets in ``presets/`` (``get_cluster("h100-80g")``), from
 file, or (later) from ``autopar profile``. The numbers in the presets are approximate datasheet
 values; each preset says where they come from in its ``source`` and ``notes`` fields.
 
-Two more links price offload (``autopar.memory``): ``host_link`` between a device and its host's
+Two more links price offload (``autopar.ir.memory``): ``host_link`` between a device and its host's
 memory (PCIe), and ``disk_link`` between the host and local disk (NVMe). A spec without a
 ``host_link`` is one whose compute device *is* the host (the ``cpu`` preset): there, offload to
 host memory saves nothing, and ``offload="auto"`` means disk.

@@ -16,9 +16,9 @@ send/recv              α + bytes/β                          bytes (the sender)
 chunk (local slice)    0                                    0
 =====================  ===================================  ==================================
 
-``transition_cost`` prices exactly the steps of ``autopar.spec.transition_steps``, so what is
+``transition_cost`` prices exactly the steps of ``autopar.ir.spec.transition_steps``, so what is
 priced is what the collectives pass inserts. The backward of each step is its dual under the
-replicated-loss convention (see ``autopar.collectives``): all-reduce → nothing; reduce-scatter →
+replicated-loss convention (see ``autopar.ops.collectives``): all-reduce → nothing; reduce-scatter →
 all-gather; all-gather → nothing (keep the local chunk); chunk → all-gather; all-to-all →
 all-to-all back.
 """
@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from autopar.cost.cluster import ClusterSpec, LinkSpec
-from autopar.spec import R, Spec, local_shape, transition_steps
+from autopar.ir.spec import R, Spec, local_shape, transition_steps
 
 
 @dataclass(frozen=True, slots=True)

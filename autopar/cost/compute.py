@@ -32,7 +32,9 @@ from torch.distributed.tensor import Replicate
 from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 from autopar.cost.cluster import ClusterSpec
+from autopar.ir.spec import VIEW_OP_NAMES
 from autopar.rules.registry import OpInfo, Strategy, TensorArg
+from autopar.cost.measured import measured_seconds
 
 aten = torch.ops.aten
 
@@ -42,12 +44,7 @@ def _packets(*names: str) -> frozenset:
     return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
 
 
-VIEW_OPS = _packets(
-    "view", "reshape", "_unsafe_view", "_reshape_alias", "view_as", "transpose", "permute",
-    "expand", "expand_as", "t", "unsqueeze", "squeeze", "alias", "detach", "split",
-    "split_with_sizes", "unbind", "chunk", "select", "slice", "narrow", "unflatten", "flatten",
-    "as_strided", "movedim", "swapaxes", "lift_fresh",
-) | {operator.getitem}
+VIEW_OPS = _packets(*sorted(VIEW_OP_NAMES)) | {operator.getitem}
 
 MATMUL_OPS = _packets(
     "mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "convolution", "_convolution",
@@ -195,8 +192,6 @@ def roofline_terms(
     ``(measured seconds / factor, 0, factor)``, so that the same product is its measured time."""
     factor = 1.0 + backward_factor(info) if requires_grad else 1.0
     if cluster.compute == "measured" and _packet(info.target) not in VIEW_OPS:
-        from autopar.cost.measured import measured_seconds
-
         seconds = measured_seconds(info, strategy, mesh_shape, requires_grad)
         if seconds is not None:
             return seconds / factor, 0.0, factor

@@ -4,7 +4,7 @@ With ``ClusterSpec.compute == "measured"`` (``autopar.plan(..., compute="measure
 of an op under a strategy is the median time of its forward and backward on this machine's
 device (CUDA when available, else CPU), run on random tensors of the *local* shapes that
 strategy gives each rank. Ops it cannot run that way fall back to the roofline: views (free),
-ops run as one of ``autopar.kernels``, ops whose arguments spell global sizes (a reshape to a
+ops run as one of ``autopar.ops.kernels``, ops whose arguments spell global sizes (a reshape to a
 global shape fails on a local tensor), and anything else that raises.
 
 The cache is one JSON file per device and torch version under ``$AUTOPAR_CACHE`` (default
@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from autopar.rules.registry import OpInfo, Strategy, TensorArg
-from autopar.spec import local_shape
+from autopar.ir.spec import local_shape
 
 _REPEATS = 5
 _SAVE_EVERY = 50

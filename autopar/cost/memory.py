@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from autopar.spec import Spec, local_shape
+from autopar.ir.spec import Spec, local_shape
 
 aten = torch.ops.aten
 

@@ -7,12 +7,14 @@ import logging
 import time
 from typing import Callable, Mapping, Sequence
 
+import torch
 import torch.fx
 
-from autopar.errors import PassError
+from autopar.errors import PassError, PlanError
 from autopar.passes.memory import checkpoint_segments, offload_activations, offload_params
 from autopar.passes.rewrite import insert_collectives, localize_shapes, use_kernels
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
+from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
 
@@ -21,7 +23,7 @@ Pass = Callable[[torch.fx.GraphModule, Plan], torch.fx.GraphModule]
 
 def default_passes(groups: Sequence[str], offloader=None, fqns: Mapping[str, str] | None = None) -> list[Pass]:
     """The passes ``compile`` runs, in order. ``groups`` are the mesh axes' process-group names;
-    ``offloader`` (``autopar.memory.offload.Offloader``) and ``fqns`` (placeholder name →
+    ``offloader`` (``autopar.runtime.offload.Offloader``) and ``fqns`` (placeholder name →
     canonical parameter FQN) serve a plan that offloads parameters."""
     return [
         localize_shapes,
@@ -54,5 +56,22 @@ def run_passes(gm: torch.fx.GraphModule, plan: Plan, passes: Sequence[Pass]) -> 
     return gm
 
 
-__all__ = ["default_passes", "run_passes", "insert_collectives", "localize_shapes", "use_kernels", "offload_params",
+def check_plan_matches(chosen: Plan, traced: TracedModel, mesh_shape: tuple[int, ...]) -> None:
+    """The plan was made for this torch, this mesh and this graph: a PlanError naming what differs otherwise."""
+    made_with, running = chosen.torch_version.split("+")[0], torch.__version__.split("+")[0]
+    if made_with != running:
+        raise PlanError(
+            f"the plan was made with torch {chosen.torch_version}, and this is torch {torch.__version__}: "
+            "traced graphs (and node names) differ between versions; re-plan with this torch"
+        )
+    if tuple(chosen.mesh_shape) != tuple(mesh_shape):
+        raise PlanError(f"the plan was made for mesh {tuple(chosen.mesh_shape)}, not {tuple(mesh_shape)}: re-plan for this mesh")
+    if chosen.graph_hash != traced.graph_hash:
+        raise PlanError(
+            f"the plan was made for a different graph (hash {chosen.graph_hash}, this model and these inputs "
+            f"give {traced.graph_hash}): the model or the example input shapes changed; re-plan"
+        )
+
+
+__all__ = ["check_plan_matches", "default_passes", "run_passes", "insert_collectives", "localize_shapes", "use_kernels", "offload_params",
            "checkpoint_segments"]

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 import torch.utils.checkpoint
 
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
 
 OFFLOADER = "offload"  # the Offloader's attribute name in the rewritten graph module
 

@@ -15,12 +15,12 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from autopar import collectives
-from autopar.kernels import get_kernel
-from autopar.plan import NodePlan, Plan
+from autopar.ops import collectives
+from autopar.ops import get_kernel
+from autopar.ir.plan import NodePlan, Plan
 from autopar.rules.registry import SIZE_ARGS, Strategy, localize_kwargs, normalized_kwargs, tensor_meta
 from autopar.solver.choices import grad_sync_axes
-from autopar.spec import local_shape, transition_steps
+from autopar.ir.spec import local_shape, transition_steps
 from autopar.trace import requires_grad
 
 

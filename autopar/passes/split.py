@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from autopar.pipeline import StagePlan
-from autopar.pipeline_split import stage_of_nodes
-from autopar.plan import Plan
+from autopar.ir.pipeline import StagePlan
+from autopar.ir.pipeline import stage_of_nodes
+from autopar.ir.plan import Plan
 
 
 def split_into_stages(gm: torch.fx.GraphModule, plan: Plan, stages: StagePlan) -> torch.fx.GraphModule:

@@ -35,8 +35,8 @@ from typing import Any, Hashable
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.rules.registry import SIZE_ARGS, OpInfo, Row, TensorArg
-from autopar.spec import P, R, S, Placement
+from autopar.rules.registry import FALLBACK_RULES, SIZE_ARGS, OpInfo, Row, TensorArg
+from autopar.ir.spec import P, R, S, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -280,5 +280,7 @@ def _tensor_meta(arg: TensorArg) -> Any:
         running *= max(size, 1)
     return TensorMeta(torch.Size(arg.shape), tuple(reversed(stride)), arg.dtype)
 
+
+FALLBACK_RULES.append(rows_for)
 
 __all__ = ["rows_for", "clear_cache"]

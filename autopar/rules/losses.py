@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from autopar.rules.registry import OpInfo, Row, register
-from autopar.spec import P, R, S
+from autopar.ir.spec import P, R, S
 
 aten = torch.ops.aten
 

@@ -12,7 +12,7 @@ import torch
 
 from autopar.rules.pointwise import broadcast_shard, is_tensor
 from autopar.rules.registry import OpInfo, Row, TensorArg, register, replicate_row, strided_blocks
-from autopar.spec import SS, P, R, S
+from autopar.ir.spec import SS, P, R, S
 
 aten = torch.ops.aten
 

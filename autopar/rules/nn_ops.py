@@ -4,7 +4,7 @@ attention, cross entropy, convolution, batch norm, pooling and dropout.
 Most of these are "independent along some dims": shard a batch-like dim of every input that has
 it and the output follows. The rows that need more than the op on local shards (a vocab-split
 embedding, a loss mean over a global count, batch statistics over a sharded batch, a bias
-under a split contraction) name a kernel from ``autopar.kernels.ops``.
+under a split contraction) name a kernel from ``autopar.ops.parallel``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from autopar.rules.pointwise import broadcast_shard, is_tensor, out_placement, row_by_name, shard_rows
 from autopar.rules.registry import OpInfo, Row, register, replicate_row
-from autopar.spec import P, R, S
+from autopar.ir.spec import P, R, S
 
 aten = torch.ops.aten
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from autopar.rules.registry import OpInfo, Row, TensorArg, register, replicate_row
-from autopar.spec import P, Placement, R, S
+from autopar.ir.spec import P, Placement, R, S
 
 aten = torch.ops.aten
 

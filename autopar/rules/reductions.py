@@ -16,7 +16,7 @@ import torch
 
 from autopar.rules.pointwise import out_placement
 from autopar.rules.registry import OpInfo, Row, register, replicate_row
-from autopar.spec import P, S
+from autopar.ir.spec import P, S
 
 aten = torch.ops.aten
 

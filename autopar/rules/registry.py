@@ -8,7 +8,7 @@ combinations whose shards would be uneven, and returns full-mesh ``Strategy`` ob
 A row's local computation is the op itself applied to the local shards, with size arguments
 rewritten to local sizes (``localize_kwargs``). When that is not enough (the mean over a sharded
 dim, a loss whose denominator is global, batch-norm statistics over a sharded batch), the row
-names a *kernel* from ``autopar.kernels``: the op's semantics plus collectives over the axes on
+names a *kernel* from ``autopar.ops.kernels``: the op's semantics plus collectives over the axes on
 which that row was chosen.
 
 Where no rule is registered, ``autopar.rules.dtensor_adapter`` asks DTensor's own sharding
@@ -27,7 +27,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.spec import Placement, Spec, is_valid
+from autopar.ir.spec import Placement, Spec, is_valid
 
 aten = torch.ops.aten
 
@@ -215,17 +215,19 @@ def localize_kwargs(target: Any, kw: dict[str, Any], local_out_shape: Sequence[i
     return {**kw, name: list(local_out_shape)}
 
 
+# Where no rule is registered, these are asked in turn (``dtensor_adapter`` adds DTensor's registry).
+FALLBACK_RULES: list[Callable[[OpInfo], "list[Row] | None"]] = []
+
+
 def node_strategies(info: OpInfo, mesh_shape: Sequence[int]) -> list[Strategy]:
     """All valid full-mesh strategies for one op. Never empty: falls back to replication."""
-    from autopar.rules import dtensor_adapter
-
     rule = RULES.get(info.target)
     rows: list[Row] | None = None
     source = "rule"
     if rule is not None:
         rows = rule(info)
     else:
-        rows = dtensor_adapter.rows_for(info)
+        rows = next((rows for fallback in FALLBACK_RULES if (rows := fallback(info))), None)
         source = "dtensor"
     if not rows:
         return [fallback_strategy(info, len(mesh_shape))]

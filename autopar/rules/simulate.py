@@ -26,8 +26,7 @@ from autopar.rules.registry import (
     op_info_from_values,
     replace_tensors,
 )
-from autopar.collectives import strided_piece, unstride
-from autopar.spec import Spec, is_strided, local_shape
+from autopar.ir.spec import Spec, is_strided, local_shape, strided_piece, unstride
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from autopar.rules.registry import OpInfo, Row, TensorArg, register, strided_blocks
-from autopar.spec import SS, P, R, S, Placement
+from autopar.ir.spec import SS, P, R, S, Placement
 
 aten = torch.ops.aten
 

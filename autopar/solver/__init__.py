@@ -9,15 +9,17 @@ from typing import Sequence
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError
-from autopar.plan import NodePlan, Plan
+from autopar.ir.plan import NodePlan, Plan
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver import backends
 from autopar.solver.backends import SOLVERS, check_solver
 from autopar.solver.choices import ChoiceGraph, build_choice_graph, grad_sync_bytes_per_axis
-from autopar.solver.explain import explain_decisions
+from autopar.solver.runner_ups import explain_decisions
 from autopar.solver.ilp import ShardingILP, Solution
-from autopar.spec import Spec, format_spec
+from autopar.solver.solving import MAX_MEMORY_ROUNDS, chosen_bytes, peak_memory, solve_ilp, solve_within_budget
+from autopar.ir.spec import Spec, format_spec
 from autopar.trace import TracedModel
+from autopar.solver.memory import plan_memory
 
 log = logging.getLogger("autopar")
 
@@ -43,7 +45,7 @@ def solve(
     (or a rounded / greedy fallback) is returned with its gap to the LP bound.
 
     When the sharding does not fit ``memory_budget`` and ``checkpointing`` or ``offload`` (a
-    target, "cpu" or "disk") allows it, ``autopar.memory.planner`` adds checkpointing and
+    target, "cpu" or "disk") allows it, ``autopar.solver.memory`` adds checkpointing and
     offload decisions to the plan's ``memory`` (no sharding fitting at all, it starts from the
     leanest one)."""
     check_solver(solver)
@@ -54,22 +56,11 @@ def solve(
              time.perf_counter() - start)
     ilp = ShardingILP(graph, memory_budget)
     log.info("autopar: solving the ILP ...")
-    solution = ilp.solve(time_limit_s, solver)
-    for _ in range(_MAX_MEMORY_ROUNDS):
-        if not solution.choice or memory_budget is None:
-            break
-        peak_bytes, peak_time = peak_memory(graph, solution)
-        if peak_bytes <= memory_budget * (1 + 1e-9):
-            break
-        log.debug("memory overshoot %.0f > %.0f at %s: adding that time", peak_bytes, memory_budget,
-                  graph.timeline.time_name(peak_time))
-        ilp.add_memory_constraint_at(peak_time)
-        solution = ilp.solve(time_limit_s, solver)
-    else:
-        peak_bytes = peak_memory(graph, solution)[0] if solution.choice and memory_budget is not None else 0.0
-        if memory_budget is not None and peak_bytes > memory_budget * (1 + 1e-9):
-            log.warning("autopar: after %d memory rounds the plan still peaks at %.0f bytes, over memory_budget=%.0f; "
-                        "its predicted peak is in plan.predicted", _MAX_MEMORY_ROUNDS, peak_bytes, memory_budget)
+    solution, fits = solve_within_budget(ilp, graph, memory_budget, time_limit_s, solver)
+    if not fits:
+        log.warning("autopar: after %d memory rounds the plan still peaks at %.0f bytes, over memory_budget=%.0f; "
+                    "its predicted peak is in plan.predicted", MAX_MEMORY_ROUNDS, peak_memory(graph, solution)[0],
+                    memory_budget)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
         if forced:
@@ -93,32 +84,17 @@ def solve(
     return dataclasses.replace(plan, decisions=decisions)
 
 
-# Rounds of the memory cutting-plane loop in ``solve`` (each adds one memory[t] and solves again).
-_MAX_MEMORY_ROUNDS = 20
-
-
-def _chosen_bytes(graph: ChoiceGraph, solution: Solution):
-    return lambda name: graph.choices[name].memory_bytes[solution.choice[name]]
-
-
-def peak_memory(graph: ChoiceGraph, solution: Solution) -> tuple[float, int]:
-    """(peak bytes per device, timeline time of the peak) of a solution's liveness curve."""
-    return graph.timeline.peak(_chosen_bytes(graph, solution))
-
-
 def _leanest(graph: ChoiceGraph, time_limit_s: float, solver: str) -> Solution:
     """The sharding of least peak memory."""
     lean = ShardingILP(graph, None)
     leanest = {n: min(c.memory_bytes, default=0.0) for n, c in graph.choices.items()}
     lean.minimize_peak_memory(graph.timeline.checkpoints([leanest.__getitem__]))
     # The LP-rounding fast path prices x and y only; this objective is an extra peak variable.
-    return lean.solve(time_limit_s, backends.mip_backend(solver))
+    return solve_ilp(lean, time_limit_s, backends.mip_backend(solver))
 
 
 def _with_memory_decisions(plan, traced, graph, solution, cluster, budget, offload, checkpointing, prefetch) -> Plan:
     """``plan`` with the checkpointing and offload that bring its peak under ``budget``."""
-    from autopar.memory.planner import plan_memory
-
     memory, breakdown = plan_memory(traced, graph, solution.choice, cluster, budget, target=offload,
                                     prefetch=prefetch, checkpointing=checkpointing)
     at = breakdown.pop("time")
@@ -201,7 +177,7 @@ def plan_from_solution(
                 src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad
             ).items():
                 per_axis[axis] += axis_sent
-    chosen = _chosen_bytes(graph, solution)
+    chosen = chosen_bytes(graph, solution)
     peak_bytes, peak_time = graph.timeline.peak(chosen)
     predicted = {
         "step_time_s": compute_s + reshard_s,

@@ -40,7 +40,7 @@ from autopar.rules.registry import (
     tensor_input_nodes,
     tensor_meta,
 )
-from autopar.spec import SS, Spec, is_valid, replicated
+from autopar.ir.spec import SS, Spec, is_valid, replicated
 from autopar.trace import TracedModel, requires_grad
 
 
@@ -161,7 +161,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     if zero_stage:
         _check_zero_layout(choices, zero_stage)
     zero_ways = math.prod(mesh_shape) if zero_stage else 1
-    timeline = liveness.build_timeline(_live_nodes(traced.gm, choices), optimizer, ties, zero_stage, zero_ways)
+    timeline = liveness.build_timeline(live_nodes(traced.gm, choices), optimizer, ties, zero_stage, zero_ways)
     return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline)
 
 
@@ -174,7 +174,7 @@ def _check_zero_layout(choices: dict[str, Choice], zero_stage: int) -> None:
             )
 
 
-def _live_nodes(gm: torch.fx.GraphModule, choices: dict[str, Choice]) -> list[liveness.LiveNode]:
+def live_nodes(gm: torch.fx.GraphModule, choices: dict[str, Choice]) -> list[liveness.LiveNode]:
     """What the liveness walk needs of each node (views and getitems alias their input)."""
     nodes = []
     for node in gm.graph.nodes:
@@ -195,7 +195,7 @@ def _live_nodes(gm: torch.fx.GraphModule, choices: dict[str, Choice]) -> list[li
 _LAYER_RE = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
 
-def _layer_key(node: torch.fx.Node, fqn: str | None) -> tuple[str, int] | None:
+def layer_key(node: torch.fx.Node, fqn: str | None) -> tuple[str, int] | None:
     """(ModuleList path, index) of the first numbered module on the node's module path."""
     path = fqn
     if path is None:
@@ -221,7 +221,7 @@ def repeated_layers(gm: torch.fx.GraphModule, choices: dict[str, Choice], traced
             continue
         if node.op == "placeholder" and choices[node.name].kind != "param":
             continue
-        key = _layer_key(node, fqns.get(node.name))
+        key = layer_key(node, fqns.get(node.name))
         if key is not None:
             layers.setdefault(key, []).append(node.name)
     by_list: dict[str, list[int]] = {}

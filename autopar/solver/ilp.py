@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import pulp
 
 from autopar.solver.choices import ChoiceGraph
-from autopar.spec import Spec, format_spec
+from autopar.ir.spec import Spec, format_spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,14 +241,7 @@ class ShardingILP:
             for variables, price, count in shared.values()
             for (seconds, _), var in zip(price.values(), variables.values()) if seconds
         )
-        self.problem += _weighted(itertools.chain(compute_terms, reshard_terms))
-
-    # -- solving (``solving.py``) ------------------------------------------------------------
-    def solve(self, time_limit_s: float = 60.0, solver: str = "auto") -> Solution:
-        """Solve with ``solver`` ("auto", "highs" or "cbc"; see ``backends``) in ``time_limit_s``."""
-        from autopar.solver.solving import solve_ilp
-
-        return solve_ilp(self, time_limit_s, solver)
+        self.problem += weighted_sum(itertools.chain(compute_terms, reshard_terms))
 
     def size(self) -> tuple[int, int]:
         return len(self.problem.variables()), self.problem.numConstraints()
@@ -269,7 +262,7 @@ def _linear(terms) -> dict:
     return total
 
 
-def _weighted(terms) -> pulp.LpAffineExpression:
+def weighted_sum(terms) -> pulp.LpAffineExpression:
     """Σ coefficient · term over (coefficient, variable or affine expression) pairs."""
     coefs: dict = {}
     for weight, term in terms:

@@ -21,6 +21,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 import pulp
+from autopar.solver import backends
 
 if TYPE_CHECKING:
     from autopar.solver.choices import ChoiceGraph
@@ -144,8 +145,6 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
 
 def _fixed_solve(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
     """Fix x to ``choice`` and solve the LP over the remaining variables."""
-    from autopar.solver import backends
-
     fixed = [var for name in deciding_nodes(ilp.graph) for var in ilp.x[name]]
     bounds = [(var.lowBound, var.upBound) for var in fixed]
     for var in fixed:

@@ -15,6 +15,7 @@ solver's), and ``gap = (objective_s - bound_s) / objective_s``, which the plan r
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import warnings
@@ -24,8 +25,13 @@ import pulp
 
 from autopar.solver import backends, rounding
 
+from autopar.solver.ilp import Solution
+
 if TYPE_CHECKING:
-    from autopar.solver.ilp import ShardingILP, Solution
+    from autopar.solver.choices import ChoiceGraph
+    from autopar.solver.ilp import ShardingILP
+
+log = logging.getLogger("autopar")
 
 # Relative gap under which a rounded LP solution counts as optimal (float noise in the sums).
 OPTIMAL_GAP = 1e-9
@@ -33,7 +39,42 @@ OPTIMAL_GAP = 1e-9
 _GREEDY_WEIGHTS = (1.0, 10.0, 100.0, 1e4, 1e6)
 
 
-def solve_ilp(ilp: ShardingILP, time_limit_s: float, solver: str) -> Solution:
+# Rounds of the memory cutting-plane loop (each adds one memory[t] row and solves again).
+MAX_MEMORY_ROUNDS = 20
+
+
+def chosen_bytes(graph: "ChoiceGraph", solution: "Solution"):
+    """Node name -> bytes of its chosen strategy."""
+    return lambda name: graph.choices[name].memory_bytes[solution.choice[name]]
+
+
+def peak_memory(graph: "ChoiceGraph", solution: "Solution") -> tuple[float, int]:
+    """(peak bytes per device, timeline time of the peak) of a solution's liveness curve."""
+    return graph.timeline.peak(chosen_bytes(graph, solution))
+
+
+def solve_within_budget(ilp: "ShardingILP", graph: "ChoiceGraph", budget: float | None, time_limit_s: float,
+                        solver: str) -> tuple["Solution", bool]:
+    """Solve, then add the memory row at the time where the liveness walk overshoots ``budget``
+    and solve again, up to ``MAX_MEMORY_ROUNDS`` times (the ILP bounds memory only at a handful
+    of times). Returns the solution and whether it fits ``budget`` (True with no budget, or no
+    solution)."""
+    solution = solve_ilp(ilp, time_limit_s, solver)
+    for _ in range(MAX_MEMORY_ROUNDS):
+        if not solution.choice or budget is None:
+            return solution, True
+        peak_bytes, peak_time = peak_memory(graph, solution)
+        if peak_bytes <= budget * (1 + 1e-9):
+            return solution, True
+        log.debug("memory overshoot %.0f > %.0f at %s: adding that time", peak_bytes, budget,
+                  graph.timeline.time_name(peak_time))
+        ilp.add_memory_constraint_at(peak_time)
+        solution = solve_ilp(ilp, time_limit_s, solver)
+    fits = not solution.choice or budget is None or peak_memory(graph, solution)[0] <= budget * (1 + 1e-9)
+    return solution, fits
+
+
+def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto") -> Solution:
     solver = backends.check_solver(solver)
     start = time.perf_counter()
     deadline = start + time_limit_s
@@ -157,8 +198,6 @@ def _gap(objective: float, bound: float) -> float:
 
 
 def _solution(ilp, incumbent, status, backend, bound, start) -> Solution:
-    from autopar.solver.ilp import Solution
-
     objective, choice, method = incumbent
     edge_specs = {}
     for e, edge in enumerate(ilp.graph.edges):
@@ -173,6 +212,4 @@ def _solution(ilp, incumbent, status, backend, bound, start) -> Solution:
 
 
 def _empty(ilp, status, backend, start) -> Solution:
-    from autopar.solver.ilp import Solution
-
     return Solution({}, {}, status, float("inf"), time.perf_counter() - start, *ilp.size(), backend=backend)

@@ -44,9 +44,11 @@ import numpy as np
 
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
-from autopar.solver.choices import ChoiceGraph, Choice, _layer_key, build_choice_graph, grad_sync_axes
-from autopar.solver.ilp import ShardingILP, Solution
+from autopar.solver.choices import ChoiceGraph, Choice, build_choice_graph, grad_sync_axes, layer_key
+from autopar.solver.ilp import ShardingILP, Solution, weighted_sum
+from autopar.solver.solving import solve_ilp, solve_within_budget
 from autopar.trace import TracedModel
+from autopar.rules import op_info
 
 log = logging.getLogger("autopar")
 
@@ -80,7 +82,7 @@ def cluster_layers(traced: TracedModel) -> Layers:
     """Cut ``traced``'s op nodes into pre, the repeated blocks and post (module docstring)."""
     fqns = {i.name: i.fqn for i in traced.inputs}
     ops = [n for n in traced.gm.graph.nodes if n.op == "call_function"]
-    keys = {n.name: _layer_key(n, fqns.get(n.name)) for n in ops}
+    keys = {n.name: layer_key(n, fqns.get(n.name)) for n in ops}
     counts: dict[str, set[int]] = {}
     for key in keys.values():
         if key is not None:
@@ -116,8 +118,6 @@ def _layers(unit: dict[str, int], num_blocks: int, ops, repeated: bool, path: st
 
 def _balanced_layers(ops) -> Layers:
     """No repeated blocks: up to FALLBACK_LAYERS units of about equal forward FLOPs."""
-    from autopar.rules import op_info
-
     flops = []
     for node in ops:
         try:
@@ -253,7 +253,7 @@ class CandidateSolver:
 
     def fastest(self) -> list[Candidate]:
         self.solves += 1
-        first = self.ilp.solve(self.time_limit_s, self.solver)
+        first = solve_ilp(self.ilp, self.time_limit_s, self.solver)
         return [Candidate(first, None)] if first.choice else []
 
     def leaner(self, fastest: Candidate) -> list[Candidate]:
@@ -278,7 +278,7 @@ class CandidateSolver:
         time_value = fastest.solution.objective_s
         if memory_value <= 0 or time_value <= 0:
             return []
-        memory = _weighted_sum((w * m, x) for n, w in weight.items() for m, x in zip(choices[n].memory_bytes, self.ilp.x[n]) if m)
+        memory = weighted_sum((w * m, x) for n, w in weight.items() for m, x in zip(choices[n].memory_bytes, self.ilp.x[n]) if m)
         time_objective = self.ilp.problem.objective
         seen = {tuple(sorted(fastest.solution.choice.items()))}
         found = []
@@ -289,7 +289,7 @@ class CandidateSolver:
                     warnings.simplefilter("ignore", DeprecationWarning)
                     self.ilp.problem.setObjective(time_objective + multiplier * memory)
                 self.solves += 1
-                solution = self.ilp.solve(self.time_limit_s, self.solver)
+                solution = solve_ilp(self.ilp, self.time_limit_s, self.solver)
                 key = tuple(sorted(solution.choice.items()))
                 if solution.choice and key not in seen:
                     seen.add(key)
@@ -305,8 +305,6 @@ class CandidateSolver:
         whole traced graph's peak, f in ``BUDGET_LADDER`` (lean: every node at its leanest
         strategy, a lower bound). Reaches plans off the convex hull that the Lagrangian rungs
         miss, at a MILP per rung."""
-        from autopar.solver import _MAX_MEMORY_ROUNDS, peak_memory
-
         graph, ilp = self.graph, self.ilp
         fast = peak_memory(graph, fastest.solution)[0]
         lean = graph.timeline.peak(lambda n: min(graph.choices[n].memory_bytes, default=0.0))[0]
@@ -315,15 +313,7 @@ class CandidateSolver:
             budget = lean + fraction * (fast - lean)
             _set_budget(ilp, budget)
             self.solves += 1
-            solution = ilp.solve(self.time_limit_s, self.solver)
-            for _ in range(_MAX_MEMORY_ROUNDS):
-                if not solution.choice:
-                    break
-                peak_bytes, peak_time = peak_memory(graph, solution)
-                if peak_bytes <= budget * (1 + 1e-9):
-                    break
-                ilp.add_memory_constraint_at(peak_time)
-                solution = ilp.solve(self.time_limit_s, self.solver)
+            solution, _ = solve_within_budget(ilp, graph, budget, self.time_limit_s, self.solver)
             if solution.choice:
                 found.append(Candidate(solution, fraction))
         _set_budget(ilp, _NO_BOUND)  # the memory rows stay, with no effective bound
@@ -344,12 +334,6 @@ def _set_budget(ilp: ShardingILP, budget: float) -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         for time_ in ilp.memory_times:
             ilp.problem.constraints[ilp.memory_constraint_name(time_)].changeRHS(budget)
-
-
-def _weighted_sum(terms):
-    from autopar.solver.ilp import _weighted
-
-    return _weighted(terms)
 
 
 # -- per-unit prices ---------------------------------------------------------------------------

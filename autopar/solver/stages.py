@@ -62,10 +62,10 @@ import numpy as np
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError, MeshError
-from autopar.mesh_search import mesh_candidates
-from autopar.pipeline import Stage, StagePlan, bubble_fraction
-from autopar.pipeline_split import check_num_stages, schedule_for, stage_mesh_of, stage_ranks
-from autopar.plan import Plan
+from autopar.solver.mesh_search import mesh_candidates
+from autopar.ir.pipeline import Stage, StagePlan, bubble_fraction
+from autopar.ir.pipeline import check_num_stages, schedule_for, stage_mesh_of, stage_ranks
+from autopar.ir.plan import Plan
 from autopar.solver.choices import ChoiceGraph
 from autopar.solver.ilp import Solution
 from autopar.solver.stage_costs import (
@@ -73,6 +73,7 @@ from autopar.solver.stage_costs import (
     unit_costs,
 )
 from autopar.trace import TracedModel
+from autopar.solver import plan_from_solution
 
 log = logging.getLogger("autopar")
 
@@ -515,8 +516,6 @@ def plan_stages(
 
 def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_costs: _MeshCosts,
               cluster: ClusterSpec, memory_budget) -> Plan:
-    from autopar.solver import plan_from_solution
-
     graph = mesh_costs.graph
     L = layers.num_blocks
     ranks = stage_ranks(search.mesh_shape, len(search.stages))

@@ -30,7 +30,7 @@ import torch
 
 from autopar.cost import comm, compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
 from autopar.rules import op_info
 from autopar.rules.registry import Strategy, tensor_input_nodes, tensor_meta
 from autopar.solver.choices import grad_sync_axes
@@ -179,18 +179,6 @@ def symbolic_costs(priced_b: dict[str, Any], priced_2b: dict[str, Any], batch: i
     }
 
 
-def evaluate(symbolic: dict[str, Any], batch: int) -> dict[str, float]:
-    """Substitute ``B = batch`` in ``symbolic_costs``' expressions."""
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive integer, got {batch!r}")
-    symbol = sympy.Symbol(symbolic["symbol"], positive=True)
-    out = {}
-    for key in ("step_time_s", "comm_bytes", "peak_memory_bytes"):
-        value = float(sympy.sympify(symbolic[key], locals={symbolic["symbol"]: symbol}).subs(symbol, batch))
-        out[key] = value if key == "step_time_s" else float(round(value))
-    return out
-
-
 def double_batch(args: Any) -> Any:
     """The example inputs with every tensor's dim 0 (the batch) doubled, repeating its rows."""
     if isinstance(args, torch.Tensor):
@@ -210,4 +198,4 @@ def batch_size(args: Any) -> int:
     raise ValueError("symbolic costs need a tensor input whose dim 0 is the batch; the example inputs have none")
 
 
-__all__ = ["BATCH", "price_plan", "totals", "symbolic_costs", "evaluate", "double_batch", "batch_size"]
+__all__ = ["BATCH", "price_plan", "totals", "symbolic_costs", "double_batch", "batch_size"]

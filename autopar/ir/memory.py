@@ -1,0 +1,134 @@
+"""Memory decisions: the part of a plan that checkpoints segments and offloads tensors.
+
+When the best sharding does not fit ``memory_budget``, the memory planner
+(``autopar.solver.memory``) adds activation checkpointing and offload, and records each decision
+here, with the bytes it saves on the device and the seconds it adds to a step. The checkpoint and
+offload passes (``autopar.passes.memory``) and the offload runtime (``autopar.runtime.offload``)
+carry them out; they choose nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+TARGETS = ("cpu", "disk")
+OFFLOAD_KINDS = ("param", "grad", "optimizer_state")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSegment:
+    """Nodes ``first`` .. ``last`` (graph order, both included) whose saved activations leave the
+    device between forward and backward: recomputed in backward (``MemoryPlan.checkpoint``), or
+    offloaded and read back (``MemoryPlan.offload_activations``)."""
+
+    name: str  # the layer it covers, e.g. "transformer.h.3"
+    first: str
+    last: str
+    saved_bytes: float  # activations no longer kept from forward to backward
+    cost_s: float  # checkpoint: the segment's forward compute, run again; offload: the transfers
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "first": self.first, "last": self.last,
+                "saved_bytes": self.saved_bytes, "cost_s": self.cost_s}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "CheckpointSegment":
+        return cls(str(data["name"]), str(data["first"]), str(data["last"]),
+                   float(data["saved_bytes"]), float(data["cost_s"]))
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadEntry:
+    """Keep one parameter's value, gradient or optimizer state off the device between uses."""
+
+    kind: str  # one of OFFLOAD_KINDS
+    fqn: str
+    saved_bytes: float
+    transfer_bytes: float  # moved each step, both directions together
+    cost_s: float  # transfer seconds at the target's bandwidth (before overlap with compute)
+
+    def __post_init__(self) -> None:
+        if self.kind not in OFFLOAD_KINDS:
+            raise ValueError(f"offload kind must be one of {', '.join(OFFLOAD_KINDS)}, got {self.kind!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "fqn": self.fqn, "saved_bytes": self.saved_bytes,
+                "transfer_bytes": self.transfer_bytes, "cost_s": self.cost_s}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "OffloadEntry":
+        return cls(str(data["kind"]), str(data["fqn"]), float(data["saved_bytes"]),
+                   float(data["transfer_bytes"]), float(data["cost_s"]))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every checkpoint and offload decision of a plan, and what they add up to."""
+
+    target: str  # where offloaded tensors live: "cpu" (pinned host memory) or "disk"
+    prefetch: bool  # fetch each offloaded tensor one use ahead, overlapping compute
+    checkpoint: tuple[CheckpointSegment, ...] = ()
+    offload: tuple[OffloadEntry, ...] = ()
+    # Segments whose saved activations go to the target in forward and come back in backward.
+    offload_activations: tuple[CheckpointSegment, ...] = ()
+    peak_before_bytes: float = 0.0  # the sharding's own predicted peak
+    peak_bytes: float = 0.0  # the predicted peak with these decisions
+    added_s: float = 0.0  # recompute plus the transfer time not hidden behind compute
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"offload target must be one of {', '.join(TARGETS)}, got {self.target!r}")
+
+    def offloaded(self, kind: str) -> list[str]:
+        """FQNs whose ``kind`` (param, grad, optimizer_state) is offloaded, in plan order."""
+        return [entry.fqn for entry in self.offload if entry.kind == kind]
+
+    @property
+    def saved_bytes(self) -> float:
+        return self.peak_before_bytes - self.peak_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "prefetch": self.prefetch,
+            "checkpoint": [segment.to_json() for segment in self.checkpoint],
+            "offload": [entry.to_json() for entry in self.offload],
+            "offload_activations": [segment.to_json() for segment in self.offload_activations],
+            "peak_before_bytes": self.peak_before_bytes,
+            "peak_bytes": self.peak_bytes,
+            "added_s": self.added_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "MemoryPlan":
+        return cls(
+            target=str(data["target"]),
+            prefetch=bool(data["prefetch"]),
+            checkpoint=tuple(CheckpointSegment.from_json(s) for s in data.get("checkpoint", ())),
+            offload=tuple(OffloadEntry.from_json(e) for e in data.get("offload", ())),
+            offload_activations=tuple(CheckpointSegment.from_json(s) for s in data.get("offload_activations", ())),
+            peak_before_bytes=float(data.get("peak_before_bytes", 0.0)),
+            peak_bytes=float(data.get("peak_bytes", 0.0)),
+            added_s=float(data.get("added_s", 0.0)),
+        )
+
+    def summary_lines(self) -> list[str]:
+        """What the summary prints: each decision with the bytes it saves and the time it costs."""
+        mib = 2**20
+        lines = [f"memory decisions: peak {self.peak_before_bytes / mib:.1f} MiB -> {self.peak_bytes / mib:.1f} MiB, "
+                 f"+{self.added_s * 1e3:.2f} ms per step; offload to {self.target}"
+                 f"{' with prefetch' if self.prefetch else ''}"]
+        for segment in self.checkpoint:
+            lines.append(f"  checkpoint {segment.name} ({segment.first} .. {segment.last}): "
+                         f"saves {segment.saved_bytes / mib:.1f} MiB, recompute {segment.cost_s * 1e3:.2f} ms")
+        for segment in self.offload_activations:
+            lines.append(f"  offload activations of {segment.name} ({segment.first} .. {segment.last}): "
+                         f"saves {segment.saved_bytes / mib:.1f} MiB, transfers {segment.cost_s * 1e3:.2f} ms")
+        for entry in self.offload:
+            lines.append(f"  offload {entry.kind} {entry.fqn}: saves {entry.saved_bytes / mib:.1f} MiB, "
+                         f"moves {entry.transfer_bytes / mib:.1f} MiB in {entry.cost_s * 1e3:.2f} ms")
+        return lines
+
+
+__all__ = ["TARGETS", "OFFLOAD_KINDS", "CheckpointSegment", "OffloadEntry", "MemoryPlan"]

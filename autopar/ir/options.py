@@ -1,0 +1,165 @@
+"""Planning options as values. ``autopar.plan``, ``autopar.compile`` and the CLI build one
+``PlanOptions`` from their keywords or flags, and the planner reads that one object, so an option
+is checked once, in ``__post_init__``, with the same message on every path.
+
+    PlanOptions(memory=MemoryOptions(budget=40e9, offload="auto"),
+                pipeline=PipelineOptions(stages=4, num_microbatches=8))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.errors import MeshError
+
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class SolveOptions:
+    """How the sharding ILP is solved: ``solver`` is "auto" (LP relaxation first, MILP only if
+    rounding leaves a gap), "highs" or "cbc"; ``time_limit_s`` bounds each solve (then the best
+    plan found is used, and its gap is reported)."""
+
+    time_limit_s: float = 60.0
+    solver: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, (int, float)) \
+                or not self.time_limit_s > 0:
+            raise ValueError(f"time_limit_s must be a positive number of seconds, got {self.time_limit_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryOptions:
+    """What the plan may do to fit ``budget`` bytes per device (None: no budget).
+
+    ``offload`` is "off" (sharding only), "cpu" (pinned host memory), "disk" or "disk:PATH", or
+    "auto" (host memory, or disk where the compute device is the host). ``checkpointing``
+    defaults to on when ``offload`` is not "off". ``prefetch`` fetches each offloaded tensor one
+    use ahead."""
+
+    budget: float | None = None
+    offload: str = "off"
+    checkpointing: bool | None = None
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
+                                        or not self.budget > 0):
+            raise ValueError(f"memory_budget is bytes per device and must be positive, got {self.budget!r}")
+        self.offload_target(has_host=True)  # checks the spelling
+
+    def offload_target(self, has_host: bool) -> tuple[str | None, str | None]:
+        """(target, disk path) of ``offload``: "off" gives (None, None). ``has_host`` says whether
+        the cluster's device has a host memory apart from it (else "auto" means disk)."""
+        offload = self.offload
+        if not isinstance(offload, str):
+            raise ValueError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
+        if offload == "off":
+            return None, None
+        if offload == "auto":
+            return ("cpu" if has_host else "disk"), None
+        if offload == "cpu":
+            return "cpu", None
+        if offload == "disk" or offload.startswith("disk:"):
+            return "disk", offload.partition(":")[2] or None
+        raise ValueError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
+
+    @property
+    def decides_memory(self) -> bool:
+        """Whether the plan may add checkpointing or offload."""
+        return self.offload != "off" or bool(self.checkpointing)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineOptions:
+    """``stages`` is "off", a number of stages N (mesh axis 0 is cut into N equal rank groups) or
+    "auto" (the stage planner decides). The plan is made for ``num_microbatches`` microbatches
+    (default: N, or 1 under "auto")."""
+
+    stages: int | str = "off"
+    num_microbatches: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stages is None:
+            object.__setattr__(self, "stages", "off")
+        if self.stages == "off":
+            if self.num_microbatches is not None:
+                raise ValueError(
+                    f"num_microbatches={self.num_microbatches!r} cuts the batch for a pipeline, but pipeline is "
+                    "'off': pass pipeline=N (N stages along mesh axis 0) or pipeline='auto' as well, or drop "
+                    "num_microbatches"
+                )
+            return
+        if self.stages != "auto" and (not _is_int(self.stages) or self.stages < 1):
+            raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {self.stages!r}")
+        if self.num_microbatches is not None and (not _is_int(self.num_microbatches) or self.num_microbatches < 1):
+            raise ValueError(f"num_microbatches must be a positive int, got {self.num_microbatches!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.stages != "off"
+
+    @property
+    def microbatches(self) -> int:
+        """``num_microbatches`` as given, or its default: N for N stages, 1 under "auto"."""
+        if self.num_microbatches is not None:
+            return self.num_microbatches
+        return 1 if self.stages == "auto" else int(self.stages)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    """Everything ``autopar.plan`` takes besides the model, its inputs, the mesh and the cluster.
+
+    ``devices`` and ``max_axes`` serve ``mesh="auto"`` (the mesh search). ``symbolic_batch`` also
+    prices the plan as functions of the batch size (``plan.predict``). ``compute`` ("roofline" or
+    "measured") overrides the cluster's way of pricing ops (the cluster checks it)."""
+
+    solve: SolveOptions = field(default_factory=SolveOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    devices: int | None = None
+    max_axes: int = 3
+    symbolic_batch: bool = False
+    compute: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.pipeline.enabled and self.memory.decides_memory:
+            raise ValueError(
+                f"offload={self.memory.offload!r}, checkpointing={self.memory.checkpointing!r} with a pipeline: "
+                "checkpointing and offload inside pipeline stages are not built yet; pass pipeline='off' to plan "
+                "them, or offload='off'"
+            )
+        if self.pipeline.enabled and self.symbolic_batch:
+            raise ValueError("symbolic_batch is not available for pipelined plans yet: pass pipeline='off'")
+
+    @classmethod
+    def from_keywords(cls, *, memory_budget: float | None = None, time_limit_s: float = 60.0, solver: str = "auto",
+                      pipeline: int | str = "off", num_microbatches: int | None = None, offload: str = "off",
+                      checkpointing: bool | None = None, prefetch: bool = True, **rest: Any) -> "PlanOptions":
+        """The options of ``autopar.plan``'s keywords (the flat spelling of this value)."""
+        return cls(solve=SolveOptions(time_limit_s, solver),
+                   memory=MemoryOptions(memory_budget, offload, checkpointing, prefetch),
+                   pipeline=PipelineOptions(pipeline, num_microbatches), **rest)
+
+    def replace(self, **changes: Any) -> "PlanOptions":
+        return dataclasses.replace(self, **changes)
+
+
+def check_mesh_devices(mesh_shape: tuple[int, ...], devices: int | None) -> None:
+    """``devices``, where given beside a mesh, must be the mesh's size."""
+    if devices is not None and math.prod(mesh_shape) != devices:
+        raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
+                        "pass one of them, or mesh='auto' to search the meshes of that many devices")
+
+
+__all__ = ["MemoryOptions", "PipelineOptions", "PlanOptions", "SolveOptions",
+           "check_mesh_devices"]

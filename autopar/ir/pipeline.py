@@ -1,0 +1,196 @@
+"""Pipeline stages: the part of a plan that splits the graph into stages run one after another.
+
+A pipelined plan cuts mesh axis 0 into ``len(stages)`` equal groups of ranks. Each stage runs a
+contiguous range of the graph's layers on its own group, whose mesh is ``stage_mesh``; the plan's
+node and parameter decisions are then the intra-stage decisions, made for ``stage_mesh`` on the
+graph traced at the size of one microbatch. The stage planner (``autopar.solver.stages``)
+chooses this record; the split pass and the pipeline runtime carry it out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from autopar.errors import MeshError
+
+SCHEDULES = ("1F1B", "GPipe")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage."""
+
+    index: int
+    layers: tuple[int, int]  # [first, last) in the planner's layer clustering
+    nodes: tuple[str, ...]  # forward-graph node names this stage runs, in graph order
+    ranks: tuple[int, ...]  # global ranks of the stage's group, in stage-mesh order
+    time_s: float  # predicted forward + backward time of one microbatch
+    memory_bytes: float  # predicted peak, counting the microbatches in flight on this stage
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "layers": list(self.layers),
+            "nodes": list(self.nodes),
+            "ranks": list(self.ranks),
+            "time_s": self.time_s,
+            "memory_bytes": self.memory_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Stage":
+        return cls(
+            index=int(data["index"]),
+            layers=(int(data["layers"][0]), int(data["layers"][1])),
+            nodes=tuple(data["nodes"]),
+            ranks=tuple(int(r) for r in data["ranks"]),
+            time_s=float(data["time_s"]),
+            memory_bytes=float(data["memory_bytes"]),
+        )
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The stages of a pipelined plan and their predicted step (see the module docstring)."""
+
+    num_microbatches: int
+    schedule: str  # one of SCHEDULES
+    stage_mesh: tuple[int, ...]  # the mesh every stage's intra-stage plan is made for
+    stages: tuple[Stage, ...]
+    step_time_s: float  # 1F1B / GPipe: sum of stage times + (m - 1) * the slowest (+ gradient sync, once)
+    bubble_fraction: float  # share of the step the devices of a stage sit idle, on average
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be at least 1, got {self.num_microbatches}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_of(self) -> dict[str, int]:
+        """Node name → stage index."""
+        return {name: stage.index for stage in self.stages for name in stage.nodes}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_microbatches": self.num_microbatches,
+            "schedule": self.schedule,
+            "stage_mesh": list(self.stage_mesh),
+            "step_time_s": self.step_time_s,
+            "bubble_fraction": self.bubble_fraction,
+            "stages": [stage.to_json() for stage in self.stages],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "StagePlan":
+        return cls(
+            num_microbatches=int(data["num_microbatches"]),
+            schedule=data["schedule"],
+            stage_mesh=tuple(int(n) for n in data["stage_mesh"]),
+            stages=tuple(Stage.from_json(s) for s in data["stages"]),
+            step_time_s=float(data["step_time_s"]),
+            bubble_fraction=float(data["bubble_fraction"]),
+        )
+
+
+def bubble_fraction(stage_times_s: list[float], num_microbatches: int) -> float:
+    """Idle share of a GPipe/1F1B step: 1 - (m * sum t) / (S * (sum t + (m - 1) * max t))."""
+    total = sum(stage_times_s)
+    if not stage_times_s or total <= 0:
+        return 0.0
+    step = total + (num_microbatches - 1) * max(stage_times_s)
+    return 1.0 - num_microbatches * total / (len(stage_times_s) * step)
+
+
+# Stage meshes, stage ranks and microbatches: what the planner, the split pass and the runtime share.
+def stage_mesh_of(mesh_shape: Sequence[int], num_stages: int) -> tuple[int, ...]:
+    """The mesh of one stage: mesh axis 0 cut into ``num_stages`` equal rank groups."""
+    check_num_stages(mesh_shape[0], num_stages)
+    return (mesh_shape[0] // num_stages, *mesh_shape[1:])
+
+
+def check_num_stages(axis0: int, num_stages: int, where: str | None = None) -> None:
+    """Pipeline stages cut ``axis0`` ranks (mesh axis 0, or ``where`` says what) into equal groups:
+    a ValueError (MeshError) naming the cause and the fix otherwise."""
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {num_stages!r}")
+    if axis0 % num_stages:
+        divisors = [s for s in range(1, axis0 + 1) if axis0 % s == 0]
+        raise MeshError(f"pipeline={num_stages} stages must divide {where or f'mesh axis 0 ({axis0})'} into equal "
+                        f"rank groups: use one of {divisors}, or a mesh whose axis 0 divides by {num_stages}")
+
+
+def stage_ranks(mesh_shape: Sequence[int], num_stages: int) -> list[tuple[int, ...]]:
+    """Global ranks of each stage, in stage-mesh (row-major) order."""
+    grid = torch.arange(math.prod(mesh_shape)).reshape(num_stages, -1)
+    return [tuple(int(r) for r in row) for row in grid]
+
+
+def schedule_for(num_stages: int, num_microbatches: int) -> str:
+    """1F1B holds fewer microbatches in flight, but needs at least as many microbatches as stages."""
+    return "1F1B" if num_microbatches >= num_stages else "GPipe"
+
+
+def stage_of_nodes(stage_plan: StagePlan, gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Stage of every non-placeholder node of ``gm``: the plan's stage for the traced nodes, and
+    for nodes a pass inserted (collectives), the stage of the node that consumes them."""
+    planned = stage_plan.stage_of()
+    stage: dict[str, int] = {}
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.name in planned:
+            stage[node.name] = planned[node.name]
+            continue
+        users = [stage[u.name] for u in node.users if u.name in stage]
+        if any(u.op == "output" for u in node.users):
+            users.append(stage_plan.num_stages - 1)
+        if not users:
+            raise ValueError(f"node {node.format_node()} is in no pipeline stage and has no consumer in one")
+        stage[node.name] = min(users)
+    return stage
+
+
+def batch_size_of(example_inputs, example_kwargs) -> int:
+    """Dim 0 shared by every tensor input: the batch that pipelining cuts into microbatches."""
+    leaves = torch.utils._pytree.tree_leaves((example_inputs, example_kwargs or {}))
+    sizes = {tuple(t.shape)[0] if t.dim() else None for t in leaves if isinstance(t, torch.Tensor)}
+    if not sizes:
+        raise ValueError("pipelining cuts the example inputs' dim 0 into microbatches, but no input is a tensor")
+    if len(sizes) > 1 or None in sizes:
+        raise ValueError(
+            f"pipelining cuts every tensor input on dim 0 into microbatches, but the inputs' dim 0 sizes are "
+            f"{sorted(sizes, key=str)}: give every tensor input the batch as its dim 0"
+        )
+    return sizes.pop()
+
+
+def check_num_microbatches(num_microbatches, batch: int) -> None:
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+    if batch % num_microbatches:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise ValueError(
+            f"num_microbatches={num_microbatches} does not divide the batch of {batch} (dim 0 of the example "
+            f"inputs) into equal microbatches: use one of {divisors}, or a batch that divides by {num_microbatches}"
+        )
+
+
+def first_microbatch(example_inputs, example_kwargs, num_microbatches: int):
+    """The example inputs cut to one microbatch (the first 1/m of dim 0 of every tensor)."""
+    batch = batch_size_of(example_inputs, example_kwargs)
+    check_num_microbatches(num_microbatches, batch)
+    size = batch // num_microbatches
+
+    def cut(value):
+        return value[:size].clone() if isinstance(value, torch.Tensor) else value
+
+    return torch.utils._pytree.tree_map(cut, tuple(example_inputs)), torch.utils._pytree.tree_map(cut, example_kwargs)

@@ -1,0 +1,308 @@
+"""Sharding specs: one DTensor placement per mesh axis, and how to move between them.
+
+A *spec* is a tuple with one placement per mesh axis, each ``Replicate()``, ``Shard(dim)`` or
+``Partial("sum")`` from ``torch.distributed.tensor``, or DTensor's strided shard
+``_StridedShard(dim, split_factor=n)``. Plan files spell them ``R``, ``S(d)``, ``P`` and ``S(d)/n``.
+
+A strided shard is how Megatron cuts a fused projection: the dim is ``n`` equal blocks (q, k and v
+of a fused attention projection, or gate and up of a fused MLP), each block is cut into ``k``
+chunks along the mesh axis, and rank ``r`` holds chunk ``r`` of every block, in block order. A
+rank's slice of ``split(dim, size / n)`` is then its own q, k and v, with no communication. autopar
+allows a strided dim on one mesh axis only (no other axis shards that dim).
+
+Sharding is nested in axis order: a tensor dim sharded on axes 0 and 1 is first cut into
+``mesh[0]`` chunks, and each chunk again into ``mesh[1]`` chunks, as DTensor does. autopar only
+uses even shards: a dim may be sharded only when its size divides by the product of the axis
+sizes that shard it (``is_valid``). Uneven shards are excluded, never approximated.
+
+``transition_steps`` is the single source of truth for resharding. The cost model prices these
+steps and the collectives pass inserts exactly these steps, so what is priced is what runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+Placement = Replicate | Shard | Partial | _StridedShard
+Spec = tuple[Placement, ...]
+
+R = Replicate()
+P = Partial()
+
+
+def S(dim: int) -> Shard:
+    return Shard(dim)
+
+
+def SS(dim: int, blocks: int) -> _StridedShard:
+    """A strided shard of ``dim`` seen as ``blocks`` equal blocks (plan spelling ``S(dim)/blocks``)."""
+    if blocks < 2:
+        raise ValueError(f"a strided shard needs at least 2 blocks, got {blocks}: use S({dim}) for 1")
+    return _StridedShard(dim, split_factor=blocks)
+
+
+def is_strided(placement: Placement) -> bool:
+    return isinstance(placement, _StridedShard)
+
+
+def is_sharded(placement: Placement) -> bool:
+    """Shard or strided shard: the rank holds 1/k of the dim."""
+    return isinstance(placement, (Shard, _StridedShard))
+
+
+_SHARD_RE = re.compile(r"^S\((\d+)\)$")
+_STRIDED_RE = re.compile(r"^S\((\d+)\)/(\d+)$")
+
+
+def parse_placement(text: str) -> Placement:
+    """``"R"`` → Replicate(), ``"S(1)"`` → Shard(1), ``"P"`` → Partial("sum")."""
+    if text == "R":
+        return R
+    if text == "P":
+        return P
+    match = _SHARD_RE.match(text)
+    if match:
+        return Shard(int(match.group(1)))
+    match = _STRIDED_RE.match(text)
+    if match:
+        return SS(int(match.group(1)), int(match.group(2)))
+    raise ValueError(f"unknown placement {text!r}: expected 'R', 'P', 'S(<dim>)' or 'S(<dim>)/<blocks>'")
+
+
+def format_placement(placement: Placement) -> str:
+    if isinstance(placement, Replicate):
+        return "R"
+    if isinstance(placement, _StridedShard):
+        return f"S({placement.dim})/{placement.split_factor}"
+    if isinstance(placement, Shard):
+        return f"S({placement.dim})"
+    if isinstance(placement, Partial):
+        if placement.reduce_op != "sum":
+            raise ValueError(f"only Partial('sum') is used by autopar, got {placement!r}")
+        return "P"
+    raise TypeError(f"not a placement: {placement!r}")
+
+
+def spec_text(spec: Spec) -> str:
+    """A spec as plans and reports print it: "(S(0), R)"."""
+    return "(" + ", ".join(format_spec(spec)) + ")"
+
+
+def parse_spec(texts: Sequence[str]) -> Spec:
+    return tuple(parse_placement(t) for t in texts)
+
+
+def format_spec(spec: Spec) -> list[str]:
+    return [format_placement(p) for p in spec]
+
+
+def replicated(num_axes: int) -> Spec:
+    return (R,) * num_axes
+
+
+def shard_axes(spec: Spec, dim: int) -> list[int]:
+    """Mesh axes that shard tensor dim ``dim``, in nesting order."""
+    return [axis for axis, p in enumerate(spec) if isinstance(p, Shard) and p.dim == dim]
+
+
+def is_valid(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
+    """True when every sharded dim exists and divides evenly by the axes that shard it; a
+    strided dim must divide into its blocks times the axis size, on that one axis alone."""
+    for axis, placement in enumerate(spec):
+        if is_sharded(placement) and not 0 <= placement.dim < len(shape):
+            return False
+        if is_strided(placement):
+            if shape[placement.dim] % (placement.split_factor * mesh_shape[axis]):
+                return False
+            if any(is_sharded(p) and p.dim == placement.dim for a, p in enumerate(spec) if a != axis):
+                return False
+    for dim, size in enumerate(shape):
+        factor = math.prod(mesh_shape[a] for a in shard_axes(spec, dim))
+        if size % factor:
+            return False
+    return True
+
+
+def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape each rank holds. Assumes ``is_valid``."""
+    out = list(shape)
+    for axis, placement in enumerate(spec):
+        if is_sharded(placement):
+            out[placement.dim] //= mesh_shape[axis]
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One collective (or local slice) on one mesh axis.
+
+    kinds: ``all_reduce`` (P→R), ``reduce_scatter`` (P→S(dim)), ``all_gather`` (S(dim)→R),
+    ``chunk`` (R→S(dim), local, no communication in forward), ``all_to_all`` (S(src_dim)→S(dim)).
+    ``blocks`` > 1 makes an ``all_gather`` or ``chunk`` strided: S(dim)/blocks ↔ R.
+    """
+
+    kind: str
+    axis: int
+    dim: int = -1
+    src_dim: int = -1
+    blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("all_reduce", "reduce_scatter", "all_gather", "chunk", "all_to_all"):
+            raise ValueError(f"unknown step kind {self.kind!r}")
+
+
+@functools.lru_cache(maxsize=65536)
+def transition_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:
+    """The collectives that turn a tensor held as ``src`` into ``dst``, or None if impossible.
+
+    Turning R or S into P is never needed by autopar's rules and is reported impossible.
+    Phase 1 walks axes innermost first and brings each changing axis to R (or straight to its
+    target with one reduce-scatter or all-to-all when no other axis shards the same dim, so
+    nesting order is kept). Phase 2 walks axes outermost first and chunks R into the target.
+    """
+    if len(src) != len(dst):
+        raise ValueError(f"spec lengths differ: {src} vs {dst}")
+    if src == dst:
+        return ()
+    if any(map(is_strided, src + dst)):
+        return _strided_steps(src, dst)
+    for s, d in zip(src, dst):
+        if isinstance(d, Partial) and not isinstance(s, Partial):
+            return None
+    reset = _axes_to_reset(src, dst)
+    current = list(src)
+    steps: list[Step] = []
+    for axis in reversed(range(len(src))):
+        if axis not in reset:
+            continue
+        s, d = current[axis], dst[axis]
+        others = [a for a in range(len(src)) if a != axis]
+        if isinstance(s, Partial):
+            if isinstance(d, Shard) and _dim_free(d.dim, others, current, dst):
+                steps.append(Step("reduce_scatter", axis, d.dim))
+                current[axis] = d
+            else:
+                steps.append(Step("all_reduce", axis))
+                current[axis] = R
+        elif isinstance(s, Shard):
+            if (
+                isinstance(d, Shard)
+                and s != d
+                and _dim_free(d.dim, others, current, dst)
+                and _dim_free(s.dim, others, current, dst)
+            ):
+                steps.append(Step("all_to_all", axis, d.dim, s.dim))
+                current[axis] = d
+            else:
+                steps.append(Step("all_gather", axis, s.dim))
+                current[axis] = R
+    for axis in range(len(src)):
+        if current[axis] != dst[axis]:
+            assert isinstance(current[axis], Replicate) and isinstance(dst[axis], Shard)
+            steps.append(Step("chunk", axis, dst[axis].dim))
+            current[axis] = dst[axis]
+    return tuple(steps)
+
+
+def _axes_to_reset(src: Spec, dst: Spec) -> set[int]:
+    """Axes that must be gathered and re-cut: those that change, plus inner axes that shard a
+    dim whose outer sharding changes (their chunks would otherwise come out in the wrong order)."""
+    reset = {axis for axis in range(len(src)) if src[axis] != dst[axis]}
+    changed = True
+    while changed:
+        changed = False
+        for axis, placement in enumerate(src):
+            if axis in reset or not is_sharded(placement):
+                continue
+            if any(b < axis and placement in (src[b], dst[b]) for b in reset):
+                reset.add(axis)
+                changed = True
+    return reset
+
+
+def _dim_free(dim: int, axes: list[int], current: list[Placement], dst: Spec) -> bool:
+    """No other axis shards ``dim`` now or in the target, so nesting order cannot be broken."""
+    shard = Shard(dim)
+    return all(current[a] != shard and dst[a] != shard for a in axes)
+
+
+def _strided_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:
+    """Transitions to or from a strided shard: the changing axes are brought to R (a strided
+    axis by a strided all-gather), innermost first, then cut into the target, outermost
+    first. A strided dim is sharded on one axis only (``is_valid``), so no nesting is broken."""
+    for s, d in zip(src, dst):
+        if isinstance(d, Partial) and not isinstance(s, Partial):
+            return None
+    reset = _axes_to_reset(src, dst)
+    current = list(src)
+    steps: list[Step] = []
+    for axis in reversed(range(len(src))):
+        s = current[axis]
+        if axis not in reset:
+            continue
+        if isinstance(s, Partial):
+            steps.append(Step("all_reduce", axis))
+        elif is_strided(s):
+            steps.append(Step("all_gather", axis, s.dim, blocks=s.split_factor))
+        elif isinstance(s, Shard):
+            steps.append(Step("all_gather", axis, s.dim))
+        current[axis] = R
+    for axis in range(len(src)):
+        d = dst[axis]
+        if current[axis] != d:
+            steps.append(Step("chunk", axis, d.dim, blocks=d.split_factor if is_strided(d) else 1))
+            current[axis] = d
+    return tuple(steps)
+
+
+# Strided shards (S(d)/k) cut a dim into `blocks` equal blocks and give each rank its chunk of each.
+def _split_dim(x: torch.Tensor, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
+    dim = dim % x.dim()
+    return x.reshape(*x.shape[:dim], *sizes, *x.shape[dim + 1 :])
+
+
+def strided_piece(x: torch.Tensor, dim: int, k: int, index: int, blocks: int) -> torch.Tensor:
+    """Piece ``index`` of ``k`` under a strided shard: chunk ``index`` of each of ``blocks``
+    equal blocks of ``dim``, concatenated in block order."""
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    parts = _split_dim(x, dim, (blocks, k, size // (blocks * k)))
+    return parts.select(dim + 1, index).reshape(*x.shape[:dim], size // k, *x.shape[dim + 1 :]).contiguous()
+
+
+def unstride(x: torch.Tensor, dim: int, k: int, blocks: int) -> torch.Tensor:
+    """The whole tensor from the ``k`` strided pieces concatenated along ``dim`` (rank order)."""
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    parts = _split_dim(x, dim, (k, blocks, size // (blocks * k))).transpose(dim, dim + 1)
+    return parts.reshape(x.shape).contiguous()
+
+
+def shard_tensor(full: torch.Tensor, spec: Spec, coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's piece of ``full`` under ``spec`` (axis 0 outermost, even shards)."""
+    local = full
+    for axis, placement in enumerate(spec):
+        if is_strided(placement):
+            local = strided_piece(local, placement.dim, mesh_shape[axis], coordinate[axis], placement.split_factor)
+        elif isinstance(placement, Shard):
+            local = local.chunk(mesh_shape[axis], placement.dim)[coordinate[axis]]
+    return local.contiguous()
+
+
+# ATen ops whose output aliases their input. The cost model prices them as free and the summary
+# leaves them out of its node table.
+VIEW_OP_NAMES = frozenset({
+    "view", "reshape", "_unsafe_view", "_reshape_alias", "view_as", "transpose", "permute",
+    "expand", "expand_as", "t", "unsqueeze", "squeeze", "alias", "detach", "split",
+    "split_with_sizes", "unbind", "chunk", "select", "slice", "narrow", "unflatten", "flatten",
+    "as_strided", "movedim", "swapaxes", "lift_fresh",
+})

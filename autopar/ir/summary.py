@@ -1,0 +1,143 @@
+"""The plan in words: ``Plan.summary()``. It reads the plan and nothing else, so it lives beside it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autopar.ir.spec import VIEW_OP_NAMES, format_spec, spec_text
+
+if TYPE_CHECKING:
+    from autopar.ir.plan import Plan
+
+def _is_view(op: str) -> bool:
+    # Plans name overloads ("aten.view.default"); VIEW_OP_NAMES are packets ("view").
+    return op == "getitem" or op.rsplit(".", 1)[0].removeprefix("aten.") in VIEW_OP_NAMES
+
+
+def spec_text(spec) -> str:
+    return "(" + ", ".join(format_spec(spec)) + ")"
+
+
+def format_bytes(num: float, digits: int = 1) -> str:
+    """Bytes in binary units: "512 B", "3.4 MiB" (``digits`` after the point)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num) < 1024 or unit == "TiB":
+            return f"{int(num)} B" if unit == "B" else f"{num:.{digits}f} {unit}"
+        num /= 1024
+    return str(num)
+
+
+def summary_text(plan: "Plan", max_rows: int = 60) -> str:
+    pred = plan.predicted
+    # A pipelined plan's compute, resharding and bytes are for one microbatch through the whole
+    # graph on the stage mesh (the stage planner keeps them apart from the pipeline's step).
+    per = pred.get("one_microbatch_unpipelined", pred) if plan.pipeline is not None else pred
+    lines = [
+        f"autopar plan  mesh={tuple(plan.mesh_shape)}  cluster={plan.cluster or '-'}  graph={plan.graph_hash}  plan={plan.hash}",
+        f"  predicted step time {pred.get('step_time_s', 0) * 1e3:.3f} ms "
+        + ("(one microbatch through every stage: " if plan.pipeline is not None else "(")
+        + f"compute {per.get('compute_s', 0) * 1e3:.3f} ms, resharding {per.get('reshard_s', 0) * 1e3:.3f} ms)",
+        f"  peak memory per device {format_bytes(pred.get('peak_memory_bytes', 0))}"
+        + (f" ({pred['peak_memory_at']})" if pred.get("peak_memory_at") else "")
+        + (f"   communication per device per microbatch {format_bytes(per.get('comm_bytes', 0))}" if plan.pipeline is not None
+           else f"   communication per device per step {format_bytes(pred.get('comm_bytes', 0))}"),
+    ]
+    if pred.get("memory_at_peak_bytes"):
+        parts = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in pred["memory_at_peak_bytes"].items() if size)
+        lines.append(f"  memory at the peak: {parts}")
+    if per.get("comm_bytes_per_axis"):
+        parts = ", ".join(
+            f"axis {axis} (size {size}): {format_bytes(sent)}"
+            for axis, (size, sent) in enumerate(zip(plan.spec_mesh, per["comm_bytes_per_axis"]))
+        )
+        scope = "per microbatch by stage-mesh axis" if plan.pipeline is not None else "per step by mesh axis"
+        lines.append(f"  bytes sent per device {scope}: {parts}")
+    solver = plan.solver
+    if solver:
+        lines.append(
+            f"  solver: {solver.get('status')}"
+            + (f" in {plan.stats['solve_time_s']:.2f} s" if "solve_time_s" in plan.stats else "")
+            + ", "
+            f"{solver.get('num_variables', 0)} variables, {solver.get('num_constraints', 0)} constraints"
+            + (f", {solver['method']} by {solver.get('backend')}" if solver.get("method") else "")
+            + (f", gap {solver['gap']:.2%} to the LP bound" if solver.get("gap") is not None else "")
+        )
+    lines += pipeline_lines(plan)
+    if plan.memory is not None:
+        lines.extend("  " + line for line in plan.memory.summary_lines())
+    lines.append("")
+    lines.append("Parameters")
+    width = max((len(f) for f in plan.params), default=10)
+    for fqn, spec in plan.params.items():
+        lines.append(f"  {fqn:<{width}}  {spec_text(spec)}")
+    lines.append("")
+    lines.append("Operators (views and getitems omitted)")
+    header = f"  {'node':<28} {'op':<34} {'output shape':<18} {'placements':<16} {'cost ms':>9}  note"
+    lines.append(header)
+    rows = 0
+    for name, node in plan.nodes.items():
+        if node.source in ("placeholder", "output") or _is_view(node.op):
+            continue
+        rows += 1
+        if rows > max_rows:
+            continue
+        note = []
+        if node.kernel:
+            note.append(f"kernel {node.kernel} on axes {list(node.kernel_axes)}")
+        if node.source == "fallback":
+            note.append("FALLBACK: replicated (no rule)")
+        elif node.source == "dtensor":
+            note.append("rule from DTensor")
+        shape = ("x".join(str(d) for d in node.shapes[0]) or "scalar") if node.shapes else "-"
+        placements = spec_text(node.outs[0]) if node.outs else "-"
+        lines.append(f"  {name:<28} {node.op:<34} {shape:<18} {placements:<16} {node.cost_s * 1e3:>9.4f}  {'; '.join(note)}")
+    if rows > max_rows:
+        lines.append(f"  ... {rows - max_rows} more operators")
+    lines.append("")
+    counts = plan.collective_counts()
+    if counts:
+        lines.append("Collectives in forward (kind, mesh axis: count)")
+        for (kind, axis), count in counts.items():
+            lines.append(f"  {kind:<15} axis {axis}: {count}")
+    else:
+        lines.append("Collectives in forward: none")
+    lines += fallback_lines(plan)
+    return "\n".join(lines)
+
+
+def fallback_lines(plan: "Plan") -> list[str]:
+    """Every node that fell back to replication (no rule of ours, none from DTensor), grouped
+    by op, so that a model's uncovered ops can be read off at once."""
+    by_op: dict[str, list[str]] = {}
+    for name, node in plan.nodes.items():
+        if node.source == "fallback":
+            by_op.setdefault(node.op, []).append(name)
+    if not by_op:
+        return ["Fallbacks (replicated, no rule): none"]
+    total = sum(len(names) for names in by_op.values())
+    lines = [f"Fallbacks (replicated, no rule): {total} node{'s' * (total != 1)} of {len(by_op)} op{'s' * (len(by_op) != 1)}"]
+    for op, names in sorted(by_op.items()):
+        lines.append(f"  {op} x{len(names)}: {', '.join(names)}")
+    return lines
+
+
+def pipeline_lines(plan: "Plan") -> list[str]:
+    """The stages of a pipelined plan: bubble, and each stage's layers, ranks, time and memory."""
+    stages = plan.pipeline
+    if stages is None:
+        return []
+    lines = [
+        "",
+        f"Pipeline: {stages.num_stages} stages x {stages.num_microbatches} microbatches, schedule {stages.schedule}, "
+        f"stage mesh {tuple(stages.stage_mesh)}; step {stages.step_time_s * 1e3:.3f} ms, "
+        f"bubble {stages.bubble_fraction:.1%} (specs below are per stage)",
+        f"  {'stage':>5}  {'layers':<9} {'ranks':<16} {'nodes':>6} {'ms/microbatch':>13} {'memory':>11}",
+    ]
+    for stage in stages.stages:
+        ranks = ",".join(str(r) for r in stage.ranks)
+        layers = f"[{stage.layers[0]}, {stage.layers[1]})"
+        lines.append(
+            f"  {stage.index:>5}  {layers:<9} {ranks:<16} {len(stage.nodes):>6} {stage.time_s * 1e3:>13.3f} "
+            f"{format_bytes(stage.memory_bytes):>11}"
+        )
+    return lines

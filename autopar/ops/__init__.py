@@ -1,0 +1,17 @@
+"""What rewritten graphs call: differentiable collectives (``collectives``) and the parallel
+kernels that one collective cannot express (``parallel``, ``losses``), registered by name
+(``kernels``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from autopar.ops import losses, parallel  # noqa: F401  (registers the kernels)
+from autopar.ops.kernels import KERNELS
+
+
+def get_kernel(name: str) -> Callable[..., Any]:
+    try:
+        return KERNELS[name]
+    except KeyError:
+        raise ValueError(f"plan names kernel {name!r}, which this autopar does not have") from None

@@ -1,0 +1,285 @@
+"""Differentiable collectives under the replicated-loss convention.
+
+Every rank computes the same, whole loss. Each local tensor's gradient is then held in the *dual*
+placement of the tensor: a Shard(d) tensor's gradient is the same shard of the true gradient,
+and a Replicate or Partial tensor's gradient is the whole true gradient on every rank.
+
+Each forward collective below therefore has the dual backward, not the adjoint that the stock
+differentiable functional collectives use (those assume each rank holds a partial loss, as in
+DDP, and on torch 2.13 gave gradients ``world_size`` times too large under our convention):
+
+==================  ==================  ==========================================
+forward             placements          backward
+==================  ==================  ==========================================
+``all_reduce``      P → R               identity
+``reduce_scatter``  P → S(d)            all-gather along d
+``all_gather``      S(d) → R            keep the local chunk along d
+``chunk``           R → S(d)            all-gather along d
+``all_to_all``      S(a) → S(b)         all-to-all S(b) → S(a)
+``all_gather``,     S(d)/n ↔ R          as above, with ``blocks=n``: every rank holds
+``chunk`` (strided)                     chunk r of each of n blocks (``spec.SS``)
+``allreduce_grad``  R → R (identity)    all-reduce: used where an R input feeds a
+                                        computation that is split on that axis, whose
+                                        local input gradient is a partial sum
+==================  ==================  ==========================================
+
+Each function takes the process group by *name* (``group.group_name``) so that FX code generation
+can print it; ``print(pm.graph)`` then shows every collective the module runs. The work itself is
+done by ``torch.distributed._functional_collectives``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from autopar.errors import CollectiveError
+from autopar.ir.spec import strided_piece, unstride
+
+_T = TypeVar("_T")
+_PEER_KEY = "autopar/peer/{}"
+
+
+def register_peer() -> None:
+    """Record this rank's host and pid in the default store, so that after a failed collective
+    the survivors can say which rank died (``_diagnose``)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(_PEER_KEY.format(dist.get_rank()), f"{socket.gethostname()}:{os.getpid()}")
+
+
+def _diagnose(ranks: list[int]) -> str:
+    """Which of ``ranks`` are gone, as far as this host can tell."""
+    dead, unknown, absent = [], [], []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        here = socket.gethostname()
+        for rank in ranks:
+            key = _PEER_KEY.format(rank)
+            if not store.check([key]):
+                absent.append(rank)
+                continue
+            host, pid = store.get(key).decode().rsplit(":", 1)
+            if host != here:
+                unknown.append(rank)
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                dead.append(rank)
+    except Exception as error:  # the store may have died with rank 0
+        return f"could not tell which rank failed ({type(error).__name__}: {error})"
+    if dead:
+        return f"rank {', '.join(map(str, dead))} is no longer running"
+    if absent:
+        return f"rank {', '.join(map(str, absent))} never reached autopar.compile (it failed or was killed before)"
+    if unknown:
+        return f"no rank on this host died; ranks {unknown} run on other hosts"
+    return "every rank of the group is still running: one of them did not answer within the timeout"
+
+
+def _collective_error(kind: str, group_name: str, error: BaseException) -> CollectiveError:
+    try:
+        ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
+    except Exception:
+        ranks = []
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return CollectiveError(
+        f"{kind} over ranks {ranks} failed on rank {dist.get_rank()}: {_diagnose(ranks)}.\n"
+        f"  {type(error).__name__}: {first}\n"
+        "  This step cannot finish; restart the job (torchrun --max-restarts, or from a checkpoint)."
+    )
+
+
+def _guarded(kind: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
+    """Turn a failed collective into a CollectiveError that names the group and the dead rank.
+    The wrapped function takes the group name as its last positional argument."""
+
+    def wrap(fn: Callable[..., _T]) -> Callable[..., _T]:
+        @functools.wraps(fn)
+        def run(*args, **kwargs) -> _T:
+            try:
+                return fn(*args, **kwargs)
+            except CollectiveError:
+                raise
+            except (RuntimeError, dist.DistError) as error:
+                raise _collective_error(kind, args[-1], error) from error
+
+        return run
+
+    return wrap
+
+
+def call_on_world(kind: str, fn: Callable[..., _T], *args, **kwargs) -> _T:
+    """Run an object collective on the default group (plan broadcast, hash check) with the same
+    diagnosis as the tensor collectives when a rank is missing."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, dist.DistError) as error:
+        raise _collective_error(kind, dist.group.WORLD.group_name, error) from error
+
+
+def group_size(group_name: str) -> int:
+    return _resolve_process_group(group_name).size()
+
+
+def group_rank(group_name: str) -> int:
+    return _resolve_process_group(group_name).rank()
+
+
+@_guarded("all-reduce")
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group_name))
+
+
+@_guarded("all-reduce (max)")
+def _all_reduce_max(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "max", group_name))
+
+
+# torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single; older torch has only
+# the old names.
+_gather_along = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_scatter_along = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+@_guarded("all-gather")
+def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    return funcol.wait_tensor(_gather_along(x.contiguous(), dim, group_name))
+
+
+@_guarded("reduce-scatter")
+def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    return funcol.wait_tensor(_scatter_along(x.contiguous(), "sum", dim, group_name))
+
+
+def _chunk(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
+    pg = _resolve_process_group(group_name)
+    if blocks > 1:
+        return strided_piece(x, dim, pg.size(), pg.rank(), blocks)
+    return x.chunk(pg.size(), dim)[pg.rank()].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
+    full = _all_gather(x, dim, group_name)
+    if blocks > 1:
+        full = unstride(full, dim, group_size(group_name), blocks)
+    return full
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group_name):
+        return _all_reduce(x, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group_name, blocks):
+        ctx.dim, ctx.group_name, ctx.blocks = dim, group_name, blocks
+        return _gather(x, dim, group_name, blocks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunk(grad, ctx.dim, ctx.group_name, ctx.blocks), None, None, None
+
+
+class _Chunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group_name, blocks):
+        ctx.dim, ctx.group_name, ctx.blocks = dim, group_name, blocks
+        return _chunk(x, dim, group_name, blocks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group_name, ctx.blocks), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group_name):
+        ctx.dim, ctx.group_name = dim, group_name
+        return _reduce_scatter(x, dim, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group_name), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    # gloo has no tensor all_to_all; gather-then-chunk moves the same result with more bytes.
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, group_name):
+        ctx.src_dim, ctx.dst_dim, ctx.group_name = src_dim, dst_dim, group_name
+        return _chunk(_all_gather(x, src_dim, group_name), dst_dim, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = _all_gather(grad, ctx.dst_dim, ctx.group_name)
+        return _chunk(full, ctx.src_dim, ctx.group_name), None, None, None
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group_name):
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group_name), None
+
+
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """P → R: sum the partial values of every rank on the axis."""
+    return _AllReduce.apply(x, group_name)
+
+
+def all_gather(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
+    """S(dim) → R: concatenate the shards of every rank along ``dim`` (S(dim)/blocks → R:
+    interleave them back into their blocks)."""
+    return _AllGather.apply(x, dim, group_name, blocks)
+
+
+def chunk(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
+    """R → S(dim) (or S(dim)/blocks): keep this rank's piece; no communication in forward."""
+    return _Chunk.apply(x, dim, group_name, blocks)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """P → S(dim): sum the partial values and keep this rank's chunk along ``dim``."""
+    return _ReduceScatter.apply(x, dim, group_name)
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) -> torch.Tensor:
+    """S(src_dim) → S(dst_dim) on one axis."""
+    return _AllToAll.apply(x, src_dim, dst_dim, group_name)
+
+
+def allreduce_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Identity in forward; all-reduces the gradient in backward (Megatron's ``f``)."""
+    return _AllReduceGrad.apply(x, group_name)
+
+
+def no_grad_all_gather(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
+    """S(dim) (or S(dim)/blocks) → R outside autograd, for gathering state dicts and gradients."""
+    return _gather(x, dim, group_name, blocks)
+
+
+def no_grad_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _all_reduce(x, group_name)
+
+
+def no_grad_all_reduce_max(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The elementwise maximum over the group (forward only: for kernels that need a max)."""
+    return _all_reduce_max(x, group_name)

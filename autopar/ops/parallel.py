@@ -1,0 +1,230 @@
+"""Kernel implementations (see ``autopar.ops.kernels``).
+
+Each kernel takes the aten op's arguments by schema name plus ``axis_groups``: the process-group names
+of the mesh axes on which its row was chosen, outermost first. With ``axis_groups=()`` each computes
+exactly its op. Values that are summed over ranks go through ``collectives.all_reduce`` (identity
+backward); a value that is then used by every rank's *local* slice also goes through
+``collectives.allreduce_grad``, because each rank's gradient for it is only a partial sum.
+
+The process groups come as ``axis_groups`` so that they never clash with an op argument (conv2d
+has an int argument called ``groups``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from autopar.ops import collectives
+from autopar.ops.kernels import register_kernel
+
+aten = torch.ops.aten
+
+
+def split_count(groups: Sequence[str]) -> int:
+    """How many ranks share the work: the product of the group sizes."""
+    return math.prod(collectives.group_size(g) for g in groups)
+
+
+def block_index(groups: Sequence[str]) -> int:
+    """This rank's chunk index along a dim sharded on ``groups`` (outermost first, nested)."""
+    index = 0
+    for group in groups:
+        index = index * collectives.group_size(group) + collectives.group_rank(group)
+    return index
+
+
+def _sum_over(x: torch.Tensor, groups: Sequence[str]) -> torch.Tensor:
+    """Differentiable sum over the groups whose value every rank then uses locally: forward
+    all-reduce; backward all-reduce of the ranks' partial gradients."""
+    for group in groups:
+        x = collectives.all_reduce(x, group)
+    for group in groups:
+        x = collectives.allreduce_grad(x, group)
+    return x
+
+
+class _ShareBias(torch.autograd.Function):
+    """``bias / k`` in forward, identity in backward.
+
+    The op's output is Partial, so its gradient is whole on every rank, and so is the bias
+    gradient computed from it: each rank already holds the full bias gradient, and the rule
+    marks the bias ``whole_grad`` so that no all-reduce is added. (Megatron adds the bias after
+    the all-reduce for the same effect.)
+    """
+
+    @staticmethod
+    def forward(ctx, bias, k):
+        return bias / k
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _share_bias(bias: torch.Tensor, axis_groups: Sequence[str]) -> torch.Tensor:
+    return _ShareBias.apply(bias, split_count(axis_groups))
+
+
+@register_kernel("linear_bias_split")
+def linear_bias_split(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor, **_: Any) -> torch.Tensor:
+    """Row-parallel linear: each rank adds ``bias / k``, so the partial sums add up to the
+    biased result."""
+    return aten.linear(input, weight, _share_bias(bias, axis_groups))
+
+
+@register_kernel("addmm_bias_split")
+def addmm_bias_split(*, axis_groups: Sequence[str], self: torch.Tensor, mat1: torch.Tensor,
+                     mat2: torch.Tensor, beta: Any = 1, alpha: Any = 1, **_: Any) -> torch.Tensor:
+    """Contraction-split addmm: each rank adds ``beta * self / k``."""
+    return aten.addmm(_share_bias(self, axis_groups), mat1, mat2, beta=beta, alpha=alpha)
+
+
+@register_kernel("conv2d_bias_split")
+def conv2d_bias_split(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor, stride: Any = (1, 1), padding: Any = (0, 0),
+                      dilation: Any = (1, 1), **_: Any) -> torch.Tensor:
+    """Input-channel-split conv2d (conv groups == 1): each rank adds ``bias / k``."""
+    return aten.conv2d(input, weight, _share_bias(bias, axis_groups), stride, padding, dilation, 1)
+
+
+@register_kernel("mean_partial")
+def mean_partial(*, axis_groups: Sequence[str], self: torch.Tensor, dim: Any = None,
+                 keepdim: bool = False, dtype: torch.dtype | None = None, **_: Any) -> torch.Tensor:
+    """The mean over a sharded dim as a Partial: the local sum over the *global* count. Shards
+    are even, so that is the local mean divided by the number of ranks."""
+    if dim is None and not keepdim:
+        local = aten.mean.default(self, dtype=dtype)
+    else:
+        local = aten.mean.dim(self, dim, keepdim, dtype=dtype)
+    return local / split_count(axis_groups)
+
+
+@register_kernel("embedding_vocab_split")
+def embedding_vocab_split(*, axis_groups: Sequence[str], weight: torch.Tensor, indices: torch.Tensor,
+                          padding_idx: int = -1, **_: Any) -> torch.Tensor:
+    """Vocab-parallel embedding: this rank holds rows [start, start + rows) of the table, looks
+    up the indices that fall there and writes zeros for the rest (a Partial result)."""
+    rows = weight.shape[0]
+    start = block_index(axis_groups) * rows
+    local = indices - start
+    outside = (local < 0) | (local >= rows)
+    local_padding = -1  # the padding row only changes the gradient, on the rank that holds it
+    if padding_idx is not None and padding_idx >= 0 and 0 <= padding_idx - start < rows:
+        local_padding = padding_idx - start
+    out = aten.embedding(weight, local.masked_fill(outside, 0), local_padding)
+    return out.masked_fill(outside.unsqueeze(-1), 0)
+
+
+@register_kernel("cross_entropy_mean")
+def cross_entropy_mean(*, axis_groups: Sequence[str], self: torch.Tensor, target: torch.Tensor,
+                       weight: torch.Tensor | None = None, ignore_index: int = -100,
+                       label_smoothing: float = 0.0, **_: Any) -> torch.Tensor:
+    """Batch-split mean cross entropy as a Partial: the local loss sum over the *global*
+    denominator (non-ignored targets, their total class weight, or for probability targets
+    the number of samples), which is all-reduced without gradient."""
+    local_sum = aten.cross_entropy_loss(self, target, weight, 2, ignore_index, label_smoothing)
+    if target.is_floating_point():
+        denominator = torch.tensor(self.numel() // self.shape[1], dtype=torch.int64, device=self.device)
+    else:
+        valid = target != ignore_index
+        if weight is None:
+            denominator = valid.sum()
+        else:
+            picked = weight.detach()[target.masked_fill(~valid, 0)]
+            denominator = picked.masked_fill(~valid, 0).sum()
+    for group in axis_groups:
+        denominator = collectives.no_grad_all_reduce(denominator, group)
+    return local_sum / denominator.to(local_sum.dtype)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross entropy of logits whose class dim is split over ``axis_groups`` (Megatron's
+    vocab-parallel loss). Forward: the global max, sum of exponentials and target logit are
+    all-reduced as [N] vectors, so the [N, C] logits are never gathered. The loss is whole on
+    every rank, so each rank's gradient is its own slice of softmax - one-hot: no communication
+    in backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, axis_groups, ignore_index, reduction):
+        rows = logits.shape[1]
+        start = block_index(axis_groups) * rows
+        # At least float32 (half-precision logits are upcast, as F.cross_entropy's kernels do);
+        # float64 stays float64.
+        x = logits.detach().to(torch.promote_types(logits.dtype, torch.float32))
+        peak = x.max(1).values
+        for group in axis_groups:
+            peak = collectives.no_grad_all_reduce_max(peak, group)
+        exp = (x - peak[:, None]).exp()
+        sum_exp = exp.sum(1)
+        valid = target != ignore_index
+        local = target - start
+        inside = valid & (local >= 0) & (local < rows)
+        local = local.clamp(0, rows - 1)
+        picked = (x.gather(1, local[:, None]).squeeze(1) - peak) * inside
+        for group in axis_groups:
+            sum_exp = collectives.no_grad_all_reduce(sum_exp, group)
+            picked = collectives.no_grad_all_reduce(picked, group)
+        per_sample = (sum_exp.log() - picked) * valid
+        count = valid.sum()
+        ctx.save_for_backward(exp / sum_exp[:, None], local, inside, valid, count)
+        ctx.reduction, ctx.dtype = reduction, logits.dtype
+        if reduction == 0:
+            return per_sample.to(logits.dtype)
+        total = per_sample.sum()
+        return (total / count if reduction == 1 else total).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, inside, valid, count = ctx.saved_tensors
+        out = softmax.clone()
+        out[torch.arange(out.shape[0], device=out.device), local] -= inside.to(out.dtype)
+        out *= valid[:, None]
+        if ctx.reduction == 0:
+            out *= grad.to(out.dtype)[:, None]
+        else:
+            out *= grad.to(out.dtype) / (count if ctx.reduction == 1 else 1)
+        return out.to(ctx.dtype), None, None, None, None
+
+
+@register_kernel("cross_entropy_vocab_split")
+def cross_entropy_vocab_split(*, axis_groups: Sequence[str], self: torch.Tensor, target: torch.Tensor,
+                              reduction: int = 1, ignore_index: int = -100, **_: Any) -> torch.Tensor:
+    """Vocab-parallel cross entropy: logits [N, C] split along C, class-index targets whole; the
+    result (whole on every rank) equals ``cross_entropy(logits, target)`` without a weight or
+    label smoothing."""
+    return _VocabParallelCrossEntropy.apply(self, target, tuple(axis_groups), ignore_index, reduction)
+
+
+@register_kernel("sync_batch_norm")
+def sync_batch_norm(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor | None,
+                    bias: torch.Tensor | None, running_mean: torch.Tensor | None,
+                    running_var: torch.Tensor | None, training: bool, momentum: float,
+                    eps: float, cudnn_enabled: bool = True, **_: Any) -> torch.Tensor:
+    """Training-mode batch norm with the batch (or spatial) dims sharded on ``axis_groups``: the
+    per-channel mean and biased variance are all-reduced, and the running statistics are
+    updated in place with the global ones (unbiased variance), as eager does."""
+    if not training:
+        return aten.batch_norm(input, weight, bias, running_mean, running_var, training,
+                               momentum, eps, cudnn_enabled)
+    dims = [0] + list(range(2, input.ndim))
+    count = input.numel() // input.shape[1] * split_count(axis_groups)
+    mean = _sum_over(input.sum(dims), axis_groups) / count
+    shape = [1, -1] + [1] * (input.ndim - 2)
+    centered = input - mean.reshape(shape)
+    var = _sum_over((centered * centered).sum(dims), axis_groups) / count
+    out = centered * torch.rsqrt(var + eps).reshape(shape)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean.detach().to(running_mean.dtype), alpha=momentum)
+        if running_var is not None:
+            unbiased = var.detach() * (count / max(count - 1, 1))
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+    return out

@@ -1,0 +1,9 @@
+"""Running a plan: the compiled module (``module``) and its pipelined form (``pipeline``),
+sharded checkpoints (``checkpoint``), meta-device materialization (``materialize``), the offload
+store and hooks (``store``, ``offload``), optimizers over offloaded state (``optim``), process
+groups, spawning and comparison helpers (``launch``), the full-world shape check (``check``) and
+the machine profiler (``profile``)."""
+
+from autopar.runtime.module import ParallelModule
+
+__all__ = ["ParallelModule"]

@@ -1,0 +1,274 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP).
+
+A ParallelModule holds plain ``nn.Parameter`` shards. For DCP they are shown as DTensors: each
+local shard is wrapped, without a copy, in a DTensor with the plan's placements over a
+``DeviceMesh`` built from autopar's own mesh-axis process groups (so they keep the default
+group's timeout). DCP then writes every shard once, with its global offsets, and can read a
+checkpoint back into any other mesh shape or plan: each rank reads exactly the slices its own
+shards cover.
+
+    autopar.checkpoint.save(path, pm, optimizer)     # every rank; a directory
+    autopar.checkpoint.load(path, pm, optimizer)     # every rank; any mesh, any plan
+
+The checkpoint layout is DCP's, with these keys:
+
+- ``model.<fqn>``: every entry of the original model's ``state_dict()`` (tied names both present);
+- ``optim.state.<fqn>.<name>``: optimizer state of the parameter ``<fqn>``. A state tensor shaped
+  like the parameter's shard (AdamW's ``exp_avg``, ``exp_avg_sq``) is sharded like the
+  parameter; any other tensor (AdamW's scalar ``step``) is the same on every rank and saved once;
+- ``optim.param_groups``: the optimizer's param groups, with parameter FQNs instead of objects.
+
+So the model part is a plain DCP model checkpoint: ``dcp.load({"model": model.state_dict()},
+checkpoint_id=path, no_dist=True)`` fills an unsharded model in one process, and
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` turns it into one file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
+
+from autopar.ir.spec import Spec, local_shape, shard_tensor
+
+if TYPE_CHECKING:
+    from autopar.runtime.module import ParallelModule
+
+__all__ = [
+    "device_mesh",
+    "to_dtensor",
+    "model_state_dict",
+    "load_model_state_dict",
+    "optimizer_state_dict",
+    "load_optimizer_state_dict",
+    "save",
+    "load",
+]
+
+_MODEL = "model"
+_OPTIM = "optim"
+
+
+def device_mesh(mesh_shape: tuple[int, ...], groups: tuple[str, ...]) -> DeviceMesh:
+    """A DeviceMesh over autopar's mesh-axis groups (rank r at the row-major position of r).
+
+    Built with ``DeviceMesh.from_group``, so no new process group is made: the mesh uses the
+    groups autopar's collectives use, with the default group's timeout.
+    """
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    ranks = torch.arange(math.prod(mesh_shape)).reshape(mesh_shape)
+    process_groups = [_resolve_process_group(name) for name in groups]
+    names = tuple(f"axis{axis}" for axis in range(len(mesh_shape)))
+    if len(process_groups) == 1:
+        return DeviceMesh.from_group(process_groups[0], device_type, mesh_dim_names=names)
+    return DeviceMesh.from_group(process_groups, device_type, mesh=ranks, mesh_dim_names=names)
+
+
+def to_dtensor(local: torch.Tensor, spec: Spec, full_shape: tuple[int, ...], mesh: DeviceMesh) -> DTensor:
+    """``local`` (this rank's shard under ``spec``) as a DTensor that shares its storage."""
+    stride = torch.empty(full_shape, device="meta").stride()
+    return DTensor.from_local(local.detach(), mesh, spec, run_check=False, shape=torch.Size(full_shape), stride=stride)
+
+
+def model_state_dict(pm: "ParallelModule") -> dict[str, DTensor]:
+    """The original model's ``state_dict()`` names, each a DTensor view of this rank's shard."""
+    mesh = pm.device_mesh
+    out: dict[str, DTensor] = {}
+    made: dict[int, DTensor] = {}
+    for fqn in pm.state_dict_keys():
+        local = pm._local(fqn)
+        if id(local) not in made:  # tied names share one DTensor, as they share one tensor
+            made[id(local)] = to_dtensor(local, pm.plan.params[fqn], pm.full_shape(fqn), mesh)
+        out[fqn] = made[id(local)]
+    return out
+
+
+@torch.no_grad()
+def load_model_state_dict(pm: "ParallelModule", state_dict: Mapping[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:
+    """Copy ``state_dict`` into this rank's shards; return (missing, unexpected) names.
+
+    Values may be whole tensors (as ``model.state_dict()`` or ``pm.full_state_dict()`` give),
+    which each rank cuts to its shard, or DTensors on this module's mesh (as
+    ``pm.state_dict()`` gives, filled by ``dcp.load``), which are redistributed to its placements.
+    """
+    keys = pm.state_dict_keys()
+    missing = [k for k in keys if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in set(keys)]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"state dict does not match the model: missing {missing or 'none'}, unexpected "
+            f"{unexpected or 'none'}; pass a state dict of this model, or strict=False to load the common names"
+        )
+
+    for fqn in keys:
+        if fqn not in state_dict:
+            continue
+        value = state_dict[fqn]
+        target = pm._local(fqn)
+        spec = pm.plan.params[fqn]
+        full_shape = pm.full_shape(fqn)
+        if tuple(value.shape) != full_shape:
+            raise ValueError(
+                f"{fqn}: the state dict holds shape {tuple(value.shape)}, the model {full_shape}; "
+                "load a checkpoint of the same model configuration"
+            )
+        if isinstance(value, DTensor):
+            if value.device_mesh != pm.device_mesh:
+                raise ValueError(
+                    f"{fqn} is a DTensor on another device mesh ({value.device_mesh}); load through "
+                    "autopar.checkpoint.load, or pass whole tensors (value.full_tensor())"
+                )
+            local = value.redistribute(pm.device_mesh, spec).to_local()
+        else:
+            local = shard_tensor(value, spec, pm.coordinate, pm.plan.mesh_shape)
+        if local.data_ptr() != target.data_ptr():
+            target.copy_(local)
+    return missing, unexpected
+
+
+def _param_fqns(pm: "ParallelModule", optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """id(parameter) → the canonical FQN of every parameter ``optimizer`` steps."""
+    names: dict[int, str] = {}
+    for fqn in pm.state_dict_keys():
+        local = pm._local(fqn)
+        if isinstance(local, torch.nn.Parameter):
+            names.setdefault(id(local), fqn)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ValueError(
+                    "the optimizer steps a tensor that is not a parameter of this ParallelModule; "
+                    "build it from pm.parameters()"
+                )
+    return names
+
+
+def optimizer_state_dict(pm: "ParallelModule", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s state keyed by parameter FQN, shard-shaped state tensors as DTensors."""
+    names = _param_fqns(pm, optimizer)
+    mesh = pm.device_mesh
+    state: dict[str, dict[str, Any]] = {}
+    for param, entries in optimizer.state.items():
+        fqn = names[id(param)]
+        spec = pm.plan.params[fqn]
+        state[fqn] = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"optimizer state {key!r} of {fqn} has shape {tuple(value.shape)}, neither a scalar "
+                        f"nor the shard's shape {tuple(param.shape)}, so its sharding is unknown; "
+                        "autopar checkpoints optimizers whose state is per element or scalar (SGD, Adam, AdamW, ...)"
+                    )
+                value = to_dtensor(value, spec, pm.full_shape(fqn), mesh)
+            state[fqn][key] = value
+    groups = []
+    for group in optimizer.param_groups:
+        saved = {k: v for k, v in group.items() if k != "params"}
+        saved["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(saved)
+    return {"state": state, "param_groups": groups}
+
+
+def save(path: str | os.PathLike, pm: "ParallelModule", optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write a sharded checkpoint of ``pm`` (and ``optimizer``) to the directory ``path``.
+
+    Every rank calls it; each writes its own shards (replicated tensors once, by one rank).
+    """
+    state: dict[str, Any] = {_MODEL: pm.state_dict()}
+    if optimizer is not None:
+        state[_OPTIM] = optimizer_state_dict(pm, optimizer)
+    dcp.save(state, checkpoint_id=path)
+
+
+def load(path: str | os.PathLike, pm: "ParallelModule", optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Read a checkpoint written by ``save`` into ``pm``'s shards (and ``optimizer``'s state).
+
+    The checkpoint may come from any mesh shape and any plan of the same model: each rank reads
+    the slices its shards cover. ``optimizer`` must step ``pm.parameters()`` with the same
+    param groups as the one saved; its state is replaced and its hyperparameters (lr, ...) are
+    set to the saved ones, as ``Optimizer.load_state_dict`` does.
+    """
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata().state_dict_metadata
+    state: dict[str, Any] = {_MODEL: pm.state_dict()}
+    if optimizer is not None:
+        state[_OPTIM] = _optimizer_target(pm, optimizer, metadata, path)
+    dcp.load(state, storage_reader=reader)
+    if optimizer is not None:
+        load_optimizer_state_dict(pm, optimizer, state[_OPTIM])
+
+
+def _optimizer_target(pm: "ParallelModule", optimizer: torch.optim.Optimizer, metadata: Mapping[str, Any], path) -> dict[str, Any]:
+    """Empty buffers, shaped as this rank's shards, for every optimizer entry in the checkpoint."""
+    names = _param_fqns(pm, optimizer)
+    saved_groups = {int(k.split(".")[2]) for k in metadata if k.startswith(f"{_OPTIM}.param_groups.")}
+    if not saved_groups:
+        raise ValueError(f"the checkpoint at {path} has no optimizer state: it was saved without an optimizer")
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint at {path} has {len(saved_groups)} optimizer param groups and this optimizer "
+            f"{len(optimizer.param_groups)}: build the optimizer with the same groups as when saving"
+        )
+    mesh = pm.device_mesh
+    state: dict[str, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            fqn = names[id(param)]
+            prefix = f"{_OPTIM}.state.{fqn}."
+            entries = {}
+            for key, meta in metadata.items():
+                name = key[len(prefix):]
+                if not key.startswith(prefix) or "." in name:
+                    continue
+                if not isinstance(meta, TensorStorageMetadata):
+                    entries[name] = None  # a pickled value; DCP puts it in place
+                elif tuple(meta.size) == pm.full_shape(fqn) and len(meta.size) > 0:
+                    spec = pm.plan.params[fqn]
+                    local = torch.empty(local_shape(meta.size, spec, pm.plan.mesh_shape), dtype=meta.properties.dtype,
+                                        device=param.device)
+                    entries[name] = to_dtensor(local, spec, pm.full_shape(fqn), mesh)
+                else:
+                    entries[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=param.device)
+            if entries:
+                state[fqn] = entries
+    groups = []
+    for group in optimizer.param_groups:
+        target = {k: v for k, v in group.items() if k != "params"}
+        target["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(target)
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def load_optimizer_state_dict(pm: "ParallelModule", optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """Install ``state_dict`` (as ``optimizer_state_dict`` gives, filled by ``dcp.load``) in ``optimizer``."""
+    names = _param_fqns(pm, optimizer)
+    groups = state_dict["param_groups"]
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        mine = [names[id(p)] for p in group["params"]]
+        if list(saved["params"]) != mine:
+            raise ValueError(
+                f"the saved param group holds {list(saved['params'])}, this optimizer's {mine}: "
+                "build the optimizer with the same groups as when saving"
+            )
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
+    optimizer.state.clear()
+    for fqn, entries in state_dict["state"].items():
+        param = by_name[fqn]
+        spec = pm.plan.params[fqn]
+        local: dict[str, Any] = {}
+        for key, value in entries.items():
+            if isinstance(value, DTensor):
+                value = value.redistribute(pm.device_mesh, spec).to_local()
+            local[key] = value
+        optimizer.state[param] = local

@@ -1,0 +1,215 @@
+"""The offload runtime: fetch parameters at their uses, send gradients to the store as backward
+makes them, and keep saved parameters out of the autograd graph.
+
+An ``Offloader`` is a module in the rewritten graph (``gm.offload``); the offload pass calls it
+before every use of an offloaded parameter: ``offload(stub, key=..., next_key=...)``. It returns a
+fresh tensor read from the store, and starts reading ``next_key`` (the next fetch in graph order)
+when the plan prefetches. The parameter the ``ParallelModule`` holds is an empty *stub* leaf that
+only ties the fetch into autograd: the fetch's backward adds the gradient to the store and gives
+the stub none.
+
+Ops that save a fetched parameter for backward (``linear`` saves its weight) would keep it alive
+from forward to backward. Under ``Offloader.saved_tensor_hooks()`` (which ``ParallelModule``
+enters around the graph), such a saved tensor is replaced by its key, and backward reads it
+again, prefetching the fetch before it. Checkpointed segments keep nothing: their own hooks are
+the innermost ones, and their recompute fetches again.
+
+Segments whose activations are offloaded run under ``Offloader.activation_hooks``: their saved
+tensors go to the store in forward and come back in backward, one segment prefetched ahead.
+
+Store keys: ``param/FQN``, ``grad/FQN``, ``exp_avg/FQN``, ``exp_avg_sq/FQN`` (canonical FQNs),
+``act/LAYER/N`` (the N-th saved tensor of a layer, this step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Iterator
+
+import torch
+
+from autopar.ir.memory import MemoryPlan
+from autopar.runtime.store import Store
+
+
+# Saved tensors smaller than this stay on the device (a store entry costs more than they save).
+MIN_ACTIVATION_BYTES = 4096
+
+
+def param_key(fqn: str) -> str:
+    return f"param/{fqn}"
+
+
+def grad_key(fqn: str) -> str:
+    return f"grad/{fqn}"
+
+
+class _Fetch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, stub: torch.Tensor, offloader: "Offloader", fqn: str) -> torch.Tensor:
+        ctx.offloader, ctx.fqn = offloader, fqn
+        return offloader.store.get(param_key(fqn))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.offloader.add_grad(ctx.fqn, grad)
+        return None, None, None
+
+
+def _stays(tensor: torch.Tensor) -> bool:
+    """Saved tensors kept on the device by activation offload: parameters and views of them
+    (resident already), small ones, and layouts that a dense copy cannot rebuild (broadcast
+    views, overlaps)."""
+    base = tensor._base if tensor._base is not None else tensor
+    if base.requires_grad and base.grad_fn is None:
+        return True
+    if tensor.numel() * tensor.element_size() < MIN_ACTIVATION_BYTES:
+        return True
+    return not tensor.is_contiguous() and not _dense(tensor)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the elements fill their memory exactly once, in some order of the dims."""
+    expected = 1
+    for dim in sorted(range(tensor.dim()), key=tensor.stride):
+        if tensor.size(dim) == 1:
+            continue
+        if tensor.stride(dim) != expected:
+            return False
+        expected *= tensor.size(dim)
+    return True
+
+
+class Offloader(torch.nn.Module):
+    """Carries out a plan's offload decisions against one store (see the module docstring)."""
+
+    def __init__(self, memory: MemoryPlan, store: Store):
+        super().__init__()
+        self.memory = memory
+        self.store = store
+        self.params = set(memory.offloaded("param"))
+        self.grads = set(memory.offloaded("grad")) | self.params  # a fetched parameter's gradient
+        self.states = set(memory.offloaded("optimizer_state"))
+        self.previous: dict[str, str] = {}  # fetch order, for backward prefetch (set by the pass)
+        self._fetched: dict[int, tuple[weakref.ref, str]] = {}
+        self._activation_keys: dict[str, list[str]] = {}  # segment -> its stored activations, this step
+        self._read_started: set[str] = set()  # segments whose backward has begun reading
+        self._hooks: list[Any] = []
+
+    def forward(self, stub: torch.Tensor, key: str, next_key: str | None = None) -> torch.Tensor:
+        # A checkpoint's recompute runs fetches again inside backward, where the next fetch in
+        # forward order was needed long ago: prefetch only in forward.
+        if next_key is not None and torch._C._current_graph_task_id() == -1:
+            self.store.prefetch(param_key(next_key))
+        value = _Fetch.apply(stub, self, key)
+        self._fetched[value.untyped_storage().data_ptr()] = (weakref.ref(value), key)
+        return value
+
+    # -- gradients ------------------------------------------------------------------------------
+    def add_grad(self, fqn: str, grad: torch.Tensor) -> None:
+        """Add to the stored gradient; with prefetch the write runs behind the rest of backward."""
+        self.store.accumulate(grad_key(fqn), grad, wait=not self.memory.prefetch)
+
+    def grad(self, fqn: str) -> torch.Tensor | None:
+        key = grad_key(fqn)
+        return self.store.get(key) if key in self.store else None
+
+    def clear_grads(self) -> None:
+        for fqn in self.grads:
+            self.store.delete(grad_key(fqn))
+
+    def attach_grad_hooks(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Send the gradients of resident parameters whose gradient is offloaded to the store
+        as soon as autograd has accumulated them, and free them on the device."""
+        for fqn, param in params.items():
+            if fqn in self.grads and fqn not in self.params and param.requires_grad:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_hook(fqn)))
+
+    def _grad_hook(self, fqn: str):
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is not None:
+                self.add_grad(fqn, param.grad)
+                param.grad = None
+        return hook
+
+    # -- offloaded activations --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def activation_hooks(self, segment: str, previous: str | None) -> Iterator[None]:
+        """Saved tensors of ``segment`` go to the store under ``act/SEGMENT/N`` (written behind
+        with prefetch) and are read back when backward needs them. The first read of a segment
+        prefetches every tensor of ``previous`` (the offloaded segment before it in forward),
+        whose backward comes next. Parameters stay: a resident one is kept as it is, a fetched
+        one is saved by its key, as under ``saved_tensor_hooks``."""
+        keys: list[str] = []
+        self._activation_keys[segment] = keys
+        self._read_started.discard(segment)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            fetched = self._pack(tensor)
+            if fetched is not tensor:
+                return ("param", fetched)
+            if _stays(tensor):
+                return ("kept", tensor)
+            key = f"act/{segment}/{len(keys)}"
+            keys.append(key)
+            self.store.put(key, tensor.contiguous(), wait=not self.memory.prefetch)
+            return ("stored", (key, None if tensor.is_contiguous() else tensor.stride()))
+
+        def unpack(packed: Any) -> torch.Tensor:
+            kind, value = packed
+            if kind == "kept":
+                return value
+            if kind == "param":
+                return self._unpack(value)
+            if segment not in self._read_started:
+                self._read_started.add(segment)
+                if self.memory.prefetch and previous is not None:
+                    for key in self._activation_keys.get(previous, ()):
+                        self.store.prefetch(key)
+            key, stride = value
+            loaded = self.store.get(key)
+            if stride is None:
+                return loaded
+            # The saved layout, not only the values: a backward matmul on a transposed operand
+            # takes another kernel path (and rounds differently) than on a contiguous one.
+            out = torch.empty_strided(loaded.shape, stride, dtype=loaded.dtype, device=loaded.device)
+            return out.copy_(loaded)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    # -- saved tensors --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def saved_tensor_hooks(self) -> Iterator[None]:
+        if not self.params:
+            yield
+            return
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._fetched.clear()
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        pointer = tensor.untyped_storage().data_ptr()
+        entry = self._fetched.get(pointer)
+        if entry is not None:
+            base = entry[0]()
+            if base is not None and base.untyped_storage().data_ptr() == pointer:
+                # The offset from the fetched tensor's own: a store may hand out views into buffers.
+                return (entry[1], tensor.shape, tensor.stride(), tensor.storage_offset() - base.storage_offset())
+        return tensor
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, tuple):
+            return packed
+        fqn, shape, stride, offset = packed
+        before = self.previous.get(fqn)
+        if before is not None and self.memory.prefetch:
+            self.store.prefetch(param_key(before))
+        full = self.store.get(param_key(fqn))
+        return full.as_strided(shape, stride, full.storage_offset() + offset)
+
+
+__all__ = ["Offloader", "param_key", "grad_key"]

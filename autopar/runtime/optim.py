@@ -1,0 +1,117 @@
+"""Optimizers that step each parameter where its state lives.
+
+``autopar.optim.AdamW(pm, lr=...)`` is ``torch.optim.AdamW`` (the same update, element for
+element) for a ``ParallelModule`` whose plan offloads parameters, gradients or optimizer state
+(``plan.memory``). It steps one parameter at a time: it reads what is offloaded of that
+parameter (value, gradient, exp_avg, exp_avg_sq) from the offload store onto the compute
+device, updates it, writes back what is offloaded, and frees it before the next parameter; with
+prefetch it reads the next parameter's tensors, and writes the last one's, on the store's thread
+meanwhile. So the device
+never holds more than one parameter's offloaded state. Parameters whose state is not offloaded
+keep it resident, as torch's optimizer would.
+
+For a module that offloads nothing it is a plain AdamW over ``pm.parameters()``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from autopar.runtime.offload import grad_key, param_key
+
+
+class AdamW:
+    """AdamW over a ParallelModule's parameters, offload-aware (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ):
+        if not lr >= 0 or not eps >= 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"AdamW needs lr >= 0, eps >= 0 and betas in [0, 1), got lr={lr}, eps={eps}, betas={betas}")
+        self.module = module
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.offloader = getattr(module, "offloader", None)
+        ties = module._traced.ties if hasattr(module, "_traced") else {}
+        self.params: list[tuple[str, torch.nn.Parameter]] = []
+        seen: set[int] = set()
+        for name, param in module.named_parameters(remove_duplicate=False):
+            fqn = name.removeprefix("module.")
+            fqn = ties.get(fqn, fqn)
+            if id(param) in seen or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            self.params.append((fqn, param))
+        self.state: dict[str, dict[str, Any]] = {fqn: {"step": 0} for fqn, _ in self.params}
+
+    def _offloaded(self, kind: str, fqn: str) -> bool:
+        return self.offloader is not None and fqn in getattr(self.offloader, kind)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, param in self.params:
+            param.grad = None
+        if self.offloader is not None:
+            self.offloader.clear_grads()
+
+    def _prefetch(self, fqn: str) -> None:
+        store = self.offloader.store
+        if self._offloaded("params", fqn):
+            store.prefetch(param_key(fqn))
+        if self._offloaded("grads", fqn):
+            store.prefetch(grad_key(fqn))
+        if self._offloaded("states", fqn) and self.state[fqn]["step"]:
+            store.prefetch(f"exp_avg/{fqn}")
+            store.prefetch(f"exp_avg_sq/{fqn}")
+
+    @torch.no_grad()
+    def step(self) -> None:
+        store = self.offloader.store if self.offloader is not None else None
+        prefetch = self.offloader is not None and self.offloader.memory.prefetch
+        for k, (fqn, param) in enumerate(self.params):
+            if prefetch and k + 1 < len(self.params):
+                self._prefetch(self.params[k + 1][0])
+            grad = self.offloader.grad(fqn) if self._offloaded("grads", fqn) else param.grad
+            if grad is None:
+                continue
+            value = store.get(param_key(fqn)) if self._offloaded("params", fqn) else param.data
+            state = self.state[fqn]
+            offloaded_state = self._offloaded("states", fqn)
+            if state["step"] == 0:
+                exp_avg, exp_avg_sq = torch.zeros_like(value), torch.zeros_like(value)
+            elif offloaded_state:
+                exp_avg, exp_avg_sq = store.get(f"exp_avg/{fqn}"), store.get(f"exp_avg_sq/{fqn}")
+            else:
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            state["step"] += 1
+            _adamw_update(value, grad, exp_avg, exp_avg_sq, state["step"], self.lr, self.betas, self.eps, self.weight_decay)
+            if offloaded_state:  # with prefetch, written behind the next parameter's update
+                store.put(f"exp_avg/{fqn}", exp_avg, wait=not prefetch)
+                store.put(f"exp_avg_sq/{fqn}", exp_avg_sq, wait=not prefetch)
+            else:
+                state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
+            if self._offloaded("params", fqn):
+                store.put(param_key(fqn), value, wait=not prefetch)
+            del value, grad, exp_avg, exp_avg_sq
+
+
+def _adamw_update(param, grad, exp_avg, exp_avg_sq, step: int, lr, betas, eps, weight_decay) -> None:
+    """torch.optim.AdamW's single-tensor update (``torch/optim/adam.py``, decoupled decay)."""
+    beta1, beta2 = betas
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad.conj(), value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+__all__ = ["AdamW"]

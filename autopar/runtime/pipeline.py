@@ -1,0 +1,452 @@
+"""The pipeline-parallel runtime: a ParallelModule whose stages run under a pipeline schedule.
+
+Layout. Mesh axis 0 is cut into S equal groups of ranks; stage i runs on ranks
+``plan.pipeline.stages[i].ranks``, which form the stage mesh ``(mesh[0] // S, *mesh[1:])``.
+Each stage has its own process group per stage-mesh axis (the intra-stage collectives), and
+the ranks at the same stage-mesh position in every stage form a *line* group: rank j of stage i
+sends its activations to rank j of stage i + 1 over it. Since corresponding ranks hold
+corresponding shards (any spec, Partial included), stage i + 1 receives exactly the local
+tensor the unsplit graph would have handed on, and reshards it where the plan says.
+
+Passes. The graph traced at one microbatch is rewritten with the usual passes for the stage
+mesh (``default_passes`` over this rank's stage groups), then cut by ``passes.split`` into one
+submodule per stage. Each rank runs only its own stage's submodule, through a ``_StageModule``
+that holds the stage's parameter shards, takes the tensors the previous stage sends, and sends
+on what later stages read (values a stage does not read itself pass through it).
+
+A call. ``pm(*batch)`` runs one whole training step under ``torch.distributed.pipelining``
+(``Schedule1F1B``, or ``ScheduleGPipe`` when there are fewer microbatches than stages): the
+forward and backward of every microbatch. Autograd cannot span the schedule, which runs the
+backward itself, so the gradients are held back: the call returns the loss (whole-batch mean,
+the mean of the microbatch means, broadcast from the last stage to every rank) as a tensor whose
+``backward()`` adds the held gradients, times the incoming gradient, into ``.grad``. So
+``loss = pm(*batch); loss.backward(); opt.step()`` works as with the model itself: a call whose
+loss gets no backward leaves ``.grad`` alone, and a second backward of the same loss is
+autograd's usual error. Under ``torch.no_grad()`` only the forward runs. A parameter used by
+several stages (tied embeddings) is held by each of them, and its gradient is summed over them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from autopar.errors import PlanError
+from autopar.passes import default_passes, run_passes
+from autopar.passes.split import split_into_stages, stage_io, stage_submodule, stage_wiring
+from autopar.ir.pipeline import stage_mesh_of, stage_ranks
+from autopar.ir.plan import Plan
+from autopar.runtime.module import ParallelModule, _attach, _flatten_inputs, _Holder, _lookup, gather_tensor, world_timeout
+from autopar.ir.spec import local_shape
+from autopar.trace import TracedModel, requires_grad
+
+log = logging.getLogger("autopar")
+
+
+def pipeline_groups(mesh_shape: tuple[int, ...], num_stages: int):
+    """This rank's (stage index, stage-mesh axis group names, stage-mesh coordinate, line group).
+
+    Every rank creates every group, in the same order, with the default group's timeout."""
+    stage_mesh = (mesh_shape[0] // num_stages, *mesh_shape[1:])
+    ranks = torch.arange(math.prod(mesh_shape)).reshape(num_stages, *stage_mesh)
+    timeout = world_timeout()
+    names = []
+    for axis, size in enumerate(stage_mesh):
+        members = ranks.movedim(axis + 1, -1).reshape(-1, size).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout)
+        names.append(group.group_name)
+    lines = ranks.reshape(num_stages, -1).T.tolist()
+    line, _ = dist.new_subgroups_by_enumeration(lines, timeout=timeout)
+    position = [int(i) for i in torch.unravel_index(torch.tensor(dist.get_rank()), (num_stages, *stage_mesh))]
+    return position[0], tuple(names), tuple(position[1:]), line
+
+
+def _microbatch_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
+    """The last stage already returns the microbatch's loss."""
+    return output
+
+
+class _StageModule(torch.nn.Module):
+    """One stage: its submodule, parameter shards, and the names it receives and sends."""
+
+    def __init__(self, submod: torch.fx.GraphModule, inputs: list[str], outputs: list[str], received: list[str],
+                 sent: list[str] | None, loss_name: str, user_keys: dict[str, str], tensors: dict[str, torch.Tensor],
+                 constants: set[str]):
+        super().__init__()
+        self.submod = submod
+        self._inputs, self._outputs, self._received, self._sent = inputs, outputs, received, sent
+        self._loss_name, self._user_keys = loss_name, user_keys  # schedule kwarg key → placeholder
+        self.held = torch.nn.Module()
+        self._held_names: list[str] = []
+        self._constants: dict[str, torch.Tensor] = {}
+        for name, value in tensors.items():
+            if name not in inputs:
+                continue
+            if isinstance(value, torch.nn.Parameter):
+                self.held.register_parameter(name, value)
+            elif name in constants:
+                self._constants[name] = value
+            else:
+                self.held.register_buffer(name, value)
+            self._held_names.append(name)
+
+    def forward(self, *received: torch.Tensor, **user: Any) -> Any:
+        env: dict[str, Any] = dict(zip(self._received, received))
+        env.update((self._user_keys[key], value) for key, value in user.items())
+        for name in self._held_names:
+            env[name] = self._constants[name] if name in self._constants else getattr(self.held, name)
+        outputs = self.submod(*[env[name] for name in self._inputs])
+        env.update(zip(self._outputs, outputs))
+        if self._sent is None:
+            return env[self._loss_name]
+        return tuple(env[name].contiguous() for name in self._sent)
+
+
+class _HeldGradients(torch.autograd.Function):
+    """The loss of a pipelined step; its backward hands out the gradients the schedule computed."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, num_params: int, *grads_then_params: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*grads_then_params[:num_params])
+        ctx.num_params = num_params
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grads = ctx.saved_tensors
+        held = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
+        return (None, None, *([None] * ctx.num_params), *held)
+
+
+def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan) -> "PipelineParallelModule":
+    """Rewrite and split ``traced`` (one microbatch) by ``plan`` and return this rank's module."""
+    stages = plan.pipeline
+    assert stages is not None
+    expected = (stage_mesh_of(plan.mesh_shape, stages.num_stages), stage_ranks(plan.mesh_shape, stages.num_stages))
+    if (tuple(stages.stage_mesh), [tuple(s.ranks) for s in stages.stages]) != expected:
+        raise PlanError(
+            f"the plan's pipeline puts its {stages.num_stages} stages on stage mesh {tuple(stages.stage_mesh)} and ranks "
+            f"{[list(s.ranks) for s in stages.stages]}, but on mesh {tuple(plan.mesh_shape)} they are on "
+            f"{expected[0]} and {[list(r) for r in expected[1]]} (mesh axis 0 cut into equal groups): re-plan"
+        )
+    stage_index, groups, coordinate, line = pipeline_groups(tuple(plan.mesh_shape), stages.num_stages)
+    stage_view = _stage_view(plan)
+    passes = [*default_passes(groups), functools.partial(split_into_stages, stages=stages)]
+    split = run_passes(copy.deepcopy(traced.gm), stage_view, passes)
+    log.info("autopar: rank %d runs pipeline stage %d of %d on stage mesh %s at %s", dist.get_rank(), stage_index,
+             stages.num_stages, tuple(stages.stage_mesh), coordinate)
+    return PipelineParallelModule(model, traced, split, plan, stage_index, groups, coordinate, line)
+
+
+def _stage_view(plan: Plan) -> Plan:
+    """The plan as the passes read it: the intra-stage decisions on the stage mesh."""
+    return dataclasses.replace(plan, mesh_shape=tuple(plan.pipeline.stage_mesh), pipeline=None, stats={})
+
+
+class PipelineParallelModule(ParallelModule):
+    """A ParallelModule for a pipelined plan (see the module docstring for what a call does).
+
+    ``pm.module`` holds this rank's stage's shards under the model's names; ``pm.graph`` is the
+    graph this rank runs (its stage) and ``pm.graph_module`` the split graph of every stage.
+    ``full_state_dict()`` and ``full_grads()`` gather over the stage mesh and across stages.
+    ``state_dict()`` (torch.distributed.checkpoint) is not supported for pipelines yet.
+    """
+
+    def __init__(self, model: torch.nn.Module, traced: TracedModel, split: torch.fx.GraphModule, plan: Plan,
+                 stage_index: int, groups: tuple[str, ...], coordinate: tuple[int, ...], line: dist.ProcessGroup):
+        torch.nn.Module.__init__(self)
+        stages = plan.pipeline
+        self._plan = plan
+        self._traced = traced
+        self._groups = groups
+        self._coordinate = coordinate
+        self._device_mesh = None
+        self._offloader = None  # memory decisions are not combined with pipelines yet
+        self._stage_index = stage_index
+        self._num_stages = stages.num_stages
+        self._num_microbatches = stages.num_microbatches
+        self._line = line
+        self._stage_mesh = tuple(stages.stage_mesh)
+        self.graph_module = split
+        self.module = _Holder()
+
+        loss_node = _loss_node(traced)
+        full = dict(model.named_parameters(remove_duplicate=False))
+        full.update(dict(model.named_buffers(remove_duplicate=False)))
+        self._full_shapes = {fqn: tuple(t.shape) for fqn, t in full.items()}
+        self._full_dtypes = {fqn: t.dtype for fqn, t in full.items()}
+        self._inputs = [(gi.name, gi.kind, gi.fqn) for gi in traced.inputs]
+        self._constants = dict(traced.constants)
+        self._state_keys = [k for k in model.state_dict(keep_vars=True) if k in full or k in traced.ties]
+        self._param_canonicals = {traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+        tensors = self._hold_tensors(full, split)
+        users = [gi.name for gi in traced.inputs if gi.kind == "user"]
+        # The schedule takes the user inputs as keyword arguments, which must not meet its own
+        # (target, losses, ...): they go under neutral keys.
+        self._user_keys = {f"input_{i}": name for i, name in enumerate(users)}
+        self._device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        self._loss_dtype = loss_node.meta["val"].dtype
+        self._schedule = self._make_schedule(split, loss_node, tensors)
+        placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+        self._user_metas = []
+        for name in users:
+            val = placeholders[name].meta.get("val")
+            if isinstance(val, torch.Tensor):
+                shape = (val.shape[0] * self._num_microbatches, *val.shape[1:]) if val.dim() else tuple(val.shape)
+                self._user_metas.append((name, tuple(shape), val.dtype))
+            else:
+                self._user_metas.append((name, None, None))
+
+    def _hold_tensors(self, full: dict[str, torch.Tensor], split: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+        """Attach this stage's shards to ``self.module``; return placeholder name → tensor.
+
+        A stage holds the parameters and buffers its submodule reads; a tensor read by several
+        stages (tied embeddings) is held by each (``self._holders``: canonical FQN → stages)."""
+        traced, plan = self._traced, self._plan
+        readers: dict[str, set[int]] = {}
+        for index in range(self._num_stages):
+            for name in stage_io(split, index)[0]:
+                readers.setdefault(name, set()).add(index)
+        self._holders: dict[str, set[int]] = {}
+        for gi in traced.inputs:
+            if gi.kind in ("param", "buffer"):
+                canonical = traced.ties.get(gi.fqn, gi.fqn)
+                self._holders.setdefault(canonical, set()).update(readers.get(gi.name, set()))
+        for holders in self._holders.values():
+            if not holders:
+                holders.add(0)  # read by no stage: the first stage keeps it, for full_state_dict
+        tensors: dict[str, torch.Tensor] = {}
+        made: dict[str, torch.Tensor] = {}
+        for gi in traced.inputs:
+            if gi.kind == "constant":
+                tensors[gi.name] = self._constants[gi.name]
+                continue
+            if gi.kind not in ("param", "buffer"):
+                continue
+            canonical = traced.ties.get(gi.fqn, gi.fqn)
+            if self._stage_index not in self._holders[canonical]:
+                continue
+            if canonical not in made:
+                local = shard_tensor(full[gi.fqn].detach(), plan.params[gi.fqn], self._coordinate, self._stage_mesh)
+                if gi.kind == "param":
+                    made[canonical] = torch.nn.Parameter(local.clone(), requires_grad=full[gi.fqn].requires_grad)
+                else:
+                    made[canonical] = local.clone()
+            _attach(self.module, gi.fqn, made[canonical], gi.kind)
+            tensors[gi.name] = made[canonical]
+        return tensors
+
+    def _make_schedule(self, split: torch.fx.GraphModule, loss_node: torch.fx.Node, tensors: dict[str, torch.Tensor]):
+        """This rank's stage module, its ``PipelineStage`` (static shapes) and the schedule."""
+        traced, plan, index = self._traced, self._plan, self._stage_index
+        # The name the loss has in the rewritten graph: a collective may follow the traced loss
+        # node (an all-reduce of a batch-split loss, on a stage mesh of several devices).
+        loss_name = _returned_name(split)
+        sent = stage_wiring(split, {gi.name for gi in traced.inputs}, loss_name, self._num_stages)
+        received = sent[index - 1] if index else []
+        is_last = index == self._num_stages - 1
+        inputs, outputs = stage_io(split, index)
+        self._stage = _StageModule(
+            stage_submodule(split, index), inputs, outputs, received, None if is_last else sent[index],
+            loss_name, self._user_keys, tensors, constants=set(self._constants),
+        )
+        nodes = {n.name: n for n in traced.gm.graph.nodes}
+        # Static shapes: torch's pipelining would otherwise infer them by running a microbatch
+        # through every stage first, on uninitialized tensors.
+        example_in = tuple(self._example(nodes[name], plan) for name in received)
+        if is_last:
+            example_out = (torch.empty((), dtype=self._loss_dtype, device=self._device).requires_grad_(True),)
+        else:
+            example_out = tuple(self._example(nodes[name], plan) for name in sent[index])
+        self._pipeline_stage = PipelineStage(
+            self._stage, index, self._num_stages, self._device, input_args=example_in, output_args=example_out,
+            group=self._line,
+        )
+        schedule = Schedule1F1B if plan.pipeline.schedule == "1F1B" else ScheduleGPipe
+        # scale_grads divides the summed microbatch gradients by their number: the model's loss
+        # is a mean over its microbatch, and the whole batch's is the mean of those means.
+        return schedule(self._pipeline_stage, self._num_microbatches, loss_fn=_microbatch_loss, scale_grads=True)
+
+    def _example(self, node: torch.fx.Node, plan: Plan) -> torch.Tensor:
+        val = node.meta.get("val")
+        decision = plan.nodes.get(node.name)
+        if not isinstance(val, torch.Tensor) or decision is None:
+            raise PlanError(f"pipeline stages may only pass single tensors, but {node.format_node()} crosses a cut")
+        shape = local_shape(decision.shapes[0], decision.outs[0], self._stage_mesh)
+        grad = requires_grad(node) and (val.is_floating_point() or val.is_complex())
+        return torch.empty(shape, dtype=val.dtype, device=self._device).requires_grad_(grad)
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        """The graph this rank runs: its stage's submodule."""
+        return stage_submodule(self.graph_module, self._stage_index).graph
+
+    @property
+    def stage_index(self) -> int:
+        return self._stage_index
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        flat = _flatten_inputs(args, kwargs, self._traced.in_spec)
+        self._check_inputs(flat)
+        user = dict(zip(self._user_keys, flat))
+        params = [p for p in self._stage.parameters() if p.requires_grad]
+        train = torch.is_grad_enabled() and bool(params)
+        is_last = self._stage_index == self._num_stages - 1
+        target = torch.zeros(self._num_microbatches) if is_last else None
+        losses: list[torch.Tensor] = []
+        if not train:
+            # schedule.eval() with return_outputs=False: merging the per-microbatch losses by
+            # concatenation, which eval() would do, fails on scalars (and is not needed).
+            self._schedule._has_backward = False
+            try:
+                self._schedule.step(target=target, losses=losses, return_outputs=False, **user)
+            finally:
+                self._schedule._has_backward = True
+            loss = self._broadcast_loss(losses)
+            return pytree.tree_unflatten([loss], self._traced.out_spec)
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            self._schedule.step(target=target, losses=losses, return_outputs=False, **user)
+            self._sum_shared_grads()
+            held = [p.grad for p in params]
+        finally:
+            for p, grad in zip(params, saved):
+                p.grad = grad
+        loss = self._broadcast_loss(losses)
+        out = _HeldGradients.apply(loss, len(params), *held, *params)
+        return pytree.tree_unflatten([out], self._traced.out_spec)
+
+    def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        if self._stage_index == self._num_stages - 1:
+            loss = torch.stack([l.detach() for l in losses]).mean().to(self._device)
+        else:
+            loss = torch.empty((), dtype=self._loss_dtype, device=self._device)
+        dist.broadcast(loss, group=self._line, group_src=self._num_stages - 1)
+        return loss
+
+    def _sum_shared_grads(self) -> None:
+        """Sum the gradients of tensors held by several stages (tied embeddings) over those stages."""
+        for canonical in sorted(self._holders):
+            holders = self._holders[canonical]
+            if len(holders) < 2 or canonical not in self._param_canonicals:
+                continue
+            if self._stage_index in holders:
+                param = self._local(canonical)
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad
+            else:
+                shape = local_shape(self._full_shapes[canonical], self._plan.params[canonical], self._stage_mesh)
+                grad = torch.zeros(shape, dtype=self._full_dtypes[canonical], device=self._device)
+            dist.all_reduce(grad, group=self._line)
+
+    def _owner(self, fqn: str) -> int:
+        return min(self._holders[self._traced.ties.get(fqn, fqn)])
+
+    def _gather_across(self, fqn: str, local: torch.Tensor | None) -> torch.Tensor | None:
+        """The whole tensor ``fqn`` on every rank: gathered in its owner stage, broadcast along the line."""
+        owner = self._owner(fqn)
+        flag = torch.zeros((), dtype=torch.int64, device=self._device)
+        full = None
+        if self._stage_index == owner:
+            flag.fill_(int(local is not None))
+            if local is not None:
+                full = gather_tensor(local, self._plan.params[fqn], self._groups).contiguous()
+        dist.broadcast(flag, group=self._line, group_src=owner)
+        if not flag.item():
+            return None
+        if full is None:
+            full = torch.empty(self._full_shapes[fqn], dtype=self._full_dtypes[fqn], device=self._device)
+        dist.broadcast(full, group=self._line, group_src=owner)
+        return full
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's ``state_dict()``, gathered whole on every rank (across stages too)."""
+        out: dict[str, torch.Tensor] = {}
+        done: dict[str, torch.Tensor] = {}
+        for fqn in self._state_keys:
+            canonical = self._traced.ties.get(fqn, fqn)
+            if canonical not in done:
+                local = self._local(fqn) if self._stage_index == self._owner(fqn) else None
+                done[canonical] = self._gather_across(canonical, local)
+            out[fqn] = done[canonical]
+        return out
+
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's gradient, gathered whole (across stages too), under the original names."""
+        out: dict[str, torch.Tensor | None] = {}
+        for fqn, kind in self._fqns():
+            if kind != "param":
+                continue
+            local = self._local(fqn).grad if self._stage_index == self._owner(fqn) else None
+            out[fqn] = self._gather_across(fqn, local)
+        return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise NotImplementedError(
+            "checkpointing a pipelined module (torch.distributed.checkpoint) is not supported yet: "
+            "save pm.full_state_dict() instead"
+        )
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False) -> Any:
+        """Copy whole tensors (a plain ``state_dict()``) into this rank's shards."""
+        if assign:
+            raise ValueError("load_state_dict copies into the shards; assign=True is not supported")
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._state_keys]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        with torch.no_grad():
+            for fqn in self._state_keys:
+                if fqn in state_dict and _has_local(self.module, fqn):
+                    local = shard_tensor(state_dict[fqn], self._plan.params[fqn], self._coordinate, self._stage_mesh)
+                    _lookup(self.module, fqn).copy_(local)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _returned_name(split: torch.fx.GraphModule) -> str:
+    """The original node name of the one value the split graph returns (``getitem`` of a stage's
+    outputs)."""
+    output = next(n for n in split.graph.nodes if n.op == "output")
+    (value,) = pytree.tree_leaves(output.args[0])
+    submodule, position = value.args
+    index = int(str(submodule.target).removeprefix("submod_"))
+    return stage_io(split, index)[1][position]
+
+
+def _loss_node(traced: TracedModel) -> torch.fx.Node:
+    output = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    results = pytree.tree_leaves(output.args[0])
+    if len(results) != 1 or not isinstance(results[0], torch.fx.Node) or not _is_scalar(results[0]):
+        raise ValueError(
+            "a pipelined model must return its loss, one scalar tensor (the last stage's output): "
+            f"this model returns {len(results)} values; compute the loss inside forward (GPT(..)(idx, targets))"
+        )
+    return results[0]
+
+
+def _has_local(root: torch.nn.Module, fqn: str) -> bool:
+    try:
+        _lookup(root, fqn)
+        return True
+    except (KeyError, AttributeError):
+        return False
+
+
+def _is_scalar(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 0

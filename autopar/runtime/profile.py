@@ -1,0 +1,290 @@
+"""``autopar profile``: measure this machine and write a ``ClusterSpec``.
+
+Two measurements:
+
+* **The device roofline** (``measure_device``): dense matmul FLOP/s per dtype (square matmuls,
+  best of a few timed runs after warm-up; float32 always, bfloat16 and float16 on CUDA), memory
+  bandwidth (a large tensor copied: read + write bytes over time) and memory size. On CUDA every
+  timing is bracketed by ``torch.cuda.synchronize``. On CPU the "device" is one process with the
+  threads it has (``run_distributed`` and ``--spawn`` give each rank one thread, as the gloo runs
+  that the cpu preset describes do).
+* **The alpha-beta of each mesh axis** (``measure_axes``), on a live process group: timed ring
+  all-reduces of a few sizes on that axis's groups (the slowest rank's median time per size),
+  fitted by least squares to ``t = 2(k-1)·α + 2(k-1)/k · bytes/β`` (``fit_alpha_beta``). An
+  axis whose groups fit inside a node (``ClusterSpec.axis_link``) gives the ``intra_node``
+  link, otherwise ``inter_node``; a link no axis measured copies the other and says so in
+  ``notes``. Without a process group the links are the base preset's, and ``notes`` says so.
+
+The CLI (``python -m autopar profile --out cluster.json [--mesh 2x2 --spawn]``) runs under
+torchrun (every rank measures; rank 0 writes), with ``--spawn`` (local gloo ranks), or alone
+(the device only).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from autopar.cost.cluster import ClusterSpec, LinkSpec, get_cluster
+from autopar.runtime.module import mesh_groups
+from autopar.runtime.launch import run_distributed
+
+QUICK_ALLREDUCE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
+FULL_ALLREDUCE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, synchronized."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int, repeats: int = 5) -> float:
+    """FLOP/s of a ``size``×``size`` matmul in ``dtype`` (2·size³ FLOPs), the best of ``repeats``."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    seconds = min(time_call(lambda: torch.mm(a, b), device, repeats=1, warmup=1 if i else 2) for i in range(repeats))
+    return 2.0 * size**3 / seconds
+
+
+def measure_memory_bandwidth(device: torch.device, num_bytes: int, repeats: int = 5) -> float:
+    """Bytes/s of copying a ``num_bytes`` float32 tensor (``2·num_bytes`` moved), the best run."""
+    src = torch.empty(num_bytes // 4, device=device).uniform_()
+    dst = torch.empty_like(src)
+    seconds = min(time_call(lambda: dst.copy_(src), device, repeats=1, warmup=1) for _ in range(repeats))
+    return 2.0 * src.numel() * 4 / seconds
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{torch.get_num_threads()}thread"
+
+
+def measure_device(device: torch.device | str | None = None, quick: bool = False) -> dict[str, Any]:
+    """The roofline of ``device`` (default: CUDA when available, else CPU), as ClusterSpec fields."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        size, copy_bytes = (4096, 256 << 20) if quick else (8192, 1 << 30)
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    else:
+        size, copy_bytes = (384, 32 << 20) if quick else (1024, 256 << 20)
+        dtypes = (torch.float32,)  # CPU half-precision matmuls are emulated; the fp32 peak is the fallback
+    peak_flops = {str(d).removeprefix("torch."): measure_matmul_flops(device, d, size) for d in dtypes}
+    return {
+        "device": device_name(device),
+        "peak_flops": peak_flops,
+        "memory_bandwidth_bytes_per_s": measure_memory_bandwidth(device, copy_bytes),
+        "memory_bytes": device_memory_bytes(device),
+    }
+
+
+def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float], k: int) -> LinkSpec:
+    """Least-squares fit of ring all-reduce times ``t = 2(k-1)·α + 2(k-1)/k · n/β``.
+
+    A fitted intercept below 1 µs·2(k-1) is taken as 1 µs per step (noise can make it
+    negative); a non-positive slope means the sizes were too small to see the bandwidth.
+    """
+    if k < 2 or len(sizes_bytes) != len(times_s) or len(sizes_bytes) < 2:
+        raise ValueError(f"fit_alpha_beta needs k >= 2 and two or more (size, time) pairs, got k={k}, {len(times_s)} times")
+    mean_n = statistics.fmean(sizes_bytes)
+    mean_t = statistics.fmean(times_s)
+    var = sum((n - mean_n) ** 2 for n in sizes_bytes)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes_bytes, times_s)) / var
+    if slope <= 0:
+        raise ValueError(
+            f"all-reduce times {list(times_s)} do not grow with size {list(sizes_bytes)}: "
+            "measure larger sizes (drop --quick)"
+        )
+    intercept = mean_t - slope * mean_n
+    latency_s = max(intercept / (2 * (k - 1)), 1e-6)
+    bandwidth = 2 * (k - 1) / k / slope
+    return LinkSpec(latency_s=latency_s, bandwidth_bytes_per_s=bandwidth)
+
+
+def _time_all_reduce(num_bytes: int, group: Any, device: torch.device, repeats: int) -> float:
+    """The slowest rank's median seconds for an all-reduce of ``num_bytes`` on ``group``."""
+    x = torch.ones(max(num_bytes // 4, 1), device=device)
+    dist.barrier()
+    seconds = time_call(lambda: dist.all_reduce(x, group=group), device, repeats=repeats, warmup=2)
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
+def measure_axes(
+    mesh_shape: Sequence[int], sizes_bytes: Sequence[int] = QUICK_ALLREDUCE_BYTES, repeats: int = 5
+) -> list[dict[str, Any]]:
+    """Per mesh axis: its size, the all-reduce timings, and the fitted link (None for size 1).
+
+    Every rank of an initialized process group whose world size is ``prod(mesh_shape)`` must call
+    it; all ranks return the same list."""
+    if math.prod(mesh_shape) != dist.get_world_size():
+        raise ValueError(
+            f"mesh {tuple(mesh_shape)} has {math.prod(mesh_shape)} devices but the world size is "
+            f"{dist.get_world_size()}: pass a mesh whose sizes multiply to the world size"
+        )
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    names, _ = mesh_groups(tuple(mesh_shape))
+    out = []
+    for axis, (size, name) in enumerate(zip(mesh_shape, names)):
+        if size == 1:
+            out.append({"axis": axis, "size": size, "times_s": [], "link": None})
+            continue
+        group = _resolve_process_group(name)
+        times = [_time_all_reduce(n, group, device, repeats) for n in sizes_bytes]
+        out.append({"axis": axis, "size": size, "sizes_bytes": list(sizes_bytes), "times_s": times,
+                    "link": fit_alpha_beta(sizes_bytes, times, size)})
+    return out
+
+
+def build_spec(
+    device: dict[str, Any],
+    axes: list[dict[str, Any]] | None,
+    mesh_shape: Sequence[int],
+    devices_per_node: int,
+    num_nodes: int,
+    base: str = "cpu",
+    name: str | None = None,
+) -> ClusterSpec:
+    """A ClusterSpec from ``measure_device``'s roofline and ``measure_axes``' links."""
+    fallback = get_cluster(base)
+    links: dict[str, list[LinkSpec]] = {"intra_node": [], "inter_node": []}
+    probe = ClusterSpec(
+        name="probe", devices_per_node=devices_per_node, num_nodes=num_nodes, peak_flops={"float32": 1.0},
+        memory_bandwidth_bytes_per_s=1.0, memory_bytes=1, intra_node=fallback.intra_node,
+        inter_node=fallback.inter_node,
+    )
+    for entry in axes or []:
+        if entry["link"] is None:
+            continue
+        level = "intra_node" if probe.axis_link(mesh_shape, entry["axis"]) is probe.intra_node else "inter_node"
+        links[level].append(entry["link"])
+    notes = [f"Measured by autopar profile on {device['device']} with torch {torch.__version__}."]
+    chosen: dict[str, LinkSpec] = {}
+    for level, found in links.items():
+        if found:  # the slowest axis of that level: a plan must not count on the best one
+            chosen[level] = LinkSpec(max(link.latency_s for link in found),
+                                     min(link.bandwidth_bytes_per_s for link in found))
+            notes.append(f"{level}: fitted from all-reduces on {len(found)} mesh axis(es).")
+    for level, other in (("intra_node", "inter_node"), ("inter_node", "intra_node")):
+        if level not in chosen:
+            if other in chosen:
+                chosen[level] = chosen[other]
+                notes.append(f"{level}: no axis measured it; copied from {other}.")
+            else:
+                chosen[level] = getattr(fallback, level)
+                notes.append(f"{level}: not measured (no process group); taken from preset {base!r}.")
+    notes.append("Per axis: " + "; ".join(
+        f"axis {e['axis']} (size {e['size']}): " + (
+            "not measured" if e["link"] is None
+            else f"alpha {e['link'].latency_s:.3g} s, beta {e['link'].bandwidth_bytes_per_s:.3g} B/s"
+        ) for e in (axes or [])) if axes else "Per axis: none measured.")
+    return ClusterSpec(
+        name=name or f"profiled-{device['device'].replace(' ', '-').lower()}",
+        devices_per_node=devices_per_node,
+        num_nodes=num_nodes,
+        peak_flops=device["peak_flops"],
+        memory_bandwidth_bytes_per_s=device["memory_bandwidth_bytes_per_s"],
+        memory_bytes=device["memory_bytes"],
+        intra_node=chosen["intra_node"],
+        inter_node=chosen["inter_node"],
+        source="autopar profile (measured)",
+        notes=" ".join(notes),
+    )
+
+
+def profile_distributed(mesh_shape: Sequence[int], quick: bool = True) -> ClusterSpec:
+    """Under an initialized process group: every rank measures its links, rank 0 its device.
+    Returns the same spec on every rank."""
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    sizes = QUICK_ALLREDUCE_BYTES if quick else FULL_ALLREDUCE_BYTES
+    axes = measure_axes(mesh_shape, sizes)
+    payload: list[Any] = [measure_device(device_type, quick) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return build_spec(payload[0], axes, mesh_shape, per_node, max(world // per_node, 1))
+
+
+def _spawned(rank: int, world_size: int, mesh_shape: tuple[int, ...], quick: bool) -> dict[str, Any]:
+    return profile_distributed(mesh_shape, quick).to_json()
+
+
+def profile_spawn(mesh_shape: Sequence[int], quick: bool = True, timeout_s: float = 300) -> ClusterSpec:
+    """Spawn ``prod(mesh_shape)`` local gloo ranks (one thread each) and profile them."""
+    results = run_distributed(_spawned, math.prod(mesh_shape), tuple(mesh_shape), quick, timeout_s=timeout_s)
+    return ClusterSpec.from_json(results[0])
+
+
+def run_profile(out: str, mesh_shape: Sequence[int] | None, spawn: bool, quick: bool, timeout_s: float = 300) -> ClusterSpec | None:
+    """What ``autopar profile`` does; returns the spec (None on ranks other than 0)."""
+    if spawn:
+        if mesh_shape is None:
+            raise ValueError("--spawn needs --mesh, e.g. --mesh 2x2, to know how many local ranks to start")
+        spec = profile_spawn(mesh_shape, quick, timeout_s)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        owned = not dist.is_initialized()
+        if owned:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        try:
+            spec = profile_distributed(mesh_shape or (dist.get_world_size(),), quick)
+            if dist.get_rank() != 0:
+                return None
+        finally:
+            if owned:
+                dist.destroy_process_group()
+    else:
+        if mesh_shape is not None and math.prod(mesh_shape) > 1:
+            raise ValueError(
+                f"--mesh {'x'.join(map(str, mesh_shape))} needs ranks to time collectives on: add --spawn "
+                "(local gloo ranks) or run under torchrun"
+            )
+        device = measure_device(None, quick)
+        spec = build_spec(device, None, (1,), 1, 1, base="h100-80g" if torch.cuda.is_available() else "cpu")
+    spec.save(out)
+    return spec
+
+
+__all__ = [
+    "measure_device",
+    "measure_matmul_flops",
+    "measure_memory_bandwidth",
+    "measure_axes",
+    "fit_alpha_beta",
+    "build_spec",
+    "profile_distributed",
+    "profile_spawn",
+    "run_profile",
+]

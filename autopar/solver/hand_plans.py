@@ -1,0 +1,183 @@
+"""Hand-written parallelism plans, built on the same graph and priced by the same cost model.
+
+A hand plan fixes every parameter's placements the way the technique prescribes; the solver then
+chooses everything else (activations, where to reshard) at the lowest cost. That is the best
+version of each hand plan under autopar's cost model, so ``autopar.plan``'s own result, which
+may choose parameter placements too, can only be as fast or faster: a fair reference.
+
+Kinds (the tensor-parallel axis is the innermost mesh axis, which stays inside a node):
+
+- ``ddp``: every parameter replicated; batch sharding is the solver's best choice.
+- ``zero1`` / ``zero2``: DDP's layout, with the optimizer state (and for ``zero2`` the
+  gradients too) split among the ranks that hold a replica. Communication is priced as DDP's:
+  ZeRO-1/2 reduce-scatter the gradients and all-gather the updated parameters, which moves the
+  bytes of DDP's all-reduce. To run one, compile the plan (its layout is DDP's) and step with
+  ``torch.distributed.optim.ZeroRedundancyOptimizer``, which shards the optimizer state; it does
+  not shard gradients, so a ``zero2`` plan runs with ZeRO-1's gradient memory.
+- ``fsdp``: every parameter sharded over all axes along its first evenly divisible dim
+  (ZeRO-3; gradients and optimizer state follow the parameters).
+- ``megatron``: Megatron tensor parallelism on the innermost axis: column-parallel projections
+  (q/k/v, fused qkv, MLP up and gate) split by output features, row-parallel ones (attention
+  output, MLP down) by input features, embeddings by vocabulary; replicated on the other axes,
+  so on a 2-D mesh this is TP × DP (``tp_dp`` names the same plan).
+- ``megatron_sp``: Megatron with sequence parallelism: as ``megatron``, and the activations
+  outside the attention and MLP blocks (norms, residual adds, dropout) are split along the
+  sequence on the tensor-parallel axis (and along the batch on the others), so the TP
+  all-reduces become reduce-scatter + all-gather pairs and those activations take 1/TP memory.
+- ``tp_fsdp``: torchtitan's layout: Megatron on the innermost axis, FSDP on the others.
+
+Column and row projections are recognised by module name, as Megatron and torchtitan layouts
+are written (``COLUMN``, ``ROW``); a model with other names gets fewer tensor-parallel layers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.cost.cluster import ClusterSpec, get_cluster
+from autopar.ir.plan import Plan
+from autopar.solver import solve
+from autopar.ir.spec import Spec, is_valid
+from autopar.trace import TracedModel, trace
+
+KINDS = ("ddp", "zero1", "zero2", "fsdp", "megatron", "megatron_sp", "tp_fsdp")
+# Other names of the same plans.
+ALIASES = {"tp_dp": "megatron"}
+_ZERO_STAGE = {"zero1": 1, "zero2": 2}
+# Elementwise ops of the residual stream that sequence parallelism splits along the sequence.
+_SEQUENCE_PARALLEL_OPS = {
+    torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.pow.Tensor_Scalar,
+    torch.ops.aten.rsqrt.default, torch.ops.aten.layer_norm.default, torch.ops.aten.dropout.default,
+    torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default,
+}
+
+COLUMN = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|c_attn|query|key|value|qkv|c_fc|fc1|up_proj|gate_proj|w1|w3)\.(weight|bias)$")
+ROW = re.compile(r"(^|\.)(c_proj|o_proj|out_proj|down_proj|fc2|w2|dense)\.(weight|bias)$")
+EMBEDDING = re.compile(r"(^|\.)(wte|embed_tokens|word_embeddings|lm_head)\.weight$")
+
+
+def _tensor_parallel(fqn: str, shape: Sequence[int]) -> Shard | Replicate:
+    """Megatron's placement of one parameter on the tensor-parallel axis."""
+    if COLUMN.search(fqn):
+        return Shard(0)
+    if ROW.search(fqn):
+        return Shard(1) if fqn.endswith(".weight") and len(shape) == 2 else Replicate()
+    if EMBEDDING.search(fqn):
+        return Shard(0)
+    return Replicate()
+
+
+def _fsdp_dim(shape: Sequence[int], ways: int) -> Shard | Replicate:
+    for dim, size in enumerate(shape):
+        if size % ways == 0:
+            return Shard(dim)
+    return Replicate()
+
+
+def _resolve(kind: str) -> str:
+    kind = ALIASES.get(kind, kind)
+    if kind not in KINDS:
+        names = ", ".join(KINDS + tuple(ALIASES))
+        raise ValueError(f"unknown hand plan {kind!r}; expected one of {names}")
+    return kind
+
+
+def param_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> dict[str, Spec]:
+    """Placeholder name → spec for every parameter under hand plan ``kind``."""
+    kind = _resolve(kind)
+    placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+    num_axes = len(mesh_shape)
+    outer = mesh_shape[:-1]
+    specs: dict[str, Spec] = {}
+    for graph_input in traced.placeholders("param"):
+        shape = tuple(placeholders[graph_input.name].meta["val"].shape)
+        fqn = traced.ties.get(graph_input.fqn, graph_input.fqn)
+        if kind in ("ddp", "zero1", "zero2"):
+            spec: tuple = (Replicate(),) * num_axes
+        elif kind == "fsdp":
+            spec = (_fsdp_dim(shape, _prod(mesh_shape)),) * num_axes
+        else:
+            tp = _tensor_parallel(fqn, shape)
+            if kind in ("megatron", "megatron_sp") or not outer:
+                rest: tuple = (Replicate(),) * (num_axes - 1)
+            else:
+                local = tuple(s // mesh_shape[-1] if isinstance(tp, Shard) and d == tp.dim else s for d, s in enumerate(shape))
+                rest = (_fsdp_dim(local, _prod(outer)),) * (num_axes - 1)
+            spec = rest + (tp,)
+        if not is_valid(shape, spec, mesh_shape):
+            spec = (Replicate(),) * num_axes  # this parameter cannot be cut evenly
+        specs[graph_input.name] = spec
+    return specs
+
+
+def sequence_parallel_specs(traced: TracedModel, mesh_shape: tuple[int, ...]) -> dict[str, Spec]:
+    """Node name → spec for the residual-stream activations under sequence parallelism:
+    elementwise and norm ops whose output is (batch, sequence, hidden), with hidden the width
+    of the token embedding, split along the batch on the outer axes and the sequence on the
+    tensor-parallel axis."""
+    embeddings = [n for n in traced.gm.graph.nodes if n.target == torch.ops.aten.embedding.default]
+    if not embeddings:
+        return {}
+    hidden = embeddings[0].meta["val"].shape[-1]
+    spec = (Shard(0),) * (len(mesh_shape) - 1) + (Shard(1),)
+    forced = {}
+    for node in traced.gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "call_function" or node.target not in _SEQUENCE_PARALLEL_OPS:
+            continue
+        if isinstance(val, torch.Tensor) and val.dim() == 3 and val.shape[-1] == hidden and val.is_floating_point():
+            if is_valid(tuple(val.shape), spec, mesh_shape):
+                forced[node.name] = spec
+    return forced
+
+
+def hand_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> dict[str, Spec]:
+    """Every spec that hand plan ``kind`` fixes: parameters, and activations for ``megatron_sp``."""
+    specs = param_specs(kind, traced, mesh_shape)
+    if _resolve(kind) == "megatron_sp":
+        specs.update(sequence_parallel_specs(traced, mesh_shape))
+    return specs
+
+
+def zero_stage(kind: str) -> int:
+    """The ZeRO stage whose parameter-state memory hand plan ``kind`` has (0 for none)."""
+    return _ZERO_STAGE.get(_resolve(kind), 0)
+
+
+def hand_plan(
+    kind: str,
+    model: torch.nn.Module,
+    mesh: Sequence[int],
+    *,
+    example_inputs: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    cluster: str | ClusterSpec | os.PathLike | None = None,
+    memory_budget: float | None = None,
+) -> Plan:
+    """The hand plan ``kind`` for ``model`` on ``mesh``, as a Plan priced by autopar's model.
+
+    It can be saved, inspected and compiled like any plan, which gives real baselines.
+    """
+    mesh_shape = tuple(int(n) for n in mesh)
+    _resolve(kind)
+    traced = trace(model, example_inputs, example_kwargs)
+    return solve_hand_plan(kind, traced, mesh_shape, get_cluster(cluster), memory_budget)
+
+
+def solve_hand_plan(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec,
+                    memory_budget: float | None = None, solver: str = "auto") -> Plan:
+    """``hand_plan`` on an already traced model."""
+    return solve(traced, mesh_shape, cluster, memory_budget=memory_budget, solver=solver,
+                 forced=hand_specs(kind, traced, mesh_shape), zero_stage=zero_stage(kind))
+
+
+def _prod(sizes: Sequence[int]) -> int:
+    out = 1
+    for size in sizes:
+        out *= size
+    return out

@@ -1,0 +1,384 @@
+"""Choose activation checkpointing and offload when the chosen sharding does not fit the budget.
+
+The sharding ILP runs first, as always. When its plan's liveness peak is still above
+``memory_budget`` (or no sharding fits at all, in which case the leanest sharding is taken),
+this planner prices every candidate decision in seconds added per step and bytes saved:
+
+=================  ==========================================  ==================================
+decision           bytes saved on the device                   seconds added per step
+=================  ==========================================  ==================================
+checkpoint layer   its activations kept from forward to        the layer's forward compute, run
+                   backward (not its outputs, not its inputs)  again in backward
+offload optimizer  the parameter's optimizer state             read + write it once (the step)
+state
+offload gradient   the gradient, from its backward to the      write it in backward, read it in
+                   step (alive only while produced)            the step
+offload parameter  the parameter, except around its uses       read it in forward and backward,
+                   (one use ahead with prefetch)               read + write it in the step
+offload layer      the same as checkpointing it                write them in forward, read them
+activations                                                    in backward
+=================  ==========================================  ==================================
+
+A layer is either checkpointed or has its activations offloaded, never both.
+
+Transfers run at the target's link: ``cluster.host_link`` for "cpu" (pinned host memory), and
+``cluster.disk_link`` for "disk" (through the host link too, on a device that is not the host).
+With ``prefetch`` they overlap the step's compute, so the time a step loses to offload is the
+total transfer time less the compute it hides behind, and never below zero.
+
+The choice is greedy by seconds per byte saved: take the cheapest candidates until the peak of
+the adjusted liveness walk fits, then drop, most expensive first, every chosen decision the peak
+does not need. Savings are not additive (removing bytes at one time does not lower the peak if
+another time is higher), which is why each step re-runs the walk instead of summing. A Rotor-style
+dynamic program over the chain of layers would choose the checkpoints optimally; it is not built.
+
+The adjusted walk changes the intervals of ``autopar.cost.liveness``: an offloaded parameter is
+alive only at its uses (from the previous fetch, with prefetch); an offloaded gradient only at
+the time its backward writes it; offloaded optimizer state only in the step, which streams one
+parameter at a time: at the last time of the walk, the largest parameter's offloaded tensors
+and AdamW's temporary (two parameters' with prefetch) are added. A checkpointed layer's activations are
+alive in forward until their last forward use, and again from the start of the layer's backward
+(the recompute) to their old end; the layer's inputs are kept until its backward ends. A layer
+whose activations are offloaded has the same two spans without keeping its inputs; with
+prefetch the second starts one offloaded layer earlier (its read runs during the backward of the
+next offloaded layer).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from autopar.cost import compute, liveness
+from autopar.cost.cluster import ClusterSpec, LinkSpec
+from autopar.errors import InfeasibleError
+from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry
+from autopar.trace import TracedModel
+from autopar.solver.choices import layer_key, live_nodes
+
+log = logging.getLogger("autopar")
+
+# Transfers of each offloaded kind per step, in units of its bytes (see the module docstring).
+TRANSFERS = {"optimizer_state": 2.0, "grad": 2.0, "param": 4.0}
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    key: tuple[str, str]  # ("checkpoint", segment index) or (kind, param node)
+    saved_bytes: float
+    cost_s: float
+    decision: CheckpointSegment | OffloadEntry
+
+
+def offload_link(cluster: ClusterSpec, target: str) -> LinkSpec | None:
+    """The link offloaded tensors cross for ``target``; None where offload saves nothing."""
+    if target == "cpu":
+        return cluster.host_link
+    if cluster.host_link is None:
+        return cluster.disk_link
+    slower = min((cluster.host_link, cluster.disk_link), key=lambda link: link.bandwidth_bytes_per_s)
+    return slower
+
+
+class _Walk:
+    """The liveness intervals of one chosen sharding, re-priced under a set of decisions."""
+
+    def __init__(self, traced: TracedModel, graph, bytes_of: Callable[[str], float]):
+        self.graph = graph
+        self.bytes_of = bytes_of
+        self.timeline: liveness.Timeline = graph.timeline
+        nodes = live_nodes(traced.gm, graph.choices)
+        self.num = len(nodes)
+        self.index = {node.name: i for i, node in enumerate(nodes)}
+        root: dict[str, str] = {}
+        for node in nodes:
+            root[node.name] = root[node.inputs[0]] if node.kind == "alias" and node.inputs else node.name
+        leader = {member: group[0] for group in graph.ties for member in group}
+        self.uses: dict[str, list[int]] = {}
+        for i, node in enumerate(nodes):
+            if node.kind == "alias":
+                continue
+            for producer in node.inputs:
+                base = leader.get(root[producer], root[producer])
+                self.uses.setdefault(base, []).append(i)
+        self.root = root
+        fx_nodes = {n.name: n for n in traced.gm.graph.nodes}
+        # Checkpoint segments: maximal runs of ops of one numbered layer (e.g. transformer.h.3).
+        self.segments: list[tuple[str, int, int]] = []
+        current: tuple[str, int] | None = None
+        for i, node in enumerate(nodes):
+            key = layer_key(fx_nodes[node.name], None) if node.kind in ("op", "alias") else None
+            if key is not None and current is not None and key == current and self.segments[-1][2] == i - 1:
+                name, first, _ = self.segments[-1]
+                self.segments[-1] = (name, first, i)
+            elif key is not None:
+                self.segments.append((f"{key[0]}.{key[1]}", i, i))
+            current = key
+        # Offloaded parameters are fetched before each use; in graph order, for prefetch.
+        param_nodes = [n.name for n in nodes if n.kind == "param" and n.name == leader.get(n.name, n.name)]
+        self.fetches = sorted((u, p) for p in param_nodes for u in sorted(set(self.uses.get(p, ()))))
+
+    def bwd(self, time: int) -> int:
+        return 2 * self.num - 1 - time
+
+    def intervals(self, decisions: set[tuple[str, str]], prefetch: bool) -> list[tuple[str, str, int, int, float]]:
+        """(node, kind, start, end, factor) of every stored tensor under ``decisions``."""
+        offloaded = {kind: {node for k, node in decisions if k == kind} for kind in TRANSFERS}
+        offloaded["grad"] |= offloaded["param"]  # a fetched parameter's gradient goes to the store
+        segments = [self.segments[int(index)] for k, index in decisions if k == "checkpoint"]
+        in_segment: dict[int, tuple[int, int]] = {}
+        for _, first, last in segments:
+            for i in range(first, last + 1):
+                in_segment[i] = (first, last)
+        moved = sorted((self.segments[int(index)] for k, index in decisions if k == "activations"), key=lambda seg: seg[1])
+        in_moved: dict[int, tuple[int, int]] = {}  # time -> (last forward time, time the read starts)
+        for position, (_, first, last) in enumerate(moved):
+            later = moved[position + 1:]
+            read_from = self.bwd(later[0][2]) if prefetch and later else self.bwd(last)
+            for i in range(first, last + 1):
+                in_moved[i] = (last, read_from)
+        out = []
+        for iv in self.timeline.intervals:
+            if iv.kind == "optimizer_state" and iv.node in offloaded["optimizer_state"]:
+                continue
+            if iv.kind == "grad" and iv.node in offloaded["grad"]:
+                out.append((iv.node, iv.kind, iv.start, iv.start, iv.factor))
+                continue
+            if iv.kind == "param" and iv.node in offloaded["param"]:
+                out.extend((iv.node, iv.kind, s, e, iv.factor) for s, e in self._fetched(iv.node, offloaded["param"], prefetch))
+                continue
+            if iv.kind == "activation" and iv.start in in_moved:
+                last, read_from = in_moved[iv.start]
+                last_forward = self.saved_inside(iv, last)
+                if last_forward is not None:
+                    out.append((iv.node, iv.kind, iv.start, last_forward, iv.factor))
+                    out.append((iv.node, iv.kind, read_from, iv.end, iv.factor))
+                    continue
+            if iv.kind == "activation" and segments:
+                out.extend(self._checkpointed(iv, in_segment, segments))
+                continue
+            out.append((iv.node, iv.kind, iv.start, iv.end, iv.factor))
+        out.extend(self._streamed_step(offloaded, prefetch))
+        return out
+
+    def _streamed_step(self, offloaded: dict[str, set[str]], prefetch: bool) -> list[tuple[str, str, int, int, float]]:
+        """The optimizer step streams offloaded state one parameter at a time: at the end of the
+        step, the largest parameter's offloaded tensors and AdamW's temporary (and, with
+        prefetch, the next largest's tensors) are on the device."""
+        factors: dict[str, float] = {}
+        for iv in self.timeline.intervals:
+            if iv.kind in ("optimizer_state", "grad") and iv.node in offloaded[iv.kind]:
+                factors[iv.node] = factors.get(iv.node, 1.0) + iv.factor
+        for node in offloaded["param"]:
+            factors[node] = factors.get(node, 1.0) + 1.0
+        largest = sorted(factors, key=lambda n: (-factors[n] * self.bytes_of(n), n))[: 2 if prefetch else 1]
+        last = 2 * self.num - 1
+        return [(node, "optimizer_state", last, last, factors[node]) for node in largest]
+
+    def _fetched(self, param: str, offloaded: set[str], prefetch: bool) -> list[tuple[int, int]]:
+        fetches = [(u, p) for u, p in self.fetches if p in offloaded]
+        spans = []
+        for k, (use, p) in enumerate(fetches):
+            if p != param:
+                continue
+            before = fetches[k - 1][0] if prefetch and k > 0 else use
+            after = fetches[k + 1][0] if prefetch and k + 1 < len(fetches) else use
+            spans.append((before, use))
+            spans.append((self.bwd(after), self.bwd(use)))
+        return spans
+
+    def saved_inside(self, iv: liveness.Interval, last: int) -> int | None:
+        """The last forward use of activation ``iv`` if a segment ending at time ``last`` saves it
+        for backward (it is no output of the segment), else None: what checkpointing the segment
+        or offloading its activations frees between forward and backward."""
+        last_forward = max(self.uses.get(iv.node, [iv.start]))
+        return last_forward if last_forward <= last and iv.end >= self.num else None
+
+    def _checkpointed(self, iv: liveness.Interval, in_segment, segments) -> list[tuple[str, str, int, int, float]]:
+        i = iv.start
+        uses = self.uses.get(iv.node, [i])
+        end = iv.end
+        if i in in_segment:
+            first, last = in_segment[i]
+            last_forward = self.saved_inside(iv, last)
+            if last_forward is not None:
+                return [(iv.node, iv.kind, i, last_forward, iv.factor),
+                        (iv.node, iv.kind, self.bwd(last), end, iv.factor)]
+            return [(iv.node, iv.kind, i, end, iv.factor)]
+        # An input of a checkpointed segment is kept until the segment's backward ends.
+        for first, last in ((f, l) for _, f, l in segments if f <= max(uses) and i < f):
+            if any(first <= u <= last for u in uses):
+                end = max(end, self.bwd(first))
+        return [(iv.node, iv.kind, i, end, iv.factor)]
+
+    def curve(self, intervals) -> list[float]:
+        delta = [0.0] * (2 * self.num + 1)
+        for node, _kind, start, end, factor in intervals:
+            size = factor * self.bytes_of(node)
+            delta[start] += size
+            delta[end + 1] -= size
+        out, running = [], 0.0
+        for change in delta[:-1]:
+            running += change
+            out.append(running)
+        return out
+
+    def peak(self, decisions, prefetch: bool) -> tuple[float, int]:
+        values = self.curve(self.intervals(decisions, prefetch))
+        time = max(range(len(values)), key=lambda t: (values[t], -t))
+        return values[time], time
+
+
+def plan_memory(
+    traced: TracedModel,
+    graph,
+    choice: dict[str, int],
+    cluster: ClusterSpec,
+    budget: float,
+    *,
+    target: str | None,
+    prefetch: bool = True,
+    checkpointing: bool = True,
+) -> tuple[MemoryPlan, dict[str, float]]:
+    """The cheapest decisions that bring the peak under ``budget`` (module docstring), and the
+    adjusted memory breakdown at the new peak. ``target`` None allows checkpointing only.
+    Raises InfeasibleError with the peak when every candidate is taken."""
+    bytes_of = lambda name: graph.choices[name].memory_bytes[choice[name]]  # noqa: E731
+    walk = _Walk(traced, graph, bytes_of)
+    candidates = _candidates(walk, graph, choice, cluster, target, checkpointing)
+    before, _ = walk.peak(set(), prefetch)
+    chosen: list[_Candidate] = []
+    keys: set = set()
+    peak = before
+    ranked = sorted(candidates, key=lambda c: (c.cost_s / max(c.saved_bytes, 1.0), c.key))
+    for candidate in ranked:
+        if peak <= budget:
+            break
+        if _other_way(candidate.key) in keys:  # the layer is already checkpointed or offloaded
+            continue
+        chosen.append(candidate)
+        keys.add(candidate.key)
+        peak, _ = walk.peak(keys, prefetch)
+    if peak > budget:
+        raise _infeasible(walk, graph, keys, prefetch, budget, target, checkpointing)
+    for candidate in sorted(chosen, key=lambda c: -c.cost_s):
+        trial = keys - {candidate.key}
+        trial_peak, _ = walk.peak(trial, prefetch)
+        if trial_peak <= budget:
+            keys, peak = trial, trial_peak
+    chosen = [c for c in chosen if c.key in keys]
+    by_key = {c.key: c for c in candidates}
+    for candidate in list(chosen):  # an offloaded parameter's gradient is offloaded with it
+        grad = by_key.get(("grad", candidate.key[1])) if candidate.key[0] == "param" else None
+        if grad is not None and grad.key not in keys:
+            chosen.append(grad)
+            keys.add(grad.key)
+    compute_s = sum(graph.choices[n].compute_s[choice[n]] for n in graph.order)
+    recompute_s = sum(c.cost_s for c in chosen if c.key[0] == "checkpoint")  # the rest are transfers
+    transfer_s = sum(c.cost_s for c in chosen if c.key[0] != "checkpoint")
+    exposed_s = max(0.0, transfer_s - compute_s) if prefetch else transfer_s
+    peak, time = walk.peak(keys, prefetch)
+    breakdown = dict.fromkeys(liveness.KINDS, 0.0)
+    for node, kind, start, end, factor in walk.intervals(keys, prefetch):
+        if start <= time <= end:
+            breakdown[kind] += factor * bytes_of(node)
+    segments = tuple(sorted((c.decision for c in chosen if c.key[0] == "checkpoint"), key=lambda s: walk.index[s.first]))
+    order = {"optimizer_state": 0, "grad": 1, "param": 2}
+    moved = tuple(sorted((c.decision for c in chosen if c.key[0] == "activations"), key=lambda s: walk.index[s.first]))
+    entries = tuple(sorted((c.decision for c in chosen if c.key[0] not in ("checkpoint", "activations")),
+                           key=lambda e: (order[e.kind], walk.index.get(_param_node(graph, e.fqn), 0))))
+    memory = MemoryPlan(
+        target=target or "cpu", prefetch=prefetch, checkpoint=segments, offload=entries, offload_activations=moved,
+        peak_before_bytes=float(int(before)), peak_bytes=float(int(peak)), added_s=recompute_s + exposed_s,
+    )
+    log.info("autopar: memory: %d checkpointed segments, %d with offloaded activations, %d offloaded tensors; "
+             "peak %.0f -> %.0f bytes (budget %.0f)", len(segments), len(moved), len(entries), before, peak, budget)
+    return memory, {"time": walk.timeline.time_name(time) if time < walk.timeline.num_times else "", **breakdown}
+
+
+def _other_way(key: tuple[str, str]) -> tuple[str, str] | None:
+    """The other decision for the same layer: checkpointing it, or offloading its activations."""
+    if key[0] == "checkpoint":
+        return ("activations", key[1])
+    if key[0] == "activations":
+        return ("checkpoint", key[1])
+    return None
+
+
+def _param_node(graph, fqn: str) -> str:
+    for name, c in graph.choices.items():
+        if c.kind == "param" and c.fqn == fqn:
+            return name
+    return fqn
+
+
+def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing) -> list[_Candidate]:
+    out: list[_Candidate] = []
+    link = offload_link(cluster, target) if target else None
+    base = {(iv.node): iv for iv in walk.timeline.intervals if iv.kind == "activation"}
+    if checkpointing or link is not None:
+        for index, (name, first, last) in enumerate(walk.segments):
+            saved = 0.0
+            forward_s = 0.0
+            for i in range(first, last + 1):
+                node = walk.timeline.names[i]
+                c = graph.choices[node]
+                seconds = c.compute_s[choice[node]]
+                if c.info is not None and c.requires_grad:
+                    seconds /= 1.0 + compute.backward_factor(c.info)
+                forward_s += seconds
+                iv = base.get(node)
+                if iv is not None and walk.saved_inside(iv, last) is not None:
+                    saved += walk.bytes_of(node) * iv.factor
+            if saved <= 0:
+                continue
+            first_name, last_name = walk.timeline.names[first], walk.timeline.names[last]
+            if checkpointing:
+                segment = CheckpointSegment(name, first_name, last_name, saved, forward_s)
+                out.append(_Candidate(("checkpoint", str(index)), saved, forward_s, segment))
+            if link is not None:  # written in forward, read in backward
+                seconds = 2 * saved / link.bandwidth_bytes_per_s + 2 * link.latency_s
+                segment = CheckpointSegment(name, first_name, last_name, saved, seconds)
+                out.append(_Candidate(("activations", str(index)), saved, seconds, segment))
+    if link is None:
+        return out
+    for iv in walk.timeline.intervals:
+        if iv.kind not in TRANSFERS:
+            continue
+        c = graph.choices[iv.node]
+        if iv.kind == "param" and not walk.uses.get(iv.node):
+            continue
+        size = iv.factor * walk.bytes_of(iv.node)
+        if size <= 0:
+            continue
+        moved = TRANSFERS[iv.kind] * size
+        seconds = moved / link.bandwidth_bytes_per_s + TRANSFERS[iv.kind] * link.latency_s
+        entry = OffloadEntry(iv.kind, c.fqn or iv.node, size, moved, seconds)
+        out.append(_Candidate((iv.kind, iv.node), size, seconds, entry))
+    return out
+
+
+def _infeasible(walk: _Walk, graph, keys, prefetch, budget, target, checkpointing) -> InfeasibleError:
+    peak, time = walk.peak(keys, prefetch)
+    alive = []
+    for node, kind, start, end, factor in walk.intervals(keys, prefetch):
+        if start <= time <= end:
+            alive.append((factor * walk.bytes_of(node), kind, graph.choices[node].fqn or node))
+    alive.sort(reverse=True)
+    lines = "\n".join(f"    {kind} {name}: {size / 2**20:.1f} MiB" for size, kind, name in alive[:5])
+    allowed = ("checkpointing every layer" if checkpointing else "no checkpointing") + (
+        f" and offloading every parameter, gradient, optimizer state and layer's activations to {target}"
+        if target else ", no offload"
+    )
+    return InfeasibleError(
+        f"no plan fits memory_budget={budget:.0f} bytes ({budget / 2**20:.1f} MiB) per device on mesh "
+        f"{graph.mesh_shape}, even with {allowed}.\n  The leanest plan needs {peak:.0f} bytes "
+        f"({peak / 2**20:.1f} MiB) per device, at {walk.timeline.time_name(time)}.\n"
+        f"  Largest tensors alive there:\n{lines}\n"
+        "  Raise the budget, use a larger mesh, or reduce the batch size or sequence length."
+        + ("" if target else " offload='auto' would also offload to host memory or disk.")
+    )
+
+
+__all__ = ["plan_memory", "offload_link", "TRANSFERS"]

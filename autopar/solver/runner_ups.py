@@ -1,0 +1,188 @@
+"""Why the solver chose what it chose: each decision's runner-up strategies and their costs.
+
+A *decision* is one block of ILP variables: a free node, together with every node that shares
+its variables (the same node in later repeated layers, tied parameter names) and every follower
+whose strategy is a function of theirs. For each decision this module prices the counterfactual
+"this decision takes strategy s, everything else stays as solved": the same objective terms the
+ILP sums (compute and gradient sync of every member, resharding on every edge that touches a
+member), split into parts, plus the memory the ILP counts for the members.
+
+The plan stores the chosen strategy and the ``top_k`` cheapest others, so ``autopar explain``
+needs neither the model nor a re-solve. The numbers are exact for the choice graph that was
+solved, and deterministic (ties are broken by strategy index).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.cost import comm
+from autopar.cost.cluster import ClusterSpec
+from autopar.solver.choices import ChoiceGraph, grad_sync_axes
+from autopar.solver.ilp import Solution
+from autopar.ir.spec import format_spec
+
+TOP_K = 3
+# Relative slack under which two totals count as equal (float sums in different orders).
+_REL_TOL = 1e-9
+
+
+def explain_decisions(
+    graph: ChoiceGraph,
+    solution: Solution,
+    cluster: ClusterSpec,
+    memory_budget: float | None,
+    top_k: int = TOP_K,
+) -> dict[str, dict[str, Any]]:
+    """Representative node name → the decision's record (see docs/plan-format.md, ``decisions``)."""
+    edges_of: dict[str, list[int]] = {}
+    for e, edge in enumerate(graph.edges):
+        edges_of.setdefault(edge.producer, []).append(e)
+        edges_of.setdefault(edge.consumer, []).append(e)
+    decisions = {}
+    for rep, base in _decision_bases(graph).items():
+        choice = graph.choices[rep]
+        if len(choice.strategies) < 2:
+            continue
+        members = _members(graph, base)
+        touching = sorted({e for name in members for e in edges_of.get(name, ())})
+        priced = []
+        for s in range(len(choice.strategies)):
+            assignment = _assignment(graph, solution, base, members, s)
+            cost = _price(graph, solution, assignment, members, touching)
+            if cost is not None:
+                priced.append((s, assignment, cost))
+        chosen = solution.choice[rep]
+        ranked = sorted(priced, key=lambda item: (item[0] != chosen, item[2]["total_s"], item[0]))
+        kept = ranked[: top_k + 1]
+        candidates = [_candidate(graph, cluster, rep, s, assignment, cost, s == chosen) for s, assignment, cost in kept]
+        decisions[rep] = {
+            "members": [name for name in graph.order if name in members],
+            "fqns": [graph.choices[n].fqn for n in graph.order if n in members and graph.choices[n].fqn],
+            "num_strategies": len(choice.strategies),
+            "num_impossible": len(choice.strategies) - len(priced),
+            "binding": _binding(ranked, chosen, memory_budget, solution.status),
+            "candidates": candidates,
+        }
+    return decisions
+
+
+def _decision_bases(graph: ChoiceGraph) -> dict[str, set[str]]:
+    """Representative → the free nodes that share its variables (layer copies, tied names)."""
+    tie_first = {name: group[0] for group in graph.ties for name in group}
+    bases: dict[str, set[str]] = {}
+    for name in graph.order:
+        choice = graph.choices[name]
+        if choice.follower_of is not None or choice.kind == "output":
+            continue
+        rep = graph.layer_template.get(name, name)
+        rep = tie_first.get(rep, rep)
+        rep = graph.layer_template.get(rep, rep)
+        bases.setdefault(rep, set()).add(name)
+    return bases
+
+
+def _members(graph: ChoiceGraph, base: set[str]) -> set[str]:
+    members = set(base)
+    for name in graph.order:  # producers come before consumers, so one pass suffices
+        follower_of = graph.choices[name].follower_of
+        if follower_of is not None and follower_of in members:
+            members.add(name)
+    return members
+
+
+def _assignment(graph: ChoiceGraph, solution: Solution, base: set[str], members: set[str], s: int) -> dict[str, int]:
+    """Strategy index of every member when the decision takes strategy ``s``."""
+    assignment: dict[str, int] = {}
+    for name in graph.order:
+        if name not in members:
+            continue
+        choice = graph.choices[name]
+        if name in base:
+            assignment[name] = s
+            continue
+        producer, out_index = choice.inputs[0]
+        producer_choice = graph.choices[producer]
+        spec = producer_choice.strategies[assignment.get(producer, solution.choice[producer])].outs[out_index]
+        assignment[name] = next(i for i, st in enumerate(choice.strategies) if st.ins[0] == spec)
+    return assignment
+
+
+def _price(graph: ChoiceGraph, solution: Solution, assignment: dict[str, int], members: set[str],
+           touching: list[int]) -> dict[str, float] | None:
+    """Seconds and bytes the members cost under ``assignment``; None if a resharding is impossible."""
+    compute_s = memory_bytes = reshard_in_s = reshard_out_s = 0.0
+    for name, index in assignment.items():
+        choice = graph.choices[name]
+        compute_s += choice.compute_s[index]
+        memory_bytes += choice.memory_bytes[index]
+    for e in touching:
+        edge = graph.edges[e]
+        producer, consumer = graph.choices[edge.producer], graph.choices[edge.consumer]
+        src = producer.strategies[assignment.get(edge.producer, solution.choice[edge.producer])].outs[edge.out_index]
+        dst = consumer.strategies[assignment.get(edge.consumer, solution.choice[edge.consumer])].ins[edge.in_index]
+        if src == dst:
+            continue
+        price = edge.price.get((src, dst))
+        if price is None:
+            return None
+        if edge.consumer in members:
+            reshard_in_s += price[0]
+        else:
+            reshard_out_s += price[0]
+    return {"compute_s": compute_s, "reshard_in_s": reshard_in_s, "reshard_out_s": reshard_out_s,
+            "memory_bytes": memory_bytes, "total_s": compute_s + reshard_in_s + reshard_out_s}
+
+
+def _grad_sync_s(graph: ChoiceGraph, cluster: ClusterSpec, name: str, index: int) -> float:
+    """Seconds of backward gradient all-reduces inside a member's ``compute_s``."""
+    choice = graph.choices[name]
+    if choice.info is None:
+        return 0.0
+    strategy = choice.strategies[index]
+    seconds = 0.0
+    for i, arg in enumerate(choice.info.inputs):
+        if not graph.choices[choice.inputs[i][0]].requires_grad:
+            continue
+        for axis in grad_sync_axes(strategy, i):
+            cost = comm.grad_allreduce_cost(arg.shape, strategy.ins[i], axis, arg.dtype, graph.mesh_shape, cluster)
+            seconds += cost.backward_s
+    return seconds
+
+
+def _candidate(graph, cluster, rep, s, assignment, cost, chosen) -> dict[str, Any]:
+    strategy = graph.choices[rep].strategies[s]
+    grad_sync_s = sum(_grad_sync_s(graph, cluster, name, index) for name, index in assignment.items())
+    record: dict[str, Any] = {"strategy": s}
+    if chosen:
+        record["chosen"] = True
+    record.update({
+        "out": [format_spec(spec) for spec in strategy.outs],
+        "in": [format_spec(spec) for spec in strategy.ins],
+        "compute_s": cost["compute_s"] - grad_sync_s,
+        "grad_sync_s": grad_sync_s,
+        "reshard_in_s": cost["reshard_in_s"],
+        "reshard_out_s": cost["reshard_out_s"],
+        "total_s": cost["total_s"],
+        "memory_bytes": int(cost["memory_bytes"]),
+    })
+    if strategy.kernel:
+        record["kernel"] = strategy.kernel
+    return record
+
+
+def _binding(ranked: list, chosen: int, memory_budget: float | None, status: str) -> str:
+    """Which constraint decided: ``cost`` when the chosen strategy is the cheapest priced one;
+    ``memory_budget`` when every cheaper one needs more memory under a budget; ``time_limit``
+    when the solver stopped before proving optimality; ``coupled`` otherwise (a cheaper change
+    exists only for this decision alone, which an optimal solve rules out; kept as a guard)."""
+    chosen_cost = next(cost for s, _, cost in ranked if s == chosen)
+    cheaper = [cost for s, _, cost in ranked if s != chosen
+               and cost["total_s"] < chosen_cost["total_s"] - _REL_TOL * max(abs(chosen_cost["total_s"]), 1e-30)]
+    if not cheaper:
+        return "cost"
+    if memory_budget is not None and all(c["memory_bytes"] > chosen_cost["memory_bytes"] for c in cheaper):
+        return "memory_budget"
+    if status != "Optimal":
+        return "time_limit"
+    return "coupled"

@@ -1,0 +1,304 @@
+"""Trace a model to an ATen-level ``torch.fx`` graph with FakeTensor shapes.
+
+``torch.export.export(..., strict=False)`` gives the training IR: ATen ops that keep composite
+ops such as ``linear``, ``layer_norm``, ``scaled_dot_product_attention``, ``embedding``,
+``cross_entropy_loss``, ``conv2d`` and ``batch_norm`` whole, so that each stays one sharding
+decision. Parameters, buffers and lifted constants become placeholders, which we map back to
+their fully qualified names (FQNs). Every node carries its FakeTensor in ``node.meta["val"]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind
+from torch.utils._pytree import TreeSpec
+
+from autopar.errors import TraceError
+from autopar.trace.fake import fake_tensors, has_meta_tensors
+
+# Runtime shape and dtype assertions that export leaves behind; after sharding they would
+# check local tensors against global shapes, and they decide nothing, so they are dropped.
+_ASSERTION_OPS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GraphInput:
+    """A placeholder of the traced graph: a parameter, buffer, lifted constant or user input."""
+
+    name: str
+    kind: str  # "param" | "buffer" | "constant" | "user"
+    fqn: str | None
+
+
+@dataclass(frozen=True)
+class TracedModel:
+    gm: torch.fx.GraphModule
+    inputs: tuple[GraphInput, ...]
+    in_spec: TreeSpec
+    out_spec: TreeSpec
+    ties: dict[str, str] = field(default_factory=dict)  # FQN → canonical FQN of the same tensor
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # placeholder → value
+    graph_hash: str = ""
+
+    def placeholders(self, kind: str) -> list[GraphInput]:
+        return [i for i in self.inputs if i.kind == kind]
+
+    def node(self, name: str) -> torch.fx.Node:
+        for node in self.gm.graph.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+
+_KINDS = {
+    InputKind.PARAMETER: "param",
+    InputKind.BUFFER: "buffer",
+    InputKind.CONSTANT_TENSOR: "constant",
+    InputKind.USER_INPUT: "user",
+}
+
+
+def trace(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+) -> TracedModel:
+    """Export ``model`` called on the example inputs to an ATen graph."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    try:
+        with _no_stack_traces(), _fake_if_meta(model, (example_inputs, example_kwargs or {})):
+            exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
+    except Exception as error:  # export raises many types; all mean "cannot trace"
+        raise TraceError.from_export_error(model, error) from error
+
+    gm = exported.graph_module
+    _inline_wrappers(gm)
+    _drop_assertions(gm)
+    inputs: list[GraphInput] = []
+    constants: dict[str, torch.Tensor] = {}
+    for spec in exported.graph_signature.input_specs:
+        kind = _KINDS.get(spec.kind)
+        if kind is None:
+            raise TraceError(
+                f"the exported graph has an input of kind {spec.kind} ({spec.arg.name}), "
+                "which autopar does not handle yet"
+            )
+        name = spec.arg.name
+        inputs.append(GraphInput(name, kind, spec.target))
+        if kind == "constant":
+            constants[name] = exported.constants[spec.target]
+    _mark_requires_grad(gm)
+    call_spec = exported.call_spec
+    return TracedModel(
+        gm=gm,
+        inputs=tuple(inputs),
+        in_spec=call_spec.in_spec,
+        out_spec=call_spec.out_spec,
+        ties=_ties(model),
+        constants=constants,
+        graph_hash=graph_hash(gm),
+    )
+
+
+def _fake_if_meta(model: torch.nn.Module, inputs: Any) -> contextlib.AbstractContextManager:
+    """A model built on the meta device, called with real inputs, is traced as if it were built
+    on the inputs' device (same graph and hash); with meta inputs it is traced as it is."""
+
+    if not has_meta_tensors(model):
+        return contextlib.nullcontext()
+    tensors = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    real = [t.device for t in tensors if not t.is_meta]
+    if tensors and not real:
+        return contextlib.nullcontext()
+    return fake_tensors(model, real[0] if real else "cpu")
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Nothing here reads node stack traces, and recording one per node is an eighth of the
+    export time on deep models. Older torch (before the switch existed) records them anyway."""
+    config = getattr(torch.fx, "config", None)
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    saved = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = saved
+
+
+def requires_grad(node: torch.fx.Node) -> bool:
+    """Whether autograd will carry a gradient for ``node``'s output (set by ``trace``)."""
+    return bool(node.meta.get("autopar", {}).get("requires_grad", False))
+
+
+def _mark_requires_grad(gm: torch.fx.GraphModule) -> None:
+    """Propagate requires_grad from the placeholders: export's FakeTensors carry it only on
+    parameters and inputs, not on the values computed from them."""
+    for node in gm.graph.nodes:
+        meta = node.meta.setdefault("autopar", {})
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            meta["requires_grad"] = bool(getattr(val, "requires_grad", False))
+            continue
+        if node.target is torch.ops.aten.detach.default:
+            meta["requires_grad"] = False
+            continue
+        inputs = [n for n in node.all_input_nodes if requires_grad(n)]
+        values = val if isinstance(val, (list, tuple)) else [val]
+        floating = any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values)
+        meta["requires_grad"] = bool(inputs) and floating and node.op != "output"
+
+
+def _wrapped_body(node: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[Any], bool] | None:
+    """For a grad-mode or autocast wrapper node: its body, operands and whether its outputs are
+    cut from autograd. None for any other node."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    name = node.target.name()
+    if name not in ("wrap_with_set_grad_enabled", "wrap_with_autocast"):
+        return None
+    position = next((i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a.op == "get_attr"), None)
+    if position is None:
+        return None
+    body = getattr(node.graph.owning_module, node.args[position].target)
+    operands = list(node.args[position + 1 :])
+    if name == "wrap_with_autocast":
+        if node.args[2]:  # (device_type, dtype, enabled, cache_enabled, body, *operands)
+            raise TraceError(
+                f"the model enables autocast inside forward ({node.format_node()}), which autopar "
+                "cannot shard: run it without autocast inside (cast the model, e.g. model.bfloat16())"
+            )
+        return body, operands, False
+    return body, operands, not node.args[0]
+
+
+def _inline_wrappers(gm: torch.fx.GraphModule) -> None:
+    """Inline the bodies of ``torch.no_grad()`` / ``set_grad_enabled`` and disabled-autocast
+    regions, which export keeps as higher-order ops over submodules (Hugging Face rotary
+    embeddings run under both). Rules see only ATen ops, and a flat graph shards like any other.
+    A no-grad region's outputs go through ``aten.detach``, so that autograd still stops there.
+    Disabled autocast is the identity for a model that runs without autocast, as training under
+    autopar does."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        found = _wrapped_body(node)
+        if found is None:
+            continue
+        body, operands, no_grad = found
+        env: dict[torch.fx.Node, Any] = {}
+        outputs: Any = ()
+        placeholders = iter(operands)
+        with graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    env[inner] = next(placeholders)
+                elif inner.op == "output":
+                    outputs = torch.fx.node.map_arg(inner.args[0], lambda n: env[n])
+                elif inner.op == "get_attr":
+                    target = _free_attr_name(gm, inner.target)
+                    setattr(gm, target, getattr(body, inner.target))
+                    env[inner] = graph.get_attr(target)
+                    env[inner].meta = dict(inner.meta)
+                else:
+                    env[inner] = graph.node_copy(inner, lambda n: env[n])
+            if no_grad:
+                outputs = [_detached(graph, out) for out in outputs]
+        for user in list(node.users):
+            assert user.target is operator.getitem, user.format_node()
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        _inline_wrappers(gm)  # a body may hold wrappers of its own
+        return
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
+def _detached(graph: torch.fx.Graph, value: Any) -> Any:
+    if not isinstance(value, torch.fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+        return value
+    detached = graph.call_function(torch.ops.aten.detach.default, (value,))
+    detached.meta["val"] = value.meta["val"].detach()
+    return detached
+
+
+def _free_attr_name(gm: torch.fx.GraphModule, name: str) -> str:
+    candidate, index = name, 0
+    while hasattr(gm, candidate):
+        index += 1
+        candidate = f"{name}_inlined_{index}"
+    return candidate
+
+
+def _drop_assertions(gm: torch.fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERTION_OPS and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _ties(model: torch.nn.Module) -> dict[str, str]:
+    """Map every parameter FQN to the first FQN under which the same tensor appears."""
+    canonical: dict[int, str] = {}
+    ties: dict[str, str] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        first = canonical.setdefault(id(param), fqn)
+        ties[fqn] = first
+    return ties
+
+
+def graph_hash(gm: torch.fx.GraphModule) -> str:
+    """A structural hash: ops, argument structure, shapes and dtypes, in graph order. Devices
+    are left out, so that a plan made on the meta device matches the model on its real one."""
+    digest = hashlib.sha256()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        digest.update(f"{node.op}|{node.name}|{_target_name(node.target)}|".encode())
+        digest.update(repr(_describe(node.args)).encode())
+        digest.update(repr(_describe(node.kwargs)).encode())
+        digest.update(repr(_describe(val)).encode())
+    return digest.hexdigest()[:16]
+
+
+def _target_name(target: Any) -> str:
+    # str() of a plain function includes its address, which differs between processes.
+    if isinstance(target, torch._ops.OpOverload) or not callable(target):
+        return str(target)
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return f"%{value.name}"
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _describe(v)) for k, v in sorted(value.items()))
+    if isinstance(value, torch.device):
+        # A plan made on the meta device must apply to the model on its real device.
+        return "device"
+    if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
+        return str(value)
+    return value
