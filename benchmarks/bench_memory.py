@@ -16,7 +16,7 @@ warm-up steps, then the median of ``--steps`` timed steps (forward, backward, op
 the two variants take their timed steps in turn, so that both see the same load on a shared
 machine. ``rss_growth_bytes`` is the peak resident memory of compile and the warm-up steps over
 the resident memory before compile (the user's model, the process, and for the second variant
-the first one), as ``tests/memory_budget_run.py`` measures it.
+the first one), as ``tests/solver/memory_budget_run.py`` measures it.
 """
 
 from __future__ import annotations

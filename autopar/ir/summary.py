@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopar.ir.spec import VIEW_OP_NAMES, format_spec, spec_text
+from autopar.ir.spec import VIEW_OP_NAMES, spec_text
 
 if TYPE_CHECKING:
     from autopar.ir.plan import Plan
@@ -12,10 +12,6 @@ if TYPE_CHECKING:
 def _is_view(op: str) -> bool:
     # Plans name overloads ("aten.view.default"); VIEW_OP_NAMES are packets ("view").
     return op == "getitem" or op.rsplit(".", 1)[0].removeprefix("aten.") in VIEW_OP_NAMES
-
-
-def spec_text(spec) -> str:
-    return "(" + ", ".join(format_spec(spec)) + ")"
 
 
 def format_bytes(num: float, digits: int = 1) -> str:

@@ -6,7 +6,7 @@ tensor for Partial), runs the op on every rank's local inputs with size argument
 reassembles the global output from the ranks' outputs, and compares it with the unsharded op.
 
 Strategies that name a kernel need real collectives and are checked on gloo ranks instead
-(``tests/test_parallel.py``); ``check_op`` reports them as skipped.
+(``tests/runtime/test_module.py``); ``check_op`` reports them as skipped.
 """
 
 from __future__ import annotations

@@ -37,10 +37,9 @@ Each rank then materializes only its own shards, in one of two ways (``compile(i
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import torch
 

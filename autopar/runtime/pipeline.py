@@ -47,7 +47,7 @@ from autopar.passes.split import split_into_stages, stage_io, stage_submodule, s
 from autopar.ir.pipeline import stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
 from autopar.runtime.module import ParallelModule, _attach, _flatten_inputs, _Holder, _lookup, gather_tensor, world_timeout
-from autopar.ir.spec import local_shape
+from autopar.ir.spec import local_shape, shard_tensor
 from autopar.trace import TracedModel, requires_grad
 
 log = logging.getLogger("autopar")

@@ -46,7 +46,7 @@ from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.solver.choices import ChoiceGraph, Choice, build_choice_graph, grad_sync_axes, layer_key
 from autopar.solver.ilp import ShardingILP, Solution, weighted_sum
-from autopar.solver.solving import solve_ilp, solve_within_budget
+from autopar.solver.solving import peak_memory, solve_ilp, solve_within_budget
 from autopar.trace import TracedModel
 from autopar.rules import op_info
 

@@ -26,6 +26,7 @@ from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.solver.stages import plan_stages
 from autopar.runtime.launch import max_rel_diff, run_distributed
 from autopar.trace import trace
+from tests.conftest import eager_grads
 
 # No biases and float64, as in test_parallel: AdamW's first step turns rounding noise in
 # exactly-zero gradients into full-size steps of either sign.
@@ -99,7 +100,7 @@ def test_four_stages_cut_between_layers_and_balance(four_stages):
     # Each stage after the first starts with its block's first LayerNorm: cuts fall between layers.
     assert all(s.nodes[0].startswith("layer_norm") for s in stages.stages[1:]), [s.nodes[0] for s in stages.stages]
     assert [s.ranks for s in stages.stages] == [(0,), (1,), (2,), (3,)]
-    # One block per stage leaves nothing to balance (tests/test_stages.py checks balancing); the
+    # One block per stage leaves nothing to balance (tests/solver/test_stages.py checks balancing); the
     # first stage also runs the embeddings and the last the head and loss.
     times = [s.time_s for s in stages.stages]
     assert times[1] == pytest.approx(times[2]), f"identical blocks, different times: {times}"
@@ -210,10 +211,6 @@ RUNS = {
 }
 
 
-def _eager_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
-
-
 def _odd_mlp() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """An MLP whose width (63) no mesh axis divides: only stages can split its memory."""
     torch.manual_seed(0)
@@ -246,7 +243,7 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
         want.backward()
         result = {
             "loss": (loss.item(), want.item()),
-            "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager)),
+            "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
             "untouched_before_backward": all(g is None for g in grads_before_backward),
             "stage": pm.stage_index,
             "collectives": sum(1 for n in pm.graph.nodes if getattr(n.target, "__module__", "") == "autopar.ops.collectives"),
@@ -293,7 +290,7 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
         want.backward()
         results[f"mlp_{label}"] = {
             "loss": (loss.item(), want.item()),
-            "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager)),
+            "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
             "stages": pm.plan.pipeline.num_stages,
         }
     # A value that passes through two stages (SkipMLP), on four stages with GPipe.
@@ -305,11 +302,11 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
     loss.backward()
     want = eager(*batch)
     want.backward()
-    results["skip"] = {"loss": (loss.item(), want.item()), "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager))}
+    results["skip"] = {"loss": (loss.item(), want.item()), "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager))}
     # Gradients accumulate over calls, scaled by what flows into the loss, as in eager.
     (0.5 * pm(*batch)).backward()
     (0.5 * eager(*batch)).backward()
-    results["skip"]["accumulated_rel"] = max_rel_diff(pm.full_grads(), _eager_grads(eager))
+    results["skip"]["accumulated_rel"] = max_rel_diff(pm.full_grads(), eager_grads(eager))
     # Whole tensors load into the stages' shards.
     other = SkipMLP().to(DTYPE)
     torch.nn.init.normal_(other.layers[2].weight)

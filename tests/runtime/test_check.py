@@ -11,12 +11,13 @@ import autopar
 from autopar.runtime.check import check_plan
 from autopar.zoo.models import build_model, example_batch
 from autopar.ir.spec import parse_spec
+from tests.conftest import gpt_and_batch
 
 
 @pytest.fixture(scope="module")
-def gpt():
-    model, batch = build_model("gpt", seed=0), example_batch("gpt", 8, seed=1)
-    return model, batch, autopar.plan(model, (2, 2), example_inputs=batch, cluster="cpu")
+def gpt(gpt_plan_2x2):
+    model, batch = gpt_and_batch()
+    return model, batch, gpt_plan_2x2
 
 
 def test_good_plan_checks_on_every_rank(gpt):

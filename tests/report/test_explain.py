@@ -16,6 +16,7 @@ from autopar.solver.runner_ups import explain_decisions
 from autopar.trace import trace
 
 
+
 def _objective(graph, assignment) -> tuple[float, float]:
     """Seconds and memory of a full assignment, summed from scratch over every node and edge."""
     seconds = sum(graph.choices[n].compute_s[assignment[n]] for n in graph.order)
@@ -123,9 +124,8 @@ def test_memory_budget_binding(gpt_traced):
 
 
 @pytest.fixture(scope="module")
-def gpt_plan():
-    return autopar.plan(build_model("gpt", seed=0), (2,), example_inputs=example_batch("gpt", 8, seed=1),
-                        cluster="cpu")
+def gpt_plan(gpt_plan_2):
+    return gpt_plan_2
 
 
 def test_plan_carries_decisions_and_round_trips(gpt_plan):

@@ -1,6 +1,6 @@
 """Activation checkpointing and offload under a memory budget (autopar/memory, autopar/passes/memory.py,
 autopar/optim.py): the plan record, the planner's choices, the runtime against eager, and the budget
-run of an ~84M-parameter GPT in its own process (tests/memory_budget_run.py)."""
+run of an ~84M-parameter GPT in its own process (tests/solver/memory_budget_run.py)."""
 
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ from autopar.runtime.store import DiskStore, HostStore
 from autopar.zoo.models import GPT
 from autopar.ir.plan import Plan, validate_plan_json
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
 
 
 def _gpt(dtype=torch.float64) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
-    # No biases: see tests/test_parallel.py (a zero-gradient bias makes AdamW steps noise).
+    # No biases: see tests/runtime/test_module.py (a zero-gradient bias makes AdamW steps noise).
     model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, bias=False).to(dtype)
     gen = torch.Generator().manual_seed(1)
     batch = (torch.randint(0, 256, (4, 32), generator=gen), torch.randint(0, 256, (4, 32), generator=gen))
@@ -266,7 +266,7 @@ def test_budget_run_of_an_84m_gpt(tmp_path):
     out = tmp_path / "budget.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     offload = f"disk:{tmp_path / 'offload'}"
-    subprocess.run([sys.executable, str(ROOT / "tests" / "memory_budget_run.py"), str(out), "--offload", offload],
+    subprocess.run([sys.executable, str(ROOT / "tests" / "solver" / "memory_budget_run.py"), str(out), "--offload", offload],
                    check=True, env=env, timeout=900)
     result = json.loads(out.read_text())
     assert 75e6 < result["num_params"] < 90e6

@@ -12,10 +12,10 @@ from autopar.errors import PlanError
 from autopar.zoo.models import build_model, example_batch
 
 
+
 @pytest.fixture(scope="module")
-def gpt_plan() -> autopar.Plan:
-    model = build_model("gpt", seed=0)
-    return autopar.plan(model, (2, 2), example_inputs=example_batch("gpt", 8, seed=1), cluster="cpu")
+def gpt_plan(gpt_plan_2x2) -> autopar.Plan:
+    return gpt_plan_2x2
 
 
 def test_json_round_trip_is_exact(gpt_plan, tmp_path):

@@ -39,6 +39,7 @@ from autopar.rules.registry import op_info_from_values
 from autopar.rules.simulate import _normalize, check_op
 from autopar.ir.spec import format_spec, is_valid
 from autopar.trace import trace
+from tests.conftest import strategy_text
 
 MESHES = [(2,), (3,), (2, 2)]
 PROGRAM_SETTINGS = settings(
@@ -351,13 +352,6 @@ def _recorded_calls(program: Program, inputs: tuple[torch.Tensor, ...]) -> list[
     return calls
 
 
-def _fmt_strategy(strategy) -> str:
-    ins = ", ".join("".join(format_spec(s)) for s in strategy.ins)
-    outs = ", ".join("".join(format_spec(s)) for s in strategy.outs)
-    kernel = f" kernel={strategy.kernel}{list(strategy.kernel_axes)}" if strategy.kernel else ""
-    return f"({ins}) -> ({outs}){kernel} [{strategy.source}]"
-
-
 def _check_program(program: Program, meshes: list[tuple[int, ...]]) -> None:
     inputs = _real_inputs(program)
     with torch.no_grad():
@@ -370,16 +364,16 @@ def _check_program(program: Program, meshes: list[tuple[int, ...]]) -> None:
         where = f"{name} = {target} in {program} on mesh {mesh}"
         results = check_op(target, args, kwargs, mesh)
         assert results, f"no strategies for {where}"
-        bad = [f"{_fmt_strategy(r.strategy)}: {r.detail}" for r in results if not r.ok]
+        bad = [f"{strategy_text(r.strategy, source=True)}: {r.detail}" for r in results if not r.ok]
         assert not bad, f"wrong strategies for {where}:\n" + "\n".join(bad)
         info = op_info_from_values(name, target, _normalize(target, args, kwargs), result)
         for r in results:
             s = r.strategy
             assert len(s.ins) == len(info.inputs) and len(s.outs) == len(info.out_shapes), where
             for arg, spec in zip(info.inputs, s.ins):
-                assert is_valid(arg.shape, spec, mesh), f"uneven input {arg.index} {arg.shape} in {_fmt_strategy(s)} for {where}"
+                assert is_valid(arg.shape, spec, mesh), f"uneven input {arg.index} {arg.shape} in {strategy_text(s, source=True)} for {where}"
             for shape, spec in zip(info.out_shapes, s.outs):
-                assert is_valid(shape, spec, mesh), f"uneven output {shape} in {_fmt_strategy(s)} for {where}"
+                assert is_valid(shape, spec, mesh), f"uneven output {shape} in {strategy_text(s, source=True)} for {where}"
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ import autopar.rules  # noqa: F401  (registers every rule)
 from autopar.rules.registry import RULES
 from autopar.rules.simulate import check_op
 from autopar.rules.views import reshape_dim_map
-from autopar.ir.spec import P, R, S, format_spec
+from autopar.ir.spec import P, R, S
+from tests.conftest import strategy_text
 
 aten = torch.ops.aten
 MESHES = [(2,), (2, 2), (2, 4)]
@@ -66,15 +67,9 @@ CASES = {
 }
 
 
-def _fmt(result) -> str:
-    ins = ", ".join("[" + ",".join(format_spec(s)) + "]" for s in result.strategy.ins)
-    outs = ", ".join("[" + ",".join(format_spec(s)) + "]" for s in result.strategy.outs)
-    return f"({ins}) -> ({outs}): {result.detail}"
-
-
 def _check(target, args, mesh):
     results = check_op(target, args, {}, mesh)
-    bad = [_fmt(r) for r in results if not r.ok]
+    bad = [f"{strategy_text(r.strategy, bracketed=True)}: {r.detail}" for r in results if not r.ok]
     assert not bad, f"{target} on mesh {mesh}: wrong strategies:\n" + "\n".join(bad)
     assert all(r.strategy.source == "rule" for r in results)
     return results

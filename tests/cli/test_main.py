@@ -12,7 +12,7 @@ import pytest
 
 from autopar.cli import main, parse_bytes, parse_mesh
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(capsys, *argv):

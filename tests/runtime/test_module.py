@@ -17,6 +17,7 @@ import autopar
 from autopar.cost.memory import param_state_bytes
 from autopar.zoo.models import build_model, example_batch
 from autopar.runtime.launch import max_rel_diff, run_distributed
+from tests.conftest import collective_counts, eager_grads
 
 pytestmark = pytest.mark.multiproc
 
@@ -42,19 +43,6 @@ STEPS = 3
 TOL = 1e-4
 
 
-def _eager_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
-
-
-def _collective_counts(pm: autopar.ParallelModule) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for node in pm.graph.nodes:
-        module = getattr(node.target, "__module__", "")
-        if node.op == "call_function" and module == "autopar.ops.collectives":
-            counts[node.target.__name__] = counts.get(node.target.__name__, 0) + 1
-    return counts
-
-
 def _train_one(name: str, mesh: tuple[int, ...], memory_budget: float | None = None, batch_size: int = BATCH) -> dict:
     model = build_model(name, seed=0, **CONFIGS.get(name, {})).to(DTYPE)
     eager = copy.deepcopy(model)
@@ -66,8 +54,8 @@ def _train_one(name: str, mesh: tuple[int, ...], memory_budget: float | None = N
     want.backward()
     result = {
         "loss": (loss.item(), want.item()),
-        "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager)),
-        "collectives": _collective_counts(pm),
+        "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
+        "collectives": collective_counts(pm),
         "params": {fqn: [str(p) for p in spec] for fqn, spec in pm.plan.params.items()},
         "local_param_bytes": pm.local_param_bytes(),
         "plan_hash": pm.plan.hash,
@@ -190,8 +178,8 @@ def _run_forced(rank: int, world: int) -> dict:
         want.backward()
         results[label] = {
             "loss": (loss.item(), want.item()),
-            "grad_rel": max_rel_diff(pm.full_grads(), _eager_grads(eager)),
-            "collectives": _collective_counts(pm),
+            "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
+            "collectives": collective_counts(pm),
         }
     # A large vocabulary: the planner splits the tied embedding/LM-head table by vocab and takes
     # the loss on vocab-split logits (the vocab-parallel cross-entropy kernel).
@@ -205,7 +193,7 @@ def _run_forced(rank: int, world: int) -> dict:
     want.backward()
     results["vocab_parallel"] = {
         "loss": (loss.item(), want.item()),
-        "grad_rel": max_rel_diff(pm_vocab.full_grads(), _eager_grads(eager)),
+        "grad_rel": max_rel_diff(pm_vocab.full_grads(), eager_grads(eager)),
         "kernels": sorted({d.kernel for d in pm_vocab.plan.nodes.values() if d.kernel}),
     }
     # Hand plans compile and run like any plan: real baselines.
@@ -221,8 +209,8 @@ def _run_forced(rank: int, world: int) -> dict:
         want.backward()
         results[f"hand_{kind}"] = {
             "loss": (loss.item(), want.item()),
-            "grad_rel": max_rel_diff(hand.full_grads(), _eager_grads(eager)),
-            "collectives": _collective_counts(hand),
+            "grad_rel": max_rel_diff(hand.full_grads(), eager_grads(eager)),
+            "collectives": collective_counts(hand),
         }
 
     from torch.distributed.distributed_c10d import _resolve_process_group

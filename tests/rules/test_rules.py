@@ -17,21 +17,15 @@ from autopar.ops import get_kernel
 from autopar.rules.registry import RULES, Strategy, node_strategies, offering_strided, op_info_from_values
 from autopar.rules.simulate import _normalize, check_op, check_strategy
 from autopar.ir.spec import SS, P, R, S, format_spec
+from tests.conftest import strategy_text
 
 aten = torch.ops.aten
-
-
-def _fmt(strategy: Strategy) -> str:
-    ins = ", ".join("".join(format_spec(spec)) for spec in strategy.ins)
-    outs = ", ".join("".join(format_spec(spec)) for spec in strategy.outs)
-    kernel = f" kernel={strategy.kernel}{list(strategy.kernel_axes)}" if strategy.kernel else ""
-    return f"({ins}) -> ({outs}){kernel}"
 
 
 def check(target, args, kwargs=None, mesh=(2,), atol=1e-5):
     """Assert every strategy of the op is correct on ``mesh``; return the strategies."""
     results = check_op(target, args, kwargs, mesh, atol=atol)
-    bad = [f"{_fmt(r.strategy)}: {r.detail}" for r in results if not r.ok]
+    bad = [f"{strategy_text(r.strategy)}: {r.detail}" for r in results if not r.ok]
     assert not bad, f"{target} on mesh {mesh}: wrong strategies:\n" + "\n".join(bad)
     assert all(r.strategy.source == "rule" for r in results), f"{target} has no rule of ours"
     return [r.strategy for r in results]

@@ -1,6 +1,6 @@
-"""The budget run of tests/test_memory.py, in a fresh process so that its resident memory is its own.
+"""The budget run of tests/solver/test_memory.py, in a fresh process so that its resident memory is its own.
 
-``python tests/memory_budget_run.py OUT.json [--steps N] [--budget-fraction F] [--offload auto]``
+``python tests/solver/memory_budget_run.py OUT.json [--steps N] [--budget-fraction F] [--offload auto]``
 
 Builds a GPT-style model of about 84M parameters (the user's model), reads the process's
 resident memory (the baseline: the interpreter, torch, the model and its batch), then resets the
@@ -13,7 +13,7 @@ the test bounds. Only then does it train an eager copy (built again from the sam
 The model is float64 (``--dtype``): a plan that outlines layers (checkpointing, offloaded
 activations) sums some gradients in another order, and in float32 AdamW's first step turns
 those rounding-level differences into steps of ±lr in different directions (see
-tests/test_parallel.py); in float64 the comparison measures the offload, not the rounding.
+tests/runtime/test_module.py); in float64 the comparison measures the offload, not the rounding.
 """
 
 from __future__ import annotations

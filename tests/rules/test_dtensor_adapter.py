@@ -16,7 +16,8 @@ from autopar.rules.registry import (
     replicate_row,
 )
 from autopar.rules.simulate import _normalize, check_op, check_strategy
-from autopar.ir.spec import P, R, S, format_spec
+from autopar.ir.spec import P, R, S
+from tests.conftest import strategy_text
 
 aten = torch.ops.aten
 
@@ -43,12 +44,6 @@ def _info(target, args):
     return kw, op_info_from_values("sim", target, kw, call_with_kw(target, kw))
 
 
-def _fmt(strategy) -> str:
-    ins = ", ".join("[" + ",".join(format_spec(s)) + "]" for s in strategy.ins)
-    outs = ", ".join("[" + ",".join(format_spec(s)) + "]" for s in strategy.outs)
-    return f"({ins}) -> ({outs})"
-
-
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)], ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_adapter_strategy_is_exact(name, mesh):
@@ -61,7 +56,7 @@ def test_every_adapter_strategy_is_exact(name, mesh):
     for strategy in expand_rows(info, rows, mesh, "dtensor"):
         result = check_strategy(target, kw, strategy, mesh)
         if not result.ok:
-            bad.append(f"{_fmt(strategy)}: {result.detail}")
+            bad.append(f"{strategy_text(strategy, bracketed=True)}: {result.detail}")
     assert not bad, f"{target} on mesh {mesh}: wrong DTensor strategies:\n" + "\n".join(bad)
 
 
@@ -85,7 +80,7 @@ def test_check_op_routes_unregistered_ops_through_the_adapter(mesh):
         results = check_op(target, args, {}, mesh)
         assert {r.strategy.source for r in results} == {"dtensor"}
         assert len(results) > 1
-        bad = [f"{_fmt(r.strategy)}: {r.detail}" for r in results if not r.ok]
+        bad = [f"{strategy_text(r.strategy, bracketed=True)}: {r.detail}" for r in results if not r.ok]
         assert not bad, f"{target} on mesh {mesh}:\n" + "\n".join(bad)
 
 

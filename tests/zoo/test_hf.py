@@ -23,8 +23,9 @@ from autopar.rules.registry import node_strategies, op_info
 from autopar.ir.spec import format_spec
 from autopar.runtime.launch import max_rel_diff, run_distributed
 from autopar.trace import trace
+from tests.conftest import collective_counts
 
-from hf_models import BUILDERS, COVERAGE
+from tests.zoo.hf_models import BUILDERS, COVERAGE
 
 MESH = (2, 2)
 CLUSTER = "cpu"  # the machine the ranks run on; on h100-80g prices these models stay replicated
@@ -38,14 +39,6 @@ def tight_budget(name: str) -> float:
     that keeps every parameter whole fits, so the plan must shard parameters."""
     model, _ = {**BUILDERS, **COVERAGE}[name](batch_size=TIGHT_BATCH)
     return 0.9 * sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
-
-
-def _collectives(pm: autopar.ParallelModule) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for node in pm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "__module__", "") == "autopar.ops.collectives":
-            counts[node.target.__name__] = counts.get(node.target.__name__, 0) + 1
-    return counts
 
 
 def _compile_and_compare(name: str, batch_size: int, budget: float | None) -> dict:
@@ -65,7 +58,7 @@ def _compile_and_compare(name: str, batch_size: int, budget: float | None) -> di
         "zero_grad": sorted(fqn for fqn, g in grads.items() if g.abs().max().item() < 1e-6 * scale),
         "loss": (loss.item(), want.item()),
         "grad_rel": max_rel_diff(pm.full_grads(), grads),
-        "collectives": _collectives(pm),
+        "collectives": collective_counts(pm),
         "params": {fqn: format_spec(spec) for fqn, spec in pm.plan.params.items()},
         "local_param_bytes": pm.local_param_bytes(),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in eager.parameters()),

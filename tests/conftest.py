@@ -1,0 +1,65 @@
+"""Builders and helpers the test packages share (tests/<package>/ mirrors autopar/<package>/).
+
+Fixtures are found by pytest; the plain helpers are imported as ``from tests.conftest import ...``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.ir.spec import format_spec
+from autopar.zoo.models import build_model, example_batch
+
+
+# -- the reference GPT ------------------------------------------------------------------------
+
+def gpt_and_batch() -> tuple[torch.nn.Module, tuple]:
+    """The zoo's default GPT (seed 0) and a batch of 8 (seed 1): the model most tests plan."""
+    return build_model("gpt", seed=0), example_batch("gpt", 8, seed=1)
+
+
+@pytest.fixture(scope="session")
+def gpt_plan_2x2() -> autopar.Plan:
+    """``gpt_and_batch()`` planned on mesh (2, 2) for the cpu preset."""
+    model, batch = gpt_and_batch()
+    return autopar.plan(model, (2, 2), example_inputs=batch, cluster="cpu")
+
+
+@pytest.fixture(scope="session")
+def gpt_plan_2() -> autopar.Plan:
+    """``gpt_and_batch()`` planned on mesh (2,) for the cpu preset."""
+    model, batch = gpt_and_batch()
+    return autopar.plan(model, (2,), example_inputs=batch, cluster="cpu")
+
+
+# -- eager references and compiled graphs -----------------------------------------------------
+
+def eager_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's ``.grad`` under every name it has (tied names included)."""
+    return {name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def collective_counts(pm: torch.nn.Module) -> dict[str, int]:
+    """How many times the compiled module's graph calls each autopar collective, by name."""
+    counts: dict[str, int] = {}
+    for node in pm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__module__", "") == "autopar.ops.collectives":
+            counts[node.target.__name__] = counts.get(node.target.__name__, 0) + 1
+    return counts
+
+
+# -- strategies as text -----------------------------------------------------------------------
+
+def strategy_text(strategy, *, bracketed: bool = False, source: bool = False) -> str:
+    """A strategy as "(S(0)R, RR) -> (S(0)R)" (``bracketed``: "([S(0),R], [R,R]) -> ([S(0),R])"),
+    with its kernel, and its source ("rule", "dtensor", ...) where ``source``."""
+    if bracketed:
+        ins = ", ".join("[" + ",".join(format_spec(s)) + "]" for s in strategy.ins)
+        outs = ", ".join("[" + ",".join(format_spec(s)) + "]" for s in strategy.outs)
+        return f"({ins}) -> ({outs})"
+    ins = ", ".join("".join(format_spec(s)) for s in strategy.ins)
+    outs = ", ".join("".join(format_spec(s)) for s in strategy.outs)
+    kernel = f" kernel={strategy.kernel}{list(strategy.kernel_axes)}" if strategy.kernel else ""
+    return f"({ins}) -> ({outs}){kernel}" + (f" [{strategy.source}]" if source else "")
