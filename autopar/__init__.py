@@ -7,8 +7,7 @@
     pm = autopar.compile(model, mesh=(2, 2), example_inputs=(x, y), pipeline=2, num_microbatches=4)
 """
 
-from autopar.api import compile, plan
-from autopar.solver.hand_plans import hand_plan
+from autopar.api import compile, hand_plan, plan
 from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
 from autopar.runtime.materialize import FromCheckpoint, SeededInit
 from autopar.ir.plan import Plan

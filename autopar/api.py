@@ -19,6 +19,7 @@ from autopar.ops import collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster
 from autopar.errors import AutoparError, MeshError, PlanError
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
+from autopar.solver.hand_plans import resolve_kind, solve_hand_plan
 from autopar.solver.mesh_search import search_mesh
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.ir.options import MemoryOptions, PipelineOptions, PlanOptions, check_mesh_devices
@@ -203,6 +204,27 @@ def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: Clust
                    solver=options.solve.solver, offload=target, checkpointing=checkpointing, prefetch=memory.prefetch)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     return result
+
+
+def hand_plan(
+    kind: str,
+    model: torch.nn.Module,
+    mesh: Sequence[int],
+    *,
+    example_inputs: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    cluster: str | ClusterSpec | os.PathLike | None = None,
+    memory_budget: float | None = None,
+) -> Plan:
+    """The hand plan ``kind`` (``autopar.solver.hand_plans.KINDS``: "ddp", "fsdp", "megatron", ...)
+    for ``model`` on ``mesh``, as a Plan priced by autopar's model.
+
+    It can be saved, inspected and compiled like any plan, which gives real baselines.
+    """
+    mesh_shape = tuple(int(n) for n in mesh)
+    resolve_kind(kind)
+    traced = trace(model, example_inputs, example_kwargs)
+    return solve_hand_plan(kind, traced, mesh_shape, get_cluster(cluster), memory_budget)
 
 
 def compile(

@@ -32,18 +32,17 @@ are written (``COLUMN``, ``ROW``); a model with other names gets fewer tensor-pa
 
 from __future__ import annotations
 
-import os
 import re
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.cost.cluster import ClusterSpec, get_cluster
+from autopar.cost.cluster import ClusterSpec
 from autopar.ir.plan import Plan
 from autopar.solver import solve
 from autopar.ir.spec import Spec, is_valid
-from autopar.trace import TracedModel, trace
+from autopar.trace import TracedModel
 
 KINDS = ("ddp", "zero1", "zero2", "fsdp", "megatron", "megatron_sp", "tp_fsdp")
 # Other names of the same plans.
@@ -79,7 +78,7 @@ def _fsdp_dim(shape: Sequence[int], ways: int) -> Shard | Replicate:
     return Replicate()
 
 
-def _resolve(kind: str) -> str:
+def resolve_kind(kind: str) -> str:
     kind = ALIASES.get(kind, kind)
     if kind not in KINDS:
         names = ", ".join(KINDS + tuple(ALIASES))
@@ -89,7 +88,7 @@ def _resolve(kind: str) -> str:
 
 def param_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> dict[str, Spec]:
     """Placeholder name → spec for every parameter under hand plan ``kind``."""
-    kind = _resolve(kind)
+    kind = resolve_kind(kind)
     placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
     num_axes = len(mesh_shape)
     outer = mesh_shape[:-1]
@@ -139,34 +138,14 @@ def sequence_parallel_specs(traced: TracedModel, mesh_shape: tuple[int, ...]) ->
 def hand_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> dict[str, Spec]:
     """Every spec that hand plan ``kind`` fixes: parameters, and activations for ``megatron_sp``."""
     specs = param_specs(kind, traced, mesh_shape)
-    if _resolve(kind) == "megatron_sp":
+    if resolve_kind(kind) == "megatron_sp":
         specs.update(sequence_parallel_specs(traced, mesh_shape))
     return specs
 
 
 def zero_stage(kind: str) -> int:
     """The ZeRO stage whose parameter-state memory hand plan ``kind`` has (0 for none)."""
-    return _ZERO_STAGE.get(_resolve(kind), 0)
-
-
-def hand_plan(
-    kind: str,
-    model: torch.nn.Module,
-    mesh: Sequence[int],
-    *,
-    example_inputs: tuple[Any, ...] = (),
-    example_kwargs: dict[str, Any] | None = None,
-    cluster: str | ClusterSpec | os.PathLike | None = None,
-    memory_budget: float | None = None,
-) -> Plan:
-    """The hand plan ``kind`` for ``model`` on ``mesh``, as a Plan priced by autopar's model.
-
-    It can be saved, inspected and compiled like any plan, which gives real baselines.
-    """
-    mesh_shape = tuple(int(n) for n in mesh)
-    _resolve(kind)
-    traced = trace(model, example_inputs, example_kwargs)
-    return solve_hand_plan(kind, traced, mesh_shape, get_cluster(cluster), memory_budget)
+    return _ZERO_STAGE.get(resolve_kind(kind), 0)
 
 
 def solve_hand_plan(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec,
