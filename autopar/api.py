@@ -30,7 +30,7 @@ from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.solver import solve
 from autopar.trace import TracedModel, trace
 from autopar.solver import symbolic
-from autopar.runtime.pipeline import compile_pipeline
+from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
 from autopar.runtime.offload import Offloader
 from autopar.runtime.store import make_store
 
@@ -243,7 +243,7 @@ def compile(
     offload: str = "off",
     checkpointing: bool | None = None,
     prefetch: bool = True,
-) -> ParallelModule:
+) -> ParallelModule | PipelineParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
 
     Runs under an initialized ``torch.distributed`` process group whose world size equals the

@@ -1,4 +1,5 @@
-"""Running a plan: the compiled module (``module``) and its pipelined form (``pipeline``),
+"""Running a plan: the compiled module (``module``) and its pipelined sibling (``pipeline``), both
+built on what they share (``base``: the shards, and the whole model's names, shapes and state),
 sharded checkpoints (``checkpoint``), meta-device materialization (``materialize``), the offload
 store and hooks (``store``, ``offload``), optimizers over offloaded state (``optim``), process
 groups, spawning and comparison helpers (``launch``), the full-world shape check (``check``) and

@@ -11,37 +11,18 @@ import torch
 import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import Shard
 
-from autopar.ops import collectives
 from autopar.ir.plan import Plan
-from autopar.ir.spec import Spec, is_strided, shard_tensor
 from autopar.trace import TracedModel
+from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
 from autopar.runtime.offload import param_key
-from autopar.runtime.checkpoint import device_mesh
 from autopar.runtime.checkpoint import model_state_dict
 from autopar.runtime.checkpoint import load_model_state_dict
 
 log = logging.getLogger("autopar")
 
 
-def gather_tensor(local: torch.Tensor, spec: Spec, groups: tuple[str, ...]) -> torch.Tensor:
-    """The whole tensor from every rank's shard (no autograd)."""
-    full = local.detach()
-    for axis in reversed(range(len(spec))):
-        placement = spec[axis]
-        if is_strided(placement):
-            full = collectives.no_grad_all_gather(full, placement.dim, groups[axis], placement.split_factor)
-        elif isinstance(placement, Shard):
-            full = collectives.no_grad_all_gather(full, placement.dim, groups[axis])
-    return full
-
-
-class _Holder(torch.nn.Module):
-    """An empty module used to rebuild the model's module tree for parameter names."""
-
-
-class ParallelModule(torch.nn.Module):
+class ParallelModule(ShardedModule):
     """Runs the rewritten graph on this rank's shards.
 
     Called like the original model with whole inputs (the same on every rank); returns the
@@ -68,17 +49,8 @@ class ParallelModule(torch.nn.Module):
         ``offloader`` (``autopar.runtime.offload.Offloader``) holds the parameters, gradients and
         optimizer state the plan offloads: an offloaded parameter's shard goes to its store, and
         the module holds an empty stub in its place (step with ``autopar.optim.AdamW``)."""
-        super().__init__()
-        self._plan = plan
-        self._traced = traced
-        self._groups = groups
-        self._coordinate = coordinate
-        self._device_mesh: Any = None
-        self.graph_module = gm
-        self.module = _Holder()
-        full = dict(model.named_parameters(remove_duplicate=False))
-        full.update(dict(model.named_buffers(remove_duplicate=False)))
-        self._full_shapes = {fqn: tuple(t.shape) for fqn, t in full.items()}
+        super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
+        full = model_tensors(model)
         made: dict[str, torch.Tensor] = {}
         for graph_input in traced.inputs:
             if graph_input.kind not in ("param", "buffer"):
@@ -86,16 +58,15 @@ class ParallelModule(torch.nn.Module):
             fqn = graph_input.fqn
             canonical = traced.ties.get(fqn, fqn)
             if canonical in made:
-                _attach(self.module, fqn, made[canonical], graph_input.kind)
+                attach(self.module, fqn, made[canonical], graph_input.kind)
                 continue
-            spec = plan.params[fqn]
             offloaded = offloader is not None and graph_input.kind == "param" and canonical in offloader.params
             if local_shards is not None:
                 local = local_shards[fqn]
             elif offloaded:  # no resident copy: straight from the model's tensor to the store
-                local = shard_tensor(full[fqn].detach(), spec, coordinate, plan.mesh_shape)
+                local = self._cut(fqn, full[fqn])
             else:
-                local = shard_tensor(full[fqn].detach(), spec, coordinate, plan.mesh_shape).clone()
+                local = self._cut(fqn, full[fqn]).clone()
             if offloaded:
                 offloader.store.put(param_key(canonical), local)
                 local = torch.empty(0, dtype=local.dtype, device=local.device)
@@ -105,37 +76,16 @@ class ParallelModule(torch.nn.Module):
                 value = local
             made[canonical] = value
             made[fqn] = value
-            _attach(self.module, fqn, value, graph_input.kind)
-        self._offloader = offloader
+            attach(self.module, fqn, value, graph_input.kind)
         if offloader is not None:
             offloader.attach_grad_hooks({traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)})
-        self._inputs = [(gi.name, gi.kind, gi.fqn) for gi in traced.inputs]
-        # The original state_dict()'s names, in its order: tied names, no non-persistent buffers.
-        self._state_keys = [k for k in model.state_dict(keep_vars=True) if _has(self.module, k) or k in traced.ties]
-        self._constants = dict(traced.constants)
-        placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
-        self._user_metas = [
-            (gi.name, tuple(placeholders[gi.name].meta["val"].shape), placeholders[gi.name].meta["val"].dtype)
-            if isinstance(placeholders[gi.name].meta.get("val"), torch.Tensor) else (gi.name, None, None)
-            for gi in traced.inputs if gi.kind == "user"
-        ]
-
-    @property
-    def plan(self) -> Plan:
-        return self._plan
-
-    @property
-    def graph(self) -> torch.fx.Graph:
-        return self.graph_module.graph
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        flat = _flatten_inputs(args, kwargs, self._traced.in_spec)
-        self._check_inputs(flat)
-        user = iter(flat)
+        user = iter(self._user_inputs(args, kwargs))
         values = []
         for name, kind, fqn in self._inputs:
             if kind in ("param", "buffer"):
-                values.append(_lookup(self.module, fqn))
+                values.append(lookup(self.module, fqn))
             elif kind == "constant":
                 values.append(self._constants[name])
             else:
@@ -146,83 +96,6 @@ class ParallelModule(torch.nn.Module):
         else:
             outputs = self.graph_module(*values)
         return pytree.tree_unflatten(list(outputs), self._traced.out_spec)
-
-    def _check_inputs(self, flat: list[Any]) -> None:
-        for value, (name, shape, dtype) in zip(flat, self._user_metas):
-            if shape is None or not isinstance(value, torch.Tensor):
-                continue
-            if tuple(value.shape) != shape or value.dtype != dtype:
-                raise ValueError(
-                    f"input {name!r} has shape {tuple(value.shape)} and dtype {value.dtype}, but this module "
-                    f"was planned for shape {shape} and dtype {dtype} (its example inputs). Pass inputs of the "
-                    "planned shape, or compile again with example inputs of the new shape"
-                )
-
-    def _fqns(self) -> list[tuple[str, str]]:
-        names = [(fqn, kind) for _, kind, fqn in self._inputs if kind in ("param", "buffer")]
-        seen = {fqn for fqn, _ in names}
-        names += [(fqn, "param") for fqn in self._traced.ties if fqn not in seen]
-        return names
-
-    @property
-    def offloader(self) -> Any:
-        """The ``autopar.runtime.offload.Offloader`` of a plan that offloads, else None."""
-        return self._offloader
-
-    def _local(self, fqn: str) -> torch.Tensor:
-        """This rank's shard under ``fqn``, or under its tie's first name if only that one is held
-        (read from the offload store where the plan offloads it)."""
-        canonical = self._traced.ties.get(fqn, fqn)
-        if self._offloader is not None and canonical in self._offloader.params:
-            return self._offloader.store.get(param_key(canonical))
-        return _lookup(self.module, fqn if _has(self.module, fqn) else canonical)
-
-    def _grad(self, fqn: str) -> torch.Tensor | None:
-        canonical = self._traced.ties.get(fqn, fqn)
-        if self._offloader is not None and canonical in self._offloader.grads:
-            return self._offloader.grad(canonical)
-        return self._local(fqn).grad
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The original model's ``state_dict()``, gathered whole on every rank.
-
-        Same names (tied names both present, sharing one tensor, as in the model's own state
-        dict; non-persistent buffers left out), so ``model.load_state_dict(pm.full_state_dict())``
-        loads into the unsharded model.
-        """
-        out: dict[str, torch.Tensor] = {}
-        gathered: dict[int, torch.Tensor] = {}
-        held = []  # an offloaded shard is a fresh tensor: keep it, so that its id is not reused
-        for fqn in self._state_keys:
-            local = self._local(fqn)
-            held.append(local)
-            if id(local) not in gathered:
-                gathered[id(local)] = gather_tensor(local, self._plan.params[fqn], self._groups)
-            out[fqn] = gathered[id(local)]
-        return out
-
-    # -- torch.distributed.checkpoint (autopar/runtime/checkpoint.py) ----------------------------------
-
-    @property
-    def coordinate(self) -> tuple[int, ...]:
-        """This rank's position on the mesh."""
-        return self._coordinate
-
-    @property
-    def device_mesh(self) -> Any:
-        """A ``DeviceMesh`` over autopar's mesh-axis process groups (made on first use)."""
-        if self._device_mesh is None:
-            self._device_mesh = device_mesh(self._plan.mesh_shape, self._groups)
-        return self._device_mesh
-
-    def state_dict_keys(self) -> list[str]:
-        """The names of ``state_dict()``: those of the original model's ``state_dict()``."""
-        return list(self._state_keys)
-
-    def full_shape(self, fqn: str) -> tuple[int, ...]:
-        """The whole (unsharded) shape of the parameter or buffer ``fqn``."""
-        return self._full_shapes[fqn]
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """The original model's ``state_dict()`` names, each a DTensor over ``device_mesh``
@@ -243,60 +116,6 @@ class ParallelModule(torch.nn.Module):
             raise ValueError("ParallelModule.load_state_dict copies into its shards; assign=True is not supported")
         missing, unexpected = load_model_state_dict(self, state_dict, strict=strict)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-    @torch.no_grad()
-    def full_grads(self) -> dict[str, torch.Tensor | None]:
-        """Every parameter's gradient, gathered whole, under the model's original names."""
-        out: dict[str, torch.Tensor | None] = {}
-        for fqn, kind in self._fqns():
-            if kind != "param":
-                continue
-            grad = self._grad(fqn)
-            out[fqn] = None if grad is None else gather_tensor(grad, self._plan.params[fqn], self._groups)
-        return out
-
-    def local_param_bytes(self) -> int:
-        """Bytes of parameters this rank holds (each shared tensor counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
-
-
-def _flatten_inputs(args, kwargs, in_spec) -> list[Any]:
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    if spec != in_spec:
-        raise ValueError(
-            "ParallelModule was called with a different argument structure than the example inputs "
-            f"it was compiled with.\n  expected: {in_spec}\n  got:      {spec}"
-        )
-    return flat
-
-
-def _attach(root: torch.nn.Module, fqn: str, value: torch.Tensor, kind: str) -> None:
-    *path, leaf = fqn.split(".")
-    module = root
-    for part in path:
-        if not hasattr(module, part) or part not in module._modules:
-            module.add_module(part, _Holder())
-        module = module._modules[part]
-    if kind == "param":
-        module.register_parameter(leaf, value)
-    else:
-        module.register_buffer(leaf, value)
-
-
-def _lookup(root: torch.nn.Module, fqn: str) -> torch.Tensor:
-    *path, leaf = fqn.split(".")
-    module = root
-    for part in path:
-        module = module._modules[part]
-    return getattr(module, leaf)
-
-
-def _has(root: torch.nn.Module, fqn: str) -> bool:
-    try:
-        _lookup(root, fqn)
-        return True
-    except (KeyError, AttributeError):
-        return False
 
 
 def world_timeout() -> "datetime.timedelta | None":

@@ -1,4 +1,4 @@
-"""The pipeline-parallel runtime: a ParallelModule whose stages run under a pipeline schedule.
+"""The pipeline-parallel runtime: a ShardedModule whose stages run under a pipeline schedule.
 
 Layout. Mesh axis 0 is cut into S equal groups of ranks; stage i runs on ranks
 ``plan.pipeline.stages[i].ranks``, which form the stage mesh ``(mesh[0] // S, *mesh[1:])``.
@@ -46,8 +46,9 @@ from autopar.passes import default_passes, run_passes
 from autopar.passes.split import split_into_stages, stage_io, stage_submodule, stage_wiring
 from autopar.ir.pipeline import stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
-from autopar.runtime.module import ParallelModule, _attach, _flatten_inputs, _Holder, _lookup, gather_tensor, world_timeout
-from autopar.ir.spec import local_shape, shard_tensor
+from autopar.ir.spec import local_shape
+from autopar.runtime.base import ShardedModule, attach, has, lookup, model_tensors
+from autopar.runtime.module import world_timeout
 from autopar.trace import TracedModel, requires_grad
 
 log = logging.getLogger("autopar")
@@ -153,8 +154,8 @@ def _stage_view(plan: Plan) -> Plan:
     return dataclasses.replace(plan, mesh_shape=tuple(plan.pipeline.stage_mesh), pipeline=None, stats={})
 
 
-class PipelineParallelModule(ParallelModule):
-    """A ParallelModule for a pipelined plan (see the module docstring for what a call does).
+class PipelineParallelModule(ShardedModule):
+    """The sibling of ParallelModule for a pipelined plan (see the module docstring for what a call does).
 
     ``pm.module`` holds this rank's stage's shards under the model's names; ``pm.graph`` is the
     graph this rank runs (its stage) and ``pm.graph_module`` the split graph of every stage.
@@ -164,32 +165,17 @@ class PipelineParallelModule(ParallelModule):
 
     def __init__(self, model: torch.nn.Module, traced: TracedModel, split: torch.fx.GraphModule, plan: Plan,
                  stage_index: int, groups: tuple[str, ...], coordinate: tuple[int, ...], line: dist.ProcessGroup):
-        torch.nn.Module.__init__(self)
         stages = plan.pipeline
-        self._plan = plan
-        self._traced = traced
-        self._groups = groups
-        self._coordinate = coordinate
-        self._device_mesh = None
-        self._offloader = None  # memory decisions are not combined with pipelines yet
+        # Offloading is not combined with pipelines yet: no offloader.
+        super().__init__(model, traced, split, plan, groups, coordinate, tuple(stages.stage_mesh),
+                         num_microbatches=stages.num_microbatches)
         self._stage_index = stage_index
         self._num_stages = stages.num_stages
         self._num_microbatches = stages.num_microbatches
         self._line = line
-        self._stage_mesh = tuple(stages.stage_mesh)
-        self.graph_module = split
-        self.module = _Holder()
-
         loss_node = _loss_node(traced)
-        full = dict(model.named_parameters(remove_duplicate=False))
-        full.update(dict(model.named_buffers(remove_duplicate=False)))
-        self._full_shapes = {fqn: tuple(t.shape) for fqn, t in full.items()}
-        self._full_dtypes = {fqn: t.dtype for fqn, t in full.items()}
-        self._inputs = [(gi.name, gi.kind, gi.fqn) for gi in traced.inputs]
-        self._constants = dict(traced.constants)
-        self._state_keys = [k for k in model.state_dict(keep_vars=True) if k in full or k in traced.ties]
         self._param_canonicals = {traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
-        tensors = self._hold_tensors(full, split)
+        tensors = self._hold_tensors(model_tensors(model), split)
         users = [gi.name for gi in traced.inputs if gi.kind == "user"]
         # The schedule takes the user inputs as keyword arguments, which must not meet its own
         # (target, losses, ...): they go under neutral keys.
@@ -197,15 +183,6 @@ class PipelineParallelModule(ParallelModule):
         self._device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
         self._loss_dtype = loss_node.meta["val"].dtype
         self._schedule = self._make_schedule(split, loss_node, tensors)
-        placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
-        self._user_metas = []
-        for name in users:
-            val = placeholders[name].meta.get("val")
-            if isinstance(val, torch.Tensor):
-                shape = (val.shape[0] * self._num_microbatches, *val.shape[1:]) if val.dim() else tuple(val.shape)
-                self._user_metas.append((name, tuple(shape), val.dtype))
-            else:
-                self._user_metas.append((name, None, None))
 
     def _hold_tensors(self, full: dict[str, torch.Tensor], split: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
         """Attach this stage's shards to ``self.module``; return placeholder name → tensor.
@@ -237,12 +214,12 @@ class PipelineParallelModule(ParallelModule):
             if self._stage_index not in self._holders[canonical]:
                 continue
             if canonical not in made:
-                local = shard_tensor(full[gi.fqn].detach(), plan.params[gi.fqn], self._coordinate, self._stage_mesh)
+                local = self._cut(gi.fqn, full[gi.fqn])
                 if gi.kind == "param":
                     made[canonical] = torch.nn.Parameter(local.clone(), requires_grad=full[gi.fqn].requires_grad)
                 else:
                     made[canonical] = local.clone()
-            _attach(self.module, gi.fqn, made[canonical], gi.kind)
+            attach(self.module, gi.fqn, made[canonical], gi.kind)
             tensors[gi.name] = made[canonical]
         return tensors
 
@@ -282,7 +259,7 @@ class PipelineParallelModule(ParallelModule):
         decision = plan.nodes.get(node.name)
         if not isinstance(val, torch.Tensor) or decision is None:
             raise PlanError(f"pipeline stages may only pass single tensors, but {node.format_node()} crosses a cut")
-        shape = local_shape(decision.shapes[0], decision.outs[0], self._stage_mesh)
+        shape = local_shape(decision.shapes[0], decision.outs[0], self._mesh_shape)
         grad = requires_grad(node) and (val.is_floating_point() or val.is_complex())
         return torch.empty(shape, dtype=val.dtype, device=self._device).requires_grad_(grad)
 
@@ -296,9 +273,7 @@ class PipelineParallelModule(ParallelModule):
         return self._stage_index
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        flat = _flatten_inputs(args, kwargs, self._traced.in_spec)
-        self._check_inputs(flat)
-        user = dict(zip(self._user_keys, flat))
+        user = dict(zip(self._user_keys, self._user_inputs(args, kwargs)))
         params = [p for p in self._stage.parameters() if p.requires_grad]
         train = torch.is_grad_enabled() and bool(params)
         is_last = self._stage_index == self._num_stages - 1
@@ -348,14 +323,17 @@ class PipelineParallelModule(ParallelModule):
                     param.grad = torch.zeros_like(param)
                 grad = param.grad
             else:
-                shape = local_shape(self._full_shapes[canonical], self._plan.params[canonical], self._stage_mesh)
+                shape = local_shape(self._full_shapes[canonical], self._plan.params[canonical], self._mesh_shape)
                 grad = torch.zeros(shape, dtype=self._full_dtypes[canonical], device=self._device)
             dist.all_reduce(grad, group=self._line)
 
     def _owner(self, fqn: str) -> int:
         return min(self._holders[self._traced.ties.get(fqn, fqn)])
 
-    def _gather_across(self, fqn: str, local: torch.Tensor | None) -> torch.Tensor | None:
+    def _contributes(self, fqn: str) -> bool:
+        return self._stage_index == self._owner(fqn)
+
+    def _gather(self, fqn: str, local: torch.Tensor | None) -> torch.Tensor | None:
         """The whole tensor ``fqn`` on every rank: gathered in its owner stage, broadcast along the line."""
         owner = self._owner(fqn)
         flag = torch.zeros((), dtype=torch.int64, device=self._device)
@@ -363,7 +341,7 @@ class PipelineParallelModule(ParallelModule):
         if self._stage_index == owner:
             flag.fill_(int(local is not None))
             if local is not None:
-                full = gather_tensor(local, self._plan.params[fqn], self._groups).contiguous()
+                full = super()._gather(fqn, local).contiguous()
         dist.broadcast(flag, group=self._line, group_src=owner)
         if not flag.item():
             return None
@@ -371,30 +349,6 @@ class PipelineParallelModule(ParallelModule):
             full = torch.empty(self._full_shapes[fqn], dtype=self._full_dtypes[fqn], device=self._device)
         dist.broadcast(full, group=self._line, group_src=owner)
         return full
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The original model's ``state_dict()``, gathered whole on every rank (across stages too)."""
-        out: dict[str, torch.Tensor] = {}
-        done: dict[str, torch.Tensor] = {}
-        for fqn in self._state_keys:
-            canonical = self._traced.ties.get(fqn, fqn)
-            if canonical not in done:
-                local = self._local(fqn) if self._stage_index == self._owner(fqn) else None
-                done[canonical] = self._gather_across(canonical, local)
-            out[fqn] = done[canonical]
-        return out
-
-    @torch.no_grad()
-    def full_grads(self) -> dict[str, torch.Tensor | None]:
-        """Every parameter's gradient, gathered whole (across stages too), under the original names."""
-        out: dict[str, torch.Tensor | None] = {}
-        for fqn, kind in self._fqns():
-            if kind != "param":
-                continue
-            local = self._local(fqn).grad if self._stage_index == self._owner(fqn) else None
-            out[fqn] = self._gather_across(fqn, local)
-        return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         raise NotImplementedError(
@@ -412,9 +366,8 @@ class PipelineParallelModule(ParallelModule):
             raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
         with torch.no_grad():
             for fqn in self._state_keys:
-                if fqn in state_dict and _has_local(self.module, fqn):
-                    local = shard_tensor(state_dict[fqn], self._plan.params[fqn], self._coordinate, self._stage_mesh)
-                    _lookup(self.module, fqn).copy_(local)
+                if fqn in state_dict and has(self.module, fqn):
+                    lookup(self.module, fqn).copy_(self._cut(fqn, state_dict[fqn]))
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
@@ -437,14 +390,6 @@ def _loss_node(traced: TracedModel) -> torch.fx.Node:
             f"this model returns {len(results)} values; compute the loss inside forward (GPT(..)(idx, targets))"
         )
     return results[0]
-
-
-def _has_local(root: torch.nn.Module, fqn: str) -> bool:
-    try:
-        _lookup(root, fqn)
-        return True
-    except (KeyError, AttributeError):
-        return False
 
 
 def _is_scalar(node: torch.fx.Node) -> bool:

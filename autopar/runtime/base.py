@@ -1,0 +1,262 @@
+"""ShardedModule: what the single-stage and the pipelined runtime share.
+
+Both hold this rank's shards of the model's parameters and buffers in ``self.module``, under the
+model's own names, and both answer for the whole model: its ``state_dict()`` names, whole
+shapes, gathered state and gradients. They differ in what one rank holds (every tensor, or only
+its stage's) and in how a whole tensor is put together (a gather over the mesh, or a gather in
+the stage that owns it and a broadcast to the others), which each subclass says through
+``_contributes`` and ``_gather``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import Shard
+
+from autopar.ir.plan import Plan
+from autopar.ir.spec import Spec, is_strided, shard_tensor
+from autopar.ops import collectives
+from autopar.runtime.checkpoint import device_mesh
+from autopar.runtime.offload import param_key
+from autopar.trace import TracedModel
+
+
+def gather_tensor(local: torch.Tensor, spec: Spec, groups: tuple[str, ...]) -> torch.Tensor:
+    """The whole tensor from every rank's shard (no autograd)."""
+    full = local.detach()
+    for axis in reversed(range(len(spec))):
+        placement = spec[axis]
+        if is_strided(placement):
+            full = collectives.no_grad_all_gather(full, placement.dim, groups[axis], placement.split_factor)
+        elif isinstance(placement, Shard):
+            full = collectives.no_grad_all_gather(full, placement.dim, groups[axis])
+    return full
+
+
+class Holder(torch.nn.Module):
+    """An empty module used to rebuild the model's module tree for parameter names."""
+
+
+def attach(root: torch.nn.Module, fqn: str, value: torch.Tensor, kind: str) -> None:
+    """Register ``value`` under ``fqn`` in ``root``, making ``Holder``s for the missing parents."""
+    *path, leaf = fqn.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part) or part not in module._modules:
+            module.add_module(part, Holder())
+        module = module._modules[part]
+    if kind == "param":
+        module.register_parameter(leaf, value)
+    else:
+        module.register_buffer(leaf, value)
+
+
+def lookup(root: torch.nn.Module, fqn: str) -> torch.Tensor:
+    *path, leaf = fqn.split(".")
+    module = root
+    for part in path:
+        module = module._modules[part]
+    return getattr(module, leaf)
+
+
+def has(root: torch.nn.Module, fqn: str) -> bool:
+    try:
+        lookup(root, fqn)
+        return True
+    except (KeyError, AttributeError):
+        return False
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by FQN, tied names each present."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+    return tensors
+
+
+def flatten_inputs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec) -> list[Any]:
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if spec != in_spec:
+        raise ValueError(
+            "ParallelModule was called with a different argument structure than the example inputs "
+            f"it was compiled with.\n  expected: {in_spec}\n  got:      {spec}"
+        )
+    return flat
+
+
+class ShardedModule(torch.nn.Module):
+    """This rank's shards of a traced model, cut by a plan on a mesh of ``mesh_shape``.
+
+    A subclass fills ``self.module`` (``attach``) with the shards it holds and runs the graph.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        traced: TracedModel,
+        graph_module: torch.fx.GraphModule,
+        plan: Plan,
+        groups: tuple[str, ...],
+        coordinate: tuple[int, ...],
+        mesh_shape: tuple[int, ...],
+        offloader: Any = None,
+        num_microbatches: int = 1,
+    ):
+        """``groups`` and ``coordinate`` are the process groups and this rank's position on the
+        mesh of ``mesh_shape`` that the shards are cut on: the plan's mesh, or a pipeline's stage
+        mesh. ``traced`` is traced at one microbatch, and a call takes ``num_microbatches`` of
+        them along dim 0 of each input."""
+        super().__init__()
+        self._plan = plan
+        self._traced = traced
+        self._groups = groups
+        self._coordinate = coordinate
+        self._mesh_shape = tuple(mesh_shape)
+        self._device_mesh: Any = None
+        self._offloader = offloader
+        self.graph_module = graph_module
+        self.module = Holder()
+        full = model_tensors(model)
+        self._full_shapes = {fqn: tuple(t.shape) for fqn, t in full.items()}
+        self._full_dtypes = {fqn: t.dtype for fqn, t in full.items()}
+        self._inputs = [(gi.name, gi.kind, gi.fqn) for gi in traced.inputs]
+        self._constants = dict(traced.constants)
+        held = {gi.fqn for gi in traced.inputs if gi.kind in ("param", "buffer")}
+        # The original state_dict()'s names, in its order: tied names, no non-persistent buffers.
+        self._state_keys = [k for k in model.state_dict(keep_vars=True) if k in held or k in traced.ties]
+        self._user_metas = _user_metas(traced, num_microbatches)
+
+    # -- what a subclass says --------------------------------------------------------------------
+
+    def _contributes(self, fqn: str) -> bool:
+        """Whether this rank's shard of ``fqn`` is read to make the whole tensor (``full_state_dict``)."""
+        return True
+
+    def _gather(self, fqn: str, local: torch.Tensor | None) -> torch.Tensor | None:
+        """The whole tensor of ``fqn`` on every rank, from ``local`` where ``_contributes(fqn)``."""
+        return None if local is None else gather_tensor(local, self._plan.params[fqn], self._groups)
+
+    # -- shared ----------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.graph_module.graph
+
+    @property
+    def coordinate(self) -> tuple[int, ...]:
+        """This rank's position on the mesh."""
+        return self._coordinate
+
+    @property
+    def device_mesh(self) -> Any:
+        """A ``DeviceMesh`` over autopar's mesh-axis process groups (made on first use)."""
+        if self._device_mesh is None:
+            self._device_mesh = device_mesh(self._mesh_shape, self._groups)
+        return self._device_mesh
+
+    @property
+    def offloader(self) -> Any:
+        """The ``autopar.runtime.offload.Offloader`` of a plan that offloads, else None."""
+        return self._offloader
+
+    def state_dict_keys(self) -> list[str]:
+        """The names of ``state_dict()``: those of the original model's ``state_dict()``."""
+        return list(self._state_keys)
+
+    def full_shape(self, fqn: str) -> tuple[int, ...]:
+        """The whole (unsharded) shape of the parameter or buffer ``fqn``."""
+        return self._full_shapes[fqn]
+
+    def local_param_bytes(self) -> int:
+        """Bytes of parameters this rank holds (each shared tensor counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's ``state_dict()``, gathered whole on every rank.
+
+        Same names (tied names both present, sharing one tensor, as in the model's own state
+        dict; non-persistent buffers left out), so ``model.load_state_dict(pm.full_state_dict())``
+        loads into the unsharded model.
+        """
+        out: dict[str, torch.Tensor] = {}
+        whole: dict[str, torch.Tensor] = {}
+        for fqn in self._state_keys:
+            canonical = self._traced.ties.get(fqn, fqn)
+            if canonical not in whole:
+                whole[canonical] = self._gather(fqn, self._local(fqn) if self._contributes(fqn) else None)
+            out[fqn] = whole[canonical]
+        return out
+
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's gradient, gathered whole, under the model's original names."""
+        out: dict[str, torch.Tensor | None] = {}
+        for fqn, kind in self._fqns():
+            if kind == "param":
+                out[fqn] = self._gather(fqn, self._grad(fqn) if self._contributes(fqn) else None)
+        return out
+
+    def _user_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The user inputs of a call, flat in graph order, checked against the planned ones."""
+        flat = flatten_inputs(args, kwargs, self._traced.in_spec)
+        for value, (name, shape, dtype) in zip(flat, self._user_metas):
+            if shape is None or not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape) != shape or value.dtype != dtype:
+                raise ValueError(
+                    f"input {name!r} has shape {tuple(value.shape)} and dtype {value.dtype}, but this module "
+                    f"was planned for shape {shape} and dtype {dtype} (its example inputs). Pass inputs of the "
+                    "planned shape, or compile again with example inputs of the new shape"
+                )
+        return flat
+
+    def _fqns(self) -> list[tuple[str, str]]:
+        names = [(fqn, kind) for _, kind, fqn in self._inputs if kind in ("param", "buffer")]
+        seen = {fqn for fqn, _ in names}
+        names += [(fqn, "param") for fqn in self._traced.ties if fqn not in seen]
+        return names
+
+    def _cut(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the whole tensor ``whole`` of ``fqn`` (a view where it can be)."""
+        return shard_tensor(whole.detach(), self._plan.params[fqn], self._coordinate, self._mesh_shape)
+
+    def _local(self, fqn: str) -> torch.Tensor:
+        """This rank's shard under ``fqn``, or under its tie's first name if only that one is held
+        (read from the offload store where the plan offloads it)."""
+        canonical = self._traced.ties.get(fqn, fqn)
+        if self._offloader is not None and canonical in self._offloader.params:
+            return self._offloader.store.get(param_key(canonical))
+        return lookup(self.module, fqn if has(self.module, fqn) else canonical)
+
+    def _grad(self, fqn: str) -> torch.Tensor | None:
+        canonical = self._traced.ties.get(fqn, fqn)
+        if self._offloader is not None and canonical in self._offloader.grads:
+            return self._offloader.grad(canonical)
+        return self._local(fqn).grad
+
+
+def _user_metas(traced: TracedModel, num_microbatches: int) -> list[tuple[str, tuple[int, ...] | None, Any]]:
+    """(name, shape, dtype) of each user input a call takes (None, None for a non-tensor)."""
+    placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+    metas = []
+    for gi in traced.inputs:
+        if gi.kind != "user":
+            continue
+        val = placeholders[gi.name].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            metas.append((gi.name, None, None))
+            continue
+        shape = tuple(val.shape)
+        if val.dim():
+            shape = (shape[0] * num_microbatches, *shape[1:])
+        metas.append((gi.name, shape, val.dtype))
+    return metas
