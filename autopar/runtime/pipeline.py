@@ -189,7 +189,7 @@ class PipelineParallelModule(ShardedModule):
 
         A stage holds the parameters and buffers its submodule reads; a tensor read by several
         stages (tied embeddings) is held by each (``self._holders``: canonical FQN → stages)."""
-        traced, plan = self._traced, self._plan
+        traced = self._traced
         readers: dict[str, set[int]] = {}
         for index in range(self._num_stages):
             for name in stage_io(split, index)[0]:
