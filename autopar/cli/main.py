@@ -588,17 +588,26 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 # -- entry point ------------------------------------------------------------------------------
 
+def _add_common(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="show tracebacks instead of error messages")
+    parser.add_argument("--verbose", action="store_true", default=default,
+                        help="print the solver's log to stderr (as does setting AUTOPAR_LOG=1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from autopar.cost.cluster import DEFAULT_PRESET, preset_names
     from autopar.zoo.shapes import PRESETS
     from autopar.zoo.models import MODEL_NAMES
 
     parser = _Parser(prog=PROG, description="autopar: an auto-parallel compiler for PyTorch training.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    _add_common(parser, False)
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common(common, argparse.SUPPRESS)  # after the command too; SUPPRESS keeps the global value
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    p = sub.add_parser("plan", help="plan a model on a mesh and print the plan summary")
+    p = sub.add_parser("plan", parents=[common], help="plan a model on a mesh and print the plan summary")
     p.add_argument("model", metavar="MODEL_SPEC",
                    help=f"a built-in model ({', '.join(MODEL_NAMES)}), a preset ({', '.join(PRESETS)}) "
                         "or module:callable returning (model, example_inputs)")
@@ -627,19 +636,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the summary")
     p.set_defaults(func=cmd_plan)
 
-    s = sub.add_parser("show", help="print a saved plan's summary")
+    s = sub.add_parser("show", parents=[common], help="print a saved plan's summary")
     s.add_argument("plan", help="plan JSON file")
     s.add_argument("--json", action="store_true", help="print a compact JSON summary")
     s.add_argument("--html", metavar="PATH", help="write a self-contained HTML report here")
     s.set_defaults(func=cmd_show)
 
-    e = sub.add_parser("explain", help="why the plan chose a node's or a parameter's sharding")
+    e = sub.add_parser("explain", parents=[common], help="why the plan chose a node's or a parameter's sharding")
     e.add_argument("plan", help="plan JSON file")
     e.add_argument("node", metavar="NODE_OR_PARAM", help="a node name or a parameter FQN")
     e.add_argument("--json", action="store_true", help="print the decision as JSON")
     e.set_defaults(func=cmd_explain)
 
-    c = sub.add_parser("check", help="run the plan's rewritten forward at full world size on a fake process group")
+    c = sub.add_parser("check", parents=[common], help="run the plan's rewritten forward at full world size on a fake process group")
     c.add_argument("plan", help="plan JSON file")
     c.add_argument("--model", metavar="MODEL_SPEC", help="the model (default: the MODEL_SPEC recorded in the plan)")
     c.add_argument("--batch-size", type=_positive_int, default=None, help="with --model: batch size (default 8)")
@@ -650,13 +659,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the result as JSON")
     c.set_defaults(func=cmd_check)
 
-    d = sub.add_parser("diff", help="what changed between two plans")
+    d = sub.add_parser("diff", parents=[common], help="what changed between two plans")
     d.add_argument("a", help="first plan JSON file")
     d.add_argument("b", help="second plan JSON file")
     d.add_argument("--json", action="store_true", help="print the differences as JSON")
     d.set_defaults(func=cmd_diff)
 
-    f = sub.add_parser("profile", help="measure this machine (roofline, links per mesh axis) into a ClusterSpec file")
+    f = sub.add_parser("profile", parents=[common], help="measure this machine (roofline, links per mesh axis) into a ClusterSpec file")
     f.add_argument("--out", required=True, help="write the ClusterSpec JSON (or .toml) here")
     f.add_argument("--mesh", type=parse_mesh, default=None, help="mesh whose axes' links to time, e.g. 2x2")
     f.add_argument("--spawn", action="store_true", help="start prod(mesh) local gloo ranks to time collectives")
@@ -684,6 +693,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help, or an argument error already printed in one line
         return int(exit_.code) if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
+    saved_log = os.environ.get("AUTOPAR_LOG")
+    if args.verbose and not saved_log:
+        os.environ["AUTOPAR_LOG"] = "1"  # read by solver.backends
     try:
         return args.func(args)
     except BrokenPipeError:  # stdout closed early (``autopar show plan.json | head``): not an error
@@ -700,6 +712,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _print_error("interrupted")
         return 130
+    finally:
+        if saved_log is None:
+            os.environ.pop("AUTOPAR_LOG", None)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -290,3 +290,20 @@ def test_two_layer_llama_70b_flow(capsys, tmp_path):
     code, out, err = _run(capsys, "check", str(large), "--rank", "5")
     assert code == 0, err
     assert out.startswith("OK: rank 5 of 8")
+
+
+def test_json_stdout_holds_the_plan_only():
+    """`autopar plan ... --json | python -c 'json.load(sys.stdin)'` works: no solver banner or log on
+    stdout. With --verbose the solver's log goes to stderr, and stdout is still the JSON alone."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("AUTOPAR_LOG", None)
+    command = [sys.executable, "-m", "autopar", "plan", "gpt", "--mesh", "2x2", "--cluster", "cpu", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("{") and result.stdout.rstrip().endswith("}")
+    assert json.loads(result.stdout)["mesh"]["shape"] == [2, 2]
+    assert "HiGHS" not in result.stdout + result.stderr
+    result = subprocess.run(command + ["--verbose"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["mesh"]["shape"] == [2, 2]
+    assert "HiGHS" in result.stderr
