@@ -596,9 +596,7 @@ def _add_common(parser: argparse.ArgumentParser, default: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from autopar.cost.cluster import DEFAULT_PRESET, preset_names
-    from autopar.zoo.shapes import PRESETS
-    from autopar.zoo.models import MODEL_NAMES
+    from autopar.cli.catalog import DEFAULT_CLUSTER, MODEL_NAMES, MODEL_PRESETS, cluster_presets
 
     parser = _Parser(prog=PROG, description="autopar: an auto-parallel compiler for PyTorch training.")
     _add_common(parser, False)
@@ -609,14 +607,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", parents=[common], help="plan a model on a mesh and print the plan summary")
     p.add_argument("model", metavar="MODEL_SPEC",
-                   help=f"a built-in model ({', '.join(MODEL_NAMES)}), a preset ({', '.join(PRESETS)}) "
+                   help=f"a built-in model ({', '.join(MODEL_NAMES)}), a preset ({', '.join(MODEL_PRESETS)}) "
                         "or module:callable returning (model, example_inputs)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--mesh", type=parse_mesh, help="mesh sizes: 2x4, 2,4 or 8")
     where.add_argument("--devices", type=_positive_int,
                        help="search every mesh of this many devices (1 to 3 axes) and keep the fastest")
     p.add_argument("--cluster", type=_cluster, default=None,
-                   help=f"a preset ({', '.join(preset_names())}; default {DEFAULT_PRESET}) or a JSON/TOML file")
+                   help=f"a preset ({', '.join(cluster_presets())}; default {DEFAULT_CLUSTER}) or a JSON/TOML file")
     p.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="bytes per device, e.g. 70GiB, 512MiB, 16GB")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="batch size of built-in models (default 8)")

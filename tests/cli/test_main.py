@@ -307,3 +307,29 @@ def test_json_stdout_holds_the_plan_only():
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["mesh"]["shape"] == [2, 2]
     assert "HiGHS" in result.stderr
+
+
+def test_help_loads_no_torch():
+    """`autopar --help` is fast because it imports no torch (timed in benchmarks/bench_cli_startup.py)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    code = ("import sys, autopar\nfrom autopar.cli import main\n"
+            "try:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'help imported torch'\n"
+            "from autopar import Plan, plan, compile, hand_plan, InfeasibleError, checkpoint, optim\n"
+            "assert autopar.Plan is Plan and autopar.compile is compile and callable(plan)\n"
+            "assert set(autopar.__all__) <= set(dir(autopar))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "MODEL_SPEC" in result.stdout
+
+
+def test_help_names_equal_the_zoo_and_cluster_lists():
+    from autopar.cli import catalog
+    from autopar.cost.cluster import DEFAULT_PRESET, preset_names
+    from autopar.zoo.models import MODEL_NAMES
+    from autopar.zoo.shapes import PRESETS
+
+    assert catalog.MODEL_NAMES == MODEL_NAMES
+    assert catalog.MODEL_PRESETS == tuple(PRESETS)
+    assert catalog.DEFAULT_CLUSTER == DEFAULT_PRESET
+    assert catalog.cluster_presets() == preset_names()
