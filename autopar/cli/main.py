@@ -14,7 +14,8 @@ the meta device), or ``module:callable`` (``path/to/file.py:callable`` works too
 callable returns ``(model, example_inputs)``. ``plan`` records the MODEL_SPEC in the plan, so
 that ``check`` can rebuild the model.
 
-Every user mistake prints one line ``autopar: error: <reason>`` to stderr and exits with status 2
+Every user mistake prints ``autopar: error: <reason>`` to stderr (a multi-line reason, such as an
+InfeasibleError's largest tensors and fix, continues on indented lines) and exits with status 2
 (bad arguments) or 1 (errors while running); ``--debug`` shows the traceback instead.
 """
 
@@ -49,9 +50,16 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def error_text(message: str) -> str:
+    """``autopar: error: <first line>``, then the message's other lines, indented under it: an
+    error's line breaks (the largest tensors, the fix) are kept."""
+    lines = [line.rstrip() for line in str(message).strip().splitlines() if line.strip()]
+    first, rest = (lines[0], lines[1:]) if lines else ("unknown error", [])
+    return "\n".join([f"{PROG}: error: {first}"] + [line if line.startswith("  ") else f"  {line}" for line in rest])
+
+
 def _print_error(message: str) -> None:
-    text = " ".join(line.strip() for line in str(message).strip().splitlines() if line.strip())
-    print(f"{PROG}: error: {text or 'unknown error'}", file=sys.stderr)
+    print(error_text(message), file=sys.stderr)
 
 
 # -- argument types ---------------------------------------------------------------------------

@@ -196,7 +196,9 @@ def test_errors_are_one_line(capsys, tmp_path, plans, case):
     assert code in (1, 2), (code, err)
     lines = [line for line in err.splitlines() if line.startswith("autopar: error:")]
     assert len(lines) == 1, err
-    assert err.rstrip().splitlines()[-1] == lines[0]
+    # The error ends stderr: its first line, then (multi-line messages keep their breaks) indented lines.
+    tail = err.rstrip().splitlines()[err.rstrip().splitlines().index(lines[0]):]
+    assert tail[0] == lines[0] and all(line.startswith("  ") for line in tail[1:]), err
     assert "Traceback" not in err and "Traceback" not in out
     if case in ("mesh-2x", "mesh-0x4", "mesh-abc", "bad-budget", "unknown-preset", "no-args",
                 "devices-zero", "mesh-and-devices"):
@@ -207,6 +209,7 @@ def test_errors_are_one_line(capsys, tmp_path, plans, case):
         assert "did you mean 'transformer.h.0.attn.q_proj.weight'" in lines[0]
     if case == "infeasible":
         assert code == 1 and "InfeasibleError" in lines[0]
+        assert len(tail) > 3 and "Largest tensors" in err and "--offload auto" in tail[-1]
 
 
 def test_python_dash_m(plans):
