@@ -23,7 +23,9 @@ def format_bytes(num: float, digits: int = 1) -> str:
     return str(num)
 
 
-def summary_text(plan: "Plan", max_rows: int = 60) -> str:
+def header_lines(plan: "Plan") -> list[str]:
+    """The summary's first lines: the plan, its predicted time, memory and bytes, the solver, the
+    pipeline and the memory decisions."""
     pred = plan.predicted
     # A pipelined plan's compute, resharding and bytes are for one microbatch through the whole
     # graph on the stage mesh (the stage planner keeps them apart from the pipeline's step).
@@ -61,6 +63,11 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     lines += pipeline_lines(plan)
     if plan.memory is not None:
         lines.extend("  " + line for line in plan.memory.summary_lines())
+    return lines
+
+
+def summary_text(plan: "Plan", max_rows: int = 60) -> str:
+    lines = header_lines(plan)
     lines.append("")
     lines.append("Parameters")
     width = max((len(f) for f in plan.params), default=10)

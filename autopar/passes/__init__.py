@@ -72,7 +72,7 @@ def check_plan_matches(chosen: Plan, traced: TracedModel, mesh_shape: tuple[int,
         raise PlanError(
             f"the plan was made for a different graph (hash {chosen.graph_hash}, this model and these inputs "
             f"give {traced.graph_hash}):\n" + "\n".join(f"  {line}" for line in changes) + "\n"
-            "  Re-plan for this model and these example inputs (autopar.plan, or `autopar plan`)"
+            "  The model or its example inputs changed since planning: re-plan for them (autopar.plan, or `autopar plan`)"
         )
 
 

@@ -237,7 +237,10 @@ def test_plan_records_the_model_and_check_rebuilds_it(capsys, plans):
     assert data["ok"] is True and data["world_size"] == 4 and data["mismatches"] == []
     # --model overrides the recorded spec; a different model is refused, saying re-plan.
     code, out, err = _run(capsys, "check", str(plans["gpt2_cpu"]), "--model", "mlp")
-    assert code == 1 and "re-plan" in err and len(err.strip().splitlines()) == 3  # 2 progress lines + error
+    # 2 progress lines, then the error: its first line and the differences, indented under it.
+    lines = err.strip().splitlines()
+    assert code == 1 and "re-plan" in err and lines[2].startswith("autopar: error: PlanError")
+    assert all(line.startswith("  ") for line in lines[3:]) and "parameter 'layers.0.weight' is new" in err
 
 
 def test_explain(capsys, plans):
