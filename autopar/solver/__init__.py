@@ -213,6 +213,7 @@ def plan_from_solution(
         predicted=predicted,
         solver=solver_info,
         cluster=cluster_name,
+        memory_timeline=graph.timeline.sampled(chosen),
         stats={"solve_time_s": solution.solve_time_s},
     )
 
