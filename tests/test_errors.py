@@ -93,6 +93,16 @@ def test_different_graph_names_added_removed_and_reshaped_parameters(mlp_plan):
     assert "re-plan" in message
 
 
+def test_different_graph_names_the_input_whose_dtype_changed(mlp_plan):
+    x, y = example_batch("mlp", 8)
+    traced = trace(build_model("mlp").double(), (x.double(), y.double()))
+    with pytest.raises(PlanError) as info:
+        check_plan_matches(mlp_plan, traced, (2,))
+    message = str(info.value)
+    assert "input 'x' has dtype torch.float64; the plan was made for torch.float32" in message
+    assert "parameter 'layers.0.weight' has dtype torch.float64" in message and "re-plan" in message
+
+
 def test_plan_from_another_torch_says_replan_with_this_torch(mlp_plan):
     traced = trace(build_model("mlp"), example_batch("mlp", 8))
     with pytest.raises(PlanError) as info:

@@ -78,7 +78,8 @@ def check_plan_matches(chosen: Plan, traced: TracedModel, mesh_shape: tuple[int,
 
 def graph_input_changes(chosen: Plan, traced: TracedModel, limit: int = 8) -> list[str]:
     """What differs between the plan's inputs and parameters and the traced graph's: inputs and
-    parameters added, removed or reshaped (the plan records each placeholder's op and shape)."""
+    parameters added, removed, reshaped or of another dtype (the plan records each placeholder's
+    op and shape, and ``input_dtypes``)."""
     planned = {name: node for name, node in chosen.nodes.items() if node.op in ("user", "param", "buffer")}
     placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
     now = {gi.name: gi for gi in traced.inputs if gi.kind in ("user", "param", "buffer")}
@@ -94,10 +95,13 @@ def graph_input_changes(chosen: Plan, traced: TracedModel, limit: int = 8) -> li
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
         dtype = f", dtype {val.dtype}" if isinstance(val, torch.Tensor) else ""
         what = label(name, gi.kind, gi.fqn if gi.kind != "user" else None)
+        planned_dtype = chosen.input_dtypes.get(name)
         if name not in planned:
             changes.append(f"{what} is new: shape {shape}{dtype} (not in the plan)")
         elif shape is not None and planned[name].shapes and tuple(planned[name].shapes[0]) != shape:
             changes.append(f"{what} has shape {shape}{dtype}; the plan was made for {tuple(planned[name].shapes[0])}")
+        elif isinstance(val, torch.Tensor) and planned_dtype and planned_dtype != str(val.dtype):
+            changes.append(f"{what} has dtype {val.dtype}; the plan was made for {planned_dtype}")
     for name, node in planned.items():
         if name not in now:
             what = label(name, node.op, fqn_of.get(name))

@@ -214,6 +214,8 @@ def plan_from_solution(
         solver=solver_info,
         cluster=cluster_name,
         memory_timeline=graph.timeline.sampled(chosen),
+        input_dtypes={node.name: str(node.meta["val"].dtype) for node in traced.gm.graph.nodes
+                      if node.op == "placeholder" and hasattr(node.meta.get("val"), "dtype")},
         stats={"solve_time_s": solution.solve_time_s},
     )
 
