@@ -3,10 +3,11 @@
     autopar plan MODEL_SPEC (--mesh 2x4 | --devices 64) [--cluster h100-80g|FILE]
                  [--memory-budget 70GiB] [--offload auto] [--batch-size N] [--seq-len N] [--num-layers N] [--meta]
                  [--out plan.json] [--json]
-    autopar show plan.json [--json] [--html report.html]
+    autopar show plan.json [--all] [--json] [--html report.html]
     autopar explain plan.json NODE_OR_PARAM [--json]
     autopar diff a.json b.json [--json]
     autopar check plan.json [--model MODEL_SPEC] [--rank R] [--json]
+    (every command also takes --verbose: the solver's log on stderr, and --debug: tracebacks)
 
 MODEL_SPEC is a built-in model name (``autopar.zoo.models.MODEL_NAMES``), a published shape
 (``autopar.zoo.shapes.PRESETS``: gpt2, gpt2-xl, llama-2-7b, llama-2-70b, llama-3-8b, built on
@@ -33,7 +34,10 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from autopar.cli.console import Progress
 
 PROG = "autopar"
 
