@@ -7,14 +7,41 @@
     pm = autopar.compile(model, mesh=(2, 2), example_inputs=(x, y), pipeline=2, num_microbatches=4)
 """
 
-from autopar.api import compile, hand_plan, plan
-from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
-from autopar.runtime.materialize import FromCheckpoint, SeededInit
-from autopar.ir.plan import Plan
-from autopar.runtime.module import ParallelModule
-from autopar import checkpoint, optim
+# The public names are loaded on first use (PEP 562), for start-up speed: `import autopar` and
+# `autopar --help` load no torch. `from autopar import plan` and `autopar.Plan` work as before.
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autopar import checkpoint, optim
+    from autopar.api import compile, hand_plan, plan
+    from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
+    from autopar.ir.plan import Plan
+    from autopar.runtime.materialize import FromCheckpoint, SeededInit
+    from autopar.runtime.module import ParallelModule
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it (a module of its own where the name is the module).
+_EXPORTS = {
+    "plan": "autopar.api",
+    "compile": "autopar.api",
+    "hand_plan": "autopar.api",
+    "Plan": "autopar.ir.plan",
+    "SeededInit": "autopar.runtime.materialize",
+    "FromCheckpoint": "autopar.runtime.materialize",
+    "ParallelModule": "autopar.runtime.module",
+    "AutoparError": "autopar.errors",
+    "TraceError": "autopar.errors",
+    "MeshError": "autopar.errors",
+    "PlanError": "autopar.errors",
+    "InfeasibleError": "autopar.errors",
+    "PassError": "autopar.errors",
+    "checkpoint": "autopar.checkpoint",
+    "optim": "autopar.optim",
+}
 
 __all__ = [
     "plan",
@@ -31,3 +58,17 @@ __all__ = [
     "InfeasibleError",
     "PassError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if module_name == f"autopar.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 import traceback
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the CLI imports this module and must not load torch
+    import torch
 
 
 class AutoparError(Exception):

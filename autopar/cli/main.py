@@ -3,10 +3,11 @@
     autopar plan MODEL_SPEC (--mesh 2x4 | --devices 64) [--cluster h100-80g|FILE]
                  [--memory-budget 70GiB] [--offload auto] [--batch-size N] [--seq-len N] [--num-layers N] [--meta]
                  [--out plan.json] [--json]
-    autopar show plan.json [--json] [--html report.html]
+    autopar show plan.json [--all] [--json] [--html report.html]
     autopar explain plan.json NODE_OR_PARAM [--json]
     autopar diff a.json b.json [--json]
     autopar check plan.json [--model MODEL_SPEC] [--rank R] [--json]
+    (every command also takes --verbose: the solver's log on stderr, and --debug: tracebacks)
 
 MODEL_SPEC is a built-in model name (``autopar.zoo.models.MODEL_NAMES``), a published shape
 (``autopar.zoo.shapes.PRESETS``: gpt2, gpt2-xl, llama-2-7b, llama-2-70b, llama-3-8b, built on
@@ -14,7 +15,8 @@ the meta device), or ``module:callable`` (``path/to/file.py:callable`` works too
 callable returns ``(model, example_inputs)``. ``plan`` records the MODEL_SPEC in the plan, so
 that ``check`` can rebuild the model.
 
-Every user mistake prints one line ``autopar: error: <reason>`` to stderr and exits with status 2
+Every user mistake prints ``autopar: error: <reason>`` to stderr (a multi-line reason, such as an
+InfeasibleError's largest tensors and fix, continues on indented lines) and exits with status 2
 (bad arguments) or 1 (errors while running); ``--debug`` shows the traceback instead.
 """
 
@@ -32,7 +34,10 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from autopar.cli.console import Progress
 
 PROG = "autopar"
 
@@ -49,9 +54,18 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def error_text(message: str) -> str:
+    """``autopar: error: <first line>``, then the message's other lines, indented under it: an
+    error's line breaks (the largest tensors, the fix) are kept."""
+    lines = [line.rstrip() for line in str(message).strip().splitlines() if line.strip()]
+    first, rest = (lines[0], lines[1:]) if lines else ("unknown error", [])
+    return "\n".join([f"{PROG}: error: {first}"] + [line if line.startswith("  ") else f"  {line}" for line in rest])
+
+
 def _print_error(message: str) -> None:
-    text = " ".join(line.strip() for line in str(message).strip().splitlines() if line.strip())
-    print(f"{PROG}: error: {text or 'unknown error'}", file=sys.stderr)
+    from autopar.cli.console import print_error
+
+    print_error(error_text(message))
 
 
 # -- argument types ---------------------------------------------------------------------------
@@ -132,88 +146,6 @@ def _positive_float(text: str) -> float:
     if not value > 0 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
-
-
-# -- formatting helpers -----------------------------------------------------------------------
-
-def _fmt_outs(outs) -> str:
-    from autopar.ir.spec import spec_text  # start-up speed: --help loads no torch
-
-    if len(outs) == 1:
-        return spec_text(outs[0])
-    return "[" + ", ".join(spec_text(s) for s in outs) + "]"
-
-
-def _fmt_predicted(key: str, value: Any) -> str:
-    from autopar.ir.summary import format_bytes  # start-up speed: --help loads no torch
-
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return str(value)
-    if key.endswith("_bytes"):
-        return format_bytes(value)
-    if key.endswith("_s"):
-        return f"{value * 1e3:.4f} ms"
-    return f"{value:g}"
-
-
-_INDEX_RE = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
-
-
-def param_groups(plan) -> list[dict[str, Any]]:
-    """Parameters grouped by FQN with layer indices replaced by ``*`` and by placements.
-
-    A group of one keeps its own FQN; a larger group is named by its pattern, such as
-    ``transformer.h.*.attn.q_proj.weight``. Groups are in order of first appearance.
-    """
-    from autopar.ir.spec import format_spec
-
-    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
-    for fqn, spec in plan.params.items():
-        placements = tuple(format_spec(spec))
-        groups.setdefault((_INDEX_RE.sub("*", fqn), placements), []).append(fqn)
-    rows = []
-    for (pattern, placements), members in groups.items():
-        rows.append({"fqn": pattern if len(members) > 1 else members[0], "placements": list(placements),
-                     "count": len(members)})
-    return rows
-
-
-def collective_counts(plan) -> list[dict[str, Any]]:
-    """Forward collectives of the plan's redistributions: kind, mesh axis, count."""
-    return [{"kind": kind, "axis": axis, "count": n} for (kind, axis), n in plan.collective_counts().items()]
-
-
-def groups_text(plan) -> str:
-    rows = param_groups(plan)
-    lines = [f"Parameter groups ({len(rows)} groups, {len(plan.params)} parameters)"]
-    width = max((len(r["fqn"]) for r in rows), default=10)
-    for row in rows:
-        lines.append(f"  {row['fqn']:<{width}}  {'(' + ', '.join(row['placements']) + ')':<16} x{row['count']}")
-    return "\n".join(lines)
-
-
-def plan_text(plan) -> str:
-    return plan.summary() + "\n\n" + groups_text(plan)
-
-
-def show_json(plan) -> dict[str, Any]:
-    out = {
-        "mesh": list(plan.mesh_shape),
-        "cluster": plan.cluster,
-        "graph_hash": plan.graph_hash,
-        "plan_hash": plan.hash,
-        "predicted": plan.predicted,
-        "solver": plan.solver,
-        "params": param_groups(plan),
-        "collectives": collective_counts(plan),
-    }
-    if plan.pipeline is not None:
-        # The stages without their node lists, which the plan file has.
-        data = plan.pipeline.to_json()
-        data["stages"] = [{k: v for k, v in s.items() if k != "nodes"} | {"num_nodes": len(s["nodes"])}
-                          for s in data["stages"]]
-        out["pipeline"] = data
-    return out
 
 
 # -- model loading ----------------------------------------------------------------------------
@@ -331,14 +263,17 @@ def _model_record(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class _ProgressLog:
-    """Prints the planner's stage messages (INFO on the ``autopar`` logger) as progress lines."""
+    """Sends the planner's stage messages (INFO on the ``autopar`` logger) to ``progress``."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: "Progress") -> None:
         import logging
 
+        class Forward(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                progress.line(record.getMessage())
+
         self.logger = logging.getLogger("autopar")
-        self.handler = logging.StreamHandler(sys.stderr)
-        self.handler.setFormatter(logging.Formatter("%(message)s"))
+        self.handler = Forward()
         self.handler.addFilter(lambda record: record.levelno == logging.INFO)
         self.level = self.logger.level
 
@@ -356,9 +291,10 @@ class _ProgressLog:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from autopar import api
+    from autopar.cli.console import Progress, emit
+    from autopar.cli.views import mesh_search_table, plan_blocks
     from autopar.cost.cluster import get_cluster
     from autopar.ir.options import PlanOptions
-    from autopar.solver.mesh_search import mesh_search_text
 
     cluster = args.cluster if args.cluster is not None else get_cluster(None)
     if (args.pipeline is not None or args.num_microbatches is not None) and (args.pipeline is None or not args.mesh):
@@ -369,26 +305,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         num_microbatches=args.num_microbatches, offload=args.offload, devices=None if args.mesh else args.devices,
     )
     start = time.perf_counter()
-    _progress(f"building {args.model}{' on the meta device' if args.meta else ''} ...")
-    model, inputs = load_model(args.model, args.batch_size, args.meta, args.seq_len, args.num_layers)
-    _progress(f"built {type(model).__name__} in {time.perf_counter() - start:.2f} s")
-    stage = time.perf_counter()
-    if not args.mesh:
-        _progress(f"planning on every mesh of {args.devices} devices for cluster {getattr(cluster, 'name', '?')} ...")
-    with _ProgressLog():
-        plan = api.plan_model(model, args.mesh or "auto", inputs, None, cluster, options, on_progress=_progress)
-    plan = plan.with_model(_model_record(args))
-    _progress(f"planned {len(plan.nodes)} nodes in {time.perf_counter() - stage:.2f} s "
-              f"(total {time.perf_counter() - start:.2f} s)")
-    if args.out:
-        plan.save(args.out)
-        _progress(f"saved the plan to {args.out}")
+    with Progress(PROG) as progress:
+        progress(f"building {args.model}{' on the meta device' if args.meta else ''} ...")
+        model, inputs = load_model(args.model, args.batch_size, args.meta, args.seq_len, args.num_layers)
+        progress(f"built {type(model).__name__} in {time.perf_counter() - start:.2f} s")
+        stage = time.perf_counter()
+        if not args.mesh:
+            progress(f"planning on every mesh of {args.devices} devices for cluster {getattr(cluster, 'name', '?')} ...")
+        with _ProgressLog(progress):
+            plan = api.plan_model(model, args.mesh or "auto", inputs, None, cluster, options, on_progress=progress)
+        plan = plan.with_model(_model_record(args))
+        progress(f"planned {len(plan.nodes)} nodes in {time.perf_counter() - stage:.2f} s "
+                 f"(total {time.perf_counter() - start:.2f} s)")
+        if args.out:
+            plan.save(args.out)
+            progress(f"saved the plan to {args.out}")
     if args.json:
         print(plan.to_json())
         return 0
-    if "mesh_search" in plan.stats:
-        print(mesh_search_text(plan.stats["mesh_search"]) + "\n")
-    print(plan_text(plan))
+    blocks = [mesh_search_table(plan.stats["mesh_search"])] if "mesh_search" in plan.stats else []
+    emit(blocks + plan_blocks(plan))
     return 0
 
 
@@ -403,6 +339,8 @@ def _device_memory(cluster_name: str) -> int | None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from autopar.cli.console import emit
+    from autopar.cli.views import plan_blocks, show_json
     from autopar.ir.plan import Plan
 
     plan = Plan.load(args.plan)
@@ -414,8 +352,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         _progress(f"wrote {args.html}")
     if args.json:
         print(json.dumps(show_json(plan), separators=(",", ":")))
-    elif not args.html:
-        print(plan_text(plan))
+    elif not args.html or args.all:
+        emit(plan_blocks(plan, everything=args.all))
     return 0
 
 
@@ -468,113 +406,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-_MAIN_PREDICTED = ("step_time_s", "peak_memory_bytes", "comm_bytes")
-
-
-def plan_diff(a, b) -> dict[str, Any]:
-    """What differs between plans ``a`` and ``b``; empty sections are left out."""
-    from autopar.ir.spec import format_spec
-
-    diff: dict[str, Any] = {}
-    if tuple(a.mesh_shape) != tuple(b.mesh_shape):
-        diff["mesh"] = {"a": list(a.mesh_shape), "b": list(b.mesh_shape)}
-    for key, va, vb in (("graph_hash", a.graph_hash, b.graph_hash), ("cluster", a.cluster, b.cluster),
-                        ("torch_version", a.torch_version, b.torch_version)):
-        if va != vb:
-            diff[key] = {"a": va, "b": vb}
-    keys = [k for k in _MAIN_PREDICTED if k in a.predicted or k in b.predicted]
-    keys += sorted((set(a.predicted) | set(b.predicted)) - set(keys))
-    predicted = {}
-    for key in keys:
-        va, vb = a.predicted.get(key), b.predicted.get(key)
-        if va == vb:
-            continue
-        entry: dict[str, Any] = {"a": va, "b": vb}
-        if isinstance(va, (int, float)) and isinstance(vb, (int, float)):
-            entry["rel_change"] = (vb - va) / va if va else None
-        predicted[key] = entry
-    if predicted:
-        diff["predicted"] = predicted
-    solver = {k: {"a": a.solver.get(k), "b": b.solver.get(k)}
-              for k in ("status", "memory_budget_bytes", "fallbacks")
-              if a.solver.get(k) != b.solver.get(k)}
-    if solver:
-        diff["solver"] = solver
-    params = []
-    for fqn in list(a.params) + [f for f in b.params if f not in a.params]:
-        sa, sb = a.params.get(fqn), b.params.get(fqn)
-        if sa != sb:
-            params.append({"fqn": fqn, "a": format_spec(sa) if sa is not None else None,
-                           "b": format_spec(sb) if sb is not None else None})
-    if params:
-        diff["params"] = params
-    nodes = []
-    for name, na in a.nodes.items():
-        nb = b.nodes.get(name)
-        if nb is not None and (na.outs != nb.outs or na.op != nb.op):
-            nodes.append({"name": name, "op": na.op if na.op == nb.op else f"{na.op} -> {nb.op}",
-                          "a": [format_spec(s) for s in na.outs], "b": [format_spec(s) for s in nb.outs]})
-    if nodes:
-        diff["nodes"] = nodes
-    only_a = [n for n in a.nodes if n not in b.nodes]
-    only_b = [n for n in b.nodes if n not in a.nodes]
-    if only_a:
-        diff["only_in_a"] = only_a
-    if only_b:
-        diff["only_in_b"] = only_b
-    return diff
-
-
-def diff_text(diff: dict[str, Any], path_a: str, path_b: str, a, b) -> str:
-    lines = [f"a: {path_a}  mesh={tuple(a.mesh_shape)}  cluster={a.cluster or '-'}  plan={a.hash}",
-             f"b: {path_b}  mesh={tuple(b.mesh_shape)}  cluster={b.cluster or '-'}  plan={b.hash}"]
-    if not diff:
-        lines.append("plans are identical")
-        return "\n".join(lines)
-    if "mesh" in diff:
-        lines.append(f"mesh: {tuple(diff['mesh']['a'])} -> {tuple(diff['mesh']['b'])}")
-    for key, label in (("graph_hash", "graph hash"), ("cluster", "cluster"), ("torch_version", "torch")):
-        if key in diff:
-            lines.append(f"{label}: {diff[key]['a']} -> {diff[key]['b']}")
-    if "predicted" in diff:
-        lines.append("predicted:")
-        width = max(len(k) for k in diff["predicted"])
-        for key, entry in diff["predicted"].items():
-            rel = entry.get("rel_change")
-            change = f"  ({rel * 100:+.1f}%)" if rel is not None else ""
-            lines.append(f"  {key:<{width}}  {_fmt_predicted(key, entry['a'])} -> "
-                         f"{_fmt_predicted(key, entry['b'])}{change}")
-    if "solver" in diff:
-        for key, entry in diff["solver"].items():
-            lines.append(f"solver {key}: {entry['a']} -> {entry['b']}")
-
-    def listed(spec):
-        return "-" if spec is None else "(" + ", ".join(spec) + ")"
-
-    if "params" in diff:
-        rows = diff["params"]
-        lines.append(f"Parameters with different placements ({len(rows)}):")
-        width = max(len(r["fqn"]) for r in rows)
-        for row in rows:
-            lines.append(f"  {row['fqn']:<{width}}  {listed(row['a'])} -> {listed(row['b'])}")
-    if "nodes" in diff:
-        rows = diff["nodes"]
-        lines.append(f"Nodes with different output placements ({len(rows)}):")
-        width = max(len(r["name"]) for r in rows)
-        op_width = max(len(r["op"]) for r in rows)
-
-        def outs_text(outs):
-            return listed(outs[0]) if len(outs) == 1 else "[" + ", ".join(listed(s) for s in outs) + "]"
-
-        for row in rows:
-            lines.append(f"  {row['name']:<{width}}  {row['op']:<{op_width}}  {outs_text(row['a'])} -> {outs_text(row['b'])}")
-    for key, label in (("only_in_a", "a"), ("only_in_b", "b")):
-        if key in diff:
-            lines.append(f"Nodes only in {label} ({len(diff[key])}): {', '.join(diff[key])}")
-    return "\n".join(lines)
-
-
 def cmd_diff(args: argparse.Namespace) -> int:
+    from autopar.cli.console import emit
+    from autopar.cli.views import diff_blocks, plan_diff
     from autopar.ir.plan import Plan
 
     a, b = Plan.load(args.a), Plan.load(args.b)
@@ -582,32 +416,39 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"identical": not diff, **diff}, separators=(",", ":")))
     else:
-        print(diff_text(diff, args.a, args.b, a, b))
+        emit(diff_blocks(diff, args.a, args.b, a, b))
     return 0
 
 
 # -- entry point ------------------------------------------------------------------------------
 
+def _add_common(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="show tracebacks instead of error messages")
+    parser.add_argument("--verbose", action="store_true", default=default,
+                        help="print the solver's log to stderr (as does setting AUTOPAR_LOG=1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from autopar.cost.cluster import DEFAULT_PRESET, preset_names
-    from autopar.zoo.shapes import PRESETS
-    from autopar.zoo.models import MODEL_NAMES
+    from autopar.cli.catalog import DEFAULT_CLUSTER, MODEL_NAMES, MODEL_PRESETS, cluster_presets
 
     parser = _Parser(prog=PROG, description="autopar: an auto-parallel compiler for PyTorch training.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    _add_common(parser, False)
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common(common, argparse.SUPPRESS)  # after the command too; SUPPRESS keeps the global value
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    p = sub.add_parser("plan", help="plan a model on a mesh and print the plan summary")
+    p = sub.add_parser("plan", parents=[common], help="plan a model on a mesh and print the plan summary")
     p.add_argument("model", metavar="MODEL_SPEC",
-                   help=f"a built-in model ({', '.join(MODEL_NAMES)}), a preset ({', '.join(PRESETS)}) "
+                   help=f"a built-in model ({', '.join(MODEL_NAMES)}), a preset ({', '.join(MODEL_PRESETS)}) "
                         "or module:callable returning (model, example_inputs)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--mesh", type=parse_mesh, help="mesh sizes: 2x4, 2,4 or 8")
     where.add_argument("--devices", type=_positive_int,
                        help="search every mesh of this many devices (1 to 3 axes) and keep the fastest")
     p.add_argument("--cluster", type=_cluster, default=None,
-                   help=f"a preset ({', '.join(preset_names())}; default {DEFAULT_PRESET}) or a JSON/TOML file")
+                   help=f"a preset ({', '.join(cluster_presets())}; default {DEFAULT_CLUSTER}) or a JSON/TOML file")
     p.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="bytes per device, e.g. 70GiB, 512MiB, 16GB")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="batch size of built-in models (default 8)")
@@ -627,19 +468,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the summary")
     p.set_defaults(func=cmd_plan)
 
-    s = sub.add_parser("show", help="print a saved plan's summary")
+    s = sub.add_parser("show", parents=[common], help="print a saved plan's summary")
     s.add_argument("plan", help="plan JSON file")
     s.add_argument("--json", action="store_true", help="print a compact JSON summary")
     s.add_argument("--html", metavar="PATH", help="write a self-contained HTML report here")
+    s.add_argument("--all", action="store_true", help="list every parameter and operator after the grouped view")
     s.set_defaults(func=cmd_show)
 
-    e = sub.add_parser("explain", help="why the plan chose a node's or a parameter's sharding")
+    e = sub.add_parser("explain", parents=[common], help="why the plan chose a node's or a parameter's sharding")
     e.add_argument("plan", help="plan JSON file")
     e.add_argument("node", metavar="NODE_OR_PARAM", help="a node name or a parameter FQN")
     e.add_argument("--json", action="store_true", help="print the decision as JSON")
     e.set_defaults(func=cmd_explain)
 
-    c = sub.add_parser("check", help="run the plan's rewritten forward at full world size on a fake process group")
+    c = sub.add_parser("check", parents=[common], help="run the plan's rewritten forward at full world size on a fake process group")
     c.add_argument("plan", help="plan JSON file")
     c.add_argument("--model", metavar="MODEL_SPEC", help="the model (default: the MODEL_SPEC recorded in the plan)")
     c.add_argument("--batch-size", type=_positive_int, default=None, help="with --model: batch size (default 8)")
@@ -650,13 +492,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the result as JSON")
     c.set_defaults(func=cmd_check)
 
-    d = sub.add_parser("diff", help="what changed between two plans")
+    d = sub.add_parser("diff", parents=[common], help="what changed between two plans")
     d.add_argument("a", help="first plan JSON file")
     d.add_argument("b", help="second plan JSON file")
     d.add_argument("--json", action="store_true", help="print the differences as JSON")
     d.set_defaults(func=cmd_diff)
 
-    f = sub.add_parser("profile", help="measure this machine (roofline, links per mesh axis) into a ClusterSpec file")
+    f = sub.add_parser("profile", parents=[common], help="measure this machine (roofline, links per mesh axis) into a ClusterSpec file")
     f.add_argument("--out", required=True, help="write the ClusterSpec JSON (or .toml) here")
     f.add_argument("--mesh", type=parse_mesh, default=None, help="mesh whose axes' links to time, e.g. 2x2")
     f.add_argument("--spawn", action="store_true", help="start prod(mesh) local gloo ranks to time collectives")
@@ -684,6 +526,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help, or an argument error already printed in one line
         return int(exit_.code) if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
+    saved_log = os.environ.get("AUTOPAR_LOG")
+    if args.verbose and not saved_log:
+        os.environ["AUTOPAR_LOG"] = "1"  # read by solver.backends
     try:
         return args.func(args)
     except BrokenPipeError:  # stdout closed early (``autopar show plan.json | head``): not an error
@@ -700,6 +545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _print_error("interrupted")
         return 130
+    finally:
+        if saved_log is None:
+            os.environ.pop("AUTOPAR_LOG", None)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -39,6 +39,8 @@ activation_grad   first input of an op    bwd(the op) only: the intermediate gra
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -117,6 +119,31 @@ class Timeline:
         values = self.curve(bytes_of)
         time = max(range(len(values)), key=lambda t: (values[t], -t))
         return values[time], time
+
+    def sampled(self, bytes_of: Callable[[str], float], max_points: int = 240) -> dict[str, Any]:
+        """A compact timeline for reports (``Plan.memory_timeline``): bytes alive by kind at up to
+        ``max_points`` times, the fullest time of each of as many equal buckets, so the peak is
+        always among them. Times index forward (``0 .. num_forward - 1``) then backward."""
+        delta = {kind: [0.0] * (self.num_times + 1) for kind in KINDS}
+        for iv in self.intervals:
+            size = iv.factor * bytes_of(iv.node)
+            delta[iv.kind][iv.start] += size
+            delta[iv.kind][iv.end + 1] -= size
+        curves = {kind: list(itertools.accumulate(changes[:-1])) for kind, changes in delta.items()}
+        total = [sum(curves[kind][time] for kind in KINDS) for time in range(self.num_times)]
+        step = max(1, math.ceil(self.num_times / max_points))
+        times = [max(range(start, min(start + step, self.num_times)), key=lambda t: (total[t], -t))
+                 for start in range(0, self.num_times, step)]
+        peak = max(range(self.num_times), key=lambda t: (total[t], -t)) if self.num_times else 0
+        kinds = [kind for kind in KINDS if any(curves[kind][time] for time in times)]
+        return {
+            "num_forward": len(self.names),
+            "times": times,
+            "kinds": kinds,
+            "bytes": [[int(round(curves[kind][time])) for kind in kinds] for time in times],
+            "peak_time": peak,
+            "peak_at": self.time_name(peak) if self.num_times else "",
+        }
 
     def breakdown(self, time: int, bytes_of: Callable[[str], float]) -> dict[str, float]:
         """Bytes alive at ``time`` by kind."""

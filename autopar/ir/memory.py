@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.ir.summary import format_bytes
+
 TARGETS = ("cpu", "disk")
 OFFLOAD_KINDS = ("param", "grad", "optimizer_state")
 
@@ -115,19 +117,31 @@ class MemoryPlan:
 
     def summary_lines(self) -> list[str]:
         """What the summary prints: each decision with the bytes it saves and the time it costs."""
-        mib = 2**20
-        lines = [f"memory decisions: peak {self.peak_before_bytes / mib:.1f} MiB -> {self.peak_bytes / mib:.1f} MiB, "
+        lines = [f"memory decisions: peak {format_bytes(self.peak_before_bytes)} -> {format_bytes(self.peak_bytes)}, "
                  f"+{self.added_s * 1e3:.2f} ms per step; offload to {self.target}"
                  f"{' with prefetch' if self.prefetch else ''}"]
+        # Decisions that save nothing at the peak (kept for the runtime) are left out of the summary.
+        quiet = 0
         for segment in self.checkpoint:
+            if segment.saved_bytes < 1:
+                quiet += 1
+                continue
             lines.append(f"  checkpoint {segment.name} ({segment.first} .. {segment.last}): "
-                         f"saves {segment.saved_bytes / mib:.1f} MiB, recompute {segment.cost_s * 1e3:.2f} ms")
+                         f"saves {format_bytes(segment.saved_bytes)}, recompute {segment.cost_s * 1e3:.2f} ms")
         for segment in self.offload_activations:
+            if segment.saved_bytes < 1:
+                quiet += 1
+                continue
             lines.append(f"  offload activations of {segment.name} ({segment.first} .. {segment.last}): "
-                         f"saves {segment.saved_bytes / mib:.1f} MiB, transfers {segment.cost_s * 1e3:.2f} ms")
+                         f"saves {format_bytes(segment.saved_bytes)}, transfers {segment.cost_s * 1e3:.2f} ms")
         for entry in self.offload:
-            lines.append(f"  offload {entry.kind} {entry.fqn}: saves {entry.saved_bytes / mib:.1f} MiB, "
-                         f"moves {entry.transfer_bytes / mib:.1f} MiB in {entry.cost_s * 1e3:.2f} ms")
+            if entry.saved_bytes < 1:
+                quiet += 1
+                continue
+            lines.append(f"  offload {entry.kind} {entry.fqn}: saves {format_bytes(entry.saved_bytes)}, "
+                         f"moves {format_bytes(entry.transfer_bytes)} in {entry.cost_s * 1e3:.2f} ms")
+        if quiet:
+            lines.append(f"  ({quiet} more decision{'s' * (quiet != 1)} that save nothing at the peak)")
         return lines
 
 

@@ -155,6 +155,12 @@ class Plan:
     # Activation checkpointing and offload (``autopar.ir.memory``); None when sharding alone fits
     # the memory budget (or the planner was not allowed to add them).
     memory: MemoryPlan | None = None
+    # Bytes alive per device by kind over forward and backward, sampled (``cost.liveness.Timeline.
+    # sampled``), for the HTML report; None in plans made before it was recorded.
+    memory_timeline: dict[str, Any] | None = None
+    # Placeholder (user input, parameter, buffer) node name -> dtype ("torch.float32"), so that a
+    # plan refused for another graph can say whose dtype changed; empty in older plans.
+    input_dtypes: dict[str, str] = field(default_factory=dict)
     # Facts about the run that made this plan, such as wall-clock timings and the mesh search
     # table. Not serialized: a plan's JSON must be byte-identical across runs and ranks.
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -192,6 +198,10 @@ class Plan:
             data["pipeline"] = self.pipeline.to_json()
         if self.memory is not None:
             data["memory"] = self.memory.to_json()
+        if self.memory_timeline is not None:
+            data["memory_timeline"] = self.memory_timeline
+        if self.input_dtypes:
+            data["input_dtypes"] = self.input_dtypes
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -221,6 +231,8 @@ class Plan:
                 model=data.get("model", {}),
                 pipeline=StagePlan.from_json(data["pipeline"]) if "pipeline" in data else None,
                 memory=MemoryPlan.from_json(data["memory"]) if "memory" in data else None,
+                memory_timeline=data.get("memory_timeline"),
+                input_dtypes=data.get("input_dtypes", {}),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"malformed plan: {type(error).__name__}: {error}") from None

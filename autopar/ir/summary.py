@@ -23,7 +23,9 @@ def format_bytes(num: float, digits: int = 1) -> str:
     return str(num)
 
 
-def summary_text(plan: "Plan", max_rows: int = 60) -> str:
+def header_lines(plan: "Plan") -> list[str]:
+    """The summary's first lines: the plan, its predicted time, memory and bytes, the solver, the
+    pipeline and the memory decisions."""
     pred = plan.predicted
     # A pipelined plan's compute, resharding and bytes are for one microbatch through the whole
     # graph on the stage mesh (the stage planner keeps them apart from the pipeline's step).
@@ -61,6 +63,11 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     lines += pipeline_lines(plan)
     if plan.memory is not None:
         lines.extend("  " + line for line in plan.memory.summary_lines())
+    return lines
+
+
+def summary_text(plan: "Plan", max_rows: int = 60) -> str:
+    lines = header_lines(plan)
     lines.append("")
     lines.append("Parameters")
     width = max((len(f) for f in plan.params), default=10)
@@ -68,9 +75,8 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
         lines.append(f"  {fqn:<{width}}  {spec_text(spec)}")
     lines.append("")
     lines.append("Operators (views and getitems omitted)")
-    header = f"  {'node':<28} {'op':<34} {'output shape':<18} {'placements':<16} {'cost ms':>9}  note"
-    lines.append(header)
     rows = 0
+    table = [("node", "op", "output shape", "placements", "cost ms", "note")]
     for name, node in plan.nodes.items():
         if node.source in ("placeholder", "output") or _is_view(node.op):
             continue
@@ -86,7 +92,13 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
             note.append("rule from DTensor")
         shape = ("x".join(str(d) for d in node.shapes[0]) or "scalar") if node.shapes else "-"
         placements = spec_text(node.outs[0]) if node.outs else "-"
-        lines.append(f"  {name:<28} {node.op:<34} {shape:<18} {placements:<16} {node.cost_s * 1e3:>9.4f}  {'; '.join(note)}")
+        table.append((name, node.op, shape, placements, f"{node.cost_s * 1e3:.4f}", "; ".join(note)))
+    # Columns as wide as their widest cell, so long node names (scaled_dot_product_attention_1)
+    # keep the table aligned.
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    for row in table:
+        cells = [row[i].rjust(widths[i]) if i == 4 else row[i].ljust(widths[i]) for i in range(5)]
+        lines.append(("  " + " ".join(cells) + "  " + row[5]).rstrip())
     if rows > max_rows:
         lines.append(f"  ... {rows - max_rows} more operators")
     lines.append("")

@@ -54,7 +54,12 @@ def register_peer() -> None:
     store.set(_PEER_KEY.format(dist.get_rank()), f"{socket.gethostname()}:{os.getpid()}")
 
 
-def _diagnose(ranks: list[int]) -> str:
+# What gloo and NCCL say when the other end of a connection went away: a peer failed, not a timeout.
+_PEER_CLOSED = ("closed by peer", "reset by peer", "connection closed", "broken pipe", "connection refused",
+                "end of file", "remote process exited")
+
+
+def _diagnose(ranks: list[int], error: BaseException | None = None) -> str:
     """Which of ``ranks`` are gone, as far as this host can tell."""
     dead, unknown, absent = [], [], []
     try:
@@ -79,8 +84,13 @@ def _diagnose(ranks: list[int]) -> str:
         return f"rank {', '.join(map(str, dead))} is no longer running"
     if absent:
         return f"rank {', '.join(map(str, absent))} never reached autopar.compile (it failed or was killed before)"
+    closed = error is not None and any(text in str(error).lower() for text in _PEER_CLOSED)
     if unknown:
-        return f"no rank on this host died; ranks {unknown} run on other hosts"
+        return f"no rank on this host died; ranks {unknown} run on other hosts" + (
+            ", and a peer closed its connection: one of them failed" if closed else "")
+    if closed:
+        return ("a peer closed its connection: a rank of the group failed or exited (its process may "
+                "not have ended yet), not a timeout")
     return "every rank of the group is still running: one of them did not answer within the timeout"
 
 
@@ -91,7 +101,7 @@ def _collective_error(kind: str, group_name: str, error: BaseException) -> Colle
         ranks = []
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return CollectiveError(
-        f"{kind} over ranks {ranks} failed on rank {dist.get_rank()}: {_diagnose(ranks)}.\n"
+        f"{kind} over ranks {ranks} failed on rank {dist.get_rank()}: {_diagnose(ranks, error)}.\n"
         f"  {type(error).__name__}: {first}\n"
         "  This step cannot finish; restart the job (torchrun --max-restarts, or from a checkpoint)."
     )

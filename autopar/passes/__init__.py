@@ -50,7 +50,8 @@ def run_passes(gm: torch.fx.GraphModule, plan: Plan, passes: Sequence[Pass]) -> 
             gm.recompile()
         except Exception as error:
             before = ", ".join(done) or "none"
-            raise PassError(f"pass {name} failed (passes run before it: {before}): {type(error).__name__}: {error}") from error
+            raise PassError(f"pass {name} failed (passes run before it: {before}): {type(error).__name__}: {error}\n"
+                            "  This is a bug in autopar: please report it with the plan JSON (plan.save(path))") from error
         log.debug("pass %s took %.3f s", name, time.perf_counter() - start)
         done.append(name)
     return gm
@@ -67,10 +68,48 @@ def check_plan_matches(chosen: Plan, traced: TracedModel, mesh_shape: tuple[int,
     if tuple(chosen.mesh_shape) != tuple(mesh_shape):
         raise PlanError(f"the plan was made for mesh {tuple(chosen.mesh_shape)}, not {tuple(mesh_shape)}: re-plan for this mesh")
     if chosen.graph_hash != traced.graph_hash:
+        changes = graph_input_changes(chosen, traced)
         raise PlanError(
             f"the plan was made for a different graph (hash {chosen.graph_hash}, this model and these inputs "
-            f"give {traced.graph_hash}): the model or the example input shapes changed; re-plan"
+            f"give {traced.graph_hash}):\n" + "\n".join(f"  {line}" for line in changes) + "\n"
+            "  The model or its example inputs changed since planning: re-plan for them (autopar.plan, or `autopar plan`)"
         )
+
+
+def graph_input_changes(chosen: Plan, traced: TracedModel, limit: int = 8) -> list[str]:
+    """What differs between the plan's inputs and parameters and the traced graph's: inputs and
+    parameters added, removed, reshaped or of another dtype (the plan records each placeholder's
+    op and shape, and ``input_dtypes``)."""
+    planned = {name: node for name, node in chosen.nodes.items() if node.op in ("user", "param", "buffer")}
+    placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+    now = {gi.name: gi for gi in traced.inputs if gi.kind in ("user", "param", "buffer")}
+
+    def label(name: str, kind: str, fqn: str | None) -> str:
+        return {"user": f"input {name!r}", "param": f"parameter {fqn or name!r}"}.get(kind, f"buffer {fqn or name!r}")
+
+    fqn_of = {name: node_fqn for node_fqn in chosen.params
+              for name in ("p_" + node_fqn.replace(".", "_"), "b_" + node_fqn.replace(".", "_"))}
+    changes: list[str] = []
+    for name, gi in now.items():
+        val = placeholders[name].meta.get("val") if name in placeholders else None
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        dtype = f", dtype {val.dtype}" if isinstance(val, torch.Tensor) else ""
+        what = label(name, gi.kind, gi.fqn if gi.kind != "user" else None)
+        planned_dtype = chosen.input_dtypes.get(name)
+        if name not in planned:
+            changes.append(f"{what} is new: shape {shape}{dtype} (not in the plan)")
+        elif shape is not None and planned[name].shapes and tuple(planned[name].shapes[0]) != shape:
+            changes.append(f"{what} has shape {shape}{dtype}; the plan was made for {tuple(planned[name].shapes[0])}")
+        elif isinstance(val, torch.Tensor) and planned_dtype and planned_dtype != str(val.dtype):
+            changes.append(f"{what} has dtype {val.dtype}; the plan was made for {planned_dtype}")
+    for name, node in planned.items():
+        if name not in now:
+            what = label(name, node.op, fqn_of.get(name))
+            changes.append(f"{what} is gone: the plan has it with shape {tuple(node.shapes[0]) if node.shapes else '?'}")
+    if not changes:
+        changes = ["every input and parameter has its planned shape: an input's or a parameter's dtype, or "
+                   "the model's code (the ops it runs), changed"]
+    return changes[:limit] + ([f"... and {len(changes) - limit} more"] if len(changes) > limit else [])
 
 
 __all__ = ["check_plan_matches", "default_passes", "run_passes", "insert_collectives", "localize_shapes", "use_kernels", "offload_params",

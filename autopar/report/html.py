@@ -9,8 +9,9 @@ ticket. It shows
 - the step-time breakdown: compute, communication per mesh axis (``predicted`` keys the cost
   model writes; the total resharding time when it writes none), and the pipeline bubble (0 until
   pipelining exists);
-- memory per device: the timeline over the step if the plan has one, else its components if it
-  has them, else the peak against the device's memory;
+- memory per device: the timeline over forward and backward by kind (``plan.memory_timeline``),
+  with the peak marked, if the plan has one, else its components if it has them, else the peak
+  against the device's memory; for pipelines, each stage's time and memory;
 - the forward collectives per mesh axis, and the solver's facts.
 """
 
@@ -41,13 +42,17 @@ svg text { font-family: Menlo, Consolas, monospace; font-size: 12px; }
 .note { color: #777; font-size: 12px; }
 """
 
-# After layout, count the layer labels that the browser actually drew (non-zero boxes), so a
-# headless browser's DOM dump can prove that the page rendered them.
+# After layout, count the layer labels and the memory timeline's areas that the browser actually
+# drew (non-zero boxes), so a headless browser's DOM dump can prove that the page rendered them.
 _SCRIPT = """
 window.addEventListener('load', function () {
   var labels = document.querySelectorAll('.layer-name'), drawn = 0;
   labels.forEach(function (el) { var b = el.getBBox(); if (b.width > 0 && b.height > 0) drawn++; });
   document.body.setAttribute('data-layers-drawn', drawn + '/' + labels.length);
+  var kinds = document.querySelectorAll('.memory-kind'), filled = 0;
+  kinds.forEach(function (el) { var b = el.getBBox(); if (b.width > 0) filled++; });
+  var peak = document.getElementById('memory-peak');
+  document.body.setAttribute('data-memory-drawn', filled + '/' + kinds.length + (peak && peak.getBBox().height > 0 ? ' peak' : ''));
 });
 """
 
@@ -164,8 +169,91 @@ def _bar_svg(parts: list[tuple[str, float]], fmt, svg_id: str) -> str:
     return svg + "<table>" + "".join(legend) + "</table>"
 
 
+def _timeline_svg(timeline: dict[str, Any], capacity: int | None, note: str) -> str:
+    """Stacked areas of bytes by kind over forward and backward, the peak marked with a line."""
+    times, kinds, rows = timeline["times"], timeline["kinds"], timeline["bytes"]
+    num_times = max(2 * int(timeline["num_forward"]) - 1, 1)
+    totals = [sum(row) for row in rows]
+    top = max(totals + [1.0])
+    width, height, left, bottom = 720, 220, 70, 24
+    plot_w, plot_h = width - left - 10, height - bottom - 16
+
+    def x(time: float) -> float:
+        return left + plot_w * time / num_times
+
+    def y(num: float) -> float:
+        return 16 + plot_h - plot_h * num / top
+
+    parts, legend = [], []
+    below = [0.0] * len(times)
+    for k, kind in enumerate(kinds):
+        above = [low + row[k] for low, row in zip(below, rows)]
+        upper = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in zip(times, above))
+        lower = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in reversed(list(zip(times, below))))
+        color = _PALETTE[k % len(_PALETTE)]
+        parts.append(f'<polygon class="memory-kind" data-kind="{_esc(kind)}" points="{upper} {lower}" '
+                     f'fill="{color}" fill-opacity="0.85" stroke="none"/>')
+        peak_row = rows[times.index(timeline["peak_time"])] if timeline["peak_time"] in times else None
+        at_peak = f" ({_esc(_bytes(peak_row[k]))} at the peak)" if peak_row is not None else ""
+        legend.append(f'<span style="margin-right:14px"><span class="swatch" style="background:{color}"></span>'
+                      f'{_esc(kind.replace("_", " "))}{at_peak}</span>')
+        below = above
+    peak_x, boundary_x = x(timeline["peak_time"]), x(int(timeline["num_forward"]) - 0.5)
+    peak_total = max(totals) if totals else 0.0
+    axes = (f'<line x1="{left}" y1="{16 + plot_h}" x2="{left + plot_w}" y2="{16 + plot_h}" stroke="#999"/>'
+            f'<line x1="{left}" y1="16" x2="{left}" y2="{16 + plot_h}" stroke="#999"/>'
+            f'<text x="{left - 4}" y="22" text-anchor="end">{_esc(_bytes(top))}</text>'
+            f'<text x="{left - 4}" y="{16 + plot_h}" text-anchor="end">0</text>'
+            f'<line x1="{boundary_x:.1f}" y1="16" x2="{boundary_x:.1f}" y2="{16 + plot_h}" stroke="#777" '
+            f'stroke-dasharray="4 3"/>'
+            f'<text x="{(left + boundary_x) / 2:.1f}" y="{height - 6}" text-anchor="middle">forward</text>'
+            f'<text x="{(boundary_x + left + plot_w) / 2:.1f}" y="{height - 6}" text-anchor="middle">backward</text>')
+    peak = (f'<line id="memory-peak" x1="{peak_x:.1f}" y1="12" x2="{peak_x:.1f}" y2="{16 + plot_h}" '
+            f'stroke="#d62728" stroke-width="2"/>'
+            f'<text x="{min(peak_x + 4, width - 150):.1f}" y="12" fill="#d62728">peak {_esc(_bytes(peak_total))}</text>')
+    capacity_line = ""
+    if capacity and capacity <= top:
+        capacity_line = (f'<line x1="{left}" y1="{y(capacity):.1f}" x2="{left + plot_w}" y2="{y(capacity):.1f}" '
+                         f'stroke="#000" stroke-dasharray="2 2"/>')
+    return (f'<svg id="memory-timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
+            + "".join(parts) + axes + capacity_line + peak + "</svg>"
+            + f"<div>{''.join(legend)}</div>"
+            + f'<p class="note">bytes alive per device over the step by kind; peak {_esc(_bytes(peak_total))} '
+              f'{_esc(timeline.get("peak_at", ""))}{note}</p>')
+
+
+def _stages_section(plan: "Plan") -> str:
+    """A pipelined plan's stages: time per microbatch and memory, one bar each."""
+    stages = plan.pipeline
+    if stages is None:
+        return ""
+    slowest = max((s.time_s for s in stages.stages), default=0.0) or 1.0
+    fullest = max((s.memory_bytes for s in stages.stages), default=0.0) or 1.0
+    rows = []
+    for stage in stages.stages:
+        time_bar = (f'<svg class="stage-bar" width="200" height="12"><rect width="{200 * stage.time_s / slowest:.1f}" '
+                    f'height="12" fill="{_PALETTE[0]}"/></svg>')
+        memory_bar = (f'<svg class="stage-bar" width="200" height="12"><rect width="{200 * stage.memory_bytes / fullest:.1f}" '
+                      f'height="12" fill="{_PALETTE[1]}"/></svg>')
+        rows.append(f"<tr><td>{stage.index}</td><td>[{stage.layers[0]}, {stage.layers[1]})</td>"
+                    f"<td>{_esc(','.join(str(r) for r in stage.ranks))}</td>"
+                    f"<td>{stage.time_s * 1e3:.4f} ms {time_bar}</td><td>{_esc(_bytes(stage.memory_bytes))} {memory_bar}</td></tr>")
+    return (f'<h2>Pipeline stages</h2><p class="facts">{stages.num_stages} stages x {stages.num_microbatches} '
+            f"microbatches, schedule {_esc(stages.schedule)}, bubble {stages.bubble_fraction:.1%}</p>"
+            '<table id="pipeline-stages"><tr><th>stage</th><th>layers</th><th>ranks</th>'
+            "<th>time per microbatch</th><th>memory</th></tr>" + "".join(rows) + "</table>")
+
+
 def _memory_section(plan: "Plan", capacity: int | None) -> str:
     pred = plan.predicted
+    if plan.memory_timeline and plan.memory_timeline.get("times"):
+        note = ""
+        if plan.memory is not None:
+            note = (f"; before checkpointing and offload, which bring the peak to "
+                    f"{_bytes(float(pred.get('peak_memory_bytes', 0)))}")
+        elif plan.pipeline is not None:
+            note = "; one microbatch through the whole graph on the stage mesh (stages below)"
+        return _timeline_svg(plan.memory_timeline, capacity, _esc(note))
     timeline = next((v for k, v in sorted(pred.items()) if "timeline" in k and isinstance(v, list) and v), None)
     if timeline is not None:
         values = [float(v[-1] if isinstance(v, (list, tuple)) else v) for v in timeline]
@@ -230,6 +318,7 @@ communication per device per step {_esc(_bytes(float(pred.get('comm_bytes', 0)))
 {_comm_bytes_table(pred)}
 <h2>Memory per device</h2>
 {_memory_section(plan, device_memory_bytes)}
+{_stages_section(plan)}
 <h2>Collectives in forward</h2>
 <table><tr><th>kind</th><th>mesh axis</th><th>count</th></tr>{collectives or '<tr><td colspan="3">none</td></tr>'}</table>
 <h2>Solver</h2>

@@ -78,14 +78,41 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def flatten_inputs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec) -> list[Any]:
+def flatten_inputs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec, names: list[str]) -> list[Any]:
+    """The call's leaves in the traced order; ``names`` (the user inputs' names in that order) let
+    a mismatch say which argument is missing or unexpected."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     if spec != in_spec:
         raise ValueError(
-            "ParallelModule was called with a different argument structure than the example inputs "
-            f"it was compiled with.\n  expected: {in_spec}\n  got:      {spec}"
+            "ParallelModule was called with other arguments than the example inputs it was compiled "
+            f"with: {call_mismatch(args, kwargs, in_spec, names)}. Pass the arguments the way the "
+            "example inputs were passed"
         )
     return flat
+
+
+def call_mismatch(args, kwargs, in_spec, names: list[str]) -> str:
+    """What differs between a call and the example inputs, by argument name (``names``: the user
+    inputs' names in flattening order, which name the positional arguments that are tensors)."""
+    def children(spec):  # TreeSpec.children() from torch 2.10; children_specs before
+        return spec.children() if hasattr(spec, "children") else spec.children_specs
+
+    args_spec, kwargs_spec = children(in_spec)
+    num_args = args_spec.num_children
+    leaves = all(child.is_leaf() for child in children(args_spec)) and len(names) >= num_args
+    positional = list(names[:num_args]) if leaves else [f"#{i + 1}" for i in range(num_args)]
+    expected_kwargs = list(kwargs_spec.context or [])
+    problems = [f"missing argument {name!r}" for name in positional[len(args):] if name not in kwargs]
+    if len(args) > num_args:
+        problems.append(f"{len(args)} positional arguments given, {num_args} expected")
+    problems += [f"missing keyword argument {key!r}" for key in expected_kwargs if key not in kwargs]
+    problems += [f"unexpected keyword argument {key!r}" for key in kwargs
+                 if key not in expected_kwargs and key not in positional[len(args):]]
+    problems += [f"argument {key!r} passed by keyword, but the example inputs passed it by position"
+                 for key in kwargs if key in positional[len(args):]]
+    if not problems:
+        problems = ["the same arguments, nested differently (tuples, lists or dicts) than in the example inputs"]
+    return "; ".join(problems)
 
 
 class ShardedModule(torch.nn.Module):
@@ -207,7 +234,7 @@ class ShardedModule(torch.nn.Module):
 
     def _user_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         """The user inputs of a call, flat in graph order, checked against the planned ones."""
-        flat = flatten_inputs(args, kwargs, self._traced.in_spec)
+        flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in self._user_metas])
         for value, (name, shape, dtype) in zip(flat, self._user_metas):
             if shape is None or not isinstance(value, torch.Tensor):
                 continue

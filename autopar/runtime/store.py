@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -200,14 +201,21 @@ class DiskStore(Store):
             return_freed_memory_to_os()
         self._owned = path is None
         self.path = tempfile.mkdtemp(prefix="autopar-offload-") if path is None else os.fspath(path)
+        made_dir = self._owned or not os.path.isdir(self.path)
         os.makedirs(self.path, exist_ok=True)
         self._fds: dict[str, int] = {}
+        self._files: list[str] = []  # the files this store created, removed on close
         self.direct = direct and hasattr(os, "O_DIRECT")
+        # Runs on close, on garbage collection or at interpreter exit, whichever comes first, so
+        # no run (an example, a killed script) leaves its offload files behind.
+        self._cleanup = weakref.finalize(self, _remove_files, self.path, self._fds, self._files, made_dir)
 
     def _fd(self, key: str) -> int:
         fd = self._fds.get(key)
         if fd is None:
             name = os.path.join(self.path, key.replace("/", "__"))
+            if not os.path.exists(name):
+                self._files.append(name)
             flags = os.O_RDWR | os.O_CREAT
             if self.direct:
                 try:
@@ -258,16 +266,34 @@ class DiskStore(Store):
 
     def close(self) -> None:
         super().close()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        if self._owned:
-            shutil.rmtree(self.path, ignore_errors=True)
+        self._cleanup()
 
     def __del__(self) -> None:
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _remove_files(path: str, fds: dict[str, int], files: list[str], made_dir: bool) -> None:
+    """Close a DiskStore's files and remove those it created, and its directory if it made it
+    (a temporary one, or a ``disk:PATH`` that did not exist) and nothing else is left in it."""
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+    for name in files:
+        try:
+            os.remove(name)
+        except OSError:
+            pass
+    files.clear()
+    if made_dir:
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty: files that are not ours
             pass
 
 

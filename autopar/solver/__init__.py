@@ -18,6 +18,7 @@ from autopar.solver.runner_ups import explain_decisions
 from autopar.solver.ilp import ShardingILP, Solution
 from autopar.solver.solving import MAX_MEMORY_ROUNDS, chosen_bytes, peak_memory, solve_ilp, solve_within_budget
 from autopar.ir.spec import Spec, format_spec
+from autopar.ir.summary import format_bytes
 from autopar.trace import TracedModel
 from autopar.solver.memory import plan_memory
 
@@ -117,12 +118,14 @@ def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: 
         ((max(c.memory_bytes), c.fqn or c.name) for c in graph.choices.values() if c.memory_bytes),
         reverse=True,
     )[:5]
-    lines = "\n".join(f"    {name}: {size / 2**20:.1f} MiB replicated" for size, name in biggest)
+    lines = "\n".join(f"    {name}: {format_bytes(size)} replicated" for size, name in biggest)
     return InfeasibleError(
-        f"no sharding of this model fits memory_budget={budget:.0f} bytes ({budget / 2**20:.1f} MiB) per device "
-        f"on mesh {graph.mesh_shape}.\n  The leanest plan needs {minimum:.0f} bytes ({minimum / 2**20:.1f} MiB) "
+        f"no sharding of this model fits memory_budget={budget:.0f} bytes ({format_bytes(budget)}) per device "
+        f"on mesh {graph.mesh_shape}.\n  The leanest plan needs {minimum:.0f} bytes ({format_bytes(minimum)}) "
         f"per device (parameters, gradients, optimizer state and saved activations).\n  Largest tensors:\n{lines}\n"
-        "  Raise the budget, use a larger mesh, or reduce the batch size."
+        "  Raise the budget, use a larger mesh, or reduce the batch size; or let the planner add activation "
+        "checkpointing and offload: autopar.plan(..., offload=\"auto\") (or checkpointing=True alone), "
+        "`autopar plan ... --offload auto` on the command line."
     )
 
 
@@ -210,6 +213,9 @@ def plan_from_solution(
         predicted=predicted,
         solver=solver_info,
         cluster=cluster_name,
+        memory_timeline=graph.timeline.sampled(chosen),
+        input_dtypes={node.name: str(node.meta["val"].dtype) for node in traced.gm.graph.nodes
+                      if node.op == "placeholder" and hasattr(node.meta.get("val"), "dtype")},
         stats={"solve_time_s": solution.solve_time_s},
     )
 

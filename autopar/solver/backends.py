@@ -11,11 +11,22 @@
 
 Every solve has a time limit. HiGHS and CBC are deterministic at one thread with fixed seeds,
 which keeps plans identical across ranks.
+
+No solver writes to stdout, which carries ``--json`` output and pipes: HiGHS's C library prints
+its banner with ``printf`` whatever its options say, so each solve runs with file descriptor 1
+sent to /dev/null, or to stderr, with the solver's log switched on, when ``AUTOPAR_LOG`` is set
+(``autopar --verbose`` sets it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import sys
+import threading
 import warnings
+from collections.abc import Iterator
 
 import pulp
 
@@ -45,19 +56,72 @@ def check_solver(name: str) -> str:
     return name
 
 
+def solver_log_enabled() -> bool:
+    """Whether solvers print their logs (to stderr): ``AUTOPAR_LOG`` is set and not 0/false/off."""
+    return os.environ.get("AUTOPAR_LOG", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+_stdout_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def solver_output() -> Iterator[None]:
+    """File descriptor 1 goes to stderr (``AUTOPAR_LOG``) or /dev/null inside the block.
+
+    A file-descriptor redirect, because HiGHS writes from C; C's buffered stdout is flushed before
+    fd 1 is restored, so nothing printed inside leaks out later."""
+    with _stdout_lock:
+        try:
+            sys.stdout.flush()
+            saved = os.dup(1)
+        except (OSError, ValueError, AttributeError):  # no fd 1 (embedded interpreters): nothing to guard
+            yield
+            return
+        target = os.dup(2) if solver_log_enabled() else os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(target, 1)
+            yield
+        finally:
+            _flush_c_stdio()
+            os.dup2(saved, 1)
+            os.close(saved)
+            os.close(target)
+
+
+def _flush_c_stdio() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no libc by that name (Windows): C output is unbuffered there
+        pass
+
+
+class _QuietHiGHS(pulp.HiGHS):
+    def actualSolve(self, lp, **kwargs):
+        with solver_output():
+            return super().actualSolve(lp, **kwargs)
+
+
+class _QuietCBC(pulp.PULP_CBC_CMD):
+    def actualSolve(self, lp, **kwargs):
+        with solver_output():
+            return super().actualSolve(lp, **kwargs)
+
+
 def make(name: str, time_limit_s: float, *, mip: bool = True) -> pulp.LpSolver:
-    """A PuLP solver object for backend ``name`` ("highs" or "cbc") with a time limit."""
+    """A PuLP solver object for backend ``name`` ("highs" or "cbc") with a time limit, whose
+    solves print nothing on stdout (``solver_output``)."""
     if not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    msg = solver_log_enabled()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         if name == "highs":
-            return pulp.HiGHS(
-                mip=mip, msg=False, timeLimit=float(time_limit_s), gapRel=MIP_REL_GAP, gapAbs=0.0, random_seed=1
+            return _QuietHiGHS(
+                mip=mip, msg=msg, timeLimit=float(time_limit_s), gapRel=MIP_REL_GAP, gapAbs=0.0, random_seed=1
             )
         if name == "cbc":
-            return pulp.PULP_CBC_CMD(
-                mip=mip, msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_REL_GAP, gapAbs=0.0,
+            return _QuietCBC(
+                mip=mip, msg=msg, timeLimit=time_limit_s, threads=1, gapRel=MIP_REL_GAP, gapAbs=0.0,
                 options=["randomSeed 1", "randomCbcSeed 1"],
             )
     raise ValueError(f"no backend {name!r}: expected 'highs' or 'cbc'")

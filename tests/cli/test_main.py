@@ -196,7 +196,9 @@ def test_errors_are_one_line(capsys, tmp_path, plans, case):
     assert code in (1, 2), (code, err)
     lines = [line for line in err.splitlines() if line.startswith("autopar: error:")]
     assert len(lines) == 1, err
-    assert err.rstrip().splitlines()[-1] == lines[0]
+    # The error ends stderr: its first line, then (multi-line messages keep their breaks) indented lines.
+    tail = err.rstrip().splitlines()[err.rstrip().splitlines().index(lines[0]):]
+    assert tail[0] == lines[0] and all(line.startswith("  ") for line in tail[1:]), err
     assert "Traceback" not in err and "Traceback" not in out
     if case in ("mesh-2x", "mesh-0x4", "mesh-abc", "bad-budget", "unknown-preset", "no-args",
                 "devices-zero", "mesh-and-devices"):
@@ -207,6 +209,7 @@ def test_errors_are_one_line(capsys, tmp_path, plans, case):
         assert "did you mean 'transformer.h.0.attn.q_proj.weight'" in lines[0]
     if case == "infeasible":
         assert code == 1 and "InfeasibleError" in lines[0]
+        assert len(tail) > 3 and "Largest tensors" in err and "--offload auto" in tail[-1]
 
 
 def test_python_dash_m(plans):
@@ -234,7 +237,10 @@ def test_plan_records_the_model_and_check_rebuilds_it(capsys, plans):
     assert data["ok"] is True and data["world_size"] == 4 and data["mismatches"] == []
     # --model overrides the recorded spec; a different model is refused, saying re-plan.
     code, out, err = _run(capsys, "check", str(plans["gpt2_cpu"]), "--model", "mlp")
-    assert code == 1 and "re-plan" in err and len(err.strip().splitlines()) == 3  # 2 progress lines + error
+    # 2 progress lines, then the error: its first line and the differences, indented under it.
+    lines = err.strip().splitlines()
+    assert code == 1 and "re-plan" in err and lines[2].startswith("autopar: error: PlanError")
+    assert all(line.startswith("  ") for line in lines[3:]) and "parameter 'layers.0.weight' is new" in err
 
 
 def test_explain(capsys, plans):
@@ -290,3 +296,46 @@ def test_two_layer_llama_70b_flow(capsys, tmp_path):
     code, out, err = _run(capsys, "check", str(large), "--rank", "5")
     assert code == 0, err
     assert out.startswith("OK: rank 5 of 8")
+
+
+def test_json_stdout_holds_the_plan_only():
+    """`autopar plan ... --json | python -c 'json.load(sys.stdin)'` works: no solver banner or log on
+    stdout. With --verbose the solver's log goes to stderr, and stdout is still the JSON alone."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("AUTOPAR_LOG", None)
+    command = [sys.executable, "-m", "autopar", "plan", "gpt", "--mesh", "2x2", "--cluster", "cpu", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("{") and result.stdout.rstrip().endswith("}")
+    assert json.loads(result.stdout)["mesh"]["shape"] == [2, 2]
+    assert "HiGHS" not in result.stdout + result.stderr
+    result = subprocess.run(command + ["--verbose"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["mesh"]["shape"] == [2, 2]
+    assert "HiGHS" in result.stderr
+
+
+def test_help_loads_no_torch():
+    """`autopar --help` is fast because it imports no torch (timed in benchmarks/bench_cli_startup.py)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    code = ("import sys, autopar\nfrom autopar.cli import main\n"
+            "try:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'help imported torch'\n"
+            "from autopar import Plan, plan, compile, hand_plan, InfeasibleError, checkpoint, optim\n"
+            "assert autopar.Plan is Plan and autopar.compile is compile and callable(plan)\n"
+            "assert set(autopar.__all__) <= set(dir(autopar))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "MODEL_SPEC" in result.stdout
+
+
+def test_help_names_equal_the_zoo_and_cluster_lists():
+    from autopar.cli import catalog
+    from autopar.cost.cluster import DEFAULT_PRESET, preset_names
+    from autopar.zoo.models import MODEL_NAMES
+    from autopar.zoo.shapes import PRESETS
+
+    assert catalog.MODEL_NAMES == MODEL_NAMES
+    assert catalog.MODEL_PRESETS == tuple(PRESETS)
+    assert catalog.DEFAULT_CLUSTER == DEFAULT_PRESET
+    assert catalog.cluster_presets() == preset_names()

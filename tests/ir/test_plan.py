@@ -146,3 +146,31 @@ def test_graph_hash_ignores_the_device():
         model = build_model("llama", seed=0)
     meta_inputs = tuple(torch.empty_like(t, device="meta") for t in example_batch("llama", 2))
     assert trace(model, meta_inputs).graph_hash == real.graph_hash
+
+
+def test_memory_timeline_round_trips_and_the_schema_checks_it(gpt_plan):
+    from autopar.ir.plan import Plan, validate_plan_json
+
+    timeline = gpt_plan.memory_timeline
+    assert timeline is not None and timeline["peak_at"] == gpt_plan.predicted["peak_memory_at"]
+    assert len(timeline["bytes"]) == len(timeline["times"]) and all(len(r) == len(timeline["kinds"]) for r in timeline["bytes"])
+    again = Plan.from_json(gpt_plan.to_json())
+    assert again.memory_timeline == timeline and again.hash == gpt_plan.hash
+    data = json.loads(gpt_plan.to_json())
+    data["memory_timeline"]["times"] = "not a list"
+    with pytest.raises(PlanError, match="memory_timeline"):
+        validate_plan_json(data)
+
+
+def test_memory_summary_leaves_out_decisions_that_save_nothing():
+    from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry
+
+    memory = MemoryPlan("disk", True, checkpoint=(CheckpointSegment("h.0", "a", "b", 3.4 * 2**20, 1e-3),
+                                                  CheckpointSegment("h.1", "c", "d", 0.0, 1e-3)),
+                        offload=(OffloadEntry("grad", "w", 0.0, 0.0, 0.0),),
+                        peak_before_bytes=2**30, peak_bytes=2**29, added_s=1e-3)
+    lines = memory.summary_lines()
+    assert lines[0].startswith("memory decisions: peak 1.0 GiB -> 512.0 MiB")
+    assert "checkpoint h.0 (a .. b): saves 3.4 MiB" in lines[1]
+    assert not any("saves 0" in line for line in lines)
+    assert lines[-1] == "  (2 more decisions that save nothing at the peak)"

@@ -55,13 +55,41 @@ def test_per_axis_and_timeline_keys_are_used_when_present(sharded_plan):
 
     predicted = {**sharded_plan.predicted, "comm_s_per_axis": [1e-4, 2e-4],
                  "comm_bytes_per_axis": {"0": 4096, "1": 2 * 2**20}, "memory_timeline_bytes": [10, 30, 20]}
-    plan = dataclasses.replace(sharded_plan, predicted=predicted)
+    # Without a recorded timeline (plans made before it was), the predicted keys are used.
+    plan = dataclasses.replace(sharded_plan, predicted=predicted, memory_timeline=None)
     labels = [label for label, _ in time_breakdown(plan)]
     assert "communication axis 0" in labels and "communication axis 1" in labels
     page = render_html(plan)
     assert 'id="memory-timeline"' in page
     assert "<td>axis 1</td><td>2.00 MiB</td>" in page
-    assert 'id="memory-timeline"' not in render_html(sharded_plan)
+    assert 'id="memory-timeline"' not in render_html(dataclasses.replace(sharded_plan, memory_timeline=None))
+
+
+def test_memory_timeline_by_kind_with_the_peak(sharded_plan):
+    timeline = sharded_plan.memory_timeline
+    assert timeline is not None and timeline["times"] == sorted(timeline["times"])
+    assert timeline["peak_time"] in timeline["times"]
+    assert {"param", "grad", "optimizer_state"} <= set(timeline["kinds"])
+    totals = [sum(row) for row in timeline["bytes"]]
+    assert max(totals) == pytest.approx(sharded_plan.predicted["peak_memory_bytes"], rel=1e-6, abs=len(timeline["kinds"]))
+    assert totals[timeline["times"].index(timeline["peak_time"])] == max(totals)
+    assert timeline["peak_at"] == sharded_plan.predicted["peak_memory_at"]
+    page = render_html(sharded_plan)
+    assert 'id="memory-timeline"' in page and 'id="memory-peak"' in page
+    assert page.count('class="memory-kind"') == len(timeline["kinds"])
+    assert ">forward<" in page and ">backward<" in page
+
+
+def test_pipeline_stages_are_drawn(sharded_plan):
+    import dataclasses
+
+    from autopar.ir.pipeline import Stage, StagePlan
+
+    stages = tuple(Stage(i, (i, i + 1), (), (2 * i, 2 * i + 1), 1e-3 * (i + 1), 2**20 * (2 - i)) for i in range(2))
+    pipeline = StagePlan(4, "1F1B", (1, 2), stages, 5e-3, 0.2)  # sharded_plan is on (2, 2)
+    page = render_html(dataclasses.replace(sharded_plan, pipeline=pipeline))
+    assert 'id="pipeline-stages"' in page and page.count('class="stage-bar"') == 4
+    assert "2.00 MiB" in page and "2.0000 ms" in page
 
 
 def _png_size(data: bytes) -> tuple[int, int]:
@@ -91,3 +119,8 @@ def test_chromium_renders_the_layer_names(sharded_plan, tmp_path):
     assert int(drawn.group(1)) == int(drawn.group(2)) == len(rows)
     for row in rows:
         assert row["name"] in dom
+    # The memory timeline: every kind's area has a non-empty box, and the peak line is drawn.
+    memory = re.search(r'data-memory-drawn="(\d+)/(\d+)( peak)?"', dom)
+    assert memory, "the page's script did not measure the memory timeline"
+    assert int(memory.group(1)) == int(memory.group(2)) == len(sharded_plan.memory_timeline["kinds"]) > 0
+    assert memory.group(3) == " peak"

@@ -1,0 +1,39 @@
+"""Terminal output through rich, plain text everywhere else."""
+
+from __future__ import annotations
+
+import io
+
+from autopar.cli.console import Progress, Table, emit, print_error
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_rich_tables_and_styled_errors():
+    table = Table("Operators", ("node", "cost ms"), (("scaled_dot_product_attention_1", "1.5000"),),
+                  right=frozenset({1}))
+    out = _Terminal()
+    emit(["header line", table], out)
+    text = out.getvalue()
+    assert "header line" in text and "Operators" in text and "scaled_dot_product_attention_1" in text
+    err = _Terminal()
+    print_error("autopar: error: InfeasibleError: no sharding fits\n  Raise the budget", err)
+    assert "\x1b[" in err.getvalue() and "no sharding fits" in err.getvalue() and "Raise the budget" in err.getvalue()
+    plain = io.StringIO()
+    print_error("autopar: error: x\n  y", plain)
+    assert plain.getvalue() == "autopar: error: x\n  y\n"
+
+
+def test_progress_is_lines_off_a_terminal_and_a_spinner_on_one():
+    plain = io.StringIO()
+    with Progress("autopar", plain) as progress:
+        progress("tracing ...")
+        progress.line("autopar: solve: Optimal")
+    assert plain.getvalue() == "autopar: tracing ...\nautopar: solve: Optimal\n"
+    terminal = _Terminal()
+    with Progress("autopar", terminal) as progress:
+        progress("tracing ...")
+    assert "autopar: tracing ..." in terminal.getvalue()

@@ -1,0 +1,50 @@
+"""DiskStore leaves nothing behind: its files go on close, on garbage collection and at exit."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from autopar.runtime.store import DiskStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_given_directory_loses_only_the_stores_files(tmp_path):
+    given = tmp_path / "offload"
+    store = DiskStore(given)
+    store.put("param/w", torch.ones(1000))
+    store.flush()
+    assert os.listdir(given)
+    store.close()
+    assert not given.exists()  # the store made it, and it is empty again
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("not the store's")
+    store = DiskStore(tmp_path / "mine")
+    store.put("grad/w", torch.ones(10))
+    store.close()
+    assert os.listdir(tmp_path / "mine") == ["keep.txt"]
+
+
+def test_a_temporary_directory_goes_with_the_store():
+    store = DiskStore()
+    path = store.path
+    store.put("a", torch.ones(10))
+    store.flush()
+    del store
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_nothing_is_left_at_exit_without_close(tmp_path):
+    code = ("import sys, torch\nfrom autopar.runtime.store import DiskStore\n"
+            "store = DiskStore(sys.argv[1]); store.put('a', torch.ones(10)); store.flush()\n"
+            "store.cycle = store  # unreachable only at exit: no __del__ before it\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "offload")], check=True, timeout=300, env=env)
+    assert not (tmp_path / "offload").exists()

@@ -1,0 +1,181 @@
+"""Every error of README's troubleshooting table, raised for real, names its fix.
+
+Single-process: a one-rank gloo group stands in for torchrun where an error needs one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.errors import CollectiveError, InfeasibleError, MeshError, PassError, PlanError, TraceError
+from autopar.passes import check_plan_matches, run_passes
+from autopar.trace import trace
+from autopar.zoo.models import build_model, example_batch
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: not traceable
+            return self.linear(x)
+        return x
+
+
+@pytest.fixture(scope="module")
+def mlp_plan():
+    return autopar.plan(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8), cluster="cpu")
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def compiled_mlp(one_rank_group):
+    return autopar.compile(build_model("mlp"), mesh=(1,), example_inputs=example_batch("mlp", 8))
+
+
+def test_trace_error_names_the_traceable_alternatives():
+    with pytest.raises(TraceError) as info:
+        autopar.plan(_Branchy(), mesh=(2,), example_inputs=(torch.randn(2, 4),), cluster="cpu")
+    message = str(info.value)
+    assert message.startswith("could not trace _Branchy")
+    assert "torch.where" in message and "torch.cond" in message and "shapes or Python values" in message
+
+
+def test_compile_without_a_process_group_names_init_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    with pytest.raises(MeshError) as info:
+        autopar.compile(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8))
+    assert "init_process_group" in str(info.value) and "autopar.plan" in str(info.value)
+
+
+def test_infeasible_names_budget_mesh_and_offload():
+    with pytest.raises(InfeasibleError) as info:
+        autopar.plan(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8), cluster="cpu",
+                     memory_budget=1024)
+    message = str(info.value)
+    assert "Raise the budget" in message and "larger mesh" in message
+    assert 'offload="auto"' in message and "checkpointing=True" in message and "--offload auto" in message
+    assert len(message.splitlines()) > 3  # the largest tensors, one a line
+
+
+def test_different_graph_names_the_reshaped_input(mlp_plan):
+    traced = trace(build_model("mlp"), example_batch("mlp", 4))
+    with pytest.raises(PlanError) as info:
+        check_plan_matches(mlp_plan, traced, (2,))
+    message = str(info.value)
+    assert message.startswith("the plan was made for a different graph")
+    assert "input 'x' has shape (4, 32)" in message and "(8, 32)" in message
+    assert "re-plan" in message
+
+
+def test_different_graph_names_added_removed_and_reshaped_parameters(mlp_plan):
+    traced = trace(build_model("mlp", d_hidden=64, depth=3), example_batch("mlp", 8))
+    with pytest.raises(PlanError) as info:
+        check_plan_matches(mlp_plan, traced, (2,))
+    message = str(info.value)
+    assert "parameter 'layers.0.weight' has shape (64, 32)" in message and "(128, 32)" in message
+    assert "parameter 'layers.2.weight' is new" in message
+    assert "re-plan" in message
+
+
+def test_different_graph_names_the_input_whose_dtype_changed(mlp_plan):
+    x, y = example_batch("mlp", 8)
+    traced = trace(build_model("mlp").double(), (x.double(), y.double()))
+    with pytest.raises(PlanError) as info:
+        check_plan_matches(mlp_plan, traced, (2,))
+    message = str(info.value)
+    assert "input 'x' has dtype torch.float64; the plan was made for torch.float32" in message
+    assert "parameter 'layers.0.weight' has dtype torch.float64" in message and "re-plan" in message
+
+
+def test_plan_from_another_torch_says_replan_with_this_torch(mlp_plan):
+    traced = trace(build_model("mlp"), example_batch("mlp", 8))
+    with pytest.raises(PlanError) as info:
+        check_plan_matches(dataclasses.replace(mlp_plan, torch_version="1.0.0"), traced, (2,))
+    assert "made with torch 1.0.0" in str(info.value) and "re-plan with this torch" in str(info.value)
+
+
+def test_pass_error_asks_for_a_report_with_the_plan(mlp_plan):
+    def broken(gm, plan):
+        raise RuntimeError("boom")
+
+    traced = trace(build_model("mlp"), example_batch("mlp", 8))
+    with pytest.raises(PassError) as info:
+        run_passes(traced.gm, mlp_plan, [broken])
+    message = str(info.value)
+    assert "pass broken failed (passes run before it: none)" in message
+    assert "please report it with the plan JSON" in message
+
+
+def test_mesh_larger_than_the_world_names_the_world_size(one_rank_group):
+    with pytest.raises(MeshError) as info:
+        autopar.compile(build_model("mlp"), mesh=(2, 4), example_inputs=example_batch("mlp", 8))
+    assert "mesh (2, 4) has 8 devices but the world size is 1" in str(info.value)
+    assert "pass a mesh whose sizes multiply to 1" in str(info.value)
+
+
+def test_bfloat16_on_gloo_names_float32(one_rank_group):
+    with pytest.raises(ValueError) as info:
+        autopar.compile(build_model("mlp").bfloat16(), mesh=(1,), example_inputs=example_batch("mlp", 8))
+    assert "gloo backend cannot reduce" in str(info.value)
+    assert "model.float()" in str(info.value) and "NCCL" in str(info.value)
+
+
+def test_other_input_shapes_name_the_planned_shape(compiled_mlp):
+    x, y = example_batch("mlp", 4)
+    with pytest.raises(ValueError) as info:
+        compiled_mlp(x, y)
+    message = str(info.value)
+    assert "input 'x' has shape (4, 32)" in message and "planned for shape (8, 32)" in message
+    assert "compile again" in message
+
+
+def test_missing_argument_is_named_not_a_treespec(compiled_mlp):
+    x, _ = example_batch("mlp", 8)
+    with pytest.raises(ValueError) as info:
+        compiled_mlp(x)
+    message = str(info.value)
+    assert "missing argument 'y'" in message and "TreeSpec" not in message
+    with pytest.raises(ValueError, match="unexpected keyword argument 'z'"):
+        compiled_mlp(*example_batch("mlp", 8), z=1)
+
+
+def test_ranks_with_different_plans_are_told_to_share_one(one_rank_group, mlp_plan, monkeypatch):
+    from autopar import api
+
+    def gather(label, fn, hashes, value):
+        hashes[:] = [value, "0123456789abcdef"]
+
+    monkeypatch.setattr(api.collectives, "call_on_world", gather)
+    with pytest.raises(PlanError) as info:
+        api.check_rank_agreement(mlp_plan)
+    assert "ranks hold different plans" in str(info.value)
+    assert "give every rank the same plan file and model" in str(info.value)
+
+
+def test_collective_error_blames_a_closed_connection_not_a_timeout(one_rank_group):
+    from autopar.ops import collectives
+
+    error = collectives._collective_error(
+        "all-reduce", "no-such-group", RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    message = str(error)
+    assert isinstance(error, CollectiveError)
+    assert "a peer closed its connection" in message and "did not answer within the timeout" not in message
+    assert "restart the job" in message
+    timeout = str(collectives._collective_error("all-reduce", "no-such-group", RuntimeError("Timed out")))
+    assert "did not answer within the timeout" in timeout
