@@ -155,8 +155,9 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
                 raise ValueError(f"forced spec {forced[node.name]} is not a strategy of {node.format_node()}")
             _keep_only(choice, keep)
     edges = _edges(traced.gm, choices, mesh_shape, cluster)
-    _mark_followers(choices, order)
-    templates = repeated_layers(traced.gm, choices, traced) if share_layers else {}
+    layers = _layers(traced.gm, choices, traced) if share_layers else {}
+    _mark_followers(choices, order, _boundary_nodes(layers, choices))
+    templates = repeated_layers(layers, choices)
     ties = _tie_groups(traced, choices)
     if zero_stage:
         _check_zero_layout(choices, zero_stage)
@@ -207,13 +208,9 @@ def layer_key(node: torch.fx.Node, fqn: str | None) -> tuple[str, int] | None:
     return (match.group(1), int(match.group(2))) if match else None
 
 
-def repeated_layers(gm: torch.fx.GraphModule, choices: dict[str, Choice], traced: TracedModel) -> dict[str, str]:
-    """Map each node of a repeated layer to its counterpart in the first layer of the list.
-
-    A layer is tied only if it matches the first one node for node: the same op, the same
-    output shapes, and the same strategies with the same prices. Then choosing the same
-    strategy for every layer is a restriction of the ILP, not an approximation of its costs.
-    """
+def _layers(gm: torch.fx.GraphModule, choices: dict[str, Choice], traced: TracedModel) -> dict[str, list[list[str]]]:
+    """ModuleList path -> the node names of each of its layers, in index order (parameters
+    and ops; ``layer_key`` says which layer a node belongs to)."""
     fqns = {i.name: i.fqn for i in traced.inputs}
     layers: dict[tuple[str, int], list[str]] = {}
     for node in gm.graph.nodes:
@@ -224,15 +221,53 @@ def repeated_layers(gm: torch.fx.GraphModule, choices: dict[str, Choice], traced
         key = layer_key(node, fqns.get(node.name))
         if key is not None:
             layers.setdefault(key, []).append(node.name)
-    by_list: dict[str, list[int]] = {}
-    for prefix, index in layers:
-        by_list.setdefault(prefix, []).append(index)
+    by_list: dict[str, list[list[str]]] = {}
+    for prefix, index in sorted(layers):
+        by_list.setdefault(prefix, []).append(layers[(prefix, index)])
+    return by_list
+
+
+def _boundary_nodes(layers: dict[str, list[list[str]]], choices: dict[str, Choice]) -> set[str]:
+    """Nodes that must not follow their producer, so that their layers can be tied.
+
+    A follower has no variables: its x is its producer's. A layer's first node often reads the
+    previous layer's output, while the first layer's reads something else (the embedding),
+    whose specs differ (on mesh (128, 8) a Hugging Face LLaMA's embedding cannot be (P, P), its
+    residual add can): the follower lists then differ and no layer matched the first. Tying such
+    a follower would also be wrong: its x would be an expression of the *first* layer's
+    producer, and the edge from its real producer would be dropped unpriced. So a position
+    whose one producer is not the same position of the same layer, or one node outside the
+    layers, in every layer is left free: its strategy list is its op's (the same in every
+    layer), and the edge from its producer is a real one, whose y repeated layers share."""
+    boundary: set[str] = set()
+    for lists in layers.values():
+        if len(lists) < 2 or any(len(names) != len(lists[0]) for names in lists):
+            continue
+        positions = [{name: i for i, name in enumerate(names)} for names in lists]
+        for i in range(len(lists[0])):
+            producers = set()
+            for names, position in zip(lists, positions):
+                inputs = choices[names[i]].inputs
+                if len(inputs) != 1:
+                    break
+                producer = inputs[0][0]
+                producers.add(("layer", position[producer]) if producer in position else ("outside", producer))
+            if len(producers) > 1:
+                boundary.update(names[i] for names in lists)
+    return boundary
+
+
+def repeated_layers(layers: dict[str, list[list[str]]], choices: dict[str, Choice]) -> dict[str, str]:
+    """Map each node of a repeated layer to its counterpart in the first layer of its list.
+
+    A layer is tied only if it matches the first one node for node: the same op, the same
+    output shapes, and the same strategies with the same prices. Then choosing the same
+    strategy for every layer is a restriction of the ILP, not an approximation of its costs.
+    """
     templates: dict[str, str] = {}
-    for prefix, indices in by_list.items():
-        indices.sort()
-        first = layers[(prefix, indices[0])]
-        for index in indices[1:]:
-            names = layers[(prefix, index)]
+    for lists in layers.values():
+        first = lists[0]
+        for names in lists[1:]:
             if len(names) == len(first) and all(_same_choice(choices[a], choices[b]) for a, b in zip(names, first)):
                 templates.update(zip(names, first))
     return templates
@@ -500,11 +535,12 @@ def _mutated_inputs(node: torch.fx.Node) -> set[int]:
     return indices
 
 
-def _mark_followers(choices: dict[str, Choice], order: list[str]) -> None:
-    """Mark nodes whose choice is a function of their single producer's choice."""
+def _mark_followers(choices: dict[str, Choice], order: list[str], exclude: set[str] = frozenset()) -> None:
+    """Mark nodes whose choice is a function of their single producer's choice (not those in
+    ``exclude``: ``_boundary_nodes``)."""
     for name in order:
         choice = choices[name]
-        if choice.kind != "op" or len(choice.inputs) != 1:
+        if choice.kind != "op" or len(choice.inputs) != 1 or name in exclude:
             continue
         producer, out_index = choice.inputs[0]
         source_specs = choices[producer].out_specs(out_index)

@@ -30,7 +30,9 @@ Constraints
     uses the x of its counterpart in the first layer, and an edge whose two ends share x with
     an earlier edge's ends (inside a layer, or from one layer into the next) uses that edge's y,
     whose constraints already stand. Costs and memory still count every layer, because the
-    shared variables collect every layer's coefficients.
+    shared variables collect every layer's coefficients. A layer's node that reads another
+    layer's output (or the embedding, in the first) is never a follower
+    (``choices._boundary_nodes``): the edge into it is a real one, shared by the layers.
 
     The two edge families make y the joint distribution of the two endpoint choices, which is
     exact for 0/1 x and gives a tight LP relaxation.

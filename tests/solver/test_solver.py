@@ -167,3 +167,33 @@ def test_repeated_layers_share_one_choice_at_the_same_optimum():
     assert tied.num_variables < untied.num_variables
     _, deeper = solve(6, True)
     assert deeper.num_variables == tied.num_variables, "the problem must not grow with depth"
+
+
+def test_layers_tie_when_the_first_reads_another_producer_than_the_rest():
+    """A Hugging Face LLaMA layer starts with a follower of its input: the embedding for layer 0,
+    the previous layer's residual add for the others. With a vocabulary of 132 on mesh (4, 2)
+    the embedding cannot be (P, P) (132 / 8 is not whole) while the add can, so the followers'
+    lists differed and no layer was tied (54k variables at 2 layers, 103k at 4). Layer
+    boundaries are now real edges: every layer ties, at the untied optimum."""
+    transformers = pytest.importorskip("transformers")
+    from autopar.cost.cluster import get_cluster
+    from autopar.solver.choices import build_choice_graph
+    from autopar.solver.ilp import ShardingILP
+    from autopar.trace import trace
+
+    def graph(num_layers: int, share: bool = True):
+        config = transformers.LlamaConfig(
+            vocab_size=132, hidden_size=32, intermediate_size=128, num_hidden_layers=num_layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
+            attn_implementation="sdpa", bos_token_id=0, eos_token_id=1, pad_token_id=2)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+        traced = trace(model, (), {"input_ids": ids, "labels": ids.clone()})
+        return build_choice_graph(traced, (4, 2), get_cluster("cpu"), share_layers=share)
+
+    two, four = graph(2), graph(4)
+    assert len(four.layer_template) == 3 * len(set(four.layer_template.values())) > 0, "every later layer is tied"
+    assert ShardingILP(two).size()[0] == ShardingILP(four).size()[0], "the ILP must not grow with depth"
+    tied, untied = solve_ilp(ShardingILP(two)), solve_ilp(ShardingILP(graph(2, share=False)))
+    assert tied.objective_s == pytest.approx(untied.objective_s, rel=1e-9)
