@@ -15,6 +15,7 @@ from autopar.solver import backends
 from autopar.solver.backends import SOLVERS, check_solver
 from autopar.solver.choices import ChoiceGraph, build_choice_graph, grad_sync_bytes_per_axis
 from autopar.solver.runner_ups import explain_decisions
+from autopar.solver.budget import MILP_GAP, solve_under_budget
 from autopar.solver.ilp import ShardingILP, Solution
 from autopar.solver.solving import MAX_MEMORY_ROUNDS, chosen_bytes, peak_memory, solve_ilp, solve_within_budget
 from autopar.ir.spec import Spec, format_spec
@@ -55,13 +56,13 @@ def solve(
     graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage)
     log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
              time.perf_counter() - start)
-    ilp = ShardingILP(graph, memory_budget)
     log.info("autopar: solving the ILP ...")
-    solution, fits = solve_within_budget(ilp, graph, memory_budget, time_limit_s, solver)
-    if not fits:
-        log.warning("autopar: after %d memory rounds the plan still peaks at %.0f bytes, over memory_budget=%.0f; "
-                    "its predicted peak is in plan.predicted", MAX_MEMORY_ROUNDS, peak_memory(graph, solution)[0],
-                    memory_budget)
+    deadline = time.perf_counter() + time_limit_s
+    ilp = ShardingILP(graph, None)
+    solution = unbounded = solve_ilp(ilp, time_limit_s, solver)
+    visited: list[dict[str, int]] = []  # the Lagrangian plans on the way to the budget
+    if memory_budget is not None and solution.choice and peak_memory(graph, solution)[0] > memory_budget * (1 + 1e-9):
+        solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
         if forced:
@@ -79,10 +80,78 @@ def solve(
     plan = plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
     if memory_budget is not None and (checkpointing or offload) and plan.predicted["peak_memory_bytes"] > memory_budget:
         plan = _with_memory_decisions(plan, traced, graph, solution, cluster, memory_budget, offload, checkpointing, prefetch)
+    if solution is not unbounded and unbounded.choice and (checkpointing or offload):
+        # A faster sharding with checkpointing (or offload) may beat the leaner one that fits
+        # alone: try the fastest and the Lagrangian plans on the way to the budget.
+        for choice in _spread([unbounded.choice] + visited, _MAX_MEMORY_CANDIDATES):
+            if choice == solution.choice:
+                continue
+            other_solution = _fixed_solution(ilp, choice, unbounded)
+            if other_solution.objective_s >= plan.predicted["step_time_s"]:
+                continue  # checkpointing and offload only add time
+            try:
+                other = _with_memory_decisions(
+                    plan_from_solution(traced, graph, other_solution, cluster.name, memory_budget),
+                    traced, graph, other_solution, cluster, memory_budget, offload, checkpointing, prefetch)
+            except InfeasibleError:
+                continue
+            if other.predicted["step_time_s"] < plan.predicted["step_time_s"]:
+                plan, solution = other, other_solution
     start = time.perf_counter()
     decisions = explain_decisions(graph, solution, cluster, memory_budget)
     log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
     return dataclasses.replace(plan, decisions=decisions)
+
+
+# Shardings that ``solve`` tries with checkpointing or offload under a binding budget.
+_MAX_MEMORY_CANDIDATES = 6
+
+
+def _spread(items: list, count: int) -> list:
+    """At most ``count`` of ``items``, evenly spread, the first and last kept."""
+    if len(items) <= count:
+        return items
+    step = (len(items) - 1) / (count - 1)
+    return [items[round(i * step)] for i in range(count)]
+
+
+def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) -> Solution:
+    """A Solution of ``choice`` (which need not fit the budget), for ``plan_from_solution``."""
+    edge_specs = {}
+    for e, edge in enumerate(ilp.graph.edges):
+        producer = ilp.graph.choices[edge.producer].strategies[choice[edge.producer]]
+        consumer = ilp.graph.choices[edge.consumer].strategies[choice[edge.consumer]]
+        edge_specs[e] = (producer.outs[edge.out_index], consumer.ins[edge.in_index])
+    objective = sum(ilp.graph.choices[n].compute_s[s] for n, s in choice.items()) + sum(
+        ilp.graph.edges[e].price[pair][0] for e, pair in edge_specs.items() if pair[0] != pair[1])
+    return dataclasses.replace(like, choice=choice, edge_specs=edge_specs, objective_s=objective,
+                               status="Feasible (with memory decisions)", method="lagrangian", gap=None, bound_s=None)
+
+
+def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution, deadline: float,
+                    solver: str, visited: list[dict[str, int]]) -> Solution:
+    """The fastest plan does not fit: the Lagrangian fast path (``solver.budget``); the MILP
+    with its memory cutting-plane loop only for ``solver="highs"`` or ``"cbc"``, or while a gap
+    above ``budget.MILP_GAP`` remains (the better of the two is kept)."""
+    ilp.memory_budget_bytes = memory_budget
+    ilp.add_memory_constraint()
+    fast = None
+    if solver == "auto":
+        fast = solve_under_budget(ilp, max(deadline - time.perf_counter(), 1.0), unbounded, visited)
+        if fast.choice and (fast.gap or 0.0) <= MILP_GAP or fast.status == "Infeasible":
+            return fast  # close enough; or even the LP relaxation does not fit: neither will the MILP
+    left = deadline - time.perf_counter()
+    if fast is not None and fast.choice and left < 1.0:
+        return fast
+    exact, fits = solve_within_budget(ilp, ilp.graph, memory_budget, max(left, 1.0),
+                                      backends.mip_backend(solver))
+    if not fits:
+        log.warning("autopar: after %d memory rounds the plan still peaks at %.0f bytes, over memory_budget=%.0f",
+                    MAX_MEMORY_ROUNDS, peak_memory(ilp.graph, exact)[0], memory_budget)
+        exact = dataclasses.replace(exact, choice={}, status="Infeasible (memory rounds)")
+    if fast is not None and fast.choice and (not exact.choice or fast.objective_s <= exact.objective_s):
+        return fast
+    return exact
 
 
 def _leanest(graph: ChoiceGraph, time_limit_s: float, solver: str) -> Solution:

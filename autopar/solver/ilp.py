@@ -67,6 +67,11 @@ from autopar.solver.choices import ChoiceGraph
 from autopar.ir.spec import Spec, format_spec
 
 
+# Memory rows are written in GiB: in bytes their coefficients (up to 1e10) next to the 0/1
+# variables made HiGHS call a feasible peak-minimisation infeasible.
+MEMORY_UNIT = 2**30
+
+
 @dataclass(frozen=True, slots=True)
 class Solution:
     choice: dict[str, int]  # node name → strategy index
@@ -191,7 +196,8 @@ class ShardingILP:
         """memory[t] <= B at one more time t (the solve adds the times a solution overshoots)."""
         if time not in self.memory_times:
             self.memory_times.add(time)
-            self.problem += self.memory_expression(time) <= self.memory_budget_bytes, self.memory_constraint_name(time)
+            self.problem += (self.memory_expression(time) <= self.memory_budget_bytes / MEMORY_UNIT,
+                             self.memory_constraint_name(time))
 
     def memory_constraint_name(self, time: int) -> str:
         num = len(self.graph.order)
@@ -199,15 +205,15 @@ class ShardingILP:
         return f"memory__{'fwd' if time < num else 'bwd'}__{node_id}"
 
     def memory_expression(self, time: int) -> pulp.LpAffineExpression:
-        """Bytes alive per device at timeline time ``time``: Σ factor · m[n, s] · x[n, s] over the
-        liveness intervals alive then."""
+        """Memory alive per device at timeline time ``time``, in ``MEMORY_UNIT`` bytes:
+        Σ factor · m[n, s] · x[n, s] over the liveness intervals alive then."""
         factors: dict[str, float] = {}
         for interval in self.graph.timeline.alive_at(time):
             factors[interval.node] = factors.get(interval.node, 0.0) + interval.factor
         terms = []
         for name, factor in factors.items():
             choice = self.graph.choices[name]
-            terms.extend(factor * m * x for m, x in zip(choice.memory_bytes, self.x[name]) if m)
+            terms.extend(factor * m / MEMORY_UNIT * x for m, x in zip(choice.memory_bytes, self.x[name]) if m)
         return pulp.lpSum(terms)
 
     def minimize_peak_memory(self, times: list[int]) -> None:

@@ -45,7 +45,7 @@ import numpy as np
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.solver.choices import ChoiceGraph, Choice, build_choice_graph, grad_sync_axes, layer_key
-from autopar.solver.ilp import ShardingILP, Solution, weighted_sum
+from autopar.solver.ilp import MEMORY_UNIT, ShardingILP, Solution, weighted_sum
 from autopar.solver.solving import peak_memory, solve_ilp, solve_within_budget
 from autopar.trace import TracedModel
 from autopar.rules import op_info
@@ -333,7 +333,7 @@ def _set_budget(ilp: ShardingILP, budget: float) -> None:
     with warnings.catch_warnings():  # PuLP 3 deprecates the mapping that PuLP 2 offers alone
         warnings.simplefilter("ignore", DeprecationWarning)
         for time_ in ilp.memory_times:
-            ilp.problem.constraints[ilp.memory_constraint_name(time_)].changeRHS(budget)
+            ilp.problem.constraints[ilp.memory_constraint_name(time_)].changeRHS(budget / MEMORY_UNIT)
 
 
 # -- per-unit prices ---------------------------------------------------------------------------

@@ -94,3 +94,31 @@ def test_unknown_solver_is_refused(graphs):
     with pytest.raises(ValueError, match="unknown solver 'gurobi'"):
         solve_ilp(ShardingILP(graphs[True]), 10, "gurobi")
 
+
+
+def test_budget_fast_path_fits_and_reports_its_gap_to_the_milp(graphs):
+    """Under a binding budget the Lagrangian fast path (``solver.budget``) returns a plan that fits,
+    no faster than the MILP's optimum, within the gap it reports to its bound."""
+    from autopar.solver.budget import solve_under_budget
+    from autopar.solver.solving import peak_memory
+
+    graph = graphs[True]
+    unbounded = solve_ilp(ShardingILP(graph), 60)
+    lean = graph.timeline.peak(lambda n: min(graph.choices[n].memory_bytes, default=0.0))[0]
+    budget = lean + 0.3 * (peak_memory(graph, unbounded)[0] - lean)
+    fast_ilp = ShardingILP(graph, budget)
+    fast = solve_under_budget(fast_ilp, 60, unbounded)
+    exact, fits = solving.solve_within_budget(ShardingILP(graph, budget), graph, budget, 120, "highs")
+    assert fast.choice and fits and exact.choice
+    assert peak_memory(graph, fast)[0] <= budget * (1 + 1e-9) < peak_memory(graph, unbounded)[0]
+    assert fast.method in ("lagrangian", "lp-rounding") and fast.gap is not None
+    assert exact.objective_s <= fast.objective_s * (1 + 1e-9)
+    assert fast.bound_s <= exact.objective_s * (1 + 1e-6), "the reported bound is a lower bound"
+
+
+def test_the_leanest_sharding_is_found_by_highs(graphs):
+    """Memory rows are in GiB: in bytes, HiGHS called the leanest sharding of HF LLaMA-3-8B infeasible."""
+    from autopar.solver import _leanest
+
+    leanest = _leanest(graphs[True], 60, "highs")
+    assert leanest.choice and leanest.status == "Optimal"
