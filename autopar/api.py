@@ -16,7 +16,7 @@ import torch.distributed as dist
 from autopar.runtime import checkpoint
 
 from autopar.ops import collectives
-from autopar.cost.cluster import ClusterSpec, get_cluster
+from autopar.cost.cluster import ClusterSpec, get_cluster, local_cluster, resolve_budget
 from autopar.errors import AutoparError, MeshError, PlanError
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
 from autopar.solver.hand_plans import resolve_kind, solve_hand_plan
@@ -71,8 +71,11 @@ def plan(
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
-    ``memory_budget`` is in bytes per device. ``cluster`` is a preset name ("h100-80g",
-    "a100-40g", "v100-16g", "cpu"), a ClusterSpec, or a JSON/TOML file.
+    ``memory_budget`` is in bytes per device; None (the default) is the cluster's device memory
+    less a reserve for workspace, communication buffers and fragmentation (10%, at least 1 GiB:
+    ``ClusterSpec.default_memory_budget``), and ``float("inf")`` plans without a budget.
+    ``cluster`` is a preset name ("h100-80g", the default here, "a100-40g", "v100-16g", "cpu"),
+    a ClusterSpec, or a JSON/TOML file; ``compile`` prices the machine it runs on instead.
 
     ``mesh="auto"`` with ``devices=N`` plans on every factorization of N into 1..``max_axes``
     axes (``autopar.solver.mesh_search``) from one trace and returns the fastest plan; the table of all
@@ -182,7 +185,8 @@ def _plan_stages(traced: TracedModel, mesh_shape: tuple[int, ...] | None, device
     from autopar.solver.stages import plan_stages  # the stage planner loads only for pipelines (start-up speed)
 
     return plan_stages(traced, mesh_shape, cluster, num_stages=options.pipeline.stages,
-                       num_microbatches=options.pipeline.microbatches, memory_budget=options.memory.budget,
+                       num_microbatches=options.pipeline.microbatches,
+                       memory_budget=resolve_budget(options.memory.budget, cluster),
                        time_limit_s=options.solve.time_limit_s, devices=devices,
                        max_axes=min(options.max_axes, 2), solver=options.solve.solver)
 
@@ -196,11 +200,13 @@ def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: Clust
     """Plan an already traced model on one mesh (``autopar.plan`` without the tracing)."""
     memory = options.memory
     target, _ = memory.offload_target(has_host=cluster.host_link is not None)
-    checkpointing = target is not None if memory.checkpointing is None else memory.checkpointing
-    budget = f", memory budget {format_bytes(memory.budget)}" if memory.budget else ""
+    # Checkpointing moves no data off the device: allowed by default, used only where the budget binds.
+    checkpointing = True if memory.checkpointing is None else memory.checkpointing
+    memory_budget = resolve_budget(memory.budget, cluster)
+    budget = f", memory budget {format_bytes(memory_budget)}" if memory_budget else ", no memory budget"
     log.info("planning on mesh %s for cluster %s%s ...", tuple(mesh_shape), cluster.name, budget)
     start = time.perf_counter()
-    result = solve(traced, mesh_shape, cluster, memory_budget=memory.budget, time_limit_s=options.solve.time_limit_s,
+    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=options.solve.time_limit_s,
                    solver=options.solve.solver, offload=target, checkpointing=checkpointing, prefetch=memory.prefetch)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     return result
@@ -224,7 +230,8 @@ def hand_plan(
     mesh_shape = tuple(int(n) for n in mesh)
     resolve_kind(kind)
     traced = trace(model, example_inputs, example_kwargs)
-    return solve_hand_plan(kind, traced, mesh_shape, get_cluster(cluster), memory_budget)
+    cluster_spec = get_cluster(cluster)
+    return solve_hand_plan(kind, traced, mesh_shape, cluster_spec, resolve_budget(memory_budget, cluster_spec))
 
 
 def compile(
@@ -288,6 +295,8 @@ def compile(
     if init is not None and not isinstance(init, (SeededInit, FromCheckpoint)):
         raise TypeError(f"init must be None, autopar.SeededInit(...) or autopar.FromCheckpoint(path), got {init!r}")
     collectives.register_peer()  # lets a failed collective name a dead rank
+    if cluster is None:  # price the machine this runs on (its CUDA device's preset, or "cpu")
+        cluster = local_cluster()
     options = PlanOptions.from_keywords(
         memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline, num_microbatches=num_microbatches,
         offload=offload, checkpointing=checkpointing, prefetch=prefetch,

@@ -25,6 +25,7 @@ host memory saves nothing, and ``offload="auto"`` means disk.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -38,6 +39,11 @@ import torch
 PRESETS_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "h100-80g"
 COMPUTE_MODES = ("roofline", "measured")
+# The default memory budget is the device's memory less this reserve (``ClusterSpec.memory_reserve_bytes``).
+MEMORY_RESERVE_FRACTION = 0.10
+MEMORY_RESERVE_MIN_BYTES = 2**30
+# CUDA device names (``torch.cuda.get_device_name``) -> the preset that prices them, by substring.
+_DEVICE_PRESETS = (("H100", "h100-80g"), ("H200", "h100-80g"), ("A100", "a100-40g"), ("V100", "v100-16g"))
 
 
 def _positive_number(owner: str, name: str, value: Any) -> None:
@@ -149,6 +155,20 @@ class ClusterSpec:
     @property
     def num_devices(self) -> int:
         return self.devices_per_node * self.num_nodes
+
+    @property
+    def memory_reserve_bytes(self) -> int:
+        """Device memory a plan leaves free: ``MEMORY_RESERVE_FRACTION`` of it, at least
+        ``MEMORY_RESERVE_MIN_BYTES`` (and at most half, for toy clusters). It covers what the liveness walk does not model: the CUDA
+        context, NCCL's buffers, kernel workspace (cuBLAS, attention) and the caching
+        allocator's fragmentation."""
+        return min(self.memory_bytes // 2,
+                   max(MEMORY_RESERVE_MIN_BYTES, int(self.memory_bytes * MEMORY_RESERVE_FRACTION)))
+
+    @property
+    def default_memory_budget(self) -> int:
+        """Bytes per device a plan may use when no ``memory_budget`` is given."""
+        return self.memory_bytes - self.memory_reserve_bytes
 
     def peak_flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s in ``dtype``, or the float32 peak where the dtype is not listed."""
@@ -281,4 +301,35 @@ def get_cluster(spec: str | ClusterSpec | os.PathLike | None = None) -> ClusterS
     )
 
 
-__all__ = ["LinkSpec", "ClusterSpec", "get_cluster", "preset_names", "PRESETS_DIR", "DEFAULT_PRESET"]
+def resolve_budget(memory_budget: float | None, cluster: ClusterSpec) -> float | None:
+    """Bytes per device a plan may use: None means the cluster's device memory less its reserve
+    (``ClusterSpec.default_memory_budget``), ``float("inf")`` no budget (returned as None)."""
+    if memory_budget is None:
+        return float(cluster.default_memory_budget)
+    if memory_budget == float("inf"):
+        return None
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget > 0:
+        raise ValueError(f"memory_budget is bytes per device and must be positive (or float('inf') for none), "
+                         f"got {memory_budget!r}")
+    return float(memory_budget)
+
+
+def local_cluster() -> ClusterSpec:
+    """The spec of the machine this runs on: the preset of its CUDA device (by name; the
+    device's own memory when it differs from the preset's), or "cpu" without one."""
+    if not torch.cuda.is_available():
+        return get_cluster("cpu")
+    name = torch.cuda.get_device_name()
+    for needle, preset in _DEVICE_PRESETS:
+        if needle in name:
+            spec = get_cluster(preset)
+            memory = torch.cuda.get_device_properties(0).total_memory
+            if memory != spec.memory_bytes:
+                spec = dataclasses.replace(spec, memory_bytes=memory, name=f"{spec.name} ({name})")
+            return spec
+    raise ValueError(f"no cluster preset prices the CUDA device {name!r}: pass cluster= a preset "
+                     f"({', '.join(preset_names())}), a ClusterSpec, or a file from `autopar profile`")
+
+
+__all__ = ["LinkSpec", "ClusterSpec", "get_cluster", "local_cluster", "resolve_budget", "preset_names", "PRESETS_DIR",
+           "DEFAULT_PRESET", "MEMORY_RESERVE_FRACTION", "MEMORY_RESERVE_MIN_BYTES"]

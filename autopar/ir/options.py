@@ -38,12 +38,14 @@ class SolveOptions:
 
 @dataclass(frozen=True, slots=True)
 class MemoryOptions:
-    """What the plan may do to fit ``budget`` bytes per device (None: no budget).
+    """What the plan may do to fit ``budget`` bytes per device. None (the default) is the
+    cluster's device memory less its reserve (``cost.cluster.ClusterSpec.default_memory_budget``);
+    ``float("inf")`` plans without a budget.
 
     ``offload`` is "off" (sharding only), "cpu" (pinned host memory), "disk" or "disk:PATH", or
-    "auto" (host memory, or disk where the compute device is the host). ``checkpointing``
-    defaults to on when ``offload`` is not "off". ``prefetch`` fetches each offloaded tensor one
-    use ahead."""
+    "auto" (host memory, or disk where the compute device is the host). ``checkpointing`` None
+    (the default) allows activation checkpointing where the budget binds (it moves no data off
+    the device); False forbids it. ``prefetch`` fetches each offloaded tensor one use ahead."""
 
     budget: float | None = None
     offload: str = "off"
@@ -74,7 +76,8 @@ class MemoryOptions:
 
     @property
     def decides_memory(self) -> bool:
-        """Whether the plan may add checkpointing or offload."""
+        """Whether checkpointing or offload was asked for explicitly (the mesh search and the
+        stage planner refuse them; by default they plan sharding alone)."""
         return self.offload != "off" or bool(self.checkpointing)
 
 

@@ -489,3 +489,31 @@ def test_vocab_parallel_cross_entropy_prices_its_own_all_reduces() -> None:
     replicated = next(i for i, s in enumerate(choice.strategies) if s.kernel is None and s.ins[0] == (R,))
     assert choice.compute_s[index] >= 3 * all_reduce_s(4 * rows, 0, (2,), cluster)
     assert choice.compute_s[index] - 3 * all_reduce_s(4 * rows, 0, (2,), cluster) < choice.compute_s[replicated]
+
+
+def test_default_budget_is_the_device_memory_less_a_reserve():
+    from autopar.cost.cluster import resolve_budget
+
+    spec = get_cluster("h100-80g")
+    assert spec.memory_reserve_bytes == int(0.1 * spec.memory_bytes)
+    assert spec.default_memory_budget == spec.memory_bytes - spec.memory_reserve_bytes
+    assert resolve_budget(None, spec) == spec.default_memory_budget
+    assert resolve_budget(float("inf"), spec) is None
+    assert resolve_budget(2e9, spec) == 2e9
+    with pytest.raises(ValueError, match="positive"):
+        resolve_budget(0, spec)
+
+
+def test_local_cluster_prices_this_machine(monkeypatch):
+    from autopar.cost.cluster import local_cluster
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert local_cluster().name == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 85_000_000_000})())
+    spec = local_cluster()
+    assert spec.name.startswith("h100-80g") and spec.memory_bytes == 85_000_000_000
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some Accelerator")
+    with pytest.raises(ValueError, match="no cluster preset prices the CUDA device 'Some Accelerator'"):
+        local_cluster()

@@ -197,3 +197,22 @@ def test_layers_tie_when_the_first_reads_another_producer_than_the_rest():
     assert ShardingILP(two).size()[0] == ShardingILP(four).size()[0], "the ILP must not grow with depth"
     tied, untied = solve_ilp(ShardingILP(two)), solve_ilp(ShardingILP(graph(2, share=False)))
     assert tied.objective_s == pytest.approx(untied.objective_s, rel=1e-9)
+
+
+def test_the_device_memory_is_the_default_budget():
+    """memory_budget=None plans within the cluster's memory less its reserve; inf plans without."""
+    import dataclasses
+
+    from autopar.cost.cluster import get_cluster
+    from autopar.zoo.models import GPT, example_batch
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    batch = example_batch("gpt", 8, seed=1)
+    free = autopar.plan(model, (2, 2), example_inputs=batch, cluster="cpu", memory_budget=float("inf"))
+    assert free.solver["memory_budget_bytes"] is None
+    peak = free.predicted["peak_memory_bytes"]
+    small = dataclasses.replace(get_cluster("cpu"), memory_bytes=int(peak / 0.9 * 0.8), name="small")
+    plan = autopar.plan(model, (2, 2), example_inputs=batch, cluster=small)
+    assert plan.solver["memory_budget_bytes"] == small.default_memory_budget < peak
+    assert plan.predicted["peak_memory_bytes"] <= small.default_memory_budget
