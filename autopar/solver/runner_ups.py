@@ -40,15 +40,23 @@ def explain_decisions(
         edges_of.setdefault(edge.producer, []).append(e)
         edges_of.setdefault(edge.consumer, []).append(e)
     decisions = {}
+    position = {name: i for i, name in enumerate(graph.order)}
+    by_input: dict[int, dict] = {}  # follower strategy lists, alive for this call
+    followers: dict[str, list[str]] = {}
+    for name in graph.order:
+        follower_of = graph.choices[name].follower_of
+        if follower_of is not None:
+            followers.setdefault(follower_of, []).append(name)
     for rep, base in _decision_bases(graph).items():
         choice = graph.choices[rep]
         if len(choice.strategies) < 2:
             continue
-        members = _members(graph, base)
+        members = _members(base, followers)
+        ordered = sorted(members, key=position.__getitem__)
         touching = sorted({e for name in members for e in edges_of.get(name, ())})
         priced = []
         for s in range(len(choice.strategies)):
-            assignment = _assignment(graph, solution, base, members, s)
+            assignment = _assignment(graph, solution, base, ordered, s, by_input)
             cost = _price(graph, solution, assignment, members, touching)
             if cost is not None:
                 priced.append((s, assignment, cost))
@@ -57,8 +65,8 @@ def explain_decisions(
         kept = ranked[: top_k + 1]
         candidates = [_candidate(graph, cluster, rep, s, assignment, cost, s == chosen) for s, assignment, cost in kept]
         decisions[rep] = {
-            "members": [name for name in graph.order if name in members],
-            "fqns": [graph.choices[n].fqn for n in graph.order if n in members and graph.choices[n].fqn],
+            "members": ordered,
+            "fqns": [graph.choices[n].fqn for n in ordered if graph.choices[n].fqn],
             "num_strategies": len(choice.strategies),
             "num_impossible": len(choice.strategies) - len(priced),
             "binding": _binding(ranked, chosen, memory_budget, solution.status),
@@ -82,21 +90,22 @@ def _decision_bases(graph: ChoiceGraph) -> dict[str, set[str]]:
     return bases
 
 
-def _members(graph: ChoiceGraph, base: set[str]) -> set[str]:
-    members = set(base)
-    for name in graph.order:  # producers come before consumers, so one pass suffices
-        follower_of = graph.choices[name].follower_of
-        if follower_of is not None and follower_of in members:
-            members.add(name)
+def _members(base: set[str], followers: dict[str, list[str]]) -> set[str]:
+    """The base nodes and, transitively, their followers."""
+    members, stack = set(base), list(base)
+    while stack:
+        for follower in followers.get(stack.pop(), ()):
+            if follower not in members:
+                members.add(follower)
+                stack.append(follower)
     return members
 
 
-def _assignment(graph: ChoiceGraph, solution: Solution, base: set[str], members: set[str], s: int) -> dict[str, int]:
-    """Strategy index of every member when the decision takes strategy ``s``."""
+def _assignment(graph: ChoiceGraph, solution: Solution, base: set[str], ordered: list[str], s: int,
+                by_input: dict[int, dict]) -> dict[str, int]:
+    """Strategy index of every member (``ordered``: in graph order) when the decision takes strategy ``s``."""
     assignment: dict[str, int] = {}
-    for name in graph.order:
-        if name not in members:
-            continue
+    for name in ordered:
         choice = graph.choices[name]
         if name in base:
             assignment[name] = s
@@ -104,8 +113,19 @@ def _assignment(graph: ChoiceGraph, solution: Solution, base: set[str], members:
         producer, out_index = choice.inputs[0]
         producer_choice = graph.choices[producer]
         spec = producer_choice.strategies[assignment.get(producer, solution.choice[producer])].outs[out_index]
-        assignment[name] = next(i for i, st in enumerate(choice.strategies) if st.ins[0] == spec)
+        assignment[name] = _index_by_input(choice.strategies, by_input)[spec]
     return assignment
+
+
+def _index_by_input(strategies: list, cache: dict[int, dict]) -> dict:
+    """First strategy index per input spec of a follower's strategy list (identical ops share
+    one list, so this is computed once per distinct list while ``cache`` lives)."""
+    index = cache.get(id(strategies))
+    if index is None:
+        index = cache[id(strategies)] = {}
+        for i, strategy in enumerate(strategies):
+            index.setdefault(strategy.ins[0], i)
+    return index
 
 
 def _price(graph: ChoiceGraph, solution: Solution, assignment: dict[str, int], members: set[str],

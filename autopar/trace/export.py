@@ -80,7 +80,7 @@ def trace(
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     try:
-        with _no_stack_traces(), _fake_if_meta(model, (example_inputs, example_kwargs or {})):
+        with _no_stack_traces(), _lazy_recompile(), _fake_if_meta(model, (example_inputs, example_kwargs or {})):
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error
@@ -125,6 +125,17 @@ def _fake_if_meta(model: torch.nn.Module, inputs: Any) -> contextlib.AbstractCon
     if tensors and not real:
         return contextlib.nullcontext()
     return fake_tensors(model, real[0] if real else "cpu")
+
+
+def _lazy_recompile() -> contextlib.AbstractContextManager:
+    """Export's passes regenerate the whole graph's Python code some thirty times on a Hugging
+    Face decoder (each split and inline of a no-grad or autocast region); lazily, it is generated
+    when first needed. The same graph; a fifth less export time on an 80-layer LLaMA."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # older torch: recompile eagerly
+        return contextlib.nullcontext()
+    return _use_lazy_graph_module(True)
 
 
 @contextlib.contextmanager
