@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from autopar import checkpoint, optim
     from autopar.api import compile, hand_plan, plan
     from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
+    from autopar.ir.options import MixedPrecision
     from autopar.ir.plan import Plan
     from autopar.runtime.materialize import FromCheckpoint, SeededInit
     from autopar.runtime.module import ParallelModule
@@ -30,6 +31,7 @@ _EXPORTS = {
     "compile": "autopar.api",
     "hand_plan": "autopar.api",
     "Plan": "autopar.ir.plan",
+    "MixedPrecision": "autopar.ir.options",
     "SeededInit": "autopar.runtime.materialize",
     "FromCheckpoint": "autopar.runtime.materialize",
     "ParallelModule": "autopar.runtime.module",
@@ -48,6 +50,7 @@ __all__ = [
     "compile",
     "hand_plan",
     "Plan",
+    "MixedPrecision",
     "SeededInit",
     "FromCheckpoint",
     "ParallelModule",

@@ -22,7 +22,9 @@ from autopar.runtime.materialize import FromCheckpoint, SeededInit, empty_shards
 from autopar.solver.hand_plans import resolve_kind, solve_hand_plan
 from autopar.solver.mesh_search import search_mesh
 from autopar.passes import check_plan_matches, default_passes, run_passes
-from autopar.ir.options import MemoryOptions, PipelineOptions, PlanOptions, check_mesh_devices
+from autopar.ir.options import (
+    MemoryOptions, MixedPrecision, PipelineOptions, PlanOptions, check_mesh_devices, precision_policy,
+)
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.ir.summary import format_bytes
 from autopar.ir.plan import Plan
@@ -68,6 +70,7 @@ def plan(
     offload: str = "off",
     checkpointing: bool | None = None,
     prefetch: bool = True,
+    precision: str | MixedPrecision | None = None,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
@@ -105,13 +108,18 @@ def plan(
     ``plan.memory``. ``offload`` is "off" (the default: sharding only), "cpu" (pinned host
     memory), "disk" or "disk:PATH" (files on local disk; the path is used at compile), or
     "auto" (host memory, or disk where the compute device is the host). ``checkpointing``
-    defaults to on when ``offload`` is not "off". ``prefetch`` fetches each offloaded tensor
-    one use ahead.
+    None (the default) allows activation checkpointing where the budget binds; False forbids
+    it. ``prefetch`` fetches each offloaded tensor one use ahead.
+
+    ``precision`` is "32-true" (the default: the model's own dtypes, as before), "bf16-mixed"
+    (bf16 compute and activations; fp32 master weights, gradients, reductions and AdamW state),
+    "bf16-true" (everything bf16), or an ``autopar.MixedPrecision``. The plan is priced for it
+    (FLOP/s and bytes per dtype) and records it.
     """
     options = PlanOptions.from_keywords(
         memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver, pipeline=pipeline,
         num_microbatches=num_microbatches, offload=offload, checkpointing=checkpointing, prefetch=prefetch,
-        devices=devices, max_axes=max_axes, symbolic_batch=symbolic_batch, compute=compute,
+        devices=devices, max_axes=max_axes, symbolic_batch=symbolic_batch, compute=compute, precision=precision,
     )
     return plan_model(model, mesh, example_inputs, example_kwargs, get_cluster(cluster), options)
 
@@ -135,15 +143,16 @@ def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_
             raise MeshError(f"offload={options.memory.offload!r}, checkpointing={options.memory.checkpointing!r} "
                             "with mesh='auto': the mesh search plans sharding only; pass a mesh such as (2, 4) to "
                             "plan checkpointing and offload")
-        traced = _trace(model, example_inputs, example_kwargs)
+        traced = _trace(model, example_inputs, example_kwargs, options.precision)
         return search_mesh(traced, options.devices, cluster, options, plan_traced, on_progress=on_progress)
     mesh_shape = _mesh_shape(mesh)
     check_mesh_devices(mesh_shape, options.devices)
-    traced = _trace(model, example_inputs, example_kwargs)
+    traced = _trace(model, example_inputs, example_kwargs, options.precision)
     result = plan_traced(traced, mesh_shape, cluster, options)
     if options.symbolic_batch:
         batch = symbolic.batch_size((example_inputs, example_kwargs))
-        doubled = trace(model, symbolic.double_batch(example_inputs), symbolic.double_batch(example_kwargs))
+        doubled = trace(model, symbolic.double_batch(example_inputs), symbolic.double_batch(example_kwargs),
+                        options.precision)
         costs = symbolic.symbolic_costs(
             symbolic.price_plan(traced, result, cluster), symbolic.price_plan(doubled, result, cluster), batch
         )
@@ -151,10 +160,10 @@ def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_
     return result
 
 
-def _trace(model: torch.nn.Module, example_inputs, example_kwargs) -> TracedModel:
+def _trace(model: torch.nn.Module, example_inputs, example_kwargs, precision: MixedPrecision | None = None) -> TracedModel:
     start = time.perf_counter()
     log.info("tracing ...")
-    traced = trace(model, example_inputs, example_kwargs)
+    traced = trace(model, example_inputs, example_kwargs, precision)
     log.info("traced %d graph nodes in %.2f s", len(traced.gm.graph.nodes), time.perf_counter() - start)
     return traced
 
@@ -176,7 +185,7 @@ def _plan_pipeline(model, mesh, example_inputs, example_kwargs, cluster: Cluster
         devices = None
     inputs, kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.microbatches)
     log.info("tracing one microbatch of %d ...", options.pipeline.microbatches)
-    return _plan_stages(_trace(model, inputs, kwargs), mesh_shape, devices, cluster, options)
+    return _plan_stages(_trace(model, inputs, kwargs, options.precision), mesh_shape, devices, cluster, options)
 
 
 def _plan_stages(traced: TracedModel, mesh_shape: tuple[int, ...] | None, devices: int | None, cluster: ClusterSpec,
@@ -207,7 +216,8 @@ def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: Clust
     log.info("planning on mesh %s for cluster %s%s ...", tuple(mesh_shape), cluster.name, budget)
     start = time.perf_counter()
     result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=options.solve.time_limit_s,
-                   solver=options.solve.solver, offload=target, checkpointing=checkpointing, prefetch=memory.prefetch)
+                   solver=options.solve.solver, offload=target, checkpointing=checkpointing, prefetch=memory.prefetch,
+                   precision=options.precision)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     return result
 
@@ -221,17 +231,21 @@ def hand_plan(
     example_kwargs: dict[str, Any] | None = None,
     cluster: str | ClusterSpec | os.PathLike | None = None,
     memory_budget: float | None = None,
+    precision: str | MixedPrecision | None = None,
 ) -> Plan:
     """The hand plan ``kind`` (``autopar.solver.hand_plans.KINDS``: "ddp", "fsdp", "megatron", ...)
-    for ``model`` on ``mesh``, as a Plan priced by autopar's model.
+    for ``model`` on ``mesh``, as a Plan priced by autopar's model (``memory_budget`` and
+    ``precision`` as in ``autopar.plan``).
 
     It can be saved, inspected and compiled like any plan, which gives real baselines.
     """
     mesh_shape = tuple(int(n) for n in mesh)
     resolve_kind(kind)
-    traced = trace(model, example_inputs, example_kwargs)
+    policy = precision_policy(precision)
+    traced = trace(model, example_inputs, example_kwargs, policy)
     cluster_spec = get_cluster(cluster)
-    return solve_hand_plan(kind, traced, mesh_shape, cluster_spec, resolve_budget(memory_budget, cluster_spec))
+    return solve_hand_plan(kind, traced, mesh_shape, cluster_spec, resolve_budget(memory_budget, cluster_spec),
+                           precision=policy)
 
 
 def compile(
@@ -250,6 +264,7 @@ def compile(
     offload: str = "off",
     checkpointing: bool | None = None,
     prefetch: bool = True,
+    precision: str | MixedPrecision | None = None,
 ) -> ParallelModule | PipelineParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
 
@@ -269,6 +284,10 @@ def compile(
     ``offload``, ``checkpointing`` and ``prefetch`` are ``autopar.plan``'s, for the solve;
     with a given plan, ``offload="disk:PATH"`` only says where its disk offload files go (a
     temporary directory otherwise). Step a module that offloads with ``autopar.optim.AdamW``.
+
+    ``cluster`` None prices the machine this runs on (``cost.cluster.local_cluster``: its CUDA
+    device's preset, or "cpu"). ``precision`` is ``autopar.plan``'s; the runtime carries out
+    "32-true" only so far, and refuses a policy (or plan) that changes dtypes.
     """
     mesh_shape = _mesh_shape(mesh)
     if not dist.is_available() or not dist.is_initialized():
@@ -303,6 +322,7 @@ def compile(
     )
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
+    _check_precision_runs(plan.precision if plan is not None else precision_policy(precision))
     if plan is not None and (plan.pipeline is not None or options.pipeline.enabled):
         options = _pipeline_of(plan, options)
     if options.pipeline.enabled:
@@ -330,6 +350,17 @@ def compile(
     if isinstance(init, FromCheckpoint):
         checkpoint.load(init.path, pm)
     return pm
+
+
+def _check_precision_runs(policy: MixedPrecision | None) -> None:
+    """The runtime runs the model in its own dtypes; a policy that changes them is priced and
+    recorded by ``autopar.plan``, but not carried out yet."""
+    if policy is not None and policy.param_dtype is not None:
+        raise PlanError(
+            f"precision={policy.name!r} ({policy.param_dtype} compute, {policy.master_dtype} master weights) is "
+            "priced and recorded by autopar.plan, but the runtime does not carry it out yet: compile with "
+            "precision='32-true' (a model cast with model.bfloat16() runs in bf16 on NCCL)"
+        )
 
 
 def _offloader(chosen: Plan, offload: str, example_inputs, example_kwargs):

@@ -90,6 +90,13 @@ _UNITS = {
 }
 
 
+def parse_budget(text: str) -> float:
+    """``parse_bytes``, or ``"none"`` / ``"inf"`` for no budget."""
+    if text.strip().lower() in ("none", "inf"):
+        return float("inf")
+    return parse_bytes(text)
+
+
 def parse_bytes(text: str) -> int:
     """``"70GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``"1000000"`` → bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
@@ -303,6 +310,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = PlanOptions.from_keywords(
         memory_budget=args.memory_budget, time_limit_s=args.time_limit, pipeline=args.pipeline or "off",
         num_microbatches=args.num_microbatches, offload=args.offload, devices=None if args.mesh else args.devices,
+        precision=args.precision,
     )
     start = time.perf_counter()
     with Progress(PROG) as progress:
@@ -449,8 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="search every mesh of this many devices (1 to 3 axes) and keep the fastest")
     p.add_argument("--cluster", type=_cluster, default=None,
                    help=f"a preset ({', '.join(cluster_presets())}; default {DEFAULT_CLUSTER}) or a JSON/TOML file")
-    p.add_argument("--memory-budget", type=parse_bytes, default=None,
-                   help="bytes per device, e.g. 70GiB, 512MiB, 16GB")
+    p.add_argument("--memory-budget", type=parse_budget, default=None,
+                   help="bytes per device, e.g. 70GiB, 512MiB, 16GB, or 'none' (default: the cluster's device "
+                        "memory less a 10%% reserve)")
+    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed", "bf16-true"),
+                   help="the precision policy the plan is priced for (default 32-true: the model's own dtypes)")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="batch size of built-in models (default 8)")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="sequence length of gpt, llama and presets")
     p.add_argument("--num-layers", type=_positive_int, default=None,

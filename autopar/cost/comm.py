@@ -153,17 +153,21 @@ def transition_cost(
     mesh_shape: Sequence[int],
     cluster: ClusterSpec,
     requires_grad: bool,
+    grad_dtype: torch.dtype | None = None,
 ) -> CommCost | None:
     """The cost of resharding a ``global_shape`` tensor from ``src`` to ``dst``, or None when
     ``transition_steps`` says it is impossible.
 
     Each step is priced at the local size of the tensor just before it. Backward costs (the
-    dual of each step, see the module docstring) are counted only when ``requires_grad``.
+    dual of each step, see the module docstring) are counted only when ``requires_grad``, in
+    ``grad_dtype`` where the gradient is reduced in another dtype than the value (a precision
+    policy's ``reduce_dtype``).
     """
     if transition_steps(src, dst) is None:
         return None
     total = ZERO
-    for step, (forward, backward) in _walk(src, dst, global_shape, dtype, mesh_shape):
+    backwards = [b for _, (_, b) in _walk(src, dst, global_shape, grad_dtype or dtype, mesh_shape)]
+    for (step, (forward, _)), backward in zip(_walk(src, dst, global_shape, dtype, mesh_shape), backwards):
         forward_s, forward_sent = _price(forward, step.axis, mesh_shape, cluster)
         backward_s, backward_sent = 0.0, 0.0
         if requires_grad:
@@ -180,11 +184,14 @@ def transition_bytes_per_axis(
     dtype: torch.dtype,
     mesh_shape: Sequence[int],
     requires_grad: bool,
+    grad_dtype: torch.dtype | None = None,
 ) -> dict[int, float]:
     """Bytes each device sends on each mesh axis for ``transition_cost``'s steps (forward, and
-    backward when ``requires_grad``); empty when nothing is sent or the transition is impossible."""
+    backward when ``requires_grad``, in ``grad_dtype`` if given); empty when nothing is sent or
+    the transition is impossible."""
     per_axis: dict[int, float] = {}
-    for step, (forward, backward) in _walk(src, dst, global_shape, dtype, mesh_shape):
+    backwards = [b for _, (_, b) in _walk(src, dst, global_shape, grad_dtype or dtype, mesh_shape)]
+    for (step, (forward, _)), backward in zip(_walk(src, dst, global_shape, dtype, mesh_shape), backwards):
         k = mesh_shape[step.axis]
         for collective in (forward, backward if requires_grad else None):
             if collective is not None and k > 1:

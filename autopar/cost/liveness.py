@@ -192,11 +192,14 @@ def build_timeline(
     ties: Sequence[Sequence[str]] = (),
     zero_stage: int = 0,
     zero_ways: int = 1,
+    optimizer_dtype: torch.dtype = torch.float32,
 ) -> Timeline:
     """The intervals of the module docstring for ``nodes`` in graph order.
 
     ``zero_stage`` 1 splits every parameter's optimizer state ``zero_ways`` ways (ZeRO-1 over
     ``zero_ways`` replicas), 2 its gradient too (ZeRO-2).
+
+    ``optimizer_dtype`` is the dtype of the optimizer state (a precision policy's).
 
     ``ties`` groups parameter placeholders that hold one tensor: only the first of each group
     carries the parameter's bytes, and its gradient is alive from the last use of any member.
@@ -238,7 +241,7 @@ def build_timeline(
             states = memory.OPTIMIZER_STATES[optimizer]
             if node.requires_grad:
                 if states:
-                    factor = states * memory._STATE_DTYPE.itemsize / node.itemsize
+                    factor = states * optimizer_dtype.itemsize / node.itemsize
                     if zero_stage >= 1:
                         factor /= zero_ways
                     intervals.append(Interval(name, "optimizer_state", 0, last, factor))

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from autopar.errors import MeshError
 
 
@@ -124,7 +126,8 @@ class PlanOptions:
 
     ``devices`` and ``max_axes`` serve ``mesh="auto"`` (the mesh search). ``symbolic_batch`` also
     prices the plan as functions of the batch size (``plan.predict``). ``compute`` ("roofline" or
-    "measured") overrides the cluster's way of pricing ops (the cluster checks it)."""
+    "measured") overrides the cluster's way of pricing ops (the cluster checks it). ``precision``
+    is a ``MixedPrecision`` or the name of one ("32-true", the default, "bf16-mixed", "bf16-true")."""
 
     solve: SolveOptions = field(default_factory=SolveOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
@@ -133,8 +136,10 @@ class PlanOptions:
     max_axes: int = 3
     symbolic_batch: bool = False
     compute: str | None = None
+    precision: "MixedPrecision | str | None" = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", precision_policy(self.precision))
         if self.pipeline.enabled and self.memory.decides_memory:
             raise ValueError(
                 f"offload={self.memory.offload!r}, checkpointing={self.memory.checkpointing!r} with a pipeline: "
@@ -157,6 +162,102 @@ class PlanOptions:
         return dataclasses.replace(self, **changes)
 
 
+# -- precision ---------------------------------------------------------------------------------
+# The precision policy: which dtype each class of tensor takes in training, in the spirit of
+# FSDP2's ``MixedPrecisionPolicy`` and Lightning's precision strings.
+#
+# ==============  ==================================  ==========================================
+# field           tensors                             ``"bf16-mixed"``
+# ==============  ==================================  ==========================================
+# param_dtype     parameters as ops read them, and    bfloat16 (the model is traced with bf16
+#                 so the activations                  weights; each parameter is cast at its use)
+# master_dtype    stored (sharded) parameters and     float32
+#                 their gradients
+# reduce_dtype    gradient reductions across ranks    float32
+# optimizer_dtype optimizer state                     float32
+# ==============  ==================================  ==========================================
+#
+# None in ``param_dtype`` or ``master_dtype`` means the model's own dtype, so "32-true" (the
+# default) changes nothing: an fp32 model trains in fp32 and a bf16 one in bf16, as before the
+# policy existed. ``reduce_dtype`` None is the gradient's own dtype. dtypes are stored by name
+# ("float32"), so that the policy is a plain JSON value of the plan.
+
+_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def dtype_name(value: str | torch.dtype | None) -> str | None:
+    """"float32" for torch.float32 or "float32"; None stays None."""
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    if name not in _DTYPES:
+        raise ValueError(f"precision dtypes are {', '.join(_DTYPES)} (or torch dtypes), got {value!r}")
+    return name
+
+
+def to_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a name (None stays None)."""
+    return None if name is None else getattr(torch, name)
+
+
+@dataclass(frozen=True, slots=True)
+class MixedPrecision:
+    """A precision policy (module docstring). Pass torch dtypes or their names."""
+
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    master_dtype: str | None = None
+    optimizer_dtype: str = "float32"
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field_name in ("param_dtype", "reduce_dtype", "master_dtype", "optimizer_dtype"):
+            object.__setattr__(self, field_name, dtype_name(getattr(self, field_name)))
+        if self.optimizer_dtype is None:
+            raise ValueError("optimizer_dtype must be a dtype, got None")
+        if self.master_dtype is not None and self.param_dtype is None:
+            raise ValueError(
+                f"master_dtype={self.master_dtype!r} needs a param_dtype: the master weights are what "
+                "parameters are cast from at their use"
+            )
+
+    @property
+    def casts(self) -> bool:
+        """Parameters are stored in ``master_dtype`` and cast to ``param_dtype`` at their use."""
+        return self.param_dtype is not None and self.master_dtype not in (None, self.param_dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype,
+                "master_dtype": self.master_dtype, "optimizer_dtype": self.optimizer_dtype}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "MixedPrecision":
+        return cls(**data)
+
+
+PRECISIONS: dict[str, MixedPrecision] = {
+    "32-true": MixedPrecision(name="32-true"),
+    "bf16-mixed": MixedPrecision("bfloat16", "float32", "float32", "float32", name="bf16-mixed"),
+    "bf16-true": MixedPrecision("bfloat16", "bfloat16", "bfloat16", "bfloat16", name="bf16-true"),
+}
+DEFAULT_PRECISION = "32-true"
+
+
+def precision_policy(value: str | MixedPrecision | None) -> MixedPrecision:
+    """The policy of a precision string ("32-true", "bf16-mixed", "bf16-true") or value."""
+    if value is None:
+        return PRECISIONS[DEFAULT_PRECISION]
+    if isinstance(value, MixedPrecision):
+        return value
+    if isinstance(value, str) and value in PRECISIONS:
+        return PRECISIONS[value]
+    raise ValueError(
+        f"precision must be one of {', '.join(repr(p) for p in PRECISIONS)} or an autopar.MixedPrecision, got {value!r}"
+    )
+
+
+
+
 def check_mesh_devices(mesh_shape: tuple[int, ...], devices: int | None) -> None:
     """``devices``, where given beside a mesh, must be the mesh's size."""
     if devices is not None and math.prod(mesh_shape) != devices:
@@ -164,5 +265,5 @@ def check_mesh_devices(mesh_shape: tuple[int, ...], devices: int | None) -> None
                         "pass one of them, or mesh='auto' to search the meshes of that many devices")
 
 
-__all__ = ["MemoryOptions", "PipelineOptions", "PlanOptions", "SolveOptions",
-           "check_mesh_devices"]
+__all__ = ["MemoryOptions", "PipelineOptions", "PlanOptions", "SolveOptions", "MixedPrecision", "PRECISIONS",
+           "DEFAULT_PRECISION", "precision_policy", "to_dtype", "check_mesh_devices"]

@@ -22,6 +22,7 @@ import torch
 
 from autopar.errors import PlanError
 from autopar.ir.memory import MemoryPlan
+from autopar.ir.options import MixedPrecision
 from autopar.ir.pipeline import StagePlan
 from autopar.ir.summary import summary_text
 from autopar.ir.spec import Spec, format_spec, parse_spec
@@ -161,6 +162,9 @@ class Plan:
     # Placeholder (user input, parameter, buffer) node name -> dtype ("torch.float32"), so that a
     # plan refused for another graph can say whose dtype changed; empty in older plans.
     input_dtypes: dict[str, str] = field(default_factory=dict)
+    # The precision policy the plan is priced for and the runtime carries out
+    # (``autopar.ir.options.MixedPrecision``); None for plans that predate it, read as "32-true".
+    precision: MixedPrecision | None = None
     # Facts about the run that made this plan, such as wall-clock timings and the mesh search
     # table. Not serialized: a plan's JSON must be byte-identical across runs and ranks.
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -202,6 +206,8 @@ class Plan:
             data["memory_timeline"] = self.memory_timeline
         if self.input_dtypes:
             data["input_dtypes"] = self.input_dtypes
+        if self.precision is not None:
+            data["precision"] = self.precision.to_json()
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -233,6 +239,7 @@ class Plan:
                 memory=MemoryPlan.from_json(data["memory"]) if "memory" in data else None,
                 memory_timeline=data.get("memory_timeline"),
                 input_dtypes=data.get("input_dtypes", {}),
+                precision=MixedPrecision.from_json(data["precision"]) if "precision" in data else None,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"malformed plan: {type(error).__name__}: {error}") from None

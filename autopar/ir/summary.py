@@ -31,7 +31,9 @@ def header_lines(plan: "Plan") -> list[str]:
     # graph on the stage mesh (the stage planner keeps them apart from the pipeline's step).
     per = pred.get("one_microbatch_unpipelined", pred) if plan.pipeline is not None else pred
     lines = [
-        f"autopar plan  mesh={tuple(plan.mesh_shape)}  cluster={plan.cluster or '-'}  graph={plan.graph_hash}  plan={plan.hash}",
+        f"autopar plan  mesh={tuple(plan.mesh_shape)}  cluster={plan.cluster or '-'}  "
+        f"precision={plan.precision.name if plan.precision is not None else '32-true'}  "
+        f"graph={plan.graph_hash}  plan={plan.hash}",
         f"  predicted step time {pred.get('step_time_s', 0) * 1e3:.3f} ms "
         + ("(one microbatch through every stage: " if plan.pipeline is not None else "(")
         + f"compute {per.get('compute_s', 0) * 1e3:.3f} ms, resharding {per.get('reshard_s', 0) * 1e3:.3f} ms)",

@@ -7,8 +7,11 @@ import logging
 import time
 from typing import Sequence
 
+import torch
+
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError
+from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.ir.plan import NodePlan, Plan
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver import backends
@@ -41,6 +44,7 @@ def solve(
     offload: str | None = None,
     checkpointing: bool = False,
     prefetch: bool = True,
+    precision: MixedPrecision | None = None,
 ) -> Plan:
     """Plan ``traced`` on ``mesh_shape``. ``solver`` is "auto", "highs" or "cbc" (see
     ``solver.backends``); ``time_limit_s`` bounds the solve, after which the best plan found
@@ -49,11 +53,16 @@ def solve(
     When the sharding does not fit ``memory_budget`` and ``checkpointing`` or ``offload`` (a
     target, "cpu" or "disk") allows it, ``autopar.solver.memory`` adds checkpointing and
     offload decisions to the plan's ``memory`` (no sharding fitting at all, it starts from the
-    leanest one)."""
+    leanest one).
+
+    ``precision`` is the policy ``traced`` was traced under (``autopar.trace.trace``): the
+    optimizer state is priced in its ``optimizer_dtype``, and the plan records it."""
     check_solver(solver)
     start = time.perf_counter()
     log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
-    graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage)
+    optimizer_dtype = to_dtype(precision.optimizer_dtype) if precision is not None else torch.float32
+    graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage,
+                               optimizer_dtype=optimizer_dtype)
     log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
              time.perf_counter() - start)
     log.info("autopar: solving the ILP ...")
@@ -100,7 +109,7 @@ def solve(
     start = time.perf_counter()
     decisions = explain_decisions(graph, solution, cluster, memory_budget)
     log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
-    return dataclasses.replace(plan, decisions=decisions)
+    return dataclasses.replace(plan, decisions=decisions, precision=precision)
 
 
 # Shardings that ``solve`` tries with checkpointing or offload under a binding budget.
@@ -246,7 +255,7 @@ def plan_from_solution(
             reshard_s += seconds
             comm_bytes += sent
             for axis, axis_sent in transition_bytes_per_axis(
-                src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad
+                src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad, edge.grad_dtype
             ).items():
                 per_axis[axis] += axis_sent
     chosen = chosen_bytes(graph, solution)

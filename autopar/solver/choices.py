@@ -63,6 +63,9 @@ class Choice:
     fqn: str | None = None
     info: OpInfo | None = None
     grad_sync_bytes: list[float] = field(default_factory=list)
+    # Per tensor input: the dtype its gradient all-reduces run in, where not the input's own
+    # (the cast of a parameter under a precision policy carries its ``reduce_dtype``).
+    sync_dtypes: tuple[torch.dtype | None, ...] = ()
 
     def out_specs(self, index: int) -> list[Spec]:
         """Distinct specs of output ``index`` over the strategies, in first-seen order."""
@@ -86,6 +89,9 @@ class Edge:
     no_reshard: bool
     # (src spec, dst spec) → (seconds, bytes sent); absent = impossible
     price: dict[tuple[Spec, Spec], tuple[float, float]] = field(default_factory=dict)
+    # The dtype its gradient is reduced in, where not ``dtype`` (a parameter's cast under a
+    # precision policy: its ``reduce_dtype``).
+    grad_dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -116,6 +122,7 @@ def build_choice_graph(
     forced: dict[str, Spec] | None = None,
     share_layers: bool = True,
     zero_stage: int = 0,
+    optimizer_dtype: torch.dtype = torch.float32,
 ) -> ChoiceGraph:
     """Enumerate strategies and prices for every node of ``traced``.
 
@@ -125,12 +132,15 @@ def build_choice_graph(
     ``zero_stage`` (1 or 2) prices parameter state as ZeRO does over a DDP layout: every rank
     holds every parameter whole, and the optimizer state (stage 1) and the gradients (stage 2)
     are split among all ranks. So it needs every parameter pinned replicated by ``forced``.
+    ``optimizer_dtype`` is the optimizer state's (a precision policy's ``optimizer_dtype``).
     """
     with offering_strided(split_blocks(traced.gm)):
-        return _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage)
+        return _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage,
+                                   optimizer_dtype)
 
 
-def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage) -> ChoiceGraph:
+def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage,
+                        optimizer_dtype) -> ChoiceGraph:
     mesh_shape = tuple(mesh_shape)
     num_axes = len(mesh_shape)
     kinds = {i.name: i for i in traced.inputs}
@@ -162,7 +172,8 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     if zero_stage:
         _check_zero_layout(choices, zero_stage)
     zero_ways = math.prod(mesh_shape) if zero_stage else 1
-    timeline = liveness.build_timeline(live_nodes(traced.gm, choices), optimizer, ties, zero_stage, zero_ways)
+    timeline = liveness.build_timeline(live_nodes(traced.gm, choices), optimizer, ties, zero_stage, zero_ways,
+                                       optimizer_dtype)
     return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline)
 
 
@@ -355,20 +366,27 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict) -> Choice:
     out_dtypes = tuple(v.dtype for v in _flatten(val) if isinstance(v, torch.Tensor))
     # Identical ops (same arguments and shapes, as in repeated layers) get identical strategies
     # and prices: enumerate and price each distinct one once.
+    sync_dtypes = tuple(reduce_dtype(n) for n in input_nodes)
     key = (
         info.target, repr(info.kw), info.out_shapes, out_dtypes, needs_grad,
-        tuple(choices[n.name].requires_grad for n in input_nodes),
+        tuple(choices[n.name].requires_grad for n in input_nodes), sync_dtypes,
     )
     if key not in cache:
-        cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad)
+        cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes)
     strategies, compute_s, memory_bytes, sync_bytes = cache[key]
     return Choice(
         node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
-        needs_grad, info=info, grad_sync_bytes=sync_bytes,
+        needs_grad, info=info, grad_sync_bytes=sync_bytes, sync_dtypes=sync_dtypes,
     )
 
 
-def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad) -> tuple:
+def reduce_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype gradients flowing into ``node`` are reduced in, where a precision policy says
+    (``trace._cast_parameters`` marks the casts of parameters); None: their own dtype."""
+    return node.meta.get("autopar", {}).get("reduce_dtype")
+
+
+def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes) -> tuple:
     strategies = node_strategies(info, mesh_shape)
     compute_s, memory_bytes, sync_bytes = [], [], []
     for strategy in strategies:
@@ -378,7 +396,8 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
             if not choices[input_nodes[index].name].requires_grad:
                 continue
             for axis in grad_sync_axes(strategy, index):
-                cost = comm.grad_allreduce_cost(arg.shape, strategy.ins[index], axis, arg.dtype, mesh_shape, cluster)
+                dtype = sync_dtypes[index] or arg.dtype
+                cost = comm.grad_allreduce_cost(arg.shape, strategy.ins[index], axis, dtype, mesh_shape, cluster)
                 seconds += cost.backward_s
                 synced += cost.bytes_sent
         for axis in strategy.kernel_axes:
@@ -425,7 +444,8 @@ def grad_sync_bytes_per_axis(
         if not choices[choice.inputs[position][0]].requires_grad:
             continue
         for axis in grad_sync_axes(strategy, position):
-            local = memory.local_bytes(arg.shape, arg.dtype, strategy.ins[position], mesh_shape)
+            dtype = (choice.sync_dtypes[position] if choice.sync_dtypes else None) or arg.dtype
+            local = memory.local_bytes(arg.shape, dtype, strategy.ins[position], mesh_shape)
             per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent("all_reduce", local, mesh_shape[axis])
     for axis in strategy.kernel_axes:
         for num_bytes in kernel_all_reduce_bytes(choice.info, strategy):
@@ -476,6 +496,7 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
             spec_lists[key] = tuple(choice.out_specs(index) if side == "out" else choice.in_specs(index))
         return spec_lists[key]
 
+    grad_dtypes = {node.name: reduce_dtype(node) for node in gm.graph.nodes if reduce_dtype(node) is not None}
     for node in gm.graph.nodes:
         choice = choices[node.name]
         if node.op == "placeholder":
@@ -485,18 +506,21 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
             source = choices[producer]
             shape, dtype = source.out_shapes[out_index], source.out_dtypes[out_index]
             pinned = in_index in mutated or node.target is operator.getitem
-            edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, pinned)
+            grad_dtype = grad_dtypes.get(producer)
+            edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, pinned,
+                        grad_dtype=grad_dtype)
             srcs, dsts = specs_of(source, "out", out_index), specs_of(choice, "in", in_index)
-            table_key = (srcs, dsts, shape, dtype, edge.requires_grad, pinned)
+            table_key = (srcs, dsts, shape, dtype, edge.requires_grad, pinned, grad_dtype)
             if table_key not in tables:
                 table = {}
                 for src in srcs:
                     for dst in dsts:
                         if pinned and src != dst:
                             continue
-                        key = (src, dst, shape, dtype, edge.requires_grad)
+                        key = (src, dst, shape, dtype, edge.requires_grad, grad_dtype)
                         if key not in prices:
-                            cost = comm.transition_cost(src, dst, shape, dtype, mesh_shape, cluster, edge.requires_grad)
+                            cost = comm.transition_cost(src, dst, shape, dtype, mesh_shape, cluster, edge.requires_grad,
+                                                        grad_dtype)
                             prices[key] = None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent)
                         if prices[key] is not None:
                             table[(src, dst)] = prices[key]

@@ -149,10 +149,10 @@ def zero_stage(kind: str) -> int:
 
 
 def solve_hand_plan(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec,
-                    memory_budget: float | None = None, solver: str = "auto") -> Plan:
-    """``hand_plan`` on an already traced model."""
+                    memory_budget: float | None = None, solver: str = "auto", precision=None) -> Plan:
+    """``hand_plan`` on an already traced model (``precision``: the policy it was traced under)."""
     return solve(traced, mesh_shape, cluster, memory_budget=memory_budget, solver=solver,
-                 forced=hand_specs(kind, traced, mesh_shape), zero_stage=zero_stage(kind))
+                 forced=hand_specs(kind, traced, mesh_shape), zero_stage=zero_stage(kind), precision=precision)
 
 
 def _prod(sizes: Sequence[int]) -> int:

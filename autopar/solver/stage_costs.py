@@ -394,7 +394,8 @@ def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[
         if pu == -2 or pu == cu:
             own[cu + 1] += seconds
             if seconds:
-                cost = comm.transition_cost(src, dst, edge.shape, edge.dtype, mesh, cluster, edge.requires_grad)
+                cost = comm.transition_cost(src, dst, edge.shape, edge.dtype, mesh, cluster, edge.requires_grad,
+                                            edge.grad_dtype)
                 fwd[cu + 1] += cost.forward_s if cost is not None else 0.0
             continue
         (pre if pu == -1 else prev)[cu + 1] += seconds

@@ -21,6 +21,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils._pytree import TreeSpec
 
 from autopar.errors import TraceError
+from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.trace.fake import fake_tensors, has_meta_tensors
 
 # Runtime shape and dtype assertions that export leaves behind; after sharding they would
@@ -73,14 +74,21 @@ def trace(
     model: torch.nn.Module,
     example_inputs: tuple[Any, ...] = (),
     example_kwargs: dict[str, Any] | None = None,
+    precision: MixedPrecision | None = None,
 ) -> TracedModel:
-    """Export ``model`` called on the example inputs to an ATen graph."""
+    """Export ``model`` called on the example inputs to an ATen graph.
+
+    Under a ``precision`` policy with a ``param_dtype``, the model is traced as if its floating
+    parameters were of that dtype (no copy is made), so activations take it as the model's own
+    code decides (its explicit upcasts stay). Where the master weights are kept in another dtype
+    (``precision.casts``), each such parameter placeholder holds the master dtype and feeds one
+    cast to ``param_dtype`` at its first use, which every use reads (``_cast_parameters``)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     try:
-        with _no_stack_traces(), _lazy_recompile(), _fake_if_meta(model, (example_inputs, example_kwargs or {})):
+        with _no_stack_traces(), _lazy_recompile(), _fake_params(model, (example_inputs, example_kwargs or {}), precision):
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error
@@ -101,6 +109,8 @@ def trace(
         inputs.append(GraphInput(name, kind, spec.target))
         if kind == "constant":
             constants[name] = exported.constants[spec.target]
+    if precision is not None and precision.casts:
+        _cast_parameters(gm, inputs, precision)
     _mark_requires_grad(gm)
     call_spec = exported.call_spec
     return TracedModel(
@@ -114,17 +124,49 @@ def trace(
     )
 
 
-def _fake_if_meta(model: torch.nn.Module, inputs: Any) -> contextlib.AbstractContextManager:
+def _fake_params(model: torch.nn.Module, inputs: Any, precision: MixedPrecision | None) -> contextlib.AbstractContextManager:
     """A model built on the meta device, called with real inputs, is traced as if it were built
-    on the inputs' device (same graph and hash); with meta inputs it is traced as it is."""
-
-    if not has_meta_tensors(model):
+    on the inputs' device (same graph and hash); with meta inputs it is traced as it is. Under a
+    precision policy with a ``param_dtype``, floating parameters are swapped for that dtype."""
+    param_dtype = to_dtype(precision.param_dtype) if precision is not None else None
+    if not has_meta_tensors(model) and param_dtype is None:
         return contextlib.nullcontext()
     tensors = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     real = [t.device for t in tensors if not t.is_meta]
     if tensors and not real:
-        return contextlib.nullcontext()
-    return fake_tensors(model, real[0] if real else "cpu")
+        return fake_tensors(model, "meta", param_dtype) if param_dtype is not None else contextlib.nullcontext()
+    return fake_tensors(model, real[0] if real else "cpu", param_dtype)
+
+
+def _cast_parameters(gm: torch.fx.GraphModule, inputs: list[GraphInput], precision: MixedPrecision) -> None:
+    """Parameters hold the master dtype and are cast where used, as autocast and FSDP2 do: each
+    floating parameter placeholder takes ``master_dtype``, and one ``_to_copy`` to its traced
+    dtype, inserted before its first use, feeds every use. The cast carries
+    ``meta["autopar"]["reduce_dtype"]``: the dtype its gradient is reduced in across ranks, which
+    the cost model prices."""
+    master = to_dtype(precision.master_dtype)
+    reduce_dtype = to_dtype(precision.reduce_dtype or precision.param_dtype)
+    kinds = {i.name: i for i in inputs}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:
+        val, info = node.meta.get("val"), kinds.get(node.name)
+        if info is None or info.kind != "param" or not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        if val.dtype == master:
+            continue
+        if node.users:  # (a tied weight's other names may have none: export routes uses to one)
+            first_use = min(node.users, key=position.__getitem__)
+            with gm.graph.inserting_before(first_use):
+                cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": val.dtype})
+            node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+            cast.meta["val"] = val
+            cast.meta["autopar"] = {"reduce_dtype": reduce_dtype, "cast_of": info.fqn}
+            if first_use.meta.get("nn_module_stack"):  # the cast belongs to the layer that uses it
+                cast.meta["nn_module_stack"] = first_use.meta["nn_module_stack"]
+        with getattr(val, "fake_mode", None) or contextlib.nullcontext():
+            node.meta["val"] = torch.empty(val.shape, dtype=master, device=val.device,
+                                           requires_grad=bool(getattr(val, "requires_grad", False)))
+    gm.recompile()
 
 
 def _lazy_recompile() -> contextlib.AbstractContextManager:

@@ -37,24 +37,38 @@ def own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tenso
 
 
 @contextlib.contextmanager
-def fake_tensors(model: torch.nn.Module, device: str | torch.device = "cpu") -> Iterator[None]:
+def fake_tensors(model: torch.nn.Module, device: str | torch.device = "cpu",
+                 param_dtype: torch.dtype | None = None) -> Iterator[None]:
     """Within the block, ``model``'s meta parameters and buffers are FakeTensors on ``device``.
 
     They have shapes and a device but no storage, so ``torch.export`` traces the model as if it
     were built on ``device`` (a meta tensor next to a real input is a device mismatch). Ties are
     kept: a tensor shared by two modules becomes one FakeTensor.
+
+    ``param_dtype`` also swaps every floating parameter (meta or not) for one of that dtype, so
+    that the model traces as if cast to it (a precision policy's compute dtype) without a copy
+    of its weights; ``device="meta"`` swaps in meta tensors instead of FakeTensors.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     swapped: list[tuple[dict, str, torch.Tensor]] = []
     fakes: dict[int, torch.Tensor] = {}
+
+    def recast(slot: str, tensor: torch.Tensor) -> bool:
+        return (param_dtype is not None and slot == "_parameters" and tensor.is_floating_point()
+                and tensor.dtype != param_dtype)
+
     try:
         for _, module in apply_order(model):
             for slot, name, tensor in own_tensors(module):
-                if not tensor.is_meta:
+                if not (tensor.is_meta or recast(slot, tensor)):
                     continue
                 if id(tensor) not in fakes:
-                    with mode:
-                        fake = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                    dtype = param_dtype if recast(slot, tensor) else tensor.dtype
+                    if str(device) == "meta":
+                        fake = torch.empty(tensor.shape, dtype=dtype, device="meta")
+                    else:
+                        with mode:
+                            fake = torch.empty(tensor.shape, dtype=dtype, device=device)
                     if isinstance(tensor, torch.nn.Parameter):
                         fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
                     fakes[id(tensor)] = fake

@@ -174,3 +174,23 @@ def test_memory_summary_leaves_out_decisions_that_save_nothing():
     assert "checkpoint h.0 (a .. b): saves 3.4 MiB" in lines[1]
     assert not any("saves 0" in line for line in lines)
     assert lines[-1] == "  (2 more decisions that save nothing at the peak)"
+
+
+def test_precision_policies_are_checked_values():
+    import torch
+
+    from autopar.ir.options import PRECISIONS, MixedPrecision, precision_policy
+
+    assert precision_policy(None) is PRECISIONS["32-true"]
+    mixed = precision_policy("bf16-mixed")
+    assert (mixed.param_dtype, mixed.master_dtype, mixed.reduce_dtype, mixed.optimizer_dtype, mixed.casts) == (
+        "bfloat16", "float32", "float32", "float32", True)
+    assert not precision_policy("bf16-true").casts and not precision_policy("32-true").casts
+    custom = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, master_dtype=torch.float32)
+    assert custom.reduce_dtype == "bfloat16" and MixedPrecision.from_json(custom.to_json()) == custom
+    with pytest.raises(ValueError, match="precision must be one of"):
+        precision_policy("fp8")
+    with pytest.raises(ValueError, match="precision dtypes"):
+        MixedPrecision(param_dtype=torch.int8)
+    with pytest.raises(ValueError, match="needs a param_dtype"):
+        MixedPrecision(master_dtype="float32")

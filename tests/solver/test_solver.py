@@ -216,3 +216,23 @@ def test_the_device_memory_is_the_default_budget():
     plan = autopar.plan(model, (2, 2), example_inputs=batch, cluster=small)
     assert plan.solver["memory_budget_bytes"] == small.default_memory_budget < peak
     assert plan.predicted["peak_memory_bytes"] <= small.default_memory_budget
+
+
+def test_mixed_precision_prices_bf16_compute_and_fp32_state_and_reductions():
+    """DDP of an fp32 GPT under bf16-mixed: parameters, gradients, AdamW state and the gradient
+    all-reduces cost what they do in fp32; activations half as much. Under bf16-true the
+    reductions halve too. The plan records its policy."""
+    from tests.conftest import gpt_and_batch
+
+    model, batch = gpt_and_batch()
+    plans = {p: autopar.hand_plan("ddp", model, (2,), example_inputs=batch, cluster="cpu", precision=p)
+             for p in ("32-true", "bf16-mixed", "bf16-true")}
+    fp32, mixed, true16 = (plans[p].predicted for p in ("32-true", "bf16-mixed", "bf16-true"))
+    assert plans["bf16-mixed"].precision.name == "bf16-mixed" and plans["32-true"].precision.param_dtype is None
+    assert mixed["comm_bytes"] == pytest.approx(fp32["comm_bytes"], rel=1e-6)
+    assert true16["comm_bytes"] == pytest.approx(fp32["comm_bytes"] / 2, rel=1e-6)
+    at_fp32, at_mixed = fp32["memory_at_peak_bytes"], mixed["memory_at_peak_bytes"]
+    assert at_mixed["param"] == at_fp32["param"] and at_mixed["optimizer_state"] == at_fp32["optimizer_state"]
+    assert 0 < mixed["peak_memory_bytes"] < fp32["peak_memory_bytes"]
+    assert mixed["compute_s"] < fp32["compute_s"], "bf16 runs at the cluster's bf16 FLOP/s"
+    assert autopar.Plan.from_json(plans["bf16-mixed"].to_json()).precision == plans["bf16-mixed"].precision

@@ -86,3 +86,30 @@ def test_autocast_enabled_inside_forward_is_refused_with_the_fix():
 
     with pytest.raises(TraceError, match="autocast"):
         trace(Autocasting(), (torch.randn(4, 8),))
+
+
+def test_mixed_precision_traces_bf16_compute_with_fp32_masters_cast_at_use():
+    from autopar.ir.options import precision_policy
+
+    model = build_model("gpt", seed=0)
+    batch = example_batch("gpt", 8, seed=1)
+    before = {name: (p.dtype, p.data_ptr()) for name, p in model.named_parameters()}
+    plain = trace(model, batch)
+    assert trace(model, batch, precision=precision_policy("32-true")).graph_hash == plain.graph_hash
+    mixed = trace(model, batch, precision=precision_policy("bf16-mixed"))
+    assert {name: (p.dtype, p.data_ptr()) for name, p in model.named_parameters()} == before, "the model is not cast"
+    params = {i.name for i in mixed.inputs if i.kind == "param"}
+    casts = [n for n in mixed.gm.graph.nodes if n.target is torch.ops.aten._to_copy.default and n.args[0].name in params]
+    cast_params = {c.args[0].name for c in casts}
+    assert len(casts) == len(cast_params) and cast_params
+    for node in mixed.gm.graph.nodes:
+        if node.name in cast_params:
+            assert node.meta["val"].dtype == torch.float32
+            assert all(user in casts for user in node.users), f"{node.name} is read only through its cast"
+    cast = casts[0]
+    assert cast.meta["val"].dtype == torch.bfloat16 and cast.meta["autopar"]["reduce_dtype"] == torch.float32
+    linears = [n for n in mixed.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert linears and all(n.meta["val"].dtype == torch.bfloat16 for n in linears)
+    true16 = trace(model, batch, precision=precision_policy("bf16-true"))
+    assert not any(n.target is torch.ops.aten._to_copy.default and n.args[0].name in params
+                   for n in true16.gm.graph.nodes), "bf16-true keeps bf16 weights: nothing to cast"
