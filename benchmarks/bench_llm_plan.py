@@ -1,0 +1,91 @@
+"""Plan Hugging Face LLaMAs at their real sizes offline, with default settings (issue 17).
+
+    python benchmarks/bench_llm_plan.py                       # every case below
+    python benchmarks/bench_llm_plan.py --cases 70b-8 --layers 2 80
+
+Each case builds ``transformers.LlamaForCausalLM`` from a config on the meta device (no
+weights are downloaded or allocated) and calls ``autopar.plan`` with only the mesh, the cluster
+("h100-80g") and, where named, ``precision``: the memory budget is the default (device memory
+less its reserve). Printed per case: wall-clock plan time, ILP variables, solver method and gap,
+predicted peak against the budget, predicted step time, checkpointed segments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import autopar  # noqa: E402
+
+SIZES = {
+    "llama-2-70b": dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                        num_key_value_heads=8, max_position_embeddings=4096, num_hidden_layers=80),
+    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, num_hidden_layers=32),
+}
+# name: (model, mesh, batch, seq, model dtype, precision)
+CASES = {
+    "70b-8": ("llama-2-70b", (128, 8), 8, 4096, torch.bfloat16, None),
+    "70b-128": ("llama-2-70b", (128, 8), 128, 4096, torch.bfloat16, None),
+    "8b-8-mixed": ("llama-3-8b", (8,), 8, 8192, torch.float32, "bf16-mixed"),
+}
+
+
+def plan_case(name: str, layers: int | None):
+    import transformers
+
+    size, mesh, batch, seq, dtype, precision = CASES[name]
+    config = dict(SIZES[size])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    config = transformers.LlamaConfig(use_cache=False, attn_implementation="sdpa", **config)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    start = time.perf_counter()
+    plan = autopar.plan(model, mesh, example_kwargs={"input_ids": ids, "labels": ids.clone()}, cluster="h100-80g",
+                        precision=precision)
+    seconds = time.perf_counter() - start
+    pred, solver = plan.predicted, plan.solver
+    return {
+        "case": name, "layers": config.num_hidden_layers, "mesh": "x".join(map(str, mesh)), "batch": batch, "seq": seq,
+        "precision": plan.precision.name if plan.precision else "32-true", "plan_s": round(seconds, 1),
+        "variables": solver["num_variables"], "method": solver["method"],
+        "gap": None if solver["gap"] is None else round(solver["gap"], 4),
+        "budget_gib": round(solver["memory_budget_bytes"] / 2**30, 1),
+        "peak_gib": round(pred["peak_memory_bytes"] / 2**30, 1), "step_s": round(pred["step_time_s"], 3),
+        "checkpointed": len(plan.memory.checkpoint) if plan.memory else 0,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--layers", nargs="+", type=int, default=[None], help="override the depth (default: real)")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    rows = []
+    for name in args.cases:
+        for layers in args.layers:
+            row = plan_case(name, layers)
+            print(row, flush=True)
+            rows.append(row)
+    if args.out:
+        new = not os.path.exists(args.out)
+        with open(args.out, "a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            if new:
+                writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
