@@ -49,7 +49,10 @@ Constraints
     its largest, strategy. ``solve`` then checks the solution's whole curve and adds memory[t]
     at the time of any overshoot, and solves again (a cutting-plane loop; in practice zero or
     one extra round). With repeated layers the terms of all layers fall on the shared
-    variables, so each memory[t] keeps the size of one layer's variables.
+    variables, so each memory[t] keeps the size of one layer's variables. The rows are written
+    in GiB (``MEMORY_UNIT``). ``solver="auto"`` does not branch on them: ``solver.budget``
+    relaxes them into the objective at the prices of their LP duals (Lagrangian relaxation) and
+    rounds, and the MILP runs only where that leaves a gap above ``budget.MILP_GAP``.
 
 Every constraint is named ``<family>__<node>[__<detail>]`` so that an infeasible model or a
 choice can be traced back to the family that forced it.
