@@ -66,11 +66,18 @@ def test_compile_without_a_process_group_names_init_process_group():
 def test_infeasible_names_budget_mesh_and_offload():
     with pytest.raises(InfeasibleError) as info:
         autopar.plan(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8), cluster="cpu",
-                     memory_budget=1024)
+                     memory_budget=1024, checkpointing=False)
     message = str(info.value)
     assert "Raise the budget" in message and "larger mesh" in message
     assert 'offload="auto"' in message and "checkpointing=True" in message and "--offload auto" in message
     assert len(message.splitlines()) > 3  # the largest tensors, one a line
+    # checkpointing is allowed by default: the error says it was tried, and names offload
+    with pytest.raises(InfeasibleError) as info:
+        autopar.plan(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8), cluster="cpu",
+                     memory_budget=1024)
+    message = str(info.value)
+    assert "even with checkpointing every layer" in message and "Raise the budget" in message
+    assert 'offload="auto"' in message and "--offload auto" in message
 
 
 def test_different_graph_names_the_reshaped_input(mlp_plan):

@@ -376,8 +376,9 @@ def _infeasible(walk: _Walk, graph, keys, prefetch, budget, target, checkpointin
         f"{graph.mesh_shape}, even with {allowed}.\n  The leanest plan needs {peak:.0f} bytes "
         f"({peak / 2**20:.1f} MiB) per device, at {walk.timeline.time_name(time)}.\n"
         f"  Largest tensors alive there:\n{lines}\n"
-        "  Raise the budget, use a larger mesh, or reduce the batch size or sequence length."
-        + ("" if target else " offload='auto' would also offload to host memory or disk.")
+        "  Raise the budget, use a larger mesh, or reduce the batch size or sequence length"
+        + (", or use precision='bf16-mixed'." if target else
+           "; offload=\"auto\" (`autopar plan ... --offload auto`) would also offload to host memory or disk.")
     )
 
 
