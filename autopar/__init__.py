@@ -10,6 +10,7 @@
 from autopar.api import compile, hand_plan, plan
 from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
 from autopar.runtime.materialize import FromCheckpoint, SeededInit
+from autopar.ir.options import CommOptions
 from autopar.ir.plan import Plan
 from autopar.runtime.module import ParallelModule
 from autopar import checkpoint, optim
@@ -17,6 +18,7 @@ from autopar import checkpoint, optim
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommOptions",
     "plan",
     "compile",
     "hand_plan",

@@ -22,7 +22,7 @@ from autopar.runtime.materialize import FromCheckpoint, SeededInit, empty_shards
 from autopar.solver.hand_plans import resolve_kind, solve_hand_plan
 from autopar.solver.mesh_search import search_mesh
 from autopar.passes import check_plan_matches, default_passes, run_passes
-from autopar.ir.options import MemoryOptions, PipelineOptions, PlanOptions, check_mesh_devices
+from autopar.ir.options import CommOptions, MemoryOptions, PipelineOptions, PlanOptions, check_mesh_devices
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.ir.summary import format_bytes
 from autopar.ir.plan import Plan
@@ -243,6 +243,7 @@ def compile(
     offload: str = "off",
     checkpointing: bool | None = None,
     prefetch: bool = True,
+    comm: CommOptions | None = None,
 ) -> ParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
 
@@ -262,7 +263,13 @@ def compile(
     ``offload``, ``checkpointing`` and ``prefetch`` are ``autopar.plan``'s, for the solve;
     with a given plan, ``offload="disk:PATH"`` only says where its disk offload files go (a
     temporary directory otherwise). Step a module that offloads with ``autopar.optim.AdamW``.
+
+    ``comm`` (``autopar.CommOptions``) sets how parameter communication is scheduled: the
+    gradient bucket cap (DDP's 25 MiB by default) and how far sharded parameters are gathered
+    ahead of use; ``CommOptions(enabled=False)`` runs one synchronous collective per use.
     """
+    if comm is not None and not isinstance(comm, CommOptions):
+        raise TypeError(f"comm must be an autopar.CommOptions, got {comm!r}")
     mesh_shape = _mesh_shape(mesh)
     if not dist.is_available() or not dist.is_initialized():
         raise MeshError(
@@ -310,7 +317,7 @@ def compile(
     groups, coordinate = mesh_groups(mesh_shape)
     offloader = _offloader(chosen, offload, example_inputs, example_kwargs)
     fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
-    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups, offloader, fqns))
+    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups, offloader, fqns, comm))
     if isinstance(init, SeededInit):
         local = seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
     elif isinstance(init, FromCheckpoint):

@@ -13,6 +13,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
+from autopar.passes.schedule import bind_parameters
 from autopar.ops import collectives
 from autopar.ir.plan import Plan
 from autopar.ir.spec import Spec, is_strided, shard_tensor
@@ -110,6 +111,8 @@ class ParallelModule(torch.nn.Module):
         if offloader is not None:
             offloader.attach_grad_hooks({traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)})
         self._inputs = [(gi.name, gi.kind, gi.fqn) for gi in traced.inputs]
+        # The communication schedule's buckets and gathers read and write these shards.
+        bind_parameters(gm, {name: _lookup(self.module, fqn) for name, kind, fqn in self._inputs if kind == "param"})
         # The original state_dict()'s names, in its order: tied names, no non-persistent buffers.
         self._state_keys = [k for k in model.state_dict(keep_vars=True) if _has(self.module, k) or k in traced.ties]
         self._constants = dict(traced.constants)
