@@ -63,6 +63,11 @@ class Choice:
     fqn: str | None = None
     info: OpInfo | None = None
     grad_sync_bytes: list[float] = field(default_factory=list)
+    # Seconds of the bucketed gradient all-reduces of the parameters this op reads (also in
+    # ``compute_s``; the ILP takes back what backward compute hides of their sum), and the
+    # backward compute of the op, which can hide them.
+    param_sync_s: list[float] = field(default_factory=list)
+    backward_s: list[float] = field(default_factory=list)
 
     def out_specs(self, index: int) -> list[Spec]:
         """Distinct specs of output ``index`` over the strategies, in first-seen order."""
@@ -272,6 +277,9 @@ def _keep_only(choice: Choice, keep: list[int]) -> None:
     choice.compute_s = [choice.compute_s[i] for i in keep]
     choice.memory_bytes = [choice.memory_bytes[i] for i in keep]
     choice.grad_sync_bytes = [choice.grad_sync_bytes[i] for i in keep]
+    if choice.param_sync_s:
+        choice.param_sync_s = [choice.param_sync_s[i] for i in keep]
+        choice.backward_s = [choice.backward_s[i] for i in keep]
 
 
 def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec]:
@@ -322,30 +330,45 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict) -> Choice:
     # and prices: enumerate and price each distinct one once.
     key = (
         info.target, repr(info.kw), info.out_shapes, out_dtypes, needs_grad,
-        tuple(choices[n.name].requires_grad for n in input_nodes),
+        tuple((choices[n.name].requires_grad, choices[n.name].kind == "param") for n in input_nodes),
     )
     if key not in cache:
         cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad)
-    strategies, compute_s, memory_bytes, sync_bytes = cache[key]
+    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s = cache[key]
     return Choice(
         node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
-        needs_grad, info=info, grad_sync_bytes=sync_bytes,
+        needs_grad, info=info, grad_sync_bytes=sync_bytes, param_sync_s=param_sync_s, backward_s=backward_s,
     )
+
+
+def grad_sync_cost(arg, spec: Spec, axis: int, is_param: bool, mesh_shape, cluster) -> comm.CommCost:
+    """The backward all-reduce of an input's gradient on ``axis``: bucketed with the other
+    parameter gradients for a parameter (``comm.param_grad_sync_cost``), one all-reduce of its
+    own for an activation (``allreduce_grad``)."""
+    if is_param:
+        return comm.param_grad_sync_cost(arg.shape, spec, axis, arg.dtype, mesh_shape, cluster)
+    return comm.grad_allreduce_cost(arg.shape, spec, axis, arg.dtype, mesh_shape, cluster)
 
 
 def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad) -> tuple:
     strategies = node_strategies(info, mesh_shape)
-    compute_s, memory_bytes, sync_bytes = [], [], []
+    compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s = [], [], [], [], []
     for strategy in strategies:
-        seconds = compute.compute_cost_s(info, strategy, mesh_shape, cluster, needs_grad)
-        synced = 0.0
+        flops_s, bytes_s, factor = compute.roofline_terms(info, strategy, mesh_shape, cluster, needs_grad)
+        seconds = max(flops_s, bytes_s) * factor
+        backward_s.append(seconds * (factor - 1) / factor)
+        synced = param_synced_s = 0.0
         for index, arg in enumerate(info.inputs):
-            if not choices[input_nodes[index].name].requires_grad:
+            producer = choices[input_nodes[index].name]
+            if not producer.requires_grad:
                 continue
             for axis in grad_sync_axes(strategy, index):
-                cost = comm.grad_allreduce_cost(arg.shape, strategy.ins[index], axis, arg.dtype, mesh_shape, cluster)
+                cost = grad_sync_cost(arg, strategy.ins[index], axis, producer.kind == "param", mesh_shape, cluster)
                 seconds += cost.backward_s
+                if producer.kind == "param":
+                    param_synced_s += cost.backward_s
                 synced += cost.bytes_sent
+        param_sync_s.append(param_synced_s)
         for axis in strategy.kernel_axes:
             for num_bytes in kernel_all_reduce_bytes(info, strategy):
                 seconds += comm.all_reduce_s(num_bytes, axis, mesh_shape, cluster)
@@ -357,7 +380,7 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
             for shape, spec, out in zip(info.out_shapes, strategy.outs, _flatten(val))
         )
         memory_bytes.append(float(out_bytes))
-    return strategies, compute_s, memory_bytes, sync_bytes
+    return strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s
 
 
 # Kernels that all-reduce tensors of their own, beyond the redistributions of their inputs and

@@ -14,10 +14,15 @@ Variables
     A follower f of producer u (getitem, views, elementwise ops; ``choices._mark_followers``)
     has no variables of its own: x[f, s] ≡ Σ_{t ∈ S_u : out_j(t) = in_0(s)} x[u, t].
 
-Objective (seconds of one training step, forward and backward, no overlap assumed)
+Objective (seconds of one training step, forward and backward)
     min  Σ_n Σ_s c[n, s] · x[n, s]  +  Σ_e Σ_{(p,q) ∈ T_e} r[e, p, q] · y[e, p, q]
-    c = compute (roofline) + backward gradient all-reduces of the strategy;
+    c = compute (roofline) + backward gradient all-reduces of the strategy: an activation's
+        as one all-reduce, a parameter's as its share of a bucket (``comm.param_grad_sync_cost``);
     r = the collectives of ``spec.transition_steps(p, q)`` and their backward duals.
+    The objective counts every bucket as exposed: an upper bound on the step. What backward
+    compute hides of them depends on the order of all buckets, one row over every x; such a
+    row (E ≥ Σ (g − b)·x) made CBC miss optimality on a 3-layer LLaMA in 120 s, so it is
+    priced on the solved plan instead (``solver.comm_schedule``, ``predicted.exposed_grad_sync_s``).
 
 Constraints
     pick[n]:           Σ_s x[n, s] = 1                                        ∀ n ∈ N
