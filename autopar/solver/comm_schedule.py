@@ -15,6 +15,7 @@ exposed-communication term needs (``comm.exposed_grad_sync_s``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate, Shard
@@ -140,4 +141,20 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             break
         last_bucket_s += seconds
         filled += nbytes
+    if synced:
+        # Each member paid bytes/cap of its bucket's latency (``comm.param_grad_sync_cost``); the
+        # buckets pay it whole: ceil(bytes / cap) latencies over the step, one in the last bucket.
+        latency = _bucket_latency_s(graph.mesh_shape, cluster)
+        total_bytes = sum(nbytes for _, _, nbytes in synced)
+        paid = latency * sum(min(1.0, nbytes / bucket_cap_bytes) for _, _, nbytes in synced)
+        owed = latency * max(1, math.ceil(total_bytes / bucket_cap_bytes))
+        sync_s += max(0.0, owed - paid)
+        delta_s += max(0.0, owed - paid)
+        last_bucket_s += latency * (1.0 - min(1.0, filled / bucket_cap_bytes))
     return ParamSchedule(delta_s, delta_bytes, per_axis, sync_s, backward_s, last_bucket_s)
+
+
+def _bucket_latency_s(mesh, cluster: ClusterSpec) -> float:
+    """2(k-1)·α of the widest axis: one bucket's latency (an upper bound on a multi-axis mesh)."""
+    return max((2 * (k - 1) * cluster.axis_link(mesh, axis).latency_s for axis, k in enumerate(mesh) if k > 1),
+               default=0.0)
