@@ -63,9 +63,9 @@ class Choice:
     fqn: str | None = None
     info: OpInfo | None = None
     grad_sync_bytes: list[float] = field(default_factory=list)
-    # Seconds of the bucketed gradient all-reduces of the parameters this op reads (also in
-    # ``compute_s``; the ILP takes back what backward compute hides of their sum), and the
-    # backward compute of the op, which can hide them.
+    # Seconds of the gradient all-reduces of the parameters this op reads (in ``compute_s``; the
+    # runtime buckets them, see ``solver.comm_schedule``), and the backward compute of the op,
+    # which can hide them.
     param_sync_s: list[float] = field(default_factory=list)
     backward_s: list[float] = field(default_factory=list)
 
@@ -342,11 +342,15 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict) -> Choice:
 
 
 def grad_sync_cost(arg, spec: Spec, axis: int, is_param: bool, mesh_shape, cluster) -> comm.CommCost:
-    """The backward all-reduce of an input's gradient on ``axis``: bucketed with the other
-    parameter gradients for a parameter (``comm.param_grad_sync_cost``), one all-reduce of its
-    own for an activation (``allreduce_grad``)."""
-    if is_param:
-        return comm.param_grad_sync_cost(arg.shape, spec, axis, arg.dtype, mesh_shape, cluster)
+    """The backward all-reduce of an input's gradient on ``axis``, as the ILP prices it: one
+    all-reduce per use, latency included, for activations and parameters alike.
+
+    The runtime reduces parameter gradients once per parameter, in buckets that overlap backward
+    (``passes.schedule``), which ``solver.comm_schedule`` prices on the solved plan
+    (``comm.param_grad_sync_cost``). The ILP keeps the per-use price, an upper bound, for now:
+    with the bucketed price the golden plans move (Megatron's small-model layout, GPT-2's
+    head-split ``c_attn`` under a tight budget), and re-deciding them is a change of its own.
+    ``is_param`` marks the terms the plan re-prices (``Choice.param_sync_s``)."""
     return comm.grad_allreduce_cost(arg.shape, spec, axis, arg.dtype, mesh_shape, cluster)
 
 

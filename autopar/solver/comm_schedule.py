@@ -1,13 +1,16 @@
 """Price a solution's parameter communication as the runtime schedules it (``passes.schedule``).
 
 The choice graph prices each edge and each consumer on its own: an all-gather per sharded use of a
-parameter, a gradient all-reduce per use that needs one. The runtime merges them per parameter:
+parameter, a gradient all-reduce (latency included) per use that needs one. The runtime merges
+them per parameter and buckets the reductions:
 
 - every use that all-reduces a replicated parameter's gradient over the same axes shares one
   bucket slot, so the parameter's gradient is all-reduced once;
 - a parameter sharded on one axis, whose every gathered use needs the gradient summed on exactly
   that axis (and no use all-reduces it whole), is all-gathered once, and its gradient is
-  reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces.
+  reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces;
+- each reduction pays its bytes and its share of a bucket's latency
+  (``comm.param_grad_sync_cost``); the buckets pay ceil(bytes / cap) latencies in all.
 
 ``param_schedule`` returns the difference between the two, and the totals that the step's
 exposed-communication term needs (``comm.exposed_grad_sync_s``).
@@ -90,23 +93,17 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             ((axes, members),) = syncs.items()
             local = memory.local_bytes(arg_shape, dtype, src, mesh)
             one = [comm.param_grad_sync_cost(arg_shape, src, a, dtype, mesh, cluster, bucket_cap_bytes) for a in axes]
-            # priced once per use; run once
-            for cost in one:
-                delta_s -= (len(members) - 1) * cost.backward_s
+            priced = [comm.grad_allreduce_cost(arg_shape, src, a, dtype, mesh, cluster) for a in axes]
+            # priced once per use, with a latency each; run once, in a bucket
+            for cost, per_use in zip(one, priced):
+                delta_s += cost.backward_s - len(members) * per_use.backward_s
                 delta_bytes -= (len(members) - 1) * cost.bytes_sent
                 for axis, sent in cost.bytes_per_axis:
                     per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * sent
             seconds = sum(cost.backward_s for cost in one)
             sync_s += seconds
             synced.append((min(order[e.consumer] for e, _ in members), seconds, local))
-        elif syncs:
-            for axes, members in syncs.items():
-                for _ in members:
-                    seconds = sum(comm.param_grad_sync_cost(arg_shape, src, a, dtype, mesh, cluster, bucket_cap_bytes).backward_s
-                                  for a in axes)
-                    sync_s += seconds
-                    synced.append((min(order[e.consumer] for e, _ in members), seconds,
-                                   memory.local_bytes(arg_shape, dtype, src, mesh)))
+        # Uses that reduce over different axes keep an all-reduce each, as priced (synchronous).
         if len(gathers) == 1 and not syncs:
             (((axis, dim, reduce), members),) = gathers.items()
             dst = members[0][1]
@@ -119,7 +116,7 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             delta_bytes -= (len(members) - 1) * gather_sent
             per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * gather_sent
             if reduce:
-                priced = comm.param_grad_sync_cost(arg_shape, dst, axis, dtype, mesh, cluster, bucket_cap_bytes)
+                priced = comm.grad_allreduce_cost(arg_shape, dst, axis, dtype, mesh, cluster)
                 link = cluster.axis_link(mesh, axis)
                 scatter_sent = comm.bytes_sent("reduce_scatter", whole, k)
                 scatter_s = ((k - 1) * link.latency_s * min(1.0, whole / bucket_cap_bytes)

@@ -16,13 +16,13 @@ Variables
 
 Objective (seconds of one training step, forward and backward)
     min  Σ_n Σ_s c[n, s] · x[n, s]  +  Σ_e Σ_{(p,q) ∈ T_e} r[e, p, q] · y[e, p, q]
-    c = compute (roofline) + backward gradient all-reduces of the strategy: an activation's
-        as one all-reduce, a parameter's as its share of a bucket (``comm.param_grad_sync_cost``);
+    c = compute (roofline) + backward gradient all-reduces of the strategy, one per use;
     r = the collectives of ``spec.transition_steps(p, q)`` and their backward duals.
-    The objective counts every bucket as exposed: an upper bound on the step. What backward
-    compute hides of them depends on the order of all buckets, one row over every x; such a
-    row (E ≥ Σ (g − b)·x) made CBC miss optimality on a 3-layer LLaMA in 120 s, so it is
-    priced on the solved plan instead (``solver.comm_schedule``, ``predicted.exposed_grad_sync_s``).
+    The runtime merges a parameter's gradient reductions into buckets that overlap backward
+    (``passes.schedule``); that is priced on the solved plan (``solver.comm_schedule``,
+    ``predicted.exposed_grad_sync_s``), and c stays an upper bound. Pricing what backward hides
+    inside the ILP needs a row over every x (E ≥ Σ (g − b)·x); that row made CBC miss
+    optimality on a 3-layer LLaMA in 120 s.
 
 Constraints
     pick[n]:           Σ_s x[n, s] = 1                                        ∀ n ∈ N
