@@ -22,11 +22,14 @@ from autopar.zoo.models import build_model, example_batch
 
 # Wide enough, and a batch large enough, that the cpu preset splits the batch: DDP's pattern.
 CONFIG = dict(vocab_size=1024, block_size=64, n_layer=2, n_head=4, n_embd=128)
+# bench_vs_torch's GPT, one layer: there the fsdp plan splits the batch too, so the gathered
+# parameters' gradients are partial sums (reduce-scattered).
+FSDP_CONFIG = dict(vocab_size=4096, block_size=128, n_layer=1, n_head=8, n_embd=256)
 
 
-def _rewritten(kind: str, options: CommOptions | None = None):
-    model = build_model("gpt", seed=0, **CONFIG)
-    batch = example_batch("gpt", 16, seed=1, **CONFIG)
+def _rewritten(kind: str, options: CommOptions | None = None, config: dict = CONFIG):
+    model = build_model("gpt", seed=0, **config)
+    batch = example_batch("gpt", 16, seed=1, **config)
     plan = autopar.hand_plan(kind, model, (2,), example_inputs=batch, cluster="cpu")
     traced = trace(model, batch)
     fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
@@ -86,7 +89,7 @@ def test_disabled_schedule_keeps_one_collective_per_use():
 
 
 def test_fsdp_gathers_once_and_reduce_scatters():
-    gm, plan, traced = _rewritten("fsdp")
+    gm, plan, traced = _rewritten("fsdp", config=FSDP_CONFIG)
     params = {gi.name for gi in traced.inputs if gi.kind == "param"}
     gathered = [n for n in _param_collectives(gm, params) if n.target is collectives.all_gather]
     assert not gathered, f"every 1-axis parameter gather is scheduled: {[n.format_node() for n in gathered]}"
@@ -100,5 +103,5 @@ def test_fsdp_gathers_once_and_reduce_scatters():
         fqn = next(gi.fqn for gi in traced.inputs if gi.name == slot.key)
         shard_dim = plan.params[fqn][0].dim
         assert slot.dim == shard_dim
-        full = dict(build_model("gpt", seed=0, **CONFIG).named_parameters(remove_duplicate=False))[fqn]
+        full = dict(build_model("gpt", seed=0, **FSDP_CONFIG).named_parameters(remove_duplicate=False))[fqn]
         assert slot.shape == tuple(full.shape)
