@@ -127,6 +127,7 @@ class GradBuckets(torch.nn.Module):
             self._offsets.append(offsets)
         self._params: dict[str, torch.Tensor] = {}
         self._pending: list[_Pending | None] | None = None
+        self._task = -1  # the autograd graph task the pending buckets belong to
 
     def bind(self, params: dict[str, torch.Tensor]) -> None:
         missing = [slot.key for bucket in self.buckets for slot in bucket.slots if slot.key not in params]
@@ -143,8 +144,12 @@ class GradBuckets(torch.nn.Module):
     # -- backward -------------------------------------------------------------------------
 
     def add(self, key: str, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._pending is not None and task != self._task:
+            self._drop()  # a backward that raised before its end left buckets half full
         if self._pending is None:
             self._pending = [None] * len(self.buckets)
+            self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         index, position = self._where[key]
         bucket = self.buckets[index]
@@ -193,6 +198,13 @@ class GradBuckets(torch.nn.Module):
             pending.out = torch.empty(pending.flat.numel() // self._k(index), dtype=pending.flat.dtype,
                                       device=pending.flat.device)
             pending.work = collectives.start_reduce_scatter(pending.out, pending.flat, group_name)
+
+    def _drop(self) -> None:
+        """Forget the buckets of an unfinished backward (waiting for what was launched)."""
+        pending_all, self._pending = self._pending, None
+        for index, pending in enumerate(pending_all or ()):
+            if pending is not None and pending.work is not None:
+                collectives.wait(pending.work, self.buckets[index].groups[0])
 
     def _finish(self) -> None:
         pending_all, self._pending = self._pending, None
