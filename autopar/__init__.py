@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from autopar import checkpoint, optim
     from autopar.api import compile, hand_plan, plan
     from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
-    from autopar.ir.options import MixedPrecision
+    from autopar.ir.options import CommOptions, MixedPrecision
     from autopar.ir.plan import Plan
     from autopar.runtime.materialize import FromCheckpoint, SeededInit
     from autopar.runtime.module import ParallelModule
@@ -32,6 +32,7 @@ _EXPORTS = {
     "hand_plan": "autopar.api",
     "Plan": "autopar.ir.plan",
     "MixedPrecision": "autopar.ir.options",
+    "CommOptions": "autopar.ir.options",
     "SeededInit": "autopar.runtime.materialize",
     "FromCheckpoint": "autopar.runtime.materialize",
     "ParallelModule": "autopar.runtime.module",
@@ -46,6 +47,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "CommOptions",
     "plan",
     "compile",
     "hand_plan",

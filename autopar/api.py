@@ -23,7 +23,7 @@ from autopar.solver.hand_plans import resolve_kind, solve_hand_plan
 from autopar.solver.mesh_search import search_mesh
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.ir.options import (
-    MemoryOptions, MixedPrecision, PipelineOptions, PlanOptions, check_mesh_devices, precision_policy,
+    CommOptions, MemoryOptions, MixedPrecision, PipelineOptions, PlanOptions, check_mesh_devices, precision_policy,
 )
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.ir.summary import format_bytes
@@ -265,6 +265,7 @@ def compile(
     checkpointing: bool | None = None,
     prefetch: bool = True,
     precision: str | MixedPrecision | None = None,
+    comm: CommOptions | None = None,
 ) -> ParallelModule | PipelineParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
 
@@ -288,7 +289,12 @@ def compile(
     ``cluster`` None prices the machine this runs on (``cost.cluster.local_cluster``: its CUDA
     device's preset, or "cpu"). ``precision`` is ``autopar.plan``'s; the runtime carries out
     "32-true" only so far, and refuses a policy (or plan) that changes dtypes.
+    ``comm`` (``autopar.CommOptions``) sets how parameter communication is scheduled: the
+    gradient bucket cap (DDP's 25 MiB by default) and how far sharded parameters are gathered
+    ahead of use; ``CommOptions(enabled=False)`` runs one synchronous collective per use.
     """
+    if comm is not None and not isinstance(comm, CommOptions):
+        raise TypeError(f"comm must be an autopar.CommOptions, got {comm!r}")
     mesh_shape = _mesh_shape(mesh)
     if not dist.is_available() or not dist.is_initialized():
         raise MeshError(
@@ -339,7 +345,7 @@ def compile(
     groups, coordinate = mesh_groups(mesh_shape)
     offloader = _offloader(chosen, offload, example_inputs, example_kwargs)
     fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
-    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups, offloader, fqns))
+    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups, offloader, fqns, comm))
     if isinstance(init, SeededInit):
         local = seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
     elif isinstance(init, FromCheckpoint):

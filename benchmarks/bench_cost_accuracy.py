@@ -161,11 +161,11 @@ class CountBytes:
         self.originals: dict[str, Any] = {}
 
     def __enter__(self) -> "CountBytes":
-        def wrap(name: str, kind: str):
+        def wrap(name: str, kind: str, position: int = 0):
             original = getattr(collectives, name)
 
-            def counted(x, *args):
-                group_name = args[-1]
+            def counted(*args):
+                x, group_name = args[position], args[-1]
                 k = collectives.group_size(group_name)
                 size = x.numel() * x.element_size()
                 self.calls.append((kind, k, size))
@@ -173,7 +173,7 @@ class CountBytes:
                 as_run = bytes_sent(kind, size * k if kind == "all_gather" else size, k)
                 self.sent_as_run += as_run
                 self.sent += bytes_sent("all_to_all", size, k) if self.in_all_to_all else as_run
-                return original(x, *args)
+                return original(*args)
 
             self.originals[name] = original
             setattr(collectives, name, counted)
@@ -193,6 +193,10 @@ class CountBytes:
         wrap("_all_reduce", "all_reduce")
         wrap("_all_gather", "all_gather")
         wrap("_reduce_scatter", "reduce_scatter")
+        # the scheduled parameter communication (gradient buckets, parameter gathers)
+        wrap("start_all_reduce", "all_reduce")
+        wrap("start_reduce_scatter", "reduce_scatter", position=1)
+        wrap("start_all_gather", "all_gather", position=1)
         return self
 
     def __exit__(self, *exc) -> None:

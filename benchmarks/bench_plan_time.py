@@ -42,7 +42,7 @@ def plan_stages(n_layer: int, mesh: tuple[int, ...], cluster: str, width: int, b
     solution = solve_ilp(ilp, time_limit_s=600)
     times["solve_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    plan = plan_from_solution(traced, graph, solution, spec.name, None)
+    plan = plan_from_solution(traced, graph, solution, spec, None)
     times["plan_s"] = time.perf_counter() - start
     times["total_s"] = sum(times.values())
     return {

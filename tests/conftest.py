@@ -41,12 +41,19 @@ def eager_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}
 
 
+# The scheduled parameter communication (``passes.schedule``) as the collectives it replaces: a
+# parameter's gather is an all-gather, its gradient bucket slot a gradient all-reduce.
+_SCHEDULED = {"param_gathers": "all_gather", "grad_buckets": "allreduce_grad"}
+
+
 def collective_counts(pm: torch.nn.Module) -> dict[str, int]:
     """How many times the compiled module's graph calls each autopar collective, by name."""
     counts: dict[str, int] = {}
     for node in pm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "__module__", "") == "autopar.ops.collectives":
             counts[node.target.__name__] = counts.get(node.target.__name__, 0) + 1
+        elif node.op == "call_module" and node.target in _SCHEDULED:
+            counts[_SCHEDULED[node.target]] = counts.get(_SCHEDULED[node.target], 0) + 1
     return counts
 
 

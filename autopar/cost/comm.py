@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 
 from autopar.cost.cluster import ClusterSpec, LinkSpec
+from autopar.ir.options import CommOptions
 from autopar.ir.spec import R, Spec, local_shape, transition_steps
 
 
@@ -251,6 +252,43 @@ def grad_allreduce_cost(
     )
 
 
+# A parameter gradient is reduced in a bucket with others (``ops.buckets``).
+DEFAULT_BUCKET_CAP_BYTES = CommOptions().bucket_cap_bytes
+
+
+def param_grad_sync_cost(
+    global_shape: Sequence[int],
+    spec_of_input: Spec,
+    axis: int,
+    dtype: torch.dtype,
+    mesh_shape: Sequence[int],
+    cluster: ClusterSpec,
+    bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_BYTES,
+) -> CommCost:
+    """A parameter gradient's share of the bucketed all-reduce on ``axis`` that the runtime
+    runs (``ops.buckets``): its bandwidth term, and the latency of one bucket per
+    ``bucket_cap_bytes`` (a bucket pays 2(k-1)·α once for all its members):
+    2(k-1)·α·bytes/cap + 2(k-1)/k · bytes/β. Whether backward compute hides it is priced over
+    the whole step (``exposed_grad_sync_s``), not here."""
+    local_bytes = _bytes(local_shape(global_shape, spec_of_input, mesh_shape), dtype)
+    k, link = _axis(axis, mesh_shape, cluster)
+    sent = bytes_sent("all_reduce", local_bytes, k)
+    if k == 1:
+        return ZERO
+    seconds = 2 * (k - 1) * link.latency_s * min(1.0, local_bytes / bucket_cap_bytes) + sent / link.bandwidth_bytes_per_s
+    return CommCost(0.0, seconds, sent, ((axis, sent),) if sent else ())
+
+
+def exposed_grad_sync_s(sync_s: float, backward_compute_s: float, last_bucket_s: float) -> float:
+    """Seconds of bucketed gradient reductions that backward compute does not hide.
+
+    Buckets launch as backward produces their gradients and run one after another, so at best
+    all but the last bucket hide behind the backward compute still to run; the last one
+    (launched when backward ends) is always exposed:
+    max(last bucket, total − backward compute)."""
+    return max(min(last_bucket_s, sync_s), sync_s - backward_compute_s, 0.0)
+
+
 def send_recv_s(num_bytes: float, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> float:
     """One point-to-point send of ``num_bytes`` between neighbours on ``axis`` (pipeline stages):
     α + bytes/β; the sender sends ``num_bytes``. 0 when the axis has one rank."""
@@ -271,4 +309,7 @@ __all__ = [
     "transition_cost",
     "transition_bytes_per_axis",
     "grad_allreduce_cost",
+    "param_grad_sync_cost",
+    "exposed_grad_sync_s",
+    "DEFAULT_BUCKET_CAP_BYTES",
 ]

@@ -39,6 +39,31 @@ class SolveOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class CommOptions:
+    """How the runtime schedules parameter communication (``passes.schedule``, ``ops.buckets``).
+
+    Gradient reductions go in buckets of at most ``bucket_cap_bytes`` (DDP's 25 MiB), the first
+    of at most ``first_bucket_cap_bytes`` (DDP's 1 MiB, so that communication starts early in
+    backward; None: the same cap); sharded parameters are all-gathered up to
+    ``prefetch_bytes`` ahead of their use in forward. ``enabled=False`` runs one synchronous
+    collective per use, as the graph's collectives say (for comparison)."""
+
+    bucket_cap_bytes: int = 25 * 2**20
+    first_bucket_cap_bytes: int | None = 2**20
+    prefetch_bytes: int = 4 * 2**20
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_cap_bytes", "first_bucket_cap_bytes", "prefetch_bytes"):
+            value = getattr(self, name)
+            if value is None and name == "first_bucket_cap_bytes":
+                continue
+            if not _is_int(value) or value < (0 if name == "prefetch_bytes" else 1):
+                least = "0" if name == "prefetch_bytes" else "1"
+                raise ValueError(f"CommOptions.{name} is a number of bytes of at least {least}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryOptions:
     """What the plan may do to fit ``budget`` bytes per device. None (the default) is the
     cluster's device memory less its reserve (``cost.cluster.ClusterSpec.default_memory_budget``);

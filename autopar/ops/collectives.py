@@ -169,6 +169,36 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     return funcol.wait_tensor(_scatter_along(x.contiguous(), "sum", dim, group_name))
 
 
+# Asynchronous collectives on whole flat buffers, for the scheduled parameter communication
+# (``autopar.buckets``): each returns the work handle to wait on. The names say what they run,
+# so that byte counters can wrap them like the functions above.
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@_guarded("all-reduce (gradient bucket)")
+def start_all_reduce(x: torch.Tensor, group_name: str):
+    """Sum ``x`` in place over the group; returns the work handle."""
+    return dist.all_reduce(x, group=_resolve_process_group(group_name), async_op=True)
+
+
+@_guarded("reduce-scatter (gradient bucket)")
+def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group_name: str):
+    """``out`` = chunk ``rank`` (along dim 0) of the sum of ``x`` over the group; returns the work."""
+    return _reduce_scatter_into(out, x, group=_resolve_process_group(group_name), async_op=True)
+
+
+@_guarded("all-gather (parameter)")
+def start_all_gather(out: torch.Tensor, x: torch.Tensor, group_name: str):
+    """``out`` = every rank's ``x`` concatenated along dim 0; returns the work."""
+    return _all_gather_into(out, x, group=_resolve_process_group(group_name), async_op=True)
+
+
+@_guarded("wait")
+def wait(work, group_name: str) -> None:
+    work.wait()
+
+
 def _chunk(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
     pg = _resolve_process_group(group_name)
     if blocks > 1:

@@ -13,6 +13,8 @@ import torch.fx
 from autopar.errors import PassError, PlanError
 from autopar.passes.memory import checkpoint_segments, offload_activations, offload_params
 from autopar.passes.rewrite import insert_collectives, localize_shapes, use_kernels
+from autopar.passes.schedule import schedule_communication
+from autopar.ir.options import CommOptions
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 
@@ -21,14 +23,17 @@ log = logging.getLogger("autopar")
 Pass = Callable[[torch.fx.GraphModule, Plan], torch.fx.GraphModule]
 
 
-def default_passes(groups: Sequence[str], offloader=None, fqns: Mapping[str, str] | None = None) -> list[Pass]:
+def default_passes(groups: Sequence[str], offloader=None, fqns: Mapping[str, str] | None = None,
+                   comm: CommOptions | None = None) -> list[Pass]:
     """The passes ``compile`` runs, in order. ``groups`` are the mesh axes' process-group names;
     ``offloader`` (``autopar.runtime.offload.Offloader``) and ``fqns`` (placeholder name →
-    canonical parameter FQN) serve a plan that offloads parameters."""
+    canonical parameter FQN) serve a plan that offloads parameters, and the communication
+    schedule (``comm``), which needs parameters to bind."""
     return [
         localize_shapes,
         functools.partial(use_kernels, groups=tuple(groups)),
         functools.partial(insert_collectives, groups=tuple(groups)),
+        functools.partial(schedule_communication, groups=tuple(groups), fqns=fqns, options=comm),
         functools.partial(offload_params, offloader=offloader, fqns=fqns),
         functools.partial(offload_activations, offloader=offloader),
         checkpoint_segments,
@@ -113,4 +118,4 @@ def graph_input_changes(chosen: Plan, traced: TracedModel, limit: int = 8) -> li
 
 
 __all__ = ["check_plan_matches", "default_passes", "run_passes", "insert_collectives", "localize_shapes", "use_kernels", "offload_params",
-           "checkpoint_segments"]
+           "checkpoint_segments", "schedule_communication"]

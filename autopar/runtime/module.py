@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
+from autopar.passes.schedule import bind_parameters
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
@@ -79,6 +80,8 @@ class ParallelModule(ShardedModule):
             attach(self.module, fqn, value, graph_input.kind)
         if offloader is not None:
             offloader.attach_grad_hooks({traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)})
+        # The communication schedule's buckets and gathers read and write these shards.
+        bind_parameters(gm, {name: lookup(self.module, fqn) for name, kind, fqn in self._inputs if kind == "param"})
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         user = iter(self._user_inputs(args, kwargs))

@@ -17,6 +17,7 @@ from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver import backends
 from autopar.solver.backends import SOLVERS, check_solver
 from autopar.solver.choices import ChoiceGraph, build_choice_graph, grad_sync_bytes_per_axis
+from autopar.solver.comm_schedule import param_schedule
 from autopar.solver.runner_ups import explain_decisions
 from autopar.solver.budget import MILP_GAP, solve_under_budget
 from autopar.solver.ilp import ShardingILP, Solution
@@ -86,7 +87,7 @@ def solve(
             solution = _leanest(graph, time_limit_s, solver)
         if not solution.choice:
             raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
-    plan = plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
+    plan = plan_from_solution(traced, graph, solution, cluster, memory_budget)
     if memory_budget is not None and (checkpointing or offload) and plan.predicted["peak_memory_bytes"] > memory_budget:
         plan = _with_memory_decisions(plan, traced, graph, solution, cluster, memory_budget, offload, checkpointing, prefetch)
     if solution is not unbounded and unbounded.choice and (checkpointing or offload):
@@ -212,7 +213,7 @@ def plan_from_solution(
     traced: TracedModel,
     graph: ChoiceGraph,
     solution: Solution,
-    cluster_name: str,
+    cluster: ClusterSpec,
     memory_budget: float | None,
 ) -> Plan:
     nodes: dict[str, NodePlan] = {}
@@ -259,12 +260,20 @@ def plan_from_solution(
                 src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad, edge.grad_dtype
             ).items():
                 per_axis[axis] += axis_sent
+    # As the runtime schedules parameter communication (``passes.schedule``): one reduction and
+    # one gather per parameter, FSDP's reduce-scatter, and only the exposed part of the buckets.
+    schedule = param_schedule(graph, solution.choice, cluster)
+    comm_bytes += schedule.delta_bytes
+    for axis, sent in schedule.delta_bytes_per_axis.items():
+        per_axis[axis] += sent
     chosen = chosen_bytes(graph, solution)
     peak_bytes, peak_time = graph.timeline.peak(chosen)
     predicted = {
-        "step_time_s": compute_s + reshard_s,
+        "step_time_s": compute_s + reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s,
         "compute_s": compute_s,
         "reshard_s": reshard_s,
+        "grad_sync_s": schedule.sync_s,
+        "exposed_grad_sync_s": schedule.exposed_s,
         "peak_memory_bytes": int(peak_bytes),
         "peak_memory_at": graph.timeline.time_name(peak_time),
         "memory_at_peak_bytes": {k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},

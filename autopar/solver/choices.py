@@ -66,6 +66,11 @@ class Choice:
     # Per tensor input: the dtype its gradient all-reduces run in, where not the input's own
     # (the cast of a parameter under a precision policy carries its ``reduce_dtype``).
     sync_dtypes: tuple[torch.dtype | None, ...] = ()
+    # Seconds of the gradient all-reduces of the parameters this op reads (in ``compute_s``; the
+    # runtime buckets them, see ``solver.comm_schedule``), and the backward compute of the op,
+    # which can hide them.
+    param_sync_s: list[float] = field(default_factory=list)
+    backward_s: list[float] = field(default_factory=list)
 
     def out_specs(self, index: int) -> list[Spec]:
         """Distinct specs of output ``index`` over the strategies, in first-seen order."""
@@ -318,6 +323,9 @@ def _keep_only(choice: Choice, keep: list[int]) -> None:
     choice.compute_s = [choice.compute_s[i] for i in keep]
     choice.memory_bytes = [choice.memory_bytes[i] for i in keep]
     choice.grad_sync_bytes = [choice.grad_sync_bytes[i] for i in keep]
+    if choice.param_sync_s:
+        choice.param_sync_s = [choice.param_sync_s[i] for i in keep]
+        choice.backward_s = [choice.backward_s[i] for i in keep]
 
 
 def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec]:
@@ -369,14 +377,15 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict) -> Choice:
     sync_dtypes = tuple(reduce_dtype(n) for n in input_nodes)
     key = (
         info.target, repr(info.kw), info.out_shapes, out_dtypes, needs_grad,
-        tuple(choices[n.name].requires_grad for n in input_nodes), sync_dtypes,
+        tuple((choices[n.name].requires_grad, choices[n.name].kind == "param") for n in input_nodes), sync_dtypes,
     )
     if key not in cache:
         cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes)
-    strategies, compute_s, memory_bytes, sync_bytes = cache[key]
+    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s = cache[key]
     return Choice(
         node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
-        needs_grad, info=info, grad_sync_bytes=sync_bytes, sync_dtypes=sync_dtypes,
+        needs_grad, info=info, grad_sync_bytes=sync_bytes, sync_dtypes=sync_dtypes, param_sync_s=param_sync_s,
+        backward_s=backward_s,
     )
 
 
@@ -386,20 +395,41 @@ def reduce_dtype(node: torch.fx.Node) -> torch.dtype | None:
     return node.meta.get("autopar", {}).get("reduce_dtype")
 
 
+def grad_sync_cost(arg, spec: Spec, axis: int, is_param: bool, mesh_shape, cluster,
+                   dtype: torch.dtype | None = None) -> comm.CommCost:
+    """The backward all-reduce of an input's gradient on ``axis``, as the ILP prices it: one
+    all-reduce per use, latency included, for activations and parameters alike.
+
+    The runtime reduces parameter gradients once per parameter, in buckets that overlap backward
+    (``passes.schedule``), which ``solver.comm_schedule`` prices on the solved plan
+    (``comm.param_grad_sync_cost``). The ILP keeps the per-use price, an upper bound, for now:
+    with the bucketed price the golden plans move (Megatron's small-model layout, GPT-2's
+    head-split ``c_attn`` under a tight budget), and re-deciding them is a change of its own.
+    ``is_param`` marks the terms the plan re-prices (``Choice.param_sync_s``); ``dtype`` is the
+    reduction's, where a precision policy sets one (else the argument's)."""
+    return comm.grad_allreduce_cost(arg.shape, spec, axis, dtype or arg.dtype, mesh_shape, cluster)
+
+
 def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes) -> tuple:
     strategies = node_strategies(info, mesh_shape)
-    compute_s, memory_bytes, sync_bytes = [], [], []
+    compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s = [], [], [], [], []
     for strategy in strategies:
-        seconds = compute.compute_cost_s(info, strategy, mesh_shape, cluster, needs_grad)
-        synced = 0.0
+        flops_s, bytes_s, factor = compute.roofline_terms(info, strategy, mesh_shape, cluster, needs_grad)
+        seconds = max(flops_s, bytes_s) * factor
+        backward_s.append(seconds * (factor - 1) / factor)
+        synced = param_synced_s = 0.0
         for index, arg in enumerate(info.inputs):
-            if not choices[input_nodes[index].name].requires_grad:
+            producer = choices[input_nodes[index].name]
+            if not producer.requires_grad:
                 continue
             for axis in grad_sync_axes(strategy, index):
-                dtype = sync_dtypes[index] or arg.dtype
-                cost = comm.grad_allreduce_cost(arg.shape, strategy.ins[index], axis, dtype, mesh_shape, cluster)
+                cost = grad_sync_cost(arg, strategy.ins[index], axis, producer.kind == "param", mesh_shape, cluster,
+                                      sync_dtypes[index])
                 seconds += cost.backward_s
+                if producer.kind == "param":
+                    param_synced_s += cost.backward_s
                 synced += cost.bytes_sent
+        param_sync_s.append(param_synced_s)
         for axis in strategy.kernel_axes:
             for num_bytes in kernel_all_reduce_bytes(info, strategy):
                 seconds += comm.all_reduce_s(num_bytes, axis, mesh_shape, cluster)
@@ -411,7 +441,7 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
             for shape, spec, out in zip(info.out_shapes, strategy.outs, _flatten(val))
         )
         memory_bytes.append(float(out_bytes))
-    return strategies, compute_s, memory_bytes, sync_bytes
+    return strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s
 
 
 # Kernels that all-reduce tensors of their own, beyond the redistributions of their inputs and

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.cost import comm
 from autopar.cost.cluster import ClusterSpec
-from autopar.solver.choices import ChoiceGraph, grad_sync_axes
+from autopar.solver.choices import ChoiceGraph, grad_sync_axes, grad_sync_cost
 from autopar.solver.ilp import Solution
 from autopar.ir.spec import format_spec
 
@@ -165,8 +164,8 @@ def _grad_sync_s(graph: ChoiceGraph, cluster: ClusterSpec, name: str, index: int
         if not graph.choices[choice.inputs[i][0]].requires_grad:
             continue
         for axis in grad_sync_axes(strategy, i):
-            cost = comm.grad_allreduce_cost(arg.shape, strategy.ins[i], axis, arg.dtype, graph.mesh_shape, cluster)
-            seconds += cost.backward_s
+            is_param = graph.choices[choice.inputs[i][0]].kind == "param"
+            seconds += grad_sync_cost(arg, strategy.ins[i], axis, is_param, graph.mesh_shape, cluster).backward_s
     return seconds
 
 

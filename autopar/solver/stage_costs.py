@@ -44,7 +44,7 @@ import numpy as np
 
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
-from autopar.solver.choices import ChoiceGraph, Choice, build_choice_graph, grad_sync_axes, layer_key
+from autopar.solver.choices import ChoiceGraph, Choice, build_choice_graph, grad_sync_axes, grad_sync_cost, layer_key
 from autopar.solver.ilp import MEMORY_UNIT, ShardingILP, Solution, weighted_sum
 from autopar.solver.solving import peak_memory, solve_ilp, solve_within_budget
 from autopar.trace import TracedModel
@@ -204,12 +204,13 @@ def split_op_costs(graph: ChoiceGraph, cluster: ClusterSpec) -> OpSplit:
         params = tuple(param_rooted(p) for p, _ in choice.inputs)
         key = (id(choice.strategies), grads, params, choice.requires_grad)
         if key not in cache:
-            cache[key] = _split(choice, grads, params, mesh, cluster)
+            cache[key] = _split(choice, grads, params, mesh, cluster,
+                                tuple(graph.choices[p].kind == "param" for p, _ in choice.inputs))
         sync[name], forward[name] = cache[key]
     return OpSplit(sync, forward)
 
 
-def _split(choice: Choice, grads, params, mesh, cluster) -> tuple[list[float], list[float]]:
+def _split(choice: Choice, grads, params, mesh, cluster, placeholders) -> tuple[list[float], list[float]]:
     factor = 1.0 + compute.backward_factor(choice.info) if choice.requires_grad else 1.0
     syncs, forwards = [], []
     for index, strategy in enumerate(choice.strategies):
@@ -218,7 +219,7 @@ def _split(choice: Choice, grads, params, mesh, cluster) -> tuple[list[float], l
             if not grads[position]:
                 continue
             for axis in grad_sync_axes(strategy, position):
-                cost = comm.grad_allreduce_cost(arg.shape, strategy.ins[position], axis, arg.dtype, mesh, cluster)
+                cost = grad_sync_cost(arg, strategy.ins[position], axis, placeholders[position], mesh, cluster)
                 if params[position]:
                     param_s += cost.backward_s
                 else:

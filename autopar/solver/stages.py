@@ -556,7 +556,7 @@ def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_cos
     first = mesh_costs.candidates[0].solution
     solution = Solution(choice, edge_specs, first.status, search.step_time_s, first.solve_time_s,
                         first.num_variables, first.num_constraints, method=first.method, backend=first.backend)
-    base = plan_from_solution(traced, graph, solution, cluster.name, memory_budget)
+    base = plan_from_solution(traced, graph, solution, cluster, memory_budget)
     times = [s.time_s for s in search.stages]
     pipeline = StagePlan(
         num_microbatches=search.num_microbatches, schedule=schedule_for(search.num_stages, search.num_microbatches),

@@ -33,7 +33,7 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.ir.plan import Plan
 from autopar.rules import op_info
 from autopar.rules.registry import Strategy, tensor_input_nodes, tensor_meta
-from autopar.solver.choices import grad_sync_axes
+from autopar.solver.choices import grad_sync_axes, grad_sync_cost
 from autopar.trace import TracedModel, requires_grad
 
 BATCH = sympy.Symbol("B", positive=True)
@@ -97,8 +97,9 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
         for position, arg in enumerate(info.inputs):
             if not grads[input_nodes[position].name]:
                 continue
+            is_param = kinds.get(input_nodes[position].name) == "param"
             for axis in grad_sync_axes(strategy, position):
-                cost = comm.grad_allreduce_cost(arg.shape, strategy.ins[position], axis, arg.dtype, mesh, cluster)
+                cost = grad_sync_cost(arg, strategy.ins[position], axis, is_param, mesh, cluster)
                 comms.append((cost.backward_s, cost.bytes_sent))
     ties = _ties(traced)
     curve = liveness.build_timeline(live, optimizer, ties).curve(out_bytes.__getitem__)

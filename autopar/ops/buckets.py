@@ -1,0 +1,344 @@
+"""Scheduled parameter communication: bucketed gradient reductions and prefetched gathers.
+
+The rewritten graph calls two stateful modules (added by ``passes.schedule``, sized by
+``ir.options.CommOptions``):
+
+- ``GradBuckets`` takes each parameter gradient that needs a reduction (DDP's all-reduce of a
+  replicated parameter; FSDP's reduce-scatter of a sharded one) from the backward of a graph node,
+  copies it into its slot of a flat bucket, and launches the bucket's collective asynchronously
+  as soon as every slot of the bucket has arrived. Buckets fill in the reverse of the forward
+  order of use, which is the order backward produces gradients. At the end of backward (an
+  autograd engine callback) it waits on every bucket and adds each reduced gradient into the
+  parameter's ``.grad`` (which autograd may already hold from uses that need no reduction).
+- ``ParamGathers`` all-gathers sharded parameters in forward (FSDP's pattern) and issues the
+  all-gathers of the next ones in forward order while the current one computes (prefetch).
+
+Numbers: a bucket's all-reduce is an all-reduce of each of its slots (sums are elementwise);
+a reduce-scatter bucket lays each slot out rank-major (chunk ``r`` of every slot in section
+``r``), so rank ``r`` receives exactly the sum of chunk ``r`` of each gradient, as the
+all-reduce-then-chunk it replaces gave.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from autopar.ops import collectives
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One parameter gradient reduced in a bucket.
+
+    ``kind`` is "all_reduce" (over ``groups``) or "reduce_scatter" (over ``groups[0]``, along
+    ``dim``; the gradient arrives whole and leaves as this rank's chunk). ``uses`` counts the
+    graph nodes whose backward add into it: the slot is complete when all have.
+    """
+
+    key: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    groups: tuple[str, ...]
+    dim: int = 0
+    uses: int = 1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    slots: tuple[Slot, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.slots[0].kind
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        return self.slots[0].groups
+
+    @property
+    def numel(self) -> int:
+        return sum(slot.numel for slot in self.slots)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.slots[0].dtype.itemsize
+
+
+def make_buckets(slots: Sequence[Slot], cap_bytes: int, first_cap_bytes: int | None = None) -> list[Bucket]:
+    """Group ``slots`` (in the order backward produces them) into buckets of at most
+    ``cap_bytes`` (the first of at most ``first_cap_bytes``); a slot larger than the cap gets a
+    bucket of its own. Slots of one bucket share kind, groups, dtype (and dim)."""
+    buckets: list[Bucket] = []
+    current: list[Slot] = []
+    size = 0
+    for slot in slots:
+        cap = first_cap_bytes if first_cap_bytes is not None and not buckets else cap_bytes
+        nbytes = slot.numel * slot.dtype.itemsize
+        same = current and (current[0].kind, current[0].groups, current[0].dtype, current[0].dim) == (
+            slot.kind, slot.groups, slot.dtype, slot.dim)
+        if current and (not same or size + nbytes > cap):
+            buckets.append(Bucket(tuple(current)))
+            current, size = [], 0
+        current.append(slot)
+        size += nbytes
+    if current:
+        buckets.append(Bucket(tuple(current)))
+    return buckets
+
+
+class _Pending:
+    """One bucket's state during one backward."""
+
+    __slots__ = ("flat", "left", "written", "work", "out")
+
+    def __init__(self, bucket: Bucket, device: torch.device):
+        self.flat = torch.empty(bucket.numel, dtype=bucket.slots[0].dtype, device=device)
+        self.left = sum(slot.uses for slot in bucket.slots)
+        self.written: set[str] = set()
+        self.work = None
+        self.out: torch.Tensor | None = None
+
+
+class GradBuckets(torch.nn.Module):
+    """Bucketed, asynchronous gradient reductions (see the module docstring).
+
+    ``params`` maps slot keys to the parameters whose ``.grad`` receives the result; the
+    runtime binds them (``bind``) once the module holds its shards.
+    """
+
+    def __init__(self, buckets: Sequence[Bucket]):
+        super().__init__()
+        self.buckets = list(buckets)
+        self._where = {slot.key: (b, i) for b, bucket in enumerate(self.buckets) for i, slot in enumerate(bucket.slots)}
+        self._offsets = []
+        for bucket in self.buckets:
+            offsets, at = [], 0
+            for slot in bucket.slots:
+                offsets.append(at)
+                at += slot.numel
+            self._offsets.append(offsets)
+        self._params: dict[str, torch.Tensor] = {}
+        self._pending: list[_Pending | None] | None = None
+        self._task = -1  # the autograd graph task the pending buckets belong to
+
+    def bind(self, params: dict[str, torch.Tensor]) -> None:
+        missing = [slot.key for bucket in self.buckets for slot in bucket.slots if slot.key not in params]
+        if missing:
+            raise AssertionError(f"gradient buckets have slots for parameters the module does not hold: {missing}")
+        self._params = dict(params)
+
+    def forward(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        return _SyncGrad.apply(x, self, key)
+
+    def has(self, key: str) -> bool:
+        return key in self._where
+
+    # -- backward -------------------------------------------------------------------------
+
+    def add(self, key: str, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._pending is not None and task != self._task:
+            self._drop()  # a backward that raised before its end left buckets half full
+        if self._pending is None:
+            self._pending = [None] * len(self.buckets)
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        index, position = self._where[key]
+        bucket = self.buckets[index]
+        pending = self._pending[index]
+        if pending is None:
+            pending = self._pending[index] = _Pending(bucket, grad.device)
+        slot = bucket.slots[position]
+        target = self._slot_view(index, position, pending.flat)
+        if slot.kind == "reduce_scatter":
+            grad = _rank_major(grad, slot.dim, collectives.group_size(slot.groups[0]))
+        if key in pending.written:
+            target.add_(grad.reshape(target.shape))
+        else:
+            target.copy_(grad.reshape(target.shape))
+            pending.written.add(key)
+        pending.left -= 1
+        if pending.left == 0:
+            self._launch(index, pending)
+
+    def _slot_view(self, index: int, position: int, flat: torch.Tensor) -> torch.Tensor:
+        slot = self.buckets[index].slots[position]
+        start = self._offsets[index][position]
+        if slot.kind == "reduce_scatter":
+            # Rank-major layout: section r holds chunk r of every slot, so each slot's region is
+            # strided across the sections; see ``_sections``.
+            return self._sections(index, flat)[:, start // self._k(index):(start + slot.numel) // self._k(index)]
+        return flat[start:start + slot.numel]
+
+    def _k(self, index: int) -> int:
+        return collectives.group_size(self.buckets[index].groups[0])
+
+    def _sections(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        k = self._k(index)
+        return flat.view(k, flat.numel() // k)
+
+    def _launch(self, index: int, pending: _Pending) -> None:
+        bucket = self.buckets[index]
+        for key in (slot.key for slot in bucket.slots if slot.key not in pending.written):
+            position = self._where[key][1]
+            self._slot_view(index, position, pending.flat).zero_()  # no use of it ran this time
+            pending.written.add(key)
+        group_name = bucket.groups[0]
+        if bucket.kind == "all_reduce":
+            pending.work = collectives.start_all_reduce(pending.flat, group_name)
+        else:
+            pending.out = torch.empty(pending.flat.numel() // self._k(index), dtype=pending.flat.dtype,
+                                      device=pending.flat.device)
+            pending.work = collectives.start_reduce_scatter(pending.out, pending.flat, group_name)
+
+    def _drop(self) -> None:
+        """Forget the buckets of an unfinished backward (waiting for what was launched)."""
+        pending_all, self._pending = self._pending, None
+        for index, pending in enumerate(pending_all or ()):
+            if pending is not None and pending.work is not None:
+                collectives.wait(pending.work, self.buckets[index].groups[0])
+
+    def _finish(self) -> None:
+        pending_all, self._pending = self._pending, None
+        for index, pending in enumerate(pending_all or ()):
+            if pending is None:
+                continue
+            bucket = self.buckets[index]
+            if pending.work is None:
+                self._launch(index, pending)
+            collectives.wait(pending.work, bucket.groups[0])
+            result = pending.flat if bucket.kind == "all_reduce" else pending.out
+            for group_name in bucket.groups[1:]:  # further mesh axes, one after another
+                collectives.wait(collectives.start_all_reduce(result, group_name), group_name)
+            at = 0
+            for slot in bucket.slots:
+                numel = slot.numel if bucket.kind == "all_reduce" else slot.numel // self._k(index)
+                shape = slot.shape if bucket.kind == "all_reduce" else _chunk_shape(slot.shape, slot.dim, self._k(index))
+                if bucket.kind == "all_reduce":
+                    reduced = result[at:at + numel].view(shape)
+                else:
+                    reduced = _from_dim0(result[at:at + numel], shape, slot.dim)
+                at += numel
+                param = self._params[slot.key]
+                if param.grad is None:
+                    param.grad = reduced
+                else:
+                    param.grad.add_(reduced)
+
+
+def _chunk_shape(shape: tuple[int, ...], dim: int, k: int) -> tuple[int, ...]:
+    return tuple(s // k if d == dim else s for d, s in enumerate(shape))
+
+
+def _rank_major(grad: torch.Tensor, dim: int, k: int) -> torch.Tensor:
+    """(k, numel/k): row r is chunk r of ``grad`` along ``dim``, each chunk with ``dim`` moved
+    first (so that a chunk is one contiguous block whatever ``dim`` is)."""
+    moved = grad.movedim(dim, 0)
+    return moved.reshape(k, -1)
+
+
+def _from_dim0(flat: torch.Tensor, shape: tuple[int, ...], dim: int) -> torch.Tensor:
+    """Undo ``_rank_major`` for one chunk: ``flat`` holds the chunk with ``dim`` first."""
+    if dim == 0:
+        return flat.view(shape)
+    moved_shape = (shape[dim],) + tuple(s for d, s in enumerate(shape) if d != dim)
+    return flat.view(moved_shape).movedim(0, dim).contiguous()
+
+
+class _SyncGrad(torch.autograd.Function):
+    """Identity in forward; backward hands the gradient to the buckets and returns none (the
+    reduced gradient reaches ``.grad`` at the end of backward)."""
+
+    @staticmethod
+    def forward(ctx, x, buckets, key):
+        ctx.buckets, ctx.key = buckets, key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.buckets.add(ctx.key, grad)
+        return None, None, None
+
+
+class ParamGathers(torch.nn.Module):
+    """FSDP's forward: all-gather each sharded parameter before its use, the next ones ahead.
+
+    ``order`` lists the gathered keys in forward order, each with its group, dim and the bytes of
+    the whole tensor; ``prefetch_bytes`` bounds how much is gathered ahead of use. The backward
+    of a gather hands the whole gradient to ``GradBuckets`` (a reduce-scatter slot).
+    """
+
+    def __init__(self, order: Sequence[tuple[str, str, int, int]], prefetch_bytes: int, grads: GradBuckets | None):
+        super().__init__()
+        self.order = list(order)
+        self._index = {key: i for i, (key, _, _, _) in enumerate(self.order)}
+        self.prefetch_bytes = prefetch_bytes
+        self.grads = grads
+        self._shards: dict[str, torch.Tensor] = {}
+        self._inflight: dict[str, tuple[object, torch.Tensor]] = {}
+
+    def bind(self, shards: dict[str, torch.Tensor]) -> None:
+        self._shards = dict(shards)
+
+    def forward(self, shard: torch.Tensor, key: str) -> torch.Tensor:
+        return _GatherParam.apply(shard, self, key)
+
+    def start(self, key: str, shard: torch.Tensor) -> None:
+        if key in self._inflight:
+            return
+        _, group_name, dim, _ = self.order[self._index[key]]
+        moved = shard.detach().movedim(dim, 0).contiguous()
+        k = collectives.group_size(group_name)
+        out = torch.empty((k * moved.shape[0],) + tuple(moved.shape[1:]), dtype=shard.dtype, device=shard.device)
+        self._inflight[key] = (collectives.start_all_gather(out, moved, group_name), out)
+
+    def _discard(self) -> None:
+        """Wait for and drop gathers still in flight: a forward cut short (or a recompute in
+        backward) may leave some, and they hold values from before the optimizer step."""
+        for key, (work, _) in self._inflight.items():
+            collectives.wait(work, self.order[self._index[key]][1])
+        self._inflight.clear()
+
+    def gather(self, key: str, shard: torch.Tensor) -> torch.Tensor:
+        index = self._index[key]
+        in_backward = torch._C._current_graph_task_id() != -1  # a checkpoint's recompute
+        if index == 0 and not in_backward:
+            self._discard()
+        self.start(key, shard)
+        ahead = 0
+        for next_key, _, _, nbytes in self.order[index + 1:] if not in_backward else ():
+            if ahead + nbytes > self.prefetch_bytes:
+                break
+            if next_key in self._shards:
+                self.start(next_key, self._shards[next_key])
+            ahead += nbytes
+        work, out = self._inflight.pop(key)
+        _, group_name, dim, _ = self.order[index]
+        collectives.wait(work, group_name)
+        return out.movedim(0, dim) if dim else out
+
+
+class _GatherParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, gathers, key):
+        ctx.gathers, ctx.key = gathers, key
+        return gathers.gather(key, shard)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = ctx.gathers.grads
+        if grads is not None and grads.has(ctx.key):
+            grads.add(ctx.key, grad)
+            return None, None, None
+        # The gradient is whole on every rank (the computation was not split): keep the chunk.
+        _, group_name, dim, _ = ctx.gathers.order[ctx.gathers._index[ctx.key]]
+        k, rank = collectives.group_size(group_name), collectives.group_rank(group_name)
+        return grad.chunk(k, dim)[rank].contiguous(), None, None

@@ -1,0 +1,147 @@
+"""Schedule parameter communication: bucketed gradient reductions, FSDP gathers with prefetch.
+
+``insert_collectives`` leaves, for every use of a parameter, the collectives of that edge:
+``allreduce_grad`` chains on a replicated parameter (DDP's gradient all-reduce), or an
+``all_gather`` followed by ``allreduce_grad`` on the same axis for a sharded one (whose backward
+all-reduces the whole gradient and keeps a chunk). This pass replaces them, per parameter:
+
+- every ``allreduce_grad`` chain over the same axes from the placeholder becomes one
+  ``grad_buckets`` node (identity; backward adds the gradient into a bucket slot, reduced
+  asynchronously with the rest of its bucket);
+- every ``all_gather(dim, g)`` → ``allreduce_grad(g)`` from the placeholder becomes one
+  ``param_gathers`` node: all-gather in forward (prefetched), a reduce-scatter slot in backward,
+  so the gradient stays sharded and half the bytes move.
+
+Uses of other shapes keep their collectives (a parameter gathered over two axes, strided shards,
+uses that reduce over different axes, offloaded parameters). Nothing is chosen here: the bucket
+cap and the prefetch depth come from ``ir.options.CommOptions``, and the cost model prices the
+same merging (``solver.comm_schedule``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+import torch.fx
+
+from autopar.ir.options import CommOptions
+from autopar.ir.plan import Plan
+from autopar.ir.spec import local_shape
+from autopar.ops import collectives
+from autopar.ops.buckets import GradBuckets, ParamGathers, Slot, make_buckets
+
+GRAD_BUCKETS = "grad_buckets"
+PARAM_GATHERS = "param_gathers"
+
+
+def _is(node: torch.fx.Node, fn) -> bool:
+    return node.op == "call_function" and node.target is fn
+
+
+def _grad_chain(node: torch.fx.Node) -> tuple[list[torch.fx.Node], tuple[str, ...]]:
+    """The ``allreduce_grad`` nodes that start at ``node`` (each the only user of the one
+    before), and their groups; the chain's last node is what the use reads."""
+    chain, groups = [], []
+    current = node
+    while _is(current, collectives.allreduce_grad):
+        chain.append(current)
+        groups.append(current.args[1])
+        users = list(current.users)
+        if len(users) != 1 or not _is(users[0], collectives.allreduce_grad):
+            break
+        current = users[0]
+    return chain, tuple(groups)
+
+
+def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str] = (),
+                           fqns: Mapping[str, str] | None = None,
+                           options: CommOptions | None = None) -> torch.fx.GraphModule:
+    """Merge each parameter's collectives into the scheduled ones (see the module docstring).
+    ``fqns`` maps parameter placeholder names to canonical FQNs; without it (the pipeline and
+    ``autopar check`` run the passes without parameters to bind) the graph is left as it is."""
+    options = options or CommOptions()
+    if fqns is None or not options.enabled:
+        return gm
+    graph = gm.graph
+    # Stand-ins, so that call_module nodes resolve while the real modules are being sized.
+    gm.add_submodule(GRAD_BUCKETS, torch.nn.Module())
+    gm.add_submodule(PARAM_GATHERS, torch.nn.Module())
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    reduce_slots: list[tuple[int, Slot]] = []
+    gathers: list[tuple[int, str, str, int, int]] = []
+    size_of = {name: math.prod(plan.mesh_shape[i] for i, g in enumerate(groups) if g == name) for name in groups}
+    offloaded = set(plan.memory.offloaded("param")) if plan.memory is not None else set()
+    for placeholder in [n for n in graph.nodes if n.op == "placeholder" and n.name in fqns]:
+        if fqns[placeholder.name] in offloaded:  # its gradient goes to the offload store
+            continue
+        val = placeholder.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        local = local_shape(tuple(val.shape), plan.params[fqns[placeholder.name]], plan.mesh_shape)
+        synced: dict[tuple[str, ...], list[list[torch.fx.Node]]] = {}
+        gathered: dict[tuple[int, str], list[tuple[torch.fx.Node, torch.fx.Node]]] = {}
+        for user in list(placeholder.users):
+            chain, chain_groups = _grad_chain(user)
+            if chain:
+                synced.setdefault(chain_groups, []).append(chain)
+                continue
+            if _is(user, collectives.all_gather) and len(user.args) == 3 and len(user.users) == 1:
+                (after,) = user.users
+                chain, chain_groups = _grad_chain(after)
+                if chain_groups == (user.args[2],):  # partial gradient: reduce-scatter it
+                    gathered.setdefault((user.args[1], user.args[2], True), []).append((user, chain[-1]))
+                elif not chain:  # whole gradient on every rank: keep the local chunk
+                    gathered.setdefault((user.args[1], user.args[2], False), []).append((user, user))
+        if len(synced) == 1:  # one set of axes for every synced use (else: keep per-use collectives)
+            ((chain_groups, chains),) = synced.items()
+            first = min(order[chain[0]] for chain in chains)
+            with graph.inserting_after(placeholder):
+                node = graph.call_module(GRAD_BUCKETS, (placeholder,), {"key": placeholder.name})
+            node.meta = dict(placeholder.meta)
+            for chain in chains:
+                chain[-1].replace_all_uses_with(node)
+                for dead in reversed(chain):
+                    graph.erase_node(dead)
+            reduce_slots.append((first, Slot(placeholder.name, "all_reduce", local, val.dtype, chain_groups)))
+        if len(gathered) == 1 and not synced:
+            (((dim, group, reduce), pairs),) = gathered.items()
+            first_use = min(pairs, key=lambda pair: order[pair[0]])[0]
+            with graph.inserting_before(first_use):
+                node = graph.call_module(PARAM_GATHERS, (placeholder,), {"key": placeholder.name})
+            node.meta = dict(first_use.meta)
+            for gather, last in pairs:
+                last.replace_all_uses_with(node)
+                if reduce:
+                    chain, _ = _grad_chain(next(iter(gather.users)))
+                    for dead in reversed(chain):
+                        graph.erase_node(dead)
+                    graph.erase_node(gather)
+                elif gather is not last:
+                    raise AssertionError("unreduced gather has no gradient chain")
+                else:
+                    graph.erase_node(gather)
+            whole = tuple(s * size_of[group] if d == dim else s for d, s in enumerate(local))
+            if reduce:
+                reduce_slots.append((order[first_use], Slot(placeholder.name, "reduce_scatter", whole, val.dtype, (group,), dim)))
+            gathers.append((order[first_use], placeholder.name, group, dim, math.prod(whole) * val.dtype.itemsize))
+    # Backward produces gradients in the reverse of forward order.
+    slots = [slot for _, slot in sorted(reduce_slots, key=lambda item: -item[0])]
+    buckets = GradBuckets(make_buckets(slots, options.bucket_cap_bytes, options.first_bucket_cap_bytes))
+    gm.add_submodule(GRAD_BUCKETS, buckets)
+    gathers.sort()
+    gm.add_submodule(PARAM_GATHERS, ParamGathers([g[1:] for g in gathers], options.prefetch_bytes, buckets))
+    if not reduce_slots:
+        delattr(gm, GRAD_BUCKETS)
+    if not gathers:
+        delattr(gm, PARAM_GATHERS)
+    return gm
+
+
+def bind_parameters(gm: torch.fx.GraphModule, params: Mapping[str, torch.Tensor]) -> None:
+    """Give the scheduling modules of ``gm`` (and of its outlined segments) this rank's
+    parameters, by placeholder name."""
+    for module in gm.modules():
+        if isinstance(module, (GradBuckets, ParamGathers)):
+            module.bind(dict(params))

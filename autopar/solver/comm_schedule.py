@@ -1,0 +1,157 @@
+"""Price a solution's parameter communication as the runtime schedules it (``passes.schedule``).
+
+The choice graph prices each edge and each consumer on its own: an all-gather per sharded use of a
+parameter, a gradient all-reduce (latency included) per use that needs one. The runtime merges
+them per parameter and buckets the reductions:
+
+- every use that all-reduces a replicated parameter's gradient over the same axes shares one
+  bucket slot, so the parameter's gradient is all-reduced once;
+- a parameter sharded on one axis, whose every gathered use needs the gradient summed on exactly
+  that axis (and no use all-reduces it whole), is all-gathered once, and its gradient is
+  reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces;
+- each reduction pays its bytes and its share of a bucket's latency
+  (``comm.param_grad_sync_cost``); the buckets pay ceil(bytes / cap) latencies in all.
+
+``param_schedule`` returns the difference between the two, and the totals that the step's
+exposed-communication term needs (``comm.exposed_grad_sync_s``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.cost import comm, memory
+from autopar.cost.cluster import ClusterSpec
+from autopar.solver.choices import ChoiceGraph, grad_sync_axes
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSchedule:
+    """What the scheduled runtime changes in a solution's price."""
+
+    delta_s: float  # seconds: scheduled minus priced per use
+    delta_bytes: float
+    delta_bytes_per_axis: dict[int, float]
+    sync_s: float  # the bucketed gradient reductions, after merging
+    backward_s: float  # backward compute that can hide them
+    last_bucket_s: float  # the last bucket (the first parameters of forward): never hidden
+
+    @property
+    def exposed_s(self) -> float:
+        return comm.exposed_grad_sync_s(self.sync_s, self.backward_s, self.last_bucket_s)
+
+
+def _single_gather(src, dst) -> tuple[int, int] | None:
+    """(axis, dim) when ``src → dst`` is one all-gather on one axis, else None."""
+    changed = [a for a, (s, d) in enumerate(zip(src, dst)) if s != d]
+    if len(changed) != 1:
+        return None
+    axis = changed[0]
+    if isinstance(src[axis], Shard) and type(src[axis]) is Shard and isinstance(dst[axis], Replicate):
+        if not any(isinstance(p, Shard) and p.dim == src[axis].dim for a, p in enumerate(src) if a != axis):
+            return axis, src[axis].dim
+    return None
+
+
+def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterSpec,
+                   bucket_cap_bytes: float = comm.DEFAULT_BUCKET_CAP_BYTES) -> ParamSchedule:
+    mesh = graph.mesh_shape
+    delta_s = delta_bytes = 0.0
+    per_axis: dict[int, float] = {}
+    sync_s = 0.0
+    order = {name: i for i, name in enumerate(graph.order)}
+    synced: list[tuple[int, float, float]] = []  # (first use, seconds, local bytes) per reduced parameter
+    uses: dict[str, list] = {}
+    for e, edge in enumerate(graph.edges):
+        producer = graph.choices[edge.producer]
+        if producer.kind == "param" and edge.requires_grad:
+            uses.setdefault(edge.producer, []).append(edge)
+    for name, edges in uses.items():
+        src = graph.choices[name].strategies[choice[name]].outs[0]
+        syncs: dict[tuple[int, ...], list] = {}
+        gathers: dict[tuple[int, int], list] = {}
+        for edge in edges:
+            consumer = graph.choices[edge.consumer]
+            strategy = consumer.strategies[choice[edge.consumer]]
+            if consumer.info is None:
+                continue
+            dst = strategy.ins[edge.in_index]
+            axes = tuple(grad_sync_axes(strategy, edge.in_index))
+            axes = tuple(a for a in axes if mesh[a] > 1)
+            if src == dst:
+                if axes:
+                    syncs.setdefault(axes, []).append((edge, dst))
+                continue
+            gather = _single_gather(src, dst)
+            if gather is not None and axes in ((), (gather[0],)):
+                gathers.setdefault(gather + (bool(axes),), []).append((edge, dst))
+        arg_shape, dtype = graph.choices[name].out_shapes[0], graph.choices[name].out_dtypes[0]
+        if len(syncs) == 1:
+            ((axes, members),) = syncs.items()
+            local = memory.local_bytes(arg_shape, dtype, src, mesh)
+            one = [comm.param_grad_sync_cost(arg_shape, src, a, dtype, mesh, cluster, bucket_cap_bytes) for a in axes]
+            priced = [comm.grad_allreduce_cost(arg_shape, src, a, dtype, mesh, cluster) for a in axes]
+            # priced once per use, with a latency each; run once, in a bucket
+            for cost, per_use in zip(one, priced):
+                delta_s += cost.backward_s - len(members) * per_use.backward_s
+                delta_bytes -= (len(members) - 1) * cost.bytes_sent
+                for axis, sent in cost.bytes_per_axis:
+                    per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * sent
+            seconds = sum(cost.backward_s for cost in one)
+            sync_s += seconds
+            synced.append((min(order[e.consumer] for e, _ in members), seconds, local))
+        # Uses that reduce over different axes keep an all-reduce each, as priced (synchronous).
+        if len(gathers) == 1 and not syncs:
+            (((axis, dim, reduce), members),) = gathers.items()
+            dst = members[0][1]
+            whole = memory.local_bytes(arg_shape, dtype, dst, mesh)
+            k = mesh[axis]
+            gather_s = comm.all_gather_s(whole, axis, mesh, cluster)
+            gather_sent = comm.bytes_sent("all_gather", whole, k)
+            # each use gathered it; once now
+            delta_s -= (len(members) - 1) * gather_s
+            delta_bytes -= (len(members) - 1) * gather_sent
+            per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * gather_sent
+            if reduce:
+                priced = comm.grad_allreduce_cost(arg_shape, dst, axis, dtype, mesh, cluster)
+                link = cluster.axis_link(mesh, axis)
+                scatter_sent = comm.bytes_sent("reduce_scatter", whole, k)
+                scatter_s = ((k - 1) * link.latency_s * min(1.0, whole / bucket_cap_bytes)
+                             + scatter_sent / link.bandwidth_bytes_per_s)
+                delta_s += scatter_s - len(members) * priced.backward_s
+                delta_bytes += scatter_sent - len(members) * priced.bytes_sent
+                per_axis[axis] = per_axis.get(axis, 0.0) + scatter_sent - len(members) * priced.bytes_sent
+                sync_s += scatter_s
+                synced.append((min(order[e.consumer] for e, _ in members), scatter_s, whole))
+    backward_s = 0.0
+    for name in graph.order:
+        chosen = graph.choices[name]
+        if chosen.backward_s:
+            backward_s += chosen.backward_s[choice[name]]
+    last_bucket_s = 0.0
+    filled = 0.0
+    for _, seconds, nbytes in sorted(synced):  # the first parameters of forward reduce last
+        if filled and filled + nbytes > bucket_cap_bytes:
+            break
+        last_bucket_s += seconds
+        filled += nbytes
+    if synced:
+        # Each member paid bytes/cap of its bucket's latency (``comm.param_grad_sync_cost``); the
+        # buckets pay it whole: ceil(bytes / cap) latencies over the step, one in the last bucket.
+        latency = _bucket_latency_s(graph.mesh_shape, cluster)
+        total_bytes = sum(nbytes for _, _, nbytes in synced)
+        paid = latency * sum(min(1.0, nbytes / bucket_cap_bytes) for _, _, nbytes in synced)
+        owed = latency * max(1, math.ceil(total_bytes / bucket_cap_bytes))
+        sync_s += max(0.0, owed - paid)
+        delta_s += max(0.0, owed - paid)
+        last_bucket_s += latency * (1.0 - min(1.0, filled / bucket_cap_bytes))
+    return ParamSchedule(delta_s, delta_bytes, per_axis, sync_s, backward_s, last_bucket_s)
+
+
+def _bucket_latency_s(mesh, cluster: ClusterSpec) -> float:
+    """2(k-1)·α of the widest axis: one bucket's latency (an upper bound on a multi-axis mesh)."""
+    return max((2 * (k - 1) * cluster.axis_link(mesh, axis).latency_s for axis, k in enumerate(mesh) if k > 1),
+               default=0.0)

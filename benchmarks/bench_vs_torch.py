@@ -1,0 +1,169 @@
+"""autopar against PyTorch's own data parallelism, on their own layouts, in one run (gloo, CPU).
+
+    python benchmarks/bench_vs_torch.py                 # 2 and 4 ranks
+    python benchmarks/bench_vs_torch.py --ranks 2 --steps 8 --warmup 2
+
+For each world size, one set of spawned gloo ranks (one thread each) builds five trainers of the
+same GPT (``autopar.models.GPT``: 4 layers, 256 wide, 8 heads, vocabulary 4,096, tied embeddings,
+global batch 16 x 128 tokens, AdamW):
+
+- ``torch_ddp``: ``DistributedDataParallel`` (its default 25 MiB buckets), each rank its slice
+  of the batch;
+- ``autopar_ddp``: ``autopar.compile`` of ``autopar.hand_plan("ddp", ...)`` on mesh (world,);
+- ``torch_fsdp2``: FSDP2, ``fully_shard`` on every block and then on the root;
+- ``autopar_fsdp``: ``autopar.compile`` of ``autopar.hand_plan("fsdp", ...)``;
+- ``autopar``: ``autopar.compile`` with autopar's own plan (``cluster="cpu"``).
+
+``--kinds`` can add ``autopar_ddp_sync`` and ``autopar_fsdp_sync``: the same hand plans compiled
+with ``autopar.CommOptions(enabled=False)``, one synchronous collective per use (the executor
+before communication was scheduled).
+
+After ``--warmup`` steps each, the trainers take turns step by step (zero_grad, forward,
+backward, optimizer step; a barrier before each), ``--steps`` timed steps each, so that the
+machine's drift falls on all of them alike. A trainer's time is the median of its timed steps on
+the slowest rank. Ratios are taken within the run; absolute times on this shared
+machine mean little. Uses only the public API (``autopar.compile``, ``autopar.hand_plan``,
+``autopar.plan``) and torch. Writes ``results/vs_torch.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CONFIG = dict(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=256)
+BATCH = 16
+TRAINERS = ("torch_ddp", "autopar_ddp", "torch_fsdp2", "autopar_fsdp", "autopar")
+
+
+def _gpt():
+    try:
+        from autopar.zoo import GPT
+    except ImportError:  # before the package re-layout
+        from autopar.models import GPT
+    torch.manual_seed(0)
+    return GPT(**CONFIG)
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"]), generator=generator)
+    targets = torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"]), generator=generator)
+    return idx, targets
+
+
+def _trainer(kind: str, world: int, rank: int):
+    """(step function) for one trainer."""
+    import autopar
+
+    model = _gpt()
+    idx, targets = _batch()
+    if kind == "torch_ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        module = DistributedDataParallel(model)
+        batch = (idx.chunk(world)[rank], targets.chunk(world)[rank])
+    elif kind == "torch_fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        module = fully_shard(model)
+        batch = (idx.chunk(world)[rank], targets.chunk(world)[rank])
+    else:
+        mesh = (world,)
+        comm = autopar.CommOptions(enabled=not kind.endswith("_sync"))
+        kind = kind.removesuffix("_sync")
+        if kind == "autopar":
+            plan = autopar.plan(model, mesh, example_inputs=(idx, targets), cluster="cpu")
+        else:
+            plan = autopar.hand_plan(kind.removeprefix("autopar_"), model, mesh, example_inputs=(idx, targets),
+                                     cluster="cpu")
+        module = autopar.compile(model, mesh, example_inputs=(idx, targets), plan=plan, comm=comm)
+        batch = (idx, targets)  # the compiled module cuts out its own shard
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+
+    def step() -> float:
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        module(*batch).backward()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    return step
+
+
+def _rank(rank: int, world: int, init: str, out_dir: str, kinds: list[str], steps: int, warmup: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        trainers = {kind: _trainer(kind, world, rank) for kind in kinds}
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for step in trainers.values():
+            for _ in range(warmup):
+                step()
+        for _ in range(steps):  # round-robin, step by step: the machine's drift hits all alike
+            for kind, step in trainers.items():
+                dist.barrier()
+                times[kind].append(step())
+        medians = {kind: statistics.median(t) for kind, t in times.items()}
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, medians)
+        if rank == 0:
+            with open(os.path.join(out_dir, "result.csv"), "w") as handle:
+                for kind in kinds:
+                    handle.write(f"{kind},{max(g[kind] for g in gathered)}\n")
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world: int, kinds: list[str], steps: int, warmup: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="vs_torch_") as out_dir:
+        init = "file://" + os.path.join(out_dir, "rendezvous")
+        mp.spawn(_rank, args=(world, init, out_dir, kinds, steps, warmup), nprocs=world, join=True)
+        with open(os.path.join(out_dir, "result.csv")) as handle:
+            return {kind: float(seconds) for kind, seconds in (line.strip().split(",") for line in handle)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", nargs="*", type=int, default=[2, 4])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--kinds", nargs="*", default=list(TRAINERS))
+    parser.add_argument("--out", default="benchmarks/results/vs_torch.csv")
+    args = parser.parse_args()
+    rows = []
+    for world in args.ranks:
+        step_s = run(world, args.kinds, args.steps, args.warmup)
+        row = {"ranks": world, **{f"{kind}_ms": round(1e3 * s, 1) for kind, s in step_s.items()}}
+        if "torch_ddp" in step_s and "autopar_ddp" in step_s:
+            row["ddp_ratio"] = round(step_s["autopar_ddp"] / step_s["torch_ddp"], 3)
+        if "torch_fsdp2" in step_s and "autopar_fsdp" in step_s:
+            row["fsdp_ratio"] = round(step_s["autopar_fsdp"] / step_s["torch_fsdp2"], 3)
+        best = [step_s[k] for k in ("torch_ddp", "torch_fsdp2") if k in step_s]
+        if "autopar" in step_s and best:
+            row["own_over_best_torch"] = round(step_s["autopar"] / min(best), 3)
+        rows.append(row)
+        print(row, flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    with open(args.out, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

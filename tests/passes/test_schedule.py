@@ -1,0 +1,107 @@
+"""The communication schedule pass: which collectives of a parameter it merges, and the buckets.
+
+The passes run on the traced graph with made-up group names (no process group is needed to
+rewrite); the runtime numbers are checked against eager in tests/ops/test_buckets.py and
+tests/runtime/test_module.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autopar
+from autopar.ir.options import CommOptions
+from autopar.ops import collectives
+from autopar.ops.buckets import GradBuckets, ParamGathers
+from autopar.passes import default_passes, run_passes
+from autopar.trace import trace
+from autopar.zoo.models import build_model, example_batch
+
+# Wide enough, and a batch large enough, that the cpu preset splits the batch: DDP's pattern.
+CONFIG = dict(vocab_size=1024, block_size=64, n_layer=2, n_head=4, n_embd=128)
+# bench_vs_torch's GPT, one layer: there the fsdp plan splits the batch too, so the gathered
+# parameters' gradients are partial sums (reduce-scattered).
+FSDP_CONFIG = dict(vocab_size=4096, block_size=128, n_layer=1, n_head=8, n_embd=256)
+
+
+def _rewritten(kind: str, options: CommOptions | None = None, config: dict = CONFIG):
+    model = build_model("gpt", seed=0, **config)
+    batch = example_batch("gpt", 16, seed=1, **config)
+    plan = autopar.hand_plan(kind, model, (2,), example_inputs=batch, cluster="cpu")
+    traced = trace(model, batch)
+    fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+    gm = run_passes(copy.deepcopy(traced.gm), plan, default_passes(("g0",), None, fqns, options))
+    return gm, plan, traced
+
+
+def _param_collectives(gm, names) -> list[torch.fx.Node]:
+    """Collective call_function nodes that read a parameter placeholder directly."""
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and getattr(n.target, "__module__", "") == "autopar.ops.collectives"
+            and any(a.op == "placeholder" and a.name in names for a in n.all_input_nodes)]
+
+
+@pytest.fixture(scope="module")
+def ddp():
+    return _rewritten("ddp")
+
+
+def test_ddp_gradients_go_to_buckets_in_reverse_order_of_use(ddp):
+    gm, plan, traced = ddp
+    params = {gi.name for gi in traced.inputs if gi.kind == "param"}
+    assert not [n for n in _param_collectives(gm, params) if n.target is collectives.allreduce_grad]
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "grad_buckets"]
+    assert calls, "the DDP plan splits the batch, so its parameter gradients are reduced"
+    assert all(len(n.args) == 1 and n.args[0].op == "placeholder" for n in calls)
+    assert len({n.args[0] for n in calls}) == len(calls), "one bucket node per parameter"
+    buckets: GradBuckets = gm.get_submodule("grad_buckets")
+    keys = [slot.key for bucket in buckets.buckets for slot in bucket.slots]
+    assert sorted(keys) == sorted(n.args[0].name for n in calls)
+    first_use = {}
+    for position, node in enumerate(gm.graph.nodes):
+        for arg in node.all_input_nodes:
+            if arg.op == "call_module" and arg.target == "grad_buckets":
+                first_use.setdefault(arg.args[0].name, position)
+    assert [first_use[k] for k in keys] == sorted((first_use[k] for k in keys), reverse=True), \
+        "buckets fill in the reverse of forward order: the order backward produces gradients"
+    assert all(slot.kind == "all_reduce" and slot.groups == ("g0",) for b in buckets.buckets for slot in b.slots)
+
+
+def test_bucket_caps():
+    gm, _, _ = _rewritten("ddp", CommOptions(bucket_cap_bytes=2**18, first_bucket_cap_bytes=2**16))
+    buckets = gm.get_submodule("grad_buckets").buckets
+    assert len(buckets) > 2
+    for index, bucket in enumerate(buckets):
+        cap = 2**16 if index == 0 else 2**18
+        assert bucket.nbytes <= cap or len(bucket.slots) == 1, f"bucket {index} holds {bucket.nbytes} > {cap}"
+    whole, _, _ = _rewritten("ddp", CommOptions(first_bucket_cap_bytes=None))
+    assert len(whole.get_submodule("grad_buckets").buckets) == 1, "a model under 25 MiB fits one bucket"
+
+
+def test_disabled_schedule_keeps_one_collective_per_use():
+    gm, _, traced = _rewritten("ddp", CommOptions(enabled=False))
+    params = {gi.name for gi in traced.inputs if gi.kind == "param"}
+    assert not [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert _param_collectives(gm, params)
+
+
+def test_fsdp_gathers_once_and_reduce_scatters():
+    gm, plan, traced = _rewritten("fsdp", config=FSDP_CONFIG)
+    params = {gi.name for gi in traced.inputs if gi.kind == "param"}
+    gathered = [n for n in _param_collectives(gm, params) if n.target is collectives.all_gather]
+    assert not gathered, f"every 1-axis parameter gather is scheduled: {[n.format_node() for n in gathered]}"
+    gathers: ParamGathers = gm.get_submodule("param_gathers")
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "param_gathers"]
+    assert [n.args[0].name for n in calls] == [key for key, *_ in gathers.order], "gathered in forward order"
+    buckets: GradBuckets = gm.get_submodule("grad_buckets")
+    slots = [slot for bucket in buckets.buckets for slot in bucket.slots]
+    assert slots and all(slot.kind == "reduce_scatter" for slot in slots)
+    for slot in slots:  # the slot takes the whole gradient; the parameter keeps its shard
+        fqn = next(gi.fqn for gi in traced.inputs if gi.name == slot.key)
+        shard_dim = plan.params[fqn][0].dim
+        assert slot.dim == shard_dim
+        full = dict(build_model("gpt", seed=0, **FSDP_CONFIG).named_parameters(remove_duplicate=False))[fqn]
+        assert slot.shape == tuple(full.shape)
