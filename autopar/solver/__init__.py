@@ -101,7 +101,7 @@ def solve(
                 continue  # checkpointing and offload only add time
             try:
                 other = _with_memory_decisions(
-                    plan_from_solution(traced, graph, other_solution, cluster.name, memory_budget),
+                    plan_from_solution(traced, graph, other_solution, cluster, memory_budget),
                     traced, graph, other_solution, cluster, memory_budget, offload, checkpointing, prefetch)
             except InfeasibleError:
                 continue
@@ -300,7 +300,7 @@ def plan_from_solution(
         nodes=nodes,
         predicted=predicted,
         solver=solver_info,
-        cluster=cluster_name,
+        cluster=cluster.name,
         memory_timeline=graph.timeline.sampled(chosen),
         input_dtypes={node.name: str(node.meta["val"].dtype) for node in traced.gm.graph.nodes
                       if node.op == "placeholder" and hasattr(node.meta.get("val"), "dtype")},
