@@ -290,3 +290,16 @@ def test_two_layer_llama_70b_flow(capsys, tmp_path):
     code, out, err = _run(capsys, "check", str(large), "--rank", "5")
     assert code == 0, err
     assert out.startswith("OK: rank 5 of 8")
+
+
+def test_check_numerics_runs_every_rank_against_eager(capsys, plans):
+    code, out, err = _run(capsys, "check", str(plans["gpt2_cpu"]), "--numerics")
+    assert code == 0, err
+    assert out.startswith("OK: mesh (2,):") and "loss" in out and "compared with eager" in out
+    code, out, err = _run(capsys, "check", str(plans["gpt2_cpu"]), "--numerics", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["ok"] is True and data["first_bad"] is None and data["num_nodes"] > 20
+    # A plan for a published shape on the meta device holds no values to compare.
+    code, out, err = _run(capsys, "check", str(plans["gpt4_cpu"]), "--numerics")
+    assert code != 0 and "meta device" in err
