@@ -245,7 +245,7 @@ def check_numerics(
     traced = trace(model, example_inputs, example_kwargs)
     check_plan_matches(plan, traced, plan.mesh_shape)
     names = {name for name, node in plan.nodes.items() if node.op not in ("param", "buffer", "constant", "user")}
-    names &= {n.name for n in traced.gm.graph.nodes if n.op == "call_function"}
+    names &= {n.name for n in traced.gm.graph.nodes if n.op == "call_function" and not _undefined_values(n)}
     eager_model = copy.deepcopy(model)
     want_values = _eager_values(traced, eager_model, example_inputs, example_kwargs, names)
     eager_out = eager_model(*example_inputs, **example_kwargs)
@@ -289,6 +289,20 @@ def check_numerics(
     loss = None if want_loss is None or ranks[0]["loss"] is None else (ranks[0]["loss"], want_loss.item())
     return NumericsResult(tuple(plan.mesh_shape), len(want_values), loss, grad_rel,
                           bad[0] if bad else None, tolerance, tuple(bad))
+
+
+# Ops whose values are not a function of their inputs: uninitialized memory (what a later
+# write fills) and random draws. Their consumers are compared as usual.
+_UNDEFINED_VALUE_OPS = ("empty", "empty_like", "new_empty", "empty_strided", "empty_permuted", "rand", "randn",
+                        "rand_like", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
+                        "native_dropout", "dropout", "normal", "uniform", "multinomial")
+
+
+def _undefined_values(node: torch.fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return target.overloadpacket.__name__.rstrip("_") in _UNDEFINED_VALUE_OPS
 
 
 def _scale(tensor: torch.Tensor) -> float:
