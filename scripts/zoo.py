@@ -240,6 +240,13 @@ def tight_budget(model: torch.nn.Module) -> float:
     return 0.9 * sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
 
 
+def _leanest_bytes(error: autopar.InfeasibleError) -> int:
+    found = re.search(r"leanest plan needs (\d+) bytes", str(error))
+    if found is None:
+        raise error
+    return int(found.group(1))
+
+
 def plan_for(model: torch.nn.Module, kwargs: dict, budget: str) -> tuple[autopar.Plan, float | None]:
     """The plan with no budget, or with a tight one: ``tight_budget``, or where activations
     make that infeasible, 2% above the leanest plan's peak (which the error reports)."""
@@ -249,10 +256,7 @@ def plan_for(model: torch.nn.Module, kwargs: dict, budget: str) -> tuple[autopar
     try:
         return autopar.plan(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=memory), memory
     except autopar.InfeasibleError as error:
-        found = re.search(r"leanest plan needs (\d+) bytes", str(error))
-        if found is None:
-            raise
-        memory = 1.02 * int(found.group(1))
+        memory = 1.02 * _leanest_bytes(error)
         return autopar.plan(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=memory), memory
 
 
@@ -277,11 +281,16 @@ def compare(name: str, budget: str, build=None) -> dict:
 
     model, kwargs = (build or MODELS[name])()
     eager = copy.deepcopy(model)
-    try:
-        plan, _ = plan_for(model, kwargs, budget)  # every rank plans alike (the solve is deterministic)
+    memory = tight_budget(model) if budget == "tight" else None
+    try:  # rank 0 plans and broadcasts the plan, or its error
+        try:
+            pm = autopar.compile(copy.deepcopy(model), MESH, example_kwargs=kwargs, cluster=CLUSTER,
+                                 memory_budget=memory)
+        except autopar.InfeasibleError as error:  # activations outweigh the parameters: see plan_for
+            memory = 1.02 * _leanest_bytes(error)
+            pm = autopar.compile(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=memory)
     except autopar.TraceError as error:
         return {"status": "refused", "reason": str(error).splitlines()[0]}
-    pm = autopar.compile(model, MESH, example_kwargs=kwargs, plan=plan)
     loss = _loss(pm(**kwargs))
     loss.backward()
     want = _loss(eager(**kwargs))
