@@ -351,7 +351,8 @@ def table(results: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     for (name, budget), r in results.items():
         if r["status"] in ("refused", "error"):
-            lines.append(f"| {name} | {budget} | {r['status']}: {r['reason']} | | | | |")
+            reason = r["reason"].splitlines()[0].replace("|", "/")
+            lines.append(f"| {name} | {budget} | {r['status']}: {reason} | | | | |")
             continue
         verdict = "equal to eager" if passed(r) else f"**{r['status']} / differs**"
         fallbacks = ", ".join(op.replace("aten.", "") for op in r["fallbacks"]) or "none"
