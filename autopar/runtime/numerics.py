@@ -307,17 +307,26 @@ def _undefined_values(node: torch.fx.Node) -> bool:
 
 def _undefined_nodes(gm: torch.fx.GraphModule) -> set[str]:
     """Nodes whose values need not agree with eager: those ops, what is computed from one of them
-    alone (a slice of an uninitialized buffer), and nodes nothing uses (functionalization leaves
-    dead views behind)."""
+    alone (a slice of an uninitialized buffer), partial writes into one, and nodes nothing uses
+    (functionalization leaves dead views behind). Their consumers are compared as usual."""
     found: set[str] = set()
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         inputs = node.all_input_nodes
+        base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
         if (_undefined_values(node) or not node.users
-                or (len(inputs) == 1 and inputs[0].name in found)):
+                or (len(inputs) == 1 and inputs[0].name in found)
+                or (node.target in _SCATTERS and base is not None and base.name in found)):
             found.add(node.name)
     return found
+
+
+# Writes into part of a tensor: where the tensor was uninitialized, so is the part not written
+# (a buffer filled by several slice_scatters holds undefined values until the last one).
+_SCATTERS = {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
+             torch.ops.aten.index_put.default, torch.ops.aten.scatter.src, torch.ops.aten.scatter.value,
+             torch.ops.aten.index_copy.default}
 
 
 def _scale(tensor: torch.Tensor) -> float:
