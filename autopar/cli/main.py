@@ -6,7 +6,7 @@
     autopar show plan.json [--all] [--json] [--html report.html]
     autopar explain plan.json NODE_OR_PARAM [--json]
     autopar diff a.json b.json [--json]
-    autopar check plan.json [--model MODEL_SPEC] [--rank R] [--json]
+    autopar check plan.json [--model MODEL_SPEC] [--rank R] [--numerics] [--json]
     (every command also takes --verbose: the solver's log on stderr, and --debug: tracebacks)
 
 MODEL_SPEC is a built-in model name (``autopar.zoo.models.MODEL_NAMES``), a published shape
@@ -401,6 +401,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     model, inputs = load_model(record["spec"], record.get("batch_size") or 8, bool(record.get("meta")),
                                record.get("seq_len"), record.get("num_layers"))
     world = math.prod(plan.mesh_shape)
+    if args.numerics:
+        return _check_numerics(args, plan, model, inputs, world, start)
     _progress(f"checking rank {args.rank} of {world} on a fake process group ...")
     result = check_plan(plan, model, inputs, rank=args.rank)
     _progress(f"checked in {time.perf_counter() - start:.2f} s")
@@ -409,6 +411,28 @@ def cmd_check(args: argparse.Namespace) -> int:
                           "coordinate": list(result.coordinate), "num_nodes": result.num_nodes,
                           "num_inputs": result.num_inputs, "num_collectives": result.num_collectives,
                           "mismatches": list(result.mismatches)}, separators=(",", ":")))
+    else:
+        print(result.text())
+    return 0 if result.ok else 1
+
+
+def _check_numerics(args: argparse.Namespace, plan, model, inputs, world: int, start: float) -> int:
+    from autopar.runtime.numerics import check_numerics
+    from autopar.trace.fake import has_meta_tensors
+
+    if has_meta_tensors(model):
+        raise CliError(f"--numerics runs the model on real tensors, but {plan.model.get('spec')} is built on the "
+                       "meta device (a published shape): check a small built-in model, or pass --model without --meta")
+    _progress(f"running all {world} ranks in this process and eager, on the plan's inputs ...")
+    result = check_numerics(model, plan, inputs if isinstance(inputs, tuple) else (inputs,))
+    _progress(f"checked in {time.perf_counter() - start:.2f} s")
+    if args.json:
+        first = result.first_bad
+        print(json.dumps({"ok": result.ok, "mesh": list(result.mesh_shape), "num_nodes": result.num_nodes,
+                          "loss": list(result.loss) if result.loss else None, "max_grad_rel": result.max_grad_rel,
+                          "first_bad": None if first is None else {"node": first.node, "op": first.op,
+                                                                   "rel_diff": first.rel_diff}},
+                         separators=(",", ":")))
     else:
         print(result.text())
     return 0 if result.ok else 1
@@ -500,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-layers", type=_positive_int, default=None, help="with --model: depth")
     c.add_argument("--meta", action="store_true", help="with --model: build a built-in model on the meta device")
     c.add_argument("--rank", type=_nonnegative_int, default=0, help="the rank whose module runs (default 0)")
+    c.add_argument("--numerics", action="store_true",
+                   help="run every rank's rewritten module in this process on the model's real tensors and "
+                        "compare each node, the loss and every gradient with eager (names the first node that differs)")
     c.add_argument("--json", action="store_true", help="print the result as JSON")
     c.set_defaults(func=cmd_check)
 

@@ -115,8 +115,13 @@ def shard_axes(spec: Spec, dim: int) -> list[int]:
 
 def is_valid(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
     """True when every sharded dim exists and divides evenly by the axes that shard it; a
-    strided dim must divide into its blocks times the axis size, on that one axis alone."""
+    strided dim must divide into its blocks times the axis size, on that one axis alone. A mesh
+    axis of size 1 carries only ``R``: there a shard is the whole tensor and a partial sum has
+    one term, so S and P would only name R differently, and plans that mix the names ask for
+    transitions (S to P) that no collective makes."""
     for axis, placement in enumerate(spec):
+        if mesh_shape[axis] == 1 and not isinstance(placement, Replicate):
+            return False
         if is_sharded(placement) and not 0 <= placement.dim < len(shape):
             return False
         if is_strided(placement):
@@ -129,6 +134,12 @@ def is_valid(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> boo
         if size % factor:
             return False
     return True
+
+
+def replicate_size_one_axes(spec: Spec, mesh_shape: Sequence[int]) -> Spec:
+    """``spec`` with ``R`` on every mesh axis of size 1 (the same layout, named as ``is_valid``
+    wants it)."""
+    return tuple(Replicate() if mesh_shape[axis] == 1 else p for axis, p in enumerate(spec))
 
 
 def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...]:

@@ -175,7 +175,7 @@ def register(*targets: Any) -> Callable[[Rule], Rule]:
 
 def replicate_row(info: OpInfo) -> Row:
     outs = tuple(Replicate() for _ in info.out_shapes)
-    return Row(tuple(Replicate() for _ in info.inputs), outs if info.out_is_tuple else outs[0])
+    return Row(tuple(Replicate() for _ in info.inputs), outs if info.out_is_tuple or not outs else outs[0])
 
 
 # Ops whose size argument must be rewritten to the local output shape after sharding.
@@ -260,7 +260,10 @@ def expand_rows(
             )
     strategies: list[Strategy] = []
     seen: set[tuple] = set()
-    for combo in itertools.product(rows, repeat=len(mesh_shape)):
+    # A mesh axis of size 1 carries only R (``spec.is_valid``): the op runs whole on it.
+    whole = [replicate_row(info)]
+    per_axis = [whole if size == 1 else rows for size in mesh_shape]
+    for combo in itertools.product(*per_axis):
         kernels = {row.kernel for row in combo if row.kernel is not None}
         if len(kernels) > 1:
             continue

@@ -362,4 +362,32 @@ def select_rule(info: OpInfo) -> list[Row]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------
+# Scatters: what functionalization (``autopar.trace``) makes of in-place writes into views.
+# ``x[:, 1:] = y`` becomes ``slice_scatter(x, y, 1, 1)``, ``x[:, 0] = y`` ``select_scatter``.
+# Both are linear in (self, src) together, and the dims they do not write pass through.
+
+
+@register(aten.slice_scatter.default)
+def slice_scatter_rule(info: OpInfo) -> list[Row]:
+    base = info.inputs[0]
+    dim = _norm(info.kw["dim"], base.ndim)
+    kw = info.kw
+    whole = _is_whole_dim(base.shape[dim], kw["start"], kw["end"], kw["step"])
+    rows = _linear_rows(2)
+    for other in _other_dims(base.shape, -1 if whole else dim):
+        rows.append(Row((S(other), S(other)), S(other)))
+    return rows
+
+
+@register(aten.select_scatter.default)
+def select_scatter_rule(info: OpInfo) -> list[Row]:
+    base = info.inputs[0]
+    dim = _norm(info.kw["dim"], base.ndim)
+    rows = _linear_rows(2)
+    for other in _other_dims(base.shape, dim):
+        rows.append(Row((S(other), S(other - (other > dim))), S(other)))
+    return rows
+
+
 __all__ = ["reshape_dim_map"]

@@ -41,7 +41,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.plan import Plan
 from autopar.solver import solve
-from autopar.ir.spec import Spec, is_valid
+from autopar.ir.spec import Spec, is_valid, replicate_size_one_axes
 from autopar.trace import TracedModel
 
 KINDS = ("ddp", "zero1", "zero2", "fsdp", "megatron", "megatron_sp", "tp_fsdp")
@@ -108,6 +108,8 @@ def param_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> 
                 local = tuple(s // mesh_shape[-1] if isinstance(tp, Shard) and d == tp.dim else s for d, s in enumerate(shape))
                 rest = (_fsdp_dim(local, _prod(outer)),) * (num_axes - 1)
             spec = rest + (tp,)
+        # On a mesh axis of size 1 (a pipeline stage's mesh, a (1, 4) mesh) every spec is R.
+        spec = replicate_size_one_axes(spec, mesh_shape)
         if not is_valid(shape, spec, mesh_shape):
             spec = (Replicate(),) * num_axes  # this parameter cannot be cut evenly
         specs[graph_input.name] = spec
@@ -123,7 +125,7 @@ def sequence_parallel_specs(traced: TracedModel, mesh_shape: tuple[int, ...]) ->
     if not embeddings:
         return {}
     hidden = embeddings[0].meta["val"].shape[-1]
-    spec = (Shard(0),) * (len(mesh_shape) - 1) + (Shard(1),)
+    spec = replicate_size_one_axes((Shard(0),) * (len(mesh_shape) - 1) + (Shard(1),), mesh_shape)
     forced = {}
     for node in traced.gm.graph.nodes:
         val = node.meta.get("val")

@@ -92,20 +92,25 @@ def trace(
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error
+    exported, written_back = _functionalize_aliased_writes(exported)
 
     gm = exported.graph_module
+    _write_back_mutations(gm, written_back)
+    _differentiable_copies(gm)
+    _rename_unstable(gm)
     _inline_wrappers(gm)
     _drop_assertions(gm)
     inputs: list[GraphInput] = []
     constants: dict[str, torch.Tensor] = {}
-    for spec in exported.graph_signature.input_specs:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for spec, placeholder in zip(exported.graph_signature.input_specs, placeholders, strict=True):
         kind = _KINDS.get(spec.kind)
         if kind is None:
             raise TraceError(
                 f"the exported graph has an input of kind {spec.kind} ({spec.arg.name}), "
                 "which autopar does not handle yet"
             )
-        name = spec.arg.name
+        name = placeholder.name  # renamed by _rename_unstable where export's name was unsafe
         inputs.append(GraphInput(name, kind, spec.target))
         if kind == "constant":
             constants[name] = exported.constants[spec.target]
@@ -122,6 +127,142 @@ def trace(
         constants=constants,
         graph_hash=graph_hash(gm),
     )
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s output shares storage with its first input (a view, a chunk of a
+    split, an alias), by the op's schema."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return _is_view(node.args[0])
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    alias = target._schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The tensors that ``node`` writes in place, by its schema's alias annotations."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return []
+    found = []
+    for index, argument in enumerate(target._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+        if isinstance(value, torch.fx.Node):
+            found.append(value)
+    return found
+
+
+def aliased_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """In-place writes that reach a tensor through an alias: a write into a view (``x[:, 1:] =
+    y``, ``x.chunk(2)[0].mul_(2)``), or into a tensor that has views. Sharding plans each node's
+    value on its own, so such a write would land in one value and not the other; ``trace``
+    functionalizes graphs that have any."""
+    found = []
+    for node in gm.graph.nodes:
+        for target in _written(node):
+            if _is_view(target) or any(_is_view(user) for user in target.users if user is not node):
+                found.append(node)
+                break
+    return found
+
+
+def _functionalize_aliased_writes(exported):
+    """Export's own functionalization (``run_decompositions`` with an empty table: composite
+    ops stay whole, writes become ``slice_scatter``, ``select_scatter``, ``index_put``, ...),
+    for graphs with a write through an alias. Graphs without one are kept exactly as traced.
+    Returns the program and its mutated inputs: (graph output index, placeholder name)."""
+    if not aliased_writes(exported.graph_module):
+        return exported, []
+    from torch.export.graph_signature import OutputKind
+
+    try:
+        exported = exported.run_decompositions({})
+    except Exception as error:  # noqa: BLE001 - any failure here means "cannot functionalize"
+        raise TraceError(
+            "the model writes in place into a view or slice (for example x[:, 1:] = y, or "
+            f"copy_/fill_/mul_ on a chunk), and functionalizing those writes failed: {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}. Write the result out of place "
+            "(torch.cat, torch.where, Tensor.index_put) instead."
+        ) from error
+    signature = exported.graph_signature
+    names = {spec.target: spec.arg.name for spec in signature.input_specs if spec.target is not None}
+    names.update({spec.arg.name: spec.arg.name for spec in signature.input_specs})
+    written_back = []
+    for index, spec in enumerate(signature.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            written_back.append((index, names[spec.target]))
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            written_back.append((index, spec.target))
+        elif spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
+            raise TraceError(f"functionalized graph has an output of kind {spec.kind}, which autopar does not handle")
+    return exported, written_back
+
+
+def _write_back_mutations(gm: torch.fx.GraphModule, written_back: list[tuple[int, str]]) -> None:
+    """Functionalization returns the new value of each mutated buffer or input as an extra graph
+    output; write it back in place (``copy_`` into the placeholder, as eager does) and drop the
+    output, so the graph returns what the model returns."""
+    if not written_back:
+        return
+    graph = gm.graph
+    output = graph.output_node()
+    values = list(output.args[0])
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    with graph.inserting_before(output):
+        for index, name in written_back:
+            target = placeholders[name]
+            node = graph.call_function(torch.ops.aten.copy_.default, (target, values[index]))
+            node.meta["val"] = target.meta["val"]
+    drop = {index for index, _ in written_back}
+    output.args = (tuple(v for i, v in enumerate(values) if i not in drop),)
+    gm.recompile()
+
+
+def _differentiable_copies(gm: torch.fx.GraphModule) -> None:
+    """Functionalization writes ``dst.copy_(src)`` as ``aten.copy(dst, src)``, which autograd
+    cannot differentiate (compiled graphs run under eager autograd). Its value is ``src`` cast
+    to ``dst``'s dtype and broadcast to its shape: the node becomes exactly that."""
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy.default:
+            continue
+        dst, src = node.args[0], node.args[1]
+        want, have = dst.meta["val"], src.meta["val"]
+        value = src
+        with graph.inserting_before(node):
+            if have.dtype != want.dtype:
+                value = graph.call_function(torch.ops.aten._to_copy.default, (value,), {"dtype": want.dtype})
+                value.meta["val"] = have.to(want.dtype)
+            if tuple(have.shape) != tuple(want.shape):
+                value = graph.call_function(torch.ops.aten.expand.default, (value, list(want.shape)))
+                value.meta["val"] = value.args[0].meta["val"].expand(want.shape)
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+def _rename_unstable(gm: torch.fx.GraphModule) -> None:
+    """Give a new name to every node whose name fx would change when it copies the graph (a
+    Python builtin or keyword: an argument called ``input``, ``type`` or ``id``). Plans are
+    keyed by node name, and ``compile`` rewrites a deep copy of the traced graph."""
+    from torch.fx.graph import _illegal_names
+
+    renamed = False
+    for node in gm.graph.nodes:
+        if node.name in _illegal_names:
+            node._rename(f"{node.name}_1")
+            renamed = True
+    if renamed:
+        gm.recompile()
 
 
 def _fake_params(model: torch.nn.Module, inputs: Any, precision: MixedPrecision | None) -> contextlib.AbstractContextManager:

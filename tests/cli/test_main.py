@@ -339,3 +339,16 @@ def test_help_names_equal_the_zoo_and_cluster_lists():
     assert catalog.MODEL_PRESETS == tuple(PRESETS)
     assert catalog.DEFAULT_CLUSTER == DEFAULT_PRESET
     assert catalog.cluster_presets() == preset_names()
+
+
+def test_check_numerics_runs_every_rank_against_eager(capsys, plans):
+    code, out, err = _run(capsys, "check", str(plans["gpt2_cpu"]), "--numerics")
+    assert code == 0, err
+    assert out.startswith("OK: mesh (2,):") and "loss" in out and "compared with eager" in out
+    code, out, err = _run(capsys, "check", str(plans["gpt2_cpu"]), "--numerics", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["ok"] is True and data["first_bad"] is None and data["num_nodes"] > 20
+    # A plan for a published shape on the meta device holds no values to compare.
+    code, out, err = _run(capsys, "check", str(plans["gpt4_cpu"]), "--numerics")
+    assert code != 0 and "meta device" in err

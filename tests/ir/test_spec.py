@@ -140,3 +140,12 @@ def test_strided_spelling_validity_and_steps():
     assert transition_steps((SS(1, 3),), (Partial(),)) is None
     with pytest.raises(ValueError, match="at least 2 blocks"):
         SS(0, 1)
+
+
+def test_a_mesh_axis_of_size_one_carries_only_replicate():
+    from autopar.ir.spec import is_valid, replicate_size_one_axes
+
+    assert not is_valid((4, 4), (Shard(0), Replicate()), (1, 2))
+    assert not is_valid((4, 4), (Partial(), Replicate()), (1, 2))
+    assert is_valid((4, 4), (Replicate(), Shard(0)), (1, 2))
+    assert replicate_size_one_axes((Shard(0), Shard(1)), (1, 2)) == (Replicate(), Shard(1))

@@ -818,3 +818,22 @@ def test_simulator_catches_a_plain_shard_split_as_if_strided():
     assert not check_strategy(aten.split.Tensor, kw, wrong, (2,)).ok
     right = Strategy(ins=((SS(1, 3),),), outs=((S(1),),) * 3)
     assert check_strategy(aten.split.Tensor, kw, right, (2,)).ok
+
+
+@pytest.mark.parametrize("mesh", [(1, 2), (2, 1), (1, 1, 4)], ids=str)
+def test_size_one_mesh_axes_carry_only_replicate_and_keep_the_rule_source(mesh):
+    # On a mesh axis of size 1 S and P would only rename R, and plans mixing the names asked
+    # the rewrite for S -> P (a pipelined Mistral's stage mesh (1, 2), issue 15).
+    from torch.distributed.tensor import Replicate
+
+    x, w = torch.randn(8, 16), torch.randn(32, 16)
+    for target, args in [(torch.ops.aten.linear.default, (x, w)), (torch.ops.aten.add.Tensor, (x, x)),
+                         (torch.ops.aten.sum.dim_IntList, (x, [1]))]:
+        kw = _normalize(target, args, {})
+        info = op_info_from_values("op", target, kw, target(*args))
+        strategies = node_strategies(info, mesh)
+        assert all(s.source == "rule" for s in strategies)
+        for strategy in strategies:
+            for spec in strategy.ins + strategy.outs:
+                assert all(isinstance(spec[a], Replicate) for a, n in enumerate(mesh) if n == 1), strategy
+        assert any(any(not isinstance(p, Replicate) for p in s.outs[0]) for s in strategies) or max(mesh) == 1

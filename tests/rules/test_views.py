@@ -64,6 +64,11 @@ CASES = {
     "select_negative": (aten.select.int, (X, 1, -1)),
     "narrow": (aten.narrow.default, (X, 1, 2, 4)),
     "narrow_whole": (aten.narrow.default, (X, 1, 0, 16)),
+    "slice_scatter": (aten.slice_scatter.default, (X, torch.randn(8, 15, 32), 1, 1)),
+    "slice_scatter_step": (aten.slice_scatter.default, (X, torch.randn(8, 16, 8), 2, 0, 32, 4)),
+    "slice_scatter_whole": (aten.slice_scatter.default, (X, Y, 0, 0, 9223372036854775807)),
+    "select_scatter": (aten.select_scatter.default, (X, torch.randn(8, 32), 1, 0)),
+    "select_scatter_negative": (aten.select_scatter.default, (X, torch.randn(16, 32), 0, -1)),
 }
 
 

@@ -102,3 +102,18 @@ def test_unknown_kind_names_the_kinds(gpt_and_batch):
     model, batch = gpt_and_batch
     with pytest.raises(ValueError, match="ddp, zero1, zero2, fsdp, megatron, megatron_sp, tp_fsdp, tp_dp"):
         autopar.hand_plan("zero9", model, MESH, example_inputs=batch)
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "tp_fsdp", "megatron_sp"])
+def test_hand_plans_on_a_mesh_with_a_size_one_axis_shard_only_the_other(gpt_and_batch, kind):
+    # A pipeline stage's mesh, or (1, 4): axis 0 carries only R, and the plan still shards on axis 1.
+    from autopar.solver.hand_plans import hand_specs
+    from autopar.trace import trace
+
+    model, batch = gpt_and_batch
+    specs = hand_specs(kind, trace(model, batch), (1, 4))
+    assert all(isinstance(spec[0], Replicate) for spec in specs.values())
+    assert any(isinstance(spec[1], Shard) for spec in specs.values())
+    plan = autopar.hand_plan(kind, model, (1, 4), example_inputs=batch, cluster="cpu")
+    assert all(isinstance(p, Replicate) for node in plan.nodes.values() for spec in node.ins + node.outs
+               for p in spec[:1])

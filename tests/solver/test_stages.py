@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate
 
 import autopar
 from autopar.cost.cluster import LinkSpec, get_cluster
@@ -214,3 +215,20 @@ def test_the_dp_finds_the_best_partition_that_brute_force_finds(seed):
         assert found is None
     else:
         assert found[0] == pytest.approx(best) and score(found[1]) == pytest.approx(best)
+
+
+def test_a_pipelined_mistral_on_2x2_asks_only_for_transitions_the_rewrite_makes():
+    # Issue 15: the stage mesh (1, 2) offered S and P on its size-1 axis, stages stitched from
+    # different candidate plans met as S(0) -> P, and compile failed in insert_collectives.
+    from autopar.ir.spec import transition_steps
+    from tests.zoo.hf_models import loss_only, mistral
+
+    model, kwargs = mistral(batch_size=8)
+    plan = autopar.plan(loss_only(model), (2, 2), example_kwargs=kwargs, cluster="cpu", pipeline=2,
+                        num_microbatches=2)
+    assert plan.pipeline.stage_mesh == (1, 2)
+    for name, node in plan.nodes.items():
+        assert all(isinstance(spec[0], Replicate) for spec in node.ins + node.outs), f"{name}: {node}"
+        for (producer, index), dst in zip(node.inputs, node.ins):
+            src = plan.nodes[producer].outs[index]
+            assert transition_steps(src, dst) is not None, f"{producer} -> {name}: {src} -> {dst}"

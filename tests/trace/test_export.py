@@ -113,3 +113,84 @@ def test_mixed_precision_traces_bf16_compute_with_fp32_masters_cast_at_use():
     true16 = trace(model, batch, precision=precision_policy("bf16-true"))
     assert not any(n.target is torch.ops.aten._to_copy.default and n.args[0].name in params
                    for n in true16.gm.graph.nodes), "bf16-true keeps bf16 weights: nothing to cast"
+
+
+# -- in-place writes through aliases are functionalized (issue 15) -----------------------------
+
+class ShiftRight(torch.nn.Module):
+    """Label shifting as encoder-decoders do it: in-place writes into a slice and a column of a
+    new tensor, then a masked fill of the whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        inputs = labels.new_zeros(labels.shape)
+        inputs[:, 1:] = labels[:, :-1].clone()
+        inputs[:, 0] = 3
+        inputs.masked_fill_(inputs == -100, 2)
+        logits = self.head(self.emb(inputs))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_writes_into_views_are_functionalized_and_composites_stay_whole():
+    from autopar.trace import aliased_writes
+
+    labels = torch.randint(4, 64, (16, 8))
+    model = ShiftRight()
+    traced = trace(model, (labels,))
+    targets = {n.target for n in traced.gm.graph.nodes if n.op == "call_function"}
+    assert not aliased_writes(traced.gm)
+    assert {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default} <= targets
+    # aten.copy has no derivative: the trace writes it as the value it is.
+    assert torch.ops.aten.copy_.default not in targets and torch.ops.aten.copy.default not in targets
+    assert {torch.ops.aten.embedding.default, torch.ops.aten.linear.default,
+            torch.ops.aten.cross_entropy_loss.default} <= targets
+    state = dict(model.named_parameters())
+    values = [state[i.fqn].detach() if i.kind == "param" else traced.constants[i.name] if i.kind == "constant"
+              else labels for i in traced.inputs]
+    assert torch.equal(traced.gm(*values)[0], model(labels))
+
+
+def test_a_mutated_buffer_is_written_back_in_place():
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("seen", torch.zeros(2, 4))
+
+        def forward(self, x):
+            self.seen[0].add_(x.sum(0))  # a write into a view of a buffer
+            return self.lin(x).sum()
+
+    traced = trace(Counter(), (torch.randn(3, 4),))
+    copies = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    assert len(copies) == 1 and copies[0].args[0].name == next(i.name for i in traced.inputs if i.kind == "buffer")
+    assert len(traced.gm.graph.output_node().args[0]) == 1  # the model's one output, no mutation outputs
+
+
+def test_a_model_without_aliased_writes_keeps_the_graph_export_gives():
+    model = build_model("gpt", seed=0)
+    batch = example_batch("gpt", 4)
+    exported = torch.export.export(model, batch, strict=False)
+    traced = trace(model, batch)
+    ops = [str(n.target) for n in exported.graph_module.graph.nodes if n.op == "call_function"]
+    assert [str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function"] == ops
+
+
+@pytest.mark.parametrize("name", ["input", "type", "id", "sum", "slice", "inf", "device"])
+def test_argument_names_survive_graph_copies(name):
+    # fx renames a node named after a Python builtin when it copies the graph (compile rewrites a
+    # copy, and plans are keyed by node name): such a name is replaced once, at trace time.
+    import copy
+
+    namespace: dict = {}
+    exec(f"def forward(self, {name}):\n    return ({name} * 2.0).sum()", namespace)  # noqa: S102
+    model = type("Named", (torch.nn.Module,), {"forward": namespace["forward"]})()
+    traced = trace(model, (torch.randn(4, 4),))
+    names = [n.name for n in traced.gm.graph.nodes]
+    assert name not in names
+    assert [n.name for n in copy.deepcopy(traced.gm).graph.nodes] == names
+    assert [gi.name for gi in traced.inputs] == [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]

@@ -103,3 +103,30 @@ def mixtral(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch
 
 
 COVERAGE: dict[str, Callable[..., tuple[torch.nn.Module, dict]]] = {"bert": bert, "vit": vit, "mixtral": mixtral}
+
+
+def mistral(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn.Module, dict]:
+    """MistralForCausalLM: LLaMA's layout with grouped-query attention (4 query, 2 kv heads)."""
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        use_cache=False, attn_implementation="sdpa", **SPECIAL, **overrides,
+    )
+    model = _seeded(lambda: transformers.MistralForCausalLM(config), seed)
+    ids, labels = _ids(batch_size, seed + 1)
+    return model, {"input_ids": ids, "labels": labels}
+
+
+class LossOnly(torch.nn.Module):
+    """A Hugging Face model that returns its loss alone, as a pipelined model must."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def loss_only(model: torch.nn.Module) -> torch.nn.Module:
+    return LossOnly(model)
