@@ -94,22 +94,13 @@ def _operator_rows(plan) -> list[tuple[str, Any]]:
 
 
 def operators_table(plan, limit: int | None) -> Table:
-    from autopar.ir.spec import spec_text
+    from autopar.ir.summary import node_row
 
     nodes = _operator_rows(plan)
     shown = nodes if limit is None else sorted(nodes, key=lambda item: -item[1].cost_s)[:limit]
     rows = []
     for name, node in shown:
-        note = []
-        if node.kernel:
-            note.append(f"kernel {node.kernel} on axes {list(node.kernel_axes)}")
-        if node.source == "fallback":
-            note.append("FALLBACK: replicated (no rule)")
-        elif node.source == "dtensor":
-            note.append("rule from DTensor")
-        shape = ("x".join(str(d) for d in node.shapes[0]) or "scalar") if node.shapes else "-"
-        rows.append((name, node.op, shape, spec_text(node.outs[0]) if node.outs else "-",
-                     f"{node.cost_s * 1e3:.4f}", "; ".join(note)))
+        rows.append(node_row(name, node))
     title = (f"Operators ({len(nodes)}, views omitted)" if limit is None or len(nodes) <= limit
              else f"Operators: the {len(shown)} costliest of {len(nodes)} (views omitted; --all lists every one)")
     return Table(title, ("node", "op", "output shape", "placements", "cost ms", "note"), table_rows(rows),

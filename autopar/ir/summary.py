@@ -68,6 +68,21 @@ def header_lines(plan: "Plan") -> list[str]:
     return lines
 
 
+def node_row(name: str, node) -> tuple[str, str, str, str, str, str]:
+    """One row of a node table: name, op, output shape, placement, cost in ms, and notes (its
+    kernel, or where its rule came from)."""
+    note = []
+    if node.kernel:
+        note.append(f"kernel {node.kernel} on axes {list(node.kernel_axes)}")
+    if node.source == "fallback":
+        note.append("FALLBACK: replicated (no rule)")
+    elif node.source == "dtensor":
+        note.append("rule from DTensor")
+    shape = ("x".join(str(d) for d in node.shapes[0]) or "scalar") if node.shapes else "-"
+    placements = spec_text(node.outs[0]) if node.outs else "-"
+    return name, node.op, shape, placements, f"{node.cost_s * 1e3:.4f}", "; ".join(note)
+
+
 def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     lines = header_lines(plan)
     lines.append("")
@@ -85,16 +100,7 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
         rows += 1
         if rows > max_rows:
             continue
-        note = []
-        if node.kernel:
-            note.append(f"kernel {node.kernel} on axes {list(node.kernel_axes)}")
-        if node.source == "fallback":
-            note.append("FALLBACK: replicated (no rule)")
-        elif node.source == "dtensor":
-            note.append("rule from DTensor")
-        shape = ("x".join(str(d) for d in node.shapes[0]) or "scalar") if node.shapes else "-"
-        placements = spec_text(node.outs[0]) if node.outs else "-"
-        table.append((name, node.op, shape, placements, f"{node.cost_s * 1e3:.4f}", "; ".join(note)))
+        table.append(node_row(name, node))
     # Columns as wide as their widest cell, so long node names (scaled_dot_product_attention_1)
     # keep the table aligned.
     widths = [max(len(row[i]) for row in table) for i in range(5)]
