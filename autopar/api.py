@@ -345,6 +345,11 @@ def compile(
     groups, coordinate = mesh_groups(mesh_shape)
     offloader = _offloader(chosen, offload, example_inputs, example_kwargs)
     fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+    if offloader is not None:
+        # The buckets put reduced gradients into .grad at the end of backward, after the point
+        # where the offloader's gradient hooks move offloaded gradients to their store; until
+        # the two are joined, a plan that offloads runs one collective per use (correct numbers).
+        comm = dataclasses.replace(comm or CommOptions(), enabled=False)
     gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups, offloader, fqns, comm))
     if isinstance(init, SeededInit):
         local = seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
