@@ -1,12 +1,12 @@
 """What rewritten graphs call: differentiable collectives (``collectives``) and the parallel
-kernels that one collective cannot express (``parallel``, ``losses``), registered by name
+kernels that one collective cannot express (``parallel``, ``losses``, ``attention``), registered by name
 (``kernels``)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from autopar.ops import losses, parallel  # noqa: F401  (registers the kernels)
+from autopar.ops import attention, losses, parallel  # noqa: F401  (registers the kernels)
 from autopar.ops.kernels import KERNELS
 
 

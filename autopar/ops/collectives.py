@@ -21,6 +21,8 @@ forward             placements          backward
 ``allreduce_grad``  R → R (identity)    all-reduce: used where an R input feeds a
                                         computation that is split on that axis, whose
                                         local input gradient is a partial sum
+``move_pieces``     a permutation of    the inverse permutation (no sums: every
+                    equal pieces        element has one owner before and after)
 ==================  ==================  ==========================================
 
 Each function takes the process group by *name* (``group.group_name``) so that FX code generation
@@ -269,6 +271,44 @@ class _AllToAll(torch.autograd.Function):
         return _chunk(full, ctx.src_dim, ctx.group_name), None, None, None
 
 
+@_guarded("all-to-all")
+def _all_to_all_rows(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+                     group_name: str) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), output_split_sizes, input_split_sizes,
+                                                       group_name))
+
+
+def _move(x: torch.Tensor, dim: int, group_name: str, src: tuple[tuple[int, ...], ...],
+          dst: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """Rank ``r`` holds the equal pieces ``src[r]`` (piece ids, in local order along ``dim``) and
+    ends with the pieces ``dst[r]``, in that order: one all-to-all."""
+    rank = group_rank(group_name)
+    owner = {piece: r for r, pieces in enumerate(src) for piece in pieces}
+    target = {piece: r for r, pieces in enumerate(dst) for piece in pieces}
+    rows = x.movedim(dim, 0)
+    size = rows.shape[0] // len(src[rank])
+    pieces = rows.split(size, 0)
+    # all_to_all_single sends in destination order and receives in source order.
+    send = sorted(range(len(src[rank])), key=lambda i: target[src[rank][i]])
+    arrive = sorted(dst[rank], key=lambda piece: (owner[piece], src[owner[piece]].index(piece)))
+    input_splits = [size * sum(1 for p in src[rank] if target[p] == r) for r in range(len(src))]
+    output_splits = [size * sum(1 for p in dst[rank] if owner[p] == r) for r in range(len(src))]
+    received = _all_to_all_rows(torch.cat([pieces[i] for i in send]), output_splits, input_splits, group_name)
+    by_piece = dict(zip(arrive, received.split(size, 0)))
+    return torch.cat([by_piece[p] for p in dst[rank]]).movedim(0, dim)
+
+
+class _MovePieces(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group_name, src, dst):
+        ctx.dim, ctx.group_name, ctx.src, ctx.dst = dim, group_name, src, dst
+        return _move(x, dim, group_name, src, dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _move(grad, ctx.dim, ctx.group_name, ctx.dst, ctx.src), None, None, None, None
+
+
 class _AllReduceGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group_name):
@@ -309,6 +349,19 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) -> 
 def allreduce_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Identity in forward; all-reduces the gradient in backward (Megatron's ``f``)."""
     return _AllReduceGrad.apply(x, group_name)
+
+
+def move_pieces(x: torch.Tensor, dim: int, group_name: str, src: tuple[tuple[int, ...], ...],
+                dst: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """Permute equal pieces of ``dim`` among the group's ranks: rank ``r`` holds pieces ``src[r]``
+    (ids in local order) and gets ``dst[r]``. Backward moves the gradient pieces back."""
+    return _MovePieces.apply(x, dim, group_name, src, dst)
+
+
+def no_grad_reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """The sum of the ranks' ``x``, chunk ``rank`` along ``dim``, outside autograd (a kernel's
+    own backward)."""
+    return _reduce_scatter(x, dim, group_name)
 
 
 def no_grad_all_gather(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
