@@ -289,6 +289,42 @@ def exposed_grad_sync_s(sync_s: float, backward_compute_s: float, last_bucket_s:
     return max(min(last_bucket_s, sync_s), sync_s - backward_compute_s, 0.0)
 
 
+def context_parallel_collectives(kv_bytes: float, rows_bytes: float, axes: Sequence[int], balanced: bool,
+                                 mesh_shape: Sequence[int], requires_grad: bool) -> list[tuple[str, float, int]]:
+    """The context-parallel attention kernel's own collectives (``ops.attention``), as
+    ``(kind, num_bytes, axis)`` in the sizes the ``*_s`` functions take; nothing overlaps them.
+
+    - K and V (``kv_bytes``: both, local) are all-gathered along the sequence on each of
+      ``axes``, innermost first, so each gather's output is the previous one's times the axis
+      size; backward gathers them again (the kernel recomputes) and reduce-scatters their
+      gradients, the same sizes;
+    - when ``balanced`` (``ir.context.is_balanced``), on the innermost axis the query rows go to
+      head-tail order and the output rows back (``rows_bytes``: q plus output, local), and in
+      backward their gradients: one all-to-all each way.
+    """
+    steps: list[tuple[str, float, int]] = []
+    size = float(kv_bytes)
+    for axis in reversed(axes):
+        size *= mesh_shape[axis]
+        steps += [("all_gather", size, axis)] * (2 if requires_grad else 1)
+        if requires_grad:
+            steps.append(("reduce_scatter", size, axis))
+    if balanced and axes:
+        steps += [("all_to_all", float(rows_bytes), axes[-1])] * (2 if requires_grad else 1)
+    return steps
+
+
+def collectives_cost(steps: Sequence[tuple[str, float, int]], mesh_shape: Sequence[int],
+                     cluster: ClusterSpec) -> tuple[float, dict[int, float]]:
+    """(seconds, bytes sent per mesh axis) of ``(kind, num_bytes, axis)`` collectives run one
+    after another."""
+    seconds, per_axis = 0.0, {}
+    for kind, num_bytes, axis in steps:
+        seconds += _COST_FNS[kind](num_bytes, axis, mesh_shape, cluster)
+        per_axis[axis] = per_axis.get(axis, 0.0) + bytes_sent(kind, num_bytes, mesh_shape[axis])
+    return seconds, per_axis
+
+
 def send_recv_s(num_bytes: float, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> float:
     """One point-to-point send of ``num_bytes`` between neighbours on ``axis`` (pipeline stages):
     α + bytes/β; the sender sends ``num_bytes``. 0 when the axis has one rank."""
@@ -306,6 +342,8 @@ __all__ = [
     "all_to_all_s",
     "send_recv_s",
     "bytes_sent",
+    "context_parallel_collectives",
+    "collectives_cost",
     "transition_cost",
     "transition_bytes_per_axis",
     "grad_allreduce_cost",

@@ -19,6 +19,8 @@ For one op and one strategy, the time on each rank is
   S(1) x S(0) → P splits the work through its Partial output).
 * ``backward_factor`` is 2 for the matmul family (mm, bmm, addmm, baddbmm, linear, matmul,
   convolutions, attention: a gradient for each of the two operands) and 1 for everything else.
+* The context-parallel attention kernel prices its most loaded rank (causal work imbalance,
+  ``ir.context.max_work_fraction``) and the forward its backward recomputes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch.distributed.tensor import Replicate
 from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 from autopar.cost.cluster import ClusterSpec
+from autopar.ir.context import max_work_fraction
 from autopar.ir.spec import VIEW_OP_NAMES
 from autopar.rules.registry import OpInfo, Strategy, TensorArg
 from autopar.cost.measured import measured_seconds
@@ -198,7 +201,19 @@ def roofline_terms(
     split = work_split(strategy, mesh_shape)
     flops_s = node_flops(info) / split / cluster.peak_flops_for(compute_dtype(info))
     memory_s = node_bytes(info) / split / cluster.memory_bandwidth_bytes_per_s
+    if strategy.kernel == "sdpa_context_parallel":
+        flops_s, factor = _context_parallel_terms(info, strategy, mesh_shape, flops_s, factor, requires_grad)
     return flops_s, memory_s, factor
+
+
+def _context_parallel_terms(info, strategy, mesh_shape, flops_s, factor, requires_grad) -> tuple[float, float]:
+    """The context-parallel attention kernel (``ops.attention``): its most loaded rank does
+    ``ir.context.max_work_fraction`` times the mean rank's causal work (1.0 when head-tail
+    balanced on one axis), and its backward recomputes the forward once (it saves only its local
+    q, k and v), so forward + backward is ``1 + backward_factor + 1`` forwards."""
+    sizes = tuple(mesh_shape[axis] for axis in strategy.kernel_axes)
+    flops_s *= max_work_fraction(_shape(info.kw["query"])[-2], sizes)
+    return flops_s, factor + 1.0 if requires_grad else factor
 
 
 def compute_cost_s(

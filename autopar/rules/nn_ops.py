@@ -79,12 +79,21 @@ def sdpa_rule(info: OpInfo) -> list[Row]:
             placements["attn_mask"] = broadcast_shard(mask, scores_shape, dim)
         rows.append(row_by_name(info, placements, S(dim)))
     # Query-sequence split (each rank attends its queries to every key). With is_causal the
-    # mask is built from local shapes, which would be wrong on every rank but the first.
+    # mask is built from local shapes, which would be wrong on every rank but the first: causal
+    # attention splits its sequence through the context-parallel kernel below instead.
     if not info.kw.get("is_causal"):
         placements = {"query": S(q.ndim - 2)}
         if mask is not None:
             placements["attn_mask"] = broadcast_shard(mask, scores_shape, q.ndim - 2)
         rows.append(row_by_name(info, placements, S(q.ndim - 2)))
+    # Context parallelism for causal self-attention: q, k and v all split along the sequence;
+    # the kernel gathers K/V and masks by global positions (``ops.attention``). Its backward
+    # recomputes the attention, which would draw a second dropout mask, hence dropout_p == 0.
+    seq = q.ndim - 2
+    if (info.kw.get("is_causal") and mask is None and not info.kw.get("dropout_p")
+            and q.shape[seq] == k.shape[seq] == v.shape[seq]):
+        ins = row_by_name(info, {"query": S(seq), "key": S(seq), "value": S(seq)}, S(seq)).ins
+        rows.append(Row(ins, S(seq), kernel="sdpa_context_parallel"))
     return rows
 
 

@@ -40,6 +40,7 @@ from autopar.rules.registry import (
     tensor_input_nodes,
     tensor_meta,
 )
+from autopar.ir import context
 from autopar.ir.spec import SS, Spec, is_valid, replicated
 from autopar.trace import TracedModel, requires_grad
 
@@ -434,6 +435,10 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
             for num_bytes in kernel_all_reduce_bytes(info, strategy):
                 seconds += comm.all_reduce_s(num_bytes, axis, mesh_shape, cluster)
                 synced += comm.bytes_sent("all_reduce", num_bytes, mesh_shape[axis])
+        kernel_s, kernel_bytes = comm.collectives_cost(kernel_collectives(info, strategy, mesh_shape, needs_grad),
+                                                       mesh_shape, cluster)
+        seconds += kernel_s
+        synced += sum(kernel_bytes.values())
         compute_s.append(seconds)
         sync_bytes.append(synced)
         out_bytes = sum(
@@ -461,6 +466,24 @@ def kernel_all_reduce_bytes(info, strategy: Strategy) -> list[int]:
     return sizes(info) if sizes is not None else []
 
 
+def kernel_collectives(info, strategy: Strategy, mesh_shape: Sequence[int],
+                       requires_grad: bool) -> list[tuple[str, float, int]]:
+    """Collectives of a kernel beyond all-reduces, as ``comm.context_parallel_collectives``
+    lists them: the context-parallel attention's K/V gathers, gradient reduce-scatters and
+    head-tail row exchanges."""
+    if strategy.kernel != "sdpa_context_parallel":
+        return []
+    q, k, v = (info.kw[name] for name in ("query", "key", "value"))
+    specs = dict(zip(("query", "key", "value"), (strategy.ins[a.index] for a in (q, k, v))))
+    kv_bytes = sum(memory.local_bytes(a.shape, a.dtype, specs[n], mesh_shape) for n, a in (("key", k), ("value", v)))
+    q_bytes = memory.local_bytes(q.shape, q.dtype, specs["query"], mesh_shape)
+    out_bytes = memory.local_bytes(info.out_shape, q.dtype, strategy.outs[0], mesh_shape)
+    axes = strategy.kernel_axes
+    balanced = context.is_balanced(q.shape[-2], tuple(mesh_shape[a] for a in axes))
+    return comm.context_parallel_collectives(kv_bytes, q_bytes + out_bytes, axes, balanced, mesh_shape,
+                                             requires_grad)
+
+
 def grad_sync_bytes_per_axis(
     choice: Choice, index: int, choices: dict[str, Choice], mesh_shape: Sequence[int]
 ) -> dict[int, float]:
@@ -480,6 +503,8 @@ def grad_sync_bytes_per_axis(
     for axis in strategy.kernel_axes:
         for num_bytes in kernel_all_reduce_bytes(choice.info, strategy):
             per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent("all_reduce", num_bytes, mesh_shape[axis])
+    for kind, num_bytes, axis in kernel_collectives(choice.info, strategy, mesh_shape, choice.requires_grad):
+        per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent(kind, num_bytes, mesh_shape[axis])
     return per_axis
 
 

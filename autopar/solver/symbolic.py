@@ -33,7 +33,7 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.ir.plan import Plan
 from autopar.rules import op_info
 from autopar.rules.registry import Strategy, tensor_input_nodes, tensor_meta
-from autopar.solver.choices import grad_sync_axes, grad_sync_cost
+from autopar.solver.choices import grad_sync_axes, grad_sync_cost, kernel_collectives
 from autopar.trace import TracedModel, requires_grad
 
 BATCH = sympy.Symbol("B", positive=True)
@@ -101,6 +101,10 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
             for axis in grad_sync_axes(strategy, position):
                 cost = grad_sync_cost(arg, strategy.ins[position], axis, is_param, mesh, cluster)
                 comms.append((cost.backward_s, cost.bytes_sent))
+        steps = kernel_collectives(info, strategy, mesh, grads[node.name])
+        if steps:
+            seconds, per_axis = comm.collectives_cost(steps, mesh, cluster)
+            comms.append((seconds, sum(per_axis.values())))
     ties = _ties(traced)
     curve = liveness.build_timeline(live, optimizer, ties).curve(out_bytes.__getitem__)
     return {"roofline": roofline, "comm": comms, "memory_curve": curve}
