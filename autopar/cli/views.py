@@ -100,7 +100,7 @@ def operators_table(plan, limit: int | None) -> Table:
     shown = nodes if limit is None else sorted(nodes, key=lambda item: -item[1].cost_s)[:limit]
     rows = []
     for name, node in shown:
-        rows.append(node_row(name, node))
+        rows.append(node_row(name, node, plan.mesh_shape))
     title = (f"Operators ({len(nodes)}, views omitted)" if limit is None or len(nodes) <= limit
              else f"Operators: the {len(shown)} costliest of {len(nodes)} (views omitted; --all lists every one)")
     return Table(title, ("node", "op", "output shape", "placements", "cost ms", "note"), table_rows(rows),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autopar.ir.context import is_balanced, max_work_fraction
 from autopar.ir.spec import VIEW_OP_NAMES, spec_text
 
 if TYPE_CHECKING:
@@ -68,11 +69,30 @@ def header_lines(plan: "Plan") -> list[str]:
     return lines
 
 
-def node_row(name: str, node) -> tuple[str, str, str, str, str, str]:
+# What a kernel does, in words, for the summary and ``explain``.
+KERNEL_NAMES = {
+    "sdpa_context_parallel": "context parallel: q, k, v split by sequence, K/V all-gathered, causal offsets by "
+                             "global position",
+}
+
+
+def context_parallel_note(shape, kernel_axes, mesh_shape) -> str:
+    """How the context-parallel attention splits its causal work (``ir.context``)."""
+    sizes = tuple(mesh_shape[axis] for axis in kernel_axes)
+    seq_len = shape[-2]
+    layout = (f"queries head-tail on axis {kernel_axes[-1]}" if is_balanced(seq_len, sizes)
+              else "queries contiguous")
+    return (f"context parallel over axes {list(kernel_axes)} (K/V all-gathered, {layout}; "
+            f"most loaded rank {max_work_fraction(seq_len, sizes):.2f}x the mean causal work)")
+
+
+def node_row(name: str, node, mesh_shape=None) -> tuple[str, str, str, str, str, str]:
     """One row of a node table: name, op, output shape, placement, cost in ms, and notes (its
     kernel, or where its rule came from)."""
     note = []
-    if node.kernel:
+    if node.kernel == "sdpa_context_parallel" and mesh_shape is not None and node.shapes:
+        note.append(context_parallel_note(node.shapes[0], node.kernel_axes, mesh_shape))
+    elif node.kernel:
         note.append(f"kernel {node.kernel} on axes {list(node.kernel_axes)}")
     if node.source == "fallback":
         note.append("FALLBACK: replicated (no rule)")
@@ -100,7 +120,7 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
         rows += 1
         if rows > max_rows:
             continue
-        table.append(node_row(name, node))
+        table.append(node_row(name, node, plan.mesh_shape))
     # Columns as wide as their widest cell, so long node names (scaled_dot_product_attention_1)
     # keep the table aligned.
     widths = [max(len(row[i]) for row in table) for i in range(5)]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.errors import PlanError
 from autopar.ir.spec import spec_text
-from autopar.ir.summary import format_bytes
+from autopar.ir.summary import KERNEL_NAMES, format_bytes
 
 if TYPE_CHECKING:
     from autopar.ir.plan import Plan
@@ -89,9 +89,13 @@ def explain_text(plan: "Plan", key: str) -> str:
     lines.append("")
     lines.append(f"  chosen: out {_specs(chosen['out'])}   in {_specs(chosen['in'])}"
                  + (f"   kernel {chosen['kernel']}" if chosen.get("kernel") else ""))
-    for label, field in (("compute", "compute_s"), ("gradient sync", "grad_sync_s"),
-                         ("resharding in", "reshard_in_s"), ("resharding out", "reshard_out_s"),
-                         ("total", "total_s")):
+    if chosen.get("kernel") in KERNEL_NAMES:
+        lines.append(f"    ({KERNEL_NAMES[chosen['kernel']]})")
+    fields = [("compute", "compute_s"), ("gradient sync", "grad_sync_s"), ("resharding in", "reshard_in_s"),
+              ("resharding out", "reshard_out_s"), ("total", "total_s")]
+    if "kernel_comm_s" in chosen:
+        fields.insert(2, ("kernel comm", "kernel_comm_s"))
+    for label, field in fields:
         lines.append(f"    {label:<15} {_ms(chosen[field]):>14}")
     lines.append(f"    {'memory':<15} {format_bytes(chosen['memory_bytes']):>14} per device")
     others = [c for c in candidates if not c.get("chosen")]
@@ -107,6 +111,7 @@ def explain_text(plan: "Plan", key: str) -> str:
                 f"    {_specs(c['out']):<22} {c['compute_s'] * 1e3:>11.4f} {c['grad_sync_s'] * 1e3:>11.4f}"
                 f" {c['reshard_in_s'] * 1e3:>11.4f} {c['reshard_out_s'] * 1e3:>11.4f} {c['total_s'] * 1e3:>11.4f}"
                 f" {delta * 1e3:>+11.4f} {format_bytes(c['memory_bytes']):>11}"
+                + (f"  kernel {c['kernel']}" if c.get("kernel") else "")
             )
         lines.append("    (milliseconds; memory per device)")
     else:

@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.cost.cluster import ClusterSpec
-from autopar.solver.choices import ChoiceGraph, grad_sync_axes, grad_sync_cost
+from autopar.cost import comm
+from autopar.solver.choices import ChoiceGraph, grad_sync_axes, grad_sync_cost, kernel_collectives
 from autopar.solver.ilp import Solution
 from autopar.ir.spec import format_spec
 
@@ -169,16 +170,27 @@ def _grad_sync_s(graph: ChoiceGraph, cluster: ClusterSpec, name: str, index: int
     return seconds
 
 
+def _kernel_comm_s(graph: ChoiceGraph, cluster: ClusterSpec, name: str, index: int) -> float:
+    """Seconds of a kernel's own collectives inside a member's ``compute_s`` (the
+    context-parallel attention's K/V gathers and row exchanges: ``choices.kernel_collectives``)."""
+    choice = graph.choices[name]
+    if choice.info is None:
+        return 0.0
+    steps = kernel_collectives(choice.info, choice.strategies[index], graph.mesh_shape, choice.requires_grad)
+    return comm.collectives_cost(steps, graph.mesh_shape, cluster)[0] if steps else 0.0
+
+
 def _candidate(graph, cluster, rep, s, assignment, cost, chosen) -> dict[str, Any]:
     strategy = graph.choices[rep].strategies[s]
     grad_sync_s = sum(_grad_sync_s(graph, cluster, name, index) for name, index in assignment.items())
+    kernel_comm_s = sum(_kernel_comm_s(graph, cluster, name, index) for name, index in assignment.items())
     record: dict[str, Any] = {"strategy": s}
     if chosen:
         record["chosen"] = True
     record.update({
         "out": [format_spec(spec) for spec in strategy.outs],
         "in": [format_spec(spec) for spec in strategy.ins],
-        "compute_s": cost["compute_s"] - grad_sync_s,
+        "compute_s": cost["compute_s"] - grad_sync_s - kernel_comm_s,
         "grad_sync_s": grad_sync_s,
         "reshard_in_s": cost["reshard_in_s"],
         "reshard_out_s": cost["reshard_out_s"],
@@ -187,6 +199,8 @@ def _candidate(graph, cluster, rep, s, assignment, cost, chosen) -> dict[str, An
     })
     if strategy.kernel:
         record["kernel"] = strategy.kernel
+    if kernel_comm_s:
+        record["kernel_comm_s"] = kernel_comm_s
     return record
 
 

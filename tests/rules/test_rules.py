@@ -410,6 +410,20 @@ def test_scaled_dot_product_attention(mesh):
         assert not has(causal, [[S(2)], [R], [R]], [S(2)])
         assert has(plain, [[S(2)], [R], [R]], [S(2)])
         assert has(g, [[S(1)]] * 3, [S(1)])
+        # Causal attention splits its sequence only through the context-parallel kernel (its
+        # math is checked per rank in tests/ops/test_attention.py and on ranks in
+        # tests/runtime/test_context_parallel.py), and GQA keeps it.
+        assert has(causal, [[S(2)]] * 3, [S(2)], "sdpa_context_parallel")
+        assert has(g, [[S(2)]] * 3, [S(2)]) is False
+        gqa_causal = strategies_for(aten.scaled_dot_product_attention.default, gqa,
+                                    {"is_causal": True, "enable_gqa": True})
+        assert has(gqa_causal, [[S(2)]] * 3, [S(2)], "sdpa_context_parallel")
+        # Not offered without is_causal (the query split serves), with a mask, or with dropout
+        # (its backward recomputes, which would draw a second mask).
+        assert not any(st.kernel for st in plain)
+        for kwargs in ({"is_causal": True, "dropout_p": 0.1}, {}):
+            assert not any(st.kernel for st in strategies_for(aten.scaled_dot_product_attention.default,
+                                                              (q, k, v), kwargs))
 
 
 @pytest.mark.parametrize("mesh", MESHES)
