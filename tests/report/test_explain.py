@@ -72,7 +72,8 @@ def test_runner_up_costs_are_exact_counterfactuals(solved):
         chosen = record["candidates"][0]
         assert chosen.get("chosen") and chosen["strategy"] == solution.choice[next(iter(record["members"]))]
         for cand in record["candidates"]:
-            parts = cand["compute_s"] + cand["grad_sync_s"] + cand["reshard_in_s"] + cand["reshard_out_s"]
+            parts = (cand["compute_s"] + cand["grad_sync_s"] + cand.get("kernel_comm_s", 0.0) + cand["reshard_in_s"]
+                     + cand["reshard_out_s"])
             assert parts == pytest.approx(cand["total_s"], rel=1e-9, abs=1e-15)
             if cand is chosen:
                 continue
