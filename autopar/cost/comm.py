@@ -298,9 +298,9 @@ def context_parallel_collectives(kv_bytes: float, rows_bytes: float, axes: Seque
       ``axes``, innermost first, so each gather's output is the previous one's times the axis
       size; backward gathers them again (the kernel recomputes) and reduce-scatters their
       gradients, the same sizes;
-    - when ``balanced`` (``ir.context.is_balanced``), on the innermost axis the query rows go to
-      head-tail order and the output rows back (``rows_bytes``: q plus output, local), and in
-      backward their gradients: one all-to-all each way.
+    - when ``balanced`` (``ir.context.is_balanced``), the query rows go to head-tail order and
+      the output rows back (``rows_bytes``: q plus output, local), and in backward their
+      gradients: one all-to-all on each of ``axes`` each way (``ir.context.head_tail_route``).
     """
     steps: list[tuple[str, float, int]] = []
     size = float(kv_bytes)
@@ -309,8 +309,9 @@ def context_parallel_collectives(kv_bytes: float, rows_bytes: float, axes: Seque
         steps += [("all_gather", size, axis)] * (2 if requires_grad else 1)
         if requires_grad:
             steps.append(("reduce_scatter", size, axis))
-    if balanced and axes:
-        steps += [("all_to_all", float(rows_bytes), axes[-1])] * (2 if requires_grad else 1)
+    if balanced:
+        for axis in axes:
+            steps += [("all_to_all", float(rows_bytes), axis)] * (2 if requires_grad else 1)
     return steps
 
 

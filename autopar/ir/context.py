@@ -2,15 +2,19 @@
 
 The plan keeps a sequence-split activation in the contiguous layout ``S(seq)`` everywhere
 (token-wise ops, position embeddings and the loss never see a permutation). The context-parallel
-attention kernel (``autopar.ops.attention``) balances the causal work inside itself: on the
-innermost of its mesh axes, with ``k`` ranks, it cuts the ranks' region of the sequence into
-``2k`` half-chunks and gives rank ``j`` half-chunks ``j`` and ``2k - 1 - j`` (torchtitan's
-head-tail, or "zig-zag", order), exchanging query rows before attending and output rows after.
-Query row ``t`` then attends keys ``0 .. t``: a chunk of ``n`` rows starting at ``s`` does
-``n·s + n(n+1)/2`` score entries, so each rank of a group does the same work.
+attention kernel (``autopar.ops.attention``) balances the causal work inside itself: over its
+``K`` ranks (the product of its mesh axes, nested as ``spec.shard_tensor`` nests them) it cuts the
+sequence into ``2K`` half-chunks and gives the rank of flat index ``f`` half-chunks ``f`` and
+``2K - 1 - f`` (torchtitan's head-tail, or "zig-zag", order), exchanging query rows before
+attending and output rows after. Query row ``t`` attends keys ``0 .. t``: a chunk of ``n`` rows
+starting at ``s`` does ``n·s + n(n+1)/2`` score entries, so every rank does the same work.
 
-On the outer kernel axes the ranks' regions stay contiguous (one all-to-all group spans one axis),
-so a rank of a later region does more work; ``max_work_fraction`` prices that, and the kernel and
+The exchange runs one all-to-all per mesh axis (``head_tail_route``), innermost first: each
+moves every half-chunk to the rank whose coordinate on that axis is its destination's, inside
+the process group of that axis, so no group spanning several axes is needed.
+
+When a rank's slice has an odd length there are no halves: the kernel attends the contiguous
+split, whose last rank does the most work; ``max_work_fraction`` prices that, and the kernel and
 the cost model both read these functions, so what is priced is what runs.
 """
 
@@ -26,13 +30,67 @@ Chunk = tuple[int, int]  # (start, length) of global sequence positions
 
 def is_balanced(seq_len: int, group_sizes: Sequence[int]) -> bool:
     """Whether the kernel exchanges rows head-tail: each rank's slice splits into two halves."""
-    local = seq_len // math.prod(group_sizes)
-    return local % 2 == 0 and group_sizes[-1] > 1
+    return (seq_len // math.prod(group_sizes)) % 2 == 0
 
 
-def zigzag_halves(rank: int, size: int) -> tuple[int, int]:
-    """The half-chunks (of ``2 * size`` in the group's region) that ``rank`` attends for."""
-    return rank, 2 * size - 1 - rank
+def zigzag_halves(index: int, num: int) -> tuple[int, int]:
+    """The half-chunks (of ``2 * num``) that the rank of flat index ``index`` attends for."""
+    return index, 2 * num - 1 - index
+
+
+def _flat(coords: Sequence[int], group_sizes: Sequence[int]) -> int:
+    index = 0
+    for size, coord in zip(group_sizes, coords):
+        index = index * size + coord
+    return index
+
+
+def _coords(index: int, group_sizes: Sequence[int]) -> tuple[int, ...]:
+    coords = []
+    for size in reversed(group_sizes):
+        index, coord = divmod(index, size)
+        coords.append(coord)
+    return tuple(reversed(coords))
+
+
+Pieces = tuple[tuple[int, ...], ...]  # per rank of one group: the half-chunk ids it holds, in order
+
+
+@functools.lru_cache(maxsize=256)
+def head_tail_route(group_sizes: tuple[int, ...]) -> tuple[dict[tuple[int, ...], tuple[int, ...]], ...]:
+    """The half-chunks every rank holds before each exchange and after the last: a tuple of
+    ``len(group_sizes) + 1`` maps from a rank's coordinates to its half-chunk ids (ascending).
+
+    Stage 0 is the contiguous split (flat rank ``f`` holds ``2f`` and ``2f + 1``); exchange ``i``
+    (innermost axis first) moves each half-chunk along axis ``len - 1 - i`` to the rank whose
+    coordinate there is its destination's; the last stage is the head-tail layout."""
+    num = math.prod(group_sizes)
+    dest = {piece: _coords(piece if piece < num else 2 * num - 1 - piece, group_sizes) for piece in range(2 * num)}
+    ranks = list(itertools.product(*(range(size) for size in group_sizes)))
+    holding = {coords: (2 * _flat(coords, group_sizes), 2 * _flat(coords, group_sizes) + 1) for coords in ranks}
+    stages = [holding]
+    for axis in reversed(range(len(group_sizes))):
+        moved: dict[tuple[int, ...], list[int]] = {coords: [] for coords in ranks}
+        for coords, pieces in holding.items():
+            for piece in pieces:
+                target = coords[:axis] + (dest[piece][axis],) + coords[axis + 1:]
+                moved[target].append(piece)
+        holding = {coords: tuple(sorted(pieces)) for coords, pieces in moved.items()}
+        stages.append(holding)
+    assert all(holding[c] == zigzag_halves(_flat(c, group_sizes), num) for c in ranks)
+    return tuple(stages)
+
+
+def exchange_tables(group_sizes: tuple[int, ...], coords: Sequence[int], step: int) -> tuple[int, Pieces, Pieces]:
+    """(axis position, before, after) of exchange ``step`` (0: the innermost axis) for the group
+    of that axis holding the rank at ``coords``: per group rank, the half-chunks it holds."""
+    stages = head_tail_route(group_sizes)
+    axis = len(group_sizes) - 1 - step
+
+    def group(stage: dict) -> Pieces:
+        return tuple(stage[tuple(coords[:axis]) + (r,) + tuple(coords[axis + 1:])] for r in range(group_sizes[axis]))
+
+    return axis, group(stages[step]), group(stages[step + 1])
 
 
 def query_chunks(seq_len: int, group_sizes: Sequence[int], coords: Sequence[int]) -> tuple[Chunk, ...]:
@@ -46,15 +104,11 @@ def query_chunks(seq_len: int, group_sizes: Sequence[int], coords: Sequence[int]
     if seq_len % num:
         raise ValueError(f"sequence of {seq_len} does not split evenly over {num} ranks")
     local = seq_len // num
-    index = 0
-    for size, coord in zip(group_sizes, coords):
-        index = index * size + coord
+    index = _flat(coords, group_sizes)
     if not is_balanced(seq_len, group_sizes):
         return ((index * local, local),)
-    inner = group_sizes[-1]
-    region = (index - coords[-1]) * local  # start of the inner group's region
     half = local // 2
-    return tuple((region + h * half, half) for h in zigzag_halves(coords[-1], inner))
+    return tuple((h * half, half) for h in zigzag_halves(index, num))
 
 
 def chunk_work(chunk: Chunk) -> int:
@@ -75,4 +129,5 @@ def max_work_fraction(seq_len: int, group_sizes: tuple[int, ...]) -> float:
     return most * num / total
 
 
-__all__ = ["Chunk", "is_balanced", "zigzag_halves", "query_chunks", "chunk_work", "max_work_fraction"]
+__all__ = ["Chunk", "Pieces", "is_balanced", "zigzag_halves", "head_tail_route", "exchange_tables", "query_chunks",
+           "chunk_work", "max_work_fraction"]

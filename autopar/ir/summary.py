@@ -80,8 +80,7 @@ def context_parallel_note(shape, kernel_axes, mesh_shape) -> str:
     """How the context-parallel attention splits its causal work (``ir.context``)."""
     sizes = tuple(mesh_shape[axis] for axis in kernel_axes)
     seq_len = shape[-2]
-    layout = (f"queries head-tail on axis {kernel_axes[-1]}" if is_balanced(seq_len, sizes)
-              else "queries contiguous")
+    layout = "queries head-tail" if is_balanced(seq_len, sizes) else "queries contiguous (odd slices)"
     return (f"context parallel over axes {list(kernel_axes)} (K/V all-gathered, {layout}; "
             f"most loaded rank {max_work_fraction(seq_len, sizes):.2f}x the mean causal work)")
 

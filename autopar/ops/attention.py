@@ -5,9 +5,10 @@ Each rank all-gathers K and V along the sequence (innermost axis first, so the n
 come back in order), and attends its own query rows to the keys their causal mask needs: a
 chunk of rows at global positions ``s .. s+n`` reads keys ``0 .. s+n`` under a lower-right
 causal mask (``torch.nn.attention.bias.causal_lower_right``), so blocks past the diagonal are
-never computed. On the innermost axis the query rows are first exchanged into head-tail order
-(``autopar.ir.context``): each rank attends half-chunks ``j`` and ``2k-1-j``, so all do the same
-causal work; the output rows go back to the contiguous layout the rest of the plan uses.
+never computed. The query rows are first exchanged into head-tail order (``autopar.ir.context``:
+one all-to-all per mesh axis): over ``K`` ranks the rank of flat index ``f`` attends half-chunks
+``f`` and ``2K-1-f``, so all do the same causal work; the output rows go back to the contiguous
+layout the rest of the plan uses.
 
 Under the replicated-loss convention (``collectives``) a rank's gradient for the gathered K/V
 holds only its own queries' contributions, so backward reduce-scatters it along the sequence.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from autopar.ir.context import Chunk, is_balanced, query_chunks, zigzag_halves
+from autopar.ir.context import Chunk, exchange_tables, is_balanced, query_chunks
 from autopar.ops import collectives
 from autopar.ops.kernels import register_kernel
 
@@ -82,12 +83,6 @@ class _ContextParallelAttention(torch.autograd.Function):
                 None, None, None, None)
 
 
-def head_tail_layout(size: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-    """(contiguous, head-tail) half-chunk ids of each rank of a group of ``size``."""
-    contiguous = tuple((2 * r, 2 * r + 1) for r in range(size))
-    return contiguous, tuple(zigzag_halves(r, size) for r in range(size))
-
-
 @register_kernel("sdpa_context_parallel")
 def sdpa_context_parallel(*, axis_groups: Sequence[str], query: torch.Tensor, key: torch.Tensor,
                           value: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
@@ -111,8 +106,12 @@ def sdpa_context_parallel(*, axis_groups: Sequence[str], query: torch.Tensor, ke
     groups = tuple(axis_groups)
     if not is_balanced(seq_len, sizes):
         return _ContextParallelAttention.apply(query, key, value, groups, chunks, scale, enable_gqa)
-    inner = groups[-1]
-    contiguous, head_tail = head_tail_layout(sizes[-1])
-    query = collectives.move_pieces(query, query.ndim - 2, inner, contiguous, head_tail)
+    half, dim = query.shape[-2] // 2, query.ndim - 2
+    for step in range(len(groups)):  # innermost axis first (``ir.context.head_tail_route``)
+        axis, before, after = exchange_tables(sizes, coords, step)
+        query = collectives.move_pieces(query, dim, groups[axis], before, after, half)
     out = _ContextParallelAttention.apply(query, key, value, groups, chunks, scale, enable_gqa)
-    return collectives.move_pieces(out, out.ndim - 2, inner, head_tail, contiguous)
+    for step in reversed(range(len(groups))):
+        axis, before, after = exchange_tables(sizes, coords, step)
+        out = collectives.move_pieces(out, dim, groups[axis], after, before, half)
+    return out

@@ -279,34 +279,37 @@ def _all_to_all_rows(x: torch.Tensor, output_split_sizes: list[int], input_split
 
 
 def _move(x: torch.Tensor, dim: int, group_name: str, src: tuple[tuple[int, ...], ...],
-          dst: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-    """Rank ``r`` holds the equal pieces ``src[r]`` (piece ids, in local order along ``dim``) and
-    ends with the pieces ``dst[r]``, in that order: one all-to-all."""
+          dst: tuple[tuple[int, ...], ...], piece_rows: int) -> torch.Tensor:
+    """Rank ``r`` holds the pieces ``src[r]`` (piece ids, each ``piece_rows`` long along ``dim``,
+    in local order) and ends with the pieces ``dst[r]``, in that order: one all-to-all."""
     rank = group_rank(group_name)
     owner = {piece: r for r, pieces in enumerate(src) for piece in pieces}
     target = {piece: r for r, pieces in enumerate(dst) for piece in pieces}
     rows = x.movedim(dim, 0)
-    size = rows.shape[0] // len(src[rank])
-    pieces = rows.split(size, 0)
+    pieces = dict(zip(src[rank], rows.split(piece_rows, 0))) if src[rank] else {}
     # all_to_all_single sends in destination order and receives in source order.
-    send = sorted(range(len(src[rank])), key=lambda i: target[src[rank][i]])
+    send = sorted(src[rank], key=lambda piece: (target[piece], src[rank].index(piece)))
     arrive = sorted(dst[rank], key=lambda piece: (owner[piece], src[owner[piece]].index(piece)))
-    input_splits = [size * sum(1 for p in src[rank] if target[p] == r) for r in range(len(src))]
-    output_splits = [size * sum(1 for p in dst[rank] if owner[p] == r) for r in range(len(src))]
-    received = _all_to_all_rows(torch.cat([pieces[i] for i in send]), output_splits, input_splits, group_name)
-    by_piece = dict(zip(arrive, received.split(size, 0)))
+    input_splits = [piece_rows * sum(1 for p in src[rank] if target[p] == r) for r in range(len(src))]
+    output_splits = [piece_rows * sum(1 for p in dst[rank] if owner[p] == r) for r in range(len(src))]
+    outgoing = torch.cat([pieces[p] for p in send]) if send else rows.new_empty((0, *rows.shape[1:]))
+    received = _all_to_all_rows(outgoing, output_splits, input_splits, group_name)
+    by_piece = dict(zip(arrive, received.split(piece_rows, 0)))
+    if not dst[rank]:
+        return rows.new_empty((0, *rows.shape[1:])).movedim(0, dim)
     return torch.cat([by_piece[p] for p in dst[rank]]).movedim(0, dim)
 
 
 class _MovePieces(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group_name, src, dst):
-        ctx.dim, ctx.group_name, ctx.src, ctx.dst = dim, group_name, src, dst
-        return _move(x, dim, group_name, src, dst)
+    def forward(ctx, x, dim, group_name, src, dst, piece_rows):
+        ctx.args = dim, group_name, src, dst, piece_rows
+        return _move(x, dim, group_name, src, dst, piece_rows)
 
     @staticmethod
     def backward(ctx, grad):
-        return _move(grad, ctx.dim, ctx.group_name, ctx.dst, ctx.src), None, None, None, None
+        dim, group_name, src, dst, piece_rows = ctx.args
+        return _move(grad, dim, group_name, dst, src, piece_rows), None, None, None, None, None
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -352,10 +355,11 @@ def allreduce_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 def move_pieces(x: torch.Tensor, dim: int, group_name: str, src: tuple[tuple[int, ...], ...],
-                dst: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-    """Permute equal pieces of ``dim`` among the group's ranks: rank ``r`` holds pieces ``src[r]``
-    (ids in local order) and gets ``dst[r]``. Backward moves the gradient pieces back."""
-    return _MovePieces.apply(x, dim, group_name, src, dst)
+                dst: tuple[tuple[int, ...], ...], piece_rows: int) -> torch.Tensor:
+    """Permute equal pieces (``piece_rows`` long along ``dim``) among the group's ranks: rank ``r``
+    holds pieces ``src[r]`` (ids in local order) and gets ``dst[r]``. Backward moves the
+    gradient pieces back."""
+    return _MovePieces.apply(x, dim, group_name, src, dst, piece_rows)
 
 
 def no_grad_reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The context-parallel attention kernel's math, per simulated rank, against eager attention.
 
-Each simulated rank takes the query rows that ``ir.context.query_chunks`` gives it (head-tail on
-the innermost axis), attends them to the whole K/V (what the all-gather gives), and the ranks'
+Each simulated rank takes the query rows that ``ir.context.query_chunks`` gives it (head-tail over
+all its axes), attends them to the whole K/V (what the all-gather gives), and the ranks'
 K/V gradients are summed (what the backward reduce-scatter does). Real collectives are covered by
 the gloo test in ``tests/runtime/test_context_parallel.py`` and the numerics guard below.
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar.ir.context import chunk_work, is_balanced, max_work_fraction, query_chunks
+from autopar.ir.context import chunk_work, exchange_tables, is_balanced, max_work_fraction, query_chunks
 from autopar.ops import get_kernel
 from autopar.ops.attention import attend_chunks
 
@@ -71,9 +71,32 @@ def test_head_tail_chunks_balance_the_causal_work():
     assert not is_balanced(12, (4,))
     assert query_chunks(12, (4,), (3,)) == ((9, 3),)
     assert max_work_fraction(12, (4,)) == pytest.approx((9 * 3 + 6) * 4 / 78)
-    # Two axes: head-tail inside each inner group, regions contiguous across the outer axis.
-    # The later region's group does 3/4 of the work over 4 of 8 ranks: 1.5 times the mean.
-    assert max_work_fraction(1024, (2, 4)) == pytest.approx(1.5, abs=1e-3)
+    # Several axes: head-tail over all their ranks together.
+    assert query_chunks(32, (2, 2), (1, 0)) == ((8, 4), (20, 4))
+    for sizes in ((2, 4), (8, 8), (3, 2), (2, 3, 2)):
+        assert max_work_fraction(2 * 4 * math.prod(sizes), sizes) == 1.0, sizes
+
+
+@pytest.mark.parametrize("group_sizes", [(4,), (3,), (2, 2), (2, 3), (3, 2), (2, 3, 2)])
+def test_head_tail_route_moves_every_piece_to_its_rank(group_sizes):
+    """Replaying the per-axis exchanges (as ``collectives.move_pieces`` runs them, group by
+    group) takes the contiguous layout to the head-tail one, and each exchange stays inside the
+    group of its axis."""
+    num = math.prod(group_sizes)
+    ranks = list(itertools.product(*(range(s) for s in group_sizes)))
+    holding = {c: (2 * i, 2 * i + 1) for i, c in enumerate(ranks)}  # ranks in nested (flat) order
+    for step in range(len(group_sizes)):
+        after = {}
+        for coords in ranks:
+            axis, before, dest = exchange_tables(group_sizes, coords, step)
+            assert before[coords[axis]] == holding[coords]
+            group = {tuple(coords[:axis]) + (r,) + tuple(coords[axis + 1:]) for r in range(group_sizes[axis])}
+            assert sorted(p for c in group for p in holding[c]) == sorted(p for pieces in dest for p in pieces)
+            after[coords] = dest[coords[axis]]
+        holding = after
+    for index, coords in enumerate(ranks):
+        chunks = query_chunks(2 * num, group_sizes, coords)
+        assert holding[coords] == tuple(start for start, _ in chunks), (coords, holding[coords], chunks)
 
 
 def test_kernel_without_groups_is_the_op():
