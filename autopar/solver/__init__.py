@@ -75,16 +75,19 @@ def solve(
         solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
-        if forced:
+        # No sharding fits alone: with checkpointing or offload allowed, start from the leanest
+        # one (forced specs included) and let the memory planner bring it under the budget.
+        can_shrink = memory_budget is not None and bool(checkpointing or offload)
+        if can_shrink:
+            solution = _leanest(graph, time_limit_s, solver)
+        if not solution.choice and forced:
             raise InfeasibleError(
                 f"no plan satisfies the forced specs {({k: format_spec(v) for k, v in forced.items()})}"
                 + (f" within memory_budget={memory_budget:.0f}" if memory_budget is not None else "")
                 + ": they need a resharding that does not exist (into Partial, or of a tensor written in place)"
             )
-        if memory_budget is not None and not (checkpointing or offload):
+        if not solution.choice and memory_budget is not None and not can_shrink:
             raise _infeasible(graph, memory_budget, time_limit_s, solver)
-        if memory_budget is not None:
-            solution = _leanest(graph, time_limit_s, solver)
         if not solution.choice:
             raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
     plan = plan_from_solution(traced, graph, solution, cluster, memory_budget)
