@@ -119,6 +119,26 @@ def test_checkpointing_alone_when_offload_is_off(gpt_free_plan):
     assert {s.name for s in plan.memory.checkpoint} <= {"transformer.h.0", "transformer.h.1"}
 
 
+def test_forced_specs_under_a_binding_budget_checkpoint_when_allowed(gpt_free_plan):
+    # Pinned specs (a hand layout, as benchmarks/bench_context_parallel.py pins torchtitan's)
+    # that fit no sharding alone start from the leanest sharding and checkpoint to fit; without
+    # checkpointing the forced specs are named in the error.
+    from autopar.cost.cluster import get_cluster
+    from autopar.ir.spec import R
+    from autopar.solver import solve
+    from autopar.trace import trace
+
+    model, batch = _gpt()
+    traced = trace(model, batch)
+    forced = {i.name: (R,) for i in traced.placeholders("param")}
+    budget = 0.85 * gpt_free_plan.predicted["peak_memory_bytes"]
+    plan = solve(traced, (1,), get_cluster("cpu"), memory_budget=budget, forced=forced, checkpointing=True)
+    assert plan.memory is not None and plan.memory.checkpoint
+    assert plan.predicted["peak_memory_bytes"] <= budget
+    with pytest.raises(autopar.InfeasibleError, match="forced specs"):
+        solve(traced, (1,), get_cluster("cpu"), memory_budget=budget, forced=forced)
+
+
 def test_cheapest_per_byte_first(gpt_free_plan):
     # Disk at 2 GB/s against a 1e11 FLOP/s device: recomputing a layer costs less per byte than
     # moving optimizer state, so a budget checkpointing can meet is met without offload...
