@@ -22,7 +22,7 @@ Layouts (``case``):
   attention (S(0), S(2)), every parameter (S(0), S(0)). With one sequence (batch 1) there is no
   batch to split: context parallelism of degree 64 over both axes, attention (S(2), S(2)).
   The layout is torchtitan's; its price is autopar's cost model running autopar's kernel
-  (all-gathered K/V, head-tail balanced on the innermost axis only, recomputed in backward), not
+  (all-gathered K/V, head-tail balanced over all its ranks, recomputed in backward), not
   torchtitan's ring attention.
 
 ``batch`` is sequences per step: 8 (one per data-parallel rank, torchtitan's local batch 1) and 1
