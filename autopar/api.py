@@ -443,7 +443,8 @@ def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs
         if tensor.dtype in bad:
             raise ValueError(
                 f"{name} is {tensor.dtype}, which the {backend} backend cannot reduce: use float32 "
-                f"(model.float()) when running on {backend}, or NCCL on GPUs for {tensor.dtype}"
+                f"(model.float()) when running on {backend}, with precision='bf16-mixed' for bf16 compute, "
+                f"or NCCL on GPUs for {tensor.dtype}"
             )
 
 

@@ -45,13 +45,15 @@ BATCH = 16
 LR = 1e-3
 GRAD_TOL, LOSS_TOL, FP32_TOL = 0.1, 0.02, 1e-4
 TRUTH_RATIO, TRUTH_SLACK = 1.5, 0.005
-# (label, plan: a hand plan's kind or "auto" for autopar.compile's own solve, precision, mesh)
+# (label, model, plan: a hand plan's kind or "auto" for autopar.compile's own solve, precision, mesh)
 CASES = (
-    ("ddp_bf16_mixed", "ddp", "bf16-mixed", (WORLD,)),
-    ("fsdp_bf16_mixed", "fsdp", "bf16-mixed", (WORLD,)),
-    ("auto_bf16_mixed", "auto", autopar.MixedPrecision("bfloat16", "float32", "float32", name="mine"), (2, 2)),
-    ("ddp_bf16_true", "ddp", "bf16-true", (WORLD,)),
-    ("ddp_32_true", "ddp", "32-true", (WORLD,)),
+    ("ddp_bf16_mixed", "gpt", "ddp", "bf16-mixed", (WORLD,)),
+    ("fsdp_bf16_mixed", "gpt", "fsdp", "bf16-mixed", (WORLD,)),
+    ("auto_bf16_mixed", "gpt", "auto", autopar.MixedPrecision("bfloat16", "float32", "float32", name="mine"), (2, 2)),
+    ("ddp_bf16_true", "gpt", "ddp", "bf16-true", (WORLD,)),
+    ("ddp_32_true", "gpt", "ddp", "32-true", (WORLD,)),
+    # Floating inputs (and an MSE target) are cast to bf16 like the parameters.
+    ("mlp_bf16_mixed", "mlp", "ddp", "bf16-mixed", (WORLD,)),
 )
 
 
@@ -61,16 +63,13 @@ def l2_rel_diff(got: dict, want: dict) -> dict[str, float]:
             for name in want}
 
 
-def _batch(config: dict, seed: int) -> tuple:
-    return example_batch("gpt", BATCH, seed=seed, vocab_size=config["vocab_size"], block_size=config["block_size"])
-
-
-def _run_case(kind: str, precision, mesh: tuple[int, ...]) -> dict:
-    config = FSDP_CONFIG if kind == "fsdp" else CONFIG
-    model = build_model("gpt", seed=0, **config)
+def _run_case(name: str, kind: str, precision, mesh: tuple[int, ...]) -> dict:
+    config = {} if name != "gpt" else FSDP_CONFIG if kind == "fsdp" else CONFIG
+    model = build_model(name, seed=0, **config)
     reference = PolicyReference(copy.deepcopy(model), precision)
     truth = copy.deepcopy(model)  # fp32 eager: how far each bf16 run is from the exact gradient
-    batch = _batch(config, seed=1)
+    sizes = {key: config[key] for key in ("vocab_size", "block_size") if key in config}
+    batch = example_batch(name, BATCH, seed=1, **sizes)
     if kind == "auto":
         pm = autopar.compile(model, mesh, example_inputs=batch, cluster="cpu", precision=precision)
     else:
@@ -107,7 +106,7 @@ def _run_case(kind: str, precision, mesh: tuple[int, ...]) -> dict:
 
 def _run(rank: int, world: int) -> dict:
     torch.manual_seed(0)
-    return {label: _run_case(kind, precision, mesh) for label, kind, precision, mesh in CASES}
+    return {label: _run_case(name, kind, precision, mesh) for label, name, kind, precision, mesh in CASES}
 
 
 def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo() -> None:
@@ -134,7 +133,7 @@ def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo() -> None:
             assert second < first, f"rank {rank} {label}: the step did not reach the next forward ({first} -> {second})"
     first = results[0]
     # Master weights and their gradients in fp32; bf16-true keeps no master copy.
-    for label in ("ddp_bf16_mixed", "fsdp_bf16_mixed", "auto_bf16_mixed", "ddp_32_true"):
+    for label in ("ddp_bf16_mixed", "fsdp_bf16_mixed", "auto_bf16_mixed", "ddp_32_true", "mlp_bf16_mixed"):
         assert first[label]["param_dtypes"] == ["torch.float32"] == first[label]["grad_dtypes"], (label, first[label])
     assert first["ddp_bf16_true"]["param_dtypes"] == ["torch.bfloat16"] == first["ddp_bf16_true"]["grad_dtypes"]
     # The loss comes back in the dtype the model computes it in: bf16 logits give a bf16 loss.
