@@ -50,36 +50,54 @@ def _is_move(node: torch.fx.Node) -> bool:
 
 
 def cast_after_collectives(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
-    """Move each parameter cast past the collectives of each of its uses (module docstring)."""
+    """Move each parameter cast past the collectives of each of its uses (module docstring).
+    The traced cast node itself serves the first use it moves to, so that its name (which the
+    plan's checkpoint segments may start at) stays in the graph."""
     if plan.precision is None or not plan.precision.casts:
         return gm
     graph = gm.graph
     for cast in [n for n in graph.nodes if is_param_cast(n)]:
         (source,) = cast.all_input_nodes
+        chains = []
         for user in list(cast.users):
             chain = []
             node = user
             while _is_move(node) and len(node.users) == 1:
                 chain.append(node)
                 node = next(iter(node.users))
-            if not chain:
-                continue
+            if chain:
+                chains.append(chain)
+        reuse = len(chains) == len(cast.users)  # no use reads the cast where it is
+        for chain in chains:
             chain[0].replace_input_with(cast, source)
+            if reuse:
+                chain[-1].replace_all_uses_with(cast)
+                cast.replace_input_with(source, chain[-1])
+                chain[-1].append(cast)  # move it right after the chain
+                reuse = False
+                continue
             with graph.inserting_after(chain[-1]):
                 moved = graph.call_function(cast.target, (chain[-1],), dict(cast.kwargs))
             moved.meta = {key: (dict(value) if key == "autopar" else value) for key, value in cast.meta.items()}
             chain[-1].replace_all_uses_with(moved, delete_user_cb=lambda use: use is not moved)
-        if not cast.users:
-            graph.erase_node(cast)
     return gm
 
 
 def gather_in_param_dtype(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
     """Gather in ``param_dtype`` where every use of a scheduled gather casts to it; merge
-    repeated casts of one tensor (module docstring)."""
+    repeated casts of one tensor (module docstring). A cast the plan names (checkpoint segments
+    may start at it) is not erased but made an alias of what replaces it."""
     if plan.precision is None or not plan.precision.casts:
         return gm
     graph = gm.graph
+
+    def drop(cast: torch.fx.Node, keep: torch.fx.Node) -> None:
+        if cast.name in plan.nodes:
+            cast.target, cast.args, cast.kwargs = torch.ops.aten.alias.default, (keep,), {}
+        else:
+            cast.replace_all_uses_with(keep)
+            graph.erase_node(cast)
+
     gathers = getattr(gm, PARAM_GATHERS, None)
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == PARAM_GATHERS and isinstance(gathers, ParamGathers):
@@ -88,8 +106,7 @@ def gather_in_param_dtype(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Grap
             if casts and all(is_param_cast(cast) for cast in casts) and len(dtypes) == 1:
                 gathers.cast_to(node.kwargs["key"], dtypes.pop())
                 for cast in casts:
-                    cast.replace_all_uses_with(node)
-                    graph.erase_node(cast)
+                    drop(cast, node)
                 continue
         casts = [user for user in node.users if is_param_cast(user)]
         if len(casts) < 2:
@@ -98,8 +115,7 @@ def gather_in_param_dtype(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Grap
         for dtype in {cast.kwargs.get("dtype") for cast in casts}:
             same = sorted((c for c in casts if c.kwargs.get("dtype") == dtype), key=order.__getitem__)
             for duplicate in same[1:]:
-                duplicate.replace_all_uses_with(same[0])
-                graph.erase_node(duplicate)
+                drop(duplicate, same[0])
     return gm
 
 

@@ -54,6 +54,9 @@ CASES = (
     ("ddp_32_true", "gpt", "ddp", "32-true", (WORLD,)),
     # Floating inputs (and an MSE target) are cast to bf16 like the parameters.
     ("mlp_bf16_mixed", "mlp", "ddp", "bf16-mixed", (WORLD,)),
+    # A plan the parent makes under a budget: sharded, and a layer checkpointed whose first node
+    # is a parameter's cast (which the precision passes move past its collectives).
+    ("checkpointed_bf16_mixed", "gpt", "given", "bf16-mixed", (WORLD,)),
 )
 
 
@@ -63,7 +66,17 @@ def l2_rel_diff(got: dict, want: dict) -> dict[str, float]:
             for name in want}
 
 
-def _run_case(name: str, kind: str, precision, mesh: tuple[int, ...]) -> dict:
+def _checkpointed_plan() -> autopar.Plan:
+    """bf16-mixed GPT on (WORLD,) under 60% of the memory its fastest plan needs."""
+    model = build_model("gpt", seed=0, **CONFIG)
+    batch = example_batch("gpt", BATCH, seed=1, vocab_size=CONFIG["vocab_size"], block_size=CONFIG["block_size"])
+    free = autopar.plan(model, (WORLD,), example_inputs=batch, cluster="cpu", precision="bf16-mixed",
+                        memory_budget=float("inf"))
+    return autopar.plan(model, (WORLD,), example_inputs=batch, cluster="cpu", precision="bf16-mixed",
+                        memory_budget=0.6 * free.predicted["peak_memory_bytes"])
+
+
+def _run_case(name: str, kind: str, precision, mesh: tuple[int, ...], given: str | None = None) -> dict:
     config = {} if name != "gpt" else FSDP_CONFIG if kind == "fsdp" else CONFIG
     model = build_model(name, seed=0, **config)
     reference = PolicyReference(copy.deepcopy(model), precision)
@@ -72,6 +85,8 @@ def _run_case(name: str, kind: str, precision, mesh: tuple[int, ...]) -> dict:
     batch = example_batch(name, BATCH, seed=1, **sizes)
     if kind == "auto":
         pm = autopar.compile(model, mesh, example_inputs=batch, cluster="cpu", precision=precision)
+    elif kind == "given":
+        pm = autopar.compile(model, mesh, example_inputs=batch, plan=autopar.Plan.from_json(given))
     else:
         plan = autopar.hand_plan(kind, model, mesh, example_inputs=batch, cluster="cpu", precision=precision)
         pm = autopar.compile(model, mesh, example_inputs=batch, plan=plan)
@@ -104,13 +119,16 @@ def _run_case(name: str, kind: str, precision, mesh: tuple[int, ...]) -> dict:
     }
 
 
-def _run(rank: int, world: int) -> dict:
+def _run(rank: int, world: int, given: str) -> dict:
     torch.manual_seed(0)
-    return {label: _run_case(name, kind, precision, mesh) for label, name, kind, precision, mesh in CASES}
+    return {label: _run_case(name, kind, precision, mesh, given) for label, name, kind, precision, mesh in CASES}
 
 
 def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo() -> None:
-    results = run_distributed(_run, WORLD, timeout_s=900)
+    checkpointed = _checkpointed_plan()
+    assert checkpointed.memory is not None and checkpointed.memory.checkpoint, checkpointed.summary()
+    assert checkpointed.collective_counts(), "the budgeted plan must shard"
+    results = run_distributed(_run, WORLD, checkpointed.to_json(), timeout_s=900)
     for rank, by_label in enumerate(results):
         for label, result in by_label.items():
             fp32 = label.endswith("32_true")
@@ -133,7 +151,8 @@ def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo() -> None:
             assert second < first, f"rank {rank} {label}: the step did not reach the next forward ({first} -> {second})"
     first = results[0]
     # Master weights and their gradients in fp32; bf16-true keeps no master copy.
-    for label in ("ddp_bf16_mixed", "fsdp_bf16_mixed", "auto_bf16_mixed", "ddp_32_true", "mlp_bf16_mixed"):
+    for label in ("ddp_bf16_mixed", "fsdp_bf16_mixed", "auto_bf16_mixed", "ddp_32_true", "mlp_bf16_mixed",
+                  "checkpointed_bf16_mixed"):
         assert first[label]["param_dtypes"] == ["torch.float32"] == first[label]["grad_dtypes"], (label, first[label])
     assert first["ddp_bf16_true"]["param_dtypes"] == ["torch.bfloat16"] == first["ddp_bf16_true"]["grad_dtypes"]
     # The loss comes back in the dtype the model computes it in: bf16 logits give a bf16 loss.
