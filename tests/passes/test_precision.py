@@ -90,6 +90,14 @@ def test_fsdp_gathers_bf16_and_reduce_scatters_fp32():
     assert not any(is_param_cast(user) for call in calls for user in call.users), "the gather casts; no cast after it"
 
 
+@pytest.mark.parametrize("kind, config", [("ddp", CONFIG), ("fsdp", FSDP_CONFIG)])
+def test_the_traced_casts_keep_their_names(kind, config):
+    """Checkpoint segments are named by their first and last node, often a parameter's cast."""
+    gm, plan, traced = _rewritten(kind, "bf16-mixed", config=config)
+    casts = {n.name for n in traced.gm.graph.nodes if is_param_cast(n)}
+    assert casts and casts <= {n.name for n in gm.graph.nodes}
+
+
 def test_per_use_collectives_reduce_before_the_cast():
     """Without the schedule, each use keeps its own all-reduce: on the fp32 side of the cast."""
     gm, plan, traced = _rewritten("ddp", "bf16-mixed", CommOptions(enabled=False))
