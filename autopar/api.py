@@ -378,13 +378,17 @@ def _precision_of(plan: Plan | None, precision: str | MixedPrecision | None) -> 
     if plan is None:
         return precision_policy(precision)
     recorded = plan.precision or precision_policy(None)
-    if precision is not None and precision_policy(precision).to_json() != recorded.to_json():
+    if precision is not None and _dtypes_of(precision_policy(precision)) != _dtypes_of(recorded):
         raise PlanError(
             f"precision={precision_policy(precision).name!r} contradicts the plan, which was made for "
             f"precision={recorded.name!r} ({recorded.to_json()}): drop precision= to run the plan as it "
             "is, or re-plan with the precision you want"
         )
     return recorded
+
+
+def _dtypes_of(policy: MixedPrecision) -> dict[str, Any]:
+    return {key: value for key, value in policy.to_json().items() if key != "name"}
 
 
 def _check_precision_runs(policy: MixedPrecision, pipelined: bool = False, offloads: bool = False) -> None:

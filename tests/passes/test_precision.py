@@ -164,5 +164,6 @@ def test_a_precision_that_contradicts_the_plan_is_refused():
                         precision="bf16-mixed")
     assert _precision_of(plan, None).name == "bf16-mixed"
     assert _precision_of(plan, "bf16-mixed").name == "bf16-mixed"
+    assert _precision_of(plan, autopar.MixedPrecision("bfloat16", "float32", "float32")).name == "bf16-mixed"
     with pytest.raises(PlanError, match="contradicts the plan"):
         _precision_of(plan, "32-true")
