@@ -51,35 +51,29 @@ def _is_move(node: torch.fx.Node) -> bool:
 
 def cast_after_collectives(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
     """Move each parameter cast past the collectives of each of its uses (module docstring).
-    The traced cast node itself serves the first use it moves to, so that its name (which the
-    plan's checkpoint segments may start at) stays in the graph."""
+    A traced cast left without uses stays as an alias of what it read, so that its name (where
+    the plan's checkpoint segments may start) and its planned shape stay in the graph."""
     if plan.precision is None or not plan.precision.casts:
         return gm
     graph = gm.graph
     for cast in [n for n in graph.nodes if is_param_cast(n)]:
         (source,) = cast.all_input_nodes
-        chains = []
         for user in list(cast.users):
             chain = []
             node = user
             while _is_move(node) and len(node.users) == 1:
                 chain.append(node)
                 node = next(iter(node.users))
-            if chain:
-                chains.append(chain)
-        reuse = len(chains) == len(cast.users)  # no use reads the cast where it is
-        for chain in chains:
-            chain[0].replace_input_with(cast, source)
-            if reuse:
-                chain[-1].replace_all_uses_with(cast)
-                cast.replace_input_with(source, chain[-1])
-                chain[-1].append(cast)  # move it right after the chain
-                reuse = False
+            if not chain:
                 continue
+            chain[0].replace_input_with(cast, source)
             with graph.inserting_after(chain[-1]):
                 moved = graph.call_function(cast.target, (chain[-1],), dict(cast.kwargs))
             moved.meta = {key: (dict(value) if key == "autopar" else value) for key, value in cast.meta.items()}
             chain[-1].replace_all_uses_with(moved, delete_user_cb=lambda use: use is not moved)
+        if not cast.users:
+            cast.target, cast.kwargs = torch.ops.aten.alias.default, {}
+            cast.meta["val"] = source.meta.get("val")
     return gm
 
 
