@@ -197,7 +197,7 @@ def _plan_stages(traced: TracedModel, mesh_shape: tuple[int, ...] | None, device
                        num_microbatches=options.pipeline.microbatches,
                        memory_budget=resolve_budget(options.memory.budget, cluster),
                        time_limit_s=options.solve.time_limit_s, devices=devices,
-                       max_axes=min(options.max_axes, 2), solver=options.solve.solver)
+                       max_axes=min(options.max_axes, 2), solver=options.solve.solver, precision=options.precision)
 
 
 def offload_target(offload: str, cluster: ClusterSpec) -> tuple[str | None, str | None]:
@@ -287,8 +287,12 @@ def compile(
     temporary directory otherwise). Step a module that offloads with ``autopar.optim.AdamW``.
 
     ``cluster`` None prices the machine this runs on (``cost.cluster.local_cluster``: its CUDA
-    device's preset, or "cpu"). ``precision`` is ``autopar.plan``'s; the runtime carries out
-    "32-true" only so far, and refuses a policy (or plan) that changes dtypes.
+    device's preset, or "cpu"). ``precision`` is ``autopar.plan``'s (a given plan's own by
+    default): parameters are stored in the master dtype (fp32 under "bf16-mixed"; bf16 under
+    "bf16-true") and cast to ``param_dtype`` at use, floating inputs are cast to
+    ``param_dtype``, outputs come back in the dtype the model computes them in, and gradients are
+    reduced in the stored dtype (README, "Mixed precision"). Pipelines and offloading plans run
+    "32-true" only so far, and refuse a policy that changes dtypes.
     ``comm`` (``autopar.CommOptions``) sets how parameter communication is scheduled: the
     gradient bucket cap (DDP's 25 MiB by default) and how far sharded parameters are gathered
     ahead of use; ``CommOptions(enabled=False)`` runs one synchronous collective per use.
@@ -322,15 +326,16 @@ def compile(
     collectives.register_peer()  # lets a failed collective name a dead rank
     if cluster is None:  # price the machine this runs on (its CUDA device's preset, or "cpu")
         cluster = local_cluster()
-    options = PlanOptions.from_keywords(
-        memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline, num_microbatches=num_microbatches,
-        offload=offload, checkpointing=checkpointing, prefetch=prefetch,
-    )
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
-    _check_precision_runs(plan.precision if plan is not None else precision_policy(precision))
+    policy = _precision_of(plan, precision)
+    options = PlanOptions.from_keywords(
+        memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline, num_microbatches=num_microbatches,
+        offload=offload, checkpointing=checkpointing, prefetch=prefetch, precision=policy,
+    )
     if plan is not None and (plan.pipeline is not None or options.pipeline.enabled):
         options = _pipeline_of(plan, options)
+    _check_precision_runs(policy, pipelined=options.pipeline.enabled)
     if options.pipeline.enabled:
         if init is not None:
             raise ValueError("init= is not supported with pipelining yet: compile the model with its own tensors (init=None)")
@@ -339,9 +344,13 @@ def compile(
         chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
         check_rank_agreement(chosen)
         return compile_pipeline(model, traced, chosen)
-    traced = trace(model, example_inputs, example_kwargs)  # meta tensors become FakeTensors there
+    # Meta tensors become FakeTensors there; under a precision policy, parameters are traced in
+    # param_dtype and cast from their master dtype at use, as when planning.
+    traced = trace(model, example_inputs, example_kwargs, policy)
     chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
     check_rank_agreement(chosen)
+    _check_precision_runs(policy, offloads=chosen.memory is not None and bool(
+        chosen.memory.offload or chosen.memory.offload_activations))
     groups, coordinate = mesh_groups(mesh_shape)
     offloader = _offloader(chosen, offload, example_inputs, example_kwargs)
     fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
@@ -363,14 +372,49 @@ def compile(
     return pm
 
 
-def _check_precision_runs(policy: MixedPrecision | None) -> None:
-    """The runtime runs the model in its own dtypes; a policy that changes them is priced and
-    recorded by ``autopar.plan``, but not carried out yet."""
-    if policy is not None and policy.param_dtype is not None:
+def _precision_of(plan: Plan | None, precision: str | MixedPrecision | None) -> MixedPrecision:
+    """The policy to run: the plan's (which ``precision``, where given, must agree with), else
+    ``precision``'s."""
+    if plan is None:
+        return precision_policy(precision)
+    recorded = plan.precision or precision_policy(None)
+    if precision is not None and _dtypes_of(precision_policy(precision)) != _dtypes_of(recorded):
         raise PlanError(
-            f"precision={policy.name!r} ({policy.param_dtype} compute, {policy.master_dtype} master weights) is "
-            "priced and recorded by autopar.plan, but the runtime does not carry it out yet: compile with "
-            "precision='32-true' (a model cast with model.bfloat16() runs in bf16 on NCCL)"
+            f"precision={precision_policy(precision).name!r} contradicts the plan, which was made for "
+            f"precision={recorded.name!r} ({recorded.to_json()}): drop precision= to run the plan as it "
+            "is, or re-plan with the precision you want"
+        )
+    return recorded
+
+
+def _dtypes_of(policy: MixedPrecision) -> dict[str, Any]:
+    return {key: value for key, value in policy.to_json().items() if key != "name"}
+
+
+def _check_precision_runs(policy: MixedPrecision, pipelined: bool = False, offloads: bool = False) -> None:
+    """What the runtime carries out of a precision policy (README, "Mixed precision"): parameters
+    stored in ``stored_dtype`` (the master dtype, or ``param_dtype`` without one), cast to
+    ``param_dtype`` at use, floating inputs cast to ``param_dtype``, and gradients reduced in
+    the stored dtype (``passes.precision``). A policy (or plan) that asks for more is refused."""
+    if policy.param_dtype is None:
+        return
+    stored = policy.stored_dtype
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype
+    if reduce_dtype != stored:
+        raise PlanError(
+            f"precision={policy.name!r} reduces gradients in {reduce_dtype} but stores parameters in {stored}: "
+            f"the runtime reduces gradients in the dtype the parameters are stored and stepped in, so pass "
+            f"reduce_dtype={stored!r} (as 'bf16-mixed' and 'bf16-true' do)"
+        )
+    if pipelined:
+        raise PlanError(
+            f"precision={policy.name!r} with a pipeline: the pipeline runtime runs the model in its own dtypes "
+            "only so far; compile with pipeline='off' (and a mesh), or precision='32-true'"
+        )
+    if offloads:
+        raise PlanError(
+            f"precision={policy.name!r} with a plan that offloads: the offload store does not carry out casts "
+            "yet; compile with offload='off' (checkpointing stays available), or precision='32-true'"
         )
 
 
@@ -403,7 +447,8 @@ def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs
         if tensor.dtype in bad:
             raise ValueError(
                 f"{name} is {tensor.dtype}, which the {backend} backend cannot reduce: use float32 "
-                f"(model.float()) when running on {backend}, or NCCL on GPUs for {tensor.dtype}"
+                f"(model.float()) when running on {backend}, with precision='bf16-mixed' for bf16 compute, "
+                f"or NCCL on GPUs for {tensor.dtype}"
             )
 
 

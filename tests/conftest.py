@@ -70,3 +70,34 @@ def strategy_text(strategy, *, bracketed: bool = False, source: bool = False) ->
     outs = ", ".join("".join(format_spec(s)) for s in strategy.outs)
     kernel = f" kernel={strategy.kernel}{list(strategy.kernel_axes)}" if strategy.kernel else ""
     return f"({ins}) -> ({outs}){kernel}" + (f" [{strategy.source}]" if source else "")
+
+
+# -- an eager reference under a precision policy ------------------------------------------------
+
+class PolicyReference(torch.nn.Module):
+    """``model`` run eagerly under a precision policy, as autopar carries it out: parameters
+    stored in the policy's ``stored_dtype`` (fp32 masters under "bf16-mixed"), each floating one
+    cast to ``param_dtype`` once per forward (a tied weight once, for all its names), floating
+    inputs cast to ``param_dtype``. Gradients land in the stored parameters' ``.grad``, in their
+    dtype. Takes ``model`` over (pass a copy)."""
+
+    def __init__(self, model: torch.nn.Module, precision) -> None:
+        super().__init__()
+        self.policy = autopar.ir.options.precision_policy(precision)
+        self.module = model
+        stored = autopar.ir.options.to_dtype(self.policy.stored_dtype)
+        for param in model.parameters():
+            if stored is not None and param.is_floating_point():
+                param.data = param.data.to(stored)
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = self.policy.cast_inputs((args, kwargs))
+        dtype = autopar.ir.options.to_dtype(self.policy.param_dtype)
+        cast: dict[int, torch.Tensor] = {}
+        values = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            if dtype is not None and param.is_floating_point():
+                values[name] = cast.setdefault(id(param), param.to(dtype))
+            else:
+                values[name] = param
+        return torch.func.functional_call(self.module, values, args, kwargs, tie_weights=False)

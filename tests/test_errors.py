@@ -143,6 +143,13 @@ def test_bfloat16_on_gloo_names_float32(one_rank_group):
     assert "model.float()" in str(info.value) and "NCCL" in str(info.value)
 
 
+def test_a_precision_the_runtime_does_not_carry_out_names_the_reduce_dtype(one_rank_group):
+    policy = autopar.MixedPrecision("bfloat16", master_dtype="float32")  # reduce_dtype None: bf16
+    with pytest.raises(PlanError) as info:
+        autopar.compile(build_model("mlp"), mesh=(1,), example_inputs=example_batch("mlp", 8), precision=policy)
+    assert "reduce_dtype='float32'" in str(info.value)
+
+
 def test_other_input_shapes_name_the_planned_shape(compiled_mlp):
     x, y = example_batch("mlp", 4)
     with pytest.raises(ValueError) as info:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from autopar.errors import MeshError
 
@@ -250,6 +251,21 @@ class MixedPrecision:
     def casts(self) -> bool:
         """Parameters are stored in ``master_dtype`` and cast to ``param_dtype`` at their use."""
         return self.param_dtype is not None and self.master_dtype not in (None, self.param_dtype)
+
+    @property
+    def stored_dtype(self) -> str | None:
+        """The dtype parameters are stored, stepped and their gradients reduced in: the master
+        weights' where the policy casts, else ``param_dtype`` (None: the model's own)."""
+        return self.master_dtype if self.casts else self.param_dtype
+
+    def cast_inputs(self, tree: Any) -> Any:
+        """``tree`` with its floating tensors cast to ``param_dtype`` (FSDP2's
+        ``cast_forward_inputs``); unchanged where the policy keeps the model's dtypes."""
+        if self.param_dtype is None:
+            return tree
+        dtype = to_dtype(self.param_dtype)
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype,

@@ -284,6 +284,12 @@ class ParamGathers(torch.nn.Module):
         self.grads = grads
         self._shards: dict[str, torch.Tensor] = {}
         self._inflight: dict[str, tuple[object, torch.Tensor]] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+
+    def cast_to(self, key: str, dtype: torch.dtype) -> None:
+        """Gather ``key`` cast to ``dtype`` (a precision policy's ``param_dtype``: FSDP2 gathers
+        the cast shards); its gradient slot keeps the shard's dtype."""
+        self._dtypes[key] = dtype
 
     def bind(self, shards: dict[str, torch.Tensor]) -> None:
         self._shards = dict(shards)
@@ -295,9 +301,9 @@ class ParamGathers(torch.nn.Module):
         if key in self._inflight:
             return
         _, group_name, dim, _ = self.order[self._index[key]]
-        moved = shard.detach().movedim(dim, 0).contiguous()
+        moved = shard.detach().to(self._dtypes.get(key, shard.dtype)).movedim(dim, 0).contiguous()
         k = collectives.group_size(group_name)
-        out = torch.empty((k * moved.shape[0],) + tuple(moved.shape[1:]), dtype=shard.dtype, device=shard.device)
+        out = torch.empty((k * moved.shape[0],) + tuple(moved.shape[1:]), dtype=moved.dtype, device=shard.device)
         self._inflight[key] = (collectives.start_all_gather(out, moved, group_name), out)
 
     def _discard(self) -> None:
@@ -329,7 +335,7 @@ class ParamGathers(torch.nn.Module):
 class _GatherParam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, gathers, key):
-        ctx.gathers, ctx.key = gathers, key
+        ctx.gathers, ctx.key, ctx.dtype = gathers, key, shard.dtype
         return gathers.gather(key, shard)
 
     @staticmethod
@@ -341,4 +347,4 @@ class _GatherParam(torch.autograd.Function):
         # The gradient is whole on every rank (the computation was not split): keep the chunk.
         _, group_name, dim, _ = ctx.gathers.order[ctx.gathers._index[ctx.key]]
         k, rank = collectives.group_size(group_name), collectives.group_rank(group_name)
-        return grad.chunk(k, dim)[rank].contiguous(), None, None
+        return grad.chunk(k, dim)[rank].to(ctx.dtype).contiguous(), None, None

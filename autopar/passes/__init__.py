@@ -12,6 +12,7 @@ import torch.fx
 
 from autopar.errors import PassError, PlanError
 from autopar.passes.memory import checkpoint_segments, offload_activations, offload_params
+from autopar.passes.precision import cast_after_collectives, gather_in_param_dtype
 from autopar.passes.rewrite import insert_collectives, localize_shapes, use_kernels
 from autopar.passes.schedule import schedule_communication
 from autopar.ir.options import CommOptions
@@ -33,7 +34,9 @@ def default_passes(groups: Sequence[str], offloader=None, fqns: Mapping[str, str
         localize_shapes,
         functools.partial(use_kernels, groups=tuple(groups)),
         functools.partial(insert_collectives, groups=tuple(groups)),
+        cast_after_collectives,
         functools.partial(schedule_communication, groups=tuple(groups), fqns=fqns, options=comm),
+        gather_in_param_dtype,
         functools.partial(offload_params, offloader=offloader, fqns=fqns),
         functools.partial(offload_activations, offloader=offloader),
         checkpoint_segments,
@@ -118,4 +121,4 @@ def graph_input_changes(chosen: Plan, traced: TracedModel, limit: int = 8) -> li
 
 
 __all__ = ["check_plan_matches", "default_passes", "run_passes", "insert_collectives", "localize_shapes", "use_kernels", "offload_params",
-           "checkpoint_segments", "schedule_communication"]
+           "checkpoint_segments", "schedule_communication", "cast_after_collectives", "gather_in_param_dtype"]

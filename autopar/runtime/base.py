@@ -235,6 +235,8 @@ class ShardedModule(torch.nn.Module):
     def _user_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         """The user inputs of a call, flat in graph order, checked against the planned ones."""
         flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in self._user_metas])
+        if self._plan.precision is not None:  # floating inputs in param_dtype, as traced
+            flat = [self._plan.precision.cast_inputs(value) for value in flat]
         for value, (name, shape, dtype) in zip(flat, self._user_metas):
             if shape is None or not isinstance(value, torch.Tensor):
                 continue

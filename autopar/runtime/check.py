@@ -222,7 +222,7 @@ def check_plan(plan: Plan, model: torch.nn.Module, example_inputs: tuple, rank: 
         )
     # Trace the model as it was planned (tracing on another device can give another graph).
     inputs = tuple(example_inputs)
-    traced = trace(model, inputs)
+    traced = trace(model, inputs, None, plan.precision)
     check_plan_matches(plan, traced, tuple(plan.mesh_shape))
     world_size = math.prod(plan.mesh_shape)
     with fake_world(world_size, rank):

@@ -52,6 +52,10 @@ class ParallelModule(ShardedModule):
         the module holds an empty stub in its place (step with ``autopar.optim.AdamW``)."""
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
         full = model_tensors(model)
+        # Each shard is stored in its placeholder's dtype: the model's own, or under a precision
+        # policy the master dtype (or param_dtype where the policy keeps no master copy).
+        dtypes = {n.name: n.meta["val"].dtype for n in traced.gm.graph.nodes
+                  if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
         made: dict[str, torch.Tensor] = {}
         for graph_input in traced.inputs:
             if graph_input.kind not in ("param", "buffer"):
@@ -62,12 +66,13 @@ class ParallelModule(ShardedModule):
                 attach(self.module, fqn, made[canonical], graph_input.kind)
                 continue
             offloaded = offloader is not None and graph_input.kind == "param" and canonical in offloader.params
+            dtype = dtypes.get(graph_input.name, full[fqn].dtype)
             if local_shards is not None:
-                local = local_shards[fqn]
+                local = local_shards[fqn].to(dtype)
             elif offloaded:  # no resident copy: straight from the model's tensor to the store
-                local = self._cut(fqn, full[fqn])
+                local = self._cut(fqn, full[fqn]).to(dtype)
             else:
-                local = self._cut(fqn, full[fqn]).clone()
+                local = self._cut(fqn, full[fqn]).to(dtype, copy=True)
             if offloaded:
                 offloader.store.put(param_key(canonical), local)
                 local = torch.empty(0, dtype=local.dtype, device=local.device)

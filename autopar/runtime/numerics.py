@@ -241,6 +241,10 @@ def check_numerics(
         raise ValueError("the numerics guard runs one-stage plans; a pipelined plan needs the pipeline runtime")
     if plan.memory is not None and (plan.memory.offload or plan.memory.offload_activations):
         raise ValueError("the numerics guard does not run plans that offload (they need an offload store)")
+    if plan.precision is not None and plan.precision.param_dtype is not None:
+        raise ValueError(
+            f"the numerics guard compares with fp32 eager at 1e-4, and this plan runs precision="
+            f"{plan.precision.name!r}: check the same sharding planned with precision='32-true'")
     example_kwargs = dict(example_kwargs or {})
     traced = trace(model, example_inputs, example_kwargs)
     check_plan_matches(plan, traced, plan.mesh_shape)

@@ -65,6 +65,7 @@ from autopar.errors import InfeasibleError, MeshError
 from autopar.solver.mesh_search import mesh_candidates
 from autopar.ir.pipeline import Stage, StagePlan, bubble_fraction
 from autopar.ir.pipeline import check_num_stages, schedule_for, stage_mesh_of, stage_ranks
+from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.ir.plan import Plan
 from autopar.solver.choices import ChoiceGraph
 from autopar.solver.ilp import Solution
@@ -117,9 +118,9 @@ class _MeshCosts:
 
     def __init__(self, traced: TracedModel, layers: Layers, stage_mesh: tuple[int, ...], cluster: ClusterSpec,
                  num_layers: int, num_microbatches: int, time_limit_s: float, solver: str, remat: bool,
-                 ladder: tuple[float, ...] | None, candidates: str = "lagrangian"):
+                 ladder: tuple[float, ...] | None, candidates: str = "lagrangian", optimizer_dtype=None):
         self.stage_mesh, self.layers, self.cluster, self.remat = stage_mesh, layers, cluster, remat
-        self.graph: ChoiceGraph = build_stage_graph(traced, stage_mesh, cluster)
+        self.graph: ChoiceGraph = build_stage_graph(traced, stage_mesh, cluster, optimizer_dtype)
         self.split: OpSplit = split_op_costs(self.graph, cluster)
         kwargs = {} if ladder is None else {"ladder": ladder}
         self.solver = CandidateSolver(self.graph, self.split, num_microbatches, time_limit_s, solver,
@@ -402,6 +403,7 @@ def search_stages(
     ladder: tuple[float, ...] | None = None,
     layers: Layers | None = None,
     candidates: str = "lagrangian",
+    optimizer_dtype=None,
 ) -> tuple[StageSearch, dict]:
     """Run the DP of the module docstring; returns the best pipeline and the per-mesh costs.
 
@@ -411,7 +413,8 @@ def search_stages(
     ``forced_layers`` (the boundaries a_0 = 0 < ... < a_S = L) evaluates one partition instead
     of searching (benchmarks use it to price a published plan). ``candidates`` is how the
     leaner intra-stage plans are found (``stage_costs.CandidateSolver``): "lagrangian" (an LP
-    each), "budget" (a MILP each, slower, sometimes better) or "both".
+    each), "budget" (a MILP each, slower, sometimes better) or "both". ``optimizer_dtype``
+    prices the optimizer state (a precision policy's; fp32 by default).
     """
     start = time.perf_counter()
     layers = layers or cluster_layers(traced)
@@ -440,7 +443,7 @@ def search_stages(
     for S, stage_mesh in combos:
         if stage_mesh not in costs:
             costs[stage_mesh] = _MeshCosts(traced, layers, stage_mesh, cluster, num_layers, M,
-                                           time_limit_s, solver, remat, ladder, candidates)
+                                           time_limit_s, solver, remat, ladder, candidates, optimizer_dtype)
         results[(S, stage_mesh)] = _price(costs[stage_mesh], S, M, memory_budget, cluster, forced_layers)
     best_value = min((r[0] for r in results.values() if r[0] is not None), default=math.inf)
     order = sorted(combos, key=lambda c: results[c][1])
@@ -492,6 +495,7 @@ def plan_stages(
     remat: bool = False,
     solver: str = "auto",
     candidates: str = "lagrangian",
+    precision: MixedPrecision | None = None,
 ) -> Plan:
     """A pipelined Plan for ``traced`` (traced at one microbatch: global batch / M).
 
@@ -504,14 +508,19 @@ def plan_stages(
     (``predicted["recompute"]`` says which stages do); off by default, since the pipeline
     runtime does not checkpoint activations yet. A plan of one stage runs its M microbatches
     one after another (gradient accumulation).
+
+    ``precision`` is the policy ``traced`` was traced under: the optimizer state is priced in
+    its ``optimizer_dtype``, and the plan records it (as ``solver.solve`` does).
     """
     layers = cluster_layers(traced)
     search, costs = search_stages(
         traced, mesh_shape, cluster, num_stages=num_stages, num_microbatches=num_microbatches,
         memory_budget=memory_budget, time_limit_s=time_limit_s, devices=devices, max_axes=max_axes,
-        remat=remat, solver=solver, layers=layers, candidates=candidates)
+        remat=remat, solver=solver, layers=layers, candidates=candidates,
+        optimizer_dtype=to_dtype(precision.optimizer_dtype) if precision is not None else None)
     mesh_costs = costs[search.stage_mesh]
-    return _assemble(traced, layers, search, mesh_costs, cluster, memory_budget)
+    return dataclasses.replace(_assemble(traced, layers, search, mesh_costs, cluster, memory_budget),
+                               precision=precision)
 
 
 def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_costs: _MeshCosts,

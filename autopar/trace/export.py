@@ -82,11 +82,15 @@ def trace(
     parameters were of that dtype (no copy is made), so activations take it as the model's own
     code decides (its explicit upcasts stay). Where the master weights are kept in another dtype
     (``precision.casts``), each such parameter placeholder holds the master dtype and feeds one
-    cast to ``param_dtype`` at its first use, which every use reads (``_cast_parameters``)."""
+    cast to ``param_dtype`` at its first use, which every use reads (``_cast_parameters``).
+    Floating example inputs are cast to ``param_dtype`` first, as the runtime casts each call's
+    (``MixedPrecision.cast_inputs``)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    if precision is not None:
+        example_inputs, example_kwargs = precision.cast_inputs((example_inputs, example_kwargs))
     try:
         with _no_stack_traces(), _lazy_recompile(), _fake_params(model, (example_inputs, example_kwargs or {}), precision):
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)

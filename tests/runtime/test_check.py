@@ -62,3 +62,11 @@ def test_plan_for_another_model_is_refused(gpt):
         check_plan(plan, other, example_batch("gpt", 8, seed=1))
     with pytest.raises(autopar.MeshError, match="not in a world of 4"):
         check_plan(plan, gpt[0], gpt[1], rank=4)
+
+
+def test_a_mixed_precision_plan_checks_with_its_casts():
+    model, batch = gpt_and_batch()
+    for kind in ("ddp", "fsdp"):
+        plan = autopar.hand_plan(kind, model, (2, 2), example_inputs=batch, cluster="cpu", precision="bf16-mixed")
+        result = check_plan(plan, model, batch, rank=3)
+        assert result.ok, result.text()

@@ -118,3 +118,10 @@ def test_a_failing_rank_is_reported_and_the_others_are_released():
     with pytest.raises(RuntimeError, match="rank 1 of 3 failed: KeyError"):
         run_ranks_in_threads(3, fn, timeout_s=60)
     assert run_ranks_in_threads(2, lambda rank: rank * 10) == [0, 10]
+
+
+def test_a_mixed_precision_plan_is_refused_with_the_fix():
+    model, batch = gpt_and_batch()
+    plan = autopar.hand_plan("ddp", model, (2,), example_inputs=batch, cluster="cpu", precision="bf16-mixed")
+    with pytest.raises(ValueError, match="precision='32-true'"):
+        check_numerics(model, plan, batch)

@@ -71,3 +71,10 @@ def test_auto_needs_devices_and_mesh_must_match_devices():
         autopar.plan(model, "auto", example_inputs=batch)
     with pytest.raises(autopar.MeshError, match="not devices=8"):
         autopar.plan(model, (2, 2), devices=8, example_inputs=batch)
+
+
+def test_the_searched_plan_records_its_precision():
+    model = build_model("mlp", seed=0)
+    best = autopar.plan(model, "auto", devices=2, example_inputs=example_batch("mlp", 8), cluster="cpu",
+                        precision="bf16-true")
+    assert best.precision.name == "bf16-true" and "mesh_search" in best.stats

@@ -232,3 +232,11 @@ def test_a_pipelined_mistral_on_2x2_asks_only_for_transitions_the_rewrite_makes(
         for (producer, index), dst in zip(node.inputs, node.ins):
             src = plan.nodes[producer].outs[index]
             assert transition_steps(src, dst) is not None, f"{producer} -> {name}: {src} -> {dst}"
+
+
+def test_pipelined_plans_record_their_precision():
+    model = build_model("gpt", n_layer=2)
+    plan = autopar.plan(model, (2,), example_inputs=example_batch("gpt", 4), cluster="h100-80g",
+                        pipeline=2, num_microbatches=2, precision="bf16-mixed")
+    assert plan.pipeline is not None and plan.precision.name == "bf16-mixed"
+    assert Plan.from_json(plan.to_json()).precision == plan.precision

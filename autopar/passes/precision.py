@@ -1,0 +1,116 @@
+"""Carry out a precision policy that keeps master weights: reduce gradients in the master dtype.
+
+Under a policy that casts (``MixedPrecision.casts``: "bf16-mixed"), ``trace`` gives each
+floating parameter placeholder (the master dtype, fp32) one ``_to_copy`` to ``param_dtype`` at its
+first use, and ``insert_collectives`` puts the collectives of each use *after* that cast: the
+gradient all-reduces (``allreduce_grad``) would then sum bf16 gradients. These passes move the
+reductions to the master side, where ``reduce_dtype`` (= the master dtype, checked by
+``autopar.compile``) asks for them:
+
+- ``cast_after_collectives`` (before ``schedule_communication``): on every use of a parameter's
+  cast, the chain of collectives between the cast and the op that reads it is re-rooted at the
+  placeholder, and a cast of the chain's end feeds the op. Forward values are unchanged: every
+  such collective (``allreduce_grad``, ``all_gather``, ``chunk``, ``all_to_all``) moves or keeps
+  elements and commutes with an elementwise cast. In backward each gradient is cast up at the
+  op's input, so reductions and the accumulation over uses run in the master dtype. The
+  scheduled communication then sees the same placeholder → collectives patterns as without a
+  policy, and its gradient buckets reduce in the placeholder's (master) dtype.
+- ``gather_in_param_dtype`` (after it): a parameter whose every use reads its scheduled gather
+  through a cast to one dtype is gathered in that dtype instead (FSDP2's all-gather in
+  ``param_dtype``: half the bytes of fp32, as the cost model prices it); its reduce-scatter slot
+  stays in the master dtype. Casts of one tensor to one dtype are then merged into the first.
+
+Parameters gathered by per-use collectives (``CommOptions(enabled=False)``, or uses the
+schedule keeps apart) move their forward bytes in the master dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from autopar.ir.plan import Plan
+from autopar.ops import collectives
+from autopar.ops.buckets import ParamGathers
+from autopar.passes.schedule import PARAM_GATHERS
+
+# Collectives that only move or keep elements in forward (so commute with a cast); allreduce_grad
+# is the identity in forward.
+_MOVES = (collectives.allreduce_grad, collectives.all_gather, collectives.chunk, collectives.all_to_all)
+
+
+def is_param_cast(node: torch.fx.Node) -> bool:
+    """A parameter's cast to ``param_dtype`` (``trace._cast_parameters``, or one moved here)."""
+    return (node.op == "call_function" and node.target is torch.ops.aten._to_copy.default
+            and "cast_of" in node.meta.get("autopar", {}))
+
+
+def _is_move(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _MOVES
+
+
+def cast_after_collectives(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
+    """Move each parameter cast past the collectives of each of its uses (module docstring).
+    A traced cast left without uses stays as an alias of what it read, so that its name (where
+    the plan's checkpoint segments may start) and its planned shape stay in the graph."""
+    if plan.precision is None or not plan.precision.casts:
+        return gm
+    graph = gm.graph
+    for cast in [n for n in graph.nodes if is_param_cast(n)]:
+        (source,) = cast.all_input_nodes
+        for user in list(cast.users):
+            chain = []
+            node = user
+            while _is_move(node) and len(node.users) == 1:
+                chain.append(node)
+                node = next(iter(node.users))
+            if not chain:
+                continue
+            chain[0].replace_input_with(cast, source)
+            with graph.inserting_after(chain[-1]):
+                moved = graph.call_function(cast.target, (chain[-1],), dict(cast.kwargs))
+            moved.meta = {key: (dict(value) if key == "autopar" else value) for key, value in cast.meta.items()}
+            chain[-1].replace_all_uses_with(moved, delete_user_cb=lambda use: use is not moved)
+        if not cast.users:
+            cast.target, cast.kwargs = torch.ops.aten.alias.default, {}
+            cast.meta["val"] = source.meta.get("val")
+    return gm
+
+
+def gather_in_param_dtype(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
+    """Gather in ``param_dtype`` where every use of a scheduled gather casts to it; merge
+    repeated casts of one tensor (module docstring). A cast the plan names (checkpoint segments
+    may start at it) is not erased but made an alias of what replaces it."""
+    if plan.precision is None or not plan.precision.casts:
+        return gm
+    graph = gm.graph
+
+    def drop(cast: torch.fx.Node, keep: torch.fx.Node) -> None:
+        if cast.name in plan.nodes:
+            cast.target, cast.args, cast.kwargs = torch.ops.aten.alias.default, (keep,), {}
+        else:
+            cast.replace_all_uses_with(keep)
+            graph.erase_node(cast)
+
+    gathers = getattr(gm, PARAM_GATHERS, None)
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == PARAM_GATHERS and isinstance(gathers, ParamGathers):
+            casts = list(node.users)
+            dtypes = {cast.kwargs.get("dtype") for cast in casts}
+            if casts and all(is_param_cast(cast) for cast in casts) and len(dtypes) == 1:
+                gathers.cast_to(node.kwargs["key"], dtypes.pop())
+                for cast in casts:
+                    drop(cast, node)
+                continue
+        casts = [user for user in node.users if is_param_cast(user)]
+        if len(casts) < 2:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for dtype in {cast.kwargs.get("dtype") for cast in casts}:
+            same = sorted((c for c in casts if c.kwargs.get("dtype") == dtype), key=order.__getitem__)
+            for duplicate in same[1:]:
+                drop(duplicate, same[0])
+    return gm
+
+
+__all__ = ["cast_after_collectives", "gather_in_param_dtype", "is_param_cast"]
