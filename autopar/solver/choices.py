@@ -540,7 +540,9 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
             edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, pinned,
                         grad_dtype=grad_dtype)
             srcs, dsts = specs_of(source, "out", out_index), specs_of(choice, "in", in_index)
-            table_key = (srcs, dsts, shape, dtype, edge.requires_grad, pinned, grad_dtype)
+            # By identity: the spec tuples are cached above, and hashing their placements is
+            # most of this loop's time on a deep model.
+            table_key = (id(srcs), id(dsts), shape, dtype, edge.requires_grad, pinned, grad_dtype)
             if table_key not in tables:
                 table = {}
                 for src in srcs:
