@@ -75,7 +75,10 @@ def solve(
         solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
-        if forced:
+        # Forced specs (a hand plan) that fit no budget may still fit with checkpointing or
+        # offload, from their leanest layout; specs that admit no plan at all are an error.
+        memory_may_fit = memory_budget is not None and (checkpointing or offload) and unbounded.choice
+        if forced and not memory_may_fit:
             raise InfeasibleError(
                 f"no plan satisfies the forced specs {({k: format_spec(v) for k, v in forced.items()})}"
                 + (f" within memory_budget={memory_budget:.0f}" if memory_budget is not None else "")
