@@ -14,7 +14,9 @@ smallest depth's, per model. Models:
 - ``gpt``: the zoo's GPT at GPT-2 width (768, 12 heads), batch 8 × 1024, mesh (2, 4);
 - ``llama``: the zoo's Llama at LLaMA-2-70B widths, batch 8 × 4096, mesh (128, 8);
 - ``hf-llama``: Hugging Face ``LlamaForCausalLM`` at LLaMA-2-70B widths in bf16, batch
-  8 × 4096, mesh (128, 8) (as ``bench_llm_plan.py``).
+  8 × 4096, mesh (128, 8) (as ``bench_llm_plan.py``); ``hf-llama-128``: the same at batch
+  128 × 4096, where the default budget binds at every depth from 12 layers on (at batch 8 it
+  binds from about 40 layers, so 12 and 48 layers take different paths through the solver).
 
 Times are wall-clock on whatever machine runs this; compare rows of one run only.
 """
@@ -37,7 +39,7 @@ from autopar.ir.options import PlanOptions  # noqa: E402
 from autopar.trace import trace, trace_repeated  # noqa: E402
 from autopar.zoo.models import GPT, LLAMA_SHAPES, build_model  # noqa: E402
 
-MODELS = ("gpt", "llama", "hf-llama")
+MODELS = ("gpt", "llama", "hf-llama", "hf-llama-128")
 
 
 def build(name: str, layers: int):
@@ -59,7 +61,7 @@ def build(name: str, layers: int):
         max_position_embeddings=4096, num_hidden_layers=layers, use_cache=False, attn_implementation="sdpa")
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-        ids = torch.zeros(8, 4096, dtype=torch.long)
+        ids = torch.zeros(128 if name == "hf-llama-128" else 8, 4096, dtype=torch.long)
     return model, (), {"input_ids": ids, "labels": ids.clone()}, (128, 8)
 
 
@@ -88,10 +90,11 @@ def plan_row(name: str, layers: int, export: bool) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=list(MODELS[:3]), choices=MODELS)
     parser.add_argument("--layers", type=int, nargs="+", default=[12, 48])
     parser.add_argument("--export", action="store_true", help="also time the full-depth export and compare hashes")
     parser.add_argument("--out", default="benchmarks/results/plan_time.csv")
+    parser.add_argument("--append", action="store_true", help="add rows to --out (same columns) instead of replacing it")
     args = parser.parse_args()
     rows = []
     for name in args.models:
@@ -103,9 +106,10 @@ def main() -> int:
             rows.append(row)
             print(row, flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", newline="") as handle:
+    with open(args.out, "a" if args.append else "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
-        writer.writeheader()
+        if not args.append:
+            writer.writeheader()
         writer.writerows(rows)
     return 0
 
