@@ -30,7 +30,7 @@ from autopar.ir.summary import format_bytes
 from autopar.ir.plan import Plan
 from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.solver import solve
-from autopar.trace import TracedModel, trace
+from autopar.trace import TracedModel, trace, trace_repeated
 from autopar.solver import symbolic
 from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
 from autopar.runtime.offload import Offloader
@@ -151,8 +151,8 @@ def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_
     result = plan_traced(traced, mesh_shape, cluster, options)
     if options.symbolic_batch:
         batch = symbolic.batch_size((example_inputs, example_kwargs))
-        doubled = trace(model, symbolic.double_batch(example_inputs), symbolic.double_batch(example_kwargs),
-                        options.precision)
+        doubled = trace_repeated(model, symbolic.double_batch(example_inputs), symbolic.double_batch(example_kwargs),
+                                 options.precision)
         costs = symbolic.symbolic_costs(
             symbolic.price_plan(traced, result, cluster), symbolic.price_plan(doubled, result, cluster), batch
         )
@@ -163,7 +163,9 @@ def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_
 def _trace(model: torch.nn.Module, example_inputs, example_kwargs, precision: MixedPrecision | None = None) -> TracedModel:
     start = time.perf_counter()
     log.info("tracing ...")
-    traced = trace(model, example_inputs, example_kwargs, precision)
+    # A deep model's repeated layers are exported once and copied (``trace.repeat``); ``compile``
+    # traces the whole model, and its graph-hash check would refuse a plan made on any other graph.
+    traced = trace_repeated(model, example_inputs, example_kwargs, precision)
     log.info("traced %d graph nodes in %.2f s", len(traced.gm.graph.nodes), time.perf_counter() - start)
     return traced
 
@@ -242,7 +244,7 @@ def hand_plan(
     mesh_shape = tuple(int(n) for n in mesh)
     resolve_kind(kind)
     policy = precision_policy(precision)
-    traced = trace(model, example_inputs, example_kwargs, policy)
+    traced = trace_repeated(model, example_inputs, example_kwargs, policy)
     cluster_spec = get_cluster(cluster)
     return solve_hand_plan(kind, traced, mesh_shape, cluster_spec, resolve_budget(memory_budget, cluster_spec),
                            precision=policy)

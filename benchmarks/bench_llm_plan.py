@@ -7,7 +7,9 @@ Each case builds ``transformers.LlamaForCausalLM`` from a config on the meta dev
 weights are downloaded or allocated) and calls ``autopar.plan`` with only the mesh, the cluster
 ("h100-80g") and, where named, ``precision``: the memory budget is the default (device memory
 less its reserve). Printed per case: wall-clock plan time, ILP variables, solver method and gap,
-predicted peak against the budget, predicted step time, checkpointed segments.
+predicted peak against the budget, predicted step time, checkpointed segments; then the same
+plan with ``memory_budget=float("inf")`` (``unbounded_plan_s``, and the solver stage alone in
+``solve_s`` / ``unbounded_solve_s``): ``budget_ratio`` is what the binding budget costs.
 """
 
 from __future__ import annotations
@@ -49,10 +51,15 @@ def plan_case(name: str, layers: int | None):
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(dtype)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    kwargs = {"input_ids": ids, "labels": ids.clone()}
     start = time.perf_counter()
-    plan = autopar.plan(model, mesh, example_kwargs={"input_ids": ids, "labels": ids.clone()}, cluster="h100-80g",
-                        precision=precision)
+    plan = autopar.plan(model, mesh, example_kwargs=kwargs, cluster="h100-80g", precision=precision)
     seconds = time.perf_counter() - start
+    # The same plan without a budget: what the binding budget costs on top.
+    start = time.perf_counter()
+    free = autopar.plan(model, mesh, example_kwargs=kwargs, cluster="h100-80g", precision=precision,
+                        memory_budget=float("inf"))
+    free_seconds = time.perf_counter() - start
     pred, solver = plan.predicted, plan.solver
     return {
         "case": name, "layers": config.num_hidden_layers, "mesh": "x".join(map(str, mesh)), "batch": batch, "seq": seq,
@@ -62,6 +69,8 @@ def plan_case(name: str, layers: int | None):
         "budget_gib": round(solver["memory_budget_bytes"] / 2**30, 1),
         "peak_gib": round(pred["peak_memory_bytes"] / 2**30, 1), "step_s": round(pred["step_time_s"], 3),
         "checkpointed": len(plan.memory.checkpoint) if plan.memory else 0,
+        "solve_s": round(plan.stats["solve_time_s"], 2), "unbounded_plan_s": round(free_seconds, 1),
+        "unbounded_solve_s": round(free.stats["solve_time_s"], 2), "budget_ratio": round(seconds / free_seconds, 2),
     }
 
 

@@ -1,10 +1,24 @@
-"""Planning time by stage against model depth, for a GPT on the meta device (nothing allocated).
+"""Planning time against model depth, end to end, for three decoder families on the meta device.
 
-    python benchmarks/bench_plan_time.py --layers 2 4 8 --mesh 2,4 --out benchmarks/results/plan_time.csv
+    python benchmarks/bench_plan_time.py --layers 12 48 --out benchmarks/results/plan_time.csv
+    python benchmarks/bench_plan_time.py --models gpt --layers 2 12 48 96 --export
 
-Stages: trace (torch.export), build (strategies and prices of every node), solve (ILP build and
-CBC), and plan (the Plan object). Times are wall-clock on whatever machine runs this; compare
-rows of one run only. The ratio column is each depth's total over the smallest depth's.
+Each row is ``autopar.plan`` with its defaults (the device's memory as the budget, checkpointing
+allowed where it binds), split in two: ``trace_s`` (``trace.trace_repeated``: a deep model's
+graph built from a two-layer export, checked against a three-layer one) and ``plan_s``
+(``api.plan_traced``: strategies and prices, the ILP, memory decisions, explanations).
+``--export`` also times the full-depth ``torch.export`` (``trace.trace``, as ``compile`` runs
+it) and checks that both graphs hash the same. The ratio column is each depth's total over the
+smallest depth's, per model. Models:
+
+- ``gpt``: the zoo's GPT at GPT-2 width (768, 12 heads), batch 8 × 1024, mesh (2, 4);
+- ``llama``: the zoo's Llama at LLaMA-2-70B widths, batch 8 × 4096, mesh (128, 8);
+- ``hf-llama``: Hugging Face ``LlamaForCausalLM`` at LLaMA-2-70B widths in bf16, batch
+  8 × 4096, mesh (128, 8) (as ``bench_llm_plan.py``); ``hf-llama-128``: the same at batch
+  128 × 4096, where the default budget binds at every depth from 12 layers on (at batch 8 it
+  binds from about 40 layers, so 12 and 48 layers take different paths through the solver).
+
+Times are wall-clock on whatever machine runs this; compare rows of one run only.
 """
 
 from __future__ import annotations
@@ -12,74 +26,93 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import sys
 import time
 
 import torch
 
-from autopar.cost.cluster import get_cluster
-from autopar.zoo.models import GPT
-from autopar.solver import plan_from_solution
-from autopar.solver.choices import build_choice_graph
-from autopar.solver.ilp import ShardingILP
-from autopar.solver.solving import solve_ilp
-from autopar.trace import trace
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from autopar.api import plan_traced  # noqa: E402
+from autopar.cost.cluster import get_cluster  # noqa: E402
+from autopar.ir.options import PlanOptions  # noqa: E402
+from autopar.trace import trace, trace_repeated  # noqa: E402
+from autopar.zoo.models import GPT, LLAMA_SHAPES, build_model  # noqa: E402
+
+MODELS = ("gpt", "llama", "hf-llama", "hf-llama-128")
 
 
-def plan_stages(n_layer: int, mesh: tuple[int, ...], cluster: str, width: int, batch: int, seq: int) -> dict:
+def build(name: str, layers: int):
+    """(model, example args, example kwargs, mesh), built on the meta device."""
+    if name == "gpt":
+        with torch.device("meta"):
+            model = GPT(vocab_size=50304, block_size=1024, n_layer=layers, n_head=12, n_embd=768, bias=False)
+            idx = torch.zeros(8, 1024, dtype=torch.long)
+        return model, (idx, idx), None, (2, 4)
+    if name == "llama":
+        with torch.device("meta"):
+            model = build_model("llama", **{**LLAMA_SHAPES["llama-2-70b"], "n_layer": layers})
+            idx = torch.zeros(8, 4096, dtype=torch.long)
+        return model, (idx, idx), None, (128, 8)
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+        max_position_embeddings=4096, num_hidden_layers=layers, use_cache=False, attn_implementation="sdpa")
     with torch.device("meta"):
-        model = GPT(vocab_size=50304, block_size=seq, n_layer=n_layer, n_head=width // 64, n_embd=width, bias=False)
-        idx = torch.zeros(batch, seq, dtype=torch.long)
-    spec = get_cluster(cluster)
-    times = {}
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        ids = torch.zeros(128 if name == "hf-llama-128" else 8, 4096, dtype=torch.long)
+    return model, (), {"input_ids": ids, "labels": ids.clone()}, (128, 8)
+
+
+def plan_row(name: str, layers: int, export: bool) -> dict:
+    model, args, kwargs, mesh = build(name, layers)
+    cluster = get_cluster("h100-80g")
     start = time.perf_counter()
-    traced = trace(model, (idx, idx))
-    times["trace_s"] = time.perf_counter() - start
+    traced = trace_repeated(model, args, kwargs)
+    trace_s = time.perf_counter() - start
     start = time.perf_counter()
-    graph = build_choice_graph(traced, mesh, spec)
-    times["build_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    ilp = ShardingILP(graph)
-    solution = solve_ilp(ilp, time_limit_s=600)
-    times["solve_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    plan = plan_from_solution(traced, graph, solution, spec, None)
-    times["plan_s"] = time.perf_counter() - start
-    times["total_s"] = sum(times.values())
-    return {
-        "layers": n_layer,
-        "nodes": len(graph.order),
-        "free_nodes": len(graph.free()),
-        "variables": solution.num_variables,
-        "status": solution.status,
-        "step_time_s": plan.predicted["step_time_s"],
-        **{k: round(v, 3) for k, v in times.items()},
+    plan = plan_traced(traced, mesh, cluster, PlanOptions.from_keywords())
+    plan_s = time.perf_counter() - start
+    row = {
+        "model": name, "layers": layers, "mesh": "x".join(map(str, mesh)), "nodes": len(plan.nodes),
+        "variables": plan.solver["num_variables"], "method": plan.solver["method"],
+        "peak_gib": round(plan.predicted["peak_memory_bytes"] / 2**30, 1), "step_s": round(plan.predicted["step_time_s"], 4),
+        "trace_s": round(trace_s, 2), "plan_s": round(plan_s, 2), "total_s": round(trace_s + plan_s, 2),
     }
+    if export:
+        start = time.perf_counter()
+        real = trace(model, args, kwargs)
+        row["export_s"] = round(time.perf_counter() - start, 2)
+        row["same_graph"] = real.graph_hash == traced.graph_hash
+    return row
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--mesh", default="2,4")
-    parser.add_argument("--cluster", default="h100-80g")
-    parser.add_argument("--width", type=int, default=768)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--models", nargs="+", default=list(MODELS[:3]), choices=MODELS)
+    parser.add_argument("--layers", type=int, nargs="+", default=[12, 48])
+    parser.add_argument("--export", action="store_true", help="also time the full-depth export and compare hashes")
     parser.add_argument("--out", default="benchmarks/results/plan_time.csv")
+    parser.add_argument("--append", action="store_true", help="add rows to --out (same columns) instead of replacing it")
     args = parser.parse_args()
-    mesh = tuple(int(n) for n in args.mesh.split(","))
     rows = []
-    for n_layer in args.layers:
-        row = plan_stages(n_layer, mesh, args.cluster, args.width, args.batch, args.seq)
-        row["ratio_to_smallest"] = round(row["total_s"] / rows[0]["total_s"], 2) if rows else 1.0
-        rows.append(row)
-        print(row, flush=True)
+    for name in args.models:
+        first = None
+        for layers in args.layers:
+            row = plan_row(name, layers, args.export)
+            first = first or row["total_s"]
+            row["ratio_to_smallest"] = round(row["total_s"] / first, 2)
+            rows.append(row)
+            print(row, flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
+    with open(args.out, "a" if args.append else "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
+        if not args.append:
+            writer.writeheader()
         writer.writerows(rows)
-    print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,12 +1,17 @@
 """Plan quality: autopar's predicted step time over the best hand plan's, on the same cost model.
 
-    python benchmarks/bench_quality.py                 # every cell (long: deep models, 8 plans each)
+    python benchmarks/bench_quality.py --budget-gib 80 # every cell (long: deep models, 8 plans each)
     python benchmarks/bench_quality.py --quick         # the same shapes at 4 layers
+    python benchmarks/bench_quality.py --precision bf16-mixed --cells llama-3-8b:8,64 \
+        llama-2-70b:64,512,1024 --out benchmarks/results/quality_bf16.csv   # issue 17's cells
 
 GPT-2-XL, LLaMA-3-8B and LLaMA-2-70B shapes (``autopar.zoo.models``) on the meta device,
-``h100-80g``, 80 GiB per device, at 8, 64 and 1,024 devices. Hand plans are
-``autopar.hand_plan`` kinds: parameters (and for ``megatron_sp`` the residual stream) laid out as
-the technique prescribes, everything else chosen by the solver. A ratio above 1 in any cell makes
+``h100-80g`` at 8, 64, 512 and 1,024 devices, with the device's memory less its reserve as the
+budget (``--budget-gib`` sets another), activation checkpointing allowed where the budget binds
+(``autopar.plan``'s default; ``--no-checkpointing`` forbids it), and ``--precision`` as in
+``autopar.plan`` ("32-true" by default). Hand plans are ``autopar.hand_plan`` kinds: parameters
+(and for ``megatron_sp`` the residual stream) laid out as the technique prescribes, everything
+else (checkpointing included) chosen by the solver. A ratio above 1 in any cell makes
 the script exit with status 1 (above 1 + 1e-4, the MILP gap tolerance). "infeasible" means the plan does not fit the budget.
 
 Bytes communicated per device per step (``predicted.comm_bytes``) are set against the analytic
@@ -29,13 +34,14 @@ import time
 
 import torch
 
-from autopar.cost.cluster import get_cluster
+from autopar.cost.cluster import get_cluster, resolve_budget
 from autopar.errors import InfeasibleError
-from autopar.solver.hand_plans import KINDS, solve_hand_plan
+from autopar.ir.options import precision_policy
+from autopar.solver.hand_plans import KINDS, hand_specs, zero_stage
 from autopar.zoo.models import LLAMA_SHAPES, build_model
 from autopar.solver import solve
 from autopar.solver.backends import MIP_REL_GAP
-from autopar.trace import trace
+from autopar.trace import trace_repeated
 
 MODELS = {
     # name: (builder name, config, sequences, tokens per sequence)
@@ -43,7 +49,7 @@ MODELS = {
     "llama-3-8b": ("llama", LLAMA_SHAPES["llama-3-8b"], 64, 4096),
     "llama-2-70b": ("llama", LLAMA_SHAPES["llama-2-70b"], 128, 4096),
 }
-MESHES = {8: (8,), 64: (8, 8), 1024: (128, 8)}
+MESHES = {8: (8,), 64: (8, 8), 512: (64, 8), 1024: (128, 8)}
 
 
 def build(name: str, quick: bool):
@@ -72,13 +78,16 @@ def analytic_bytes(model, config, batch: int, seq: int, mesh: tuple[int, ...]) -
     }
 
 
-def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget: float) -> dict:
+def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget: float, precision,
+             checkpointing: bool) -> dict:
     mesh = MESHES[devices]
     cluster = get_cluster("h100-80g")
-    row: dict = {"model": name, "layers": config["n_layer"], "devices": devices, "mesh": "x".join(map(str, mesh))}
+    row: dict = {"model": name, "layers": config["n_layer"], "devices": devices, "mesh": "x".join(map(str, mesh)),
+                 "precision": precision.name if precision else "32-true", "budget_gib": round(budget / 2**30, 1)}
+    options = dict(memory_budget=budget, precision=precision, checkpointing=checkpointing)
     start = time.perf_counter()
     try:
-        auto = solve(traced, mesh, cluster, memory_budget=budget)
+        auto = solve(traced, mesh, cluster, **options)
     except InfeasibleError:
         auto = None
     row["plan_s"] = round(time.perf_counter() - start, 2)
@@ -86,11 +95,14 @@ def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget:
     row["autopar_gap"] = auto.solver.get("gap") if auto else ""
     row["autopar_peak_gib"] = round(auto.predicted["peak_memory_bytes"] / 2**30, 2) if auto else ""
     row["autopar_comm_gib"] = round(auto.predicted["comm_bytes"] / 2**30, 3) if auto else ""
+    row["autopar_checkpointed"] = len(auto.memory.checkpoint) if auto and auto.memory else 0
+    row["autopar_layout"] = layout(auto) if auto else ""
     row.update({k: round(v, 3) for k, v in analytic_bytes(model, config, batch, seq, mesh).items()})
     best = None
     for kind in KINDS:
         try:
-            hand = solve_hand_plan(kind, traced, mesh, cluster, budget)
+            hand = solve(traced, mesh, cluster, forced=hand_specs(kind, traced, mesh), zero_stage=zero_stage(kind),
+                         **options)
         except InfeasibleError:
             row[f"{kind}_step_s"] = "infeasible"
             continue
@@ -106,6 +118,17 @@ def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget:
     else:
         row["ratio_to_best_hand"] = ""
     return row
+
+
+def layout(plan) -> str:
+    """How the plan lays out the first layer's attention and MLP weights, e.g. ``wq (S(0), S(0))``:
+    enough to tell FSDP (parameters split on every axis, gathered for use) from TP × FSDP."""
+    names = ("attn.q_proj.weight", "self_attn.q_proj.weight", "mlp.gate.weight", "mlp.gate_proj.weight")
+    picked = []
+    for fqn, spec in sorted(plan.params.items()):
+        if ".0." in fqn and fqn.endswith(names):
+            picked.append(f"{fqn.rsplit('.', 2)[-2]} {'x'.join(str(p) for p in spec)}")
+    return "; ".join(picked)
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -129,17 +152,29 @@ def plot(rows: list[dict], path: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/quality.csv")
-    parser.add_argument("--budget-gib", type=float, default=80)
+    parser.add_argument("--budget-gib", type=float, default=None,
+                        help="bytes per device in GiB (default: the device's memory less its reserve)")
+    parser.add_argument("--precision", default=None, help="32-true (default), bf16-mixed or bf16-true")
+    parser.add_argument("--no-checkpointing", action="store_true", help="forbid activation checkpointing")
     parser.add_argument("--quick", action="store_true", help="4 layers per model instead of the full depth")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
-    parser.add_argument("--devices", nargs="*", type=int, default=list(MESHES))
+    parser.add_argument("--devices", nargs="*", type=int, default=[8, 64, 1024])
+    parser.add_argument("--cells", nargs="*", default=None,
+                        help="MODEL:N,N,... (instead of --models x --devices), e.g. llama-2-70b:64,1024")
     args = parser.parse_args()
+    cells = {name: list(args.devices) for name in args.models}
+    if args.cells:
+        cells = {cell.split(":")[0]: [int(n) for n in cell.split(":")[1].split(",")] for cell in args.cells}
+    cluster = get_cluster("h100-80g")
+    budget = resolve_budget(None if args.budget_gib is None else args.budget_gib * 2**30, cluster)
+    precision = precision_policy(args.precision)
     rows = []
-    for name in args.models:
+    for name, device_counts in cells.items():
         model, batch_inputs, config, batch, seq = build(name, args.quick)
-        traced = trace(model, batch_inputs)
-        for devices in args.devices:
-            rows.append(run_cell(name, traced, model, config, batch, seq, devices, args.budget_gib * 2**30))
+        traced = trace_repeated(model, batch_inputs, precision=precision)
+        for devices in device_counts:
+            rows.append(run_cell(name, traced, model, config, batch, seq, devices, budget, precision,
+                                 not args.no_checkpointing))
             print(rows[-1], flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fields = list(dict.fromkeys(key for row in rows for key in row))

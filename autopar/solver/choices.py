@@ -153,11 +153,13 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     choices: dict[str, Choice] = {}
     order: list[str] = []
     cache: dict[tuple, tuple] = {}
+    placeholder_cache: dict[tuple, tuple] = {}
     for node in traced.gm.graph.nodes:
         order.append(node.name)
         if node.op == "placeholder":
             graph_input = kinds[node.name]
-            choices[node.name] = _placeholder_choice(node, graph_input.kind, graph_input.fqn, mesh_shape)
+            choices[node.name] = _placeholder_choice(node, graph_input.kind, graph_input.fqn, mesh_shape,
+                                                     placeholder_cache)
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
         elif node.op == "call_function":
@@ -337,23 +339,27 @@ def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec
     return [spec for spec in itertools.product(per_axis, repeat=len(mesh_shape)) if is_valid(shape, spec, mesh_shape)]
 
 
-def _placeholder_choice(node, kind, fqn, mesh_shape) -> Choice:
+def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict) -> Choice:
     meta = tensor_meta(node.meta.get("val"))
     num_axes = len(mesh_shape)
     if meta is None:
         return Choice(node.name, kind, [Strategy((), ())], [0.0], [0.0], [], fqn=fqn, grad_sync_bytes=[0.0])
     shape, dtype = meta
-    if kind in ("param", "buffer"):
-        specs = _all_specs(shape, mesh_shape)
-    else:
-        # User inputs arrive whole on every rank and constants are whole: the first consumer
-        # decides how to cut them (a local chunk, free of communication).
-        specs = [replicated(num_axes)]
-    strategies = [Strategy((), (spec,), source="placeholder") for spec in specs]
-    mem = [float(memory.local_bytes(shape, dtype, spec, mesh_shape)) for spec in specs]
+    # Placeholders of one shape, dtype and kind (every layer's weights) share one strategy list.
+    key = (kind in ("param", "buffer"), shape, dtype)
+    if key not in cache:
+        if kind in ("param", "buffer"):
+            specs = _all_specs(shape, mesh_shape)
+        else:
+            # User inputs arrive whole on every rank and constants are whole: the first consumer
+            # decides how to cut them (a local chunk, free of communication).
+            specs = [replicated(num_axes)]
+        strategies = [Strategy((), (spec,), source="placeholder") for spec in specs]
+        cache[key] = (strategies, [float(memory.local_bytes(shape, dtype, spec, mesh_shape)) for spec in specs])
+    strategies, mem = cache[key]
     return Choice(
-        node.name, kind, strategies, [0.0] * len(specs), mem, [], (shape,), (dtype,),
-        requires_grad(node), fqn=fqn, grad_sync_bytes=[0.0] * len(specs),
+        node.name, kind, strategies, [0.0] * len(strategies), list(mem), [], (shape,), (dtype,),
+        requires_grad(node), fqn=fqn, grad_sync_bytes=[0.0] * len(strategies),
     )
 
 
@@ -545,10 +551,15 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
     prices: dict[tuple, tuple[float, float] | None] = {}
     spec_lists: dict[tuple[int, str, int], tuple[Spec, ...]] = {}
 
+    interned: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
+
     def specs_of(choice: Choice, side: str, index: int) -> tuple[Spec, ...]:
         key = (id(choice.strategies), side, index)
         if key not in spec_lists:
-            spec_lists[key] = tuple(choice.out_specs(index) if side == "out" else choice.in_specs(index))
+            specs = tuple(choice.out_specs(index) if side == "out" else choice.in_specs(index))
+            # One object per distinct list (every layer's weights have their own strategy
+            # lists), so that the tables below, keyed by identity, are shared between layers.
+            spec_lists[key] = interned.setdefault(specs, specs)
         return spec_lists[key]
 
     grad_dtypes = {node.name: reduce_dtype(node) for node in gm.graph.nodes if reduce_dtype(node) is not None}
@@ -565,7 +576,9 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
             edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, pinned,
                         grad_dtype=grad_dtype)
             srcs, dsts = specs_of(source, "out", out_index), specs_of(choice, "in", in_index)
-            table_key = (srcs, dsts, shape, dtype, edge.requires_grad, pinned, grad_dtype)
+            # By identity: the spec tuples are cached above, and hashing their placements is
+            # most of this loop's time on a deep model.
+            table_key = (id(srcs), id(dsts), shape, dtype, edge.requires_grad, pinned, grad_dtype)
             if table_key not in tables:
                 table = {}
                 for src in srcs:

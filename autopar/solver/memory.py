@@ -206,10 +206,11 @@ class _Walk:
                 return [(iv.node, iv.kind, i, last_forward, iv.factor),
                         (iv.node, iv.kind, self.bwd(last), end, iv.factor)]
             return [(iv.node, iv.kind, i, end, iv.factor)]
-        # An input of a checkpointed segment is kept until the segment's backward ends.
-        for first, last in ((f, l) for _, f, l in segments if f <= max(uses) and i < f):
-            if any(first <= u <= last for u in uses):
-                end = max(end, self.bwd(first))
+        # An input of a checkpointed segment is kept until the segment's backward ends (the
+        # earliest such segment's, which ends last).
+        firsts = [in_segment[u][0] for u in uses if u in in_segment and in_segment[u][0] > i]
+        if firsts:
+            end = max(end, self.bwd(min(firsts)))
         return [(iv.node, iv.kind, i, end, iv.factor)]
 
     def curve(self, intervals) -> list[float]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +121,9 @@ def trace(
             constants[name] = exported.constants[spec.target]
     if precision is not None and precision.casts:
         _cast_parameters(gm, inputs, precision)
+    renamed = canonical_names(gm)
+    inputs = [GraphInput(renamed.get(i.name, i.name), i.kind, i.fqn) for i in inputs]
+    constants = {renamed.get(name, name): value for name, value in constants.items()}
     _mark_requires_grad(gm)
     call_spec = exported.call_spec
     return TracedModel(
@@ -267,6 +271,37 @@ def _rename_unstable(gm: torch.fx.GraphModule) -> None:
             renamed = True
     if renamed:
         gm.recompile()
+
+
+_NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$")  # fx's own: base, then an optional _N
+
+
+def name_base(name: str) -> str:
+    """The part of an fx node name before its counter: ``linear`` of ``linear_3``."""
+    match = _NAME.match(name)
+    return match.group(1) if match else name
+
+
+def canonical_names(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Number every node's name afresh in graph order, as fx would have named the nodes had they
+    been created in that order: the k-th node of base ``mul`` is ``mul_k`` (``mul`` for the
+    first; builtins and keywords skip to ``_1``). Export's counters also count nodes it
+    deleted, and nodes inlined or inserted later (``_inline_wrappers``, ``_cast_parameters``)
+    are numbered after every earlier one, so its names depend on the model's depth beyond the
+    node's own place; canonical names depend on the graph alone, which lets
+    ``trace.repeat`` build a deep model's graph from a shallow one's. Returns the old name →
+    new name of the nodes renamed."""
+    namespace = torch.fx.graph._Namespace()
+    renamed: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        name = namespace.create_name(name_base(node.name), node)
+        if name != node.name:
+            renamed[node.name] = name
+            node.name = name
+    if renamed:
+        gm.graph._graph_namespace = namespace
+        gm.recompile()
+    return renamed
 
 
 def _fake_params(model: torch.nn.Module, inputs: Any, precision: MixedPrecision | None) -> contextlib.AbstractContextManager:

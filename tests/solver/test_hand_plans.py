@@ -7,9 +7,12 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
+from autopar.cost.cluster import get_cluster
 from autopar.errors import InfeasibleError
-from autopar.solver.hand_plans import KINDS
-from autopar.zoo.models import GPT
+from autopar.solver import solve
+from autopar.solver.hand_plans import KINDS, hand_specs
+from autopar.trace import trace
+from autopar.zoo.models import GPT, build_model, example_batch
 
 MESH = (2, 2)
 
@@ -117,3 +120,21 @@ def test_hand_plans_on_a_mesh_with_a_size_one_axis_shard_only_the_other(gpt_and_
     plan = autopar.hand_plan(kind, model, (1, 4), example_inputs=batch, cluster="cpu")
     assert all(isinstance(p, Replicate) for node in plan.nodes.values() for spec in node.ins + node.outs
                for p in spec[:1])
+
+
+def test_a_hand_plan_that_fits_no_budget_alone_is_checkpointed_when_allowed():
+    """Forced specs (a hand plan's parameters) whose leanest layout misses the budget get
+    checkpointing when it is allowed (as bench_quality compares them), and stay an error when
+    it is not."""
+    model = build_model("gpt", n_layer=4)
+    traced = trace(model, example_batch("gpt", 64, n_layer=4))
+    cluster, mesh = get_cluster("cpu"), (4,)
+    forced = hand_specs("fsdp", traced, mesh)
+    budget = 0.6 * solve(traced, mesh, cluster, forced=forced).predicted["peak_memory_bytes"]
+    with pytest.raises(InfeasibleError, match="forced specs"):
+        solve(traced, mesh, cluster, forced=forced, memory_budget=budget)
+    plan = solve(traced, mesh, cluster, forced=forced, memory_budget=budget, checkpointing=True)
+    assert plan.memory is not None and plan.memory.checkpoint
+    assert plan.predicted["peak_memory_bytes"] <= budget
+    for name, spec in forced.items():
+        assert plan.nodes[name].outs[0] == spec
