@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from autopar.ir.spec import Spec, local_shape
+from autopar.trace.moe import EXPERTS_OP
 
 aten = torch.ops.aten
 
@@ -106,6 +107,10 @@ SAVES_INPUTS: frozenset = _overloads(
     # x * scalar and x / scalar need no saved tensor; only the Tensor-by-Tensor forms do
     {aten.mul.Tensor, aten.div.Tensor, aten.div.Tensor_mode}
 )
+
+# A mixture-of-experts layer (``trace.moe``) keeps its tokens and routing; the gathered token
+# copies and expert intermediates it also keeps are not counted.
+SAVES_INPUTS = SAVES_INPUTS | {EXPERTS_OP}
 
 SAVES_OUTPUT: frozenset = _overloads(
     "relu", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "_softmax", "softmax",

@@ -40,7 +40,7 @@ from autopar.rules.registry import (
     tensor_input_nodes,
     tensor_meta,
 )
-from autopar.ir.spec import SS, Spec, is_valid, replicated
+from autopar.ir.spec import SS, Spec, is_valid, local_shape, replicated
 from autopar.trace import TracedModel, requires_grad
 
 
@@ -434,6 +434,9 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
             for num_bytes in kernel_all_reduce_bytes(info, strategy):
                 seconds += comm.all_reduce_s(num_bytes, axis, mesh_shape, cluster)
                 synced += comm.bytes_sent("all_reduce", num_bytes, mesh_shape[axis])
+            for num_bytes in kernel_all_to_all_bytes(info, strategy, mesh_shape, needs_grad):
+                seconds += comm.all_to_all_s(num_bytes, axis, mesh_shape, cluster)
+                synced += comm.bytes_sent("all_to_all", num_bytes, mesh_shape[axis])
         compute_s.append(seconds)
         sync_bytes.append(synced)
         out_bytes = sum(
@@ -453,6 +456,27 @@ _KERNEL_ALL_REDUCES = {
     "cross_entropy_vocab_split": lambda info: [
         max(4, info.kw["self"].dtype.itemsize) * info.kw["self"].shape[0]] * 3,
 }
+
+
+def kernel_all_to_all_bytes(info, strategy: Strategy, mesh_shape: Sequence[int], needs_grad: bool) -> list[float]:
+    """Sizes (local bytes) of the all-to-alls ``strategy``'s kernel runs on its axis in one
+    forward and backward.
+
+    ``moe_experts_all_to_all`` sends each of its T·k token copies (T: this rank's tokens) of H
+    elements to the rank holding its expert, and the results back: two exchanges of T·k·H
+    elements in forward, two in backward (the reverse exchanges of their gradients), plus the
+    copies' expert ids (int64) and one count per rank in forward. Routing decides how many
+    copies the busiest rank receives; they are priced at ``compute.CAPACITY_FACTOR`` times the
+    mean, as the experts' compute is."""
+    if strategy.kernel != "moe_experts_all_to_all":
+        return []
+    hidden, top_k_index = info.kw["hidden"], info.kw["top_k_index"]
+    local_tokens = local_shape(hidden.shape, strategy.ins[0], mesh_shape)[0]
+    copies = local_tokens * top_k_index.shape[1] * compute.CAPACITY_FACTOR
+    rows = copies * hidden.shape[1] * info.kw["gate_up"].dtype.itemsize
+    axis = strategy.kernel_axes[0]
+    sizes = [8.0 * mesh_shape[axis], copies * 8.0, rows, rows]
+    return sizes + [rows, rows] if needs_grad else sizes
 
 
 def kernel_all_reduce_bytes(info, strategy: Strategy) -> list[int]:
@@ -480,6 +504,8 @@ def grad_sync_bytes_per_axis(
     for axis in strategy.kernel_axes:
         for num_bytes in kernel_all_reduce_bytes(choice.info, strategy):
             per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent("all_reduce", num_bytes, mesh_shape[axis])
+        for num_bytes in kernel_all_to_all_bytes(choice.info, strategy, mesh_shape, choice.requires_grad):
+            per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent("all_to_all", num_bytes, mesh_shape[axis])
     return per_axis
 
 
