@@ -280,6 +280,8 @@ def moe_experts_all_to_all(*, axis_groups: Sequence[str], hidden: torch.Tensor, 
 
     Autograd runs the reverse exchanges in backward, so each rank's expert gradients sum over
     every token routed to its experts, from every rank."""
+    if not axis_groups:
+        return moe_experts_eager(hidden, top_k_index, top_k_weights, gate_up, down, transposed)
     if len(axis_groups) != 1:
         raise ValueError(f"moe_experts_all_to_all runs over one mesh axis, got groups {list(axis_groups)}")
     group = axis_groups[0]
