@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.errors import PlanError
 from autopar.ir.spec import spec_text
-from autopar.ir.summary import format_bytes
+from autopar.ir.summary import EXPERT_PARALLEL_TEXT, format_bytes
 
 if TYPE_CHECKING:
     from autopar.ir.plan import Plan
@@ -89,7 +89,12 @@ def explain_text(plan: "Plan", key: str) -> str:
     lines.append("")
     lines.append(f"  chosen: out {_specs(chosen['out'])}   in {_specs(chosen['in'])}"
                  + (f"   kernel {chosen['kernel']}" if chosen.get("kernel") else ""))
-    for label, field in (("compute", "compute_s"), ("gradient sync", "grad_sync_s"),
+    if chosen.get("kernel") in EXPERT_PARALLEL_TEXT:
+        lines.append(f"  expert parallel: experts split by expert on axes {chosen.get('kernel_axes')}, "
+                     f"{EXPERT_PARALLEL_TEXT[chosen['kernel']]}")
+    rows = [("compute", "compute_s"), ("all-to-all", "all_to_all_s")] if "all_to_all_s" in chosen else [
+        ("compute", "compute_s")]
+    for label, field in (*rows, ("gradient sync", "grad_sync_s"),
                          ("resharding in", "reshard_in_s"), ("resharding out", "reshard_out_s"),
                          ("total", "total_s")):
         lines.append(f"    {label:<15} {_ms(chosen[field]):>14}")
@@ -99,7 +104,7 @@ def explain_text(plan: "Plan", key: str) -> str:
     if others:
         lines.append(f"  runner-ups (the {len(others)} cheapest of the other strategies):")
         header = (f"    {'out':<22} {'compute':>11} {'grad sync':>11} {'reshard in':>11} {'reshard out':>11}"
-                  f" {'total':>11} {'vs chosen':>11} {'memory':>11}")
+                  f" {'total':>11} {'vs chosen':>11} {'memory':>11}  kernel")
         lines.append(header)
         for c in others:
             delta = c["total_s"] - chosen["total_s"]
@@ -107,6 +112,7 @@ def explain_text(plan: "Plan", key: str) -> str:
                 f"    {_specs(c['out']):<22} {c['compute_s'] * 1e3:>11.4f} {c['grad_sync_s'] * 1e3:>11.4f}"
                 f" {c['reshard_in_s'] * 1e3:>11.4f} {c['reshard_out_s'] * 1e3:>11.4f} {c['total_s'] * 1e3:>11.4f}"
                 f" {delta * 1e3:>+11.4f} {format_bytes(c['memory_bytes']):>11}"
+                + (f"  {c['kernel']}" if c.get("kernel") else "")
             )
         lines.append("    (milliseconds; memory per device)")
     else:

@@ -28,14 +28,15 @@ import torch
 
 from autopar.rules.registry import SINGLE_AXIS_KERNELS, OpInfo, Row, register, replicate_row
 from autopar.ir.spec import P, R, S
+from autopar.ir.summary import EXPERT_PARALLEL_TEXT
 from autopar.trace.moe import EXPERTS_OP
 
 # The all-to-all kernel moves tokens over one mesh axis: an exchange over two axes at once is
 # not built, so ``registry.expand_rows`` keeps only strategies that run it on a single axis.
 SINGLE_AXIS_KERNELS.add("moe_experts_all_to_all")
 
-# Kernels that split experts by rank (named in plan summaries and explanations as EP).
-EXPERT_PARALLEL_KERNELS = frozenset({"moe_experts_all_to_all", "moe_experts_local", "grouped_mm_local_experts"})
+# Kernels that split experts by rank (plan summaries name them: ``ir.summary.EXPERT_PARALLEL_TEXT``).
+EXPERT_PARALLEL_KERNELS = frozenset(EXPERT_PARALLEL_TEXT)
 
 
 @register(EXPERTS_OP)

@@ -41,7 +41,9 @@ from autopar.rules.registry import (
     tensor_meta,
 )
 from autopar.ir.spec import SS, Spec, is_valid, local_shape, replicated
+from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
 from autopar.trace import TracedModel, requires_grad
+from autopar.trace.moe import EXPERTS_OP
 
 
 @dataclass
@@ -434,9 +436,9 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
             for num_bytes in kernel_all_reduce_bytes(info, strategy):
                 seconds += comm.all_reduce_s(num_bytes, axis, mesh_shape, cluster)
                 synced += comm.bytes_sent("all_reduce", num_bytes, mesh_shape[axis])
-            for num_bytes in kernel_all_to_all_bytes(info, strategy, mesh_shape, needs_grad):
-                seconds += comm.all_to_all_s(num_bytes, axis, mesh_shape, cluster)
-                synced += comm.bytes_sent("all_to_all", num_bytes, mesh_shape[axis])
+        exchange_s, exchange_bytes = kernel_all_to_all_cost(info, strategy, mesh_shape, cluster, needs_grad)
+        seconds += exchange_s
+        synced += exchange_bytes
         compute_s.append(seconds)
         sync_bytes.append(synced)
         out_bytes = sum(
@@ -477,6 +479,35 @@ def kernel_all_to_all_bytes(info, strategy: Strategy, mesh_shape: Sequence[int],
     axis = strategy.kernel_axes[0]
     sizes = [8.0 * mesh_shape[axis], copies * 8.0, rows, rows]
     return sizes + [rows, rows] if needs_grad else sizes
+
+
+def kernel_all_to_all_cost(info, strategy: Strategy, mesh_shape: Sequence[int], cluster: ClusterSpec,
+                           needs_grad: bool) -> tuple[float, float]:
+    """(seconds, bytes each device sends) of the all-to-alls of ``strategy``'s kernel."""
+    seconds = sent = 0.0
+    for axis in strategy.kernel_axes:
+        for num_bytes in kernel_all_to_all_bytes(info, strategy, mesh_shape, needs_grad):
+            seconds += comm.all_to_all_s(num_bytes, axis, mesh_shape, cluster)
+            sent += comm.bytes_sent("all_to_all", num_bytes, mesh_shape[axis])
+    return seconds, sent
+
+
+def expert_parallel_record(choice: Choice, index: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> dict | None:
+    """What the plan reports of a node whose strategy ``index`` splits experts (a kernel of
+    ``rules.moe.EXPERT_PARALLEL_KERNELS``): the axes and degree, the experts each device holds,
+    and the kernel's all-to-all seconds and bytes within the node's cost. None otherwise."""
+    strategy = choice.strategies[index]
+    if strategy.kernel not in EXPERT_PARALLEL_KERNELS or choice.info is None:
+        return None
+    weight = choice.info.inputs[3] if choice.info.target is EXPERTS_OP else choice.info.inputs[1]
+    degree = math.prod(mesh_shape[axis] for axis in strategy.kernel_axes)
+    exchange_s, exchange_bytes = kernel_all_to_all_cost(choice.info, strategy, mesh_shape, cluster, choice.requires_grad)
+    return {
+        "node": choice.name, "kernel": strategy.kernel, "axes": list(strategy.kernel_axes), "degree": degree,
+        "num_experts": weight.shape[0], "experts_per_device": weight.shape[0] // degree,
+        "cost_s": choice.compute_s[index], "all_to_all_s": exchange_s, "all_to_all_bytes": int(exchange_bytes),
+        "capacity_factor": compute.CAPACITY_FACTOR,
+    }
 
 
 def kernel_all_reduce_bytes(info, strategy: Strategy) -> list[int]:

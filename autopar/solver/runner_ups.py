@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.cost.cluster import ClusterSpec
-from autopar.solver.choices import ChoiceGraph, grad_sync_axes, grad_sync_cost
+from autopar.solver.choices import ChoiceGraph, grad_sync_axes, grad_sync_cost, kernel_all_to_all_cost
 from autopar.solver.ilp import Solution
 from autopar.ir.spec import format_spec
 
@@ -187,6 +187,14 @@ def _candidate(graph, cluster, rep, s, assignment, cost, chosen) -> dict[str, An
     })
     if strategy.kernel:
         record["kernel"] = strategy.kernel
+        record["kernel_axes"] = list(strategy.kernel_axes)
+        # The all-to-alls of an expert-parallel kernel, inside ``compute_s`` (per step, all members).
+        exchange_s = sum(kernel_all_to_all_cost(graph.choices[name].info, graph.choices[name].strategies[index],
+                                                graph.mesh_shape, cluster, graph.choices[name].requires_grad)[0]
+                         for name, index in assignment.items() if graph.choices[name].info is not None)
+        if exchange_s:
+            record["all_to_all_s"] = exchange_s
+            record["compute_s"] -= exchange_s
     return record
 
 
