@@ -204,9 +204,10 @@ def live_nodes(gm: torch.fx.GraphModule, choices: dict[str, Choice]) -> list[liv
             kind = "alias"
         inputs = tuple(producer for producer, _ in choice.inputs)
         itemsize = choice.out_dtypes[0].itemsize if choice.out_dtypes else 4
+        internal = memory.internal_saved_factor(target, choice.info.kw) if choice.info is not None else 0.0
         nodes.append(liveness.LiveNode(
             node.name, kind, inputs, target, choice.requires_grad,
-            tuple(choices[p].requires_grad for p in inputs), itemsize,
+            tuple(choices[p].requires_grad for p in inputs), itemsize, internal,
         ))
     return nodes
 
