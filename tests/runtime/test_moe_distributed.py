@@ -9,9 +9,9 @@ split by expert on the inner axis, in the two ways the experts rule offers:
 - ``replicated_tokens``: tokens whole on the inner axis; each rank runs its experts and the
   partial results are summed (``moe_experts_local``).
 
-The memory budget of 60% of the replicated parameter state makes the solver shard (it keeps
-these tiny models replicated otherwise); the experts' placement and the experts op's output are
-pinned, so that each run exercises its kernel. Routing is the top 2 of a softmax over random
+The cpu preset keeps such a tiny model replicated, so the experts' placement and the experts
+op's output are pinned (``solve(forced=...)``), and each run exercises its kernel; the solver
+chooses the rest. Routing is the top 2 of a softmax over random
 router weights: ties have probability zero, so every rank routes each token as eager does.
 One spawn runs both plans.
 """
@@ -27,7 +27,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 from autopar.cost.cluster import get_cluster
-from autopar.cost.memory import param_state_bytes
 from autopar.runtime.launch import max_rel_diff, run_distributed
 from autopar.solver import solve
 from autopar.trace import trace
@@ -49,7 +48,6 @@ def _model():
 def _plans() -> dict[str, autopar.Plan]:
     model, kwargs = _model()
     traced = trace(model, (), kwargs)
-    budget = 0.6 * sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
     plans = {}
     for label, output in OUTPUTS.items():
         forced = {}
@@ -58,7 +56,7 @@ def _plans() -> dict[str, autopar.Plan]:
                 forced[node.name] = (Replicate(), Shard(0))
             if node.target is EXPERTS_OP:
                 forced[node.name] = (Replicate(), output)
-        plans[label] = solve(traced, MESH, get_cluster("cpu"), forced=forced, memory_budget=budget)
+        plans[label] = solve(traced, MESH, get_cluster("cpu"), forced=forced)
     return plans
 
 
