@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 # autopar.zoo.models.MODEL_NAMES
-MODEL_NAMES = ("mlp", "gpt", "attention", "mlp_block", "cnn", "llama")
+MODEL_NAMES = ("mlp", "gpt", "attention", "mlp_block", "cnn", "llama", "moe")
 # autopar.zoo.shapes.PRESETS: published shapes, built on the meta device
-MODEL_PRESETS = ("gpt2", "gpt2-xl", "llama-2-7b", "llama-2-70b", "llama-3-8b")
+MODEL_PRESETS = ("gpt2", "gpt2-xl", "llama-2-7b", "llama-2-70b", "llama-3-8b", "mixtral-8x7b")
 # autopar.cost.cluster.DEFAULT_PRESET
 DEFAULT_CLUSTER = "h100-80g"
 

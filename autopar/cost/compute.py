@@ -17,6 +17,12 @@ For one op and one strategy, the time on each rank is
   strategy is not replicated (Shard or Partial): on such an axis each rank does 1/k of the work,
   and on an axis where everything is replicated each rank does all of it (for mm,
   S(1) x S(0) → P splits the work through its Partial output).
+* mixture of experts (``autopar::moe_experts``, ``trace.moe``): each of the T·k token copies
+  runs one expert's gated MLP, 2·T·k·(H·2I + I·H) = 6·T·k·H·I FLOPs; the grouped expert matmul
+  ``transformers::grouped_mm_fallback`` (rows [S, K] by experts [E, K, N]): 2·S·K·N.
+  Under expert parallelism (a kernel of ``EXPERT_PARALLEL_KERNELS``) routing decides how many
+  token copies each rank's experts get; the step waits for the busiest rank, priced as
+  ``CAPACITY_FACTOR`` times the mean (GShard's and Switch's capacity factor; 1.25 by default).
 * ``backward_factor`` is 2 for the matmul family (mm, bmm, addmm, baddbmm, linear, matmul,
   convolutions, attention: a gradient for each of the two operands) and 1 for everything else.
 * The context-parallel attention kernel prices its most loaded rank (causal work imbalance,
@@ -38,6 +44,12 @@ from autopar.ir.context import max_work_fraction
 from autopar.ir.spec import VIEW_OP_NAMES
 from autopar.rules.registry import OpInfo, Strategy, TensorArg
 from autopar.cost.measured import measured_seconds
+from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
+from autopar.trace.moe import EXPERTS_OP
+
+# The busiest rank's share of expert work over the mean under expert parallelism (routing is
+# data-dependent): 1.25, the capacity factor GShard and Switch Transformer train with.
+CAPACITY_FACTOR = 1.25
 
 aten = torch.ops.aten
 
@@ -93,6 +105,13 @@ def node_flops(info: OpInfo) -> float:
     if packet is aten.linear:
         x, weight = _shape(info.kw["input"]), _shape(info.kw["weight"])
         return 2.0 * math.prod(x) * weight[0]
+    if info.target is EXPERTS_OP:
+        tokens, top_k = _shape(info.kw["top_k_index"])
+        gate_up = _shape(info.kw["gate_up"])
+        return 2.0 * tokens * top_k * 3 * gate_up[1] * gate_up[2] / 2
+    if _is_grouped_mm(info):
+        rows, inner = _shape(info.kw["input"])
+        return 2.0 * rows * inner * _shape(info.kw["weight"])[2]
     if packet is aten.matmul:
         return _matmul_flops(_shape(info.kw["self"]), _shape(info.kw["other"]))
     if packet is aten.scaled_dot_product_attention:
@@ -110,6 +129,11 @@ def node_flops(info: OpInfo) -> float:
     if packet in REDUCTION_OPS:
         return float(max((math.prod(a.shape) for a in info.inputs), default=0))
     return float(sum(math.prod(shape) for shape in info.out_shapes))
+
+
+def _is_grouped_mm(info: OpInfo) -> bool:
+    schema = getattr(info.target, "_schema", None)
+    return schema is not None and schema.name == "transformers::grouped_mm_fallback"
 
 
 def _matmul_flops(a: Sequence[int], b: Sequence[int]) -> float:
@@ -178,7 +202,8 @@ def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
 
 def backward_factor(info: OpInfo) -> float:
     """Backward time as a multiple of forward time: 2 for the matmul family, else 1."""
-    return 2.0 if _packet(info.target) in MATMUL_OPS else 1.0
+    matmuls = _packet(info.target) in MATMUL_OPS or info.target is EXPERTS_OP or _is_grouped_mm(info)
+    return 2.0 if matmuls else 1.0
 
 
 def roofline_terms(
@@ -199,6 +224,8 @@ def roofline_terms(
         if seconds is not None:
             return seconds / factor, 0.0, factor
     split = work_split(strategy, mesh_shape)
+    if strategy.kernel in EXPERT_PARALLEL_KERNELS:
+        split /= CAPACITY_FACTOR
     flops_s = node_flops(info) / split / cluster.peak_flops_for(compute_dtype(info))
     memory_s = node_bytes(info) / split / cluster.memory_bandwidth_bytes_per_s
     if strategy.kernel == "sdpa_context_parallel":
@@ -239,6 +266,8 @@ __all__ = [
     "compute_dtype",
     "work_split",
     "backward_factor",
+    "CAPACITY_FACTOR",
+    "EXPERT_PARALLEL_KERNELS",
     "VIEW_OPS",
     "MATMUL_OPS",
     "REDUCTION_OPS",

@@ -67,6 +67,9 @@ class LiveNode:
     requires_grad: bool = False
     input_requires_grad: tuple[bool, ...] = ()
     itemsize: int = 4
+    # Intermediates the op keeps for its backward beyond its inputs and output, as a multiple of
+    # its output's bytes (``memory.internal_saved_factor``: a mixture-of-experts layer's).
+    internal_saved: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +258,8 @@ def build_timeline(
             if savers.get(name):
                 end = max(end, bwd(min(savers[name])))
             intervals.append(Interval(name, "activation", i, end))
+            if node.requires_grad and node.internal_saved:
+                intervals.append(Interval(name, "activation", i, bwd(i), node.internal_saved))
             temporary = memory.backward_temporary_factor(node.target)
             if node.requires_grad and temporary and node.inputs:
                 intervals.append(Interval(root[node.inputs[0]], "activation_grad", bwd(i), bwd(i), temporary))

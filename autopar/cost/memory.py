@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from autopar.ir.spec import Spec, local_shape
+from autopar.trace.moe import EXPERTS_OP
 
 aten = torch.ops.aten
 
@@ -107,6 +108,27 @@ SAVES_INPUTS: frozenset = _overloads(
     {aten.mul.Tensor, aten.div.Tensor, aten.div.Tensor_mode}
 )
 
+# A mixture-of-experts layer (``trace.moe``) keeps its tokens and routing, and intermediates
+# (``internal_saved_factor``).
+SAVES_INPUTS = SAVES_INPUTS | {EXPERTS_OP}
+
+
+def internal_saved_factor(target: Any, kw: dict[str, Any]) -> float:
+    """Bytes an op keeps for backward beyond its inputs and output, over its output's bytes.
+
+    A mixture-of-experts layer (``trace.moe``, output [T, H]) keeps, for each of its T·k token
+    copies, the copy (H), the gate and up projections, the activation and their product (4·I)
+    and the expert output (H), which is k·(2·H + 4·I)/H times its output. This is the mean over
+    ranks: under expert parallelism the busiest rank keeps more, and over replicated tokens
+    (``moe_experts_local``) each rank keeps only its experts' share, which this overstates."""
+    if target is not EXPERTS_OP:
+        return 0.0
+    top_k = kw["top_k_index"].shape[1]
+    gate_up = kw["gate_up"].shape
+    hidden = kw["hidden"].shape[1]
+    inter = gate_up[1] * gate_up[2] // hidden // 2
+    return top_k * (2 * hidden + 4 * inter) / hidden
+
 SAVES_OUTPUT: frozenset = _overloads(
     "relu", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "_softmax", "softmax",
     "_log_softmax", "log_softmax", "dropout", "native_dropout",
@@ -137,6 +159,7 @@ def saves_output(target: Any) -> bool:
 
 
 __all__ = [
+    "internal_saved_factor",
     "tensor_bytes",
     "local_bytes",
     "param_state_bytes",

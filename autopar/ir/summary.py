@@ -75,6 +75,13 @@ KERNEL_NAMES = {
                              "global position",
 }
 
+# Kernels that split experts by rank (``rules.moe``), in words.
+EXPERT_PARALLEL_TEXT = {
+    "moe_experts_all_to_all": "all-to-all dispatch and combine",
+    "moe_experts_local": "tokens replicated, partial sums combined",
+    "grouped_mm_local_experts": "grouped matmul of the local experts, partial sums",
+}
+
 
 def context_parallel_note(shape, kernel_axes, mesh_shape) -> str:
     """How the context-parallel attention splits its causal work (``ir.context``)."""
@@ -91,6 +98,9 @@ def node_row(name: str, node, mesh_shape=None) -> tuple[str, str, str, str, str,
     note = []
     if node.kernel == "sdpa_context_parallel" and mesh_shape is not None and node.shapes:
         note.append(context_parallel_note(node.shapes[0], node.kernel_axes, mesh_shape))
+    elif node.kernel in EXPERT_PARALLEL_TEXT:
+        note.append(f"EXPERT PARALLEL on axes {list(node.kernel_axes)}: {EXPERT_PARALLEL_TEXT[node.kernel]} "
+                    f"(kernel {node.kernel})")
     elif node.kernel:
         note.append(f"kernel {node.kernel} on axes {list(node.kernel_axes)}")
     if node.source == "fallback":
@@ -136,8 +146,29 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
             lines.append(f"  {kind:<15} axis {axis}: {count}")
     else:
         lines.append("Collectives in forward: none")
+    lines += expert_parallel_lines(plan)
     lines += fallback_lines(plan)
     return "\n".join(lines)
+
+
+def expert_parallel_lines(plan: "Plan") -> list[str]:
+    """The experts ops that split experts by rank (``predicted["expert_parallel"]``): the degree
+    and axes, the experts each device holds, and the op's cost with its all-to-all part."""
+    records = plan.predicted.get("expert_parallel") or []
+    if not records:
+        return []
+    factor = records[0].get("capacity_factor")
+    lines = ["", f"Expert parallelism: {len(records)} experts ops split by expert"
+             + (f" (busiest rank priced at capacity factor {factor})" if factor else "")]
+    for record in records:
+        exchange = (f", all-to-all {record['all_to_all_s'] * 1e3:.4f} ms ({format_bytes(record['all_to_all_bytes'])} "
+                    "sent)" if record.get("all_to_all_bytes") else "")
+        lines.append(
+            f"  {record['node']}: EP {record['degree']} on axes {record['axes']}, "
+            f"{record['experts_per_device']} of {record['num_experts']} experts per device, "
+            f"{EXPERT_PARALLEL_TEXT.get(record['kernel'], record['kernel'])}; "
+            f"cost {record['cost_s'] * 1e3:.4f} ms{exchange}")
+    return lines
 
 
 def fallback_lines(plan: "Plan") -> list[str]:

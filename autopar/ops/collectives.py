@@ -23,6 +23,8 @@ forward             placements          backward
                                         local input gradient is a partial sum
 ``move_pieces``     a permutation of    the inverse permutation (no sums: every
                     equal pieces        element has one owner before and after)
+``all_to_all_rows`` rows → other ranks  the reverse exchange (its exact adjoint: the
+                    (uneven splits)     rows are each rank's own, not replicated)
 ==================  ==================  ==========================================
 
 Each function takes the process group by *name* (``group.group_name``) so that FX code generation
@@ -321,6 +323,38 @@ class _AllReduceGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce(grad, ctx.group_name), None
+
+
+@_guarded("all-to-all (rows)")
+def _all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=_resolve_process_group(group_name))
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group_name):
+        ctx.splits, ctx.group_name = (list(out_splits), list(in_splits)), group_name
+        return _all_to_all_rows(x, list(out_splits), list(in_splits), group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all_rows(grad, in_splits, out_splits, ctx.group_name), None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str) -> torch.Tensor:
+    """Send rows ``[sum(in_splits[:j]), sum(in_splits[:j+1]))`` of ``x`` to rank ``j`` of the group
+    and receive ``out_splits[j]`` rows from each rank ``j``, in rank order (torch's
+    ``all_to_all_single`` along dim 0, uneven). Backward sends the gradients back the same way."""
+    return _AllToAllRows.apply(x, out_splits, in_splits, group_name)
+
+
+def no_grad_all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                            group_name: str) -> torch.Tensor:
+    """``all_to_all_rows`` outside autograd (for counts and indices)."""
+    return _all_to_all_rows(x, list(out_splits), list(in_splits), group_name)
 
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:

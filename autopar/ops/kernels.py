@@ -13,6 +13,11 @@ from typing import Any, Callable
 
 KERNELS: dict[str, Callable[..., Any]] = {}
 
+# Ops that the trace keeps whole as custom ops whose autograd recomputes their forward
+# (``trace.moe``): where no kernel stands in, a rewritten graph calls this differentiable
+# implementation instead (same arguments, positional), which autograd differentiates directly.
+EAGER_IMPLEMENTATIONS: dict[Any, Callable[..., Any]] = {}
+
 
 def register_kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import torch
 
 from autopar.ops import collectives
-from autopar.ops.kernels import register_kernel
+from autopar.ops.kernels import EAGER_IMPLEMENTATIONS, register_kernel
+from autopar.trace.moe import EXPERTS_OP, combine, expert_mlp, moe_experts_eager
 
 aten = torch.ops.aten
 
@@ -228,3 +229,92 @@ def sync_batch_norm(*, axis_groups: Sequence[str], input: torch.Tensor, weight: 
             unbiased = var.detach() * (count / max(count - 1, 1))
             running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts (rules.moe): experts split along their expert dim over ``axis_groups``.
+
+
+EAGER_IMPLEMENTATIONS[EXPERTS_OP] = moe_experts_eager
+
+
+def _local_experts(gate_up: torch.Tensor, axis_groups: Sequence[str]) -> tuple[int, int]:
+    """(first global expert held here, number held): experts are split in equal blocks."""
+    num_local = gate_up.shape[0]
+    return block_index(axis_groups) * num_local, num_local
+
+
+@register_kernel("moe_experts_local")
+def moe_experts_local(*, axis_groups: Sequence[str], hidden: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                      transposed: bool = False, **_: Any) -> torch.Tensor:
+    """Expert parallelism over replicated tokens: every rank sees every token, runs only the
+    token copies routed to the experts it holds, and leaves zeros for the others, so the sum
+    over ranks is the layer's output (a Partial result). Each rank's gradients of the tokens and
+    routing weights are partial sums too (the plan all-reduces them); its expert gradients are
+    whole."""
+    first, num_local = _local_experts(gate_up, axis_groups)
+    top_k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    mine = ((flat >= first) & (flat < first + num_local)).nonzero().squeeze(1)
+    x = hidden.to(gate_up.dtype)[mine // top_k]
+    y = expert_mlp(x, flat[mine] - first, gate_up, down, transposed)
+    slot_out = y.new_zeros(flat.shape[0], y.shape[1]).index_put((mine,), y)
+    return combine(slot_out, top_k_weights, hidden.dtype)
+
+
+@register_kernel("moe_experts_all_to_all")
+def moe_experts_all_to_all(*, axis_groups: Sequence[str], hidden: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                           transposed: bool = False, **_: Any) -> torch.Tensor:
+    """Expert parallelism with all-to-all dispatch and combine, on one mesh axis: tokens and
+    experts are both split on it. Each token copy (a token and one of its top-k experts) goes to
+    the rank holding its expert; that rank runs its local experts on what it received and sends
+    the results back, where they are weighted and summed as the layer does.
+
+    1. sort this rank's token copies by expert (so by destination rank), count them per rank;
+    2. exchange the counts (all-to-all of one integer per rank), then the rows and their local
+       expert ids (all-to-all with those uneven splits);
+    3. run the local experts; send the results back (the reverse all-to-all);
+    4. put them back in token order, weight and sum the top-k copies of each token.
+
+    Autograd runs the reverse exchanges in backward, so each rank's expert gradients sum over
+    every token routed to its experts, from every rank."""
+    if not axis_groups:
+        return moe_experts_eager(hidden, top_k_index, top_k_weights, gate_up, down, transposed)
+    if len(axis_groups) != 1:
+        raise ValueError(f"moe_experts_all_to_all runs over one mesh axis, got groups {list(axis_groups)}")
+    group = axis_groups[0]
+    num_ranks = collectives.group_size(group)
+    num_local = gate_up.shape[0]
+    top_k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    send_counts = torch.bincount(expert // num_local, minlength=num_ranks)
+    recv_counts = collectives.no_grad_all_to_all_rows(send_counts, [1] * num_ranks, [1] * num_ranks, group)
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+    x = hidden.to(gate_up.dtype)[order // top_k]
+    received = collectives.all_to_all_rows(x, recv, send, group)
+    local_ids = collectives.no_grad_all_to_all_rows(expert % num_local, recv, send, group)
+    y = expert_mlp(received, local_ids, gate_up, down, transposed)
+    returned = collectives.all_to_all_rows(y, send, recv, group)
+    return combine(returned[torch.argsort(order)], top_k_weights, hidden.dtype)
+
+
+@register_kernel("grouped_mm_local_experts")
+def grouped_mm_local_experts(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor,
+                             offs: torch.Tensor, **_: Any) -> torch.Tensor:
+    """Hugging Face's grouped expert matmul with the weight split by expert: rows are sorted by
+    expert and ``offs`` holds each expert's end row. This rank multiplies the row groups of the
+    experts it holds and writes zeros elsewhere (a Partial result)."""
+    first, num_local = _local_experts(weight, axis_groups)
+    ends = offs.tolist()
+    start = ends[first - 1] if first > 0 else 0
+    pieces = [input.new_zeros(start, weight.shape[2])]
+    for expert in range(num_local):
+        end = ends[first + expert]
+        pieces.append(input[start:end] @ weight[expert])
+        start = end
+    pieces.append(input.new_zeros(input.shape[0] - start, weight.shape[2]))
+    return torch.cat(pieces)

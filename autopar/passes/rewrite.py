@@ -1,7 +1,8 @@
 """Passes that carry out a plan on the traced graph. None of them chooses anything.
 
 - ``localize_shapes``: size arguments (view, reshape, expand, ...) become local sizes.
-- ``use_kernels``: ops whose chosen strategy names a kernel call that kernel instead.
+- ``use_kernels``: ops whose chosen strategy names a kernel call that kernel instead; custom ops
+  with a differentiable eager implementation (``ops.kernels.EAGER_IMPLEMENTATIONS``) call it.
 - ``insert_collectives``: wherever a producer's spec differs from what its consumer takes, the
   steps of ``spec.transition_steps`` are inserted as explicit collective nodes; where an
   replicated input feeds a split computation, an ``allreduce_grad`` node is inserted so the
@@ -17,6 +18,7 @@ import torch.fx
 
 from autopar.ops import collectives
 from autopar.ops import get_kernel
+from autopar.ops.kernels import EAGER_IMPLEMENTATIONS
 from autopar.ir.plan import NodePlan, Plan
 from autopar.rules.registry import SIZE_ARGS, Strategy, localize_kwargs, normalized_kwargs, tensor_meta
 from autopar.solver.choices import grad_sync_axes
@@ -56,7 +58,11 @@ def localize_shapes(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModul
 def use_kernels(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str]) -> torch.fx.GraphModule:
     for node in gm.graph.nodes:
         decision = plan.nodes.get(node.name)
-        if node.op != "call_function" or decision is None or decision.kernel is None:
+        if node.op != "call_function" or decision is None:
+            continue
+        if decision.kernel is None:
+            if node.target in EAGER_IMPLEMENTATIONS:
+                node.target = EAGER_IMPLEMENTATIONS[node.target]
             continue
         kernel = get_kernel(decision.kernel)
         kw = normalized_kwargs(node)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.errors import PlanError
 from autopar.ir.spec import spec_text
-from autopar.ir.summary import KERNEL_NAMES, format_bytes
+from autopar.ir.summary import EXPERT_PARALLEL_TEXT, KERNEL_NAMES, format_bytes
 
 if TYPE_CHECKING:
     from autopar.ir.plan import Plan
@@ -91,10 +91,13 @@ def explain_text(plan: "Plan", key: str) -> str:
                  + (f"   kernel {chosen['kernel']}" if chosen.get("kernel") else ""))
     if chosen.get("kernel") in KERNEL_NAMES:
         lines.append(f"    ({KERNEL_NAMES[chosen['kernel']]})")
+    if chosen.get("kernel") in EXPERT_PARALLEL_TEXT:
+        lines.append(f"  expert parallel: experts split by expert on axes {chosen.get('kernel_axes')}, "
+                     f"{EXPERT_PARALLEL_TEXT[chosen['kernel']]}")
     fields = [("compute", "compute_s"), ("gradient sync", "grad_sync_s"), ("resharding in", "reshard_in_s"),
               ("resharding out", "reshard_out_s"), ("total", "total_s")]
-    if "kernel_comm_s" in chosen:
-        fields.insert(2, ("kernel comm", "kernel_comm_s"))
+    if "kernel_comm_s" in chosen:  # the kernel's own collectives: K/V gathers, all-to-alls
+        fields.insert(1, ("kernel comm", "kernel_comm_s"))
     for label, field in fields:
         lines.append(f"    {label:<15} {_ms(chosen[field]):>14}")
     lines.append(f"    {'memory':<15} {format_bytes(chosen['memory_bytes']):>14} per device")
@@ -103,7 +106,7 @@ def explain_text(plan: "Plan", key: str) -> str:
     if others:
         lines.append(f"  runner-ups (the {len(others)} cheapest of the other strategies):")
         header = (f"    {'out':<22} {'compute':>11} {'grad sync':>11} {'reshard in':>11} {'reshard out':>11}"
-                  f" {'total':>11} {'vs chosen':>11} {'memory':>11}")
+                  f" {'total':>11} {'vs chosen':>11} {'memory':>11}  kernel")
         lines.append(header)
         for c in others:
             delta = c["total_s"] - chosen["total_s"]

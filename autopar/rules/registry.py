@@ -114,7 +114,11 @@ class Strategy:
 
 
 Rule = Callable[[OpInfo], list[Row]]
+# Keyed by OpOverload, or by schema name ("transformers::grouped_mm_fallback") for an op that
+# a library defines only once imported.
 RULES: dict[Any, Rule] = {}
+# Kernels that can run on one mesh axis only: strategies naming them on two axes are dropped.
+SINGLE_AXIS_KERNELS: set[str] = set()
 
 # Block counts for which rules offer strided shards (``spec.SS``). A strided shard only pays off
 # where a split or chunk into that many equal parts consumes it (a fused q/k/v or gate/up
@@ -221,7 +225,7 @@ FALLBACK_RULES: list[Callable[[OpInfo], "list[Row] | None"]] = []
 
 def node_strategies(info: OpInfo, mesh_shape: Sequence[int]) -> list[Strategy]:
     """All valid full-mesh strategies for one op. Never empty: falls back to replication."""
-    rule = RULES.get(info.target)
+    rule = RULES.get(info.target) or RULES.get(_schema_name(info.target))
     rows: list[Row] | None = None
     source = "rule"
     if rule is not None:
@@ -235,6 +239,11 @@ def node_strategies(info: OpInfo, mesh_shape: Sequence[int]) -> list[Strategy]:
     if not strategies:
         return [fallback_strategy(info, len(mesh_shape))]
     return strategies
+
+
+def _schema_name(target: Any) -> str | None:
+    schema = getattr(target, "_schema", None)
+    return schema.name if schema is not None else None
 
 
 def fallback_strategy(info: OpInfo, num_axes: int) -> Strategy:
@@ -275,6 +284,8 @@ def expand_rows(
             continue
         kernel = kernels.pop() if kernels else None
         kernel_axes = tuple(a for a, row in enumerate(combo) if kernel and row.kernel == kernel)
+        if kernel in SINGLE_AXIS_KERNELS and len(kernel_axes) > 1:
+            continue
         whole_grad = tuple((i, a) for a, row in enumerate(combo) for i in row.whole_grad)
         key = (ins, outs, kernel, kernel_axes, whole_grad)
         if key in seen:

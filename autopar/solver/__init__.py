@@ -16,7 +16,7 @@ from autopar.ir.plan import NodePlan, Plan
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver import backends
 from autopar.solver.backends import SOLVERS, check_solver
-from autopar.solver.choices import ChoiceGraph, build_choice_graph, grad_sync_bytes_per_axis
+from autopar.solver.choices import ChoiceGraph, build_choice_graph, expert_parallel_record, grad_sync_bytes_per_axis
 from autopar.solver.comm_schedule import param_schedule
 from autopar.solver.runner_ups import explain_decisions
 from autopar.solver.budget import MILP_GAP, solve_under_budget
@@ -223,10 +223,14 @@ def plan_from_solution(
     params: dict[str, Spec] = {}
     compute_s = comm_bytes = 0.0
     per_axis = [0.0] * len(graph.mesh_shape)  # bytes each device sends on each mesh axis
+    expert_parallel = []
     for name in graph.order:
         choice = graph.choices[name]
         index = solution.choice[name]
         strategy = choice.strategies[index]
+        record = expert_parallel_record(choice, index, graph.mesh_shape, cluster)
+        if record is not None:
+            expert_parallel.append(record)
         op = str(choice.info.target) if choice.info is not None else (
             "getitem" if strategy.source == "follow" else choice.kind
         )
@@ -283,6 +287,8 @@ def plan_from_solution(
         "comm_bytes": int(comm_bytes),
         "comm_bytes_per_axis": [int(b) for b in per_axis],
     }
+    if expert_parallel:
+        predicted["expert_parallel"] = expert_parallel
     solver_info = {
         "status": solution.status,
         "objective_s": solution.objective_s,

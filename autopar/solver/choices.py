@@ -41,8 +41,10 @@ from autopar.rules.registry import (
     tensor_meta,
 )
 from autopar.ir import context
-from autopar.ir.spec import SS, Spec, is_valid, replicated
+from autopar.ir.spec import SS, Spec, is_valid, local_shape, replicated
+from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
 from autopar.trace import TracedModel, requires_grad
+from autopar.trace.moe import EXPERTS_OP
 
 
 @dataclass
@@ -205,9 +207,10 @@ def live_nodes(gm: torch.fx.GraphModule, choices: dict[str, Choice]) -> list[liv
             kind = "alias"
         inputs = tuple(producer for producer, _ in choice.inputs)
         itemsize = choice.out_dtypes[0].itemsize if choice.out_dtypes else 4
+        internal = memory.internal_saved_factor(target, choice.info.kw) if choice.info is not None else 0.0
         nodes.append(liveness.LiveNode(
             node.name, kind, inputs, target, choice.requires_grad,
-            tuple(choices[p].requires_grad for p in inputs), itemsize,
+            tuple(choices[p].requires_grad for p in inputs), itemsize, internal,
         ))
     return nodes
 
@@ -466,6 +469,56 @@ _KERNEL_ALL_REDUCES = {
 }
 
 
+def kernel_all_to_all_bytes(info, strategy: Strategy, mesh_shape: Sequence[int], needs_grad: bool) -> list[float]:
+    """Sizes (local bytes) of the all-to-alls ``strategy``'s kernel runs on its axis in one
+    forward and backward.
+
+    ``moe_experts_all_to_all`` sends each of its T·k token copies (T: this rank's tokens) of H
+    elements to the rank holding its expert, and the results back: two exchanges of T·k·H
+    elements in forward, two in backward (the reverse exchanges of their gradients), plus the
+    copies' expert ids (int64) and one count per rank in forward. Routing decides how many
+    copies the busiest rank receives; they are priced at ``compute.CAPACITY_FACTOR`` times the
+    mean, as the experts' compute is."""
+    if strategy.kernel != "moe_experts_all_to_all":
+        return []
+    hidden, top_k_index = info.kw["hidden"], info.kw["top_k_index"]
+    local_tokens = local_shape(hidden.shape, strategy.ins[0], mesh_shape)[0]
+    copies = local_tokens * top_k_index.shape[1] * compute.CAPACITY_FACTOR
+    rows = copies * hidden.shape[1] * info.kw["gate_up"].dtype.itemsize
+    axis = strategy.kernel_axes[0]
+    sizes = [8.0 * mesh_shape[axis], copies * 8.0, rows, rows]
+    return sizes + [rows, rows] if needs_grad else sizes
+
+
+def kernel_all_to_all_cost(info, strategy: Strategy, mesh_shape: Sequence[int], cluster: ClusterSpec,
+                           needs_grad: bool) -> tuple[float, float]:
+    """(seconds, bytes each device sends) of the all-to-alls of ``strategy``'s kernel."""
+    seconds = sent = 0.0
+    for axis in strategy.kernel_axes:
+        for num_bytes in kernel_all_to_all_bytes(info, strategy, mesh_shape, needs_grad):
+            seconds += comm.all_to_all_s(num_bytes, axis, mesh_shape, cluster)
+            sent += comm.bytes_sent("all_to_all", num_bytes, mesh_shape[axis])
+    return seconds, sent
+
+
+def expert_parallel_record(choice: Choice, index: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> dict | None:
+    """What the plan reports of a node whose strategy ``index`` splits experts (a kernel of
+    ``rules.moe.EXPERT_PARALLEL_KERNELS``): the axes and degree, the experts each device holds,
+    and the kernel's all-to-all seconds and bytes within the node's cost. None otherwise."""
+    strategy = choice.strategies[index]
+    if strategy.kernel not in EXPERT_PARALLEL_KERNELS or choice.info is None:
+        return None
+    weight = choice.info.inputs[3] if choice.info.target is EXPERTS_OP else choice.info.inputs[1]
+    degree = math.prod(mesh_shape[axis] for axis in strategy.kernel_axes)
+    exchange_s, exchange_bytes = kernel_all_to_all_cost(choice.info, strategy, mesh_shape, cluster, choice.requires_grad)
+    return {
+        "node": choice.name, "kernel": strategy.kernel, "axes": list(strategy.kernel_axes), "degree": degree,
+        "num_experts": weight.shape[0], "experts_per_device": weight.shape[0] // degree,
+        "cost_s": choice.compute_s[index], "all_to_all_s": exchange_s, "all_to_all_bytes": int(exchange_bytes),
+        "capacity_factor": compute.CAPACITY_FACTOR,
+    }
+
+
 def kernel_all_reduce_bytes(info, strategy: Strategy) -> list[int]:
     """Sizes of the all-reduces ``strategy``'s kernel runs on each of its ``kernel_axes``."""
     sizes = _KERNEL_ALL_REDUCES.get(strategy.kernel)
@@ -474,11 +527,13 @@ def kernel_all_reduce_bytes(info, strategy: Strategy) -> list[int]:
 
 def kernel_collectives(info, strategy: Strategy, mesh_shape: Sequence[int],
                        requires_grad: bool) -> list[tuple[str, float, int]]:
-    """Collectives of a kernel beyond all-reduces, as ``comm.context_parallel_collectives``
-    lists them: the context-parallel attention's K/V gathers, gradient reduce-scatters and
-    head-tail row exchanges."""
+    """Collectives of a kernel beyond all-reduces, as ``(kind, bytes, axis)``: the
+    context-parallel attention's K/V gathers, gradient reduce-scatters and head-tail row
+    exchanges (``comm.context_parallel_collectives``), and an expert-parallel kernel's
+    all-to-alls (``kernel_all_to_all_bytes``)."""
     if strategy.kernel != "sdpa_context_parallel":
-        return []
+        return [("all_to_all", num_bytes, axis) for axis in strategy.kernel_axes
+                for num_bytes in kernel_all_to_all_bytes(info, strategy, mesh_shape, requires_grad)]
     q, k, v = (info.kw[name] for name in ("query", "key", "value"))
     specs = dict(zip(("query", "key", "value"), (strategy.ins[a.index] for a in (q, k, v))))
     kv_bytes = sum(memory.local_bytes(a.shape, a.dtype, specs[n], mesh_shape) for n, a in (("key", k), ("value", v)))

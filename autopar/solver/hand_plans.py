@@ -25,6 +25,12 @@ Kinds (the tensor-parallel axis is the innermost mesh axis, which stays inside a
   sequence on the tensor-parallel axis (and along the batch on the others), so the TP
   all-reduces become reduce-scatter + all-gather pairs and those activations take 1/TP memory.
 - ``tp_fsdp``: torchtitan's layout: Megatron on the innermost axis, FSDP on the others.
+- ``ep_fsdp``: expert parallelism on the innermost axis with FSDP on the others, as torchtitan
+  and Megatron train mixture-of-experts models: the stacked expert weights (the inputs of each
+  ``autopar::moe_experts`` op, ``trace.moe``) are split by expert on the innermost axis and
+  FSDP-split along another dim on the outer axes; every other parameter is FSDP-split over all
+  axes. The solver then picks how each experts op runs on that layout (normally the all-to-all
+  kernel, which needs the experts only as the inner axis splits them).
 
 Column and row projections are recognised by module name, as Megatron and torchtitan layouts
 are written (``COLUMN``, ``ROW``); a model with other names gets fewer tensor-parallel layers.
@@ -43,8 +49,9 @@ from autopar.ir.plan import Plan
 from autopar.solver import solve
 from autopar.ir.spec import Spec, is_valid, replicate_size_one_axes
 from autopar.trace import TracedModel
+from autopar.trace.moe import EXPERTS_OP
 
-KINDS = ("ddp", "zero1", "zero2", "fsdp", "megatron", "megatron_sp", "tp_fsdp")
+KINDS = ("ddp", "zero1", "zero2", "fsdp", "megatron", "megatron_sp", "tp_fsdp", "ep_fsdp")
 # Other names of the same plans.
 ALIASES = {"tp_dp": "megatron"}
 _ZERO_STAGE = {"zero1": 1, "zero2": 2}
@@ -93,11 +100,20 @@ def param_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> 
     num_axes = len(mesh_shape)
     outer = mesh_shape[:-1]
     specs: dict[str, Spec] = {}
+    experts = _expert_weights(traced)
     for graph_input in traced.placeholders("param"):
         shape = tuple(placeholders[graph_input.name].meta["val"].shape)
         fqn = traced.ties.get(graph_input.fqn, graph_input.fqn)
         if kind in ("ddp", "zero1", "zero2"):
             spec: tuple = (Replicate(),) * num_axes
+        elif kind == "ep_fsdp":
+            if graph_input.name in experts:
+                # FSDP on the outer axes along a dim after the expert dim, which the inner axis splits.
+                fsdp = _fsdp_dim(shape[1:], _prod(outer)) if outer else Replicate()
+                fsdp = Shard(fsdp.dim + 1) if isinstance(fsdp, Shard) else fsdp
+                spec = (fsdp,) * (num_axes - 1) + (Shard(0),)
+            else:
+                spec = (_fsdp_dim(shape, _prod(mesh_shape)),) * num_axes
         elif kind == "fsdp":
             spec = (_fsdp_dim(shape, _prod(mesh_shape)),) * num_axes
         else:
@@ -114,6 +130,18 @@ def param_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> 
             spec = (Replicate(),) * num_axes  # this parameter cannot be cut evenly
         specs[graph_input.name] = spec
     return specs
+
+
+def _expert_weights(traced: TracedModel) -> set[str]:
+    """Placeholders of the stacked expert weights: the ``gate_up`` and ``down`` inputs of every
+    ``autopar::moe_experts`` op."""
+    found = set()
+    for node in traced.gm.graph.nodes:
+        if node.target is EXPERTS_OP:
+            for arg in node.args[3:5]:
+                if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
+                    found.add(arg.name)
+    return found
 
 
 def sequence_parallel_specs(traced: TracedModel, mesh_shape: tuple[int, ...]) -> dict[str, Spec]:

@@ -199,6 +199,7 @@ def _candidate(graph, cluster, rep, s, assignment, cost, chosen) -> dict[str, An
     })
     if strategy.kernel:
         record["kernel"] = strategy.kernel
+        record["kernel_axes"] = list(strategy.kernel_axes)
     if kernel_comm_s:
         record["kernel_comm_s"] = kernel_comm_s
     return record

@@ -35,6 +35,7 @@ from autopar.rules import op_info
 from autopar.rules.registry import Strategy, tensor_input_nodes, tensor_meta
 from autopar.solver.choices import grad_sync_axes, grad_sync_cost, kernel_collectives
 from autopar.trace import TracedModel, requires_grad
+from autopar.trace.moe import EXPERTS_OP
 
 BATCH = sympy.Symbol("B", positive=True)
 
@@ -77,9 +78,10 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
             memory.local_bytes(shape, dtype, spec, mesh) for (shape, dtype), spec in zip(outs, decided.outs)
         ))
         is_alias = node.target is operator.getitem or compute._packet(node.target) in compute.VIEW_OPS
+        internal = memory.internal_saved_factor(node.target, op_info(node).kw) if node.target is EXPERTS_OP else 0.0
         live.append(liveness.LiveNode(
             node.name, "alias" if is_alias else "op", inputs, node.target, grads[node.name],
-            tuple(grads[p] for p in inputs), outs[0][1].itemsize if outs else 4,
+            tuple(grads[p] for p in inputs), outs[0][1].itemsize if outs else 4, internal,
         ))
         for (producer, index), dst in zip(decided.inputs, decided.ins):
             src = plan.nodes[producer].outs[index]

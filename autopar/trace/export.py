@@ -24,6 +24,7 @@ from torch.utils._pytree import TreeSpec
 from autopar.errors import TraceError
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.trace.fake import fake_tensors, has_meta_tensors
+from autopar.trace.moe import experts_as_one_op
 
 # Runtime shape and dtype assertions that export leaves behind; after sharding they would
 # check local tensors against global shapes, and they decide nothing, so they are dropped.
@@ -93,7 +94,9 @@ def trace(
     if precision is not None:
         example_inputs, example_kwargs = precision.cast_inputs((example_inputs, example_kwargs))
     try:
-        with _no_stack_traces(), _lazy_recompile(), _fake_params(model, (example_inputs, example_kwargs or {}), precision):
+        # Stacked experts modules trace as one autopar::moe_experts op (``trace.moe``).
+        with _no_stack_traces(), _lazy_recompile(), experts_as_one_op(model), \
+                _fake_params(model, (example_inputs, example_kwargs or {}), precision):
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error

@@ -30,6 +30,10 @@ __all__ = [
     "SmallCNN",
     "Llama",
     "LLAMA_SHAPES",
+    "Experts",
+    "SparseMoE",
+    "MoE",
+    "MOE_SHAPES",
     "MODEL_NAMES",
     "DEFAULT_CONFIGS",
     "build_model",
@@ -370,6 +374,93 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts
+
+
+class Experts(nn.Module):
+    """Stacked experts, laid out as Hugging Face's (``MixtralExperts``): ``gate_up_proj``
+    [E, 2·I, H] (gate rows, then up rows) and ``down_proj`` [E, H, I]; each token copy runs
+    its expert's SwiGLU MLP. ``forward(hidden_states [T, H], top_k_index [T, k],
+    top_k_weights [T, k])`` sums the weighted outputs of each token's k experts."""
+
+    def __init__(self, num_experts: int, n_embd: int, hidden: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * hidden, n_embd) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, n_embd, hidden) * 0.02)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == expert)
+            gate, up = F.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            out = out.index_add(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+class SparseMoE(nn.Module):
+    """A router (linear, softmax, top-k, renormalized weights) and ``Experts``, as Mixtral's."""
+
+    def __init__(self, n_embd: int, hidden: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(n_embd, num_experts, bias=False)
+        self.experts = Experts(num_experts, n_embd, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(tokens), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(tokens, index, weights).reshape(shape)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, hidden: int, num_experts: int, top_k: int,
+                 eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(n_embd, eps)
+        self.self_attn = LlamaAttention(n_embd, n_head, n_kv_head)
+        self.post_attention_layernorm = RMSNorm(n_embd, eps)
+        self.mlp = SparseMoE(n_embd, hidden, num_experts, top_k)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoE(Llama):
+    """A Mixtral-shaped decoder: ``Llama`` with every MLP a ``SparseMoE`` (a router choosing
+    ``top_k`` of ``num_experts`` stacked experts per token). Parameter names follow Hugging
+    Face's ``MixtralForCausalLM`` (``model.layers.{i}.mlp.gate``, ``...mlp.experts.gate_up_proj``,
+    ``...mlp.experts.down_proj``).
+
+    Routing takes the top k of a softmax: with random weights, ties between router scores have
+    probability zero, so the choice is the same in eager and in any parallel run."""
+
+    def __init__(self, vocab_size: int = 256, n_layer: int = 2, n_head: int = 4, n_kv_head: int = 2,
+                 n_embd: int = 64, hidden: int = 64, num_experts: int = 4, top_k: int = 2,
+                 rope_theta: float = 10000.0, eps: float = 1e-5):
+        super().__init__(vocab_size, n_layer, n_head, n_kv_head, n_embd, hidden, rope_theta, eps)
+        self.config.update(num_experts=num_experts, top_k=top_k)
+        self.model.layers = nn.ModuleList(
+            MoEBlock(n_embd, n_head, n_kv_head, hidden, num_experts, top_k, eps) for _ in range(n_layer))
+        for module in self.model.layers.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+# Mixtral-8x7B's published sizes (Hugging Face config): 8 experts, top-2, SwiGLU width 14336.
+MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "mixtral-8x7b": dict(vocab_size=32000, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, hidden=14336,
+                         num_experts=8, top_k=2, rope_theta=1e6),
+}
+
+
 # Published LLaMA sizes (vocabulary, depth, heads, key/value heads, width, SwiGLU hidden width).
 LLAMA_SHAPES: dict[str, dict[str, Any]] = {
     "llama-2-7b": dict(vocab_size=32000, n_layer=32, n_head=32, n_kv_head=32, n_embd=4096, hidden=11008),
@@ -393,6 +484,8 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     "cnn": dict(num_classes=10, in_channels=3, channels=16),
     "llama": dict(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, hidden=128,
                   rope_theta=10000.0, eps=1e-5),
+    "moe": dict(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, hidden=64, num_experts=4,
+                top_k=2, rope_theta=10000.0, eps=1e-5),
 }
 MODEL_NAMES = tuple(DEFAULT_CONFIGS)
 
@@ -402,6 +495,7 @@ _BATCH_DEFAULTS: dict[str, dict[str, int]] = {
     "attention": dict(seq_len=16),
     "cnn": dict(image_size=16),
     "llama": dict(seq_len=16),
+    "moe": dict(seq_len=16),
 }
 
 
@@ -433,6 +527,8 @@ def build_model(name: str, seed: int = 0, **config: Any) -> nn.Module:
         return WithMSELoss(MLPBlock(**kwargs))
     if name == "llama":
         return Llama(**kwargs)
+    if name == "moe":
+        return MoE(**kwargs)
     return SmallCNN(**kwargs)
 
 
@@ -440,7 +536,7 @@ def example_batch(name: str, batch_size: int = 8, seed: int = 0, **config: Any) 
     """Positional inputs for ``build_model(name, **config)``'s forward, including the targets.
 
     ``config`` takes the same keys as ``build_model`` (only the shape-related ones matter) plus
-    ``seq_len`` for ``gpt`` (default: ``block_size``), ``llama`` (default 16) and ``attention``
+    ``seq_len`` for ``gpt`` (default: ``block_size``), ``llama`` and ``moe`` (default 16) and ``attention``
     (default 16), and
     ``image_size`` for ``cnn`` (default 16). Draws from a private generator, so the global
     random state is left alone.
@@ -456,7 +552,7 @@ def example_batch(name: str, batch_size: int = 8, seed: int = 0, **config: Any) 
     if name == "mlp":
         return (torch.randn(batch_size, cfg["d_in"], generator=gen),
                 torch.randn(batch_size, cfg["d_out"], generator=gen))
-    if name in ("gpt", "llama"):
+    if name in ("gpt", "llama", "moe"):
         seq_len = cfg["seq_len"] or cfg["block_size"]
         tokens = torch.randint(0, cfg["vocab_size"], (batch_size, seq_len + 1), generator=gen)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -24,8 +24,8 @@ class ModelPreset:
     note: str = ""
 
     def __post_init__(self) -> None:
-        if self.family not in ("gpt", "llama"):
-            raise ValueError(f"presets are gpt or llama shapes, got family {self.family!r}")
+        if self.family not in ("gpt", "llama", "moe"):
+            raise ValueError(f"presets are gpt, llama or moe shapes, got family {self.family!r}")
 
 
 def _gpt2(n_layer: int, n_head: int, n_embd: int) -> dict[str, Any]:
@@ -41,6 +41,8 @@ PRESETS: dict[str, ModelPreset] = {
     "llama-2-7b": ModelPreset("llama", models.LLAMA_SHAPES["llama-2-7b"], seq_len=4096, note="LLaMA-2 7B"),
     "llama-2-70b": ModelPreset("llama", models.LLAMA_SHAPES["llama-2-70b"], seq_len=4096, note="LLaMA-2 70B"),
     "llama-3-8b": ModelPreset("llama", models.LLAMA_SHAPES["llama-3-8b"], seq_len=8192, note="LLaMA-3 8B"),
+    "mixtral-8x7b": ModelPreset("moe", models.MOE_SHAPES["mixtral-8x7b"], seq_len=4096,
+                                note="Mixtral 8x7B, 47B (8 experts, top-2)"),
 }
 
 

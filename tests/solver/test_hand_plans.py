@@ -103,7 +103,7 @@ def test_under_a_budget_autopar_still_wins_over_every_feasible_hand_plan(gpt_and
 
 def test_unknown_kind_names_the_kinds(gpt_and_batch):
     model, batch = gpt_and_batch
-    with pytest.raises(ValueError, match="ddp, zero1, zero2, fsdp, megatron, megatron_sp, tp_fsdp, tp_dp"):
+    with pytest.raises(ValueError, match="ddp, zero1, zero2, fsdp, megatron, megatron_sp, tp_fsdp, ep_fsdp, tp_dp"):
         autopar.hand_plan("zero9", model, MESH, example_inputs=batch)
 
 
