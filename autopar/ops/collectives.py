@@ -273,13 +273,6 @@ class _AllToAll(torch.autograd.Function):
         return _chunk(full, ctx.src_dim, ctx.group_name), None, None, None
 
 
-@_guarded("all-to-all")
-def _all_to_all_rows(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
-                     group_name: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), output_split_sizes, input_split_sizes,
-                                                       group_name))
-
-
 def _move(x: torch.Tensor, dim: int, group_name: str, src: tuple[tuple[int, ...], ...],
           dst: tuple[tuple[int, ...], ...], piece_rows: int) -> torch.Tensor:
     """Rank ``r`` holds the pieces ``src[r]`` (piece ids, each ``piece_rows`` long along ``dim``,
