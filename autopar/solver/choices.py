@@ -71,6 +71,10 @@ class Choice:
     # which can hide them.
     param_sync_s: list[float] = field(default_factory=list)
     backward_s: list[float] = field(default_factory=list)
+    # Per strategy: (input index, mesh axis, seconds as priced here per use, seconds as the
+    # runtime's bucketed reduction of that parameter) for each parameter gradient the strategy
+    # all-reduces. The ILP merges them per parameter (``ilp.ShardingILP.add_param_sync_variables``).
+    param_syncs: list[tuple[tuple[int, int, float, float], ...]] = field(default_factory=list)
 
     def out_specs(self, index: int) -> list[Spec]:
         """Distinct specs of output ``index`` over the strategies, in first-seen order."""
@@ -326,6 +330,8 @@ def _keep_only(choice: Choice, keep: list[int]) -> None:
     if choice.param_sync_s:
         choice.param_sync_s = [choice.param_sync_s[i] for i in keep]
         choice.backward_s = [choice.backward_s[i] for i in keep]
+    if choice.param_syncs:
+        choice.param_syncs = [choice.param_syncs[i] for i in keep]
 
 
 def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec]:
@@ -381,11 +387,11 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict) -> Choice:
     )
     if key not in cache:
         cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes)
-    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s = cache[key]
+    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs = cache[key]
     return Choice(
         node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
         needs_grad, info=info, grad_sync_bytes=sync_bytes, sync_dtypes=sync_dtypes, param_sync_s=param_sync_s,
-        backward_s=backward_s,
+        backward_s=backward_s, param_syncs=param_syncs,
     )
 
 
@@ -397,27 +403,28 @@ def reduce_dtype(node: torch.fx.Node) -> torch.dtype | None:
 
 def grad_sync_cost(arg, spec: Spec, axis: int, is_param: bool, mesh_shape, cluster,
                    dtype: torch.dtype | None = None) -> comm.CommCost:
-    """The backward all-reduce of an input's gradient on ``axis``, as the ILP prices it: one
-    all-reduce per use, latency included, for activations and parameters alike.
+    """The backward all-reduce of an input's gradient on ``axis``, one per use, latency included
+    (``compute_s`` carries it, for activations and parameters alike).
 
-    The runtime reduces parameter gradients once per parameter, in buckets that overlap backward
-    (``passes.schedule``), which ``solver.comm_schedule`` prices on the solved plan
-    (``comm.param_grad_sync_cost``). The ILP keeps the per-use price, an upper bound, for now:
-    with the bucketed price the golden plans move (Megatron's small-model layout, GPT-2's
-    head-split ``c_attn`` under a tight budget), and re-deciding them is a change of its own.
-    ``is_param`` marks the terms the plan re-prices (``Choice.param_sync_s``); ``dtype`` is the
+    The runtime reduces a parameter's gradient once per parameter, in buckets
+    (``passes.schedule``). The ILP prices that: it takes these per-use terms of parameters back
+    out of the objective and charges each (parameter, axis, held spec) once, at the bucketed
+    price (``Choice.param_syncs``, ``ilp.ShardingILP.add_param_sync_variables``);
+    ``solver.comm_schedule`` prices the solved plan's buckets and their overlap with backward.
+    ``is_param`` marks the parameter terms (``Choice.param_sync_s``); ``dtype`` is the
     reduction's, where a precision policy sets one (else the argument's)."""
     return comm.grad_allreduce_cost(arg.shape, spec, axis, dtype or arg.dtype, mesh_shape, cluster)
 
 
 def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes) -> tuple:
     strategies = node_strategies(info, mesh_shape)
-    compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s = [], [], [], [], []
+    compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs = [], [], [], [], [], []
     for strategy in strategies:
         flops_s, bytes_s, factor = compute.roofline_terms(info, strategy, mesh_shape, cluster, needs_grad)
         seconds = max(flops_s, bytes_s) * factor
         backward_s.append(seconds * (factor - 1) / factor)
         synced = param_synced_s = 0.0
+        merged = []
         for index, arg in enumerate(info.inputs):
             producer = choices[input_nodes[index].name]
             if not producer.requires_grad:
@@ -428,8 +435,15 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
                 seconds += cost.backward_s
                 if producer.kind == "param":
                     param_synced_s += cost.backward_s
+                # A parameter's gradient, or that of its cast under a precision policy (which
+                # carries the reduction dtype): reduced once per parameter, in a bucket.
+                if producer.kind == "param" or sync_dtypes[index] is not None:
+                    bucketed = comm.param_grad_sync_cost(arg.shape, strategy.ins[index], axis,
+                                                         sync_dtypes[index] or arg.dtype, mesh_shape, cluster)
+                    merged.append((index, axis, cost.backward_s, bucketed.backward_s))
                 synced += cost.bytes_sent
         param_sync_s.append(param_synced_s)
+        param_syncs.append(tuple(merged))
         for axis in strategy.kernel_axes:
             for num_bytes in kernel_all_reduce_bytes(info, strategy):
                 seconds += comm.all_reduce_s(num_bytes, axis, mesh_shape, cluster)
@@ -441,7 +455,7 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
             for shape, spec, out in zip(info.out_shapes, strategy.outs, _flatten(val))
         )
         memory_bytes.append(float(out_bytes))
-    return strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s
+    return strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs
 
 
 # Kernels that all-reduce tensors of their own, beyond the redistributions of their inputs and
@@ -481,6 +495,15 @@ def grad_sync_bytes_per_axis(
         for num_bytes in kernel_all_reduce_bytes(choice.info, strategy):
             per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent("all_reduce", num_bytes, mesh_shape[axis])
     return per_axis
+
+
+def synced_param(choices: dict[str, Choice], name: str) -> str:
+    """The parameter whose gradient a sync of ``name``'s gradient reduces: ``name`` itself, or
+    the parameter a cast (a precision policy's, one per use) reads."""
+    choice = choices[name]
+    if choice.kind != "param" and len(choice.inputs) == 1 and choices[choice.inputs[0][0]].kind == "param":
+        return choice.inputs[0][0]
+    return name
 
 
 def grad_sync_axes(strategy: Strategy, index: int) -> list[int]:
