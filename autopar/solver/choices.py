@@ -21,7 +21,7 @@ import itertools
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx
@@ -120,6 +120,71 @@ class ChoiceGraph:
 
     def free(self) -> list[Choice]:
         return [self.choices[n] for n in self.order if self.choices[n].follower_of is None]
+
+    def param_sync_groups(self) -> tuple[dict[tuple, ParamSyncGroup], dict[str, list[float]]]:
+        """(the merged parameter reductions, and per node the per-use seconds of parameter
+        reductions in each strategy's ``compute_s``); see ``param_sync_groups``. Cached."""
+        cached = self.__dict__.get("_param_sync_groups")
+        if cached is None:
+            cached = self.__dict__["_param_sync_groups"] = param_sync_groups(self)
+        return cached
+
+
+@dataclass
+class ParamSyncGroup:
+    """One gradient reduction of a parameter (on one mesh axis, the parameter held as one spec)
+    that the runtime runs once however many uses need it (``passes.schedule``): priced once, at
+    ``price_s`` (bucketed) per parameter, for ``count`` parameters (repeated layers share one
+    group), when any use takes one of its strategies that needs it."""
+
+    price_s: float
+    params: set[str]
+    uses: dict[tuple[str, int], set[int]]  # (consumer, input index) → strategies that reduce
+
+    def needed(self, assignment: Mapping[str, int]) -> bool:
+        return any(assignment[consumer] in strategies for (consumer, _), strategies in self.uses.items())
+
+    @property
+    def total_s(self) -> float:
+        return self.price_s * len(self.params)
+
+
+def param_sync_groups(graph: ChoiceGraph) -> tuple[dict[tuple, ParamSyncGroup], dict[str, list[float]]]:
+    """Group the parameter-gradient reductions of every strategy (``Choice.param_syncs``) by
+    (parameter, axis, spec). A parameter of a repeated layer shares the group of its first-layer
+    counterpart when its consumer shares that layer's strategy too; a cast of a parameter counts
+    as the parameter (``synced_param``). Also returns, per node, the per-use seconds of those
+    reductions in each strategy's ``compute_s``, which the merged price replaces."""
+    template = graph.layer_template
+    groups: dict[tuple, ParamSyncGroup] = {}
+    refunds: dict[str, list[float]] = {}
+    for name in graph.order:
+        choice = graph.choices[name]
+        if not any(choice.param_syncs):
+            continue
+        refunds[name] = [sum(term[2] for term in terms) for terms in choice.param_syncs]
+        consumer = template.get(name, name)
+        for s, terms in enumerate(choice.param_syncs):
+            for index, axis, _, bucketed_s in terms:
+                param = synced_param(graph.choices, choice.inputs[index][0])
+                spec = choice.strategies[s].ins[index]
+                shared = name in template and param in template
+                key = (template[param] if shared else param, axis, spec)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = ParamSyncGroup(0.0, set(), {})
+                group.price_s = max(group.price_s, bucketed_s)
+                group.params.add(param)
+                group.uses.setdefault((consumer, index), set()).add(s)
+    return groups, refunds
+
+
+def param_sync_adjustment_s(graph: ChoiceGraph, assignment: Mapping[str, int]) -> float:
+    """What the ILP objective adds to Σ compute_s for ``assignment`` (every node's strategy): each
+    needed parameter reduction once, bucketed, in place of the per-use prices."""
+    groups, refunds = graph.param_sync_groups()
+    merged = sum(group.total_s for group in groups.values() if group.needed(assignment))
+    return merged - sum(refund[assignment[name]] for name, refund in refunds.items())
 
 
 def build_choice_graph(

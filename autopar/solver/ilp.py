@@ -71,7 +71,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from autopar.solver.choices import ChoiceGraph, synced_param
+from autopar.solver.choices import ChoiceGraph
 from autopar.ir.spec import Spec, format_spec
 
 
@@ -243,55 +243,27 @@ class ShardingILP:
                     self.problem += a == b, f"tie__{self._node_ids[first]}__{self._node_ids[other]}__{s}"
 
     def add_param_sync_variables(self) -> None:
-        """z[p, a, q] ≥ Σ_{s ∈ U} x[v, s] for each use (v, i) of parameter p, where U are the
-        strategies of v that all-reduce input i's gradient on axis a with p held as q.
+        """z[g] ≥ Σ_{s ∈ U} x[v, s] for each use (v, i) of a parameter reduction g
+        (``choices.param_sync_groups``: one parameter, mesh axis and held spec), where U are the
+        strategies of v that all-reduce input i's gradient that way.
 
         The runtime reduces a parameter's gradient once, in a bucket, however many uses it has
         (``passes.schedule``); z is 1 when any use needs that reduction, and the objective pays
-        the bucketed price once per z (``Choice.param_syncs``) instead of an all-reduce per use.
-        A parameter of a repeated layer shares the z of its first-layer counterpart when its use
-        shares x too (the constraints then coincide), and that z counts once per layer."""
-        template = self.graph.layer_template
+        the bucketed price once per parameter of the group instead of an all-reduce per use."""
+        groups, self.per_use_refund = self.graph.param_sync_groups()
         self.z: dict[tuple, pulp.LpVariable] = {}
-        self._z_price: dict[tuple, float] = {}
-        self._z_members: dict[tuple, set[str]] = {}
         self._z_uses: dict[tuple, list[pulp.LpAffineExpression]] = {}  # every lower bound of z
-        self.per_use_refund: dict[str, list[float]] = {}  # per-use terms taken back out of c
-        done: set[tuple] = set()
+        self._z_price: dict[tuple, float] = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            for name in self.graph.order:
-                choice = self.graph.choices[name]
-                if not any(choice.param_syncs):
-                    continue
-                refund = [sum(term[2] for term in terms) for terms in choice.param_syncs]
-                self.per_use_refund[name] = refund
-                uses: dict[tuple[int, int, Spec], list] = {}
-                prices: dict[tuple[int, int, Spec], float] = {}
-                for s, terms in enumerate(choice.param_syncs):
-                    for index, axis, _, bucketed_s in terms:
-                        use = (index, axis, choice.strategies[s].ins[index])
-                        uses.setdefault(use, []).append(self.x[name][s])
-                        prices[use] = max(prices.get(use, 0.0), bucketed_s)
-                for (index, axis, spec), xs in uses.items():
-                    param = synced_param(self.graph.choices, choice.inputs[index][0])
-                    shared = name in template and param in template
-                    key = (template[param] if shared else param, axis, spec)
-                    if key not in self.z:
-                        self.z[key] = pulp.LpVariable(f"z_{len(self.z)}", lowBound=0, upBound=1)
-                        self._z_price[key] = 0.0
-                        self._z_members[key] = set()
-                        self._z_uses[key] = []
-                    self._z_price[key] = max(self._z_price[key], prices[(index, axis, spec)])
-                    self._z_members[key].add(param)
-                    use_key = key + (template.get(name, name), index)
-                    if use_key in done:
-                        continue
-                    done.add(use_key)
-                    lower = pulp.lpSum(xs)
+            for g, (key, group) in enumerate(groups.items()):
+                self.z[key] = z = pulp.LpVariable(f"z_{g}", lowBound=0, upBound=1)
+                self._z_price[key] = group.total_s
+                self._z_uses[key] = []
+                for (consumer, index), strategies in group.uses.items():
+                    lower = pulp.lpSum([self.x[consumer][s] for s in sorted(strategies)])
                     self._z_uses[key].append(lower)
-                    row = f"param_sync__{self._node_ids[param]}__{axis}__{_spec_name(spec)}__{self._node_ids[name]}"
-                    self.problem += _difference([self.z[key]], [lower]) >= 0, row
+                    self.problem += _difference([z], [lower]) >= 0, f"param_sync__{g}__{self._node_ids[consumer]}__{index}"
 
     def param_sync_values(self) -> dict[tuple, float]:
         """The value each z takes at the current x: the largest of its lower bounds
@@ -306,7 +278,7 @@ class ShardingILP:
             for s, (c, x) in enumerate(zip(self.graph.choices[name].compute_s, self.x[name]))
             if c - (refund[name][s] if name in refund else 0.0)
         )
-        sync_terms = ((len(self._z_members[key]) * self._z_price[key], z) for key, z in self.z.items())
+        sync_terms = ((self._z_price[key], z) for key, z in self.z.items())
         # Edges that share y (repeated layers) have equal prices: count each shared y once,
         # weighted by how many edges use it. y was built in the order of the price table.
         shared: dict[int, list] = {}
