@@ -16,13 +16,16 @@ Variables
 
 Objective (seconds of one training step, forward and backward)
     min  Σ_n Σ_s c[n, s] · x[n, s]  +  Σ_e Σ_{(p,q) ∈ T_e} r[e, p, q] · y[e, p, q]
-    c = compute (roofline) + backward gradient all-reduces of the strategy, one per use;
-    r = the collectives of ``spec.transition_steps(p, q)`` and their backward duals.
-    The runtime merges a parameter's gradient reductions into buckets that overlap backward
-    (``passes.schedule``); that is priced on the solved plan (``solver.comm_schedule``,
-    ``predicted.exposed_grad_sync_s``), and c stays an upper bound. Pricing what backward hides
-    inside the ILP needs a row over every x (E ≥ Σ (g − b)·x); that row made CBC miss
-    optimality on a 3-layer LLaMA in 120 s.
+    c = compute (roofline) + backward gradient all-reduces of the strategy's activation inputs,
+        one per use (a parameter's per-use all-reduces are taken out of c: see z);
+    r = the collectives of ``spec.transition_steps(p, q)`` and their backward duals;
+    + Σ_g P_g · z[g]: each parameter gradient reduction g (a parameter, a mesh axis, the spec it
+      is held in; ``choices.param_sync_groups``) once, at its bucketed price P_g, however many
+      uses need it, as the runtime runs it (``passes.schedule``).
+    How much of the buckets backward hides is priced on the solved plan
+    (``solver.comm_schedule``, ``predicted.exposed_grad_sync_s``). Pricing it inside the ILP
+    needs a row over every x (E ≥ Σ (g − b)·x); that row made CBC miss optimality on a 3-layer
+    LLaMA in 120 s.
 
 Constraints
     pick[n]:           Σ_s x[n, s] = 1                                        ∀ n ∈ N
@@ -30,6 +33,9 @@ Constraints
     edge_in[e, q]:     Σ_p y[e, p, q] = Σ_{s : in_i(s) = q} x[v, s]           ∀ e, q ∈ I_e
     memory[t]:         Σ_{(n, f) alive at t} f · Σ_s m[n, s] · x[n, s] ≤ B     (if a budget B)
     tie[a, b, s]:      x[a, s] = x[b, s]      for placeholders a, b naming one tensor (tied weights)
+    param_sync[g, v, i]: z[g] ≥ Σ_{s ∈ U} x[v, s]  for each use (v, i) of reduction g, U the
+                       strategies of v that reduce input i's gradient so; z ∈ [0, 1] continuous
+                       (at an optimum z is the max of its rows: 0 or 1 for integer x)
 
     Repeated layers (``choices.repeated_layers``) share variables outright: a node of layer k
     uses the x of its counterpart in the first layer, and an edge whose two ends share x with
