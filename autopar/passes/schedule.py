@@ -157,7 +157,7 @@ def _sync_lookups_at_the_table(graph: torch.fx.Graph, params: set[str]) -> None:
                 and lookup.target is torch.ops.aten.embedding.default and len(lookup.users) == 1):
             continue
         table, indices = lookup.args[0], lookup.args[1]
-        sparse = len(lookup.args) > 4 and lookup.args[4]
+        sparse = (len(lookup.args) > 4 and lookup.args[4]) or lookup.kwargs.get("sparse", False)
         if sparse or not (isinstance(table, torch.fx.Node) and table.op == "placeholder" and table.name in params):
             continue
         val = indices.meta.get("val") if isinstance(indices, torch.fx.Node) else None
