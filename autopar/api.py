@@ -154,7 +154,8 @@ def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_
         doubled = trace_repeated(model, symbolic.double_batch(example_inputs), symbolic.double_batch(example_kwargs),
                                  options.precision)
         costs = symbolic.symbolic_costs(
-            symbolic.price_plan(traced, result, cluster), symbolic.price_plan(doubled, result, cluster), batch
+            symbolic.price_plan(traced, result, cluster), symbolic.price_plan(doubled, result, cluster), batch,
+            result.predicted,
         )
         result = dataclasses.replace(result, predicted={**result.predicted, "symbolic": costs})
     return result

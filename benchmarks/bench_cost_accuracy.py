@@ -197,6 +197,7 @@ class CountBytes:
         wrap("start_all_reduce", "all_reduce")
         wrap("start_reduce_scatter", "reduce_scatter", position=1)
         wrap("start_all_gather", "all_gather", position=1)
+        wrap("start_sum", "all_reduce")  # the mean loss's denominator, started early
         return self
 
     def __exit__(self, *exc) -> None:

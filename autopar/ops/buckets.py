@@ -99,8 +99,8 @@ class _Pending:
 
     __slots__ = ("flat", "left", "written", "work", "out")
 
-    def __init__(self, bucket: Bucket, device: torch.device):
-        self.flat = torch.empty(bucket.numel, dtype=bucket.slots[0].dtype, device=device)
+    def __init__(self, bucket: Bucket, device: torch.device, flat: torch.Tensor | None = None):
+        self.flat = flat if flat is not None else torch.empty(bucket.numel, dtype=bucket.slots[0].dtype, device=device)
         self.left = sum(slot.uses for slot in bucket.slots)
         self.written: set[str] = set()
         self.work = None
@@ -126,6 +126,9 @@ class GradBuckets(torch.nn.Module):
                 at += slot.numel
             self._offsets.append(offsets)
         self._params: dict[str, torch.Tensor] = {}
+        # Each bucket's buffers from the last backward (flat, reduce-scatter output), reused when
+        # no ``.grad`` views them any more (``zero_grad()`` dropped them), as DDP keeps its buckets.
+        self._spare: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._pending: list[_Pending | None] | None = None
         self._task = -1  # the autograd graph task the pending buckets belong to
 
@@ -155,7 +158,9 @@ class GradBuckets(torch.nn.Module):
         bucket = self.buckets[index]
         pending = self._pending[index]
         if pending is None:
-            pending = self._pending[index] = _Pending(bucket, grad.device)
+            flat, out = self._reusable(index, grad.device)
+            pending = self._pending[index] = _Pending(bucket, grad.device, flat)
+            pending.out = out
         slot = bucket.slots[position]
         target = self._slot_view(index, position, pending.flat)
         if slot.kind == "reduce_scatter":
@@ -195,9 +200,19 @@ class GradBuckets(torch.nn.Module):
         if bucket.kind == "all_reduce":
             pending.work = collectives.start_all_reduce(pending.flat, group_name)
         else:
-            pending.out = torch.empty(pending.flat.numel() // self._k(index), dtype=pending.flat.dtype,
-                                      device=pending.flat.device)
+            if pending.out is None:
+                pending.out = torch.empty(pending.flat.numel() // self._k(index), dtype=pending.flat.dtype,
+                                          device=pending.flat.device)
             pending.work = collectives.start_reduce_scatter(pending.out, pending.flat, group_name)
+
+    def _reusable(self, index: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The last backward's buffers of bucket ``index`` if nothing else holds them any more
+        (``zero_grad()`` dropped the ``.grad`` views, and no one kept a reference); else None,
+        None: fresh buffers, so that a gradient still held is never overwritten."""
+        spare = self._spare.get(index)
+        if spare is None or spare[0].device != device or not all(_unshared(t) for t in spare if t is not None):
+            return None, None
+        return spare
 
     def _drop(self) -> None:
         """Forget the buckets of an unfinished backward (waiting for what was launched)."""
@@ -215,6 +230,7 @@ class GradBuckets(torch.nn.Module):
             if pending.work is None:
                 self._launch(index, pending)
             collectives.wait(pending.work, bucket.groups[0])
+            self._spare[index] = (pending.flat, pending.out)
             result = pending.flat if bucket.kind == "all_reduce" else pending.out
             for group_name in bucket.groups[1:]:  # further mesh axes, one after another
                 collectives.wait(collectives.start_all_reduce(result, group_name), group_name)
@@ -232,6 +248,15 @@ class GradBuckets(torch.nn.Module):
                     param.grad = reduced
                 else:
                     param.grad.add_(reduced)
+
+
+def _unshared(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the only tensor on its storage (no view of it is alive)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    # the storage object made here holds one reference, ``tensor`` the other
+    return use_count(tensor.untyped_storage()._cdata) <= 2
 
 
 def _chunk_shape(shape: tuple[int, ...], dim: int, k: int) -> tuple[int, ...]:

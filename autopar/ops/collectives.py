@@ -186,6 +186,12 @@ def start_all_reduce(x: torch.Tensor, group_name: str):
     return dist.all_reduce(x, group=_resolve_process_group(group_name), async_op=True)
 
 
+@_guarded("all-reduce")
+def start_sum(x: torch.Tensor, group_name: str):
+    """Sum ``x`` (no gradient) in place over the group; returns the work handle."""
+    return dist.all_reduce(x, group=_resolve_process_group(group_name), async_op=True)
+
+
 @_guarded("reduce-scatter (gradient bucket)")
 def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group_name: str):
     """``out`` = chunk ``rank`` (along dim 0) of the sum of ``x`` over the group; returns the work."""

@@ -126,8 +126,8 @@ def cross_entropy_mean(*, axis_groups: Sequence[str], self: torch.Tensor, target
                        label_smoothing: float = 0.0, **_: Any) -> torch.Tensor:
     """Batch-split mean cross entropy as a Partial: the local loss sum over the *global*
     denominator (non-ignored targets, their total class weight, or for probability targets
-    the number of samples), which is all-reduced without gradient."""
-    local_sum = aten.cross_entropy_loss(self, target, weight, 2, ignore_index, label_smoothing)
+    the number of samples), which is all-reduced without gradient: started before the loss is
+    computed and waited for after, so that its latency hides behind the log-softmax."""
     if target.is_floating_point():
         denominator = torch.tensor(self.numel() // self.shape[1], dtype=torch.int64, device=self.device)
     else:
@@ -137,7 +137,12 @@ def cross_entropy_mean(*, axis_groups: Sequence[str], self: torch.Tensor, target
         else:
             picked = weight.detach()[target.masked_fill(~valid, 0)]
             denominator = picked.masked_fill(~valid, 0).sum()
-    for group in axis_groups:
+    denominator = denominator.detach().clone()  # summed in place
+    work = collectives.start_sum(denominator, axis_groups[0]) if axis_groups else None
+    local_sum = aten.cross_entropy_loss(self, target, weight, 2, ignore_index, label_smoothing)
+    if work is not None:
+        collectives.wait(work, axis_groups[0])
+    for group in axis_groups[1:]:
         denominator = collectives.no_grad_all_reduce(denominator, group)
     return local_sum / denominator.to(local_sum.dtype)
 

@@ -68,11 +68,12 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
     # Stand-ins, so that call_module nodes resolve while the real modules are being sized.
     gm.add_submodule(GRAD_BUCKETS, torch.nn.Module())
     gm.add_submodule(PARAM_GATHERS, torch.nn.Module())
-    order = {node: i for i, node in enumerate(graph.nodes)}
     reduce_slots: list[tuple[int, Slot]] = []
     gathers: list[tuple[int, str, str, int, int]] = []
     size_of = {name: math.prod(plan.mesh_shape[i] for i, g in enumerate(groups) if g == name) for name in groups}
     offloaded = set(plan.memory.offloaded("param")) if plan.memory is not None else set()
+    _sync_lookups_at_the_table(graph, {name for name, fqn in fqns.items() if fqn not in offloaded})
+    order = {node: i for i, node in enumerate(graph.nodes)}
     for placeholder in [n for n in graph.nodes if n.op == "placeholder" and n.name in fqns]:
         if fqns[placeholder.name] in offloaded:  # its gradient goes to the offload store
             continue
@@ -137,6 +138,43 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
     if not gathers:
         delattr(gm, PARAM_GATHERS)
     return gm
+
+
+def _sync_lookups_at_the_table(graph: torch.fx.Graph, params: set[str]) -> None:
+    """Move an ``allreduce_grad`` chain from the output of an embedding lookup of a parameter
+    (with indices that need no gradient) onto the parameter itself.
+
+    A lookup table's gradient is linear in the output's gradient, so reducing it after the
+    embedding backward sums the same values as reducing before. The reduction then joins the
+    parameter's bucket slot (asynchronous, one latency per bucket) instead of running on its own
+    at the end of backward: a positional embedding added to a batch-split activation is the case
+    (its rows are looked up with the same positions on every rank). Forward is unchanged."""
+    for node in list(graph.nodes):
+        if not _is(node, collectives.allreduce_grad):
+            continue
+        lookup = node.args[0]
+        if not (isinstance(lookup, torch.fx.Node) and lookup.op == "call_function"
+                and lookup.target is torch.ops.aten.embedding.default and len(lookup.users) == 1):
+            continue
+        table, indices = lookup.args[0], lookup.args[1]
+        sparse = (len(lookup.args) > 4 and lookup.args[4]) or lookup.kwargs.get("sparse", False)
+        if sparse or not (isinstance(table, torch.fx.Node) and table.op == "placeholder" and table.name in params):
+            continue
+        val = indices.meta.get("val") if isinstance(indices, torch.fx.Node) else None
+        if val is None or val.is_floating_point() or val.requires_grad:
+            continue
+        chain, _ = _grad_chain(node)
+        last = chain[-1]
+        last.replace_all_uses_with(lookup)
+        previous = table
+        for sync in chain:  # the same chain, now between the table and the lookup
+            with graph.inserting_before(lookup):
+                moved = graph.call_function(collectives.allreduce_grad, (previous,) + tuple(sync.args[1:]), dict(sync.kwargs))
+            moved.meta = dict(table.meta)
+            previous = moved
+        lookup.replace_input_with(table, previous)
+        for dead in reversed(chain):
+            graph.erase_node(dead)
 
 
 def bind_parameters(gm: torch.fx.GraphModule, params: Mapping[str, torch.Tensor]) -> None:

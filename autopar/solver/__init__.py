@@ -281,6 +281,10 @@ def plan_from_solution(
         "reshard_s": reshard_s,
         "grad_sync_s": schedule.sync_s,
         "exposed_grad_sync_s": schedule.exposed_s,
+        # What the scheduled runtime changes against the per-use prices (``solver.comm_schedule``),
+        # for ``Plan.predict`` at another batch (``solver.symbolic``).
+        "grad_schedule": {"delta_s": schedule.delta_s, "delta_bytes": schedule.delta_bytes,
+                          "last_bucket_s": schedule.last_bucket_s},
         "peak_memory_bytes": int(peak_bytes),
         "peak_memory_at": graph.timeline.time_name(peak_time),
         "memory_at_peak_bytes": {k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},

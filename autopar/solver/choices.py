@@ -21,7 +21,7 @@ import itertools
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx
@@ -74,6 +74,10 @@ class Choice:
     # which can hide them.
     param_sync_s: list[float] = field(default_factory=list)
     backward_s: list[float] = field(default_factory=list)
+    # Per strategy: (input index, mesh axis, seconds as priced here per use, seconds as the
+    # runtime's bucketed reduction of that parameter) for each parameter gradient the strategy
+    # all-reduces. The ILP merges them per parameter (``ilp.ShardingILP.add_param_sync_variables``).
+    param_syncs: list[tuple[tuple[int, int, float, float], ...]] = field(default_factory=list)
 
     def out_specs(self, index: int) -> list[Spec]:
         """Distinct specs of output ``index`` over the strategies, in first-seen order."""
@@ -119,6 +123,71 @@ class ChoiceGraph:
 
     def free(self) -> list[Choice]:
         return [self.choices[n] for n in self.order if self.choices[n].follower_of is None]
+
+    def param_sync_groups(self) -> tuple[dict[tuple, ParamSyncGroup], dict[str, list[float]]]:
+        """(the merged parameter reductions, and per node the per-use seconds of parameter
+        reductions in each strategy's ``compute_s``); see ``param_sync_groups``. Cached."""
+        cached = self.__dict__.get("_param_sync_groups")
+        if cached is None:
+            cached = self.__dict__["_param_sync_groups"] = param_sync_groups(self)
+        return cached
+
+
+@dataclass
+class ParamSyncGroup:
+    """One gradient reduction of a parameter (on one mesh axis, the parameter held as one spec)
+    that the runtime runs once however many uses need it (``passes.schedule``): priced once, at
+    ``price_s`` (bucketed) per parameter, for ``count`` parameters (repeated layers share one
+    group), when any use takes one of its strategies that needs it."""
+
+    price_s: float
+    params: set[str]
+    uses: dict[tuple[str, int], set[int]]  # (consumer, input index) → strategies that reduce
+
+    def needed(self, assignment: Mapping[str, int]) -> bool:
+        return any(assignment[consumer] in strategies for (consumer, _), strategies in self.uses.items())
+
+    @property
+    def total_s(self) -> float:
+        return self.price_s * len(self.params)
+
+
+def param_sync_groups(graph: ChoiceGraph) -> tuple[dict[tuple, ParamSyncGroup], dict[str, list[float]]]:
+    """Group the parameter-gradient reductions of every strategy (``Choice.param_syncs``) by
+    (parameter, axis, spec). A parameter of a repeated layer shares the group of its first-layer
+    counterpart when its consumer shares that layer's strategy too; a cast of a parameter counts
+    as the parameter (``synced_param``). Also returns, per node, the per-use seconds of those
+    reductions in each strategy's ``compute_s``, which the merged price replaces."""
+    template = graph.layer_template
+    groups: dict[tuple, ParamSyncGroup] = {}
+    refunds: dict[str, list[float]] = {}
+    for name in graph.order:
+        choice = graph.choices[name]
+        if not any(choice.param_syncs):
+            continue
+        refunds[name] = [sum(term[2] for term in terms) for terms in choice.param_syncs]
+        consumer = template.get(name, name)
+        for s, terms in enumerate(choice.param_syncs):
+            for index, axis, _, bucketed_s in terms:
+                param = synced_param(graph.choices, choice.inputs[index][0])
+                spec = choice.strategies[s].ins[index]
+                shared = name in template and param in template
+                key = (template[param] if shared else param, axis, spec)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = ParamSyncGroup(0.0, set(), {})
+                group.price_s = max(group.price_s, bucketed_s)
+                group.params.add(param)
+                group.uses.setdefault((consumer, index), set()).add(s)
+    return groups, refunds
+
+
+def param_sync_adjustment_s(graph: ChoiceGraph, assignment: Mapping[str, int]) -> float:
+    """What the ILP objective adds to Σ compute_s for ``assignment`` (every node's strategy): each
+    needed parameter reduction once, bucketed, in place of the per-use prices."""
+    groups, refunds = graph.param_sync_groups()
+    merged = sum(group.total_s for group in groups.values() if group.needed(assignment))
+    return merged - sum(refund[assignment[name]] for name, refund in refunds.items())
 
 
 def build_choice_graph(
@@ -332,6 +401,8 @@ def _keep_only(choice: Choice, keep: list[int]) -> None:
     if choice.param_sync_s:
         choice.param_sync_s = [choice.param_sync_s[i] for i in keep]
         choice.backward_s = [choice.backward_s[i] for i in keep]
+    if choice.param_syncs:
+        choice.param_syncs = [choice.param_syncs[i] for i in keep]
 
 
 def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec]:
@@ -391,11 +462,11 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict) -> Choice:
     )
     if key not in cache:
         cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes)
-    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s = cache[key]
+    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs = cache[key]
     return Choice(
         node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
         needs_grad, info=info, grad_sync_bytes=sync_bytes, sync_dtypes=sync_dtypes, param_sync_s=param_sync_s,
-        backward_s=backward_s,
+        backward_s=backward_s, param_syncs=param_syncs,
     )
 
 
@@ -407,27 +478,28 @@ def reduce_dtype(node: torch.fx.Node) -> torch.dtype | None:
 
 def grad_sync_cost(arg, spec: Spec, axis: int, is_param: bool, mesh_shape, cluster,
                    dtype: torch.dtype | None = None) -> comm.CommCost:
-    """The backward all-reduce of an input's gradient on ``axis``, as the ILP prices it: one
-    all-reduce per use, latency included, for activations and parameters alike.
+    """The backward all-reduce of an input's gradient on ``axis``, one per use, latency included
+    (``compute_s`` carries it, for activations and parameters alike).
 
-    The runtime reduces parameter gradients once per parameter, in buckets that overlap backward
-    (``passes.schedule``), which ``solver.comm_schedule`` prices on the solved plan
-    (``comm.param_grad_sync_cost``). The ILP keeps the per-use price, an upper bound, for now:
-    with the bucketed price the golden plans move (Megatron's small-model layout, GPT-2's
-    head-split ``c_attn`` under a tight budget), and re-deciding them is a change of its own.
-    ``is_param`` marks the terms the plan re-prices (``Choice.param_sync_s``); ``dtype`` is the
+    The runtime reduces a parameter's gradient once per parameter, in buckets
+    (``passes.schedule``). The ILP prices that: it takes these per-use terms of parameters back
+    out of the objective and charges each (parameter, axis, held spec) once, at the bucketed
+    price (``Choice.param_syncs``, ``ilp.ShardingILP.add_param_sync_variables``);
+    ``solver.comm_schedule`` prices the solved plan's buckets and their overlap with backward.
+    ``is_param`` marks the parameter terms (``Choice.param_sync_s``); ``dtype`` is the
     reduction's, where a precision policy sets one (else the argument's)."""
     return comm.grad_allreduce_cost(arg.shape, spec, axis, dtype or arg.dtype, mesh_shape, cluster)
 
 
 def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes) -> tuple:
     strategies = node_strategies(info, mesh_shape)
-    compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s = [], [], [], [], []
+    compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs = [], [], [], [], [], []
     for strategy in strategies:
         flops_s, bytes_s, factor = compute.roofline_terms(info, strategy, mesh_shape, cluster, needs_grad)
         seconds = max(flops_s, bytes_s) * factor
         backward_s.append(seconds * (factor - 1) / factor)
         synced = param_synced_s = 0.0
+        merged = []
         for index, arg in enumerate(info.inputs):
             producer = choices[input_nodes[index].name]
             if not producer.requires_grad:
@@ -438,8 +510,15 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
                 seconds += cost.backward_s
                 if producer.kind == "param":
                     param_synced_s += cost.backward_s
+                # A parameter's gradient, or that of its cast under a precision policy (which
+                # carries the reduction dtype): reduced once per parameter, in a bucket.
+                if producer.kind == "param" or sync_dtypes[index] is not None:
+                    bucketed = comm.param_grad_sync_cost(arg.shape, strategy.ins[index], axis,
+                                                         sync_dtypes[index] or arg.dtype, mesh_shape, cluster)
+                    merged.append((index, axis, cost.backward_s, bucketed.backward_s))
                 synced += cost.bytes_sent
         param_sync_s.append(param_synced_s)
+        param_syncs.append(tuple(merged))
         for axis in strategy.kernel_axes:
             for num_bytes in kernel_all_reduce_bytes(info, strategy):
                 seconds += comm.all_reduce_s(num_bytes, axis, mesh_shape, cluster)
@@ -455,7 +534,7 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
             for shape, spec, out in zip(info.out_shapes, strategy.outs, _flatten(val))
         )
         memory_bytes.append(float(out_bytes))
-    return strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s
+    return strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs
 
 
 # Kernels that all-reduce tensors of their own, beyond the redistributions of their inputs and
@@ -567,6 +646,15 @@ def grad_sync_bytes_per_axis(
     for kind, num_bytes, axis in kernel_collectives(choice.info, strategy, mesh_shape, choice.requires_grad):
         per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent(kind, num_bytes, mesh_shape[axis])
     return per_axis
+
+
+def synced_param(choices: dict[str, Choice], name: str) -> str:
+    """The parameter whose gradient a sync of ``name``'s gradient reduces: ``name`` itself, or
+    the parameter a cast (a precision policy's, one per use) reads."""
+    choice = choices[name]
+    if choice.kind != "param" and len(choice.inputs) == 1 and choices[choice.inputs[0][0]].kind == "param":
+        return choice.inputs[0][0]
+    return name
 
 
 def grad_sync_axes(strategy: Strategy, index: int) -> list[int]:

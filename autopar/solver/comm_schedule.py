@@ -25,7 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost import comm, memory
 from autopar.cost.cluster import ClusterSpec
-from autopar.solver.choices import ChoiceGraph, grad_sync_axes
+from autopar.solver.choices import ChoiceGraph, grad_sync_axes, synced_param
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +65,18 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
     order = {name: i for i, name in enumerate(graph.order)}
     synced: list[tuple[int, float, float]] = []  # (first use, seconds, local bytes) per reduced parameter
     uses: dict[str, list] = {}
+    reduce_dtypes: dict[str, object] = {}
     for e, edge in enumerate(graph.edges):
         producer = graph.choices[edge.producer]
-        if producer.kind == "param" and edge.requires_grad:
-            uses.setdefault(edge.producer, []).append(edge)
+        consumer = graph.choices[edge.consumer]
+        # The cast of a parameter under a precision policy carries the dtype its gradient is
+        # reduced in: it is reduced once per parameter, as a parameter's (``choices.param_syncs``).
+        cast = consumer.sync_dtypes[edge.in_index] if edge.in_index < len(consumer.sync_dtypes) else None
+        if (producer.kind == "param" or cast is not None) and edge.requires_grad:
+            param = synced_param(graph.choices, edge.producer)
+            uses.setdefault(param, []).append(edge)
+            if cast is not None:
+                reduce_dtypes[param] = cast
     for name, edges in uses.items():
         src = graph.choices[name].strategies[choice[name]].outs[0]
         syncs: dict[tuple[int, ...], list] = {}
@@ -88,7 +96,7 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             gather = _single_gather(src, dst)
             if gather is not None and axes in ((), (gather[0],)):
                 gathers.setdefault(gather + (bool(axes),), []).append((edge, dst))
-        arg_shape, dtype = graph.choices[name].out_shapes[0], graph.choices[name].out_dtypes[0]
+        arg_shape, dtype = graph.choices[name].out_shapes[0], reduce_dtypes.get(name, graph.choices[name].out_dtypes[0])
         if len(syncs) == 1:
             ((axes, members),) = syncs.items()
             local = memory.local_bytes(arg_shape, dtype, src, mesh)

@@ -16,13 +16,16 @@ Variables
 
 Objective (seconds of one training step, forward and backward)
     min  Σ_n Σ_s c[n, s] · x[n, s]  +  Σ_e Σ_{(p,q) ∈ T_e} r[e, p, q] · y[e, p, q]
-    c = compute (roofline) + backward gradient all-reduces of the strategy, one per use;
-    r = the collectives of ``spec.transition_steps(p, q)`` and their backward duals.
-    The runtime merges a parameter's gradient reductions into buckets that overlap backward
-    (``passes.schedule``); that is priced on the solved plan (``solver.comm_schedule``,
-    ``predicted.exposed_grad_sync_s``), and c stays an upper bound. Pricing what backward hides
-    inside the ILP needs a row over every x (E ≥ Σ (g − b)·x); that row made CBC miss
-    optimality on a 3-layer LLaMA in 120 s.
+    c = compute (roofline) + backward gradient all-reduces of the strategy's activation inputs,
+        one per use (a parameter's per-use all-reduces are taken out of c: see z);
+    r = the collectives of ``spec.transition_steps(p, q)`` and their backward duals;
+    + Σ_g P_g · z[g]: each parameter gradient reduction g (a parameter, a mesh axis, the spec it
+      is held in; ``choices.param_sync_groups``) once, at its bucketed price P_g, however many
+      uses need it, as the runtime runs it (``passes.schedule``).
+    How much of the buckets backward hides is priced on the solved plan
+    (``solver.comm_schedule``, ``predicted.exposed_grad_sync_s``). Pricing it inside the ILP
+    needs a row over every x (E ≥ Σ (g − b)·x); that row made CBC miss optimality on a 3-layer
+    LLaMA in 120 s.
 
 Constraints
     pick[n]:           Σ_s x[n, s] = 1                                        ∀ n ∈ N
@@ -30,6 +33,9 @@ Constraints
     edge_in[e, q]:     Σ_p y[e, p, q] = Σ_{s : in_i(s) = q} x[v, s]           ∀ e, q ∈ I_e
     memory[t]:         Σ_{(n, f) alive at t} f · Σ_s m[n, s] · x[n, s] ≤ B     (if a budget B)
     tie[a, b, s]:      x[a, s] = x[b, s]      for placeholders a, b naming one tensor (tied weights)
+    param_sync[g, v, i]: z[g] ≥ Σ_{s ∈ U} x[v, s]  for each use (v, i) of reduction g, U the
+                       strategies of v that reduce input i's gradient so; z ∈ [0, 1] continuous
+                       (at an optimum z is the max of its rows: 0 or 1 for integer x)
 
     Repeated layers (``choices.repeated_layers``) share variables outright: a node of layer k
     uses the x of its counterpart in the first layer, and an edge whose two ends share x with
@@ -117,6 +123,7 @@ class ShardingILP:
         self.add_edge_constraints()
         self.add_memory_constraint()
         self.add_tie_constraints()
+        self.add_param_sync_variables()
         self.set_objective()
 
     # -- variables ----------------------------------------------------------------------------
@@ -243,11 +250,43 @@ class ShardingILP:
                 for s, (a, b) in enumerate(zip(self.x[first], self.x[other])):
                     self.problem += a == b, f"tie__{self._node_ids[first]}__{self._node_ids[other]}__{s}"
 
+    def add_param_sync_variables(self) -> None:
+        """z[g] ≥ Σ_{s ∈ U} x[v, s] for each use (v, i) of a parameter reduction g
+        (``choices.param_sync_groups``: one parameter, mesh axis and held spec), where U are the
+        strategies of v that all-reduce input i's gradient that way.
+
+        The runtime reduces a parameter's gradient once, in a bucket, however many uses it has
+        (``passes.schedule``); z is 1 when any use needs that reduction, and the objective pays
+        the bucketed price once per parameter of the group instead of an all-reduce per use."""
+        groups, self.per_use_refund = self.graph.param_sync_groups()
+        self.z: dict[tuple, pulp.LpVariable] = {}
+        self._z_uses: dict[tuple, list[pulp.LpAffineExpression]] = {}  # every lower bound of z
+        self._z_price: dict[tuple, float] = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for g, (key, group) in enumerate(groups.items()):
+                self.z[key] = z = pulp.LpVariable(f"z_{g}", lowBound=0, upBound=1)
+                self._z_price[key] = group.total_s
+                self._z_uses[key] = []
+                for (consumer, index), strategies in group.uses.items():
+                    lower = pulp.lpSum([self.x[consumer][s] for s in sorted(strategies)])
+                    self._z_uses[key].append(lower)
+                    self.problem += _difference([z], [lower]) >= 0, f"param_sync__{g}__{self._node_ids[consumer]}__{index}"
+
+    def param_sync_values(self) -> dict[tuple, float]:
+        """The value each z takes at the current x: the largest of its lower bounds
+        (``rounding.check`` sets them for an integer assignment)."""
+        return {key: max((float(pulp.value(e) or 0.0) for e in exprs), default=0.0)
+                for key, exprs in self._z_uses.items()}
+
     def set_objective(self) -> None:
+        refund = self.per_use_refund
         compute_terms = (
-            (c, x) for name in self.graph.order
-            for c, x in zip(self.graph.choices[name].compute_s, self.x[name]) if c
+            (c - (refund[name][s] if name in refund else 0.0), x) for name in self.graph.order
+            for s, (c, x) in enumerate(zip(self.graph.choices[name].compute_s, self.x[name]))
+            if c - (refund[name][s] if name in refund else 0.0)
         )
+        sync_terms = ((self._z_price[key], z) for key, z in self.z.items())
         # Edges that share y (repeated layers) have equal prices: count each shared y once,
         # weighted by how many edges use it. y was built in the order of the price table.
         shared: dict[int, list] = {}
@@ -259,7 +298,7 @@ class ShardingILP:
             for variables, price, count in shared.values()
             for (seconds, _), var in zip(price.values(), variables.values()) if seconds
         )
-        self.problem += weighted_sum(itertools.chain(compute_terms, reshard_terms))
+        self.problem += weighted_sum(itertools.chain(compute_terms, reshard_terms, sync_terms))
 
     def size(self) -> tuple[int, int]:
         return len(self.problem.variables()), self.problem.numConstraints()

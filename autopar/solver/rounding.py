@@ -132,6 +132,8 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
         src = graph.choices[edge.producer].strategies[choice[edge.producer]].outs[edge.out_index]
         dst = graph.choices[edge.consumer].strategies[choice[edge.consumer]].ins[edge.in_index]
         variables[(src, dst)].varValue = 1.0
+    for key, value in ilp.param_sync_values().items():  # each z at the least its rows allow
+        ilp.z[key].varValue = value
     if any(var.varValue is None for var in ilp.problem.variables()):
         return _fixed_solve(ilp, choice)  # another family added variables: let the LP set them
     with warnings.catch_warnings():  # the PuLP 2.x mapping API, as in ``ilp.py``

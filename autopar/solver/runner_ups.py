@@ -136,6 +136,14 @@ def _price(graph: ChoiceGraph, solution: Solution, assignment: dict[str, int], m
         choice = graph.choices[name]
         compute_s += choice.compute_s[index]
         memory_bytes += choice.memory_bytes[index]
+    # Parameter reductions run once per parameter (``choices.param_sync_groups``): the members'
+    # per-use prices give way to each group a member uses, priced once.
+    groups, refunds = graph.param_sync_groups()
+    merged_s = -sum(refunds[name][index] for name, index in assignment.items() if name in refunds)
+    full = _Overlay(assignment, solution.choice)
+    for group in groups.values():
+        if any(consumer in members for consumer, _ in group.uses) and group.needed(full):
+            merged_s += group.total_s
     for e in touching:
         edge = graph.edges[e]
         producer, consumer = graph.choices[edge.producer], graph.choices[edge.consumer]
@@ -150,8 +158,20 @@ def _price(graph: ChoiceGraph, solution: Solution, assignment: dict[str, int], m
             reshard_in_s += price[0]
         else:
             reshard_out_s += price[0]
-    return {"compute_s": compute_s, "reshard_in_s": reshard_in_s, "reshard_out_s": reshard_out_s,
-            "memory_bytes": memory_bytes, "total_s": compute_s + reshard_in_s + reshard_out_s}
+    return {"compute_s": compute_s, "param_sync_merge_s": merged_s, "reshard_in_s": reshard_in_s,
+            "reshard_out_s": reshard_out_s, "memory_bytes": memory_bytes,
+            "total_s": compute_s + merged_s + reshard_in_s + reshard_out_s}
+
+
+class _Overlay(dict):
+    """``assignment`` over the solution's choice, read-only."""
+
+    def __init__(self, assignment: dict[str, int], base: dict[str, int]):
+        super().__init__(assignment)
+        self._base = base
+
+    def __missing__(self, name: str) -> int:
+        return self._base[name]
 
 
 def _grad_sync_s(graph: ChoiceGraph, cluster: ClusterSpec, name: str, index: int) -> float:
@@ -191,7 +211,7 @@ def _candidate(graph, cluster, rep, s, assignment, cost, chosen) -> dict[str, An
         "out": [format_spec(spec) for spec in strategy.outs],
         "in": [format_spec(spec) for spec in strategy.ins],
         "compute_s": cost["compute_s"] - grad_sync_s - kernel_comm_s,
-        "grad_sync_s": grad_sync_s,
+        "grad_sync_s": grad_sync_s + cost["param_sync_merge_s"],
         "reshard_in_s": cost["reshard_in_s"],
         "reshard_out_s": cost["reshard_out_s"],
         "total_s": cost["total_s"],

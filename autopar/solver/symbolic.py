@@ -119,6 +119,11 @@ def _ties(traced: TracedModel) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
+def _backward_s(roofline) -> float:
+    """Backward compute of the ops (``choices._price_strategies``' ``backward_s``)."""
+    return sum(max(f, b) * (factor - 1) for f, b, factor in roofline)
+
+
 def totals(priced: dict[str, Any]) -> dict[str, float]:
     """step_time_s, comm_bytes and peak_memory_bytes of a ``price_plan`` result."""
     compute_s = sum(max(f, b) * factor for f, b, factor in priced["roofline"])
@@ -156,8 +161,15 @@ def _upper_envelope(lines: list[tuple[float, float]]) -> list[tuple[float, float
     return sorted(keep)
 
 
-def symbolic_costs(priced_b: dict[str, Any], priced_2b: dict[str, Any], batch: int) -> dict[str, str]:
-    """The plan's time, bytes sent and peak memory as sympy expressions in ``B`` (as strings)."""
+def symbolic_costs(priced_b: dict[str, Any], priced_2b: dict[str, Any], batch: int,
+                   predicted: dict[str, Any] | None = None) -> dict[str, str]:
+    """The plan's time, bytes sent and peak memory as sympy expressions in ``B`` (as strings).
+
+    ``predicted`` (the plan's) carries how the runtime schedules parameter gradients
+    (``grad_sync_s``, ``grad_schedule``): one bucketed reduction per parameter in place of the
+    per-use prices, of which backward compute hides all but
+    ``Max(last bucket, sync - backward(B))`` (``comm.exposed_grad_sync_s``). Parameter shapes do
+    not change with the batch, so the reductions are constants; backward compute is linear."""
     time_terms = []
     lines: dict[tuple, int] = {}
     for (f1, m1, factor), (f2, m2, _) in zip(priced_b["roofline"], priced_2b["roofline"]):
@@ -175,6 +187,13 @@ def symbolic_costs(priced_b: dict[str, Any], priced_2b: dict[str, Any], batch: i
     comm_s = _line(sum(s for s, _ in priced_b["comm"]), sum(s for s, _ in priced_2b["comm"]), batch)
     comm_bytes = _line(sum(b for _, b in priced_b["comm"]), sum(b for _, b in priced_2b["comm"]), batch)
     step = _expr(linear_slope + comm_s[0], linear_const + comm_s[1]) + sympy.Add(*time_terms)
+    schedule = (predicted or {}).get("grad_schedule")
+    if schedule is not None:
+        sync_s, last_s = float(predicted["grad_sync_s"]), float(schedule["last_bucket_s"])
+        backward = _expr(*_line(_backward_s(priced_b["roofline"]), _backward_s(priced_2b["roofline"]), batch))
+        exposed = sympy.Max(sympy.Float(min(last_s, sync_s), 17), sympy.Float(sync_s, 17) - backward, 0)
+        step = step + sympy.Float(float(schedule["delta_s"]) - sync_s, 17) + exposed
+        comm_bytes = (comm_bytes[0], comm_bytes[1] + float(schedule["delta_bytes"]))
     memory_lines = [_line(a, b, batch) for a, b in zip(priced_b["memory_curve"], priced_2b["memory_curve"])]
     peak = sympy.Max(*(_expr(*line) for line in _upper_envelope(memory_lines)))
     return {

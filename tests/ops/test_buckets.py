@@ -50,10 +50,26 @@ def _run(rank: int, world: int) -> dict:
     step()  # accumulates into .grad
     total = [sum(w[i] for w in weights) for i in range(3)]
     want = {"a": total[0] + 2, "b": total[1].chunk(world, 0)[rank], "c": total[2].chunk(world, 1)[rank]}
+    accumulated = {k: (g.grad - 2 * want[k]).abs().max().item() for k, g in (("a", a), ("b", b), ("c", c))}
+    # zero_grad (set to None) frees the .grad views: the next backward reuses the bucket buffers
+    spare = {t.untyped_storage().data_ptr() for pair in buckets._spare.values() for t in pair if t is not None}
+    for p in (a, b, c):
+        p.grad = None
+    step()
+    reused = b.grad.untyped_storage().data_ptr() in spare  # (a.grad is autograd's: a has an unreduced use)
+    after_reuse = {k: (g.grad - want[k]).abs().max().item() for k, g in (("a", a), ("b", b), ("c", c))}
+    # a gradient the caller still holds is never overwritten by the next backward
+    kept, kept_value = b.grad, b.grad.clone()
+    for p in (a, b, c):
+        p.grad = None
+    step()
     return {
+        "reused": reused,
+        "after_reuse": after_reuse,
+        "kept": (kept - kept_value).abs().max().item(),
         "gathered": (torch.equal(got_b, full_b), torch.equal(got_c, full_c)),
         "first": {k: (first[k] - want[k]).abs().max().item() for k in want},
-        "accumulated": {k: (g.grad - 2 * want[k]).abs().max().item() for k, g in (("a", a), ("b", b), ("c", c))},
+        "accumulated": accumulated,
         "shapes": (tuple(b.grad.shape), tuple(c.grad.shape)),
         "buckets": len(buckets.buckets),
     }
@@ -65,6 +81,8 @@ def test_buckets_and_gathers_sum_like_the_collectives_they_replace():
         assert result["gathered"] == (True, True), f"rank {rank}: a gathered parameter is the whole tensor"
         assert result["buckets"] == 3
         assert result["shapes"] == ((4, 6), (2, 4)), f"rank {rank}: the reduce-scattered gradient stays sharded"
-        for what in ("first", "accumulated"):
+        for what in ("first", "accumulated", "after_reuse"):
             worst = max(result[what].values())
             assert worst < 1e-5, f"rank {rank}: {what} gradients off by {result[what]}"
+        assert result["reused"], f"rank {rank}: bucket buffers no .grad views are reused"
+        assert result["kept"] == 0.0, f"rank {rank}: a held gradient was overwritten by the next backward"

@@ -70,6 +70,26 @@ def test_ddp_gradients_go_to_buckets_in_reverse_order_of_use(ddp):
     assert all(slot.kind == "all_reduce" and slot.groups == ("g0",) for b in buckets.buckets for slot in b.slots)
 
 
+def test_ddp_layout_runs_no_collective_of_its_own_in_backward(ddp):
+    """The tied token embedding looks up batch-split indices (the ILP prices the tied weight's
+    reduction once: the lm_head already needs it), and the positional embedding's gradient,
+    summed over the batch split, is reduced at its table in a bucket rather than on its own
+    after backward. What is left outside the buckets are the forward's loss collectives."""
+    gm, plan, traced = ddp
+    assert plan.nodes["embedding"].ins[1] == (torch.distributed.tensor.Shard(0),), plan.summary()
+    # collectives whose backward communicates: allreduce_grad, and chunk / reduce_scatter /
+    # all_to_all of a tensor that carries a gradient (their duals all-gather or all-to-all)
+    def floating(node):
+        return node.args[0].meta["val"].is_floating_point()
+
+    backward = [n for n in gm.graph.nodes if n.op == "call_function" and (
+        n.target is collectives.allreduce_grad
+        or (n.target in (collectives.chunk, collectives.reduce_scatter, collectives.all_to_all) and floating(n)))]
+    assert not backward, [n.format_node() for n in backward]
+    tables = {n.args[0].name for n in gm.graph.nodes if n.op == "call_module" and n.target == "grad_buckets"}
+    assert {"p_transformer_wpe_weight", "p_lm_head_weight"} <= tables
+
+
 def test_bucket_caps():
     gm, _, _ = _rewritten("ddp", CommOptions(bucket_cap_bytes=2**18, first_bucket_cap_bytes=2**16))
     buckets = gm.get_submodule("grad_buckets").buckets

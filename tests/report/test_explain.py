@@ -12,6 +12,7 @@ from autopar.errors import PlanError
 from autopar.report.explain import explain_json, explain_text, find_decision
 from autopar.zoo.models import build_model, example_batch
 from autopar.solver import ShardingILP, build_choice_graph, peak_memory
+from autopar.solver.choices import param_sync_adjustment_s
 from autopar.solver.runner_ups import explain_decisions
 from autopar.trace import trace
 
@@ -20,6 +21,8 @@ from autopar.trace import trace
 def _objective(graph, assignment) -> tuple[float, float]:
     """Seconds and memory of a full assignment, summed from scratch over every node and edge."""
     seconds = sum(graph.choices[n].compute_s[assignment[n]] for n in graph.order)
+    # each parameter's gradient reduction once, bucketed, in place of one all-reduce per use
+    seconds += param_sync_adjustment_s(graph, assignment)
     memory = sum(graph.choices[n].memory_bytes[assignment[n]] for n in graph.order)
     for edge in graph.edges:
         src = graph.choices[edge.producer].strategies[assignment[edge.producer]].outs[edge.out_index]
