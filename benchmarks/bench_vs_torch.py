@@ -10,7 +10,8 @@ global batch 16 x 128 tokens, AdamW):
 - ``torch_ddp``: ``DistributedDataParallel`` (its default 25 MiB buckets), each rank its slice
   of the batch;
 - ``autopar_ddp``: ``autopar.compile`` of ``autopar.hand_plan("ddp", ...)`` on mesh (world,);
-- ``torch_fsdp2``: FSDP2, ``fully_shard`` on every block and then on the root;
+- ``torch_fsdp2``: FSDP2, ``fully_shard`` on every block and then on the root, on a CPU device
+  mesh (so it stays on the CPU where CUDA is visible);
 - ``autopar_fsdp``: ``autopar.compile`` of ``autopar.hand_plan("fsdp", ...)``;
 - ``autopar``: ``autopar.compile`` with autopar's own plan (``cluster="cpu"``).
 
@@ -73,11 +74,15 @@ def _trainer(kind: str, world: int, rank: int):
         module = DistributedDataParallel(model)
         batch = (idx.chunk(world)[rank], targets.chunk(world)[rank])
     elif kind == "torch_fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # An explicit CPU mesh: without it, fully_shard moves the model to the GPU wherever
+        # CUDA is visible, and FSDP2 would be timed on another device than the others.
+        mesh = init_device_mesh("cpu", (world,))
         for block in model.transformer.h:
-            fully_shard(block)
-        module = fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        module = fully_shard(model, mesh=mesh)
         batch = (idx.chunk(world)[rank], targets.chunk(world)[rank])
     else:
         mesh = (world,)

@@ -46,21 +46,27 @@ class CommOptions:
     Gradient reductions go in buckets of at most ``bucket_cap_bytes`` (DDP's 25 MiB), the first
     of at most ``first_bucket_cap_bytes`` (DDP's 1 MiB, so that communication starts early in
     backward; None: the same cap); sharded parameters are all-gathered up to
-    ``prefetch_bytes`` ahead of their use in forward. ``enabled=False`` runs one synchronous
+    ``prefetch_bytes`` ahead of their use in forward (the next gather group always). Sharded
+    parameters of one layer (FQN up to its first numeric index, as FSDP2's
+    ``fully_shard(block)`` groups them), consecutive in forward order, are all-gathered together
+    in ONE collective of a flat buffer, in groups of at most ``gather_group_bytes`` of whole
+    parameters (0: one all-gather per parameter). ``enabled=False`` runs one synchronous
     collective per use, as the graph's collectives say (for comparison)."""
 
     bucket_cap_bytes: int = 25 * 2**20
     first_bucket_cap_bytes: int | None = 2**20
     prefetch_bytes: int = 4 * 2**20
+    gather_group_bytes: int = 64 * 2**20
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("bucket_cap_bytes", "first_bucket_cap_bytes", "prefetch_bytes"):
+        for name in ("bucket_cap_bytes", "first_bucket_cap_bytes", "prefetch_bytes", "gather_group_bytes"):
             value = getattr(self, name)
             if value is None and name == "first_bucket_cap_bytes":
                 continue
-            if not _is_int(value) or value < (0 if name == "prefetch_bytes" else 1):
-                least = "0" if name == "prefetch_bytes" else "1"
+            zero_ok = name in ("prefetch_bytes", "gather_group_bytes")
+            if not _is_int(value) or value < (0 if zero_ok else 1):
+                least = "0" if zero_ok else "1"
                 raise ValueError(f"CommOptions.{name} is a number of bytes of at least {least}, got {value!r}")
 
 

@@ -10,8 +10,10 @@ The rewritten graph calls two stateful modules (added by ``passes.schedule``, si
   order of use, which is the order backward produces gradients. At the end of backward (an
   autograd engine callback) it waits on every bucket and adds each reduced gradient into the
   parameter's ``.grad`` (which autograd may already hold from uses that need no reduction).
-- ``ParamGathers`` all-gathers sharded parameters in forward (FSDP's pattern) and issues the
-  all-gathers of the next ones in forward order while the current one computes (prefetch).
+- ``ParamGathers`` all-gathers sharded parameters in forward (FSDP's pattern), a group of them
+  (one layer, as FSDP2's ``fully_shard(block)``) with one collective of a flat buffer, and
+  issues the all-gather of the next group in forward order while the current one computes
+  (prefetch).
 
 Numbers: a bucket's all-reduce is an all-reduce of each of its slots (sums are elementwise);
 a reduce-scatter bucket lays each slot out rank-major (chunk ``r`` of every slot in section
@@ -297,18 +299,33 @@ class ParamGathers(torch.nn.Module):
     """FSDP's forward: all-gather each sharded parameter before its use, the next ones ahead.
 
     ``order`` lists the gathered keys in forward order, each with its group, dim and the bytes of
-    the whole tensor; ``prefetch_bytes`` bounds how much is gathered ahead of use. The backward
-    of a gather hands the whole gradient to ``GradBuckets`` (a reduce-scatter slot).
+    the whole tensor. ``groups`` splits ``order`` into consecutive runs of keys (one process
+    group, one dtype) gathered by ONE collective, as FSDP2 gathers a ``fully_shard`` block:
+    each rank's shards are copied into one flat buffer (each with its dim moved first), the flat
+    buffers are all-gathered, and each whole parameter is copied out of the rank-major result.
+    None: one group per key. At the first gather of a group, the next group is gathered ahead,
+    and further ones while within ``prefetch_bytes`` (0: none ahead). The backward of a gather
+    hands the whole gradient to ``GradBuckets`` (a reduce-scatter slot).
     """
 
-    def __init__(self, order: Sequence[tuple[str, str, int, int]], prefetch_bytes: int, grads: GradBuckets | None):
+    def __init__(self, order: Sequence[tuple[str, str, int, int]], prefetch_bytes: int, grads: GradBuckets | None,
+                 groups: Sequence[Sequence[str]] | None = None):
         super().__init__()
         self.order = list(order)
         self._index = {key: i for i, (key, _, _, _) in enumerate(self.order)}
+        self.groups = [tuple(g) for g in groups] if groups is not None else [(key,) for key, _, _, _ in self.order]
+        if [key for g in self.groups for key in g] != [key for key, _, _, _ in self.order]:
+            raise AssertionError("gather groups must split the gather order into consecutive runs")
+        for g in self.groups:
+            if len({self.order[self._index[key]][1] for key in g}) != 1:
+                raise AssertionError(f"gather group {g} spans process groups")
+        self._group_of = {key: gi for gi, g in enumerate(self.groups) for key in g}
+        self._group_bytes = [sum(self.order[self._index[key]][3] for key in g) for g in self.groups]
         self.prefetch_bytes = prefetch_bytes
         self.grads = grads
         self._shards: dict[str, torch.Tensor] = {}
-        self._inflight: dict[str, tuple[object, torch.Tensor]] = {}
+        self._inflight: dict[int, tuple[object, torch.Tensor, list[tuple[str, tuple[int, ...]]]]] = {}
+        self._ready: dict[str, torch.Tensor] = {}
         self._dtypes: dict[str, torch.dtype] = {}
 
     def cast_to(self, key: str, dtype: torch.dtype) -> None:
@@ -322,39 +339,72 @@ class ParamGathers(torch.nn.Module):
     def forward(self, shard: torch.Tensor, key: str) -> torch.Tensor:
         return _GatherParam.apply(shard, self, key)
 
-    def start(self, key: str, shard: torch.Tensor) -> None:
-        if key in self._inflight:
+    def start(self, gi: int, current: tuple[str, torch.Tensor] | None = None) -> None:
+        """Launch the all-gather of group ``gi`` (``current``: a key's shard as the graph passed
+        it; the others are the bound shards)."""
+        if gi in self._inflight:
             return
-        _, group_name, dim, _ = self.order[self._index[key]]
-        moved = shard.detach().to(self._dtypes.get(key, shard.dtype)).movedim(dim, 0).contiguous()
+        keys = self.groups[gi]
+        group_name = self.order[self._index[keys[0]]][1]
+        moved, layout = [], []
+        for key in keys:
+            shard = current[1] if current is not None and key == current[0] else self._shards.get(key)
+            if shard is None:
+                raise AssertionError(f"parameter gather group {keys} needs the shard of {key!r}: bind() the parameters")
+            dim = self.order[self._index[key]][2]
+            piece = shard.detach().to(self._dtypes.get(key, shard.dtype)).movedim(dim, 0)
+            moved.append(piece)
+            layout.append((key, tuple(piece.shape)))
+        if len({piece.dtype for piece in moved}) != 1:
+            raise AssertionError(f"parameter gather group {keys} mixes dtypes")
+        # copy-in: this rank's shards, one after another, in one flat buffer
+        flat = torch.cat([piece.reshape(-1) for piece in moved]) if len(moved) > 1 else moved[0].contiguous().view(-1)
         k = collectives.group_size(group_name)
-        out = torch.empty((k * moved.shape[0],) + tuple(moved.shape[1:]), dtype=moved.dtype, device=shard.device)
-        self._inflight[key] = (collectives.start_all_gather(out, moved, group_name), out)
+        out = torch.empty(k * flat.numel(), dtype=flat.dtype, device=flat.device)
+        self._inflight[gi] = (collectives.start_all_gather(out, flat, group_name), out, layout)
+
+    def _complete(self, gi: int) -> None:
+        """Wait for group ``gi`` and copy each whole parameter out of the rank-major result."""
+        work, out, layout = self._inflight.pop(gi)
+        group_name = self.order[self._index[layout[0][0]]][1]
+        collectives.wait(work, group_name)
+        k = collectives.group_size(group_name)
+        rows = out.view(k, -1)  # row r: rank r's flat buffer
+        at = 0
+        for key, shape in layout:
+            numel = math.prod(shape)
+            # (k, numel) → (k * chunk rows, ...): a view when the group is one parameter, else a copy
+            whole = rows[:, at:at + numel].reshape((k * shape[0],) + shape[1:])
+            dim = self.order[self._index[key]][2]
+            self._ready[key] = whole.movedim(0, dim) if dim else whole
+            at += numel
 
     def _discard(self) -> None:
-        """Wait for and drop gathers still in flight: a forward cut short (or a recompute in
-        backward) may leave some, and they hold values from before the optimizer step."""
-        for key, (work, _) in self._inflight.items():
-            collectives.wait(work, self.order[self._index[key]][1])
+        """Wait for and drop gathers still in flight or not yet used: a forward cut short (or a
+        recompute in backward) may leave some, and they hold values from before the optimizer step."""
+        for gi, (work, _, layout) in self._inflight.items():
+            collectives.wait(work, self.order[self._index[layout[0][0]]][1])
         self._inflight.clear()
+        self._ready.clear()
 
     def gather(self, key: str, shard: torch.Tensor) -> torch.Tensor:
         index = self._index[key]
         in_backward = torch._C._current_graph_task_id() != -1  # a checkpoint's recompute
         if index == 0 and not in_backward:
             self._discard()
-        self.start(key, shard)
-        ahead = 0
-        for next_key, _, _, nbytes in self.order[index + 1:] if not in_backward else ():
-            if ahead + nbytes > self.prefetch_bytes:
-                break
-            if next_key in self._shards:
-                self.start(next_key, self._shards[next_key])
-            ahead += nbytes
-        work, out = self._inflight.pop(key)
-        _, group_name, dim, _ = self.order[index]
-        collectives.wait(work, group_name)
-        return out.movedim(0, dim) if dim else out
+        if key not in self._ready:
+            gi = self._group_of[key]
+            self.start(gi, (key, shard))
+            ahead = 0
+            for next_gi in range(gi + 1, len(self.groups)) if not in_backward and self.prefetch_bytes > 0 else ():
+                nbytes = self._group_bytes[next_gi]
+                if next_gi > gi + 1 and ahead + nbytes > self.prefetch_bytes:
+                    break
+                if all(other in self._shards for other in self.groups[next_gi]):
+                    self.start(next_gi)
+                ahead += nbytes
+            self._complete(gi)
+        return self._ready.pop(key)
 
 
 class _GatherParam(torch.autograd.Function):

@@ -10,7 +10,8 @@ all-reduces the whole gradient and keeps a chunk). This pass replaces them, per 
   asynchronously with the rest of its bucket);
 - every ``all_gather(dim, g)`` → ``allreduce_grad(g)`` from the placeholder becomes one
   ``param_gathers`` node: all-gather in forward (prefetched), a reduce-scatter slot in backward,
-  so the gradient stays sharded and half the bytes move.
+  so the gradient stays sharded and half the bytes move. The parameters of one layer that are
+  consecutive in forward order are gathered by one collective (``CommOptions.gather_group_bytes``).
 
 Uses of other shapes keep their collectives (a parameter gathered over two axes, strided shards,
 uses that reduce over different axes, offloaded parameters). Nothing is chosen here: the bucket
@@ -126,18 +127,48 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
             whole = tuple(s * size_of[group] if d == dim else s for d, s in enumerate(local))
             if reduce:
                 reduce_slots.append((order[first_use], Slot(placeholder.name, "reduce_scatter", whole, val.dtype, (group,), dim)))
-            gathers.append((order[first_use], placeholder.name, group, dim, math.prod(whole) * val.dtype.itemsize))
+            gathers.append((order[first_use], placeholder.name, group, dim, math.prod(whole) * val.dtype.itemsize,
+                            _layer(fqns[placeholder.name]), val.dtype))
     # Backward produces gradients in the reverse of forward order.
     slots = [slot for _, slot in sorted(reduce_slots, key=lambda item: -item[0])]
     buckets = GradBuckets(make_buckets(slots, options.bucket_cap_bytes, options.first_bucket_cap_bytes))
     gm.add_submodule(GRAD_BUCKETS, buckets)
     gathers.sort()
-    gm.add_submodule(PARAM_GATHERS, ParamGathers([g[1:] for g in gathers], options.prefetch_bytes, buckets))
+    gm.add_submodule(PARAM_GATHERS, ParamGathers([g[1:5] for g in gathers], options.prefetch_bytes, buckets,
+                                                 groups=_gather_groups(gathers, options.gather_group_bytes)))
     if not reduce_slots:
         delattr(gm, GRAD_BUCKETS)
     if not gathers:
         delattr(gm, PARAM_GATHERS)
     return gm
+
+
+def _layer(fqn: str) -> str:
+    """The layer a parameter belongs to: its FQN up to the first numeric index
+    ("transformer.h.3" for "transformer.h.3.attn.c_attn.weight"); "" for the rest (the root)."""
+    parts = fqn.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ""
+
+
+def _gather_groups(gathers: Sequence[tuple], cap_bytes: int) -> list[list[str]]:
+    """Split the gathers (sorted by first use: order, key, group, dim, bytes, layer, dtype) into
+    runs gathered by one collective: consecutive keys of one layer, process group and dtype, at
+    most ``cap_bytes`` of whole parameters each (a larger parameter alone; 0: one key each)."""
+    runs: list[list[str]] = []
+    previous, size = None, 0
+    for _, key, group, _, nbytes, layer, dtype in gathers:
+        same = previous == (layer, group, dtype)
+        if runs and same and cap_bytes > 0 and size + nbytes <= cap_bytes:
+            runs[-1].append(key)
+            size += nbytes
+        else:
+            runs.append([key])
+            size = nbytes
+        previous = (layer, group, dtype)
+    return runs
 
 
 def _sync_lookups_at_the_table(graph: torch.fx.Graph, params: set[str]) -> None:

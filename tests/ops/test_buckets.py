@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets, ParamGathers, Slot, make_buckets
 from autopar.runtime.launch import run_distributed
 
@@ -21,6 +22,11 @@ def test_make_buckets_caps_and_keeps_kinds_apart():
 
 
 def _run(rank: int, world: int) -> dict:
+    # per-parameter gathers, then b and c gathered by one collective (FSDP2's flat copy-in)
+    return {"single": _scenario(rank, world, None), "grouped": _scenario(rank, world, [("b", "c")])}
+
+
+def _scenario(rank: int, world: int, gather_groups) -> dict:
     group = dist.group.WORLD.group_name
     torch.manual_seed(0)  # the same parameters everywhere; per-rank weights stand for a split batch
     full_b, full_c = torch.randn(8, 6), torch.randn(2, 8)
@@ -33,7 +39,7 @@ def _run(rank: int, world: int) -> dict:
     b = torch.nn.Parameter(full_b.chunk(world, 0)[rank].clone())
     c = torch.nn.Parameter(full_c.chunk(world, 1)[rank].clone())
     gathers = ParamGathers([("b", group, 0, 8 * 6 * 4), ("c", group, 1, 2 * 8 * 4)], prefetch_bytes=1 << 20,
-                           grads=buckets)
+                           grads=buckets, groups=gather_groups)
     buckets.bind({"a": a, "b": b, "c": c})
     gathers.bind({"a": a, "b": b, "c": c})
     w_a, w_b, w_c = weights[rank]
@@ -45,7 +51,13 @@ def _run(rank: int, world: int) -> dict:
         loss.backward()
         return got_b.detach(), got_c.detach()
 
-    got_b, got_c = step()
+    launched = []
+    start_all_gather = collectives.start_all_gather
+    collectives.start_all_gather = lambda out, x, name: launched.append(x.numel()) or start_all_gather(out, x, name)
+    try:
+        got_b, got_c = step()
+    finally:
+        collectives.start_all_gather = start_all_gather
     first = {"a": a.grad.clone(), "b": b.grad.clone(), "c": c.grad.clone()}
     step()  # accumulates into .grad
     total = [sum(w[i] for w in weights) for i in range(3)]
@@ -72,17 +84,23 @@ def _run(rank: int, world: int) -> dict:
         "accumulated": accumulated,
         "shapes": (tuple(b.grad.shape), tuple(c.grad.shape)),
         "buckets": len(buckets.buckets),
+        "all_gathers": launched,
     }
 
 
 @pytest.mark.multiproc
 def test_buckets_and_gathers_sum_like_the_collectives_they_replace():
-    for rank, result in enumerate(run_distributed(_run, 2, timeout_s=120)):
-        assert result["gathered"] == (True, True), f"rank {rank}: a gathered parameter is the whole tensor"
-        assert result["buckets"] == 3
-        assert result["shapes"] == ((4, 6), (2, 4)), f"rank {rank}: the reduce-scattered gradient stays sharded"
-        for what in ("first", "accumulated", "after_reuse"):
-            worst = max(result[what].values())
-            assert worst < 1e-5, f"rank {rank}: {what} gradients off by {result[what]}"
-        assert result["reused"], f"rank {rank}: bucket buffers no .grad views are reused"
-        assert result["kept"] == 0.0, f"rank {rank}: a held gradient was overwritten by the next backward"
+    for rank, results in enumerate(run_distributed(_run, 2, timeout_s=120)):
+        for how, result in results.items():
+            where = f"rank {rank}, {how} gathers"
+            assert result["gathered"] == (True, True), f"{where}: a gathered parameter is the whole tensor"
+            assert result["buckets"] == 3
+            assert result["shapes"] == ((4, 6), (2, 4)), f"{where}: the reduce-scattered gradient stays sharded"
+            for what in ("first", "accumulated", "after_reuse"):
+                worst = max(result[what].values())
+                assert worst < 1e-5, f"{where}: {what} gradients off by {result[what]}"
+            assert result["reused"], f"{where}: bucket buffers no .grad views are reused"
+            assert result["kept"] == 0.0, f"{where}: a held gradient was overwritten by the next backward"
+        # shards of b (8x6 split on dim 0) and c (2x8 split on dim 1) on 2 ranks: 24 and 8 elements
+        assert sorted(results["single"]["all_gathers"]) == [8, 24], "one all-gather per parameter"
+        assert results["grouped"]["all_gathers"] == [24 + 8], "a group: ONE all-gather of both shards, flat"

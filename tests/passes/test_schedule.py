@@ -125,3 +125,24 @@ def test_fsdp_gathers_once_and_reduce_scatters():
         assert slot.dim == shard_dim
         full = dict(build_model("gpt", seed=0, **FSDP_CONFIG).named_parameters(remove_duplicate=False))[fqn]
         assert slot.shape == tuple(full.shape)
+
+
+def test_fsdp_gathers_each_layer_with_one_collective():
+    """FSDP2's grouping: the parameters of one layer (``fully_shard(block)``) are gathered by one
+    collective; the root's parameters consecutive in forward order by another; a cap of 0
+    gathers each parameter on its own. (The numbers: tests/ops/test_buckets.py, test_module.)"""
+    config = dict(FSDP_CONFIG, n_layer=2)
+    gm, _, traced = _rewritten("fsdp", config=config)
+    fqn = {gi.name: gi.fqn for gi in traced.inputs}
+    gathers: ParamGathers = gm.get_submodule("param_gathers")
+    layers = [{fqn[key].split(".")[2] if ".h." in fqn[key] else "root" for key in group} for group in gathers.groups]
+    assert all(len(layer) == 1 for layer in layers), f"a group never spans layers: {layers}"
+    blocks = [layer for layer in layers if layer != {"root"}]
+    assert blocks == [{"0"}, {"1"}], f"each block is one group: {layers}"
+    per_block = sum(1 for key, *_ in gathers.order if ".h.0." in fqn[key])
+    assert per_block > 4, "the block has many gathered parameters, one collective"
+    gm, _, _ = _rewritten("fsdp", CommOptions(gather_group_bytes=0), config=config)
+    single: ParamGathers = gm.get_submodule("param_gathers")
+    assert single.groups == [(key,) for key, *_ in single.order]
+    with pytest.raises(ValueError, match="gather_group_bytes"):
+        CommOptions(gather_group_bytes=-1)
