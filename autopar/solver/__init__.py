@@ -39,7 +39,7 @@ def solve(
     *,
     memory_budget: float | None = None,
     time_limit_s: float = 60.0,
-    forced: dict[str, Spec] | None = None,
+    forced: dict[str, Spec | str] | None = None,
     solver: str = "auto",
     zero_stage: int = 0,
     offload: str | None = None,
@@ -82,7 +82,7 @@ def solve(
             solution = _leanest(graph, time_limit_s, solver)
         if not solution.choice and forced:
             raise InfeasibleError(
-                f"no plan satisfies the forced specs {({k: format_spec(v) for k, v in forced.items()})}"
+                f"no plan satisfies the forced specs {({k: v if isinstance(v, str) else format_spec(v) for k, v in forced.items()})}"
                 + (f" within memory_budget={memory_budget:.0f}" if memory_budget is not None else "")
                 + ": they need a resharding that does not exist (into Partial, or of a tensor written in place)"
             )

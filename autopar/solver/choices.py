@@ -196,14 +196,15 @@ def build_choice_graph(
     cluster: ClusterSpec,
     *,
     optimizer: str = "adamw",
-    forced: dict[str, Spec] | None = None,
+    forced: dict[str, Spec | str] | None = None,
     share_layers: bool = True,
     zero_stage: int = 0,
     optimizer_dtype: torch.dtype = torch.float32,
 ) -> ChoiceGraph:
     """Enumerate strategies and prices for every node of ``traced``.
 
-    ``forced`` pins the output spec of named nodes (tests use it for hand plans).
+    ``forced`` pins the output spec of named nodes (tests use it for hand plans), or, given a
+    kernel's name instead of a spec, the node's strategies to those that run that kernel.
     ``share_layers`` ties repeated layers to one choice (``repeated_layers``).
     Strided shards are offered for the block counts of the graph's equal splits.
     ``zero_stage`` (1 or 2) prices parameter state as ZeRO does over a DDP layout: every rank
@@ -238,10 +239,14 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
         else:
             raise NotImplementedError(f"autopar cannot plan a {node.op} node yet: {node.format_node()}")
         if forced and node.name in forced:
-            choice = choices[node.name]
-            keep = [i for i, s in enumerate(choice.strategies) if s.outs and s.outs[0] == forced[node.name]]
+            choice, want = choices[node.name], forced[node.name]
+            if isinstance(want, str):  # a kernel's name: the strategies that run it
+                keep = [i for i, s in enumerate(choice.strategies) if s.kernel == want]
+            else:
+                keep = [i for i, s in enumerate(choice.strategies) if s.outs and s.outs[0] == want]
             if not keep:
-                raise ValueError(f"forced spec {forced[node.name]} is not a strategy of {node.format_node()}")
+                raise ValueError(f"forced {'kernel' if isinstance(want, str) else 'spec'} {want} is not a strategy "
+                                 f"of {node.format_node()}")
             _keep_only(choice, keep)
     edges = _edges(traced.gm, choices, mesh_shape, cluster)
     layers = _layers(traced.gm, choices, traced) if share_layers else {}

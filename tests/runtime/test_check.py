@@ -44,10 +44,12 @@ def test_sharded_plan_runs_collectives_at_large_world_size():
 
 def test_wrong_plan_names_the_mismatching_node(gpt):
     model, batch, plan = gpt
-    name = next(n for n, p in plan.nodes.items()
-                if p.op == "aten.linear.default" and p.outs[0] == parse_spec(["R", "R"]))
+    # Any linear, given an output placement it does not have (its local shape then differs).
+    name = next(n for n, p in plan.nodes.items() if p.op == "aten.linear.default")
+    wrong = next(spec for spec in (parse_spec(["S(0)", "S(1)"]), parse_spec(["S(1)", "S(0)"]))
+                 if spec != plan.nodes[name].outs[0])
     nodes = dict(plan.nodes)
-    nodes[name] = dataclasses.replace(nodes[name], outs=(parse_spec(["S(0)", "S(1)"]),))
+    nodes[name] = dataclasses.replace(nodes[name], outs=(wrong,))
     result = check_plan(dataclasses.replace(plan, nodes=nodes), model, batch, rank=0)
     assert not result.ok
     assert result.mismatches[0].startswith(f"{name} (aten.linear.default) output 0")
