@@ -277,14 +277,15 @@ def plan_from_solution(
     peak_bytes, peak_time = graph.timeline.peak(chosen)
     predicted = {
         "step_time_s": compute_s + reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s,
-        "compute_s": compute_s,
+        # The per-use parameter all-reduces in the choices' compute_s are in grad_sync_s (bucketed).
+        "compute_s": compute_s - schedule.per_use_s,
         "reshard_s": reshard_s,
         "grad_sync_s": schedule.sync_s,
         "exposed_grad_sync_s": schedule.exposed_s,
         # What the scheduled runtime changes against the per-use prices (``solver.comm_schedule``),
         # for ``Plan.predict`` at another batch (``solver.symbolic``).
         "grad_schedule": {"delta_s": schedule.delta_s, "delta_bytes": schedule.delta_bytes,
-                          "last_bucket_s": schedule.last_bucket_s},
+                          "last_bucket_s": schedule.last_bucket_s, "post_solve_s": schedule.post_solve_s},
         "peak_memory_bytes": int(peak_bytes),
         "peak_memory_at": graph.timeline.time_name(peak_time),
         "memory_at_peak_bytes": {k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},
