@@ -4,8 +4,9 @@ The choice graph prices each edge and each consumer on its own: an all-gather pe
 parameter, a gradient all-reduce (latency included) per use that needs one. The runtime merges
 them per parameter and buckets the reductions:
 
-- every use that all-reduces a replicated parameter's gradient over the same axes shares one
-  bucket slot, so the parameter's gradient is all-reduced once;
+- each (parameter, mesh axis, spec) reduction that any use needs runs once, in a bucket, priced
+  exactly as the ILP prices it (``choices.param_sync_groups``), so the ILP's objective and the
+  plan's step agree up to the terms below (``ParamSchedule.post_solve_s``) and the overlap;
 - a parameter sharded on one axis, whose every gathered use needs the gradient summed on exactly
   that axis (and no use all-reduces it whole), is all-gathered once, and its gradient is
   reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces;
