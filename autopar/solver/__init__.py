@@ -16,7 +16,8 @@ from autopar.ir.plan import NodePlan, Plan
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver import backends
 from autopar.solver.backends import SOLVERS, check_solver
-from autopar.solver.choices import ChoiceGraph, build_choice_graph, expert_parallel_record, grad_sync_bytes_per_axis
+from autopar.solver.choices import (ChoiceGraph, build_choice_graph, expert_parallel_record, grad_sync_bytes_per_axis,
+                                    param_sync_adjustment_s)
 from autopar.solver.comm_schedule import param_schedule
 from autopar.solver.runner_ups import explain_decisions
 from autopar.solver.budget import MILP_GAP, solve_under_budget
@@ -137,6 +138,7 @@ def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) ->
         edge_specs[e] = (producer.outs[edge.out_index], consumer.ins[edge.in_index])
     objective = sum(ilp.graph.choices[n].compute_s[s] for n, s in choice.items()) + sum(
         ilp.graph.edges[e].price[pair][0] for e, pair in edge_specs.items() if pair[0] != pair[1])
+    objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
     return dataclasses.replace(like, choice=choice, edge_specs=edge_specs, objective_s=objective,
                                status="Feasible (with memory decisions)", method="lagrangian", gap=None, bound_s=None)
 
