@@ -16,7 +16,8 @@ from autopar.ir.plan import NodePlan, Plan
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver import backends
 from autopar.solver.backends import SOLVERS, check_solver
-from autopar.solver.choices import ChoiceGraph, build_choice_graph, expert_parallel_record, grad_sync_bytes_per_axis
+from autopar.solver.choices import (ChoiceGraph, build_choice_graph, expert_parallel_record, grad_sync_bytes_per_axis,
+                                    param_sync_adjustment_s)
 from autopar.solver.comm_schedule import param_schedule
 from autopar.solver.runner_ups import explain_decisions
 from autopar.solver.budget import MILP_GAP, solve_under_budget
@@ -137,6 +138,7 @@ def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) ->
         edge_specs[e] = (producer.outs[edge.out_index], consumer.ins[edge.in_index])
     objective = sum(ilp.graph.choices[n].compute_s[s] for n, s in choice.items()) + sum(
         ilp.graph.edges[e].price[pair][0] for e, pair in edge_specs.items() if pair[0] != pair[1])
+    objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
     return dataclasses.replace(like, choice=choice, edge_specs=edge_specs, objective_s=objective,
                                status="Feasible (with memory decisions)", method="lagrangian", gap=None, bound_s=None)
 
@@ -277,14 +279,15 @@ def plan_from_solution(
     peak_bytes, peak_time = graph.timeline.peak(chosen)
     predicted = {
         "step_time_s": compute_s + reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s,
-        "compute_s": compute_s,
+        # The per-use parameter all-reduces in the choices' compute_s are in grad_sync_s (bucketed).
+        "compute_s": compute_s - schedule.per_use_s,
         "reshard_s": reshard_s,
         "grad_sync_s": schedule.sync_s,
         "exposed_grad_sync_s": schedule.exposed_s,
         # What the scheduled runtime changes against the per-use prices (``solver.comm_schedule``),
         # for ``Plan.predict`` at another batch (``solver.symbolic``).
         "grad_schedule": {"delta_s": schedule.delta_s, "delta_bytes": schedule.delta_bytes,
-                          "last_bucket_s": schedule.last_bucket_s},
+                          "last_bucket_s": schedule.last_bucket_s, "post_solve_s": schedule.post_solve_s},
         "peak_memory_bytes": int(peak_bytes),
         "peak_memory_at": graph.timeline.time_name(peak_time),
         "memory_at_peak_bytes": {k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},

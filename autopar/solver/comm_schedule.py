@@ -4,8 +4,9 @@ The choice graph prices each edge and each consumer on its own: an all-gather pe
 parameter, a gradient all-reduce (latency included) per use that needs one. The runtime merges
 them per parameter and buckets the reductions:
 
-- every use that all-reduces a replicated parameter's gradient over the same axes shares one
-  bucket slot, so the parameter's gradient is all-reduced once;
+- each (parameter, mesh axis, spec) reduction that any use needs runs once, in a bucket, priced
+  exactly as the ILP prices it (``choices.param_sync_groups``), so the ILP's objective and the
+  plan's step agree up to the terms below (``ParamSchedule.post_solve_s``) and the overlap;
 - a parameter sharded on one axis, whose every gathered use needs the gradient summed on exactly
   that axis (and no use all-reduces it whole), is all-gathered once, and its gradient is
   reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces;
@@ -38,6 +39,8 @@ class ParamSchedule:
     sync_s: float  # the bucketed gradient reductions, after merging
     backward_s: float  # backward compute that can hide them
     last_bucket_s: float  # the last bucket (the first parameters of forward): never hidden
+    per_use_s: float = 0.0  # the per-use parameter all-reduces in compute_s that the buckets replace
+    post_solve_s: float = 0.0  # what the ILP does not price: one gather per parameter, reduce-scatter, buckets' latency
 
     @property
     def exposed_s(self) -> float:
@@ -65,6 +68,12 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
     order = {name: i for i, name in enumerate(graph.order)}
     synced: list[tuple[int, float, float]] = []  # (first use, seconds, local bytes) per reduced parameter
     uses: dict[str, list] = {}
+    held: dict[str, tuple[int, float]] = {}  # reduced parameter → (first use, local bytes)
+    scattered: dict[str, tuple[int, float, float]] = {}  # reduce-scattered parameter → (first use, Δs, bytes)
+    scatter_delta_s = 0.0
+    groups, refunds = graph.param_sync_groups()
+    reduced = {(param, key[1], key[2]): group.price_s for key, group in groups.items() if group.needed(choice)
+               for param in group.params}
     reduce_dtypes: dict[str, object] = {}
     for e, edge in enumerate(graph.edges):
         producer = graph.choices[edge.producer]
@@ -97,21 +106,17 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             if gather is not None and axes in ((), (gather[0],)):
                 gathers.setdefault(gather + (bool(axes),), []).append((edge, dst))
         arg_shape, dtype = graph.choices[name].out_shapes[0], reduce_dtypes.get(name, graph.choices[name].out_dtypes[0])
-        if len(syncs) == 1:
-            ((axes, members),) = syncs.items()
-            local = memory.local_bytes(arg_shape, dtype, src, mesh)
-            one = [comm.param_grad_sync_cost(arg_shape, src, a, dtype, mesh, cluster, bucket_cap_bytes) for a in axes]
-            priced = [comm.grad_allreduce_cost(arg_shape, src, a, dtype, mesh, cluster) for a in axes]
-            # priced once per use, with a latency each; run once, in a bucket
-            for cost, per_use in zip(one, priced):
-                delta_s += cost.backward_s - len(members) * per_use.backward_s
-                delta_bytes -= (len(members) - 1) * cost.bytes_sent
-                for axis, sent in cost.bytes_per_axis:
-                    per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * sent
-            seconds = sum(cost.backward_s for cost in one)
-            sync_s += seconds
-            synced.append((min(order[e.consumer] for e, _ in members), seconds, local))
-        # Uses that reduce over different axes keep an all-reduce each, as priced (synchronous).
+        if syncs:
+            # Bytes: one reduction per (parameter, axis), as the ILP merges them (seconds below).
+            for axes, members in syncs.items():
+                for a in axes:
+                    cost = comm.param_grad_sync_cost(arg_shape, src, a, dtype, mesh, cluster, bucket_cap_bytes)
+                    delta_bytes -= (len(members) - 1) * cost.bytes_sent
+                    for axis, sent in cost.bytes_per_axis:
+                        per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * sent
+            held[name] = (min(order[e.consumer] for ms in syncs.values() for e, _ in ms),
+                          memory.local_bytes(arg_shape, dtype, src, mesh))
+        held.setdefault(name, (min(order[e.consumer] for e in edges), memory.local_bytes(arg_shape, dtype, src, mesh)))
         if len(gathers) == 1 and not syncs:
             (((axis, dim, reduce), members),) = gathers.items()
             dst = members[0][1]
@@ -124,16 +129,36 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             delta_bytes -= (len(members) - 1) * gather_sent
             per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * gather_sent
             if reduce:
-                priced = comm.grad_allreduce_cost(arg_shape, dst, axis, dtype, mesh, cluster)
+                # The ILP priced this reduction as a bucketed all-reduce of the gathered
+                # parameter (its group); the runtime reduce-scatters it instead.
+                group_s = reduced.get((name, axis, dst), 0.0)
                 link = cluster.axis_link(mesh, axis)
                 scatter_sent = comm.bytes_sent("reduce_scatter", whole, k)
                 scatter_s = ((k - 1) * link.latency_s * min(1.0, whole / bucket_cap_bytes)
                              + scatter_sent / link.bandwidth_bytes_per_s)
-                delta_s += scatter_s - len(members) * priced.backward_s
+                priced = comm.grad_allreduce_cost(arg_shape, dst, axis, dtype, mesh, cluster)
+                scatter_delta_s += scatter_s - group_s
                 delta_bytes += scatter_sent - len(members) * priced.bytes_sent
                 per_axis[axis] = per_axis.get(axis, 0.0) + scatter_sent - len(members) * priced.bytes_sent
-                sync_s += scatter_s
-                synced.append((min(order[e.consumer] for e, _ in members), scatter_s, whole))
+                scattered[name] = (min(order[e.consumer] for e, _ in members), scatter_s - group_s, whole)
+    # The parameter reductions, priced as the ILP prices them (``choices.param_sync_groups``):
+    # each (parameter, axis, spec) that any use needs, once, bucketed, in place of the per-use
+    # all-reduces in ``compute_s``.
+    per_use_s = sum(refund[choice[n]] for n, refund in refunds.items())
+    merged_s = sum(group.total_s for group in groups.values() if group.needed(choice))
+    delta_s += merged_s - per_use_s + scatter_delta_s
+    sync_s += merged_s + scatter_delta_s
+    per_param: dict[str, float] = {}
+    for key, group in groups.items():
+        if group.needed(choice):
+            for param in group.params:
+                per_param[param] = per_param.get(param, 0.0) + group.price_s
+    for param, seconds in per_param.items():
+        first, nbytes = held.get(param, (order.get(param, 0), 0.0))  # a parameter with no edge: none
+        if param in scattered:
+            first, extra, nbytes = scattered[param]
+            seconds += extra
+        synced.append((first, seconds, nbytes))
     backward_s = 0.0
     for name in graph.order:
         chosen = graph.choices[name]
@@ -156,7 +181,8 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
         sync_s += max(0.0, owed - paid)
         delta_s += max(0.0, owed - paid)
         last_bucket_s += latency * (1.0 - min(1.0, filled / bucket_cap_bytes))
-    return ParamSchedule(delta_s, delta_bytes, per_axis, sync_s, backward_s, last_bucket_s)
+    return ParamSchedule(delta_s, delta_bytes, per_axis, sync_s, backward_s, last_bucket_s, per_use_s,
+                         delta_s - (merged_s - per_use_s))
 
 
 def _bucket_latency_s(mesh, cluster: ClusterSpec) -> float:

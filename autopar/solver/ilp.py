@@ -23,7 +23,9 @@ Objective (seconds of one training step, forward and backward)
       is held in; ``choices.param_sync_groups``) once, at its bucketed price P_g, however many
       uses need it, as the runtime runs it (``passes.schedule``).
     How much of the buckets backward hides is priced on the solved plan
-    (``solver.comm_schedule``, ``predicted.exposed_grad_sync_s``). Pricing it inside the ILP
+    (``solver.comm_schedule``, ``predicted.exposed_grad_sync_s``), as are one gather per
+    parameter, FSDP's reduce-scatter and the buckets' whole latencies
+    (``predicted.grad_schedule.post_solve_s``); the reductions themselves are priced alike. Pricing it inside the ILP
     needs a row over every x (E ≥ Σ (g − b)·x); that row made CBC miss optimality on a 3-layer
     LLaMA in 120 s.
 
