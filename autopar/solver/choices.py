@@ -574,17 +574,6 @@ def kernel_all_to_all_bytes(info, strategy: Strategy, mesh_shape: Sequence[int],
     return sizes + [rows, rows] if needs_grad else sizes
 
 
-def kernel_all_to_all_cost(info, strategy: Strategy, mesh_shape: Sequence[int], cluster: ClusterSpec,
-                           needs_grad: bool) -> tuple[float, float]:
-    """(seconds, bytes each device sends) of the all-to-alls of ``strategy``'s kernel."""
-    seconds = sent = 0.0
-    for axis in strategy.kernel_axes:
-        for num_bytes in kernel_all_to_all_bytes(info, strategy, mesh_shape, needs_grad):
-            seconds += comm.all_to_all_s(num_bytes, axis, mesh_shape, cluster)
-            sent += comm.bytes_sent("all_to_all", num_bytes, mesh_shape[axis])
-    return seconds, sent
-
-
 def expert_parallel_record(choice: Choice, index: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> dict | None:
     """What the plan reports of a node whose strategy ``index`` splits experts (a kernel of
     ``rules.moe.EXPERT_PARALLEL_KERNELS``): the axes and degree, the experts each device holds,
@@ -594,7 +583,9 @@ def expert_parallel_record(choice: Choice, index: int, mesh_shape: Sequence[int]
         return None
     weight = choice.info.inputs[3] if choice.info.target is EXPERTS_OP else choice.info.inputs[1]
     degree = math.prod(mesh_shape[axis] for axis in strategy.kernel_axes)
-    exchange_s, exchange_bytes = kernel_all_to_all_cost(choice.info, strategy, mesh_shape, cluster, choice.requires_grad)
+    exchange_s, per_axis = comm.collectives_cost(
+        kernel_collectives(choice.info, strategy, mesh_shape, choice.requires_grad), mesh_shape, cluster)
+    exchange_bytes = sum(per_axis.values())
     return {
         "node": choice.name, "kernel": strategy.kernel, "axes": list(strategy.kernel_axes), "degree": degree,
         "num_experts": weight.shape[0], "experts_per_device": weight.shape[0] // degree,
