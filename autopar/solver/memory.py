@@ -50,6 +50,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from autopar.cost import compute, liveness
 from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.errors import InfeasibleError
@@ -118,12 +120,55 @@ class _Walk:
         # Offloaded parameters are fetched before each use; in graph order, for prefetch.
         param_nodes = [n.name for n in nodes if n.kind == "param" and n.name == leader.get(n.name, n.name)]
         self.fetches = sorted((u, p) for p in param_nodes for u in sorted(set(self.uses.get(p, ()))))
+        self._index_decisions()
+
+    def _index_decisions(self) -> None:
+        """The walk with no decision as a difference array, and which intervals each decision
+        can change, so that ``peak`` re-prices only those: a checkpointed segment (or one whose
+        activations are offloaded) changes the activations it produces and, for checkpointing,
+        the ones it reads; an offloaded tensor only its own. A segment of a repeated layer thus
+        costs that layer's intervals, not the whole walk's."""
+        intervals = self.timeline.intervals
+        self._sizes = [iv.factor * self.bytes_of(iv.node) for iv in intervals]
+        delta = np.zeros(2 * self.num + 1)
+        for iv, size in zip(intervals, self._sizes):
+            delta[iv.start] += size
+            delta[iv.end + 1] -= size
+        self._base = delta
+        segment_at: dict[int, int] = {}
+        for index, (_, first, last) in enumerate(self.segments):
+            for i in range(first, last + 1):
+                segment_at[i] = index
+        touched: dict[tuple[str, str], set[int]] = {}
+        for k, iv in enumerate(intervals):
+            keys: list[tuple[str, str]] = []
+            if iv.kind == "activation":
+                if iv.start in segment_at:
+                    keys += [("checkpoint", str(segment_at[iv.start])), ("activations", str(segment_at[iv.start]))]
+                keys += [("checkpoint", str(segment_at[u])) for u in self.uses.get(iv.node, ()) if u in segment_at]
+            elif iv.kind in TRANSFERS:
+                keys.append((iv.kind, iv.node))
+                if iv.kind == "grad":  # a fetched parameter's gradient goes to the store
+                    keys.append(("param", iv.node))
+            for key in keys:
+                touched.setdefault(key, set()).add(k)
+        self._touched = touched
 
     def bwd(self, time: int) -> int:
         return 2 * self.num - 1 - time
 
     def intervals(self, decisions: set[tuple[str, str]], prefetch: bool) -> list[tuple[str, str, int, int, float]]:
         """(node, kind, start, end, factor) of every stored tensor under ``decisions``."""
+        context = self._context(decisions, prefetch)
+        out = []
+        for iv in self.timeline.intervals:
+            out.extend(self._spans(iv, context))
+        out.extend(self._streamed_step(context[0], prefetch))
+        return out
+
+    def _context(self, decisions: set[tuple[str, str]], prefetch: bool) -> tuple:
+        """What ``_spans`` needs of ``decisions``: the offloaded nodes by kind, the checkpointed
+        segments and the segment of each of their times, the times of offloaded activations."""
         offloaded = {kind: {node for k, node in decisions if k == kind} for kind in TRANSFERS}
         offloaded["grad"] |= offloaded["param"]  # a fetched parameter's gradient goes to the store
         segments = [self.segments[int(index)] for k, index in decisions if k == "checkpoint"]
@@ -138,29 +183,26 @@ class _Walk:
             read_from = self.bwd(later[0][2]) if prefetch and later else self.bwd(last)
             for i in range(first, last + 1):
                 in_moved[i] = (last, read_from)
-        out = []
-        for iv in self.timeline.intervals:
-            if iv.kind == "optimizer_state" and iv.node in offloaded["optimizer_state"]:
-                continue
-            if iv.kind == "grad" and iv.node in offloaded["grad"]:
-                out.append((iv.node, iv.kind, iv.start, iv.start, iv.factor))
-                continue
-            if iv.kind == "param" and iv.node in offloaded["param"]:
-                out.extend((iv.node, iv.kind, s, e, iv.factor) for s, e in self._fetched(iv.node, offloaded["param"], prefetch))
-                continue
-            if iv.kind == "activation" and iv.start in in_moved:
-                last, read_from = in_moved[iv.start]
-                last_forward = self.saved_inside(iv, last)
-                if last_forward is not None:
-                    out.append((iv.node, iv.kind, iv.start, last_forward, iv.factor))
-                    out.append((iv.node, iv.kind, read_from, iv.end, iv.factor))
-                    continue
-            if iv.kind == "activation" and segments:
-                out.extend(self._checkpointed(iv, in_segment, segments))
-                continue
-            out.append((iv.node, iv.kind, iv.start, iv.end, iv.factor))
-        out.extend(self._streamed_step(offloaded, prefetch))
-        return out
+        return offloaded, segments, in_segment, in_moved, prefetch
+
+    def _spans(self, iv: liveness.Interval, context: tuple) -> list[tuple[str, str, int, int, float]]:
+        """The (node, kind, start, end, factor) spans of one interval under ``_context``'s decisions."""
+        offloaded, segments, in_segment, in_moved, prefetch = context
+        if iv.kind == "optimizer_state" and iv.node in offloaded["optimizer_state"]:
+            return []
+        if iv.kind == "grad" and iv.node in offloaded["grad"]:
+            return [(iv.node, iv.kind, iv.start, iv.start, iv.factor)]
+        if iv.kind == "param" and iv.node in offloaded["param"]:
+            return [(iv.node, iv.kind, s, e, iv.factor) for s, e in self._fetched(iv.node, offloaded["param"], prefetch)]
+        if iv.kind == "activation" and iv.start in in_moved:
+            last, read_from = in_moved[iv.start]
+            last_forward = self.saved_inside(iv, last)
+            if last_forward is not None:
+                return [(iv.node, iv.kind, iv.start, last_forward, iv.factor),
+                        (iv.node, iv.kind, read_from, iv.end, iv.factor)]
+        if iv.kind == "activation" and segments:
+            return self._checkpointed(iv, in_segment, segments)
+        return [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
 
     def _streamed_step(self, offloaded: dict[str, set[str]], prefetch: bool) -> list[tuple[str, str, int, int, float]]:
         """The optimizer step streams offloaded state one parameter at a time: at the end of the
@@ -225,10 +267,33 @@ class _Walk:
             out.append(running)
         return out
 
+    def curve_under(self, decisions, prefetch: bool) -> np.ndarray:
+        """Bytes alive at every time under ``decisions`` (``curve(intervals(decisions))``): the
+        walk without decisions, with only the intervals the decisions touch re-priced
+        (``_index_decisions``)."""
+        context = self._context(decisions, prefetch)
+        delta = self._base.copy()
+        intervals = self.timeline.intervals
+        for k in sorted({k for key in decisions for k in self._touched.get(key, ())}):
+            iv, size = intervals[k], self._sizes[k]
+            delta[iv.start] -= size
+            delta[iv.end + 1] += size
+            for node, _kind, start, end, factor in self._spans(iv, context):
+                size = factor * self.bytes_of(node)
+                delta[start] += size
+                delta[end + 1] -= size
+        if any(context[0].values()):
+            for node, _kind, start, end, factor in self._streamed_step(context[0], prefetch):
+                size = factor * self.bytes_of(node)
+                delta[start] += size
+                delta[end + 1] -= size
+        return np.cumsum(delta[:-1])
+
     def peak(self, decisions, prefetch: bool) -> tuple[float, int]:
-        values = self.curve(self.intervals(decisions, prefetch))
-        time = max(range(len(values)), key=lambda t: (values[t], -t))
-        return values[time], time
+        """(peak bytes, the first time it is reached) under ``decisions``."""
+        values = self.curve_under(decisions, prefetch)
+        time = int(np.argmax(values))
+        return float(values[time]), time
 
 
 def plan_memory(
