@@ -135,6 +135,7 @@ class _Walk:
             delta[iv.start] += size
             delta[iv.end + 1] -= size
         self._base = delta
+        self._last: tuple | None = None  # (prefetch, decisions, context, delta) of the last checkpoint-only curve
         segment_at: dict[int, int] = {}
         for index, (_, first, last) in enumerate(self.segments):
             for i in range(first, last + 1):
@@ -270,24 +271,50 @@ class _Walk:
     def curve_under(self, decisions, prefetch: bool) -> np.ndarray:
         """Bytes alive at every time under ``decisions`` (``curve(intervals(decisions))``): the
         walk without decisions, with only the intervals the decisions touch re-priced
-        (``_index_decisions``)."""
+        (``_index_decisions``).
+
+        Checkpointing a segment changes only the intervals it touches (the spans of an
+        activation depend on the segments of its start and of its uses alone), so between two
+        sets of checkpoints only the intervals of the decisions that differ are re-priced, from
+        the previous call's curve: the greedy's steps add or drop one segment each. Offloading
+        does not stay local (prefetch pairs each fetch with its neighbours, the step streams
+        the largest), so a set with offload is re-priced from the walk without decisions."""
+        decisions = frozenset(decisions)
         context = self._context(decisions, prefetch)
-        delta = self._base.copy()
-        intervals = self.timeline.intervals
-        for k in sorted({k for key in decisions for k in self._touched.get(key, ())}):
-            iv, size = intervals[k], self._sizes[k]
-            delta[iv.start] -= size
-            delta[iv.end + 1] += size
-            for node, _kind, start, end, factor in self._spans(iv, context):
-                size = factor * self.bytes_of(node)
-                delta[start] += size
-                delta[end + 1] -= size
-        if any(context[0].values()):
-            for node, _kind, start, end, factor in self._streamed_step(context[0], prefetch):
-                size = factor * self.bytes_of(node)
-                delta[start] += size
-                delta[end + 1] -= size
+        local = all(key[0] == "checkpoint" for key in decisions)
+        last = self._last if local else None
+        if last is not None and last[0] == prefetch:
+            _, before, old_context, delta = last
+            changed = before ^ decisions
+            delta = delta.copy()
+            for k in sorted({k for key in changed for k in self._touched.get(key, ())}):
+                self._reprice(delta, k, old_context, -1.0)
+                self._reprice(delta, k, context, 1.0)
+        else:
+            delta = self._base.copy()
+            for k in sorted({k for key in decisions for k in self._touched.get(key, ())}):
+                self._reprice(delta, k, None, -1.0)
+                self._reprice(delta, k, context, 1.0)
+            if any(context[0].values()):
+                for node, _kind, start, end, factor in self._streamed_step(context[0], prefetch):
+                    size = factor * self.bytes_of(node)
+                    delta[start] += size
+                    delta[end + 1] -= size
+        self._last = (prefetch, decisions, context, delta) if local else None
         return np.cumsum(delta[:-1])
+
+    def _reprice(self, delta: np.ndarray, k: int, context: tuple | None, sign: float) -> None:
+        """Add (``sign`` 1) or take out (-1) interval ``k``'s spans under ``context`` (None: as
+        the walk without decisions has it)."""
+        iv = self.timeline.intervals[k]
+        if context is None:
+            spans = [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
+        else:
+            spans = self._spans(iv, context)
+        for node, _kind, start, end, factor in spans:
+            size = sign * factor * self.bytes_of(node)
+            delta[start] += size
+            delta[end + 1] -= size
 
     def peak(self, decisions, prefetch: bool) -> tuple[float, int]:
         """(peak bytes, the first time it is reached) under ``decisions``."""
