@@ -120,6 +120,9 @@ class ChoiceGraph:
     layer_template: dict[str, str] = field(default_factory=dict)
     # When each node's bytes are alive over forward and backward (``autopar.cost.liveness``).
     timeline: liveness.Timeline | None = None
+    # What later stages compute from this graph alone (the memory planner's walk: see
+    # ``solver.memory``), kept so that one solve computes it once however many plans it tries.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def free(self) -> list[Choice]:
         return [self.choices[n] for n in self.order if self.choices[n].follower_of is None]

@@ -83,6 +83,78 @@ def offload_link(cluster: ClusterSpec, target: str) -> LinkSpec | None:
     return slower
 
 
+@dataclass
+class _WalkShape:
+    """What the walk needs of the graph whatever its sharding: node indices, aliases, uses, the
+    checkpoint segments, the parameter fetches, and which intervals each decision can change,
+    so that ``_Walk.curve_under`` re-prices only those: a checkpointed segment (or one whose
+    activations are offloaded) changes the activations it produces and, for checkpointing, the
+    ones it reads; an offloaded tensor only its own. A segment of a repeated layer thus costs
+    that layer's intervals, not the whole walk's. Computed once per choice graph."""
+
+    num: int
+    index: dict[str, int]
+    root: dict[str, str]
+    uses: dict[str, list[int]]
+    segments: list[tuple[str, int, int]]
+    fetches: list[tuple[int, str]]
+    touched: dict[tuple[str, str], set[int]]
+    starts: np.ndarray  # of the timeline's intervals
+    ends: np.ndarray
+
+    @classmethod
+    def of(cls, traced: TracedModel, graph) -> "_WalkShape":
+        nodes = live_nodes(traced.gm, graph.choices)
+        root: dict[str, str] = {}
+        for node in nodes:
+            root[node.name] = root[node.inputs[0]] if node.kind == "alias" and node.inputs else node.name
+        leader = {member: group[0] for group in graph.ties for member in group}
+        uses: dict[str, list[int]] = {}
+        for i, node in enumerate(nodes):
+            if node.kind == "alias":
+                continue
+            for producer in node.inputs:
+                base = leader.get(root[producer], root[producer])
+                uses.setdefault(base, []).append(i)
+        fx_nodes = {n.name: n for n in traced.gm.graph.nodes}
+        # Checkpoint segments: maximal runs of ops of one numbered layer (e.g. transformer.h.3).
+        segments: list[tuple[str, int, int]] = []
+        current: tuple[str, int] | None = None
+        for i, node in enumerate(nodes):
+            key = layer_key(fx_nodes[node.name], None) if node.kind in ("op", "alias") else None
+            if key is not None and current is not None and key == current and segments[-1][2] == i - 1:
+                name, first, _ = segments[-1]
+                segments[-1] = (name, first, i)
+            elif key is not None:
+                segments.append((f"{key[0]}.{key[1]}", i, i))
+            current = key
+        # Offloaded parameters are fetched before each use; in graph order, for prefetch.
+        param_nodes = [n.name for n in nodes if n.kind == "param" and n.name == leader.get(n.name, n.name)]
+        fetches = sorted((u, p) for p in param_nodes for u in sorted(set(uses.get(p, ()))))
+        segment_at: dict[int, int] = {}
+        for index, (_, first, last) in enumerate(segments):
+            for i in range(first, last + 1):
+                segment_at[i] = index
+        intervals = graph.timeline.intervals
+        touched: dict[tuple[str, str], set[int]] = {}
+        for k, iv in enumerate(intervals):
+            keys: list[tuple[str, str]] = []
+            if iv.kind == "activation":
+                if iv.start in segment_at:
+                    keys += [("checkpoint", str(segment_at[iv.start])), ("activations", str(segment_at[iv.start]))]
+                keys += [("checkpoint", str(segment_at[u])) for u in uses.get(iv.node, ()) if u in segment_at]
+            elif iv.kind in TRANSFERS:
+                keys.append((iv.kind, iv.node))
+                if iv.kind == "grad":  # a fetched parameter's gradient goes to the store
+                    keys.append(("param", iv.node))
+            for key in keys:
+                touched.setdefault(key, set()).add(k)
+        starts = np.array([iv.start for iv in intervals], dtype=np.int64)
+        ends = np.array([iv.end for iv in intervals], dtype=np.int64)
+        return cls(len(nodes), {node.name: i for i, node in enumerate(nodes)}, root, uses, segments, fetches,
+                   touched, starts, ends)
+
+
 class _Walk:
     """The liveness intervals of one chosen sharding, re-priced under a set of decisions."""
 
@@ -90,70 +162,19 @@ class _Walk:
         self.graph = graph
         self.bytes_of = bytes_of
         self.timeline: liveness.Timeline = graph.timeline
-        nodes = live_nodes(traced.gm, graph.choices)
-        self.num = len(nodes)
-        self.index = {node.name: i for i, node in enumerate(nodes)}
-        root: dict[str, str] = {}
-        for node in nodes:
-            root[node.name] = root[node.inputs[0]] if node.kind == "alias" and node.inputs else node.name
-        leader = {member: group[0] for group in graph.ties for member in group}
-        self.uses: dict[str, list[int]] = {}
-        for i, node in enumerate(nodes):
-            if node.kind == "alias":
-                continue
-            for producer in node.inputs:
-                base = leader.get(root[producer], root[producer])
-                self.uses.setdefault(base, []).append(i)
-        self.root = root
-        fx_nodes = {n.name: n for n in traced.gm.graph.nodes}
-        # Checkpoint segments: maximal runs of ops of one numbered layer (e.g. transformer.h.3).
-        self.segments: list[tuple[str, int, int]] = []
-        current: tuple[str, int] | None = None
-        for i, node in enumerate(nodes):
-            key = layer_key(fx_nodes[node.name], None) if node.kind in ("op", "alias") else None
-            if key is not None and current is not None and key == current and self.segments[-1][2] == i - 1:
-                name, first, _ = self.segments[-1]
-                self.segments[-1] = (name, first, i)
-            elif key is not None:
-                self.segments.append((f"{key[0]}.{key[1]}", i, i))
-            current = key
-        # Offloaded parameters are fetched before each use; in graph order, for prefetch.
-        param_nodes = [n.name for n in nodes if n.kind == "param" and n.name == leader.get(n.name, n.name)]
-        self.fetches = sorted((u, p) for p in param_nodes for u in sorted(set(self.uses.get(p, ()))))
-        self._index_decisions()
-
-    def _index_decisions(self) -> None:
-        """The walk with no decision as a difference array, and which intervals each decision
-        can change, so that ``peak`` re-prices only those: a checkpointed segment (or one whose
-        activations are offloaded) changes the activations it produces and, for checkpointing,
-        the ones it reads; an offloaded tensor only its own. A segment of a repeated layer thus
-        costs that layer's intervals, not the whole walk's."""
-        intervals = self.timeline.intervals
-        self._sizes = [iv.factor * self.bytes_of(iv.node) for iv in intervals]
+        cached = graph.derived.get("memory_walk")
+        if cached is None or cached[0] is not traced.gm:
+            cached = graph.derived["memory_walk"] = (traced.gm, _WalkShape.of(traced, graph))
+        shape = self.shape = cached[1]
+        self.num, self.index, self.root, self.uses = shape.num, shape.index, shape.root, shape.uses
+        self.segments, self.fetches, self._touched = shape.segments, shape.fetches, shape.touched
+        # The walk with no decision, as a difference array (``np.add.at`` adds in order, as a loop).
+        self._sizes = np.array([iv.factor * bytes_of(iv.node) for iv in self.timeline.intervals], dtype=float)
         delta = np.zeros(2 * self.num + 1)
-        for iv, size in zip(intervals, self._sizes):
-            delta[iv.start] += size
-            delta[iv.end + 1] -= size
+        np.add.at(delta, shape.starts, self._sizes)
+        np.add.at(delta, shape.ends + 1, -self._sizes)
         self._base = delta
         self._last: tuple | None = None  # (prefetch, decisions, context, delta) of the last checkpoint-only curve
-        segment_at: dict[int, int] = {}
-        for index, (_, first, last) in enumerate(self.segments):
-            for i in range(first, last + 1):
-                segment_at[i] = index
-        touched: dict[tuple[str, str], set[int]] = {}
-        for k, iv in enumerate(intervals):
-            keys: list[tuple[str, str]] = []
-            if iv.kind == "activation":
-                if iv.start in segment_at:
-                    keys += [("checkpoint", str(segment_at[iv.start])), ("activations", str(segment_at[iv.start]))]
-                keys += [("checkpoint", str(segment_at[u])) for u in self.uses.get(iv.node, ()) if u in segment_at]
-            elif iv.kind in TRANSFERS:
-                keys.append((iv.kind, iv.node))
-                if iv.kind == "grad":  # a fetched parameter's gradient goes to the store
-                    keys.append(("param", iv.node))
-            for key in keys:
-                touched.setdefault(key, set()).add(k)
-        self._touched = touched
 
     def bwd(self, time: int) -> int:
         return 2 * self.num - 1 - time
