@@ -21,7 +21,9 @@ smallest depth's, per model. Models:
 Times are wall-clock on whatever machine runs this; compare rows of one run only. ``--repeat N``
 plans each (model, depth) N times, depths interleaved, and keeps the minimum of each time column
 (a shared machine only ever adds time; ``total_s`` is the fastest run's, not a sum of minima); the
-ratio is taken between those minima.
+ratio is taken between those minima. ``total_cpu_s`` is the process's CPU time for the same
+work (``time.process_time``), which other jobs on a loaded machine disturb far less than wall
+time; ``cpu_ratio_to_smallest`` is its ratio.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from autopar.trace import trace, trace_repeated  # noqa: E402
 from autopar.zoo.models import GPT, LLAMA_SHAPES, build_model  # noqa: E402
 
 MODELS = ("gpt", "llama", "hf-llama", "hf-llama-128")
-TIMES = ("trace_s", "plan_s", "total_s", "export_s")  # columns --repeat keeps the minimum of
+TIMES = ("trace_s", "plan_s", "total_s", "total_cpu_s", "export_s")  # columns --repeat keeps the minimum of
 
 
 def build(name: str, layers: int):
@@ -72,18 +74,19 @@ def build(name: str, layers: int):
 def plan_row(name: str, layers: int, export: bool) -> dict:
     model, args, kwargs, mesh = build(name, layers)
     cluster = get_cluster("h100-80g")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     traced = trace_repeated(model, args, kwargs)
-    trace_s = time.perf_counter() - start
-    start = time.perf_counter()
+    trace_s, trace_cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    start, cpu = time.perf_counter(), time.process_time()
     plan = plan_traced(traced, mesh, cluster, PlanOptions.from_keywords())
-    plan_s = time.perf_counter() - start
+    plan_s, plan_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     row = {
         "model": name, "layers": layers, "mesh": "x".join(map(str, mesh)), "nodes": len(plan.nodes),
         "variables": plan.solver["num_variables"], "method": plan.solver["method"],
         "peak_gib": round(plan.predicted["peak_memory_bytes"] / 2**30, 1), "step_s": round(plan.predicted["step_time_s"], 4),
         "objective_s": plan.solver["objective_s"],
         "trace_s": round(trace_s, 2), "plan_s": round(plan_s, 2), "total_s": round(trace_s + plan_s, 2),
+        "total_cpu_s": round(trace_cpu_s + plan_cpu_s, 2),
     }
     if export:
         start = time.perf_counter()
@@ -114,11 +117,13 @@ def main() -> int:
                     row = {k: min(v, row[k]) if k in TIMES else v for k, v in best[layers].items()}
                     row["same_plan"] = row.get("same_plan", True) and same
                 best[layers] = row
-        first = None
+        first = first_cpu = None
         for layers in args.layers:
             row = best[layers]
             first = first or row["total_s"]
             row["ratio_to_smallest"] = round(row["total_s"] / first, 2)
+            first_cpu = first_cpu or row["total_cpu_s"]
+            row["cpu_ratio_to_smallest"] = round(row["total_cpu_s"] / first_cpu, 2)
             row["repeats"] = args.repeat
             rows.append(row)
             print("min:", row, flush=True)
