@@ -54,7 +54,10 @@ def explain_decisions(
             continue
         members = _members(base, followers)
         ordered = sorted(members, key=position.__getitem__)
-        touching = sorted({e for name in members for e in edges_of.get(name, ())})
+        # Per touching edge, what does not depend on the strategy: the edge, its class (the
+        # price table and both ends' layer classes) and whether it enters the decision.
+        touching = [memo.edge_class(graph.edges[e], members)
+                    for e in sorted({e for name in members for e in edges_of.get(name, ())})]
         # The parameter reductions a member may need (the others cannot change with it).
         synced = [group for group in groups.values() if any(consumer in members for consumer, _ in group.uses)]
         priced = []
@@ -97,6 +100,12 @@ class _Memo:
 
     def cls(self, name: str) -> str:
         return self.template.get(name, name)
+
+    def edge_class(self, edge, members: set[str]) -> tuple:
+        """(edge, its class: price table, out index and in index and both ends' classes, whether
+        it enters the decision): what of a touching edge does not depend on the strategy."""
+        return (edge, (id(edge.price), self.cls(edge.producer), edge.out_index, self.cls(edge.consumer), edge.in_index),
+                edge.consumer in members)
 
     def inputs_key(self, name: str) -> tuple:
         """What a member's gradient all-reduces depend on beyond its class and strategy."""
@@ -162,7 +171,7 @@ def _index_by_input(strategies: list, cache: dict[int, dict]) -> dict:
 
 
 def _price(graph: ChoiceGraph, solution: Solution, assignment: dict[str, int], members: set[str],
-           touching: list[int], synced: list, memo: _Memo) -> dict[str, float] | None:
+           touching: list[tuple], synced: list, memo: _Memo) -> dict[str, float] | None:
     """Seconds and bytes the members cost under ``assignment``; None if a resharding is impossible.
     ``synced``: the parameter reduction groups that a member uses."""
     compute_s = memory_bytes = reshard_in_s = reshard_out_s = 0.0
@@ -178,12 +187,10 @@ def _price(graph: ChoiceGraph, solution: Solution, assignment: dict[str, int], m
     for group in synced:
         if group.needed(full):
             merged_s += group.total_s
-    for e in touching:
-        edge = graph.edges[e]
+    for edge, edge_class, enters in touching:
         src_index = assignment.get(edge.producer, solution.choice[edge.producer])
         dst_index = assignment.get(edge.consumer, solution.choice[edge.consumer])
-        key = (id(edge.price), memo.cls(edge.producer), edge.out_index, memo.cls(edge.consumer), edge.in_index,
-               src_index, dst_index)
+        key = (edge_class, src_index, dst_index)
         price = memo.edge.get(key, True)
         if price is True:
             src = graph.choices[edge.producer].strategies[src_index].outs[edge.out_index]
@@ -193,7 +200,7 @@ def _price(graph: ChoiceGraph, solution: Solution, assignment: dict[str, int], m
             continue
         if price is None:
             return None
-        if edge.consumer in members:
+        if enters:
             reshard_in_s += price[0]
         else:
             reshard_out_s += price[0]
