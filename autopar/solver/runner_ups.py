@@ -249,10 +249,11 @@ def _kernel_comm_s(memo: _Memo, name: str, index: int) -> float:
     if choice.info is None or choice.strategies[index].kernel is None:
         return 0.0
     key = (memo.cls(name), index, choice.requires_grad, memo.inputs_key(name))
-    if key not in memo.kernel_comm:
+    seconds = memo.kernel_comm.get(key)
+    if seconds is None:
         steps = kernel_collectives(choice.info, choice.strategies[index], graph.mesh_shape, choice.requires_grad)
-        memo.kernel_comm[key] = comm.collectives_cost(steps, graph.mesh_shape, memo.cluster)[0] if steps else 0.0
-    return memo.kernel_comm[key]
+        seconds = memo.kernel_comm[key] = comm.collectives_cost(steps, graph.mesh_shape, memo.cluster)[0] if steps else 0.0
+    return seconds
 
 
 def _candidate(graph, rep, s, assignment, cost, chosen, memo: _Memo) -> dict[str, Any]:
