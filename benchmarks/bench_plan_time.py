@@ -18,6 +18,8 @@ smallest depth's, per model. Models:
   128 × 4096, where the default budget binds at every depth from 12 layers on (at batch 8 it
   binds from about 40 layers, so 12 and 48 layers take different paths through the solver).
 
+``--memory-budget inf`` plans without the default budget, so that every depth takes the same
+path through the solver (with it, a deep model's budget may bind where a shallow one's does not).
 Times are wall-clock on whatever machine runs this; compare rows of one run only. ``--repeat N``
 plans each (model, depth) N times, depths interleaved, and keeps the minimum of each time column
 (a shared machine only ever adds time; ``total_s`` is the fastest run's, not a sum of minima); the
@@ -71,14 +73,14 @@ def build(name: str, layers: int):
     return model, (), {"input_ids": ids, "labels": ids.clone()}, (128, 8)
 
 
-def plan_row(name: str, layers: int, export: bool) -> dict:
+def plan_row(name: str, layers: int, export: bool, memory_budget: float | None = None) -> dict:
     model, args, kwargs, mesh = build(name, layers)
     cluster = get_cluster("h100-80g")
     start, cpu = time.perf_counter(), time.process_time()
     traced = trace_repeated(model, args, kwargs)
     trace_s, trace_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     start, cpu = time.perf_counter(), time.process_time()
-    plan = plan_traced(traced, mesh, cluster, PlanOptions.from_keywords())
+    plan = plan_traced(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=memory_budget))
     plan_s, plan_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     row = {
         "model": name, "layers": layers, "mesh": "x".join(map(str, mesh)), "nodes": len(plan.nodes),
@@ -104,13 +106,15 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/plan_time.csv")
     parser.add_argument("--append", action="store_true", help="add rows to --out (same columns) instead of replacing it")
     parser.add_argument("--repeat", type=int, default=1, help="plan each row this many times; keep the fastest")
+    parser.add_argument("--memory-budget", type=float, default=None,
+                        help="bytes per device (default: the device's memory less its reserve; inf: none)")
     args = parser.parse_args()
     rows = []
     for name in args.models:
         best: dict[int, dict] = {}
         for _ in range(args.repeat):
             for layers in args.layers:
-                row = plan_row(name, layers, args.export)
+                row = plan_row(name, layers, args.export, args.memory_budget)
                 print(row, flush=True)
                 if layers in best:  # the first repeat's plan; a time-limited MILP may differ
                     same = all(row[k] == best[layers][k] for k in ("method", "peak_gib", "step_s", "objective_s"))
