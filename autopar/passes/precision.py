@@ -45,6 +45,11 @@ def is_param_cast(node: torch.fx.Node) -> bool:
             and "cast_of" in node.meta.get("autopar", {}))
 
 
+def _dtype_of(node: torch.fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
 def _is_move(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in _MOVES
 
@@ -58,6 +63,7 @@ def cast_after_collectives(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Gra
     graph = gm.graph
     for cast in [n for n in graph.nodes if is_param_cast(n)]:
         (source,) = cast.all_input_nodes
+        reduce_dtype = cast.meta["autopar"].get("reduce_dtype")
         for user in list(cast.users):
             chain = []
             node = user
@@ -67,6 +73,10 @@ def cast_after_collectives(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Gra
             if not chain:
                 continue
             chain[0].replace_input_with(cast, source)
+            if reduce_dtype not in (None, _dtype_of(source)):  # FSDP2's reduce_dtype: not the master's
+                for sync in chain:
+                    if sync.target is collectives.allreduce_grad:
+                        sync.kwargs = {**sync.kwargs, "reduce_dtype": reduce_dtype}
             with graph.inserting_after(chain[-1]):
                 moved = graph.call_function(cast.target, (chain[-1],), dict(cast.kwargs))
             moved.meta = {key: (dict(value) if key == "autopar" else value) for key, value in cast.meta.items()}
@@ -98,7 +108,7 @@ def gather_in_param_dtype(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Grap
             casts = list(node.users)
             dtypes = {cast.kwargs.get("dtype") for cast in casts}
             if casts and all(is_param_cast(cast) for cast in casts) and len(dtypes) == 1:
-                gathers.cast_to(node.kwargs["key"], dtypes.pop())
+                gathers.cast_to(node.kwargs["key"], dtypes.pop(), node.args[0].meta["val"].dtype)
                 for cast in casts:
                     drop(cast, node)
                 continue

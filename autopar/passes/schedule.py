@@ -102,17 +102,19 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
             with graph.inserting_after(placeholder):
                 node = graph.call_module(GRAD_BUCKETS, (placeholder,), {"key": placeholder.name})
             node.meta = dict(placeholder.meta)
+            slot_dtype = _reduce_dtype(chains[0], val)
             for chain in chains:
                 chain[-1].replace_all_uses_with(node)
                 for dead in reversed(chain):
                     graph.erase_node(dead)
-            reduce_slots.append((first, Slot(placeholder.name, "all_reduce", local, val.dtype, chain_groups)))
+            reduce_slots.append((first, Slot(placeholder.name, "all_reduce", local, slot_dtype, chain_groups)))
         if len(gathered) == 1 and not synced:
             (((dim, group, reduce), pairs),) = gathered.items()
             first_use = min(pairs, key=lambda pair: order[pair[0]])[0]
             with graph.inserting_before(first_use):
                 node = graph.call_module(PARAM_GATHERS, (placeholder,), {"key": placeholder.name})
             node.meta = dict(first_use.meta)
+            slot_dtype = _reduce_dtype(_grad_chain(next(iter(pairs[0][0].users)))[0], val) if reduce else val.dtype
             for gather, last in pairs:
                 last.replace_all_uses_with(node)
                 if reduce:
@@ -126,7 +128,8 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
                     graph.erase_node(gather)
             whole = tuple(s * size_of[group] if d == dim else s for d, s in enumerate(local))
             if reduce:
-                reduce_slots.append((order[first_use], Slot(placeholder.name, "reduce_scatter", whole, val.dtype, (group,), dim)))
+                reduce_slots.append((order[first_use], Slot(placeholder.name, "reduce_scatter", whole, slot_dtype,
+                                                            (group,), dim)))
             gathers.append((order[first_use], placeholder.name, group, dim, math.prod(whole) * val.dtype.itemsize,
                             _layer(fqns[placeholder.name]), val.dtype))
     # Backward produces gradients in the reverse of forward order.
@@ -141,6 +144,12 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
     if not gathers:
         delattr(gm, PARAM_GATHERS)
     return gm
+
+
+def _reduce_dtype(chain: Sequence[torch.fx.Node], val: torch.Tensor) -> torch.dtype:
+    """The dtype a parameter's gradient is reduced in: what its ``allreduce_grad`` chain asks
+    for (a precision policy's ``reduce_dtype``, set by ``passes.precision``), else its own."""
+    return (chain[0].kwargs.get("reduce_dtype") if chain else None) or val.dtype
 
 
 def _layer(fqn: str) -> str:

@@ -120,10 +120,13 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
         if len(gathers) == 1 and not syncs:
             (((axis, dim, reduce), members),) = gathers.items()
             dst = members[0][1]
+            # Gathered in the dtype its uses read (a policy's param_dtype: the runtime gathers the
+            # cast shards), its gradient reduce-scattered in the reduction dtype.
+            gathered = memory.local_bytes(arg_shape, members[0][0].dtype, dst, mesh)
             whole = memory.local_bytes(arg_shape, dtype, dst, mesh)
             k = mesh[axis]
-            gather_s = comm.all_gather_s(whole, axis, mesh, cluster)
-            gather_sent = comm.bytes_sent("all_gather", whole, k)
+            gather_s = comm.all_gather_s(gathered, axis, mesh, cluster)
+            gather_sent = comm.bytes_sent("all_gather", gathered, k)
             # each use gathered it; once now
             delta_s -= (len(members) - 1) * gather_s
             delta_bytes -= (len(members) - 1) * gather_sent
