@@ -476,7 +476,7 @@ def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs
     for name, dtype in named:
         if dtype.is_floating_point and not _backend_reduces(backend, dtype):
             raise ValueError(
-                f"{name} is {dtype}, which the {backend} backend of this torch build cannot reduce: use float32 "
+                f"{name} is {dtype}, which the {backend} backend cannot reduce in this torch build: use float32 "
                 f"(model.float(), precision='32-true') when running on {backend}, a torch whose {backend} sums "
                 f"{dtype} (2.13 does), or NCCL on GPUs"
             )

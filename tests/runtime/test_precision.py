@@ -45,6 +45,7 @@ BATCH = 16
 LR = 1e-3
 GRAD_TOL, LOSS_TOL, FP32_TOL = 0.1, 0.02, 1e-4
 TRUTH_RATIO, TRUTH_SLACK = 1.5, 0.005
+BF16_REDUCE = autopar.MixedPrecision("bfloat16", "bfloat16", "float32", name="bf16-reduce")
 # (label, model, plan: a hand plan's kind or "auto" for autopar.compile's own solve, precision, mesh)
 CASES = (
     ("ddp_bf16_mixed", "gpt", "ddp", "bf16-mixed", (WORLD,)),
@@ -57,7 +58,12 @@ CASES = (
     # A plan the parent makes under a budget: sharded, and a layer checkpointed whose first node
     # is a parameter's cast (which the precision passes move past its collectives).
     ("checkpointed_bf16_mixed", "gpt", "given", "bf16-mixed", (WORLD,)),
+    # FSDP2's default policy: fp32 masters, gradients reduced in bf16 (DDP's all-reduce buckets,
+    # FSDP's reduce-scatters), against the reference reducing four ranks' gradients in bf16.
+    ("ddp_bf16_reduce", "gpt", "ddp", BF16_REDUCE, (WORLD,)),
+    ("fsdp_bf16_reduce", "gpt", "fsdp", BF16_REDUCE, (WORLD,)),
 )
+REDUCED_IN_BF16 = ("ddp_bf16_reduce", "fsdp_bf16_reduce")
 
 
 def l2_rel_diff(got: dict, want: dict) -> dict[str, float]:
@@ -101,14 +107,22 @@ def _run_case(name: str, kind: str, precision, mesh: tuple[int, ...], given: str
         opt_reference.zero_grad()
         loss = pm(*batch)
         loss.backward()
-        want = reference(*batch)
-        want.backward()
+        dropped = None
+        if reference.policy.casts and reference.policy.reduce_dtype != reference.policy.master_dtype:
+            want, own = reference.data_parallel_backward(batch, WORLD)  # the ranks' bf16 reduction
+        else:
+            want = reference(*batch)
+            want.backward()
         opt_truth.zero_grad()
         truth(*batch).backward()
         got, wanted, exact = pm.full_grads(), eager_grads(reference.module), eager_grads(truth)
+        if reference.policy.casts and reference.policy.reduce_dtype != reference.policy.master_dtype:
+            dropped = l2_rel_diff(own, {name: wanted[name] for name in own})
         steps.append({"loss": (loss.item(), want.item()), "loss_dtype": str(loss.dtype),
                       "grad_rel": max_rel_diff(got, wanted), "grad_l2": l2_rel_diff(got, wanted),
-                      "to_truth": (l2_rel_diff(got, exact), l2_rel_diff(wanted, exact))})
+                      "to_truth": (l2_rel_diff(got, exact), l2_rel_diff(wanted, exact)),
+                      "bf16_values": {name: bool(torch.equal(g, g.bfloat16().to(g.dtype))) for name, g in got.items()},
+                      "dropped": dropped})
         opt.step()
         opt_reference.step()
         opt_truth.step()
@@ -152,9 +166,19 @@ def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo() -> None:
             first, second = (s["loss"][0] for s in result["steps"])
             assert second < first, f"rank {rank} {label}: the step did not reach the next forward ({first} -> {second})"
     first = results[0]
+    for label in REDUCED_IN_BF16:
+        for step, numbers in enumerate(first[label]["steps"], start=1):
+            # Summed in bf16, cast to fp32: every reduced gradient is a bf16 value in fp32.
+            odd = [name for name, exact in numbers["bf16_values"].items() if not exact]
+            assert not odd, f"{label} step {step}: gradients of {odd} were not reduced in bf16"
+            # The gradient check has teeth: one rank's own gradient (the reduction dropped) fails it.
+            assert max(numbers["dropped"].values()) > GRAD_TOL, (label, step, numbers["dropped"])
+    # ... and the bf16 check too: fp32 sums of bf16 gradients are mostly not bf16 values.
+    fp32_sums = first["ddp_bf16_mixed"]["steps"][0]["bf16_values"]
+    assert sum(fp32_sums.values()) < len(fp32_sums) / 2, fp32_sums
     # Master weights and their gradients in fp32; bf16-true keeps no master copy.
     for label in ("ddp_bf16_mixed", "fsdp_bf16_mixed", "auto_bf16_mixed", "ddp_32_true", "mlp_bf16_mixed",
-                  "checkpointed_bf16_mixed"):
+                  "checkpointed_bf16_mixed") + REDUCED_IN_BF16:
         assert first[label]["param_dtypes"] == ["torch.float32"] == first[label]["grad_dtypes"], (label, first[label])
     assert first["ddp_bf16_true"]["param_dtypes"] == ["torch.bfloat16"] == first["ddp_bf16_true"]["grad_dtypes"]
     # The loss comes back in the dtype the model computes it in: bf16 logits give a bf16 loss.
@@ -164,3 +188,5 @@ def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo() -> None:
     # The plans communicate: DDP's gradient all-reduces, FSDP's gathers.
     assert first["ddp_bf16_mixed"]["collectives"].get("allreduce_grad"), first["ddp_bf16_mixed"]["collectives"]
     assert first["fsdp_bf16_mixed"]["collectives"].get("all_gather"), first["fsdp_bf16_mixed"]["collectives"]
+    assert first["ddp_bf16_reduce"]["collectives"].get("allreduce_grad"), first["ddp_bf16_reduce"]["collectives"]
+    assert first["fsdp_bf16_reduce"]["collectives"].get("all_gather"), first["fsdp_bf16_reduce"]["collectives"]
