@@ -1,11 +1,11 @@
-"""Carry out a precision policy that keeps master weights: reduce gradients in the master dtype.
+"""Carry out a precision policy that keeps master weights: reduce gradients in ``reduce_dtype``.
 
 Under a policy that casts (``MixedPrecision.casts``: "bf16-mixed"), ``trace`` gives each
 floating parameter placeholder (the master dtype, fp32) one ``_to_copy`` to ``param_dtype`` at its
 first use, and ``insert_collectives`` puts the collectives of each use *after* that cast: the
-gradient all-reduces (``allreduce_grad``) would then sum bf16 gradients. These passes move the
-reductions to the master side, where ``reduce_dtype`` (= the master dtype, checked by
-``autopar.compile``) asks for them:
+gradient all-reduces (``allreduce_grad``) would then sum bf16 gradients, per use. These passes
+move the reductions to the master side, where the schedule buckets them and the reduced
+gradient reaches the master's ``.grad``:
 
 - ``cast_after_collectives`` (before ``schedule_communication``): on every use of a parameter's
   cast, the chain of collectives between the cast and the op that reads it is re-rooted at the
@@ -14,7 +14,14 @@ reductions to the master side, where ``reduce_dtype`` (= the master dtype, check
   elements and commutes with an elementwise cast. In backward each gradient is cast up at the
   op's input, so reductions and the accumulation over uses run in the master dtype. The
   scheduled communication then sees the same placeholder → collectives patterns as without a
-  policy, and its gradient buckets reduce in the placeholder's (master) dtype.
+  policy. Where ``reduce_dtype`` (the cast's ``meta["autopar"]["reduce_dtype"]``, which the cost
+  model prices) is not the master dtype (FSDP2's default: bf16 reductions of fp32 masters), each
+  moved ``allreduce_grad`` is told so (``reduce_dtype=``): the schedule gives its parameter a
+  bucket slot in that dtype (each gradient cast into it, the sum cast back into ``.grad``), and
+  one left per use casts down, sums and casts back. Else the buckets reduce in the master dtype.
+  No division follows the sum: each rank's gradient is already its share of the mean's (the
+  loss's backward divides), so bf16, with fp32's exponent range, neither overflows nor
+  underflows where fp32 would not (README, "Mixed precision").
 - ``gather_in_param_dtype`` (after it): a parameter whose every use reads its scheduled gather
   through a cast to one dtype is gathered in that dtype instead (FSDP2's all-gather in
   ``param_dtype``: half the bytes of fp32, as the cost model prices it); its reduce-scatter slot

@@ -7,7 +7,8 @@ all-reduces the whole gradient and keeps a chunk). This pass replaces them, per 
 
 - every ``allreduce_grad`` chain over the same axes from the placeholder becomes one
   ``grad_buckets`` node (identity; backward adds the gradient into a bucket slot, reduced
-  asynchronously with the rest of its bucket);
+  asynchronously with the rest of its bucket; the slot takes the chain's ``reduce_dtype``, a
+  precision policy's, else the parameter's dtype);
 - every ``all_gather(dim, g)`` → ``allreduce_grad(g)`` from the placeholder becomes one
   ``param_gathers`` node: all-gather in forward (prefetched), a reduce-scatter slot in backward,
   so the gradient stays sharded and half the bytes move. The parameters of one layer that are

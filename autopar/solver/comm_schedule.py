@@ -10,6 +10,8 @@ them per parameter and buckets the reductions:
 - a parameter sharded on one axis, whose every gathered use needs the gradient summed on exactly
   that axis (and no use all-reduces it whole), is all-gathered once, and its gradient is
   reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces;
+- gradients are reduced in the precision policy's ``reduce_dtype`` (which the cast of a
+  parameter carries), gathers move the dtype their uses read (the cast's ``param_dtype``);
 - each reduction pays its bytes and its share of a bucket's latency
   (``comm.param_grad_sync_cost``); the buckets pay ceil(bytes / cap) latencies in all.
 
