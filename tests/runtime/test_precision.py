@@ -18,6 +18,18 @@ reference is, plus 0.5%: measured, the sharded runs are 0.8-1.25 times as far. T
 back in bf16, whose spacing near 8 is 0.0625 (0.8%): it must match within 2%. The fp32
 ("32-true") case keeps the 1e-4 (largest element error over largest element) of
 tests/runtime/test_module.py.
+
+bf16 reductions (FSDP2's default policy: fp32 masters, ``reduce_dtype`` bf16). The reference
+(``PolicyReference.data_parallel_backward``) runs the four ranks' quarters of the batch on
+their own, rounds each rank's fp32 gradient to bf16 and sums them in bf16 in rank order, as
+the runtime's buckets do (gloo sums in its own order). Rounding a rank's gradient to 8
+significant bits errs by at most 2**-9 of it, and each of the three bf16 additions by 2**-9
+of the partial sum: a few tenths of a percent per tensor in L2, well inside the 10% and the
+truth ratio above, while a dropped reduction (one rank's own gradient, which the reference
+also returns) is off by far more than 10%, and the parent asserts that it fails the check.
+Those two checks cannot tell a bf16 sum from an fp32 one, so a sharper one: a gradient summed
+in bf16 and cast to fp32 is a bf16 value, element for element, and an fp32 sum of four bf16
+gradients mostly is not (asserted of the "bf16-mixed" DDP case, which reduces in fp32).
 """
 
 from __future__ import annotations
