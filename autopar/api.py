@@ -24,6 +24,7 @@ from autopar.solver.mesh_search import search_mesh
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.ir.options import (
     CommOptions, MemoryOptions, MixedPrecision, PipelineOptions, PlanOptions, check_mesh_devices, precision_policy,
+    to_dtype,
 )
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.ir.summary import format_bytes
@@ -315,7 +316,6 @@ def compile(
             f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices but the world size is {world}: "
             f"pass a mesh whose sizes multiply to {world}"
         )
-    _check_backend_dtypes(model, example_inputs, example_kwargs)
     meta = has_meta_tensors(model)
     if init is None and meta:
         raise ValueError(
@@ -332,6 +332,7 @@ def compile(
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
     policy = _precision_of(plan, precision)
+    _check_backend_dtypes(model, example_inputs, example_kwargs, policy)
     options = PlanOptions.from_keywords(
         memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline, num_microbatches=num_microbatches,
         offload=offload, checkpointing=checkpointing, prefetch=prefetch, precision=policy,
@@ -397,17 +398,26 @@ def _dtypes_of(policy: MixedPrecision) -> dict[str, Any]:
 def _check_precision_runs(policy: MixedPrecision, pipelined: bool = False, offloads: bool = False) -> None:
     """What the runtime carries out of a precision policy (README, "Mixed precision"): parameters
     stored in ``stored_dtype`` (the master dtype, or ``param_dtype`` without one), cast to
-    ``param_dtype`` at use, floating inputs cast to ``param_dtype``, and gradients reduced in
-    the stored dtype (``passes.precision``). A policy (or plan) that asks for more is refused."""
+    ``param_dtype`` at use, floating inputs cast to ``param_dtype``, and parameter gradients
+    reduced in ``reduce_dtype`` and landing in the stored dtype (``passes.precision``). A policy
+    (or plan) that asks for more is refused."""
     if policy.param_dtype is None:
         return
     stored = policy.stored_dtype
     reduce_dtype = policy.reduce_dtype or policy.param_dtype
-    if reduce_dtype != stored:
+    if reduce_dtype != stored and not policy.casts:
         raise PlanError(
-            f"precision={policy.name!r} reduces gradients in {reduce_dtype} but stores parameters in {stored}: "
-            f"the runtime reduces gradients in the dtype the parameters are stored and stepped in, so pass "
-            f"reduce_dtype={stored!r} (as 'bf16-mixed' and 'bf16-true' do)"
+            f"precision={policy.name!r} reduces gradients in {reduce_dtype} but stores parameters in {stored} "
+            f"and keeps no master copy: the runtime reduces in another dtype than the stored one only for "
+            f"master weights, so pass master_dtype={reduce_dtype!r} (fp32 masters, as 'bf16-mixed'), or "
+            f"reduce_dtype={stored!r}"
+        )
+    if reduce_dtype != stored and reduce_dtype == "float16":
+        raise PlanError(
+            f"precision={policy.name!r} reduces gradients in float16 but stores parameters in {stored}: float16 "
+            "sums of gradients can overflow or underflow where bfloat16 (float32's exponent range) cannot, and "
+            "the runtime does not split the division by the world size around the reduction as FSDP2 does for "
+            "float16; pass reduce_dtype='bfloat16' or reduce_dtype='float32'"
         )
     if pipelined:
         raise PlanError(
@@ -433,25 +443,42 @@ def _offloader(chosen: Plan, offload: str, example_inputs, example_kwargs):
     return Offloader(chosen.memory, make_store(chosen.memory.target, path, device))
 
 
-# Dtypes each backend cannot reduce (gloo has no bfloat16 all-reduce).
-_UNREDUCIBLE = {"gloo": {torch.bfloat16}}
+_REDUCES: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs) -> None:
+def _backend_reduces(backend: str, dtype: torch.dtype) -> bool:
+    """Whether the default process group's ``backend`` sums ``dtype``, tried once per process
+    with a one-element all-reduce (``compile`` runs on every rank, so every rank tries it).
+    gloo builds without bfloat16 or float16 reject the dtype before communicating ("Invalid
+    scalar type", pytorch/pytorch#111131), alike on every rank; torch 2.13's gloo sums both.
+    Only gloo is tried: NCCL sums every floating dtype autopar plans."""
+    if backend != "gloo" or dtype in (torch.float32, torch.float64):
+        return True
+    if (backend, dtype) not in _REDUCES:
+        try:
+            dist.all_reduce(torch.zeros(1, dtype=dtype))
+            _REDUCES[backend, dtype] = True
+        except RuntimeError:
+            _REDUCES[backend, dtype] = False
+    return _REDUCES[backend, dtype]
+
+
+def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs, policy: MixedPrecision) -> None:
+    """Refuse floating dtypes the backend cannot sum: those of the model's tensors and inputs,
+    and the policy's compute and reduction dtypes (activations and gradients are summed in them)."""
     backend = str(dist.get_backend())
-    bad = _UNREDUCIBLE.get(backend, set())
-    if not bad:
-        return
     leaves = torch.utils._pytree.tree_leaves((example_inputs, example_kwargs or {}))
-    named = [(f"parameter {n}", t) for n, t in model.named_parameters()]
-    named += [(f"buffer {n}", t) for n, t in model.named_buffers()]
-    named += [(f"input {i}", t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-    for name, tensor in named:
-        if tensor.dtype in bad:
+    named = [(f"parameter {n}", t.dtype) for n, t in model.named_parameters()]
+    named += [(f"buffer {n}", t.dtype) for n, t in model.named_buffers()]
+    named += [(f"input {i}", t.dtype) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+    named += [(f"precision={policy.name!r}'s {field}", to_dtype(getattr(policy, field)))
+              for field in ("param_dtype", "reduce_dtype") if getattr(policy, field) is not None]
+    for name, dtype in named:
+        if dtype.is_floating_point and not _backend_reduces(backend, dtype):
             raise ValueError(
-                f"{name} is {tensor.dtype}, which the {backend} backend cannot reduce: use float32 "
-                f"(model.float()) when running on {backend}, with precision='bf16-mixed' for bf16 compute, "
-                f"or NCCL on GPUs for {tensor.dtype}"
+                f"{name} is {dtype}, which the {backend} backend cannot reduce in this torch build: use float32 "
+                f"(model.float(), precision='32-true') when running on {backend}, a torch whose {backend} sums "
+                f"{dtype} (2.13 does), or NCCL on GPUs"
             )
 
 

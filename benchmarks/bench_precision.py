@@ -1,4 +1,4 @@
-"""Step time of "bf16-mixed" against "32-true", the same plan kind, in the same run, on gloo.
+"""Step time of "bf16-mixed" and "bf16-reduce" against "32-true", one plan kind, in one run, on gloo.
 
     python benchmarks/bench_precision.py                 # 4 ranks, ddp and fsdp, 6 steps
     python benchmarks/bench_precision.py --ranks 2 --steps 4 --kinds ddp
@@ -6,8 +6,10 @@
 bench_runtime.py's GPT (4 layers, 256 wide, 16 sequences of 128 tokens) with fp32 weights,
 compiled on mesh (ranks,) under a hand plan (``autopar.hand_plan(kind, ..., precision=p)``) for
 each precision, and trained with ``torch.optim.AdamW`` over ``pm.parameters()`` (fp32 masters
-in both) for ``--steps`` steps after two warm-up steps. Both precisions run one after the
-other in the same spawned ranks, so the ratio compares like with like on this machine (the CPU's
+in all) for ``--steps`` steps after two warm-up steps. "bf16-reduce" is FSDP2's default policy,
+``MixedPrecision("bfloat16", "bfloat16", "float32")``: "bf16-mixed" with gradients reduced in
+bf16. The precisions run one after the other in the same spawned ranks, so the ratio compares
+like with like on this machine (the CPU's
 bf16 matmuls: AMX where it has them). Rank 0's median step time is reported. Writes
 ``results/precision_gloo.csv``.
 """
@@ -24,7 +26,9 @@ import torch
 
 CONFIG = dict(vocab_size=1024, block_size=128, n_layer=4, n_head=8, n_embd=256, tied=False)
 BATCH = 16
-PRECISIONS = ("32-true", "bf16-mixed")
+# FSDP2's default policy: bf16 gradient reductions into the fp32 masters.
+BF16_REDUCE = dict(param_dtype="bfloat16", reduce_dtype="bfloat16", master_dtype="float32", name="bf16-reduce")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-reduce")
 
 
 def _rank(rank: int, world: int, kinds: list[str], steps: int) -> list[dict]:
@@ -34,7 +38,8 @@ def _rank(rank: int, world: int, kinds: list[str], steps: int) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
     for kind in kinds:
-        for precision in PRECISIONS:
+        for name in PRECISIONS:
+            precision = autopar.MixedPrecision(**BF16_REDUCE) if name == "bf16-reduce" else name
             model = build_model("gpt", seed=0, **CONFIG)
             batch = example_batch("gpt", BATCH, seed=1, **CONFIG)
             plan = autopar.hand_plan(kind, model, (world,), example_inputs=batch, cluster="cpu", precision=precision)
@@ -49,8 +54,10 @@ def _rank(rank: int, world: int, kinds: list[str], steps: int) -> list[dict]:
                 torch.distributed.barrier()
                 if step >= 2:  # two warm-up steps
                     times.append(time.perf_counter() - start)
-            rows.append({"kind": kind, "precision": precision, "ranks": world,
-                         "step_s": statistics.median(times), "loss": float(pm(*batch).item())})
+            rows.append({"kind": kind, "precision": name, "ranks": world,
+                         "step_s": statistics.median(times), "loss": float(pm(*batch).item()),
+                         "predicted_step_s": plan.predicted["step_time_s"],
+                         "predicted_comm_bytes": plan.predicted["comm_bytes"]})
     return rows
 
 

@@ -4,6 +4,7 @@
     python benchmarks/bench_quality.py --quick         # the same shapes at 4 layers
     python benchmarks/bench_quality.py --precision bf16-mixed --cells llama-3-8b:8,64 \
         llama-2-70b:64,512,1024 --out benchmarks/results/quality_bf16.csv   # issue 17's cells
+    python benchmarks/bench_quality.py --precision bf16-mixed --reduce-dtype bfloat16 ...  # FSDP2's default
 
 GPT-2-XL, LLaMA-3-8B and LLaMA-2-70B shapes (``autopar.zoo.models``) on the meta device,
 ``h100-80g`` at 8, 64, 512 and 1,024 devices, with the device's memory less its reserve as the
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import sys
 import time
@@ -155,6 +157,8 @@ def main() -> int:
     parser.add_argument("--budget-gib", type=float, default=None,
                         help="bytes per device in GiB (default: the device's memory less its reserve)")
     parser.add_argument("--precision", default=None, help="32-true (default), bf16-mixed or bf16-true")
+    parser.add_argument("--reduce-dtype", default=None,
+                        help="replace the policy's reduce_dtype (bfloat16: FSDP2's default with bf16-mixed)")
     parser.add_argument("--no-checkpointing", action="store_true", help="forbid activation checkpointing")
     parser.add_argument("--quick", action="store_true", help="4 layers per model instead of the full depth")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
@@ -168,6 +172,9 @@ def main() -> int:
     cluster = get_cluster("h100-80g")
     budget = resolve_budget(None if args.budget_gib is None else args.budget_gib * 2**30, cluster)
     precision = precision_policy(args.precision)
+    if args.reduce_dtype is not None:
+        precision = dataclasses.replace(precision, reduce_dtype=args.reduce_dtype,
+                                        name=f"{precision.name}+reduce-{args.reduce_dtype}")
     rows = []
     for name, device_counts in cells.items():
         model, batch_inputs, config, batch, seq = build(name, args.quick)

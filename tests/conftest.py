@@ -101,3 +101,34 @@ class PolicyReference(torch.nn.Module):
             else:
                 values[name] = param
         return torch.func.functional_call(self.module, values, args, kwargs, tie_weights=False)
+
+    def data_parallel_backward(self, args: tuple, num_ranks: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Backward as ``num_ranks`` data-parallel ranks run it under the policy, reduction
+        included: each rank's equal slice (along dim 0) of every tensor in ``args`` on its own,
+        its loss (a mean) weighted 1/num_ranks so that the ranks' sum is the whole batch's
+        mean, each rank's gradient cast to ``reduce_dtype`` and summed in it in rank order, the
+        sum cast to the stored dtype into ``.grad``. For a model that returns a mean loss.
+        Returns the loss (the ranks' weighted sum) and rank 0's own gradients: what a rank
+        holds if the reduction is dropped."""
+        policy = self.policy
+        reduce_dtype = autopar.ir.options.to_dtype(policy.reduce_dtype or policy.param_dtype)
+        params = dict(self.module.named_parameters())
+        sums: dict[str, torch.Tensor] = {}
+        loss, own = 0.0, {}
+        for rank in range(num_ranks):
+            piece = tuple(a.chunk(num_ranks)[rank] if isinstance(a, torch.Tensor) else a for a in args)
+            for param in params.values():
+                param.grad = None
+            part = self(*piece) / num_ranks
+            part.backward()
+            loss = loss + part.detach().float()
+            for name, param in params.items():
+                if param.grad is None:
+                    continue
+                grad = param.grad.to(reduce_dtype or param.grad.dtype)
+                sums[name] = grad if name not in sums else sums[name] + grad
+                if rank == 0:
+                    own[name] = param.grad.clone()
+        for name, param in params.items():
+            param.grad = sums[name].to(param.dtype) if name in sums else None
+        return loss, own

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar import api
 from autopar.errors import CollectiveError, InfeasibleError, MeshError, PassError, PlanError, TraceError
 from autopar.passes import check_plan_matches, run_passes
 from autopar.trace import trace
@@ -136,18 +137,19 @@ def test_mesh_larger_than_the_world_names_the_world_size(one_rank_group):
     assert "pass a mesh whose sizes multiply to 1" in str(info.value)
 
 
-def test_bfloat16_on_gloo_names_float32(one_rank_group):
+def test_bfloat16_on_a_gloo_that_cannot_sum_it_names_float32(one_rank_group, monkeypatch):
+    monkeypatch.setitem(api._REDUCES, ("gloo", torch.bfloat16), False)  # an older gloo build
     with pytest.raises(ValueError) as info:
         autopar.compile(build_model("mlp").bfloat16(), mesh=(1,), example_inputs=example_batch("mlp", 8))
     assert "gloo backend cannot reduce" in str(info.value)
     assert "model.float()" in str(info.value) and "NCCL" in str(info.value)
 
 
-def test_a_precision_the_runtime_does_not_carry_out_names_the_reduce_dtype(one_rank_group):
-    policy = autopar.MixedPrecision("bfloat16", master_dtype="float32")  # reduce_dtype None: bf16
+def test_a_precision_the_runtime_does_not_carry_out_names_the_fix(one_rank_group):
+    policy = autopar.MixedPrecision("bfloat16", "float32")  # fp32 reductions of bf16 weights, no master copy
     with pytest.raises(PlanError) as info:
         autopar.compile(build_model("mlp"), mesh=(1,), example_inputs=example_batch("mlp", 8), precision=policy)
-    assert "reduce_dtype='float32'" in str(info.value)
+    assert "master_dtype='float32'" in str(info.value) and "reduce_dtype='bfloat16'" in str(info.value)
 
 
 def test_other_input_shapes_name_the_planned_shape(compiled_mlp):

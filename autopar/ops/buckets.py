@@ -37,7 +37,9 @@ class Slot:
 
     ``kind`` is "all_reduce" (over ``groups``) or "reduce_scatter" (over ``groups[0]``, along
     ``dim``; the gradient arrives whole and leaves as this rank's chunk). ``uses`` counts the
-    graph nodes whose backward add into it: the slot is complete when all have.
+    graph nodes whose backward add into it: the slot is complete when all have. ``dtype`` is
+    the reduction's: a precision policy's ``reduce_dtype`` where it is not the parameter's
+    (each gradient is cast into the slot, the reduced one back to the parameter's dtype).
     """
 
     key: str
@@ -246,6 +248,8 @@ class GradBuckets(torch.nn.Module):
                     reduced = _from_dim0(result[at:at + numel], shape, slot.dim)
                 at += numel
                 param = self._params[slot.key]
+                if reduced.dtype != param.dtype:  # reduced in a policy's reduce_dtype: lands in the master's
+                    reduced = reduced.to(param.dtype)
                 if param.grad is None:
                     param.grad = reduced
                 else:
@@ -328,10 +332,16 @@ class ParamGathers(torch.nn.Module):
         self._ready: dict[str, torch.Tensor] = {}
         self._dtypes: dict[str, torch.dtype] = {}
 
-    def cast_to(self, key: str, dtype: torch.dtype) -> None:
+    def cast_to(self, key: str, dtype: torch.dtype, stored: torch.dtype) -> None:
         """Gather ``key`` cast to ``dtype`` (a precision policy's ``param_dtype``: FSDP2 gathers
-        the cast shards); its gradient slot keeps the shard's dtype."""
+        the cast shards); its gradient slot keeps its own dtype. ``order`` gave its bytes in
+        the ``stored`` dtype: the prefetch window counts them in ``dtype``, as they move."""
         self._dtypes[key] = dtype
+        index = self._index[key]
+        name, group, dim, nbytes = self.order[index]
+        self.order[index] = (name, group, dim, nbytes // stored.itemsize * dtype.itemsize)
+        gi = self._group_of[key]
+        self._group_bytes[gi] = sum(self.order[self._index[other]][3] for other in self.groups[gi])
 
     def bind(self, shards: dict[str, torch.Tensor]) -> None:
         self._shards = dict(shards)

@@ -315,13 +315,15 @@ class _MovePieces(torch.autograd.Function):
 
 class _AllReduceGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group_name):
-        ctx.group_name = group_name
+    def forward(ctx, x, group_name, reduce_dtype):
+        ctx.group_name, ctx.reduce_dtype = group_name, reduce_dtype
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group_name), None
+        if ctx.reduce_dtype is None or ctx.reduce_dtype == grad.dtype:
+            return _all_reduce(grad, ctx.group_name), None, None
+        return _all_reduce(grad.to(ctx.reduce_dtype), ctx.group_name).to(grad.dtype), None, None
 
 
 @_guarded("all-to-all (rows)")
@@ -382,9 +384,11 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) -> 
     return _AllToAll.apply(x, src_dim, dst_dim, group_name)
 
 
-def allreduce_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Identity in forward; all-reduces the gradient in backward (Megatron's ``f``)."""
-    return _AllReduceGrad.apply(x, group_name)
+def allreduce_grad(x: torch.Tensor, group_name: str, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Identity in forward; all-reduces the gradient in backward (Megatron's ``f``). With
+    ``reduce_dtype`` (a precision policy's, for a parameter's gradient) the gradient is cast to
+    it, summed, and the sum cast back to the gradient's dtype."""
+    return _AllReduceGrad.apply(x, group_name, reduce_dtype)
 
 
 def move_pieces(x: torch.Tensor, dim: int, group_name: str, src: tuple[tuple[int, ...], ...],

@@ -1,11 +1,11 @@
-"""Carry out a precision policy that keeps master weights: reduce gradients in the master dtype.
+"""Carry out a precision policy that keeps master weights: reduce gradients in ``reduce_dtype``.
 
 Under a policy that casts (``MixedPrecision.casts``: "bf16-mixed"), ``trace`` gives each
 floating parameter placeholder (the master dtype, fp32) one ``_to_copy`` to ``param_dtype`` at its
 first use, and ``insert_collectives`` puts the collectives of each use *after* that cast: the
-gradient all-reduces (``allreduce_grad``) would then sum bf16 gradients. These passes move the
-reductions to the master side, where ``reduce_dtype`` (= the master dtype, checked by
-``autopar.compile``) asks for them:
+gradient all-reduces (``allreduce_grad``) would then sum bf16 gradients, per use. These passes
+move the reductions to the master side, where the schedule buckets them and the reduced
+gradient reaches the master's ``.grad``:
 
 - ``cast_after_collectives`` (before ``schedule_communication``): on every use of a parameter's
   cast, the chain of collectives between the cast and the op that reads it is re-rooted at the
@@ -14,7 +14,14 @@ reductions to the master side, where ``reduce_dtype`` (= the master dtype, check
   elements and commutes with an elementwise cast. In backward each gradient is cast up at the
   op's input, so reductions and the accumulation over uses run in the master dtype. The
   scheduled communication then sees the same placeholder → collectives patterns as without a
-  policy, and its gradient buckets reduce in the placeholder's (master) dtype.
+  policy. Where ``reduce_dtype`` (the cast's ``meta["autopar"]["reduce_dtype"]``, which the cost
+  model prices) is not the master dtype (FSDP2's default: bf16 reductions of fp32 masters), each
+  moved ``allreduce_grad`` is told so (``reduce_dtype=``): the schedule gives its parameter a
+  bucket slot in that dtype (each gradient cast into it, the sum cast back into ``.grad``), and
+  one left per use casts down, sums and casts back. Else the buckets reduce in the master dtype.
+  No division follows the sum: each rank's gradient is already its share of the mean's (the
+  loss's backward divides), so bf16, with fp32's exponent range, neither overflows nor
+  underflows where fp32 would not (README, "Mixed precision").
 - ``gather_in_param_dtype`` (after it): a parameter whose every use reads its scheduled gather
   through a cast to one dtype is gathered in that dtype instead (FSDP2's all-gather in
   ``param_dtype``: half the bytes of fp32, as the cost model prices it); its reduce-scatter slot
@@ -45,6 +52,11 @@ def is_param_cast(node: torch.fx.Node) -> bool:
             and "cast_of" in node.meta.get("autopar", {}))
 
 
+def _dtype_of(node: torch.fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
 def _is_move(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in _MOVES
 
@@ -58,6 +70,7 @@ def cast_after_collectives(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Gra
     graph = gm.graph
     for cast in [n for n in graph.nodes if is_param_cast(n)]:
         (source,) = cast.all_input_nodes
+        reduce_dtype = cast.meta["autopar"].get("reduce_dtype")
         for user in list(cast.users):
             chain = []
             node = user
@@ -67,6 +80,10 @@ def cast_after_collectives(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Gra
             if not chain:
                 continue
             chain[0].replace_input_with(cast, source)
+            if reduce_dtype not in (None, _dtype_of(source)):  # FSDP2's reduce_dtype: not the master's
+                for sync in chain:
+                    if sync.target is collectives.allreduce_grad:
+                        sync.kwargs = {**sync.kwargs, "reduce_dtype": reduce_dtype}
             with graph.inserting_after(chain[-1]):
                 moved = graph.call_function(cast.target, (chain[-1],), dict(cast.kwargs))
             moved.meta = {key: (dict(value) if key == "autopar" else value) for key, value in cast.meta.items()}
@@ -98,7 +115,7 @@ def gather_in_param_dtype(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Grap
             casts = list(node.users)
             dtypes = {cast.kwargs.get("dtype") for cast in casts}
             if casts and all(is_param_cast(cast) for cast in casts) and len(dtypes) == 1:
-                gathers.cast_to(node.kwargs["key"], dtypes.pop())
+                gathers.cast_to(node.kwargs["key"], dtypes.pop(), node.args[0].meta["val"].dtype)
                 for cast in casts:
                     drop(cast, node)
                 continue

@@ -7,7 +7,8 @@ all-reduces the whole gradient and keeps a chunk). This pass replaces them, per 
 
 - every ``allreduce_grad`` chain over the same axes from the placeholder becomes one
   ``grad_buckets`` node (identity; backward adds the gradient into a bucket slot, reduced
-  asynchronously with the rest of its bucket);
+  asynchronously with the rest of its bucket; the slot takes the chain's ``reduce_dtype``, a
+  precision policy's, else the parameter's dtype);
 - every ``all_gather(dim, g)`` → ``allreduce_grad(g)`` from the placeholder becomes one
   ``param_gathers`` node: all-gather in forward (prefetched), a reduce-scatter slot in backward,
   so the gradient stays sharded and half the bytes move. The parameters of one layer that are
@@ -102,17 +103,19 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
             with graph.inserting_after(placeholder):
                 node = graph.call_module(GRAD_BUCKETS, (placeholder,), {"key": placeholder.name})
             node.meta = dict(placeholder.meta)
+            slot_dtype = _reduce_dtype(chains[0], val)
             for chain in chains:
                 chain[-1].replace_all_uses_with(node)
                 for dead in reversed(chain):
                     graph.erase_node(dead)
-            reduce_slots.append((first, Slot(placeholder.name, "all_reduce", local, val.dtype, chain_groups)))
+            reduce_slots.append((first, Slot(placeholder.name, "all_reduce", local, slot_dtype, chain_groups)))
         if len(gathered) == 1 and not synced:
             (((dim, group, reduce), pairs),) = gathered.items()
             first_use = min(pairs, key=lambda pair: order[pair[0]])[0]
             with graph.inserting_before(first_use):
                 node = graph.call_module(PARAM_GATHERS, (placeholder,), {"key": placeholder.name})
             node.meta = dict(first_use.meta)
+            slot_dtype = _reduce_dtype(_grad_chain(next(iter(pairs[0][0].users)))[0], val) if reduce else val.dtype
             for gather, last in pairs:
                 last.replace_all_uses_with(node)
                 if reduce:
@@ -126,7 +129,8 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
                     graph.erase_node(gather)
             whole = tuple(s * size_of[group] if d == dim else s for d, s in enumerate(local))
             if reduce:
-                reduce_slots.append((order[first_use], Slot(placeholder.name, "reduce_scatter", whole, val.dtype, (group,), dim)))
+                reduce_slots.append((order[first_use], Slot(placeholder.name, "reduce_scatter", whole, slot_dtype,
+                                                            (group,), dim)))
             gathers.append((order[first_use], placeholder.name, group, dim, math.prod(whole) * val.dtype.itemsize,
                             _layer(fqns[placeholder.name]), val.dtype))
     # Backward produces gradients in the reverse of forward order.
@@ -141,6 +145,12 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
     if not gathers:
         delattr(gm, PARAM_GATHERS)
     return gm
+
+
+def _reduce_dtype(chain: Sequence[torch.fx.Node], val: torch.Tensor) -> torch.dtype:
+    """The dtype a parameter's gradient is reduced in: what its ``allreduce_grad`` chain asks
+    for (a precision policy's ``reduce_dtype``, set by ``passes.precision``), else its own."""
+    return (chain[0].kwargs.get("reduce_dtype") if chain else None) or val.dtype
 
 
 def _layer(fqn: str) -> str:

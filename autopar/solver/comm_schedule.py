@@ -10,6 +10,8 @@ them per parameter and buckets the reductions:
 - a parameter sharded on one axis, whose every gathered use needs the gradient summed on exactly
   that axis (and no use all-reduces it whole), is all-gathered once, and its gradient is
   reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces;
+- gradients are reduced in the precision policy's ``reduce_dtype`` (which the cast of a
+  parameter carries), gathers move the dtype their uses read (the cast's ``param_dtype``);
 - each reduction pays its bytes and its share of a bucket's latency
   (``comm.param_grad_sync_cost``); the buckets pay ceil(bytes / cap) latencies in all.
 
@@ -120,10 +122,13 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
         if len(gathers) == 1 and not syncs:
             (((axis, dim, reduce), members),) = gathers.items()
             dst = members[0][1]
+            # Gathered in the dtype its uses read (a policy's param_dtype: the runtime gathers the
+            # cast shards), its gradient reduce-scattered in the reduction dtype.
+            gathered = memory.local_bytes(arg_shape, members[0][0].dtype, dst, mesh)
             whole = memory.local_bytes(arg_shape, dtype, dst, mesh)
             k = mesh[axis]
-            gather_s = comm.all_gather_s(whole, axis, mesh, cluster)
-            gather_sent = comm.bytes_sent("all_gather", whole, k)
+            gather_s = comm.all_gather_s(gathered, axis, mesh, cluster)
+            gather_sent = comm.bytes_sent("all_gather", gathered, k)
             # each use gathered it; once now
             delta_s -= (len(members) - 1) * gather_s
             delta_bytes -= (len(members) - 1) * gather_sent

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -86,6 +88,31 @@ def _scenario(rank: int, world: int, gather_groups) -> dict:
         "buckets": len(buckets.buckets),
         "all_gathers": launched,
     }
+
+
+@pytest.fixture(scope="module")
+def one_rank_world():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter"])
+def test_a_bf16_slot_reduces_in_bf16_and_the_fp32_grad_gets_the_sum(one_rank_world, kind):
+    """A precision policy's reduce_dtype (FSDP2's bf16 reduction with fp32 masters): the
+    gradient is cast into the bf16 slot and the reduced one back to fp32. On one rank the sum is
+    the gradient itself, so each .grad gets the bf16 rounding of 1 + 2**-12 or 1 + 2**-10 (both 1)."""
+    bf16 = torch.bfloat16
+    slots = [Slot("w", kind, (2, 3), bf16, (one_rank_world,)), Slot("v", kind, (2, 3), bf16, (one_rank_world,))]
+    buckets = GradBuckets(make_buckets(slots, cap_bytes=1 << 20))
+    w, v = torch.zeros(2, 3, requires_grad=True), torch.zeros(2, 3, requires_grad=True)
+    v.grad = torch.full((2, 3), 2.0)  # an earlier use's gradient, which the reduced one adds to
+    buckets.bind({"w": w, "v": v})
+    ((buckets(w, "w") * (1 + 2 ** -12)).sum() + (buckets(v, "v") * (1 + 2 ** -10)).sum()).backward()
+    assert w.grad.dtype == torch.float32 and torch.equal(w.grad, torch.ones(2, 3))
+    assert torch.equal(v.grad, torch.full((2, 3), 3.0)), "the bf16 sum (1) added to the fp32 .grad (2)"
 
 
 @pytest.mark.multiproc

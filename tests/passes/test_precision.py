@@ -7,6 +7,7 @@ the numbers are checked against eager on gloo in tests/runtime/test_precision.py
 from __future__ import annotations
 
 import copy
+import datetime
 
 import pytest
 import torch
@@ -34,6 +35,16 @@ def _rewritten(kind: str, precision: str, options: CommOptions | None = None, co
     fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
     gm = run_passes(copy.deepcopy(traced.gm), plan, default_passes(("g0",), None, fqns, options))
     return gm, plan, traced
+
+
+@pytest.fixture(scope="module")
+def one_rank_world():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialized")
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                         timeout=datetime.timedelta(seconds=30))
+    yield
+    torch.distributed.destroy_process_group()
 
 
 def _dtype(node: torch.fx.Node) -> torch.dtype | None:
@@ -134,9 +145,61 @@ def test_floating_inputs_are_cast_to_param_dtype():
     assert precision_policy("32-true").cast_inputs(batch) is batch
 
 
+# FSDP2's default policy: bf16 compute and gradient reductions, fp32 master weights.
+FSDP2 = autopar.MixedPrecision("bfloat16", "bfloat16", "float32", name="fsdp2")
+
+
+@pytest.mark.parametrize("kind, config", [("ddp", CONFIG), ("fsdp", FSDP_CONFIG)])
+def test_a_bf16_reduce_dtype_reduces_bf16_and_lands_in_the_fp32_masters(kind, config):
+    gm, plan, traced = _rewritten(kind, FSDP2, config=config)
+    buckets: GradBuckets = gm.get_submodule("grad_buckets")
+    slots = [slot for bucket in buckets.buckets for slot in bucket.slots]
+    kinds = {"ddp": {"all_reduce"}, "fsdp": {"reduce_scatter"}}[kind]
+    assert kinds <= {slot.kind for slot in slots}, slots
+    assert {slot.dtype for slot in slots} == {torch.bfloat16}, "every bucket reduces in reduce_dtype"
+    stored = {n.name: _dtype(n) for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("p_")}
+    assert {stored[slot.key] for slot in slots} == {torch.float32}, "the gradients land in the fp32 masters"
+    assert not _param_path_reductions(gm), "every parameter gradient reduction went to the buckets"
+    # bf16-mixed keeps its fp32 buckets (test_ddp_buckets_reduce_fp32_masters_and_casts_follow)
+
+
+def test_per_use_reductions_of_a_bf16_reduce_dtype_cast_down_and_back():
+    """Without the schedule each use keeps its all-reduce on the fp32 side of the cast, told to
+    sum in reduce_dtype; under bf16-mixed it is told nothing (it sums fp32)."""
+    gm, plan, traced = _rewritten("ddp", FSDP2, CommOptions(enabled=False))
+    reductions = _param_path_reductions(gm)
+    assert reductions and not [n for n in reductions if _reads_bf16(n)]
+    assert {n.kwargs.get("reduce_dtype") for n in reductions} == {torch.bfloat16}
+    mixed, _, _ = _rewritten("ddp", "bf16-mixed", CommOptions(enabled=False))
+    assert {n.kwargs.get("reduce_dtype") for n in _param_path_reductions(mixed)} == {None}
+
+
+def test_allreduce_grad_sums_in_its_reduce_dtype(one_rank_world):
+    """On one rank the sum is the gradient itself: cast down to bf16 and back up (an fp32
+    gradient of 1 + 2**-12 is not a bf16 value)."""
+    group = torch.distributed.group.WORLD.group_name
+    x = torch.zeros(3, requires_grad=True)
+    (collectives.allreduce_grad(x, group, reduce_dtype=torch.bfloat16) * (1 + 2 ** -12)).sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, torch.ones(3))
+    y = torch.zeros(3, requires_grad=True)
+    (collectives.allreduce_grad(y, group) * (1 + 2 ** -12)).sum().backward()
+    assert torch.equal(y.grad, torch.full((3,), 1 + 2 ** -12)), "without reduce_dtype it sums its own dtype"
+
+
+def test_gathers_prefetch_by_the_bytes_they_move():
+    """A parameter gathered in bf16 counts bf16 bytes against the prefetch window."""
+    gm, plan, traced = _rewritten("fsdp", "bf16-mixed", config=FSDP_CONFIG)
+    gathers: ParamGathers = gm.get_submodule("param_gathers")
+    placeholders = {n.name: n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"}
+    for key, group, dim, nbytes in gathers.order:
+        assert gathers._dtypes[key] == torch.bfloat16
+        assert nbytes == placeholders[key].numel() * 2, "the whole tensor (the placeholder holds it whole), in bf16"
+    assert gathers._group_bytes == [sum(gathers.order[gathers._index[k]][3] for k in g) for g in gathers.groups]
+
+
 @pytest.mark.parametrize("precision, pipelined, offloads, needle", [
-    (autopar.MixedPrecision("bfloat16", master_dtype="float32"), False, False, "reduce_dtype='float32'"),
-    (autopar.MixedPrecision("bfloat16", "float32"), False, False, "reduce_dtype='bfloat16'"),
+    (autopar.MixedPrecision("bfloat16", "float32"), False, False, "master_dtype='float32'"),
+    (autopar.MixedPrecision("float16", master_dtype="float32"), False, False, "reduce_dtype='bfloat16'"),
     ("bf16-mixed", True, False, "pipeline='off'"),
     ("bf16-mixed", False, True, "offload='off'"),
 ])
@@ -151,7 +214,8 @@ def test_what_the_runtime_carries_out_is_accepted():
     from autopar.api import _check_precision_runs
 
     for precision in ("32-true", "bf16-mixed", "bf16-true", autopar.MixedPrecision("bfloat16"),
-                      autopar.MixedPrecision("float16", "float32", "float32")):
+                      autopar.MixedPrecision("float16", "float32", "float32"), FSDP2,
+                      autopar.MixedPrecision("bfloat16", master_dtype="float32")):
         _check_precision_runs(precision_policy(precision))
     _check_precision_runs(precision_policy("32-true"), pipelined=True, offloads=True)
 

@@ -18,6 +18,23 @@ reference is, plus 0.5%: measured, the sharded runs are 0.8-1.25 times as far. T
 back in bf16, whose spacing near 8 is 0.0625 (0.8%): it must match within 2%. The fp32
 ("32-true") case keeps the 1e-4 (largest element error over largest element) of
 tests/runtime/test_module.py.
+
+bf16 reductions (FSDP2's default policy: fp32 masters, ``reduce_dtype`` bf16). The reference
+(``PolicyReference.data_parallel_backward``) runs the four ranks' quarters of the batch on
+their own, rounds each rank's fp32 gradient to bf16 and sums them in bf16 in rank order, as
+the runtime's buckets do (gloo sums in its own order). Rounding a rank's gradient to 8
+significant bits errs by at most 2**-9 of it, and each of the three bf16 additions by 2**-9
+of the partial sum: a few tenths of a percent per tensor in L2, well inside the 10% and the
+truth ratio above, while a dropped reduction (one rank's own gradient, which the reference
+also returns) is off by far more than 10%, and the parent asserts that it fails the check.
+Those two checks cannot tell a bf16 sum from an fp32 one, so a sharper one: a gradient summed
+in bf16 and cast to fp32 is a bf16 value, element for element, and an fp32 sum of four bf16
+gradients mostly is not (asserted of the "bf16-mixed" DDP case, which reduces in fp32).
+Measured (2026-11-24): worst tensor 0.4-1.4% (DDP) and 1.7-2.0% (FSDP) from the reference,
+0.8-1.14 times as far from fp32 as it; all 20 (DDP) and 12 (FSDP) gradient tensors bf16 values,
+1 of 20 under "bf16-mixed" (the positional table, whose gradient is reduced at the lookup's
+output, in bf16); one rank's own gradient 87-92% off. With the bf16 buckets' collectives
+dropped (a mutation run: each rank keeps its own sum) the test fails: 88-99% off.
 """
 
 from __future__ import annotations
@@ -45,6 +62,7 @@ BATCH = 16
 LR = 1e-3
 GRAD_TOL, LOSS_TOL, FP32_TOL = 0.1, 0.02, 1e-4
 TRUTH_RATIO, TRUTH_SLACK = 1.5, 0.005
+BF16_REDUCE = autopar.MixedPrecision("bfloat16", "bfloat16", "float32", name="bf16-reduce")
 # (label, model, plan: a hand plan's kind or "auto" for autopar.compile's own solve, precision, mesh)
 CASES = (
     ("ddp_bf16_mixed", "gpt", "ddp", "bf16-mixed", (WORLD,)),
@@ -57,7 +75,12 @@ CASES = (
     # A plan the parent makes under a budget: sharded, and a layer checkpointed whose first node
     # is a parameter's cast (which the precision passes move past its collectives).
     ("checkpointed_bf16_mixed", "gpt", "given", "bf16-mixed", (WORLD,)),
+    # FSDP2's default policy: fp32 masters, gradients reduced in bf16 (DDP's all-reduce buckets,
+    # FSDP's reduce-scatters), against the reference reducing four ranks' gradients in bf16.
+    ("ddp_bf16_reduce", "gpt", "ddp", BF16_REDUCE, (WORLD,)),
+    ("fsdp_bf16_reduce", "gpt", "fsdp", BF16_REDUCE, (WORLD,)),
 )
+REDUCED_IN_BF16 = ("ddp_bf16_reduce", "fsdp_bf16_reduce")
 
 
 def l2_rel_diff(got: dict, want: dict) -> dict[str, float]:
@@ -101,14 +124,22 @@ def _run_case(name: str, kind: str, precision, mesh: tuple[int, ...], given: str
         opt_reference.zero_grad()
         loss = pm(*batch)
         loss.backward()
-        want = reference(*batch)
-        want.backward()
+        dropped = None
+        if reference.policy.casts and reference.policy.reduce_dtype != reference.policy.master_dtype:
+            want, own = reference.data_parallel_backward(batch, WORLD)  # the ranks' bf16 reduction
+        else:
+            want = reference(*batch)
+            want.backward()
         opt_truth.zero_grad()
         truth(*batch).backward()
         got, wanted, exact = pm.full_grads(), eager_grads(reference.module), eager_grads(truth)
+        if reference.policy.casts and reference.policy.reduce_dtype != reference.policy.master_dtype:
+            dropped = l2_rel_diff(own, {name: wanted[name] for name in own})
         steps.append({"loss": (loss.item(), want.item()), "loss_dtype": str(loss.dtype),
                       "grad_rel": max_rel_diff(got, wanted), "grad_l2": l2_rel_diff(got, wanted),
-                      "to_truth": (l2_rel_diff(got, exact), l2_rel_diff(wanted, exact))})
+                      "to_truth": (l2_rel_diff(got, exact), l2_rel_diff(wanted, exact)),
+                      "bf16_values": {name: bool(torch.equal(g, g.bfloat16().to(g.dtype))) for name, g in got.items()},
+                      "dropped": dropped})
         opt.step()
         opt_reference.step()
         opt_truth.step()
@@ -152,9 +183,19 @@ def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo() -> None:
             first, second = (s["loss"][0] for s in result["steps"])
             assert second < first, f"rank {rank} {label}: the step did not reach the next forward ({first} -> {second})"
     first = results[0]
+    for label in REDUCED_IN_BF16:
+        for step, numbers in enumerate(first[label]["steps"], start=1):
+            # Summed in bf16, cast to fp32: every reduced gradient is a bf16 value in fp32.
+            odd = [name for name, exact in numbers["bf16_values"].items() if not exact]
+            assert not odd, f"{label} step {step}: gradients of {odd} were not reduced in bf16"
+            # The gradient check has teeth: one rank's own gradient (the reduction dropped) fails it.
+            assert max(numbers["dropped"].values()) > GRAD_TOL, (label, step, numbers["dropped"])
+    # ... and the bf16 check too: fp32 sums of bf16 gradients are mostly not bf16 values.
+    fp32_sums = first["ddp_bf16_mixed"]["steps"][0]["bf16_values"]
+    assert sum(fp32_sums.values()) < len(fp32_sums) / 2, fp32_sums
     # Master weights and their gradients in fp32; bf16-true keeps no master copy.
     for label in ("ddp_bf16_mixed", "fsdp_bf16_mixed", "auto_bf16_mixed", "ddp_32_true", "mlp_bf16_mixed",
-                  "checkpointed_bf16_mixed"):
+                  "checkpointed_bf16_mixed") + REDUCED_IN_BF16:
         assert first[label]["param_dtypes"] == ["torch.float32"] == first[label]["grad_dtypes"], (label, first[label])
     assert first["ddp_bf16_true"]["param_dtypes"] == ["torch.bfloat16"] == first["ddp_bf16_true"]["grad_dtypes"]
     # The loss comes back in the dtype the model computes it in: bf16 logits give a bf16 loss.
@@ -164,3 +205,5 @@ def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo() -> None:
     # The plans communicate: DDP's gradient all-reduces, FSDP's gathers.
     assert first["ddp_bf16_mixed"]["collectives"].get("allreduce_grad"), first["ddp_bf16_mixed"]["collectives"]
     assert first["fsdp_bf16_mixed"]["collectives"].get("all_gather"), first["fsdp_bf16_mixed"]["collectives"]
+    assert first["ddp_bf16_reduce"]["collectives"].get("allreduce_grad"), first["ddp_bf16_reduce"]["collectives"]
+    assert first["fsdp_bf16_reduce"]["collectives"].get("all_gather"), first["fsdp_bf16_reduce"]["collectives"]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar import api
 from autopar.errors import PlanError
 from autopar.zoo.models import build_model, example_batch
 from autopar.runtime.launch import DistributedRankError, run_distributed
@@ -32,11 +33,26 @@ def one_rank_gloo():
             dist.destroy_process_group()
 
 
-def test_bfloat16_on_gloo_is_refused_with_the_fix(one_rank_gloo):
+def test_bfloat16_on_gloo_trains_where_gloo_sums_it(one_rank_gloo):
+    """compile tries whether the backend sums bf16 (torch 2.13's gloo does) rather than refusing
+    bf16 on gloo by name."""
+    model = build_model("mlp", seed=0).to(torch.bfloat16)
+    x, y = (t.to(torch.bfloat16) for t in example_batch("mlp", 8))
+    pm = autopar.compile(model, (1,), example_inputs=(x, y))
+    assert api._REDUCES[("gloo", torch.bfloat16)] is True
+    pm(x, y).backward()
+    assert {p.grad.dtype for p in pm.parameters()} == {torch.bfloat16}
+
+
+def test_bfloat16_on_a_gloo_that_cannot_sum_it_is_refused_with_the_fix(one_rank_gloo, monkeypatch):
+    monkeypatch.setitem(api._REDUCES, ("gloo", torch.bfloat16), False)  # an older gloo build
     model = build_model("mlp", seed=0).to(torch.bfloat16)
     x, y = (t.to(torch.bfloat16) for t in example_batch("mlp", 8))
     with pytest.raises(ValueError, match="cannot reduce.*float32"):
         autopar.compile(model, (1,), example_inputs=(x, y))
+    with pytest.raises(ValueError, match="precision='bf16-mixed''s param_dtype is torch.bfloat16"):
+        autopar.compile(build_model("mlp", seed=0), (1,), example_inputs=example_batch("mlp", 8),
+                        precision="bf16-mixed")
 
 
 def test_mesh_must_match_world_size(one_rank_gloo):

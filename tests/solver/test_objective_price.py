@@ -10,9 +10,12 @@ gradient reduction: those are in ``grad_sync_s``."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.distributed.tensor import Shard
 
 import autopar
 from autopar.cost.cluster import get_cluster
+from autopar.zoo.models import build_model, example_batch
 from tests.conftest import gpt_and_batch
 
 
@@ -40,3 +43,57 @@ def test_zoo_gpt_objective_is_the_predicted_step(mesh) -> None:
     plan = autopar.plan(model, mesh, example_inputs=batch, cluster="cpu", solver="highs")
     assert plan.predicted["grad_sync_s"] > 0, "the plan reduces parameter gradients (ddp-like)"
     assert_objective_is_step_time(plan)
+
+
+# FSDP2's default policy: bf16 compute and gradient reductions, fp32 master weights.
+BF16_REDUCE = autopar.MixedPrecision("bfloat16", "bfloat16", "float32", name="bf16-reduce")
+
+
+def test_bf16_reductions_are_priced_alike_by_the_ilp_and_the_plan() -> None:
+    model, batch = gpt_and_batch()
+    plan = autopar.plan(model, (2, 2), example_inputs=batch, cluster="cpu", solver="highs", precision=BF16_REDUCE)
+    assert plan.precision.reduce_dtype == "bfloat16" and plan.predicted["grad_sync_s"] > 0
+    assert_objective_is_step_time(plan)
+
+
+def test_a_bf16_reduction_sends_half_the_bytes_of_fp32_masters() -> None:
+    """DDP on 4 ranks: each parameter gradient all-reduce sends 2(k-1)/k of its bytes; in bf16
+    half those of fp32, so 3 bytes per element less. The positional table is the exception: its
+    gradient is reduced at the lookup's output (an activation, bf16 under both policies). The
+    gradients still land in the fp32 masters, so the peak does not move."""
+    config = dict(vocab_size=1024, block_size=64, n_layer=2, n_head=4, n_embd=128)
+    model = build_model("gpt", seed=0, **config)
+    batch = example_batch("gpt", 16, seed=1, vocab_size=1024, block_size=64)
+    plans = {precision: autopar.hand_plan("ddp", model, (4,), example_inputs=batch, cluster="cpu",
+                                          precision=precision)
+             for precision in ("bf16-mixed", BF16_REDUCE)}
+    fp32, bf16 = (plans[p].predicted for p in ("bf16-mixed", BF16_REDUCE))
+    reduced = sum(p.numel() for n, p in model.named_parameters() if n != "transformer.wpe.weight")
+    assert fp32["comm_bytes"] - bf16["comm_bytes"] == 3 * reduced
+    assert bf16["grad_sync_s"] < 0.6 * fp32["grad_sync_s"]
+    assert bf16["peak_memory_bytes"] == fp32["peak_memory_bytes"]
+
+
+class _Twice(torch.nn.Module):
+    """One weight read by two matmuls: FSDP gathers it once for both."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(512, 512, bias=False)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.lin(torch.relu(self.lin(x))), y)
+
+
+@pytest.mark.parametrize("precision, reduce_bytes", [("bf16-mixed", 4), (BF16_REDUCE, 2)])
+def test_a_weight_gathered_for_two_uses_moves_param_dtype_and_reduces_reduce_dtype(precision, reduce_bytes) -> None:
+    """FSDP on 4 ranks: the runtime gathers the weight once, in bf16 (the cast shards), and
+    reduce-scatters its gradient in reduce_dtype; each sends 3/4 of the whole tensor's bytes.
+    (The loss's all-reduce adds 3 bytes.)"""
+    torch.manual_seed(0)
+    model = _Twice()
+    batch = (torch.randn(4096, 512), torch.randn(4096, 512))
+    plan = autopar.hand_plan("fsdp", model, (4,), example_inputs=batch, cluster="cpu", precision=precision)
+    assert plan.params["lin.weight"] == (Shard(0),) and plan.collective_counts()[("all_gather", 0)] == 2
+    numel = model.lin.weight.numel()
+    assert plan.predicted["comm_bytes"] == 3 * numel * 2 // 4 + 3 * numel * reduce_bytes // 4 + 3
