@@ -30,7 +30,7 @@ from autopar.solver.memory import plan_memory
 
 log = logging.getLogger("autopar")
 
-__all__ = ["solve", "build_choice_graph", "ShardingILP", "plan_from_solution", "SOLVERS"]
+__all__ = ["solve", "build_choice_graph", "ShardingILP", "plan_from_solution", "predicted_step_s", "SOLVERS"]
 
 
 def solve(
@@ -104,13 +104,14 @@ def solve(
             if other_solution.objective_s >= plan.predicted["step_time_s"]:
                 continue  # checkpointing and offload only add time
             try:
-                other = _with_memory_decisions(
-                    plan_from_solution(traced, graph, other_solution, cluster, memory_budget),
-                    traced, graph, other_solution, cluster, memory_budget, offload, checkpointing, prefetch)
+                memory = plan_memory(traced, graph, other_solution.choice, cluster, memory_budget, target=offload,
+                                     prefetch=prefetch, checkpointing=checkpointing)
             except InfeasibleError:
                 continue
-            if other.predicted["step_time_s"] < plan.predicted["step_time_s"]:
-                plan, solution = other, other_solution
+            # The step the plan would predict, without building a plan that loses.
+            if predicted_step_s(graph, other_solution, cluster) + memory[0].added_s < plan.predicted["step_time_s"]:
+                plan = _with_memory(plan_from_solution(traced, graph, other_solution, cluster, memory_budget), *memory)
+                solution = other_solution
     start = time.perf_counter()
     decisions = explain_decisions(graph, solution, cluster, memory_budget)
     log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
@@ -180,8 +181,13 @@ def _leanest(graph: ChoiceGraph, time_limit_s: float, solver: str) -> Solution:
 
 def _with_memory_decisions(plan, traced, graph, solution, cluster, budget, offload, checkpointing, prefetch) -> Plan:
     """``plan`` with the checkpointing and offload that bring its peak under ``budget``."""
-    memory, breakdown = plan_memory(traced, graph, solution.choice, cluster, budget, target=offload,
-                                    prefetch=prefetch, checkpointing=checkpointing)
+    return _with_memory(plan, *plan_memory(traced, graph, solution.choice, cluster, budget, target=offload,
+                                           prefetch=prefetch, checkpointing=checkpointing))
+
+
+def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
+    """``plan`` with the memory decisions ``plan_memory`` made for its sharding."""
+    breakdown = dict(breakdown)
     at = breakdown.pop("time")
     predicted = {
         **plan.predicted,
@@ -212,6 +218,20 @@ def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: 
         "autopar.plan(..., offload=\"auto\") (or checkpointing=True alone), `autopar plan ... --offload auto` "
         "on the command line."
     )
+
+
+def predicted_step_s(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec) -> float:
+    """``plan_from_solution(...).predicted["step_time_s"]``, summed in the same order, without the
+    plan: what ``solve`` compares its memory candidates by."""
+    compute_s = reshard_s = 0.0
+    for name in graph.order:
+        compute_s += graph.choices[name].compute_s[solution.choice[name]]
+    for e, edge in enumerate(graph.edges):
+        src, dst = solution.edge_specs[e]
+        if src != dst:
+            reshard_s += edge.price[(src, dst)][0]
+    schedule = param_schedule(graph, solution.choice, cluster)
+    return compute_s + reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s
 
 
 def plan_from_solution(

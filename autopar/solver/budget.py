@@ -122,10 +122,10 @@ def solve_under_budget(ilp: ShardingILP, time_limit_s: float, unbounded: Solutio
                     low = middle
     finally:
         _set_objective(ilp, objective)
+    if not relaxed_fits:  # even the LP relaxation does not fit: no MILP will (``solve`` skips it)
+        return _empty(ilp, "Infeasible", backend, start)
     if best is None:
         return _empty(ilp, "Infeasible (no rounded plan fits)", backend, start)
-    if not relaxed_fits:
-        return _empty(ilp, "Infeasible", backend, start)
     status = "Optimal" if rounding_gap(best[0], bound) <= 1e-9 else "Feasible (lagrangian)"
     log.info("autopar: budgeted solve: %s, %s, %.6f s (bound %.6f), gap %.2f%% in %.2f s", status, best[2], best[0], bound,
              100 * rounding_gap(best[0], bound), _time.perf_counter() - start)

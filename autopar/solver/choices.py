@@ -120,6 +120,9 @@ class ChoiceGraph:
     layer_template: dict[str, str] = field(default_factory=dict)
     # When each node's bytes are alive over forward and backward (``autopar.cost.liveness``).
     timeline: liveness.Timeline | None = None
+    # What later stages compute from this graph alone (the memory planner's walk: see
+    # ``solver.memory``), kept so that one solve computes it once however many plans it tries.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def free(self) -> list[Choice]:
         return [self.choices[n] for n in self.order if self.choices[n].follower_of is None]
@@ -768,21 +771,43 @@ def _mutated_inputs(node: torch.fx.Node) -> set[int]:
 
 def _mark_followers(choices: dict[str, Choice], order: list[str], exclude: set[str] = frozenset()) -> None:
     """Mark nodes whose choice is a function of their single producer's choice (not those in
-    ``exclude``: ``_boundary_nodes``)."""
+    ``exclude``: ``_boundary_nodes``).
+
+    Identical ops share their lists (``_op_choice``), as do the nodes of repeated layers: each
+    distinct (lists, producer's strategy list) is decided and cut once, and its followers share
+    the cut lists, so that the next follower down the chain hits again."""
+    seen: dict[tuple, tuple] = {}
     for name in order:
         choice = choices[name]
         if choice.kind != "op" or len(choice.inputs) != 1 or name in exclude:
             continue
         producer, out_index = choice.inputs[0]
-        source_specs = choices[producer].out_specs(out_index)
-        by_in: dict[Spec, list[int]] = {}
-        for i, strategy in enumerate(choice.strategies):
-            if strategy.kernel is None:
-                by_in.setdefault(strategy.ins[0], []).append(i)
-        if all(len(by_in.get(spec, [])) == 1 for spec in source_specs):
-            keep = [by_in[spec][0] for spec in source_specs]
-            _keep_only(choice, keep)
+        source = choices[producer]
+        lists = _lists(choice)
+        key = (tuple(map(id, lists)), id(source.strategies), out_index)
+        hit = seen.get(key)
+        if hit is None:
+            source_specs = source.out_specs(out_index)
+            by_in: dict[Spec, list[int]] = {}
+            for i, strategy in enumerate(choice.strategies):
+                if strategy.kernel is None:
+                    by_in.setdefault(strategy.ins[0], []).append(i)
+            cut = None
+            if all(len(by_in.get(spec, [])) == 1 for spec in source_specs):
+                _keep_only(choice, [by_in[spec][0] for spec in source_specs])
+                cut = _lists(choice)
+            # The key's objects are held here, so that no id in it is reused while this runs.
+            hit = seen[key] = (lists, source.strategies, cut)
+        if hit[2] is not None:
+            (choice.strategies, choice.compute_s, choice.memory_bytes, choice.grad_sync_bytes, choice.param_sync_s,
+             choice.backward_s, choice.param_syncs) = hit[2]
             choice.follower_of = producer
+
+
+def _lists(choice: Choice) -> tuple[list, ...]:
+    """The per-strategy lists of a choice (what ``_keep_only`` cuts)."""
+    return (choice.strategies, choice.compute_s, choice.memory_bytes, choice.grad_sync_bytes, choice.param_sync_s,
+            choice.backward_s, choice.param_syncs)
 
 
 def _flatten(value) -> list:

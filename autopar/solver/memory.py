@@ -29,8 +29,11 @@ total transfer time less the compute it hides behind, and never below zero.
 The choice is greedy by seconds per byte saved: take the cheapest candidates until the peak of
 the adjusted liveness walk fits, then drop, most expensive first, every chosen decision the peak
 does not need. Savings are not additive (removing bytes at one time does not lower the peak if
-another time is higher), which is why each step re-runs the walk instead of summing. A Rotor-style
-dynamic program over the chain of layers would choose the checkpoints optimally; it is not built.
+another time is higher), which is why each step re-prices the walk instead of summing: only the
+intervals the decisions touch (a checkpointed segment's activations and inputs, an offloaded
+tensor), and between two checkpoint-only steps only those of the segment added or dropped
+(``_Walk.curve_under``), so a step costs one layer, not the whole model. A Rotor-style dynamic
+program over the chain of layers would choose the checkpoints optimally; it is not built.
 
 The adjusted walk changes the intervals of ``autopar.cost.liveness``: an offloaded parameter is
 alive only at its uses (from the previous fetch, with prefetch); an offloaded gradient only at
@@ -49,6 +52,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Callable
+
+import numpy as np
 
 from autopar.cost import compute, liveness
 from autopar.cost.cluster import ClusterSpec, LinkSpec
@@ -81,6 +86,78 @@ def offload_link(cluster: ClusterSpec, target: str) -> LinkSpec | None:
     return slower
 
 
+@dataclass
+class _WalkShape:
+    """What the walk needs of the graph whatever its sharding: node indices, aliases, uses, the
+    checkpoint segments, the parameter fetches, and which intervals each decision can change,
+    so that ``_Walk.curve_under`` re-prices only those: a checkpointed segment (or one whose
+    activations are offloaded) changes the activations it produces and, for checkpointing, the
+    ones it reads; an offloaded tensor only its own. A segment of a repeated layer thus costs
+    that layer's intervals, not the whole walk's. Computed once per choice graph."""
+
+    num: int
+    index: dict[str, int]
+    root: dict[str, str]
+    uses: dict[str, list[int]]
+    segments: list[tuple[str, int, int]]
+    fetches: list[tuple[int, str]]
+    touched: dict[tuple[str, str], set[int]]
+    starts: np.ndarray  # of the timeline's intervals
+    ends: np.ndarray
+
+    @classmethod
+    def of(cls, traced: TracedModel, graph) -> "_WalkShape":
+        nodes = live_nodes(traced.gm, graph.choices)
+        root: dict[str, str] = {}
+        for node in nodes:
+            root[node.name] = root[node.inputs[0]] if node.kind == "alias" and node.inputs else node.name
+        leader = {member: group[0] for group in graph.ties for member in group}
+        uses: dict[str, list[int]] = {}
+        for i, node in enumerate(nodes):
+            if node.kind == "alias":
+                continue
+            for producer in node.inputs:
+                base = leader.get(root[producer], root[producer])
+                uses.setdefault(base, []).append(i)
+        fx_nodes = {n.name: n for n in traced.gm.graph.nodes}
+        # Checkpoint segments: maximal runs of ops of one numbered layer (e.g. transformer.h.3).
+        segments: list[tuple[str, int, int]] = []
+        current: tuple[str, int] | None = None
+        for i, node in enumerate(nodes):
+            key = layer_key(fx_nodes[node.name], None) if node.kind in ("op", "alias") else None
+            if key is not None and current is not None and key == current and segments[-1][2] == i - 1:
+                name, first, _ = segments[-1]
+                segments[-1] = (name, first, i)
+            elif key is not None:
+                segments.append((f"{key[0]}.{key[1]}", i, i))
+            current = key
+        # Offloaded parameters are fetched before each use; in graph order, for prefetch.
+        param_nodes = [n.name for n in nodes if n.kind == "param" and n.name == leader.get(n.name, n.name)]
+        fetches = sorted((u, p) for p in param_nodes for u in sorted(set(uses.get(p, ()))))
+        segment_at: dict[int, int] = {}
+        for index, (_, first, last) in enumerate(segments):
+            for i in range(first, last + 1):
+                segment_at[i] = index
+        intervals = graph.timeline.intervals
+        touched: dict[tuple[str, str], set[int]] = {}
+        for k, iv in enumerate(intervals):
+            keys: list[tuple[str, str]] = []
+            if iv.kind == "activation":
+                if iv.start in segment_at:
+                    keys += [("checkpoint", str(segment_at[iv.start])), ("activations", str(segment_at[iv.start]))]
+                keys += [("checkpoint", str(segment_at[u])) for u in uses.get(iv.node, ()) if u in segment_at]
+            elif iv.kind in TRANSFERS:
+                keys.append((iv.kind, iv.node))
+                if iv.kind == "grad":  # a fetched parameter's gradient goes to the store
+                    keys.append(("param", iv.node))
+            for key in keys:
+                touched.setdefault(key, set()).add(k)
+        starts = np.array([iv.start for iv in intervals], dtype=np.int64)
+        ends = np.array([iv.end for iv in intervals], dtype=np.int64)
+        return cls(len(nodes), {node.name: i for i, node in enumerate(nodes)}, root, uses, segments, fetches,
+                   touched, starts, ends)
+
+
 class _Walk:
     """The liveness intervals of one chosen sharding, re-priced under a set of decisions."""
 
@@ -88,42 +165,35 @@ class _Walk:
         self.graph = graph
         self.bytes_of = bytes_of
         self.timeline: liveness.Timeline = graph.timeline
-        nodes = live_nodes(traced.gm, graph.choices)
-        self.num = len(nodes)
-        self.index = {node.name: i for i, node in enumerate(nodes)}
-        root: dict[str, str] = {}
-        for node in nodes:
-            root[node.name] = root[node.inputs[0]] if node.kind == "alias" and node.inputs else node.name
-        leader = {member: group[0] for group in graph.ties for member in group}
-        self.uses: dict[str, list[int]] = {}
-        for i, node in enumerate(nodes):
-            if node.kind == "alias":
-                continue
-            for producer in node.inputs:
-                base = leader.get(root[producer], root[producer])
-                self.uses.setdefault(base, []).append(i)
-        self.root = root
-        fx_nodes = {n.name: n for n in traced.gm.graph.nodes}
-        # Checkpoint segments: maximal runs of ops of one numbered layer (e.g. transformer.h.3).
-        self.segments: list[tuple[str, int, int]] = []
-        current: tuple[str, int] | None = None
-        for i, node in enumerate(nodes):
-            key = layer_key(fx_nodes[node.name], None) if node.kind in ("op", "alias") else None
-            if key is not None and current is not None and key == current and self.segments[-1][2] == i - 1:
-                name, first, _ = self.segments[-1]
-                self.segments[-1] = (name, first, i)
-            elif key is not None:
-                self.segments.append((f"{key[0]}.{key[1]}", i, i))
-            current = key
-        # Offloaded parameters are fetched before each use; in graph order, for prefetch.
-        param_nodes = [n.name for n in nodes if n.kind == "param" and n.name == leader.get(n.name, n.name)]
-        self.fetches = sorted((u, p) for p in param_nodes for u in sorted(set(self.uses.get(p, ()))))
+        cached = graph.derived.get("memory_walk")
+        if cached is None or cached[0] is not traced.gm:
+            cached = graph.derived["memory_walk"] = (traced.gm, _WalkShape.of(traced, graph))
+        shape = self.shape = cached[1]
+        self.num, self.index, self.root, self.uses = shape.num, shape.index, shape.root, shape.uses
+        self.segments, self.fetches, self._touched = shape.segments, shape.fetches, shape.touched
+        # The walk with no decision, as a difference array (``np.add.at`` adds in order, as a loop).
+        self._sizes = np.array([iv.factor * bytes_of(iv.node) for iv in self.timeline.intervals], dtype=float)
+        delta = np.zeros(2 * self.num + 1)
+        np.add.at(delta, shape.starts, self._sizes)
+        np.add.at(delta, shape.ends + 1, -self._sizes)
+        self._base = delta
+        self._last: tuple | None = None  # (prefetch, decisions, context, delta) of the last checkpoint-only curve
 
     def bwd(self, time: int) -> int:
         return 2 * self.num - 1 - time
 
     def intervals(self, decisions: set[tuple[str, str]], prefetch: bool) -> list[tuple[str, str, int, int, float]]:
         """(node, kind, start, end, factor) of every stored tensor under ``decisions``."""
+        context = self._context(decisions, prefetch)
+        out = []
+        for iv in self.timeline.intervals:
+            out.extend(self._spans(iv, context))
+        out.extend(self._streamed_step(context[0], prefetch))
+        return out
+
+    def _context(self, decisions: set[tuple[str, str]], prefetch: bool) -> tuple:
+        """What ``_spans`` needs of ``decisions``: the offloaded nodes by kind, the checkpointed
+        segments and the segment of each of their times, the times of offloaded activations."""
         offloaded = {kind: {node for k, node in decisions if k == kind} for kind in TRANSFERS}
         offloaded["grad"] |= offloaded["param"]  # a fetched parameter's gradient goes to the store
         segments = [self.segments[int(index)] for k, index in decisions if k == "checkpoint"]
@@ -138,29 +208,26 @@ class _Walk:
             read_from = self.bwd(later[0][2]) if prefetch and later else self.bwd(last)
             for i in range(first, last + 1):
                 in_moved[i] = (last, read_from)
-        out = []
-        for iv in self.timeline.intervals:
-            if iv.kind == "optimizer_state" and iv.node in offloaded["optimizer_state"]:
-                continue
-            if iv.kind == "grad" and iv.node in offloaded["grad"]:
-                out.append((iv.node, iv.kind, iv.start, iv.start, iv.factor))
-                continue
-            if iv.kind == "param" and iv.node in offloaded["param"]:
-                out.extend((iv.node, iv.kind, s, e, iv.factor) for s, e in self._fetched(iv.node, offloaded["param"], prefetch))
-                continue
-            if iv.kind == "activation" and iv.start in in_moved:
-                last, read_from = in_moved[iv.start]
-                last_forward = self.saved_inside(iv, last)
-                if last_forward is not None:
-                    out.append((iv.node, iv.kind, iv.start, last_forward, iv.factor))
-                    out.append((iv.node, iv.kind, read_from, iv.end, iv.factor))
-                    continue
-            if iv.kind == "activation" and segments:
-                out.extend(self._checkpointed(iv, in_segment, segments))
-                continue
-            out.append((iv.node, iv.kind, iv.start, iv.end, iv.factor))
-        out.extend(self._streamed_step(offloaded, prefetch))
-        return out
+        return offloaded, segments, in_segment, in_moved, prefetch
+
+    def _spans(self, iv: liveness.Interval, context: tuple) -> list[tuple[str, str, int, int, float]]:
+        """The (node, kind, start, end, factor) spans of one interval under ``_context``'s decisions."""
+        offloaded, segments, in_segment, in_moved, prefetch = context
+        if iv.kind == "optimizer_state" and iv.node in offloaded["optimizer_state"]:
+            return []
+        if iv.kind == "grad" and iv.node in offloaded["grad"]:
+            return [(iv.node, iv.kind, iv.start, iv.start, iv.factor)]
+        if iv.kind == "param" and iv.node in offloaded["param"]:
+            return [(iv.node, iv.kind, s, e, iv.factor) for s, e in self._fetched(iv.node, offloaded["param"], prefetch)]
+        if iv.kind == "activation" and iv.start in in_moved:
+            last, read_from = in_moved[iv.start]
+            last_forward = self.saved_inside(iv, last)
+            if last_forward is not None:
+                return [(iv.node, iv.kind, iv.start, last_forward, iv.factor),
+                        (iv.node, iv.kind, read_from, iv.end, iv.factor)]
+        if iv.kind == "activation" and segments:
+            return self._checkpointed(iv, in_segment, segments)
+        return [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
 
     def _streamed_step(self, offloaded: dict[str, set[str]], prefetch: bool) -> list[tuple[str, str, int, int, float]]:
         """The optimizer step streams offloaded state one parameter at a time: at the end of the
@@ -225,10 +292,59 @@ class _Walk:
             out.append(running)
         return out
 
+    def curve_under(self, decisions, prefetch: bool) -> np.ndarray:
+        """Bytes alive at every time under ``decisions`` (``curve(intervals(decisions))``): the
+        walk without decisions, with only the intervals the decisions touch re-priced
+        (``_index_decisions``).
+
+        Checkpointing a segment changes only the intervals it touches (the spans of an
+        activation depend on the segments of its start and of its uses alone), so between two
+        sets of checkpoints only the intervals of the decisions that differ are re-priced, from
+        the previous call's curve: the greedy's steps add or drop one segment each. Offloading
+        does not stay local (prefetch pairs each fetch with its neighbours, the step streams
+        the largest), so a set with offload is re-priced from the walk without decisions."""
+        decisions = frozenset(decisions)
+        context = self._context(decisions, prefetch)
+        local = all(key[0] == "checkpoint" for key in decisions)
+        last = self._last if local else None
+        if last is not None and last[0] == prefetch:
+            _, before, old_context, delta = last
+            changed = before ^ decisions
+            delta = delta.copy()
+            for k in sorted({k for key in changed for k in self._touched.get(key, ())}):
+                self._reprice(delta, k, old_context, -1.0)
+                self._reprice(delta, k, context, 1.0)
+        else:
+            delta = self._base.copy()
+            for k in sorted({k for key in decisions for k in self._touched.get(key, ())}):
+                self._reprice(delta, k, None, -1.0)
+                self._reprice(delta, k, context, 1.0)
+            if any(context[0].values()):
+                for node, _kind, start, end, factor in self._streamed_step(context[0], prefetch):
+                    size = factor * self.bytes_of(node)
+                    delta[start] += size
+                    delta[end + 1] -= size
+        self._last = (prefetch, decisions, context, delta) if local else None
+        return np.cumsum(delta[:-1])
+
+    def _reprice(self, delta: np.ndarray, k: int, context: tuple | None, sign: float) -> None:
+        """Add (``sign`` 1) or take out (-1) interval ``k``'s spans under ``context`` (None: as
+        the walk without decisions has it)."""
+        iv = self.timeline.intervals[k]
+        if context is None:
+            spans = [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
+        else:
+            spans = self._spans(iv, context)
+        for node, _kind, start, end, factor in spans:
+            size = sign * factor * self.bytes_of(node)
+            delta[start] += size
+            delta[end + 1] -= size
+
     def peak(self, decisions, prefetch: bool) -> tuple[float, int]:
-        values = self.curve(self.intervals(decisions, prefetch))
-        time = max(range(len(values)), key=lambda t: (values[t], -t))
-        return values[time], time
+        """(peak bytes, the first time it is reached) under ``decisions``."""
+        values = self.curve_under(decisions, prefetch)
+        time = int(np.argmax(values))
+        return float(values[time]), time
 
 
 def plan_memory(

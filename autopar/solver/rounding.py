@@ -118,20 +118,24 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
     for name in deciding_nodes(graph):
         for s, var in enumerate(ilp.x[name]):
             var.varValue = 1.0 if s == choice[name] else 0.0
+    # Edges of repeated layers share one y (``ShardingILP.add_edge_constraints``: their ends have
+    # equal strategy lists), so one (y, strategy indices) names one transition: look each up once.
+    taken: dict[tuple, tuple[dict, tuple]] = {}
     for e, variables in ilp.y.items():
         edge = graph.edges[e]
+        key = (id(variables), edge.out_index, edge.in_index, choice[edge.producer], choice[edge.consumer])
+        if key in taken:
+            continue
         src = graph.choices[edge.producer].strategies[choice[edge.producer]].outs[edge.out_index]
         dst = graph.choices[edge.consumer].strategies[choice[edge.consumer]].ins[edge.in_index]
         if (src, dst) not in variables:
             return None
-    for e, variables in ilp.y.items():
+        taken[key] = (variables, (src, dst))
+    for variables in {id(variables): variables for variables in ilp.y.values()}.values():
         for var in variables.values():
             var.varValue = 0.0
-    for e, variables in ilp.y.items():
-        edge = graph.edges[e]
-        src = graph.choices[edge.producer].strategies[choice[edge.producer]].outs[edge.out_index]
-        dst = graph.choices[edge.consumer].strategies[choice[edge.consumer]].ins[edge.in_index]
-        variables[(src, dst)].varValue = 1.0
+    for variables, pair in taken.values():
+        variables[pair].varValue = 1.0
     for key, value in ilp.param_sync_values().items():  # each z at the least its rows allow
         ilp.z[key].varValue = value
     if any(var.varValue is None for var in ilp.problem.variables()):

@@ -41,29 +41,35 @@ def explain_decisions(
         edges_of.setdefault(edge.consumer, []).append(e)
     decisions = {}
     position = {name: i for i, name in enumerate(graph.order)}
-    by_input: dict[int, dict] = {}  # follower strategy lists, alive for this call
+    memo = _Memo(graph, cluster)
     followers: dict[str, list[str]] = {}
     for name in graph.order:
         follower_of = graph.choices[name].follower_of
         if follower_of is not None:
             followers.setdefault(follower_of, []).append(name)
+    groups, _ = graph.param_sync_groups()
     for rep, base in _decision_bases(graph).items():
         choice = graph.choices[rep]
         if len(choice.strategies) < 2:
             continue
         members = _members(base, followers)
         ordered = sorted(members, key=position.__getitem__)
-        touching = sorted({e for name in members for e in edges_of.get(name, ())})
+        # Per touching edge, what does not depend on the strategy: the edge, its class (the
+        # price table and both ends' layer classes) and whether it enters the decision.
+        touching = [memo.edge_class(graph.edges[e], members)
+                    for e in sorted({e for name in members for e in edges_of.get(name, ())})]
+        # The parameter reductions a member may need (the others cannot change with it).
+        synced = [group for group in groups.values() if any(consumer in members for consumer, _ in group.uses)]
         priced = []
         for s in range(len(choice.strategies)):
-            assignment = _assignment(graph, solution, base, ordered, s, by_input)
-            cost = _price(graph, solution, assignment, members, touching)
+            assignment = _assignment(graph, solution, base, ordered, s, memo)
+            cost = _price(graph, solution, assignment, members, touching, synced, memo)
             if cost is not None:
                 priced.append((s, assignment, cost))
         chosen = solution.choice[rep]
         ranked = sorted(priced, key=lambda item: (item[0] != chosen, item[2]["total_s"], item[0]))
         kept = ranked[: top_k + 1]
-        candidates = [_candidate(graph, cluster, rep, s, assignment, cost, s == chosen) for s, assignment, cost in kept]
+        candidates = [_candidate(graph, rep, s, assignment, cost, s == chosen, memo) for s, assignment, cost in kept]
         decisions[rep] = {
             "members": ordered,
             "fqns": [graph.choices[n].fqn for n in ordered if graph.choices[n].fqn],
@@ -74,6 +80,38 @@ def explain_decisions(
         }
     return decisions
 
+
+class _Memo:
+    """What the counterfactuals of one ``explain_decisions`` call share, keyed by *class*: a
+    node of a repeated layer stands for its first-layer counterpart (``layer_template``), whose
+    strategy list and prices are equal by construction (``choices.repeated_layers``). So a
+    decision over 80 copies of a layer prices each distinct (edge class, src, dst) and each
+    follower's strategy once, not once per copy; the sums still run over every member, in
+    the same order as before, so the numbers are the same to the last bit."""
+
+    def __init__(self, graph: ChoiceGraph, cluster: ClusterSpec):
+        self.graph, self.cluster = graph, cluster
+        self.template = graph.layer_template
+        self.follow: dict[tuple, int] = {}  # (follower class, producer class, out index, producer's index) → index
+        self.edge: dict[tuple, tuple[float, float] | None | bool] = {}  # → price, None (impossible), False (no change)
+        self.grad_sync: dict[tuple, float] = {}
+        self.kernel_comm: dict[tuple, float] = {}
+        self.by_input: dict[int, dict] = {}  # follower strategy lists, by identity
+
+    def cls(self, name: str) -> str:
+        return self.template.get(name, name)
+
+    def edge_class(self, edge, members: set[str]) -> tuple:
+        """(edge, its class: price table, out index and in index and both ends' classes, whether
+        it enters the decision): what of a touching edge does not depend on the strategy."""
+        return (edge, (id(edge.price), self.cls(edge.producer), edge.out_index, self.cls(edge.consumer), edge.in_index),
+                edge.consumer in members)
+
+    def inputs_key(self, name: str) -> tuple:
+        """What a member's gradient all-reduces depend on beyond its class and strategy."""
+        choice = self.graph.choices[name]
+        return tuple((self.graph.choices[p].requires_grad, self.graph.choices[p].kind, tuple(arg.shape), arg.dtype)
+                     for (p, _), arg in zip(choice.inputs, choice.info.inputs))
 
 def _decision_bases(graph: ChoiceGraph) -> dict[str, set[str]]:
     """Representative → the free nodes that share its variables (layer copies, tied names)."""
@@ -102,18 +140,22 @@ def _members(base: set[str], followers: dict[str, list[str]]) -> set[str]:
 
 
 def _assignment(graph: ChoiceGraph, solution: Solution, base: set[str], ordered: list[str], s: int,
-                by_input: dict[int, dict]) -> dict[str, int]:
+                memo: _Memo) -> dict[str, int]:
     """Strategy index of every member (``ordered``: in graph order) when the decision takes strategy ``s``."""
     assignment: dict[str, int] = {}
     for name in ordered:
-        choice = graph.choices[name]
         if name in base:
             assignment[name] = s
             continue
+        choice = graph.choices[name]
         producer, out_index = choice.inputs[0]
-        producer_choice = graph.choices[producer]
-        spec = producer_choice.strategies[assignment.get(producer, solution.choice[producer])].outs[out_index]
-        assignment[name] = _index_by_input(choice.strategies, by_input)[spec]
+        producer_index = assignment.get(producer, solution.choice[producer])
+        key = (memo.cls(name), memo.cls(producer), out_index, producer_index)
+        index = memo.follow.get(key)
+        if index is None:
+            spec = graph.choices[producer].strategies[producer_index].outs[out_index]
+            index = memo.follow[key] = _index_by_input(choice.strategies, memo.by_input)[spec]
+        assignment[name] = index
     return assignment
 
 
@@ -129,8 +171,9 @@ def _index_by_input(strategies: list, cache: dict[int, dict]) -> dict:
 
 
 def _price(graph: ChoiceGraph, solution: Solution, assignment: dict[str, int], members: set[str],
-           touching: list[int]) -> dict[str, float] | None:
-    """Seconds and bytes the members cost under ``assignment``; None if a resharding is impossible."""
+           touching: list[tuple], synced: list, memo: _Memo) -> dict[str, float] | None:
+    """Seconds and bytes the members cost under ``assignment``; None if a resharding is impossible.
+    ``synced``: the parameter reduction groups that a member uses."""
     compute_s = memory_bytes = reshard_in_s = reshard_out_s = 0.0
     for name, index in assignment.items():
         choice = graph.choices[name]
@@ -138,23 +181,26 @@ def _price(graph: ChoiceGraph, solution: Solution, assignment: dict[str, int], m
         memory_bytes += choice.memory_bytes[index]
     # Parameter reductions run once per parameter (``choices.param_sync_groups``): the members'
     # per-use prices give way to each group a member uses, priced once.
-    groups, refunds = graph.param_sync_groups()
+    _, refunds = graph.param_sync_groups()
     merged_s = -sum(refunds[name][index] for name, index in assignment.items() if name in refunds)
     full = _Overlay(assignment, solution.choice)
-    for group in groups.values():
-        if any(consumer in members for consumer, _ in group.uses) and group.needed(full):
+    for group in synced:
+        if group.needed(full):
             merged_s += group.total_s
-    for e in touching:
-        edge = graph.edges[e]
-        producer, consumer = graph.choices[edge.producer], graph.choices[edge.consumer]
-        src = producer.strategies[assignment.get(edge.producer, solution.choice[edge.producer])].outs[edge.out_index]
-        dst = consumer.strategies[assignment.get(edge.consumer, solution.choice[edge.consumer])].ins[edge.in_index]
-        if src == dst:
+    for edge, edge_class, enters in touching:
+        src_index = assignment.get(edge.producer, solution.choice[edge.producer])
+        dst_index = assignment.get(edge.consumer, solution.choice[edge.consumer])
+        key = (edge_class, src_index, dst_index)
+        price = memo.edge.get(key, True)
+        if price is True:
+            src = graph.choices[edge.producer].strategies[src_index].outs[edge.out_index]
+            dst = graph.choices[edge.consumer].strategies[dst_index].ins[edge.in_index]
+            price = memo.edge[key] = False if src == dst else edge.price.get((src, dst))
+        if price is False:
             continue
-        price = edge.price.get((src, dst))
         if price is None:
             return None
-        if edge.consumer in members:
+        if enters:
             reshard_in_s += price[0]
         else:
             reshard_out_s += price[0]
@@ -174,11 +220,15 @@ class _Overlay(dict):
         return self._base[name]
 
 
-def _grad_sync_s(graph: ChoiceGraph, cluster: ClusterSpec, name: str, index: int) -> float:
+def _grad_sync_s(memo: _Memo, name: str, index: int) -> float:
     """Seconds of backward gradient all-reduces inside a member's ``compute_s``."""
+    graph = memo.graph
     choice = graph.choices[name]
     if choice.info is None:
         return 0.0
+    key = (memo.cls(name), index, memo.inputs_key(name))
+    if key in memo.grad_sync:
+        return memo.grad_sync[key]
     strategy = choice.strategies[index]
     seconds = 0.0
     for i, arg in enumerate(choice.info.inputs):
@@ -186,24 +236,30 @@ def _grad_sync_s(graph: ChoiceGraph, cluster: ClusterSpec, name: str, index: int
             continue
         for axis in grad_sync_axes(strategy, i):
             is_param = graph.choices[choice.inputs[i][0]].kind == "param"
-            seconds += grad_sync_cost(arg, strategy.ins[i], axis, is_param, graph.mesh_shape, cluster).backward_s
+            seconds += grad_sync_cost(arg, strategy.ins[i], axis, is_param, graph.mesh_shape, memo.cluster).backward_s
+    memo.grad_sync[key] = seconds
     return seconds
 
 
-def _kernel_comm_s(graph: ChoiceGraph, cluster: ClusterSpec, name: str, index: int) -> float:
+def _kernel_comm_s(memo: _Memo, name: str, index: int) -> float:
     """Seconds of a kernel's own collectives inside a member's ``compute_s`` (the
     context-parallel attention's K/V gathers and row exchanges: ``choices.kernel_collectives``)."""
+    graph = memo.graph
     choice = graph.choices[name]
-    if choice.info is None:
+    if choice.info is None or choice.strategies[index].kernel is None:
         return 0.0
-    steps = kernel_collectives(choice.info, choice.strategies[index], graph.mesh_shape, choice.requires_grad)
-    return comm.collectives_cost(steps, graph.mesh_shape, cluster)[0] if steps else 0.0
+    key = (memo.cls(name), index, choice.requires_grad, memo.inputs_key(name))
+    seconds = memo.kernel_comm.get(key)
+    if seconds is None:
+        steps = kernel_collectives(choice.info, choice.strategies[index], graph.mesh_shape, choice.requires_grad)
+        seconds = memo.kernel_comm[key] = comm.collectives_cost(steps, graph.mesh_shape, memo.cluster)[0] if steps else 0.0
+    return seconds
 
 
-def _candidate(graph, cluster, rep, s, assignment, cost, chosen) -> dict[str, Any]:
+def _candidate(graph, rep, s, assignment, cost, chosen, memo: _Memo) -> dict[str, Any]:
     strategy = graph.choices[rep].strategies[s]
-    grad_sync_s = sum(_grad_sync_s(graph, cluster, name, index) for name, index in assignment.items())
-    kernel_comm_s = sum(_kernel_comm_s(graph, cluster, name, index) for name, index in assignment.items())
+    grad_sync_s = sum(_grad_sync_s(memo, name, index) for name, index in assignment.items())
+    kernel_comm_s = sum(_kernel_comm_s(memo, name, index) for name, index in assignment.items())
     record: dict[str, Any] = {"strategy": s}
     if chosen:
         record["chosen"] = True

@@ -13,6 +13,7 @@ from autopar.report.explain import explain_json, explain_text, find_decision
 from autopar.zoo.models import build_model, example_batch
 from autopar.solver import ShardingILP, build_choice_graph, peak_memory
 from autopar.solver.choices import param_sync_adjustment_s
+from autopar.solver import runner_ups
 from autopar.solver.runner_ups import explain_decisions
 from autopar.trace import trace
 
@@ -168,3 +169,29 @@ def test_explain_text_and_json(gpt_plan):
     assert data["binding"] == "cost" and data["candidates"][0]["chosen"]
     single = next(n for n, p in gpt_plan.nodes.items() if p.source == "output")
     assert "nothing to decide" in explain_text(gpt_plan, single)
+
+
+class _Forgetful(dict):
+    """A cache that keeps nothing: every lookup misses and is priced afresh."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)])
+def test_layer_classes_price_as_every_node_alone(gpt_traced, mesh, monkeypatch):
+    """The counterfactuals price each (layer class, strategy) once (``runner_ups._Memo``): the
+    same records, to the last bit, as pricing every member of every decision afresh."""
+    cluster = get_cluster("cpu")
+    graph = build_choice_graph(gpt_traced, mesh, cluster)
+    assert graph.layer_template  # the layers are tied, so classes are shared
+    solution = solve_ilp(ShardingILP(graph))
+    decisions = explain_decisions(graph, solution, cluster, None)
+    init = runner_ups._Memo.__init__
+
+    def forgetful(self, *args):
+        init(self, *args)
+        self.follow, self.edge, self.grad_sync, self.kernel_comm = _Forgetful(), _Forgetful(), _Forgetful(), _Forgetful()
+
+    monkeypatch.setattr(runner_ups._Memo, "__init__", forgetful)
+    assert explain_decisions(graph, solution, cluster, None) == decisions

@@ -122,3 +122,16 @@ def test_the_leanest_sharding_is_found_by_highs(graphs):
 
     leanest = _leanest(graphs[True], 60, "highs")
     assert leanest.choice and leanest.status == "Optimal"
+
+
+def test_predicted_step_is_the_plans_step_to_the_last_bit(traced, graphs):
+    """``solve`` compares its memory candidates by ``predicted_step_s`` instead of building each
+    plan: it must be the plan's own ``step_time_s``, exactly, or a candidate could win on rounding."""
+    from autopar.solver import plan_from_solution, predicted_step_s
+
+    cluster = get_cluster("h100-80g")
+    graph = graphs[True]
+    solution = solve_ilp(ShardingILP(graph), 60, "auto")
+    plan = plan_from_solution(traced, graph, solution, cluster, None)
+    assert plan.predicted["step_time_s"] > 0
+    assert predicted_step_s(graph, solution, cluster) == plan.predicted["step_time_s"]

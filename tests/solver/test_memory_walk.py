@@ -1,0 +1,61 @@
+"""The memory planner's walk (autopar/solver/memory.py ``_Walk``): ``peak`` re-prices only the
+intervals its decisions touch, and must equal the walk re-run over every interval."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from autopar.cost.cluster import get_cluster
+from autopar.solver.choices import build_choice_graph
+from autopar.solver.memory import TRANSFERS, _Walk
+from autopar.trace import trace
+from autopar.zoo.models import build_model, example_batch
+
+
+@pytest.fixture(scope="module", params=["gpt", "llama"])
+def walk(request) -> _Walk:
+    model = build_model(request.param, seed=0, n_layer=4)
+    traced = trace(model, example_batch(request.param, 4, seed=1))
+    graph = build_choice_graph(traced, (2, 2), get_cluster("cpu"))
+    # A mixed sharding (not the solved one), so that sizes differ from node to node.
+    choice = {name: i % len(c.strategies) for i, (name, c) in enumerate(graph.choices.items())}
+    return _Walk(traced, graph, lambda name: graph.choices[name].memory_bytes[choice[name]])
+
+
+def _full_walk(walk: _Walk, decisions: set, prefetch: bool) -> tuple[float, int]:
+    values = walk.curve(walk.intervals(decisions, prefetch))
+    time = max(range(len(values)), key=lambda t: (values[t], -t))
+    return values[time], time
+
+
+def _decision_sets(walk: _Walk) -> list[set]:
+    segments = [str(i) for i in range(len(walk.segments))]
+    params = sorted(walk.timeline.intervals[k].node for k in range(len(walk.timeline.intervals))
+                    if walk.timeline.intervals[k].kind == "param")[:3]
+    sets: list[set] = [set()]
+    sets += [{("checkpoint", s)} for s in segments]
+    sets += [{("checkpoint", a), ("checkpoint", b)} for a, b in itertools.combinations(segments, 2)]
+    sets += [{("checkpoint", s) for s in segments}]
+    sets += [{("activations", s)} for s in segments]
+    sets += [{("activations", segments[0]), ("activations", segments[-1]), ("checkpoint", segments[1])}]
+    sets += [{(kind, p)} for kind in TRANSFERS for p in params]
+    sets += [{("param", params[0]), ("grad", params[1]), ("optimizer_state", params[2]), ("checkpoint", segments[0])}]
+    return sets
+
+
+def test_the_walk_has_segments_to_decide(walk):
+    assert len(walk.segments) >= 4  # one per layer at least: the sets below exercise them
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_incremental_peak_equals_the_full_walk(walk, prefetch):
+    for decisions in _decision_sets(walk):
+        peak, time = walk.peak(decisions, prefetch)
+        want_peak, want_time = _full_walk(walk, decisions, prefetch)
+        assert peak == pytest.approx(want_peak, rel=1e-12, abs=1e-6), decisions
+        assert time == want_time, decisions
+        # Every time, not only the peak: a decision must re-price every interval it changes.
+        want = walk.curve(walk.intervals(decisions, prefetch))
+        assert walk.curve_under(decisions, prefetch).tolist() == pytest.approx(want, rel=1e-12, abs=1e-6), decisions
