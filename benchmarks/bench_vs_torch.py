@@ -17,7 +17,9 @@ global batch 16 x 128 tokens, AdamW):
 
 ``--kinds`` can add ``autopar_ddp_sync`` and ``autopar_fsdp_sync``: the same hand plans compiled
 with ``autopar.CommOptions(enabled=False)``, one synchronous collective per use (the executor
-before communication was scheduled).
+before communication was scheduled); and ``eager_local``: the plain model on each rank's slice of
+the batch with no communication at all, the floor that data parallelism's overhead is measured
+from.
 
 After ``--warmup`` steps each, the trainers take turns step by step (zero_grad, forward,
 backward, optimizer step; a barrier before each), ``--steps`` timed steps each, so that the
@@ -68,7 +70,10 @@ def _trainer(kind: str, world: int, rank: int):
 
     model = _gpt()
     idx, targets = _batch()
-    if kind == "torch_ddp":
+    if kind == "eager_local":
+        module = model
+        batch = (idx.chunk(world)[rank], targets.chunk(world)[rank])
+    elif kind == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         module = DistributedDataParallel(model)

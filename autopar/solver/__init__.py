@@ -73,7 +73,7 @@ def solve(
     solution = unbounded = solve_ilp(ilp, time_limit_s, solver)
     visited: list[dict[str, int]] = []  # the Lagrangian plans on the way to the budget
     if memory_budget is not None and solution.choice and peak_memory(graph, solution)[0] > memory_budget * (1 + 1e-9):
-        solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited)
+        solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited, start)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
         # No sharding fits alone: with checkpointing or offload allowed, start from the leanest
@@ -118,6 +118,8 @@ def solve(
     return dataclasses.replace(plan, decisions=decisions, precision=precision)
 
 
+# The least time the second-opinion MILP under a budget gets (``_solve_budgeted``).
+_MIN_MILP_S = 5.0
 # Shardings that ``solve`` tries with checkpointing or offload under a binding budget.
 _MAX_MEMORY_CANDIDATES = 6
 
@@ -145,10 +147,16 @@ def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) ->
 
 
 def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution, deadline: float,
-                    solver: str, visited: list[dict[str, int]]) -> Solution:
+                    solver: str, visited: list[dict[str, int]], started: float) -> Solution:
     """The fastest plan does not fit: the Lagrangian fast path (``solver.budget``); the MILP
     with its memory cutting-plane loop only for ``solver="highs"`` or ``"cbc"``, or while a gap
-    above ``budget.MILP_GAP`` remains (the better of the two is kept)."""
+    above ``budget.MILP_GAP`` remains (the better of the two is kept).
+
+    Under ``solver="auto"`` that MILP is a second opinion, not the answer: it gets as long as
+    planning has taken so far (``started``: when ``solve`` began), at least
+    ``_MIN_MILP_S``, so that a binding budget costs about twice the unbounded plan, not
+    ``time_limit_s``. (The gap is to the LP bound with memory rows, which is loose: on deep
+    LLaMAs the MILP ran to its 60 s limit and the Lagrangian plan, checkpointed, won anyway.)"""
     ilp.memory_budget_bytes = memory_budget
     ilp.add_memory_constraint()
     fast = None
@@ -157,12 +165,14 @@ def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution,
         if fast.choice and (fast.gap or 0.0) <= MILP_GAP or fast.status == "Infeasible":
             return fast  # close enough; or even the LP relaxation does not fit: neither will the MILP
     left = deadline - time.perf_counter()
+    if fast is not None and fast.choice:
+        left = min(left, max(_MIN_MILP_S, time.perf_counter() - started))
     if fast is not None and fast.choice and left < 1.0:
         return fast
     exact, fits = solve_within_budget(ilp, ilp.graph, memory_budget, max(left, 1.0),
                                       backends.mip_backend(solver))
     if not fits:
-        log.warning("autopar: after %d memory rounds the plan still peaks at %.0f bytes, over memory_budget=%.0f",
+        log.warning("autopar: after up to %d memory rounds (or the time limit) the plan still peaks at %.0f bytes, over memory_budget=%.0f",
                     MAX_MEMORY_ROUNDS, peak_memory(ilp.graph, exact)[0], memory_budget)
         exact = dataclasses.replace(exact, choice={}, status="Infeasible (memory rounds)")
     if fast is not None and fast.choice and (not exact.choice or fast.objective_s <= exact.objective_s):

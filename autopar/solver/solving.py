@@ -58,7 +58,8 @@ def solve_within_budget(ilp: "ShardingILP", graph: "ChoiceGraph", budget: float 
     """Solve, then add the memory row at the time where the liveness walk overshoots ``budget``
     and solve again, up to ``MAX_MEMORY_ROUNDS`` times (the ILP bounds memory only at a handful
     of times). Returns the solution and whether it fits ``budget`` (True with no budget, or no
-    solution)."""
+    solution). ``time_limit_s`` bounds all the rounds together."""
+    deadline = time.perf_counter() + time_limit_s
     solution = solve_ilp(ilp, time_limit_s, solver)
     for _ in range(MAX_MEMORY_ROUNDS):
         if not solution.choice or budget is None:
@@ -66,10 +67,12 @@ def solve_within_budget(ilp: "ShardingILP", graph: "ChoiceGraph", budget: float 
         peak_bytes, peak_time = peak_memory(graph, solution)
         if peak_bytes <= budget * (1 + 1e-9):
             return solution, True
+        if time.perf_counter() >= deadline:
+            break
         log.debug("memory overshoot %.0f > %.0f at %s: adding that time", peak_bytes, budget,
                   graph.timeline.time_name(peak_time))
         ilp.add_memory_constraint_at(peak_time)
-        solution = solve_ilp(ilp, time_limit_s, solver)
+        solution = solve_ilp(ilp, max(deadline - time.perf_counter(), 1.0), solver)
     fits = not solution.choice or budget is None or peak_memory(graph, solution)[0] <= budget * (1 + 1e-9)
     return solution, fits
 

@@ -21,8 +21,8 @@ Per-layer prices (``unit_costs``). Under a candidate every unit gets, in seconds
 microbatch: ``own`` (its ops' forward and backward, and the resharding between its own ops and
 from parameters), ``prev`` (resharding of values coming from the previous block) and
 ``pre`` (of values coming from ``pre``); ``fwd`` (the forward part of ``own``, paid again when
-the stage recomputes activations); ``sync`` (the per-step gradient all-reduces of its
-parameters). Bytes per device: ``static`` (its parameters, their gradients and optimizer
+the stage recomputes activations); ``sync`` (the per-step gradient reductions of its
+parameters, each parameter once at its bucketed price, as the ILP prices them). Bytes per device: ``static`` (its parameters, their gradients and optimizer
 state, and user inputs), ``saved`` (activations alive at the end of forward, kept per microbatch
 in flight), ``transient`` (the peak of its own activations and gradients above ``saved``),
 ``stash`` (its input activations: what a recomputing stage keeps per microbatch), and the
@@ -374,6 +374,7 @@ def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[
             return layers.unit[name]
         return output_unit if graph.choices[name].kind == "output" else -2  # -2: a placeholder
 
+    groups, per_use = graph.param_sync_groups()
     for name in graph.order:
         u = unit_of(name)
         if u == -2:
@@ -381,7 +382,8 @@ def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[
         index = choice[name]
         if name in split.sync:
             own[u + 1] += graph.choices[name].compute_s[index] - split.sync[name][index]
-            sync[u + 1] += split.sync[name][index]
+            # the parameter reductions the runtime buckets are charged below, once per parameter
+            sync[u + 1] += max(split.sync[name][index] - (per_use[name][index] if name in per_use else 0.0), 0.0)
             fwd[u + 1] += split.forward[name][index]
     received: dict[tuple[int, str, int], tuple[float, float]] = {}
     for edge in graph.edges:
@@ -402,6 +404,12 @@ def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[
         (pre if pu == -1 else prev)[cu + 1] += seconds
         whole = float(memory.tensor_bytes(edge.shape, edge.dtype))
         received[(cu, edge.producer, edge.out_index)] = (whole, whole if edge.requires_grad else 0.0)
+    # Each parameter's gradient is reduced once per step, in a bucket, at the price the ILP pays
+    # (``choices.param_sync_groups``), in the unit of its first consumer.
+    for group in groups.values():
+        if group.needed(choice):
+            for param in group.params:
+                sync[min(consumers.get(param) or {-1}) + 1] += group.price_s
     for (cu, producer_name, out_index), (fwd_bytes, bwd_bytes) in received.items():
         target = pre_bytes if layers.unit.get(producer_name, -2) == -1 else prev_bytes
         target[cu + 1] += (fwd_bytes, bwd_bytes)

@@ -135,3 +135,35 @@ def test_predicted_step_is_the_plans_step_to_the_last_bit(traced, graphs):
     plan = plan_from_solution(traced, graph, solution, cluster, None)
     assert plan.predicted["step_time_s"] > 0
     assert predicted_step_s(graph, solution, cluster) == plan.predicted["step_time_s"]
+
+
+def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkeypatch):
+    """Where the Lagrangian plan's gap stays above ``MILP_GAP``, ``solve(solver="auto")`` runs the
+    MILP too, but only for as long as planning has taken so far (at least ``_MIN_MILP_S``), not
+    ``time_limit_s``: a binding budget must not cost 60 s more than the unbounded plan."""
+    import time
+
+    import autopar.solver as solver_module
+    from autopar.solver import solve
+    from autopar.solver.solving import peak_memory
+
+    cluster = get_cluster("h100-80g")
+    graph = build_choice_graph(traced, (2, 2), cluster)
+    unbounded = solve_ilp(ShardingILP(graph), 60)
+    lean = graph.timeline.peak(lambda n: min(graph.choices[n].memory_bytes, default=0.0))[0]
+    budget = lean + 0.3 * (peak_memory(graph, unbounded)[0] - lean)
+    monkeypatch.setattr(solver_module, "MILP_GAP", -1.0)  # every Lagrangian gap is "too large"
+    limits = []
+    real = solver_module.solve_within_budget
+
+    def spy(ilp, graph, budget, time_limit_s, solver):
+        limits.append((time_limit_s, time.perf_counter()))
+        return real(ilp, graph, budget, time_limit_s, solver)
+
+    monkeypatch.setattr(solver_module, "solve_within_budget", spy)
+    start = time.perf_counter()
+    plan = solve(traced, (2, 2), cluster, memory_budget=budget, time_limit_s=600.0)
+    assert plan.predicted["peak_memory_bytes"] <= budget * (1 + 1e-9)
+    assert len(limits) == 1, "the MILP ran as a second opinion"
+    limit, called = limits[0]
+    assert limit <= max(solver_module._MIN_MILP_S, called - start) + 1e-6 < 600.0

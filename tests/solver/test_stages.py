@@ -240,3 +240,27 @@ def test_pipelined_plans_record_their_precision():
                         pipeline=2, num_microbatches=2, precision="bf16-mixed")
     assert plan.pipeline is not None and plan.precision.name == "bf16-mixed"
     assert Plan.from_json(plan.to_json()).precision == plan.precision
+
+
+def test_the_stage_dp_prices_each_parameter_reduction_once_at_its_bucketed_price():
+    # GPT ties its embedding to its head: two uses of one parameter. The runtime reduces each
+    # parameter's gradient once, in a bucket (passes.schedule), and the sharding ILP prices that
+    # (choices.param_sync_groups); the stage DP's per-step sync must be the same sum, not one
+    # latency-bound all-reduce per use.
+    from autopar.solver.stage_costs import CandidateSolver, build_stage_graph, split_op_costs, unit_costs
+
+    cpu = get_cluster("cpu")  # slow compute: splitting the batch wins, so parameters are reduced
+    model = build_model("gpt", n_layer=2)
+    traced = trace(model, example_batch("gpt", 16))
+    graph = build_stage_graph(traced, (4,), cpu)
+    split = split_op_costs(graph, cpu)
+    choice = CandidateSolver(graph, split, 2, 30.0, "highs").fastest()[0].solution.choice
+    units = unit_costs(graph, cluster_layers(traced), split, choice, cpu)
+    groups, per_use = graph.param_sync_groups()
+    bucketed = sum(group.total_s for group in groups.values() if group.needed(choice))
+    assert bucketed > 0
+    # the tied table (exported once, as the head's weight): two uses, each reducing
+    assert any(g.needed(choice) and len(g.uses) == 2 for g in groups.values())
+    per_use_total = sum(per_use[name][choice[name]] for name in per_use)
+    assert per_use_total > bucketed  # one latency per use costs more than one bucket slot per parameter
+    assert float(units.sync.sum()) == pytest.approx(bucketed, rel=1e-9)
