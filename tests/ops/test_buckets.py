@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets, ParamGathers, Slot, make_buckets
-from autopar.runtime.launch import run_distributed
 
 
 def test_make_buckets_caps_and_keeps_kinds_apart():
@@ -89,8 +88,8 @@ def _scenario(rank: int, world: int, gather_groups) -> dict:
 
 
 @pytest.mark.multiproc
-def test_buckets_and_gathers_sum_like_the_collectives_they_replace():
-    for rank, results in enumerate(run_distributed(_run, 2, timeout_s=120)):
+def test_buckets_and_gathers_sum_like_the_collectives_they_replace(rank_pool):
+    for rank, results in enumerate(rank_pool(2).run(_run, timeout_s=120)):
         for how, result in results.items():
             where = f"rank {rank}, {how} gathers"
             assert result["gathered"] == (True, True), f"{where}: a gathered parameter is the whole tensor"
