@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -28,7 +29,7 @@ from autopar.ir.options import (
 )
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.ir.summary import format_bytes
-from autopar.ir.plan import Plan
+from autopar.ir.plan import Plan, validate_plan_json
 from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.solver import solve
 from autopar.trace import TracedModel, trace, trace_repeated
@@ -512,7 +513,9 @@ def _resolve_plan(plan: Plan | None, traced: TracedModel, mesh_shape: tuple[int,
                     made = _plan_stages(traced, mesh_shape, None, get_cluster(cluster), options)
                 else:
                     made = plan_traced(traced, mesh_shape, get_cluster(cluster), options)
-                payload[0] = ("plan", made.to_json())
+                text = made.to_json()
+                validate_plan_json(json.loads(text))  # once, here: every rank parses these same bytes
+                payload[0] = ("plan", text)
             except Exception as error:
                 payload[0] = ("error", error)
         collectives.call_on_world("plan broadcast", dist.broadcast_object_list, payload, src=0)
@@ -523,7 +526,7 @@ def _resolve_plan(plan: Plan | None, traced: TracedModel, mesh_shape: tuple[int,
             raise type(value)(f"{value}\n(planned on rank 0)") if isinstance(value, AutoparError) else RuntimeError(
                 f"planning failed on rank 0: {type(value).__name__}: {value}"
             )
-        chosen = Plan.from_json(value)
+        chosen = Plan.from_json(value, validate=False)  # checked on rank 0 before the broadcast
     else:
         chosen = plan
     check_plan_matches(chosen, traced, mesh_shape)

@@ -10,6 +10,7 @@ import torch
 
 import autopar
 from autopar.ir.spec import format_spec
+from autopar.runtime.launch import max_rel_diff
 from autopar.zoo.models import build_model, example_batch
 
 
@@ -34,11 +35,45 @@ def gpt_plan_2() -> autopar.Plan:
     return autopar.plan(model, (2,), example_inputs=batch, cluster="cpu")
 
 
+# -- gloo ranks shared by the multi-process tests -----------------------------------------------
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """``rank_pool(n)``: the session's ``tests.rank_pool.RankPool`` of ``n`` gloo ranks (spawned
+    at its first job, reused by the next; ``pool.run(fn, *args, timeout_s=...)``)."""
+    from tests.rank_pool import RankPool
+
+    pools: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        return pools.setdefault(world_size, RankPool(world_size))
+
+    yield get
+    for pool in pools.values():
+        pool.close()
+
+
 # -- eager references and compiled graphs -----------------------------------------------------
 
 def eager_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's ``.grad`` under every name it has (tied names included)."""
     return {name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def step_against_eager(pm: torch.nn.Module, eager: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
+                       *, output_loss=None) -> dict:
+    """One forward and backward of the compiled module ``pm`` and of ``eager`` (an unsharded copy
+    of its model) on the same inputs: ``{"loss": (compiled, eager), "grad_rel": {name: error}}``,
+    the gradient errors ``max_rel_diff(pm.full_grads(), eager_grads(eager))`` by FQN.
+    ``output_loss`` picks the loss out of a model's output (``lambda out: out.loss`` for Hugging
+    Face models); by default the output is the loss."""
+    kwargs = kwargs or {}
+    pick = output_loss or (lambda out: out)
+    loss = pick(pm(*args, **kwargs))
+    loss.backward()
+    want = pick(eager(*args, **kwargs))
+    want.backward()
+    return {"loss": (loss.item(), want.item()), "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager))}
 
 
 # The scheduled parameter communication (``passes.schedule``) as the collectives it replaces: a

@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets, ParamGathers, Slot, make_buckets
-from autopar.runtime.launch import run_distributed
 
 
 def test_make_buckets_caps_and_keeps_kinds_apart():
@@ -116,8 +115,8 @@ def test_a_bf16_slot_reduces_in_bf16_and_the_fp32_grad_gets_the_sum(one_rank_wor
 
 
 @pytest.mark.multiproc
-def test_buckets_and_gathers_sum_like_the_collectives_they_replace():
-    for rank, results in enumerate(run_distributed(_run, 2, timeout_s=120)):
+def test_buckets_and_gathers_sum_like_the_collectives_they_replace(rank_pool):
+    for rank, results in enumerate(rank_pool(2).run(_run, timeout_s=120)):
         for how, result in results.items():
             where = f"rank {rank}, {how} gathers"
             assert result["gathered"] == (True, True), f"{where}: a gathered parameter is the whole tensor"

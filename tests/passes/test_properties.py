@@ -503,10 +503,8 @@ def _run_random_forced(rank: int, world: int, seed: int) -> dict:
 
 
 @pytest.mark.multiproc
-def test_random_forced_plans_match_eager_on_gloo() -> None:
-    from autopar.runtime.launch import run_distributed
-
-    results = run_distributed(_run_random_forced, 2, FORCED_SEED, timeout_s=300, pg_timeout_s=60)
+def test_random_forced_plans_match_eager_on_gloo(rank_pool) -> None:
+    results = rank_pool(2).run(_run_random_forced, FORCED_SEED, timeout_s=300)
     assert len(results[0]) == sum(case[3] for case in FORCED_CASES) + 1
     failures = []
     for rank, by_plan in enumerate(results):

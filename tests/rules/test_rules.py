@@ -781,10 +781,8 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.multiproc
-def test_kernels_on_two_gloo_ranks():
-    from autopar.runtime.launch import run_distributed
-
-    assert run_distributed(_kernels_on_ranks, 2, timeout_s=60) == ["ok", "ok"]
+def test_kernels_on_two_gloo_ranks(rank_pool):
+    assert rank_pool(2).run(_kernels_on_ranks, timeout_s=60) == ["ok", "ok"]
 
 
 # --------------------------------------------------------------------------------------------

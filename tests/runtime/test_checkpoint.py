@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 import autopar
 from autopar.zoo.models import GPT, build_model, example_batch
-from autopar.runtime.launch import max_rel_diff, run_distributed
+from autopar.runtime.launch import max_rel_diff
 
 pytestmark = pytest.mark.multiproc
 
@@ -162,9 +162,9 @@ def _sharded(params: dict[str, list[str]]) -> list[str]:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # no_dist=True, on purpose
-def test_checkpoint_round_trip_across_meshes(tmp_path) -> None:
+def test_checkpoint_round_trip_across_meshes(rank_pool, tmp_path) -> None:
     plans = _plans()
-    results = run_distributed(_run, 4, str(tmp_path / "ckpt"), plans, timeout_s=600)
+    results = rank_pool(4).run(_run, str(tmp_path / "ckpt"), plans, timeout_s=600)
     for rank, out in enumerate(results):
         where = f"rank {rank}"
         eager = out["eager_losses"]

@@ -19,12 +19,11 @@ from torch import nn
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.ir.spec import S
-from autopar.runtime.launch import max_rel_diff, run_distributed
 from autopar.runtime.numerics import check_numerics
 from autopar.solver import solve
 from autopar.trace import trace
 from autopar.zoo.models import GPT, Llama
-from tests.conftest import eager_grads
+from tests.conftest import step_against_eager
 
 TOL = 1e-6  # float64 throughout
 
@@ -91,18 +90,13 @@ def _run_ranks(rank: int, world: int) -> dict:
         eager = copy.deepcopy(model)
         plan = _forced_plan(model, batch, (world,), (S(2),))
         pm = autopar.compile(model, (world,), example_inputs=batch, plan=plan)
-        loss = pm(*batch)
-        loss.backward()
-        want = eager(*batch)
-        want.backward()
-        results[name] = {"loss": (loss.item(), want.item()),
-                         "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager))}
+        results[name] = step_against_eager(pm, eager, batch)
     return results
 
 
 @pytest.mark.multiproc
-def test_context_parallel_matches_eager_on_gloo():
-    results = run_distributed(_run_ranks, 4, timeout_s=600)
+def test_context_parallel_matches_eager_on_gloo(rank_pool):
+    results = rank_pool(4).run(_run_ranks, timeout_s=600)
     for rank, by_case in enumerate(results):
         for name, result in by_case.items():
             got, want = result["loss"]

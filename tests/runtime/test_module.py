@@ -17,7 +17,7 @@ import autopar
 from autopar.cost.memory import param_state_bytes
 from autopar.zoo.models import build_model, example_batch
 from autopar.runtime.launch import max_rel_diff, run_distributed
-from tests.conftest import collective_counts, eager_grads
+from tests.conftest import collective_counts, step_against_eager
 
 pytestmark = pytest.mark.multiproc
 
@@ -48,13 +48,8 @@ def _train_one(name: str, mesh: tuple[int, ...], memory_budget: float | None = N
     eager = copy.deepcopy(model)
     batch = _batch(name, seed=1, batch_size=batch_size)
     pm = autopar.compile(model, mesh, example_inputs=batch, memory_budget=memory_budget, cluster=CLUSTER)
-    loss = pm(*batch)
-    loss.backward()
-    want = eager(*batch)
-    want.backward()
     result = {
-        "loss": (loss.item(), want.item()),
-        "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
+        **step_against_eager(pm, eager, batch),
         "collectives": collective_counts(pm),
         "params": {fqn: [str(p) for p in spec] for fqn, spec in pm.plan.params.items()},
         "local_param_bytes": pm.local_param_bytes(),
@@ -136,8 +131,12 @@ def _check_budget(results_by_rank: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("mesh", [(2, 2), (2, 4)], ids=["mesh2x2", "mesh2x4"])
-def test_models_match_eager(mesh: tuple[int, ...]) -> None:
-    results = run_distributed(_run_mesh, math.prod(mesh), mesh, _tight_budgets(mesh), timeout_s=600)
+def test_models_match_eager(rank_pool, mesh: tuple[int, ...]) -> None:
+    world = math.prod(mesh)
+    if world == 4:  # the session's four ranks; the eight of (2, 4) are spawned for this test alone
+        results = rank_pool(world).run(_run_mesh, mesh, _tight_budgets(mesh), timeout_s=600)
+    else:
+        results = run_distributed(_run_mesh, world, mesh, _tight_budgets(mesh), timeout_s=600)
     _check(results)
     _check_budget(results)
     # Every model family must have run sharded at least once (the toy MLP is cheapest
@@ -172,28 +171,15 @@ def _run_forced(rank: int, world: int) -> dict:
         batch = example_batch("mlp_block", batch_size=8, seed=1)
         plan = solve(trace(model, batch), (world,), get_cluster("cpu"), forced={k: parse_spec(v) for k, v in forced.items()})
         pm = autopar.compile(model, (world,), example_inputs=batch, plan=plan)
-        loss = pm(*batch)
-        loss.backward()
-        want = eager(*batch)
-        want.backward()
-        results[label] = {
-            "loss": (loss.item(), want.item()),
-            "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
-            "collectives": collective_counts(pm),
-        }
+        results[label] = {**step_against_eager(pm, eager, batch), "collectives": collective_counts(pm)}
     # A large vocabulary: the planner splits the tied embedding/LM-head table by vocab and takes
     # the loss on vocab-split logits (the vocab-parallel cross-entropy kernel).
     model = build_model("gpt", seed=0, bias=False, vocab_size=VOCAB)
     eager = copy.deepcopy(model)
     batch = example_batch("gpt", batch_size=4, seed=1, vocab_size=VOCAB)
     pm_vocab = autopar.compile(model, (world,), example_inputs=batch, cluster="cpu")
-    loss = pm_vocab(*batch)
-    loss.backward()
-    want = eager(*batch)
-    want.backward()
     results["vocab_parallel"] = {
-        "loss": (loss.item(), want.item()),
-        "grad_rel": max_rel_diff(pm_vocab.full_grads(), eager_grads(eager)),
+        **step_against_eager(pm_vocab, eager, batch),
         "kernels": sorted({d.kernel for d in pm_vocab.plan.nodes.values() if d.kernel}),
     }
     # Hand plans compile and run like any plan: real baselines.
@@ -206,15 +192,7 @@ def _run_forced(rank: int, world: int) -> dict:
         batch = example_batch("gpt", batch_size=4, seed=1, **width)
         plan = autopar.hand_plan(kind, model, (world,), example_inputs=batch, cluster="cpu")
         hand = autopar.compile(model, (world,), example_inputs=batch, plan=plan)
-        loss = hand(*batch)
-        loss.backward()
-        want = eager(*batch)
-        want.backward()
-        results[f"hand_{kind}"] = {
-            "loss": (loss.item(), want.item()),
-            "grad_rel": max_rel_diff(hand.full_grads(), eager_grads(eager)),
-            "collectives": collective_counts(hand),
-        }
+        results[f"hand_{kind}"] = {**step_against_eager(hand, eager, batch), "collectives": collective_counts(hand)}
 
     from torch.distributed.distributed_c10d import _resolve_process_group
 

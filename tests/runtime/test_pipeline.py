@@ -24,9 +24,9 @@ from autopar.passes.split import split_into_stages, stage_io, stage_wiring
 from autopar.runtime.pipeline import _stage_view
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.solver.stages import plan_stages
-from autopar.runtime.launch import max_rel_diff, run_distributed
+from autopar.runtime.launch import max_rel_diff
 from autopar.trace import trace
-from tests.conftest import eager_grads
+from tests.conftest import eager_grads, step_against_eager
 
 # No biases and float64, as in test_parallel: AdamW's first step turns rounding noise in
 # exactly-zero gradients into full-size steps of either sign.
@@ -284,25 +284,13 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
         model, inputs = _odd_mlp()
         eager = copy.deepcopy(model)
         pm = autopar.compile(model, (4,), example_inputs=inputs, plan=autopar.Plan.from_json(text))
-        loss = pm(*inputs)
-        loss.backward()
-        want = eager(*inputs)
-        want.backward()
-        results[f"mlp_{label}"] = {
-            "loss": (loss.item(), want.item()),
-            "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
-            "stages": pm.plan.pipeline.num_stages,
-        }
+        results[f"mlp_{label}"] = {**step_against_eager(pm, eager, inputs), "stages": pm.plan.pipeline.num_stages}
     # A value that passes through two stages (SkipMLP), on four stages with GPipe.
     model = SkipMLP().to(DTYPE)
     eager = copy.deepcopy(model)
     batch = _skip_batch()
     pm = autopar.compile(model, (4, 1), example_inputs=batch, cluster="cpu", pipeline=4, num_microbatches=2)
-    loss = pm(*batch)
-    loss.backward()
-    want = eager(*batch)
-    want.backward()
-    results["skip"] = {"loss": (loss.item(), want.item()), "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager))}
+    results["skip"] = step_against_eager(pm, eager, batch)
     # Gradients accumulate over calls, scaled by what flows into the loss, as in eager.
     (0.5 * pm(*batch)).backward()
     (0.5 * eager(*batch)).backward()
@@ -316,12 +304,12 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
 
 
 @pytest.mark.multiproc
-def test_pipelines_match_eager():
+def test_pipelines_match_eager(rank_pool):
     plans = {
         label: _plan(mesh, stages, microbatches, _tight_budget() if mesh[1] > 1 else None).to_json()
         for label, (mesh, stages, microbatches) in RUNS.items()
     }
-    results = run_distributed(_run_pipelines, 4, plans, _mlp_plans(), timeout_s=400, pg_timeout_s=60)
+    results = rank_pool(4).run(_run_pipelines, plans, _mlp_plans(), timeout_s=400)
     for rank, by_label in enumerate(results):
         mlp = {label: by_label.pop(f"mlp_{label}") for label in ("one", "auto")}
         assert mlp["one"]["stages"] == 1 and mlp["auto"]["stages"] >= 2, "the budget leaves one stage infeasible"

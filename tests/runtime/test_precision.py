@@ -46,7 +46,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.runtime.launch import max_rel_diff, run_distributed
+from autopar.runtime.launch import max_rel_diff
 from autopar.zoo.models import build_model, example_batch
 from tests.conftest import PolicyReference, collective_counts, eager_grads
 
@@ -157,11 +157,11 @@ def _run(rank: int, world: int, given: str) -> dict:
     return {label: _run_case(name, kind, precision, mesh, given) for label, name, kind, precision, mesh in CASES}
 
 
-def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo() -> None:
+def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo(rank_pool) -> None:
     checkpointed = _checkpointed_plan()
     assert checkpointed.memory is not None and checkpointed.memory.checkpoint, checkpointed.summary()
     assert checkpointed.collective_counts(), "the budgeted plan must shard"
-    results = run_distributed(_run, WORLD, checkpointed.to_json(), timeout_s=900)
+    results = rank_pool(WORLD).run(_run, checkpointed.to_json(), timeout_s=900)
     for rank, by_label in enumerate(results):
         for label, result in by_label.items():
             fp32 = label.endswith("32_true")

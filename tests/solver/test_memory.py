@@ -306,9 +306,7 @@ def _two_rank_run(rank: int, world_size: int, plan_path: str, offload_dir: str) 
 
 
 @pytest.mark.multiproc
-def test_checkpoint_and_offload_on_two_ranks(tmp_path):
-    from autopar.runtime.launch import run_distributed
-
+def test_checkpoint_and_offload_on_two_ranks(rank_pool, tmp_path):
     model, batch = _gpt()
     free = autopar.plan(model, (2,), example_inputs=batch, cluster="cpu")
     plan = autopar.plan(model, (2,), example_inputs=batch, cluster="cpu", offload="auto",
@@ -316,5 +314,5 @@ def test_checkpoint_and_offload_on_two_ranks(tmp_path):
     assert plan.memory is not None and plan.memory.checkpoint and plan.memory.offloaded("param")
     assert any(not p.is_replicate() for spec in plan.params.values() for p in spec)  # sharded, then offloaded
     plan.save(tmp_path / "plan.json")
-    for result in run_distributed(_two_rank_run, 2, str(tmp_path / "plan.json"), str(tmp_path / "offload"), timeout_s=300):
+    for result in rank_pool(2).run(_two_rank_run, str(tmp_path / "plan.json"), str(tmp_path / "offload"), timeout_s=300):
         _check(result)

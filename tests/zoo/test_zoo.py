@@ -57,11 +57,9 @@ def _run(rank: int, world: int) -> dict:
 
 
 @pytest.mark.multiproc
-def test_a_handful_of_the_zoo_equals_eager_on_2x2_gloo() -> None:
-    from autopar.runtime.launch import run_distributed
-
+def test_a_handful_of_the_zoo_equals_eager_on_2x2_gloo(rank_pool) -> None:
     zoo = _zoo()
-    results = run_distributed(_run, math.prod(zoo.MESH), timeout_s=1500)
+    results = rank_pool(math.prod(zoo.MESH)).run(_run, timeout_s=1500)
     failures = []
     for rank, by_label in enumerate(results):
         for label, result in by_label.items():
