@@ -9,7 +9,9 @@ them per parameter and buckets the reductions:
   plan's step agree up to the terms below (``ParamSchedule.post_solve_s``) and the overlap;
 - a parameter sharded on one axis, whose every gathered use needs the gradient summed on exactly
   that axis (and no use all-reduces it whole), is all-gathered once, and its gradient is
-  reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces;
+  reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces; where
+  its layer's group reshards after forward (``ir.gathers.reshards``) and an op saves it for
+  backward, it is all-gathered once more, in backward;
 - each reduction pays its bytes and its share of a bucket's latency
   (``comm.param_grad_sync_cost``); the buckets pay ceil(bytes / cap) latencies in all.
 
@@ -22,11 +24,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Replicate, Shard
+import torch
 
 from autopar.cost import comm, memory
 from autopar.cost.cluster import ClusterSpec
+from autopar.ir.gathers import param_layer, reshards
 from autopar.solver.choices import ChoiceGraph, grad_sync_axes, synced_param
+from autopar.solver.gathered import single_gather
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,20 +51,16 @@ class ParamSchedule:
         return comm.exposed_grad_sync_s(self.sync_s, self.backward_s, self.last_bucket_s)
 
 
-def _single_gather(src, dst) -> tuple[int, int] | None:
-    """(axis, dim) when ``src → dst`` is one all-gather on one axis, else None."""
-    changed = [a for a, (s, d) in enumerate(zip(src, dst)) if s != d]
-    if len(changed) != 1:
-        return None
-    axis = changed[0]
-    if isinstance(src[axis], Shard) and type(src[axis]) is Shard and isinstance(dst[axis], Replicate):
-        if not any(isinstance(p, Shard) and p.dim == src[axis].dim for a, p in enumerate(src) if a != axis):
-            return axis, src[axis].dim
-    return None
+def _saves(consumer, index: int) -> bool:
+    """Whether the op keeps input ``index`` for its backward (an embedding keeps only its indices)."""
+    if consumer.info is None or not memory.saves_inputs(consumer.info.target):
+        return False
+    return not (getattr(consumer.info.target, "overloadpacket", None) is torch.ops.aten.embedding and index == 0)
 
 
 def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterSpec,
                    bucket_cap_bytes: float = comm.DEFAULT_BUCKET_CAP_BYTES) -> ParamSchedule:
+    reshard_after_forward = graph.comm.reshard_after_forward
     mesh = graph.mesh_shape
     delta_s = delta_bytes = 0.0
     per_axis: dict[int, float] = {}
@@ -102,7 +102,7 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
                 if axes:
                     syncs.setdefault(axes, []).append((edge, dst))
                 continue
-            gather = _single_gather(src, dst)
+            gather = single_gather(src, dst)
             if gather is not None and axes in ((), (gather[0],)):
                 gathers.setdefault(gather + (bool(axes),), []).append((edge, dst))
         arg_shape, dtype = graph.choices[name].out_shapes[0], reduce_dtypes.get(name, graph.choices[name].out_dtypes[0])
@@ -124,10 +124,13 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             k = mesh[axis]
             gather_s = comm.all_gather_s(whole, axis, mesh, cluster)
             gather_sent = comm.bytes_sent("all_gather", whole, k)
-            # each use gathered it; once now
-            delta_s -= (len(members) - 1) * gather_s
-            delta_bytes -= (len(members) - 1) * gather_sent
-            per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * gather_sent
+            # each use gathered it; once now, and once more in backward where its group reshards
+            # after forward and backward needs it again (an op saved it)
+            again = int(reshards(param_layer(graph.choices[name].fqn or name), reshard_after_forward)
+                        and any(_saves(graph.choices[edge.consumer], edge.in_index) for edge, _ in members))
+            delta_s -= (len(members) - 1 - again) * gather_s
+            delta_bytes -= (len(members) - 1 - again) * gather_sent
+            per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1 - again) * gather_sent
             if reduce:
                 # The ILP priced this reduction as a bucketed all-reduce of the gathered
                 # parameter (its group); the runtime reduce-scatters it instead.
