@@ -454,13 +454,11 @@ class ParamGathers(torch.nn.Module):
         gi = packed.group
         roots = self._regathered.get(gi)
         if roots is None:
-            self.start(gi)
-            self.num_backward_gathers += 1
+            self._start_again(gi)
             if self.prefetch_bytes > 0:  # the group backward needs next: the last earlier one still packed
                 waiting = [g for g in range(gi) if self._packed.get(g, 0) > 0 and g not in self._regathered]
                 if waiting:
-                    self.start(waiting[-1])
-                    self.num_backward_gathers += 1
+                    self._start_again(waiting[-1])
             roots = self._regathered[gi] = {key: _owner(whole) for key, whole in self._complete(gi).items()}
         tensor = roots[packed.key].as_strided(packed.shape, packed.stride, packed.offset)
         self._packed[gi] = self._packed.get(gi, 0) - 1
@@ -468,6 +466,11 @@ class ParamGathers(torch.nn.Module):
             self._packed.pop(gi)
             self._regathered.pop(gi)
         return tensor
+
+    def _start_again(self, gi: int) -> None:
+        if gi not in self._inflight:
+            self.start(gi)
+            self.num_backward_gathers += 1
 
     def live_gathered(self) -> list[str]:
         """The keys of the parameters gathered by the last forward whose gathered storage is
