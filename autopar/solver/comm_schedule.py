@@ -71,6 +71,8 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
     held: dict[str, tuple[int, float]] = {}  # reduced parameter → (first use, local bytes)
     scattered: dict[str, tuple[int, float, float]] = {}  # reduce-scattered parameter → (first use, Δs, bytes)
     scatter_delta_s = 0.0
+    regathered: list[tuple[str, float, float, int]] = []  # (layer, seconds, bytes sent, axis) resharded
+    saved_layers: set[str] = set()
     groups, refunds = graph.param_sync_groups()
     reduced = {(param, key[1], key[2]): group.price_s for key, group in groups.items() if group.needed(choice)
                for param in group.params}
@@ -124,13 +126,14 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             k = mesh[axis]
             gather_s = comm.all_gather_s(whole, axis, mesh, cluster)
             gather_sent = comm.bytes_sent("all_gather", whole, k)
-            # each use gathered it; once now, and once more in backward where its group reshards
-            # after forward and backward needs it again (an op saved it)
-            again = int(reshards(param_layer(graph.choices[name].fqn or name), reshard_after_forward)
-                        and any(_saves(graph.choices[edge.consumer], edge.in_index) for edge, _ in members))
-            delta_s -= (len(members) - 1 - again) * gather_s
-            delta_bytes -= (len(members) - 1 - again) * gather_sent
-            per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1 - again) * gather_sent
+            # each use gathered it; once now
+            delta_s -= (len(members) - 1) * gather_s
+            delta_bytes -= (len(members) - 1) * gather_sent
+            per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * gather_sent
+            layer = param_layer(graph.choices[name].fqn or name)
+            if reshards(layer, reshard_after_forward):
+                regathered.append((layer, gather_s, gather_sent, axis))
+                saved_layers.update([layer] if any(_saves(graph.choices[e.consumer], e.in_index) for e, _ in members) else [])
             if reduce:
                 # The ILP priced this reduction as a bucketed all-reduce of the gathered
                 # parameter (its group); the runtime reduce-scatters it instead.
@@ -144,6 +147,13 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
                 delta_bytes += scatter_sent - len(members) * priced.bytes_sent
                 per_axis[axis] = per_axis.get(axis, 0.0) + scatter_sent - len(members) * priced.bytes_sent
                 scattered[name] = (min(order[e.consumer] for e, _ in members), scatter_s - group_s, whole)
+    # Resharded after forward: backward gathers a layer's group again when an op saved one of
+    # its parameters (``ops.buckets.ParamGathers``), the whole group.
+    for layer, gather_s, gather_sent, axis in regathered:
+        if layer in saved_layers:
+            delta_s += gather_s
+            delta_bytes += gather_sent
+            per_axis[axis] = per_axis.get(axis, 0.0) + gather_sent
     # The parameter reductions, priced as the ILP prices them (``choices.param_sync_groups``):
     # each (parameter, axis, spec) that any use needs, once, bucketed, in place of the per-use
     # all-reduces in ``compute_s``.
