@@ -205,7 +205,9 @@ def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], 
     group ``prefetched_by`` (forward prefetch), to its last forward use; what an op saves of it
     keeps it to that op's backward, unless its group is resharded: then backward gathers the
     group again at the first saved tensor it needs (while the group after it in forward order
-    runs its backward, with ``backward_prefetch``) and frees it after the last one."""
+    runs its backward, with ``backward_prefetch``) and frees it after the last one. Where a
+    group of several parameters completes (its first use, its first saved tensor's backward), it
+    is there twice: the all-gather's buffer and the parameters copied out of it."""
     num = len(nodes)
 
     def bwd(i: int) -> int:
@@ -227,6 +229,9 @@ def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], 
     # before it in forward order ahead
     order = sorted((g for g in first_use if g in resharded and savers[g]), key=first_use.__getitem__)
     after = {g: order[k + 1] for k, g in enumerate(order[:-1])}
+    members: dict[int, int] = {}
+    for item in gathered:
+        members[item.group] = members.get(item.group, 0) + 1
     out: list[Interval] = []
     for item in gathered:
         if not item.uses:
@@ -235,9 +240,17 @@ def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], 
         start = first_use[item.prefetched_by if item.prefetched_by is not None else group]
         last = max(i for i, _ in item.uses)
         own = [i for i, j in item.uses if saves(i, j)]
+        # A group of several parameters is copied out of the all-gather's buffer, and both are
+        # alive while that runs: once more its bytes, where it is gathered (a group of one is a
+        # view of the buffer).
+        copied = members[group] > 1
+        if copied:
+            out.append(Interval(item.name, "gathered", first_use[group], first_use[group]))
         if item.reshard and savers[group]:
             out.append(Interval(item.name, "gathered", start, last))
             begin = bwd(max(savers[group]))
+            if copied:
+                out.append(Interval(item.name, "gathered", begin, begin))
             following = after.get(group)
             if backward_prefetch and following is not None:
                 begin = min(begin, bwd(max(savers[following])))

@@ -53,6 +53,10 @@ def test_gathered_parameters_live_by_hand():
     assert intervals(True) == {Interval("g1", "gathered", 3, 3), Interval("g1", "gathered", 7, 8),
                                Interval("g2", "gathered", 3, 4), Interval("g2", "gathered", 7, 7)} | buckets
     assert Interval("g1", "gathered", 8, 8) in intervals(True, backward_prefetch=False)
+    # one group of both: copied out of the all-gather's buffer at its first use, both there at once
+    grouped = gathered_intervals(nodes, [Gathered("g1", ((3, 1),), 0, False), Gathered("g2", ((4, 1),), 0, False)])
+    assert set(grouped) == {Interval("g1", "gathered", 3, 3), Interval("g1", "gathered", 3, 8),
+                            Interval("g2", "gathered", 3, 3), Interval("g2", "gathered", 3, 7)}
 
 
 def test_liveness_curve_of_a_small_graph_by_hand():
