@@ -73,6 +73,7 @@ def plan(
     checkpointing: bool | None = None,
     prefetch: bool = True,
     precision: str | MixedPrecision | None = None,
+    comm: CommOptions | None = None,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
@@ -117,11 +118,16 @@ def plan(
     (bf16 compute and activations; fp32 master weights, gradients, reductions and AdamW state),
     "bf16-true" (everything bf16), or an ``autopar.MixedPrecision``. The plan is priced for it
     (FLOP/s and bytes per dtype) and records it.
+
+    ``comm`` (``autopar.CommOptions``) is the communication schedule the plan will run under
+    (pass the same to ``compile``): the plan's memory is priced for it, for example for
+    ``reshard_after_forward``. None is ``CommOptions()``, ``compile``'s default.
     """
     options = PlanOptions.from_keywords(
         memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver, pipeline=pipeline,
         num_microbatches=num_microbatches, offload=offload, checkpointing=checkpointing, prefetch=prefetch,
         devices=devices, max_axes=max_axes, symbolic_batch=symbolic_batch, compute=compute, precision=precision,
+        comm=comm or CommOptions(),
     )
     return plan_model(model, mesh, example_inputs, example_kwargs, get_cluster(cluster), options)
 
@@ -222,7 +228,7 @@ def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: Clust
     start = time.perf_counter()
     result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=options.solve.time_limit_s,
                    solver=options.solve.solver, offload=target, checkpointing=checkpointing, prefetch=memory.prefetch,
-                   precision=options.precision)
+                   precision=options.precision, comm=options.comm)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     return result
 
@@ -336,7 +342,7 @@ def compile(
     _check_backend_dtypes(model, example_inputs, example_kwargs, policy)
     options = PlanOptions.from_keywords(
         memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline, num_microbatches=num_microbatches,
-        offload=offload, checkpointing=checkpointing, prefetch=prefetch, precision=policy,
+        offload=offload, checkpointing=checkpointing, prefetch=prefetch, precision=policy, comm=comm or CommOptions(),
     )
     if plan is not None and (plan.pipeline is not None or options.pipeline.enabled):
         options = _pipeline_of(plan, options)

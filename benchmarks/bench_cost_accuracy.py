@@ -10,6 +10,9 @@ different forced plans, each run on 2 and on 4 spawned gloo ranks (mesh (2,) and
 * ``auto``: autopar's own choice; ``auto_mem90``, ``auto_mem80``: autopar under a memory budget
   of 90% and 80% of ``auto``'s predicted peak (skipped where infeasible);
 * ``ddp``, ``fsdp``, ``megatron``: the hand plans of ``autopar.solver.hand_plans``;
+* ``fsdp_keep``, ``fsdp_reshard``: ``fsdp`` planned and run with ``CommOptions(reshard_after_forward=False)``
+  (gathered parameters kept until backward) and ``=True`` (every group freed after forward, the
+  root's too); ``fsdp`` runs the default (each layer's group freed, the root's kept);
 * ``fsdp_mlp``: only the MLP weights sharded FSDP-style (first divisible dim), the rest replicated;
 * ``replicated``: every op output forced replicated (each rank computes the whole step).
 
@@ -28,7 +31,7 @@ Measured, per plan and mesh:
   of ``autopar.cost.comm`` (the all-to-all that gloo emulates with an all-gather is counted as the
   all-gather it is).
 
-Reported: the Spearman rank correlation of predicted and measured step time over all 16 runs
+Reported: the Spearman rank correlation of predicted and measured step time over all runs
 (target >= 0.8), the median relative error of predicted peak memory (target <= 15%), and
 predicted / counted bytes (target: equal within 1%).
 """
@@ -67,7 +70,10 @@ from autopar.trace import trace  # noqa: E402
 
 CONFIG = dict(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=256, bias=True)
 BATCH = 16
-PLANS = ("auto", "auto_mem90", "auto_mem80", "ddp", "fsdp", "megatron", "fsdp_mlp", "replicated")
+PLANS = ("auto", "auto_mem90", "auto_mem80", "ddp", "fsdp", "fsdp_keep", "fsdp_reshard", "megatron", "fsdp_mlp",
+         "replicated")
+# CommOptions.reshard_after_forward of the plans that do not run the default
+RESHARD = {"fsdp_keep": False, "fsdp_reshard": True}
 
 
 def build_model() -> torch.nn.Module:
@@ -82,18 +88,21 @@ def example_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return idx, targets
 
 
-def make_plans(mesh: tuple[int, ...], cluster) -> dict[str, autopar.Plan]:
+def make_plans(mesh: tuple[int, ...], cluster, wanted=PLANS) -> dict[str, autopar.Plan]:
     traced = trace(build_model(), example_inputs())
     plans: dict[str, autopar.Plan] = {}
     plans["auto"] = solve(traced, mesh, cluster)
     peak = plans["auto"].predicted["peak_memory_bytes"]
-    for name, fraction in (("auto_mem90", 0.9), ("auto_mem80", 0.8)):
+    for name, fraction in (("auto_mem90", 0.9), ("auto_mem80", 0.8)) if set(wanted) & {"auto_mem90", "auto_mem80"} else ():
         try:
             plans[name] = solve(traced, mesh, cluster, memory_budget=fraction * peak, time_limit_s=60)
         except InfeasibleError as error:
             print(f"  {name} on {mesh}: infeasible ({str(error).splitlines()[0]})", flush=True)
     for kind in ("ddp", "fsdp", "megatron"):
         plans[kind] = solve(traced, mesh, cluster, forced=param_specs(kind, traced, mesh))
+    for name, reshard in RESHARD.items():
+        plans[name] = solve(traced, mesh, cluster, forced=param_specs("fsdp", traced, mesh),
+                            comm=autopar.CommOptions(reshard_after_forward=reshard))
     fsdp = param_specs("fsdp", traced, mesh)
     rest = param_specs("ddp", traced, mesh)
     names = {i.name: i.fqn for i in traced.placeholders("param")}
@@ -232,7 +241,8 @@ def measure(rank: int, world_size: int, plan_texts: dict[str, str], steps: int, 
     runs = {}
     for name, text in plan_texts.items():
         plan = autopar.Plan.from_json(text)
-        pm = autopar.compile(copy.deepcopy(base), mesh=plan.mesh_shape, example_inputs=inputs, plan=plan)
+        comm = autopar.CommOptions(reshard_after_forward=RESHARD[name]) if name in RESHARD else None
+        pm = autopar.compile(copy.deepcopy(base), mesh=plan.mesh_shape, example_inputs=inputs, plan=plan, comm=comm)
         runs[name] = (pm, torch.optim.AdamW(pm.parameters(), lr=1e-4))
 
     def step(name: str) -> None:
@@ -296,6 +306,8 @@ def main() -> int:
     parser.add_argument("--compute", choices=("roofline", "measured"), default="roofline",
                         help="price ops by the roofline or by timing them here (one thread, as each rank runs)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS,
+                        help="which plans to run (auto_mem* need auto)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
@@ -316,7 +328,7 @@ def main() -> int:
     for world in args.worlds:
         mesh = (world,)
         started = time.perf_counter()
-        plans = make_plans(mesh, cluster)
+        plans = {name: plan for name, plan in make_plans(mesh, cluster, args.plans).items() if name in args.plans}
         print(f"planned {len(plans)} plans on mesh {mesh} in {time.perf_counter() - started:.1f} s", flush=True)
         texts = {name: plan.to_json() for name, plan in plans.items()}
         started = time.perf_counter()

@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "solver"))
 
 import autopar  # noqa: E402
 from autopar.cost.cluster import get_cluster  # noqa: E402

@@ -23,6 +23,14 @@ activation        op output (a root)      from its op to its last forward use, o
 activation_grad   op output (a root)      bwd(last use) … bwd(the op)                   1
 activation_grad   first input of an op    bwd(the op) only: the intermediate gradient   see
                   in BACKWARD_TEMPORARIES a composite op's backward makes               memory
+gathered          a parameter the         its group's gather (one group ahead: from     1
+                  runtime all-gathers     the previous group's first use) to its last
+                  (FSDP; ``Gathered``)    forward use, or to bwd(first saver) if kept;
+                                          resharded: again from its group's (or the
+                                          group after's) last saver's backward to
+                                          bwd(its group's first saver)
+comm_buffer       the same parameter      bwd(its last use) … end of step: its whole    see
+                                          gradient in a reduce-scatter bucket           Gathered
 ================  ======================  ============================================  =========
 
 * A *root* is a node that owns storage. Views and getitems alias their input's root: they add no
@@ -48,7 +56,7 @@ import torch
 
 from autopar.cost import memory
 
-KINDS = ("param", "optimizer_state", "grad", "input", "activation", "activation_grad")
+KINDS = ("param", "optimizer_state", "grad", "input", "activation", "activation_grad", "gathered", "comm_buffer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +179,89 @@ class Timeline:
         return sorted(dict.fromkeys(chosen))
 
 
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """A parameter that the runtime all-gathers whole before its uses (``ops.buckets.ParamGathers``).
+
+    ``name`` sizes its intervals (the gathered bytes); ``uses`` are the (node index, input index)
+    of its forward uses; parameters of one ``group`` are gathered by one collective, in the order
+    of their groups' first uses, and ``reshard`` (``ir.gathers.reshards``) frees the group after
+    forward and gathers it again in backward. ``grad_factor``: bytes of its whole gradient held in
+    a reduce-scatter bucket from its backward to the end of the step, per gathered byte (0: its
+    gradient is not reduce-scattered)."""
+
+    name: str
+    uses: tuple[tuple[int, int], ...]
+    group: int
+    reshard: bool
+    grad_factor: float = 0.0
+    prefetched_by: int | None = None  # the group at whose first gather this one's starts (None: its own)
+
+
+def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], backward_prefetch: bool = True) -> list[Interval]:
+    """The ``gathered`` and ``comm_buffer`` intervals of the module docstring.
+
+    A gathered parameter is alive from its group's all-gather, launched at the first use of
+    group ``prefetched_by`` (forward prefetch), to its last forward use; what an op saves of it
+    keeps it to that op's backward, unless its group is resharded: then backward gathers the
+    group again at the first saved tensor it needs (while the group after it in forward order
+    runs its backward, with ``backward_prefetch``) and frees it after the last one. Where a
+    group of several parameters completes (its first use, its first saved tensor's backward), it
+    is there twice: the all-gather's buffer and the parameters copied out of it."""
+    num = len(nodes)
+
+    def bwd(i: int) -> int:
+        return 2 * num - 1 - i
+
+    def saves(index: int, position: int) -> bool:
+        node = nodes[index]
+        if getattr(node.target, "overloadpacket", None) is torch.ops.aten.embedding and position == 0:
+            return False  # the table's gradient needs its shape only
+        return position in _saved_inputs(node)
+
+    first_use: dict[int, int] = {}
+    savers: dict[int, list[int]] = {}
+    for item in gathered:
+        first_use[item.group] = min([first_use.get(item.group, 2 * num)] + [i for i, _ in item.uses])
+        savers.setdefault(item.group, []).extend(i for i, j in item.uses if saves(i, j))
+    resharded = {item.group for item in gathered if item.reshard}
+    # backward gathers a resharded group again when it first needs it, and the resharded group
+    # before it in forward order ahead
+    order = sorted((g for g in first_use if g in resharded and savers[g]), key=first_use.__getitem__)
+    after = {g: order[k + 1] for k, g in enumerate(order[:-1])}
+    members: dict[int, int] = {}
+    for item in gathered:
+        members[item.group] = members.get(item.group, 0) + 1
+    out: list[Interval] = []
+    for item in gathered:
+        if not item.uses:
+            continue
+        group = item.group
+        start = first_use[item.prefetched_by if item.prefetched_by is not None else group]
+        last = max(i for i, _ in item.uses)
+        own = [i for i, j in item.uses if saves(i, j)]
+        # A group of several parameters is copied out of the all-gather's buffer, and both are
+        # alive while that runs: once more its bytes, where it is gathered (a group of one is a
+        # view of the buffer).
+        copied = members[group] > 1
+        if copied:
+            out.append(Interval(item.name, "gathered", first_use[group], first_use[group]))
+        if item.reshard and savers[group]:
+            out.append(Interval(item.name, "gathered", start, last))
+            begin = bwd(max(savers[group]))
+            if copied:
+                out.append(Interval(item.name, "gathered", begin, begin))
+            following = after.get(group)
+            if backward_prefetch and following is not None:
+                begin = min(begin, bwd(max(savers[following])))
+            out.append(Interval(item.name, "gathered", begin, bwd(min(savers[group]))))
+        else:
+            out.append(Interval(item.name, "gathered", start, max([last] + [bwd(i) for i in own])))
+        if item.grad_factor:
+            out.append(Interval(item.name, "comm_buffer", bwd(last), 2 * num - 1, item.grad_factor))
+    return out
+
+
 def _saved_inputs(node: LiveNode) -> list[int]:
     """Indices of the tensor inputs that ``node`` keeps for its backward."""
     if not node.requires_grad or node.target is None:
@@ -270,4 +361,4 @@ def build_timeline(
     return Timeline(tuple(n.name for n in nodes), tuple(intervals))
 
 
-__all__ = ["KINDS", "LiveNode", "Interval", "Timeline", "build_timeline"]
+__all__ = ["KINDS", "LiveNode", "Interval", "Timeline", "build_timeline", "Gathered", "gathered_intervals"]

@@ -51,13 +51,24 @@ class CommOptions:
     ``fully_shard(block)`` groups them), consecutive in forward order, are all-gathered together
     in ONE collective of a flat buffer, in groups of at most ``gather_group_bytes`` of whole
     parameters (0: one all-gather per parameter). ``enabled=False`` runs one synchronous
-    collective per use, as the graph's collectives say (for comparison)."""
+    collective per use, as the graph's collectives say (for comparison).
+
+    ``reshard_after_forward`` is FSDP2's: True frees each group's gathered parameters once
+    forward is done with them and all-gathers them again in backward (the group backward needs
+    next is gathered ahead: prefetch), which keeps one or two groups whole at a time instead of
+    every gathered parameter from forward until its backward, for one more all-gather per
+    group per step; False keeps them (no backward all-gather). None, the default, is FSDP2's
+    ``fully_shard`` default: every layer's group is resharded, the root's parameters
+    (embeddings, final norm, head: the FQNs with no layer index) are kept, as backward needs
+    them first (``ir.gathers``). ``benchmarks/bench_vs_torch.py`` runs FSDP2 with its default,
+    so the two compare the same schedule."""
 
     bucket_cap_bytes: int = 25 * 2**20
     first_bucket_cap_bytes: int | None = 2**20
     prefetch_bytes: int = 4 * 2**20
     gather_group_bytes: int = 64 * 2**20
     enabled: bool = True
+    reshard_after_forward: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("bucket_cap_bytes", "first_bucket_cap_bytes", "prefetch_bytes", "gather_group_bytes"):
@@ -68,6 +79,11 @@ class CommOptions:
             if not _is_int(value) or value < (0 if zero_ok else 1):
                 least = "0" if zero_ok else "1"
                 raise ValueError(f"CommOptions.{name} is a number of bytes of at least {least}, got {value!r}")
+        if not (self.reshard_after_forward is None or isinstance(self.reshard_after_forward, bool)):
+            raise ValueError(
+                "CommOptions.reshard_after_forward is True (free gathered parameters after forward, gather them "
+                "again in backward), False (keep them until backward) or None (FSDP2's default: True for each "
+                f"layer, False for the root's parameters), got {self.reshard_after_forward!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +175,9 @@ class PlanOptions:
     ``devices`` and ``max_axes`` serve ``mesh="auto"`` (the mesh search). ``symbolic_batch`` also
     prices the plan as functions of the batch size (``plan.predict``). ``compute`` ("roofline" or
     "measured") overrides the cluster's way of pricing ops (the cluster checks it). ``precision``
-    is a ``MixedPrecision`` or the name of one ("32-true", the default, "bf16-mixed", "bf16-true")."""
+    is a ``MixedPrecision`` or the name of one ("32-true", the default, "bf16-mixed", "bf16-true").
+    ``comm`` is the communication schedule ``compile`` runs, which the plan is priced for (how
+    sharded parameters are gathered and freed decides their memory)."""
 
     solve: SolveOptions = field(default_factory=SolveOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
@@ -169,9 +187,12 @@ class PlanOptions:
     symbolic_batch: bool = False
     compute: str | None = None
     precision: "MixedPrecision | str | None" = None
+    comm: CommOptions = field(default_factory=CommOptions)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", precision_policy(self.precision))
+        if not isinstance(self.comm, CommOptions):
+            raise TypeError(f"comm must be an autopar.CommOptions, got {self.comm!r}")
         if self.pipeline.enabled and self.memory.decides_memory:
             raise ValueError(
                 f"offload={self.memory.offload!r}, checkpointing={self.memory.checkpointing!r} with a pipeline: "

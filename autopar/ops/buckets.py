@@ -13,7 +13,13 @@ The rewritten graph calls two stateful modules (added by ``passes.schedule``, si
 - ``ParamGathers`` all-gathers sharded parameters in forward (FSDP's pattern), a group of them
   (one layer, as FSDP2's ``fully_shard(block)``) with one collective of a flat buffer, and
   issues the all-gather of the next group in forward order while the current one computes
-  (prefetch).
+  (prefetch). A group marked to reshard after forward (``CommOptions.reshard_after_forward``)
+  is not kept alive by autograd: while the graph runs (``saved_tensors_hooks``), a saved tensor
+  that is (a view of) one of its gathered parameters is packed as its key and layout, so the
+  gathered storage is freed after its last forward use; backward's first unpack of the group
+  all-gathers it again (and the group backward needs next, ahead) and rebuilds the view with the
+  same strides on the new storage, which holds the same values. FSDP2 frees and refills the
+  unsharded storage in place instead; packing leaves autograd's saved tensors alone.
 
 Numbers: a bucket's all-reduce is an all-reduce of each of its slots (sums are elementwise);
 a reduce-scatter bucket lays each slot out rank-major (chunk ``r`` of every slot in section
@@ -23,9 +29,11 @@ all-reduce-then-chunk it replaces gave.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -130,8 +138,9 @@ class GradBuckets(torch.nn.Module):
                 at += slot.numel
             self._offsets.append(offsets)
         self._params: dict[str, torch.Tensor] = {}
-        # Each bucket's buffers from the last backward (flat, reduce-scatter output), reused when
-        # no ``.grad`` views them any more (``zero_grad()`` dropped them), as DDP keeps its buckets.
+        # Each bucket's buffers from the last backward (an all-reduce's flat, a reduce-scatter's
+        # output), reused when no ``.grad`` views them any more (``zero_grad()`` dropped them), as
+        # DDP keeps its buckets.
         self._spare: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._pending: list[_Pending | None] | None = None
         self._task = -1  # the autograd graph task the pending buckets belong to
@@ -214,7 +223,7 @@ class GradBuckets(torch.nn.Module):
         (``zero_grad()`` dropped the ``.grad`` views, and no one kept a reference); else None,
         None: fresh buffers, so that a gradient still held is never overwritten."""
         spare = self._spare.get(index)
-        if spare is None or spare[0].device != device or not all(_unshared(t) for t in spare if t is not None):
+        if spare is None or not all(t.device == device and _unshared(t) for t in spare if t is not None):
             return None, None
         return spare
 
@@ -234,7 +243,9 @@ class GradBuckets(torch.nn.Module):
             if pending.work is None:
                 self._launch(index, pending)
             collectives.wait(pending.work, bucket.groups[0])
-            self._spare[index] = (pending.flat, pending.out)
+            # A reduce-scatter's input (the whole gradients) is not kept, as FSDP2 frees it: kept
+            # for reuse, it would hold every sharded parameter's gradient whole all step.
+            self._spare[index] = (pending.flat if bucket.kind == "all_reduce" else None, pending.out)
             result = pending.flat if bucket.kind == "all_reduce" else pending.out
             for group_name in bucket.groups[1:]:  # further mesh axes, one after another
                 collectives.wait(collectives.start_all_reduce(result, group_name), group_name)
@@ -309,11 +320,13 @@ class ParamGathers(torch.nn.Module):
     buffers are all-gathered, and each whole parameter is copied out of the rank-major result.
     None: one group per key. At the first gather of a group, the next group is gathered ahead,
     and further ones while within ``prefetch_bytes`` (0: none ahead). The backward of a gather
-    hands the whole gradient to ``GradBuckets`` (a reduce-scatter slot).
+    hands the whole gradient to ``GradBuckets`` (a reduce-scatter slot). ``reshard`` flags the
+    groups freed after forward and gathered again in backward (module docstring; None: none),
+    which needs the graph to run under ``saved_tensors_hooks()``.
     """
 
     def __init__(self, order: Sequence[tuple[str, str, int, int]], prefetch_bytes: int, grads: GradBuckets | None,
-                 groups: Sequence[Sequence[str]] | None = None):
+                 groups: Sequence[Sequence[str]] | None = None, reshard: Sequence[bool] | None = None):
         super().__init__()
         self.order = list(order)
         self._index = {key: i for i, (key, _, _, _) in enumerate(self.order)}
@@ -327,10 +340,20 @@ class ParamGathers(torch.nn.Module):
         self._group_bytes = [sum(self.order[self._index[key]][3] for key in g) for g in self.groups]
         self.prefetch_bytes = prefetch_bytes
         self.grads = grads
+        self.reshard = list(reshard) if reshard is not None else [False] * len(self.groups)
+        if len(self.reshard) != len(self.groups):
+            raise AssertionError("one reshard flag per gather group")
         self._shards: dict[str, torch.Tensor] = {}
         self._inflight: dict[int, tuple[object, torch.Tensor, list[tuple[str, tuple[int, ...]]]]] = {}
         self._ready: dict[str, torch.Tensor] = {}
         self._dtypes: dict[str, torch.dtype] = {}
+        # The storage of each parameter gathered in this forward (data pointer -> weak reference
+        # to the tensor owning it, key); of resharded groups, the saved tensors packed per group
+        # and not unpacked yet, and the groups gathered again in backward (key -> owning tensor).
+        self._roots: dict[int, tuple[weakref.ref, str]] = {}
+        self._packed: dict[int, int] = {}
+        self._regathered: dict[int, dict[str, torch.Tensor]] = {}
+        self.num_backward_gathers = 0  # all-gathers of resharded groups in backward (tests, benchmarks)
 
     def cast_to(self, key: str, dtype: torch.dtype, stored: torch.dtype) -> None:
         """Gather ``key`` cast to ``dtype`` (a precision policy's ``param_dtype``: FSDP2 gathers
@@ -373,29 +396,96 @@ class ParamGathers(torch.nn.Module):
         out = torch.empty(k * flat.numel(), dtype=flat.dtype, device=flat.device)
         self._inflight[gi] = (collectives.start_all_gather(out, flat, group_name), out, layout)
 
-    def _complete(self, gi: int) -> None:
-        """Wait for group ``gi`` and copy each whole parameter out of the rank-major result."""
+    def _complete(self, gi: int) -> dict[str, torch.Tensor]:
+        """Wait for group ``gi`` and copy each whole parameter out of the rank-major result;
+        return them by key."""
         work, out, layout = self._inflight.pop(gi)
         group_name = self.order[self._index[layout[0][0]]][1]
         collectives.wait(work, group_name)
         k = collectives.group_size(group_name)
         rows = out.view(k, -1)  # row r: rank r's flat buffer
         at = 0
+        wholes = {}
         for key, shape in layout:
             numel = math.prod(shape)
             # (k, numel) → (k * chunk rows, ...): a view when the group is one parameter, else a copy
             whole = rows[:, at:at + numel].reshape((k * shape[0],) + shape[1:])
             dim = self.order[self._index[key]][2]
-            self._ready[key] = whole.movedim(0, dim) if dim else whole
+            wholes[key] = whole.movedim(0, dim) if dim else whole
             at += numel
+        return wholes
 
     def _discard(self) -> None:
         """Wait for and drop gathers still in flight or not yet used: a forward cut short (or a
-        recompute in backward) may leave some, and they hold values from before the optimizer step."""
+        recompute in backward) may leave some, and they hold values from before the optimizer step.
+        Also forget the last forward's packed parameters: a backward that still unpacks one
+        gathers its group again."""
         for gi, (work, _, layout) in self._inflight.items():
             collectives.wait(work, self.order[self._index[layout[0][0]]][1])
         self._inflight.clear()
         self._ready.clear()
+        self._roots.clear()
+        self._packed.clear()
+        self._regathered.clear()
+
+    # -- reshard after forward ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def saved_tensors_hooks(self) -> Iterator[None]:
+        """Run the graph under this to free resharded groups after forward (class docstring)."""
+        if not any(self.reshard):
+            yield
+            return
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+            return tensor
+        found = self._roots.get(storage.data_ptr()) if storage.nbytes() else None
+        if found is None:
+            return tensor
+        root = found[0]()
+        # While the owner is alive no other storage can start at its address: the tensor views it.
+        if root is None or root.untyped_storage().data_ptr() != storage.data_ptr() or root.dtype != tensor.dtype:
+            return tensor
+        key = found[1]
+        gi = self._group_of[key]
+        if not self.reshard[gi]:
+            return tensor
+        self._packed[gi] = self._packed.get(gi, 0) + 1
+        return _Packed(gi, key, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+
+    def _unpack(self, packed: object) -> torch.Tensor:
+        if not isinstance(packed, _Packed):
+            return packed
+        gi = packed.group
+        roots = self._regathered.get(gi)
+        if roots is None:
+            self._start_again(gi)
+            if self.prefetch_bytes > 0:  # the group backward needs next: the last earlier one still packed
+                waiting = [g for g in range(gi) if self._packed.get(g, 0) > 0 and g not in self._regathered]
+                if waiting:
+                    self._start_again(waiting[-1])
+            roots = self._regathered[gi] = {key: _owner(whole) for key, whole in self._complete(gi).items()}
+        tensor = roots[packed.key].as_strided(packed.shape, packed.stride, packed.offset)
+        self._packed[gi] = self._packed.get(gi, 0) - 1
+        if self._packed[gi] <= 0:  # the group's last saved tensor: backward holds the rest
+            self._packed.pop(gi)
+            self._regathered.pop(gi)
+        return tensor
+
+    def _start_again(self, gi: int) -> None:
+        if gi not in self._inflight:
+            self.start(gi)
+            self.num_backward_gathers += 1
+
+    def live_gathered(self) -> list[str]:
+        """The keys of the parameters gathered by the last forward whose gathered storage is
+        still alive (after forward: the groups not resharded)."""
+        return sorted(key for ref, key in self._roots.values() if ref() is not None)
 
     def gather(self, key: str, shard: torch.Tensor) -> torch.Tensor:
         index = self._index[key]
@@ -413,8 +503,30 @@ class ParamGathers(torch.nn.Module):
                 if all(other in self._shards for other in self.groups[next_gi]):
                     self.start(next_gi)
                 ahead += nbytes
-            self._complete(gi)
+            wholes = self._complete(gi)
+            if not in_backward:
+                for gathered_key, whole in wholes.items():
+                    root = _owner(whole)
+                    self._roots[root.untyped_storage().data_ptr()] = (weakref.ref(root), gathered_key)
+            self._ready.update(wholes)
         return self._ready.pop(key)
+
+
+@dataclass(frozen=True, slots=True)
+class _Packed:
+    """A saved view of a resharded gathered parameter: which, and its layout on the storage."""
+
+    group: int
+    key: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _owner(whole: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds a gathered parameter (the all-gather's output when the
+    parameter is a view of it), laid out the same way each time the group is gathered."""
+    return whole._base if whole._base is not None else whole
 
 
 class _GatherParam(torch.autograd.Function):

@@ -17,6 +17,7 @@ import torch.fx
 import torch.utils.checkpoint
 
 from autopar.ir.plan import Plan
+from autopar.passes.schedule import PARAM_GATHERS
 
 OFFLOADER = "offload"  # the Offloader's attribute name in the rewritten graph module
 
@@ -111,10 +112,12 @@ def _segment_nodes(gm: torch.fx.GraphModule, first: str, last: str) -> list[torc
     start, end = names[first], names[last]
     nodes = [n for n in listed[start:end + 1] if n.op not in ("placeholder", "output")]
     inside = set(nodes)
-    # Fetches (and other inputs-free helpers) right before the segment whose every use is inside.
+    # Fetches and parameter gathers right before the segment whose every use is inside: the
+    # recompute fetches or gathers them again, instead of the segment keeping them as inputs.
     while start > 0:
         candidate = listed[start - 1]
-        if candidate.op != "call_module" or candidate.target != OFFLOADER or not set(candidate.users) <= inside:
+        if (candidate.op != "call_module" or candidate.target not in (OFFLOADER, PARAM_GATHERS)
+                or not set(candidate.users) <= inside):
             break
         nodes.insert(0, candidate)
         inside.add(candidate)

@@ -12,7 +12,10 @@ all-reduces the whole gradient and keeps a chunk). This pass replaces them, per 
 - every ``all_gather(dim, g)`` → ``allreduce_grad(g)`` from the placeholder becomes one
   ``param_gathers`` node: all-gather in forward (prefetched), a reduce-scatter slot in backward,
   so the gradient stays sharded and half the bytes move. The parameters of one layer that are
-  consecutive in forward order are gathered by one collective (``CommOptions.gather_group_bytes``).
+  consecutive in forward order are gathered by one collective (``CommOptions.gather_group_bytes``),
+  and a group is freed after forward and gathered again in backward as
+  ``CommOptions.reshard_after_forward`` says (``ir.gathers``; the graph runs under
+  ``saved_tensors_hooks(gm)``).
 
 Uses of other shapes keep their collectives (a parameter gathered over two axes, strided shards,
 uses that reduce over different axes, offloaded parameters). Nothing is chosen here: the bucket
@@ -22,12 +25,14 @@ same merging (``solver.comm_schedule``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Mapping, Sequence
 
 import torch
 import torch.fx
 
+from autopar.ir.gathers import gather_groups, param_layer, reshards
 from autopar.ir.options import CommOptions
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
@@ -132,14 +137,18 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
                 reduce_slots.append((order[first_use], Slot(placeholder.name, "reduce_scatter", whole, slot_dtype,
                                                             (group,), dim)))
             gathers.append((order[first_use], placeholder.name, group, dim, math.prod(whole) * val.dtype.itemsize,
-                            _layer(fqns[placeholder.name]), val.dtype))
+                            param_layer(fqns[placeholder.name]), val.dtype))
     # Backward produces gradients in the reverse of forward order.
     slots = [slot for _, slot in sorted(reduce_slots, key=lambda item: -item[0])]
     buckets = GradBuckets(make_buckets(slots, options.bucket_cap_bytes, options.first_bucket_cap_bytes))
     gm.add_submodule(GRAD_BUCKETS, buckets)
     gathers.sort()
+    groups_of_keys = gather_groups([(key, layer, (group, dtype), nbytes) for _, key, group, _, nbytes, layer, dtype in gathers],
+                                   options.gather_group_bytes)
+    layer_of = {g[1]: g[5] for g in gathers}
+    reshard = [reshards(layer_of[keys[0]], options.reshard_after_forward) for keys in groups_of_keys]
     gm.add_submodule(PARAM_GATHERS, ParamGathers([g[1:5] for g in gathers], options.prefetch_bytes, buckets,
-                                                 groups=_gather_groups(gathers, options.gather_group_bytes)))
+                                                 groups=groups_of_keys, reshard=reshard))
     if not reduce_slots:
         delattr(gm, GRAD_BUCKETS)
     if not gathers:
@@ -151,34 +160,6 @@ def _reduce_dtype(chain: Sequence[torch.fx.Node], val: torch.Tensor) -> torch.dt
     """The dtype a parameter's gradient is reduced in: what its ``allreduce_grad`` chain asks
     for (a precision policy's ``reduce_dtype``, set by ``passes.precision``), else its own."""
     return (chain[0].kwargs.get("reduce_dtype") if chain else None) or val.dtype
-
-
-def _layer(fqn: str) -> str:
-    """The layer a parameter belongs to: its FQN up to the first numeric index
-    ("transformer.h.3" for "transformer.h.3.attn.c_attn.weight"); "" for the rest (the root)."""
-    parts = fqn.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[:i + 1])
-    return ""
-
-
-def _gather_groups(gathers: Sequence[tuple], cap_bytes: int) -> list[list[str]]:
-    """Split the gathers (sorted by first use: order, key, group, dim, bytes, layer, dtype) into
-    runs gathered by one collective: consecutive keys of one layer, process group and dtype, at
-    most ``cap_bytes`` of whole parameters each (a larger parameter alone; 0: one key each)."""
-    runs: list[list[str]] = []
-    previous, size = None, 0
-    for _, key, group, _, nbytes, layer, dtype in gathers:
-        same = previous == (layer, group, dtype)
-        if runs and same and cap_bytes > 0 and size + nbytes <= cap_bytes:
-            runs[-1].append(key)
-            size += nbytes
-        else:
-            runs.append([key])
-            size = nbytes
-        previous = (layer, group, dtype)
-    return runs
 
 
 def _sync_lookups_at_the_table(graph: torch.fx.Graph, params: set[str]) -> None:
@@ -216,6 +197,15 @@ def _sync_lookups_at_the_table(graph: torch.fx.Graph, params: set[str]) -> None:
         lookup.replace_input_with(table, previous)
         for dead in reversed(chain):
             graph.erase_node(dead)
+
+
+def saved_tensors_hooks(gm: torch.fx.GraphModule) -> contextlib.AbstractContextManager:
+    """The context to run ``gm`` in, so that its resharded parameter gathers are freed after
+    forward (``ParamGathers.saved_tensors_hooks``); a no-op for a graph without them."""
+    gathers = getattr(gm, PARAM_GATHERS, None)
+    if isinstance(gathers, ParamGathers):
+        return gathers.saved_tensors_hooks()
+    return contextlib.nullcontext()
 
 
 def bind_parameters(gm: torch.fx.GraphModule, params: Mapping[str, torch.Tensor]) -> None:

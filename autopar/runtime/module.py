@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
-from autopar.passes.schedule import bind_parameters
+from autopar.passes.schedule import bind_parameters, saved_tensors_hooks
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
@@ -102,7 +102,8 @@ class ParallelModule(ShardedModule):
             with self._offloader.saved_tensor_hooks():
                 outputs = self.graph_module(*values)
         else:
-            outputs = self.graph_module(*values)
+            with saved_tensors_hooks(self.graph_module):  # frees resharded parameter gathers after forward
+                outputs = self.graph_module(*values)
         return pytree.tree_unflatten(list(outputs), self._traced.out_spec)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:

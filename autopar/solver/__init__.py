@@ -11,7 +11,7 @@ import torch
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError
-from autopar.ir.options import MixedPrecision, to_dtype
+from autopar.ir.options import CommOptions, MixedPrecision, to_dtype
 from autopar.ir.plan import NodePlan, Plan
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver import backends
@@ -47,6 +47,7 @@ def solve(
     checkpointing: bool = False,
     prefetch: bool = True,
     precision: MixedPrecision | None = None,
+    comm: CommOptions | None = None,
 ) -> Plan:
     """Plan ``traced`` on ``mesh_shape``. ``solver`` is "auto", "highs" or "cbc" (see
     ``solver.backends``); ``time_limit_s`` bounds the solve, after which the best plan found
@@ -58,13 +59,14 @@ def solve(
     leanest one).
 
     ``precision`` is the policy ``traced`` was traced under (``autopar.trace.trace``): the
-    optimizer state is priced in its ``optimizer_dtype``, and the plan records it."""
+    optimizer state is priced in its ``optimizer_dtype``, and the plan records it. ``comm`` is the
+    communication schedule ``compile`` will run (``CommOptions()`` when None), as priced."""
     check_solver(solver)
     start = time.perf_counter()
     log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
     optimizer_dtype = to_dtype(precision.optimizer_dtype) if precision is not None else torch.float32
     graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage,
-                               optimizer_dtype=optimizer_dtype)
+                               optimizer_dtype=optimizer_dtype, comm=comm)
     log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
              time.perf_counter() - start)
     log.info("autopar: solving the ILP ...")
@@ -183,8 +185,7 @@ def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution,
 def _leanest(graph: ChoiceGraph, time_limit_s: float, solver: str) -> Solution:
     """The sharding of least peak memory."""
     lean = ShardingILP(graph, None)
-    leanest = {n: min(c.memory_bytes, default=0.0) for n, c in graph.choices.items()}
-    lean.minimize_peak_memory(graph.timeline.checkpoints([leanest.__getitem__]))
+    lean.minimize_peak_memory(graph.timeline.checkpoints([graph.bytes_bound(largest=False)]))
     # The LP-rounding fast path prices x and y only; this objective is an extra peak variable.
     return solve_ilp(lean, time_limit_s, backends.mip_backend(solver))
 

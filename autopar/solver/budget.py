@@ -173,4 +173,4 @@ def _dual(ilp: ShardingILP, t: int) -> float:
 
 
 def _bytes_of(graph, choice):
-    return lambda name: graph.choices[name].memory_bytes[choice[name]]
+    return graph.bytes_of(choice)

@@ -21,7 +21,7 @@ import itertools
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -41,8 +41,10 @@ from autopar.rules.registry import (
     tensor_meta,
 )
 from autopar.ir import context
+from autopar.ir.options import CommOptions
 from autopar.ir.spec import SS, Spec, is_valid, local_shape, replicated
 from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
+from autopar.solver.gathered import GatheredSize, gathered_parameters
 from autopar.trace import TracedModel, requires_grad
 from autopar.trace.moe import EXPERTS_OP
 
@@ -123,6 +125,36 @@ class ChoiceGraph:
     # What later stages compute from this graph alone (the memory planner's walk: see
     # ``solver.memory``), kept so that one solve computes it once however many plans it tries.
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+    # The parameters the runtime gathers whole (``solver.gathered``): timeline names beside the
+    # nodes', sized by the specs of an edge.
+    gathered: dict[str, GatheredSize] = field(default_factory=dict)
+    # The communication schedule priced (``ir.options.CommOptions``; the runtime's default).
+    comm: CommOptions = field(default_factory=CommOptions)
+
+    def bytes_of(self, assignment: Mapping[str, int]) -> Callable[[str], float]:
+        """Timeline name -> bytes under ``assignment`` (every node's strategy): a node's outputs
+        under its strategy, a gathered parameter's under its edge's two specs."""
+        def size(name: str) -> float:
+            choice = self.choices.get(name)
+            if choice is not None:
+                return choice.memory_bytes[assignment[name]]
+            gathered = self.gathered[name]
+            edge = self.edges[gathered.edge]
+            src = self.choices[edge.producer].strategies[assignment[edge.producer]].outs[edge.out_index]
+            dst = self.choices[edge.consumer].strategies[assignment[edge.consumer]].ins[edge.in_index]
+            return gathered.bytes_for(src, dst)
+        return size
+
+    def bytes_bound(self, largest: bool) -> Callable[[str], float]:
+        """Timeline name -> its least (or ``largest``) bytes over the strategies: references for
+        the times where the peak may lie (``Timeline.checkpoints``)."""
+        pick = max if largest else min
+        def size(name: str) -> float:
+            choice = self.choices.get(name)
+            if choice is not None:
+                return pick(choice.memory_bytes, default=0.0)
+            return pick(self.gathered[name].sizes.values(), default=0.0) if largest else 0.0
+        return size
 
     def free(self) -> list[Choice]:
         return [self.choices[n] for n in self.order if self.choices[n].follower_of is None]
@@ -203,6 +235,7 @@ def build_choice_graph(
     share_layers: bool = True,
     zero_stage: int = 0,
     optimizer_dtype: torch.dtype = torch.float32,
+    comm: CommOptions | None = None,
 ) -> ChoiceGraph:
     """Enumerate strategies and prices for every node of ``traced``.
 
@@ -214,14 +247,16 @@ def build_choice_graph(
     holds every parameter whole, and the optimizer state (stage 1) and the gradients (stage 2)
     are split among all ranks. So it needs every parameter pinned replicated by ``forced``.
     ``optimizer_dtype`` is the optimizer state's (a precision policy's ``optimizer_dtype``).
+    ``comm`` is the communication schedule the runtime will run (``CommOptions()``, its default,
+    when None): how it gathers and frees sharded parameters decides their memory.
     """
     with offering_strided(split_blocks(traced.gm)):
         return _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage,
-                                   optimizer_dtype)
+                                   optimizer_dtype, comm or CommOptions())
 
 
 def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage,
-                        optimizer_dtype) -> ChoiceGraph:
+                        optimizer_dtype, comm) -> ChoiceGraph:
     mesh_shape = tuple(mesh_shape)
     num_axes = len(mesh_shape)
     kinds = {i.name: i for i in traced.inputs}
@@ -259,9 +294,12 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     if zero_stage:
         _check_zero_layout(choices, zero_stage)
     zero_ways = math.prod(mesh_shape) if zero_stage else 1
-    timeline = liveness.build_timeline(live_nodes(traced.gm, choices), optimizer, ties, zero_stage, zero_ways,
-                                       optimizer_dtype)
-    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline)
+    nodes = live_nodes(traced.gm, choices)
+    timeline = liveness.build_timeline(nodes, optimizer, ties, zero_stage, zero_ways, optimizer_dtype)
+    fqns = {i.name: traced.ties.get(i.fqn, i.fqn) for i in traced.inputs if i.kind == "param"}
+    gathered, intervals = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm)
+    timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
+    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm)
 
 
 def _check_zero_layout(choices: dict[str, Choice], zero_stage: int) -> None:

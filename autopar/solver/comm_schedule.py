@@ -9,7 +9,9 @@ them per parameter and buckets the reductions:
   plan's step agree up to the terms below (``ParamSchedule.post_solve_s``) and the overlap;
 - a parameter sharded on one axis, whose every gathered use needs the gradient summed on exactly
   that axis (and no use all-reduces it whole), is all-gathered once, and its gradient is
-  reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces;
+  reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces; where
+  its layer's group reshards after forward (``ir.gathers.reshards``) and an op saves it for
+  backward, it is all-gathered once more, in backward;
 - gradients are reduced in the precision policy's ``reduce_dtype`` (which the cast of a
   parameter carries), gathers move the dtype their uses read (the cast's ``param_dtype``);
 - each reduction pays its bytes and its share of a bucket's latency
@@ -24,11 +26,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Replicate, Shard
+import torch
 
 from autopar.cost import comm, memory
 from autopar.cost.cluster import ClusterSpec
+from autopar.ir.gathers import param_layer, reshards
 from autopar.solver.choices import ChoiceGraph, grad_sync_axes, synced_param
+from autopar.solver.gathered import single_gather
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,20 +53,16 @@ class ParamSchedule:
         return comm.exposed_grad_sync_s(self.sync_s, self.backward_s, self.last_bucket_s)
 
 
-def _single_gather(src, dst) -> tuple[int, int] | None:
-    """(axis, dim) when ``src → dst`` is one all-gather on one axis, else None."""
-    changed = [a for a, (s, d) in enumerate(zip(src, dst)) if s != d]
-    if len(changed) != 1:
-        return None
-    axis = changed[0]
-    if isinstance(src[axis], Shard) and type(src[axis]) is Shard and isinstance(dst[axis], Replicate):
-        if not any(isinstance(p, Shard) and p.dim == src[axis].dim for a, p in enumerate(src) if a != axis):
-            return axis, src[axis].dim
-    return None
+def _saves(consumer, index: int) -> bool:
+    """Whether the op keeps input ``index`` for its backward (an embedding keeps only its indices)."""
+    if consumer.info is None or not memory.saves_inputs(consumer.info.target):
+        return False
+    return not (getattr(consumer.info.target, "overloadpacket", None) is torch.ops.aten.embedding and index == 0)
 
 
 def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterSpec,
                    bucket_cap_bytes: float = comm.DEFAULT_BUCKET_CAP_BYTES) -> ParamSchedule:
+    reshard_after_forward = graph.comm.reshard_after_forward
     mesh = graph.mesh_shape
     delta_s = delta_bytes = 0.0
     per_axis: dict[int, float] = {}
@@ -73,6 +73,8 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
     held: dict[str, tuple[int, float]] = {}  # reduced parameter → (first use, local bytes)
     scattered: dict[str, tuple[int, float, float]] = {}  # reduce-scattered parameter → (first use, Δs, bytes)
     scatter_delta_s = 0.0
+    regathered: list[tuple[str, float, float, int]] = []  # (layer, seconds, bytes sent, axis) resharded
+    saved_layers: set[str] = set()
     groups, refunds = graph.param_sync_groups()
     reduced = {(param, key[1], key[2]): group.price_s for key, group in groups.items() if group.needed(choice)
                for param in group.params}
@@ -104,7 +106,7 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
                 if axes:
                     syncs.setdefault(axes, []).append((edge, dst))
                 continue
-            gather = _single_gather(src, dst)
+            gather = single_gather(src, dst)
             if gather is not None and axes in ((), (gather[0],)):
                 gathers.setdefault(gather + (bool(axes),), []).append((edge, dst))
         arg_shape, dtype = graph.choices[name].out_shapes[0], reduce_dtypes.get(name, graph.choices[name].out_dtypes[0])
@@ -133,6 +135,10 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             delta_s -= (len(members) - 1) * gather_s
             delta_bytes -= (len(members) - 1) * gather_sent
             per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * gather_sent
+            layer = param_layer(graph.choices[name].fqn or name)
+            if reshards(layer, reshard_after_forward):
+                regathered.append((layer, gather_s, gather_sent, axis))
+                saved_layers.update([layer] if any(_saves(graph.choices[e.consumer], e.in_index) for e, _ in members) else [])
             if reduce:
                 # The ILP priced this reduction as a bucketed all-reduce of the gathered
                 # parameter (its group); the runtime reduce-scatters it instead.
@@ -146,6 +152,13 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
                 delta_bytes += scatter_sent - len(members) * priced.bytes_sent
                 per_axis[axis] = per_axis.get(axis, 0.0) + scatter_sent - len(members) * priced.bytes_sent
                 scattered[name] = (min(order[e.consumer] for e, _ in members), scatter_s - group_s, whole)
+    # Resharded after forward: backward gathers a layer's group again when an op saved one of
+    # its parameters (``ops.buckets.ParamGathers``), the whole group.
+    for layer, gather_s, gather_sent, axis in regathered:
+        if layer in saved_layers:
+            delta_s += gather_s
+            delta_bytes += gather_sent
+            per_axis[axis] = per_axis.get(axis, 0.0) + gather_sent
     # The parameter reductions, priced as the ILP prices them (``choices.param_sync_groups``):
     # each (parameter, axis, spec) that any use needs, once, bucketed, in place of the per-use
     # all-reduces in ``compute_s``.

@@ -33,7 +33,10 @@ Constraints
     pick[n]:           Σ_s x[n, s] = 1                                        ∀ n ∈ N
     edge_out[e, p]:    Σ_q y[e, p, q] = Σ_{s : out_j(s) = p} x[u, s]          ∀ e, p ∈ O_e
     edge_in[e, q]:     Σ_p y[e, p, q] = Σ_{s : in_i(s) = q} x[v, s]           ∀ e, q ∈ I_e
-    memory[t]:         Σ_{(n, f) alive at t} f · Σ_s m[n, s] · x[n, s] ≤ B     (if a budget B)
+    memory[t]:         Σ_{(n, f) alive at t} f · Σ_s m[n, s] · x[n, s]
+                       + Σ_{(g, f) alive at t} f · Σ_{(p,q)} G[g, p, q] · y[e_g, p, q] ≤ B   (if a budget B)
+                       where g is a parameter the runtime gathers whole (``solver.gathered``),
+                       e_g its first use's edge, G its bytes when p → q is one all-gather
     tie[a, b, s]:      x[a, s] = x[b, s]      for placeholders a, b naming one tensor (tied weights)
     param_sync[g, v, i]: z[g] ≥ Σ_{s ∈ U} x[v, s]  for each use (v, i) of reduction g, U the
                        strategies of v that reduce input i's gradient so; z ∈ [0, 1] continuous
@@ -204,9 +207,7 @@ class ShardingILP:
         if self.memory_budget_bytes is None:
             return
         timeline = self.graph.timeline
-        leanest = {n: min(c.memory_bytes, default=0.0) for n, c in self.graph.choices.items()}
-        largest = {n: max(c.memory_bytes, default=0.0) for n, c in self.graph.choices.items()}
-        for time in timeline.checkpoints([leanest.__getitem__, largest.__getitem__]):
+        for time in timeline.checkpoints([self.graph.bytes_bound(largest=False), self.graph.bytes_bound(largest=True)]):
             self.add_memory_constraint_at(time)
 
     def add_memory_constraint_at(self, time: int) -> None:
@@ -227,13 +228,22 @@ class ShardingILP:
         factors: dict[str, float] = {}
         for interval in self.graph.timeline.alive_at(time):
             factors[interval.node] = factors.get(interval.node, 0.0) + interval.factor
+        return self.weighted_memory(factors, 1.0 / MEMORY_UNIT)
+
+    def weighted_memory(self, factors: dict[str, float], unit: float = 1.0) -> pulp.LpAffineExpression:
+        """Σ factor · bytes over timeline names: a node's m[n, s] · x[n, s]; a gathered
+        parameter's bytes per (p, q) of its edge times y[e, p, q] (``solver.gathered``)."""
         # One coefficient per variable (repeated layers share theirs), summed in a dict:
         # pulp's expression arithmetic builds an object per term (seconds at 80 layers).
-        return weighted_sum(
-            (factor * m / MEMORY_UNIT, x)
-            for name, factor in factors.items()
-            for m, x in zip(self.graph.choices[name].memory_bytes, self.x[name]) if m
-        )
+        choices, gathered = self.graph.choices, self.graph.gathered
+        return weighted_sum(itertools.chain(
+            ((factor * m * unit, x)
+             for name, factor in factors.items() if name in choices
+             for m, x in zip(choices[name].memory_bytes, self.x[name]) if m),
+            ((factor * size * unit, self.y[gathered[name].edge][pair])
+             for name, factor in factors.items() if name in gathered
+             for pair, size in gathered[name].sizes.items() if size and pair in self.y.get(gathered[name].edge, {})),
+        ))
 
     def minimize_peak_memory(self, times: list[int]) -> None:
         """Replace the objective by the peak of memory[t] over ``times`` (``solve`` uses it to

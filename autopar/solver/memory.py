@@ -61,6 +61,7 @@ from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry
 from autopar.trace import TracedModel
 from autopar.solver.choices import layer_key, live_nodes
+from autopar.solver.gathered import PREFIX as GATHERED
 
 log = logging.getLogger("autopar")
 
@@ -146,6 +147,9 @@ class _WalkShape:
                 if iv.start in segment_at:
                     keys += [("checkpoint", str(segment_at[iv.start])), ("activations", str(segment_at[iv.start]))]
                 keys += [("checkpoint", str(segment_at[u])) for u in uses.get(iv.node, ()) if u in segment_at]
+            elif iv.kind == "gathered":  # re-gathered inside a checkpointed segment of its uses
+                keys += [("checkpoint", str(segment_at[u])) for u in uses.get(iv.node.removeprefix(GATHERED), ())
+                         if u in segment_at]
             elif iv.kind in TRANSFERS:
                 keys.append((iv.kind, iv.node))
                 if iv.kind == "grad":  # a fetched parameter's gradient goes to the store
@@ -227,6 +231,8 @@ class _Walk:
                         (iv.node, iv.kind, read_from, iv.end, iv.factor)]
         if iv.kind == "activation" and segments:
             return self._checkpointed(iv, in_segment, segments)
+        if iv.kind == "gathered" and segments:
+            return self._gathered_checkpointed(iv, in_segment)
         return [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
 
     def _streamed_step(self, offloaded: dict[str, set[str]], prefetch: bool) -> list[tuple[str, str, int, int, float]]:
@@ -279,6 +285,22 @@ class _Walk:
         if firsts:
             end = max(end, self.bwd(min(firsts)))
         return [(iv.node, iv.kind, i, end, iv.factor)]
+
+    def _gathered_checkpointed(self, iv: liveness.Interval, in_segment) -> list[tuple[str, str, int, int, float]]:
+        """A gathered parameter whose every use lies in one checkpointed segment is gathered
+        inside it (``passes.memory``): freed after its last forward use, whether or not its group
+        reshards, and gathered again by the segment's recompute, for the segment's backward."""
+        uses = self.uses.get(iv.node.removeprefix(GATHERED), [])
+        spans = {in_segment.get(u) for u in uses}
+        if not uses or len(spans) != 1 or None in spans:
+            return [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
+        ((first, last),) = spans
+        pieces = []
+        if iv.start < self.num:
+            pieces.append((iv.node, iv.kind, iv.start, min(iv.end, max(uses)), iv.factor))
+        if iv.end >= self.num:
+            pieces.append((iv.node, iv.kind, self.bwd(last), self.bwd(first), iv.factor))
+        return pieces
 
     def curve(self, intervals) -> list[float]:
         delta = [0.0] * (2 * self.num + 1)
@@ -361,7 +383,7 @@ def plan_memory(
     """The cheapest decisions that bring the peak under ``budget`` (module docstring), and the
     adjusted memory breakdown at the new peak. ``target`` None allows checkpointing only.
     Raises InfeasibleError with the peak when every candidate is taken."""
-    bytes_of = lambda name: graph.choices[name].memory_bytes[choice[name]]  # noqa: E731
+    bytes_of = graph.bytes_of(choice)
     walk = _Walk(traced, graph, bytes_of)
     candidates = _candidates(walk, graph, choice, cluster, target, checkpointing)
     before, _ = walk.peak(set(), prefetch)
@@ -481,7 +503,8 @@ def _infeasible(walk: _Walk, graph, keys, prefetch, budget, target, checkpointin
     alive = []
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):
         if start <= time <= end:
-            alive.append((factor * walk.bytes_of(node), kind, graph.choices[node].fqn or node))
+            owner = graph.choices.get(node.removeprefix(GATHERED))
+            alive.append((factor * walk.bytes_of(node), kind, (owner.fqn if owner is not None else None) or node))
     alive.sort(reverse=True)
     lines = "\n".join(f"    {kind} {name}: {size / 2**20:.1f} MiB" for size, kind, name in alive[:5])
     allowed = ("checkpointing every layer" if checkpointing else "no checkpointing") + (

@@ -45,7 +45,7 @@ MAX_MEMORY_ROUNDS = 20
 
 def chosen_bytes(graph: "ChoiceGraph", solution: "Solution"):
     """Node name -> bytes of its chosen strategy."""
-    return lambda name: graph.choices[name].memory_bytes[solution.choice[name]]
+    return graph.bytes_of(solution.choice)
 
 
 def peak_memory(graph: "ChoiceGraph", solution: "Solution") -> tuple[float, int]:

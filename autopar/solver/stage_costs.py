@@ -45,7 +45,8 @@ import numpy as np
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.solver.choices import ChoiceGraph, Choice, build_choice_graph, grad_sync_axes, grad_sync_cost, layer_key
-from autopar.solver.ilp import MEMORY_UNIT, ShardingILP, Solution, weighted_sum
+from autopar.solver.gathered import PREFIX as GATHERED
+from autopar.solver.ilp import MEMORY_UNIT, ShardingILP, Solution
 from autopar.solver.solving import peak_memory, solve_ilp, solve_within_budget
 from autopar.trace import TracedModel
 from autopar.rules import op_info
@@ -274,12 +275,12 @@ class CandidateSolver:
         weight: dict[str, float] = {}
         for interval in self.graph.timeline.intervals:
             weight[interval.node] = weight.get(interval.node, 0.0) + interval.factor
-        choices = self.graph.choices
-        memory_value = sum(w * choices[n].memory_bytes[fastest.solution.choice[n]] for n, w in weight.items())
+        bytes_of = self.graph.bytes_of(fastest.solution.choice)
+        memory_value = sum(w * bytes_of(n) for n, w in weight.items())
         time_value = fastest.solution.objective_s
         if memory_value <= 0 or time_value <= 0:
             return []
-        memory = weighted_sum((w * m, x) for n, w in weight.items() for m, x in zip(choices[n].memory_bytes, self.ilp.x[n]) if m)
+        memory = self.ilp.weighted_memory(weight)
         time_objective = self.ilp.problem.objective
         seen = {tuple(sorted(fastest.solution.choice.items()))}
         found = []
@@ -308,7 +309,7 @@ class CandidateSolver:
         miss, at a MILP per rung."""
         graph, ilp = self.graph, self.ilp
         fast = peak_memory(graph, fastest.solution)[0]
-        lean = graph.timeline.peak(lambda n: min(graph.choices[n].memory_bytes, default=0.0))[0]
+        lean = graph.timeline.peak(graph.bytes_bound(largest=False))[0]
         found = []
         for fraction in BUDGET_LADDER:
             budget = lean + fraction * (fast - lean)
@@ -425,14 +426,16 @@ def _memory(graph: ChoiceGraph, layers: Layers, choice: dict[str, int], consumer
     end = len(timeline.names) - 1  # the end of forward
     static_of: dict[str, float] = {}
     curves = np.zeros((num, timeline.num_times + 1))
+    bytes_of = graph.bytes_of(choice)
     for interval in timeline.intervals:
-        size = interval.factor * graph.choices[interval.node].memory_bytes[choice[interval.node]]
+        size = interval.factor * bytes_of(interval.node)
         if interval.kind in _STATIC_KINDS:
             static_of[interval.node] = static_of.get(interval.node, 0.0) + size
             continue
-        u = unit_of(interval.node)
-        if u == -2:  # a placeholder's activation gradient: charge its first consumer
-            u = min(consumers.get(interval.node, {0}))
+        owner = interval.node.removeprefix(GATHERED)  # a gathered parameter: its placeholder's
+        u = unit_of(owner)
+        if u == -2:  # a placeholder's activation gradient (or a gathered one): charge its first consumer
+            u = min(consumers.get(owner, {0}))
         curves[u + 1, interval.start] += size
         curves[u + 1, interval.end + 1] -= size
     curves = np.cumsum(curves, axis=1)[:, :-1]

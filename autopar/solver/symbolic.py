@@ -27,6 +27,7 @@ from typing import Any
 
 import sympy
 import torch
+import torch.fx
 
 from autopar.cost import comm, compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
@@ -34,6 +35,7 @@ from autopar.ir.plan import Plan
 from autopar.rules import op_info
 from autopar.rules.registry import Strategy, tensor_input_nodes, tensor_meta
 from autopar.solver.choices import grad_sync_axes, grad_sync_cost, kernel_collectives
+from autopar.solver.gathered import PREFIX, GatherRow, gathered_intervals, reads_whole, single_gather
 from autopar.trace import TracedModel, requires_grad
 from autopar.trace.moe import EXPERTS_OP
 
@@ -108,8 +110,48 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
             seconds, per_axis = comm.collectives_cost(steps, mesh, cluster)
             comms.append((seconds, sum(per_axis.values())))
     ties = _ties(traced)
-    curve = liveness.build_timeline(live, optimizer, ties).curve(out_bytes.__getitem__)
+    timeline = liveness.build_timeline(live, optimizer, ties)
+    gathered, sizes = _gathered(traced, plan, kinds, grads, ties, live)
+    out_bytes.update(sizes)
+    curve = liveness.Timeline(timeline.names, timeline.intervals + tuple(gathered)).curve(out_bytes.__getitem__)
     return {"roofline": roofline, "comm": comms, "memory_curve": curve}
+
+
+def _gathered(traced: TracedModel, plan: Plan, kinds, grads, ties, live) -> tuple[list[liveness.Interval], dict[str, float]]:
+    """The intervals and sizes of the parameters the runtime gathers under ``plan``, as
+    ``solver.gathered.gathered_parameters`` prices them in the choice graph."""
+    mesh = tuple(plan.mesh_shape)
+    if all(size == 1 for size in mesh):
+        return [], {}
+    nodes = list(traced.gm.graph.nodes)
+    index = {node.name: i for i, node in enumerate(nodes)}
+    leader = {member: group[0] for group in ties for member in group}
+    fqns = {i.name: traced.ties.get(i.fqn, i.fqn) for i in traced.inputs if i.kind == "param"}
+    uses: dict[str, list[tuple[int, int]]] = {}
+    first: dict[str, tuple[str, int, Any]] = {}
+    for node in nodes:
+        if node.op == "placeholder" or not reads_whole(node.target if node.op == "call_function" else None):
+            continue
+        decided = plan.nodes[node.name]
+        for in_index, ((producer, out_index), dst) in enumerate(zip(decided.inputs, decided.ins)):
+            source = traced.node(producer)
+            param = producer if kinds.get(producer) == "param" else None
+            if (param is None and source.op == "call_function" and source.target is torch.ops.aten._to_copy.default
+                    and isinstance(source.args[0], torch.fx.Node) and kinds.get(source.args[0].name) == "param"):
+                param = source.args[0].name  # a precision policy's cast of the parameter
+            if param is None or not grads[producer]:
+                continue
+            param = leader.get(param, param)
+            uses.setdefault(param, []).append((index[node.name], in_index))
+            first.setdefault(param, (producer, out_index, dst))
+    rows, sizes = [], {}
+    for param, (producer, out_index, dst) in first.items():
+        shape, dtype = _outs(traced.node(producer))[out_index]
+        src = plan.nodes[producer].outs[out_index]
+        sizes[PREFIX + param] = float(memory.local_bytes(shape, dtype, dst, mesh)) if single_gather(src, dst) else 0.0
+        rows.append(GatherRow(param, fqns.get(param, param), tuple(uses[param]), shape, dtype,
+                              _outs(traced.node(param))[0][1]))
+    return gathered_intervals(rows, live), sizes
 
 
 def _ties(traced: TracedModel) -> list[list[str]]:

@@ -111,7 +111,7 @@ def test_memory_budget_binding(gpt_traced):
     graph = build_choice_graph(gpt_traced, (2,), cluster)
     free = solve_ilp(ShardingILP(graph))
     lean = ShardingILP(graph)
-    lean.minimize_peak_memory(graph.timeline.checkpoints([lambda name: min(graph.choices[name].memory_bytes, default=0.0)]))
+    lean.minimize_peak_memory(graph.timeline.checkpoints([graph.bytes_bound(largest=False)]))
     leanest = peak_memory(graph, solve_ilp(lean))[0]
     peak = peak_memory(graph, free)[0]
     assert leanest < peak

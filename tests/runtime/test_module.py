@@ -194,6 +194,8 @@ def _run_forced(rank: int, world: int) -> dict:
         hand = autopar.compile(model, (world,), example_inputs=batch, plan=plan)
         results[f"hand_{kind}"] = {**step_against_eager(hand, eager, batch), "collectives": collective_counts(hand)}
 
+    results.update(_reshard_runs(world))
+
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     from autopar.runtime.module import world_timeout
@@ -208,9 +210,107 @@ def _run_forced(rank: int, world: int) -> dict:
     return results
 
 
+def _layer_segments(plan, traced) -> tuple:
+    """One checkpoint segment per transformer block: its first and last op, in graph order."""
+    from autopar.ir.memory import CheckpointSegment
+    from autopar.solver.choices import layer_key
+
+    spans: dict = {}
+    for node in traced.gm.graph.nodes:
+        key = layer_key(node, None) if node.op == "call_function" else None
+        if key is not None:
+            spans.setdefault(key, []).append(node.name)
+    return tuple(CheckpointSegment(f"{path}.{index}", names[0], names[-1], 0.0, 0.0)
+                 for (path, index), names in sorted(spans.items()))
+
+
+def _reshard_runs(world: int) -> dict:
+    """The fsdp hand plan under each ``CommOptions.reshard_after_forward``, with and without
+    checkpointing every block: loss and gradients against eager, which gathered parameters are
+    alive once forward returns, and the all-gathers of forward and of backward."""
+    import dataclasses
+
+    from autopar.ir.memory import MemoryPlan
+    from autopar.ops import collectives
+    from autopar.trace import trace
+
+    model = build_model("gpt", seed=0, bias=False)
+    eager = copy.deepcopy(model)
+    batch = example_batch("gpt", batch_size=4, seed=1)
+    want = eager(*batch)
+    want.backward()
+    plan = autopar.hand_plan("fsdp", model, (world,), example_inputs=batch, cluster="cpu")
+    checkpointed = dataclasses.replace(plan, memory=MemoryPlan("cpu", True, checkpoint=_layer_segments(plan, trace(model, batch))))
+    launched: list[int] = []
+    start_all_gather = collectives.start_all_gather
+    collectives.start_all_gather = lambda out, x, name: launched.append(x.numel()) or start_all_gather(out, x, name)
+    results = {}
+    try:
+        for label, chosen in (("", plan), ("_checkpointed", checkpointed)):
+            for reshard in (None, True, False):
+                pm = autopar.compile(copy.deepcopy(model), (world,), example_inputs=batch, plan=chosen,
+                                     comm=autopar.CommOptions(reshard_after_forward=reshard))
+                gathers = pm.graph_module.param_gathers
+                launched.clear()
+                loss = pm(*batch)
+                alive, forward_gathers = gathers.live_gathered(), len(launched)
+                loss.backward()
+                results[f"reshard_{reshard}{label}"] = {
+                    "loss": (loss.item(), want.item()),
+                    "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
+                    "groups": [list(keys) for keys in gathers.groups],
+                    "resharded": [list(keys) for keys, flag in zip(gathers.groups, gathers.reshard) if flag],
+                    "alive_after_forward": alive,
+                    "forward_gathers": forward_gathers,
+                    "backward_gathers": len(launched) - forward_gathers,
+                    "checkpoints": sum(1 for name, _ in pm.graph_module.named_children() if name.startswith("checkpoint_")),
+                }
+    finally:
+        collectives.start_all_gather = start_all_gather
+    return results
+
+
+def _check_reshard(by_label: dict) -> None:
+    """``reshard_after_forward``: True frees every gathered parameter after forward and gathers
+    each group once more in backward; False keeps them all and gathers nothing in backward; None
+    (FSDP2's default) keeps only the root's. Checkpointed blocks gather again in their recompute,
+    whatever the option."""
+    plain = {r: by_label.pop(f"reshard_{r}") for r in (None, True, False)}
+    checkpointed = {r: by_label.pop(f"reshard_{r}_checkpointed") for r in (None, True, False)}
+    groups = plain[False]["groups"]
+    every = sorted(key for keys in groups for key in keys)
+    root = sorted(key for keys in groups for key in keys if "_h_" not in key)
+    assert root and len(root) < len(every), groups
+    assert plain[True]["resharded"] == groups and plain[False]["resharded"] == []
+    assert sorted(k for keys in plain[None]["resharded"] for k in keys) == sorted(set(every) - set(root))
+    for reshard, result in plain.items():
+        assert result["forward_gathers"] == len(groups), (reshard, result)
+    assert plain[True]["alive_after_forward"] == [], "reshard_after_forward=True: nothing gathered outlives forward"
+    assert plain[True]["backward_gathers"] == len(groups), "each group gathered once more in backward"
+    # False keeps what backward needs: every gathered parameter an op saved (all but the
+    # position table, which only an embedding reads)
+    kept = plain[False]["alive_after_forward"]
+    blocks = sorted(set(every) - set(root))
+    assert set(blocks) < set(kept) and len(kept) == len(every) - 1, kept
+    assert plain[False]["backward_gathers"] == 0
+    assert plain[None]["alive_after_forward"] == sorted(set(kept) & set(root)), "the default keeps the root's only"
+    assert plain[None]["backward_gathers"] == len(plain[None]["resharded"])
+    for reshard, result in checkpointed.items():
+        assert result["checkpoints"] == 2, result
+        assert result["forward_gathers"] == len(groups), (reshard, result)
+        assert result["backward_gathers"] > 0, "checkpointed blocks gather their parameters again in the recompute"
+    assert checkpointed[True]["alive_after_forward"] == []
+    # a block's gathers move into its checkpointed segment, so even False frees the blocks' parameters
+    assert checkpointed[False]["alive_after_forward"] == sorted(set(kept) & set(root)), checkpointed[False]
+    for label, runs in (("", plain), ("_checkpointed", checkpointed)):
+        for reshard, result in runs.items():
+            by_label[f"reshard_{reshard}{label}"] = result  # loss and gradients: checked like every run
+
+
 def test_forced_plans_with_split_activations_match_eager() -> None:
     results = run_distributed(_run_forced, 2, timeout_s=300, pg_timeout_s=45)
     for rank, by_label in enumerate(results):
+        _check_reshard(by_label)
         world, axis = by_label.pop("timeouts")
         message = by_label.pop("wrong_shape")
         assert "(4, 64)" in message and "(8, 64)" in message, f"a wrong input shape must be named: {message}"

@@ -104,7 +104,7 @@ def test_budget_fast_path_fits_and_reports_its_gap_to_the_milp(graphs):
 
     graph = graphs[True]
     unbounded = solve_ilp(ShardingILP(graph), 60)
-    lean = graph.timeline.peak(lambda n: min(graph.choices[n].memory_bytes, default=0.0))[0]
+    lean = graph.timeline.peak(graph.bytes_bound(largest=False))[0]
     budget = lean + 0.3 * (peak_memory(graph, unbounded)[0] - lean)
     fast_ilp = ShardingILP(graph, budget)
     fast = solve_under_budget(fast_ilp, 60, unbounded)

@@ -176,7 +176,10 @@ def test_leaner_candidates_let_a_tight_budget_fit(candidates):
     model = build_model("gpt", n_layer=4, n_embd=128, vocab_size=512)
     traced = trace(model, example_batch("gpt", 2, n_layer=4, n_embd=128, vocab_size=512))
     fastest = search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, ladder=())[0]
-    budget = 0.6 * fastest.stages[0].memory_bytes
+    # 0.65: the sharded stages are priced with the parameters the runtime gathers whole (FSDP's
+    # gathered groups and reduce-scatter buckets), so the leanest candidate needs ~0.63 of the
+    # fastest's memory (~0.5 when gathered parameters were free)
+    budget = 0.65 * fastest.stages[0].memory_bytes
     with pytest.raises(InfeasibleError):
         search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, memory_budget=budget, ladder=())
     lean, costs = search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, memory_budget=budget,

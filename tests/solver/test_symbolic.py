@@ -10,6 +10,7 @@ from autopar.cost.cluster import get_cluster
 from autopar.errors import PlanError
 from autopar.zoo.models import GPT
 from autopar.solver import solve
+from autopar.solver.hand_plans import param_specs
 from autopar.solver.symbolic import price_plan, totals
 from autopar.trace import trace
 
@@ -60,6 +61,12 @@ def test_price_plan_reproduces_the_solver_and_predict_needs_symbolic_costs():
     plan = solve(traced, (2, 2), cpu)
     priced = totals(price_plan(traced, plan, cpu))
     for key in KEYS:
-        assert priced[key] == pytest.approx(plan.predicted[key], rel=1e-9)
+        assert priced[key] == pytest.approx(plan.predicted[key], rel=1e-9), key
+    # FSDP: its gathered parameters and reduce-scatter buckets are in the peak it reproduces (its
+    # scheduled communication's time and bytes come from ``predicted["grad_schedule"]``)
+    fsdp = solve(traced, (4,), cpu, forced=param_specs("fsdp", traced, (4,)))
+    assert fsdp.predicted["memory_at_peak_bytes"]["gathered"] > 0
+    priced = totals(price_plan(traced, fsdp, cpu))
+    assert priced["peak_memory_bytes"] == pytest.approx(fsdp.predicted["peak_memory_bytes"], rel=1e-9)
     with pytest.raises(PlanError, match="symbolic_batch=True"):
         plan.predict(batch=16)
