@@ -122,14 +122,14 @@ class ChoiceGraph:
     layer_template: dict[str, str] = field(default_factory=dict)
     # When each node's bytes are alive over forward and backward (``autopar.cost.liveness``).
     timeline: liveness.Timeline | None = None
-    # What later stages compute from this graph alone (the memory planner's walk: see
-    # ``solver.memory``), kept so that one solve computes it once however many plans it tries.
-    derived: dict = field(default_factory=dict, repr=False, compare=False)
     # The parameters the runtime gathers whole (``solver.gathered``): timeline names beside the
     # nodes', sized by the specs of an edge.
     gathered: dict[str, GatheredSize] = field(default_factory=dict)
     # The communication schedule priced (``ir.options.CommOptions``; the runtime's default).
     comm: CommOptions = field(default_factory=CommOptions)
+    # What later stages compute from this graph alone (the memory planner's walk: see
+    # ``solver.memory``), kept so that one solve computes it once however many plans it tries.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def bytes_of(self, assignment: Mapping[str, int]) -> Callable[[str], float]:
         """Timeline name -> bytes under ``assignment`` (every node's strategy): a node's outputs

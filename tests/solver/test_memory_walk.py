@@ -21,7 +21,7 @@ def walk(request) -> _Walk:
     graph = build_choice_graph(traced, (2, 2), get_cluster("cpu"))
     # A mixed sharding (not the solved one), so that sizes differ from node to node.
     choice = {name: i % len(c.strategies) for i, (name, c) in enumerate(graph.choices.items())}
-    return _Walk(traced, graph, lambda name: graph.choices[name].memory_bytes[choice[name]])
+    return _Walk(traced, graph, graph.bytes_of(choice))  # gathered parameters too
 
 
 def _full_walk(walk: _Walk, decisions: set, prefetch: bool) -> tuple[float, int]:
