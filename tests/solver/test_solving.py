@@ -150,7 +150,7 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
     cluster = get_cluster("h100-80g")
     graph = build_choice_graph(traced, (2, 2), cluster)
     unbounded = solve_ilp(ShardingILP(graph), 60)
-    lean = graph.timeline.peak(lambda n: min(graph.choices[n].memory_bytes, default=0.0))[0]
+    lean = graph.timeline.peak(graph.bytes_bound(largest=False))[0]
     budget = lean + 0.3 * (peak_memory(graph, unbounded)[0] - lean)
     monkeypatch.setattr(solver_module, "MILP_GAP", -1.0)  # every Lagrangian gap is "too large"
     limits = []
