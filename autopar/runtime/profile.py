@@ -7,7 +7,8 @@ Two measurements:
   bandwidth (a large tensor copied: read + write bytes over time) and memory size. On CUDA every
   timing is bracketed by ``torch.cuda.synchronize``. On CPU the "device" is one process with the
   threads it has (``run_distributed`` and ``--spawn`` give each rank one thread, as the gloo runs
-  that the cpu preset describes do).
+  that the cpu preset describes do), and the spec's ``compute_slots_per_node`` is the host's
+  cores over a rank's threads (``cost.cluster.cpu_cluster``): ranks beyond it share cores.
 * **The alpha-beta of each mesh axis** (``measure_axes``), on a live process group: timed ring
   all-reduces of a few sizes on that axis's groups (the slowest rank's median time per size),
   fitted by least squares to ``t = 2(k-1)·α + 2(k-1)/k · bytes/β`` (``fit_alpha_beta``). An
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.cost.cluster import ClusterSpec, LinkSpec, get_cluster
+from autopar.cost.cluster import ClusterSpec, LinkSpec, cpu_cluster, get_cluster
 from autopar.runtime.module import mesh_groups
 from autopar.runtime.launch import run_distributed
 
@@ -174,8 +175,10 @@ def build_spec(
     num_nodes: int,
     base: str = "cpu",
     name: str | None = None,
+    compute_slots_per_node: int | None = None,
 ) -> ClusterSpec:
-    """A ClusterSpec from ``measure_device``'s roofline and ``measure_axes``' links."""
+    """A ClusterSpec from ``measure_device``'s roofline and ``measure_axes``' links;
+    ``compute_slots_per_node`` is how many of its ranks a node runs at once (None: each has a device)."""
     fallback = get_cluster(base)
     links: dict[str, list[LinkSpec]] = {"intra_node": [], "inter_node": []}
     probe = ClusterSpec(
@@ -219,6 +222,7 @@ def build_spec(
         inter_node=chosen["inter_node"],
         source="autopar profile (measured)",
         notes=" ".join(notes),
+        compute_slots_per_node=compute_slots_per_node,
     )
 
 
@@ -232,7 +236,9 @@ def profile_distributed(mesh_shape: Sequence[int], quick: bool = True) -> Cluste
     dist.broadcast_object_list(payload, src=0)
     world = dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return build_spec(payload[0], axes, mesh_shape, per_node, max(world // per_node, 1))
+    # CPU ranks share the host's cores: as many run at once as it has cores for their threads
+    slots = cpu_cluster().compute_slots_per_node if device_type == "cpu" else None
+    return build_spec(payload[0], axes, mesh_shape, per_node, max(world // per_node, 1), compute_slots_per_node=slots)
 
 
 def _spawned(rank: int, world_size: int, mesh_shape: tuple[int, ...], quick: bool) -> dict[str, Any]:

@@ -36,6 +36,9 @@ def test_build_spec_maps_axes_to_link_levels():
     spec = build_spec(DEVICE, axes, (2, 4), devices_per_node=8, num_nodes=1)
     assert spec.inter_node == spec.intra_node == LinkSpec(1e-4, 1e8)  # the slower of the two axes
     assert "copied from intra_node" in spec.notes
+    # CPU ranks that share 2 cores: 4 ranks on the node each get half a device
+    shared = build_spec(DEVICE, axes, (2, 4), devices_per_node=8, num_nodes=1, compute_slots_per_node=2)
+    assert spec.compute_share((2, 4)) == 1.0 and shared.compute_share((2, 4)) == 0.25
 
 
 def test_measure_device_on_cpu_is_positive():
