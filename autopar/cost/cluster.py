@@ -26,7 +26,10 @@ then time-slices them, and each rank computes at a share of a device's speed.
 computes on its own). ``ClusterSpec.compute_share(mesh_shape)`` is then
 ``min(1, compute_slots_per_node / ranks on the node)``, where the mesh puts
 ``min(prod(mesh_shape), devices_per_node)`` ranks on a node, and the compute model divides every
-op's time by it. ``local_cluster()`` (what ``compile`` prices without a ``cluster``) counts the
+op's time by it. The links slow down alike (``axis_link``: latency over the share, bandwidth
+times it): gloo moves every message with the ranks' own CPU, and a rank that is not running does
+not answer (on 2 cores, 4 ranks measured a per-step all-reduce latency 1.5-3× that of 2 ranks;
+benchmarks/README.md). ``local_cluster()`` (what ``compile`` prices without a ``cluster``) counts the
 host's cores (``os.sched_getaffinity``); offline, say it on a spec:
 ``dataclasses.replace(get_cluster("cpu"), compute_slots_per_node=2)`` or
 ``"compute_slots_per_node": 2`` in a cluster file.
@@ -209,14 +212,18 @@ class ClusterSpec:
 
         The group block is ``prod(mesh_shape[axis:])`` consecutive ranks (the last axis is
         innermost). It is ``intra_node`` when the block divides ``devices_per_node``, so that every
-        group lies inside one node, and ``inter_node`` otherwise.
+        group lies inside one node, and ``inter_node`` otherwise. Where the mesh's ranks share a
+        node's compute (``compute_share`` < 1), the link runs at that share too: latency divided
+        by it, bandwidth multiplied by it.
         """
         if not 0 <= axis < len(mesh_shape):
             raise ValueError(f"mesh axis {axis} out of range for mesh {tuple(mesh_shape)}")
         block = math.prod(mesh_shape[axis:])
-        if self.devices_per_node % block == 0:
-            return self.intra_node
-        return self.inter_node
+        link = self.intra_node if self.devices_per_node % block == 0 else self.inter_node
+        share = self.compute_share(mesh_shape)
+        if share < 1:  # time-sliced ranks also share the CPU that moves their messages
+            return LinkSpec(link.latency_s / share, link.bandwidth_bytes_per_s * share)
+        return link
 
     # ---------------------------------------------------------------------------------------
     # Serialization: a flat JSON object (or TOML document) whose links are sub-tables.

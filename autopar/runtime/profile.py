@@ -15,6 +15,8 @@ Two measurements:
   axis whose groups fit inside a node (``ClusterSpec.axis_link``) gives the ``intra_node``
   link, otherwise ``inter_node``; a link no axis measured copies the other and says so in
   ``notes``. Without a process group the links are the base preset's, and ``notes`` says so.
+  Where more ranks ran than the host has compute slots, each measured link is scaled back to full
+  speed by the ranks' ``compute_share`` (``ClusterSpec.axis_link`` applies it again when pricing).
 
 The CLI (``python -m autopar profile --out cluster.json [--mesh 2x2 --spawn]``) runs under
 torchrun (every rank measures; rank 0 writes), with ``--spawn`` (local gloo ranks), or alone
@@ -23,6 +25,7 @@ torchrun (every rank measures; rank 0 writes), with ``--spawn`` (local gloo rank
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -186,12 +189,19 @@ def build_spec(
         memory_bandwidth_bytes_per_s=1.0, memory_bytes=1, intra_node=fallback.intra_node,
         inter_node=fallback.inter_node,
     )
+    # Ranks beyond the compute slots ran time-sliced: the spec holds the link at full speed, and
+    # ``ClusterSpec.axis_link`` slows it down again for a mesh that shares the host.
+    share = dataclasses.replace(probe, compute_slots_per_node=compute_slots_per_node).compute_share(mesh_shape)
     for entry in axes or []:
         if entry["link"] is None:
             continue
         level = "intra_node" if probe.axis_link(mesh_shape, entry["axis"]) is probe.intra_node else "inter_node"
-        links[level].append(entry["link"])
+        link = entry["link"]
+        links[level].append(LinkSpec(link.latency_s * share, link.bandwidth_bytes_per_s / share))
     notes = [f"Measured by autopar profile on {device['device']} with torch {torch.__version__}."]
+    if share < 1:
+        notes.append(f"{math.prod(mesh_shape)} ranks shared {compute_slots_per_node} compute slots: the "
+                     f"links are the measured ones at full speed (latency x {share:g}, bandwidth / {share:g}).")
     chosen: dict[str, LinkSpec] = {}
     for level, found in links.items():
         if found:  # the slowest axis of that level: a plan must not count on the best one

@@ -449,6 +449,11 @@ def test_ranks_beyond_the_compute_slots_share_a_device():
     add = info_for(aten.add.Tensor, meta(1000, 1000), meta(1000, 1000))
     pointwise = Strategy(ins=((R,), (R,)), outs=((R,),))
     assert compute_cost_s(add, pointwise, (4,), two, False) == pytest.approx(2 * 1.2e-4)
+    # gloo moves messages with the ranks' CPU: their links run at the same share
+    assert two.axis_link((2,), 0) is two.intra_node
+    assert two.axis_link((4,), 0) == LinkSpec(2 * cluster.intra_node.latency_s, 0.5 * cluster.intra_node.bandwidth_bytes_per_s)
+    assert all_reduce_s(1e6, 0, (4,), two) == pytest.approx(2 * all_reduce_s(1e6, 0, (4,), cluster))
+    assert all_reduce_s(1e6, 0, (2,), two) == all_reduce_s(1e6, 0, (2,), cluster)
     # the field round-trips, is left out of JSON when unset, and is validated
     assert ClusterSpec.from_json(two.to_json()) == two
     assert "compute_slots_per_node" not in cluster.to_json()
