@@ -29,9 +29,10 @@ computes on its own). ``ClusterSpec.compute_share(mesh_shape)`` is then
 op's time by it. The links slow down alike (``axis_link``: latency over the share, bandwidth
 times it): gloo moves every message with the ranks' own CPU, and a rank that is not running does
 not answer (on 2 cores, 4 ranks measured a per-step all-reduce latency 1.5-3× that of 2 ranks;
-benchmarks/README.md). ``local_cluster()`` (what ``compile`` prices without a ``cluster``) counts the
-host's cores (``os.sched_getaffinity``); offline, say it on a spec:
-``dataclasses.replace(get_cluster("cpu"), compute_slots_per_node=2)`` or
+benchmarks/README.md). ``local_cluster()`` (what ``compile`` prices without a ``cluster``) is then the
+"cpu-gloo" preset (gloo's links measured on one host) with the host's cores
+(``os.sched_getaffinity``); offline, say it on a spec:
+``dataclasses.replace(get_cluster("cpu-gloo"), compute_slots_per_node=2)`` or
 ``"compute_slots_per_node": 2`` in a cluster file.
 
 Two more links price offload (``autopar.ir.memory``): ``host_link`` between a device and its host's
@@ -55,6 +56,9 @@ import torch
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "h100-80g"
+# What ``compile`` prices on a machine without CUDA: one host's CPU ranks over gloo (loopback),
+# with figures measured there (``presets/cpu-gloo.json`` says how), and this host's cores.
+CPU_PRESET = "cpu-gloo"
 COMPUTE_MODES = ("roofline", "measured")
 # The default memory budget is the device's memory less this reserve (``ClusterSpec.memory_reserve_bytes``).
 MEMORY_RESERVE_FRACTION = 0.10
@@ -363,21 +367,23 @@ def host_cores() -> int:
 
 
 def cpu_cluster(threads_per_rank: int | None = None, cores: int | None = None) -> ClusterSpec:
-    """The "cpu" preset for this host: ``compute_slots_per_node`` is its cores (``host_cores``)
-    over the threads each rank runs (``torch.get_num_threads()`` by default, which is a rank's own
-    count when called in a rank: torchrun and ``run_distributed`` give each one thread)."""
+    """The "cpu-gloo" preset (``CPU_PRESET``) for this host: ``compute_slots_per_node`` is its
+    cores (``host_cores``) over the threads each rank runs (``torch.get_num_threads()`` by
+    default, which is a rank's own count when called in a rank: torchrun and ``run_distributed``
+    give each one thread)."""
     threads = threads_per_rank if threads_per_rank is not None else torch.get_num_threads()
     _positive_int("cpu_cluster", "threads_per_rank", threads)
     cores = cores if cores is not None else host_cores()
     _positive_int("cpu_cluster", "cores", cores)
     slots = max(1, cores // threads)
-    return dataclasses.replace(get_cluster("cpu"), name=f"cpu ({slots} slots)", compute_slots_per_node=slots)
+    return dataclasses.replace(get_cluster(CPU_PRESET), name=f"{CPU_PRESET} ({slots} slots)",
+                               compute_slots_per_node=slots)
 
 
 def local_cluster() -> ClusterSpec:
     """The spec of the machine this runs on: the preset of its CUDA device (by name; the
-    device's own memory when it differs from the preset's), or without one the "cpu" preset
-    with this host's compute slots (``cpu_cluster``: ranks beyond its cores share them)."""
+    device's own memory when it differs from the preset's), or without one the "cpu-gloo"
+    preset with this host's compute slots (``cpu_cluster``: ranks beyond its cores share them)."""
     if not torch.cuda.is_available():
         return cpu_cluster()
     name = torch.cuda.get_device_name()
@@ -392,5 +398,6 @@ def local_cluster() -> ClusterSpec:
                      f"({', '.join(preset_names())}), a ClusterSpec, or a file from `autopar profile`")
 
 
-__all__ = ["LinkSpec", "ClusterSpec", "get_cluster", "local_cluster", "cpu_cluster", "host_cores", "resolve_budget", "preset_names", "PRESETS_DIR",
+__all__ = ["LinkSpec", "ClusterSpec", "get_cluster", "local_cluster", "cpu_cluster", "host_cores", "CPU_PRESET",
+           "resolve_budget", "preset_names", "PRESETS_DIR",
            "DEFAULT_PRESET", "MEMORY_RESERVE_FRACTION", "MEMORY_RESERVE_MIN_BYTES"]

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.cost.cluster import ClusterSpec, LinkSpec, cpu_cluster, get_cluster
+from autopar.cost.cluster import CPU_PRESET, ClusterSpec, LinkSpec, cpu_cluster, get_cluster
 from autopar.runtime.module import mesh_groups
 from autopar.runtime.launch import run_distributed
 
@@ -176,7 +176,7 @@ def build_spec(
     mesh_shape: Sequence[int],
     devices_per_node: int,
     num_nodes: int,
-    base: str = "cpu",
+    base: str = CPU_PRESET,
     name: str | None = None,
     compute_slots_per_node: int | None = None,
 ) -> ClusterSpec:
@@ -288,7 +288,7 @@ def run_profile(out: str, mesh_shape: Sequence[int] | None, spawn: bool, quick: 
                 "(local gloo ranks) or run under torchrun"
             )
         device = measure_device(None, quick)
-        spec = build_spec(device, None, (1,), 1, 1, base="h100-80g" if torch.cuda.is_available() else "cpu")
+        spec = build_spec(device, None, (1,), 1, 1, base="h100-80g" if torch.cuda.is_available() else CPU_PRESET)
     spec.save(out)
     return spec
 

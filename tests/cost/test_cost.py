@@ -63,7 +63,7 @@ def round_cluster(devices_per_node: int = 8) -> ClusterSpec:
 
 
 def test_presets_load_and_describe_their_source():
-    assert set(preset_names()) >= {"h100-80g", "a100-40g", "v100-16g", "cpu"}
+    assert set(preset_names()) >= {"h100-80g", "a100-40g", "v100-16g", "cpu", "cpu-gloo"}
     for name in preset_names():
         cluster = get_cluster(name)
         assert cluster.name == name
@@ -462,6 +462,8 @@ def test_ranks_beyond_the_compute_slots_share_a_device():
 
 
 def test_cpu_cluster_counts_this_hosts_cores(monkeypatch):
+    import dataclasses
+
     from autopar.cost import cluster as cluster_module
     from autopar.cost.cluster import cpu_cluster, host_cores, local_cluster
 
@@ -471,9 +473,13 @@ def test_cpu_cluster_counts_this_hosts_cores(monkeypatch):
     assert cpu_cluster(threads_per_rank=4, cores=2).compute_slots_per_node == 1  # at least one
     with pytest.raises(ValueError, match="threads_per_rank must be an integer >= 1"):
         cpu_cluster(threads_per_rank=0)
-    # everything else is the "cpu" preset's
+    # everything else is the "cpu-gloo" preset's: gloo's links between one host's processes, as
+    # measured there, slower than the generic "cpu" preset's interconnect
     spec = cpu_cluster(threads_per_rank=1, cores=2)
-    assert spec.intra_node == get_cluster("cpu").intra_node and spec.peak_flops == get_cluster("cpu").peak_flops
+    gloo = get_cluster("cpu-gloo")
+    assert spec.name == "cpu-gloo (2 slots)" and gloo.compute_slots_per_node is None
+    assert dataclasses.replace(spec, name="cpu-gloo", compute_slots_per_node=None) == gloo
+    assert gloo.intra_node.latency_s > get_cluster("cpu").intra_node.latency_s
     # compile's default on a machine without CUDA: the host's cores over this process's threads
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(cluster_module, "host_cores", lambda: 2)
@@ -565,7 +571,7 @@ def test_local_cluster_prices_this_machine(monkeypatch):
     from autopar.cost.cluster import local_cluster
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert local_cluster().name.startswith("cpu") and local_cluster().compute_slots_per_node is not None
+    assert local_cluster().name.startswith("cpu-gloo") and local_cluster().compute_slots_per_node is not None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 85_000_000_000})())
