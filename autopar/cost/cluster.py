@@ -33,7 +33,8 @@ benchmarks/README.md). ``local_cluster()`` (what ``compile`` prices without a ``
 "cpu-gloo" preset (gloo's links measured on one host) with the host's cores
 (``os.sched_getaffinity``); offline, say it on a spec:
 ``dataclasses.replace(get_cluster("cpu-gloo"), compute_slots_per_node=2)`` or
-``"compute_slots_per_node": 2`` in a cluster file.
+``"compute_slots_per_node": 2`` in a cluster file. (A pipeline's stages are priced on their stage
+mesh, so there the share counts one stage's ranks, not all the ranks on the node: optimistic.)
 
 Two more links price offload (``autopar.ir.memory``): ``host_link`` between a device and its host's
 memory (PCIe), and ``disk_link`` between the host and local disk (NVMe). A spec without a
