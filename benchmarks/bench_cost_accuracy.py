@@ -3,8 +3,11 @@
     python benchmarks/bench_cost_accuracy.py --out benchmarks/results/cost_accuracy.csv
     python benchmarks/bench_cost_accuracy.py --profile   # plan with a spec measured by autopar profile
 
-One small GPT (2 layers, 256 wide, batch 16 × 128 tokens, fp32, AdamW), planned on the ``cpu``
-preset (or a profiled spec; ``--compute measured`` times each op here instead of the roofline) under 8
+One small GPT (2 layers, 256 wide, batch 16 × 128 tokens, fp32, AdamW), planned on the cluster
+that ``autopar.compile`` prices when given none: ``cost.cluster.local_cluster()``, asked of a
+spawned rank (one thread, as the measured ranks run): without CUDA the ``cpu`` preset with this
+host's compute slots, so that 4 ranks on 2 cores share them; or on ``--cluster``, or on a
+profiled spec (``--compute measured`` times each op here instead of the roofline), under 8
 different forced plans, each run on 2 and on 4 spawned gloo ranks (mesh (2,) and (4,)):
 
 * ``auto``: autopar's own choice; ``auto_mem90``, ``auto_mem80``: autopar under a memory budget
@@ -58,7 +61,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import autopar  # noqa: E402
 from autopar.ops import collectives  # noqa: E402
-from autopar.cost.cluster import get_cluster  # noqa: E402
+from autopar.cost.cluster import ClusterSpec, get_cluster, local_cluster  # noqa: E402
 from autopar.cost.comm import bytes_sent  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
 from autopar.solver.hand_plans import param_specs  # noqa: E402
@@ -278,6 +281,10 @@ def measure(rank: int, world_size: int, plan_texts: dict[str, str], steps: int, 
     return out
 
 
+def compile_cluster(rank: int, world_size: int) -> dict[str, Any]:
+    return local_cluster().to_json()
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     def ranks(values: list[float]) -> list[float]:
         order = sorted(range(len(values)), key=values.__getitem__)
@@ -301,7 +308,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cost_accuracy.csv")
-    parser.add_argument("--cluster", default="cpu", help="preset or ClusterSpec file to plan with")
+    parser.add_argument("--cluster", default=None,
+                        help="preset or ClusterSpec file to plan with (default: what compile prices without one)")
     parser.add_argument("--profile", action="store_true", help="plan with a spec from autopar profile (4 gloo ranks)")
     parser.add_argument("--compute", choices=("roofline", "measured"), default="roofline",
                         help="price ops by the roofline or by timing them here (one thread, as each rank runs)")
@@ -317,8 +325,11 @@ def main() -> int:
 
         cluster = profile_spawn((max(args.worlds),), quick=True)
         print(f"profiled: {cluster.to_json()}", flush=True)
-    else:
+    elif args.cluster is not None:
         cluster = get_cluster(args.cluster)
+    else:  # what compile(..., cluster=None) prices, asked of a spawned rank (it runs one thread)
+        cluster = ClusterSpec.from_json(run_distributed(compile_cluster, 1)[0])
+    print(f"cluster {cluster.name}: {cluster.to_json()}", flush=True)
     if args.compute == "measured":
         import dataclasses
 

@@ -17,6 +17,25 @@ Specs come from JSON presets in ``presets/`` (``get_cluster("h100-80g")``), from
 file, or (later) from ``autopar profile``. The numbers in the presets are approximate datasheet
 values; each preset says where they come from in its ``source`` and ``notes`` fields.
 
+**Ranks that share a host's compute.** On a GPU cluster every rank has a device of its own. On
+a CPU machine every rank is a process running on the host's cores, and a mesh can start more
+ranks on a node than it has cores (4 gloo ranks of one thread on 2 cores): the operating system
+then time-slices them, and each rank computes at a share of a device's speed.
+``compute_slots_per_node`` says how many ranks a node runs at full speed at once (a CPU node of
+``C`` cores whose ranks run ``t`` threads each has ``C // t``; None, the default: every device
+computes on its own). ``ClusterSpec.compute_share(mesh_shape)`` is then
+``min(1, compute_slots_per_node / ranks on the node)``, where the mesh puts
+``min(prod(mesh_shape), devices_per_node)`` ranks on a node, and the compute model divides every
+op's time by it. The links slow down alike (``axis_link``: latency over the share, bandwidth
+times it): gloo moves every message with the ranks' own CPU, and a rank that is not running does
+not answer (on 2 cores, 4 ranks measured a per-step all-reduce latency 1.5-3× that of 2 ranks;
+benchmarks/README.md). ``local_cluster()`` (what ``compile`` prices without a ``cluster``) is then the
+"cpu-gloo" preset (gloo's links measured on one host) with the host's cores
+(``os.sched_getaffinity``); offline, say it on a spec:
+``dataclasses.replace(get_cluster("cpu-gloo"), compute_slots_per_node=2)`` or
+``"compute_slots_per_node": 2`` in a cluster file. (A pipeline's stages are priced on their stage
+mesh, so there the share counts one stage's ranks, not all the ranks on the node: optimistic.)
+
 Two more links price offload (``autopar.ir.memory``): ``host_link`` between a device and its host's
 memory (PCIe), and ``disk_link`` between the host and local disk (NVMe). A spec without a
 ``host_link`` is one whose compute device *is* the host (the ``cpu`` preset): there, offload to
@@ -38,6 +57,9 @@ import torch
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "h100-80g"
+# What ``compile`` prices on a machine without CUDA: one host's CPU ranks over gloo (loopback),
+# with figures measured there (``presets/cpu-gloo.json`` says how), and this host's cores.
+CPU_PRESET = "cpu-gloo"
 COMPUTE_MODES = ("roofline", "measured")
 # The default memory budget is the device's memory less this reserve (``ClusterSpec.memory_reserve_bytes``).
 MEMORY_RESERVE_FRACTION = 0.10
@@ -116,6 +138,9 @@ class ClusterSpec:
     host_link: LinkSpec | None = None
     # Host memory <-> local disk, per device (the NVMe bandwidth divided among the node's devices).
     disk_link: LinkSpec = field(default_factory=lambda: DEFAULT_DISK_LINK)
+    # How many ranks a node runs at full speed at once (its CPU cores over threads per rank);
+    # None: every device computes on its own (see the module docstring, ``compute_share``).
+    compute_slots_per_node: int | None = None
 
     def __post_init__(self) -> None:
         owner = f"ClusterSpec {self.name!r}"
@@ -146,6 +171,8 @@ class ClusterSpec:
             raise ValueError(f"{owner}.host_link must be a LinkSpec or None, got {self.host_link!r}")
         if not isinstance(self.disk_link, LinkSpec):
             raise ValueError(f"{owner}.disk_link must be a LinkSpec, got {self.disk_link!r}")
+        if self.compute_slots_per_node is not None:
+            _positive_int(owner, "compute_slots_per_node", self.compute_slots_per_node)
         if self.compute not in COMPUTE_MODES:
             raise ValueError(f"{owner}.compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
         for name in ("source", "notes"):
@@ -170,6 +197,17 @@ class ClusterSpec:
         """Bytes per device a plan may use when no ``memory_budget`` is given."""
         return self.memory_bytes - self.memory_reserve_bytes
 
+    def ranks_per_node(self, mesh_shape: Sequence[int]) -> int:
+        """Ranks a mesh puts on one node: its size, up to ``devices_per_node`` (row-major fill)."""
+        return min(math.prod(mesh_shape), self.devices_per_node)
+
+    def compute_share(self, mesh_shape: Sequence[int]) -> float:
+        """The fraction of a device's compute each rank of ``mesh_shape`` gets:
+        ``min(1, compute_slots_per_node / ranks_per_node(mesh_shape))``, 1 without slots."""
+        if self.compute_slots_per_node is None:
+            return 1.0
+        return min(1.0, self.compute_slots_per_node / self.ranks_per_node(mesh_shape))
+
     def peak_flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s in ``dtype``, or the float32 peak where the dtype is not listed."""
         return self.peak_flops.get(str(dtype).removeprefix("torch."), self.peak_flops["float32"])
@@ -179,14 +217,18 @@ class ClusterSpec:
 
         The group block is ``prod(mesh_shape[axis:])`` consecutive ranks (the last axis is
         innermost). It is ``intra_node`` when the block divides ``devices_per_node``, so that every
-        group lies inside one node, and ``inter_node`` otherwise.
+        group lies inside one node, and ``inter_node`` otherwise. Where the mesh's ranks share a
+        node's compute (``compute_share`` < 1), the link runs at that share too: latency divided
+        by it, bandwidth multiplied by it.
         """
         if not 0 <= axis < len(mesh_shape):
             raise ValueError(f"mesh axis {axis} out of range for mesh {tuple(mesh_shape)}")
         block = math.prod(mesh_shape[axis:])
-        if self.devices_per_node % block == 0:
-            return self.intra_node
-        return self.inter_node
+        link = self.intra_node if self.devices_per_node % block == 0 else self.inter_node
+        share = self.compute_share(mesh_shape)
+        if share < 1:  # time-sliced ranks also share the CPU that moves their messages
+            return LinkSpec(link.latency_s / share, link.bandwidth_bytes_per_s * share)
+        return link
 
     # ---------------------------------------------------------------------------------------
     # Serialization: a flat JSON object (or TOML document) whose links are sub-tables.
@@ -207,6 +249,8 @@ class ClusterSpec:
             **({"compute": self.compute} if self.compute != "roofline" else {}),
             **({"host_link": self.host_link.to_json()} if self.host_link is not None else {}),
             **({"disk_link": self.disk_link.to_json()} if self.disk_link != DEFAULT_DISK_LINK else {}),
+            **({"compute_slots_per_node": self.compute_slots_per_node}
+               if self.compute_slots_per_node is not None else {}),
         }
 
     @classmethod
@@ -217,7 +261,7 @@ class ClusterSpec:
         if not isinstance(data, Mapping):
             raise ValueError(f"a cluster spec must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        required = known - {"source", "notes", "compute", "host_link", "disk_link"}
+        required = known - {"source", "notes", "compute", "host_link", "disk_link", "compute_slots_per_node"}
         unknown = set(data) - known
         missing = required - set(data)
         if unknown or missing:
@@ -314,11 +358,35 @@ def resolve_budget(memory_budget: float | None, cluster: ClusterSpec) -> float |
     return float(memory_budget)
 
 
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers and ``taskset``
+    narrow), or ``os.cpu_count()`` where the platform has no affinity."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def cpu_cluster(threads_per_rank: int | None = None, cores: int | None = None) -> ClusterSpec:
+    """The "cpu-gloo" preset (``CPU_PRESET``) for this host: ``compute_slots_per_node`` is its
+    cores (``host_cores``) over the threads each rank runs (``torch.get_num_threads()`` by
+    default, which is a rank's own count when called in a rank: torchrun and ``run_distributed``
+    give each one thread)."""
+    threads = threads_per_rank if threads_per_rank is not None else torch.get_num_threads()
+    _positive_int("cpu_cluster", "threads_per_rank", threads)
+    cores = cores if cores is not None else host_cores()
+    _positive_int("cpu_cluster", "cores", cores)
+    slots = max(1, cores // threads)
+    return dataclasses.replace(get_cluster(CPU_PRESET), name=f"{CPU_PRESET} ({slots} slots)",
+                               compute_slots_per_node=slots)
+
+
 def local_cluster() -> ClusterSpec:
     """The spec of the machine this runs on: the preset of its CUDA device (by name; the
-    device's own memory when it differs from the preset's), or "cpu" without one."""
+    device's own memory when it differs from the preset's), or without one the "cpu-gloo"
+    preset with this host's compute slots (``cpu_cluster``: ranks beyond its cores share them)."""
     if not torch.cuda.is_available():
-        return get_cluster("cpu")
+        return cpu_cluster()
     name = torch.cuda.get_device_name()
     for needle, preset in _DEVICE_PRESETS:
         if needle in name:
@@ -331,5 +399,6 @@ def local_cluster() -> ClusterSpec:
                      f"({', '.join(preset_names())}), a ClusterSpec, or a file from `autopar profile`")
 
 
-__all__ = ["LinkSpec", "ClusterSpec", "get_cluster", "local_cluster", "resolve_budget", "preset_names", "PRESETS_DIR",
+__all__ = ["LinkSpec", "ClusterSpec", "get_cluster", "local_cluster", "cpu_cluster", "host_cores", "CPU_PRESET",
+           "resolve_budget", "preset_names", "PRESETS_DIR",
            "DEFAULT_PRESET", "MEMORY_RESERVE_FRACTION", "MEMORY_RESERVE_MIN_BYTES"]

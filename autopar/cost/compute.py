@@ -2,7 +2,7 @@
 
 For one op and one strategy, the time on each rank is
 
-    forward_s  = max(flops / split / peak_flops(dtype), bytes / split / memory_bandwidth)
+    forward_s  = max(flops / split / peak_flops(dtype), bytes / split / memory_bandwidth) / share
     backward_s = backward_factor · forward_s     (only when requires_grad, else 0)
 
 * ``flops`` (``node_flops``) is the FLOP count of the whole, unsharded forward: torch's
@@ -23,6 +23,10 @@ For one op and one strategy, the time on each rank is
   Under expert parallelism (a kernel of ``EXPERT_PARALLEL_KERNELS``) routing decides how many
   token copies each rank's experts get; the step waits for the busiest rank, priced as
   ``CAPACITY_FACTOR`` times the mean (GShard's and Switch's capacity factor; 1.25 by default).
+* ``share`` (``ClusterSpec.compute_share``) is the fraction of a device's compute each rank
+  gets: 1 unless the mesh puts more ranks on a node than it runs at once (CPU ranks on fewer
+  cores, which the operating system time-slices). Measured op times (``compute="measured"``,
+  timed on one process alone) are divided by it too.
 * ``backward_factor`` is 2 for the matmul family (mm, bmm, addmm, baddbmm, linear, matmul,
   convolutions, attention: a gradient for each of the two operands) and 1 for everything else.
 * The context-parallel attention kernel prices its most loaded rank (causal work imbalance,
@@ -217,17 +221,19 @@ def roofline_terms(
     time is ``max(flops_s, bytes_s) · factor`` (``compute_cost_s``).
 
     With ``cluster.compute == "measured"`` an op that ``autopar.cost.measured`` can time gives
-    ``(measured seconds / factor, 0, factor)``, so that the same product is its measured time."""
+    ``(measured seconds / share / factor, 0, factor)``, so that the same product is its measured
+    time at this rank's share of the device (``ClusterSpec.compute_share``)."""
     factor = 1.0 + backward_factor(info) if requires_grad else 1.0
+    share = cluster.compute_share(mesh_shape)
     if cluster.compute == "measured" and _packet(info.target) not in VIEW_OPS:
         seconds = measured_seconds(info, strategy, mesh_shape, requires_grad)
         if seconds is not None:
-            return seconds / factor, 0.0, factor
+            return seconds / share / factor, 0.0, factor
     split = work_split(strategy, mesh_shape)
     if strategy.kernel in EXPERT_PARALLEL_KERNELS:
         split /= CAPACITY_FACTOR
-    flops_s = node_flops(info) / split / cluster.peak_flops_for(compute_dtype(info))
-    memory_s = node_bytes(info) / split / cluster.memory_bandwidth_bytes_per_s
+    flops_s = node_flops(info) / split / share / cluster.peak_flops_for(compute_dtype(info))
+    memory_s = node_bytes(info) / split / share / cluster.memory_bandwidth_bytes_per_s
     if strategy.kernel == "sdpa_context_parallel":
         flops_s, factor = _context_parallel_terms(info, strategy, mesh_shape, flops_s, factor, requires_grad)
     return flops_s, memory_s, factor

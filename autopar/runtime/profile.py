@@ -7,13 +7,16 @@ Two measurements:
   bandwidth (a large tensor copied: read + write bytes over time) and memory size. On CUDA every
   timing is bracketed by ``torch.cuda.synchronize``. On CPU the "device" is one process with the
   threads it has (``run_distributed`` and ``--spawn`` give each rank one thread, as the gloo runs
-  that the cpu preset describes do).
+  that the cpu preset describes do), and the spec's ``compute_slots_per_node`` is the host's
+  cores over a rank's threads (``cost.cluster.cpu_cluster``): ranks beyond it share cores.
 * **The alpha-beta of each mesh axis** (``measure_axes``), on a live process group: timed ring
   all-reduces of a few sizes on that axis's groups (the slowest rank's median time per size),
   fitted by least squares to ``t = 2(k-1)·α + 2(k-1)/k · bytes/β`` (``fit_alpha_beta``). An
   axis whose groups fit inside a node (``ClusterSpec.axis_link``) gives the ``intra_node``
   link, otherwise ``inter_node``; a link no axis measured copies the other and says so in
   ``notes``. Without a process group the links are the base preset's, and ``notes`` says so.
+  Where more ranks ran than the host has compute slots, each measured link is scaled back to full
+  speed by the ranks' ``compute_share`` (``ClusterSpec.axis_link`` applies it again when pricing).
 
 The CLI (``python -m autopar profile --out cluster.json [--mesh 2x2 --spawn]``) runs under
 torchrun (every rank measures; rank 0 writes), with ``--spawn`` (local gloo ranks), or alone
@@ -22,6 +25,7 @@ torchrun (every rank measures; rank 0 writes), with ``--spawn`` (local gloo rank
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -33,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.cost.cluster import ClusterSpec, LinkSpec, get_cluster
+from autopar.cost.cluster import CPU_PRESET, ClusterSpec, LinkSpec, cpu_cluster, get_cluster
 from autopar.runtime.module import mesh_groups
 from autopar.runtime.launch import run_distributed
 
@@ -172,10 +176,12 @@ def build_spec(
     mesh_shape: Sequence[int],
     devices_per_node: int,
     num_nodes: int,
-    base: str = "cpu",
+    base: str = CPU_PRESET,
     name: str | None = None,
+    compute_slots_per_node: int | None = None,
 ) -> ClusterSpec:
-    """A ClusterSpec from ``measure_device``'s roofline and ``measure_axes``' links."""
+    """A ClusterSpec from ``measure_device``'s roofline and ``measure_axes``' links;
+    ``compute_slots_per_node`` is how many of its ranks a node runs at once (None: each has a device)."""
     fallback = get_cluster(base)
     links: dict[str, list[LinkSpec]] = {"intra_node": [], "inter_node": []}
     probe = ClusterSpec(
@@ -183,12 +189,19 @@ def build_spec(
         memory_bandwidth_bytes_per_s=1.0, memory_bytes=1, intra_node=fallback.intra_node,
         inter_node=fallback.inter_node,
     )
+    # Ranks beyond the compute slots ran time-sliced: the spec holds the link at full speed, and
+    # ``ClusterSpec.axis_link`` slows it down again for a mesh that shares the host.
+    share = dataclasses.replace(probe, compute_slots_per_node=compute_slots_per_node).compute_share(mesh_shape)
     for entry in axes or []:
         if entry["link"] is None:
             continue
         level = "intra_node" if probe.axis_link(mesh_shape, entry["axis"]) is probe.intra_node else "inter_node"
-        links[level].append(entry["link"])
+        link = entry["link"]
+        links[level].append(LinkSpec(link.latency_s * share, link.bandwidth_bytes_per_s / share))
     notes = [f"Measured by autopar profile on {device['device']} with torch {torch.__version__}."]
+    if share < 1:
+        notes.append(f"{math.prod(mesh_shape)} ranks shared {compute_slots_per_node} compute slots: the "
+                     f"links are the measured ones at full speed (latency x {share:g}, bandwidth / {share:g}).")
     chosen: dict[str, LinkSpec] = {}
     for level, found in links.items():
         if found:  # the slowest axis of that level: a plan must not count on the best one
@@ -219,6 +232,7 @@ def build_spec(
         inter_node=chosen["inter_node"],
         source="autopar profile (measured)",
         notes=" ".join(notes),
+        compute_slots_per_node=compute_slots_per_node,
     )
 
 
@@ -232,7 +246,9 @@ def profile_distributed(mesh_shape: Sequence[int], quick: bool = True) -> Cluste
     dist.broadcast_object_list(payload, src=0)
     world = dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return build_spec(payload[0], axes, mesh_shape, per_node, max(world // per_node, 1))
+    # CPU ranks share the host's cores: as many run at once as it has cores for their threads
+    slots = cpu_cluster().compute_slots_per_node if device_type == "cpu" else None
+    return build_spec(payload[0], axes, mesh_shape, per_node, max(world // per_node, 1), compute_slots_per_node=slots)
 
 
 def _spawned(rank: int, world_size: int, mesh_shape: tuple[int, ...], quick: bool) -> dict[str, Any]:
@@ -272,7 +288,7 @@ def run_profile(out: str, mesh_shape: Sequence[int] | None, spawn: bool, quick: 
                 "(local gloo ranks) or run under torchrun"
             )
         device = measure_device(None, quick)
-        spec = build_spec(device, None, (1,), 1, 1, base="h100-80g" if torch.cuda.is_available() else "cpu")
+        spec = build_spec(device, None, (1,), 1, 1, base="h100-80g" if torch.cuda.is_available() else CPU_PRESET)
     spec.save(out)
     return spec
 

@@ -63,7 +63,7 @@ def round_cluster(devices_per_node: int = 8) -> ClusterSpec:
 
 
 def test_presets_load_and_describe_their_source():
-    assert set(preset_names()) >= {"h100-80g", "a100-40g", "v100-16g", "cpu"}
+    assert set(preset_names()) >= {"h100-80g", "a100-40g", "v100-16g", "cpu", "cpu-gloo"}
     for name in preset_names():
         cluster = get_cluster(name)
         assert cluster.name == name
@@ -425,6 +425,69 @@ def test_compute_cost_memory_bound_pointwise():
     assert compute_cost_s(mm, replicated, (4,), cluster, False) == pytest.approx(2 * 1024**3 / 4e12)
 
 
+def test_ranks_beyond_the_compute_slots_share_a_device():
+    import dataclasses
+
+    cluster = round_cluster()  # 8 devices per node
+    info = info_for(aten.mm.default, meta(128, 256), meta(256, 512))
+    row_split = Strategy(ins=((S(0),), (R,)), outs=((S(0),),))
+    forward_s = 33554432 / 1e12
+    assert cluster.compute_slots_per_node is None and cluster.compute_share((8,)) == 1.0
+    # a node that runs 2 ranks at once (2 one-thread CPU ranks on 2 cores)
+    two = dataclasses.replace(cluster, compute_slots_per_node=2)
+    assert two.ranks_per_node((2,)) == 2 and two.ranks_per_node((4, 4)) == 8
+    assert [two.compute_share(mesh) for mesh in ((1,), (2,), (4,), (2, 2), (8,), (4, 4))] == [1, 1, 0.5, 0.5, 0.25, 0.25]
+    # 2 ranks: each its own core, half the work; 4 ranks: a quarter of the work at half speed,
+    # so the same time as 2 ranks: the extra ranks bring no compute of their own
+    assert compute_cost_s(info, row_split, (2,), two, False) == pytest.approx(forward_s / 2)
+    assert compute_cost_s(info, row_split, (4,), two, False) == pytest.approx(forward_s / 2)
+    assert compute_cost_s(info, row_split, (4,), cluster, False) == pytest.approx(forward_s / 4)
+    # a replicated op is done whole by every rank: 4 ranks on 2 slots take twice as long
+    replicated = Strategy(ins=((R,), (R,)), outs=((R,),))
+    assert compute_cost_s(info, replicated, (4,), two, True) == pytest.approx(2 * 3 * forward_s)
+    # memory-bound ops share the host too
+    add = info_for(aten.add.Tensor, meta(1000, 1000), meta(1000, 1000))
+    pointwise = Strategy(ins=((R,), (R,)), outs=((R,),))
+    assert compute_cost_s(add, pointwise, (4,), two, False) == pytest.approx(2 * 1.2e-4)
+    # gloo moves messages with the ranks' CPU: their links run at the same share
+    assert two.axis_link((2,), 0) is two.intra_node
+    assert two.axis_link((4,), 0) == LinkSpec(2 * cluster.intra_node.latency_s, 0.5 * cluster.intra_node.bandwidth_bytes_per_s)
+    assert all_reduce_s(1e6, 0, (4,), two) == pytest.approx(2 * all_reduce_s(1e6, 0, (4,), cluster))
+    assert all_reduce_s(1e6, 0, (2,), two) == all_reduce_s(1e6, 0, (2,), cluster)
+    # the field round-trips, is left out of JSON when unset, and is validated
+    assert ClusterSpec.from_json(two.to_json()) == two
+    assert "compute_slots_per_node" not in cluster.to_json()
+    with pytest.raises(ValueError, match="compute_slots_per_node must be an integer >= 1"):
+        ClusterSpec.from_json({**cluster.to_json(), "compute_slots_per_node": 0})
+
+
+def test_cpu_cluster_counts_this_hosts_cores(monkeypatch):
+    import dataclasses
+
+    from autopar.cost import cluster as cluster_module
+    from autopar.cost.cluster import cpu_cluster, host_cores, local_cluster
+
+    assert host_cores() >= 1
+    assert cpu_cluster(threads_per_rank=1, cores=2).compute_slots_per_node == 2
+    assert cpu_cluster(threads_per_rank=2, cores=8).compute_slots_per_node == 4
+    assert cpu_cluster(threads_per_rank=4, cores=2).compute_slots_per_node == 1  # at least one
+    with pytest.raises(ValueError, match="threads_per_rank must be an integer >= 1"):
+        cpu_cluster(threads_per_rank=0)
+    # everything else is the "cpu-gloo" preset's: gloo's links between one host's processes, as
+    # measured there, slower than the generic "cpu" preset's interconnect
+    spec = cpu_cluster(threads_per_rank=1, cores=2)
+    gloo = get_cluster("cpu-gloo")
+    assert spec.name == "cpu-gloo (2 slots)" and gloo.compute_slots_per_node is None
+    assert dataclasses.replace(spec, name="cpu-gloo", compute_slots_per_node=None) == gloo
+    assert gloo.intra_node.latency_s > get_cluster("cpu").intra_node.latency_s
+    # compile's default on a machine without CUDA: the host's cores over this process's threads
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cluster_module, "host_cores", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert local_cluster().compute_slots_per_node == 2
+    assert local_cluster().compute_share((4,)) == 0.5
+
+
 # ---------------------------------------------------------------------------------------------
 # memory
 
@@ -508,7 +571,7 @@ def test_local_cluster_prices_this_machine(monkeypatch):
     from autopar.cost.cluster import local_cluster
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert local_cluster().name == "cpu"
+    assert local_cluster().name.startswith("cpu-gloo") and local_cluster().compute_slots_per_node is not None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 85_000_000_000})())

@@ -36,6 +36,16 @@ def test_build_spec_maps_axes_to_link_levels():
     spec = build_spec(DEVICE, axes, (2, 4), devices_per_node=8, num_nodes=1)
     assert spec.inter_node == spec.intra_node == LinkSpec(1e-4, 1e8)  # the slower of the two axes
     assert "copied from intra_node" in spec.notes
+    # CPU ranks that share 2 cores: 4 ranks on the node each get half a device
+    # CPU ranks that shared 2 cores: 8 ranks each got a quarter of a core, so the links they
+    # measured are stored at full speed, and pricing the same mesh gives back what was measured
+    shared = build_spec(DEVICE, axes, (2, 4), devices_per_node=8, num_nodes=1, compute_slots_per_node=2)
+    assert spec.compute_share((2, 4)) == 1.0 and shared.compute_share((2, 4)) == 0.25
+    assert shared.intra_node.latency_s == pytest.approx(0.25e-4)
+    assert shared.intra_node.bandwidth_bytes_per_s == pytest.approx(4e8)
+    assert shared.axis_link((2, 4), 0).latency_s == pytest.approx(1e-4)
+    assert shared.axis_link((2, 4), 0).bandwidth_bytes_per_s == pytest.approx(1e8)
+    assert "shared 2 compute slots" in shared.notes
 
 
 def test_measure_device_on_cpu_is_positive():
