@@ -17,7 +17,7 @@ import autopar
 from autopar.cost.memory import param_state_bytes
 from autopar.zoo.models import build_model, example_batch
 from autopar.runtime.launch import max_rel_diff, run_distributed
-from tests.conftest import collective_counts, step_against_eager
+from tests.conftest import collective_counts, eager_grads, step_against_eager
 
 pytestmark = pytest.mark.multiproc
 
