@@ -13,7 +13,9 @@ global batch 16 x 128 tokens, AdamW):
 - ``torch_fsdp2``: FSDP2, ``fully_shard`` on every block and then on the root, on a CPU device
   mesh (so it stays on the CPU where CUDA is visible);
 - ``autopar_fsdp``: ``autopar.compile`` of ``autopar.hand_plan("fsdp", ...)``;
-- ``autopar``: ``autopar.compile`` with autopar's own plan (``cluster="cpu"``).
+- ``autopar``: ``autopar.compile`` with no plan and no cluster: autopar's own plan, priced for
+  the machine it runs on (``cost.cluster.local_cluster``: on a CPU, gloo's links and the host's
+  cores shared among its ranks).
 
 ``--kinds`` can add ``autopar_ddp_sync`` and ``autopar_fsdp_sync``: the same hand plans compiled
 with ``autopar.CommOptions(enabled=False)``, one synchronous collective per use (the executor
@@ -94,7 +96,7 @@ def _trainer(kind: str, world: int, rank: int):
         comm = autopar.CommOptions(enabled=not kind.endswith("_sync"))
         kind = kind.removesuffix("_sync")
         if kind == "autopar":
-            plan = autopar.plan(model, mesh, example_inputs=(idx, targets), cluster="cpu")
+            plan = None  # what ``autopar.compile(model, mesh)`` plans by itself, for the machine it runs on
         else:
             plan = autopar.hand_plan(kind.removeprefix("autopar_"), model, mesh, example_inputs=(idx, targets),
                                      cluster="cpu")
