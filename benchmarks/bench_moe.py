@@ -22,17 +22,13 @@ import transformers
 
 import autopar
 from autopar.errors import InfeasibleError
+from autopar.zoo.shapes import HF_MIXTRAL_8X7B
 
 GIB = 2**30
 
 
 def mixtral(num_layers: int, batch: int, seq: int) -> tuple[torch.nn.Module, dict]:
-    config = transformers.MixtralConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=num_layers,
-        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa",
-        bos_token_id=0, eos_token_id=1, pad_token_id=2,
-    )
+    config = transformers.MixtralConfig(**HF_MIXTRAL_8X7B, num_hidden_layers=num_layers, max_position_embeddings=seq)
     with torch.device("meta"):
         model = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")

@@ -169,8 +169,8 @@ def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution,
     left = deadline - time.perf_counter()
     if fast is not None and fast.choice:
         left = min(left, max(_MIN_MILP_S, time.perf_counter() - started))
-    if fast is not None and fast.choice and left < 1.0:
-        return fast
+        if left < 1.0:
+            return fast
     exact, fits = solve_within_budget(ilp, ilp.graph, memory_budget, max(left, 1.0),
                                       backends.mip_backend(solver))
     if not fits:

@@ -46,6 +46,16 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
+# Mixtral-8x7B's published Hugging Face configuration, as keyword arguments of
+# ``transformers.MixtralConfig`` (the zoo imports no transformers); the caller adds
+# ``num_hidden_layers`` and ``max_position_embeddings``.
+HF_MIXTRAL_8X7B: dict[str, Any] = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+    num_local_experts=8, num_experts_per_tok=2, use_cache=False, attn_implementation="sdpa",
+    bos_token_id=0, eos_token_id=1, pad_token_id=2,
+)
+
+
 def build_preset(name: str, batch_size: int, seq_len: int | None = None,
                  num_layers: int | None = None) -> tuple[torch.nn.Module, tuple]:
     """``(model, example_inputs)`` of preset ``name`` on the meta device, in the preset's dtype.
@@ -70,4 +80,4 @@ def build_preset(name: str, batch_size: int, seq_len: int | None = None,
     return model, inputs
 
 
-__all__ = ["ModelPreset", "PRESETS", "build_preset"]
+__all__ = ["ModelPreset", "PRESETS", "HF_MIXTRAL_8X7B", "build_preset"]

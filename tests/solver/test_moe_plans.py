@@ -18,6 +18,7 @@ import autopar
 from autopar.ir.summary import EXPERT_PARALLEL_TEXT, node_row
 from autopar.report.explain import explain_text
 from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
+from autopar.zoo.shapes import HF_MIXTRAL_8X7B
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,12 +28,7 @@ BATCH, SEQ, NUM_LAYERS = 64, 4096, 2
 
 @pytest.fixture(scope="module")
 def mixtral_plan() -> autopar.Plan:
-    config = transformers.MixtralConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=SEQ, use_cache=False, attn_implementation="sdpa",
-        bos_token_id=0, eos_token_id=1, pad_token_id=2,
-    )
+    config = transformers.MixtralConfig(**HF_MIXTRAL_8X7B, num_hidden_layers=NUM_LAYERS, max_position_embeddings=SEQ)
     with torch.device("meta"):
         model = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
     ids = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
