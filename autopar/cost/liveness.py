@@ -29,8 +29,10 @@ gathered          a parameter the         its group's gather (one group ahead: f
                                           resharded: again from its group's (or the
                                           group after's) last saver's backward to
                                           bwd(its group's first saver)
-comm_buffer       the same parameter      bwd(its last use) … end of step: its whole    see
-                                          gradient in a reduce-scatter bucket           Gathered
+comm_buffer       the same parameter      bwd(its last use) … the launch of the next    see
+                                          group's reduce-scatter (end of step for the   Gathered
+                                          first group): its whole gradient in a
+                                          reduce-scatter bucket
 ================  ======================  ============================================  =========
 
 * A *root* is a node that owns storage. Views and getitems alias their input's root: they add no
@@ -207,7 +209,12 @@ def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], 
     group again at the first saved tensor it needs (while the group after it in forward order
     runs its backward, with ``backward_prefetch``) and frees it after the last one. Where a
     group of several parameters completes (its first use, its first saved tensor's backward), it
-    is there twice: the all-gather's buffer and the parameters copied out of it."""
+    is there twice: the all-gather's buffer and the parameters copied out of it.
+
+    A reduce-scattered parameter's whole gradient (``grad_factor``) is alive in its group's
+    bucket from its last use's backward until the next group's bucket launches, at the
+    backward of that group's first use, which waits for this one and frees it
+    (``ops.buckets.GradBuckets``); the first group's stays to the end of backward."""
     num = len(nodes)
 
     def bwd(i: int) -> int:
@@ -232,6 +239,15 @@ def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], 
     members: dict[int, int] = {}
     for item in gathered:
         members[item.group] = members.get(item.group, 0) + 1
+    # Each group's reduce-scatter launches when its last gradient is complete: at the backward of
+    # its members' first use. It frees the input of the group launched before it.
+    scatter_first: dict[int, int] = {}
+    for item in gathered:
+        if item.grad_factor and item.uses:
+            scatter_first[item.group] = min(scatter_first.get(item.group, 2 * num), min(i for i, _ in item.uses))
+    launches = sorted(set(scatter_first.values()))  # forward order; backward launches them in reverse
+    freed_at = {g: (bwd(launches[launches.index(first) - 1]) if launches.index(first) > 0 else 2 * num - 1)
+                for g, first in scatter_first.items()}
     out: list[Interval] = []
     for item in gathered:
         if not item.uses:
@@ -258,7 +274,7 @@ def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], 
         else:
             out.append(Interval(item.name, "gathered", start, max([last] + [bwd(i) for i in own])))
         if item.grad_factor:
-            out.append(Interval(item.name, "comm_buffer", bwd(last), 2 * num - 1, item.grad_factor))
+            out.append(Interval(item.name, "comm_buffer", bwd(last), max(bwd(last), freed_at[group]), item.grad_factor))
     return out
 
 

@@ -57,6 +57,7 @@ class Slot:
     groups: tuple[str, ...]
     dim: int = 0
     uses: int = 1
+    group: int = -1
 
     @property
     def numel(self) -> int:
@@ -87,15 +88,15 @@ class Bucket:
 def make_buckets(slots: Sequence[Slot], cap_bytes: int, first_cap_bytes: int | None = None) -> list[Bucket]:
     """Group ``slots`` (in the order backward produces them) into buckets of at most
     ``cap_bytes`` (the first of at most ``first_cap_bytes``); a slot larger than the cap gets a
-    bucket of its own. Slots of one bucket share kind, groups, dtype (and dim)."""
+    bucket of its own. Slots of one bucket share kind, groups, dtype, dim and gather group."""
     buckets: list[Bucket] = []
     current: list[Slot] = []
     size = 0
     for slot in slots:
         cap = first_cap_bytes if first_cap_bytes is not None and not buckets else cap_bytes
         nbytes = slot.numel * slot.dtype.itemsize
-        same = current and (current[0].kind, current[0].groups, current[0].dtype, current[0].dim) == (
-            slot.kind, slot.groups, slot.dtype, slot.dim)
+        same = current and (current[0].kind, current[0].groups, current[0].dtype, current[0].dim, current[0].group) == (
+            slot.kind, slot.groups, slot.dtype, slot.dim, slot.group)
         if current and (not same or size + nbytes > cap):
             buckets.append(Bucket(tuple(current)))
             current, size = [], 0
@@ -109,14 +110,16 @@ def make_buckets(slots: Sequence[Slot], cap_bytes: int, first_cap_bytes: int | N
 class _Pending:
     """One bucket's state during one backward."""
 
-    __slots__ = ("flat", "left", "written", "work", "out")
+    __slots__ = ("flat", "left", "written", "work", "out", "done")
 
     def __init__(self, bucket: Bucket, device: torch.device, flat: torch.Tensor | None = None):
-        self.flat = flat if flat is not None else torch.empty(bucket.numel, dtype=bucket.slots[0].dtype, device=device)
+        self.flat: torch.Tensor | None = (
+            flat if flat is not None else torch.empty(bucket.numel, dtype=bucket.slots[0].dtype, device=device))
         self.left = sum(slot.uses for slot in bucket.slots)
         self.written: set[str] = set()
         self.work = None
         self.out: torch.Tensor | None = None
+        self.done = False  # waited on (a reduce-scatter retired by the next one's launch)
 
 
 class GradBuckets(torch.nn.Module):
@@ -144,6 +147,8 @@ class GradBuckets(torch.nn.Module):
         self._spare: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._pending: list[_Pending | None] | None = None
         self._task = -1  # the autograd graph task the pending buckets belong to
+        self._scattering: int | None = None  # the reduce-scatter bucket in flight whose input is held
+        self.max_scatter_inputs = 0  # most reduce-scatter inputs alive at once in the last backward (tests)
 
     def bind(self, params: dict[str, torch.Tensor]) -> None:
         missing = [slot.key for bucket in self.buckets for slot in bucket.slots if slot.key not in params]
@@ -166,6 +171,7 @@ class GradBuckets(torch.nn.Module):
         if self._pending is None:
             self._pending = [None] * len(self.buckets)
             self._task = task
+            self.max_scatter_inputs = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         index, position = self._where[key]
         bucket = self.buckets[index]
@@ -217,6 +223,22 @@ class GradBuckets(torch.nn.Module):
                 pending.out = torch.empty(pending.flat.numel() // self._k(index), dtype=pending.flat.dtype,
                                           device=pending.flat.device)
             pending.work = collectives.start_reduce_scatter(pending.out, pending.flat, group_name)
+            previous, self._scattering = self._scattering, index
+            held = sum(1 for i, p in enumerate(self._pending or ()) if p is not None and p.flat is not None
+                       and self.buckets[i].kind == "reduce_scatter")
+            self.max_scatter_inputs = max(self.max_scatter_inputs, held)
+            if previous is not None:
+                self._retire(previous)
+
+    def _retire(self, index: int) -> None:
+        """Wait for reduce-scatter bucket ``index`` and free its input (the whole gradients); its
+        output waits for the end of backward."""
+        pending = self._pending[index] if self._pending is not None else None
+        if pending is None or pending.done:
+            return
+        collectives.wait(pending.work, self.buckets[index].groups[0])
+        pending.done = True
+        pending.flat = None
 
     def _reusable(self, index: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The last backward's buffers of bucket ``index`` if nothing else holds them any more
@@ -230,19 +252,23 @@ class GradBuckets(torch.nn.Module):
     def _drop(self) -> None:
         """Forget the buckets of an unfinished backward (waiting for what was launched)."""
         pending_all, self._pending = self._pending, None
+        self._scattering = None
         for index, pending in enumerate(pending_all or ()):
-            if pending is not None and pending.work is not None:
+            if pending is not None and pending.work is not None and not pending.done:
                 collectives.wait(pending.work, self.buckets[index].groups[0])
 
     def _finish(self) -> None:
-        pending_all, self._pending = self._pending, None
+        pending_all = self._pending
+        for index, pending in enumerate(pending_all or ()):
+            if pending is not None and pending.work is None:
+                self._launch(index, pending)
+        self._pending, self._scattering = None, None
         for index, pending in enumerate(pending_all or ()):
             if pending is None:
                 continue
             bucket = self.buckets[index]
-            if pending.work is None:
-                self._launch(index, pending)
-            collectives.wait(pending.work, bucket.groups[0])
+            if not pending.done:
+                collectives.wait(pending.work, bucket.groups[0])
             # A reduce-scatter's input (the whole gradients) is not kept, as FSDP2 frees it: kept
             # for reuse, it would hold every sharded parameter's gradient whole all step.
             self._spare[index] = (pending.flat if bucket.kind == "all_reduce" else None, pending.out)

@@ -26,6 +26,7 @@ same merging (``solver.comm_schedule``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Mapping, Sequence
 
@@ -138,13 +139,18 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
                                                             (group,), dim)))
             gathers.append((order[first_use], placeholder.name, group, dim, math.prod(whole) * val.dtype.itemsize,
                             param_layer(fqns[placeholder.name]), val.dtype))
+    gathers.sort()
+    groups_of_keys = gather_groups([(key, layer, (group, dtype), nbytes) for _, key, group, _, nbytes, layer, dtype in gathers],
+                                   options.gather_group_bytes)
+    # A reduce-scatter bucket stays inside one gather group (ops.buckets: its input is freed
+    # when the next one launches, as the memory walk prices it: cost.liveness.gathered_intervals).
+    group_index = {key: gi for gi, keys in enumerate(groups_of_keys) for key in keys}
+    reduce_slots = [(first, dataclasses.replace(slot, group=group_index[slot.key]) if slot.kind == "reduce_scatter" else slot)
+                    for first, slot in reduce_slots]
     # Backward produces gradients in the reverse of forward order.
     slots = [slot for _, slot in sorted(reduce_slots, key=lambda item: -item[0])]
     buckets = GradBuckets(make_buckets(slots, options.bucket_cap_bytes, options.first_bucket_cap_bytes))
     gm.add_submodule(GRAD_BUCKETS, buckets)
-    gathers.sort()
-    groups_of_keys = gather_groups([(key, layer, (group, dtype), nbytes) for _, key, group, _, nbytes, layer, dtype in gathers],
-                                   options.gather_group_bytes)
     layer_of = {g[1]: g[5] for g in gathers}
     reshard = [reshards(layer_of[keys[0]], options.reshard_after_forward) for keys in groups_of_keys]
     gm.add_submodule(PARAM_GATHERS, ParamGathers([g[1:5] for g in gathers], options.prefetch_bytes, buckets,

@@ -15,7 +15,7 @@ them per parameter and buckets the reductions:
 - gradients are reduced in the precision policy's ``reduce_dtype`` (which the cast of a
   parameter carries), gathers move the dtype their uses read (the cast's ``param_dtype``);
 - each reduction pays its bytes and its share of a bucket's latency
-  (``comm.param_grad_sync_cost``); the buckets pay ceil(bytes / cap) latencies in all.
+  (``comm.param_grad_sync_cost``); the buckets pay ceil(bytes / cap) latencies in all (per layer for reduce-scatters, whose buckets stay inside a layer).
 
 ``param_schedule`` returns the difference between the two, and the totals that the step's
 exposed-communication term needs (``comm.exposed_grad_sync_s``).
@@ -68,7 +68,7 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
     per_axis: dict[int, float] = {}
     sync_s = 0.0
     order = {name: i for i, name in enumerate(graph.order)}
-    synced: list[tuple[int, float, float]] = []  # (first use, seconds, local bytes) per reduced parameter
+    synced: list[tuple[int, float, float, str | None]] = []  # (first use, seconds, local bytes, layer) per reduced parameter
     uses: dict[str, list] = {}
     held: dict[str, tuple[int, float]] = {}  # reduced parameter → (first use, local bytes)
     scattered: dict[str, tuple[int, float, float]] = {}  # reduce-scattered parameter → (first use, Δs, bytes)
@@ -151,7 +151,7 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
                 scatter_delta_s += scatter_s - group_s
                 delta_bytes += scatter_sent - len(members) * priced.bytes_sent
                 per_axis[axis] = per_axis.get(axis, 0.0) + scatter_sent - len(members) * priced.bytes_sent
-                scattered[name] = (min(order[e.consumer] for e, _ in members), scatter_s - group_s, whole)
+                scattered[name] = (min(order[e.consumer] for e, _ in members), scatter_s - group_s, whole, layer)
     # Resharded after forward: backward gathers a layer's group again when an op saved one of
     # its parameters (``ops.buckets.ParamGathers``), the whole group.
     for layer, gather_s, gather_sent, axis in regathered:
@@ -173,10 +173,11 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
                 per_param[param] = per_param.get(param, 0.0) + group.price_s
     for param, seconds in per_param.items():
         first, nbytes = held.get(param, (order.get(param, 0), 0.0))  # a parameter with no edge: none
+        layer = None  # all-reduced: buckets of any parameters
         if param in scattered:
-            first, extra, nbytes = scattered[param]
+            first, extra, nbytes, layer = scattered[param]
             seconds += extra
-        synced.append((first, seconds, nbytes))
+        synced.append((first, seconds, nbytes, layer))
     backward_s = 0.0
     for name in graph.order:
         chosen = graph.choices[name]
@@ -184,18 +185,23 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             backward_s += chosen.backward_s[choice[name]]
     last_bucket_s = 0.0
     filled = 0.0
-    for _, seconds, nbytes in sorted(synced):  # the first parameters of forward reduce last
-        if filled and filled + nbytes > bucket_cap_bytes:
+    ordered = sorted(synced, key=lambda item: item[:3])
+    for _, seconds, nbytes, layer in ordered:  # the first parameters of forward reduce last
+        # a reduce-scatter bucket holds one layer's gather group (``passes.schedule``)
+        if filled and (filled + nbytes > bucket_cap_bytes or layer != ordered[0][3]):
             break
         last_bucket_s += seconds
         filled += nbytes
     if synced:
         # Each member paid bytes/cap of its bucket's latency (``comm.param_grad_sync_cost``); the
         # buckets pay it whole: ceil(bytes / cap) latencies over the step, one in the last bucket.
+        # Reduce-scatter buckets do not span layers: ceil(bytes / cap) per layer for those.
         latency = _bucket_latency_s(graph.mesh_shape, cluster)
-        total_bytes = sum(nbytes for _, _, nbytes in synced)
-        paid = latency * sum(min(1.0, nbytes / bucket_cap_bytes) for _, _, nbytes in synced)
-        owed = latency * max(1, math.ceil(total_bytes / bucket_cap_bytes))
+        by_layer: dict[str | None, float] = {}
+        for _, _, nbytes, layer in synced:
+            by_layer[layer] = by_layer.get(layer, 0.0) + nbytes
+        paid = latency * sum(min(1.0, nbytes / bucket_cap_bytes) for _, _, nbytes, _ in synced)
+        owed = latency * max(1, sum(math.ceil(nbytes / bucket_cap_bytes) for nbytes in by_layer.values()))
         sync_s += max(0.0, owed - paid)
         delta_s += max(0.0, owed - paid)
         last_bucket_s += latency * (1.0 - min(1.0, filled / bucket_cap_bytes))

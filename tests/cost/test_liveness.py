@@ -45,7 +45,10 @@ def test_gathered_parameters_live_by_hand():
                                               Gathered("g2", ((4, 1),), 1, reshard, 1.0, prefetched_by=0)],
                                       backward_prefetch))
 
-    buckets = {Interval("g1", "comm_buffer", 8, 11), Interval("g2", "comm_buffer", 7, 11)}  # bwd(last use) .. end
+    # Whole gradients in reduce-scatter buckets, from bwd(last use): g2's bucket launches at bwd(4) = 7
+    # and is freed when g1's launches, at bwd(3) = 8, which waits for it; g1's, the first group's, stays
+    # to the end of backward.
+    buckets = {Interval("g1", "comm_buffer", 8, 11), Interval("g2", "comm_buffer", 7, 8)}
     # kept: from the gather to the backward of the op that saved it
     assert intervals(False) == {Interval("g1", "gathered", 3, 8), Interval("g2", "gathered", 3, 7)} | buckets
     # resharded: freed after the last forward use; backward gathers g2 again at b's backward (7),

@@ -264,6 +264,10 @@ def _reshard_runs(world: int) -> dict:
                     "forward_gathers": forward_gathers,
                     "backward_gathers": len(launched) - forward_gathers,
                     "checkpoints": sum(1 for name, _ in pm.graph_module.named_children() if name.startswith("checkpoint_")),
+                    # reduce-scatter buckets: the gather groups of each, and the most inputs alive at once
+                    "scatter_groups": [sorted({slot.group for slot in bucket.slots})
+                                       for bucket in pm.graph_module.grad_buckets.buckets if bucket.kind == "reduce_scatter"],
+                    "max_scatter_inputs": pm.graph_module.grad_buckets.max_scatter_inputs,
                 }
     finally:
         collectives.start_all_gather = start_all_gather
@@ -304,6 +308,12 @@ def _check_reshard(by_label: dict) -> None:
     assert checkpointed[False]["alive_after_forward"] == sorted(set(kept) & set(root)), checkpointed[False]
     for label, runs in (("", plain), ("_checkpointed", checkpointed)):
         for reshard, result in runs.items():
+            # A reduce-scatter bucket stays inside one gather group, one per group at least, and the
+            # next one's launch frees its input: at most two groups' whole gradients at once.
+            scattered = result.pop("scatter_groups")
+            assert scattered and all(len(groups_of_bucket) == 1 for groups_of_bucket in scattered), scattered
+            assert len({g for (g,) in scattered}) > 2, scattered
+            assert 1 <= result.pop("max_scatter_inputs") <= 2, result
             by_label[f"reshard_{reshard}{label}"] = result  # loss and gradients: checked like every run
 
 
