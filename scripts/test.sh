@@ -6,4 +6,6 @@ bash scripts/setup.sh
 . .venv/bin/activate
 # The layers of autopar/ (docs/architecture.md): each folder imports only from those below it, no cycles.
 lint-imports --no-cache
-exec python -m pytest tests "$@"
+# Two workers (pytest-xdist), one test file at a time each, so that a module's fixtures are built
+# once; tests/conftest.py starts the slowest files first. AUTOPAR_TEST_WORKERS=0 runs in one process.
+exec python -m pytest -n "${AUTOPAR_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder tests "$@"

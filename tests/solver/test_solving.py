@@ -2,6 +2,8 @@
 
 A tiny LLaMA (the structure of the real ones: rotary tables fed to every layer, GQA, SwiGLU)
 on a (2, 2) mesh, traced once on the meta device; each check is one solve of a few seconds.
+Two blocks: the second is tied to the first, and CBC proves the untied reference optimal in
+about 20 s (three blocks took it 55 s, for the same checks).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from autopar.trace import trace
 @pytest.fixture(scope="module")
 def traced():
     with torch.device("meta"):
-        model = build_model("llama", n_layer=3, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
+        model = build_model("llama", n_layer=2, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
         idx = torch.zeros(8, 64, dtype=torch.long)
     return trace(model, (idx, idx))
 
@@ -45,7 +47,9 @@ def plain(graphs):
 def test_llama_layers_are_tied(graphs):
     tied = graphs[True]
     layer_two = [n for n in tied.order if n in tied.layer_template]
-    assert len(layer_two) > 100, "the second and third LLaMA blocks should reuse the first one's choices"
+    assert len(layer_two) > 50, "the second LLaMA block should reuse the first one's choices"
+    first = set(tied.layer_template.values())
+    assert first and not first & set(layer_two), "each tied node stands for a node of the first block"
 
 
 @pytest.mark.parametrize("solver", ["auto", "highs", "cbc"])
