@@ -21,7 +21,8 @@ global batch 16 x 128 tokens, AdamW):
 with ``autopar.CommOptions(enabled=False)``, one synchronous collective per use (the executor
 before communication was scheduled); and ``eager_local``: the plain model on each rank's slice of
 the batch with no communication at all, the floor that data parallelism's overhead is measured
-from.
+from (``floor_over_best_torch``: its step over the best of torch's; a plan that computes as eager
+cannot go below it but by sharding the optimizer's work).
 
 After ``--warmup`` steps each, the trainers take turns step by step (zero_grad, forward,
 backward, optimizer step; a barrier before each), ``--steps`` timed steps each, so that the
@@ -166,6 +167,10 @@ def main() -> None:
         best = [step_s[k] for k in ("torch_ddp", "torch_fsdp2") if k in step_s]
         if "autopar" in step_s and best:
             row["own_over_best_torch"] = round(step_s["autopar"] / min(best), 3)
+        if "eager_local" in step_s and best:
+            # The no-communication floor against the best of torch: what a plan that computes
+            # as eager does (every data-parallel plan) could reach if communication cost nothing.
+            row["floor_over_best_torch"] = round(step_s["eager_local"] / min(best), 3)
         rows.append(row)
         print(row, flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
