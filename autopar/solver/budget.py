@@ -29,7 +29,8 @@ import pulp
 
 from autopar.solver import backends, rounding
 from autopar.solver.ilp import MEMORY_UNIT, ShardingILP, Solution
-from autopar.solver.solving import _empty, _run, _solution, objective_scale  # solver-internal helpers
+from autopar.solver.relaxation import objective_scale
+from autopar.solver.solving import _empty, _solution, solve_relaxation  # solver-internal helpers
 
 log = logging.getLogger("autopar")
 
@@ -65,7 +66,7 @@ def solve_under_budget(ilp: ShardingILP, time_limit_s: float, unbounded: Solutio
         return max(deadline - _time.perf_counter(), 1.0)
 
     # 1. The LP with memory rows: a bound, and the prices of memory.
-    _run(ilp, backends.make(backend, left(), mip=False))
+    solve_relaxation(ilp, left())
     relaxed_fits = ilp.problem.status == pulp.LpStatusOptimal
     if not relaxed_fits and visited is None:
         return _empty(ilp, "Infeasible", backend, start)
@@ -150,7 +151,7 @@ def _lagrangian_fits(ilp, objective, prices, factor, consider, backend, limit) -
         for row in rows.values():  # the rows are priced, not enforced
             row.constant = -1e30
         _set_objective(ilp, objective + penalty)
-        _run(ilp, backends.make(backend, limit, mip=False))
+        solve_relaxation(ilp, limit)
         if ilp.problem.status != pulp.LpStatusOptimal:
             return False
         choice = rounding.round_relaxation(ilp)
