@@ -73,8 +73,9 @@ def solve_under_budget(ilp: ShardingILP, time_limit_s: float, unbounded: Solutio
     def left() -> float:
         return max(deadline - _time.perf_counter(), 1.0)
 
-    # 1. The LP with memory rows: a bound, and the prices of memory.
-    solve_relaxation(ilp, left())
+    # 1. The LP with memory rows: a bound, and the prices of memory. From no basis: where it has
+    # several optima, the one a fresh model finds (and rounds to the plan it always gave).
+    solve_relaxation(ilp, left(), cold=True)
     relaxed_fits = ilp.problem.status == pulp.LpStatusOptimal
     if not relaxed_fits and visited is None:
         return _empty(ilp, "Infeasible", backend, start)

@@ -136,12 +136,16 @@ class Relaxation:
             self.costs = costs
         return scale
 
-    def solve(self, time_limit_s: float) -> str:
+    def solve(self, time_limit_s: float, cold: bool = False) -> str:
         """Solve the LP as the problem stands; set its variables' values, its rows' duals
         (``pi``, of the scaled objective, as PuLP's HiGHS sets them) and its status, as
-        ``problem.solve`` would. Returns the status's name."""
+        ``problem.solve`` would. Returns the status's name. ``cold``: start from no basis, as
+        a fresh model does (where the LP has several optima, a warm start may end at another
+        one, whose rounding differs)."""
         problem = self.ilp.problem
         self._sync()
+        if cold:
+            self.highs.clearSolver()
         self.highs.setOptionValue("time_limit", float(time_limit_s))
         with backends.solver_output():
             self.highs.run()

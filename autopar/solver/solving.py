@@ -122,17 +122,18 @@ def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto"
     return _solution(ilp, incumbent, "Feasible (fallback)", backend, bound, start)
 
 
-def solve_relaxation(ilp: ShardingILP, time_limit_s: float) -> str:
+def solve_relaxation(ilp: ShardingILP, time_limit_s: float, cold: bool = False) -> str:
     """Solve the LP relaxation of ``ilp.problem`` as it stands, and return the status's name.
 
     With HiGHS, one model is kept on the ILP from solve to solve (``solver.relaxation``): only
     what changed is passed, and the simplex starts from the last basis. With CBC (no
-    ``highspy``), PuLP builds the model afresh."""
+    ``highspy``), PuLP builds the model afresh. ``cold``: HiGHS starts from no basis
+    (``Relaxation.solve``)."""
     if backends.lp_backend() != "highs":
         return _run(ilp, backends.make(backends.lp_backend(), time_limit_s, mip=False))
     if ilp.relaxation is None:
         ilp.relaxation = Relaxation(ilp)
-    return ilp.relaxation.solve(time_limit_s)
+    return ilp.relaxation.solve(time_limit_s, cold)
 
 
 def _relax_and_round(ilp: ShardingILP, time_limit_s: float):
