@@ -99,11 +99,15 @@ def gathered_parameters(choices: dict[str, "Choice"], edges: Sequence["Edge"], o
             first_edge[param] = e
     sizes: dict[str, GatheredSize] = {}
     rows = []
+    # Repeated layers' edges share their price tables: size each (table, shape, dtype) once.
+    sized: dict[tuple, dict[tuple[Spec, Spec], float]] = {}
     for param, e in first_edge.items():
         edge = edges[e]
-        sizes[PREFIX + param] = GatheredSize(e, {
-            (src, dst): float(memory.local_bytes(edge.shape, edge.dtype, dst, mesh_shape))
-            for src, dst in edge.price if single_gather(src, dst) is not None})
+        key = (id(edge.price), edge.shape, edge.dtype)
+        if key not in sized:
+            sized[key] = {(src, dst): float(memory.local_bytes(edge.shape, edge.dtype, dst, mesh_shape))
+                          for src, dst in edge.price if single_gather(src, dst) is not None}
+        sizes[PREFIX + param] = GatheredSize(e, dict(sized[key]))
         rows.append(GatherRow(param, fqns.get(param, param), tuple(uses[param]), edge.shape, edge.dtype,
                               choices[param].out_dtypes[0]))
     return sizes, gathered_intervals(rows, nodes, options)

@@ -123,6 +123,7 @@ class ShardingILP:
         self.y: dict[int, dict[tuple[Spec, Spec], pulp.LpVariable]] = {}
         self._node_ids = {name: i for i, name in enumerate(graph.order)}
         self.memory_times: set[int] = set()  # timeline times with a memory[t] constraint
+        self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.relaxation``)
         self.add_node_variables()
         self.add_pick_constraints()
         self.add_edge_constraints()

@@ -362,6 +362,16 @@ class _Walk:
             delta[start] += size
             delta[end + 1] -= size
 
+    def kept_peak(self) -> float:
+        """The peak of the tensors no checkpoint frees: all but activations and gathered copies
+        (``_spans`` changes only those for a checkpoint). Checkpointing adds nothing below them,
+        so no set of checkpoints brings the peak under this."""
+        kept = np.array([iv.kind not in ("activation", "gathered") for iv in self.timeline.intervals], dtype=bool)
+        delta = np.zeros(2 * self.num + 1)
+        np.add.at(delta, self.shape.starts[kept], self._sizes[kept])
+        np.add.at(delta, self.shape.ends[kept] + 1, -self._sizes[kept])
+        return float(np.cumsum(delta[:-1]).max(initial=0.0))
+
     def peak(self, decisions, prefetch: bool) -> tuple[float, int]:
         """(peak bytes, the first time it is reached) under ``decisions``."""
         values = self.curve_under(decisions, prefetch)
@@ -391,6 +401,9 @@ def plan_memory(
     keys: set = set()
     peak = before
     ranked = sorted(candidates, key=lambda c: (c.cost_s / max(c.saved_bytes, 1.0), c.key))
+    if target is None and before > budget and walk.kept_peak() > budget:
+        # Checkpointing alone cannot fit: fail as the greedy would, having taken every candidate.
+        raise _infeasible(walk, graph, {c.key for c in ranked}, prefetch, budget, target, checkpointing)
     for candidate in ranked:
         if peak <= budget:
             break

@@ -16,7 +16,6 @@ solver's), and ``gap = (objective_s - bound_s) / objective_s``, which the plan r
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ import pulp
 from autopar.solver import backends, rounding
 
 from autopar.solver.ilp import Solution
+from autopar.solver.relaxation import Relaxation, objective_scale
 
 if TYPE_CHECKING:
     from autopar.solver.choices import ChoiceGraph
@@ -122,9 +122,23 @@ def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto"
     return _solution(ilp, incumbent, "Feasible (fallback)", backend, bound, start)
 
 
+def solve_relaxation(ilp: ShardingILP, time_limit_s: float, cold: bool = False) -> str:
+    """Solve the LP relaxation of ``ilp.problem`` as it stands, and return the status's name.
+
+    With HiGHS, one model is kept on the ILP from solve to solve (``solver.relaxation``): only
+    what changed is passed, and the simplex starts from the last basis. With CBC (no
+    ``highspy``), PuLP builds the model afresh. ``cold``: HiGHS starts from no basis
+    (``Relaxation.solve``)."""
+    if backends.lp_backend() != "highs":
+        return _run(ilp, backends.make(backends.lp_backend(), time_limit_s, mip=False))
+    if ilp.relaxation is None:
+        ilp.relaxation = Relaxation(ilp)
+    return ilp.relaxation.solve(time_limit_s, cold)
+
+
 def _relax_and_round(ilp: ShardingILP, time_limit_s: float):
     """(LP bound or None, (objective, choice, "lp-rounding") or None)."""
-    _run(ilp, backends.make(backends.lp_backend(), time_limit_s, mip=False))
+    solve_relaxation(ilp, time_limit_s)
     if ilp.problem.status != pulp.LpStatusOptimal:
         return None, None
     bound = float(pulp.value(ilp.problem.objective) or 0.0)
@@ -134,7 +148,7 @@ def _relax_and_round(ilp: ShardingILP, time_limit_s: float):
 
 
 def _relaxation_bound(ilp: ShardingILP, time_limit_s: float) -> float | None:
-    _run(ilp, backends.make(backends.lp_backend(), time_limit_s, mip=False))
+    solve_relaxation(ilp, time_limit_s)
     return float(pulp.value(ilp.problem.objective) or 0.0) if ilp.problem.status == pulp.LpStatusOptimal else None
 
 
@@ -175,16 +189,6 @@ def _run(ilp: ShardingILP, solver: pulp.LpSolver) -> str:
         finally:
             ilp.problem.setObjective(objective)
     return pulp.LpStatus[ilp.problem.status]
-
-
-def objective_scale(objective: pulp.LpAffineExpression) -> float:
-    """A power of ten that brings the largest objective coefficient near 1e3.
-
-    Step times are seconds, and the prices of small ops are 1e-9 s or less: below the solvers'
-    absolute tolerances (1e-6 to 1e-9), which then stop early or call a worse plan optimal.
-    Memory objectives (``_infeasible``) are bytes, far above them."""
-    largest = max((abs(coef) for coef in objective.values()), default=0.0)
-    return 10.0 ** round(math.log10(1e3 / largest)) if largest > 0 else 1.0
 
 
 def _chosen(ilp: ShardingILP, name: str) -> int:

@@ -59,3 +59,35 @@ def test_incremental_peak_equals_the_full_walk(walk, prefetch):
         # Every time, not only the peak: a decision must re-price every interval it changes.
         want = walk.curve(walk.intervals(decisions, prefetch))
         assert walk.curve_under(decisions, prefetch).tolist() == pytest.approx(want, rel=1e-12, abs=1e-6), decisions
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_no_checkpoints_bring_the_peak_under_the_kept_peak(walk, prefetch):
+    """``plan_memory`` gives up at once when the tensors no checkpoint frees already peak over
+    the budget: every set of checkpoints must peak at or above ``kept_peak``, at every time."""
+    kept = walk.kept_peak()
+    assert 0 < kept < walk.peak(set(), prefetch)[0]
+    for decisions in _decision_sets(walk):
+        if all(kind == "checkpoint" for kind, _ in decisions):
+            assert walk.peak(decisions, prefetch)[0] >= kept * (1 - 1e-12), decisions
+
+
+def test_giving_up_early_says_what_the_greedy_said(monkeypatch):
+    """Under a budget below ``kept_peak``, ``plan_memory`` raises the error the full greedy
+    raises (same peak, same tensors), without walking its steps."""
+    from autopar.errors import InfeasibleError
+    from autopar.solver import memory
+
+    model = build_model("llama", seed=0, n_layer=4)
+    traced = trace(model, example_batch("llama", 4, seed=1))
+    cluster = get_cluster("cpu")
+    graph = build_choice_graph(traced, (2, 2), cluster)
+    choice = {name: 0 for name in graph.choices}
+    budget = 0.99 * _Walk(traced, graph, graph.bytes_of(choice)).kept_peak()
+    messages = []
+    for kept_peak in (memory._Walk.kept_peak, lambda self: 0.0):  # the shortcut, then the greedy
+        monkeypatch.setattr(memory._Walk, "kept_peak", kept_peak)
+        with pytest.raises(InfeasibleError) as error:
+            memory.plan_memory(traced, graph, choice, cluster, budget, target=None)
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]

@@ -1,0 +1,146 @@
+"""The LP relaxation kept as one HiGHS model (``solver.relaxation``) and the dive that uses it
+(``solver.budget._dive``), against fresh solves.
+
+The tiny LLaMA of ``test_solving`` on a (2, 2) mesh, layers tied, at a budget between its leanest
+and its fastest plan, so that the memory rows bind.
+"""
+
+from __future__ import annotations
+
+import pulp
+import pytest
+import torch
+
+from autopar.cost.cluster import get_cluster
+from autopar.solver import backends, budget, rounding, solving
+from autopar.solver.choices import build_choice_graph
+from autopar.solver.ilp import ShardingILP
+from autopar.trace import trace
+from autopar.zoo.models import build_model
+
+pytestmark = pytest.mark.skipif(not backends.highs_available(), reason="the kept model is HiGHS's")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    with torch.device("meta"):
+        model = build_model("llama", n_layer=3, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
+        idx = torch.zeros(8, 64, dtype=torch.long)
+    return build_choice_graph(trace(model, (idx, idx)), (2, 2), get_cluster("h100-80g"))
+
+
+@pytest.fixture(scope="module")
+def unbounded(graph):
+    return solving.solve_ilp(ShardingILP(graph), 60)
+
+
+@pytest.fixture(scope="module")
+def tight(graph, unbounded):
+    """A budget 30% of the way from the leanest plan's peak to the fastest plan's."""
+    lean = graph.timeline.peak(graph.bytes_bound(largest=False))[0]
+    return lean + 0.3 * (solving.peak_memory(graph, unbounded)[0] - lean)
+
+
+def _fresh(ilp: ShardingILP) -> tuple[str, float | None, dict]:
+    """The same LP solved by PuLP's HiGHS, which builds the model from nothing."""
+    status = solving._run(ilp, backends.make("highs", 60, mip=False))
+    value = pulp.value(ilp.problem.objective) if status == "Optimal" else None
+    return status, value, {var.name: var.varValue for var in ilp.problem.variables()}
+
+
+def _kept(ilp: ShardingILP) -> tuple[str, float | None]:
+    status = solving.solve_relaxation(ilp, 60)
+    return status, pulp.value(ilp.problem.objective) if status == "Optimal" else None
+
+
+def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, tight):
+    """Rows added, a row's bound lifted, the objective priced with memory, strategies fixed and
+    freed again: after each, the kept model's LP optimum equals a fresh model's."""
+    ilp = ShardingILP(graph)
+    steps = []
+
+    def both(what: str) -> None:
+        kept = _kept(ilp)
+        fresh = _fresh(ilp)[:2]
+        steps.append(what)
+        assert kept[0] == fresh[0], what
+        if kept[1] is not None:
+            assert kept[1] == pytest.approx(fresh[1], rel=1e-7, abs=1e-12), what
+
+    both("no budget")
+    first = ilp.relaxation
+    ilp.memory_budget_bytes = tight
+    ilp.add_memory_constraint()
+    ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded)[1])
+    both("memory rows")
+    assert ilp.relaxation is first, "rows are added to the model, not rebuilt"
+    names = [ilp.memory_constraint_name(t) for t in sorted(ilp.memory_times)]
+    objective = ilp.problem.objective
+    penalty = pulp.LpAffineExpression({var: 1e-3 * coef for name in names
+                                       for var, coef in ilp.problem.constraints[name].items()})
+    saved = {name: ilp.problem.constraints[name].constant for name in names}
+    for name in names:
+        ilp.problem.constraints[name].constant = -1e30
+    budget._set_objective(ilp, objective + penalty)
+    both("rows priced, not enforced")
+    for name in names:
+        ilp.problem.constraints[name].constant = saved[name]
+    budget._set_objective(ilp, objective)
+    both("rows enforced again")
+    enforced = _fresh(ilp)[1]
+    for name in rounding.deciding_nodes(graph):  # a fixing that moves the optimum
+        bounds = [(var.lowBound, var.upBound) for var in ilp.x[name]]
+        least = min(range(len(bounds)), key=lambda s: ilp.x[name][s].varValue)
+        for s, var in enumerate(ilp.x[name]):
+            var.lowBound = var.upBound = 1.0 if s == least else 0.0
+        if _fresh(ilp)[1] is not None and _fresh(ilp)[1] > enforced * (1 + 1e-6):
+            break
+        for var, (low, up) in zip(ilp.x[name], bounds):
+            var.lowBound, var.upBound = low, up
+    else:
+        pytest.fail("no single fixing moves the LP optimum")
+    both("a strategy fixed")
+    for var, (low, up) in zip(ilp.x[name], bounds):
+        var.lowBound, var.upBound = low, up
+    both("freed")
+    assert ilp.relaxation is first
+    assert len(steps) == 6
+
+
+def test_the_first_solve_is_the_one_pulp_runs(graph):
+    """Same columns, rows and options as PuLP's HiGHS: the same LP solution, value for value, so
+    the unbounded plan (one LP and its rounding) does not move."""
+    kept, fresh = ShardingILP(graph), ShardingILP(graph)
+    assert _kept(kept)[0] == "Optimal"
+    values = {var.name: var.varValue for var in kept.problem.variables()}
+    assert _fresh(fresh)[2] == values
+    assert rounding.round_relaxation(kept) == rounding.round_relaxation(fresh)
+
+
+def test_the_dive_finds_plans_that_fit_and_leaves_no_fixing_behind(graph, unbounded, tight):
+    """Every plan the dive keeps fits the budget and meets every row; none beats the MILP's
+    optimum; the strategies it fixed are free again after it."""
+    ilp = ShardingILP(graph, tight)
+    solving.solve_relaxation(ilp, 60)
+    bound = pulp.value(ilp.problem.objective)
+    bounds = {var.name: (var.lowBound, var.upBound) for var in ilp.problem.variables()}
+    kept = []
+
+    def consider(choice, method):
+        peak, at = graph.timeline.peak(graph.bytes_of(choice))
+        if peak > tight * (1 + 1e-9):
+            ilp.add_memory_constraint_at(at)
+            return False
+        value = rounding.check(ilp, choice)
+        if value is not None:
+            kept.append((value, choice))
+        return value is not None
+
+    budget._dive(ilp, consider, float("inf"))
+    assert kept, "the dive ends at a plan that fits"
+    assert {var.name: (var.lowBound, var.upBound) for var in ilp.problem.variables()} == bounds
+    exact, fits = solving.solve_within_budget(ShardingILP(graph, tight), graph, tight, 120, "highs")
+    assert fits and exact.choice
+    for value, choice in kept:
+        assert graph.timeline.peak(graph.bytes_of(choice))[0] <= tight * (1 + 1e-9)
+        assert value >= exact.objective_s * (1 - 2 * backends.MIP_REL_GAP) >= bound * (1 - 1e-9)
