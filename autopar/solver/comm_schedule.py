@@ -15,7 +15,8 @@ them per parameter and buckets the reductions:
 - gradients are reduced in the precision policy's ``reduce_dtype`` (which the cast of a
   parameter carries), gathers move the dtype their uses read (the cast's ``param_dtype``);
 - each reduction pays its bytes and its share of a bucket's latency
-  (``comm.param_grad_sync_cost``); the buckets pay ceil(bytes / cap) latencies in all (per layer for reduce-scatters, whose buckets stay inside a layer).
+  (``comm.param_grad_sync_cost``); the buckets pay ceil(bytes / cap) latencies in all (per
+  layer for reduce-scatters, whose buckets stay inside one layer's gather group).
 
 ``param_schedule`` returns the difference between the two, and the totals that the step's
 exposed-communication term needs (``comm.exposed_grad_sync_s``).
@@ -71,7 +72,7 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
     synced: list[tuple[int, float, float, str | None]] = []  # (first use, seconds, local bytes, layer) per reduced parameter
     uses: dict[str, list] = {}
     held: dict[str, tuple[int, float]] = {}  # reduced parameter → (first use, local bytes)
-    scattered: dict[str, tuple[int, float, float]] = {}  # reduce-scattered parameter → (first use, Δs, bytes)
+    scattered: dict[str, tuple[int, float, float, str]] = {}  # reduce-scattered parameter → (first use, Δs, bytes, layer)
     scatter_delta_s = 0.0
     regathered: list[tuple[str, float, float, int]] = []  # (layer, seconds, bytes sent, axis) resharded
     saved_layers: set[str] = set()
