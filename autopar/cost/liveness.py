@@ -189,8 +189,8 @@ class Gathered:
     of its forward uses; parameters of one ``group`` are gathered by one collective, in the order
     of their groups' first uses, and ``reshard`` (``ir.gathers.reshards``) frees the group after
     forward and gathers it again in backward. ``grad_factor``: bytes of its whole gradient held in
-    a reduce-scatter bucket from its backward to the end of the step, per gathered byte (0: its
-    gradient is not reduce-scattered)."""
+    a reduce-scatter bucket, per gathered byte (0: its gradient is not reduce-scattered), from its
+    backward until the next group's bucket launches (``gathered_intervals``)."""
 
     name: str
     uses: tuple[tuple[int, int], ...]
@@ -246,7 +246,8 @@ def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], 
         if item.grad_factor and item.uses:
             scatter_first[item.group] = min(scatter_first.get(item.group, 2 * num), min(i for i, _ in item.uses))
     launches = sorted(set(scatter_first.values()))  # forward order; backward launches them in reverse
-    freed_at = {g: (bwd(launches[launches.index(first) - 1]) if launches.index(first) > 0 else 2 * num - 1)
+    next_in_backward = dict(zip(launches[1:], launches))  # each launch to the one after it in backward
+    freed_at = {g: bwd(next_in_backward[first]) if first in next_in_backward else 2 * num - 1
                 for g, first in scatter_first.items()}
     out: list[Interval] = []
     for item in gathered:

@@ -148,6 +148,7 @@ class GradBuckets(torch.nn.Module):
         self._pending: list[_Pending | None] | None = None
         self._task = -1  # the autograd graph task the pending buckets belong to
         self._scattering: int | None = None  # the reduce-scatter bucket in flight whose input is held
+        self._scatter_inputs = 0  # reduce-scatter inputs alive now
         self.max_scatter_inputs = 0  # most reduce-scatter inputs alive at once in the last backward (tests)
 
     def bind(self, params: dict[str, torch.Tensor]) -> None:
@@ -171,7 +172,7 @@ class GradBuckets(torch.nn.Module):
         if self._pending is None:
             self._pending = [None] * len(self.buckets)
             self._task = task
-            self.max_scatter_inputs = 0
+            self._scatter_inputs = self.max_scatter_inputs = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         index, position = self._where[key]
         bucket = self.buckets[index]
@@ -180,6 +181,9 @@ class GradBuckets(torch.nn.Module):
             flat, out = self._reusable(index, grad.device)
             pending = self._pending[index] = _Pending(bucket, grad.device, flat)
             pending.out = out
+            if bucket.kind == "reduce_scatter":
+                self._scatter_inputs += 1
+                self.max_scatter_inputs = max(self.max_scatter_inputs, self._scatter_inputs)
         slot = bucket.slots[position]
         target = self._slot_view(index, position, pending.flat)
         if slot.kind == "reduce_scatter":
@@ -224,9 +228,6 @@ class GradBuckets(torch.nn.Module):
                                           device=pending.flat.device)
             pending.work = collectives.start_reduce_scatter(pending.out, pending.flat, group_name)
             previous, self._scattering = self._scattering, index
-            held = sum(1 for i, p in enumerate(self._pending or ()) if p is not None and p.flat is not None
-                       and self.buckets[i].kind == "reduce_scatter")
-            self.max_scatter_inputs = max(self.max_scatter_inputs, held)
             if previous is not None:
                 self._retire(previous)
 
@@ -239,6 +240,7 @@ class GradBuckets(torch.nn.Module):
         collectives.wait(pending.work, self.buckets[index].groups[0])
         pending.done = True
         pending.flat = None
+        self._scatter_inputs -= 1
 
     def _reusable(self, index: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The last backward's buffers of bucket ``index`` if nothing else holds them any more
