@@ -31,8 +31,7 @@ Measured, per plan and mesh:
   kernel workspace, no Python objects. The maximum over ranks.
 * **bytes sent**: every collective that ``autopar.ops.collectives`` runs during one step is counted
   (kind, group size, tensor size) and turned into bytes each device sends with the ring formulas
-  of ``autopar.cost.comm`` (the all-to-all that gloo emulates with an all-gather is counted as the
-  all-gather it is).
+  of ``autopar.cost.comm``.
 
 Reported: the Spearman rank correlation of predicted and measured step time over all runs
 (target >= 0.8), the median relative error of predicted peak memory (target <= 15%), and
@@ -166,9 +165,7 @@ class CountBytes:
     """Bytes this rank sends in the collectives of ``autopar.ops.collectives`` while active."""
 
     def __init__(self) -> None:
-        self.sent = 0.0  # the all-to-all gloo emulates with an all-gather counted as an all-to-all
-        self.sent_as_run = 0.0  # ... and as the all-gather it is
-        self.in_all_to_all = False
+        self.sent = 0.0
         self.calls: list[tuple[str, int, int]] = []  # (kind, group size, local bytes)
         self.originals: dict[str, Any] = {}
 
@@ -182,29 +179,16 @@ class CountBytes:
                 size = x.numel() * x.element_size()
                 self.calls.append((kind, k, size))
                 # the sizes the cost functions take: all-gather's output, the others' input
-                as_run = bytes_sent(kind, size * k if kind == "all_gather" else size, k)
-                self.sent_as_run += as_run
-                self.sent += bytes_sent("all_to_all", size, k) if self.in_all_to_all else as_run
+                self.sent += bytes_sent(kind, size * k if kind == "all_gather" else size, k)
                 return original(*args)
 
             self.originals[name] = original
             setattr(collectives, name, counted)
 
-        def flag(fn):
-            def flagged(*args):
-                self.in_all_to_all = True
-                try:
-                    return fn(*args)
-                finally:
-                    self.in_all_to_all = False
-            return staticmethod(flagged)
-
-        self.all_to_all = (collectives._AllToAll.forward, collectives._AllToAll.backward)
-        collectives._AllToAll.forward = flag(self.all_to_all[0])
-        collectives._AllToAll.backward = flag(self.all_to_all[1])
         wrap("_all_reduce", "all_reduce")
         wrap("_all_gather", "all_gather")
         wrap("_reduce_scatter", "reduce_scatter")
+        wrap("_all_to_all", "all_to_all")
         # the scheduled parameter communication (gradient buckets, parameter gathers)
         wrap("start_all_reduce", "all_reduce")
         wrap("start_reduce_scatter", "reduce_scatter", position=1)
@@ -215,8 +199,6 @@ class CountBytes:
     def __exit__(self, *exc) -> None:
         for name, original in self.originals.items():
             setattr(collectives, name, original)
-        collectives._AllToAll.forward = staticmethod(self.all_to_all[0])
-        collectives._AllToAll.backward = staticmethod(self.all_to_all[1])
 
 
 def _local_tensors(pm: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs) -> list[torch.Tensor]:
@@ -273,10 +255,10 @@ def measure(rank: int, world_size: int, plan_texts: dict[str, str], steps: int, 
             step(name)
         peak = torch.tensor([baseline + live.peak], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        sent = torch.tensor([counter.sent, counter.sent_as_run], dtype=torch.float64)
+        sent = torch.tensor([counter.sent], dtype=torch.float64)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
         out[name] = {"step_s": statistics.median(times[name]), "peak_bytes": float(peak[0]),
-                     "baseline_bytes": baseline, "sent_bytes": float(sent[0]), "sent_as_run_bytes": float(sent[1]),
+                     "baseline_bytes": baseline, "sent_bytes": float(sent[0]),
                      "calls": counter.calls}
     return out
 
@@ -352,7 +334,6 @@ def main() -> int:
                 "predicted_step_s": plan.predicted["step_time_s"], "measured_step_s": got["step_s"],
                 "predicted_peak_bytes": plan.predicted["peak_memory_bytes"], "measured_peak_bytes": int(got["peak_bytes"]),
                 "predicted_sent_bytes": plan.predicted["comm_bytes"], "counted_sent_bytes": int(got["sent_bytes"]),
-                "counted_sent_as_run_bytes": int(got["sent_as_run_bytes"]),
             }
             row["memory_rel_err"] = abs(row["predicted_peak_bytes"] - row["measured_peak_bytes"]) / row["measured_peak_bytes"]
             counted = row["counted_sent_bytes"]

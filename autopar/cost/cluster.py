@@ -142,6 +142,14 @@ class ClusterSpec:
     # None: every device computes on its own (see the module docstring, ``compute_share``).
     compute_slots_per_node: int | None = None
 
+    @property
+    def gloo(self) -> bool:
+        """Whether the devices are host processes that talk over gloo: a cluster with no
+        ``host_link`` (the device is the host), as the "cpu" and "cpu-gloo" presets say. Its
+        reduce-scatters run as an all-to-all and a local sum (``ops.collectives``), which hold a
+        second buffer of the input's size until their wait (``cost.liveness``)."""
+        return self.host_link is None
+
     def __post_init__(self) -> None:
         owner = f"ClusterSpec {self.name!r}"
         if not isinstance(self.name, str) or not self.name:

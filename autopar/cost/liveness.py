@@ -32,7 +32,9 @@ gathered          a parameter the         its group's gather (one group ahead: f
 comm_buffer       the same parameter      bwd(its last use) … the launch of the next    see
                                           group's reduce-scatter (end of step for the   Gathered
                                           first group): its whole gradient in a
-                                          reduce-scatter bucket
+                                          reduce-scatter bucket; on gloo, again from its
+                                          group's launch to the same end (the exchange's
+                                          receive buffer)
 ================  ======================  ============================================  =========
 
 * A *root* is a node that owns storage. Views and getitems alias their input's root: they add no
@@ -200,7 +202,8 @@ class Gathered:
     prefetched_by: int | None = None  # the group at whose first gather this one's starts (None: its own)
 
 
-def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], backward_prefetch: bool = True) -> list[Interval]:
+def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], backward_prefetch: bool = True,
+                       exchange: bool = False) -> list[Interval]:
     """The ``gathered`` and ``comm_buffer`` intervals of the module docstring.
 
     A gathered parameter is alive from its group's all-gather, launched at the first use of
@@ -214,7 +217,9 @@ def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], 
     A reduce-scattered parameter's whole gradient (``grad_factor``) is alive in its group's
     bucket from its last use's backward until the next group's bucket launches, at the
     backward of that group's first use, which waits for this one and frees it
-    (``ops.buckets.GradBuckets``); the first group's stays to the end of backward."""
+    (``ops.buckets.GradBuckets``); the first group's stays to the end of backward. With
+    ``exchange`` (gloo: ``ClusterSpec.gloo``) the reduce-scatter is an all-to-all into a second
+    buffer of the same size, alive from the launch until that same wait."""
     num = len(nodes)
 
     def bwd(i: int) -> int:
@@ -276,6 +281,9 @@ def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], 
             out.append(Interval(item.name, "gathered", start, max([last] + [bwd(i) for i in own])))
         if item.grad_factor:
             out.append(Interval(item.name, "comm_buffer", bwd(last), max(bwd(last), freed_at[group]), item.grad_factor))
+            if exchange and group in scatter_first:
+                launch = bwd(scatter_first[group])
+                out.append(Interval(item.name, "comm_buffer", launch, max(launch, freed_at[group]), item.grad_factor))
     return out
 
 

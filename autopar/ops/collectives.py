@@ -170,7 +170,48 @@ def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 
 @_guarded("reduce-scatter")
 def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    k = group_size(group_name)
+    if _sums_exchanged(group_name) and x.shape[dim] % k == 0:
+        pieces = _pieces(x, dim, k)
+        received = torch.empty_like(pieces)
+        dist.all_to_all_single(received, pieces, group=_resolve_process_group(group_name))
+        return received.sum(0).view(x.chunk(k, dim)[0].shape)
     return funcol.wait_tensor(_scatter_along(x.contiguous(), "sum", dim, group_name))
+
+
+# gloo's own reduce-scatter took about twice as long as one all-to-all followed by a local sum of
+# the pieces received, and longer than an all-reduce of the same tensor (17 MB on 2 and 4 ranks
+# of this repository's 2-core machine: benchmarks/README.md, "Reduce-scatter on gloo"). Both send
+# (k-1)/k of the input, as ``cost.comm`` prices a reduce-scatter; the exchange holds one more
+# buffer of the input's size until the sum (priced by ``cost.liveness`` where the cluster's
+# collectives are gloo's). NCCL keeps its own.
+def _sums_exchanged(group_name: str) -> bool:
+    """Whether reduce-scatters on the group run as an all-to-all and a local sum (gloo)."""
+    return dist.get_backend(_resolve_process_group(group_name)) == "gloo"
+
+
+def _pieces(x: torch.Tensor, dim: int, k: int) -> torch.Tensor:
+    """``x`` as (k, n): row j is chunk j along ``dim``, contiguous (what rank j is sent)."""
+    if dim == 0:
+        return x.contiguous().view(k, -1)
+    return torch.stack(x.chunk(k, dim)).view(k, -1)
+
+
+class _SumOnWait:
+    """The work of a reduce-scatter run as an all-to-all: ``wait`` waits for the exchange and sums
+    the k pieces received into ``out``."""
+
+    __slots__ = ("_work", "_received", "_out")
+
+    def __init__(self, work, received: torch.Tensor, out: torch.Tensor):
+        self._work, self._received, self._out = work, received, out
+
+    def wait(self, timeout=None) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            torch.sum(self._received, 0, out=self._out.view(-1))
+            self._work = self._received = None
+        return True
 
 
 # Asynchronous collectives on whole flat buffers, for the scheduled parameter communication
@@ -194,8 +235,14 @@ def start_sum(x: torch.Tensor, group_name: str):
 
 @_guarded("reduce-scatter (gradient bucket)")
 def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group_name: str):
-    """``out`` = chunk ``rank`` (along dim 0) of the sum of ``x`` over the group; returns the work."""
-    return _reduce_scatter_into(out, x, group=_resolve_process_group(group_name), async_op=True)
+    """``out`` = chunk ``rank`` (along dim 0) of the sum of ``x`` over the group; returns the work
+    (on gloo an all-to-all whose ``wait`` sums what it received: ``_sums_exchanged``)."""
+    group = _resolve_process_group(group_name)
+    if _sums_exchanged(group_name):
+        pieces = x.view(group.size(), -1)
+        received = torch.empty_like(pieces)
+        return _SumOnWait(dist.all_to_all_single(received, pieces, group=group, async_op=True), received, out)
+    return _reduce_scatter_into(out, x, group=group, async_op=True)
 
 
 @_guarded("all-gather (parameter)")
@@ -266,17 +313,31 @@ class _ReduceScatter(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group_name), None, None
 
 
+@_guarded("all-to-all")
+def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) -> torch.Tensor:
+    """S(src_dim) → S(dst_dim): chunk j along ``dst_dim`` goes to rank j, and the pieces received
+    are joined along ``src_dim`` in rank order: one all-to-all. (Planned shards divide evenly:
+    ``ir.spec.is_valid``.)"""
+    k = group_size(group_name)
+    if x.shape[dst_dim] % k:
+        raise ValueError(f"all-to-all of a tensor of shape {tuple(x.shape)} into {k} chunks along dim {dst_dim}: "
+                         "that dim does not divide evenly, which a valid plan never asks for (ir.spec.is_valid)")
+    pieces = _pieces(x, dst_dim, k)
+    received = torch.empty_like(pieces)
+    dist.all_to_all_single(received, pieces, group=_resolve_process_group(group_name))
+    shape = x.chunk(k, dst_dim)[0].shape
+    return torch.cat([piece.view(shape) for piece in received.unbind(0)], dim=src_dim)
+
+
 class _AllToAll(torch.autograd.Function):
-    # gloo has no tensor all_to_all; gather-then-chunk moves the same result with more bytes.
     @staticmethod
     def forward(ctx, x, src_dim, dst_dim, group_name):
         ctx.src_dim, ctx.dst_dim, ctx.group_name = src_dim, dst_dim, group_name
-        return _chunk(_all_gather(x, src_dim, group_name), dst_dim, group_name)
+        return _all_to_all(x, src_dim, dst_dim, group_name)
 
     @staticmethod
     def backward(ctx, grad):
-        full = _all_gather(grad, ctx.dst_dim, ctx.group_name)
-        return _chunk(full, ctx.src_dim, ctx.group_name), None, None, None
+        return _all_to_all(grad.contiguous(), ctx.dst_dim, ctx.src_dim, ctx.group_name), None, None, None
 
 
 def _move(x: torch.Tensor, dim: int, group_name: str, src: tuple[tuple[int, ...], ...],

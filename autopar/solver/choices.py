@@ -297,7 +297,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     nodes = live_nodes(traced.gm, choices)
     timeline = liveness.build_timeline(nodes, optimizer, ties, zero_stage, zero_ways, optimizer_dtype)
     fqns = {i.name: traced.ties.get(i.fqn, i.fqn) for i in traced.inputs if i.kind == "param"}
-    gathered, intervals = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm)
+    gathered, intervals = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm, cluster.gloo)
     timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
     return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm)
 

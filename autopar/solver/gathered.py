@@ -76,7 +76,7 @@ def cast_of_param(choices: dict[str, "Choice"], name: str) -> str | None:
 def gathered_parameters(choices: dict[str, "Choice"], edges: Sequence["Edge"], order: Sequence[str],
                         nodes: Sequence[liveness.LiveNode], mesh_shape: Sequence[int], fqns: Mapping[str, str],
                         ties: Sequence[Sequence[str]] = (), options: CommOptions | None = None,
-                        ) -> tuple[dict[str, GatheredSize], list[liveness.Interval]]:
+                        exchange: bool = False) -> tuple[dict[str, GatheredSize], list[liveness.Interval]]:
     """The sizes and liveness intervals of every parameter the runtime may gather (module
     docstring), under the communication schedule ``options`` (``CommOptions()``: the runtime's
     default). ``fqns`` maps parameter placeholders to their FQNs (their layer groups them)."""
@@ -110,7 +110,7 @@ def gathered_parameters(choices: dict[str, "Choice"], edges: Sequence["Edge"], o
         sizes[PREFIX + param] = GatheredSize(e, dict(sized[key]))
         rows.append(GatherRow(param, fqns.get(param, param), tuple(uses[param]), edge.shape, edge.dtype,
                               choices[param].out_dtypes[0]))
-    return sizes, gathered_intervals(rows, nodes, options)
+    return sizes, gathered_intervals(rows, nodes, options, exchange)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +127,10 @@ class GatherRow:
 
 
 def gathered_intervals(rows: Sequence[GatherRow], nodes: Sequence[liveness.LiveNode],
-                       options: CommOptions | None = None) -> list[liveness.Interval]:
+                       options: CommOptions | None = None, exchange: bool = False) -> list[liveness.Interval]:
     """The liveness intervals of ``rows``' gathered parameters (named ``PREFIX + param``), grouped
-    and resharded as ``passes.schedule`` does under ``options``."""
+    and resharded as ``passes.schedule`` does under ``options`` (``exchange``: reduce-scatters
+    run as gloo's all-to-all, ``ClusterSpec.gloo``)."""
     options = options or CommOptions()
     ordered = sorted(rows, key=lambda row: (min(i for i, _ in row.uses), row.param))
     wholes = [math.prod(row.shape) * row.dtype.itemsize for row in ordered]
@@ -143,7 +144,7 @@ def gathered_intervals(rows: Sequence[GatherRow], nodes: Sequence[liveness.LiveN
         PREFIX + row.param, row.uses, group_of[row.param], reshards(param_layer(row.fqn), options.reshard_after_forward),
         row.stored_dtype.itemsize / row.dtype.itemsize,
         _prefetched_by(group_of[row.param], group_bytes, options.prefetch_bytes)) for row in ordered]
-    return liveness.gathered_intervals(nodes, gathered, backward_prefetch=options.prefetch_bytes > 0)
+    return liveness.gathered_intervals(nodes, gathered, backward_prefetch=options.prefetch_bytes > 0, exchange=exchange)
 
 
 def _prefetched_by(group: int, group_bytes: Sequence[float], prefetch_bytes: int) -> int:

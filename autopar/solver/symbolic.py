@@ -111,13 +111,14 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
             comms.append((seconds, sum(per_axis.values())))
     ties = _ties(traced)
     timeline = liveness.build_timeline(live, optimizer, ties)
-    gathered, sizes = _gathered(traced, plan, kinds, grads, ties, live)
+    gathered, sizes = _gathered(traced, plan, kinds, grads, ties, live, cluster.gloo)
     out_bytes.update(sizes)
     curve = liveness.Timeline(timeline.names, timeline.intervals + tuple(gathered)).curve(out_bytes.__getitem__)
     return {"roofline": roofline, "comm": comms, "memory_curve": curve}
 
 
-def _gathered(traced: TracedModel, plan: Plan, kinds, grads, ties, live) -> tuple[list[liveness.Interval], dict[str, float]]:
+def _gathered(traced: TracedModel, plan: Plan, kinds, grads, ties, live,
+              exchange: bool) -> tuple[list[liveness.Interval], dict[str, float]]:
     """The intervals and sizes of the parameters the runtime gathers under ``plan``, as
     ``solver.gathered.gathered_parameters`` prices them in the choice graph."""
     mesh = tuple(plan.mesh_shape)
@@ -151,7 +152,7 @@ def _gathered(traced: TracedModel, plan: Plan, kinds, grads, ties, live) -> tupl
         sizes[PREFIX + param] = float(memory.local_bytes(shape, dtype, dst, mesh)) if single_gather(src, dst) else 0.0
         rows.append(GatherRow(param, fqns.get(param, param), tuple(uses[param]), shape, dtype,
                               _outs(traced.node(param))[0][1]))
-    return gathered_intervals(rows, live), sizes
+    return gathered_intervals(rows, live, exchange=exchange), sizes
 
 
 def _ties(traced: TracedModel) -> list[list[str]]:

@@ -4,6 +4,7 @@ formula for one transformer layer."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -56,6 +57,12 @@ def test_gathered_parameters_live_by_hand():
     assert intervals(True) == {Interval("g1", "gathered", 3, 3), Interval("g1", "gathered", 7, 8),
                                Interval("g2", "gathered", 3, 4), Interval("g2", "gathered", 7, 7)} | buckets
     assert Interval("g1", "gathered", 8, 8) in intervals(True, backward_prefetch=False)
+    # gloo's reduce-scatter is an all-to-all into a second buffer: from each group's launch (g2 at
+    # bwd(4) = 7, g1 at bwd(3) = 8) to the same wait as the bucket: each bucket interval twice
+    exchanged = Counter(gathered_intervals(nodes, [Gathered("g1", ((3, 1),), 0, False, 1.0),
+                                                   Gathered("g2", ((4, 1),), 1, False, 1.0, prefetched_by=0)],
+                                           exchange=True))
+    assert exchanged == Counter(list(intervals(False)) + list(buckets))
     # one group of both: copied out of the all-gather's buffer at its first use, both there at once
     grouped = gathered_intervals(nodes, [Gathered("g1", ((3, 1),), 0, False), Gathered("g2", ((4, 1),), 0, False)])
     assert set(grouped) == {Interval("g1", "gathered", 3, 3), Interval("g1", "gathered", 3, 8),

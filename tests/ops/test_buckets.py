@@ -130,3 +130,42 @@ def test_buckets_and_gathers_sum_like_the_collectives_they_replace(rank_pool):
         # shards of b (8x6 split on dim 0) and c (2x8 split on dim 1) on 2 ranks: 24 and 8 elements
         assert sorted(results["single"]["all_gathers"]) == [8, 24], "one all-gather per parameter"
         assert results["grouped"]["all_gathers"] == [24 + 8], "a group: ONE all-gather of both shards, flat"
+
+
+def _exchanges(rank: int, world: int) -> dict[str, float]:
+    """Reduce-scatters (gloo: an all-to-all and a local sum) and all-to-alls (one exchange)
+    against the whole tensors every rank can compute."""
+    group = dist.group.WORLD.group_name
+
+    def full(r: int, *shape: int) -> torch.Tensor:  # rank r's tensor, different on every rank
+        return torch.arange(float(torch.Size(shape).numel())).view(shape) * (r + 1) + 100 * r
+
+    errors: dict[str, float] = {}
+    for dim in range(3):
+        total = sum(full(r, 4, 6, 8) for r in range(world))
+        got = collectives.no_grad_reduce_scatter(full(rank, 4, 6, 8), dim, group)
+        errors[f"reduce_scatter dim {dim}"] = (got - total.chunk(world, dim)[rank]).abs().max().item()
+    flat = full(rank, world * 12)
+    out = torch.empty(12)
+    collectives.wait(collectives.start_reduce_scatter(out, flat, group), group)
+    errors["bucket reduce_scatter"] = (out - sum(full(r, world * 12) for r in range(world)).chunk(world)[rank]).abs().max().item()
+    for src, dst, shape in ((0, 1, (4, 6, 8)), (1, 2, (4, 6, 8)), (2, 0, (4, 6, 8)), (2, 1, (4, 6, 8))):
+        whole = full(7, *shape)  # the same whole tensor on every rank
+        local = whole.chunk(world, src)[rank].clone().requires_grad_()
+        got = collectives.all_to_all(local, src, dst, group)
+        name = f"all_to_all {src}->{dst}"
+        errors[name] = (got - whole.chunk(world, dst)[rank]).abs().max().item()
+        upstream = full(3, *shape)  # the whole output gradient; this rank holds its dst chunk
+        got.backward(upstream.chunk(world, dst)[rank])
+        errors[name + " backward"] = (local.grad - upstream.chunk(world, src)[rank]).abs().max().item()
+    return errors
+
+
+@pytest.mark.multiproc
+def test_reduce_scatters_and_all_to_alls_match_the_whole_tensors(rank_pool):
+    """On gloo, reduce-scatters run as one all-to-all and a sum, and all-to-alls as one
+    exchange: each rank must still get exactly its chunk of the sum (or of the moved tensor)."""
+    for rank, errors in enumerate(rank_pool(2).run(_exchanges, timeout_s=120)):
+        assert len(errors) == 12
+        bad = {name: error for name, error in errors.items() if error != 0.0}
+        assert not bad, f"rank {rank}: {bad}"
