@@ -124,6 +124,7 @@ class ShardingILP:
         self._node_ids = {name: i for i, name in enumerate(graph.order)}
         self.memory_times: set[int] = set()  # timeline times with a memory[t] constraint
         self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.relaxation``)
+        self._variables: tuple | None = None  # ``variables``: (key, objective, variables)
         self.add_node_variables()
         self.add_pick_constraints()
         self.add_edge_constraints()
@@ -314,7 +315,18 @@ class ShardingILP:
         self.problem += weighted_sum(itertools.chain(compute_terms, reshard_terms, sync_terms))
 
     def size(self) -> tuple[int, int]:
-        return len(self.problem.variables()), self.problem.numConstraints()
+        return len(self.variables()), self.problem.numConstraints()
+
+    def variables(self) -> list[pulp.LpVariable]:
+        """``problem.variables()``, kept while no row is added and the objective is the same
+        object: PuLP walks every row's terms for it (tens of milliseconds on a 70B LLaMA), and
+        ``rounding.check`` asks once per plan it checks. Rows are only ever added, and their
+        coefficients are fixed once added (as ``solver.relaxation`` takes them)."""
+        key = (len(self.problem._constraints), id(self.problem.objective))
+        if self._variables is None or self._variables[0] != key:
+            # The objective is kept with them, so that its id is not another object's later.
+            self._variables = (key, self.problem.objective, list(self.problem.variables()))
+        return self._variables[2]
 
 
 def _linear(terms) -> dict:

@@ -138,7 +138,7 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
         variables[pair].varValue = 1.0
     for key, value in ilp.param_sync_values().items():  # each z at the least its rows allow
         ilp.z[key].varValue = value
-    if any(var.varValue is None for var in ilp.problem.variables()):
+    if any(var.varValue is None for var in ilp.variables()):
         return _fixed_solve(ilp, choice)  # another family added variables: let the LP set them
     with warnings.catch_warnings():  # the PuLP 2.x mapping API, as in ``ilp.py``
         warnings.simplefilter("ignore", DeprecationWarning)
