@@ -126,13 +126,19 @@ class Timeline:
         (``factor * bytes_of(node)``) added at its start and taken off after its end, interval
         by interval, then a running sum from 0 (``np.add.at`` and ``np.cumsum`` add in order,
         so every value is the same to the last bit). ``bytes_of`` is asked once per name."""
-        names, index, factors, positions = self._layout()
-        sizes = factors * np.fromiter(map(bytes_of, names), float, len(names))[index]
+        sizes = self.sizes(bytes_of)
+        positions = self._layout()[3]
         changes = np.empty(2 * len(sizes))
         changes[0::2], changes[1::2] = sizes, -sizes
         delta = np.zeros(self.num_times + 2)  # a leading 0 for the running sum to start from
         np.add.at(delta, positions, changes)
         return np.cumsum(delta)[1:-1]
+
+    def sizes(self, bytes_of: Callable[[str], float]) -> np.ndarray:
+        """Each interval's bytes, ``factor * bytes_of(node)``, in interval order (``bytes_of``
+        asked once per name)."""
+        names, index, factors, _ = self._layout()
+        return factors * np.fromiter(map(bytes_of, names), float, len(names))[index]
 
     def _layout(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
         """(the names the intervals size by, each interval's index among them, the intervals'
