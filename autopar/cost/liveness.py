@@ -53,9 +53,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from autopar.cost import memory
@@ -102,6 +103,8 @@ class Timeline:
 
     names: tuple[str, ...]  # node names in graph order
     intervals: tuple[Interval, ...]
+    # ``_layout``'s arrays, built on the first curve.
+    _arrays: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_times(self) -> int:
@@ -118,22 +121,47 @@ class Timeline:
 
     def curve(self, bytes_of: Callable[[str], float]) -> list[float]:
         """Bytes alive at every time, where node ``n``'s outputs take ``bytes_of(n)`` bytes."""
-        delta = [0.0] * (self.num_times + 1)
-        for iv in self.intervals:
-            size = iv.factor * bytes_of(iv.node)
-            delta[iv.start] += size
-            delta[iv.end + 1] -= size
-        out, running = [], 0.0
-        for change in delta[:-1]:
-            running += change
-            out.append(running)
-        return out
+        return self.curve_array(bytes_of).tolist()
+
+    def curve_array(self, bytes_of: Callable[[str], float]) -> np.ndarray:
+        """``curve`` as an array, summed as the walk always summed it: each interval's size
+        (``factor * bytes_of(node)``) added at its start and taken off after its end, interval
+        by interval, then a running sum from 0 (``np.add.at`` and ``np.cumsum`` add in order,
+        so every value is the same to the last bit). ``bytes_of`` is asked once per name."""
+        sizes = self.sizes(bytes_of)
+        positions = self._layout()[3]
+        changes = np.empty(2 * len(sizes))
+        changes[0::2], changes[1::2] = sizes, -sizes
+        delta = np.zeros(self.num_times + 2)  # a leading 0 for the running sum to start from
+        np.add.at(delta, positions, changes)
+        return np.cumsum(delta)[1:-1]
+
+    def sizes(self, bytes_of: Callable[[str], float]) -> np.ndarray:
+        """Each interval's bytes, ``factor * bytes_of(node)``, in interval order (``bytes_of``
+        asked once per name)."""
+        names, index, factors, _ = self._layout()
+        return factors * np.fromiter(map(bytes_of, names), float, len(names))[index]
+
+    def _layout(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+        """(the names the intervals size by, each interval's index among them, the intervals'
+        factors, where each interval's start and end change the running sum, interleaved)."""
+        if not self._arrays:
+            names: dict[str, int] = {}
+            index = [names.setdefault(iv.node, len(names)) for iv in self.intervals]
+            positions = np.empty(2 * len(self.intervals), dtype=np.intp)
+            positions[0::2] = [iv.start + 1 for iv in self.intervals]
+            positions[1::2] = [iv.end + 2 for iv in self.intervals]
+            self._arrays.update(names=list(names), index=np.array(index, dtype=np.intp),
+                                factors=np.array([iv.factor for iv in self.intervals], dtype=float),
+                                positions=positions)
+        arrays = self._arrays
+        return arrays["names"], arrays["index"], arrays["factors"], arrays["positions"]
 
     def peak(self, bytes_of: Callable[[str], float]) -> tuple[float, int]:
         """(peak bytes, the first time it is reached)."""
-        values = self.curve(bytes_of)
-        time = max(range(len(values)), key=lambda t: (values[t], -t))
-        return values[time], time
+        values = self.curve_array(bytes_of)
+        time = int(np.argmax(values))
+        return float(values[time]), time
 
     def sampled(self, bytes_of: Callable[[str], float], max_points: int = 240) -> dict[str, Any]:
         """A compact timeline for reports (``Plan.memory_timeline``): bytes alive by kind at up to

@@ -107,7 +107,7 @@ def solve(
                 continue  # checkpointing and offload only add time
             try:
                 memory = plan_memory(traced, graph, other_solution.choice, cluster, memory_budget, target=offload,
-                                     prefetch=prefetch, checkpointing=checkpointing)
+                                     prefetch=prefetch, checkpointing=checkpointing, explain=False)
             except InfeasibleError:
                 continue
             # The step the plan would predict, without building a plan that loses.

@@ -83,19 +83,27 @@ def solve_under_budget(ilp: ShardingILP, time_limit_s: float, unbounded: Solutio
     scale = objective_scale(ilp.problem.objective)
     prices = {t: abs(_dual(ilp, t)) / scale if relaxed_fits else 0.0 for t in ilp.memory_times}
     best: tuple[float, dict[str, int], str] | None = None
+    # Each plan considered, by its strategies in graph order: whether it fitted. Several prices
+    # (and dive steps) round to one plan; its walk, its check and its row are the same again.
+    seen: dict[tuple[int, ...], bool] = {}
 
     def consider(choice: dict[str, int] | None, method: str) -> bool:
         nonlocal best
         if choice is None:
             return False
-        if visited is not None and choice not in visited:
+        key = tuple(choice[name] for name in graph.order)
+        if key in seen:
+            return seen[key]
+        if visited is not None:
             visited.append(choice)
         peak, at = graph.timeline.peak(_bytes_of(graph, choice))
         if peak > budget * (1 + 1e-9):
             ilp.add_memory_constraint_at(at)
             prices.setdefault(at, 0.0)
+            seen[key] = False
             return False
         value = rounding.check(ilp, choice)
+        seen[key] = value is not None
         if value is None:
             return False
         if best is None or value < best[0]:

@@ -124,6 +124,7 @@ class ShardingILP:
         self._node_ids = {name: i for i, name in enumerate(graph.order)}
         self.memory_times: set[int] = set()  # timeline times with a memory[t] constraint
         self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.relaxation``)
+        self._variables: tuple | None = None  # ``variables``: (rows read, objective, variables, their ids)
         self.add_node_variables()
         self.add_pick_constraints()
         self.add_edge_constraints()
@@ -314,8 +315,27 @@ class ShardingILP:
         self.problem += weighted_sum(itertools.chain(compute_terms, reshard_terms, sync_terms))
 
     def size(self) -> tuple[int, int]:
-        return len(self.problem.variables()), self.problem.numConstraints()
+        return len(self.variables()), self.problem.numConstraints()
 
+    def variables(self) -> list[pulp.LpVariable]:
+        """``problem.variables()``, kept while the objective is the same object: PuLP walks every
+        row's terms for it (tens of milliseconds on a 70B LLaMA), and ``rounding.check`` asks
+        once per plan it checks. Rows are only ever added, with coefficients fixed once added
+        (as ``solver.relaxation`` takes them), so a row added since is all there is to read."""
+        constraints, objective = self.problem._constraints, self.problem.objective
+        kept = self._variables
+        if kept is None or kept[1] is not objective or kept[0] > len(constraints):
+            # The objective is kept with them, so that its id is not another object's later.
+            variables = list(self.problem.variables())
+            self._variables = (len(constraints), objective, variables, {id(var) for var in variables})
+        elif kept[0] < len(constraints):
+            rows, _, variables, known = kept
+            new = [var for row in itertools.islice(constraints.values(), rows, None) for var in row.keys()
+                   if id(var) not in known and not known.add(id(var))]
+            if new:  # in PuLP's order: by name
+                variables = sorted(variables + new, key=lambda var: var.name)
+            self._variables = (len(constraints), objective, variables, known)
+        return self._variables[2]
 
 def _linear(terms) -> dict:
     """Sum variables and affine expressions into one coefficient map (the constant under None),

@@ -176,7 +176,7 @@ class _Walk:
         self.num, self.index, self.root, self.uses = shape.num, shape.index, shape.root, shape.uses
         self.segments, self.fetches, self._touched = shape.segments, shape.fetches, shape.touched
         # The walk with no decision, as a difference array (``np.add.at`` adds in order, as a loop).
-        self._sizes = np.array([iv.factor * bytes_of(iv.node) for iv in self.timeline.intervals], dtype=float)
+        self._sizes = self.timeline.sizes(bytes_of)
         delta = np.zeros(2 * self.num + 1)
         np.add.at(delta, shape.starts, self._sizes)
         np.add.at(delta, shape.ends + 1, -self._sizes)
@@ -389,10 +389,12 @@ def plan_memory(
     target: str | None,
     prefetch: bool = True,
     checkpointing: bool = True,
+    explain: bool = True,
 ) -> tuple[MemoryPlan, dict[str, float]]:
     """The cheapest decisions that bring the peak under ``budget`` (module docstring), and the
     adjusted memory breakdown at the new peak. ``target`` None allows checkpointing only.
-    Raises InfeasibleError with the peak when every candidate is taken."""
+    Raises InfeasibleError with the peak when every candidate is taken (``explain=False``: with
+    no list of what is alive there, for a caller that only tries a candidate and moves on)."""
     bytes_of = graph.bytes_of(choice)
     walk = _Walk(traced, graph, bytes_of)
     candidates = _candidates(walk, graph, choice, cluster, target, checkpointing)
@@ -403,7 +405,7 @@ def plan_memory(
     ranked = sorted(candidates, key=lambda c: (c.cost_s / max(c.saved_bytes, 1.0), c.key))
     if target is None and before > budget and walk.kept_peak() > budget:
         # Checkpointing alone cannot fit: fail as the greedy would, having taken every candidate.
-        raise _infeasible(walk, graph, {c.key for c in ranked}, prefetch, budget, target, checkpointing)
+        raise _infeasible(walk, graph, {c.key for c in ranked}, prefetch, budget, target, checkpointing, explain)
     for candidate in ranked:
         if peak <= budget:
             break
@@ -413,7 +415,7 @@ def plan_memory(
         keys.add(candidate.key)
         peak, _ = walk.peak(keys, prefetch)
     if peak > budget:
-        raise _infeasible(walk, graph, keys, prefetch, budget, target, checkpointing)
+        raise _infeasible(walk, graph, keys, prefetch, budget, target, checkpointing, explain)
     for candidate in sorted(chosen, key=lambda c: -c.cost_s):
         trial = keys - {candidate.key}
         trial_peak, _ = walk.peak(trial, prefetch)
@@ -511,7 +513,9 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing) -> l
     return out
 
 
-def _infeasible(walk: _Walk, graph, keys, prefetch, budget, target, checkpointing) -> InfeasibleError:
+def _infeasible(walk: _Walk, graph, keys, prefetch, budget, target, checkpointing, explain: bool = True) -> InfeasibleError:
+    if not explain:
+        return InfeasibleError(f"no plan of this sharding fits memory_budget={budget:.0f} bytes per device")
     peak, time = walk.peak(keys, prefetch)
     alive = []
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):

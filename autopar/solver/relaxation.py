@@ -9,6 +9,11 @@ record: before each solve it compares the problem with what HiGHS holds and pass
 changed (new rows, row and column bounds, objective coefficients), so the simplex starts from the
 last basis (dual simplex after a row or a bound is added, primal after the objective changes).
 
+Finding what changed costs no more than a pass over each list at C speed: the kept model
+remembers every column's bounds, every row's constant and sense, and the objective's variables
+(by identity) and coefficients as Python lists, and compares them with the problem's; only a
+list that differs is converted and passed on, and only its changed entries.
+
 The first solve is the one PuLP would run: the same columns in the same order (PuLP's, by name),
 the same rows, bounds, scaled objective and options, so the unbounded plan is unchanged. Rows'
 coefficients are taken as fixed once a row is in the model (no caller changes them; a row whose
@@ -17,7 +22,9 @@ bounds change is updated). A new column (a variable no row had before) rebuilds 
 
 from __future__ import annotations
 
+import itertools
 import math
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,8 +42,14 @@ def objective_scale(objective: pulp.LpAffineExpression) -> float:
     Step times are seconds, and the prices of small ops are 1e-9 s or less: below the solvers'
     absolute tolerances (1e-6 to 1e-9), which then stop early or call a worse plan optimal.
     Memory objectives (``_infeasible``) are bytes, far above them."""
-    largest = max((abs(coef) for coef in objective.values()), default=0.0)
+    return _scale_for(max((abs(coef) for coef in objective.values()), default=0.0))
+
+
+def _scale_for(largest: float) -> float:
     return 10.0 ** round(math.log10(1e3 / largest)) if largest > 0 else 1.0
+
+
+_LOW, _UP, _CONSTANT, _SENSE = (attrgetter(name) for name in ("lowBound", "upBound", "constant", "sense"))
 
 
 class Relaxation:
@@ -59,23 +72,32 @@ class Relaxation:
         self.highs.setOptionValue("mip_abs_gap", 0.0)
         self.highs.setOptionValue("random_seed", 1)
         self.columns: list[pulp.LpVariable] = list(problem.variables())
-        self.column_of = {var: i for i, var in enumerate(self.columns)}
+        # By identity: pulp variables compare into constraints, not booleans.
+        self.column_of = {id(var): i for i, var in enumerate(self.columns)}
         self.costs = np.zeros(len(self.columns))
-        self.col_lower, self.col_upper = self._column_bounds()
+        self.lows, self.ups = list(map(_LOW, self.columns)), list(map(_UP, self.columns))
+        self.col_lower, self.col_upper = self._bounds(self.lows, -self.inf), self._bounds(self.ups, self.inf)
         with backends.solver_output():
             self.highs.addCols(len(self.columns), self.costs, self.col_lower, self.col_upper, 0,
                                np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
+        # The objective HiGHS holds: its variables (kept, so that their ids stay theirs), their
+        # ids and coefficients, in the expression's order, and the scale it was passed at.
+        self.objective_vars: list[pulp.LpVariable] = []
+        self.objective_ids: list[int] = []
+        self.objective_coefs: list[float] = []
+        self.scale = 1.0
         self.rows: list[pulp.LpConstraint] = []
         self.row_names: list[str] = []
+        self.row_constants: list[float] = []
+        self.row_senses: list[int] = []
         self.row_lower = np.zeros(0)
         self.row_upper = np.zeros(0)
         self._add_new_rows()
 
-    def _column_bounds(self) -> tuple[np.ndarray, np.ndarray]:
-        inf = self.inf
-        lower = np.fromiter((-inf if v.lowBound is None else v.lowBound for v in self.columns), float, len(self.columns))
-        upper = np.fromiter((inf if v.upBound is None else v.upBound for v in self.columns), float, len(self.columns))
-        return lower, upper
+    @staticmethod
+    def _bounds(values: list, infinite: float) -> np.ndarray:
+        """A bound per entry, None meaning ``infinite``."""
+        return np.fromiter((infinite if value is None else value for value in values), float, len(values))
 
     def _row_bounds(self, rows) -> tuple[np.ndarray, np.ndarray]:
         inf = self.inf
@@ -95,7 +117,7 @@ class Relaxation:
             starts.append(len(indices))
             for var, coef in row.items():
                 if coef != 0:
-                    column = self.column_of.get(var)
+                    column = self.column_of.get(id(var))
                     if column is None:
                         return False
                     indices.append(column)
@@ -106,35 +128,74 @@ class Relaxation:
                                np.array(indices, dtype=np.int32), np.array(values, dtype=float))
         self.rows += new
         self.row_names += names
+        self.row_constants += map(_CONSTANT, new)
+        self.row_senses += map(_SENSE, new)
         self.row_lower = np.concatenate([self.row_lower, lower])
         self.row_upper = np.concatenate([self.row_upper, upper])
         return True
 
     def _sync(self) -> float:
-        """Pass HiGHS what changed in the problem since the last solve; the objective's scale."""
-        problem = self.ilp.problem
-        if list(problem._constraints)[:len(self.rows)] != self.row_names or not self._add_new_rows() or any(
-                var not in self.column_of for var in problem.objective):
+        """Pass HiGHS what changed in the problem since the last solve (rows, then bounds, then
+        the objective, as they were always passed); the objective's scale."""
+        constraints = self.ilp.problem._constraints
+        objective = self._read_objective()
+        if (len(constraints) < len(self.rows) or list(itertools.islice(constraints, len(self.rows))) != self.row_names
+                or not self._add_new_rows() or objective is None):
             self._build()  # a row removed, or a variable no row had: start over
-        lower, upper = self._row_bounds(self.rows)
-        changed = np.flatnonzero((lower != self.row_lower) | (upper != self.row_upper))
-        if changed.size:
-            self.highs.changeRowsBounds(changed.size, changed.astype(np.int32), lower[changed], upper[changed])
-            self.row_lower, self.row_upper = lower, upper
-        lower, upper = self._column_bounds()
-        changed = np.flatnonzero((lower != self.col_lower) | (upper != self.col_upper))
-        if changed.size:
-            self.highs.changeColsBounds(changed.size, changed.astype(np.int32), lower[changed], upper[changed])
-            self.col_lower, self.col_upper = lower, upper
-        scale = objective_scale(problem.objective)
+            objective = self._read_objective()
+        self._sync_row_bounds()
+        self._sync_column_bounds()
+        if objective:
+            self._sync_objective(*objective)
+        return self.scale
+
+    def _sync_row_bounds(self) -> None:
+        """A row's bounds follow from its sense and constant (its coefficients are fixed)."""
+        constants, senses = list(map(_CONSTANT, self.rows)), list(map(_SENSE, self.rows))
+        if constants == self.row_constants and senses == self.row_senses:
+            return
+        changed = [i for i, (c, s, was_c, was_s) in enumerate(zip(constants, senses, self.row_constants, self.row_senses))
+                   if c != was_c or s != was_s]
+        lower, upper = self._row_bounds([self.rows[i] for i in changed])
+        index = np.array(changed, dtype=np.int32)
+        self.highs.changeRowsBounds(len(changed), index, lower, upper)
+        self.row_lower[index], self.row_upper[index] = lower, upper
+        self.row_constants, self.row_senses = constants, senses
+
+    def _sync_column_bounds(self) -> None:
+        lows, ups = list(map(_LOW, self.columns)), list(map(_UP, self.columns))
+        if lows == self.lows and ups == self.ups:
+            return
+        changed = [i for i, (low, up, was_low, was_up) in enumerate(zip(lows, ups, self.lows, self.ups))
+                   if low != was_low or up != was_up]
+        index = np.array(changed, dtype=np.int32)
+        lower = self._bounds([lows[i] for i in changed], -self.inf)
+        upper = self._bounds([ups[i] for i in changed], self.inf)
+        self.highs.changeColsBounds(len(changed), index, lower, upper)
+        self.col_lower[index], self.col_upper[index] = lower, upper
+        self.lows, self.ups = lows, ups
+
+    def _read_objective(self) -> tuple | None:
+        """(variables, their ids, coefficients, columns) of the problem's objective; () when it is
+        the one HiGHS holds, None when it has a variable HiGHS does not hold."""
+        objective = self.ilp.problem.objective
+        ids, coefs = list(map(id, objective)), list(objective.values())
+        if ids == self.objective_ids and coefs == self.objective_coefs:
+            return ()
+        columns = list(map(self.column_of.get, ids))
+        return None if None in columns else (list(objective), ids, coefs, columns)
+
+    def _sync_objective(self, variables: list, ids: list[int], coefs: list[float], columns: list[int]) -> None:
+        """Pass the objective's coefficients that changed, scaled (``objective_scale``)."""
+        values = np.array(coefs, dtype=float)
+        self.scale = _scale_for(float(np.abs(values).max()) if len(values) else 0.0)
         costs = np.zeros(len(self.columns))
-        for var, coef in problem.objective.items():
-            costs[self.column_of[var]] = coef * scale
+        costs[np.array(columns, dtype=np.int64)] = values * self.scale
         changed = np.flatnonzero(costs != self.costs)
         if changed.size:
             self.highs.changeColsCost(changed.size, changed.astype(np.int32), costs[changed])
             self.costs = costs
-        return scale
+        self.objective_vars, self.objective_ids, self.objective_coefs = variables, ids, coefs
 
     def solve(self, time_limit_s: float, cold: bool = False) -> str:
         """Solve the LP as the problem stands; set its variables' values, its rows' duals

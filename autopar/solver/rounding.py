@@ -35,9 +35,19 @@ _TOLERANCE = 1e-6
 def complete(graph: ChoiceGraph, picked: dict[str, int]) -> dict[str, int] | None:
     """Strategy index of every node from ``picked`` (the nodes with variables of their own).
     None if a follower has no strategy for its producer's spec."""
+    # A follower's strategy for each of its producer's: followers of identical ops share their
+    # strategy lists (``choices._mark_followers``), so one lookup serves every layer, and every
+    # plan of this graph (the lists are fixed once the graph is built, and kept by it).
+    follows = graph.derived.setdefault("rounding_follows", {})
     choice: dict[str, int] = {}
     for name in graph.order:
-        index = complete_one(graph, name, picked, choice)
+        node = graph.choices[name]
+        if node.follower_of is not None and name not in graph.layer_template:
+            producer, out_index = node.inputs[0]
+            key = (id(node.strategies), id(graph.choices[producer].strategies), choice[producer], out_index)
+            index = follows[key] if key in follows else follows.setdefault(key, complete_one(graph, name, picked, choice))
+        else:
+            index = complete_one(graph, name, picked, choice)
         if index is None:
             return None
         choice[name] = index
@@ -138,7 +148,7 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
         variables[pair].varValue = 1.0
     for key, value in ilp.param_sync_values().items():  # each z at the least its rows allow
         ilp.z[key].varValue = value
-    if any(var.varValue is None for var in ilp.problem.variables()):
+    if any(var.varValue is None for var in ilp.variables()):
         return _fixed_solve(ilp, choice)  # another family added variables: let the LP set them
     with warnings.catch_warnings():  # the PuLP 2.x mapping API, as in ``ilp.py``
         warnings.simplefilter("ignore", DeprecationWarning)

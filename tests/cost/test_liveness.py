@@ -224,3 +224,50 @@ def test_cross_entropy_backward_keeps_a_logits_sized_temporary():
     # N = 6, bwd(4) = 7: logits (saved by the loss) 50, the loss's gradient 1, the logits'
     # gradient 50, and the temporary gradient of the log-probabilities 50, over 111 always alive.
     assert timeline.curve(sizes.__getitem__)[7] == 111 + 50 + 1 + 50 + 50
+
+
+def _curve_by_loop(timeline, bytes_of) -> list[float]:
+    """The walk as a plain loop, interval by interval (how ``Timeline.curve`` always summed it)."""
+    delta = [0.0] * (timeline.num_times + 1)
+    for iv in timeline.intervals:
+        size = iv.factor * bytes_of(iv.node)
+        delta[iv.start] += size
+        delta[iv.end + 1] -= size
+    out, running = [], 0.0
+    for change in delta[:-1]:
+        running += change
+        out.append(running)
+    return out
+
+
+def test_the_array_walk_sums_as_the_loop_does_to_the_last_bit():
+    """``Timeline.curve``/``peak`` add with numpy in the loop's order: every value bit-equal at
+    every time, and the peak's time the first of the largest, under sizes irregular enough that
+    the same additions in another order (every start, then every end) differ somewhere."""
+    import zlib
+
+    import numpy as np
+
+    from autopar.zoo.models import build_model
+
+    with torch.device("meta"):
+        model = build_model("llama", n_layer=3, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
+        idx = torch.zeros(8, 64, dtype=torch.long)
+    graph = build_choice_graph(trace(model, (idx, idx)), (2, 2), get_cluster("h100-80g"))
+    timeline = graph.timeline
+    names = sorted({iv.node for iv in timeline.intervals})
+    reordered_differs = False
+    for seed in range(4):
+        weights = {name: math.pi * (1 + zlib.crc32(f"{seed}{name}".encode()) % 997)
+                   * 10.0 ** (zlib.crc32(f"{name}{seed}".encode()) % 17) for name in names}
+        for bytes_of in (graph.bytes_bound(largest=False), graph.bytes_bound(largest=True), weights.__getitem__):
+            expected = _curve_by_loop(timeline, bytes_of)
+            assert timeline.curve(bytes_of) == expected
+            peak = max(expected)
+            assert timeline.peak(bytes_of) == (peak, expected.index(peak))
+        sizes = np.array([iv.factor * weights[iv.node] for iv in timeline.intervals])
+        delta = np.zeros(timeline.num_times + 1)
+        np.add.at(delta, [iv.start for iv in timeline.intervals], sizes)
+        np.add.at(delta, [iv.end + 1 for iv in timeline.intervals], -sizes)
+        reordered_differs |= np.cumsum(delta[:-1]).tolist() != expected
+    assert reordered_differs, "the sizes are too regular to tell one order of the additions from another"

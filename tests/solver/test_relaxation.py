@@ -15,10 +15,12 @@ from autopar.cost.cluster import get_cluster
 from autopar.solver import backends, budget, rounding, solving
 from autopar.solver.choices import build_choice_graph
 from autopar.solver.ilp import ShardingILP
+from autopar.solver.relaxation import Relaxation
 from autopar.trace import trace
 from autopar.zoo.models import build_model
 
 pytestmark = pytest.mark.skipif(not backends.highs_available(), reason="the kept model is HiGHS's")
+highspy = pytest.importorskip("highspy") if backends.highs_available() else None
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +55,34 @@ def _kept(ilp: ShardingILP) -> tuple[str, float | None]:
     return status, pulp.value(ilp.problem.objective) if status == "Optimal" else None
 
 
+def _model(relaxation: Relaxation) -> dict:
+    """What HiGHS holds: costs, bounds, and the matrix as {(row, column): value} (HiGHS keeps it
+    by rows or by columns, depending on what it did last)."""
+    lp = relaxation.highs.getLp()
+    matrix = lp.a_matrix_
+    by_rows = matrix.format_ == highspy.MatrixFormat.kRowwise
+    start, index, value = list(matrix.start_), list(matrix.index_), list(matrix.value_)  # each read copies
+    entries = {}
+    for outer in range(len(start) - 1):
+        for k in range(start[outer], start[outer + 1]):
+            entries[(outer, index[k]) if by_rows else (index[k], outer)] = value[k]
+    return {"cost": list(lp.col_cost_), "col_lower": list(lp.col_lower_), "col_upper": list(lp.col_upper_),
+            "row_lower": list(lp.row_lower_), "row_upper": list(lp.row_upper_), "matrix": entries}
+
+
 def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, tight):
-    """Rows added, a row's bound lifted, the objective priced with memory, strategies fixed and
-    freed again: after each, the kept model's LP optimum equals a fresh model's."""
+    """Rows added, a row's bound lifted, the objective priced with memory (and a coefficient of it
+    changed in place), strategies fixed and freed again: after each, the kept model holds what a
+    model built afresh from the problem holds (it passes only what changed), and its LP optimum
+    equals PuLP's fresh model's."""
     ilp = ShardingILP(graph)
     steps = []
 
     def both(what: str) -> None:
         kept = _kept(ilp)
+        rebuilt = Relaxation(ilp)
+        rebuilt._sync()
+        assert _model(ilp.relaxation) == _model(rebuilt), what
         fresh = _fresh(ilp)[:2]
         steps.append(what)
         assert kept[0] == fresh[0], what
@@ -83,6 +105,11 @@ def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, ti
         ilp.problem.constraints[name].constant = -1e30
     budget._set_objective(ilp, objective + penalty)
     both("rows priced, not enforced")
+    priced = ilp.problem.objective
+    var, coef = next(iter(priced.items()))
+    priced[var] = 3 * coef  # the same expression, one coefficient changed
+    both("a coefficient changed in place")
+    priced[var] = coef
     for name in names:
         ilp.problem.constraints[name].constant = saved[name]
     budget._set_objective(ilp, objective)
@@ -104,7 +131,7 @@ def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, ti
         var.lowBound, var.upBound = low, up
     both("freed")
     assert ilp.relaxation is first
-    assert len(steps) == 6
+    assert len(steps) == 7
 
 
 def test_the_first_solve_is_the_one_pulp_runs(graph):
@@ -144,3 +171,25 @@ def test_the_dive_finds_plans_that_fit_and_leaves_no_fixing_behind(graph, unboun
     for value, choice in kept:
         assert graph.timeline.peak(graph.bytes_of(choice))[0] <= tight * (1 + 1e-9)
         assert value >= exact.objective_s * (1 - 2 * backends.MIP_REL_GAP) >= bound * (1 - 1e-9)
+
+
+def test_the_kept_variable_list_follows_new_rows_and_objectives(graph):
+    """``ShardingILP.variables`` (``problem.variables()`` kept between rows): a row with a new
+    variable, an objective with another, a peak-memory objective: each is seen at once."""
+    ilp = ShardingILP(graph)
+
+    def ids(variables) -> list[int]:
+        return [id(var) for var in variables]
+
+    assert ids(ilp.variables()) == ids(ilp.problem.variables())
+    assert ilp.variables() is ilp.variables(), "kept while nothing changes"
+    extra = pulp.LpVariable("extra_row_variable", lowBound=0)
+    ilp.problem += extra <= 1, "extra_row"
+    assert extra.name in {var.name for var in ilp.variables()}
+    other = pulp.LpVariable("extra_objective_variable", lowBound=0)
+    budget._set_objective(ilp, ilp.problem.objective + other)
+    assert other.name in {var.name for var in ilp.variables()}
+    assert ids(ilp.variables()) == ids(ilp.problem.variables())
+    ilp.minimize_peak_memory(graph.timeline.checkpoints([graph.bytes_bound(largest=False)]))
+    assert "peak_memory_bytes" in {var.name for var in ilp.variables()}
+    assert ids(ilp.variables()) == ids(ilp.problem.variables())
