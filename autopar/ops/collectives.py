@@ -179,9 +179,9 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     return funcol.wait_tensor(_scatter_along(x.contiguous(), "sum", dim, group_name))
 
 
-# gloo's own reduce-scatter took about twice as long as one all-to-all followed by a local sum of
-# the pieces received, and longer than an all-reduce of the same tensor (17 MB on 2 and 4 ranks
-# of this repository's 2-core machine: benchmarks/README.md, "Reduce-scatter on gloo"). Both send
+# gloo's own reduce-scatter took 1.6-2.1 times as long as one all-to-all followed by a local sum
+# of the pieces received, and longer than an all-reduce of the same tensor (16 MiB on 2 and 4
+# ranks of a 2-core machine: benchmarks/bench_gloo_collectives.py and its README section). Both send
 # (k-1)/k of the input, as ``cost.comm`` prices a reduce-scatter; the exchange holds one more
 # buffer of the input's size until the sum (priced by ``cost.liveness`` where the cluster's
 # collectives are gloo's). NCCL keeps its own.
