@@ -172,9 +172,7 @@ def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     k = group_size(group_name)
     if _sums_exchanged(group_name) and x.shape[dim] % k == 0:
-        pieces = _pieces(x, dim, k)
-        received = torch.empty_like(pieces)
-        dist.all_to_all_single(received, pieces, group=_resolve_process_group(group_name))
+        received, _ = _exchange(_pieces(x, dim, k), _resolve_process_group(group_name))
         return received.sum(0).view(x.chunk(k, dim)[0].shape)
     return funcol.wait_tensor(_scatter_along(x.contiguous(), "sum", dim, group_name))
 
@@ -188,6 +186,13 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 def _sums_exchanged(group_name: str) -> bool:
     """Whether reduce-scatters on the group run as an all-to-all and a local sum (gloo)."""
     return dist.get_backend(_resolve_process_group(group_name)) == "gloo"
+
+
+def _exchange(pieces: torch.Tensor, group, async_op: bool = False) -> tuple[torch.Tensor, object]:
+    """Send row j of ``pieces`` (k rows) to rank j; (the rows received, in rank order, and the
+    work: None unless ``async_op``)."""
+    received = torch.empty_like(pieces)
+    return received, dist.all_to_all_single(received, pieces, group=group, async_op=async_op)
 
 
 def _pieces(x: torch.Tensor, dim: int, k: int) -> torch.Tensor:
@@ -239,9 +244,8 @@ def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group_name: str):
     (on gloo an all-to-all whose ``wait`` sums what it received: ``_sums_exchanged``)."""
     group = _resolve_process_group(group_name)
     if _sums_exchanged(group_name):
-        pieces = x.view(group.size(), -1)
-        received = torch.empty_like(pieces)
-        return _SumOnWait(dist.all_to_all_single(received, pieces, group=group, async_op=True), received, out)
+        received, work = _exchange(x.view(group.size(), -1), group, async_op=True)
+        return _SumOnWait(work, received, out)
     return _reduce_scatter_into(out, x, group=group, async_op=True)
 
 
@@ -322,9 +326,7 @@ def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) ->
     if x.shape[dst_dim] % k:
         raise ValueError(f"all-to-all of a tensor of shape {tuple(x.shape)} into {k} chunks along dim {dst_dim}: "
                          "that dim does not divide evenly, which a valid plan never asks for (ir.spec.is_valid)")
-    pieces = _pieces(x, dst_dim, k)
-    received = torch.empty_like(pieces)
-    dist.all_to_all_single(received, pieces, group=_resolve_process_group(group_name))
+    received, _ = _exchange(_pieces(x, dst_dim, k), _resolve_process_group(group_name))
     shape = x.chunk(k, dst_dim)[0].shape
     return torch.cat([piece.view(shape) for piece in received.unbind(0)], dim=src_dim)
 
