@@ -177,10 +177,7 @@ class _Walk:
         self.segments, self.fetches, self._touched = shape.segments, shape.fetches, shape.touched
         # The walk with no decision, as a difference array (``np.add.at`` adds in order, as a loop).
         self._sizes = self.timeline.sizes(bytes_of)
-        delta = np.zeros(2 * self.num + 1)
-        np.add.at(delta, shape.starts, self._sizes)
-        np.add.at(delta, shape.ends + 1, -self._sizes)
-        self._base = delta
+        self._base = _difference(self.num, shape.starts, shape.ends, self._sizes)
         self._last: tuple | None = None  # (prefetch, decisions, context, delta) of the last checkpoint-only curve
 
     def bwd(self, time: int) -> int:
@@ -367,9 +364,7 @@ class _Walk:
         (``_spans`` changes only those for a checkpoint). Checkpointing adds nothing below them,
         so no set of checkpoints brings the peak under this."""
         kept = np.array([iv.kind not in ("activation", "gathered") for iv in self.timeline.intervals], dtype=bool)
-        delta = np.zeros(2 * self.num + 1)
-        np.add.at(delta, self.shape.starts[kept], self._sizes[kept])
-        np.add.at(delta, self.shape.ends[kept] + 1, -self._sizes[kept])
+        delta = _difference(self.num, self.shape.starts[kept], self.shape.ends[kept], self._sizes[kept])
         return float(np.cumsum(delta[:-1]).max(initial=0.0))
 
     def peak(self, decisions, prefetch: bool) -> tuple[float, int]:
@@ -377,6 +372,15 @@ class _Walk:
         values = self.curve_under(decisions, prefetch)
         time = int(np.argmax(values))
         return float(values[time]), time
+
+
+def _difference(num: int, starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The difference array of intervals ``[starts, ends]`` of ``sizes`` bytes over a walk of
+    ``num`` forward times (``np.add.at`` adds in order, as a loop)."""
+    delta = np.zeros(2 * num + 1)
+    np.add.at(delta, starts, sizes)
+    np.add.at(delta, ends + 1, -sizes)
+    return delta
 
 
 def plan_memory(

@@ -76,9 +76,9 @@ class Relaxation:
         self.column_of = {id(var): i for i, var in enumerate(self.columns)}
         self.costs = np.zeros(len(self.columns))
         self.lows, self.ups = list(map(_LOW, self.columns)), list(map(_UP, self.columns))
-        self.col_lower, self.col_upper = self._bounds(self.lows, -self.inf), self._bounds(self.ups, self.inf)
         with backends.solver_output():
-            self.highs.addCols(len(self.columns), self.costs, self.col_lower, self.col_upper, 0,
+            self.highs.addCols(len(self.columns), self.costs, self._bounds(self.lows, -self.inf),
+                               self._bounds(self.ups, self.inf), 0,
                                np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
         # The objective HiGHS holds: its variables (kept, so that their ids stay theirs), their
         # ids and coefficients, in the expression's order, and the scale it was passed at.
@@ -90,8 +90,6 @@ class Relaxation:
         self.row_names: list[str] = []
         self.row_constants: list[float] = []
         self.row_senses: list[int] = []
-        self.row_lower = np.zeros(0)
-        self.row_upper = np.zeros(0)
         self._add_new_rows()
 
     @staticmethod
@@ -130,8 +128,6 @@ class Relaxation:
         self.row_names += names
         self.row_constants += map(_CONSTANT, new)
         self.row_senses += map(_SENSE, new)
-        self.row_lower = np.concatenate([self.row_lower, lower])
-        self.row_upper = np.concatenate([self.row_upper, upper])
         return True
 
     def _sync(self) -> float:
@@ -154,25 +150,19 @@ class Relaxation:
         constants, senses = list(map(_CONSTANT, self.rows)), list(map(_SENSE, self.rows))
         if constants == self.row_constants and senses == self.row_senses:
             return
-        changed = [i for i, (c, s, was_c, was_s) in enumerate(zip(constants, senses, self.row_constants, self.row_senses))
-                   if c != was_c or s != was_s]
+        changed = _changed(constants, self.row_constants, senses, self.row_senses)
         lower, upper = self._row_bounds([self.rows[i] for i in changed])
-        index = np.array(changed, dtype=np.int32)
-        self.highs.changeRowsBounds(len(changed), index, lower, upper)
-        self.row_lower[index], self.row_upper[index] = lower, upper
+        self.highs.changeRowsBounds(len(changed), np.array(changed, dtype=np.int32), lower, upper)
         self.row_constants, self.row_senses = constants, senses
 
     def _sync_column_bounds(self) -> None:
         lows, ups = list(map(_LOW, self.columns)), list(map(_UP, self.columns))
         if lows == self.lows and ups == self.ups:
             return
-        changed = [i for i, (low, up, was_low, was_up) in enumerate(zip(lows, ups, self.lows, self.ups))
-                   if low != was_low or up != was_up]
-        index = np.array(changed, dtype=np.int32)
+        changed = _changed(lows, self.lows, ups, self.ups)
         lower = self._bounds([lows[i] for i in changed], -self.inf)
         upper = self._bounds([ups[i] for i in changed], self.inf)
-        self.highs.changeColsBounds(len(changed), index, lower, upper)
-        self.col_lower[index], self.col_upper[index] = lower, upper
+        self.highs.changeColsBounds(len(changed), np.array(changed, dtype=np.int32), lower, upper)
         self.lows, self.ups = lows, ups
 
     def _read_objective(self) -> tuple | None:
@@ -218,6 +208,11 @@ class Relaxation:
             row.pi = dual
         problem.assignStatus(status, sol_status)
         return pulp.LpStatus[status]
+
+
+def _changed(a: list, was_a: list, b: list, was_b: list) -> list[int]:
+    """The positions where ``a`` or ``b`` differs from what it was (lists of equal lengths)."""
+    return [i for i, (x, was_x, y, was_y) in enumerate(zip(a, was_a, b, was_b)) if x != was_x or y != was_y]
 
 
 def _status(model_status, objective: float) -> tuple[int, int]:
