@@ -103,7 +103,7 @@ class Timeline:
 
     names: tuple[str, ...]  # node names in graph order
     intervals: tuple[Interval, ...]
-    # ``_layout``'s arrays, built on the first curve.
+    # ``_layout``'s arrays (and the intervals' starts and ends, for ``alive_at``), built on first use.
     _arrays: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -117,7 +117,24 @@ class Timeline:
         return f"backward of {self.names[2 * num - 1 - time]}"
 
     def alive_at(self, time: int) -> list[Interval]:
-        return [iv for iv in self.intervals if iv.start <= time <= iv.end]
+        return [self.intervals[k] for k in self._alive(time)]
+
+    def _alive(self, time: int) -> np.ndarray:
+        """The positions of the intervals alive at ``time``, in interval order."""
+        self._layout()
+        return np.flatnonzero((self._arrays["starts"] <= time) & (self._arrays["ends"] >= time))
+
+    def factors_at(self, time: int) -> dict[str, float]:
+        """Σ factor of the intervals alive at ``time``, per name, in the order of each name's first
+        interval: what a loop over ``alive_at`` would sum (``np.add.at`` adds in interval order)."""
+        names, index, factors, _ = self._layout()
+        alive = self._alive(time)
+        owners = index[alive]
+        total = np.zeros(len(names))
+        np.add.at(total, owners, factors[alive])
+        unique, first = np.unique(owners, return_index=True)
+        ordered = unique[np.argsort(first)]
+        return dict(zip([names[k] for k in ordered], total[ordered].tolist()))
 
     def curve(self, bytes_of: Callable[[str], float]) -> list[float]:
         """Bytes alive at every time, where node ``n``'s outputs take ``bytes_of(n)`` bytes."""
@@ -153,7 +170,7 @@ class Timeline:
             positions[1::2] = [iv.end + 2 for iv in self.intervals]
             self._arrays.update(names=list(names), index=np.array(index, dtype=np.intp),
                                 factors=np.array([iv.factor for iv in self.intervals], dtype=float),
-                                positions=positions)
+                                positions=positions, starts=positions[0::2] - 1, ends=positions[1::2] - 2)
         arrays = self._arrays
         return arrays["names"], arrays["index"], arrays["factors"], arrays["positions"]
 

@@ -80,6 +80,7 @@ import itertools
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import pulp
 
 from autopar.solver.choices import ChoiceGraph
@@ -125,6 +126,7 @@ class ShardingILP:
         self.memory_times: set[int] = set()  # timeline times with a memory[t] constraint
         self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.relaxation``)
         self._variables: tuple | None = None  # ``variables``: (rows read, objective, variables, their ids)
+        self._memory_terms: _MemoryTerms | None = None  # ``weighted_memory``'s table, built on first use
         self.add_node_variables()
         self.add_pick_constraints()
         self.add_edge_constraints()
@@ -227,25 +229,20 @@ class ShardingILP:
     def memory_expression(self, time: int) -> pulp.LpAffineExpression:
         """Memory alive per device at timeline time ``time``, in ``MEMORY_UNIT`` bytes:
         Σ factor · m[n, s] · x[n, s] over the liveness intervals alive then."""
-        factors: dict[str, float] = {}
-        for interval in self.graph.timeline.alive_at(time):
-            factors[interval.node] = factors.get(interval.node, 0.0) + interval.factor
-        return self.weighted_memory(factors, 1.0 / MEMORY_UNIT)
+        return self.weighted_memory(self.graph.timeline.factors_at(time), 1.0 / MEMORY_UNIT)
 
     def weighted_memory(self, factors: dict[str, float], unit: float = 1.0) -> pulp.LpAffineExpression:
         """Σ factor · bytes over timeline names: a node's m[n, s] · x[n, s]; a gathered
-        parameter's bytes per (p, q) of its edge times y[e, p, q] (``solver.gathered``)."""
-        # One coefficient per variable (repeated layers share theirs), summed in a dict:
-        # pulp's expression arithmetic builds an object per term (seconds at 80 layers).
-        choices, gathered = self.graph.choices, self.graph.gathered
-        return weighted_sum(itertools.chain(
-            ((factor * m * unit, x)
-             for name, factor in factors.items() if name in choices
-             for m, x in zip(choices[name].memory_bytes, self.x[name]) if m),
-            ((factor * size * unit, self.y[gathered[name].edge][pair])
-             for name, factor in factors.items() if name in gathered
-             for pair, size in gathered[name].sizes.items() if size and pair in self.y.get(gathered[name].edge, {})),
-        ))
+        parameter's bytes per (p, q) of its edge times y[e, p, q] (``solver.gathered``).
+
+        ``weighted_sum`` of the terms (factor · m · unit, x) of every name in ``factors`` (nodes,
+        then gathered parameters, in ``factors``' order), with numpy on ``_MemoryTerms``: the
+        same products, summed per variable in the same order (``np.add.at``), the variables in
+        order of their first term. Repeated layers share variables, so a row has the size of one
+        layer's variables while its terms count every layer's: in Python that took seconds."""
+        if self._memory_terms is None:
+            self._memory_terms = _MemoryTerms(self)
+        return self._memory_terms.weighted(factors, unit)
 
     def minimize_peak_memory(self, times: list[int]) -> None:
         """Replace the objective by the peak of memory[t] over ``times`` (``solve`` uses it to
@@ -336,6 +333,84 @@ class ShardingILP:
                 variables = sorted(variables + new, key=lambda var: var.name)
             self._variables = (len(constraints), objective, variables, known)
         return self._variables[2]
+
+class _MemoryTerms:
+    """The terms that each timeline name's bytes put in a memory row, as flat arrays: name k's
+    are ``starts[k]:starts[k + 1]``, each a (slot, bytes, coefficient), so that a term of the
+    row weighs factor · bytes · unit · coefficient on the variable in its slot (slot 0: the
+    constant). A node's terms are m[n, s] on x[n, s] (a variable, coefficient 1; or a follower's
+    expression, one term per variable, and its constant), for each s with bytes; a gathered
+    parameter's are its bytes per (p, q) on y[e, p, q]. The variables are fixed once the
+    ILP is built, so the table is built once."""
+
+    def __init__(self, ilp: ShardingILP):
+        choices, gathered = ilp.graph.choices, ilp.graph.gathered
+        self.variables: list = [None]  # by slot
+        slot_of: dict[int, int] = {}  # by the variable's id (pulp variables compare into constraints)
+        self.position: dict[str, int] = {}  # timeline name -> k
+        self.is_node: list[bool] = []
+        starts, slots, sizes, coefs = [0], [], [], []
+
+        def add(var, size: float, coef: float) -> None:
+            slot = 0 if var is None else slot_of.get(id(var))
+            if slot is None:
+                slot = slot_of[id(var)] = len(self.variables)
+                self.variables.append(var)
+            slots.append(slot)
+            sizes.append(size)
+            coefs.append(coef)
+
+        for name, choice in choices.items():
+            for m, x in zip(choice.memory_bytes, ilp.x[name]):
+                if not m:
+                    continue
+                if isinstance(x, pulp.LpVariable):
+                    add(x, m, 1.0)
+                    continue
+                for var, coef in x.items():
+                    add(var, m, coef)
+                if x.constant:
+                    add(None, m, x.constant)
+            self.position[name] = len(self.is_node)
+            self.is_node.append(True)
+            starts.append(len(slots))
+        for name, item in gathered.items():
+            variables = ilp.y.get(item.edge, {})
+            for pair, size in item.sizes.items():
+                if size and pair in variables:
+                    add(variables[pair], size, 1.0)
+            self.position[name] = len(self.is_node)
+            self.is_node.append(False)
+            starts.append(len(slots))
+        self.starts = np.array(starts, dtype=np.intp)
+        self.slots = np.array(slots, dtype=np.intp)
+        self.sizes = np.array(sizes, dtype=float)
+        self.coefs = np.array(coefs, dtype=float)
+
+    def weighted(self, factors: dict[str, float], unit: float) -> pulp.LpAffineExpression:
+        """``weighted_sum`` of ((factor · m) · unit) · coefficient over the terms of the names in
+        ``factors``: nodes first, then gathered parameters (as ``weighted_memory`` chains them)."""
+        position, is_node = self.position, self.is_node
+        named = [(position[name], factor) for name, factor in factors.items() if name in position]
+        ordered = [item for item in named if is_node[item[0]]] + [item for item in named if not is_node[item[0]]]
+        if not ordered:
+            return pulp.LpAffineExpression({}, constant=0.0)
+        names = np.array([k for k, _ in ordered], dtype=np.intp)
+        counts = self.starts[names + 1] - self.starts[names]
+        # The terms of the names in order: each name's range of the table, one after another.
+        offsets = np.repeat(self.starts[names] - (np.cumsum(counts) - counts), counts)
+        terms = offsets + np.arange(offsets.size)
+        weights = np.repeat(np.array([factor for _, factor in ordered], dtype=float), counts)
+        values = ((weights * self.sizes[terms]) * unit) * self.coefs[terms]
+        slots = self.slots[terms]
+        total = np.zeros(len(self.variables))
+        np.add.at(total, slots, values)
+        unique, first = np.unique(slots, return_index=True)
+        used = unique[np.argsort(first)]
+        used = used[used != 0]
+        coefs = dict(zip([self.variables[slot] for slot in used], total[used].tolist()))
+        return pulp.LpAffineExpression(coefs, constant=float(total[0]))
+
 
 def _linear(terms) -> dict:
     """Sum variables and affine expressions into one coefficient map (the constant under None),

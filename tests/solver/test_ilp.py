@@ -1,0 +1,76 @@
+"""The ILP's rows built with numpy (``ShardingILP.weighted_memory``) against the plain Python
+sums they replace: the same coefficients to the last bit, in the same order.
+
+A 9-layer LLaMA on a (2, 2) mesh: repeated layers share variables (so a variable collects the
+terms of every layer, more than the 8 that numpy's pairwise sums add in order), followers' x are
+expressions, single-strategy nodes are constants, and sharded parameters are gathered whole (terms
+on y)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pulp
+import pytest
+import torch
+
+from autopar.cost.cluster import get_cluster
+from autopar.solver.choices import build_choice_graph
+from autopar.solver.ilp import MEMORY_UNIT, ShardingILP, weighted_sum
+from autopar.trace import trace_repeated
+from autopar.zoo.models import build_model
+
+
+@pytest.fixture(scope="module")
+def ilp():
+    with torch.device("meta"):
+        model = build_model("llama", n_layer=9, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
+        idx = torch.zeros(8, 64, dtype=torch.long)
+    return ShardingILP(build_choice_graph(trace_repeated(model, (idx, idx)), (2, 2), get_cluster("h100-80g")))
+
+
+def _reference(ilp: ShardingILP, factors: dict[str, float], unit: float) -> pulp.LpAffineExpression:
+    """``weighted_memory`` as a loop over every name's terms (the formulation, term by term)."""
+    choices, gathered = ilp.graph.choices, ilp.graph.gathered
+    return weighted_sum(itertools.chain(
+        ((factor * m * unit, x)
+         for name, factor in factors.items() if name in choices
+         for m, x in zip(choices[name].memory_bytes, ilp.x[name]) if m),
+        ((factor * size * unit, ilp.y[gathered[name].edge][pair])
+         for name, factor in factors.items() if name in gathered
+         for pair, size in gathered[name].sizes.items() if size and pair in ilp.y.get(gathered[name].edge, {})),
+    ))
+
+
+def _same(got: pulp.LpAffineExpression, want: pulp.LpAffineExpression) -> None:
+    assert [(var.name, coef) for var, coef in got.items()] == [(var.name, coef) for var, coef in want.items()]
+    assert all(a is b for a, b in zip(got, want))
+    assert got.constant == want.constant
+
+
+def test_memory_rows_equal_the_loop_over_alive_intervals(ilp):
+    graph, timeline = ilp.graph, ilp.graph.timeline
+    assert graph.gathered and graph.layer_template
+    assert any(isinstance(x, pulp.LpAffineExpression) and x.constant for xs in ilp.x.values() for x in xs)
+    assert any(isinstance(x, pulp.LpAffineExpression) and len(x) for xs in ilp.x.values() for x in xs)
+    for time in range(0, timeline.num_times, 5):
+        factors: dict[str, float] = {}
+        alive = [iv for iv in timeline.intervals if iv.start <= time <= iv.end]
+        assert timeline.alive_at(time) == alive
+        for interval in alive:
+            factors[interval.node] = factors.get(interval.node, 0.0) + interval.factor
+        assert list(timeline.factors_at(time).items()) == list(factors.items())
+        _same(ilp.memory_expression(time), _reference(ilp, factors, 1.0 / MEMORY_UNIT))
+
+
+def test_weighted_memory_adds_in_order_with_irregular_factors(ilp):
+    # Factors whose sums depend on the order of addition, names in a shuffled order, unknown names
+    # skipped: the rows' coefficients still equal the loop's bit for bit.
+    rng = random.Random(0)
+    names = list(ilp.graph.choices) + list(ilp.graph.gathered) + ["not_a_name"]
+    rng.shuffle(names)
+    factors = {name: rng.uniform(0.1, 3.0) / 3.0 for name in names}
+    _same(ilp.weighted_memory(factors), _reference(ilp, factors, 1.0))
+    _same(ilp.weighted_memory(factors, 1.0 / MEMORY_UNIT), _reference(ilp, factors, 1.0 / MEMORY_UNIT))
+    assert not ilp.weighted_memory({"not_a_name": 1.0})
