@@ -335,13 +335,14 @@ class ShardingILP:
         return self._variables[2]
 
 class _MemoryTerms:
-    """The terms that each timeline name's bytes put in a memory row, as flat arrays: name k's
-    are ``starts[k]:starts[k + 1]``, each a (slot, bytes, coefficient), so that a term of the
-    row weighs factor · bytes · unit · coefficient on the variable in its slot (slot 0: the
-    constant). A node's terms are m[n, s] on x[n, s] (a variable, coefficient 1; or a follower's
-    expression, one term per variable, and its constant), for each s with bytes; a gathered
-    parameter's are its bytes per (p, q) on y[e, p, q]. The variables are fixed once the
-    ILP is built, so the table is built once."""
+    """The terms that each timeline name's bytes put in a memory row, as flat arrays: each a
+    (slot, bytes, coefficient), weighing factor · bytes · unit · coefficient on the variable in
+    its slot (slot 0: the constant); name k's are the ``counts[k]`` from ``starts[k]``. A node's
+    terms are m[n, s] on x[n, s] (a variable, coefficient 1; or a follower's expression, one
+    term per variable, and its constant), for each s with bytes; a gathered parameter's are its
+    bytes per (p, q) on y[e, p, q]. Nodes of repeated layers share their x and their byte
+    lists (``choices.repeated_layers``), hence their terms: those are stored once. The
+    variables are fixed once the ILP is built, so the table is built once."""
 
     def __init__(self, ilp: ShardingILP):
         choices, gathered = ilp.graph.choices, ilp.graph.gathered
@@ -349,7 +350,8 @@ class _MemoryTerms:
         slot_of: dict[int, int] = {}  # by the variable's id (pulp variables compare into constraints)
         self.position: dict[str, int] = {}  # timeline name -> k
         self.is_node: list[bool] = []
-        starts, slots, sizes, coefs = [0], [], [], []
+        starts, counts, slots, sizes, coefs = [], [], [], [], []
+        blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (id of x, id of bytes) -> (start, count)
 
         def add(var, size: float, coef: float) -> None:
             slot = 0 if var is None else slot_of.get(id(var))
@@ -360,29 +362,37 @@ class _MemoryTerms:
             sizes.append(size)
             coefs.append(coef)
 
-        for name, choice in choices.items():
-            for m, x in zip(choice.memory_bytes, ilp.x[name]):
-                if not m:
-                    continue
-                if isinstance(x, pulp.LpVariable):
-                    add(x, m, 1.0)
-                    continue
-                for var, coef in x.items():
-                    add(var, m, coef)
-                if x.constant:
-                    add(None, m, x.constant)
+        def place(name: str, is_node: bool, block: tuple[int, int]) -> None:
             self.position[name] = len(self.is_node)
-            self.is_node.append(True)
-            starts.append(len(slots))
+            self.is_node.append(is_node)
+            starts.append(block[0])
+            counts.append(block[1])
+
+        for name, choice in choices.items():
+            key = (id(ilp.x[name]), id(choice.memory_bytes))
+            if key not in blocks:
+                first = len(slots)
+                for m, x in zip(choice.memory_bytes, ilp.x[name]):
+                    if not m:
+                        continue
+                    if isinstance(x, pulp.LpVariable):
+                        add(x, m, 1.0)
+                        continue
+                    for var, coef in x.items():
+                        add(var, m, coef)
+                    if x.constant:
+                        add(None, m, x.constant)
+                blocks[key] = (first, len(slots) - first)
+            place(name, True, blocks[key])
         for name, item in gathered.items():
+            first = len(slots)
             variables = ilp.y.get(item.edge, {})
             for pair, size in item.sizes.items():
                 if size and pair in variables:
                     add(variables[pair], size, 1.0)
-            self.position[name] = len(self.is_node)
-            self.is_node.append(False)
-            starts.append(len(slots))
+            place(name, False, (first, len(slots) - first))
         self.starts = np.array(starts, dtype=np.intp)
+        self.counts = np.array(counts, dtype=np.intp)
         self.slots = np.array(slots, dtype=np.intp)
         self.sizes = np.array(sizes, dtype=float)
         self.coefs = np.array(coefs, dtype=float)
@@ -396,7 +406,7 @@ class _MemoryTerms:
         if not ordered:
             return pulp.LpAffineExpression({}, constant=0.0)
         names = np.array([k for k, _ in ordered], dtype=np.intp)
-        counts = self.starts[names + 1] - self.starts[names]
+        counts = self.counts[names]
         # The terms of the names in order: each name's range of the table, one after another.
         offsets = np.repeat(self.starts[names] - (np.cumsum(counts) - counts), counts)
         terms = offsets + np.arange(offsets.size)
