@@ -103,7 +103,7 @@ class Timeline:
 
     names: tuple[str, ...]  # node names in graph order
     intervals: tuple[Interval, ...]
-    # ``_layout``'s arrays (and the intervals' starts and ends, for ``alive_at``), built on first use.
+    # ``_layout``'s arrays (and the intervals' starts, ends and kinds), built on first use.
     _arrays: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -170,7 +170,8 @@ class Timeline:
             positions[1::2] = [iv.end + 2 for iv in self.intervals]
             self._arrays.update(names=list(names), index=np.array(index, dtype=np.intp),
                                 factors=np.array([iv.factor for iv in self.intervals], dtype=float),
-                                positions=positions, starts=positions[0::2] - 1, ends=positions[1::2] - 2)
+                                positions=positions, starts=positions[0::2] - 1, ends=positions[1::2] - 2,
+                                kinds=np.repeat(np.array([KINDS.index(iv.kind) for iv in self.intervals], dtype=np.intp), 2))
         arrays = self._arrays
         return arrays["names"], arrays["index"], arrays["factors"], arrays["positions"]
 
@@ -183,26 +184,34 @@ class Timeline:
     def sampled(self, bytes_of: Callable[[str], float], max_points: int = 240) -> dict[str, Any]:
         """A compact timeline for reports (``Plan.memory_timeline``): bytes alive by kind at up to
         ``max_points`` times, the fullest time of each of as many equal buckets, so the peak is
-        always among them. Times index forward (``0 .. num_forward - 1``) then backward."""
-        delta = {kind: [0.0] * (self.num_times + 1) for kind in KINDS}
-        for iv in self.intervals:
-            size = iv.factor * bytes_of(iv.node)
-            delta[iv.kind][iv.start] += size
-            delta[iv.kind][iv.end + 1] -= size
-        curves = {kind: list(itertools.accumulate(changes[:-1])) for kind, changes in delta.items()}
-        total = [sum(curves[kind][time] for kind in KINDS) for time in range(self.num_times)]
-        step = max(1, math.ceil(self.num_times / max_points))
-        times = [max(range(start, min(start + step, self.num_times)), key=lambda t: (total[t], -t))
-                 for start in range(0, self.num_times, step)]
-        peak = max(range(self.num_times), key=lambda t: (total[t], -t)) if self.num_times else 0
-        kinds = [kind for kind in KINDS if any(curves[kind][time] for time in times)]
+        always among them. Times index forward (``0 .. num_forward - 1``) then backward.
+
+        Each kind's curve is summed as ``curve_array`` sums the whole one (in interval order, then
+        a running sum), and the total at each time kind by kind, in ``KINDS`` order."""
+        num_times = self.num_times
+        changes = np.empty(2 * len(self.intervals))
+        sizes = self.sizes(bytes_of)
+        changes[0::2], changes[1::2] = sizes, -sizes
+        delta = np.zeros((len(KINDS), num_times + 2))  # a leading 0 per kind for the running sums
+        np.add.at(delta, (self._arrays["kinds"], self._arrays["positions"]), changes)
+        curves = np.cumsum(delta, axis=1)[:, 1:-1]
+        total = np.zeros(num_times)
+        for curve in curves:
+            total = total + curve
+        step = max(1, math.ceil(num_times / max_points))
+        buckets = -(-num_times // step)
+        padded = np.full(buckets * step, -np.inf)  # a bucket's first fullest time (the last bucket padded)
+        padded[:num_times] = total
+        times = (np.argmax(padded.reshape(buckets, step), axis=1) + np.arange(buckets) * step).tolist()
+        peak = int(np.argmax(total)) if num_times else 0
+        shown = [k for k in range(len(KINDS)) if np.any(curves[k, times] != 0)]
         return {
             "num_forward": len(self.names),
             "times": times,
-            "kinds": kinds,
-            "bytes": [[int(round(curves[kind][time])) for kind in kinds] for time in times],
+            "kinds": [KINDS[k] for k in shown],
+            "bytes": [[int(round(value)) for value in row] for row in curves[shown][:, times].T.tolist()],
             "peak_time": peak,
-            "peak_at": self.time_name(peak) if self.num_times else "",
+            "peak_at": self.time_name(peak) if num_times else "",
         }
 
     def breakdown(self, time: int, bytes_of: Callable[[str], float]) -> dict[str, float]:

@@ -3,6 +3,7 @@ formula for one transformer layer."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 
@@ -240,26 +241,71 @@ def _curve_by_loop(timeline, bytes_of) -> list[float]:
     return out
 
 
-def test_the_array_walk_sums_as_the_loop_does_to_the_last_bit():
-    """``Timeline.curve``/``peak`` add with numpy in the loop's order: every value bit-equal at
-    every time, and the peak's time the first of the largest, under sizes irregular enough that
-    the same additions in another order (every start, then every end) differ somewhere."""
-    import zlib
+def _sampled_by_loop(timeline, bytes_of, max_points: int) -> dict:
+    """``Timeline.sampled`` as plain loops (how it always summed): a curve per kind, interval by
+    interval, and the total at each time over the kinds in order."""
+    from autopar.cost.liveness import KINDS
 
-    import numpy as np
+    delta = {kind: [0.0] * (timeline.num_times + 1) for kind in KINDS}
+    for iv in timeline.intervals:
+        size = iv.factor * bytes_of(iv.node)
+        delta[iv.kind][iv.start] += size
+        delta[iv.kind][iv.end + 1] -= size
+    curves = {kind: list(itertools.accumulate(changes[:-1])) for kind, changes in delta.items()}
+    total = [sum(curves[kind][time] for kind in KINDS) for time in range(timeline.num_times)]
+    step = max(1, math.ceil(timeline.num_times / max_points))
+    times = [max(range(start, min(start + step, timeline.num_times)), key=lambda t: (total[t], -t))
+             for start in range(0, timeline.num_times, step)]
+    peak = max(range(timeline.num_times), key=lambda t: (total[t], -t))
+    kinds = [kind for kind in KINDS if any(curves[kind][time] for time in times)]
+    return {"num_forward": len(timeline.names), "times": times, "kinds": kinds,
+            "bytes": [[int(round(curves[kind][time])) for kind in kinds] for time in times],
+            "peak_time": peak, "peak_at": timeline.time_name(peak)}
 
+
+@pytest.fixture(scope="module")
+def llama_graph():
     from autopar.zoo.models import build_model
 
     with torch.device("meta"):
         model = build_model("llama", n_layer=3, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
         idx = torch.zeros(8, 64, dtype=torch.long)
-    graph = build_choice_graph(trace(model, (idx, idx)), (2, 2), get_cluster("h100-80g"))
+    return build_choice_graph(trace(model, (idx, idx)), (2, 2), get_cluster("h100-80g"))
+
+
+def _irregular_weights(names, seed: int) -> dict[str, float]:
+    """Sizes irregular enough that the order of their additions shows in the sums."""
+    import zlib
+
+    return {name: math.pi * (1 + zlib.crc32(f"{seed}{name}".encode()) % 997)
+            * 10.0 ** (zlib.crc32(f"{name}{seed}".encode()) % 17) for name in names}
+
+
+def test_the_sampled_timeline_sums_as_the_loops_do(llama_graph):
+    """``Timeline.sampled`` with numpy: the same times, kinds and bytes as the loops, whatever the
+    bucket size (one time per bucket, a last bucket shorter than the others, every time)."""
+    timeline = llama_graph.timeline
+    names = sorted({iv.node for iv in timeline.intervals})
+    for seed in range(3):
+        bytes_of = _irregular_weights(names, seed).__getitem__
+        for max_points in (240, 7, 10**6):
+            assert timeline.sampled(bytes_of, max_points) == _sampled_by_loop(timeline, bytes_of, max_points)
+    bytes_of = llama_graph.bytes_bound(largest=True)
+    assert timeline.sampled(bytes_of) == _sampled_by_loop(timeline, bytes_of, 240)
+
+
+def test_the_array_walk_sums_as_the_loop_does_to_the_last_bit(llama_graph):
+    """``Timeline.curve``/``peak`` add with numpy in the loop's order: every value bit-equal at
+    every time, and the peak's time the first of the largest, under sizes irregular enough that
+    the same additions in another order (every start, then every end) differ somewhere."""
+    import numpy as np
+
+    graph = llama_graph
     timeline = graph.timeline
     names = sorted({iv.node for iv in timeline.intervals})
     reordered_differs = False
     for seed in range(4):
-        weights = {name: math.pi * (1 + zlib.crc32(f"{seed}{name}".encode()) % 997)
-                   * 10.0 ** (zlib.crc32(f"{name}{seed}".encode()) % 17) for name in names}
+        weights = _irregular_weights(names, seed)
         for bytes_of in (graph.bytes_bound(largest=False), graph.bytes_bound(largest=True), weights.__getitem__):
             expected = _curve_by_loop(timeline, bytes_of)
             assert timeline.curve(bytes_of) == expected
