@@ -18,11 +18,12 @@ from autopar.solver import backends
 from autopar.solver.backends import SOLVERS, check_solver
 from autopar.solver.choices import (ChoiceGraph, build_choice_graph, expert_parallel_record, grad_sync_bytes_per_axis,
                                     param_sync_adjustment_s)
-from autopar.solver.comm_schedule import param_schedule
+from autopar.solver.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.runner_ups import explain_decisions
 from autopar.solver.budget import MILP_GAP, solve_under_budget
 from autopar.solver.ilp import ShardingILP, Solution
-from autopar.solver.solving import MAX_MEMORY_ROUNDS, chosen_bytes, peak_memory, solve_ilp, solve_within_budget
+from autopar.solver.solving import (MAX_MEMORY_ROUNDS, chosen_bytes, edge_specs, peak_memory, solve_ilp,
+                                    solve_within_budget)
 from autopar.ir.spec import Spec, format_spec
 from autopar.ir.summary import format_bytes
 from autopar.trace import TracedModel
@@ -111,8 +112,10 @@ def solve(
             except InfeasibleError:
                 continue
             # The step the plan would predict, without building a plan that loses.
-            if predicted_step_s(graph, other_solution, cluster) + memory[0].added_s < plan.predicted["step_time_s"]:
-                plan = _with_memory(plan_from_solution(traced, graph, other_solution, cluster, memory_budget), *memory)
+            parts = _StepParts.of(graph, other_solution, cluster)
+            if parts.step_s + memory[0].added_s < plan.predicted["step_time_s"]:
+                plan = _with_memory(plan_from_solution(traced, graph, other_solution, cluster, memory_budget, parts),
+                                    *memory)
                 solution = other_solution
     start = time.perf_counter()
     decisions = explain_decisions(graph, solution, cluster, memory_budget)
@@ -136,16 +139,27 @@ def _spread(items: list, count: int) -> list:
 
 def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) -> Solution:
     """A Solution of ``choice`` (which need not fit the budget), for ``plan_from_solution``."""
-    edge_specs = {}
-    for e, edge in enumerate(ilp.graph.edges):
-        producer = ilp.graph.choices[edge.producer].strategies[choice[edge.producer]]
-        consumer = ilp.graph.choices[edge.consumer].strategies[choice[edge.consumer]]
-        edge_specs[e] = (producer.outs[edge.out_index], consumer.ins[edge.in_index])
-    objective = sum(ilp.graph.choices[n].compute_s[s] for n, s in choice.items()) + sum(
-        ilp.graph.edges[e].price[pair][0] for e, pair in edge_specs.items() if pair[0] != pair[1])
+    specs = edge_specs(ilp.graph, choice)
+    compute_s, reshard_s = _compute_and_reshard_s(ilp.graph, choice, specs)
+    objective = compute_s + reshard_s
     objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
-    return dataclasses.replace(like, choice=choice, edge_specs=edge_specs, objective_s=objective,
+    return dataclasses.replace(like, choice=choice, edge_specs=specs, objective_s=objective,
                                status="Feasible (with memory decisions)", method="lagrangian", gap=None, bound_s=None)
+
+
+def _compute_and_reshard_s(graph: ChoiceGraph, choice: dict[str, int], specs: dict[int, tuple[Spec, Spec]]
+                           ) -> tuple[float, float]:
+    """(Σ compute seconds of the chosen strategies, in graph order; Σ seconds of the edges'
+    reshardings, in edge order): the sums that the objective of a fixed plan, ``predicted_step_s``
+    and ``plan_from_solution`` all start from, added in one order so that they agree exactly."""
+    compute_s = reshard_s = 0.0
+    for name in graph.order:
+        compute_s += graph.choices[name].compute_s[choice[name]]
+    for e, edge in enumerate(graph.edges):
+        src, dst = specs[e]
+        if src != dst:
+            reshard_s += edge.price[(src, dst)][0]
+    return compute_s, reshard_s
 
 
 def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution, deadline: float,
@@ -234,15 +248,29 @@ def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: 
 def predicted_step_s(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec) -> float:
     """``plan_from_solution(...).predicted["step_time_s"]``, summed in the same order, without the
     plan: what ``solve`` compares its memory candidates by."""
-    compute_s = reshard_s = 0.0
-    for name in graph.order:
-        compute_s += graph.choices[name].compute_s[solution.choice[name]]
-    for e, edge in enumerate(graph.edges):
-        src, dst = solution.edge_specs[e]
-        if src != dst:
-            reshard_s += edge.price[(src, dst)][0]
-    schedule = param_schedule(graph, solution.choice, cluster)
-    return compute_s + reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s
+    return _StepParts.of(graph, solution, cluster).step_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StepParts:
+    """What a plan's predicted step is summed from (``_compute_and_reshard_s`` and the parameter
+    schedule), for ``predicted_step_s`` and ``plan_from_solution``: a candidate that wins is not
+    priced twice."""
+
+    solution: Solution
+    compute_s: float
+    reshard_s: float
+    schedule: ParamSchedule
+
+    @classmethod
+    def of(cls, graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec) -> "_StepParts":
+        compute_s, reshard_s = _compute_and_reshard_s(graph, solution.choice, solution.edge_specs)
+        return cls(solution, compute_s, reshard_s, param_schedule(graph, solution.choice, cluster))
+
+    @property
+    def step_s(self) -> float:
+        schedule = self.schedule
+        return self.compute_s + self.reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s
 
 
 def plan_from_solution(
@@ -251,10 +279,14 @@ def plan_from_solution(
     solution: Solution,
     cluster: ClusterSpec,
     memory_budget: float | None,
+    parts: _StepParts | None = None,
 ) -> Plan:
+    """The plan of ``solution``. ``parts``: its step's sums, where the caller has them already."""
+    if parts is None or parts.solution is not solution:
+        parts = _StepParts.of(graph, solution, cluster)
     nodes: dict[str, NodePlan] = {}
     params: dict[str, Spec] = {}
-    compute_s = comm_bytes = 0.0
+    comm_bytes = 0.0
     per_axis = [0.0] * len(graph.mesh_shape)  # bytes each device sends on each mesh axis
     expert_parallel = []
     for name in graph.order:
@@ -279,7 +311,6 @@ def plan_from_solution(
             cost_s=choice.compute_s[index],
             whole_grad=strategy.whole_grad,
         )
-        compute_s += choice.compute_s[index]
         comm_bytes += choice.grad_sync_bytes[index]
         for axis, sent in grad_sync_bytes_per_axis(choice, index, graph.choices, graph.mesh_shape).items():
             per_axis[axis] += sent
@@ -289,27 +320,24 @@ def plan_from_solution(
         if canonical in params and fqn not in params:
             params[fqn] = params[canonical]
         assert params.get(fqn) == params.get(canonical), f"tied {fqn} and {canonical} planned apart"
-    reshard_s = 0.0
     for e, edge in enumerate(graph.edges):
         src, dst = solution.edge_specs[e]
         if src != dst:
-            seconds, sent = edge.price[(src, dst)]
-            reshard_s += seconds
-            comm_bytes += sent
+            comm_bytes += edge.price[(src, dst)][1]
             for axis, axis_sent in transition_bytes_per_axis(
                 src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad, edge.grad_dtype
             ).items():
                 per_axis[axis] += axis_sent
     # As the runtime schedules parameter communication (``passes.schedule``): one reduction and
     # one gather per parameter, FSDP's reduce-scatter, and only the exposed part of the buckets.
-    schedule = param_schedule(graph, solution.choice, cluster)
+    compute_s, reshard_s, schedule = parts.compute_s, parts.reshard_s, parts.schedule
     comm_bytes += schedule.delta_bytes
     for axis, sent in schedule.delta_bytes_per_axis.items():
         per_axis[axis] += sent
     chosen = chosen_bytes(graph, solution)
     peak_bytes, peak_time = graph.timeline.peak(chosen)
     predicted = {
-        "step_time_s": compute_s + reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s,
+        "step_time_s": parts.step_s,
         # The per-use parameter all-reduces in the choices' compute_s are in grad_sync_s (bucketed).
         "compute_s": compute_s - schedule.per_use_s,
         "reshard_s": reshard_s,

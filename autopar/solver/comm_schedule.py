@@ -68,9 +68,8 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
     delta_s = delta_bytes = 0.0
     per_axis: dict[int, float] = {}
     sync_s = 0.0
-    order = {name: i for i, name in enumerate(graph.order)}
+    order, uses, reduce_dtypes = _param_uses(graph)
     synced: list[tuple[int, float, float, str | None]] = []  # (first use, seconds, local bytes, layer) per reduced parameter
-    uses: dict[str, list] = {}
     held: dict[str, tuple[int, float]] = {}  # reduced parameter → (first use, local bytes)
     scattered: dict[str, tuple[int, float, float, str]] = {}  # reduce-scattered parameter → (first use, Δs, bytes, layer)
     scatter_delta_s = 0.0
@@ -79,18 +78,6 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
     groups, refunds = graph.param_sync_groups()
     reduced = {(param, key[1], key[2]): group.price_s for key, group in groups.items() if group.needed(choice)
                for param in group.params}
-    reduce_dtypes: dict[str, object] = {}
-    for e, edge in enumerate(graph.edges):
-        producer = graph.choices[edge.producer]
-        consumer = graph.choices[edge.consumer]
-        # The cast of a parameter under a precision policy carries the dtype its gradient is
-        # reduced in: it is reduced once per parameter, as a parameter's (``choices.param_syncs``).
-        cast = consumer.sync_dtypes[edge.in_index] if edge.in_index < len(consumer.sync_dtypes) else None
-        if (producer.kind == "param" or cast is not None) and edge.requires_grad:
-            param = synced_param(graph.choices, edge.producer)
-            uses.setdefault(param, []).append(edge)
-            if cast is not None:
-                reduce_dtypes[param] = cast
     for name, edges in uses.items():
         src = graph.choices[name].strategies[choice[name]].outs[0]
         syncs: dict[tuple[int, ...], list] = {}
@@ -208,6 +195,32 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
         last_bucket_s += latency * (1.0 - min(1.0, filled / bucket_cap_bytes))
     return ParamSchedule(delta_s, delta_bytes, per_axis, sync_s, backward_s, last_bucket_s, per_use_s,
                          delta_s - (merged_s - per_use_s))
+
+
+def _param_uses(graph: ChoiceGraph) -> tuple[dict[str, int], dict[str, list], dict[str, object]]:
+    """(each node's index in graph order, the edges that use each reduced parameter, the dtype
+    a parameter's gradient is reduced in where a cast says so): the same for every plan of
+    ``graph``, so computed once (``ChoiceGraph.derived``, which a graph made by
+    ``dataclasses.replace`` shares: hence kept with the edges and choices it was computed for)."""
+    cached = graph.derived.get("param_uses")
+    if cached is not None and cached[0] is graph.edges and cached[1] is graph.choices:
+        return cached[2]
+    uses: dict[str, list] = {}
+    reduce_dtypes: dict[str, object] = {}
+    for edge in graph.edges:
+        producer = graph.choices[edge.producer]
+        consumer = graph.choices[edge.consumer]
+        # The cast of a parameter under a precision policy carries the dtype its gradient is
+        # reduced in: it is reduced once per parameter, as a parameter's (``choices.param_syncs``).
+        cast = consumer.sync_dtypes[edge.in_index] if edge.in_index < len(consumer.sync_dtypes) else None
+        if (producer.kind == "param" or cast is not None) and edge.requires_grad:
+            param = synced_param(graph.choices, edge.producer)
+            uses.setdefault(param, []).append(edge)
+            if cast is not None:
+                reduce_dtypes[param] = cast
+    order = {name: i for i, name in enumerate(graph.order)}
+    graph.derived["param_uses"] = (graph.edges, graph.choices, (order, uses, reduce_dtypes))
+    return order, uses, reduce_dtypes
 
 
 def _bucket_latency_s(mesh, cluster: ClusterSpec) -> float:

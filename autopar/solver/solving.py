@@ -204,15 +204,21 @@ def _gap(objective: float, bound: float) -> float:
     return max(0.0, (objective - bound) / objective)
 
 
+def edge_specs(graph: "ChoiceGraph", choice: dict[str, int]) -> dict[int, tuple]:
+    """Edge index → (its producer's output spec, its consumer's input spec) under ``choice``."""
+    specs = {}
+    choices = graph.choices
+    for e, edge in enumerate(graph.edges):
+        producer = choices[edge.producer].strategies[choice[edge.producer]]
+        consumer = choices[edge.consumer].strategies[choice[edge.consumer]]
+        specs[e] = (producer.outs[edge.out_index], consumer.ins[edge.in_index])
+    return specs
+
+
 def _solution(ilp, incumbent, status, backend, bound, start) -> Solution:
     objective, choice, method = incumbent
-    edge_specs = {}
-    for e, edge in enumerate(ilp.graph.edges):
-        producer = ilp.graph.choices[edge.producer].strategies[choice[edge.producer]]
-        consumer = ilp.graph.choices[edge.consumer].strategies[choice[edge.consumer]]
-        edge_specs[e] = (producer.outs[edge.out_index], consumer.ins[edge.in_index])
     return Solution(
-        choice, edge_specs, status, objective, time.perf_counter() - start, *ilp.size(),
+        choice, edge_specs(ilp.graph, choice), status, objective, time.perf_counter() - start, *ilp.size(),
         method=method, backend=backend, bound_s=bound,
         gap=None if bound is None else _gap(objective, bound),
     )
