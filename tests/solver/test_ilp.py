@@ -74,3 +74,49 @@ def test_weighted_memory_adds_in_order_with_irregular_factors(ilp):
     _same(ilp.weighted_memory(factors), _reference(ilp, factors, 1.0))
     _same(ilp.weighted_memory(factors, 1.0 / MEMORY_UNIT), _reference(ilp, factors, 1.0 / MEMORY_UNIT))
     assert not ilp.weighted_memory({"not_a_name": 1.0})
+
+
+def _valid_by_pulp(ilp: ShardingILP, tolerance: float) -> float | None:
+    """``evaluate`` with PuLP's own ``valid`` and ``value``, row by row."""
+    for constraint in list(ilp.problem._constraints.values()):
+        if not constraint.valid(tolerance * max(1.0, abs(constraint.constant))):
+            return None
+    return float(pulp.value(ilp.problem.objective) or 0.0)
+
+
+def test_evaluate_is_pulps_valid_and_value(ilp):
+    ilp = ShardingILP(ilp.graph)  # rows are added below
+    """``ShardingILP.evaluate`` (``rounding.check``'s rows and objective, with numpy) gives PuLP's
+    verdict and value, bit for bit, on plans that fit and plans that break a memory row, and
+    follows rows added and objectives changed between evaluations."""
+    from autopar.solver import rounding, solving
+
+    graph = ilp.graph
+    unbounded = solving.solve_ilp(ilp, 60)
+    rng = random.Random(1)
+    deciding = rounding.deciding_nodes(graph)
+    peaks = []
+    choices = [unbounded.choice]
+    for _ in range(12):
+        picked = {name: rng.randrange(len(graph.choices[name].strategies)) for name in deciding}
+        choice = rounding.complete(graph, picked)
+        if choice is not None:
+            choices.append(choice)
+    for choice in choices:
+        peaks.append(graph.timeline.peak(graph.bytes_of(choice))[0])
+    seen = {True: 0, False: 0}
+    for budget in (None, sorted(peaks)[len(peaks) // 2]):
+        if budget is not None:  # memory rows: some plans now break one
+            ilp.memory_budget_bytes = budget
+            ilp.add_memory_constraint()
+        for choice in choices:
+            rounding.check(ilp, choice)
+            value = ilp.evaluate(1e-6)
+            assert value == _valid_by_pulp(ilp, 1e-6)
+            seen[value is not None] += 1
+        # the objective changed (as the Lagrangian steps change it), then back
+        objective = ilp.problem.objective
+        ilp.problem.setObjective(objective * 0.3)
+        assert ilp.evaluate(1e-6) == _valid_by_pulp(ilp, 1e-6)
+        ilp.problem.setObjective(objective)
+    assert seen[True] and seen[False], seen
