@@ -105,6 +105,8 @@ class _WalkShape:
     touched: dict[tuple[str, str], set[int]]
     starts: np.ndarray  # of the timeline's intervals
     ends: np.ndarray
+    # Per segment, what pricing it needs of each of its nodes (``_Walk.segment_terms``).
+    segment_terms: list | None = None
 
     @classmethod
     def of(cls, traced: TracedModel, graph) -> "_WalkShape":
@@ -257,6 +259,28 @@ class _Walk:
             spans.append((before, use))
             spans.append((self.bwd(after), self.bwd(use)))
         return spans
+
+    def segment_terms(self) -> list[list[tuple[str, float | None, float | None]]]:
+        """Per checkpoint segment, (node, what its compute is divided by to leave its forward
+        (1 + the backward factor of its op; None: all forward), the factor of its activation that
+        the segment frees (None: none)) for each node: the same for every sharding, so computed
+        once per choice graph (``_WalkShape``) and priced per plan by ``_candidates``."""
+        if self.shape.segment_terms is None:
+            # a node's last activation interval, as ``_candidates`` always took it
+            activation = {iv.node: iv for iv in self.timeline.intervals if iv.kind == "activation"}
+            terms = []
+            for _, first, last in self.segments:
+                rows = []
+                for i in range(first, last + 1):
+                    node = self.timeline.names[i]
+                    c = self.graph.choices[node]
+                    divisor = 1.0 + compute.backward_factor(c.info) if c.info is not None and c.requires_grad else None
+                    iv = activation.get(node)
+                    freed = iv.factor if iv is not None and self.saved_inside(iv, last) is not None else None
+                    rows.append((node, divisor, freed))
+                terms.append(rows)
+            self.shape.segment_terms = terms
+        return self.shape.segment_terms
 
     def saved_inside(self, iv: liveness.Interval, last: int) -> int | None:
         """The last forward use of activation ``iv`` if a segment ending at time ``last`` saves it
@@ -474,21 +498,17 @@ def _param_node(graph, fqn: str) -> str:
 def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing) -> list[_Candidate]:
     out: list[_Candidate] = []
     link = offload_link(cluster, target) if target else None
-    base = {(iv.node): iv for iv in walk.timeline.intervals if iv.kind == "activation"}
     if checkpointing or link is not None:
-        for index, (name, first, last) in enumerate(walk.segments):
+        for index, ((name, first, last), terms) in enumerate(zip(walk.segments, walk.segment_terms())):
             saved = 0.0
             forward_s = 0.0
-            for i in range(first, last + 1):
-                node = walk.timeline.names[i]
-                c = graph.choices[node]
-                seconds = c.compute_s[choice[node]]
-                if c.info is not None and c.requires_grad:
-                    seconds /= 1.0 + compute.backward_factor(c.info)
+            for node, divisor, freed in terms:
+                seconds = graph.choices[node].compute_s[choice[node]]
+                if divisor is not None:
+                    seconds /= divisor
                 forward_s += seconds
-                iv = base.get(node)
-                if iv is not None and walk.saved_inside(iv, last) is not None:
-                    saved += walk.bytes_of(node) * iv.factor
+                if freed is not None:
+                    saved += walk.bytes_of(node) * freed
             if saved <= 0:
                 continue
             first_name, last_name = walk.timeline.names[first], walk.timeline.names[last]
