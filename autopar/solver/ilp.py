@@ -443,38 +443,39 @@ class _Evaluation:
         self.variables: list = []  # by slot
         self.slot_of: dict[int, int] = {}  # by the variable's id
         self.rows: list = []
-        # Each row term's row, variable slot and coefficient.
-        self.terms = (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp), np.zeros(0))
+        self.row_terms: tuple[list[int], list[int], list[float]] = ([], [], [])
+        self.arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         # The objective's variables' ids, the variables (kept, so that their ids stay theirs), slots.
         self.objective: tuple | None = None
         self.problem_objective = None
 
-    def _slots(self, variables: list) -> list[int]:
-        """Each variable's slot, a new one for a variable not seen before."""
-        slots = list(map(self.slot_of.get, map(id, variables)))
-        for k in [k for k, slot in enumerate(slots) if slot is None]:
-            slot = slots[k] = self.slot_of.setdefault(id(variables[k]), len(self.variables))
-            if slot == len(self.variables):
-                self.variables.append(variables[k])
-        return slots
+    def _slot(self, var) -> int:
+        slot = self.slot_of.get(id(var))
+        if slot is None:
+            slot = self.slot_of[id(var)] = len(self.variables)
+            self.variables.append(var)
+        return slot
 
     def update(self, problem: pulp.LpProblem) -> None:
         constraints = problem._constraints  # as PuLP's own backends read it (the mapping warns)
         if len(self.rows) > len(constraints):
-            self.__init__()  # a row removed: start over
+            self.__init__()
         if len(self.rows) < len(constraints):
-            new = list(itertools.islice(constraints.values(), len(self.rows), None))
-            rows = np.repeat(np.arange(len(self.rows), len(self.rows) + len(new)), list(map(len, new)))
-            slots = self._slots(list(itertools.chain.from_iterable(row.keys() for row in new)))
-            coefs = np.fromiter(itertools.chain.from_iterable(row.values() for row in new), float, len(rows))
-            self.terms = tuple(np.concatenate((kept, np.asarray(added, dtype=kept.dtype)))
-                               for kept, added in zip(self.terms, (rows, slots, coefs)))
-            self.rows += new
+            rows, slots, coefs = self.row_terms
+            for row in itertools.islice(constraints.values(), len(self.rows), None):
+                index = len(self.rows)
+                self.rows.append(row)
+                for var, coef in row.items():
+                    rows.append(index)
+                    slots.append(self._slot(var))
+                    coefs.append(coef)
+            self.arrays = None
+        if self.arrays is None:
+            self.arrays = tuple(np.array(terms, dtype=dtype) for terms, dtype in zip(self.row_terms, (np.intp, np.intp, float)))
         objective = self.problem_objective = problem.objective
         ids = list(map(id, objective))
         if self.objective is None or self.objective[0] != ids:
-            variables = list(objective)
-            self.objective = (ids, variables, np.array(self._slots(variables), dtype=np.intp))
+            self.objective = (ids, list(objective), np.array([self._slot(var) for var in objective], dtype=np.intp))
 
     def evaluate(self, tolerance: float) -> float | None:
         """As ``ShardingILP.evaluate``."""
@@ -482,7 +483,7 @@ class _Evaluation:
         if None in values:
             raise LookupError("a variable has no value")
         values = np.array(values, dtype=float)
-        rows, slots, coefs = self.terms
+        rows, slots, coefs = self.arrays
         constants = [row.constant for row in self.rows]
         # LpConstraint.value: the constant, then each term's value times its coefficient in order
         # (``np.add.at`` adds in order); LpConstraint.valid at tolerance · max(1, |constant|).
