@@ -127,7 +127,6 @@ class ShardingILP:
         self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.relaxation``)
         self._variables: tuple | None = None  # ``variables``: (rows read, objective, variables, their ids)
         self._memory_terms: _MemoryTerms | None = None  # ``weighted_memory``'s table, built on first use
-        self._evaluation = _Evaluation()  # ``evaluate``'s arrays, kept as rows are added
         self.add_node_variables()
         self.add_pick_constraints()
         self.add_edge_constraints()
@@ -315,14 +314,6 @@ class ShardingILP:
     def size(self) -> tuple[int, int]:
         return len(self.variables()), self.problem.numConstraints()
 
-    def evaluate(self, tolerance: float) -> float | None:
-        """The objective at the variables' values (``varValue``), or None where a row does not
-        hold within ``tolerance`` · max(1, |its constant|): PuLP's ``valid`` and ``value`` of
-        every row and of the objective, summed in the same order, with numpy (``rounding.check``
-        asks once per plan it checks). Raises LookupError when a variable has no value."""
-        self._evaluation.update(self.problem)
-        return self._evaluation.evaluate(tolerance)
-
     def variables(self) -> list[pulp.LpVariable]:
         """``problem.variables()``, kept while the objective is the same object: PuLP walks every
         row's terms for it (tens of milliseconds on a 70B LLaMA), and ``rounding.check`` asks
@@ -429,76 +420,6 @@ class _MemoryTerms:
         used = used[used != 0]
         coefs = dict(zip([self.variables[slot] for slot in used], total[used].tolist()))
         return pulp.LpAffineExpression(coefs, constant=float(total[0]))
-
-
-class _Evaluation:
-    """The problem's rows and objective as flat arrays, to evaluate an assignment of every
-    variable at C speed (``ShardingILP.evaluate``): each row term's row, variable slot and
-    coefficient, in the rows' order and each row's own. Rows are only ever added, with their
-    coefficients fixed (as ``variables`` takes them), so only the rows added since are read;
-    the objective's variables are looked up again when they change, its coefficients read at
-    every evaluation."""
-
-    def __init__(self):
-        self.variables: list = []  # by slot
-        self.slot_of: dict[int, int] = {}  # by the variable's id
-        self.rows: list = []
-        self.row_terms: tuple[list[int], list[int], list[float]] = ([], [], [])
-        self.arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        # The objective's variables' ids, the variables (kept, so that their ids stay theirs), slots.
-        self.objective: tuple | None = None
-        self.problem_objective = None
-
-    def _slot(self, var) -> int:
-        slot = self.slot_of.get(id(var))
-        if slot is None:
-            slot = self.slot_of[id(var)] = len(self.variables)
-            self.variables.append(var)
-        return slot
-
-    def update(self, problem: pulp.LpProblem) -> None:
-        constraints = problem._constraints  # as PuLP's own backends read it (the mapping warns)
-        if len(self.rows) > len(constraints):
-            self.__init__()
-        if len(self.rows) < len(constraints):
-            rows, slots, coefs = self.row_terms
-            for row in itertools.islice(constraints.values(), len(self.rows), None):
-                index = len(self.rows)
-                self.rows.append(row)
-                for var, coef in row.items():
-                    rows.append(index)
-                    slots.append(self._slot(var))
-                    coefs.append(coef)
-            self.arrays = None
-        if self.arrays is None:
-            self.arrays = tuple(np.array(terms, dtype=dtype) for terms, dtype in zip(self.row_terms, (np.intp, np.intp, float)))
-        objective = self.problem_objective = problem.objective
-        ids = list(map(id, objective))
-        if self.objective is None or self.objective[0] != ids:
-            self.objective = (ids, list(objective), np.array([self._slot(var) for var in objective], dtype=np.intp))
-
-    def evaluate(self, tolerance: float) -> float | None:
-        """As ``ShardingILP.evaluate``."""
-        values = [var.varValue for var in self.variables]
-        if None in values:
-            raise LookupError("a variable has no value")
-        values = np.array(values, dtype=float)
-        rows, slots, coefs = self.arrays
-        constants = [row.constant for row in self.rows]
-        # LpConstraint.value: the constant, then each term's value times its coefficient in order
-        # (``np.add.at`` adds in order); LpConstraint.valid at tolerance · max(1, |constant|).
-        totals = np.array(constants, dtype=float)
-        np.add.at(totals, rows, values[slots] * coefs)
-        senses = np.array([row.sense for row in self.rows], dtype=float)
-        eps = tolerance * np.maximum(1.0, np.abs(np.array(constants, dtype=float)))
-        holds = np.where(senses == pulp.LpConstraintEQ, np.abs(totals) <= eps, totals * senses >= -eps)
-        if not holds.all():
-            return None
-        objective = self.problem_objective
-        coefs = np.fromiter(objective.values(), float, len(objective))  # read again: they may change in place
-        # LpAffineExpression.value: the same running sum from the constant.
-        running = np.cumsum(np.concatenate(([float(objective.constant)], values[self.objective[2]] * coefs)))
-        return float(running[-1] or 0.0)
 
 
 def _linear(terms) -> dict:

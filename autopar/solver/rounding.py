@@ -17,6 +17,7 @@ the fallback when a MILP solve fails or runs out of time; the gap to the LP boun
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING
 
 import pulp
@@ -147,10 +148,15 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
         variables[pair].varValue = 1.0
     for key, value in ilp.param_sync_values().items():  # each z at the least its rows allow
         ilp.z[key].varValue = value
-    try:
-        return ilp.evaluate(_TOLERANCE)  # every row's ``valid``, the objective's value
-    except LookupError:
+    if any(var.varValue is None for var in ilp.variables()):
         return _fixed_solve(ilp, choice)  # another family added variables: let the LP set them
+    with warnings.catch_warnings():  # the PuLP 2.x mapping API, as in ``ilp.py``
+        warnings.simplefilter("ignore", DeprecationWarning)
+        constraints = list(ilp.problem.constraints.values())
+    for constraint in constraints:
+        if not constraint.valid(_TOLERANCE * max(1.0, abs(constraint.constant))):
+            return None
+    return float(pulp.value(ilp.problem.objective) or 0.0)
 
 
 def _fixed_solve(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
