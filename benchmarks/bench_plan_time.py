@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import os
 import sys
 import time
@@ -76,6 +77,9 @@ def build(name: str, layers: int):
 def plan_row(name: str, layers: int, export: bool, memory_budget: float | None = None) -> dict:
     model, args, kwargs, mesh = build(name, layers)
     cluster = get_cluster("h100-80g")
+    # The last row's model and plan are garbage now: collect them before the clock starts, so
+    # that a full collection of one row's leftovers does not land in the next row's time.
+    gc.collect()
     start, cpu = time.perf_counter(), time.process_time()
     traced = trace_repeated(model, args, kwargs)
     trace_s, trace_cpu_s = time.perf_counter() - start, time.process_time() - cpu
