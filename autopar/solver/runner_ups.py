@@ -164,21 +164,22 @@ class _Decision:
                 self.follows.append(follow)
             self.slot_of[name] = slots[key]
         self.columns = np.array([self.slot_of[name] for name in ordered], dtype=np.intp)
-        # Per touching edge, what does not depend on the strategy: its class and its ends, each a
-        # member's slot or a node outside at its solved index. Edges alike price alike.
+        # Per touching edge, what does not depend on the strategy: its class, whether it enters
+        # the decision, and its ends, each a member's slot or a node outside at its solved index.
+        # Edges alike in all of these price alike: one per edge slot prices them.
         members = self.slot_of.keys()
-        self.edges: list[tuple] = []  # per edge class: (edge, class, src slot, src index, dst slot, dst index, enters)
+        self.edges: list[tuple] = []  # per edge slot: (edge, class, enters, src slot, src index, dst slot, dst index)
         edge_slots: dict[tuple, int] = {}
         edge_columns = []
         for e in sorted({e for name in ordered for e in edges_of.get(name, ())}):
-            edge = graph.edges[e]
-            edge, edge_class, enters = memo.edge_class(edge, members)
-            ends = tuple(x for name in (edge.producer, edge.consumer)
-                         for x in ((self.slot_of[name], None) if name in self.slot_of else (None, solution.choice[name])))
-            key = (edge_class, ends, enters)
+            edge, edge_class, enters = memo.edge_class(graph.edges[e], members)
+            src_slot, dst_slot = self.slot_of.get(edge.producer), self.slot_of.get(edge.consumer)
+            key = (edge_class, enters,
+                   src_slot, solution.choice[edge.producer] if src_slot is None else None,
+                   dst_slot, solution.choice[edge.consumer] if dst_slot is None else None)
             if key not in edge_slots:
                 edge_slots[key] = len(self.edges)
-                self.edges.append((edge, edge_class, *ends, enters))
+                self.edges.append((edge, *key))
             edge_columns.append(edge_slots[key])
         self.edge_columns = np.array(edge_columns, dtype=np.intp)
         # Parameter reductions (``choices.param_sync_groups``): the members' per-use prices, and
@@ -219,7 +220,7 @@ class _Decision:
                     merged_s += group.total_s
             merged.append(merged_s)
             row_in, row_out = [], []
-            for edge, edge_class, src_slot, src_index, dst_slot, dst_index, enters in self.edges:
+            for edge, edge_class, enters, src_slot, src_index, dst_slot, dst_index in self.edges:
                 price = _edge_price(memo, edge, edge_class, src_index if src_slot is None else index[src_slot],
                                     dst_index if dst_slot is None else index[dst_slot])
                 if price is None:
