@@ -196,24 +196,38 @@ def param_sync_groups(graph: ChoiceGraph) -> tuple[dict[tuple, ParamSyncGroup], 
     template = graph.layer_template
     groups: dict[tuple, ParamSyncGroup] = {}
     refunds: dict[str, list[float]] = {}
+    # Identical ops share their lists (``_op_choice``), as do repeated layers: each distinct list
+    # is read once into its refunds (shared, read-only) and its terms by (input, axis, held
+    # spec), in order of first appearance, with their strategies in order and their largest
+    # bucketed price. Each node then joins one group per such entry, in the order, and with the
+    # strategies, that a walk over its terms one by one would give.
+    terms_of: dict[tuple[int, int], tuple[list[float], dict[tuple, list]]] = {}
     for name in graph.order:
         choice = graph.choices[name]
         if not any(choice.param_syncs):
             continue
-        refunds[name] = [sum(term[2] for term in terms) for terms in choice.param_syncs]
+        key = (id(choice.param_syncs), id(choice.strategies))
+        if key not in terms_of:
+            by_spec: dict[tuple, list] = {}  # (input, axis, held spec) -> [price, strategies]
+            for s, terms in enumerate(choice.param_syncs):
+                for index, axis, _, bucketed_s in terms:
+                    entry = by_spec.setdefault((index, axis, choice.strategies[s].ins[index]), [0.0, []])
+                    entry[0] = max(entry[0], bucketed_s)
+                    entry[1].append(s)
+            refund = [sum(term[2] for term in terms) for terms in choice.param_syncs]
+            terms_of[key] = (refund, by_spec)
+        refunds[name], by_spec = terms_of[key]
         consumer = template.get(name, name)
-        for s, terms in enumerate(choice.param_syncs):
-            for index, axis, _, bucketed_s in terms:
-                param = synced_param(graph.choices, choice.inputs[index][0])
-                spec = choice.strategies[s].ins[index]
-                shared = name in template and param in template
-                key = (template[param] if shared else param, axis, spec)
-                group = groups.get(key)
-                if group is None:
-                    group = groups[key] = ParamSyncGroup(0.0, set(), {})
-                group.price_s = max(group.price_s, bucketed_s)
-                group.params.add(param)
-                group.uses.setdefault((consumer, index), set()).add(s)
+        for (index, axis, spec), (price_s, strategies) in by_spec.items():
+            param = synced_param(graph.choices, choice.inputs[index][0])
+            shared = name in template and param in template
+            group_key = (template[param] if shared else param, axis, spec)
+            group = groups.get(group_key)
+            if group is None:
+                group = groups[group_key] = ParamSyncGroup(0.0, set(), {})
+            group.price_s = max(group.price_s, price_s)
+            group.params.add(param)
+            group.uses.setdefault((consumer, index), set()).update(strategies)
     return groups, refunds
 
 

@@ -308,7 +308,10 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
             base = dotted[1](layer, base)
         new = graph.create_node(node.op, node.target, torch.fx.node.map_arg(node.args, read),
                                 torch.fx.node.map_arg(node.kwargs, read), name=base, type_expr=node.type)
-        new.meta = _relayered_meta(node.meta, dotted[0], layer) if renamed else dict(node.meta)
+        # Filled in place: assigning a node's meta re-indexes the node in its graph's lookup table.
+        new.meta.update(node.meta)
+        if renamed:
+            _relayer_meta(new.meta, dotted[0], layer)
         if node.op == "placeholder":
             new.target = new.name  # a placeholder's target is its argument's name
             info = kinds[node.name]
@@ -346,16 +349,15 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
                        ties=ties, constants=constants, graph_hash=graph_hash(new_gm))
 
 
-def _relayered_meta(meta: dict, relayer: _Relayer, layer: int) -> dict:
-    new = dict(meta)
+def _relayer_meta(meta: dict, relayer: _Relayer, layer: int) -> None:
+    """Put the module paths in ``meta`` (a copy of the template node's) to ``layer``'s."""
     stack = meta.get("nn_module_stack")
     if stack:
-        new["nn_module_stack"] = {relayer(layer, key): (relayer(layer, where), kind)
-                                  for key, (where, kind) in stack.items()}
+        meta["nn_module_stack"] = {relayer(layer, key): (relayer(layer, where), kind)
+                                   for key, (where, kind) in stack.items()}
     own = meta.get("autopar")
     if own and isinstance(own.get("cast_of"), str):
-        new["autopar"] = {**own, "cast_of": relayer(layer, own["cast_of"])}
-    return new
+        meta["autopar"] = {**own, "cast_of": relayer(layer, own["cast_of"])}
 
 
 def _graph_module(root: torch.fx.GraphModule, graph: torch.fx.Graph) -> torch.fx.GraphModule:
