@@ -15,13 +15,14 @@ same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import itertools
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -277,6 +278,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     choices: dict[str, Choice] = {}
     order: list[str] = []
     cache: dict[tuple, tuple] = {}
+    infos: dict[tuple, tuple] = {}
     placeholder_cache: dict[tuple, tuple] = {}
     for node in traced.gm.graph.nodes:
         order.append(node.name)
@@ -287,7 +289,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
         elif node.op == "call_function":
-            choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, cache)
+            choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, cache, infos)
         else:
             raise NotImplementedError(f"autopar cannot plan a {node.op} node yet: {node.format_node()}")
         if forced and node.name in forced:
@@ -504,20 +506,19 @@ def _output_choice(node: torch.fx.Node, num_axes: int) -> Choice:
     return Choice(node.name, "output", [strategy], [0.0], [0.0], inputs, grad_sync_bytes=[0.0])
 
 
-def _op_choice(node, choices, mesh_shape, cluster, cache: dict) -> Choice:
+def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict) -> Choice:
     val = node.meta.get("val")
     needs_grad = requires_grad(node)
     if node.target is operator.getitem:
         return _getitem_choice(node, choices, needs_grad)
-    info = op_info(node)
-    input_nodes = tensor_input_nodes(node)
+    info, input_nodes, kw_text = _op_info(node, infos)
     inputs = [(n.name, 0) for n in input_nodes]
     out_dtypes = tuple(v.dtype for v in _flatten(val) if isinstance(v, torch.Tensor))
     # Identical ops (same arguments and shapes, as in repeated layers) get identical strategies
     # and prices: enumerate and price each distinct one once.
     sync_dtypes = tuple(reduce_dtype(n) for n in input_nodes)
     key = (
-        info.target, repr(info.kw), info.out_shapes, out_dtypes, needs_grad,
+        info.target, kw_text, info.out_shapes, out_dtypes, needs_grad,
         tuple((choices[n.name].requires_grad, choices[n.name].kind == "param") for n in input_nodes), sync_dtypes,
     )
     if key not in cache:
@@ -528,6 +529,37 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict) -> Choice:
         needs_grad, info=info, grad_sync_bytes=sync_bytes, sync_dtypes=sync_dtypes, param_sync_s=param_sync_s,
         backward_s=backward_s, param_syncs=param_syncs,
     )
+
+
+def _op_info(node: torch.fx.Node, seen: dict) -> tuple[OpInfo, list[torch.fx.Node], str]:
+    """``op_info(node)``, ``tensor_input_nodes(node)`` and the text of the info's arguments.
+
+    The copies of a repeated layer (``trace.repeat``) hold the very objects of the layer they
+    copy: the values (FakeTensors) of their results and arguments, and their other arguments.
+    A node whose target and arguments are those objects of a node seen before, in the same
+    structure and with the same nodes repeated at the same places, has that node's info (under
+    its own name) and its tensor inputs at the same places. ``seen`` is keyed by identity: the
+    graph holds every object in a key while the choices are built."""
+    places: dict[torch.fx.Node, int] = {}  # each distinct argument node -> its place
+
+    def structure(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            return ("node", id(value.meta.get("val")), places.setdefault(value, len(places)))
+        if isinstance(value, (list, tuple)):
+            return (type(value), tuple(structure(v) for v in value))
+        if isinstance(value, dict):
+            return (dict, tuple((k, structure(v)) for k, v in value.items()))
+        return id(value)
+
+    key = (node.target, structure(node.args), structure(node.kwargs), id(node.meta.get("val")))
+    hit = seen.get(key)
+    if hit is None:
+        info, input_nodes = op_info(node), tensor_input_nodes(node)
+        seen[key] = (info, [places[n] for n in input_nodes], repr(info.kw))
+        return info, input_nodes, seen[key][2]
+    info, at, kw_text = hit
+    arguments = list(places)
+    return dataclasses.replace(info, name=node.name), [arguments[i] for i in at], kw_text
 
 
 def reduce_dtype(node: torch.fx.Node) -> torch.dtype | None:
