@@ -16,6 +16,7 @@ same numbers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import itertools
@@ -832,6 +833,13 @@ _UNDECLARED_WRITES = {
 }
 
 
+@functools.cache
+def _written_arguments(target: torch._ops.OpOverload) -> frozenset[str]:
+    """Names of the arguments ``target`` writes in place (once per op: every node asks)."""
+    written = {a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    return frozenset(written | _UNDECLARED_WRITES.get(target, set()))
+
+
 def _mutated_inputs(node: torch.fx.Node) -> set[int]:
     """Tensor-input indices that the op writes in place: schema alias info with is_write, plus
     ``_UNDECLARED_WRITES``. Such an input can never be resharded on its way in, or the write
@@ -839,8 +847,7 @@ def _mutated_inputs(node: torch.fx.Node) -> set[int]:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return set()
-    written = {a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    written |= _UNDECLARED_WRITES.get(target, set())
+    written = _written_arguments(target)
     if not written:
         return set()
     indices, index = set(), 0
