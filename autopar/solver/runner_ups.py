@@ -136,8 +136,8 @@ class _Decision:
     """One decision's members grouped into *slots*, so that pricing its counterfactuals costs the
     number of distinct members, not of members (a decision over 80 copies of a layer has about
     as many slots as one over 2). Members share a slot when they take the same strategy index
-    whatever the decision takes: the base nodes of one class (``_Memo.cls``), or the followers of
-    one class whose producers are of one class, share a slot and read one output. Their terms are
+    whatever the decision takes: the base nodes of one class (``_Memo.cls``), and the followers
+    of one class that read one output of producers of one class in one slot. Their terms are
     then equal (their strategy lists and prices are, by ``choices.repeated_layers``), and one
     member per slot prices them. The sums still add every member's term, in graph order
     (``_in_order``), so every number is the one a member-by-member loop gives, to the last bit."""
@@ -203,12 +203,13 @@ class _Decision:
 
     def price(self, num_strategies: int) -> list[dict[str, float] | None]:
         """Per strategy of the decision: seconds and bytes the members cost when it takes that
-        strategy, everything else as solved; None if a resharding is impossible."""
+        strategy, everything else as solved; None if a resharding is impossible. Keeps each
+        strategy's slot indices for ``member_sum``."""
         graph, memo = self.graph, self.memo
         self.indices = [self._indices(s) for s in range(num_strategies)]
         compute, memory, reshard_in, reshard_out, merged, possible = [], [], [], [], [], []
+        choices = [graph.choices[rep] for rep in self.reps]
         for index in self.indices:
-            choices = [graph.choices[rep] for rep in self.reps]
             compute.append([choice.compute_s[i] for choice, i in zip(choices, index)])
             memory.append([choice.memory_bytes[i] for choice, i in zip(choices, index)])
             # Parameter reductions run once per parameter: the members' per-use prices give way
@@ -219,31 +220,32 @@ class _Decision:
                 if group.needed(full):
                     merged_s += group.total_s
             merged.append(merged_s)
-            row_in, row_out = [], []
-            for edge, edge_class, enters, src_slot, src_index, dst_slot, dst_index in self.edges:
-                price = _edge_price(memo, edge, edge_class, src_index if src_slot is None else index[src_slot],
-                                    dst_index if dst_slot is None else index[dst_slot])
-                if price is None:
-                    break
-                seconds = 0.0 if price is False else price[0]
-                row_in.append(seconds if enters else 0.0)
-                row_out.append(0.0 if enters else seconds)
-            else:
-                possible.append(True)
-                reshard_in.append(row_in)
-                reshard_out.append(row_out)
-                continue
-            possible.append(False)
-            reshard_in.append([0.0] * len(self.edges))
-            reshard_out.append([0.0] * len(self.edges))
+            seconds = self._reshard_s(index)
+            possible.append(seconds is not None)
+            seconds = seconds or [0.0] * len(self.edges)
+            reshard_in.append([x if edge[2] else 0.0 for x, edge in zip(seconds, self.edges)])
+            reshard_out.append([0.0 if edge[2] else x for x, edge in zip(seconds, self.edges)])
         compute_s, memory_bytes = _in_order(compute, self.columns), _in_order(memory, self.columns)
-        reshard_in_s, reshard_out_s = _in_order(reshard_in, self.edge_columns), _in_order(reshard_out, self.edge_columns)
+        reshard_in_s = _in_order(reshard_in, self.edge_columns)
+        reshard_out_s = _in_order(reshard_out, self.edge_columns)
         return [
             {"compute_s": compute_s[s], "param_sync_merge_s": merged[s], "reshard_in_s": reshard_in_s[s],
              "reshard_out_s": reshard_out_s[s], "memory_bytes": memory_bytes[s],
              "total_s": compute_s[s] + merged[s] + reshard_in_s[s] + reshard_out_s[s]} if possible[s] else None
             for s in range(num_strategies)
         ]
+
+    def _reshard_s(self, index: list[int]) -> list[float] | None:
+        """Resharding seconds per edge slot when the slots take ``index`` (0.0 where the spec
+        does not change); None if one is impossible."""
+        seconds = []
+        for edge, edge_class, _, src_slot, src_index, dst_slot, dst_index in self.edges:
+            price = _edge_price(self.memo, edge, edge_class, src_index if src_slot is None else index[src_slot],
+                                dst_index if dst_slot is None else index[dst_slot])
+            if price is None:
+                return None
+            seconds.append(0.0 if price is False else price[0])
+        return seconds
 
     def _indices(self, s: int) -> list[int]:
         """Strategy index of each slot when the decision takes strategy ``s``."""
