@@ -511,7 +511,7 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict) -> 
     val = node.meta.get("val")
     needs_grad = requires_grad(node)
     if node.target is operator.getitem:
-        return _getitem_choice(node, choices, needs_grad)
+        return _getitem_choice(node, choices, needs_grad, cache)
     info, input_nodes, kw_text = _op_info(node, infos)
     inputs = [(n.name, 0) for n in input_nodes]
     out_dtypes = tuple(v.dtype for v in _flatten(val) if isinstance(v, torch.Tensor))
@@ -756,16 +756,23 @@ def grad_sync_axes(strategy: Strategy, index: int) -> list[int]:
     return axes
 
 
-def _getitem_choice(node, choices, needs_grad) -> Choice:
+def _getitem_choice(node, choices, needs_grad, cache: dict) -> Choice:
     producer, index = node.args
     source = choices[producer.name]
-    specs = source.out_specs(index)
-    strategies = [Strategy((spec,), (spec,), source="follow") for spec in specs]
-    zeros = [0.0] * len(specs)
+    # The getitems of one output of identical ops share their lists, as identical ops do, so
+    # that their followers' lists are shared too (``_mark_followers`` cuts each once). The
+    # source's list is held in the entry, so that no id in a key is reused while this runs.
+    key = ("getitem", id(source.strategies), index)
+    if key not in cache:
+        specs = source.out_specs(index)
+        zeros = [0.0] * len(specs)
+        strategies = [Strategy((spec,), (spec,), source="follow") for spec in specs]
+        cache[key] = (strategies, zeros, list(zeros), list(zeros), [], [], [], source.strategies)
+    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs, _ = cache[key]
     return Choice(
-        node.name, "op", strategies, zeros, list(zeros), [(producer.name, index)],
-        (source.out_shapes[index],), (source.out_dtypes[index],), needs_grad,
-        grad_sync_bytes=list(zeros),
+        node.name, "op", strategies, compute_s, memory_bytes, [(producer.name, index)],
+        (source.out_shapes[index],), (source.out_dtypes[index],), needs_grad, grad_sync_bytes=sync_bytes,
+        param_sync_s=param_sync_s, backward_s=backward_s, param_syncs=param_syncs,
     )
 
 
