@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.cost.cluster import get_cluster
 from autopar.rules import op_info
 from autopar.rules.registry import tensor_input_nodes
 from autopar.solver import choices
@@ -39,3 +40,14 @@ def test_op_info_tells_apart_a_repeated_argument():
     seen: dict = {}
     assert choices._op_info(twice, seen)[1] == [x, x]
     assert choices._op_info(once, seen)[1] == [x, y]
+
+
+def test_followers_of_repeated_layers_share_their_lists():
+    """Every follower of a repeated layer, getitems included, holds its first-layer
+    counterpart's very lists: ``_mark_followers`` cut them once, not once per layer."""
+    traced = trace_repeated(build_model("llama", n_layer=6), example_batch("llama", 4, n_layer=6))
+    graph = choices.build_choice_graph(traced, (2, 2), get_cluster("cpu"))
+    followers = [name for name, template in graph.layer_template.items() if graph.choices[name].follower_of]
+    assert any(graph.choices[name].info is None for name in followers)  # getitems among them
+    for name in followers:
+        assert graph.choices[name].strategies is graph.choices[graph.layer_template[name]].strategies, name
