@@ -357,8 +357,14 @@ def layer_key(node: torch.fx.Node, fqn: str | None) -> tuple[str, int] | None:
         stack = node.meta.get("nn_module_stack")
         if not stack:
             return None
-        path = list(stack.values())[-1][0]
-    match = _LAYER_RE.match(path or "")
+        path = next(reversed(stack.values()))[0]
+    return _path_layer(path or "")
+
+
+@functools.lru_cache(maxsize=4096)
+def _path_layer(path: str) -> tuple[str, int] | None:
+    """``layer_key`` of a module path (many nodes share one)."""
+    match = _LAYER_RE.match(path)
     return (match.group(1), int(match.group(2))) if match else None
 
 
