@@ -15,13 +15,15 @@ same numbers.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import itertools
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -196,24 +198,38 @@ def param_sync_groups(graph: ChoiceGraph) -> tuple[dict[tuple, ParamSyncGroup], 
     template = graph.layer_template
     groups: dict[tuple, ParamSyncGroup] = {}
     refunds: dict[str, list[float]] = {}
+    # Identical ops share their lists (``_op_choice``), as do repeated layers: each distinct list
+    # is read once into its refunds (shared, read-only) and its terms by (input, axis, held
+    # spec), in order of first appearance, with their strategies in order and their largest
+    # bucketed price. Each node then joins one group per such entry, in the order, and with the
+    # strategies, that a walk over its terms one by one would give.
+    terms_of: dict[tuple[int, int], tuple[list[float], dict[tuple, list]]] = {}
     for name in graph.order:
         choice = graph.choices[name]
         if not any(choice.param_syncs):
             continue
-        refunds[name] = [sum(term[2] for term in terms) for terms in choice.param_syncs]
+        key = (id(choice.param_syncs), id(choice.strategies))
+        if key not in terms_of:
+            by_spec: dict[tuple, list] = {}  # (input, axis, held spec) -> [price, strategies]
+            for s, terms in enumerate(choice.param_syncs):
+                for index, axis, _, bucketed_s in terms:
+                    entry = by_spec.setdefault((index, axis, choice.strategies[s].ins[index]), [0.0, []])
+                    entry[0] = max(entry[0], bucketed_s)
+                    entry[1].append(s)
+            refund = [sum(term[2] for term in terms) for terms in choice.param_syncs]
+            terms_of[key] = (refund, by_spec)
+        refunds[name], by_spec = terms_of[key]
         consumer = template.get(name, name)
-        for s, terms in enumerate(choice.param_syncs):
-            for index, axis, _, bucketed_s in terms:
-                param = synced_param(graph.choices, choice.inputs[index][0])
-                spec = choice.strategies[s].ins[index]
-                shared = name in template and param in template
-                key = (template[param] if shared else param, axis, spec)
-                group = groups.get(key)
-                if group is None:
-                    group = groups[key] = ParamSyncGroup(0.0, set(), {})
-                group.price_s = max(group.price_s, bucketed_s)
-                group.params.add(param)
-                group.uses.setdefault((consumer, index), set()).add(s)
+        for (index, axis, spec), (price_s, strategies) in by_spec.items():
+            param = synced_param(graph.choices, choice.inputs[index][0])
+            shared = name in template and param in template
+            group_key = (template[param] if shared else param, axis, spec)
+            group = groups.get(group_key)
+            if group is None:
+                group = groups[group_key] = ParamSyncGroup(0.0, set(), {})
+            group.price_s = max(group.price_s, price_s)
+            group.params.add(param)
+            group.uses.setdefault((consumer, index), set()).update(strategies)
     return groups, refunds
 
 
@@ -263,6 +279,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     choices: dict[str, Choice] = {}
     order: list[str] = []
     cache: dict[tuple, tuple] = {}
+    infos: dict[tuple, tuple] = {}
     placeholder_cache: dict[tuple, tuple] = {}
     for node in traced.gm.graph.nodes:
         order.append(node.name)
@@ -273,7 +290,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
         elif node.op == "call_function":
-            choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, cache)
+            choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, cache, infos)
         else:
             raise NotImplementedError(f"autopar cannot plan a {node.op} node yet: {node.format_node()}")
         if forced and node.name in forced:
@@ -340,8 +357,14 @@ def layer_key(node: torch.fx.Node, fqn: str | None) -> tuple[str, int] | None:
         stack = node.meta.get("nn_module_stack")
         if not stack:
             return None
-        path = list(stack.values())[-1][0]
-    match = _LAYER_RE.match(path or "")
+        path = next(reversed(stack.values()))[0]
+    return _path_layer(path or "")
+
+
+@functools.lru_cache(maxsize=4096)
+def _path_layer(path: str) -> tuple[str, int] | None:
+    """``layer_key`` of a module path (many nodes share one)."""
+    match = _LAYER_RE.match(path)
     return (match.group(1), int(match.group(2))) if match else None
 
 
@@ -490,20 +513,19 @@ def _output_choice(node: torch.fx.Node, num_axes: int) -> Choice:
     return Choice(node.name, "output", [strategy], [0.0], [0.0], inputs, grad_sync_bytes=[0.0])
 
 
-def _op_choice(node, choices, mesh_shape, cluster, cache: dict) -> Choice:
+def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict) -> Choice:
     val = node.meta.get("val")
     needs_grad = requires_grad(node)
     if node.target is operator.getitem:
-        return _getitem_choice(node, choices, needs_grad)
-    info = op_info(node)
-    input_nodes = tensor_input_nodes(node)
+        return _getitem_choice(node, choices, needs_grad, cache)
+    info, input_nodes, kw_text = _op_info(node, infos)
     inputs = [(n.name, 0) for n in input_nodes]
     out_dtypes = tuple(v.dtype for v in _flatten(val) if isinstance(v, torch.Tensor))
     # Identical ops (same arguments and shapes, as in repeated layers) get identical strategies
     # and prices: enumerate and price each distinct one once.
     sync_dtypes = tuple(reduce_dtype(n) for n in input_nodes)
     key = (
-        info.target, repr(info.kw), info.out_shapes, out_dtypes, needs_grad,
+        info.target, kw_text, info.out_shapes, out_dtypes, needs_grad,
         tuple((choices[n.name].requires_grad, choices[n.name].kind == "param") for n in input_nodes), sync_dtypes,
     )
     if key not in cache:
@@ -514,6 +536,37 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict) -> Choice:
         needs_grad, info=info, grad_sync_bytes=sync_bytes, sync_dtypes=sync_dtypes, param_sync_s=param_sync_s,
         backward_s=backward_s, param_syncs=param_syncs,
     )
+
+
+def _op_info(node: torch.fx.Node, seen: dict) -> tuple[OpInfo, list[torch.fx.Node], str]:
+    """``op_info(node)``, ``tensor_input_nodes(node)`` and the text of the info's arguments.
+
+    The copies of a repeated layer (``trace.repeat``) hold the very objects of the layer they
+    copy: the values (FakeTensors) of their results and arguments, and their other arguments.
+    A node whose target and arguments are those objects of a node seen before, in the same
+    structure and with the same nodes repeated at the same places, has that node's info (under
+    its own name) and its tensor inputs at the same places. ``seen`` is keyed by identity: the
+    graph holds every object in a key while the choices are built."""
+    places: dict[torch.fx.Node, int] = {}  # each distinct argument node -> its place
+
+    def structure(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            return ("node", id(value.meta.get("val")), places.setdefault(value, len(places)))
+        if isinstance(value, (list, tuple)):
+            return (type(value), tuple(structure(v) for v in value))
+        if isinstance(value, dict):
+            return (dict, tuple((k, structure(v)) for k, v in value.items()))
+        return id(value)
+
+    key = (node.target, structure(node.args), structure(node.kwargs), id(node.meta.get("val")))
+    hit = seen.get(key)
+    if hit is None:
+        info, input_nodes = op_info(node), tensor_input_nodes(node)
+        seen[key] = (info, [places[n] for n in input_nodes], repr(info.kw))
+        return info, input_nodes, seen[key][2]
+    info, at, kw_text = hit
+    arguments = list(places)
+    return dataclasses.replace(info, name=node.name), [arguments[i] for i in at], kw_text
 
 
 def reduce_dtype(node: torch.fx.Node) -> torch.dtype | None:
@@ -709,16 +762,23 @@ def grad_sync_axes(strategy: Strategy, index: int) -> list[int]:
     return axes
 
 
-def _getitem_choice(node, choices, needs_grad) -> Choice:
+def _getitem_choice(node, choices, needs_grad, cache: dict) -> Choice:
     producer, index = node.args
     source = choices[producer.name]
-    specs = source.out_specs(index)
-    strategies = [Strategy((spec,), (spec,), source="follow") for spec in specs]
-    zeros = [0.0] * len(specs)
+    # The getitems of one output of identical ops share their lists, as identical ops do, so
+    # that their followers' lists are shared too (``_mark_followers`` cuts each once). The
+    # source's list is held in the entry, so that no id in a key is reused while this runs.
+    key = ("getitem", id(source.strategies), index)
+    if key not in cache:
+        specs = source.out_specs(index)
+        zeros = [0.0] * len(specs)
+        strategies = [Strategy((spec,), (spec,), source="follow") for spec in specs]
+        cache[key] = (strategies, zeros, list(zeros), list(zeros), [], [], [], source.strategies)
+    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs, _ = cache[key]
     return Choice(
-        node.name, "op", strategies, zeros, list(zeros), [(producer.name, index)],
-        (source.out_shapes[index],), (source.out_dtypes[index],), needs_grad,
-        grad_sync_bytes=list(zeros),
+        node.name, "op", strategies, compute_s, memory_bytes, [(producer.name, index)],
+        (source.out_shapes[index],), (source.out_dtypes[index],), needs_grad, grad_sync_bytes=sync_bytes,
+        param_sync_s=param_sync_s, backward_s=backward_s, param_syncs=param_syncs,
     )
 
 
@@ -786,6 +846,13 @@ _UNDECLARED_WRITES = {
 }
 
 
+@functools.cache
+def _written_arguments(target: torch._ops.OpOverload) -> frozenset[str]:
+    """Names of the arguments ``target`` writes in place (once per op: every node asks)."""
+    written = {a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    return frozenset(written | _UNDECLARED_WRITES.get(target, set()))
+
+
 def _mutated_inputs(node: torch.fx.Node) -> set[int]:
     """Tensor-input indices that the op writes in place: schema alias info with is_write, plus
     ``_UNDECLARED_WRITES``. Such an input can never be resharded on its way in, or the write
@@ -793,8 +860,7 @@ def _mutated_inputs(node: torch.fx.Node) -> set[int]:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return set()
-    written = {a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    written |= _UNDECLARED_WRITES.get(target, set())
+    written = _written_arguments(target)
     if not written:
         return set()
     indices, index = set(), 0

@@ -14,7 +14,9 @@ solved, and deterministic (ties are broken by strategy index).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost import comm
@@ -54,22 +56,13 @@ def explain_decisions(
             continue
         members = _members(base, followers)
         ordered = sorted(members, key=position.__getitem__)
-        # Per touching edge, what does not depend on the strategy: the edge, its class (the
-        # price table and both ends' layer classes) and whether it enters the decision.
-        touching = [memo.edge_class(graph.edges[e], members)
-                    for e in sorted({e for name in members for e in edges_of.get(name, ())})]
-        # The parameter reductions a member may need (the others cannot change with it).
-        synced = [group for group in groups.values() if any(consumer in members for consumer, _ in group.uses)]
-        priced = []
-        for s in range(len(choice.strategies)):
-            assignment = _assignment(graph, solution, base, ordered, s, memo)
-            cost = _price(graph, solution, assignment, members, touching, synced, memo)
-            if cost is not None:
-                priced.append((s, assignment, cost))
+        decision = _Decision(graph, solution, base, ordered, edges_of, groups, memo)
+        costs = decision.price(len(choice.strategies))
+        priced = [(s, cost) for s, cost in enumerate(costs) if cost is not None]
         chosen = solution.choice[rep]
-        ranked = sorted(priced, key=lambda item: (item[0] != chosen, item[2]["total_s"], item[0]))
+        ranked = sorted(priced, key=lambda item: (item[0] != chosen, item[1]["total_s"], item[0]))
         kept = ranked[: top_k + 1]
-        candidates = [_candidate(graph, rep, s, assignment, cost, s == chosen, memo) for s, assignment, cost in kept]
+        candidates = [_candidate(graph, rep, s, decision, cost, s == chosen, memo) for s, cost in kept]
         decisions[rep] = {
             "members": ordered,
             "fqns": [graph.choices[n].fqn for n in ordered if graph.choices[n].fqn],
@@ -139,24 +132,155 @@ def _members(base: set[str], followers: dict[str, list[str]]) -> set[str]:
     return members
 
 
-def _assignment(graph: ChoiceGraph, solution: Solution, base: set[str], ordered: list[str], s: int,
-                memo: _Memo) -> dict[str, int]:
-    """Strategy index of every member (``ordered``: in graph order) when the decision takes strategy ``s``."""
-    assignment: dict[str, int] = {}
-    for name in ordered:
-        if name in base:
-            assignment[name] = s
-            continue
-        choice = graph.choices[name]
-        producer, out_index = choice.inputs[0]
-        producer_index = assignment.get(producer, solution.choice[producer])
-        key = (memo.cls(name), memo.cls(producer), out_index, producer_index)
-        index = memo.follow.get(key)
-        if index is None:
-            spec = graph.choices[producer].strategies[producer_index].outs[out_index]
-            index = memo.follow[key] = _index_by_input(choice.strategies, memo.by_input)[spec]
-        assignment[name] = index
-    return assignment
+class _Decision:
+    """One decision's members grouped into *slots*, so that pricing its counterfactuals costs the
+    number of distinct members, not of members (a decision over 80 copies of a layer has about
+    as many slots as one over 2). Members share a slot when they take the same strategy index
+    whatever the decision takes: the base nodes of one class (``_Memo.cls``), and the followers
+    of one class that read one output of producers of one class in one slot. Their terms are
+    then equal (their strategy lists and prices are, by ``choices.repeated_layers``), and one
+    member per slot prices them. The sums still add every member's term, in graph order
+    (``_in_order``), so every number is the one a member-by-member loop gives, to the last bit."""
+
+    def __init__(self, graph: ChoiceGraph, solution: Solution, base: set[str], ordered: list[str],
+                 edges_of: dict[str, list[int]], groups: dict, memo: _Memo):
+        self.graph, self.solution, self.memo = graph, solution, memo
+        self.slot_of: dict[str, int] = {}
+        self.reps: list[str] = []  # per slot: its first member, which prices it
+        # per slot: None for base nodes (they take the decision's strategy), else the follow
+        # memo's key without the producer's index, and the producer's slot
+        self.follows: list[tuple[tuple, int] | None] = []
+        slots: dict[tuple, int] = {}
+        for name in ordered:
+            if name in base:
+                key, follow = ("base", memo.cls(name)), None
+            else:
+                producer, out_index = graph.choices[name].inputs[0]
+                follow = ((memo.cls(name), memo.cls(producer), out_index), self.slot_of[producer])
+                key = follow
+            if key not in slots:
+                slots[key] = len(self.reps)
+                self.reps.append(name)
+                self.follows.append(follow)
+            self.slot_of[name] = slots[key]
+        self.columns = np.array([self.slot_of[name] for name in ordered], dtype=np.intp)
+        # Per touching edge, what does not depend on the strategy: its class, whether it enters
+        # the decision, and its ends, each a member's slot or a node outside at its solved index.
+        # Edges alike in all of these price alike: one per edge slot prices them.
+        members = self.slot_of.keys()
+        self.edges: list[tuple] = []  # per edge slot: (edge, class, enters, src slot, src index, dst slot, dst index)
+        edge_slots: dict[tuple, int] = {}
+        edge_columns = []
+        for e in sorted({e for name in ordered for e in edges_of.get(name, ())}):
+            edge, edge_class, enters = memo.edge_class(graph.edges[e], members)
+            src_slot, dst_slot = self.slot_of.get(edge.producer), self.slot_of.get(edge.consumer)
+            key = (edge_class, enters,
+                   src_slot, solution.choice[edge.producer] if src_slot is None else None,
+                   dst_slot, solution.choice[edge.consumer] if dst_slot is None else None)
+            if key not in edge_slots:
+                edge_slots[key] = len(self.edges)
+                self.edges.append((edge, *key))
+            edge_columns.append(edge_slots[key])
+        self.edge_columns = np.array(edge_columns, dtype=np.intp)
+        # Parameter reductions (``choices.param_sync_groups``): the members' per-use prices, and
+        # the groups a member may need (the others cannot change with it).
+        _, refunds = graph.param_sync_groups()
+        self.refunds = [(self.slot_of[name], refunds[name]) for name in ordered if name in refunds]
+        self.synced = [group for group in groups.values() if any(consumer in members for consumer, _ in group.uses)]
+        # What a member's gradient all-reduces and kernel collectives depend on beyond its slot.
+        inner: dict[tuple, int] = {}
+        self.inner_reps: list[str] = []
+        inner_columns = []
+        for name in ordered:
+            choice = graph.choices[name]
+            key = (self.slot_of[name], choice.requires_grad, memo.inputs_key(name) if choice.info is not None else None)
+            if key not in inner:
+                inner[key] = len(self.inner_reps)
+                self.inner_reps.append(name)
+            inner_columns.append(inner[key])
+        self.inner_columns = inner_columns
+        self.indices: list[list[int]] = []
+
+    def price(self, num_strategies: int) -> list[dict[str, float] | None]:
+        """Per strategy of the decision: seconds and bytes the members cost when it takes that
+        strategy, everything else as solved; None if a resharding is impossible. Keeps each
+        strategy's slot indices for ``member_sum``."""
+        graph, memo = self.graph, self.memo
+        self.indices = [self._indices(s) for s in range(num_strategies)]
+        compute, memory, reshard_in, reshard_out, merged, possible = [], [], [], [], [], []
+        choices = [graph.choices[rep] for rep in self.reps]
+        for index in self.indices:
+            compute.append([choice.compute_s[i] for choice, i in zip(choices, index)])
+            memory.append([choice.memory_bytes[i] for choice, i in zip(choices, index)])
+            # Parameter reductions run once per parameter: the members' per-use prices give way
+            # to each group a member uses, priced once.
+            merged_s = -sum(refund[index[slot]] for slot, refund in self.refunds)
+            full = _Overlay(self.slot_of, index, self.solution.choice)
+            for group in self.synced:
+                if group.needed(full):
+                    merged_s += group.total_s
+            merged.append(merged_s)
+            seconds = self._reshard_s(index)
+            possible.append(seconds is not None)
+            seconds = seconds or [0.0] * len(self.edges)
+            reshard_in.append([x if edge[2] else 0.0 for x, edge in zip(seconds, self.edges)])
+            reshard_out.append([0.0 if edge[2] else x for x, edge in zip(seconds, self.edges)])
+        compute_s, memory_bytes = _in_order(compute, self.columns), _in_order(memory, self.columns)
+        reshard_in_s = _in_order(reshard_in, self.edge_columns)
+        reshard_out_s = _in_order(reshard_out, self.edge_columns)
+        return [
+            {"compute_s": compute_s[s], "param_sync_merge_s": merged[s], "reshard_in_s": reshard_in_s[s],
+             "reshard_out_s": reshard_out_s[s], "memory_bytes": memory_bytes[s],
+             "total_s": compute_s[s] + merged[s] + reshard_in_s[s] + reshard_out_s[s]} if possible[s] else None
+            for s in range(num_strategies)
+        ]
+
+    def _reshard_s(self, index: list[int]) -> list[float] | None:
+        """Resharding seconds per edge slot when the slots take ``index`` (0.0 where the spec
+        does not change); None if one is impossible."""
+        seconds = []
+        for edge, edge_class, _, src_slot, src_index, dst_slot, dst_index in self.edges:
+            price = _edge_price(self.memo, edge, edge_class, src_index if src_slot is None else index[src_slot],
+                                dst_index if dst_slot is None else index[dst_slot])
+            if price is None:
+                return None
+            seconds.append(0.0 if price is False else price[0])
+        return seconds
+
+    def _indices(self, s: int) -> list[int]:
+        """Strategy index of each slot when the decision takes strategy ``s``."""
+        graph, memo = self.graph, self.memo
+        index: list[int] = []
+        for rep, follow in zip(self.reps, self.follows):
+            if follow is None:
+                index.append(s)
+                continue
+            prefix, producer_slot = follow
+            key = (*prefix, index[producer_slot])
+            found = memo.follow.get(key)
+            if found is None:
+                producer, out_index = graph.choices[rep].inputs[0]
+                spec = graph.choices[producer].strategies[index[producer_slot]].outs[out_index]
+                found = memo.follow[key] = _index_by_input(graph.choices[rep].strategies, memo.by_input)[spec]
+            index.append(found)
+        return index
+
+    def member_sum(self, term: Callable[[_Memo, str, int], float], s: int) -> float:
+        """``sum`` of ``term(memo, member, its index)`` over the members in graph order when the
+        decision takes strategy ``s`` (``_grad_sync_s``, ``_kernel_comm_s``: terms that depend
+        on a member's class, index and ``_Memo.inputs_key``)."""
+        index = self.indices[s]
+        values = [term(self.memo, rep, index[self.slot_of[rep]]) for rep in self.inner_reps]
+        return sum(map(values.__getitem__, self.inner_columns))
+
+
+def _in_order(values: list[list[float]], columns: np.ndarray) -> list[float]:
+    """Per row of ``values`` (a strategy's term per slot): 0.0 plus the term of each member
+    (``columns``: their slots, in graph order) added left to right, as a ``+=`` loop adds them.
+    ``np.add.accumulate`` never reorders the additions (``np.sum`` adds pairwise)."""
+    terms = np.zeros((len(values), len(columns) + 1))
+    terms[:, 1:] = np.asarray(values, dtype=float).reshape(len(values), -1)[:, columns]
+    return np.add.accumulate(terms, axis=1)[:, -1].tolist()
 
 
 def _index_by_input(strategies: list, cache: dict[int, dict]) -> dict:
@@ -170,54 +294,28 @@ def _index_by_input(strategies: list, cache: dict[int, dict]) -> dict:
     return index
 
 
-def _price(graph: ChoiceGraph, solution: Solution, assignment: dict[str, int], members: set[str],
-           touching: list[tuple], synced: list, memo: _Memo) -> dict[str, float] | None:
-    """Seconds and bytes the members cost under ``assignment``; None if a resharding is impossible.
-    ``synced``: the parameter reduction groups that a member uses."""
-    compute_s = memory_bytes = reshard_in_s = reshard_out_s = 0.0
-    for name, index in assignment.items():
-        choice = graph.choices[name]
-        compute_s += choice.compute_s[index]
-        memory_bytes += choice.memory_bytes[index]
-    # Parameter reductions run once per parameter (``choices.param_sync_groups``): the members'
-    # per-use prices give way to each group a member uses, priced once.
-    _, refunds = graph.param_sync_groups()
-    merged_s = -sum(refunds[name][index] for name, index in assignment.items() if name in refunds)
-    full = _Overlay(assignment, solution.choice)
-    for group in synced:
-        if group.needed(full):
-            merged_s += group.total_s
-    for edge, edge_class, enters in touching:
-        src_index = assignment.get(edge.producer, solution.choice[edge.producer])
-        dst_index = assignment.get(edge.consumer, solution.choice[edge.consumer])
-        key = (edge_class, src_index, dst_index)
-        price = memo.edge.get(key, True)
-        if price is True:
-            src = graph.choices[edge.producer].strategies[src_index].outs[edge.out_index]
-            dst = graph.choices[edge.consumer].strategies[dst_index].ins[edge.in_index]
-            price = memo.edge[key] = False if src == dst else edge.price.get((src, dst))
-        if price is False:
-            continue
-        if price is None:
-            return None
-        if enters:
-            reshard_in_s += price[0]
-        else:
-            reshard_out_s += price[0]
-    return {"compute_s": compute_s, "param_sync_merge_s": merged_s, "reshard_in_s": reshard_in_s,
-            "reshard_out_s": reshard_out_s, "memory_bytes": memory_bytes,
-            "total_s": compute_s + merged_s + reshard_in_s + reshard_out_s}
+def _edge_price(memo: _Memo, edge, edge_class: tuple, src_index: int, dst_index: int) -> tuple | None | bool:
+    """An edge's (seconds, bytes) between its ends' strategies, False where the spec does not
+    change, None where the change is impossible."""
+    key = (edge_class, src_index, dst_index)
+    price = memo.edge.get(key, True)
+    if price is True:
+        src = memo.graph.choices[edge.producer].strategies[src_index].outs[edge.out_index]
+        dst = memo.graph.choices[edge.consumer].strategies[dst_index].ins[edge.in_index]
+        price = memo.edge[key] = False if src == dst else edge.price.get((src, dst))
+    return price
 
 
-class _Overlay(dict):
-    """``assignment`` over the solution's choice, read-only."""
+class _Overlay:
+    """Strategy index by node name when the decision's slots take ``index``: a member's from its
+    slot, any other node's as solved (read-only)."""
 
-    def __init__(self, assignment: dict[str, int], base: dict[str, int]):
-        super().__init__(assignment)
-        self._base = base
+    def __init__(self, slot_of: dict[str, int], index: list[int], solved: dict[str, int]):
+        self.slot_of, self.index, self.solved = slot_of, index, solved
 
-    def __missing__(self, name: str) -> int:
-        return self._base[name]
+    def __getitem__(self, name: str) -> int:
+        slot = self.slot_of.get(name)
+        return self.solved[name] if slot is None else self.index[slot]
 
 
 def _grad_sync_s(memo: _Memo, name: str, index: int) -> float:
@@ -256,10 +354,10 @@ def _kernel_comm_s(memo: _Memo, name: str, index: int) -> float:
     return seconds
 
 
-def _candidate(graph, rep, s, assignment, cost, chosen, memo: _Memo) -> dict[str, Any]:
+def _candidate(graph, rep, s, decision: _Decision, cost, chosen, memo: _Memo) -> dict[str, Any]:
     strategy = graph.choices[rep].strategies[s]
-    grad_sync_s = sum(_grad_sync_s(memo, name, index) for name, index in assignment.items())
-    kernel_comm_s = sum(_kernel_comm_s(memo, name, index) for name, index in assignment.items())
+    grad_sync_s = decision.member_sum(_grad_sync_s, s)
+    kernel_comm_s = decision.member_sum(_kernel_comm_s, s)
     record: dict[str, Any] = {"strategy": s}
     if chosen:
         record["chosen"] = True
@@ -286,8 +384,8 @@ def _binding(ranked: list, chosen: int, memory_budget: float | None, status: str
     ``memory_budget`` when every cheaper one needs more memory under a budget; ``time_limit``
     when the solver stopped before proving optimality; ``coupled`` otherwise (a cheaper change
     exists only for this decision alone, which an optimal solve rules out; kept as a guard)."""
-    chosen_cost = next(cost for s, _, cost in ranked if s == chosen)
-    cheaper = [cost for s, _, cost in ranked if s != chosen
+    chosen_cost = next(cost for s, cost in ranked if s == chosen)
+    cheaper = [cost for s, cost in ranked if s != chosen
                and cost["total_s"] < chosen_cost["total_s"] - _REL_TOL * max(abs(chosen_cost["total_s"]), 1e-30)]
     if not cheaper:
         return "cost"

@@ -507,12 +507,20 @@ def graph_hash(gm: torch.fx.GraphModule) -> str:
     """A structural hash: ops, argument structure, shapes and dtypes, in graph order. Devices
     are left out, so that a plan made on the meta device matches the model on its real one."""
     digest = hashlib.sha256()
+    # A deep model's layers are copies (``trace.repeat``): its nodes share targets and values,
+    # so each one's text is made once (keyed by identity: the graph holds them while this runs).
+    targets: dict[int, str] = {}
+    vals: dict[int, str] = {}
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        digest.update(f"{node.op}|{node.name}|{_target_name(node.target)}|".encode())
-        digest.update(repr(_describe(node.args)).encode())
-        digest.update(repr(_describe(node.kwargs)).encode())
-        digest.update(repr(_describe(val)).encode())
+        target = targets.get(id(node.target))
+        if target is None:
+            target = targets[id(node.target)] = _target_name(node.target)
+        described = vals.get(id(val))
+        if described is None:
+            described = vals[id(val)] = repr(_describe(val))
+        digest.update(f"{node.op}|{node.name}|{target}|{_describe(node.args)!r}{_describe(node.kwargs)!r}"
+                      f"{described}".encode())
     return digest.hexdigest()[:16]
 
 

@@ -195,9 +195,26 @@ def _ties(model: torch.nn.Module) -> dict[str, str]:
 
 # -- building the deep graph ---------------------------------------------------------------------
 
-def _layer_token(path: str, index: int, sep: str) -> re.Pattern:
-    """The layer's path inside a module path (sep ".") or a placeholder name (sep "_")."""
-    return re.compile(r"(?:^|(?<=[._]))(" + re.escape(path.replace(".", sep) + sep) + ")" + str(index) + r"(?=$|[._])")
+class _Relayer:
+    """Puts the path of layer ``index`` inside a module path (sep ".") or a placeholder name
+    (sep "_") to another layer's: ``relayer(layer, text)``. Each text is cut once, at the index
+    of every occurrence of the path, so its copies in a deep model are joins of the same cuts."""
+
+    def __init__(self, path: str, index: int, sep: str):
+        self.token = re.compile(r"(?:^|(?<=[._]))(" + re.escape(path.replace(".", sep) + sep) + ")" + str(index)
+                                + r"(?=$|[._])")
+        self.cuts: dict[str, list[str]] = {}
+
+    def __call__(self, layer: int, text: str) -> str:
+        parts = self.cuts.get(text)
+        if parts is None:
+            parts, start = [], 0
+            for match in self.token.finditer(text):
+                parts.append(text[start:match.end(1)])
+                start = match.end()
+            parts.append(text[start:])
+            self.cuts[text] = parts
+        return str(layer).join(parts)
 
 
 def _layer_of(node: torch.fx.Node, fqns: dict[str, str | None], path: str) -> int | None:
@@ -267,7 +284,7 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
             raise _Mismatch(f"the layers of {path} have different numbers of nodes")
         blocks.append(by_layer)
 
-    dotted = [_layer_token(path, template, "."), _layer_token(path, template, "_")]
+    dotted = [_Relayer(path, template, "."), _Relayer(path, template, "_")]
     graph = torch.fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
     made: dict[tuple[int, int, int], torch.fx.Node] = {}
@@ -288,14 +305,17 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
         renamed = layer is not None and shift != 0
         base = name_base(node.name)
         if renamed:
-            base = _relayer(dotted[1], layer, base)
+            base = dotted[1](layer, base)
         new = graph.create_node(node.op, node.target, torch.fx.node.map_arg(node.args, read),
                                 torch.fx.node.map_arg(node.kwargs, read), name=base, type_expr=node.type)
-        new.meta = _relayered_meta(node.meta, dotted[0], layer) if renamed else dict(node.meta)
+        # Filled in place: assigning a node's meta re-indexes the node in its graph's lookup table.
+        new.meta.update(node.meta)
+        if renamed:
+            _relayer_meta(new.meta, dotted[0], layer)
         if node.op == "placeholder":
             new.target = new.name  # a placeholder's target is its argument's name
             info = kinds[node.name]
-            fqn = _relayer(dotted[0], layer, info.fqn) if renamed and info.fqn else info.fqn
+            fqn = dotted[0](layer, info.fqn) if renamed and info.fqn else info.fqn
             inputs.append(GraphInput(new.name, info.kind, fqn))
             if info.kind == "constant":
                 constants[new.name] = small.constants[node.name]
@@ -329,21 +349,15 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
                        ties=ties, constants=constants, graph_hash=graph_hash(new_gm))
 
 
-def _relayer(token: re.Pattern, layer: int, text: str) -> str:
-    """``text`` with the template layer's path in it put to ``layer``'s."""
-    return token.sub(lambda match: match.group(1) + str(layer), text)
-
-
-def _relayered_meta(meta: dict, token: re.Pattern, layer: int) -> dict:
-    new = dict(meta)
+def _relayer_meta(meta: dict, relayer: _Relayer, layer: int) -> None:
+    """Put the module paths in ``meta`` (a copy of the template node's) to ``layer``'s."""
     stack = meta.get("nn_module_stack")
     if stack:
-        new["nn_module_stack"] = {_relayer(token, layer, key): (_relayer(token, layer, where), kind)
-                                  for key, (where, kind) in stack.items()}
+        meta["nn_module_stack"] = {relayer(layer, key): (relayer(layer, where), kind)
+                                   for key, (where, kind) in stack.items()}
     own = meta.get("autopar")
     if own and isinstance(own.get("cast_of"), str):
-        new["autopar"] = {**own, "cast_of": _relayer(token, layer, own["cast_of"])}
-    return new
+        meta["autopar"] = {**own, "cast_of": relayer(layer, own["cast_of"])}
 
 
 def _graph_module(root: torch.fx.GraphModule, graph: torch.fx.Graph) -> torch.fx.GraphModule:

@@ -195,3 +195,68 @@ def test_layer_classes_price_as_every_node_alone(gpt_traced, mesh, monkeypatch):
 
     monkeypatch.setattr(runner_ups._Memo, "__init__", forgetful)
     assert explain_decisions(graph, solution, cluster, None) == decisions
+
+
+def _member_by_member(graph, solution, ordered, assignment) -> dict[str, float] | None:
+    """The counterfactual as its definition reads: each member's terms added one by one, in
+    graph order, and every edge that touches a member priced on its own."""
+    members = set(ordered)
+    compute_s = memory_bytes = reshard_in_s = reshard_out_s = 0.0
+    for name in ordered:
+        compute_s += graph.choices[name].compute_s[assignment[name]]
+        memory_bytes += graph.choices[name].memory_bytes[assignment[name]]
+    groups, refunds = graph.param_sync_groups()
+    merged_s = -sum(refunds[name][assignment[name]] for name in ordered if name in refunds)
+    for group in groups.values():
+        if any(consumer in members for consumer, _ in group.uses) and group.needed(assignment):
+            merged_s += group.total_s
+    for edge in graph.edges:
+        if edge.producer not in members and edge.consumer not in members:
+            continue
+        src = graph.choices[edge.producer].strategies[assignment[edge.producer]].outs[edge.out_index]
+        dst = graph.choices[edge.consumer].strategies[assignment[edge.consumer]].ins[edge.in_index]
+        if src == dst:
+            continue
+        if (src, dst) not in edge.price:
+            return None
+        if edge.consumer in members:
+            reshard_in_s += edge.price[(src, dst)][0]
+        else:
+            reshard_out_s += edge.price[(src, dst)][0]
+    return {"compute_s": compute_s, "param_sync_merge_s": merged_s, "reshard_in_s": reshard_in_s,
+            "reshard_out_s": reshard_out_s, "memory_bytes": memory_bytes,
+            "total_s": compute_s + merged_s + reshard_in_s + reshard_out_s}
+
+
+def test_slots_price_as_every_member_alone():
+    """A decision prices one member per slot of alike members (``runner_ups._Decision``): the
+    same numbers, to the last bit, as adding up every member's terms on its own, on four
+    repeated layers."""
+    cluster = get_cluster("cpu")
+    traced = trace(build_model("gpt", seed=0, n_layer=4), example_batch("gpt", 8, seed=1))
+    graph = build_choice_graph(traced, (2, 2), cluster)
+    solution = solve_ilp(ShardingILP(graph))
+    decisions = explain_decisions(graph, solution, cluster, None)
+    edges_of: dict[str, list[int]] = {}
+    for e, edge in enumerate(graph.edges):
+        edges_of.setdefault(edge.producer, []).append(e)
+        edges_of.setdefault(edge.consumer, []).append(e)
+    groups, _ = graph.param_sync_groups()
+    shared = 0
+    for rep, record in decisions.items():
+        ordered = record["members"]
+        base = {name for name in ordered if graph.choices[name].follower_of is None}
+        memo = runner_ups._Memo(graph, cluster)
+        decision = runner_ups._Decision(graph, solution, base, ordered, edges_of, groups, memo)
+        shared += len(ordered) - len(decision.reps)
+        costs = decision.price(record["num_strategies"])
+        alone = runner_ups._Memo(graph, cluster)
+        alone.grad_sync, alone.kernel_comm = _Forgetful(), _Forgetful()
+        for s, cost in enumerate(costs):
+            assignment = _with_candidate(graph, solution, record, s)
+            assert cost == _member_by_member(graph, solution, ordered, assignment), (rep, s)
+            if cost is None:
+                continue
+            for term in (runner_ups._grad_sync_s, runner_ups._kernel_comm_s):
+                assert decision.member_sum(term, s) == sum(term(alone, name, assignment[name]) for name in ordered)
+    assert shared > 100  # most members share a slot
