@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -132,6 +134,28 @@ def plan(
     return plan_model(model, mesh, example_inputs, example_kwargs, get_cluster(cluster), options)
 
 
+@contextlib.contextmanager
+def quiet_gc():
+    """Leave the objects that exist now out of the garbage collector's passes until the block ends.
+
+    Tracing and planning allocate hundreds of thousands of objects, and every so many of them
+    Python runs a full collection, which walks every object in the process: torch's, a model's
+    modules, whatever the caller holds. On a 48-layer LLaMA that was 0.3-0.8 s of a 3-5 s plan,
+    more the larger the process. ``gc.freeze`` moves what exists into a generation that no pass
+    walks (nothing is lost: what becomes garbage in there is collected after ``gc.unfreeze``),
+    so that the passes during planning walk only what planning made. A caller that froze
+    objects itself, or turned the collector off, is left as it is. Tracing and ``plan_traced``
+    run under it (a decorator as well as a context manager)."""
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_inputs: tuple[Any, ...],
                example_kwargs: dict[str, Any] | None, cluster: ClusterSpec, options: PlanOptions,
                on_progress: Callable[[str], None] | None = None) -> Plan:
@@ -169,6 +193,7 @@ def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_
     return result
 
 
+@quiet_gc()
 def _trace(model: torch.nn.Module, example_inputs, example_kwargs, precision: MixedPrecision | None = None) -> TracedModel:
     start = time.perf_counter()
     log.info("tracing ...")
@@ -216,6 +241,7 @@ def offload_target(offload: str, cluster: ClusterSpec) -> tuple[str | None, str 
     return MemoryOptions(offload=offload).offload_target(has_host=cluster.host_link is not None)
 
 
+@quiet_gc()
 def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec, options: PlanOptions) -> Plan:
     """Plan an already traced model on one mesh (``autopar.plan`` without the tracing)."""
     memory = options.memory
@@ -233,6 +259,7 @@ def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: Clust
     return result
 
 
+@quiet_gc()
 def hand_plan(
     kind: str,
     model: torch.nn.Module,
@@ -351,13 +378,15 @@ def compile(
         if init is not None:
             raise ValueError("init= is not supported with pipelining yet: compile the model with its own tensors (init=None)")
         inputs, kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.microbatches)
-        traced = trace(model, inputs, kwargs)
+        with quiet_gc():
+            traced = trace(model, inputs, kwargs)
         chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
         check_rank_agreement(chosen)
         return compile_pipeline(model, traced, chosen)
     # Meta tensors become FakeTensors there; under a precision policy, parameters are traced in
     # param_dtype and cast from their master dtype at use, as when planning.
-    traced = trace(model, example_inputs, example_kwargs, policy)
+    with quiet_gc():
+        traced = trace(model, example_inputs, example_kwargs, policy)
     chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
     check_rank_agreement(chosen)
     _check_precision_runs(policy, offloads=chosen.memory is not None and bool(

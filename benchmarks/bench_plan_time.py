@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from autopar.api import plan_traced  # noqa: E402
+from autopar.api import plan_traced, quiet_gc  # noqa: E402
 from autopar.cost.cluster import get_cluster  # noqa: E402
 from autopar.ir.options import PlanOptions  # noqa: E402
 from autopar.trace import trace, trace_repeated  # noqa: E402
@@ -83,7 +83,8 @@ def plan_row(name: str, layers: int, export: bool, memory_budget: float | None =
     # that a full collection of one row's leftovers does not land in the next row's time.
     gc.collect()
     start, cpu = time.perf_counter(), time.process_time()
-    traced = trace_repeated(model, args, kwargs)
+    with quiet_gc():  # as ``autopar.plan`` traces (``api._trace``); ``plan_traced`` runs under it itself
+        traced = trace_repeated(model, args, kwargs)
     trace_s, trace_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     start, cpu = time.perf_counter(), time.process_time()
     plan = plan_traced(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=memory_budget))
@@ -99,7 +100,8 @@ def plan_row(name: str, layers: int, export: bool, memory_budget: float | None =
     }
     if export:
         start = time.perf_counter()
-        real = trace(model, args, kwargs)
+        with quiet_gc():  # as ``compile`` exports
+            real = trace(model, args, kwargs)
         row["export_s"] = round(time.perf_counter() - start, 2)
         row["same_graph"] = real.graph_hash == traced.graph_hash
     return row
