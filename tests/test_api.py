@@ -52,10 +52,12 @@ def test_nested_blocks_and_decorated_calls_unfreeze_once():
     def plan():
         return gc.get_freeze_count()
 
+    # Frozen objects still die when their last reference goes, so the count only falls: a second
+    # freeze would raise it, an unfreeze would zero it.
     with quiet_gc():
         frozen = gc.get_freeze_count()
-        assert plan() == frozen
-        assert gc.get_freeze_count() == frozen  # the inner call left the outer block's freeze alone
+        assert 0 < plan() <= frozen
+        assert 0 < gc.get_freeze_count() <= frozen  # the inner call left the outer block's freeze alone
     assert gc.get_freeze_count() == 0
     assert plan() > 0 and gc.get_freeze_count() == 0
 
@@ -65,7 +67,8 @@ def test_a_caller_that_froze_or_disabled_the_collector_is_left_alone():
     frozen = gc.get_freeze_count()
     with quiet_gc():
         _cycle()
-    assert gc.get_freeze_count() == frozen
+        assert 0 < gc.get_freeze_count() <= frozen  # not frozen again
+    assert 0 < gc.get_freeze_count() <= frozen  # and not unfrozen
     gc.unfreeze()
     gc.disable()
     try:
