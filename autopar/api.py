@@ -159,9 +159,10 @@ def quiet_gc():
 def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_inputs: tuple[Any, ...],
                example_kwargs: dict[str, Any] | None, cluster: ClusterSpec, options: PlanOptions,
                on_progress: Callable[[str], None] | None = None) -> Plan:
-    """The one planning dispatch, behind ``autopar.plan``, ``autopar.compile`` and ``autopar plan``:
-    a pipeline (the stage planner), a mesh search (``mesh="auto"``), or one mesh. ``on_progress``
-    hears each step of a mesh search."""
+    """The one planning dispatch, behind ``autopar.plan`` and ``autopar plan``: a pipeline (the
+    stage planner), a mesh search (``mesh="auto"``), or one mesh. ``on_progress`` hears each step
+    of a mesh search. (``compile`` knows its mesh and traces the whole model: rank 0 plans it with
+    ``plan_traced`` or the stage planner, in ``_resolve_plan``.)"""
     if options.compute is not None:
         cluster = dataclasses.replace(cluster, compute=options.compute)
     if options.pipeline.enabled:
