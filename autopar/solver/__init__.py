@@ -94,9 +94,14 @@ def solve(
             raise _infeasible(graph, memory_budget, time_limit_s, solver)
         if not solution.choice:
             raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
-    plan = plan_from_solution(traced, graph, solution, cluster, memory_budget)
-    if memory_budget is not None and (checkpointing or offload) and plan.predicted["peak_memory_bytes"] > memory_budget:
-        plan = _with_memory_decisions(plan, traced, graph, solution, cluster, memory_budget, offload, checkpointing, prefetch)
+    # Which sharding, with which memory decisions, is decided first, and its plan built once: a
+    # candidate below that wins would make the first plan waste.
+    parts = _StepParts.of(graph, solution, cluster)
+    memory = None  # ``plan_memory``'s (decisions, breakdown) for ``solution``, where it needs them
+    if memory_budget is not None and (checkpointing or offload) and int(peak_memory(graph, solution)[0]) > memory_budget:
+        memory = plan_memory(traced, graph, solution.choice, cluster, memory_budget, target=offload,
+                             prefetch=prefetch, checkpointing=checkpointing)
+    step_s = parts.step_s + (memory[0].added_s if memory is not None else 0.0)  # the plan's predicted step
     if solution is not unbounded and unbounded.choice and (checkpointing or offload):
         # A faster sharding with checkpointing (or offload) may beat the leaner one that fits
         # alone: try the fastest and the Lagrangian plans on the way to the budget.
@@ -104,19 +109,20 @@ def solve(
             if choice == solution.choice:
                 continue
             other_solution = _fixed_solution(ilp, choice, unbounded)
-            if other_solution.objective_s >= plan.predicted["step_time_s"]:
+            if other_solution.objective_s >= step_s:
                 continue  # checkpointing and offload only add time
             try:
-                memory = plan_memory(traced, graph, other_solution.choice, cluster, memory_budget, target=offload,
-                                     prefetch=prefetch, checkpointing=checkpointing, explain=False)
+                other_memory = plan_memory(traced, graph, other_solution.choice, cluster, memory_budget, target=offload,
+                                           prefetch=prefetch, checkpointing=checkpointing, explain=False)
             except InfeasibleError:
                 continue
-            # The step the plan would predict, without building a plan that loses.
-            parts = _StepParts.of(graph, other_solution, cluster)
-            if parts.step_s + memory[0].added_s < plan.predicted["step_time_s"]:
-                plan = _with_memory(plan_from_solution(traced, graph, other_solution, cluster, memory_budget, parts),
-                                    *memory)
-                solution = other_solution
+            other_parts = _StepParts.of(graph, other_solution, cluster)
+            if other_parts.step_s + other_memory[0].added_s < step_s:
+                solution, parts, memory = other_solution, other_parts, other_memory
+                step_s = parts.step_s + memory[0].added_s
+    plan = plan_from_solution(traced, graph, solution, cluster, memory_budget, parts)
+    if memory is not None:
+        plan = _with_memory(plan, *memory)
     start = time.perf_counter()
     decisions = explain_decisions(graph, solution, cluster, memory_budget)
     log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
@@ -202,12 +208,6 @@ def _leanest(graph: ChoiceGraph, time_limit_s: float, solver: str) -> Solution:
     lean.minimize_peak_memory(graph.timeline.checkpoints([graph.bytes_bound(largest=False)]))
     # The LP-rounding fast path prices x and y only; this objective is an extra peak variable.
     return solve_ilp(lean, time_limit_s, backends.mip_backend(solver))
-
-
-def _with_memory_decisions(plan, traced, graph, solution, cluster, budget, offload, checkpointing, prefetch) -> Plan:
-    """``plan`` with the checkpointing and offload that bring its peak under ``budget``."""
-    return _with_memory(plan, *plan_memory(traced, graph, solution.choice, cluster, budget, target=offload,
-                                           prefetch=prefetch, checkpointing=checkpointing))
 
 
 def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
