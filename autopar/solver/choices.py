@@ -131,7 +131,9 @@ class ChoiceGraph:
     comm: CommOptions = field(default_factory=CommOptions)
     # What later stages compute from this graph alone (the memory planner's walk: see
     # ``solver.memory``), kept so that one solve computes it once however many plans it tries.
-    derived: dict = field(default_factory=dict, repr=False, compare=False)
+    # Not an argument: a graph made by ``dataclasses.replace`` (other prices, other choices)
+    # starts with its own, empty.
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def bytes_of(self, assignment: Mapping[str, int]) -> Callable[[str], float]:
         """Timeline name -> bytes under ``assignment`` (every node's strategy): a node's outputs

@@ -200,11 +200,10 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
 def _param_uses(graph: ChoiceGraph) -> tuple[dict[str, int], dict[str, list], dict[str, object]]:
     """(each node's index in graph order, the edges that use each reduced parameter, the dtype
     a parameter's gradient is reduced in where a cast says so): the same for every plan of
-    ``graph``, so computed once (``ChoiceGraph.derived``, which a graph made by
-    ``dataclasses.replace`` shares: hence kept with the edges and choices it was computed for)."""
+    ``graph``, so computed once (``ChoiceGraph.derived``)."""
     cached = graph.derived.get("param_uses")
-    if cached is not None and cached[0] is graph.edges and cached[1] is graph.choices:
-        return cached[2]
+    if cached is not None:
+        return cached
     uses: dict[str, list] = {}
     reduce_dtypes: dict[str, object] = {}
     for edge in graph.edges:
@@ -219,7 +218,7 @@ def _param_uses(graph: ChoiceGraph) -> tuple[dict[str, int], dict[str, list], di
             if cast is not None:
                 reduce_dtypes[param] = cast
     order = {name: i for i, name in enumerate(graph.order)}
-    graph.derived["param_uses"] = (graph.edges, graph.choices, (order, uses, reduce_dtypes))
+    graph.derived["param_uses"] = (order, uses, reduce_dtypes)
     return order, uses, reduce_dtypes
 
 

@@ -169,9 +169,7 @@ def per_step_graph(graph: ChoiceGraph, split: "OpSplit", num_microbatches: int) 
         if table is None:
             table = scaled[id(edge.price)] = {k: (m * s, b) for k, (s, b) in edge.price.items()}
         edges.append(dataclasses.replace(edge, price=table))
-    # Its own ``derived``: what later stages compute from a graph (``ChoiceGraph.derived``) is
-    # computed from its choices and prices, which are not the original's.
-    return dataclasses.replace(graph, choices=choices, edges=edges, derived={})
+    return dataclasses.replace(graph, choices=choices, edges=edges)
 
 
 @dataclass

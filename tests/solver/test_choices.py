@@ -51,3 +51,16 @@ def test_followers_of_repeated_layers_share_their_lists():
     assert any(graph.choices[name].info is None for name in followers)  # getitems among them
     for name in followers:
         assert graph.choices[name].strategies is graph.choices[graph.layer_template[name]].strategies, name
+
+
+def test_a_replaced_graph_starts_with_its_own_derived_cache():
+    """``ChoiceGraph.derived`` holds what later stages compute from one graph's choices and prices
+    (``solver.memory``, ``comm_schedule``, ``rounding``); a graph made from it by
+    ``dataclasses.replace`` (``stage_costs.per_step_graph``: other prices) must not read it."""
+    import dataclasses
+
+    traced = trace_repeated(build_model("gpt", n_layer=2), example_batch("gpt", 2, n_layer=2))
+    graph = choices.build_choice_graph(traced, (2,), get_cluster("cpu"))
+    graph.derived["param_uses"] = "computed for graph"
+    other = dataclasses.replace(graph, edges=list(graph.edges))
+    assert other.derived == {} and graph.derived == {"param_uses": "computed for graph"}
