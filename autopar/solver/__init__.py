@@ -108,7 +108,7 @@ def solve(
         for choice in _spread([unbounded.choice] + visited, _MAX_MEMORY_CANDIDATES):
             if choice == solution.choice:
                 continue
-            other_solution = _fixed_solution(ilp, choice, unbounded)
+            other_solution, sums = _fixed_solution(ilp, choice, unbounded)
             if other_solution.objective_s >= step_s:
                 continue  # checkpointing and offload only add time
             try:
@@ -116,7 +116,7 @@ def solve(
                                            prefetch=prefetch, checkpointing=checkpointing, explain=False)
             except InfeasibleError:
                 continue
-            other_parts = _StepParts.of(graph, other_solution, cluster)
+            other_parts = _StepParts.of(graph, other_solution, cluster, sums)
             if other_parts.step_s + other_memory[0].added_s < step_s:
                 solution, parts, memory = other_solution, other_parts, other_memory
                 step_s = parts.step_s + memory[0].added_s
@@ -143,14 +143,16 @@ def _spread(items: list, count: int) -> list:
     return [items[round(i * step)] for i in range(count)]
 
 
-def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) -> Solution:
-    """A Solution of ``choice`` (which need not fit the budget), for ``plan_from_solution``."""
+def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) -> tuple[Solution, tuple[float, float]]:
+    """A Solution of ``choice`` (which need not fit the budget), for ``plan_from_solution``, and
+    its ``_compute_and_reshard_s`` (which its objective starts from, and its step too)."""
     specs = edge_specs(ilp.graph, choice)
-    compute_s, reshard_s = _compute_and_reshard_s(ilp.graph, choice, specs)
-    objective = compute_s + reshard_s
+    sums = _compute_and_reshard_s(ilp.graph, choice, specs)
+    objective = sums[0] + sums[1]
     objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
     return dataclasses.replace(like, choice=choice, edge_specs=specs, objective_s=objective,
-                               status="Feasible (with memory decisions)", method="lagrangian", gap=None, bound_s=None)
+                               status="Feasible (with memory decisions)", method="lagrangian", gap=None,
+                               bound_s=None), sums
 
 
 def _compute_and_reshard_s(graph: ChoiceGraph, choice: dict[str, int], specs: dict[int, tuple[Spec, Spec]]
@@ -247,7 +249,7 @@ def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: 
 
 def predicted_step_s(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec) -> float:
     """``plan_from_solution(...).predicted["step_time_s"]``, summed in the same order, without the
-    plan: what ``solve`` compares its memory candidates by."""
+    plan: what ``solve`` compares its memory candidates by (``_StepParts.step_s``)."""
     return _StepParts.of(graph, solution, cluster).step_s
 
 
@@ -263,8 +265,10 @@ class _StepParts:
     schedule: ParamSchedule
 
     @classmethod
-    def of(cls, graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec) -> "_StepParts":
-        compute_s, reshard_s = _compute_and_reshard_s(graph, solution.choice, solution.edge_specs)
+    def of(cls, graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec,
+           sums: tuple[float, float] | None = None) -> "_StepParts":
+        """``sums``: the solution's ``_compute_and_reshard_s``, where the caller has it already."""
+        compute_s, reshard_s = sums or _compute_and_reshard_s(graph, solution.choice, solution.edge_specs)
         return cls(solution, compute_s, reshard_s, param_schedule(graph, solution.choice, cluster))
 
     @property
