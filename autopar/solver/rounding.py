@@ -17,7 +17,6 @@ the fallback when a MILP solve fails or runs out of time; the gap to the LP boun
 from __future__ import annotations
 
 import math
-import warnings
 from typing import TYPE_CHECKING
 
 import pulp
@@ -150,12 +149,8 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
         ilp.z[key].varValue = value
     if any(var.varValue is None for var in ilp.variables()):
         return _fixed_solve(ilp, choice)  # another family added variables: let the LP set them
-    with warnings.catch_warnings():  # the PuLP 2.x mapping API, as in ``ilp.py``
-        warnings.simplefilter("ignore", DeprecationWarning)
-        constraints = list(ilp.problem.constraints.values())
-    for constraint in constraints:
-        if not constraint.valid(_TOLERANCE * max(1.0, abs(constraint.constant))):
-            return None
+    if not ilp.rows_hold(_TOLERANCE):
+        return None
     return float(pulp.value(ilp.problem.objective) or 0.0)
 
 

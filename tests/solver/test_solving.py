@@ -94,6 +94,38 @@ def test_greedy_plans_are_feasible_and_never_beat_the_optimum(graphs, plain):
     assert value >= plain.objective_s * (1 - 1e-9)
 
 
+def test_rows_hold_agrees_with_pulp_row_by_row(graphs, plain):
+    """``ShardingILP.rows_hold`` (numpy) says what PuLP's ``LpConstraint.valid`` says of every row:
+    for a plan that fits, for one that breaks a pick row, and for memory rows at a budget that the
+    plan breaks and one it meets, added after a first check (the table grows)."""
+    import warnings
+
+    from autopar.solver.solving import peak_memory
+
+    def pulp_says(ilp):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            rows = list(ilp.problem.constraints.values())
+        return all(row.valid(rounding._TOLERANCE * max(1.0, abs(row.constant))) for row in rows)
+
+    graph = graphs[True]
+    ilp = ShardingILP(graph)
+    choice = solve_ilp(ShardingILP(graph), 60).choice
+    assert rounding.check(ilp, choice) is not None
+    assert ilp.rows_hold(rounding._TOLERANCE) and pulp_says(ilp)
+    name = rounding.deciding_nodes(graph)[0]
+    ilp.x[name][choice[name]].varValue = 0.0  # the node picks no strategy now
+    assert not ilp.rows_hold(rounding._TOLERANCE) and not pulp_says(ilp)
+    peak = peak_memory(graph, plain)[0]
+    for budget, holds in ((0.5 * peak, False), (2 * peak, True)):
+        budgeted = ShardingILP(graph)
+        assert rounding.check(budgeted, choice) is not None  # the table is built without memory rows
+        budgeted.memory_budget_bytes = budget
+        budgeted.add_memory_constraint()
+        assert (rounding.check(budgeted, choice) is not None) is holds
+        assert budgeted.rows_hold(rounding._TOLERANCE) is holds and pulp_says(budgeted) is holds
+
+
 def test_unknown_solver_is_refused(graphs):
     with pytest.raises(ValueError, match="unknown solver 'gurobi'"):
         solve_ilp(ShardingILP(graphs[True]), 10, "gurobi")
