@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time as _time
-import warnings
 
 import pulp
 
@@ -115,31 +114,27 @@ def solve_under_budget(ilp: ShardingILP, time_limit_s: float, unbounded: Solutio
     if relaxed_fits:
         consider(rounding.round_relaxation(ilp), "lp-rounding")
     # 3. Lagrangian plans at rising, then bisected, prices.
-    objective = ilp.problem.objective
     if not any(prices.values()):  # the rows were slack in the LP: price at the time/memory ratio
         reference = best[0] if best else bound if bound else (unbounded.objective_s if unbounded else 1.0)
         prices = dict.fromkeys(prices, reference / (budget / MEMORY_UNIT) / max(len(prices), 1))
     low, high = 0.0, None
     factor = 1.0
-    try:
-        for _ in range(_MAX_GROWTH_ROUNDS if relaxed_fits else _MAX_GROWTH_ROUNDS // 2):
-            if _time.perf_counter() > deadline:
+    for _ in range(_MAX_GROWTH_ROUNDS if relaxed_fits else _MAX_GROWTH_ROUNDS // 2):
+        if _time.perf_counter() > deadline:
+            break
+        if _lagrangian_fits(ilp, prices, factor, consider, left()):
+            high = factor
+            break
+        low, factor = factor, factor * _GROWTH
+    if high is not None:
+        for _ in range(_BISECTIONS):
+            if _time.perf_counter() > deadline or low <= 0 and high <= 1.0:
                 break
-            if _lagrangian_fits(ilp, objective, prices, factor, consider, backend, left()):
-                high = factor
-                break
-            low, factor = factor, factor * _GROWTH
-        if high is not None:
-            for _ in range(_BISECTIONS):
-                if _time.perf_counter() > deadline or low <= 0 and high <= 1.0:
-                    break
-                middle = (low * high) ** 0.5 if low > 0 else high / _GROWTH
-                if _lagrangian_fits(ilp, objective, prices, middle, consider, backend, left()):
-                    high = middle
-                else:
-                    low = middle
-    finally:
-        _set_objective(ilp, objective)
+            middle = (low * high) ** 0.5 if low > 0 else high / _GROWTH
+            if _lagrangian_fits(ilp, prices, middle, consider, left()):
+                high = middle
+            else:
+                low = middle
     if not relaxed_fits:  # even the LP relaxation does not fit: no MILP will (``solve`` skips it)
         return _empty(ilp, "Infeasible", backend, start)
     # 4. Still far from the bound: dive.
@@ -157,28 +152,20 @@ def rounding_gap(objective: float, bound: float) -> float:
     return 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
 
 
-def _lagrangian_fits(ilp, objective, prices, factor, consider, backend, limit) -> bool:
-    rows = {t: ilp.problem.constraints[ilp.memory_constraint_name(t)] for t in prices}
-    terms: dict = {}
-    for t, price in prices.items():
-        if price <= 0:
-            continue
-        for var, coef in rows[t].items():
-            terms[var] = terms.get(var, 0.0) + factor * price * coef
-    penalty = pulp.LpAffineExpression(terms)
+def _lagrangian_fits(ilp, prices, factor, consider, limit) -> bool:
+    rows = {t: ilp.problem._constraints[ilp.memory_constraint_name(t)] for t in prices}
     saved = {t: rows[t].constant for t in rows}
     try:
         for row in rows.values():  # the rows are priced, not enforced
             row.constant = -1e30
-        _set_objective(ilp, objective + penalty)
-        solve_relaxation(ilp, limit)
+        solve_relaxation(ilp, limit, priced=[(ilp.memory_constraint_name(t), factor * price)
+                                              for t, price in prices.items() if price > 0])
         if ilp.problem.status != pulp.LpStatusOptimal:
             return False
         choice = rounding.round_relaxation(ilp)
     finally:
         for t, row in rows.items():
             row.constant = saved[t]
-        _set_objective(ilp, objective)
     return consider(choice, "lagrangian")
 
 
@@ -216,12 +203,6 @@ def _dive(ilp: ShardingILP, consider, deadline: float) -> None:
     finally:
         for var, low, up in reversed(fixed):
             var.lowBound, var.upBound = low, up
-
-
-def _set_objective(ilp: ShardingILP, objective) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        ilp.problem.setObjective(objective)
 
 
 def _dual(ilp: ShardingILP, t: int) -> float:

@@ -87,6 +87,7 @@ class Relaxation:
         self.objective_coefs: list[float] = []
         self.scale = 1.0
         self.rows: list[pulp.LpConstraint] = []
+        self.row_terms: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # ``_row_terms``
         self.row_names: list[str] = []
         self.row_constants: list[float] = []
         self.row_senses: list[int] = []
@@ -181,20 +182,53 @@ class Relaxation:
         self.scale = _scale_for(float(np.abs(values).max()) if len(values) else 0.0)
         costs = np.zeros(len(self.columns))
         costs[np.array(columns, dtype=np.int64)] = values * self.scale
+        self._pass_costs(costs)
+        self.objective_vars, self.objective_ids, self.objective_coefs = variables, ids, coefs
+
+    def _pass_costs(self, costs: np.ndarray) -> None:
         changed = np.flatnonzero(costs != self.costs)
         if changed.size:
             self.highs.changeColsCost(changed.size, changed.astype(np.int32), costs[changed])
             self.costs = costs
-        self.objective_vars, self.objective_ids, self.objective_coefs = variables, ids, coefs
 
-    def solve(self, time_limit_s: float, cold: bool = False) -> str:
+    def _price(self, priced: list[tuple[str, float]]) -> None:
+        """Pass HiGHS the problem's objective plus price · terms of each named row: what PuLP's
+        ``objective + Σ price · row`` would hold, coefficient for coefficient (each variable's
+        prices added in ``priced``'s order, then its objective coefficient), scaled as
+        ``_sync_objective`` scales. Building that expression in PuLP, once per Lagrangian
+        step, took as long as the warm solve. The next ``_sync`` passes the objective back."""
+        penalty = np.zeros(len(self.columns))
+        for name, price in priced:
+            columns, coefs = self._row_terms(name)
+            penalty[columns] += price * coefs
+        costs = np.zeros(len(self.columns))
+        costs[np.array(list(map(self.column_of.__getitem__, self.objective_ids)), dtype=np.int64)] = self.objective_coefs
+        costs += penalty
+        scale = _scale_for(float(np.abs(costs).max()) if len(costs) else 0.0)
+        self.objective_ids = self.objective_coefs = None  # HiGHS does not hold the problem's objective now
+        self._pass_costs(costs * scale)
+        self.scale = scale
+
+    def _row_terms(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(columns, coefficients) of a row's terms, read once (coefficients are fixed)."""
+        terms = self.row_terms.get(name)
+        if terms is None:
+            row = self.ilp.problem._constraints[name]
+            columns = np.fromiter(map(self.column_of.__getitem__, map(id, row.keys())), np.int64, len(row))
+            terms = self.row_terms[name] = (columns, np.fromiter(row.values(), float, len(row)))
+        return terms
+
+    def solve(self, time_limit_s: float, cold: bool = False, priced: list[tuple[str, float]] | None = None) -> str:
         """Solve the LP as the problem stands; set its variables' values, its rows' duals
         (``pi``, of the scaled objective, as PuLP's HiGHS sets them) and its status, as
         ``problem.solve`` would. Returns the status's name. ``cold``: start from no basis, as
         a fresh model does (where the LP has several optima, a warm start may end at another
-        one, whose rounding differs)."""
+        one, whose rounding differs). ``priced``: (row name, price) pairs whose terms are
+        added to the objective for this solve only (``_price``)."""
         problem = self.ilp.problem
         self._sync()
+        if priced:
+            self._price(priced)
         if cold:
             self.highs.clearSolver()
         self.highs.setOptionValue("time_limit", float(time_limit_s))

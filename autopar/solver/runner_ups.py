@@ -205,7 +205,7 @@ class _Decision:
         """Per strategy of the decision: seconds and bytes the members cost when it takes that
         strategy, everything else as solved; None if a resharding is impossible. Keeps each
         strategy's slot indices for ``member_sum``."""
-        graph, memo = self.graph, self.memo
+        graph = self.graph
         self.indices = [self._indices(s) for s in range(num_strategies)]
         compute, memory, reshard_in, reshard_out, merged, possible = [], [], [], [], [], []
         choices = [graph.choices[rep] for rep in self.reps]

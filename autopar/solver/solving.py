@@ -122,18 +122,38 @@ def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto"
     return _solution(ilp, incumbent, "Feasible (fallback)", backend, bound, start)
 
 
-def solve_relaxation(ilp: ShardingILP, time_limit_s: float, cold: bool = False) -> str:
+def solve_relaxation(ilp: ShardingILP, time_limit_s: float, cold: bool = False,
+                     priced: list[tuple[str, float]] | None = None) -> str:
     """Solve the LP relaxation of ``ilp.problem`` as it stands, and return the status's name.
 
     With HiGHS, one model is kept on the ILP from solve to solve (``solver.relaxation``): only
     what changed is passed, and the simplex starts from the last basis. With CBC (no
     ``highspy``), PuLP builds the model afresh. ``cold``: HiGHS starts from no basis
-    (``Relaxation.solve``)."""
+    (``Relaxation.solve``). ``priced``: (row name, price) pairs whose terms join the objective
+    for this solve only (a Lagrangian step, ``solver.budget``)."""
     if backends.lp_backend() != "highs":
-        return _run(ilp, backends.make(backends.lp_backend(), time_limit_s, mip=False))
+        objective = ilp.problem.objective
+        if priced:
+            rows = ilp.problem._constraints  # as PuLP's own backends read it (the mapping warns)
+            terms: dict = {}
+            for name, price in priced:
+                for var, coef in rows[name].items():
+                    terms[var] = terms.get(var, 0.0) + price * coef
+            _set_objective(ilp, objective + pulp.LpAffineExpression(terms))
+        try:
+            return _run(ilp, backends.make(backends.lp_backend(), time_limit_s, mip=False))
+        finally:
+            if priced:
+                _set_objective(ilp, objective)
     if ilp.relaxation is None:
         ilp.relaxation = Relaxation(ilp)
-    return ilp.relaxation.solve(time_limit_s, cold)
+    return ilp.relaxation.solve(time_limit_s, cold, priced)
+
+
+def _set_objective(ilp: ShardingILP, objective) -> None:
+    with warnings.catch_warnings():  # PuLP 3.x deprecates setting the objective this way
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ilp.problem.setObjective(objective)
 
 
 def _relax_and_round(ilp: ShardingILP, time_limit_s: float):

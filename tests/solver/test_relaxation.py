@@ -103,7 +103,7 @@ def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, ti
     saved = {name: ilp.problem.constraints[name].constant for name in names}
     for name in names:
         ilp.problem.constraints[name].constant = -1e30
-    budget._set_objective(ilp, objective + penalty)
+    solving._set_objective(ilp, objective + penalty)
     both("rows priced, not enforced")
     priced = ilp.problem.objective
     var, coef = next(iter(priced.items()))
@@ -112,7 +112,7 @@ def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, ti
     priced[var] = coef
     for name in names:
         ilp.problem.constraints[name].constant = saved[name]
-    budget._set_objective(ilp, objective)
+    solving._set_objective(ilp, objective)
     both("rows enforced again")
     enforced = _fresh(ilp)[1]
     for name in rounding.deciding_nodes(graph):  # a fixing that moves the optimum
@@ -132,6 +132,41 @@ def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, ti
     both("freed")
     assert ilp.relaxation is first
     assert len(steps) == 7
+
+
+def test_a_priced_solve_is_the_solve_of_the_priced_expression(graph, unbounded, tight):
+    """``solve_relaxation(priced=...)``, a Lagrangian step, against the same step with the
+    objective + Σ price · row built in PuLP, from the same kept model: HiGHS holds the same costs
+    bit for bit, so the solve ends at the same LP solution, value for value; the next plain
+    solve holds the problem's own objective again."""
+    ilps = [ShardingILP(graph, tight) for _ in range(2)]
+    for ilp in ilps:
+        ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded)[1])
+        assert solving.solve_relaxation(ilp, 60) == "Optimal"
+    plain = _model(ilps[0].relaxation)["cost"]
+    names = [ilps[0].memory_constraint_name(t) for t in sorted(ilps[0].memory_times)]
+    assert len(names) > 1, "prices add up over several rows"
+    priced = [(name, 1e-3 * (i + 1)) for i, name in enumerate(names)]
+    saved = {name: ilps[0].problem.constraints[name].constant for name in names}
+    for ilp in ilps:
+        for name in names:  # the rows are priced, not enforced
+            ilp.problem.constraints[name].constant = -1e30
+    fast, slow = ilps
+    assert solving.solve_relaxation(fast, 60, priced=priced) == "Optimal"
+    objective = slow.problem.objective
+    terms: dict = {}
+    for name, price in priced:
+        for var, coef in slow.problem.constraints[name].items():
+            terms[var] = terms.get(var, 0.0) + price * coef
+    solving._set_objective(slow, objective + pulp.LpAffineExpression(terms))
+    assert solving.solve_relaxation(slow, 60) == "Optimal"
+    assert _model(fast.relaxation)["cost"] == _model(slow.relaxation)["cost"] != plain
+    assert [var.varValue for var in fast.relaxation.columns] == [var.varValue for var in slow.relaxation.columns]
+    assert fast.problem.objective is not slow.problem.objective, "the problem's own objective is untouched"
+    for name in names:
+        fast.problem.constraints[name].constant = saved[name]
+    assert solving.solve_relaxation(fast, 60) == "Optimal"
+    assert _model(fast.relaxation)["cost"] == plain
 
 
 def test_the_first_solve_is_the_one_pulp_runs(graph):
@@ -187,7 +222,7 @@ def test_the_kept_variable_list_follows_new_rows_and_objectives(graph):
     ilp.problem += extra <= 1, "extra_row"
     assert extra.name in {var.name for var in ilp.variables()}
     other = pulp.LpVariable("extra_objective_variable", lowBound=0)
-    budget._set_objective(ilp, ilp.problem.objective + other)
+    solving._set_objective(ilp, ilp.problem.objective + other)
     assert other.name in {var.name for var in ilp.variables()}
     assert ids(ilp.variables()) == ids(ilp.problem.variables())
     ilp.minimize_peak_memory(graph.timeline.checkpoints([graph.bytes_bound(largest=False)]))
