@@ -71,6 +71,8 @@ class Relaxation:
         self.highs.setOptionValue("mip_rel_gap", backends.MIP_REL_GAP)
         self.highs.setOptionValue("mip_abs_gap", 0.0)
         self.highs.setOptionValue("random_seed", 1)
+        for option, value in backends.LP_OPTIONS.items():  # as PuLP's HiGHS gets them for an LP
+            self.highs.setOptionValue(option, value)
         self.columns: list[pulp.LpVariable] = list(problem.variables())
         # By identity: pulp variables compare into constraints, not booleans.
         self.column_of = {id(var): i for i, var in enumerate(self.columns)}
