@@ -127,7 +127,7 @@ class ShardingILP:
         self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.relaxation``)
         self._variables: tuple | None = None  # ``variables``: (rows read, objective, variables, their ids)
         self._memory_terms: _MemoryTerms | None = None  # ``weighted_memory``'s table, built on first use
-        self._rows: _RowTable | None = None  # ``rows_hold``'s table, grown as rows are added
+        self._rows: RowTable | None = None  # ``row_table``, grown as rows are added
         self.add_node_variables()
         self.add_pick_constraints()
         self.add_edge_constraints()
@@ -338,19 +338,27 @@ class ShardingILP:
     def rows_hold(self, tolerance: float) -> bool:
         """Whether every row of the problem holds at its variables' values (all set), each to
         ``tolerance`` · max(1, |its constant|): PuLP's ``LpConstraint.valid`` row by row, with
-        numpy over one table of the rows' terms (``rounding.check`` asks once per plan)."""
-        if self._rows is None:
-            self._rows = _RowTable()
-        return self._rows.hold(self.problem, tolerance)
+        numpy over ``row_table`` (``rounding.check`` asks once per plan)."""
+        return self.row_table().hold(tolerance)
 
-class _RowTable:
-    """Every row's terms as flat arrays (row, column, coefficient), columns numbered by first
-    appearance. Rows are only ever added, their coefficients fixed once added (as
-    ``ShardingILP.variables`` and ``solver.relaxation`` take them): a row added since the last
-    call is all there is to read. Constants and senses are read afresh (a Lagrangian step lifts
+    def row_table(self) -> "RowTable":
+        """Every row's terms as flat arrays, read up to the problem's last row (``RowTable``):
+        ``rows_hold`` and the HiGHS model of the LP relaxation (``solver.relaxation``) share it."""
+        if self._rows is None or len(self.problem._constraints) < len(self._rows.rows):
+            self._rows = RowTable(self.problem)  # a row removed (no caller does): read them all again
+        self._rows.read()
+        return self._rows
+
+
+class RowTable:
+    """The terms of a problem's rows as flat arrays (row, column, coefficient), in row order,
+    columns numbered by first appearance. Rows are only ever added, their coefficients fixed once
+    added (as ``ShardingILP.variables`` takes them): a row added since the last ``read`` is all
+    there is to read. Constants and senses are read afresh by ``hold`` (a Lagrangian step lifts
     the constants of the memory rows for its solve)."""
 
-    def __init__(self):
+    def __init__(self, problem: pulp.LpProblem):
+        self.problem = problem
         self.rows: list[pulp.LpConstraint] = []
         self.columns: list[pulp.LpVariable] = []
         self.column_of: dict[int, int] = {}  # by identity: pulp variables compare into constraints
@@ -358,25 +366,14 @@ class _RowTable:
         self.entry_columns = np.zeros(0, dtype=np.int64)
         self.entry_coefs = np.zeros(0)
 
-    def hold(self, problem: pulp.LpProblem, tolerance: float) -> bool:
-        constraints = problem._constraints  # as PuLP's own backends read it (the mapping warns)
-        if len(constraints) < len(self.rows):
-            self.__init__()  # a row removed (no caller does): read them all again
-        if len(constraints) > len(self.rows):
-            self._add(list(itertools.islice(constraints.values(), len(self.rows), None)))
-        values = np.fromiter((var.varValue for var in self.columns), float, len(self.columns))
-        constants = np.fromiter((row.constant for row in self.rows), float, len(self.rows))
-        senses = np.fromiter((row.sense for row in self.rows), float, len(self.rows))
-        value = np.bincount(self.entry_rows, weights=self.entry_coefs * values[self.entry_columns],
-                            minlength=len(self.rows)) + constants
-        eps = tolerance * np.maximum(1.0, np.abs(constants))
-        held = np.where(senses == pulp.LpConstraintEQ, np.abs(value) <= eps, value * senses >= -eps)
-        return bool(held.all())
-
-    def _add(self, new: list[pulp.LpConstraint]) -> None:
+    def read(self) -> None:
+        """Add the rows the problem has gained since the last call."""
+        constraints = self.problem._constraints  # as PuLP's own backends read it (the mapping warns)
+        if len(constraints) == len(self.rows):
+            return
+        new = list(itertools.islice(constraints.values(), len(self.rows), None))
         rows, columns, coefs = [], [], []
-        first = len(self.rows)
-        for r, row in enumerate(new, first):
+        for r, row in enumerate(new, len(self.rows)):
             for var, coef in row.items():
                 column = self.column_of.get(id(var))
                 if column is None:
@@ -389,6 +386,21 @@ class _RowTable:
         self.entry_rows = np.concatenate([self.entry_rows, np.array(rows, dtype=np.int64)])
         self.entry_columns = np.concatenate([self.entry_columns, np.array(columns, dtype=np.int64)])
         self.entry_coefs = np.concatenate([self.entry_coefs, np.array(coefs, dtype=float)])
+
+    def entries_from(self, row: int) -> slice:
+        """The entries of rows ``row`` onwards."""
+        return slice(int(np.searchsorted(self.entry_rows, row)), len(self.entry_rows))
+
+    def hold(self, tolerance: float) -> bool:
+        """``ShardingILP.rows_hold`` of the rows read so far."""
+        values = np.fromiter((var.varValue for var in self.columns), float, len(self.columns))
+        constants = np.fromiter((row.constant for row in self.rows), float, len(self.rows))
+        senses = np.fromiter((row.sense for row in self.rows), float, len(self.rows))
+        value = np.bincount(self.entry_rows, weights=self.entry_coefs * values[self.entry_columns],
+                            minlength=len(self.rows)) + constants
+        eps = tolerance * np.maximum(1.0, np.abs(constants))
+        held = np.where(senses == pulp.LpConstraintEQ, np.abs(value) <= eps, value * senses >= -eps)
+        return bool(held.all())
 
 
 class _MemoryTerms:

@@ -89,6 +89,7 @@ class Relaxation:
         self.objective_coefs: list[float] = []
         self.scale = 1.0
         self.rows: list[pulp.LpConstraint] = []
+        self.table, self.table_columns = None, []  # ``_add_new_rows``: the ILP's row table, its columns' numbers here
         self.row_terms: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # ``_row_terms``
         self.row_names: list[str] = []
         self.row_constants: list[float] = []
@@ -107,28 +108,33 @@ class Relaxation:
         return lower, upper
 
     def _add_new_rows(self) -> bool:
-        """Add the problem's rows HiGHS does not hold yet. False when one has a new variable."""
+        """Add the problem's rows HiGHS does not hold yet, their terms read from the ILP's
+        ``row_table`` (``rounding.check`` reads the same table). False when one has a variable
+        HiGHS does not hold."""
         constraints = self.ilp.problem._constraints  # as PuLP's own backends read it (the mapping warns)
         if len(constraints) == len(self.rows):
             return True
-        names = list(constraints)[len(self.rows):]
-        new = [constraints[name] for name in names]
-        starts, indices, values = [], [], []
-        for row in new:
-            starts.append(len(indices))
-            for var, coef in row.items():
-                if coef != 0:
-                    column = self.column_of.get(id(var))
-                    if column is None:
-                        return False
-                    indices.append(column)
-                    values.append(coef)
+        table = self.ilp.row_table()
+        if table is not self.table:
+            self.table, self.table_columns = table, []
+        while len(self.table_columns) < len(table.columns):  # the table's columns as HiGHS numbers them
+            column = self.column_of.get(id(table.columns[len(self.table_columns)]))
+            if column is None:
+                return False
+            self.table_columns.append(column)
+        first = len(self.rows)
+        new = table.rows[first:]
+        entries = table.entries_from(first)
+        values = table.entry_coefs[entries]
+        kept = values != 0
+        rows = table.entry_rows[entries][kept] - first
+        indices = np.array(self.table_columns, dtype=np.int32)[table.entry_columns[entries][kept]]
+        starts = np.searchsorted(rows, np.arange(len(new))).astype(np.int32)  # each row's first entry
         lower, upper = self._row_bounds(new)
         with backends.solver_output():
-            self.highs.addRows(len(new), lower, upper, len(indices), np.array(starts, dtype=np.int32),
-                               np.array(indices, dtype=np.int32), np.array(values, dtype=float))
+            self.highs.addRows(len(new), lower, upper, len(indices), starts, indices, values[kept])
         self.rows += new
-        self.row_names += names
+        self.row_names += list(constraints)[first:]
         self.row_constants += map(_CONSTANT, new)
         self.row_senses += map(_SENSE, new)
         return True
