@@ -226,19 +226,15 @@ class Relaxation:
             terms = self.row_terms[name] = (columns, np.fromiter(row.values(), float, len(row)))
         return terms
 
-    def solve(self, time_limit_s: float, cold: bool = False, priced: list[tuple[str, float]] | None = None) -> str:
-        """Solve the LP as the problem stands; set its variables' values, its rows' duals
-        (``pi``, of the scaled objective, as PuLP's HiGHS sets them) and its status, as
-        ``problem.solve`` would. Returns the status's name. ``cold``: start from no basis, as
-        a fresh model does (where the LP has several optima, a warm start may end at another
-        one, whose rounding differs). ``priced``: (row name, price) pairs whose terms are
-        added to the objective for this solve only (``_price``)."""
+    def solve(self, time_limit_s: float, priced: list[tuple[str, float]] | None = None) -> str:
+        """Solve the LP as the problem stands, from the last basis; set its variables' values,
+        its rows' duals (``pi``, of the scaled objective, as PuLP's HiGHS sets them) and its
+        status, as ``problem.solve`` would. Returns the status's name. ``priced``: (row name,
+        price) pairs whose terms are added to the objective for this solve only (``_price``)."""
         problem = self.ilp.problem
         self._sync()
         if priced:
             self._price(priced)
-        if cold:
-            self.highs.clearSolver()
         self.highs.setOptionValue("time_limit", float(time_limit_s))
         with backends.solver_output():
             self.highs.run()

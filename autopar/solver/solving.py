@@ -122,14 +122,12 @@ def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto"
     return _solution(ilp, incumbent, "Feasible (fallback)", backend, bound, start)
 
 
-def solve_relaxation(ilp: ShardingILP, time_limit_s: float, cold: bool = False,
-                     priced: list[tuple[str, float]] | None = None) -> str:
+def solve_relaxation(ilp: ShardingILP, time_limit_s: float, priced: list[tuple[str, float]] | None = None) -> str:
     """Solve the LP relaxation of ``ilp.problem`` as it stands, and return the status's name.
 
     With HiGHS, one model is kept on the ILP from solve to solve (``solver.relaxation``): only
     what changed is passed, and the simplex starts from the last basis. With CBC (no
-    ``highspy``), PuLP builds the model afresh. ``cold``: HiGHS starts from no basis
-    (``Relaxation.solve``). ``priced``: (row name, price) pairs whose terms join the objective
+    ``highspy``), PuLP builds the model afresh. ``priced``: (row name, price) pairs whose terms join the objective
     for this solve only (a Lagrangian step, ``solver.budget``)."""
     if backends.lp_backend() != "highs":
         objective = ilp.problem.objective
@@ -147,7 +145,7 @@ def solve_relaxation(ilp: ShardingILP, time_limit_s: float, cold: bool = False,
                 _set_objective(ilp, objective)
     if ilp.relaxation is None:
         ilp.relaxation = Relaxation(ilp)
-    return ilp.relaxation.solve(time_limit_s, cold, priced)
+    return ilp.relaxation.solve(time_limit_s, priced)
 
 
 def _set_objective(ilp: ShardingILP, objective) -> None:
