@@ -111,15 +111,21 @@ def solve(
             other_solution, sums = _fixed_solution(ilp, choice, unbounded)
             if other_solution.objective_s >= step_s:
                 continue  # checkpointing and offload only add time
-            try:
-                other_memory = plan_memory(traced, graph, other_solution.choice, cluster, memory_budget, target=offload,
-                                           prefetch=prefetch, checkpointing=checkpointing, explain=False)
-            except InfeasibleError:
-                continue
+            other_memory = None  # a Lagrangian plan that fits as it is needs none, as ``solution`` above
+            if int(peak_memory(graph, other_solution)[0]) > memory_budget:
+                try:
+                    other_memory = plan_memory(traced, graph, other_solution.choice, cluster, memory_budget,
+                                               target=offload, prefetch=prefetch, checkpointing=checkpointing,
+                                               explain=False)
+                except InfeasibleError:
+                    continue
+            else:
+                other_solution = dataclasses.replace(other_solution, status="Feasible (lagrangian)")
             other_parts = _StepParts.of(graph, other_solution, cluster, sums)
-            if other_parts.step_s + other_memory[0].added_s < step_s:
+            added_s = other_memory[0].added_s if other_memory is not None else 0.0
+            if other_parts.step_s + added_s < step_s:
                 solution, parts, memory = other_solution, other_parts, other_memory
-                step_s = parts.step_s + memory[0].added_s
+                step_s = parts.step_s + added_s
     plan = plan_from_solution(traced, graph, solution, cluster, memory_budget, parts)
     if memory is not None:
         plan = _with_memory(plan, *memory)
