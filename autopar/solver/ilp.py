@@ -387,9 +387,10 @@ class RowTable:
         self.entry_columns = np.concatenate([self.entry_columns, np.array(columns, dtype=np.int64)])
         self.entry_coefs = np.concatenate([self.entry_coefs, np.array(coefs, dtype=float)])
 
-    def entries_from(self, row: int) -> slice:
-        """The entries of rows ``row`` onwards."""
-        return slice(int(np.searchsorted(self.entry_rows, row)), len(self.entry_rows))
+    def entries(self, first: int, last: int | None = None) -> slice:
+        """The entries of rows ``first`` up to ``last`` (excluded; None: to the end)."""
+        end = len(self.entry_rows) if last is None else int(np.searchsorted(self.entry_rows, last))
+        return slice(int(np.searchsorted(self.entry_rows, first)), end)
 
     def hold(self, tolerance: float) -> bool:
         """``ShardingILP.rows_hold`` of the rows read so far."""

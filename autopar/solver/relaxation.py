@@ -124,7 +124,7 @@ class Relaxation:
             self.table_columns.append(column)
         first = len(self.rows)
         new = table.rows[first:]
-        entries = table.entries_from(first)
+        entries = table.entries(first)
         values = table.entry_coefs[entries]
         kept = values != 0
         rows = table.entry_rows[entries][kept] - first
@@ -218,12 +218,14 @@ class Relaxation:
         self.scale = scale
 
     def _row_terms(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """(columns, coefficients) of a row's terms, read once (coefficients are fixed)."""
+        """(columns, coefficients) of a row HiGHS holds, in the row's order, from the row table
+        its rows were added from (``_add_new_rows``); kept (coefficients are fixed)."""
         terms = self.row_terms.get(name)
         if terms is None:
-            row = self.ilp.problem._constraints[name]
-            columns = np.fromiter(map(self.column_of.__getitem__, map(id, row.keys())), np.int64, len(row))
-            terms = self.row_terms[name] = (columns, np.fromiter(row.values(), float, len(row)))
+            row = self.row_names.index(name)
+            entries = self.table.entries(row, row + 1)
+            columns = np.array(self.table_columns, dtype=np.int64)[self.table.entry_columns[entries]]
+            terms = self.row_terms[name] = (columns, self.table.entry_coefs[entries])
         return terms
 
     def solve(self, time_limit_s: float, priced: list[tuple[str, float]] | None = None) -> str:
