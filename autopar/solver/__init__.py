@@ -94,13 +94,20 @@ def solve(
             raise _infeasible(graph, memory_budget, time_limit_s, solver)
         if not solution.choice:
             raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
+    def memory_for(candidate: Solution, explain: bool = True):
+        """``plan_memory``'s (decisions, breakdown) for a sharding over the budget; None for one
+        that fits as it is (or when nothing may be checkpointed or offloaded)."""
+        if memory_budget is None or not (checkpointing or offload):
+            return None
+        if int(peak_memory(graph, candidate)[0]) <= memory_budget:
+            return None
+        return plan_memory(traced, graph, candidate.choice, cluster, memory_budget, target=offload,
+                           prefetch=prefetch, checkpointing=checkpointing, explain=explain)
+
     # Which sharding, with which memory decisions, is decided first, and its plan built once: a
     # candidate below that wins would make the first plan waste.
     parts = _StepParts.of(graph, solution, cluster)
-    memory = None  # ``plan_memory``'s (decisions, breakdown) for ``solution``, where it needs them
-    if memory_budget is not None and (checkpointing or offload) and int(peak_memory(graph, solution)[0]) > memory_budget:
-        memory = plan_memory(traced, graph, solution.choice, cluster, memory_budget, target=offload,
-                             prefetch=prefetch, checkpointing=checkpointing)
+    memory = memory_for(solution)
     step_s = parts.step_s + (memory[0].added_s if memory is not None else 0.0)  # the plan's predicted step
     if solution is not unbounded and unbounded.choice and (checkpointing or offload):
         # A faster sharding with checkpointing (or offload) may beat the leaner one that fits
@@ -111,15 +118,11 @@ def solve(
             other_solution, sums = _fixed_solution(ilp, choice, unbounded)
             if other_solution.objective_s >= step_s:
                 continue  # checkpointing and offload only add time
-            other_memory = None  # a Lagrangian plan that fits as it is needs none, as ``solution`` above
-            if int(peak_memory(graph, other_solution)[0]) > memory_budget:
-                try:
-                    other_memory = plan_memory(traced, graph, other_solution.choice, cluster, memory_budget,
-                                               target=offload, prefetch=prefetch, checkpointing=checkpointing,
-                                               explain=False)
-                except InfeasibleError:
-                    continue
-            else:
+            try:
+                other_memory = memory_for(other_solution, explain=False)
+            except InfeasibleError:
+                continue
+            if other_memory is None:  # a Lagrangian plan that fits as it is
                 other_solution = dataclasses.replace(other_solution, status="Feasible (lagrangian)")
             other_parts = _StepParts.of(graph, other_solution, cluster, sums)
             added_s = other_memory[0].added_s if other_memory is not None else 0.0
