@@ -158,13 +158,13 @@ def rounding_gap(objective: float, bound: float) -> float:
 
 
 def _lagrangian_fits(ilp, prices, factor, consider, limit) -> bool:
-    rows = {t: ilp.problem._constraints[ilp.memory_constraint_name(t)] for t in prices}
+    names = {t: ilp.memory_constraint_name(t) for t in prices}
+    rows = {t: ilp.problem._constraints[name] for t, name in names.items()}
     saved = {t: rows[t].constant for t in rows}
     try:
         for row in rows.values():  # the rows are priced, not enforced
             row.constant = -1e30
-        solve_relaxation(ilp, limit, priced=[(ilp.memory_constraint_name(t), factor * price)
-                                              for t, price in prices.items() if price > 0])
+        solve_relaxation(ilp, limit, priced=[(names[t], factor * price) for t, price in prices.items() if price > 0])
         if ilp.problem.status != pulp.LpStatusOptimal:
             return False
         choice = rounding.round_relaxation(ilp)
