@@ -63,8 +63,6 @@ def _saves(consumer, index: int) -> bool:
 
 def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterSpec,
                    bucket_cap_bytes: float = comm.DEFAULT_BUCKET_CAP_BYTES) -> ParamSchedule:
-    reshard_after_forward = graph.comm.reshard_after_forward
-    mesh = graph.mesh_shape
     delta_s = delta_bytes = 0.0
     per_axis: dict[int, float] = {}
     sync_s = 0.0
@@ -76,70 +74,42 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
     regathered: list[tuple[str, float, float, int]] = []  # (layer, seconds, bytes sent, axis) resharded
     saved_layers: set[str] = set()
     groups, refunds = graph.param_sync_groups()
-    reduced = {(param, key[1], key[2]): group.price_s for key, group in groups.items() if group.needed(choice)
-               for param in group.params}
+    needed = [(key, group) for key, group in groups.items() if group.needed(choice)]
+    reduced = {(param, key[1], key[2]): group.price_s for key, group in needed for param in group.params}
+    # Each parameter's terms depend on its own strategy and its uses' alone: priced once per
+    # graph for each such combination (``_param_terms``), then added up here in the order they
+    # always were, so that every sum is the same to the last bit. The candidates that ``solve``
+    # compares differ in few nodes; most of their parameters are priced already.
+    cached = graph.derived.get("param_terms")
+    if cached is None or cached[0] is not cluster or cached[1] != bucket_cap_bytes:
+        cached = graph.derived["param_terms"] = (cluster, bucket_cap_bytes, {})
+    memo = cached[2]
     for name, edges in uses.items():
-        src = graph.choices[name].strategies[choice[name]].outs[0]
-        syncs: dict[tuple[int, ...], list] = {}
-        gathers: dict[tuple[int, int], list] = {}
-        for edge in edges:
-            consumer = graph.choices[edge.consumer]
-            strategy = consumer.strategies[choice[edge.consumer]]
-            if consumer.info is None:
-                continue
-            dst = strategy.ins[edge.in_index]
-            axes = tuple(grad_sync_axes(strategy, edge.in_index))
-            axes = tuple(a for a in axes if mesh[a] > 1)
-            if src == dst:
-                if axes:
-                    syncs.setdefault(axes, []).append((edge, dst))
-                continue
-            gather = single_gather(src, dst)
-            if gather is not None and axes in ((), (gather[0],)):
-                gathers.setdefault(gather + (bool(axes),), []).append((edge, dst))
-        arg_shape, dtype = graph.choices[name].out_shapes[0], reduce_dtypes.get(name, graph.choices[name].out_dtypes[0])
-        if syncs:
-            # Bytes: one reduction per (parameter, axis), as the ILP merges them (seconds below).
-            for axes, members in syncs.items():
-                for a in axes:
-                    cost = comm.param_grad_sync_cost(arg_shape, src, a, dtype, mesh, cluster, bucket_cap_bytes)
-                    delta_bytes -= (len(members) - 1) * cost.bytes_sent
-                    for axis, sent in cost.bytes_per_axis:
-                        per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * sent
-            held[name] = (min(order[e.consumer] for ms in syncs.values() for e, _ in ms),
-                          memory.local_bytes(arg_shape, dtype, src, mesh))
-        held.setdefault(name, (min(order[e.consumer] for e in edges), memory.local_bytes(arg_shape, dtype, src, mesh)))
-        if len(gathers) == 1 and not syncs:
-            (((axis, dim, reduce), members),) = gathers.items()
-            dst = members[0][1]
-            # Gathered in the dtype its uses read (a policy's param_dtype: the runtime gathers the
-            # cast shards), its gradient reduce-scattered in the reduction dtype.
-            gathered = memory.local_bytes(arg_shape, members[0][0].dtype, dst, mesh)
-            whole = memory.local_bytes(arg_shape, dtype, dst, mesh)
-            k = mesh[axis]
-            gather_s = comm.all_gather_s(gathered, axis, mesh, cluster)
-            gather_sent = comm.bytes_sent("all_gather", gathered, k)
-            # each use gathered it; once now
-            delta_s -= (len(members) - 1) * gather_s
-            delta_bytes -= (len(members) - 1) * gather_sent
-            per_axis[axis] = per_axis.get(axis, 0.0) - (len(members) - 1) * gather_sent
-            layer = param_layer(graph.choices[name].fqn or name)
-            if reshards(layer, reshard_after_forward):
-                regathered.append((layer, gather_s, gather_sent, axis))
-                saved_layers.update([layer] if any(_saves(graph.choices[e.consumer], e.in_index) for e, _ in members) else [])
-            if reduce:
-                # The ILP priced this reduction as a bucketed all-reduce of the gathered
-                # parameter (its group); the runtime reduce-scatters it instead.
-                group_s = reduced.get((name, axis, dst), 0.0)
-                link = cluster.axis_link(mesh, axis)
-                scatter_sent = comm.bytes_sent("reduce_scatter", whole, k)
-                scatter_s = ((k - 1) * link.latency_s * min(1.0, whole / bucket_cap_bytes)
-                             + scatter_sent / link.bandwidth_bytes_per_s)
-                priced = comm.grad_allreduce_cost(arg_shape, dst, axis, dtype, mesh, cluster)
-                scatter_delta_s += scatter_s - group_s
-                delta_bytes += scatter_sent - len(members) * priced.bytes_sent
-                per_axis[axis] = per_axis.get(axis, 0.0) + scatter_sent - len(members) * priced.bytes_sent
-                scattered[name] = (min(order[e.consumer] for e, _ in members), scatter_s - group_s, whole, layer)
+        key = (name, choice[name], *[choice[edge.consumer] for edge in edges])
+        terms = memo.get(key)
+        if terms is None:
+            terms = memo[key] = _param_terms(graph, name, edges, choice, order, reduce_dtypes, cluster, bucket_cap_bytes)
+        for target, value in terms.changes:
+            if target == "s":
+                delta_s += value
+            elif target == "bytes":
+                delta_bytes += value
+            else:
+                per_axis[target] = per_axis.get(target, 0.0) + value
+        held[name] = terms.held
+        if terms.regathered is not None:
+            regathered.append(terms.regathered)
+            if terms.saved:
+                saved_layers.add(terms.regathered[0])
+        if terms.scatter is not None:
+            # The ILP priced this reduction as a bucketed all-reduce of the gathered
+            # parameter (its group); the runtime reduce-scatters it instead.
+            first, axis, dst, scatter_s, sent_delta, whole, layer = terms.scatter
+            group_s = reduced.get((name, axis, dst), 0.0)
+            scatter_delta_s += scatter_s - group_s
+            delta_bytes += sent_delta
+            per_axis[axis] = per_axis.get(axis, 0.0) + sent_delta
+            scattered[name] = (first, scatter_s - group_s, whole, layer)
     # Resharded after forward: backward gathers a layer's group again when an op saved one of
     # its parameters (``ops.buckets.ParamGathers``), the whole group.
     for layer, gather_s, gather_sent, axis in regathered:
@@ -151,14 +121,13 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
     # each (parameter, axis, spec) that any use needs, once, bucketed, in place of the per-use
     # all-reduces in ``compute_s``.
     per_use_s = sum(refund[choice[n]] for n, refund in refunds.items())
-    merged_s = sum(group.total_s for group in groups.values() if group.needed(choice))
+    merged_s = sum(group.total_s for _, group in needed)
     delta_s += merged_s - per_use_s + scatter_delta_s
     sync_s += merged_s + scatter_delta_s
     per_param: dict[str, float] = {}
-    for key, group in groups.items():
-        if group.needed(choice):
-            for param in group.params:
-                per_param[param] = per_param.get(param, 0.0) + group.price_s
+    for _, group in needed:
+        for param in group.params:
+            per_param[param] = per_param.get(param, 0.0) + group.price_s
     for param, seconds in per_param.items():
         first, nbytes = held.get(param, (order.get(param, 0), 0.0))  # a parameter with no edge: none
         layer = None  # all-reduced: buckets of any parameters
@@ -195,6 +164,85 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
         last_bucket_s += latency * (1.0 - min(1.0, filled / bucket_cap_bytes))
     return ParamSchedule(delta_s, delta_bytes, per_axis, sync_s, backward_s, last_bucket_s, per_use_s,
                          delta_s - (merged_s - per_use_s))
+
+
+@dataclass(frozen=True, slots=True)
+class _ParamTerms:
+    """One parameter's part of ``param_schedule`` under one choice of its strategy and its uses'."""
+
+    changes: tuple[tuple[str | int, float], ...]  # ("s" | "bytes" | an axis, what is added), in order
+    held: tuple[int, float]  # (first use, local bytes) of its reduction
+    regathered: tuple[str, float, float, int] | None  # (layer, seconds, bytes sent, axis): gathered again in backward if saved
+    saved: bool  # an op saves it for backward
+    scatter: tuple[int, int, tuple, float, float, float, str] | None  # reduce-scattered: (first use, axis, spec, seconds, Δbytes, bytes, layer)
+
+
+def _param_terms(graph: ChoiceGraph, name: str, edges: list, choice: dict[str, int], order: dict[str, int],
+                 reduce_dtypes: dict[str, object], cluster: ClusterSpec, bucket_cap_bytes: float) -> _ParamTerms:
+    """Parameter ``name``'s merged gathers and reductions under ``choice`` (module docstring)."""
+    mesh = graph.mesh_shape
+    changes: list[tuple[str | int, float]] = []
+    src = graph.choices[name].strategies[choice[name]].outs[0]
+    syncs: dict[tuple[int, ...], list] = {}
+    gathers: dict[tuple[int, int], list] = {}
+    for edge in edges:
+        consumer = graph.choices[edge.consumer]
+        strategy = consumer.strategies[choice[edge.consumer]]
+        if consumer.info is None:
+            continue
+        dst = strategy.ins[edge.in_index]
+        axes = tuple(grad_sync_axes(strategy, edge.in_index))
+        axes = tuple(a for a in axes if mesh[a] > 1)
+        if src == dst:
+            if axes:
+                syncs.setdefault(axes, []).append((edge, dst))
+            continue
+        gather = single_gather(src, dst)
+        if gather is not None and axes in ((), (gather[0],)):
+            gathers.setdefault(gather + (bool(axes),), []).append((edge, dst))
+    arg_shape, dtype = graph.choices[name].out_shapes[0], reduce_dtypes.get(name, graph.choices[name].out_dtypes[0])
+    held = None
+    if syncs:
+        # Bytes: one reduction per (parameter, axis), as the ILP merges them (seconds below).
+        for axes, members in syncs.items():
+            for a in axes:
+                cost = comm.param_grad_sync_cost(arg_shape, src, a, dtype, mesh, cluster, bucket_cap_bytes)
+                changes.append(("bytes", -((len(members) - 1) * cost.bytes_sent)))
+                for axis, sent in cost.bytes_per_axis:
+                    changes.append((axis, -((len(members) - 1) * sent)))
+        held = (min(order[e.consumer] for ms in syncs.values() for e, _ in ms),
+                memory.local_bytes(arg_shape, dtype, src, mesh))
+    if held is None:
+        held = (min(order[e.consumer] for e in edges), memory.local_bytes(arg_shape, dtype, src, mesh))
+    regathered = scatter = None
+    saved = False
+    if len(gathers) == 1 and not syncs:
+        (((axis, dim, reduce), members),) = gathers.items()
+        dst = members[0][1]
+        # Gathered in the dtype its uses read (a policy's param_dtype: the runtime gathers the
+        # cast shards), its gradient reduce-scattered in the reduction dtype.
+        gathered = memory.local_bytes(arg_shape, members[0][0].dtype, dst, mesh)
+        whole = memory.local_bytes(arg_shape, dtype, dst, mesh)
+        k = mesh[axis]
+        gather_s = comm.all_gather_s(gathered, axis, mesh, cluster)
+        gather_sent = comm.bytes_sent("all_gather", gathered, k)
+        # each use gathered it; once now
+        changes.append(("s", -((len(members) - 1) * gather_s)))
+        changes.append(("bytes", -((len(members) - 1) * gather_sent)))
+        changes.append((axis, -((len(members) - 1) * gather_sent)))
+        layer = param_layer(graph.choices[name].fqn or name)
+        if reshards(layer, graph.comm.reshard_after_forward):
+            regathered = (layer, gather_s, gather_sent, axis)
+            saved = any(_saves(graph.choices[e.consumer], e.in_index) for e, _ in members)
+        if reduce:
+            link = cluster.axis_link(mesh, axis)
+            scatter_sent = comm.bytes_sent("reduce_scatter", whole, k)
+            scatter_s = ((k - 1) * link.latency_s * min(1.0, whole / bucket_cap_bytes)
+                         + scatter_sent / link.bandwidth_bytes_per_s)
+            priced = comm.grad_allreduce_cost(arg_shape, dst, axis, dtype, mesh, cluster)
+            scatter = (min(order[e.consumer] for e, _ in members), axis, dst, scatter_s,
+                       scatter_sent - len(members) * priced.bytes_sent, whole, layer)
+    return _ParamTerms(tuple(changes), held, regathered, saved, scatter)
 
 
 def _param_uses(graph: ChoiceGraph) -> tuple[dict[str, int], dict[str, list], dict[str, object]]:
