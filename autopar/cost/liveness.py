@@ -153,6 +153,11 @@ class Timeline:
         np.add.at(delta, positions, changes)
         return np.cumsum(delta)[1:-1]
 
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(each interval's first time, its last time), in interval order."""
+        self._layout()
+        return self._arrays["starts"], self._arrays["ends"]
+
     def sizes(self, bytes_of: Callable[[str], float]) -> np.ndarray:
         """Each interval's bytes, ``factor * bytes_of(node)``, in interval order (``bytes_of``
         asked once per name)."""

@@ -167,7 +167,7 @@ class _WalkShape:
 class _Walk:
     """The liveness intervals of one chosen sharding, re-priced under a set of decisions."""
 
-    def __init__(self, traced: TracedModel, graph, bytes_of: Callable[[str], float]):
+    def __init__(self, traced: TracedModel, graph, bytes_of: Callable[[str], float], sizes: np.ndarray | None = None):
         self.graph = graph
         self.bytes_of = bytes_of
         self.timeline: liveness.Timeline = graph.timeline
@@ -178,7 +178,7 @@ class _Walk:
         self.num, self.index, self.root, self.uses = shape.num, shape.index, shape.root, shape.uses
         self.segments, self.fetches, self._touched = shape.segments, shape.fetches, shape.touched
         # The walk with no decision, as a difference array (``np.add.at`` adds in order, as a loop).
-        self._sizes = self.timeline.sizes(bytes_of)
+        self._sizes = self.timeline.sizes(bytes_of) if sizes is None else sizes
         self._base = _difference(self.num, shape.starts, shape.ends, self._sizes)
         self._last: tuple | None = None  # (prefetch, decisions, context, delta) of the last checkpoint-only curve
 
@@ -384,18 +384,31 @@ class _Walk:
             delta[end + 1] -= size
 
     def kept_peak(self) -> float:
-        """The peak of the tensors no checkpoint frees: all but activations and gathered copies
-        (``_spans`` changes only those for a checkpoint). Checkpointing adds nothing below them,
-        so no set of checkpoints brings the peak under this."""
-        kept = np.array([iv.kind not in ("activation", "gathered") for iv in self.timeline.intervals], dtype=bool)
-        delta = _difference(self.num, self.shape.starts[kept], self.shape.ends[kept], self._sizes[kept])
-        return float(np.cumsum(delta[:-1]).max(initial=0.0))
+        """``_kept_peak`` of this walk's sizes."""
+        return _kept_peak(self.timeline, self._sizes)
 
     def peak(self, decisions, prefetch: bool) -> tuple[float, int]:
         """(peak bytes, the first time it is reached) under ``decisions``."""
         values = self.curve_under(decisions, prefetch)
         time = int(np.argmax(values))
         return float(values[time]), time
+
+
+def _kept_peak(timeline: liveness.Timeline, sizes: np.ndarray) -> float:
+    """The peak of the tensors no checkpoint frees: all but activations and gathered copies
+    (``_Walk._spans`` changes only those for a checkpoint). Checkpointing adds nothing below them,
+    so no set of checkpoints brings the peak under this. From the timeline alone: the walk's
+    shape (``_WalkShape``) is not needed to know that checkpointing cannot fit a sharding."""
+    starts, ends = timeline.bounds()
+    kept = np.array([iv.kind not in ("activation", "gathered") for iv in timeline.intervals], dtype=bool)
+    delta = _difference(len(timeline.names), starts[kept], ends[kept], sizes[kept])
+    return float(np.cumsum(delta[:-1]).max(initial=0.0))
+
+
+def _plain_peak(timeline: liveness.Timeline, sizes: np.ndarray) -> float:
+    """``_Walk.peak`` with no decision (summed as the walk sums it), from the timeline alone."""
+    starts, ends = timeline.bounds()
+    return float(np.cumsum(_difference(len(timeline.names), starts, ends, sizes)[:-1]).max())
 
 
 def _difference(num: int, starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -424,16 +437,22 @@ def plan_memory(
     Raises InfeasibleError with the peak when every candidate is taken (``explain=False``: with
     no list of what is alive there, for a caller that only tries a candidate and moves on)."""
     bytes_of = graph.bytes_of(choice)
-    walk = _Walk(traced, graph, bytes_of)
+    sizes = graph.timeline.sizes(bytes_of)
+    if target is None and _kept_peak(graph.timeline, sizes) > budget and _plain_peak(graph.timeline, sizes) > budget:
+        # Checkpointing alone cannot fit: fail as the greedy would, having taken every candidate
+        # (known before the walk's shape is built, which ``solve``'s candidates may never need).
+        if not explain:
+            raise _infeasible(None, graph, set(), prefetch, budget, target, checkpointing, explain)
+        walk = _Walk(traced, graph, bytes_of, sizes)
+        keys = {c.key for c in _candidates(walk, graph, choice, cluster, target, checkpointing)}
+        raise _infeasible(walk, graph, keys, prefetch, budget, target, checkpointing, explain)
+    walk = _Walk(traced, graph, bytes_of, sizes)
     candidates = _candidates(walk, graph, choice, cluster, target, checkpointing)
     before, _ = walk.peak(set(), prefetch)
     chosen: list[_Candidate] = []
     keys: set = set()
     peak = before
     ranked = sorted(candidates, key=lambda c: (c.cost_s / max(c.saved_bytes, 1.0), c.key))
-    if target is None and before > budget and walk.kept_peak() > budget:
-        # Checkpointing alone cannot fit: fail as the greedy would, having taken every candidate.
-        raise _infeasible(walk, graph, {c.key for c in ranked}, prefetch, budget, target, checkpointing, explain)
     for candidate in ranked:
         if peak <= budget:
             break
@@ -537,7 +556,7 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing) -> l
     return out
 
 
-def _infeasible(walk: _Walk, graph, keys, prefetch, budget, target, checkpointing, explain: bool = True) -> InfeasibleError:
+def _infeasible(walk: _Walk | None, graph, keys, prefetch, budget, target, checkpointing, explain: bool = True) -> InfeasibleError:
     if not explain:
         return InfeasibleError(f"no plan of this sharding fits memory_budget={budget:.0f} bytes per device")
     peak, time = walk.peak(keys, prefetch)

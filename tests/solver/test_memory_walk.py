@@ -85,9 +85,16 @@ def test_giving_up_early_says_what_the_greedy_said(monkeypatch):
     choice = {name: 0 for name in graph.choices}
     budget = 0.99 * _Walk(traced, graph, graph.bytes_of(choice)).kept_peak()
     messages = []
-    for kept_peak in (memory._Walk.kept_peak, lambda self: 0.0):  # the shortcut, then the greedy
-        monkeypatch.setattr(memory._Walk, "kept_peak", kept_peak)
+    for kept_peak in (memory._kept_peak, lambda timeline, sizes: 0.0):  # the shortcut, then the greedy
+        monkeypatch.setattr(memory, "_kept_peak", kept_peak)
         with pytest.raises(InfeasibleError) as error:
             memory.plan_memory(traced, graph, choice, cluster, budget, target=None)
         messages.append(str(error.value))
     assert messages[0] == messages[1]
+    # A caller that only tries the sharding (``solve``'s candidates) gets the short error, and
+    # the walk's shape is not built for it.
+    monkeypatch.undo()
+    graph.derived.pop("memory_walk", None)
+    with pytest.raises(InfeasibleError, match="no plan of this sharding fits"):
+        memory.plan_memory(traced, graph, choice, cluster, budget, target=None, explain=False)
+    assert "memory_walk" not in graph.derived
