@@ -33,7 +33,9 @@ PREFIX = "gathered:"
 
 @dataclass(frozen=True, slots=True)
 class GatheredSize:
-    """Bytes of a gathered parameter per (producer spec, consumer spec) of edge ``edge``."""
+    """Bytes of a gathered parameter per (producer spec, consumer spec) of edge ``edge``
+    (``sizes`` is shared by the parameters whose edges share a price table, shape and dtype:
+    read only)."""
 
     edge: int
     sizes: dict[tuple[Spec, Spec], float]
@@ -107,7 +109,7 @@ def gathered_parameters(choices: dict[str, "Choice"], edges: Sequence["Edge"], o
         if key not in sized:
             sized[key] = {(src, dst): float(memory.local_bytes(edge.shape, edge.dtype, dst, mesh_shape))
                           for src, dst in edge.price if single_gather(src, dst) is not None}
-        sizes[PREFIX + param] = GatheredSize(e, dict(sized[key]))
+        sizes[PREFIX + param] = GatheredSize(e, sized[key])  # shared by the layers' copies: read only
         rows.append(GatherRow(param, fqns.get(param, param), tuple(uses[param]), edge.shape, edge.dtype,
                               choices[param].out_dtypes[0]))
     return sizes, gathered_intervals(rows, nodes, options, exchange)

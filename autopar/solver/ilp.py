@@ -411,7 +411,8 @@ class _MemoryTerms:
     terms are m[n, s] on x[n, s] (a variable, coefficient 1; or a follower's expression, one
     term per variable, and its constant), for each s with bytes; a gathered parameter's are its
     bytes per (p, q) on y[e, p, q]. Nodes of repeated layers share their x and their byte
-    lists (``choices.repeated_layers``), hence their terms: those are stored once. The
+    lists (``choices.repeated_layers``), and their gathered parameters their y and their sizes
+    (``gathered.gathered_parameters``), hence their terms: those are stored once. The
     variables are fixed once the ILP is built, so the table is built once."""
 
     def __init__(self, ilp: ShardingILP):
@@ -421,7 +422,7 @@ class _MemoryTerms:
         self.position: dict[str, int] = {}  # timeline name -> k
         self.is_node: list[bool] = []
         starts, counts, slots, sizes, coefs = [], [], [], [], []
-        blocks: dict[tuple[int, int], tuple[int, int]] = {}  # (id of x, id of bytes) -> (start, count)
+        blocks: dict[tuple, tuple[int, int]] = {}  # (id of x, id of bytes), or a gathered key -> (start, count)
 
         def add(var, size: float, coef: float) -> None:
             slot = 0 if var is None else slot_of.get(id(var))
@@ -455,12 +456,18 @@ class _MemoryTerms:
                 blocks[key] = (first, len(slots) - first)
             place(name, True, blocks[key])
         for name, item in gathered.items():
-            first = len(slots)
-            variables = ilp.y.get(item.edge, {})
-            for pair, size in item.sizes.items():
-                if size and pair in variables:
-                    add(variables[pair], size, 1.0)
-            place(name, False, (first, len(slots) - first))
+            variables = ilp.y.get(item.edge)
+            if not variables:
+                place(name, False, (len(slots), 0))
+                continue
+            key = ("gathered", id(variables), id(item.sizes))  # a repeated layer's are the first layer's
+            if key not in blocks:
+                first = len(slots)
+                for pair, size in item.sizes.items():
+                    if size and pair in variables:
+                        add(variables[pair], size, 1.0)
+                blocks[key] = (first, len(slots) - first)
+            place(name, False, blocks[key])
         self.starts = np.array(starts, dtype=np.intp)
         self.counts = np.array(counts, dtype=np.intp)
         self.slots = np.array(slots, dtype=np.intp)
