@@ -24,7 +24,9 @@ path through the solver (with it, a deep model's budget may bind where a shallow
 Times are wall-clock on whatever machine runs this; compare rows of one run only. ``--repeat N``
 plans each (model, depth) N times, depths interleaved, and keeps the minimum of each time column
 (a shared machine only ever adds time; ``total_s`` is the fastest run's, not a sum of minima); the
-ratio is taken between those minima. ``total_cpu_s`` is the process's CPU time for the same
+ratio is taken between those minima; ``paired_ratio_median`` is the median over the repeats of
+each repeat's own ratio (its rows run back to back, so a change in the machine's speed between
+repeats cancels out, and a burst in one row is outvoted). ``total_cpu_s`` is the process's CPU time for the same
 work (``time.process_time``), which other jobs on a loaded machine disturb far less than wall
 time; ``cpu_ratio_to_smallest`` is its ratio. ``plan_hash`` is ``Plan.hash`` (the whole plan
 JSON, explanations included): a change meant to make planning faster and nothing else must leave
@@ -37,6 +39,7 @@ import argparse
 import csv
 import gc
 import os
+import statistics
 import sys
 import time
 
@@ -122,10 +125,12 @@ def main() -> int:
     rows = []
     for name in args.models:
         best: dict[int, dict] = {}
+        totals: dict[int, list[float]] = {layers: [] for layers in args.layers}  # per repeat
         for _ in range(args.repeat):
             for layers in args.layers:
                 row = plan_row(name, layers, args.export, args.memory_budget)
                 print(row, flush=True)
+                totals[layers].append(row["total_s"])
                 if layers in best:  # the first repeat's plan; a time-limited MILP may differ
                     same = all(row[k] == best[layers][k] for k in ("method", "peak_gib", "step_s", "objective_s", "plan_hash"))
                     row = {k: min(v, row[k]) if k in TIMES else v for k, v in best[layers].items()}
@@ -138,6 +143,10 @@ def main() -> int:
             row["ratio_to_smallest"] = round(row["total_s"] / first, 2)
             first_cpu = first_cpu or row["total_cpu_s"]
             row["cpu_ratio_to_smallest"] = round(row["total_cpu_s"] / first_cpu, 2)
+            # Each repeat plans the depths back to back: the ratio within a repeat sees the
+            # machine at one speed, and the median over repeats ignores a burst in either row.
+            paired = [total / smallest for total, smallest in zip(totals[layers], totals[args.layers[0]])]
+            row["paired_ratio_median"] = round(statistics.median(paired), 2)
             row["repeats"] = args.repeat
             rows.append(row)
             print("min:", row, flush=True)
