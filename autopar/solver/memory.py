@@ -103,8 +103,6 @@ class _WalkShape:
     segments: list[tuple[str, int, int]]
     fetches: list[tuple[int, str]]
     touched: dict[tuple[str, str], set[int]]
-    starts: np.ndarray  # of the timeline's intervals
-    ends: np.ndarray
     # Per segment, what pricing it needs of each of its nodes (``_Walk.segment_terms``).
     segment_terms: list | None = None
 
@@ -158,10 +156,7 @@ class _WalkShape:
                     keys.append(("param", iv.node))
             for key in keys:
                 touched.setdefault(key, set()).add(k)
-        starts = np.array([iv.start for iv in intervals], dtype=np.int64)
-        ends = np.array([iv.end for iv in intervals], dtype=np.int64)
-        return cls(len(nodes), {node.name: i for i, node in enumerate(nodes)}, root, uses, segments, fetches,
-                   touched, starts, ends)
+        return cls(len(nodes), {node.name: i for i, node in enumerate(nodes)}, root, uses, segments, fetches, touched)
 
 
 class _Walk:
@@ -177,9 +172,8 @@ class _Walk:
         shape = self.shape = cached[1]
         self.num, self.index, self.root, self.uses = shape.num, shape.index, shape.root, shape.uses
         self.segments, self.fetches, self._touched = shape.segments, shape.fetches, shape.touched
-        # The walk with no decision, as a difference array (``np.add.at`` adds in order, as a loop).
         self._sizes = self.timeline.sizes(bytes_of) if sizes is None else sizes
-        self._base = _difference(self.num, shape.starts, shape.ends, self._sizes)
+        self._base = _unplanned(self.timeline, self._sizes)
         self._last: tuple | None = None  # (prefetch, decisions, context, delta) of the last checkpoint-only curve
 
     def bwd(self, time: int) -> int:
@@ -405,10 +399,15 @@ def _kept_peak(timeline: liveness.Timeline, sizes: np.ndarray) -> float:
     return float(np.cumsum(delta[:-1]).max(initial=0.0))
 
 
-def _plain_peak(timeline: liveness.Timeline, sizes: np.ndarray) -> float:
-    """``_Walk.peak`` with no decision (summed as the walk sums it), from the timeline alone."""
+def _unplanned(timeline: liveness.Timeline, sizes: np.ndarray) -> np.ndarray:
+    """The walk with no decision, as a difference array (``np.add.at`` adds in order, as a loop)."""
     starts, ends = timeline.bounds()
-    return float(np.cumsum(_difference(len(timeline.names), starts, ends, sizes)[:-1]).max())
+    return _difference(len(timeline.names), starts, ends, sizes)
+
+
+def _plain_peak(timeline: liveness.Timeline, sizes: np.ndarray) -> float:
+    """``_Walk.peak`` with no decision (``_unplanned``, summed as the walk sums it)."""
+    return float(np.cumsum(_unplanned(timeline, sizes)[:-1]).max())
 
 
 def _difference(num: int, starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> np.ndarray:
