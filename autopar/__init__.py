@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+from autopar import _moved  # noqa: E402 - old module paths (autopar.models, ...) keep importing
+
+_moved.install()
+
 # public name -> the module that defines it (a module of its own where the name is the module).
 _EXPORTS = {
     "plan": "autopar.api",

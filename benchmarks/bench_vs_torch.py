@@ -4,7 +4,7 @@
     python benchmarks/bench_vs_torch.py --ranks 2 --steps 8 --warmup 2
 
 For each world size, one set of spawned gloo ranks (one thread each) builds five trainers of the
-same GPT (``autopar.models.GPT``: 4 layers, 256 wide, 8 heads, vocabulary 4,096, tied embeddings,
+same GPT (``autopar.zoo.models.GPT``: 4 layers, 256 wide, 8 heads, vocabulary 4,096, tied embeddings,
 global batch 16 x 128 tokens, AdamW):
 
 - ``torch_ddp``: ``DistributedDataParallel`` (its default 25 MiB buckets), each rank its slice
@@ -55,7 +55,7 @@ def _gpt():
     try:
         from autopar.zoo import GPT
     except ImportError:  # before the package re-layout
-        from autopar.models import GPT
+        from autopar.zoo.models import GPT
     torch.manual_seed(0)
     return GPT(**CONFIG)
 
