@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autopar import checkpoint, optim
+    from autopar import checkpoint as checkpoint, optim as optim
     from autopar.api import compile, hand_plan, plan
     from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
     from autopar.ir.options import CommOptions, MixedPrecision

@@ -115,7 +115,7 @@ def step_accuracy(out: Path, quick: bool, pricings: list[tuple[str, str, str | N
         idx = torch.randint(0, vocab, (batch, seq), device="cuda")
         targets = torch.randint(0, vocab, (batch, seq), device="cuda")
 
-        def fwd_bwd():
+        def fwd_bwd(model=model):  # bound now: the loop deletes `model` at its end
             model(idx, targets).backward()
 
         measured_s = _time_cuda(fwd_bwd, warmup=2, repeat=5 if quick else 10)

@@ -51,7 +51,6 @@ comm_buffer       the same parameter      bwd(its last use) … the launch of th
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence

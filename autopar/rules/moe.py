@@ -24,7 +24,6 @@ the local experts' groups and writes zeros elsewhere: a Partial result.
 
 from __future__ import annotations
 
-import torch
 
 from autopar.rules.registry import SINGLE_AXIS_KERNELS, OpInfo, Row, register, replicate_row
 from autopar.ir.spec import P, R, S

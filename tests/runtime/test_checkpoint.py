@@ -7,7 +7,6 @@ Reference: an eager AdamW run of the same model, uninterrupted, in float64.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest

@@ -14,10 +14,10 @@ from torch.distributed.tensor import Replicate
 import autopar
 from autopar.cost.cluster import LinkSpec, get_cluster
 from autopar.errors import InfeasibleError, MeshError
-from autopar.zoo.models import GPT, MLP, build_model, example_batch
+from autopar.zoo.models import MLP, build_model, example_batch
 from autopar.ir.plan import Plan
 from autopar.solver.stage_costs import cluster_layers
-from autopar.solver.stages import plan_stages, search_stages
+from autopar.solver.stages import search_stages
 from autopar.trace import trace
 
 H100 = get_cluster("h100-80g")
