@@ -22,8 +22,8 @@ from autopar.ops import collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster, local_cluster, resolve_budget
 from autopar.errors import AutoparError, MeshError, PlanError
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
-from autopar.solver.hand_plans import resolve_kind, solve_hand_plan
-from autopar.solver.mesh_search import search_mesh
+from autopar.solver.planners.hand_plans import resolve_kind, solve_hand_plan
+from autopar.solver.planners.mesh_search import search_mesh
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.ir.options import (
     CommOptions, MemoryOptions, MixedPrecision, PipelineOptions, PlanOptions, check_mesh_devices, precision_policy,
@@ -35,7 +35,7 @@ from autopar.ir.plan import Plan, validate_plan_json
 from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.solver import solve
 from autopar.trace import TracedModel, trace, trace_repeated
-from autopar.solver import symbolic
+from autopar.solver.pricing import symbolic
 from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
 from autopar.runtime.offload import Offloader
 from autopar.runtime.store import make_store
@@ -86,7 +86,7 @@ def plan(
     a ClusterSpec, or a JSON/TOML file; ``compile`` prices the machine it runs on instead.
 
     ``mesh="auto"`` with ``devices=N`` plans on every factorization of N into 1..``max_axes``
-    axes (``autopar.solver.mesh_search``) from one trace and returns the fastest plan; the table of all
+    axes (``autopar.solver.planners.mesh_search``) from one trace and returns the fastest plan; the table of all
     candidates, with predicted step times and infeasible meshes marked, is in
     ``plan.stats["mesh_search"]``.
 
@@ -106,10 +106,10 @@ def plan(
     split; with ``mesh="auto"`` and ``devices`` it also picks the stage mesh). The example
     inputs are the global batch; the plan is made for ``num_microbatches`` microbatches (default:
     N, or 1 under "auto") of batch / ``num_microbatches`` each, and its ``pipeline`` holds the
-    stages (``autopar.solver.stages`` chooses them; ``autopar.runtime.pipeline`` runs them).
+    stages (``autopar.solver.planners.stages`` chooses them; ``autopar.runtime.pipeline`` runs them).
 
     When no sharding fits ``memory_budget``, ``offload`` and ``checkpointing`` let the planner
-    add activation checkpointing and offload by cost (``autopar.solver.memory``), recorded in
+    add activation checkpointing and offload by cost (``autopar.solver.planners.memory_plan``), recorded in
     ``plan.memory``. ``offload`` is "off" (the default: sharding only), "cpu" (pinned host
     memory), "disk" or "disk:PATH" (files on local disk; the path is used at compile), or
     "auto" (host memory, or disk where the compute device is the host). ``checkpointing``
@@ -228,7 +228,7 @@ def _plan_pipeline(model, mesh, example_inputs, example_kwargs, cluster: Cluster
 def _plan_stages(traced: TracedModel, mesh_shape: tuple[int, ...] | None, devices: int | None, cluster: ClusterSpec,
                  options: PlanOptions) -> Plan:
     """The stage planner on a model traced at one microbatch."""
-    from autopar.solver.stages import plan_stages  # the stage planner loads only for pipelines (start-up speed)
+    from autopar.solver.planners.stages import plan_stages  # the stage planner loads only for pipelines (start-up speed)
 
     return plan_stages(traced, mesh_shape, cluster, num_stages=options.pipeline.stages,
                        num_microbatches=options.pipeline.microbatches,
@@ -272,7 +272,7 @@ def hand_plan(
     memory_budget: float | None = None,
     precision: str | MixedPrecision | None = None,
 ) -> Plan:
-    """The hand plan ``kind`` (``autopar.solver.hand_plans.KINDS``: "ddp", "fsdp", "megatron", ...)
+    """The hand plan ``kind`` (``autopar.solver.planners.hand_plans.KINDS``: "ddp", "fsdp", "megatron", ...)
     for ``model`` on ``mesh``, as a Plan priced by autopar's model (``memory_budget`` and
     ``precision`` as in ``autopar.plan``).
 

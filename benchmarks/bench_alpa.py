@@ -14,7 +14,7 @@ its search found and published:
     15B  on 32 GPUs: 128 microbatches, 4 stages of 8 GPUs, each (2, 4)
     39B  on 64 GPUs: 1,024 microbatches, 16 stages of 4 GPUs, each 4-way tensor parallel
 
-For each case autopar's planner (``autopar.solver.stages.search_stages``, ``num_stages="auto"``,
+For each case autopar's planner (``autopar.solver.planners.stages.search_stages``, ``num_stages="auto"``,
 any stage mesh of N / S devices with up to two axes) runs against Alpa's plan priced by the same
 machinery: the same stage count, stage mesh and layer split (equal transformer layers per stage,
 embedding in the first stage, head and loss in the last), with the intra-stage plan chosen by
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from autopar.cost.cluster import get_cluster  # noqa: E402
 from autopar.zoo.models import LLAMA_SHAPES, build_model  # noqa: E402
-from autopar.solver.stages import search_stages  # noqa: E402
+from autopar.solver.planners.stages import search_stages  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 
 GLOBAL_BATCH = 1024

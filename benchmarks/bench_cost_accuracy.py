@@ -12,7 +12,7 @@ different forced plans, each run on 2 and on 4 spawned gloo ranks (mesh (2,) and
 
 * ``auto``: autopar's own choice; ``auto_mem90``, ``auto_mem80``: autopar under a memory budget
   of 90% and 80% of ``auto``'s predicted peak (skipped where infeasible);
-* ``ddp``, ``fsdp``, ``megatron``: the hand plans of ``autopar.solver.hand_plans``;
+* ``ddp``, ``fsdp``, ``megatron``: the hand plans of ``autopar.solver.planners.hand_plans``;
 * ``fsdp_keep``, ``fsdp_reshard``: ``fsdp`` planned and run with ``CommOptions(reshard_after_forward=False)``
   (gathered parameters kept until backward) and ``=True`` (every group freed after forward, the
   root's too); ``fsdp`` runs the default (each layer's group freed, the root's kept);
@@ -63,7 +63,7 @@ from autopar.ops import collectives  # noqa: E402
 from autopar.cost.cluster import ClusterSpec, get_cluster, local_cluster  # noqa: E402
 from autopar.cost.comm import bytes_sent  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
-from autopar.solver.hand_plans import param_specs  # noqa: E402
+from autopar.solver.planners.hand_plans import param_specs  # noqa: E402
 from autopar.zoo.models import GPT  # noqa: E402
 from autopar.solver import solve  # noqa: E402
 from autopar.ir.spec import replicated  # noqa: E402

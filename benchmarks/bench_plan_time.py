@@ -17,7 +17,7 @@ smallest depth's, per model. Models:
   8 × 4096, mesh (128, 8) (as ``bench_llm_plan.py``); ``hf-llama-128``: the same at batch
   128 × 4096. For both, and the zoo's Llama, the default budget binds at 48 layers and not at
   12, so the two depths take different paths through the solver (a binding budget adds LP
-  solves, roundings and liveness walks: ``solver.budget``).
+  solves, roundings and liveness walks: ``solver.strategies.budget``).
 
 ``--memory-budget inf`` plans without the default budget, so that every depth takes the same
 path through the solver (with it, a deep model's budget may bind where a shallow one's does not).

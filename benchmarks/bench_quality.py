@@ -39,10 +39,10 @@ import torch
 from autopar.cost.cluster import get_cluster, resolve_budget
 from autopar.errors import InfeasibleError
 from autopar.ir.options import precision_policy
-from autopar.solver.hand_plans import KINDS, hand_specs, zero_stage
+from autopar.solver.planners.hand_plans import KINDS, hand_specs, zero_stage
 from autopar.zoo.models import LLAMA_SHAPES, build_model
 from autopar.solver import solve
-from autopar.solver.backends import MIP_REL_GAP
+from autopar.solver.strategies.backends import MIP_REL_GAP
 from autopar.trace import trace_repeated
 
 MODELS = {

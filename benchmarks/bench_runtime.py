@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, kind: str, steps: int) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     import autopar
-    from autopar.solver.hand_plans import ALIASES
+    from autopar.solver.planners.hand_plans import ALIASES
 
     model, batch = _model_and_batch()
     mesh = (world,) if world < 4 else (2, world // 2)

@@ -27,8 +27,8 @@ import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.zoo.models import LLAMA_SHAPES, build_model
 from autopar.solver import plan_from_solution
-from autopar.solver.choices import build_choice_graph
-from autopar.solver.ilp import ShardingILP
+from autopar.solver.problem.choices import build_choice_graph
+from autopar.solver.problem.ilp import ShardingILP
 from autopar.trace import trace
 
 SHAPES = {

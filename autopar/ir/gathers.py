@@ -1,6 +1,6 @@
 """How FSDP parameter gathers are grouped and when they are freed: the rule that the runtime
 (``passes.schedule``, ``ops.buckets.ParamGathers``) carries out and the cost model
-(``solver.choices``, the liveness walk) prices, written once.
+(``solver.problem.choices``, the liveness walk) prices, written once.
 
 - A parameter's *layer* is its FQN up to the first numeric index ("transformer.h.3" for
   "transformer.h.3.attn.c_attn.weight"), "" for the root's parameters (embeddings, final norm,

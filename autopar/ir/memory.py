@@ -1,7 +1,7 @@
 """Memory decisions: the part of a plan that checkpoints segments and offloads tensors.
 
 When the best sharding does not fit ``memory_budget``, the memory planner
-(``autopar.solver.memory``) adds activation checkpointing and offload, and records each decision
+(``autopar.solver.planners.memory_plan``) adds activation checkpointing and offload, and records each decision
 here, with the bytes it saves on the device and the seconds it adds to a step. The checkpoint and
 offload passes (``autopar.passes.memory``) and the offload runtime (``autopar.runtime.offload``)
 carry them out; they choose nothing.

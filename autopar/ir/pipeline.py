@@ -3,7 +3,7 @@
 A pipelined plan cuts mesh axis 0 into ``len(stages)`` equal groups of ranks. Each stage runs a
 contiguous range of the graph's layers on its own group, whose mesh is ``stage_mesh``; the plan's
 node and parameter decisions are then the intra-stage decisions, made for ``stage_mesh`` on the
-graph traced at the size of one microbatch. The stage planner (``autopar.solver.stages``)
+graph traced at the size of one microbatch. The stage planner (``autopar.solver.planners.stages``)
 chooses this record; the split pass and the pipeline runtime carry it out.
 """
 

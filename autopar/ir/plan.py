@@ -146,7 +146,7 @@ class Plan:
     torch_version: str = field(default_factory=lambda: torch.__version__)
     version: int = PLAN_VERSION
     # Representative node → the decision's chosen strategy and runner-ups with their costs
-    # (``autopar.solver.runner_ups``); read by ``autopar explain``.
+    # (``autopar.solver.pricing.runner_ups``); read by ``autopar explain``.
     decisions: dict[str, Any] = field(default_factory=dict)
     # How to rebuild the model (the CLI's MODEL_SPEC and batch settings), for ``autopar check``.
     model: dict[str, Any] = field(default_factory=dict)

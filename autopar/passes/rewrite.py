@@ -21,7 +21,7 @@ from autopar.ops import get_kernel
 from autopar.ops.kernels import EAGER_IMPLEMENTATIONS
 from autopar.ir.plan import NodePlan, Plan
 from autopar.rules.registry import SIZE_ARGS, Strategy, localize_kwargs, normalized_kwargs, tensor_meta
-from autopar.solver.choices import grad_sync_axes
+from autopar.solver.problem.choices import grad_sync_axes
 from autopar.ir.spec import local_shape, transition_steps
 from autopar.trace import requires_grad
 

@@ -1,6 +1,6 @@
 """``autopar explain``: why a plan chose a node's or a parameter's sharding.
 
-Reads the plan's ``decisions`` section (written at solve time by ``autopar.solver.runner_ups``), so
+Reads the plan's ``decisions`` section (written at solve time by ``autopar.solver.pricing.runner_ups``), so
 it needs neither the model nor a re-solve.
 """
 

@@ -538,7 +538,7 @@ def test_vocab_parallel_cross_entropy_prices_its_own_all_reduces() -> None:
     from autopar.cost.cluster import get_cluster
     from autopar.cost.comm import all_reduce_s, bytes_sent
     from autopar.zoo.models import build_model, example_batch
-    from autopar.solver.choices import build_choice_graph
+    from autopar.solver.problem.choices import build_choice_graph
     from autopar.trace import trace
 
     config = dict(vocab_size=1024, n_layer=1, bias=False)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from autopar.cost.cluster import get_cluster
 from autopar.cost.liveness import Gathered, Interval, LiveNode, build_timeline, gathered_intervals
-from autopar.solver.choices import build_choice_graph
+from autopar.solver.problem.choices import build_choice_graph
 from autopar.trace import trace
 
 aten = torch.ops.aten
@@ -179,7 +179,7 @@ def test_activation_memory_matches_korthikanti_for_one_transformer_layer():
 def test_memory_constraints_do_not_grow_with_depth_and_the_budget_holds_at_every_time():
     from autopar.zoo.models import GPT
     from autopar.solver import solve
-    from autopar.solver.ilp import ShardingILP
+    from autopar.solver.problem.ilp import ShardingILP
 
     def traced(n_layer: int):
         with torch.device("meta"):

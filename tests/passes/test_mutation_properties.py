@@ -23,7 +23,7 @@ from autopar.cost.cluster import get_cluster
 from autopar.errors import InfeasibleError
 from autopar.runtime.numerics import check_numerics
 from autopar.solver import solve
-from autopar.solver.choices import build_choice_graph
+from autopar.solver.problem.choices import build_choice_graph
 from autopar.trace import aliased_writes, trace
 
 MESH = (2, 2)

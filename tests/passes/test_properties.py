@@ -424,7 +424,7 @@ def _random_forced_plans(name: str, config: dict, batch_size: int, count: int, m
     from autopar.cost.cluster import get_cluster
     from autopar.errors import InfeasibleError
     from autopar.solver import solve
-    from autopar.solver.choices import build_choice_graph
+    from autopar.solver.problem.choices import build_choice_graph
 
     cluster = get_cluster("cpu")
     model = build_model(name, seed=0, **config)

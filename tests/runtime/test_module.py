@@ -213,7 +213,7 @@ def _run_forced(rank: int, world: int) -> dict:
 def _layer_segments(plan, traced) -> tuple:
     """One checkpoint segment per transformer block: its first and last op, in graph order."""
     from autopar.ir.memory import CheckpointSegment
-    from autopar.solver.choices import layer_key
+    from autopar.solver.problem.choices import layer_key
 
     spans: dict = {}
     for node in traced.gm.graph.nodes:

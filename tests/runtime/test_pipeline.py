@@ -23,7 +23,7 @@ from autopar.zoo.models import build_model, example_batch
 from autopar.passes.split import split_into_stages, stage_io, stage_wiring
 from autopar.runtime.pipeline import _stage_view
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
-from autopar.solver.stages import plan_stages
+from autopar.solver.planners.stages import plan_stages
 from autopar.runtime.launch import max_rel_diff
 from autopar.trace import trace
 from tests.conftest import eager_grads, step_against_eager

@@ -7,7 +7,7 @@ import os
 import pulp
 import pytest
 
-from autopar.solver import backends
+from autopar.solver.strategies import backends
 
 
 def _tiny_problem() -> pulp.LpProblem:

@@ -7,7 +7,7 @@ import torch
 from autopar.cost.cluster import get_cluster
 from autopar.rules import op_info
 from autopar.rules.registry import tensor_input_nodes
-from autopar.solver import choices
+from autopar.solver.problem import choices
 from autopar.trace import trace_repeated
 from autopar.zoo.models import build_model, example_batch
 
@@ -55,7 +55,7 @@ def test_followers_of_repeated_layers_share_their_lists():
 
 def test_a_replaced_graph_starts_with_its_own_derived_cache():
     """``ChoiceGraph.derived`` holds what later stages compute from one graph's choices and prices
-    (``solver.memory``, ``comm_schedule``, ``rounding``); a graph made from it by
+    (``solver.planners.memory_plan``, ``comm_schedule``, ``rounding``); a graph made from it by
     ``dataclasses.replace`` (``stage_costs.per_step_graph``: other prices) must not read it."""
     import dataclasses
 

@@ -10,7 +10,7 @@ import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.errors import InfeasibleError
 from autopar.solver import solve
-from autopar.solver.hand_plans import KINDS, hand_specs
+from autopar.solver.planners.hand_plans import KINDS, hand_specs
 from autopar.trace import trace
 from autopar.zoo.models import GPT, build_model, example_batch
 
@@ -112,7 +112,7 @@ def test_unknown_kind_names_the_kinds(gpt_and_batch):
 @pytest.mark.parametrize("kind", ["fsdp", "tp_fsdp", "megatron_sp"])
 def test_hand_plans_on_a_mesh_with_a_size_one_axis_shard_only_the_other(gpt_and_batch, kind):
     # A pipeline stage's mesh, or (1, 4): axis 0 carries only R, and the plan still shards on axis 1.
-    from autopar.solver.hand_plans import hand_specs
+    from autopar.solver.planners.hand_plans import hand_specs
     from autopar.trace import trace
 
     model, batch = gpt_and_batch

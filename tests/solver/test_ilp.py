@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from autopar.cost.cluster import get_cluster
-from autopar.solver.choices import build_choice_graph
-from autopar.solver.ilp import MEMORY_UNIT, ShardingILP, weighted_sum
+from autopar.solver.problem.choices import build_choice_graph
+from autopar.solver.problem.ilp import MEMORY_UNIT, ShardingILP, weighted_sum
 from autopar.trace import trace_repeated
 from autopar.zoo.models import build_model
 

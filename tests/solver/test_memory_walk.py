@@ -1,4 +1,4 @@
-"""The memory planner's walk (autopar/solver/memory.py ``_Walk``): ``peak`` re-prices only the
+"""The memory planner's walk (autopar/solver/planners/memory_plan.py ``_Walk``): ``peak`` re-prices only the
 intervals its decisions touch, and must equal the walk re-run over every interval."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import itertools
 import pytest
 
 from autopar.cost.cluster import get_cluster
-from autopar.solver.choices import build_choice_graph
-from autopar.solver.memory import TRANSFERS, _Walk
+from autopar.solver.problem.choices import build_choice_graph
+from autopar.solver.planners.memory_plan import TRANSFERS, _Walk
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 
@@ -76,7 +76,7 @@ def test_giving_up_early_says_what_the_greedy_said(monkeypatch):
     """Under a budget below ``kept_peak``, ``plan_memory`` raises the error the full greedy
     raises (same peak, same tensors), without walking its steps."""
     from autopar.errors import InfeasibleError
-    from autopar.solver import memory
+    from autopar.solver.planners import memory_plan as memory
 
     model = build_model("llama", seed=0, n_layer=4)
     traced = trace(model, example_batch("llama", 4, seed=1))

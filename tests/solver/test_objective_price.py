@@ -1,7 +1,7 @@
 """The ILP's objective is the plan's predicted step time (single process).
 
 The ILP prices each parameter's gradient reduction once, bucketed (``ilp.add_param_sync_variables``);
-``solver.comm_schedule`` re-prices the solved plan. Both must price the same reductions: the only
+``solver.pricing.comm_schedule`` re-prices the solved plan. Both must price the same reductions: the only
 terms the ILP does not carry are listed in ``predicted.grad_schedule.post_solve_s`` (one gather per
 parameter, FSDP's reduce-scatter, the buckets' whole latencies) and the part of the buckets that
 backward hides (``grad_sync_s - exposed_grad_sync_s``). ``compute_s`` carries no parameter

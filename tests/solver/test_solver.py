@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.solver.solving import solve_ilp
+from autopar.solver.strategies.solving import solve_ilp
 import torch
 
 import autopar
@@ -153,8 +153,8 @@ def test_tied_weights_get_one_spec_even_under_a_tight_budget():
 def test_repeated_layers_share_one_choice_at_the_same_optimum():
     from autopar.cost.cluster import get_cluster
     from autopar.zoo.models import GPT
-    from autopar.solver.choices import build_choice_graph
-    from autopar.solver.ilp import ShardingILP
+    from autopar.solver.problem.choices import build_choice_graph
+    from autopar.solver.problem.ilp import ShardingILP
     from autopar.trace import trace
 
     def solve(n_layer: int, share: bool):
@@ -181,8 +181,8 @@ def test_layers_tie_when_the_first_reads_another_producer_than_the_rest():
     boundaries are now real edges: every layer ties, at the untied optimum."""
     transformers = pytest.importorskip("transformers")
     from autopar.cost.cluster import get_cluster
-    from autopar.solver.choices import build_choice_graph
-    from autopar.solver.ilp import ShardingILP
+    from autopar.solver.problem.choices import build_choice_graph
+    from autopar.solver.problem.ilp import ShardingILP
     from autopar.trace import trace
 
     def graph(num_layers: int, share: bool = True):

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.solver.solving import solve_ilp
+from autopar.solver.strategies.solving import solve_ilp
 import pulp
 import torch
 
 from autopar.cost.cluster import get_cluster
 from autopar.zoo.models import build_model
-from autopar.solver import backends, rounding, solving
-from autopar.solver.choices import build_choice_graph
-from autopar.solver.ilp import ShardingILP
+from autopar.solver.strategies import backends, rounding, solving
+from autopar.solver.problem.choices import build_choice_graph
+from autopar.solver.problem.ilp import ShardingILP
 from autopar.trace import trace
 
 
@@ -100,7 +100,7 @@ def test_rows_hold_agrees_with_pulp_row_by_row(graphs, plain):
     plan breaks and one it meets, added after a first check (the table grows)."""
     import warnings
 
-    from autopar.solver.solving import peak_memory
+    from autopar.solver.strategies.solving import peak_memory
 
     def pulp_says(ilp):
         with warnings.catch_warnings():
@@ -133,10 +133,10 @@ def test_unknown_solver_is_refused(graphs):
 
 
 def test_budget_fast_path_fits_and_reports_its_gap_to_the_milp(graphs):
-    """Under a binding budget the Lagrangian fast path (``solver.budget``) returns a plan that fits,
+    """Under a binding budget the Lagrangian fast path (``solver.strategies.budget``) returns a plan that fits,
     no faster than the MILP's optimum, within the gap it reports to its bound."""
-    from autopar.solver.budget import solve_under_budget
-    from autopar.solver.solving import peak_memory
+    from autopar.solver.strategies.budget import solve_under_budget
+    from autopar.solver.strategies.solving import peak_memory
 
     graph = graphs[True]
     unbounded = solve_ilp(ShardingILP(graph), 60)
@@ -154,7 +154,7 @@ def test_budget_fast_path_fits_and_reports_its_gap_to_the_milp(graphs):
 
 def test_the_leanest_sharding_is_found_by_highs(graphs):
     """Memory rows are in GiB: in bytes, HiGHS called the leanest sharding of HF LLaMA-3-8B infeasible."""
-    from autopar.solver import _leanest
+    from autopar.solver.planners.sharding import _leanest
 
     leanest = _leanest(graphs[True], 60, "highs")
     assert leanest.choice and leanest.status == "Optimal"
@@ -179,9 +179,9 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
     ``time_limit_s``: a binding budget must not cost 60 s more than the unbounded plan."""
     import time
 
-    import autopar.solver as solver_module
+    import autopar.solver.planners.sharding as solver_module
     from autopar.solver import solve
-    from autopar.solver.solving import peak_memory
+    from autopar.solver.strategies.solving import peak_memory
 
     cluster = get_cluster("h100-80g")
     graph = build_choice_graph(traced, (2, 2), cluster)

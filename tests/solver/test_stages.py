@@ -1,4 +1,4 @@
-"""The stage planner (autopar.solver.stages): layer clustering, the DP, solution sharing, errors.
+"""The stage planner (autopar.solver.planners.stages): layer clustering, the DP, solution sharing, errors.
 
 Single process, no process group; small models, so each test takes seconds.
 """
@@ -16,8 +16,8 @@ from autopar.cost.cluster import LinkSpec, get_cluster
 from autopar.errors import InfeasibleError, MeshError
 from autopar.zoo.models import MLP, build_model, example_batch
 from autopar.ir.plan import Plan
-from autopar.solver.stage_costs import cluster_layers
-from autopar.solver.stages import search_stages
+from autopar.solver.planners.stage_costs import cluster_layers
+from autopar.solver.planners.stages import search_stages
 from autopar.trace import trace
 
 H100 = get_cluster("h100-80g")
@@ -194,7 +194,7 @@ def test_the_dp_finds_the_best_partition_that_brute_force_finds(seed):
 
     import numpy as np
 
-    from autopar.solver.stages import _search_partition
+    from autopar.solver.planners.stages import _search_partition
 
     rng = np.random.default_rng(seed)
     num_layers, num_stages, num_microbatches = 8, 3, int(rng.integers(1, 9))
@@ -250,7 +250,7 @@ def test_the_stage_dp_prices_each_parameter_reduction_once_at_its_bucketed_price
     # parameter's gradient once, in a bucket (passes.schedule), and the sharding ILP prices that
     # (choices.param_sync_groups); the stage DP's per-step sync must be the same sum, not one
     # latency-bound all-reduce per use.
-    from autopar.solver.stage_costs import CandidateSolver, build_stage_graph, split_op_costs, unit_costs
+    from autopar.solver.planners.stage_costs import CandidateSolver, build_stage_graph, split_op_costs, unit_costs
 
     cpu = get_cluster("cpu")  # slow compute: splitting the batch wins, so parameters are reduced
     model = build_model("gpt", n_layer=2)

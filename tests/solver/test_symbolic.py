@@ -10,8 +10,8 @@ from autopar.cost.cluster import get_cluster
 from autopar.errors import PlanError
 from autopar.zoo.models import GPT
 from autopar.solver import solve
-from autopar.solver.hand_plans import param_specs
-from autopar.solver.symbolic import price_plan, totals
+from autopar.solver.planners.hand_plans import param_specs
+from autopar.solver.pricing.symbolic import price_plan, totals
 from autopar.trace import trace
 
 KEYS = ("step_time_s", "comm_bytes", "peak_memory_bytes")

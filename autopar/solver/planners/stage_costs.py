@@ -27,7 +27,7 @@ state, and user inputs), ``saved`` (activations alive at the end of forward, kep
 in flight), ``transient`` (the peak of its own activations and gradients above ``saved``),
 ``stash`` (its input activations: what a recomputing stage keeps per microbatch), and the
 bytes of the values it receives from the previous block and from ``pre`` (what crosses a stage
-boundary). A stage's figures are sums of its units' (``autopar.solver.stages``). Time is exact
+boundary). A stage's figures are sums of its units' (``autopar.solver.planners.stages``). Time is exact
 for a fixed plan: every op and every edge belongs to exactly one unit. Memory is the usual
 pipeline model: static + k · saved + the largest transient.
 """
@@ -44,10 +44,10 @@ import numpy as np
 
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
-from autopar.solver.choices import ChoiceGraph, Choice, build_choice_graph, grad_sync_axes, grad_sync_cost, layer_key
-from autopar.solver.gathered import PREFIX as GATHERED
-from autopar.solver.ilp import MEMORY_UNIT, ShardingILP, Solution
-from autopar.solver.solving import peak_memory, solve_ilp, solve_within_budget
+from autopar.solver.problem.choices import ChoiceGraph, Choice, build_choice_graph, grad_sync_axes, grad_sync_cost, layer_key
+from autopar.solver.problem.gathered import PREFIX as GATHERED
+from autopar.solver.problem.ilp import MEMORY_UNIT, ShardingILP, Solution
+from autopar.solver.strategies.solving import peak_memory, solve_ilp, solve_within_budget
 from autopar.trace import TracedModel
 from autopar.rules import op_info
 

@@ -20,11 +20,11 @@ import math
 from typing import TYPE_CHECKING
 
 import pulp
-from autopar.solver import backends
+from autopar.solver.strategies import backends
 
 if TYPE_CHECKING:
-    from autopar.solver.choices import ChoiceGraph
-    from autopar.solver.ilp import ShardingILP
+    from autopar.solver.problem.choices import ChoiceGraph
+    from autopar.solver.problem.ilp import ShardingILP
 
 # Constraint slack accepted when checking an assignment (the equalities have 0/1 coefficients
 # and the memory family is in bytes, so this is tight for both).

@@ -46,7 +46,7 @@ from autopar.ir import context
 from autopar.ir.options import CommOptions
 from autopar.ir.spec import SS, Spec, is_valid, local_shape, replicated
 from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
-from autopar.solver.gathered import GatheredSize, gathered_parameters
+from autopar.solver.problem.gathered import GatheredSize, gathered_parameters
 from autopar.trace import TracedModel, requires_grad
 from autopar.trace.moe import EXPERTS_OP
 
@@ -74,7 +74,7 @@ class Choice:
     # (the cast of a parameter under a precision policy carries its ``reduce_dtype``).
     sync_dtypes: tuple[torch.dtype | None, ...] = ()
     # Seconds of the gradient all-reduces of the parameters this op reads (in ``compute_s``; the
-    # runtime buckets them, see ``solver.comm_schedule``), and the backward compute of the op,
+    # runtime buckets them, see ``solver.pricing.comm_schedule``), and the backward compute of the op,
     # which can hide them.
     param_sync_s: list[float] = field(default_factory=list)
     backward_s: list[float] = field(default_factory=list)
@@ -124,13 +124,13 @@ class ChoiceGraph:
     layer_template: dict[str, str] = field(default_factory=dict)
     # When each node's bytes are alive over forward and backward (``autopar.cost.liveness``).
     timeline: liveness.Timeline | None = None
-    # The parameters the runtime gathers whole (``solver.gathered``): timeline names beside the
+    # The parameters the runtime gathers whole (``solver.problem.gathered``): timeline names beside the
     # nodes', sized by the specs of an edge.
     gathered: dict[str, GatheredSize] = field(default_factory=dict)
     # The communication schedule priced (``ir.options.CommOptions``; the runtime's default).
     comm: CommOptions = field(default_factory=CommOptions)
     # What later stages compute from this graph alone (the memory planner's walk: see
-    # ``solver.memory``), kept so that one solve computes it once however many plans it tries.
+    # ``solver.planners.memory_plan``), kept so that one solve computes it once however many plans it tries.
     # Not an argument: a graph made by ``dataclasses.replace`` (other prices, other choices)
     # starts with its own, empty.
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -586,7 +586,7 @@ def grad_sync_cost(arg, spec: Spec, axis: int, is_param: bool, mesh_shape, clust
     (``passes.schedule``). The ILP prices that: it takes these per-use terms of parameters back
     out of the objective and charges each (parameter, axis, held spec) once, at the bucketed
     price (``Choice.param_syncs``, ``ilp.ShardingILP.add_param_sync_variables``);
-    ``solver.comm_schedule`` prices the solved plan's buckets and their overlap with backward.
+    ``solver.pricing.comm_schedule`` prices the solved plan's buckets and their overlap with backward.
     ``is_param`` marks the parameter terms (``Choice.param_sync_s``); ``dtype`` is the
     reduction's, where a precision policy sets one (else the argument's)."""
     return comm.grad_allreduce_cost(arg.shape, spec, axis, dtype or arg.dtype, mesh_shape, cluster)

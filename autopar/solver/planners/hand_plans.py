@@ -46,7 +46,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.plan import Plan
-from autopar.solver import solve
+from autopar.solver.planners.sharding import solve
 from autopar.ir.spec import Spec, is_valid, replicate_size_one_axes
 from autopar.trace import TracedModel
 from autopar.trace.moe import EXPERTS_OP

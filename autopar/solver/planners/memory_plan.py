@@ -60,8 +60,8 @@ from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry
 from autopar.trace import TracedModel
-from autopar.solver.choices import layer_key, live_nodes
-from autopar.solver.gathered import PREFIX as GATHERED
+from autopar.solver.problem.choices import layer_key, live_nodes
+from autopar.solver.problem.gathered import PREFIX as GATHERED
 
 log = logging.getLogger("autopar")
 

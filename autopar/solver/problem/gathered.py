@@ -26,7 +26,7 @@ from autopar.ir.options import CommOptions
 from autopar.ir.spec import Spec
 
 if TYPE_CHECKING:
-    from autopar.solver.choices import Choice, Edge
+    from autopar.solver.problem.choices import Choice, Edge
 
 PREFIX = "gathered:"
 

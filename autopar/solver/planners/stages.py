@@ -62,19 +62,19 @@ import numpy as np
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError, MeshError
-from autopar.solver.mesh_search import mesh_candidates
+from autopar.solver.planners.mesh_search import mesh_candidates
 from autopar.ir.pipeline import Stage, StagePlan, bubble_fraction
 from autopar.ir.pipeline import check_num_stages, schedule_for, stage_mesh_of, stage_ranks
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.ir.plan import Plan
-from autopar.solver.choices import ChoiceGraph
-from autopar.solver.ilp import Solution
-from autopar.solver.stage_costs import (
+from autopar.solver.problem.choices import ChoiceGraph
+from autopar.solver.problem.ilp import Solution
+from autopar.solver.planners.stage_costs import (
     Candidate, CandidateSolver, Layers, OpSplit, UnitCosts, build_stage_graph, cluster_layers, split_op_costs,
     unit_costs,
 )
 from autopar.trace import TracedModel
-from autopar.solver import plan_from_solution
+from autopar.solver.planners.sharding import plan_from_solution
 
 log = logging.getLogger("autopar")
 

@@ -23,7 +23,7 @@ Objective (seconds of one training step, forward and backward)
       is held in; ``choices.param_sync_groups``) once, at its bucketed price P_g, however many
       uses need it, as the runtime runs it (``passes.schedule``).
     How much of the buckets backward hides is priced on the solved plan
-    (``solver.comm_schedule``, ``predicted.exposed_grad_sync_s``), as are one gather per
+    (``solver.pricing.comm_schedule``, ``predicted.exposed_grad_sync_s``), as are one gather per
     parameter, FSDP's reduce-scatter and the buckets' whole latencies
     (``predicted.grad_schedule.post_solve_s``); the reductions themselves are priced alike. Pricing it inside the ILP
     needs a row over every x (E ≥ Σ (g − b)·x); that row made CBC miss optimality on a 3-layer
@@ -35,7 +35,7 @@ Constraints
     edge_in[e, q]:     Σ_p y[e, p, q] = Σ_{s : in_i(s) = q} x[v, s]           ∀ e, q ∈ I_e
     memory[t]:         Σ_{(n, f) alive at t} f · Σ_s m[n, s] · x[n, s]
                        + Σ_{(g, f) alive at t} f · Σ_{(p,q)} G[g, p, q] · y[e_g, p, q] ≤ B   (if a budget B)
-                       where g is a parameter the runtime gathers whole (``solver.gathered``),
+                       where g is a parameter the runtime gathers whole (``solver.problem.gathered``),
                        e_g its first use's edge, G its bytes when p → q is one all-gather
     tie[a, b, s]:      x[a, s] = x[b, s]      for placeholders a, b naming one tensor (tied weights)
     param_sync[g, v, i]: z[g] ≥ Σ_{s ∈ U} x[v, s]  for each use (v, i) of reduction g, U the
@@ -66,7 +66,7 @@ Constraints
     at the time of any overshoot, and solves again (a cutting-plane loop; in practice zero or
     one extra round). With repeated layers the terms of all layers fall on the shared
     variables, so each memory[t] keeps the size of one layer's variables. The rows are written
-    in GiB (``MEMORY_UNIT``). ``solver="auto"`` does not branch on them: ``solver.budget``
+    in GiB (``MEMORY_UNIT``). ``solver="auto"`` does not branch on them: ``solver.strategies.budget``
     relaxes them into the objective at the prices of their LP duals (Lagrangian relaxation) and
     rounds, and the MILP runs only where that leaves a gap above ``budget.MILP_GAP``.
 
@@ -83,7 +83,7 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from autopar.solver.choices import ChoiceGraph
+from autopar.solver.problem.choices import ChoiceGraph
 from autopar.ir.spec import Spec, format_spec
 
 
@@ -124,7 +124,7 @@ class ShardingILP:
         self.y: dict[int, dict[tuple[Spec, Spec], pulp.LpVariable]] = {}
         self._node_ids = {name: i for i, name in enumerate(graph.order)}
         self.memory_times: set[int] = set()  # timeline times with a memory[t] constraint
-        self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.relaxation``)
+        self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.strategies.relaxation``)
         self._variables: tuple | None = None  # ``variables``: (rows read, objective, variables, their ids)
         self._memory_terms: _MemoryTerms | None = None  # ``weighted_memory``'s table, built on first use
         self._rows: RowTable | None = None  # ``row_table``, grown as rows are added
@@ -234,7 +234,7 @@ class ShardingILP:
 
     def weighted_memory(self, factors: dict[str, float], unit: float = 1.0) -> pulp.LpAffineExpression:
         """Σ factor · bytes over timeline names: a node's m[n, s] · x[n, s]; a gathered
-        parameter's bytes per (p, q) of its edge times y[e, p, q] (``solver.gathered``).
+        parameter's bytes per (p, q) of its edge times y[e, p, q] (``solver.problem.gathered``).
 
         ``weighted_sum`` of the terms (factor · m · unit, x) of every name in ``factors`` (nodes,
         then gathered parameters, in ``factors``' order), with numpy on ``_MemoryTerms``: the
@@ -319,7 +319,7 @@ class ShardingILP:
         """``problem.variables()``, kept while the objective is the same object: PuLP walks every
         row's terms for it (tens of milliseconds on a 70B LLaMA), and ``rounding.check`` asks
         once per plan it checks. Rows are only ever added, with coefficients fixed once added
-        (as ``solver.relaxation`` takes them), so a row added since is all there is to read."""
+        (as ``solver.strategies.relaxation`` takes them), so a row added since is all there is to read."""
         constraints, objective = self.problem._constraints, self.problem.objective
         kept = self._variables
         if kept is None or kept[1] is not objective or kept[0] > len(constraints):
@@ -343,7 +343,7 @@ class ShardingILP:
 
     def row_table(self) -> "RowTable":
         """Every row's terms as flat arrays, read up to the problem's last row (``RowTable``):
-        ``rows_hold`` and the HiGHS model of the LP relaxation (``solver.relaxation``) share it."""
+        ``rows_hold`` and the HiGHS model of the LP relaxation (``solver.strategies.relaxation``) share it."""
         if self._rows is None or len(self.problem._constraints) < len(self._rows.rows):
             self._rows = RowTable(self.problem)  # a row removed (no caller does): read them all again
         self._rows.read()

@@ -34,8 +34,8 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.ir.plan import Plan
 from autopar.rules import op_info
 from autopar.rules.registry import Strategy, tensor_input_nodes, tensor_meta
-from autopar.solver.choices import grad_sync_axes, grad_sync_cost, kernel_collectives
-from autopar.solver.gathered import PREFIX, GatherRow, gathered_intervals, reads_whole, single_gather
+from autopar.solver.problem.choices import grad_sync_axes, grad_sync_cost, kernel_collectives
+from autopar.solver.problem.gathered import PREFIX, GatherRow, gathered_intervals, reads_whole, single_gather
 from autopar.trace import TracedModel, requires_grad
 from autopar.trace.moe import EXPERTS_OP
 
@@ -120,7 +120,7 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
 def _gathered(traced: TracedModel, plan: Plan, kinds, grads, ties, live,
               exchange: bool) -> tuple[list[liveness.Interval], dict[str, float]]:
     """The intervals and sizes of the parameters the runtime gathers under ``plan``, as
-    ``solver.gathered.gathered_parameters`` prices them in the choice graph."""
+    ``solver.problem.gathered.gathered_parameters`` prices them in the choice graph."""
     mesh = tuple(plan.mesh_shape)
     if all(size == 1 for size in mesh):
         return [], {}

@@ -32,8 +32,8 @@ import torch
 from autopar.cost import comm, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.gathers import param_layer, reshards
-from autopar.solver.choices import ChoiceGraph, grad_sync_axes, synced_param
-from autopar.solver.gathered import single_gather
+from autopar.solver.problem.choices import ChoiceGraph, grad_sync_axes, synced_param
+from autopar.solver.problem.gathered import single_gather
 
 
 @dataclass(frozen=True, slots=True)

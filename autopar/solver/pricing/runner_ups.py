@@ -20,8 +20,8 @@ import numpy as np
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost import comm
-from autopar.solver.choices import ChoiceGraph, grad_sync_axes, grad_sync_cost, kernel_collectives
-from autopar.solver.ilp import Solution
+from autopar.solver.problem.choices import ChoiceGraph, grad_sync_axes, grad_sync_cost, kernel_collectives
+from autopar.solver.problem.ilp import Solution
 from autopar.ir.spec import format_spec
 
 TOP_K = 3

@@ -1,0 +1,397 @@
+"""Simplify the graph, solve the sharding ILP, and turn the solution into a Plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from autopar.cost.cluster import ClusterSpec
+from autopar.errors import InfeasibleError
+from autopar.ir.options import CommOptions, MixedPrecision, to_dtype
+from autopar.ir.plan import NodePlan, Plan
+from autopar.cost.comm import transition_bytes_per_axis
+from autopar.solver.strategies import backends
+from autopar.solver.strategies.backends import SOLVERS, check_solver
+from autopar.solver.problem.choices import (ChoiceGraph, build_choice_graph, expert_parallel_record, grad_sync_bytes_per_axis,
+                                            param_sync_adjustment_s)
+from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
+from autopar.solver.pricing.runner_ups import explain_decisions
+from autopar.solver.strategies.budget import MILP_GAP, solve_under_budget
+from autopar.solver.problem.ilp import ShardingILP, Solution
+from autopar.solver.strategies.solving import (MAX_MEMORY_ROUNDS, chosen_bytes, edge_specs, peak_memory, solve_ilp,
+                                               solve_within_budget)
+from autopar.ir.spec import Spec, format_spec
+from autopar.ir.summary import format_bytes
+from autopar.trace import TracedModel
+from autopar.solver.planners.memory_plan import plan_memory
+
+log = logging.getLogger("autopar")
+
+__all__ = ["solve", "build_choice_graph", "ShardingILP", "plan_from_solution", "predicted_step_s", "SOLVERS"]
+
+
+def solve(
+    traced: TracedModel,
+    mesh_shape: Sequence[int],
+    cluster: ClusterSpec,
+    *,
+    memory_budget: float | None = None,
+    time_limit_s: float = 60.0,
+    forced: dict[str, Spec | str] | None = None,
+    solver: str = "auto",
+    zero_stage: int = 0,
+    offload: str | None = None,
+    checkpointing: bool = False,
+    prefetch: bool = True,
+    precision: MixedPrecision | None = None,
+    comm: CommOptions | None = None,
+) -> Plan:
+    """Plan ``traced`` on ``mesh_shape``. ``solver`` is "auto", "highs" or "cbc" (see
+    ``solver.strategies.backends``); ``time_limit_s`` bounds the solve, after which the best plan found
+    (or a rounded / greedy fallback) is returned with its gap to the LP bound.
+
+    When the sharding does not fit ``memory_budget`` and ``checkpointing`` or ``offload`` (a
+    target, "cpu" or "disk") allows it, ``autopar.solver.planners.memory_plan`` adds checkpointing and
+    offload decisions to the plan's ``memory`` (no sharding fitting at all, it starts from the
+    leanest one).
+
+    ``precision`` is the policy ``traced`` was traced under (``autopar.trace.trace``): the
+    optimizer state is priced in its ``optimizer_dtype``, and the plan records it. ``comm`` is the
+    communication schedule ``compile`` will run (``CommOptions()`` when None), as priced."""
+    check_solver(solver)
+    start = time.perf_counter()
+    log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
+    optimizer_dtype = to_dtype(precision.optimizer_dtype) if precision is not None else torch.float32
+    graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage,
+                               optimizer_dtype=optimizer_dtype, comm=comm)
+    log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
+             time.perf_counter() - start)
+    log.info("autopar: solving the ILP ...")
+    deadline = time.perf_counter() + time_limit_s
+    ilp = ShardingILP(graph, None)
+    solution = unbounded = solve_ilp(ilp, time_limit_s, solver)
+    visited: list[dict[str, int]] = []  # the Lagrangian plans on the way to the budget
+    if memory_budget is not None and solution.choice and peak_memory(graph, solution)[0] > memory_budget * (1 + 1e-9):
+        solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited, start)
+    log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
+    if not solution.choice:
+        # No sharding fits alone: with checkpointing or offload allowed, start from the leanest
+        # one (forced specs included) and let the memory planner bring it under the budget.
+        can_shrink = memory_budget is not None and bool(checkpointing or offload)
+        if can_shrink:
+            solution = _leanest(graph, time_limit_s, solver)
+        if not solution.choice and forced:
+            raise InfeasibleError(
+                f"no plan satisfies the forced specs {({k: v if isinstance(v, str) else format_spec(v) for k, v in forced.items()})}"
+                + (f" within memory_budget={memory_budget:.0f}" if memory_budget is not None else "")
+                + ": they need a resharding that does not exist (into Partial, or of a tensor written in place)"
+            )
+        if not solution.choice and memory_budget is not None and not can_shrink:
+            raise _infeasible(graph, memory_budget, time_limit_s, solver)
+        if not solution.choice:
+            raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
+    def memory_for(candidate: Solution, explain: bool = True):
+        """``plan_memory``'s (decisions, breakdown) for a sharding over the budget; None for one
+        that fits as it is (or when nothing may be checkpointed or offloaded)."""
+        if memory_budget is None or not (checkpointing or offload):
+            return None
+        if int(peak_memory(graph, candidate)[0]) <= memory_budget:
+            return None
+        return plan_memory(traced, graph, candidate.choice, cluster, memory_budget, target=offload,
+                           prefetch=prefetch, checkpointing=checkpointing, explain=explain)
+
+    # Which sharding, with which memory decisions, is decided first, and its plan built once: a
+    # candidate below that wins would make the first plan waste.
+    parts = _StepParts.of(graph, solution, cluster)
+    memory = memory_for(solution)
+    step_s = parts.step_s + (memory[0].added_s if memory is not None else 0.0)  # the plan's predicted step
+    if solution is not unbounded and unbounded.choice and (checkpointing or offload):
+        # A faster sharding with checkpointing (or offload) may beat the leaner one that fits
+        # alone: try the fastest and the Lagrangian plans on the way to the budget.
+        for choice in _spread([unbounded.choice] + visited, _MAX_MEMORY_CANDIDATES):
+            if choice == solution.choice:
+                continue
+            other_solution, sums = _fixed_solution(ilp, choice, unbounded)
+            if other_solution.objective_s >= step_s:
+                continue  # checkpointing and offload only add time
+            try:
+                other_memory = memory_for(other_solution, explain=False)
+            except InfeasibleError:
+                continue
+            if other_memory is None:  # a Lagrangian plan that fits as it is
+                other_solution = dataclasses.replace(other_solution, status="Feasible (lagrangian)")
+            other_parts = _StepParts.of(graph, other_solution, cluster, sums)
+            added_s = other_memory[0].added_s if other_memory is not None else 0.0
+            if other_parts.step_s + added_s < step_s:
+                solution, parts, memory = other_solution, other_parts, other_memory
+                step_s = parts.step_s + added_s
+    plan = plan_from_solution(traced, graph, solution, cluster, memory_budget, parts)
+    if memory is not None:
+        plan = _with_memory(plan, *memory)
+    start = time.perf_counter()
+    decisions = explain_decisions(graph, solution, cluster, memory_budget)
+    log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
+    return dataclasses.replace(plan, decisions=decisions, precision=precision)
+
+
+# The least time the second-opinion MILP under a budget gets (``_solve_budgeted``).
+_MIN_MILP_S = 5.0
+# Shardings that ``solve`` tries with checkpointing or offload under a binding budget.
+_MAX_MEMORY_CANDIDATES = 6
+
+
+def _spread(items: list, count: int) -> list:
+    """At most ``count`` of ``items``, evenly spread, the first and last kept."""
+    if len(items) <= count:
+        return items
+    step = (len(items) - 1) / (count - 1)
+    return [items[round(i * step)] for i in range(count)]
+
+
+def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) -> tuple[Solution, tuple[float, float]]:
+    """A Solution of ``choice`` (which need not fit the budget), for ``plan_from_solution``, and
+    its ``_compute_and_reshard_s`` (which its objective starts from, and its step too)."""
+    specs = edge_specs(ilp.graph, choice)
+    sums = _compute_and_reshard_s(ilp.graph, choice, specs)
+    objective = sums[0] + sums[1]
+    objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
+    return dataclasses.replace(like, choice=choice, edge_specs=specs, objective_s=objective,
+                               status="Feasible (with memory decisions)", method="lagrangian", gap=None,
+                               bound_s=None), sums
+
+
+def _compute_and_reshard_s(graph: ChoiceGraph, choice: dict[str, int], specs: dict[int, tuple[Spec, Spec]]
+                           ) -> tuple[float, float]:
+    """(Σ compute seconds of the chosen strategies, in graph order; Σ seconds of the edges'
+    reshardings, in edge order): the sums that the objective of a fixed plan, ``predicted_step_s``
+    and ``plan_from_solution`` all start from, added in one order so that they agree exactly."""
+    compute_s = reshard_s = 0.0
+    for name in graph.order:
+        compute_s += graph.choices[name].compute_s[choice[name]]
+    for e, edge in enumerate(graph.edges):
+        src, dst = specs[e]
+        if src != dst:
+            reshard_s += edge.price[(src, dst)][0]
+    return compute_s, reshard_s
+
+
+def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution, deadline: float,
+                    solver: str, visited: list[dict[str, int]], started: float) -> Solution:
+    """The fastest plan does not fit: the Lagrangian fast path (``solver.strategies.budget``); the MILP
+    with its memory cutting-plane loop only for ``solver="highs"`` or ``"cbc"``, or while a gap
+    above ``budget.MILP_GAP`` remains (the better of the two is kept).
+
+    Under ``solver="auto"`` that MILP is a second opinion, not the answer: it gets as long as
+    planning has taken so far (``started``: when ``solve`` began), at least
+    ``_MIN_MILP_S``, so that a binding budget costs about twice the unbounded plan, not
+    ``time_limit_s``. (The gap is to the LP bound with memory rows, which is loose: on deep
+    LLaMAs the MILP ran to its 60 s limit and the Lagrangian plan, checkpointed, won anyway.)"""
+    ilp.memory_budget_bytes = memory_budget
+    ilp.add_memory_constraint()
+    fast = None
+    if solver == "auto":
+        fast = solve_under_budget(ilp, max(deadline - time.perf_counter(), 1.0), unbounded, visited)
+        if fast.choice and (fast.gap or 0.0) <= MILP_GAP or fast.status == "Infeasible":
+            return fast  # close enough; or even the LP relaxation does not fit: neither will the MILP
+    left = deadline - time.perf_counter()
+    if fast is not None and fast.choice:
+        left = min(left, max(_MIN_MILP_S, time.perf_counter() - started))
+        if left < 1.0:
+            return fast
+    exact, fits = solve_within_budget(ilp, ilp.graph, memory_budget, max(left, 1.0),
+                                      backends.mip_backend(solver))
+    if not fits:
+        log.warning("autopar: after up to %d memory rounds (or the time limit) the plan still peaks at %.0f bytes, over memory_budget=%.0f",
+                    MAX_MEMORY_ROUNDS, peak_memory(ilp.graph, exact)[0], memory_budget)
+        exact = dataclasses.replace(exact, choice={}, status="Infeasible (memory rounds)")
+    if fast is not None and fast.choice and (not exact.choice or fast.objective_s <= exact.objective_s):
+        return fast
+    return exact
+
+
+def _leanest(graph: ChoiceGraph, time_limit_s: float, solver: str) -> Solution:
+    """The sharding of least peak memory."""
+    lean = ShardingILP(graph, None)
+    lean.minimize_peak_memory(graph.timeline.checkpoints([graph.bytes_bound(largest=False)]))
+    # The LP-rounding fast path prices x and y only; this objective is an extra peak variable.
+    return solve_ilp(lean, time_limit_s, backends.mip_backend(solver))
+
+
+def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
+    """``plan`` with the memory decisions ``plan_memory`` made for its sharding."""
+    breakdown = dict(breakdown)
+    at = breakdown.pop("time")
+    predicted = {
+        **plan.predicted,
+        "step_time_s": plan.predicted["step_time_s"] + memory.added_s,
+        "memory_s": memory.added_s,
+        "peak_memory_bytes": int(memory.peak_bytes),
+        "peak_memory_at": at,
+        "memory_at_peak_bytes": {k: int(v) for k, v in breakdown.items()},
+    }
+    return dataclasses.replace(plan, memory=memory, predicted=predicted)
+
+
+def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: str) -> InfeasibleError:
+    """Say how much memory the leanest plan needs, and which tensors weigh most."""
+    solution = _leanest(graph, time_limit_s, solver)
+    minimum = peak_memory(graph, solution)[0] if solution.choice else float("nan")
+    biggest = sorted(
+        ((max(c.memory_bytes), c.fqn or c.name) for c in graph.choices.values() if c.memory_bytes),
+        reverse=True,
+    )[:5]
+    lines = "\n".join(f"    {name}: {format_bytes(size)} replicated" for size, name in biggest)
+    return InfeasibleError(
+        f"no sharding of this model fits memory_budget={budget:.0f} bytes ({format_bytes(budget)}) per device "
+        f"on mesh {graph.mesh_shape}.\n  The leanest plan needs {minimum:.0f} bytes ({format_bytes(minimum)}) "
+        f"per device (parameters, gradients, optimizer state and saved activations).\n  Largest tensors:\n{lines}\n"
+        "  Raise the budget (float('inf') plans without one), use a larger mesh, a smaller batch or sequence, or "
+        "precision='bf16-mixed'; or let the planner add activation checkpointing and offload: "
+        "autopar.plan(..., offload=\"auto\") (or checkpointing=True alone), `autopar plan ... --offload auto` "
+        "on the command line."
+    )
+
+
+def predicted_step_s(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec) -> float:
+    """``plan_from_solution(...).predicted["step_time_s"]``, summed in the same order, without the
+    plan: what ``solve`` compares its memory candidates by (``_StepParts.step_s``)."""
+    return _StepParts.of(graph, solution, cluster).step_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StepParts:
+    """What a plan's predicted step is summed from (``_compute_and_reshard_s`` and the parameter
+    schedule), for ``predicted_step_s`` and ``plan_from_solution``: a candidate that wins is not
+    priced twice."""
+
+    solution: Solution
+    compute_s: float
+    reshard_s: float
+    schedule: ParamSchedule
+
+    @classmethod
+    def of(cls, graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec,
+           sums: tuple[float, float] | None = None) -> "_StepParts":
+        """``sums``: the solution's ``_compute_and_reshard_s``, where the caller has it already."""
+        compute_s, reshard_s = sums or _compute_and_reshard_s(graph, solution.choice, solution.edge_specs)
+        return cls(solution, compute_s, reshard_s, param_schedule(graph, solution.choice, cluster))
+
+    @property
+    def step_s(self) -> float:
+        schedule = self.schedule
+        return self.compute_s + self.reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s
+
+
+def plan_from_solution(
+    traced: TracedModel,
+    graph: ChoiceGraph,
+    solution: Solution,
+    cluster: ClusterSpec,
+    memory_budget: float | None,
+    parts: _StepParts | None = None,
+) -> Plan:
+    """The plan of ``solution``. ``parts``: its step's sums, where the caller has them already."""
+    if parts is None or parts.solution is not solution:
+        parts = _StepParts.of(graph, solution, cluster)
+    nodes: dict[str, NodePlan] = {}
+    params: dict[str, Spec] = {}
+    comm_bytes = 0.0
+    per_axis = [0.0] * len(graph.mesh_shape)  # bytes each device sends on each mesh axis
+    expert_parallel = []
+    for name in graph.order:
+        choice = graph.choices[name]
+        index = solution.choice[name]
+        strategy = choice.strategies[index]
+        record = expert_parallel_record(choice, index, graph.mesh_shape, cluster)
+        if record is not None:
+            expert_parallel.append(record)
+        op = str(choice.info.target) if choice.info is not None else (
+            "getitem" if strategy.source == "follow" else choice.kind
+        )
+        nodes[name] = NodePlan(
+            op=op,
+            outs=strategy.outs,
+            ins=strategy.ins,
+            inputs=tuple(choice.inputs),
+            shapes=choice.out_shapes,
+            kernel=strategy.kernel,
+            kernel_axes=strategy.kernel_axes,
+            source=strategy.source,
+            cost_s=choice.compute_s[index],
+            whole_grad=strategy.whole_grad,
+        )
+        comm_bytes += choice.grad_sync_bytes[index]
+        for axis, sent in grad_sync_bytes_per_axis(choice, index, graph.choices, graph.mesh_shape).items():
+            per_axis[axis] += sent
+        if choice.kind in ("param", "buffer") and choice.fqn is not None and strategy.outs:
+            params[choice.fqn] = strategy.outs[0]
+    for fqn, canonical in traced.ties.items():
+        if canonical in params and fqn not in params:
+            params[fqn] = params[canonical]
+        assert params.get(fqn) == params.get(canonical), f"tied {fqn} and {canonical} planned apart"
+    for e, edge in enumerate(graph.edges):
+        src, dst = solution.edge_specs[e]
+        if src != dst:
+            comm_bytes += edge.price[(src, dst)][1]
+            for axis, axis_sent in transition_bytes_per_axis(
+                src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad, edge.grad_dtype
+            ).items():
+                per_axis[axis] += axis_sent
+    # As the runtime schedules parameter communication (``passes.schedule``): one reduction and
+    # one gather per parameter, FSDP's reduce-scatter, and only the exposed part of the buckets.
+    compute_s, reshard_s, schedule = parts.compute_s, parts.reshard_s, parts.schedule
+    comm_bytes += schedule.delta_bytes
+    for axis, sent in schedule.delta_bytes_per_axis.items():
+        per_axis[axis] += sent
+    chosen = chosen_bytes(graph, solution)
+    peak_bytes, peak_time = graph.timeline.peak(chosen)
+    predicted = {
+        "step_time_s": parts.step_s,
+        # The per-use parameter all-reduces in the choices' compute_s are in grad_sync_s (bucketed).
+        "compute_s": compute_s - schedule.per_use_s,
+        "reshard_s": reshard_s,
+        "grad_sync_s": schedule.sync_s,
+        "exposed_grad_sync_s": schedule.exposed_s,
+        # What the scheduled runtime changes against the per-use prices (``solver.pricing.comm_schedule``),
+        # for ``Plan.predict`` at another batch (``solver.pricing.symbolic``).
+        "grad_schedule": {"delta_s": schedule.delta_s, "delta_bytes": schedule.delta_bytes,
+                          "last_bucket_s": schedule.last_bucket_s, "post_solve_s": schedule.post_solve_s},
+        "peak_memory_bytes": int(peak_bytes),
+        "peak_memory_at": graph.timeline.time_name(peak_time),
+        "memory_at_peak_bytes": {k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},
+        "comm_bytes": int(comm_bytes),
+        "comm_bytes_per_axis": [int(b) for b in per_axis],
+    }
+    if expert_parallel:
+        predicted["expert_parallel"] = expert_parallel
+    solver_info = {
+        "status": solution.status,
+        "objective_s": solution.objective_s,
+        "num_variables": solution.num_variables,
+        "num_constraints": solution.num_constraints,
+        "memory_budget_bytes": memory_budget,
+        "fallbacks": sorted(n for n, p in nodes.items() if p.source == "fallback"),
+        "method": solution.method,
+        "backend": solution.backend,
+        "lower_bound_s": solution.bound_s,
+        "gap": solution.gap,
+    }
+    log.debug("solved: %s in %.3f s", solver_info["status"], solution.solve_time_s)
+    return Plan(
+        mesh_shape=tuple(graph.mesh_shape),
+        graph_hash=traced.graph_hash,
+        params=params,
+        nodes=nodes,
+        predicted=predicted,
+        solver=solver_info,
+        cluster=cluster.name,
+        memory_timeline=graph.timeline.sampled(chosen),
+        input_dtypes={node.name: str(node.meta["val"].dtype) for node in traced.gm.graph.nodes
+                      if node.op == "placeholder" and hasattr(node.meta.get("val"), "dtype")},
+        stats={"solve_time_s": solution.solve_time_s},
+    )
+

@@ -1,0 +1,2 @@
+"""Pricing a solved plan: the parameter communication schedule, runner-ups for ``explain``, symbolic
+costs at another batch."""
