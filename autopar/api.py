@@ -30,7 +30,6 @@ from autopar.ir.options import (
     to_dtype,
 )
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
-from autopar.ir.summary import format_bytes
 from autopar.ir.plan import Plan, validate_plan_json
 from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.solver import solve
@@ -245,17 +244,8 @@ def offload_target(offload: str, cluster: ClusterSpec) -> tuple[str | None, str 
 @quiet_gc()
 def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec, options: PlanOptions) -> Plan:
     """Plan an already traced model on one mesh (``autopar.plan`` without the tracing)."""
-    memory = options.memory
-    target, _ = memory.offload_target(has_host=cluster.host_link is not None)
-    # Checkpointing moves no data off the device: allowed by default, used only where the budget binds.
-    checkpointing = True if memory.checkpointing is None else memory.checkpointing
-    memory_budget = resolve_budget(memory.budget, cluster)
-    budget = f", memory budget {format_bytes(memory_budget)}" if memory_budget else ", no memory budget"
-    log.info("planning on mesh %s for cluster %s%s ...", tuple(mesh_shape), cluster.name, budget)
     start = time.perf_counter()
-    result = solve(traced, mesh_shape, cluster, memory_budget=memory_budget, time_limit_s=options.solve.time_limit_s,
-                   solver=options.solve.solver, offload=target, checkpointing=checkpointing, prefetch=memory.prefetch,
-                   precision=options.precision, comm=options.comm)
+    result = solve(traced, mesh_shape, cluster, options)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     return result
 
@@ -283,8 +273,8 @@ def hand_plan(
     policy = precision_policy(precision)
     traced = trace_repeated(model, example_inputs, example_kwargs, policy)
     cluster_spec = get_cluster(cluster)
-    return solve_hand_plan(kind, traced, mesh_shape, cluster_spec, resolve_budget(memory_budget, cluster_spec),
-                           precision=policy)
+    return solve_hand_plan(kind, traced, mesh_shape, cluster_spec, PlanOptions.from_keywords(
+        memory_budget=memory_budget, checkpointing=False, precision=policy))
 
 
 def compile(

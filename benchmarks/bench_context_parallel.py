@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from autopar.cost.cluster import get_cluster, resolve_budget  # noqa: E402
+from autopar.cost.cluster import get_cluster  # noqa: E402
+from autopar.ir.options import PlanOptions  # noqa: E402
 from autopar.ir.options import precision_policy  # noqa: E402
 from autopar.ir.spec import S, parse_spec  # noqa: E402
 from autopar.solver import solve  # noqa: E402
@@ -90,8 +91,7 @@ def plan_case(case: str, batch: int, layers: int) -> dict:
     forced = _forced_torchtitan(traced, batch) if case == "torchtitan-cp8-fsdp8" else None
     context = _WithoutContextParallel() if case == "autopar-no-cp" else contextlib.nullcontext()
     with context:
-        plan = solve(traced, MESH, cluster, memory_budget=resolve_budget(None, cluster), forced=forced,
-                     checkpointing=True, precision=policy)
+        plan = solve(traced, MESH, cluster, PlanOptions.from_keywords(checkpointing=True, precision=policy), forced=forced)
     seconds = time.perf_counter() - start
     attention = [node for node in plan.nodes.values() if node.op == str(SDPA)]
     first = attention[0]

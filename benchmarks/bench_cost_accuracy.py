@@ -65,6 +65,7 @@ from autopar.cost.comm import bytes_sent  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
 from autopar.solver.planners.hand_plans import param_specs  # noqa: E402
 from autopar.zoo.models import GPT  # noqa: E402
+from autopar.ir.options import PlanOptions  # noqa: E402
 from autopar.solver import solve  # noqa: E402
 from autopar.ir.spec import replicated  # noqa: E402
 from autopar.runtime.launch import run_distributed  # noqa: E402
@@ -97,14 +98,14 @@ def make_plans(mesh: tuple[int, ...], cluster, wanted=PLANS) -> dict[str, autopa
     peak = plans["auto"].predicted["peak_memory_bytes"]
     for name, fraction in (("auto_mem90", 0.9), ("auto_mem80", 0.8)) if set(wanted) & {"auto_mem90", "auto_mem80"} else ():
         try:
-            plans[name] = solve(traced, mesh, cluster, memory_budget=fraction * peak, time_limit_s=60)
+            plans[name] = solve(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=fraction * peak, time_limit_s=60, checkpointing=False))
         except InfeasibleError as error:
             print(f"  {name} on {mesh}: infeasible ({str(error).splitlines()[0]})", flush=True)
     for kind in ("ddp", "fsdp", "megatron"):
         plans[kind] = solve(traced, mesh, cluster, forced=param_specs(kind, traced, mesh))
     for name, reshard in RESHARD.items():
-        plans[name] = solve(traced, mesh, cluster, forced=param_specs("fsdp", traced, mesh),
-                            comm=autopar.CommOptions(reshard_after_forward=reshard))
+        options = PlanOptions(comm=autopar.CommOptions(reshard_after_forward=reshard))
+        plans[name] = solve(traced, mesh, cluster, options, forced=param_specs("fsdp", traced, mesh))
     fsdp = param_specs("fsdp", traced, mesh)
     rest = param_specs("ddp", traced, mesh)
     names = {i.name: i.fqn for i in traced.placeholders("param")}

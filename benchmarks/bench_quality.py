@@ -41,6 +41,7 @@ from autopar.errors import InfeasibleError
 from autopar.ir.options import precision_policy
 from autopar.solver.planners.hand_plans import KINDS, hand_specs, zero_stage
 from autopar.zoo.models import LLAMA_SHAPES, build_model
+from autopar.ir.options import PlanOptions
 from autopar.solver import solve
 from autopar.solver.strategies.backends import MIP_REL_GAP
 from autopar.trace import trace_repeated
@@ -86,10 +87,10 @@ def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget:
     cluster = get_cluster("h100-80g")
     row: dict = {"model": name, "layers": config["n_layer"], "devices": devices, "mesh": "x".join(map(str, mesh)),
                  "precision": precision.name if precision else "32-true", "budget_gib": round(budget / 2**30, 1)}
-    options = dict(memory_budget=budget, precision=precision, checkpointing=checkpointing)
+    options = PlanOptions.from_keywords(memory_budget=budget, precision=precision, checkpointing=checkpointing)
     start = time.perf_counter()
     try:
-        auto = solve(traced, mesh, cluster, **options)
+        auto = solve(traced, mesh, cluster, options)
     except InfeasibleError:
         auto = None
     row["plan_s"] = round(time.perf_counter() - start, 2)
@@ -103,8 +104,8 @@ def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget:
     best = None
     for kind in KINDS:
         try:
-            hand = solve(traced, mesh, cluster, forced=hand_specs(kind, traced, mesh), zero_stage=zero_stage(kind),
-                         **options)
+            hand = solve(traced, mesh, cluster, options, forced=hand_specs(kind, traced, mesh),
+                         zero_stage=zero_stage(kind))
         except InfeasibleError:
             row[f"{kind}_step_s"] = "infeasible"
             continue

@@ -9,6 +9,7 @@ from torch.distributed.tensor import Replicate, Shard
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.errors import InfeasibleError
+from autopar.ir.options import PlanOptions
 from autopar.solver import solve
 from autopar.solver.planners.hand_plans import KINDS, hand_specs
 from autopar.trace import trace
@@ -134,8 +135,8 @@ def test_a_hand_plan_that_fits_no_budget_alone_is_checkpointed_when_allowed():
     forced = hand_specs("fsdp", traced, mesh)
     budget = 0.6 * solve(traced, mesh, cluster, forced=forced).predicted["peak_memory_bytes"]
     with pytest.raises(InfeasibleError, match="forced specs"):
-        solve(traced, mesh, cluster, forced=forced, memory_budget=budget)
-    plan = solve(traced, mesh, cluster, forced=forced, memory_budget=budget, checkpointing=True)
+        solve(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=budget, checkpointing=False), forced=forced)
+    plan = solve(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=budget, checkpointing=True), forced=forced)
     assert plan.memory is not None and plan.memory.checkpoint
     assert plan.predicted["peak_memory_bytes"] <= budget
     for name, spec in forced.items():

@@ -125,6 +125,7 @@ def test_forced_specs_under_a_binding_budget_checkpoint_when_allowed(gpt_free_pl
     # checkpointing the forced specs are named in the error.
     from autopar.cost.cluster import get_cluster
     from autopar.ir.spec import R
+    from autopar.ir.options import PlanOptions
     from autopar.solver import solve
     from autopar.trace import trace
 
@@ -132,11 +133,11 @@ def test_forced_specs_under_a_binding_budget_checkpoint_when_allowed(gpt_free_pl
     traced = trace(model, batch)
     forced = {i.name: (R,) for i in traced.placeholders("param")}
     budget = 0.85 * gpt_free_plan.predicted["peak_memory_bytes"]
-    plan = solve(traced, (1,), get_cluster("cpu"), memory_budget=budget, forced=forced, checkpointing=True)
+    plan = solve(traced, (1,), get_cluster("cpu"), PlanOptions.from_keywords(memory_budget=budget, checkpointing=True), forced=forced)
     assert plan.memory is not None and plan.memory.checkpoint
     assert plan.predicted["peak_memory_bytes"] <= budget
     with pytest.raises(autopar.InfeasibleError, match="forced specs"):
-        solve(traced, (1,), get_cluster("cpu"), memory_budget=budget, forced=forced)
+        solve(traced, (1,), get_cluster("cpu"), PlanOptions.from_keywords(memory_budget=budget, checkpointing=False), forced=forced)
 
 
 def test_cheapest_per_byte_first(gpt_free_plan):

@@ -14,6 +14,7 @@ import torch
 from autopar.cost.cluster import get_cluster
 from autopar.solver.strategies import backends, budget, rounding, solving
 from autopar.solver.problem.choices import build_choice_graph
+from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP
 from autopar.solver.strategies.relaxation import Relaxation
 from autopar.trace import trace
@@ -91,9 +92,8 @@ def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, ti
 
     both("no budget")
     first = ilp.relaxation
-    ilp.memory_budget_bytes = tight
-    ilp.add_memory_constraint()
-    ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded)[1])
+    ilp.add_memory_constraint(tight)
+    ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded)[1], tight)
     both("memory rows")
     assert ilp.relaxation is first, "rows are added to the model, not rebuilt"
     names = [ilp.memory_constraint_name(t) for t in sorted(ilp.memory_times)]
@@ -141,7 +141,7 @@ def test_a_priced_solve_is_the_solve_of_the_priced_expression(graph, unbounded, 
     solve holds the problem's own objective again."""
     ilps = [ShardingILP(graph, tight) for _ in range(2)]
     for ilp in ilps:
-        ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded)[1])
+        ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded)[1], tight)
         assert solving.solve_relaxation(ilp, 60) == "Optimal"
     plain = _model(ilps[0].relaxation)["cost"]
     names = [ilps[0].memory_constraint_name(t) for t in sorted(ilps[0].memory_times)]
@@ -190,8 +190,8 @@ def test_the_dive_finds_plans_that_fit_and_leaves_no_fixing_behind(graph, unboun
 
     def consider(choice, method):
         peak, at = graph.timeline.peak(graph.bytes_of(choice))
-        if peak > tight * (1 + 1e-9):
-            ilp.add_memory_constraint_at(at)
+        if not fits(peak, tight):
+            ilp.add_memory_constraint_at(at, tight)
             return False
         value = rounding.check(ilp, choice)
         if value is not None:
@@ -201,10 +201,10 @@ def test_the_dive_finds_plans_that_fit_and_leaves_no_fixing_behind(graph, unboun
     budget._dive(ilp, consider, float("inf"))
     assert kept, "the dive ends at a plan that fits"
     assert {var.name: (var.lowBound, var.upBound) for var in ilp.problem.variables()} == bounds
-    exact, fits = solving.solve_within_budget(ShardingILP(graph, tight), graph, tight, 120, "highs")
-    assert fits and exact.choice
+    exact, fitting = solving.solve_within_budget(ShardingILP(graph, tight), tight, 120, "highs")
+    assert fitting and exact.choice
     for value, choice in kept:
-        assert graph.timeline.peak(graph.bytes_of(choice))[0] <= tight * (1 + 1e-9)
+        assert fits(graph.timeline.peak(graph.bytes_of(choice))[0], tight)
         assert value >= exact.objective_s * (1 - 2 * backends.MIP_REL_GAP) >= bound * (1 - 1e-9)
 
 

@@ -120,8 +120,7 @@ def test_rows_hold_agrees_with_pulp_row_by_row(graphs, plain):
     for budget, holds in ((0.5 * peak, False), (2 * peak, True)):
         budgeted = ShardingILP(graph)
         assert rounding.check(budgeted, choice) is not None  # the table is built without memory rows
-        budgeted.memory_budget_bytes = budget
-        budgeted.add_memory_constraint()
+        budgeted.add_memory_constraint(budget)
         assert (rounding.check(budgeted, choice) is not None) is holds
         assert budgeted.rows_hold(rounding._TOLERANCE) is holds and pulp_says(budgeted) is holds
 
@@ -143,8 +142,8 @@ def test_budget_fast_path_fits_and_reports_its_gap_to_the_milp(graphs):
     lean = graph.timeline.peak(graph.bytes_bound(largest=False))[0]
     budget = lean + 0.3 * (peak_memory(graph, unbounded)[0] - lean)
     fast_ilp = ShardingILP(graph, budget)
-    fast = solve_under_budget(fast_ilp, 60, unbounded)
-    exact, fits = solving.solve_within_budget(ShardingILP(graph, budget), graph, budget, 120, "highs")
+    fast = solve_under_budget(fast_ilp, budget, 60, unbounded)
+    exact, fits = solving.solve_within_budget(ShardingILP(graph, budget), budget, 120, "highs")
     assert fast.choice and fits and exact.choice
     assert peak_memory(graph, fast)[0] <= budget * (1 + 1e-9) < peak_memory(graph, unbounded)[0]
     assert fast.method in ("lagrangian", "lp-rounding", "lp-diving") and fast.gap is not None
@@ -180,6 +179,7 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
     import time
 
     import autopar.solver.planners.sharding as solver_module
+    from autopar.ir.options import PlanOptions
     from autopar.solver import solve
     from autopar.solver.strategies.solving import peak_memory
 
@@ -192,13 +192,13 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
     limits = []
     real = solver_module.solve_within_budget
 
-    def spy(ilp, graph, budget, time_limit_s, solver):
+    def spy(ilp, budget, time_limit_s, solver):
         limits.append((time_limit_s, time.perf_counter()))
-        return real(ilp, graph, budget, time_limit_s, solver)
+        return real(ilp, budget, time_limit_s, solver)
 
     monkeypatch.setattr(solver_module, "solve_within_budget", spy)
     start = time.perf_counter()
-    plan = solve(traced, (2, 2), cluster, memory_budget=budget, time_limit_s=600.0)
+    plan = solve(traced, (2, 2), cluster, PlanOptions.from_keywords(memory_budget=budget, time_limit_s=600.0, checkpointing=False))
     assert plan.predicted["peak_memory_bytes"] <= budget * (1 + 1e-9)
     assert len(limits) == 1, "the MILP ran as a second opinion"
     limit, called = limits[0]

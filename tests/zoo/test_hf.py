@@ -51,7 +51,8 @@ def gpt2_head_split_plan(model, kwargs, budget: float):
               if node.target is torch.ops.aten.addmm.default
               and any("c_attn_weight" in arg.name for arg in node.all_input_nodes)}
     assert len(forced) == 2, forced
-    return solve(traced, MESH, get_cluster(CLUSTER), forced=forced, memory_budget=budget, solver="highs")
+    options = PlanOptions.from_keywords(memory_budget=budget, solver="highs", checkpointing=False)
+    return solve(traced, MESH, get_cluster(CLUSTER), options, forced=forced)
 
 
 @pytest.fixture(scope="module")

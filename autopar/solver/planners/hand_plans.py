@@ -45,6 +45,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost.cluster import ClusterSpec
+from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
 from autopar.solver.planners.sharding import solve
 from autopar.ir.spec import Spec, is_valid, replicate_size_one_axes
@@ -179,10 +180,11 @@ def zero_stage(kind: str) -> int:
 
 
 def solve_hand_plan(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec,
-                    memory_budget: float | None = None, solver: str = "auto", precision=None) -> Plan:
-    """``hand_plan`` on an already traced model (``precision``: the policy it was traced under)."""
-    return solve(traced, mesh_shape, cluster, memory_budget=memory_budget, solver=solver,
-                 forced=hand_specs(kind, traced, mesh_shape), zero_stage=zero_stage(kind), precision=precision)
+                    options: PlanOptions | None = None) -> Plan:
+    """``hand_plan`` on an already traced model, under ``options`` as ``solve`` reads them
+    (``options.precision``: the policy it was traced under)."""
+    return solve(traced, mesh_shape, cluster, options, forced=hand_specs(kind, traced, mesh_shape),
+                 zero_stage=zero_stage(kind))
 
 
 def _prod(sizes: Sequence[int]) -> int:

@@ -9,9 +9,9 @@ from typing import Sequence
 
 import torch
 
-from autopar.cost.cluster import ClusterSpec
+from autopar.cost.cluster import ClusterSpec, resolve_budget
 from autopar.errors import InfeasibleError
-from autopar.ir.options import CommOptions, MixedPrecision, to_dtype
+from autopar.ir.options import PlanOptions, to_dtype
 from autopar.ir.plan import NodePlan, Plan
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver.strategies import backends
@@ -21,6 +21,7 @@ from autopar.solver.problem.choices import (ChoiceGraph, build_choice_graph, exp
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.runner_ups import explain_decisions
 from autopar.solver.strategies.budget import MILP_GAP, solve_under_budget
+from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP, Solution
 from autopar.solver.strategies.solving import (MAX_MEMORY_ROUNDS, chosen_bytes, edge_specs, peak_memory, solve_ilp,
                                                solve_within_budget)
@@ -38,31 +39,35 @@ def solve(
     traced: TracedModel,
     mesh_shape: Sequence[int],
     cluster: ClusterSpec,
+    options: PlanOptions | None = None,
     *,
-    memory_budget: float | None = None,
-    time_limit_s: float = 60.0,
     forced: dict[str, Spec | str] | None = None,
-    solver: str = "auto",
     zero_stage: int = 0,
-    offload: str | None = None,
-    checkpointing: bool = False,
-    prefetch: bool = True,
-    precision: MixedPrecision | None = None,
-    comm: CommOptions | None = None,
 ) -> Plan:
-    """Plan ``traced`` on ``mesh_shape``. ``solver`` is "auto", "highs" or "cbc" (see
-    ``solver.strategies.backends``); ``time_limit_s`` bounds the solve, after which the best plan found
-    (or a rounded / greedy fallback) is returned with its gap to the LP bound.
+    """Plan ``traced`` on ``mesh_shape`` under ``options`` (``autopar.plan``'s, whole; None: its
+    defaults), translated here once. ``options.solve.solver`` is "auto", "highs" or "cbc" (see
+    ``solver.strategies.backends``); ``options.solve.time_limit_s`` bounds the solve, after which
+    the best plan found (or a rounded / greedy fallback) is returned with its gap to the LP bound.
 
-    When the sharding does not fit ``memory_budget`` and ``checkpointing`` or ``offload`` (a
-    target, "cpu" or "disk") allows it, ``autopar.solver.planners.memory_plan`` adds checkpointing and
-    offload decisions to the plan's ``memory`` (no sharding fitting at all, it starts from the
-    leanest one).
+    The memory budget is ``options.memory.budget`` (None: the cluster's default, ``inf``: none).
+    When the sharding does not fit it and checkpointing (allowed unless
+    ``options.memory.checkpointing`` is False) or offload allows it,
+    ``autopar.solver.planners.memory_plan`` adds checkpointing and offload decisions to the plan's
+    ``memory`` (no sharding fitting at all, it starts from the leanest one).
 
-    ``precision`` is the policy ``traced`` was traced under (``autopar.trace.trace``): the
-    optimizer state is priced in its ``optimizer_dtype``, and the plan records it. ``comm`` is the
-    communication schedule ``compile`` will run (``CommOptions()`` when None), as priced."""
-    check_solver(solver)
+    ``options.precision`` is the policy ``traced`` was traced under (``autopar.trace.trace``): the
+    optimizer state is priced in its ``optimizer_dtype``, and the plan records it.
+    ``options.comm`` is the communication schedule ``compile`` will run, as priced. ``forced``
+    pins nodes' specs and ``zero_stage`` shards optimizer state and gradients (hand plans)."""
+    options = options if options is not None else PlanOptions()
+    memory_budget = resolve_budget(options.memory.budget, cluster)
+    offload, _ = options.memory.offload_target(has_host=cluster.host_link is not None)
+    # Checkpointing moves no data off the device: allowed by default, used only where the budget binds.
+    checkpointing = True if options.memory.checkpointing is None else options.memory.checkpointing
+    prefetch, precision, comm = options.memory.prefetch, options.precision, options.comm
+    time_limit_s, solver = options.solve.time_limit_s, check_solver(options.solve.solver)
+    budget_text = f", memory budget {format_bytes(memory_budget)}" if memory_budget else ", no memory budget"
+    log.info("planning on mesh %s for cluster %s%s ...", tuple(mesh_shape), cluster.name, budget_text)
     start = time.perf_counter()
     log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
     optimizer_dtype = to_dtype(precision.optimizer_dtype) if precision is not None else torch.float32
@@ -75,7 +80,7 @@ def solve(
     ilp = ShardingILP(graph, None)
     solution = unbounded = solve_ilp(ilp, time_limit_s, solver)
     visited: list[dict[str, int]] = []  # the Lagrangian plans on the way to the budget
-    if memory_budget is not None and solution.choice and peak_memory(graph, solution)[0] > memory_budget * (1 + 1e-9):
+    if memory_budget is not None and solution.choice and not fits(peak_memory(graph, solution)[0], memory_budget):
         solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited, start)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
@@ -99,7 +104,7 @@ def solve(
         that fits as it is (or when nothing may be checkpointed or offloaded)."""
         if memory_budget is None or not (checkpointing or offload):
             return None
-        if int(peak_memory(graph, candidate)[0]) <= memory_budget:
+        if fits(peak_memory(graph, candidate)[0], memory_budget):
             return None
         return plan_memory(traced, graph, candidate.choice, cluster, memory_budget, target=offload,
                            prefetch=prefetch, checkpointing=checkpointing, explain=explain)
@@ -190,11 +195,10 @@ def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution,
     ``_MIN_MILP_S``, so that a binding budget costs about twice the unbounded plan, not
     ``time_limit_s``. (The gap is to the LP bound with memory rows, which is loose: on deep
     LLaMAs the MILP ran to its 60 s limit and the Lagrangian plan, checkpointed, won anyway.)"""
-    ilp.memory_budget_bytes = memory_budget
-    ilp.add_memory_constraint()
+    ilp.add_memory_constraint(memory_budget)
     fast = None
     if solver == "auto":
-        fast = solve_under_budget(ilp, max(deadline - time.perf_counter(), 1.0), unbounded, visited)
+        fast = solve_under_budget(ilp, memory_budget, max(deadline - time.perf_counter(), 1.0), unbounded, visited)
         if fast.choice and (fast.gap or 0.0) <= MILP_GAP or fast.status == "Infeasible":
             return fast  # close enough; or even the LP relaxation does not fit: neither will the MILP
     left = deadline - time.perf_counter()
@@ -202,9 +206,8 @@ def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution,
         left = min(left, max(_MIN_MILP_S, time.perf_counter() - started))
         if left < 1.0:
             return fast
-    exact, fits = solve_within_budget(ilp, ilp.graph, memory_budget, max(left, 1.0),
-                                      backends.mip_backend(solver))
-    if not fits:
+    exact, fitting = solve_within_budget(ilp, memory_budget, max(left, 1.0), backends.mip_backend(solver))
+    if not fitting:
         log.warning("autopar: after up to %d memory rounds (or the time limit) the plan still peaks at %.0f bytes, over memory_budget=%.0f",
                     MAX_MEMORY_ROUNDS, peak_memory(ilp.graph, exact)[0], memory_budget)
         exact = dataclasses.replace(exact, choice={}, status="Infeasible (memory rounds)")

@@ -46,7 +46,7 @@ from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.solver.problem.choices import ChoiceGraph, Choice, build_choice_graph, grad_sync_axes, grad_sync_cost, layer_key
 from autopar.solver.problem.gathered import PREFIX as GATHERED
-from autopar.solver.problem.ilp import MEMORY_UNIT, ShardingILP, Solution
+from autopar.solver.problem.ilp import ShardingILP, Solution
 from autopar.solver.strategies.solving import peak_memory, solve_ilp, solve_within_budget
 from autopar.trace import TracedModel
 from autopar.rules import op_info
@@ -313,29 +313,17 @@ class CandidateSolver:
         found = []
         for fraction in BUDGET_LADDER:
             budget = lean + fraction * (fast - lean)
-            _set_budget(ilp, budget)
+            ilp.move_memory_bound(budget)
             self.solves += 1
-            solution, _ = solve_within_budget(ilp, graph, budget, self.time_limit_s, self.solver)
+            solution, _ = solve_within_budget(ilp, budget, self.time_limit_s, self.solver)
             if solution.choice:
                 found.append(Candidate(solution, fraction))
-        _set_budget(ilp, _NO_BOUND)  # the memory rows stay, with no effective bound
+        ilp.move_memory_bound(_NO_BOUND)  # the memory rows stay, with no effective bound
         return found
 
 
 # A memory bound no plan reaches (solvers read 1e30 as infinite).
 _NO_BOUND = 1e30
-
-
-def _set_budget(ilp: ShardingILP, budget: float) -> None:
-    """Put the memory rows at ``budget``: add them the first time, else move their bound."""
-    if ilp.memory_budget_bytes is None:
-        ilp.memory_budget_bytes = budget
-        ilp.add_memory_constraint()
-    ilp.memory_budget_bytes = budget
-    with warnings.catch_warnings():  # PuLP 3 deprecates the mapping that PuLP 2 offers alone
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for time_ in ilp.memory_times:
-            ilp.problem.constraints[ilp.memory_constraint_name(time_)].changeRHS(budget / MEMORY_UNIT)
 
 
 # -- per-unit prices ---------------------------------------------------------------------------

@@ -68,6 +68,7 @@ from autopar.ir.pipeline import check_num_stages, schedule_for, stage_mesh_of, s
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.ir.plan import Plan
 from autopar.solver.problem.choices import ChoiceGraph
+from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import Solution
 from autopar.solver.planners.stage_costs import (
     Candidate, CandidateSolver, Layers, OpSplit, UnitCosts, build_stage_graph, cluster_layers, split_op_costs,
@@ -161,7 +162,7 @@ class _MeshCosts:
             t = mat["time"] + send(mat)
             if budget is not None:
                 need = mat["static"] + in_flight * mat["per_microbatch"] + mat["peak"]
-                t = np.where(need <= budget * (1 + 1e-9), t, np.inf)
+                t = np.where(fits(need, budget), t, np.inf)
             if best_t is None:
                 best_t, best_o = t, np.zeros(t.shape, dtype=int)
             else:

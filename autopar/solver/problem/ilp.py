@@ -118,7 +118,6 @@ class ShardingILP:
 
     def _build(self, graph: ChoiceGraph, memory_budget_bytes: float | None) -> None:
         self.graph = graph
-        self.memory_budget_bytes = memory_budget_bytes
         self.problem = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
         self.x: dict[str, list[pulp.LpAffineExpression | pulp.LpVariable]] = {}
         self.y: dict[int, dict[tuple[Spec, Spec], pulp.LpVariable]] = {}
@@ -131,7 +130,8 @@ class ShardingILP:
         self.add_node_variables()
         self.add_pick_constraints()
         self.add_edge_constraints()
-        self.add_memory_constraint()
+        if memory_budget_bytes is not None:
+            self.add_memory_constraint(memory_budget_bytes)
         self.add_tie_constraints()
         self.add_param_sync_variables()
         self.set_objective()
@@ -207,20 +207,26 @@ class ShardingILP:
             for q in consumer.in_specs(edge.in_index):
                 self.problem += _difference(y_in.get(q, []), x_in[q]) == 0, f"edge_in__{e}__{_spec_name(q)}"
 
-    def add_memory_constraint(self) -> None:
-        """memory[t] <= B at the checkpoint times (``Timeline.checkpoints``)."""
-        if self.memory_budget_bytes is None:
-            return
+    def add_memory_constraint(self, budget: float) -> None:
+        """memory[t] <= B at the checkpoint times (``Timeline.checkpoints``), B = ``budget`` bytes."""
         timeline = self.graph.timeline
         for time in timeline.checkpoints([self.graph.bytes_bound(largest=False), self.graph.bytes_bound(largest=True)]):
-            self.add_memory_constraint_at(time)
+            self.add_memory_constraint_at(time, budget)
 
-    def add_memory_constraint_at(self, time: int) -> None:
+    def add_memory_constraint_at(self, time: int, budget: float) -> None:
         """memory[t] <= B at one more time t (the solve adds the times a solution overshoots)."""
         if time not in self.memory_times:
             self.memory_times.add(time)
-            self.problem += (self.memory_expression(time) <= self.memory_budget_bytes / MEMORY_UNIT,
-                             self.memory_constraint_name(time))
+            self.problem += (self.memory_expression(time) <= budget / MEMORY_UNIT, self.memory_constraint_name(time))
+
+    def move_memory_bound(self, budget: float) -> None:
+        """Put every memory[t] row at B = ``budget`` bytes, adding the rows the first time."""
+        if not self.memory_times:
+            self.add_memory_constraint(budget)
+        with warnings.catch_warnings():  # PuLP 3 deprecates the mapping that PuLP 2 offers alone
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for time in self.memory_times:
+                self.problem.constraints[self.memory_constraint_name(time)].changeRHS(budget / MEMORY_UNIT)
 
     def memory_constraint_name(self, time: int) -> str:
         num = len(self.graph.order)

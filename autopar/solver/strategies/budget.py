@@ -34,6 +34,7 @@ import time as _time
 import pulp
 
 from autopar.solver.strategies import backends, rounding
+from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import MEMORY_UNIT, ShardingILP, Solution
 from autopar.solver.strategies.relaxation import objective_scale
 from autopar.solver.strategies.solving import MAX_MEMORY_ROUNDS, _empty, _solution, solve_relaxation  # solver-internal helpers
@@ -61,7 +62,7 @@ _CLOSE = 0.02
 MILP_GAP = 0.05
 
 
-def solve_under_budget(ilp: ShardingILP, time_limit_s: float, unbounded: Solution | None = None,
+def solve_under_budget(ilp: ShardingILP, budget: float, time_limit_s: float, unbounded: Solution | None = None,
                        visited: list[dict[str, int]] | None = None) -> Solution:
     """Solve ``ilp`` (built with its budget) by the steps of the module docstring.
 
@@ -72,10 +73,9 @@ def solve_under_budget(ilp: ShardingILP, time_limit_s: float, unbounded: Solutio
     front that checkpointing can bring under the budget (``solver.solve`` tries them)."""
     start = _time.perf_counter()
     deadline = start + time_limit_s
-    graph, budget = ilp.graph, ilp.memory_budget_bytes
-    assert budget is not None
+    graph = ilp.graph
     if unbounded is not None and unbounded.choice:
-        ilp.add_memory_constraint_at(graph.timeline.peak(_bytes_of(graph, unbounded.choice))[1])
+        ilp.add_memory_constraint_at(graph.timeline.peak(_bytes_of(graph, unbounded.choice))[1], budget)
     backend = backends.lp_backend()
 
     def left() -> float:
@@ -108,8 +108,8 @@ def solve_under_budget(ilp: ShardingILP, time_limit_s: float, unbounded: Solutio
         if visited is not None:
             visited.append(choice)
         peak, at = graph.timeline.peak(_bytes_of(graph, choice))
-        if peak > budget * (1 + 1e-9):
-            ilp.add_memory_constraint_at(at)
+        if not fits(peak, budget):
+            ilp.add_memory_constraint_at(at, budget)
             prices.setdefault(at, 0.0)
             seen[key] = False
             return False

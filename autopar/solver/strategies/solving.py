@@ -24,6 +24,7 @@ import pulp
 
 from autopar.solver.strategies import backends, rounding
 
+from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import Solution
 from autopar.solver.strategies.relaxation import Relaxation, objective_scale
 
@@ -53,28 +54,28 @@ def peak_memory(graph: "ChoiceGraph", solution: "Solution") -> tuple[float, int]
     return graph.timeline.peak(chosen_bytes(graph, solution))
 
 
-def solve_within_budget(ilp: "ShardingILP", graph: "ChoiceGraph", budget: float | None, time_limit_s: float,
+def solve_within_budget(ilp: "ShardingILP", budget: float | None, time_limit_s: float,
                         solver: str) -> tuple["Solution", bool]:
     """Solve, then add the memory row at the time where the liveness walk overshoots ``budget``
     and solve again, up to ``MAX_MEMORY_ROUNDS`` times (the ILP bounds memory only at a handful
     of times). Returns the solution and whether it fits ``budget`` (True with no budget, or no
     solution). ``time_limit_s`` bounds all the rounds together."""
+    graph = ilp.graph
     deadline = time.perf_counter() + time_limit_s
     solution = solve_ilp(ilp, time_limit_s, solver)
     for _ in range(MAX_MEMORY_ROUNDS):
         if not solution.choice or budget is None:
             return solution, True
         peak_bytes, peak_time = peak_memory(graph, solution)
-        if peak_bytes <= budget * (1 + 1e-9):
+        if fits(peak_bytes, budget):
             return solution, True
         if time.perf_counter() >= deadline:
             break
         log.debug("memory overshoot %.0f > %.0f at %s: adding that time", peak_bytes, budget,
                   graph.timeline.time_name(peak_time))
-        ilp.add_memory_constraint_at(peak_time)
+        ilp.add_memory_constraint_at(peak_time, budget)
         solution = solve_ilp(ilp, max(deadline - time.perf_counter(), 1.0), solver)
-    fits = not solution.choice or budget is None or peak_memory(graph, solution)[0] <= budget * (1 + 1e-9)
-    return solution, fits
+    return solution, not solution.choice or fits(peak_memory(graph, solution)[0], budget)
 
 
 def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto") -> Solution:
