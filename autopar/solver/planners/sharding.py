@@ -11,11 +11,11 @@ import torch
 
 from autopar.cost.cluster import ClusterSpec, resolve_budget
 from autopar.errors import InfeasibleError
-from autopar.ir.options import PlanOptions, to_dtype
+from autopar.ir.options import CommOptions, MixedPrecision, PlanOptions, to_dtype
 from autopar.ir.plan import NodePlan, Plan
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver.strategies import backends
-from autopar.solver.strategies.backends import SOLVERS, check_solver
+from autopar.solver.strategies.backends import check_solver
 from autopar.solver.problem.choices import (ChoiceGraph, build_choice_graph, expert_parallel_record, grad_sync_bytes_per_axis,
                                             param_sync_adjustment_s)
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
@@ -32,7 +32,7 @@ from autopar.solver.planners.memory_plan import plan_memory
 
 log = logging.getLogger("autopar")
 
-__all__ = ["solve", "build_choice_graph", "ShardingILP", "plan_from_solution", "predicted_step_s", "SOLVERS"]
+__all__ = ["solve", "plan_from_solution", "predicted_step_s"]
 
 
 def solve(
@@ -59,22 +59,73 @@ def solve(
     optimizer state is priced in its ``optimizer_dtype``, and the plan records it.
     ``options.comm`` is the communication schedule ``compile`` will run, as priced. ``forced``
     pins nodes' specs and ``zero_stage`` shards optimizer state and gradients (hand plans)."""
-    options = options if options is not None else PlanOptions()
-    memory_budget = resolve_budget(options.memory.budget, cluster)
-    offload, _ = options.memory.offload_target(has_host=cluster.host_link is not None)
-    # Checkpointing moves no data off the device: allowed by default, used only where the budget binds.
-    checkpointing = True if options.memory.checkpointing is None else options.memory.checkpointing
-    prefetch, precision, comm = options.memory.prefetch, options.precision, options.comm
-    time_limit_s, solver = options.solve.time_limit_s, check_solver(options.solve.solver)
-    budget_text = f", memory budget {format_bytes(memory_budget)}" if memory_budget else ", no memory budget"
+    settings = _Settings.of(options if options is not None else PlanOptions(), cluster)
+    budget_text = (f", memory budget {format_bytes(settings.memory_budget)}" if settings.memory_budget
+                   else ", no memory budget")
     log.info("planning on mesh %s for cluster %s%s ...", tuple(mesh_shape), cluster.name, budget_text)
     start = time.perf_counter()
     log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
+    precision = settings.precision
     optimizer_dtype = to_dtype(precision.optimizer_dtype) if precision is not None else torch.float32
     graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage,
-                               optimizer_dtype=optimizer_dtype, comm=comm)
+                               optimizer_dtype=optimizer_dtype, comm=settings.comm)
     log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
              time.perf_counter() - start)
+    solved = _solve_sharding(graph, settings, forced, start)
+    solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved)
+    plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts)
+    if memory is not None:
+        plan = _with_memory(plan, *memory)
+    start = time.perf_counter()
+    decisions = explain_decisions(graph, solution, cluster, settings.memory_budget)
+    log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
+    return dataclasses.replace(plan, decisions=decisions, precision=precision)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Settings:
+    """``PlanOptions`` as the sharding planner reads them, translated once (``of``)."""
+
+    memory_budget: float | None  # bytes per device; None: no budget
+    offload: str | None  # the offload target, "cpu" or "disk"; None: no offload
+    checkpointing: bool
+    prefetch: bool
+    time_limit_s: float
+    solver: str
+    precision: MixedPrecision | None
+    comm: CommOptions | None
+
+    @classmethod
+    def of(cls, options: PlanOptions, cluster: ClusterSpec) -> "_Settings":
+        memory = options.memory
+        offload, _ = memory.offload_target(has_host=cluster.host_link is not None)
+        # Checkpointing moves no data off the device: allowed by default, used only where the budget binds.
+        checkpointing = True if memory.checkpointing is None else memory.checkpointing
+        return cls(resolve_budget(memory.budget, cluster), offload, checkpointing, memory.prefetch,
+                   options.solve.time_limit_s, check_solver(options.solve.solver), options.precision, options.comm)
+
+    @property
+    def decides_memory(self) -> bool:
+        """Whether the memory planner may add checkpointing or offload where the budget binds."""
+        return bool(self.checkpointing or self.offload)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Solved:
+    """The sharding ``_solve_sharding`` found (``solution``), the fastest one with no budget
+    (``unbounded``), the Lagrangian plans on the way to the budget (``visited``), and their ILP."""
+
+    ilp: ShardingILP
+    solution: Solution
+    unbounded: Solution
+    visited: list[dict[str, int]]
+
+
+def _solve_sharding(graph: ChoiceGraph, settings: _Settings, forced: dict[str, Spec | str] | None,
+                    start: float) -> _Solved:
+    """The fastest sharding within the budget (``start``: when ``solve`` began); the leanest one
+    where none fits and the memory planner may shrink it; else an error that says why."""
+    memory_budget, time_limit_s, solver = settings.memory_budget, settings.time_limit_s, settings.solver
     log.info("autopar: solving the ILP ...")
     deadline = time.perf_counter() + time_limit_s
     ilp = ShardingILP(graph, None)
@@ -86,7 +137,7 @@ def solve(
     if not solution.choice:
         # No sharding fits alone: with checkpointing or offload allowed, start from the leanest
         # one (forced specs included) and let the memory planner bring it under the budget.
-        can_shrink = memory_budget is not None and bool(checkpointing or offload)
+        can_shrink = memory_budget is not None and settings.decides_memory
         if can_shrink:
             solution = _leanest(graph, time_limit_s, solver)
         if not solution.choice and forced:
@@ -99,48 +150,52 @@ def solve(
             raise _infeasible(graph, memory_budget, time_limit_s, solver)
         if not solution.choice:
             raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
-    def memory_for(candidate: Solution, explain: bool = True):
-        """``plan_memory``'s (decisions, breakdown) for a sharding over the budget; None for one
-        that fits as it is (or when nothing may be checkpointed or offloaded)."""
-        if memory_budget is None or not (checkpointing or offload):
-            return None
-        if fits(peak_memory(graph, candidate)[0], memory_budget):
-            return None
-        return plan_memory(traced, graph, candidate.choice, cluster, memory_budget, target=offload,
-                           prefetch=prefetch, checkpointing=checkpointing, explain=explain)
+    return _Solved(ilp, solution, unbounded, visited)
 
-    # Which sharding, with which memory decisions, is decided first, and its plan built once: a
-    # candidate below that wins would make the first plan waste.
+
+def _memory_for(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings,
+                candidate: Solution, explain: bool = True):
+    """``plan_memory``'s (decisions, breakdown) for a sharding over the budget; None for one
+    that fits as it is (or when nothing may be checkpointed or offloaded)."""
+    if settings.memory_budget is None or not settings.decides_memory:
+        return None
+    if fits(peak_memory(graph, candidate)[0], settings.memory_budget):
+        return None
+    return plan_memory(traced, graph, candidate.choice, cluster, settings.memory_budget, target=settings.offload,
+                       prefetch=settings.prefetch, checkpointing=settings.checkpointing, explain=explain)
+
+
+def _with_memory_decisions(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings,
+                           solved: _Solved):
+    """(solution, its ``_StepParts``, its memory decisions or None): which sharding, with which
+    memory decisions, is decided first, and its plan built once after (a candidate that wins
+    later would make an earlier plan waste)."""
+    solution, unbounded = solved.solution, solved.unbounded
     parts = _StepParts.of(graph, solution, cluster)
-    memory = memory_for(solution)
+    memory = _memory_for(traced, graph, cluster, settings, solution)
     step_s = parts.step_s + (memory[0].added_s if memory is not None else 0.0)  # the plan's predicted step
-    if solution is not unbounded and unbounded.choice and (checkpointing or offload):
-        # A faster sharding with checkpointing (or offload) may beat the leaner one that fits
-        # alone: try the fastest and the Lagrangian plans on the way to the budget.
-        for choice in _spread([unbounded.choice] + visited, _MAX_MEMORY_CANDIDATES):
-            if choice == solution.choice:
-                continue
-            other_solution, sums = _fixed_solution(ilp, choice, unbounded)
-            if other_solution.objective_s >= step_s:
-                continue  # checkpointing and offload only add time
-            try:
-                other_memory = memory_for(other_solution, explain=False)
-            except InfeasibleError:
-                continue
-            if other_memory is None:  # a Lagrangian plan that fits as it is
-                other_solution = dataclasses.replace(other_solution, status="Feasible (lagrangian)")
-            other_parts = _StepParts.of(graph, other_solution, cluster, sums)
-            added_s = other_memory[0].added_s if other_memory is not None else 0.0
-            if other_parts.step_s + added_s < step_s:
-                solution, parts, memory = other_solution, other_parts, other_memory
-                step_s = parts.step_s + added_s
-    plan = plan_from_solution(traced, graph, solution, cluster, memory_budget, parts)
-    if memory is not None:
-        plan = _with_memory(plan, *memory)
-    start = time.perf_counter()
-    decisions = explain_decisions(graph, solution, cluster, memory_budget)
-    log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
-    return dataclasses.replace(plan, decisions=decisions, precision=precision)
+    if solution is unbounded or not unbounded.choice or not settings.decides_memory:
+        return solution, parts, memory
+    # A faster sharding with checkpointing (or offload) may beat the leaner one that fits
+    # alone: try the fastest and the Lagrangian plans on the way to the budget.
+    for choice in _spread([unbounded.choice] + solved.visited, _MAX_MEMORY_CANDIDATES):
+        if choice == solution.choice:
+            continue
+        other_solution, sums = _fixed_solution(solved.ilp, choice, unbounded)
+        if other_solution.objective_s >= step_s:
+            continue  # checkpointing and offload only add time
+        try:
+            other_memory = _memory_for(traced, graph, cluster, settings, other_solution, explain=False)
+        except InfeasibleError:
+            continue
+        if other_memory is None:  # a Lagrangian plan that fits as it is
+            other_solution = dataclasses.replace(other_solution, status="Feasible (lagrangian)")
+        other_parts = _StepParts.of(graph, other_solution, cluster, sums)
+        added_s = other_memory[0].added_s if other_memory is not None else 0.0
+        if other_parts.step_s + added_s < step_s:
+            solution, parts, memory = other_solution, other_parts, other_memory
+            step_s = parts.step_s + added_s
+    return solution, parts, memory
 
 
 # The least time the second-opinion MILP under a budget gets (``_solve_budgeted``).
@@ -300,75 +355,17 @@ def plan_from_solution(
     """The plan of ``solution``. ``parts``: its step's sums, where the caller has them already."""
     if parts is None or parts.solution is not solution:
         parts = _StepParts.of(graph, solution, cluster)
-    nodes: dict[str, NodePlan] = {}
-    params: dict[str, Spec] = {}
-    comm_bytes = 0.0
-    per_axis = [0.0] * len(graph.mesh_shape)  # bytes each device sends on each mesh axis
-    expert_parallel = []
-    for name in graph.order:
-        choice = graph.choices[name]
-        index = solution.choice[name]
-        strategy = choice.strategies[index]
-        record = expert_parallel_record(choice, index, graph.mesh_shape, cluster)
-        if record is not None:
-            expert_parallel.append(record)
-        op = str(choice.info.target) if choice.info is not None else (
-            "getitem" if strategy.source == "follow" else choice.kind
-        )
-        nodes[name] = NodePlan(
-            op=op,
-            outs=strategy.outs,
-            ins=strategy.ins,
-            inputs=tuple(choice.inputs),
-            shapes=choice.out_shapes,
-            kernel=strategy.kernel,
-            kernel_axes=strategy.kernel_axes,
-            source=strategy.source,
-            cost_s=choice.compute_s[index],
-            whole_grad=strategy.whole_grad,
-        )
-        comm_bytes += choice.grad_sync_bytes[index]
-        for axis, sent in grad_sync_bytes_per_axis(choice, index, graph.choices, graph.mesh_shape).items():
-            per_axis[axis] += sent
-        if choice.kind in ("param", "buffer") and choice.fqn is not None and strategy.outs:
-            params[choice.fqn] = strategy.outs[0]
+    nodes, params, traffic, expert_parallel = _node_plans(graph, solution, cluster)
     for fqn, canonical in traced.ties.items():
         if canonical in params and fqn not in params:
             params[fqn] = params[canonical]
         assert params.get(fqn) == params.get(canonical), f"tied {fqn} and {canonical} planned apart"
-    for e, edge in enumerate(graph.edges):
-        src, dst = solution.edge_specs[e]
-        if src != dst:
-            comm_bytes += edge.price[(src, dst)][1]
-            for axis, axis_sent in transition_bytes_per_axis(
-                src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad, edge.grad_dtype
-            ).items():
-                per_axis[axis] += axis_sent
+    _add_resharding_traffic(graph, solution, traffic)
     # As the runtime schedules parameter communication (``passes.schedule``): one reduction and
     # one gather per parameter, FSDP's reduce-scatter, and only the exposed part of the buckets.
-    compute_s, reshard_s, schedule = parts.compute_s, parts.reshard_s, parts.schedule
-    comm_bytes += schedule.delta_bytes
-    for axis, sent in schedule.delta_bytes_per_axis.items():
-        per_axis[axis] += sent
+    traffic.add(parts.schedule.delta_bytes, parts.schedule.delta_bytes_per_axis)
     chosen = chosen_bytes(graph, solution)
-    peak_bytes, peak_time = graph.timeline.peak(chosen)
-    predicted = {
-        "step_time_s": parts.step_s,
-        # The per-use parameter all-reduces in the choices' compute_s are in grad_sync_s (bucketed).
-        "compute_s": compute_s - schedule.per_use_s,
-        "reshard_s": reshard_s,
-        "grad_sync_s": schedule.sync_s,
-        "exposed_grad_sync_s": schedule.exposed_s,
-        # What the scheduled runtime changes against the per-use prices (``solver.pricing.comm_schedule``),
-        # for ``Plan.predict`` at another batch (``solver.pricing.symbolic``).
-        "grad_schedule": {"delta_s": schedule.delta_s, "delta_bytes": schedule.delta_bytes,
-                          "last_bucket_s": schedule.last_bucket_s, "post_solve_s": schedule.post_solve_s},
-        "peak_memory_bytes": int(peak_bytes),
-        "peak_memory_at": graph.timeline.time_name(peak_time),
-        "memory_at_peak_bytes": {k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},
-        "comm_bytes": int(comm_bytes),
-        "comm_bytes_per_axis": [int(b) for b in per_axis],
-    }
+    predicted = _predicted(graph, parts, traffic, chosen)
     if expert_parallel:
         predicted["expert_parallel"] = expert_parallel
     solver_info = {
@@ -398,3 +395,85 @@ def plan_from_solution(
         stats={"solve_time_s": solution.solve_time_s},
     )
 
+
+@dataclasses.dataclass(slots=True)
+class _Traffic:
+    """Bytes each device sends in a step, in all (``comm_bytes``) and on each mesh axis, summed
+    as the plan is read (node by node, then edge by edge, then the parameter schedule)."""
+
+    comm_bytes: float
+    per_axis: list[float]
+
+    def add(self, sent: float, per_axis: dict[int, float]) -> None:
+        self.comm_bytes += sent
+        for axis, axis_sent in per_axis.items():
+            self.per_axis[axis] += axis_sent
+
+
+def _node_plans(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec
+                ) -> tuple[dict[str, NodePlan], dict[str, Spec], _Traffic, list]:
+    """(node name -> NodePlan, parameter FQN -> spec, the gradient reductions' traffic, the
+    expert-parallel records) of ``solution``."""
+    nodes: dict[str, NodePlan] = {}
+    params: dict[str, Spec] = {}
+    traffic = _Traffic(0.0, [0.0] * len(graph.mesh_shape))
+    expert_parallel = []
+    for name in graph.order:
+        choice = graph.choices[name]
+        index = solution.choice[name]
+        strategy = choice.strategies[index]
+        record = expert_parallel_record(choice, index, graph.mesh_shape, cluster)
+        if record is not None:
+            expert_parallel.append(record)
+        op = str(choice.info.target) if choice.info is not None else (
+            "getitem" if strategy.source == "follow" else choice.kind
+        )
+        nodes[name] = NodePlan(
+            op=op,
+            outs=strategy.outs,
+            ins=strategy.ins,
+            inputs=tuple(choice.inputs),
+            shapes=choice.out_shapes,
+            kernel=strategy.kernel,
+            kernel_axes=strategy.kernel_axes,
+            source=strategy.source,
+            cost_s=choice.compute_s[index],
+            whole_grad=strategy.whole_grad,
+        )
+        traffic.add(choice.grad_sync_bytes[index],
+                    grad_sync_bytes_per_axis(choice, index, graph.choices, graph.mesh_shape))
+        if choice.kind in ("param", "buffer") and choice.fqn is not None and strategy.outs:
+            params[choice.fqn] = strategy.outs[0]
+    return nodes, params, traffic, expert_parallel
+
+
+def _add_resharding_traffic(graph: ChoiceGraph, solution: Solution, traffic: _Traffic) -> None:
+    """Add the bytes of every edge whose ends differ in spec to ``traffic``."""
+    for e, edge in enumerate(graph.edges):
+        src, dst = solution.edge_specs[e]
+        if src != dst:
+            traffic.add(edge.price[(src, dst)][1], transition_bytes_per_axis(
+                src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad, edge.grad_dtype))
+
+
+def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen) -> dict:
+    """The plan's ``predicted`` section, but for ``expert_parallel``."""
+    schedule = parts.schedule
+    peak_bytes, peak_time = graph.timeline.peak(chosen)
+    return {
+        "step_time_s": parts.step_s,
+        # The per-use parameter all-reduces in the choices' compute_s are in grad_sync_s (bucketed).
+        "compute_s": parts.compute_s - schedule.per_use_s,
+        "reshard_s": parts.reshard_s,
+        "grad_sync_s": schedule.sync_s,
+        "exposed_grad_sync_s": schedule.exposed_s,
+        # What the scheduled runtime changes against the per-use prices (``solver.pricing.comm_schedule``),
+        # for ``Plan.predict`` at another batch (``solver.pricing.symbolic``).
+        "grad_schedule": {"delta_s": schedule.delta_s, "delta_bytes": schedule.delta_bytes,
+                          "last_bucket_s": schedule.last_bucket_s, "post_solve_s": schedule.post_solve_s},
+        "peak_memory_bytes": int(peak_bytes),
+        "peak_memory_at": graph.timeline.time_name(peak_time),
+        "memory_at_peak_bytes": {k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},
+        "comm_bytes": int(traffic.comm_bytes),
+        "comm_bytes_per_axis": [int(b) for b in traffic.per_axis],
+    }

@@ -223,10 +223,13 @@ class ShardingILP:
         """Put every memory[t] row at B = ``budget`` bytes, adding the rows the first time."""
         if not self.memory_times:
             self.add_memory_constraint(budget)
-        with warnings.catch_warnings():  # PuLP 3 deprecates the mapping that PuLP 2 offers alone
-            warnings.simplefilter("ignore", DeprecationWarning)
-            for time in self.memory_times:
-                self.problem.constraints[self.memory_constraint_name(time)].changeRHS(budget / MEMORY_UNIT)
+        rows = self.rows_by_name()
+        for time in self.memory_times:
+            rows[self.memory_constraint_name(time)].changeRHS(budget / MEMORY_UNIT)
+
+    def rows_by_name(self) -> dict[str, pulp.LpConstraint]:
+        """The problem's rows by name, in the order they were added (``rows_by_name``)."""
+        return rows_by_name(self.problem)
 
     def memory_constraint_name(self, time: int) -> str:
         num = len(self.graph.order)
@@ -326,7 +329,7 @@ class ShardingILP:
         row's terms for it (tens of milliseconds on a 70B LLaMA), and ``rounding.check`` asks
         once per plan it checks. Rows are only ever added, with coefficients fixed once added
         (as ``solver.strategies.relaxation`` takes them), so a row added since is all there is to read."""
-        constraints, objective = self.problem._constraints, self.problem.objective
+        constraints, objective = self.rows_by_name(), self.problem.objective
         kept = self._variables
         if kept is None or kept[1] is not objective or kept[0] > len(constraints):
             # The objective is kept with them, so that its id is not another object's later.
@@ -350,10 +353,16 @@ class ShardingILP:
     def row_table(self) -> "RowTable":
         """Every row's terms as flat arrays, read up to the problem's last row (``RowTable``):
         ``rows_hold`` and the HiGHS model of the LP relaxation (``solver.strategies.relaxation``) share it."""
-        if self._rows is None or len(self.problem._constraints) < len(self._rows.rows):
+        if self._rows is None or len(self.rows_by_name()) < len(self._rows.rows):
             self._rows = RowTable(self.problem)  # a row removed (no caller does): read them all again
         self._rows.read()
         return self._rows
+
+
+def rows_by_name(problem: pulp.LpProblem) -> dict[str, pulp.LpConstraint]:
+    """``problem``'s rows by name, in the order they were added: the mapping PuLP's own
+    backends read (``LpProblem.constraints`` warns under PuLP 3)."""
+    return problem._constraints
 
 
 class RowTable:
@@ -374,7 +383,7 @@ class RowTable:
 
     def read(self) -> None:
         """Add the rows the problem has gained since the last call."""
-        constraints = self.problem._constraints  # as PuLP's own backends read it (the mapping warns)
+        constraints = rows_by_name(self.problem)
         if len(constraints) == len(self.rows):
             return
         new = list(itertools.islice(constraints.values(), len(self.rows), None))

@@ -37,7 +37,7 @@ from autopar.solver.strategies import backends, rounding
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import MEMORY_UNIT, ShardingILP, Solution
 from autopar.solver.strategies.relaxation import objective_scale
-from autopar.solver.strategies.solving import MAX_MEMORY_ROUNDS, _empty, _solution, solve_relaxation  # solver-internal helpers
+from autopar.solver.strategies.solving import MAX_MEMORY_ROUNDS, empty_solution, solution_of, solve_relaxation
 
 log = logging.getLogger("autopar")
 
@@ -77,89 +77,113 @@ def solve_under_budget(ilp: ShardingILP, budget: float, time_limit_s: float, unb
     if unbounded is not None and unbounded.choice:
         ilp.add_memory_constraint_at(graph.timeline.peak(_bytes_of(graph, unbounded.choice))[1], budget)
     backend = backends.lp_backend()
-
-    def left() -> float:
-        return max(deadline - _time.perf_counter(), 1.0)
-
     # 1. The LP with memory rows: a bound, and the prices of memory. From the unbounded LP's
     # basis (the rows are new; dual simplex): where the LP has several optima, one near the
     # fastest plan. From no basis it landed elsewhere on the same face: the same bound, and on
     # HF LLaMA-2-70B (48 layers; 16 layers at 30 GiB) final plans 3% and 8% slower by their
     # predicted step (equal on six other budgeted LLaMAs). And it cost as long as the first LP.
-    solve_relaxation(ilp, left())
+    solve_relaxation(ilp, _left(deadline))
     relaxed_fits = ilp.problem.status == pulp.LpStatusOptimal
     if not relaxed_fits and visited is None:
-        return _empty(ilp, "Infeasible", backend, start)
+        return empty_solution(ilp, "Infeasible", backend, start)
     bound = float(pulp.value(ilp.problem.objective) or 0.0) if relaxed_fits else None
     scale = objective_scale(ilp.problem.objective)
     prices = {t: abs(_dual(ilp, t)) / scale if relaxed_fits else 0.0 for t in ilp.memory_times}
-    best: tuple[float, dict[str, int], str] | None = None
-    # Each plan considered, by its strategies in graph order: whether it fitted. Several prices
-    # (and dive steps) round to one plan; its walk, its check and its row are the same again.
-    seen: dict[tuple[int, ...], bool] = {}
-
-    def consider(choice: dict[str, int] | None, method: str) -> bool:
-        nonlocal best
-        if choice is None:
-            return False
-        key = tuple(choice[name] for name in graph.order)
-        if key in seen:
-            return seen[key]
-        if visited is not None:
-            visited.append(choice)
-        peak, at = graph.timeline.peak(_bytes_of(graph, choice))
-        if not fits(peak, budget):
-            ilp.add_memory_constraint_at(at, budget)
-            prices.setdefault(at, 0.0)
-            seen[key] = False
-            return False
-        value = rounding.check(ilp, choice)
-        seen[key] = value is not None
-        if value is None:
-            return False
-        if best is None or value < best[0]:
-            best = (value, choice, method)
-        return True
-
+    consider = _Candidates(ilp, budget, prices, visited)
     # 2. Round the LP itself. (Where even the LP does not fit, only the Lagrangian plans are
     # collected, for the caller to add checkpointing to.)
     if relaxed_fits:
         consider(rounding.round_relaxation(ilp), "lp-rounding")
     # 3. Lagrangian plans at rising, then bisected, prices.
-    if not any(prices.values()):  # the rows were slack in the LP: price at the time/memory ratio
+    if not any(consider.prices.values()):  # the rows were slack in the LP: price at the time/memory ratio
+        best = consider.best
         reference = best[0] if best else bound if bound else (unbounded.objective_s if unbounded else 1.0)
-        prices = dict.fromkeys(prices, reference / (budget / MEMORY_UNIT) / max(len(prices), 1))
+        consider.prices = dict.fromkeys(consider.prices,
+                                        reference / (budget / MEMORY_UNIT) / max(len(consider.prices), 1))
+    _lagrangian_search(ilp, consider, relaxed_fits, bound, deadline)
+    if not relaxed_fits:  # even the LP relaxation does not fit: no MILP will (``solve`` skips it)
+        return empty_solution(ilp, "Infeasible", backend, start)
+    # 4. Still far from the bound: dive.
+    if consider.best is None or rounding_gap(consider.best[0], bound) > MILP_GAP:
+        _dive(ilp, consider, deadline)
+    best = consider.best
+    if best is None:
+        return empty_solution(ilp, "Infeasible (no rounded plan fits)", backend, start)
+    status = "Optimal" if rounding_gap(best[0], bound) <= 1e-9 else "Feasible (lagrangian)"
+    log.info("autopar: budgeted solve: %s, %s, %.6f s (bound %.6f), gap %.2f%% in %.2f s", status, best[2], best[0], bound,
+             100 * rounding_gap(best[0], bound), _time.perf_counter() - start)
+    return solution_of(ilp, best, status, backend, bound, start)
+
+
+def _left(deadline: float) -> float:
+    """Seconds left before ``deadline``, at least one."""
+    return max(deadline - _time.perf_counter(), 1.0)
+
+
+class _Candidates:
+    """The rounded plans ``solve_under_budget`` considers. Calling it with a plan (strategy
+    index by node) says whether the plan fits the budget and meets every row; one over the
+    budget adds the memory row at its peak (priced 0 in ``prices``). ``best``: the fastest
+    plan that fits, as (objective, choice, method)."""
+
+    def __init__(self, ilp: ShardingILP, budget: float, prices: dict[int, float],
+                 visited: list[dict[str, int]] | None):
+        self.ilp, self.budget, self.prices, self.visited = ilp, budget, prices, visited
+        self.best: tuple[float, dict[str, int], str] | None = None
+        # Each plan considered, by its strategies in graph order: whether it fitted. Several prices
+        # (and dive steps) round to one plan; its walk, its check and its row are the same again.
+        self.seen: dict[tuple[int, ...], bool] = {}
+
+    def __call__(self, choice: dict[str, int] | None, method: str) -> bool:
+        if choice is None:
+            return False
+        graph = self.ilp.graph
+        key = tuple(choice[name] for name in graph.order)
+        if key in self.seen:
+            return self.seen[key]
+        if self.visited is not None:
+            self.visited.append(choice)
+        peak, at = graph.timeline.peak(_bytes_of(graph, choice))
+        if not fits(peak, self.budget):
+            self.ilp.add_memory_constraint_at(at, self.budget)
+            self.prices.setdefault(at, 0.0)
+            self.seen[key] = False
+            return False
+        value = rounding.check(self.ilp, choice)
+        self.seen[key] = value is not None
+        if value is None:
+            return False
+        if self.best is None or value < self.best[0]:
+            self.best = (value, choice, method)
+        return True
+
+
+def _lagrangian_search(ilp: ShardingILP, consider: _Candidates, relaxed_fits: bool, bound: float | None,
+                       deadline: float) -> None:
+    """Step 3: Lagrangian plans at prices ``consider.prices`` times a factor that rises until a
+    plan fits, then is bisected towards the least that fits (while the best plan is not close
+    to ``bound``)."""
     low, high = 0.0, None
     factor = 1.0
     for _ in range(_MAX_GROWTH_ROUNDS if relaxed_fits else _MAX_GROWTH_ROUNDS // 2):
         if _time.perf_counter() > deadline:
             break
-        if _lagrangian_fits(ilp, prices, factor, consider, left()):
+        if _lagrangian_fits(ilp, consider.prices, factor, consider, _left(deadline)):
             high = factor
             break
         low, factor = factor, factor * _GROWTH
-    if high is not None:
-        for _ in range(_BISECTIONS):
-            if _time.perf_counter() > deadline or low <= 0 and high <= 1.0:
-                break
-            if relaxed_fits and best is not None and rounding_gap(best[0], bound) <= _CLOSE:
-                break  # close enough to the bound
-            middle = (low * high) ** 0.5 if low > 0 else high / _GROWTH
-            if _lagrangian_fits(ilp, prices, middle, consider, left()):
-                high = middle
-            else:
-                low = middle
-    if not relaxed_fits:  # even the LP relaxation does not fit: no MILP will (``solve`` skips it)
-        return _empty(ilp, "Infeasible", backend, start)
-    # 4. Still far from the bound: dive.
-    if best is None or rounding_gap(best[0], bound) > MILP_GAP:
-        _dive(ilp, consider, deadline)
-    if best is None:
-        return _empty(ilp, "Infeasible (no rounded plan fits)", backend, start)
-    status = "Optimal" if rounding_gap(best[0], bound) <= 1e-9 else "Feasible (lagrangian)"
-    log.info("autopar: budgeted solve: %s, %s, %.6f s (bound %.6f), gap %.2f%% in %.2f s", status, best[2], best[0], bound,
-             100 * rounding_gap(best[0], bound), _time.perf_counter() - start)
-    return _solution(ilp, best, status, backend, bound, start)
+    if high is None:
+        return
+    for _ in range(_BISECTIONS):
+        if _time.perf_counter() > deadline or low <= 0 and high <= 1.0:
+            break
+        if relaxed_fits and consider.best is not None and rounding_gap(consider.best[0], bound) <= _CLOSE:
+            break  # close enough to the bound
+        middle = (low * high) ** 0.5 if low > 0 else high / _GROWTH
+        if _lagrangian_fits(ilp, consider.prices, middle, consider, _left(deadline)):
+            high = middle
+        else:
+            low = middle
 
 
 def rounding_gap(objective: float, bound: float) -> float:
@@ -168,7 +192,7 @@ def rounding_gap(objective: float, bound: float) -> float:
 
 def _lagrangian_fits(ilp, prices, factor, consider, limit) -> bool:
     names = {t: ilp.memory_constraint_name(t) for t in prices}
-    rows = {t: ilp.problem._constraints[name] for t, name in names.items()}
+    rows = {t: ilp.rows_by_name()[name] for t, name in names.items()}
     saved = {t: rows[t].constant for t in rows}
     try:
         for row in rows.values():  # the rows are priced, not enforced
@@ -220,7 +244,7 @@ def _dive(ilp: ShardingILP, consider, deadline: float) -> None:
 
 
 def _dual(ilp: ShardingILP, t: int) -> float:
-    pi = ilp.problem.constraints[ilp.memory_constraint_name(t)].pi
+    pi = ilp.rows_by_name()[ilp.memory_constraint_name(t)].pi
     return float(pi or 0.0)
 
 

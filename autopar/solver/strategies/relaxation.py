@@ -111,7 +111,7 @@ class Relaxation:
         """Add the problem's rows HiGHS does not hold yet, their terms read from the ILP's
         ``row_table`` (``rounding.check`` reads the same table). False when one has a variable
         HiGHS does not hold."""
-        constraints = self.ilp.problem._constraints  # as PuLP's own backends read it (the mapping warns)
+        constraints = self.ilp.rows_by_name()
         if len(constraints) == len(self.rows):
             return True
         table = self.ilp.row_table()
@@ -142,7 +142,7 @@ class Relaxation:
     def _sync(self) -> float:
         """Pass HiGHS what changed in the problem since the last solve (rows, then bounds, then
         the objective, as they were always passed); the objective's scale."""
-        constraints = self.ilp.problem._constraints
+        constraints = self.ilp.rows_by_name()
         objective = self._read_objective()
         if (len(constraints) < len(self.rows) or list(itertools.islice(constraints, len(self.rows))) != self.row_names
                 or not self._add_new_rows() or objective is None):

@@ -91,7 +91,7 @@ def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto"
     if solver == "auto":
         bound, incumbent = _relax_and_round(ilp, left())
         if incumbent is not None and bound is not None and _gap(incumbent[0], bound) <= OPTIMAL_GAP:
-            return _solution(ilp, incumbent, "Optimal", backends.lp_backend(), bound, start)
+            return solution_of(ilp, incumbent, "Optimal", backends.lp_backend(), bound, start)
     backend = backends.mip_backend(solver)
     status = _run(ilp, backends.make(backend, left(), mip=True))
     if ilp.problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
@@ -105,22 +105,22 @@ def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto"
         elif bound is None:  # CBC reports no bound through PuLP: take the LP relaxation's
             bound = _relaxation_bound(ilp, left())
         if not optimal and incumbent is not None and incumbent[0] < objective:
-            return _solution(ilp, incumbent, "Feasible (time limit)", backend, bound, start)
+            return solution_of(ilp, incumbent, "Feasible (time limit)", backend, bound, start)
         label = "Optimal" if optimal else "Feasible (time limit)"
-        return _solution(ilp, (objective, choice, "milp"), label, backend, bound, start)
+        return solution_of(ilp, (objective, choice, "milp"), label, backend, bound, start)
     if status == "Infeasible":
-        return _empty(ilp, "Infeasible", backend, start)
+        return empty_solution(ilp, "Infeasible", backend, start)
     # The MILP failed or ran out of time with nothing: fall back.
     if bound is None and incumbent is None:
         bound, incumbent = _relax_and_round(ilp, left())
     if bound is None:  # the relaxation itself failed: the problem is infeasible
-        return _empty(ilp, "Infeasible", backend, start)
+        return empty_solution(ilp, "Infeasible", backend, start)
     for candidate in _greedy_plans(ilp):
         if incumbent is None or candidate[0] < incumbent[0]:
             incumbent = candidate
     if incumbent is None:
-        return _empty(ilp, f"{status} (no fallback plan fits)", backend, start)
-    return _solution(ilp, incumbent, "Feasible (fallback)", backend, bound, start)
+        return empty_solution(ilp, f"{status} (no fallback plan fits)", backend, start)
+    return solution_of(ilp, incumbent, "Feasible (fallback)", backend, bound, start)
 
 
 def solve_relaxation(ilp: ShardingILP, time_limit_s: float, priced: list[tuple[str, float]] | None = None) -> str:
@@ -133,7 +133,7 @@ def solve_relaxation(ilp: ShardingILP, time_limit_s: float, priced: list[tuple[s
     if backends.lp_backend() != "highs":
         objective = ilp.problem.objective
         if priced:
-            rows = ilp.problem._constraints  # as PuLP's own backends read it (the mapping warns)
+            rows = ilp.rows_by_name()
             terms: dict = {}
             for name, price in priced:
                 for var, coef in rows[name].items():
@@ -234,7 +234,9 @@ def edge_specs(graph: "ChoiceGraph", choice: dict[str, int]) -> dict[int, tuple]
     return specs
 
 
-def _solution(ilp, incumbent, status, backend, bound, start) -> Solution:
+def solution_of(ilp: ShardingILP, incumbent: tuple[float, dict[str, int], str], status: str, backend: str,
+                bound: float | None, start: float) -> Solution:
+    """The Solution of ``incumbent`` (objective, choice, method), timed from ``start``."""
     objective, choice, method = incumbent
     return Solution(
         choice, edge_specs(ilp.graph, choice), status, objective, time.perf_counter() - start, *ilp.size(),
@@ -243,5 +245,6 @@ def _solution(ilp, incumbent, status, backend, bound, start) -> Solution:
     )
 
 
-def _empty(ilp, status, backend, start) -> Solution:
+def empty_solution(ilp: ShardingILP, status: str, backend: str, start: float) -> Solution:
+    """A Solution with no plan (infeasible, or nothing found in time), timed from ``start``."""
     return Solution({}, {}, status, float("inf"), time.perf_counter() - start, *ilp.size(), backend=backend)
