@@ -85,6 +85,11 @@ def _packet(target: Any) -> Any:
     return getattr(target, "overloadpacket", target)
 
 
+def is_view(target: Any) -> bool:
+    """Whether the op ``target`` (an overload or its packet) is a view: it moves no data."""
+    return _packet(target) in VIEW_OPS
+
+
 def _shape(arg: Any) -> tuple[int, ...]:
     assert isinstance(arg, TensorArg), f"expected a tensor argument, got {arg!r}"
     return arg.shape

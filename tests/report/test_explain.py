@@ -113,8 +113,8 @@ def test_memory_budget_binding(gpt_traced):
     free = solve_ilp(ShardingILP(graph))
     lean = ShardingILP(graph)
     lean.minimize_peak_memory(graph.timeline.checkpoints([graph.bytes_bound(largest=False)]))
-    leanest = peak_memory(graph, solve_ilp(lean))[0]
-    peak = peak_memory(graph, free)[0]
+    leanest = peak_memory(graph, solve_ilp(lean)).bytes
+    peak = peak_memory(graph, free).bytes
     assert leanest < peak
     # Close to the floor, single decisions must trade time for memory. (Halfway up, the budget can
     # be met by moves that are each cost-optimal given their neighbours, so nothing "binds" alone.)

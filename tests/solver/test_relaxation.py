@@ -41,7 +41,7 @@ def unbounded(graph):
 def tight(graph, unbounded):
     """A budget 30% of the way from the leanest plan's peak to the fastest plan's."""
     lean = graph.timeline.peak(graph.bytes_bound(largest=False))[0]
-    return lean + 0.3 * (solving.peak_memory(graph, unbounded)[0] - lean)
+    return lean + 0.3 * (solving.peak_memory(graph, unbounded).bytes - lean)
 
 
 def _fresh(ilp: ShardingILP) -> tuple[str, float | None, dict]:
@@ -93,7 +93,7 @@ def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, ti
     both("no budget")
     first = ilp.relaxation
     ilp.add_memory_constraint(tight)
-    ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded)[1], tight)
+    ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded).time, tight)
     both("memory rows")
     assert ilp.relaxation is first, "rows are added to the model, not rebuilt"
     names = [ilp.memory_constraint_name(t) for t in sorted(ilp.memory_times)]
@@ -141,7 +141,7 @@ def test_a_priced_solve_is_the_solve_of_the_priced_expression(graph, unbounded, 
     solve holds the problem's own objective again."""
     ilps = [ShardingILP(graph, tight) for _ in range(2)]
     for ilp in ilps:
-        ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded)[1], tight)
+        ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded).time, tight)
         assert solving.solve_relaxation(ilp, 60) == "Optimal"
     plain = _model(ilps[0].relaxation)["cost"]
     names = [ilps[0].memory_constraint_name(t) for t in sorted(ilps[0].memory_times)]

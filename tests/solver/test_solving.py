@@ -116,7 +116,7 @@ def test_rows_hold_agrees_with_pulp_row_by_row(graphs, plain):
     name = rounding.deciding_nodes(graph)[0]
     ilp.x[name][choice[name]].varValue = 0.0  # the node picks no strategy now
     assert not ilp.rows_hold(rounding._TOLERANCE) and not pulp_says(ilp)
-    peak = peak_memory(graph, plain)[0]
+    peak = peak_memory(graph, plain).bytes
     for budget, holds in ((0.5 * peak, False), (2 * peak, True)):
         budgeted = ShardingILP(graph)
         assert rounding.check(budgeted, choice) is not None  # the table is built without memory rows
@@ -140,12 +140,12 @@ def test_budget_fast_path_fits_and_reports_its_gap_to_the_milp(graphs):
     graph = graphs[True]
     unbounded = solve_ilp(ShardingILP(graph), 60)
     lean = graph.timeline.peak(graph.bytes_bound(largest=False))[0]
-    budget = lean + 0.3 * (peak_memory(graph, unbounded)[0] - lean)
+    budget = lean + 0.3 * (peak_memory(graph, unbounded).bytes - lean)
     fast_ilp = ShardingILP(graph, budget)
     fast = solve_under_budget(fast_ilp, budget, 60, unbounded)
     exact, fits = solving.solve_within_budget(ShardingILP(graph, budget), budget, 120, "highs")
     assert fast.choice and fits and exact.choice
-    assert peak_memory(graph, fast)[0] <= budget * (1 + 1e-9) < peak_memory(graph, unbounded)[0]
+    assert peak_memory(graph, fast).bytes <= budget * (1 + 1e-9) < peak_memory(graph, unbounded).bytes
     assert fast.method in ("lagrangian", "lp-rounding", "lp-diving") and fast.gap is not None
     assert exact.objective_s <= fast.objective_s * (1 + 1e-9)
     assert fast.bound_s <= exact.objective_s * (1 + 1e-6), "the reported bound is a lower bound"
@@ -187,7 +187,7 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
     graph = build_choice_graph(traced, (2, 2), cluster)
     unbounded = solve_ilp(ShardingILP(graph), 60)
     lean = graph.timeline.peak(graph.bytes_bound(largest=False))[0]
-    budget = lean + 0.3 * (peak_memory(graph, unbounded)[0] - lean)
+    budget = lean + 0.3 * (peak_memory(graph, unbounded).bytes - lean)
     monkeypatch.setattr(solver_module, "MILP_GAP", -1.0)  # every Lagrangian gap is "too large"
     limits = []
     real = solver_module.solve_within_budget

@@ -131,7 +131,7 @@ def _solve_sharding(graph: ChoiceGraph, settings: _Settings, forced: dict[str, S
     ilp = ShardingILP(graph, None)
     solution = unbounded = solve_ilp(ilp, time_limit_s, solver)
     visited: list[dict[str, int]] = []  # the Lagrangian plans on the way to the budget
-    if memory_budget is not None and solution.choice and not fits(peak_memory(graph, solution)[0], memory_budget):
+    if memory_budget is not None and solution.choice and not fits(peak_memory(graph, solution).bytes, memory_budget):
         solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited, start)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
@@ -159,7 +159,7 @@ def _memory_for(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, s
     that fits as it is (or when nothing may be checkpointed or offloaded)."""
     if settings.memory_budget is None or not settings.decides_memory:
         return None
-    if fits(peak_memory(graph, candidate)[0], settings.memory_budget):
+    if fits(peak_memory(graph, candidate).bytes, settings.memory_budget):
         return None
     return plan_memory(traced, graph, candidate.choice, cluster, settings.memory_budget, target=settings.offload,
                        prefetch=settings.prefetch, checkpointing=settings.checkpointing, explain=explain)
@@ -264,7 +264,7 @@ def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution,
     exact, fitting = solve_within_budget(ilp, memory_budget, max(left, 1.0), backends.mip_backend(solver))
     if not fitting:
         log.warning("autopar: after up to %d memory rounds (or the time limit) the plan still peaks at %.0f bytes, over memory_budget=%.0f",
-                    MAX_MEMORY_ROUNDS, peak_memory(ilp.graph, exact)[0], memory_budget)
+                    MAX_MEMORY_ROUNDS, peak_memory(ilp.graph, exact).bytes, memory_budget)
         exact = dataclasses.replace(exact, choice={}, status="Infeasible (memory rounds)")
     if fast is not None and fast.choice and (not exact.choice or fast.objective_s <= exact.objective_s):
         return fast
@@ -297,7 +297,7 @@ def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
 def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: str) -> InfeasibleError:
     """Say how much memory the leanest plan needs, and which tensors weigh most."""
     solution = _leanest(graph, time_limit_s, solver)
-    minimum = peak_memory(graph, solution)[0] if solution.choice else float("nan")
+    minimum = peak_memory(graph, solution).bytes if solution.choice else float("nan")
     biggest = sorted(
         ((max(c.memory_bytes), c.fqn or c.name) for c in graph.choices.values() if c.memory_bytes),
         reverse=True,

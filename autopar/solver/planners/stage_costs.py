@@ -308,7 +308,7 @@ class CandidateSolver:
         strategy, a lower bound). Reaches plans off the convex hull that the Lagrangian rungs
         miss, at a MILP per rung."""
         graph, ilp = self.graph, self.ilp
-        fast = peak_memory(graph, fastest.solution)[0]
+        fast = peak_memory(graph, fastest.solution).bytes
         lean = graph.timeline.peak(graph.bytes_bound(largest=False))[0]
         found = []
         for fraction in BUDGET_LADDER:

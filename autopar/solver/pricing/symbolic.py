@@ -79,7 +79,7 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
         out_bytes[node.name] = float(sum(
             memory.local_bytes(shape, dtype, spec, mesh) for (shape, dtype), spec in zip(outs, decided.outs)
         ))
-        is_alias = node.target is operator.getitem or compute._packet(node.target) in compute.VIEW_OPS
+        is_alias = node.target is operator.getitem or compute.is_view(node.target)
         internal = memory.internal_saved_factor(node.target, op_info(node).kw) if node.target is EXPERTS_OP else 0.0
         live.append(liveness.LiveNode(
             node.name, "alias" if is_alias else "op", inputs, node.target, grads[node.name],

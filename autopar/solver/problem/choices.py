@@ -337,7 +337,7 @@ def live_nodes(gm: torch.fx.GraphModule, choices: dict[str, Choice]) -> list[liv
         choice = choices[node.name]
         kind = choice.kind
         target = node.target if node.op == "call_function" else None
-        if kind == "op" and (target is operator.getitem or compute._packet(target) in compute.VIEW_OPS):
+        if kind == "op" and (target is operator.getitem or compute.is_view(target)):
             kind = "alias"
         inputs = tuple(producer for producer, _ in choice.inputs)
         itemsize = choice.out_dtypes[0].itemsize if choice.out_dtypes else 4

@@ -61,7 +61,7 @@ def reads_whole(target) -> bool:
     not a view, a getitem or a cast, which take the shard as it is (its users gather)."""
     if target is None or target is operator.getitem or target is torch.ops.aten._to_copy.default:
         return target is None  # None: the graph's output
-    return compute._packet(target) not in compute.VIEW_OPS
+    return not compute.is_view(target)
 
 
 def cast_of_param(choices: dict[str, "Choice"], name: str) -> str | None:

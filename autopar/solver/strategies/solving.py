@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import pulp
 
@@ -49,9 +49,16 @@ def chosen_bytes(graph: "ChoiceGraph", solution: "Solution"):
     return graph.bytes_of(solution.choice)
 
 
-def peak_memory(graph: "ChoiceGraph", solution: "Solution") -> tuple[float, int]:
-    """(peak bytes per device, timeline time of the peak) of a solution's liveness curve."""
-    return graph.timeline.peak(chosen_bytes(graph, solution))
+class Peak(NamedTuple):
+    """The top of a solution's liveness curve."""
+
+    bytes: float  # per device
+    time: int  # on the timeline (``Timeline.time_name`` names it)
+
+
+def peak_memory(graph: "ChoiceGraph", solution: "Solution") -> Peak:
+    """The peak of a solution's liveness curve."""
+    return Peak(*graph.timeline.peak(chosen_bytes(graph, solution)))
 
 
 def solve_within_budget(ilp: "ShardingILP", budget: float | None, time_limit_s: float,
@@ -75,7 +82,7 @@ def solve_within_budget(ilp: "ShardingILP", budget: float | None, time_limit_s: 
                   graph.timeline.time_name(peak_time))
         ilp.add_memory_constraint_at(peak_time, budget)
         solution = solve_ilp(ilp, max(deadline - time.perf_counter(), 1.0), solver)
-    return solution, not solution.choice or fits(peak_memory(graph, solution)[0], budget)
+    return solution, not solution.choice or fits(peak_memory(graph, solution).bytes, budget)
 
 
 def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto") -> Solution:
