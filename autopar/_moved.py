@@ -20,6 +20,23 @@ MOVED = {
     "autopar.spec": "autopar.ir.spec",
     "autopar.materialize": "autopar.runtime.materialize",
     "autopar.html_report": "autopar.report.html",
+    # solver/ laid out by role (problem, strategies, pricing, planners)
+    "autopar.solver.choices": "autopar.solver.problem.choices",
+    "autopar.solver.gathered": "autopar.solver.problem.gathered",
+    "autopar.solver.ilp": "autopar.solver.problem.ilp",
+    "autopar.solver.backends": "autopar.solver.strategies.backends",
+    "autopar.solver.relaxation": "autopar.solver.strategies.relaxation",
+    "autopar.solver.rounding": "autopar.solver.strategies.rounding",
+    "autopar.solver.solving": "autopar.solver.strategies.solving",
+    "autopar.solver.budget": "autopar.solver.strategies.budget",
+    "autopar.solver.comm_schedule": "autopar.solver.pricing.comm_schedule",
+    "autopar.solver.runner_ups": "autopar.solver.pricing.runner_ups",
+    "autopar.solver.symbolic": "autopar.solver.pricing.symbolic",
+    "autopar.solver.stages": "autopar.solver.planners.stages",
+    "autopar.solver.stage_costs": "autopar.solver.planners.stage_costs",
+    "autopar.solver.mesh_search": "autopar.solver.planners.mesh_search",
+    "autopar.solver.hand_plans": "autopar.solver.planners.hand_plans",
+    "autopar.solver.memory": "autopar.solver.planners.memory_plan",
 }
 
 
