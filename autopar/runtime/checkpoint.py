@@ -27,17 +27,21 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
 from autopar.ir.spec import Spec, local_shape, shard_tensor
+from autopar.ops.collectives import call_on_world
+from autopar.runtime import checkpoint_files as files
 
 if TYPE_CHECKING:
     from autopar.runtime.module import ParallelModule
@@ -181,43 +185,169 @@ def optimizer_state_dict(pm: "ParallelModule", optimizer: torch.optim.Optimizer)
 def save(path: str | os.PathLike, pm: "ParallelModule", optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write a sharded checkpoint of ``pm`` (and ``optimizer``) to the directory ``path``.
 
-    Every rank calls it; each writes its own shards (replicated tensors once, by one rank).
+    Every rank calls it; each writes its own shards (replicated tensors once, by one rank). The
+    shards go to ``<path>.saving``, which replaces ``path`` only once every rank has written its
+    part (``autopar.runtime.checkpoint_files``): a save killed at any point leaves the checkpoint
+    it was replacing loadable and unchanged. Returns on every rank once the new one is committed.
     """
     state: dict[str, Any] = {_MODEL: pm.state_dict()}
     if optimizer is not None:
         state[_OPTIM] = optimizer_state_dict(pm, optimizer)
-    dcp.save(state, checkpoint_id=path)
+    _on_rank0("prepare the checkpoint directory", lambda: files.recover(path))
+    staging = files.staging_dir(path)
+    _run_dcp("save", path, lambda: dcp.save(state, checkpoint_id=staging))
+    _on_rank0("commit the checkpoint", lambda: files.commit(path, dist.get_world_size()))
 
 
-def load(path: str | os.PathLike, pm: "ParallelModule", optimizer: torch.optim.Optimizer | None = None) -> None:
+def load(path: str | os.PathLike, pm: "ParallelModule", optimizer: torch.optim.Optimizer | None = None, *,
+         strict: bool = True, verify: bool = True) -> None:
     """Read a checkpoint written by ``save`` into ``pm``'s shards (and ``optimizer``'s state).
 
     The checkpoint may come from any mesh shape and any plan of the same model: each rank reads
     the slices its shards cover. ``optimizer`` must step ``pm.parameters()`` with the same
     param groups as the one saved; its state is replaced and its hyperparameters (lr, ...) are
     set to the saved ones, as ``Optimizer.load_state_dict`` does.
+
+    Before any tensor is written, every rank checks that the checkpoint is complete (its commit
+    marker, and every file its ``.metadata`` points into) and that it fits: the model's names and
+    shapes, and the optimizer's param groups. Any difference is a ``CheckpointError`` that lists
+    it, on every rank. ``strict=False`` loads the names the model and the checkpoint share (shapes
+    must still agree); ``verify=False`` reads a DCP checkpoint without autopar's commit marker.
     """
-    reader = dcp.FileSystemReader(path)
-    metadata = reader.read_metadata().state_dict_metadata
-    state: dict[str, Any] = {_MODEL: pm.state_dict()}
+    def check() -> tuple[Any, Any, list[str]]:
+        directory, metadata = files.verify(path, marked=verify)
+        keys = _check_model_keys(pm, metadata.state_dict_metadata, directory, strict)
+        if optimizer is not None:
+            _check_param_groups(pm, optimizer, metadata.state_dict_metadata, directory)
+        return directory, metadata, keys
+
+    directory, metadata, keys = _agreed("check the checkpoint", check)
+    reader = dcp.FileSystemReader(directory)
+    model_state = pm.state_dict()
+    state: dict[str, Any] = {_MODEL: {k: model_state[k] for k in keys}}
     if optimizer is not None:
-        state[_OPTIM] = _optimizer_target(pm, optimizer, metadata, path)
-    dcp.load(state, storage_reader=reader)
+        state[_OPTIM] = _optimizer_target(pm, optimizer, metadata.state_dict_metadata, directory)
+    _run_dcp("load", directory, lambda: dcp.load(state, storage_reader=reader))
     if optimizer is not None:
         load_optimizer_state_dict(pm, optimizer, state[_OPTIM])
+
+
+def _check_model_keys(pm: "ParallelModule", metadata: Mapping[str, Any], directory, strict: bool) -> list[str]:
+    """The model names to load: a CheckpointError listing missing and unexpected names (unless
+    not ``strict``) and every shape that differs."""
+    prefix = f"{_MODEL}."
+    saved = {key[len(prefix):]: meta for key, meta in metadata.items() if key.startswith(prefix)}
+    keys = pm.state_dict_keys()
+    missing = [k for k in keys if k not in saved]
+    unexpected = [k for k in saved if k not in set(keys)]
+    shapes = [f"{k}: checkpoint {tuple(saved[k].size)}, model {pm.full_shape(k)}" for k in keys
+              if k in saved and isinstance(saved[k], TensorStorageMetadata) and tuple(saved[k].size) != pm.full_shape(k)]
+    problems = []
+    if strict and (missing or unexpected):
+        problems.append(f"missing from the checkpoint: {_listed(missing)}; in the checkpoint but not in the model: "
+                        f"{_listed(unexpected)}")
+    if shapes:
+        problems.append(f"shapes differ: {_listed(shapes)}")
+    if problems:
+        fix = "load a checkpoint of this model's configuration"
+        if not shapes:
+            fix += ", or pass strict=False to load only the names both hold"
+        raise files.CheckpointError(f"the checkpoint at {directory} does not fit this model: {'; '.join(problems)}. "
+                                    f"Nothing was loaded; {fix}")
+    return [k for k in keys if k in saved]
+
+
+def _listed(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_param_groups(pm: "ParallelModule", optimizer: torch.optim.Optimizer, metadata: Mapping[str, Any], directory) -> None:
+    """The checkpoint's optimizer param groups hold the same parameters as ``optimizer``'s, in order."""
+    names = _param_fqns(pm, optimizer)
+    prefix = f"{_OPTIM}.param_groups."
+    saved_keys = [key for key in metadata if key.startswith(prefix) and key.endswith(".params")]
+    if not saved_keys:
+        raise files.CheckpointError(f"the checkpoint at {directory} has no optimizer state: it was saved without an "
+                                    "optimizer; load without one (and build a fresh optimizer)")
+    mine = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    saved = _read_objects(directory, saved_keys)
+    groups = [saved[f"{prefix}{index}.params"] for index in range(len(saved_keys)) if f"{prefix}{index}.params" in saved]
+    if [list(g) for g in groups] != mine:
+        detail = []
+        if len(groups) != len(mine):
+            detail.append(f"{len(groups)} param groups saved, {len(mine)} in this optimizer")
+        for index, (theirs, ours) in enumerate(zip(groups, mine)):
+            if list(theirs) != ours:
+                gone = [n for n in theirs if n not in ours]
+                new = [n for n in ours if n not in theirs]
+                what = f"saved only: {_listed(gone)}; this optimizer only: {_listed(new)}" if gone or new else "another order"
+                detail.append(f"group {index}: {what}")
+        raise files.CheckpointError(
+            f"the checkpoint at {directory} holds another optimizer's param groups ({'; '.join(detail)}). Nothing was "
+            "loaded; build the optimizer over the same parameters, in the same groups, as when saving"
+        )
+
+
+def _read_objects(directory, keys: list[str]) -> dict[str, Any]:
+    """The pickled (non-tensor) entries ``keys`` of a checkpoint, read in this process alone."""
+    state: dict[str, Any] = {key: None for key in keys}
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, on purpose
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    return state
+
+
+def _on_rank0(what: str, fn) -> None:
+    """Run ``fn`` on rank 0 and its outcome everywhere: an error there is raised on every rank."""
+    outcome: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001 - every rank must hear of it
+            outcome[0] = error
+    call_on_world(f"checkpoint: {what}", dist.broadcast_object_list, outcome, src=0)
+    if outcome[0] is not None:
+        if dist.get_rank() == 0:
+            raise outcome[0]
+        raise files.CheckpointError(f"could not {what} (on rank 0): {type(outcome[0]).__name__}: {outcome[0]}")
+
+
+def _agreed(what: str, fn):
+    """``fn()`` on every rank, raising on every rank if it raised on any (so that no rank waits
+    in a collective that another one never enters)."""
+    try:
+        result, error = fn(), None
+    except Exception as caught:  # noqa: BLE001 - the other ranks must hear of any failure
+        result, error = None, caught
+    errors: list[Any] = [None] * dist.get_world_size()
+    call_on_world(f"checkpoint: {what}", dist.all_gather_object, errors, None if error is None else str(error))
+    if error is not None:
+        raise error
+    failed = [rank for rank, text in enumerate(errors) if text is not None]
+    if failed:
+        raise files.CheckpointError(f"rank {failed[0]} refused the checkpoint: {errors[failed[0]]}")
+    return result
+
+
+def _run_dcp(what: str, path, fn) -> None:
+    """A DCP save or load, its failure told in a few lines: DCP's own exception prints every
+    rank's traceback (a hundred lines or more), and a dead peer's error names no rank."""
+    try:
+        call_on_world(f"checkpoint {what}", fn)
+    except CheckpointException as error:
+        lines = [f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                 for rank, (exc, _trace) in sorted(error.failures.items())]
+        kept = "the checkpoint it was replacing is unchanged" if what == "save" else "the module may be partly loaded"
+        raise files.CheckpointError(
+            f"checkpoint {what} at {path} failed: " + "; ".join(lines) + f". {kept}; fix the cause and {what} again"
+        ) from None
 
 
 def _optimizer_target(pm: "ParallelModule", optimizer: torch.optim.Optimizer, metadata: Mapping[str, Any], path) -> dict[str, Any]:
     """Empty buffers, shaped as this rank's shards, for every optimizer entry in the checkpoint."""
     names = _param_fqns(pm, optimizer)
-    saved_groups = {int(k.split(".")[2]) for k in metadata if k.startswith(f"{_OPTIM}.param_groups.")}
-    if not saved_groups:
-        raise ValueError(f"the checkpoint at {path} has no optimizer state: it was saved without an optimizer")
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"the checkpoint at {path} has {len(saved_groups)} optimizer param groups and this optimizer "
-            f"{len(optimizer.param_groups)}: build the optimizer with the same groups as when saving"
-        )
     mesh = pm.device_mesh
     state: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:

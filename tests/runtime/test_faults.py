@@ -1,0 +1,205 @@
+"""Faults and bad input as a careful user and an unlucky cluster meet them: each ends in a clear
+error that names its fix, or in a correct result, and nothing saved is lost.
+
+Single-process checks (a one-rank gloo group) cover checkpoint and plan validation; the checks
+that need several ranks (a rank killed mid-step and mid-save, ranks with different weights) run
+at the end, each on as few spawned ranks as it needs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.runtime import checkpoint_files as files
+from autopar.runtime.checkpoint_files import CheckpointError
+from autopar.zoo.models import build_model, example_batch
+
+GPT_BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def one_rank_gloo():
+    """A real gloo process group of one rank in this process, torn down afterwards."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1,
+                                timeout=timedelta(seconds=60))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _gpt(n_layer: int = 2, seed: int = 0):
+    model = build_model("gpt", seed=seed, n_layer=n_layer)
+    batch = example_batch("gpt", GPT_BATCH)
+    return autopar.compile(model, (1,), example_inputs=batch), batch
+
+
+def _stepped(pm, batch, lr: float = 1e-2):
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=lr)
+    pm(*batch).backward()
+    optimizer.step()
+    return optimizer
+
+
+def _state(pm) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+def _same(got: dict, want: dict) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.fixture(scope="module")
+def saved(one_rank_gloo, tmp_path_factory):
+    """A 2-layer GPT after one AdamW step, saved with its optimizer; (path, state, pm, batch)."""
+    pm, batch = _gpt()
+    optimizer = _stepped(pm, batch)
+    path = tmp_path_factory.mktemp("ckpt") / "gpt"
+    autopar.checkpoint.save(path, pm, optimizer)
+    return path, _state(pm), pm, batch
+
+
+def _copy(path: Path, folder: Path) -> Path:
+    target = folder / path.name
+    shutil.copytree(path, target)
+    return target
+
+
+def test_a_save_commits_a_marked_directory_and_leaves_nothing_beside_it(saved):
+    path, _, _, _ = saved
+    assert (path / files.MARKER).is_file() and (path / ".metadata").is_file()
+    assert not files.staging_dir(path).exists() and not files.replaced_dir(path).exists()
+
+
+def test_a_checkpoint_missing_a_shard_is_refused_before_any_tensor_is_written(saved, tmp_path):
+    path, state, pm, _ = saved
+    broken = _copy(path, tmp_path)
+    shard = next(broken.glob("*.distcp"))
+    shard.unlink()
+    before = _state(pm)
+    with pytest.raises(CheckpointError, match=f"{shard.name} is missing.*No tensor was loaded"):
+        autopar.checkpoint.load(broken, pm)
+    assert _same(_state(pm), before)
+
+
+def test_a_truncated_shard_and_a_damaged_metadata_are_refused(saved, tmp_path):
+    path, _, pm, _ = saved
+    broken = _copy(path, tmp_path)
+    shard = next(broken.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=f"{shard.name} holds 100 bytes"):
+        autopar.checkpoint.load(broken, pm)
+    (broken / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CheckpointError, match=r"\.metadata cannot be read.*damaged"):
+        autopar.checkpoint.load(broken, pm)
+
+
+def test_a_checkpoint_without_its_commit_marker_is_refused_unless_verify_is_off(saved, tmp_path):
+    path, state, _, _ = saved
+    unmarked = _copy(path, tmp_path)
+    (unmarked / files.MARKER).unlink()
+    pm, _ = _gpt(seed=3)
+    with pytest.raises(CheckpointError, match="no commit marker.*verify=False"):
+        autopar.checkpoint.load(unmarked, pm)
+    autopar.checkpoint.load(unmarked, pm, verify=False)
+    assert _same(_state(pm), state)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        autopar.checkpoint.load(tmp_path / "nowhere", pm)
+
+
+def test_another_models_checkpoint_is_refused_listing_the_names_and_nothing_is_overwritten(saved, tmp_path):
+    path, state, _, _ = saved
+    three, batch = _gpt(n_layer=3, seed=1)
+    optimizer = _stepped(three, batch)
+    bigger = tmp_path / "gpt3"
+    autopar.checkpoint.save(bigger, three, optimizer)
+
+    two, batch = _gpt(seed=2)
+    before = _state(two)
+    with pytest.raises(CheckpointError, match=r"in the checkpoint but not in the model: transformer\.h\.2\..*strict=False"):
+        autopar.checkpoint.load(bigger, two)
+    own = _stepped(two, batch, lr=1e-3)
+    before, own_state = _state(two), {p: dict(s) for p, s in own.state.items()}
+    with pytest.raises(CheckpointError, match=r"in the checkpoint but not in the model: transformer\.h\.2\."):
+        autopar.checkpoint.load(bigger, two, own)
+    assert _same(_state(two), before), "a refused load wrote weights"
+    assert own.param_groups[0]["lr"] == 1e-3 and all(
+        torch.equal(own.state[p][k], own_state[p][k]) for p in own_state for k in own_state[p])
+
+    # strict=False loads the names both hold; an optimizer's groups must still match.
+    with pytest.raises(CheckpointError, match="another optimizer's param groups.*saved only: transformer.h.2"):
+        autopar.checkpoint.load(bigger, two, own, strict=False)
+    assert _same(_state(two), before), "a refused load wrote weights"
+    autopar.checkpoint.load(bigger, two, strict=False)
+    three_state = _state(three)
+    assert all(torch.equal(v, three_state[k]) for k, v in _state(two).items())
+
+
+def test_shapes_that_differ_are_refused_even_with_strict_off(saved):
+    path, _, _, _ = saved
+    wide = autopar.compile(build_model("gpt", n_embd=32), (1,), example_inputs=example_batch("gpt", GPT_BATCH))
+    with pytest.raises(CheckpointError, match=r"shapes differ: transformer\.wte\.weight: checkpoint \(256, 64\), model \(256, 32\)"):
+        autopar.checkpoint.load(path, wide, strict=False)
+
+
+def test_an_optimizer_checkpoint_loads_exactly_and_a_model_only_one_refuses_an_optimizer(saved, tmp_path):
+    path, state, pm, batch = saved
+    other, _ = _gpt(seed=7)
+    optimizer = torch.optim.AdamW(other.parameters(), lr=0.5)
+    autopar.checkpoint.load(path, other, optimizer)
+    assert _same(_state(other), state) and optimizer.param_groups[0]["lr"] == 1e-2
+    model_only = tmp_path / "model_only"
+    autopar.checkpoint.save(model_only, other)
+    with pytest.raises(CheckpointError, match="saved without an optimizer"):
+        autopar.checkpoint.load(model_only, other, optimizer)
+
+
+def test_a_save_killed_at_each_point_leaves_a_complete_checkpoint(saved, tmp_path, monkeypatch):
+    """A save's steps, each interrupted (as a kill there would leave the directories): the
+    checkpoint it replaces stays loadable, and the next save and load find a whole one."""
+    path, state, _, _ = saved
+    pm, _ = _gpt(seed=5)
+    loaded, _ = _gpt(seed=9)
+    new_state = _state(pm)
+    real_move = files._move
+
+    for renames_before in (0, 1):  # before the swap; between its two renames
+        renames = []
+
+        def move_then_die(src, dst):
+            if len(renames) == renames_before:
+                raise KeyboardInterrupt("killed")
+            renames.append(src)
+            real_move(src, dst)
+
+        old = _copy(path, tmp_path / f"round{renames_before}")
+        monkeypatch.setattr(files, "_move", move_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            autopar.checkpoint.save(old, pm)
+        monkeypatch.setattr(files, "_move", real_move)
+        autopar.checkpoint.load(old, loaded)
+        want = state if renames_before == 0 else new_state  # between the renames, the new one is complete
+        assert _same(_state(loaded), want), f"after a kill with {renames_before} renames done"
+        autopar.checkpoint.save(old, pm)  # the next save puts the directories right
+        assert sorted(p.name for p in old.parent.iterdir()) == [old.name]
+        autopar.checkpoint.load(old, loaded)
+        assert _same(_state(loaded), new_state)
+
+    # Killed while DCP writes (no marker in the staging directory): the old checkpoint is untouched.
+    old = _copy(path, tmp_path / "writing")
+    files.staging_dir(old).mkdir()
+    (files.staging_dir(old) / "__0_0.distcp").write_bytes(b"half")
+    autopar.checkpoint.load(old, loaded)
+    assert _same(_state(loaded), state)
+    autopar.checkpoint.save(old, pm)
+    assert sorted(p.name for p in old.parent.iterdir()) == [old.name]
