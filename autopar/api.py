@@ -38,6 +38,7 @@ from autopar.solver.pricing import symbolic
 from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
 from autopar.runtime.offload import Offloader
 from autopar.runtime.store import make_store
+from autopar.runtime.weights import check_same_weights
 
 log = logging.getLogger("autopar")
 
@@ -352,6 +353,7 @@ def compile(
     if init is not None and not isinstance(init, (SeededInit, FromCheckpoint)):
         raise TypeError(f"init must be None, autopar.SeededInit(...) or autopar.FromCheckpoint(path), got {init!r}")
     collectives.register_peer()  # lets a failed collective name a dead rank
+    check_same_weights(model, init)  # every rank cuts its shards from its own copy of the model
     if cluster is None:  # price the machine this runs on (its CUDA device's preset, or "cpu")
         cluster = local_cluster()
     if plan is not None and not isinstance(plan, Plan):

@@ -49,6 +49,7 @@ from autopar.ir.spec import strided_piece, unstride
 
 _T = TypeVar("_T")
 _PEER_KEY = "autopar/peer/{}"
+_FAILED_KEY = "autopar/failed/{}"  # this rank's diagnosis, once a collective of its own failed
 
 
 def register_peer() -> None:
@@ -56,6 +57,8 @@ def register_peer() -> None:
     the survivors can say which rank died (``_diagnose``)."""
     store = dist.distributed_c10d._get_default_store()
     store.set(_PEER_KEY.format(dist.get_rank()), f"{socket.gethostname()}:{os.getpid()}")
+    if store.check([_FAILED_KEY.format(dist.get_rank())]):  # from an earlier job of this process
+        store.delete_key(_FAILED_KEY.format(dist.get_rank()))
 
 
 # What gloo and NCCL say when the other end of a connection went away: a peer failed, not a timeout.
@@ -64,31 +67,42 @@ _PEER_CLOSED = ("closed by peer", "reset by peer", "connection closed", "broken 
 
 
 def _diagnose(ranks: list[int], error: BaseException | None = None) -> str:
-    """Which of ``ranks`` are gone, as far as this host can tell."""
-    dead, unknown, absent = [], [], []
+    """Which rank is gone, as far as this host can tell.
+
+    Every rank of the world is looked at, not only ``ranks`` (the failed collective's group): a
+    rank whose group lost a peer fails, exits, and so fails the collectives of its other groups,
+    whose ranks would otherwise blame it. A rank that failed this way recorded its own diagnosis
+    in the store (``_record_failure``) before exiting; the rank to name is the one that is gone
+    without such a record."""
+    dead, absent, failed, elsewhere = [], [], {}, []
     try:
         store = dist.distributed_c10d._get_default_store()
         here = socket.gethostname()
-        for rank in ranks:
+        for rank in range(dist.get_world_size()):
+            if store.check([_FAILED_KEY.format(rank)]):
+                failed[rank] = store.get(_FAILED_KEY.format(rank)).decode()
             key = _PEER_KEY.format(rank)
             if not store.check([key]):
                 absent.append(rank)
                 continue
             host, pid = store.get(key).decode().rsplit(":", 1)
             if host != here:
-                unknown.append(rank)
-                continue
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
+                elsewhere.append(rank)
+            elif not _running(int(pid)):
                 dead.append(rank)
-    except Exception as error:  # the store may have died with rank 0
+    except Exception as error:  # the store may have died with the rank that hosted it
         return f"could not tell which rank failed ({type(error).__name__}: {error})"
-    if dead:
-        return f"rank {', '.join(map(str, dead))} is no longer running"
+    first = [rank for rank in dead if rank not in failed]
+    if first:
+        return f"rank {', '.join(map(str, first))} is no longer running"
     if absent:
         return f"rank {', '.join(map(str, absent))} never reached autopar.compile (it failed or was killed before)"
+    followers = [rank for rank in dead if rank in failed]
+    if followers:  # every rank that is gone failed after another: repeat what the first of them found
+        rank = followers[0]
+        return f"{failed[rank]} (as rank {rank} found before it exited)"
     closed = error is not None and any(text in str(error).lower() for text in _PEER_CLOSED)
+    unknown = [rank for rank in elsewhere if rank in ranks]
     if unknown:
         return f"no rank on this host died; ranks {unknown} run on other hosts" + (
             ", and a peer closed its connection: one of them failed" if closed else "")
@@ -98,14 +112,41 @@ def _diagnose(ranks: list[int], error: BaseException | None = None) -> str:
     return "every rank of the group is still running: one of them did not answer within the timeout"
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs here (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _record_failure(diagnosis: str) -> None:
+    """Tell the other ranks that this one failed after a peer, not first (``_diagnose``)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if not store.check([_FAILED_KEY.format(dist.get_rank())]):
+            store.set(_FAILED_KEY.format(dist.get_rank()), diagnosis)
+    except Exception:  # noqa: BLE001 - the store may be gone; the error itself still goes out
+        pass
+
+
 def _collective_error(kind: str, group_name: str, error: BaseException) -> CollectiveError:
     try:
         ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
     except Exception:
         ranks = []
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    diagnosis = _diagnose(ranks, error)
+    _record_failure(diagnosis)
     return CollectiveError(
-        f"{kind} over ranks {ranks} failed on rank {dist.get_rank()}: {_diagnose(ranks, error)}.\n"
+        f"{kind} over ranks {ranks} failed on rank {dist.get_rank()}: {diagnosis}.\n"
         f"  {type(error).__name__}: {first}\n"
         "  This step cannot finish; restart the job (torchrun --max-restarts, or from a checkpoint)."
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -203,3 +204,121 @@ def test_a_save_killed_at_each_point_leaves_a_complete_checkpoint(saved, tmp_pat
     assert _same(_state(loaded), state)
     autopar.checkpoint.save(old, pm)
     assert sorted(p.name for p in old.parent.iterdir()) == [old.name]
+
+
+# -- several ranks -------------------------------------------------------------------------------
+
+
+def _different_weights(rank: int, world: int) -> str:
+    model = build_model("mlp", seed=0 if rank == 0 else 1)
+    try:
+        autopar.compile(model, (world,), example_inputs=example_batch("mlp", 8))
+    except ValueError as error:
+        return str(error)
+    return "compiled"
+
+
+@pytest.mark.multiproc
+def test_ranks_with_different_weights_are_refused_naming_the_rank(rank_pool):
+    for rank, message in enumerate(rank_pool(2).run(_different_weights, timeout_s=300)):
+        assert "rank 1 differs from rank 0 in 6 tensors (layers.0.weight" in message, f"rank {rank}: {message}"
+        assert "torch.manual_seed" in message and "SeededInit" in message
+
+
+def _gpt_on(world: int, plan: str):
+    model = build_model("gpt", seed=0)
+    batch = example_batch("gpt", GPT_BATCH)
+    return autopar.compile(model, (world,) if plan == "fsdp" else (2, 2), example_inputs=batch,
+                           plan=autopar.hand_plan(plan, model, (world,) if plan == "fsdp" else (2, 2),
+                                                  example_inputs=batch, cluster="cpu")), batch
+
+
+def _told(folder: str, rank: int, fn):
+    """Run ``fn``; on a CollectiveError, leave its message in ``folder`` for the parent, and raise it."""
+    try:
+        return fn()
+    except autopar.errors.CollectiveError as error:
+        Path(folder, f"rank{rank}.txt").write_text(str(error))
+        raise
+
+
+def _dies_mid_step(rank: int, world: int, folder: str) -> str:
+    import signal
+
+    pm, batch = _gpt_on(world, "tp_fsdp")
+    dist.barrier()
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1)  # let the kill land before the survivors' next collective
+
+    def step():
+        for _ in range(3):  # survivors fail in groups without rank 2 too, once rank 0 or 3 is gone
+            pm(*batch).backward()
+
+    _told(folder, rank, step)
+    return "finished steps without rank 2"
+
+
+@pytest.mark.multiproc
+def test_a_rank_killed_mid_step_is_named_by_every_survivor(tmp_path):
+    """Mesh (2, 2): rank 1 shares no group with rank 2, and fails only once rank 0 or 3 has
+    failed and exited; it must still name rank 2, not the rank it lost."""
+    from autopar.runtime.launch import DistributedRankError, run_distributed
+
+    start = time.monotonic()
+    with pytest.raises(DistributedRankError) as info:
+        run_distributed(_dies_mid_step, 4, str(tmp_path), timeout_s=240, pg_timeout_s=60, grace_s=60)
+    assert "rank 2 exited" in str(info.value)
+    assert time.monotonic() - start < 150, "the survivors waited for a timeout instead of failing"
+    told = {path.name: path.read_text() for path in tmp_path.glob("rank*.txt")}
+    assert sorted(told) == ["rank0.txt", "rank1.txt", "rank3.txt"], told
+    for name, message in told.items():
+        assert "rank 2 is no longer running" in message, f"{name}: {message}"
+
+
+def _dies_mid_save(rank: int, world: int, folder: str) -> str:
+    import signal
+
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    pm, batch = _gpt_on(world, "fsdp")
+    optimizer = _stepped(pm, batch)
+    path = Path(folder, "ckpt")
+    autopar.checkpoint.save(path, pm, optimizer)
+    state = pm.full_state_dict()
+    if rank == 0:
+        torch.save(state, Path(folder, "saved.pt"))
+    pm(*batch).backward()
+    optimizer.step()
+    if rank == 1:  # dies once its shards of the new checkpoint are written, before the metadata
+        write = _FileSystemWriter.write_data
+
+        def write_then_die(self, *args, **kwargs):
+            write(self, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        _FileSystemWriter.write_data = write_then_die
+    _told(folder, rank, lambda: autopar.checkpoint.save(path, pm, optimizer))
+    return "saved without rank 1"
+
+
+@pytest.mark.multiproc
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # no_dist=True, on purpose
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from autopar.runtime.launch import DistributedRankError, run_distributed
+
+    with pytest.raises(DistributedRankError) as info:
+        run_distributed(_dies_mid_save, 2, str(tmp_path), timeout_s=240, pg_timeout_s=60, grace_s=60)
+    assert "rank 1 exited" in str(info.value)
+    told = (tmp_path / "rank0.txt").read_text()
+    assert "checkpoint save" in told and "rank 1 is no longer running" in told, told
+    path = tmp_path / "ckpt"
+    assert files.staging_dir(path).exists() and not files.is_committed(files.staging_dir(path))
+    files.verify(path)
+    model = build_model("gpt", seed=3)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    saved_state = torch.load(tmp_path / "saved.pt")
+    assert _same({k: v for k, v in state["model"].items()}, saved_state)

@@ -99,38 +99,6 @@ def test_ranks_with_different_plans_fail_clearly_and_plans_are_deterministic(tmp
         assert "ranks hold different plans" in result["refused"], f"rank {rank}: {result['refused']}"
 
 
-def _one_rank_dies(rank: int, world: int) -> str:
-    from autopar.cost.cluster import get_cluster
-    from autopar.solver import solve
-    from autopar.ir.spec import S
-    from autopar.trace import trace
-
-    model = build_model("mlp_block", seed=0)
-    batch = example_batch("mlp_block", 8)
-    data_parallel = {"linear": (S(0),), "linear_1": (S(0),)}  # the loss is then all-reduced
-    plan = solve(trace(model, batch), (world,), get_cluster("cpu"), forced=data_parallel)
-    pm = autopar.compile(model, (world,), example_inputs=batch, plan=plan)
-    assert any(n.op == "call_function" and n.target.__module__ == "autopar.ops.collectives" for n in pm.graph.nodes)
-    dist.barrier()
-    if rank == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(1)  # let the kill land before the survivors' first collective
-    loss = pm(*batch)
-    loss.backward()
-    return "finished a step without rank 2"
-
-
-def test_a_killed_rank_fails_the_others_quickly_naming_it():
-    start = time.monotonic()
-    with pytest.raises(DistributedRankError) as info:
-        run_distributed(_one_rank_dies, 4, timeout_s=120, pg_timeout_s=30, grace_s=60)
-    elapsed = time.monotonic() - start
-    message = str(info.value)
-    assert "rank 2 exited" in message, message
-    assert "CollectiveError" in message and "rank 2 is no longer running" in message, message
-    assert elapsed < 90, f"the survivors took {elapsed:.0f} s to fail"
-
-
 def _one_rank_never_compiles(rank: int, world: int) -> str:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
