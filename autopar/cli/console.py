@@ -8,6 +8,8 @@ A ``Table`` is data (title, columns, rows of strings); ``render`` gives its plai
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -91,13 +93,23 @@ def print_error(text: str, stream: Any = None) -> None:
 
 class Progress:
     """Stage messages on stderr: a spinner with the current stage on a terminal (a long plan shows
-    that it is alive), a line per message otherwise."""
+    that it is alive), a line per message otherwise.
 
-    def __init__(self, prog: str, stream: Any = None) -> None:
+    A stage that runs ``heartbeat_s`` seconds without a message is never silent: a line says how
+    long it has run and which autopar function the command is in (sampled from its stack), and
+    again every ``heartbeat_s`` seconds, so that a slow plan (a 4-axis mesh, say) is told from a hung one."""
+
+    def __init__(self, prog: str, stream: Any = None, heartbeat_s: float = 20.0) -> None:
         self.prog = prog
         self.stream = stream or sys.stderr
+        self.heartbeat_s = heartbeat_s
         self._status: Any = None
         self._console: Any = None
+        self._stage = "starting"
+        self._since = self._stage_at = time.monotonic()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._caller = threading.get_ident()
 
     def __enter__(self) -> "Progress":
         if is_terminal(self.stream):
@@ -106,25 +118,65 @@ class Progress:
             self._console = Console(file=self.stream, highlight=False)
             self._status = self._console.status(f"{self.prog}: starting ...")
             self._status.start()
+        self._caller = threading.get_ident()
+        self._since = self._stage_at = time.monotonic()
+        self._thread = threading.Thread(target=self._beat, name="autopar-progress", daemon=True)
+        self._thread.start()
         return self
+
+    def _beat(self) -> None:
+        while not self._done.wait(min(self.heartbeat_s, 1.0)):
+            quiet = time.monotonic() - self._since
+            if quiet < self.heartbeat_s:
+                continue
+            where = _where(self._caller)
+            stage = self._stage.removeprefix(f"{self.prog}: ").rstrip(" .")
+            self._write(f"{self.prog}: still {stage}: {time.monotonic() - self._stage_at:.0f} s so far"
+                        f"{' (in ' + where + ')' if where else ''}; Ctrl-C stops it", stage=False)
 
     def __call__(self, message: str) -> None:
         self.line(f"{self.prog}: {message}")
 
     def line(self, text: str) -> None:
         """A stage line as it is (the planner's log messages carry their own prefix)."""
-        if self._status is None:
-            print(text, file=self.stream, flush=True)
-            return
-        from rich.text import Text
+        self._write(text, stage=True)
 
-        self._console.print(Text(text, style="dim"))
-        self._status.update(text)
+    def _write(self, text: str, stage: bool) -> None:
+        with _LOCK:
+            if stage:
+                self._stage, self._stage_at = text, time.monotonic()
+            self._since = time.monotonic()
+            if self._status is None:
+                print(text, file=self.stream, flush=True)
+                return
+            from rich.text import Text
+
+            self._console.print(Text(text, style="dim"))
+            if stage:
+                self._status.update(text)
 
     def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
         if self._status is not None:
             self._status.stop()
             self._status = None
+
+
+_LOCK = threading.Lock()
+
+
+def _where(thread_id: int) -> str:
+    """The innermost autopar function that thread ``thread_id`` is running, as "solver/choices.py:_edges"."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/autopar/" in path and "/autopar/cli/" not in path:
+            return f"{path.rsplit('/autopar/', 1)[1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
 
 
 def table_rows(rows: Sequence[Sequence[Any]]) -> tuple[tuple[str, ...], ...]:

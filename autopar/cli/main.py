@@ -83,33 +83,24 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     return shape
 
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-
-
 def parse_budget(text: str) -> float:
-    """``parse_bytes``, or ``"none"`` / ``"inf"`` for no budget."""
-    if text.strip().lower() in ("none", "inf"):
-        return float("inf")
-    return parse_bytes(text)
+    """``parse_bytes``, or ``"none"`` / ``"inf"`` for no budget (``autopar.ir.units.parse_budget``)."""
+    from autopar.ir.units import parse_budget as parse
+
+    try:
+        return parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_bytes(text: str) -> int:
-    """``"70GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``"1000000"`` → bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid memory budget {text!r}: expected bytes, or a number with a unit "
-            "(KiB, MiB, GiB, TiB, KB, MB, GB), such as '70GiB'"
-        )
-    value = float(match.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"invalid memory budget {text!r}: must be at least 1 byte")
-    return int(value)
+    """``"70GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``"1000000"`` → bytes (``autopar.ir.units.parse_bytes``)."""
+    from autopar.ir.units import parse_bytes as parse
+
+    try:
+        return parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _cluster(text: str):
@@ -304,6 +295,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.ir.options import PlanOptions
 
     cluster = args.cluster if args.cluster is not None else get_cluster(None)
+    if args.out:
+        _check_writable(args.out)
     if (args.pipeline is not None or args.num_microbatches is not None) and (args.pipeline is None or not args.mesh):
         raise CliError("--num-microbatches and --pipeline need --pipeline N and --mesh: a pipeline cuts axis 0 "
                        "of a given mesh into N stages")
@@ -334,6 +327,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     blocks = [mesh_search_table(plan.stats["mesh_search"])] if "mesh_search" in plan.stats else []
     emit(blocks + plan_blocks(plan))
     return 0
+
+
+def _check_writable(path: str) -> None:
+    """Refuse an ``--out`` that cannot be written before planning, not after (the plan would be lost)."""
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise CliError(f"--out {path} is a directory: pass a file name, such as {target / 'plan.json'}")
+    if not folder.is_dir():
+        raise CliError(f"--out {path}: the directory {folder} does not exist; create it or pass another path")
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise CliError(f"--out {path} is not writable (permission denied on {target if target.exists() else folder}): "
+                       "pass a path you can write")
 
 
 def _device_memory(cluster_name: str) -> int | None:

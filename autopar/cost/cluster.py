@@ -55,6 +55,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from autopar.ir.units import parse_budget
+
 PRESETS_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "h100-80g"
 # What ``compile`` prices on a machine without CUDA: one host's CPU ranks over gloo (loopback),
@@ -353,9 +355,10 @@ def get_cluster(spec: str | ClusterSpec | os.PathLike | None = None) -> ClusterS
     )
 
 
-def resolve_budget(memory_budget: float | None, cluster: ClusterSpec) -> float | None:
+def resolve_budget(memory_budget: float | str | None, cluster: ClusterSpec) -> float | None:
     """Bytes per device a plan may use: None means the cluster's device memory less its reserve
     (``ClusterSpec.default_memory_budget``), ``float("inf")`` no budget (returned as None)."""
+    memory_budget = parse_budget(memory_budget)  # "80GB" as the CLI takes it
     if memory_budget is None:
         return float(cluster.default_memory_budget)
     if memory_budget == float("inf"):

@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from autopar.errors import MeshError
+from autopar.ir.units import parse_budget
 
 
 
@@ -103,6 +104,7 @@ class MemoryOptions:
     prefetch: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", parse_budget(self.budget))
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
                                         or not self.budget > 0):
             raise ValueError(f"memory_budget is bytes per device and must be positive, got {self.budget!r}")

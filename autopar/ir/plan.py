@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,13 +20,14 @@ from typing import Any
 
 import sympy
 import torch
+from torch.distributed.tensor import Replicate
 
 from autopar.errors import PlanError
 from autopar.ir.memory import MemoryPlan
 from autopar.ir.options import MixedPrecision
 from autopar.ir.pipeline import StagePlan
 from autopar.ir.summary import summary_text
-from autopar.ir.spec import Spec, format_spec, parse_spec
+from autopar.ir.spec import Spec, format_placement, format_spec, is_sharded, is_strided, parse_spec, shard_axes, spec_text
 from autopar.ir.spec import transition_steps
 
 PLAN_VERSION = 1
@@ -72,6 +74,30 @@ def validate_plan_json(data: Any) -> None:
         f"malformed plan: at {where}, {error.message} (autopar/ir/plan.schema.json); the file is damaged "
         "or was not written by autopar: re-plan (docs/plan-format.md describes the format)"
     )
+
+
+def _check_spec(spec: Spec, shape: tuple[int, ...], mesh: tuple[int, ...], where: str) -> None:
+    """PlanError naming ``where`` when ``spec`` cannot hold a tensor of ``shape`` on ``mesh``."""
+    problem = None
+    if len(spec) != len(mesh):
+        problem = f"are {len(spec)} for a {len(mesh)}-axis mesh {mesh}"
+    else:
+        for axis, placement in enumerate(spec):
+            dim = getattr(placement, "dim", None)
+            if is_sharded(placement) and not 0 <= dim < len(shape):
+                problem = f"shards dim {dim} of a {len(shape)}-dim tensor of shape {tuple(shape)} (mesh axis {axis})"
+            elif mesh[axis] == 1 and not isinstance(placement, Replicate):
+                problem = f"puts {format_placement(placement)} on mesh axis {axis}, of size 1, which carries only R"
+            elif is_strided(placement) and shape[dim] % (placement.split_factor * mesh[axis]):
+                problem = (f"cuts dim {dim} (size {shape[dim]}) into {placement.split_factor} blocks of "
+                           f"{mesh[axis]} shards, which do not divide it")
+            elif is_sharded(placement) and shape[dim] % math.prod(mesh[a] for a in shard_axes(spec, dim)):
+                problem = f"shards dim {dim} (size {shape[dim]}) unevenly over mesh axes {shard_axes(spec, dim)}"
+            if problem:
+                break
+    if problem:
+        raise PlanError(f"invalid plan: {where} has placements {spec_text(spec)}, which {problem}. The plan was "
+                        "edited or damaged: re-plan, or fix this placement (docs/plan-format.md)")
 
 
 def evaluate_symbolic(symbolic: dict[str, Any], batch: int) -> dict[str, float]:
@@ -211,13 +237,16 @@ class Plan:
         return json.dumps(data, indent=1)
 
     @classmethod
-    def from_json(cls, text: str, *, validate: bool = True) -> "Plan":
-        """The plan in ``text``, checked against the plan schema unless ``validate=False`` (for
-        text already checked: every rank parses the plan rank 0 checked before broadcasting it)."""
+    def from_json(cls, text: str, *, validate: bool = True, source: str = "plan") -> "Plan":
+        """The plan in ``text``, checked against the plan schema and every placement against its
+        tensor and the mesh (``check_placements``) unless ``validate=False`` (for text already
+        checked: every rank parses the plan rank 0 checked before broadcasting it). ``source``
+        names the text in errors (``Plan.load`` passes the file's path)."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
-            raise PlanError(f"plan is not valid JSON: {error}") from None
+            raise PlanError(f"{source} is not valid JSON ({error}): the file is truncated or damaged, or is not a "
+                            "plan; re-plan (autopar plan ... --out FILE)") from None
         if not isinstance(data, dict):
             raise PlanError("plan JSON must be an object")
         version = data.get("version")
@@ -226,7 +255,7 @@ class Plan:
         if validate:
             validate_plan_json(data)
         try:
-            return cls(
+            plan = cls(
                 mesh_shape=tuple(int(n) for n in data["mesh"]["shape"]),
                 graph_hash=data["graph_hash"],
                 params={fqn: parse_spec(spec) for fqn, spec in data["params"].items()},
@@ -246,6 +275,27 @@ class Plan:
             )
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"malformed plan: {type(error).__name__}: {error}") from None
+        if validate:
+            plan.check_placements()
+        return plan
+
+    def check_placements(self) -> None:
+        """Raise PlanError naming the first node or parameter whose placement cannot hold its
+        tensor on the plan's mesh: a placement per mesh axis, sharded dims that exist, strided
+        blocks and shards that divide the dim, and only R on an axis of size 1 (``spec.is_valid``)."""
+        mesh = self.spec_mesh
+        for name, node in self.nodes.items():
+            where = f"node {name!r} ({node.op})"
+            for index, (spec, shape) in enumerate(zip(node.outs, node.shapes)):
+                _check_spec(spec, shape, mesh, f"{where}, output {index}")
+            for index, ((producer, out_index), spec) in enumerate(zip(node.inputs, node.ins)):
+                shapes = self.nodes[producer].shapes if producer in self.nodes else ()
+                if out_index < len(shapes):
+                    _check_spec(spec, shapes[out_index], mesh, f"{where}, input {index} (from {producer!r})")
+        for fqn, spec in self.params.items():
+            node = self.nodes.get("p_" + fqn.replace(".", "_")) or self.nodes.get("b_" + fqn.replace(".", "_"))
+            if node is not None and node.shapes:
+                _check_spec(spec, node.shapes[0], mesh, f"parameter {fqn!r}")
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as handle:
@@ -253,11 +303,25 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
+        """The plan in the file ``path``, checked as ``from_json`` checks it; errors name the file."""
+        name = repr(os.fspath(path))
         try:
-            with open(path) as handle:
-                return cls.from_json(handle.read())
+            with open(path, "rb") as handle:
+                raw = handle.read()
         except FileNotFoundError:
-            raise PlanError(f"plan file {os.fspath(path)!r} does not exist") from None
+            raise PlanError(f"plan file {name} does not exist") from None
+        except IsADirectoryError:
+            raise PlanError(f"plan file {name} is a directory: pass a plan JSON file") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise PlanError(f"plan file {name} is not text (byte {raw[:1]!r} ... is not UTF-8): it is not a plan "
+                            "JSON file; pass the file that autopar.plan or `autopar plan --out` wrote") from None
+        try:
+            return cls.from_json(text, source=f"plan file {name}")
+        except PlanError as error:
+            message = str(error)
+            raise PlanError(message if name in message else f"plan file {name}: {message}") from None
 
     def with_model(self, model: dict[str, Any]) -> "Plan":
         """This plan, recording how to rebuild its model (``model`` goes into the JSON)."""

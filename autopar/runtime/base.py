@@ -240,6 +240,11 @@ class ShardedModule(torch.nn.Module):
         for value, (name, shape, dtype) in zip(flat, self._user_metas):
             if shape is None or not isinstance(value, torch.Tensor):
                 continue
+            if value.is_meta:
+                raise ValueError(
+                    f"input {name!r} is on the meta device, which holds no values: meta inputs can plan and "
+                    "compile (as example inputs), but a call computes; pass real tensors"
+                )
             if tuple(value.shape) != shape or value.dtype != dtype:
                 raise ValueError(
                     f"input {name!r} has shape {tuple(value.shape)} and dtype {value.dtype}, but this module "

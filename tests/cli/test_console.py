@@ -37,3 +37,23 @@ def test_progress_is_lines_off_a_terminal_and_a_spinner_on_one():
     with Progress("autopar", terminal) as progress:
         progress("tracing ...")
     assert "autopar: tracing ..." in terminal.getvalue()
+
+
+def test_a_stage_that_runs_long_is_never_silent():
+    """A stage quiet for heartbeat_s says how long it has run and where (a 4-axis mesh plans for minutes)."""
+    import time
+
+    from autopar.ir import units
+
+    stream = io.StringIO()
+    with Progress("autopar", stream=stream, heartbeat_s=0.3) as progress:
+        progress("planning on mesh (2, 2, 2, 2) ...")
+        start = time.monotonic()
+        while time.monotonic() - start < 2.5:
+            units.parse_bytes("1GB")  # an autopar function, to be named by the heartbeat
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "autopar: planning on mesh (2, 2, 2, 2) ..."
+    beats = lines[1:]
+    assert len(beats) >= 2, lines
+    assert all(line.startswith("autopar: still planning on mesh (2, 2, 2, 2): ") for line in beats), lines
+    assert "(in ir/units.py:parse_bytes)" in beats[-1] and "Ctrl-C stops it" in beats[-1]

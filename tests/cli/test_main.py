@@ -145,6 +145,18 @@ def _without(plan_path: Path, tmp_path: Path, key: str) -> str:
     return _write(tmp_path / f"without_{key}.json", json.dumps(data))
 
 
+def _write_bytes(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def _bad_placement(plan_path: Path, tmp_path: Path) -> str:
+    """The plan with a weight sharded on a dim it does not have, as a hand edit might leave it."""
+    data = json.loads(plan_path.read_text())
+    data["params"]["transformer.h.0.attn.q_proj.weight"] = ["S(5)"]
+    return _write(tmp_path / "bad_placement.json", json.dumps(data))
+
+
 def _write(path: Path, text: str) -> str:
     path.write_text(text)
     return str(path)
@@ -156,7 +168,8 @@ def _write(path: Path, text: str) -> str:
     "not-json-plan", "missing-diff", "infeasible", "unknown-command", "missing-cluster-file",
     "unknown-node", "explain-missing-file", "explain-no-decisions", "check-missing-file", "check-no-model",
     "check-unknown-model", "check-bad-rank", "devices-zero", "mesh-and-devices", "seq-len-on-mlp",
-    "unknown-preset-model", "html-unwritable",
+    "unknown-preset-model", "html-unwritable", "binary-plan", "truncated-plan", "show-bad-placement",
+    "check-bad-placement", "out-unwritable",
 ])
 def test_errors_are_one_line(capsys, tmp_path, plans, case):
     good = str(plans["gpt2_cpu"])
@@ -191,6 +204,11 @@ def test_errors_are_one_line(capsys, tmp_path, plans, case):
         "seq-len-on-mlp": ["plan", "mlp", "--mesh", "2", "--seq-len", "4", "--cluster", "cpu"],
         "unknown-preset-model": ["plan", "llama-9-1t", "--mesh", "2"],
         "html-unwritable": ["show", good, "--html", str(tmp_path / "no" / "such" / "dir" / "r.html")],
+        "binary-plan": ["show", _write_bytes(tmp_path / "plan.bin", bytes(range(256)))],
+        "truncated-plan": ["show", _write(tmp_path / "cut.json", Path(good).read_text()[:300])],
+        "show-bad-placement": ["show", _bad_placement(plans["gpt2_cpu"], tmp_path)],
+        "check-bad-placement": ["check", _bad_placement(plans["gpt2_cpu"], tmp_path)],
+        "out-unwritable": ["plan", "gpt", "--mesh", "2", "--cluster", "cpu", "--out", str(tmp_path / "no" / "p.json")],
     }[case]
     code, out, err = _run(capsys, *argv)
     assert code in (1, 2), (code, err)
@@ -207,6 +225,14 @@ def test_errors_are_one_line(capsys, tmp_path, plans, case):
         assert code == 1
     if case == "unknown-node":
         assert "did you mean 'transformer.h.0.attn.q_proj.weight'" in lines[0]
+    if case == "binary-plan":
+        assert "plan.bin' is not text" in lines[0]
+    if case == "truncated-plan":
+        assert "cut.json' is not valid JSON" in lines[0]
+    if case in ("show-bad-placement", "check-bad-placement"):
+        assert "parameter 'transformer.h.0.attn.q_proj.weight' has placements (S(5)), which shards dim 5" in lines[0]
+    if case == "out-unwritable":
+        assert "does not exist" in lines[0] and "planning" not in err and "building" not in err
     if case == "infeasible":
         assert code == 1 and "InfeasibleError" in lines[0]
         assert len(tail) > 3 and "Largest tensors" in err and "--offload auto" in tail[-1]

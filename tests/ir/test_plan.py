@@ -194,3 +194,65 @@ def test_precision_policies_are_checked_values():
         MixedPrecision(param_dtype=torch.int8)
     with pytest.raises(ValueError, match="needs a param_dtype"):
         MixedPrecision(master_dtype="float32")
+
+
+def _edited(gpt_plan, edit) -> str:
+    data = json.loads(gpt_plan.to_json())
+    edit(data)
+    return json.dumps(data)
+
+
+def _set_node_out(name: str, placements: list[str]):
+    def edit(data):
+        data["nodes"][name]["out"][0] = placements
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["params"].update({"transformer.h.0.attn.q_proj.weight": ["S(5)", "R"]}),
+     r"parameter 'transformer.h.0.attn.q_proj.weight' has placements \(S\(5\), R\), which shards dim 5 of a 2-dim tensor"),
+    (_set_node_out("p_transformer_h_0_attn_q_proj_weight", ["R", "S(5)"]),
+     r"node 'p_transformer_h_0_attn_q_proj_weight' \(param\), output 0 has placements \(R, S\(5\)\)"),
+    (_set_node_out("p_transformer_h_0_attn_q_proj_weight", ["S(0)/7", "R"]),
+     r"cuts dim 0 \(size 64\) into 7 blocks of 2 shards"),
+    (_set_node_out("p_transformer_h_0_attn_q_proj_weight", ["R"]), r"are 1 for a 2-axis mesh \(2, 2\)"),
+])
+def test_placements_that_cannot_hold_their_tensor_are_refused_naming_it(gpt_plan, edit, message, tmp_path):
+    with pytest.raises(PlanError, match=message + r".*re-plan"):
+        autopar.Plan.from_json(_edited(gpt_plan, edit))
+    path = tmp_path / "edited.json"
+    path.write_text(_edited(gpt_plan, edit))
+    with pytest.raises(PlanError, match=f"plan file '{path}': invalid plan"):
+        autopar.Plan.load(path)
+
+
+def test_an_input_placement_is_checked_against_its_producers_shape(gpt_plan):
+    data = json.loads(gpt_plan.to_json())
+    name, node = next((n, v) for n, v in data["nodes"].items() if v["op"] == "aten.linear.default")
+    node["in"][0] = ["S(9)", "R"]
+    with pytest.raises(PlanError, match=f"node '{name}' \\(aten.linear.default\\), input 0 \\(from '{node['inputs'][0][0]}'\\)"):
+        autopar.Plan.from_json(json.dumps(data))
+
+
+def test_a_truncated_a_binary_and_a_folder_plan_file_name_the_file(gpt_plan, tmp_path):
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(gpt_plan.to_json()[:500])
+    with pytest.raises(PlanError, match=f"plan file '{truncated}' is not valid JSON.*truncated.*re-plan"):
+        autopar.Plan.load(truncated)
+    binary = tmp_path / "plan.bin"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(PlanError, match=f"plan file '{binary}' is not text"):
+        autopar.Plan.load(binary)
+    with pytest.raises(PlanError, match="is a directory"):
+        autopar.Plan.load(tmp_path)
+
+
+def test_memory_budgets_are_read_as_the_cli_reads_them():
+    from autopar.cost.cluster import get_cluster, resolve_budget
+    from autopar.ir.options import MemoryOptions
+
+    assert MemoryOptions(budget="80GB").budget == 80e9
+    assert MemoryOptions(budget="inf").budget == float("inf")
+    assert resolve_budget("70GiB", get_cluster("cpu")) == 70 * 2**30
+    with pytest.raises(ValueError, match="invalid memory budget 'lots'"):
+        MemoryOptions(budget="lots")

@@ -206,6 +206,12 @@ def test_a_save_killed_at_each_point_leaves_a_complete_checkpoint(saved, tmp_pat
     assert sorted(p.name for p in old.parent.iterdir()) == [old.name]
 
 
+def test_inputs_on_the_meta_device_are_refused_at_the_call(saved):
+    _, _, pm, batch = saved
+    with pytest.raises(ValueError, match="input 'idx' is on the meta device.*pass real tensors"):
+        pm(*(t.to("meta") for t in batch))
+
+
 # -- several ranks -------------------------------------------------------------------------------
 
 
