@@ -131,7 +131,7 @@ class Progress:
                 continue
             where = _where(self._caller)
             stage = self._stage.removeprefix(f"{self.prog}: ").rstrip(" .")
-            self._write(f"{self.prog}: still {stage}: {time.monotonic() - self._stage_at:.0f} s so far"
+            self._write(f"{self.prog}: still working on \"{stage}\", {time.monotonic() - self._stage_at:.0f} s so far"
                         f"{' (in ' + where + ')' if where else ''}; Ctrl-C stops it", stage=False)
 
     def __call__(self, message: str) -> None:

@@ -55,5 +55,5 @@ def test_a_stage_that_runs_long_is_never_silent():
     assert lines[0] == "autopar: planning on mesh (2, 2, 2, 2) ..."
     beats = lines[1:]
     assert len(beats) >= 2, lines
-    assert all(line.startswith("autopar: still planning on mesh (2, 2, 2, 2): ") for line in beats), lines
+    assert all(line.startswith('autopar: still working on "planning on mesh (2, 2, 2, 2)", ') for line in beats), lines
     assert "(in ir/units.py:parse_bytes)" in beats[-1] and "Ctrl-C stops it" in beats[-1]
