@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import time
 from typing import Callable, TypeVar
 
 import torch
@@ -66,6 +67,9 @@ _PEER_CLOSED = ("closed by peer", "reset by peer", "connection closed", "broken 
                 "end of file", "remote process exited")
 
 
+_EXIT_GRACE_S = 3.0
+
+
 def _diagnose(ranks: list[int], error: BaseException | None = None) -> str:
     """Which rank is gone, as far as this host can tell.
 
@@ -74,34 +78,29 @@ def _diagnose(ranks: list[int], error: BaseException | None = None) -> str:
     whose ranks would otherwise blame it. A rank that failed this way recorded its own diagnosis
     in the store (``_record_failure``) before exiting; the rank to name is the one that is gone
     without such a record."""
-    dead, absent, failed, elsewhere = [], [], {}, []
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        here = socket.gethostname()
-        for rank in range(dist.get_world_size()):
-            if store.check([_FAILED_KEY.format(rank)]):
-                failed[rank] = store.get(_FAILED_KEY.format(rank)).decode()
-            key = _PEER_KEY.format(rank)
-            if not store.check([key]):
-                absent.append(rank)
-                continue
-            host, pid = store.get(key).decode().rsplit(":", 1)
-            if host != here:
-                elsewhere.append(rank)
-            elif not _running(int(pid)):
-                dead.append(rank)
-    except Exception as error:  # the store may have died with the rank that hosted it
-        return f"could not tell which rank failed ({type(error).__name__}: {error})"
+    closed = error is not None and any(text in str(error).lower() for text in _PEER_CLOSED)
+    # A peer's sockets close while its process is still exiting: after "closed by peer", give
+    # the process a moment to end before saying that no rank died.
+    deadline = time.monotonic() + (_EXIT_GRACE_S if closed else 0.0)
+    while True:
+        try:
+            dead, absent, failed, elsewhere = _scan()
+        except Exception as error:  # the store may have died with the rank that hosted it
+            return f"could not tell which rank failed ({type(error).__name__}: {error})"
+        if any(rank not in failed for rank in dead) or absent or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     first = [rank for rank in dead if rank not in failed]
     if first:
         return f"rank {', '.join(map(str, first))} is no longer running"
     if absent:
         return f"rank {', '.join(map(str, absent))} never reached autopar.compile (it failed or was killed before)"
-    followers = [rank for rank in dead if rank in failed]
-    if followers:  # every rank that is gone failed after another: repeat what the first of them found
-        rank = followers[0]
-        return f"{failed[rank]} (as rank {rank} found before it exited)"
-    closed = error is not None and any(text in str(error).lower() for text in _PEER_CLOSED)
+    # Every rank that is gone failed after another (or the dead one runs on another host): repeat
+    # what a rank that failed before this one found, where it named a rank.
+    found = [(rank, text) for rank, text in failed.items() if rank != dist.get_rank() and "is no longer running" in text]
+    if found:
+        rank, text = found[0]
+        return f"{text.split(' (as rank ')[0]} (as rank {rank} found)"
     unknown = [rank for rank in elsewhere if rank in ranks]
     if unknown:
         return f"no rank on this host died; ranks {unknown} run on other hosts" + (
@@ -110,6 +109,26 @@ def _diagnose(ranks: list[int], error: BaseException | None = None) -> str:
         return ("a peer closed its connection: a rank of the group failed or exited (its process may "
                 "not have ended yet), not a timeout")
     return "every rank of the group is still running: one of them did not answer within the timeout"
+
+
+def _scan() -> tuple[list[int], list[int], dict[int, str], list[int]]:
+    """(dead ranks on this host, ranks never registered, rank -> recorded diagnosis, ranks on other hosts)."""
+    dead, absent, failed, elsewhere = [], [], {}, []
+    store = dist.distributed_c10d._get_default_store()
+    here = socket.gethostname()
+    for rank in range(dist.get_world_size()):
+        if store.check([_FAILED_KEY.format(rank)]):
+            failed[rank] = store.get(_FAILED_KEY.format(rank)).decode()
+        key = _PEER_KEY.format(rank)
+        if not store.check([key]):
+            absent.append(rank)
+            continue
+        host, pid = store.get(key).decode().rsplit(":", 1)
+        if host != here:
+            elsewhere.append(rank)
+        elif not _running(int(pid)):
+            dead.append(rank)
+    return dead, absent, failed, elsewhere
 
 
 def _running(pid: int) -> bool:

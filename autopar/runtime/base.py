@@ -240,7 +240,7 @@ class ShardedModule(torch.nn.Module):
         for value, (name, shape, dtype) in zip(flat, self._user_metas):
             if shape is None or not isinstance(value, torch.Tensor):
                 continue
-            if value.is_meta:
+            if value.is_meta and not any(self._local(fqn).is_meta for fqn, _ in self._fqns()):
                 raise ValueError(
                     f"input {name!r} is on the meta device, which holds no values: meta inputs can plan and "
                     "compile (as example inputs), but a call computes; pass real tensors"

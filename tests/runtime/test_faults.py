@@ -212,6 +212,35 @@ def test_inputs_on_the_meta_device_are_refused_at_the_call(saved):
         pm(*(t.to("meta") for t in batch))
 
 
+def test_the_rank_that_died_first_is_named_not_the_ones_that_failed_after_it(one_rank_gloo, monkeypatch):
+    """A world of 4 seen from rank 0: rank 3 failed after rank 2 died and exited too (it left its
+    diagnosis in the store); rank 2 left none. On another host, the record is what is left to read."""
+    import socket
+    import subprocess
+    import sys
+
+    from autopar.ops import collectives
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process
+    store = dist.distributed_c10d._get_default_store()
+    here = socket.gethostname()
+    monkeypatch.setattr(dist, "get_world_size", lambda *args: 4)
+    peers = {0: f"{here}:{os.getpid()}", 1: f"{here}:{os.getpid()}", 2: f"{here}:{gone.pid}", 3: f"{here}:{gone.pid}"}
+    try:
+        for rank, value in peers.items():
+            store.set(collectives._PEER_KEY.format(rank), value)
+        store.set(collectives._FAILED_KEY.format(3), "rank 2 is no longer running")
+        assert collectives._diagnose([0, 1]) == "rank 2 is no longer running"
+        store.set(collectives._PEER_KEY.format(2), f"elsewhere:{gone.pid}")
+        assert collectives._diagnose([0, 1]) == "rank 2 is no longer running (as rank 3 found)"
+    finally:
+        for rank in range(1, 4):
+            for key in (collectives._PEER_KEY, collectives._FAILED_KEY):
+                if store.check([key.format(rank)]):
+                    store.delete_key(key.format(rank))
+
+
 # -- several ranks -------------------------------------------------------------------------------
 
 
