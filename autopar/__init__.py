@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autopar import checkpoint as checkpoint, optim as optim
     from autopar.api import compile, hand_plan, plan
-    from autopar.errors import AutoparError, InfeasibleError, MeshError, PassError, PlanError, TraceError
+    from autopar.errors import (
+        AutoparError, CheckpointError, InfeasibleError, MeshError, PassError, PlanError, TraceError,
+    )
     from autopar.ir.options import CommOptions, MixedPrecision
     from autopar.ir.plan import Plan
     from autopar.runtime.materialize import FromCheckpoint, SeededInit
@@ -46,6 +48,7 @@ _EXPORTS = {
     "PlanError": "autopar.errors",
     "InfeasibleError": "autopar.errors",
     "PassError": "autopar.errors",
+    "CheckpointError": "autopar.errors",
     "checkpoint": "autopar.checkpoint",
     "optim": "autopar.optim",
 }
@@ -66,6 +69,7 @@ __all__ = [
     "PlanError",
     "InfeasibleError",
     "PassError",
+    "CheckpointError",
 ]
 
 

@@ -4,6 +4,7 @@
     autopar.checkpoint.load(path, pm, optimizer)     # every rank; any mesh, any plan
 """
 
+from autopar.errors import CheckpointError
 from autopar.runtime.checkpoint import load, save
 
-__all__ = ["load", "save"]
+__all__ = ["CheckpointError", "load", "save"]

@@ -49,6 +49,10 @@ class CollectiveError(AutoparError, RuntimeError):
     """A collective failed: a peer rank died, or did not answer within the timeout."""
 
 
+class CheckpointError(AutoparError, ValueError):
+    """A checkpoint is missing, incomplete or damaged, or does not fit the module it is loaded into."""
+
+
 class PassError(AutoparError):
     """A rewrite pass failed; the message names the pass and those that ran before it."""
 

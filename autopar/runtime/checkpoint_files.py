@@ -31,16 +31,12 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from autopar.errors import AutoparError
+from autopar.errors import CheckpointError
 
 MARKER = ".autopar-commit"
 STAGING_SUFFIX = ".saving"
 REPLACED_SUFFIX = ".replaced"
 FORMAT = 1
-
-
-class CheckpointError(AutoparError, ValueError):
-    """A checkpoint is missing, incomplete or damaged, or does not fit the module it is loaded into."""
 
 
 def staging_dir(path: str | os.PathLike) -> Path:

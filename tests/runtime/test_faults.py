@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.runtime import checkpoint_files as files
-from autopar.runtime.checkpoint_files import CheckpointError
+from autopar.errors import CheckpointError
 from autopar.zoo.models import build_model, example_batch
 
 GPT_BATCH = 4
@@ -204,6 +204,22 @@ def test_a_save_killed_at_each_point_leaves_a_complete_checkpoint(saved, tmp_pat
     assert _same(_state(loaded), state)
     autopar.checkpoint.save(old, pm)
     assert sorted(p.name for p in old.parent.iterdir()) == [old.name]
+
+
+def test_compile_refuses_a_hand_edited_plan_naming_the_parameter(one_rank_gloo, tmp_path):
+    import json
+
+    model, batch = build_model("gpt", seed=0), example_batch("gpt", GPT_BATCH)
+    data = json.loads(autopar.plan(model, (1,), example_inputs=batch, cluster="cpu").to_json())
+    data["params"]["transformer.h.0.attn.q_proj.weight"] = ["S(5)"]
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(autopar.PlanError, match="parameter 'transformer.h.0.attn.q_proj.weight' has placements "
+                                                r"\(S\(5\)\), which shards dim 5 of a 2-dim tensor"):
+        autopar.compile(model, (1,), example_inputs=batch, plan=str(path))
+    path.write_text(json.dumps(data)[:1000])
+    with pytest.raises(autopar.PlanError, match=f"plan file '{path}' is not valid JSON"):
+        autopar.compile(model, (1,), example_inputs=batch, plan=str(path))
 
 
 def test_inputs_on_the_meta_device_are_refused_at_the_call(saved):
