@@ -332,7 +332,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _check_writable(path: str) -> None:
     """Refuse an ``--out`` that cannot be written before planning, not after (the plan would be lost)."""
     target = Path(path)
-    folder = target.parent if str(target.parent) else Path(".")
+    folder = target.parent
     if target.is_dir():
         raise CliError(f"--out {path} is a directory: pass a file name, such as {target / 'plan.json'}")
     if not folder.is_dir():

@@ -314,9 +314,9 @@ class Plan:
             raise PlanError(f"plan file {name} is a directory: pass a plan JSON file") from None
         try:
             text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise PlanError(f"plan file {name} is not text (byte {raw[:1]!r} ... is not UTF-8): it is not a plan "
-                            "JSON file; pass the file that autopar.plan or `autopar plan --out` wrote") from None
+        except UnicodeDecodeError as error:
+            raise PlanError(f"plan file {name} is not text (byte {error.start} is not UTF-8): it is not a plan JSON "
+                            "file; pass the file that autopar.plan or `autopar plan --out` wrote") from None
         try:
             return cls.from_json(text, source=f"plan file {name}")
         except PlanError as error:

@@ -257,6 +257,22 @@ def test_the_rank_that_died_first_is_named_not_the_ones_that_failed_after_it(one
                     store.delete_key(key.format(rank))
 
 
+def test_weight_fingerprints_change_with_any_bit_and_any_swap(monkeypatch):
+    from autopar.runtime import weights
+
+    tensor = torch.randn(1000)
+    swapped, flipped = tensor.clone(), tensor.clone()
+    swapped[3], swapped[4] = tensor[4], tensor[3]
+    flipped.view(torch.int32)[7] ^= 1
+    for fingerprint in (weights.fingerprint, weights._word_sums):  # host memory; an accelerator's way, here on CPU
+        same = fingerprint(tensor.clone())
+        assert fingerprint(tensor) == same and fingerprint(tensor[::2].clone()) == fingerprint(tensor[::2])
+        assert fingerprint(swapped) != same and fingerprint(flipped) != same
+    whole = weights._word_sums(tensor)
+    monkeypatch.setattr(weights, "_CHUNK", 64)  # chunks add up to the whole
+    assert weights._word_sums(tensor) == whole
+
+
 # -- several ranks -------------------------------------------------------------------------------
 
 
