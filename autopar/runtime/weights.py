@@ -39,7 +39,7 @@ def fingerprint(tensor: torch.Tensor) -> tuple[str, str]:
     flat = tensor.detach().contiguous().view(-1)
     if flat.numel() == 0:
         return "empty", ""
-    if flat.device.type == "cpu":
+    if flat.device.type == "cpu" and type(flat) is torch.Tensor:  # a subclass's data_ptr may not be its bytes
         raw = (ctypes.c_char * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())
         return "sha1", hashlib.sha1(memoryview(raw), usedforsecurity=False).hexdigest()
     return "sums", _word_sums(flat)
