@@ -16,8 +16,9 @@ renames, ``<path>.saving`` holds the new one with its marker and ``<path>.replac
 ``committed_dir`` reads whichever is complete (the newer first), and the next save's ``recover``
 puts it back at ``path``. ``path`` itself stays a plain DCP directory.
 
-``verify`` checks, before a tensor is read: the marker is present, ``.metadata`` reads, and every
-file that ``.metadata`` points into exists and is long enough. It does not checksum the bytes.
+``verify`` checks, before a tensor is read: the marker is present, ``.metadata`` reads, every file
+that ``.metadata`` points into exists and is long enough, and every file has the size the marker
+recorded. It does not checksum the bytes.
 """
 
 from __future__ import annotations
@@ -138,11 +139,31 @@ def verify(path: str | os.PathLike, marked: bool = True) -> tuple[Path, Metadata
             problems.append(f"{name} is missing")
         elif file.stat().st_size < end:
             problems.append(f"{name} holds {file.stat().st_size} bytes where .metadata reads up to byte {end}")
+    if marked:
+        problems += _marker_problems(directory, {problem.split(" ", 1)[0] for problem in problems})
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(f"the checkpoint at {directory} is damaged: {shown}. No tensor was loaded; restore "
                               "these files or load another checkpoint")
     return directory, metadata
+
+
+def _marker_problems(directory: Path, known: set[str]) -> list[str]:
+    """Files whose size differs from the one the commit marker recorded (beyond those in ``known``)."""
+    try:
+        recorded = json.loads((directory / MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"the commit marker {MARKER} cannot be read"]
+    problems = []
+    for name, size in sorted(recorded.items()):
+        file = directory / name
+        if name in known:
+            continue
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{name} holds {file.stat().st_size} bytes where {size} were saved")
+    return problems
 
 
 def _move(source: Path, target: Path) -> None:

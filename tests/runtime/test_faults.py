@@ -97,8 +97,12 @@ def test_a_truncated_shard_and_a_damaged_metadata_are_refused(saved, tmp_path):
     path, _, pm, _ = saved
     broken = _copy(path, tmp_path)
     shard = next(broken.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:100])
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:100])
     with pytest.raises(CheckpointError, match=f"{shard.name} holds 100 bytes"):
+        autopar.checkpoint.load(broken, pm)
+    shard.write_bytes(whole * 2)  # longer than .metadata reads, but not what was saved
+    with pytest.raises(CheckpointError, match=f"{shard.name} holds .* bytes where .* were saved"):
         autopar.checkpoint.load(broken, pm)
     (broken / ".metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(CheckpointError, match=r"\.metadata cannot be read.*damaged"):
