@@ -32,6 +32,7 @@ from autopar.ir.options import (
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.ir.plan import Plan, validate_plan_json
 from autopar.runtime.module import ParallelModule, mesh_groups
+from autopar.runtime.compiled import check_compiler, graph_runner
 from autopar.solver import solve
 from autopar.trace import TracedModel, trace, trace_repeated
 from autopar.solver.pricing import symbolic
@@ -76,6 +77,7 @@ def plan(
     prefetch: bool = True,
     precision: str | MixedPrecision | None = None,
     comm: CommOptions | None = None,
+    compiler: str | None = None,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
@@ -124,14 +126,19 @@ def plan(
     ``comm`` (``autopar.CommOptions``) is the communication schedule the plan will run under
     (pass the same to ``compile``): the plan's memory is priced for it, for example for
     ``reshard_after_forward``. None is ``CommOptions()``, ``compile``'s default.
+
+    ``compiler`` is ``compile``'s: the plan is priced for the executor that will run it
+    ("inductor" fuses pointwise ops: ``cost.compute.executed_bytes``) and records it in
+    ``plan.predicted["executor"]``.
     """
+    check_compiler(compiler)
     options = PlanOptions.from_keywords(
         memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver, pipeline=pipeline,
         num_microbatches=num_microbatches, offload=offload, checkpointing=checkpointing, prefetch=prefetch,
         devices=devices, max_axes=max_axes, symbolic_batch=symbolic_batch, compute=compute, precision=precision,
         comm=comm or CommOptions(),
     )
-    return plan_model(model, mesh, example_inputs, example_kwargs, get_cluster(cluster), options)
+    return plan_model(model, mesh, example_inputs, example_kwargs, priced_for(get_cluster(cluster), compiler), options)
 
 
 @contextlib.contextmanager
@@ -248,7 +255,12 @@ def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: Clust
     start = time.perf_counter()
     result = solve(traced, mesh_shape, cluster, options)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
-    return result
+    return dataclasses.replace(result, predicted={**result.predicted, "executor": cluster.executor})
+
+
+def priced_for(cluster: ClusterSpec, compiler: str | None) -> ClusterSpec:
+    """``cluster`` with the executor that runs ``compiler``'s graph (``ClusterSpec.executor``)."""
+    return dataclasses.replace(cluster, executor="inductor" if compiler == "inductor" else "eager")
 
 
 @quiet_gc()
@@ -296,6 +308,7 @@ def compile(
     prefetch: bool = True,
     precision: str | MixedPrecision | None = None,
     comm: CommOptions | None = None,
+    compiler: str | None = None,
 ) -> ParallelModule | PipelineParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
 
@@ -326,7 +339,11 @@ def compile(
     ``comm`` (``autopar.CommOptions``) sets how parameter communication is scheduled: the
     gradient bucket cap (DDP's 25 MiB by default) and how far sharded parameters are gathered
     ahead of use; ``CommOptions(enabled=False)`` runs one synchronous collective per use.
+    ``compiler="inductor"`` compiles the rewritten graph with ``torch.compile`` (inductor, forward
+    and backward) at the first call; its communication is then scheduled in the graph and
+    bucketed and reordered by inductor (``autopar.runtime.compiled``). None runs it op by op.
     """
+    check_compiler(compiler)
     if comm is not None and not isinstance(comm, CommOptions):
         raise TypeError(f"comm must be an autopar.CommOptions, got {comm!r}")
     mesh_shape = _mesh_shape(mesh)
@@ -356,6 +373,7 @@ def compile(
     check_same_weights(model, init)  # every rank cuts its shards from its own copy of the model
     if cluster is None:  # price the machine this runs on (its CUDA device's preset, or "cpu")
         cluster = local_cluster()
+    cluster = priced_for(get_cluster(cluster), compiler)
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
     policy = _precision_of(plan, precision)
@@ -367,6 +385,9 @@ def compile(
     if plan is not None and (plan.pipeline is not None or options.pipeline.enabled):
         options = _pipeline_of(plan, options)
     _check_precision_runs(policy, pipelined=options.pipeline.enabled)
+    if compiler is not None and (options.pipeline.enabled or offload != "off"):
+        raise ValueError(f"compiler={compiler!r} does not run pipelines or offloading yet (their schedules live in "
+                         "autograd hooks): compile without compiler=, or without pipeline=/offload=")
     if options.pipeline.enabled:
         if init is not None:
             raise ValueError("init= is not supported with pipelining yet: compile the model with its own tensors (init=None)")
@@ -392,7 +413,10 @@ def compile(
         # where the offloader's gradient hooks move offloaded gradients to their store; until
         # the two are joined, a plan that offloads runs one collective per use (correct numbers).
         comm = dataclasses.replace(comm or CommOptions(), enabled=False)
-    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups, offloader, fqns, comm))
+    if compiler is not None and offloader is not None:
+        raise ValueError(f"the plan offloads, which compiler={compiler!r} does not run yet: compile without compiler=")
+    collectives.remember_groups(groups)  # read while tracing, where no process group is resolved
+    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups, offloader, fqns, comm, compiler))
     if isinstance(init, SeededInit):
         local = seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
     elif isinstance(init, FromCheckpoint):
@@ -402,6 +426,7 @@ def compile(
     pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local, offloader=offloader)
     if isinstance(init, FromCheckpoint):
         checkpoint.load(init.path, pm)
+    pm._compiled_graph = graph_runner(gm, compiler, comm)
     return pm
 
 

@@ -63,6 +63,9 @@ DEFAULT_PRESET = "h100-80g"
 # with figures measured there (``presets/cpu-gloo.json`` says how), and this host's cores.
 CPU_PRESET = "cpu-gloo"
 COMPUTE_MODES = ("roofline", "measured")
+# What runs the rewritten graph: "eager" (op by op) or "inductor" (``compile(..., compiler=
+# "inductor")``), whose fused pointwise kernels move fewer bytes (``cost.compute.executed_bytes``).
+EXECUTORS = ("eager", "inductor")
 # The default memory budget is the device's memory less this reserve (``ClusterSpec.memory_reserve_bytes``).
 MEMORY_RESERVE_FRACTION = 0.10
 MEMORY_RESERVE_MIN_BYTES = 2**30
@@ -143,6 +146,8 @@ class ClusterSpec:
     # How many ranks a node runs at full speed at once (its CPU cores over threads per rank);
     # None: every device computes on its own (see the module docstring, ``compute_share``).
     compute_slots_per_node: int | None = None
+    # The executor the plan is priced for (``EXECUTORS``); compile sets it from its ``compiler``.
+    executor: str = "eager"
 
     @property
     def gloo(self) -> bool:
@@ -185,6 +190,8 @@ class ClusterSpec:
             _positive_int(owner, "compute_slots_per_node", self.compute_slots_per_node)
         if self.compute not in COMPUTE_MODES:
             raise ValueError(f"{owner}.compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"{owner}.executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         for name in ("source", "notes"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{owner}.{name} must be a string, got {getattr(self, name)!r}")
@@ -261,6 +268,7 @@ class ClusterSpec:
             **({"disk_link": self.disk_link.to_json()} if self.disk_link != DEFAULT_DISK_LINK else {}),
             **({"compute_slots_per_node": self.compute_slots_per_node}
                if self.compute_slots_per_node is not None else {}),
+            **({"executor": self.executor} if self.executor != "eager" else {}),
         }
 
     @classmethod
@@ -271,7 +279,7 @@ class ClusterSpec:
         if not isinstance(data, Mapping):
             raise ValueError(f"a cluster spec must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        required = known - {"source", "notes", "compute", "host_link", "disk_link", "compute_slots_per_node"}
+        required = known - {"source", "notes", "compute", "host_link", "disk_link", "compute_slots_per_node", "executor"}
         unknown = set(data) - known
         missing = required - set(data)
         if unknown or missing:

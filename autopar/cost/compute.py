@@ -27,6 +27,11 @@ For one op and one strategy, the time on each rank is
   gets: 1 unless the mesh puts more ranks on a node than it runs at once (CPU ranks on fewer
   cores, which the operating system time-slices). Measured op times (``compute="measured"``,
   timed on one process alone) are divided by it too.
+* under ``cluster.executor == "inductor"`` (``executed_bytes``) a pointwise op (``POINTWISE``,
+  the pointwise rule tables) is fused with its neighbours: its inputs come from the kernel it is
+  fused into, so it moves only its output, not its inputs as well. A lone unary op costs half its
+  eager bytes, a binary op a third; a fused chain still pays one write per op where inductor's
+  kernel writes once, so long chains stay slightly overpriced. Other ops are priced as eager.
 * ``backward_factor`` is 2 for the matmul family (mm, bmm, addmm, baddbmm, linear, matmul,
   convolutions, attention: a gradient for each of the two operands) and 1 for everything else.
 * The context-parallel attention kernel prices its most loaded rank (causal work imbalance,
@@ -49,6 +54,7 @@ from autopar.ir.spec import VIEW_OP_NAMES
 from autopar.rules.registry import OpInfo, Strategy, TensorArg
 from autopar.cost.measured import measured_seconds
 from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
+from autopar.rules import pointwise
 from autopar.trace.moe import EXPERTS_OP
 
 # The busiest rank's share of expert work over the mean under expert parallelism (routing is
@@ -78,6 +84,12 @@ REDUCTION_OPS = _packets(
 )
 
 _CONV_OPS = _packets("conv1d", "conv2d", "conv3d")
+
+# The ops that inductor fuses into one kernel with their producers and consumers.
+POINTWISE = frozenset(pointwise.UNARY_NONLINEAR + pointwise.BINARY_NONLINEAR + pointwise.UNARY_LINEAR
+                      + pointwise.CASTS + pointwise.ADDITIVE + pointwise.SCALED + pointwise.MULTIPLICATIVE
+                      + pointwise.DIVIDING + pointwise.SELECTING + pointwise.SCALAR_FILL
+                      + pointwise.FUSED_MULTIPLY_ADD)
 _CONV_TRANSPOSE_OPS = _packets("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 
 
@@ -199,6 +211,14 @@ def node_bytes(info: OpInfo) -> float:
     return float(in_bytes + out_bytes)
 
 
+def executed_bytes(info: OpInfo, executor: str) -> float:
+    """``node_bytes`` as ``executor`` runs the op: under "inductor" a pointwise op moves only its
+    output (module docstring)."""
+    if executor == "inductor" and info.target in POINTWISE:
+        return float(sum(_tensor_bytes(shape, compute_dtype(info)) for shape in info.out_shapes))
+    return node_bytes(info)
+
+
 def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
     """Product of the mesh axes on which some input or output is not replicated."""
     specs = strategy.ins + strategy.outs
@@ -238,7 +258,7 @@ def roofline_terms(
     if strategy.kernel in EXPERT_PARALLEL_KERNELS:
         split /= CAPACITY_FACTOR
     flops_s = node_flops(info) / split / share / cluster.peak_flops_for(compute_dtype(info))
-    memory_s = node_bytes(info) / split / share / cluster.memory_bandwidth_bytes_per_s
+    memory_s = executed_bytes(info, cluster.executor) / split / share / cluster.memory_bandwidth_bytes_per_s
     if strategy.kernel == "sdpa_context_parallel":
         flops_s, factor = _context_parallel_terms(info, strategy, mesh_shape, flops_s, factor, requires_grad)
     return flops_s, memory_s, factor
@@ -272,6 +292,8 @@ def compute_cost_s(
 __all__ = [
     "node_flops",
     "node_bytes",
+    "executed_bytes",
+    "POINTWISE",
     "compute_cost_s",
     "roofline_terms",
     "compute_dtype",

@@ -30,6 +30,14 @@ forward             placements          backward
 Each function takes the process group by *name* (``group.group_name``) so that FX code generation
 can print it; ``print(pm.graph)`` then shows every collective the module runs. The work itself is
 done by ``torch.distributed._functional_collectives``.
+
+**Traceable.** Under ``torch.compile`` (``autopar.compile(..., compiler="inductor")``, or a user's
+``torch.compile`` of such a module) dynamo traces these autograd.Functions, forward and backward:
+their bodies call only functional collectives (``torch.ops._c10d_functional.*`` with
+``wait_tensor``), which AOTAutograd keeps as graph nodes that inductor buckets and reorders. A
+group's size, rank and backend come from ``remember_groups`` (filled eagerly at compile), so that
+nothing resolves a process group while tracing. The asynchronous ``start_*`` helpers of the eager
+schedule (``ops.buckets``) are not traced: the compiled mode schedules in the graph instead.
 """
 
 from __future__ import annotations
@@ -178,6 +186,8 @@ def _guarded(kind: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
     def wrap(fn: Callable[..., _T]) -> Callable[..., _T]:
         @functools.wraps(fn)
         def run(*args, **kwargs) -> _T:
+            if torch.compiler.is_compiling():  # traced: the compiled graph runs the collective
+                return fn(*args, **kwargs)
             try:
                 return fn(*args, **kwargs)
             except CollectiveError:
@@ -199,12 +209,32 @@ def call_on_world(kind: str, fn: Callable[..., _T], *args, **kwargs) -> _T:
         raise _collective_error(kind, dist.group.WORLD.group_name, error) from error
 
 
+# group name -> (size, this rank's index, backend): read while tracing, where resolving a process
+# group would break dynamo's graph.
+_GROUPS: dict[str, tuple[int, int, str]] = {}
+
+
+def remember_groups(group_names) -> None:
+    """Record the size, rank and backend of each group (eagerly, before anything is traced)."""
+    for name in group_names:
+        group = _resolve_process_group(name)
+        _GROUPS[name] = (group.size(), group.rank(), dist.get_backend(group))
+
+
+def _group(group_name: str) -> tuple[int, int, str]:
+    info = _GROUPS.get(group_name)
+    if info is None:
+        remember_groups([group_name])
+        info = _GROUPS[group_name]
+    return info
+
+
 def group_size(group_name: str) -> int:
-    return _resolve_process_group(group_name).size()
+    return _group(group_name)[0]
 
 
 def group_rank(group_name: str) -> int:
-    return _resolve_process_group(group_name).rank()
+    return _group(group_name)[1]
 
 
 @_guarded("all-reduce")
@@ -232,7 +262,7 @@ def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     k = group_size(group_name)
     if _sums_exchanged(group_name) and x.shape[dim] % k == 0:
-        received, _ = _exchange(_pieces(x, dim, k), _resolve_process_group(group_name))
+        received = _exchange_now(_pieces(x, dim, k), group_name)
         return received.sum(0).view(x.chunk(k, dim)[0].shape)
     return funcol.wait_tensor(_scatter_along(x.contiguous(), "sum", dim, group_name))
 
@@ -244,8 +274,14 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 # buffer of the input's size until the sum (priced by ``cost.liveness`` where the cluster's
 # collectives are gloo's). NCCL keeps its own.
 def _sums_exchanged(group_name: str) -> bool:
-    """Whether reduce-scatters on the group run as an all-to-all and a local sum (gloo)."""
-    return dist.get_backend(_resolve_process_group(group_name)) == "gloo"
+    """Whether reduce-scatters on the group run as an all-to-all and a local sum (gloo). Not
+    where traced: inductor buckets functional reduce-scatters, not all-to-alls."""
+    return _group(group_name)[2] == "gloo" and not torch.compiler.is_compiling()
+
+
+def _exchange_now(pieces: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Send row j of ``pieces`` (k rows) to rank j; the rows received, in rank order."""
+    return funcol.wait_tensor(funcol.all_to_all_single(pieces.contiguous(), None, None, group_name))
 
 
 def _exchange(pieces: torch.Tensor, group, async_op: bool = False) -> tuple[torch.Tensor, object]:
@@ -294,7 +330,11 @@ def start_all_reduce(x: torch.Tensor, group_name: str):
 
 @_guarded("all-reduce")
 def start_sum(x: torch.Tensor, group_name: str):
-    """Sum ``x`` (no gradient) in place over the group; returns the work handle."""
+    """Sum ``x`` (no gradient) in place over the group; returns the work handle (None where
+    traced: the sum is done, and the compiler places its wait)."""
+    if torch.compiler.is_compiling():
+        x.copy_(_all_reduce(x, group_name))
+        return None
     return dist.all_reduce(x, group=_resolve_process_group(group_name), async_op=True)
 
 
@@ -317,14 +357,15 @@ def start_all_gather(out: torch.Tensor, x: torch.Tensor, group_name: str):
 
 @_guarded("wait")
 def wait(work, group_name: str) -> None:
-    work.wait()
+    if work is not None:
+        work.wait()
 
 
 def _chunk(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
-    pg = _resolve_process_group(group_name)
+    size, rank, _ = _group(group_name)
     if blocks > 1:
-        return strided_piece(x, dim, pg.size(), pg.rank(), blocks)
-    return x.chunk(pg.size(), dim)[pg.rank()].contiguous()
+        return strided_piece(x, dim, size, rank, blocks)
+    return x.chunk(size, dim)[rank].contiguous()
 
 
 def _gather(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
@@ -386,7 +427,7 @@ def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) ->
     if x.shape[dst_dim] % k:
         raise ValueError(f"all-to-all of a tensor of shape {tuple(x.shape)} into {k} chunks along dim {dst_dim}: "
                          "that dim does not divide evenly, which a valid plan never asks for (ir.spec.is_valid)")
-    received, _ = _exchange(_pieces(x, dst_dim, k), _resolve_process_group(group_name))
+    received = _exchange_now(_pieces(x, dst_dim, k), group_name)
     shape = x.chunk(k, dst_dim)[0].shape
     return torch.cat([piece.view(shape) for piece in received.unbind(0)], dim=src_dim)
 
@@ -449,11 +490,22 @@ class _AllReduceGrad(torch.autograd.Function):
         return _all_reduce(grad.to(ctx.reduce_dtype), ctx.group_name).to(grad.dtype), None, None
 
 
+class _GatherParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group_name, reduce_dtype):
+        ctx.dim, ctx.group_name, ctx.reduce_dtype = dim, group_name, reduce_dtype
+        return _all_gather(x, dim, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_dtype is None or ctx.reduce_dtype == grad.dtype:
+            return _reduce_scatter(grad, ctx.dim, ctx.group_name), None, None, None
+        return _reduce_scatter(grad.to(ctx.reduce_dtype), ctx.dim, ctx.group_name).to(grad.dtype), None, None, None
+
+
 @_guarded("all-to-all (rows)")
 def _all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=_resolve_process_group(group_name))
-    return out
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), group_name))
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -512,6 +564,15 @@ def allreduce_grad(x: torch.Tensor, group_name: str, reduce_dtype: torch.dtype |
     ``reduce_dtype`` (a precision policy's, for a parameter's gradient) the gradient is cast to
     it, summed, and the sum cast back to the gradient's dtype."""
     return _AllReduceGrad.apply(x, group_name, reduce_dtype)
+
+
+def gather_param(x: torch.Tensor, dim: int, group_name: str, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """FSDP's pair for a sharded parameter whose uses are split on the axis: all-gather in
+    forward, reduce-scatter of the (partial) gradient in backward. The same numbers as
+    ``allreduce_grad(all_gather(x, dim, g), g, reduce_dtype)``, with half the bytes in backward;
+    the compiled mode's schedule (``passes.schedule.schedule_in_graph``) puts it in the graph,
+    for inductor to bucket and reorder."""
+    return _GatherParam.apply(x, dim, group_name, reduce_dtype)
 
 
 def move_pieces(x: torch.Tensor, dim: int, group_name: str, src: tuple[tuple[int, ...], ...],

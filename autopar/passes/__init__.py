@@ -14,7 +14,7 @@ from autopar.errors import PassError, PlanError
 from autopar.passes.memory import checkpoint_segments, offload_activations, offload_params
 from autopar.passes.precision import cast_after_collectives, gather_in_param_dtype
 from autopar.passes.rewrite import insert_collectives, localize_shapes, use_kernels
-from autopar.passes.schedule import schedule_communication
+from autopar.passes.schedule import schedule_communication, schedule_in_graph
 from autopar.ir.options import CommOptions
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
@@ -25,17 +25,19 @@ Pass = Callable[[torch.fx.GraphModule, Plan], torch.fx.GraphModule]
 
 
 def default_passes(groups: Sequence[str], offloader=None, fqns: Mapping[str, str] | None = None,
-                   comm: CommOptions | None = None) -> list[Pass]:
+                   comm: CommOptions | None = None, compiler: str | None = None) -> list[Pass]:
     """The passes ``compile`` runs, in order. ``groups`` are the mesh axes' process-group names;
     ``offloader`` (``autopar.runtime.offload.Offloader``) and ``fqns`` (placeholder name →
     canonical parameter FQN) serve a plan that offloads parameters, and the communication
-    schedule (``comm``), which needs parameters to bind."""
+    schedule (``comm``), which needs parameters to bind. ``compiler="inductor"`` schedules in
+    the graph (``schedule_in_graph``) instead of in the runtime's buckets and gathers."""
+    schedule = schedule_in_graph if compiler == "inductor" else schedule_communication
     return [
         localize_shapes,
         functools.partial(use_kernels, groups=tuple(groups)),
         functools.partial(insert_collectives, groups=tuple(groups)),
         cast_after_collectives,
-        functools.partial(schedule_communication, groups=tuple(groups), fqns=fqns, options=comm),
+        functools.partial(schedule, groups=tuple(groups), fqns=fqns, options=comm),
         gather_in_param_dtype,
         functools.partial(offload_params, offloader=offloader, fqns=fqns),
         functools.partial(offload_activations, offloader=offloader),
@@ -121,4 +123,4 @@ def graph_input_changes(chosen: Plan, traced: TracedModel, limit: int = 8) -> li
 
 
 __all__ = ["check_plan_matches", "default_passes", "run_passes", "insert_collectives", "localize_shapes", "use_kernels", "offload_params",
-           "checkpoint_segments", "schedule_communication", "cast_after_collectives", "gather_in_param_dtype"]
+           "checkpoint_segments", "schedule_communication", "schedule_in_graph", "cast_after_collectives", "gather_in_param_dtype"]

@@ -21,12 +21,20 @@ Uses of other shapes keep their collectives (a parameter gathered over two axes,
 uses that reduce over different axes, offloaded parameters). Nothing is chosen here: the bucket
 cap and the prefetch depth come from ``ir.options.CommOptions``, and the cost model prices the
 same merging (``solver.comm_schedule``).
+
+Under ``compiler="inductor"`` ``schedule_in_graph`` runs instead: the schedule stays in the
+graph, where the compiler sees it. Each ``all_gather`` → ``allreduce_grad`` pair of a sharded
+parameter becomes one ``gather_param`` (all-gather forward, reduce-scatter backward: FSDP's pair);
+DDP's ``allreduce_grad`` chains stay (all-reduce in backward). Inductor's own passes then bucket
+these functional collectives and move their waits behind compute (``inductor_options``, sized by
+the same ``CommOptions``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Mapping, Sequence
 
@@ -160,6 +168,66 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
     if not gathers:
         delattr(gm, PARAM_GATHERS)
     return gm
+
+
+def schedule_in_graph(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str] = (),
+                      fqns: Mapping[str, str] | None = None,
+                      options: CommOptions | None = None) -> torch.fx.GraphModule:
+    """The compiled mode's schedule (module docstring): gathers whose gradient is reduced on the
+    same axis become ``gather_param``; bucketing and overlap are inductor's (``inductor_options``)."""
+    options = options or CommOptions()
+    if fqns is None or not options.enabled:
+        return gm
+    graph = gm.graph
+    _sync_lookups_at_the_table(graph, set(fqns))
+    for placeholder in [n for n in graph.nodes if n.op == "placeholder" and n.name in fqns]:
+        for gather in list(placeholder.users):
+            if not (_is(gather, collectives.all_gather) and len(gather.args) == 3 and len(gather.users) == 1):
+                continue
+            chain, chain_groups = _grad_chain(next(iter(gather.users)))
+            if chain_groups[:1] != (gather.args[2],):
+                continue
+            reduce_dtype = chain[0].kwargs.get("reduce_dtype")
+            with graph.inserting_before(gather):
+                node = graph.call_function(collectives.gather_param, tuple(gather.args), {"reduce_dtype": reduce_dtype})
+            node.meta = dict(gather.meta)
+            # further axes of the chain (a parameter replicated on them) keep their allreduce_grad
+            rest = chain[1:]
+            if rest:
+                rest[0].replace_input_with(chain[0], node)
+            else:
+                chain[0].replace_all_uses_with(node)
+            graph.erase_node(chain[0])
+            graph.erase_node(gather)
+    return gm
+
+
+def _bucket_mb(cap_bytes: int, first_cap_bytes: int | None, bucket_index: int) -> float:
+    return (first_cap_bytes if first_cap_bytes is not None and bucket_index == 0 else cap_bytes) / 2**20
+
+
+def inductor_options(options: CommOptions | None = None) -> dict[str, object]:
+    """Inductor's settings for the compiled mode: its FX bucketing of all-reduces, all-gathers and
+    reduce-scatters, capped as ``CommOptions`` caps the eager buckets, and its reordering of
+    collectives and their waits around compute (the prefetch of gathers and the overlap of
+    gradient reductions)."""
+    options = options or CommOptions()
+    if not options.enabled:
+        return {}
+    reduce_caps = functools.partial(_bucket_mb, options.bucket_cap_bytes, options.first_bucket_cap_bytes)
+    gather_caps = functools.partial(_bucket_mb, max(options.gather_group_bytes, 1), None)
+    return {
+        "bucket_all_reduces_fx": "all",
+        "bucket_all_reduces_fx_bucket_size_determinator": reduce_caps,
+        "bucket_reduce_scatters_fx": "all",
+        "bucket_reduce_scatters_fx_bucket_size_determinator": reduce_caps,
+        "bucket_all_gathers_fx": "all",
+        "bucket_all_gathers_fx_bucket_size_determinator": gather_caps,
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": [
+            "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
+            "reorder_communication_preserving_peak_memory"],
+    }
 
 
 def _reduce_dtype(chain: Sequence[torch.fx.Node], val: torch.Tensor) -> torch.dtype:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
-from autopar.passes.schedule import bind_parameters, saved_tensors_hooks
+from autopar.passes.schedule import bind_parameters
+from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
@@ -33,6 +34,8 @@ class ParallelModule(ShardedModule):
     shows the shards as DTensors under the original names, for torch.distributed.checkpoint
     (``autopar.runtime.checkpoint``).
     """
+
+    _compiled_graph = None  # set by autopar.compile(..., compiler="inductor"): runtime.compiled.CompiledGraph
 
     def __init__(
         self,
@@ -98,13 +101,17 @@ class ParallelModule(ShardedModule):
                 values.append(self._constants[name])
             else:
                 values.append(next(user))
-        if self._offloader is not None:
-            with self._offloader.saved_tensor_hooks():
-                outputs = self.graph_module(*values)
-        else:
-            with saved_tensors_hooks(self.graph_module):  # frees resharded parameter gathers after forward
-                outputs = self.graph_module(*values)
+        outputs = self._run_graph(values)
         return pytree.tree_unflatten(list(outputs), self._traced.out_spec)
+
+    def _run_graph(self, values: list[Any]) -> Any:
+        """The graph on ``values``: inductor's compiled graph under ``compiler="inductor"``, else op
+        by op, outside any user's ``torch.compile`` (``autopar.runtime.compiled``)."""
+        if self._compiled_graph is not None:
+            return self._compiled_graph(*values)
+        if torch.compiler.is_compiling():
+            warn_not_compiled()
+        return run_eager(self.graph_module, values, self._offloader)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """The original model's ``state_dict()`` names, each a DTensor over ``device_mesh``

@@ -146,3 +146,47 @@ def test_fsdp_gathers_each_layer_with_one_collective():
     assert single.groups == [(key,) for key, *_ in single.order]
     with pytest.raises(ValueError, match="gather_group_bytes"):
         CommOptions(gather_group_bytes=-1)
+
+
+# -- the compiled mode's schedule: in the graph, for inductor ------------------------------------
+
+def _in_graph(kind: str, config: dict = FSDP_CONFIG):
+    model = build_model("gpt", seed=0, **config)
+    batch = example_batch("gpt", 16, seed=1, **config)
+    plan = autopar.hand_plan(kind, model, (2,), example_inputs=batch, cluster="cpu")
+    traced = trace(model, batch)
+    fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+    gm = run_passes(copy.deepcopy(traced.gm), plan, default_passes(("g0",), None, fqns, None, compiler="inductor"))
+    return gm, traced
+
+
+def test_in_graph_schedule_pairs_fsdp_gathers_with_reduce_scatters_and_leaves_no_hooks():
+    gm, traced = _in_graph("fsdp")
+    params = {gi.name for gi in traced.inputs if gi.kind == "param"}
+    assert not any(n.op == "call_module" for n in gm.graph.nodes), "no GradBuckets/ParamGathers modules"
+    direct = _param_collectives(gm, params)
+    pairs = [n for n in direct if n.target is collectives.gather_param]
+    assert pairs, "the fsdp plan splits the batch: its gathered parameters' gradients are partial sums"
+    # no gather of a parameter is left whose gradient is all-reduced whole then chunked
+    for node in direct:
+        if node.target is collectives.all_gather:
+            (user,) = node.users
+            assert not (user.op == "call_function" and user.target is collectives.allreduce_grad
+                        and user.args[1] == node.args[2]), node.format_node()
+
+
+def test_in_graph_schedule_keeps_ddp_gradient_all_reduces_for_inductor_to_bucket():
+    gm, traced = _in_graph("ddp", CONFIG)
+    params = {gi.name for gi in traced.inputs if gi.kind == "param"}
+    synced = [n for n in _param_collectives(gm, params) if n.target is collectives.allreduce_grad]
+    assert synced and not any(n.op == "call_module" for n in gm.graph.nodes)
+
+
+def test_inductor_options_size_buckets_from_comm_options():
+    from autopar.passes.schedule import inductor_options
+
+    opts = inductor_options(CommOptions(bucket_cap_bytes=8 * 2**20, first_bucket_cap_bytes=2**20))
+    assert opts["bucket_all_reduces_fx"] == "all" and opts["reorder_for_compute_comm_overlap"]
+    caps = opts["bucket_all_reduces_fx_bucket_size_determinator"]
+    assert (caps(0), caps(1), caps(5)) == (1.0, 8.0, 8.0)
+    assert inductor_options(CommOptions(enabled=False)) == {}

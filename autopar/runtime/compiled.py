@@ -1,0 +1,83 @@
+"""The compiled mode (``autopar.compile(..., compiler="inductor")``): the rewritten graph run by
+``torch.compile`` with inductor, forward and backward.
+
+The graph's collectives are functional collectives inside autograd.Functions (``ops.collectives``),
+so dynamo traces them and AOTAutograd keeps them as graph nodes in both the forward and the
+backward graph; the communication schedule is in the graph (``passes.schedule.schedule_in_graph``)
+and inductor buckets and reorders it (``passes.schedule.inductor_options``). Inductor's own caches
+(its FX graph cache and autotuning cache, on by default) make a second compile of the same graph
+fast. The first call compiles; its time is logged.
+
+A module compiled without ``compiler`` schedules its parameter communication in autograd hooks
+(``ops.buckets``) that dynamo cannot follow: a user's ``torch.compile`` of it runs its graph
+outside dynamo (``run_eager``), so its numbers stay eager's, and says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+from autopar.ir.options import CommOptions
+from autopar.passes.schedule import inductor_options, saved_tensors_hooks
+
+log = logging.getLogger("autopar")
+
+COMPILERS = (None, "inductor")
+
+
+class CompiledGraph:
+    """``gm`` under ``torch.compile(backend="inductor")`` with the schedule's inductor options;
+    logs how long the first call (trace and compile of forward; backward compiles at the first
+    backward) took."""
+
+    def __init__(self, gm: torch.fx.GraphModule, comm: CommOptions | None):
+        self.compiled = torch.compile(gm, backend="inductor", dynamic=False, options=inductor_options(comm))
+        self.first_call_s: float | None = None
+
+    def __call__(self, *values: Any) -> Any:
+        if self.first_call_s is not None or torch.compiler.is_compiling():
+            return self.compiled(*values)
+        start = time.perf_counter()
+        out = self.compiled(*values)
+        self.first_call_s = time.perf_counter() - start
+        log.info("autopar: inductor traced and compiled the graph's forward in %.1f s (cached by inductor "
+                 "for the next compile of the same graph)", self.first_call_s)
+        return out
+
+
+@torch._dynamo.disable(reason="autopar's eager schedule runs in autograd hooks that dynamo cannot follow")
+def run_eager(gm: torch.fx.GraphModule, values: Sequence[Any], offloader: Any = None) -> Any:
+    """Run ``gm`` op by op, outside any ``torch.compile`` (see the module docstring)."""
+    if offloader is not None:
+        with offloader.saved_tensor_hooks():
+            return gm(*values)
+    with saved_tensors_hooks(gm):  # frees resharded parameter gathers after forward
+        return gm(*values)
+
+
+_warned: list[bool] = []
+
+
+@torch._dynamo.disable(reason="logs once, eagerly")
+def warn_not_compiled() -> None:
+    if not _warned:
+        _warned.append(True)
+        log.warning("autopar: torch.compile of a ParallelModule compiled without compiler='inductor' runs its "
+                    "graph eagerly (its communication schedule lives in autograd hooks); compile it with "
+                    "autopar.compile(..., compiler='inductor') to have inductor compile the graph")
+
+
+def check_compiler(compiler: str | None) -> None:
+    if compiler not in COMPILERS:
+        raise ValueError(f"compiler must be None (run the graph op by op) or 'inductor', got {compiler!r}")
+
+
+def graph_runner(gm: torch.fx.GraphModule, compiler: str | None, comm: CommOptions | None) -> Callable[..., Any] | None:
+    """What runs ``gm`` under ``compiler``: None for op by op (``run_eager``)."""
+    check_compiler(compiler)
+    return CompiledGraph(gm, comm) if compiler == "inductor" else None
