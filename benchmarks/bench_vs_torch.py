@@ -17,6 +17,16 @@ global batch 16 x 128 tokens, AdamW):
   the machine it runs on (``cost.cluster.local_cluster``: on a CPU, gloo's links and the host's
   cores shared among its ranks).
 
+Compiled variants, in the same run (a ``_compiled`` suffix):
+
+- ``torch_ddp_compiled``: ``torch.compile`` of the DDP module (dynamo's DDPOptimizer splits the
+  graph at DDP's buckets);
+- ``torch_fsdp2_compiled``: FSDP2 with each block compiled before ``fully_shard``, as torchtitan
+  does (``block.compile()``);
+- ``autopar_ddp_compiled``, ``autopar_fsdp_compiled``, ``autopar_compiled``: the three autopar
+  trainers with ``autopar.compile(..., compiler="inductor")`` (its own plan then priced for
+  inductor's executor).
+
 ``--kinds`` can add ``autopar_ddp_sync`` and ``autopar_fsdp_sync``: the same hand plans compiled
 with ``autopar.CommOptions(enabled=False)``, one synchronous collective per use (the executor
 before communication was scheduled); and ``eager_local``: the plain model on each rank's slice of
@@ -48,7 +58,9 @@ import torch.multiprocessing as mp
 
 CONFIG = dict(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=256)
 BATCH = 16
-TRAINERS = ("torch_ddp", "autopar_ddp", "torch_fsdp2", "autopar_fsdp", "autopar")
+TRAINERS = ("torch_ddp", "autopar_ddp", "torch_fsdp2", "autopar_fsdp", "autopar",
+            "torch_ddp_compiled", "autopar_ddp_compiled", "torch_fsdp2_compiled", "autopar_fsdp_compiled",
+            "autopar_compiled")
 
 
 def _gpt():
@@ -73,6 +85,8 @@ def _trainer(kind: str, world: int, rank: int):
 
     model = _gpt()
     idx, targets = _batch()
+    compiled = kind.endswith("_compiled")
+    kind = kind.removesuffix("_compiled")
     if kind == "eager_local":
         module = model
         batch = (idx.chunk(world)[rank], targets.chunk(world)[rank])
@@ -80,6 +94,8 @@ def _trainer(kind: str, world: int, rank: int):
         from torch.nn.parallel import DistributedDataParallel
 
         module = DistributedDataParallel(model)
+        if compiled:  # dynamo's DDPOptimizer splits the graph at DDP's buckets
+            module = torch.compile(module)
         batch = (idx.chunk(world)[rank], targets.chunk(world)[rank])
     elif kind == "torch_fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -89,6 +105,8 @@ def _trainer(kind: str, world: int, rank: int):
         # CUDA is visible, and FSDP2 would be timed on another device than the others.
         mesh = init_device_mesh("cpu", (world,))
         for block in model.transformer.h:
+            if compiled:  # torchtitan's order: compile each block, then shard it
+                block.compile()
             fully_shard(block, mesh=mesh)
         module = fully_shard(model, mesh=mesh)
         batch = (idx.chunk(world)[rank], targets.chunk(world)[rank])
@@ -101,7 +119,8 @@ def _trainer(kind: str, world: int, rank: int):
         else:
             plan = autopar.hand_plan(kind.removeprefix("autopar_"), model, mesh, example_inputs=(idx, targets),
                                      cluster="cpu")
-        module = autopar.compile(model, mesh, example_inputs=(idx, targets), plan=plan, comm=comm)
+        module = autopar.compile(model, mesh, example_inputs=(idx, targets), plan=plan, comm=comm,
+                                 compiler="inductor" if compiled else None)
         batch = (idx, targets)  # the compiled module cuts out its own shard
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
@@ -167,6 +186,15 @@ def main() -> None:
         best = [step_s[k] for k in ("torch_ddp", "torch_fsdp2") if k in step_s]
         if "autopar" in step_s and best:
             row["own_over_best_torch"] = round(step_s["autopar"] / min(best), 3)
+        if "torch_ddp_compiled" in step_s and "autopar_ddp_compiled" in step_s:
+            row["ddp_compiled_ratio"] = round(step_s["autopar_ddp_compiled"] / step_s["torch_ddp_compiled"], 3)
+        if "torch_fsdp2_compiled" in step_s and "autopar_fsdp_compiled" in step_s:
+            row["fsdp_compiled_ratio"] = round(step_s["autopar_fsdp_compiled"] / step_s["torch_fsdp2_compiled"], 3)
+        best_compiled = [step_s[k] for k in ("torch_ddp_compiled", "torch_fsdp2_compiled") if k in step_s]
+        if "autopar_compiled" in step_s and best_compiled:
+            row["own_compiled_over_best_torch_compiled"] = round(step_s["autopar_compiled"] / min(best_compiled), 3)
+        if "autopar_compiled" in step_s and "autopar" in step_s:
+            row["own_compiled_over_uncompiled"] = round(step_s["autopar_compiled"] / step_s["autopar"], 3)
         if "eager_local" in step_s and best:
             # The no-communication floor against the best of torch: what a plan that computes
             # as eager does (every data-parallel plan) could reach if communication cost nothing.

@@ -275,8 +275,10 @@ def _plan_label(plan: autopar.Plan) -> str:
     return f"{sharded}/{len(plan.params)} params sharded"
 
 
-def compare(name: str, budget: str, build=None) -> dict:
-    """Plan, compile (under the current process group) and compare one model with eager."""
+def compare(name: str, budget: str, build=None, compiler: str | None = None, torch_compile: bool = False) -> dict:
+    """Plan, compile (under the current process group) and compare one model with eager.
+    ``compiler`` is ``autopar.compile``'s; ``torch_compile`` runs the module through a user's
+    ``torch.compile`` as well."""
     from autopar.runtime.launch import max_rel_diff
 
     model, kwargs = (build or MODELS[name])()
@@ -285,13 +287,14 @@ def compare(name: str, budget: str, build=None) -> dict:
     try:  # rank 0 plans and broadcasts the plan, or its error
         try:
             pm = autopar.compile(copy.deepcopy(model), MESH, example_kwargs=kwargs, cluster=CLUSTER,
-                                 memory_budget=memory)
+                                 memory_budget=memory, compiler=compiler)
         except autopar.InfeasibleError as error:  # activations outweigh the parameters: see plan_for
             memory = 1.02 * _leanest_bytes(error)
-            pm = autopar.compile(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=memory)
+            pm = autopar.compile(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=memory,
+                                 compiler=compiler)
     except autopar.TraceError as error:
         return {"status": "refused", "reason": str(error).splitlines()[0]}
-    loss = _loss(pm(**kwargs))
+    loss = _loss((torch.compile(pm) if torch_compile else pm)(**kwargs))
     loss.backward()
     want = _loss(eager(**kwargs))
     want.backward()
