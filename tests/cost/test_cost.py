@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tomllib
@@ -390,6 +391,22 @@ def test_node_bytes():
     # embedding: int64 indices [4, 8] and the gathered rows read and written, [4, 8, 16] fp32
     emb = info_for(aten.embedding.default, meta(1000, 16), meta(4, 8, dtype=torch.int64))
     assert node_bytes(emb) == 32 * 8 + 2 * 512 * 4
+
+
+def test_inductor_prices_a_fused_pointwise_op_by_its_output_alone():
+    from autopar.cost.compute import executed_bytes
+
+    add = info_for(aten.add.Tensor, meta(10, 10), meta(10))
+    assert executed_bytes(add, "eager") == node_bytes(add) == 840
+    assert executed_bytes(add, "inductor") == 400  # the [10, 10] fp32 output; inputs come fused
+    mm = info_for(aten.mm.default, meta(128, 256), meta(256, 512))
+    assert executed_bytes(mm, "inductor") == node_bytes(mm)  # an extern kernel, priced as eager
+    cluster = dataclasses.replace(get_cluster("cpu"), executor="inductor")
+    assert ClusterSpec.from_json(json.dumps(cluster.to_json())) == cluster
+    strategy = Strategy(ins=((R,), (R,)), outs=((R,),))
+    assert compute_cost_s(add, strategy, (1,), cluster, False) < compute_cost_s(add, strategy, (1,), get_cluster("cpu"), False)
+    with pytest.raises(ValueError, match="executor"):
+        dataclasses.replace(cluster, executor="tvm")
 
 
 def test_compute_cost_roofline_and_split():
