@@ -138,7 +138,8 @@ def plan(
         devices=devices, max_axes=max_axes, symbolic_batch=symbolic_batch, compute=compute, precision=precision,
         comm=comm or CommOptions(),
     )
-    return plan_model(model, mesh, example_inputs, example_kwargs, priced_for(get_cluster(cluster), compiler), options)
+    spec = priced_for(get_cluster(cluster), compiler) if compiler else get_cluster(cluster)
+    return plan_model(model, mesh, example_inputs, example_kwargs, spec, options)
 
 
 @contextlib.contextmanager
