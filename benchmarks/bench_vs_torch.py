@@ -167,6 +167,20 @@ def run(world: int, kinds: list[str], steps: int, warmup: int) -> dict[str, floa
             return {kind: float(seconds) for kind, seconds in (line.strip().split(",") for line in handle)}
 
 
+def _ratios(step_s: dict[str, float], suffix: str) -> dict[str, float]:
+    """autopar over torch on each layout, and autopar's own plan over the best of torch, among
+    the trainers whose names end in ``suffix`` ("" or "_compiled")."""
+    got = {kind.removesuffix(suffix): s for kind, s in step_s.items() if kind.endswith(suffix)}
+    out = {}
+    for ours, theirs, name in (("autopar_ddp", "torch_ddp", "ddp"), ("autopar_fsdp", "torch_fsdp2", "fsdp")):
+        if ours in got and theirs in got:
+            out[f"{name}{suffix}_ratio"] = round(got[ours] / got[theirs], 3)
+    best = [got[k] for k in ("torch_ddp", "torch_fsdp2") if k in got]
+    if "autopar" in got and best:
+        out[f"own{suffix}_over_best_torch{suffix}"] = round(got["autopar"] / min(best), 3)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", nargs="*", type=int, default=[2, 4])
@@ -179,20 +193,9 @@ def main() -> None:
     for world in args.ranks:
         step_s = run(world, args.kinds, args.steps, args.warmup)
         row = {"ranks": world, **{f"{kind}_ms": round(1e3 * s, 1) for kind, s in step_s.items()}}
-        if "torch_ddp" in step_s and "autopar_ddp" in step_s:
-            row["ddp_ratio"] = round(step_s["autopar_ddp"] / step_s["torch_ddp"], 3)
-        if "torch_fsdp2" in step_s and "autopar_fsdp" in step_s:
-            row["fsdp_ratio"] = round(step_s["autopar_fsdp"] / step_s["torch_fsdp2"], 3)
         best = [step_s[k] for k in ("torch_ddp", "torch_fsdp2") if k in step_s]
-        if "autopar" in step_s and best:
-            row["own_over_best_torch"] = round(step_s["autopar"] / min(best), 3)
-        if "torch_ddp_compiled" in step_s and "autopar_ddp_compiled" in step_s:
-            row["ddp_compiled_ratio"] = round(step_s["autopar_ddp_compiled"] / step_s["torch_ddp_compiled"], 3)
-        if "torch_fsdp2_compiled" in step_s and "autopar_fsdp_compiled" in step_s:
-            row["fsdp_compiled_ratio"] = round(step_s["autopar_fsdp_compiled"] / step_s["torch_fsdp2_compiled"], 3)
-        best_compiled = [step_s[k] for k in ("torch_ddp_compiled", "torch_fsdp2_compiled") if k in step_s]
-        if "autopar_compiled" in step_s and best_compiled:
-            row["own_compiled_over_best_torch_compiled"] = round(step_s["autopar_compiled"] / min(best_compiled), 3)
+        for suffix in ("", "_compiled"):  # the same ratios among the uncompiled and the compiled trainers
+            row.update(_ratios(step_s, suffix))
         if "autopar_compiled" in step_s and "autopar" in step_s:
             row["own_compiled_over_uncompiled"] = round(step_s["autopar_compiled"] / step_s["autopar"], 3)
         if "eager_local" in step_s and best:
