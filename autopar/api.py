@@ -268,20 +268,36 @@ def priced_for(cluster: ClusterSpec, compiler: str | None) -> ClusterSpec:
 def hand_plan(
     kind: str,
     model: torch.nn.Module,
-    mesh: Sequence[int],
+    mesh: Sequence[int] | int | None = None,
     *,
     example_inputs: tuple[Any, ...] = (),
     example_kwargs: dict[str, Any] | None = None,
     cluster: str | ClusterSpec | os.PathLike | None = None,
     memory_budget: float | None = None,
     precision: str | MixedPrecision | None = None,
+    parallel: dict[str, Any] | None = None,
+    num_microbatches: int | None = None,
 ) -> Plan:
     """The hand plan ``kind`` (``autopar.solver.planners.hand_plans.KINDS``: "ddp", "fsdp", "megatron", ...)
     for ``model`` on ``mesh``, as a Plan priced by autopar's model (``memory_budget`` and
     ``precision`` as in ``autopar.plan``).
 
+    ``kind="colossal"`` reads Colossal-AI's ``parallel`` dict instead of a layout name, for example
+    ``parallel=dict(pipeline=2, tensor=dict(mode="2.5d", depth=1, size=4))``, and builds its mesh,
+    stages and 1D / 2D / 2.5D / 3D tensor layout (``autopar.solver.colossal``); ``mesh`` is then
+    only the world size (an int or a mesh whose product it is; None: pipeline × tensor size), the
+    rest being data parallel. With a pipeline, the example inputs are the global batch, cut into
+    ``num_microbatches`` (default: the number of stages).
+
     It can be saved, inspected and compiled like any plan, which gives real baselines.
     """
+    if kind == "colossal":
+        return _colossal_plan(model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget,
+                              precision, num_microbatches)
+    if parallel is not None:
+        raise ValueError(f"parallel= is Colossal-AI's config, for hand_plan('colossal', ...), not {kind!r}")
+    if mesh is None:
+        raise MeshError(f"hand_plan({kind!r}) needs a mesh such as (2, 4)")
     mesh_shape = tuple(int(n) for n in mesh)
     resolve_kind(kind)
     policy = precision_policy(precision)
@@ -289,6 +305,27 @@ def hand_plan(
     cluster_spec = get_cluster(cluster)
     return solve_hand_plan(kind, traced, mesh_shape, cluster_spec, PlanOptions.from_keywords(
         memory_budget=memory_budget, checkpointing=False, precision=policy))
+
+
+def _colossal_plan(model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget, precision,
+                   num_microbatches) -> Plan:
+    from autopar.solver.colossal import ColossalParallel, solve_colossal  # only for Colossal-AI configs
+
+    if parallel is None:
+        raise ValueError("hand_plan('colossal', ...) needs parallel=dict(...), Colossal-AI's parallel config, "
+                         "such as dict(pipeline=2, tensor=dict(mode='2d', size=4))")
+    world = None if mesh is None else math.prod(_mesh_shape(mesh))
+    config = ColossalParallel.from_dict(parallel, world)
+    policy = precision_policy(precision)
+    cluster_spec = get_cluster(cluster)
+    microbatches = None
+    if config.pipeline > 1:
+        microbatches = num_microbatches or config.pipeline
+        example_inputs, example_kwargs = first_microbatch(example_inputs, example_kwargs, microbatches)
+    log.info("%s", config.describe())
+    traced = _trace(model, example_inputs, example_kwargs, policy)
+    return solve_colossal(config, traced, cluster_spec, memory_budget=resolve_budget(memory_budget, cluster_spec),
+                          precision=policy, num_microbatches=microbatches)
 
 
 def compile(

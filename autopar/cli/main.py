@@ -297,7 +297,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = args.cluster if args.cluster is not None else get_cluster(None)
     if args.out:
         _check_writable(args.out)
-    if (args.pipeline is not None or args.num_microbatches is not None) and (args.pipeline is None or not args.mesh):
+    if args.colossal_config is None and not (args.mesh or args.devices):
+        raise CliError("plan needs --mesh or --devices (or --colossal-config, whose config lays out the mesh)")
+    if args.colossal_config is not None and args.pipeline is not None:
+        raise CliError("--pipeline with --colossal-config: the config's parallel['pipeline'] sets the stages")
+    pipelined = args.pipeline is not None or args.num_microbatches is not None
+    if args.colossal_config is None and pipelined and (args.pipeline is None or not args.mesh):
         raise CliError("--num-microbatches and --pipeline need --pipeline N and --mesh: a pipeline cuts axis 0 "
                        "of a given mesh into N stages")
     options = PlanOptions.from_keywords(
@@ -311,10 +316,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model, inputs = load_model(args.model, args.batch_size, args.meta, args.seq_len, args.num_layers)
         progress(f"built {type(model).__name__} in {time.perf_counter() - start:.2f} s")
         stage = time.perf_counter()
-        if not args.mesh:
+        comparison: list = []
+        if args.colossal_config is not None:
+            from autopar.cli.colossal import plan_colossal
+
+            with _ProgressLog(progress):
+                plan, comparison = plan_colossal(args, model, inputs, cluster, progress)
+        elif not args.mesh:
             progress(f"planning on every mesh of {args.devices} devices for cluster {getattr(cluster, 'name', '?')} ...")
-        with _ProgressLog(progress):
-            plan = api.plan_model(model, args.mesh or "auto", inputs, None, cluster, options, on_progress=progress)
+        if args.colossal_config is None:
+            with _ProgressLog(progress):
+                plan = api.plan_model(model, args.mesh or "auto", inputs, None, cluster, options,
+                                      on_progress=progress)
         plan = plan.with_model(_model_record(args))
         progress(f"planned {len(plan.nodes)} nodes in {time.perf_counter() - stage:.2f} s "
                  f"(total {time.perf_counter() - start:.2f} s)")
@@ -325,7 +338,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(plan.to_json())
         return 0
     blocks = [mesh_search_table(plan.stats["mesh_search"])] if "mesh_search" in plan.stats else []
-    emit(blocks + plan_blocks(plan))
+    emit(blocks + plan_blocks(plan) + comparison)
     return 0
 
 
@@ -481,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL_SPEC",
                    help=f"a built-in model ({', '.join(MODEL_NAMES)}), a preset ({', '.join(MODEL_PRESETS)}) "
                         "or module:callable returning (model, example_inputs)")
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()
     where.add_argument("--mesh", type=parse_mesh, help="mesh sizes: 2x4, 2,4 or 8")
     where.add_argument("--devices", type=_positive_int,
                        help="search every mesh of this many devices (1 to 3 axes) and keep the fastest")
@@ -505,6 +518,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", default="off", metavar="auto|off|cpu|disk",
                    help="when no sharding fits --memory-budget, let the planner add checkpointing and offload "
                         "(autopar.plan's offload=; with --mesh only)")
+    p.add_argument("--colossal-config", metavar="CONFIG.py",
+                   help="plan Colossal-AI's layout from a config file defining parallel = dict(...) (1d, 2d, 2.5d, "
+                        "3d tensor parallelism and pipeline stages; --mesh/--devices: the world size, the rest is "
+                        "data parallel) and compare it with the solver's own plan")
     p.add_argument("--out", help="save the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the summary")
     p.set_defaults(func=cmd_plan)

@@ -441,11 +441,12 @@ def _memory(graph: ChoiceGraph, layers: Layers, choice: dict[str, int], consumer
 
 
 def build_stage_graph(traced: TracedModel, stage_mesh: tuple[int, ...], cluster: ClusterSpec,
-                      optimizer_dtype=None) -> ChoiceGraph:
-    """The choice graph of one stage mesh (``optimizer_dtype``: a precision policy's, fp32 by default)."""
+                      optimizer_dtype=None, forced=None) -> ChoiceGraph:
+    """The choice graph of one stage mesh (``optimizer_dtype``: a precision policy's, fp32 by default;
+    ``forced``: node name → spec a hand plan fixes, as ``solver.solve``'s)."""
     start = time.perf_counter()
-    graph = build_choice_graph(traced, stage_mesh, cluster, **({} if optimizer_dtype is None else
-                                                               {"optimizer_dtype": optimizer_dtype}))
+    graph = build_choice_graph(traced, stage_mesh, cluster, forced=forced, **({} if optimizer_dtype is None else
+                                                                              {"optimizer_dtype": optimizer_dtype}))
     log.debug("stage mesh %s: choice graph in %.2f s", stage_mesh, time.perf_counter() - start)
     return graph
 

@@ -119,9 +119,10 @@ class _MeshCosts:
 
     def __init__(self, traced: TracedModel, layers: Layers, stage_mesh: tuple[int, ...], cluster: ClusterSpec,
                  num_layers: int, num_microbatches: int, time_limit_s: float, solver: str, remat: bool,
-                 ladder: tuple[float, ...] | None, candidates: str = "lagrangian", optimizer_dtype=None):
+                 ladder: tuple[float, ...] | None, candidates: str = "lagrangian", optimizer_dtype=None,
+                 forced=None):
         self.stage_mesh, self.layers, self.cluster, self.remat = stage_mesh, layers, cluster, remat
-        self.graph: ChoiceGraph = build_stage_graph(traced, stage_mesh, cluster, optimizer_dtype)
+        self.graph: ChoiceGraph = build_stage_graph(traced, stage_mesh, cluster, optimizer_dtype, forced)
         self.split: OpSplit = split_op_costs(self.graph, cluster)
         kwargs = {} if ladder is None else {"ladder": ladder}
         self.solver = CandidateSolver(self.graph, self.split, num_microbatches, time_limit_s, solver,
@@ -405,6 +406,7 @@ def search_stages(
     layers: Layers | None = None,
     candidates: str = "lagrangian",
     optimizer_dtype=None,
+    forced: dict | None = None,
 ) -> tuple[StageSearch, dict]:
     """Run the DP of the module docstring; returns the best pipeline and the per-mesh costs.
 
@@ -415,7 +417,8 @@ def search_stages(
     of searching (benchmarks use it to price a published plan). ``candidates`` is how the
     leaner intra-stage plans are found (``stage_costs.CandidateSolver``): "lagrangian" (an LP
     each), "budget" (a MILP each, slower, sometimes better) or "both". ``optimizer_dtype``
-    prices the optimizer state (a precision policy's; fp32 by default).
+    prices the optimizer state (a precision policy's; fp32 by default). ``forced`` (node name → spec
+    on the stage mesh) fixes what a hand plan fixes (``solver.colossal``).
     """
     start = time.perf_counter()
     layers = layers or cluster_layers(traced)
@@ -444,7 +447,7 @@ def search_stages(
     for S, stage_mesh in combos:
         if stage_mesh not in costs:
             costs[stage_mesh] = _MeshCosts(traced, layers, stage_mesh, cluster, num_layers, M,
-                                           time_limit_s, solver, remat, ladder, candidates, optimizer_dtype)
+                                           time_limit_s, solver, remat, ladder, candidates, optimizer_dtype, forced)
         results[(S, stage_mesh)] = _price(costs[stage_mesh], S, M, memory_budget, cluster, forced_layers)
     best_value = min((r[0] for r in results.values() if r[0] is not None), default=math.inf)
     order = sorted(combos, key=lambda c: results[c][1])
@@ -497,6 +500,7 @@ def plan_stages(
     solver: str = "auto",
     candidates: str = "lagrangian",
     precision: MixedPrecision | None = None,
+    forced: dict | None = None,
 ) -> Plan:
     """A pipelined Plan for ``traced`` (traced at one microbatch: global batch / M).
 
@@ -517,7 +521,7 @@ def plan_stages(
     search, costs = search_stages(
         traced, mesh_shape, cluster, num_stages=num_stages, num_microbatches=num_microbatches,
         memory_budget=memory_budget, time_limit_s=time_limit_s, devices=devices, max_axes=max_axes,
-        remat=remat, solver=solver, layers=layers, candidates=candidates,
+        remat=remat, solver=solver, layers=layers, candidates=candidates, forced=forced,
         optimizer_dtype=to_dtype(precision.optimizer_dtype) if precision is not None else None)
     mesh_costs = costs[search.stage_mesh]
     return dataclasses.replace(_assemble(traced, layers, search, mesh_costs, cluster, memory_budget),
