@@ -277,6 +277,7 @@ def hand_plan(
     precision: str | MixedPrecision | None = None,
     parallel: dict[str, Any] | None = None,
     num_microbatches: int | None = None,
+    comm: CommOptions | None = None,
 ) -> Plan:
     """The hand plan ``kind`` (``autopar.solver.planners.hand_plans.KINDS``: "ddp", "fsdp", "megatron", ...)
     for ``model`` on ``mesh``, as a Plan priced by autopar's model (``memory_budget`` and
@@ -289,11 +290,13 @@ def hand_plan(
     rest being data parallel. With a pipeline, the example inputs are the global batch, cut into
     ``num_microbatches`` (default: the number of stages).
 
+    ``comm`` (``autopar.CommOptions``) is the parameter schedule it is priced for, as in ``autopar.plan``.
+
     It can be saved, inspected and compiled like any plan, which gives real baselines.
     """
     if kind == "colossal":
         return _colossal_plan(model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget,
-                              precision, num_microbatches)
+                              precision, num_microbatches, comm)
     if parallel is not None:
         raise ValueError(f"parallel= is Colossal-AI's config, for hand_plan('colossal', ...), not {kind!r}")
     if mesh is None:
@@ -304,11 +307,11 @@ def hand_plan(
     traced = trace_repeated(model, example_inputs, example_kwargs, policy)
     cluster_spec = get_cluster(cluster)
     return solve_hand_plan(kind, traced, mesh_shape, cluster_spec, PlanOptions.from_keywords(
-        memory_budget=memory_budget, checkpointing=False, precision=policy))
+        memory_budget=memory_budget, checkpointing=False, precision=policy, comm=comm or CommOptions()))
 
 
 def _colossal_plan(model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget, precision,
-                   num_microbatches) -> Plan:
+                   num_microbatches, comm) -> Plan:
     from autopar.solver.colossal import ColossalParallel, solve_colossal  # only for Colossal-AI configs
 
     if parallel is None:
@@ -325,7 +328,7 @@ def _colossal_plan(model, mesh, parallel, example_inputs, example_kwargs, cluste
     log.info("%s", config.describe())
     traced = _trace(model, example_inputs, example_kwargs, policy)
     return solve_colossal(config, traced, cluster_spec, memory_budget=resolve_budget(memory_budget, cluster_spec),
-                          precision=policy, num_microbatches=microbatches)
+                          precision=policy, num_microbatches=microbatches, comm=comm)
 
 
 def compile(

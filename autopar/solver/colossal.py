@@ -40,7 +40,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.plan import Plan
-from autopar.ir.spec import Spec, format_spec, is_valid, replicate_size_one_axes
+from autopar.ir.spec import SS, Spec, format_spec, is_valid, replicate_size_one_axes
 from autopar.solver.hand_plans import COLUMN, EMBEDDING, ROW, _SEQUENCE_PARALLEL_OPS, _tensor_parallel
 from autopar.solver import solve
 from autopar.trace import TracedModel
@@ -244,20 +244,29 @@ def _linear_weight(config: ColossalParallel, fqn: str, node: torch.fx.Node) -> d
     """Placements of a torch (out, in) linear weight by axis role."""
     if config.mode == "1d":
         return {"tp": _tensor_parallel(fqn, tuple(node.args[1].meta["val"].shape))}
+    out = _out_split(node, 0)
     if config.mode in ("2d", "2.5d"):  # Linear2D / Linear2p5D: in over the row index, out over the col index
-        return {"row": Shard(1), "col": Shard(0)}
+        return {"row": Shard(1), "col": out}
     # Linear3D: in over the output and weight groups, out over the input group; the next linear
     # swaps the input and output groups (Colossal-AI's swap_in_out_group).
     inner, outer = ("output", "input") if _is_row(fqn, node) else ("input", "output")
-    return {inner: Shard(0), outer: Shard(1), "weight": Shard(1)}
+    return {inner: out, outer: Shard(1), "weight": Shard(1)}
+
+
+def _out_split(node: torch.fx.Node, dim: int):
+    """How a linear's output features (``dim`` of the weight, bias or output) are split: evenly,
+    or, for a fused projection the model splits into n blocks (q | k | v), into each rank's chunk
+    of every block (``S(d)/n``), as Colossal-AI's models order a fused weight by head."""
+    blocks = _split_blocks(node)
+    return SS(dim, blocks) if blocks else Shard(dim)
 
 
 def _linear_bias(config: ColossalParallel, fqn: str, node: torch.fx.Node) -> dict[str, Any]:
     if config.mode == "1d":
         return {"tp": _tensor_parallel(fqn, (node.args[1].meta["val"].shape[0],))}
     if config.mode in ("2d", "2.5d"):
-        return {"col": Shard(0)}
-    return {("output" if _is_row(fqn, node) else "input"): Shard(0)}
+        return {"col": _out_split(node, 0)}
+    return {("output" if _is_row(fqn, node) else "input"): _out_split(node, 0)}
 
 
 def _hidden_vector(config: ColossalParallel) -> dict[str, Any]:
@@ -288,11 +297,13 @@ def _residual_specs(config: ColossalParallel, traced: TracedModel, roles: list[s
         val = node.meta.get("val")
         if node.op != "call_function":
             continue
-        if node.target == torch.ops.aten.linear.default and not _feeds_split(node):
+        if node.target == torch.ops.aten.linear.default:
             # Every Linear2D / 2p5D / 3D returns its output split as the layer holds it.
             weight = _param(node.args[1], fqn_of)
             fqn = fqn_of[weight] if weight is not None else ""
             want = inner if config.mode == "3d" and not _is_row(fqn, node) else spec
+            last = val.dim() - 1
+            want = tuple(_out_split(node, last) if p == Shard(2) else p for p in want)
             out = replicate_size_one_axes(want, mesh)
             if is_valid(tuple(val.shape), out, mesh):
                 forced[node.name] = out
@@ -310,11 +321,16 @@ def _residual_specs(config: ColossalParallel, traced: TracedModel, roles: list[s
     return forced
 
 
-def _feeds_split(node: torch.fx.Node) -> bool:
-    """A fused projection (q|k|v in one linear) that the model splits: Colossal-AI's models
-    reorder its weight per head; autopar leaves its output to the solver."""
-    return any(user.target in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
-                               torch.ops.aten.chunk.default) for user in node.users)
+def _split_blocks(node: torch.fx.Node) -> int:
+    """How many blocks the model splits a linear's output into (3 for a fused q | k | v), or 0."""
+    for user in node.users:
+        if user.target == torch.ops.aten.split.Tensor and isinstance(user.args[1], int):
+            return node.meta["val"].shape[-1] // user.args[1]
+        if user.target == torch.ops.aten.split_with_sizes.default and len(set(user.args[1])) == 1:
+            return len(user.args[1])
+        if user.target == torch.ops.aten.chunk.default:
+            return int(user.args[1])
+    return 0
 
 
 def _batch_ways(spec: Spec, mesh: tuple[int, ...]) -> int:
@@ -335,14 +351,16 @@ def _model_width(traced: TracedModel) -> int | None:
 
 def solve_colossal(config: ColossalParallel, traced: TracedModel, cluster: ClusterSpec, *,
                    memory_budget: float | None = None, solver: str = "auto", precision=None,
-                   num_microbatches: int | None = None, time_limit_s: float = 60.0) -> Plan:
+                   num_microbatches: int | None = None, time_limit_s: float = 60.0, comm=None) -> Plan:
     """The Colossal-AI plan of ``config`` for ``traced``: on its mesh, or with ``config.pipeline``
     stages (``traced`` then at one microbatch of ``num_microbatches``, the stage planner
-    choosing where to cut), every stage with the layout of the module docstring."""
+    choosing where to cut), every stage with the layout of the module docstring. ``comm``
+    (``CommOptions``) prices an unpipelined plan's parameter schedule (the stage planner prices
+    the default one)."""
     forced = colossal_specs(config, traced)
     if config.pipeline == 1:
         plan = solve(traced, config.mesh_shape(), cluster, memory_budget=memory_budget, solver=solver,
-                     forced=forced, precision=precision, time_limit_s=time_limit_s)
+                     forced=forced, precision=precision, time_limit_s=time_limit_s, comm=comm)
     else:
         from autopar.solver.stages import plan_stages  # the stage planner loads only for pipelines (start-up speed)
 

@@ -29,21 +29,21 @@ CONFIGS = {
 }
 
 
-def _gpt(num_layers: int) -> torch.nn.Module:
-    return build_model("gpt", seed=0, n_layer=num_layers, n_embd=32, n_head=4, vocab_size=64, block_size=8).double()
+def _gpt(parallel: dict) -> torch.nn.Module:
+    """Two layers to pipeline; a fused qkv projection (split by head, ``S(d)/3``) for 2D and 3D."""
+    layers = 2 if parallel.get("pipeline", 1) > 1 else 1
+    fused = parallel["tensor"]["mode"] in ("2d", "3d")
+    return build_model("gpt", seed=0, n_layer=layers, n_embd=32, n_head=4, vocab_size=64, block_size=8,
+                       fused_qkv=fused).double()
 
 
 def _batch() -> tuple:
     return example_batch("gpt", BATCH, seed=1, vocab_size=64, block_size=8)
 
 
-def _layers(parallel: dict) -> int:
-    return 2 if parallel.get("pipeline", 1) > 1 else 1
-
-
 def _plans(world: int) -> dict[str, str]:
     return {
-        label: autopar.hand_plan("colossal", _gpt(_layers(parallel)), world, example_inputs=_batch(),
+        label: autopar.hand_plan("colossal", _gpt(parallel), world, example_inputs=_batch(),
                                  cluster="cpu", parallel=parallel).to_json()
         for label, parallel in CONFIGS[world].items()
     }
@@ -53,7 +53,7 @@ def _run(rank: int, world: int, plans: dict[str, str]) -> dict:
     results = {}
     for label, text in plans.items():
         plan = autopar.Plan.from_json(text)
-        model = _gpt(_layers(CONFIGS[world][label]))
+        model = _gpt(CONFIGS[world][label])
         eager = copy.deepcopy(model)
         batch = _batch()
         pm = autopar.compile(model, plan.mesh_shape, example_inputs=batch, plan=plan)

@@ -8,6 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.cli.main import main
+from autopar.ir.spec import SS
 from autopar.solver.colossal import ColossalParallel, colossal_specs
 from autopar.solver.hand_plans import param_specs
 from autopar.trace import trace
@@ -58,8 +59,9 @@ def test_mesh_puts_pipeline_outermost_and_tensor_innermost(parallel, world, mesh
     assert config.world_size == (world or config.pipeline * config.size)
 
 
-def _traced():
-    model = build_model("gpt", seed=0, n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=8)
+def _traced(fused_qkv: bool = False):
+    model = build_model("gpt", seed=0, n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=8,
+                        fused_qkv=fused_qkv)
     return trace(model, example_batch("gpt", 8, seed=1, vocab_size=64, block_size=8))
 
 
@@ -77,6 +79,16 @@ def test_2d_and_2p5d_place_linears_as_summa():
     assert specs["transformer.h.0.ln_1.weight"] == (R, Shard(0))
     specs = _by_fqn(traced, colossal_specs(_config(tensor=dict(mode="2.5d", depth=2, size=8)), traced))
     assert specs["transformer.h.0.attn.q_proj.weight"] == (R, Shard(1), Shard(0))  # copied over depth
+
+
+def test_a_fused_qkv_is_split_by_head():
+    traced = _traced(fused_qkv=True)
+    forced = colossal_specs(_config(tensor=dict(mode="2d", size=4)), traced)
+    specs = _by_fqn(traced, forced)
+    assert specs["transformer.h.0.attn.c_attn.weight"] == (Shard(1), SS(0, 3))
+    assert specs["transformer.h.0.attn.c_attn.bias"] == (R, SS(0, 3))
+    qkv = next(n for n in traced.gm.graph.nodes if n.target == torch.ops.aten.linear.default)
+    assert forced[qkv.name] == (Shard(0), SS(2, 3))
 
 
 def test_3d_swaps_input_and_output_groups_between_linears():
