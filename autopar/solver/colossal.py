@@ -5,8 +5,9 @@ A Colossal-AI config says ``parallel = dict(pipeline=2, tensor=dict(mode="2.5d",
 Colossal-AI's process groups do (pipeline outermost, then data, tensor innermost), and
 ``colossal_specs`` places every linear, norm and embedding parameter, and the residual stream,
 as Colossal-AI's layers (``colossalai/legacy/nn/layer/parallel_{1d,2d,2p5d,3d}``) hold them.
-The solver then chooses how each op computes on that layout, at the lowest cost: for a linear
-that is SUMMA's all-gathers (2D, 2.5D) or the cube's all-gather / reduce-scatter (3D).
+The solver then chooses how each op computes on that layout, at the lowest cost: for a 2D or
+2.5D linear that is SUMMA's (the input gathered along the row, the weight along the column).
+A fused q | k | v projection is split by head (``S(d)/3``), as Colossal-AI's models order it.
 
 Mesh axes of one stage, by mode (``q`` the side of the grid; a ``data`` axis leads when the
 world holds more than ``pipeline × size`` ranks):
@@ -21,11 +22,15 @@ mode   stage mesh                 placements (torch's (out, in) linear weight; a
                                   input, in on out and weight; row linears: the groups swapped
 =====  =========================  =================================================================
 
-Where the layout differs from Colossal-AI's: its 2D/2.5D layers keep biases and norm weights
-h/q² per rank and all-gather them at use; here they are h/q (split on the ``col`` axis, copied on
-the others), which moves the same activations and weights and a few vectors less. Its 3D weights
-nest the weight-group split inside the output-group split; DTensor's order nests axes in mesh
-order, so here the weight group's split is the outer one (same sizes, other slices per rank).
+Where the plan differs from Colossal-AI's (``benchmarks/README.md``, bench_colossal.py, measures
+the bytes): its 2D/2.5D layers keep biases and norm weights h/q² per rank and all-gather them at
+use; here they are h/q (split on the ``col`` axis, copied on the others). Norms gather the hidden
+dim, for autopar has no rule for a norm over a split dim (Colossal-AI's all-reduce their
+statistics); in 2D and 2.5D the next linear needs it gathered anyway, so the bytes equal SUMMA's.
+Its 3D weights nest the weight-group split inside the output-group split; DTensor's plain shards
+nest in mesh order, so here the weight group's split is the outer one (same sizes, other slices
+per rank), and with the norms gathered the solver computes 3D linears with the contraction
+unsplit rather than with the cube's reduce-scatter.
 """
 
 from __future__ import annotations
