@@ -123,8 +123,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"one GPT block (two blocks less one): h={args.width}, heads={args.heads}, s={args.seq}, b={args.batch}, fp32 "
           f"(MiB each device sends per step)")
-    print(f"| mode | mesh | autopar (Colossal layout) | paper | autopar / paper | solver's own plan | "
-          f"step (2 blocks): Colossal / solver |")
+    print("| mode | mesh | autopar (Colossal layout) | paper | autopar / paper | solver's own plan | "
+          "step (2 blocks): Colossal / solver |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for row in block_table(args.width, args.heads, args.seq, args.batch):
         print(f"| {row['mode']} | {tuple(row['mesh'])} | {row['autopar'] / 2**20:.2f} | {row['paper'] / 2**20:.2f} | "

@@ -52,16 +52,19 @@ def versus(hand: "Plan", solved: "Plan") -> dict[str, Any]:
     return out
 
 
-def versus_text(hand: "Plan", solved: "Plan", hand_name: str = "the hand plan") -> str:
-    """A few lines: which plan is faster, by how much, and the parts of the step that make it so."""
+def versus_text(hand: "Plan", solved: "Plan", hand_name: str = "the hand plan",
+                solved_name: str = "the solver's plan") -> str:
+    """A few lines: whether ``solved`` is faster than ``hand``, by how much, and the parts of the
+    step that make it so."""
     figures = versus(hand, solved)
     t_hand, t_solved = figures["step_time_s"]
-    lines = [f"{hand_name}: predicted step {t_hand * 1e3:.3f} ms; the solver's plan on mesh "
+    lines = [f"{hand_name}: predicted step {t_hand * 1e3:.3f} ms; {solved_name} on mesh "
              f"{tuple(solved.mesh_shape)}: {t_solved * 1e3:.3f} ms"]
     if not t_solved or t_hand <= t_solved * (1 + 1e-6):
-        lines.append(f"the solver finds nothing faster: {hand_name} is as good under autopar's cost model")
+        lines.append(f"{solved_name} is not faster: {hand_name} is as good under autopar's cost model")
         return "\n".join(lines)
-    lines.append(f"the solver's plan is {t_hand / t_solved:.2f}x faster ({(t_hand - t_solved) * 1e3:.3f} ms less per step). Why:")
+    lines.append(f"{solved_name} is {t_hand / t_solved:.2f}x faster ({(t_hand - t_solved) * 1e3:.3f} ms less per "
+                 "step). Why:")
     for key, meaning in _PARTS:
         a, b = figures.get(key, (None, None))
         if a is not None and b is not None and abs(a - b) > 1e-12:

@@ -133,6 +133,11 @@ def test_cli_plans_a_colossal_config_and_compares_it_with_the_solver(tmp_path, c
     plan = autopar.Plan.load(out)
     assert plan.mesh_shape == (2, 2)
     assert plan.params["transformer.h.0.mlp.c_fc.weight"] == (Shard(1), Shard(0))
+    solver_path = tmp_path / "solver.json"
+    assert main(["plan", "gpt", "--num-layers", "1", "--mesh", "2x2", "--cluster", "cpu", "--out", str(solver_path)]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(out), str(solver_path)]) == 0
+    assert "b on mesh (2, 2)" in capsys.readouterr().out  # by how much and why the faster plan is faster
     (tmp_path / "bad.py").write_text("tensor = 4\n")
     assert main(["plan", "gpt", "--colossal-config", str(tmp_path / "bad.py")]) == 1
     assert "defines no parallel = dict(...)" in capsys.readouterr().err
