@@ -322,9 +322,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
             with _ProgressLog(progress):
                 plan, comparison = plan_colossal(args, model, inputs, cluster, progress)
-        elif not args.mesh:
-            progress(f"planning on every mesh of {args.devices} devices for cluster {getattr(cluster, 'name', '?')} ...")
-        if args.colossal_config is None:
+        else:
+            if not args.mesh:
+                progress(f"planning on every mesh of {args.devices} devices for cluster "
+                         f"{getattr(cluster, 'name', '?')} ...")
             with _ProgressLog(progress):
                 plan = api.plan_model(model, args.mesh or "auto", inputs, None, cluster, options,
                                       on_progress=progress)
