@@ -27,9 +27,9 @@ the bytes): its 2D/2.5D layers keep biases and norm weights h/q² per rank and a
 use; here they are h/q (split on the ``col`` axis, copied on the others). Norms gather the hidden
 dim, for autopar has no rule for a norm over a split dim (Colossal-AI's all-reduce their
 statistics); in 2D and 2.5D the next linear needs it gathered anyway, so the bytes equal SUMMA's.
-Its 3D weights nest the weight-group split inside the output-group split; DTensor's plain shards
-nest in mesh order, so here the weight group's split is the outer one (same sizes, other slices
-per rank), and with the norms gathered the solver computes 3D linears with the contraction
+Its 3D weights nest the weight-group split inside the output-group split (a strided shard, which
+autopar's ``S(d)/k`` cannot combine with another shard of the dim); plain shards nest in mesh
+order, so here the weight group's split is the outer one (same sizes, other slices per rank), and with the norms gathered the solver computes 3D linears with the contraction
 unsplit rather than with the cube's reduce-scatter.
 """
 
