@@ -285,7 +285,7 @@ def hand_plan(
 
     ``kind="colossal"`` reads Colossal-AI's ``parallel`` dict instead of a layout name, for example
     ``parallel=dict(pipeline=2, tensor=dict(mode="2.5d", depth=1, size=4))``, and builds its mesh,
-    stages and 1D / 2D / 2.5D / 3D tensor layout (``autopar.solver.colossal``); ``mesh`` is then
+    stages and 1D / 2D / 2.5D / 3D tensor layout (``autopar.solver.planners.colossal``); ``mesh`` is then
     only the world size (an int or a mesh whose product it is; None: pipeline × tensor size), the
     rest being data parallel. With a pipeline, the example inputs are the global batch, cut into
     ``num_microbatches`` (default: the number of stages).
@@ -312,23 +312,23 @@ def hand_plan(
 
 def _colossal_plan(model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget, precision,
                    num_microbatches, comm) -> Plan:
-    from autopar.solver.colossal import ColossalParallel, solve_colossal  # only for Colossal-AI configs
+    from autopar.solver.planners.colossal import ColossalParallel, solve_colossal  # for Colossal-AI configs only
 
     if parallel is None:
         raise ValueError("hand_plan('colossal', ...) needs parallel=dict(...), Colossal-AI's parallel config, "
                          "such as dict(pipeline=2, tensor=dict(mode='2d', size=4))")
     world = None if mesh is None else math.prod(_mesh_shape(mesh))
     config = ColossalParallel.from_dict(parallel, world)
-    policy = precision_policy(precision)
-    cluster_spec = get_cluster(cluster)
-    microbatches = None
-    if config.pipeline > 1:
-        microbatches = num_microbatches or config.pipeline
-        example_inputs, example_kwargs = first_microbatch(example_inputs, example_kwargs, microbatches)
+    pipelined = config.pipeline > 1
+    options = PlanOptions.from_keywords(
+        memory_budget=memory_budget, checkpointing=False, precision=precision_policy(precision),
+        comm=comm or CommOptions(), pipeline=config.pipeline if pipelined else "off", num_microbatches=num_microbatches)
+    if pipelined:
+        example_inputs, example_kwargs = first_microbatch(example_inputs, example_kwargs,
+                                                          options.pipeline.microbatches)
     log.info("%s", config.describe())
-    traced = _trace(model, example_inputs, example_kwargs, policy)
-    return solve_colossal(config, traced, cluster_spec, memory_budget=resolve_budget(memory_budget, cluster_spec),
-                          precision=policy, num_microbatches=microbatches, comm=comm)
+    traced = _trace(model, example_inputs, example_kwargs, options.precision)
+    return solve_colossal(config, traced, get_cluster(cluster), options)
 
 
 def compile(

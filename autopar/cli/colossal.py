@@ -37,7 +37,7 @@ def plan_colossal(args: argparse.Namespace, model, inputs, cluster, progress) ->
     """(the Colossal-AI plan, the comparison blocks to print under its summary)."""
     from autopar import api
     from autopar.report.versus import versus, versus_text
-    from autopar.solver.colossal import ColossalParallel
+    from autopar.solver.planners.colossal import ColossalParallel
 
     parallel = read_parallel(args.colossal_config)
     world = math.prod(args.mesh) if args.mesh else args.devices

@@ -9,8 +9,8 @@ from torch.distributed.tensor import Replicate, Shard
 import autopar
 from autopar.cli.main import main
 from autopar.ir.spec import SS
-from autopar.solver.colossal import ColossalParallel, colossal_specs
-from autopar.solver.hand_plans import param_specs
+from autopar.solver.planners.colossal import ColossalParallel, colossal_specs
+from autopar.solver.planners.hand_plans import param_specs
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 

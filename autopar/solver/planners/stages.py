@@ -418,7 +418,7 @@ def search_stages(
     leaner intra-stage plans are found (``stage_costs.CandidateSolver``): "lagrangian" (an LP
     each), "budget" (a MILP each, slower, sometimes better) or "both". ``optimizer_dtype``
     prices the optimizer state (a precision policy's; fp32 by default). ``forced`` (node name → spec
-    on the stage mesh) fixes what a hand plan fixes (``solver.colossal``).
+    on the stage mesh) fixes what a hand plan fixes (``solver.planners.colossal``).
     """
     start = time.perf_counter()
     layers = layers or cluster_layers(traced)

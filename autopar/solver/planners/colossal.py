@@ -43,11 +43,12 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.cost.cluster import ClusterSpec
+from autopar.cost.cluster import ClusterSpec, resolve_budget
+from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
 from autopar.ir.spec import SS, Spec, format_spec, is_valid, replicate_size_one_axes
-from autopar.solver.hand_plans import COLUMN, EMBEDDING, ROW, _SEQUENCE_PARALLEL_OPS, _tensor_parallel
-from autopar.solver import solve
+from autopar.solver.planners.hand_plans import COLUMN, EMBEDDING, ROW, _SEQUENCE_PARALLEL_OPS, _tensor_parallel
+from autopar.solver.planners.sharding import solve
 from autopar.trace import TracedModel
 
 MODES = ("1d", "2d", "2.5d", "3d")
@@ -354,24 +355,25 @@ def _model_width(traced: TracedModel) -> int | None:
     return None
 
 
-def solve_colossal(config: ColossalParallel, traced: TracedModel, cluster: ClusterSpec, *,
-                   memory_budget: float | None = None, solver: str = "auto", precision=None,
-                   num_microbatches: int | None = None, time_limit_s: float = 60.0, comm=None) -> Plan:
+def solve_colossal(config: ColossalParallel, traced: TracedModel, cluster: ClusterSpec,
+                   options: PlanOptions | None = None) -> Plan:
     """The Colossal-AI plan of ``config`` for ``traced``: on its mesh, or with ``config.pipeline``
-    stages (``traced`` then at one microbatch of ``num_microbatches``, the stage planner
-    choosing where to cut), every stage with the layout of the module docstring. ``comm``
-    (``CommOptions``) prices an unpipelined plan's parameter schedule (the stage planner prices
-    the default one)."""
+    stages (``traced`` then at one microbatch of ``options.pipeline.microbatches``, the stage
+    planner choosing where to cut), every stage with the layout of the module docstring.
+    ``options`` as ``solve`` reads them (the stage planner reads the budget, the time limit, the
+    backend and the precision)."""
+    options = options if options is not None else PlanOptions()
     forced = colossal_specs(config, traced)
     if config.pipeline == 1:
-        plan = solve(traced, config.mesh_shape(), cluster, memory_budget=memory_budget, solver=solver,
-                     forced=forced, precision=precision, time_limit_s=time_limit_s, comm=comm)
+        plan = solve(traced, config.mesh_shape(), cluster, options, forced=forced)
     else:
-        from autopar.solver.stages import plan_stages  # the stage planner loads only for pipelines (start-up speed)
+        from autopar.solver.planners.stages import plan_stages  # loads only for pipelines (start-up speed)
 
         plan = plan_stages(traced, config.mesh_shape(), cluster, num_stages=config.pipeline,
-                           num_microbatches=num_microbatches or config.pipeline, memory_budget=memory_budget,
-                           time_limit_s=time_limit_s, solver=solver, precision=precision, forced=forced)
+                           num_microbatches=options.pipeline.microbatches,
+                           memory_budget=resolve_budget(options.memory.budget, cluster),
+                           time_limit_s=options.solve.time_limit_s, solver=options.solve.solver,
+                           precision=options.precision, forced=forced)
     return dataclasses.replace(plan, stats={**plan.stats, "hand_plan": "colossal", "colossal": config.to_json()})
 
 
