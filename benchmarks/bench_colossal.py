@@ -29,7 +29,6 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar import CommOptions
 from autopar.zoo.models import GPTBlock, build_model, example_batch
 
 BYTES = 4  # fp32
@@ -73,13 +72,10 @@ def paper_bytes(mode: str, tokens: int, width: int, q: int, depth: int = 1) -> f
     return total * BYTES
 
 
-# (label, parallel, q, depth, comm): the default schedule regathers each layer's weights in
-# backward (FSDP2's reshard_after_forward); Colossal-AI's Linear3D keeps them from forward.
-KEEP = CommOptions(reshard_after_forward=False)
+# (label, parallel, q, depth, comm): None is CommOptions() (FSDP2's reshard_after_forward).
 CASES = (("2d", dict(tensor=dict(mode="2d", size=4)), 2, 1, None),
          ("2.5d", dict(tensor=dict(mode="2.5d", size=8, depth=2)), 2, 2, None),
-         ("3d", dict(tensor=dict(mode="3d", size=8)), 2, 1, None),
-         ("3d, weights kept", dict(tensor=dict(mode="3d", size=8)), 2, 1, KEEP))
+         ("3d", dict(tensor=dict(mode="3d", size=8)), 2, 1, None))
 
 
 def block_table(width: int, heads: int, seq: int, batch: int) -> list[dict]:
