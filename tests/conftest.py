@@ -25,7 +25,7 @@ SLOWEST_FILES = (
     "tests/zoo/test_hf.py",  # 120
     "tests/solver/test_solving.py",  # 120
     "tests/runtime/test_module.py",  # 95
-    "tests/runtime/test_colossal_distributed.py",  # 216-257 under a load of 20 (2026-11-26)
+    "tests/runtime/test_colossal_distributed.py",  # 142 (216-282 under a load of 20)
     "tests/solver/test_memory.py",  # 55
     "tests/solver/test_hand_plans.py",  # 55
     "tests/cli/test_main.py",  # 40

@@ -9,7 +9,6 @@ why (``autopar.report.versus``). ``autopar diff`` of the two saved plans lists e
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import runpy
 import time
@@ -36,7 +35,7 @@ def read_parallel(path: str) -> dict[str, Any]:
 def plan_colossal(args: argparse.Namespace, model, inputs, cluster, progress) -> tuple[Any, list]:
     """(the Colossal-AI plan, the comparison blocks to print under its summary)."""
     from autopar import api
-    from autopar.report.versus import versus, versus_text
+    from autopar.report.versus import versus_text
     from autopar.solver.planners.colossal import ColossalParallel
 
     parallel = read_parallel(args.colossal_config)
@@ -52,5 +51,4 @@ def plan_colossal(args: argparse.Namespace, model, inputs, cluster, progress) ->
     solved = api.plan(model, config.mesh_shape(), example_inputs=inputs, cluster=cluster,
                       memory_budget=args.memory_budget, precision=args.precision, time_limit_s=args.time_limit,
                       pipeline=pipeline, num_microbatches=args.num_microbatches if pipeline != "off" else None)
-    hand = dataclasses.replace(hand, stats={**hand.stats, "vs_solver": versus(hand, solved)})
     return hand, ["vs the solver's plan:\n" + versus_text(hand, solved, "Colossal-AI's layout")]

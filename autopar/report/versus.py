@@ -3,8 +3,8 @@
 ``versus(hand, solved)`` compares the predictions the two plans carry (step time, its compute
 and resharding parts, bytes per device and per mesh axis, peak memory) and counts the
 parameters placed differently; ``versus_text`` says it in a few lines. ``autopar plan
---colossal-config`` prints it under the Colossal-AI plan, and ``autopar diff`` lists every
-placement that differs.
+--colossal-config`` prints it under the Colossal-AI plan, and ``autopar diff`` under the list of
+every placement that differs (the slower plan first).
 """
 
 from __future__ import annotations
