@@ -375,7 +375,7 @@ def compile(
     default): parameters are stored in the master dtype (fp32 under "bf16-mixed"; bf16 under
     "bf16-true") and cast to ``param_dtype`` at use, floating inputs are cast to
     ``param_dtype``, outputs come back in the dtype the model computes them in, and gradients are
-    reduced in the stored dtype (README, "Mixed precision"). Pipelines and offloading plans run
+    reduced in the stored dtype (README, "Mixed precision"), in pipelines too. Offloading plans run
     "32-true" only so far, and refuse a policy that changes dtypes.
     ``comm`` (``autopar.CommOptions``) sets how parameter communication is scheduled: the
     gradient bucket cap (DDP's 25 MiB by default) and how far sharded parameters are gathered
@@ -425,7 +425,7 @@ def compile(
     )
     if plan is not None and (plan.pipeline is not None or options.pipeline.enabled):
         options = _pipeline_of(plan, options)
-    _check_precision_runs(policy, pipelined=options.pipeline.enabled)
+    _check_precision_runs(policy)
     if compiler is not None and (options.pipeline.enabled or offload != "off"):
         raise ValueError(f"compiler={compiler!r} does not run pipelines or offloading yet (their schedules live in "
                          "autograd hooks): compile without compiler=, or without pipeline=/offload=")
@@ -434,7 +434,7 @@ def compile(
             raise ValueError("init= is not supported with pipelining yet: compile the model with its own tensors (init=None)")
         inputs, kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.microbatches)
         with quiet_gc():
-            traced = trace(model, inputs, kwargs)
+            traced = trace(model, inputs, kwargs, policy)
         chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
         check_rank_agreement(chosen)
         return compile_pipeline(model, traced, chosen)
@@ -490,7 +490,7 @@ def _dtypes_of(policy: MixedPrecision) -> dict[str, Any]:
     return {key: value for key, value in policy.to_json().items() if key != "name"}
 
 
-def _check_precision_runs(policy: MixedPrecision, pipelined: bool = False, offloads: bool = False) -> None:
+def _check_precision_runs(policy: MixedPrecision, offloads: bool = False) -> None:
     """What the runtime carries out of a precision policy (README, "Mixed precision"): parameters
     stored in ``stored_dtype`` (the master dtype, or ``param_dtype`` without one), cast to
     ``param_dtype`` at use, floating inputs cast to ``param_dtype``, and parameter gradients
@@ -513,11 +513,6 @@ def _check_precision_runs(policy: MixedPrecision, pipelined: bool = False, offlo
             "sums of gradients can overflow or underflow where bfloat16 (float32's exponent range) cannot, and "
             "the runtime does not split the division by the world size around the reduction as FSDP2 does for "
             "float16; pass reduce_dtype='bfloat16' or reduce_dtype='float32'"
-        )
-    if pipelined:
-        raise PlanError(
-            f"precision={policy.name!r} with a pipeline: the pipeline runtime runs the model in its own dtypes "
-            "only so far; compile with pipeline='off' (and a mesh), or precision='32-true'"
         )
     if offloads:
         raise PlanError(

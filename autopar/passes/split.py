@@ -10,11 +10,22 @@ the values of earlier stages it reads, under their original node names. Nodes a 
 from __future__ import annotations
 
 import torch.fx
+import torch.utils._pytree
 from torch.fx.passes.split_module import split_module
 
 from autopar.ir.pipeline import StagePlan
 from autopar.ir.pipeline import stage_of_nodes
 from autopar.ir.plan import Plan
+
+
+def return_only(gm: torch.fx.GraphModule, plan: Plan, position: int) -> torch.fx.GraphModule:
+    """Return only flat output ``position`` (the loss), and drop what only the other outputs read
+    (a Hugging Face model's logits gathered whole): a pipelined call returns the loss."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = torch.utils._pytree.tree_leaves(output.args[0])
+    output.args = ((leaves[position],),)
+    gm.graph.eliminate_dead_code()
+    return gm
 
 
 def split_into_stages(gm: torch.fx.GraphModule, plan: Plan, stages: StagePlan) -> torch.fx.GraphModule:

@@ -43,7 +43,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from autopar.errors import PlanError
 from autopar.passes import default_passes, run_passes
-from autopar.passes.split import split_into_stages, stage_io, stage_submodule, stage_wiring
+from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
 from autopar.ir.pipeline import stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
@@ -142,7 +142,9 @@ def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan) ->
         )
     stage_index, groups, coordinate, line = pipeline_groups(tuple(plan.mesh_shape), stages.num_stages)
     stage_view = _stage_view(plan)
-    passes = [*default_passes(groups), functools.partial(split_into_stages, stages=stages)]
+    position, _ = loss_output(traced)
+    passes = [*default_passes(groups), functools.partial(return_only, position=position),
+              functools.partial(split_into_stages, stages=stages)]
     split = run_passes(copy.deepcopy(traced.gm), stage_view, passes)
     log.info("autopar: rank %d runs pipeline stage %d of %d on stage mesh %s at %s", dist.get_rank(), stage_index,
              stages.num_stages, tuple(stages.stage_mesh), coordinate)
@@ -173,7 +175,7 @@ class PipelineParallelModule(ShardedModule):
         self._num_stages = stages.num_stages
         self._num_microbatches = stages.num_microbatches
         self._line = line
-        loss_node = _loss_node(traced)
+        self._loss_position, loss_node = loss_output(traced)
         self._param_canonicals = {traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
         tensors = self._hold_tensors(model_tensors(model), split)
         users = [gi.name for gi in traced.inputs if gi.kind == "user"]
@@ -204,6 +206,9 @@ class PipelineParallelModule(ShardedModule):
                 holders.add(0)  # read by no stage: the first stage keeps it, for full_state_dict
         tensors: dict[str, torch.Tensor] = {}
         made: dict[str, torch.Tensor] = {}
+        # Stored in the placeholder's dtype: the model's own, or a precision policy's master dtype.
+        dtypes = {n.name: n.meta["val"].dtype for n in traced.gm.graph.nodes
+                  if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
         for gi in traced.inputs:
             if gi.kind == "constant":
                 tensors[gi.name] = self._constants[gi.name]
@@ -214,11 +219,11 @@ class PipelineParallelModule(ShardedModule):
             if self._stage_index not in self._holders[canonical]:
                 continue
             if canonical not in made:
-                local = self._cut(gi.fqn, full[gi.fqn])
+                local = self._cut(gi.fqn, full[gi.fqn]).to(dtypes.get(gi.name, full[gi.fqn].dtype), copy=True)
                 if gi.kind == "param":
-                    made[canonical] = torch.nn.Parameter(local.clone(), requires_grad=full[gi.fqn].requires_grad)
+                    made[canonical] = torch.nn.Parameter(local, requires_grad=full[gi.fqn].requires_grad)
                 else:
-                    made[canonical] = local.clone()
+                    made[canonical] = local
             attach(self.module, gi.fqn, made[canonical], gi.kind)
             tensors[gi.name] = made[canonical]
         return tensors
@@ -287,8 +292,7 @@ class PipelineParallelModule(ShardedModule):
                 self._schedule.step(target=target, losses=losses, return_outputs=False, **user)
             finally:
                 self._schedule._has_backward = True
-            loss = self._broadcast_loss(losses)
-            return pytree.tree_unflatten([loss], self._traced.out_spec)
+            return self._outputs(self._broadcast_loss(losses))
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -300,8 +304,14 @@ class PipelineParallelModule(ShardedModule):
             for p, grad in zip(params, saved):
                 p.grad = grad
         loss = self._broadcast_loss(losses)
-        out = _HeldGradients.apply(loss, len(params), *held, *params)
-        return pytree.tree_unflatten([out], self._traced.out_spec)
+        return self._outputs(_HeldGradients.apply(loss, len(params), *held, *params))
+
+    def _outputs(self, loss: torch.Tensor) -> Any:
+        """The model's outputs with the loss in its place and None for the others (logits):
+        they exist per microbatch on the last stage only, and a pipelined call returns the loss."""
+        leaves: list[Any] = [None] * self._traced.out_spec.num_leaves
+        leaves[self._loss_position] = loss
+        return pytree.tree_unflatten(leaves, self._traced.out_spec)
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if self._stage_index == self._num_stages - 1:
@@ -381,17 +391,21 @@ def _returned_name(split: torch.fx.GraphModule) -> str:
     return stage_io(split, index)[1][position]
 
 
-def _loss_node(traced: TracedModel) -> torch.fx.Node:
+def loss_output(traced: TracedModel) -> tuple[int, torch.fx.Node]:
+    """(position among the flat outputs, node) of the loss: the one scalar floating output. A
+    Hugging Face causal LM returns the loss and the logits: the loss is the scalar one."""
     output = next(n for n in traced.gm.graph.nodes if n.op == "output")
     results = pytree.tree_leaves(output.args[0])
-    if len(results) != 1 or not isinstance(results[0], torch.fx.Node) or not _is_scalar(results[0]):
+    scalars = [i for i, r in enumerate(results) if isinstance(r, torch.fx.Node) and _is_scalar(r)]
+    if len(scalars) != 1:
         raise ValueError(
-            "a pipelined model must return its loss, one scalar tensor (the last stage's output): "
-            f"this model returns {len(results)} values; compute the loss inside forward (GPT(..)(idx, targets))"
+            "a pipelined model must return its loss, one scalar floating tensor (the last stage's output), among "
+            f"its outputs: this model returns {len(results)} values, of which {len(scalars)} are scalars; compute the "
+            "loss inside forward (GPT(..)(idx, targets), or labels= for a Hugging Face model)"
         )
-    return results[0]
+    return scalars[0], results[scalars[0]]
 
 
 def _is_scalar(node: torch.fx.Node) -> bool:
     val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.dim() == 0
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point()
