@@ -242,7 +242,8 @@ def _plan_stages(traced: TracedModel, mesh_shape: tuple[int, ...] | None, device
                        num_microbatches=options.pipeline.microbatches,
                        memory_budget=resolve_budget(options.memory.budget, cluster),
                        time_limit_s=options.solve.time_limit_s, devices=devices,
-                       max_axes=min(options.max_axes, 2), solver=options.solve.solver, precision=options.precision)
+                       max_axes=min(options.max_axes, 2), solver=options.solve.solver, precision=options.precision,
+                       remat=options.memory.checkpointing is not False)
 
 
 def offload_target(offload: str, cluster: ClusterSpec) -> tuple[str | None, str | None]:

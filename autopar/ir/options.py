@@ -195,11 +195,11 @@ class PlanOptions:
         object.__setattr__(self, "precision", precision_policy(self.precision))
         if not isinstance(self.comm, CommOptions):
             raise TypeError(f"comm must be an autopar.CommOptions, got {self.comm!r}")
-        if self.pipeline.enabled and self.memory.decides_memory:
+        if self.pipeline.enabled and self.memory.offload != "off":
             raise ValueError(
-                f"offload={self.memory.offload!r}, checkpointing={self.memory.checkpointing!r} with a pipeline: "
-                "checkpointing and offload inside pipeline stages are not built yet; pass pipeline='off' to plan "
-                "them, or offload='off'"
+                f"offload={self.memory.offload!r} with a pipeline: offload inside pipeline stages is not built yet "
+                "(activation checkpointing is: the stage planner recomputes a stage's layers where its budget "
+                "binds); pass offload='off', or pipeline='off' to plan offload"
             )
         if self.pipeline.enabled and self.symbolic_batch:
             raise ValueError("symbolic_batch is not available for pipelined plans yet: pass pipeline='off'")

@@ -144,8 +144,20 @@ def stage_of_nodes(stage_plan: StagePlan, gm: torch.fx.GraphModule) -> dict[str,
     for nodes a pass inserted (collectives), the stage of the node that consumes them."""
     planned = stage_plan.stage_of()
     stage: dict[str, int] = {}
+    # A segment outlined into a submodule (a checkpointed layer) runs in the stage of the nodes it
+    # holds, and so do the getitems that take its outputs apart.
+    for node in gm.graph.nodes:
+        body = getattr(gm.get_submodule(node.target), "body", None) if node.op == "call_module" else None
+        inside = {planned[n.name] for n in body.graph.nodes if n.name in planned} if body is not None else set()
+        if len(inside) > 1:
+            raise ValueError(f"{node.format_node()} outlines nodes of pipeline stages {sorted(inside)}: a segment "
+                             "must lie in one stage")
+        if inside:
+            stage[node.name] = inside.pop()
+            for user in node.users:
+                stage[user.name] = stage[node.name]
     for node in reversed(list(gm.graph.nodes)):
-        if node.op in ("placeholder", "output"):
+        if node.op in ("placeholder", "output") or node.name in stage:
             continue
         if node.name in planned:
             stage[node.name] = planned[node.name]

@@ -147,6 +147,8 @@ def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str, wr
         for k, node in enumerate(outputs):
             item = gm.graph.call_function(operator.getitem, (call, k))
             item.meta = dict(node.meta)
+            # The name it stands for, which plans (and a pipeline's stage wiring) know it by.
+            item.meta["autopar"] = {**node.meta.get("autopar", {}), "outlined_from": node.name}
             for user in list(node.users):
                 if user not in inside:
                     user.replace_input_with(node, item)

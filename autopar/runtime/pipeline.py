@@ -243,6 +243,12 @@ class PipelineParallelModule(ShardedModule):
             loss_name, self._user_keys, tensors, constants=set(self._constants),
         )
         nodes = {n.name: n for n in traced.gm.graph.nodes}
+        # A value an outlined (checkpointed) segment hands on is a getitem standing for a traced node.
+        for i in range(self._num_stages):
+            for n in stage_submodule(split, i).graph.nodes:
+                origin = n.meta.get("autopar", {}).get("outlined_from")
+                if origin is not None:
+                    nodes[n.name] = nodes[origin]
         # Static shapes: torch's pipelining would otherwise infer them by running a microbatch
         # through every stage first, on uninitialized tensors.
         example_in = tuple(self._example(nodes[name], plan) for name in received)

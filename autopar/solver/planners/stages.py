@@ -66,6 +66,7 @@ from autopar.solver.planners.mesh_search import mesh_candidates
 from autopar.ir.pipeline import Stage, StagePlan, bubble_fraction
 from autopar.ir.pipeline import check_num_stages, schedule_for, stage_mesh_of, stage_ranks
 from autopar.ir.options import MixedPrecision, to_dtype
+from autopar.ir.memory import CheckpointSegment, MemoryPlan
 from autopar.ir.plan import Plan
 from autopar.solver.problem.choices import ChoiceGraph
 from autopar.solver.problem.fits import fits
@@ -510,8 +511,8 @@ def plan_stages(
     decisions for ``pipeline.stage_mesh``; ``mesh_shape`` is the whole mesh.
 
     ``remat=True`` lets a stage recompute its activations in backward when that is what fits
-    (``predicted["recompute"]`` says which stages do); off by default, since the pipeline
-    runtime does not checkpoint activations yet. A plan of one stage runs its M microbatches
+    (``predicted["recompute"]`` says which stages do, and ``plan.memory.checkpoint`` holds their
+    segments, one per layer, which the runtime checkpoints). A plan of one stage runs its M microbatches
     one after another (gradient accumulation).
 
     ``precision`` is the policy ``traced`` was traced under: the optimizer state is priced in
@@ -525,7 +526,40 @@ def plan_stages(
         optimizer_dtype=to_dtype(precision.optimizer_dtype) if precision is not None else None)
     mesh_costs = costs[search.stage_mesh]
     return dataclasses.replace(_assemble(traced, layers, search, mesh_costs, cluster, memory_budget),
-                               precision=precision)
+                               precision=precision, memory=_checkpointing(layers, search, mesh_costs))
+
+
+def _checkpointing(layers: Layers, search: StageSearch, mesh_costs: _MeshCosts) -> MemoryPlan | None:
+    """The checkpoint segments of the stages that recompute: one per unit (pre, each block,
+    post), as the ``remat`` memory model prices them (each unit's input kept per microbatch in
+    flight, one unit's activations rebuilt at a time). None when no stage recomputes."""
+    L = layers.num_blocks
+    segments, peaks, before, added = [], [], [], 0.0
+    for chosen in search.stages:
+        peaks.append(chosen.memory_bytes)
+        if not chosen.remat:
+            before.append(chosen.memory_bytes)
+            continue
+        a, b = chosen.layers
+        plain = mesh_costs.matrices[mesh_costs.options.index((chosen.candidate, False))]
+        before.append(float(plain["static"][a, b] + chosen.in_flight * plain["per_microbatch"][a, b]
+                            + plain["peak"][a, b]))
+        units = mesh_costs.candidates[chosen.candidate].units
+        recompute = 0.0
+        for u in range(-1 if a == 0 else a, L + 1 if b == L else b):
+            at = int(mesh_costs.rep[u + 1])  # the traced unit that prices it (itself, unless planned deeper)
+            names = layers.names[at]
+            if not names:
+                continue
+            name = "pre" if u < 0 else "post" if u == L else f"{layers.list_path or 'layer'}.{u}"
+            segments.append(CheckpointSegment(name, names[0], names[-1], float(max(units.saved[at] - units.stash[at], 0.0)),
+                                              float(units.fwd[at])))
+            recompute += float(units.fwd[at])
+        added = max(added, search.num_microbatches * recompute)
+    if not segments:
+        return None
+    return MemoryPlan(target="cpu", prefetch=False, checkpoint=tuple(segments), peak_before_bytes=max(before),
+                      peak_bytes=max(peaks), added_s=added)
 
 
 def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_costs: _MeshCosts,
