@@ -469,6 +469,8 @@ LLAMA_SHAPES: dict[str, dict[str, Any]] = {
                        rope_theta=500000.0),
     "llama-3-70b": dict(vocab_size=128256, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, hidden=28672,
                         rope_theta=500000.0),
+    "llama-3.1-405b": dict(vocab_size=128256, n_layer=126, n_head=128, n_kv_head=8, n_embd=16384, hidden=53248,
+                           rope_theta=500000.0),
 }
 
 
