@@ -18,7 +18,10 @@ import torch.fx
 
 from autopar.errors import MeshError
 
-SCHEDULES = ("1F1B", "GPipe")
+# torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe (one stage per rank),
+# ScheduleInterleaved1F1B and ScheduleZBVZeroBubble (``virtual_stages`` model stages per rank).
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBV")
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "ZBV")
 
 
 @dataclass(frozen=True)
@@ -61,18 +64,31 @@ class StagePlan:
     num_microbatches: int
     schedule: str  # one of SCHEDULES
     stage_mesh: tuple[int, ...]  # the mesh every stage's intra-stage plan is made for
-    stages: tuple[Stage, ...]
-    step_time_s: float  # 1F1B / GPipe: sum of stage times + (m - 1) * the slowest (+ gradient sync, once)
+    stages: tuple[Stage, ...]  # the model stages, in model order (virtual_stages per rank group)
+    step_time_s: float  # the schedule's step (``solver.pricing.schedules``), gradient sync included once
     bubble_fraction: float  # share of the step the devices of a stage sit idle, on average
+    virtual_stages: int = 1  # model stages per rank group: 1, or more under MULTI_STAGE_SCHEDULES
+    reason: str = ""  # why the planner chose this schedule, microbatches and stage count
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be at least 1, got {self.num_microbatches}")
+        if self.virtual_stages < 1 or len(self.stages) % self.virtual_stages:
+            raise ValueError(f"{len(self.stages)} stages cannot be {self.virtual_stages} virtual stages per rank group")
+        if (self.virtual_stages > 1) != (self.schedule in MULTI_STAGE_SCHEDULES):
+            raise ValueError(f"schedule {self.schedule!r} with virtual_stages={self.virtual_stages}: "
+                             f"{MULTI_STAGE_SCHEDULES} run several stages per rank group, the others one")
 
     @property
     def num_stages(self) -> int:
+        """Rank groups (mesh axis 0 is cut into this many)."""
+        return len(self.stages) // self.virtual_stages
+
+    @property
+    def num_model_stages(self) -> int:
+        """Stages the model is cut into: ``num_stages * virtual_stages``."""
         return len(self.stages)
 
     def stage_of(self) -> dict[str, int]:
@@ -87,6 +103,8 @@ class StagePlan:
             "step_time_s": self.step_time_s,
             "bubble_fraction": self.bubble_fraction,
             "stages": [stage.to_json() for stage in self.stages],
+            "virtual_stages": self.virtual_stages,
+            "reason": self.reason,
         }
 
     @classmethod
@@ -98,6 +116,8 @@ class StagePlan:
             stages=tuple(Stage.from_json(s) for s in data["stages"]),
             step_time_s=float(data["step_time_s"]),
             bubble_fraction=float(data["bubble_fraction"]),
+            virtual_stages=int(data.get("virtual_stages", 1)),
+            reason=str(data.get("reason", "")),
         )
 
 
@@ -164,7 +184,7 @@ def stage_of_nodes(stage_plan: StagePlan, gm: torch.fx.GraphModule) -> dict[str,
             continue
         users = [stage[u.name] for u in node.users if u.name in stage]
         if any(u.op == "output" for u in node.users):
-            users.append(stage_plan.num_stages - 1)
+            users.append(stage_plan.num_model_stages - 1)
         if not users:
             raise ValueError(f"node {node.format_node()} is in no pipeline stage and has no consumer in one")
         stage[node.name] = min(users)

@@ -194,9 +194,11 @@ def pipeline_lines(plan: "Plan") -> list[str]:
         return []
     lines = [
         "",
-        f"Pipeline: {stages.num_stages} stages x {stages.num_microbatches} microbatches, schedule {stages.schedule}, "
+        f"Pipeline: {stages.num_stages} stages x {stages.num_microbatches} microbatches, schedule {stages.schedule}"
+        f"{f' ({stages.virtual_stages} virtual stages per rank group)' if stages.virtual_stages > 1 else ''}, "
         f"stage mesh {tuple(stages.stage_mesh)}; step {stages.step_time_s * 1e3:.3f} ms, "
         f"bubble {stages.bubble_fraction:.1%} (specs below are per stage)",
+        *([f"  why: {stages.reason}"] if stages.reason else []),
         f"  {'stage':>5}  {'layers':<9} {'ranks':<16} {'nodes':>6} {'ms/microbatch':>13} {'memory':>11}",
     ]
     for stage in stages.stages:

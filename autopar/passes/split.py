@@ -30,7 +30,7 @@ def return_only(gm: torch.fx.GraphModule, plan: Plan, position: int) -> torch.fx
 
 def split_into_stages(gm: torch.fx.GraphModule, plan: Plan, stages: StagePlan) -> torch.fx.GraphModule:
     stage = stage_of_nodes(stages, gm)
-    missing = [i for i in range(stages.num_stages) if i not in set(stage.values())]
+    missing = [i for i in range(stages.num_model_stages) if i not in set(stage.values())]
     if missing:
         raise ValueError(f"pipeline stages {missing} hold no node of the graph")
     split = split_module(

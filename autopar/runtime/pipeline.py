@@ -133,6 +133,12 @@ def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan) ->
     """Rewrite and split ``traced`` (one microbatch) by ``plan`` and return this rank's module."""
     stages = plan.pipeline
     assert stages is not None
+    if stages.virtual_stages > 1:
+        raise PlanError(
+            f"the plan runs schedule {stages.schedule} with {stages.virtual_stages} virtual stages per rank group, "
+            "which the planner prices but the pipeline runtime does not run yet (one stage per rank group): "
+            "re-plan with schedules=('1F1B',) (the default)"
+        )
     expected = (stage_mesh_of(plan.mesh_shape, stages.num_stages), stage_ranks(plan.mesh_shape, stages.num_stages))
     if (tuple(stages.stage_mesh), [tuple(s.ranks) for s in stages.stages]) != expected:
         raise PlanError(

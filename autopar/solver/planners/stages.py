@@ -62,9 +62,10 @@ import numpy as np
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError, MeshError
+from autopar.solver.pricing import schedules
 from autopar.solver.planners.mesh_search import mesh_candidates
-from autopar.ir.pipeline import Stage, StagePlan, bubble_fraction
-from autopar.ir.pipeline import check_num_stages, schedule_for, stage_mesh_of, stage_ranks
+from autopar.ir.pipeline import Stage, StagePlan
+from autopar.ir.pipeline import MULTI_STAGE_SCHEDULES, check_num_stages, schedule_for, stage_mesh_of, stage_ranks
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.ir.memory import CheckpointSegment, MemoryPlan
 from autopar.ir.plan import Plan
@@ -109,10 +110,17 @@ class StageSearch:
     rows: list[dict[str, Any]] = field(default_factory=list)
     ilp_solves: int = 0
     search_time_s: float = 0.0
+    schedule: str = "1F1B"
+    virtual_stages: int = 1
+    reason: str = ""
 
     @property
     def bubble_fraction(self) -> float:
-        return bubble_fraction([s.time_s for s in self.stages], self.num_microbatches)
+        sync = [0.0] * self.num_stages
+        for j, stage in enumerate(self.stages):
+            sync[schedules.group_of(self.schedule, self.num_stages, j)] += stage.sync_s
+        return schedules.bubble(self.num_stages, self.num_microbatches, [s.time_s for s in self.stages],
+                                self.step_time_s - max(sync))
 
 
 class _MeshCosts:
@@ -249,7 +257,7 @@ def _option_matrices(units: UnitCosts, rep: np.ndarray, num_layers: int, remat: 
     crossing = np.broadcast_to(crossing, (L, L + 1, 2))
     inf = np.where(valid, 0.0, np.inf)
     return {
-        "time": time_s + inf, "sync": ranged(units.sync), "static": static,
+        "time": time_s + inf, "sync": ranged(units.sync), "static": static, "fwd": ranged(units.fwd),
         "per_microbatch": per_microbatch, "peak": peak, "crossing": crossing,
     }
 
@@ -370,6 +378,46 @@ def _price(mesh_costs: _MeshCosts, S: int, M: int, budget: float | None, cluster
     return value, (math.inf if bound is None else bound), stages
 
 
+def _balanced_bounds(num_layers: int, num_chunks: int) -> list[int]:
+    """Boundaries of ``num_chunks`` contiguous ranges of as equal layer counts as can be."""
+    return [round(i * num_layers / num_chunks) for i in range(num_chunks + 1)]
+
+
+def _price_chunks(mesh_costs: _MeshCosts, S: int, v: int, M: int, schedule: str, budget: float | None,
+                  cluster: ClusterSpec) -> tuple[float | None, list[StageChoice]]:
+    """A multi-stage schedule (``solver.pricing.schedules``) on S groups of v chunks each: equal layer
+    counts per chunk, and one intra-stage option (candidate, recomputation) for every chunk, the
+    fastest whose every group fits ``budget``. (step seconds or None, the chunks)."""
+    stage_mesh = mesh_costs.stage_mesh
+    send = _sender(stage_mesh, (S * stage_mesh[0], *stage_mesh[1:]), cluster)
+    bounds = _balanced_bounds(mesh_costs.num_layers, S * v)
+    ranges = [(bounds[j], bounds[j + 1]) for j in range(S * v)]
+    groups = [schedules.group_of(schedule, S, j) for j in range(S * v)]
+    best: tuple[float, list[StageChoice]] | None = None
+    for o, mat in enumerate(mesh_costs.matrices):
+        c, remat = mesh_costs.options[o]
+        if remat and schedule == "ZBV":
+            continue
+        seconds = mat["time"] + send(mat)
+        times = [float(seconds[a, b]) for a, b in ranges]
+        memory = []
+        for r in range(S):
+            mine = [(a, b) for (a, b), g in zip(ranges, groups) if g == r]
+            k = schedules.in_flight(schedule, S, v, M, r)
+            memory.append(sum(float(mat["static"][a, b]) for a, b in mine)
+                          + k * sum(float(mat["per_microbatch"][a, b]) for a, b in mine) / len(mine)
+                          + max(float(mat["peak"][a, b]) for a, b in mine))
+        if not all(math.isfinite(t) for t in times) or (
+                budget is not None and max(memory) > budget * (1 + 1e-9)):
+            continue
+        syncs = [float(mat["sync"][a, b]) for a, b in ranges]
+        value = schedules.step_time(schedule, S, M, times, [float(mat["fwd"][a, b]) for a, b in ranges], syncs)
+        if best is None or value < best[0]:
+            best = (value, [StageChoice((a, b), c, remat, t, sy, memory[g], schedules.in_flight(schedule, S, v, M, g))
+                            for (a, b), t, sy, g in zip(ranges, times, syncs, groups)])
+    return (None, []) if best is None else best
+
+
 def check_pipeline_args(num_stages, num_microbatches, mesh_shape: Sequence[int] | None, devices: int | None,
                         num_layers: int) -> list[int]:
     """The stage counts to try; a ValueError naming the cause and the fix otherwise."""
@@ -408,6 +456,7 @@ def search_stages(
     candidates: str = "lagrangian",
     optimizer_dtype=None,
     forced: dict | None = None,
+    schedules_allowed: Sequence[str] = ("1F1B",),
 ) -> tuple[StageSearch, dict]:
     """Run the DP of the module docstring; returns the best pipeline and the per-mesh costs.
 
@@ -419,8 +468,13 @@ def search_stages(
     leaner intra-stage plans are found (``stage_costs.CandidateSolver``): "lagrangian" (an LP
     each), "budget" (a MILP each, slower, sometimes better) or "both". ``optimizer_dtype``
     prices the optimizer state (a precision policy's; fp32 by default). ``forced`` (node name → spec
-    on the stage mesh) fixes what a hand plan fixes (``solver.planners.colossal``).
+    on the stage mesh) fixes what a hand plan fixes (``solver.planners.colossal``). ``schedules_allowed``
+    adds the multi-stage schedules ("Interleaved1F1B", "ZBV"; ``solver.pricing.schedules``) to 1F1B
+    (GPipe where M < S), priced on equal layers per chunk with the candidates solved for 1F1B.
     """
+    unknown = set(schedules_allowed) - set(schedules.ALL_SCHEDULES)
+    if unknown:
+        raise ValueError(f"schedules must be among {schedules.ALL_SCHEDULES}, got {sorted(unknown)}")
     start = time.perf_counter()
     layers = layers or cluster_layers(traced)
     num_layers = num_layers or layers.num_blocks
@@ -461,18 +515,26 @@ def search_stages(
                 if other[1] == combo[1]:
                     results[other] = _price(costs[other[1]], other[0], M, memory_budget, cluster, forced_layers)
             best_value = min((r[0] for r in results.values() if r[0] is not None), default=math.inf)
+    priced = {(S, mesh, schedule_for(S, M), 1): (value, found) for (S, mesh), (value, _, found) in results.items()}
+    for S, stage_mesh in combos:  # the multi-stage schedules, on the candidates the search solved
+        for schedule in (s for s in schedules_allowed if s in MULTI_STAGE_SCHEDULES):
+            for v in schedules.virtual_counts(schedule, S, M, num_layers) if forced_layers is None else ():
+                priced[(S, stage_mesh, schedule, v)] = _price_chunks(costs[stage_mesh], S, v, M, schedule,
+                                                                     memory_budget, cluster)
     rows: list[dict[str, Any]] = []
     best: StageSearch | None = None
-    for (S, stage_mesh), (value, bound, found) in results.items():
+    for (S, stage_mesh, schedule, v), (value, found) in priced.items():
         full = (S * stage_mesh[0], *stage_mesh[1:])
         row = {"stages": S, "stage_mesh": list(stage_mesh), "mesh": list(full), "status": "ok",
-               "step_time_s": value, "layers": None}
+               "schedule": schedule, "virtual_stages": v, "step_time_s": value, "layers": None, "peak_bytes": None}
         if value is None:
             row["status"] = "infeasible" if costs[stage_mesh].candidates else "no intra-stage plan"
         else:
             row["layers"] = [s.layers[1] - s.layers[0] for s in found]
+            row["peak_bytes"] = max(s.memory_bytes for s in found)
             if best is None or value < best.step_time_s:
-                best = StageSearch(S, stage_mesh, full, found, value, num_microbatches=M)
+                best = StageSearch(S, stage_mesh, full, found, value, num_microbatches=M, schedule=schedule,
+                                   virtual_stages=v)
         rows.append(row)
     rows.sort(key=lambda r: (r["status"] != "ok", r["step_time_s"] or 0.0, r["stages"]))
     if best is None:
@@ -481,9 +543,40 @@ def search_stages(
             f"no pipeline of {num_layers} layers fits memory_budget={memory_budget} with {M} microbatches "
             f"({detail}): raise the budget, use more devices or microbatches, or more stages")
     best.rows = rows
+    best.reason = _reason(best, rows, memory_budget)
     best.ilp_solves = sum(c.ilp_solves for c in costs.values())
     best.search_time_s = time.perf_counter() - start
     return best, costs
+
+
+def _reason(best: StageSearch, rows: list[dict[str, Any]], memory_budget: float | None) -> str:
+    """Why this pipeline: its step against the best of every other schedule and stage count."""
+    gib = 2**30
+    peak = max(s.memory_bytes for s in best.stages)
+    budget = "no budget" if memory_budget is None else f"budget {memory_budget / gib:.1f} GiB"
+    text = (f"{best.schedule} on {best.num_stages} stages of {'x'.join(map(str, best.stage_mesh))}"
+            f"{f', {best.virtual_stages} virtual stages each' if best.virtual_stages > 1 else ''}, "
+            f"{best.num_microbatches} microbatches: {best.step_time_s:.4g} s per step, bubble "
+            f"{best.bubble_fraction:.1%}, peak {peak / gib:.1f} GiB ({budget})")
+    others = {}
+    for row in rows:
+        if row["status"] != "ok" or (row["stages"], row["schedule"], row["virtual_stages"]) == (
+                best.num_stages, best.schedule, best.virtual_stages):
+            continue
+        key = (row["schedule"], row["stages"] == best.num_stages)
+        if key not in others:
+            others[key] = row
+    beaten = []
+    for r in others.values():
+        virtual = f" x{r['virtual_stages']}" if r["virtual_stages"] > 1 else ""
+        beaten.append(f"{r['schedule']}{virtual} on {r['stages']} stages {r['step_time_s']:.4g} s")
+    infeasible = sorted({r["schedule"] for r in rows if r["status"] != "ok"} - {r["schedule"] for r in others.values()}
+                        - {best.schedule})
+    if beaten:
+        text += "; beats " + ", ".join(beaten)
+    if infeasible:
+        text += "; " + ", ".join(infeasible) + " did not fit"
+    return text
 
 
 def plan_stages(
@@ -502,6 +595,7 @@ def plan_stages(
     candidates: str = "lagrangian",
     precision: MixedPrecision | None = None,
     forced: dict | None = None,
+    schedules_allowed: Sequence[str] = ("1F1B",),
 ) -> Plan:
     """A pipelined Plan for ``traced`` (traced at one microbatch: global batch / M).
 
@@ -523,6 +617,7 @@ def plan_stages(
         traced, mesh_shape, cluster, num_stages=num_stages, num_microbatches=num_microbatches,
         memory_budget=memory_budget, time_limit_s=time_limit_s, devices=devices, max_axes=max_axes,
         remat=remat, solver=solver, layers=layers, candidates=candidates, forced=forced,
+        schedules_allowed=schedules_allowed,
         optimizer_dtype=to_dtype(precision.optimizer_dtype) if precision is not None else None)
     mesh_costs = costs[search.stage_mesh]
     return dataclasses.replace(_assemble(traced, layers, search, mesh_costs, cluster, memory_budget),
@@ -566,7 +661,7 @@ def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_cos
               cluster: ClusterSpec, memory_budget) -> Plan:
     graph = mesh_costs.graph
     L = layers.num_blocks
-    ranks = stage_ranks(search.mesh_shape, len(search.stages))
+    ranks = stage_ranks(search.mesh_shape, search.num_stages)
     stage_of_unit: dict[int, int] = {}
     stages: list[Stage] = []
     for index, chosen in enumerate(search.stages):
@@ -574,7 +669,8 @@ def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_cos
         first, last = (-1 if a == 0 else a), (L + 1 if b == L else b)
         for u in range(first, last):
             stage_of_unit[u] = index
-        stages.append(Stage(index, (a, b), tuple(layers.nodes_of(first, last)), ranks[index], chosen.time_s,
+        group = schedules.group_of(search.schedule, search.num_stages, index)
+        stages.append(Stage(index, (a, b), tuple(layers.nodes_of(first, last)), ranks[group], chosen.time_s,
                             chosen.memory_bytes))
     consumer_unit: dict[str, int] = {}
     for edge in graph.edges:
@@ -607,10 +703,9 @@ def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_cos
     base = plan_from_solution(traced, graph, solution, cluster, memory_budget)
     times = [s.time_s for s in search.stages]
     pipeline = StagePlan(
-        num_microbatches=search.num_microbatches, schedule=schedule_for(search.num_stages, search.num_microbatches),
-        stage_mesh=tuple(search.stage_mesh),
-        stages=tuple(stages), step_time_s=search.step_time_s,
-        bubble_fraction=bubble_fraction(times, search.num_microbatches))
+        num_microbatches=search.num_microbatches, schedule=search.schedule, stage_mesh=tuple(search.stage_mesh),
+        stages=tuple(stages), step_time_s=search.step_time_s, bubble_fraction=search.bubble_fraction,
+        virtual_stages=search.virtual_stages, reason=search.reason)
     # The whole-graph figures of ``plan_from_solution`` describe one microbatch run as a single
     # stage on the stage mesh: kept apart, so that they are not read as the pipeline's step.
     whole = ("compute_s", "reshard_s", "comm_bytes", "comm_bytes_per_axis")

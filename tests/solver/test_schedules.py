@@ -1,0 +1,104 @@
+"""Pipeline schedules as the planner prices them (``autopar.solver.pricing.schedules``), checked against
+torch.distributed.pipelining's own action lists, in one process."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+import autopar
+from autopar.cost.cluster import get_cluster
+from autopar.errors import PlanError
+from autopar.ir.pipeline import first_microbatch
+from autopar.runtime.pipeline import compile_pipeline
+from autopar.solver.pricing import schedules
+from autopar.solver.stages import plan_stages
+from autopar.trace import trace
+from autopar.zoo.models import build_model, example_batch
+
+TORCH_NAMES = {"1F1B": "1F1B", "Interleaved1F1B": "Interleaved1F1B", "ZBV": "ZBVZeroBubble"}
+
+
+def _torch_peaks(schedule: str, groups: int, microbatches: int, virtual: int) -> tuple[list[int], bool]:
+    """Per rank: the most chunk-microbatches whose forward ran and whose backward (the weight
+    gradient, under zero bubble) has not, in torch's action list; and whether every action runs
+    on the rank ``schedules.group_of`` puts its stage on."""
+    ops = get_schedule_ops(TORCH_NAMES[schedule], groups, microbatches, virtual if virtual > 1 else None)
+    peaks, placed = [], True
+    for rank, actions in enumerate(ops):
+        live = peak = 0
+        for action in filter(None, actions):
+            kind = action.computation_type.name
+            placed &= schedules.group_of(schedule, groups, action.stage_index) == rank
+            live += {"FORWARD": 1, "FULL_BACKWARD": -1, "BACKWARD_WEIGHT": -1}.get(kind, 0)
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks, placed
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4),
+                                               ("ZBV", 2)])
+@pytest.mark.parametrize("groups, microbatches", [(4, 8), (4, 16), (2, 8), (4, 4)])
+def test_in_flight_and_placement_match_torchs_action_lists(schedule, virtual, groups, microbatches):
+    peaks, placed = _torch_peaks(schedule, groups, microbatches, virtual)
+    assert placed, f"{schedule}: a stage runs on another rank than group_of says"
+    priced = [schedules.in_flight(schedule, groups, virtual, microbatches, r) for r in range(groups)]
+    if schedule == "ZBV" and microbatches < 2 * groups:
+        # Fewer microbatches than ZB-V's warm-up: the price is an upper bound.
+        assert all(p >= t for p, t in zip(priced, peaks)), (priced, peaks)
+    else:
+        assert priced == peaks, f"{schedule} x{virtual}, S={groups}, M={microbatches}: priced {priced}, torch {peaks}"
+
+
+def test_step_formulas():
+    times, forwards, syncs = [3.0] * 8, [1.0] * 8, [0.0] * 8
+    # 8 chunks on 4 groups, 8 microbatches: 1F1B on 4 stages of twice the work is (M + S - 1) * 6;
+    # interleaving halves the bubble; zero bubble removes it when f = b = w.
+    assert schedules.step_time("1F1B", 4, 8, [6.0] * 4, [2.0] * 4, [0.0] * 4) == pytest.approx((8 + 3) * 6)
+    assert schedules.step_time("Interleaved1F1B", 4, 8, times, forwards, syncs) == pytest.approx(8 * 6 + 3 * 3)
+    assert schedules.step_time("ZBV", 4, 8, times, forwards, syncs) == pytest.approx(8 * 6)
+    assert schedules.virtual_counts("Interleaved1F1B", 4, 9, 16) == [], "torch needs M a multiple of its rounds"
+    assert schedules.virtual_counts("ZBV", 4, 8, 6) == [], "ZB-V needs two layers per group"
+
+
+@pytest.fixture(scope="module")
+def deep_plan() -> autopar.Plan:
+    """A 16-layer GPT on 4 stages with every schedule allowed and a slow network: per-microbatch
+    work is large against the bubble, so interleaving pays for its extra sends."""
+    model = build_model("gpt", n_layer=16, n_embd=256, n_head=4, block_size=64, vocab_size=512, bias=False)
+    inputs, _ = first_microbatch(example_batch("gpt", 32), None, 8)
+    traced = trace(model, inputs)
+    return plan_stages(traced, (4,), get_cluster("h100-80g"), num_stages=4, num_microbatches=8,
+                       schedules_allowed=schedules.ALL_SCHEDULES), traced, model
+
+
+def test_the_planner_chooses_a_multi_stage_schedule_and_says_why(deep_plan):
+    plan, _, _ = deep_plan
+    pipeline = plan.pipeline
+    rows = plan.stats["stage_search"]
+    priced = {(r["schedule"], r["virtual_stages"]): r["step_time_s"] for r in rows if r["status"] == "ok"}
+    assert {"1F1B", "Interleaved1F1B", "ZBV"} <= {schedule for schedule, _ in priced}
+    assert pipeline.step_time_s == pytest.approx(min(priced.values()))
+    assert pipeline.schedule in ("Interleaved1F1B", "ZBV") and pipeline.virtual_stages >= 2
+    assert pipeline.step_time_s < priced[("1F1B", 1)], "the chosen schedule beats 1F1B"
+    assert pipeline.num_stages == 4 and pipeline.num_model_stages == 4 * pipeline.virtual_stages
+    for j, stage in enumerate(pipeline.stages):
+        assert stage.ranks == (schedules.group_of(pipeline.schedule, 4, j),)
+    assert pipeline.reason.startswith(pipeline.schedule) and "beats 1F1B" in pipeline.reason
+    text = plan.summary()
+    assert f"{pipeline.virtual_stages} virtual stages per rank group" in text and "why:" in text
+    assert autopar.Plan.from_json(plan.to_json()) == plan
+
+
+def test_the_runtime_refuses_virtual_stages_it_does_not_run(deep_plan):
+    plan, traced, model = deep_plan
+    with pytest.raises(PlanError, match=r"virtual stages per rank group, which the planner prices but the pipeline "
+                                         r"runtime does not run yet"):
+        compile_pipeline(model, traced, plan)
+
+
+def test_one_stage_schedules_stay_the_default():
+    model = build_model("gpt", n_layer=4)
+    plan = autopar.plan(model, (2,), example_inputs=example_batch("gpt", 8), cluster="h100-80g", pipeline=2,
+                        num_microbatches=4)
+    assert plan.pipeline.schedule == "1F1B" and plan.pipeline.virtual_stages == 1
