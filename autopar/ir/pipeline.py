@@ -154,6 +154,14 @@ def stage_ranks(mesh_shape: Sequence[int], num_stages: int) -> list[tuple[int, .
     return [tuple(int(r) for r in row) for row in grid]
 
 
+def group_of(schedule: str, num_groups: int, stage: int) -> int:
+    """The rank group that runs model stage ``stage`` under ``schedule``, as torch's schedules
+    place them: ZBV in a V (stages g and 2S − 1 − g on group g), the others round robin."""
+    if schedule == "ZBV":
+        return stage if stage < num_groups else 2 * num_groups - 1 - stage
+    return stage % num_groups
+
+
 def schedule_for(num_stages: int, num_microbatches: int) -> str:
     """1F1B holds fewer microbatches in flight, but needs at least as many microbatches as stages."""
     return "1F1B" if num_microbatches >= num_stages else "GPipe"

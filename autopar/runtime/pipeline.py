@@ -39,12 +39,14 @@ import torch
 import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble,
+)
 
 from autopar.errors import PlanError
 from autopar.passes import default_passes, run_passes
 from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
-from autopar.ir.pipeline import stage_mesh_of, stage_ranks
+from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
 from autopar.runtime.base import ShardedModule, attach, has, lookup, model_tensors
@@ -133,13 +135,9 @@ def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan) ->
     """Rewrite and split ``traced`` (one microbatch) by ``plan`` and return this rank's module."""
     stages = plan.pipeline
     assert stages is not None
-    if stages.virtual_stages > 1:
-        raise PlanError(
-            f"the plan runs schedule {stages.schedule} with {stages.virtual_stages} virtual stages per rank group, "
-            "which the planner prices but the pipeline runtime does not run yet (one stage per rank group): "
-            "re-plan with schedules=('1F1B',) (the default)"
-        )
-    expected = (stage_mesh_of(plan.mesh_shape, stages.num_stages), stage_ranks(plan.mesh_shape, stages.num_stages))
+    groups_ranks = stage_ranks(plan.mesh_shape, stages.num_stages)
+    expected = (stage_mesh_of(plan.mesh_shape, stages.num_stages),
+                [groups_ranks[group_of(stages.schedule, stages.num_stages, j)] for j in range(stages.num_model_stages)])
     if (tuple(stages.stage_mesh), [tuple(s.ranks) for s in stages.stages]) != expected:
         raise PlanError(
             f"the plan's pipeline puts its {stages.num_stages} stages on stage mesh {tuple(stages.stage_mesh)} and ranks "
@@ -177,8 +175,11 @@ class PipelineParallelModule(ShardedModule):
         # Offloading is not combined with pipelines yet: no offloader.
         super().__init__(model, traced, split, plan, groups, coordinate, tuple(stages.stage_mesh),
                          num_microbatches=stages.num_microbatches)
-        self._stage_index = stage_index
+        self._stage_index = stage_index  # this rank's group: mesh axis 0 cut into num_stages
         self._num_stages = stages.num_stages
+        self._num_model_stages = stages.num_model_stages
+        self._group_of = [group_of(stages.schedule, stages.num_stages, j) for j in range(stages.num_model_stages)]
+        self._chunks = [j for j, group in enumerate(self._group_of) if group == stage_index]
         self._num_microbatches = stages.num_microbatches
         self._line = line
         self._loss_position, loss_node = loss_output(traced)
@@ -199,9 +200,9 @@ class PipelineParallelModule(ShardedModule):
         stages (tied embeddings) is held by each (``self._holders``: canonical FQN → stages)."""
         traced = self._traced
         readers: dict[str, set[int]] = {}
-        for index in range(self._num_stages):
+        for index in range(self._num_model_stages):
             for name in stage_io(split, index)[0]:
-                readers.setdefault(name, set()).add(index)
+                readers.setdefault(name, set()).add(self._group_of[index])
         self._holders: dict[str, set[int]] = {}
         for gi in traced.inputs:
             if gi.kind in ("param", "buffer"):
@@ -235,41 +236,49 @@ class PipelineParallelModule(ShardedModule):
         return tensors
 
     def _make_schedule(self, split: torch.fx.GraphModule, loss_node: torch.fx.Node, tensors: dict[str, torch.Tensor]):
-        """This rank's stage module, its ``PipelineStage`` (static shapes) and the schedule."""
-        traced, plan, index = self._traced, self._plan, self._stage_index
+        """This rank's stage modules (one per model stage its group runs), their ``PipelineStage``s
+        (static shapes) and the schedule."""
+        traced, plan = self._traced, self._plan
         # The name the loss has in the rewritten graph: a collective may follow the traced loss
         # node (an all-reduce of a batch-split loss, on a stage mesh of several devices).
         loss_name = _returned_name(split)
-        sent = stage_wiring(split, {gi.name for gi in traced.inputs}, loss_name, self._num_stages)
-        received = sent[index - 1] if index else []
-        is_last = index == self._num_stages - 1
-        inputs, outputs = stage_io(split, index)
-        self._stage = _StageModule(
-            stage_submodule(split, index), inputs, outputs, received, None if is_last else sent[index],
-            loss_name, self._user_keys, tensors, constants=set(self._constants),
-        )
+        count = self._num_model_stages
+        sent = stage_wiring(split, {gi.name for gi in traced.inputs}, loss_name, count)
         nodes = {n.name: n for n in traced.gm.graph.nodes}
         # A value an outlined (checkpointed) segment hands on is a getitem standing for a traced node.
-        for i in range(self._num_stages):
+        for i in range(count):
             for n in stage_submodule(split, i).graph.nodes:
                 origin = n.meta.get("autopar", {}).get("outlined_from")
                 if origin is not None:
                     nodes[n.name] = nodes[origin]
-        # Static shapes: torch's pipelining would otherwise infer them by running a microbatch
-        # through every stage first, on uninitialized tensors.
-        example_in = tuple(self._example(nodes[name], plan) for name in received)
-        if is_last:
-            example_out = (torch.empty((), dtype=self._loss_dtype, device=self._device).requires_grad_(True),)
-        else:
-            example_out = tuple(self._example(nodes[name], plan) for name in sent[index])
-        self._pipeline_stage = PipelineStage(
-            self._stage, index, self._num_stages, self._device, input_args=example_in, output_args=example_out,
-            group=self._line,
-        )
-        schedule = Schedule1F1B if plan.pipeline.schedule == "1F1B" else ScheduleGPipe
-        # scale_grads divides the summed microbatch gradients by their number: the model's loss
-        # is a mean over its microbatch, and the whole batch's is the mean of those means.
-        return schedule(self._pipeline_stage, self._num_microbatches, loss_fn=_microbatch_loss, scale_grads=True)
+        self._stages = torch.nn.ModuleList()
+        pipeline_stages = []
+        for index in self._chunks:
+            received = sent[index - 1] if index else []
+            is_last = index == count - 1
+            inputs, outputs = stage_io(split, index)
+            module = _StageModule(
+                stage_submodule(split, index), inputs, outputs, received, None if is_last else sent[index],
+                loss_name, self._user_keys, tensors, constants=set(self._constants),
+            )
+            self._stages.append(module)
+            # Static shapes: torch's pipelining would otherwise infer them by running a microbatch
+            # through every stage first, on uninitialized tensors.
+            example_in = tuple(self._example(nodes[name], plan) for name in received)
+            if is_last:
+                example_out = (torch.empty((), dtype=self._loss_dtype, device=self._device).requires_grad_(True),)
+            else:
+                example_out = tuple(self._example(nodes[name], plan) for name in sent[index])
+            pipeline_stages.append(PipelineStage(module, index, count, self._device, input_args=example_in,
+                                                 output_args=example_out, group=self._line))
+        self._pipeline_stage = pipeline_stages[0]
+        # The gradients are the sum over microbatches; ``forward`` divides them by their number
+        # once (the model's loss is a mean over its microbatch, the whole batch's the mean of
+        # those means). torch's scale_grads would divide per stage, twice for a parameter that two
+        # stages of one rank share (a tied embedding and head, both on group 0 under ZBV).
+        schedule = _SCHEDULES[plan.pipeline.schedule]
+        stages_arg = pipeline_stages if plan.pipeline.virtual_stages > 1 else pipeline_stages[0]
+        return schedule(stages_arg, self._num_microbatches, loss_fn=_microbatch_loss, scale_grads=False)
 
     def _example(self, node: torch.fx.Node, plan: Plan) -> torch.Tensor:
         val = node.meta.get("val")
@@ -283,7 +292,7 @@ class PipelineParallelModule(ShardedModule):
     @property
     def graph(self) -> torch.fx.Graph:
         """The graph this rank runs: its stage's submodule."""
-        return stage_submodule(self.graph_module, self._stage_index).graph
+        return stage_submodule(self.graph_module, self._chunks[0]).graph
 
     @property
     def stage_index(self) -> int:
@@ -291,11 +300,16 @@ class PipelineParallelModule(ShardedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         user = dict(zip(self._user_keys, self._user_inputs(args, kwargs)))
-        params = [p for p in self._stage.parameters() if p.requires_grad]
+        params = [p for p in self._stages.parameters() if p.requires_grad]
         train = torch.is_grad_enabled() and bool(params)
-        is_last = self._stage_index == self._num_stages - 1
-        target = torch.zeros(self._num_microbatches) if is_last else None
+        target = torch.zeros(self._num_microbatches) if self._holds_loss else None
         losses: list[torch.Tensor] = []
+        if not train and self._plan.pipeline.schedule == "ZBV" and params:
+            # torch's ZBV has no forward-only mode (its action list splits every backward): run the
+            # whole step and drop its gradients.
+            with torch.enable_grad():
+                loss = self.forward(*args, **kwargs)
+            return pytree.tree_map(lambda value: value.detach() if isinstance(value, torch.Tensor) else value, loss)
         if not train:
             # schedule.eval() with return_outputs=False: merging the per-microbatch losses by
             # concatenation, which eval() would do, fails on scalars (and is not needed).
@@ -310,6 +324,9 @@ class PipelineParallelModule(ShardedModule):
             p.grad = None
         try:
             self._schedule.step(target=target, losses=losses, return_outputs=False, **user)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(self._num_microbatches)
             self._sum_shared_grads()
             held = [p.grad for p in params]
         finally:
@@ -317,6 +334,11 @@ class PipelineParallelModule(ShardedModule):
                 p.grad = grad
         loss = self._broadcast_loss(losses)
         return self._outputs(_HeldGradients.apply(loss, len(params), *held, *params))
+
+    @property
+    def _holds_loss(self) -> bool:
+        """Whether this rank's group runs the last model stage (the last group, or under ZBV the first)."""
+        return self._group_of[-1] == self._stage_index
 
     def _outputs(self, loss: torch.Tensor) -> Any:
         """The model's outputs with the loss in its place and None for the others (logits):
@@ -326,11 +348,11 @@ class PipelineParallelModule(ShardedModule):
         return pytree.tree_unflatten(leaves, self._traced.out_spec)
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        if self._stage_index == self._num_stages - 1:
+        if self._holds_loss:
             loss = torch.stack([l.detach() for l in losses]).mean().to(self._device)
         else:
             loss = torch.empty((), dtype=self._loss_dtype, device=self._device)
-        dist.broadcast(loss, group=self._line, group_src=self._num_stages - 1)
+        dist.broadcast(loss, group=self._line, group_src=self._group_of[-1])
         return loss
 
     def _sum_shared_grads(self) -> None:
@@ -401,6 +423,10 @@ def _returned_name(split: torch.fx.GraphModule) -> str:
     submodule, position = value.args
     index = int(str(submodule.target).removeprefix("submod_"))
     return stage_io(split, index)[1][position]
+
+
+_SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B,
+              "ZBV": ScheduleZBVZeroBubble}
 
 
 def loss_output(traced: TracedModel) -> tuple[int, torch.fx.Node]:

@@ -81,7 +81,7 @@ from autopar.solver.planners.sharding import plan_from_solution
 
 log = logging.getLogger("autopar")
 
-__all__ = ["plan_stages", "search_stages", "StageSearch", "StageChoice", "check_pipeline_args"]
+__all__ = ["plan_stages", "search_stages", "price_chunks", "StageSearch", "StageChoice", "check_pipeline_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,11 +383,13 @@ def _balanced_bounds(num_layers: int, num_chunks: int) -> list[int]:
     return [round(i * num_layers / num_chunks) for i in range(num_chunks + 1)]
 
 
-def _price_chunks(mesh_costs: _MeshCosts, S: int, v: int, M: int, schedule: str, budget: float | None,
-                  cluster: ClusterSpec) -> tuple[float | None, list[StageChoice]]:
+def price_chunks(mesh_costs: _MeshCosts, S: int, v: int, M: int, schedule: str, budget: float | None,
+                 cluster: ClusterSpec, recompute: bool | None = None) -> tuple[float | None, list[StageChoice]]:
     """A multi-stage schedule (``solver.pricing.schedules``) on S groups of v chunks each: equal layer
     counts per chunk, and one intra-stage option (candidate, recomputation) for every chunk, the
-    fastest whose every group fits ``budget``. (step seconds or None, the chunks)."""
+    fastest whose every group fits ``budget`` (``recompute`` True or False: only options that do,
+    or do not, recompute; benchmarks price a published layout with it). (step seconds or None,
+    the chunks)."""
     stage_mesh = mesh_costs.stage_mesh
     send = _sender(stage_mesh, (S * stage_mesh[0], *stage_mesh[1:]), cluster)
     bounds = _balanced_bounds(mesh_costs.num_layers, S * v)
@@ -396,7 +398,7 @@ def _price_chunks(mesh_costs: _MeshCosts, S: int, v: int, M: int, schedule: str,
     best: tuple[float, list[StageChoice]] | None = None
     for o, mat in enumerate(mesh_costs.matrices):
         c, remat = mesh_costs.options[o]
-        if remat and schedule == "ZBV":
+        if (remat and schedule == "ZBV") or recompute not in (None, remat):
             continue
         seconds = mat["time"] + send(mat)
         times = [float(seconds[a, b]) for a, b in ranges]
@@ -469,8 +471,9 @@ def search_stages(
     each), "budget" (a MILP each, slower, sometimes better) or "both". ``optimizer_dtype``
     prices the optimizer state (a precision policy's; fp32 by default). ``forced`` (node name → spec
     on the stage mesh) fixes what a hand plan fixes (``solver.planners.colossal``). ``schedules_allowed``
-    adds the multi-stage schedules ("Interleaved1F1B", "ZBV"; ``solver.pricing.schedules``) to 1F1B
-    (GPipe where M < S), priced on equal layers per chunk with the candidates solved for 1F1B.
+    are the schedules priced: "1F1B" (GPipe where M < S; one stage is always priced) and the
+    multi-stage "Interleaved1F1B" and "ZBV" (``solver.pricing.schedules``), priced on equal layers per
+    chunk with the candidates solved for 1F1B.
     """
     unknown = set(schedules_allowed) - set(schedules.ALL_SCHEDULES)
     if unknown:
@@ -515,12 +518,13 @@ def search_stages(
                 if other[1] == combo[1]:
                     results[other] = _price(costs[other[1]], other[0], M, memory_budget, cluster, forced_layers)
             best_value = min((r[0] for r in results.values() if r[0] is not None), default=math.inf)
-    priced = {(S, mesh, schedule_for(S, M), 1): (value, found) for (S, mesh), (value, _, found) in results.items()}
+    priced = {(S, mesh, schedule_for(S, M), 1): (value, found) for (S, mesh), (value, _, found) in results.items()
+              if "1F1B" in schedules_allowed or S == 1}
     for S, stage_mesh in combos:  # the multi-stage schedules, on the candidates the search solved
         for schedule in (s for s in schedules_allowed if s in MULTI_STAGE_SCHEDULES):
             for v in schedules.virtual_counts(schedule, S, M, num_layers) if forced_layers is None else ():
-                priced[(S, stage_mesh, schedule, v)] = _price_chunks(costs[stage_mesh], S, v, M, schedule,
-                                                                     memory_budget, cluster)
+                priced[(S, stage_mesh, schedule, v)] = price_chunks(costs[stage_mesh], S, v, M, schedule,
+                                                                    memory_budget, cluster)
     rows: list[dict[str, Any]] = []
     best: StageSearch | None = None
     for (S, stage_mesh, schedule, v), (value, found) in priced.items():

@@ -29,17 +29,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from autopar.ir.pipeline import MULTI_STAGE_SCHEDULES, schedule_for
+from autopar.ir.pipeline import MULTI_STAGE_SCHEDULES, group_of, schedule_for
 
 ALL_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBV")  # GPipe stands in for 1F1B where M < S
 MAX_VIRTUAL_STAGES = 8
-
-
-def group_of(schedule: str, num_groups: int, chunk: int) -> int:
-    """The rank group that runs model stage ``chunk``."""
-    if schedule == "ZBV":
-        return chunk if chunk < num_groups else 2 * num_groups - 1 - chunk
-    return chunk % num_groups
 
 
 def in_flight(schedule: str, num_groups: int, virtual: int, num_microbatches: int, group: int) -> int:
