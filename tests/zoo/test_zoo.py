@@ -32,15 +32,16 @@ def _zoo():
 
 def _pipelined_mistral() -> dict:
     from autopar.runtime.launch import max_rel_diff
-    from tests.zoo.hf_models import loss_only, mistral
+    from tests.zoo.hf_models import mistral
 
-    model, kwargs = mistral(batch_size=8)
-    model = loss_only(model)
+    model, kwargs = mistral(batch_size=8)  # as it is: it returns the loss and the logits
     eager = copy.deepcopy(model)
     pm = autopar.compile(model, (2, 2), example_kwargs=kwargs, cluster="cpu", pipeline=2, num_microbatches=2)
-    loss = pm(**kwargs)
+    out = pm(**kwargs)
+    assert out.logits is None, "a pipelined call returns the loss; the logits stay on the last stage"
+    loss = out.loss
     loss.backward()
-    want = eager(**kwargs)
+    want = eager(**kwargs).loss
     want.backward()
     grads = {fqn: p.grad for fqn, p in eager.named_parameters(remove_duplicate=False) if p.grad is not None}
     rel = max_rel_diff(pm.full_grads(), grads)
