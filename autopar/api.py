@@ -72,6 +72,7 @@ def plan(
     solver: str = "auto",
     pipeline: str | int = "off",
     num_microbatches: int | None = None,
+    pipeline_schedules: str | Sequence[str] = ("1F1B",),
     offload: str = "off",
     checkpointing: bool | None = None,
     prefetch: bool = True,
@@ -109,6 +110,9 @@ def plan(
     inputs are the global batch; the plan is made for ``num_microbatches`` microbatches (default:
     N, or 1 under "auto") of batch / ``num_microbatches`` each, and its ``pipeline`` holds the
     stages (``autopar.solver.planners.stages`` chooses them; ``autopar.runtime.pipeline`` runs them).
+    ``pipeline_schedules`` are the schedules it may choose among: "1F1B" (the default), and with
+    "Interleaved1F1B" and "ZBV" (or "auto" for all three) several stages per rank group, priced
+    by ``autopar.solver.pricing.schedules``; ``plan.pipeline.reason`` says why it chose one.
 
     When no sharding fits ``memory_budget``, ``offload`` and ``checkpointing`` let the planner
     add activation checkpointing and offload by cost (``autopar.solver.planners.memory_plan``), recorded in
@@ -135,7 +139,7 @@ def plan(
     options = PlanOptions.from_keywords(
         memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver, pipeline=pipeline,
         num_microbatches=num_microbatches, offload=offload, checkpointing=checkpointing, prefetch=prefetch,
-        devices=devices, max_axes=max_axes, symbolic_batch=symbolic_batch, compute=compute, precision=precision,
+        pipeline_schedules=pipeline_schedules, devices=devices, max_axes=max_axes, symbolic_batch=symbolic_batch, compute=compute, precision=precision,
         comm=comm or CommOptions(),
     )
     spec = priced_for(get_cluster(cluster), compiler) if compiler else get_cluster(cluster)
@@ -243,7 +247,7 @@ def _plan_stages(traced: TracedModel, mesh_shape: tuple[int, ...] | None, device
                        memory_budget=resolve_budget(options.memory.budget, cluster),
                        time_limit_s=options.solve.time_limit_s, devices=devices,
                        max_axes=min(options.max_axes, 2), solver=options.solve.solver, precision=options.precision,
-                       remat=options.memory.checkpointing is not False)
+                       remat=options.memory.checkpointing is not False, schedules_allowed=options.pipeline.schedules)
 
 
 def offload_target(offload: str, cluster: ClusterSpec) -> tuple[str | None, str | None]:
@@ -345,6 +349,7 @@ def compile(
     init: SeededInit | FromCheckpoint | None = None,
     pipeline: str | int = "off",
     num_microbatches: int | None = None,
+    pipeline_schedules: str | Sequence[str] = ("1F1B",),
     offload: str = "off",
     checkpointing: bool | None = None,
     prefetch: bool = True,
@@ -422,7 +427,7 @@ def compile(
     _check_backend_dtypes(model, example_inputs, example_kwargs, policy)
     options = PlanOptions.from_keywords(
         memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline, num_microbatches=num_microbatches,
-        offload=offload, checkpointing=checkpointing, prefetch=prefetch, precision=policy, comm=comm or CommOptions(),
+        pipeline_schedules=pipeline_schedules, offload=offload, checkpointing=checkpointing, prefetch=prefetch, precision=policy, comm=comm or CommOptions(),
     )
     if plan is not None and (plan.pipeline is not None or options.pipeline.enabled):
         options = _pipeline_of(plan, options)

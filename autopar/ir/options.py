@@ -137,12 +137,22 @@ class MemoryOptions:
 class PipelineOptions:
     """``stages`` is "off", a number of stages N (mesh axis 0 is cut into N equal rank groups) or
     "auto" (the stage planner decides). The plan is made for ``num_microbatches`` microbatches
-    (default: N, or 1 under "auto")."""
+    (default: N, or 1 under "auto"). ``schedules`` are the schedules the stage planner may choose
+    among: "1F1B" (GPipe where there are fewer microbatches than stages), "Interleaved1F1B", "ZBV",
+    or "auto" for all three."""
 
     stages: int | str = "off"
     num_microbatches: int | None = None
+    schedules: tuple[str, ...] | str = ("1F1B",)
 
     def __post_init__(self) -> None:
+        from autopar.ir.pipeline import PLANNED_SCHEDULES  # ir.pipeline imports torch (start-up speed)
+
+        schedules = PLANNED_SCHEDULES if self.schedules == "auto" else (
+            (self.schedules,) if isinstance(self.schedules, str) else tuple(self.schedules))
+        if not schedules or set(schedules) - set(PLANNED_SCHEDULES):
+            raise ValueError(f"pipeline_schedules must be 'auto' or some of {PLANNED_SCHEDULES}, got {self.schedules!r}")
+        object.__setattr__(self, "schedules", schedules)
         if self.stages is None:
             object.__setattr__(self, "stages", "off")
         if self.stages == "off":
@@ -207,11 +217,12 @@ class PlanOptions:
     @classmethod
     def from_keywords(cls, *, memory_budget: float | None = None, time_limit_s: float = 60.0, solver: str = "auto",
                       pipeline: int | str = "off", num_microbatches: int | None = None, offload: str = "off",
-                      checkpointing: bool | None = None, prefetch: bool = True, **rest: Any) -> "PlanOptions":
+                      checkpointing: bool | None = None, prefetch: bool = True,
+                      pipeline_schedules: tuple[str, ...] | str = ("1F1B",), **rest: Any) -> "PlanOptions":
         """The options of ``autopar.plan``'s keywords (the flat spelling of this value)."""
         return cls(solve=SolveOptions(time_limit_s, solver),
                    memory=MemoryOptions(memory_budget, offload, checkpointing, prefetch),
-                   pipeline=PipelineOptions(pipeline, num_microbatches), **rest)
+                   pipeline=PipelineOptions(pipeline, num_microbatches, pipeline_schedules), **rest)
 
     def replace(self, **changes: Any) -> "PlanOptions":
         return dataclasses.replace(self, **changes)

@@ -22,6 +22,7 @@ from autopar.errors import MeshError
 # ScheduleInterleaved1F1B and ScheduleZBVZeroBubble (``virtual_stages`` model stages per rank).
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBV")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "ZBV")
+PLANNED_SCHEDULES = ("1F1B", *MULTI_STAGE_SCHEDULES)  # what the stage planner chooses among (GPipe stands in for 1F1B)
 
 
 @dataclass(frozen=True)

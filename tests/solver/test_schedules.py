@@ -93,3 +93,14 @@ def test_one_stage_schedules_stay_the_default():
     plan = autopar.plan(model, (2,), example_inputs=example_batch("gpt", 8), cluster="h100-80g", pipeline=2,
                         num_microbatches=4)
     assert plan.pipeline.schedule == "1F1B" and plan.pipeline.virtual_stages == 1
+
+
+def test_autopar_plan_takes_the_schedules_to_choose_among():
+    model = build_model("gpt", n_layer=16, n_embd=256, n_head=4, block_size=64, vocab_size=512, bias=False)
+    kwargs = dict(example_inputs=example_batch("gpt", 32), cluster="h100-80g", pipeline=4, num_microbatches=8)
+    plan = autopar.plan(model, (4,), pipeline_schedules="auto", **kwargs)
+    assert plan.pipeline.schedule in ("Interleaved1F1B", "ZBV") and plan.pipeline.reason
+    only = autopar.plan(model, (4,), pipeline_schedules=("Interleaved1F1B",), **kwargs)
+    assert only.pipeline.schedule == "Interleaved1F1B"
+    with pytest.raises(ValueError, match=r"pipeline_schedules must be 'auto' or some of"):
+        autopar.plan(model, (4,), pipeline_schedules=("DualPipeV",), **kwargs)

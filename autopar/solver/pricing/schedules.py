@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from autopar.ir.pipeline import MULTI_STAGE_SCHEDULES, group_of, schedule_for
+from autopar.ir.pipeline import MULTI_STAGE_SCHEDULES, PLANNED_SCHEDULES, group_of, schedule_for
 
-ALL_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBV")  # GPipe stands in for 1F1B where M < S
+ALL_SCHEDULES = PLANNED_SCHEDULES
 MAX_VIRTUAL_STAGES = 8
 
 
