@@ -20,7 +20,7 @@ from autopar.runtime import checkpoint
 
 from autopar.ops import collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster, local_cluster, resolve_budget
-from autopar.errors import AutoparError, MeshError, PlanError
+from autopar.errors import AutoparError, InfeasibleError, MeshError, PlanError
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
 from autopar.solver.planners.hand_plans import resolve_kind, solve_hand_plan
 from autopar.solver.planners.mesh_search import search_mesh
@@ -29,7 +29,7 @@ from autopar.ir.options import (
     CommOptions, MemoryOptions, MixedPrecision, PipelineOptions, PlanOptions, check_mesh_devices, precision_policy,
     to_dtype,
 )
-from autopar.ir.pipeline import first_microbatch, stage_mesh_of
+from autopar.ir.pipeline import batch_size_of, first_microbatch, stage_mesh_of
 from autopar.ir.plan import Plan, validate_plan_json
 from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.runtime.compiled import check_compiler, graph_runner
@@ -71,7 +71,7 @@ def plan(
     compute: str | None = None,
     solver: str = "auto",
     pipeline: str | int = "off",
-    num_microbatches: int | None = None,
+    num_microbatches: int | str | None = None,
     pipeline_schedules: str | Sequence[str] = ("1F1B",),
     offload: str = "off",
     checkpointing: bool | None = None,
@@ -110,7 +110,8 @@ def plan(
     inputs are the global batch; the plan is made for ``num_microbatches`` microbatches (default:
     N, or 1 under "auto") of batch / ``num_microbatches`` each, and its ``pipeline`` holds the
     stages (``autopar.solver.planners.stages`` chooses them; ``autopar.runtime.pipeline`` runs them).
-    ``pipeline_schedules`` are the schedules it may choose among: "1F1B" (the default), and with
+    ``num_microbatches="auto"`` (``autopar.plan`` only) lets the planner choose it too, among the
+    powers of two dividing the batch (one trace each). ``pipeline_schedules`` are the schedules it may choose among: "1F1B" (the default), and with
     "Interleaved1F1B" and "ZBV" (or "auto" for all three) several stages per rank group, priced
     by ``autopar.solver.pricing.schedules``; ``plan.pipeline.reason`` says why it chose one.
 
@@ -232,9 +233,44 @@ def _plan_pipeline(model, mesh, example_inputs, example_kwargs, cluster: Cluster
         if options.pipeline.stages != "auto":
             stage_mesh_of(mesh_shape, options.pipeline.stages)
         devices = None
+    if options.pipeline.num_microbatches == "auto":
+        return _plan_microbatches(model, mesh_shape, devices, example_inputs, example_kwargs, cluster, options)
     inputs, kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.microbatches)
     log.info("tracing one microbatch of %d ...", options.pipeline.microbatches)
     return _plan_stages(_trace(model, inputs, kwargs, options.precision), mesh_shape, devices, cluster, options)
+
+
+def _plan_microbatches(model, mesh_shape, devices, example_inputs, example_kwargs, cluster: ClusterSpec,
+                       options: PlanOptions) -> Plan:
+    """``num_microbatches="auto"``: the stage planner at each power-of-two microbatch count that
+    divides the batch, smallest first (one trace each), until two in a row are no faster than the
+    best; the fastest plan, whose ``pipeline.reason`` lists the counts tried."""
+    batch = batch_size_of(example_inputs, example_kwargs)
+    counts = [2**k for k in range(batch.bit_length()) if batch % 2**k == 0]
+    best: Plan | None = None
+    tried: list[str] = []
+    worse = 0
+    for count in counts:
+        inputs, kwargs = first_microbatch(example_inputs, example_kwargs, count)
+        trial = options.replace(pipeline=dataclasses.replace(options.pipeline, num_microbatches=count))
+        try:
+            made = _plan_stages(_trace(model, inputs, kwargs, options.precision), mesh_shape, devices, cluster, trial)
+        except InfeasibleError:
+            tried.append(f"{count}: none fits")
+            continue
+        step = made.predicted["step_time_s"]
+        tried.append(f"{count}: {step:.4g} s")
+        if best is None or step < best.predicted["step_time_s"]:
+            best, worse = made, 0
+        else:
+            worse += 1
+            if worse == 2:
+                break
+    if best is None:
+        raise InfeasibleError(f"no pipeline fits at any microbatch count ({'; '.join(tried)}): raise the budget, "
+                              "use more devices or stages")
+    reason = f"{best.pipeline.reason}; microbatches tried {', '.join(tried)}"
+    return dataclasses.replace(best, pipeline=dataclasses.replace(best.pipeline, reason=reason))
 
 
 def _plan_stages(traced: TracedModel, mesh_shape: tuple[int, ...] | None, devices: int | None, cluster: ClusterSpec,
@@ -348,7 +384,7 @@ def compile(
     time_limit_s: float = 60.0,
     init: SeededInit | FromCheckpoint | None = None,
     pipeline: str | int = "off",
-    num_microbatches: int | None = None,
+    num_microbatches: int | str | None = None,
     pipeline_schedules: str | Sequence[str] = ("1F1B",),
     offload: str = "off",
     checkpointing: bool | None = None,
@@ -431,6 +467,9 @@ def compile(
     )
     if plan is not None and (plan.pipeline is not None or options.pipeline.enabled):
         options = _pipeline_of(plan, options)
+    if options.pipeline.num_microbatches == "auto":
+        raise ValueError("num_microbatches='auto' searches microbatch counts offline, one trace each: plan with "
+                         "autopar.plan(..., num_microbatches='auto') and compile with plan=, or give a number")
     _check_precision_runs(policy)
     if compiler is not None and (options.pipeline.enabled or offload != "off"):
         raise ValueError(f"compiler={compiler!r} does not run pipelines or offloading yet (their schedules live in "
@@ -585,7 +624,7 @@ def _pipeline_of(plan: Plan, options: PlanOptions) -> PlanOptions:
     if asked.enabled and (
         given is None
         or (asked.stages != "auto" and given != (asked.stages, asked.microbatches))
-        or (asked.stages == "auto" and asked.num_microbatches not in (None, given[1]))
+        or (asked.stages == "auto" and asked.num_microbatches not in (None, "auto", given[1]))
     ):
         has = f"has {given[0]} stages and {given[1]} microbatches" if given else "does not pipeline"
         raise PlanError(

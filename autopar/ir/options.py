@@ -142,7 +142,7 @@ class PipelineOptions:
     or "auto" for all three."""
 
     stages: int | str = "off"
-    num_microbatches: int | None = None
+    num_microbatches: int | str | None = None
     schedules: tuple[str, ...] | str = ("1F1B",)
 
     def __post_init__(self) -> None:
@@ -165,8 +165,9 @@ class PipelineOptions:
             return
         if self.stages != "auto" and (not _is_int(self.stages) or self.stages < 1):
             raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {self.stages!r}")
-        if self.num_microbatches is not None and (not _is_int(self.num_microbatches) or self.num_microbatches < 1):
-            raise ValueError(f"num_microbatches must be a positive int, got {self.num_microbatches!r}")
+        if self.num_microbatches not in (None, "auto") and (not _is_int(self.num_microbatches)
+                                                            or self.num_microbatches < 1):
+            raise ValueError(f"num_microbatches must be a positive int or 'auto', got {self.num_microbatches!r}")
 
     @property
     def enabled(self) -> bool:
@@ -175,6 +176,8 @@ class PipelineOptions:
     @property
     def microbatches(self) -> int:
         """``num_microbatches`` as given, or its default: N for N stages, 1 under "auto"."""
+        if self.num_microbatches == "auto":
+            raise ValueError("num_microbatches='auto' has no single count: the planner tries several")
         if self.num_microbatches is not None:
             return self.num_microbatches
         return 1 if self.stages == "auto" else int(self.stages)

@@ -104,3 +104,13 @@ def test_autopar_plan_takes_the_schedules_to_choose_among():
     assert only.pipeline.schedule == "Interleaved1F1B"
     with pytest.raises(ValueError, match=r"pipeline_schedules must be 'auto' or some of"):
         autopar.plan(model, (4,), pipeline_schedules=("DualPipeV",), **kwargs)
+
+
+def test_the_planner_chooses_the_microbatch_count():
+    model = build_model("gpt", n_layer=4, bias=False)
+    plan = autopar.plan(model, (2,), example_inputs=example_batch("gpt", 16), cluster="h100-80g", pipeline=2,
+                        num_microbatches="auto")
+    tried = plan.pipeline.reason.split("microbatches tried ")[1].split(", ")
+    steps = {int(t.split(":")[0]): float(t.split(": ")[1].removesuffix(" s")) for t in tried if "none" not in t}
+    assert len(steps) >= 2 and plan.pipeline.num_microbatches == min(steps, key=steps.get), plan.pipeline.reason
+    assert plan.predicted["step_time_s"] == pytest.approx(steps[plan.pipeline.num_microbatches], rel=1e-3)
