@@ -197,17 +197,16 @@ def test_gathers_prefetch_by_the_bytes_they_move():
     assert gathers._group_bytes == [sum(gathers.order[gathers._index[k]][3] for k in g) for g in gathers.groups]
 
 
-@pytest.mark.parametrize("precision, pipelined, offloads, needle", [
-    (autopar.MixedPrecision("bfloat16", "float32"), False, False, "master_dtype='float32'"),
-    (autopar.MixedPrecision("float16", master_dtype="float32"), False, False, "reduce_dtype='bfloat16'"),
-    ("bf16-mixed", True, False, "pipeline='off'"),
-    ("bf16-mixed", False, True, "offload='off'"),
+@pytest.mark.parametrize("precision, offloads, needle", [
+    (autopar.MixedPrecision("bfloat16", "float32"), False, "master_dtype='float32'"),
+    (autopar.MixedPrecision("float16", master_dtype="float32"), False, "reduce_dtype='bfloat16'"),
+    ("bf16-mixed", True, "offload='off'"),
 ])
-def test_what_the_runtime_does_not_carry_out_is_refused(precision, pipelined, offloads, needle):
+def test_what_the_runtime_does_not_carry_out_is_refused(precision, offloads, needle):
     from autopar.api import _check_precision_runs
 
     with pytest.raises(PlanError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        _check_precision_runs(precision_policy(precision), pipelined=pipelined, offloads=offloads)
+        _check_precision_runs(precision_policy(precision), offloads=offloads)
 
 
 def test_what_the_runtime_carries_out_is_accepted():
@@ -217,7 +216,7 @@ def test_what_the_runtime_carries_out_is_accepted():
                       autopar.MixedPrecision("float16", "float32", "float32"), FSDP2,
                       autopar.MixedPrecision("bfloat16", master_dtype="float32")):
         _check_precision_runs(precision_policy(precision))
-    _check_precision_runs(precision_policy("32-true"), pipelined=True, offloads=True)
+    _check_precision_runs(precision_policy("32-true"), offloads=True)  # pipelines run every policy
 
 
 def test_a_precision_that_contradicts_the_plan_is_refused():
