@@ -8,21 +8,29 @@ sends its activations to rank j of stage i + 1 over it. Since corresponding rank
 corresponding shards (any spec, Partial included), stage i + 1 receives exactly the local
 tensor the unsplit graph would have handed on, and reshards it where the plan says.
 
+Under Interleaved1F1B and ZBV a group runs ``virtual_stages`` model stages (round robin, or in
+a V: ``ir.pipeline.group_of``), and the line group carries the sends between any two of them.
+
 Passes. The graph traced at one microbatch is rewritten with the usual passes for the stage
-mesh (``default_passes`` over this rank's stage groups), then cut by ``passes.split`` into one
-submodule per stage. Each rank runs only its own stage's submodule, through a ``_StageModule``
-that holds the stage's parameter shards, takes the tensors the previous stage sends, and sends
-on what later stages read (values a stage does not read itself pass through it).
+mesh (``default_passes`` over this rank's stage groups; checkpoint segments where the plan's
+``memory`` has them), reduced to the loss (``passes.split.return_only``), then cut by
+``passes.split`` into one submodule per model stage. Each rank runs only its group's
+submodules, each through a ``_StageModule`` that holds the stage's parameter shards (in the
+precision policy's stored dtype), takes the tensors the previous stage sends, and sends on what
+later stages read (values a stage does not read itself pass through it).
 
 A call. ``pm(*batch)`` runs one whole training step under ``torch.distributed.pipelining``
-(``Schedule1F1B``, or ``ScheduleGPipe`` when there are fewer microbatches than stages): the
-forward and backward of every microbatch. Autograd cannot span the schedule, which runs the
-backward itself, so the gradients are held back: the call returns the loss (whole-batch mean,
-the mean of the microbatch means, broadcast from the last stage to every rank) as a tensor whose
+(``Schedule1F1B``, or ``ScheduleGPipe`` when there are fewer microbatches than stages, or
+``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble``): the forward and backward of every
+microbatch. Autograd cannot span the schedule, which runs the backward itself, so the gradients
+are held back: the call returns the model's outputs with the loss (whole-batch mean, the mean of
+the microbatch means, broadcast from the stage that computes it to every rank) in place and
+None for every other output, the loss a tensor whose
 ``backward()`` adds the held gradients, times the incoming gradient, into ``.grad``. So
 ``loss = pm(*batch); loss.backward(); opt.step()`` works as with the model itself: a call whose
 loss gets no backward leaves ``.grad`` alone, and a second backward of the same loss is
-autograd's usual error. Under ``torch.no_grad()`` only the forward runs. A parameter used by
+autograd's usual error. Under ``torch.no_grad()`` only the forward runs (under ZBV, which has no
+forward-only mode, the whole step, its gradients dropped). A parameter used by
 several stages (tied embeddings) is held by each of them, and its gradient is summed over them.
 """
 
