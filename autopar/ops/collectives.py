@@ -222,6 +222,11 @@ def remember_groups(group_names) -> None:
 
 
 def _group(group_name: str) -> tuple[int, int, str]:
+    """Outside tracing the group is resolved on every call: the cache holds one rank per name, and
+    the numerics guard runs several ranks (and worlds reusing names) as threads of one process."""
+    if not torch.compiler.is_compiling():
+        group = _resolve_process_group(group_name)
+        return group.size(), group.rank(), dist.get_backend(group)
     info = _GROUPS.get(group_name)
     if info is None:
         remember_groups([group_name])
