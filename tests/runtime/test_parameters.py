@@ -41,6 +41,22 @@ def _optimizer(name: str, params):
     }[name]()
 
 
+def _train(pm, eager, opt, opt_eager, clip) -> list[tuple[float, float]]:
+    """Two steps of forward, backward, ``clip()`` and optimizer step on ``pm`` and on ``eager``
+    (clipped by torch); the two norms of each step."""
+    norms = []
+    for step in range(2):
+        batch = _batch(1 + step)
+        opt.zero_grad()
+        opt_eager.zero_grad()
+        pm(*batch).backward()
+        eager(*batch).backward()
+        norms.append((float(clip()), float(torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.05))))
+        opt.step()
+        opt_eager.step()
+    return norms
+
+
 def _loop(rank: int, kind: str, mesh: tuple[int, ...], optimizer: str, own_clip: bool) -> dict:
     """Two steps of forward, backward, clip and optimizer step, compiled and eager side by side."""
     model = build_model("gpt", seed=0, bias=False).to(DTYPE)
@@ -49,20 +65,8 @@ def _loop(rank: int, kind: str, mesh: tuple[int, ...], optimizer: str, own_clip:
     plan = autopar.hand_plan(kind, model, mesh, example_inputs=batch, cluster="cpu")
     pm = autopar.compile(model, mesh, example_inputs=batch, plan=plan, cluster="cpu")
     opt, opt_eager = _optimizer(optimizer, pm.parameters()), _optimizer(optimizer, eager.parameters())
-    norms = []
-    for step in range(2):
-        batch = _batch(1 + step)
-        opt.zero_grad()
-        opt_eager.zero_grad()
-        pm(*batch).backward()
-        eager(*batch).backward()
-        if own_clip:
-            norm = pm.clip_grad_norm_(0.05)
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.05)
-        norms.append((float(norm), float(torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.05))))
-        opt.step()
-        opt_eager.step()
+    clip = (lambda: pm.clip_grad_norm_(0.05)) if own_clip else (lambda: torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.05))
+    norms = _train(pm, eager, opt, opt_eager, clip)
     params = dict(pm.named_parameters())
     return {
         "norms": norms,
@@ -90,16 +94,7 @@ def _pipelined(rank: int, plan: autopar.Plan) -> dict:
     eager = copy.deepcopy(model)
     pm = autopar.compile(model, plan.mesh_shape, example_inputs=_batch(1), plan=plan)
     opt, opt_eager = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
-    norms = []
-    for step in range(2):
-        batch = _batch(1 + step)
-        opt.zero_grad()
-        opt_eager.zero_grad()
-        pm(*batch).backward()
-        eager(*batch).backward()
-        norms.append((float(pm.clip_grad_norm_(0.05)), float(torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.05))))
-        opt.step()
-        opt_eager.step()
+    norms = _train(pm, eager, opt, opt_eager, lambda: pm.clip_grad_norm_(0.05))
     return {"norms": norms, "state_rel": max_rel_diff(pm.full_state_dict(), eager.state_dict())}
 
 
