@@ -37,6 +37,7 @@ def _optimizer(name: str, params):
         "sgd": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
         "adamw": lambda: torch.optim.AdamW(params, lr=1e-2),
         "adamw_for_loop": lambda: torch.optim.AdamW(params, lr=1e-2, foreach=False),
+        "adamw_foreach": lambda: torch.optim.AdamW(params, lr=1e-2, foreach=True),
         "adam": lambda: torch.optim.Adam(params, lr=1e-2, weight_decay=0.1),
     }[name]()
 
@@ -83,7 +84,7 @@ def _loop(rank: int, kind: str, mesh: tuple[int, ...], optimizer: str, own_clip:
 
 CASES = {  # world size -> (hand plan, mesh, optimizer, pm.clip_grad_norm_ rather than torch's)
     2: [("ddp", (2,), "sgd", False), ("fsdp", (2,), "adamw", False), ("fsdp", (2,), "adamw_for_loop", True)],
-    4: [("megatron", (2, 2), "adam", False), ("megatron", (2, 2), "adamw", True), ("fsdp", (4,), "sgd", False)],
+    4: [("megatron", (2, 2), "adam", False), ("megatron", (2, 2), "adamw", True), ("fsdp", (4,), "adamw_foreach", False)],
 }
 
 
