@@ -37,7 +37,8 @@ cannot go below it but by sharding the optimizer's work).
 After ``--warmup`` steps each, the trainers take turns step by step (zero_grad, forward,
 backward, optimizer step; a barrier before each), ``--steps`` timed steps each, so that the
 machine's drift falls on all of them alike. A trainer's time is the median of its timed steps on
-the slowest rank. Ratios are taken within the run; absolute times on this shared
+the slowest rank; ``<kind>_opt_ms`` is the same for its ``optimizer.step()`` alone (torch's AdamW
+over the module's parameters: DTensors for FSDP2 and autopar, plain tensors for DDP). Ratios are taken within the run; absolute times on this shared
 machine mean little. Uses only the public API (``autopar.compile``, ``autopar.hand_plan``,
 ``autopar.plan``) and torch. Writes ``results/vs_torch.csv``.
 """
@@ -124,12 +125,14 @@ def _trainer(kind: str, world: int, rank: int):
         batch = (idx, targets)  # the compiled module cuts out its own shard
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
         start = time.perf_counter()
         optimizer.zero_grad()
         module(*batch).backward()
+        stepping = time.perf_counter()
         optimizer.step()
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        return end - start, end - stepping
 
     return step
 
@@ -140,7 +143,7 @@ def _rank(rank: int, world: int, init: str, out_dir: str, kinds: list[str], step
                             timeout=datetime.timedelta(seconds=300))
     try:
         trainers = {kind: _trainer(kind, world, rank) for kind in kinds}
-        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
         for step in trainers.values():
             for _ in range(warmup):
                 step()
@@ -148,13 +151,14 @@ def _rank(rank: int, world: int, init: str, out_dir: str, kinds: list[str], step
             for kind, step in trainers.items():
                 dist.barrier()
                 times[kind].append(step())
-        medians = {kind: statistics.median(t) for kind, t in times.items()}
+        medians = {kind: statistics.median(total for total, _ in t) for kind, t in times.items()}
+        medians.update({f"{kind}_opt": statistics.median(opt for _, opt in t) for kind, t in times.items()})
         gathered: list = [None] * world
         dist.all_gather_object(gathered, medians)
         if rank == 0:
             with open(os.path.join(out_dir, "result.csv"), "w") as handle:
-                for kind in kinds:
-                    handle.write(f"{kind},{max(g[kind] for g in gathered)}\n")
+                for key in medians:
+                    handle.write(f"{key},{max(g[key] for g in gathered)}\n")
     finally:
         dist.destroy_process_group()
 

@@ -38,6 +38,7 @@ from typing import Iterator, Sequence
 import torch
 
 from autopar.ops import collectives
+from autopar.ops.params import add_grad, local_of
 
 @dataclass(frozen=True, slots=True)
 class Slot:
@@ -286,13 +287,9 @@ class GradBuckets(torch.nn.Module):
                 else:
                     reduced = _from_dim0(result[at:at + numel], shape, slot.dim)
                 at += numel
-                param = self._params[slot.key]
-                if reduced.dtype != param.dtype:  # reduced in a policy's reduce_dtype: lands in the master's
-                    reduced = reduced.to(param.dtype)
-                if param.grad is None:
-                    param.grad = reduced
-                else:
-                    param.grad.add_(reduced)
+                # reduced in a policy's reduce_dtype: lands in the master's; a DTensor
+                # parameter's gradient is a DTensor with its placements (ops.params)
+                add_grad(self._params[slot.key], reduced)
 
 
 def _unshared(tensor: torch.Tensor) -> bool:
@@ -395,7 +392,7 @@ class ParamGathers(torch.nn.Module):
         self._group_bytes[gi] = sum(self.order[self._index[other]][3] for other in self.groups[gi])
 
     def bind(self, shards: dict[str, torch.Tensor]) -> None:
-        self._shards = dict(shards)
+        self._shards = {key: local_of(shard) for key, shard in shards.items()}
 
     def forward(self, shard: torch.Tensor, key: str) -> torch.Tensor:
         return _GatherParam.apply(shard, self, key)

@@ -10,18 +10,21 @@ the stage that owns it and a broadcast to the others), which each subclass says 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
 from autopar.ir.plan import Plan
-from autopar.ir.spec import Spec, is_strided, shard_tensor
+from autopar.ir.spec import Spec, is_sharded, is_strided, shard_tensor
 from autopar.ops import collectives
+from autopar.ops.params import local_of
 from autopar.runtime.checkpoint import device_mesh
-from autopar.runtime.offload import param_key
+from autopar.runtime.offload import grad_key, param_key
 from autopar.trace import TracedModel
 
 
@@ -204,7 +207,7 @@ class ShardedModule(torch.nn.Module):
 
     def local_param_bytes(self) -> int:
         """Bytes of parameters this rank holds (each shared tensor counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        return sum(local_of(p).numel() * p.element_size() for p in self.parameters())
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -231,6 +234,61 @@ class ShardedModule(torch.nn.Module):
             if kind == "param":
                 out[fqn] = self._gather(fqn, self._grad(fqn) if self._contributes(fqn) else None)
         return out
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the whole model's gradients to ``max_norm`` and return their total norm (before
+        clipping, the same on every rank), as ``torch.nn.utils.clip_grad_norm_`` does on the
+        unsharded model. Right for every plan, the pipelined one included (a rank holds one
+        stage there, so torch's own call would see a part of the model), and for gradients the
+        plan offloads. Every rank calls it: one all-reduce over the default group."""
+        total = self.grad_norm(norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it "
+                "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for fqn in self._grad_fqns():
+            grad = self._grad(fqn)
+            if grad is None:
+                continue
+            grad.mul_(coef.to(grad.dtype))
+            if self._offloader is not None and fqn in self._offloader.grads:  # the store gave a copy
+                self._offloader.store.put(grad_key(fqn), grad)
+        return total
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The total norm of order ``norm_type`` of the whole model's gradients (every rank calls
+        it; the same value on each). Each shard counts once: a rank adds the shards it holds that
+        no rank before it on a replicating mesh axis (or in an earlier pipeline stage) holds."""
+        norm_type = float(norm_type)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        parts = [torch.linalg.vector_norm(grad, norm_type)
+                 for fqn in self._grad_fqns() if self._counts(fqn) and (grad := self._grad(fqn)) is not None]
+        # the same dtype on every rank (a rank may count no shard): float64 if the model has any
+        dtype = torch.float64 if torch.float64 in self._full_dtypes.values() else torch.float32
+        parts = [part.to(device, dtype) for part in parts]
+        if math.isinf(norm_type):
+            total = torch.stack(parts).max() if parts else torch.zeros((), dtype=dtype, device=device)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            return total
+        total = torch.stack(parts).pow(norm_type).sum() if parts else torch.zeros((), dtype=dtype, device=device)
+        dist.all_reduce(total)
+        return total.pow(1.0 / norm_type)
+
+    def _grad_fqns(self) -> list[str]:
+        """The canonical names of the parameters this rank holds."""
+        return sorted({self._traced.ties.get(fqn, fqn) for fqn, kind in self._fqns() if kind == "param"
+                       and (has(self.module, fqn) or has(self.module, self._traced.ties.get(fqn, fqn)))})
+
+    def _counts(self, fqn: str) -> bool:
+        """Whether this rank's shard of ``fqn`` is the one counted in a sum over the model: held
+        where it contributes, and at coordinate 0 of every mesh axis that replicates it."""
+        spec = self._plan.params[fqn]
+        return self._contributes(fqn) and all(
+            is_sharded(placement) or index == 0 for placement, index in zip(spec, self._coordinate))
 
     def _user_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         """The user inputs of a call, flat in graph order, checked against the planned ones."""
@@ -263,19 +321,27 @@ class ShardedModule(torch.nn.Module):
         """This rank's shard of the whole tensor ``whole`` of ``fqn`` (a view where it can be)."""
         return shard_tensor(whole.detach(), self._plan.params[fqn], self._coordinate, self._mesh_shape)
 
+    def _held(self, fqn: str) -> torch.Tensor:
+        """The tensor registered under ``fqn``, or under its tie's first name if only that one is
+        held: a parameter (a DTensor, or a plain one where the module keeps them so) or a buffer."""
+        canonical = self._traced.ties.get(fqn, fqn)
+        return lookup(self.module, fqn if has(self.module, fqn) else canonical)
+
     def _local(self, fqn: str) -> torch.Tensor:
-        """This rank's shard under ``fqn``, or under its tie's first name if only that one is held
-        (read from the offload store where the plan offloads it)."""
+        """This rank's shard under ``fqn``, a plain tensor sharing the held tensor's storage (read
+        from the offload store where the plan offloads it)."""
         canonical = self._traced.ties.get(fqn, fqn)
         if self._offloader is not None and canonical in self._offloader.params:
             return self._offloader.store.get(param_key(canonical))
-        return lookup(self.module, fqn if has(self.module, fqn) else canonical)
+        return local_of(self._held(fqn))
 
     def _grad(self, fqn: str) -> torch.Tensor | None:
+        """This rank's shard of the gradient of ``fqn`` (plain), or None."""
         canonical = self._traced.ties.get(fqn, fqn)
         if self._offloader is not None and canonical in self._offloader.grads:
             return self._offloader.grad(canonical)
-        return self._local(fqn).grad
+        grad = self._held(fqn).grad
+        return None if grad is None else local_of(grad)
 
 
 def _user_metas(traced: TracedModel, num_microbatches: int) -> list[tuple[str, tuple[int, ...] | None, Any]]:

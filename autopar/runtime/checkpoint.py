@@ -1,6 +1,7 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP).
 
-A ParallelModule holds plain ``nn.Parameter`` shards. For DCP they are shown as DTensors: each
+A ParallelModule's parameters are DTensors (``autopar.ops.params``); its buffers and a pipeline
+stage's tensors are plain shards. For DCP all are shown as DTensors: each
 local shard is wrapped, without a copy, in a DTensor with the plan's placements over a
 ``DeviceMesh`` built from autopar's own mesh-axis process groups (so they keep the default
 group's timeout). DCP then writes every shard once, with its global offsets, and can read a
@@ -142,9 +143,9 @@ def _param_fqns(pm: "ParallelModule", optimizer: torch.optim.Optimizer) -> dict[
     """id(parameter) → the canonical FQN of every parameter ``optimizer`` steps."""
     names: dict[int, str] = {}
     for fqn in pm.state_dict_keys():
-        local = pm._local(fqn)
-        if isinstance(local, torch.nn.Parameter):
-            names.setdefault(id(local), fqn)
+        held = pm._held(fqn)
+        if isinstance(held, torch.nn.Parameter):
+            names.setdefault(id(held), fqn)
     for group in optimizer.param_groups:
         for param in group["params"]:
             if id(param) not in names:
@@ -165,7 +166,14 @@ def optimizer_state_dict(pm: "ParallelModule", optimizer: torch.optim.Optimizer)
         spec = pm.plan.params[fqn]
         state[fqn] = {}
         for key, value in entries.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if isinstance(value, DTensor):  # the state of a DTensor parameter: already global
+                if value.device_mesh != mesh or tuple(value.shape) != pm.full_shape(fqn):
+                    raise ValueError(
+                        f"optimizer state {key!r} of {fqn} is a DTensor of shape {tuple(value.shape)} on "
+                        f"{value.device_mesh}, not one shaped like the parameter on pm.device_mesh; autopar "
+                        "checkpoints optimizers whose state is per element or scalar (SGD, Adam, AdamW, ...)"
+                    )
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
                 if tuple(value.shape) != tuple(param.shape):
                     raise ValueError(
                         f"optimizer state {key!r} of {fqn} has shape {tuple(value.shape)}, neither a scalar "
@@ -398,7 +406,9 @@ def load_optimizer_state_dict(pm: "ParallelModule", optimizer: torch.optim.Optim
         spec = pm.plan.params[fqn]
         local: dict[str, Any] = {}
         for key, value in entries.items():
-            if isinstance(value, DTensor):
-                value = value.redistribute(pm.device_mesh, spec).to_local()
+            if isinstance(value, DTensor):  # a DTensor parameter keeps DTensor state, as torch.optim makes it
+                value = value.redistribute(pm.device_mesh, spec)
+                if not isinstance(param, DTensor):
+                    value = value.to_local()
             local[key] = value
         optimizer.state[param] = local

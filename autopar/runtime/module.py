@@ -11,14 +11,16 @@ import torch
 import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
+from autopar.ops.params import LocalLeaf
 from autopar.passes.schedule import bind_parameters
 from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
 from autopar.runtime.offload import param_key
-from autopar.runtime.checkpoint import model_state_dict
+from autopar.runtime.checkpoint import model_state_dict, to_dtensor
 from autopar.runtime.checkpoint import load_model_state_dict
 
 log = logging.getLogger("autopar")
@@ -28,11 +30,15 @@ class ParallelModule(ShardedModule):
     """Runs the rewritten graph on this rank's shards.
 
     Called like the original model with whole inputs (the same on every rank); returns the
-    model's outputs, whole on every rank. ``pm.module`` holds the local shards under the
-    model's own names, so ``pm.parameters()`` is what an optimizer steps (like DDP, names carry
-    the ``module.`` prefix; ``full_state_dict`` uses the original names). ``state_dict()``
-    shows the shards as DTensors under the original names, for torch.distributed.checkpoint
-    (``autopar.runtime.checkpoint``).
+    model's outputs, whole on every rank. ``pm.module`` holds the parameters under the model's
+    own names, and ``named_parameters()``, ``state_dict()`` and ``full_state_dict()`` use those
+    names (no ``module.`` prefix). Each parameter is an ``nn.Parameter`` that is a
+    DTensor on ``pm.device_mesh`` with the plan's placements, as FSDP2's are, and so is its
+    ``.grad``: torch's ``clip_grad_norm_``, optimizers and ``get_state_dict`` compute on the whole
+    model. The graph runs on the local shards (``autopar.ops.params.LocalLeaf``). Buffers are held as local
+    shards; ``state_dict()`` shows every entry as a DTensor, for torch.distributed.checkpoint
+    (``autopar.runtime.checkpoint``). A parameter the plan offloads is an empty plain stub whose
+    shard lives in the offload store (step it with ``autopar.optim.AdamW``).
     """
 
     _compiled_graph = None  # set by autopar.compile(..., compiler="inductor"): runtime.compiled.CompiledGraph
@@ -80,12 +86,15 @@ class ParallelModule(ShardedModule):
                 offloader.store.put(param_key(canonical), local)
                 local = torch.empty(0, dtype=local.dtype, device=local.device)
             if graph_input.kind == "param":
+                if not offloaded:  # a DTensor on the device mesh, as FSDP2's parameters are
+                    local = to_dtensor(local, plan.params[fqn], tuple(full[fqn].shape), self.device_mesh)
                 value: torch.Tensor = torch.nn.Parameter(local, requires_grad=full[fqn].requires_grad)
             else:
                 value = local
             made[canonical] = value
             made[fqn] = value
             attach(self.module, fqn, value, graph_input.kind)
+        self._leaves = {id(p): LocalLeaf(p) for p in made.values() if isinstance(p, DTensor)}
         if offloader is not None:
             offloader.attach_grad_hooks({traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)})
         # The communication schedule's buckets and gathers read and write these shards.
@@ -95,7 +104,10 @@ class ParallelModule(ShardedModule):
         user = iter(self._user_inputs(args, kwargs))
         values = []
         for name, kind, fqn in self._inputs:
-            if kind in ("param", "buffer"):
+            if kind == "param":  # the graph runs on the local shard; its gradient comes back a DTensor
+                param = lookup(self.module, fqn)
+                values.append(self._leaves[id(param)].get() if isinstance(param, DTensor) else param)
+            elif kind == "buffer":
                 values.append(lookup(self.module, fqn))
             elif kind == "constant":
                 values.append(self._constants[name])
@@ -112,6 +124,22 @@ class ParallelModule(ShardedModule):
         if torch.compiler.is_compiling():
             warn_not_compiled()
         return run_eager(self.graph_module, values, self._offloader)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The parameters under the model's own names, as ``state_dict()`` and the eager model's
+        ``named_parameters()`` name them (so optimizer state, DCP's ``get_state_dict`` and
+        logging by name line up with eager's)."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The buffers (this rank's shards) under the model's own names."""
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For ``torch.distributed.checkpoint.state_dict`` (``get_state_dict(pm, optimizer)``):
+        names leave out ``module.``, so each top-level name of the model is reached through
+        ``self.module``."""
+        return {name: "module" for name in self.module._modules}
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """The original model's ``state_dict()`` names, each a DTensor over ``device_mesh``

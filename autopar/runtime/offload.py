@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from autopar.ir.memory import MemoryPlan
+from autopar.ops.params import local_of
 from autopar.runtime.store import Store
 
 
@@ -128,8 +129,8 @@ class Offloader(torch.nn.Module):
 
     def _grad_hook(self, fqn: str):
         def hook(param: torch.Tensor) -> None:
-            if param.grad is not None:
-                self.add_grad(fqn, param.grad)
+            if param.grad is not None:  # a DTensor parameter's: its local shard is stored
+                self.add_grad(fqn, local_of(param.grad))
                 param.grad = None
         return hook
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from autopar.ops.params import local_of
 from autopar.runtime.offload import grad_key, param_key
 
 
@@ -80,7 +81,10 @@ class AdamW:
             grad = self.offloader.grad(fqn) if self._offloaded("grads", fqn) else param.grad
             if grad is None:
                 continue
-            value = store.get(param_key(fqn)) if self._offloaded("params", fqn) else param.data
+            # A DTensor parameter (and its gradient) is stepped on its local shard: the update
+            # is elementwise, so no DTensor dispatch is needed.
+            grad = local_of(grad)
+            value = store.get(param_key(fqn)) if self._offloaded("params", fqn) else local_of(param)
             state = self.state[fqn]
             offloaded_state = self._offloaded("states", fqn)
             if state["step"] == 0:

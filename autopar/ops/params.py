@@ -1,0 +1,71 @@
+"""Parameters as DTensors, the graph on their local shards.
+
+A compiled module's parameters are ``nn.Parameter``s that are DTensors on its device mesh, as
+FSDP2's are: torch's own tools (``clip_grad_norm_``, optimizers, DCP) see the whole model. The
+rewritten graph runs on the local shards: the runtime passes it each parameter's ``LocalLeaf``,
+a plain leaf tensor on the shard's storage whose accumulated gradient is moved into the
+parameter's ``.grad`` (a DTensor with the same placements) as soon as autograd accumulates it,
+and the parameter's own post-accumulate-grad hooks run then.
+
+Why not ``param.to_local()``: its backward node is made when forward starts, so autograd, which
+runs ready nodes latest-made first, would run every parameter's at the end of backward and
+hold all gradients until then (a leaf's accumulation runs at once, as for a plain parameter).
+What bypasses autograd (the scheduled gradient buckets, which write reduced gradients at the
+end of backward) goes through ``add_grad``. Like FSDP2's, the DTensor parameters are not in
+the autograd graph: ``torch.autograd.grad(loss, pm.parameters())`` does not reach them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of ``tensor`` (itself if it is not a DTensor), sharing its storage."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def as_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as a tensor of ``like``'s kind: a DTensor with ``like``'s mesh, placements and
+    whole shape (no copy, no communication) if ``like`` is one, else ``local`` itself."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+@torch.no_grad()
+def add_grad(param: torch.Tensor, local: torch.Tensor) -> None:
+    """Add ``local`` (this rank's gradient shard of ``param``) into ``param.grad``, as autograd's
+    accumulation would: set it when there is none, add into its local shard otherwise."""
+    local = local.to(param.dtype)
+    if param.grad is None:
+        param.grad = as_like(local, param)
+    else:
+        local_of(param.grad).add_(local)
+
+
+class LocalLeaf:
+    """The tensor the graph reads for a DTensor parameter (see the module docstring)."""
+
+    def __init__(self, param: DTensor):
+        self.param = param
+        self._leaf: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        """The leaf, made again if the parameter's shard or ``requires_grad`` changed."""
+        local, leaf = self.param._local_tensor, self._leaf
+        if (leaf is None or leaf.data_ptr() != local.data_ptr() or leaf.shape != local.shape
+                or leaf.dtype != local.dtype or leaf.requires_grad != self.param.requires_grad):
+            leaf = self._leaf = local.detach().requires_grad_(self.param.requires_grad)
+            if leaf.requires_grad:
+                leaf.register_post_accumulate_grad_hook(self._route)
+        return leaf
+
+    def _route(self, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        if grad is not None:  # None where every use's gradient went to a bucket (ops.buckets)
+            add_grad(self.param, grad)
+        for hook in tuple((self.param._post_accumulate_grad_hooks or {}).values()):
+            hook(self.param)

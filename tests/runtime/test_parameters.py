@@ -1,0 +1,211 @@
+"""Parameters are DTensors, as FSDP2's are: torch's own training tools on the compiled module.
+
+Real gloo ranks (the session's ``rank_pool``; ``torch.export`` cannot trace in several threads
+of one process at once), one job per world size running every case. Each loop compares with eager
+PyTorch step by step: torch's ``clip_grad_norm_`` and ``pm.clip_grad_norm_`` return eager's norm,
+torch's optimizers step the parameters to eager's, and DCP's ``get_state_dict`` names and values
+match eager's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.ops.params import add_grad, as_like, local_of
+from autopar.runtime.launch import max_rel_diff as rel_diffs
+from autopar.zoo.models import build_model, example_batch
+
+DTYPE = torch.float64  # gloo and the threaded backend reduce float64; AdamW's sign steps need it
+TOL = 1e-9
+
+
+def max_rel_diff(got: dict, want: dict) -> float:
+    return max(rel_diffs(got, want).values())
+
+
+def _batch(seed: int) -> tuple:
+    return tuple(t.to(DTYPE) if t.is_floating_point() else t for t in example_batch("gpt", 8, seed=seed))
+
+
+def _optimizer(name: str, params):
+    return {
+        "sgd": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        "adamw": lambda: torch.optim.AdamW(params, lr=1e-2),
+        "adamw_for_loop": lambda: torch.optim.AdamW(params, lr=1e-2, foreach=False),
+        "adamw_foreach": lambda: torch.optim.AdamW(params, lr=1e-2, foreach=True),
+        "adam": lambda: torch.optim.Adam(params, lr=1e-2, weight_decay=0.1),
+    }[name]()
+
+
+def _train(pm, eager, opt, opt_eager, clip) -> list[tuple[float, float]]:
+    """Two steps of forward, backward, ``clip()`` and optimizer step on ``pm`` and on ``eager``
+    (clipped by torch); the two norms of each step."""
+    norms = []
+    for step in range(2):
+        batch = _batch(1 + step)
+        opt.zero_grad()
+        opt_eager.zero_grad()
+        pm(*batch).backward()
+        eager(*batch).backward()
+        norms.append((float(clip()), float(torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.05))))
+        opt.step()
+        opt_eager.step()
+    return norms
+
+
+def _loop(rank: int, kind: str, mesh: tuple[int, ...], optimizer: str, own_clip: bool) -> dict:
+    """Two steps of forward, backward, clip and optimizer step, compiled and eager side by side."""
+    model = build_model("gpt", seed=0, bias=False).to(DTYPE)
+    eager = copy.deepcopy(model)
+    batch = _batch(1)
+    plan = autopar.hand_plan(kind, model, mesh, example_inputs=batch, cluster="cpu")
+    pm = autopar.compile(model, mesh, example_inputs=batch, plan=plan, cluster="cpu")
+    opt, opt_eager = _optimizer(optimizer, pm.parameters()), _optimizer(optimizer, eager.parameters())
+    clip = (lambda: pm.clip_grad_norm_(0.05)) if own_clip else (lambda: torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.05))
+    norms = _train(pm, eager, opt, opt_eager, clip)
+    params = dict(pm.named_parameters())
+    return {
+        "norms": norms,
+        "state_rel": max_rel_diff(pm.full_state_dict(), eager.state_dict()),
+        "names": sorted(params) == sorted(dict(eager.named_parameters())),
+        "placements": all(isinstance(p, DTensor) and p.device_mesh == pm.device_mesh
+                          and tuple(p.placements) == tuple(pm.plan.params[name]) for name, p in params.items())
+                      or {n: (type(p).__name__, getattr(p, "placements", None), pm.plan.params[n]) for n, p in params.items()},
+        "grads": all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in params.values())
+                 or {n: (type(p.grad).__name__, getattr(p.grad, "placements", None), p.placements) for n, p in params.items()},
+        "sharded": any(p.to_local().numel() < p.numel() for p in params.values()),
+    }
+
+
+CASES = {  # world size -> (hand plan, mesh, optimizer, pm.clip_grad_norm_ rather than torch's)
+    2: [("ddp", (2,), "sgd", False), ("fsdp", (2,), "adamw", False), ("fsdp", (2,), "adamw_for_loop", True)],
+    4: [("megatron", (2, 2), "adam", False), ("megatron", (2, 2), "adamw", True), ("fsdp", (4,), "adamw_foreach", False)],
+}
+
+
+def _pipelined(rank: int, plan: autopar.Plan) -> dict:
+    """Two steps on a pipelined plan (a rank holds one stage): ``pm.clip_grad_norm_`` reduces
+    over the stages, and an SGD step after it matches eager's."""
+    model = build_model("gpt", seed=0, bias=False).to(DTYPE)
+    eager = copy.deepcopy(model)
+    pm = autopar.compile(model, plan.mesh_shape, example_inputs=_batch(1), plan=plan)
+    opt, opt_eager = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    norms = _train(pm, eager, opt, opt_eager, lambda: pm.clip_grad_norm_(0.05))
+    return {"norms": norms, "state_rel": max_rel_diff(pm.full_state_dict(), eager.state_dict())}
+
+
+def _all_cases(rank: int, world: int, pipelined: autopar.Plan) -> dict:
+    out = {case: _loop(rank, *case) for case in CASES[world]}
+    if world == 2:
+        out["get_state_dict"] = _get_state_dict(rank)
+    else:
+        out["pipelined"] = _pipelined(rank, pipelined)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(rank_pool):
+    """Every case's per-rank results, by world size (one pool job each)."""
+    model = build_model("gpt", seed=0, bias=False).to(DTYPE)
+    pipelined = autopar.plan(model, (2, 2), example_inputs=_batch(1), cluster="cpu", pipeline=2, num_microbatches=2)
+    return {world: rank_pool(world).run(_all_cases, pipelined, timeout_s=900) for world in CASES}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world, case", [(world, case) for world, cases in CASES.items() for case in cases])
+def test_torch_clip_and_optimizers_match_eager(results, world, case) -> None:
+    per_rank = [by_case[case] for by_case in results[world]]
+    for result in per_rank:
+        assert result["names"], "named_parameters() differ from eager's"
+        assert result["placements"] is True, result["placements"]
+        assert result["grads"] is True, result["grads"]
+        for got, want in result["norms"]:
+            assert got == pytest.approx(want, rel=1e-9), result["norms"]
+        assert result["state_rel"] < TOL
+    assert case[0] == "ddp" or per_rank[0]["sharded"]  # the plan shards something, so a part's norm would differ
+
+
+def _get_state_dict(rank: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    model = build_model("gpt", seed=0, bias=False).to(DTYPE)
+    eager = copy.deepcopy(model)
+    batch = _batch(1)
+    plan = autopar.hand_plan("fsdp", model, (2,), example_inputs=batch, cluster="cpu")
+    pm = autopar.compile(model, (2,), example_inputs=batch, plan=plan, cluster="cpu")
+    opt, opt_eager = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for module, optimizer in ((pm, opt), (eager, opt_eager)):
+        module(*batch).backward()
+        optimizer.step()
+    model_sd, optim_sd = get_state_dict(pm, opt)
+    eager_model_sd, eager_optim_sd = get_state_dict(eager, opt_eager)
+    whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model_sd.items()}
+    moments = {k: v["exp_avg"].full_tensor() for k, v in optim_sd["state"].items()}
+    want_moments = {k: v["exp_avg"] for k, v in eager_optim_sd["state"].items()}
+    result = {"model_rel": max_rel_diff(whole, eager_model_sd), "moment_rel": max_rel_diff(moments, want_moments),
+              "keys": sorted(optim_sd["state"]) == sorted(eager_optim_sd["state"])}
+    # Eager's state (whole tensors, eager's names) into the compiled module and optimizer, wiped
+    # first; DCP fills the dicts it is given in place, so it gets copies.
+    with torch.no_grad():
+        for param in pm.parameters():
+            param.zero_()
+            opt.state[param]["exp_avg"].zero_()
+    set_state_dict(pm, opt, model_state_dict=copy.deepcopy(eager_model_sd),
+                   optim_state_dict=copy.deepcopy(eager_optim_sd), options=StateDictOptions(full_state_dict=True))
+    loaded = opt.state_dict()["state"]
+    result["after_set"] = max_rel_diff({str(k): v["exp_avg"].full_tensor() for k, v in loaded.items()},
+                                       {str(k): v["exp_avg"] for k, v in opt_eager.state_dict()["state"].items()})
+    result["params_after_set"] = max_rel_diff(pm.full_state_dict(), eager.state_dict())
+    return result
+
+
+@pytest.mark.multiproc
+def test_own_clip_matches_eager_on_a_pipelined_module(results) -> None:
+    for by_case in results[4]:
+        result = by_case["pipelined"]
+        for got, want in result["norms"]:
+            assert got == pytest.approx(want, rel=1e-9), result["norms"]
+        assert result["state_rel"] < TOL
+
+
+@pytest.mark.multiproc
+def test_dcp_get_state_dict_matches_eager(results) -> None:
+    for by_case in results[2]:
+        result = by_case["get_state_dict"]
+        assert result["keys"]
+        assert result["model_rel"] < TOL and result["moment_rel"] < TOL
+        assert result["after_set"] < TOL and result["params_after_set"] < TOL
+
+
+def test_add_grad_sets_then_accumulates_into_the_local_shard() -> None:
+    plain = torch.nn.Parameter(torch.zeros(4))
+    add_grad(plain, torch.ones(4, dtype=torch.float64))  # a reduce dtype lands in the parameter's
+    add_grad(plain, torch.ones(4))
+    assert plain.grad.dtype == torch.float32 and plain.grad.tolist() == [2.0] * 4
+    assert local_of(plain) is plain and as_like(plain.grad, plain) is plain.grad
+
+
+def _strided_round_trip(rank: int) -> float:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar.ir.spec import SS, shard_tensor
+    from autopar.runtime.checkpoint import to_dtensor
+
+    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, "cpu")
+    full = torch.arange(8 * 12, dtype=torch.float64).reshape(8, 12)
+    spec = (SS(1, 3),)  # a fused [q|k|v] weight cut per block, as the Megatron rules cut it
+    param = torch.nn.Parameter(to_dtensor(shard_tensor(full, spec, (rank,), (2,)), spec, (8, 12), mesh))
+    norm = torch.nn.utils.get_total_norm([param])
+    return float((param.full_tensor() - full).abs().max()), float(norm), float(full.norm())
+
+
+def test_a_strided_shard_parameter_is_the_whole_tensor_to_torch() -> None:
+    from autopar.runtime.numerics import run_ranks_in_threads
+
+    for error, norm, want in run_ranks_in_threads(2, _strided_round_trip):
+        assert error == 0 and norm == pytest.approx(want, rel=1e-12)
