@@ -4,13 +4,15 @@ This is what the ILP is built from. It is computed once per (graph, mesh, cluste
 no solver state, so that the formulation (``ilp.py``) and the reporting (``plan.py``) read the
 same numbers.
 
-- A *free* node chooses among its strategies.
+- A *free* node chooses among its strategies: the rules' strategies less those its producers
+  can never feed and those another of the same interface dominates (``pruning``: exact, both).
 - A *follower* (getitem always; otherwise a node with one tensor input whose rule maps each of
   its producer's output specs to exactly one strategy, such as views and elementwise ops) takes
   the strategy that matches its producer's choice, so it never reshards its input.
 - An *edge* joins output ``out_index`` of a producer to tensor input ``in_index`` of a consumer.
   Its price table gives the cost of each (producer spec → consumer spec) transition; missing
-  entries are impossible transitions (into Partial, or any change on a tensor mutated in place).
+  entries are impossible transitions (into Partial, or any change on a tensor mutated in place,
+  or into a follower, which takes its producer's spec as it is).
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ class ChoiceGraph:
     gathered: dict[str, GatheredSize] = field(default_factory=dict)
     # The communication schedule priced (``ir.options.CommOptions``; the runtime's default).
     comm: CommOptions = field(default_factory=CommOptions)
-    # How many strategies of op nodes were enumerated, and how many of them ``solver.pruning``
+    # How many strategies of op nodes were enumerated, and how many of them ``solver.problem.pruning``
     # cut before pricing edges (impossible) or after pricing the node (dominated).
     pruned: "Pruned" = field(default_factory=lambda: Pruned())
     # What later stages compute from this graph alone (the memory planner's walk: see
@@ -179,7 +181,7 @@ class ChoiceGraph:
 @dataclass
 class Pruned:
     """Strategies of op nodes, counted node by node (repeated layers count every copy): as the
-    rules enumerate them, and those ``solver.pruning`` cut as impossible or dominated."""
+    rules enumerate them, and those ``solver.problem.pruning`` cut as impossible or dominated."""
 
     enumerated: int = 0
     impossible: int = 0
@@ -631,7 +633,7 @@ def _reachable(producer: Choice, pinned: bool, cache: dict) -> pruning.Reachable
 
 def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes,
                       reachable) -> tuple:
-    """Every possible strategy of one op and its prices, dominated ones cut (``solver.pruning``),
+    """Every possible strategy of one op and its prices, dominated ones cut (``solver.problem.pruning``),
     with the counts (enumerated, impossible, dominated)."""
     enumerated = node_strategies(info, mesh_shape)
     strategies = [enumerated[i] for i in pruning.feasible([s.ins for s in enumerated], reachable)]
