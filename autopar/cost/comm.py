@@ -164,18 +164,33 @@ def transition_cost(
     ``grad_dtype`` where the gradient is reduced in another dtype than the value (a precision
     policy's ``reduce_dtype``).
     """
-    if transition_steps(src, dst) is None:
+    steps = transition_steps(src, dst)
+    if steps is None:
         return None
-    total = ZERO
-    backwards = [b for _, (_, b) in _walk(src, dst, global_shape, grad_dtype or dtype, mesh_shape)]
-    for (step, (forward, _)), backward in zip(_walk(src, dst, global_shape, dtype, mesh_shape), backwards):
-        forward_s, forward_sent = _price(forward, step.axis, mesh_shape, cluster)
-        backward_s, backward_sent = 0.0, 0.0
+    if not steps:
+        return ZERO
+    # One walk prices both directions (``_walk``'s sizes; sums in step order, as ``CommCost.__add__``).
+    itemsize, grad_itemsize = dtype.itemsize, (grad_dtype or dtype).itemsize
+    forward_total = backward_total = sent_total = 0.0
+    per_axis: dict[int, float] = {}
+    current = list(src)
+    for step in steps:
+        elements = math.prod(local_shape(global_shape, tuple(current), mesh_shape))
+        k = mesh_shape[step.axis]
+        forward, _ = _step_collectives(step.kind, elements * itemsize, k)
+        forward_s, sent = _price(forward, step.axis, mesh_shape, cluster)
+        backward_s = 0.0
         if requires_grad:
+            _, backward = _step_collectives(step.kind, elements * grad_itemsize, k)
             backward_s, backward_sent = _price(backward, step.axis, mesh_shape, cluster)
-        sent = forward_sent + backward_sent
-        total = total + CommCost(forward_s, backward_s, sent, ((step.axis, sent),) if sent else ())
-    return total
+            sent = sent + backward_sent
+        forward_total += forward_s
+        backward_total += backward_s
+        sent_total += sent
+        if sent:
+            per_axis[step.axis] = per_axis.get(step.axis, 0.0) + sent
+        current[step.axis] = dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
+    return CommCost(forward_total, backward_total, sent_total, tuple(sorted(per_axis.items())))
 
 
 def transition_bytes_per_axis(

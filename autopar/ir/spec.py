@@ -49,13 +49,28 @@ def SS(dim: int, blocks: int) -> _StridedShard:
     return _StridedShard(dim, split_factor=blocks)
 
 
+_SHARD, _STRIDED = 1, 2
+# Placement type -> _SHARD | _STRIDED bits (0 for R and P): ``isinstance`` on torch's placement
+# types goes through a metaclass hook, and pricing a 3-axis mesh asks it tens of millions of times.
+_KINDS: dict[type, int] = {}
+
+
+def _kind(placement: Placement) -> int:
+    cls = type(placement)
+    kind = _KINDS.get(cls)
+    if kind is None:
+        kind = _KINDS[cls] = (_STRIDED | _SHARD if issubclass(cls, _StridedShard)
+                              else _SHARD if issubclass(cls, Shard) else 0)
+    return kind
+
+
 def is_strided(placement: Placement) -> bool:
-    return isinstance(placement, _StridedShard)
+    return bool(_kind(placement) & _STRIDED)
 
 
 def is_sharded(placement: Placement) -> bool:
     """Shard or strided shard: the rank holds 1/k of the dim."""
-    return isinstance(placement, (Shard, _StridedShard))
+    return bool(_kind(placement) & _SHARD)
 
 
 _SHARD_RE = re.compile(r"^S\((\d+)\)$")
@@ -146,7 +161,7 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
     """The shape each rank holds. Assumes ``is_valid``."""
     out = list(shape)
     for axis, placement in enumerate(spec):
-        if is_sharded(placement):
+        if _kind(placement):
             out[placement.dim] //= mesh_shape[axis]
     return tuple(out)
 
@@ -171,7 +186,7 @@ class Step:
             raise ValueError(f"unknown step kind {self.kind!r}")
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=1 << 18)  # a 3-axis mesh has tens of thousands of pairs per tensor rank
 def transition_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:
     """The collectives that turn a tensor held as ``src`` into ``dst``, or None if impossible.
 

@@ -11,6 +11,7 @@ which no plan fits the memory budget is kept in the table as infeasible.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from typing import Any, Callable
@@ -69,7 +70,14 @@ def search_mesh(
     candidates = mesh_candidates(num_devices, options.max_axes)
     for number, shape in enumerate(candidates, 1):
         if on_progress:
-            on_progress(f"mesh search {number}/{len(candidates)}: planning on mesh {shape} ...")
+            so_far = (f"; best so far {tuple(best_row['mesh'])} at {best_row['step_time_s'] * 1e3:.1f} ms"
+                      if best is not None else "")
+            on_progress(f"mesh search {number}/{len(candidates)}: planning on mesh {shape} "
+                        f"({len(candidates) - number} after it{so_far}) ...")
+        # What the last mesh left behind (its choice graph and ILP, in reference cycles) goes
+        # now, so that memory stays flat from mesh to mesh: planning runs with the collector
+        # quiet (``api.quiet_gc``).
+        gc.collect()
         start = time.perf_counter()
         try:
             plan = plan_one(traced, shape, cluster, options)

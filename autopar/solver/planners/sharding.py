@@ -69,8 +69,10 @@ def solve(
     optimizer_dtype = to_dtype(precision.optimizer_dtype) if precision is not None else torch.float32
     graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage,
                                optimizer_dtype=optimizer_dtype, comm=settings.comm)
-    log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s", len(graph.order), len(graph.edges),
-             time.perf_counter() - start)
+    log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s (%d of %d op strategies cut: %d impossible, "
+             "%d dominated)", len(graph.order), len(graph.edges), time.perf_counter() - start,
+             graph.pruned.impossible + graph.pruned.dominated, graph.pruned.enumerated, graph.pruned.impossible,
+             graph.pruned.dominated)
     solved = _solve_sharding(graph, settings, forced, start)
     solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved)
     plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts)
@@ -392,7 +394,7 @@ def plan_from_solution(
         memory_timeline=graph.timeline.sampled(chosen),
         input_dtypes={node.name: str(node.meta["val"].dtype) for node in traced.gm.graph.nodes
                       if node.op == "placeholder" and hasattr(node.meta.get("val"), "dtype")},
-        stats={"solve_time_s": solution.solve_time_s},
+        stats={"solve_time_s": solution.solve_time_s, "strategies": graph.pruned.as_dict()},
     )
 
 

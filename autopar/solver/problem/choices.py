@@ -4,13 +4,15 @@ This is what the ILP is built from. It is computed once per (graph, mesh, cluste
 no solver state, so that the formulation (``ilp.py``) and the reporting (``plan.py``) read the
 same numbers.
 
-- A *free* node chooses among its strategies.
+- A *free* node chooses among its strategies: the rules' strategies less those its producers
+  can never feed and those another of the same interface dominates (``pruning``: exact, both).
 - A *follower* (getitem always; otherwise a node with one tensor input whose rule maps each of
   its producer's output specs to exactly one strategy, such as views and elementwise ops) takes
   the strategy that matches its producer's choice, so it never reshards its input.
 - An *edge* joins output ``out_index`` of a producer to tensor input ``in_index`` of a consumer.
   Its price table gives the cost of each (producer spec → consumer spec) transition; missing
-  entries are impossible transitions (into Partial, or any change on a tensor mutated in place).
+  entries are impossible transitions (into Partial, or any change on a tensor mutated in place,
+  or into a follower, which takes its producer's spec as it is).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from autopar.ir import context
 from autopar.ir.options import CommOptions
 from autopar.ir.spec import SS, Spec, is_valid, local_shape, replicated
 from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
+from autopar.solver.problem import pruning
 from autopar.solver.problem.gathered import GatheredSize, gathered_parameters
 from autopar.trace import TracedModel, requires_grad
 from autopar.trace.moe import EXPERTS_OP
@@ -101,7 +104,7 @@ class Edge:
     dtype: torch.dtype
     requires_grad: bool
     # The tensor must arrive as it is: the consumer writes it in place, or is a getitem, which
-    # only names one output of its producer.
+    # only names one output of its producer, or follows its producer (``_mark_followers``).
     no_reshard: bool
     # (src spec, dst spec) → (seconds, bytes sent); absent = impossible
     price: dict[tuple[Spec, Spec], tuple[float, float]] = field(default_factory=dict)
@@ -129,6 +132,9 @@ class ChoiceGraph:
     gathered: dict[str, GatheredSize] = field(default_factory=dict)
     # The communication schedule priced (``ir.options.CommOptions``; the runtime's default).
     comm: CommOptions = field(default_factory=CommOptions)
+    # How many strategies of op nodes were enumerated, and how many of them ``solver.problem.pruning``
+    # cut before pricing edges (impossible) or after pricing the node (dominated).
+    pruned: "Pruned" = field(default_factory=lambda: Pruned())
     # What later stages compute from this graph alone (the memory planner's walk: see
     # ``solver.planners.memory_plan``), kept so that one solve computes it once however many plans it tries.
     # Not an argument: a graph made by ``dataclasses.replace`` (other prices, other choices)
@@ -170,6 +176,19 @@ class ChoiceGraph:
         if cached is None:
             cached = self.__dict__["_param_sync_groups"] = param_sync_groups(self)
         return cached
+
+
+@dataclass
+class Pruned:
+    """Strategies of op nodes, counted node by node (repeated layers count every copy): as the
+    rules enumerate them, and those ``solver.problem.pruning`` cut as impossible or dominated."""
+
+    enumerated: int = 0
+    impossible: int = 0
+    dominated: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"enumerated": self.enumerated, "impossible": self.impossible, "dominated": self.dominated}
 
 
 @dataclass
@@ -283,6 +302,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     cache: dict[tuple, tuple] = {}
     infos: dict[tuple, tuple] = {}
     placeholder_cache: dict[tuple, tuple] = {}
+    pruned = Pruned()
     for node in traced.gm.graph.nodes:
         order.append(node.name)
         if node.op == "placeholder":
@@ -292,7 +312,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
         elif node.op == "call_function":
-            choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, cache, infos)
+            choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, cache, infos, pruned)
         else:
             raise NotImplementedError(f"autopar cannot plan a {node.op} node yet: {node.format_node()}")
         if forced and node.name in forced:
@@ -305,9 +325,11 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
                 raise ValueError(f"forced {'kernel' if isinstance(want, str) else 'spec'} {want} is not a strategy "
                                  f"of {node.format_node()}")
             _keep_only(choice, keep)
-    edges = _edges(traced.gm, choices, mesh_shape, cluster)
     layers = _layers(traced.gm, choices, traced) if share_layers else {}
     _mark_followers(choices, order, _boundary_nodes(layers, choices))
+    # After the followers: an edge into a follower only ever carries its producer's spec as it
+    # is, so only those transitions are priced (the ILP gives such an edge no variables).
+    edges = _edges(traced.gm, choices, mesh_shape, cluster)
     templates = repeated_layers(layers, choices)
     ties = _tie_groups(traced, choices)
     if zero_stage:
@@ -318,7 +340,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     fqns = {i.name: traced.ties.get(i.fqn, i.fqn) for i in traced.inputs if i.kind == "param"}
     gathered, intervals = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm, cluster.gloo)
     timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
-    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm)
+    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned)
 
 
 def _check_zero_layout(choices: dict[str, Choice], zero_stage: int) -> None:
@@ -515,7 +537,7 @@ def _output_choice(node: torch.fx.Node, num_axes: int) -> Choice:
     return Choice(node.name, "output", [strategy], [0.0], [0.0], inputs, grad_sync_bytes=[0.0])
 
 
-def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict) -> Choice:
+def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict, pruned: Pruned) -> Choice:
     val = node.meta.get("val")
     needs_grad = requires_grad(node)
     if node.target is operator.getitem:
@@ -524,15 +546,23 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict) -> 
     inputs = [(n.name, 0) for n in input_nodes]
     out_dtypes = tuple(v.dtype for v in _flatten(val) if isinstance(v, torch.Tensor))
     # Identical ops (same arguments and shapes, as in repeated layers) get identical strategies
-    # and prices: enumerate and price each distinct one once.
+    # and prices: enumerate and price each distinct one once. What their producers can deliver
+    # (``pruning.Reachable``) is part of the key: it decides which strategies are possible.
     sync_dtypes = tuple(reduce_dtype(n) for n in input_nodes)
+    mutated = _mutated_inputs(node)
+    reachable = tuple(_reachable(choices[n.name], i in mutated, cache) for i, n in enumerate(input_nodes))
     key = (
         info.target, kw_text, info.out_shapes, out_dtypes, needs_grad,
         tuple((choices[n.name].requires_grad, choices[n.name].kind == "param") for n in input_nodes), sync_dtypes,
+        reachable,
     )
     if key not in cache:
-        cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes)
-    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs = cache[key]
+        cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes,
+                                       reachable)
+    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs, counts = cache[key]
+    pruned.enumerated += counts[0]
+    pruned.impossible += counts[1]
+    pruned.dominated += counts[2]
     return Choice(
         node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
         needs_grad, info=info, grad_sync_bytes=sync_bytes, sync_dtypes=sync_dtypes, param_sync_s=param_sync_s,
@@ -592,8 +622,35 @@ def grad_sync_cost(arg, spec: Spec, axis: int, is_param: bool, mesh_shape, clust
     return comm.grad_allreduce_cost(arg.shape, spec, axis, dtype or arg.dtype, mesh_shape, cluster)
 
 
-def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes) -> tuple:
-    strategies = node_strategies(info, mesh_shape)
+def _reachable(producer: Choice, pinned: bool, cache: dict) -> pruning.Reachable:
+    """What ``producer``'s output 0 can deliver (``pruning.Reachable``), once per strategy list.
+    The list is held in the entry, so that no id in a key is reused while this runs."""
+    key = ("reachable", id(producer.strategies), pinned)
+    if key not in cache:
+        cache[key] = (pruning.Reachable.of(producer.out_specs(0), pinned), producer.strategies)
+    return cache[key][0]
+
+
+def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes,
+                      reachable) -> tuple:
+    """Every possible strategy of one op and its prices, dominated ones cut (``solver.problem.pruning``),
+    with the counts (enumerated, impossible, dominated)."""
+    enumerated = node_strategies(info, mesh_shape)
+    strategies = [enumerated[i] for i in pruning.feasible([s.ins for s in enumerated], reachable)]
+    if not strategies:  # nothing the producers deliver: keep the rules' list, so the ILP says why
+        strategies = enumerated
+    lists = _price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, strategies)
+    keep = pruning.undominated(
+        [(s.ins, s.outs, tuple(sorted((i, a) for i, a, _, _ in syncs))) for s, syncs in zip(lists[0], lists[6])],
+        [(c, m, b, p, -bw) for c, m, b, p, bw in zip(lists[1], lists[2], lists[3], lists[4], lists[5])],
+    )
+    if len(keep) < len(strategies):
+        lists = tuple([values[i] for i in keep] for values in lists)
+    counts = (len(enumerated), len(enumerated) - len(strategies), len(strategies) - len(keep))
+    return (*lists, counts)
+
+
+def _price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, strategies) -> tuple:
     compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs = [], [], [], [], [], []
     for strategy in strategies:
         flops_s, bytes_s, factor = compute.roofline_terms(info, strategy, mesh_shape, cluster, needs_grad)
@@ -790,10 +847,18 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
     # and one price per (src, dst, shape, dtype, grad) across tables. Spec lists are computed
     # once per strategy list (identical ops share one, see ``_op_choice``).
     tables: dict[tuple, dict] = {}
-    prices: dict[tuple, tuple[float, float] | None] = {}
+    prices: dict[tuple, dict[tuple[int, int], tuple[float, float] | None]] = {}
     spec_lists: dict[tuple[int, str, int], tuple[Spec, ...]] = {}
 
     interned: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
+    codes: dict[Spec, int] = {}
+    list_codes: dict[int, tuple[int, ...]] = {}  # by id of an interned list (``interned`` holds them)
+
+    def codes_of(specs: tuple[Spec, ...]) -> tuple[int, ...]:
+        found = list_codes.get(id(specs))
+        if found is None:
+            found = list_codes[id(specs)] = tuple(codes.setdefault(spec, len(codes)) for spec in specs)
+        return found
 
     def specs_of(choice: Choice, side: str, index: int) -> tuple[Spec, ...]:
         key = (id(choice.strategies), side, index)
@@ -813,7 +878,7 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
         for in_index, (producer, out_index) in enumerate(choice.inputs):
             source = choices[producer]
             shape, dtype = source.out_shapes[out_index], source.out_dtypes[out_index]
-            pinned = in_index in mutated or node.target is operator.getitem
+            pinned = in_index in mutated or node.target is operator.getitem or choice.follower_of == producer
             grad_dtype = grad_dtypes.get(producer)
             edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, pinned,
                         grad_dtype=grad_dtype)
@@ -822,22 +887,31 @@ def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
             # most of this loop's time on a deep model.
             table_key = (id(srcs), id(dsts), shape, dtype, edge.requires_grad, pinned, grad_dtype)
             if table_key not in tables:
+                # Prices are keyed by spec codes: hashing a spec hashes each of its placements.
+                known = prices.setdefault((shape, dtype, edge.requires_grad, grad_dtype), {})
+                src_pairs = list(zip(srcs, codes_of(srcs)))
+                if pinned:  # only the spec as it is
+                    allowed = set(dsts)
+                    combos = [(pair, pair) for pair in src_pairs if pair[0] in allowed]
+                else:
+                    combos = itertools.product(src_pairs, list(zip(dsts, codes_of(dsts))))
                 table = {}
-                for src in srcs:
-                    for dst in dsts:
-                        if pinned and src != dst:
-                            continue
-                        key = (src, dst, shape, dtype, edge.requires_grad, grad_dtype)
-                        if key not in prices:
-                            cost = comm.transition_cost(src, dst, shape, dtype, mesh_shape, cluster, edge.requires_grad,
-                                                        grad_dtype)
-                            prices[key] = None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent)
-                        if prices[key] is not None:
-                            table[(src, dst)] = prices[key]
+                for (src, src_code), (dst, dst_code) in combos:
+                    price = known.get((src_code, dst_code), _UNPRICED)
+                    if price is _UNPRICED:
+                        cost = comm.transition_cost(src, dst, shape, dtype, mesh_shape, cluster, edge.requires_grad,
+                                                    grad_dtype)
+                        price = known[(src_code, dst_code)] = (
+                            None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent))
+                    if price is not None:
+                        table[(src, dst)] = price
                 tables[table_key] = table
             edge.price = tables[table_key]  # shared, read-only from here on
             edges.append(edge)
     return edges
+
+
+_UNPRICED = object()
 
 
 # Composite ops that write arguments their schema does not mark as written: they update running
