@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from autopar.errors import (
         AutoparError, CheckpointError, InfeasibleError, MeshError, PassError, PlanError, TraceError,
     )
+    from autopar.ir.data import DataOptions
     from autopar.ir.options import CommOptions, MixedPrecision
     from autopar.ir.plan import Plan
     from autopar.runtime.materialize import FromCheckpoint, SeededInit
@@ -39,6 +40,7 @@ _EXPORTS = {
     "Plan": "autopar.ir.plan",
     "MixedPrecision": "autopar.ir.options",
     "CommOptions": "autopar.ir.options",
+    "DataOptions": "autopar.ir.data",
     "SeededInit": "autopar.runtime.materialize",
     "FromCheckpoint": "autopar.runtime.materialize",
     "ParallelModule": "autopar.runtime.module",
@@ -55,6 +57,7 @@ _EXPORTS = {
 
 __all__ = [
     "CommOptions",
+    "DataOptions",
     "plan",
     "compile",
     "hand_plan",

@@ -29,11 +29,14 @@ from autopar.ir.options import (
     CommOptions, MemoryOptions, MixedPrecision, PipelineOptions, PlanOptions, check_mesh_devices, precision_policy,
     to_dtype,
 )
+from autopar.ir.data import DataOptions
 from autopar.ir.pipeline import batch_size_of, first_microbatch, stage_mesh_of
 from autopar.ir.plan import Plan, validate_plan_json
 from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.runtime.compiled import check_compiler, graph_runner
+from autopar.runtime.modes import mode_name, pinned_placements
 from autopar.solver import solve
+from autopar.solver.planners.data import with_data_layout
 from autopar.trace import TracedModel, trace, trace_repeated
 from autopar.solver.pricing import symbolic
 from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
@@ -79,6 +82,7 @@ def plan(
     precision: str | MixedPrecision | None = None,
     comm: CommOptions | None = None,
     compiler: str | None = None,
+    data: DataOptions | None = None,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
 
@@ -135,13 +139,19 @@ def plan(
     ``compiler`` is ``compile``'s: the plan is priced for the executor that will run it
     ("inductor" fuses pointwise ops: ``cost.compute.executed_bytes``) and records it in
     ``plan.predicted["executor"]``.
+
+    ``data`` (``autopar.DataOptions``) is how the compiled module will take its data: the same
+    whole batch on every rank (``batch="whole"``, the default), or each data-parallel rank's
+    own rows (``batch="per_rank"``). The example inputs are the global batch either way; the
+    plan records the mode and the mesh axes that split the batch (``plan.data``: its
+    ``size`` is the data-parallel size).
     """
     check_compiler(compiler)
     options = PlanOptions.from_keywords(
         memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver, pipeline=pipeline,
         num_microbatches=num_microbatches, offload=offload, checkpointing=checkpointing, prefetch=prefetch,
         pipeline_schedules=pipeline_schedules, devices=devices, max_axes=max_axes, symbolic_batch=symbolic_batch, compute=compute, precision=precision,
-        comm=comm or CommOptions(),
+        comm=comm or CommOptions(), data=data or DataOptions(),
     )
     spec = priced_for(get_cluster(cluster), compiler) if compiler else get_cluster(cluster)
     return plan_model(model, mesh, example_inputs, example_kwargs, spec, options)
@@ -278,12 +288,17 @@ def _plan_stages(traced: TracedModel, mesh_shape: tuple[int, ...] | None, device
     """The stage planner on a model traced at one microbatch."""
     from autopar.solver.planners.stages import plan_stages  # the stage planner loads only for pipelines (start-up speed)
 
-    return plan_stages(traced, mesh_shape, cluster, num_stages=options.pipeline.stages,
+    return _with_notes(traced, plan_stages(traced, mesh_shape, cluster, num_stages=options.pipeline.stages,
                        num_microbatches=options.pipeline.microbatches,
                        memory_budget=resolve_budget(options.memory.budget, cluster),
                        time_limit_s=options.solve.time_limit_s, devices=devices,
                        max_axes=min(options.max_axes, 2), solver=options.solve.solver, precision=options.precision,
-                       remat=options.memory.checkpointing is not False, schedules_allowed=options.pipeline.schedules)
+                       remat=options.memory.checkpointing is not False, schedules_allowed=options.pipeline.schedules))
+
+
+def _with_notes(traced: TracedModel, made: Plan) -> Plan:
+    """``made`` carrying what tracing changed about the model's behaviour (``TracedModel.notes``)."""
+    return dataclasses.replace(made, notes=tuple(traced.notes), stats=made.stats) if traced.notes else made
 
 
 def offload_target(offload: str, cluster: ClusterSpec) -> tuple[str | None, str | None]:
@@ -292,12 +307,16 @@ def offload_target(offload: str, cluster: ClusterSpec) -> tuple[str | None, str 
 
 
 @quiet_gc()
-def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec, options: PlanOptions) -> Plan:
-    """Plan an already traced model on one mesh (``autopar.plan`` without the tracing)."""
+def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec, options: PlanOptions,
+                forced: dict[str, Any] | None = None, data_axes: tuple[int, ...] | None = None) -> Plan:
+    """Plan an already traced model on one mesh (``autopar.plan`` without the tracing).
+    ``forced`` pins placeholders' specs and ``data_axes`` the batch-splitting axes (another mode's
+    graph of a compiled module: ``runtime.modes``)."""
     start = time.perf_counter()
-    result = solve(traced, mesh_shape, cluster, options)
+    result = solve(traced, mesh_shape, cluster, options, forced=forced)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
-    return dataclasses.replace(result, predicted={**result.predicted, "executor": cluster.executor})
+    result = dataclasses.replace(result, predicted={**result.predicted, "executor": cluster.executor})
+    return _with_notes(traced, with_data_layout(result, traced, options.data, axes=data_axes))
 
 
 def priced_for(cluster: ClusterSpec, compiler: str | None) -> ClusterSpec:
@@ -319,6 +338,7 @@ def hand_plan(
     parallel: dict[str, Any] | None = None,
     num_microbatches: int | None = None,
     comm: CommOptions | None = None,
+    data: DataOptions | None = None,
 ) -> Plan:
     """The hand plan ``kind`` (``autopar.solver.planners.hand_plans.KINDS``: "ddp", "fsdp", "megatron", ...)
     for ``model`` on ``mesh``, as a Plan priced by autopar's model (``memory_budget`` and
@@ -333,7 +353,8 @@ def hand_plan(
 
     ``comm`` (``autopar.CommOptions``) is the parameter schedule it is priced for, as in ``autopar.plan``.
 
-    It can be saved, inspected and compiled like any plan, which gives real baselines.
+    It can be saved, inspected and compiled like any plan, which gives real baselines. ``data``
+    is ``autopar.plan``'s.
     """
     if kind == "colossal":
         return _colossal_plan(model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget,
@@ -347,8 +368,9 @@ def hand_plan(
     policy = precision_policy(precision)
     traced = trace_repeated(model, example_inputs, example_kwargs, policy)
     cluster_spec = get_cluster(cluster)
-    return solve_hand_plan(kind, traced, mesh_shape, cluster_spec, PlanOptions.from_keywords(
+    made = solve_hand_plan(kind, traced, mesh_shape, cluster_spec, PlanOptions.from_keywords(
         memory_budget=memory_budget, checkpointing=False, precision=policy, comm=comm or CommOptions()))
+    return _with_notes(traced, with_data_layout(made, traced, data or DataOptions()))
 
 
 def _colossal_plan(model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget, precision,
@@ -392,6 +414,7 @@ def compile(
     precision: str | MixedPrecision | None = None,
     comm: CommOptions | None = None,
     compiler: str | None = None,
+    data: DataOptions | None = None,
 ) -> ParallelModule | PipelineParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
 
@@ -425,6 +448,18 @@ def compile(
     ``compiler="inductor"`` compiles the rewritten graph with ``torch.compile`` (inductor, forward
     and backward) at the first call; its communication is then scheduled in the graph and
     bucketed and reordered by inductor (``autopar.runtime.compiled``). None runs it op by op.
+
+    ``data`` (``autopar.DataOptions``; a given plan's own by default) is how each call takes its
+    data: ``batch="whole"`` (the default), the same whole batch on every rank, or
+    ``batch="per_rank"``, each data-parallel rank's own rows: ``B / pm.data_parallel_size`` rows
+    of the example inputs' batch ``B`` on data-parallel rank ``pm.data_parallel_rank`` (the
+    batched inputs are those whose dim 0 has the batch size of the first input). Every call
+    checks, in one small all-gather, that the ranks that must pass the same data did.
+
+    The module runs the graph of its mode: ``pm.train()`` the model traced in train mode,
+    ``pm.eval()`` in eval mode (batch norm's running statistics, no dropout), made the first time
+    it is called, on the same shards (``autopar.runtime.modes``). A copy of ``model`` with its
+    parameters and buffers on the meta device (no copy of their values) is kept for that.
     """
     check_compiler(compiler)
     if comm is not None and not isinstance(comm, CommOptions):
@@ -464,6 +499,7 @@ def compile(
     options = PlanOptions.from_keywords(
         memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline, num_microbatches=num_microbatches,
         pipeline_schedules=pipeline_schedules, offload=offload, checkpointing=checkpointing, prefetch=prefetch, precision=policy, comm=comm or CommOptions(),
+        data=_data_of(plan, data),
     )
     if plan is not None and (plan.pipeline is not None or options.pipeline.enabled):
         options = _pipeline_of(plan, options)
@@ -509,11 +545,76 @@ def compile(
         local = empty_shards(model, chosen.params, mesh_shape, init.device)
     else:
         local = None
-    pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local, offloader=offloader)
+    build_mode = _mode_builder(_meta_copy(model), example_inputs, example_kwargs, chosen, mesh_shape, cluster, options,
+                               groups, fqns, comm, offloads=offloader is not None)
+    pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local, offloader=offloader,
+                        build_mode=build_mode, training=model.training)
     if isinstance(init, FromCheckpoint):
         checkpoint.load(init.path, pm)
     pm._compiled_graph = graph_runner(gm, compiler, comm)
     return pm
+
+
+def _data_of(plan: Plan | None, data: DataOptions | None) -> DataOptions:
+    """The data options to run: the plan's (which ``data``, where given, must agree with), else ``data``'s."""
+    if data is not None and not isinstance(data, DataOptions):
+        raise TypeError(f"data must be an autopar.DataOptions, got {data!r}")
+    if plan is None:
+        return data or DataOptions()
+    recorded = DataOptions(plan.data_layout.batch)
+    if data is not None and data != recorded:
+        raise PlanError(
+            f"data=DataOptions(batch={data.batch!r}) contradicts the plan, which was made for batch={recorded.batch!r}: "
+            f"drop data= to run the plan as it is, or re-plan with autopar.plan(..., data=DataOptions(batch={data.batch!r}))"
+        )
+    return recorded
+
+
+def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its parameters and buffers on the meta device, sharing nothing with it and
+    copying no values (``deepcopy`` with them pre-made), to trace its other mode later. A
+    model that cannot be copied is kept as it is."""
+    memo: dict[int, Any] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in memo:
+            continue
+        meta = tensor.detach().to("meta")
+        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+            if isinstance(tensor, torch.nn.Parameter) else meta
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:  # noqa: BLE001 - any failure to copy: trace the model itself later
+        return model
+
+
+def _mode_builder(model: torch.nn.Module, example_inputs, example_kwargs, chosen: Plan, mesh_shape, cluster,
+                  options: PlanOptions, groups, fqns: dict[str, str], comm: CommOptions | None, offloads: bool):
+    """The builder of the compiled module's other mode (``runtime.modes``): trace ``model`` in
+    that mode, plan it with every parameter and buffer pinned to ``chosen``'s placements and the
+    batch split on ``chosen``'s axes (rank 0 solves, as in ``compile``), and rewrite it."""
+    def build(training: bool):
+        if offloads:
+            raise PlanError(
+                f"pm.{mode_name(training)}(): this plan offloads, and another mode's graph of an offloading plan "
+                f"is not built yet: run the module in the mode it was compiled in ({mode_name(not training)}), or "
+                "compile with offload='off'"
+            )
+        was = model.training
+        model.train(training)
+        try:
+            with quiet_gc():
+                traced = trace(model, example_inputs, example_kwargs, options.precision)
+        finally:
+            model.train(was)
+        forced = pinned_placements(traced, chosen)
+        made = _resolve_plan(None, traced, mesh_shape, cluster, options, forced=forced,
+                             data_axes=chosen.data_layout.axes)
+        check_rank_agreement(made)
+        mode_fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+        gm = run_passes(copy.deepcopy(traced.gm), made, default_passes(groups, None, mode_fqns, comm))
+        return traced, gm, made
+
+    return build
 
 
 def _precision_of(plan: Plan | None, precision: str | MixedPrecision | None) -> MixedPrecision:
@@ -635,7 +736,8 @@ def _pipeline_of(plan: Plan, options: PlanOptions) -> PlanOptions:
 
 
 def _resolve_plan(plan: Plan | None, traced: TracedModel, mesh_shape: tuple[int, ...], cluster,
-                  options: PlanOptions) -> Plan:
+                  options: PlanOptions, forced: dict[str, Any] | None = None,
+                  data_axes: tuple[int, ...] | None = None) -> Plan:
     if plan is None:
         # Rank 0 solves and broadcasts; the solve is deterministic, but eight identical solves
         # on one host would only compete for its cores. A failure is broadcast too, so that
@@ -646,7 +748,7 @@ def _resolve_plan(plan: Plan | None, traced: TracedModel, mesh_shape: tuple[int,
                 if options.pipeline.enabled:  # ``traced`` is one microbatch
                     made = _plan_stages(traced, mesh_shape, None, get_cluster(cluster), options)
                 else:
-                    made = plan_traced(traced, mesh_shape, get_cluster(cluster), options)
+                    made = plan_traced(traced, mesh_shape, get_cluster(cluster), options, forced, data_axes)
                 text = made.to_json()
                 validate_plan_json(json.loads(text))  # once, here: every rank parses these same bytes
                 payload[0] = ("plan", text)

@@ -292,6 +292,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.cli.console import Progress, emit
     from autopar.cli.views import mesh_search_table, plan_blocks
     from autopar.cost.cluster import get_cluster
+    from autopar.ir.data import DataOptions
     from autopar.ir.options import PlanOptions
 
     cluster = args.cluster if args.cluster is not None else get_cluster(None)
@@ -308,7 +309,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = PlanOptions.from_keywords(
         memory_budget=args.memory_budget, time_limit_s=args.time_limit, pipeline=args.pipeline or "off",
         num_microbatches=args.num_microbatches, offload=args.offload, devices=None if args.mesh else args.devices,
-        precision=args.precision,
+        precision=args.precision, data=DataOptions(batch=args.data),
     )
     start = time.perf_counter()
     with Progress(PROG) as progress:
@@ -514,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory less a 10%% reserve)")
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed", "bf16-true"),
                    help="the precision policy the plan is priced for (default 32-true: the model's own dtypes)")
+    p.add_argument("--data", default="whole", choices=("whole", "per_rank"),
+                   help="how the compiled module takes its data: the same whole batch on every rank (default), "
+                        "or each data-parallel rank its own rows (the plan records its data-parallel size)")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="batch size of built-in models (default 8)")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="sequence length of gpt, llama and presets")
     p.add_argument("--num-layers", type=_positive_int, default=None,

@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from autopar.errors import MeshError
+from autopar.ir.data import DataOptions
 from autopar.ir.units import parse_budget
 
 
@@ -192,7 +193,8 @@ class PlanOptions:
     "measured") overrides the cluster's way of pricing ops (the cluster checks it). ``precision``
     is a ``MixedPrecision`` or the name of one ("32-true", the default, "bf16-mixed", "bf16-true").
     ``comm`` is the communication schedule ``compile`` runs, which the plan is priced for (how
-    sharded parameters are gathered and freed decides their memory)."""
+    sharded parameters are gathered and freed decides their memory). ``data`` says how the
+    compiled module takes its batches (``autopar.ir.data.DataOptions``)."""
 
     solve: SolveOptions = field(default_factory=SolveOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
@@ -203,11 +205,17 @@ class PlanOptions:
     compute: str | None = None
     precision: "MixedPrecision | str | None" = None
     comm: CommOptions = field(default_factory=CommOptions)
+    data: DataOptions = field(default_factory=DataOptions)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", precision_policy(self.precision))
         if not isinstance(self.comm, CommOptions):
             raise TypeError(f"comm must be an autopar.CommOptions, got {self.comm!r}")
+        if not isinstance(self.data, DataOptions):
+            raise TypeError(f"data must be an autopar.DataOptions, got {self.data!r}")
+        if self.pipeline.enabled and self.data.per_rank:
+            raise ValueError("batch='per_rank' with a pipeline: the pipeline runtime takes the whole batch on every "
+                             "rank and cuts it into microbatches; pass batch='whole' (the default), or pipeline='off'")
         if self.pipeline.enabled and self.memory.offload != "off":
             raise ValueError(
                 f"offload={self.memory.offload!r} with a pipeline: offload inside pipeline stages is not built yet "

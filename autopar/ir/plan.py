@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from autopar.errors import PlanError
+from autopar.ir.data import DataLayout
 from autopar.ir.memory import MemoryPlan
 from autopar.ir.options import MixedPrecision
 from autopar.ir.pipeline import StagePlan
@@ -191,6 +192,11 @@ class Plan:
     # The precision policy the plan is priced for and the runtime carries out
     # (``autopar.ir.options.MixedPrecision``); None for plans that predate it, read as "32-true".
     precision: MixedPrecision | None = None
+    # How the compiled module takes its data (``autopar.ir.data``): the batch mode and the mesh
+    # axes that split the batch; None in plans that predate it (read as whole batches).
+    data: DataLayout | None = None
+    # What tracing or planning changed about the model's behaviour, in words (a cache dropped).
+    notes: tuple[str, ...] = ()
     # Facts about the run that made this plan, such as wall-clock timings and the mesh search
     # table. Not serialized: a plan's JSON must be byte-identical across runs and ranks.
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -234,6 +240,10 @@ class Plan:
             data["input_dtypes"] = self.input_dtypes
         if self.precision is not None:
             data["precision"] = self.precision.to_json()
+        if self.data is not None:
+            data["data"] = self.data.to_json()
+        if self.notes:
+            data["notes"] = list(self.notes)
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -272,6 +282,8 @@ class Plan:
                 memory_timeline=data.get("memory_timeline"),
                 input_dtypes=data.get("input_dtypes", {}),
                 precision=MixedPrecision.from_json(data["precision"]) if "precision" in data else None,
+                data=DataLayout.from_json(data["data"], tuple(data["mesh"]["shape"])) if "data" in data else None,
+                notes=tuple(data.get("notes", ())),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"malformed plan: {type(error).__name__}: {error}") from None
@@ -326,6 +338,11 @@ class Plan:
     def with_model(self, model: dict[str, Any]) -> "Plan":
         """This plan, recording how to rebuild its model (``model`` goes into the JSON)."""
         return dataclasses.replace(self, model=dict(model), stats=self.stats)
+
+    @property
+    def data_layout(self) -> DataLayout:
+        """The plan's data layout; a plan that predates it takes whole batches, split on no axis known."""
+        return self.data if self.data is not None else DataLayout("whole", (), tuple(self.mesh_shape))
 
     @property
     def hash(self) -> str:

@@ -63,6 +63,9 @@ def header_lines(plan: "Plan") -> list[str]:
             + (f", {solver['method']} by {solver.get('backend')}" if solver.get("method") else "")
             + (f", gap {solver['gap']:.2%} to the LP bound" if solver.get("gap") is not None else "")
         )
+    if plan.data is not None:
+        lines.append("  " + plan.data.describe())
+    lines += [f"  note: {note}" for note in plan.notes]
     lines += pipeline_lines(plan)
     if plan.memory is not None:
         lines.extend("  " + line for line in plan.memory.summary_lines())

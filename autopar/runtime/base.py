@@ -159,6 +159,7 @@ class ShardedModule(torch.nn.Module):
         # The original state_dict()'s names, in its order: tied names, no non-persistent buffers.
         self._state_keys = [k for k in model.state_dict(keep_vars=True) if k in held or k in traced.ties]
         self._user_metas = _user_metas(traced, num_microbatches)
+        self._shape_hint = " (its example inputs)"
 
     # -- what a subclass says --------------------------------------------------------------------
 
@@ -306,7 +307,7 @@ class ShardedModule(torch.nn.Module):
             if tuple(value.shape) != shape or value.dtype != dtype:
                 raise ValueError(
                     f"input {name!r} has shape {tuple(value.shape)} and dtype {value.dtype}, but this module "
-                    f"was planned for shape {shape} and dtype {dtype} (its example inputs). Pass inputs of the "
+                    f"was planned for shape {shape} and dtype {dtype}{self._shape_hint}. Pass inputs of the "
                     "planned shape, or compile again with example inputs of the new shape"
                 )
         return flat

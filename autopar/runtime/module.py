@@ -19,6 +19,8 @@ from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
+from autopar.runtime.data import agree_on_call
+from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
 from autopar.runtime.offload import param_key
 from autopar.runtime.checkpoint import model_state_dict, to_dtensor
 from autopar.runtime.checkpoint import load_model_state_dict
@@ -29,8 +31,10 @@ log = logging.getLogger("autopar")
 class ParallelModule(ShardedModule):
     """Runs the rewritten graph on this rank's shards.
 
-    Called like the original model with whole inputs (the same on every rank); returns the
-    model's outputs, whole on every rank. ``pm.module`` holds the parameters under the model's
+    Called like the original model with whole inputs (the same on every rank), or under a plan
+    made with ``batch="per_rank"`` with each data-parallel rank's own rows
+    (``data_parallel_rank``, ``data_parallel_size``); returns the model's outputs, whole on every
+    rank. ``train()`` and ``eval()`` run the graph of their mode (``autopar.runtime.modes``). ``pm.module`` holds the parameters under the model's
     own names, and ``named_parameters()``, ``state_dict()`` and ``full_state_dict()`` use those
     names (no ``module.`` prefix). Each parameter is an ``nn.Parameter`` that is a
     DTensor on ``pm.device_mesh`` with the plan's placements, as FSDP2's are, and so is its
@@ -53,13 +57,27 @@ class ParallelModule(ShardedModule):
         coordinate: tuple[int, ...],
         local_shards: Mapping[str, torch.Tensor] | None = None,
         offloader: Any = None,
+        build_mode: ModeBuilder | None = None,
+        training: bool = True,
     ):
         """``local_shards`` (FQN → this rank's shard) replaces cutting the model's own tensors:
         ``compile`` passes it for models on the meta device (``autopar.runtime.materialize``).
         ``offloader`` (``autopar.runtime.offload.Offloader``) holds the parameters, gradients and
         optimizer state the plan offloads: an offloaded parameter's shard goes to its store, and
-        the module holds an empty stub in its place (step with ``autopar.optim.AdamW``)."""
+        the module holds an empty stub in its place (step with ``autopar.optim.AdamW``).
+        ``gm`` is the graph of mode ``training``; ``build_mode(training)`` makes the other one
+        when it is first called (None: the module runs in the mode it was compiled in only)."""
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
+        self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
+        self._build_mode = build_mode
+        self._data = plan.data_layout
+        if self._data.per_rank:  # a call passes this data-parallel rank's rows of each batched input
+            self._user_metas = [(name, (shape[0] // self._data.size, *shape[1:]) if name in self._data.inputs else shape,
+                                 dtype) for name, shape, dtype in self._user_metas]
+            self._shape_hint = (f" (batch='per_rank': 1/{self._data.size} of the example inputs' batch, the rows of "
+                                f"data-parallel rank {self.data_parallel_rank} of {self._data.size})")
+        self._check_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
         full = model_tensors(model)
         # Each shard is stored in its placeholder's dtype: the model's own, or under a precision
         # policy the master dtype (or param_dtype where the policy keeps no master copy).
@@ -98,32 +116,85 @@ class ParallelModule(ShardedModule):
         if offloader is not None:
             offloader.attach_grad_hooks({traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)})
         # The communication schedule's buckets and gathers read and write these shards.
-        bind_parameters(gm, {name: lookup(self.module, fqn) for name, kind, fqn in self._inputs if kind == "param"})
+        self._bind(gm, self._inputs)
+        self.train(training)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many data-parallel ranks the plan splits the batch into: the product of the sizes of
+        the mesh axes that split dim 0 of the batched inputs (1 where none does)."""
+        return self._data.size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel rank: its position on the batch-splitting mesh axes, row-major.
+        Under ``batch="per_rank"`` it passes rows ``[r * b, (r + 1) * b)`` of a global batch,
+        ``b = B / data_parallel_size``, as ``DistributedSampler(num_replicas=pm.data_parallel_size,
+        rank=pm.data_parallel_rank)`` deals them."""
+        return self._data.rank(self._coordinate)
+
+    @property
+    def batch_mode(self) -> str:
+        """"whole" (every rank passes the same whole batch) or "per_rank" (each data-parallel rank its rows)."""
+        return self._data.batch
+
+    def _bind(self, gm: torch.fx.GraphModule, inputs: list[tuple[str, str, str | None]]) -> None:
+        # The communication schedule's buckets and gathers read and write these shards.
+        bind_parameters(gm, {name: lookup(self.module, fqn) for name, kind, fqn in inputs if kind == "param"})
+
+    def _mode_graph(self) -> ModeGraph:
+        """The graph of the mode the module is in, made on first use (``runtime.modes``)."""
+        run = self._modes.get(self.training)
+        if run is not None:
+            return run
+        if self._build_mode is None:
+            compiled = mode_name(not self.training)
+            raise RuntimeError(
+                f"this module was compiled in {compiled} mode and cannot make its {mode_name(self.training)} graph "
+                f"here: call pm.{compiled}() to run it, or compile the model in {mode_name(self.training)} mode"
+            )
+        log.info("autopar: tracing and planning the %s-mode graph (first %s call) ...", mode_name(self.training),
+                 mode_name(self.training))
+        traced, gm, plan = self._build_mode(self.training)
+        base = self._modes[not self.training]
+        if traced.graph_hash == base.traced.graph_hash:  # the model's code does not branch on the mode
+            run = base
+        else:
+            run = ModeGraph(traced, plan, f"{mode_name(self.training)}_graph_module")
+            self._bind(gm, run.inputs)
+            self.add_module(run.attr, gm)
+        self._modes[self.training] = run
+        return run
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        user = iter(self._user_inputs(args, kwargs))
+        run = self._mode_graph()
+        leaves = pytree.tree_leaves((args, kwargs))
+        flat = agree_on_call(lambda: self._user_inputs(args, kwargs), leaves, self._data, self._coordinate,
+                             self._check_device)
+        user = iter(flat)
         values = []
-        for name, kind, fqn in self._inputs:
+        for name, kind, fqn in run.inputs:
             if kind == "param":  # the graph runs on the local shard; its gradient comes back a DTensor
                 param = lookup(self.module, fqn)
                 values.append(self._leaves[id(param)].get() if isinstance(param, DTensor) else param)
             elif kind == "buffer":
                 values.append(lookup(self.module, fqn))
             elif kind == "constant":
-                values.append(self._constants[name])
+                values.append(run.traced.constants[name])
             else:
                 values.append(next(user))
-        outputs = self._run_graph(values)
-        return pytree.tree_unflatten(list(outputs), self._traced.out_spec)
+        outputs = self._run_graph(values, run)
+        return pytree.tree_unflatten(list(outputs), run.traced.out_spec)
 
-    def _run_graph(self, values: list[Any]) -> Any:
-        """The graph on ``values``: inductor's compiled graph under ``compiler="inductor"``, else op
+    def _run_graph(self, values: list[Any], run: ModeGraph) -> Any:
+        """The graph of ``run``'s mode on ``values``: inductor's compiled graph under
+        ``compiler="inductor"`` (the compiled mode's graph; the other mode's runs op by op), else op
         by op, outside any user's ``torch.compile`` (``autopar.runtime.compiled``)."""
-        if self._compiled_graph is not None:
+        if self._compiled_graph is not None and run.attr == "graph_module":
             return self._compiled_graph(*values)
         if torch.compiler.is_compiling():
             warn_not_compiled()
-        return run_eager(self.graph_module, values, self._offloader)
+        return run_eager(getattr(self, run.attr), values, self._offloader)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The parameters under the model's own names, as ``state_dict()`` and the eager model's

@@ -307,6 +307,13 @@ class PipelineParallelModule(ShardedModule):
         return self._stage_index
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.training:
+            raise RuntimeError(
+                "this pipelined module is in eval mode, but it runs only the graph traced in train mode (batch norm "
+                "with batch statistics, dropout on), so its outputs would not be the model's eval outputs: call "
+                "pm.train() (under torch.no_grad() it runs forward only), or evaluate with a module compiled without "
+                "a pipeline (pipeline='off')"
+            )
         user = dict(zip(self._user_keys, self._user_inputs(args, kwargs)))
         params = [p for p in self._stages.parameters() if p.requires_grad]
         train = torch.is_grad_enabled() and bool(params)

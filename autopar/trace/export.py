@@ -53,6 +53,8 @@ class TracedModel:
     ties: dict[str, str] = field(default_factory=dict)  # FQN → canonical FQN of the same tensor
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # placeholder → value
     graph_hash: str = ""
+    # What tracing changed about the model's behaviour, for the plan's notes (a cache dropped).
+    notes: tuple[str, ...] = ()
 
     def placeholders(self, kind: str) -> list[GraphInput]:
         return [i for i in self.inputs if i.kind == kind]
@@ -93,9 +95,10 @@ def trace(
         example_inputs = (example_inputs,)
     if precision is not None:
         example_inputs, example_kwargs = precision.cast_inputs((example_inputs, example_kwargs))
+    _refuse_cache_inputs(example_kwargs)
     try:
         # Stacked experts modules trace as one autopar::moe_experts op (``trace.moe``).
-        with _no_stack_traces(), _lazy_recompile(), experts_as_one_op(model), \
+        with _no_stack_traces(), _lazy_recompile(), experts_as_one_op(model), _no_caches(model) as notes, \
                 _fake_params(model, (example_inputs, example_kwargs or {}), precision):
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
     except Exception as error:  # export raises many types; all mean "cannot trace"
@@ -137,7 +140,44 @@ def trace(
         ties=_ties(model),
         constants=constants,
         graph_hash=graph_hash(gm),
+        notes=tuple(notes),
     )
+
+
+@contextlib.contextmanager
+def _no_caches(model: torch.nn.Module):
+    """Trace with every ``config.use_cache`` off (Hugging Face models, whose configs default to
+    True: their forward then returns a key/value cache, an object export cannot return). A
+    training step reads no cache, so the graph returns none: the outputs' cache field is absent
+    where the eager model's holds a cache. Yields the notes that say so, for the plan."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            configs[id(config)] = config
+    notes = []
+    if configs:
+        notes.append(f"{type(model).__name__}'s config has use_cache=True: traced with use_cache=False, so the "
+                     "compiled module returns no key/value cache (past_key_values); a training step reads none")
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield notes
+    finally:
+        for config in configs.values():
+            config.use_cache = True
+
+
+def _refuse_cache_inputs(example_kwargs: dict[str, Any] | None) -> None:
+    """A call that asks for a cache (``use_cache=True``) or passes one cannot be a training graph."""
+    kwargs = example_kwargs or {}
+    if kwargs.get("use_cache") is True:
+        raise TraceError("the example inputs pass use_cache=True, which makes the model return a key/value cache: "
+                         "a training graph returns none. Drop use_cache from the inputs (autopar traces with "
+                         "use_cache=False) or pass use_cache=False")
+    if kwargs.get("past_key_values") is not None:
+        raise TraceError("the example inputs pass past_key_values (a key/value cache): autopar compiles the training "
+                         "step, which reads no cache. Drop past_key_values from the inputs")
 
 
 def _is_view(node: torch.fx.Node) -> bool:

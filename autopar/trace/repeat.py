@@ -346,7 +346,7 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
         i += 1
     new_gm = _graph_module(gm, graph)
     return TracedModel(gm=new_gm, inputs=tuple(inputs), in_spec=small.in_spec, out_spec=small.out_spec,
-                       ties=ties, constants=constants, graph_hash=graph_hash(new_gm))
+                       ties=ties, constants=constants, graph_hash=graph_hash(new_gm), notes=small.notes)
 
 
 def _relayer_meta(meta: dict, relayer: _Relayer, layer: int) -> None:

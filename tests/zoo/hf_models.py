@@ -1,7 +1,8 @@
 """Tiny Hugging Face models built from configs, shared by the tests that compile them.
 
 Sizes are small and divisible by 4, so that every width can be sharded on a (2, 2) mesh. Each
-builder returns ``(model, example_kwargs)``: the model in float32 with ``use_cache=False``, and
+builder returns ``(model, example_kwargs)``: the model in float32 with ``use_cache=False`` (GPT-2
+and LLaMA take ``use_cache=True``, the configs' default, as an override), and
 keyword inputs that include ``labels``, so that ``model(**kwargs).loss`` is the training loss.
 Input ids and labels are distinct tensors (export would merge two arguments that are the same
 tensor into one graph input).
@@ -37,9 +38,9 @@ def gpt2(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn
     """GPT2LMHeadModel: fused c_attn (Conv1D = addmm), tied LM head, dropout off (its masks are
     drawn per rank)."""
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
-        **SPECIAL, **overrides,
+        **SPECIAL, **{"use_cache": False, **overrides},
     )
     model = _seeded(lambda: transformers.GPT2LMHeadModel(config), seed)
     ids, labels = _ids(batch_size, seed + 1)
@@ -51,7 +52,7 @@ def llama(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.n
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        use_cache=False, attn_implementation="sdpa", **SPECIAL, **overrides,
+        attn_implementation="sdpa", **SPECIAL, **{"use_cache": False, **overrides},
     )
     model = _seeded(lambda: transformers.LlamaForCausalLM(config), seed)
     ids, labels = _ids(batch_size, seed + 1)

@@ -235,3 +235,20 @@ def test_tight_budget_gpt2_objective_is_the_predicted_step() -> None:
     plan = autopar.plan(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=budget,
                         checkpointing=False, solver="highs")
     assert_objective_is_step_time(plan)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_default_configs_with_use_cache_trace_and_the_plan_says_the_cache_is_dropped(name) -> None:
+    """Configs default to use_cache=True, which makes forward return a key/value cache object that
+    export cannot return. autopar traces with the cache off and says so in the plan's notes."""
+    model, kwargs = BUILDERS[name](batch_size=4, use_cache=True)
+    assert model.config.use_cache is True
+    traced = trace(model, (), kwargs)
+    assert "past_key_values" not in str(traced.out_spec), traced.out_spec
+    assert model.config.use_cache is True, "tracing must leave the user's config as it was"
+    plan = autopar.plan(model, (2,), example_kwargs=kwargs, cluster=CLUSTER)
+    assert any("use_cache=True" in note and "past_key_values" in note for note in plan.notes), plan.notes
+    assert autopar.Plan.from_json(plan.to_json()).notes == plan.notes
+    assert "note: " in plan.summary()
+    with pytest.raises(autopar.TraceError, match="use_cache"):
+        trace(model, (), {**kwargs, "use_cache": True})

@@ -1,0 +1,92 @@
+"""The ranks agree on each call's data before any rank runs the graph.
+
+Under ``batch="whole"`` every rank must pass the same whole batch; under ``batch="per_rank"``
+the ranks of one data-parallel rank must pass the same rows. A rank that passes other data would
+mix rows of different batches into one step without any error, so every call compares a
+fingerprint of each rank's inputs in one all-gather of a few numbers per rank (over the world,
+so that every rank sees every other's and all raise the same error, none waits). A call that one
+rank refuses (wrong arguments or shapes) is refused on every rank in the same exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
+
+from autopar.ir.data import DataLayout
+from autopar.ops import collectives
+
+_T = TypeVar("_T")
+# Per rank: its group (the data-parallel rank under per_rank data, else 0), refused (1) or not, the fingerprint.
+_FIELDS = 5
+_PRIME = 251  # position weights cycle through 1..251, so that reordered rows change the fingerprint
+
+
+def fingerprint(leaves: list[Any], device: torch.device) -> torch.Tensor:
+    """Three float64 numbers that differ, almost surely, between two different lists of tensors:
+    the tensors' sizes (each weighted by its place), the sum of their rows' sums, and that sum
+    weighted by row position (so that reordered rows differ). Sums accumulate in float64 and make
+    no float64 copy of the inputs' elements beyond the row sums."""
+    count = total = weighted = torch.zeros((), dtype=torch.float64, device=device)
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        rows = leaf.detach().reshape(leaf.shape[0] if leaf.dim() else 1, -1)
+        sums = torch.nan_to_num(rows.sum(dim=1, dtype=torch.float64)).to(device)
+        weights = torch.arange(sums.numel(), dtype=torch.float64, device=device).remainder_(_PRIME).add_(index + 1)
+        count = count + (index + 1) * (leaf.numel() + sum(size * (dim + 1) * _PRIME for dim, size in enumerate(leaf.shape)))
+        total = total + sums.sum()
+        weighted = weighted + (sums * weights).sum()
+    return torch.stack([count, total, weighted])
+
+
+def agree_on_call(validate: Callable[[], _T], leaves: list[Any], layout: DataLayout, coordinate: tuple[int, ...],
+                  device: torch.device) -> _T:
+    """``validate()`` (the call's own checks, which return its flat inputs), then one all-gather
+    that tells every rank whether any rank refused the call or passed other data than the ranks
+    it must agree with. Raises the same kind of error on every rank."""
+    if any(isinstance(leaf, torch.Tensor) and (leaf.is_meta or is_fake(leaf)) for leaf in leaves):
+        return validate()  # shapes only (``autopar check``'s fake world): no values to compare
+    refusal: BaseException | None = None
+    result: Any = None
+    try:
+        result = validate()
+    except (ValueError, TypeError) as error:
+        refusal = error
+    group = layout.rank(coordinate) if layout.per_rank else 0  # the ranks that must pass the same data
+    row = torch.cat([torch.tensor([group, float(refusal is not None)], dtype=torch.float64,
+                                  device=device), fingerprint(leaves, device)])
+    rows = collectives.no_grad_all_gather(row.reshape(1, _FIELDS), 0, dist.group.WORLD.group_name)
+    if refusal is not None:
+        raise refusal
+    refused = [rank for rank in range(rows.shape[0]) if rows[rank, 1] != 0]
+    if refused:
+        raise ValueError(f"ranks {refused} refused this call (see their errors); every rank stops here")
+    _check_same_data(rows, layout)
+    return result
+
+
+def _check_same_data(rows: torch.Tensor, layout: DataLayout) -> None:
+    first: dict[int, int] = {}
+    for rank in range(rows.shape[0]):
+        dp_rank = int(rows[rank, 0])
+        other = first.setdefault(dp_rank, rank)
+        if torch.equal(rows[rank, 2:], rows[other, 2:]):
+            continue
+        if not layout.per_rank:
+            raise ValueError(
+                f"ranks {other} and {rank} passed different batches, but this module takes the same whole batch on "
+                "every rank (batch='whole') and cuts it itself; mixing rows of different batches would train on "
+                "neither. Pass every rank the same batch, or, to load each rank's own rows as DDP does, compile with "
+                "data=autopar.DataOptions(batch='per_rank') and use DistributedSampler(num_replicas="
+                "pm.data_parallel_size, rank=pm.data_parallel_rank)"
+            )
+        raise ValueError(
+            f"ranks {other} and {rank} have data-parallel rank {dp_rank} but passed different rows: under "
+            f"batch='per_rank' the ranks of one data-parallel rank (data_parallel_size {layout.size}, the mesh axes "
+            f"{list(layout.axes)} split the batch) pass the same rows. Build the sampler with "
+            "DistributedSampler(num_replicas=pm.data_parallel_size, rank=pm.data_parallel_rank), not the world rank"
+        )

@@ -1,0 +1,80 @@
+"""The plan's data layout: which mesh axes split the batch, and, for per-rank data, the batched
+inputs' placements (``autopar.ir.data``).
+
+The solve plans every user input whole (``R`` on every axis) and lets its consumers cut it. The
+batch-splitting axes are read from that solution: the axes on which a consumer of a batched
+input takes it ``Shard(0)``. Under ``batch="per_rank"`` each batched input's placeholder then
+holds ``Shard(0)`` on those axes, which is what each rank passes; a consumer that takes it
+otherwise gets the collectives of ``spec.transition_steps`` from ``passes.insert_collectives``, as
+any other edge does, so the numbers stay those of the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.errors import PlanError
+from autopar.ir.data import DataLayout, DataOptions
+from autopar.ir.plan import Plan
+from autopar.ir.spec import is_valid
+from autopar.trace import TracedModel
+
+
+def batched_inputs(traced: TracedModel) -> dict[str, tuple[int, ...]]:
+    """User inputs whose dim 0 is the batch: the tensors (of one dim or more) whose dim 0 has
+    the size of the first such input's, as a data loader's batch has. Name → global shape."""
+    placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+    shapes = {}
+    for graph_input in traced.placeholders("user"):
+        val = placeholders[graph_input.name].meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() >= 1:
+            shapes[graph_input.name] = tuple(val.shape)
+    if not shapes:
+        return {}
+    batch = next(iter(shapes.values()))[0]
+    return {name: shape for name, shape in shapes.items() if shape[0] == batch}
+
+
+def data_parallel_axes(plan: Plan, inputs: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The mesh axes on which some consumer of a batched input takes it ``Shard(0)``, in mesh
+    order; only those on which every batched input can be split evenly."""
+    axes: set[int] = set()
+    for node in plan.nodes.values():
+        for (producer, _), spec in zip(node.inputs, node.ins):
+            if producer in inputs:
+                axes.update(axis for axis, placement in enumerate(spec) if placement == Shard(0))
+    mesh = tuple(plan.mesh_shape)
+    chosen: list[int] = []
+    for axis in sorted(axes):
+        trial = chosen + [axis]
+        if all(is_valid(shape, _spec(trial, len(mesh)), mesh) for shape in inputs.values()):
+            chosen = trial
+    return tuple(chosen)
+
+
+def _spec(axes, num_axes: int) -> tuple:
+    return tuple(Shard(0) if axis in axes else Replicate() for axis in range(num_axes))
+
+
+def with_data_layout(plan: Plan, traced: TracedModel, options: DataOptions, axes: tuple[int, ...] | None = None) -> Plan:
+    """``plan`` recording its data layout under ``options``; under ``batch="per_rank"``, with
+    each batched input's placeholder split along dim 0 on the data-parallel axes (``axes``
+    where given: another mode's graph of a module whose ranks already load their rows)."""
+    if plan.pipeline is not None:
+        if options.per_rank:
+            raise PlanError("batch='per_rank' with a pipeline: the pipeline runtime takes the whole batch on every "
+                            "rank and cuts it into microbatches; pass batch='whole' (the default), or pipeline='off'")
+        return plan
+    inputs = batched_inputs(traced)
+    if axes is None:
+        axes = data_parallel_axes(plan, inputs)
+    layout = DataLayout(options.batch, axes, tuple(plan.mesh_shape), tuple(inputs))
+    nodes = plan.nodes
+    if options.per_rank and axes:
+        spec = _spec(axes, len(plan.mesh_shape))
+        nodes = {name: dataclasses.replace(node, outs=(spec,)) if name in inputs else node
+                 for name, node in nodes.items()}
+    return dataclasses.replace(plan, nodes=nodes, data=layout, stats=plan.stats)
