@@ -61,7 +61,7 @@ def versus_text(hand: "Plan", solved: "Plan", hand_name: str = "the hand plan",
     lines = [f"{hand_name}: predicted step {t_hand * 1e3:.3f} ms; {solved_name} on mesh "
              f"{tuple(solved.mesh_shape)}: {t_solved * 1e3:.3f} ms"]
     if not t_solved or t_hand <= t_solved * (1 + 1e-6):
-        lines.append(f"{solved_name} is not faster: {hand_name} is as good under autopar's cost model")
+        lines.append(f"{solved_name} is not faster: {hand_name} is as good under the autopar cost model")
         return "\n".join(lines)
     lines.append(f"{solved_name} is {t_hand / t_solved:.2f}x faster ({(t_hand - t_solved) * 1e3:.3f} ms less per "
                  "step). Why:")

@@ -570,15 +570,21 @@ _NAMES = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_si
 _FLOATS = st.floats(allow_nan=False, allow_infinity=False)
 
 
-def _placements(max_dim: int = 6):
+def _placements(axis_size: int, max_dim: int):
+    """Any placement a mesh axis of ``axis_size`` can carry (an axis of size 1 carries only R)."""
+    if axis_size == 1:
+        return st.just(Replicate())
     return st.one_of(st.just(Replicate()), st.just(Partial()), st.integers(0, max_dim).map(Shard))
 
 
 @st.composite
 def random_plans(draw) -> Plan:
+    """Random plans that ``Plan.check_placements`` accepts (as ``from_json`` requires): every
+    tensor 4-D, each dim a multiple of the mesh size, so any shard of dims 0-3 divides it."""
     axes = draw(st.integers(1, 3))
     mesh = tuple(draw(st.lists(st.integers(1, 8), min_size=axes, max_size=axes)))
-    spec = st.lists(_placements(), min_size=axes, max_size=axes).map(tuple)
+    spec = st.tuples(*(_placements(size, 3) for size in mesh))
+    dim_size = st.integers(0, 2**30).map(lambda k: k * math.prod(mesh))
     params = draw(st.dictionaries(_NAMES, spec, max_size=5))
     names = draw(st.lists(_NAMES, min_size=0, max_size=6, unique=True))
     nodes: dict[str, NodePlan] = {}
@@ -591,7 +597,7 @@ def random_plans(draw) -> Plan:
             outs=tuple(draw(spec) for _ in range(n_out)),
             ins=tuple(draw(spec) for _ in range(n_in)),
             inputs=tuple((draw(st.sampled_from(names[:i] or [name])), draw(st.integers(0, 3))) for _ in range(n_in)),
-            shapes=tuple(tuple(draw(st.lists(st.integers(0, 2**40), max_size=4))) for _ in range(n_out)),
+            shapes=tuple(tuple(draw(st.lists(dim_size, min_size=4, max_size=4))) for _ in range(n_out)),
             kernel=kernel,
             kernel_axes=tuple(draw(st.lists(st.integers(0, axes - 1), max_size=axes, unique=True))) if kernel else (),
             source=draw(st.sampled_from(["rule", "dtensor", "fallback", "placeholder", "follow", "output"])),

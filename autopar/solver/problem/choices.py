@@ -33,6 +33,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost import comm, compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
+from autopar.errors import InfeasibleError
 from autopar.rules import node_strategies, op_info
 from autopar.rules.registry import (
     OpInfo,
@@ -305,6 +306,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     pruned = Pruned()
     for node in traced.gm.graph.nodes:
         order.append(node.name)
+        impossible_before = pruned.impossible
         if node.op == "placeholder":
             graph_input = kinds[node.name]
             choices[node.name] = _placeholder_choice(node, graph_input.kind, graph_input.fqn, mesh_shape,
@@ -322,8 +324,13 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
             else:
                 keep = [i for i, s in enumerate(choice.strategies) if s.outs and s.outs[0] == want]
             if not keep:
-                raise ValueError(f"forced {'kernel' if isinstance(want, str) else 'spec'} {want} is not a strategy "
-                                 f"of {node.format_node()}")
+                what = f"forced {'kernel' if isinstance(want, str) else 'spec'} {want}"
+                if pruned.impossible > impossible_before:
+                    # The rules offer it, but its inputs cannot arrive as it needs them (a Partial
+                    # input from producers that never leave it Partial, forced ones included).
+                    raise InfeasibleError(f"{what} of {node.format_node()} needs inputs that its producers, as "
+                                          "planned or forced, cannot deliver: force a compatible spec, or none")
+                raise ValueError(f"{what} is not a strategy of {node.format_node()}")
             _keep_only(choice, keep)
     layers = _layers(traced.gm, choices, traced) if share_layers else {}
     _mark_followers(choices, order, _boundary_nodes(layers, choices))
