@@ -26,6 +26,7 @@ SLOWEST_FILES = (
     "tests/solver/test_solving.py",  # 120
     "tests/runtime/test_module.py",  # 95
     "tests/runtime/test_colossal_distributed.py",  # 142 (216-282 under a load of 20)
+    "tests/test_docs.py",  # 90-200: every README and docs/ code block
     "tests/solver/test_memory.py",  # 55
     "tests/solver/test_hand_plans.py",  # 55
     "tests/cli/test_main.py",  # 40
