@@ -464,29 +464,8 @@ def compile(
     check_compiler(compiler)
     if comm is not None and not isinstance(comm, CommOptions):
         raise TypeError(f"comm must be an autopar.CommOptions, got {comm!r}")
-    mesh_shape = _mesh_shape(mesh)
-    if not dist.is_available() or not dist.is_initialized():
-        raise MeshError(
-            "autopar.compile needs an initialized process group: run under torchrun and call "
-            "torch.distributed.init_process_group(backend, timeout=...) first, or use autopar.plan "
-            "to plan without one"
-        )
-    world = dist.get_world_size()
-    if math.prod(mesh_shape) != world:
-        raise MeshError(
-            f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices but the world size is {world}: "
-            f"pass a mesh whose sizes multiply to {world}"
-        )
-    meta = has_meta_tensors(model)
-    if init is None and meta:
-        raise ValueError(
-            f"{type(model).__name__} has tensors on the meta device, which hold no values: pass "
-            "init=autopar.SeededInit(seed) to initialize each rank's shards with the modules' own "
-            "reset_parameters (and SeededInit(seed, fn=...) for a custom init), or "
-            "init=autopar.FromCheckpoint(path) to read them from an autopar checkpoint"
-        )
-    if init is not None and not isinstance(init, (SeededInit, FromCheckpoint)):
-        raise TypeError(f"init must be None, autopar.SeededInit(...) or autopar.FromCheckpoint(path), got {init!r}")
+    mesh_shape = _check_world(_mesh_shape(mesh))
+    _check_init(model, init)
     collectives.register_peer()  # lets a failed collective name a dead rank
     check_same_weights(model, init)  # every rank cuts its shards from its own copy of the model
     if cluster is None:  # price the machine this runs on (its CUDA device's preset, or "cpu")
@@ -503,22 +482,9 @@ def compile(
     )
     if plan is not None and (plan.pipeline is not None or options.pipeline.enabled):
         options = _pipeline_of(plan, options)
-    if options.pipeline.num_microbatches == "auto":
-        raise ValueError("num_microbatches='auto' searches microbatch counts offline, one trace each: plan with "
-                         "autopar.plan(..., num_microbatches='auto') and compile with plan=, or give a number")
-    _check_precision_runs(policy)
-    if compiler is not None and (options.pipeline.enabled or offload != "off"):
-        raise ValueError(f"compiler={compiler!r} does not run pipelines or offloading yet (their schedules live in "
-                         "autograd hooks): compile without compiler=, or without pipeline=/offload=")
+    _check_compile_options(options, policy, compiler, offload)
     if options.pipeline.enabled:
-        if init is not None:
-            raise ValueError("init= is not supported with pipelining yet: compile the model with its own tensors (init=None)")
-        inputs, kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.microbatches)
-        with quiet_gc():
-            traced = trace(model, inputs, kwargs, policy)
-        chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
-        check_rank_agreement(chosen)
-        return compile_pipeline(model, traced, chosen)
+        return _compile_pipeline(model, (example_inputs, example_kwargs), plan, mesh_shape, cluster, options, policy, init)
     # Meta tensors become FakeTensors there; under a precision policy, parameters are traced in
     # param_dtype and cast from their master dtype at use, as when planning.
     with quiet_gc():
@@ -529,30 +495,103 @@ def compile(
         chosen.memory.offload or chosen.memory.offload_activations))
     groups, coordinate = mesh_groups(mesh_shape)
     offloader = _offloader(chosen, offload, example_inputs, example_kwargs)
-    fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
-    if offloader is not None:
-        # The buckets put reduced gradients into .grad at the end of backward, after the point
-        # where the offloader's gradient hooks move offloaded gradients to their store; until
-        # the two are joined, a plan that offloads runs one collective per use (correct numbers).
-        comm = dataclasses.replace(comm or CommOptions(), enabled=False)
     if compiler is not None and offloader is not None:
         raise ValueError(f"the plan offloads, which compiler={compiler!r} does not run yet: compile without compiler=")
-    collectives.remember_groups(groups)  # read while tracing, where no process group is resolved
-    gm = run_passes(copy.deepcopy(traced.gm), chosen, default_passes(groups, offloader, fqns, comm, compiler))
-    if isinstance(init, SeededInit):
-        local = seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
-    elif isinstance(init, FromCheckpoint):
-        local = empty_shards(model, chosen.params, mesh_shape, init.device)
-    else:
-        local = None
+    gm, comm = _rewrite(traced, chosen, groups, offloader, comm, compiler)
+    local = _initial_shards(model, init, chosen, coordinate, mesh_shape)
     build_mode = _mode_builder(_meta_copy(model), example_inputs, example_kwargs, chosen, mesh_shape, cluster, options,
-                               groups, fqns, comm, offloads=offloader is not None)
+                               groups, _param_fqns(traced), comm, offloads=offloader is not None)
     pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local, offloader=offloader,
                         build_mode=build_mode, training=model.training)
     if isinstance(init, FromCheckpoint):
         checkpoint.load(init.path, pm)
     pm._compiled_graph = graph_runner(gm, compiler, comm)
     return pm
+
+
+def _check_world(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``mesh_shape``, once an initialized process group of its size is there to run it."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise MeshError(
+            "autopar.compile needs an initialized process group: run under torchrun and call "
+            "torch.distributed.init_process_group(backend, timeout=...) first, or use autopar.plan "
+            "to plan without one"
+        )
+    world = dist.get_world_size()
+    if math.prod(mesh_shape) != world:
+        raise MeshError(
+            f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices but the world size is {world}: "
+            f"pass a mesh whose sizes multiply to {world}"
+        )
+    return mesh_shape
+
+
+def _check_init(model: torch.nn.Module, init: SeededInit | FromCheckpoint | None) -> None:
+    """A model on the meta device holds no values: it needs ``init=`` to say where they come from."""
+    if init is None and has_meta_tensors(model):
+        raise ValueError(
+            f"{type(model).__name__} has tensors on the meta device, which hold no values: pass "
+            "init=autopar.SeededInit(seed) to initialize each rank's shards with the modules' own "
+            "reset_parameters (and SeededInit(seed, fn=...) for a custom init), or "
+            "init=autopar.FromCheckpoint(path) to read them from an autopar checkpoint"
+        )
+    if init is not None and not isinstance(init, (SeededInit, FromCheckpoint)):
+        raise TypeError(f"init must be None, autopar.SeededInit(...) or autopar.FromCheckpoint(path), got {init!r}")
+
+
+def _check_compile_options(options: PlanOptions, policy: MixedPrecision, compiler: str | None, offload: str) -> None:
+    """What ``compile`` cannot run yet, refused before any tracing."""
+    if options.pipeline.num_microbatches == "auto":
+        raise ValueError("num_microbatches='auto' searches microbatch counts offline, one trace each: plan with "
+                         "autopar.plan(..., num_microbatches='auto') and compile with plan=, or give a number")
+    _check_precision_runs(policy)
+    if compiler is not None and (options.pipeline.enabled or offload != "off"):
+        raise ValueError(f"compiler={compiler!r} does not run pipelines or offloading yet (their schedules live in "
+                         "autograd hooks): compile without compiler=, or without pipeline=/offload=")
+
+
+def _compile_pipeline(model, examples: tuple[tuple[Any, ...], dict[str, Any] | None], plan: Plan | None,
+                      mesh_shape: tuple[int, ...], cluster: ClusterSpec, options: PlanOptions, policy: MixedPrecision,
+                      init) -> PipelineParallelModule:
+    """``compile``'s pipelined branch: trace one microbatch of ``examples`` (inputs, kwargs), plan
+    (or take ``plan``), build the stages."""
+    if init is not None:
+        raise ValueError("init= is not supported with pipelining yet: compile the model with its own tensors (init=None)")
+    inputs, kwargs = first_microbatch(*examples, options.pipeline.microbatches)
+    with quiet_gc():
+        traced = trace(model, inputs, kwargs, policy)
+    chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
+    check_rank_agreement(chosen)
+    return compile_pipeline(model, traced, chosen)
+
+
+def _param_fqns(traced: TracedModel) -> dict[str, str]:
+    """Parameter placeholder name -> the parameter's canonical FQN (the first of tied names)."""
+    return {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+
+
+def _rewrite(traced: TracedModel, chosen: Plan, groups: tuple[str, ...], offloader, comm: CommOptions | None,
+             compiler: str | None) -> tuple[torch.fx.GraphModule, CommOptions | None]:
+    """The rewritten graph of ``traced`` under ``chosen`` (``passes.default_passes``), and the
+    communication options it was scheduled with."""
+    if offloader is not None:
+        # The buckets put reduced gradients into .grad at the end of backward, after the point
+        # where the offloader's gradient hooks move offloaded gradients to their store; until
+        # the two are joined, a plan that offloads runs one collective per use (correct numbers).
+        comm = dataclasses.replace(comm or CommOptions(), enabled=False)
+    collectives.remember_groups(groups)  # read while tracing, where no process group is resolved
+    passes = default_passes(groups, offloader, _param_fqns(traced), comm, compiler)
+    return run_passes(copy.deepcopy(traced.gm), chosen, passes), comm
+
+
+def _initial_shards(model: torch.nn.Module, init, chosen: Plan, coordinate: tuple[int, ...],
+                    mesh_shape: tuple[int, ...]):
+    """This rank's shards made by ``init`` (None: the module cuts them from ``model``'s tensors)."""
+    if isinstance(init, SeededInit):
+        return seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
+    if isinstance(init, FromCheckpoint):  # filled by checkpoint.load once the module exists
+        return empty_shards(model, chosen.params, mesh_shape, init.device)
+    return None
 
 
 def _data_of(plan: Plan | None, data: DataOptions | None) -> DataOptions:
@@ -610,7 +649,7 @@ def _mode_builder(model: torch.nn.Module, example_inputs, example_kwargs, chosen
         made = _resolve_plan(None, traced, mesh_shape, cluster, options, forced=forced,
                              data_axes=chosen.data_layout.axes)
         check_rank_agreement(made)
-        mode_fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+        mode_fqns = _param_fqns(traced)
         gm = run_passes(copy.deepcopy(traced.gm), made, default_passes(groups, None, mode_fqns, comm))
         return traced, gm, made
 
