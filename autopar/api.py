@@ -138,7 +138,7 @@ def plan(
 
     ``compiler`` is ``compile``'s: the plan is priced for the executor that will run it
     ("inductor" fuses pointwise ops: ``cost.compute.executed_bytes``) and records it in
-    ``plan.predicted["executor"]``.
+    ``plan.predicted.executor``.
 
     ``data`` (``autopar.DataOptions``) is how the compiled module will take its data: the same
     whole batch on every rank (``batch="whole"``, the default), or each data-parallel rank's
@@ -213,7 +213,7 @@ def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_
             symbolic.price_plan(traced, result, cluster), symbolic.price_plan(doubled, result, cluster), batch,
             result.predicted,
         )
-        result = dataclasses.replace(result, predicted={**result.predicted, "symbolic": costs})
+        result = dataclasses.replace(result, predicted=dataclasses.replace(result.predicted, symbolic=costs))
     return result
 
 
@@ -268,9 +268,9 @@ def _plan_microbatches(model, mesh_shape, devices, example_inputs, example_kwarg
         except InfeasibleError:
             tried.append(f"{count}: none fits")
             continue
-        step = made.predicted["step_time_s"]
+        step = made.predicted.step_time_s
         tried.append(f"{count}: {step:.4g} s")
-        if best is None or step < best.predicted["step_time_s"]:
+        if best is None or step < best.predicted.step_time_s:
             best, worse = made, 0
         else:
             worse += 1
@@ -315,7 +315,7 @@ def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: Clust
     start = time.perf_counter()
     result = solve(traced, mesh_shape, cluster, options, forced=forced)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
-    result = dataclasses.replace(result, predicted={**result.predicted, "executor": cluster.executor})
+    result = dataclasses.replace(result, predicted=dataclasses.replace(result.predicted, executor=cluster.executor))
     return _with_notes(traced, with_data_layout(result, traced, options.data, axes=data_axes))
 
 

@@ -3,7 +3,7 @@
 Pre-LayerNorm GPT blocks (width h, fused qkv, 4h MLP, batch b, sequence s, fp32) are planned
 with ``autopar.hand_plan("colossal", ...)`` on (2, 2) for 2D, (2, 2, 2) for 3D and 2.5D of
 depth 2, and with ``autopar.plan`` on the same mesh. The bytes each device sends per step for
-one block (forward and backward, as priced: ``plan.predicted["comm_bytes"]``, which prices the
+one block (forward and backward, as priced: ``plan.predicted.comm_bytes``, which prices the
 collectives the rewrite inserts; two blocks less one, so the model's whole input and its loss
 drop out) are set beside the volumes of the papers' algorithms for the block's four matmuls
 (K × M: qkv h × 3h, attention output h × h, MLP h × 4h and 4h × h; N = b · s tokens; q the grid
@@ -51,8 +51,8 @@ def per_block(plan_of) -> tuple[float, list[float], dict]:
     """Bytes of one block: a model of two blocks less a model of one, so that neither the whole
     input (cut locally, for free) nor the loss counts; also the two-block plans themselves."""
     two, one = plan_of(2), plan_of(1)
-    total = two.predicted["comm_bytes"] - one.predicted["comm_bytes"]
-    axes = [a - b for a, b in zip(two.predicted["comm_bytes_per_axis"], one.predicted["comm_bytes_per_axis"])]
+    total = two.predicted.comm_bytes - one.predicted.comm_bytes
+    axes = [a - b for a, b in zip(two.predicted.comm_bytes_per_axis, one.predicted.comm_bytes_per_axis)]
     return total, axes, two
 
 
@@ -92,7 +92,7 @@ def block_table(width: int, heads: int, seq: int, batch: int) -> list[dict]:
             models[n], hand_two.mesh_shape, example_inputs=(x,), memory_budget=float("inf"), comm=comm))
         rows.append(dict(mode=label, mesh=hand_two.mesh_shape, autopar=hand, per_axis=hand_axes,
                          paper=paper_bytes(mode, batch * seq, width, q, depth), solver_bytes=solved,
-                         step=hand_two.predicted["step_time_s"], solver_step=solved_two.predicted["step_time_s"],
+                         step=hand_two.predicted.step_time_s, solver_step=solved_two.predicted.step_time_s,
                          seconds=time.perf_counter() - start))
     return rows
 

@@ -95,7 +95,7 @@ def make_plans(mesh: tuple[int, ...], cluster, wanted=PLANS) -> dict[str, autopa
     traced = trace(build_model(), example_inputs())
     plans: dict[str, autopar.Plan] = {}
     plans["auto"] = solve(traced, mesh, cluster)
-    peak = plans["auto"].predicted["peak_memory_bytes"]
+    peak = plans["auto"].predicted.peak_memory_bytes
     for name, fraction in (("auto_mem90", 0.9), ("auto_mem80", 0.8)) if set(wanted) & {"auto_mem90", "auto_mem80"} else ():
         try:
             plans[name] = solve(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=fraction * peak, time_limit_s=60, checkpointing=False))
@@ -332,9 +332,9 @@ def main() -> int:
             got = measured[name]
             row = {
                 "plan": name, "ranks": world, "cluster": cluster.name, "compute": cluster.compute,
-                "predicted_step_s": plan.predicted["step_time_s"], "measured_step_s": got["step_s"],
-                "predicted_peak_bytes": plan.predicted["peak_memory_bytes"], "measured_peak_bytes": int(got["peak_bytes"]),
-                "predicted_sent_bytes": plan.predicted["comm_bytes"], "counted_sent_bytes": int(got["sent_bytes"]),
+                "predicted_step_s": plan.predicted.step_time_s, "measured_step_s": got["step_s"],
+                "predicted_peak_bytes": plan.predicted.peak_memory_bytes, "measured_peak_bytes": int(got["peak_bytes"]),
+                "predicted_sent_bytes": plan.predicted.comm_bytes, "counted_sent_bytes": int(got["sent_bytes"]),
             }
             row["memory_rel_err"] = abs(row["predicted_peak_bytes"] - row["measured_peak_bytes"]) / row["measured_peak_bytes"]
             counted = row["counted_sent_bytes"]

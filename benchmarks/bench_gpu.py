@@ -131,14 +131,14 @@ def step_accuracy(out: Path, quick: bool, pricings: list[tuple[str, str, str | N
         for label, (plan, plan_s) in plans.items():
             predicted = plan.predicted
             rows.append(dict(model=name, pricing=label, batch=batch, seq=seq, plan_s=round(plan_s, 2),
-                             predicted_compute_s=predicted["compute_s"], measured_fwd_bwd_s=measured_s,
-                             time_ratio=measured_s / predicted["compute_s"],
-                             predicted_peak_bytes=predicted["peak_memory_bytes"], measured_peak_bytes=peak,
-                             memory_ratio=peak / predicted["peak_memory_bytes"]))
+                             predicted_compute_s=predicted.compute_s, measured_fwd_bwd_s=measured_s,
+                             time_ratio=measured_s / predicted.compute_s,
+                             predicted_peak_bytes=predicted.peak_memory_bytes, measured_peak_bytes=peak,
+                             memory_ratio=peak / predicted.peak_memory_bytes))
             print(f"  {name:<30} {label:<18} time measured/predicted {rows[-1]['time_ratio']:.2f} "
-                  f"({measured_s * 1e3:.1f} ms vs {predicted['compute_s'] * 1e3:.1f} ms); "
+                  f"({measured_s * 1e3:.1f} ms vs {predicted.compute_s * 1e3:.1f} ms); "
                   f"peak measured/predicted {rows[-1]['memory_ratio']:.2f} "
-                  f"({peak / 2**30:.1f} GiB vs {predicted['peak_memory_bytes'] / 2**30:.1f} GiB); "
+                  f"({peak / 2**30:.1f} GiB vs {predicted.peak_memory_bytes / 2**30:.1f} GiB); "
                   f"planned in {plan_s:.1f} s", flush=True)
         del model, opt
         torch.cuda.empty_cache()

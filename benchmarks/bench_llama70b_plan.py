@@ -51,10 +51,10 @@ def main() -> int:
     if args.out:
         pred = plan.predicted
         row = {"layers": args.layers, "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,
-               "plan_s": round(elapsed, 1), "solver": plan.solver.get("status"),
-               "step_time_s": pred["step_time_s"], "peak_memory_gib": pred["peak_memory_bytes"] / 2**30,
-               "peak_at": pred.get("peak_memory_at", ""),
-               **{f"sent_axis{i}_gib": b / 2**30 for i, b in enumerate(pred.get("comm_bytes_per_axis", []))}}
+               "plan_s": round(elapsed, 1), "solver": plan.solver.status,
+               "step_time_s": pred.step_time_s, "peak_memory_gib": pred.peak_memory_bytes / 2**30,
+               "peak_at": pred.peak_memory_at or "",
+               **{f"sent_axis{i}_gib": b / 2**30 for i, b in enumerate(pred.comm_bytes_per_axis or ())}}
         new = not os.path.exists(args.out)
         with open(args.out, "a", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(row))

@@ -117,7 +117,7 @@ def main() -> None:
     print(f"disk link under {directory}: {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, {link.latency_s * 1e6:.0f} us")
     model, batch = _model_and_batch(args.batch)
     free = autopar.plan(model, (1,), example_inputs=batch, cluster=cluster)
-    free_peak = free.predicted["peak_memory_bytes"]
+    free_peak = free.predicted.peak_memory_bytes
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{num_params / 1e6:.1f}M parameters; peak without a budget {free_peak / 2**20:.1f} MiB")
     rows = []
@@ -148,8 +148,8 @@ def main() -> None:
                 **base,
                 "decisions": _label(plan),
                 "prefetch": prefetch,
-                "predicted_peak_bytes": plan.predicted["peak_memory_bytes"],
-                "predicted_step_s": plan.predicted["step_time_s"],
+                "predicted_peak_bytes": plan.predicted.peak_memory_bytes,
+                "predicted_step_s": plan.predicted.step_time_s,
                 "step_s": statistics.median(times),
                 "rss_growth_bytes": growth,
                 "saved_bytes": int(plan.memory.saved_bytes) if plan.memory else 0,

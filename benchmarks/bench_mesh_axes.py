@@ -73,9 +73,9 @@ def main() -> int:
         first = first or cpu
         counts = plan.stats.get("strategies", {})
         cut = f"{counts.get('impossible', 0)} + {counts.get('dominated', 0)}"
-        print(f"{label:<10} {wall:>8.1f} {cpu:>10.1f} {cpu / first:>6.2f} {plan.solver['num_variables']:>10} "
-              f"{counts.get('enumerated', 0):>10} {cut:>16} {plan.predicted['step_time_s'] * 1e3:>9.1f} "
-              f"{plan.predicted['peak_memory_bytes'] / 2**30:>9.1f} {_rss_gib():>8.2f}", flush=True)
+        print(f"{label:<10} {wall:>8.1f} {cpu:>10.1f} {cpu / first:>6.2f} {plan.solver.num_variables:>10} "
+              f"{counts.get('enumerated', 0):>10} {cut:>16} {plan.predicted.step_time_s * 1e3:>9.1f} "
+              f"{plan.predicted.peak_memory_bytes / 2**30:>9.1f} {_rss_gib():>8.2f}", flush=True)
         if "mesh_search" in plan.stats:
             print(mesh_search_text(plan.stats["mesh_search"]))
     return 0

@@ -40,18 +40,18 @@ def describe(plan: autopar.Plan) -> dict:
     experts = sorted({" ".join(str(p) for p in spec) for fqn, spec in plan.params.items() if ".experts." in fqn})
     moe = [d for d in plan.nodes.values() if d.op == "autopar.moe_experts.default"]
     kernels = sorted({f"{d.kernel or 'none'}{list(d.kernel_axes)}" for d in moe})
-    records = pred.get("expert_parallel") or []
+    records = pred.expert_parallel or []
     return {
-        "step_s": round(pred["step_time_s"], 4),
-        "peak_gib": round(pred["peak_memory_bytes"] / GIB, 2),
-        "comm_gib": round(pred["comm_bytes"] / GIB, 2),
+        "step_s": round(pred.step_time_s, 4),
+        "peak_gib": round(pred.peak_memory_bytes / GIB, 2),
+        "comm_gib": round(pred.comm_bytes / GIB, 2),
         "expert_specs": "; ".join(experts),
         "moe_kernel": "; ".join(kernels),
         "ep_degree": max((r["degree"] for r in records), default=1),
         "all_to_all_s": round(sum(r["all_to_all_s"] for r in records), 4),
         "moe_cost_s": round(sum(d.cost_s for d in moe), 4),
-        "solver": pred.get("status", plan.solver.get("status")),
-        "gap": plan.solver.get("gap"),
+        "solver": plan.solver.status,
+        "gap": plan.solver.gap,
     }
 
 

@@ -95,9 +95,9 @@ def plan_row(name: str, layers: int, export: bool, memory_budget: float | None =
     plan_s, plan_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     row = {
         "model": name, "layers": layers, "mesh": "x".join(map(str, mesh)), "nodes": len(plan.nodes),
-        "variables": plan.solver["num_variables"], "method": plan.solver["method"],
-        "peak_gib": round(plan.predicted["peak_memory_bytes"] / 2**30, 1), "step_s": round(plan.predicted["step_time_s"], 4),
-        "objective_s": plan.solver["objective_s"],
+        "variables": plan.solver.num_variables, "method": plan.solver.method,
+        "peak_gib": round(plan.predicted.peak_memory_bytes / 2**30, 1), "step_s": round(plan.predicted.step_time_s, 4),
+        "objective_s": plan.solver.objective_s,
         "plan_hash": plan.hash,  # of the whole plan JSON, explanations included
         "trace_s": round(trace_s, 2), "plan_s": round(plan_s, 2), "total_s": round(trace_s + plan_s, 2),
         "total_cpu_s": round(trace_cpu_s + plan_cpu_s, 2),

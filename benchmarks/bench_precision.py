@@ -56,8 +56,8 @@ def _rank(rank: int, world: int, kinds: list[str], steps: int) -> list[dict]:
                     times.append(time.perf_counter() - start)
             rows.append({"kind": kind, "precision": name, "ranks": world,
                          "step_s": statistics.median(times), "loss": float(pm(*batch).item()),
-                         "predicted_step_s": plan.predicted["step_time_s"],
-                         "predicted_comm_bytes": plan.predicted["comm_bytes"]})
+                         "predicted_step_s": plan.predicted.step_time_s,
+                         "predicted_comm_bytes": plan.predicted.comm_bytes})
     return rows
 
 

@@ -94,10 +94,10 @@ def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget:
     except InfeasibleError:
         auto = None
     row["plan_s"] = round(time.perf_counter() - start, 2)
-    row["autopar_step_s"] = auto.predicted["step_time_s"] if auto else "infeasible"
-    row["autopar_gap"] = auto.solver.get("gap") if auto else ""
-    row["autopar_peak_gib"] = round(auto.predicted["peak_memory_bytes"] / 2**30, 2) if auto else ""
-    row["autopar_comm_gib"] = round(auto.predicted["comm_bytes"] / 2**30, 3) if auto else ""
+    row["autopar_step_s"] = auto.predicted.step_time_s if auto else "infeasible"
+    row["autopar_gap"] = auto.solver.gap if auto else ""
+    row["autopar_peak_gib"] = round(auto.predicted.peak_memory_bytes / 2**30, 2) if auto else ""
+    row["autopar_comm_gib"] = round(auto.predicted.comm_bytes / 2**30, 3) if auto else ""
     row["autopar_checkpointed"] = len(auto.memory.checkpoint) if auto and auto.memory else 0
     row["autopar_layout"] = layout(auto) if auto else ""
     row.update({k: round(v, 3) for k, v in analytic_bytes(model, config, batch, seq, mesh).items()})
@@ -109,13 +109,13 @@ def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget:
         except InfeasibleError:
             row[f"{kind}_step_s"] = "infeasible"
             continue
-        row[f"{kind}_step_s"] = hand.predicted["step_time_s"]
-        row[f"{kind}_comm_gib"] = round(hand.predicted["comm_bytes"] / 2**30, 3)
-        if best is None or hand.predicted["step_time_s"] < best[1]:
-            best = (kind, hand.predicted["step_time_s"])
+        row[f"{kind}_step_s"] = hand.predicted.step_time_s
+        row[f"{kind}_comm_gib"] = round(hand.predicted.comm_bytes / 2**30, 3)
+        if best is None or hand.predicted.step_time_s < best[1]:
+            best = (kind, hand.predicted.step_time_s)
     row["best_hand"] = best[0] if best else "none feasible"
     if best and auto:
-        row["ratio_to_best_hand"] = round(auto.predicted["step_time_s"] / best[1], 4)
+        row["ratio_to_best_hand"] = round(auto.predicted.step_time_s / best[1], 4)
     elif best:
         row["ratio_to_best_hand"] = "autopar infeasible"
     else:

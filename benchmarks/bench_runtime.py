@@ -100,8 +100,8 @@ def _rank(rank: int, world: int, kind: str, steps: int) -> dict:
     return {
         "step_s": max(t for t, _ in gathered),  # the step ends when the slowest rank is done
         "bytes_per_rank": max(b for _, b in gathered),
-        "predicted_step_s": plan.predicted["step_time_s"],
-        "predicted_comm_bytes": plan.predicted["comm_bytes"],
+        "predicted_step_s": plan.predicted.step_time_s,
+        "predicted_comm_bytes": plan.predicted.comm_bytes,
     }
 
 

@@ -78,7 +78,7 @@ def plan_stages(builder: str, config: dict, batch: int, seq: int, mesh: tuple[in
         **watch.times,
         "total_s": round(sum(watch.times[f"{s}_s"] for s in stages), 2),
         "total_cpu_s": round(sum(watch.times[f"{s}_cpu_s"] for s in stages), 2),
-        "step_time_s": plan.predicted["step_time_s"],
+        "step_time_s": plan.predicted.step_time_s,
     }
 
 

@@ -68,27 +68,27 @@ def data_parallel():
 def megatron_budget():
     model, x = _mlp(), torch.randn(8, 1024)
     free = autopar.plan(model, (4,), example_inputs=(x, torch.randn_like(x)), cluster="h100-80g")
-    budget = 0.35 * free.predicted["peak_memory_bytes"]
+    budget = 0.35 * free.predicted.peak_memory_bytes
     return autopar.plan(model, (4,), example_inputs=(x, torch.randn_like(x)), cluster="h100-80g", memory_budget=budget)
 
 
 def tied_budget():
     model, batch = build_model("gpt", seed=0), example_batch("gpt", 8, seed=1)
     free = autopar.plan(model, (2, 2), example_inputs=batch)
-    return autopar.plan(model, (2, 2), example_inputs=batch, memory_budget=0.25 * free.predicted["peak_memory_bytes"])
+    return autopar.plan(model, (2, 2), example_inputs=batch, memory_budget=0.25 * free.predicted.peak_memory_bytes)
 
 
 def readme_offload():
     model, batch = _readme_gpt(batch=4)
     free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
-    budget = 0.4 * free.predicted["peak_memory_bytes"]
+    budget = 0.4 * free.predicted.peak_memory_bytes
     return autopar.plan(model, (1,), example_inputs=batch, cluster="cpu", memory_budget=budget, offload="auto")
 
 
 def checkpointing_budget():
     model, batch = _readme_gpt(n_layer=4)
     free = autopar.plan(model, (2, 2), example_inputs=batch, cluster="cpu")
-    budget = 0.6 * free.predicted["peak_memory_bytes"]
+    budget = 0.6 * free.predicted.peak_memory_bytes
     return autopar.plan(model, (2, 2), example_inputs=batch, cluster="cpu", memory_budget=budget)
 
 

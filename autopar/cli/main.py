@@ -472,9 +472,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
         from autopar.report.versus import versus_text
 
         faster = []
-        if diff and a.predicted.get("step_time_s") and b.predicted.get("step_time_s"):
+        if diff and a.predicted.step_time_s and b.predicted.step_time_s:
             # By how much and why the faster plan is faster: the slower one first.
-            slow, fast = ((a, "a"), (b, "b")) if a.predicted["step_time_s"] >= b.predicted["step_time_s"] \
+            slow, fast = ((a, "a"), (b, "b")) if a.predicted.step_time_s >= b.predicted.step_time_s \
                 else ((b, "b"), (a, "a"))
             faster = [versus_text(slow[0], fast[0], slow[1], fast[1])]
         emit(diff_blocks(diff, args.a, args.b, a, b) + faster)

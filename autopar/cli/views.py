@@ -141,8 +141,8 @@ def show_json(plan) -> dict[str, Any]:
         "cluster": plan.cluster,
         "graph_hash": plan.graph_hash,
         "plan_hash": plan.hash,
-        "predicted": plan.predicted,
-        "solver": plan.solver,
+        "predicted": plan.predicted.to_json(),
+        "solver": plan.solver.to_json(),
         "params": param_groups(plan),
         "collectives": collective_counts(plan),
     }
@@ -227,11 +227,12 @@ def plan_diff(a, b) -> dict[str, Any]:
                         ("torch_version", a.torch_version, b.torch_version)):
         if va != vb:
             diff[key] = {"a": va, "b": vb}
-    keys = [k for k in _MAIN_PREDICTED if k in a.predicted or k in b.predicted]
-    keys += sorted((set(a.predicted) | set(b.predicted)) - set(keys))
+    pred_a, pred_b = a.predicted.to_json(), b.predicted.to_json()
+    keys = [k for k in _MAIN_PREDICTED if k in pred_a or k in pred_b]
+    keys += sorted((set(pred_a) | set(pred_b)) - set(keys))
     predicted = {}
     for key in keys:
-        va, vb = a.predicted.get(key), b.predicted.get(key)
+        va, vb = pred_a.get(key), pred_b.get(key)
         if va == vb:
             continue
         entry: dict[str, Any] = {"a": va, "b": vb}
@@ -240,9 +241,10 @@ def plan_diff(a, b) -> dict[str, Any]:
         predicted[key] = entry
     if predicted:
         diff["predicted"] = predicted
-    solver = {k: {"a": a.solver.get(k), "b": b.solver.get(k)}
+    solver_a, solver_b = a.solver.to_json(), b.solver.to_json()
+    solver = {k: {"a": solver_a.get(k), "b": solver_b.get(k)}
               for k in ("status", "memory_budget_bytes", "fallbacks")
-              if a.solver.get(k) != b.solver.get(k)}
+              if solver_a.get(k) != solver_b.get(k)}
     if solver:
         diff["solver"] = solver
     mesh_a, mesh_b = tuple(a.spec_mesh), tuple(b.spec_mesh)

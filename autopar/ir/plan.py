@@ -14,6 +14,7 @@ import json
 import math
 import os
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from autopar.ir.data import DataLayout
 from autopar.ir.memory import MemoryPlan
 from autopar.ir.options import MixedPrecision
 from autopar.ir.pipeline import StagePlan
+from autopar.ir.prediction import Prediction, SolverStats
 from autopar.ir.summary import summary_text
 from autopar.ir.spec import Spec, format_placement, format_spec, is_sharded, is_strided, parse_spec, shard_axes, spec_text
 from autopar.ir.spec import transition_steps
@@ -101,8 +103,12 @@ def _check_spec(spec: Spec, shape: tuple[int, ...], mesh: tuple[int, ...], where
                         "edited or damaged: re-plan, or fix this placement (docs/plan-format.md)")
 
 
-def evaluate_symbolic(symbolic: dict[str, Any], batch: int) -> dict[str, float]:
-    """Substitute ``B = batch`` in the plan's symbolic costs (``predicted["symbolic"]``)."""
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+def evaluate_symbolic(symbolic: Mapping[str, Any], batch: int) -> dict[str, float]:
+    """Substitute ``B = batch`` in the plan's symbolic costs (``predicted.symbolic``)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive integer, got {batch!r}")
     symbol = sympy.Symbol(symbolic["symbol"], positive=True)
@@ -167,8 +173,8 @@ class Plan:
     graph_hash: str
     params: dict[str, Spec]  # parameter and buffer FQN → spec
     nodes: dict[str, NodePlan]  # node name → decision, in graph order
-    predicted: dict[str, Any]
-    solver: dict[str, Any] = field(default_factory=dict)
+    predicted: Prediction
+    solver: SolverStats = field(default_factory=SolverStats)
     cluster: str = ""
     torch_version: str = field(default_factory=lambda: torch.__version__)
     version: int = PLAN_VERSION
@@ -202,6 +208,10 @@ class Plan:
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.predicted, Prediction) or not isinstance(self.solver, SolverStats):
+            raise TypeError(f"Plan takes predicted=Prediction(...) and solver=SolverStats(...) "
+                            f"(autopar.ir.prediction), got {type(self.predicted).__name__} and "
+                            f"{type(self.solver).__name__}: Prediction.from_json(d) reads a dict")
         if not self.mesh_shape or any(int(n) < 1 for n in self.mesh_shape):
             raise PlanError(f"plan mesh shape must be positive integers, got {self.mesh_shape}")
         for fqn, spec in self.params.items():
@@ -221,8 +231,8 @@ class Plan:
             "mesh": {"shape": list(self.mesh_shape)},
             "graph_hash": self.graph_hash,
             "cluster": self.cluster,
-            "predicted": self.predicted,
-            "solver": self.solver,
+            "predicted": self.predicted.to_json(),
+            "solver": self.solver.to_json(),
             "params": {fqn: format_spec(spec) for fqn, spec in self.params.items()},
             "nodes": {name: node.to_json() for name, node in self.nodes.items()},
         }
@@ -270,8 +280,8 @@ class Plan:
                 graph_hash=data["graph_hash"],
                 params={fqn: parse_spec(spec) for fqn, spec in data["params"].items()},
                 nodes={name: NodePlan.from_json(node) for name, node in data["nodes"].items()},
-                predicted=data["predicted"],
-                solver=data.get("solver", {}),
+                predicted=Prediction.from_json(data["predicted"]),
+                solver=SolverStats.from_json(data.get("solver", {})),
                 cluster=data.get("cluster", ""),
                 torch_version=data.get("torch_version", ""),
                 version=version,
@@ -371,12 +381,12 @@ class Plan:
         """Predicted ``step_time_s``, ``comm_bytes`` and ``peak_memory_bytes`` at another batch
         size, from the plan's symbolic costs (``autopar.plan(..., symbolic_batch=True)``), with
         the same strategies and no tracing."""
-        if "symbolic" not in self.predicted:
+        if self.predicted.symbolic is None:
             raise PlanError(
                 "this plan has no symbolic costs: make it with autopar.plan(..., symbolic_batch=True) "
                 "to predict other batch sizes"
             )
-        return evaluate_symbolic(self.predicted["symbolic"], batch)
+        return evaluate_symbolic(self.predicted.symbolic, batch)
 
     def summary(self, max_rows: int = 60) -> str:
         return summary_text(self, max_rows=max_rows)
@@ -384,5 +394,5 @@ class Plan:
     def __repr__(self) -> str:
         return (
             f"Plan(mesh={self.mesh_shape}, nodes={len(self.nodes)}, params={len(self.params)}, "
-            f"step_time_s={self.predicted.get('step_time_s', float('nan')):.3g}, hash={self.hash})"
+            f"step_time_s={_or_nan(self.predicted.step_time_s):.3g}, hash={self.hash})"
         )

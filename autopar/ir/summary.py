@@ -27,7 +27,7 @@ def format_bytes(num: float, digits: int = 1) -> str:
 def header_lines(plan: "Plan") -> list[str]:
     """The summary's first lines: the plan, its predicted time, memory and bytes, the solver, the
     pipeline and the memory decisions."""
-    pred = plan.predicted
+    pred = plan.predicted.to_json()
     # A pipelined plan's compute, resharding and bytes are for one microbatch through the whole
     # graph on the stage mesh (the stage planner keeps them apart from the pipeline's step).
     per = pred.get("one_microbatch_unpipelined", pred) if plan.pipeline is not None else pred
@@ -53,7 +53,7 @@ def header_lines(plan: "Plan") -> list[str]:
         )
         scope = "per microbatch by stage-mesh axis" if plan.pipeline is not None else "per step by mesh axis"
         lines.append(f"  bytes sent per device {scope}: {parts}")
-    solver = plan.solver
+    solver = plan.solver.to_json()
     if solver:
         lines.append(
             f"  solver: {solver.get('status')}"
@@ -155,9 +155,9 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
 
 
 def expert_parallel_lines(plan: "Plan") -> list[str]:
-    """The experts ops that split experts by rank (``predicted["expert_parallel"]``): the degree
+    """The experts ops that split experts by rank (``predicted.expert_parallel``): the degree
     and axes, the experts each device holds, and the op's cost with its all-to-all part."""
-    records = plan.predicted.get("expert_parallel") or []
+    records = plan.predicted.expert_parallel or ()
     if not records:
         return []
     factor = records[0].get("capacity_factor")

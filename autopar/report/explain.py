@@ -119,7 +119,7 @@ def explain_text(plan: "Plan", key: str) -> str:
         lines.append("    (milliseconds; memory per device)")
     else:
         lines.append("  runner-ups: none (every other strategy is impossible here)")
-    budget = plan.solver.get("memory_budget_bytes")
+    budget = plan.solver.memory_budget_bytes
     reason = _BINDING_TEXT.get(record["binding"], record["binding"]).format(
         budget=format_bytes(budget) if budget else "none")
     lines.append("")

@@ -141,7 +141,7 @@ def _per_axis(predicted: dict[str, Any], unit: str) -> dict[str, float]:
 
 def time_breakdown(plan: "Plan") -> list[tuple[str, float]]:
     """(label, seconds) parts of the predicted step: compute, communication, bubble."""
-    pred = plan.predicted
+    pred = plan.predicted.to_json()
     parts = [("compute (incl. gradient sync)", float(pred.get("compute_s", 0.0)))]
     per_axis = _per_axis(pred, "_s")
     if per_axis:
@@ -245,7 +245,7 @@ def _stages_section(plan: "Plan") -> str:
 
 
 def _memory_section(plan: "Plan", capacity: int | None) -> str:
-    pred = plan.predicted
+    pred = plan.predicted.to_json()
     if plan.memory_timeline and plan.memory_timeline.get("times"):
         note = ""
         if plan.memory is not None:
@@ -290,16 +290,16 @@ def _comm_bytes_table(predicted: dict[str, Any]) -> str:
 def render_html(plan: "Plan", title: str = "", device_memory_bytes: int | None = None) -> str:
     """The report page. ``device_memory_bytes`` (the cluster's, where the caller knows it) shows
     the free memory beside the peak."""
-    pred = plan.predicted
+    pred = plan.predicted.to_json()
     rows = layer_rows(plan)
     colors = _colors(rows)
     legend = "".join(f'<span style="margin-right:14px"><span class="swatch" style="background:{c}"></span>'
                      f'{_esc(spec)}</span>' for spec, c in colors.items())
     collectives = "".join(f"<tr><td>{_esc(kind)}</td><td>{axis}</td><td>{count}</td></tr>"
                           for (kind, axis), count in plan.collective_counts().items())
-    solver = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in plan.solver.items()
+    solver = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in plan.solver.to_json().items()
                      if k != "fallbacks")
-    fallbacks = ", ".join(plan.solver.get("fallbacks", [])) or "none"
+    fallbacks = ", ".join(plan.solver.fallbacks) or "none"
     heading = title or f"autopar plan {plan.hash}"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{_esc(heading)}</title><style>{_CSS}</style></head>

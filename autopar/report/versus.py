@@ -30,12 +30,12 @@ def _part(predicted: dict[str, Any], key: str) -> Any:
 
 
 def _step(plan: "Plan") -> float:
-    return float(plan.predicted.get("step_time_s") or 0.0)
+    return float(plan.predicted.step_time_s or 0.0)
 
 
 def versus(hand: "Plan", solved: "Plan") -> dict[str, Any]:
     """The figures of the comparison (JSON-ready)."""
-    pred_h, pred_s = hand.predicted, solved.predicted
+    pred_h, pred_s = hand.predicted.to_json(), solved.predicted.to_json()
     shared = {fqn for fqn in hand.params if fqn in solved.params}
     moved = sorted(fqn for fqn in shared if format_spec(hand.params[fqn]) != format_spec(solved.params[fqn]))
     out: dict[str, Any] = {

@@ -311,9 +311,9 @@ def test_plan_reports_bytes_per_mesh_axis():
     # a large batch on mesh (2, 2): data parallel, so every byte is a gradient all-reduce
     model = MLP(d_in=64, d_hidden=256, d_out=64, depth=2)
     plan = autopar.plan(model, (2, 2), example_inputs=(torch.randn(4096, 64), torch.randn(4096, 64)), cluster="cpu")
-    per_axis = plan.predicted["comm_bytes_per_axis"]
-    assert plan.predicted["comm_bytes"] > 0 and all(b > 0 for b in per_axis)
-    assert len(per_axis) == 2 and sum(per_axis) == pytest.approx(plan.predicted["comm_bytes"], abs=2)
+    per_axis = plan.predicted.comm_bytes_per_axis
+    assert plan.predicted.comm_bytes > 0 and all(b > 0 for b in per_axis)
+    assert len(per_axis) == 2 and sum(per_axis) == pytest.approx(plan.predicted.comm_bytes, abs=2)
     assert "by mesh axis: axis 0 (size 2)" in plan.summary()
 
 

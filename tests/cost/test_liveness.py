@@ -204,11 +204,11 @@ def test_memory_constraints_do_not_grow_with_depth_and_the_budget_holds_at_every
 
     mlp = trace(MLP(d_in=64, d_hidden=256, d_out=64, depth=3), (torch.randn(32, 64), torch.randn(32, 64)))
     free = solve(mlp, (2, 2), cpu)
-    budget = 0.6 * free.predicted["peak_memory_bytes"]
+    budget = 0.6 * free.predicted.peak_memory_bytes
     tight = solve(mlp, (2, 2), cpu, PlanOptions.from_keywords(memory_budget=budget, checkpointing=False))
     # the plan's peak is the maximum over the whole timeline, not only the constrained times
-    assert tight.predicted["peak_memory_bytes"] <= budget
-    assert set(tight.predicted["memory_at_peak_bytes"]) == {
+    assert tight.predicted.peak_memory_bytes <= budget
+    assert set(tight.predicted.memory_at_peak_bytes) == {
         "param", "optimizer_state", "grad", "input", "activation", "activation_grad", "gathered", "comm_buffer"}
 
 

@@ -69,8 +69,8 @@ def test_plan_with_measured_compute():
     x = torch.randn(8, 16)
     roofline = autopar.plan(model, (2,), example_inputs=(x,), cluster="cpu")
     timed = autopar.plan(model, (2,), example_inputs=(x,), cluster="cpu", compute="measured")
-    assert timed.predicted["step_time_s"] > 0
-    assert timed.predicted["compute_s"] != roofline.predicted["compute_s"]
+    assert timed.predicted.step_time_s > 0
+    assert timed.predicted.compute_s != roofline.predicted.compute_s
     assert measured.get_cache().entries, "measured mode must time ops"
     with pytest.raises(ValueError, match="compute must be one of roofline, measured"):
         autopar.plan(model, (2,), example_inputs=(x,), cluster="cpu", compute="guess")

@@ -152,7 +152,7 @@ def test_memory_timeline_round_trips_and_the_schema_checks_it(gpt_plan):
     from autopar.ir.plan import Plan, validate_plan_json
 
     timeline = gpt_plan.memory_timeline
-    assert timeline is not None and timeline["peak_at"] == gpt_plan.predicted["peak_memory_at"]
+    assert timeline is not None and timeline["peak_at"] == gpt_plan.predicted.peak_memory_at
     assert len(timeline["bytes"]) == len(timeline["times"]) and all(len(r) == len(timeline["kinds"]) for r in timeline["bytes"])
     again = Plan.from_json(gpt_plan.to_json())
     assert again.memory_timeline == timeline and again.hash == gpt_plan.hash

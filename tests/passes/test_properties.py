@@ -35,6 +35,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import autopar
 from autopar.zoo.models import build_model, example_batch
 from autopar.ir.plan import NodePlan, Plan
+from autopar.ir.prediction import Prediction, SolverStats
 from autopar.rules.registry import op_info_from_values
 from autopar.rules.simulate import _normalize, check_op
 from autopar.ir.spec import format_spec, is_valid
@@ -612,8 +613,8 @@ def random_plans(draw) -> Plan:
         graph_hash=draw(st.text(alphabet="0123456789abcdef", min_size=16, max_size=16)),
         params=params,
         nodes=nodes,
-        predicted=predicted,
-        solver=solver,
+        predicted=Prediction.from_json(predicted),
+        solver=SolverStats.from_json(solver),
         cluster=draw(st.sampled_from(["cpu", "h100-80g", "a100-40g", ""])),
     )
 

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 import autopar
+from autopar.ir.prediction import Prediction
 from autopar.report.html import layer_rows, render_html, time_breakdown, write_html
 from autopar.zoo.models import build_model, example_batch
 
@@ -53,8 +54,9 @@ def test_page_is_self_contained(sharded_plan):
 def test_per_axis_and_timeline_keys_are_used_when_present(sharded_plan):
     import dataclasses
 
-    predicted = {**sharded_plan.predicted, "comm_s_per_axis": [1e-4, 2e-4],
-                 "comm_bytes_per_axis": {"0": 4096, "1": 2 * 2**20}, "memory_timeline_bytes": [10, 30, 20]}
+    predicted = Prediction.from_json({**sharded_plan.predicted.to_json(), "comm_s_per_axis": [1e-4, 2e-4],
+                                      "comm_bytes_per_axis": {"0": 4096, "1": 2 * 2**20},
+                                      "memory_timeline_bytes": [10, 30, 20]})
     # Without a recorded timeline (plans made before it was), the predicted keys are used.
     plan = dataclasses.replace(sharded_plan, predicted=predicted, memory_timeline=None)
     labels = [label for label, _ in time_breakdown(plan)]
@@ -71,9 +73,9 @@ def test_memory_timeline_by_kind_with_the_peak(sharded_plan):
     assert timeline["peak_time"] in timeline["times"]
     assert {"param", "grad", "optimizer_state"} <= set(timeline["kinds"])
     totals = [sum(row) for row in timeline["bytes"]]
-    assert max(totals) == pytest.approx(sharded_plan.predicted["peak_memory_bytes"], rel=1e-6, abs=len(timeline["kinds"]))
+    assert max(totals) == pytest.approx(sharded_plan.predicted.peak_memory_bytes, rel=1e-6, abs=len(timeline["kinds"]))
     assert totals[timeline["times"].index(timeline["peak_time"])] == max(totals)
-    assert timeline["peak_at"] == sharded_plan.predicted["peak_memory_at"]
+    assert timeline["peak_at"] == sharded_plan.predicted.peak_memory_at
     page = render_html(sharded_plan)
     assert 'id="memory-timeline"' in page and 'id="memory-peak"' in page
     assert page.count('class="memory-kind"') == len(timeline["kinds"])

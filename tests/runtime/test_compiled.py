@@ -50,7 +50,7 @@ def test_compiled_mode_equals_eager_and_hits_inductors_cache_when_compiled_again
     config = dict(d_in=8, d_hidden=16, d_out=4)
     pm, loss, want, grads = _compiled_step(config)
     assert pm._compiled_graph.first_call_s is not None, "the first call compiled (and timed) the graph"
-    assert pm.plan.predicted["executor"] == "inductor"
+    assert pm.plan.predicted.executor == "inductor"
     assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
     assert max(grads.values()) <= 1e-4, grads
     torch._dynamo.reset()  # forget the compiled code, keep inductor's on-disk cache

@@ -47,8 +47,8 @@ def _plans() -> tuple[autopar.Plan, autopar.Plan]:
 
 def test_the_planner_checkpoints_stages_under_a_tight_budget():
     free, tight = _plans()
-    assert free.predicted["recompute"] == [False, False] and free.memory is None
-    assert tight.predicted["recompute"] == [True, True], tight.predicted
+    assert free.predicted.recompute == (False, False) and free.memory is None
+    assert tight.predicted.recompute == (True, True), tight.predicted
     budget = 0.8 * max(stage.memory_bytes for stage in free.pipeline.stages)
     assert max(stage.memory_bytes for stage in tight.pipeline.stages) <= budget
     names = [segment.name for segment in tight.memory.checkpoint]

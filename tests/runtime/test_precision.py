@@ -98,7 +98,7 @@ def _checkpointed_plan() -> autopar.Plan:
     free = autopar.plan(model, (WORLD,), example_inputs=batch, cluster="cpu", precision="bf16-mixed",
                         memory_budget=float("inf"))
     return autopar.plan(model, (WORLD,), example_inputs=batch, cluster="cpu", precision="bf16-mixed",
-                        memory_budget=0.5 * free.predicted["peak_memory_bytes"])
+                        memory_budget=0.5 * free.predicted.peak_memory_bytes)
 
 
 def _run_case(name: str, kind: str, precision, mesh: tuple[int, ...], given: str | None = None) -> dict:

@@ -104,7 +104,7 @@ def main() -> None:
         "baseline_rss_bytes": baseline,
         "peak_rss_bytes": peak,
         "growth_bytes": peak - baseline,
-        "predicted_peak_bytes": pm.plan.predicted["peak_memory_bytes"],
+        "predicted_peak_bytes": pm.plan.predicted.peak_memory_bytes,
         "compile_s": compile_s,
         "step_s": step_s,
         "losses": losses,

@@ -47,25 +47,25 @@ def test_each_kind_lays_out_parameters_as_prescribed(plans):
 
 def test_zero_shards_optimizer_state_then_gradients_at_ddp_speed(gpt_and_batch, plans):
     ddp, zero1, zero2 = (plans[k].predicted for k in ("ddp", "zero1", "zero2"))
-    assert zero1["step_time_s"] == pytest.approx(ddp["step_time_s"]), "ZeRO-1/2 move DDP's all-reduce bytes"
-    assert zero2["step_time_s"] == pytest.approx(ddp["step_time_s"])
+    assert zero1.step_time_s == pytest.approx(ddp.step_time_s), "ZeRO-1/2 move DDP's all-reduce bytes"
+    assert zero2.step_time_s == pytest.approx(ddp.step_time_s)
     # fp32 parameters (tied ones once); AdamW keeps two fp32 states per element.
     params_bytes = 4 * sum(p.numel() for p in gpt_and_batch[0].parameters())
     ways = MESH[0] * MESH[1]
-    assert ddp["peak_memory_bytes"] - zero1["peak_memory_bytes"] == pytest.approx(2 * params_bytes * (1 - 1 / ways), rel=1e-6)
+    assert ddp.peak_memory_bytes - zero1.peak_memory_bytes == pytest.approx(2 * params_bytes * (1 - 1 / ways), rel=1e-6)
     # Optimizer state lives through the whole step, so ZeRO-1 lowers the liveness peak by exactly
     # its split (above). Gradients exist only from their backward on, so ZeRO-2 lowers it by the
     # gradients alive at the peak: something, and at most all of them split.
-    saved = zero1["peak_memory_bytes"] - zero2["peak_memory_bytes"]
+    saved = zero1.peak_memory_bytes - zero2.peak_memory_bytes
     assert 0 < saved <= params_bytes * (1 - 1 / ways) * (1 + 1e-9)
-    assert zero2["memory_at_peak_bytes"]["grad"] <= params_bytes / ways * (1 + 1e-9)
+    assert zero2.memory_at_peak_bytes["grad"] <= params_bytes / ways * (1 + 1e-9)
 
 
 def test_sequence_parallel_splits_the_residual_stream_along_the_sequence(plans):
     sp, tp = plans["megatron_sp"], plans["megatron"]
     residual = [n for n, p in sp.nodes.items() if p.op == "aten.add.Tensor" and len(p.shapes[0]) == 3]
     assert residual and all(sp.nodes[n].outs[0] == (Shard(0), Shard(1)) for n in residual)
-    assert sp.predicted["peak_memory_bytes"] < tp.predicted["peak_memory_bytes"], "SP keeps 1/TP of those activations"
+    assert sp.predicted.peak_memory_bytes < tp.predicted.peak_memory_bytes, "SP keeps 1/TP of those activations"
 
 
 def test_tp_dp_is_megatron_on_two_axes(gpt_and_batch, plans):
@@ -82,7 +82,7 @@ def test_autopar_is_never_predicted_slower_than_a_hand_plan(gpt_and_batch, plans
         # ``plans`` are these hand plans on "cpu", made once for the module
         hand = plans[kind] if cluster == "cpu" else autopar.hand_plan(kind, model, MESH, example_inputs=batch,
                                                                       cluster=cluster)
-        assert auto.predicted["step_time_s"] <= hand.predicted["step_time_s"] * (1 + 1e-9), kind
+        assert auto.predicted.step_time_s <= hand.predicted.step_time_s * (1 + 1e-9), kind
 
 
 def test_under_a_budget_autopar_still_wins_over_every_feasible_hand_plan(gpt_and_batch, plans):
@@ -90,9 +90,9 @@ def test_under_a_budget_autopar_still_wins_over_every_feasible_hand_plan(gpt_and
     # Below autopar's free plan (0.73 of DDP's peak) and above the leanest plan (0.50: the
     # liveness peak counts backward temporaries that no sharding of parameters removes), so that
     # DDP and Megatron do not fit and FSDP and tp_fsdp (0.58) do.
-    budget = 0.6 * plans["ddp"].predicted["peak_memory_bytes"]
+    budget = 0.6 * plans["ddp"].predicted.peak_memory_bytes
     auto = autopar.plan(model, MESH, example_inputs=batch, cluster="cpu", memory_budget=budget)
-    assert auto.predicted["peak_memory_bytes"] <= budget
+    assert auto.predicted.peak_memory_bytes <= budget
     feasible = 0
     for kind in KINDS:
         try:
@@ -100,7 +100,7 @@ def test_under_a_budget_autopar_still_wins_over_every_feasible_hand_plan(gpt_and
         except InfeasibleError:
             continue
         feasible += 1
-        assert auto.predicted["step_time_s"] <= hand.predicted["step_time_s"] * (1 + 1e-9), kind
+        assert auto.predicted.step_time_s <= hand.predicted.step_time_s * (1 + 1e-9), kind
     assert feasible >= 2, "the budget should leave some hand plans feasible"
 
 
@@ -133,11 +133,11 @@ def test_a_hand_plan_that_fits_no_budget_alone_is_checkpointed_when_allowed():
     traced = trace(model, example_batch("gpt", 64, n_layer=4))
     cluster, mesh = get_cluster("cpu"), (4,)
     forced = hand_specs("fsdp", traced, mesh)
-    budget = 0.6 * solve(traced, mesh, cluster, forced=forced).predicted["peak_memory_bytes"]
+    budget = 0.6 * solve(traced, mesh, cluster, forced=forced).predicted.peak_memory_bytes
     with pytest.raises(InfeasibleError, match="forced specs"):
         solve(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=budget, checkpointing=False), forced=forced)
     plan = solve(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=budget, checkpointing=True), forced=forced)
     assert plan.memory is not None and plan.memory.checkpoint
-    assert plan.predicted["peak_memory_bytes"] <= budget
+    assert plan.predicted.peak_memory_bytes <= budget
     for name, spec in forced.items():
         assert plan.nodes[name].outs[0] == spec

@@ -58,7 +58,7 @@ def world_of_one():
 
 def _plan(fraction: float, free: Plan, **kwargs) -> Plan:
     model, batch = _gpt()
-    budget = fraction * free.predicted["peak_memory_bytes"]
+    budget = fraction * free.predicted.peak_memory_bytes
     return autopar.plan(model, (1,), example_inputs=batch, cluster="cpu", memory_budget=budget, **kwargs)
 
 
@@ -95,13 +95,13 @@ def test_offload_off_keeps_todays_error(gpt_free_plan):
 
 
 def test_planner_fits_the_budget_and_records_each_decision(gpt_free_plan):
-    free_peak = gpt_free_plan.predicted["peak_memory_bytes"]
+    free_peak = gpt_free_plan.predicted.peak_memory_bytes
     plan = _plan(0.5, gpt_free_plan, offload="auto")
     memory = plan.memory
     assert memory is not None and memory.target == "disk" and memory.prefetch  # cpu preset: the device is the host
-    assert plan.predicted["peak_memory_bytes"] <= 0.5 * free_peak
+    assert plan.predicted.peak_memory_bytes <= 0.5 * free_peak
     assert memory.peak_before_bytes == pytest.approx(free_peak, rel=1e-6)
-    assert plan.predicted["step_time_s"] == pytest.approx(gpt_free_plan.predicted["step_time_s"] + memory.added_s)
+    assert plan.predicted.step_time_s == pytest.approx(gpt_free_plan.predicted.step_time_s + memory.added_s)
     assert memory.added_s > 0 and all(d.saved_bytes > 0 and d.cost_s > 0 for d in memory.checkpoint + memory.offload)
     # JSON, schema and summary.
     data = json.loads(plan.to_json())
@@ -132,10 +132,10 @@ def test_forced_specs_under_a_binding_budget_checkpoint_when_allowed(gpt_free_pl
     model, batch = _gpt()
     traced = trace(model, batch)
     forced = {i.name: (R,) for i in traced.placeholders("param")}
-    budget = 0.85 * gpt_free_plan.predicted["peak_memory_bytes"]
+    budget = 0.85 * gpt_free_plan.predicted.peak_memory_bytes
     plan = solve(traced, (1,), get_cluster("cpu"), PlanOptions.from_keywords(memory_budget=budget, checkpointing=True), forced=forced)
     assert plan.memory is not None and plan.memory.checkpoint
-    assert plan.predicted["peak_memory_bytes"] <= budget
+    assert plan.predicted.peak_memory_bytes <= budget
     with pytest.raises(autopar.InfeasibleError, match="forced specs"):
         solve(traced, (1,), get_cluster("cpu"), PlanOptions.from_keywords(memory_budget=budget, checkpointing=False), forced=forced)
 
@@ -150,7 +150,7 @@ def test_cheapest_per_byte_first(gpt_free_plan):
     fast = dataclasses.replace(get_cluster("cpu"), disk_link=LinkSpec(1e-6, 1e13))
     model, batch = _gpt()
     plan = autopar.plan(model, (1,), example_inputs=batch, cluster=fast, offload="auto",
-                        memory_budget=0.85 * gpt_free_plan.predicted["peak_memory_bytes"])
+                        memory_budget=0.85 * gpt_free_plan.predicted.peak_memory_bytes)
     assert not plan.memory.checkpoint and (plan.memory.offload_activations or plan.memory.offload)
     assert all(entry.kind == "optimizer_state" for entry in plan.memory.offload)
 
@@ -161,7 +161,7 @@ def test_activations_are_offloaded_where_checkpointing_is_not_allowed(gpt_free_p
     plan = _plan(0.85, gpt_free_plan, offload="auto", checkpointing=False)
     memory = plan.memory
     assert memory.offload_activations and not memory.checkpoint
-    assert plan.predicted["peak_memory_bytes"] <= 0.85 * gpt_free_plan.predicted["peak_memory_bytes"]
+    assert plan.predicted.peak_memory_bytes <= 0.85 * gpt_free_plan.predicted.peak_memory_bytes
     segment = memory.offload_activations[0]
     assert segment.name.startswith("transformer.h.") and segment.saved_bytes > 0 and segment.cost_s > 0
     assert Plan.from_json(plan.to_json()) == plan
@@ -178,7 +178,7 @@ def test_infeasible_budget_states_minimum_and_dominant_tensors(gpt_free_plan):
     assert "leanest plan needs" in message and "even with checkpointing every layer and offloading" in message
     assert "Largest tensors alive there" in message and "MiB" in message
     minimum = float(message.split("leanest plan needs ")[1].split(" bytes")[0])
-    assert 0.05 * gpt_free_plan.predicted["peak_memory_bytes"] < minimum < gpt_free_plan.predicted["peak_memory_bytes"]
+    assert 0.05 * gpt_free_plan.predicted.peak_memory_bytes < minimum < gpt_free_plan.predicted.peak_memory_bytes
 
 
 @pytest.mark.parametrize("store_kind", ["disk", "disk-buffered", "host"])
@@ -311,7 +311,7 @@ def test_checkpoint_and_offload_on_two_ranks(rank_pool, tmp_path):
     model, batch = _gpt()
     free = autopar.plan(model, (2,), example_inputs=batch, cluster="cpu")
     plan = autopar.plan(model, (2,), example_inputs=batch, cluster="cpu", offload="auto",
-                        memory_budget=0.25 * free.predicted["peak_memory_bytes"])
+                        memory_budget=0.25 * free.predicted.peak_memory_bytes)
     assert plan.memory is not None and plan.memory.checkpoint and plan.memory.offloaded("param")
     assert any(not p.is_replicate() for spec in plan.params.values() for p in spec)  # sharded, then offloaded
     plan.save(tmp_path / "plan.json")

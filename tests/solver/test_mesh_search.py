@@ -35,11 +35,11 @@ def test_search_picks_the_fastest_and_lists_every_mesh():
     assert [tuple(r["mesh"]) for r in rows] and {tuple(r["mesh"]) for r in rows} == {(4,), (2, 2)}
     assert all(r["status"] == "ok" for r in rows)
     assert tuple(rows[0]["mesh"]) == best.mesh_shape
-    assert best.predicted["step_time_s"] == min(r["step_time_s"] for r in rows)
+    assert best.predicted.step_time_s == min(r["step_time_s"] for r in rows)
     # Each row is what planning that mesh alone gives.
     for row in rows:
         alone = autopar.plan(model, tuple(row["mesh"]), example_inputs=batch, cluster="h100-80g")
-        assert alone.predicted["step_time_s"] == pytest.approx(row["step_time_s"], rel=1e-12)
+        assert alone.predicted.step_time_s == pytest.approx(row["step_time_s"], rel=1e-12)
     text = mesh_search_text(rows)
     assert "<- chosen" in text and "2x2" in text
     # The search table is a fact of the run, not part of the plan file.
@@ -53,12 +53,12 @@ def test_infeasible_meshes_are_listed():
     traced = trace(model, batch)
     cluster = get_cluster("cpu")
     free = autopar.plan(model, (6,), example_inputs=batch, cluster="cpu")
-    budget = free.predicted["peak_memory_bytes"] * 0.9
+    budget = free.predicted.peak_memory_bytes * 0.9
     best = search_mesh(traced, 6, cluster, PlanOptions.from_keywords(memory_budget=budget), plan_traced)
     rows = {tuple(r["mesh"]): r for r in best.stats["mesh_search"]}
     assert set(rows) == {(6,), (2, 3), (3, 2)}
     assert rows[(6,)]["status"] == "infeasible" and "memory_budget" in rows[(6,)]["reason"]
-    assert best.mesh_shape in ((2, 3), (3, 2)) and best.predicted["peak_memory_bytes"] <= budget
+    assert best.mesh_shape in ((2, 3), (3, 2)) and best.predicted.peak_memory_bytes <= budget
     assert best.stats["mesh_search"][-1]["status"] == "infeasible"
     assert "infeasible" in mesh_search_text(best.stats["mesh_search"])
     with pytest.raises(autopar.InfeasibleError, match="no mesh of 6 devices"):

@@ -46,12 +46,12 @@ def test_mixtral_shape_on_64_h100s_splits_every_expert_weight_by_expert(mixtral_
         assert node.source == "rule" and node.kernel in EXPERT_PARALLEL_KERNELS, (name, node)
         for axis in node.kernel_axes:  # the kernel runs on the experts as they are stored
             assert node.ins[3][axis] == Shard(0) and node.ins[4][axis] == Shard(0)
-    fallbacks = mixtral_plan.solver["fallbacks"]
+    fallbacks = mixtral_plan.solver.fallbacks
     assert not [n for n in fallbacks if "moe" in n or "grouped_mm" in mixtral_plan.nodes[n].op], fallbacks
 
 
 def test_mixtral_plan_names_expert_parallelism_and_its_cost(mixtral_plan) -> None:
-    records = mixtral_plan.predicted["expert_parallel"]
+    records = mixtral_plan.predicted.expert_parallel
     assert [r["node"] for r in records] == [n for n, d in mixtral_plan.nodes.items()
                                             if d.op == "autopar.moe_experts.default"]
     for record in records:

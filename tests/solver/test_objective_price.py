@@ -21,10 +21,10 @@ from tests.conftest import gpt_and_batch
 
 def assert_objective_is_step_time(plan: autopar.Plan) -> None:
     predicted = plan.predicted
-    objective = plan.solver["objective_s"]
-    post_solve = predicted["grad_schedule"]["post_solve_s"]
-    hidden = predicted["grad_sync_s"] - predicted["exposed_grad_sync_s"]
-    assert predicted["step_time_s"] == pytest.approx(objective + post_solve - hidden, rel=1e-6)
+    objective = plan.solver.objective_s
+    post_solve = predicted.grad_schedule["post_solve_s"]
+    hidden = predicted.grad_sync_s - predicted.exposed_grad_sync_s
+    assert predicted.step_time_s == pytest.approx(objective + post_solve - hidden, rel=1e-6)
     # Only the scheduled buckets' latency (at most one bucket's, 2(k-1)·α of the widest axis, on
     # these plans with no FSDP-style gather) is left out of the ILP's price.
     cluster = get_cluster(plan.cluster)
@@ -33,7 +33,7 @@ def assert_objective_is_step_time(plan: autopar.Plan) -> None:
     assert 0.0 <= post_solve <= latency * (1 + 1e-9)
     # compute_s is compute (and activation collectives): the per-use parameter reductions,
     # which the bucketed grad_sync_s replaces, are not in it
-    assert predicted["compute_s"] + predicted["reshard_s"] + predicted["grad_sync_s"] == pytest.approx(
+    assert predicted.compute_s + predicted.reshard_s + predicted.grad_sync_s == pytest.approx(
         objective + post_solve, rel=1e-6)
 
 
@@ -41,7 +41,7 @@ def assert_objective_is_step_time(plan: autopar.Plan) -> None:
 def test_zoo_gpt_objective_is_the_predicted_step(mesh) -> None:
     model, batch = gpt_and_batch()
     plan = autopar.plan(model, mesh, example_inputs=batch, cluster="cpu", solver="highs")
-    assert plan.predicted["grad_sync_s"] > 0, "the plan reduces parameter gradients (ddp-like)"
+    assert plan.predicted.grad_sync_s > 0, "the plan reduces parameter gradients (ddp-like)"
     assert_objective_is_step_time(plan)
 
 
@@ -52,7 +52,7 @@ BF16_REDUCE = autopar.MixedPrecision("bfloat16", "bfloat16", "float32", name="bf
 def test_bf16_reductions_are_priced_alike_by_the_ilp_and_the_plan() -> None:
     model, batch = gpt_and_batch()
     plan = autopar.plan(model, (2, 2), example_inputs=batch, cluster="cpu", solver="highs", precision=BF16_REDUCE)
-    assert plan.precision.reduce_dtype == "bfloat16" and plan.predicted["grad_sync_s"] > 0
+    assert plan.precision.reduce_dtype == "bfloat16" and plan.predicted.grad_sync_s > 0
     assert_objective_is_step_time(plan)
 
 
@@ -69,9 +69,9 @@ def test_a_bf16_reduction_sends_half_the_bytes_of_fp32_masters() -> None:
              for precision in ("bf16-mixed", BF16_REDUCE)}
     fp32, bf16 = (plans[p].predicted for p in ("bf16-mixed", BF16_REDUCE))
     reduced = sum(p.numel() for n, p in model.named_parameters() if n != "transformer.wpe.weight")
-    assert fp32["comm_bytes"] - bf16["comm_bytes"] == 3 * reduced
-    assert bf16["grad_sync_s"] < 0.6 * fp32["grad_sync_s"]
-    assert bf16["peak_memory_bytes"] == fp32["peak_memory_bytes"]
+    assert fp32.comm_bytes - bf16.comm_bytes == 3 * reduced
+    assert bf16.grad_sync_s < 0.6 * fp32.grad_sync_s
+    assert bf16.peak_memory_bytes == fp32.peak_memory_bytes
 
 
 class _Twice(torch.nn.Module):
@@ -96,4 +96,4 @@ def test_a_weight_gathered_for_two_uses_moves_param_dtype_and_reduces_reduce_dty
     plan = autopar.hand_plan("fsdp", model, (4,), example_inputs=batch, cluster="cpu", precision=precision)
     assert plan.params["lin.weight"] == (Shard(0),) and plan.collective_counts()[("all_gather", 0)] == 2
     numel = model.lin.weight.numel()
-    assert plan.predicted["comm_bytes"] == 3 * numel * 2 // 4 + 3 * numel * reduce_bytes // 4 + 3
+    assert plan.predicted.comm_bytes == 3 * numel * 2 // 4 + 3 * numel * reduce_bytes // 4 + 3

@@ -113,4 +113,4 @@ def test_the_planner_chooses_the_microbatch_count():
     tried = plan.pipeline.reason.split("microbatches tried ")[1].split(", ")
     steps = {int(t.split(":")[0]): float(t.split(": ")[1].removesuffix(" s")) for t in tried if "none" not in t}
     assert len(steps) >= 2 and plan.pipeline.num_microbatches == min(steps, key=steps.get), plan.pipeline.reason
-    assert plan.predicted["step_time_s"] == pytest.approx(steps[plan.pipeline.num_microbatches], rel=1e-3)
+    assert plan.predicted.step_time_s == pytest.approx(steps[plan.pipeline.num_microbatches], rel=1e-3)

@@ -46,7 +46,7 @@ def _megatron_plan(model: torch.nn.Module, x: torch.Tensor, mesh=(4,)) -> autopa
     y = torch.randn_like(x)
     replicated = autopar.plan(model, mesh, example_inputs=(x, y), cluster="h100-80g")
     # Too small to keep any one weight whole (with its gradient and AdamW state).
-    budget = 0.35 * replicated.predicted["peak_memory_bytes"]
+    budget = 0.35 * replicated.predicted.peak_memory_bytes
     return autopar.plan(model, mesh, example_inputs=(x, y), cluster="h100-80g", memory_budget=budget)
 
 
@@ -117,9 +117,9 @@ def test_budget_is_respected_and_infeasible_budget_says_minimum():
     model = WithMSELoss(MLPBlock(d=256, hidden=1024))
     x, y = torch.randn(64, 256), torch.randn(64, 256)
     free = autopar.plan(model, (4,), example_inputs=(x, y))
-    budget = 0.4 * free.predicted["peak_memory_bytes"]
+    budget = 0.4 * free.predicted.peak_memory_bytes
     tight = autopar.plan(model, (4,), example_inputs=(x, y), memory_budget=budget)
-    assert tight.predicted["peak_memory_bytes"] <= budget
+    assert tight.predicted.peak_memory_bytes <= budget
     with pytest.raises(InfeasibleError, match="leanest plan needs"):
         autopar.plan(model, (4,), example_inputs=(x, y), memory_budget=1000)
 
@@ -142,7 +142,7 @@ def test_tied_weights_get_one_spec_even_under_a_tight_budget():
     # A budget tight enough that the tied weight itself must be sharded (the ILP prices each
     # parameter's gradient reduction once, bucketed: at 0.6 of the free peak, splitting the
     # batch alone fits, and the tie would hold trivially with both names replicated).
-    plan = autopar.plan(model, (2, 2), example_inputs=batch, memory_budget=0.25 * free.predicted["peak_memory_bytes"])
+    plan = autopar.plan(model, (2, 2), example_inputs=batch, memory_budget=0.25 * free.predicted.peak_memory_bytes)
     assert any(spec != free.params[fqn] for fqn, spec in plan.params.items()), "the budget should change the plan"
     assert any(not p.is_replicate() for p in plan.params["lm_head.weight"]), plan.params["lm_head.weight"]
     assert plan.params["lm_head.weight"] == plan.params["transformer.wte.weight"]
@@ -214,12 +214,12 @@ def test_the_device_memory_is_the_default_budget():
     model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
     batch = example_batch("gpt", 8, seed=1)
     free = autopar.plan(model, (2, 2), example_inputs=batch, cluster="cpu", memory_budget=float("inf"))
-    assert free.solver["memory_budget_bytes"] is None
-    peak = free.predicted["peak_memory_bytes"]
+    assert free.solver.memory_budget_bytes is None
+    peak = free.predicted.peak_memory_bytes
     small = dataclasses.replace(get_cluster("cpu"), memory_bytes=int(peak / 0.9 * 0.8), name="small")
     plan = autopar.plan(model, (2, 2), example_inputs=batch, cluster=small)
-    assert plan.solver["memory_budget_bytes"] == small.default_memory_budget < peak
-    assert plan.predicted["peak_memory_bytes"] <= small.default_memory_budget
+    assert plan.solver.memory_budget_bytes == small.default_memory_budget < peak
+    assert plan.predicted.peak_memory_bytes <= small.default_memory_budget
 
 
 def test_mixed_precision_prices_bf16_compute_and_fp32_state_and_reductions():
@@ -238,13 +238,13 @@ def test_mixed_precision_prices_bf16_compute_and_fp32_state_and_reductions():
     assert plans["bf16-mixed"].precision.name == "bf16-mixed" and plans["32-true"].precision.param_dtype is None
     for plan in plans.values():
         assert plan.nodes["cross_entropy_loss"].ins[0] == (Shard(0),), plan.summary()
-    assert fp32["comm_bytes"] > 0
+    assert fp32.comm_bytes > 0
     # Parameter gradients are reduced in fp32 under bf16-mixed; the activations' traffic halves.
-    assert mixed["grad_sync_s"] == pytest.approx(fp32["grad_sync_s"], rel=1e-9)
-    assert true16["comm_bytes"] < mixed["comm_bytes"] < fp32["comm_bytes"]
-    assert true16["comm_bytes"] == pytest.approx(fp32["comm_bytes"] / 2, rel=1e-6)
-    at_fp32, at_mixed = fp32["memory_at_peak_bytes"], mixed["memory_at_peak_bytes"]
+    assert mixed.grad_sync_s == pytest.approx(fp32.grad_sync_s, rel=1e-9)
+    assert true16.comm_bytes < mixed.comm_bytes < fp32.comm_bytes
+    assert true16.comm_bytes == pytest.approx(fp32.comm_bytes / 2, rel=1e-6)
+    at_fp32, at_mixed = fp32.memory_at_peak_bytes, mixed.memory_at_peak_bytes
     assert at_mixed["param"] == at_fp32["param"] and at_mixed["optimizer_state"] == at_fp32["optimizer_state"]
-    assert 0 < mixed["peak_memory_bytes"] < fp32["peak_memory_bytes"]
-    assert mixed["compute_s"] < fp32["compute_s"], "bf16 runs at the cluster's bf16 FLOP/s"
+    assert 0 < mixed.peak_memory_bytes < fp32.peak_memory_bytes
+    assert mixed.compute_s < fp32.compute_s, "bf16 runs at the cluster's bf16 FLOP/s"
     assert autopar.Plan.from_json(plans["bf16-mixed"].to_json()).precision == plans["bf16-mixed"].precision

@@ -168,8 +168,8 @@ def test_predicted_step_is_the_plans_step_to_the_last_bit(traced, graphs):
     graph = graphs[True]
     solution = solve_ilp(ShardingILP(graph), 60, "auto")
     plan = plan_from_solution(traced, graph, solution, cluster, None)
-    assert plan.predicted["step_time_s"] > 0
-    assert predicted_step_s(graph, solution, cluster) == plan.predicted["step_time_s"]
+    assert plan.predicted.step_time_s > 0
+    assert predicted_step_s(graph, solution, cluster) == plan.predicted.step_time_s
 
 
 def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkeypatch):
@@ -199,7 +199,7 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
     monkeypatch.setattr(solver_module, "solve_within_budget", spy)
     start = time.perf_counter()
     plan = solve(traced, (2, 2), cluster, PlanOptions.from_keywords(memory_budget=budget, time_limit_s=600.0, checkpointing=False))
-    assert plan.predicted["peak_memory_bytes"] <= budget * (1 + 1e-9)
+    assert plan.predicted.peak_memory_bytes <= budget * (1 + 1e-9)
     assert len(limits) == 1, "the MILP ran as a second opinion"
     limit, called = limits[0]
     assert limit <= max(solver_module._MIN_MILP_S, called - start) + 1e-6 < 600.0

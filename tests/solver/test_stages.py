@@ -77,10 +77,10 @@ def test_step_time_is_the_1f1b_formula_over_the_stages():
     model, inputs = _mlp(depth=4)
     plan = autopar.plan(model, (2,), example_inputs=inputs, cluster="h100-80g", pipeline=2, num_microbatches=8)
     times = [s.time_s for s in plan.pipeline.stages]
-    sync = plan.predicted["grad_sync_s"]
+    sync = plan.predicted.grad_sync_s
     assert plan.pipeline.step_time_s == pytest.approx(sum(times) + 7 * max(times) + sync)
-    assert plan.predicted["step_time_s"] == plan.pipeline.step_time_s
-    assert plan.predicted["recompute"] == [False, False] and plan.memory is None  # memory is ample
+    assert plan.predicted.step_time_s == plan.pipeline.step_time_s
+    assert plan.predicted.recompute == (False, False) and plan.memory is None  # memory is ample
     assert 0 <= plan.pipeline.bubble_fraction < 1
 
 

@@ -170,9 +170,9 @@ def _fallback_nodes(traced) -> dict[str, str]:
 def test_encoder_vision_and_moe_models_trace_and_plan(coverage_plans, name) -> None:
     traced, plan = coverage_plans[name]
     assert set(plan.params) >= {i.fqn for i in traced.placeholders("param")}
-    assert plan.solver["status"] == "Optimal"
+    assert plan.solver.status == "Optimal"
     summary = plan.summary()
-    for node in plan.solver["fallbacks"]:
+    for node in plan.solver.fallbacks:
         assert node in summary, f"{name}: fallback {node} missing from the summary"
 
 
@@ -186,7 +186,7 @@ def test_fallbacks_are_counted_replicated_and_listed_in_the_summary(coverage_pla
     assert expected, "Mixtral's routing has ops with no rule; the test needs some"
     got = {name: node.op for name, node in plan.nodes.items() if node.source == "fallback"}
     assert got == expected
-    assert sorted(plan.solver["fallbacks"]) == sorted(expected)
+    assert sorted(plan.solver.fallbacks) == sorted(expected)
     for name in expected:
         node = plan.nodes[name]
         assert all(isinstance(p, Replicate) for spec in node.ins + node.outs for p in spec), (
@@ -212,7 +212,7 @@ def test_gpt2_c_attn_split_by_heads_runs_with_no_collective_before_c_proj(gpt2_h
     # (the lead's note records it); that the head split, when chosen, moves nothing is what this
     # test pins, and the multi-process test above runs it against eager.
     plan = gpt2_head_split
-    assert plan.predicted["peak_memory_bytes"] <= head_split_budget()
+    assert plan.predicted.peak_memory_bytes <= head_split_budget()
     order = list(plan.nodes)
     for layer in range(2):
         weight = f"p_transformer_h_{layer}_attn_c_attn_weight"

@@ -86,8 +86,8 @@ def search_mesh(
             rows.append({"mesh": list(shape), "status": "infeasible", "step_time_s": None,
                          "peak_memory_bytes": None, "plan_time_s": time.perf_counter() - start, "reason": reason})
             continue
-        rows.append({"mesh": list(shape), "status": "ok", "step_time_s": plan.predicted["step_time_s"],
-                     "peak_memory_bytes": plan.predicted.get("peak_memory_bytes"),
+        rows.append({"mesh": list(shape), "status": "ok", "step_time_s": plan.predicted.step_time_s,
+                     "peak_memory_bytes": plan.predicted.peak_memory_bytes,
                      "plan_time_s": time.perf_counter() - start, "reason": ""})
         if best is None or _rank(rows[-1]) < _rank(best_row):
             best, best_row = plan, rows[-1]

@@ -13,6 +13,7 @@ from autopar.cost.cluster import ClusterSpec, resolve_budget
 from autopar.errors import InfeasibleError
 from autopar.ir.options import CommOptions, MixedPrecision, PlanOptions, to_dtype
 from autopar.ir.plan import NodePlan, Plan
+from autopar.ir.prediction import Prediction, SolverStats
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver.strategies import backends
 from autopar.solver.strategies.backends import check_solver
@@ -285,14 +286,10 @@ def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
     """``plan`` with the memory decisions ``plan_memory`` made for its sharding."""
     breakdown = dict(breakdown)
     at = breakdown.pop("time")
-    predicted = {
-        **plan.predicted,
-        "step_time_s": plan.predicted["step_time_s"] + memory.added_s,
-        "memory_s": memory.added_s,
-        "peak_memory_bytes": int(memory.peak_bytes),
-        "peak_memory_at": at,
-        "memory_at_peak_bytes": {k: int(v) for k, v in breakdown.items()},
-    }
+    predicted = dataclasses.replace(
+        plan.predicted, step_time_s=plan.predicted.step_time_s + memory.added_s, memory_s=memory.added_s,
+        peak_memory_bytes=int(memory.peak_bytes), peak_memory_at=at,
+        memory_at_peak_bytes={k: int(v) for k, v in breakdown.items()})
     return dataclasses.replace(plan, memory=memory, predicted=predicted)
 
 
@@ -367,22 +364,20 @@ def plan_from_solution(
     # one gather per parameter, FSDP's reduce-scatter, and only the exposed part of the buckets.
     traffic.add(parts.schedule.delta_bytes, parts.schedule.delta_bytes_per_axis)
     chosen = chosen_bytes(graph, solution)
-    predicted = _predicted(graph, parts, traffic, chosen)
-    if expert_parallel:
-        predicted["expert_parallel"] = expert_parallel
-    solver_info = {
-        "status": solution.status,
-        "objective_s": solution.objective_s,
-        "num_variables": solution.num_variables,
-        "num_constraints": solution.num_constraints,
-        "memory_budget_bytes": memory_budget,
-        "fallbacks": sorted(n for n, p in nodes.items() if p.source == "fallback"),
-        "method": solution.method,
-        "backend": solution.backend,
-        "lower_bound_s": solution.bound_s,
-        "gap": solution.gap,
-    }
-    log.debug("solved: %s in %.3f s", solver_info["status"], solution.solve_time_s)
+    predicted = _predicted(graph, parts, traffic, chosen, expert_parallel or None)
+    solver_info = SolverStats(
+        status=solution.status,
+        objective_s=solution.objective_s,
+        num_variables=solution.num_variables,
+        num_constraints=solution.num_constraints,
+        memory_budget_bytes=memory_budget,
+        fallbacks=tuple(sorted(n for n, p in nodes.items() if p.source == "fallback")),
+        method=solution.method,
+        backend=solution.backend,
+        lower_bound_s=solution.bound_s,
+        gap=solution.gap,
+    )
+    log.debug("solved: %s in %.3f s", solver_info.status, solution.solve_time_s)
     return Plan(
         mesh_shape=tuple(graph.mesh_shape),
         graph_hash=traced.graph_hash,
@@ -458,24 +453,25 @@ def _add_resharding_traffic(graph: ChoiceGraph, solution: Solution, traffic: _Tr
                 src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad, edge.grad_dtype))
 
 
-def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen) -> dict:
-    """The plan's ``predicted`` section, but for ``expert_parallel``."""
+def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen, expert_parallel) -> Prediction:
+    """The plan's ``predicted`` section."""
     schedule = parts.schedule
     peak_bytes, peak_time = graph.timeline.peak(chosen)
-    return {
-        "step_time_s": parts.step_s,
+    return Prediction(
+        step_time_s=parts.step_s,
         # The per-use parameter all-reduces in the choices' compute_s are in grad_sync_s (bucketed).
-        "compute_s": parts.compute_s - schedule.per_use_s,
-        "reshard_s": parts.reshard_s,
-        "grad_sync_s": schedule.sync_s,
-        "exposed_grad_sync_s": schedule.exposed_s,
+        compute_s=parts.compute_s - schedule.per_use_s,
+        reshard_s=parts.reshard_s,
+        grad_sync_s=schedule.sync_s,
+        exposed_grad_sync_s=schedule.exposed_s,
         # What the scheduled runtime changes against the per-use prices (``solver.pricing.comm_schedule``),
         # for ``Plan.predict`` at another batch (``solver.pricing.symbolic``).
-        "grad_schedule": {"delta_s": schedule.delta_s, "delta_bytes": schedule.delta_bytes,
-                          "last_bucket_s": schedule.last_bucket_s, "post_solve_s": schedule.post_solve_s},
-        "peak_memory_bytes": int(peak_bytes),
-        "peak_memory_at": graph.timeline.time_name(peak_time),
-        "memory_at_peak_bytes": {k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},
-        "comm_bytes": int(traffic.comm_bytes),
-        "comm_bytes_per_axis": [int(b) for b in traffic.per_axis],
-    }
+        grad_schedule={"delta_s": schedule.delta_s, "delta_bytes": schedule.delta_bytes,
+                       "last_bucket_s": schedule.last_bucket_s, "post_solve_s": schedule.post_solve_s},
+        peak_memory_bytes=int(peak_bytes),
+        peak_memory_at=graph.timeline.time_name(peak_time),
+        memory_at_peak_bytes={k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},
+        comm_bytes=int(traffic.comm_bytes),
+        comm_bytes_per_axis=tuple(int(b) for b in traffic.per_axis),
+        expert_parallel=expert_parallel,
+    )

@@ -69,6 +69,7 @@ from autopar.ir.pipeline import MULTI_STAGE_SCHEDULES, check_num_stages, schedul
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.ir.memory import CheckpointSegment, MemoryPlan
 from autopar.ir.plan import Plan
+from autopar.ir.prediction import Prediction
 from autopar.solver.problem.choices import ChoiceGraph
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import Solution
@@ -609,7 +610,7 @@ def plan_stages(
     decisions for ``pipeline.stage_mesh``; ``mesh_shape`` is the whole mesh.
 
     ``remat=True`` lets a stage recompute its activations in backward when that is what fits
-    (``predicted["recompute"]`` says which stages do, and ``plan.memory.checkpoint`` holds their
+    (``predicted.recompute`` says which stages do, and ``plan.memory.checkpoint`` holds their
     segments, one per layer, which the runtime checkpoints). A plan of one stage runs its M microbatches
     one after another (gradient accumulation).
 
@@ -713,17 +714,18 @@ def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_cos
     # The whole-graph figures of ``plan_from_solution`` describe one microbatch run as a single
     # stage on the stage mesh: kept apart, so that they are not read as the pipeline's step.
     whole = ("compute_s", "reshard_s", "comm_bytes", "comm_bytes_per_axis")
-    predicted = {
-        "step_time_s": search.step_time_s,
-        "peak_memory_bytes": int(max(s.memory_bytes for s in search.stages)),
-        "stage_time_s": times,
-        "grad_sync_s": max(s.sync_s for s in search.stages),
-        "recompute": [s.remat for s in search.stages],
-        "one_microbatch_unpipelined": {key: base.predicted[key] for key in whole if key in base.predicted},
-    }
-    solver_info = {**base.solver, "stage_search": {
+    unpipelined = base.predicted.to_json()
+    predicted = Prediction(
+        step_time_s=search.step_time_s,
+        peak_memory_bytes=int(max(s.memory_bytes for s in search.stages)),
+        stage_time_s=tuple(times),
+        grad_sync_s=max(s.sync_s for s in search.stages),
+        recompute=tuple(s.remat for s in search.stages),
+        one_microbatch_unpipelined={key: unpipelined[key] for key in whole if key in unpipelined},
+    )
+    solver_info = dataclasses.replace(base.solver, stage_search={
         "ilp_solves": search.ilp_solves, "pipelines_priced": len(search.rows),
-        "candidate_plans": len(mesh_costs.candidates)}}
+        "candidate_plans": len(mesh_costs.candidates)})
     return dataclasses.replace(
         base, mesh_shape=tuple(search.mesh_shape), pipeline=pipeline, predicted=predicted, solver=solver_info,
         stats={**base.stats, "stage_search": search.rows, "stage_search_time_s": search.search_time_s})

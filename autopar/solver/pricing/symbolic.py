@@ -32,6 +32,7 @@ import torch.fx
 from autopar.cost import comm, compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.plan import Plan
+from autopar.ir.prediction import Prediction
 from autopar.rules import op_info
 from autopar.rules.registry import Strategy, tensor_input_nodes, tensor_meta
 from autopar.solver.problem.choices import grad_sync_axes, grad_sync_cost, kernel_collectives
@@ -205,7 +206,7 @@ def _upper_envelope(lines: list[tuple[float, float]]) -> list[tuple[float, float
 
 
 def symbolic_costs(priced_b: dict[str, Any], priced_2b: dict[str, Any], batch: int,
-                   predicted: dict[str, Any] | None = None) -> dict[str, str]:
+                   predicted: Prediction | None = None) -> dict[str, str]:
     """The plan's time, bytes sent and peak memory as sympy expressions in ``B`` (as strings).
 
     ``predicted`` (the plan's) carries how the runtime schedules parameter gradients
@@ -230,9 +231,9 @@ def symbolic_costs(priced_b: dict[str, Any], priced_2b: dict[str, Any], batch: i
     comm_s = _line(sum(s for s, _ in priced_b["comm"]), sum(s for s, _ in priced_2b["comm"]), batch)
     comm_bytes = _line(sum(b for _, b in priced_b["comm"]), sum(b for _, b in priced_2b["comm"]), batch)
     step = _expr(linear_slope + comm_s[0], linear_const + comm_s[1]) + sympy.Add(*time_terms)
-    schedule = (predicted or {}).get("grad_schedule")
+    schedule = predicted.grad_schedule if predicted is not None else None
     if schedule is not None:
-        sync_s, last_s = float(predicted["grad_sync_s"]), float(schedule["last_bucket_s"])
+        sync_s, last_s = float(predicted.grad_sync_s), float(schedule["last_bucket_s"])
         backward = _expr(*_line(_backward_s(priced_b["roofline"]), _backward_s(priced_2b["roofline"]), batch))
         exposed = sympy.Max(sympy.Float(min(last_s, sync_s), 17), sympy.Float(sync_s, 17) - backward, 0)
         step = step + sympy.Float(float(schedule["delta_s"]) - sync_s, 17) + exposed
