@@ -286,14 +286,14 @@ def _plan_microbatches(model, mesh_shape, devices, example_inputs, example_kwarg
 def _plan_stages(traced: TracedModel, mesh_shape: tuple[int, ...] | None, devices: int | None, cluster: ClusterSpec,
                  options: PlanOptions) -> Plan:
     """The stage planner on a model traced at one microbatch."""
-    from autopar.solver.planners.stages import plan_stages  # the stage planner loads only for pipelines (start-up speed)
+    from autopar.solver.planners.stages import StageSettings, plan_stages  # loads only for pipelines (start-up speed)
 
-    return _with_notes(traced, plan_stages(traced, mesh_shape, cluster, num_stages=options.pipeline.stages,
-                       num_microbatches=options.pipeline.microbatches,
-                       memory_budget=resolve_budget(options.memory.budget, cluster),
-                       time_limit_s=options.solve.time_limit_s, devices=devices,
-                       max_axes=min(options.max_axes, 2), solver=options.solve.solver, precision=options.precision,
-                       remat=options.memory.checkpointing is not False, schedules_allowed=options.pipeline.schedules))
+    settings = StageSettings(
+        num_microbatches=options.pipeline.microbatches, num_stages=options.pipeline.stages,
+        memory_budget=resolve_budget(options.memory.budget, cluster), time_limit_s=options.solve.time_limit_s,
+        devices=devices, max_axes=min(options.max_axes, 2), remat=options.memory.checkpointing is not False,
+        solver=options.solve.solver, schedules_allowed=options.pipeline.schedules)
+    return _with_notes(traced, plan_stages(traced, mesh_shape, cluster, settings, options.precision))
 
 
 def _with_notes(traced: TracedModel, made: Plan) -> Plan:

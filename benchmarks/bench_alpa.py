@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from autopar.cost.cluster import get_cluster  # noqa: E402
 from autopar.zoo.models import LLAMA_SHAPES, build_model  # noqa: E402
-from autopar.solver.planners.stages import search_stages  # noqa: E402
+from autopar.solver.planners.stages import StageSettings, search_stages  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 
 GLOBAL_BATCH = 1024
@@ -121,12 +121,12 @@ def run_case(name: str, budget: float, time_limit: float, candidates: str) -> li
     common = dict(num_microbatches=micro, memory_budget=budget, time_limit_s=time_limit, devices=devices,
                   num_layers=layers, remat=True, candidates=candidates)
     start = time.perf_counter()
-    ours, costs = search_stages(traced, None, cluster, num_stages="auto", **common)
+    ours, costs = search_stages(traced, None, cluster, StageSettings(num_stages="auto", **common))
     ours_s = time.perf_counter() - start
     per = layers // alpa_stages
     bounds = [i * per for i in range(alpa_stages)] + [layers]
-    alpa, alpa_costs = search_stages(traced, None, cluster, num_stages=alpa_stages, stage_meshes=[alpa_mesh],
-                                     forced_layers=bounds, **common)
+    alpa, alpa_costs = search_stages(traced, None, cluster, StageSettings(
+        num_stages=alpa_stages, stage_meshes=[alpa_mesh], forced_layers=bounds, **common))
     print(f"{name}: trace {trace_s:.1f} s, search {ours_s:.1f} s, {ours.ilp_solves} ILP solves")
     rows = [row_of(name, f"autopar ({candidates})", ours, hidden, layers, devices, ours_s + trace_s, traced, costs),
             row_of(name, "alpa", alpa, hidden, layers, devices, 0.0, traced, alpa_costs)]
@@ -153,9 +153,9 @@ def timing(family: str, budget_gib: float, time_limit: float, mesh: tuple[int, .
     trace_s, trace_cpu = time.perf_counter() - start, time.process_time() - cpu
     start, cpu = time.perf_counter(), time.process_time()
     where = dict(devices=64) if mesh is None else dict()
-    search, _ = search_stages(traced, mesh, get_cluster("h100-80g"), num_stages="auto", num_microbatches=32,
-                              memory_budget=budget_gib * 2**30, time_limit_s=time_limit, num_layers=80, remat=True,
-                              candidates=candidates, **where)
+    search, _ = search_stages(traced, mesh, get_cluster("h100-80g"), StageSettings(
+        num_stages="auto", num_microbatches=32, memory_budget=budget_gib * 2**30, time_limit_s=time_limit,
+        num_layers=80, remat=True, candidates=candidates, **where))
     plan_s, plan_cpu = time.perf_counter() - start, time.process_time() - cpu
     row = {"model": f"{family}-80-layers", "mesh": "any" if mesh is None else "x".join(map(str, mesh)),
            "candidates": candidates,

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from autopar.cost.cluster import get_cluster  # noqa: E402
 from autopar.ir.options import precision_policy  # noqa: E402
 from autopar.solver.pricing import schedules  # noqa: E402
-from autopar.solver.planners.stages import StageSearch, price_chunks, search_stages  # noqa: E402
+from autopar.solver.planners.stages import StageSearch, StageSettings, price_chunks, search_stages  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 from autopar.zoo.models import LLAMA_SHAPES, build_model  # noqa: E402
 
@@ -86,7 +86,7 @@ def torchtitan(spec) -> list[dict]:
     common = dict(num_microbatches=M, memory_budget=BUDGET, num_layers=LAYERS, remat=True,
                   optimizer_dtype=torch.float32)
     start = time.perf_counter()
-    one, costs = search_stages(traced, MESH, spec, num_stages=S, forced_layers=bounds, **common)
+    one, costs = search_stages(traced, MESH, spec, StageSettings(num_stages=S, forced_layers=bounds, **common))
     rows = [row("torchtitan 1F1B", one, time.perf_counter() - start, "recompute where it must")]
     best = None
     for v in schedules.virtual_counts("Interleaved1F1B", S, M, LAYERS):
@@ -102,9 +102,9 @@ def torchtitan(spec) -> list[dict]:
 def ours(spec, microbatches: int) -> tuple[StageSearch, float]:
     start = time.perf_counter()
     traced = probe(microbatches)
-    search, _ = search_stages(traced, MESH, spec, num_stages="auto", num_microbatches=microbatches,
-                              memory_budget=BUDGET, num_layers=LAYERS, remat=True, optimizer_dtype=torch.float32,
-                              schedules_allowed=schedules.ALL_SCHEDULES)
+    search, _ = search_stages(traced, MESH, spec, StageSettings(
+        num_stages="auto", num_microbatches=microbatches, memory_budget=BUDGET, num_layers=LAYERS, remat=True,
+        optimizer_dtype=torch.float32, schedules_allowed=schedules.ALL_SCHEDULES))
     return search, time.perf_counter() - start
 
 

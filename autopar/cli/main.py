@@ -490,15 +490,9 @@ def _add_common(parser: argparse.ArgumentParser, default: Any) -> None:
                         help="print the solver's log to stderr (as does setting AUTOPAR_LOG=1)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_plan_command(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``autopar plan``: its arguments."""
     from autopar.cli.catalog import DEFAULT_CLUSTER, MODEL_NAMES, MODEL_PRESETS, cluster_presets
-
-    parser = _Parser(prog=PROG, description="autopar: an auto-parallel compiler for PyTorch training.")
-    _add_common(parser, False)
-    common = argparse.ArgumentParser(add_help=False)
-    _add_common(common, argparse.SUPPRESS)  # after the command too; SUPPRESS keeps the global value
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    sub.required = True
 
     p = sub.add_parser("plan", parents=[common], help="plan a model on a mesh and print the plan summary")
     p.add_argument("model", metavar="MODEL_SPEC",
@@ -538,6 +532,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="save the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the summary")
     p.set_defaults(func=cmd_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="autopar: an auto-parallel compiler for PyTorch training.")
+    _add_common(parser, False)
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common(common, argparse.SUPPRESS)  # after the command too; SUPPRESS keeps the global value
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    _add_plan_command(sub, common)
 
     s = sub.add_parser("show", parents=[common], help="print a saved plan's summary")
     s.add_argument("plan", help="plan JSON file")

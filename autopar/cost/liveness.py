@@ -302,16 +302,7 @@ def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], 
     members: dict[int, int] = {}
     for item in gathered:
         members[item.group] = members.get(item.group, 0) + 1
-    # Each group's reduce-scatter launches when its last gradient is complete: at the backward of
-    # its members' first use. It frees the input of the group launched before it.
-    scatter_first: dict[int, int] = {}
-    for item in gathered:
-        if item.grad_factor and item.uses:
-            scatter_first[item.group] = min(scatter_first.get(item.group, 2 * num), min(i for i, _ in item.uses))
-    launches = sorted(set(scatter_first.values()))  # forward order; backward launches them in reverse
-    next_in_backward = dict(zip(launches[1:], launches))  # each launch to the one after it in backward
-    freed_at = {g: bwd(next_in_backward[first]) if first in next_in_backward else 2 * num - 1
-                for g, first in scatter_first.items()}
+    scatter_first, freed_at = _scatter_launches(gathered, num)
     out: list[Interval] = []
     for item in gathered:
         if not item.uses:
@@ -343,6 +334,21 @@ def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], 
                 launch = bwd(scatter_first[group])
                 out.append(Interval(item.name, "comm_buffer", launch, max(launch, freed_at[group]), item.grad_factor))
     return out
+
+
+def _scatter_launches(gathered: Sequence[Gathered], num: int) -> tuple[dict[int, int], dict[int, int]]:
+    """(group → the node whose backward launches its reduce-scatter, group → when its bucket is
+    freed). Each group's reduce-scatter launches when its last gradient is complete: at the
+    backward of its members' first use. It frees the input of the group launched before it."""
+    scatter_first: dict[int, int] = {}
+    for item in gathered:
+        if item.grad_factor and item.uses:
+            scatter_first[item.group] = min(scatter_first.get(item.group, 2 * num), min(i for i, _ in item.uses))
+    launches = sorted(set(scatter_first.values()))  # forward order; backward launches them in reverse
+    next_in_backward = dict(zip(launches[1:], launches))  # each launch to the one after it in backward
+    freed_at = {g: 2 * num - 1 - next_in_backward[first] if first in next_in_backward else 2 * num - 1
+                for g, first in scatter_first.items()}
+    return scatter_first, freed_at
 
 
 def _saved_inputs(node: LiveNode) -> list[int]:

@@ -206,16 +206,19 @@ def cross_entropy_vocab_split(*, axis_groups: Sequence[str], self: torch.Tensor,
 
 
 @register_kernel("sync_batch_norm")
-def sync_batch_norm(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor | None,
-                    bias: torch.Tensor | None, running_mean: torch.Tensor | None,
-                    running_var: torch.Tensor | None, training: bool, momentum: float,
-                    eps: float, cudnn_enabled: bool = True, **_: Any) -> torch.Tensor:
+def sync_batch_norm(*, axis_groups: Sequence[str], input: torch.Tensor, training: bool, **batch_norm: Any) -> torch.Tensor:
     """Training-mode batch norm with the batch (or spatial) dims sharded on ``axis_groups``: the
     per-channel mean and biased variance are all-reduced, and the running statistics are
-    updated in place with the global ones (unbiased variance), as eager does."""
+    updated in place with the global ones (unbiased variance), as eager does. ``batch_norm``
+    holds the rest of ``aten.batch_norm``'s arguments by name: ``weight``, ``bias``,
+    ``running_mean``, ``running_var`` (each a tensor or None), ``momentum``, ``eps`` and
+    ``cudnn_enabled``."""
+    weight, bias = batch_norm["weight"], batch_norm["bias"]
+    running_mean, running_var = batch_norm["running_mean"], batch_norm["running_var"]
+    momentum, eps = batch_norm["momentum"], batch_norm["eps"]
     if not training:
         return aten.batch_norm(input, weight, bias, running_mean, running_var, training,
-                               momentum, eps, cudnn_enabled)
+                               momentum, eps, batch_norm.get("cudnn_enabled", True))
     dims = [0] + list(range(2, input.ndim))
     count = input.numel() // input.shape[1] * split_count(axis_groups)
     mean = _sum_over(input.sum(dims), axis_groups) / count

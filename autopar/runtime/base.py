@@ -198,6 +198,20 @@ class ShardedModule(torch.nn.Module):
         """The ``autopar.runtime.offload.Offloader`` of a plan that offloads, else None."""
         return self._offloader
 
+    @property
+    def ties(self) -> dict[str, str]:
+        """Tied parameter FQN → the FQN of the first name of the tensor it shares."""
+        return self._traced.ties
+
+    def held_tensor(self, fqn: str) -> torch.Tensor:
+        """The tensor registered under ``fqn`` (a DTensor parameter, a plain one, or a buffer)."""
+        return self._held(fqn)
+
+    def local_shard(self, fqn: str) -> torch.Tensor:
+        """This rank's shard of the parameter or buffer ``fqn``: a plain tensor sharing the held
+        tensor's storage (or the offload store's copy), which checkpoint loading writes in place."""
+        return self._local(fqn)
+
     def state_dict_keys(self) -> list[str]:
         """The names of ``state_dict()``: those of the original model's ``state_dict()``."""
         return list(self._state_keys)

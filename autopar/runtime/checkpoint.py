@@ -89,7 +89,7 @@ def model_state_dict(pm: "ParallelModule") -> dict[str, DTensor]:
     out: dict[str, DTensor] = {}
     made: dict[int, DTensor] = {}
     for fqn in pm.state_dict_keys():
-        local = pm._local(fqn)
+        local = pm.local_shard(fqn)
         if id(local) not in made:  # tied names share one DTensor, as they share one tensor
             made[id(local)] = to_dtensor(local, pm.plan.params[fqn], pm.full_shape(fqn), mesh)
         out[fqn] = made[id(local)]
@@ -117,7 +117,7 @@ def load_model_state_dict(pm: "ParallelModule", state_dict: Mapping[str, Any], s
         if fqn not in state_dict:
             continue
         value = state_dict[fqn]
-        target = pm._local(fqn)
+        target = pm.local_shard(fqn)
         spec = pm.plan.params[fqn]
         full_shape = pm.full_shape(fqn)
         if tuple(value.shape) != full_shape:
@@ -143,7 +143,7 @@ def _param_fqns(pm: "ParallelModule", optimizer: torch.optim.Optimizer) -> dict[
     """id(parameter) → the canonical FQN of every parameter ``optimizer`` steps."""
     names: dict[int, str] = {}
     for fqn in pm.state_dict_keys():
-        held = pm._held(fqn)
+        held = pm.held_tensor(fqn)
         if isinstance(held, torch.nn.Parameter):
             names.setdefault(id(held), fqn)
     for group in optimizer.param_groups:

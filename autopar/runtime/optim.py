@@ -40,7 +40,7 @@ class AdamW:
         self.module = module
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.offloader = getattr(module, "offloader", None)
-        ties = module._traced.ties if hasattr(module, "_traced") else {}
+        ties = getattr(module, "ties", None) or {}  # a ParallelModule's tied names; none on a plain module
         self.params: list[tuple[str, torch.nn.Parameter]] = []
         seen: set[int] = set()
         for name, param in module.named_parameters(remove_duplicate=False):

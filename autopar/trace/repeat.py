@@ -248,27 +248,23 @@ def _segments(nodes: list[torch.fx.Node], layers: list[int | None], depth: int) 
     return runs
 
 
-def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) -> TracedModel:
-    """The ``depth``-layer graph of the model ``small`` was traced from with fewer layers of
-    its list at ``path`` (see the module docstring). Raises ``_Mismatch`` where the small graph
-    is not made of whole layers in order."""
-    gm = small.gm
-    nodes = list(gm.graph.nodes)
-    fqns = {i.name: i.fqn for i in small.inputs}
-    kinds = {i.name: i for i in small.inputs}
+def _node_layers(nodes: list[torch.fx.Node], fqns: dict[str, str | None], path: str) -> list[int | None]:
+    """The layer of ``path`` each node belongs to (None: outside the layers). A node of no module
+    (an inlined detach, a cast) between two nodes of one layer is in it."""
     layers = [_layer_of(node, fqns, path) for node in nodes]
-    # A node of no module (an inlined detach, a cast) between two nodes of one layer is in it.
     for i, layer in enumerate(layers):
         if layer is None and nodes[i].op != "output" and 0 < i < len(nodes) - 1:
             before = next((x for x in reversed(layers[:i]) if x is not None), None)
             after = next((x for x in layers[i + 1:] if x is not None), None)
             if before is not None and before == after and nodes[i].op != "placeholder":
                 layers[i] = before
-    have = max((x for x in layers if x is not None), default=-1) + 1
-    if have < 2 or depth < have:
-        raise _Mismatch(f"the small graph has {have} layers of {path}")
-    runs = _segments(nodes, layers, have)
-    template = have - 1
+    return layers
+
+
+def _blocks(nodes: list[torch.fx.Node], layers: list[int | None], runs: list[tuple[int, int]], kinds: dict,
+            path: str) -> tuple[dict[torch.fx.Node, tuple[int, int, int]], list[dict[int, list[torch.fx.Node]]]]:
+    """(node → (run, layer, position in its layer), each run's nodes by layer); ``_Mismatch``
+    where a layer reads a module attribute, has a lifted constant, or the layers differ in size."""
     slot: dict[torch.fx.Node, tuple[int, int, int]] = {}
     blocks: list[dict[int, list[torch.fx.Node]]] = []
     for seg, (start, end) in enumerate(runs):
@@ -283,7 +279,24 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
         if len({len(b) for b in by_layer.values()}) != 1:
             raise _Mismatch(f"the layers of {path} have different numbers of nodes")
         blocks.append(by_layer)
+    return slot, blocks
 
+
+def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) -> TracedModel:
+    """The ``depth``-layer graph of the model ``small`` was traced from with fewer layers of
+    its list at ``path`` (see the module docstring). Raises ``_Mismatch`` where the small graph
+    is not made of whole layers in order."""
+    gm = small.gm
+    nodes = list(gm.graph.nodes)
+    fqns = {i.name: i.fqn for i in small.inputs}
+    kinds = {i.name: i for i in small.inputs}
+    layers = _node_layers(nodes, fqns, path)
+    have = max((x for x in layers if x is not None), default=-1) + 1
+    if have < 2 or depth < have:
+        raise _Mismatch(f"the small graph has {have} layers of {path}")
+    runs = _segments(nodes, layers, have)
+    template = have - 1
+    slot, blocks = _blocks(nodes, layers, runs, kinds, path)
     dotted = [_Relayer(path, template, "."), _Relayer(path, template, "_")]
     graph = torch.fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)

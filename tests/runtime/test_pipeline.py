@@ -23,7 +23,7 @@ from autopar.zoo.models import build_model, example_batch
 from autopar.passes.split import split_into_stages, stage_io, stage_wiring
 from autopar.runtime.pipeline import _stage_view
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
-from autopar.solver.planners.stages import plan_stages
+from autopar.solver.planners.stages import StageSettings, plan_stages
 from autopar.runtime.launch import max_rel_diff
 from autopar.trace import trace
 from tests.conftest import eager_grads, step_against_eager
@@ -150,7 +150,7 @@ def test_split_pass_runs_the_same_graph():
     model = _gpt()
     inputs, kwargs = first_microbatch(example_batch("gpt", BATCH, seed=1), None, 4)
     traced = trace(model, inputs, kwargs)
-    plan = plan_stages(traced, (4, 1), get_cluster("cpu"), num_stages=4, num_microbatches=4)
+    plan = plan_stages(traced, (4, 1), get_cluster("cpu"), StageSettings(num_stages=4, num_microbatches=4))
     split = split_into_stages(copy.deepcopy(traced.gm), _stage_view(plan), stages=plan.pipeline)
     named = dict(model.named_parameters(remove_duplicate=False))
     user = iter(inputs)
@@ -167,7 +167,7 @@ def test_a_value_read_two_stages_on_passes_through_the_stages_between():
     model = SkipMLP().to(DTYPE)
     inputs, _ = first_microbatch(_skip_batch(), None, 2)
     traced = trace(model, inputs)
-    plan = plan_stages(traced, (4, 1), get_cluster("cpu"), num_stages=4, num_microbatches=2)
+    plan = plan_stages(traced, (4, 1), get_cluster("cpu"), StageSettings(num_stages=4, num_microbatches=2))
     split = split_into_stages(copy.deepcopy(traced.gm), _stage_view(plan), stages=plan.pipeline)
     sent = stage_wiring(split, {gi.name for gi in traced.inputs}, "mse_loss", 4)
     first = sent[0][0]

@@ -20,7 +20,7 @@ import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.ir.pipeline import first_microbatch
 from autopar.runtime.launch import max_rel_diff
-from autopar.solver.planners.stages import plan_stages
+from autopar.solver.planners.stages import StageSettings, plan_stages
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 from tests.conftest import eager_grads
@@ -34,8 +34,8 @@ def _gpt() -> torch.nn.Module:
 
 def _plan(schedule: str) -> autopar.Plan:
     inputs, _ = first_microbatch(example_batch("gpt", BATCH, seed=1), None, MICROBATCHES)
-    return plan_stages(trace(_gpt(), inputs), MESH, get_cluster("cpu"), num_stages=4, num_microbatches=MICROBATCHES,
-                       schedules_allowed=(schedule,))
+    return plan_stages(trace(_gpt(), inputs), MESH, get_cluster("cpu"),
+                       StageSettings(num_stages=4, num_microbatches=MICROBATCHES, schedules_allowed=(schedule,)))
 
 
 def _run(rank: int, world: int, plans: dict[str, str]) -> dict:

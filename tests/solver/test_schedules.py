@@ -10,7 +10,7 @@ import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.ir.pipeline import first_microbatch
 from autopar.solver.pricing import schedules
-from autopar.solver.planners.stages import plan_stages
+from autopar.solver.planners.stages import StageSettings, plan_stages
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 
@@ -66,8 +66,8 @@ def deep_plan() -> autopar.Plan:
     model = build_model("gpt", n_layer=16, n_embd=256, n_head=4, block_size=64, vocab_size=512, bias=False)
     inputs, _ = first_microbatch(example_batch("gpt", 32), None, 8)
     traced = trace(model, inputs)
-    return plan_stages(traced, (4,), get_cluster("h100-80g"), num_stages=4, num_microbatches=8,
-                       schedules_allowed=schedules.ALL_SCHEDULES)
+    return plan_stages(traced, (4,), get_cluster("h100-80g"),
+                       StageSettings(num_stages=4, num_microbatches=8, schedules_allowed=schedules.ALL_SCHEDULES))
 
 
 def test_the_planner_chooses_a_multi_stage_schedule_and_says_why(deep_plan):

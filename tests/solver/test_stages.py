@@ -17,7 +17,7 @@ from autopar.errors import InfeasibleError, MeshError
 from autopar.zoo.models import MLP, build_model, example_batch
 from autopar.ir.plan import Plan
 from autopar.solver.planners.stage_costs import cluster_layers
-from autopar.solver.planners.stages import search_stages
+from autopar.solver.planners.stages import StageSettings, search_stages
 from autopar.trace import trace
 
 H100 = get_cluster("h100-80g")
@@ -125,22 +125,22 @@ def test_identical_layer_ranges_share_one_ilp_solve():
     for depth in (4, 8):
         model, inputs = _mlp(depth=depth)
         traced = trace(model, tuple(t[:4] for t in inputs))
-        search, _ = search_stages(traced, (2,), H100, num_stages=2, num_microbatches=4)
+        search, _ = search_stages(traced, (2,), H100, StageSettings(num_stages=2, num_microbatches=4))
         solves.append(search.ilp_solves)
     assert solves == [1, 1]  # one stage mesh, no memory budget: one ILP, whatever the depth
     model, inputs = _mlp(depth=8)
     traced = trace(model, tuple(t[:4] for t in inputs))
-    search, costs = search_stages(traced, (4,), H100, num_stages="auto", num_microbatches=4)
+    search, costs = search_stages(traced, (4,), H100, StageSettings(num_stages="auto", num_microbatches=4))
     assert len(search.rows) == 3 and search.ilp_solves == len(costs) == 3  # meshes (4,), (2,), (1,)
 
 
 def test_a_shallow_trace_prices_a_deep_model_exactly():
     deep_model, inputs = _mlp(depth=6)
-    deep = search_stages(trace(deep_model, inputs), (2,), H100, num_stages=2, num_microbatches=4)[0]
+    deep = search_stages(trace(deep_model, inputs), (2,), H100, StageSettings(num_stages=2, num_microbatches=4))[0]
     torch.manual_seed(0)
     shallow_model, _ = _mlp(depth=3)
-    shallow = search_stages(trace(shallow_model, inputs), (2,), H100, num_stages=2, num_microbatches=4,
-                            num_layers=6)[0]
+    shallow = search_stages(trace(shallow_model, inputs), (2,), H100, StageSettings(num_stages=2, num_microbatches=4,
+                                                                                          num_layers=6))[0]
     assert shallow.step_time_s == pytest.approx(deep.step_time_s, rel=1e-9)
     assert [s.layers for s in shallow.stages] == [s.layers for s in deep.stages]
     assert [s.memory_bytes for s in shallow.stages] == pytest.approx([s.memory_bytes for s in deep.stages])
@@ -175,15 +175,16 @@ def test_leaner_candidates_let_a_tight_budget_fit(candidates):
     # On (2,) a 4-layer stage fits only with its parameters sharded: the leaner candidates do that.
     model = build_model("gpt", n_layer=4, n_embd=128, vocab_size=512)
     traced = trace(model, example_batch("gpt", 2, n_layer=4, n_embd=128, vocab_size=512))
-    fastest = search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, ladder=())[0]
+    fastest = search_stages(traced, (2,), H100, StageSettings(num_stages=1, num_microbatches=1, ladder=()))[0]
     # 0.65: the sharded stages are priced with the parameters the runtime gathers whole (FSDP's
     # gathered groups and reduce-scatter buckets), so the leanest candidate needs ~0.63 of the
     # fastest's memory (~0.5 when gathered parameters were free)
     budget = 0.65 * fastest.stages[0].memory_bytes
     with pytest.raises(InfeasibleError):
-        search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, memory_budget=budget, ladder=())
-    lean, costs = search_stages(traced, (2,), H100, num_stages=1, num_microbatches=1, memory_budget=budget,
-                                candidates=candidates)
+        search_stages(traced, (2,), H100,
+                      StageSettings(num_stages=1, num_microbatches=1, memory_budget=budget, ladder=()))
+    lean, costs = search_stages(traced, (2,), H100, StageSettings(num_stages=1, num_microbatches=1, memory_budget=budget,
+                                                                  candidates=candidates))
     assert lean.stages[0].memory_bytes <= budget and lean.stages[0].candidate > 0
     assert len(costs[(2,)].candidates) > 1 and lean.step_time_s >= fastest.step_time_s
 

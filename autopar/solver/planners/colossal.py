@@ -47,7 +47,7 @@ from autopar.cost.cluster import ClusterSpec, resolve_budget
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
 from autopar.ir.spec import SS, Spec, format_spec, is_valid, replicate_size_one_axes
-from autopar.solver.planners.hand_plans import COLUMN, EMBEDDING, ROW, _SEQUENCE_PARALLEL_OPS, _tensor_parallel
+from autopar.solver.planners.hand_plans import COLUMN, EMBEDDING, ROW, SEQUENCE_PARALLEL_OPS, megatron_placement
 from autopar.solver.planners.sharding import solve
 from autopar.trace import TracedModel
 
@@ -55,7 +55,7 @@ MODES = ("1d", "2d", "2.5d", "3d")
 # The residual stream's elementwise ops. Norms are left to the solver: autopar has no rule for a
 # norm split along the normalized dim (Colossal-AI's all-reduces its statistics), so it gathers
 # the hidden dim first, which the next linear needs gathered anyway.
-_RESIDUAL_OPS = _SEQUENCE_PARALLEL_OPS - {torch.ops.aten.layer_norm.default}
+_RESIDUAL_OPS = SEQUENCE_PARALLEL_OPS - {torch.ops.aten.layer_norm.default}
 _CASTS = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.t.default}
 
 
@@ -221,7 +221,7 @@ def _param_placements(config: ColossalParallel, node: torch.fx.Node, fqn_of: dic
         if name is not None:
             hidden = _hidden_vector(config)
             if config.mode == "1d":  # Megatron's: word embeddings split by vocabulary, others whole
-                yield name, {"tp": _tensor_parallel(fqn_of[name], tuple(node.args[0].meta["val"].shape))}
+                yield name, {"tp": megatron_placement(fqn_of[name], tuple(node.args[0].meta["val"].shape))}
             else:  # Embedding2D / 2p5D / 3D: split along the embedding, as the residual stream is
                 yield name, {role: Shard(1) for role in hidden}
 
@@ -249,7 +249,7 @@ def _is_row(fqn: str, node: torch.fx.Node) -> bool:
 def _linear_weight(config: ColossalParallel, fqn: str, node: torch.fx.Node) -> dict[str, Any]:
     """Placements of a torch (out, in) linear weight by axis role."""
     if config.mode == "1d":
-        return {"tp": _tensor_parallel(fqn, tuple(node.args[1].meta["val"].shape))}
+        return {"tp": megatron_placement(fqn, tuple(node.args[1].meta["val"].shape))}
     out = _out_split(node, 0)
     if config.mode in ("2d", "2.5d"):  # Linear2D / Linear2p5D: in over the row index, out over the col index
         return {"row": Shard(1), "col": out}
@@ -269,7 +269,7 @@ def _out_split(node: torch.fx.Node, dim: int):
 
 def _linear_bias(config: ColossalParallel, fqn: str, node: torch.fx.Node) -> dict[str, Any]:
     if config.mode == "1d":
-        return {"tp": _tensor_parallel(fqn, (node.args[1].meta["val"].shape[0],))}
+        return {"tp": megatron_placement(fqn, (node.args[1].meta["val"].shape[0],))}
     if config.mode in ("2d", "2.5d"):
         return {"col": _out_split(node, 0)}
     return {("output" if _is_row(fqn, node) else "input"): _out_split(node, 0)}
@@ -367,13 +367,12 @@ def solve_colossal(config: ColossalParallel, traced: TracedModel, cluster: Clust
     if config.pipeline == 1:
         plan = solve(traced, config.mesh_shape(), cluster, options, forced=forced)
     else:
-        from autopar.solver.planners.stages import plan_stages  # loads only for pipelines (start-up speed)
+        from autopar.solver.planners.stages import StageSettings, plan_stages  # loads only for pipelines (start-up speed)
 
-        plan = plan_stages(traced, config.mesh_shape(), cluster, num_stages=config.pipeline,
-                           num_microbatches=options.pipeline.microbatches,
-                           memory_budget=resolve_budget(options.memory.budget, cluster),
-                           time_limit_s=options.solve.time_limit_s, solver=options.solve.solver,
-                           precision=options.precision, forced=forced)
+        settings = StageSettings(num_microbatches=options.pipeline.microbatches, num_stages=config.pipeline,
+                                 memory_budget=resolve_budget(options.memory.budget, cluster),
+                                 time_limit_s=options.solve.time_limit_s, solver=options.solve.solver, forced=forced)
+        plan = plan_stages(traced, config.mesh_shape(), cluster, settings, options.precision)
     return dataclasses.replace(plan, stats={**plan.stats, "hand_plan": "colossal", "colossal": config.to_json()})
 
 

@@ -57,7 +57,7 @@ KINDS = ("ddp", "zero1", "zero2", "fsdp", "megatron", "megatron_sp", "tp_fsdp", 
 ALIASES = {"tp_dp": "megatron"}
 _ZERO_STAGE = {"zero1": 1, "zero2": 2}
 # Elementwise ops of the residual stream that sequence parallelism splits along the sequence.
-_SEQUENCE_PARALLEL_OPS = {
+SEQUENCE_PARALLEL_OPS = {
     torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.pow.Tensor_Scalar,
     torch.ops.aten.rsqrt.default, torch.ops.aten.layer_norm.default, torch.ops.aten.dropout.default,
     torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default,
@@ -68,7 +68,7 @@ ROW = re.compile(r"(^|\.)(c_proj|o_proj|out_proj|down_proj|fc2|w2|dense)\.(weigh
 EMBEDDING = re.compile(r"(^|\.)(wte|embed_tokens|word_embeddings|lm_head)\.weight$")
 
 
-def _tensor_parallel(fqn: str, shape: Sequence[int]) -> Shard | Replicate:
+def megatron_placement(fqn: str, shape: Sequence[int]) -> Shard | Replicate:
     """Megatron's placement of one parameter on the tensor-parallel axis."""
     if COLUMN.search(fqn):
         return Shard(0)
@@ -118,7 +118,7 @@ def param_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> 
         elif kind == "fsdp":
             spec = (_fsdp_dim(shape, _prod(mesh_shape)),) * num_axes
         else:
-            tp = _tensor_parallel(fqn, shape)
+            tp = megatron_placement(fqn, shape)
             if kind in ("megatron", "megatron_sp") or not outer:
                 rest: tuple = (Replicate(),) * (num_axes - 1)
             else:
@@ -158,7 +158,7 @@ def sequence_parallel_specs(traced: TracedModel, mesh_shape: tuple[int, ...]) ->
     forced = {}
     for node in traced.gm.graph.nodes:
         val = node.meta.get("val")
-        if node.op != "call_function" or node.target not in _SEQUENCE_PARALLEL_OPS:
+        if node.op != "call_function" or node.target not in SEQUENCE_PARALLEL_OPS:
             continue
         if isinstance(val, torch.Tensor) and val.dim() == 3 and val.shape[-1] == hidden and val.is_floating_point():
             if is_valid(tuple(val.shape), spec, mesh_shape):

@@ -82,7 +82,7 @@ from autopar.solver.planners.sharding import plan_from_solution
 
 log = logging.getLogger("autopar")
 
-__all__ = ["plan_stages", "search_stages", "price_chunks", "StageSearch", "StageChoice", "check_pipeline_args"]
+__all__ = ["plan_stages", "search_stages", "StageSettings", "price_chunks", "StageSearch", "StageChoice", "check_pipeline_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +96,47 @@ class StageChoice:
     sync_s: float
     memory_bytes: float
     in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class StageSettings:
+    """What the stage planner searches, and under what limits: one value for ``plan_stages`` and
+    ``search_stages``, made from ``PlanOptions`` where the API calls the planner."""
+
+    num_microbatches: int  # M; the model is traced at one microbatch (global batch / M)
+    num_stages: int | str = "auto"  # S, or "auto": the DP picks S (one stage: no split)
+    memory_budget: float | None = None  # bytes per device; None: none
+    time_limit_s: float = 60.0  # per ILP solve
+    devices: int | None = None  # without a mesh: any stage mesh of devices / S devices ...
+    max_axes: int = 2  # ... of up to this many axes
+    remat: bool = False  # a stage may recompute its activations in backward to fit
+    solver: str = "auto"  # "auto", "highs" or "cbc" (``solver.strategies.backends``)
+    # How the leaner intra-stage plans are found (``stage_costs.CandidateSolver``): "lagrangian" (an
+    # LP each), "budget" (a MILP each, slower, sometimes better) or "both".
+    candidates: str = "lagrangian"
+    # The schedules priced: "1F1B" (GPipe where M < S; one stage is always priced) and the
+    # multi-stage "Interleaved1F1B" and "ZBV" (``solver.pricing.schedules``), priced on equal layers
+    # per chunk with the candidates solved for 1F1B.
+    schedules_allowed: tuple[str, ...] = ("1F1B",)
+    forced: dict | None = None  # node name → spec on the stage mesh: what a hand plan fixes (colossal)
+    optimizer_dtype: Any = None  # the optimizer state's torch dtype (a precision policy's); fp32 when None
+    # For benchmarks and tests: plan ``num_layers`` identical blocks from a shallower trace; only
+    # these ``stage_meshes``; price the partition ``forced_layers`` (boundaries a_0 = 0 < ... <
+    # a_S = L, a published plan) instead of searching; the candidate solver's budget ``ladder``.
+    num_layers: int | None = None
+    stage_meshes: tuple[tuple[int, ...], ...] | None = None
+    forced_layers: tuple[int, ...] | None = None
+    ladder: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedules_allowed", tuple(self.schedules_allowed))
+        if self.stage_meshes is not None:
+            object.__setattr__(self, "stage_meshes", tuple(tuple(mesh) for mesh in self.stage_meshes))
+        if self.forced_layers is not None:
+            object.__setattr__(self, "forced_layers", tuple(self.forced_layers))
+        unknown = set(self.schedules_allowed) - set(schedules.ALL_SCHEDULES)
+        if unknown:
+            raise ValueError(f"schedules must be among {schedules.ALL_SCHEDULES}, got {sorted(unknown)}")
 
 
 @dataclass
@@ -128,15 +169,14 @@ class _MeshCosts:
     """Per stage mesh: the candidates and, over the real layers, the per-option matrices."""
 
     def __init__(self, traced: TracedModel, layers: Layers, stage_mesh: tuple[int, ...], cluster: ClusterSpec,
-                 num_layers: int, num_microbatches: int, time_limit_s: float, solver: str, remat: bool,
-                 ladder: tuple[float, ...] | None, candidates: str = "lagrangian", optimizer_dtype=None,
-                 forced=None):
-        self.stage_mesh, self.layers, self.cluster, self.remat = stage_mesh, layers, cluster, remat
-        self.graph: ChoiceGraph = build_stage_graph(traced, stage_mesh, cluster, optimizer_dtype, forced)
+                 num_layers: int, settings: StageSettings):
+        self.stage_mesh, self.layers, self.cluster, self.remat = stage_mesh, layers, cluster, settings.remat
+        self.graph: ChoiceGraph = build_stage_graph(traced, stage_mesh, cluster, settings.optimizer_dtype,
+                                                    settings.forced)
         self.split: OpSplit = split_op_costs(self.graph, cluster)
-        kwargs = {} if ladder is None else {"ladder": ladder}
-        self.solver = CandidateSolver(self.graph, self.split, num_microbatches, time_limit_s, solver,
-                                      mode=candidates, **kwargs)
+        kwargs = {} if settings.ladder is None else {"ladder": settings.ladder}
+        self.solver = CandidateSolver(self.graph, self.split, settings.num_microbatches, settings.time_limit_s,
+                                      settings.solver, mode=settings.candidates, **kwargs)
         self.rep = _representatives(layers.num_blocks, num_layers)
         self.num_layers = num_layers
         self.candidates: list[Candidate] = []
@@ -438,94 +478,97 @@ def check_pipeline_args(num_stages, num_microbatches, mesh_shape: Sequence[int] 
     return [num_stages]
 
 
-def search_stages(
-    traced: TracedModel,
-    mesh_shape: Sequence[int] | None,
-    cluster: ClusterSpec,
-    *,
-    num_stages: int | str = "auto",
-    num_microbatches: int,
-    memory_budget: float | None = None,
-    time_limit_s: float = 60.0,
-    devices: int | None = None,
-    max_axes: int = 2,
-    num_layers: int | None = None,
-    remat: bool = False,
-    solver: str = "auto",
-    stage_meshes: Sequence[tuple[int, ...]] | None = None,
-    forced_layers: Sequence[int] | None = None,
-    ladder: tuple[float, ...] | None = None,
-    layers: Layers | None = None,
-    candidates: str = "lagrangian",
-    optimizer_dtype=None,
-    forced: dict | None = None,
-    schedules_allowed: Sequence[str] = ("1F1B",),
-) -> tuple[StageSearch, dict]:
+def search_stages(traced: TracedModel, mesh_shape: Sequence[int] | None, cluster: ClusterSpec,
+                  settings: StageSettings, layers: Layers | None = None) -> tuple[StageSearch, dict]:
     """Run the DP of the module docstring; returns the best pipeline and the per-mesh costs.
 
     ``traced`` is the model traced at one microbatch. Give ``mesh_shape`` (stages cut its axis 0)
-    or ``devices`` (the stage mesh is any mesh of devices / S devices of up to ``max_axes`` axes,
-    and the full mesh is (S · a, b, ...)). ``stage_meshes`` limits those meshes, and
-    ``forced_layers`` (the boundaries a_0 = 0 < ... < a_S = L) evaluates one partition instead
-    of searching (benchmarks use it to price a published plan). ``candidates`` is how the
-    leaner intra-stage plans are found (``stage_costs.CandidateSolver``): "lagrangian" (an LP
-    each), "budget" (a MILP each, slower, sometimes better) or "both". ``optimizer_dtype``
-    prices the optimizer state (a precision policy's; fp32 by default). ``forced`` (node name → spec
-    on the stage mesh) fixes what a hand plan fixes (``solver.planners.colossal``). ``schedules_allowed``
-    are the schedules priced: "1F1B" (GPipe where M < S; one stage is always priced) and the
-    multi-stage "Interleaved1F1B" and "ZBV" (``solver.pricing.schedules``), priced on equal layers per
-    chunk with the candidates solved for 1F1B.
+    or ``settings.devices`` (the stage mesh is any mesh of devices / S devices of up to
+    ``settings.max_axes`` axes, and the full mesh is (S · a, b, ...)). ``layers``: the model's
+    layer clustering, where the caller has it (``stage_costs.cluster_layers``).
     """
-    unknown = set(schedules_allowed) - set(schedules.ALL_SCHEDULES)
-    if unknown:
-        raise ValueError(f"schedules must be among {schedules.ALL_SCHEDULES}, got {sorted(unknown)}")
     start = time.perf_counter()
     layers = layers or cluster_layers(traced)
-    num_layers = num_layers or layers.num_blocks
-    if mesh_shape is None and devices is None:
+    num_layers = settings.num_layers or layers.num_blocks
+    if mesh_shape is None and settings.devices is None:
         raise MeshError("plan_stages needs mesh_shape, or devices=N to choose the stage mesh")
-    counts = check_pipeline_args(num_stages, num_microbatches, tuple(mesh_shape) if mesh_shape else None,
-                                 devices, num_layers)
-    if forced_layers is not None:
-        counts = [len(forced_layers) - 1]
+    combos = _combos(mesh_shape, settings, num_layers)
     costs: dict[tuple[int, ...], _MeshCosts] = {}
-    M = num_microbatches
+    for _, stage_mesh in combos:
+        if stage_mesh not in costs:
+            costs[stage_mesh] = _MeshCosts(traced, layers, stage_mesh, cluster, num_layers, settings)
+    results = _price_combos(combos, costs, settings, cluster)
+    priced = {(S, mesh, schedule_for(S, settings.num_microbatches), 1): (value, found)
+              for (S, mesh), (value, _, found) in results.items() if "1F1B" in settings.schedules_allowed or S == 1}
+    priced.update(_price_multi_stage(combos, costs, settings, cluster, num_layers))
+    best, rows = _best_of(priced, costs, settings.num_microbatches)
+    if best is None:
+        detail = "; ".join(f"{r['stages']} stages on {tuple(r['stage_mesh'])}: {r['status']}" for r in rows[:6])
+        raise InfeasibleError(
+            f"no pipeline of {num_layers} layers fits memory_budget={settings.memory_budget} with "
+            f"{settings.num_microbatches} microbatches ({detail}): raise the budget, use more devices or "
+            "microbatches, or more stages")
+    best.rows = rows
+    best.reason = _reason(best, rows, settings.memory_budget)
+    best.ilp_solves = sum(c.ilp_solves for c in costs.values())
+    best.search_time_s = time.perf_counter() - start
+    return best, costs
+
+
+def _combos(mesh_shape: Sequence[int] | None, settings: StageSettings, num_layers: int) -> list[tuple]:
+    """The (stage count S, stage mesh) pairs to price."""
+    counts = check_pipeline_args(settings.num_stages, settings.num_microbatches,
+                                 tuple(mesh_shape) if mesh_shape else None, settings.devices, num_layers)
+    if settings.forced_layers is not None:
+        counts = [len(settings.forced_layers) - 1]
     combos = []
     for S in counts:
         if mesh_shape is not None:
             meshes = [stage_mesh_of(mesh_shape, S)]
         else:
-            meshes = mesh_candidates(devices // S, max_axes)
-        if stage_meshes is not None:
-            meshes = [m for m in meshes if tuple(m) in {tuple(x) for x in stage_meshes}]
+            meshes = mesh_candidates(settings.devices // S, settings.max_axes)
+        if settings.stage_meshes is not None:
+            meshes = [m for m in meshes if tuple(m) in {tuple(x) for x in settings.stage_meshes}]
         combos += [(S, tuple(m)) for m in meshes]
-    results: dict[tuple[int, tuple[int, ...]], tuple] = {}
-    # Pass 1: every (S, stage mesh) with the fastest candidate of its mesh. Pass 2: where memory
-    # made the pipeline slower than it would be without a budget (or infeasible), and that
-    # unconstrained bound could beat the best found, add the mesh's leaner candidates.
-    for S, stage_mesh in combos:
-        if stage_mesh not in costs:
-            costs[stage_mesh] = _MeshCosts(traced, layers, stage_mesh, cluster, num_layers, M,
-                                           time_limit_s, solver, remat, ladder, candidates, optimizer_dtype, forced)
-        results[(S, stage_mesh)] = _price(costs[stage_mesh], S, M, memory_budget, cluster, forced_layers)
+    return combos
+
+
+def _price_combos(combos: list[tuple], costs: dict, settings: StageSettings, cluster: ClusterSpec) -> dict:
+    """(S, stage mesh) → ``_price``'s (step or None, step without a budget, stages) under 1F1B.
+
+    Pass 1: every (S, stage mesh) with the fastest candidate of its mesh. Pass 2: where memory
+    made the pipeline slower than it would be without a budget (or infeasible), and that
+    unconstrained bound could beat the best found, add the mesh's leaner candidates."""
+    M, budget, forced_layers = settings.num_microbatches, settings.memory_budget, settings.forced_layers
+    results = {(S, mesh): _price(costs[mesh], S, M, budget, cluster, forced_layers) for S, mesh in combos}
     best_value = min((r[0] for r in results.values() if r[0] is not None), default=math.inf)
-    order = sorted(combos, key=lambda c: results[c][1])
-    for combo in order:
+    for combo in sorted(combos, key=lambda c: results[c][1]):
         value, bound = results[combo][:2]
         if bound >= best_value or (value is not None and value <= bound * (1 + 1e-9)):
             continue
         if costs[combo[1]].add_leaner():
             for other in combos:
                 if other[1] == combo[1]:
-                    results[other] = _price(costs[other[1]], other[0], M, memory_budget, cluster, forced_layers)
+                    results[other] = _price(costs[other[1]], other[0], M, budget, cluster, forced_layers)
             best_value = min((r[0] for r in results.values() if r[0] is not None), default=math.inf)
-    priced = {(S, mesh, schedule_for(S, M), 1): (value, found) for (S, mesh), (value, _, found) in results.items()
-              if "1F1B" in schedules_allowed or S == 1}
-    for S, stage_mesh in combos:  # the multi-stage schedules, on the candidates the search solved
-        for schedule in (s for s in schedules_allowed if s in MULTI_STAGE_SCHEDULES):
-            for v in schedules.virtual_counts(schedule, S, M, num_layers) if forced_layers is None else ():
+    return results
+
+
+def _price_multi_stage(combos: list[tuple], costs: dict, settings: StageSettings, cluster: ClusterSpec,
+                       num_layers: int) -> dict:
+    """The multi-stage schedules, on the candidates the 1F1B search solved."""
+    priced = {}
+    M = settings.num_microbatches
+    for S, stage_mesh in combos:
+        for schedule in (s for s in settings.schedules_allowed if s in MULTI_STAGE_SCHEDULES):
+            for v in schedules.virtual_counts(schedule, S, M, num_layers) if settings.forced_layers is None else ():
                 priced[(S, stage_mesh, schedule, v)] = price_chunks(costs[stage_mesh], S, v, M, schedule,
-                                                                    memory_budget, cluster)
+                                                                    settings.memory_budget, cluster)
+    return priced
+
+
+def _best_of(priced: dict, costs: dict, M: int) -> tuple[StageSearch | None, list[dict[str, Any]]]:
+    """The fastest priced pipeline, and a row per one priced (feasible first, fastest first)."""
     rows: list[dict[str, Any]] = []
     best: StageSearch | None = None
     for (S, stage_mesh, schedule, v), (value, found) in priced.items():
@@ -542,16 +585,7 @@ def search_stages(
                                    virtual_stages=v)
         rows.append(row)
     rows.sort(key=lambda r: (r["status"] != "ok", r["step_time_s"] or 0.0, r["stages"]))
-    if best is None:
-        detail = "; ".join(f"{r['stages']} stages on {tuple(r['stage_mesh'])}: {r['status']}" for r in rows[:6])
-        raise InfeasibleError(
-            f"no pipeline of {num_layers} layers fits memory_budget={memory_budget} with {M} microbatches "
-            f"({detail}): raise the budget, use more devices or microbatches, or more stages")
-    best.rows = rows
-    best.reason = _reason(best, rows, memory_budget)
-    best.ilp_solves = sum(c.ilp_solves for c in costs.values())
-    best.search_time_s = time.perf_counter() - start
-    return best, costs
+    return best, rows
 
 
 def _reason(best: StageSearch, rows: list[dict[str, Any]], memory_budget: float | None) -> str:
@@ -584,48 +618,30 @@ def _reason(best: StageSearch, rows: list[dict[str, Any]], memory_budget: float 
     return text
 
 
-def plan_stages(
-    traced: TracedModel,
-    mesh_shape: Sequence[int] | None,
-    cluster: ClusterSpec,
-    *,
-    num_stages: int | str = "auto",
-    num_microbatches: int,
-    memory_budget: float | None = None,
-    time_limit_s: float = 60.0,
-    devices: int | None = None,
-    max_axes: int = 2,
-    remat: bool = False,
-    solver: str = "auto",
-    candidates: str = "lagrangian",
-    precision: MixedPrecision | None = None,
-    forced: dict | None = None,
-    schedules_allowed: Sequence[str] = ("1F1B",),
-) -> Plan:
+def plan_stages(traced: TracedModel, mesh_shape: Sequence[int] | None, cluster: ClusterSpec,
+                settings: StageSettings, precision: MixedPrecision | None = None) -> Plan:
     """A pipelined Plan for ``traced`` (traced at one microbatch: global batch / M).
 
-    ``num_stages`` is a number S (mesh axis 0 is cut into S groups) or "auto" (the DP of the
+    ``settings.num_stages`` is a number S (mesh axis 0 is cut into S groups) or "auto" (the DP of the
     module docstring picks S, one stage meaning no split). The plan's ``pipeline`` is a
     ``StagePlan`` over the forward op nodes; ``nodes`` and ``params`` hold the intra-stage
     decisions for ``pipeline.stage_mesh``; ``mesh_shape`` is the whole mesh.
 
-    ``remat=True`` lets a stage recompute its activations in backward when that is what fits
+    ``settings.remat`` lets a stage recompute its activations in backward when that is what fits
     (``predicted.recompute`` says which stages do, and ``plan.memory.checkpoint`` holds their
     segments, one per layer, which the runtime checkpoints). A plan of one stage runs its M microbatches
     one after another (gradient accumulation).
 
     ``precision`` is the policy ``traced`` was traced under: the optimizer state is priced in
-    its ``optimizer_dtype``, and the plan records it (as ``solver.solve`` does).
+    its ``optimizer_dtype`` (in place of ``settings.optimizer_dtype``), and the plan records it (as
+    ``solver.solve`` does).
     """
+    if precision is not None:
+        settings = dataclasses.replace(settings, optimizer_dtype=to_dtype(precision.optimizer_dtype))
     layers = cluster_layers(traced)
-    search, costs = search_stages(
-        traced, mesh_shape, cluster, num_stages=num_stages, num_microbatches=num_microbatches,
-        memory_budget=memory_budget, time_limit_s=time_limit_s, devices=devices, max_axes=max_axes,
-        remat=remat, solver=solver, layers=layers, candidates=candidates, forced=forced,
-        schedules_allowed=schedules_allowed,
-        optimizer_dtype=to_dtype(precision.optimizer_dtype) if precision is not None else None)
+    search, costs = search_stages(traced, mesh_shape, cluster, settings, layers)
     mesh_costs = costs[search.stage_mesh]
-    return dataclasses.replace(_assemble(traced, layers, search, mesh_costs, cluster, memory_budget),
+    return dataclasses.replace(_assemble(traced, layers, search, mesh_costs, cluster, settings.memory_budget),
                                precision=precision, memory=_checkpointing(layers, search, mesh_costs))
 
 

@@ -25,7 +25,7 @@ exposed-communication term needs (``comm.exposed_grad_sync_s``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,19 +63,70 @@ def _saves(consumer, index: int) -> bool:
 
 def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterSpec,
                    bucket_cap_bytes: float = comm.DEFAULT_BUCKET_CAP_BYTES) -> ParamSchedule:
-    delta_s = delta_bytes = 0.0
-    per_axis: dict[int, float] = {}
-    sync_s = 0.0
+    """What scheduling ``choice``'s parameter communication as the runtime does changes in its
+    per-use price (module docstring). Every sum is added in one fixed order, so that the same
+    solution is priced the same to the last bit."""
     order, uses, reduce_dtypes = _param_uses(graph)
-    synced: list[tuple[int, float, float, str | None]] = []  # (first use, seconds, local bytes, layer) per reduced parameter
-    held: dict[str, tuple[int, float]] = {}  # reduced parameter → (first use, local bytes)
-    scattered: dict[str, tuple[int, float, float, str]] = {}  # reduce-scattered parameter → (first use, Δs, bytes, layer)
-    scatter_delta_s = 0.0
-    regathered: list[tuple[str, float, float, int]] = []  # (layer, seconds, bytes sent, axis) resharded
-    saved_layers: set[str] = set()
     groups, refunds = graph.param_sync_groups()
     needed = [(key, group) for key, group in groups.items() if group.needed(choice)]
     reduced = {(param, key[1], key[2]): group.price_s for key, group in needed for param in group.params}
+    sums = _per_param_sums(graph, choice, cluster, bucket_cap_bytes, (order, uses, reduce_dtypes), reduced)
+    # The parameter reductions, priced as the ILP prices them (``choices.param_sync_groups``):
+    # each (parameter, axis, spec) that any use needs, once, bucketed, in place of the per-use
+    # all-reduces in ``compute_s``.
+    per_use_s = sum(refund[choice[n]] for n, refund in refunds.items())
+    merged_s = sum(group.total_s for _, group in needed)
+    sums.delta_s += merged_s - per_use_s + sums.scatter_delta_s
+    sync_s = 0.0
+    sync_s += merged_s + sums.scatter_delta_s
+    synced = _synced(needed, sums, order)
+    backward_s = 0.0
+    for name in graph.order:
+        chosen = graph.choices[name]
+        if chosen.backward_s:
+            backward_s += chosen.backward_s[choice[name]]
+    last_bucket_s, filled = _last_bucket(synced, bucket_cap_bytes)
+    if synced:
+        # Each member paid bytes/cap of its bucket's latency (``comm.param_grad_sync_cost``); the
+        # buckets pay it whole: ceil(bytes / cap) latencies over the step, one in the last bucket.
+        # Reduce-scatter buckets do not span layers: ceil(bytes / cap) per layer for those.
+        latency = _bucket_latency_s(graph.mesh_shape, cluster)
+        by_layer: dict[str | None, float] = {}
+        for _, _, nbytes, layer in synced:
+            by_layer[layer] = by_layer.get(layer, 0.0) + nbytes
+        paid = latency * sum(min(1.0, nbytes / bucket_cap_bytes) for _, _, nbytes, _ in synced)
+        owed = latency * max(1, sum(math.ceil(nbytes / bucket_cap_bytes) for nbytes in by_layer.values()))
+        sync_s += max(0.0, owed - paid)
+        sums.delta_s += max(0.0, owed - paid)
+        last_bucket_s += latency * (1.0 - min(1.0, filled / bucket_cap_bytes))
+    return ParamSchedule(sums.delta_s, sums.delta_bytes, sums.per_axis, sync_s, backward_s, last_bucket_s, per_use_s,
+                         sums.delta_s - (merged_s - per_use_s))
+
+
+@dataclass(slots=True)
+class _Sums:
+    """``param_schedule``'s running sums over the parameters, and what it keeps of each."""
+
+    delta_s: float = 0.0
+    delta_bytes: float = 0.0
+    per_axis: dict[int, float] = field(default_factory=dict)
+    scatter_delta_s: float = 0.0
+    held: dict[str, tuple[int, float]] = field(default_factory=dict)  # reduced parameter → (first use, local bytes)
+    # reduce-scattered parameter → (first use, Δs, bytes, layer)
+    scattered: dict[str, tuple[int, float, float, str]] = field(default_factory=dict)
+
+    def add_axis(self, axis: int, value: float) -> None:
+        self.per_axis[axis] = self.per_axis.get(axis, 0.0) + value
+
+
+def _per_param_sums(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterSpec, bucket_cap_bytes: float,
+                    param_uses: tuple, reduced: dict) -> _Sums:
+    """Each parameter's merged gathers and reductions (``_param_terms``), added up in graph order,
+    and the second gathers of the layers that reshard after forward."""
+    order, uses, reduce_dtypes = param_uses
+    sums = _Sums()
+    regathered: list[tuple[str, float, float, int]] = []  # (layer, seconds, bytes sent, axis) resharded
+    saved_layers: set[str] = set()
     # Each parameter's terms depend on its own strategy and its uses' alone: priced once per
     # graph for each such combination (``_param_terms``), then added up here in the order they
     # always were, so that every sum is the same to the last bit. The candidates that ``solve``
@@ -91,12 +142,12 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             terms = memo[key] = _param_terms(graph, name, edges, choice, order, reduce_dtypes, cluster, bucket_cap_bytes)
         for target, value in terms.changes:
             if target == "s":
-                delta_s += value
+                sums.delta_s += value
             elif target == "bytes":
-                delta_bytes += value
+                sums.delta_bytes += value
             else:
-                per_axis[target] = per_axis.get(target, 0.0) + value
-        held[name] = terms.held
+                sums.add_axis(target, value)
+        sums.held[name] = terms.held
         if terms.regathered is not None:
             regathered.append(terms.regathered)
             if terms.saved:
@@ -106,64 +157,50 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
             # parameter (its group); the runtime reduce-scatters it instead.
             first, axis, dst, scatter_s, sent_delta, whole, layer = terms.scatter
             group_s = reduced.get((name, axis, dst), 0.0)
-            scatter_delta_s += scatter_s - group_s
-            delta_bytes += sent_delta
-            per_axis[axis] = per_axis.get(axis, 0.0) + sent_delta
-            scattered[name] = (first, scatter_s - group_s, whole, layer)
+            sums.scatter_delta_s += scatter_s - group_s
+            sums.delta_bytes += sent_delta
+            sums.add_axis(axis, sent_delta)
+            sums.scattered[name] = (first, scatter_s - group_s, whole, layer)
     # Resharded after forward: backward gathers a layer's group again when an op saved one of
     # its parameters (``ops.buckets.ParamGathers``), the whole group.
     for layer, gather_s, gather_sent, axis in regathered:
         if layer in saved_layers:
-            delta_s += gather_s
-            delta_bytes += gather_sent
-            per_axis[axis] = per_axis.get(axis, 0.0) + gather_sent
-    # The parameter reductions, priced as the ILP prices them (``choices.param_sync_groups``):
-    # each (parameter, axis, spec) that any use needs, once, bucketed, in place of the per-use
-    # all-reduces in ``compute_s``.
-    per_use_s = sum(refund[choice[n]] for n, refund in refunds.items())
-    merged_s = sum(group.total_s for _, group in needed)
-    delta_s += merged_s - per_use_s + scatter_delta_s
-    sync_s += merged_s + scatter_delta_s
+            sums.delta_s += gather_s
+            sums.delta_bytes += gather_sent
+            sums.add_axis(axis, gather_sent)
+    return sums
+
+
+def _synced(needed: list, sums: _Sums, order: dict[str, int]) -> list[tuple[int, float, float, str | None]]:
+    """(first use, seconds, local bytes, layer) per reduced parameter; layer None: all-reduced, in
+    buckets of any parameters."""
     per_param: dict[str, float] = {}
     for _, group in needed:
         for param in group.params:
             per_param[param] = per_param.get(param, 0.0) + group.price_s
+    synced = []
     for param, seconds in per_param.items():
-        first, nbytes = held.get(param, (order.get(param, 0), 0.0))  # a parameter with no edge: none
-        layer = None  # all-reduced: buckets of any parameters
-        if param in scattered:
-            first, extra, nbytes, layer = scattered[param]
+        first, nbytes = sums.held.get(param, (order.get(param, 0), 0.0))  # a parameter with no edge: none
+        layer = None
+        if param in sums.scattered:
+            first, extra, nbytes, layer = sums.scattered[param]
             seconds += extra
         synced.append((first, seconds, nbytes, layer))
-    backward_s = 0.0
-    for name in graph.order:
-        chosen = graph.choices[name]
-        if chosen.backward_s:
-            backward_s += chosen.backward_s[choice[name]]
+    return synced
+
+
+def _last_bucket(synced: list, bucket_cap_bytes: float) -> tuple[float, float]:
+    """(seconds, bytes) of the last bucket: the first parameters of forward reduce last."""
     last_bucket_s = 0.0
     filled = 0.0
     ordered = sorted(synced, key=lambda item: item[:3])
-    for _, seconds, nbytes, layer in ordered:  # the first parameters of forward reduce last
+    for _, seconds, nbytes, layer in ordered:
         # a reduce-scatter bucket holds one layer's gather group (``passes.schedule``)
         if filled and (filled + nbytes > bucket_cap_bytes or layer != ordered[0][3]):
             break
         last_bucket_s += seconds
         filled += nbytes
-    if synced:
-        # Each member paid bytes/cap of its bucket's latency (``comm.param_grad_sync_cost``); the
-        # buckets pay it whole: ceil(bytes / cap) latencies over the step, one in the last bucket.
-        # Reduce-scatter buckets do not span layers: ceil(bytes / cap) per layer for those.
-        latency = _bucket_latency_s(graph.mesh_shape, cluster)
-        by_layer: dict[str | None, float] = {}
-        for _, _, nbytes, layer in synced:
-            by_layer[layer] = by_layer.get(layer, 0.0) + nbytes
-        paid = latency * sum(min(1.0, nbytes / bucket_cap_bytes) for _, _, nbytes, _ in synced)
-        owed = latency * max(1, sum(math.ceil(nbytes / bucket_cap_bytes) for nbytes in by_layer.values()))
-        sync_s += max(0.0, owed - paid)
-        delta_s += max(0.0, owed - paid)
-        last_bucket_s += latency * (1.0 - min(1.0, filled / bucket_cap_bytes))
-    return ParamSchedule(delta_s, delta_bytes, per_axis, sync_s, backward_s, last_bucket_s, per_use_s,
-                         delta_s - (merged_s - per_use_s))
+    return last_bucket_s, filled
 
 
 @dataclass(frozen=True, slots=True)
