@@ -517,6 +517,11 @@ def _add_plan_command(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--num-layers", type=_positive_int, default=None,
                    help="depth of gpt, llama and presets (a 2-layer llama-2-70b has the real widths)")
     p.add_argument("--meta", action="store_true", help="build built-in models and inputs on the meta device")
+    _add_plan_options(p)
+
+
+def _add_plan_options(p: argparse.ArgumentParser) -> None:
+    """``autopar plan``'s options beyond the model, the mesh and the cluster."""
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="solver time limit in seconds")
     p.add_argument("--pipeline", type=_stages, default=None, metavar="N|auto",
                    help="cut mesh axis 0 into N pipeline stages, or let the planner choose (auto); needs --mesh")

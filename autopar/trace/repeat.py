@@ -297,47 +297,8 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
     runs = _segments(nodes, layers, have)
     template = have - 1
     slot, blocks = _blocks(nodes, layers, runs, kinds, path)
-    dotted = [_Relayer(path, template, "."), _Relayer(path, template, "_")]
-    graph = torch.fx.Graph()
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    made: dict[tuple[int, int, int], torch.fx.Node] = {}
-    outside: dict[torch.fx.Node, torch.fx.Node] = {}
-    inputs: list[GraphInput] = []
-    constants: dict[str, torch.Tensor] = {}
-
-    def emit(node: torch.fx.Node, layer: int | None, shift: int) -> None:
-        def read(arg: torch.fx.Node) -> torch.fx.Node:
-            where = slot.get(arg)
-            if where is None:
-                return outside[arg]
-            seg, at, pos = where
-            if layer is not None and shift and at < template - 1:
-                raise _Mismatch(f"{node.name} reads {arg.name}, {template - at} layers back")
-            return made[(seg, at + shift, pos)]
-
-        renamed = layer is not None and shift != 0
-        base = name_base(node.name)
-        if renamed:
-            base = dotted[1](layer, base)
-        new = graph.create_node(node.op, node.target, torch.fx.node.map_arg(node.args, read),
-                                torch.fx.node.map_arg(node.kwargs, read), name=base, type_expr=node.type)
-        # Filled in place: assigning a node's meta re-indexes the node in its graph's lookup table.
-        new.meta.update(node.meta)
-        if renamed:
-            _relayer_meta(new.meta, dotted[0], layer)
-        if node.op == "placeholder":
-            new.target = new.name  # a placeholder's target is its argument's name
-            info = kinds[node.name]
-            fqn = dotted[0](layer, info.fqn) if renamed and info.fqn else info.fqn
-            inputs.append(GraphInput(new.name, info.kind, fqn))
-            if info.kind == "constant":
-                constants[new.name] = small.constants[node.name]
-        if node in slot:
-            seg, at, pos = slot[node]
-            made[(seg, at + shift, pos)] = new
-        else:
-            outside[node] = new
-
+    out = _Emitter(small, slot, _Relayer(path, template, "."), _Relayer(path, template, "_"), template)
+    emit = out.emit
     starts = {start: seg for seg, (start, _) in enumerate(runs)}
     i = 0
     while i < len(nodes):
@@ -357,9 +318,62 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
         else:
             emit(node, None, depth - have)
         i += 1
-    new_gm = _graph_module(gm, graph)
-    return TracedModel(gm=new_gm, inputs=tuple(inputs), in_spec=small.in_spec, out_spec=small.out_spec,
-                       ties=ties, constants=constants, graph_hash=graph_hash(new_gm), notes=small.notes)
+    new_gm = _graph_module(gm, out.graph)
+    return TracedModel(gm=new_gm, inputs=tuple(out.inputs), in_spec=small.in_spec, out_spec=small.out_spec,
+                       ties=ties, constants=out.constants, graph_hash=graph_hash(new_gm), notes=small.notes)
+
+
+class _Emitter:
+    """Copies nodes of the small graph into the deep one (``synthesize``): a node of a layer
+    copied ``shift`` layers deeper reads the nodes of its layer, shifted alike, and is renamed
+    to its new layer; a node outside the layers reads the copies of what it read."""
+
+    def __init__(self, small: TracedModel, slot: dict[torch.fx.Node, tuple[int, int, int]], dotted: _Relayer,
+                 underscored: _Relayer, template: int):
+        self.small, self.slot, self.dotted, self.underscored, self.template = small, slot, dotted, underscored, template
+        self.kinds = {i.name: i for i in small.inputs}
+        self.graph = torch.fx.Graph()
+        self.graph._codegen = copy.deepcopy(small.gm.graph._codegen)
+        self.made: dict[tuple[int, int, int], torch.fx.Node] = {}
+        self.outside: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.inputs: list[GraphInput] = []
+        self.constants: dict[str, torch.Tensor] = {}
+
+    def _read(self, node: torch.fx.Node, arg: torch.fx.Node, layer: int | None, shift: int) -> torch.fx.Node:
+        where = self.slot.get(arg)
+        if where is None:
+            return self.outside[arg]
+        seg, at, pos = where
+        if layer is not None and shift and at < self.template - 1:
+            raise _Mismatch(f"{node.name} reads {arg.name}, {self.template - at} layers back")
+        return self.made[(seg, at + shift, pos)]
+
+    def emit(self, node: torch.fx.Node, layer: int | None, shift: int) -> None:
+        def read(arg: torch.fx.Node) -> torch.fx.Node:
+            return self._read(node, arg, layer, shift)
+
+        renamed = layer is not None and shift != 0
+        base = name_base(node.name)
+        if renamed:
+            base = self.underscored(layer, base)
+        new = self.graph.create_node(node.op, node.target, torch.fx.node.map_arg(node.args, read),
+                                     torch.fx.node.map_arg(node.kwargs, read), name=base, type_expr=node.type)
+        # Filled in place: assigning a node's meta re-indexes the node in its graph's lookup table.
+        new.meta.update(node.meta)
+        if renamed:
+            _relayer_meta(new.meta, self.dotted, layer)
+        if node.op == "placeholder":
+            new.target = new.name  # a placeholder's target is its argument's name
+            info = self.kinds[node.name]
+            fqn = self.dotted(layer, info.fqn) if renamed and info.fqn else info.fqn
+            self.inputs.append(GraphInput(new.name, info.kind, fqn))
+            if info.kind == "constant":
+                self.constants[new.name] = self.small.constants[node.name]
+        if node in self.slot:
+            seg, at, pos = self.slot[node]
+            self.made[(seg, at + shift, pos)] = new
+        else:
+            self.outside[node] = new
 
 
 def _relayer_meta(meta: dict, relayer: _Relayer, layer: int) -> None:

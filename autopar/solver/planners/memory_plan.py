@@ -448,32 +448,10 @@ def plan_memory(
     walk = _Walk(traced, graph, bytes_of, sizes)
     candidates = _candidates(walk, graph, choice, cluster, target, checkpointing)
     before, _ = walk.peak(set(), prefetch)
-    chosen: list[_Candidate] = []
-    keys: set = set()
-    peak = before
-    ranked = sorted(candidates, key=lambda c: (c.cost_s / max(c.saved_bytes, 1.0), c.key))
-    for candidate in ranked:
-        if peak <= budget:
-            break
-        if _other_way(candidate.key) in keys:  # the layer is already checkpointed or offloaded
-            continue
-        chosen.append(candidate)
-        keys.add(candidate.key)
-        peak, _ = walk.peak(keys, prefetch)
+    chosen, keys, peak = _take(walk, candidates, before, budget, prefetch)
     if peak > budget:
         raise _infeasible(walk, graph, keys, prefetch, budget, target, checkpointing, explain)
-    for candidate in sorted(chosen, key=lambda c: -c.cost_s):
-        trial = keys - {candidate.key}
-        trial_peak, _ = walk.peak(trial, prefetch)
-        if trial_peak <= budget:
-            keys, peak = trial, trial_peak
-    chosen = [c for c in chosen if c.key in keys]
-    by_key = {c.key: c for c in candidates}
-    for candidate in list(chosen):  # an offloaded parameter's gradient is offloaded with it
-        grad = by_key.get(("grad", candidate.key[1])) if candidate.key[0] == "param" else None
-        if grad is not None and grad.key not in keys:
-            chosen.append(grad)
-            keys.add(grad.key)
+    chosen, keys = _drop_unneeded(walk, candidates, chosen, keys, budget, prefetch)
     compute_s = sum(graph.choices[n].compute_s[choice[n]] for n in graph.order)
     recompute_s = sum(c.cost_s for c in chosen if c.key[0] == "checkpoint")  # the rest are transfers
     transfer_s = sum(c.cost_s for c in chosen if c.key[0] != "checkpoint")
@@ -495,6 +473,43 @@ def plan_memory(
     log.info("autopar: memory: %d checkpointed segments, %d with offloaded activations, %d offloaded tensors; "
              "peak %.0f -> %.0f bytes (budget %.0f)", len(segments), len(moved), len(entries), before, peak, budget)
     return memory, {"time": walk.timeline.time_name(time) if time < walk.timeline.num_times else "", **breakdown}
+
+
+def _take(walk: _Walk, candidates: list[_Candidate], peak: float, budget: float,
+          prefetch: bool) -> tuple[list[_Candidate], set, float]:
+    """The candidates taken greedily, cheapest per byte saved first, until the peak (``peak``
+    before any) fits ``budget``: (taken, their keys, the peak then)."""
+    chosen: list[_Candidate] = []
+    keys: set = set()
+    ranked = sorted(candidates, key=lambda c: (c.cost_s / max(c.saved_bytes, 1.0), c.key))
+    for candidate in ranked:
+        if peak <= budget:
+            break
+        if _other_way(candidate.key) in keys:  # the layer is already checkpointed or offloaded
+            continue
+        chosen.append(candidate)
+        keys.add(candidate.key)
+        peak, _ = walk.peak(keys, prefetch)
+    return chosen, keys, peak
+
+
+def _drop_unneeded(walk: _Walk, candidates: list[_Candidate], chosen: list[_Candidate], keys: set, budget: float,
+                   prefetch: bool) -> tuple[list[_Candidate], set]:
+    """``chosen`` without the decisions the budget holds without (costliest tried first), and
+    with each offloaded parameter's gradient, which is offloaded with it."""
+    for candidate in sorted(chosen, key=lambda c: -c.cost_s):
+        trial = keys - {candidate.key}
+        trial_peak, _ = walk.peak(trial, prefetch)
+        if trial_peak <= budget:
+            keys = trial
+    chosen = [c for c in chosen if c.key in keys]
+    by_key = {c.key: c for c in candidates}
+    for candidate in list(chosen):
+        grad = by_key.get(("grad", candidate.key[1])) if candidate.key[0] == "param" else None
+        if grad is not None and grad.key not in keys:
+            chosen.append(grad)
+            keys.add(grad.key)
+    return chosen, keys
 
 
 def _other_way(key: tuple[str, str]) -> tuple[str, str] | None:

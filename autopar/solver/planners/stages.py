@@ -678,21 +678,10 @@ def _checkpointing(layers: Layers, search: StageSearch, mesh_costs: _MeshCosts) 
                       peak_bytes=max(peaks), added_s=added)
 
 
-def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_costs: _MeshCosts,
-              cluster: ClusterSpec, memory_budget) -> Plan:
-    graph = mesh_costs.graph
+def _stage_choices(graph: ChoiceGraph, layers: Layers, search: StageSearch, mesh_costs: _MeshCosts,
+                   stage_of_unit: dict[int, int]) -> tuple[dict[str, int], dict[int, tuple]]:
+    """The whole graph's (node → strategy, edge → (src, dst) spec) under each stage's candidate."""
     L = layers.num_blocks
-    ranks = stage_ranks(search.mesh_shape, search.num_stages)
-    stage_of_unit: dict[int, int] = {}
-    stages: list[Stage] = []
-    for index, chosen in enumerate(search.stages):
-        a, b = chosen.layers
-        first, last = (-1 if a == 0 else a), (L + 1 if b == L else b)
-        for u in range(first, last):
-            stage_of_unit[u] = index
-        group = schedules.group_of(search.schedule, search.num_stages, index)
-        stages.append(Stage(index, (a, b), tuple(layers.nodes_of(first, last)), ranks[group], chosen.time_s,
-                            chosen.memory_bytes))
     consumer_unit: dict[str, int] = {}
     for edge in graph.edges:
         if edge.producer not in layers.unit and edge.consumer in layers.unit:
@@ -718,6 +707,25 @@ def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_cos
                    and stage_index[edge.producer] != stage_index[edge.consumer])
         # A value crossing stages arrives as the consumer wants it (priced as the send).
         edge_specs[e] = (src, src) if crosses or (src, dst) not in edge.price and src != dst else (src, dst)
+    return choice, edge_specs
+
+
+def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_costs: _MeshCosts,
+              cluster: ClusterSpec, memory_budget) -> Plan:
+    graph = mesh_costs.graph
+    L = layers.num_blocks
+    ranks = stage_ranks(search.mesh_shape, search.num_stages)
+    stage_of_unit: dict[int, int] = {}
+    stages: list[Stage] = []
+    for index, chosen in enumerate(search.stages):
+        a, b = chosen.layers
+        first, last = (-1 if a == 0 else a), (L + 1 if b == L else b)
+        for u in range(first, last):
+            stage_of_unit[u] = index
+        group = schedules.group_of(search.schedule, search.num_stages, index)
+        stages.append(Stage(index, (a, b), tuple(layers.nodes_of(first, last)), ranks[group], chosen.time_s,
+                            chosen.memory_bytes))
+    choice, edge_specs = _stage_choices(graph, layers, search, mesh_costs, stage_of_unit)
     first = mesh_costs.candidates[0].solution
     solution = Solution(choice, edge_specs, first.status, search.step_time_s, first.solve_time_s,
                         first.num_variables, first.num_constraints, method=first.method, backend=first.backend)
