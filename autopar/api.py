@@ -84,67 +84,15 @@ def plan(
     compiler: str | None = None,
     data: DataOptions | None = None,
 ) -> Plan:
-    """Choose a sharding for every op of ``model`` on ``mesh``. Needs no process group.
+    """Choose a sharding for every op of ``model`` on ``mesh`` (a tuple of axis sizes, or "auto"
+    with ``devices=N``) and return the ``Plan``. Needs no process group and no devices.
 
-    ``memory_budget`` is in bytes per device; None (the default) is the cluster's device memory
-    less a reserve for workspace, communication buffers and fragmentation (10%, at least 1 GiB:
-    ``ClusterSpec.default_memory_budget``), and ``float("inf")`` plans without a budget.
-    ``cluster`` is a preset name ("h100-80g", the default here, "a100-40g", "v100-16g", "cpu"),
-    a ClusterSpec, or a JSON/TOML file; ``compile`` prices the machine it runs on instead.
-
-    ``mesh="auto"`` with ``devices=N`` plans on every factorization of N into 1..``max_axes``
-    axes (``autopar.solver.planners.mesh_search``) from one trace and returns the fastest plan; the table of all
-    candidates, with predicted step times and infeasible meshes marked, is in
-    ``plan.stats["mesh_search"]``.
-
-    ``symbolic_batch`` also writes the predicted time, bytes and memory as functions of the batch size (dim 0 of
-    the example inputs; it costs one more trace, at twice the batch), so that
-    ``plan.predict(batch=...)`` answers for other batch sizes without tracing. ``compute``
-    ("roofline" or "measured") overrides the cluster's way of pricing ops: "measured" times each
-    distinct op and local shape on this machine's device, cached on disk (``autopar.cost.measured``).
-
-    ``solver`` is
-    "auto" (LP relaxation first, MILP only if rounding leaves a gap), "highs" or "cbc";
-    ``time_limit_s`` bounds the solve (then the best plan found is used, with its gap).
-
-    ``pipeline`` is "off" (the default), a number of stages N (mesh axis 0 is cut into N equal
-    rank groups, each running a contiguous range of layers on the stage mesh
-    ``(mesh[0] // N, *mesh[1:])``), or "auto" (the stage planner decides whether and where to
-    split; with ``mesh="auto"`` and ``devices`` it also picks the stage mesh). The example
-    inputs are the global batch; the plan is made for ``num_microbatches`` microbatches (default:
-    N, or 1 under "auto") of batch / ``num_microbatches`` each, and its ``pipeline`` holds the
-    stages (``autopar.solver.planners.stages`` chooses them; ``autopar.runtime.pipeline`` runs them).
-    ``num_microbatches="auto"`` (``autopar.plan`` only) lets the planner choose it too, among the
-    powers of two dividing the batch (one trace each). ``pipeline_schedules`` are the schedules it may choose among: "1F1B" (the default), and with
-    "Interleaved1F1B" and "ZBV" (or "auto" for all three) several stages per rank group, priced
-    by ``autopar.solver.pricing.schedules``; ``plan.pipeline.reason`` says why it chose one.
-
-    When no sharding fits ``memory_budget``, ``offload`` and ``checkpointing`` let the planner
-    add activation checkpointing and offload by cost (``autopar.solver.planners.memory_plan``), recorded in
-    ``plan.memory``. ``offload`` is "off" (the default: sharding only), "cpu" (pinned host
-    memory), "disk" or "disk:PATH" (files on local disk; the path is used at compile), or
-    "auto" (host memory, or disk where the compute device is the host). ``checkpointing``
-    None (the default) allows activation checkpointing where the budget binds; False forbids
-    it. ``prefetch`` fetches each offloaded tensor one use ahead.
-
-    ``precision`` is "32-true" (the default: the model's own dtypes, as before), "bf16-mixed"
-    (bf16 compute and activations; fp32 master weights, gradients, reductions and AdamW state),
-    "bf16-true" (everything bf16), or an ``autopar.MixedPrecision``. The plan is priced for it
-    (FLOP/s and bytes per dtype) and records it.
-
-    ``comm`` (``autopar.CommOptions``) is the communication schedule the plan will run under
-    (pass the same to ``compile``): the plan's memory is priced for it, for example for
-    ``reshard_after_forward``. None is ``CommOptions()``, ``compile``'s default.
-
-    ``compiler`` is ``compile``'s: the plan is priced for the executor that will run it
-    ("inductor" fuses pointwise ops: ``cost.compute.executed_bytes``) and records it in
-    ``plan.predicted.executor``.
-
-    ``data`` (``autopar.DataOptions``) is how the compiled module will take its data: the same
-    whole batch on every rank (``batch="whole"``, the default), or each data-parallel rank's
-    own rows (``batch="per_rank"``). The example inputs are the global batch either way; the
-    plan records the mode and the mesh axes that split the batch (``plan.data``: its
-    ``size`` is the data-parallel size).
+    Each keyword is one option, described in docs/api.md: ``cluster`` and ``memory_budget``
+    (docs/memory.md), the solver's ``time_limit_s`` and ``solver``, the mesh search's ``devices``
+    and ``max_axes``, ``symbolic_batch`` and ``compute`` (docs/cost-model.md), ``pipeline``,
+    ``num_microbatches`` and ``pipeline_schedules`` (docs/pipelines.md), ``offload``,
+    ``checkpointing`` and ``prefetch`` (docs/memory.md), ``precision`` (docs/precision.md), and
+    ``comm``, ``compiler`` and ``data``, which ``compile`` runs under (docs/training.md).
     """
     check_compiler(compiler)
     options = PlanOptions.from_keywords(
@@ -416,51 +364,40 @@ def compile(
     compiler: str | None = None,
     data: DataOptions | None = None,
 ) -> ParallelModule | PipelineParallelModule:
-    """Plan (or take ``plan``) and rewrite ``model`` into a ParallelModule for this rank.
+    """Plan (or take ``plan``) and rewrite ``model`` into this rank's ParallelModule.
 
-    Runs under an initialized ``torch.distributed`` process group whose world size equals the
-    mesh size. Every rank must call it with the same model and example inputs.
-
-    ``init`` says where the shards' values come from: None takes them from ``model``'s own
-    tensors (each rank cuts its shards from the whole model); ``autopar.SeededInit(seed, fn)``
-    or ``autopar.FromCheckpoint(path)`` make each rank materialize only its own shards, which is
-    how a model built on the meta device is compiled (see ``autopar.runtime.materialize``).
-
-    ``pipeline=N`` and ``num_microbatches=M`` (or a pipelined ``plan``) compile a pipeline
-    (``autopar.runtime.pipeline``): the model must return its loss; calling the module runs the
-    whole step's forward and backward over the microbatches and returns the loss on every rank,
-    and ``loss.backward()`` then puts the gradients into ``.grad``.
-
-    ``offload``, ``checkpointing`` and ``prefetch`` are ``autopar.plan``'s, for the solve;
-    with a given plan, ``offload="disk:PATH"`` only says where its disk offload files go (a
-    temporary directory otherwise). Step a module that offloads with ``autopar.optim.AdamW``.
-
-    ``cluster`` None prices the machine this runs on (``cost.cluster.local_cluster``: its CUDA
-    device's preset, or "cpu"). ``precision`` is ``autopar.plan``'s (a given plan's own by
-    default): parameters are stored in the master dtype (fp32 under "bf16-mixed"; bf16 under
-    "bf16-true") and cast to ``param_dtype`` at use, floating inputs are cast to
-    ``param_dtype``, outputs come back in the dtype the model computes them in, and gradients are
-    reduced in the stored dtype (README, "Mixed precision"), in pipelines too. Offloading plans run
-    "32-true" only so far, and refuse a policy that changes dtypes.
-    ``comm`` (``autopar.CommOptions``) sets how parameter communication is scheduled: the
-    gradient bucket cap (DDP's 25 MiB by default) and how far sharded parameters are gathered
-    ahead of use; ``CommOptions(enabled=False)`` runs one synchronous collective per use.
-    ``compiler="inductor"`` compiles the rewritten graph with ``torch.compile`` (inductor, forward
-    and backward) at the first call; its communication is then scheduled in the graph and
-    bucketed and reordered by inductor (``autopar.runtime.compiled``). None runs it op by op.
-
-    ``data`` (``autopar.DataOptions``; a given plan's own by default) is how each call takes its
-    data: ``batch="whole"`` (the default), the same whole batch on every rank, or
-    ``batch="per_rank"``, each data-parallel rank's own rows: ``B / pm.data_parallel_size`` rows
-    of the example inputs' batch ``B`` on data-parallel rank ``pm.data_parallel_rank`` (the
-    batched inputs are those whose dim 0 has the batch size of the first input). Every call
-    checks, in one small all-gather, that the ranks that must pass the same data did.
-
-    The module runs the graph of its mode: ``pm.train()`` the model traced in train mode,
-    ``pm.eval()`` in eval mode (batch norm's running statistics, no dropout), made the first time
-    it is called, on the same shards (``autopar.runtime.modes``). A copy of ``model`` with its
-    parameters and buffers on the meta device (no copy of their values) is kept for that.
+    Runs under an initialized ``torch.distributed`` process group whose world size is the mesh
+    size; every rank calls it with the same model and example inputs. The planning keywords are
+    ``autopar.plan``'s; ``plan`` (a Plan or a plan file) is run instead of solving; ``init``
+    makes each rank materialize only its own shards (docs/checkpoints.md). Each keyword is
+    described in docs/api.md, and the module in docs/training.md.
     """
+    mesh_shape = _check_call(model, mesh, init, comm, compiler)
+    # None: price the machine this runs on (its CUDA device's preset, or "cpu-gloo")
+    cluster = priced_for(get_cluster(local_cluster() if cluster is None else cluster), compiler)
+    plan = Plan.load(plan) if plan is not None and not isinstance(plan, Plan) else plan
+    policy = _precision_of(plan, precision)
+    _check_backend_dtypes(model, example_inputs, example_kwargs, policy)
+    options = _pipeline_of(plan, PlanOptions.from_keywords(
+        memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline, num_microbatches=num_microbatches,
+        pipeline_schedules=pipeline_schedules, offload=offload, checkpointing=checkpointing, prefetch=prefetch,
+        precision=policy, comm=comm or CommOptions(), data=_data_of(plan, data)))
+    _check_compile_options(options, policy, compiler, offload)
+    examples = (example_inputs, example_kwargs)
+    if options.pipeline.enabled:
+        return _compile_pipeline(model, examples, plan, mesh_shape, cluster, options, policy, init)
+    # Meta tensors become FakeTensors there; under a precision policy, parameters are traced in
+    # param_dtype and cast from their master dtype at use, as when planning.
+    with quiet_gc():
+        traced = trace(model, example_inputs, example_kwargs, policy)
+    chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
+    check_rank_agreement(chosen)
+    return _materialize(model, examples, traced, chosen, cluster, options, init, comm, compiler)
+
+
+def _check_call(model: torch.nn.Module, mesh, init, comm: CommOptions | None, compiler: str | None) -> tuple[int, ...]:
+    """``compile``'s checks before anything is traced: its arguments, the process group, and that
+    every rank holds the same model; the mesh shape."""
     check_compiler(compiler)
     if comm is not None and not isinstance(comm, CommOptions):
         raise TypeError(f"comm must be an autopar.CommOptions, got {comm!r}")
@@ -468,39 +405,26 @@ def compile(
     _check_init(model, init)
     collectives.register_peer()  # lets a failed collective name a dead rank
     check_same_weights(model, init)  # every rank cuts its shards from its own copy of the model
-    if cluster is None:  # price the machine this runs on (its CUDA device's preset, or "cpu")
-        cluster = local_cluster()
-    cluster = priced_for(get_cluster(cluster), compiler)
-    if plan is not None and not isinstance(plan, Plan):
-        plan = Plan.load(plan)
-    policy = _precision_of(plan, precision)
-    _check_backend_dtypes(model, example_inputs, example_kwargs, policy)
-    options = PlanOptions.from_keywords(
-        memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline, num_microbatches=num_microbatches,
-        pipeline_schedules=pipeline_schedules, offload=offload, checkpointing=checkpointing, prefetch=prefetch, precision=policy, comm=comm or CommOptions(),
-        data=_data_of(plan, data),
-    )
-    if plan is not None and (plan.pipeline is not None or options.pipeline.enabled):
-        options = _pipeline_of(plan, options)
-    _check_compile_options(options, policy, compiler, offload)
-    if options.pipeline.enabled:
-        return _compile_pipeline(model, (example_inputs, example_kwargs), plan, mesh_shape, cluster, options, policy, init)
-    # Meta tensors become FakeTensors there; under a precision policy, parameters are traced in
-    # param_dtype and cast from their master dtype at use, as when planning.
-    with quiet_gc():
-        traced = trace(model, example_inputs, example_kwargs, policy)
-    chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
-    check_rank_agreement(chosen)
-    _check_precision_runs(policy, offloads=chosen.memory is not None and bool(
+    return mesh_shape
+
+
+def _materialize(model: torch.nn.Module, examples: tuple[tuple[Any, ...], dict[str, Any] | None], traced: TracedModel,
+                 chosen: Plan, cluster: ClusterSpec, options: PlanOptions, init, comm: CommOptions | None,
+                 compiler: str | None) -> ParallelModule:
+    """This rank's module of ``chosen``: the rewritten graph, its shards (cut, seeded or read from
+    a checkpoint), the builder of its other mode, and the compiled graph under ``compiler``."""
+    example_inputs, example_kwargs = examples
+    mesh_shape = tuple(chosen.mesh_shape)
+    _check_precision_runs(options.precision, offloads=chosen.memory is not None and bool(
         chosen.memory.offload or chosen.memory.offload_activations))
     groups, coordinate = mesh_groups(mesh_shape)
-    offloader = _offloader(chosen, offload, example_inputs, example_kwargs)
+    offloader = _offloader(chosen, options.memory.offload, example_inputs, example_kwargs)
     if compiler is not None and offloader is not None:
         raise ValueError(f"the plan offloads, which compiler={compiler!r} does not run yet: compile without compiler=")
     gm, comm = _rewrite(traced, chosen, groups, offloader, comm, compiler)
     local = _initial_shards(model, init, chosen, coordinate, mesh_shape)
-    build_mode = _mode_builder(_meta_copy(model), example_inputs, example_kwargs, chosen, mesh_shape, cluster, options,
-                               groups, _param_fqns(traced), comm, offloads=offloader is not None)
+    build_mode = _mode_builder(_meta_copy(model), examples, chosen, mesh_shape, cluster, options, groups, comm,
+                               offloads=offloader is not None)
     pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local, offloader=offloader,
                         build_mode=build_mode, training=model.training)
     if isinstance(init, FromCheckpoint):
@@ -626,11 +550,13 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
         return model
 
 
-def _mode_builder(model: torch.nn.Module, example_inputs, example_kwargs, chosen: Plan, mesh_shape, cluster,
-                  options: PlanOptions, groups, fqns: dict[str, str], comm: CommOptions | None, offloads: bool):
+def _mode_builder(model: torch.nn.Module, examples: tuple[tuple[Any, ...], dict[str, Any] | None], chosen: Plan,
+                  mesh_shape, cluster, options: PlanOptions, groups, comm: CommOptions | None, offloads: bool):
     """The builder of the compiled module's other mode (``runtime.modes``): trace ``model`` in
     that mode, plan it with every parameter and buffer pinned to ``chosen``'s placements and the
     batch split on ``chosen``'s axes (rank 0 solves, as in ``compile``), and rewrite it."""
+    example_inputs, example_kwargs = examples
+
     def build(training: bool):
         if offloads:
             raise PlanError(
@@ -757,8 +683,11 @@ def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs
             )
 
 
-def _pipeline_of(plan: Plan, options: PlanOptions) -> PlanOptions:
-    """The pipeline options of a given plan, checked against the ones asked for."""
+def _pipeline_of(plan: Plan | None, options: PlanOptions) -> PlanOptions:
+    """The pipeline options of a given plan, checked against the ones asked for (``options``
+    as they are without a plan)."""
+    if plan is None:
+        return options
     asked = options.pipeline
     given = (plan.pipeline.num_stages, plan.pipeline.num_microbatches) if plan.pipeline is not None else None
     if asked.enabled and (
