@@ -15,6 +15,9 @@ MAX_PARAMS = 10  # ``self`` and ``cls`` not counted; ``*args`` and ``**kwargs`` 
 # The public keyword facades: one keyword per documented option, which ``PlanOptions`` then
 # carries whole (docs/plans-offline.md, docs/training.md).
 WIDE_FACADES = {("api.py", "plan"), ("api.py", "compile"), ("api.py", "hand_plan")}
+# Over 80 lines, being split on another branch: an entry must go once its function is short
+# (test_no_function_is_over_80_lines fails until it does).
+LONG_FOR_NOW = {("passes/schedule.py", "schedule_communication")}  # issue #30 brings it under 80
 
 
 @functools.cache
@@ -38,10 +41,13 @@ def _num_params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 
 
 def test_no_function_is_over_80_lines():
-    long = sorted(f"{where}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
-                  for where, node in _functions() if node.end_lineno - node.lineno + 1 > MAX_LINES)
+    lengths = {(where, node.name): node.end_lineno - node.lineno + 1 for where, node in _functions()}
+    long = sorted(f"{where} {name}: {n} lines" for (where, name), n in lengths.items()
+                  if n > MAX_LINES and (where, name) not in LONG_FOR_NOW)
     assert not long, ("split these into steps, each a function with its own docstring (STYLE.md 14):\n  "
                       + "\n  ".join(long))
+    done = sorted(f"{where} {name}" for where, name in LONG_FOR_NOW if lengths.get((where, name), 0) <= MAX_LINES)
+    assert not done, f"these are short now (or gone): take them out of LONG_FOR_NOW: {done}"
 
 
 def test_no_function_takes_more_than_10_parameters_but_the_facades():
