@@ -116,8 +116,9 @@ class SolverStats(_KeyAccess):
     ``objective_s`` its objective; ``memory_budget_bytes`` the budget it planned under (None:
     none); ``fallbacks`` the nodes no rule covered; ``method`` and ``backend`` how it was solved
     (solver.strategies); ``lower_bound_s`` and ``gap`` the proven bound where one is known;
-    ``stage_search`` the stage planner's counts, in pipelined plans. An empty ``status`` is a plan
-    made without a solve (its JSON object is empty)."""
+    ``stage_search`` the stage planner's counts, in pipelined plans. Every field at its default is
+    a plan made without a solve, whose JSON object is empty; otherwise the JSON holds every key
+    but ``stage_search`` (null where unknown), as the planners write it."""
 
     status: str = ""
     objective_s: float | None = None
@@ -136,7 +137,7 @@ class SolverStats(_KeyAccess):
         object.__setattr__(self, "fallbacks", tuple(self.fallbacks))
 
     def to_json(self) -> dict[str, Any]:
-        if not self.status:
+        if self == SolverStats(extra=self.extra):  # no solve recorded
             return dict(self.extra)
         out = {"status": self.status, "objective_s": self.objective_s, "num_variables": self.num_variables,
                "num_constraints": self.num_constraints, "memory_budget_bytes": self.memory_budget_bytes,

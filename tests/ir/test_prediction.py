@@ -47,6 +47,8 @@ def test_fields_are_typed_and_frozen():
         predicted.step_time_s = 1.0
     stats = SolverStats.from_json(SOLVED)
     assert stats.fallbacks == ("a", "b") and stats.memory_budget_bytes is None
+    # A solver object without a status (hand-written) keeps what it has.
+    assert SolverStats.from_json({"objective_s": 1.5}).to_json()["objective_s"] == 1.5
 
 
 def test_a_replaced_field_keeps_its_place_and_a_new_one_goes_where_the_planners_put_it():

@@ -314,7 +314,7 @@ def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: 
 
 
 def predicted_step_s(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec) -> float:
-    """``plan_from_solution(...).predicted["step_time_s"]``, summed in the same order, without the
+    """``plan_from_solution(...).predicted.step_time_s``, summed in the same order, without the
     plan: what ``solve`` compares its memory candidates by (``_StepParts.step_s``)."""
     return _StepParts.of(graph, solution, cluster).step_s
 
