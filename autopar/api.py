@@ -479,14 +479,15 @@ def _compile_pipeline(model, examples: tuple[tuple[Any, ...], dict[str, Any] | N
                       init) -> PipelineParallelModule:
     """``compile``'s pipelined branch: trace one microbatch of ``examples`` (inputs, kwargs), plan
     (or take ``plan``), build the stages."""
-    if init is not None:
-        raise ValueError("init= is not supported with pipelining yet: compile the model with its own tensors (init=None)")
     inputs, kwargs = first_microbatch(*examples, options.pipeline.microbatches)
     with quiet_gc():
         traced = trace(model, inputs, kwargs, policy)
     chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
     check_rank_agreement(chosen)
-    return compile_pipeline(model, traced, chosen)
+    pm = compile_pipeline(model, traced, chosen, init)  # init: only this rank's stages' shards
+    if isinstance(init, FromCheckpoint):
+        checkpoint.load(init.path, pm)
+    return pm
 
 
 def _param_fqns(traced: TracedModel) -> dict[str, str]:

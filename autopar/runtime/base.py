@@ -216,6 +216,25 @@ class ShardedModule(torch.nn.Module):
         """The names of ``state_dict()``: those of the original model's ``state_dict()``."""
         return list(self._state_keys)
 
+    def local_state_keys(self) -> list[str]:
+        """The names of ``state_dict()`` whose shards this rank holds: every one (a pipeline
+        stage's module holds its stages' only)."""
+        return self.state_dict_keys()
+
+    @property
+    def shard_mesh_shape(self) -> tuple[int, ...]:
+        """The mesh the shards are cut on: the plan's, or a pipeline's stage mesh."""
+        return self._mesh_shape
+
+    def whole_param_names(self, groups: list[list[str]]) -> list[list[str]]:
+        """The FQNs of each optimizer param group over the whole model, from this rank's
+        (``groups``): the same here; a pipeline gathers them from its stages."""
+        return [list(names) for names in groups]
+
+    def local_params_of(self, names: list[str]) -> list[str]:
+        """Of a param group's FQNs over the whole model, those this rank's optimizer steps."""
+        return list(names)
+
     def full_shape(self, fqn: str) -> tuple[int, ...]:
         """The whole (unsharded) shape of the parameter or buffer ``fqn``."""
         return self._full_shapes[fqn]

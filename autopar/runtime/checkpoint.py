@@ -62,14 +62,16 @@ _MODEL = "model"
 _OPTIM = "optim"
 
 
-def device_mesh(mesh_shape: tuple[int, ...], groups: tuple[str, ...]) -> DeviceMesh:
-    """A DeviceMesh over autopar's mesh-axis groups (rank r at the row-major position of r).
+def device_mesh(mesh_shape: tuple[int, ...], groups: tuple[str, ...], ranks: list[int] | None = None) -> DeviceMesh:
+    """A DeviceMesh over autopar's mesh-axis groups: the global ``ranks`` in row-major order
+    (by default rank r at the row-major position of r; a pipeline stage's mesh holds its own).
 
     Built with ``DeviceMesh.from_group``, so no new process group is made: the mesh uses the
     groups autopar's collectives use, with the default group's timeout.
     """
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    ranks = torch.arange(math.prod(mesh_shape)).reshape(mesh_shape)
+    ranks = torch.tensor(ranks) if ranks is not None else torch.arange(math.prod(mesh_shape))
+    ranks = ranks.reshape(mesh_shape)
     process_groups = [_resolve_process_group(name) for name in groups]
     names = tuple(f"axis{axis}" for axis in range(len(mesh_shape)))
     if len(process_groups) == 1:
@@ -84,11 +86,13 @@ def to_dtensor(local: torch.Tensor, spec: Spec, full_shape: tuple[int, ...], mes
 
 
 def model_state_dict(pm: "ParallelModule") -> dict[str, DTensor]:
-    """The original model's ``state_dict()`` names, each a DTensor view of this rank's shard."""
+    """The original model's ``state_dict()`` names, each a DTensor view of this rank's shard:
+    every name, or in a pipeline those of this rank's stages (``pm.local_state_keys()``: DCP
+    puts the ranks' parts together into the whole model)."""
     mesh = pm.device_mesh
     out: dict[str, DTensor] = {}
     made: dict[int, DTensor] = {}
-    for fqn in pm.state_dict_keys():
+    for fqn in pm.local_state_keys():
         local = pm.local_shard(fqn)
         if id(local) not in made:  # tied names share one DTensor, as they share one tensor
             made[id(local)] = to_dtensor(local, pm.plan.params[fqn], pm.full_shape(fqn), mesh)
@@ -113,8 +117,9 @@ def load_model_state_dict(pm: "ParallelModule", state_dict: Mapping[str, Any], s
             f"{unexpected or 'none'}; pass a state dict of this model, or strict=False to load the common names"
         )
 
+    held = set(pm.local_state_keys())  # in a pipeline, this rank's stages' names
     for fqn in keys:
-        if fqn not in state_dict:
+        if fqn not in state_dict or fqn not in held:
             continue
         value = state_dict[fqn]
         target = pm.local_shard(fqn)
@@ -133,7 +138,7 @@ def load_model_state_dict(pm: "ParallelModule", state_dict: Mapping[str, Any], s
                 )
             local = value.redistribute(pm.device_mesh, spec).to_local()
         else:
-            local = shard_tensor(value, spec, pm.coordinate, pm.plan.mesh_shape)
+            local = shard_tensor(value, spec, pm.coordinate, pm.shard_mesh_shape)
         if local.data_ptr() != target.data_ptr():
             target.copy_(local)
     return missing, unexpected
@@ -142,7 +147,7 @@ def load_model_state_dict(pm: "ParallelModule", state_dict: Mapping[str, Any], s
 def _param_fqns(pm: "ParallelModule", optimizer: torch.optim.Optimizer) -> dict[int, str]:
     """id(parameter) → the canonical FQN of every parameter ``optimizer`` steps."""
     names: dict[int, str] = {}
-    for fqn in pm.state_dict_keys():
+    for fqn in pm.local_state_keys():
         held = pm.held_tensor(fqn)
         if isinstance(held, torch.nn.Parameter):
             names.setdefault(id(held), fqn)
@@ -183,9 +188,10 @@ def optimizer_state_dict(pm: "ParallelModule", optimizer: torch.optim.Optimizer)
                 value = to_dtensor(value, spec, pm.full_shape(fqn), mesh)
             state[fqn][key] = value
     groups = []
-    for group in optimizer.param_groups:
+    whole = pm.whole_param_names([[names[id(p)] for p in group["params"]] for group in optimizer.param_groups])
+    for group, params in zip(optimizer.param_groups, whole, strict=True):
         saved = {k: v for k, v in group.items() if k != "params"}
-        saved["params"] = [names[id(p)] for p in group["params"]]
+        saved["params"] = params  # the whole model's: a pipeline stage's optimizer steps a part
         groups.append(saved)
     return {"state": state, "param_groups": groups}
 
@@ -222,17 +228,22 @@ def load(path: str | os.PathLike, pm: "ParallelModule", optimizer: torch.optim.O
     it, on every rank. ``strict=False`` loads the names the model and the checkpoint share (shapes
     must still agree); ``verify=False`` reads a DCP checkpoint without autopar's commit marker.
     """
+    mine = None
+    if optimizer is not None:  # the whole model's groups (a pipeline gathers them): before any check
+        names = _agreed("check the optimizer", lambda: _param_fqns(pm, optimizer))
+        mine = pm.whole_param_names([[names[id(p)] for p in group["params"]] for group in optimizer.param_groups])
+
     def check() -> tuple[Any, Any, list[str]]:
         directory, metadata = files.verify(path, marked=verify)
         keys = _check_model_keys(pm, metadata.state_dict_metadata, directory, strict)
         if optimizer is not None:
-            _check_param_groups(pm, optimizer, metadata.state_dict_metadata, directory)
+            _check_param_groups(mine, metadata.state_dict_metadata, directory)
         return directory, metadata, keys
 
     directory, metadata, keys = _agreed("check the checkpoint", check)
     reader = dcp.FileSystemReader(directory)
-    model_state = pm.state_dict()
-    state: dict[str, Any] = {_MODEL: {k: model_state[k] for k in keys}}
+    model_state = pm.state_dict()  # in a pipeline, this rank's stages' part
+    state: dict[str, Any] = {_MODEL: {k: model_state[k] for k in keys if k in model_state}}
     if optimizer is not None:
         state[_OPTIM] = _optimizer_target(pm, optimizer, metadata.state_dict_metadata, directory)
     _run_dcp("load", directory, lambda: dcp.load(state, storage_reader=reader))
@@ -271,15 +282,14 @@ def _listed(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _check_param_groups(pm: "ParallelModule", optimizer: torch.optim.Optimizer, metadata: Mapping[str, Any], directory) -> None:
-    """The checkpoint's optimizer param groups hold the same parameters as ``optimizer``'s, in order."""
-    names = _param_fqns(pm, optimizer)
+def _check_param_groups(mine: list[list[str]], metadata: Mapping[str, Any], directory) -> None:
+    """The checkpoint's optimizer param groups hold the same parameters as the optimizer's
+    (``mine``: each group's FQNs over the whole model), in order."""
     prefix = f"{_OPTIM}.param_groups."
     saved_keys = [key for key in metadata if key.startswith(prefix) and key.endswith(".params")]
     if not saved_keys:
         raise files.CheckpointError(f"the checkpoint at {directory} has no optimizer state: it was saved without an "
                                     "optimizer; load without one (and build a fresh optimizer)")
-    mine = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     saved = _read_objects(directory, saved_keys)
     groups = [saved[f"{prefix}{index}.params"] for index in range(len(saved_keys)) if f"{prefix}{index}.params" in saved]
     if [list(g) for g in groups] != mine:
@@ -371,7 +381,7 @@ def _optimizer_target(pm: "ParallelModule", optimizer: torch.optim.Optimizer, me
                     entries[name] = None  # a pickled value; DCP puts it in place
                 elif tuple(meta.size) == pm.full_shape(fqn) and len(meta.size) > 0:
                     spec = pm.plan.params[fqn]
-                    local = torch.empty(local_shape(meta.size, spec, pm.plan.mesh_shape), dtype=meta.properties.dtype,
+                    local = torch.empty(local_shape(meta.size, spec, pm.shard_mesh_shape), dtype=meta.properties.dtype,
                                         device=param.device)
                     entries[name] = to_dtensor(local, spec, pm.full_shape(fqn), mesh)
                 else:
@@ -393,7 +403,7 @@ def load_optimizer_state_dict(pm: "ParallelModule", optimizer: torch.optim.Optim
     groups = state_dict["param_groups"]
     for group, saved in zip(optimizer.param_groups, groups, strict=True):
         mine = [names[id(p)] for p in group["params"]]
-        if list(saved["params"]) != mine:
+        if pm.local_params_of(list(saved["params"])) != mine:
             raise ValueError(
                 f"the saved param group holds {list(saved['params'])}, this optimizer's {mine}: "
                 "build the optimizer with the same groups as when saving"

@@ -32,6 +32,14 @@ loss gets no backward leaves ``.grad`` alone, and a second backward of the same 
 autograd's usual error. Under ``torch.no_grad()`` only the forward runs (under ZBV, which has no
 forward-only mode, the whole step, its gradients dropped). A parameter used by
 several stages (tied embeddings) is held by each of them, and its gradient is summed over them.
+
+Checkpoints. ``pm.state_dict()`` holds, under the model's own names, a DTensor (over the stage
+mesh, with the plan's placements, sharing the shard) for each tensor this rank's stages hold;
+over all ranks, the whole model. DCP puts the parts together, so ``autopar.checkpoint.save`` /
+``load`` move a model and its optimizer between pipeline layouts and plans without a pipeline.
+A stage's optimizer steps a part of the model: its param groups are saved with the whole
+model's names (gathered from every stage). ``init=SeededInit(...)`` / ``FromCheckpoint(...)``
+materialize only the shards this rank's stages hold.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble,
 )
@@ -57,7 +66,9 @@ from autopar.passes.split import return_only, split_into_stages, stage_io, stage
 from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
-from autopar.runtime.base import ShardedModule, attach, has, lookup, model_tensors
+from autopar.runtime.base import ShardedModule, attach, model_tensors
+from autopar.runtime.checkpoint import device_mesh, load_model_state_dict, model_state_dict
+from autopar.runtime.materialize import FromCheckpoint, SeededInit, empty_shards, seeded_shards
 from autopar.runtime.module import world_timeout
 from autopar.trace import TracedModel, requires_grad
 
@@ -139,8 +150,12 @@ class _HeldGradients(torch.autograd.Function):
         return (None, None, *([None] * ctx.num_params), *held)
 
 
-def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan) -> "PipelineParallelModule":
-    """Rewrite and split ``traced`` (one microbatch) by ``plan`` and return this rank's module."""
+def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan,
+                     init: SeededInit | FromCheckpoint | None = None) -> "PipelineParallelModule":
+    """Rewrite and split ``traced`` (one microbatch) by ``plan`` and return this rank's module.
+
+    ``init`` (None: cut from ``model``'s tensors) makes the shards of this rank's stages only;
+    under ``FromCheckpoint`` they are empty until ``autopar.checkpoint.load`` fills them."""
     stages = plan.pipeline
     assert stages is not None
     groups_ranks = stage_ranks(plan.mesh_shape, stages.num_stages)
@@ -160,7 +175,7 @@ def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan) ->
     split = run_passes(copy.deepcopy(traced.gm), stage_view, passes)
     log.info("autopar: rank %d runs pipeline stage %d of %d on stage mesh %s at %s", dist.get_rank(), stage_index,
              stages.num_stages, tuple(stages.stage_mesh), coordinate)
-    return PipelineParallelModule(model, traced, split, plan, stage_index, groups, coordinate, line)
+    return PipelineParallelModule(model, traced, split, plan, stage_index, groups, coordinate, line, init)
 
 
 def _stage_view(plan: Plan) -> Plan:
@@ -173,12 +188,13 @@ class PipelineParallelModule(ShardedModule):
 
     ``pm.module`` holds this rank's stage's shards under the model's names; ``pm.graph`` is the
     graph this rank runs (its stage) and ``pm.graph_module`` the split graph of every stage.
-    ``full_state_dict()`` and ``full_grads()`` gather over the stage mesh and across stages.
-    ``state_dict()`` (torch.distributed.checkpoint) is not supported for pipelines yet.
+    ``full_state_dict()`` and ``full_grads()`` gather over the stage mesh and across stages;
+    ``state_dict()`` is this rank's part of the model, as DTensors (DCP).
     """
 
     def __init__(self, model: torch.nn.Module, traced: TracedModel, split: torch.fx.GraphModule, plan: Plan,
-                 stage_index: int, groups: tuple[str, ...], coordinate: tuple[int, ...], line: dist.ProcessGroup):
+                 stage_index: int, groups: tuple[str, ...], coordinate: tuple[int, ...], line: dist.ProcessGroup,
+                 init: SeededInit | FromCheckpoint | None = None):
         stages = plan.pipeline
         # Offloading is not combined with pipelines yet: no offloader.
         super().__init__(model, traced, split, plan, groups, coordinate, tuple(stages.stage_mesh),
@@ -192,7 +208,7 @@ class PipelineParallelModule(ShardedModule):
         self._line = line
         self._loss_position, loss_node = loss_output(traced)
         self._param_canonicals = {traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
-        tensors = self._hold_tensors(model_tensors(model), split)
+        tensors = self._hold_tensors(model, split, init)
         users = [gi.name for gi in traced.inputs if gi.kind == "user"]
         # The schedule takes the user inputs as keyword arguments, which must not meet its own
         # (target, losses, ...): they go under neutral keys.
@@ -201,12 +217,14 @@ class PipelineParallelModule(ShardedModule):
         self._loss_dtype = loss_node.meta["val"].dtype
         self._schedule = self._make_schedule(split, loss_node, tensors)
 
-    def _hold_tensors(self, full: dict[str, torch.Tensor], split: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    def _hold_tensors(self, model: torch.nn.Module, split: torch.fx.GraphModule, init) -> dict[str, torch.Tensor]:
         """Attach this stage's shards to ``self.module``; return placeholder name → tensor.
 
         A stage holds the parameters and buffers its submodule reads; a tensor read by several
-        stages (tied embeddings) is held by each (``self._holders``: canonical FQN → stages)."""
+        stages (tied embeddings) is held by each (``self._holders``: canonical FQN → stages).
+        The shards come from ``init``, or are cut from ``model``'s tensors."""
         traced = self._traced
+        full = model_tensors(model)
         readers: dict[str, set[int]] = {}
         for index in range(self._num_model_stages):
             for name in stage_io(split, index)[0]:
@@ -219,6 +237,7 @@ class PipelineParallelModule(ShardedModule):
         for holders in self._holders.values():
             if not holders:
                 holders.add(0)  # read by no stage: the first stage keeps it, for full_state_dict
+        initial = self._initial_shards(model, init)
         tensors: dict[str, torch.Tensor] = {}
         made: dict[str, torch.Tensor] = {}
         # Stored in the placeholder's dtype: the model's own, or a precision policy's master dtype.
@@ -234,7 +253,8 @@ class PipelineParallelModule(ShardedModule):
             if self._stage_index not in self._holders[canonical]:
                 continue
             if canonical not in made:
-                local = self._cut(gi.fqn, full[gi.fqn]).to(dtypes.get(gi.name, full[gi.fqn].dtype), copy=True)
+                source = initial[gi.fqn] if initial is not None else self._cut(gi.fqn, full[gi.fqn])
+                local = source.to(dtypes.get(gi.name, full[gi.fqn].dtype), copy=True)
                 if gi.kind == "param":
                     made[canonical] = torch.nn.Parameter(local, requires_grad=full[gi.fqn].requires_grad)
                 else:
@@ -242,6 +262,18 @@ class PipelineParallelModule(ShardedModule):
             attach(self.module, gi.fqn, made[canonical], gi.kind)
             tensors[gi.name] = made[canonical]
         return tensors
+
+    def _initial_shards(self, model: torch.nn.Module, init) -> dict[str, torch.Tensor] | None:
+        """FQN → this rank's shard of each tensor its stages hold, made by ``init`` (None: cut
+        them from the model). ``SeededInit`` still runs every module's init, in order, so each
+        stage gets its shards of the same numbers as ``init.apply`` on the whole model."""
+        if init is None:
+            return None
+        specs = {gi.fqn: self._plan.params[gi.fqn] for gi in self._traced.inputs if gi.kind in ("param", "buffer")
+                 and self._stage_index in self._holders[self._traced.ties.get(gi.fqn, gi.fqn)]}
+        if isinstance(init, SeededInit):
+            return seeded_shards(model, init, specs, self._coordinate, self._mesh_shape)
+        return empty_shards(model, specs, self._mesh_shape, init.device)  # FromCheckpoint: load fills them
 
     def _make_schedule(self, split: torch.fx.GraphModule, loss_node: torch.fx.Node, tensors: dict[str, torch.Tensor]):
         """This rank's stage modules (one per model stage its group runs), their ``PipelineStage``s
@@ -409,24 +441,66 @@ class PipelineParallelModule(ShardedModule):
         dist.broadcast(full, group=self._line, group_src=owner)
         return full
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        raise NotImplementedError(
-            "checkpointing a pipelined module (torch.distributed.checkpoint) is not supported yet: "
-            "save pm.full_state_dict() instead"
-        )
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    @property
+    def device_mesh(self) -> Any:
+        """A ``DeviceMesh`` over this rank's stage mesh (its stage's ranks, autopar's groups)."""
+        if self._device_mesh is None:
+            ranks = stage_ranks(self._plan.mesh_shape, self._num_stages)[self._stage_index]
+            self._device_mesh = device_mesh(self._mesh_shape, self._groups, list(ranks))
+        return self._device_mesh
+
+    def _holds(self, fqn: str) -> bool:
+        return self._stage_index in self._holders.get(self._traced.ties.get(fqn, fqn), ())
+
+    def local_state_keys(self) -> list[str]:
+        """The ``state_dict()`` names this rank's stages hold (a tied name where either is held)."""
+        return [fqn for fqn in self._state_keys if self._holds(fqn)]
+
+    def whole_param_names(self, groups: list[list[str]]) -> list[list[str]]:
+        """Each optimizer param group's FQNs over the whole model: the union of every rank's
+        group (one all-gather over the world), in the order of the model's parameters (that of
+        ``pm.parameters()`` on a module without a pipeline)."""
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [list(names) for names in groups])
+        counts = sorted({len(rank_groups) for rank_groups in gathered})
+        if len(counts) > 1:
+            raise ValueError(
+                f"the optimizers of the pipeline's ranks have different numbers of param groups ({counts}): build "
+                "each rank's optimizer with the same groups (a group may be empty on a stage that holds none of it)"
+            )
+        order = {self._traced.ties.get(gi.fqn, gi.fqn): i for i, gi in enumerate(self._traced.inputs)}
+        return [sorted({name for rank_groups in gathered for name in rank_groups[index]},
+                       key=lambda name: order.get(self._traced.ties.get(name, name), len(order)))
+                for index in range(len(groups))]
+
+    def local_params_of(self, names: list[str]) -> list[str]:
+        """Of a param group's FQNs over the whole model, those this rank's stages hold."""
+        return [name for name in names if self._holds(name)]
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """The model's ``state_dict()`` names this rank's stages hold, each a DTensor over the
+        stage mesh sharing the shard: the part DCP (``dcp.save`` / ``dcp.load``, or
+        ``autopar.checkpoint``) puts together with the other ranks' into the whole model."""
+        out = model_state_dict(self)
+        if destination is None:
+            return out if not prefix else {prefix + k: v for k, v in out.items()}
+        for key, value in out.items():
+            destination[prefix + key] = value
+        return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False) -> Any:
-        """Copy whole tensors (a plain ``state_dict()``) into this rank's shards."""
+        """Copy whole tensors (a plain ``state_dict()``) or DTensors on ``device_mesh`` (a filled
+        ``pm.state_dict()``) into this rank's shards; ``strict`` asks for every name of the model."""
         if assign:
             raise ValueError("load_state_dict copies into the shards; assign=True is not supported")
-        missing = [k for k in self._state_keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in self._state_keys]
+        part = isinstance(next(iter(state_dict.values()), None), DTensor)  # this rank's part only
+        missing = [k for k in self._state_keys if k not in state_dict and (self._holds(k) or not part)]
+        unexpected = [k for k in state_dict if k not in set(self._state_keys)]
         if strict and (missing or unexpected):
             raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
-        with torch.no_grad():
-            for fqn in self._state_keys:
-                if fqn in state_dict and has(self.module, fqn):
-                    lookup(self.module, fqn).copy_(self._cut(fqn, state_dict[fqn]))
+        load_model_state_dict(self, state_dict, strict=False)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
