@@ -4,7 +4,7 @@
                  [--memory-budget 70GiB] [--offload auto] [--batch-size N] [--seq-len N] [--num-layers N] [--meta]
                  [--out plan.json] [--json]
     autopar show plan.json [--all] [--json] [--html report.html]
-    autopar explain plan.json NODE_OR_PARAM [--json]
+    autopar explain plan.json [NODE_OR_PARAM] [--json]
     autopar diff a.json b.json [--json]
     autopar check plan.json [--model MODEL_SPEC] [--rank R] [--numerics] [--json]
     (every command also takes --verbose: the solver's log on stderr, and --debug: tracebacks)
@@ -391,9 +391,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from autopar.ir.plan import Plan
 
     plan = Plan.load(args.plan)
+    if plan.pipeline is not None and args.node in (None, "pipeline"):
+        from autopar.report.pipeline_explain import explain_pipeline_json, explain_pipeline_text
+        print(json.dumps(explain_pipeline_json(plan), separators=(",", ":")) if args.json else explain_pipeline_text(plan))
+        return 0
+    if args.node is None:
+        raise CliError(f"{args.plan} is not pipelined: name a node or a parameter FQN to explain")
     if not plan.decisions and plan.pipeline is not None:
         raise CliError(f"{args.plan} is a pipelined plan, whose stages take their choices from several "
-                       "candidate plans, and it records no explanations yet: plan the same model on the "
+                       "candidate plans, and it records no explanations of single nodes yet: `autopar explain "
+                       f"{args.plan}` explains its schedule, stages and microbatches; plan the same model on the "
                        "stage mesh without --pipeline to explain the intra-stage choices")
     if not plan.decisions:
         raise CliError(f"{args.plan} holds no decisions to explain (it was written by an autopar "
@@ -556,9 +563,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all", action="store_true", help="list every parameter and operator after the grouped view")
     s.set_defaults(func=cmd_show)
 
-    e = sub.add_parser("explain", parents=[common], help="why the plan chose a node's or a parameter's sharding")
+    e = sub.add_parser("explain", parents=[common], help="why the plan chose a node's or a parameter's sharding, "
+                                                         "or a pipelined plan's schedule")
     e.add_argument("plan", help="plan JSON file")
-    e.add_argument("node", metavar="NODE_OR_PARAM", help="a node name or a parameter FQN")
+    e.add_argument("node", metavar="NODE_OR_PARAM", nargs="?",
+                   help="a node name or a parameter FQN; for a pipelined plan, leave out (or 'pipeline') to explain "
+                        "its schedule, stages, microbatches and bubble")
     e.add_argument("--json", action="store_true", help="print the decision as JSON")
     e.set_defaults(func=cmd_explain)
 

@@ -1,0 +1,42 @@
+"""``autopar explain plan.json`` on a pipelined plan: its schedule, stages, microbatches and bubble."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plans") / "gpt_pp.json"
+    assert main(["plan", "gpt", "--mesh", "4", "--pipeline", "2", "--num-microbatches", "4", "--cluster", "cpu",
+                 "--out", str(path)]) == 0
+    return path
+
+
+def test_explain_a_pipelined_plan(capsys, pipelined):
+    capsys.readouterr()
+    assert main(["explain", str(pipelined)]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(pipelined.read_text())["pipeline"]
+    assert out.startswith("explain pipeline  mesh=(4,)")
+    assert "schedule 1F1B: 2 rank groups" in out and "stage mesh (2,)" in out and "4 microbatches per step" in out
+    assert f"bubble {plan['bubble_fraction']:.1%}" in out and "warm-up and drain" in out
+    assert "with 8 microbatches" in out, "1F1B's bubble shrinks with more microbatches: say by how much"
+    assert f"why: {plan['reason']}" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert [row[:2] for row in rows] == [["0", "0"], ["1", "1"]] and [row[-1] for row in rows] == ["no", "no"]
+
+    assert main(["explain", str(pipelined), "pipeline", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["schedule"] == "1F1B" and record["num_microbatches"] == 4 and record["rank_groups"] == 2
+    assert record["bubble_with_twice_the_microbatches"] < record["bubble_fraction"]
+    assert [s["ranks"] for s in record["stages"]] == [[0, 1], [2, 3]]
+
+
+def test_explain_a_node_of_a_pipelined_plan_points_to_the_pipeline(capsys, pipelined):
+    assert main(["explain", str(pipelined), "embedding"]) != 0
+    assert f"`autopar explain {pipelined}` explains its schedule" in capsys.readouterr().err
