@@ -24,7 +24,9 @@ A call. ``pm(*batch)`` runs one whole training step under ``torch.distributed.pi
 ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble``): the forward and backward of every
 microbatch. Autograd cannot span the schedule, which runs the backward itself, so the gradients
 are held back: the call returns the model's outputs with the loss (whole-batch mean, the mean of
-the microbatch means, broadcast from the stage that computes it to every rank) in place and
+the microbatch means, each weighted by its count of targets where the loss is a cross entropy
+that ignores some: ``autopar.runtime.microbatch_loss``; broadcast from the stage that computes
+it to every rank) in place and
 None for every other output, the loss a tensor whose
 ``backward()`` adds the held gradients, times the incoming gradient, into ``.grad``. So
 ``loss = pm(*batch); loss.backward(); opt.step()`` works as with the model itself: a call whose
@@ -69,6 +71,7 @@ from autopar.ir.spec import local_shape
 from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict, model_state_dict
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, empty_shards, seeded_shards
+from autopar.runtime.microbatch_loss import label_counts
 from autopar.runtime.module import world_timeout
 from autopar.trace import TracedModel, requires_grad
 
@@ -93,9 +96,10 @@ def pipeline_groups(mesh_shape: tuple[int, ...], num_stages: int):
     return position[0], tuple(names), tuple(position[1:]), line
 
 
-def _microbatch_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
-    """The last stage already returns the microbatch's loss."""
-    return output
+def _microbatch_loss(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The last stage returns the microbatch's loss; the schedule's "target" is its weight (1, or
+    by its count of targets: ``autopar.runtime.microbatch_loss``)."""
+    return output * weight.reshape(()).to(output.dtype)
 
 
 class _StageModule(torch.nn.Module):
@@ -215,6 +219,7 @@ class PipelineParallelModule(ShardedModule):
         self._user_keys = {f"input_{i}": name for i, name in enumerate(users)}
         self._device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
         self._loss_dtype = loss_node.meta["val"].dtype
+        self._label_counts = label_counts(traced, loss_node)  # refuses a loss summed over its targets
         self._schedule = self._make_schedule(split, loss_node, tensors)
 
     def _hold_tensors(self, model: torch.nn.Module, split: torch.fx.GraphModule, init) -> dict[str, torch.Tensor]:
@@ -346,10 +351,14 @@ class PipelineParallelModule(ShardedModule):
                 "pm.train() (under torch.no_grad() it runs forward only), or evaluate with a module compiled without "
                 "a pipeline (pipeline='off')"
             )
-        user = dict(zip(self._user_keys, self._user_inputs(args, kwargs)))
+        flat = self._user_inputs(args, kwargs)
+        user = dict(zip(self._user_keys, flat))
         params = [p for p in self._stages.parameters() if p.requires_grad]
         train = torch.is_grad_enabled() and bool(params)
-        target = torch.zeros(self._num_microbatches) if self._holds_loss else None
+        M = self._num_microbatches
+        # Each microbatch's loss weight (every rank computes them, so that a refusal is everyone's).
+        weights = self._label_counts.weights(flat, M) if self._label_counts is not None else [1.0] * M
+        target = torch.tensor(weights, dtype=torch.float64) if self._holds_loss else None
         losses: list[torch.Tensor] = []
         if not train and self._plan.pipeline.schedule == "ZBV" and params:
             # torch's ZBV has no forward-only mode (its action list splits every backward): run the

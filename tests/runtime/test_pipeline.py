@@ -276,6 +276,19 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
     except ValueError as error:
         errors["contradicts"] = str(error)
     results["errors"] = errors
+    # Targets of -100 spread unevenly over the two microbatches: each microbatch's loss is weighted
+    # by its count of targets, as eager's whole-batch mean counts them; none in a microbatch is refused.
+    idx, targets = example_batch("gpt", BATCH, seed=3)
+    targets[BATCH // 2:, 4:] = -100
+    model = _gpt()
+    pm = autopar.compile(copy.deepcopy(model), (2, 2), example_inputs=(idx, targets), plan=plan)
+    results["ignored"] = step_against_eager(pm, model, (idx, targets))
+    targets[BATCH // 2:] = -100
+    try:
+        pm(idx, targets)
+        results["ignored"]["empty"] = "ran"
+    except ValueError as error:
+        results["ignored"]["empty"] = str(error)
     # A meta-built GPT, seeded per stage: each stage holds its shards of init.apply's numbers.
     init = autopar.SeededInit(3, fn=GPT._init_weights)
     with torch.device("meta"):
@@ -326,6 +339,11 @@ def test_pipelines_match_eager(rank_pool):
         skip = by_label.pop("skip")
         errors = by_label.pop("errors")
         assert "contradicts the plan, which has 2 stages and 2 microbatches" in errors["contradicts"], errors
+        ignored = by_label.pop("ignored")
+        assert math.isclose(*ignored["loss"], rel_tol=TOL), f"rank {rank}: uneven -100 targets, loss {ignored['loss']}"
+        worst = max(ignored["grad_rel"], key=ignored["grad_rel"].get)
+        assert ignored["grad_rel"][worst] < TOL, f"rank {rank}: uneven -100 targets, {worst} off by {ignored['grad_rel'][worst]:.2e}"
+        assert "microbatch 1 of this step holds no target" in ignored["empty"], ignored["empty"]
         seeded = by_label.pop("seeded")
         assert seeded and all(seeded.values()), f"rank {rank}: seeded stages differ from SeededInit.apply: {seeded}"
         assert math.isclose(*skip["loss"], rel_tol=TOL), f"rank {rank} skip: loss {skip['loss']}"
