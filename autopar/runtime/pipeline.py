@@ -479,7 +479,9 @@ class PipelineParallelModule(ShardedModule):
                 f"the optimizers of the pipeline's ranks have different numbers of param groups ({counts}): build "
                 "each rank's optimizer with the same groups (a group may be empty on a stage that holds none of it)"
             )
-        order = {self._traced.ties.get(gi.fqn, gi.fqn): i for i, gi in enumerate(self._traced.inputs)}
+        order: dict[str, int] = {}  # a tied parameter at its first name's place, as pm.parameters() has it
+        for gi in self._traced.inputs:
+            order.setdefault(self._traced.ties.get(gi.fqn, gi.fqn), len(order))
         return [sorted({name for rank_groups in gathered for name in rank_groups[index]},
                        key=lambda name: order.get(self._traced.ties.get(name, name), len(order)))
                 for index in range(len(groups))]

@@ -227,7 +227,8 @@ def _mlp_plans() -> dict[str, str]:
     return {"one": one.to_json(), "auto": auto.to_json()}
 
 
-def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict[str, str]) -> dict:
+def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict[str, str], flat_text: str,
+                   path: str) -> dict:
     torch.manual_seed(0)
     results = {}
     for label, text in plans.items():
@@ -296,6 +297,24 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
     seeded = autopar.compile(meta, (2, 2), example_inputs=example_batch("gpt", BATCH, seed=1), plan=plan, init=init)
     want = init.apply(_gpt()).state_dict()
     results["seeded"] = {k: torch.equal(v, want[k]) for k, v in seeded.full_state_dict().items()}
+    # Its DCP checkpoint (embedding and head tied, held by both stages) resumed under FSDP on (4,).
+    batch, after = example_batch("gpt", BATCH, seed=1), example_batch("gpt", BATCH, seed=2)
+    modules = {"pipeline": (seeded, torch.optim.AdamW(seeded.parameters(), lr=1e-2))}
+    seeded(*batch).backward()
+    modules["pipeline"][1].step()
+    autopar.checkpoint.save(path, seeded, modules["pipeline"][1])
+    flat = autopar.compile(_gpt(), (4,), example_inputs=batch, plan=autopar.Plan.from_json(flat_text))
+    modules["flat"] = (flat, torch.optim.AdamW(flat.parameters(), lr=1.0))
+    autopar.checkpoint.load(path, flat, modules["flat"][1])
+    tied = {"loaded": max_rel_diff(flat.full_state_dict(), seeded.full_state_dict())}
+    for label, (module, opt) in modules.items():  # one more step each: the optimizer state came along
+        opt.zero_grad()
+        tied[f"{label}_loss"] = module(*after)
+        tied[f"{label}_loss"].backward()
+        tied[f"{label}_loss"] = tied[f"{label}_loss"].item()
+        opt.step()
+    tied["stepped"] = max_rel_diff(flat.full_state_dict(), seeded.full_state_dict())
+    results["tied"] = tied
     # Plans of the stage planner's own choosing: "auto" under a budget one stage cannot meet,
     # and one stage (M microbatches in turn) on a stage mesh of four ranks, where the loss is
     # all-reduced after the traced loss node.
@@ -323,12 +342,13 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
 
 
 @pytest.mark.multiproc
-def test_pipelines_match_eager(rank_pool):
+def test_pipelines_match_eager(rank_pool, tmp_path):
     plans = {
         label: _plan(mesh, stages, microbatches, _tight_budget() if mesh[1] > 1 else None).to_json()
         for label, (mesh, stages, microbatches) in RUNS.items()
     }
-    results = rank_pool(4).run(_run_pipelines, plans, _mlp_plans(), timeout_s=400)
+    flat = autopar.hand_plan("fsdp", _gpt(), (4,), example_inputs=example_batch("gpt", BATCH, seed=1), cluster="cpu")
+    results = rank_pool(4).run(_run_pipelines, plans, _mlp_plans(), flat.to_json(), str(tmp_path / "ckpt"), timeout_s=400)
     for rank, by_label in enumerate(results):
         mlp = {label: by_label.pop(f"mlp_{label}") for label in ("one", "auto")}
         assert mlp["one"]["stages"] == 1 and mlp["auto"]["stages"] >= 2, "the budget leaves one stage infeasible"
@@ -346,6 +366,10 @@ def test_pipelines_match_eager(rank_pool):
         assert "microbatch 1 of this step holds no target" in ignored["empty"], ignored["empty"]
         seeded = by_label.pop("seeded")
         assert seeded and all(seeded.values()), f"rank {rank}: seeded stages differ from SeededInit.apply: {seeded}"
+        tied = by_label.pop("tied")
+        assert max(tied["loaded"].values()) == 0, f"rank {rank}: the pipeline's checkpoint loaded on (4,): {tied['loaded']}"
+        assert math.isclose(tied["pipeline_loss"], tied["flat_loss"], rel_tol=TOL), tied
+        assert max(tied["stepped"].values()) < TOL, f"rank {rank}: a step after resuming: {tied['stepped']}"
         assert math.isclose(*skip["loss"], rel_tol=TOL), f"rank {rank} skip: loss {skip['loss']}"
         worst = max(skip["grad_rel"], key=skip["grad_rel"].get)
         assert skip["grad_rel"][worst] < TOL, f"rank {rank} skip: gradient of {worst} off by {skip['grad_rel'][worst]:.2e}"
