@@ -21,7 +21,7 @@ from autopar.runtime import checkpoint
 from autopar.ops import collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster, local_cluster, resolve_budget
 from autopar.errors import AutoparError, InfeasibleError, MeshError, PlanError
-from autopar.runtime.materialize import FromCheckpoint, SeededInit, empty_shards, has_meta_tensors, seeded_shards
+from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, has_meta_tensors, seeded_shards
 from autopar.solver.planners.hand_plans import resolve_kind, solve_hand_plan
 from autopar.solver.planners.mesh_search import search_mesh
 from autopar.passes import check_plan_matches, default_passes, run_passes
@@ -515,7 +515,7 @@ def _initial_shards(model: torch.nn.Module, init, chosen: Plan, coordinate: tupl
     if isinstance(init, SeededInit):
         return seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
     if isinstance(init, FromCheckpoint):  # filled by checkpoint.load once the module exists
-        return empty_shards(model, chosen.params, mesh_shape, init.device)
+        return checkpoint_shards(model, init, chosen.params, coordinate, mesh_shape)
     return None
 
 

@@ -30,9 +30,12 @@ Each rank then materializes only its own shards, in one of two ways (``compile(i
     naming it (a parameter of a custom module without ``reset_parameters``: pass ``fn``).
     Integer buffers are not checked.
 
-``FromCheckpoint(path)``
+``FromCheckpoint(path, unsaved=None)``
     Allocates each rank's shards empty and reads them from a checkpoint written by
-    ``autopar.checkpoint.save`` (any mesh, any plan). Holds only this rank's shards.
+    ``autopar.checkpoint.save`` (any mesh, any plan). Holds only this rank's shards. A checkpoint
+    holds the model's ``state_dict()``, which leaves out non-persistent buffers (a Hugging Face
+    model's RoPE ``inv_freq``): ``unsaved=SeededInit(...)`` makes those, as it would; without it,
+    a model that reads such a buffer is refused, naming it (its values would be uninitialized).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ import torch
 from autopar.ir.spec import Spec, local_shape, shard_tensor
 from autopar.trace.fake import apply_order, own_tensors, fake_tensors, has_meta_tensors
 
-__all__ = ["SeededInit", "FromCheckpoint", "has_meta_tensors", "fake_tensors", "seeded_shards", "empty_shards"]
+__all__ = ["SeededInit", "FromCheckpoint", "has_meta_tensors", "fake_tensors", "seeded_shards", "empty_shards",
+           "checkpoint_shards"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,11 @@ class FromCheckpoint:
 
     path: str | os.PathLike
     device: str = "cpu"
+    unsaved: SeededInit | None = None  # makes the tensors a checkpoint does not hold (non-persistent buffers)
+
+    def __post_init__(self) -> None:
+        if self.unsaved is not None and not isinstance(self.unsaved, SeededInit):
+            raise TypeError(f"FromCheckpoint.unsaved must be an autopar.SeededInit, got {self.unsaved!r}")
 
 
 def empty_shards(model: torch.nn.Module, specs: Mapping[str, Spec], mesh_shape: tuple[int, ...],
@@ -98,6 +107,25 @@ def empty_shards(model: torch.nn.Module, specs: Mapping[str, Spec], mesh_shape: 
         fqn: torch.empty(local_shape(tuple(named[fqn].shape), spec, mesh_shape), dtype=named[fqn].dtype, device=device)
         for fqn, spec in specs.items() if fqn in named
     }
+
+
+def checkpoint_shards(model: torch.nn.Module, init: FromCheckpoint, specs: Mapping[str, Spec],
+                      coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """FQN → this rank's shard of each tensor in ``specs``, for ``autopar.checkpoint.load`` to fill:
+    empty, except the tensors no checkpoint holds (non-persistent buffers), made by ``init.unsaved``."""
+    shards = empty_shards(model, specs, mesh_shape, init.device)
+    saved = set(model.state_dict(keep_vars=True))
+    unsaved = {fqn: spec for fqn, spec in specs.items() if fqn not in saved}
+    if unsaved and init.unsaved is None:
+        names = ", ".join(sorted(unsaved)[:4]) + (f" and {len(unsaved) - 4} more" if len(unsaved) > 4 else "")
+        raise ValueError(
+            f"{type(model).__name__} reads buffers that no checkpoint holds (non-persistent: {names}), so "
+            "FromCheckpoint would leave them uninitialized: pass FromCheckpoint(path, unsaved=autopar.SeededInit(seed, "
+            "fn=...)) to make them as that init does (for a Hugging Face model, fn=model._init_weights)"
+        )
+    if unsaved:
+        shards.update(seeded_shards(model, init.unsaved, unsaved, coordinate, mesh_shape))
+    return shards
 
 
 @torch.no_grad()

@@ -70,7 +70,7 @@ from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
 from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict, model_state_dict
-from autopar.runtime.materialize import FromCheckpoint, SeededInit, empty_shards, seeded_shards
+from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
 from autopar.runtime.microbatch_loss import label_counts
 from autopar.runtime.module import world_timeout
 from autopar.trace import TracedModel, requires_grad
@@ -278,7 +278,7 @@ class PipelineParallelModule(ShardedModule):
                  and self._stage_index in self._holders[self._traced.ties.get(gi.fqn, gi.fqn)]}
         if isinstance(init, SeededInit):
             return seeded_shards(model, init, specs, self._coordinate, self._mesh_shape)
-        return empty_shards(model, specs, self._mesh_shape, init.device)  # FromCheckpoint: load fills them
+        return checkpoint_shards(model, init, specs, self._coordinate, self._mesh_shape)  # load fills them
 
     def _make_schedule(self, split: torch.fx.GraphModule, loss_node: torch.fx.Node, tensors: dict[str, torch.Tensor]):
         """This rank's stage modules (one per model stage its group runs), their ``PipelineStage``s
@@ -449,6 +449,14 @@ class PipelineParallelModule(ShardedModule):
             full = torch.empty(self._full_shapes[fqn], dtype=self._full_dtypes[fqn], device=self._device)
         dist.broadcast(full, group=self._line, group_src=owner)
         return full
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's stages' parameters under the model's own names (as ``state_dict()``)."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's stages' buffers under the model's own names."""
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     # -- checkpoints ------------------------------------------------------------------------------
 

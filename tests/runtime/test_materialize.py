@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.runtime.materialize import SeededInit, seeded_shards
+from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
 from autopar.trace.fake import fake_tensors, has_meta_tensors
 from autopar.zoo.models import GPT, build_model, example_batch
 from autopar.ir.spec import R, S
@@ -109,3 +109,20 @@ def test_one_module_is_whole_at_a_time() -> None:
     for name, real, own in seen:
         # (A tied tensor also stays whole, unattached, until its last owner is done.)
         assert sorted(real) == sorted(own), f"while initializing a {name}, whole tensors {real}, its own {own}"
+
+
+def test_from_checkpoint_makes_the_buffers_no_checkpoint_holds() -> None:
+    """A Hugging Face LLaMA's RoPE frequencies are a non-persistent buffer: not in any checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    from tests.zoo.hf_models import llama
+
+    cpu, _ = llama(batch_size=2)
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(cpu.config)
+    specs = {"model.rotary_emb.inv_freq": (R,), "lm_head.weight": (S(0),)}
+    with pytest.raises(ValueError, match=r"non-persistent: model.rotary_emb.inv_freq\).*unsaved="):
+        checkpoint_shards(meta, FromCheckpoint("ckpt"), specs, (1,), (2,))
+    init = SeededInit(seed=0, fn=meta._init_weights)
+    shards = checkpoint_shards(meta, FromCheckpoint("ckpt", unsaved=init), specs, (1,), (2,))
+    assert torch.equal(shards["model.rotary_emb.inv_freq"], cpu.model.rotary_emb.inv_freq)
+    assert shards["lm_head.weight"].shape == (64, 32), "the checkpoint's tensors: allocated for load to fill"

@@ -106,7 +106,7 @@ def _train(rank: int, world: int, text: str, flat_text: str, back_text: str, pat
     eager = [_step(reference, opt_ref, step)[0] for step in range(STEPS, STEPS + RESUMED)]
 
     flat = autopar.compile(_meta_llama(), (4,), example_kwargs=kwargs, plan=autopar.Plan.from_json(flat_text),
-                           init=autopar.FromCheckpoint(path))
+                           init=autopar.FromCheckpoint(path, unsaved=init))
     flat_opt = torch.optim.AdamW(flat.parameters(), lr=0.1)  # the checkpoint's lr must win
     autopar.checkpoint.load(path, flat, flat_opt)
     loaded = {k: torch.equal(v, saved[k]) for k, v in flat.full_state_dict().items()}
@@ -116,7 +116,7 @@ def _train(rank: int, world: int, text: str, flat_text: str, back_text: str, pat
     # And back into another pipeline layout: two stages of stage mesh (2,), from mesh (4,)'s checkpoint.
     autopar.checkpoint.save(path + "_flat", flat, flat_opt)
     back = autopar.compile(_meta_llama(), (4,), example_kwargs=kwargs, plan=autopar.Plan.from_json(back_text),
-                           init=autopar.FromCheckpoint(path + "_flat"))
+                           init=autopar.FromCheckpoint(path + "_flat", unsaved=init))
     back_opt = torch.optim.AdamW(back.parameters(), lr=0.1)
     autopar.checkpoint.load(path + "_flat", back, back_opt)
     back_state = {k: torch.equal(v, flat.full_state_dict()[k]) for k, v in back.full_state_dict().items()}
