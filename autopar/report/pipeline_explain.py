@@ -26,24 +26,29 @@ _BUBBLE_TEXT = {
 }
 
 
+def _field(record: Any, name: str) -> Any:
+    """``name`` of the plan's predictions or solver record: a dict, or (issue #31) a frozen record."""
+    return record.get(name) if isinstance(record, dict) else getattr(record, name, None)
+
+
 def explain_pipeline_json(plan: "Plan") -> dict[str, Any]:
     """The pipeline's choice as a dict (``explain_pipeline_text`` prints it)."""
     stages = plan.pipeline
     assert stages is not None
-    recompute = list(plan.predicted.get("recompute", [False] * len(stages.stages)))
+    recompute = list(_field(plan.predicted, "recompute") or [False] * len(stages.stages))
     S, M = stages.num_stages, stages.num_microbatches
     out: dict[str, Any] = {
         "schedule": stages.schedule, "rank_groups": S, "virtual_stages": stages.virtual_stages,
         "model_stages": stages.num_model_stages, "num_microbatches": M, "stage_mesh": list(stages.stage_mesh),
         "step_time_s": stages.step_time_s, "bubble_fraction": stages.bubble_fraction,
         "bubble": _BUBBLE_TEXT.get(stages.schedule, ""), "reason": stages.reason,
-        "grad_sync_s": plan.predicted.get("grad_sync_s"),
+        "grad_sync_s": _field(plan.predicted, "grad_sync_s"),
         "stages": [{"index": s.index, "group": group_of(stages.schedule, S, s.index), "layers": list(s.layers),
                     "ranks": list(s.ranks), "time_s": s.time_s, "memory_bytes": s.memory_bytes,
                     "recompute": bool(recompute[s.index]) if s.index < len(recompute) else False}
                    for s in stages.stages],
         "checkpoint_segments": [seg.name for seg in plan.memory.checkpoint] if plan.memory is not None else [],
-        "memory_budget_bytes": plan.solver.get("memory_budget_bytes"),
+        "memory_budget_bytes": _field(plan.solver, "memory_budget_bytes"),
     }
     if stages.schedule in ("1F1B", "GPipe"):  # doubling the microbatches: a share, the same for halved times
         out["bubble_with_twice_the_microbatches"] = bubble_fraction([s.time_s for s in stages.stages], 2 * M)
