@@ -195,3 +195,52 @@ def test_collective_error_blames_a_closed_connection_not_a_timeout(one_rank_grou
     assert "restart the job" in message
     timeout = str(collectives._collective_error("all-reduce", "no-such-group", RuntimeError("Timed out")))
     assert "did not answer within the timeout" in timeout
+
+
+class _SummedLoss(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.linear(x), y, reduction="sum")
+
+
+def test_a_pipelined_summed_loss_names_the_mean(one_rank_group):
+    with pytest.raises(ValueError) as info:
+        autopar.compile(_SummedLoss(), (1,), example_inputs=(torch.randn(4, 8), torch.tensor([1, 2, 3, 4])),
+                        pipeline=1, num_microbatches=2, cluster="cpu")
+    message = str(info.value)
+    assert "reduction='sum'" in message and "num_items_in_batch" in message and "without a pipeline" in message
+
+
+def test_a_microbatch_without_targets_names_the_reorder(one_rank_group):
+    idx, targets = example_batch("gpt", 4)
+    pm = autopar.compile(build_model("gpt"), (1,), example_inputs=(idx, targets), pipeline=1, num_microbatches=2,
+                         cluster="cpu")
+    targets[2:] = -100
+    with pytest.raises(ValueError) as info:
+        pm(idx, targets)
+    message = str(info.value)
+    assert "microbatch 1 of this step holds no target other than ignore_index (-100)" in message
+    assert "reorder the batch's rows" in message and "fewer microbatches" in message
+
+
+class _ScaledBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8), persistent=False)
+
+    def forward(self, x):
+        return self.linear(x * self.scale).pow(2).mean()
+
+
+def test_from_checkpoint_of_a_model_with_unsaved_buffers_names_unsaved(one_rank_group, tmp_path):
+    with torch.device("meta"):
+        model = _ScaledBuffer()
+    with pytest.raises(ValueError) as info:
+        autopar.compile(model, (1,), example_inputs=(torch.randn(4, 8),), cluster="cpu",
+                        init=autopar.FromCheckpoint(tmp_path / "ckpt"))
+    message = str(info.value)
+    assert "non-persistent: scale" in message and "FromCheckpoint(path, unsaved=autopar.SeededInit(" in message
