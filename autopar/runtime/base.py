@@ -23,7 +23,7 @@ from autopar.ir.plan import Plan
 from autopar.ir.spec import Spec, is_sharded, is_strided, shard_tensor
 from autopar.ops import collectives
 from autopar.ops.params import local_of
-from autopar.runtime.checkpoint import device_mesh
+from autopar.runtime.checkpoint import device_mesh, model_state_dict
 from autopar.runtime.offload import grad_key, param_key
 from autopar.trace import TracedModel
 
@@ -215,6 +215,19 @@ class ShardedModule(torch.nn.Module):
     def state_dict_keys(self) -> list[str]:
         """The names of ``state_dict()``: those of the original model's ``state_dict()``."""
         return list(self._state_keys)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """The original model's ``state_dict()`` names (in a pipeline, those this rank's stages
+        hold), each a DTensor over ``device_mesh`` with the plan's placements that shares this
+        rank's shard (no copy). For ``torch.distributed.checkpoint``: ``dcp.save(pm.state_dict(),
+        checkpoint_id=path)``; ``sd = pm.state_dict(); dcp.load(sd, checkpoint_id=path)`` reads
+        into the shards (DCP puts a pipeline's parts together into the whole model)."""
+        out = model_state_dict(self)
+        if destination is None:
+            return out if not prefix else {prefix + k: v for k, v in out.items()}
+        for key, value in out.items():
+            destination[prefix + key] = value
+        return destination
 
     def local_state_keys(self) -> list[str]:
         """The names of ``state_dict()`` whose shards this rank holds: every one (a pipeline

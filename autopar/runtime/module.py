@@ -22,7 +22,7 @@ from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
 from autopar.runtime.data import agree_on_call
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
 from autopar.runtime.offload import param_key
-from autopar.runtime.checkpoint import model_state_dict, to_dtensor
+from autopar.runtime.checkpoint import to_dtensor
 from autopar.runtime.checkpoint import load_model_state_dict
 
 log = logging.getLogger("autopar")
@@ -211,18 +211,6 @@ class ParallelModule(ShardedModule):
         names leave out ``module.``, so each top-level name of the model is reached through
         ``self.module``."""
         return {name: "module" for name in self.module._modules}
-
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
-        """The original model's ``state_dict()`` names, each a DTensor over ``device_mesh``
-        with the plan's placements that shares this rank's shard (no copy). For
-        ``torch.distributed.checkpoint``: ``dcp.save(pm.state_dict(), checkpoint_id=path)``;
-        ``sd = pm.state_dict(); dcp.load(sd, checkpoint_id=path)`` reads into the shards."""
-        out = model_state_dict(self)
-        if destination is None:
-            return out if not prefix else {prefix + k: v for k, v in out.items()}
-        for key, value in out.items():
-            destination[prefix + key] = value
-        return destination
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Copy whole tensors (a plain ``state_dict()``) or DTensors on ``device_mesh`` (a filled

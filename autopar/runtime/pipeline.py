@@ -69,7 +69,7 @@ from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
 from autopar.runtime.base import ShardedModule, attach, model_tensors
-from autopar.runtime.checkpoint import device_mesh, load_model_state_dict, model_state_dict
+from autopar.runtime.checkpoint import device_mesh, load_model_state_dict
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
 from autopar.runtime.microbatch_loss import label_counts
 from autopar.runtime.module import world_timeout
@@ -497,17 +497,6 @@ class PipelineParallelModule(ShardedModule):
     def local_params_of(self, names: list[str]) -> list[str]:
         """Of a param group's FQNs over the whole model, those this rank's stages hold."""
         return [name for name in names if self._holds(name)]
-
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
-        """The model's ``state_dict()`` names this rank's stages hold, each a DTensor over the
-        stage mesh sharing the shard: the part DCP (``dcp.save`` / ``dcp.load``, or
-        ``autopar.checkpoint``) puts together with the other ranks' into the whole model."""
-        out = model_state_dict(self)
-        if destination is None:
-            return out if not prefix else {prefix + k: v for k, v in out.items()}
-        for key, value in out.items():
-            destination[prefix + key] = value
-        return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False) -> Any:
         """Copy whole tensors (a plain ``state_dict()``) or DTensors on ``device_mesh`` (a filled
