@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import threading
 import time
 from typing import Callable, TypeVar
 
@@ -179,6 +180,15 @@ def _collective_error(kind: str, group_name: str, error: BaseException) -> Colle
     )
 
 
+_before = threading.local()  # .hook: run once before this thread's next eager collective
+
+
+def before_next_collective(hook: Callable[[], None] | None) -> None:
+    """Run ``hook`` once, before the next eager collective of this thread (None: drop the one
+    set). ``runtime.data`` waits for a call's data check there, not before the call's compute."""
+    _before.hook = hook
+
+
 def _guarded(kind: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
     """Turn a failed collective into a CollectiveError that names the group and the dead rank.
     The wrapped function takes the group name as its last positional argument."""
@@ -188,6 +198,10 @@ def _guarded(kind: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
         def run(*args, **kwargs) -> _T:
             if torch.compiler.is_compiling():  # traced: the compiled graph runs the collective
                 return fn(*args, **kwargs)
+            hook = getattr(_before, "hook", None)
+            if hook is not None:
+                _before.hook = None
+                hook()
             try:
                 return fn(*args, **kwargs)
             except CollectiveError:

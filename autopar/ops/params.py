@@ -28,9 +28,16 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def as_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``local`` as a tensor of ``like``'s kind: a DTensor with ``like``'s mesh, placements and
-    whole shape (no copy, no communication) if ``like`` is one, else ``local`` itself."""
+    whole shape (no copy, no communication) if ``like`` is one, else ``local`` itself.
+
+    A gradient laid out as the parameter's shard shares the parameter's spec, made with DTensor's
+    own constructor as FSDP2 makes its gradients (``from_local`` builds a new spec through an
+    autograd function: about 45 us against 3, for every parameter at every step)."""
     if not isinstance(like, DTensor):
         return local
+    shard = like._local_tensor
+    if local.shape == shard.shape and local.stride() == shard.stride() and local.dtype == shard.dtype:
+        return DTensor(local, like._spec, requires_grad=False)
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
 

@@ -5,7 +5,10 @@ the ranks of one data-parallel rank must pass the same rows. A rank that passes 
 mix rows of different batches into one step without any error, so every call compares a
 fingerprint of each rank's inputs in one all-gather of a few numbers per rank (over the world,
 so that every rank sees every other's and all raise the same error, none waits). A call that one
-rank refuses (wrong arguments or shapes) is refused on every rank in the same exchange.
+rank refuses (wrong arguments or shapes) is refused on every rank in the same exchange. The
+gather runs while the call computes: each rank waits for it just before the call's first
+collective, or at the end of its forward (``start_check``), so it raises before any collective
+and before the call returns, and costs no sync point of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ _T = TypeVar("_T")
 # Per rank: its group (the data-parallel rank under per_rank data, else 0), refused (1) or not, the fingerprint.
 _FIELDS = 5
 _PRIME = 251  # position weights cycle through 1..251, so that reordered rows change the fingerprint
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13's name
 
 
 def fingerprint(leaves: list[Any], device: torch.device) -> torch.Tensor:
@@ -43,13 +47,19 @@ def fingerprint(leaves: list[Any], device: torch.device) -> torch.Tensor:
     return torch.stack([count, total, weighted])
 
 
-def agree_on_call(validate: Callable[[], _T], leaves: list[Any], layout: DataLayout, coordinate: tuple[int, ...],
-                  device: torch.device) -> _T:
-    """``validate()`` (the call's own checks, which return its flat inputs), then one all-gather
-    that tells every rank whether any rank refused the call or passed other data than the ranks
-    it must agree with. Raises the same kind of error on every rank."""
+def start_check(validate: Callable[[], _T], leaves: list[Any], layout: DataLayout, coordinate: tuple[int, ...],
+                device: torch.device) -> tuple[_T, Callable[[], None]]:
+    """``validate()`` (the call's own checks, which return its flat inputs) and the launch of one
+    all-gather that tells every rank whether any rank refused the call or passed other data than
+    the ranks it must agree with. Returns ``validate()``'s result and ``settle``, which waits for
+    the gather and raises the same kind of error on every rank (once; later calls do nothing).
+
+    The caller settles before the call's first collective and before it returns: until then the
+    rank computes while the gather runs, so the check adds no sync point of its own (a data-parallel
+    plan's forward has none before its loss). A rank that refuses waits for the gather and raises
+    at once; the others raise at their settle, before any collective that rank would not join."""
     if any(isinstance(leaf, torch.Tensor) and (leaf.is_meta or is_fake(leaf)) for leaf in leaves):
-        return validate()  # shapes only (``autopar check``'s fake world): no values to compare
+        return validate(), _nothing  # shapes only (``autopar check``'s fake world): no values to compare
     refusal: BaseException | None = None
     result: Any = None
     try:
@@ -59,14 +69,29 @@ def agree_on_call(validate: Callable[[], _T], leaves: list[Any], layout: DataLay
     group = layout.rank(coordinate) if layout.per_rank else 0  # the ranks that must pass the same data
     row = torch.cat([torch.tensor([group, float(refusal is not None)], dtype=torch.float64,
                                   device=device), fingerprint(leaves, device)])
-    rows = collectives.no_grad_all_gather(row.reshape(1, _FIELDS), 0, dist.group.WORLD.group_name)
+    gathered = torch.empty(dist.get_world_size() * _FIELDS, dtype=torch.float64, device=device)
+    work = collectives.call_on_world("all-gather (data check)", _all_gather_into, gathered, row,
+                                     async_op=True)
+    rows = gathered.view(-1, _FIELDS)  # row r: rank r's
     if refusal is not None:
+        collectives.call_on_world("all-gather (data check)", work.wait)
         raise refusal
-    refused = [rank for rank in range(rows.shape[0]) if rows[rank, 1] != 0]
-    if refused:
-        raise ValueError(f"ranks {refused} refused this call (see their errors); every rank stops here")
-    _check_same_data(rows, layout)
-    return result
+    pending = [work]
+
+    def settle() -> None:
+        if not pending:
+            return
+        collectives.call_on_world("all-gather (data check)", pending.pop().wait)
+        refused = [rank for rank in range(rows.shape[0]) if rows[rank, 1] != 0]
+        if refused:
+            raise ValueError(f"ranks {refused} refused this call (see their errors); every rank stops here")
+        _check_same_data(rows, layout)
+
+    return result, settle
+
+
+def _nothing() -> None:
+    pass
 
 
 def _check_same_data(rows: torch.Tensor, layout: DataLayout) -> None:

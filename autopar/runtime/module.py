@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -13,13 +13,14 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
+from autopar.ops import collectives
 from autopar.ops.params import LocalLeaf
 from autopar.passes.schedule import bind_parameters
 from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
-from autopar.runtime.data import agree_on_call
+from autopar.runtime.data import start_check
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
 from autopar.runtime.offload import param_key
 from autopar.runtime.checkpoint import to_dtensor
@@ -169,8 +170,19 @@ class ParallelModule(ShardedModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run = self._mode_graph()
         leaves = pytree.tree_leaves((args, kwargs))
-        flat = agree_on_call(lambda: self._user_inputs(args, kwargs), leaves, self._data, self._coordinate,
-                             self._check_device)
+        flat, settle = start_check(lambda: self._user_inputs(args, kwargs), leaves, self._data, self._coordinate,
+                                   self._check_device)
+        # The data check settles before the graph's first collective, or at the end (runtime.data).
+        collectives.before_next_collective(settle)
+        try:
+            outputs = self._run_graph(self._graph_values(run, flat), run, settle)
+        finally:  # also where the graph failed: other data is then the likelier cause, and is raised
+            collectives.before_next_collective(None)
+            settle()
+        return pytree.tree_unflatten(list(outputs), run.traced.out_spec)
+
+    def _graph_values(self, run: ModeGraph, flat: list[Any]) -> list[Any]:
+        """The graph's inputs in order: each parameter's local leaf, buffers, constants, the user's."""
         user = iter(flat)
         values = []
         for name, kind, fqn in run.inputs:
@@ -183,14 +195,15 @@ class ParallelModule(ShardedModule):
                 values.append(run.traced.constants[name])
             else:
                 values.append(next(user))
-        outputs = self._run_graph(values, run)
-        return pytree.tree_unflatten(list(outputs), run.traced.out_spec)
+        return values
 
-    def _run_graph(self, values: list[Any], run: ModeGraph) -> Any:
+    def _run_graph(self, values: list[Any], run: ModeGraph, settle: Callable[[], None]) -> Any:
         """The graph of ``run``'s mode on ``values``: inductor's compiled graph under
-        ``compiler="inductor"`` (the compiled mode's graph; the other mode's runs op by op), else op
-        by op, outside any user's ``torch.compile`` (``autopar.runtime.compiled``)."""
+        ``compiler="inductor"`` (the compiled mode's graph, whose collectives are its own: the data
+        check settles first; the other mode's runs op by op), else op by op, outside any user's
+        ``torch.compile`` (``autopar.runtime.compiled``)."""
         if self._compiled_graph is not None and run.attr == "graph_module":
+            settle()
             return self._compiled_graph(*values)
         if torch.compiler.is_compiling():
             warn_not_compiled()

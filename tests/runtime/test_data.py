@@ -1,11 +1,17 @@
-"""The ranks' agreement on each call's data (``autopar.runtime.data``), on rows made here."""
+"""The ranks' agreement on each call's data (``autopar.runtime.data``): on rows made here, and on two pooled gloo ranks."""
 
 from __future__ import annotations
 
+import tempfile
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 
+import autopar
 from autopar.ir.data import DataLayout
+from autopar.ops import collectives
 from autopar.runtime.data import _check_same_data, fingerprint
 
 
@@ -37,3 +43,80 @@ def test_per_rank_rows_agree_within_a_data_parallel_rank_only() -> None:
     _check_same_data(_rows([0, 0, 1, 1], [a, a, b, b]), layout)
     with pytest.raises(ValueError, match=r"ranks 2 and 3 have data-parallel rank 1.*DistributedSampler"):
         _check_same_data(_rows([0, 0, 1, 1], [a, a, b, a]), layout)
+
+
+class _Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _calls(rank: int, world_size: int, kind: str) -> dict:
+    """Under a plan whose forward has no collective before its loss (ddp) and one that gathers
+    parameters first (fsdp): other data and a refused call fail on every rank before the call
+    returns, in grad mode and under no_grad, and the module is unharmed for the next call."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+    model = _Regression()
+    plan = autopar.hand_plan(kind, model, (world_size,), example_inputs=(x, y), cluster="cpu")
+    pm = autopar.compile(model, (world_size,), example_inputs=(x, y), plan=plan)
+    first = pm(x, y)
+    first.backward()
+    out = {"mixed": _error(lambda: pm(x + (rank == 1), y)), "refused": _error(lambda: pm(x[:4] if rank else x, y))}
+    with torch.no_grad():
+        out["mixed_no_grad"] = _error(lambda: pm(x, y + (rank == 0)))
+    again = pm(x, y)
+    again.backward()
+    out["same_loss"] = again.item() == first.item()
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_other_data_or_a_refused_call_fails_on_every_rank_before_the_call_returns(rank_pool, kind) -> None:
+    results = rank_pool(2).run(_calls, kind, timeout_s=300)
+    for rank, out in enumerate(results):
+        assert "ranks 0 and 1 passed different batches" in out["mixed"], (rank, out["mixed"])
+        assert "ranks 0 and 1 passed different batches" in out["mixed_no_grad"], (rank, out["mixed_no_grad"])
+        assert out["same_loss"], f"rank {rank}: the call after the refused ones computed another loss"
+    assert "refused this call" not in results[1]["refused"] and results[1]["refused"] != "no error", results[1]
+    assert "ranks [1] refused this call" in results[0]["refused"], results[0]["refused"]
+
+
+@pytest.fixture
+def world_of_one():
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1,
+                                timeout=timedelta(seconds=60))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def test_the_check_is_awaited_once_before_the_next_collective_only(world_of_one) -> None:
+    calls = []
+    collectives.before_next_collective(lambda: calls.append("settled"))
+    group = dist.group.WORLD.group_name
+    collectives.no_grad_all_reduce(torch.ones(2), group)
+    collectives.no_grad_all_reduce(torch.ones(2), group)
+    assert calls == ["settled"]
+    collectives.before_next_collective(lambda: calls.append("dropped"))
+    collectives.before_next_collective(None)
+    collectives.no_grad_all_reduce(torch.ones(2), group)
+    assert calls == ["settled"]
