@@ -1,4 +1,4 @@
-"""The ranks agree on each call's data before any rank runs the graph.
+"""The ranks agree on each call's data before the call's first collective and before it returns.
 
 Under ``batch="whole"`` every rank must pass the same whole batch; under ``batch="per_rank"``
 the ranks of one data-parallel rank must pass the same rows. A rank that passes other data would
@@ -8,7 +8,8 @@ so that every rank sees every other's and all raise the same error, none waits).
 rank refuses (wrong arguments or shapes) is refused on every rank in the same exchange. The
 gather runs while the call computes: each rank waits for it just before the call's first
 collective, or at the end of its forward (``start_check``), so it raises before any collective
-and before the call returns, and costs no sync point of its own.
+and before the call returns, and a forward that computes before its first collective (a
+data-parallel plan's) finds it done.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def start_check(validate: Callable[[], _T], leaves: list[Any], layout: DataLayou
     gathered = torch.empty(dist.get_world_size() * _FIELDS, dtype=torch.float64, device=device)
     work = collectives.call_on_world("all-gather (data check)", _all_gather_into, gathered, row,
                                      async_op=True)
-    rows = gathered.view(-1, _FIELDS)  # row r: rank r's
+    rows = gathered.view(-1, _FIELDS)  # row r is rank r's
     if refusal is not None:
         collectives.call_on_world("all-gather (data check)", work.wait)
         raise refusal
