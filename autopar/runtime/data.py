@@ -18,6 +18,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch._subclasses.fake_tensor import is_fake
 
 from autopar.ir.data import DataLayout
@@ -77,18 +78,66 @@ def start_check(validate: Callable[[], _T], leaves: list[Any], layout: DataLayou
     if refusal is not None:
         collectives.call_on_world("all-gather (data check)", work.wait)
         raise refusal
-    pending = [work]
+    pending, rng = [work], _rng_state(device)
 
     def settle() -> None:
         if not pending:
             return
         collectives.call_on_world("all-gather (data check)", pending.pop().wait)
-        refused = [rank for rank in range(rows.shape[0]) if rows[rank, 1] != 0]
-        if refused:
-            raise ValueError(f"ranks {refused} refused this call (see their errors); every rank stops here")
-        _check_same_data(rows, layout)
+        try:
+            refused = [rank for rank in range(rows.shape[0]) if rows[rank, 1] != 0]
+            if refused:
+                raise ValueError(f"ranks {refused} refused this call (see their errors); every rank stops here")
+            _check_same_data(rows, layout)
+        except ValueError:  # a refusing rank ran nothing: every rank leaves with the state it came with
+            _set_rng_state(rng, device)
+            raise
 
     return result, settle
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The random generators a forward draws from (dropout): the CPU's, and ``device``'s."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+_UNMARKED_WRITES = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)
+
+
+def writes_state(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` writes one of its inputs in place (batch norm's running statistics and
+    counter): such a graph settles its data check before it runs, so that a refused call leaves
+    every rank's buffers as they were. Other graphs only read their inputs until they return."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target in _UNMARKED_WRITES and len(node.args) > 5 and node.args[5] is not False and node.args[3] is not None:
+            return True  # training with running statistics: written in place, unmarked in the schema
+        arguments = node.target._schema.arguments
+        values = list(zip(arguments, node.args)) + [(a, node.kwargs[a.name]) for a in arguments if a.name in node.kwargs]
+        for argument, value in values:
+            if argument.alias_info is not None and argument.alias_info.is_write and _reads_input(value):
+                return True
+    return False
+
+
+def _reads_input(value: Any) -> bool:
+    """Whether ``value`` is a graph input or a view of one."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function" and value.args:
+        target = value.target
+        if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+            return False
+        alias = target._schema.arguments[0].alias_info
+        if alias is None or alias.is_write:  # not a view of its first argument
+            return False
+        value = value.args[0]
+    return isinstance(value, torch.fx.Node) and value.op == "placeholder"
 
 
 def _nothing() -> None:

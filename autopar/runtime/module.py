@@ -20,7 +20,7 @@ from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
-from autopar.runtime.data import start_check
+from autopar.runtime.data import start_check, writes_state
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
 from autopar.runtime.offload import param_key
 from autopar.runtime.checkpoint import to_dtensor
@@ -70,6 +70,7 @@ class ParallelModule(ShardedModule):
         when it is first called (None: the module runs in the mode it was compiled in only)."""
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
         self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
+        self._writes_state: dict[str, bool] = {}  # per mode graph: whether it writes a buffer (runtime.data)
         self._build_mode = build_mode
         self._data = plan.data_layout
         if self._data.per_rank:  # a call passes this data-parallel rank's rows of each batched input
@@ -172,7 +173,10 @@ class ParallelModule(ShardedModule):
         leaves = pytree.tree_leaves((args, kwargs))
         flat, settle = start_check(lambda: self._user_inputs(args, kwargs), leaves, self._data, self._coordinate,
                                    self._check_device)
-        # The data check settles before the graph's first collective, or at the end (runtime.data).
+        # The data check settles before the graph's first collective, or at the end (runtime.data),
+        # or before the graph where it writes buffers in place.
+        if self._writes_state.setdefault(run.attr, writes_state(getattr(self, run.attr))):
+            settle()
         collectives.before_next_collective(settle)
         try:
             outputs = self._run_graph(self._graph_values(run, flat), run, settle)

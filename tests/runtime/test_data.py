@@ -12,7 +12,8 @@ import torch.distributed as dist
 import autopar
 from autopar.ir.data import DataLayout
 from autopar.ops import collectives
-from autopar.runtime.data import _check_same_data, fingerprint
+from autopar.runtime.data import _check_same_data, fingerprint, writes_state
+from autopar.trace import trace
 
 
 def _rows(groups: list[int], batches: list[torch.Tensor]) -> torch.Tensor:
@@ -51,7 +52,7 @@ class _Regression(torch.nn.Module):
         self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
 
     def forward(self, x, y):
-        return torch.nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
+        return torch.nn.functional.mse_loss(self.b(torch.dropout(torch.relu(self.a(x)), 0.5, self.training)), y)
 
 
 def _error(call) -> str:
@@ -72,11 +73,15 @@ def _calls(rank: int, world_size: int, kind: str) -> dict:
     model = _Regression()
     plan = autopar.hand_plan(kind, model, (world_size,), example_inputs=(x, y), cluster="cpu")
     pm = autopar.compile(model, (world_size,), example_inputs=(x, y), plan=plan)
+    torch.manual_seed(5)
     first = pm(x, y)
     first.backward()
+    rng = torch.get_rng_state()
     out = {"mixed": _error(lambda: pm(x + (rank == 1), y)), "refused": _error(lambda: pm(x[:4] if rank else x, y))}
     with torch.no_grad():
         out["mixed_no_grad"] = _error(lambda: pm(x, y + (rank == 0)))
+    out["same_rng"] = torch.equal(rng, torch.get_rng_state())  # the forward's dropout drew before the check failed
+    torch.manual_seed(5)
     again = pm(x, y)
     again.backward()
     out["same_loss"] = again.item() == first.item()
@@ -91,6 +96,7 @@ def test_other_data_or_a_refused_call_fails_on_every_rank_before_the_call_return
         assert "ranks 0 and 1 passed different batches" in out["mixed"], (rank, out["mixed"])
         assert "ranks 0 and 1 passed different batches" in out["mixed_no_grad"], (rank, out["mixed_no_grad"])
         assert out["same_loss"], f"rank {rank}: the call after the refused ones computed another loss"
+        assert out["same_rng"], f"rank {rank}: a refused call left the random generator drawn from"
     assert "refused this call" not in results[1]["refused"] and results[1]["refused"] != "no error", results[1]
     assert "ranks [1] refused this call" in results[0]["refused"], results[0]["refused"]
 
@@ -120,3 +126,21 @@ def test_the_check_is_awaited_once_before_the_next_collective_only(world_of_one)
     collectives.before_next_collective(None)
     collectives.no_grad_all_reduce(torch.ones(2), group)
     assert calls == ["settled"]
+
+
+class _Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(2))
+
+    def forward(self, x):
+        self.steps[0].add_(1)
+        return x.sum() + self.steps[1]
+
+
+def test_graphs_that_write_a_buffer_in_place_are_known() -> None:
+    x = torch.randn(3, 4)
+    assert writes_state(trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)), (x,)).gm)
+    assert writes_state(trace(_Counter(), (x,)).gm)
+    assert not writes_state(trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout()), (x,)).gm)
+    assert not writes_state(trace(torch.nn.Sequential(torch.nn.BatchNorm1d(4)).eval(), (x,)).gm)
