@@ -110,10 +110,14 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
 _UNMARKED_WRITES = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)
 
 
-def writes_state(gm: torch.fx.GraphModule) -> bool:
+def writes_state(gm: torch.nn.Module) -> bool:
     """Whether ``gm`` writes one of its inputs in place (batch norm's running statistics and
     counter): such a graph settles its data check before it runs, so that a refused call leaves
-    every rank's buffers as they were. Other graphs only read their inputs until they return."""
+    every rank's buffers as they were. Other graphs only read their inputs until they return.
+    A module that is not an fx graph (``autopar check``'s shape checker) cannot be read, so it
+    is taken to write."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        return True
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
