@@ -31,10 +31,10 @@ ring's algorithm bandwidth is ``busBw · nRanks / (2(nRanks-1))``.) Inside one n
 tree's latency equals the ring's and its bandwidth term is larger, so the ring always wins there;
 across many nodes the tree's log-depth latency wins up to large messages (the crossover grows
 with ``k``). NCCL's other refinements (per-size tree correction factors, the LL/LL128 protocols,
-a hierarchical ring latency) are left out. gloo's all-reduce (what ``ProcessGroupGloo``
-runs on CPU tensors) is a ring (gloo ``allreduce.cc``: an unspecified algorithm runs ``ring``), so
-gloo clusters keep the ring formula. ``bytes_sent`` counts the
-ring's volume for every all-reduce (the tree's, about 2·bytes, is priced in its time only).
+a hierarchical ring latency) are left out. gloo's all-reduce (what ``ProcessGroupGloo`` runs on
+CPU tensors) is a ring (gloo ``allreduce.cc``: an unspecified algorithm runs ``ring``), so gloo
+clusters keep the ring formula. ``bytes_sent`` counts the ring's volume for every all-reduce
+(the tree's, about 2·bytes, is priced in its time only).
 
 ``transition_cost`` prices exactly the steps of ``autopar.ir.spec.transition_steps``, so what is
 priced is what the collectives pass inserts. The backward of each step is its dual under the
