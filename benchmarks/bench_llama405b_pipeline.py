@@ -19,10 +19,10 @@ priced by the same machinery: 8 stages of stage mesh (8, 8), 32 microbatches (on
 data-parallel rank each), every stage recomputing, with 1F1B on 16/16/.../14 layers, and with
 interleaved 1F1B on equal chunks at the number of virtual stages that is best for it.
 
-The ring-latency check (``--rings``): the all-reduce price of ``autopar.cost.comm`` is a ring's,
-2(k − 1)·α + 2(k − 1)/k · bytes/β, whose latency term grows with the ring; NCCL switches to
-trees (about 2·log2(k)·α) for small messages on many ranks. The table sets both beside each
-other for the inter-node link.
+The ring-latency check (``--rings``): a ring all-reduce, 2(k − 1)·α + 2(k − 1)/k · bytes/β, has a
+latency term that grows with the ring; NCCL switches to trees (2·log2(k)·α across k nodes) for
+small messages on many ranks. The table sets both beside what ``autopar.cost.comm.all_reduce_s``
+prices (the cheaper of the two on an NCCL cluster) on the inter-node axis of (k, 8).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -39,6 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from autopar.cost import comm  # noqa: E402
 from autopar.cost.cluster import get_cluster  # noqa: E402
 from autopar.ir.options import precision_policy  # noqa: E402
 from autopar.solver.pricing import schedules  # noqa: E402
@@ -109,13 +109,15 @@ def ours(spec, microbatches: int) -> tuple[StageSearch, float]:
 
 
 def rings(spec) -> list[dict]:
-    link = spec.axis_link(MESH, 0)
     out = []
     for k in (8, 64, 128):
-        for size in (2**20, 25 * 2**20):
-            band = 2 * (k - 1) / k * size / link.bandwidth_bytes_per_s
-            out.append({"ranks": k, "mib": size // 2**20, "ring_ms": round((2 * (k - 1) * link.latency_s + band) * 1e3, 3),
-                        "tree_ms": round((2 * math.log2(k) * link.latency_s + band) * 1e3, 3)})
+        mesh = (k, 8)
+        link = spec.axis_link(mesh, 0)
+        for size in (2**20, 25 * 2**20, 1024 * 2**20):
+            ring = 2 * (k - 1) * link.latency_s + 2 * (k - 1) / k * size / link.bandwidth_bytes_per_s
+            tree = comm.tree_latency_s(0, mesh, spec) + 2 / comm.TREE_BANDWIDTH_FRACTION * size / link.bandwidth_bytes_per_s
+            out.append({"ranks": k, "mib": size // 2**20, "ring_ms": round(ring * 1e3, 3), "tree_ms": round(tree * 1e3, 3),
+                        "priced_ms": round(comm.all_reduce_s(size, 0, mesh, spec) * 1e3, 3)})
     return out
 
 

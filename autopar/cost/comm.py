@@ -1,4 +1,4 @@
-"""Communication cost: an alpha-beta model per mesh axis, with ring algorithms.
+"""Communication cost: an alpha-beta model per mesh axis, with ring (and tree) algorithms.
 
 On mesh axis ``axis`` a collective runs among ``k = mesh_shape[axis]`` ranks over the link that
 ``ClusterSpec.axis_link`` picks, with latency ``α`` (s) and bandwidth ``β`` (bytes/s). ``bytes``
@@ -8,13 +8,33 @@ every cost is 0.
 =====================  ===================================  ==================================
 collective             time (s)                             bytes each device sends
 =====================  ===================================  ==================================
-all-reduce             2(k-1)·α + 2(k-1)/k · bytes/β        2(k-1)/k · bytes
+all-reduce (ring)      2(k-1)·α + 2(k-1)/k · bytes/β        2(k-1)/k · bytes
 all-gather             (k-1)·α + (k-1)/k · bytes_out/β      (k-1)/k · bytes_out
 reduce-scatter         (k-1)·α + (k-1)/k · bytes_in/β       (k-1)/k · bytes_in
 all-to-all             (k-1)·α + (k-1)/k · bytes/β          (k-1)/k · bytes
 send/recv              α + bytes/β                          bytes (the sender)
 chunk (local slice)    0                                    0
 =====================  ===================================  ==================================
+
+**All-reduce picks the cheaper of ring and tree** on a cluster whose collectives run on NCCL (every
+cluster but a gloo one, ``ClusterSpec.gloo``), as NCCL's tuner does: it prices each algorithm for the
+message and runs the fastest (NCCL ``src/graph/tuning.cc``, ``ncclTopoTuneModel`` and
+``ncclTopoGetAlgoTime``; the tree is offered for all-reduce only, other collectives run on the ring).
+NCCL's tree is a chain through the group's ``p`` ranks in each node and a double binary tree across
+its ``m`` nodes, walked up (reduce) then down (broadcast), pipelined, at half the bus bandwidth::
+
+    tree all-reduce   2·((p-1)·α_intra + floor(log2 m)·α) + 2/0.9 · bytes/β
+
+(NCCL: latency ``2·((nRanks/nNodes-1)·intraLat + log2i(nNodes)·interLat)``, algorithm bandwidth
+``busBw · 0.5`` with the tree's bus bandwidth 0.9× the ring's, ``TREE_BANDWIDTH_FRACTION``; the
+ring's algorithm bandwidth is ``busBw · nRanks / (2(nRanks-1))``.) Inside one node (``m = 1``) the
+tree's latency equals the ring's and its bandwidth term is larger, so the ring always wins there;
+across many nodes the tree's log-depth latency wins up to large messages (the crossover grows
+with ``k``). NCCL's other refinements (per-size tree correction factors, the LL/LL128 protocols,
+a hierarchical ring latency) are left out. gloo's all-reduce (what ``ProcessGroupGloo`` runs on
+CPU tensors) is a ring (gloo ``allreduce.cc``: an unspecified algorithm runs ``ring``), so gloo
+clusters keep the ring formula. ``bytes_sent`` counts the ring's volume for every all-reduce
+(the tree's, about 2·bytes, is priced in its time only).
 
 ``transition_cost`` prices exactly the steps of ``autopar.ir.spec.transition_steps``, so what is
 priced is what the collectives pass inserts. The backward of each step is its dual under the
@@ -65,17 +85,61 @@ class CommCost:
 
 ZERO = CommCost(0.0, 0.0, 0.0)
 
+# A parameter gradient is reduced in a bucket with others (``ops.buckets``).
+DEFAULT_BUCKET_CAP_BYTES = CommOptions().bucket_cap_bytes
+# The bus bandwidth NCCL's tree reaches, as a fraction of the ring's (``tuning.cc``:
+# ``busBw = min(busBw * .9, maxTreeBw)``; .92 in NCCL 2.19+).
+TREE_BANDWIDTH_FRACTION = 0.9
+
 
 def _axis(axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> tuple[int, LinkSpec]:
     return mesh_shape[axis], cluster.axis_link(mesh_shape, axis)
 
 
+def tree_latency_s(axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> float:
+    """The latency of NCCL's tree all-reduce on ``axis`` (module docstring): 2·((p-1)·α_intra +
+    floor(log2 m)·α), with ``p`` of the group's ranks on each of ``m`` nodes (ranks laid out as
+    ``ClusterSpec.axis_link`` says) and ``α`` the axis's link."""
+    k, link = _axis(axis, mesh_shape, cluster)
+    stride = math.prod(mesh_shape[axis + 1:])  # rank distance between neighbours of one group
+    per_node = max(1, min(k, cluster.devices_per_node // stride))
+    nodes = -(-k // per_node)
+    intra = cluster.intra_node.latency_s / cluster.compute_share(mesh_shape) if nodes > 1 else link.latency_s
+    return 2 * ((per_node - 1) * intra + (nodes.bit_length() - 1) * link.latency_s)
+
+
+def all_reduce_terms(num_bytes: float, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> tuple[float, float]:
+    """(latency s, bandwidth factor f) of the all-reduce a ``num_bytes`` message runs on ``axis``:
+    it takes latency + f · bytes/β. The ring (2(k-1)·α, f = 2(k-1)/k), or on an NCCL cluster the
+    tree (``tree_latency_s``, f = 2 / ``TREE_BANDWIDTH_FRACTION``) where that is cheaper for
+    ``num_bytes``; on a tie, the ring."""
+    k, link = _axis(axis, mesh_shape, cluster)
+    ring = (2 * (k - 1) * link.latency_s, 2 * (k - 1) / k)
+    if k == 1 or cluster.gloo:
+        return ring
+    tree = (tree_latency_s(axis, mesh_shape, cluster), 2.0 / TREE_BANDWIDTH_FRACTION)
+    if tree[0] + tree[1] * num_bytes / link.bandwidth_bytes_per_s < ring[0] + ring[1] * num_bytes / link.bandwidth_bytes_per_s:
+        return tree
+    return ring
+
+
 def all_reduce_s(num_bytes: float, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> float:
-    """Ring all-reduce of a ``num_bytes`` tensor: 2(k-1)·α + 2(k-1)/k · bytes/β."""
+    """All-reduce of a ``num_bytes`` tensor: the ring's 2(k-1)·α + 2(k-1)/k · bytes/β, or on an
+    NCCL cluster the tree's where cheaper (``all_reduce_terms``, the module docstring)."""
     k, link = _axis(axis, mesh_shape, cluster)
     if k == 1:
         return 0.0
-    return 2 * (k - 1) * link.latency_s + 2 * (k - 1) / k * num_bytes / link.bandwidth_bytes_per_s
+    latency, factor = all_reduce_terms(num_bytes, axis, mesh_shape, cluster)
+    return latency + factor * num_bytes / link.bandwidth_bytes_per_s
+
+
+def bucket_latency_s(axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec,
+                     bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_BYTES) -> float:
+    """The latency one full gradient bucket (``bucket_cap_bytes``) pays on ``axis``: that of the
+    algorithm ``all_reduce_terms`` picks at the bucket's size; 0 with one rank."""
+    if mesh_shape[axis] == 1:
+        return 0.0
+    return all_reduce_terms(bucket_cap_bytes, axis, mesh_shape, cluster)[0]
 
 
 def all_gather_s(num_bytes_out: float, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> float:
@@ -267,10 +331,6 @@ def grad_allreduce_cost(
     )
 
 
-# A parameter gradient is reduced in a bucket with others (``ops.buckets``).
-DEFAULT_BUCKET_CAP_BYTES = CommOptions().bucket_cap_bytes
-
-
 def param_grad_sync_cost(
     global_shape: Sequence[int],
     spec_of_input: Spec,
@@ -282,15 +342,17 @@ def param_grad_sync_cost(
 ) -> CommCost:
     """A parameter gradient's share of the bucketed all-reduce on ``axis`` that the runtime
     runs (``ops.buckets``): its bandwidth term, and the latency of one bucket per
-    ``bucket_cap_bytes`` (a bucket pays 2(k-1)·α once for all its members):
-    2(k-1)·α·bytes/cap + 2(k-1)/k · bytes/β. Whether backward compute hides it is priced over
-    the whole step (``exposed_grad_sync_s``), not here."""
+    ``bucket_cap_bytes`` (a bucket pays its latency once for all its members): on the ring
+    2(k-1)·α·bytes/cap + 2(k-1)/k · bytes/β; the algorithm (``all_reduce_terms``) is the one the
+    bucket runs, picked at its size (the cap, or the gradient where that is larger). Whether
+    backward compute hides it is priced over the whole step (``exposed_grad_sync_s``), not here."""
     local_bytes = _bytes(local_shape(global_shape, spec_of_input, mesh_shape), dtype)
     k, link = _axis(axis, mesh_shape, cluster)
     sent = bytes_sent("all_reduce", local_bytes, k)
     if k == 1:
         return ZERO
-    seconds = 2 * (k - 1) * link.latency_s * min(1.0, local_bytes / bucket_cap_bytes) + sent / link.bandwidth_bytes_per_s
+    latency, factor = all_reduce_terms(max(local_bytes, bucket_cap_bytes), axis, mesh_shape, cluster)
+    seconds = latency * min(1.0, local_bytes / bucket_cap_bytes) + factor * local_bytes / link.bandwidth_bytes_per_s
     return CommCost(0.0, seconds, sent, ((axis, sent),) if sent else ())
 
 
@@ -353,6 +415,9 @@ def send_recv_s(num_bytes: float, axis: int, mesh_shape: Sequence[int], cluster:
 __all__ = [
     "CommCost",
     "all_reduce_s",
+    "all_reduce_terms",
+    "tree_latency_s",
+    "bucket_latency_s",
     "all_gather_s",
     "reduce_scatter_s",
     "all_to_all_s",

@@ -90,7 +90,7 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
         # Each member paid bytes/cap of its bucket's latency (``comm.param_grad_sync_cost``); the
         # buckets pay it whole: ceil(bytes / cap) latencies over the step, one in the last bucket.
         # Reduce-scatter buckets do not span layers: ceil(bytes / cap) per layer for those.
-        latency = _bucket_latency_s(graph.mesh_shape, cluster)
+        latency = _bucket_latency_s(graph.mesh_shape, cluster, bucket_cap_bytes)
         by_layer: dict[str | None, float] = {}
         for _, _, nbytes, layer in synced:
             by_layer[layer] = by_layer.get(layer, 0.0) + nbytes
@@ -307,7 +307,8 @@ def _param_uses(graph: ChoiceGraph) -> tuple[dict[str, int], dict[str, list], di
     return order, uses, reduce_dtypes
 
 
-def _bucket_latency_s(mesh, cluster: ClusterSpec) -> float:
-    """2(k-1)·α of the widest axis: one bucket's latency (an upper bound on a multi-axis mesh)."""
-    return max((2 * (k - 1) * cluster.axis_link(mesh, axis).latency_s for axis, k in enumerate(mesh) if k > 1),
+def _bucket_latency_s(mesh, cluster: ClusterSpec, bucket_cap_bytes: float) -> float:
+    """One bucket's latency on the slowest axis (``comm.bucket_latency_s``: 2(k-1)·α on the ring):
+    an upper bound on a multi-axis mesh."""
+    return max((comm.bucket_latency_s(axis, mesh, cluster, bucket_cap_bytes) for axis, k in enumerate(mesh) if k > 1),
                default=0.0)
