@@ -121,6 +121,8 @@ class ShardingILP:
         self.problem = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
         self.x: dict[str, list[pulp.LpAffineExpression | pulp.LpVariable]] = {}
         self.y: dict[int, dict[tuple[Spec, Spec], pulp.LpVariable]] = {}
+        # Edge → (h_out by src spec, h_in by dst spec), where its prices have a hub (``_add_hub``).
+        self.hub: dict[int, tuple[dict[Spec, pulp.LpVariable], dict[Spec, pulp.LpVariable]]] = {}
         self._node_ids = {name: i for i, name in enumerate(graph.order)}
         self.memory_times: set[int] = set()  # timeline times with a memory[t] constraint
         self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.strategies.relaxation``)
@@ -184,6 +186,8 @@ class ShardingILP:
             twin_price = self.graph.edges[twin].price
             if twin != e and twin in self.y and (twin_price is edge.price or twin_price == edge.price):
                 self.y[e] = self.y[twin]
+                if twin in self.hub:
+                    self.hub[e] = self.hub[twin]
                 continue
             producer = self.graph.choices[edge.producer]
             self.y[e] = {
@@ -196,6 +200,7 @@ class ShardingILP:
             for (src, dst), var in self.y[e].items():
                 y_out.setdefault(src, []).append(var)
                 y_in.setdefault(dst, []).append(var)
+            self._add_hub(e, edge, y_out, y_in)
             x_out: dict[Spec, list] = {}
             for s, strategy in enumerate(producer.strategies):
                 x_out.setdefault(strategy.outs[edge.out_index], []).append(self.x[edge.producer][s])
@@ -206,6 +211,21 @@ class ShardingILP:
                 self.problem += _difference(y_out.get(p, []), x_out[p]) == 0, f"edge_out__{e}__{_spec_name(p)}"
             for q in consumer.in_specs(edge.in_index):
                 self.problem += _difference(y_in.get(q, []), x_in[q]) == 0, f"edge_in__{e}__{_spec_name(q)}"
+
+    def _add_hub(self, e: int, edge, y_out: dict[Spec, list], y_in: dict[Spec, list]) -> None:
+        """h_out[e, p], h_in[e, q]: the flow of edge e through the replicated spec, where its
+        price table has a hub (``edges.EdgePrices``: meshes of three or more axes). They join
+        the marginals as y does; Σ_p h_out = Σ_q h_in follows from them."""
+        hub = getattr(edge.price, "hub", None)
+        if hub is None:
+            return
+        outs = {spec: pulp.LpVariable(f"h_{e}_o{k}", lowBound=0, upBound=1) for k, spec in enumerate(hub[0])}
+        ins = {spec: pulp.LpVariable(f"h_{e}_i{k}", lowBound=0, upBound=1) for k, spec in enumerate(hub[1])}
+        self.hub[e] = (outs, ins)
+        for spec, var in outs.items():
+            y_out.setdefault(spec, []).append(var)
+        for spec, var in ins.items():
+            y_in.setdefault(spec, []).append(var)
 
     def add_memory_constraint(self, budget: float) -> None:
         """memory[t] <= B at the checkpoint times (``Timeline.checkpoints``), B = ``budget`` bytes."""
@@ -319,7 +339,17 @@ class ShardingILP:
             for variables, price, count in shared.values()
             for (seconds, _), var in zip(price.values(), variables.values()) if seconds
         )
-        self.problem += weighted_sum(itertools.chain(compute_terms, reshard_terms, sync_terms))
+        hubs: dict[int, list] = {}
+        for e, (outs, ins) in self.hub.items():
+            entry = hubs.setdefault(id(outs), [outs, ins, self.graph.edges[e].price.hub, 0])
+            entry[3] += 1
+        hub_terms = (
+            (count * seconds[spec], var)
+            for outs, ins, hub, count in hubs.values()
+            for variables, seconds in ((outs, hub[0]), (ins, hub[1]))
+            for spec, var in variables.items() if seconds[spec]
+        )
+        self.problem += weighted_sum(itertools.chain(compute_terms, reshard_terms, hub_terms, sync_terms))
 
     def size(self) -> tuple[int, int]:
         return len(self.variables()), self.problem.numConstraints()
