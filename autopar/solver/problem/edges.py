@@ -145,9 +145,11 @@ _UNPRICED = object()
 
 
 def near_pairs(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]]) -> list[tuple[int, int]]:
-    """(i, j) such that ``srcs[i]`` and ``dsts[j]`` differ on at most one mesh axis besides those
-    where the src is Partial (reductions: a row-parallel linear's (S, S, P) into a
-    sequence-parallel (S, R, S) is one), in the order of ``itertools.product`` (src, then dst)."""
+    """(i, j) such that ``srcs[i]`` and ``dsts[j]`` differ on at most one mesh axis; or only on
+    axes where the src is replicated (local chunks, free in forward); or, besides the axes where
+    the src is Partial (reductions), on at most one more, which then changes to replicated (a
+    row-parallel linear's (S, S, P) into a sequence-parallel (S, R, S) is one). In the order of
+    ``itertools.product`` (src, then dst)."""
     if not srcs or not dsts:
         return []
     num_axes = len(srcs[0][0])
@@ -155,34 +157,33 @@ def near_pairs(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]]) -> li
     def key(spec: Spec) -> tuple[int, ...]:
         return tuple(codes.setdefault(p, len(codes)) for p in spec)
     dst_keys = [key(spec) for spec, _ in dsts]
-    buckets: dict[tuple, list[int]] = {}  # a dst with the axes of a mask wildcarded -> dst indices
-    masks = {mask for spec, _ in srcs for mask in _masks(spec)}
-    for j, k in enumerate(dst_keys):
-        for mask in masks:
-            buckets.setdefault((mask, _wildcard(k, mask)), []).append(j)
     replicate = codes.setdefault(Replicate(), len(codes))
+    partials = [sum(1 << axis for axis, placement in enumerate(spec) if placement.is_partial()) for spec, _ in srcs]
+    wholes = [sum(1 << axis for axis, placement in enumerate(spec) if placement.is_replicate()) for spec, _ in srcs]
+    # A dst with the axes of a mask wildcarded -> the dst indices, for each mask a src asks for.
+    buckets: dict[tuple, list[int]] = {}
+    for mask in {partial | 1 << axis for partial in partials for axis in range(num_axes)} | set(wholes):
+        for j, k in enumerate(dst_keys):
+            buckets.setdefault((mask, _wildcard(k, mask)), []).append(j)
     pairs = []
     for i, (spec, _) in enumerate(srcs):
-        k = key(spec)
-        found: set[int] = set()
-        for mask in _masks(spec):
-            found.update(buckets.get((mask, _wildcard(k, mask)), ()))
-        partial = {axis for axis, placement in enumerate(spec) if placement.is_partial()}
-        for j in sorted(found):
-            # Beyond the Partial axes, the one more axis changes to replicated (a gather), or
-            # it is the only change.
-            changed = [axis for axis in range(num_axes) if k[axis] != dst_keys[j][axis]]
-            others = [axis for axis in changed if axis not in partial]
-            if len(changed) <= 1 or not others or dst_keys[j][others[0]] == replicate:
-                pairs.append((i, j))
+        k, partial = key(spec), partials[i]
+        # Local chunks out of the replicated axes: any of them, and nothing else.
+        found: set[int] = set(buckets.get((wholes[i], _wildcard(k, wholes[i])), ()))
+        for axis in range(num_axes):
+            mask = partial | 1 << axis
+            candidates = buckets.get((mask, _wildcard(k, mask)), ())
+            if mask == partial or not partial:
+                found.update(candidates)
+                continue
+            # Changes on the Partial axes and on ``axis``: to replicated, or ``axis`` alone.
+            for j in candidates:
+                other = dst_keys[j]
+                if other[axis] in (k[axis], replicate) or all(
+                        other[a] == k[a] for a in range(num_axes) if partial >> a & 1):
+                    found.add(j)
+        pairs.extend((i, j) for j in sorted(found))
     return pairs
-
-
-def _masks(spec: Spec) -> list[int]:
-    """The sets of axes (bit masks) a near pair out of ``spec`` may change: its Partial axes and
-    any one more."""
-    partial = sum(1 << axis for axis, placement in enumerate(spec) if placement.is_partial())
-    return [partial | 1 << axis for axis in range(len(spec))]
 
 
 def _wildcard(key: tuple[int, ...], mask: int) -> tuple[int, ...]:

@@ -140,6 +140,7 @@ class ShardingILP:
 
     # -- variables ----------------------------------------------------------------------------
     def add_node_variables(self) -> None:
+        by_spec: dict[tuple[str, int], dict[Spec, list]] = {}  # the last leader's x by output spec
         for name in self.graph.order:
             choice = self.graph.choices[name]
             template = self.graph.layer_template.get(name)
@@ -147,13 +148,14 @@ class ShardingILP:
                 self.x[name] = self.x[template]
             elif choice.follower_of is not None:
                 producer, out_index = choice.inputs[0]
-                leader = self.graph.choices[producer]
-                leader_x = self.x[producer]
-                exprs = []
-                for strategy in choice.strategies:
-                    terms = [leader_x[t] for t, s in enumerate(leader.strategies) if s.outs[out_index] == strategy.ins[0]]
-                    exprs.append(pulp.lpSum(terms))
-                self.x[name] = exprs
+                key = (producer, out_index)
+                if key not in by_spec:  # the leader's x by output spec, once per leader
+                    by_spec.clear()
+                    by_spec[key] = grouped = {}
+                    for t, s in enumerate(self.graph.choices[producer].strategies):
+                        grouped.setdefault(s.outs[out_index], []).append(self.x[producer][t])
+                grouped = by_spec[key]
+                self.x[name] = [pulp.lpSum(grouped.get(strategy.ins[0], [])) for strategy in choice.strategies]
             elif len(choice.strategies) == 1:
                 self.x[name] = [pulp.LpAffineExpression(constant=1)]
             else:
