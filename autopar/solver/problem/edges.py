@@ -115,7 +115,7 @@ def reduce_dtype(node: torch.fx.Node) -> torch.dtype | None:
     return node.meta.get("autopar", {}).get("reduce_dtype")
 
 
-class _Pricer:
+class Pricer:
     """Prices of one (shape, dtype, grad, grad dtype) by spec codes, computed once each: hashing a
     spec hashes each of its placements, so specs are numbered once (``code``)."""
 
@@ -199,7 +199,7 @@ def price_edges(gm: torch.fx.GraphModule, choices: dict, mesh_shape: tuple[int, 
     strategy list (identical ops share one, see ``choices._op_choice``)."""
     edges = []
     tables: dict[tuple, EdgePrices] = {}
-    pricer = _Pricer(mesh_shape, cluster)
+    pricer = Pricer(mesh_shape, cluster)
     spec_lists: dict[tuple[int, str, int], tuple[Spec, ...]] = {}
     interned: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
     list_codes: dict[int, tuple[int, ...]] = {}  # by id of an interned list (``interned`` holds them)
@@ -237,13 +237,13 @@ def price_edges(gm: torch.fx.GraphModule, choices: dict, mesh_shape: tuple[int, 
             # most of this loop's time on a deep model.
             table_key = (id(srcs), id(dsts), shape, dtype, edge.requires_grad, pinned, edge.grad_dtype)
             if table_key not in tables:
-                tables[table_key] = _price_table(edge, coded(srcs), coded(dsts), pricer, hub and not pinned)
+                tables[table_key] = price_table(edge, coded(srcs), coded(dsts), pricer, hub and not pinned)
             edge.price = tables[table_key]  # shared, read-only from here on
             edges.append(edge)
     return edges
 
 
-def _price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]], pricer: _Pricer,
+def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]], pricer: Pricer,
                  hub: bool) -> EdgePrices:
     """The prices of one edge (``EdgePrices``): every pair, only the spec as it is (pinned), or
     the near pairs and the hub."""
@@ -314,5 +314,5 @@ def flatten(value) -> list:
     return [value]
 
 
-__all__ = ["Edge", "EdgePrices", "price_edges", "near_pairs", "uses_hub", "mutated_inputs", "reduce_dtype",
+__all__ = ["Edge", "EdgePrices", "Pricer", "price_edges", "price_table", "near_pairs", "uses_hub", "mutated_inputs", "reduce_dtype",
            "flatten"]

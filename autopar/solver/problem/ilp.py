@@ -5,11 +5,16 @@ Sets
     S_n          strategies of node n
     E            edges (u, j) → (v, i): output j of u feeds tensor input i of v
     O_e, I_e     distinct specs of u's output j, and of v's input i, over their strategies
-    T_e ⊆ O_e×I_e  transitions that exist (none into Partial; none on a tensor written in place)
+    T_e ⊆ O_e×I_e  transitions that exist (none into Partial; none on a tensor written in place);
+                 on meshes of three or more axes, only the near ones (``edges.near_pairs``)
+    H_e          on those meshes: the hub of e, the transitions through the replicated spec ρ
 
 Variables
     x[n, s] ∈ {0, 1}      node n uses strategy s
     y[e, p, q] ∈ [0, 1]   edge e carries spec p out of u and spec q into v, for (p, q) ∈ T_e
+    h_out[e, p], h_in[e, q] ∈ [0, 1]   (e ∈ H) edge e carries p out of u and q into v by way of ρ:
+                          any pair not in T_e, priced r[e, p, ρ] + r[e, ρ, q] (an upper bound of
+                          r[e, p, q], which the plan reports); none for q Partial
 
     A follower f of producer u (getitem, views, elementwise ops; ``choices._mark_followers``)
     has no variables of its own: x[f, s] ≡ Σ_{t ∈ S_u : out_j(t) = in_0(s)} x[u, t].
@@ -19,6 +24,7 @@ Objective (seconds of one training step, forward and backward)
     c = compute (roofline) + backward gradient all-reduces of the strategy's activation inputs,
         one per use (a parameter's per-use all-reduces are taken out of c: see z);
     r = the collectives of ``spec.transition_steps(p, q)`` and their backward duals;
+    + Σ_{e ∈ H} (Σ_p r[e, p, ρ] · h_out[e, p] + Σ_q r[e, ρ, q] · h_in[e, q]);
     + Σ_g P_g · z[g]: each parameter gradient reduction g (a parameter, a mesh axis, the spec it
       is held in; ``choices.param_sync_groups``) once, at its bucketed price P_g, however many
       uses need it, as the runtime runs it (``passes.schedule``).
@@ -31,8 +37,9 @@ Objective (seconds of one training step, forward and backward)
 
 Constraints
     pick[n]:           Σ_s x[n, s] = 1                                        ∀ n ∈ N
-    edge_out[e, p]:    Σ_q y[e, p, q] = Σ_{s : out_j(s) = p} x[u, s]          ∀ e, p ∈ O_e
-    edge_in[e, q]:     Σ_p y[e, p, q] = Σ_{s : in_i(s) = q} x[v, s]           ∀ e, q ∈ I_e
+    edge_out[e, p]:    Σ_q y[e, p, q] (+ h_out[e, p]) = Σ_{s : out_j(s) = p} x[u, s]   ∀ e, p ∈ O_e
+    edge_in[e, q]:     Σ_p y[e, p, q] (+ h_in[e, q]) = Σ_{s : in_i(s) = q} x[v, s]     ∀ e, q ∈ I_e
+                       (so Σ_p h_out[e, p] = Σ_q h_in[e, q]: what leaves by the hub arrives by it)
     memory[t]:         Σ_{(n, f) alive at t} f · Σ_s m[n, s] · x[n, s]
                        + Σ_{(g, f) alive at t} f · Σ_{(p,q)} G[g, p, q] · y[e_g, p, q] ≤ B   (if a budget B)
                        where g is a parameter the runtime gathers whole (``solver.problem.gathered``),
