@@ -8,12 +8,12 @@ the ILP sees of it is what it iterates over:
   each its own y variable: the joint distribution of the two ends' specs, exact.
 - On three or more such axes that product is too large (a 4-D activation takes ~200 specs on
   (8, 2, 4): 40,000 pairs per edge, a million y on LLaMA-3-8B). There it iterates over the
-  *near* pairs, which differ on at most one mesh axis (every single collective, and one-axis
-  all-to-alls), and carries a *hub* through the replicated spec: the price of each src → R…R
-  and of each R…R → dst. A pair that changes several axes is priced in the ILP as the gather to
-  replicated and the local chunk back (``ilp.ShardingILP.add_edge_constraints``): an upper bound
-  of its own price, which the plan then reports exactly (``__getitem__``). Pairs into a
-  Partial input that change several axes have no route there: the ILP cannot choose them.
+  *near* pairs (``near_pairs``: one axis changes; or only replicated axes, by local chunks; or
+  the Partial axes and at most one more, to replicated), and carries a *hub* through the
+  replicated spec: the price of each src → R…R and of each R…R → dst. Any other pair is priced
+  in the ILP as the gather to replicated and the local chunk back (``ilp.ShardingILP._add_hub``):
+  an upper bound of its own price, which the plan then reports exactly (``__getitem__``). Pairs
+  into a Partial input that are not near have no route there: the ILP cannot choose them.
 """
 
 from __future__ import annotations
