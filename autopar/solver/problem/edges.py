@@ -40,12 +40,13 @@ Price = tuple[float, float]  # (seconds forward + backward, bytes sent)
 class EdgePrices(Mapping):
     """(src spec, dst spec) → (seconds, bytes sent) of one edge; a missing key is an impossible
     transition. Iteration yields the pairs the ILP gives variables (all, or the near ones: see
-    the module docstring); any other pair is priced when asked, and kept. ``hub`` is None
-    (dense), or the seconds of src → replicated per src spec and of replicated → dst per dst spec."""
+    the module docstring); with ``price`` (a hub's table), any other pair is priced when asked,
+    and kept. ``hub`` is None (dense or pinned), or the seconds of src → replicated per src spec
+    and of replicated → dst per dst spec."""
 
     __slots__ = ("table", "hub", "_price", "_asked", "_factor")
 
-    def __init__(self, table: dict[tuple[Spec, Spec], Price], price: Callable[[Spec, Spec], Price | None],
+    def __init__(self, table: dict[tuple[Spec, Spec], Price], price: Callable[[Spec, Spec], Price | None] | None,
                  hub: tuple[dict[Spec, float], dict[Spec, float]] | None = None, factor: float = 1.0):
         self.table = table
         self.hub = hub
@@ -53,17 +54,24 @@ class EdgePrices(Mapping):
         self._asked: dict[tuple[Spec, Spec], Price | None] = {}
         self._factor = factor
 
-    def __getitem__(self, pair: tuple[Spec, Spec]) -> Price:
+    def get(self, pair: tuple[Spec, Spec], default=None):
         found = self.table.get(pair)
-        if found is not None:
-            return found
-        if pair not in self._asked:
+        if found is not None or self._price is None:
+            return default if found is None else found
+        price = self._asked.get(pair, _UNPRICED)
+        if price is _UNPRICED:
             price = self._price(*pair)
-            self._asked[pair] = None if price is None else (price[0] * self._factor, price[1])
-        price = self._asked[pair]
+            price = self._asked[pair] = None if price is None else (price[0] * self._factor, price[1])
+        return default if price is None else price
+
+    def __getitem__(self, pair: tuple[Spec, Spec]) -> Price:
+        price = self.get(pair)
         if price is None:
             raise KeyError(pair)
         return price
+
+    def __contains__(self, pair) -> bool:
+        return self.get(pair) is not None
 
     def __iter__(self) -> Iterator[tuple[Spec, Spec]]:
         return iter(self.table)
@@ -267,7 +275,9 @@ def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec,
         ins = {dst: pricer.price(edge, whole, dst, whole_code, code) for dst, code in dsts}
         via = ({spec: price[0] for spec, price in outs.items()},
                {spec: price[0] for spec, price in ins.items() if price is not None})
-    return EdgePrices(table, pricer.on_demand(edge), via)
+    # Only a hub's table leaves pairs out that may be asked for: a dense one holds every
+    # possible pair, a pinned one every pair it allows (the spec as it is).
+    return EdgePrices(table, pricer.on_demand(edge) if hub else None, via)
 
 
 # Composite ops that write arguments their schema does not mark as written: they update running
