@@ -44,6 +44,7 @@ import numpy as np
 
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
+from autopar.solver.problem.edges import EdgePrices
 from autopar.solver.problem.choices import ChoiceGraph, Choice, build_choice_graph, grad_sync_axes, grad_sync_cost, layer_key
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.solver.problem.ilp import ShardingILP, Solution
@@ -167,7 +168,9 @@ def per_step_graph(graph: ChoiceGraph, split: "OpSplit", num_microbatches: int) 
     for edge in graph.edges:
         table = scaled.get(id(edge.price))
         if table is None:
-            table = scaled[id(edge.price)] = {k: (m * s, b) for k, (s, b) in edge.price.items()}
+            price = edge.price
+            table = scaled[id(price)] = (price.scaled(m) if isinstance(price, EdgePrices)
+                                         else {k: (m * s, b) for k, (s, b) in price.items()})
         edges.append(dataclasses.replace(edge, price=table))
     return dataclasses.replace(graph, choices=choices, edges=edges)
 

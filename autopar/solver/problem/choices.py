@@ -38,7 +38,6 @@ from autopar.rules import node_strategies, op_info
 from autopar.rules.registry import (
     OpInfo,
     Strategy,
-    normalized_kwargs,
     offering_strided,
     split_blocks,
     strided_blocks,
@@ -50,6 +49,7 @@ from autopar.ir.options import CommOptions
 from autopar.ir.spec import SS, Spec, is_valid, local_shape, replicated
 from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
 from autopar.solver.problem import pruning
+from autopar.solver.problem.edges import Edge, flatten, mutated_inputs, price_edges, reduce_dtype
 from autopar.solver.problem.gathered import GatheredSize, gathered_parameters
 from autopar.trace import TracedModel, requires_grad
 from autopar.trace.moe import EXPERTS_OP
@@ -93,25 +93,6 @@ class Choice:
 
     def in_specs(self, index: int) -> list[Spec]:
         return list(dict.fromkeys(s.ins[index] for s in self.strategies))
-
-
-@dataclass
-class Edge:
-    producer: str
-    out_index: int
-    consumer: str
-    in_index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    # The tensor must arrive as it is: the consumer writes it in place, or is a getitem, which
-    # only names one output of its producer, or follows its producer (``_mark_followers``).
-    no_reshard: bool
-    # (src spec, dst spec) → (seconds, bytes sent); absent = impossible
-    price: dict[tuple[Spec, Spec], tuple[float, float]] = field(default_factory=dict)
-    # The dtype its gradient is reduced in, where not ``dtype`` (a parameter's cast under a
-    # precision policy: its ``reduce_dtype``).
-    grad_dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -336,7 +317,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
     _mark_followers(choices, order, _boundary_nodes(layers, choices))
     # After the followers: an edge into a follower only ever carries its producer's spec as it
     # is, so only those transitions are priced (the ILP gives such an edge no variables).
-    edges = _edges(traced.gm, choices, mesh_shape, cluster)
+    edges = price_edges(traced.gm, choices, mesh_shape, cluster)
     templates = repeated_layers(layers, choices)
     ties = _tie_groups(traced, choices)
     if zero_stage:
@@ -539,7 +520,7 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict) -> Choice:
 
 def _output_choice(node: torch.fx.Node, num_axes: int) -> Choice:
     # Outputs come back whole on every rank.
-    inputs = [(n.name, 0) for n in _flatten(node.args) if isinstance(n, torch.fx.Node) and tensor_meta(n.meta.get("val"))]
+    inputs = [(n.name, 0) for n in flatten(node.args) if isinstance(n, torch.fx.Node) and tensor_meta(n.meta.get("val"))]
     strategy = Strategy(tuple(replicated(num_axes) for _ in inputs), (), source="output")
     return Choice(node.name, "output", [strategy], [0.0], [0.0], inputs, grad_sync_bytes=[0.0])
 
@@ -551,12 +532,12 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict, pru
         return _getitem_choice(node, choices, needs_grad, cache)
     info, input_nodes, kw_text = _op_info(node, infos)
     inputs = [(n.name, 0) for n in input_nodes]
-    out_dtypes = tuple(v.dtype for v in _flatten(val) if isinstance(v, torch.Tensor))
+    out_dtypes = tuple(v.dtype for v in flatten(val) if isinstance(v, torch.Tensor))
     # Identical ops (same arguments and shapes, as in repeated layers) get identical strategies
     # and prices: enumerate and price each distinct one once. What their producers can deliver
     # (``pruning.Reachable``) is part of the key: it decides which strategies are possible.
     sync_dtypes = tuple(reduce_dtype(n) for n in input_nodes)
-    mutated = _mutated_inputs(node)
+    mutated = mutated_inputs(node)
     reachable = tuple(_reachable(choices[n.name], i in mutated, cache) for i, n in enumerate(input_nodes))
     key = (
         info.target, kw_text, info.out_shapes, out_dtypes, needs_grad,
@@ -606,12 +587,6 @@ def _op_info(node: torch.fx.Node, seen: dict) -> tuple[OpInfo, list[torch.fx.Nod
     info, at, kw_text = hit
     arguments = list(places)
     return dataclasses.replace(info, name=node.name), [arguments[i] for i in at], kw_text
-
-
-def reduce_dtype(node: torch.fx.Node) -> torch.dtype | None:
-    """The dtype gradients flowing into ``node`` are reduced in, where a precision policy says
-    (``trace._cast_parameters`` marks the casts of parameters); None: their own dtype."""
-    return node.meta.get("autopar", {}).get("reduce_dtype")
 
 
 def grad_sync_cost(arg, spec: Spec, axis: int, is_param: bool, mesh_shape, cluster,
@@ -696,7 +671,7 @@ def _price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad
         sync_bytes.append(synced)
         out_bytes = sum(
             memory.local_bytes(shape, out.dtype, spec, mesh_shape)
-            for shape, spec, out in zip(info.out_shapes, strategy.outs, _flatten(val))
+            for shape, spec, out in zip(info.out_shapes, strategy.outs, flatten(val))
         )
         memory_bytes.append(float(out_bytes))
     return strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs
@@ -848,114 +823,6 @@ def _getitem_choice(node, choices, needs_grad, cache: dict) -> Choice:
     )
 
 
-def _edges(gm, choices, mesh_shape, cluster) -> list[Edge]:
-    edges = []
-    # Edges of one shape share prices: one table per (spec lists, shape, dtype, grad, pinned),
-    # and one price per (src, dst, shape, dtype, grad) across tables. Spec lists are computed
-    # once per strategy list (identical ops share one, see ``_op_choice``).
-    tables: dict[tuple, dict] = {}
-    prices: dict[tuple, dict[tuple[int, int], tuple[float, float] | None]] = {}
-    spec_lists: dict[tuple[int, str, int], tuple[Spec, ...]] = {}
-
-    interned: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
-    codes: dict[Spec, int] = {}
-    list_codes: dict[int, tuple[int, ...]] = {}  # by id of an interned list (``interned`` holds them)
-
-    def codes_of(specs: tuple[Spec, ...]) -> tuple[int, ...]:
-        found = list_codes.get(id(specs))
-        if found is None:
-            found = list_codes[id(specs)] = tuple(codes.setdefault(spec, len(codes)) for spec in specs)
-        return found
-
-    def specs_of(choice: Choice, side: str, index: int) -> tuple[Spec, ...]:
-        key = (id(choice.strategies), side, index)
-        if key not in spec_lists:
-            specs = tuple(choice.out_specs(index) if side == "out" else choice.in_specs(index))
-            # One object per distinct list (every layer's weights have their own strategy
-            # lists), so that the tables below, keyed by identity, are shared between layers.
-            spec_lists[key] = interned.setdefault(specs, specs)
-        return spec_lists[key]
-
-    grad_dtypes = {node.name: reduce_dtype(node) for node in gm.graph.nodes if reduce_dtype(node) is not None}
-    for node in gm.graph.nodes:
-        choice = choices[node.name]
-        if node.op == "placeholder":
-            continue
-        mutated = _mutated_inputs(node)
-        for in_index, (producer, out_index) in enumerate(choice.inputs):
-            source = choices[producer]
-            shape, dtype = source.out_shapes[out_index], source.out_dtypes[out_index]
-            pinned = in_index in mutated or node.target is operator.getitem or choice.follower_of == producer
-            grad_dtype = grad_dtypes.get(producer)
-            edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, pinned,
-                        grad_dtype=grad_dtype)
-            srcs, dsts = specs_of(source, "out", out_index), specs_of(choice, "in", in_index)
-            # By identity: the spec tuples are cached above, and hashing their placements is
-            # most of this loop's time on a deep model.
-            table_key = (id(srcs), id(dsts), shape, dtype, edge.requires_grad, pinned, grad_dtype)
-            if table_key not in tables:
-                # Prices are keyed by spec codes: hashing a spec hashes each of its placements.
-                known = prices.setdefault((shape, dtype, edge.requires_grad, grad_dtype), {})
-                src_pairs = list(zip(srcs, codes_of(srcs)))
-                if pinned:  # only the spec as it is
-                    allowed = set(dsts)
-                    combos = [(pair, pair) for pair in src_pairs if pair[0] in allowed]
-                else:
-                    combos = itertools.product(src_pairs, list(zip(dsts, codes_of(dsts))))
-                table = {}
-                for (src, src_code), (dst, dst_code) in combos:
-                    price = known.get((src_code, dst_code), _UNPRICED)
-                    if price is _UNPRICED:
-                        cost = comm.transition_cost(src, dst, shape, dtype, mesh_shape, cluster, edge.requires_grad,
-                                                    grad_dtype)
-                        price = known[(src_code, dst_code)] = (
-                            None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent))
-                    if price is not None:
-                        table[(src, dst)] = price
-                tables[table_key] = table
-            edge.price = tables[table_key]  # shared, read-only from here on
-            edges.append(edge)
-    return edges
-
-
-_UNPRICED = object()
-
-
-# Composite ops that write arguments their schema does not mark as written: they update running
-# statistics in place through the native op they call.
-_UNDECLARED_WRITES = {
-    torch.ops.aten.batch_norm.default: {"running_mean", "running_var"},
-    torch.ops.aten.instance_norm.default: {"running_mean", "running_var"},
-}
-
-
-@functools.cache
-def _written_arguments(target: torch._ops.OpOverload) -> frozenset[str]:
-    """Names of the arguments ``target`` writes in place (once per op: every node asks)."""
-    written = {a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    return frozenset(written | _UNDECLARED_WRITES.get(target, set()))
-
-
-def _mutated_inputs(node: torch.fx.Node) -> set[int]:
-    """Tensor-input indices that the op writes in place: schema alias info with is_write, plus
-    ``_UNDECLARED_WRITES``. Such an input can never be resharded on its way in, or the write
-    would land in a temporary."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return set()
-    written = _written_arguments(target)
-    if not written:
-        return set()
-    indices, index = set(), 0
-    for name, value in normalized_kwargs(node).items():
-        for leaf in _flatten(value):
-            if isinstance(leaf, torch.fx.Node) and tensor_meta(leaf.meta.get("val")):
-                if name in written:
-                    indices.add(index)
-                index += 1
-    return indices
-
-
 def _mark_followers(choices: dict[str, Choice], order: list[str], exclude: set[str] = frozenset()) -> None:
     """Mark nodes whose choice is a function of their single producer's choice (not those in
     ``exclude``: ``_boundary_nodes``).
@@ -995,11 +862,3 @@ def _lists(choice: Choice) -> tuple[list, ...]:
     """The per-strategy lists of a choice (what ``_keep_only`` cuts)."""
     return (choice.strategies, choice.compute_s, choice.memory_bytes, choice.grad_sync_bytes, choice.param_sync_s,
             choice.backward_s, choice.param_syncs)
-
-
-def _flatten(value) -> list:
-    if isinstance(value, (list, tuple)):
-        return [leaf for v in value for leaf in _flatten(v)]
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _flatten(v)]
-    return [value]

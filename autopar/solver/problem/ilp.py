@@ -5,11 +5,16 @@ Sets
     S_n          strategies of node n
     E            edges (u, j) → (v, i): output j of u feeds tensor input i of v
     O_e, I_e     distinct specs of u's output j, and of v's input i, over their strategies
-    T_e ⊆ O_e×I_e  transitions that exist (none into Partial; none on a tensor written in place)
+    T_e ⊆ O_e×I_e  transitions that exist (none into Partial; none on a tensor written in place);
+                 on meshes of three or more axes, only the near ones (``edges.near_pairs``)
+    H_e          on those meshes: the hub of e, the transitions through the replicated spec ρ
 
 Variables
     x[n, s] ∈ {0, 1}      node n uses strategy s
     y[e, p, q] ∈ [0, 1]   edge e carries spec p out of u and spec q into v, for (p, q) ∈ T_e
+    h_out[e, p], h_in[e, q] ∈ [0, 1]   (e ∈ H) edge e carries p out of u and q into v by way of ρ:
+                          any pair not in T_e, priced r[e, p, ρ] + r[e, ρ, q] (an upper bound of
+                          r[e, p, q], which the plan reports); none for q Partial
 
     A follower f of producer u (getitem, views, elementwise ops; ``choices._mark_followers``)
     has no variables of its own: x[f, s] ≡ Σ_{t ∈ S_u : out_j(t) = in_0(s)} x[u, t].
@@ -19,6 +24,7 @@ Objective (seconds of one training step, forward and backward)
     c = compute (roofline) + backward gradient all-reduces of the strategy's activation inputs,
         one per use (a parameter's per-use all-reduces are taken out of c: see z);
     r = the collectives of ``spec.transition_steps(p, q)`` and their backward duals;
+    + Σ_{e ∈ H} (Σ_p r[e, p, ρ] · h_out[e, p] + Σ_q r[e, ρ, q] · h_in[e, q]);
     + Σ_g P_g · z[g]: each parameter gradient reduction g (a parameter, a mesh axis, the spec it
       is held in; ``choices.param_sync_groups``) once, at its bucketed price P_g, however many
       uses need it, as the runtime runs it (``passes.schedule``).
@@ -31,8 +37,9 @@ Objective (seconds of one training step, forward and backward)
 
 Constraints
     pick[n]:           Σ_s x[n, s] = 1                                        ∀ n ∈ N
-    edge_out[e, p]:    Σ_q y[e, p, q] = Σ_{s : out_j(s) = p} x[u, s]          ∀ e, p ∈ O_e
-    edge_in[e, q]:     Σ_p y[e, p, q] = Σ_{s : in_i(s) = q} x[v, s]           ∀ e, q ∈ I_e
+    edge_out[e, p]:    Σ_q y[e, p, q] (+ h_out[e, p]) = Σ_{s : out_j(s) = p} x[u, s]   ∀ e, p ∈ O_e
+    edge_in[e, q]:     Σ_p y[e, p, q] (+ h_in[e, q]) = Σ_{s : in_i(s) = q} x[v, s]     ∀ e, q ∈ I_e
+                       (so Σ_p h_out[e, p] = Σ_q h_in[e, q]: what leaves by the hub arrives by it)
     memory[t]:         Σ_{(n, f) alive at t} f · Σ_s m[n, s] · x[n, s]
                        + Σ_{(g, f) alive at t} f · Σ_{(p,q)} G[g, p, q] · y[e_g, p, q] ≤ B   (if a budget B)
                        where g is a parameter the runtime gathers whole (``solver.problem.gathered``),
@@ -121,6 +128,8 @@ class ShardingILP:
         self.problem = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
         self.x: dict[str, list[pulp.LpAffineExpression | pulp.LpVariable]] = {}
         self.y: dict[int, dict[tuple[Spec, Spec], pulp.LpVariable]] = {}
+        # Edge → (h_out by src spec, h_in by dst spec), where its prices have a hub (``_add_hub``).
+        self.hub: dict[int, tuple[dict[Spec, pulp.LpVariable], dict[Spec, pulp.LpVariable]]] = {}
         self._node_ids = {name: i for i, name in enumerate(graph.order)}
         self.memory_times: set[int] = set()  # timeline times with a memory[t] constraint
         self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.strategies.relaxation``)
@@ -138,6 +147,7 @@ class ShardingILP:
 
     # -- variables ----------------------------------------------------------------------------
     def add_node_variables(self) -> None:
+        by_spec: dict[tuple[str, int], dict[Spec, list]] = {}  # the last leader's x by output spec
         for name in self.graph.order:
             choice = self.graph.choices[name]
             template = self.graph.layer_template.get(name)
@@ -145,13 +155,14 @@ class ShardingILP:
                 self.x[name] = self.x[template]
             elif choice.follower_of is not None:
                 producer, out_index = choice.inputs[0]
-                leader = self.graph.choices[producer]
-                leader_x = self.x[producer]
-                exprs = []
-                for strategy in choice.strategies:
-                    terms = [leader_x[t] for t, s in enumerate(leader.strategies) if s.outs[out_index] == strategy.ins[0]]
-                    exprs.append(pulp.lpSum(terms))
-                self.x[name] = exprs
+                key = (producer, out_index)
+                if key not in by_spec:  # the leader's x by output spec, once per leader
+                    by_spec.clear()
+                    by_spec[key] = grouped = {}
+                    for t, s in enumerate(self.graph.choices[producer].strategies):
+                        grouped.setdefault(s.outs[out_index], []).append(self.x[producer][t])
+                grouped = by_spec[key]
+                self.x[name] = [pulp.lpSum(grouped.get(strategy.ins[0], [])) for strategy in choice.strategies]
             elif len(choice.strategies) == 1:
                 self.x[name] = [pulp.LpAffineExpression(constant=1)]
             else:
@@ -184,6 +195,8 @@ class ShardingILP:
             twin_price = self.graph.edges[twin].price
             if twin != e and twin in self.y and (twin_price is edge.price or twin_price == edge.price):
                 self.y[e] = self.y[twin]
+                if twin in self.hub:
+                    self.hub[e] = self.hub[twin]
                 continue
             producer = self.graph.choices[edge.producer]
             self.y[e] = {
@@ -196,6 +209,7 @@ class ShardingILP:
             for (src, dst), var in self.y[e].items():
                 y_out.setdefault(src, []).append(var)
                 y_in.setdefault(dst, []).append(var)
+            self._add_hub(e, edge, y_out, y_in)
             x_out: dict[Spec, list] = {}
             for s, strategy in enumerate(producer.strategies):
                 x_out.setdefault(strategy.outs[edge.out_index], []).append(self.x[edge.producer][s])
@@ -206,6 +220,21 @@ class ShardingILP:
                 self.problem += _difference(y_out.get(p, []), x_out[p]) == 0, f"edge_out__{e}__{_spec_name(p)}"
             for q in consumer.in_specs(edge.in_index):
                 self.problem += _difference(y_in.get(q, []), x_in[q]) == 0, f"edge_in__{e}__{_spec_name(q)}"
+
+    def _add_hub(self, e: int, edge, y_out: dict[Spec, list], y_in: dict[Spec, list]) -> None:
+        """h_out[e, p], h_in[e, q]: the flow of edge e through the replicated spec, where its
+        price table has a hub (``edges.EdgePrices``: meshes of three or more axes). They join
+        the marginals as y does; Σ_p h_out = Σ_q h_in follows from them."""
+        hub = getattr(edge.price, "hub", None)
+        if hub is None:
+            return
+        outs = {spec: pulp.LpVariable(f"h_{e}_o{k}", lowBound=0, upBound=1) for k, spec in enumerate(hub[0])}
+        ins = {spec: pulp.LpVariable(f"h_{e}_i{k}", lowBound=0, upBound=1) for k, spec in enumerate(hub[1])}
+        self.hub[e] = (outs, ins)
+        for spec, var in outs.items():
+            y_out.setdefault(spec, []).append(var)
+        for spec, var in ins.items():
+            y_in.setdefault(spec, []).append(var)
 
     def add_memory_constraint(self, budget: float) -> None:
         """memory[t] <= B at the checkpoint times (``Timeline.checkpoints``), B = ``budget`` bytes."""
@@ -319,7 +348,17 @@ class ShardingILP:
             for variables, price, count in shared.values()
             for (seconds, _), var in zip(price.values(), variables.values()) if seconds
         )
-        self.problem += weighted_sum(itertools.chain(compute_terms, reshard_terms, sync_terms))
+        hubs: dict[int, list] = {}
+        for e, (outs, ins) in self.hub.items():
+            entry = hubs.setdefault(id(outs), [outs, ins, self.graph.edges[e].price.hub, 0])
+            entry[3] += 1
+        hub_terms = (
+            (count * seconds[spec], var)
+            for outs, ins, hub, count in hubs.values()
+            for variables, seconds in ((outs, hub[0]), (ins, hub[1]))
+            for spec, var in variables.items() if seconds[spec]
+        )
+        self.problem += weighted_sum(itertools.chain(compute_terms, reshard_terms, hub_terms, sync_terms))
 
     def size(self) -> tuple[int, int]:
         return len(self.variables()), self.problem.numConstraints()

@@ -16,6 +16,7 @@ the fallback when a MILP solve fails or runs out of time; the gap to the LP boun
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING
 
@@ -129,7 +130,7 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
             var.varValue = 1.0 if s == choice[name] else 0.0
     # Edges of repeated layers share one y (``ShardingILP.add_edge_constraints``: their ends have
     # equal strategy lists), so one (y, strategy indices) names one transition: look each up once.
-    taken: dict[tuple, tuple[dict, tuple]] = {}
+    taken: dict[tuple, tuple] = {}  # → the variables at 1 of its transition
     for e, variables in ilp.y.items():
         edge = graph.edges[e]
         key = (id(variables), edge.out_index, edge.in_index, choice[edge.producer], choice[edge.consumer])
@@ -137,14 +138,23 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
             continue
         src = graph.choices[edge.producer].strategies[choice[edge.producer]].outs[edge.out_index]
         dst = graph.choices[edge.consumer].strategies[choice[edge.consumer]].ins[edge.in_index]
-        if (src, dst) not in variables:
+        if (src, dst) in variables:
+            taken[key] = (variables[(src, dst)],)
+            continue
+        # Not a pair of its own: through the replicated spec, where the edge has that hub.
+        outs, ins = ilp.hub.get(e, ({}, {}))
+        if src not in outs or dst not in ins:
             return None
-        taken[key] = (variables, (src, dst))
+        taken[key] = (outs[src], ins[dst])
     for variables in {id(variables): variables for variables in ilp.y.values()}.values():
         for var in variables.values():
             var.varValue = 0.0
-    for variables, pair in taken.values():
-        variables[pair].varValue = 1.0
+    for outs, ins in {id(hub[0]): hub for hub in ilp.hub.values()}.values():
+        for var in itertools.chain(outs.values(), ins.values()):
+            var.varValue = 0.0
+    for used in taken.values():
+        for var in used:
+            var.varValue = 1.0
     for key, value in ilp.param_sync_values().items():  # each z at the least its rows allow
         ilp.z[key].varValue = value
     if any(var.varValue is None for var in ilp.variables()):

@@ -1,0 +1,328 @@
+"""The edges of the choice graph and their prices: what resharding a tensor between its producer's
+output spec and its consumer's input spec costs (``cost.comm.transition_cost``).
+
+An edge's price table (``EdgePrices``) answers for any (src, dst) pair, pricing on demand. What
+the ILP sees of it is what it iterates over:
+
+- On meshes of at most two axes larger than 1, every possible pair (``dense``). The ILP gives
+  each its own y variable: the joint distribution of the two ends' specs, exact.
+- On three or more such axes that product is too large (a 4-D activation takes ~200 specs on
+  (8, 2, 4): 40,000 pairs per edge, a million y on LLaMA-3-8B). There it iterates over the
+  *near* pairs (``near_pairs``: one axis changes; or only replicated axes, by local chunks; or
+  the Partial axes and at most one more, to replicated), and carries a *hub* through the
+  replicated spec: the price of each src → R…R and of each R…R → dst. Any other pair is priced
+  in the ILP as the gather to replicated and the local chunk back (``ilp.ShardingILP._add_hub``):
+  an upper bound of its own price, which the plan then reports exactly (``__getitem__``). Pairs
+  into a Partial input that are not near have no route there: the ILP cannot choose them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.fx
+
+from autopar.cost import comm
+from autopar.cost.cluster import ClusterSpec
+from torch.distributed.tensor import Replicate
+
+from autopar.ir.spec import Spec, replicated
+from autopar.rules.registry import normalized_kwargs, tensor_meta
+
+Price = tuple[float, float]  # (seconds forward + backward, bytes sent)
+
+
+class EdgePrices(Mapping):
+    """(src spec, dst spec) → (seconds, bytes sent) of one edge; a missing key is an impossible
+    transition. Iteration yields the pairs the ILP gives variables (all, or the near ones: see
+    the module docstring); with ``price`` (a hub's table), any other pair is priced when asked,
+    and kept. ``hub`` is None (dense or pinned), or the seconds of src → replicated per src spec
+    and of replicated → dst per dst spec."""
+
+    __slots__ = ("table", "hub", "_price", "_asked", "_factor")
+
+    def __init__(self, table: dict[tuple[Spec, Spec], Price], price: Callable[[Spec, Spec], Price | None] | None,
+                 hub: tuple[dict[Spec, float], dict[Spec, float]] | None = None, factor: float = 1.0):
+        self.table = table
+        self.hub = hub
+        self._price = price
+        self._asked: dict[tuple[Spec, Spec], Price | None] = {}
+        self._factor = factor
+
+    def get(self, pair: tuple[Spec, Spec], default=None):
+        found = self.table.get(pair)
+        if found is not None or self._price is None:
+            return default if found is None else found
+        price = self._asked.get(pair, _UNPRICED)
+        if price is _UNPRICED:
+            price = self._price(*pair)
+            price = self._asked[pair] = None if price is None else (price[0] * self._factor, price[1])
+        return default if price is None else price
+
+    def __getitem__(self, pair: tuple[Spec, Spec]) -> Price:
+        price = self.get(pair)
+        if price is None:
+            raise KeyError(pair)
+        return price
+
+    def __contains__(self, pair) -> bool:
+        return self.get(pair) is not None
+
+    def __iter__(self) -> Iterator[tuple[Spec, Spec]]:
+        return iter(self.table)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, EdgePrices):
+            return NotImplemented
+        return self.table == other.table and self.hub == other.hub
+
+    __hash__ = None
+
+    def scaled(self, factor: float) -> "EdgePrices":
+        """The same prices with seconds times ``factor`` (bytes as they are)."""
+        table = {pair: (seconds * factor, sent) for pair, (seconds, sent) in self.table.items()}
+        hub = None if self.hub is None else tuple({spec: s * factor for spec, s in side.items()} for side in self.hub)
+        return EdgePrices(table, self._price, hub, self._factor * factor)
+
+
+@dataclass
+class Edge:
+    producer: str
+    out_index: int
+    consumer: str
+    in_index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    # The tensor must arrive as it is: the consumer writes it in place, or is a getitem, which
+    # only names one output of its producer, or follows its producer (``choices._mark_followers``).
+    no_reshard: bool
+    # (src spec, dst spec) → (seconds, bytes sent); absent = impossible (``EdgePrices``)
+    price: Mapping[tuple[Spec, Spec], Price] = field(default_factory=dict)
+    # The dtype its gradient is reduced in, where not ``dtype`` (a parameter's cast under a
+    # precision policy: its ``reduce_dtype``).
+    grad_dtype: torch.dtype | None = None
+
+
+def uses_hub(mesh_shape: tuple[int, ...]) -> bool:
+    """Whether edges on ``mesh_shape`` give the ILP near pairs and a hub, not every pair."""
+    return sum(size > 1 for size in mesh_shape) >= 3
+
+
+def reduce_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype gradients flowing into ``node`` are reduced in, where a precision policy says
+    (``trace._cast_parameters`` marks the casts of parameters); None: their own dtype."""
+    return node.meta.get("autopar", {}).get("reduce_dtype")
+
+
+class Pricer:
+    """Prices of one (shape, dtype, grad, grad dtype) by spec codes, computed once each: hashing a
+    spec hashes each of its placements, so specs are numbered once (``code``)."""
+
+    def __init__(self, mesh_shape, cluster):
+        self.mesh_shape, self.cluster = mesh_shape, cluster
+        self.codes: dict[Spec, int] = {}
+        self.known: dict[tuple, dict[tuple[int, int], Price | None]] = {}
+
+    def code(self, spec: Spec) -> int:
+        return self.codes.setdefault(spec, len(self.codes))
+
+    def price(self, edge: Edge, src: Spec, dst: Spec, src_code: int, dst_code: int) -> Price | None:
+        known = self.known.setdefault((edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype), {})
+        price = known.get((src_code, dst_code), _UNPRICED)
+        if price is _UNPRICED:
+            cost = comm.transition_cost(src, dst, edge.shape, edge.dtype, self.mesh_shape, self.cluster,
+                                        edge.requires_grad, edge.grad_dtype)
+            price = known[(src_code, dst_code)] = (
+                None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent))
+        return price
+
+    def on_demand(self, edge: Edge) -> Callable[[Spec, Spec], Price | None]:
+        return lambda src, dst: self.price(edge, src, dst, self.code(src), self.code(dst))
+
+
+_UNPRICED = object()
+
+
+def near_pairs(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]]) -> list[tuple[int, int]]:
+    """(i, j) such that ``srcs[i]`` and ``dsts[j]`` differ on at most one mesh axis; or only on
+    axes where the src is replicated (local chunks, free in forward); or, besides the axes where
+    the src is Partial (reductions), on at most one more, which then changes to replicated (a
+    row-parallel linear's (S, S, P) into a sequence-parallel (S, R, S) is one). In the order of
+    ``itertools.product`` (src, then dst)."""
+    if not srcs or not dsts:
+        return []
+    num_axes = len(srcs[0][0])
+    codes: dict = {}
+    def key(spec: Spec) -> tuple[int, ...]:
+        return tuple(codes.setdefault(p, len(codes)) for p in spec)
+    dst_keys = [key(spec) for spec, _ in dsts]
+    replicate = codes.setdefault(Replicate(), len(codes))
+    partials = [sum(1 << axis for axis, placement in enumerate(spec) if placement.is_partial()) for spec, _ in srcs]
+    wholes = [sum(1 << axis for axis, placement in enumerate(spec) if placement.is_replicate()) for spec, _ in srcs]
+    # A dst with the axes of a mask wildcarded -> the dst indices, for each mask a src asks for.
+    buckets: dict[tuple, list[int]] = {}
+    for mask in {partial | 1 << axis for partial in partials for axis in range(num_axes)} | set(wholes):
+        for j, k in enumerate(dst_keys):
+            buckets.setdefault((mask, _wildcard(k, mask)), []).append(j)
+    pairs = []
+    for i, (spec, _) in enumerate(srcs):
+        k, partial = key(spec), partials[i]
+        # Local chunks out of the replicated axes: any of them, and nothing else.
+        found: set[int] = set(buckets.get((wholes[i], _wildcard(k, wholes[i])), ()))
+        for axis in range(num_axes):
+            mask = partial | 1 << axis
+            candidates = buckets.get((mask, _wildcard(k, mask)), ())
+            if mask == partial or not partial:
+                found.update(candidates)
+                continue
+            # Changes on the Partial axes and on ``axis``: to replicated, or ``axis`` alone.
+            for j in candidates:
+                other = dst_keys[j]
+                if other[axis] in (k[axis], replicate) or all(
+                        other[a] == k[a] for a in range(num_axes) if partial >> a & 1):
+                    found.add(j)
+        pairs.extend((i, j) for j in sorted(found))
+    return pairs
+
+
+def _wildcard(key: tuple[int, ...], mask: int) -> tuple[int, ...]:
+    return tuple(-1 if mask >> axis & 1 else code for axis, code in enumerate(key))
+
+
+def price_edges(gm: torch.fx.GraphModule, choices: dict, mesh_shape: tuple[int, ...],
+                cluster: ClusterSpec) -> list[Edge]:
+    """One ``Edge`` per tensor input of every node, with its prices.
+
+    Edges of one shape share prices: one table per (spec lists, shape, dtype, grad, pinned), and
+    one price per (src, dst, shape, dtype, grad) across tables. Spec lists are computed once per
+    strategy list (identical ops share one, see ``choices._op_choice``)."""
+    edges = []
+    tables: dict[tuple, EdgePrices] = {}
+    pricer = Pricer(mesh_shape, cluster)
+    spec_lists: dict[tuple[int, str, int], tuple[Spec, ...]] = {}
+    interned: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
+    list_codes: dict[int, tuple[int, ...]] = {}  # by id of an interned list (``interned`` holds them)
+    hub = uses_hub(mesh_shape)
+
+    def coded(specs: tuple[Spec, ...]) -> list[tuple[Spec, int]]:
+        found = list_codes.get(id(specs))
+        if found is None:
+            found = list_codes[id(specs)] = tuple(pricer.code(spec) for spec in specs)
+        return list(zip(specs, found))
+
+    def specs_of(choice, side: str, index: int) -> tuple[Spec, ...]:
+        key = (id(choice.strategies), side, index)
+        if key not in spec_lists:
+            specs = tuple(choice.out_specs(index) if side == "out" else choice.in_specs(index))
+            # One object per distinct list (every layer's weights have their own strategy
+            # lists), so that the tables below, keyed by identity, are shared between layers.
+            spec_lists[key] = interned.setdefault(specs, specs)
+        return spec_lists[key]
+
+    grad_dtypes = {node.name: reduce_dtype(node) for node in gm.graph.nodes if reduce_dtype(node) is not None}
+    for node in gm.graph.nodes:
+        choice = choices[node.name]
+        if node.op == "placeholder":
+            continue
+        mutated = mutated_inputs(node)
+        for in_index, (producer, out_index) in enumerate(choice.inputs):
+            source = choices[producer]
+            shape, dtype = source.out_shapes[out_index], source.out_dtypes[out_index]
+            pinned = in_index in mutated or node.target is operator.getitem or choice.follower_of == producer
+            edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, pinned,
+                        grad_dtype=grad_dtypes.get(producer))
+            srcs, dsts = specs_of(source, "out", out_index), specs_of(choice, "in", in_index)
+            # By identity: the spec tuples are cached above, and hashing their placements is
+            # most of this loop's time on a deep model.
+            table_key = (id(srcs), id(dsts), shape, dtype, edge.requires_grad, pinned, edge.grad_dtype)
+            if table_key not in tables:
+                tables[table_key] = price_table(edge, coded(srcs), coded(dsts), pricer, hub and not pinned)
+            edge.price = tables[table_key]  # shared, read-only from here on
+            edges.append(edge)
+    return edges
+
+
+def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]], pricer: Pricer,
+                 hub: bool) -> EdgePrices:
+    """The prices of one edge (``EdgePrices``): every pair, only the spec as it is (pinned), or
+    the near pairs and the hub."""
+    if edge.no_reshard:
+        allowed = {spec for spec, _ in dsts}
+        combos = [(pair, pair) for pair in srcs if pair[0] in allowed]
+    elif hub:
+        combos = [(srcs[i], dsts[j]) for i, j in near_pairs(srcs, dsts)]
+    else:
+        combos = itertools.product(srcs, dsts)
+    table = {}
+    for (src, src_code), (dst, dst_code) in combos:
+        price = pricer.price(edge, src, dst, src_code, dst_code)
+        if price is not None:
+            table[(src, dst)] = price
+    via = None
+    if hub:
+        whole = replicated(len(pricer.mesh_shape))
+        whole_code = pricer.code(whole)
+        outs = {src: pricer.price(edge, src, whole, code, whole_code) for src, code in srcs}
+        ins = {dst: pricer.price(edge, whole, dst, whole_code, code) for dst, code in dsts}
+        via = ({spec: price[0] for spec, price in outs.items()},
+               {spec: price[0] for spec, price in ins.items() if price is not None})
+    # Only a hub's table leaves pairs out that may be asked for: a dense one holds every
+    # possible pair, a pinned one every pair it allows (the spec as it is).
+    return EdgePrices(table, pricer.on_demand(edge) if hub else None, via)
+
+
+# Composite ops that write arguments their schema does not mark as written: they update running
+# statistics in place through the native op they call.
+_UNDECLARED_WRITES = {
+    torch.ops.aten.batch_norm.default: {"running_mean", "running_var"},
+    torch.ops.aten.instance_norm.default: {"running_mean", "running_var"},
+}
+
+
+@functools.cache
+def _written_arguments(target: torch._ops.OpOverload) -> frozenset[str]:
+    """Names of the arguments ``target`` writes in place (once per op: every node asks)."""
+    written = {a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    return frozenset(written | _UNDECLARED_WRITES.get(target, set()))
+
+
+def mutated_inputs(node: torch.fx.Node) -> set[int]:
+    """Tensor-input indices that the op writes in place: schema alias info with is_write, plus
+    ``_UNDECLARED_WRITES``. Such an input can never be resharded on its way in, or the write
+    would land in a temporary."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return set()
+    written = _written_arguments(target)
+    if not written:
+        return set()
+    indices, index = set(), 0
+    for name, value in normalized_kwargs(node).items():
+        for leaf in flatten(value):
+            if isinstance(leaf, torch.fx.Node) and tensor_meta(leaf.meta.get("val")):
+                if name in written:
+                    indices.add(index)
+                index += 1
+    return indices
+
+
+def flatten(value) -> list:
+    """The leaves of nested lists, tuples and dicts (an fx node's arguments)."""
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in flatten(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in flatten(v)]
+    return [value]
+
+
+__all__ = ["Edge", "EdgePrices", "Pricer", "price_edges", "price_table", "near_pairs", "uses_hub", "mutated_inputs", "reduce_dtype",
+           "flatten"]
