@@ -256,14 +256,21 @@ def group_rank(group_name: str) -> int:
     return _group(group_name)[1]
 
 
+def _waited(x: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited on: eagerly it is an ``AsyncCollectiveTensor``;
+    where traced, funcol has already put the ``wait_tensor`` in the graph (a second one would
+    be one more call per collective in inductor's code)."""
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
 @_guarded("all-reduce")
 def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group_name))
+    return _waited(funcol.all_reduce(x.contiguous(), "sum", group_name))
 
 
 @_guarded("all-reduce (max)")
 def _all_reduce_max(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "max", group_name))
+    return _waited(funcol.all_reduce(x.contiguous(), "max", group_name))
 
 
 # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single; older torch has only
@@ -274,7 +281,7 @@ _scatter_along = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce
 
 @_guarded("all-gather")
 def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    return funcol.wait_tensor(_gather_along(x.contiguous(), dim, group_name))
+    return _waited(_gather_along(x.contiguous(), dim, group_name))
 
 
 @_guarded("reduce-scatter")
@@ -283,7 +290,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     if _sums_exchanged(group_name) and x.shape[dim] % k == 0:
         received = _exchange_now(_pieces(x, dim, k), group_name)
         return received.sum(0).view(x.chunk(k, dim)[0].shape)
-    return funcol.wait_tensor(_scatter_along(x.contiguous(), "sum", dim, group_name))
+    return _waited(_scatter_along(x.contiguous(), "sum", dim, group_name))
 
 
 # gloo's own reduce-scatter took 1.6-2.1 times as long as one all-to-all followed by a local sum
@@ -300,7 +307,7 @@ def _sums_exchanged(group_name: str) -> bool:
 
 def _exchange_now(pieces: torch.Tensor, group_name: str) -> torch.Tensor:
     """Send row j of ``pieces`` (k rows) to rank j; the rows received, in rank order."""
-    return funcol.wait_tensor(funcol.all_to_all_single(pieces.contiguous(), None, None, group_name))
+    return _waited(funcol.all_to_all_single(pieces.contiguous(), None, None, group_name))
 
 
 def _exchange(pieces: torch.Tensor, group, async_op: bool = False) -> tuple[torch.Tensor, object]:
@@ -524,7 +531,7 @@ class _GatherParam(torch.autograd.Function):
 
 @_guarded("all-to-all (rows)")
 def _all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), group_name))
+    return _waited(funcol.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), group_name))
 
 
 class _AllToAllRows(torch.autograd.Function):

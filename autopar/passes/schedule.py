@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 from typing import Mapping, Sequence
 
@@ -47,6 +46,7 @@ from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets, ParamGathers, Slot, make_buckets
+from autopar.passes.inductor_comm import bucket_pass
 
 GRAD_BUCKETS = "grad_buckets"
 PARAM_GATHERS = "param_gathers"
@@ -202,27 +202,17 @@ def schedule_in_graph(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str
     return gm
 
 
-def _bucket_mb(cap_bytes: int, first_cap_bytes: int | None, bucket_index: int) -> float:
-    return (first_cap_bytes if first_cap_bytes is not None and bucket_index == 0 else cap_bytes) / 2**20
-
-
-def inductor_options(options: CommOptions | None = None) -> dict[str, object]:
-    """Inductor's settings for the compiled mode: its FX bucketing of all-reduces, all-gathers and
-    reduce-scatters, capped as ``CommOptions`` caps the eager buckets, and its reordering of
-    collectives and their waits around compute (the prefetch of gathers and the overlap of
-    gradient reductions)."""
+def inductor_options(options: CommOptions | None = None, exchange_sums: bool = False) -> dict[str, object]:
+    """Inductor's settings for the compiled mode: the bucketing of all-reduces, all-gathers and
+    reduce-scatters, capped as ``CommOptions`` caps the eager buckets (``passes.inductor_comm``;
+    with ``exchange_sums``, gloo's, reduce-scatters run as an all-to-all and a sum), and
+    inductor's reordering of collectives and their waits around compute (the prefetch of
+    gathers and the overlap of gradient reductions)."""
     options = options or CommOptions()
     if not options.enabled:
         return {}
-    reduce_caps = functools.partial(_bucket_mb, options.bucket_cap_bytes, options.first_bucket_cap_bytes)
-    gather_caps = functools.partial(_bucket_mb, max(options.gather_group_bytes, 1), None)
     return {
-        "bucket_all_reduces_fx": "all",
-        "bucket_all_reduces_fx_bucket_size_determinator": reduce_caps,
-        "bucket_reduce_scatters_fx": "all",
-        "bucket_reduce_scatters_fx_bucket_size_determinator": reduce_caps,
-        "bucket_all_gathers_fx": "all",
-        "bucket_all_gathers_fx_bucket_size_determinator": gather_caps,
+        "post_grad_custom_post_pass": bucket_pass(options, exchange_sums),
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": [
             "reorder_communication_preserving_peak_memory", "sink_waits_iterative",

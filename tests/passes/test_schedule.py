@@ -185,8 +185,40 @@ def test_in_graph_schedule_keeps_ddp_gradient_all_reduces_for_inductor_to_bucket
 def test_inductor_options_size_buckets_from_comm_options():
     from autopar.passes.schedule import inductor_options
 
-    opts = inductor_options(CommOptions(bucket_cap_bytes=8 * 2**20, first_bucket_cap_bytes=2**20))
-    assert opts["bucket_all_reduces_fx"] == "all" and opts["reorder_for_compute_comm_overlap"]
-    caps = opts["bucket_all_reduces_fx_bucket_size_determinator"]
-    assert (caps(0), caps(1), caps(5)) == (1.0, 8.0, 8.0)
+    opts = inductor_options(CommOptions(bucket_cap_bytes=8 * 2**20, first_bucket_cap_bytes=2**20), exchange_sums=True)
+    bucketing = opts["post_grad_custom_post_pass"]
+    assert opts["reorder_for_compute_comm_overlap"] and bucketing.exchange_sums
+    assert bucketing.caps == (2**20, 8 * 2**20) and bucketing.gather_cap == CommOptions().gather_group_bytes
+    assert bucketing.uuid() != inductor_options(CommOptions())["post_grad_custom_post_pass"].uuid()
     assert inductor_options(CommOptions(enabled=False)) == {}
+
+
+def test_buckets_take_each_buckets_cap_and_cut_at_dependences():
+    """torch 2.13's own greedy bucketing caps every bucket at bucket 0's size; ours cuts the first
+    at caps[0] and the rest at caps[1], and starts a new bucket where a collective depends on the
+    one being filled (whose output it would have to wait for)."""
+    from torch._inductor.fx_passes import bucketing
+
+    from autopar.passes.inductor_comm import _KINDS, buckets
+
+    c10d = torch.ops._c10d_functional
+    graph = torch.fx.Graph()
+    grads = [graph.placeholder(f"g{i}") for i in range(5)]
+    sizes = [2**18, 2**18, 2**20, 2**20, 2**18]  # elements of fp32: 1, 1, 4, 4, 1 MiB
+    waited = []
+    for i, (grad, numel) in enumerate(zip(grads, sizes)):
+        grad.meta["val"] = torch.empty(numel, device="meta")
+        source = grad if i != 4 else graph.call_function(torch.ops.aten.add.Tensor, (grad, waited[3]))
+        source.meta["val"] = grad.meta["val"]
+        reduce = graph.call_function(c10d.all_reduce.default, (source, "sum", "g"))
+        reduce.meta["val"] = grad.meta["val"]
+        wait = graph.call_function(c10d.wait_tensor.default, (reduce,))
+        wait.meta["val"] = grad.meta["val"]
+        waited.append(wait)
+    graph.output(tuple(waited))
+    is_kind, key, _ = _KINDS["all_reduce"]
+    got = buckets(graph, is_kind, key, (2 * 2**20, 8 * 2**20))
+    names = [[node.args[0].name if node.args[0].op == "placeholder" else "g4" for node in bucket] for bucket in got]
+    # 2 MiB: g0+g1; 8 MiB: g2+g3; g4 reads g3's reduced value: a bucket of its own (dropped: alone)
+    assert names == [["g0", "g1"], ["g2", "g3"]], names
+    assert all(bucketing.is_all_reduce_tensor(node) for bucket in got for node in bucket)
