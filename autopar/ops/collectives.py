@@ -300,8 +300,9 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 # buffer of the input's size until the sum (priced by ``cost.liveness`` where the cluster's
 # collectives are gloo's). NCCL keeps its own.
 def _sums_exchanged(group_name: str) -> bool:
-    """Whether reduce-scatters on the group run as an all-to-all and a local sum (gloo). Not
-    where traced: inductor buckets functional reduce-scatters, not all-to-alls."""
+    """Whether reduce-scatters on the group run as an all-to-all and a local sum (gloo). Where
+    traced they stay reduce-scatters, which inductor buckets; the compiled mode's bucketing pass
+    then makes each bucket the same all-to-all and sum (``passes.inductor_comm``)."""
     return _group(group_name)[2] == "gloo" and not torch.compiler.is_compiling()
 
 

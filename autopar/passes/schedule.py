@@ -25,9 +25,10 @@ same merging (``solver.comm_schedule``).
 Under ``compiler="inductor"`` ``schedule_in_graph`` runs instead: the schedule stays in the
 graph, where the compiler sees it. Each ``all_gather`` → ``allreduce_grad`` pair of a sharded
 parameter becomes one ``gather_param`` (all-gather forward, reduce-scatter backward: FSDP's pair);
-DDP's ``allreduce_grad`` chains stay (all-reduce in backward). Inductor's own passes then bucket
-these functional collectives and move their waits behind compute (``inductor_options``, sized by
-the same ``CommOptions``).
+DDP's ``allreduce_grad`` chains stay (all-reduce in backward). A post-grad pass then buckets
+these functional collectives (``passes.inductor_comm``, sized by the same ``CommOptions``) and
+inductor moves their waits behind compute (``inductor_options``). Gathered parameters stay
+alive from forward to backward there: ``reshard_after_forward`` is not carried out yet.
 """
 
 from __future__ import annotations
