@@ -86,7 +86,7 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
     gm.add_submodule(GRAD_BUCKETS, torch.nn.Module())
     gm.add_submodule(PARAM_GATHERS, torch.nn.Module())
     reduce_slots: list[tuple[int, Slot]] = []
-    gathers: list[tuple[int, str, str, int, int]] = []
+    gathers: list[tuple[int, str, str, int, int, str, torch.dtype]] = []
     size_of = {name: math.prod(plan.mesh_shape[i] for i, g in enumerate(groups) if g == name) for name in groups}
     offloaded = set(plan.memory.offloaded("param")) if plan.memory is not None else set()
     _sync_lookups_at_the_table(graph, {name for name, fqn in fqns.items() if fqn not in offloaded})
@@ -98,57 +98,82 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
         if not isinstance(val, torch.Tensor):
             continue
         local = local_shape(tuple(val.shape), plan.params[fqns[placeholder.name]], plan.mesh_shape)
-        synced: dict[tuple[str, ...], list[list[torch.fx.Node]]] = {}
-        gathered: dict[tuple[int, str], list[tuple[torch.fx.Node, torch.fx.Node]]] = {}
-        for user in list(placeholder.users):
-            chain, chain_groups = _grad_chain(user)
-            if chain:
-                synced.setdefault(chain_groups, []).append(chain)
-                continue
-            if _is(user, collectives.all_gather) and len(user.args) == 3 and len(user.users) == 1:
-                (after,) = user.users
-                chain, chain_groups = _grad_chain(after)
-                if chain_groups == (user.args[2],):  # partial gradient: reduce-scatter it
-                    gathered.setdefault((user.args[1], user.args[2], True), []).append((user, chain[-1]))
-                elif not chain:  # whole gradient on every rank: keep the local chunk
-                    gathered.setdefault((user.args[1], user.args[2], False), []).append((user, user))
+        synced, gathered = _param_uses(placeholder)
         if len(synced) == 1:  # one set of axes for every synced use (else: keep per-use collectives)
             ((chain_groups, chains),) = synced.items()
-            first = min(order[chain[0]] for chain in chains)
-            with graph.inserting_after(placeholder):
-                node = graph.call_module(GRAD_BUCKETS, (placeholder,), {"key": placeholder.name})
-            node.meta = dict(placeholder.meta)
-            slot_dtype = _reduce_dtype(chains[0], val)
-            for chain in chains:
-                chain[-1].replace_all_uses_with(node)
-                for dead in reversed(chain):
-                    graph.erase_node(dead)
+            first, slot_dtype = _merge_synced(graph, placeholder, chains, order)
             reduce_slots.append((first, Slot(placeholder.name, "all_reduce", local, slot_dtype, chain_groups)))
         if len(gathered) == 1 and not synced:
             (((dim, group, reduce), pairs),) = gathered.items()
-            first_use = min(pairs, key=lambda pair: order[pair[0]])[0]
-            with graph.inserting_before(first_use):
-                node = graph.call_module(PARAM_GATHERS, (placeholder,), {"key": placeholder.name})
-            node.meta = dict(first_use.meta)
-            slot_dtype = _reduce_dtype(_grad_chain(next(iter(pairs[0][0].users)))[0], val) if reduce else val.dtype
-            for gather, last in pairs:
-                last.replace_all_uses_with(node)
-                if reduce:
-                    chain, _ = _grad_chain(next(iter(gather.users)))
-                    for dead in reversed(chain):
-                        graph.erase_node(dead)
-                    graph.erase_node(gather)
-                elif gather is not last:
-                    raise AssertionError("unreduced gather has no gradient chain")
-                else:
-                    graph.erase_node(gather)
+            first, slot_dtype = _merge_gathered(graph, placeholder, pairs, reduce, order)
             whole = tuple(s * size_of[group] if d == dim else s for d, s in enumerate(local))
             if reduce:
-                reduce_slots.append((order[first_use], Slot(placeholder.name, "reduce_scatter", whole, slot_dtype,
-                                                            (group,), dim)))
-            gathers.append((order[first_use], placeholder.name, group, dim, math.prod(whole) * val.dtype.itemsize,
+                reduce_slots.append((first, Slot(placeholder.name, "reduce_scatter", whole, slot_dtype, (group,), dim)))
+            gathers.append((first, placeholder.name, group, dim, math.prod(whole) * val.dtype.itemsize,
                             param_layer(fqns[placeholder.name]), val.dtype))
-    gathers.sort()
+    _install_schedule(gm, reduce_slots, sorted(gathers), options)
+    return gm
+
+
+def _param_uses(placeholder: torch.fx.Node) -> tuple[dict, dict]:
+    """A parameter's uses by their collectives: ``allreduce_grad`` chains by their groups, and
+    ``all_gather`` → ``allreduce_grad`` pairs by (dim, group, whether the gradient is reduced)."""
+    synced: dict[tuple[str, ...], list[list[torch.fx.Node]]] = {}
+    gathered: dict[tuple[int, str, bool], list[tuple[torch.fx.Node, torch.fx.Node]]] = {}
+    for user in list(placeholder.users):
+        chain, chain_groups = _grad_chain(user)
+        if chain:
+            synced.setdefault(chain_groups, []).append(chain)
+            continue
+        if _is(user, collectives.all_gather) and len(user.args) == 3 and len(user.users) == 1:
+            (after,) = user.users
+            chain, chain_groups = _grad_chain(after)
+            if chain_groups == (user.args[2],):  # partial gradient: reduce-scatter it
+                gathered.setdefault((user.args[1], user.args[2], True), []).append((user, chain[-1]))
+            elif not chain:  # whole gradient on every rank: keep the local chunk
+                gathered.setdefault((user.args[1], user.args[2], False), []).append((user, user))
+    return synced, gathered
+
+
+def _merge_synced(graph: torch.fx.Graph, placeholder: torch.fx.Node, chains: list[list[torch.fx.Node]],
+                  order: Mapping[torch.fx.Node, int]) -> tuple[int, torch.dtype]:
+    """One ``grad_buckets`` node for every synced use; (where the first use was, the slot's dtype)."""
+    first = min(order[chain[0]] for chain in chains)
+    with graph.inserting_after(placeholder):
+        node = graph.call_module(GRAD_BUCKETS, (placeholder,), {"key": placeholder.name})
+    node.meta = dict(placeholder.meta)
+    slot_dtype = _reduce_dtype(chains[0], placeholder.meta["val"])
+    for chain in chains:
+        chain[-1].replace_all_uses_with(node)
+        for dead in reversed(chain):
+            graph.erase_node(dead)
+    return first, slot_dtype
+
+
+def _merge_gathered(graph: torch.fx.Graph, placeholder: torch.fx.Node, pairs: list[tuple[torch.fx.Node, torch.fx.Node]],
+                    reduce: bool, order: Mapping[torch.fx.Node, int]) -> tuple[int, torch.dtype]:
+    """One ``param_gathers`` node before the first gathered use; (its place, the slot's dtype)."""
+    val = placeholder.meta["val"]
+    first_use = min(pairs, key=lambda pair: order[pair[0]])[0]
+    with graph.inserting_before(first_use):
+        node = graph.call_module(PARAM_GATHERS, (placeholder,), {"key": placeholder.name})
+    node.meta = dict(first_use.meta)
+    slot_dtype = _reduce_dtype(_grad_chain(next(iter(pairs[0][0].users)))[0], val) if reduce else val.dtype
+    for gather, last in pairs:
+        last.replace_all_uses_with(node)
+        if reduce:
+            chain, _ = _grad_chain(next(iter(gather.users)))
+            for dead in reversed(chain):
+                graph.erase_node(dead)
+        elif gather is not last:
+            raise AssertionError("unreduced gather has no gradient chain")
+        graph.erase_node(gather)
+    return order[first_use], slot_dtype
+
+
+def _install_schedule(gm: torch.fx.GraphModule, reduce_slots: list[tuple[int, Slot]], gathers: list[tuple],
+                      options: CommOptions) -> None:
+    """Size the real ``GradBuckets`` and ``ParamGathers`` modules (``gathers`` in forward order)."""
     groups_of_keys = gather_groups([(key, layer, (group, dtype), nbytes) for _, key, group, _, nbytes, layer, dtype in gathers],
                                    options.gather_group_bytes)
     # A reduce-scatter bucket stays inside one gather group (ops.buckets: its input is freed
@@ -168,7 +193,6 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
         delattr(gm, GRAD_BUCKETS)
     if not gathers:
         delattr(gm, PARAM_GATHERS)
-    return gm
 
 
 def schedule_in_graph(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str] = (),
