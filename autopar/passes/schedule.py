@@ -206,6 +206,7 @@ def schedule_in_graph(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str
     graph = gm.graph
     _sync_lookups_at_the_table(graph, set(fqns))
     for placeholder in [n for n in graph.nodes if n.op == "placeholder" and n.name in fqns]:
+        _one_sync_per_param(graph, placeholder)
         for gather in list(placeholder.users):
             if not (_is(gather, collectives.all_gather) and len(gather.args) == 3 and len(gather.users) == 1):
                 continue
@@ -225,6 +226,36 @@ def schedule_in_graph(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str
             graph.erase_node(chain[0])
             graph.erase_node(gather)
     return gm
+
+
+def _one_sync_per_param(graph: torch.fx.Graph, placeholder: torch.fx.Node) -> None:
+    """A parameter used more than once (a tied embedding and head) with the same
+    ``allreduce_grad`` chain on each use gets one chain for all of them: its gradient is summed
+    over the uses, then reduced once, as the eager schedule's one bucket slot per parameter
+    does, instead of one all-reduce of the whole gradient per use."""
+    chains: dict[tuple, list[list[torch.fx.Node]]] = {}
+    for user in list(placeholder.users):
+        chain, chain_groups = _grad_chain(user)
+        if chain:
+            chains.setdefault((chain_groups, tuple(node.kwargs.get("reduce_dtype") for node in chain)), []).append(chain)
+    if len(chains) != 1 or len(next(iter(chains.values()))) < 2:
+        return
+    (kept, *others), = chains.values()
+    for chain in others:
+        chain[-1].replace_all_uses_with(kept[-1])
+        for dead in reversed(chain):
+            graph.erase_node(dead)
+    # the kept chain must come before every use it now feeds
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    with graph.inserting_before(min(kept[-1].users, key=order.__getitem__)):
+        previous = placeholder
+        for node in kept:
+            moved = graph.call_function(node.target, (previous,) + tuple(node.args[1:]), dict(node.kwargs))
+            moved.meta = dict(node.meta)
+            previous = moved
+    kept[-1].replace_all_uses_with(previous)
+    for dead in reversed(kept):
+        graph.erase_node(dead)
 
 
 def inductor_options(options: CommOptions | None = None, exchange_sums: bool = False) -> dict[str, object]:

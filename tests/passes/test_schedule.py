@@ -180,6 +180,10 @@ def test_in_graph_schedule_keeps_ddp_gradient_all_reduces_for_inductor_to_bucket
     params = {gi.name for gi in traced.inputs if gi.kind == "param"}
     synced = [n for n in _param_collectives(gm, params) if n.target is collectives.allreduce_grad]
     assert synced and not any(n.op == "call_module" for n in gm.graph.nodes)
+    # one all-reduce per parameter: the tied embedding and head share one (their gradients summed
+    # first, as the eager schedule's one bucket slot does), not one of the whole table per use
+    per_param = [n.args[0].name for n in synced]
+    assert len(per_param) == len(set(per_param)) and "p_lm_head_weight" in per_param, sorted(per_param)
 
 
 def test_inductor_options_size_buckets_from_comm_options():
