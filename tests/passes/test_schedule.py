@@ -203,7 +203,7 @@ def test_buckets_take_each_buckets_cap_and_cut_at_dependences():
     one being filled (whose output it would have to wait for)."""
     from torch._inductor.fx_passes import bucketing
 
-    from autopar.passes.inductor_comm import _KINDS, buckets
+    from autopar.passes.inductor_comm import KINDS, buckets
 
     c10d = torch.ops._c10d_functional
     graph = torch.fx.Graph()
@@ -220,7 +220,7 @@ def test_buckets_take_each_buckets_cap_and_cut_at_dependences():
         wait.meta["val"] = grad.meta["val"]
         waited.append(wait)
     graph.output(tuple(waited))
-    is_kind, key, _ = _KINDS["all_reduce"]
+    is_kind, key, _ = KINDS["all_reduce"]
     got = buckets(graph, is_kind, key, (2 * 2**20, 8 * 2**20))
     names = [[node.args[0].name if node.args[0].op == "placeholder" else "g4" for node in bucket] for bucket in got]
     # 2 MiB: g0+g1; 8 MiB: g2+g3; g4 reads g3's reduced value: a bucket of its own (dropped: alone)
