@@ -35,7 +35,7 @@ from autopar.ir.plan import Plan, validate_plan_json
 from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.runtime.compiled import check_compiler, graph_runner
 from autopar.runtime.modes import mode_name, pinned_placements
-from autopar.solver import solve
+from autopar.solver.planners.sharding import solve_unexplained
 from autopar.solver.planners.data import with_data_layout
 from autopar.trace import TracedModel, trace, trace_repeated
 from autopar.solver.pricing import symbolic
@@ -148,7 +148,7 @@ def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_
                             "with mesh='auto': the mesh search plans sharding only; pass a mesh such as (2, 4) to "
                             "plan checkpointing and offload")
         traced = _trace(model, example_inputs, example_kwargs, options.precision)
-        return search_mesh(traced, options.devices, cluster, options, plan_traced, on_progress=on_progress)
+        return search_mesh(traced, options.devices, cluster, options, plan_traced_unexplained, on_progress=on_progress)
     mesh_shape = _mesh_shape(mesh)
     check_mesh_devices(mesh_shape, options.devices)
     traced = _trace(model, example_inputs, example_kwargs, options.precision)
@@ -260,11 +260,22 @@ def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: Clust
     """Plan an already traced model on one mesh (``autopar.plan`` without the tracing).
     ``forced`` pins placeholders' specs and ``data_axes`` the batch-splitting axes (another mode's
     graph of a compiled module: ``runtime.modes``)."""
+    plan, explained = plan_traced_unexplained(traced, mesh_shape, cluster, options, forced, data_axes)
+    return explained(plan)
+
+
+@quiet_gc()
+def plan_traced_unexplained(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec,
+                            options: PlanOptions, forced: dict[str, Any] | None = None,
+                            data_axes: tuple[int, ...] | None = None) -> tuple[Plan, Callable[[Plan], Plan]]:
+    """``plan_traced`` as (plan without its decisions, the function that explains them:
+    ``solver.planners.sharding.solve_unexplained``), for the mesh search, which explains only the
+    mesh it chooses."""
     start = time.perf_counter()
-    result = solve(traced, mesh_shape, cluster, options, forced=forced)
+    result, explained = solve_unexplained(traced, mesh_shape, cluster, options, forced=forced)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     result = dataclasses.replace(result, predicted=dataclasses.replace(result.predicted, executor=cluster.executor))
-    return _with_notes(traced, with_data_layout(result, traced, options.data, axes=data_axes))
+    return _with_notes(traced, with_data_layout(result, traced, options.data, axes=data_axes)), explained
 
 
 def priced_for(cluster: ClusterSpec, compiler: str | None) -> ClusterSpec:

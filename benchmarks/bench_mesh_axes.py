@@ -64,7 +64,7 @@ def main() -> int:
     for label, shape in runs:
         wall, cpu = time.perf_counter(), time.process_time()
         if shape is None:
-            plan = search_mesh(traced, args.devices, cluster, options, api.plan_traced,
+            plan = search_mesh(traced, args.devices, cluster, options, api.plan_traced_unexplained,
                                on_progress=lambda text: print("  " + text, flush=True))
             label = "x".join(map(str, plan.mesh_shape))
         else:

@@ -7,7 +7,7 @@ import math
 import pytest
 
 import autopar
-from autopar.api import plan_traced
+from autopar.api import plan_traced_unexplained
 from autopar.ir.options import PlanOptions
 from autopar.cost.cluster import get_cluster
 from autopar.solver.planners.mesh_search import mesh_candidates, mesh_search_text, search_mesh
@@ -40,6 +40,8 @@ def test_search_picks_the_fastest_and_lists_every_mesh():
     for row in rows:
         alone = autopar.plan(model, tuple(row["mesh"]), example_inputs=batch, cluster="h100-80g")
         assert alone.predicted.step_time_s == pytest.approx(row["step_time_s"], rel=1e-12)
+        if tuple(row["mesh"]) == best.mesh_shape:  # only the chosen mesh is explained, as when planned alone
+            assert best.decisions and best.decisions == alone.decisions
     text = mesh_search_text(rows)
     assert "<- chosen" in text and "2x2" in text
     # The search table is a fact of the run, not part of the plan file.
@@ -54,7 +56,7 @@ def test_infeasible_meshes_are_listed():
     cluster = get_cluster("cpu")
     free = autopar.plan(model, (6,), example_inputs=batch, cluster="cpu")
     budget = free.predicted.peak_memory_bytes * 0.9
-    best = search_mesh(traced, 6, cluster, PlanOptions.from_keywords(memory_budget=budget), plan_traced)
+    best = search_mesh(traced, 6, cluster, PlanOptions.from_keywords(memory_budget=budget), plan_traced_unexplained)
     rows = {tuple(r["mesh"]): r for r in best.stats["mesh_search"]}
     assert set(rows) == {(6,), (2, 3), (3, 2)}
     assert rows[(6,)]["status"] == "infeasible" and "memory_budget" in rows[(6,)]["reason"]
@@ -62,7 +64,7 @@ def test_infeasible_meshes_are_listed():
     assert best.stats["mesh_search"][-1]["status"] == "infeasible"
     assert "infeasible" in mesh_search_text(best.stats["mesh_search"])
     with pytest.raises(autopar.InfeasibleError, match="no mesh of 6 devices"):
-        search_mesh(traced, 6, cluster, PlanOptions.from_keywords(memory_budget=1024), plan_traced)
+        search_mesh(traced, 6, cluster, PlanOptions.from_keywords(memory_budget=1024), plan_traced_unexplained)
 
 
 def test_auto_needs_devices_and_mesh_must_match_devices():

@@ -56,16 +56,18 @@ def search_mesh(
     num_devices: int,
     cluster: ClusterSpec,
     options: PlanOptions,
-    plan_one: Callable[[TracedModel, tuple[int, ...], ClusterSpec, PlanOptions], Plan],
+    plan_one: Callable[[TracedModel, tuple[int, ...], ClusterSpec, PlanOptions], tuple[Plan, Callable[[Plan], Plan]]],
     *,
     on_progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """The fastest plan over ``mesh_candidates(num_devices)``; its ``stats["mesh_search"]`` holds
     the table of every candidate (``mesh``, ``status``, ``step_time_s``, ``peak_memory_bytes``,
     ``plan_time_s``, ``reason``), fastest first, infeasible ones last. ``plan_one`` plans one mesh
-    (``autopar.api.plan_traced``); ``options.max_axes`` bounds the meshes' axes."""
+    (``autopar.api.plan_traced_unexplained``): (its plan without decisions, the function that
+    explains them), which runs for the chosen plan alone; ``options.max_axes`` bounds the meshes' axes."""
     rows: list[dict[str, Any]] = []
     best: Plan | None = None
+    explain_best: Callable[[Plan], Plan] | None = None
     best_row: dict[str, Any] = {}
     candidates = mesh_candidates(num_devices, options.max_axes)
     for number, shape in enumerate(candidates, 1):
@@ -80,7 +82,7 @@ def search_mesh(
         gc.collect()
         start = time.perf_counter()
         try:
-            plan = plan_one(traced, shape, cluster, options)
+            plan, explained = plan_one(traced, shape, cluster, options)
         except InfeasibleError as error:
             reason = str(error).splitlines()[0]
             rows.append({"mesh": list(shape), "status": "infeasible", "step_time_s": None,
@@ -90,7 +92,8 @@ def search_mesh(
                      "peak_memory_bytes": plan.predicted.peak_memory_bytes,
                      "plan_time_s": time.perf_counter() - start, "reason": ""})
         if best is None or _rank(rows[-1]) < _rank(best_row):
-            best, best_row = plan, rows[-1]
+            best, best_row, explain_best = plan, rows[-1], explained
+        del plan, explained  # a plan not kept lets its choice graph go at the next collection
     rows.sort(key=_rank)
     if best is None:
         raise InfeasibleError(
@@ -98,7 +101,7 @@ def search_mesh(
             f"has a plan within memory_budget={options.memory.budget}: {rows[0]['reason']}"
         )
     log.info("autopar: mesh search chose %s of %d candidates", best.mesh_shape, len(rows))
-    return dataclasses.replace(best, stats={**best.stats, "mesh_search": rows})
+    return dataclasses.replace(explain_best(best), stats={**best.stats, "mesh_search": rows})
 
 
 def _rank(row: dict[str, Any]) -> tuple:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -33,7 +34,7 @@ from autopar.solver.planners.memory_plan import plan_memory
 
 log = logging.getLogger("autopar")
 
-__all__ = ["solve", "plan_from_solution", "predicted_step_s"]
+__all__ = ["solve", "solve_unexplained", "plan_from_solution", "predicted_step_s"]
 
 
 def solve(
@@ -45,7 +46,26 @@ def solve(
     forced: dict[str, Spec | str] | None = None,
     zero_stage: int = 0,
 ) -> Plan:
-    """Plan ``traced`` on ``mesh_shape`` under ``options`` (``autopar.plan``'s, whole; None: its
+    """``solve_unexplained``'s plan with its decisions explained (``plan.decisions``)."""
+    plan, explained = solve_unexplained(traced, mesh_shape, cluster, options, forced=forced, zero_stage=zero_stage)
+    return explained(plan)
+
+
+def solve_unexplained(
+    traced: TracedModel,
+    mesh_shape: Sequence[int],
+    cluster: ClusterSpec,
+    options: PlanOptions | None = None,
+    *,
+    forced: dict[str, Spec | str] | None = None,
+    zero_stage: int = 0,
+) -> tuple[Plan, Callable[[Plan], Plan]]:
+    """(plan, explained): the plan without its ``decisions``, and a function that gives a plan
+    (this one, or one derived from it) those decisions, the runner-up of each choice
+    (``solver.pricing.runner_ups``), which only a plan that is kept needs (a mesh search
+    explains its chosen mesh alone). ``explained`` holds the choice graph while it lives.
+
+    Plan ``traced`` on ``mesh_shape`` under ``options`` (``autopar.plan``'s, whole; None: its
     defaults), translated here once. ``options.solve.solver`` is "auto", "highs" or "cbc" (see
     ``solver.strategies.backends``); ``options.solve.time_limit_s`` bounds the solve, after which
     the best plan found (or a rounded / greedy fallback) is returned with its gap to the LP bound.
@@ -79,10 +99,16 @@ def solve(
     plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts)
     if memory is not None:
         plan = _with_memory(plan, *memory)
+    return (dataclasses.replace(plan, precision=precision),
+            functools.partial(_explained, graph, solution, cluster, settings.memory_budget))
+
+
+def _explained(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec, memory_budget: float | None,
+               plan: Plan) -> Plan:
     start = time.perf_counter()
-    decisions = explain_decisions(graph, solution, cluster, settings.memory_budget)
+    decisions = explain_decisions(graph, solution, cluster, memory_budget)
     log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
-    return dataclasses.replace(plan, decisions=decisions, precision=precision)
+    return dataclasses.replace(plan, decisions=decisions)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
