@@ -79,6 +79,13 @@ class EdgePrices(Mapping):
     def __len__(self) -> int:
         return len(self.table)
 
+    # What iteration yields, read straight from the table (``Mapping``'s own look each key up).
+    def values(self):
+        return self.table.values()
+
+    def items(self):
+        return self.table.items()
+
     def __eq__(self, other) -> bool:
         if not isinstance(other, EdgePrices):
             return NotImplemented

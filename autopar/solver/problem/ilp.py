@@ -83,6 +83,7 @@ choice can be traced back to the family that forced it.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -200,15 +201,10 @@ class ShardingILP:
                 continue
             producer = self.graph.choices[edge.producer]
             self.y[e] = {
-                pair: pulp.LpVariable(f"y_{e}_{k}", lowBound=0, upBound=1)
-                for k, pair in enumerate(edge.price)  # in spec order, which is deterministic
+                pair: _variable(f"y_{e}_{k}") for k, pair in enumerate(edge.price)  # in spec order, which is deterministic
             }
             # Group once, so each family is linear in the number of y and x terms.
-            y_out: dict[Spec, list] = {}
-            y_in: dict[Spec, list] = {}
-            for (src, dst), var in self.y[e].items():
-                y_out.setdefault(src, []).append(var)
-                y_in.setdefault(dst, []).append(var)
+            y_out, y_in = _by_spec(self.y[e])
             self._add_hub(e, edge, y_out, y_in)
             x_out: dict[Spec, list] = {}
             for s, strategy in enumerate(producer.strategies):
@@ -228,8 +224,8 @@ class ShardingILP:
         hub = getattr(edge.price, "hub", None)
         if hub is None:
             return
-        outs = {spec: pulp.LpVariable(f"h_{e}_o{k}", lowBound=0, upBound=1) for k, spec in enumerate(hub[0])}
-        ins = {spec: pulp.LpVariable(f"h_{e}_i{k}", lowBound=0, upBound=1) for k, spec in enumerate(hub[1])}
+        outs = {spec: _variable(f"h_{e}_o{k}") for k, spec in enumerate(hub[0])}
+        ins = {spec: _variable(f"h_{e}_i{k}") for k, spec in enumerate(hub[1])}
         self.hub[e] = (outs, ins)
         for spec, var in outs.items():
             y_out.setdefault(spec, []).append(var)
@@ -551,6 +547,51 @@ class _MemoryTerms:
         used = used[used != 0]
         coefs = dict(zip([self.variables[slot] for slot in used], total[used].tolist()))
         return pulp.LpAffineExpression(coefs, constant=float(total[0]))
+
+
+def _by_spec(y: dict[tuple[Spec, Spec], pulp.LpVariable]) -> tuple[dict[Spec, list], dict[Spec, list]]:
+    """y's variables grouped by src spec and by dst spec, each group in y's order. Hashing a spec
+    hashes each of its placements in Python (torch's ``__hash__``), a third of building a 3-axis
+    ILP when done per y: the pairs are grouped by the identity of their spec objects first (the
+    price tables reuse a handful), and those groups merged by spec."""
+    out_ids: dict[int, tuple[Spec, list]] = {}
+    in_ids: dict[int, tuple[Spec, list]] = {}
+    for (src, dst), var in y.items():
+        found = out_ids.get(id(src))
+        if found is None:
+            found = out_ids[id(src)] = (src, [])
+        found[1].append(var)
+        found = in_ids.get(id(dst))
+        if found is None:
+            found = in_ids[id(dst)] = (dst, [])
+        found[1].append(var)
+    return _merged(out_ids.values(), y), _merged(in_ids.values(), y)
+
+
+def _merged(groups, y: dict) -> dict[Spec, list]:
+    merged: dict[Spec, list] = {}
+    split: set[Spec] = set()
+    for spec, variables in groups:
+        if spec in merged:
+            merged[spec] += variables
+            split.add(spec)
+        else:
+            merged[spec] = variables
+    if split:  # equal specs held by other objects: back into y's order, as the rows were always written
+        position = {id(var): k for k, var in enumerate(y.values())}
+        for spec in split:
+            merged[spec].sort(key=lambda var: position[id(var)])
+    return merged
+
+
+# PuLP 3 warns once per variable built with ``LpVariable(...)`` (deprecated for PuLP 4); where it
+# takes ``_skip_v4_deprecation`` the warning (muted here anyway) is not built for each of 10^5 y.
+_QUIET = {"_skip_v4_deprecation": True} if "_skip_v4_deprecation" in inspect.signature(pulp.LpVariable).parameters else {}
+
+
+def _variable(name: str) -> pulp.LpVariable:
+    """A continuous variable in [0, 1]."""
+    return pulp.LpVariable(name, lowBound=0, upBound=1, **_QUIET)
 
 
 def _linear(terms) -> dict:
