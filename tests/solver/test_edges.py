@@ -23,15 +23,19 @@ def _near(srcs, dsts) -> set[tuple]:
 
 
 def test_near_pairs_change_one_axis_reduce_partials_or_chunk_replicated_axes():
-    srcs = [(S(0), S(1), R), (S(0), P, P), (S(0), S(2), P), (R, R, S(0))]
+    srcs = [(S(0), S(1), R), (S(0), P, P), (S(0), S(2), P), (R, R, S(0)), (S(2), S(2), P)]
     dsts = [(S(0), S(1), R), (S(1), S(0), R), (S(0), R, S(1)), (S(0), S(1), S(2)), (R, S(1), S(0)),
-            (S(1), S(1), S(0)), (R, R, R)]
+            (S(1), S(1), S(0)), (R, R, R), (S(1), R, S(0)), (S(0), S(1), S(1))]
     near = _near(srcs, dsts)
     assert ((S(0), S(1), R), (S(0), S(1), S(2))) in near  # one axis
     assert ((S(0), S(1), R), (S(1), S(0), R)) not in near  # two sharded axes swap: the hub's
     assert ((S(0), P, P), (S(0), R, S(1))) in near  # reductions on the Partial axes
     assert ((S(0), S(2), P), (S(0), R, S(1))) in near  # a reduction and one gather to replicated
     assert ((S(0), S(2), P), (S(1), S(1), S(0))) not in near  # a reduction and two more changes
+    # ... but a dim split on two axes may be gathered on one and moved on the other (an embedding's output)
+    assert ((S(2), S(2), P), (S(0), R, S(1))) in near
+    assert ((S(0), S(2), P), (S(1), R, S(0))) not in near  # two dims: the hub's
+    assert ((S(2), S(2), P), (S(0), S(1), S(1))) not in near  # moved on both: the hub's
     assert ((R, R, S(0)), (S(1), S(1), S(0))) in near  # local chunks on the replicated axes
     assert ((R, R, S(0)), (R, S(1), R)) not in near  # a chunk and a gather
     # The order is the product's, src then dst: what the ILP's variable names follow.

@@ -9,7 +9,8 @@ the ILP sees of it is what it iterates over:
 - On three or more such axes that product is too large (a 4-D activation takes ~200 specs on
   (8, 2, 4): 40,000 pairs per edge, a million y on LLaMA-3-8B). There it iterates over the
   *near* pairs (``near_pairs``: one axis changes; or only replicated axes, by local chunks; or
-  the Partial axes and at most one more, to replicated), and carries a *hub* through the
+  the Partial axes and at most one more, to replicated, or two that split one dim, one to
+  replicated and one to another dim), and carries a *hub* through the
   replicated spec: the price of each src → R…R and of each R…R → dst. Any other pair is priced
   in the ILP as the gather to replicated and the local chunk back (``ilp.ShardingILP._add_hub``):
   an upper bound of its own price, which the plan then reports exactly (``__getitem__``). Pairs
@@ -31,7 +32,7 @@ from autopar.cost import comm
 from autopar.cost.cluster import ClusterSpec
 from torch.distributed.tensor import Replicate
 
-from autopar.ir.spec import Spec, replicated
+from autopar.ir.spec import Spec, is_sharded, replicated
 from autopar.rules.registry import normalized_kwargs, tensor_meta
 
 Price = tuple[float, float]  # (seconds forward + backward, bytes sent)
@@ -163,8 +164,10 @@ def near_pairs(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]]) -> li
     """(i, j) such that ``srcs[i]`` and ``dsts[j]`` differ on at most one mesh axis; or only on
     axes where the src is replicated (local chunks, free in forward); or, besides the axes where
     the src is Partial (reductions), on at most one more, which then changes to replicated (a
-    row-parallel linear's (S, S, P) into a sequence-parallel (S, R, S) is one). In the order of
-    ``itertools.product`` (src, then dst)."""
+    row-parallel linear's (S, S, P) into a sequence-parallel (S, R, S) is one); or, besides
+    those, a dim sharded on two axes that is gathered on one and moved to another dim on the
+    other (an all-to-all: a vocabulary-parallel embedding's (S(2), S(2), P) into (S(0), R, S(1))).
+    In the order of ``itertools.product`` (src, then dst)."""
     if not srcs or not dsts:
         return []
     num_axes = len(srcs[0][0])
@@ -172,17 +175,22 @@ def near_pairs(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]]) -> li
     def key(spec: Spec) -> tuple[int, ...]:
         return tuple(codes.setdefault(p, len(codes)) for p in spec)
     dst_keys = [key(spec) for spec, _ in dsts]
+    src_keys = [key(spec) for spec, _ in srcs]
     replicate = codes.setdefault(Replicate(), len(codes))
+    sharded = {code for placement, code in codes.items() if is_sharded(placement)}
     partials = [sum(1 << axis for axis, placement in enumerate(spec) if placement.is_partial()) for spec, _ in srcs]
     wholes = [sum(1 << axis for axis, placement in enumerate(spec) if placement.is_replicate()) for spec, _ in srcs]
     # A dst with the axes of a mask wildcarded -> the dst indices, for each mask a src asks for.
     buckets: dict[tuple, list[int]] = {}
-    for mask in {partial | 1 << axis for partial in partials for axis in range(num_axes)} | set(wholes):
+    pairs_of_axes = list(itertools.combinations(range(num_axes), 2))
+    masks = {partial | 1 << axis for partial in partials for axis in range(num_axes)} | set(wholes)
+    masks |= {partial | 1 << a | 1 << b for partial in set(partials) if partial for a, b in pairs_of_axes}
+    for mask in masks:
         for j, k in enumerate(dst_keys):
             buckets.setdefault((mask, _wildcard(k, mask)), []).append(j)
     pairs = []
     for i, (spec, _) in enumerate(srcs):
-        k, partial = key(spec), partials[i]
+        k, partial = src_keys[i], partials[i]
         # Local chunks out of the replicated axes: any of them, and nothing else.
         found: set[int] = set(buckets.get((wholes[i], _wildcard(k, wholes[i])), ()))
         for axis in range(num_axes):
@@ -197,6 +205,14 @@ def near_pairs(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]]) -> li
                 if other[axis] in (k[axis], replicate) or all(
                         other[a] == k[a] for a in range(num_axes) if partial >> a & 1):
                     found.add(j)
+        if partial:  # a reduction, a gather to replicated, and an all-to-all
+            for a, b in pairs_of_axes:
+                mask = partial | 1 << a | 1 << b
+                if partial >> a & 1 or partial >> b & 1 or k[a] != k[b] or k[a] not in sharded:
+                    continue
+                found.update(j for j in buckets.get((mask, _wildcard(k, mask)), ())
+                             if (dst_keys[j][b] == replicate and dst_keys[j][a] in sharded)
+                             or (dst_keys[j][a] == replicate and dst_keys[j][b] in sharded))
         pairs.extend((i, j) for j in sorted(found))
     return pairs
 
