@@ -15,7 +15,7 @@ import pulp
 import torch
 
 from autopar.cost.cluster import get_cluster
-from autopar.zoo.models import build_model
+from autopar.zoo.models import build_model, example_batch
 from autopar.solver.strategies import backends, rounding, solving
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.ilp import ShardingILP
@@ -203,3 +203,28 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
     assert len(limits) == 1, "the MILP ran as a second opinion"
     limit, called = limits[0]
     assert limit <= max(solver_module._MIN_MILP_S, called - start) + 1e-6 < 600.0
+
+
+def test_a_plan_needing_a_resharding_into_partial_is_no_memory_candidate():
+    """The Lagrangian plans on the way to a budget are kept before their rows are checked: one
+    that takes an input as Partial from a producer that is not Partial is no plan at all (on 3+
+    axes ``edge.price`` raised a KeyError for it in the 4-axis benchmark)."""
+    from autopar.solver.planners.sharding import _fixed_solution
+
+    model, batch = build_model("mlp", seed=0), example_batch("mlp", 8)
+    graph = build_choice_graph(trace(model, batch), (2, 2), get_cluster("cpu"))
+    ilp = ShardingILP(graph)
+    solved = solve_ilp(ilp, 60, "highs")
+    assert _fixed_solution(ilp, solved.choice, solved) is not None
+    broken = None
+    for edge in graph.edges:
+        src = graph.choices[edge.producer].strategies[solved.choice[edge.producer]].outs[edge.out_index]
+        for s, strategy in enumerate(graph.choices[edge.consumer].strategies):
+            dst = strategy.ins[edge.in_index]
+            if src != dst and (src, dst) not in edge.price:
+                broken = {**solved.choice, edge.consumer: s}
+                break
+        if broken:
+            break
+    assert broken is not None, "the mlp on (2, 2) has a strategy whose input cannot be resharded to"
+    assert _fixed_solution(ilp, broken, solved) is None

@@ -210,7 +210,10 @@ def _with_memory_decisions(traced: TracedModel, graph: ChoiceGraph, cluster: Clu
     for choice in _spread([unbounded.choice] + solved.visited, _MAX_MEMORY_CANDIDATES):
         if choice == solution.choice:
             continue
-        other_solution, sums = _fixed_solution(solved.ilp, choice, unbounded)
+        fixed = _fixed_solution(solved.ilp, choice, unbounded)
+        if fixed is None:
+            continue
+        other_solution, sums = fixed
         if other_solution.objective_s >= step_s:
             continue  # checkpointing and offload only add time
         try:
@@ -241,10 +244,15 @@ def _spread(items: list, count: int) -> list:
     return [items[round(i * step)] for i in range(count)]
 
 
-def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) -> tuple[Solution, tuple[float, float]]:
+def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution
+                    ) -> tuple[Solution, tuple[float, float]] | None:
     """A Solution of ``choice`` (which need not fit the budget), for ``plan_from_solution``, and
-    its ``_compute_and_reshard_s`` (which its objective starts from, and its step too)."""
+    its ``_compute_and_reshard_s`` (which its objective starts from, and its step too); None
+    where ``choice`` needs a resharding that does not exist (into Partial): a rounded
+    Lagrangian plan (``solved.visited``) is kept before its rows are checked."""
     specs = edge_specs(ilp.graph, choice)
+    if not all(src == dst or (src, dst) in ilp.graph.edges[e].price for e, (src, dst) in specs.items()):
+        return None
     sums = _compute_and_reshard_s(ilp.graph, choice, specs)
     objective = sums[0] + sums[1]
     objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
