@@ -551,9 +551,9 @@ class _MemoryTerms:
 
 def _by_spec(y: dict[tuple[Spec, Spec], pulp.LpVariable]) -> tuple[dict[Spec, list], dict[Spec, list]]:
     """y's variables grouped by src spec and by dst spec, each group in y's order. Hashing a spec
-    hashes each of its placements in Python (torch's ``__hash__``), a third of building a 3-axis
-    ILP when done per y: the pairs are grouped by the identity of their spec objects first (the
-    price tables reuse a handful), and those groups merged by spec."""
+    hashes each of its placements in Python (torch's ``__hash__``): done per y, a fifth of the edge
+    rows' time on LLaMA-3-8B (8, 2, 4). The pairs are grouped by the identity of their spec
+    objects first (the price tables reuse a handful), and those groups merged by spec."""
     out_ids: dict[int, tuple[Spec, list]] = {}
     in_ids: dict[int, tuple[Spec, list]] = {}
     for (src, dst), var in y.items():
