@@ -1,10 +1,10 @@
 """autopar: an auto-parallel compiler for PyTorch training.
 
-    plan = autopar.plan(model, mesh=(2, 4), example_inputs=(x,))       # offline, no process group
-    pm = autopar.compile(model, mesh=(2, 4), example_inputs=(x,))      # under torch.distributed
-    autopar.checkpoint.save(path, pm, optimizer); autopar.checkpoint.load(path, pm, optimizer)
-    pm = autopar.compile(meta_model, mesh, example_inputs=(x,), init=autopar.SeededInit(seed))
-    pm = autopar.compile(model, mesh=(2, 2), example_inputs=(x, y), pipeline=2, num_microbatches=4)
+plan = autopar.plan(model, mesh=(2, 4), example_inputs=(x,))       # offline, no process group
+pm = autopar.compile(model, mesh=(2, 4), example_inputs=(x,))      # under torch.distributed
+autopar.checkpoint.save(path, pm, optimizer); autopar.checkpoint.load(path, pm, optimizer)
+pm = autopar.compile(meta_model, mesh, example_inputs=(x,), init=autopar.SeededInit(seed))
+pm = autopar.compile(model, mesh=(2, 2), example_inputs=(x, y), pipeline=2, num_microbatches=4)
 """
 
 # The public names are loaded on first use (PEP 562), for start-up speed: `import autopar` and
@@ -18,7 +18,13 @@ if TYPE_CHECKING:
     from autopar import checkpoint as checkpoint, optim as optim
     from autopar.api import compile, hand_plan, plan
     from autopar.errors import (
-        AutoparError, CheckpointError, InfeasibleError, MeshError, PassError, PlanError, TraceError,
+        AutoparError,
+        CheckpointError,
+        InfeasibleError,
+        MeshError,
+        PassError,
+        PlanError,
+        TraceError,
     )
     from autopar.ir.data import DataOptions
     from autopar.ir.options import CommOptions, MixedPrecision

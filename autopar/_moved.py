@@ -50,8 +50,9 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         new = MOVED[spec.name]
-        warnings.warn(f"{spec.name} moved to {new}; import it from there (the old path will be removed)",
-                      DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            f"{spec.name} moved to {new}; import it from there (the old path will be removed)", DeprecationWarning, stacklevel=3
+        )
         return importlib.import_module(new)
 
     def exec_module(self, module):

@@ -26,7 +26,13 @@ from autopar.solver.planners.hand_plans import resolve_kind, solve_hand_plan
 from autopar.solver.planners.mesh_search import search_mesh
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.ir.options import (
-    CommOptions, MemoryOptions, MixedPrecision, PipelineOptions, PlanOptions, check_mesh_devices, precision_policy,
+    CommOptions,
+    MemoryOptions,
+    MixedPrecision,
+    PipelineOptions,
+    PlanOptions,
+    check_mesh_devices,
+    precision_policy,
     to_dtype,
 )
 from autopar.ir.data import DataOptions
@@ -96,10 +102,22 @@ def plan(
     """
     check_compiler(compiler)
     options = PlanOptions.from_keywords(
-        memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver, pipeline=pipeline,
-        num_microbatches=num_microbatches, offload=offload, checkpointing=checkpointing, prefetch=prefetch,
-        pipeline_schedules=pipeline_schedules, devices=devices, max_axes=max_axes, symbolic_batch=symbolic_batch, compute=compute, precision=precision,
-        comm=comm or CommOptions(), data=data or DataOptions(),
+        memory_budget=memory_budget,
+        time_limit_s=time_limit_s,
+        solver=solver,
+        pipeline=pipeline,
+        num_microbatches=num_microbatches,
+        offload=offload,
+        checkpointing=checkpointing,
+        prefetch=prefetch,
+        pipeline_schedules=pipeline_schedules,
+        devices=devices,
+        max_axes=max_axes,
+        symbolic_batch=symbolic_batch,
+        compute=compute,
+        precision=precision,
+        comm=comm or CommOptions(),
+        data=data or DataOptions(),
     )
     spec = priced_for(get_cluster(cluster), compiler) if compiler else get_cluster(cluster)
     return plan_model(model, mesh, example_inputs, example_kwargs, spec, options)
@@ -127,9 +145,15 @@ def quiet_gc():
         gc.unfreeze()
 
 
-def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_inputs: tuple[Any, ...],
-               example_kwargs: dict[str, Any] | None, cluster: ClusterSpec, options: PlanOptions,
-               on_progress: Callable[[str], None] | None = None) -> Plan:
+def plan_model(
+    model: torch.nn.Module,
+    mesh: Sequence[int] | int | str,
+    example_inputs: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None,
+    cluster: ClusterSpec,
+    options: PlanOptions,
+    on_progress: Callable[[str], None] | None = None,
+) -> Plan:
     """The one planning dispatch, behind ``autopar.plan`` and ``autopar plan``: a pipeline (the
     stage planner), a mesh search (``mesh="auto"``), or one mesh. ``on_progress`` hears each step
     of a mesh search. (``compile`` knows its mesh and traces the whole model: rank 0 plans it with
@@ -144,9 +168,11 @@ def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_
         if options.devices is None:
             raise MeshError("mesh='auto' searches the meshes of a number of devices: pass devices=N as well")
         if options.memory.decides_memory:
-            raise MeshError(f"offload={options.memory.offload!r}, checkpointing={options.memory.checkpointing!r} "
-                            "with mesh='auto': the mesh search plans sharding only; pass a mesh such as (2, 4) to "
-                            "plan checkpointing and offload")
+            raise MeshError(
+                f"offload={options.memory.offload!r}, checkpointing={options.memory.checkpointing!r} "
+                "with mesh='auto': the mesh search plans sharding only; pass a mesh such as (2, 4) to "
+                "plan checkpointing and offload"
+            )
         traced = _trace(model, example_inputs, example_kwargs, options.precision)
         return search_mesh(traced, options.devices, cluster, options, plan_traced_unexplained, on_progress=on_progress)
     mesh_shape = _mesh_shape(mesh)
@@ -155,10 +181,13 @@ def plan_model(model: torch.nn.Module, mesh: Sequence[int] | int | str, example_
     result = plan_traced(traced, mesh_shape, cluster, options)
     if options.symbolic_batch:
         batch = symbolic.batch_size((example_inputs, example_kwargs))
-        doubled = trace_repeated(model, symbolic.double_batch(example_inputs), symbolic.double_batch(example_kwargs),
-                                 options.precision)
+        doubled = trace_repeated(
+            model, symbolic.double_batch(example_inputs), symbolic.double_batch(example_kwargs), options.precision
+        )
         costs = symbolic.symbolic_costs(
-            symbolic.price_plan(traced, result, cluster), symbolic.price_plan(doubled, result, cluster), batch,
+            symbolic.price_plan(traced, result, cluster),
+            symbolic.price_plan(doubled, result, cluster),
+            batch,
             result.predicted,
         )
         result = dataclasses.replace(result, predicted=dataclasses.replace(result.predicted, symbolic=costs))
@@ -186,8 +215,7 @@ def _plan_pipeline(model, mesh, example_inputs, example_kwargs, cluster: Cluster
     else:
         mesh_shape = _mesh_shape(mesh)
         if devices is not None and math.prod(mesh_shape) != devices:
-            raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
-                            "pass one of them")
+            raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: pass one of them")
         if options.pipeline.stages != "auto":
             stage_mesh_of(mesh_shape, options.pipeline.stages)
         devices = None
@@ -198,8 +226,9 @@ def _plan_pipeline(model, mesh, example_inputs, example_kwargs, cluster: Cluster
     return _plan_stages(_trace(model, inputs, kwargs, options.precision), mesh_shape, devices, cluster, options)
 
 
-def _plan_microbatches(model, mesh_shape, devices, example_inputs, example_kwargs, cluster: ClusterSpec,
-                       options: PlanOptions) -> Plan:
+def _plan_microbatches(
+    model, mesh_shape, devices, example_inputs, example_kwargs, cluster: ClusterSpec, options: PlanOptions
+) -> Plan:
     """``num_microbatches="auto"``: the stage planner at each power-of-two microbatch count that
     divides the batch, smallest first (one trace each), until two in a row are no faster than the
     best; the fastest plan, whose ``pipeline.reason`` lists the counts tried."""
@@ -225,22 +254,30 @@ def _plan_microbatches(model, mesh_shape, devices, example_inputs, example_kwarg
             if worse == 2:
                 break
     if best is None:
-        raise InfeasibleError(f"no pipeline fits at any microbatch count ({'; '.join(tried)}): raise the budget, "
-                              "use more devices or stages")
+        raise InfeasibleError(
+            f"no pipeline fits at any microbatch count ({'; '.join(tried)}): raise the budget, use more devices or stages"
+        )
     reason = f"{best.pipeline.reason}; microbatches tried {', '.join(tried)}"
     return dataclasses.replace(best, pipeline=dataclasses.replace(best.pipeline, reason=reason))
 
 
-def _plan_stages(traced: TracedModel, mesh_shape: tuple[int, ...] | None, devices: int | None, cluster: ClusterSpec,
-                 options: PlanOptions) -> Plan:
+def _plan_stages(
+    traced: TracedModel, mesh_shape: tuple[int, ...] | None, devices: int | None, cluster: ClusterSpec, options: PlanOptions
+) -> Plan:
     """The stage planner on a model traced at one microbatch."""
     from autopar.solver.planners.stages import StageSettings, plan_stages  # loads only for pipelines (start-up speed)
 
     settings = StageSettings(
-        num_microbatches=options.pipeline.microbatches, num_stages=options.pipeline.stages,
-        memory_budget=resolve_budget(options.memory.budget, cluster), time_limit_s=options.solve.time_limit_s,
-        devices=devices, max_axes=min(options.max_axes, 2), remat=options.memory.checkpointing is not False,
-        solver=options.solve.solver, schedules_allowed=options.pipeline.schedules)
+        num_microbatches=options.pipeline.microbatches,
+        num_stages=options.pipeline.stages,
+        memory_budget=resolve_budget(options.memory.budget, cluster),
+        time_limit_s=options.solve.time_limit_s,
+        devices=devices,
+        max_axes=min(options.max_axes, 2),
+        remat=options.memory.checkpointing is not False,
+        solver=options.solve.solver,
+        schedules_allowed=options.pipeline.schedules,
+    )
     return _with_notes(traced, plan_stages(traced, mesh_shape, cluster, settings, options.precision))
 
 
@@ -255,8 +292,14 @@ def offload_target(offload: str, cluster: ClusterSpec) -> tuple[str | None, str 
 
 
 @quiet_gc()
-def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec, options: PlanOptions,
-                forced: dict[str, Any] | None = None, data_axes: tuple[int, ...] | None = None) -> Plan:
+def plan_traced(
+    traced: TracedModel,
+    mesh_shape: tuple[int, ...],
+    cluster: ClusterSpec,
+    options: PlanOptions,
+    forced: dict[str, Any] | None = None,
+    data_axes: tuple[int, ...] | None = None,
+) -> Plan:
     """Plan an already traced model on one mesh (``autopar.plan`` without the tracing).
     ``forced`` pins placeholders' specs and ``data_axes`` the batch-splitting axes (another mode's
     graph of a compiled module: ``runtime.modes``)."""
@@ -265,9 +308,14 @@ def plan_traced(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: Clust
 
 
 @quiet_gc()
-def plan_traced_unexplained(traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec,
-                            options: PlanOptions, forced: dict[str, Any] | None = None,
-                            data_axes: tuple[int, ...] | None = None) -> tuple[Plan, Callable[[Plan], Plan]]:
+def plan_traced_unexplained(
+    traced: TracedModel,
+    mesh_shape: tuple[int, ...],
+    cluster: ClusterSpec,
+    options: PlanOptions,
+    forced: dict[str, Any] | None = None,
+    data_axes: tuple[int, ...] | None = None,
+) -> tuple[Plan, Callable[[Plan], Plan]]:
     """``plan_traced`` as (plan without its decisions, the function that explains them:
     ``solver.planners.sharding.solve_unexplained``), for the mesh search, which explains only the
     mesh it chooses."""
@@ -316,8 +364,9 @@ def hand_plan(
     is ``autopar.plan``'s.
     """
     if kind == "colossal":
-        return _colossal_plan(model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget,
-                              precision, num_microbatches, comm)
+        return _colossal_plan(
+            model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget, precision, num_microbatches, comm
+        )
     if parallel is not None:
         raise ValueError(f"parallel= is Colossal-AI's config, for hand_plan('colossal', ...), not {kind!r}")
     if mesh is None:
@@ -327,27 +376,39 @@ def hand_plan(
     policy = precision_policy(precision)
     traced = trace_repeated(model, example_inputs, example_kwargs, policy)
     cluster_spec = get_cluster(cluster)
-    made = solve_hand_plan(kind, traced, mesh_shape, cluster_spec, PlanOptions.from_keywords(
-        memory_budget=memory_budget, checkpointing=False, precision=policy, comm=comm or CommOptions()))
+    made = solve_hand_plan(
+        kind,
+        traced,
+        mesh_shape,
+        cluster_spec,
+        PlanOptions.from_keywords(memory_budget=memory_budget, checkpointing=False, precision=policy, comm=comm or CommOptions()),
+    )
     return _with_notes(traced, with_data_layout(made, traced, data or DataOptions()))
 
 
-def _colossal_plan(model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget, precision,
-                   num_microbatches, comm) -> Plan:
+def _colossal_plan(
+    model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget, precision, num_microbatches, comm
+) -> Plan:
     from autopar.solver.planners.colossal import ColossalParallel, solve_colossal  # for Colossal-AI configs only
 
     if parallel is None:
-        raise ValueError("hand_plan('colossal', ...) needs parallel=dict(...), Colossal-AI's parallel config, "
-                         "such as dict(pipeline=2, tensor=dict(mode='2d', size=4))")
+        raise ValueError(
+            "hand_plan('colossal', ...) needs parallel=dict(...), Colossal-AI's parallel config, "
+            "such as dict(pipeline=2, tensor=dict(mode='2d', size=4))"
+        )
     world = None if mesh is None else math.prod(_mesh_shape(mesh))
     config = ColossalParallel.from_dict(parallel, world)
     pipelined = config.pipeline > 1
     options = PlanOptions.from_keywords(
-        memory_budget=memory_budget, checkpointing=False, precision=precision_policy(precision),
-        comm=comm or CommOptions(), pipeline=config.pipeline if pipelined else "off", num_microbatches=num_microbatches)
+        memory_budget=memory_budget,
+        checkpointing=False,
+        precision=precision_policy(precision),
+        comm=comm or CommOptions(),
+        pipeline=config.pipeline if pipelined else "off",
+        num_microbatches=num_microbatches,
+    )
     if pipelined:
-        example_inputs, example_kwargs = first_microbatch(example_inputs, example_kwargs,
-                                                          options.pipeline.microbatches)
+        example_inputs, example_kwargs = first_microbatch(example_inputs, example_kwargs, options.pipeline.microbatches)
     log.info("%s", config.describe())
     traced = _trace(model, example_inputs, example_kwargs, options.precision)
     return solve_colossal(config, traced, get_cluster(cluster), options)
@@ -389,10 +450,22 @@ def compile(
     plan = Plan.load(plan) if plan is not None and not isinstance(plan, Plan) else plan
     policy = _precision_of(plan, precision)
     _check_backend_dtypes(model, example_inputs, example_kwargs, policy)
-    options = _pipeline_of(plan, PlanOptions.from_keywords(
-        memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline, num_microbatches=num_microbatches,
-        pipeline_schedules=pipeline_schedules, offload=offload, checkpointing=checkpointing, prefetch=prefetch,
-        precision=policy, comm=comm or CommOptions(), data=_data_of(plan, data)))
+    options = _pipeline_of(
+        plan,
+        PlanOptions.from_keywords(
+            memory_budget=memory_budget,
+            time_limit_s=time_limit_s,
+            pipeline=pipeline,
+            num_microbatches=num_microbatches,
+            pipeline_schedules=pipeline_schedules,
+            offload=offload,
+            checkpointing=checkpointing,
+            prefetch=prefetch,
+            precision=policy,
+            comm=comm or CommOptions(),
+            data=_data_of(plan, data),
+        ),
+    )
     _check_compile_options(options, policy, compiler, offload)
     examples = (example_inputs, example_kwargs)
     if options.pipeline.enabled:
@@ -419,25 +492,45 @@ def _check_call(model: torch.nn.Module, mesh, init, comm: CommOptions | None, co
     return mesh_shape
 
 
-def _materialize(model: torch.nn.Module, examples: tuple[tuple[Any, ...], dict[str, Any] | None], traced: TracedModel,
-                 chosen: Plan, cluster: ClusterSpec, options: PlanOptions, init, comm: CommOptions | None,
-                 compiler: str | None) -> ParallelModule:
+def _materialize(
+    model: torch.nn.Module,
+    examples: tuple[tuple[Any, ...], dict[str, Any] | None],
+    traced: TracedModel,
+    chosen: Plan,
+    cluster: ClusterSpec,
+    options: PlanOptions,
+    init,
+    comm: CommOptions | None,
+    compiler: str | None,
+) -> ParallelModule:
     """This rank's module of ``chosen``: the rewritten graph, its shards (cut, seeded or read from
     a checkpoint), the builder of its other mode, and the compiled graph under ``compiler``."""
     example_inputs, example_kwargs = examples
     mesh_shape = tuple(chosen.mesh_shape)
-    _check_precision_runs(options.precision, offloads=chosen.memory is not None and bool(
-        chosen.memory.offload or chosen.memory.offload_activations))
+    _check_precision_runs(
+        options.precision, offloads=chosen.memory is not None and bool(chosen.memory.offload or chosen.memory.offload_activations)
+    )
     groups, coordinate = mesh_groups(mesh_shape)
     offloader = _offloader(chosen, options.memory.offload, example_inputs, example_kwargs)
     if compiler is not None and offloader is not None:
         raise ValueError(f"the plan offloads, which compiler={compiler!r} does not run yet: compile without compiler=")
     gm, comm = _rewrite(traced, chosen, groups, offloader, comm, compiler)
     local = _initial_shards(model, init, chosen, coordinate, mesh_shape)
-    build_mode = _mode_builder(_meta_copy(model), examples, chosen, mesh_shape, cluster, options, groups, comm,
-                               offloads=offloader is not None)
-    pm = ParallelModule(model, traced, gm, chosen, groups, coordinate, local_shards=local, offloader=offloader,
-                        build_mode=build_mode, training=model.training)
+    build_mode = _mode_builder(
+        _meta_copy(model), examples, chosen, mesh_shape, cluster, options, groups, comm, offloads=offloader is not None
+    )
+    pm = ParallelModule(
+        model,
+        traced,
+        gm,
+        chosen,
+        groups,
+        coordinate,
+        local_shards=local,
+        offloader=offloader,
+        build_mode=build_mode,
+        training=model.training,
+    )
     if isinstance(init, FromCheckpoint):
         checkpoint.load(init.path, pm)
     pm._compiled_graph = graph_runner(gm, compiler, comm)
@@ -477,17 +570,28 @@ def _check_init(model: torch.nn.Module, init: SeededInit | FromCheckpoint | None
 def _check_compile_options(options: PlanOptions, policy: MixedPrecision, compiler: str | None, offload: str) -> None:
     """What ``compile`` cannot run yet, refused before any tracing."""
     if options.pipeline.num_microbatches == "auto":
-        raise ValueError("num_microbatches='auto' searches microbatch counts offline, one trace each: plan with "
-                         "autopar.plan(..., num_microbatches='auto') and compile with plan=, or give a number")
+        raise ValueError(
+            "num_microbatches='auto' searches microbatch counts offline, one trace each: plan with "
+            "autopar.plan(..., num_microbatches='auto') and compile with plan=, or give a number"
+        )
     _check_precision_runs(policy)
     if compiler is not None and (options.pipeline.enabled or offload != "off"):
-        raise ValueError(f"compiler={compiler!r} does not run pipelines or offloading yet (their schedules live in "
-                         "autograd hooks): compile without compiler=, or without pipeline=/offload=")
+        raise ValueError(
+            f"compiler={compiler!r} does not run pipelines or offloading yet (their schedules live in "
+            "autograd hooks): compile without compiler=, or without pipeline=/offload="
+        )
 
 
-def _compile_pipeline(model, examples: tuple[tuple[Any, ...], dict[str, Any] | None], plan: Plan | None,
-                      mesh_shape: tuple[int, ...], cluster: ClusterSpec, options: PlanOptions, policy: MixedPrecision,
-                      init) -> PipelineParallelModule:
+def _compile_pipeline(
+    model,
+    examples: tuple[tuple[Any, ...], dict[str, Any] | None],
+    plan: Plan | None,
+    mesh_shape: tuple[int, ...],
+    cluster: ClusterSpec,
+    options: PlanOptions,
+    policy: MixedPrecision,
+    init,
+) -> PipelineParallelModule:
     """``compile``'s pipelined branch: trace one microbatch of ``examples`` (inputs, kwargs), plan
     (or take ``plan``), build the stages."""
     inputs, kwargs = first_microbatch(*examples, options.pipeline.microbatches)
@@ -506,8 +610,9 @@ def _param_fqns(traced: TracedModel) -> dict[str, str]:
     return {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
 
 
-def _rewrite(traced: TracedModel, chosen: Plan, groups: tuple[str, ...], offloader, comm: CommOptions | None,
-             compiler: str | None) -> tuple[torch.fx.GraphModule, CommOptions | None]:
+def _rewrite(
+    traced: TracedModel, chosen: Plan, groups: tuple[str, ...], offloader, comm: CommOptions | None, compiler: str | None
+) -> tuple[torch.fx.GraphModule, CommOptions | None]:
     """The rewritten graph of ``traced`` under ``chosen`` (``passes.default_passes``), and the
     communication options it was scheduled with."""
     if offloader is not None:
@@ -520,8 +625,7 @@ def _rewrite(traced: TracedModel, chosen: Plan, groups: tuple[str, ...], offload
     return run_passes(copy.deepcopy(traced.gm), chosen, passes), comm
 
 
-def _initial_shards(model: torch.nn.Module, init, chosen: Plan, coordinate: tuple[int, ...],
-                    mesh_shape: tuple[int, ...]):
+def _initial_shards(model: torch.nn.Module, init, chosen: Plan, coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]):
     """This rank's shards made by ``init`` (None: the module cuts them from ``model``'s tensors)."""
     if isinstance(init, SeededInit):
         return seeded_shards(model, init, chosen.params, coordinate, mesh_shape)
@@ -554,16 +658,26 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
         if id(tensor) in memo:
             continue
         meta = tensor.detach().to("meta")
-        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
-            if isinstance(tensor, torch.nn.Parameter) else meta
+        memo[id(tensor)] = (
+            torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else meta
+        )
     try:
         return copy.deepcopy(model, memo)
     except Exception:  # noqa: BLE001 - any failure to copy: trace the model itself later
         return model
 
 
-def _mode_builder(model: torch.nn.Module, examples: tuple[tuple[Any, ...], dict[str, Any] | None], chosen: Plan,
-                  mesh_shape, cluster, options: PlanOptions, groups, comm: CommOptions | None, offloads: bool):
+def _mode_builder(
+    model: torch.nn.Module,
+    examples: tuple[tuple[Any, ...], dict[str, Any] | None],
+    chosen: Plan,
+    mesh_shape,
+    cluster,
+    options: PlanOptions,
+    groups,
+    comm: CommOptions | None,
+    offloads: bool,
+):
     """The builder of the compiled module's other mode (``runtime.modes``): trace ``model`` in
     that mode, plan it with every parameter and buffer pinned to ``chosen``'s placements and the
     batch split on ``chosen``'s axes (rank 0 solves, as in ``compile``), and rewrite it."""
@@ -584,8 +698,7 @@ def _mode_builder(model: torch.nn.Module, examples: tuple[tuple[Any, ...], dict[
         finally:
             model.train(was)
         forced = pinned_placements(traced, chosen)
-        made = _resolve_plan(None, traced, mesh_shape, cluster, options, forced=forced,
-                             data_axes=chosen.data_layout.axes)
+        made = _resolve_plan(None, traced, mesh_shape, cluster, options, forced=forced, data_axes=chosen.data_layout.axes)
         check_rank_agreement(made)
         mode_fqns = _param_fqns(traced)
         gm = run_passes(copy.deepcopy(traced.gm), made, default_passes(groups, None, mode_fqns, comm))
@@ -684,8 +797,11 @@ def _check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs
     named = [(f"parameter {n}", t.dtype) for n, t in model.named_parameters()]
     named += [(f"buffer {n}", t.dtype) for n, t in model.named_buffers()]
     named += [(f"input {i}", t.dtype) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-    named += [(f"precision={policy.name!r}'s {field}", to_dtype(getattr(policy, field)))
-              for field in ("param_dtype", "reduce_dtype") if getattr(policy, field) is not None]
+    named += [
+        (f"precision={policy.name!r}'s {field}", to_dtype(getattr(policy, field)))
+        for field in ("param_dtype", "reduce_dtype")
+        if getattr(policy, field) is not None
+    ]
     for name, dtype in named:
         if dtype.is_floating_point and not _backend_reduces(backend, dtype):
             raise ValueError(
@@ -715,9 +831,15 @@ def _pipeline_of(plan: Plan | None, options: PlanOptions) -> PlanOptions:
     return options.replace(pipeline=PipelineOptions(*given)) if given else options
 
 
-def _resolve_plan(plan: Plan | None, traced: TracedModel, mesh_shape: tuple[int, ...], cluster,
-                  options: PlanOptions, forced: dict[str, Any] | None = None,
-                  data_axes: tuple[int, ...] | None = None) -> Plan:
+def _resolve_plan(
+    plan: Plan | None,
+    traced: TracedModel,
+    mesh_shape: tuple[int, ...],
+    cluster,
+    options: PlanOptions,
+    forced: dict[str, Any] | None = None,
+    data_axes: tuple[int, ...] | None = None,
+) -> Plan:
     if plan is None:
         # Rank 0 solves and broadcasts; the solve is deterministic, but eight identical solves
         # on one host would only compete for its cores. A failure is broadcast too, so that
@@ -739,8 +861,10 @@ def _resolve_plan(plan: Plan | None, traced: TracedModel, mesh_shape: tuple[int,
         if kind == "error":
             if dist.get_rank() == 0:
                 raise value
-            raise type(value)(f"{value}\n(planned on rank 0)") if isinstance(value, AutoparError) else RuntimeError(
-                f"planning failed on rank 0: {type(value).__name__}: {value}"
+            raise (
+                type(value)(f"{value}\n(planned on rank 0)")
+                if isinstance(value, AutoparError)
+                else RuntimeError(f"planning failed on rank 0: {type(value).__name__}: {value}")
             )
         chosen = Plan.from_json(value, validate=False)  # checked on rank 0 before the broadcast
     else:

@@ -1,7 +1,7 @@
 """Sharded checkpoints of a compiled module and its optimizer (``autopar.runtime.checkpoint``)::
 
-    autopar.checkpoint.save(path, pm, optimizer)     # every rank; a directory
-    autopar.checkpoint.load(path, pm, optimizer)     # every rank; any mesh, any plan
+autopar.checkpoint.save(path, pm, optimizer)     # every rank; a directory
+autopar.checkpoint.load(path, pm, optimizer)     # every rank; any mesh, any plan
 """
 
 from autopar.errors import CheckpointError

@@ -28,13 +28,13 @@ class TraceError(AutoparError):
         )
         first = text.splitlines()[0] if text else type(error).__name__
         if "Cache" in first and "output" in first:
-            hint = ("The model returns a key/value cache object (use_cache=True), which a traced graph cannot "
-                    "return; a training step reads none. Turn the cache off (use_cache=False in the config or "
-                    "the call; autopar does this itself for configs with a use_cache field).")
+            hint = (
+                "The model returns a key/value cache object (use_cache=True), which a traced graph cannot "
+                "return; a training step reads none. Turn the cache off (use_cache=False in the config or "
+                "the call; autopar does this itself for configs with a use_cache field)."
+            )
         location = f"\n  at {where}" if where else ""
-        return cls(
-            f"could not trace {type(model).__name__}: {type(error).__name__}: {first}{location}\n{hint}"
-        )
+        return cls(f"could not trace {type(model).__name__}: {type(error).__name__}: {first}{location}\n{hint}")
 
 
 class MeshError(AutoparError, ValueError):

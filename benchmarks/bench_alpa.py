@@ -58,8 +58,9 @@ PROBE_LAYERS = 3
 
 def probe(hidden: int, heads: int, microbatch: int, seq: int = SEQ, vocab: int = VOCAB):
     with torch.device("meta"):
-        model = build_model("gpt", vocab_size=vocab, block_size=seq, n_layer=PROBE_LAYERS, n_head=heads,
-                            n_embd=hidden).to(torch.float16)
+        model = build_model("gpt", vocab_size=vocab, block_size=seq, n_layer=PROBE_LAYERS, n_head=heads, n_embd=hidden).to(
+            torch.float16
+        )
         idx = torch.zeros(microbatch, seq, dtype=torch.long)
     return trace(model, (idx, idx))
 
@@ -69,8 +70,7 @@ def model_tflops(step_s: float, hidden: int, layers: int, devices: int) -> float
     return flops / step_s / devices / 1e12
 
 
-LAYOUT_PARAMS = {"q": "attn.q_proj.weight", "o": "attn.c_proj.weight", "fc1": "mlp.c_fc.weight",
-                 "fc2": "mlp.c_proj.weight"}
+LAYOUT_PARAMS = {"q": "attn.q_proj.weight", "o": "attn.c_proj.weight", "fc1": "mlp.c_fc.weight", "fc2": "mlp.c_proj.weight"}
 
 
 def layouts(traced, search, costs) -> str:
@@ -95,8 +95,12 @@ def layouts(traced, search, costs) -> str:
 def row_of(name, who, search, hidden, layers, devices, plan_s, traced=None, costs=None) -> dict:
     stages = search.stages
     return {
-        "model": name, "plan": who, "devices": devices, "microbatches": search.num_microbatches,
-        "stages": search.num_stages, "stage_mesh": "x".join(map(str, search.stage_mesh)),
+        "model": name,
+        "plan": who,
+        "devices": devices,
+        "microbatches": search.num_microbatches,
+        "stages": search.num_stages,
+        "stage_mesh": "x".join(map(str, search.stage_mesh)),
         "layers_per_stage": "/".join(str(s.layers[1] - s.layers[0]) for s in stages),
         "step_s": round(search.step_time_s, 3),
         "seq_per_s": round(GLOBAL_BATCH / search.step_time_s, 1),
@@ -118,25 +122,36 @@ def run_case(name: str, budget: float, time_limit: float, candidates: str) -> li
     start = time.perf_counter()
     traced = probe(hidden, heads, GLOBAL_BATCH // micro)
     trace_s = time.perf_counter() - start
-    common = dict(num_microbatches=micro, memory_budget=budget, time_limit_s=time_limit, devices=devices,
-                  num_layers=layers, remat=True, candidates=candidates)
+    common = dict(
+        num_microbatches=micro,
+        memory_budget=budget,
+        time_limit_s=time_limit,
+        devices=devices,
+        num_layers=layers,
+        remat=True,
+        candidates=candidates,
+    )
     start = time.perf_counter()
     ours, costs = search_stages(traced, None, cluster, StageSettings(num_stages="auto", **common))
     ours_s = time.perf_counter() - start
     per = layers // alpa_stages
     bounds = [i * per for i in range(alpa_stages)] + [layers]
-    alpa, alpa_costs = search_stages(traced, None, cluster, StageSettings(
-        num_stages=alpa_stages, stage_meshes=[alpa_mesh], forced_layers=bounds, **common))
+    alpa, alpa_costs = search_stages(
+        traced, None, cluster, StageSettings(num_stages=alpa_stages, stage_meshes=[alpa_mesh], forced_layers=bounds, **common)
+    )
     print(f"{name}: trace {trace_s:.1f} s, search {ours_s:.1f} s, {ours.ilp_solves} ILP solves")
-    rows = [row_of(name, f"autopar ({candidates})", ours, hidden, layers, devices, ours_s + trace_s, traced, costs),
-            row_of(name, "alpa", alpa, hidden, layers, devices, 0.0, traced, alpa_costs)]
+    rows = [
+        row_of(name, f"autopar ({candidates})", ours, hidden, layers, devices, ours_s + trace_s, traced, costs),
+        row_of(name, "alpa", alpa, hidden, layers, devices, 0.0, traced, alpa_costs),
+    ]
     for row in ours.rows[:8]:
         print("   ", row)
     return rows
 
 
-def timing(family: str, budget_gib: float, time_limit: float, mesh: tuple[int, ...] | None,
-           candidates: str = "lagrangian") -> dict:
+def timing(
+    family: str, budget_gib: float, time_limit: float, mesh: tuple[int, ...] | None, candidates: str = "lagrangian"
+) -> dict:
     """An 80-layer model on 64 H100s (128 × 4096 tokens per step in 32 microbatches): trace
     (3 blocks) and stage planning, timed in wall-clock and CPU seconds. ``family`` "llama" is
     LLaMA-2-70B's shape; "gpt" is a GPT of the 39B case's widths (8192, 64 heads) and 80 layers.
@@ -146,25 +161,46 @@ def timing(family: str, budget_gib: float, time_limit: float, mesh: tuple[int, .
         if family == "llama":
             model = build_model("llama", **{**LLAMA_SHAPES["llama-2-70b"], "n_layer": PROBE_LAYERS}).to(torch.bfloat16)
         else:
-            model = build_model("gpt", vocab_size=VOCAB, block_size=4096, n_layer=PROBE_LAYERS, n_head=64,
-                                n_embd=8192).to(torch.bfloat16)
+            model = build_model("gpt", vocab_size=VOCAB, block_size=4096, n_layer=PROBE_LAYERS, n_head=64, n_embd=8192).to(
+                torch.bfloat16
+            )
         idx = torch.zeros(4, 4096, dtype=torch.long)
     traced = trace(model, (idx, idx))
     trace_s, trace_cpu = time.perf_counter() - start, time.process_time() - cpu
     start, cpu = time.perf_counter(), time.process_time()
     where = dict(devices=64) if mesh is None else dict()
-    search, _ = search_stages(traced, mesh, get_cluster("h100-80g"), StageSettings(
-        num_stages="auto", num_microbatches=32, memory_budget=budget_gib * 2**30, time_limit_s=time_limit,
-        num_layers=80, remat=True, candidates=candidates, **where))
+    search, _ = search_stages(
+        traced,
+        mesh,
+        get_cluster("h100-80g"),
+        StageSettings(
+            num_stages="auto",
+            num_microbatches=32,
+            memory_budget=budget_gib * 2**30,
+            time_limit_s=time_limit,
+            num_layers=80,
+            remat=True,
+            candidates=candidates,
+            **where,
+        ),
+    )
     plan_s, plan_cpu = time.perf_counter() - start, time.process_time() - cpu
-    row = {"model": f"{family}-80-layers", "mesh": "any" if mesh is None else "x".join(map(str, mesh)),
-           "candidates": candidates,
-           "trace_s": round(trace_s, 1), "trace_cpu_s": round(trace_cpu, 1), "plan_s": round(plan_s, 1),
-           "plan_cpu_s": round(plan_cpu, 1), "ilp_solves": search.ilp_solves, "pipelines": len(search.rows),
-           "stages": search.num_stages, "stage_mesh": "x".join(map(str, search.stage_mesh)),
-           "layers_per_stage": "/".join(str(s.layers[1] - s.layers[0]) for s in search.stages),
-           "step_s": round(search.step_time_s, 3),
-           "peak_gib": round(max(s.memory_bytes for s in search.stages) / 2**30, 1)}
+    row = {
+        "model": f"{family}-80-layers",
+        "mesh": "any" if mesh is None else "x".join(map(str, mesh)),
+        "candidates": candidates,
+        "trace_s": round(trace_s, 1),
+        "trace_cpu_s": round(trace_cpu, 1),
+        "plan_s": round(plan_s, 1),
+        "plan_cpu_s": round(plan_cpu, 1),
+        "ilp_solves": search.ilp_solves,
+        "pipelines": len(search.rows),
+        "stages": search.num_stages,
+        "stage_mesh": "x".join(map(str, search.stage_mesh)),
+        "layers_per_stage": "/".join(str(s.layers[1] - s.layers[0]) for s in search.stages),
+        "step_s": round(search.step_time_s, 3),
+        "peak_gib": round(max(s.memory_bytes for s in search.stages) / 2**30, 1),
+    }
     print(row, flush=True)
     return row
 

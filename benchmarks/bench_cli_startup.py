@@ -51,13 +51,21 @@ def main() -> None:
     rows = []
     for label, command in COMMANDS.items():
         times = time_command(command, args.runs)
-        rows.append({"command": label, "median_s": round(statistics.median(times), 3),
-                     "best_s": round(min(times), 3), "imports_torch": imports_torch(command)})
+        rows.append(
+            {
+                "command": label,
+                "median_s": round(statistics.median(times), 3),
+                "best_s": round(min(times), 3),
+                "imports_torch": imports_torch(command),
+            }
+        )
     width = max(len(row["command"]) for row in rows)
     print(f"{'command':<{width}}  median s  best s  torch")
     for row in rows:
-        print(f"{row['command']:<{width}}  {row['median_s']:>8.3f}  {row['best_s']:>6.3f}  "
-              f"{'yes' if row['imports_torch'] else 'no'}")
+        print(
+            f"{row['command']:<{width}}  {row['median_s']:>8.3f}  {row['best_s']:>6.3f}  "
+            f"{'yes' if row['imports_torch'] else 'no'}"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w", newline="") as handle:

@@ -73,9 +73,11 @@ def paper_bytes(mode: str, tokens: int, width: int, q: int, depth: int = 1) -> f
 
 
 # (label, parallel, q, depth, comm): None is CommOptions() (FSDP2's reshard_after_forward).
-CASES = (("2d", dict(tensor=dict(mode="2d", size=4)), 2, 1, None),
-         ("2.5d", dict(tensor=dict(mode="2.5d", size=8, depth=2)), 2, 2, None),
-         ("3d", dict(tensor=dict(mode="3d", size=8)), 2, 1, None))
+CASES = (
+    ("2d", dict(tensor=dict(mode="2d", size=4)), 2, 1, None),
+    ("2.5d", dict(tensor=dict(mode="2.5d", size=8, depth=2)), 2, 2, None),
+    ("3d", dict(tensor=dict(mode="3d", size=8)), 2, 1, None),
+)
 
 
 def block_table(width: int, heads: int, seq: int, batch: int) -> list[dict]:
@@ -86,14 +88,27 @@ def block_table(width: int, heads: int, seq: int, batch: int) -> list[dict]:
     for label, parallel, q, depth, comm in CASES:
         start = time.perf_counter()
         mode = parallel["tensor"]["mode"]
-        hand, hand_axes, hand_two = per_block(lambda n: autopar.hand_plan(
-            "colossal", models[n], example_inputs=(x,), parallel=parallel, memory_budget=float("inf"), comm=comm))
-        solved, _, solved_two = per_block(lambda n: autopar.plan(
-            models[n], hand_two.mesh_shape, example_inputs=(x,), memory_budget=float("inf"), comm=comm))
-        rows.append(dict(mode=label, mesh=hand_two.mesh_shape, autopar=hand, per_axis=hand_axes,
-                         paper=paper_bytes(mode, batch * seq, width, q, depth), solver_bytes=solved,
-                         step=hand_two.predicted.step_time_s, solver_step=solved_two.predicted.step_time_s,
-                         seconds=time.perf_counter() - start))
+        hand, hand_axes, hand_two = per_block(
+            lambda n: autopar.hand_plan(
+                "colossal", models[n], example_inputs=(x,), parallel=parallel, memory_budget=float("inf"), comm=comm
+            )
+        )
+        solved, _, solved_two = per_block(
+            lambda n: autopar.plan(models[n], hand_two.mesh_shape, example_inputs=(x,), memory_budget=float("inf"), comm=comm)
+        )
+        rows.append(
+            dict(
+                mode=label,
+                mesh=hand_two.mesh_shape,
+                autopar=hand,
+                per_axis=hand_axes,
+                paper=paper_bytes(mode, batch * seq, width, q, depth),
+                solver_bytes=solved,
+                step=hand_two.predicted.step_time_s,
+                solver_step=solved_two.predicted.step_time_s,
+                seconds=time.perf_counter() - start,
+            )
+        )
     return rows
 
 
@@ -117,17 +132,25 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", action="store_true", help="also compare the seed's config with the solver's plan")
     args = parser.parse_args()
-    print(f"one GPT block (two blocks less one): h={args.width}, heads={args.heads}, s={args.seq}, b={args.batch}, fp32 "
-          f"(MiB each device sends per step)")
-    print("| mode | mesh | autopar (Colossal layout) | paper | autopar / paper | solver's own plan | "
-          "step (2 blocks): Colossal / solver |")
+    print(
+        f"one GPT block (two blocks less one): h={args.width}, heads={args.heads}, s={args.seq}, b={args.batch}, fp32 "
+        f"(MiB each device sends per step)"
+    )
+    print(
+        "| mode | mesh | autopar (Colossal layout) | paper | autopar / paper | solver's own plan | "
+        "step (2 blocks): Colossal / solver |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for row in block_table(args.width, args.heads, args.seq, args.batch):
-        print(f"| {row['mode']} | {tuple(row['mesh'])} | {row['autopar'] / 2**20:.2f} | {row['paper'] / 2**20:.2f} | "
-              f"{row['autopar'] / row['paper']:.3f} | {row['solver_bytes'] / 2**20:.2f} | "
-              f"{row['step'] / row['solver_step']:.2f} |")
-        print(f"<!-- {row['mode']}: per axis {[round(b / 2**20, 2) for b in row['per_axis']]} MiB, "
-              f"planned in {row['seconds']:.1f} s -->")
+        print(
+            f"| {row['mode']} | {tuple(row['mesh'])} | {row['autopar'] / 2**20:.2f} | {row['paper'] / 2**20:.2f} | "
+            f"{row['autopar'] / row['paper']:.3f} | {row['solver_bytes'] / 2**20:.2f} | "
+            f"{row['step'] / row['solver_step']:.2f} |"
+        )
+        print(
+            f"<!-- {row['mode']}: per axis {[round(b / 2**20, 2) for b in row['per_axis']]} MiB, "
+            f"planned in {row['seconds']:.1f} s -->"
+        )
     if args.seed:
         seed = seed_comparison()
         print(f"\nseed config, pipeline=2 × 2.5d depth 1 size 4 on mesh {tuple(seed['mesh'])}:\n{seed['text']}")

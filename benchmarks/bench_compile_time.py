@@ -27,8 +27,7 @@ import torch.multiprocessing as mp
 
 def _rank(rank: int, world: int, init: str, mesh: tuple[int, ...], out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
         import autopar
         from autopar.zoo.models import GPT
@@ -61,13 +60,17 @@ def main() -> None:
     for run in ("first (cold with an empty cache)", "second (warm)"):
         with tempfile.TemporaryDirectory(prefix="compile_time_") as out_dir:
             start = time.perf_counter()
-            mp.spawn(_rank, args=(math.prod(mesh), f"file://{out_dir}/rendezvous", mesh, out_dir),
-                     nprocs=math.prod(mesh), join=True)
+            mp.spawn(
+                _rank, args=(math.prod(mesh), f"file://{out_dir}/rendezvous", mesh, out_dir), nprocs=math.prod(mesh), join=True
+            )
             wall = time.perf_counter() - start
             with open(os.path.join(out_dir, "times")) as handle:
                 times = ast.literal_eval(handle.read())
-        print(f"{run}: wall {wall:.1f} s; per rank (plan, first forward, first backward) s:",
-              [tuple(round(t, 1) for t in row) for row in times], flush=True)
+        print(
+            f"{run}: wall {wall:.1f} s; per rank (plan, first forward, first backward) s:",
+            [tuple(round(t, 1) for t in row) for row in times],
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

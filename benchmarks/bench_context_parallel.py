@@ -97,14 +97,20 @@ def plan_case(case: str, batch: int, layers: int) -> dict:
     first = attention[0]
     pred, solver = plan.predicted, plan.solver
     return {
-        "case": case, "layers": layers, "mesh": "x".join(map(str, MESH)), "batch": batch, "seq": SEQ,
+        "case": case,
+        "layers": layers,
+        "mesh": "x".join(map(str, MESH)),
+        "batch": batch,
+        "seq": SEQ,
         "attention": "(" + ", ".join(map(str, first.outs[0])) + ")" + (" cp" if first.kernel else ""),
         "attention_ms": round(first.cost_s * 1e3, 3),
-        "step_s": round(pred.step_time_s, 3), "peak_gib": round(pred.peak_memory_bytes / 2**30, 1),
+        "step_s": round(pred.step_time_s, 3),
+        "peak_gib": round(pred.peak_memory_bytes / 2**30, 1),
         "budget_gib": round(solver.memory_budget_bytes / 2**30, 1),
         "comm_gib": round((pred.comm_bytes or 0.0) / 2**30, 1),
         "checkpointed": len(plan.memory.checkpoint) if plan.memory else 0,
-        "solver": solver.method, "plan_s": round(seconds, 1),
+        "solver": solver.method,
+        "plan_s": round(seconds, 1),
     }
 
 

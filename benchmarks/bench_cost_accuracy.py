@@ -73,8 +73,7 @@ from autopar.trace import trace  # noqa: E402
 
 CONFIG = dict(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=256, bias=True)
 BATCH = 16
-PLANS = ("auto", "auto_mem90", "auto_mem80", "ddp", "fsdp", "fsdp_keep", "fsdp_reshard", "megatron", "fsdp_mlp",
-         "replicated")
+PLANS = ("auto", "auto_mem90", "auto_mem80", "ddp", "fsdp", "fsdp_keep", "fsdp_reshard", "megatron", "fsdp_mlp", "replicated")
 # CommOptions.reshard_after_forward of the plans that do not run the default
 RESHARD = {"fsdp_keep": False, "fsdp_reshard": True}
 
@@ -98,7 +97,12 @@ def make_plans(mesh: tuple[int, ...], cluster, wanted=PLANS) -> dict[str, autopa
     peak = plans["auto"].predicted.peak_memory_bytes
     for name, fraction in (("auto_mem90", 0.9), ("auto_mem80", 0.8)) if set(wanted) & {"auto_mem90", "auto_mem80"} else ():
         try:
-            plans[name] = solve(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=fraction * peak, time_limit_s=60, checkpointing=False))
+            plans[name] = solve(
+                traced,
+                mesh,
+                cluster,
+                PlanOptions.from_keywords(memory_budget=fraction * peak, time_limit_s=60, checkpointing=False),
+            )
         except InfeasibleError as error:
             print(f"  {name} on {mesh}: infeasible ({str(error).splitlines()[0]})", flush=True)
     for kind in ("ddp", "fsdp", "megatron"):
@@ -109,11 +113,16 @@ def make_plans(mesh: tuple[int, ...], cluster, wanted=PLANS) -> dict[str, autopa
     fsdp = param_specs("fsdp", traced, mesh)
     rest = param_specs("ddp", traced, mesh)
     names = {i.name: i.fqn for i in traced.placeholders("param")}
-    plans["fsdp_mlp"] = solve(traced, mesh, cluster, forced={
-        name: fsdp[name] if ".mlp." in (names[name] or "") else spec for name, spec in rest.items()})
+    plans["fsdp_mlp"] = solve(
+        traced,
+        mesh,
+        cluster,
+        forced={name: fsdp[name] if ".mlp." in (names[name] or "") else spec for name, spec in rest.items()},
+    )
     graph = plans["ddp"]
-    everything = {name: replicated(len(mesh)) for name, node in graph.nodes.items()
-                  if node.outs and node.source not in ("follow", "output")}
+    everything = {
+        name: replicated(len(mesh)) for name, node in graph.nodes.items() if node.outs and node.source not in ("follow", "output")
+    }
     plans["replicated"] = solve(traced, mesh, cluster, forced=everything)
     return plans
 
@@ -258,9 +267,13 @@ def measure(rank: int, world_size: int, plan_texts: dict[str, str], steps: int, 
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         sent = torch.tensor([counter.sent], dtype=torch.float64)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-        out[name] = {"step_s": statistics.median(times[name]), "peak_bytes": float(peak[0]),
-                     "baseline_bytes": baseline, "sent_bytes": float(sent[0]),
-                     "calls": counter.calls}
+        out[name] = {
+            "step_s": statistics.median(times[name]),
+            "peak_bytes": float(peak[0]),
+            "baseline_bytes": baseline,
+            "sent_bytes": float(sent[0]),
+            "calls": counter.calls,
+        }
     return out
 
 
@@ -291,14 +304,18 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cost_accuracy.csv")
-    parser.add_argument("--cluster", default=None,
-                        help="preset or ClusterSpec file to plan with (default: what compile prices without one)")
+    parser.add_argument(
+        "--cluster", default=None, help="preset or ClusterSpec file to plan with (default: what compile prices without one)"
+    )
     parser.add_argument("--profile", action="store_true", help="plan with a spec from autopar profile (4 gloo ranks)")
-    parser.add_argument("--compute", choices=("roofline", "measured"), default="roofline",
-                        help="price ops by the roofline or by timing them here (one thread, as each rank runs)")
+    parser.add_argument(
+        "--compute",
+        choices=("roofline", "measured"),
+        default="roofline",
+        help="price ops by the roofline or by timing them here (one thread, as each rank runs)",
+    )
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS,
-                        help="which plans to run (auto_mem* need auto)")
+    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS, help="which plans to run (auto_mem* need auto)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
@@ -331,14 +348,22 @@ def main() -> int:
         for name, plan in plans.items():
             got = measured[name]
             row = {
-                "plan": name, "ranks": world, "cluster": cluster.name, "compute": cluster.compute,
-                "predicted_step_s": plan.predicted.step_time_s, "measured_step_s": got["step_s"],
-                "predicted_peak_bytes": plan.predicted.peak_memory_bytes, "measured_peak_bytes": int(got["peak_bytes"]),
-                "predicted_sent_bytes": plan.predicted.comm_bytes, "counted_sent_bytes": int(got["sent_bytes"]),
+                "plan": name,
+                "ranks": world,
+                "cluster": cluster.name,
+                "compute": cluster.compute,
+                "predicted_step_s": plan.predicted.step_time_s,
+                "measured_step_s": got["step_s"],
+                "predicted_peak_bytes": plan.predicted.peak_memory_bytes,
+                "measured_peak_bytes": int(got["peak_bytes"]),
+                "predicted_sent_bytes": plan.predicted.comm_bytes,
+                "counted_sent_bytes": int(got["sent_bytes"]),
             }
             row["memory_rel_err"] = abs(row["predicted_peak_bytes"] - row["measured_peak_bytes"]) / row["measured_peak_bytes"]
             counted = row["counted_sent_bytes"]
-            row["sent_ratio"] = row["predicted_sent_bytes"] / counted if counted else (1.0 if not row["predicted_sent_bytes"] else math.inf)
+            row["sent_ratio"] = (
+                row["predicted_sent_bytes"] / counted if counted else (1.0 if not row["predicted_sent_bytes"] else math.inf)
+            )
             rows.append(row)
             print("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -347,12 +372,18 @@ def main() -> int:
         writer.writeheader()
         writer.writerows(rows)
     rho = spearman([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows])
-    per_world = {w: spearman([r["predicted_step_s"] for r in rows if r["ranks"] == w],
-                             [r["measured_step_s"] for r in rows if r["ranks"] == w]) for w in args.worlds}
+    per_world = {
+        w: spearman(
+            [r["predicted_step_s"] for r in rows if r["ranks"] == w], [r["measured_step_s"] for r in rows if r["ranks"] == w]
+        )
+        for w in args.worlds
+    }
     median_err = statistics.median(r["memory_rel_err"] for r in rows)
     within = sum(abs(r["sent_ratio"] - 1) <= 0.01 for r in rows)
-    print(f"Spearman(predicted, measured step time) over {len(rows)} runs: {rho:.3f} "
-          f"(per world size: {', '.join(f'{w}: {v:.3f}' for w, v in per_world.items())}); target >= 0.8")
+    print(
+        f"Spearman(predicted, measured step time) over {len(rows)} runs: {rho:.3f} "
+        f"(per world size: {', '.join(f'{w}: {v:.3f}' for w, v in per_world.items())}); target >= 0.8"
+    )
     print(f"median relative error of peak memory: {median_err:.1%}; target <= 15%")
     print(f"bytes sent predicted = counted within 1%: {within}/{len(rows)} runs")
     return 0

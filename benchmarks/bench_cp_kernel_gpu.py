@@ -60,14 +60,22 @@ def main() -> int:
             grad = torch.randn_like(query)
             times.append(_time(lambda: attend_chunks(query, key, value, chunks, enable_gqa=True).backward(grad)))
         predicted = max_work_fraction(SEQ, (RANKS,)) if layout == "head-tail" else (2 * RANKS - 1) / RANKS
-        row = {"layout": layout, **{f"rank{r}_ms": round(t, 1) for r, t in enumerate(times)},
-               "max_over_mean": round(max(times) / (sum(times) / RANKS), 3), "predicted_max_over_mean": round(predicted, 3)}
+        row = {
+            "layout": layout,
+            **{f"rank{r}_ms": round(t, 1) for r, t in enumerate(times)},
+            "max_over_mean": round(max(times) / (sum(times) / RANKS), 3),
+            "predicted_max_over_mean": round(predicted, 3),
+        }
         print(row, flush=True)
         rows.append(row)
     query = torch.randn(1, HEADS, SEQ, HEAD_DIM, **kw, requires_grad=True)
     grad = torch.randn_like(query)
-    whole = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, is_causal=True, enable_gqa=True).backward(grad), repeats=2)
+    whole = _time(
+        lambda: torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True).backward(
+            grad
+        ),
+        repeats=2,
+    )
     print(f"whole causal attention, one call, forward + backward: {whole:.1f} ms ({whole / RANKS:.1f} ms / {RANKS})")
     if args.out:
         with open(args.out, "w", newline="") as f:

@@ -38,8 +38,7 @@ def _rank(rank: int, world: int, init: str, numel: int, repeat: int, out: str) -
     from autopar.ops import collectives
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     group = dist.group.WORLD.group_name
     whole = torch.randn(numel)
     shard = torch.randn(numel // world)
@@ -49,8 +48,7 @@ def _rank(rank: int, world: int, init: str, numel: int, repeat: int, out: str) -
         "all_reduce": lambda: dist.all_reduce(whole),
         "all_gather": lambda: dist.all_gather_into_tensor(gathered, shard),
         "reduce_scatter_gloo": lambda: dist.reduce_scatter_tensor(scattered, whole),
-        "reduce_scatter_autopar": lambda: collectives.wait(
-            collectives.start_reduce_scatter(scattered, whole, group), group),
+        "reduce_scatter_autopar": lambda: collectives.wait(collectives.start_reduce_scatter(scattered, whole, group), group),
     }
     results = {}
     for name, run in runs.items():
@@ -84,13 +82,21 @@ def main() -> None:
         numel = int(args.mib * 2**20 / 4) // world * world
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "figures.csv")
-            mp.spawn(_rank, args=(world, "file://" + os.path.join(tmp, "rendezvous"), numel, args.repeat, out),
-                     nprocs=world, join=True)
+            mp.spawn(
+                _rank, args=(world, "file://" + os.path.join(tmp, "rendezvous"), numel, args.repeat, out), nprocs=world, join=True
+            )
             with open(out) as handle:
                 for line in handle:
                     name, wall, cpu = line.strip().split(",")
-                    rows.append({"ranks": world, "mib": args.mib, "collective": name,
-                                 "wall_ms": round(1e3 * float(wall), 2), "cpu_ms": round(1e3 * float(cpu), 2)})
+                    rows.append(
+                        {
+                            "ranks": world,
+                            "mib": args.mib,
+                            "collective": name,
+                            "wall_ms": round(1e3 * float(wall), 2),
+                            "cpu_ms": round(1e3 * float(cpu), 2),
+                        }
+                    )
     for row in rows:
         print(f"{row['ranks']} ranks  {row['collective']:24s} wall {row['wall_ms']:7.2f} ms   cpu {row['cpu_ms']:7.2f} ms")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -63,31 +63,48 @@ def roofline(out: Path, quick: bool) -> None:
         seconds = _time_cuda(lambda: a @ b)
         name = "tf32" if tf32 else str(dtype).removeprefix("torch.")
         measured = 2 * size**3 / seconds
-        rows.append(dict(what=f"matmul {name} {size}^3", measured=measured,
-                         preset=preset.peak_flops.get(str(dtype).removeprefix("torch."), float("nan")),
-                         unit="FLOP/s"))
+        rows.append(
+            dict(
+                what=f"matmul {name} {size}^3",
+                measured=measured,
+                preset=preset.peak_flops.get(str(dtype).removeprefix("torch."), float("nan")),
+                unit="FLOP/s",
+            )
+        )
     torch.backends.cuda.matmul.allow_tf32 = False
     numel = (1 << 28) if quick else (1 << 30)
     src = torch.empty(numel, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     seconds = _time_cuda(lambda: dst.copy_(src))
-    rows.append(dict(what=f"copy {numel >> 20} MiB (read + write)", measured=2 * numel / seconds,
-                     preset=preset.memory_bandwidth_bytes_per_s, unit="bytes/s"))
+    rows.append(
+        dict(
+            what=f"copy {numel >> 20} MiB (read + write)",
+            measured=2 * numel / seconds,
+            preset=preset.memory_bandwidth_bytes_per_s,
+            unit="bytes/s",
+        )
+    )
     free, total = torch.cuda.mem_get_info()
     rows.append(dict(what="memory", measured=total, preset=preset.memory_bytes, unit="bytes"))
     _write(out / "gpu_roofline.csv", rows)
     for row in rows:
-        print(f"  {row['what']:<32} measured {row['measured']:.3e} {row['unit']:<8} preset {row['preset']:.3e}"
-              f"  measured/preset {row['measured'] / row['preset']:.2f}")
+        print(
+            f"  {row['what']:<32} measured {row['measured']:.3e} {row['unit']:<8} preset {row['preset']:.3e}"
+            f"  measured/preset {row['measured'] / row['preset']:.2f}"
+        )
 
 
 def _models(quick: bool):
     """(name, builder, batch, seq): GPT-2 widths and LLaMA widths, few layers so they fit."""
-    gpts = [("gpt 12x768", dict(n_layer=12, n_head=12, n_embd=768)),
-            ("gpt 24x1024", dict(n_layer=24, n_head=16, n_embd=1024)),
-            ("gpt 8x2048", dict(n_layer=8, n_head=16, n_embd=2048))]
-    llamas = [("llama-3-8b widths, 4 layers", {**LLAMA_SHAPES["llama-3-8b"], "n_layer": 4}),
-              ("llama-2-7b widths, 8 layers", {**LLAMA_SHAPES["llama-2-7b"], "n_layer": 8})]
+    gpts = [
+        ("gpt 12x768", dict(n_layer=12, n_head=12, n_embd=768)),
+        ("gpt 24x1024", dict(n_layer=24, n_head=16, n_embd=1024)),
+        ("gpt 8x2048", dict(n_layer=8, n_head=16, n_embd=2048)),
+    ]
+    llamas = [
+        ("llama-3-8b widths, 4 layers", {**LLAMA_SHAPES["llama-3-8b"], "n_layer": 4}),
+        ("llama-2-7b widths, 8 layers", {**LLAMA_SHAPES["llama-2-7b"], "n_layer": 8}),
+    ]
     if quick:
         gpts, llamas = gpts[:1], llamas[:1]
     for name, cfg in gpts:
@@ -108,8 +125,10 @@ def step_accuracy(out: Path, quick: bool, pricings: list[tuple[str, str, str | N
         plans = {}
         for label, cluster, compute in pricings:
             start = time.perf_counter()
-            plans[label] = (autopar.plan(meta_model, mesh=(1,), example_inputs=(idx_meta, idx_meta),
-                                         cluster=cluster, compute=compute), time.perf_counter() - start)
+            plans[label] = (
+                autopar.plan(meta_model, mesh=(1,), example_inputs=(idx_meta, idx_meta), cluster=cluster, compute=compute),
+                time.perf_counter() - start,
+            )
         with torch.device("cuda"):
             model = build().to(torch.bfloat16)
         idx = torch.randint(0, vocab, (batch, seq), device="cuda")
@@ -130,16 +149,29 @@ def step_accuracy(out: Path, quick: bool, pricings: list[tuple[str, str, str | N
         peak = torch.cuda.max_memory_allocated()
         for label, (plan, plan_s) in plans.items():
             predicted = plan.predicted
-            rows.append(dict(model=name, pricing=label, batch=batch, seq=seq, plan_s=round(plan_s, 2),
-                             predicted_compute_s=predicted.compute_s, measured_fwd_bwd_s=measured_s,
-                             time_ratio=measured_s / predicted.compute_s,
-                             predicted_peak_bytes=predicted.peak_memory_bytes, measured_peak_bytes=peak,
-                             memory_ratio=peak / predicted.peak_memory_bytes))
-            print(f"  {name:<30} {label:<18} time measured/predicted {rows[-1]['time_ratio']:.2f} "
-                  f"({measured_s * 1e3:.1f} ms vs {predicted.compute_s * 1e3:.1f} ms); "
-                  f"peak measured/predicted {rows[-1]['memory_ratio']:.2f} "
-                  f"({peak / 2**30:.1f} GiB vs {predicted.peak_memory_bytes / 2**30:.1f} GiB); "
-                  f"planned in {plan_s:.1f} s", flush=True)
+            rows.append(
+                dict(
+                    model=name,
+                    pricing=label,
+                    batch=batch,
+                    seq=seq,
+                    plan_s=round(plan_s, 2),
+                    predicted_compute_s=predicted.compute_s,
+                    measured_fwd_bwd_s=measured_s,
+                    time_ratio=measured_s / predicted.compute_s,
+                    predicted_peak_bytes=predicted.peak_memory_bytes,
+                    measured_peak_bytes=peak,
+                    memory_ratio=peak / predicted.peak_memory_bytes,
+                )
+            )
+            print(
+                f"  {name:<30} {label:<18} time measured/predicted {rows[-1]['time_ratio']:.2f} "
+                f"({measured_s * 1e3:.1f} ms vs {predicted.compute_s * 1e3:.1f} ms); "
+                f"peak measured/predicted {rows[-1]['memory_ratio']:.2f} "
+                f"({peak / 2**30:.1f} GiB vs {predicted.peak_memory_bytes / 2**30:.1f} GiB); "
+                f"planned in {plan_s:.1f} s",
+                flush=True,
+            )
         del model, opt
         torch.cuda.empty_cache()
     _write(out / "gpu_step.csv", rows)
@@ -169,8 +201,9 @@ def compile_on_cuda(out: Path) -> None:
         ref = eager(idx, targets)
         ref.backward()
         grads = pm.full_grads()
-        worst = max((grads[n] - p.grad).abs().max().item() / max(p.grad.abs().max().item(), 1e-12)
-                    for n, p in eager.named_parameters())
+        worst = max(
+            (grads[n] - p.grad).abs().max().item() / max(p.grad.abs().max().item(), 1e-12) for n, p in eager.named_parameters()
+        )
         rows.append(dict(check="float32 loss rel diff", value=abs(loss.item() - ref.item()) / abs(ref.item())))
         rows.append(dict(check="float32 worst grad rel diff (max-norm)", value=worst))
         pm16 = autopar.compile(eager.to(torch.bfloat16), mesh=(1,), example_inputs=(idx, targets), cluster="h100-80g")
@@ -184,8 +217,12 @@ def compile_on_cuda(out: Path) -> None:
             losses.append(step_loss.item())
         rows.append(dict(check="bfloat16 loss first step", value=losses[0]))
         rows.append(dict(check="bfloat16 loss after 5 AdamW steps", value=losses[-1]))
-        rows.append(dict(check="collectives in the graph", value=sum(
-            1 for n in pm16.graph.nodes if "autopar" in str(n.target) or "c10d" in str(n.target))))
+        rows.append(
+            dict(
+                check="collectives in the graph",
+                value=sum(1 for n in pm16.graph.nodes if "autopar" in str(n.target) or "c10d" in str(n.target)),
+            )
+        )
     finally:
         dist.destroy_process_group()
     _write(out / "gpu_compile.csv", rows)
@@ -206,8 +243,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer models")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for the CSVs")
     parser.add_argument("--parts", default="roofline,step,compile", help="comma-separated parts to run")
-    parser.add_argument("--profiled", default=None,
-                        help="also price with this ClusterSpec file (from `autopar profile`) and with measured compute")
+    parser.add_argument(
+        "--profiled",
+        default=None,
+        help="also price with this ClusterSpec file (from `autopar profile`) and with measured compute",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu.py needs a CUDA device; none is visible here", file=sys.stderr)

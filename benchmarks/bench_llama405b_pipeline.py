@@ -67,13 +67,19 @@ def probe(microbatches: int):
 def row(who: str, search: StageSearch, plan_s: float, note: str = "") -> dict:
     tokens = GLOBAL_BATCH * SEQ
     return {
-        "plan": who, "schedule": search.schedule, "virtual_stages": search.virtual_stages,
-        "microbatches": search.num_microbatches, "stages": search.num_stages,
+        "plan": who,
+        "schedule": search.schedule,
+        "virtual_stages": search.virtual_stages,
+        "microbatches": search.num_microbatches,
+        "stages": search.num_stages,
         "stage_mesh": "x".join(map(str, search.stage_mesh)),
-        "layers_per_stage": "/".join(str(s.layers[1] - s.layers[0]) for s in search.stages[:search.num_stages]),
-        "step_s": round(search.step_time_s, 2), "tokens_per_s_per_gpu": round(tokens / search.step_time_s / 512, 1),
-        "bubble": round(search.bubble_fraction, 3), "peak_gib": round(max(s.memory_bytes for s in search.stages) / 2**30, 1),
-        "recompute": f"{sum(s.remat for s in search.stages)}/{len(search.stages)}", "plan_s": round(plan_s, 1),
+        "layers_per_stage": "/".join(str(s.layers[1] - s.layers[0]) for s in search.stages[: search.num_stages]),
+        "step_s": round(search.step_time_s, 2),
+        "tokens_per_s_per_gpu": round(tokens / search.step_time_s / 512, 1),
+        "bubble": round(search.bubble_fraction, 3),
+        "peak_gib": round(max(s.memory_bytes for s in search.stages) / 2**30, 1),
+        "recompute": f"{sum(s.remat for s in search.stages)}/{len(search.stages)}",
+        "plan_s": round(plan_s, 1),
         "note": note,
     }
 
@@ -83,8 +89,7 @@ def torchtitan(spec) -> list[dict]:
     S, M = TORCHTITAN_STAGES, TORCHTITAN_MICROBATCHES
     per = [16] * 7 + [LAYERS - 16 * 7]
     bounds = [sum(per[:i]) for i in range(S + 1)]
-    common = dict(num_microbatches=M, memory_budget=BUDGET, num_layers=LAYERS, remat=True,
-                  optimizer_dtype=torch.float32)
+    common = dict(num_microbatches=M, memory_budget=BUDGET, num_layers=LAYERS, remat=True, optimizer_dtype=torch.float32)
     start = time.perf_counter()
     one, costs = search_stages(traced, MESH, spec, StageSettings(num_stages=S, forced_layers=bounds, **common))
     rows = [row("torchtitan 1F1B", one, time.perf_counter() - start, "recompute where it must")]
@@ -92,8 +97,7 @@ def torchtitan(spec) -> list[dict]:
     for v in schedules.virtual_counts("Interleaved1F1B", S, M, LAYERS):
         value, chunks = price_chunks(costs[(8, 8)], S, v, M, "Interleaved1F1B", BUDGET, spec, recompute=True)
         if value is not None and (best is None or value < best.step_time_s):
-            best = StageSearch(S, (8, 8), MESH, chunks, value, num_microbatches=M, schedule="Interleaved1F1B",
-                               virtual_stages=v)
+            best = StageSearch(S, (8, 8), MESH, chunks, value, num_microbatches=M, schedule="Interleaved1F1B", virtual_stages=v)
     if best is not None:
         rows.append(row("torchtitan interleaved 1F1B", best, 0.0, "full AC; its best virtual-stage count"))
     return rows
@@ -102,9 +106,20 @@ def torchtitan(spec) -> list[dict]:
 def ours(spec, microbatches: int) -> tuple[StageSearch, float]:
     start = time.perf_counter()
     traced = probe(microbatches)
-    search, _ = search_stages(traced, MESH, spec, StageSettings(
-        num_stages="auto", num_microbatches=microbatches, memory_budget=BUDGET, num_layers=LAYERS, remat=True,
-        optimizer_dtype=torch.float32, schedules_allowed=schedules.ALL_SCHEDULES))
+    search, _ = search_stages(
+        traced,
+        MESH,
+        spec,
+        StageSettings(
+            num_stages="auto",
+            num_microbatches=microbatches,
+            memory_budget=BUDGET,
+            num_layers=LAYERS,
+            remat=True,
+            optimizer_dtype=torch.float32,
+            schedules_allowed=schedules.ALL_SCHEDULES,
+        ),
+    )
     return search, time.perf_counter() - start
 
 
@@ -116,8 +131,15 @@ def rings(spec) -> list[dict]:
         for size in (2**20, 25 * 2**20, 1024 * 2**20):
             ring = 2 * (k - 1) * link.latency_s + 2 * (k - 1) / k * size / link.bandwidth_bytes_per_s
             tree = comm.tree_latency_s(0, mesh, spec) + 2 / comm.TREE_BANDWIDTH_FRACTION * size / link.bandwidth_bytes_per_s
-            out.append({"ranks": k, "mib": size // 2**20, "ring_ms": round(ring * 1e3, 3), "tree_ms": round(tree * 1e3, 3),
-                        "priced_ms": round(comm.all_reduce_s(size, 0, mesh, spec) * 1e3, 3)})
+            out.append(
+                {
+                    "ranks": k,
+                    "mib": size // 2**20,
+                    "ring_ms": round(ring * 1e3, 3),
+                    "tree_ms": round(tree * 1e3, 3),
+                    "priced_ms": round(comm.all_reduce_s(size, 0, mesh, spec) * 1e3, 3),
+                }
+            )
     return out
 
 

@@ -41,20 +41,35 @@ def main() -> int:
     started = time.perf_counter()
     with torch.device("meta"):
         model = build_model("llama", **shapes).to(torch.bfloat16)  # trained in bf16
-        inputs = example_batch("llama", args.batch, seq_len=args.seq_len, **{k: v for k, v in shapes.items() if k in ("vocab_size",)})
+        inputs = example_batch(
+            "llama", args.batch, seq_len=args.seq_len, **{k: v for k, v in shapes.items() if k in ("vocab_size",)}
+        )
     inputs = tuple(t.to("meta") for t in inputs)
-    plan = autopar.plan(model, mesh, example_inputs=inputs, cluster="h100-80g",
-                        memory_budget=args.budget_gib * 2**30, time_limit_s=args.time_limit)
+    plan = autopar.plan(
+        model,
+        mesh,
+        example_inputs=inputs,
+        cluster="h100-80g",
+        memory_budget=args.budget_gib * 2**30,
+        time_limit_s=args.time_limit,
+    )
     elapsed = time.perf_counter() - started
     print("\n".join(plan.summary().splitlines()[:7]))
     print(f"planned {args.layers} layers on mesh {mesh} in {elapsed:.1f} s")
     if args.out:
         pred = plan.predicted
-        row = {"layers": args.layers, "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,
-               "plan_s": round(elapsed, 1), "solver": plan.solver.status,
-               "step_time_s": pred.step_time_s, "peak_memory_gib": pred.peak_memory_bytes / 2**30,
-               "peak_at": pred.peak_memory_at or "",
-               **{f"sent_axis{i}_gib": b / 2**30 for i, b in enumerate(pred.comm_bytes_per_axis or ())}}
+        row = {
+            "layers": args.layers,
+            "mesh": args.mesh,
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "plan_s": round(elapsed, 1),
+            "solver": plan.solver.status,
+            "step_time_s": pred.step_time_s,
+            "peak_memory_gib": pred.peak_memory_bytes / 2**30,
+            "peak_at": pred.peak_memory_at or "",
+            **{f"sent_axis{i}_gib": b / 2**30 for i, b in enumerate(pred.comm_bytes_per_axis or ())},
+        }
         new = not os.path.exists(args.out)
         with open(args.out, "a", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(row))

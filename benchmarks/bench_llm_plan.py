@@ -31,10 +31,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import autopar  # noqa: E402
 
 SIZES = {
-    "llama-2-70b": dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
-                        num_key_value_heads=8, max_position_embeddings=4096, num_hidden_layers=80),
-    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                       num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, num_hidden_layers=32),
+    "llama-2-70b": dict(
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        num_hidden_layers=80,
+    ),
+    "llama-3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        num_hidden_layers=32,
+    ),
 }
 # name: (model, mesh, batch, seq, model dtype, precision)
 CASES = {
@@ -62,25 +77,39 @@ def plan_case(name: str, layers: int | None, mesh_override: tuple[int, ...] | No
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     # The same plan without a budget: what the binding budget costs on top.
     start, cpu = time.perf_counter(), time.process_time()
-    free = autopar.plan(model, mesh, example_kwargs=kwargs, cluster="h100-80g", precision=precision,
-                        memory_budget=float("inf")) if unbounded else plan
+    free = (
+        autopar.plan(model, mesh, example_kwargs=kwargs, cluster="h100-80g", precision=precision, memory_budget=float("inf"))
+        if unbounded
+        else plan
+    )
     free_seconds, free_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     if not unbounded:
         free_seconds, free_cpu_seconds = seconds, cpu_seconds
     pred, solver = plan.predicted, plan.solver
     return {
-        "case": name, "layers": config.num_hidden_layers, "mesh": "x".join(map(str, mesh)), "batch": batch, "seq": seq,
-        "precision": plan.precision.name if plan.precision else "32-true", "plan_s": round(seconds, 2),
-        "variables": solver.num_variables, "method": solver.method,
+        "case": name,
+        "layers": config.num_hidden_layers,
+        "mesh": "x".join(map(str, mesh)),
+        "batch": batch,
+        "seq": seq,
+        "precision": plan.precision.name if plan.precision else "32-true",
+        "plan_s": round(seconds, 2),
+        "variables": solver.num_variables,
+        "method": solver.method,
         "gap": None if solver.gap is None else round(solver.gap, 4),
         "budget_gib": round(solver.memory_budget_bytes / 2**30, 1),
-        "peak_gib": round(pred.peak_memory_bytes / 2**30, 1), "step_s": round(pred.step_time_s, 3),
+        "peak_gib": round(pred.peak_memory_bytes / 2**30, 1),
+        "step_s": round(pred.step_time_s, 3),
         "checkpointed": len(plan.memory.checkpoint) if plan.memory else 0,
-        "objective_s": plan.solver.objective_s, "peak_bytes": int(pred.peak_memory_bytes),
+        "objective_s": plan.solver.objective_s,
+        "peak_bytes": int(pred.peak_memory_bytes),
         "step_time_s": pred.step_time_s,
-        "solve_s": round(plan.stats["solve_time_s"], 2), "unbounded_plan_s": round(free_seconds, 2),
-        "unbounded_solve_s": round(free.stats["solve_time_s"], 2), "budget_ratio": round(seconds / free_seconds, 2),
-        "plan_cpu_s": round(cpu_seconds, 2), "unbounded_plan_cpu_s": round(free_cpu_seconds, 2),
+        "solve_s": round(plan.stats["solve_time_s"], 2),
+        "unbounded_plan_s": round(free_seconds, 2),
+        "unbounded_solve_s": round(free.stats["solve_time_s"], 2),
+        "budget_ratio": round(seconds / free_seconds, 2),
+        "plan_cpu_s": round(cpu_seconds, 2),
+        "unbounded_plan_cpu_s": round(free_cpu_seconds, 2),
         "budget_ratio_cpu": round(cpu_seconds / free_cpu_seconds, 2),
     }
 
@@ -91,10 +120,12 @@ def main() -> int:
     parser.add_argument("--layers", nargs="+", type=int, default=[None], help="override the depth (default: real)")
     parser.add_argument("--out", default="")
     parser.add_argument("--mesh", default=None, help="override every case's mesh, e.g. 64x8")
-    parser.add_argument("--no-unbounded", action="store_true",
-                        help="skip the plan without a budget (its columns then repeat the bounded plan's)")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="plan each case this many times (both plans each time) and keep the fastest of each")
+    parser.add_argument(
+        "--no-unbounded", action="store_true", help="skip the plan without a budget (its columns then repeat the bounded plan's)"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="plan each case this many times (both plans each time) and keep the fastest of each"
+    )
     args = parser.parse_args()
     rows = []
     for name in args.cases:
@@ -107,8 +138,14 @@ def main() -> int:
                 if row is not None:  # the first repeat's plan; a time-limited MILP may differ
                     same = all(run[k] == row[k] for k in ("method", "objective_s", "peak_bytes", "step_time_s"))
                     row["same_plan"] = row.get("same_plan", True) and same
-                    for key in ("plan_s", "unbounded_plan_s", "solve_s", "unbounded_solve_s", "plan_cpu_s",
-                                "unbounded_plan_cpu_s"):
+                    for key in (
+                        "plan_s",
+                        "unbounded_plan_s",
+                        "solve_s",
+                        "unbounded_solve_s",
+                        "plan_cpu_s",
+                        "unbounded_plan_cpu_s",
+                    ):
                         row[key] = min(row[key], run[key])
                 else:
                     row = run

@@ -56,8 +56,10 @@ def _model_and_batch(batch_size: int = BATCH):
     torch.manual_seed(0)
     model = GPT(**CONFIG)
     gen = torch.Generator().manual_seed(1)
-    batch = (torch.randint(0, CONFIG["vocab_size"], (batch_size, SEQ), generator=gen),
-             torch.randint(0, CONFIG["vocab_size"], (batch_size, SEQ), generator=gen))
+    batch = (
+        torch.randint(0, CONFIG["vocab_size"], (batch_size, SEQ), generator=gen),
+        torch.randint(0, CONFIG["vocab_size"], (batch_size, SEQ), generator=gen),
+    )
     return model, batch
 
 
@@ -156,16 +158,30 @@ def main() -> None:
                 "added_s": plan.memory.added_s if plan.memory else 0.0,
             }
             rows.append(row)
-            print(f"{fraction:5.2f}  {_label(plan):<40} prefetch={prefetch!s:<5} step {row['step_s']:.3f} s "
-                  f"(predicted {row['predicted_step_s']:.3f} s)  peak {row['predicted_peak_bytes'] / 2**20:.0f} MiB "
-                  f"predicted, RSS +{growth / 2**20:.0f} MiB", flush=True)
+            print(
+                f"{fraction:5.2f}  {_label(plan):<40} prefetch={prefetch!s:<5} step {row['step_s']:.3f} s "
+                f"(predicted {row['predicted_step_s']:.3f} s)  peak {row['predicted_peak_bytes'] / 2**20:.0f} MiB "
+                f"predicted, RSS +{growth / 2**20:.0f} MiB",
+                flush=True,
+            )
         del runs
     dist.destroy_process_group()
     if args.offload_dir is None:
         shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    fields = ["fraction", "budget_bytes", "decisions", "prefetch", "predicted_peak_bytes", "predicted_step_s", "step_s",
-              "rss_growth_bytes", "saved_bytes", "added_s", "min_bytes"]
+    fields = [
+        "fraction",
+        "budget_bytes",
+        "decisions",
+        "prefetch",
+        "predicted_peak_bytes",
+        "predicted_step_s",
+        "step_s",
+        "rss_growth_bytes",
+        "saved_bytes",
+        "added_s",
+        "min_bytes",
+    ]
     with open(args.out + ".csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
@@ -182,8 +198,10 @@ def _plot(rows, free_peak, link, path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ran = [r for r in rows if r["decisions"] != "infeasible"]
-    for prefetch, style, color, label in ((True, "-o", "tab:blue", "as planned (offload prefetches one use ahead)"),
-                                          (False, "--s", "tab:red", "same decisions, offload without prefetch")):
+    for prefetch, style, color, label in (
+        (True, "-o", "tab:blue", "as planned (offload prefetches one use ahead)"),
+        (False, "--s", "tab:red", "same decisions, offload without prefetch"),
+    ):
         points = sorted((r["budget_bytes"] / 2**20, r["step_s"]) for r in ran if r["prefetch"] == prefetch)
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], style, color=color, label=label)
@@ -192,18 +210,33 @@ def _plot(rows, free_peak, link, path) -> None:
             offloads = any(word in r["decisions"] for word in ("state", "grad", "param"))
             kind = "tab:green" if r["decisions"] == "sharding only" else ("tab:purple" if offloads else "tab:orange")
             ax.scatter([r["budget_bytes"] / 2**20], [r["step_s"]], s=90, facecolors="none", edgecolors=kind, zorder=3)
-            ax.annotate(r["decisions"].replace(" + ", "\n+ "), (r["budget_bytes"] / 2**20, r["step_s"]),
-                        textcoords="offset points", xytext=(6, 4), fontsize=6.5)
+            ax.annotate(
+                r["decisions"].replace(" + ", "\n+ "),
+                (r["budget_bytes"] / 2**20, r["step_s"]),
+                textcoords="offset points",
+                xytext=(6, 4),
+                fontsize=6.5,
+            )
     for r in rows:
         if r["decisions"] == "infeasible":
             ax.axvline(r["budget_bytes"] / 2**20, color="gray", linestyle=":", linewidth=1)
-            ax.annotate("infeasible", (r["budget_bytes"] / 2**20, 0), textcoords="offset points", xytext=(3, 5),
-                        fontsize=7, color="gray", rotation=90)
+            ax.annotate(
+                "infeasible",
+                (r["budget_bytes"] / 2**20, 0),
+                textcoords="offset points",
+                xytext=(3, 5),
+                fontsize=7,
+                color="gray",
+                rotation=90,
+            )
     ax.axvline(free_peak / 2**20, color="tab:green", linestyle=":", linewidth=1)
     ax.set_xlabel("memory_budget (MiB per device)")
     ax.set_ylabel("measured step time (s)")
-    ax.set_title(f"GPT 8.7M on mesh (1,), CPU, offload to disk ({link.bandwidth_bytes_per_s / 1e9:.2f} GB/s measured)\n"
-                 "green: sharding only, orange: checkpointing, purple: offload (+ checkpointing)", fontsize=9)
+    ax.set_title(
+        f"GPT 8.7M on mesh (1,), CPU, offload to disk ({link.bandwidth_bytes_per_s / 1e9:.2f} GB/s measured)\n"
+        "green: sharding only, orange: checkpointing, purple: offload (+ checkpointing)",
+        fontsize=9,
+    )
     ax.set_ylim(0, 1.3 * max((r["step_s"] for r in ran), default=1.0))
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -55,17 +55,27 @@ def main() -> int:
     options = PlanOptions.from_keywords(precision=args.precision, devices=args.devices)
     cluster = get_cluster(None)
     traced = api._trace(model, inputs, None, options.precision)
-    print(f"{args.model}, batch {args.batch_size}, {args.precision}, cluster {cluster.name}; "
-          f"{len(traced.gm.graph.nodes)} graph nodes")
-    print(f"{'mesh':<10} {'plan_s':>8} {'plan_cpu_s':>10} {'ratio':>6} {'variables':>10} {'strategies':>10} "
-          f"{'cut':>16} {'step_ms':>9} {'peak_GiB':>9} {'rss_gib':>8}")
+    print(
+        f"{args.model}, batch {args.batch_size}, {args.precision}, cluster {cluster.name}; "
+        f"{len(traced.gm.graph.nodes)} graph nodes"
+    )
+    print(
+        f"{'mesh':<10} {'plan_s':>8} {'plan_cpu_s':>10} {'ratio':>6} {'variables':>10} {'strategies':>10} "
+        f"{'cut':>16} {'step_ms':>9} {'peak_GiB':>9} {'rss_gib':>8}"
+    )
     first = None
     runs = [("search", None)] if args.devices else [(mesh, _mesh(mesh)) for mesh in args.meshes]
     for label, shape in runs:
         wall, cpu = time.perf_counter(), time.process_time()
         if shape is None:
-            plan = search_mesh(traced, args.devices, cluster, options, api.plan_traced_unexplained,
-                               on_progress=lambda text: print("  " + text, flush=True))
+            plan = search_mesh(
+                traced,
+                args.devices,
+                cluster,
+                options,
+                api.plan_traced_unexplained,
+                on_progress=lambda text: print("  " + text, flush=True),
+            )
             label = "x".join(map(str, plan.mesh_shape))
         else:
             plan = api.plan_traced(traced, shape, cluster, options)
@@ -73,9 +83,12 @@ def main() -> int:
         first = first or cpu
         counts = plan.stats.get("strategies", {})
         cut = f"{counts.get('impossible', 0)} + {counts.get('dominated', 0)}"
-        print(f"{label:<10} {wall:>8.1f} {cpu:>10.1f} {cpu / first:>6.2f} {plan.solver.num_variables:>10} "
-              f"{counts.get('enumerated', 0):>10} {cut:>16} {plan.predicted.step_time_s * 1e3:>9.1f} "
-              f"{plan.predicted.peak_memory_bytes / 2**30:>9.1f} {_rss_gib():>8.2f}", flush=True)
+        print(
+            f"{label:<10} {wall:>8.1f} {cpu:>10.1f} {cpu / first:>6.2f} {plan.solver.num_variables:>10} "
+            f"{counts.get('enumerated', 0):>10} {cut:>16} {plan.predicted.step_time_s * 1e3:>9.1f} "
+            f"{plan.predicted.peak_memory_bytes / 2**30:>9.1f} {_rss_gib():>8.2f}",
+            flush=True,
+        )
         if "mesh_search" in plan.stats:
             print(mesh_search_text(plan.stats["mesh_search"]))
     return 0

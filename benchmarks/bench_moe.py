@@ -82,8 +82,21 @@ def main() -> None:
     for row in rows[1:]:
         if isinstance(row.get("step_s"), float) and isinstance(auto.get("step_s"), float):
             row["autopar_over_this"] = round(auto["step_s"] / row["step_s"], 4)
-    fields = ["plan", "step_s", "autopar_over_this", "peak_gib", "comm_gib", "ep_degree", "moe_kernel",
-              "expert_specs", "moe_cost_s", "all_to_all_s", "solver", "gap", "plan_s"]
+    fields = [
+        "plan",
+        "step_s",
+        "autopar_over_this",
+        "peak_gib",
+        "comm_gib",
+        "ep_degree",
+        "moe_kernel",
+        "expert_specs",
+        "moe_cost_s",
+        "all_to_all_s",
+        "solver",
+        "gap",
+        "plan_s",
+    ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")

@@ -72,8 +72,16 @@ def build(name: str, layers: int):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
-        max_position_embeddings=4096, num_hidden_layers=layers, use_cache=False, attn_implementation="sdpa")
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        num_hidden_layers=layers,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
         ids = torch.zeros(128 if name == "hf-llama-128" else 8, 4096, dtype=torch.long)
@@ -94,12 +102,19 @@ def plan_row(name: str, layers: int, export: bool, memory_budget: float | None =
     plan = plan_traced(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=memory_budget))
     plan_s, plan_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     row = {
-        "model": name, "layers": layers, "mesh": "x".join(map(str, mesh)), "nodes": len(plan.nodes),
-        "variables": plan.solver.num_variables, "method": plan.solver.method,
-        "peak_gib": round(plan.predicted.peak_memory_bytes / 2**30, 1), "step_s": round(plan.predicted.step_time_s, 4),
+        "model": name,
+        "layers": layers,
+        "mesh": "x".join(map(str, mesh)),
+        "nodes": len(plan.nodes),
+        "variables": plan.solver.num_variables,
+        "method": plan.solver.method,
+        "peak_gib": round(plan.predicted.peak_memory_bytes / 2**30, 1),
+        "step_s": round(plan.predicted.step_time_s, 4),
         "objective_s": plan.solver.objective_s,
         "plan_hash": plan.hash,  # of the whole plan JSON, explanations included
-        "trace_s": round(trace_s, 2), "plan_s": round(plan_s, 2), "total_s": round(trace_s + plan_s, 2),
+        "trace_s": round(trace_s, 2),
+        "plan_s": round(plan_s, 2),
+        "total_s": round(trace_s + plan_s, 2),
         "total_cpu_s": round(trace_cpu_s + plan_cpu_s, 2),
     }
     if export:
@@ -119,8 +134,12 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/plan_time.csv")
     parser.add_argument("--append", action="store_true", help="add rows to --out (same columns) instead of replacing it")
     parser.add_argument("--repeat", type=int, default=1, help="plan each row this many times; keep the fastest")
-    parser.add_argument("--memory-budget", type=float, default=None,
-                        help="bytes per device (default: the device's memory less its reserve; inf: none)")
+    parser.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        help="bytes per device (default: the device's memory less its reserve; inf: none)",
+    )
     args = parser.parse_args()
     rows = []
     for name in args.models:

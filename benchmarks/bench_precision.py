@@ -54,10 +54,17 @@ def _rank(rank: int, world: int, kinds: list[str], steps: int) -> list[dict]:
                 torch.distributed.barrier()
                 if step >= 2:  # two warm-up steps
                     times.append(time.perf_counter() - start)
-            rows.append({"kind": kind, "precision": name, "ranks": world,
-                         "step_s": statistics.median(times), "loss": float(pm(*batch).item()),
-                         "predicted_step_s": plan.predicted.step_time_s,
-                         "predicted_comm_bytes": plan.predicted.comm_bytes})
+            rows.append(
+                {
+                    "kind": kind,
+                    "precision": name,
+                    "ranks": world,
+                    "step_s": statistics.median(times),
+                    "loss": float(pm(*batch).item()),
+                    "predicted_step_s": plan.predicted.step_time_s,
+                    "predicted_comm_bytes": plan.predicted.comm_bytes,
+                }
+            )
     return rows
 
 
@@ -74,8 +81,10 @@ def main() -> None:
     base = {row["kind"]: row["step_s"] for row in rows if row["precision"] == "32-true"}
     for row in rows:
         row["over_32_true"] = row["step_s"] / base[row["kind"]]
-        print(f"{row['kind']:6s} {row['precision']:10s} {row['ranks']} ranks: {row['step_s'] * 1e3:8.1f} ms/step "
-              f"({row['over_32_true']:.2f}x 32-true)  loss {row['loss']:.4f}")
+        print(
+            f"{row['kind']:6s} {row['precision']:10s} {row['ranks']} ranks: {row['step_s'] * 1e3:8.1f} ms/step "
+            f"({row['over_32_true']:.2f}x 32-true)  loss {row['loss']:.4f}"
+        )
     with open(args.out, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()

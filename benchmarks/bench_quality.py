@@ -81,12 +81,17 @@ def analytic_bytes(model, config, batch: int, seq: int, mesh: tuple[int, ...]) -
     }
 
 
-def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget: float, precision,
-             checkpointing: bool) -> dict:
+def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget: float, precision, checkpointing: bool) -> dict:
     mesh = MESHES[devices]
     cluster = get_cluster("h100-80g")
-    row: dict = {"model": name, "layers": config["n_layer"], "devices": devices, "mesh": "x".join(map(str, mesh)),
-                 "precision": precision.name if precision else "32-true", "budget_gib": round(budget / 2**30, 1)}
+    row: dict = {
+        "model": name,
+        "layers": config["n_layer"],
+        "devices": devices,
+        "mesh": "x".join(map(str, mesh)),
+        "precision": precision.name if precision else "32-true",
+        "budget_gib": round(budget / 2**30, 1),
+    }
     options = PlanOptions.from_keywords(memory_budget=budget, precision=precision, checkpointing=checkpointing)
     start = time.perf_counter()
     try:
@@ -104,8 +109,7 @@ def run_cell(name: str, traced, model, config, batch, seq, devices: int, budget:
     best = None
     for kind in KINDS:
         try:
-            hand = solve(traced, mesh, cluster, options, forced=hand_specs(kind, traced, mesh),
-                         zero_stage=zero_stage(kind))
+            hand = solve(traced, mesh, cluster, options, forced=hand_specs(kind, traced, mesh), zero_stage=zero_stage(kind))
         except InfeasibleError:
             row[f"{kind}_step_s"] = "infeasible"
             continue
@@ -155,17 +159,20 @@ def plot(rows: list[dict], path: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/quality.csv")
-    parser.add_argument("--budget-gib", type=float, default=None,
-                        help="bytes per device in GiB (default: the device's memory less its reserve)")
+    parser.add_argument(
+        "--budget-gib", type=float, default=None, help="bytes per device in GiB (default: the device's memory less its reserve)"
+    )
     parser.add_argument("--precision", default=None, help="32-true (default), bf16-mixed or bf16-true")
-    parser.add_argument("--reduce-dtype", default=None,
-                        help="replace the policy's reduce_dtype (bfloat16: FSDP2's default with bf16-mixed)")
+    parser.add_argument(
+        "--reduce-dtype", default=None, help="replace the policy's reduce_dtype (bfloat16: FSDP2's default with bf16-mixed)"
+    )
     parser.add_argument("--no-checkpointing", action="store_true", help="forbid activation checkpointing")
     parser.add_argument("--quick", action="store_true", help="4 layers per model instead of the full depth")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--devices", nargs="*", type=int, default=[8, 64, 1024])
-    parser.add_argument("--cells", nargs="*", default=None,
-                        help="MODEL:N,N,... (instead of --models x --devices), e.g. llama-2-70b:64,1024")
+    parser.add_argument(
+        "--cells", nargs="*", default=None, help="MODEL:N,N,... (instead of --models x --devices), e.g. llama-2-70b:64,1024"
+    )
     args = parser.parse_args()
     cells = {name: list(args.devices) for name in args.models}
     if args.cells:
@@ -174,15 +181,15 @@ def main() -> int:
     budget = resolve_budget(None if args.budget_gib is None else args.budget_gib * 2**30, cluster)
     precision = precision_policy(args.precision)
     if args.reduce_dtype is not None:
-        precision = dataclasses.replace(precision, reduce_dtype=args.reduce_dtype,
-                                        name=f"{precision.name}+reduce-{args.reduce_dtype}")
+        precision = dataclasses.replace(
+            precision, reduce_dtype=args.reduce_dtype, name=f"{precision.name}+reduce-{args.reduce_dtype}"
+        )
     rows = []
     for name, device_counts in cells.items():
         model, batch_inputs, config, batch, seq = build(name, args.quick)
         traced = trace_repeated(model, batch_inputs, precision=precision)
         for devices in device_counts:
-            rows.append(run_cell(name, traced, model, config, batch, seq, devices, budget, precision,
-                                 not args.no_checkpointing))
+            rows.append(run_cell(name, traced, model, config, batch, seq, devices, budget, precision, not args.no_checkpointing))
             print(rows[-1], flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fields = list(dict.fromkeys(key for row in rows for key in row))
@@ -197,8 +204,11 @@ def main() -> int:
     worse = [r for r in rows if isinstance(r.get("ratio_to_best_hand"), float) and r["ratio_to_best_hand"] > limit]
     worse += [r for r in rows if r.get("ratio_to_best_hand") == "autopar infeasible"]
     for row in worse:
-        print(f"FAIL: autopar is predicted slower than {row['best_hand']} on {row['model']} at {row['devices']} devices: "
-              f"ratio {row['ratio_to_best_hand']}", file=sys.stderr)
+        print(
+            f"FAIL: autopar is predicted slower than {row['best_hand']} on {row['model']} at {row['devices']} devices: "
+            f"ratio {row['ratio_to_best_hand']}",
+            file=sys.stderr,
+        )
     return 1 if worse else 0
 
 

@@ -126,8 +126,11 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(worlds), figsize=(5 * len(worlds), 3.5), squeeze=False)
     for ax, world in zip(axes[0], worlds):
         chosen = [r for r in rows if r["ranks"] == world and r["plan"] != "eager" and r["step_s"] != ""]
-        ax.bar(range(len(chosen)), [r["step_s"] * 1e3 for r in chosen],
-               color=["tab:orange" if r["plan"] == "autopar" else "tab:blue" for r in chosen])
+        ax.bar(
+            range(len(chosen)),
+            [r["step_s"] * 1e3 for r in chosen],
+            color=["tab:orange" if r["plan"] == "autopar" else "tab:blue" for r in chosen],
+        )
         ax.set_xticks(range(len(chosen)), [r["plan"] for r in chosen], rotation=30, fontsize=8)
         ax.set_ylabel("measured step ms (median)")
         ax.set_title(f"{world} gloo ranks on this machine")
@@ -147,8 +150,15 @@ def main() -> None:
     rows = []
     single = run_distributed(_single, 1, args.steps, timeout_s=900)[0]
     rows.append({"ranks": 1, "plan": "eager", "step_s": single["eager_s"], "bytes_per_rank": 0})
-    rows.append({"ranks": 1, "plan": "autopar", "step_s": single["autopar_s"], "bytes_per_rank": single["bytes"],
-                 "eager_over_autopar": round(single["eager_s"] / single["autopar_s"], 3)})
+    rows.append(
+        {
+            "ranks": 1,
+            "plan": "autopar",
+            "step_s": single["autopar_s"],
+            "bytes_per_rank": single["bytes"],
+            "eager_over_autopar": round(single["eager_s"] / single["autopar_s"], 3),
+        }
+    )
     print(rows[-2:], flush=True)
     for world in args.ranks:
         for kind in args.kinds:

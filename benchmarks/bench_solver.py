@@ -106,11 +106,15 @@ def sweep(quick: bool) -> list[dict]:
     rows = []
     for family, (builder, config, batch, seq) in SHAPES.items():
         for depth in depths:
-            rows.append({"sweep": "depth", "model": family, **plan_stages(builder, {**config, "n_layer": depth}, batch, seq, (8, 8))})
+            rows.append(
+                {"sweep": "depth", "model": family, **plan_stages(builder, {**config, "n_layer": depth}, batch, seq, (8, 8))}
+            )
             print(rows[-1], flush=True)
         for mesh in meshes:
             depth = depths[0]
-            rows.append({"sweep": "mesh", "model": family, **plan_stages(builder, {**config, "n_layer": depth}, batch, seq, mesh)})
+            rows.append(
+                {"sweep": "mesh", "model": family, **plan_stages(builder, {**config, "n_layer": depth}, batch, seq, mesh)}
+            )
             print(rows[-1], flush=True)
     return rows
 

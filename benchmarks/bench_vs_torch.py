@@ -60,9 +60,18 @@ import torch.multiprocessing as mp
 
 CONFIG = dict(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=256)
 BATCH = 16
-TRAINERS = ("torch_ddp", "autopar_ddp", "torch_fsdp2", "autopar_fsdp", "autopar",
-            "torch_ddp_compiled", "autopar_ddp_compiled", "torch_fsdp2_compiled", "autopar_fsdp_compiled",
-            "autopar_compiled")
+TRAINERS = (
+    "torch_ddp",
+    "autopar_ddp",
+    "torch_fsdp2",
+    "autopar_fsdp",
+    "autopar",
+    "torch_ddp_compiled",
+    "autopar_ddp_compiled",
+    "torch_fsdp2_compiled",
+    "autopar_fsdp_compiled",
+    "autopar_compiled",
+)
 
 
 def _gpt():
@@ -119,10 +128,10 @@ def _trainer(kind: str, world: int, rank: int, foreach: bool | None = None):
         if kind == "autopar":
             plan = None  # what ``autopar.compile(model, mesh)`` plans by itself, for the machine it runs on
         else:
-            plan = autopar.hand_plan(kind.removeprefix("autopar_"), model, mesh, example_inputs=(idx, targets),
-                                     cluster="cpu")
-        module = autopar.compile(model, mesh, example_inputs=(idx, targets), plan=plan, comm=comm,
-                                 compiler="inductor" if compiled else None)
+            plan = autopar.hand_plan(kind.removeprefix("autopar_"), model, mesh, example_inputs=(idx, targets), cluster="cpu")
+        module = autopar.compile(
+            model, mesh, example_inputs=(idx, targets), plan=plan, comm=comm, compiler="inductor" if compiled else None
+        )
         batch = (idx, targets)  # the compiled module cuts out its own shard
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=foreach)
 
@@ -138,11 +147,11 @@ def _trainer(kind: str, world: int, rank: int, foreach: bool | None = None):
     return step
 
 
-def _rank(rank: int, world: int, init: str, out_dir: str, kinds: list[str], steps: int, warmup: int,
-          foreach: bool | None) -> None:
+def _rank(
+    rank: int, world: int, init: str, out_dir: str, kinds: list[str], steps: int, warmup: int, foreach: bool | None
+) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
         trainers = {kind: _trainer(kind, world, rank, foreach) for kind in kinds}
         times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
@@ -194,9 +203,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--kinds", nargs="*", default=list(TRAINERS))
     parser.add_argument("--out", default="benchmarks/results/vs_torch.csv")
-    parser.add_argument("--foreach", action="store_true",
-                        help="AdamW(foreach=True) in every trainer (the default on CUDA; on the CPU torch's default is a "
-                             "loop over parameters, one DTensor dispatch per op and parameter for FSDP2 and autopar)")
+    parser.add_argument(
+        "--foreach",
+        action="store_true",
+        help="AdamW(foreach=True) in every trainer (the default on CUDA; on the CPU torch's default is a "
+        "loop over parameters, one DTensor dispatch per op and parameter for FSDP2 and autopar)",
+    )
     args = parser.parse_args()
     rows = []
     for world in args.ranks:

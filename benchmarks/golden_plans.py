@@ -116,6 +116,7 @@ def hand(kind: str):
     def make():
         model, batch = _meta_gpt()
         return autopar.hand_plan(kind, model, (2, 2), example_inputs=batch, cluster="cpu")
+
     return make
 
 
@@ -130,6 +131,7 @@ def zoo_llama(layers: int):
             model = build_model("llama", **{**LLAMA_SHAPES["llama-2-70b"], "n_layer": layers})
             idx = torch.zeros(8, 4096, dtype=torch.long)
         return _traced_plan(model, (idx, idx), None, (128, 8))
+
     return make
 
 
@@ -138,13 +140,21 @@ def hf_llama(layers: int, batch: int = 8):
         import transformers
 
         config = transformers.LlamaConfig(
-            vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
-            num_key_value_heads=8, max_position_embeddings=4096, num_hidden_layers=layers, use_cache=False,
-            attn_implementation="sdpa")
+            vocab_size=32000,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            max_position_embeddings=4096,
+            num_hidden_layers=layers,
+            use_cache=False,
+            attn_implementation="sdpa",
+        )
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
             ids = torch.zeros(batch, 4096, dtype=torch.long)
         return _traced_plan(model, (), {"input_ids": ids, "labels": ids.clone()}, (128, 8))
+
     return make
 
 

@@ -8,6 +8,8 @@ bash scripts/setup.sh
 lint-imports --no-cache
 # A small lint rule set (pyproject.toml [tool.ruff.lint]): unused and undefined names, shared defaults.
 ruff check -q autopar tests benchmarks scripts examples
+# One code format (pyproject.toml [tool.ruff.format]); `ruff format autopar tests benchmarks scripts examples` fixes it.
+ruff format --check -q autopar tests benchmarks scripts examples
 # Two workers (pytest-xdist), one test file at a time each, so that a module's fixtures are built
 # once; tests/conftest.py starts the slowest files first. AUTOPAR_TEST_WORKERS=0 runs in one process.
 exec python -m pytest -n "${AUTOPAR_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder tests "$@"

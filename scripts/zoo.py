@@ -54,9 +54,18 @@ def _causal(model_cls: str, config_cls: str, **config: Any) -> Callable[[], tupl
     def build() -> tuple[torch.nn.Module, dict]:
         import transformers
 
-        base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                    use_cache=False, attn_implementation="sdpa", **SPECIAL)
+        base = dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            use_cache=False,
+            attn_implementation="sdpa",
+            **SPECIAL,
+        )
         base.update(config)
         cfg = getattr(transformers, config_cls)(**{k: v for k, v in base.items() if v is not None})
         model = _built(lambda: getattr(transformers, model_cls)(cfg))
@@ -73,10 +82,24 @@ def _seq2seq(model_cls: str, config_cls: str, **config: Any) -> Callable[[], tup
     def build() -> tuple[torch.nn.Module, dict]:
         import transformers
 
-        base = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=SEQ,
-                    use_cache=False, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-                    decoder_start_token_id=0, attn_implementation="sdpa", **SPECIAL)
+        base = dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=SEQ,
+            use_cache=False,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            decoder_start_token_id=0,
+            attn_implementation="sdpa",
+            **SPECIAL,
+        )
         base.update(config)
         cfg = getattr(transformers, config_cls)(**base)
         model = _built(lambda: getattr(transformers, model_cls)(cfg))
@@ -90,10 +113,25 @@ def whisper() -> tuple[torch.nn.Module, dict]:
     import transformers
 
     cfg = transformers.WhisperConfig(
-        vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
-        max_target_positions=SEQ, use_cache=False, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        decoder_start_token_id=0, attn_implementation="sdpa", **SPECIAL)
+        vocab_size=VOCAB,
+        num_mel_bins=8,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_source_positions=16,
+        max_target_positions=SEQ,
+        use_cache=False,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        decoder_start_token_id=0,
+        attn_implementation="sdpa",
+        **SPECIAL,
+    )
     model = _built(lambda: transformers.WhisperForConditionalGeneration(cfg))
     generator = torch.Generator().manual_seed(1)
     features = torch.randn(BATCH, 8, 32, generator=generator)  # (batch, mel bins, 2 * source positions)
@@ -104,8 +142,18 @@ def whisper() -> tuple[torch.nn.Module, dict]:
 def t5() -> tuple[torch.nn.Module, dict]:
     import transformers
 
-    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, **SPECIAL)
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        **SPECIAL,
+    )
     model = _built(lambda: transformers.T5ForConditionalGeneration(cfg))
     ids, labels = _ids(1)
     return model, {"input_ids": ids, "labels": labels}
@@ -116,9 +164,17 @@ def _encoder(model_cls: str, config_cls: str) -> Callable[[], tuple[torch.nn.Mod
         import transformers
 
         cfg = getattr(transformers, config_cls)(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=SEQ + 4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            attn_implementation="sdpa", pad_token_id=SPECIAL["pad_token_id"])
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=SEQ + 4,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation="sdpa",
+            pad_token_id=SPECIAL["pad_token_id"],
+        )
         model = _built(lambda: getattr(transformers, model_cls)(cfg))
         ids, labels = _ids(1)
         mask = torch.rand(labels.shape, generator=torch.Generator().manual_seed(3)) < 0.85
@@ -130,24 +186,39 @@ def _encoder(model_cls: str, config_cls: str) -> Callable[[], tuple[torch.nn.Mod
 def vit() -> tuple[torch.nn.Module, dict]:
     import transformers
 
-    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
-                                 num_attention_heads=4, intermediate_size=64, num_labels=8, hidden_dropout_prob=0.0,
-                                 attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    cfg = transformers.ViTConfig(
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=8,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
+    )
     model = _built(lambda: transformers.ViTForImageClassification(cfg))
     generator = torch.Generator().manual_seed(1)
-    return model, {"pixel_values": torch.randn(BATCH, 3, 16, 16, generator=generator),
-                   "labels": torch.randint(0, 8, (BATCH,), generator=generator)}
+    return model, {
+        "pixel_values": torch.randn(BATCH, 3, 16, 16, generator=generator),
+        "labels": torch.randint(0, 8, (BATCH,), generator=generator),
+    }
 
 
 def resnet() -> tuple[torch.nn.Module, dict]:
     import transformers
 
-    cfg = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
-                                    layer_type="basic", num_labels=8)
+    cfg = transformers.ResNetConfig(
+        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=8
+    )
     model = _built(lambda: transformers.ResNetForImageClassification(cfg))
     generator = torch.Generator().manual_seed(1)
-    return model, {"pixel_values": torch.randn(BATCH, 3, 16, 16, generator=generator),
-                   "labels": torch.randint(0, 8, (BATCH,), generator=generator)}
+    return model, {
+        "pixel_values": torch.randn(BATCH, 3, 16, 16, generator=generator),
+        "labels": torch.randint(0, 8, (BATCH,), generator=generator),
+    }
 
 
 class _TeacherForcing(torch.nn.Module):
@@ -176,8 +247,9 @@ class _SequentialLoss(torch.nn.Module):
 
 
 def sequential() -> tuple[torch.nn.Module, dict]:
-    model = _built(lambda: torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32),
-                                               _SequentialLoss()))
+    model = _built(
+        lambda: torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32), _SequentialLoss())
+    )
     return model, {"input": torch.randn(BATCH * 4, 32, generator=torch.Generator().manual_seed(1))}
 
 
@@ -186,33 +258,97 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, dict]]] = {
     "llama": _causal("LlamaForCausalLM", "LlamaConfig"),
     "mistral": _causal("MistralForCausalLM", "MistralConfig"),
     "qwen3": _causal("Qwen3ForCausalLM", "Qwen3Config", head_dim=8),
-    "gemma2": _causal("Gemma2ForCausalLM", "Gemma2Config", head_dim=8, query_pre_attn_scalar=8,
-                      attn_implementation="eager"),
+    "gemma2": _causal("Gemma2ForCausalLM", "Gemma2Config", head_dim=8, query_pre_attn_scalar=8, attn_implementation="eager"),
     "phi3": _causal("Phi3ForCausalLM", "Phi3Config"),
-    "falcon": _causal("FalconForCausalLM", "FalconConfig", intermediate_size=None, num_key_value_heads=None,
-                      num_attention_heads=4, new_decoder_architecture=False, multi_query=True),
-    "gptj": _causal("GPTJForCausalLM", "GPTJConfig", n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=SEQ,
-                    hidden_size=None, intermediate_size=None, num_hidden_layers=None, num_attention_heads=None,
-                    num_key_value_heads=None, max_position_embeddings=None, attn_implementation="eager",
-                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "falcon": _causal(
+        "FalconForCausalLM",
+        "FalconConfig",
+        intermediate_size=None,
+        num_key_value_heads=None,
+        num_attention_heads=4,
+        new_decoder_architecture=False,
+        multi_query=True,
+    ),
+    "gptj": _causal(
+        "GPTJForCausalLM",
+        "GPTJConfig",
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        rotary_dim=4,
+        n_positions=SEQ,
+        hidden_size=None,
+        intermediate_size=None,
+        num_hidden_layers=None,
+        num_attention_heads=None,
+        num_key_value_heads=None,
+        max_position_embeddings=None,
+        attn_implementation="eager",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
     "starcoder2": _causal("Starcoder2ForCausalLM", "Starcoder2Config", residual_dropout=0.0, embedding_dropout=0.0),
     "olmo2": _causal("Olmo2ForCausalLM", "Olmo2Config"),
-    "gpt2": _causal("GPT2LMHeadModel", "GPT2Config", n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
-                    hidden_size=None, intermediate_size=None, num_hidden_layers=None, num_attention_heads=None,
-                    num_key_value_heads=None, max_position_embeddings=None, resid_pdrop=0.0, embd_pdrop=0.0,
-                    attn_pdrop=0.0),
-    "gpt_neox": _causal("GPTNeoXForCausalLM", "GPTNeoXConfig", num_key_value_heads=None, hidden_dropout=0.0,
-                        attention_dropout=0.0),
-    "opt": _causal("OPTForCausalLM", "OPTConfig", ffn_dim=64, intermediate_size=None, num_key_value_heads=None,
-                   word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, max_position_embeddings=SEQ + 2),
+    "gpt2": _causal(
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=SEQ,
+        hidden_size=None,
+        intermediate_size=None,
+        num_hidden_layers=None,
+        num_attention_heads=None,
+        num_key_value_heads=None,
+        max_position_embeddings=None,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
+    "gpt_neox": _causal(
+        "GPTNeoXForCausalLM", "GPTNeoXConfig", num_key_value_heads=None, hidden_dropout=0.0, attention_dropout=0.0
+    ),
+    "opt": _causal(
+        "OPTForCausalLM",
+        "OPTConfig",
+        ffn_dim=64,
+        intermediate_size=None,
+        num_key_value_heads=None,
+        word_embed_proj_dim=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        max_position_embeddings=SEQ + 2,
+    ),
     # mixture of experts
     "mixtral": _causal("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": _causal("Qwen2MoeForCausalLM", "Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=32, shared_expert_intermediate_size=32),
-    "deepseek_v3": _causal("DeepseekV3ForCausalLM", "DeepseekV3Config", n_routed_experts=4, num_experts_per_tok=2,
-                           n_group=1, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
-                           kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-                           n_shared_experts=1, num_key_value_heads=4, attn_implementation="eager"),
+    "qwen2_moe": _causal(
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+    "deepseek_v3": _causal(
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        n_shared_experts=1,
+        num_key_value_heads=4,
+        attn_implementation="eager",
+    ),
     # encoder-decoder
     "bart": _seq2seq("BartForConditionalGeneration", "BartConfig"),
     "mbart": _seq2seq("MBartForConditionalGeneration", "MBartConfig"),
@@ -286,12 +422,12 @@ def compare(name: str, budget: str, build=None, compiler: str | None = None, tor
     memory = tight_budget(model) if budget == "tight" else None
     try:  # rank 0 plans and broadcasts the plan, or its error
         try:
-            pm = autopar.compile(copy.deepcopy(model), MESH, example_kwargs=kwargs, cluster=CLUSTER,
-                                 memory_budget=memory, compiler=compiler)
+            pm = autopar.compile(
+                copy.deepcopy(model), MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=memory, compiler=compiler
+            )
         except autopar.InfeasibleError as error:  # activations outweigh the parameters: see plan_for
             memory = 1.02 * _leanest_bytes(error)
-            pm = autopar.compile(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=memory,
-                                 compiler=compiler)
+            pm = autopar.compile(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=memory, compiler=compiler)
     except autopar.TraceError as error:
         return {"status": "refused", "reason": str(error).splitlines()[0]}
     loss = _loss((torch.compile(pm) if torch_compile else pm)(**kwargs))
@@ -307,10 +443,14 @@ def compare(name: str, budget: str, build=None, compiler: str | None = None, tor
     rel = {k: v for k, v in max_rel_diff(got, grads).items() if grads[k].abs().max().item() >= 1e-6 * scale}
     worst = max(rel, key=rel.get) if rel else None
     return {
-        "status": "ok", "loss": (loss.item(), want.item()),
+        "status": "ok",
+        "loss": (loss.item(), want.item()),
         "loss_rel": abs(loss.item() - want.item()) / max(abs(want.item()), 1e-30),
-        "grad_rel": rel[worst] if worst else 0.0, "worst": worst,
-        "plan": _plan_label(pm.plan), "fallbacks": _fallbacks(pm.plan), "plan_hash": pm.plan.hash,
+        "grad_rel": rel[worst] if worst else 0.0,
+        "worst": worst,
+        "plan": _plan_label(pm.plan),
+        "fallbacks": _fallbacks(pm.plan),
+        "plan_hash": pm.plan.hash,
     }
 
 
@@ -326,8 +466,13 @@ def guard(name: str, budget: str) -> dict:
     result = check_numerics(model, plan, (), kwargs, tolerance=TOL)
     worst = max(result.grad_rel, key=result.grad_rel.get) if result.grad_rel else None
     return {
-        "status": "ok" if result.ok else "MISMATCH", "loss": result.loss, "loss_rel": result.loss_rel,
-        "grad_rel": result.max_grad_rel, "worst": worst, "plan": _plan_label(plan), "fallbacks": _fallbacks(plan),
+        "status": "ok" if result.ok else "MISMATCH",
+        "loss": result.loss,
+        "loss_rel": result.loss_rel,
+        "grad_rel": result.max_grad_rel,
+        "worst": worst,
+        "plan": _plan_label(plan),
+        "fallbacks": _fallbacks(plan),
         "first_bad": None if result.first_bad is None else result.first_bad.node,
     }
 
@@ -352,8 +497,10 @@ def passed(result: dict) -> bool:
 
 
 def table(results: dict) -> str:
-    lines = ["| model | budget | result | plan | fallbacks (replicated ops) | loss rel. diff | largest grad rel. diff |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | budget | result | plan | fallbacks (replicated ops) | loss rel. diff | largest grad rel. diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (name, budget), r in results.items():
         if r["status"] in ("refused", "error"):
             reason = r["reason"].splitlines()[0].replace("|", "/")
@@ -361,8 +508,7 @@ def table(results: dict) -> str:
             continue
         verdict = "equal to eager" if passed(r) else f"**{r['status']} / differs**"
         fallbacks = ", ".join(op.replace("aten.", "") for op in r["fallbacks"]) or "none"
-        lines.append(f"| {name} | {budget} | {verdict} | {r['plan']} | {fallbacks} | {r['loss_rel']:.1e} | "
-                     f"{r['grad_rel']:.1e} |")
+        lines.append(f"| {name} | {budget} | {verdict} | {r['plan']} | {fallbacks} | {r['loss_rel']:.1e} | {r['grad_rel']:.1e} |")
     return "\n".join(lines)
 
 

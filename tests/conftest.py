@@ -46,6 +46,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 # -- the reference GPT ------------------------------------------------------------------------
 
+
 def gpt_and_batch() -> tuple[torch.nn.Module, tuple]:
     """The zoo's default GPT (seed 0) and a batch of 8 (seed 1): the model most tests plan."""
     return build_model("gpt", seed=0), example_batch("gpt", 8, seed=1)
@@ -67,6 +68,7 @@ def gpt_plan_2() -> autopar.Plan:
 
 # -- gloo ranks shared by the multi-process tests -----------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def rank_pool():
     """``rank_pool(n)``: the session's ``tests.rank_pool.RankPool`` of ``n`` gloo ranks (spawned
@@ -85,13 +87,15 @@ def rank_pool():
 
 # -- eager references and compiled graphs -----------------------------------------------------
 
+
 def eager_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's ``.grad`` under every name it has (tied names included)."""
     return {name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def step_against_eager(pm: torch.nn.Module, eager: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
-                       *, output_loss=None) -> dict:
+def step_against_eager(
+    pm: torch.nn.Module, eager: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *, output_loss=None
+) -> dict:
     """One forward and backward of the compiled module ``pm`` and of ``eager`` (an unsharded copy
     of its model) on the same inputs: ``{"loss": (compiled, eager), "grad_rel": {name: error}}``,
     the gradient errors ``max_rel_diff(pm.full_grads(), eager_grads(eager))`` by FQN.
@@ -124,6 +128,7 @@ def collective_counts(pm: torch.nn.Module) -> dict[str, int]:
 
 # -- strategies as text -----------------------------------------------------------------------
 
+
 def strategy_text(strategy, *, bracketed: bool = False, source: bool = False) -> str:
     """A strategy as "(S(0)R, RR) -> (S(0)R)" (``bracketed``: "([S(0),R], [R,R]) -> ([S(0),R])"),
     with its kernel, and its source ("rule", "dtensor", ...) where ``source``."""
@@ -138,6 +143,7 @@ def strategy_text(strategy, *, bracketed: bool = False, source: bool = False) ->
 
 
 # -- an eager reference under a precision policy ------------------------------------------------
+
 
 class PolicyReference(torch.nn.Module):
     """``model`` run eagerly under a precision policy, as autopar carries it out: parameters

@@ -40,13 +40,13 @@ _EXTRA_DEADLINE_S = 30.0
 
 
 def _worker(rank: int, world_size: int, init_method: str, pg_timeout_s: float, tasks: Any, reports: Any) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     seed = torch.initial_seed()  # a fresh process's default seed, restored before every job
     try:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+        )
     except BaseException:  # noqa: BLE001 - the parent must hear of it
         reports.put((None, rank, "error", traceback.format_exc()))
         return
@@ -90,8 +90,12 @@ class RankPool:
         self._reports = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            ctx.Process(target=_worker, name=f"autopar-pool-rank{rank}", daemon=True,
-                        args=(rank, self.world_size, init_method, self.pg_timeout_s, self._tasks[rank], self._reports))
+            ctx.Process(
+                target=_worker,
+                name=f"autopar-pool-rank{rank}",
+                daemon=True,
+                args=(rank, self.world_size, init_method, self.pg_timeout_s, self._tasks[rank], self._reports),
+            )
             for rank in range(self.world_size)
         ]
         for proc in self._procs:
@@ -146,13 +150,16 @@ class RankPool:
             if errors:
                 first = next(iter(errors))
                 lines += [f"rank {first} of {self.world_size} raised in {name}:", errors[first].rstrip()]
-                lines += [f"rank {rank} also raised, later: {errors[rank].strip().splitlines()[-1]}"
-                          for rank in errors if rank != first]
+                lines += [
+                    f"rank {rank} also raised, later: {errors[rank].strip().splitlines()[-1]}" for rank in errors if rank != first
+                ]
             if silent:
                 lines.append(f"ranks that had not reported and were killed: {silent}")
             raise DistributedRankError("\n".join(lines), sorted(set(errors) | set(lost) | set(silent)))
-        raise TimeoutError(f"{name} on {self.world_size} pooled ranks did not finish within {timeout_s} + "
-                           f"{_EXTRA_DEADLINE_S:g} s; ranks that did not report: {silent}. All ranks were killed.")
+        raise TimeoutError(
+            f"{name} on {self.world_size} pooled ranks did not finish within {timeout_s} + "
+            f"{_EXTRA_DEADLINE_S:g} s; ranks that did not report: {silent}. All ranks were killed."
+        )
 
     def close(self, kill: bool = False) -> None:
         """Stop the ranks (``kill``: at once, as after a failure)."""

@@ -22,8 +22,7 @@ LONG_FOR_NOW: set[tuple[str, str]] = set()
 
 @functools.cache
 def _modules() -> list[tuple[str, ast.Module]]:
-    return [(path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(), str(path)))
-            for path in sorted(ROOT.rglob("*.py"))]
+    return [(path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(), str(path))) for path in sorted(ROOT.rglob("*.py"))]
 
 
 def _functions():
@@ -42,19 +41,23 @@ def _num_params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 
 def test_no_function_is_over_80_lines():
     lengths = {(where, node.name): node.end_lineno - node.lineno + 1 for where, node in _functions()}
-    long = sorted(f"{where} {name}: {n} lines" for (where, name), n in lengths.items()
-                  if n > MAX_LINES and (where, name) not in LONG_FOR_NOW)
-    assert not long, ("split these into steps, each a function with its own docstring (STYLE.md 14):\n  "
-                      + "\n  ".join(long))
+    long = sorted(
+        f"{where} {name}: {n} lines"
+        for (where, name), n in lengths.items()
+        if n > MAX_LINES and (where, name) not in LONG_FOR_NOW
+    )
+    assert not long, "split these into steps, each a function with its own docstring (STYLE.md 14):\n  " + "\n  ".join(long)
     done = sorted(f"{where} {name}" for where, name in LONG_FOR_NOW if lengths.get((where, name), 0) <= MAX_LINES)
     assert not done, f"these are short now (or gone): take them out of LONG_FOR_NOW: {done}"
 
 
 def test_no_function_takes_more_than_10_parameters_but_the_facades():
-    wide = sorted(f"{where}:{node.lineno} {node.name}: {_num_params(node)} parameters"
-                  for where, node in _functions()
-                  if _num_params(node) > MAX_PARAMS and (where, node.name) not in WIDE_FACADES)
-    assert not wide, ("group related parameters into a frozen dataclass (STYLE.md 11):\n  " + "\n  ".join(wide))
+    wide = sorted(
+        f"{where}:{node.lineno} {node.name}: {_num_params(node)} parameters"
+        for where, node in _functions()
+        if _num_params(node) > MAX_PARAMS and (where, node.name) not in WIDE_FACADES
+    )
+    assert not wide, "group related parameters into a frozen dataclass (STYLE.md 11):\n  " + "\n  ".join(wide)
 
 
 def test_no_private_name_is_imported_across_modules():

@@ -26,8 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-_FENCE = re.compile(r"(?P<skip><!-- docs-test: skip (?P<reason>[^>]*?) -->\n)?^```(?P<lang>\w*)\n(?P<code>.*?)^```$",
-                    re.M | re.S)
+_FENCE = re.compile(r"(?P<skip><!-- docs-test: skip (?P<reason>[^>]*?) -->\n)?^```(?P<lang>\w*)\n(?P<code>.*?)^```$", re.M | re.S)
 _TORCHRUN = re.compile(r"torchrun\b.*--nproc-per-node[ =](\d+)")
 _BASH_TIMEOUT_S = 300
 
@@ -59,8 +58,7 @@ def blocks_of(page: Path) -> list[Block]:
         if match.group("lang") not in ("python", "bash"):
             continue
         line = text.count("\n", 0, match.start("lang")) + 1
-        found.append(Block(str(page.relative_to(ROOT)), line, match.group("lang"), match.group("code"),
-                           match.group("reason")))
+        found.append(Block(str(page.relative_to(ROOT)), line, match.group("lang"), match.group("code"), match.group("reason")))
     return found
 
 
@@ -101,11 +99,14 @@ def _run_python(code: str, name: str) -> None:
 
 def _run_bash(block: Block, cwd: Path) -> None:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    done = subprocess.run(["bash", "-e", "-c", block.code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=_BASH_TIMEOUT_S)
+    done = subprocess.run(
+        ["bash", "-e", "-c", block.code], cwd=cwd, env=env, capture_output=True, text=True, timeout=_BASH_TIMEOUT_S
+    )
     if done.returncode != 0:
-        pytest.fail(f"{block.name}: bash block exited {done.returncode}\n{block.code}\n"
-                    f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}")
+        pytest.fail(
+            f"{block.name}: bash block exited {done.returncode}\n{block.code}\n"
+            f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+        )
 
 
 def _run_on_rank(rank: int, world_size: int, code: str, name: str, cwd: str) -> None:

@@ -66,16 +66,21 @@ def test_compile_without_a_process_group_names_init_process_group():
 
 def test_infeasible_names_budget_mesh_and_offload():
     with pytest.raises(InfeasibleError) as info:
-        autopar.plan(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8), cluster="cpu",
-                     memory_budget=1024, checkpointing=False)
+        autopar.plan(
+            build_model("mlp"),
+            mesh=(2,),
+            example_inputs=example_batch("mlp", 8),
+            cluster="cpu",
+            memory_budget=1024,
+            checkpointing=False,
+        )
     message = str(info.value)
     assert "Raise the budget" in message and "larger mesh" in message
     assert 'offload="auto"' in message and "checkpointing=True" in message and "--offload auto" in message
     assert len(message.splitlines()) > 3  # the largest tensors, one a line
     # checkpointing is allowed by default: the error says it was tried, and names offload
     with pytest.raises(InfeasibleError) as info:
-        autopar.plan(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8), cluster="cpu",
-                     memory_budget=1024)
+        autopar.plan(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8), cluster="cpu", memory_budget=1024)
     message = str(info.value)
     assert "even with checkpointing every layer" in message and "Raise the budget" in message
     assert 'offload="auto"' in message and "--offload auto" in message
@@ -188,7 +193,8 @@ def test_collective_error_blames_a_closed_connection_not_a_timeout(one_rank_grou
     from autopar.ops import collectives
 
     error = collectives._collective_error(
-        "all-reduce", "no-such-group", RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+        "all-reduce", "no-such-group", RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    )
     message = str(error)
     assert isinstance(error, CollectiveError)
     assert "a peer closed its connection" in message and "did not answer within the timeout" not in message
@@ -208,16 +214,21 @@ class _SummedLoss(torch.nn.Module):
 
 def test_a_pipelined_summed_loss_names_the_mean(one_rank_group):
     with pytest.raises(ValueError) as info:
-        autopar.compile(_SummedLoss(), (1,), example_inputs=(torch.randn(4, 8), torch.tensor([1, 2, 3, 4])),
-                        pipeline=1, num_microbatches=2, cluster="cpu")
+        autopar.compile(
+            _SummedLoss(),
+            (1,),
+            example_inputs=(torch.randn(4, 8), torch.tensor([1, 2, 3, 4])),
+            pipeline=1,
+            num_microbatches=2,
+            cluster="cpu",
+        )
     message = str(info.value)
     assert "reduction='sum'" in message and "num_items_in_batch" in message and "without a pipeline" in message
 
 
 def test_a_microbatch_without_targets_names_the_reorder(one_rank_group):
     idx, targets = example_batch("gpt", 4)
-    pm = autopar.compile(build_model("gpt"), (1,), example_inputs=(idx, targets), pipeline=1, num_microbatches=2,
-                         cluster="cpu")
+    pm = autopar.compile(build_model("gpt"), (1,), example_inputs=(idx, targets), pipeline=1, num_microbatches=2, cluster="cpu")
     targets[2:] = -100
     with pytest.raises(ValueError) as info:
         pm(idx, targets)
@@ -240,7 +251,8 @@ def test_from_checkpoint_of_a_model_with_unsaved_buffers_names_unsaved(one_rank_
     with torch.device("meta"):
         model = _ScaledBuffer()
     with pytest.raises(ValueError) as info:
-        autopar.compile(model, (1,), example_inputs=(torch.randn(4, 8),), cluster="cpu",
-                        init=autopar.FromCheckpoint(tmp_path / "ckpt"))
+        autopar.compile(
+            model, (1,), example_inputs=(torch.randn(4, 8),), cluster="cpu", init=autopar.FromCheckpoint(tmp_path / "ckpt")
+        )
     message = str(info.value)
     assert "non-persistent: scale" in message and "FromCheckpoint(path, unsaved=autopar.SeededInit(" in message

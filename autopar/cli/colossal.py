@@ -27,8 +27,10 @@ def read_parallel(path: str) -> dict[str, Any]:
         raise AutoparError(f"--colossal-config {path} failed to run: {type(error).__name__}: {error}") from error
     parallel = namespace.get("parallel")
     if not isinstance(parallel, dict):
-        raise AutoparError(f"--colossal-config {path} defines no parallel = dict(...) (Colossal-AI's "
-                           "parallel config, e.g. parallel = dict(pipeline=2, tensor=dict(mode='2d', size=4)))")
+        raise AutoparError(
+            f"--colossal-config {path} defines no parallel = dict(...) (Colossal-AI's "
+            "parallel config, e.g. parallel = dict(pipeline=2, tensor=dict(mode='2d', size=4)))"
+        )
     return parallel
 
 
@@ -43,12 +45,28 @@ def plan_colossal(args: argparse.Namespace, model, inputs, cluster, progress) ->
     config = ColossalParallel.from_dict(parallel, world)
     progress(config.describe())
     start = time.perf_counter()
-    hand = api.hand_plan("colossal", model, config.world_size, example_inputs=inputs, cluster=cluster,
-                         memory_budget=args.memory_budget, precision=args.precision, parallel=parallel,
-                         num_microbatches=args.num_microbatches)
+    hand = api.hand_plan(
+        "colossal",
+        model,
+        config.world_size,
+        example_inputs=inputs,
+        cluster=cluster,
+        memory_budget=args.memory_budget,
+        precision=args.precision,
+        parallel=parallel,
+        num_microbatches=args.num_microbatches,
+    )
     progress(f"planned Colossal-AI's layout in {time.perf_counter() - start:.2f} s; now the solver's own plan ...")
     pipeline = config.pipeline if config.pipeline > 1 else "off"
-    solved = api.plan(model, config.mesh_shape(), example_inputs=inputs, cluster=cluster,
-                      memory_budget=args.memory_budget, precision=args.precision, time_limit_s=args.time_limit,
-                      pipeline=pipeline, num_microbatches=args.num_microbatches if pipeline != "off" else None)
+    solved = api.plan(
+        model,
+        config.mesh_shape(),
+        example_inputs=inputs,
+        cluster=cluster,
+        memory_budget=args.memory_budget,
+        precision=args.precision,
+        time_limit_s=args.time_limit,
+        pipeline=pipeline,
+        num_microbatches=args.num_microbatches if pipeline != "off" else None,
+    )
     return hand, ["vs the solver's plan:\n" + versus_text(hand, solved, "Colossal-AI's layout")]

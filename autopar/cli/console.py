@@ -34,8 +34,7 @@ def render(table: Table) -> str:
     widths = [max((len(row[i]) for row in cells), default=0) for i in range(len(table.columns))]
     lines = [table.title] if table.title else []
     for row in cells:
-        parts = [cell.rjust(width) if i in table.right else cell.ljust(width)
-                 for i, (cell, width) in enumerate(zip(row, widths))]
+        parts = [cell.rjust(width) if i in table.right else cell.ljust(width) for i, (cell, width) in enumerate(zip(row, widths))]
         lines.append(("  " + "  ".join(parts)).rstrip())
     return "\n".join(lines)
 
@@ -64,8 +63,15 @@ def emit(blocks: Iterable[str | Table], stream: Any = None) -> None:
         if isinstance(block, str):
             console.print(block, markup=False)
             continue
-        table = RichTable(title=block.title or None, title_justify="left", title_style="bold",
-                          show_header=block.header, header_style="bold", box=None, pad_edge=False)
+        table = RichTable(
+            title=block.title or None,
+            title_justify="left",
+            title_style="bold",
+            show_header=block.header,
+            header_style="bold",
+            box=None,
+            pad_edge=False,
+        )
         for i, column in enumerate(block.columns):
             table.add_column(column, justify="right" if i in block.right else "left", overflow="fold")
         for row in block.rows:
@@ -131,8 +137,11 @@ class Progress:
                 continue
             where = _where(self._caller)
             stage = self._stage.removeprefix(f"{self.prog}: ").rstrip(" .")
-            self._write(f"{self.prog}: still working on \"{stage}\", {time.monotonic() - self._stage_at:.0f} s so far"
-                        f"{' (in ' + where + ')' if where else ''}; Ctrl-C stops it", stage=False)
+            self._write(
+                f'{self.prog}: still working on "{stage}", {time.monotonic() - self._stage_at:.0f} s so far'
+                f"{' (in ' + where + ')' if where else ''}; Ctrl-C stops it",
+                stage=False,
+            )
 
     def __call__(self, message: str) -> None:
         self.line(f"{self.prog}: {message}")

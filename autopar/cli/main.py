@@ -70,13 +70,12 @@ def _print_error(message: str) -> None:
 
 # -- argument types ---------------------------------------------------------------------------
 
+
 def parse_mesh(text: str) -> tuple[int, ...]:
     """``"2x4"``, ``"2,4"`` or ``"8"`` → a tuple of positive ints."""
     parts = re.split(r"[x,]", text.strip().lower())
     if not text.strip() or any(not p.strip().isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(
-            f"invalid mesh {text!r}: expected positive sizes such as '2x4', '2,4' or '8'"
-        )
+        raise argparse.ArgumentTypeError(f"invalid mesh {text!r}: expected positive sizes such as '2x4', '2,4' or '8'")
     shape = tuple(int(p) for p in parts)
     if any(n < 1 for n in shape):
         raise argparse.ArgumentTypeError(f"invalid mesh {text!r}: every mesh size must be at least 1")
@@ -148,6 +147,7 @@ def _positive_float(text: str) -> float:
 
 # -- model loading ----------------------------------------------------------------------------
 
+
 def _progress(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
@@ -159,13 +159,13 @@ def _shape_overrides(spec: str, seq_len: int | None, num_layers: int | None) -> 
     return ({"n_layer": num_layers} if num_layers else {}), ({"seq_len": seq_len} if seq_len else {})
 
 
-def load_model(spec: str, batch_size: int, meta: bool, seq_len: int | None = None,
-               num_layers: int | None = None) -> tuple[Any, tuple]:
+def load_model(
+    spec: str, batch_size: int, meta: bool, seq_len: int | None = None, num_layers: int | None = None
+) -> tuple[Any, tuple]:
     """``(model, example_inputs)`` for a built-in name, a preset, or a ``module:callable`` MODEL_SPEC."""
     import torch
 
     from autopar.zoo import shapes as model_specs
-
 
     from autopar.zoo import models
 
@@ -178,8 +178,7 @@ def load_model(spec: str, batch_size: int, meta: bool, seq_len: int | None = Non
                 model = models.build_model(spec, **config)
                 inputs = models.example_batch(spec, batch_size, **config, **batch_config)
             inputs = tuple(
-                t if not isinstance(t, torch.Tensor) or t.is_meta else torch.empty_like(t, device="meta")
-                for t in inputs
+                t if not isinstance(t, torch.Tensor) or t.is_meta else torch.empty_like(t, device="meta") for t in inputs
             )
         else:
             model = models.build_model(spec, **config)
@@ -209,8 +208,7 @@ def load_model(spec: str, batch_size: int, meta: bool, seq_len: int | None = Non
         raise CliError(f"MODEL_SPEC {spec!r} raised {type(error).__name__}: {error}") from error
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
         raise CliError(
-            f"MODEL_SPEC {spec!r} must return (model, example_inputs) with an nn.Module and a tuple, "
-            f"got {type(result).__name__}"
+            f"MODEL_SPEC {spec!r} must return (model, example_inputs) with an nn.Module and a tuple, got {type(result).__name__}"
         )
     model, inputs = result
     if isinstance(inputs, list):
@@ -246,6 +244,7 @@ def _import(module_name: str, spec: str):
 
 
 # -- commands ---------------------------------------------------------------------------------
+
 
 def _model_record(args: argparse.Namespace) -> dict[str, Any]:
     """How ``check`` rebuilds the model: the MODEL_SPEC and the settings that shape it."""
@@ -304,12 +303,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CliError("--pipeline with --colossal-config: the config's parallel['pipeline'] sets the stages")
     pipelined = args.pipeline is not None or args.num_microbatches is not None
     if args.colossal_config is None and pipelined and (args.pipeline is None or not args.mesh):
-        raise CliError("--num-microbatches and --pipeline need --pipeline N and --mesh: a pipeline cuts axis 0 "
-                       "of a given mesh into N stages")
+        raise CliError(
+            "--num-microbatches and --pipeline need --pipeline N and --mesh: a pipeline cuts axis 0 of a given mesh into N stages"
+        )
     options = PlanOptions.from_keywords(
-        memory_budget=args.memory_budget, time_limit_s=args.time_limit, pipeline=args.pipeline or "off",
-        num_microbatches=args.num_microbatches, offload=args.offload, devices=None if args.mesh else args.devices,
-        precision=args.precision, data=DataOptions(batch=args.data),
+        memory_budget=args.memory_budget,
+        time_limit_s=args.time_limit,
+        pipeline=args.pipeline or "off",
+        num_microbatches=args.num_microbatches,
+        offload=args.offload,
+        devices=None if args.mesh else args.devices,
+        precision=args.precision,
+        data=DataOptions(batch=args.data),
     )
     start = time.perf_counter()
     with Progress(PROG) as progress:
@@ -325,14 +330,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 plan, comparison = plan_colossal(args, model, inputs, cluster, progress)
         else:
             if not args.mesh:
-                progress(f"planning on every mesh of {args.devices} devices for cluster "
-                         f"{getattr(cluster, 'name', '?')} ...")
+                progress(f"planning on every mesh of {args.devices} devices for cluster {getattr(cluster, 'name', '?')} ...")
             with _ProgressLog(progress):
-                plan = api.plan_model(model, args.mesh or "auto", inputs, None, cluster, options,
-                                      on_progress=progress)
+                plan = api.plan_model(model, args.mesh or "auto", inputs, None, cluster, options, on_progress=progress)
         plan = plan.with_model(_model_record(args))
-        progress(f"planned {len(plan.nodes)} nodes in {time.perf_counter() - stage:.2f} s "
-                 f"(total {time.perf_counter() - start:.2f} s)")
+        progress(
+            f"planned {len(plan.nodes)} nodes in {time.perf_counter() - stage:.2f} s (total {time.perf_counter() - start:.2f} s)"
+        )
         if args.out:
             plan.save(args.out)
             progress(f"saved the plan to {args.out}")
@@ -353,8 +357,10 @@ def _check_writable(path: str) -> None:
     if not folder.is_dir():
         raise CliError(f"--out {path}: the directory {folder} does not exist; create it or pass another path")
     if not os.access(target if target.exists() else folder, os.W_OK):
-        raise CliError(f"--out {path} is not writable (permission denied on {target if target.exists() else folder}): "
-                       "pass a path you can write")
+        raise CliError(
+            f"--out {path} is not writable (permission denied on {target if target.exists() else folder}): "
+            "pass a path you can write"
+        )
 
 
 def _device_memory(cluster_name: str) -> int | None:
@@ -376,8 +382,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.html:
         from autopar.report.html import write_html
 
-        write_html(plan, args.html, title=f"autopar plan {Path(args.plan).name}",
-                   device_memory_bytes=_device_memory(plan.cluster))
+        write_html(
+            plan, args.html, title=f"autopar plan {Path(args.plan).name}", device_memory_bytes=_device_memory(plan.cluster)
+        )
         _progress(f"wrote {args.html}")
     if args.json:
         print(json.dumps(show_json(plan), separators=(",", ":")))
@@ -393,18 +400,23 @@ def cmd_explain(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     if plan.pipeline is not None and args.node in (None, "pipeline"):
         from autopar.report.pipeline_explain import explain_pipeline_json, explain_pipeline_text
+
         print(json.dumps(explain_pipeline_json(plan), separators=(",", ":")) if args.json else explain_pipeline_text(plan))
         return 0
     if args.node is None:
         raise CliError(f"{args.plan} is not pipelined: name a node or a parameter FQN to explain")
     if not plan.decisions and plan.pipeline is not None:
-        raise CliError(f"{args.plan} is a pipelined plan, whose stages take their choices from several "
-                       "candidate plans, and it records no explanations of single nodes yet: `autopar explain "
-                       f"{args.plan}` explains its schedule, stages and microbatches; plan the same model on the "
-                       "stage mesh without --pipeline to explain the intra-stage choices")
+        raise CliError(
+            f"{args.plan} is a pipelined plan, whose stages take their choices from several "
+            "candidate plans, and it records no explanations of single nodes yet: `autopar explain "
+            f"{args.plan}` explains its schedule, stages and microbatches; plan the same model on the "
+            "stage mesh without --pipeline to explain the intra-stage choices"
+        )
     if not plan.decisions:
-        raise CliError(f"{args.plan} holds no decisions to explain (it was written by an autopar "
-                       "without them, or by hand): re-plan it with this autopar")
+        raise CliError(
+            f"{args.plan} holds no decisions to explain (it was written by an autopar "
+            "without them, or by hand): re-plan it with this autopar"
+        )
     if args.json:
         print(json.dumps(explain_json(plan, args.node), separators=(",", ":")))
     else:
@@ -419,15 +431,22 @@ def cmd_check(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     record = dict(plan.model)
     if args.model:
-        record = {"spec": args.model, "batch_size": args.batch_size or 8, "meta": args.meta,
-                  "seq_len": args.seq_len, "num_layers": args.num_layers}
+        record = {
+            "spec": args.model,
+            "batch_size": args.batch_size or 8,
+            "meta": args.meta,
+            "seq_len": args.seq_len,
+            "num_layers": args.num_layers,
+        }
     if not record.get("spec"):
-        raise CliError(f"{args.plan} does not say which model it plans (it was not made by `autopar plan`): "
-                       "pass --model MODEL_SPEC")
+        raise CliError(
+            f"{args.plan} does not say which model it plans (it was not made by `autopar plan`): pass --model MODEL_SPEC"
+        )
     start = time.perf_counter()
     _progress(f"building {record['spec']} ...")
-    model, inputs = load_model(record["spec"], record.get("batch_size") or 8, bool(record.get("meta")),
-                               record.get("seq_len"), record.get("num_layers"))
+    model, inputs = load_model(
+        record["spec"], record.get("batch_size") or 8, bool(record.get("meta")), record.get("seq_len"), record.get("num_layers")
+    )
     world = math.prod(plan.mesh_shape)
     if args.numerics:
         return _check_numerics(args, plan, model, inputs, world, start)
@@ -435,10 +454,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     result = check_plan(plan, model, inputs, rank=args.rank)
     _progress(f"checked in {time.perf_counter() - start:.2f} s")
     if args.json:
-        print(json.dumps({"ok": result.ok, "rank": result.rank, "world_size": result.world_size,
-                          "coordinate": list(result.coordinate), "num_nodes": result.num_nodes,
-                          "num_inputs": result.num_inputs, "num_collectives": result.num_collectives,
-                          "mismatches": list(result.mismatches)}, separators=(",", ":")))
+        print(
+            json.dumps(
+                {
+                    "ok": result.ok,
+                    "rank": result.rank,
+                    "world_size": result.world_size,
+                    "coordinate": list(result.coordinate),
+                    "num_nodes": result.num_nodes,
+                    "num_inputs": result.num_inputs,
+                    "num_collectives": result.num_collectives,
+                    "mismatches": list(result.mismatches),
+                },
+                separators=(",", ":"),
+            )
+        )
     else:
         print(result.text())
     return 0 if result.ok else 1
@@ -449,18 +479,28 @@ def _check_numerics(args: argparse.Namespace, plan, model, inputs, world: int, s
     from autopar.trace.fake import has_meta_tensors
 
     if has_meta_tensors(model):
-        raise CliError(f"--numerics runs the model on real tensors, but {plan.model.get('spec')} is built on the "
-                       "meta device (a published shape): check a small built-in model, or pass --model without --meta")
+        raise CliError(
+            f"--numerics runs the model on real tensors, but {plan.model.get('spec')} is built on the "
+            "meta device (a published shape): check a small built-in model, or pass --model without --meta"
+        )
     _progress(f"running all {world} ranks in this process and eager, on the plan's inputs ...")
     result = check_numerics(model, plan, inputs if isinstance(inputs, tuple) else (inputs,))
     _progress(f"checked in {time.perf_counter() - start:.2f} s")
     if args.json:
         first = result.first_bad
-        print(json.dumps({"ok": result.ok, "mesh": list(result.mesh_shape), "num_nodes": result.num_nodes,
-                          "loss": list(result.loss) if result.loss else None, "max_grad_rel": result.max_grad_rel,
-                          "first_bad": None if first is None else {"node": first.node, "op": first.op,
-                                                                   "rel_diff": first.rel_diff}},
-                         separators=(",", ":")))
+        print(
+            json.dumps(
+                {
+                    "ok": result.ok,
+                    "mesh": list(result.mesh_shape),
+                    "num_nodes": result.num_nodes,
+                    "loss": list(result.loss) if result.loss else None,
+                    "max_grad_rel": result.max_grad_rel,
+                    "first_bad": None if first is None else {"node": first.node, "op": first.op, "rel_diff": first.rel_diff},
+                },
+                separators=(",", ":"),
+            )
+        )
     else:
         print(result.text())
     return 0 if result.ok else 1
@@ -481,8 +521,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         faster = []
         if diff and a.predicted.step_time_s and b.predicted.step_time_s:
             # By how much and why the faster plan is faster: the slower one first.
-            slow, fast = ((a, "a"), (b, "b")) if a.predicted.step_time_s >= b.predicted.step_time_s \
-                else ((b, "b"), (a, "a"))
+            slow, fast = ((a, "a"), (b, "b")) if a.predicted.step_time_s >= b.predicted.step_time_s else ((b, "b"), (a, "a"))
             faster = [versus_text(slow[0], fast[0], slow[1], fast[1])]
         emit(diff_blocks(diff, args.a, args.b, a, b) + faster)
     return 0
@@ -490,11 +529,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 # -- entry point ------------------------------------------------------------------------------
 
+
 def _add_common(parser: argparse.ArgumentParser, default: Any) -> None:
-    parser.add_argument("--debug", action="store_true", default=default,
-                        help="show tracebacks instead of error messages")
-    parser.add_argument("--verbose", action="store_true", default=default,
-                        help="print the solver's log to stderr (as does setting AUTOPAR_LOG=1)")
+    parser.add_argument("--debug", action="store_true", default=default, help="show tracebacks instead of error messages")
+    parser.add_argument(
+        "--verbose", action="store_true", default=default, help="print the solver's log to stderr (as does setting AUTOPAR_LOG=1)"
+    )
 
 
 def _add_plan_command(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -502,27 +542,50 @@ def _add_plan_command(sub: Any, common: argparse.ArgumentParser) -> None:
     from autopar.cli.catalog import DEFAULT_CLUSTER, MODEL_NAMES, MODEL_PRESETS, cluster_presets
 
     p = sub.add_parser("plan", parents=[common], help="plan a model on a mesh and print the plan summary")
-    p.add_argument("model", metavar="MODEL_SPEC",
-                   help=f"a built-in model ({', '.join(MODEL_NAMES)}), a preset ({', '.join(MODEL_PRESETS)}) "
-                        "or module:callable returning (model, example_inputs)")
+    p.add_argument(
+        "model",
+        metavar="MODEL_SPEC",
+        help=f"a built-in model ({', '.join(MODEL_NAMES)}), a preset ({', '.join(MODEL_PRESETS)}) "
+        "or module:callable returning (model, example_inputs)",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--mesh", type=parse_mesh, help="mesh sizes: 2x4, 2,4 or 8")
-    where.add_argument("--devices", type=_positive_int,
-                       help="search every mesh of this many devices (1 to 3 axes) and keep the fastest")
-    p.add_argument("--cluster", type=_cluster, default=None,
-                   help=f"a preset ({', '.join(cluster_presets())}; default {DEFAULT_CLUSTER}) or a JSON/TOML file")
-    p.add_argument("--memory-budget", type=parse_budget, default=None,
-                   help="bytes per device, e.g. 70GiB, 512MiB, 16GB, or 'none' (default: the cluster's device "
-                        "memory less a 10%% reserve)")
-    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed", "bf16-true"),
-                   help="the precision policy the plan is priced for (default 32-true: the model's own dtypes)")
-    p.add_argument("--data", default="whole", choices=("whole", "per_rank"),
-                   help="how the compiled module takes its data: the same whole batch on every rank (default), "
-                        "or each data-parallel rank its own rows (the plan records its data-parallel size)")
+    where.add_argument(
+        "--devices", type=_positive_int, help="search every mesh of this many devices (1 to 3 axes) and keep the fastest"
+    )
+    p.add_argument(
+        "--cluster",
+        type=_cluster,
+        default=None,
+        help=f"a preset ({', '.join(cluster_presets())}; default {DEFAULT_CLUSTER}) or a JSON/TOML file",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=parse_budget,
+        default=None,
+        help="bytes per device, e.g. 70GiB, 512MiB, 16GB, or 'none' (default: the cluster's device memory less a 10%% reserve)",
+    )
+    p.add_argument(
+        "--precision",
+        default="32-true",
+        choices=("32-true", "bf16-mixed", "bf16-true"),
+        help="the precision policy the plan is priced for (default 32-true: the model's own dtypes)",
+    )
+    p.add_argument(
+        "--data",
+        default="whole",
+        choices=("whole", "per_rank"),
+        help="how the compiled module takes its data: the same whole batch on every rank (default), "
+        "or each data-parallel rank its own rows (the plan records its data-parallel size)",
+    )
     p.add_argument("--batch-size", type=_positive_int, default=8, help="batch size of built-in models (default 8)")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="sequence length of gpt, llama and presets")
-    p.add_argument("--num-layers", type=_positive_int, default=None,
-                   help="depth of gpt, llama and presets (a 2-layer llama-2-70b has the real widths)")
+    p.add_argument(
+        "--num-layers",
+        type=_positive_int,
+        default=None,
+        help="depth of gpt, llama and presets (a 2-layer llama-2-70b has the real widths)",
+    )
     p.add_argument("--meta", action="store_true", help="build built-in models and inputs on the meta device")
     _add_plan_options(p)
 
@@ -530,17 +593,34 @@ def _add_plan_command(sub: Any, common: argparse.ArgumentParser) -> None:
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
     """``autopar plan``'s options beyond the model, the mesh and the cluster."""
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="solver time limit in seconds")
-    p.add_argument("--pipeline", type=_stages, default=None, metavar="N|auto",
-                   help="cut mesh axis 0 into N pipeline stages, or let the planner choose (auto); needs --mesh")
-    p.add_argument("--num-microbatches", type=_positive_int, default=None, metavar="M",
-                   help="with --pipeline: microbatches per step (default N, or 1 with auto)")
-    p.add_argument("--offload", default="off", metavar="auto|off|cpu|disk",
-                   help="when no sharding fits --memory-budget, let the planner add checkpointing and offload "
-                        "(autopar.plan's offload=; with --mesh only)")
-    p.add_argument("--colossal-config", metavar="CONFIG.py",
-                   help="plan Colossal-AI's layout from a config file defining parallel = dict(...) (1d, 2d, 2.5d, "
-                        "3d tensor parallelism and pipeline stages; --mesh/--devices: the world size, the rest is "
-                        "data parallel) and compare it with the solver's own plan")
+    p.add_argument(
+        "--pipeline",
+        type=_stages,
+        default=None,
+        metavar="N|auto",
+        help="cut mesh axis 0 into N pipeline stages, or let the planner choose (auto); needs --mesh",
+    )
+    p.add_argument(
+        "--num-microbatches",
+        type=_positive_int,
+        default=None,
+        metavar="M",
+        help="with --pipeline: microbatches per step (default N, or 1 with auto)",
+    )
+    p.add_argument(
+        "--offload",
+        default="off",
+        metavar="auto|off|cpu|disk",
+        help="when no sharding fits --memory-budget, let the planner add checkpointing and offload "
+        "(autopar.plan's offload=; with --mesh only)",
+    )
+    p.add_argument(
+        "--colossal-config",
+        metavar="CONFIG.py",
+        help="plan Colossal-AI's layout from a config file defining parallel = dict(...) (1d, 2d, 2.5d, "
+        "3d tensor parallelism and pipeline stages; --mesh/--devices: the world size, the rest is "
+        "data parallel) and compare it with the solver's own plan",
+    )
     p.add_argument("--out", help="save the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the summary")
     p.set_defaults(func=cmd_plan)
@@ -563,16 +643,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all", action="store_true", help="list every parameter and operator after the grouped view")
     s.set_defaults(func=cmd_show)
 
-    e = sub.add_parser("explain", parents=[common], help="why the plan chose a node's or a parameter's sharding, "
-                                                         "or a pipelined plan's schedule")
+    e = sub.add_parser(
+        "explain", parents=[common], help="why the plan chose a node's or a parameter's sharding, or a pipelined plan's schedule"
+    )
     e.add_argument("plan", help="plan JSON file")
-    e.add_argument("node", metavar="NODE_OR_PARAM", nargs="?",
-                   help="a node name or a parameter FQN; for a pipelined plan, leave out (or 'pipeline') to explain "
-                        "its schedule, stages, microbatches and bubble")
+    e.add_argument(
+        "node",
+        metavar="NODE_OR_PARAM",
+        nargs="?",
+        help="a node name or a parameter FQN; for a pipelined plan, leave out (or 'pipeline') to explain "
+        "its schedule, stages, microbatches and bubble",
+    )
     e.add_argument("--json", action="store_true", help="print the decision as JSON")
     e.set_defaults(func=cmd_explain)
 
-    c = sub.add_parser("check", parents=[common], help="run the plan's rewritten forward at full world size on a fake process group")
+    c = sub.add_parser(
+        "check", parents=[common], help="run the plan's rewritten forward at full world size on a fake process group"
+    )
     c.add_argument("plan", help="plan JSON file")
     c.add_argument("--model", metavar="MODEL_SPEC", help="the model (default: the MODEL_SPEC recorded in the plan)")
     c.add_argument("--batch-size", type=_positive_int, default=None, help="with --model: batch size (default 8)")
@@ -580,9 +667,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-layers", type=_positive_int, default=None, help="with --model: depth")
     c.add_argument("--meta", action="store_true", help="with --model: build a built-in model on the meta device")
     c.add_argument("--rank", type=_nonnegative_int, default=0, help="the rank whose module runs (default 0)")
-    c.add_argument("--numerics", action="store_true",
-                   help="run every rank's rewritten module in this process on the model's real tensors and "
-                        "compare each node, the loss and every gradient with eager (names the first node that differs)")
+    c.add_argument(
+        "--numerics",
+        action="store_true",
+        help="run every rank's rewritten module in this process on the model's real tensors and "
+        "compare each node, the loss and every gradient with eager (names the first node that differs)",
+    )
     c.add_argument("--json", action="store_true", help="print the result as JSON")
     c.set_defaults(func=cmd_check)
 
@@ -592,7 +682,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print the differences as JSON")
     d.set_defaults(func=cmd_diff)
 
-    f = sub.add_parser("profile", parents=[common], help="measure this machine (roofline, links per mesh axis) into a ClusterSpec file")
+    f = sub.add_parser(
+        "profile", parents=[common], help="measure this machine (roofline, links per mesh axis) into a ClusterSpec file"
+    )
     f.add_argument("--out", required=True, help="write the ClusterSpec JSON (or .toml) here")
     f.add_argument("--mesh", type=parse_mesh, default=None, help="mesh whose axes' links to time, e.g. 2x2")
     f.add_argument("--spawn", action="store_true", help="start prod(mesh) local gloo ranks to time collectives")
@@ -606,9 +698,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     spec = run_profile(args.out, args.mesh, args.spawn, quick=not args.full)
     if spec is not None:
-        print(f"wrote {args.out}: {spec.name}, float32 {spec.peak_flops['float32']:.3g} FLOP/s, "
-              f"memory {spec.memory_bandwidth_bytes_per_s:.3g} B/s, intra-node alpha {spec.intra_node.latency_s:.3g} s "
-              f"beta {spec.intra_node.bandwidth_bytes_per_s:.3g} B/s")
+        print(
+            f"wrote {args.out}: {spec.name}, float32 {spec.peak_flops['float32']:.3g} FLOP/s, "
+            f"memory {spec.memory_bandwidth_bytes_per_s:.3g} B/s, intra-node alpha {spec.intra_node.latency_s:.3g} s "
+            f"beta {spec.intra_node.bandwidth_bytes_per_s:.3g} B/s"
+        )
     return 0
 
 

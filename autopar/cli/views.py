@@ -55,6 +55,7 @@ def spec_label(texts: list[str] | None) -> str:
 
 # -- show ---------------------------------------------------------------------------------
 
+
 def param_groups(plan) -> list[dict[str, Any]]:
     """Parameters grouped by FQN with layer indices replaced by ``*`` and by placements.
 
@@ -66,8 +67,10 @@ def param_groups(plan) -> list[dict[str, Any]]:
     groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for fqn, spec in plan.params.items():
         groups.setdefault((_INDEX_RE.sub("*", fqn), tuple(format_spec(spec))), []).append(fqn)
-    return [{"fqn": pattern if len(members) > 1 else members[0], "placements": list(placements),
-             "count": len(members)} for (pattern, placements), members in groups.items()]
+    return [
+        {"fqn": pattern if len(members) > 1 else members[0], "placements": list(placements), "count": len(members)}
+        for (pattern, placements), members in groups.items()
+    ]
 
 
 def collective_counts(plan) -> list[dict[str, Any]]:
@@ -77,10 +80,13 @@ def collective_counts(plan) -> list[dict[str, Any]]:
 
 def groups_table(plan) -> Table:
     rows = param_groups(plan)
-    return Table(f"Parameter groups ({len(rows)} groups, {len(plan.params)} parameters)",
-                 ("parameter", "placements", "count"),
-                 table_rows([(r["fqn"], spec_label(r["placements"]), f"x{r['count']}") for r in rows]),
-                 right=frozenset({2}), header=False)
+    return Table(
+        f"Parameter groups ({len(rows)} groups, {len(plan.params)} parameters)",
+        ("parameter", "placements", "count"),
+        table_rows([(r["fqn"], spec_label(r["placements"]), f"x{r['count']}") for r in rows]),
+        right=frozenset({2}),
+        header=False,
+    )
 
 
 def _operator_rows(plan) -> list[tuple[str, Any]]:
@@ -89,8 +95,9 @@ def _operator_rows(plan) -> list[tuple[str, Any]]:
     def is_view(op: str) -> bool:  # as the summary: plans name overloads, VIEW_OP_NAMES packets
         return op == "getitem" or op.rsplit(".", 1)[0].removeprefix("aten.") in VIEW_OP_NAMES
 
-    return [(name, node) for name, node in plan.nodes.items()
-            if node.source not in ("placeholder", "output") and not is_view(node.op)]
+    return [
+        (name, node) for name, node in plan.nodes.items() if node.source not in ("placeholder", "output") and not is_view(node.op)
+    ]
 
 
 def operators_table(plan, limit: int | None) -> Table:
@@ -101,25 +108,35 @@ def operators_table(plan, limit: int | None) -> Table:
     rows = []
     for name, node in shown:
         rows.append(node_row(name, node, plan.mesh_shape))
-    title = (f"Operators ({len(nodes)}, views omitted)" if limit is None or len(nodes) <= limit
-             else f"Operators: the {len(shown)} costliest of {len(nodes)} (views omitted; --all lists every one)")
-    return Table(title, ("node", "op", "output shape", "placements", "cost ms", "note"), table_rows(rows),
-                 right=frozenset({4}))
+    title = (
+        f"Operators ({len(nodes)}, views omitted)"
+        if limit is None or len(nodes) <= limit
+        else f"Operators: the {len(shown)} costliest of {len(nodes)} (views omitted; --all lists every one)"
+    )
+    return Table(title, ("node", "op", "output shape", "placements", "cost ms", "note"), table_rows(rows), right=frozenset({4}))
 
 
 def params_table(plan) -> Table:
     from autopar.ir.spec import spec_text
 
-    return Table(f"Parameters ({len(plan.params)})", ("parameter", "placements"),
-                 table_rows([(fqn, spec_text(spec)) for fqn, spec in plan.params.items()]), header=False)
+    return Table(
+        f"Parameters ({len(plan.params)})",
+        ("parameter", "placements"),
+        table_rows([(fqn, spec_text(spec)) for fqn, spec in plan.params.items()]),
+        header=False,
+    )
 
 
 def collectives_block(plan) -> str | Table:
     counts = collective_counts(plan)
     if not counts:
         return "Collectives in forward: none"
-    return Table("Collectives in forward", ("kind", "mesh axis", "count"),
-                 table_rows([(r["kind"], r["axis"], r["count"]) for r in counts]), right=frozenset({1, 2}))
+    return Table(
+        "Collectives in forward",
+        ("kind", "mesh axis", "count"),
+        table_rows([(r["kind"], r["axis"], r["count"]) for r in counts]),
+        right=frozenset({1, 2}),
+    )
 
 
 def plan_blocks(plan, everything: bool = False) -> list[str | Table]:
@@ -127,8 +144,12 @@ def plan_blocks(plan, everything: bool = False) -> list[str | Table]:
     the costliest operators (``everything``: every parameter and operator)."""
     from autopar.ir.summary import fallback_lines, header_lines
 
-    blocks: list[str | Table] = ["\n".join(header_lines(plan)), groups_table(plan), collectives_block(plan),
-                                 "\n".join(fallback_lines(plan))]
+    blocks: list[str | Table] = [
+        "\n".join(header_lines(plan)),
+        groups_table(plan),
+        collectives_block(plan),
+        "\n".join(fallback_lines(plan)),
+    ]
     if everything:
         blocks.append(params_table(plan))
     blocks.append(operators_table(plan, None if everything else TOP_OPERATORS))
@@ -149,8 +170,7 @@ def show_json(plan) -> dict[str, Any]:
     if plan.pipeline is not None:
         # The stages without their node lists, which the plan file has.
         data = plan.pipeline.to_json()
-        data["stages"] = [{k: v for k, v in s.items() if k != "nodes"} | {"num_nodes": len(s["nodes"])}
-                          for s in data["stages"]]
+        data["stages"] = [{k: v for k, v in s.items() if k != "nodes"} | {"num_nodes": len(s["nodes"])} for s in data["stages"]]
         out["pipeline"] = data
     return out
 
@@ -163,16 +183,28 @@ def mesh_search_table(rows: list[dict[str, Any]]) -> Table:
         mesh = "x".join(str(n) for n in row["mesh"])
         if row["status"] == "ok":
             ratio = row["step_time_s"] / best if best else float("nan")
-            cells.append((mesh, format_seconds(row["step_time_s"]), f"{ratio:.2f}x",
-                          format_bytes(row["peak_memory_bytes"] or 0), f"{row['plan_time_s']:.1f} s",
-                          "ok  <- chosen" if number == 0 else "ok"))
+            cells.append(
+                (
+                    mesh,
+                    format_seconds(row["step_time_s"]),
+                    f"{ratio:.2f}x",
+                    format_bytes(row["peak_memory_bytes"] or 0),
+                    f"{row['plan_time_s']:.1f} s",
+                    "ok  <- chosen" if number == 0 else "ok",
+                )
+            )
         else:
             cells.append((mesh, "-", "-", "-", f"{row['plan_time_s']:.1f} s", f"{row['status']}: {row['reason']}"))
-    return Table(f"Mesh search ({len(rows)} meshes)", ("mesh", "step time", "vs best", "peak memory", "plan time",
-                                                       "status"), table_rows(cells), right=frozenset({1, 2, 3, 4}))
+    return Table(
+        f"Mesh search ({len(rows)} meshes)",
+        ("mesh", "step time", "vs best", "peak memory", "plan time", "status"),
+        table_rows(cells),
+        right=frozenset({1, 2, 3, 4}),
+    )
 
 
 # -- diff ---------------------------------------------------------------------------------
+
 
 @functools.lru_cache(maxsize=4096)
 def _rank_pieces(spec: tuple[str, ...], mesh_shape: tuple[int, ...]) -> tuple | None:
@@ -223,8 +255,11 @@ def plan_diff(a, b) -> dict[str, Any]:
     diff: dict[str, Any] = {}
     if tuple(a.mesh_shape) != tuple(b.mesh_shape):
         diff["mesh"] = {"a": list(a.mesh_shape), "b": list(b.mesh_shape)}
-    for key, va, vb in (("graph_hash", a.graph_hash, b.graph_hash), ("cluster", a.cluster, b.cluster),
-                        ("torch_version", a.torch_version, b.torch_version)):
+    for key, va, vb in (
+        ("graph_hash", a.graph_hash, b.graph_hash),
+        ("cluster", a.cluster, b.cluster),
+        ("torch_version", a.torch_version, b.torch_version),
+    ):
         if va != vb:
             diff[key] = {"a": va, "b": vb}
     pred_a, pred_b = a.predicted.to_json(), b.predicted.to_json()
@@ -242,9 +277,11 @@ def plan_diff(a, b) -> dict[str, Any]:
     if predicted:
         diff["predicted"] = predicted
     solver_a, solver_b = a.solver.to_json(), b.solver.to_json()
-    solver = {k: {"a": solver_a.get(k), "b": solver_b.get(k)}
-              for k in ("status", "memory_budget_bytes", "fallbacks")
-              if solver_a.get(k) != solver_b.get(k)}
+    solver = {
+        k: {"a": solver_a.get(k), "b": solver_b.get(k)}
+        for k in ("status", "memory_budget_bytes", "fallbacks")
+        if solver_a.get(k) != solver_b.get(k)
+    }
     if solver:
         diff["solver"] = solver
     mesh_a, mesh_b = tuple(a.spec_mesh), tuple(b.spec_mesh)
@@ -264,8 +301,7 @@ def plan_diff(a, b) -> dict[str, Any]:
         outs_a, outs_b = [format_spec(s) for s in na.outs], [format_spec(s) for s in nb.outs]
         same = len(outs_a) == len(outs_b) and all(same_layout(x, mesh_a, y, mesh_b) for x, y in zip(outs_a, outs_b))
         if not same or na.op != nb.op:
-            nodes.append({"name": name, "op": na.op if na.op == nb.op else f"{na.op} -> {nb.op}",
-                          "a": outs_a, "b": outs_b})
+            nodes.append({"name": name, "op": na.op if na.op == nb.op else f"{na.op} -> {nb.op}", "a": outs_a, "b": outs_b})
     if nodes:
         diff["nodes"] = nodes
     only_a = [n for n in a.nodes if n not in b.nodes]
@@ -278,13 +314,17 @@ def plan_diff(a, b) -> dict[str, Any]:
 
 
 def diff_blocks(diff: dict[str, Any], path_a: str, path_b: str, a, b) -> list[str | Table]:
-    head = [f"a: {path_a}  mesh={tuple(a.mesh_shape)}  cluster={a.cluster or '-'}  plan={a.hash}",
-            f"b: {path_b}  mesh={tuple(b.mesh_shape)}  cluster={b.cluster or '-'}  plan={b.hash}"]
+    head = [
+        f"a: {path_a}  mesh={tuple(a.mesh_shape)}  cluster={a.cluster or '-'}  plan={a.hash}",
+        f"b: {path_b}  mesh={tuple(b.mesh_shape)}  cluster={b.cluster or '-'}  plan={b.hash}",
+    ]
     if not diff:
         return ["\n".join(head + ["plans are identical"])]
     if "mesh" in diff:
-        head.append(f"mesh: {tuple(diff['mesh']['a'])} -> {tuple(diff['mesh']['b'])} (placements that give every "
-                    "rank the same piece on both meshes count as unchanged)")
+        head.append(
+            f"mesh: {tuple(diff['mesh']['a'])} -> {tuple(diff['mesh']['b'])} (placements that give every "
+            "rank the same piece on both meshes count as unchanged)"
+        )
     for key, label in (("graph_hash", "graph hash"), ("cluster", "cluster"), ("torch_version", "torch")):
         if key in diff:
             head.append(f"{label}: {diff[key]['a']} -> {diff[key]['b']}")
@@ -292,28 +332,45 @@ def diff_blocks(diff: dict[str, Any], path_a: str, path_b: str, a, b) -> list[st
         if key == "fallbacks":
             head.append(f"solver fallbacks: {len(entry['a'] or [])} -> {len(entry['b'] or [])} nodes")
         else:
-            head.append(f"solver {key.replace('_', ' ')}: {format_value(key, entry['a'])} -> "
-                        f"{format_value(key, entry['b'])}")
+            head.append(f"solver {key.replace('_', ' ')}: {format_value(key, entry['a'])} -> {format_value(key, entry['b'])}")
     blocks: list[str | Table] = ["\n".join(head)]
     if "predicted" in diff:
         rows = []
         for key, entry in diff["predicted"].items():
             rel = entry.get("rel_change")
-            rows.append((key, format_value(key, entry["a"]), format_value(key, entry["b"]),
-                         f"{rel * 100:+.1f}%" if rel is not None else ""))
+            rows.append(
+                (
+                    key,
+                    format_value(key, entry["a"]),
+                    format_value(key, entry["b"]),
+                    f"{rel * 100:+.1f}%" if rel is not None else "",
+                )
+            )
         blocks.append(Table("predicted", ("", "a", "b", "change"), table_rows(rows), right=frozenset({3})))
     if "params" in diff:
         rows = [(r["fqn"], spec_label(r["a"]), "->", spec_label(r["b"])) for r in diff["params"]]
-        blocks.append(Table(f"Parameters with different placements ({len(rows)}):", ("parameter", "a", "", "b"),
-                            table_rows(rows), header=False))
+        blocks.append(
+            Table(
+                f"Parameters with different placements ({len(rows)}):",
+                ("parameter", "a", "", "b"),
+                table_rows(rows),
+                header=False,
+            )
+        )
 
     def outs_text(outs):
         return spec_label(outs[0]) if len(outs) == 1 else "[" + ", ".join(spec_label(s) for s in outs) + "]"
 
     if "nodes" in diff:
         rows = [(r["name"], r["op"], outs_text(r["a"]), "->", outs_text(r["b"])) for r in diff["nodes"]]
-        blocks.append(Table(f"Nodes with different output placements ({len(rows)}):", ("node", "op", "a", "", "b"),
-                            table_rows(rows), header=False))
+        blocks.append(
+            Table(
+                f"Nodes with different output placements ({len(rows)}):",
+                ("node", "op", "a", "", "b"),
+                table_rows(rows),
+                header=False,
+            )
+        )
     for key, label in (("only_in_a", "a"), ("only_in_b", "b")):
         if key in diff:
             blocks.append(f"Nodes only in {label} ({len(diff[key])}): {', '.join(diff[key])}")

@@ -164,10 +164,7 @@ class ClusterSpec:
         _positive_int(owner, "devices_per_node", self.devices_per_node)
         _positive_int(owner, "num_nodes", self.num_nodes)
         if not isinstance(self.peak_flops, Mapping) or "float32" not in self.peak_flops:
-            raise ValueError(
-                f"{owner}: peak_flops must map dtype names to FLOP/s and include 'float32', "
-                f"got {self.peak_flops!r}"
-            )
+            raise ValueError(f"{owner}: peak_flops must map dtype names to FLOP/s and include 'float32', got {self.peak_flops!r}")
         for dtype_name, value in self.peak_flops.items():
             if not isinstance(getattr(torch, str(dtype_name), None), torch.dtype):
                 raise ValueError(
@@ -206,8 +203,7 @@ class ClusterSpec:
         ``MEMORY_RESERVE_MIN_BYTES`` (and at most half, for toy clusters). It covers what the liveness walk does not model: the CUDA
         context, NCCL's buffers, kernel workspace (cuBLAS, attention) and the caching
         allocator's fragmentation."""
-        return min(self.memory_bytes // 2,
-                   max(MEMORY_RESERVE_MIN_BYTES, int(self.memory_bytes * MEMORY_RESERVE_FRACTION)))
+        return min(self.memory_bytes // 2, max(MEMORY_RESERVE_MIN_BYTES, int(self.memory_bytes * MEMORY_RESERVE_FRACTION)))
 
     @property
     def default_memory_budget(self) -> int:
@@ -266,8 +262,7 @@ class ClusterSpec:
             **({"compute": self.compute} if self.compute != "roofline" else {}),
             **({"host_link": self.host_link.to_json()} if self.host_link is not None else {}),
             **({"disk_link": self.disk_link.to_json()} if self.disk_link != DEFAULT_DISK_LINK else {}),
-            **({"compute_slots_per_node": self.compute_slots_per_node}
-               if self.compute_slots_per_node is not None else {}),
+            **({"compute_slots_per_node": self.compute_slots_per_node} if self.compute_slots_per_node is not None else {}),
             **({"executor": self.executor} if self.executor != "eager" else {}),
         }
 
@@ -358,8 +353,7 @@ def get_cluster(spec: str | ClusterSpec | os.PathLike | None = None) -> ClusterS
             raise ValueError(f"cluster spec file {str(path)!r} does not exist")
         return ClusterSpec.load(path)
     raise ValueError(
-        f"unknown cluster {spec!r}: expected a preset name ({', '.join(preset_names())}), "
-        f"a .json or .toml file, or a ClusterSpec"
+        f"unknown cluster {spec!r}: expected a preset name ({', '.join(preset_names())}), a .json or .toml file, or a ClusterSpec"
     )
 
 
@@ -372,8 +366,9 @@ def resolve_budget(memory_budget: float | str | None, cluster: ClusterSpec) -> f
     if memory_budget == float("inf"):
         return None
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget > 0:
-        raise ValueError(f"memory_budget is bytes per device and must be positive (or float('inf') for none), "
-                         f"got {memory_budget!r}")
+        raise ValueError(
+            f"memory_budget is bytes per device and must be positive (or float('inf') for none), got {memory_budget!r}"
+        )
     return float(memory_budget)
 
 
@@ -396,8 +391,7 @@ def cpu_cluster(threads_per_rank: int | None = None, cores: int | None = None) -
     cores = cores if cores is not None else host_cores()
     _positive_int("cpu_cluster", "cores", cores)
     slots = max(1, cores // threads)
-    return dataclasses.replace(get_cluster(CPU_PRESET), name=f"{CPU_PRESET} ({slots} slots)",
-                               compute_slots_per_node=slots)
+    return dataclasses.replace(get_cluster(CPU_PRESET), name=f"{CPU_PRESET} ({slots} slots)", compute_slots_per_node=slots)
 
 
 def local_cluster() -> ClusterSpec:
@@ -414,10 +408,24 @@ def local_cluster() -> ClusterSpec:
             if memory != spec.memory_bytes:
                 spec = dataclasses.replace(spec, memory_bytes=memory, name=f"{spec.name} ({name})")
             return spec
-    raise ValueError(f"no cluster preset prices the CUDA device {name!r}: pass cluster= a preset "
-                     f"({', '.join(preset_names())}), a ClusterSpec, or a file from `autopar profile`")
+    raise ValueError(
+        f"no cluster preset prices the CUDA device {name!r}: pass cluster= a preset "
+        f"({', '.join(preset_names())}), a ClusterSpec, or a file from `autopar profile`"
+    )
 
 
-__all__ = ["LinkSpec", "ClusterSpec", "get_cluster", "local_cluster", "cpu_cluster", "host_cores", "CPU_PRESET",
-           "resolve_budget", "preset_names", "PRESETS_DIR",
-           "DEFAULT_PRESET", "MEMORY_RESERVE_FRACTION", "MEMORY_RESERVE_MIN_BYTES"]
+__all__ = [
+    "LinkSpec",
+    "ClusterSpec",
+    "get_cluster",
+    "local_cluster",
+    "cpu_cluster",
+    "host_cores",
+    "CPU_PRESET",
+    "resolve_budget",
+    "preset_names",
+    "PRESETS_DIR",
+    "DEFAULT_PRESET",
+    "MEMORY_RESERVE_FRACTION",
+    "MEMORY_RESERVE_MIN_BYTES",
+]

@@ -101,7 +101,7 @@ def tree_latency_s(axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -
     floor(log2 m)·α), with ``p`` of the group's ranks on each of ``m`` nodes (ranks laid out as
     ``ClusterSpec.axis_link`` says) and ``α`` the axis's link."""
     k, link = _axis(axis, mesh_shape, cluster)
-    stride = math.prod(mesh_shape[axis + 1:])  # rank distance between neighbours of one group
+    stride = math.prod(mesh_shape[axis + 1 :])  # rank distance between neighbours of one group
     per_node = max(1, min(k, cluster.devices_per_node // stride))
     nodes = -(-k // per_node)
     intra = cluster.intra_node.latency_s / cluster.compute_share(mesh_shape) if nodes > 1 else link.latency_s
@@ -133,8 +133,9 @@ def all_reduce_s(num_bytes: float, axis: int, mesh_shape: Sequence[int], cluster
     return latency + factor * num_bytes / link.bandwidth_bytes_per_s
 
 
-def bucket_latency_s(axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec,
-                     bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_BYTES) -> float:
+def bucket_latency_s(
+    axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec, bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_BYTES
+) -> float:
     """The latency one full gradient bucket (``bucket_cap_bytes``) pays on ``axis``: that of the
     algorithm ``all_reduce_terms`` picks at the bucket's size; 0 with one rank."""
     if mesh_shape[axis] == 1:
@@ -298,9 +299,7 @@ def _step_collectives(kind: str, local_bytes: int, k: int) -> tuple[Collective, 
     raise AssertionError(f"unhandled step kind {kind!r}")
 
 
-def _price(
-    collective: Collective, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec
-) -> tuple[float, float]:
+def _price(collective: Collective, axis: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> tuple[float, float]:
     """(seconds, bytes each device sends) of one collective on ``axis``."""
     if collective is None:
         return 0.0, 0.0
@@ -366,8 +365,9 @@ def exposed_grad_sync_s(sync_s: float, backward_compute_s: float, last_bucket_s:
     return max(min(last_bucket_s, sync_s), sync_s - backward_compute_s, 0.0)
 
 
-def context_parallel_collectives(kv_bytes: float, rows_bytes: float, axes: Sequence[int], balanced: bool,
-                                 mesh_shape: Sequence[int], requires_grad: bool) -> list[tuple[str, float, int]]:
+def context_parallel_collectives(
+    kv_bytes: float, rows_bytes: float, axes: Sequence[int], balanced: bool, mesh_shape: Sequence[int], requires_grad: bool
+) -> list[tuple[str, float, int]]:
     """The context-parallel attention kernel's own collectives (``ops.attention``), as
     ``(kind, num_bytes, axis)`` in the sizes the ``*_s`` functions take; nothing overlaps them.
 
@@ -392,8 +392,9 @@ def context_parallel_collectives(kv_bytes: float, rows_bytes: float, axes: Seque
     return steps
 
 
-def collectives_cost(steps: Sequence[tuple[str, float, int]], mesh_shape: Sequence[int],
-                     cluster: ClusterSpec) -> tuple[float, dict[int, float]]:
+def collectives_cost(
+    steps: Sequence[tuple[str, float, int]], mesh_shape: Sequence[int], cluster: ClusterSpec
+) -> tuple[float, dict[int, float]]:
     """(seconds, bytes sent per mesh axis) of ``(kind, num_bytes, axis)`` collectives run one
     after another."""
     seconds, per_axis = 0.0, {}

@@ -72,24 +72,62 @@ def _packets(*names: str) -> frozenset:
 VIEW_OPS = _packets(*sorted(VIEW_OP_NAMES)) | {operator.getitem}
 
 MATMUL_OPS = _packets(
-    "mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "convolution", "_convolution",
-    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "linear",
+    "matmul",
+    "convolution",
+    "_convolution",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
 )
 
 REDUCTION_OPS = _packets(
-    "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "var_mean", "norm",
-    "linalg_vector_norm", "argmax", "argmin", "logsumexp", "any", "all",
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "prod",
+    "var",
+    "std",
+    "var_mean",
+    "norm",
+    "linalg_vector_norm",
+    "argmax",
+    "argmin",
+    "logsumexp",
+    "any",
+    "all",
 )
 
 _CONV_OPS = _packets("conv1d", "conv2d", "conv3d")
 
 # The ops that inductor fuses into one kernel with their producers and consumers.
-POINTWISE = frozenset(pointwise.UNARY_NONLINEAR + pointwise.BINARY_NONLINEAR + pointwise.UNARY_LINEAR
-                      + pointwise.CASTS + pointwise.ADDITIVE + pointwise.SCALED + pointwise.MULTIPLICATIVE
-                      + pointwise.DIVIDING + pointwise.SELECTING + pointwise.SCALAR_FILL
-                      + pointwise.FUSED_MULTIPLY_ADD)
+POINTWISE = frozenset(
+    pointwise.UNARY_NONLINEAR
+    + pointwise.BINARY_NONLINEAR
+    + pointwise.UNARY_LINEAR
+    + pointwise.CASTS
+    + pointwise.ADDITIVE
+    + pointwise.SCALED
+    + pointwise.MULTIPLICATIVE
+    + pointwise.DIVIDING
+    + pointwise.SELECTING
+    + pointwise.SCALAR_FILL
+    + pointwise.FUSED_MULTIPLY_ADD
+)
 _CONV_TRANSPOSE_OPS = _packets("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 
 
@@ -222,11 +260,7 @@ def executed_bytes(info: OpInfo, executor: str) -> float:
 def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
     """Product of the mesh axes on which some input or output is not replicated."""
     specs = strategy.ins + strategy.outs
-    return math.prod(
-        size
-        for axis, size in enumerate(mesh_shape)
-        if any(not isinstance(spec[axis], Replicate) for spec in specs)
-    )
+    return math.prod(size for axis, size in enumerate(mesh_shape) if any(not isinstance(spec[axis], Replicate) for spec in specs))
 
 
 def backward_factor(info: OpInfo) -> float:

@@ -172,10 +172,15 @@ class Timeline:
             positions = np.empty(2 * len(self.intervals), dtype=np.intp)
             positions[0::2] = [iv.start + 1 for iv in self.intervals]
             positions[1::2] = [iv.end + 2 for iv in self.intervals]
-            self._arrays.update(names=list(names), index=np.array(index, dtype=np.intp),
-                                factors=np.array([iv.factor for iv in self.intervals], dtype=float),
-                                positions=positions, starts=positions[0::2] - 1, ends=positions[1::2] - 2,
-                                kinds=np.repeat(np.array([KINDS.index(iv.kind) for iv in self.intervals], dtype=np.intp), 2))
+            self._arrays.update(
+                names=list(names),
+                index=np.array(index, dtype=np.intp),
+                factors=np.array([iv.factor for iv in self.intervals], dtype=float),
+                positions=positions,
+                starts=positions[0::2] - 1,
+                ends=positions[1::2] - 2,
+                kinds=np.repeat(np.array([KINDS.index(iv.kind) for iv in self.intervals], dtype=np.intp), 2),
+            )
         arrays = self._arrays
         return arrays["names"], arrays["index"], arrays["factors"], arrays["positions"]
 
@@ -233,7 +238,8 @@ class Timeline:
         for bytes_of in references:
             values = self.curve(bytes_of)
             maxima = [
-                t for t in range(len(values))
+                t
+                for t in range(len(values))
                 if (t == 0 or values[t] >= values[t - 1]) and (t + 1 == len(values) or values[t] > values[t + 1])
             ]
             maxima.sort(key=lambda t: (-values[t], t))
@@ -260,8 +266,9 @@ class Gathered:
     prefetched_by: int | None = None  # the group at whose first gather this one's starts (None: its own)
 
 
-def gathered_intervals(nodes: Sequence[LiveNode], gathered: Sequence[Gathered], backward_prefetch: bool = True,
-                       exchange: bool = False) -> list[Interval]:
+def gathered_intervals(
+    nodes: Sequence[LiveNode], gathered: Sequence[Gathered], backward_prefetch: bool = True, exchange: bool = False
+) -> list[Interval]:
     """The ``gathered`` and ``comm_buffer`` intervals of the module docstring.
 
     A gathered parameter is alive from its group's all-gather, launched at the first use of
@@ -346,8 +353,10 @@ def _scatter_launches(gathered: Sequence[Gathered], num: int) -> tuple[dict[int,
             scatter_first[item.group] = min(scatter_first.get(item.group, 2 * num), min(i for i, _ in item.uses))
     launches = sorted(set(scatter_first.values()))  # forward order; backward launches them in reverse
     next_in_backward = dict(zip(launches[1:], launches))  # each launch to the one after it in backward
-    freed_at = {g: 2 * num - 1 - next_in_backward[first] if first in next_in_backward else 2 * num - 1
-                for g, first in scatter_first.items()}
+    freed_at = {
+        g: 2 * num - 1 - next_in_backward[first] if first in next_in_backward else 2 * num - 1
+        for g, first in scatter_first.items()
+    }
     return scatter_first, freed_at
 
 
@@ -388,9 +397,7 @@ def build_timeline(
     carries the parameter's bytes, and its gradient is alive from the last use of any member.
     """
     if optimizer not in memory.OPTIMIZER_STATES:
-        raise ValueError(
-            f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(memory.OPTIMIZER_STATES))}"
-        )
+        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(memory.OPTIMIZER_STATES))}")
     num = len(nodes)
 
     def bwd(i: int) -> int:

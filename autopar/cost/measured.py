@@ -134,8 +134,9 @@ def _step(target: Any, kw: dict, device: torch.device, requires_grad: bool):
     def run() -> None:
         out = target(*args, **kwargs)
         if requires_grad and leaves:
-            outs = [o for o in (out if isinstance(out, (list, tuple)) else [out])
-                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            outs = [
+                o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor) and o.requires_grad
+            ]
             if outs:
                 torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
 
@@ -165,9 +166,7 @@ def _seconds_per_call(run, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def measured_seconds(
-    info: OpInfo, strategy: Strategy, mesh_shape: Sequence[int], requires_grad: bool
-) -> float | None:
+def measured_seconds(info: OpInfo, strategy: Strategy, mesh_shape: Sequence[int], requires_grad: bool) -> float | None:
     """Forward (+ backward when ``requires_grad``) seconds of the local op on this device, from
     the cache or measured now; None where it cannot be measured (use the roofline)."""
     if strategy.kernel is not None or not isinstance(info.target, torch._ops.OpOverload):

@@ -56,9 +56,7 @@ def param_state_bytes(
     """Local parameter + gradient + optimizer state, in bytes on one rank. (ZeRO-1/2 hand plans
     split state and gradients in the liveness walk: ``liveness.build_timeline(zero_stage=)``.)"""
     if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(
-            f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(OPTIMIZER_STATES))}"
-        )
+        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(OPTIMIZER_STATES))}")
     local = local_shape(shape, spec, mesh_shape)
     param_bytes = tensor_bytes(local, dtype)
     state_bytes = OPTIMIZER_STATES[optimizer] * tensor_bytes(local, _STATE_DTYPE)
@@ -79,30 +77,89 @@ def _overloads(*names: str) -> frozenset:
 
 SAVES_INPUTS: frozenset = _overloads(
     # matmul family: each operand's gradient needs the other operand
-    "mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "einsum",
-    "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
-    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "linear",
+    "matmul",
+    "einsum",
+    "convolution",
+    "_convolution",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
     # attention: q, k, v (the fused kernels also save their output and logsumexp)
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
     # products and nonlinear pointwise ops whose derivative needs the input
-    "mul", "div", "pow", "gelu", "silu", "mish", "softplus", "elu", "leaky_relu", "hardswish",
-    "hardsigmoid", "log", "log1p", "sin", "cos", "erf", "reciprocal", "abs", "clamp", "where",
-    "maximum", "minimum",
+    "mul",
+    "div",
+    "pow",
+    "gelu",
+    "silu",
+    "mish",
+    "softplus",
+    "elu",
+    "leaky_relu",
+    "hardswish",
+    "hardsigmoid",
+    "log",
+    "log1p",
+    "sin",
+    "cos",
+    "erf",
+    "reciprocal",
+    "abs",
+    "clamp",
+    "where",
+    "maximum",
+    "minimum",
     # norms: the input (and weight) to recompute the normalized value
-    "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
-    "native_group_norm", "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
-    "_native_batch_norm_legit_no_training", "_batch_norm_with_update",
+    "layer_norm",
+    "native_layer_norm",
+    "rms_norm",
+    "_fused_rms_norm",
+    "group_norm",
+    "native_group_norm",
+    "batch_norm",
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+    "_batch_norm_with_update",
     # losses: logits and targets
-    "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward", "mse_loss",
+    "cross_entropy_loss",
+    "nll_loss",
+    "nll_loss_forward",
+    "nll_loss2d_forward",
+    "mse_loss",
     "binary_cross_entropy_with_logits",
     # pooling: the input (max pooling also its indices)
-    "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "avg_pool1d",
-    "avg_pool2d", "avg_pool3d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d",
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool3d",
+    "max_pool2d_with_indices",
+    "avg_pool1d",
+    "avg_pool2d",
+    "avg_pool3d",
+    "adaptive_avg_pool2d",
+    "_adaptive_avg_pool2d",
     # embedding: the indices (the table is a parameter)
     "embedding",
     # reductions whose backward needs the input (the position of the max, the mean)
-    "amax", "amin", "var", "std", "var_mean", "norm", "linalg_vector_norm", "prod",
+    "amax",
+    "amin",
+    "var",
+    "std",
+    "var_mean",
+    "norm",
+    "linalg_vector_norm",
+    "prod",
 ) - _overloads("mul", "div").difference(
     # x * scalar and x / scalar need no saved tensor; only the Tensor-by-Tensor forms do
     {aten.mul.Tensor, aten.div.Tensor, aten.div.Tensor_mode}
@@ -129,18 +186,27 @@ def internal_saved_factor(target: Any, kw: dict[str, Any]) -> float:
     inter = gate_up[1] * gate_up[2] // hidden // 2
     return top_k * (2 * hidden + 4 * inter) / hidden
 
+
 SAVES_OUTPUT: frozenset = _overloads(
-    "relu", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "_softmax", "softmax",
-    "_log_softmax", "log_softmax", "dropout", "native_dropout",
+    "relu",
+    "sigmoid",
+    "tanh",
+    "exp",
+    "sqrt",
+    "rsqrt",
+    "_softmax",
+    "softmax",
+    "_log_softmax",
+    "log_softmax",
+    "dropout",
+    "native_dropout",
 )
 
 
 # Ops kept whole in the graph whose backward materializes an intermediate gradient the size of
 # their first input, alive while their backward runs: cross-entropy's backward is nll_loss's
 # (a gradient of the log-probabilities, the logits' size), then log_softmax's (another one).
-BACKWARD_TEMPORARIES: dict[Any, float] = {
-    op: 1.0 for op in _overloads("cross_entropy_loss")
-}
+BACKWARD_TEMPORARIES: dict[Any, float] = {op: 1.0 for op in _overloads("cross_entropy_loss")}
 
 
 def backward_temporary_factor(target: Any) -> float:

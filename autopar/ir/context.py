@@ -73,7 +73,7 @@ def head_tail_route(group_sizes: tuple[int, ...]) -> tuple[dict[tuple[int, ...],
         moved: dict[tuple[int, ...], list[int]] = {coords: [] for coords in ranks}
         for coords, pieces in holding.items():
             for piece in pieces:
-                target = coords[:axis] + (dest[piece][axis],) + coords[axis + 1:]
+                target = coords[:axis] + (dest[piece][axis],) + coords[axis + 1 :]
                 moved[target].append(piece)
         holding = {coords: tuple(sorted(pieces)) for coords, pieces in moved.items()}
         stages.append(holding)
@@ -88,7 +88,7 @@ def exchange_tables(group_sizes: tuple[int, ...], coords: Sequence[int], step: i
     axis = len(group_sizes) - 1 - step
 
     def group(stage: dict) -> Pieces:
-        return tuple(stage[tuple(coords[:axis]) + (r,) + tuple(coords[axis + 1:])] for r in range(group_sizes[axis]))
+        return tuple(stage[tuple(coords[:axis]) + (r,) + tuple(coords[axis + 1 :])] for r in range(group_sizes[axis]))
 
     return axis, group(stages[step]), group(stages[step + 1])
 
@@ -129,5 +129,14 @@ def max_work_fraction(seq_len: int, group_sizes: tuple[int, ...]) -> float:
     return most * num / total
 
 
-__all__ = ["Chunk", "Pieces", "is_balanced", "zigzag_halves", "head_tail_route", "exchange_tables", "query_chunks",
-           "chunk_work", "max_work_fraction"]
+__all__ = [
+    "Chunk",
+    "Pieces",
+    "is_balanced",
+    "zigzag_halves",
+    "head_tail_route",
+    "exchange_tables",
+    "query_chunks",
+    "chunk_work",
+    "max_work_fraction",
+]

@@ -49,8 +49,9 @@ class DataLayout:
     def __post_init__(self) -> None:
         DataOptions(self.batch)
         if list(self.axes) != sorted(set(self.axes)) or any(not 0 <= a < len(self.mesh_shape) for a in self.axes):
-            raise ValueError(f"data-parallel axes must be distinct mesh axes in order, got {self.axes} "
-                             f"for mesh {self.mesh_shape}")
+            raise ValueError(
+                f"data-parallel axes must be distinct mesh axes in order, got {self.axes} for mesh {self.mesh_shape}"
+            )
 
     @property
     def per_rank(self) -> bool:
@@ -69,16 +70,13 @@ class DataLayout:
         return rank
 
     def to_json(self) -> dict[str, Any]:
-        return {"batch": self.batch, "axes": list(self.axes), "inputs": list(self.inputs),
-                "data_parallel_size": self.size}
+        return {"batch": self.batch, "axes": list(self.axes), "inputs": list(self.inputs), "data_parallel_size": self.size}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], mesh_shape: tuple[int, ...]) -> "DataLayout":
-        return cls(data["batch"], tuple(int(a) for a in data["axes"]), tuple(mesh_shape),
-                   tuple(data.get("inputs", ())))
+        return cls(data["batch"], tuple(int(a) for a in data["axes"]), tuple(mesh_shape), tuple(data.get("inputs", ())))
 
     def describe(self) -> str:
         axes = ", ".join(str(a) for a in self.axes) or "none"
-        how = ("each data-parallel rank passes its own rows" if self.per_rank
-               else "every rank passes the same whole batch")
+        how = "each data-parallel rank passes its own rows" if self.per_rank else "every rank passes the same whole batch"
         return f"data: batch={self.batch!r} ({how}); batch split on mesh axes {axes}: data_parallel_size {self.size}"

@@ -23,7 +23,7 @@ def param_layer(fqn: str) -> str:
     parts = fqn.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.isdigit():
-            return ".".join(parts[:i + 1])
+            return ".".join(parts[: i + 1])
     return ""
 
 

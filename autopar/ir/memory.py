@@ -31,13 +31,11 @@ class CheckpointSegment:
     cost_s: float  # checkpoint: the segment's forward compute, run again; offload: the transfers
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "first": self.first, "last": self.last,
-                "saved_bytes": self.saved_bytes, "cost_s": self.cost_s}
+        return {"name": self.name, "first": self.first, "last": self.last, "saved_bytes": self.saved_bytes, "cost_s": self.cost_s}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "CheckpointSegment":
-        return cls(str(data["name"]), str(data["first"]), str(data["last"]),
-                   float(data["saved_bytes"]), float(data["cost_s"]))
+        return cls(str(data["name"]), str(data["first"]), str(data["last"]), float(data["saved_bytes"]), float(data["cost_s"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +53,19 @@ class OffloadEntry:
             raise ValueError(f"offload kind must be one of {', '.join(OFFLOAD_KINDS)}, got {self.kind!r}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "fqn": self.fqn, "saved_bytes": self.saved_bytes,
-                "transfer_bytes": self.transfer_bytes, "cost_s": self.cost_s}
+        return {
+            "kind": self.kind,
+            "fqn": self.fqn,
+            "saved_bytes": self.saved_bytes,
+            "transfer_bytes": self.transfer_bytes,
+            "cost_s": self.cost_s,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "OffloadEntry":
-        return cls(str(data["kind"]), str(data["fqn"]), float(data["saved_bytes"]),
-                   float(data["transfer_bytes"]), float(data["cost_s"]))
+        return cls(
+            str(data["kind"]), str(data["fqn"]), float(data["saved_bytes"]), float(data["transfer_bytes"]), float(data["cost_s"])
+        )
 
 
 @dataclass(frozen=True)
@@ -117,29 +121,37 @@ class MemoryPlan:
 
     def summary_lines(self) -> list[str]:
         """What the summary prints: each decision with the bytes it saves and the time it costs."""
-        lines = [f"memory decisions: peak {format_bytes(self.peak_before_bytes)} -> {format_bytes(self.peak_bytes)}, "
-                 f"+{self.added_s * 1e3:.2f} ms per step; offload to {self.target}"
-                 f"{' with prefetch' if self.prefetch else ''}"]
+        lines = [
+            f"memory decisions: peak {format_bytes(self.peak_before_bytes)} -> {format_bytes(self.peak_bytes)}, "
+            f"+{self.added_s * 1e3:.2f} ms per step; offload to {self.target}"
+            f"{' with prefetch' if self.prefetch else ''}"
+        ]
         # Decisions that save nothing at the peak (kept for the runtime) are left out of the summary.
         quiet = 0
         for segment in self.checkpoint:
             if segment.saved_bytes < 1:
                 quiet += 1
                 continue
-            lines.append(f"  checkpoint {segment.name} ({segment.first} .. {segment.last}): "
-                         f"saves {format_bytes(segment.saved_bytes)}, recompute {segment.cost_s * 1e3:.2f} ms")
+            lines.append(
+                f"  checkpoint {segment.name} ({segment.first} .. {segment.last}): "
+                f"saves {format_bytes(segment.saved_bytes)}, recompute {segment.cost_s * 1e3:.2f} ms"
+            )
         for segment in self.offload_activations:
             if segment.saved_bytes < 1:
                 quiet += 1
                 continue
-            lines.append(f"  offload activations of {segment.name} ({segment.first} .. {segment.last}): "
-                         f"saves {format_bytes(segment.saved_bytes)}, transfers {segment.cost_s * 1e3:.2f} ms")
+            lines.append(
+                f"  offload activations of {segment.name} ({segment.first} .. {segment.last}): "
+                f"saves {format_bytes(segment.saved_bytes)}, transfers {segment.cost_s * 1e3:.2f} ms"
+            )
         for entry in self.offload:
             if entry.saved_bytes < 1:
                 quiet += 1
                 continue
-            lines.append(f"  offload {entry.kind} {entry.fqn}: saves {format_bytes(entry.saved_bytes)}, "
-                         f"moves {format_bytes(entry.transfer_bytes)} in {entry.cost_s * 1e3:.2f} ms")
+            lines.append(
+                f"  offload {entry.kind} {entry.fqn}: saves {format_bytes(entry.saved_bytes)}, "
+                f"moves {format_bytes(entry.transfer_bytes)} in {entry.cost_s * 1e3:.2f} ms"
+            )
         if quiet:
             lines.append(f"  ({quiet} more decision{'s' * (quiet != 1)} that save nothing at the peak)")
         return lines

@@ -21,7 +21,6 @@ from autopar.ir.data import DataOptions
 from autopar.ir.units import parse_budget
 
 
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -36,8 +35,7 @@ class SolveOptions:
     solver: str = "auto"
 
     def __post_init__(self) -> None:
-        if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, (int, float)) \
-                or not self.time_limit_s > 0:
+        if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, (int, float)) or not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be a positive number of seconds, got {self.time_limit_s!r}")
 
 
@@ -85,7 +83,8 @@ class CommOptions:
             raise ValueError(
                 "CommOptions.reshard_after_forward is True (free gathered parameters after forward, gather them "
                 "again in backward), False (keep them until backward) or None (FSDP2's default: True for each "
-                f"layer, False for the root's parameters), got {self.reshard_after_forward!r}")
+                f"layer, False for the root's parameters), got {self.reshard_after_forward!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +105,9 @@ class MemoryOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", parse_budget(self.budget))
-        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
-                                        or not self.budget > 0):
+        if self.budget is not None and (
+            isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not self.budget > 0
+        ):
             raise ValueError(f"memory_budget is bytes per device and must be positive, got {self.budget!r}")
         self.offload_target(has_host=True)  # checks the spelling
 
@@ -149,8 +149,11 @@ class PipelineOptions:
     def __post_init__(self) -> None:
         from autopar.ir.pipeline import PLANNED_SCHEDULES  # ir.pipeline imports torch (start-up speed)
 
-        schedules = PLANNED_SCHEDULES if self.schedules == "auto" else (
-            (self.schedules,) if isinstance(self.schedules, str) else tuple(self.schedules))
+        schedules = (
+            PLANNED_SCHEDULES
+            if self.schedules == "auto"
+            else ((self.schedules,) if isinstance(self.schedules, str) else tuple(self.schedules))
+        )
         if not schedules or set(schedules) - set(PLANNED_SCHEDULES):
             raise ValueError(f"pipeline_schedules must be 'auto' or some of {PLANNED_SCHEDULES}, got {self.schedules!r}")
         object.__setattr__(self, "schedules", schedules)
@@ -166,8 +169,7 @@ class PipelineOptions:
             return
         if self.stages != "auto" and (not _is_int(self.stages) or self.stages < 1):
             raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {self.stages!r}")
-        if self.num_microbatches not in (None, "auto") and (not _is_int(self.num_microbatches)
-                                                            or self.num_microbatches < 1):
+        if self.num_microbatches not in (None, "auto") and (not _is_int(self.num_microbatches) or self.num_microbatches < 1):
             raise ValueError(f"num_microbatches must be a positive int or 'auto', got {self.num_microbatches!r}")
 
     @property
@@ -214,8 +216,10 @@ class PlanOptions:
         if not isinstance(self.data, DataOptions):
             raise TypeError(f"data must be an autopar.DataOptions, got {self.data!r}")
         if self.pipeline.enabled and self.data.per_rank:
-            raise ValueError("batch='per_rank' with a pipeline: the pipeline runtime takes the whole batch on every "
-                             "rank and cuts it into microbatches; pass batch='whole' (the default), or pipeline='off'")
+            raise ValueError(
+                "batch='per_rank' with a pipeline: the pipeline runtime takes the whole batch on every "
+                "rank and cuts it into microbatches; pass batch='whole' (the default), or pipeline='off'"
+            )
         if self.pipeline.enabled and self.memory.offload != "off":
             raise ValueError(
                 f"offload={self.memory.offload!r} with a pipeline: offload inside pipeline stages is not built yet "
@@ -226,14 +230,27 @@ class PlanOptions:
             raise ValueError("symbolic_batch is not available for pipelined plans yet: pass pipeline='off'")
 
     @classmethod
-    def from_keywords(cls, *, memory_budget: float | None = None, time_limit_s: float = 60.0, solver: str = "auto",
-                      pipeline: int | str = "off", num_microbatches: int | None = None, offload: str = "off",
-                      checkpointing: bool | None = None, prefetch: bool = True,
-                      pipeline_schedules: tuple[str, ...] | str = ("1F1B",), **rest: Any) -> "PlanOptions":
+    def from_keywords(
+        cls,
+        *,
+        memory_budget: float | None = None,
+        time_limit_s: float = 60.0,
+        solver: str = "auto",
+        pipeline: int | str = "off",
+        num_microbatches: int | None = None,
+        offload: str = "off",
+        checkpointing: bool | None = None,
+        prefetch: bool = True,
+        pipeline_schedules: tuple[str, ...] | str = ("1F1B",),
+        **rest: Any,
+    ) -> "PlanOptions":
         """The options of ``autopar.plan``'s keywords (the flat spelling of this value)."""
-        return cls(solve=SolveOptions(time_limit_s, solver),
-                   memory=MemoryOptions(memory_budget, offload, checkpointing, prefetch),
-                   pipeline=PipelineOptions(pipeline, num_microbatches, pipeline_schedules), **rest)
+        return cls(
+            solve=SolveOptions(time_limit_s, solver),
+            memory=MemoryOptions(memory_budget, offload, checkpointing, prefetch),
+            pipeline=PipelineOptions(pipeline, num_microbatches, pipeline_schedules),
+            **rest,
+        )
 
     def replace(self, **changes: Any) -> "PlanOptions":
         return dataclasses.replace(self, **changes)
@@ -263,7 +280,7 @@ _DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def dtype_name(value: str | torch.dtype | None) -> str | None:
-    """"float32" for torch.float32 or "float32"; None stays None."""
+    """ "float32" for torch.float32 or "float32"; None stays None."""
     if value is None:
         return None
     name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
@@ -315,12 +332,16 @@ class MixedPrecision:
         if self.param_dtype is None:
             return tree
         dtype = to_dtype(self.param_dtype)
-        return pytree.tree_map_only(
-            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype,
-                "master_dtype": self.master_dtype, "optimizer_dtype": self.optimizer_dtype}
+        return {
+            "name": self.name,
+            "param_dtype": self.param_dtype,
+            "reduce_dtype": self.reduce_dtype,
+            "master_dtype": self.master_dtype,
+            "optimizer_dtype": self.optimizer_dtype,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "MixedPrecision":
@@ -348,14 +369,24 @@ def precision_policy(value: str | MixedPrecision | None) -> MixedPrecision:
     )
 
 
-
-
 def check_mesh_devices(mesh_shape: tuple[int, ...], devices: int | None) -> None:
     """``devices``, where given beside a mesh, must be the mesh's size."""
     if devices is not None and math.prod(mesh_shape) != devices:
-        raise MeshError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
-                        "pass one of them, or mesh='auto' to search the meshes of that many devices")
+        raise MeshError(
+            f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices, not devices={devices}: "
+            "pass one of them, or mesh='auto' to search the meshes of that many devices"
+        )
 
 
-__all__ = ["MemoryOptions", "PipelineOptions", "PlanOptions", "SolveOptions", "MixedPrecision", "PRECISIONS",
-           "DEFAULT_PRECISION", "precision_policy", "to_dtype", "check_mesh_devices"]
+__all__ = [
+    "MemoryOptions",
+    "PipelineOptions",
+    "PlanOptions",
+    "SolveOptions",
+    "MixedPrecision",
+    "PRECISIONS",
+    "DEFAULT_PRECISION",
+    "precision_policy",
+    "to_dtype",
+    "check_mesh_devices",
+]

@@ -79,8 +79,10 @@ class StagePlan:
         if self.virtual_stages < 1 or len(self.stages) % self.virtual_stages:
             raise ValueError(f"{len(self.stages)} stages cannot be {self.virtual_stages} virtual stages per rank group")
         if (self.virtual_stages > 1) != (self.schedule in MULTI_STAGE_SCHEDULES):
-            raise ValueError(f"schedule {self.schedule!r} with virtual_stages={self.virtual_stages}: "
-                             f"{MULTI_STAGE_SCHEDULES} run several stages per rank group, the others one")
+            raise ValueError(
+                f"schedule {self.schedule!r} with virtual_stages={self.virtual_stages}: "
+                f"{MULTI_STAGE_SCHEDULES} run several stages per rank group, the others one"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -145,8 +147,10 @@ def check_num_stages(axis0: int, num_stages: int, where: str | None = None) -> N
         raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {num_stages!r}")
     if axis0 % num_stages:
         divisors = [s for s in range(1, axis0 + 1) if axis0 % s == 0]
-        raise MeshError(f"pipeline={num_stages} stages must divide {where or f'mesh axis 0 ({axis0})'} into equal "
-                        f"rank groups: use one of {divisors}, or a mesh whose axis 0 divides by {num_stages}")
+        raise MeshError(
+            f"pipeline={num_stages} stages must divide {where or f'mesh axis 0 ({axis0})'} into equal "
+            f"rank groups: use one of {divisors}, or a mesh whose axis 0 divides by {num_stages}"
+        )
 
 
 def stage_ranks(mesh_shape: Sequence[int], num_stages: int) -> list[tuple[int, ...]]:
@@ -179,8 +183,9 @@ def stage_of_nodes(stage_plan: StagePlan, gm: torch.fx.GraphModule) -> dict[str,
         body = getattr(gm.get_submodule(node.target), "body", None) if node.op == "call_module" else None
         inside = {planned[n.name] for n in body.graph.nodes if n.name in planned} if body is not None else set()
         if len(inside) > 1:
-            raise ValueError(f"{node.format_node()} outlines nodes of pipeline stages {sorted(inside)}: a segment "
-                             "must lie in one stage")
+            raise ValueError(
+                f"{node.format_node()} outlines nodes of pipeline stages {sorted(inside)}: a segment must lie in one stage"
+            )
         if inside:
             stage[node.name] = inside.pop()
             for user in node.users:

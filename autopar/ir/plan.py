@@ -92,15 +92,19 @@ def _check_spec(spec: Spec, shape: tuple[int, ...], mesh: tuple[int, ...], where
             elif mesh[axis] == 1 and not isinstance(placement, Replicate):
                 problem = f"puts {format_placement(placement)} on mesh axis {axis}, of size 1, which carries only R"
             elif is_strided(placement) and shape[dim] % (placement.split_factor * mesh[axis]):
-                problem = (f"cuts dim {dim} (size {shape[dim]}) into {placement.split_factor} blocks of "
-                           f"{mesh[axis]} shards, which do not divide it")
+                problem = (
+                    f"cuts dim {dim} (size {shape[dim]}) into {placement.split_factor} blocks of "
+                    f"{mesh[axis]} shards, which do not divide it"
+                )
             elif is_sharded(placement) and shape[dim] % math.prod(mesh[a] for a in shard_axes(spec, dim)):
                 problem = f"shards dim {dim} (size {shape[dim]}) unevenly over mesh axes {shard_axes(spec, dim)}"
             if problem:
                 break
     if problem:
-        raise PlanError(f"invalid plan: {where} has placements {spec_text(spec)}, which {problem}. The plan was "
-                        "edited or damaged: re-plan, or fix this placement (docs/plan-format.md)")
+        raise PlanError(
+            f"invalid plan: {where} has placements {spec_text(spec)}, which {problem}. The plan was "
+            "edited or damaged: re-plan, or fix this placement (docs/plan-format.md)"
+        )
 
 
 def _or_nan(value: float | None) -> float:
@@ -209,9 +213,11 @@ class Plan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.predicted, Prediction) or not isinstance(self.solver, SolverStats):
-            raise TypeError(f"Plan takes predicted=Prediction(...) and solver=SolverStats(...) "
-                            f"(autopar.ir.prediction), got {type(self.predicted).__name__} and "
-                            f"{type(self.solver).__name__}: Prediction.from_json(d) reads a dict")
+            raise TypeError(
+                f"Plan takes predicted=Prediction(...) and solver=SolverStats(...) "
+                f"(autopar.ir.prediction), got {type(self.predicted).__name__} and "
+                f"{type(self.solver).__name__}: Prediction.from_json(d) reads a dict"
+            )
         if not self.mesh_shape or any(int(n) < 1 for n in self.mesh_shape):
             raise PlanError(f"plan mesh shape must be positive integers, got {self.mesh_shape}")
         for fqn, spec in self.params.items():
@@ -265,8 +271,10 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
-            raise PlanError(f"{source} is not valid JSON ({error}): the file is truncated or damaged, or is not a "
-                            "plan; re-plan (autopar plan ... --out FILE)") from None
+            raise PlanError(
+                f"{source} is not valid JSON ({error}): the file is truncated or damaged, or is not a "
+                "plan; re-plan (autopar plan ... --out FILE)"
+            ) from None
         if not isinstance(data, dict):
             raise PlanError("plan JSON must be an object")
         version = data.get("version")
@@ -337,8 +345,10 @@ class Plan:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as error:
-            raise PlanError(f"plan file {name} is not text (byte {error.start} is not UTF-8): it is not a plan JSON "
-                            "file; pass the file that autopar.plan or `autopar plan --out` wrote") from None
+            raise PlanError(
+                f"plan file {name} is not text (byte {error.start} is not UTF-8): it is not a plan JSON "
+                "file; pass the file that autopar.plan or `autopar plan --out` wrote"
+            ) from None
         try:
             return cls.from_json(text, source=f"plan file {name}")
         except PlanError as error:

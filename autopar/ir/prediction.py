@@ -28,9 +28,12 @@ class _KeyAccess:
         raise NotImplementedError
 
     def _warn(self, key: object) -> None:
-        warnings.warn(f"{type(self).__name__} is a frozen dataclass, not a dict: read .{key} (or .to_json()[{key!r}]) "
-                      "instead of [...], .get() or `in`; dict-style reads will be removed", DeprecationWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"{type(self).__name__} is a frozen dataclass, not a dict: read .{key} (or .to_json()[{key!r}]) "
+            "instead of [...], .get() or `in`; dict-style reads will be removed",
+            DeprecationWarning,
+            stacklevel=3,
+        )
 
     def __getitem__(self, key: str) -> Any:
         self._warn(key)
@@ -52,11 +55,24 @@ def _tuple(value: Any) -> Any:
 # The order of ``predicted`` keys as the planners write them: a sharded plan's (solver.planners.
 # sharding, then its memory decisions, the executor and the symbolic costs of ``autopar.plan``), and a
 # pipelined plan's (solver.planners.stages), whose leading keys come first.
-_SHARDED_ORDER = ("step_time_s", "compute_s", "reshard_s", "grad_sync_s", "exposed_grad_sync_s", "grad_schedule",
-                  "peak_memory_bytes", "peak_memory_at", "memory_at_peak_bytes", "comm_bytes", "comm_bytes_per_axis",
-                  "expert_parallel", "memory_s", "executor", "symbolic")
-_PIPELINED_ORDER = ("step_time_s", "peak_memory_bytes", "stage_time_s", "grad_sync_s", "recompute",
-                    "one_microbatch_unpipelined")
+_SHARDED_ORDER = (
+    "step_time_s",
+    "compute_s",
+    "reshard_s",
+    "grad_sync_s",
+    "exposed_grad_sync_s",
+    "grad_schedule",
+    "peak_memory_bytes",
+    "peak_memory_at",
+    "memory_at_peak_bytes",
+    "comm_bytes",
+    "comm_bytes_per_axis",
+    "expert_parallel",
+    "memory_s",
+    "executor",
+    "symbolic",
+)
+_PIPELINED_ORDER = ("step_time_s", "peak_memory_bytes", "stage_time_s", "grad_sync_s", "recompute", "one_microbatch_unpipelined")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,10 +155,18 @@ class SolverStats(_KeyAccess):
     def to_json(self) -> dict[str, Any]:
         if self == SolverStats(extra=self.extra):  # no solve recorded
             return dict(self.extra)
-        out = {"status": self.status, "objective_s": self.objective_s, "num_variables": self.num_variables,
-               "num_constraints": self.num_constraints, "memory_budget_bytes": self.memory_budget_bytes,
-               "fallbacks": list(self.fallbacks), "method": self.method, "backend": self.backend,
-               "lower_bound_s": self.lower_bound_s, "gap": self.gap}
+        out = {
+            "status": self.status,
+            "objective_s": self.objective_s,
+            "num_variables": self.num_variables,
+            "num_constraints": self.num_constraints,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "fallbacks": list(self.fallbacks),
+            "method": self.method,
+            "backend": self.backend,
+            "lower_bound_s": self.lower_bound_s,
+            "gap": self.gap,
+        }
         if self.stage_search is not None:
             out["stage_search"] = self.stage_search
         return {**out, **self.extra}

@@ -59,8 +59,7 @@ def _kind(placement: Placement) -> int:
     cls = type(placement)
     kind = _KINDS.get(cls)
     if kind is None:
-        kind = _KINDS[cls] = (_STRIDED | _SHARD if issubclass(cls, _StridedShard)
-                              else _SHARD if issubclass(cls, Shard) else 0)
+        kind = _KINDS[cls] = _STRIDED | _SHARD if issubclass(cls, _StridedShard) else _SHARD if issubclass(cls, Shard) else 0
     return kind
 
 
@@ -326,9 +325,34 @@ def shard_tensor(full: torch.Tensor, spec: Spec, coordinate: tuple[int, ...], me
 
 # ATen ops whose output aliases their input. The cost model prices them as free and the summary
 # leaves them out of its node table.
-VIEW_OP_NAMES = frozenset({
-    "view", "reshape", "_unsafe_view", "_reshape_alias", "view_as", "transpose", "permute",
-    "expand", "expand_as", "t", "unsqueeze", "squeeze", "alias", "detach", "split",
-    "split_with_sizes", "unbind", "chunk", "select", "slice", "narrow", "unflatten", "flatten",
-    "as_strided", "movedim", "swapaxes", "lift_fresh",
-})
+VIEW_OP_NAMES = frozenset(
+    {
+        "view",
+        "reshape",
+        "_unsafe_view",
+        "_reshape_alias",
+        "view_as",
+        "transpose",
+        "permute",
+        "expand",
+        "expand_as",
+        "t",
+        "unsqueeze",
+        "squeeze",
+        "alias",
+        "detach",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "chunk",
+        "select",
+        "slice",
+        "narrow",
+        "unflatten",
+        "flatten",
+        "as_strided",
+        "movedim",
+        "swapaxes",
+        "lift_fresh",
+    }
+)

@@ -10,6 +10,7 @@ from autopar.ir.spec import VIEW_OP_NAMES, spec_text
 if TYPE_CHECKING:
     from autopar.ir.plan import Plan
 
+
 def _is_view(op: str) -> bool:
     # Plans name overloads ("aten.view.default"); VIEW_OP_NAMES are packets ("view").
     return op == "getitem" or op.rsplit(".", 1)[0].removeprefix("aten.") in VIEW_OP_NAMES
@@ -40,8 +41,11 @@ def header_lines(plan: "Plan") -> list[str]:
         + f"compute {per.get('compute_s', 0) * 1e3:.3f} ms, resharding {per.get('reshard_s', 0) * 1e3:.3f} ms)",
         f"  peak memory per device {format_bytes(pred.get('peak_memory_bytes', 0))}"
         + (f" ({pred['peak_memory_at']})" if pred.get("peak_memory_at") else "")
-        + (f"   communication per device per microbatch {format_bytes(per.get('comm_bytes', 0))}" if plan.pipeline is not None
-           else f"   communication per device per step {format_bytes(pred.get('comm_bytes', 0))}"),
+        + (
+            f"   communication per device per microbatch {format_bytes(per.get('comm_bytes', 0))}"
+            if plan.pipeline is not None
+            else f"   communication per device per step {format_bytes(pred.get('comm_bytes', 0))}"
+        ),
     ]
     if pred.get("memory_at_peak_bytes"):
         parts = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in pred["memory_at_peak_bytes"].items() if size)
@@ -74,8 +78,7 @@ def header_lines(plan: "Plan") -> list[str]:
 
 # What a kernel does, in words, for the summary and ``explain``.
 KERNEL_NAMES = {
-    "sdpa_context_parallel": "context parallel: q, k, v split by sequence, K/V all-gathered, causal offsets by "
-                             "global position",
+    "sdpa_context_parallel": "context parallel: q, k, v split by sequence, K/V all-gathered, causal offsets by global position",
 }
 
 # Kernels that split experts by rank (``rules.moe``), in words.
@@ -91,8 +94,10 @@ def context_parallel_note(shape, kernel_axes, mesh_shape) -> str:
     sizes = tuple(mesh_shape[axis] for axis in kernel_axes)
     seq_len = shape[-2]
     layout = "queries head-tail" if is_balanced(seq_len, sizes) else "queries contiguous (odd slices)"
-    return (f"context parallel over axes {list(kernel_axes)} (K/V all-gathered, {layout}; "
-            f"most loaded rank {max_work_fraction(seq_len, sizes):.2f}x the mean causal work)")
+    return (
+        f"context parallel over axes {list(kernel_axes)} (K/V all-gathered, {layout}; "
+        f"most loaded rank {max_work_fraction(seq_len, sizes):.2f}x the mean causal work)"
+    )
 
 
 def node_row(name: str, node, mesh_shape=None) -> tuple[str, str, str, str, str, str]:
@@ -102,8 +107,9 @@ def node_row(name: str, node, mesh_shape=None) -> tuple[str, str, str, str, str,
     if node.kernel == "sdpa_context_parallel" and mesh_shape is not None and node.shapes:
         note.append(context_parallel_note(node.shapes[0], node.kernel_axes, mesh_shape))
     elif node.kernel in EXPERT_PARALLEL_TEXT:
-        note.append(f"EXPERT PARALLEL on axes {list(node.kernel_axes)}: {EXPERT_PARALLEL_TEXT[node.kernel]} "
-                    f"(kernel {node.kernel})")
+        note.append(
+            f"EXPERT PARALLEL on axes {list(node.kernel_axes)}: {EXPERT_PARALLEL_TEXT[node.kernel]} (kernel {node.kernel})"
+        )
     elif node.kernel:
         note.append(f"kernel {node.kernel} on axes {list(node.kernel_axes)}")
     if node.source == "fallback":
@@ -161,16 +167,23 @@ def expert_parallel_lines(plan: "Plan") -> list[str]:
     if not records:
         return []
     factor = records[0].get("capacity_factor")
-    lines = ["", f"Expert parallelism: {len(records)} experts ops split by expert"
-             + (f" (busiest rank priced at capacity factor {factor})" if factor else "")]
+    lines = [
+        "",
+        f"Expert parallelism: {len(records)} experts ops split by expert"
+        + (f" (busiest rank priced at capacity factor {factor})" if factor else ""),
+    ]
     for record in records:
-        exchange = (f", all-to-all {record['all_to_all_s'] * 1e3:.4f} ms ({format_bytes(record['all_to_all_bytes'])} "
-                    "sent)" if record.get("all_to_all_bytes") else "")
+        exchange = (
+            f", all-to-all {record['all_to_all_s'] * 1e3:.4f} ms ({format_bytes(record['all_to_all_bytes'])} sent)"
+            if record.get("all_to_all_bytes")
+            else ""
+        )
         lines.append(
             f"  {record['node']}: EP {record['degree']} on axes {record['axes']}, "
             f"{record['experts_per_device']} of {record['num_experts']} experts per device, "
             f"{EXPERT_PARALLEL_TEXT.get(record['kernel'], record['kernel'])}; "
-            f"cost {record['cost_s'] * 1e3:.4f} ms{exchange}")
+            f"cost {record['cost_s'] * 1e3:.4f} ms{exchange}"
+        )
     return lines
 
 

@@ -33,8 +33,14 @@ from autopar.ops.kernels import register_kernel
 aten = torch.ops.aten
 
 
-def attend_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: Sequence[Chunk],
-                  scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+def attend_chunks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    chunks: Sequence[Chunk],
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """Causal attention of query rows whose global positions are ``chunks`` (in row order along
     dim -2) over the whole-sequence ``key`` and ``value``: row at position ``t`` attends keys
     ``0 .. t``. The kernel's math on one rank; tests call it per simulated rank."""
@@ -42,9 +48,16 @@ def attend_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     for start, length in chunks:
         end = start + length
         rows = query.narrow(-2, row, length)
-        outs.append(F.scaled_dot_product_attention(
-            rows, key.narrow(-2, 0, end), value.narrow(-2, 0, end), attn_mask=causal_lower_right(length, end),
-            scale=scale, enable_gqa=enable_gqa))
+        outs.append(
+            F.scaled_dot_product_attention(
+                rows,
+                key.narrow(-2, 0, end),
+                value.narrow(-2, 0, end),
+                attn_mask=causal_lower_right(length, end),
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+        )
         row += length
     return outs[0] if len(outs) == 1 else torch.cat(outs, -2)
 
@@ -79,20 +92,37 @@ class _ContextParallelAttention(torch.autograd.Function):
             inputs = tuple(t.detach().requires_grad_() for t in (query, whole_key, whole_value))
             out = attend_chunks(*inputs, ctx.chunks, ctx.scale, ctx.enable_gqa)
             grad_query, grad_key, grad_value = torch.autograd.grad(out, inputs, grad)
-        return (grad_query, _scatter_sequence(grad_key, ctx.groups), _scatter_sequence(grad_value, ctx.groups),
-                None, None, None, None)
+        return (
+            grad_query,
+            _scatter_sequence(grad_key, ctx.groups),
+            _scatter_sequence(grad_value, ctx.groups),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 @register_kernel("sdpa_context_parallel")
-def sdpa_context_parallel(*, axis_groups: Sequence[str], query: torch.Tensor, key: torch.Tensor,
-                          value: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                          **_: Any) -> torch.Tensor:
+def sdpa_context_parallel(
+    *,
+    axis_groups: Sequence[str],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    **_: Any,
+) -> torch.Tensor:
     """Causal self-attention with q, k and v split along the sequence (dim -2) on ``axis_groups``
     (outermost first); the output is split the same way, in the contiguous layout."""
     if not axis_groups:
-        return aten.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
-                                                 scale=scale, enable_gqa=enable_gqa)
+        return aten.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
     if not is_causal or attn_mask is not None or dropout_p:
         raise ValueError(
             "sdpa_context_parallel runs causal self-attention without an explicit mask or dropout, got "

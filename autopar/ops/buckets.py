@@ -40,6 +40,7 @@ import torch
 from autopar.ops import collectives
 from autopar.ops.params import add_grad, local_of
 
+
 @dataclass(frozen=True, slots=True)
 class Slot:
     """One parameter gradient reduced in a bucket.
@@ -97,7 +98,12 @@ def make_buckets(slots: Sequence[Slot], cap_bytes: int, first_cap_bytes: int | N
         cap = first_cap_bytes if first_cap_bytes is not None and not buckets else cap_bytes
         nbytes = slot.numel * slot.dtype.itemsize
         same = current and (current[0].kind, current[0].groups, current[0].dtype, current[0].dim, current[0].group) == (
-            slot.kind, slot.groups, slot.dtype, slot.dim, slot.group)
+            slot.kind,
+            slot.groups,
+            slot.dtype,
+            slot.dim,
+            slot.group,
+        )
         if current and (not same or size + nbytes > cap):
             buckets.append(Bucket(tuple(current)))
             current, size = [], 0
@@ -115,7 +121,8 @@ class _Pending:
 
     def __init__(self, bucket: Bucket, device: torch.device, flat: torch.Tensor | None = None):
         self.flat: torch.Tensor | None = (
-            flat if flat is not None else torch.empty(bucket.numel, dtype=bucket.slots[0].dtype, device=device))
+            flat if flat is not None else torch.empty(bucket.numel, dtype=bucket.slots[0].dtype, device=device)
+        )
         self.left = sum(slot.uses for slot in bucket.slots)
         self.written: set[str] = set()
         self.work = None
@@ -204,8 +211,8 @@ class GradBuckets(torch.nn.Module):
         if slot.kind == "reduce_scatter":
             # Rank-major layout: section r holds chunk r of every slot, so each slot's region is
             # strided across the sections; see ``_sections``.
-            return self._sections(index, flat)[:, start // self._k(index):(start + slot.numel) // self._k(index)]
-        return flat[start:start + slot.numel]
+            return self._sections(index, flat)[:, start // self._k(index) : (start + slot.numel) // self._k(index)]
+        return flat[start : start + slot.numel]
 
     def _k(self, index: int) -> int:
         return collectives.group_size(self.buckets[index].groups[0])
@@ -225,8 +232,9 @@ class GradBuckets(torch.nn.Module):
             pending.work = collectives.start_all_reduce(pending.flat, group_name)
         else:
             if pending.out is None:
-                pending.out = torch.empty(pending.flat.numel() // self._k(index), dtype=pending.flat.dtype,
-                                          device=pending.flat.device)
+                pending.out = torch.empty(
+                    pending.flat.numel() // self._k(index), dtype=pending.flat.dtype, device=pending.flat.device
+                )
             pending.work = collectives.start_reduce_scatter(pending.out, pending.flat, group_name)
             previous, self._scattering = self._scattering, index
             if previous is not None:
@@ -283,9 +291,9 @@ class GradBuckets(torch.nn.Module):
                 numel = slot.numel if bucket.kind == "all_reduce" else slot.numel // self._k(index)
                 shape = slot.shape if bucket.kind == "all_reduce" else _chunk_shape(slot.shape, slot.dim, self._k(index))
                 if bucket.kind == "all_reduce":
-                    reduced = result[at:at + numel].view(shape)
+                    reduced = result[at : at + numel].view(shape)
                 else:
-                    reduced = _from_dim0(result[at:at + numel], shape, slot.dim)
+                    reduced = _from_dim0(result[at : at + numel], shape, slot.dim)
                 at += numel
                 # reduced in a policy's reduce_dtype: lands in the master's; a DTensor
                 # parameter's gradient is a DTensor with its placements (ops.params)
@@ -350,8 +358,14 @@ class ParamGathers(torch.nn.Module):
     which needs the graph to run under ``saved_tensors_hooks()``.
     """
 
-    def __init__(self, order: Sequence[tuple[str, str, int, int]], prefetch_bytes: int, grads: GradBuckets | None,
-                 groups: Sequence[Sequence[str]] | None = None, reshard: Sequence[bool] | None = None):
+    def __init__(
+        self,
+        order: Sequence[tuple[str, str, int, int]],
+        prefetch_bytes: int,
+        grads: GradBuckets | None,
+        groups: Sequence[Sequence[str]] | None = None,
+        reshard: Sequence[bool] | None = None,
+    ):
         super().__init__()
         self.order = list(order)
         self._index = {key: i for i, (key, _, _, _) in enumerate(self.order)}
@@ -434,7 +448,7 @@ class ParamGathers(torch.nn.Module):
         for key, shape in layout:
             numel = math.prod(shape)
             # (k, numel) → (k * chunk rows, ...): a view when the group is one parameter, else a copy
-            whole = rows[:, at:at + numel].reshape((k * shape[0],) + shape[1:])
+            whole = rows[:, at : at + numel].reshape((k * shape[0],) + shape[1:])
             dim = self.order[self._index[key]][2]
             wholes[key] = whole.movedim(0, dim) if dim else whole
             at += numel

@@ -72,8 +72,15 @@ def register_peer() -> None:
 
 
 # What gloo and NCCL say when the other end of a connection went away: a peer failed, not a timeout.
-_PEER_CLOSED = ("closed by peer", "reset by peer", "connection closed", "broken pipe", "connection refused",
-                "end of file", "remote process exited")
+_PEER_CLOSED = (
+    "closed by peer",
+    "reset by peer",
+    "connection closed",
+    "broken pipe",
+    "connection refused",
+    "end of file",
+    "remote process exited",
+)
 
 
 _EXIT_GRACE_S = 3.0
@@ -113,10 +120,13 @@ def _diagnose(ranks: list[int], error: BaseException | None = None) -> str:
     unknown = [rank for rank in elsewhere if rank in ranks]
     if unknown:
         return f"no rank on this host died; ranks {unknown} run on other hosts" + (
-            ", and a peer closed its connection: one of them failed" if closed else "")
+            ", and a peer closed its connection: one of them failed" if closed else ""
+        )
     if closed:
-        return ("a peer closed its connection: a rank of the group failed or exited (its process may "
-                "not have ended yet), not a timeout")
+        return (
+            "a peer closed its connection: a rank of the group failed or exited (its process may "
+            "not have ended yet), not a timeout"
+        )
     return "every rank of the group is still running: one of them did not answer within the timeout"
 
 
@@ -452,8 +462,10 @@ def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) ->
     ``ir.spec.is_valid``.)"""
     k = group_size(group_name)
     if x.shape[dst_dim] % k:
-        raise ValueError(f"all-to-all of a tensor of shape {tuple(x.shape)} into {k} chunks along dim {dst_dim}: "
-                         "that dim does not divide evenly, which a valid plan never asks for (ir.spec.is_valid)")
+        raise ValueError(
+            f"all-to-all of a tensor of shape {tuple(x.shape)} into {k} chunks along dim {dst_dim}: "
+            "that dim does not divide evenly, which a valid plan never asks for (ir.spec.is_valid)"
+        )
     received = _exchange_now(_pieces(x, dst_dim, k), group_name)
     shape = x.chunk(k, dst_dim)[0].shape
     return torch.cat([piece.view(shape) for piece in received.unbind(0)], dim=src_dim)
@@ -470,8 +482,14 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad.contiguous(), ctx.dst_dim, ctx.src_dim, ctx.group_name), None, None, None
 
 
-def _move(x: torch.Tensor, dim: int, group_name: str, src: tuple[tuple[int, ...], ...],
-          dst: tuple[tuple[int, ...], ...], piece_rows: int) -> torch.Tensor:
+def _move(
+    x: torch.Tensor,
+    dim: int,
+    group_name: str,
+    src: tuple[tuple[int, ...], ...],
+    dst: tuple[tuple[int, ...], ...],
+    piece_rows: int,
+) -> torch.Tensor:
     """Rank ``r`` holds the pieces ``src[r]`` (piece ids, each ``piece_rows`` long along ``dim``,
     in local order) and ends with the pieces ``dst[r]``, in that order: one all-to-all."""
     rank = group_rank(group_name)
@@ -554,8 +572,7 @@ def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
     return _AllToAllRows.apply(x, out_splits, in_splits, group_name)
 
 
-def no_grad_all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                            group_name: str) -> torch.Tensor:
+def no_grad_all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str) -> torch.Tensor:
     """``all_to_all_rows`` outside autograd (for counts and indices)."""
     return _all_to_all_rows(x, list(out_splits), list(in_splits), group_name)
 
@@ -602,8 +619,14 @@ def gather_param(x: torch.Tensor, dim: int, group_name: str, reduce_dtype: torch
     return _GatherParam.apply(x, dim, group_name, reduce_dtype)
 
 
-def move_pieces(x: torch.Tensor, dim: int, group_name: str, src: tuple[tuple[int, ...], ...],
-                dst: tuple[tuple[int, ...], ...], piece_rows: int) -> torch.Tensor:
+def move_pieces(
+    x: torch.Tensor,
+    dim: int,
+    group_name: str,
+    src: tuple[tuple[int, ...], ...],
+    dst: tuple[tuple[int, ...], ...],
+    piece_rows: int,
+) -> torch.Tensor:
     """Permute equal pieces (``piece_rows`` long along ``dim``) among the group's ranks: rank ``r``
     holds pieces ``src[r]`` (ids in local order) and gets ``dst[r]``. Backward moves the
     gradient pieces back."""

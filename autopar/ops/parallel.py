@@ -70,31 +70,55 @@ def _share_bias(bias: torch.Tensor, axis_groups: Sequence[str]) -> torch.Tensor:
 
 
 @register_kernel("linear_bias_split")
-def linear_bias_split(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor, **_: Any) -> torch.Tensor:
+def linear_bias_split(
+    *, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, **_: Any
+) -> torch.Tensor:
     """Row-parallel linear: each rank adds ``bias / k``, so the partial sums add up to the
     biased result."""
     return aten.linear(input, weight, _share_bias(bias, axis_groups))
 
 
 @register_kernel("addmm_bias_split")
-def addmm_bias_split(*, axis_groups: Sequence[str], self: torch.Tensor, mat1: torch.Tensor,
-                     mat2: torch.Tensor, beta: Any = 1, alpha: Any = 1, **_: Any) -> torch.Tensor:
+def addmm_bias_split(
+    *,
+    axis_groups: Sequence[str],
+    self: torch.Tensor,
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    beta: Any = 1,
+    alpha: Any = 1,
+    **_: Any,
+) -> torch.Tensor:
     """Contraction-split addmm: each rank adds ``beta * self / k``."""
     return aten.addmm(_share_bias(self, axis_groups), mat1, mat2, beta=beta, alpha=alpha)
 
 
 @register_kernel("conv2d_bias_split")
-def conv2d_bias_split(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor, stride: Any = (1, 1), padding: Any = (0, 0),
-                      dilation: Any = (1, 1), **_: Any) -> torch.Tensor:
+def conv2d_bias_split(
+    *,
+    axis_groups: Sequence[str],
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    stride: Any = (1, 1),
+    padding: Any = (0, 0),
+    dilation: Any = (1, 1),
+    **_: Any,
+) -> torch.Tensor:
     """Input-channel-split conv2d (conv groups == 1): each rank adds ``bias / k``."""
     return aten.conv2d(input, weight, _share_bias(bias, axis_groups), stride, padding, dilation, 1)
 
 
 @register_kernel("mean_partial")
-def mean_partial(*, axis_groups: Sequence[str], self: torch.Tensor, dim: Any = None,
-                 keepdim: bool = False, dtype: torch.dtype | None = None, **_: Any) -> torch.Tensor:
+def mean_partial(
+    *,
+    axis_groups: Sequence[str],
+    self: torch.Tensor,
+    dim: Any = None,
+    keepdim: bool = False,
+    dtype: torch.dtype | None = None,
+    **_: Any,
+) -> torch.Tensor:
     """The mean over a sharded dim as a Partial: the local sum over the *global* count. Shards
     are even, so that is the local mean divided by the number of ranks."""
     if dim is None and not keepdim:
@@ -105,8 +129,9 @@ def mean_partial(*, axis_groups: Sequence[str], self: torch.Tensor, dim: Any = N
 
 
 @register_kernel("embedding_vocab_split")
-def embedding_vocab_split(*, axis_groups: Sequence[str], weight: torch.Tensor, indices: torch.Tensor,
-                          padding_idx: int = -1, **_: Any) -> torch.Tensor:
+def embedding_vocab_split(
+    *, axis_groups: Sequence[str], weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1, **_: Any
+) -> torch.Tensor:
     """Vocab-parallel embedding: this rank holds rows [start, start + rows) of the table, looks
     up the indices that fall there and writes zeros for the rest (a Partial result)."""
     rows = weight.shape[0]
@@ -121,9 +146,16 @@ def embedding_vocab_split(*, axis_groups: Sequence[str], weight: torch.Tensor, i
 
 
 @register_kernel("cross_entropy_mean")
-def cross_entropy_mean(*, axis_groups: Sequence[str], self: torch.Tensor, target: torch.Tensor,
-                       weight: torch.Tensor | None = None, ignore_index: int = -100,
-                       label_smoothing: float = 0.0, **_: Any) -> torch.Tensor:
+def cross_entropy_mean(
+    *,
+    axis_groups: Sequence[str],
+    self: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    **_: Any,
+) -> torch.Tensor:
     """Batch-split mean cross entropy as a Partial: the local loss sum over the *global*
     denominator (non-ignored targets, their total class weight, or for probability targets
     the number of samples), which is all-reduced without gradient: started before the loss is
@@ -197,8 +229,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 @register_kernel("cross_entropy_vocab_split")
-def cross_entropy_vocab_split(*, axis_groups: Sequence[str], self: torch.Tensor, target: torch.Tensor,
-                              reduction: int = 1, ignore_index: int = -100, **_: Any) -> torch.Tensor:
+def cross_entropy_vocab_split(
+    *,
+    axis_groups: Sequence[str],
+    self: torch.Tensor,
+    target: torch.Tensor,
+    reduction: int = 1,
+    ignore_index: int = -100,
+    **_: Any,
+) -> torch.Tensor:
     """Vocab-parallel cross entropy: logits [N, C] split along C, class-index targets whole; the
     result (whole on every rank) equals ``cross_entropy(logits, target)`` without a weight or
     label smoothing."""
@@ -217,8 +256,9 @@ def sync_batch_norm(*, axis_groups: Sequence[str], input: torch.Tensor, training
     running_mean, running_var = batch_norm["running_mean"], batch_norm["running_var"]
     momentum, eps = batch_norm["momentum"], batch_norm["eps"]
     if not training:
-        return aten.batch_norm(input, weight, bias, running_mean, running_var, training,
-                               momentum, eps, batch_norm.get("cudnn_enabled", True))
+        return aten.batch_norm(
+            input, weight, bias, running_mean, running_var, training, momentum, eps, batch_norm.get("cudnn_enabled", True)
+        )
     dims = [0] + list(range(2, input.ndim))
     count = input.numel() // input.shape[1] * split_count(axis_groups)
     mean = _sum_over(input.sum(dims), axis_groups) / count
@@ -253,9 +293,17 @@ def _local_experts(gate_up: torch.Tensor, axis_groups: Sequence[str]) -> tuple[i
 
 
 @register_kernel("moe_experts_local")
-def moe_experts_local(*, axis_groups: Sequence[str], hidden: torch.Tensor, top_k_index: torch.Tensor,
-                      top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                      transposed: bool = False, **_: Any) -> torch.Tensor:
+def moe_experts_local(
+    *,
+    axis_groups: Sequence[str],
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    transposed: bool = False,
+    **_: Any,
+) -> torch.Tensor:
     """Expert parallelism over replicated tokens: every rank sees every token, runs only the
     token copies routed to the experts it holds, and leaves zeros for the others, so the sum
     over ranks is the layer's output (a Partial result). Each rank's gradients of the tokens and
@@ -272,9 +320,17 @@ def moe_experts_local(*, axis_groups: Sequence[str], hidden: torch.Tensor, top_k
 
 
 @register_kernel("moe_experts_all_to_all")
-def moe_experts_all_to_all(*, axis_groups: Sequence[str], hidden: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                           transposed: bool = False, **_: Any) -> torch.Tensor:
+def moe_experts_all_to_all(
+    *,
+    axis_groups: Sequence[str],
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    transposed: bool = False,
+    **_: Any,
+) -> torch.Tensor:
     """Expert parallelism with all-to-all dispatch and combine, on one mesh axis: tokens and
     experts are both split on it. Each token copy (a token and one of its top-k experts) goes to
     the rank holding its expert; that rank runs its local experts on what it received and sends
@@ -311,8 +367,9 @@ def moe_experts_all_to_all(*, axis_groups: Sequence[str], hidden: torch.Tensor, 
 
 
 @register_kernel("grouped_mm_local_experts")
-def grouped_mm_local_experts(*, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor,
-                             offs: torch.Tensor, **_: Any) -> torch.Tensor:
+def grouped_mm_local_experts(
+    *, axis_groups: Sequence[str], input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, **_: Any
+) -> torch.Tensor:
     """Hugging Face's grouped expert matmul with the weight split by expert: rows are sorted by
     expert and ``offs`` holds each expert's end row. This rank multiplies the row groups of the
     experts it holds and writes zeros elsewhere (a Partial result)."""

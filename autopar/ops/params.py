@@ -38,8 +38,7 @@ def as_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     shard = like._local_tensor
     if local.shape == shard.shape and local.stride() == shard.stride() and local.dtype == shard.dtype:
         return DTensor(local, like._spec, requires_grad=False)
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
 
 
 @torch.no_grad()
@@ -63,8 +62,13 @@ class LocalLeaf:
     def get(self) -> torch.Tensor:
         """The leaf, made again if the parameter's shard or ``requires_grad`` changed."""
         local, leaf = self.param._local_tensor, self._leaf
-        if (leaf is None or leaf.data_ptr() != local.data_ptr() or leaf.shape != local.shape
-                or leaf.dtype != local.dtype or leaf.requires_grad != self.param.requires_grad):
+        if (
+            leaf is None
+            or leaf.data_ptr() != local.data_ptr()
+            or leaf.shape != local.shape
+            or leaf.dtype != local.dtype
+            or leaf.requires_grad != self.param.requires_grad
+        ):
             leaf = self._leaf = local.detach().requires_grad_(self.param.requires_grad)
             if leaf.requires_grad:
                 leaf.register_post_accumulate_grad_hook(self._route)

@@ -24,8 +24,13 @@ log = logging.getLogger("autopar")
 Pass = Callable[[torch.fx.GraphModule, Plan], torch.fx.GraphModule]
 
 
-def default_passes(groups: Sequence[str], offloader=None, fqns: Mapping[str, str] | None = None,
-                   comm: CommOptions | None = None, compiler: str | None = None) -> list[Pass]:
+def default_passes(
+    groups: Sequence[str],
+    offloader=None,
+    fqns: Mapping[str, str] | None = None,
+    comm: CommOptions | None = None,
+    compiler: str | None = None,
+) -> list[Pass]:
     """The passes ``compile`` runs, in order. ``groups`` are the mesh axes' process-group names;
     ``offloader`` (``autopar.runtime.offload.Offloader``) and ``fqns`` (placeholder name →
     canonical parameter FQN) serve a plan that offloads parameters, and the communication
@@ -60,8 +65,10 @@ def run_passes(gm: torch.fx.GraphModule, plan: Plan, passes: Sequence[Pass]) -> 
             gm.recompile()
         except Exception as error:
             before = ", ".join(done) or "none"
-            raise PassError(f"pass {name} failed (passes run before it: {before}): {type(error).__name__}: {error}\n"
-                            "  This is a bug in autopar: please report it with the plan JSON (plan.save(path))") from error
+            raise PassError(
+                f"pass {name} failed (passes run before it: {before}): {type(error).__name__}: {error}\n"
+                "  This is a bug in autopar: please report it with the plan JSON (plan.save(path))"
+            ) from error
         log.debug("pass %s took %.3f s", name, time.perf_counter() - start)
         done.append(name)
     return gm
@@ -97,8 +104,11 @@ def graph_input_changes(chosen: Plan, traced: TracedModel, limit: int = 8) -> li
     def label(name: str, kind: str, fqn: str | None) -> str:
         return {"user": f"input {name!r}", "param": f"parameter {fqn or name!r}"}.get(kind, f"buffer {fqn or name!r}")
 
-    fqn_of = {name: node_fqn for node_fqn in chosen.params
-              for name in ("p_" + node_fqn.replace(".", "_"), "b_" + node_fqn.replace(".", "_"))}
+    fqn_of = {
+        name: node_fqn
+        for node_fqn in chosen.params
+        for name in ("p_" + node_fqn.replace(".", "_"), "b_" + node_fqn.replace(".", "_"))
+    }
     changes: list[str] = []
     for name, gi in now.items():
         val = placeholders[name].meta.get("val") if name in placeholders else None
@@ -117,10 +127,24 @@ def graph_input_changes(chosen: Plan, traced: TracedModel, limit: int = 8) -> li
             what = label(name, node.op, fqn_of.get(name))
             changes.append(f"{what} is gone: the plan has it with shape {tuple(node.shapes[0]) if node.shapes else '?'}")
     if not changes:
-        changes = ["every input and parameter has its planned shape: an input's or a parameter's dtype, or "
-                   "the model's code (the ops it runs), changed"]
+        changes = [
+            "every input and parameter has its planned shape: an input's or a parameter's dtype, or "
+            "the model's code (the ops it runs), changed"
+        ]
     return changes[:limit] + ([f"... and {len(changes) - limit} more"] if len(changes) > limit else [])
 
 
-__all__ = ["check_plan_matches", "default_passes", "run_passes", "insert_collectives", "localize_shapes", "use_kernels", "offload_params",
-           "checkpoint_segments", "schedule_communication", "schedule_in_graph", "cast_after_collectives", "gather_in_param_dtype"]
+__all__ = [
+    "check_plan_matches",
+    "default_passes",
+    "run_passes",
+    "insert_collectives",
+    "localize_shapes",
+    "use_kernels",
+    "offload_params",
+    "checkpoint_segments",
+    "schedule_communication",
+    "schedule_in_graph",
+    "cast_after_collectives",
+    "gather_in_param_dtype",
+]

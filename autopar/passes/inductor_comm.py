@@ -30,13 +30,21 @@ from autopar.ir.options import CommOptions
 _C10D = torch.ops._c10d_functional
 # (is this node the collective, its bucketing key, merge one bucket)
 KINDS: dict[str, tuple[Callable[[torch.fx.Node], bool], Callable[[torch.fx.Node], tuple], Callable]] = {
-    "all_reduce": (bucketing.is_all_reduce_tensor, lambda n: (n.args[2], n.args[1], n.meta["val"].dtype),
-                   lambda graph, nodes: bucketing.merge_all_reduce_bucket(graph, nodes, "default")),
-    "reduce_scatter": (bucketing.is_reduce_scatter_tensor,
-                       lambda n: (n.args[3], n.args[1], n.args[2], n.meta["val"].dtype),
-                       lambda graph, nodes: bucketing.merge_reduce_scatter_bucket(graph, nodes, "default")),
-    "all_gather": (bucketing.is_all_gather_into_tensor, lambda n: (n.args[2], n.args[1], n.meta["val"].dtype),
-                   lambda graph, nodes: bucketing.merge_all_gather_bucket(graph, nodes, "default")),
+    "all_reduce": (
+        bucketing.is_all_reduce_tensor,
+        lambda n: (n.args[2], n.args[1], n.meta["val"].dtype),
+        lambda graph, nodes: bucketing.merge_all_reduce_bucket(graph, nodes, "default"),
+    ),
+    "reduce_scatter": (
+        bucketing.is_reduce_scatter_tensor,
+        lambda n: (n.args[3], n.args[1], n.args[2], n.meta["val"].dtype),
+        lambda graph, nodes: bucketing.merge_reduce_scatter_bucket(graph, nodes, "default"),
+    ),
+    "all_gather": (
+        bucketing.is_all_gather_into_tensor,
+        lambda n: (n.args[2], n.args[1], n.meta["val"].dtype),
+        lambda graph, nodes: bucketing.merge_all_gather_bucket(graph, nodes, "default"),
+    ),
 }
 
 
@@ -69,8 +77,9 @@ def bucket_pass(options: CommOptions, exchange_sums: bool) -> BucketCollectives:
     return BucketCollectives((first, options.bucket_cap_bytes), max(options.gather_group_bytes, 1), exchange_sums)
 
 
-def buckets(graph: torch.fx.Graph, is_kind: Callable[[torch.fx.Node], bool], key: Callable[[torch.fx.Node], tuple],
-            caps: tuple[int, int]) -> list[list[torch.fx.Node]]:
+def buckets(
+    graph: torch.fx.Graph, is_kind: Callable[[torch.fx.Node], bool], key: Callable[[torch.fx.Node], tuple], caps: tuple[int, int]
+) -> list[list[torch.fx.Node]]:
     """Buckets of two or more collectives of one kind, in the order of their waits: a run of
     waits with the same key (group, op, dtype) is cut greedily at ``caps[0]`` bytes for the
     first bucket and ``caps[1]`` after, and where a collective depends on the bucket being

@@ -22,7 +22,9 @@ from autopar.passes.schedule import PARAM_GATHERS
 OFFLOADER = "offload"  # the Offloader's attribute name in the rewritten graph module
 
 
-def offload_params(gm: torch.fx.GraphModule, plan: Plan, offloader=None, fqns: Mapping[str, str] | None = None) -> torch.fx.GraphModule:
+def offload_params(
+    gm: torch.fx.GraphModule, plan: Plan, offloader=None, fqns: Mapping[str, str] | None = None
+) -> torch.fx.GraphModule:
     """Before every use of an offloaded parameter's placeholder, insert a fetch from the store
     (``gm.offload``), with the next fetch in graph order as its prefetch. ``fqns`` maps
     placeholder names to canonical parameter FQNs."""
@@ -85,8 +87,12 @@ def offload_activations(gm: torch.fx.GraphModule, plan: Plan, offloader=None) ->
     previous = None
     for index, segment in enumerate(plan.memory.offload_activations):
         nodes = _segment_nodes(gm, segment.first, segment.last)
-        _outline(gm, nodes, f"offloaded_{index}",
-                 lambda body, name=segment.name, before=previous: OffloadedActivations(body, offloader, name, before))
+        _outline(
+            gm,
+            nodes,
+            f"offloaded_{index}",
+            lambda body, name=segment.name, before=previous: OffloadedActivations(body, offloader, name, before),
+        )
         previous = segment.name
     gm.graph.eliminate_dead_code()
     return gm
@@ -110,14 +116,17 @@ def _segment_nodes(gm: torch.fx.GraphModule, first: str, last: str) -> list[torc
         missing = first if first not in names else last
         raise ValueError(f"checkpoint segment {first} .. {last}: node {missing} is not in the rewritten graph")
     start, end = names[first], names[last]
-    nodes = [n for n in listed[start:end + 1] if n.op not in ("placeholder", "output")]
+    nodes = [n for n in listed[start : end + 1] if n.op not in ("placeholder", "output")]
     inside = set(nodes)
     # Fetches and parameter gathers right before the segment whose every use is inside: the
     # recompute fetches or gathers them again, instead of the segment keeping them as inputs.
     while start > 0:
         candidate = listed[start - 1]
-        if (candidate.op != "call_module" or candidate.target not in (OFFLOADER, PARAM_GATHERS)
-                or not set(candidate.users) <= inside):
+        if (
+            candidate.op != "call_module"
+            or candidate.target not in (OFFLOADER, PARAM_GATHERS)
+            or not set(candidate.users) <= inside
+        ):
             break
         nodes.insert(0, candidate)
         inside.add(candidate)
@@ -156,5 +165,4 @@ def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str, wr
         gm.graph.erase_node(node)
 
 
-__all__ = ["offload_params", "offload_activations", "checkpoint_segments", "Checkpointed", "OffloadedActivations",
-           "OFFLOADER"]
+__all__ = ["offload_params", "offload_activations", "checkpoint_segments", "Checkpointed", "OffloadedActivations", "OFFLOADER"]

@@ -48,8 +48,11 @@ _MOVES = (collectives.allreduce_grad, collectives.all_gather, collectives.chunk,
 
 def is_param_cast(node: torch.fx.Node) -> bool:
     """A parameter's cast to ``param_dtype`` (``trace._cast_parameters``, or one moved here)."""
-    return (node.op == "call_function" and node.target is torch.ops.aten._to_copy.default
-            and "cast_of" in node.meta.get("autopar", {}))
+    return (
+        node.op == "call_function"
+        and node.target is torch.ops.aten._to_copy.default
+        and "cast_of" in node.meta.get("autopar", {})
+    )
 
 
 def _dtype_of(node: torch.fx.Node) -> torch.dtype | None:

@@ -72,9 +72,13 @@ def _grad_chain(node: torch.fx.Node) -> tuple[list[torch.fx.Node], tuple[str, ..
     return chain, tuple(groups)
 
 
-def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str] = (),
-                           fqns: Mapping[str, str] | None = None,
-                           options: CommOptions | None = None) -> torch.fx.GraphModule:
+def schedule_communication(
+    gm: torch.fx.GraphModule,
+    plan: Plan,
+    groups: Sequence[str] = (),
+    fqns: Mapping[str, str] | None = None,
+    options: CommOptions | None = None,
+) -> torch.fx.GraphModule:
     """Merge each parameter's collectives into the scheduled ones (see the module docstring).
     ``fqns`` maps parameter placeholder names to canonical FQNs; without it (the pipeline and
     ``autopar check`` run the passes without parameters to bind) the graph is left as it is."""
@@ -109,8 +113,17 @@ def schedule_communication(gm: torch.fx.GraphModule, plan: Plan, groups: Sequenc
             whole = tuple(s * size_of[group] if d == dim else s for d, s in enumerate(local))
             if reduce:
                 reduce_slots.append((first, Slot(placeholder.name, "reduce_scatter", whole, slot_dtype, (group,), dim)))
-            gathers.append((first, placeholder.name, group, dim, math.prod(whole) * val.dtype.itemsize,
-                            param_layer(fqns[placeholder.name]), val.dtype))
+            gathers.append(
+                (
+                    first,
+                    placeholder.name,
+                    group,
+                    dim,
+                    math.prod(whole) * val.dtype.itemsize,
+                    param_layer(fqns[placeholder.name]),
+                    val.dtype,
+                )
+            )
     _install_schedule(gm, reduce_slots, sorted(gathers), options)
     return gm
 
@@ -135,8 +148,9 @@ def _param_uses(placeholder: torch.fx.Node) -> tuple[dict, dict]:
     return synced, gathered
 
 
-def _merge_synced(graph: torch.fx.Graph, placeholder: torch.fx.Node, chains: list[list[torch.fx.Node]],
-                  order: Mapping[torch.fx.Node, int]) -> tuple[int, torch.dtype]:
+def _merge_synced(
+    graph: torch.fx.Graph, placeholder: torch.fx.Node, chains: list[list[torch.fx.Node]], order: Mapping[torch.fx.Node, int]
+) -> tuple[int, torch.dtype]:
     """One ``grad_buckets`` node for every synced use; (where the first use was, the slot's dtype)."""
     first = min(order[chain[0]] for chain in chains)
     with graph.inserting_after(placeholder):
@@ -150,8 +164,13 @@ def _merge_synced(graph: torch.fx.Graph, placeholder: torch.fx.Node, chains: lis
     return first, slot_dtype
 
 
-def _merge_gathered(graph: torch.fx.Graph, placeholder: torch.fx.Node, pairs: list[tuple[torch.fx.Node, torch.fx.Node]],
-                    reduce: bool, order: Mapping[torch.fx.Node, int]) -> tuple[int, torch.dtype]:
+def _merge_gathered(
+    graph: torch.fx.Graph,
+    placeholder: torch.fx.Node,
+    pairs: list[tuple[torch.fx.Node, torch.fx.Node]],
+    reduce: bool,
+    order: Mapping[torch.fx.Node, int],
+) -> tuple[int, torch.dtype]:
     """One ``param_gathers`` node before the first gathered use; (its place, the slot's dtype)."""
     val = placeholder.meta["val"]
     first_use = min(pairs, key=lambda pair: order[pair[0]])[0]
@@ -171,33 +190,43 @@ def _merge_gathered(graph: torch.fx.Graph, placeholder: torch.fx.Node, pairs: li
     return order[first_use], slot_dtype
 
 
-def _install_schedule(gm: torch.fx.GraphModule, reduce_slots: list[tuple[int, Slot]], gathers: list[tuple],
-                      options: CommOptions) -> None:
+def _install_schedule(
+    gm: torch.fx.GraphModule, reduce_slots: list[tuple[int, Slot]], gathers: list[tuple], options: CommOptions
+) -> None:
     """Size the real ``GradBuckets`` and ``ParamGathers`` modules (``gathers`` in forward order)."""
-    groups_of_keys = gather_groups([(key, layer, (group, dtype), nbytes) for _, key, group, _, nbytes, layer, dtype in gathers],
-                                   options.gather_group_bytes)
+    groups_of_keys = gather_groups(
+        [(key, layer, (group, dtype), nbytes) for _, key, group, _, nbytes, layer, dtype in gathers], options.gather_group_bytes
+    )
     # A reduce-scatter bucket stays inside one gather group (ops.buckets: its input is freed
     # when the next one launches, as the memory walk prices it: cost.liveness.gathered_intervals).
     group_index = {key: gi for gi, keys in enumerate(groups_of_keys) for key in keys}
-    reduce_slots = [(first, dataclasses.replace(slot, group=group_index[slot.key]) if slot.kind == "reduce_scatter" else slot)
-                    for first, slot in reduce_slots]
+    reduce_slots = [
+        (first, dataclasses.replace(slot, group=group_index[slot.key]) if slot.kind == "reduce_scatter" else slot)
+        for first, slot in reduce_slots
+    ]
     # Backward produces gradients in the reverse of forward order.
     slots = [slot for _, slot in sorted(reduce_slots, key=lambda item: -item[0])]
     buckets = GradBuckets(make_buckets(slots, options.bucket_cap_bytes, options.first_bucket_cap_bytes))
     gm.add_submodule(GRAD_BUCKETS, buckets)
     layer_of = {g[1]: g[5] for g in gathers}
     reshard = [reshards(layer_of[keys[0]], options.reshard_after_forward) for keys in groups_of_keys]
-    gm.add_submodule(PARAM_GATHERS, ParamGathers([g[1:5] for g in gathers], options.prefetch_bytes, buckets,
-                                                 groups=groups_of_keys, reshard=reshard))
+    gm.add_submodule(
+        PARAM_GATHERS,
+        ParamGathers([g[1:5] for g in gathers], options.prefetch_bytes, buckets, groups=groups_of_keys, reshard=reshard),
+    )
     if not reduce_slots:
         delattr(gm, GRAD_BUCKETS)
     if not gathers:
         delattr(gm, PARAM_GATHERS)
 
 
-def schedule_in_graph(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str] = (),
-                      fqns: Mapping[str, str] | None = None,
-                      options: CommOptions | None = None) -> torch.fx.GraphModule:
+def schedule_in_graph(
+    gm: torch.fx.GraphModule,
+    plan: Plan,
+    groups: Sequence[str] = (),
+    fqns: Mapping[str, str] | None = None,
+    options: CommOptions | None = None,
+) -> torch.fx.GraphModule:
     """The compiled mode's schedule (module docstring): gathers whose gradient is reduced on the
     same axis become ``gather_param``; bucketing and overlap are inductor's (``inductor_options``)."""
     options = options or CommOptions()
@@ -240,7 +269,7 @@ def _one_sync_per_param(graph: torch.fx.Graph, placeholder: torch.fx.Node) -> No
             chains.setdefault((chain_groups, tuple(node.kwargs.get("reduce_dtype") for node in chain)), []).append(chain)
     if len(chains) != 1 or len(next(iter(chains.values()))) < 2:
         return
-    (kept, *others), = chains.values()
+    ((kept, *others),) = chains.values()
     for chain in others:
         chain[-1].replace_all_uses_with(kept[-1])
         for dead in reversed(chain):
@@ -271,8 +300,10 @@ def inductor_options(options: CommOptions | None = None, exchange_sums: bool = F
         "post_grad_custom_post_pass": bucket_pass(options, exchange_sums),
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": [
-            "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
-            "reorder_communication_preserving_peak_memory"],
+            "reorder_communication_preserving_peak_memory",
+            "sink_waits_iterative",
+            "reorder_communication_preserving_peak_memory",
+        ],
     }
 
 
@@ -295,8 +326,12 @@ def _sync_lookups_at_the_table(graph: torch.fx.Graph, params: set[str]) -> None:
         if not _is(node, collectives.allreduce_grad):
             continue
         lookup = node.args[0]
-        if not (isinstance(lookup, torch.fx.Node) and lookup.op == "call_function"
-                and lookup.target is torch.ops.aten.embedding.default and len(lookup.users) == 1):
+        if not (
+            isinstance(lookup, torch.fx.Node)
+            and lookup.op == "call_function"
+            and lookup.target is torch.ops.aten.embedding.default
+            and len(lookup.users) == 1
+        ):
             continue
         table, indices = lookup.args[0], lookup.args[1]
         sparse = (len(lookup.args) > 4 and lookup.args[4]) or lookup.kwargs.get("sparse", False)

@@ -34,7 +34,11 @@ def split_into_stages(gm: torch.fx.GraphModule, plan: Plan, stages: StagePlan) -
     if missing:
         raise ValueError(f"pipeline stages {missing} hold no node of the graph")
     split = split_module(
-        gm, gm, lambda node: stage[node.name], keep_original_node_name=True, tuple_return=True,
+        gm,
+        gm,
+        lambda node: stage[node.name],
+        keep_original_node_name=True,
+        tuple_return=True,
     )
     return split
 

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 _BINDING_TEXT = {
     "cost": "cost: the chosen strategy is the cheapest way to take this decision given the rest of the plan",
     "memory_budget": "the memory budget: every cheaper strategy needs more memory per device, and the budget "
-                     "({budget}) does not leave room for it",
+    "({budget}) does not leave room for it",
     "time_limit": "the solver's time limit: it stopped before proving this choice optimal, and a cheaper "
-                  "strategy exists; re-plan with a larger --time-limit",
+    "strategy exists; re-plan with a larger --time-limit",
     "coupled": "the coupling to other decisions (a cheaper strategy exists for this decision alone)",
 }
 
@@ -41,8 +41,11 @@ def find_decision(plan: "Plan", key: str) -> tuple[str | None, dict[str, Any] | 
         return None, None
     names = list(plan.nodes) + list(plan.params)
     close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else (
-        "; pass a node name (autopar show --json lists parameters; the plan JSON lists nodes) or a parameter FQN")
+    hint = (
+        f"; did you mean {', '.join(repr(c) for c in close)}?"
+        if close
+        else ("; pass a node name (autopar show --json lists parameters; the plan JSON lists nodes) or a parameter FQN")
+    )
     raise PlanError(f"{key!r} is neither a node nor a parameter of this plan{hint}")
 
 
@@ -57,8 +60,12 @@ def _specs(specs: list[list[str]]) -> str:
 def explain_json(plan: "Plan", key: str) -> dict[str, Any]:
     rep, record = find_decision(plan, key)
     node = plan.nodes.get(key)
-    out: dict[str, Any] = {"query": key, "decision": rep, "node": key if node is not None else None,
-                           "op": node.op if node is not None else None}
+    out: dict[str, Any] = {
+        "query": key,
+        "decision": rep,
+        "node": key if node is not None else None,
+        "op": node.op if node is not None else None,
+    }
     if record is None:
         out["note"] = "a single strategy: nothing to decide"
         return out
@@ -77,9 +84,14 @@ def explain_text(plan: "Plan", key: str) -> str:
         return "\n".join(lines)
     members = record["members"]
     copies = len(members) - 1
-    lines.append(f"  decision {rep}: {record['num_strategies']} strategies"
-                 + (f", {record['num_impossible']} of them impossible here (no resharding reaches them)"
-                    if record.get("num_impossible") else ""))
+    lines.append(
+        f"  decision {rep}: {record['num_strategies']} strategies"
+        + (
+            f", {record['num_impossible']} of them impossible here (no resharding reaches them)"
+            if record.get("num_impossible")
+            else ""
+        )
+    )
     if copies:
         shown = ", ".join(members[:6]) + (f", ... ({len(members) - 6} more)" if len(members) > 6 else "")
         lines.append(f"  taken together by {len(members)} nodes (repeated layers, tied names, followers): {shown}")
@@ -87,15 +99,24 @@ def explain_text(plan: "Plan", key: str) -> str:
     candidates = record["candidates"]
     chosen = next(c for c in candidates if c.get("chosen"))
     lines.append("")
-    lines.append(f"  chosen: out {_specs(chosen['out'])}   in {_specs(chosen['in'])}"
-                 + (f"   kernel {chosen['kernel']}" if chosen.get("kernel") else ""))
+    lines.append(
+        f"  chosen: out {_specs(chosen['out'])}   in {_specs(chosen['in'])}"
+        + (f"   kernel {chosen['kernel']}" if chosen.get("kernel") else "")
+    )
     if chosen.get("kernel") in KERNEL_NAMES:
         lines.append(f"    ({KERNEL_NAMES[chosen['kernel']]})")
     if chosen.get("kernel") in EXPERT_PARALLEL_TEXT:
-        lines.append(f"  expert parallel: experts split by expert on axes {chosen.get('kernel_axes')}, "
-                     f"{EXPERT_PARALLEL_TEXT[chosen['kernel']]}")
-    fields = [("compute", "compute_s"), ("gradient sync", "grad_sync_s"), ("resharding in", "reshard_in_s"),
-              ("resharding out", "reshard_out_s"), ("total", "total_s")]
+        lines.append(
+            f"  expert parallel: experts split by expert on axes {chosen.get('kernel_axes')}, "
+            f"{EXPERT_PARALLEL_TEXT[chosen['kernel']]}"
+        )
+    fields = [
+        ("compute", "compute_s"),
+        ("gradient sync", "grad_sync_s"),
+        ("resharding in", "reshard_in_s"),
+        ("resharding out", "reshard_out_s"),
+        ("total", "total_s"),
+    ]
     if "kernel_comm_s" in chosen:  # the kernel's own collectives: K/V gathers, all-to-alls
         fields.insert(1, ("kernel comm", "kernel_comm_s"))
     for label, field in fields:
@@ -105,8 +126,10 @@ def explain_text(plan: "Plan", key: str) -> str:
     lines.append("")
     if others:
         lines.append(f"  runner-ups (the {len(others)} cheapest of the other strategies):")
-        header = (f"    {'out':<22} {'compute':>11} {'grad sync':>11} {'reshard in':>11} {'reshard out':>11}"
-                  f" {'total':>11} {'vs chosen':>11} {'memory':>11}  kernel")
+        header = (
+            f"    {'out':<22} {'compute':>11} {'grad sync':>11} {'reshard in':>11} {'reshard out':>11}"
+            f" {'total':>11} {'vs chosen':>11} {'memory':>11}  kernel"
+        )
         lines.append(header)
         for c in others:
             delta = c["total_s"] - chosen["total_s"]
@@ -120,8 +143,7 @@ def explain_text(plan: "Plan", key: str) -> str:
     else:
         lines.append("  runner-ups: none (every other strategy is impossible here)")
     budget = plan.solver.memory_budget_bytes
-    reason = _BINDING_TEXT.get(record["binding"], record["binding"]).format(
-        budget=format_bytes(budget) if budget else "none")
+    reason = _BINDING_TEXT.get(record["binding"], record["binding"]).format(budget=format_bytes(budget) if budget else "none")
     lines.append("")
     lines.append(f"  decided by {reason}")
     return "\n".join(lines)

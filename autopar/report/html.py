@@ -27,8 +27,20 @@ from autopar.ir.summary import format_bytes
 if TYPE_CHECKING:
     from autopar.ir.plan import Plan
 
-_PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
-            "#9c755f", "#bab0ac", "#86bcb6", "#d37295"]
+_PALETTE = [
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#76b7b2",
+    "#edc948",
+    "#b07aa1",
+    "#ff9da7",
+    "#9c755f",
+    "#bab0ac",
+    "#86bcb6",
+    "#d37295",
+]
 _REPLICATED = "#d9d9d9"
 _INDEX_RE = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 
@@ -103,11 +115,14 @@ def _layer_graph_svg(rows: list[dict[str, Any]], colors: dict[str, str]) -> str:
     for i, row in enumerate(rows):
         height = row_h * (1 + len(row["params"]))
         weight = next((spec for leaf, spec in row["params"] if leaf == "weight"), row["params"][0][1])
-        parts.append(f'<g class="layer"><rect x="{left}" y="{y}" width="{box_w}" height="{height}" rx="6" '
-                     f'fill="{colors[weight]}" fill-opacity="0.25" stroke="{colors[weight]}" stroke-width="2"/>')
+        parts.append(
+            f'<g class="layer"><rect x="{left}" y="{y}" width="{box_w}" height="{height}" rx="6" '
+            f'fill="{colors[weight]}" fill-opacity="0.25" stroke="{colors[weight]}" stroke-width="2"/>'
+        )
         count = f"  x{row['count']}" if row["count"] > 1 else ""
-        parts.append(f'<text class="layer-name" x="{left + 10}" y="{y + 16}" font-weight="bold">'
-                     f'{_esc(row["name"])}{_esc(count)}</text>')
+        parts.append(
+            f'<text class="layer-name" x="{left + 10}" y="{y + 16}" font-weight="bold">{_esc(row["name"])}{_esc(count)}</text>'
+        )
         for j, (leaf, spec) in enumerate(row["params"]):
             ty = y + row_h * (j + 1) + 15
             parts.append(f'<rect x="{left + 20}" y="{ty - 10}" width="12" height="12" fill="{colors[spec]}"/>')
@@ -116,13 +131,19 @@ def _layer_graph_svg(rows: list[dict[str, Any]], colors: dict[str, str]) -> str:
         y += height
         if i + 1 < len(rows):
             mid = left + box_w / 2
-            parts.append(f'<line x1="{mid}" y1="{y + 1}" x2="{mid}" y2="{y + gap - 3}" stroke="#888" stroke-width="2" '
-                         f'marker-end="url(#arrow)"/>')
+            parts.append(
+                f'<line x1="{mid}" y1="{y + 1}" x2="{mid}" y2="{y + gap - 3}" stroke="#888" stroke-width="2" '
+                f'marker-end="url(#arrow)"/>'
+            )
             y += gap
-    defs = ('<defs><marker id="arrow" markerWidth="8" markerHeight="8" refX="2" refY="4" orient="auto" markerUnits="userSpaceOnUse">'
-            '<path d="M0,0 L8,4 L0,8 z" fill="#888"/></marker></defs>')
-    return (f'<svg id="layer-graph" xmlns="http://www.w3.org/2000/svg" width="{box_w + 2 * left}" '
-            f'height="{y + 10}">{defs}{"".join(parts)}</svg>')
+    defs = (
+        '<defs><marker id="arrow" markerWidth="8" markerHeight="8" refX="2" refY="4" orient="auto" markerUnits="userSpaceOnUse">'
+        '<path d="M0,0 L8,4 L0,8 z" fill="#888"/></marker></defs>'
+    )
+    return (
+        f'<svg id="layer-graph" xmlns="http://www.w3.org/2000/svg" width="{box_w + 2 * left}" '
+        f'height="{y + 10}">{defs}{"".join(parts)}</svg>'
+    )
 
 
 def _per_axis(predicted: dict[str, Any], unit: str) -> dict[str, float]:
@@ -159,13 +180,16 @@ def _bar_svg(parts: list[tuple[str, float]], fmt, svg_id: str) -> str:
         color = _PALETTE[i % len(_PALETTE)]
         w = width * value / total
         if w > 0:
-            rects.append(f'<rect x="{x:.2f}" y="0" width="{w:.2f}" height="28" fill="{color}">'
-                         f'<title>{_esc(label)}: {_esc(fmt(value))}</title></rect>')
+            rects.append(
+                f'<rect x="{x:.2f}" y="0" width="{w:.2f}" height="28" fill="{color}">'
+                f"<title>{_esc(label)}: {_esc(fmt(value))}</title></rect>"
+            )
         x += w
-        legend.append(f'<tr><td><span class="swatch" style="background:{color}"></span>{_esc(label)}</td>'
-                      f'<td>{_esc(fmt(value))}</td><td>{100 * value / total:.1f}%</td></tr>')
-    svg = (f'<svg id="{svg_id}" xmlns="http://www.w3.org/2000/svg" width="{width}" height="30">'
-           f'{"".join(rects)}</svg>')
+        legend.append(
+            f'<tr><td><span class="swatch" style="background:{color}"></span>{_esc(label)}</td>'
+            f"<td>{_esc(fmt(value))}</td><td>{100 * value / total:.1f}%</td></tr>"
+        )
+    svg = f'<svg id="{svg_id}" xmlns="http://www.w3.org/2000/svg" width="{width}" height="30">{"".join(rects)}</svg>'
     return svg + "<table>" + "".join(legend) + "</table>"
 
 
@@ -191,35 +215,51 @@ def _timeline_svg(timeline: dict[str, Any], capacity: int | None, note: str) -> 
         upper = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in zip(times, above))
         lower = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in reversed(list(zip(times, below))))
         color = _PALETTE[k % len(_PALETTE)]
-        parts.append(f'<polygon class="memory-kind" data-kind="{_esc(kind)}" points="{upper} {lower}" '
-                     f'fill="{color}" fill-opacity="0.85" stroke="none"/>')
+        parts.append(
+            f'<polygon class="memory-kind" data-kind="{_esc(kind)}" points="{upper} {lower}" '
+            f'fill="{color}" fill-opacity="0.85" stroke="none"/>'
+        )
         peak_row = rows[times.index(timeline["peak_time"])] if timeline["peak_time"] in times else None
         at_peak = f" ({_esc(_bytes(peak_row[k]))} at the peak)" if peak_row is not None else ""
-        legend.append(f'<span style="margin-right:14px"><span class="swatch" style="background:{color}"></span>'
-                      f'{_esc(kind.replace("_", " "))}{at_peak}</span>')
+        legend.append(
+            f'<span style="margin-right:14px"><span class="swatch" style="background:{color}"></span>'
+            f"{_esc(kind.replace('_', ' '))}{at_peak}</span>"
+        )
         below = above
     peak_x, boundary_x = x(timeline["peak_time"]), x(int(timeline["num_forward"]) - 0.5)
     peak_total = max(totals) if totals else 0.0
-    axes = (f'<line x1="{left}" y1="{16 + plot_h}" x2="{left + plot_w}" y2="{16 + plot_h}" stroke="#999"/>'
-            f'<line x1="{left}" y1="16" x2="{left}" y2="{16 + plot_h}" stroke="#999"/>'
-            f'<text x="{left - 4}" y="22" text-anchor="end">{_esc(_bytes(top))}</text>'
-            f'<text x="{left - 4}" y="{16 + plot_h}" text-anchor="end">0</text>'
-            f'<line x1="{boundary_x:.1f}" y1="16" x2="{boundary_x:.1f}" y2="{16 + plot_h}" stroke="#777" '
-            f'stroke-dasharray="4 3"/>'
-            f'<text x="{(left + boundary_x) / 2:.1f}" y="{height - 6}" text-anchor="middle">forward</text>'
-            f'<text x="{(boundary_x + left + plot_w) / 2:.1f}" y="{height - 6}" text-anchor="middle">backward</text>')
-    peak = (f'<line id="memory-peak" x1="{peak_x:.1f}" y1="12" x2="{peak_x:.1f}" y2="{16 + plot_h}" '
-            f'stroke="#d62728" stroke-width="2"/>'
-            f'<text x="{min(peak_x + 4, width - 150):.1f}" y="12" fill="#d62728">peak {_esc(_bytes(peak_total))}</text>')
+    axes = (
+        f'<line x1="{left}" y1="{16 + plot_h}" x2="{left + plot_w}" y2="{16 + plot_h}" stroke="#999"/>'
+        f'<line x1="{left}" y1="16" x2="{left}" y2="{16 + plot_h}" stroke="#999"/>'
+        f'<text x="{left - 4}" y="22" text-anchor="end">{_esc(_bytes(top))}</text>'
+        f'<text x="{left - 4}" y="{16 + plot_h}" text-anchor="end">0</text>'
+        f'<line x1="{boundary_x:.1f}" y1="16" x2="{boundary_x:.1f}" y2="{16 + plot_h}" stroke="#777" '
+        f'stroke-dasharray="4 3"/>'
+        f'<text x="{(left + boundary_x) / 2:.1f}" y="{height - 6}" text-anchor="middle">forward</text>'
+        f'<text x="{(boundary_x + left + plot_w) / 2:.1f}" y="{height - 6}" text-anchor="middle">backward</text>'
+    )
+    peak = (
+        f'<line id="memory-peak" x1="{peak_x:.1f}" y1="12" x2="{peak_x:.1f}" y2="{16 + plot_h}" '
+        f'stroke="#d62728" stroke-width="2"/>'
+        f'<text x="{min(peak_x + 4, width - 150):.1f}" y="12" fill="#d62728">peak {_esc(_bytes(peak_total))}</text>'
+    )
     capacity_line = ""
     if capacity and capacity <= top:
-        capacity_line = (f'<line x1="{left}" y1="{y(capacity):.1f}" x2="{left + plot_w}" y2="{y(capacity):.1f}" '
-                         f'stroke="#000" stroke-dasharray="2 2"/>')
-    return (f'<svg id="memory-timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
-            + "".join(parts) + axes + capacity_line + peak + "</svg>"
-            + f"<div>{''.join(legend)}</div>"
-            + f'<p class="note">bytes alive per device over the step by kind; peak {_esc(_bytes(peak_total))} '
-              f'{_esc(timeline.get("peak_at", ""))}{note}</p>')
+        capacity_line = (
+            f'<line x1="{left}" y1="{y(capacity):.1f}" x2="{left + plot_w}" y2="{y(capacity):.1f}" '
+            f'stroke="#000" stroke-dasharray="2 2"/>'
+        )
+    return (
+        f'<svg id="memory-timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
+        + "".join(parts)
+        + axes
+        + capacity_line
+        + peak
+        + "</svg>"
+        + f"<div>{''.join(legend)}</div>"
+        + f'<p class="note">bytes alive per device over the step by kind; peak {_esc(_bytes(peak_total))} '
+        f"{_esc(timeline.get('peak_at', ''))}{note}</p>"
+    )
 
 
 def _stages_section(plan: "Plan") -> str:
@@ -231,17 +271,25 @@ def _stages_section(plan: "Plan") -> str:
     fullest = max((s.memory_bytes for s in stages.stages), default=0.0) or 1.0
     rows = []
     for stage in stages.stages:
-        time_bar = (f'<svg class="stage-bar" width="200" height="12"><rect width="{200 * stage.time_s / slowest:.1f}" '
-                    f'height="12" fill="{_PALETTE[0]}"/></svg>')
-        memory_bar = (f'<svg class="stage-bar" width="200" height="12"><rect width="{200 * stage.memory_bytes / fullest:.1f}" '
-                      f'height="12" fill="{_PALETTE[1]}"/></svg>')
-        rows.append(f"<tr><td>{stage.index}</td><td>[{stage.layers[0]}, {stage.layers[1]})</td>"
-                    f"<td>{_esc(','.join(str(r) for r in stage.ranks))}</td>"
-                    f"<td>{stage.time_s * 1e3:.4f} ms {time_bar}</td><td>{_esc(_bytes(stage.memory_bytes))} {memory_bar}</td></tr>")
-    return (f'<h2>Pipeline stages</h2><p class="facts">{stages.num_stages} stages x {stages.num_microbatches} '
-            f"microbatches, schedule {_esc(stages.schedule)}, bubble {stages.bubble_fraction:.1%}</p>"
-            '<table id="pipeline-stages"><tr><th>stage</th><th>layers</th><th>ranks</th>'
-            "<th>time per microbatch</th><th>memory</th></tr>" + "".join(rows) + "</table>")
+        time_bar = (
+            f'<svg class="stage-bar" width="200" height="12"><rect width="{200 * stage.time_s / slowest:.1f}" '
+            f'height="12" fill="{_PALETTE[0]}"/></svg>'
+        )
+        memory_bar = (
+            f'<svg class="stage-bar" width="200" height="12"><rect width="{200 * stage.memory_bytes / fullest:.1f}" '
+            f'height="12" fill="{_PALETTE[1]}"/></svg>'
+        )
+        rows.append(
+            f"<tr><td>{stage.index}</td><td>[{stage.layers[0]}, {stage.layers[1]})</td>"
+            f"<td>{_esc(','.join(str(r) for r in stage.ranks))}</td>"
+            f"<td>{stage.time_s * 1e3:.4f} ms {time_bar}</td><td>{_esc(_bytes(stage.memory_bytes))} {memory_bar}</td></tr>"
+        )
+    return (
+        f'<h2>Pipeline stages</h2><p class="facts">{stages.num_stages} stages x {stages.num_microbatches} '
+        f"microbatches, schedule {_esc(stages.schedule)}, bubble {stages.bubble_fraction:.1%}</p>"
+        '<table id="pipeline-stages"><tr><th>stage</th><th>layers</th><th>ranks</th>'
+        "<th>time per microbatch</th><th>memory</th></tr>" + "".join(rows) + "</table>"
+    )
 
 
 def _memory_section(plan: "Plan", capacity: int | None) -> str:
@@ -249,8 +297,9 @@ def _memory_section(plan: "Plan", capacity: int | None) -> str:
     if plan.memory_timeline and plan.memory_timeline.get("times"):
         note = ""
         if plan.memory is not None:
-            note = (f"; before checkpointing and offload, which bring the peak to "
-                    f"{_bytes(float(pred.get('peak_memory_bytes', 0)))}")
+            note = (
+                f"; before checkpointing and offload, which bring the peak to {_bytes(float(pred.get('peak_memory_bytes', 0)))}"
+            )
         elif plan.pipeline is not None:
             note = "; one microbatch through the whole graph on the stage mesh (stages below)"
         return _timeline_svg(plan.memory_timeline, capacity, _esc(note))
@@ -261,22 +310,34 @@ def _memory_section(plan: "Plan", capacity: int | None) -> str:
         width, height = 640, 160
         step = width / max(len(values) - 1, 1)
         points = " ".join(f"{i * step:.1f},{height - height * v / peak:.1f}" for i, v in enumerate(values))
-        return (f'<svg id="memory-timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
-                f'<polyline points="{points}" fill="none" stroke="#4e79a7" stroke-width="2"/></svg>'
-                f'<p class="note">bytes live per device over the step, peak {_esc(_bytes(peak))}</p>')
-    components = [(k[: -len("_bytes")].replace("_", " "), float(v)) for k, v in sorted(pred.items())
-                  if k.endswith("_bytes") and k not in ("peak_memory_bytes", "comm_bytes")
-                  and "axis" not in k and isinstance(v, (int, float))]
+        return (
+            f'<svg id="memory-timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
+            f'<polyline points="{points}" fill="none" stroke="#4e79a7" stroke-width="2"/></svg>'
+            f'<p class="note">bytes live per device over the step, peak {_esc(_bytes(peak))}</p>'
+        )
+    components = [
+        (k[: -len("_bytes")].replace("_", " "), float(v))
+        for k, v in sorted(pred.items())
+        if k.endswith("_bytes")
+        and k not in ("peak_memory_bytes", "comm_bytes")
+        and "axis" not in k
+        and isinstance(v, (int, float))
+    ]
     peak = float(pred.get("peak_memory_bytes", 0))
     if components:
-        return (_bar_svg(components, _bytes, "memory-components")
-                + f'<p class="note">no memory timeline in this plan: components shown; peak {_esc(_bytes(peak))}</p>')
+        return (
+            _bar_svg(components, _bytes, "memory-components")
+            + f'<p class="note">no memory timeline in this plan: components shown; peak {_esc(_bytes(peak))}</p>'
+        )
     parts = [("peak per device", peak)]
     if capacity and capacity > peak:
         parts.append(("free on the device", capacity - peak))
-    return (_bar_svg(parts, _bytes, "memory-components")
-            + '<p class="note">this plan records only the peak (no timeline or components yet)'
-            + (f'; device memory {_esc(_bytes(capacity))}' if capacity else "") + "</p>")
+    return (
+        _bar_svg(parts, _bytes, "memory-components")
+        + '<p class="note">this plan records only the peak (no timeline or components yet)'
+        + (f"; device memory {_esc(_bytes(capacity))}" if capacity else "")
+        + "</p>"
+    )
 
 
 def _comm_bytes_table(predicted: dict[str, Any]) -> str:
@@ -293,23 +354,28 @@ def render_html(plan: "Plan", title: str = "", device_memory_bytes: int | None =
     pred = plan.predicted.to_json()
     rows = layer_rows(plan)
     colors = _colors(rows)
-    legend = "".join(f'<span style="margin-right:14px"><span class="swatch" style="background:{c}"></span>'
-                     f'{_esc(spec)}</span>' for spec, c in colors.items())
-    collectives = "".join(f"<tr><td>{_esc(kind)}</td><td>{axis}</td><td>{count}</td></tr>"
-                          for (kind, axis), count in plan.collective_counts().items())
-    solver = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in plan.solver.to_json().items()
-                     if k != "fallbacks")
+    legend = "".join(
+        f'<span style="margin-right:14px"><span class="swatch" style="background:{c}"></span>{_esc(spec)}</span>'
+        for spec, c in colors.items()
+    )
+    collectives = "".join(
+        f"<tr><td>{_esc(kind)}</td><td>{axis}</td><td>{count}</td></tr>"
+        for (kind, axis), count in plan.collective_counts().items()
+    )
+    solver = "".join(
+        f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in plan.solver.to_json().items() if k != "fallbacks"
+    )
     fallbacks = ", ".join(plan.solver.fallbacks) or "none"
     heading = title or f"autopar plan {plan.hash}"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{_esc(heading)}</title><style>{_CSS}</style></head>
 <body>
 <h1>{_esc(heading)}</h1>
-<div class="facts">mesh {_esc(tuple(plan.mesh_shape))} &middot; cluster {_esc(plan.cluster or '-')} &middot;
+<div class="facts">mesh {_esc(tuple(plan.mesh_shape))} &middot; cluster {_esc(plan.cluster or "-")} &middot;
 graph {_esc(plan.graph_hash)} &middot; plan {_esc(plan.hash)} &middot; torch {_esc(plan.torch_version)}<br>
-predicted step time <b>{float(pred.get('step_time_s', 0)) * 1e3:.4f} ms</b> &middot;
-peak memory per device <b>{_esc(_bytes(float(pred.get('peak_memory_bytes', 0))))}</b> &middot;
-communication per device per step {_esc(_bytes(float(pred.get('comm_bytes', 0))))}</div>
+predicted step time <b>{float(pred.get("step_time_s", 0)) * 1e3:.4f} ms</b> &middot;
+peak memory per device <b>{_esc(_bytes(float(pred.get("peak_memory_bytes", 0))))}</b> &middot;
+communication per device per step {_esc(_bytes(float(pred.get("comm_bytes", 0))))}</div>
 <h2>Layer graph, colored by sharding</h2>
 <div>{legend}</div>
 {_layer_graph_svg(rows, colors) if rows else '<p class="note">this plan has no parameters</p>'}

@@ -17,12 +17,12 @@ if TYPE_CHECKING:
 
 _BUBBLE_TEXT = {
     "1F1B": "the first microbatch passes every stage before the last one starts, and the last drains alone: "
-            "S - 1 stage times of warm-up and drain against M microbatches of work (more microbatches shrink it)",
+    "S - 1 stage times of warm-up and drain against M microbatches of work (more microbatches shrink it)",
     "GPipe": "as 1F1B's (every forward, then every backward), with all M microbatches in flight on every stage",
     "Interleaved1F1B": "warm-up and drain take S - 1 chunk times, 1/v of 1F1B's bubble, for v times the "
-                       "point-to-point sends (priced in each chunk's time)",
+    "point-to-point sends (priced in each chunk's time)",
     "ZBV": "each backward splits into its input and weight gradients, and the weight gradients fill the warm-up "
-           "and drain (zero-bubble V: two chunks per group, r and 2S - 1 - r)",
+    "and drain (zero-bubble V: two chunks per group, r and 2S - 1 - r)",
 }
 
 
@@ -38,15 +38,29 @@ def explain_pipeline_json(plan: "Plan") -> dict[str, Any]:
     recompute = list(_field(plan.predicted, "recompute") or [False] * len(stages.stages))
     S, M = stages.num_stages, stages.num_microbatches
     out: dict[str, Any] = {
-        "schedule": stages.schedule, "rank_groups": S, "virtual_stages": stages.virtual_stages,
-        "model_stages": stages.num_model_stages, "num_microbatches": M, "stage_mesh": list(stages.stage_mesh),
-        "step_time_s": stages.step_time_s, "bubble_fraction": stages.bubble_fraction,
-        "bubble": _BUBBLE_TEXT.get(stages.schedule, ""), "reason": stages.reason,
+        "schedule": stages.schedule,
+        "rank_groups": S,
+        "virtual_stages": stages.virtual_stages,
+        "model_stages": stages.num_model_stages,
+        "num_microbatches": M,
+        "stage_mesh": list(stages.stage_mesh),
+        "step_time_s": stages.step_time_s,
+        "bubble_fraction": stages.bubble_fraction,
+        "bubble": _BUBBLE_TEXT.get(stages.schedule, ""),
+        "reason": stages.reason,
         "grad_sync_s": _field(plan.predicted, "grad_sync_s"),
-        "stages": [{"index": s.index, "group": group_of(stages.schedule, S, s.index), "layers": list(s.layers),
-                    "ranks": list(s.ranks), "time_s": s.time_s, "memory_bytes": s.memory_bytes,
-                    "recompute": bool(recompute[s.index]) if s.index < len(recompute) else False}
-                   for s in stages.stages],
+        "stages": [
+            {
+                "index": s.index,
+                "group": group_of(stages.schedule, S, s.index),
+                "layers": list(s.layers),
+                "ranks": list(s.ranks),
+                "time_s": s.time_s,
+                "memory_bytes": s.memory_bytes,
+                "recompute": bool(recompute[s.index]) if s.index < len(recompute) else False,
+            }
+            for s in stages.stages
+        ],
         "checkpoint_segments": [seg.name for seg in plan.memory.checkpoint] if plan.memory is not None else [],
         "memory_budget_bytes": _field(plan.solver, "memory_budget_bytes"),
     }
@@ -69,24 +83,32 @@ def explain_pipeline_text(plan: "Plan") -> str:
         + f", bubble {info['bubble_fraction']:.1%}: {info['bubble']}",
     ]
     if "bubble_with_twice_the_microbatches" in info:
-        lines.append(f"    with {2 * info['num_microbatches']} microbatches (each half as large, stage times halved) the "
-                     f"bubble would be {info['bubble_with_twice_the_microbatches']:.1%}")
+        lines.append(
+            f"    with {2 * info['num_microbatches']} microbatches (each half as large, stage times halved) the "
+            f"bubble would be {info['bubble_with_twice_the_microbatches']:.1%}"
+        )
     lines.append("")
     lines.append(f"  {'stage':>5} {'group':>5}  {'layers':<9} {'ranks':<16} {'ms/microbatch':>13} {'memory':>11}  recompute")
     for s in info["stages"]:
         ranks = ",".join(str(r) for r in s["ranks"])
         layers = f"[{s['layers'][0]}, {s['layers'][1]})"
-        lines.append(f"  {s['index']:>5} {s['group']:>5}  {layers:<9} {ranks:<16} "
-                     f"{s['time_s'] * 1e3:>13.4f} {format_bytes(s['memory_bytes']):>11}  {'yes' if s['recompute'] else 'no'}")
+        lines.append(
+            f"  {s['index']:>5} {s['group']:>5}  {layers:<9} {ranks:<16} "
+            f"{s['time_s'] * 1e3:>13.4f} {format_bytes(s['memory_bytes']):>11}  {'yes' if s['recompute'] else 'no'}"
+        )
     slowest = max(info["stages"], key=lambda s: s["time_s"])
-    lines.append(f"  the slowest stage ({slowest['index']}, {slowest['time_s'] * 1e3:.4f} ms per microbatch) sets the "
-                 "steady-state pace; memory counts the microbatches each stage holds in flight under this schedule")
+    lines.append(
+        f"  the slowest stage ({slowest['index']}, {slowest['time_s'] * 1e3:.4f} ms per microbatch) sets the "
+        "steady-state pace; memory counts the microbatches each stage holds in flight under this schedule"
+    )
     recomputing = [s["index"] for s in info["stages"] if s["recompute"]]
     if recomputing:
         budget = info["memory_budget_bytes"]
-        lines.append(f"  stages {', '.join(map(str, recomputing))} recompute their activations in backward "
-                     f"(checkpointed: {', '.join(info['checkpoint_segments']) or '-'})"
-                     + (f" to fit the memory budget {format_bytes(budget)}" if budget else ""))
+        lines.append(
+            f"  stages {', '.join(map(str, recomputing))} recompute their activations in backward "
+            f"(checkpointed: {', '.join(info['checkpoint_segments']) or '-'})"
+            + (f" to fit the memory budget {format_bytes(budget)}" if budget else "")
+        )
     if info["reason"]:
         lines += ["", f"  why: {info['reason']}"]
     return "\n".join(lines)

@@ -18,8 +18,7 @@ if TYPE_CHECKING:  # typing only: report reads ir
     from autopar.ir.plan import Plan
 
 # Each part of a plan's predicted step, with what it means when it is the larger.
-_PARTS = (("compute_s", "compute (ops on smaller or fewer-copied shards)"),
-          ("reshard_s", "resharding communication"))
+_PARTS = (("compute_s", "compute (ops on smaller or fewer-copied shards)"), ("reshard_s", "resharding communication"))
 
 
 def _part(predicted: dict[str, Any], key: str) -> Any:
@@ -42,8 +41,7 @@ def versus(hand: "Plan", solved: "Plan") -> dict[str, Any]:
         "step_time_s": [_step(hand), _step(solved)],
         "speedup": _step(hand) / _step(solved) if _step(solved) else None,
         "params_placed_differently": len(moved),
-        "examples": [{"fqn": f, "hand": format_spec(hand.params[f]), "solver": format_spec(solved.params[f])}
-                     for f in moved[:4]],
+        "examples": [{"fqn": f, "hand": format_spec(hand.params[f]), "solver": format_spec(solved.params[f])} for f in moved[:4]],
     }
     for key in ("compute_s", "reshard_s", "comm_bytes", "peak_memory_bytes", "comm_bytes_per_axis"):
         if _part(pred_h, key) is not None or _part(pred_s, key) is not None:
@@ -52,19 +50,19 @@ def versus(hand: "Plan", solved: "Plan") -> dict[str, Any]:
     return out
 
 
-def versus_text(hand: "Plan", solved: "Plan", hand_name: str = "the hand plan",
-                solved_name: str = "the solver's plan") -> str:
+def versus_text(hand: "Plan", solved: "Plan", hand_name: str = "the hand plan", solved_name: str = "the solver's plan") -> str:
     """A few lines: whether ``solved`` is faster than ``hand``, by how much, and the parts of the
     step that make it so."""
     figures = versus(hand, solved)
     t_hand, t_solved = figures["step_time_s"]
-    lines = [f"{hand_name}: predicted step {t_hand * 1e3:.3f} ms; {solved_name} on mesh "
-             f"{tuple(solved.mesh_shape)}: {t_solved * 1e3:.3f} ms"]
+    lines = [
+        f"{hand_name}: predicted step {t_hand * 1e3:.3f} ms; {solved_name} on mesh "
+        f"{tuple(solved.mesh_shape)}: {t_solved * 1e3:.3f} ms"
+    ]
     if not t_solved or t_hand <= t_solved * (1 + 1e-6):
         lines.append(f"{solved_name} is not faster: {hand_name} is as good under the autopar cost model")
         return "\n".join(lines)
-    lines.append(f"{solved_name} is {t_hand / t_solved:.2f}x faster ({(t_hand - t_solved) * 1e3:.3f} ms less per "
-                 "step). Why:")
+    lines.append(f"{solved_name} is {t_hand / t_solved:.2f}x faster ({(t_hand - t_solved) * 1e3:.3f} ms less per step). Why:")
     for key, meaning in _PARTS:
         a, b = figures.get(key, (None, None))
         if a is not None and b is not None and abs(a - b) > 1e-12:
@@ -72,16 +70,21 @@ def versus_text(hand: "Plan", solved: "Plan", hand_name: str = "the hand plan",
     if "comm_bytes" in figures and None not in figures["comm_bytes"]:
         a, b = figures["comm_bytes"]
         lines.append(f"  bytes each device sends per step: {format_bytes(a)} -> {format_bytes(b)} ({_change(a, b)})")
-    if "comm_bytes_per_axis" in figures and None not in figures["comm_bytes_per_axis"] \
-            and list(hand.mesh_shape) == list(solved.mesh_shape):
+    if (
+        "comm_bytes_per_axis" in figures
+        and None not in figures["comm_bytes_per_axis"]
+        and list(hand.mesh_shape) == list(solved.mesh_shape)
+    ):
         a, b = figures["comm_bytes_per_axis"]
         per_axis = ", ".join(f"axis {i}: {format_bytes(x)} -> {format_bytes(y)}" for i, (x, y) in enumerate(zip(a, b)))
         lines.append(f"    by mesh axis: {per_axis}")
     if "peak_memory_bytes" in figures and None not in figures["peak_memory_bytes"]:
         a, b = figures["peak_memory_bytes"]
         lines.append(f"  peak memory per device: {format_bytes(a)} -> {format_bytes(b)} ({_change(a, b)})")
-    lines.append(f"  {figures['params_placed_differently']} parameters placed differently"
-                 + "".join(f"; {e['fqn']}: {e['hand']} -> {e['solver']}" for e in figures["examples"][:2]))
+    lines.append(
+        f"  {figures['params_placed_differently']} parameters placed differently"
+        + "".join(f"; {e['fqn']}: {e['hand']} -> {e['solver']}" for e in figures["examples"][:2])
+    )
     return "\n".join(lines)
 
 

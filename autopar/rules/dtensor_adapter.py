@@ -103,9 +103,7 @@ def _rows_from_dtensor(info: OpInfo) -> list[Row] | None:
     # DTensor runs these with code of its own (halo exchange for convolution, a gather for
     # argmax over a sharded dim, its RNG tracker for random ops), so their strategies do not
     # describe the plain op on local shards.
-    if target in getattr(dispatcher, "_custom_op_handlers", {}) or target in getattr(
-        dispatcher, "_random_ops", ()
-    ):
+    if target in getattr(dispatcher, "_custom_op_handlers", {}) or target in getattr(dispatcher, "_random_ops", ()):
         return None
     propagator = dispatcher.sharding_propagator
     if target in propagator.op_single_dim_strategy_funcs:
@@ -226,9 +224,7 @@ def _strategy_func_rows(info: OpInfo, propagator: Any) -> list[Row | None] | Non
         return value
 
     args, kwargs = _split_args(info.target, info.kw, to_strategy)
-    schema = OpSchema(
-        info.target, tuple(args), kwargs, schema_info=propagator.op_to_schema_info.get(info.target)
-    )
+    schema = OpSchema(info.target, tuple(args), kwargs, schema_info=propagator.op_to_schema_info.get(info.target))
     result = propagator.op_strategy_funcs[info.target](schema)
     if not isinstance(result, OpStrategy):
         return None

@@ -23,8 +23,14 @@ aten = torch.ops.aten
 
 
 @register(
-    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.scalar_tensor.default,
-    aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low,
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.scalar_tensor.default,
+    aten.rand.default,
+    aten.randn.default,
+    aten.randint.default,
+    aten.randint.low,
     aten.randperm.default,
 )
 def replicated_factory_rule(info: OpInfo) -> list[Row]:

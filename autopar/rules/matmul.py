@@ -102,9 +102,7 @@ def linear_rule(info: OpInfo) -> list[Row]:
     return rows
 
 
-def _batched_matmul_rows(
-    info: OpInfo, a: TensorArg, b: TensorArg, bias: TensorArg | None = None
-) -> list[Row]:
+def _batched_matmul_rows(info: OpInfo, a: TensorArg, b: TensorArg, bias: TensorArg | None = None) -> list[Row]:
     """Rows for a[..., M, K] @ b[..., K, N] with broadcast batch dims (both at least 2-D).
 
     ``bias`` (an optional TensorArg, placed first) broadcasts to the output; the K-sharded

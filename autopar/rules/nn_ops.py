@@ -90,8 +90,12 @@ def sdpa_rule(info: OpInfo) -> list[Row]:
     # the kernel gathers K/V and masks by global positions (``ops.attention``). Its backward
     # recomputes the attention, which would draw a second dropout mask, hence dropout_p == 0.
     seq = q.ndim - 2
-    if (info.kw.get("is_causal") and mask is None and not info.kw.get("dropout_p")
-            and q.shape[seq] == k.shape[seq] == v.shape[seq]):
+    if (
+        info.kw.get("is_causal")
+        and mask is None
+        and not info.kw.get("dropout_p")
+        and q.shape[seq] == k.shape[seq] == v.shape[seq]
+    ):
         ins = row_by_name(info, {"query": S(seq), "key": S(seq), "value": S(seq)}, S(seq)).ins
         rows.append(Row(ins, S(seq), kernel="sdpa_context_parallel"))
     return rows

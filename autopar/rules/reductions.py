@@ -73,10 +73,22 @@ def mean_rule(info: OpInfo) -> list[Row]:
 # Extrema, variances, products and log-sum-exp of a sharded reduced dim are not sums of
 # per-rank results, and they are nonlinear, so only kept dims may be sharded.
 @register(
-    aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default,
-    aten.argmin.default, aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction,
-    aten.var_mean.correction, aten.std_mean.correction, aten.prod.dim_int,
-    aten.logsumexp.default, aten.any.dim, aten.all.dim,
+    aten.amax.default,
+    aten.amin.default,
+    aten.max.dim,
+    aten.min.dim,
+    aten.argmax.default,
+    aten.argmin.default,
+    aten.var.dim,
+    aten.var.correction,
+    aten.std.dim,
+    aten.std.correction,
+    aten.var_mean.correction,
+    aten.std_mean.correction,
+    aten.prod.dim_int,
+    aten.logsumexp.default,
+    aten.any.dim,
+    aten.all.dim,
 )
 def kept_dim_rule(info: OpInfo) -> list[Row]:
     if info.target in (aten.argmax.default, aten.argmin.default) and info.kw.get("dim") is None:

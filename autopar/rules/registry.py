@@ -167,10 +167,7 @@ def register(*targets: Any) -> Callable[[Rule], Rule]:
     def wrap(fn: Rule) -> Rule:
         for target in targets:
             if target in RULES:
-                raise ValueError(
-                    f"duplicate sharding rule for {target}: {RULES[target].__qualname__} "
-                    f"and {fn.__qualname__}"
-                )
+                raise ValueError(f"duplicate sharding rule for {target}: {RULES[target].__qualname__} and {fn.__qualname__}")
             RULES[target] = fn
         return fn
 
@@ -255,9 +252,7 @@ def fallback_strategy(info: OpInfo, num_axes: int) -> Strategy:
     )
 
 
-def expand_rows(
-    info: OpInfo, rows: Iterable[Row], mesh_shape: Sequence[int], source: str = "rule"
-) -> list[Strategy]:
+def expand_rows(info: OpInfo, rows: Iterable[Row], mesh_shape: Sequence[int], source: str = "rule") -> list[Strategy]:
     """Cartesian product of per-axis rows, keeping combinations with even shards everywhere."""
     rows = _dedupe(rows)
     for row in rows:

@@ -67,9 +67,7 @@ def local_inputs(
     return pieces
 
 
-def assemble(
-    outputs: dict[tuple[int, ...], torch.Tensor], spec: Spec, mesh_shape: Sequence[int], atol: float
-) -> torch.Tensor:
+def assemble(outputs: dict[tuple[int, ...], torch.Tensor], spec: Spec, mesh_shape: Sequence[int], atol: float) -> torch.Tensor:
     """Rebuild the global tensor from every rank's output (innermost axis first)."""
     pieces = dict(outputs)
     for axis in reversed(range(len(spec))):

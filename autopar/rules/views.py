@@ -343,9 +343,7 @@ def slice_rule(info: OpInfo) -> list[Row]:
     kw = info.kw
     # A slice that keeps the whole dim (x[:, :], end clamped to the size) is the identity on
     # every rank, so that dim may be sharded too. narrow's length is exact, never clamped.
-    whole = info.target is aten.slice.Tensor and _is_whole_dim(
-        source.shape[dim], kw["start"], kw["end"], kw["step"]
-    )
+    whole = info.target is aten.slice.Tensor and _is_whole_dim(source.shape[dim], kw["start"], kw["end"], kw["step"])
     rows = _linear_rows(1)
     for other in _other_dims(source.shape, -1 if whole else dim):
         rows.append(Row((S(other),), S(other)))

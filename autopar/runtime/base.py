@@ -97,6 +97,7 @@ def flatten_inputs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec, names: l
 def call_mismatch(args, kwargs, in_spec, names: list[str]) -> str:
     """What differs between a call and the example inputs, by argument name (``names``: the user
     inputs' names in flattening order, which name the positional arguments that are tensors)."""
+
     def children(spec):  # TreeSpec.children() from torch 2.10; children_specs before
         return spec.children() if hasattr(spec, "children") else spec.children_specs
 
@@ -105,14 +106,20 @@ def call_mismatch(args, kwargs, in_spec, names: list[str]) -> str:
     leaves = all(child.is_leaf() for child in children(args_spec)) and len(names) >= num_args
     positional = list(names[:num_args]) if leaves else [f"#{i + 1}" for i in range(num_args)]
     expected_kwargs = list(kwargs_spec.context or [])
-    problems = [f"missing argument {name!r}" for name in positional[len(args):] if name not in kwargs]
+    problems = [f"missing argument {name!r}" for name in positional[len(args) :] if name not in kwargs]
     if len(args) > num_args:
         problems.append(f"{len(args)} positional arguments given, {num_args} expected")
     problems += [f"missing keyword argument {key!r}" for key in expected_kwargs if key not in kwargs]
-    problems += [f"unexpected keyword argument {key!r}" for key in kwargs
-                 if key not in expected_kwargs and key not in positional[len(args):]]
-    problems += [f"argument {key!r} passed by keyword, but the example inputs passed it by position"
-                 for key in kwargs if key in positional[len(args):]]
+    problems += [
+        f"unexpected keyword argument {key!r}"
+        for key in kwargs
+        if key not in expected_kwargs and key not in positional[len(args) :]
+    ]
+    problems += [
+        f"argument {key!r} passed by keyword, but the example inputs passed it by position"
+        for key in kwargs
+        if key in positional[len(args) :]
+    ]
     if not problems:
         problems = ["the same arguments, nested differently (tuples, lists or dicts) than in the example inputs"]
     return "; ".join(problems)
@@ -312,8 +319,11 @@ class ShardedModule(torch.nn.Module):
         no rank before it on a replicating mesh axis (or in an earlier pipeline stage) holds."""
         norm_type = float(norm_type)
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        parts = [torch.linalg.vector_norm(grad, norm_type)
-                 for fqn in self._grad_fqns() if self._counts(fqn) and (grad := self._grad(fqn)) is not None]
+        parts = [
+            torch.linalg.vector_norm(grad, norm_type)
+            for fqn in self._grad_fqns()
+            if self._counts(fqn) and (grad := self._grad(fqn)) is not None
+        ]
         # the same dtype on every rank (a rank may count no shard): float64 if the model has any
         dtype = torch.float64 if torch.float64 in self._full_dtypes.values() else torch.float32
         parts = [part.to(device, dtype) for part in parts]
@@ -327,15 +337,21 @@ class ShardedModule(torch.nn.Module):
 
     def _grad_fqns(self) -> list[str]:
         """The canonical names of the parameters this rank holds."""
-        return sorted({self._traced.ties.get(fqn, fqn) for fqn, kind in self._fqns() if kind == "param"
-                       and (has(self.module, fqn) or has(self.module, self._traced.ties.get(fqn, fqn)))})
+        return sorted(
+            {
+                self._traced.ties.get(fqn, fqn)
+                for fqn, kind in self._fqns()
+                if kind == "param" and (has(self.module, fqn) or has(self.module, self._traced.ties.get(fqn, fqn)))
+            }
+        )
 
     def _counts(self, fqn: str) -> bool:
         """Whether this rank's shard of ``fqn`` is the one counted in a sum over the model: held
         where it contributes, and at coordinate 0 of every mesh axis that replicates it."""
         spec = self._plan.params[fqn]
         return self._contributes(fqn) and all(
-            is_sharded(placement) or index == 0 for placement, index in zip(spec, self._coordinate))
+            is_sharded(placement) or index == 0 for placement, index in zip(spec, self._coordinate)
+        )
 
     def _user_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         """The user inputs of a call, flat in graph order, checked against the planned ones."""

@@ -56,8 +56,10 @@ class CheckResult:
         return not self.mismatches
 
     def text(self) -> str:
-        head = (f"rank {self.rank} of {self.world_size} (mesh coordinate {self.coordinate}): "
-                f"{self.num_nodes} nodes, {self.num_inputs} inputs, {self.num_collectives} collectives checked")
+        head = (
+            f"rank {self.rank} of {self.world_size} (mesh coordinate {self.coordinate}): "
+            f"{self.num_nodes} nodes, {self.num_inputs} inputs, {self.num_collectives} collectives checked"
+        )
         if self.ok:
             return f"OK: {head}; every shape agrees with the plan"
         shown = "\n".join(f"  {m}" for m in self.mismatches[:20])
@@ -135,8 +137,10 @@ class _ShapeChecker(torch.fx.Interpreter):
         expected = _expected_collective_shape(kind, node.args, tuple(source.shape))
         if isinstance(expected, str) or tuple(result.shape) != expected:
             why = expected if isinstance(expected, str) else f"expected {expected}"
-            self.mismatches.append(f"{node.name} ({kind} on group {_group_name(node.args)}): input {tuple(source.shape)}, "
-                                   f"output {tuple(result.shape)}, {why}")
+            self.mismatches.append(
+                f"{node.name} ({kind} on group {_group_name(node.args)}): input {tuple(source.shape)}, "
+                f"output {tuple(result.shape)}, {why}"
+            )
 
     def _check_outputs(self, node: torch.fx.Node, decision, result: Any) -> None:
         tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
@@ -148,7 +152,8 @@ class _ShapeChecker(torch.fx.Interpreter):
             if tuple(tensor.shape) != tuple(expected):
                 self.mismatches.append(
                     f"{node.name} ({decision.op}) output {index}: local shape {tuple(tensor.shape)}, but global "
-                    f"{tuple(shape)} under {format_spec(spec)} is {tuple(expected)}")
+                    f"{tuple(shape)} under {format_spec(spec)} is {tuple(expected)}"
+                )
 
     def _check_inputs(self, node: torch.fx.Node, decision) -> None:
         leaves = pytree.tree_leaves((node.args, node.kwargs))
@@ -163,7 +168,8 @@ class _ShapeChecker(torch.fx.Interpreter):
             if tuple(tensor.shape) != tuple(expected):
                 self.mismatches.append(
                     f"{node.name} ({decision.op}) input {index} from {producer}: local shape {tuple(tensor.shape)}, "
-                    f"but it is taken as {format_spec(spec)}, which is {tuple(expected)}")
+                    f"but it is taken as {format_spec(spec)}, which is {tuple(expected)}"
+                )
 
 
 class _Stop(Exception):
@@ -240,8 +246,9 @@ def check_plan(plan: Plan, model: torch.nn.Module, example_inputs: tuple, rank: 
         module.graph_module = _CheckingModule(checker)
         with torch.no_grad(), contextlib.suppress(_Stop), _no_compute(model) as convert:
             module(*pytree.tree_map(convert, inputs))
-    return CheckResult(rank, world_size, coordinate, checker.num_nodes, checker.num_inputs,
-                       checker.num_collectives, tuple(checker.mismatches))
+    return CheckResult(
+        rank, world_size, coordinate, checker.num_nodes, checker.num_inputs, checker.num_collectives, tuple(checker.mismatches)
+    )
 
 
 __all__ = ["CheckResult", "check_plan", "fake_world"]

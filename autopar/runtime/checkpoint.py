@@ -101,7 +101,9 @@ def model_state_dict(pm: "ParallelModule") -> dict[str, DTensor]:
 
 
 @torch.no_grad()
-def load_model_state_dict(pm: "ParallelModule", state_dict: Mapping[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:
+def load_model_state_dict(
+    pm: "ParallelModule", state_dict: Mapping[str, Any], strict: bool = True
+) -> tuple[list[str], list[str]]:
     """Copy ``state_dict`` into this rank's shards; return (missing, unexpected) names.
 
     Values may be whole tensors (as ``model.state_dict()`` or ``pm.full_state_dict()`` give),
@@ -155,8 +157,7 @@ def _param_fqns(pm: "ParallelModule", optimizer: torch.optim.Optimizer) -> dict[
         for param in group["params"]:
             if id(param) not in names:
                 raise ValueError(
-                    "the optimizer steps a tensor that is not a parameter of this ParallelModule; "
-                    "build it from pm.parameters()"
+                    "the optimizer steps a tensor that is not a parameter of this ParallelModule; build it from pm.parameters()"
                 )
     return names
 
@@ -213,8 +214,14 @@ def save(path: str | os.PathLike, pm: "ParallelModule", optimizer: torch.optim.O
     _on_rank0("commit the checkpoint", lambda: files.commit(path, dist.get_world_size()))
 
 
-def load(path: str | os.PathLike, pm: "ParallelModule", optimizer: torch.optim.Optimizer | None = None, *,
-         strict: bool = True, verify: bool = True) -> None:
+def load(
+    path: str | os.PathLike,
+    pm: "ParallelModule",
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+) -> None:
     """Read a checkpoint written by ``save`` into ``pm``'s shards (and ``optimizer``'s state).
 
     The checkpoint may come from any mesh shape and any plan of the same model: each rank reads
@@ -255,24 +262,29 @@ def _check_model_keys(pm: "ParallelModule", metadata: Mapping[str, Any], directo
     """The model names to load: a CheckpointError listing missing and unexpected names (unless
     not ``strict``) and every shape that differs."""
     prefix = f"{_MODEL}."
-    saved = {key[len(prefix):]: meta for key, meta in metadata.items() if key.startswith(prefix)}
+    saved = {key[len(prefix) :]: meta for key, meta in metadata.items() if key.startswith(prefix)}
     keys = pm.state_dict_keys()
     missing = [k for k in keys if k not in saved]
     unexpected = [k for k in saved if k not in set(keys)]
-    shapes = [f"{k}: checkpoint {tuple(saved[k].size)}, model {pm.full_shape(k)}" for k in keys
-              if k in saved and isinstance(saved[k], TensorStorageMetadata) and tuple(saved[k].size) != pm.full_shape(k)]
+    shapes = [
+        f"{k}: checkpoint {tuple(saved[k].size)}, model {pm.full_shape(k)}"
+        for k in keys
+        if k in saved and isinstance(saved[k], TensorStorageMetadata) and tuple(saved[k].size) != pm.full_shape(k)
+    ]
     problems = []
     if strict and (missing or unexpected):
-        problems.append(f"missing from the checkpoint: {_listed(missing)}; in the checkpoint but not in the model: "
-                        f"{_listed(unexpected)}")
+        problems.append(
+            f"missing from the checkpoint: {_listed(missing)}; in the checkpoint but not in the model: {_listed(unexpected)}"
+        )
     if shapes:
         problems.append(f"shapes differ: {_listed(shapes)}")
     if problems:
         fix = "load a checkpoint of this model's configuration"
         if not shapes:
             fix += ", or pass strict=False to load only the names both hold"
-        raise files.CheckpointError(f"the checkpoint at {directory} does not fit this model: {'; '.join(problems)}. "
-                                    f"Nothing was loaded; {fix}")
+        raise files.CheckpointError(
+            f"the checkpoint at {directory} does not fit this model: {'; '.join(problems)}. Nothing was loaded; {fix}"
+        )
     return [k for k in keys if k in saved]
 
 
@@ -288,8 +300,10 @@ def _check_param_groups(mine: list[list[str]], metadata: Mapping[str, Any], dire
     prefix = f"{_OPTIM}.param_groups."
     saved_keys = [key for key in metadata if key.startswith(prefix) and key.endswith(".params")]
     if not saved_keys:
-        raise files.CheckpointError(f"the checkpoint at {directory} has no optimizer state: it was saved without an "
-                                    "optimizer; load without one (and build a fresh optimizer)")
+        raise files.CheckpointError(
+            f"the checkpoint at {directory} has no optimizer state: it was saved without an "
+            "optimizer; load without one (and build a fresh optimizer)"
+        )
     saved = _read_objects(directory, saved_keys)
     groups = [saved[f"{prefix}{index}.params"] for index in range(len(saved_keys)) if f"{prefix}{index}.params" in saved]
     if [list(g) for g in groups] != mine:
@@ -355,15 +369,19 @@ def _run_dcp(what: str, path, fn) -> None:
     try:
         call_on_world(f"checkpoint {what}", fn)
     except CheckpointException as error:
-        lines = [f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                 for rank, (exc, _trace) in sorted(error.failures.items())]
+        lines = [
+            f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            for rank, (exc, _trace) in sorted(error.failures.items())
+        ]
         kept = "the checkpoint it was replacing is unchanged" if what == "save" else "the module may be partly loaded"
         raise files.CheckpointError(
             f"checkpoint {what} at {path} failed: " + "; ".join(lines) + f". {kept}; fix the cause and {what} again"
         ) from None
 
 
-def _optimizer_target(pm: "ParallelModule", optimizer: torch.optim.Optimizer, metadata: Mapping[str, Any], path) -> dict[str, Any]:
+def _optimizer_target(
+    pm: "ParallelModule", optimizer: torch.optim.Optimizer, metadata: Mapping[str, Any], path
+) -> dict[str, Any]:
     """Empty buffers, shaped as this rank's shards, for every optimizer entry in the checkpoint."""
     names = _param_fqns(pm, optimizer)
     mesh = pm.device_mesh
@@ -374,15 +392,16 @@ def _optimizer_target(pm: "ParallelModule", optimizer: torch.optim.Optimizer, me
             prefix = f"{_OPTIM}.state.{fqn}."
             entries = {}
             for key, meta in metadata.items():
-                name = key[len(prefix):]
+                name = key[len(prefix) :]
                 if not key.startswith(prefix) or "." in name:
                     continue
                 if not isinstance(meta, TensorStorageMetadata):
                     entries[name] = None  # a pickled value; DCP puts it in place
                 elif tuple(meta.size) == pm.full_shape(fqn) and len(meta.size) > 0:
                     spec = pm.plan.params[fqn]
-                    local = torch.empty(local_shape(meta.size, spec, pm.shard_mesh_shape), dtype=meta.properties.dtype,
-                                        device=param.device)
+                    local = torch.empty(
+                        local_shape(meta.size, spec, pm.shard_mesh_shape), dtype=meta.properties.dtype, device=param.device
+                    )
                     entries[name] = to_dtensor(local, spec, pm.full_shape(fqn), mesh)
                 else:
                     entries[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=param.device)

@@ -100,11 +100,13 @@ def committed_dir(path: str | os.PathLike) -> Path:
         for candidate in (staging_dir(path), replaced_dir(path)):
             if is_committed(candidate):
                 return candidate
-        raise CheckpointError(f"no checkpoint at {path}: the directory does not exist; pass the directory that "
-                              "autopar.checkpoint.save wrote")
+        raise CheckpointError(
+            f"no checkpoint at {path}: the directory does not exist; pass the directory that autopar.checkpoint.save wrote"
+        )
     if not path.is_dir():
-        raise CheckpointError(f"{path} is a file, not a checkpoint directory: pass the directory that "
-                              "autopar.checkpoint.save wrote")
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint directory: pass the directory that autopar.checkpoint.save wrote"
+        )
     raise CheckpointError(
         f"the checkpoint at {path} has no commit marker ({MARKER}): its save did not finish, or another tool wrote it "
         "(autopar.checkpoint.save commits a checkpoint only once every rank has written it). Load a complete "
@@ -118,16 +120,21 @@ def verify(path: str | os.PathLike, marked: bool = True) -> tuple[Path, Metadata
     the path, the files and the fix otherwise). ``marked=False`` skips the commit marker."""
     directory = committed_dir(path) if marked else Path(path)
     if not directory.is_dir():
-        raise CheckpointError(f"no checkpoint at {directory}: not a directory; pass the directory that "
-                              "autopar.checkpoint.save wrote")
+        raise CheckpointError(
+            f"no checkpoint at {directory}: not a directory; pass the directory that autopar.checkpoint.save wrote"
+        )
     if not (directory / ".metadata").is_file():
-        raise CheckpointError(f"the checkpoint at {directory} has no .metadata file: it is not a DCP checkpoint, or "
-                              "its save did not finish; load a complete checkpoint")
+        raise CheckpointError(
+            f"the checkpoint at {directory} has no .metadata file: it is not a DCP checkpoint, or "
+            "its save did not finish; load a complete checkpoint"
+        )
     try:
         metadata = FileSystemReader(directory).read_metadata()
     except Exception as error:  # a truncated or foreign file: pickle, EOF or attribute errors
-        raise CheckpointError(f"the checkpoint's {directory / '.metadata'} cannot be read ({type(error).__name__}: "
-                              f"{error}): the file is damaged; load another checkpoint") from None
+        raise CheckpointError(
+            f"the checkpoint's {directory / '.metadata'} cannot be read ({type(error).__name__}: "
+            f"{error}): the file is damaged; load another checkpoint"
+        ) from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = int(info.offset) + int(info.length)
@@ -143,8 +150,10 @@ def verify(path: str | os.PathLike, marked: bool = True) -> tuple[Path, Metadata
         problems += _marker_problems(directory, {problem.split(" ", 1)[0] for problem in problems})
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise CheckpointError(f"the checkpoint at {directory} is damaged: {shown}. No tensor was loaded; restore "
-                              "these files or load another checkpoint")
+        raise CheckpointError(
+            f"the checkpoint at {directory} is damaged: {shown}. No tensor was loaded; restore "
+            "these files or load another checkpoint"
+        )
     return directory, metadata
 
 

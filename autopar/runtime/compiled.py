@@ -39,8 +39,7 @@ class CompiledGraph:
     def __init__(self, gm: torch.fx.GraphModule, comm: CommOptions | None):
         # gloo's reduce-scatter is slower than an all-to-all and a sum (ops.collectives._sums_exchanged)
         exchange_sums = dist.is_initialized() and dist.get_backend() == "gloo"
-        self.compiled = torch.compile(gm, backend="inductor", dynamic=False,
-                                      options=inductor_options(comm, exchange_sums))
+        self.compiled = torch.compile(gm, backend="inductor", dynamic=False, options=inductor_options(comm, exchange_sums))
         self.first_call_s: float | None = None
 
     def __call__(self, *values: Any) -> Any:
@@ -49,8 +48,11 @@ class CompiledGraph:
         start = time.perf_counter()
         out = self.compiled(*values)
         self.first_call_s = time.perf_counter() - start
-        log.info("autopar: inductor traced and compiled the graph's forward in %.1f s (cached by inductor "
-                 "for the next compile of the same graph)", self.first_call_s)
+        log.info(
+            "autopar: inductor traced and compiled the graph's forward in %.1f s (cached by inductor "
+            "for the next compile of the same graph)",
+            self.first_call_s,
+        )
         return out
 
 
@@ -71,9 +73,11 @@ _warned: list[bool] = []
 def warn_not_compiled() -> None:
     if not _warned:
         _warned.append(True)
-        log.warning("autopar: torch.compile of a ParallelModule compiled without compiler='inductor' runs its "
-                    "graph eagerly (its communication schedule lives in autograd hooks); compile it with "
-                    "autopar.compile(..., compiler='inductor') to have inductor compile the graph")
+        log.warning(
+            "autopar: torch.compile of a ParallelModule compiled without compiler='inductor' runs its "
+            "graph eagerly (its communication schedule lives in autograd hooks); compile it with "
+            "autopar.compile(..., compiler='inductor') to have inductor compile the graph"
+        )
 
 
 def check_compiler(compiler: str | None) -> None:

@@ -49,8 +49,9 @@ def fingerprint(leaves: list[Any], device: torch.device) -> torch.Tensor:
     return torch.stack([count, total, weighted])
 
 
-def start_check(validate: Callable[[], _T], leaves: list[Any], layout: DataLayout, coordinate: tuple[int, ...],
-                device: torch.device) -> tuple[_T, Callable[[], None]]:
+def start_check(
+    validate: Callable[[], _T], leaves: list[Any], layout: DataLayout, coordinate: tuple[int, ...], device: torch.device
+) -> tuple[_T, Callable[[], None]]:
     """``validate()`` (the call's own checks, which return its flat inputs) and the launch of one
     all-gather that tells every rank whether any rank refused the call or passed other data than
     the ranks it must agree with. Returns ``validate()``'s result and ``settle``, which waits for
@@ -69,11 +70,11 @@ def start_check(validate: Callable[[], _T], leaves: list[Any], layout: DataLayou
     except (ValueError, TypeError) as error:
         refusal = error
     group = layout.rank(coordinate) if layout.per_rank else 0  # the ranks that must pass the same data
-    row = torch.cat([torch.tensor([group, float(refusal is not None)], dtype=torch.float64,
-                                  device=device), fingerprint(leaves, device)])
+    row = torch.cat(
+        [torch.tensor([group, float(refusal is not None)], dtype=torch.float64, device=device), fingerprint(leaves, device)]
+    )
     gathered = torch.empty(dist.get_world_size() * _FIELDS, dtype=torch.float64, device=device)
-    work = collectives.call_on_world("all-gather (data check)", _all_gather_into, gathered, row,
-                                     async_op=True)
+    work = collectives.call_on_world("all-gather (data check)", _all_gather_into, gathered, row, async_op=True)
     rows = gathered.view(-1, _FIELDS)  # row r is rank r's
     if refusal is not None:
         collectives.call_on_world("all-gather (data check)", work.wait)

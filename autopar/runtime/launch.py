@@ -86,8 +86,7 @@ def _worker(
             payload = pickle.dumps(result)
         except Exception as exc:
             raise TypeError(
-                f"the result of {_name(fn)} on rank {rank} cannot be pickled "
-                f"({type(result).__name__}): {exc}"
+                f"the result of {_name(fn)} on rank {rank} cannot be pickled ({type(result).__name__}): {exc}"
             ) from exc
         report_queue.put((rank, "ok", payload))
     except BaseException:  # noqa: BLE001 - everything, even SystemExit, must reach the parent
@@ -156,8 +155,14 @@ def run_distributed(
             )
             proc.start()
             procs.append(proc)
-        return _collect(fn, procs, report_queue, deadline=time.monotonic() + timeout_s
-                        + _EXTRA_DEADLINE_S, timeout_s=timeout_s, grace_s=grace_s)
+        return _collect(
+            fn,
+            procs,
+            report_queue,
+            deadline=time.monotonic() + timeout_s + _EXTRA_DEADLINE_S,
+            timeout_s=timeout_s,
+            grace_s=grace_s,
+        )
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -289,15 +294,10 @@ def _check_keys(got: Mapping[str, Any], want: Mapping[str, Any], what: str) -> N
     missing = sorted(set(want) - set(got))
     extra = sorted(set(got) - set(want))
     if missing or extra:
-        raise AssertionError(
-            f"{what}: names differ; missing from got: {missing or 'none'}; "
-            f"not in want: {extra or 'none'}"
-        )
+        raise AssertionError(f"{what}: names differ; missing from got: {missing or 'none'}; not in want: {extra or 'none'}")
 
 
-def max_rel_diff(
-    got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]
-) -> dict[str, float]:
+def max_rel_diff(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """Per name, ``rel_diff(got[name], want[name])``. Both dicts must have the same names."""
     _check_keys(got, want, "max_rel_diff")
     return {name: rel_diff(got[name], want[name]) for name in want}
@@ -330,19 +330,18 @@ def assert_close_dicts(
         err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
         flat = int(err.argmax())
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
-        failures.append((
-            rel_diff(got_t, want_t),
-            name,
-            f"max abs err {err.max().item():.3e} at {index} "
-            f"(got {got_t.reshape(-1)[flat].item():.6g}, want {want_t.reshape(-1)[flat].item():.6g}), "
-            f"rel diff {rel_diff(got_t, want_t):.3e}",
-        ))
+        failures.append(
+            (
+                rel_diff(got_t, want_t),
+                name,
+                f"max abs err {err.max().item():.3e} at {index} "
+                f"(got {got_t.reshape(-1)[flat].item():.6g}, want {want_t.reshape(-1)[flat].item():.6g}), "
+                f"rel diff {rel_diff(got_t, want_t):.3e}",
+            )
+        )
     if failures:
         failures.sort(key=lambda item: -item[0])
         worst = failures[0][1]
-        lines = [
-            f"{len(failures)} of {len(want)} {what} differ (rtol={rtol}, atol={atol}); "
-            f"worst is {worst!r}:"
-        ]
+        lines = [f"{len(failures)} of {len(want)} {what} differ (rtol={rtol}, atol={atol}); worst is {worst!r}:"]
         lines += [f"  {name}: {detail}" for _, name, detail in failures]
         raise AssertionError("\n".join(lines))

@@ -49,8 +49,15 @@ import torch
 from autopar.ir.spec import Spec, local_shape, shard_tensor
 from autopar.trace.fake import apply_order, own_tensors, fake_tensors, has_meta_tensors
 
-__all__ = ["SeededInit", "FromCheckpoint", "has_meta_tensors", "fake_tensors", "seeded_shards", "empty_shards",
-           "checkpoint_shards"]
+__all__ = [
+    "SeededInit",
+    "FromCheckpoint",
+    "has_meta_tensors",
+    "fake_tensors",
+    "seeded_shards",
+    "empty_shards",
+    "checkpoint_shards",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,19 +105,26 @@ class FromCheckpoint:
             raise TypeError(f"FromCheckpoint.unsaved must be an autopar.SeededInit, got {self.unsaved!r}")
 
 
-def empty_shards(model: torch.nn.Module, specs: Mapping[str, Spec], mesh_shape: tuple[int, ...],
-                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def empty_shards(
+    model: torch.nn.Module, specs: Mapping[str, Spec], mesh_shape: tuple[int, ...], device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """FQN → an uninitialized tensor of this rank's shard shape, for every tensor in ``specs``."""
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     return {
         fqn: torch.empty(local_shape(tuple(named[fqn].shape), spec, mesh_shape), dtype=named[fqn].dtype, device=device)
-        for fqn, spec in specs.items() if fqn in named
+        for fqn, spec in specs.items()
+        if fqn in named
     }
 
 
-def checkpoint_shards(model: torch.nn.Module, init: FromCheckpoint, specs: Mapping[str, Spec],
-                      coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+def checkpoint_shards(
+    model: torch.nn.Module,
+    init: FromCheckpoint,
+    specs: Mapping[str, Spec],
+    coordinate: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+) -> dict[str, torch.Tensor]:
     """FQN → this rank's shard of each tensor in ``specs``, for ``autopar.checkpoint.load`` to fill:
     empty, except the tensors no checkpoint holds (non-persistent buffers), made by ``init.unsaved``."""
     shards = empty_shards(model, specs, mesh_shape, init.device)
@@ -129,8 +143,9 @@ def checkpoint_shards(model: torch.nn.Module, init: FromCheckpoint, specs: Mappi
 
 
 @torch.no_grad()
-def seeded_shards(model: torch.nn.Module, init: SeededInit, specs: Mapping[str, Spec],
-                  coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+def seeded_shards(
+    model: torch.nn.Module, init: SeededInit, specs: Mapping[str, Spec], coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> dict[str, torch.Tensor]:
     """FQN → this rank's shard of each tensor in ``specs``, as ``init.apply`` would make it whole.
 
     ``model`` is left as it was (its tensors are swapped back after each module).

@@ -36,14 +36,27 @@ aten = torch.ops.aten
 
 # Losses that reduce over their targets; ``reduction``: 0 none, 1 mean, 2 sum.
 _TARGET_LOSSES = {
-    aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default,
-    aten.nll_loss_forward.default, aten.nll_loss2d.default, aten.nll_loss2d_forward.default,
+    aten.cross_entropy_loss.default,
+    aten.nll_loss.default,
+    aten.nll_loss_nd.default,
+    aten.nll_loss_forward.default,
+    aten.nll_loss2d.default,
+    aten.nll_loss2d_forward.default,
 }
 # Ops between that loss and the model's loss that keep it "the mean, times a constant".
 _KEEPS_MEAN = {
-    aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default, aten.alias.default,
-    aten.view.default, aten.reshape.default, aten.squeeze.default, aten.mul.Tensor, aten.div.Tensor,
-    aten.mul.Scalar, aten.div.Scalar,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten._to_copy.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten.squeeze.default,
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.mul.Scalar,
+    aten.div.Scalar,
 }
 
 

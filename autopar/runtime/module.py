@@ -73,18 +73,19 @@ class ParallelModule(ShardedModule):
         self._writes_state: dict[str, bool] = {}  # per mode graph: whether it writes a buffer (runtime.data)
         self._build_mode = build_mode
         self._data = plan.data_layout
-        if self._data.per_rank:  # a call passes this data-parallel rank's rows of each batched input
-            self._user_metas = [(name, (shape[0] // self._data.size, *shape[1:]) if name in self._data.inputs else shape,
-                                 dtype) for name, shape, dtype in self._user_metas]
-            self._shape_hint = (f" (batch='per_rank': 1/{self._data.size} of the example inputs' batch, the rows of "
-                                f"data-parallel rank {self.data_parallel_rank} of {self._data.size})")
-        self._check_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-            else torch.device("cpu")
+        if self._data.per_rank:
+            self._expect_per_rank_rows()
+        self._check_device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
         full = model_tensors(model)
         # Each shard is stored in its placeholder's dtype: the model's own, or under a precision
         # policy the master dtype (or param_dtype where the policy keeps no master copy).
-        dtypes = {n.name: n.meta["val"].dtype for n in traced.gm.graph.nodes
-                  if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+        dtypes = {
+            n.name: n.meta["val"].dtype
+            for n in traced.gm.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+        }
         made: dict[str, torch.Tensor] = {}
         for graph_input in traced.inputs:
             if graph_input.kind not in ("param", "buffer"):
@@ -116,10 +117,23 @@ class ParallelModule(ShardedModule):
             attach(self.module, fqn, value, graph_input.kind)
         self._leaves = {id(p): LocalLeaf(p) for p in made.values() if isinstance(p, DTensor)}
         if offloader is not None:
-            offloader.attach_grad_hooks({traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)})
+            offloader.attach_grad_hooks(
+                {traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}
+            )
         # The communication schedule's buckets and gathers read and write these shards.
         self._bind(gm, self._inputs)
         self.train(training)
+
+    def _expect_per_rank_rows(self) -> None:
+        """A call passes this data-parallel rank's rows of each batched input."""
+        self._user_metas = [
+            (name, (shape[0] // self._data.size, *shape[1:]) if name in self._data.inputs else shape, dtype)
+            for name, shape, dtype in self._user_metas
+        ]
+        self._shape_hint = (
+            f" (batch='per_rank': 1/{self._data.size} of the example inputs' batch, the rows of "
+            f"data-parallel rank {self.data_parallel_rank} of {self._data.size})"
+        )
 
     @property
     def data_parallel_size(self) -> int:
@@ -137,7 +151,7 @@ class ParallelModule(ShardedModule):
 
     @property
     def batch_mode(self) -> str:
-        """"whole" (every rank passes the same whole batch) or "per_rank" (each data-parallel rank its rows)."""
+        """ "whole" (every rank passes the same whole batch) or "per_rank" (each data-parallel rank its rows)."""
         return self._data.batch
 
     def _bind(self, gm: torch.fx.GraphModule, inputs: list[tuple[str, str, str | None]]) -> None:
@@ -155,8 +169,11 @@ class ParallelModule(ShardedModule):
                 f"this module was compiled in {compiled} mode and cannot make its {mode_name(self.training)} graph "
                 f"here: call pm.{compiled}() to run it, or compile the model in {mode_name(self.training)} mode"
             )
-        log.info("autopar: tracing and planning the %s-mode graph (first %s call) ...", mode_name(self.training),
-                 mode_name(self.training))
+        log.info(
+            "autopar: tracing and planning the %s-mode graph (first %s call) ...",
+            mode_name(self.training),
+            mode_name(self.training),
+        )
         traced, gm, plan = self._build_mode(self.training)
         base = self._modes[not self.training]
         if traced.graph_hash == base.traced.graph_hash:  # the model's code does not branch on the mode
@@ -171,8 +188,9 @@ class ParallelModule(ShardedModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run = self._mode_graph()
         leaves = pytree.tree_leaves((args, kwargs))
-        flat, settle = start_check(lambda: self._user_inputs(args, kwargs), leaves, self._data, self._coordinate,
-                                   self._check_device)
+        flat, settle = start_check(
+            lambda: self._user_inputs(args, kwargs), leaves, self._data, self._coordinate, self._check_device
+        )
         # The data check settles before the graph's first collective, or at the end (runtime.data),
         # or before the graph where it writes buffers in place.
         if self._writes_state.setdefault(run.attr, writes_state(getattr(self, run.attr))):

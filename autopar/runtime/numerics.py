@@ -82,8 +82,10 @@ class NumericsResult:
             return f"OK: {head}{loss}{grads}"
         where = ""
         if self.first_bad is not None:
-            where = (f"\n  first node that differs: {self.first_bad.node} ({self.first_bad.op}), "
-                     f"relative difference {self.first_bad.rel_diff:.2e}{self.first_bad.detail}")
+            where = (
+                f"\n  first node that differs: {self.first_bad.node} ({self.first_bad.op}), "
+                f"relative difference {self.first_bad.rel_diff:.2e}{self.first_bad.detail}"
+            )
         return f"MISMATCH: {head}{loss}{grads}{where}"
 
 
@@ -188,8 +190,7 @@ def _rank_run(rank: int, model, traced: TracedModel, plan: Plan, inputs, kwargs,
     if loss is not None and loss.requires_grad:
         loss.backward()
     grads = {fqn: g for fqn, g in pm.full_grads().items() if g is not None} if loss is not None else {}
-    return {"coordinate": coordinate, "values": recorder.values,
-            "loss": None if loss is None else loss.item(), "grads": grads}
+    return {"coordinate": coordinate, "values": recorder.values, "loss": None if loss is None else loss.item(), "grads": grads}
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -244,7 +245,8 @@ def check_numerics(
     if plan.precision is not None and plan.precision.param_dtype is not None:
         raise ValueError(
             f"the numerics guard compares with fp32 eager at 1e-4, and this plan runs precision="
-            f"{plan.precision.name!r}: check the same sharding planned with precision='32-true'")
+            f"{plan.precision.name!r}: check the same sharding planned with precision='32-true'"
+        )
     example_kwargs = dict(example_kwargs or {})
     traced = trace(model, example_inputs, example_kwargs)
     check_plan_matches(plan, traced, plan.mesh_shape)
@@ -259,7 +261,8 @@ def check_numerics(
     world = math.prod(plan.mesh_shape)
     models = [copy.deepcopy(model) for _ in range(world)]
     ranks = run_ranks_in_threads(
-        world, lambda rank: _rank_run(rank, models[rank], traced, plan, example_inputs, example_kwargs, names),
+        world,
+        lambda rank: _rank_run(rank, models[rank], traced, plan, example_inputs, example_kwargs, names),
         timeout_s=timeout_s,
     )
     bad = []
@@ -291,15 +294,33 @@ def check_numerics(
         got = ranks[0]["grads"].get(fqn)
         grad_rel[fqn] = math.inf if got is None else rel_diff(got, want)
     loss = None if want_loss is None or ranks[0]["loss"] is None else (ranks[0]["loss"], want_loss.item())
-    return NumericsResult(tuple(plan.mesh_shape), len(want_values), loss, grad_rel,
-                          bad[0] if bad else None, tolerance, tuple(bad))
+    return NumericsResult(
+        tuple(plan.mesh_shape), len(want_values), loss, grad_rel, bad[0] if bad else None, tolerance, tuple(bad)
+    )
 
 
 # Ops whose values are not a function of their inputs: uninitialized memory (what a later
 # write fills) and random draws. Their consumers are compared as usual.
-_UNDEFINED_VALUE_OPS = ("empty", "empty_like", "new_empty", "empty_strided", "empty_permuted", "rand", "randn",
-                        "rand_like", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
-                        "native_dropout", "dropout", "normal", "uniform", "multinomial")
+_UNDEFINED_VALUE_OPS = (
+    "empty",
+    "empty_like",
+    "new_empty",
+    "empty_strided",
+    "empty_permuted",
+    "rand",
+    "randn",
+    "rand_like",
+    "randn_like",
+    "randint",
+    "randint_like",
+    "randperm",
+    "bernoulli",
+    "native_dropout",
+    "dropout",
+    "normal",
+    "uniform",
+    "multinomial",
+)
 
 
 def _undefined_values(node: torch.fx.Node) -> bool:
@@ -319,18 +340,26 @@ def _undefined_nodes(gm: torch.fx.GraphModule) -> set[str]:
             continue
         inputs = node.all_input_nodes
         base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
-        if (_undefined_values(node) or not node.users
-                or (len(inputs) == 1 and inputs[0].name in found)
-                or (node.target in _SCATTERS and base is not None and base.name in found)):
+        if (
+            _undefined_values(node)
+            or not node.users
+            or (len(inputs) == 1 and inputs[0].name in found)
+            or (node.target in _SCATTERS and base is not None and base.name in found)
+        ):
             found.add(node.name)
     return found
 
 
 # Writes into part of a tensor: where the tensor was uninitialized, so is the part not written
 # (a buffer filled by several slice_scatters holds undefined values until the last one).
-_SCATTERS = {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
-             torch.ops.aten.index_put.default, torch.ops.aten.scatter.src, torch.ops.aten.scatter.value,
-             torch.ops.aten.index_copy.default}
+_SCATTERS = {
+    torch.ops.aten.slice_scatter.default,
+    torch.ops.aten.select_scatter.default,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.scatter.src,
+    torch.ops.aten.scatter.value,
+    torch.ops.aten.index_copy.default,
+}
 
 
 def _scale(tensor: torch.Tensor) -> float:

@@ -132,6 +132,7 @@ class Offloader(torch.nn.Module):
             if param.grad is not None:  # a DTensor parameter's: its local shard is stored
                 self.add_grad(fqn, local_of(param.grad))
                 param.grad = None
+
         return hook
 
     # -- offloaded activations --------------------------------------------------------------------

@@ -59,7 +59,11 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
-    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
 )
 
 from autopar.errors import PlanError
@@ -105,9 +109,18 @@ def _microbatch_loss(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 class _StageModule(torch.nn.Module):
     """One stage: its submodule, parameter shards, and the names it receives and sends."""
 
-    def __init__(self, submod: torch.fx.GraphModule, inputs: list[str], outputs: list[str], received: list[str],
-                 sent: list[str] | None, loss_name: str, user_keys: dict[str, str], tensors: dict[str, torch.Tensor],
-                 constants: set[str]):
+    def __init__(
+        self,
+        submod: torch.fx.GraphModule,
+        inputs: list[str],
+        outputs: list[str],
+        received: list[str],
+        sent: list[str] | None,
+        loss_name: str,
+        user_keys: dict[str, str],
+        tensors: dict[str, torch.Tensor],
+        constants: set[str],
+    ):
         super().__init__()
         self.submod = submod
         self._inputs, self._outputs, self._received, self._sent = inputs, outputs, received, sent
@@ -154,8 +167,9 @@ class _HeldGradients(torch.autograd.Function):
         return (None, None, *([None] * ctx.num_params), *held)
 
 
-def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan,
-                     init: SeededInit | FromCheckpoint | None = None) -> "PipelineParallelModule":
+def compile_pipeline(
+    model: torch.nn.Module, traced: TracedModel, plan: Plan, init: SeededInit | FromCheckpoint | None = None
+) -> "PipelineParallelModule":
     """Rewrite and split ``traced`` (one microbatch) by ``plan`` and return this rank's module.
 
     ``init`` (None: cut from ``model``'s tensors) makes the shards of this rank's stages only;
@@ -163,8 +177,10 @@ def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan,
     stages = plan.pipeline
     assert stages is not None
     groups_ranks = stage_ranks(plan.mesh_shape, stages.num_stages)
-    expected = (stage_mesh_of(plan.mesh_shape, stages.num_stages),
-                [groups_ranks[group_of(stages.schedule, stages.num_stages, j)] for j in range(stages.num_model_stages)])
+    expected = (
+        stage_mesh_of(plan.mesh_shape, stages.num_stages),
+        [groups_ranks[group_of(stages.schedule, stages.num_stages, j)] for j in range(stages.num_model_stages)],
+    )
     if (tuple(stages.stage_mesh), [tuple(s.ranks) for s in stages.stages]) != expected:
         raise PlanError(
             f"the plan's pipeline puts its {stages.num_stages} stages on stage mesh {tuple(stages.stage_mesh)} and ranks "
@@ -174,11 +190,20 @@ def compile_pipeline(model: torch.nn.Module, traced: TracedModel, plan: Plan,
     stage_index, groups, coordinate, line = pipeline_groups(tuple(plan.mesh_shape), stages.num_stages)
     stage_view = _stage_view(plan)
     position, _ = loss_output(traced)
-    passes = [*default_passes(groups), functools.partial(return_only, position=position),
-              functools.partial(split_into_stages, stages=stages)]
+    passes = [
+        *default_passes(groups),
+        functools.partial(return_only, position=position),
+        functools.partial(split_into_stages, stages=stages),
+    ]
     split = run_passes(copy.deepcopy(traced.gm), stage_view, passes)
-    log.info("autopar: rank %d runs pipeline stage %d of %d on stage mesh %s at %s", dist.get_rank(), stage_index,
-             stages.num_stages, tuple(stages.stage_mesh), coordinate)
+    log.info(
+        "autopar: rank %d runs pipeline stage %d of %d on stage mesh %s at %s",
+        dist.get_rank(),
+        stage_index,
+        stages.num_stages,
+        tuple(stages.stage_mesh),
+        coordinate,
+    )
     return PipelineParallelModule(model, traced, split, plan, stage_index, groups, coordinate, line, init)
 
 
@@ -196,13 +221,23 @@ class PipelineParallelModule(ShardedModule):
     ``state_dict()`` is this rank's part of the model, as DTensors (DCP).
     """
 
-    def __init__(self, model: torch.nn.Module, traced: TracedModel, split: torch.fx.GraphModule, plan: Plan,
-                 stage_index: int, groups: tuple[str, ...], coordinate: tuple[int, ...], line: dist.ProcessGroup,
-                 init: SeededInit | FromCheckpoint | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        traced: TracedModel,
+        split: torch.fx.GraphModule,
+        plan: Plan,
+        stage_index: int,
+        groups: tuple[str, ...],
+        coordinate: tuple[int, ...],
+        line: dist.ProcessGroup,
+        init: SeededInit | FromCheckpoint | None = None,
+    ):
         stages = plan.pipeline
         # Offloading is not combined with pipelines yet: no offloader.
-        super().__init__(model, traced, split, plan, groups, coordinate, tuple(stages.stage_mesh),
-                         num_microbatches=stages.num_microbatches)
+        super().__init__(
+            model, traced, split, plan, groups, coordinate, tuple(stages.stage_mesh), num_microbatches=stages.num_microbatches
+        )
         self._stage_index = stage_index  # this rank's group: mesh axis 0 cut into num_stages
         self._num_stages = stages.num_stages
         self._num_model_stages = stages.num_model_stages
@@ -246,8 +281,11 @@ class PipelineParallelModule(ShardedModule):
         tensors: dict[str, torch.Tensor] = {}
         made: dict[str, torch.Tensor] = {}
         # Stored in the placeholder's dtype: the model's own, or a precision policy's master dtype.
-        dtypes = {n.name: n.meta["val"].dtype for n in traced.gm.graph.nodes
-                  if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+        dtypes = {
+            n.name: n.meta["val"].dtype
+            for n in traced.gm.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+        }
         for gi in traced.inputs:
             if gi.kind == "constant":
                 tensors[gi.name] = self._constants[gi.name]
@@ -274,8 +312,11 @@ class PipelineParallelModule(ShardedModule):
         stage gets its shards of the same numbers as ``init.apply`` on the whole model."""
         if init is None:
             return None
-        specs = {gi.fqn: self._plan.params[gi.fqn] for gi in self._traced.inputs if gi.kind in ("param", "buffer")
-                 and self._stage_index in self._holders[self._traced.ties.get(gi.fqn, gi.fqn)]}
+        specs = {
+            gi.fqn: self._plan.params[gi.fqn]
+            for gi in self._traced.inputs
+            if gi.kind in ("param", "buffer") and self._stage_index in self._holders[self._traced.ties.get(gi.fqn, gi.fqn)]
+        }
         if isinstance(init, SeededInit):
             return seeded_shards(model, init, specs, self._coordinate, self._mesh_shape)
         return checkpoint_shards(model, init, specs, self._coordinate, self._mesh_shape)  # load fills them
@@ -303,8 +344,15 @@ class PipelineParallelModule(ShardedModule):
             is_last = index == count - 1
             inputs, outputs = stage_io(split, index)
             module = _StageModule(
-                stage_submodule(split, index), inputs, outputs, received, None if is_last else sent[index],
-                loss_name, self._user_keys, tensors, constants=set(self._constants),
+                stage_submodule(split, index),
+                inputs,
+                outputs,
+                received,
+                None if is_last else sent[index],
+                loss_name,
+                self._user_keys,
+                tensors,
+                constants=set(self._constants),
             )
             self._stages.append(module)
             # Static shapes: torch's pipelining would otherwise infer them by running a microbatch
@@ -314,8 +362,11 @@ class PipelineParallelModule(ShardedModule):
                 example_out = (torch.empty((), dtype=self._loss_dtype, device=self._device).requires_grad_(True),)
             else:
                 example_out = tuple(self._example(nodes[name], plan) for name in sent[index])
-            pipeline_stages.append(PipelineStage(module, index, count, self._device, input_args=example_in,
-                                                 output_args=example_out, group=self._line))
+            pipeline_stages.append(
+                PipelineStage(
+                    module, index, count, self._device, input_args=example_in, output_args=example_out, group=self._line
+                )
+            )
         self._pipeline_stage = pipeline_stages[0]
         # The gradients are the sum over microbatches; ``forward`` divides them by their number
         # once (the model's loss is a mean over its microbatch, the whole batch's the mean of
@@ -490,9 +541,13 @@ class PipelineParallelModule(ShardedModule):
         order: dict[str, int] = {}  # a tied parameter at its first name's place, as pm.parameters() has it
         for gi in self._traced.inputs:
             order.setdefault(self._traced.ties.get(gi.fqn, gi.fqn), len(order))
-        return [sorted({name for rank_groups in gathered for name in rank_groups[index]},
-                       key=lambda name: order.get(self._traced.ties.get(name, name), len(order)))
-                for index in range(len(groups))]
+        return [
+            sorted(
+                {name for rank_groups in gathered for name in rank_groups[index]},
+                key=lambda name: order.get(self._traced.ties.get(name, name), len(order)),
+            )
+            for index in range(len(groups))
+        ]
 
     def local_params_of(self, names: list[str]) -> list[str]:
         """Of a param group's FQNs over the whole model, those this rank's stages hold."""
@@ -522,8 +577,12 @@ def _returned_name(split: torch.fx.GraphModule) -> str:
     return stage_io(split, index)[1][position]
 
 
-_SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B,
-              "ZBV": ScheduleZBVZeroBubble}
+_SCHEDULES = {
+    "1F1B": Schedule1F1B,
+    "GPipe": ScheduleGPipe,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "ZBV": ScheduleZBVZeroBubble,
+}
 
 
 def loss_output(traced: TracedModel) -> tuple[int, torch.fx.Node]:

@@ -125,8 +125,7 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float], k: in
     slope = sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes_bytes, times_s)) / var
     if slope <= 0:
         raise ValueError(
-            f"all-reduce times {list(times_s)} do not grow with size {list(sizes_bytes)}: "
-            "measure larger sizes (drop --quick)"
+            f"all-reduce times {list(times_s)} do not grow with size {list(sizes_bytes)}: measure larger sizes (drop --quick)"
         )
     intercept = mean_t - slope * mean_n
     latency_s = max(intercept / (2 * (k - 1)), 1e-6)
@@ -165,8 +164,15 @@ def measure_axes(
             continue
         group = _resolve_process_group(name)
         times = [_time_all_reduce(n, group, device, repeats) for n in sizes_bytes]
-        out.append({"axis": axis, "size": size, "sizes_bytes": list(sizes_bytes), "times_s": times,
-                    "link": fit_alpha_beta(sizes_bytes, times, size)})
+        out.append(
+            {
+                "axis": axis,
+                "size": size,
+                "sizes_bytes": list(sizes_bytes),
+                "times_s": times,
+                "link": fit_alpha_beta(sizes_bytes, times, size),
+            }
+        )
     return out
 
 
@@ -185,8 +191,13 @@ def build_spec(
     fallback = get_cluster(base)
     links: dict[str, list[LinkSpec]] = {"intra_node": [], "inter_node": []}
     probe = ClusterSpec(
-        name="probe", devices_per_node=devices_per_node, num_nodes=num_nodes, peak_flops={"float32": 1.0},
-        memory_bandwidth_bytes_per_s=1.0, memory_bytes=1, intra_node=fallback.intra_node,
+        name="probe",
+        devices_per_node=devices_per_node,
+        num_nodes=num_nodes,
+        peak_flops={"float32": 1.0},
+        memory_bandwidth_bytes_per_s=1.0,
+        memory_bytes=1,
+        intra_node=fallback.intra_node,
         inter_node=fallback.inter_node,
     )
     # Ranks beyond the compute slots ran time-sliced: the spec holds the link at full speed, and
@@ -200,13 +211,14 @@ def build_spec(
         links[level].append(LinkSpec(link.latency_s * share, link.bandwidth_bytes_per_s / share))
     notes = [f"Measured by autopar profile on {device['device']} with torch {torch.__version__}."]
     if share < 1:
-        notes.append(f"{math.prod(mesh_shape)} ranks shared {compute_slots_per_node} compute slots: the "
-                     f"links are the measured ones at full speed (latency x {share:g}, bandwidth / {share:g}).")
+        notes.append(
+            f"{math.prod(mesh_shape)} ranks shared {compute_slots_per_node} compute slots: the "
+            f"links are the measured ones at full speed (latency x {share:g}, bandwidth / {share:g})."
+        )
     chosen: dict[str, LinkSpec] = {}
     for level, found in links.items():
         if found:  # the slowest axis of that level: a plan must not count on the best one
-            chosen[level] = LinkSpec(max(link.latency_s for link in found),
-                                     min(link.bandwidth_bytes_per_s for link in found))
+            chosen[level] = LinkSpec(max(link.latency_s for link in found), min(link.bandwidth_bytes_per_s for link in found))
             notes.append(f"{level}: fitted from all-reduces on {len(found)} mesh axis(es).")
     for level, other in (("intra_node", "inter_node"), ("inter_node", "intra_node")):
         if level not in chosen:
@@ -216,11 +228,20 @@ def build_spec(
             else:
                 chosen[level] = getattr(fallback, level)
                 notes.append(f"{level}: not measured (no process group); taken from preset {base!r}.")
-    notes.append("Per axis: " + "; ".join(
-        f"axis {e['axis']} (size {e['size']}): " + (
-            "not measured" if e["link"] is None
-            else f"alpha {e['link'].latency_s:.3g} s, beta {e['link'].bandwidth_bytes_per_s:.3g} B/s"
-        ) for e in (axes or [])) if axes else "Per axis: none measured.")
+    notes.append(
+        "Per axis: "
+        + "; ".join(
+            f"axis {e['axis']} (size {e['size']}): "
+            + (
+                "not measured"
+                if e["link"] is None
+                else f"alpha {e['link'].latency_s:.3g} s, beta {e['link'].bandwidth_bytes_per_s:.3g} B/s"
+            )
+            for e in (axes or [])
+        )
+        if axes
+        else "Per axis: none measured."
+    )
     return ClusterSpec(
         name=name or f"profiled-{device['device'].replace(' ', '-').lower()}",
         devices_per_node=devices_per_node,
@@ -261,7 +282,9 @@ def profile_spawn(mesh_shape: Sequence[int], quick: bool = True, timeout_s: floa
     return ClusterSpec.from_json(results[0])
 
 
-def run_profile(out: str, mesh_shape: Sequence[int] | None, spawn: bool, quick: bool, timeout_s: float = 300) -> ClusterSpec | None:
+def run_profile(
+    out: str, mesh_shape: Sequence[int] | None, spawn: bool, quick: bool, timeout_s: float = 300
+) -> ClusterSpec | None:
     """What ``autopar profile`` does; returns the spec (None on ranks other than 0)."""
     if spawn:
         if mesh_shape is None:

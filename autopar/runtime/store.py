@@ -178,7 +178,7 @@ def _aligned_bytes(num_bytes: int, pin: bool = False) -> torch.Tensor:
     padded = -(-max(num_bytes, 1) // DIRECT_ALIGN) * DIRECT_ALIGN
     raw = torch.empty(padded + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
     start = -raw.data_ptr() % DIRECT_ALIGN
-    return raw[start:start + padded]
+    return raw[start : start + padded]
 
 
 DIRECT_ALIGN = 4096  # O_DIRECT wants buffer addresses, sizes and file offsets in whole blocks
@@ -235,8 +235,8 @@ class DiskStore(Store):
             return
         bounce = _aligned_bytes(min(data.numel(), _BOUNCE_BYTES))
         for offset in range(0, data.numel(), bounce.numel()):
-            chunk = data[offset:offset + bounce.numel()]
-            bounce[:chunk.numel()].copy_(chunk)
+            chunk = data[offset : offset + bounce.numel()]
+            bounce[: chunk.numel()].copy_(chunk)
             size = -(-chunk.numel() // DIRECT_ALIGN) * DIRECT_ALIGN
             _pwrite_all(fd, memoryview(bounce[:size].numpy()), offset)
 
@@ -329,5 +329,4 @@ def make_store(target: str, path: str | None, device: torch.device | str) -> Sto
     return HostStore(device)
 
 
-__all__ = ["Store", "HostStore", "DiskStore", "make_store", "return_freed_memory_to_os",
-           "measure_disk_link"]
+__all__ = ["Store", "HostStore", "DiskStore", "make_store", "return_freed_memory_to_os", "measure_disk_link"]

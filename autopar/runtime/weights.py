@@ -50,7 +50,7 @@ def _word_sums(flat: torch.Tensor) -> str:
     words = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size(), torch.uint8))
     total = weighted = 0
     for start in range(0, words.numel(), _CHUNK):
-        chunk = words[start:start + _CHUNK].to(torch.int64)
+        chunk = words[start : start + _CHUNK].to(torch.int64)
         positions = torch.arange(start + 1, start + 1 + chunk.numel(), device=chunk.device, dtype=torch.int64)
         total += int(chunk.sum())
         weighted += int((chunk * positions).sum())
@@ -69,8 +69,11 @@ def check_same_weights(model: torch.nn.Module, init: Any = None) -> None:
     everyone: list[Any] = [None] * dist.get_world_size()
     call_on_world("weight checksum", dist.all_gather_object, everyone, mine)
     reference = everyone[0]
-    differ = {rank: [name for (name, _), a, b in zip(named, theirs, reference) if a[0] == b[0] and a[1] != b[1]]
-              for rank, theirs in enumerate(everyone) if theirs != reference}
+    differ = {
+        rank: [name for (name, _), a, b in zip(named, theirs, reference) if a[0] == b[0] and a[1] != b[1]]
+        for rank, theirs in enumerate(everyone)
+        if theirs != reference
+    }
     differ = {rank: names for rank, names in differ.items() if names or len(everyone[rank]) != len(reference)}
     if not differ:
         return

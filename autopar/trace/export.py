@@ -98,8 +98,13 @@ def trace(
     _refuse_cache_inputs(example_kwargs)
     try:
         # Stacked experts modules trace as one autopar::moe_experts op (``trace.moe``).
-        with _no_stack_traces(), _lazy_recompile(), experts_as_one_op(model), _no_caches(model) as notes, \
-                _fake_params(model, (example_inputs, example_kwargs or {}), precision):
+        with (
+            _no_stack_traces(),
+            _lazy_recompile(),
+            experts_as_one_op(model),
+            _no_caches(model) as notes,
+            _fake_params(model, (example_inputs, example_kwargs or {}), precision),
+        ):
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error
@@ -118,8 +123,7 @@ def trace(
         kind = _KINDS.get(spec.kind)
         if kind is None:
             raise TraceError(
-                f"the exported graph has an input of kind {spec.kind} ({spec.arg.name}), "
-                "which autopar does not handle yet"
+                f"the exported graph has an input of kind {spec.kind} ({spec.arg.name}), which autopar does not handle yet"
             )
         name = placeholder.name  # renamed by _rename_unstable where export's name was unsafe
         inputs.append(GraphInput(name, kind, spec.target))
@@ -157,8 +161,10 @@ def _no_caches(model: torch.nn.Module):
             configs[id(config)] = config
     notes = []
     if configs:
-        notes.append(f"{type(model).__name__}'s config has use_cache=True: traced with use_cache=False, so the "
-                     "compiled module returns no key/value cache (past_key_values); a training step reads none")
+        notes.append(
+            f"{type(model).__name__}'s config has use_cache=True: traced with use_cache=False, so the "
+            "compiled module returns no key/value cache (past_key_values); a training step reads none"
+        )
     for config in configs.values():
         config.use_cache = False
     try:
@@ -172,12 +178,16 @@ def _refuse_cache_inputs(example_kwargs: dict[str, Any] | None) -> None:
     """A call that asks for a cache (``use_cache=True``) or passes one cannot be a training graph."""
     kwargs = example_kwargs or {}
     if kwargs.get("use_cache") is True:
-        raise TraceError("the example inputs pass use_cache=True, which makes the model return a key/value cache: "
-                         "a training graph returns none. Drop use_cache from the inputs (autopar traces with "
-                         "use_cache=False) or pass use_cache=False")
+        raise TraceError(
+            "the example inputs pass use_cache=True, which makes the model return a key/value cache: "
+            "a training graph returns none. Drop use_cache from the inputs (autopar traces with "
+            "use_cache=False) or pass use_cache=False"
+        )
     if kwargs.get("past_key_values") is not None:
-        raise TraceError("the example inputs pass past_key_values (a key/value cache): autopar compiles the training "
-                         "step, which reads no cache. Drop past_key_values from the inputs")
+        raise TraceError(
+            "the example inputs pass past_key_values (a key/value cache): autopar compiles the training "
+            "step, which reads no cache. Drop past_key_values from the inputs"
+        )
 
 
 def _is_view(node: torch.fx.Node) -> bool:
@@ -387,8 +397,9 @@ def _cast_parameters(gm: torch.fx.GraphModule, inputs: list[GraphInput], precisi
             if first_use.meta.get("nn_module_stack"):  # the cast belongs to the layer that uses it
                 cast.meta["nn_module_stack"] = first_use.meta["nn_module_stack"]
         with getattr(val, "fake_mode", None) or contextlib.nullcontext():
-            node.meta["val"] = torch.empty(val.shape, dtype=master, device=val.device,
-                                           requires_grad=bool(getattr(val, "requires_grad", False)))
+            node.meta["val"] = torch.empty(
+                val.shape, dtype=master, device=val.device, requires_grad=bool(getattr(val, "requires_grad", False))
+            )
     gm.recompile()
 
 
@@ -559,8 +570,7 @@ def graph_hash(gm: torch.fx.GraphModule) -> str:
         described = vals.get(id(val))
         if described is None:
             described = vals[id(val)] = repr(_describe(val))
-        digest.update(f"{node.op}|{node.name}|{target}|{_describe(node.args)!r}{_describe(node.kwargs)!r}"
-                      f"{described}".encode())
+        digest.update(f"{node.op}|{node.name}|{target}|{_describe(node.args)!r}{_describe(node.kwargs)!r}{described}".encode())
     return digest.hexdigest()[:16]
 
 

@@ -37,8 +37,9 @@ def own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tenso
 
 
 @contextlib.contextmanager
-def fake_tensors(model: torch.nn.Module, device: str | torch.device = "cpu",
-                 param_dtype: torch.dtype | None = None) -> Iterator[None]:
+def fake_tensors(
+    model: torch.nn.Module, device: str | torch.device = "cpu", param_dtype: torch.dtype | None = None
+) -> Iterator[None]:
     """Within the block, ``model``'s meta parameters and buffers are FakeTensors on ``device``.
 
     They have shapes and a device but no storage, so ``torch.export`` traces the model as if it
@@ -54,8 +55,7 @@ def fake_tensors(model: torch.nn.Module, device: str | torch.device = "cpu",
     fakes: dict[int, torch.Tensor] = {}
 
     def recast(slot: str, tensor: torch.Tensor) -> bool:
-        return (param_dtype is not None and slot == "_parameters" and tensor.is_floating_point()
-                and tensor.dtype != param_dtype)
+        return param_dtype is not None and slot == "_parameters" and tensor.is_floating_point() and tensor.dtype != param_dtype
 
     try:
         for _, module in apply_order(model):

@@ -37,8 +37,9 @@ import torch.nn.functional as F
 _EXPECTED_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
-def expert_mlp(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               transposed: bool) -> torch.Tensor:
+def expert_mlp(
+    x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, transposed: bool
+) -> torch.Tensor:
     """Row ``i`` of the result is expert ``expert_ids[i]``'s gated MLP of ``x[i]``, for experts
     ``0 .. gate_up.shape[0] - 1`` (the weights given). Differentiable in ``x`` and the weights;
     every expert's weights take part (an expert with no rows gets a zero gradient, so every
@@ -65,8 +66,14 @@ def combine(slot_out: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dt
     return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(dtype)
 
 
-def moe_experts_eager(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                      gate_up: torch.Tensor, down: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+def moe_experts_eager(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    transposed: bool = False,
+) -> torch.Tensor:
     """What ``autopar::moe_experts`` computes, in differentiable torch ops."""
     top_k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
@@ -75,8 +82,14 @@ def moe_experts_eager(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_wei
 
 
 @torch.library.custom_op("autopar::moe_experts", mutates_args=())
-def _moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                 gate_up: torch.Tensor, down: torch.Tensor, transposed: bool) -> torch.Tensor:
+def _moe_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    transposed: bool,
+) -> torch.Tensor:
     return moe_experts_eager(hidden, top_k_index, top_k_weights, gate_up, down, transposed)
 
 
@@ -112,9 +125,13 @@ def is_stacked_experts(module: torch.nn.Module) -> bool:
         return False
     if gate_up.ndim != 3 or down.ndim != 3 or gate_up.shape[0] != down.shape[0]:
         return False
-    if (getattr(module, "has_bias", False) or getattr(module, "has_post_expert_norm", False)
-            or not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True)
-            or getattr(module, "_is_expert_parallel", False)):
+    if (
+        getattr(module, "has_bias", False)
+        or getattr(module, "has_post_expert_norm", False)
+        or not getattr(module, "has_gate", True)
+        or not getattr(module, "is_concatenated", True)
+        or getattr(module, "_is_expert_parallel", False)
+    ):
         return False
     act = getattr(module, "act_fn", None)
     if type(act).__name__ not in ("SiLU", "SiLUActivation") or getattr(act, "inplace", False):
@@ -140,8 +157,7 @@ def experts_call(module: torch.nn.Module):
     transposed = bool(getattr(module, "is_transposed", False))
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        return _moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
-                            transposed)
+        return _moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, transposed)
 
     return forward
 
@@ -164,5 +180,4 @@ def experts_as_one_op(model: torch.nn.Module) -> Iterator[list[str]]:
                 module.forward = own
 
 
-__all__ = ["EXPERTS_OP", "combine", "expert_mlp", "experts_as_one_op", "experts_call", "is_stacked_experts",
-           "moe_experts_eager"]
+__all__ = ["EXPERTS_OP", "combine", "expert_mlp", "experts_as_one_op", "experts_call", "is_stacked_experts", "moe_experts_eager"]

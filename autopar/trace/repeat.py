@@ -73,12 +73,12 @@ def trace_repeated(
             return full
     except Exception as error:  # noqa: BLE001 - whatever fails here, the whole export is the answer
         reason = f"{type(error).__name__}: {error}"
-    log.debug("autopar: tracing all %d layers of %s: the layer-by-layer construction does not apply (%s)",
-              depth, path, reason)
+    log.debug("autopar: tracing all %d layers of %s: the layer-by-layer construction does not apply (%s)", depth, path, reason)
     return trace(model, example_inputs, example_kwargs, precision)
 
 
 # -- the layer list ------------------------------------------------------------------------------
+
 
 def layer_list(model: torch.nn.Module) -> tuple[str, int] | None:
     """(path, length) of the model's list of identical layers, or None. Only lists outside any
@@ -128,8 +128,10 @@ def _identical(layers: list[torch.nn.Module]) -> bool:
     for column in zip(*prints):
         if all(item == column[0] for item in column):
             continue
-        if all(item[:-1] == column[0][:-1] and type(item[-1]) is int for item in column) and \
-                [item[-1] for item in column] == index:
+        if (
+            all(item[:-1] == column[0][:-1] and type(item[-1]) is int for item in column)
+            and [item[-1] for item in column] == index
+        ):
             continue
         return False
     return True
@@ -144,11 +146,24 @@ def _fingerprint(layer: torch.nn.Module) -> tuple:
     for name, module in layer.named_modules():
         items.append(("module", name, type(module)))
         for key, param in module._parameters.items():
-            items.append(("param", name, key, None if param is None else
-                          (tuple(param.shape), param.dtype, param.requires_grad, type(param))))
+            items.append(
+                (
+                    "param",
+                    name,
+                    key,
+                    None if param is None else (tuple(param.shape), param.dtype, param.requires_grad, type(param)),
+                )
+            )
         for key, buffer in module._buffers.items():
-            items.append(("buffer", name, key, None if buffer is None else (tuple(buffer.shape), buffer.dtype),
-                          key in module._non_persistent_buffers_set))
+            items.append(
+                (
+                    "buffer",
+                    name,
+                    key,
+                    None if buffer is None else (tuple(buffer.shape), buffer.dtype),
+                    key in module._non_persistent_buffers_set,
+                )
+            )
         for key, value in sorted(vars(module).items()):
             if key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
                 continue
@@ -195,14 +210,14 @@ def _ties(model: torch.nn.Module) -> dict[str, str]:
 
 # -- building the deep graph ---------------------------------------------------------------------
 
+
 class _Relayer:
     """Puts the path of layer ``index`` inside a module path (sep ".") or a placeholder name
     (sep "_") to another layer's: ``relayer(layer, text)``. Each text is cut once, at the index
     of every occurrence of the path, so its copies in a deep model are joins of the same cuts."""
 
     def __init__(self, path: str, index: int, sep: str):
-        self.token = re.compile(r"(?:^|(?<=[._]))(" + re.escape(path.replace(".", sep) + sep) + ")" + str(index)
-                                + r"(?=$|[._])")
+        self.token = re.compile(r"(?:^|(?<=[._]))(" + re.escape(path.replace(".", sep) + sep) + ")" + str(index) + r"(?=$|[._])")
         self.cuts: dict[str, list[str]] = {}
 
     def __call__(self, layer: int, text: str) -> str:
@@ -210,7 +225,7 @@ class _Relayer:
         if parts is None:
             parts, start = [], 0
             for match in self.token.finditer(text):
-                parts.append(text[start:match.end(1)])
+                parts.append(text[start : match.end(1)])
                 start = match.end()
             parts.append(text[start:])
             self.cuts[text] = parts
@@ -225,7 +240,7 @@ def _layer_of(node: torch.fx.Node, fqns: dict[str, str | None], path: str) -> in
         where = list(stack.values())[-1][0] if stack else None
     if not where or not where.startswith(prefix):
         return None
-    return int(where[len(prefix):].split(".", 1)[0])
+    return int(where[len(prefix) :].split(".", 1)[0])
 
 
 def _segments(nodes: list[torch.fx.Node], layers: list[int | None], depth: int) -> list[tuple[int, int]]:
@@ -240,7 +255,7 @@ def _segments(nodes: list[torch.fx.Node], layers: list[int | None], depth: int) 
             start = None
     for start, end in runs:
         order = [layers[start]]
-        for layer in layers[start + 1:end]:
+        for layer in layers[start + 1 : end]:
             if layer != order[-1]:
                 order.append(layer)
         if order != list(range(depth)):
@@ -255,14 +270,15 @@ def _node_layers(nodes: list[torch.fx.Node], fqns: dict[str, str | None], path: 
     for i, layer in enumerate(layers):
         if layer is None and nodes[i].op != "output" and 0 < i < len(nodes) - 1:
             before = next((x for x in reversed(layers[:i]) if x is not None), None)
-            after = next((x for x in layers[i + 1:] if x is not None), None)
+            after = next((x for x in layers[i + 1 :] if x is not None), None)
             if before is not None and before == after and nodes[i].op != "placeholder":
                 layers[i] = before
     return layers
 
 
-def _blocks(nodes: list[torch.fx.Node], layers: list[int | None], runs: list[tuple[int, int]], kinds: dict,
-            path: str) -> tuple[dict[torch.fx.Node, tuple[int, int, int]], list[dict[int, list[torch.fx.Node]]]]:
+def _blocks(
+    nodes: list[torch.fx.Node], layers: list[int | None], runs: list[tuple[int, int]], kinds: dict, path: str
+) -> tuple[dict[torch.fx.Node, tuple[int, int, int]], list[dict[int, list[torch.fx.Node]]]]:
     """(node → (run, layer, position in its layer), each run's nodes by layer); ``_Mismatch``
     where a layer reads a module attribute, has a lifted constant, or the layers differ in size."""
     slot: dict[torch.fx.Node, tuple[int, int, int]] = {}
@@ -319,8 +335,16 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
             emit(node, None, depth - have)
         i += 1
     new_gm = _graph_module(gm, out.graph)
-    return TracedModel(gm=new_gm, inputs=tuple(out.inputs), in_spec=small.in_spec, out_spec=small.out_spec,
-                       ties=ties, constants=out.constants, graph_hash=graph_hash(new_gm), notes=small.notes)
+    return TracedModel(
+        gm=new_gm,
+        inputs=tuple(out.inputs),
+        in_spec=small.in_spec,
+        out_spec=small.out_spec,
+        ties=ties,
+        constants=out.constants,
+        graph_hash=graph_hash(new_gm),
+        notes=small.notes,
+    )
 
 
 class _Emitter:
@@ -328,8 +352,14 @@ class _Emitter:
     copied ``shift`` layers deeper reads the nodes of its layer, shifted alike, and is renamed
     to its new layer; a node outside the layers reads the copies of what it read."""
 
-    def __init__(self, small: TracedModel, slot: dict[torch.fx.Node, tuple[int, int, int]], dotted: _Relayer,
-                 underscored: _Relayer, template: int):
+    def __init__(
+        self,
+        small: TracedModel,
+        slot: dict[torch.fx.Node, tuple[int, int, int]],
+        dotted: _Relayer,
+        underscored: _Relayer,
+        template: int,
+    ):
         self.small, self.slot, self.dotted, self.underscored, self.template = small, slot, dotted, underscored, template
         self.kinds = {i.name: i for i in small.inputs}
         self.graph = torch.fx.Graph()
@@ -356,8 +386,14 @@ class _Emitter:
         base = name_base(node.name)
         if renamed:
             base = self.underscored(layer, base)
-        new = self.graph.create_node(node.op, node.target, torch.fx.node.map_arg(node.args, read),
-                                     torch.fx.node.map_arg(node.kwargs, read), name=base, type_expr=node.type)
+        new = self.graph.create_node(
+            node.op,
+            node.target,
+            torch.fx.node.map_arg(node.args, read),
+            torch.fx.node.map_arg(node.kwargs, read),
+            name=base,
+            type_expr=node.type,
+        )
         # Filled in place: assigning a node's meta re-indexes the node in its graph's lookup table.
         new.meta.update(node.meta)
         if renamed:
@@ -380,8 +416,7 @@ def _relayer_meta(meta: dict, relayer: _Relayer, layer: int) -> None:
     """Put the module paths in ``meta`` (a copy of the template node's) to ``layer``'s."""
     stack = meta.get("nn_module_stack")
     if stack:
-        meta["nn_module_stack"] = {relayer(layer, key): (relayer(layer, where), kind)
-                                   for key, (where, kind) in stack.items()}
+        meta["nn_module_stack"] = {relayer(layer, key): (relayer(layer, where), kind) for key, (where, kind) in stack.items()}
     own = meta.get("autopar")
     if own and isinstance(own.get("cast_of"), str):
         meta["autopar"] = {**own, "cast_of": relayer(layer, own["cast_of"])}
@@ -416,8 +451,9 @@ def difference(built: TracedModel, real: TracedModel) -> str | None:
             if a.meta.get(key) != b.meta.get(key):
                 return f"{key} of {a.name}: {a.meta.get(key)} vs {b.meta.get(key)} in the export"
         va, vb = a.meta.get("val"), b.meta.get("val")
-        if isinstance(vb, torch.Tensor) and (not isinstance(va, torch.Tensor) or va.requires_grad != vb.requires_grad
-                                            or va.stride() != vb.stride()):
+        if isinstance(vb, torch.Tensor) and (
+            not isinstance(va, torch.Tensor) or va.requires_grad != vb.requires_grad or va.stride() != vb.stride()
+        ):
             return f"the value of {a.name} differs in requires_grad or strides"
         if set(a.meta) != set(b.meta):
             return f"metadata keys of {a.name} differ"

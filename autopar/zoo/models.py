@@ -69,8 +69,7 @@ class CausalSelfAttention(nn.Module):
     there are three Linears ``q_proj``, ``k_proj`` and ``v_proj``. ``c_proj`` is the output.
     """
 
-    def __init__(self, n_embd: int, n_head: int, fused_qkv: bool = False, bias: bool = True,
-                 causal: bool = True):
+    def __init__(self, n_embd: int, n_head: int, fused_qkv: bool = False, bias: bool = True, causal: bool = True):
         super().__init__()
         if n_embd % n_head != 0:
             raise ValueError(f"n_embd ({n_embd}) must divide by n_head ({n_head})")
@@ -146,15 +145,25 @@ class GPT(nn.Module):
         bias: bool = True,
     ):
         super().__init__()
-        self.config = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
-                           n_head=n_head, n_embd=n_embd, tied=tied, fused_qkv=fused_qkv, bias=bias)
+        self.config = dict(
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            tied=tied,
+            fused_qkv=fused_qkv,
+            bias=bias,
+        )
         self.block_size = block_size
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab_size, n_embd),
-            wpe=nn.Embedding(block_size, n_embd),
-            h=nn.ModuleList(GPTBlock(n_embd, n_head, fused_qkv, bias) for _ in range(n_layer)),
-            ln_f=nn.LayerNorm(n_embd, bias=bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab_size, n_embd),
+                wpe=nn.Embedding(block_size, n_embd),
+                h=nn.ModuleList(GPTBlock(n_embd, n_head, fused_qkv, bias) for _ in range(n_layer)),
+                ln_f=nn.LayerNorm(n_embd, bias=bias),
+            )
+        )
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tied:
             self.lm_head.weight = self.transformer.wte.weight
@@ -278,8 +287,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int):
         super().__init__()
         if n_embd % n_head or n_head % n_kv_head:
-            raise ValueError(f"n_embd ({n_embd}) must divide by n_head ({n_head}), "
-                             f"and n_head by n_kv_head ({n_kv_head})")
+            raise ValueError(f"n_embd ({n_embd}) must divide by n_head ({n_head}), and n_head by n_kv_head ({n_kv_head})")
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, n_embd // n_head
         self.q_proj = nn.Linear(n_embd, n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
@@ -339,17 +347,36 @@ class Llama(nn.Module):
     (``build_model("llama", **LLAMA_SHAPES["llama-3-8b"])``).
     """
 
-    def __init__(self, vocab_size: int = 256, n_layer: int = 2, n_head: int = 4, n_kv_head: int = 2,
-                 n_embd: int = 64, hidden: int = 128, rope_theta: float = 10000.0, eps: float = 1e-5):
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_kv_head: int = 2,
+        n_embd: int = 64,
+        hidden: int = 128,
+        rope_theta: float = 10000.0,
+        eps: float = 1e-5,
+    ):
         super().__init__()
-        self.config = dict(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
-                           n_embd=n_embd, hidden=hidden, rope_theta=rope_theta, eps=eps)
+        self.config = dict(
+            vocab_size=vocab_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_kv_head=n_kv_head,
+            n_embd=n_embd,
+            hidden=hidden,
+            rope_theta=rope_theta,
+            eps=eps,
+        )
         self.head_dim, self.rope_theta = n_embd // n_head, rope_theta
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(vocab_size, n_embd),
-            layers=nn.ModuleList(LlamaBlock(n_embd, n_head, n_kv_head, hidden, eps) for _ in range(n_layer)),
-            norm=RMSNorm(n_embd, eps),
-        ))
+        self.model = nn.ModuleDict(
+            dict(
+                embed_tokens=nn.Embedding(vocab_size, n_embd),
+                layers=nn.ModuleList(LlamaBlock(n_embd, n_head, n_kv_head, hidden, eps) for _ in range(n_layer)),
+                norm=RMSNorm(n_embd, eps),
+            )
+        )
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -357,7 +384,7 @@ class Llama(nn.Module):
 
     def rotary(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
-        inv_freq = 1.0 / (self.rope_theta ** exponents)
+        inv_freq = 1.0 / (self.rope_theta**exponents)
         angles = torch.arange(seq, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
@@ -390,8 +417,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.randn(num_experts, n_embd, hidden) * 0.02)
         self.act_fn = nn.SiLU()
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for expert in range(self.gate_up_proj.shape[0]):
             token, slot = torch.where(top_k_index == expert)
@@ -420,8 +446,7 @@ class SparseMoE(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, hidden: int, num_experts: int, top_k: int,
-                 eps: float):
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, hidden: int, num_experts: int, top_k: int, eps: float):
         super().__init__()
         self.input_layernorm = RMSNorm(n_embd, eps)
         self.self_attn = LlamaAttention(n_embd, n_head, n_kv_head)
@@ -442,13 +467,24 @@ class MoE(Llama):
     Routing takes the top k of a softmax: with random weights, ties between router scores have
     probability zero, so the choice is the same in eager and in any parallel run."""
 
-    def __init__(self, vocab_size: int = 256, n_layer: int = 2, n_head: int = 4, n_kv_head: int = 2,
-                 n_embd: int = 64, hidden: int = 64, num_experts: int = 4, top_k: int = 2,
-                 rope_theta: float = 10000.0, eps: float = 1e-5):
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_kv_head: int = 2,
+        n_embd: int = 64,
+        hidden: int = 64,
+        num_experts: int = 4,
+        top_k: int = 2,
+        rope_theta: float = 10000.0,
+        eps: float = 1e-5,
+    ):
         super().__init__(vocab_size, n_layer, n_head, n_kv_head, n_embd, hidden, rope_theta, eps)
         self.config.update(num_experts=num_experts, top_k=top_k)
         self.model.layers = nn.ModuleList(
-            MoEBlock(n_embd, n_head, n_kv_head, hidden, num_experts, top_k, eps) for _ in range(n_layer))
+            MoEBlock(n_embd, n_head, n_kv_head, hidden, num_experts, top_k, eps) for _ in range(n_layer)
+        )
         for module in self.model.layers.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -456,8 +492,9 @@ class MoE(Llama):
 
 # Mixtral-8x7B's published sizes (Hugging Face config): 8 experts, top-2, SwiGLU width 14336.
 MOE_SHAPES: dict[str, dict[str, Any]] = {
-    "mixtral-8x7b": dict(vocab_size=32000, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, hidden=14336,
-                         num_experts=8, top_k=2, rope_theta=1e6),
+    "mixtral-8x7b": dict(
+        vocab_size=32000, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, hidden=14336, num_experts=8, top_k=2, rope_theta=1e6
+    ),
 }
 
 
@@ -465,12 +502,11 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
 LLAMA_SHAPES: dict[str, dict[str, Any]] = {
     "llama-2-7b": dict(vocab_size=32000, n_layer=32, n_head=32, n_kv_head=32, n_embd=4096, hidden=11008),
     "llama-2-70b": dict(vocab_size=32000, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, hidden=28672),
-    "llama-3-8b": dict(vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, hidden=14336,
-                       rope_theta=500000.0),
-    "llama-3-70b": dict(vocab_size=128256, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, hidden=28672,
-                        rope_theta=500000.0),
-    "llama-3.1-405b": dict(vocab_size=128256, n_layer=126, n_head=128, n_kv_head=8, n_embd=16384, hidden=53248,
-                           rope_theta=500000.0),
+    "llama-3-8b": dict(vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, hidden=14336, rope_theta=500000.0),
+    "llama-3-70b": dict(vocab_size=128256, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, hidden=28672, rope_theta=500000.0),
+    "llama-3.1-405b": dict(
+        vocab_size=128256, n_layer=126, n_head=128, n_kv_head=8, n_embd=16384, hidden=53248, rope_theta=500000.0
+    ),
 }
 
 
@@ -479,15 +515,23 @@ LLAMA_SHAPES: dict[str, dict[str, Any]] = {
 
 DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     "mlp": dict(d_in=32, d_hidden=128, d_out=32, depth=2),
-    "gpt": dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, tied=True,
-                fused_qkv=False, bias=True),
+    "gpt": dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, tied=True, fused_qkv=False, bias=True),
     "attention": dict(n_embd=64, n_head=8, bias=True),
     "mlp_block": dict(d=64, hidden=256, bias=True),
     "cnn": dict(num_classes=10, in_channels=3, channels=16),
-    "llama": dict(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, hidden=128,
-                  rope_theta=10000.0, eps=1e-5),
-    "moe": dict(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, hidden=64, num_experts=4,
-                top_k=2, rope_theta=10000.0, eps=1e-5),
+    "llama": dict(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, hidden=128, rope_theta=10000.0, eps=1e-5),
+    "moe": dict(
+        vocab_size=256,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=64,
+        hidden=64,
+        num_experts=4,
+        top_k=2,
+        rope_theta=10000.0,
+        eps=1e-5,
+    ),
 }
 MODEL_NAMES = tuple(DEFAULT_CONFIGS)
 
@@ -515,8 +559,7 @@ def build_model(name: str, seed: int = 0, **config: Any) -> nn.Module:
     _check_name(name)
     unknown = set(config) - set(DEFAULT_CONFIGS[name])
     if unknown:
-        raise ValueError(f"unknown config for {name!r}: {sorted(unknown)}; "
-                         f"expected some of {sorted(DEFAULT_CONFIGS[name])}")
+        raise ValueError(f"unknown config for {name!r}: {sorted(unknown)}; expected some of {sorted(DEFAULT_CONFIGS[name])}")
     kwargs = {**DEFAULT_CONFIGS[name], **config}
     torch.manual_seed(seed)
     if name == "mlp":
@@ -547,13 +590,11 @@ def example_batch(name: str, batch_size: int = 8, seed: int = 0, **config: Any) 
     allowed = set(DEFAULT_CONFIGS[name]) | set(_BATCH_DEFAULTS.get(name, {}))
     unknown = set(config) - allowed
     if unknown:
-        raise ValueError(f"unknown config for {name!r}: {sorted(unknown)}; "
-                         f"expected some of {sorted(allowed)}")
+        raise ValueError(f"unknown config for {name!r}: {sorted(unknown)}; expected some of {sorted(allowed)}")
     cfg = {**DEFAULT_CONFIGS[name], **_BATCH_DEFAULTS.get(name, {}), **config}
     gen = torch.Generator().manual_seed(seed)
     if name == "mlp":
-        return (torch.randn(batch_size, cfg["d_in"], generator=gen),
-                torch.randn(batch_size, cfg["d_out"], generator=gen))
+        return (torch.randn(batch_size, cfg["d_in"], generator=gen), torch.randn(batch_size, cfg["d_out"], generator=gen))
     if name in ("gpt", "llama", "moe"):
         seq_len = cfg["seq_len"] or cfg["block_size"]
         tokens = torch.randint(0, cfg["vocab_size"], (batch_size, seq_len + 1), generator=gen)
@@ -562,8 +603,9 @@ def example_batch(name: str, batch_size: int = 8, seed: int = 0, **config: Any) 
         shape = (batch_size, cfg["seq_len"], cfg["n_embd"])
         return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     if name == "mlp_block":
-        return (torch.randn(batch_size, cfg["d"], generator=gen),
-                torch.randn(batch_size, cfg["d"], generator=gen))
+        return (torch.randn(batch_size, cfg["d"], generator=gen), torch.randn(batch_size, cfg["d"], generator=gen))
     size = cfg["image_size"]
-    return (torch.randn(batch_size, cfg["in_channels"], size, size, generator=gen),
-            torch.randint(0, cfg["num_classes"], (batch_size,), generator=gen))
+    return (
+        torch.randn(batch_size, cfg["in_channels"], size, size, generator=gen),
+        torch.randint(0, cfg["num_classes"], (batch_size,), generator=gen),
+    )

@@ -31,8 +31,9 @@ class ModelPreset:
 def _gpt2(n_layer: int, n_head: int, n_embd: int) -> dict[str, Any]:
     # GPT-2's sizes with separate q/k/v projections (the same parameters and FLOPs as its fused
     # c_attn) and its tied embedding.
-    return dict(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                tied=True, fused_qkv=False, bias=True)
+    return dict(
+        vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd, tied=True, fused_qkv=False, bias=True
+    )
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -41,8 +42,9 @@ PRESETS: dict[str, ModelPreset] = {
     "llama-2-7b": ModelPreset("llama", models.LLAMA_SHAPES["llama-2-7b"], seq_len=4096, note="LLaMA-2 7B"),
     "llama-2-70b": ModelPreset("llama", models.LLAMA_SHAPES["llama-2-70b"], seq_len=4096, note="LLaMA-2 70B"),
     "llama-3-8b": ModelPreset("llama", models.LLAMA_SHAPES["llama-3-8b"], seq_len=8192, note="LLaMA-3 8B"),
-    "mixtral-8x7b": ModelPreset("moe", models.MOE_SHAPES["mixtral-8x7b"], seq_len=4096,
-                                note="Mixtral 8x7B, 47B (8 experts, top-2)"),
+    "mixtral-8x7b": ModelPreset(
+        "moe", models.MOE_SHAPES["mixtral-8x7b"], seq_len=4096, note="Mixtral 8x7B, 47B (8 experts, top-2)"
+    ),
 }
 
 
@@ -50,14 +52,24 @@ PRESETS: dict[str, ModelPreset] = {
 # ``transformers.MixtralConfig`` (the zoo imports no transformers); the caller adds
 # ``num_hidden_layers`` and ``max_position_embeddings``.
 HF_MIXTRAL_8X7B: dict[str, Any] = dict(
-    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-    num_local_experts=8, num_experts_per_tok=2, use_cache=False, attn_implementation="sdpa",
-    bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    use_cache=False,
+    attn_implementation="sdpa",
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
 )
 
 
-def build_preset(name: str, batch_size: int, seq_len: int | None = None,
-                 num_layers: int | None = None) -> tuple[torch.nn.Module, tuple]:
+def build_preset(
+    name: str, batch_size: int, seq_len: int | None = None, num_layers: int | None = None
+) -> tuple[torch.nn.Module, tuple]:
     """``(model, example_inputs)`` of preset ``name`` on the meta device, in the preset's dtype.
 
     ``num_layers`` overrides the depth (a 2-layer LLaMA-2-70B has the real widths and plans fast).
@@ -74,8 +86,7 @@ def build_preset(name: str, batch_size: int, seq_len: int | None = None,
     with torch.device("meta"):
         model = models.build_model(preset.family, **config).to(preset.dtype)
     inputs = tuple(
-        torch.empty_like(t, device="meta")
-        for t in models.example_batch(preset.family, batch_size, seq_len=seq, **config)
+        torch.empty_like(t, device="meta") for t in models.example_batch(preset.family, batch_size, seq_len=seq, **config)
     )
     return model, inputs
 

@@ -13,8 +13,7 @@ class _Terminal(io.StringIO):
 
 
 def test_a_terminal_gets_rich_tables_and_styled_errors():
-    table = Table("Operators", ("node", "cost ms"), (("scaled_dot_product_attention_1", "1.5000"),),
-                  right=frozenset({1}))
+    table = Table("Operators", ("node", "cost ms"), (("scaled_dot_product_attention_1", "1.5000"),), right=frozenset({1}))
     out = _Terminal()
     emit(["header line", table], out)
     text = out.getvalue()

@@ -49,8 +49,9 @@ def test_plan_builtin_mlp(capsys, tmp_path):
     assert plan.mesh_shape == (2, 2)
     assert plan.cluster == "cpu"
 
-    code, out, err = _run(capsys, "plan", "mlp", "--mesh", "2,2", "--cluster", "cpu", "--json",
-                          "--memory-budget", "1GiB", "--batch-size", "4")
+    code, out, err = _run(
+        capsys, "plan", "mlp", "--mesh", "2,2", "--cluster", "cpu", "--json", "--memory-budget", "1GiB", "--batch-size", "4"
+    )
     assert code == 0, err
     data = json.loads(out)
     assert data["mesh"]["shape"] == [2, 2]
@@ -162,15 +163,46 @@ def _write(path: Path, text: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("case", [
-    "no-args", "unknown-preset", "mesh-2x", "mesh-0x4", "mesh-abc", "missing-mesh", "bad-budget",
-    "budget-unit", "unknown-model", "unimportable", "no-attr", "missing-plan", "malformed-plan",
-    "not-json-plan", "missing-diff", "infeasible", "unknown-command", "missing-cluster-file",
-    "unknown-node", "explain-missing-file", "explain-no-decisions", "check-missing-file", "check-no-model",
-    "check-unknown-model", "check-bad-rank", "devices-zero", "mesh-and-devices", "seq-len-on-mlp",
-    "unknown-preset-model", "html-unwritable", "binary-plan", "truncated-plan", "show-bad-placement",
-    "check-bad-placement", "out-unwritable",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no-args",
+        "unknown-preset",
+        "mesh-2x",
+        "mesh-0x4",
+        "mesh-abc",
+        "missing-mesh",
+        "bad-budget",
+        "budget-unit",
+        "unknown-model",
+        "unimportable",
+        "no-attr",
+        "missing-plan",
+        "malformed-plan",
+        "not-json-plan",
+        "missing-diff",
+        "infeasible",
+        "unknown-command",
+        "missing-cluster-file",
+        "unknown-node",
+        "explain-missing-file",
+        "explain-no-decisions",
+        "check-missing-file",
+        "check-no-model",
+        "check-unknown-model",
+        "check-bad-rank",
+        "devices-zero",
+        "mesh-and-devices",
+        "seq-len-on-mlp",
+        "unknown-preset-model",
+        "html-unwritable",
+        "binary-plan",
+        "truncated-plan",
+        "show-bad-placement",
+        "check-bad-placement",
+        "out-unwritable",
+    ],
+)
 def test_errors_are_one_line(capsys, tmp_path, plans, case):
     good = str(plans["gpt2_cpu"])
     argv = {
@@ -215,11 +247,10 @@ def test_errors_are_one_line(capsys, tmp_path, plans, case):
     lines = [line for line in err.splitlines() if line.startswith("autopar: error:")]
     assert len(lines) == 1, err
     # The error ends stderr: its first line, then (multi-line messages keep their breaks) indented lines.
-    tail = err.rstrip().splitlines()[err.rstrip().splitlines().index(lines[0]):]
+    tail = err.rstrip().splitlines()[err.rstrip().splitlines().index(lines[0]) :]
     assert tail[0] == lines[0] and all(line.startswith("  ") for line in tail[1:]), err
     assert "Traceback" not in err and "Traceback" not in out
-    if case in ("mesh-2x", "mesh-0x4", "mesh-abc", "bad-budget", "unknown-preset", "no-args",
-                "devices-zero", "mesh-and-devices"):
+    if case in ("mesh-2x", "mesh-0x4", "mesh-abc", "bad-budget", "unknown-preset", "no-args", "devices-zero", "mesh-and-devices"):
         assert code == 2
     if case in ("unknown-node", "check-no-model", "check-unknown-model", "check-bad-rank", "explain-no-decisions"):
         assert code == 1
@@ -240,13 +271,15 @@ def test_errors_are_one_line(capsys, tmp_path, plans, case):
 
 def test_python_dash_m(plans):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run([sys.executable, "-m", "autopar", "show", str(plans["gpt2_cpu"])],
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "autopar", "show", str(plans["gpt2_cpu"])], capture_output=True, text=True, timeout=120, env=env
+    )
     assert result.returncode == 0, result.stderr
     assert "autopar plan  mesh=(2,)" in result.stdout
     assert "transformer.h.*.attn.q_proj.weight" in result.stdout
-    result = subprocess.run([sys.executable, "-m", "autopar", "show", "/nonexistent/plan.json"],
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "autopar", "show", "/nonexistent/plan.json"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert result.returncode == 1
     assert result.stderr.strip().startswith("autopar: error:") and len(result.stderr.strip().splitlines()) == 1
 
@@ -344,12 +377,14 @@ def test_json_stdout_holds_the_plan_only():
 def test_help_loads_no_torch():
     """`autopar --help` is fast because it imports no torch (timed in benchmarks/bench_cli_startup.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    code = ("import sys, autopar\nfrom autopar.cli import main\n"
-            "try:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
-            "assert 'torch' not in sys.modules, 'help imported torch'\n"
-            "from autopar import Plan, plan, compile, hand_plan, InfeasibleError, checkpoint, optim\n"
-            "assert autopar.Plan is Plan and autopar.compile is compile and callable(plan)\n"
-            "assert set(autopar.__all__) <= set(dir(autopar))\n")
+    code = (
+        "import sys, autopar\nfrom autopar.cli import main\n"
+        "try:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'help imported torch'\n"
+        "from autopar import Plan, plan, compile, hand_plan, InfeasibleError, checkpoint, optim\n"
+        "assert autopar.Plan is Plan and autopar.compile is compile and callable(plan)\n"
+        "assert set(autopar.__all__) <= set(dir(autopar))\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert "MODEL_SPEC" in result.stdout

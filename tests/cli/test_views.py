@@ -25,9 +25,15 @@ def test_same_layout_across_mesh_shapes():
 
 
 def test_plain_tables_fit_long_names():
-    table = Table("Operators", ("node", "op", "cost ms"),
-                  (("scaled_dot_product_attention_1", "aten.scaled_dot_product_attention.default", "1.5000"),
-                   ("mm", "aten.mm.default", "12.2500")), right=frozenset({2}))
+    table = Table(
+        "Operators",
+        ("node", "op", "cost ms"),
+        (
+            ("scaled_dot_product_attention_1", "aten.scaled_dot_product_attention.default", "1.5000"),
+            ("mm", "aten.mm.default", "12.2500"),
+        ),
+        right=frozenset({2}),
+    )
     lines = render(table).splitlines()
     assert lines[0] == "Operators"
     # Every column starts at the same offset in every row, however long a name is.
@@ -44,10 +50,24 @@ def test_units_are_human_scaled():
     assert format_value("comm_bytes_per_axis", [0, 2048]) == "[0 B, 2.0 KiB]"
     assert format_value("memory_at_peak_bytes", {"param": 2**30, "grad": 512}) == "param 1.0 GiB, grad 512 B"
     assert format_value("step_time_s", 0.0123) == "12.300 ms"
-    rows = [{"mesh": [2, 2], "status": "ok", "step_time_s": 1e-3, "peak_memory_bytes": int(3.4 * 2**20),
-             "plan_time_s": 1.0, "reason": ""},
-            {"mesh": [4], "status": "infeasible", "step_time_s": None, "peak_memory_bytes": None,
-             "plan_time_s": 2.0, "reason": "no plan"}]
+    rows = [
+        {
+            "mesh": [2, 2],
+            "status": "ok",
+            "step_time_s": 1e-3,
+            "peak_memory_bytes": int(3.4 * 2**20),
+            "plan_time_s": 1.0,
+            "reason": "",
+        },
+        {
+            "mesh": [4],
+            "status": "infeasible",
+            "step_time_s": None,
+            "peak_memory_bytes": None,
+            "plan_time_s": 2.0,
+            "reason": "no plan",
+        },
+    ]
     text = render(mesh_search_table(rows))
     assert text.startswith("Mesh search (2 meshes)") and "3.4 MiB" in text and "0.00 GiB" not in text
     assert "<- chosen" in text.splitlines()[2] and "infeasible: no plan" in text
@@ -80,9 +100,9 @@ def test_show_leads_with_the_grouped_view(capsys, mlp_plans):
     capsys.readouterr()
     assert main(["show", str(mlp_plans["2x2"])]) == 0
     out = capsys.readouterr().out
-    before_groups = out[:out.index("Parameter groups")]
+    before_groups = out[: out.index("Parameter groups")]
     assert "layers.0.weight" not in before_groups and "Operators" not in before_groups
     assert main(["show", str(mlp_plans["2x2"]), "--all"]) == 0
     everything = capsys.readouterr().out
     assert everything.index("Parameter groups") < everything.index("Parameters (6)")
-    assert "layers.0.weight" in everything[everything.index("Parameters (6)"):]
+    assert "layers.0.weight" in everything[everything.index("Parameters (6)") :]

@@ -367,8 +367,7 @@ def test_node_flops_formulas():
     # conv2d x [2, 3, 8, 8], w [4, 3, 3, 3] → out [2, 4, 6, 6]: 2 · 36 · 9 · 2 · 4 · 3
     assert node_flops(info_for(aten.conv2d.default, meta(2, 3, 8, 8), meta(4, 3, 3, 3))) == 15552
     # the same convolution as aten.convolution goes through the registry and agrees
-    conv = info_for(aten.convolution.default, meta(2, 3, 8, 8), meta(4, 3, 3, 3), None,
-                    [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    conv = info_for(aten.convolution.default, meta(2, 3, 8, 8), meta(4, 3, 3, 3), None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
     assert node_flops(conv) == 15552
     # pointwise: one per output element; reductions: one per input element; views: none
     assert node_flops(info_for(aten.add.Tensor, meta(10, 10), meta(10))) == 100
@@ -533,9 +532,16 @@ def test_param_state_bytes():
 
 
 def test_saved_for_backward():
-    for target in (aten.mm.default, aten.linear.default, aten.gelu.default, aten.mul.Tensor,
-                   aten.native_layer_norm.default, aten.embedding.default,
-                   aten.scaled_dot_product_attention.default, aten.convolution.default):
+    for target in (
+        aten.mm.default,
+        aten.linear.default,
+        aten.gelu.default,
+        aten.mul.Tensor,
+        aten.native_layer_norm.default,
+        aten.embedding.default,
+        aten.scaled_dot_product_attention.default,
+        aten.convolution.default,
+    ):
         assert saves_inputs(target), target
     for target in (aten.add.Tensor, aten.view.default, aten.mul.Scalar, aten.relu.default):
         assert not saves_inputs(target), target

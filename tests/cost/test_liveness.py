@@ -38,14 +38,23 @@ SIZES = {"w": 100.0, "x": 10.0, "mm": 20.0, "relu": 20.0, "sum": 1.0, "output": 
 def test_gathered_parameters_live_by_hand():
     # 0: w1, 1: w2 (sharded params)  2: x  3: a = mm(x, w1)  4: b = mm(a, w2)  5: output; bwd(i) = 11 - i.
     # Each mm saves its gathered weight. w2's group is gathered ahead, at w1's first use (3).
-    nodes = [LiveNode("w1", "param", requires_grad=True), LiveNode("w2", "param", requires_grad=True),
-             LiveNode("x", "user"), LiveNode("a", "op", ("x", "w1"), aten.mm.default, True, (False, True)),
-             LiveNode("b", "op", ("a", "w2"), aten.mm.default, True, (True, True)), LiveNode("output", "output", ("b",))]
+    nodes = [
+        LiveNode("w1", "param", requires_grad=True),
+        LiveNode("w2", "param", requires_grad=True),
+        LiveNode("x", "user"),
+        LiveNode("a", "op", ("x", "w1"), aten.mm.default, True, (False, True)),
+        LiveNode("b", "op", ("a", "w2"), aten.mm.default, True, (True, True)),
+        LiveNode("output", "output", ("b",)),
+    ]
 
     def intervals(reshard: bool, backward_prefetch: bool = True) -> set:
-        return set(gathered_intervals(nodes, [Gathered("g1", ((3, 1),), 0, reshard, 1.0),
-                                              Gathered("g2", ((4, 1),), 1, reshard, 1.0, prefetched_by=0)],
-                                      backward_prefetch))
+        return set(
+            gathered_intervals(
+                nodes,
+                [Gathered("g1", ((3, 1),), 0, reshard, 1.0), Gathered("g2", ((4, 1),), 1, reshard, 1.0, prefetched_by=0)],
+                backward_prefetch,
+            )
+        )
 
     # Whole gradients in reduce-scatter buckets, from bwd(last use): g2's bucket launches at bwd(4) = 7
     # and is freed when g1's launches, at bwd(3) = 8, which waits for it; g1's, the first group's, stays
@@ -55,19 +64,35 @@ def test_gathered_parameters_live_by_hand():
     assert intervals(False) == {Interval("g1", "gathered", 3, 8), Interval("g2", "gathered", 3, 7)} | buckets
     # resharded: freed after the last forward use; backward gathers g2 again at b's backward (7),
     # and g1 ahead with it; each is freed after the backward of its first saver
-    assert intervals(True) == {Interval("g1", "gathered", 3, 3), Interval("g1", "gathered", 7, 8),
-                               Interval("g2", "gathered", 3, 4), Interval("g2", "gathered", 7, 7)} | buckets
+    assert (
+        intervals(True)
+        == {
+            Interval("g1", "gathered", 3, 3),
+            Interval("g1", "gathered", 7, 8),
+            Interval("g2", "gathered", 3, 4),
+            Interval("g2", "gathered", 7, 7),
+        }
+        | buckets
+    )
     assert Interval("g1", "gathered", 8, 8) in intervals(True, backward_prefetch=False)
     # gloo's reduce-scatter is an all-to-all into a second buffer: from each group's launch (g2 at
     # bwd(4) = 7, g1 at bwd(3) = 8) to the same wait as the bucket: each bucket interval twice
-    exchanged = Counter(gathered_intervals(nodes, [Gathered("g1", ((3, 1),), 0, False, 1.0),
-                                                   Gathered("g2", ((4, 1),), 1, False, 1.0, prefetched_by=0)],
-                                           exchange=True))
+    exchanged = Counter(
+        gathered_intervals(
+            nodes,
+            [Gathered("g1", ((3, 1),), 0, False, 1.0), Gathered("g2", ((4, 1),), 1, False, 1.0, prefetched_by=0)],
+            exchange=True,
+        )
+    )
     assert exchanged == Counter(list(intervals(False)) + list(buckets))
     # one group of both: copied out of the all-gather's buffer at its first use, both there at once
     grouped = gathered_intervals(nodes, [Gathered("g1", ((3, 1),), 0, False), Gathered("g2", ((4, 1),), 0, False)])
-    assert set(grouped) == {Interval("g1", "gathered", 3, 3), Interval("g1", "gathered", 3, 8),
-                            Interval("g2", "gathered", 3, 3), Interval("g2", "gathered", 3, 7)}
+    assert set(grouped) == {
+        Interval("g1", "gathered", 3, 3),
+        Interval("g1", "gathered", 3, 8),
+        Interval("g2", "gathered", 3, 3),
+        Interval("g2", "gathered", 3, 7),
+    }
 
 
 def test_liveness_curve_of_a_small_graph_by_hand():
@@ -82,8 +107,16 @@ def test_liveness_curve_of_a_small_graph_by_hand():
     assert timeline.peak(SIZES.__getitem__) == (430, 9)
     assert timeline.time_name(9) == "backward of mm"
     breakdown = timeline.breakdown(9, SIZES.__getitem__)
-    assert breakdown == {"param": 100, "optimizer_state": 200, "grad": 100, "input": 10,
-                         "activation": 0, "activation_grad": 20, "gathered": 0, "comm_buffer": 0}
+    assert breakdown == {
+        "param": 100,
+        "optimizer_state": 200,
+        "grad": 100,
+        "input": 10,
+        "activation": 0,
+        "activation_grad": 20,
+        "gathered": 0,
+        "comm_buffer": 0,
+    }
 
 
 def test_sgd_keeps_no_state_and_views_alias_their_input():
@@ -209,7 +242,15 @@ def test_memory_constraints_do_not_grow_with_depth_and_the_budget_holds_at_every
     # the plan's peak is the maximum over the whole timeline, not only the constrained times
     assert tight.predicted.peak_memory_bytes <= budget
     assert set(tight.predicted.memory_at_peak_bytes) == {
-        "param", "optimizer_state", "grad", "input", "activation", "activation_grad", "gathered", "comm_buffer"}
+        "param",
+        "optimizer_state",
+        "grad",
+        "input",
+        "activation",
+        "activation_grad",
+        "gathered",
+        "comm_buffer",
+    }
 
 
 def test_cross_entropy_backward_keeps_a_logits_sized_temporary():
@@ -255,13 +296,20 @@ def _sampled_by_loop(timeline, bytes_of, max_points: int) -> dict:
     curves = {kind: list(itertools.accumulate(changes[:-1])) for kind, changes in delta.items()}
     total = [sum(curves[kind][time] for kind in KINDS) for time in range(timeline.num_times)]
     step = max(1, math.ceil(timeline.num_times / max_points))
-    times = [max(range(start, min(start + step, timeline.num_times)), key=lambda t: (total[t], -t))
-             for start in range(0, timeline.num_times, step)]
+    times = [
+        max(range(start, min(start + step, timeline.num_times)), key=lambda t: (total[t], -t))
+        for start in range(0, timeline.num_times, step)
+    ]
     peak = max(range(timeline.num_times), key=lambda t: (total[t], -t))
     kinds = [kind for kind in KINDS if any(curves[kind][time] for time in times)]
-    return {"num_forward": len(timeline.names), "times": times, "kinds": kinds,
-            "bytes": [[int(round(curves[kind][time])) for kind in kinds] for time in times],
-            "peak_time": peak, "peak_at": timeline.time_name(peak)}
+    return {
+        "num_forward": len(timeline.names),
+        "times": times,
+        "kinds": kinds,
+        "bytes": [[int(round(curves[kind][time])) for kind in kinds] for time in times],
+        "peak_time": peak,
+        "peak_at": timeline.time_name(peak),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -278,8 +326,10 @@ def _irregular_weights(names, seed: int) -> dict[str, float]:
     """Sizes irregular enough that the order of their additions shows in the sums."""
     import zlib
 
-    return {name: math.pi * (1 + zlib.crc32(f"{seed}{name}".encode()) % 997)
-            * 10.0 ** (zlib.crc32(f"{name}{seed}".encode()) % 17) for name in names}
+    return {
+        name: math.pi * (1 + zlib.crc32(f"{seed}{name}".encode()) % 997) * 10.0 ** (zlib.crc32(f"{name}{seed}".encode()) % 17)
+        for name in names
+    }
 
 
 def test_the_sampled_timeline_sums_as_the_loops_do(llama_graph):

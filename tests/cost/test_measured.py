@@ -54,8 +54,7 @@ def test_ops_it_cannot_run_fall_back_to_the_roofline():
     measured_cpu = type(cpu)(**{**{f: getattr(cpu, f) for f in cpu.__dataclass_fields__}, "compute": "measured"})
     # a reshape to the global shape cannot run on a local shard: None, and the roofline price
     x = torch.empty(8, 6, device="meta")
-    info = op_info_from_values("reshape", aten.reshape.default, {"self": x, "shape": [48]},
-                               aten.reshape.default(x, [48]))
+    info = op_info_from_values("reshape", aten.reshape.default, {"self": x, "shape": [48]}, aten.reshape.default(x, [48]))
     strategy = Strategy(((S(0),),), ((S(0),),))
     assert measured.measured_seconds(info, strategy, (2,), False) is None
     assert compute_cost_s(info, strategy, (2,), measured_cpu, False) == compute_cost_s(info, strategy, (2,), cpu, False)

@@ -14,8 +14,7 @@ from autopar.ir.plan import validate_plan_json
 def test_data_parallel_rank_is_the_row_major_position_on_the_batch_axes() -> None:
     layout = DataLayout("per_rank", (0, 2), (2, 3, 2))
     assert layout.size == 4
-    assert [layout.rank((a, b, c)) for a in range(2) for b in range(3) for c in range(2)] == \
-        [0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3]
+    assert [layout.rank((a, b, c)) for a in range(2) for b in range(3) for c in range(2)] == [0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3]
     assert DataLayout("whole", (), (2, 2)).size == 1
     assert DataLayout("whole", (), (2, 2)).rank((1, 1)) == 0
 

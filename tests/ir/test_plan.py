@@ -12,7 +12,6 @@ from autopar.errors import PlanError
 from autopar.zoo.models import build_model, example_batch
 
 
-
 @pytest.fixture(scope="module")
 def gpt_plan(gpt_plan_2x2) -> autopar.Plan:
     return gpt_plan_2x2
@@ -165,10 +164,15 @@ def test_memory_timeline_round_trips_and_the_schema_checks_it(gpt_plan):
 def test_memory_summary_leaves_out_decisions_that_save_nothing():
     from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry
 
-    memory = MemoryPlan("disk", True, checkpoint=(CheckpointSegment("h.0", "a", "b", 3.4 * 2**20, 1e-3),
-                                                  CheckpointSegment("h.1", "c", "d", 0.0, 1e-3)),
-                        offload=(OffloadEntry("grad", "w", 0.0, 0.0, 0.0),),
-                        peak_before_bytes=2**30, peak_bytes=2**29, added_s=1e-3)
+    memory = MemoryPlan(
+        "disk",
+        True,
+        checkpoint=(CheckpointSegment("h.0", "a", "b", 3.4 * 2**20, 1e-3), CheckpointSegment("h.1", "c", "d", 0.0, 1e-3)),
+        offload=(OffloadEntry("grad", "w", 0.0, 0.0, 0.0),),
+        peak_before_bytes=2**30,
+        peak_bytes=2**29,
+        added_s=1e-3,
+    )
     lines = memory.summary_lines()
     assert lines[0].startswith("memory decisions: peak 1.0 GiB -> 512.0 MiB")
     assert "checkpoint h.0 (a .. b): saves 3.4 MiB" in lines[1]
@@ -184,7 +188,12 @@ def test_precision_policies_are_checked_values():
     assert precision_policy(None) is PRECISIONS["32-true"]
     mixed = precision_policy("bf16-mixed")
     assert (mixed.param_dtype, mixed.master_dtype, mixed.reduce_dtype, mixed.optimizer_dtype, mixed.casts) == (
-        "bfloat16", "float32", "float32", "float32", True)
+        "bfloat16",
+        "float32",
+        "float32",
+        "float32",
+        True,
+    )
     assert not precision_policy("bf16-true").casts and not precision_policy("32-true").casts
     custom = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, master_dtype=torch.float32)
     assert custom.reduce_dtype == "bfloat16" and MixedPrecision.from_json(custom.to_json()) == custom
@@ -205,18 +214,28 @@ def _edited(gpt_plan, edit) -> str:
 def _set_node_out(name: str, placements: list[str]):
     def edit(data):
         data["nodes"][name]["out"][0] = placements
+
     return edit
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d["params"].update({"transformer.h.0.attn.q_proj.weight": ["S(5)", "R"]}),
-     r"parameter 'transformer.h.0.attn.q_proj.weight' has placements \(S\(5\), R\), which shards dim 5 of a 2-dim tensor"),
-    (_set_node_out("p_transformer_h_0_attn_q_proj_weight", ["R", "S(5)"]),
-     r"node 'p_transformer_h_0_attn_q_proj_weight' \(param\), output 0 has placements \(R, S\(5\)\)"),
-    (_set_node_out("p_transformer_h_0_attn_q_proj_weight", ["S(0)/7", "R"]),
-     r"cuts dim 0 \(size 64\) into 7 blocks of 2 shards"),
-    (_set_node_out("p_transformer_h_0_attn_q_proj_weight", ["R"]), r"are 1 for a 2-axis mesh \(2, 2\)"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda d: d["params"].update({"transformer.h.0.attn.q_proj.weight": ["S(5)", "R"]}),
+            r"parameter 'transformer.h.0.attn.q_proj.weight' has placements \(S\(5\), R\), which shards dim 5 of a 2-dim tensor",
+        ),
+        (
+            _set_node_out("p_transformer_h_0_attn_q_proj_weight", ["R", "S(5)"]),
+            r"node 'p_transformer_h_0_attn_q_proj_weight' \(param\), output 0 has placements \(R, S\(5\)\)",
+        ),
+        (
+            _set_node_out("p_transformer_h_0_attn_q_proj_weight", ["S(0)/7", "R"]),
+            r"cuts dim 0 \(size 64\) into 7 blocks of 2 shards",
+        ),
+        (_set_node_out("p_transformer_h_0_attn_q_proj_weight", ["R"]), r"are 1 for a 2-axis mesh \(2, 2\)"),
+    ],
+)
 def test_placements_that_cannot_hold_their_tensor_are_refused_naming_it(gpt_plan, edit, message, tmp_path):
     with pytest.raises(PlanError, match=message + r".*re-plan"):
         autopar.Plan.from_json(_edited(gpt_plan, edit))

@@ -48,9 +48,9 @@ def test_simulated_ranks_equal_eager(group_sizes, heads):
         (local * _rows(weight, chunks)).sum().backward()
         row = 0
         for start, length in chunks:
-            out[..., start:start + length, :] = local[..., row:row + length, :].detach()
-            grads[0][..., start:start + length, :] = local_q.grad[..., row:row + length, :]
-            covered[start:start + length] += 1
+            out[..., start : start + length, :] = local[..., row : row + length, :].detach()
+            grads[0][..., start : start + length, :] = local_q.grad[..., row : row + length, :]
+            covered[start : start + length] += 1
             row += length
         grads[1] += whole_k.grad  # the reduce-scatter's sum
         grads[2] += whole_v.grad
@@ -90,7 +90,7 @@ def test_head_tail_route_moves_every_piece_to_its_rank(group_sizes):
         for coords in ranks:
             axis, before, dest = exchange_tables(group_sizes, coords, step)
             assert before[coords[axis]] == holding[coords]
-            group = {tuple(coords[:axis]) + (r,) + tuple(coords[axis + 1:]) for r in range(group_sizes[axis])}
+            group = {tuple(coords[:axis]) + (r,) + tuple(coords[axis + 1 :]) for r in range(group_sizes[axis])}
             assert sorted(p for c in group for p in holding[c]) == sorted(p for pieces in dest for p in pieces)
             after[coords] = dest[coords[axis]]
         holding = after
@@ -101,6 +101,5 @@ def test_head_tail_route_moves_every_piece_to_its_rank(group_sizes):
 
 def test_kernel_without_groups_is_the_op():
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
-    got = get_kernel("sdpa_context_parallel")(axis_groups=(), query=q, key=k, value=v, is_causal=True,
-                                              enable_gqa=True)
+    got = get_kernel("sdpa_context_parallel")(axis_groups=(), query=q, key=k, value=v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))

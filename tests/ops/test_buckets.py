@@ -14,9 +14,14 @@ from autopar.ops.buckets import GradBuckets, ParamGathers, Slot, make_buckets
 
 def test_make_buckets_caps_and_keeps_kinds_apart():
     f32 = torch.float32
-    slots = [Slot("a", "all_reduce", (256,), f32, ("g",)), Slot("b", "all_reduce", (256,), f32, ("g",)),
-             Slot("c", "all_reduce", (512,), f32, ("g",)), Slot("d", "reduce_scatter", (8, 4), f32, ("g",), 0),
-             Slot("e", "reduce_scatter", (8, 4), f32, ("g",), 1), Slot("f", "all_reduce", (4096,), f32, ("g",))]
+    slots = [
+        Slot("a", "all_reduce", (256,), f32, ("g",)),
+        Slot("b", "all_reduce", (256,), f32, ("g",)),
+        Slot("c", "all_reduce", (512,), f32, ("g",)),
+        Slot("d", "reduce_scatter", (8, 4), f32, ("g",), 0),
+        Slot("e", "reduce_scatter", (8, 4), f32, ("g",), 1),
+        Slot("f", "all_reduce", (4096,), f32, ("g",)),
+    ]
     buckets = make_buckets(slots, cap_bytes=3 * 1024, first_cap_bytes=1024)
     assert [[s.key for s in b.slots] for b in buckets] == [["a"], ["b", "c"], ["d"], ["e"], ["f"]]
     assert buckets[-1].nbytes == 4096 * 4, "a slot over the cap gets a bucket of its own"
@@ -32,15 +37,18 @@ def _scenario(rank: int, world: int, gather_groups) -> dict:
     torch.manual_seed(0)  # the same parameters everywhere; per-rank weights stand for a split batch
     full_b, full_c = torch.randn(8, 6), torch.randn(2, 8)
     weights = [(torch.randn(3, 4), torch.randn(8, 6), torch.randn(2, 8)) for _ in range(world)]
-    slots = [Slot("c", "reduce_scatter", (2, 8), torch.float32, (group,), 1),
-             Slot("b", "reduce_scatter", (8, 6), torch.float32, (group,), 0),
-             Slot("a", "all_reduce", (3, 4), torch.float32, (group,))]
+    slots = [
+        Slot("c", "reduce_scatter", (2, 8), torch.float32, (group,), 1),
+        Slot("b", "reduce_scatter", (8, 6), torch.float32, (group,), 0),
+        Slot("a", "all_reduce", (3, 4), torch.float32, (group,)),
+    ]
     buckets = GradBuckets(make_buckets(slots, cap_bytes=1 << 20, first_cap_bytes=64))
     a = torch.nn.Parameter(torch.randn(3, 4))
     b = torch.nn.Parameter(full_b.chunk(world, 0)[rank].clone())
     c = torch.nn.Parameter(full_c.chunk(world, 1)[rank].clone())
-    gathers = ParamGathers([("b", group, 0, 8 * 6 * 4), ("c", group, 1, 2 * 8 * 4)], prefetch_bytes=1 << 20,
-                           grads=buckets, groups=gather_groups)
+    gathers = ParamGathers(
+        [("b", group, 0, 8 * 6 * 4), ("c", group, 1, 2 * 8 * 4)], prefetch_bytes=1 << 20, grads=buckets, groups=gather_groups
+    )
     buckets.bind({"a": a, "b": b, "c": c})
     gathers.bind({"a": a, "b": b, "c": c})
     w_a, w_b, w_c = weights[rank]
@@ -109,7 +117,7 @@ def test_a_bf16_slot_reduces_in_bf16_and_the_fp32_grad_gets_the_sum(one_rank_wor
     w, v = torch.zeros(2, 3, requires_grad=True), torch.zeros(2, 3, requires_grad=True)
     v.grad = torch.full((2, 3), 2.0)  # an earlier use's gradient, which the reduced one adds to
     buckets.bind({"w": w, "v": v})
-    ((buckets(w, "w") * (1 + 2 ** -12)).sum() + (buckets(v, "v") * (1 + 2 ** -10)).sum()).backward()
+    ((buckets(w, "w") * (1 + 2**-12)).sum() + (buckets(v, "v") * (1 + 2**-10)).sum()).backward()
     assert w.grad.dtype == torch.float32 and torch.equal(w.grad, torch.ones(2, 3))
     assert torch.equal(v.grad, torch.full((2, 3), 3.0)), "the bf16 sum (1) added to the fp32 .grad (2)"
 

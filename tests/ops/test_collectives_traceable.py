@@ -20,8 +20,13 @@ def world_of_one():
         yield dist.group.WORLD.group_name
         return
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{os.path.join(tmp, 'rdzv')}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )
         try:
             name = dist.group.WORLD.group_name
             collectives.remember_groups([name])
@@ -38,8 +43,9 @@ def _graphs(fn, *args):
     return explained
 
 
-@pytest.mark.parametrize("op", ["all_gather", "chunk", "reduce_scatter", "all_to_all", "allreduce_grad",
-                                "all_reduce", "gather_param"])
+@pytest.mark.parametrize(
+    "op", ["all_gather", "chunk", "reduce_scatter", "all_to_all", "allreduce_grad", "all_reduce", "gather_param"]
+)
 def test_each_collective_traces_without_a_graph_break(world_of_one, op):
     group = world_of_one
     calls = {

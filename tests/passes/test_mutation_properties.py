@@ -27,9 +27,14 @@ from autopar.solver.problem.choices import build_choice_graph
 from autopar.trace import aliased_writes, trace
 
 MESH = (2, 2)
-SETTINGS = settings(max_examples=8, deadline=None, derandomize=True, database=None,
-                    phases=[Phase.explicit, Phase.generate],  # no shrinking: each example plans and runs 4 ranks
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=8,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],  # no shrinking: each example plans and runs 4 ranks
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 B, T, C = 4, 8, 16
 
 # In-place writes into a view of y (B, T, C); h is a tensor of y's shape that needs gradients,
@@ -63,8 +68,7 @@ BASES = ["h.clone()", "torch.zeros_like(h)", "h * 1.0", "h.new_ones(h.shape)"]
 
 def _source(base: str, writes: list[str], names: tuple[str, str] = ("x", "w")) -> str:
     x, w = names
-    lines = [f"def forward(self, {x}, {w}):", f"    h = self.fc({x}) * {w}", f"    y = {base}",
-             f"    g = {x} * {w}"]
+    lines = [f"def forward(self, {x}, {w}):", f"    h = self.fc({x}) * {w}", f"    y = {base}", f"    g = {x} * {w}"]
     lines += [f"    {line}".replace("x.", f"{x}.") for line in writes]
     lines += ["    z = self.fc2(y) + h * g", "    return (z * z).mean()"]
     return "\n".join(lines)
@@ -93,9 +97,16 @@ def write_programs(draw) -> str:
     for _ in range(draw(st.integers(1, 3))):
         a = draw(st.integers(0, T - 2))
         b = draw(st.integers(a + 1, T))
-        values = dict(a=a, b=b, c=draw(st.integers(0, T - (b - a))), i=draw(st.integers(0, T - 1)),
-                      j=draw(st.integers(0, T - 1)), dim=draw(st.integers(0, 2)), k=draw(st.integers(0, 1)),
-                      k2=draw(st.integers(0, 1)))
+        values = dict(
+            a=a,
+            b=b,
+            c=draw(st.integers(0, T - (b - a))),
+            i=draw(st.integers(0, T - 1)),
+            j=draw(st.integers(0, T - 1)),
+            dim=draw(st.integers(0, 2)),
+            k=draw(st.integers(0, 1)),
+            k2=draw(st.integers(0, 1)),
+        )
         writes.append(draw(st.sampled_from(WRITES)).format(**values))
     return _source(base, writes)
 
@@ -110,9 +121,14 @@ def _forced_plan(traced, seed: int):
     models this small replicated, which would check nothing)."""
     cluster = get_cluster("cpu")
     graph = build_choice_graph(traced, MESH, cluster)
-    ops = [graph.choices[n] for n in graph.order
-           if graph.choices[n].kind == "op" and graph.choices[n].out_shapes
-           and traced.node(n).target is not operator.getitem and len(graph.choices[n].out_specs(0)) > 1]
+    ops = [
+        graph.choices[n]
+        for n in graph.order
+        if graph.choices[n].kind == "op"
+        and graph.choices[n].out_shapes
+        and traced.node(n).target is not operator.getitem
+        and len(graph.choices[n].out_specs(0)) > 1
+    ]
     rng = random.Random(seed)
     for _ in range(20):
         chosen = rng.sample(ops, min(len(ops), rng.randint(1, 4)))
@@ -139,13 +155,31 @@ def test_in_place_writes_into_views_equal_eager(source: str, seed: int) -> None:
 
 
 # Python builtins and the names fx reserves for its generated code.
-ARGUMENT_NAMES = ["input", "type", "id", "sum", "max", "slice", "object", "format", "iter", "len",
-                  "torch", "device", "inf", "nan", "pytree", "x"]
+ARGUMENT_NAMES = [
+    "input",
+    "type",
+    "id",
+    "sum",
+    "max",
+    "slice",
+    "object",
+    "format",
+    "iter",
+    "len",
+    "torch",
+    "device",
+    "inf",
+    "nan",
+    "pytree",
+    "x",
+]
 
 
 @SETTINGS
-@given(names=st.tuples(st.sampled_from(ARGUMENT_NAMES), st.sampled_from(ARGUMENT_NAMES)).filter(lambda n: n[0] != n[1]),
-       seed=st.integers(0, 2**16))
+@given(
+    names=st.tuples(st.sampled_from(ARGUMENT_NAMES), st.sampled_from(ARGUMENT_NAMES)).filter(lambda n: n[0] != n[1]),
+    seed=st.integers(0, 2**16),
+)
 def test_any_argument_names_compile(names: tuple[str, str], seed: int) -> None:
     if "torch" in names:  # the body below calls torch; an argument of that name would shadow it
         names = tuple("torch_" if n == "torch" else n for n in names)

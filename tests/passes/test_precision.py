@@ -41,8 +41,9 @@ def _rewritten(kind: str, precision: str, options: CommOptions | None = None, co
 def one_rank_world():
     if torch.distributed.is_initialized():
         pytest.skip("a process group is already initialized")
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1,
-                                         timeout=datetime.timedelta(seconds=30))
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
     yield
     torch.distributed.destroy_process_group()
 
@@ -59,8 +60,9 @@ def _param_path_reductions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is collectives.allreduce_grad:
             source = node.args[0]
-            while source.op == "call_function" and (is_param_cast(source) or
-                                                    getattr(source.target, "__module__", "") == collectives.__name__):
+            while source.op == "call_function" and (
+                is_param_cast(source) or getattr(source.target, "__module__", "") == collectives.__name__
+            ):
                 source = source.args[0]
             if source.op == "placeholder" and source.name.startswith("p_"):
                 found.append(node)
@@ -85,7 +87,8 @@ def test_ddp_buckets_reduce_fp32_masters_and_casts_follow():
     for call in calls:
         assert call.args[0].op == "placeholder" and _dtype(call.args[0]) == torch.float32
         assert all(is_param_cast(user) and user.kwargs["dtype"] == torch.bfloat16 for user in call.users), (
-            f"{call.name} must feed its parameter's cast to bf16, got {list(call.users)}")
+            f"{call.name} must feed its parameter's cast to bf16, got {list(call.users)}"
+        )
     assert not _param_path_reductions(gm), "every parameter gradient reduction went to the buckets"
 
 
@@ -179,11 +182,11 @@ def test_allreduce_grad_sums_in_its_reduce_dtype(one_rank_world):
     gradient of 1 + 2**-12 is not a bf16 value)."""
     group = torch.distributed.group.WORLD.group_name
     x = torch.zeros(3, requires_grad=True)
-    (collectives.allreduce_grad(x, group, reduce_dtype=torch.bfloat16) * (1 + 2 ** -12)).sum().backward()
+    (collectives.allreduce_grad(x, group, reduce_dtype=torch.bfloat16) * (1 + 2**-12)).sum().backward()
     assert x.grad.dtype == torch.float32 and torch.equal(x.grad, torch.ones(3))
     y = torch.zeros(3, requires_grad=True)
-    (collectives.allreduce_grad(y, group) * (1 + 2 ** -12)).sum().backward()
-    assert torch.equal(y.grad, torch.full((3,), 1 + 2 ** -12)), "without reduce_dtype it sums its own dtype"
+    (collectives.allreduce_grad(y, group) * (1 + 2**-12)).sum().backward()
+    assert torch.equal(y.grad, torch.full((3,), 1 + 2**-12)), "without reduce_dtype it sums its own dtype"
 
 
 def test_gathers_prefetch_by_the_bytes_they_move():
@@ -197,11 +200,14 @@ def test_gathers_prefetch_by_the_bytes_they_move():
     assert gathers._group_bytes == [sum(gathers.order[gathers._index[k]][3] for k in g) for g in gathers.groups]
 
 
-@pytest.mark.parametrize("precision, offloads, needle", [
-    (autopar.MixedPrecision("bfloat16", "float32"), False, "master_dtype='float32'"),
-    (autopar.MixedPrecision("float16", master_dtype="float32"), False, "reduce_dtype='bfloat16'"),
-    ("bf16-mixed", True, "offload='off'"),
-])
+@pytest.mark.parametrize(
+    "precision, offloads, needle",
+    [
+        (autopar.MixedPrecision("bfloat16", "float32"), False, "master_dtype='float32'"),
+        (autopar.MixedPrecision("float16", master_dtype="float32"), False, "reduce_dtype='bfloat16'"),
+        ("bf16-mixed", True, "offload='off'"),
+    ],
+)
 def test_what_the_runtime_does_not_carry_out_is_refused(precision, offloads, needle):
     from autopar.api import _check_precision_runs
 
@@ -212,9 +218,15 @@ def test_what_the_runtime_does_not_carry_out_is_refused(precision, offloads, nee
 def test_what_the_runtime_carries_out_is_accepted():
     from autopar.api import _check_precision_runs
 
-    for precision in ("32-true", "bf16-mixed", "bf16-true", autopar.MixedPrecision("bfloat16"),
-                      autopar.MixedPrecision("float16", "float32", "float32"), FSDP2,
-                      autopar.MixedPrecision("bfloat16", master_dtype="float32")):
+    for precision in (
+        "32-true",
+        "bf16-mixed",
+        "bf16-true",
+        autopar.MixedPrecision("bfloat16"),
+        autopar.MixedPrecision("float16", "float32", "float32"),
+        FSDP2,
+        autopar.MixedPrecision("bfloat16", master_dtype="float32"),
+    ):
         _check_precision_runs(precision_policy(precision))
     _check_precision_runs(precision_policy("32-true"), offloads=True)  # pipelines run every policy
 
@@ -223,8 +235,7 @@ def test_a_precision_that_contradicts_the_plan_is_refused():
     from autopar.api import _precision_of
 
     model = build_model("mlp", seed=0)
-    plan = autopar.plan(model, (2,), example_inputs=example_batch("mlp", 8, seed=1), cluster="cpu",
-                        precision="bf16-mixed")
+    plan = autopar.plan(model, (2,), example_inputs=example_batch("mlp", 8, seed=1), cluster="cpu", precision="bf16-mixed")
     assert _precision_of(plan, None).name == "bf16-mixed"
     assert _precision_of(plan, "bf16-mixed").name == "bf16-mixed"
     assert _precision_of(plan, autopar.MixedPrecision("bfloat16", "float32", "float32")).name == "bf16-mixed"

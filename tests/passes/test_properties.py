@@ -48,8 +48,12 @@ PROGRAM_SETTINGS = settings(
     deadline=None,
     derandomize=True,
     database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
-                           HealthCheck.function_scoped_fixture],  # one_thread is set once per test
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],  # one_thread is set once per test
 )
 
 
@@ -153,11 +157,30 @@ class ProgramModule(torch.nn.Module):
 
 
 OPS = (
-    "mm", "bmm", "linear", "matmul",
-    "add", "mul", "sub", "gelu", "relu", "exp", "neg", "mul_scalar",
-    "sum", "mean", "amax",
-    "view", "reshape", "transpose", "permute", "unsqueeze", "flatten",
-    "softmax", "log_softmax", "layer_norm",
+    "mm",
+    "bmm",
+    "linear",
+    "matmul",
+    "add",
+    "mul",
+    "sub",
+    "gelu",
+    "relu",
+    "exp",
+    "neg",
+    "mul_scalar",
+    "sum",
+    "mean",
+    "amax",
+    "view",
+    "reshape",
+    "transpose",
+    "permute",
+    "unsqueeze",
+    "flatten",
+    "softmax",
+    "log_softmax",
+    "layer_norm",
 )
 # 1..8, with the even sizes twice as likely (hypothesis's integers() favour 1 and the bounds), so
 # that dims often divide by the mesh axes (2, 3 and 2x2) and often do not.
@@ -372,7 +395,9 @@ def _check_program(program: Program, meshes: list[tuple[int, ...]]) -> None:
             s = r.strategy
             assert len(s.ins) == len(info.inputs) and len(s.outs) == len(info.out_shapes), where
             for arg, spec in zip(info.inputs, s.ins):
-                assert is_valid(arg.shape, spec, mesh), f"uneven input {arg.index} {arg.shape} in {strategy_text(s, source=True)} for {where}"
+                assert is_valid(arg.shape, spec, mesh), (
+                    f"uneven input {arg.index} {arg.shape} in {strategy_text(s, source=True)} for {where}"
+                )
             for shape, spec in zip(info.out_shapes, s.outs):
                 assert is_valid(shape, spec, mesh), f"uneven output {shape} in {strategy_text(s, source=True)} for {where}"
 
@@ -400,8 +425,7 @@ def test_program_generator_covers_every_op() -> None:
     rejects, e.g., every bmm)."""
     seen: set[str] = set()
 
-    @settings(max_examples=200, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     @given(program=programs())
     def collect(program: Program) -> None:
         seen.update(step.op for step in program.steps)
@@ -434,7 +458,8 @@ def _random_forced_plans(name: str, config: dict, batch_size: int, count: int, m
     # getitem nodes are left out: they only pass on their producer's choice (forcing one pins
     # its producer; test_forcing_a_getitem_keeps_it_on_its_producer).
     ops = [
-        graph.choices[n] for n in graph.order
+        graph.choices[n]
+        for n in graph.order
         if graph.choices[n].kind == "op" and graph.choices[n].out_shapes and traced.node(n).target is not operator.getitem
     ]
     plans, infeasible = [], 0
@@ -541,7 +566,7 @@ def test_forcing_a_getitem_keeps_it_on_its_producer() -> None:
     except (autopar.InfeasibleError, ValueError):
         return  # refusing the forced spec is fine too
     node = plan.nodes["getitem_1"]
-    (producer, index), = node.inputs
+    ((producer, index),) = node.inputs
     held = plan.nodes[producer].outs[index]
     assert node.ins[0] == held, (
         f"solve(forced={{'getitem_1': S(0)}}) plans getitem_1 to take {format_spec(node.ins[0])} "
@@ -606,8 +631,9 @@ def random_plans(draw) -> Plan:
             whole_grad=tuple(draw(st.lists(st.tuples(st.integers(0, 3), st.integers(0, axes - 1)), max_size=3))),
         )
     predicted = draw(st.dictionaries(_NAMES, st.one_of(_FLOATS, st.integers(-(2**62), 2**62)), max_size=5))
-    solver = draw(st.dictionaries(_NAMES, st.one_of(st.none(), st.text(max_size=8), _FLOATS,
-                                                    st.lists(_NAMES, max_size=3)), max_size=4))
+    solver = draw(
+        st.dictionaries(_NAMES, st.one_of(st.none(), st.text(max_size=8), _FLOATS, st.lists(_NAMES, max_size=3)), max_size=4)
+    )
     return Plan(
         mesh_shape=mesh,
         graph_hash=draw(st.text(alphabet="0123456789abcdef", min_size=16, max_size=16)),

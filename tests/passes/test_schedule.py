@@ -39,9 +39,13 @@ def _rewritten(kind: str, options: CommOptions | None = None, config: dict = CON
 
 def _param_collectives(gm, names) -> list[torch.fx.Node]:
     """Collective call_function nodes that read a parameter placeholder directly."""
-    return [n for n in gm.graph.nodes if n.op == "call_function"
-            and getattr(n.target, "__module__", "") == "autopar.ops.collectives"
-            and any(a.op == "placeholder" and a.name in names for a in n.all_input_nodes)]
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and getattr(n.target, "__module__", "") == "autopar.ops.collectives"
+        and any(a.op == "placeholder" and a.name in names for a in n.all_input_nodes)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +69,9 @@ def test_ddp_gradients_go_to_buckets_in_reverse_order_of_use(ddp):
         for arg in node.all_input_nodes:
             if arg.op == "call_module" and arg.target == "grad_buckets":
                 first_use.setdefault(arg.args[0].name, position)
-    assert [first_use[k] for k in keys] == sorted((first_use[k] for k in keys), reverse=True), \
+    assert [first_use[k] for k in keys] == sorted((first_use[k] for k in keys), reverse=True), (
         "buckets fill in the reverse of forward order: the order backward produces gradients"
+    )
     assert all(slot.kind == "all_reduce" and slot.groups == ("g0",) for b in buckets.buckets for slot in b.slots)
 
 
@@ -77,14 +82,21 @@ def test_ddp_layout_runs_no_collective_of_its_own_in_backward(ddp):
     after backward. What is left outside the buckets are the forward's loss collectives."""
     gm, plan, traced = ddp
     assert plan.nodes["embedding"].ins[1] == (torch.distributed.tensor.Shard(0),), plan.summary()
+
     # collectives whose backward communicates: allreduce_grad, and chunk / reduce_scatter /
     # all_to_all of a tensor that carries a gradient (their duals all-gather or all-to-all)
     def floating(node):
         return node.args[0].meta["val"].is_floating_point()
 
-    backward = [n for n in gm.graph.nodes if n.op == "call_function" and (
-        n.target is collectives.allreduce_grad
-        or (n.target in (collectives.chunk, collectives.reduce_scatter, collectives.all_to_all) and floating(n)))]
+    backward = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and (
+            n.target is collectives.allreduce_grad
+            or (n.target in (collectives.chunk, collectives.reduce_scatter, collectives.all_to_all) and floating(n))
+        )
+    ]
     assert not backward, [n.format_node() for n in backward]
     tables = {n.args[0].name for n in gm.graph.nodes if n.op == "call_module" and n.target == "grad_buckets"}
     assert {"p_transformer_wpe_weight", "p_lm_head_weight"} <= tables
@@ -150,6 +162,7 @@ def test_fsdp_gathers_each_layer_with_one_collective():
 
 # -- the compiled mode's schedule: in the graph, for inductor ------------------------------------
 
+
 def _in_graph(kind: str, config: dict = FSDP_CONFIG):
     model = build_model("gpt", seed=0, **config)
     batch = example_batch("gpt", 16, seed=1, **config)
@@ -171,8 +184,9 @@ def test_in_graph_schedule_pairs_fsdp_gathers_with_reduce_scatters_and_leaves_no
     for node in direct:
         if node.target is collectives.all_gather:
             (user,) = node.users
-            assert not (user.op == "call_function" and user.target is collectives.allreduce_grad
-                        and user.args[1] == node.args[2]), node.format_node()
+            assert not (
+                user.op == "call_function" and user.target is collectives.allreduce_grad and user.args[1] == node.args[2]
+            ), node.format_node()
 
 
 def test_in_graph_schedule_keeps_ddp_gradient_all_reduces_for_inductor_to_bucket():

@@ -19,7 +19,6 @@ from autopar.solver.pricing.runner_ups import explain_decisions
 from autopar.trace import trace
 
 
-
 def _objective(graph, assignment) -> tuple[float, float]:
     """Seconds and memory of a full assignment, summed from scratch over every node and edge."""
     seconds = sum(graph.choices[n].compute_s[assignment[n]] for n in graph.order)
@@ -77,8 +76,13 @@ def test_runner_up_costs_are_exact_counterfactuals(solved):
         chosen = record["candidates"][0]
         assert chosen.get("chosen") and chosen["strategy"] == solution.choice[next(iter(record["members"]))]
         for cand in record["candidates"]:
-            parts = (cand["compute_s"] + cand["grad_sync_s"] + cand.get("kernel_comm_s", 0.0) + cand["reshard_in_s"]
-                     + cand["reshard_out_s"])
+            parts = (
+                cand["compute_s"]
+                + cand["grad_sync_s"]
+                + cand.get("kernel_comm_s", 0.0)
+                + cand["reshard_in_s"]
+                + cand["reshard_out_s"]
+            )
             assert parts == pytest.approx(cand["total_s"], rel=1e-9, abs=1e-15)
             if cand is chosen:
                 continue
@@ -159,12 +163,14 @@ def test_find_by_node_param_and_unknown(gpt_plan):
 
 
 def test_explain_text_and_json(gpt_plan):
-    linear = next(n for n, p in gpt_plan.nodes.items() if p.op == "aten.linear.default" and
-                  any(n in r["members"] for r in gpt_plan.decisions.values()))
+    linear = next(
+        n
+        for n, p in gpt_plan.nodes.items()
+        if p.op == "aten.linear.default" and any(n in r["members"] for r in gpt_plan.decisions.values())
+    )
     text = explain_text(gpt_plan, linear)
     assert text.startswith(f"explain {linear} (aten.linear.default)")
-    for part in ("chosen: out", "compute", "gradient sync", "resharding in", "resharding out", "memory",
-                 "decided by cost"):
+    for part in ("chosen: out", "compute", "gradient sync", "resharding in", "resharding out", "memory", "decided by cost"):
         assert part in text
     data = explain_json(gpt_plan, linear)
     assert data["binding"] == "cost" and data["candidates"][0]["chosen"]
@@ -224,9 +230,14 @@ def _member_by_member(graph, solution, ordered, assignment) -> dict[str, float] 
             reshard_in_s += edge.price[(src, dst)][0]
         else:
             reshard_out_s += edge.price[(src, dst)][0]
-    return {"compute_s": compute_s, "param_sync_merge_s": merged_s, "reshard_in_s": reshard_in_s,
-            "reshard_out_s": reshard_out_s, "memory_bytes": memory_bytes,
-            "total_s": compute_s + merged_s + reshard_in_s + reshard_out_s}
+    return {
+        "compute_s": compute_s,
+        "param_sync_merge_s": merged_s,
+        "reshard_in_s": reshard_in_s,
+        "reshard_out_s": reshard_out_s,
+        "memory_bytes": memory_bytes,
+        "total_s": compute_s + merged_s + reshard_in_s + reshard_out_s,
+    }
 
 
 def test_slots_price_as_every_member_alone():

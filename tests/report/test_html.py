@@ -15,8 +15,13 @@ from autopar.report.html import layer_rows, render_html, time_breakdown, write_h
 from autopar.zoo.models import build_model, example_batch
 
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
 ]
 
 
@@ -24,8 +29,7 @@ CHROMIUM_FLAGS = [
 def sharded_plan():
     # A budget that forces some weights to be sharded, so the graph has more than one color.
     model = build_model("mlp", seed=0, d_hidden=256)
-    return autopar.plan(model, (2, 2), example_inputs=example_batch("mlp", 32), cluster="h100-80g",
-                        memory_budget=600_000)
+    return autopar.plan(model, (2, 2), example_inputs=example_batch("mlp", 32), cluster="h100-80g", memory_budget=600_000)
 
 
 def test_layer_rows_collapse_repeated_layers():
@@ -54,9 +58,14 @@ def test_page_is_self_contained(sharded_plan):
 def test_per_axis_and_timeline_keys_are_used_when_present(sharded_plan):
     import dataclasses
 
-    predicted = Prediction.from_json({**sharded_plan.predicted.to_json(), "comm_s_per_axis": [1e-4, 2e-4],
-                                      "comm_bytes_per_axis": {"0": 4096, "1": 2 * 2**20},
-                                      "memory_timeline_bytes": [10, 30, 20]})
+    predicted = Prediction.from_json(
+        {
+            **sharded_plan.predicted.to_json(),
+            "comm_s_per_axis": [1e-4, 2e-4],
+            "comm_bytes_per_axis": {"0": 4096, "1": 2 * 2**20},
+            "memory_timeline_bytes": [10, 30, 20],
+        }
+    )
     # Without a recorded timeline (plans made before it was), the predicted keys are used.
     plan = dataclasses.replace(sharded_plan, predicted=predicted, memory_timeline=None)
     labels = [label for label, _ in time_breakdown(plan)]
@@ -107,13 +116,18 @@ def test_chromium_renders_the_layer_names(sharded_plan, tmp_path):
     write_html(sharded_plan, str(page))
     flags = CHROMIUM_FLAGS + [f"--user-data-dir={tmp_path / 'profile'}"]
     shot = tmp_path / "report.png"
-    subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=900,1200", page.as_uri()],
-                   capture_output=True, timeout=120, check=True)
+    subprocess.run(
+        [browser, *flags, f"--screenshot={shot}", "--window-size=900,1200", page.as_uri()],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     width, height = _png_size(shot.read_bytes())
     assert (width, height) == (900, 1200)
     assert shot.stat().st_size > 10_000, "a blank page compresses to almost nothing"
-    dom = subprocess.run([browser, *flags, "--dump-dom", page.as_uri()],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    dom = subprocess.run(
+        [browser, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     rows = layer_rows(sharded_plan)
     # The page's script counts the layer labels with a non-empty box after layout.
     drawn = re.search(r'data-layers-drawn="(\d+)/(\d+)"', dom)

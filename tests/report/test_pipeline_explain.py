@@ -12,8 +12,10 @@ from autopar.cli.main import main
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory):
     path = tmp_path_factory.mktemp("plans") / "gpt_pp.json"
-    assert main(["plan", "gpt", "--mesh", "4", "--pipeline", "2", "--num-microbatches", "4", "--cluster", "cpu",
-                 "--out", str(path)]) == 0
+    assert (
+        main(["plan", "gpt", "--mesh", "4", "--pipeline", "2", "--num-microbatches", "4", "--cluster", "cpu", "--out", str(path)])
+        == 0
+    )
     return path
 
 

@@ -38,9 +38,14 @@ def _routing(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def _experts_args(seed: int = 0) -> dict:
     generator = torch.Generator().manual_seed(seed)
     index, weights = _routing(seed)
-    return dict(hidden=torch.randn(TOKENS, HIDDEN, generator=generator), top_k_index=index, top_k_weights=weights,
-                gate_up=torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=generator),
-                down=torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=generator), transposed=False)
+    return dict(
+        hidden=torch.randn(TOKENS, HIDDEN, generator=generator),
+        top_k_index=index,
+        top_k_weights=weights,
+        gate_up=torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=generator),
+        down=torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=generator),
+        transposed=False,
+    )
 
 
 def _tiny_moe():
@@ -159,8 +164,7 @@ def _forced_ep_plan(model, batch, mesh, kernel):
     return solve(traced, mesh, get_cluster("cpu"), forced=forced)
 
 
-@pytest.mark.parametrize("kernel", ["moe_experts_all_to_all", "moe_experts_local"],
-                         ids=["all_to_all", "replicated_tokens"])
+@pytest.mark.parametrize("kernel", ["moe_experts_all_to_all", "moe_experts_local"], ids=["all_to_all", "replicated_tokens"])
 def test_numerics_guard_runs_expert_parallel_plans_equal_to_eager(kernel) -> None:
     model, batch = _tiny_moe()
     plan = _forced_ep_plan(model, batch, (2, 2), kernel)
@@ -169,5 +173,5 @@ def test_numerics_guard_runs_expert_parallel_plans_equal_to_eager(kernel) -> Non
     result = check_numerics(model, plan, batch)
     assert result.ok, result.text()
     assert {fqn for fqn in result.grad_rel if "experts" in fqn or "mlp.gate" in fqn} == {
-        f"model.layers.{i}.mlp.{name}" for i in range(2)
-        for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")}
+        f"model.layers.{i}.mlp.{name}" for i in range(2) for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
+    }

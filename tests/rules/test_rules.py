@@ -103,13 +103,13 @@ def test_mm_bmm_addmm_baddbmm(mesh):
         assert has(strategies, [[S(0)], [S(0)]], [S(0)])
         assert has(strategies, [[S(2)], [S(1)]], [P])
     for bias in (torch.randn(6), torch.randn(4, 6), torch.randn(4, 1)):
-        strategies = check(aten.addmm.default, (bias, torch.randn(4, 8), torch.randn(8, 6)),
-                           {"beta": 0.5, "alpha": 2.0}, mesh=mesh)
+        strategies = check(
+            aten.addmm.default, (bias, torch.randn(4, 8), torch.randn(8, 6)), {"beta": 0.5, "alpha": 2.0}, mesh=mesh
+        )
         if mesh == (2,):
             assert has(strategies, [[R], [S(1)], [S(0)]], [P], "addmm_bias_split")
     for bias in (torch.randn(4, 4, 6), torch.randn(1, 1, 6)):
-        strategies = check(aten.baddbmm.default, (bias, torch.randn(4, 4, 8), torch.randn(4, 8, 6)),
-                           {"beta": 0.5}, mesh=mesh)
+        strategies = check(aten.baddbmm.default, (bias, torch.randn(4, 4, 8), torch.randn(4, 8, 6)), {"beta": 0.5}, mesh=mesh)
         if mesh == (2,):
             bias_batch = S(0) if bias.shape[0] == 4 else R
             assert has(strategies, [[bias_batch], [S(0)], [S(0)]], [S(0)])
@@ -120,8 +120,15 @@ def test_mm_bmm_addmm_baddbmm(mesh):
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize(
     "shapes",
-    [((4, 8), (8, 6)), ((2, 4, 8), (8, 6)), ((4, 8), (2, 8, 6)), ((2, 4, 8), (2, 8, 6)),
-     ((2, 1, 4, 8), (4, 8, 6)), ((8,), (8, 6)), ((2, 4, 8), (8,))],
+    [
+        ((4, 8), (8, 6)),
+        ((2, 4, 8), (8, 6)),
+        ((4, 8), (2, 8, 6)),
+        ((2, 4, 8), (2, 8, 6)),
+        ((2, 1, 4, 8), (4, 8, 6)),
+        ((8,), (8, 6)),
+        ((2, 4, 8), (8,)),
+    ],
 )
 def test_matmul(mesh, shapes):
     a, b = torch.randn(*shapes[0]), torch.randn(*shapes[1])
@@ -149,9 +156,19 @@ def test_training_ir_scalar_overloads():
 @pytest.mark.parametrize("mesh", MESHES)
 def test_pointwise_binary(mesh):
     x, row, col = torch.randn(4, 8), torch.randn(8), torch.randn(4, 1)
-    for target in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
-                   aten.rsub.Tensor, aten.maximum.default, aten.pow.Tensor_Tensor,
-                   aten.atan2.default, aten.eq.Tensor, aten.lt.Tensor, aten.masked_fill.Tensor):
+    for target in (
+        aten.add.Tensor,
+        aten.sub.Tensor,
+        aten.mul.Tensor,
+        aten.div.Tensor,
+        aten.rsub.Tensor,
+        aten.maximum.default,
+        aten.pow.Tensor_Tensor,
+        aten.atan2.default,
+        aten.eq.Tensor,
+        aten.lt.Tensor,
+        aten.masked_fill.Tensor,
+    ):
         for other in (x.clone(), row, col, torch.tensor(1.5)):
             if target is aten.masked_fill.Tensor:
                 check(target, (x, other > 0, torch.tensor(2.0)), mesh=mesh)
@@ -176,9 +193,15 @@ def test_pointwise_with_python_numbers(mesh):
     assert has(s, [[P] * len(mesh)], [P] * len(mesh))
     s = check(aten.div.Tensor, (x, 2.0), mesh=mesh)
     assert has(s, [[P] * len(mesh)], [P] * len(mesh))
-    for target, scalar in ((aten.add.Tensor, 1), (aten.sub.Tensor, 3.0), (aten.add.Scalar, 1.0),
-                           (aten.rsub.Scalar, 1.0), (aten.pow.Tensor_Scalar, 2),
-                           (aten.gt.Scalar, 0.0), (aten.clamp_min.default, 0.0)):
+    for target, scalar in (
+        (aten.add.Tensor, 1),
+        (aten.sub.Tensor, 3.0),
+        (aten.add.Scalar, 1.0),
+        (aten.rsub.Scalar, 1.0),
+        (aten.pow.Tensor_Scalar, 2),
+        (aten.gt.Scalar, 0.0),
+        (aten.clamp_min.default, 0.0),
+    ):
         s = check(target, (x, scalar), mesh=mesh)
         assert not any(P in spec for st in s for spec in st.ins), f"{target} with a number takes P"
     for target in (aten.mul.Scalar, aten.div.Scalar):
@@ -187,11 +210,26 @@ def test_pointwise_with_python_numbers(mesh):
 
 
 UNARY_SAMPLES = [
-    aten.relu.default, aten.gelu.default, aten.silu.default, aten.tanh.default,
-    aten.sigmoid.default, aten.exp.default, aten.abs.default, aten.sin.default, aten.cos.default,
-    aten.erf.default, aten.neg.default, aten.clone.default, aten.alias.default, aten.detach.default,
-    aten.lift_fresh_copy.default, aten.square.default, aten.hardtanh.default,
-    aten.leaky_relu.default, aten.logical_not.default, aten.isnan.default,
+    aten.relu.default,
+    aten.gelu.default,
+    aten.silu.default,
+    aten.tanh.default,
+    aten.sigmoid.default,
+    aten.exp.default,
+    aten.abs.default,
+    aten.sin.default,
+    aten.cos.default,
+    aten.erf.default,
+    aten.neg.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.lift_fresh_copy.default,
+    aten.square.default,
+    aten.hardtanh.default,
+    aten.leaky_relu.default,
+    aten.logical_not.default,
+    aten.isnan.default,
 ]
 
 
@@ -361,8 +399,12 @@ def test_other_reductions(mesh):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_softmax(mesh):
     x = torch.randn(4, 6, 8)
-    for target, args in ((aten.softmax.int, (x, -1)), (aten._softmax.default, (x, 1, False)),
-                         (aten.log_softmax.int, (x, 2)), (aten._log_softmax.default, (x, -1, False))):
+    for target, args in (
+        (aten.softmax.int, (x, -1)),
+        (aten._softmax.default, (x, 1, False)),
+        (aten.log_softmax.int, (x, 2)),
+        (aten._log_softmax.default, (x, -1, False)),
+    ):
         s = check(target, args, mesh=mesh)
         dim = args[1] % 3
         assert not any(S(dim) in st.ins[0] for st in s)
@@ -399,8 +441,7 @@ def test_scaled_dot_product_attention(mesh):
     q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
     causal = check(aten.scaled_dot_product_attention.default, (q, k, v), {"is_causal": True}, mesh=mesh)
     plain = check(aten.scaled_dot_product_attention.default, (q, k, v), mesh=mesh)
-    for mask in (torch.randn(8, 8), torch.randn(2, 1, 8, 8), torch.rand(2, 4, 8, 8) > 0.2,
-                 torch.randn(1, 4, 1, 8)):
+    for mask in (torch.randn(8, 8), torch.randn(2, 1, 8, 8), torch.rand(2, 4, 8, 8) > 0.2, torch.randn(1, 4, 1, 8)):
         check(aten.scaled_dot_product_attention.default, (q, k, v, mask), mesh=mesh)
     gqa = (q, torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16))
     g = check(aten.scaled_dot_product_attention.default, gqa, {"enable_gqa": True}, mesh=mesh)
@@ -415,15 +456,13 @@ def test_scaled_dot_product_attention(mesh):
         # tests/runtime/test_context_parallel.py), and GQA keeps it.
         assert has(causal, [[S(2)]] * 3, [S(2)], "sdpa_context_parallel")
         assert has(g, [[S(2)]] * 3, [S(2)]) is False
-        gqa_causal = strategies_for(aten.scaled_dot_product_attention.default, gqa,
-                                    {"is_causal": True, "enable_gqa": True})
+        gqa_causal = strategies_for(aten.scaled_dot_product_attention.default, gqa, {"is_causal": True, "enable_gqa": True})
         assert has(gqa_causal, [[S(2)]] * 3, [S(2)], "sdpa_context_parallel")
         # Not offered without is_causal (the query split serves), with a mask, or with dropout
         # (its backward recomputes, which would draw a second mask).
         assert not any(st.kernel for st in plain)
         for kwargs in ({"is_causal": True, "dropout_p": 0.1}, {}):
-            assert not any(st.kernel for st in strategies_for(aten.scaled_dot_product_attention.default,
-                                                              (q, k, v), kwargs))
+            assert not any(st.kernel for st in strategies_for(aten.scaled_dot_product_attention.default, (q, k, v), kwargs))
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -509,12 +548,10 @@ def test_pools_and_dropout(mesh):
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_factories(mesh):
-    for target, args in ((aten.arange.default, (8,)), (aten.arange.start_step, (0, 16, 2)),
-                         (aten.scalar_tensor.default, (2.0,))):
+    for target, args in ((aten.arange.default, (8,)), (aten.arange.start_step, (0, 16, 2)), (aten.scalar_tensor.default, (2.0,))):
         s = check(target, args, mesh=mesh)
         assert [st.out for st in s] == [(R,) * len(mesh)]
-    for target, args in ((aten.zeros.default, ([4, 8],)), (aten.ones.default, ([4, 8],)),
-                         (aten.full.default, ([4, 8], 1.5))):
+    for target, args in ((aten.zeros.default, ([4, 8],)), (aten.ones.default, ([4, 8],)), (aten.full.default, ([4, 8], 1.5))):
         s = check(target, args, mesh=mesh)
         assert any(st.out[0] == S(1) for st in s)
     x = torch.randn(4, 8)
@@ -555,13 +592,28 @@ def test_training_ir_ops_have_rules():
     args = (torch.randint(0, 16, (2, 4)), torch.randn(2, 3, 8, 8), torch.randint(0, 16, (2, 4)))
     graph = torch.export.export(net, args, strict=False).graph_module.graph
     targets = {n.target for n in graph.nodes if n.op == "call_function"}
-    whole = {aten.embedding.default, aten.linear.default, aten.layer_norm.default,
-             aten.rms_norm.default, aten.scaled_dot_product_attention.default,
-             aten.cross_entropy_loss.default, aten.conv2d.default, aten.batch_norm.default,
-             aten.max_pool2d.default, aten.adaptive_avg_pool2d.default, aten.dropout.default,
-             aten.gelu.default, aten.mul.Tensor, aten.add.Tensor, aten.softmax.int,
-             aten.amax.default, aten.mean.default, aten.sum.default, aten.relu.default,
-             aten.add_.Tensor}
+    whole = {
+        aten.embedding.default,
+        aten.linear.default,
+        aten.layer_norm.default,
+        aten.rms_norm.default,
+        aten.scaled_dot_product_attention.default,
+        aten.cross_entropy_loss.default,
+        aten.conv2d.default,
+        aten.batch_norm.default,
+        aten.max_pool2d.default,
+        aten.adaptive_avg_pool2d.default,
+        aten.dropout.default,
+        aten.gelu.default,
+        aten.mul.Tensor,
+        aten.add.Tensor,
+        aten.softmax.int,
+        aten.amax.default,
+        aten.mean.default,
+        aten.sum.default,
+        aten.relu.default,
+        aten.add_.Tensor,
+    }
     assert whole <= targets, f"not in the training IR: {whole - targets}"
     assert all(t in RULES for t in whole)
 
@@ -584,28 +636,45 @@ def test_kernels_equal_their_op_without_groups():
     )
     img, cw, cb = torch.randn(2, 4, 7, 7), torch.randn(3, 4, 3, 3), torch.randn(3)
     conv_kw = dict(input=img, weight=cw, bias=cb, stride=[2, 2], padding=[1, 1], dilation=[1, 1])
-    torch.testing.assert_close(_kernel("conv2d_bias_split", **conv_kw),
-                               aten.conv2d(img, cw, cb, [2, 2], [1, 1], [1, 1], 1))
+    torch.testing.assert_close(_kernel("conv2d_bias_split", **conv_kw), aten.conv2d(img, cw, cb, [2, 2], [1, 1], [1, 1], 1))
     for dim, keepdim in (([1], False), ([0, 2], True), (None, False)):
-        torch.testing.assert_close(_kernel("mean_partial", self=x, dim=dim, keepdim=keepdim, dtype=None),
-                                   aten.mean.dim(x, dim, keepdim))
-    torch.testing.assert_close(_kernel("mean_partial", self=x, dtype=torch.float64),
-                               aten.mean.default(x, dtype=torch.float64))
+        torch.testing.assert_close(
+            _kernel("mean_partial", self=x, dim=dim, keepdim=keepdim, dtype=None), aten.mean.dim(x, dim, keepdim)
+        )
+    torch.testing.assert_close(_kernel("mean_partial", self=x, dtype=torch.float64), aten.mean.default(x, dtype=torch.float64))
     table, idx = torch.randn(10, 4), torch.randint(0, 10, (3, 5))
     for padding_idx in (-1, 3):
         torch.testing.assert_close(
-            _kernel("embedding_vocab_split", weight=table, indices=idx, padding_idx=padding_idx,
-                    scale_grad_by_freq=False, sparse=False),
+            _kernel(
+                "embedding_vocab_split",
+                weight=table,
+                indices=idx,
+                padding_idx=padding_idx,
+                scale_grad_by_freq=False,
+                sparse=False,
+            ),
             aten.embedding(table, idx, padding_idx),
         )
     logits, target, weight = torch.randn(8, 5, 3), torch.randint(0, 5, (8, 3)), torch.rand(5) + 0.5
     target[0, 0] = target[3, 2] = -100
     probabilities = torch.softmax(torch.randn(8, 5, 3), 1)
-    for tgt, wt, smoothing in ((target, None, 0.0), (target, weight, 0.0), (target, None, 0.2),
-                               (probabilities, None, 0.0), (probabilities, weight, 0.1)):
+    for tgt, wt, smoothing in (
+        (target, None, 0.0),
+        (target, weight, 0.0),
+        (target, None, 0.2),
+        (probabilities, None, 0.0),
+        (probabilities, weight, 0.1),
+    ):
         torch.testing.assert_close(
-            _kernel("cross_entropy_mean", self=logits, target=tgt, weight=wt, reduction=1,
-                    ignore_index=-100, label_smoothing=smoothing),
+            _kernel(
+                "cross_entropy_mean",
+                self=logits,
+                target=tgt,
+                weight=wt,
+                reduction=1,
+                ignore_index=-100,
+                label_smoothing=smoothing,
+            ),
             aten.cross_entropy_loss(logits, tgt, wt, 1, -100, smoothing),
         )
 
@@ -621,8 +690,18 @@ def test_sync_batch_norm_without_groups_matches_eager():
     xe, xk = x.clone().requires_grad_(), x.clone().requires_grad_()
     grad_out = torch.randn_like(x)
     ref = bn_eager(xe)
-    out = _kernel("sync_batch_norm", input=xk, weight=weight, bias=bias, running_mean=running_mean,
-                  running_var=running_var, training=True, momentum=0.1, eps=1e-5, cudnn_enabled=False)
+    out = _kernel(
+        "sync_batch_norm",
+        input=xk,
+        weight=weight,
+        bias=bias,
+        running_mean=running_mean,
+        running_var=running_var,
+        training=True,
+        momentum=0.1,
+        eps=1e-5,
+        cudnn_enabled=False,
+    )
     torch.testing.assert_close(out, ref)
     (ref * grad_out).sum().backward()
     (out * grad_out).sum().backward()
@@ -655,8 +734,11 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
         return collectives.no_grad_all_reduce(t.grad, group)
 
     # linear_bias_split: x S(last), weight S(1), bias R -> P
-    x, w, b = (torch.randn(4, 3, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True),
-               torch.randn(6, requires_grad=True))
+    x, w, b = (
+        torch.randn(4, 3, 8, requires_grad=True),
+        torch.randn(6, 8, requires_grad=True),
+        torch.randn(6, requires_grad=True),
+    )
     c = torch.randn(4, 3, 6)
     (F.linear(x, w, b) * c).sum().backward()
     xl, wl, bl = chunk(x, 2), chunk(w, 1), b.detach().clone().requires_grad_()
@@ -669,8 +751,11 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     close(bl.grad, b.grad, "linear bias grad (whole on every rank, no all-reduce)")
 
     # addmm_bias_split: bias R, mat1 S(1), mat2 S(0) -> P
-    bias, m1, m2 = (torch.randn(5, requires_grad=True), torch.randn(4, 8, requires_grad=True),
-                    torch.randn(8, 5, requires_grad=True))
+    bias, m1, m2 = (
+        torch.randn(5, requires_grad=True),
+        torch.randn(4, 8, requires_grad=True),
+        torch.randn(8, 5, requires_grad=True),
+    )
     c = torch.randn(4, 5)
     (torch.addmm(bias, m1, m2, beta=0.5, alpha=2.0) * c).sum().backward()
     biasl, m1l, m2l = bias.detach().clone().requires_grad_(), chunk(m1, 1), chunk(m2, 0)
@@ -682,13 +767,17 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     close(biasl.grad, bias.grad, "addmm bias grad (whole on every rank, no all-reduce)")
 
     # conv2d_bias_split: input S(1), weight S(1), bias R -> P (the op's `groups` is replaced)
-    img, cw, cb = (torch.randn(2, 4, 6, 6, requires_grad=True), torch.randn(3, 4, 3, 3, requires_grad=True),
-                   torch.randn(3, requires_grad=True))
+    img, cw, cb = (
+        torch.randn(2, 4, 6, 6, requires_grad=True),
+        torch.randn(3, 4, 3, 3, requires_grad=True),
+        torch.randn(3, requires_grad=True),
+    )
     c = torch.randn(2, 3, 6, 6)
     (F.conv2d(img, cw, cb, 1, 1) * c).sum().backward()
     imgl, cwl, cbl = chunk(img, 1), chunk(cw, 1), cb.detach().clone().requires_grad_()
-    out = get_kernel("conv2d_bias_split")(axis_groups=(group,), input=imgl, weight=cwl, bias=cbl,
-                                          stride=[1, 1], padding=[1, 1], dilation=[1, 1])
+    out = get_kernel("conv2d_bias_split")(
+        axis_groups=(group,), input=imgl, weight=cwl, bias=cbl, stride=[1, 1], padding=[1, 1], dilation=[1, 1]
+    )
     out = collectives.all_reduce(out, group)
     close(out, F.conv2d(img, cw, cb, 1, 1).detach(), "conv2d forward")
     (out * c).sum().backward()
@@ -715,8 +804,9 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     c = torch.randn(3, 5, 4)
     (F.embedding(idx, table, padding_idx=7) * c).sum().backward()
     tablel = chunk(table, 0)
-    out = get_kernel("embedding_vocab_split")(axis_groups=(group, solo), weight=tablel, indices=idx, padding_idx=7,
-                                              scale_grad_by_freq=False, sparse=False)
+    out = get_kernel("embedding_vocab_split")(
+        axis_groups=(group, solo), weight=tablel, indices=idx, padding_idx=7, scale_grad_by_freq=False, sparse=False
+    )
     out = collectives.all_reduce(out, group)
     close(out, F.embedding(idx, table).detach(), "embedding forward")
     (out * c).sum().backward()
@@ -730,9 +820,15 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
         loss = F.cross_entropy(logits, target, weight, label_smoothing=smoothing)
         loss.backward()
         logitsl = chunk(logits, 0)
-        out = get_kernel("cross_entropy_mean")(axis_groups=(group,), self=logitsl,
-                                               target=target.chunk(world_size)[rank], weight=weight,
-                                               reduction=1, ignore_index=-100, label_smoothing=smoothing)
+        out = get_kernel("cross_entropy_mean")(
+            axis_groups=(group,),
+            self=logitsl,
+            target=target.chunk(world_size)[rank],
+            weight=weight,
+            reduction=1,
+            ignore_index=-100,
+            label_smoothing=smoothing,
+        )
         out = collectives.all_reduce(out, group)
         close(out, loss.detach(), f"cross entropy forward (weight={weight is not None}, ls={smoothing})")
         out.backward()
@@ -747,9 +843,15 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
         c = torch.randn(6) if reduction == 0 else torch.tensor(1.7)
         (ref * c).sum().backward()
         logitsl = chunk(logits, 1)
-        out = get_kernel("cross_entropy_vocab_split")(axis_groups=(group, solo), self=logitsl, target=target,
-                                                      weight=None, reduction=reduction, ignore_index=-100,
-                                                      label_smoothing=0.0)
+        out = get_kernel("cross_entropy_vocab_split")(
+            axis_groups=(group, solo),
+            self=logitsl,
+            target=target,
+            weight=None,
+            reduction=reduction,
+            ignore_index=-100,
+            label_smoothing=0.0,
+        )
         close(out, ref.detach(), f"vocab-parallel cross entropy forward ({name})")
         (out * c).sum().backward()
         close(logitsl.grad, logits.grad.chunk(world_size, 1)[rank], f"vocab-parallel cross entropy grad ({name})")
@@ -766,9 +868,18 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
     weight = bn.weight.detach().clone().requires_grad_()
     bias = bn.bias.detach().clone().requires_grad_()
     running_mean, running_var = torch.zeros(3), torch.ones(3)
-    out = get_kernel("sync_batch_norm")(axis_groups=(group, solo), input=xl, weight=weight, bias=bias,
-                                        running_mean=running_mean, running_var=running_var,
-                                        training=True, momentum=0.1, eps=1e-5, cudnn_enabled=False)
+    out = get_kernel("sync_batch_norm")(
+        axis_groups=(group, solo),
+        input=xl,
+        weight=weight,
+        bias=bias,
+        running_mean=running_mean,
+        running_var=running_var,
+        training=True,
+        momentum=0.1,
+        eps=1e-5,
+        cudnn_enabled=False,
+    )
     close(out, ref.detach().chunk(world_size, 0)[rank], "batch norm forward")
     full = collectives.all_gather(out, 0, group)
     (full * c).sum().backward()
@@ -839,8 +950,11 @@ def test_size_one_mesh_axes_carry_only_replicate_and_keep_the_rule_source(mesh):
     from torch.distributed.tensor import Replicate
 
     x, w = torch.randn(8, 16), torch.randn(32, 16)
-    for target, args in [(torch.ops.aten.linear.default, (x, w)), (torch.ops.aten.add.Tensor, (x, x)),
-                         (torch.ops.aten.sum.dim_IntList, (x, [1]))]:
+    for target, args in [
+        (torch.ops.aten.linear.default, (x, w)),
+        (torch.ops.aten.add.Tensor, (x, x)),
+        (torch.ops.aten.sum.dim_IntList, (x, [1])),
+    ]:
         kw = _normalize(target, args, {})
         info = op_info_from_values("op", target, kw, target(*args))
         strategies = node_strategies(info, mesh)

@@ -170,12 +170,29 @@ def test_training_ir_view_ops_have_rules():
     class Model(torch.nn.Module):
         def forward(self, x, y):
             return (
-                x.view(8, 16, 4, 8), x.reshape(128, 32), torch.flatten(x, 1), x.transpose(1, 2),
-                x.permute(2, 0, 1), x.split(8, dim=1), torch.cat([x, y]), x[:, :3], x[0],
-                x.unsqueeze(1), x[:, :1].expand(8, 4, 32), x[:, :1].squeeze(1), x.chunk(2, -1),
-                x.unbind(0), torch.stack([x, y]), x.narrow(1, 2, 4), x[0].t(),
+                x.view(8, 16, 4, 8),
+                x.reshape(128, 32),
+                torch.flatten(x, 1),
+                x.transpose(1, 2),
+                x.permute(2, 0, 1),
+                x.split(8, dim=1),
+                torch.cat([x, y]),
+                x[:, :3],
+                x[0],
+                x.unsqueeze(1),
+                x[:, :1].expand(8, 4, 32),
+                x[:, :1].squeeze(1),
+                x.chunk(2, -1),
+                x.unbind(0),
+                torch.stack([x, y]),
+                x.narrow(1, 2, 4),
+                x[0].t(),
                 x.unflatten(2, (4, 8)),
-                x.view_as(y), x.split([4, 12], dim=1), x.mT, x[:1, :1].squeeze(), x.movedim(0, 2),
+                x.view_as(y),
+                x.split([4, 12], dim=1),
+                x.mT,
+                x[:1, :1].squeeze(),
+                x.movedim(0, 2),
             )
 
     exported = torch.export.export(Model(), (X, Y), strict=False)

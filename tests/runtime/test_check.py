@@ -46,8 +46,9 @@ def test_wrong_plan_names_the_mismatching_node(gpt):
     model, batch, plan = gpt
     # Any linear, given an output placement it does not have (its local shape then differs).
     name = next(n for n, p in plan.nodes.items() if p.op == "aten.linear.default")
-    wrong = next(spec for spec in (parse_spec(["S(0)", "S(1)"]), parse_spec(["S(1)", "S(0)"]))
-                 if spec != plan.nodes[name].outs[0])
+    wrong = next(
+        spec for spec in (parse_spec(["S(0)", "S(1)"]), parse_spec(["S(1)", "S(0)"])) if spec != plan.nodes[name].outs[0]
+    )
     nodes = dict(plan.nodes)
     nodes[name] = dataclasses.replace(nodes[name], outs=(wrong,))
     result = check_plan(dataclasses.replace(plan, nodes=nodes), model, batch, rank=0)

@@ -54,8 +54,13 @@ def _resume(pm: autopar.ParallelModule, path: str) -> dict:
     autopar.checkpoint.load(path, pm, optimizer)
     lr = optimizer.param_groups[0]["lr"]
     losses = _train(pm, optimizer, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
-    return {"losses": losses, "lr": lr, "state": pm.full_state_dict(), "mesh": pm.plan.mesh_shape,
-            "params": {k: [str(p) for p in v] for k, v in pm.plan.params.items()}}
+    return {
+        "losses": losses,
+        "lr": lr,
+        "state": pm.full_state_dict(),
+        "mesh": pm.plan.mesh_shape,
+        "params": {k: [str(p) for p in v] for k, v in pm.plan.params.items()},
+    }
 
 
 def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
@@ -107,8 +112,9 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
     # Load on mesh (1, 4) under Megatron, into a meta-built model: shards straight from the checkpoint.
     with torch.device("meta"):
         meta = _model()
-    megatron = autopar.compile(meta, (1, 4), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["1x4"]),
-                               init=autopar.FromCheckpoint(path))
+    megatron = autopar.compile(
+        meta, (1, 4), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["1x4"]), init=autopar.FromCheckpoint(path)
+    )
     out["megatron_compiled_state"] = max_rel_diff(megatron.full_state_dict(), full)
     out["megatron"] = _resume(megatron, path)
 
@@ -129,12 +135,15 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
     cnn = autopar.compile(build_model("cnn"), (4,), example_inputs=cnn_batch, plan=autopar.Plan.from_json(plans["cnn_4"]))
     cnn(*cnn_batch).backward()  # moves the running statistics
     autopar.checkpoint.save(f"{path}_cnn", cnn)
-    cnn_other = autopar.compile(build_model("cnn", seed=3), (2, 2), example_inputs=cnn_batch,
-                                plan=autopar.Plan.from_json(plans["cnn_2x2"]))
+    cnn_other = autopar.compile(
+        build_model("cnn", seed=3), (2, 2), example_inputs=cnn_batch, plan=autopar.Plan.from_json(plans["cnn_2x2"])
+    )
     autopar.checkpoint.load(f"{path}_cnn", cnn_other)
     out["cnn"] = {
         "rel": max_rel_diff(cnn_other.full_state_dict(), cnn.full_state_dict()),
-        "buffers": {k: [str(p) for p in v.placements] for k, v in cnn.state_dict().items() if "running" in k or "num_batches" in k},
+        "buffers": {
+            k: [str(p) for p in v.placements] for k, v in cnn.state_dict().items() if "running" in k or "num_batches" in k
+        },
     }
     try:
         autopar.compile(meta, (2, 2), example_inputs=_batch(0), plan=autopar.Plan.from_json(plans["2x2"]))
@@ -196,7 +205,9 @@ def test_checkpoint_round_trip_across_meshes(rank_pool, tmp_path) -> None:
             worst = max(rel, key=rel.get)
             if rank == 0:  # shown with pytest -s
                 loss_rel = max(abs(g - eager[s]) / abs(eager[s]) for s, g in enumerate(resumed["losses"], start=STEPS_BEFORE))
-                print(f"{label} on {resumed['mesh']}: worst loss rel diff {loss_rel:.1e}, worst parameter {worst} {rel[worst]:.1e}")
+                print(
+                    f"{label} on {resumed['mesh']}: worst loss rel diff {loss_rel:.1e}, worst parameter {worst} {rel[worst]:.1e}"
+                )
             assert rel[worst] < TOL, f"{where} {label}: after resuming, {worst} off by {rel[worst]:.2e}"
 
         seeded = out["seeded"]

@@ -33,8 +33,7 @@ def _gpt(parallel: dict) -> torch.nn.Module:
     """Two layers to pipeline; a fused qkv projection (split by head, ``S(d)/3``) for 2D and 3D."""
     layers = 2 if parallel.get("pipeline", 1) > 1 else 1
     fused = parallel["tensor"]["mode"] in ("2d", "3d")
-    return build_model("gpt", seed=0, n_layer=layers, n_embd=32, n_head=4, vocab_size=64, block_size=8,
-                       fused_qkv=fused).double()
+    return build_model("gpt", seed=0, n_layer=layers, n_embd=32, n_head=4, vocab_size=64, block_size=8, fused_qkv=fused).double()
 
 
 def _batch() -> tuple:
@@ -43,8 +42,9 @@ def _batch() -> tuple:
 
 def _plans(world: int) -> dict[str, str]:
     return {
-        label: autopar.hand_plan("colossal", _gpt(parallel), world, example_inputs=_batch(),
-                                 cluster="cpu", parallel=parallel).to_json()
+        label: autopar.hand_plan(
+            "colossal", _gpt(parallel), world, example_inputs=_batch(), cluster="cpu", parallel=parallel
+        ).to_json()
         for label, parallel in CONFIGS[world].items()
     }
 
@@ -62,8 +62,12 @@ def _run(rank: int, world: int, plans: dict[str, str]) -> dict:
         want = eager(*batch)
         want.backward()
         got, expected = pm.full_grads(), eager_grads(eager)
-        results[label] = {"loss": (loss.item(), want.item()), "grad_error": {
-            name: ((got[name] - grad).abs().max().item(), grad.abs().max().item()) for name, grad in expected.items()}}
+        results[label] = {
+            "loss": (loss.item(), want.item()),
+            "grad_error": {
+                name: ((got[name] - grad).abs().max().item(), grad.abs().max().item()) for name, grad in expected.items()
+            },
+        }
     return results
 
 

@@ -24,8 +24,13 @@ def world_of_one():
         yield
         return
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{os.path.join(tmp, 'rdzv')}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )
         try:
             yield
         finally:
@@ -96,8 +101,11 @@ def _hand_plans_compiled(rank: int, world: int) -> dict:
         scale = max(grad.abs().max().item() for grad in want_grads.values())
         # an attention key bias's gradient is zero in exact arithmetic: rounding noise, left out
         got = {name: grad / 2 for name, grad in pm.full_grads().items()}  # two steps' gradients
-        grads = {name: rel for name, rel in max_rel_diff(got, want_grads).items()
-                 if want_grads[name].abs().max().item() >= 1e-6 * scale}
+        grads = {
+            name: rel
+            for name, rel in max_rel_diff(got, want_grads).items()
+            if want_grads[name].abs().max().item() >= 1e-6 * scale
+        }
         ran = {event.key: event.count for event in prof.key_averages() if "c10d" in event.key}
         out[kind] = (loss.item(), want.item(), max(grads.values()), ran)
     return out

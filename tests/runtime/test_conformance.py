@@ -125,8 +125,18 @@ def _loop(name: str, kind: str, plans: dict[str, str], path: str) -> dict:
     rows = slice(rank * GLOBAL_BATCH // size, (rank + 1) * GLOBAL_BATCH // size)
     opt, sched = _optimizer(pm.parameters())
     eager_opt, eager_sched = _optimizer(eager.parameters())
-    out = {"size": size, "plan_size": pm.plan.data.size, "batch": pm.plan.data.batch, "loss": 0.0, "norm": 0.0,
-           "grads": 0.0, "params": 0.0, "eval": 0.0, "eval_grad_fn": [], "lr": []}
+    out = {
+        "size": size,
+        "plan_size": pm.plan.data.size,
+        "batch": pm.plan.data.batch,
+        "loss": 0.0,
+        "norm": 0.0,
+        "grads": 0.0,
+        "params": 0.0,
+        "eval": 0.0,
+        "eval_grad_fn": [],
+        "lr": [],
+    }
     for step in range(STEPS):
         if step == RESUME_AFTER:
             autopar.checkpoint.save(path, pm, opt)
@@ -208,8 +218,9 @@ def _plans() -> dict[str, str]:
         for name in ("gpt", "cnn"):
             example = tuple(t[:GLOBAL_BATCH] for t in _data(name).tensors)
             for kind in PLANS[:-1]:
-                made = autopar.hand_plan(kind, _model(name, 0), MESH, example_inputs=example, cluster="cpu",
-                                         data=autopar.DataOptions(batch="per_rank"))
+                made = autopar.hand_plan(
+                    kind, _model(name, 0), MESH, example_inputs=example, cluster="cpu", data=autopar.DataOptions(batch="per_rank")
+                )
                 plans[f"{name}_{kind}"] = made.to_json()
         return plans
     finally:
@@ -222,8 +233,10 @@ def test_training_loop_equals_eager(rank_pool, tmp_path) -> None:
     plans = _plans()
     planned = time.perf_counter() - start
     results = rank_pool(4).run(_run, plans, str(tmp_path), timeout_s=900)
-    print(f"conformance: plans {planned:.1f} s, ranks {time.perf_counter() - start - planned:.1f} s; per loop "
-          + ", ".join(f"{n}/{k} {s:.1f} s" for (n, k), s in results[0]["seconds"].items()))
+    print(
+        f"conformance: plans {planned:.1f} s, ranks {time.perf_counter() - start - planned:.1f} s; per loop "
+        + ", ".join(f"{n}/{k} {s:.1f} s" for (n, k), s in results[0]["seconds"].items())
+    )
     sizes = {}
     for rank, out in enumerate(results):
         for name in ("gpt", "cnn"):

@@ -64,13 +64,17 @@ def _forced_plan(model, batch, mesh, spec) -> autopar.Plan:
     return plan
 
 
-@pytest.mark.parametrize("case,mesh,spec", [
-    ("gpt", (4,), (S(2),)),
-    ("gpt", (2, 2), (S(2), S(2))),
-    ("gpt", (2, 2), (S(1), S(2))),
-    ("llama_repeat_kv", (4,), (S(2),)),
-    ("enable_gqa", (4,), (S(2),)),
-], ids=["gpt-4-head-tail", "gpt-2x2-both-axes", "gpt-2x2-heads-and-sequence", "llama-repeat-kv", "enable-gqa"])
+@pytest.mark.parametrize(
+    "case,mesh,spec",
+    [
+        ("gpt", (4,), (S(2),)),
+        ("gpt", (2, 2), (S(2), S(2))),
+        ("gpt", (2, 2), (S(1), S(2))),
+        ("llama_repeat_kv", (4,), (S(2),)),
+        ("enable_gqa", (4,), (S(2),)),
+    ],
+    ids=["gpt-4-head-tail", "gpt-2x2-both-axes", "gpt-2x2-heads-and-sequence", "llama-repeat-kv", "enable-gqa"],
+)
 def test_numerics_guard_covers_the_kernel(case, mesh, spec):
     model, batch = _cases()[case]
     result = check_numerics(model, _forced_plan(model, batch, mesh, spec), batch, tolerance=TOL)
@@ -102,4 +106,6 @@ def test_context_parallel_matches_eager_on_gloo(rank_pool):
             got, want = result["loss"]
             assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {name}: loss {got} vs eager {want}"
             worst = max(result["grad_rel"], key=result["grad_rel"].get)
-            assert result["grad_rel"][worst] < TOL, f"rank {rank} {name}: gradient of {worst} off by {result['grad_rel'][worst]:.2e}"
+            assert result["grad_rel"][worst] < TOL, (
+                f"rank {rank} {name}: gradient of {worst} off by {result['grad_rel'][worst]:.2e}"
+            )

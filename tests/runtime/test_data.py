@@ -17,8 +17,12 @@ from autopar.trace import trace
 
 
 def _rows(groups: list[int], batches: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([torch.cat([torch.tensor([g, 0.0], dtype=torch.float64), fingerprint([b], torch.device("cpu"))])
-                        for g, b in zip(groups, batches)])
+    return torch.stack(
+        [
+            torch.cat([torch.tensor([g, 0.0], dtype=torch.float64), fingerprint([b], torch.device("cpu"))])
+            for g, b in zip(groups, batches)
+        ]
+    )
 
 
 def test_fingerprints_tell_reordered_shifted_and_reshaped_batches_apart() -> None:
@@ -107,8 +111,7 @@ def world_of_one():
         yield
         return
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1, timeout=timedelta(seconds=60))
         try:
             yield
         finally:

@@ -31,8 +31,7 @@ GPT_BATCH = 4
 def one_rank_gloo():
     """A real gloo process group of one rank in this process, torn down afterwards."""
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1, timeout=timedelta(seconds=60))
         try:
             yield
         finally:
@@ -139,7 +138,8 @@ def test_another_models_checkpoint_is_refused_listing_the_names_and_nothing_is_o
         autopar.checkpoint.load(bigger, two, own)
     assert _same(_state(two), before), "a refused load wrote weights"
     assert own.param_groups[0]["lr"] == 1e-3 and all(
-        torch.equal(own.state[p][k], own_state[p][k]) for p in own_state for k in own_state[p])
+        torch.equal(own.state[p][k], own_state[p][k]) for p in own_state for k in own_state[p]
+    )
 
     # strict=False loads the names both hold; an optimizer's groups must still match.
     with pytest.raises(CheckpointError, match="another optimizer's param groups.*saved only: transformer.h.2"):
@@ -153,7 +153,9 @@ def test_another_models_checkpoint_is_refused_listing_the_names_and_nothing_is_o
 def test_shapes_that_differ_are_refused_even_with_strict_off(saved):
     path, _, _, _ = saved
     wide = autopar.compile(build_model("gpt", n_embd=32), (1,), example_inputs=example_batch("gpt", GPT_BATCH))
-    with pytest.raises(CheckpointError, match=r"shapes differ: transformer\.wte\.weight: checkpoint \(256, 64\), model \(256, 32\)"):
+    with pytest.raises(
+        CheckpointError, match=r"shapes differ: transformer\.wte\.weight: checkpoint \(256, 64\), model \(256, 32\)"
+    ):
         autopar.checkpoint.load(path, wide, strict=False)
 
 
@@ -218,8 +220,11 @@ def test_compile_refuses_a_hand_edited_plan_naming_the_parameter(one_rank_gloo, 
     data["params"]["transformer.h.0.attn.q_proj.weight"] = ["S(5)"]
     path = tmp_path / "edited.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(autopar.PlanError, match="parameter 'transformer.h.0.attn.q_proj.weight' has placements "
-                                                r"\(S\(5\)\), which shards dim 5 of a 2-dim tensor"):
+    with pytest.raises(
+        autopar.PlanError,
+        match="parameter 'transformer.h.0.attn.q_proj.weight' has placements "
+        r"\(S\(5\)\), which shards dim 5 of a 2-dim tensor",
+    ):
         autopar.compile(model, (1,), example_inputs=batch, plan=str(path))
     path.write_text(json.dumps(data)[:1000])
     with pytest.raises(autopar.PlanError, match=f"plan file '{path}' is not valid JSON"):
@@ -299,9 +304,12 @@ def test_ranks_with_different_weights_are_refused_naming_the_rank(rank_pool):
 def _gpt_on(world: int, plan: str):
     model = build_model("gpt", seed=0)
     batch = example_batch("gpt", GPT_BATCH)
-    return autopar.compile(model, (world,) if plan == "fsdp" else (2, 2), example_inputs=batch,
-                           plan=autopar.hand_plan(plan, model, (world,) if plan == "fsdp" else (2, 2),
-                                                  example_inputs=batch, cluster="cpu")), batch
+    return autopar.compile(
+        model,
+        (world,) if plan == "fsdp" else (2, 2),
+        example_inputs=batch,
+        plan=autopar.hand_plan(plan, model, (world,) if plan == "fsdp" else (2, 2), example_inputs=batch, cluster="cpu"),
+    ), batch
 
 
 def _told(folder: str, rank: int, fn):

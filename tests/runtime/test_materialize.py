@@ -46,7 +46,9 @@ def test_seeded_shards_are_shards_of_the_seeded_reference(mesh_shape) -> None:
     specs = {fqn: (R,) * (len(mesh_shape) - 1) + (S(0),) for fqn in names}
     if len(mesh_shape) == 2:
         specs["transformer.wte.weight"] = specs["lm_head.weight"] = (S(1), S(0))
-    coordinates = [tuple(int(i) for i in torch.unravel_index(torch.tensor(r), mesh_shape)) for r in range(torch.Size(mesh_shape).numel())]
+    coordinates = [
+        tuple(int(i) for i in torch.unravel_index(torch.tensor(r), mesh_shape)) for r in range(torch.Size(mesh_shape).numel())
+    ]
     for coordinate in coordinates:
         shards = seeded_shards(meta, init, specs, coordinate, mesh_shape)
         assert shards["lm_head.weight"] is shards["transformer.wte.weight"], "a tied tensor must stay one shard"

@@ -41,7 +41,11 @@ def test_a_tensor_the_compiled_mode_never_read_is_refused_by_name() -> None:
     model = Branchy()
     x = torch.randn(2, 4)
     train = autopar.hand_plan("ddp", model, (2,), example_inputs=(x,), cluster="cpu")
-    train = type(train)(**{**{f: getattr(train, f) for f in ("mesh_shape", "graph_hash", "nodes", "predicted")},
-                           "params": {k: v for k, v in train.params.items() if k.startswith("a.")}})
+    train = type(train)(
+        **{
+            **{f: getattr(train, f) for f in ("mesh_shape", "graph_hash", "nodes", "predicted")},
+            "params": {k: v for k, v in train.params.items() if k.startswith("a.")},
+        }
+    )
     with pytest.raises(ValueError, match=r"parameter 'b.weight'.*model.train\(\) or model.eval\(\)"):
         pinned_placements(trace(model.eval(), (x,)), train)

@@ -39,6 +39,8 @@ BUDGET_BATCH = 4  # small, so that parameters (not activations) dominate memory 
 
 def _batch(name: str, seed: int, batch_size: int = BATCH) -> tuple:
     return tuple(t.to(DTYPE) if t.is_floating_point() else t for t in example_batch(name, batch_size=batch_size, seed=seed))
+
+
 STEPS = 3
 TOL = 1e-4
 
@@ -220,8 +222,9 @@ def _layer_segments(plan, traced) -> tuple:
         key = layer_key(node, None) if node.op == "call_function" else None
         if key is not None:
             spans.setdefault(key, []).append(node.name)
-    return tuple(CheckpointSegment(f"{path}.{index}", names[0], names[-1], 0.0, 0.0)
-                 for (path, index), names in sorted(spans.items()))
+    return tuple(
+        CheckpointSegment(f"{path}.{index}", names[0], names[-1], 0.0, 0.0) for (path, index), names in sorted(spans.items())
+    )
 
 
 def _reshard_runs(world: int) -> dict:
@@ -240,7 +243,9 @@ def _reshard_runs(world: int) -> dict:
     want = eager(*batch)
     want.backward()
     plan = autopar.hand_plan("fsdp", model, (world,), example_inputs=batch, cluster="cpu")
-    checkpointed = dataclasses.replace(plan, memory=MemoryPlan("cpu", True, checkpoint=_layer_segments(plan, trace(model, batch))))
+    checkpointed = dataclasses.replace(
+        plan, memory=MemoryPlan("cpu", True, checkpoint=_layer_segments(plan, trace(model, batch)))
+    )
     launched: list[int] = []
     start_all_gather = collectives.start_all_gather
     collectives.start_all_gather = lambda out, x, name: launched.append(x.numel()) or start_all_gather(out, x, name)
@@ -248,8 +253,13 @@ def _reshard_runs(world: int) -> dict:
     try:
         for label, chosen in (("", plan), ("_checkpointed", checkpointed)):
             for reshard in (None, True, False):
-                pm = autopar.compile(copy.deepcopy(model), (world,), example_inputs=batch, plan=chosen,
-                                     comm=autopar.CommOptions(reshard_after_forward=reshard))
+                pm = autopar.compile(
+                    copy.deepcopy(model),
+                    (world,),
+                    example_inputs=batch,
+                    plan=chosen,
+                    comm=autopar.CommOptions(reshard_after_forward=reshard),
+                )
                 gathers = pm.graph_module.param_gathers
                 launched.clear()
                 loss = pm(*batch)
@@ -265,8 +275,11 @@ def _reshard_runs(world: int) -> dict:
                     "backward_gathers": len(launched) - forward_gathers,
                     "checkpoints": sum(1 for name, _ in pm.graph_module.named_children() if name.startswith("checkpoint_")),
                     # reduce-scatter buckets: the gather groups of each, and the most inputs alive at once
-                    "scatter_groups": [sorted({slot.group for slot in bucket.slots})
-                                       for bucket in pm.graph_module.grad_buckets.buckets if bucket.kind == "reduce_scatter"],
+                    "scatter_groups": [
+                        sorted({slot.group for slot in bucket.slots})
+                        for bucket in pm.graph_module.grad_buckets.buckets
+                        if bucket.kind == "reduce_scatter"
+                    ],
                     "max_scatter_inputs": pm.graph_module.grad_buckets.max_scatter_inputs,
                 }
     finally:

@@ -66,9 +66,12 @@ def _run(rank: int, world: int, plans: dict) -> dict:
         eager = copy.deepcopy(model)
         pm = autopar.compile(model, MESH, example_kwargs=kwargs, plan=plan)
         kernels = sorted({d.kernel for d in pm.plan.nodes.values() if d.op == str(EXPERTS_OP)})
-        results[label] = {**step_against_eager(pm, eager, kwargs=kwargs, output_loss=lambda out: out.loss),
-                          "kernels": kernels, "local_param_bytes": pm.local_param_bytes(),
-                          "full_param_bytes": sum(p.numel() * p.element_size() for p in eager.parameters())}
+        results[label] = {
+            **step_against_eager(pm, eager, kwargs=kwargs, output_loss=lambda out: out.loss),
+            "kernels": kernels,
+            "local_param_bytes": pm.local_param_bytes(),
+            "full_param_bytes": sum(p.numel() * p.element_size() for p in eager.parameters()),
+        }
     return results
 
 
@@ -83,9 +86,13 @@ def test_expert_parallel_mixtral_equals_eager_on_4_gloo_ranks(rank_pool) -> None
             got, want = result["loss"]
             assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {label}: loss {got} vs eager {want}"
             checked = {fqn for fqn in result["grad_rel"] if ".mlp." in fqn}
-            assert checked == {f"model.layers.{i}.mlp.{name}" for i in range(2)
-                               for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")}
+            assert checked == {
+                f"model.layers.{i}.mlp.{name}"
+                for i in range(2)
+                for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
+            }
             worst = max(result["grad_rel"], key=result["grad_rel"].get)
-            assert result["grad_rel"][worst] < TOL, f"rank {rank} {label}: gradient of {worst} off by " \
-                                                    f"{result['grad_rel'][worst]:.2e}"
+            assert result["grad_rel"][worst] < TOL, (
+                f"rank {rank} {label}: gradient of {worst} off by {result['grad_rel'][worst]:.2e}"
+            )
             assert result["local_param_bytes"] < result["full_param_bytes"]

@@ -73,11 +73,13 @@ def _loop(rank: int, kind: str, mesh: tuple[int, ...], optimizer: str, own_clip:
         "norms": norms,
         "state_rel": max_rel_diff(pm.full_state_dict(), eager.state_dict()),
         "names": sorted(params) == sorted(dict(eager.named_parameters())),
-        "placements": all(isinstance(p, DTensor) and p.device_mesh == pm.device_mesh
-                          and tuple(p.placements) == tuple(pm.plan.params[name]) for name, p in params.items())
-                      or {n: (type(p).__name__, getattr(p, "placements", None), pm.plan.params[n]) for n, p in params.items()},
+        "placements": all(
+            isinstance(p, DTensor) and p.device_mesh == pm.device_mesh and tuple(p.placements) == tuple(pm.plan.params[name])
+            for name, p in params.items()
+        )
+        or {n: (type(p).__name__, getattr(p, "placements", None), pm.plan.params[n]) for n, p in params.items()},
         "grads": all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in params.values())
-                 or {n: (type(p.grad).__name__, getattr(p.grad, "placements", None), p.placements) for n, p in params.items()},
+        or {n: (type(p.grad).__name__, getattr(p.grad, "placements", None), p.placements) for n, p in params.items()},
         "sharded": any(p.to_local().numel() < p.numel() for p in params.values()),
     }
 
@@ -147,19 +149,29 @@ def _get_state_dict(rank: int) -> dict:
     whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model_sd.items()}
     moments = {k: v["exp_avg"].full_tensor() for k, v in optim_sd["state"].items()}
     want_moments = {k: v["exp_avg"] for k, v in eager_optim_sd["state"].items()}
-    result = {"model_rel": max_rel_diff(whole, eager_model_sd), "moment_rel": max_rel_diff(moments, want_moments),
-              "keys": sorted(optim_sd["state"]) == sorted(eager_optim_sd["state"])}
+    result = {
+        "model_rel": max_rel_diff(whole, eager_model_sd),
+        "moment_rel": max_rel_diff(moments, want_moments),
+        "keys": sorted(optim_sd["state"]) == sorted(eager_optim_sd["state"]),
+    }
     # Eager's state (whole tensors, eager's names) into the compiled module and optimizer, wiped
     # first; DCP fills the dicts it is given in place, so it gets copies.
     with torch.no_grad():
         for param in pm.parameters():
             param.zero_()
             opt.state[param]["exp_avg"].zero_()
-    set_state_dict(pm, opt, model_state_dict=copy.deepcopy(eager_model_sd),
-                   optim_state_dict=copy.deepcopy(eager_optim_sd), options=StateDictOptions(full_state_dict=True))
+    set_state_dict(
+        pm,
+        opt,
+        model_state_dict=copy.deepcopy(eager_model_sd),
+        optim_state_dict=copy.deepcopy(eager_optim_sd),
+        options=StateDictOptions(full_state_dict=True),
+    )
     loaded = opt.state_dict()["state"]
-    result["after_set"] = max_rel_diff({str(k): v["exp_avg"].full_tensor() for k, v in loaded.items()},
-                                       {str(k): v["exp_avg"] for k, v in opt_eager.state_dict()["state"].items()})
+    result["after_set"] = max_rel_diff(
+        {str(k): v["exp_avg"].full_tensor() for k, v in loaded.items()},
+        {str(k): v["exp_avg"] for k, v in opt_eager.state_dict()["state"].items()},
+    )
     result["params_after_set"] = max_rel_diff(pm.full_state_dict(), eager.state_dict())
     return result
 

@@ -63,8 +63,15 @@ def _skip_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _plan(mesh, stages, microbatches, memory_budget=None) -> autopar.Plan:
-    return autopar.plan(_gpt(), mesh, example_inputs=example_batch("gpt", BATCH, seed=1), cluster="cpu",
-                        pipeline=stages, num_microbatches=microbatches, memory_budget=memory_budget)
+    return autopar.plan(
+        _gpt(),
+        mesh,
+        example_inputs=example_batch("gpt", BATCH, seed=1),
+        cluster="cpu",
+        pipeline=stages,
+        num_microbatches=microbatches,
+        memory_budget=memory_budget,
+    )
 
 
 def _tight_budget() -> float:
@@ -110,8 +117,14 @@ def test_four_stages_cut_between_layers_and_balance(four_stages):
 
 
 def test_more_layers_than_stages_are_balanced_by_cost():
-    plan = autopar.plan(build_model("gpt", seed=0, n_layer=6, bias=False), (2, 1),
-                        example_inputs=example_batch("gpt", 4, seed=1), cluster="cpu", pipeline=2, num_microbatches=2)
+    plan = autopar.plan(
+        build_model("gpt", seed=0, n_layer=6, bias=False),
+        (2, 1),
+        example_inputs=example_batch("gpt", 4, seed=1),
+        cluster="cpu",
+        pipeline=2,
+        num_microbatches=2,
+    )
     first, second = plan.pipeline.stages
     # The head (ln_f, lm_head, loss) is heavier than the embeddings, so the cut is at the middle
     # or one layer early, never late.
@@ -189,8 +202,15 @@ def test_a_value_read_two_stages_on_passes_through_the_stages_between():
         ((2, 1), {"pipeline": 2, "offload": "auto"}, r"offload inside pipeline stages is not built yet"),
         ("auto", {"devices": 2, "offload": "auto"}, r"the mesh search plans sharding only; pass a mesh"),
     ],
-    ids=["stages_not_dividing_mesh", "microbatches_not_dividing_batch", "more_stages_than_layers",
-         "microbatches_without_pipeline", "zero_stages", "offload_with_pipeline", "offload_with_mesh_search"],
+    ids=[
+        "stages_not_dividing_mesh",
+        "microbatches_not_dividing_batch",
+        "more_stages_than_layers",
+        "microbatches_without_pipeline",
+        "zero_stages",
+        "offload_with_pipeline",
+        "offload_with_mesh_search",
+    ],
 )
 def test_bad_pipeline_options_name_cause_and_fix(mesh, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -222,13 +242,13 @@ def _mlp_plans() -> dict[str, str]:
     model, inputs = _odd_mlp()
     one = autopar.plan(model, (4,), example_inputs=inputs, cluster="cpu", pipeline=1, num_microbatches=2)
     budget = 0.8 * one.pipeline.stages[0].memory_bytes
-    auto = autopar.plan(model, (4,), example_inputs=inputs, cluster="cpu", pipeline="auto", num_microbatches=2,
-                        memory_budget=budget)
+    auto = autopar.plan(
+        model, (4,), example_inputs=inputs, cluster="cpu", pipeline="auto", num_microbatches=2, memory_budget=budget
+    )
     return {"one": one.to_json(), "auto": auto.to_json()}
 
 
-def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict[str, str], flat_text: str,
-                   path: str) -> dict:
+def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict[str, str], flat_text: str, path: str) -> dict:
     torch.manual_seed(0)
     results = {}
     for label, text in plans.items():
@@ -271,8 +291,9 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
     plan = autopar.Plan.from_json(plans["2x2_m2"])
     errors = {}
     try:
-        autopar.compile(_gpt(), (2, 2), example_inputs=example_batch("gpt", BATCH, seed=1), plan=plan, pipeline=2,
-                        num_microbatches=4)
+        autopar.compile(
+            _gpt(), (2, 2), example_inputs=example_batch("gpt", BATCH, seed=1), plan=plan, pipeline=2, num_microbatches=4
+        )
         errors["contradicts"] = "compiled"
     except ValueError as error:
         errors["contradicts"] = str(error)
@@ -280,11 +301,11 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
     # Targets of -100 spread unevenly over the two microbatches: each microbatch's loss is weighted
     # by its count of targets, as eager's whole-batch mean counts them; none in a microbatch is refused.
     idx, targets = example_batch("gpt", BATCH, seed=3)
-    targets[BATCH // 2:, 4:] = -100
+    targets[BATCH // 2 :, 4:] = -100
     model = _gpt()
     pm = autopar.compile(copy.deepcopy(model), (2, 2), example_inputs=(idx, targets), plan=plan)
     results["ignored"] = step_against_eager(pm, model, (idx, targets))
-    targets[BATCH // 2:] = -100
+    targets[BATCH // 2 :] = -100
     try:
         pm(idx, targets)
         results["ignored"]["empty"] = "ran"
@@ -362,7 +383,9 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
         ignored = by_label.pop("ignored")
         assert math.isclose(*ignored["loss"], rel_tol=TOL), f"rank {rank}: uneven -100 targets, loss {ignored['loss']}"
         worst = max(ignored["grad_rel"], key=ignored["grad_rel"].get)
-        assert ignored["grad_rel"][worst] < TOL, f"rank {rank}: uneven -100 targets, {worst} off by {ignored['grad_rel'][worst]:.2e}"
+        assert ignored["grad_rel"][worst] < TOL, (
+            f"rank {rank}: uneven -100 targets, {worst} off by {ignored['grad_rel'][worst]:.2e}"
+        )
         assert "microbatch 1 of this step holds no target" in ignored["empty"], ignored["empty"]
         seeded = by_label.pop("seeded")
         assert seeded and all(seeded.values()), f"rank {rank}: seeded stages differ from SeededInit.apply: {seeded}"
@@ -381,13 +404,17 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
             got, want = result["loss"]
             assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {label}: loss {got} vs eager {want}"
             worst = max(result["grad_rel"], key=result["grad_rel"].get)
-            assert result["grad_rel"][worst] < TOL, f"rank {rank} {label}: gradient of {worst} off by {result['grad_rel'][worst]:.2e}"
+            assert result["grad_rel"][worst] < TOL, (
+                f"rank {rank} {label}: gradient of {worst} off by {result['grad_rel'][worst]:.2e}"
+            )
             assert result["untouched_before_backward"], f"rank {rank} {label}: .grad was set before loss.backward()"
             assert "second time" in result["second_backward"], f"rank {rank} {label}: {result['second_backward']}"
             got, want = result["no_grad_loss"]
             assert math.isclose(got, want, rel_tol=TOL), f"rank {rank} {label}: loss after AdamW {got} vs {want}"
             worst = max(result["state_rel"], key=result["state_rel"].get)
-            assert result["state_rel"][worst] < TOL, f"rank {rank} {label}: after AdamW {worst} off by {result['state_rel'][worst]:.2e}"
+            assert result["state_rel"][worst] < TOL, (
+                f"rank {rank} {label}: after AdamW {worst} off by {result['state_rel'][worst]:.2e}"
+            )
     assert [r["4x1_m2"]["stage"] for r in results] == [0, 1, 2, 3]
     assert [r["2x2_m4"]["stage"] for r in results] == [0, 0, 1, 1]
     for label in ("2x2_m2", "2x2_m4"):
@@ -401,8 +428,27 @@ def test_cli_plans_a_pipeline(capsys, tmp_path):
     from autopar.cli import main
 
     out = tmp_path / "pp.json"
-    assert main(["plan", "gpt", "--mesh", "4x1", "--num-layers", "4", "--pipeline", "4", "--num-microbatches", "4",
-                 "--cluster", "cpu", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "gpt",
+                "--mesh",
+                "4x1",
+                "--num-layers",
+                "4",
+                "--pipeline",
+                "4",
+                "--num-microbatches",
+                "4",
+                "--cluster",
+                "cpu",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "Pipeline: 4 stages x 4 microbatches, schedule 1F1B" in text and "bubble" in text
     assert autopar.Plan.load(out).pipeline.num_stages == 4
@@ -416,6 +462,23 @@ def test_cli_plans_a_pipeline(capsys, tmp_path):
     assert main(["explain", str(out), "lm_head.weight"]) != 0
     assert "pipelined plan" in capsys.readouterr().err
     # --pipeline auto: the planner chooses the stages.
-    assert main(["plan", "gpt", "--mesh", "4x1", "--num-layers", "4", "--pipeline", "auto", "--num-microbatches", "4",
-                 "--cluster", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "gpt",
+                "--mesh",
+                "4x1",
+                "--num-layers",
+                "4",
+                "--pipeline",
+                "auto",
+                "--num-microbatches",
+                "4",
+                "--cluster",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert "Pipeline:" in capsys.readouterr().out

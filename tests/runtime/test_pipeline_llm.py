@@ -39,14 +39,12 @@ GRAD_TOL, LOSS_TOL, STEPS, RESUMED = 0.1, 0.02, 3, 2
 
 
 def _l2_rel(got: dict, want: dict) -> dict[str, float]:
-    return {name: ((got[name].double() - want[name].double()).norm() / want[name].double().norm()).item()
-            for name in want}
+    return {name: ((got[name].double() - want[name].double()).norm() / want[name].double().norm()).item() for name in want}
 
 
 def _plans() -> tuple[autopar.Plan, autopar.Plan]:
     model, kwargs = llama(batch_size=BATCH)
-    options = dict(example_kwargs=kwargs, cluster="cpu", pipeline=STAGES, num_microbatches=MICROBATCHES,
-                   precision="bf16-mixed")
+    options = dict(example_kwargs=kwargs, cluster="cpu", pipeline=STAGES, num_microbatches=MICROBATCHES, precision="bf16-mixed")
     free = autopar.plan(model, MESH, **options)
     budget = 0.8 * max(stage.memory_bytes for stage in free.pipeline.stages)
     return free, autopar.plan(model, MESH, memory_budget=budget, **options)
@@ -69,8 +67,11 @@ def _step(module, opt, step: int) -> tuple[float, object, dict]:
     _, batch = llama(batch_size=BATCH, seed=step + 1)
     out = module(**batch)
     out.loss.backward()
-    grads = module.full_grads() if hasattr(module, "full_grads") else {
-        name: p.grad.clone() for name, p in module.module.named_parameters(remove_duplicate=False)}
+    grads = (
+        module.full_grads()
+        if hasattr(module, "full_grads")
+        else {name: p.grad.clone() for name, p in module.module.named_parameters(remove_duplicate=False)}
+    )
     opt.step()
     opt.zero_grad()
     return out.loss.item(), out.logits, grads
@@ -105,8 +106,13 @@ def _train(rank: int, world: int, text: str, flat_text: str, back_text: str, pat
     uninterrupted = [_step(pm, opt, step)[0] for step in range(STEPS, STEPS + RESUMED)]
     eager = [_step(reference, opt_ref, step)[0] for step in range(STEPS, STEPS + RESUMED)]
 
-    flat = autopar.compile(_meta_llama(), (4,), example_kwargs=kwargs, plan=autopar.Plan.from_json(flat_text),
-                           init=autopar.FromCheckpoint(path, unsaved=init))
+    flat = autopar.compile(
+        _meta_llama(),
+        (4,),
+        example_kwargs=kwargs,
+        plan=autopar.Plan.from_json(flat_text),
+        init=autopar.FromCheckpoint(path, unsaved=init),
+    )
     flat_opt = torch.optim.AdamW(flat.parameters(), lr=0.1)  # the checkpoint's lr must win
     autopar.checkpoint.load(path, flat, flat_opt)
     loaded = {k: torch.equal(v, saved[k]) for k, v in flat.full_state_dict().items()}
@@ -115,28 +121,53 @@ def _train(rank: int, world: int, text: str, flat_text: str, back_text: str, pat
     resumed = [_step(flat, flat_opt, step)[0] for step in range(STEPS, STEPS + RESUMED)]
     # And back into another pipeline layout: two stages of stage mesh (2,), from mesh (4,)'s checkpoint.
     autopar.checkpoint.save(path + "_flat", flat, flat_opt)
-    back = autopar.compile(_meta_llama(), (4,), example_kwargs=kwargs, plan=autopar.Plan.from_json(back_text),
-                           init=autopar.FromCheckpoint(path + "_flat", unsaved=init))
+    back = autopar.compile(
+        _meta_llama(),
+        (4,),
+        example_kwargs=kwargs,
+        plan=autopar.Plan.from_json(back_text),
+        init=autopar.FromCheckpoint(path + "_flat", unsaved=init),
+    )
     back_opt = torch.optim.AdamW(back.parameters(), lr=0.1)
     autopar.checkpoint.load(path + "_flat", back, back_opt)
     back_state = {k: torch.equal(v, flat.full_state_dict()[k]) for k, v in back.full_state_dict().items()}
     back_loss = (_step(back, back_opt, STEPS + RESUMED)[0], _step(flat, flat_opt, STEPS + RESUMED)[0])
     checkpointed = [n for n in pm.graph.nodes if n.op == "call_module" and str(n.target).startswith("checkpoint")]
-    return {"steps": steps, "state_l2": state_l2, "loaded": loaded, "lr": lr,
-            "uninterrupted": uninterrupted, "eager": eager, "resumed": resumed, "back_state": back_state,
-            "back_loss": back_loss, "back_stage": back.stage_index,
-            "part": sorted(part), "part_ranks": sorted({tuple(v.device_mesh.mesh.flatten().tolist()) for v in part.values()}),
-            "param_dtypes": sorted({str(p.dtype) for p in pm.parameters()}),
-            "sent_dtypes": sorted({str(t.dtype) for t in pm._pipeline_stage._stage_meta.outputs if t.dtype.is_floating_point}),
-            "checkpointed": len(checkpointed), "stage": pm.stage_index}
+    return {
+        "steps": steps,
+        "state_l2": state_l2,
+        "loaded": loaded,
+        "lr": lr,
+        "uninterrupted": uninterrupted,
+        "eager": eager,
+        "resumed": resumed,
+        "back_state": back_state,
+        "back_loss": back_loss,
+        "back_stage": back.stage_index,
+        "part": sorted(part),
+        "part_ranks": sorted({tuple(v.device_mesh.mesh.flatten().tolist()) for v in part.values()}),
+        "param_dtypes": sorted({str(p.dtype) for p in pm.parameters()}),
+        "sent_dtypes": sorted({str(t.dtype) for t in pm._pipeline_stage._stage_meta.outputs if t.dtype.is_floating_point}),
+        "checkpointed": len(checkpointed),
+        "stage": pm.stage_index,
+    }
 
 
 def _flat_plans() -> tuple[autopar.Plan, autopar.Plan]:
     """FSDP on mesh (4,), and a pipeline of two stages of stage mesh (2,) there."""
     model, kwargs = llama(batch_size=BATCH)
-    return (autopar.hand_plan("fsdp", model, (4,), example_kwargs=kwargs, cluster="cpu", precision="bf16-mixed"),
-            autopar.plan(model, (4,), example_kwargs=kwargs, cluster="cpu", pipeline=STAGES,
-                         num_microbatches=MICROBATCHES, precision="bf16-mixed"))
+    return (
+        autopar.hand_plan("fsdp", model, (4,), example_kwargs=kwargs, cluster="cpu", precision="bf16-mixed"),
+        autopar.plan(
+            model,
+            (4,),
+            example_kwargs=kwargs,
+            cluster="cpu",
+            pipeline=STAGES,
+            num_microbatches=MICROBATCHES,
+            precision="bf16-mixed",
+        ),
+    )
 
 
 def _torch_save_of(path) -> dict:
@@ -161,16 +192,21 @@ def test_meta_hf_llama_bf16_checkpointed_pipeline_trains_saves_and_resumes_witho
             assert numbers["logits"] is None, "a pipelined call returns the loss; logits stay on the last stage"
             assert math.isclose(*numbers["loss"], rel_tol=LOSS_TOL), f"rank {rank} step {step}: {numbers['loss']}"
             worst = max(numbers["grad_l2"], key=numbers["grad_l2"].get)
-            assert numbers["grad_l2"][worst] < GRAD_TOL, f"rank {rank} step {step}: {worst} off by {numbers['grad_l2'][worst]:.3f}"
+            assert numbers["grad_l2"][worst] < GRAD_TOL, (
+                f"rank {rank} step {step}: {worst} off by {numbers['grad_l2'][worst]:.3f}"
+            )
         worst = max(result["state_l2"], key=result["state_l2"].get)
-        assert result["state_l2"][worst] < 0.01, f"rank {rank}: after {STEPS} steps {worst} off by {result['state_l2'][worst]:.4f}"
+        assert result["state_l2"][worst] < 0.01, (
+            f"rank {rank}: after {STEPS} steps {worst} off by {result['state_l2'][worst]:.4f}"
+        )
         # The pipeline's checkpoint, loaded on mesh (4,) without a pipeline: exactly the saved state,
         # the saved lr, and the same losses as the pipeline run on uninterrupted (and as eager).
         assert all(result["loaded"].values()) and len(result["loaded"]) == len(results[0]["loaded"]), result["loaded"]
         assert result["lr"] == 1e-3
         for step, (got, want, eager) in enumerate(zip(result["resumed"], result["uninterrupted"], result["eager"]), STEPS):
             assert math.isclose(got, want, rel_tol=LOSS_TOL) and math.isclose(got, eager, rel_tol=LOSS_TOL), (
-                f"rank {rank} step {step}: resumed {got}, uninterrupted pipeline {want}, eager {eager}")
+                f"rank {rank} step {step}: resumed {got}, uninterrupted pipeline {want}, eager {eager}"
+            )
         # And back into a pipeline of another layout: the same state, and the same next step.
         assert result["back_stage"] == rank // 2
         assert all(result["back_state"].values()) and len(result["back_state"]) == len(result["loaded"])

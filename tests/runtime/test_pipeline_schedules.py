@@ -35,8 +35,12 @@ def _gpt() -> torch.nn.Module:
 
 def _plan(schedule: str) -> autopar.Plan:
     inputs, _ = first_microbatch(example_batch("gpt", BATCH, seed=1), None, MICROBATCHES)
-    return plan_stages(trace(_gpt(), inputs), MESH, get_cluster("cpu"),
-                       StageSettings(num_stages=4, num_microbatches=MICROBATCHES, schedules_allowed=(schedule,)))
+    return plan_stages(
+        trace(_gpt(), inputs),
+        MESH,
+        get_cluster("cpu"),
+        StageSettings(num_stages=4, num_microbatches=MICROBATCHES, schedules_allowed=(schedule,)),
+    )
 
 
 def _run(rank: int, world: int, plans: dict[str, str], path: str) -> dict:
@@ -50,8 +54,11 @@ def _run(rank: int, world: int, plans: dict[str, str], path: str) -> dict:
         loss.backward()
         want = eager(*batch)
         want.backward()
-        result = {"loss": (loss.item(), want.item()), "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
-                  "chunks": list(pm._chunks)}
+        result = {
+            "loss": (loss.item(), want.item()),
+            "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
+            "chunks": list(pm._chunks),
+        }
         modules[name] = (pm, torch.optim.AdamW(pm.parameters(), lr=1e-2))
         modules[name][1].step()
         torch.optim.AdamW(eager.parameters(), lr=1e-2).step()
@@ -87,8 +94,9 @@ def test_interleaved_and_zero_bubble_schedules_match_eager(rank_pool, tmp_path):
     plans = {name: _plan(name) for name in ("Interleaved1F1B", "ZBV")}
     for name, plan in plans.items():
         assert plan.pipeline.schedule == name and plan.pipeline.virtual_stages == 2
-    results = rank_pool(4).run(_run, {name: plan.to_json() for name, plan in plans.items()}, str(tmp_path / "ckpt"),
-                               timeout_s=300)
+    results = rank_pool(4).run(
+        _run, {name: plan.to_json() for name, plan in plans.items()}, str(tmp_path / "ckpt"), timeout_s=300
+    )
     for rank, result in enumerate(results):
         moved = result.pop("moved")
         assert max(moved["loaded"].values()) == 0, f"rank {rank}: interleaved -> ZBV checkpoint: {moved['loaded']}"

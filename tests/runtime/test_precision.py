@@ -85,8 +85,7 @@ REDUCED_IN_BF16 = ("ddp_bf16_reduce", "fsdp_bf16_reduce")
 
 def l2_rel_diff(got: dict, want: dict) -> dict[str, float]:
     """Per name, ||got - want|| / ||want|| (the whole tensor's error, not its worst element)."""
-    return {name: ((got[name].double() - want[name].double()).norm() / want[name].double().norm()).item()
-            for name in want}
+    return {name: ((got[name].double() - want[name].double()).norm() / want[name].double().norm()).item() for name in want}
 
 
 def _checkpointed_plan() -> autopar.Plan:
@@ -95,10 +94,15 @@ def _checkpointed_plan() -> autopar.Plan:
     prices each parameter's gradient reduction once, bucketed.)"""
     model = build_model("gpt", seed=0, **CONFIG)
     batch = example_batch("gpt", BATCH, seed=1, vocab_size=CONFIG["vocab_size"], block_size=CONFIG["block_size"])
-    free = autopar.plan(model, (WORLD,), example_inputs=batch, cluster="cpu", precision="bf16-mixed",
-                        memory_budget=float("inf"))
-    return autopar.plan(model, (WORLD,), example_inputs=batch, cluster="cpu", precision="bf16-mixed",
-                        memory_budget=0.5 * free.predicted.peak_memory_bytes)
+    free = autopar.plan(model, (WORLD,), example_inputs=batch, cluster="cpu", precision="bf16-mixed", memory_budget=float("inf"))
+    return autopar.plan(
+        model,
+        (WORLD,),
+        example_inputs=batch,
+        cluster="cpu",
+        precision="bf16-mixed",
+        memory_budget=0.5 * free.predicted.peak_memory_bytes,
+    )
 
 
 def _run_case(name: str, kind: str, precision, mesh: tuple[int, ...], given: str | None = None) -> dict:
@@ -135,11 +139,17 @@ def _run_case(name: str, kind: str, precision, mesh: tuple[int, ...], given: str
         got, wanted, exact = pm.full_grads(), eager_grads(reference.module), eager_grads(truth)
         if reference.policy.casts and reference.policy.reduce_dtype != reference.policy.master_dtype:
             dropped = l2_rel_diff(own, {name: wanted[name] for name in own})
-        steps.append({"loss": (loss.item(), want.item()), "loss_dtype": str(loss.dtype),
-                      "grad_rel": max_rel_diff(got, wanted), "grad_l2": l2_rel_diff(got, wanted),
-                      "to_truth": (l2_rel_diff(got, exact), l2_rel_diff(wanted, exact)),
-                      "bf16_values": {name: bool(torch.equal(g, g.bfloat16().to(g.dtype))) for name, g in got.items()},
-                      "dropped": dropped})
+        steps.append(
+            {
+                "loss": (loss.item(), want.item()),
+                "loss_dtype": str(loss.dtype),
+                "grad_rel": max_rel_diff(got, wanted),
+                "grad_l2": l2_rel_diff(got, wanted),
+                "to_truth": (l2_rel_diff(got, exact), l2_rel_diff(wanted, exact)),
+                "bf16_values": {name: bool(torch.equal(g, g.bfloat16().to(g.dtype))) for name, g in got.items()},
+                "dropped": dropped,
+            }
+        )
         opt.step()
         opt_reference.step()
         opt_truth.step()
@@ -171,15 +181,20 @@ def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo(rank_pool) -> None:
                 assert math.isclose(got, want, rel_tol=FP32_TOL if fp32 else LOSS_TOL), f"{where}: loss {got} vs eager {want}"
                 if fp32:
                     worst = max(numbers["grad_rel"], key=numbers["grad_rel"].get)
-                    assert numbers["grad_rel"][worst] < FP32_TOL, f"{where}: gradient of {worst} off by {numbers['grad_rel'][worst]:.2e}"
+                    assert numbers["grad_rel"][worst] < FP32_TOL, (
+                        f"{where}: gradient of {worst} off by {numbers['grad_rel'][worst]:.2e}"
+                    )
                     continue
                 worst = max(numbers["grad_l2"], key=numbers["grad_l2"].get)
-                assert numbers["grad_l2"][worst] < GRAD_TOL, f"{where}: gradient of {worst} off by {numbers['grad_l2'][worst]:.2e}"
+                assert numbers["grad_l2"][worst] < GRAD_TOL, (
+                    f"{where}: gradient of {worst} off by {numbers['grad_l2'][worst]:.2e}"
+                )
                 ours, reference = numbers["to_truth"]
                 for name in ours:
                     assert ours[name] <= TRUTH_RATIO * reference[name] + TRUTH_SLACK, (
                         f"{where}: gradient of {name} is {ours[name]:.2e} from the fp32 one, the eager bf16 "
-                        f"run {reference[name]:.2e}")
+                        f"run {reference[name]:.2e}"
+                    )
             first, second = (s["loss"][0] for s in result["steps"])
             assert second < first, f"rank {rank} {label}: the step did not reach the next forward ({first} -> {second})"
     first = results[0]
@@ -194,8 +209,14 @@ def test_bf16_mixed_gpt_matches_its_eager_reference_on_gloo(rank_pool) -> None:
     fp32_sums = first["ddp_bf16_mixed"]["steps"][0]["bf16_values"]
     assert sum(fp32_sums.values()) < len(fp32_sums) / 2, fp32_sums
     # Master weights and their gradients in fp32; bf16-true keeps no master copy.
-    for label in ("ddp_bf16_mixed", "fsdp_bf16_mixed", "auto_bf16_mixed", "ddp_32_true", "mlp_bf16_mixed",
-                  "checkpointed_bf16_mixed") + REDUCED_IN_BF16:
+    for label in (
+        "ddp_bf16_mixed",
+        "fsdp_bf16_mixed",
+        "auto_bf16_mixed",
+        "ddp_32_true",
+        "mlp_bf16_mixed",
+        "checkpointed_bf16_mixed",
+    ) + REDUCED_IN_BF16:
         assert first[label]["param_dtypes"] == ["torch.float32"] == first[label]["grad_dtypes"], (label, first[label])
     assert first["ddp_bf16_true"]["param_dtypes"] == ["torch.bfloat16"] == first["ddp_bf16_true"]["grad_dtypes"]
     # The loss comes back in the dtype the model computes it in: bf16 logits give a bf16 loss.

@@ -24,9 +24,7 @@ from autopar.runtime.launch import DistributedRankError, run_distributed
 def one_rank_gloo():
     """A real gloo process group of one rank in this process, torn down afterwards."""
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1, timeout=timedelta(seconds=30)
-        )
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1, timeout=timedelta(seconds=30))
         try:
             yield
         finally:
@@ -51,8 +49,7 @@ def test_bfloat16_on_a_gloo_that_cannot_sum_it_is_refused_with_the_fix(one_rank_
     with pytest.raises(ValueError, match="cannot reduce.*float32"):
         autopar.compile(model, (1,), example_inputs=(x, y))
     with pytest.raises(ValueError, match="precision='bf16-mixed''s param_dtype is torch.bfloat16"):
-        autopar.compile(build_model("mlp", seed=0), (1,), example_inputs=example_batch("mlp", 8),
-                        precision="bf16-mixed")
+        autopar.compile(build_model("mlp", seed=0), (1,), example_inputs=example_batch("mlp", 8), precision="bf16-mixed")
 
 
 def test_mesh_must_match_world_size(one_rank_gloo):

@@ -42,9 +42,11 @@ def test_a_temporary_directory_goes_with_the_store():
 
 
 def test_nothing_is_left_at_exit_without_close(tmp_path):
-    code = ("import sys, torch\nfrom autopar.runtime.store import DiskStore\n"
-            "store = DiskStore(sys.argv[1]); store.put('a', torch.ones(10)); store.flush()\n"
-            "store.cycle = store  # unreachable only at exit: no __del__ before it\n")
+    code = (
+        "import sys, torch\nfrom autopar.runtime.store import DiskStore\n"
+        "store = DiskStore(sys.argv[1]); store.put('a', torch.ones(10)); store.flush()\n"
+        "store.cycle = store  # unreachable only at exit: no __del__ before it\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "offload")], check=True, timeout=300, env=env)
     assert not (tmp_path / "offload").exists()

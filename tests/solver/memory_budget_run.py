@@ -51,8 +51,13 @@ def reset_peak_rss() -> None:
 
 def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=gen),
-             torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=gen)) for _ in range(steps)]
+    return [
+        (
+            torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=gen),
+            torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=gen),
+        )
+        for _ in range(steps)
+    ]
 
 
 def build(dtype: torch.dtype) -> GPT:
@@ -70,8 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)  # two threads on a shared two-core machine spin-wait: 10x slower steps
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
     model = build(dtype)
     data = batches(args.steps)
     num_params = sum(p.numel() for p in model.parameters())
@@ -81,8 +85,7 @@ def main() -> None:
     baseline = rss_bytes()
     reset_peak_rss()
     start = time.perf_counter()
-    pm = autopar.compile(model, (1,), example_inputs=data[0], cluster="cpu", memory_budget=budget,
-                         offload=args.offload)
+    pm = autopar.compile(model, (1,), example_inputs=data[0], cluster="cpu", memory_budget=budget, offload=args.offload)
     compile_s = time.perf_counter() - start
     opt = autopar.optim.AdamW(pm, lr=LR)
     losses, step_s = [], []
@@ -109,7 +112,9 @@ def main() -> None:
         "step_s": step_s,
         "losses": losses,
         "dtype": args.dtype,
-        "decisions": None if memory is None else {
+        "decisions": None
+        if memory is None
+        else {
             "target": memory.target,
             "checkpoint": len(memory.checkpoint),
             "offload_activations": len(memory.offload_activations),

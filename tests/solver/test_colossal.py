@@ -21,17 +21,20 @@ def _config(world=None, **parallel) -> ColossalParallel:
     return ColossalParallel.from_dict(parallel, world)
 
 
-@pytest.mark.parametrize("parallel, message", [
-    (dict(tensor=dict(mode="2d", size=8)), "mode '2d' needs size = q²"),
-    (dict(tensor=dict(mode="3d", size=9)), "mode '3d' needs size = q³"),
-    (dict(tensor=dict(mode="2.5d", size=8, depth=3)), "mode '2.5d' needs size = depth · q²"),
-    (dict(tensor=dict(mode="2.5d", size=18, depth=3)), "mode '2.5d' needs size = depth · q²"),
-    (dict(tensor=dict(mode="2d", size=4, depth=2)), "depth is for mode '2.5d' only"),
-    (dict(tensor=dict(mode="4d", size=4)), "tensor mode must be one of 1d, 2d, 2.5d, 3d"),
-    (dict(tensor=dict(mode="2d", size=4), sequence=2), "unknown keys ['sequence']"),
-    (dict(pipeline=0), "pipeline must be a positive int"),
-    (dict(tensor=dict(mode="2d", size=4, degree=2)), "unknown tensor keys ['degree']"),
-])
+@pytest.mark.parametrize(
+    "parallel, message",
+    [
+        (dict(tensor=dict(mode="2d", size=8)), "mode '2d' needs size = q²"),
+        (dict(tensor=dict(mode="3d", size=9)), "mode '3d' needs size = q³"),
+        (dict(tensor=dict(mode="2.5d", size=8, depth=3)), "mode '2.5d' needs size = depth · q²"),
+        (dict(tensor=dict(mode="2.5d", size=18, depth=3)), "mode '2.5d' needs size = depth · q²"),
+        (dict(tensor=dict(mode="2d", size=4, depth=2)), "depth is for mode '2.5d' only"),
+        (dict(tensor=dict(mode="4d", size=4)), "tensor mode must be one of 1d, 2d, 2.5d, 3d"),
+        (dict(tensor=dict(mode="2d", size=4), sequence=2), "unknown keys ['sequence']"),
+        (dict(pipeline=0), "pipeline must be a positive int"),
+        (dict(tensor=dict(mode="2d", size=4, degree=2)), "unknown tensor keys ['degree']"),
+    ],
+)
 def test_config_errors_name_the_rule(parallel, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         _config(**parallel)
@@ -44,15 +47,18 @@ def test_world_must_be_pipeline_times_tensor_times_data():
         _config(16, pipeline=2, tensor=dict(mode="2d", size=4), data=4)
 
 
-@pytest.mark.parametrize("parallel, world, mesh, stage", [
-    (dict(pipeline=2, tensor=dict(mode="2.5d", depth=1, size=4)), None, (4, 2), (2, 2)),  # the seed's example
-    (dict(tensor=dict(mode="2d", size=4)), None, (2, 2), (2, 2)),
-    (dict(tensor=dict(mode="2.5d", depth=2, size=8)), None, (2, 2, 2), (2, 2, 2)),
-    (dict(tensor=dict(mode="3d", size=8)), None, (2, 2, 2), (2, 2, 2)),
-    (dict(tensor=dict(mode="1d", size=4)), 8, (2, 4), (2, 4)),
-    (dict(tensor=dict(mode="2d", size=4)), 16, (4, 2, 2), (4, 2, 2)),
-    (dict(pipeline=dict(size=2), tensor=dict(mode="2d", size=4)), 16, (4, 2, 2), (2, 2, 2)),
-])
+@pytest.mark.parametrize(
+    "parallel, world, mesh, stage",
+    [
+        (dict(pipeline=2, tensor=dict(mode="2.5d", depth=1, size=4)), None, (4, 2), (2, 2)),  # the seed's example
+        (dict(tensor=dict(mode="2d", size=4)), None, (2, 2), (2, 2)),
+        (dict(tensor=dict(mode="2.5d", depth=2, size=8)), None, (2, 2, 2), (2, 2, 2)),
+        (dict(tensor=dict(mode="3d", size=8)), None, (2, 2, 2), (2, 2, 2)),
+        (dict(tensor=dict(mode="1d", size=4)), 8, (2, 4), (2, 4)),
+        (dict(tensor=dict(mode="2d", size=4)), 16, (4, 2, 2), (4, 2, 2)),
+        (dict(pipeline=dict(size=2), tensor=dict(mode="2d", size=4)), 16, (4, 2, 2), (2, 2, 2)),
+    ],
+)
 def test_mesh_puts_pipeline_outermost_and_tensor_innermost(parallel, world, mesh, stage):
     config = _config(world, **parallel)
     assert config.mesh_shape() == mesh and config.stage_mesh() == stage
@@ -60,8 +66,7 @@ def test_mesh_puts_pipeline_outermost_and_tensor_innermost(parallel, world, mesh
 
 
 def _traced(fused_qkv: bool = False):
-    model = build_model("gpt", seed=0, n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=8,
-                        fused_qkv=fused_qkv)
+    model = build_model("gpt", seed=0, n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=8, fused_qkv=fused_qkv)
     return trace(model, example_batch("gpt", 8, seed=1, vocab_size=64, block_size=8))
 
 
@@ -116,8 +121,13 @@ def test_1d_is_megatron():
 def test_a_batch_the_grid_cannot_split_is_an_error():
     model = build_model("gpt", seed=0, n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=8)
     with pytest.raises(ValueError, match="must divide by 4"):
-        autopar.hand_plan("colossal", model, example_inputs=example_batch("gpt", 2, seed=1, vocab_size=64, block_size=8),
-                          parallel=dict(tensor=dict(mode="3d", size=8)), cluster="cpu")
+        autopar.hand_plan(
+            "colossal",
+            model,
+            example_inputs=example_batch("gpt", 2, seed=1, vocab_size=64, block_size=8),
+            parallel=dict(tensor=dict(mode="3d", size=8)),
+            cluster="cpu",
+        )
     with pytest.raises(ValueError, match="needs parallel=dict"):
         autopar.hand_plan("colossal", model, 4)
 
@@ -126,8 +136,9 @@ def test_cli_plans_a_colossal_config_and_compares_it_with_the_solver(tmp_path, c
     config = tmp_path / "config.py"
     config.write_text("parallel = dict(tensor=dict(mode='2d', size=4))\n")
     out = tmp_path / "plan.json"
-    assert main(["plan", "gpt", "--num-layers", "1", "--colossal-config", str(config), "--cluster", "cpu",
-                 "--out", str(out)]) == 0
+    assert (
+        main(["plan", "gpt", "--num-layers", "1", "--colossal-config", str(config), "--cluster", "cpu", "--out", str(out)]) == 0
+    )
     text = capsys.readouterr().out
     assert "vs the solver's plan" in text and "Colossal-AI's layout: predicted step" in text
     plan = autopar.Plan.load(out)

@@ -43,11 +43,14 @@ def test_long_causal_gpt_splits_attention_by_sequence():
     assert "kernel sdpa_context_parallel" in text and "kernel comm" in text
 
 
-@pytest.mark.parametrize("seq,batch,mesh,why", [
-    (2048, 64, (8, 8), "the batch splits 64 ways"),
-    (131072, 1, (4,), "4 heads on 4 devices: the head split needs no K/V traffic"),
-    (512, 1, (8, 8), "a short sequence: the gathers' latency outweighs the attention"),
-])
+@pytest.mark.parametrize(
+    "seq,batch,mesh,why",
+    [
+        (2048, 64, (8, 8), "the batch splits 64 ways"),
+        (131072, 1, (4,), "4 heads on 4 devices: the head split needs no K/V traffic"),
+        (512, 1, (8, 8), "a short sequence: the gathers' latency outweighs the attention"),
+    ],
+)
 def test_context_parallel_only_where_it_pays(seq, batch, mesh, why):
     for name, node in _attention(_plan(seq, batch, mesh)).items():
         assert node.kernel is None, f"{name} ({why}): {node.outs} {node.kernel}"

@@ -13,8 +13,7 @@ from tests.conftest import gpt_and_batch
 
 def test_per_rank_plans_split_the_batched_inputs_on_the_batch_axes_and_agree_with_whole_ones(gpt_plan_2x2) -> None:
     model, batch = gpt_and_batch()
-    per_rank = autopar.plan(model, (2, 2), example_inputs=batch, cluster="cpu",
-                            data=autopar.DataOptions(batch="per_rank"))
+    per_rank = autopar.plan(model, (2, 2), example_inputs=batch, cluster="cpu", data=autopar.DataOptions(batch="per_rank"))
     whole = gpt_plan_2x2
     assert per_rank.data.batch == "per_rank" and per_rank.data.axes == whole.data.axes
     assert per_rank.data.axes, "the GPT's plan splits its batch"

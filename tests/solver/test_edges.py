@@ -24,8 +24,17 @@ def _near(srcs, dsts) -> set[tuple]:
 
 def test_near_pairs_change_one_axis_reduce_partials_or_chunk_replicated_axes():
     srcs = [(S(0), S(1), R), (S(0), P, P), (S(0), S(2), P), (R, R, S(0)), (S(2), S(2), P)]
-    dsts = [(S(0), S(1), R), (S(1), S(0), R), (S(0), R, S(1)), (S(0), S(1), S(2)), (R, S(1), S(0)),
-            (S(1), S(1), S(0)), (R, R, R), (S(1), R, S(0)), (S(0), S(1), S(1))]
+    dsts = [
+        (S(0), S(1), R),
+        (S(1), S(0), R),
+        (S(0), R, S(1)),
+        (S(0), S(1), S(2)),
+        (R, S(1), S(0)),
+        (S(1), S(1), S(0)),
+        (R, R, R),
+        (S(1), R, S(0)),
+        (S(0), S(1), S(1)),
+    ]
     near = _near(srcs, dsts)
     assert ((S(0), S(1), R), (S(0), S(1), S(2))) in near  # one axis
     assert ((S(0), S(1), R), (S(1), S(0), R)) not in near  # two sharded axes swap: the hub's
@@ -56,8 +65,9 @@ def test_prices_of_other_pairs_are_exact_and_asked_for():
     whole = comm.transition_cost(src, (R, R, R), shape, dtype, mesh, cluster, True)
     assert prices.hub[0][src] == whole.forward_s + whole.backward_s
     assert (src, (P, R, R)) not in prices  # into Partial: impossible, asked or not
-    pinned = edges.price_table(edges.Edge("a", 0, "b", 0, shape, dtype, True, True), [(src, 0)],
-                               [(dst, 1), (src, 2)], pricer, hub=False)
+    pinned = edges.price_table(
+        edges.Edge("a", 0, "b", 0, shape, dtype, True, True), [(src, 0)], [(dst, 1), (src, 2)], pricer, hub=False
+    )
     assert list(pinned) == [(src, src)] and (src, dst) not in pinned  # written in place: as it is
     doubled = prices.scaled(2.0)
     assert doubled[(src, dst)][0] == 2 * prices[(src, dst)][0]

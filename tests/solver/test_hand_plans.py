@@ -80,8 +80,7 @@ def test_autopar_is_never_predicted_slower_than_a_hand_plan(gpt_and_batch, plans
     auto = autopar.plan(model, MESH, example_inputs=batch, cluster=cluster)
     for kind in KINDS:
         # ``plans`` are these hand plans on "cpu", made once for the module
-        hand = plans[kind] if cluster == "cpu" else autopar.hand_plan(kind, model, MESH, example_inputs=batch,
-                                                                      cluster=cluster)
+        hand = plans[kind] if cluster == "cpu" else autopar.hand_plan(kind, model, MESH, example_inputs=batch, cluster=cluster)
         assert auto.predicted.step_time_s <= hand.predicted.step_time_s * (1 + 1e-9), kind
 
 
@@ -121,8 +120,7 @@ def test_hand_plans_on_a_mesh_with_a_size_one_axis_shard_only_the_other(gpt_and_
     assert all(isinstance(spec[0], Replicate) for spec in specs.values())
     assert any(isinstance(spec[1], Shard) for spec in specs.values())
     plan = autopar.hand_plan(kind, model, (1, 4), example_inputs=batch, cluster="cpu")
-    assert all(isinstance(p, Replicate) for node in plan.nodes.values() for spec in node.ins + node.outs
-               for p in spec[:1])
+    assert all(isinstance(p, Replicate) for node in plan.nodes.values() for spec in node.ins + node.outs for p in spec[:1])
 
 
 def test_a_hand_plan_that_fits_no_budget_alone_is_checkpointed_when_allowed():

@@ -33,14 +33,24 @@ def ilp():
 def _reference(ilp: ShardingILP, factors: dict[str, float], unit: float) -> pulp.LpAffineExpression:
     """``weighted_memory`` as a loop over every name's terms (the formulation, term by term)."""
     choices, gathered = ilp.graph.choices, ilp.graph.gathered
-    return weighted_sum(itertools.chain(
-        ((factor * m * unit, x)
-         for name, factor in factors.items() if name in choices
-         for m, x in zip(choices[name].memory_bytes, ilp.x[name]) if m),
-        ((factor * size * unit, ilp.y[gathered[name].edge][pair])
-         for name, factor in factors.items() if name in gathered
-         for pair, size in gathered[name].sizes.items() if size and pair in ilp.y.get(gathered[name].edge, {})),
-    ))
+    return weighted_sum(
+        itertools.chain(
+            (
+                (factor * m * unit, x)
+                for name, factor in factors.items()
+                if name in choices
+                for m, x in zip(choices[name].memory_bytes, ilp.x[name])
+                if m
+            ),
+            (
+                (factor * size * unit, ilp.y[gathered[name].edge][pair])
+                for name, factor in factors.items()
+                if name in gathered
+                for pair, size in gathered[name].sizes.items()
+                if size and pair in ilp.y.get(gathered[name].edge, {})
+            ),
+        )
+    )
 
 
 def _same(got: pulp.LpAffineExpression, want: pulp.LpAffineExpression) -> None:

@@ -133,11 +133,15 @@ def test_forced_specs_under_a_binding_budget_checkpoint_when_allowed(gpt_free_pl
     traced = trace(model, batch)
     forced = {i.name: (R,) for i in traced.placeholders("param")}
     budget = 0.85 * gpt_free_plan.predicted.peak_memory_bytes
-    plan = solve(traced, (1,), get_cluster("cpu"), PlanOptions.from_keywords(memory_budget=budget, checkpointing=True), forced=forced)
+    plan = solve(
+        traced, (1,), get_cluster("cpu"), PlanOptions.from_keywords(memory_budget=budget, checkpointing=True), forced=forced
+    )
     assert plan.memory is not None and plan.memory.checkpoint
     assert plan.predicted.peak_memory_bytes <= budget
     with pytest.raises(autopar.InfeasibleError, match="forced specs"):
-        solve(traced, (1,), get_cluster("cpu"), PlanOptions.from_keywords(memory_budget=budget, checkpointing=False), forced=forced)
+        solve(
+            traced, (1,), get_cluster("cpu"), PlanOptions.from_keywords(memory_budget=budget, checkpointing=False), forced=forced
+        )
 
 
 def test_cheapest_per_byte_first(gpt_free_plan):
@@ -149,8 +153,14 @@ def test_cheapest_per_byte_first(gpt_free_plan):
     # by offloading (a layer's activations, or optimizer state: two transfers per byte each).
     fast = dataclasses.replace(get_cluster("cpu"), disk_link=LinkSpec(1e-6, 1e13))
     model, batch = _gpt()
-    plan = autopar.plan(model, (1,), example_inputs=batch, cluster=fast, offload="auto",
-                        memory_budget=0.85 * gpt_free_plan.predicted.peak_memory_bytes)
+    plan = autopar.plan(
+        model,
+        (1,),
+        example_inputs=batch,
+        cluster=fast,
+        offload="auto",
+        memory_budget=0.85 * gpt_free_plan.predicted.peak_memory_bytes,
+    )
     assert not plan.memory.checkpoint and (plan.memory.offload_activations or plan.memory.offload)
     assert all(entry.kind == "optimizer_state" for entry in plan.memory.offload)
 
@@ -287,8 +297,12 @@ def test_budget_run_of_an_84m_gpt(tmp_path):
     out = tmp_path / "budget.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     offload = f"disk:{tmp_path / 'offload'}"
-    subprocess.run([sys.executable, str(ROOT / "tests" / "solver" / "memory_budget_run.py"), str(out), "--offload", offload],
-                   check=True, env=env, timeout=900)
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "solver" / "memory_budget_run.py"), str(out), "--offload", offload],
+        check=True,
+        env=env,
+        timeout=900,
+    )
     result = json.loads(out.read_text())
     assert 75e6 < result["num_params"] < 90e6
     assert result["predicted_peak_bytes"] <= result["budget_bytes"]
@@ -310,8 +324,9 @@ def _two_rank_run(rank: int, world_size: int, plan_path: str, offload_dir: str) 
 def test_checkpoint_and_offload_on_two_ranks(rank_pool, tmp_path):
     model, batch = _gpt()
     free = autopar.plan(model, (2,), example_inputs=batch, cluster="cpu")
-    plan = autopar.plan(model, (2,), example_inputs=batch, cluster="cpu", offload="auto",
-                        memory_budget=0.25 * free.predicted.peak_memory_bytes)
+    plan = autopar.plan(
+        model, (2,), example_inputs=batch, cluster="cpu", offload="auto", memory_budget=0.25 * free.predicted.peak_memory_bytes
+    )
     assert plan.memory is not None and plan.memory.checkpoint and plan.memory.offloaded("param")
     assert any(not p.is_replicate() for spec in plan.params.values() for p in spec)  # sharded, then offloaded
     plan.save(tmp_path / "plan.json")

@@ -32,8 +32,9 @@ def _full_walk(walk: _Walk, decisions: set, prefetch: bool) -> tuple[float, int]
 
 def _decision_sets(walk: _Walk) -> list[set]:
     segments = [str(i) for i in range(len(walk.segments))]
-    params = sorted(walk.timeline.intervals[k].node for k in range(len(walk.timeline.intervals))
-                    if walk.timeline.intervals[k].kind == "param")[:3]
+    params = sorted(
+        walk.timeline.intervals[k].node for k in range(len(walk.timeline.intervals)) if walk.timeline.intervals[k].kind == "param"
+    )[:3]
     sets: list[set] = [set()]
     sets += [{("checkpoint", s)} for s in segments]
     sets += [{("checkpoint", a), ("checkpoint", b)} for a, b in itertools.combinations(segments, 2)]

@@ -77,6 +77,5 @@ def test_auto_needs_devices_and_mesh_must_match_devices():
 
 def test_the_searched_plan_records_its_precision():
     model = build_model("mlp", seed=0)
-    best = autopar.plan(model, "auto", devices=2, example_inputs=example_batch("mlp", 8), cluster="cpu",
-                        precision="bf16-true")
+    best = autopar.plan(model, "auto", devices=2, example_inputs=example_batch("mlp", 8), cluster="cpu", precision="bf16-true")
     assert best.precision.name == "bf16-true" and "mesh_search" in best.stats

@@ -52,8 +52,7 @@ def test_mixtral_shape_on_64_h100s_splits_every_expert_weight_by_expert(mixtral_
 
 def test_mixtral_plan_names_expert_parallelism_and_its_cost(mixtral_plan) -> None:
     records = mixtral_plan.predicted.expert_parallel
-    assert [r["node"] for r in records] == [n for n, d in mixtral_plan.nodes.items()
-                                            if d.op == "autopar.moe_experts.default"]
+    assert [r["node"] for r in records] == [n for n, d in mixtral_plan.nodes.items() if d.op == "autopar.moe_experts.default"]
     for record in records:
         assert record["num_experts"] == 8 and record["experts_per_device"] * record["degree"] == 8
         assert 0 <= record["all_to_all_s"] < record["cost_s"]

@@ -28,13 +28,11 @@ def assert_objective_is_step_time(plan: autopar.Plan) -> None:
     # Only the scheduled buckets' latency (at most one bucket's, 2(k-1)·α of the widest axis, on
     # these plans with no FSDP-style gather) is left out of the ILP's price.
     cluster = get_cluster(plan.cluster)
-    latency = max(2 * (k - 1) * cluster.axis_link(plan.mesh_shape, a).latency_s
-                  for a, k in enumerate(plan.mesh_shape) if k > 1)
+    latency = max(2 * (k - 1) * cluster.axis_link(plan.mesh_shape, a).latency_s for a, k in enumerate(plan.mesh_shape) if k > 1)
     assert 0.0 <= post_solve <= latency * (1 + 1e-9)
     # compute_s is compute (and activation collectives): the per-use parameter reductions,
     # which the bucketed grad_sync_s replaces, are not in it
-    assert predicted.compute_s + predicted.reshard_s + predicted.grad_sync_s == pytest.approx(
-        objective + post_solve, rel=1e-6)
+    assert predicted.compute_s + predicted.reshard_s + predicted.grad_sync_s == pytest.approx(objective + post_solve, rel=1e-6)
 
 
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)])
@@ -64,9 +62,10 @@ def test_a_bf16_reduction_sends_half_the_bytes_of_fp32_masters() -> None:
     config = dict(vocab_size=1024, block_size=64, n_layer=2, n_head=4, n_embd=128)
     model = build_model("gpt", seed=0, **config)
     batch = example_batch("gpt", 16, seed=1, vocab_size=1024, block_size=64)
-    plans = {precision: autopar.hand_plan("ddp", model, (4,), example_inputs=batch, cluster="cpu",
-                                          precision=precision)
-             for precision in ("bf16-mixed", BF16_REDUCE)}
+    plans = {
+        precision: autopar.hand_plan("ddp", model, (4,), example_inputs=batch, cluster="cpu", precision=precision)
+        for precision in ("bf16-mixed", BF16_REDUCE)
+    }
     fp32, bf16 = (plans[p].predicted for p in ("bf16-mixed", BF16_REDUCE))
     reduced = sum(p.numel() for n, p in model.named_parameters() if n != "transformer.wpe.weight")
     assert fp32.comm_bytes - bf16.comm_bytes == 3 * reduced

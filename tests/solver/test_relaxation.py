@@ -67,8 +67,14 @@ def _model(relaxation: Relaxation) -> dict:
     for outer in range(len(start) - 1):
         for k in range(start[outer], start[outer + 1]):
             entries[(outer, index[k]) if by_rows else (index[k], outer)] = value[k]
-    return {"cost": list(lp.col_cost_), "col_lower": list(lp.col_lower_), "col_upper": list(lp.col_upper_),
-            "row_lower": list(lp.row_lower_), "row_upper": list(lp.row_upper_), "matrix": entries}
+    return {
+        "cost": list(lp.col_cost_),
+        "col_lower": list(lp.col_lower_),
+        "col_upper": list(lp.col_upper_),
+        "row_lower": list(lp.row_lower_),
+        "row_upper": list(lp.row_upper_),
+        "matrix": entries,
+    }
 
 
 def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, tight):
@@ -98,8 +104,7 @@ def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, ti
     assert ilp.relaxation is first, "rows are added to the model, not rebuilt"
     names = [ilp.memory_constraint_name(t) for t in sorted(ilp.memory_times)]
     objective = ilp.problem.objective
-    penalty = pulp.LpAffineExpression({var: 1e-3 * coef for name in names
-                                       for var, coef in ilp.problem.constraints[name].items()})
+    penalty = pulp.LpAffineExpression({var: 1e-3 * coef for name in names for var, coef in ilp.problem.constraints[name].items()})
     saved = {name: ilp.problem.constraints[name].constant for name in names}
     for name in names:
         ilp.problem.constraints[name].constant = -1e30

@@ -34,8 +34,7 @@ def _torch_peaks(schedule: str, groups: int, microbatches: int, virtual: int) ->
     return peaks, placed
 
 
-@pytest.mark.parametrize("schedule, virtual", [("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4),
-                                               ("ZBV", 2)])
+@pytest.mark.parametrize("schedule, virtual", [("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("ZBV", 2)])
 @pytest.mark.parametrize("groups, microbatches", [(4, 8), (4, 16), (2, 8), (4, 4)])
 def test_in_flight_and_placement_match_torchs_action_lists(schedule, virtual, groups, microbatches):
     peaks, placed = _torch_peaks(schedule, groups, microbatches, virtual)
@@ -66,8 +65,12 @@ def deep_plan() -> autopar.Plan:
     model = build_model("gpt", n_layer=16, n_embd=256, n_head=4, block_size=64, vocab_size=512, bias=False)
     inputs, _ = first_microbatch(example_batch("gpt", 32), None, 8)
     traced = trace(model, inputs)
-    return plan_stages(traced, (4,), get_cluster("h100-80g"),
-                       StageSettings(num_stages=4, num_microbatches=8, schedules_allowed=schedules.ALL_SCHEDULES))
+    return plan_stages(
+        traced,
+        (4,),
+        get_cluster("h100-80g"),
+        StageSettings(num_stages=4, num_microbatches=8, schedules_allowed=schedules.ALL_SCHEDULES),
+    )
 
 
 def test_the_planner_chooses_a_multi_stage_schedule_and_says_why(deep_plan):
@@ -90,8 +93,7 @@ def test_the_planner_chooses_a_multi_stage_schedule_and_says_why(deep_plan):
 
 def test_one_stage_schedules_stay_the_default():
     model = build_model("gpt", n_layer=4)
-    plan = autopar.plan(model, (2,), example_inputs=example_batch("gpt", 8), cluster="h100-80g", pipeline=2,
-                        num_microbatches=4)
+    plan = autopar.plan(model, (2,), example_inputs=example_batch("gpt", 8), cluster="h100-80g", pipeline=2, num_microbatches=4)
     assert plan.pipeline.schedule == "1F1B" and plan.pipeline.virtual_stages == 1
 
 
@@ -108,8 +110,9 @@ def test_autopar_plan_takes_the_schedules_to_choose_among():
 
 def test_the_planner_chooses_the_microbatch_count():
     model = build_model("gpt", n_layer=4, bias=False)
-    plan = autopar.plan(model, (2,), example_inputs=example_batch("gpt", 16), cluster="h100-80g", pipeline=2,
-                        num_microbatches="auto")
+    plan = autopar.plan(
+        model, (2,), example_inputs=example_batch("gpt", 16), cluster="h100-80g", pipeline=2, num_microbatches="auto"
+    )
     tried = plan.pipeline.reason.split("microbatches tried ")[1].split(", ")
     steps = {int(t.split(":")[0]): float(t.split(": ")[1].removesuffix(" s")) for t in tried if "none" not in t}
     assert len(steps) >= 2 and plan.pipeline.num_microbatches == min(steps, key=steps.get), plan.pipeline.reason

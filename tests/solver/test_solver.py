@@ -187,9 +187,19 @@ def test_layers_tie_when_the_first_reads_another_producer_than_the_rest():
 
     def graph(num_layers: int, share: bool = True):
         config = transformers.LlamaConfig(
-            vocab_size=132, hidden_size=32, intermediate_size=128, num_hidden_layers=num_layers,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
-            attn_implementation="sdpa", bos_token_id=0, eos_token_id=1, pad_token_id=2)
+            vocab_size=132,
+            hidden_size=32,
+            intermediate_size=128,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            use_cache=False,
+            attn_implementation="sdpa",
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+        )
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(config)
         ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
@@ -232,8 +242,10 @@ def test_mixed_precision_prices_bf16_compute_and_fp32_state_and_reductions():
     from autopar.zoo.models import build_model, example_batch
 
     model, batch = build_model("gpt", seed=0), example_batch("gpt", 16, seed=1)
-    plans = {p: autopar.hand_plan("ddp", model, (2,), example_inputs=batch, cluster="cpu", precision=p)
-             for p in ("32-true", "bf16-mixed", "bf16-true")}
+    plans = {
+        p: autopar.hand_plan("ddp", model, (2,), example_inputs=batch, cluster="cpu", precision=p)
+        for p in ("32-true", "bf16-mixed", "bf16-true")
+    }
     fp32, mixed, true16 = (plans[p].predicted for p in ("32-true", "bf16-mixed", "bf16-true"))
     assert plans["bf16-mixed"].precision.name == "bf16-mixed" and plans["32-true"].precision.param_dtype is None
     for plan in plans.values():

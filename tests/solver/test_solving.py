@@ -130,7 +130,6 @@ def test_unknown_solver_is_refused(graphs):
         solve_ilp(ShardingILP(graphs[True]), 10, "gurobi")
 
 
-
 def test_budget_fast_path_fits_and_reports_its_gap_to_the_milp(graphs):
     """Under a binding budget the Lagrangian fast path (``solver.strategies.budget``) returns a plan that fits,
     no faster than the MILP's optimum, within the gap it reports to its bound."""
@@ -198,7 +197,9 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
 
     monkeypatch.setattr(solver_module, "solve_within_budget", spy)
     start = time.perf_counter()
-    plan = solve(traced, (2, 2), cluster, PlanOptions.from_keywords(memory_budget=budget, time_limit_s=600.0, checkpointing=False))
+    plan = solve(
+        traced, (2, 2), cluster, PlanOptions.from_keywords(memory_budget=budget, time_limit_s=600.0, checkpointing=False)
+    )
     assert plan.predicted.peak_memory_bytes <= budget * (1 + 1e-9)
     assert len(limits) == 1, "the MILP ran as a second opinion"
     limit, called = limits[0]

@@ -86,8 +86,7 @@ def test_step_time_is_the_1f1b_formula_over_the_stages():
 
 def test_auto_with_ample_memory_and_a_fast_network_keeps_one_stage():
     model = build_model("gpt", n_layer=4)
-    plan = autopar.plan(model, (4,), example_inputs=example_batch("gpt", 8), cluster=FAST, pipeline="auto",
-                        num_microbatches=2)
+    plan = autopar.plan(model, (4,), example_inputs=example_batch("gpt", 8), cluster=FAST, pipeline="auto", num_microbatches=2)
     assert plan.pipeline.num_stages == 1 and plan.pipeline.stage_mesh == (4,)
     rows = plan.stats["stage_search"]
     assert [r["stages"] for r in rows if r["status"] == "ok"][0] == 1 and {r["stages"] for r in rows} == {1, 2, 4}
@@ -99,20 +98,21 @@ def test_a_budget_one_stage_cannot_hold_forces_a_split():
     model, inputs = _mlp(depth=4, width=63, batch=15)
     unbounded = autopar.plan(model, (2,), example_inputs=inputs, cluster=FAST, pipeline=1, num_microbatches=3)
     whole = unbounded.pipeline.stages[0].memory_bytes
-    plan = autopar.plan(model, (2,), example_inputs=inputs, cluster=FAST, pipeline="auto", num_microbatches=3,
-                        memory_budget=0.8 * whole)
+    plan = autopar.plan(
+        model, (2,), example_inputs=inputs, cluster=FAST, pipeline="auto", num_microbatches=3, memory_budget=0.8 * whole
+    )
     assert plan.pipeline.num_stages == 2
     assert all(s.memory_bytes <= 0.8 * whole for s in plan.pipeline.stages)
     assert [r["status"] for r in plan.stats["stage_search"] if r["stages"] == 1] == ["infeasible"]
     with pytest.raises(InfeasibleError, match="raise the budget"):
-        autopar.plan(model, (2,), example_inputs=inputs, cluster=FAST, pipeline="auto", num_microbatches=3,
-                     memory_budget=0.2 * whole)
+        autopar.plan(
+            model, (2,), example_inputs=inputs, cluster=FAST, pipeline="auto", num_microbatches=3, memory_budget=0.2 * whole
+        )
 
 
 def test_plan_json_round_trip():
     model = build_model("gpt", n_layer=2)
-    plan = autopar.plan(model, (2, 2), example_inputs=example_batch("gpt", 4), cluster="h100-80g",
-                        pipeline=2, num_microbatches=2)
+    plan = autopar.plan(model, (2, 2), example_inputs=example_batch("gpt", 4), cluster="h100-80g", pipeline=2, num_microbatches=2)
     again = Plan.from_json(plan.to_json())
     assert again.pipeline == plan.pipeline and again.nodes == plan.nodes and again.params == plan.params
     assert again.spec_mesh == (1, 2) and again.mesh_shape == (2, 2)
@@ -139,8 +139,9 @@ def test_a_shallow_trace_prices_a_deep_model_exactly():
     deep = search_stages(trace(deep_model, inputs), (2,), H100, StageSettings(num_stages=2, num_microbatches=4))[0]
     torch.manual_seed(0)
     shallow_model, _ = _mlp(depth=3)
-    shallow = search_stages(trace(shallow_model, inputs), (2,), H100, StageSettings(num_stages=2, num_microbatches=4,
-                                                                                          num_layers=6))[0]
+    shallow = search_stages(
+        trace(shallow_model, inputs), (2,), H100, StageSettings(num_stages=2, num_microbatches=4, num_layers=6)
+    )[0]
     assert shallow.step_time_s == pytest.approx(deep.step_time_s, rel=1e-9)
     assert [s.layers for s in shallow.stages] == [s.layers for s in deep.stages]
     assert [s.memory_bytes for s in shallow.stages] == pytest.approx([s.memory_bytes for s in deep.stages])
@@ -162,8 +163,9 @@ def test_errors_name_the_cause_and_the_fix():
 
 def test_device_count_lets_the_planner_pick_the_stage_mesh():
     model = build_model("gpt", n_layer=2)
-    plan = autopar.plan(model, "auto", devices=4, example_inputs=example_batch("gpt", 8), cluster="h100-80g",
-                        pipeline="auto", num_microbatches=2)
+    plan = autopar.plan(
+        model, "auto", devices=4, example_inputs=example_batch("gpt", 8), cluster="h100-80g", pipeline="auto", num_microbatches=2
+    )
     stage_mesh = plan.pipeline.stage_mesh
     assert plan.mesh_shape == (plan.pipeline.num_stages * stage_mesh[0], *stage_mesh[1:])
     # 2 layers: 1 or 2 stages, on any mesh of 4 or 2 devices
@@ -181,10 +183,10 @@ def test_leaner_candidates_let_a_tight_budget_fit(candidates):
     # fastest's memory (~0.5 when gathered parameters were free)
     budget = 0.65 * fastest.stages[0].memory_bytes
     with pytest.raises(InfeasibleError):
-        search_stages(traced, (2,), H100,
-                      StageSettings(num_stages=1, num_microbatches=1, memory_budget=budget, ladder=()))
-    lean, costs = search_stages(traced, (2,), H100, StageSettings(num_stages=1, num_microbatches=1, memory_budget=budget,
-                                                                  candidates=candidates))
+        search_stages(traced, (2,), H100, StageSettings(num_stages=1, num_microbatches=1, memory_budget=budget, ladder=()))
+    lean, costs = search_stages(
+        traced, (2,), H100, StageSettings(num_stages=1, num_microbatches=1, memory_budget=budget, candidates=candidates)
+    )
     assert lean.stages[0].memory_bytes <= budget and lean.stages[0].candidate > 0
     assert len(costs[(2,)].candidates) > 1 and lean.step_time_s >= fastest.step_time_s
 
@@ -228,8 +230,7 @@ def test_a_pipelined_mistral_on_2x2_asks_only_for_transitions_the_rewrite_makes(
     from tests.zoo.hf_models import loss_only, mistral
 
     model, kwargs = mistral(batch_size=8)
-    plan = autopar.plan(loss_only(model), (2, 2), example_kwargs=kwargs, cluster="cpu", pipeline=2,
-                        num_microbatches=2)
+    plan = autopar.plan(loss_only(model), (2, 2), example_kwargs=kwargs, cluster="cpu", pipeline=2, num_microbatches=2)
     assert plan.pipeline.stage_mesh == (1, 2)
     for name, node in plan.nodes.items():
         assert all(isinstance(spec[0], Replicate) for spec in node.ins + node.outs), f"{name}: {node}"
@@ -240,8 +241,15 @@ def test_a_pipelined_mistral_on_2x2_asks_only_for_transitions_the_rewrite_makes(
 
 def test_pipelined_plans_record_their_precision():
     model = build_model("gpt", n_layer=2)
-    plan = autopar.plan(model, (2,), example_inputs=example_batch("gpt", 4), cluster="h100-80g",
-                        pipeline=2, num_microbatches=2, precision="bf16-mixed")
+    plan = autopar.plan(
+        model,
+        (2,),
+        example_inputs=example_batch("gpt", 4),
+        cluster="h100-80g",
+        pipeline=2,
+        num_microbatches=2,
+        precision="bf16-mixed",
+    )
     assert plan.pipeline is not None and plan.precision.name == "bf16-mixed"
     assert Plan.from_json(plan.to_json()).precision == plan.precision
 

@@ -33,8 +33,15 @@ def test_predict_matches_a_real_replan_at_another_batch(tmp_path):
     # a tight budget makes the plan shard something, so that communication is not zero
     # (with checkpointing, allowed by default, it would recompute a layer instead)
     free = autopar.plan(model, (2, 2), example_inputs=_inputs(8), cluster=cpu)
-    plan = autopar.plan(model, (2, 2), example_inputs=_inputs(8), cluster=cpu, symbolic_batch=True,
-                        memory_budget=0.8 * free.predicted.peak_memory_bytes, checkpointing=False)
+    plan = autopar.plan(
+        model,
+        (2, 2),
+        example_inputs=_inputs(8),
+        cluster=cpu,
+        symbolic_batch=True,
+        memory_budget=0.8 * free.predicted.peak_memory_bytes,
+        checkpointing=False,
+    )
     assert plan.predicted.comm_bytes > 0
     # at its own batch, the symbolic form gives back the plan's numbers
     here = plan.predict(batch=8)

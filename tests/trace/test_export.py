@@ -111,11 +111,13 @@ def test_mixed_precision_traces_bf16_compute_with_fp32_masters_cast_at_use():
     linears = [n for n in mixed.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
     assert linears and all(n.meta["val"].dtype == torch.bfloat16 for n in linears)
     true16 = trace(model, batch, precision=precision_policy("bf16-true"))
-    assert not any(n.target is torch.ops.aten._to_copy.default and n.args[0].name in params
-                   for n in true16.gm.graph.nodes), "bf16-true keeps bf16 weights: nothing to cast"
+    assert not any(n.target is torch.ops.aten._to_copy.default and n.args[0].name in params for n in true16.gm.graph.nodes), (
+        "bf16-true keeps bf16 weights: nothing to cast"
+    )
 
 
 # -- in-place writes through aliases are functionalized (issue 15) -----------------------------
+
 
 class ShiftRight(torch.nn.Module):
     """Label shifting as encoder-decoders do it: in-place writes into a slice and a column of a
@@ -146,11 +148,12 @@ def test_writes_into_views_are_functionalized_and_composites_stay_whole():
     assert {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default} <= targets
     # aten.copy has no derivative: the trace writes it as the value it is.
     assert torch.ops.aten.copy_.default not in targets and torch.ops.aten.copy.default not in targets
-    assert {torch.ops.aten.embedding.default, torch.ops.aten.linear.default,
-            torch.ops.aten.cross_entropy_loss.default} <= targets
+    assert {torch.ops.aten.embedding.default, torch.ops.aten.linear.default, torch.ops.aten.cross_entropy_loss.default} <= targets
     state = dict(model.named_parameters())
-    values = [state[i.fqn].detach() if i.kind == "param" else traced.constants[i.name] if i.kind == "constant"
-              else labels for i in traced.inputs]
+    values = [
+        state[i.fqn].detach() if i.kind == "param" else traced.constants[i.name] if i.kind == "constant" else labels
+        for i in traced.inputs
+    ]
     assert torch.equal(traced.gm(*values)[0], model(labels))
 
 

@@ -39,9 +39,17 @@ def test_zoo_decoders_build_the_exported_graph(name, caplog):
 
 def test_hf_llama_builds_the_exported_graph_also_under_mixed_precision(caplog):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                      use_cache=False, attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 128, (2, 16))
     kwargs = {"input_ids": ids, "labels": ids.clone()}

@@ -38,9 +38,17 @@ def gpt2(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn
     """GPT2LMHeadModel: fused c_attn (Conv1D = addmm), tied LM head, dropout off (its masks are
     drawn per rank)."""
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
-        **SPECIAL, **{"use_cache": False, **overrides},
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+        **SPECIAL,
+        **{"use_cache": False, **overrides},
     )
     model = _seeded(lambda: transformers.GPT2LMHeadModel(config), seed)
     ids, labels = _ids(batch_size, seed + 1)
@@ -50,9 +58,16 @@ def gpt2(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn
 def llama(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn.Module, dict]:
     """LlamaForCausalLM: RMSNorm, RoPE, grouped-query attention (4 query, 2 kv heads), SwiGLU."""
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        attn_implementation="sdpa", **SPECIAL, **{"use_cache": False, **overrides},
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        attn_implementation="sdpa",
+        **SPECIAL,
+        **{"use_cache": False, **overrides},
     )
     model = _seeded(lambda: transformers.LlamaForCausalLM(config), seed)
     ids, labels = _ids(batch_size, seed + 1)
@@ -65,9 +80,16 @@ BUILDERS: dict[str, Callable[..., tuple[torch.nn.Module, dict]]] = {"gpt2": gpt2
 def bert(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn.Module, dict]:
     """BertForMaskedLM: an encoder with a masked-LM head (tied to the word embeddings)."""
     config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation="sdpa", pad_token_id=SPECIAL["pad_token_id"],
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
+        pad_token_id=SPECIAL["pad_token_id"],
         **overrides,
     )
     model = _seeded(lambda: transformers.BertForMaskedLM(config), seed)
@@ -79,9 +101,18 @@ def bert(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn
 def vit(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn.Module, dict]:
     """ViTForImageClassification: a conv patch embedding, a class token, an encoder, a head."""
     config = transformers.ViTConfig(
-        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, intermediate_size=64, num_labels=8, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation="sdpa", **overrides,
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=8,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
+        **overrides,
     )
     model = _seeded(lambda: transformers.ViTForImageClassification(config), seed)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -93,10 +124,19 @@ def mixtral(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch
     """MixtralForCausalLM: 4 experts, top-2 routing (topk, sort, histc, index_put: data-dependent
     indexing), on LLaMA's attention."""
     config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=SEQ, use_cache=False, attn_implementation="sdpa",
-        **SPECIAL, **overrides,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=SEQ,
+        use_cache=False,
+        attn_implementation="sdpa",
+        **SPECIAL,
+        **overrides,
     )
     model = _seeded(lambda: transformers.MixtralForCausalLM(config), seed)
     ids, labels = _ids(batch_size, seed + 1)
@@ -109,9 +149,17 @@ COVERAGE: dict[str, Callable[..., tuple[torch.nn.Module, dict]]] = {"bert": bert
 def mistral(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn.Module, dict]:
     """MistralForCausalLM: LLaMA's layout with grouped-query attention (4 query, 2 kv heads)."""
     config = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        use_cache=False, attn_implementation="sdpa", **SPECIAL, **overrides,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        use_cache=False,
+        attn_implementation="sdpa",
+        **SPECIAL,
+        **overrides,
     )
     model = _seeded(lambda: transformers.MistralForCausalLM(config), seed)
     ids, labels = _ids(batch_size, seed + 1)

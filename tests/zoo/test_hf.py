@@ -47,9 +47,11 @@ def gpt2_head_split_plan(model, kwargs, budget: float):
     """GPT-2's plan under ``budget`` with each c_attn matmul's output pinned split by heads
     (``S(1)/3``: every rank holds its heads of q, k and v), the rest left to the solver."""
     traced = trace(model, (), kwargs)
-    forced = {node.name: (Replicate(), SS(1, 3)) for node in traced.gm.graph.nodes
-              if node.target is torch.ops.aten.addmm.default
-              and any("c_attn_weight" in arg.name for arg in node.all_input_nodes)}
+    forced = {
+        node.name: (Replicate(), SS(1, 3))
+        for node in traced.gm.graph.nodes
+        if node.target is torch.ops.aten.addmm.default and any("c_attn_weight" in arg.name for arg in node.all_input_nodes)
+    }
     assert len(forced) == 2, forced
     options = PlanOptions.from_keywords(memory_budget=budget, solver="highs", checkpointing=False)
     return solve(traced, MESH, get_cluster(CLUSTER), options, forced=forced)
@@ -73,8 +75,9 @@ def _compile_and_compare(name: str, batch_size: int, budget: float | None, plan:
     model, kwargs = {**BUILDERS, **COVERAGE}[name](batch_size=batch_size)
     eager = copy.deepcopy(model)
     plan = None if plan is None else autopar.Plan.from_json(plan)
-    pm = autopar.compile(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, plan=plan,
-                         memory_budget=None if plan is not None else budget)
+    pm = autopar.compile(
+        model, MESH, example_kwargs=kwargs, cluster=CLUSTER, plan=plan, memory_budget=None if plan is not None else budget
+    )
     compared = step_against_eager(pm, eager, kwargs=kwargs, output_loss=lambda out: out.loss)
     grads = eager_grads(eager)
     scale = max(g.abs().max().item() for g in grads.values())
@@ -216,10 +219,12 @@ def test_gpt2_c_attn_split_by_heads_runs_with_no_collective_before_c_proj(gpt2_h
     order = list(plan.nodes)
     for layer in range(2):
         weight = f"p_transformer_h_{layer}_attn_c_attn_weight"
-        c_attn = next(n for n, d in plan.nodes.items() if d.op == "aten.addmm.default"
-                      and any(p == weight for p, _ in d.inputs))
-        c_proj = next(n for n, d in plan.nodes.items() if d.op == "aten.addmm.default"
-                      and any(p == f"p_transformer_h_{layer}_attn_c_proj_weight" for p, _ in d.inputs))
+        c_attn = next(n for n, d in plan.nodes.items() if d.op == "aten.addmm.default" and any(p == weight for p, _ in d.inputs))
+        c_proj = next(
+            n
+            for n, d in plan.nodes.items()
+            if d.op == "aten.addmm.default" and any(p == f"p_transformer_h_{layer}_attn_c_proj_weight" for p, _ in d.inputs)
+        )
         used = format_spec(plan.nodes[c_attn].ins[[p for p, _ in plan.nodes[c_attn].inputs].index(weight)])
         assert "S(1)/3" in used, f"layer {layer}: c_attn's matmul takes its weight as {used}, not split by heads"
         block = order[order.index(c_attn) + 1 : order.index(c_proj) + 1]
@@ -232,8 +237,9 @@ def test_tight_budget_gpt2_objective_is_the_predicted_step() -> None:
     differed 2.3x: the ILP merged every parameter reduction, the re-pricing only some)."""
     model, kwargs = BUILDERS["gpt2"](batch_size=TIGHT_BATCH)
     budget = 0.8 * tight_budget("gpt2") / 0.9
-    plan = autopar.plan(model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=budget,
-                        checkpointing=False, solver="highs")
+    plan = autopar.plan(
+        model, MESH, example_kwargs=kwargs, cluster=CLUSTER, memory_budget=budget, checkpointing=False, solver="highs"
+    )
     assert_objective_is_step_time(plan)
 
 

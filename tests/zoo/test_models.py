@@ -65,9 +65,9 @@ def test_gpt_fused_and_separate_qkv_compute_the_same_function():
         if ".attn.q_proj." in fqn:
             kind = fqn.rsplit(".", 1)[1]
             prefix = fqn.split(".attn.")[0] + ".attn."
-            fused_state[prefix + "c_attn." + kind] = torch.cat([
-                separate.state_dict()[prefix + f"{proj}_proj.{kind}"] for proj in "qkv"
-            ])
+            fused_state[prefix + "c_attn." + kind] = torch.cat(
+                [separate.state_dict()[prefix + f"{proj}_proj.{kind}"] for proj in "qkv"]
+            )
         elif ".attn.k_proj." not in fqn and ".attn.v_proj." not in fqn:
             fused_state[fqn] = tensor
     fused.load_state_dict(fused_state)

@@ -9,9 +9,16 @@ from autopar.zoo.shapes import PRESETS, build_preset
 
 
 # Published parameter counts (LLaMA: untied head; GPT-2: tied embedding, vocabulary 50257).
-@pytest.mark.parametrize("name, billions", [
-    ("gpt2", 0.124), ("gpt2-xl", 1.56), ("llama-2-7b", 6.74), ("llama-2-70b", 68.98), ("llama-3-8b", 8.03),
-])
+@pytest.mark.parametrize(
+    "name, billions",
+    [
+        ("gpt2", 0.124),
+        ("gpt2-xl", 1.56),
+        ("llama-2-7b", 6.74),
+        ("llama-2-70b", 68.98),
+        ("llama-3-8b", 8.03),
+    ],
+)
 def test_presets_have_the_published_sizes(name, billions):
     model, inputs = build_preset(name, batch_size=2)
     params = {id(p): p for p in model.parameters()}

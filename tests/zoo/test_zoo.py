@@ -46,8 +46,13 @@ def _pipelined_mistral() -> dict:
     grads = {fqn: p.grad for fqn, p in eager.named_parameters(remove_duplicate=False) if p.grad is not None}
     rel = max_rel_diff(pm.full_grads(), grads)
     worst = max(rel, key=rel.get)
-    return {"status": "ok", "loss_rel": abs(loss.item() - want.item()) / abs(want.item()),
-            "grad_rel": rel[worst], "worst": worst, "stage_mesh": pm.plan.pipeline.stage_mesh}
+    return {
+        "status": "ok",
+        "loss_rel": abs(loss.item() - want.item()) / abs(want.item()),
+        "grad_rel": rel[worst],
+        "worst": worst,
+        "stage_mesh": pm.plan.pipeline.stage_mesh,
+    }
 
 
 def _run(rank: int, world: int) -> dict:

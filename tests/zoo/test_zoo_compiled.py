@@ -18,8 +18,12 @@ from tests.zoo.test_zoo import _zoo
 pytest.importorskip("transformers")
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
-CASES = (("sequential", "inductor", False), ("sequential", "inductor", True), ("sequential", None, True),
-         ("qwen3", "inductor", False))
+CASES = (
+    ("sequential", "inductor", False),
+    ("sequential", "inductor", True),
+    ("sequential", None, True),
+    ("qwen3", "inductor", False),
+)
 
 
 def _run(rank: int, world: int) -> dict:
@@ -43,7 +47,9 @@ def test_compiled_zoo_models_equal_eager_on_2x2_gloo(rank_pool) -> None:
             if result["status"] != "ok":
                 failures.append(f"rank {rank} {case}: {result['status']} ({result.get('reason')})")
             elif result["loss_rel"] > LOSS_TOL or result["grad_rel"] > GRAD_TOL:
-                failures.append(f"rank {rank} {case}: loss rel {result['loss_rel']:.1e}, "
-                                f"grad rel {result['grad_rel']:.1e} at {result['worst']}")
+                failures.append(
+                    f"rank {rank} {case}: loss rel {result['loss_rel']:.1e}, "
+                    f"grad rel {result['grad_rel']:.1e} at {result['worst']}"
+                )
     assert not failures, "\n".join(failures)
     assert set(results[0]) == set(CASES)

@@ -80,15 +80,15 @@ class ColossalParallel:
         if self.mode != "2.5d" and self.depth != 1:
             raise ValueError(f"parallel: depth is for mode '2.5d' only, got depth={self.depth} with mode {self.mode!r}")
         side = self.side
-        if self.mode == "2d" and side ** 2 != self.size:
-            raise ValueError(f"parallel: mode '2d' needs size = q² (a q × q grid), got size={self.size}: "
-                             f"use 4, 9, 16, ...")
-        if self.mode == "2.5d" and (self.size % self.depth or side ** 2 * self.depth != self.size):
-            raise ValueError(f"parallel: mode '2.5d' needs size = depth · q², got size={self.size}, depth={self.depth}: "
-                             f"for depth={self.depth} use size {', '.join(str(self.depth * q * q) for q in (2, 3, 4))}")
-        if self.mode == "3d" and side ** 3 != self.size:
-            raise ValueError(f"parallel: mode '3d' needs size = q³ (a q × q × q cube), got size={self.size}: "
-                             f"use 8, 27, 64, ...")
+        if self.mode == "2d" and side**2 != self.size:
+            raise ValueError(f"parallel: mode '2d' needs size = q² (a q × q grid), got size={self.size}: use 4, 9, 16, ...")
+        if self.mode == "2.5d" and (self.size % self.depth or side**2 * self.depth != self.size):
+            raise ValueError(
+                f"parallel: mode '2.5d' needs size = depth · q², got size={self.size}, depth={self.depth}: "
+                f"for depth={self.depth} use size {', '.join(str(self.depth * q * q) for q in (2, 3, 4))}"
+            )
+        if self.mode == "3d" and side**3 != self.size:
+            raise ValueError(f"parallel: mode '3d' needs size = q³ (a q × q × q cube), got size={self.size}: use 8, 27, 64, ...")
 
     @classmethod
     def from_dict(cls, parallel: Mapping[str, Any], world_size: int | None = None) -> "ColossalParallel":
@@ -96,8 +96,9 @@ class ColossalParallel:
         ``dict(mode=..., size=..., depth=...)`` (no ``tensor``: mode "1d", size 1), ``data`` optional.
         ``world_size`` (when given) must be pipeline × tensor size × data."""
         if not isinstance(parallel, Mapping):
-            raise ValueError(f"parallel must be a dict such as dict(pipeline=2, tensor=dict(mode='2d', size=4)), "
-                             f"got {parallel!r}")
+            raise ValueError(
+                f"parallel must be a dict such as dict(pipeline=2, tensor=dict(mode='2d', size=4)), got {parallel!r}"
+            )
         unknown = set(parallel) - {"pipeline", "tensor", "data"}
         if unknown:
             raise ValueError(f"parallel: unknown keys {sorted(unknown)}; expected pipeline, tensor and data")
@@ -116,9 +117,11 @@ class ColossalParallel:
         if world_size is not None:
             model = pipeline * (size if isinstance(size, int) else 1)
             if isinstance(size, int) and (world_size % model or (data is not None and data * model != world_size)):
-                raise ValueError(f"parallel: the world of {world_size} ranks must be pipeline ({pipeline}) × tensor "
-                                 f"size ({size}) × data{f' ({data})' if data else ''}: pass a mesh of "
-                                 f"{model * (data or 1)} ranks, or change the config")
+                raise ValueError(
+                    f"parallel: the world of {world_size} ranks must be pipeline ({pipeline}) × tensor "
+                    f"size ({size}) × data{f' ({data})' if data else ''}: pass a mesh of "
+                    f"{model * (data or 1)} ranks, or change the config"
+                )
             data = data or world_size // model
         return cls(pipeline=pipeline, mode=mode, size=size, depth=depth, data=data or 1)
 
@@ -160,13 +163,18 @@ class ColossalParallel:
 
     def describe(self) -> str:
         depth = f", depth {self.depth}" if self.mode == "2.5d" else ""
-        return (f"Colossal-AI {self.mode} tensor parallelism (size {self.size}{depth}), pipeline {self.pipeline}, "
-                f"data {self.data}: mesh {self.mesh_shape()}, stage axes "
-                f"{', '.join(f'{role}={size}' for role, size in self.stage_axes())}")
+        return (
+            f"Colossal-AI {self.mode} tensor parallelism (size {self.size}{depth}), pipeline {self.pipeline}, "
+            f"data {self.data}: mesh {self.mesh_shape()}, stage axes "
+            f"{', '.join(f'{role}={size}' for role, size in self.stage_axes())}"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline, "tensor": {"mode": self.mode, "size": self.size, "depth": self.depth},
-                "data": self.data}
+        return {
+            "pipeline": self.pipeline,
+            "tensor": {"mode": self.mode, "size": self.size, "depth": self.depth},
+            "data": self.data,
+        }
 
 
 def _size_of(value: Any, name: str) -> int:
@@ -193,9 +201,11 @@ def colossal_specs(config: ColossalParallel, traced: TracedModel) -> dict[str, S
         spec = replicate_size_one_axes(tuple(per_role.get(role, Replicate()) for role in roles), mesh)
         shape = tuple(placeholders[name].meta["val"].shape)
         if not is_valid(shape, spec, mesh):
-            raise ValueError(f"{config.mode} tensor parallelism cannot split {fqn} of shape {shape} as "
-                             f"{format_spec(spec)} on the stage mesh {mesh} ({', '.join(roles)}): its dims must "
-                             f"divide by the grid (Colossal-AI's layers need the same); change tensor size or the model")
+            raise ValueError(
+                f"{config.mode} tensor parallelism cannot split {fqn} of shape {shape} as "
+                f"{format_spec(spec)} on the stage mesh {mesh} ({', '.join(roles)}): its dims must "
+                f"divide by the grid (Colossal-AI's layers need the same); change tensor size or the model"
+            )
         specs[name] = spec
     specs.update(_residual_specs(config, traced, roles, mesh, fqn_of))
     return specs
@@ -280,8 +290,9 @@ def _hidden_vector(config: ColossalParallel) -> dict[str, Any]:
     return {"1d": {}, "2d": {"col": Shard(0)}, "2.5d": {"col": Shard(0)}, "3d": {"output": Shard(0)}}[config.mode]
 
 
-def _residual_specs(config: ColossalParallel, traced: TracedModel, roles: list[str], mesh: tuple[int, ...],
-                    fqn_of: dict[str, str]) -> dict[str, Spec]:
+def _residual_specs(
+    config: ColossalParallel, traced: TracedModel, roles: list[str], mesh: tuple[int, ...], fqn_of: dict[str, str]
+) -> dict[str, Spec]:
     """The residual stream (norms, residual adds, dropout: (batch, seq, hidden) outputs of the
     elementwise ops sequence parallelism splits) as Colossal-AI's layers hold it between layers:
     the batch split on the data, depth, row (2d/2.5d) or weight and input (3d) axes, the hidden
@@ -293,12 +304,12 @@ def _residual_specs(config: ColossalParallel, traced: TracedModel, roles: list[s
         return {}
     batch_roles = {"data", "depth", "row", "weight", "input"}
     hidden_role = "col" if config.mode != "3d" else "output"
-    spec = tuple(Shard(0) if role in batch_roles else Shard(2) if role == hidden_role else Replicate()
-                 for role in roles)
+    spec = tuple(Shard(0) if role in batch_roles else Shard(2) if role == hidden_role else Replicate() for role in roles)
     spec = replicate_size_one_axes(spec, mesh)
     forced = {}
-    inner = tuple(Shard(0) if role in ("weight", "output") else Shard(2) if role == "input" else p
-                  for role, p in zip(roles, spec))  # 3d: a column linear's output, input and output swapped
+    inner = tuple(
+        Shard(0) if role in ("weight", "output") else Shard(2) if role == "input" else p for role, p in zip(roles, spec)
+    )  # 3d: a column linear's output, input and output swapped
     for node in traced.gm.graph.nodes:
         val = node.meta.get("val")
         if node.op != "call_function":
@@ -322,7 +333,8 @@ def _residual_specs(config: ColossalParallel, traced: TracedModel, roles: list[s
                     f"{config.mode} tensor parallelism splits the activations {tuple(val.shape)} of "
                     f"{node.format_node()} as {format_spec(spec)} on the stage mesh {mesh} ({', '.join(roles)}): "
                     f"the batch (per microbatch) must divide by {_batch_ways(spec, mesh)} and the width by the "
-                    f"grid side; use a larger batch")
+                    f"grid side; use a larger batch"
+                )
             forced[node.name] = spec
     return forced
 
@@ -346,8 +358,7 @@ def _batch_ways(spec: Spec, mesh: tuple[int, ...]) -> int:
 def _model_width(traced: TracedModel) -> int | None:
     """The hidden width: the normalized size of the first layer norm, else the token embedding's."""
     for node in traced.gm.graph.nodes:
-        if node.op == "call_function" and node.target in (torch.ops.aten.layer_norm.default,
-                                                          torch.ops.aten.rms_norm.default):
+        if node.op == "call_function" and node.target in (torch.ops.aten.layer_norm.default, torch.ops.aten.rms_norm.default):
             return int(node.args[1][-1])
     for node in traced.gm.graph.nodes:
         if node.op == "call_function" and node.target == torch.ops.aten.embedding.default:
@@ -355,8 +366,9 @@ def _model_width(traced: TracedModel) -> int | None:
     return None
 
 
-def solve_colossal(config: ColossalParallel, traced: TracedModel, cluster: ClusterSpec,
-                   options: PlanOptions | None = None) -> Plan:
+def solve_colossal(
+    config: ColossalParallel, traced: TracedModel, cluster: ClusterSpec, options: PlanOptions | None = None
+) -> Plan:
     """The Colossal-AI plan of ``config`` for ``traced``: on its mesh, or with ``config.pipeline``
     stages (``traced`` then at one microbatch of ``options.pipeline.microbatches``, the stage
     planner choosing where to cut), every stage with the layout of the module docstring.
@@ -369,9 +381,14 @@ def solve_colossal(config: ColossalParallel, traced: TracedModel, cluster: Clust
     else:
         from autopar.solver.planners.stages import StageSettings, plan_stages  # loads only for pipelines (start-up speed)
 
-        settings = StageSettings(num_microbatches=options.pipeline.microbatches, num_stages=config.pipeline,
-                                 memory_budget=resolve_budget(options.memory.budget, cluster),
-                                 time_limit_s=options.solve.time_limit_s, solver=options.solve.solver, forced=forced)
+        settings = StageSettings(
+            num_microbatches=options.pipeline.microbatches,
+            num_stages=config.pipeline,
+            memory_budget=resolve_budget(options.memory.budget, cluster),
+            time_limit_s=options.solve.time_limit_s,
+            solver=options.solve.solver,
+            forced=forced,
+        )
         plan = plan_stages(traced, config.mesh_shape(), cluster, settings, options.precision)
     return dataclasses.replace(plan, stats={**plan.stats, "hand_plan": "colossal", "colossal": config.to_json()})
 

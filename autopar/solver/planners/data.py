@@ -65,8 +65,10 @@ def with_data_layout(plan: Plan, traced: TracedModel, options: DataOptions, axes
     where given: another mode's graph of a module whose ranks already load their rows)."""
     if plan.pipeline is not None:
         if options.per_rank:
-            raise PlanError("batch='per_rank' with a pipeline: the pipeline runtime takes the whole batch on every "
-                            "rank and cuts it into microbatches; pass batch='whole' (the default), or pipeline='off'")
+            raise PlanError(
+                "batch='per_rank' with a pipeline: the pipeline runtime takes the whole batch on every "
+                "rank and cuts it into microbatches; pass batch='whole' (the default), or pipeline='off'"
+            )
         return plan
     inputs = batched_inputs(traced)
     if axes is None:
@@ -75,6 +77,5 @@ def with_data_layout(plan: Plan, traced: TracedModel, options: DataOptions, axes
     nodes = plan.nodes
     if options.per_rank and axes:
         spec = _spec(axes, len(plan.mesh_shape))
-        nodes = {name: dataclasses.replace(node, outs=(spec,)) if name in inputs else node
-                 for name, node in nodes.items()}
+        nodes = {name: dataclasses.replace(node, outs=(spec,)) if name in inputs else node for name, node in nodes.items()}
     return dataclasses.replace(plan, nodes=nodes, data=layout, stats=plan.stats)

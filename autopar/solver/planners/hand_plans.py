@@ -58,9 +58,14 @@ ALIASES = {"tp_dp": "megatron"}
 _ZERO_STAGE = {"zero1": 1, "zero2": 2}
 # Elementwise ops of the residual stream that sequence parallelism splits along the sequence.
 SEQUENCE_PARALLEL_OPS = {
-    torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.pow.Tensor_Scalar,
-    torch.ops.aten.rsqrt.default, torch.ops.aten.layer_norm.default, torch.ops.aten.dropout.default,
-    torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default,
+    torch.ops.aten.add.Tensor,
+    torch.ops.aten.mul.Tensor,
+    torch.ops.aten.pow.Tensor_Scalar,
+    torch.ops.aten.rsqrt.default,
+    torch.ops.aten.layer_norm.default,
+    torch.ops.aten.dropout.default,
+    torch.ops.aten.to.dtype,
+    torch.ops.aten._to_copy.default,
 }
 
 COLUMN = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|c_attn|query|key|value|qkv|c_fc|fc1|up_proj|gate_proj|w1|w3)\.(weight|bias)$")
@@ -179,12 +184,12 @@ def zero_stage(kind: str) -> int:
     return _ZERO_STAGE.get(resolve_kind(kind), 0)
 
 
-def solve_hand_plan(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec,
-                    options: PlanOptions | None = None) -> Plan:
+def solve_hand_plan(
+    kind: str, traced: TracedModel, mesh_shape: tuple[int, ...], cluster: ClusterSpec, options: PlanOptions | None = None
+) -> Plan:
     """``hand_plan`` on an already traced model, under ``options`` as ``solve`` reads them
     (``options.precision``: the policy it was traced under)."""
-    return solve(traced, mesh_shape, cluster, options, forced=hand_specs(kind, traced, mesh_shape),
-                 zero_stage=zero_stage(kind))
+    return solve(traced, mesh_shape, cluster, options, forced=hand_specs(kind, traced, mesh_shape), zero_stage=zero_stage(kind))
 
 
 def _prod(sizes: Sequence[int]) -> int:

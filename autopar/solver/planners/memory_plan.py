@@ -148,8 +148,9 @@ class _WalkShape:
                     keys += [("checkpoint", str(segment_at[iv.start])), ("activations", str(segment_at[iv.start]))]
                 keys += [("checkpoint", str(segment_at[u])) for u in uses.get(iv.node, ()) if u in segment_at]
             elif iv.kind == "gathered":  # re-gathered inside a checkpointed segment of its uses
-                keys += [("checkpoint", str(segment_at[u])) for u in uses.get(iv.node.removeprefix(GATHERED), ())
-                         if u in segment_at]
+                keys += [
+                    ("checkpoint", str(segment_at[u])) for u in uses.get(iv.node.removeprefix(GATHERED), ()) if u in segment_at
+                ]
             elif iv.kind in TRANSFERS:
                 keys.append((iv.kind, iv.node))
                 if iv.kind == "grad":  # a fetched parameter's gradient goes to the store
@@ -201,7 +202,7 @@ class _Walk:
         moved = sorted((self.segments[int(index)] for k, index in decisions if k == "activations"), key=lambda seg: seg[1])
         in_moved: dict[int, tuple[int, int]] = {}  # time -> (last forward time, time the read starts)
         for position, (_, first, last) in enumerate(moved):
-            later = moved[position + 1:]
+            later = moved[position + 1 :]
             read_from = self.bwd(later[0][2]) if prefetch and later else self.bwd(last)
             for i in range(first, last + 1):
                 in_moved[i] = (last, read_from)
@@ -220,8 +221,7 @@ class _Walk:
             last, read_from = in_moved[iv.start]
             last_forward = self.saved_inside(iv, last)
             if last_forward is not None:
-                return [(iv.node, iv.kind, iv.start, last_forward, iv.factor),
-                        (iv.node, iv.kind, read_from, iv.end, iv.factor)]
+                return [(iv.node, iv.kind, iv.start, last_forward, iv.factor), (iv.node, iv.kind, read_from, iv.end, iv.factor)]
         if iv.kind == "activation" and segments:
             return self._checkpointed(iv, in_segment, segments)
         if iv.kind == "gathered" and segments:
@@ -291,8 +291,7 @@ class _Walk:
             first, last = in_segment[i]
             last_forward = self.saved_inside(iv, last)
             if last_forward is not None:
-                return [(iv.node, iv.kind, i, last_forward, iv.factor),
-                        (iv.node, iv.kind, self.bwd(last), end, iv.factor)]
+                return [(iv.node, iv.kind, i, last_forward, iv.factor), (iv.node, iv.kind, self.bwd(last), end, iv.factor)]
             return [(iv.node, iv.kind, i, end, iv.factor)]
         # An input of a checkpointed segment is kept until the segment's backward ends (the
         # earliest such segment's, which ends last).
@@ -464,19 +463,38 @@ def plan_memory(
     segments = tuple(sorted((c.decision for c in chosen if c.key[0] == "checkpoint"), key=lambda s: walk.index[s.first]))
     order = {"optimizer_state": 0, "grad": 1, "param": 2}
     moved = tuple(sorted((c.decision for c in chosen if c.key[0] == "activations"), key=lambda s: walk.index[s.first]))
-    entries = tuple(sorted((c.decision for c in chosen if c.key[0] not in ("checkpoint", "activations")),
-                           key=lambda e: (order[e.kind], walk.index.get(_param_node(graph, e.fqn), 0))))
-    memory = MemoryPlan(
-        target=target or "cpu", prefetch=prefetch, checkpoint=segments, offload=entries, offload_activations=moved,
-        peak_before_bytes=float(int(before)), peak_bytes=float(int(peak)), added_s=recompute_s + exposed_s,
+    entries = tuple(
+        sorted(
+            (c.decision for c in chosen if c.key[0] not in ("checkpoint", "activations")),
+            key=lambda e: (order[e.kind], walk.index.get(_param_node(graph, e.fqn), 0)),
+        )
     )
-    log.info("autopar: memory: %d checkpointed segments, %d with offloaded activations, %d offloaded tensors; "
-             "peak %.0f -> %.0f bytes (budget %.0f)", len(segments), len(moved), len(entries), before, peak, budget)
+    memory = MemoryPlan(
+        target=target or "cpu",
+        prefetch=prefetch,
+        checkpoint=segments,
+        offload=entries,
+        offload_activations=moved,
+        peak_before_bytes=float(int(before)),
+        peak_bytes=float(int(peak)),
+        added_s=recompute_s + exposed_s,
+    )
+    log.info(
+        "autopar: memory: %d checkpointed segments, %d with offloaded activations, %d offloaded tensors; "
+        "peak %.0f -> %.0f bytes (budget %.0f)",
+        len(segments),
+        len(moved),
+        len(entries),
+        before,
+        peak,
+        budget,
+    )
     return memory, {"time": walk.timeline.time_name(time) if time < walk.timeline.num_times else "", **breakdown}
 
 
-def _take(walk: _Walk, candidates: list[_Candidate], peak: float, budget: float,
-          prefetch: bool) -> tuple[list[_Candidate], set, float]:
+def _take(
+    walk: _Walk, candidates: list[_Candidate], peak: float, budget: float, prefetch: bool
+) -> tuple[list[_Candidate], set, float]:
     """The candidates taken greedily, cheapest per byte saved first, until the peak (``peak``
     before any) fits ``budget``: (taken, their keys, the peak then)."""
     chosen: list[_Candidate] = []
@@ -493,8 +511,9 @@ def _take(walk: _Walk, candidates: list[_Candidate], peak: float, budget: float,
     return chosen, keys, peak
 
 
-def _drop_unneeded(walk: _Walk, candidates: list[_Candidate], chosen: list[_Candidate], keys: set, budget: float,
-                   prefetch: bool) -> tuple[list[_Candidate], set]:
+def _drop_unneeded(
+    walk: _Walk, candidates: list[_Candidate], chosen: list[_Candidate], keys: set, budget: float, prefetch: bool
+) -> tuple[list[_Candidate], set]:
     """``chosen`` without the decisions the budget holds without (costliest tried first), and
     with each offloaded parameter's gradient, which is offloaded with it."""
     for candidate in sorted(chosen, key=lambda c: -c.cost_s):
@@ -570,7 +589,9 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing) -> l
     return out
 
 
-def _infeasible(walk: _Walk | None, graph, keys, prefetch, budget, target, checkpointing, explain: bool = True) -> InfeasibleError:
+def _infeasible(
+    walk: _Walk | None, graph, keys, prefetch, budget, target, checkpointing, explain: bool = True
+) -> InfeasibleError:
     if not explain:
         return InfeasibleError(f"no plan of this sharding fits memory_budget={budget:.0f} bytes per device")
     peak, time = walk.peak(keys, prefetch)
@@ -583,7 +604,8 @@ def _infeasible(walk: _Walk | None, graph, keys, prefetch, budget, target, check
     lines = "\n".join(f"    {kind} {name}: {size / 2**20:.1f} MiB" for size, kind, name in alive[:5])
     allowed = ("checkpointing every layer" if checkpointing else "no checkpointing") + (
         f" and offloading every parameter, gradient, optimizer state and layer's activations to {target}"
-        if target else ", no offload"
+        if target
+        else ", no offload"
     )
     return InfeasibleError(
         f"no plan fits memory_budget={budget:.0f} bytes ({budget / 2**20:.1f} MiB) per device on mesh "
@@ -591,8 +613,11 @@ def _infeasible(walk: _Walk | None, graph, keys, prefetch, budget, target, check
         f"({peak / 2**20:.1f} MiB) per device, at {walk.timeline.time_name(time)}.\n"
         f"  Largest tensors alive there:\n{lines}\n"
         "  Raise the budget, use a larger mesh, or reduce the batch size or sequence length"
-        + (", or use precision='bf16-mixed'." if target else
-           "; offload=\"auto\" (`autopar plan ... --offload auto`) would also offload to host memory or disk.")
+        + (
+            ", or use precision='bf16-mixed'."
+            if target
+            else '; offload="auto" (`autopar plan ... --offload auto`) would also offload to host memory or disk.'
+        )
     )
 
 

@@ -72,10 +72,13 @@ def search_mesh(
     candidates = mesh_candidates(num_devices, options.max_axes)
     for number, shape in enumerate(candidates, 1):
         if on_progress:
-            so_far = (f"; best so far {tuple(best_row['mesh'])} at {best_row['step_time_s'] * 1e3:.1f} ms"
-                      if best is not None else "")
-            on_progress(f"mesh search {number}/{len(candidates)}: planning on mesh {shape} "
-                        f"({len(candidates) - number} after it{so_far}) ...")
+            so_far = (
+                f"; best so far {tuple(best_row['mesh'])} at {best_row['step_time_s'] * 1e3:.1f} ms" if best is not None else ""
+            )
+            on_progress(
+                f"mesh search {number}/{len(candidates)}: planning on mesh {shape} "
+                f"({len(candidates) - number} after it{so_far}) ..."
+            )
         # What the last mesh left behind (its choice graph and ILP, in reference cycles) goes
         # now, so that memory stays flat from mesh to mesh: planning runs with the collector
         # quiet (``api.quiet_gc``).
@@ -85,12 +88,27 @@ def search_mesh(
             plan, explained = plan_one(traced, shape, cluster, options)
         except InfeasibleError as error:
             reason = str(error).splitlines()[0]
-            rows.append({"mesh": list(shape), "status": "infeasible", "step_time_s": None,
-                         "peak_memory_bytes": None, "plan_time_s": time.perf_counter() - start, "reason": reason})
+            rows.append(
+                {
+                    "mesh": list(shape),
+                    "status": "infeasible",
+                    "step_time_s": None,
+                    "peak_memory_bytes": None,
+                    "plan_time_s": time.perf_counter() - start,
+                    "reason": reason,
+                }
+            )
             continue
-        rows.append({"mesh": list(shape), "status": "ok", "step_time_s": plan.predicted.step_time_s,
-                     "peak_memory_bytes": plan.predicted.peak_memory_bytes,
-                     "plan_time_s": time.perf_counter() - start, "reason": ""})
+        rows.append(
+            {
+                "mesh": list(shape),
+                "status": "ok",
+                "step_time_s": plan.predicted.step_time_s,
+                "peak_memory_bytes": plan.predicted.peak_memory_bytes,
+                "plan_time_s": time.perf_counter() - start,
+                "reason": "",
+            }
+        )
         if best is None or _rank(rows[-1]) < _rank(best_row):
             best, best_row, explain_best = plan, rows[-1], explained
         del plan, explained  # a plan not kept lets its choice graph go at the next collection
@@ -111,20 +129,24 @@ def _rank(row: dict[str, Any]) -> tuple:
 
 def mesh_search_text(rows: list[dict[str, Any]]) -> str:
     """The search table, one line per mesh, fastest first."""
-    lines = [f"Mesh search ({len(rows)} meshes)",
-             f"  {'mesh':<16} {'step time':>14} {'vs best':>9} {'peak memory':>12} {'plan time':>10}  status"]
+    lines = [
+        f"Mesh search ({len(rows)} meshes)",
+        f"  {'mesh':<16} {'step time':>14} {'vs best':>9} {'peak memory':>12} {'plan time':>10}  status",
+    ]
     best = next((row["step_time_s"] for row in rows if row["status"] == "ok"), None)
     for row in rows:
         mesh = "x".join(str(n) for n in row["mesh"])
         if row["status"] == "ok":
             ratio = row["step_time_s"] / best if best else float("nan")
             memory = row["peak_memory_bytes"] or 0
-            lines.append(f"  {mesh:<16} {row['step_time_s'] * 1e3:>11.4f} ms {ratio:>8.2f}x "
-                         f"{memory / 2**30:>8.2f} GiB {row['plan_time_s']:>8.1f} s  ok"
-                         + ("  <- chosen" if row is rows[0] else ""))
+            lines.append(
+                f"  {mesh:<16} {row['step_time_s'] * 1e3:>11.4f} ms {ratio:>8.2f}x "
+                f"{memory / 2**30:>8.2f} GiB {row['plan_time_s']:>8.1f} s  ok" + ("  <- chosen" if row is rows[0] else "")
+            )
         else:
-            lines.append(f"  {mesh:<16} {'-':>14} {'-':>9} {'-':>12} {row['plan_time_s']:>8.1f} s  "
-                         f"{row['status']}: {row['reason']}")
+            lines.append(
+                f"  {mesh:<16} {'-':>14} {'-':>9} {'-':>12} {row['plan_time_s']:>8.1f} s  {row['status']}: {row['reason']}"
+            )
     return "\n".join(lines)
 
 

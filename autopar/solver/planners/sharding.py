@@ -18,15 +18,26 @@ from autopar.ir.prediction import Prediction, SolverStats
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver.strategies import backends
 from autopar.solver.strategies.backends import check_solver
-from autopar.solver.problem.choices import (ChoiceGraph, build_choice_graph, expert_parallel_record, grad_sync_bytes_per_axis,
-                                            param_sync_adjustment_s)
+from autopar.solver.problem.choices import (
+    ChoiceGraph,
+    build_choice_graph,
+    expert_parallel_record,
+    grad_sync_bytes_per_axis,
+    param_sync_adjustment_s,
+)
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.runner_ups import explain_decisions
 from autopar.solver.strategies.budget import MILP_GAP, solve_under_budget
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP, Solution
-from autopar.solver.strategies.solving import (MAX_MEMORY_ROUNDS, chosen_bytes, edge_specs, peak_memory, solve_ilp,
-                                               solve_within_budget)
+from autopar.solver.strategies.solving import (
+    MAX_MEMORY_ROUNDS,
+    chosen_bytes,
+    edge_specs,
+    peak_memory,
+    solve_ilp,
+    solve_within_budget,
+)
 from autopar.ir.spec import Spec, format_spec
 from autopar.ir.summary import format_bytes
 from autopar.trace import TracedModel
@@ -81,30 +92,37 @@ def solve_unexplained(
     ``options.comm`` is the communication schedule ``compile`` will run, as priced. ``forced``
     pins nodes' specs and ``zero_stage`` shards optimizer state and gradients (hand plans)."""
     settings = _Settings.of(options if options is not None else PlanOptions(), cluster)
-    budget_text = (f", memory budget {format_bytes(settings.memory_budget)}" if settings.memory_budget
-                   else ", no memory budget")
+    budget_text = f", memory budget {format_bytes(settings.memory_budget)}" if settings.memory_budget else ", no memory budget"
     log.info("planning on mesh %s for cluster %s%s ...", tuple(mesh_shape), cluster.name, budget_text)
     start = time.perf_counter()
     log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
     precision = settings.precision
     optimizer_dtype = to_dtype(precision.optimizer_dtype) if precision is not None else torch.float32
-    graph = build_choice_graph(traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage,
-                               optimizer_dtype=optimizer_dtype, comm=settings.comm)
-    log.info("autopar: rules and costs: %d nodes, %d edges in %.2f s (%d of %d op strategies cut: %d impossible, "
-             "%d dominated)", len(graph.order), len(graph.edges), time.perf_counter() - start,
-             graph.pruned.impossible + graph.pruned.dominated, graph.pruned.enumerated, graph.pruned.impossible,
-             graph.pruned.dominated)
+    graph = build_choice_graph(
+        traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage, optimizer_dtype=optimizer_dtype, comm=settings.comm
+    )
+    log.info(
+        "autopar: rules and costs: %d nodes, %d edges in %.2f s (%d of %d op strategies cut: %d impossible, %d dominated)",
+        len(graph.order),
+        len(graph.edges),
+        time.perf_counter() - start,
+        graph.pruned.impossible + graph.pruned.dominated,
+        graph.pruned.enumerated,
+        graph.pruned.impossible,
+        graph.pruned.dominated,
+    )
     solved = _solve_sharding(graph, settings, forced, start)
     solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved)
     plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts)
     if memory is not None:
         plan = _with_memory(plan, *memory)
-    return (dataclasses.replace(plan, precision=precision),
-            functools.partial(_explained, graph, solution, cluster, settings.memory_budget))
+    return (
+        dataclasses.replace(plan, precision=precision),
+        functools.partial(_explained, graph, solution, cluster, settings.memory_budget),
+    )
 
 
-def _explained(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec, memory_budget: float | None,
-               plan: Plan) -> Plan:
+def _explained(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec, memory_budget: float | None, plan: Plan) -> Plan:
     start = time.perf_counter()
     decisions = explain_decisions(graph, solution, cluster, memory_budget)
     log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
@@ -130,8 +148,16 @@ class _Settings:
         offload, _ = memory.offload_target(has_host=cluster.host_link is not None)
         # Checkpointing moves no data off the device: allowed by default, used only where the budget binds.
         checkpointing = True if memory.checkpointing is None else memory.checkpointing
-        return cls(resolve_budget(memory.budget, cluster), offload, checkpointing, memory.prefetch,
-                   options.solve.time_limit_s, check_solver(options.solve.solver), options.precision, options.comm)
+        return cls(
+            resolve_budget(memory.budget, cluster),
+            offload,
+            checkpointing,
+            memory.prefetch,
+            options.solve.time_limit_s,
+            check_solver(options.solve.solver),
+            options.precision,
+            options.comm,
+        )
 
     @property
     def decides_memory(self) -> bool:
@@ -150,8 +176,7 @@ class _Solved:
     visited: list[dict[str, int]]
 
 
-def _solve_sharding(graph: ChoiceGraph, settings: _Settings, forced: dict[str, Spec | str] | None,
-                    start: float) -> _Solved:
+def _solve_sharding(graph: ChoiceGraph, settings: _Settings, forced: dict[str, Spec | str] | None, start: float) -> _Solved:
     """The fastest sharding within the budget (``start``: when ``solve`` began); the leanest one
     where none fits and the memory planner may shrink it; else an error that says why."""
     memory_budget, time_limit_s, solver = settings.memory_budget, settings.time_limit_s, settings.solver
@@ -171,7 +196,7 @@ def _solve_sharding(graph: ChoiceGraph, settings: _Settings, forced: dict[str, S
             solution = _leanest(graph, time_limit_s, solver)
         if not solution.choice and forced:
             raise InfeasibleError(
-                f"no plan satisfies the forced specs {({k: v if isinstance(v, str) else format_spec(v) for k, v in forced.items()})}"
+                f"no plan satisfies the forced specs { ({k: v if isinstance(v, str) else format_spec(v) for k, v in forced.items()}) }"
                 + (f" within memory_budget={memory_budget:.0f}" if memory_budget is not None else "")
                 + ": they need a resharding that does not exist (into Partial, or of a tensor written in place)"
             )
@@ -182,20 +207,29 @@ def _solve_sharding(graph: ChoiceGraph, settings: _Settings, forced: dict[str, S
     return _Solved(ilp, solution, unbounded, visited)
 
 
-def _memory_for(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings,
-                candidate: Solution, explain: bool = True):
+def _memory_for(
+    traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings, candidate: Solution, explain: bool = True
+):
     """``plan_memory``'s (decisions, breakdown) for a sharding over the budget; None for one
     that fits as it is (or when nothing may be checkpointed or offloaded)."""
     if settings.memory_budget is None or not settings.decides_memory:
         return None
     if fits(peak_memory(graph, candidate).bytes, settings.memory_budget):
         return None
-    return plan_memory(traced, graph, candidate.choice, cluster, settings.memory_budget, target=settings.offload,
-                       prefetch=settings.prefetch, checkpointing=settings.checkpointing, explain=explain)
+    return plan_memory(
+        traced,
+        graph,
+        candidate.choice,
+        cluster,
+        settings.memory_budget,
+        target=settings.offload,
+        prefetch=settings.prefetch,
+        checkpointing=settings.checkpointing,
+        explain=explain,
+    )
 
 
-def _with_memory_decisions(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings,
-                           solved: _Solved):
+def _with_memory_decisions(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings, solved: _Solved):
     """(solution, its ``_StepParts``, its memory decisions or None): which sharding, with which
     memory decisions, is decided first, and its plan built once after (a candidate that wins
     later would make an earlier plan waste)."""
@@ -244,8 +278,7 @@ def _spread(items: list, count: int) -> list:
     return [items[round(i * step)] for i in range(count)]
 
 
-def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution
-                    ) -> tuple[Solution, tuple[float, float]] | None:
+def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) -> tuple[Solution, tuple[float, float]] | None:
     """A Solution of ``choice`` (which need not fit the budget), for ``plan_from_solution``, and
     its ``_compute_and_reshard_s`` (which its objective starts from, and its step too); None
     where ``choice`` needs a resharding that does not exist (into Partial): a rounded
@@ -256,13 +289,21 @@ def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution
     sums = _compute_and_reshard_s(ilp.graph, choice, specs)
     objective = sums[0] + sums[1]
     objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
-    return dataclasses.replace(like, choice=choice, edge_specs=specs, objective_s=objective,
-                               status="Feasible (with memory decisions)", method="lagrangian", gap=None,
-                               bound_s=None), sums
+    return dataclasses.replace(
+        like,
+        choice=choice,
+        edge_specs=specs,
+        objective_s=objective,
+        status="Feasible (with memory decisions)",
+        method="lagrangian",
+        gap=None,
+        bound_s=None,
+    ), sums
 
 
-def _compute_and_reshard_s(graph: ChoiceGraph, choice: dict[str, int], specs: dict[int, tuple[Spec, Spec]]
-                           ) -> tuple[float, float]:
+def _compute_and_reshard_s(
+    graph: ChoiceGraph, choice: dict[str, int], specs: dict[int, tuple[Spec, Spec]]
+) -> tuple[float, float]:
     """(Σ compute seconds of the chosen strategies, in graph order; Σ seconds of the edges'
     reshardings, in edge order): the sums that the objective of a fixed plan, ``predicted_step_s``
     and ``plan_from_solution`` all start from, added in one order so that they agree exactly."""
@@ -276,8 +317,15 @@ def _compute_and_reshard_s(graph: ChoiceGraph, choice: dict[str, int], specs: di
     return compute_s, reshard_s
 
 
-def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution, deadline: float,
-                    solver: str, visited: list[dict[str, int]], started: float) -> Solution:
+def _solve_budgeted(
+    ilp: ShardingILP,
+    memory_budget: float,
+    unbounded: Solution,
+    deadline: float,
+    solver: str,
+    visited: list[dict[str, int]],
+    started: float,
+) -> Solution:
     """The fastest plan does not fit: the Lagrangian fast path (``solver.strategies.budget``); the MILP
     with its memory cutting-plane loop only for ``solver="highs"`` or ``"cbc"``, or while a gap
     above ``budget.MILP_GAP`` remains (the better of the two is kept).
@@ -300,8 +348,12 @@ def _solve_budgeted(ilp: ShardingILP, memory_budget: float, unbounded: Solution,
             return fast
     exact, fitting = solve_within_budget(ilp, memory_budget, max(left, 1.0), backends.mip_backend(solver))
     if not fitting:
-        log.warning("autopar: after up to %d memory rounds (or the time limit) the plan still peaks at %.0f bytes, over memory_budget=%.0f",
-                    MAX_MEMORY_ROUNDS, peak_memory(ilp.graph, exact).bytes, memory_budget)
+        log.warning(
+            "autopar: after up to %d memory rounds (or the time limit) the plan still peaks at %.0f bytes, over memory_budget=%.0f",
+            MAX_MEMORY_ROUNDS,
+            peak_memory(ilp.graph, exact).bytes,
+            memory_budget,
+        )
         exact = dataclasses.replace(exact, choice={}, status="Infeasible (memory rounds)")
     if fast is not None and fast.choice and (not exact.choice or fast.objective_s <= exact.objective_s):
         return fast
@@ -321,9 +373,13 @@ def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
     breakdown = dict(breakdown)
     at = breakdown.pop("time")
     predicted = dataclasses.replace(
-        plan.predicted, step_time_s=plan.predicted.step_time_s + memory.added_s, memory_s=memory.added_s,
-        peak_memory_bytes=int(memory.peak_bytes), peak_memory_at=at,
-        memory_at_peak_bytes={k: int(v) for k, v in breakdown.items()})
+        plan.predicted,
+        step_time_s=plan.predicted.step_time_s + memory.added_s,
+        memory_s=memory.added_s,
+        peak_memory_bytes=int(memory.peak_bytes),
+        peak_memory_at=at,
+        memory_at_peak_bytes={k: int(v) for k, v in breakdown.items()},
+    )
     return dataclasses.replace(plan, memory=memory, predicted=predicted)
 
 
@@ -342,7 +398,7 @@ def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: 
         f"per device (parameters, gradients, optimizer state and saved activations).\n  Largest tensors:\n{lines}\n"
         "  Raise the budget (float('inf') plans without one), use a larger mesh, a smaller batch or sequence, or "
         "precision='bf16-mixed'; or let the planner add activation checkpointing and offload: "
-        "autopar.plan(..., offload=\"auto\") (or checkpointing=True alone), `autopar plan ... --offload auto` "
+        'autopar.plan(..., offload="auto") (or checkpointing=True alone), `autopar plan ... --offload auto` '
         "on the command line."
     )
 
@@ -365,8 +421,9 @@ class _StepParts:
     schedule: ParamSchedule
 
     @classmethod
-    def of(cls, graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec,
-           sums: tuple[float, float] | None = None) -> "_StepParts":
+    def of(
+        cls, graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec, sums: tuple[float, float] | None = None
+    ) -> "_StepParts":
         """``sums``: the solution's ``_compute_and_reshard_s``, where the caller has it already."""
         compute_s, reshard_s = sums or _compute_and_reshard_s(graph, solution.choice, solution.edge_specs)
         return cls(solution, compute_s, reshard_s, param_schedule(graph, solution.choice, cluster))
@@ -421,8 +478,11 @@ def plan_from_solution(
         solver=solver_info,
         cluster=cluster.name,
         memory_timeline=graph.timeline.sampled(chosen),
-        input_dtypes={node.name: str(node.meta["val"].dtype) for node in traced.gm.graph.nodes
-                      if node.op == "placeholder" and hasattr(node.meta.get("val"), "dtype")},
+        input_dtypes={
+            node.name: str(node.meta["val"].dtype)
+            for node in traced.gm.graph.nodes
+            if node.op == "placeholder" and hasattr(node.meta.get("val"), "dtype")
+        },
         stats={"solve_time_s": solution.solve_time_s, "strategies": graph.pruned.as_dict()},
     )
 
@@ -441,8 +501,9 @@ class _Traffic:
             self.per_axis[axis] += axis_sent
 
 
-def _node_plans(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec
-                ) -> tuple[dict[str, NodePlan], dict[str, Spec], _Traffic, list]:
+def _node_plans(
+    graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec
+) -> tuple[dict[str, NodePlan], dict[str, Spec], _Traffic, list]:
     """(node name -> NodePlan, parameter FQN -> spec, the gradient reductions' traffic, the
     expert-parallel records) of ``solution``."""
     nodes: dict[str, NodePlan] = {}
@@ -456,9 +517,7 @@ def _node_plans(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec
         record = expert_parallel_record(choice, index, graph.mesh_shape, cluster)
         if record is not None:
             expert_parallel.append(record)
-        op = str(choice.info.target) if choice.info is not None else (
-            "getitem" if strategy.source == "follow" else choice.kind
-        )
+        op = str(choice.info.target) if choice.info is not None else ("getitem" if strategy.source == "follow" else choice.kind)
         nodes[name] = NodePlan(
             op=op,
             outs=strategy.outs,
@@ -471,8 +530,7 @@ def _node_plans(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec
             cost_s=choice.compute_s[index],
             whole_grad=strategy.whole_grad,
         )
-        traffic.add(choice.grad_sync_bytes[index],
-                    grad_sync_bytes_per_axis(choice, index, graph.choices, graph.mesh_shape))
+        traffic.add(choice.grad_sync_bytes[index], grad_sync_bytes_per_axis(choice, index, graph.choices, graph.mesh_shape))
         if choice.kind in ("param", "buffer") and choice.fqn is not None and strategy.outs:
             params[choice.fqn] = strategy.outs[0]
     return nodes, params, traffic, expert_parallel
@@ -483,8 +541,12 @@ def _add_resharding_traffic(graph: ChoiceGraph, solution: Solution, traffic: _Tr
     for e, edge in enumerate(graph.edges):
         src, dst = solution.edge_specs[e]
         if src != dst:
-            traffic.add(edge.price[(src, dst)][1], transition_bytes_per_axis(
-                src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad, edge.grad_dtype))
+            traffic.add(
+                edge.price[(src, dst)][1],
+                transition_bytes_per_axis(
+                    src, dst, edge.shape, edge.dtype, graph.mesh_shape, edge.requires_grad, edge.grad_dtype
+                ),
+            )
 
 
 def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen, expert_parallel) -> Prediction:
@@ -500,8 +562,12 @@ def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen,
         exposed_grad_sync_s=schedule.exposed_s,
         # What the scheduled runtime changes against the per-use prices (``solver.pricing.comm_schedule``),
         # for ``Plan.predict`` at another batch (``solver.pricing.symbolic``).
-        grad_schedule={"delta_s": schedule.delta_s, "delta_bytes": schedule.delta_bytes,
-                       "last_bucket_s": schedule.last_bucket_s, "post_solve_s": schedule.post_solve_s},
+        grad_schedule={
+            "delta_s": schedule.delta_s,
+            "delta_bytes": schedule.delta_bytes,
+            "last_bucket_s": schedule.last_bucket_s,
+            "post_solve_s": schedule.post_solve_s,
+        },
         peak_memory_bytes=int(peak_bytes),
         peak_memory_at=graph.timeline.time_name(peak_time),
         memory_at_peak_bytes={k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},

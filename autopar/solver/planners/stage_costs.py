@@ -142,6 +142,7 @@ def _balanced_layers(ops) -> Layers:
 
 # -- candidates --------------------------------------------------------------------------------
 
+
 @dataclass
 class Candidate:
     """One intra-stage plan on a stage mesh: a strategy per node of the traced graph."""
@@ -169,8 +170,9 @@ def per_step_graph(graph: ChoiceGraph, split: "OpSplit", num_microbatches: int) 
         table = scaled.get(id(edge.price))
         if table is None:
             price = edge.price
-            table = scaled[id(price)] = (price.scaled(m) if isinstance(price, EdgePrices)
-                                         else {k: (m * s, b) for k, (s, b) in price.items()})
+            table = scaled[id(price)] = (
+                price.scaled(m) if isinstance(price, EdgePrices) else {k: (m * s, b) for k, (s, b) in price.items()}
+            )
         edges.append(dataclasses.replace(edge, price=table))
     return dataclasses.replace(graph, choices=choices, edges=edges)
 
@@ -192,7 +194,9 @@ def split_op_costs(graph: ChoiceGraph, cluster: ClusterSpec) -> OpSplit:
         if name not in rooted:
             choice = graph.choices[name]
             rooted[name] = choice.kind == "param" or (
-                choice.kind == "op" and choice.follower_of is not None and len(choice.inputs) == 1
+                choice.kind == "op"
+                and choice.follower_of is not None
+                and len(choice.inputs) == 1
                 and param_rooted(choice.inputs[0][0])
             )
         return rooted[name]
@@ -208,8 +212,9 @@ def split_op_costs(graph: ChoiceGraph, cluster: ClusterSpec) -> OpSplit:
         params = tuple(param_rooted(p) for p, _ in choice.inputs)
         key = (id(choice.strategies), grads, params, choice.requires_grad)
         if key not in cache:
-            cache[key] = _split(choice, grads, params, mesh, cluster,
-                                tuple(graph.choices[p].kind == "param" for p, _ in choice.inputs))
+            cache[key] = _split(
+                choice, grads, params, mesh, cluster, tuple(graph.choices[p].kind == "param" for p, _ in choice.inputs)
+            )
         sync[name], forward[name] = cache[key]
     return OpSplit(sync, forward)
 
@@ -246,8 +251,16 @@ class CandidateSolver:
     (``_budgeted``): slower, and it finds plans between the Pareto front's convex-hull points;
     ``mode="both"`` takes the candidates of both."""
 
-    def __init__(self, graph: ChoiceGraph, split: OpSplit, num_microbatches: int, time_limit_s: float,
-                 solver: str, ladder: tuple[float, ...] = LADDER, mode: str = "lagrangian"):
+    def __init__(
+        self,
+        graph: ChoiceGraph,
+        split: OpSplit,
+        num_microbatches: int,
+        time_limit_s: float,
+        solver: str,
+        ladder: tuple[float, ...] = LADDER,
+        mode: str = "lagrangian",
+    ):
         if mode not in CANDIDATE_MODES:
             raise ValueError(f"candidates must be one of {CANDIDATE_MODES}, got {mode!r}")
         self.graph, self.time_limit_s, self.solver, self.ladder = graph, time_limit_s, solver, ladder
@@ -331,6 +344,7 @@ _NO_BOUND = 1e30
 
 # -- per-unit prices ---------------------------------------------------------------------------
 
+
 @dataclass
 class UnitCosts:
     """Arrays over units (index u + 1: pre, blocks, post); see the module docstring."""
@@ -349,8 +363,7 @@ class UnitCosts:
     shared: list[tuple[float, frozenset[int]]]  # (bytes, units) of parameters several units use
 
 
-def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[str, int],
-               cluster: ClusterSpec) -> UnitCosts:
+def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[str, int], cluster: ClusterSpec) -> UnitCosts:
     """Per-unit seconds and bytes of the plan ``choice`` on ``graph`` (module docstring)."""
     num = layers.num_blocks + 2
     mesh = graph.mesh_shape
@@ -389,8 +402,7 @@ def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[
         if pu == -2 or pu == cu:
             own[cu + 1] += seconds
             if seconds:
-                cost = comm.transition_cost(src, dst, edge.shape, edge.dtype, mesh, cluster, edge.requires_grad,
-                                            edge.grad_dtype)
+                cost = comm.transition_cost(src, dst, edge.shape, edge.dtype, mesh, cluster, edge.requires_grad, edge.grad_dtype)
                 fwd[cu + 1] += cost.forward_s if cost is not None else 0.0
             continue
         (pre if pu == -1 else prev)[cu + 1] += seconds
@@ -443,16 +455,30 @@ def _memory(graph: ChoiceGraph, layers: Layers, choice: dict[str, int], consumer
     return static, saved, transient, shared
 
 
-def build_stage_graph(traced: TracedModel, stage_mesh: tuple[int, ...], cluster: ClusterSpec,
-                      optimizer_dtype=None, forced=None) -> ChoiceGraph:
+def build_stage_graph(
+    traced: TracedModel, stage_mesh: tuple[int, ...], cluster: ClusterSpec, optimizer_dtype=None, forced=None
+) -> ChoiceGraph:
     """The choice graph of one stage mesh (``optimizer_dtype``: a precision policy's, fp32 by default;
     ``forced``: node name → spec a hand plan fixes, as ``solver.solve``'s)."""
     start = time.perf_counter()
-    graph = build_choice_graph(traced, stage_mesh, cluster, forced=forced, **({} if optimizer_dtype is None else
-                                                                              {"optimizer_dtype": optimizer_dtype}))
+    graph = build_choice_graph(
+        traced, stage_mesh, cluster, forced=forced, **({} if optimizer_dtype is None else {"optimizer_dtype": optimizer_dtype})
+    )
     log.debug("stage mesh %s: choice graph in %.2f s", stage_mesh, time.perf_counter() - start)
     return graph
 
 
-__all__ = ["Layers", "cluster_layers", "Candidate", "CandidateSolver", "OpSplit", "split_op_costs",
-           "UnitCosts", "unit_costs", "build_stage_graph", "per_step_graph", "PRE", "POST"]
+__all__ = [
+    "Layers",
+    "cluster_layers",
+    "Candidate",
+    "CandidateSolver",
+    "OpSplit",
+    "split_op_costs",
+    "UnitCosts",
+    "unit_costs",
+    "build_stage_graph",
+    "per_step_graph",
+    "PRE",
+    "POST",
+]

@@ -74,7 +74,14 @@ from autopar.solver.problem.choices import ChoiceGraph
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import Solution
 from autopar.solver.planners.stage_costs import (
-    Candidate, CandidateSolver, Layers, OpSplit, UnitCosts, build_stage_graph, cluster_layers, split_op_costs,
+    Candidate,
+    CandidateSolver,
+    Layers,
+    OpSplit,
+    UnitCosts,
+    build_stage_graph,
+    cluster_layers,
+    split_op_costs,
     unit_costs,
 )
 from autopar.trace import TracedModel
@@ -161,22 +168,36 @@ class StageSearch:
         sync = [0.0] * self.num_stages
         for j, stage in enumerate(self.stages):
             sync[schedules.group_of(self.schedule, self.num_stages, j)] += stage.sync_s
-        return schedules.bubble(self.num_stages, self.num_microbatches, [s.time_s for s in self.stages],
-                                self.step_time_s - max(sync))
+        return schedules.bubble(
+            self.num_stages, self.num_microbatches, [s.time_s for s in self.stages], self.step_time_s - max(sync)
+        )
 
 
 class _MeshCosts:
     """Per stage mesh: the candidates and, over the real layers, the per-option matrices."""
 
-    def __init__(self, traced: TracedModel, layers: Layers, stage_mesh: tuple[int, ...], cluster: ClusterSpec,
-                 num_layers: int, settings: StageSettings):
+    def __init__(
+        self,
+        traced: TracedModel,
+        layers: Layers,
+        stage_mesh: tuple[int, ...],
+        cluster: ClusterSpec,
+        num_layers: int,
+        settings: StageSettings,
+    ):
         self.stage_mesh, self.layers, self.cluster, self.remat = stage_mesh, layers, cluster, settings.remat
-        self.graph: ChoiceGraph = build_stage_graph(traced, stage_mesh, cluster, settings.optimizer_dtype,
-                                                    settings.forced)
+        self.graph: ChoiceGraph = build_stage_graph(traced, stage_mesh, cluster, settings.optimizer_dtype, settings.forced)
         self.split: OpSplit = split_op_costs(self.graph, cluster)
         kwargs = {} if settings.ladder is None else {"ladder": settings.ladder}
-        self.solver = CandidateSolver(self.graph, self.split, settings.num_microbatches, settings.time_limit_s,
-                                      settings.solver, mode=settings.candidates, **kwargs)
+        self.solver = CandidateSolver(
+            self.graph,
+            self.split,
+            settings.num_microbatches,
+            settings.time_limit_s,
+            settings.solver,
+            mode=settings.candidates,
+            **kwargs,
+        )
         self.rep = _representatives(layers.num_blocks, num_layers)
         self.num_layers = num_layers
         self.candidates: list[Candidate] = []
@@ -233,8 +254,10 @@ def _representatives(traced_blocks: int, num_layers: int) -> np.ndarray:
     if num_layers == traced_blocks:
         return np.arange(num_layers + 2)
     if traced_blocks < 3:
-        raise ValueError(f"planning {num_layers} layers from a trace of {traced_blocks} blocks needs at least 3 "
-                         "traced blocks (the first, an interior one and the last): trace a deeper model")
+        raise ValueError(
+            f"planning {num_layers} layers from a trace of {traced_blocks} blocks needs at least 3 "
+            "traced blocks (the first, an interior one and the last): trace a deeper model"
+        )
     rep = np.full(num_layers + 2, 2)
     rep[0], rep[1] = 0, 1
     rep[num_layers], rep[num_layers + 1] = traced_blocks, traced_blocks + 1
@@ -268,7 +291,7 @@ def _option_matrices(units: UnitCosts, rep: np.ndarray, num_layers: int, remat: 
         real = values[rep]
         out = np.zeros((L, L + 1))
         for a in range(L):
-            running = np.maximum.accumulate(real[lo[a]:])  # running[j]: max over lo..lo+j
+            running = np.maximum.accumulate(real[lo[a] :])  # running[j]: max over lo..lo+j
             for b in range(a + 1, L + 1):
                 out[a, b] = running[hi[b] - 1 - lo[a]]
         return out
@@ -298,8 +321,13 @@ def _option_matrices(units: UnitCosts, rep: np.ndarray, num_layers: int, remat: 
     crossing = np.broadcast_to(crossing, (L, L + 1, 2))
     inf = np.where(valid, 0.0, np.inf)
     return {
-        "time": time_s + inf, "sync": ranged(units.sync), "static": static, "fwd": ranged(units.fwd),
-        "per_microbatch": per_microbatch, "peak": peak, "crossing": crossing,
+        "time": time_s + inf,
+        "sync": ranged(units.sync),
+        "static": static,
+        "fwd": ranged(units.fwd),
+        "per_microbatch": per_microbatch,
+        "peak": peak,
+        "crossing": crossing,
     }
 
 
@@ -315,6 +343,7 @@ def _sender(stage_mesh, full_mesh, cluster):
         crossing = mat["crossing"]
         seconds = np.where(crossing > 0, link.latency_s + crossing / devices / link.bandwidth_bytes_per_s, 0.0)
         return seconds.sum(axis=-1)
+
     return send
 
 
@@ -369,8 +398,9 @@ def _search_partition(tables: list[np.ndarray], num_microbatches: int, score) ->
     return best
 
 
-def _price(mesh_costs: _MeshCosts, S: int, M: int, budget: float | None, cluster: ClusterSpec,
-           forced_layers: Sequence[int] | None) -> tuple:
+def _price(
+    mesh_costs: _MeshCosts, S: int, M: int, budget: float | None, cluster: ClusterSpec, forced_layers: Sequence[int] | None
+) -> tuple:
     """(step seconds or None, the step without a memory budget, the stages) of the best
     partition into S stages on this stage mesh (or of ``forced_layers``)."""
     stage_mesh = mesh_costs.stage_mesh
@@ -396,9 +426,17 @@ def _price(mesh_costs: _MeshCosts, S: int, M: int, budget: float | None, cluster
                 c, r = mesh_costs.options[o]
                 mat = mesh_costs.matrices[o]
                 k = min(S - i, M)
-                out.append(StageChoice(
-                    (a, b), c, r, float(tables[i][a, b]), float(mat["sync"][a, b]),
-                    float(mat["static"][a, b] + k * mat["per_microbatch"][a, b] + mat["peak"][a, b]), k))
+                out.append(
+                    StageChoice(
+                        (a, b),
+                        c,
+                        r,
+                        float(tables[i][a, b]),
+                        float(mat["sync"][a, b]),
+                        float(mat["static"][a, b] + k * mat["per_microbatch"][a, b] + mat["peak"][a, b]),
+                        k,
+                    )
+                )
             return out
 
         def score(bounds: list[int]) -> float:
@@ -424,8 +462,16 @@ def _balanced_bounds(num_layers: int, num_chunks: int) -> list[int]:
     return [round(i * num_layers / num_chunks) for i in range(num_chunks + 1)]
 
 
-def price_chunks(mesh_costs: _MeshCosts, S: int, v: int, M: int, schedule: str, budget: float | None,
-                 cluster: ClusterSpec, recompute: bool | None = None) -> tuple[float | None, list[StageChoice]]:
+def price_chunks(
+    mesh_costs: _MeshCosts,
+    S: int,
+    v: int,
+    M: int,
+    schedule: str,
+    budget: float | None,
+    cluster: ClusterSpec,
+    recompute: bool | None = None,
+) -> tuple[float | None, list[StageChoice]]:
     """A multi-stage schedule (``solver.pricing.schedules``) on S groups of v chunks each: equal layer
     counts per chunk, and one intra-stage option (candidate, recomputation) for every chunk, the
     fastest whose every group fits ``budget`` (``recompute`` True or False: only options that do,
@@ -447,22 +493,29 @@ def price_chunks(mesh_costs: _MeshCosts, S: int, v: int, M: int, schedule: str, 
         for r in range(S):
             mine = [(a, b) for (a, b), g in zip(ranges, groups) if g == r]
             k = schedules.in_flight(schedule, S, v, M, r)
-            memory.append(sum(float(mat["static"][a, b]) for a, b in mine)
-                          + k * sum(float(mat["per_microbatch"][a, b]) for a, b in mine) / len(mine)
-                          + max(float(mat["peak"][a, b]) for a, b in mine))
-        if not all(math.isfinite(t) for t in times) or (
-                budget is not None and max(memory) > budget * (1 + 1e-9)):
+            memory.append(
+                sum(float(mat["static"][a, b]) for a, b in mine)
+                + k * sum(float(mat["per_microbatch"][a, b]) for a, b in mine) / len(mine)
+                + max(float(mat["peak"][a, b]) for a, b in mine)
+            )
+        if not all(math.isfinite(t) for t in times) or (budget is not None and max(memory) > budget * (1 + 1e-9)):
             continue
         syncs = [float(mat["sync"][a, b]) for a, b in ranges]
         value = schedules.step_time(schedule, S, M, times, [float(mat["fwd"][a, b]) for a, b in ranges], syncs)
         if best is None or value < best[0]:
-            best = (value, [StageChoice((a, b), c, remat, t, sy, memory[g], schedules.in_flight(schedule, S, v, M, g))
-                            for (a, b), t, sy, g in zip(ranges, times, syncs, groups)])
+            best = (
+                value,
+                [
+                    StageChoice((a, b), c, remat, t, sy, memory[g], schedules.in_flight(schedule, S, v, M, g))
+                    for (a, b), t, sy, g in zip(ranges, times, syncs, groups)
+                ],
+            )
     return (None, []) if best is None else best
 
 
-def check_pipeline_args(num_stages, num_microbatches, mesh_shape: Sequence[int] | None, devices: int | None,
-                        num_layers: int) -> list[int]:
+def check_pipeline_args(
+    num_stages, num_microbatches, mesh_shape: Sequence[int] | None, devices: int | None, num_layers: int
+) -> list[int]:
     """The stage counts to try; a ValueError naming the cause and the fix otherwise."""
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
@@ -473,13 +526,20 @@ def check_pipeline_args(num_stages, num_microbatches, mesh_shape: Sequence[int] 
         return counts
     check_num_stages(axis0, num_stages, where)
     if num_stages > num_layers:
-        raise ValueError(f"pipeline={num_stages} stages, but the model has only {num_layers} layers to split "
-                         f"(its repeated blocks): use at most {num_layers} stages")
+        raise ValueError(
+            f"pipeline={num_stages} stages, but the model has only {num_layers} layers to split "
+            f"(its repeated blocks): use at most {num_layers} stages"
+        )
     return [num_stages]
 
 
-def search_stages(traced: TracedModel, mesh_shape: Sequence[int] | None, cluster: ClusterSpec,
-                  settings: StageSettings, layers: Layers | None = None) -> tuple[StageSearch, dict]:
+def search_stages(
+    traced: TracedModel,
+    mesh_shape: Sequence[int] | None,
+    cluster: ClusterSpec,
+    settings: StageSettings,
+    layers: Layers | None = None,
+) -> tuple[StageSearch, dict]:
     """Run the DP of the module docstring; returns the best pipeline and the per-mesh costs.
 
     ``traced`` is the model traced at one microbatch. Give ``mesh_shape`` (stages cut its axis 0)
@@ -498,8 +558,11 @@ def search_stages(traced: TracedModel, mesh_shape: Sequence[int] | None, cluster
         if stage_mesh not in costs:
             costs[stage_mesh] = _MeshCosts(traced, layers, stage_mesh, cluster, num_layers, settings)
     results = _price_combos(combos, costs, settings, cluster)
-    priced = {(S, mesh, schedule_for(S, settings.num_microbatches), 1): (value, found)
-              for (S, mesh), (value, _, found) in results.items() if "1F1B" in settings.schedules_allowed or S == 1}
+    priced = {
+        (S, mesh, schedule_for(S, settings.num_microbatches), 1): (value, found)
+        for (S, mesh), (value, _, found) in results.items()
+        if "1F1B" in settings.schedules_allowed or S == 1
+    }
     priced.update(_price_multi_stage(combos, costs, settings, cluster, num_layers))
     best, rows = _best_of(priced, costs, settings.num_microbatches)
     if best is None:
@@ -507,7 +570,8 @@ def search_stages(traced: TracedModel, mesh_shape: Sequence[int] | None, cluster
         raise InfeasibleError(
             f"no pipeline of {num_layers} layers fits memory_budget={settings.memory_budget} with "
             f"{settings.num_microbatches} microbatches ({detail}): raise the budget, use more devices or "
-            "microbatches, or more stages")
+            "microbatches, or more stages"
+        )
     best.rows = rows
     best.reason = _reason(best, rows, settings.memory_budget)
     best.ilp_solves = sum(c.ilp_solves for c in costs.values())
@@ -517,8 +581,9 @@ def search_stages(traced: TracedModel, mesh_shape: Sequence[int] | None, cluster
 
 def _combos(mesh_shape: Sequence[int] | None, settings: StageSettings, num_layers: int) -> list[tuple]:
     """The (stage count S, stage mesh) pairs to price."""
-    counts = check_pipeline_args(settings.num_stages, settings.num_microbatches,
-                                 tuple(mesh_shape) if mesh_shape else None, settings.devices, num_layers)
+    counts = check_pipeline_args(
+        settings.num_stages, settings.num_microbatches, tuple(mesh_shape) if mesh_shape else None, settings.devices, num_layers
+    )
     if settings.forced_layers is not None:
         counts = [len(settings.forced_layers) - 1]
     combos = []
@@ -554,16 +619,16 @@ def _price_combos(combos: list[tuple], costs: dict, settings: StageSettings, clu
     return results
 
 
-def _price_multi_stage(combos: list[tuple], costs: dict, settings: StageSettings, cluster: ClusterSpec,
-                       num_layers: int) -> dict:
+def _price_multi_stage(combos: list[tuple], costs: dict, settings: StageSettings, cluster: ClusterSpec, num_layers: int) -> dict:
     """The multi-stage schedules, on the candidates the 1F1B search solved."""
     priced = {}
     M = settings.num_microbatches
     for S, stage_mesh in combos:
         for schedule in (s for s in settings.schedules_allowed if s in MULTI_STAGE_SCHEDULES):
             for v in schedules.virtual_counts(schedule, S, M, num_layers) if settings.forced_layers is None else ():
-                priced[(S, stage_mesh, schedule, v)] = price_chunks(costs[stage_mesh], S, v, M, schedule,
-                                                                    settings.memory_budget, cluster)
+                priced[(S, stage_mesh, schedule, v)] = price_chunks(
+                    costs[stage_mesh], S, v, M, schedule, settings.memory_budget, cluster
+                )
     return priced
 
 
@@ -573,16 +638,24 @@ def _best_of(priced: dict, costs: dict, M: int) -> tuple[StageSearch | None, lis
     best: StageSearch | None = None
     for (S, stage_mesh, schedule, v), (value, found) in priced.items():
         full = (S * stage_mesh[0], *stage_mesh[1:])
-        row = {"stages": S, "stage_mesh": list(stage_mesh), "mesh": list(full), "status": "ok",
-               "schedule": schedule, "virtual_stages": v, "step_time_s": value, "layers": None, "peak_bytes": None}
+        row = {
+            "stages": S,
+            "stage_mesh": list(stage_mesh),
+            "mesh": list(full),
+            "status": "ok",
+            "schedule": schedule,
+            "virtual_stages": v,
+            "step_time_s": value,
+            "layers": None,
+            "peak_bytes": None,
+        }
         if value is None:
             row["status"] = "infeasible" if costs[stage_mesh].candidates else "no intra-stage plan"
         else:
             row["layers"] = [s.layers[1] - s.layers[0] for s in found]
             row["peak_bytes"] = max(s.memory_bytes for s in found)
             if best is None or value < best.step_time_s:
-                best = StageSearch(S, stage_mesh, full, found, value, num_microbatches=M, schedule=schedule,
-                                   virtual_stages=v)
+                best = StageSearch(S, stage_mesh, full, found, value, num_microbatches=M, schedule=schedule, virtual_stages=v)
         rows.append(row)
     rows.sort(key=lambda r: (r["status"] != "ok", r["step_time_s"] or 0.0, r["stages"]))
     return best, rows
@@ -593,14 +666,19 @@ def _reason(best: StageSearch, rows: list[dict[str, Any]], memory_budget: float 
     gib = 2**30
     peak = max(s.memory_bytes for s in best.stages)
     budget = "no budget" if memory_budget is None else f"budget {memory_budget / gib:.1f} GiB"
-    text = (f"{best.schedule} on {best.num_stages} stages of {'x'.join(map(str, best.stage_mesh))}"
-            f"{f', {best.virtual_stages} virtual stages each' if best.virtual_stages > 1 else ''}, "
-            f"{best.num_microbatches} microbatches: {best.step_time_s:.4g} s per step, bubble "
-            f"{best.bubble_fraction:.1%}, peak {peak / gib:.1f} GiB ({budget})")
+    text = (
+        f"{best.schedule} on {best.num_stages} stages of {'x'.join(map(str, best.stage_mesh))}"
+        f"{f', {best.virtual_stages} virtual stages each' if best.virtual_stages > 1 else ''}, "
+        f"{best.num_microbatches} microbatches: {best.step_time_s:.4g} s per step, bubble "
+        f"{best.bubble_fraction:.1%}, peak {peak / gib:.1f} GiB ({budget})"
+    )
     others = {}
     for row in rows:
         if row["status"] != "ok" or (row["stages"], row["schedule"], row["virtual_stages"]) == (
-                best.num_stages, best.schedule, best.virtual_stages):
+            best.num_stages,
+            best.schedule,
+            best.virtual_stages,
+        ):
             continue
         key = (row["schedule"], row["stages"] == best.num_stages)
         if key not in others:
@@ -609,8 +687,9 @@ def _reason(best: StageSearch, rows: list[dict[str, Any]], memory_budget: float 
     for r in others.values():
         virtual = f" x{r['virtual_stages']}" if r["virtual_stages"] > 1 else ""
         beaten.append(f"{r['schedule']}{virtual} on {r['stages']} stages {r['step_time_s']:.4g} s")
-    infeasible = sorted({r["schedule"] for r in rows if r["status"] != "ok"} - {r["schedule"] for r in others.values()}
-                        - {best.schedule})
+    infeasible = sorted(
+        {r["schedule"] for r in rows if r["status"] != "ok"} - {r["schedule"] for r in others.values()} - {best.schedule}
+    )
     if beaten:
         text += "; beats " + ", ".join(beaten)
     if infeasible:
@@ -618,8 +697,13 @@ def _reason(best: StageSearch, rows: list[dict[str, Any]], memory_budget: float 
     return text
 
 
-def plan_stages(traced: TracedModel, mesh_shape: Sequence[int] | None, cluster: ClusterSpec,
-                settings: StageSettings, precision: MixedPrecision | None = None) -> Plan:
+def plan_stages(
+    traced: TracedModel,
+    mesh_shape: Sequence[int] | None,
+    cluster: ClusterSpec,
+    settings: StageSettings,
+    precision: MixedPrecision | None = None,
+) -> Plan:
     """A pipelined Plan for ``traced`` (traced at one microbatch: global batch / M).
 
     ``settings.num_stages`` is a number S (mesh axis 0 is cut into S groups) or "auto" (the DP of the
@@ -641,8 +725,11 @@ def plan_stages(traced: TracedModel, mesh_shape: Sequence[int] | None, cluster: 
     layers = cluster_layers(traced)
     search, costs = search_stages(traced, mesh_shape, cluster, settings, layers)
     mesh_costs = costs[search.stage_mesh]
-    return dataclasses.replace(_assemble(traced, layers, search, mesh_costs, cluster, settings.memory_budget),
-                               precision=precision, memory=_checkpointing(layers, search, mesh_costs))
+    return dataclasses.replace(
+        _assemble(traced, layers, search, mesh_costs, cluster, settings.memory_budget),
+        precision=precision,
+        memory=_checkpointing(layers, search, mesh_costs),
+    )
 
 
 def _checkpointing(layers: Layers, search: StageSearch, mesh_costs: _MeshCosts) -> MemoryPlan | None:
@@ -658,8 +745,7 @@ def _checkpointing(layers: Layers, search: StageSearch, mesh_costs: _MeshCosts) 
             continue
         a, b = chosen.layers
         plain = mesh_costs.matrices[mesh_costs.options.index((chosen.candidate, False))]
-        before.append(float(plain["static"][a, b] + chosen.in_flight * plain["per_microbatch"][a, b]
-                            + plain["peak"][a, b]))
+        before.append(float(plain["static"][a, b] + chosen.in_flight * plain["per_microbatch"][a, b] + plain["peak"][a, b]))
         units = mesh_costs.candidates[chosen.candidate].units
         recompute = 0.0
         for u in range(-1 if a == 0 else a, L + 1 if b == L else b):
@@ -668,18 +754,28 @@ def _checkpointing(layers: Layers, search: StageSearch, mesh_costs: _MeshCosts) 
             if not names:
                 continue
             name = "pre" if u < 0 else "post" if u == L else f"{layers.list_path or 'layer'}.{u}"
-            segments.append(CheckpointSegment(name, names[0], names[-1], float(max(units.saved[at] - units.stash[at], 0.0)),
-                                              float(units.fwd[at])))
+            segments.append(
+                CheckpointSegment(
+                    name, names[0], names[-1], float(max(units.saved[at] - units.stash[at], 0.0)), float(units.fwd[at])
+                )
+            )
             recompute += float(units.fwd[at])
         added = max(added, search.num_microbatches * recompute)
     if not segments:
         return None
-    return MemoryPlan(target="cpu", prefetch=False, checkpoint=tuple(segments), peak_before_bytes=max(before),
-                      peak_bytes=max(peaks), added_s=added)
+    return MemoryPlan(
+        target="cpu",
+        prefetch=False,
+        checkpoint=tuple(segments),
+        peak_before_bytes=max(before),
+        peak_bytes=max(peaks),
+        added_s=added,
+    )
 
 
-def _stage_choices(graph: ChoiceGraph, layers: Layers, search: StageSearch, mesh_costs: _MeshCosts,
-                   stage_of_unit: dict[int, int]) -> tuple[dict[str, int], dict[int, tuple]]:
+def _stage_choices(
+    graph: ChoiceGraph, layers: Layers, search: StageSearch, mesh_costs: _MeshCosts, stage_of_unit: dict[int, int]
+) -> tuple[dict[str, int], dict[int, tuple]]:
     """The whole graph's (node → strategy, edge → (src, dst) spec) under each stage's candidate."""
     L = layers.num_blocks
     consumer_unit: dict[str, int] = {}
@@ -703,15 +799,19 @@ def _stage_choices(graph: ChoiceGraph, layers: Layers, search: StageSearch, mesh
     for e, edge in enumerate(graph.edges):
         src = graph.choices[edge.producer].strategies[choice[edge.producer]].outs[edge.out_index]
         dst = graph.choices[edge.consumer].strategies[choice[edge.consumer]].ins[edge.in_index]
-        crosses = (edge.producer in stage_index and edge.consumer in stage_index
-                   and stage_index[edge.producer] != stage_index[edge.consumer])
+        crosses = (
+            edge.producer in stage_index
+            and edge.consumer in stage_index
+            and stage_index[edge.producer] != stage_index[edge.consumer]
+        )
         # A value crossing stages arrives as the consumer wants it (priced as the send).
         edge_specs[e] = (src, src) if crosses or (src, dst) not in edge.price and src != dst else (src, dst)
     return choice, edge_specs
 
 
-def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_costs: _MeshCosts,
-              cluster: ClusterSpec, memory_budget) -> Plan:
+def _assemble(
+    traced: TracedModel, layers: Layers, search: StageSearch, mesh_costs: _MeshCosts, cluster: ClusterSpec, memory_budget
+) -> Plan:
     graph = mesh_costs.graph
     L = layers.num_blocks
     ranks = stage_ranks(search.mesh_shape, search.num_stages)
@@ -723,18 +823,32 @@ def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_cos
         for u in range(first, last):
             stage_of_unit[u] = index
         group = schedules.group_of(search.schedule, search.num_stages, index)
-        stages.append(Stage(index, (a, b), tuple(layers.nodes_of(first, last)), ranks[group], chosen.time_s,
-                            chosen.memory_bytes))
+        stages.append(Stage(index, (a, b), tuple(layers.nodes_of(first, last)), ranks[group], chosen.time_s, chosen.memory_bytes))
     choice, edge_specs = _stage_choices(graph, layers, search, mesh_costs, stage_of_unit)
     first = mesh_costs.candidates[0].solution
-    solution = Solution(choice, edge_specs, first.status, search.step_time_s, first.solve_time_s,
-                        first.num_variables, first.num_constraints, method=first.method, backend=first.backend)
+    solution = Solution(
+        choice,
+        edge_specs,
+        first.status,
+        search.step_time_s,
+        first.solve_time_s,
+        first.num_variables,
+        first.num_constraints,
+        method=first.method,
+        backend=first.backend,
+    )
     base = plan_from_solution(traced, graph, solution, cluster, memory_budget)
     times = [s.time_s for s in search.stages]
     pipeline = StagePlan(
-        num_microbatches=search.num_microbatches, schedule=search.schedule, stage_mesh=tuple(search.stage_mesh),
-        stages=tuple(stages), step_time_s=search.step_time_s, bubble_fraction=search.bubble_fraction,
-        virtual_stages=search.virtual_stages, reason=search.reason)
+        num_microbatches=search.num_microbatches,
+        schedule=search.schedule,
+        stage_mesh=tuple(search.stage_mesh),
+        stages=tuple(stages),
+        step_time_s=search.step_time_s,
+        bubble_fraction=search.bubble_fraction,
+        virtual_stages=search.virtual_stages,
+        reason=search.reason,
+    )
     # The whole-graph figures of ``plan_from_solution`` describe one microbatch run as a single
     # stage on the stage mesh: kept apart, so that they are not read as the pipeline's step.
     whole = ("compute_s", "reshard_s", "comm_bytes", "comm_bytes_per_axis")
@@ -747,11 +861,19 @@ def _assemble(traced: TracedModel, layers: Layers, search: StageSearch, mesh_cos
         recompute=tuple(s.remat for s in search.stages),
         one_microbatch_unpipelined={key: unpipelined[key] for key in whole if key in unpipelined},
     )
-    solver_info = dataclasses.replace(base.solver, stage_search={
-        "ilp_solves": search.ilp_solves, "pipelines_priced": len(search.rows),
-        "candidate_plans": len(mesh_costs.candidates)})
+    solver_info = dataclasses.replace(
+        base.solver,
+        stage_search={
+            "ilp_solves": search.ilp_solves,
+            "pipelines_priced": len(search.rows),
+            "candidate_plans": len(mesh_costs.candidates),
+        },
+    )
     return dataclasses.replace(
-        base, mesh_shape=tuple(search.mesh_shape), pipeline=pipeline, predicted=predicted, solver=solver_info,
-        stats={**base.stats, "stage_search": search.rows, "stage_search_time_s": search.search_time_s})
-
-
+        base,
+        mesh_shape=tuple(search.mesh_shape),
+        pipeline=pipeline,
+        predicted=predicted,
+        solver=solver_info,
+        stats={**base.stats, "stage_search": search.rows, "stage_search_time_s": search.search_time_s},
+    )

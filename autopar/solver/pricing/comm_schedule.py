@@ -61,8 +61,9 @@ def _saves(consumer, index: int) -> bool:
     return not (getattr(consumer.info.target, "overloadpacket", None) is torch.ops.aten.embedding and index == 0)
 
 
-def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterSpec,
-                   bucket_cap_bytes: float = comm.DEFAULT_BUCKET_CAP_BYTES) -> ParamSchedule:
+def param_schedule(
+    graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterSpec, bucket_cap_bytes: float = comm.DEFAULT_BUCKET_CAP_BYTES
+) -> ParamSchedule:
     """What scheduling ``choice``'s parameter communication as the runtime does changes in its
     per-use price (module docstring). Every sum is added in one fixed order, so that the same
     solution is priced the same to the last bit."""
@@ -99,8 +100,16 @@ def param_schedule(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterS
         sync_s += max(0.0, owed - paid)
         sums.delta_s += max(0.0, owed - paid)
         last_bucket_s += latency * (1.0 - min(1.0, filled / bucket_cap_bytes))
-    return ParamSchedule(sums.delta_s, sums.delta_bytes, sums.per_axis, sync_s, backward_s, last_bucket_s, per_use_s,
-                         sums.delta_s - (merged_s - per_use_s))
+    return ParamSchedule(
+        sums.delta_s,
+        sums.delta_bytes,
+        sums.per_axis,
+        sync_s,
+        backward_s,
+        last_bucket_s,
+        per_use_s,
+        sums.delta_s - (merged_s - per_use_s),
+    )
 
 
 @dataclass(slots=True)
@@ -119,8 +128,9 @@ class _Sums:
         self.per_axis[axis] = self.per_axis.get(axis, 0.0) + value
 
 
-def _per_param_sums(graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterSpec, bucket_cap_bytes: float,
-                    param_uses: tuple, reduced: dict) -> _Sums:
+def _per_param_sums(
+    graph: ChoiceGraph, choice: dict[str, int], cluster: ClusterSpec, bucket_cap_bytes: float, param_uses: tuple, reduced: dict
+) -> _Sums:
     """Each parameter's merged gathers and reductions (``_param_terms``), added up in graph order,
     and the second gathers of the layers that reshard after forward."""
     order, uses, reduce_dtypes = param_uses
@@ -211,11 +221,21 @@ class _ParamTerms:
     held: tuple[int, float]  # (first use, local bytes) of its reduction
     regathered: tuple[str, float, float, int] | None  # (layer, seconds, bytes sent, axis): gathered again in backward if saved
     saved: bool  # an op saves it for backward
-    scatter: tuple[int, int, tuple, float, float, float, str] | None  # reduce-scattered: (first use, axis, spec, seconds, Δbytes, bytes, layer)
+    scatter: (
+        tuple[int, int, tuple, float, float, float, str] | None
+    )  # reduce-scattered: (first use, axis, spec, seconds, Δbytes, bytes, layer)
 
 
-def _param_terms(graph: ChoiceGraph, name: str, edges: list, choice: dict[str, int], order: dict[str, int],
-                 reduce_dtypes: dict[str, object], cluster: ClusterSpec, bucket_cap_bytes: float) -> _ParamTerms:
+def _param_terms(
+    graph: ChoiceGraph,
+    name: str,
+    edges: list,
+    choice: dict[str, int],
+    order: dict[str, int],
+    reduce_dtypes: dict[str, object],
+    cluster: ClusterSpec,
+    bucket_cap_bytes: float,
+) -> _ParamTerms:
     """Parameter ``name``'s merged gathers and reductions under ``choice`` (module docstring)."""
     mesh = graph.mesh_shape
     changes: list[tuple[str | int, float]] = []
@@ -247,8 +267,7 @@ def _param_terms(graph: ChoiceGraph, name: str, edges: list, choice: dict[str, i
                 changes.append(("bytes", -((len(members) - 1) * cost.bytes_sent)))
                 for axis, sent in cost.bytes_per_axis:
                     changes.append((axis, -((len(members) - 1) * sent)))
-        held = (min(order[e.consumer] for ms in syncs.values() for e, _ in ms),
-                memory.local_bytes(arg_shape, dtype, src, mesh))
+        held = (min(order[e.consumer] for ms in syncs.values() for e, _ in ms), memory.local_bytes(arg_shape, dtype, src, mesh))
     if held is None:
         held = (min(order[e.consumer] for e in edges), memory.local_bytes(arg_shape, dtype, src, mesh))
     regathered = scatter = None
@@ -274,11 +293,17 @@ def _param_terms(graph: ChoiceGraph, name: str, edges: list, choice: dict[str, i
         if reduce:
             link = cluster.axis_link(mesh, axis)
             scatter_sent = comm.bytes_sent("reduce_scatter", whole, k)
-            scatter_s = ((k - 1) * link.latency_s * min(1.0, whole / bucket_cap_bytes)
-                         + scatter_sent / link.bandwidth_bytes_per_s)
+            scatter_s = (k - 1) * link.latency_s * min(1.0, whole / bucket_cap_bytes) + scatter_sent / link.bandwidth_bytes_per_s
             priced = comm.grad_allreduce_cost(arg_shape, dst, axis, dtype, mesh, cluster)
-            scatter = (min(order[e.consumer] for e, _ in members), axis, dst, scatter_s,
-                       scatter_sent - len(members) * priced.bytes_sent, whole, layer)
+            scatter = (
+                min(order[e.consumer] for e, _ in members),
+                axis,
+                dst,
+                scatter_s,
+                scatter_sent - len(members) * priced.bytes_sent,
+                whole,
+                layer,
+            )
     return _ParamTerms(tuple(changes), held, regathered, saved, scatter)
 
 
@@ -310,5 +335,6 @@ def _param_uses(graph: ChoiceGraph) -> tuple[dict[str, int], dict[str, list], di
 def _bucket_latency_s(mesh, cluster: ClusterSpec, bucket_cap_bytes: float) -> float:
     """One bucket's latency on the slowest axis (``comm.bucket_latency_s``: 2(k-1)·α on the ring):
     an upper bound on a multi-axis mesh."""
-    return max((comm.bucket_latency_s(axis, mesh, cluster, bucket_cap_bytes) for axis, k in enumerate(mesh) if k > 1),
-               default=0.0)
+    return max(
+        (comm.bucket_latency_s(axis, mesh, cluster, bucket_cap_bytes) for axis, k in enumerate(mesh) if k > 1), default=0.0
+    )

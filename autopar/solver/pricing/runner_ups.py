@@ -97,14 +97,20 @@ class _Memo:
     def edge_class(self, edge, members: set[str]) -> tuple:
         """(edge, its class: price table, out index and in index and both ends' classes, whether
         it enters the decision): what of a touching edge does not depend on the strategy."""
-        return (edge, (id(edge.price), self.cls(edge.producer), edge.out_index, self.cls(edge.consumer), edge.in_index),
-                edge.consumer in members)
+        return (
+            edge,
+            (id(edge.price), self.cls(edge.producer), edge.out_index, self.cls(edge.consumer), edge.in_index),
+            edge.consumer in members,
+        )
 
     def inputs_key(self, name: str) -> tuple:
         """What a member's gradient all-reduces depend on beyond its class and strategy."""
         choice = self.graph.choices[name]
-        return tuple((self.graph.choices[p].requires_grad, self.graph.choices[p].kind, tuple(arg.shape), arg.dtype)
-                     for (p, _), arg in zip(choice.inputs, choice.info.inputs))
+        return tuple(
+            (self.graph.choices[p].requires_grad, self.graph.choices[p].kind, tuple(arg.shape), arg.dtype)
+            for (p, _), arg in zip(choice.inputs, choice.info.inputs)
+        )
+
 
 def _decision_bases(graph: ChoiceGraph) -> dict[str, set[str]]:
     """Representative → the free nodes that share its variables (layer copies, tied names)."""
@@ -142,8 +148,16 @@ class _Decision:
     member per slot prices them. The sums still add every member's term, in graph order
     (``_in_order``), so every number is the one a member-by-member loop gives, to the last bit."""
 
-    def __init__(self, graph: ChoiceGraph, solution: Solution, base: set[str], ordered: list[str],
-                 edges_of: dict[str, list[int]], groups: dict, memo: _Memo):
+    def __init__(
+        self,
+        graph: ChoiceGraph,
+        solution: Solution,
+        base: set[str],
+        ordered: list[str],
+        edges_of: dict[str, list[int]],
+        groups: dict,
+        memo: _Memo,
+    ):
         self.graph, self.solution, self.memo = graph, solution, memo
         self.slot_of: dict[str, int] = {}
         self.reps: list[str] = []  # per slot: its first member, which prices it
@@ -174,9 +188,14 @@ class _Decision:
         for e in sorted({e for name in ordered for e in edges_of.get(name, ())}):
             edge, edge_class, enters = memo.edge_class(graph.edges[e], members)
             src_slot, dst_slot = self.slot_of.get(edge.producer), self.slot_of.get(edge.consumer)
-            key = (edge_class, enters,
-                   src_slot, solution.choice[edge.producer] if src_slot is None else None,
-                   dst_slot, solution.choice[edge.consumer] if dst_slot is None else None)
+            key = (
+                edge_class,
+                enters,
+                src_slot,
+                solution.choice[edge.producer] if src_slot is None else None,
+                dst_slot,
+                solution.choice[edge.consumer] if dst_slot is None else None,
+            )
             if key not in edge_slots:
                 edge_slots[key] = len(self.edges)
                 self.edges.append((edge, *key))
@@ -229,9 +248,16 @@ class _Decision:
         reshard_in_s = _in_order(reshard_in, self.edge_columns)
         reshard_out_s = _in_order(reshard_out, self.edge_columns)
         return [
-            {"compute_s": compute_s[s], "param_sync_merge_s": merged[s], "reshard_in_s": reshard_in_s[s],
-             "reshard_out_s": reshard_out_s[s], "memory_bytes": memory_bytes[s],
-             "total_s": compute_s[s] + merged[s] + reshard_in_s[s] + reshard_out_s[s]} if possible[s] else None
+            {
+                "compute_s": compute_s[s],
+                "param_sync_merge_s": merged[s],
+                "reshard_in_s": reshard_in_s[s],
+                "reshard_out_s": reshard_out_s[s],
+                "memory_bytes": memory_bytes[s],
+                "total_s": compute_s[s] + merged[s] + reshard_in_s[s] + reshard_out_s[s],
+            }
+            if possible[s]
+            else None
             for s in range(num_strategies)
         ]
 
@@ -240,8 +266,13 @@ class _Decision:
         does not change); None if one is impossible."""
         seconds = []
         for edge, edge_class, _, src_slot, src_index, dst_slot, dst_index in self.edges:
-            price = _edge_price(self.memo, edge, edge_class, src_index if src_slot is None else index[src_slot],
-                                dst_index if dst_slot is None else index[dst_slot])
+            price = _edge_price(
+                self.memo,
+                edge,
+                edge_class,
+                src_index if src_slot is None else index[src_slot],
+                dst_index if dst_slot is None else index[dst_slot],
+            )
             if price is None:
                 return None
             seconds.append(0.0 if price is False else price[0])
@@ -361,16 +392,18 @@ def _candidate(graph, rep, s, decision: _Decision, cost, chosen, memo: _Memo) ->
     record: dict[str, Any] = {"strategy": s}
     if chosen:
         record["chosen"] = True
-    record.update({
-        "out": [format_spec(spec) for spec in strategy.outs],
-        "in": [format_spec(spec) for spec in strategy.ins],
-        "compute_s": cost["compute_s"] - grad_sync_s - kernel_comm_s,
-        "grad_sync_s": grad_sync_s + cost["param_sync_merge_s"],
-        "reshard_in_s": cost["reshard_in_s"],
-        "reshard_out_s": cost["reshard_out_s"],
-        "total_s": cost["total_s"],
-        "memory_bytes": int(cost["memory_bytes"]),
-    })
+    record.update(
+        {
+            "out": [format_spec(spec) for spec in strategy.outs],
+            "in": [format_spec(spec) for spec in strategy.ins],
+            "compute_s": cost["compute_s"] - grad_sync_s - kernel_comm_s,
+            "grad_sync_s": grad_sync_s + cost["param_sync_merge_s"],
+            "reshard_in_s": cost["reshard_in_s"],
+            "reshard_out_s": cost["reshard_out_s"],
+            "total_s": cost["total_s"],
+            "memory_bytes": int(cost["memory_bytes"]),
+        }
+    )
     if strategy.kernel:
         record["kernel"] = strategy.kernel
         record["kernel_axes"] = list(strategy.kernel_axes)
@@ -385,8 +418,11 @@ def _binding(ranked: list, chosen: int, memory_budget: float | None, status: str
     when the solver stopped before proving optimality; ``coupled`` otherwise (a cheaper change
     exists only for this decision alone, which an optimal solve rules out; kept as a guard)."""
     chosen_cost = next(cost for s, cost in ranked if s == chosen)
-    cheaper = [cost for s, cost in ranked if s != chosen
-               and cost["total_s"] < chosen_cost["total_s"] - _REL_TOL * max(abs(chosen_cost["total_s"]), 1e-30)]
+    cheaper = [
+        cost
+        for s, cost in ranked
+        if s != chosen and cost["total_s"] < chosen_cost["total_s"] - _REL_TOL * max(abs(chosen_cost["total_s"]), 1e-30)
+    ]
     if not cheaper:
         return "cost"
     if memory_budget is not None and all(c["memory_bytes"] > chosen_cost["memory_bytes"] for c in cheaper):

@@ -62,8 +62,14 @@ def virtual_counts(schedule: str, num_groups: int, num_microbatches: int, num_la
     return [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if v * num_groups <= num_layers]
 
 
-def step_time(schedule: str, num_groups: int, num_microbatches: int, times: Sequence[float],
-              forwards: Sequence[float], syncs: Sequence[float]) -> float:
+def step_time(
+    schedule: str,
+    num_groups: int,
+    num_microbatches: int,
+    times: Sequence[float],
+    forwards: Sequence[float],
+    syncs: Sequence[float],
+) -> float:
     """Seconds of one step (module docstring); per chunk ``times``, ``forwards`` and ``syncs``."""
     S, M = num_groups, num_microbatches
     per_group = [0.0] * S

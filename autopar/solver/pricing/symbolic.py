@@ -60,15 +60,13 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
         decided = plan.nodes.get(node.name)
         if decided is None:
             raise ValueError(
-                f"node {node.name} is not in the plan: the model traced to another graph; predict "
-                "only changes the batch size"
+                f"node {node.name} is not in the plan: the model traced to another graph; predict only changes the batch size"
             )
         if node.op == "placeholder":
             kind = kinds[node.name]
             outs = _outs(node)
             out_bytes[node.name] = float(memory.local_bytes(*outs[0], decided.outs[0], mesh)) if outs else 0.0
-            live.append(liveness.LiveNode(node.name, kind, (), None, grads[node.name], (),
-                                          outs[0][1].itemsize if outs else 4))
+            live.append(liveness.LiveNode(node.name, kind, (), None, grads[node.name], (), outs[0][1].itemsize if outs else 4))
             continue
         if node.op == "output":
             inputs = tuple(producer for producer, _ in decided.inputs)
@@ -77,15 +75,23 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
             continue
         inputs = tuple(producer for producer, _ in decided.inputs)
         outs = _outs(node)
-        out_bytes[node.name] = float(sum(
-            memory.local_bytes(shape, dtype, spec, mesh) for (shape, dtype), spec in zip(outs, decided.outs)
-        ))
+        out_bytes[node.name] = float(
+            sum(memory.local_bytes(shape, dtype, spec, mesh) for (shape, dtype), spec in zip(outs, decided.outs))
+        )
         is_alias = node.target is operator.getitem or compute.is_view(node.target)
         internal = memory.internal_saved_factor(node.target, op_info(node).kw) if node.target is EXPERTS_OP else 0.0
-        live.append(liveness.LiveNode(
-            node.name, "alias" if is_alias else "op", inputs, node.target, grads[node.name],
-            tuple(grads[p] for p in inputs), outs[0][1].itemsize if outs else 4, internal,
-        ))
+        live.append(
+            liveness.LiveNode(
+                node.name,
+                "alias" if is_alias else "op",
+                inputs,
+                node.target,
+                grads[node.name],
+                tuple(grads[p] for p in inputs),
+                outs[0][1].itemsize if outs else 4,
+                internal,
+            )
+        )
         for (producer, index), dst in zip(decided.inputs, decided.ins):
             src = plan.nodes[producer].outs[index]
             if src != dst:
@@ -95,8 +101,7 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
         if node.target is operator.getitem:
             continue
         info = op_info(node)
-        strategy = Strategy(decided.ins, decided.outs, decided.kernel, decided.kernel_axes, decided.source,
-                            decided.whole_grad)
+        strategy = Strategy(decided.ins, decided.outs, decided.kernel, decided.kernel_axes, decided.source, decided.whole_grad)
         roofline.append(compute.roofline_terms(info, strategy, mesh, cluster, grads[node.name]))
         input_nodes = tensor_input_nodes(node)
         for position, arg in enumerate(info.inputs):
@@ -118,8 +123,9 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
     return {"roofline": roofline, "comm": comms, "memory_curve": curve}
 
 
-def _gathered(traced: TracedModel, plan: Plan, kinds, grads, ties, live,
-              exchange: bool) -> tuple[list[liveness.Interval], dict[str, float]]:
+def _gathered(
+    traced: TracedModel, plan: Plan, kinds, grads, ties, live, exchange: bool
+) -> tuple[list[liveness.Interval], dict[str, float]]:
     """The intervals and sizes of the parameters the runtime gathers under ``plan``, as
     ``solver.problem.gathered.gathered_parameters`` prices them in the choice graph."""
     mesh = tuple(plan.mesh_shape)
@@ -138,8 +144,13 @@ def _gathered(traced: TracedModel, plan: Plan, kinds, grads, ties, live,
         for in_index, ((producer, out_index), dst) in enumerate(zip(decided.inputs, decided.ins)):
             source = traced.node(producer)
             param = producer if kinds.get(producer) == "param" else None
-            if (param is None and source.op == "call_function" and source.target is torch.ops.aten._to_copy.default
-                    and isinstance(source.args[0], torch.fx.Node) and kinds.get(source.args[0].name) == "param"):
+            if (
+                param is None
+                and source.op == "call_function"
+                and source.target is torch.ops.aten._to_copy.default
+                and isinstance(source.args[0], torch.fx.Node)
+                and kinds.get(source.args[0].name) == "param"
+            ):
                 param = source.args[0].name  # a precision policy's cast of the parameter
             if param is None or not grads[producer]:
                 continue
@@ -151,8 +162,7 @@ def _gathered(traced: TracedModel, plan: Plan, kinds, grads, ties, live,
         shape, dtype = _outs(traced.node(producer))[out_index]
         src = plan.nodes[producer].outs[out_index]
         sizes[PREFIX + param] = float(memory.local_bytes(shape, dtype, dst, mesh)) if single_gather(src, dst) else 0.0
-        rows.append(GatherRow(param, fqns.get(param, param), tuple(uses[param]), shape, dtype,
-                              _outs(traced.node(param))[0][1]))
+        rows.append(GatherRow(param, fqns.get(param, param), tuple(uses[param]), shape, dtype, _outs(traced.node(param))[0][1]))
     return gathered_intervals(rows, live, exchange=exchange), sizes
 
 
@@ -195,7 +205,7 @@ def _upper_envelope(lines: list[tuple[float, float]]) -> list[tuple[float, float
     keep = set()
     probes = {1.0, 1e12}
     for i, (s1, c1) in enumerate(unique):
-        for s2, c2 in unique[i + 1:]:
+        for s2, c2 in unique[i + 1 :]:
             if s1 != s2:
                 cross = (c2 - c1) / (s1 - s2)
                 if cross > 1:
@@ -205,8 +215,9 @@ def _upper_envelope(lines: list[tuple[float, float]]) -> list[tuple[float, float
     return sorted(keep)
 
 
-def symbolic_costs(priced_b: dict[str, Any], priced_2b: dict[str, Any], batch: int,
-                   predicted: Prediction | None = None) -> dict[str, str]:
+def symbolic_costs(
+    priced_b: dict[str, Any], priced_2b: dict[str, Any], batch: int, predicted: Prediction | None = None
+) -> dict[str, str]:
     """The plan's time, bytes sent and peak memory as sympy expressions in ``B`` (as strings).
 
     ``predicted`` (the plan's) carries how the runtime schedules parameter gradients

@@ -126,6 +126,7 @@ class ChoiceGraph:
     def bytes_of(self, assignment: Mapping[str, int]) -> Callable[[str], float]:
         """Timeline name -> bytes under ``assignment`` (every node's strategy): a node's outputs
         under its strategy, a gathered parameter's under its edge's two specs."""
+
         def size(name: str) -> float:
             choice = self.choices.get(name)
             if choice is not None:
@@ -135,17 +136,20 @@ class ChoiceGraph:
             src = self.choices[edge.producer].strategies[assignment[edge.producer]].outs[edge.out_index]
             dst = self.choices[edge.consumer].strategies[assignment[edge.consumer]].ins[edge.in_index]
             return gathered.bytes_for(src, dst)
+
         return size
 
     def bytes_bound(self, largest: bool) -> Callable[[str], float]:
         """Timeline name -> its least (or ``largest``) bytes over the strategies: references for
         the times where the peak may lie (``Timeline.checkpoints``)."""
         pick = max if largest else min
+
         def size(name: str) -> float:
             choice = self.choices.get(name)
             if choice is not None:
                 return pick(choice.memory_bytes, default=0.0)
             return pick(self.gathered[name].sizes.values(), default=0.0) if largest else 0.0
+
         return size
 
     def free(self) -> list[Choice]:
@@ -270,12 +274,14 @@ def build_choice_graph(
     when None): how it gathers and frees sharded parameters decides their memory.
     """
     with offering_strided(split_blocks(traced.gm)):
-        return _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage,
-                                   optimizer_dtype, comm or CommOptions())
+        return _build_choice_graph(
+            traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage, optimizer_dtype, comm or CommOptions()
+        )
 
 
-def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage,
-                        optimizer_dtype, comm) -> ChoiceGraph:
+def _build_choice_graph(
+    traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage, optimizer_dtype, comm
+) -> ChoiceGraph:
     mesh_shape = tuple(mesh_shape)
     num_axes = len(mesh_shape)
     kinds = {i.name: i for i in traced.inputs}
@@ -290,8 +296,7 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
         impossible_before = pruned.impossible
         if node.op == "placeholder":
             graph_input = kinds[node.name]
-            choices[node.name] = _placeholder_choice(node, graph_input.kind, graph_input.fqn, mesh_shape,
-                                                     placeholder_cache)
+            choices[node.name] = _placeholder_choice(node, graph_input.kind, graph_input.fqn, mesh_shape, placeholder_cache)
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
         elif node.op == "call_function":
@@ -309,8 +314,10 @@ def _build_choice_graph(traced, mesh_shape, cluster, optimizer, forced, share_la
                 if pruned.impossible > impossible_before:
                     # The rules offer it, but its inputs cannot arrive as it needs them (a Partial
                     # input from producers that never leave it Partial, forced ones included).
-                    raise InfeasibleError(f"{what} of {node.format_node()} needs inputs that its producers, as "
-                                          "planned or forced, cannot deliver: force a compatible spec, or none")
+                    raise InfeasibleError(
+                        f"{what} of {node.format_node()} needs inputs that its producers, as "
+                        "planned or forced, cannot deliver: force a compatible spec, or none"
+                    )
                 raise ValueError(f"{what} is not a strategy of {node.format_node()}")
             _keep_only(choice, keep)
     layers = _layers(traced.gm, choices, traced) if share_layers else {}
@@ -352,10 +359,18 @@ def live_nodes(gm: torch.fx.GraphModule, choices: dict[str, Choice]) -> list[liv
         inputs = tuple(producer for producer, _ in choice.inputs)
         itemsize = choice.out_dtypes[0].itemsize if choice.out_dtypes else 4
         internal = memory.internal_saved_factor(target, choice.info.kw) if choice.info is not None else 0.0
-        nodes.append(liveness.LiveNode(
-            node.name, kind, inputs, target, choice.requires_grad,
-            tuple(choices[p].requires_grad for p in inputs), itemsize, internal,
-        ))
+        nodes.append(
+            liveness.LiveNode(
+                node.name,
+                kind,
+                inputs,
+                target,
+                choice.requires_grad,
+                tuple(choices[p].requires_grad for p in inputs),
+                itemsize,
+                internal,
+            )
+        )
     return nodes
 
 
@@ -513,8 +528,17 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict) -> Choice:
         cache[key] = (strategies, [float(memory.local_bytes(shape, dtype, spec, mesh_shape)) for spec in specs])
     strategies, mem = cache[key]
     return Choice(
-        node.name, kind, strategies, [0.0] * len(strategies), list(mem), [], (shape,), (dtype,),
-        requires_grad(node), fqn=fqn, grad_sync_bytes=[0.0] * len(strategies),
+        node.name,
+        kind,
+        strategies,
+        [0.0] * len(strategies),
+        list(mem),
+        [],
+        (shape,),
+        (dtype,),
+        requires_grad(node),
+        fqn=fqn,
+        grad_sync_bytes=[0.0] * len(strategies),
     )
 
 
@@ -540,21 +564,37 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict, pru
     mutated = mutated_inputs(node)
     reachable = tuple(_reachable(choices[n.name], i in mutated, cache) for i, n in enumerate(input_nodes))
     key = (
-        info.target, kw_text, info.out_shapes, out_dtypes, needs_grad,
-        tuple((choices[n.name].requires_grad, choices[n.name].kind == "param") for n in input_nodes), sync_dtypes,
+        info.target,
+        kw_text,
+        info.out_shapes,
+        out_dtypes,
+        needs_grad,
+        tuple((choices[n.name].requires_grad, choices[n.name].kind == "param") for n in input_nodes),
+        sync_dtypes,
         reachable,
     )
     if key not in cache:
-        cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes,
-                                       reachable)
+        cache[key] = _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, reachable)
     strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs, counts = cache[key]
     pruned.enumerated += counts[0]
     pruned.impossible += counts[1]
     pruned.dominated += counts[2]
     return Choice(
-        node.name, "op", strategies, compute_s, memory_bytes, inputs, info.out_shapes, out_dtypes,
-        needs_grad, info=info, grad_sync_bytes=sync_bytes, sync_dtypes=sync_dtypes, param_sync_s=param_sync_s,
-        backward_s=backward_s, param_syncs=param_syncs,
+        node.name,
+        "op",
+        strategies,
+        compute_s,
+        memory_bytes,
+        inputs,
+        info.out_shapes,
+        out_dtypes,
+        needs_grad,
+        info=info,
+        grad_sync_bytes=sync_bytes,
+        sync_dtypes=sync_dtypes,
+        param_sync_s=param_sync_s,
+        backward_s=backward_s,
+        param_syncs=param_syncs,
     )
 
 
@@ -589,8 +629,9 @@ def _op_info(node: torch.fx.Node, seen: dict) -> tuple[OpInfo, list[torch.fx.Nod
     return dataclasses.replace(info, name=node.name), [arguments[i] for i in at], kw_text
 
 
-def grad_sync_cost(arg, spec: Spec, axis: int, is_param: bool, mesh_shape, cluster,
-                   dtype: torch.dtype | None = None) -> comm.CommCost:
+def grad_sync_cost(
+    arg, spec: Spec, axis: int, is_param: bool, mesh_shape, cluster, dtype: torch.dtype | None = None
+) -> comm.CommCost:
     """The backward all-reduce of an input's gradient on ``axis``, one per use, latency included
     (``compute_s`` carries it, for activations and parameters alike).
 
@@ -613,8 +654,7 @@ def _reachable(producer: Choice, pinned: bool, cache: dict) -> pruning.Reachable
     return cache[key][0]
 
 
-def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes,
-                      reachable) -> tuple:
+def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, reachable) -> tuple:
     """Every possible strategy of one op and its prices, dominated ones cut (``solver.problem.pruning``),
     with the counts (enumerated, impossible, dominated)."""
     enumerated = node_strategies(info, mesh_shape)
@@ -645,16 +685,18 @@ def _price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad
             if not producer.requires_grad:
                 continue
             for axis in grad_sync_axes(strategy, index):
-                cost = grad_sync_cost(arg, strategy.ins[index], axis, producer.kind == "param", mesh_shape, cluster,
-                                      sync_dtypes[index])
+                cost = grad_sync_cost(
+                    arg, strategy.ins[index], axis, producer.kind == "param", mesh_shape, cluster, sync_dtypes[index]
+                )
                 seconds += cost.backward_s
                 if producer.kind == "param":
                     param_synced_s += cost.backward_s
                 # A parameter's gradient, or that of its cast under a precision policy (which
                 # carries the reduction dtype): reduced once per parameter, in a bucket.
                 if producer.kind == "param" or sync_dtypes[index] is not None:
-                    bucketed = comm.param_grad_sync_cost(arg.shape, strategy.ins[index], axis,
-                                                         sync_dtypes[index] or arg.dtype, mesh_shape, cluster)
+                    bucketed = comm.param_grad_sync_cost(
+                        arg.shape, strategy.ins[index], axis, sync_dtypes[index] or arg.dtype, mesh_shape, cluster
+                    )
                     merged.append((index, axis, cost.backward_s, bucketed.backward_s))
                 synced += cost.bytes_sent
         param_sync_s.append(param_synced_s)
@@ -663,8 +705,9 @@ def _price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad
             for num_bytes in kernel_all_reduce_bytes(info, strategy):
                 seconds += comm.all_reduce_s(num_bytes, axis, mesh_shape, cluster)
                 synced += comm.bytes_sent("all_reduce", num_bytes, mesh_shape[axis])
-        kernel_s, kernel_bytes = comm.collectives_cost(kernel_collectives(info, strategy, mesh_shape, needs_grad),
-                                                       mesh_shape, cluster)
+        kernel_s, kernel_bytes = comm.collectives_cost(
+            kernel_collectives(info, strategy, mesh_shape, needs_grad), mesh_shape, cluster
+        )
         seconds += kernel_s
         synced += sum(kernel_bytes.values())
         compute_s.append(seconds)
@@ -683,8 +726,7 @@ def _price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad
 _KERNEL_ALL_REDUCES = {
     # The max, the sum of exponentials and the target logit per row, in float32 (float64 logits:
     # float64).
-    "cross_entropy_vocab_split": lambda info: [
-        max(4, info.kw["self"].dtype.itemsize) * info.kw["self"].shape[0]] * 3,
+    "cross_entropy_vocab_split": lambda info: [max(4, info.kw["self"].dtype.itemsize) * info.kw["self"].shape[0]] * 3,
 }
 
 
@@ -719,12 +761,19 @@ def expert_parallel_record(choice: Choice, index: int, mesh_shape: Sequence[int]
     weight = choice.info.inputs[3] if choice.info.target is EXPERTS_OP else choice.info.inputs[1]
     degree = math.prod(mesh_shape[axis] for axis in strategy.kernel_axes)
     exchange_s, per_axis = comm.collectives_cost(
-        kernel_collectives(choice.info, strategy, mesh_shape, choice.requires_grad), mesh_shape, cluster)
+        kernel_collectives(choice.info, strategy, mesh_shape, choice.requires_grad), mesh_shape, cluster
+    )
     exchange_bytes = sum(per_axis.values())
     return {
-        "node": choice.name, "kernel": strategy.kernel, "axes": list(strategy.kernel_axes), "degree": degree,
-        "num_experts": weight.shape[0], "experts_per_device": weight.shape[0] // degree,
-        "cost_s": choice.compute_s[index], "all_to_all_s": exchange_s, "all_to_all_bytes": int(exchange_bytes),
+        "node": choice.name,
+        "kernel": strategy.kernel,
+        "axes": list(strategy.kernel_axes),
+        "degree": degree,
+        "num_experts": weight.shape[0],
+        "experts_per_device": weight.shape[0] // degree,
+        "cost_s": choice.compute_s[index],
+        "all_to_all_s": exchange_s,
+        "all_to_all_bytes": int(exchange_bytes),
         "capacity_factor": compute.CAPACITY_FACTOR,
     }
 
@@ -735,15 +784,17 @@ def kernel_all_reduce_bytes(info, strategy: Strategy) -> list[int]:
     return sizes(info) if sizes is not None else []
 
 
-def kernel_collectives(info, strategy: Strategy, mesh_shape: Sequence[int],
-                       requires_grad: bool) -> list[tuple[str, float, int]]:
+def kernel_collectives(info, strategy: Strategy, mesh_shape: Sequence[int], requires_grad: bool) -> list[tuple[str, float, int]]:
     """Collectives of a kernel beyond all-reduces, as ``(kind, bytes, axis)``: the
     context-parallel attention's K/V gathers, gradient reduce-scatters and head-tail row
     exchanges (``comm.context_parallel_collectives``), and an expert-parallel kernel's
     all-to-alls (``kernel_all_to_all_bytes``)."""
     if strategy.kernel != "sdpa_context_parallel":
-        return [("all_to_all", num_bytes, axis) for axis in strategy.kernel_axes
-                for num_bytes in kernel_all_to_all_bytes(info, strategy, mesh_shape, requires_grad)]
+        return [
+            ("all_to_all", num_bytes, axis)
+            for axis in strategy.kernel_axes
+            for num_bytes in kernel_all_to_all_bytes(info, strategy, mesh_shape, requires_grad)
+        ]
     q, k, v = (info.kw[name] for name in ("query", "key", "value"))
     specs = dict(zip(("query", "key", "value"), (strategy.ins[a.index] for a in (q, k, v))))
     kv_bytes = sum(memory.local_bytes(a.shape, a.dtype, specs[n], mesh_shape) for n, a in (("key", k), ("value", v)))
@@ -751,8 +802,7 @@ def kernel_collectives(info, strategy: Strategy, mesh_shape: Sequence[int],
     out_bytes = memory.local_bytes(info.out_shape, q.dtype, strategy.outs[0], mesh_shape)
     axes = strategy.kernel_axes
     balanced = context.is_balanced(q.shape[-2], tuple(mesh_shape[a] for a in axes))
-    return comm.context_parallel_collectives(kv_bytes, q_bytes + out_bytes, axes, balanced, mesh_shape,
-                                             requires_grad)
+    return comm.context_parallel_collectives(kv_bytes, q_bytes + out_bytes, axes, balanced, mesh_shape, requires_grad)
 
 
 def grad_sync_bytes_per_axis(
@@ -817,9 +867,19 @@ def _getitem_choice(node, choices, needs_grad, cache: dict) -> Choice:
         cache[key] = (strategies, zeros, list(zeros), list(zeros), [], [], [], source.strategies)
     strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs, _ = cache[key]
     return Choice(
-        node.name, "op", strategies, compute_s, memory_bytes, [(producer.name, index)],
-        (source.out_shapes[index],), (source.out_dtypes[index],), needs_grad, grad_sync_bytes=sync_bytes,
-        param_sync_s=param_sync_s, backward_s=backward_s, param_syncs=param_syncs,
+        node.name,
+        "op",
+        strategies,
+        compute_s,
+        memory_bytes,
+        [(producer.name, index)],
+        (source.out_shapes[index],),
+        (source.out_dtypes[index],),
+        needs_grad,
+        grad_sync_bytes=sync_bytes,
+        param_sync_s=param_sync_s,
+        backward_s=backward_s,
+        param_syncs=param_syncs,
     )
 
 
@@ -853,12 +913,26 @@ def _mark_followers(choices: dict[str, Choice], order: list[str], exclude: set[s
             # The key's objects are held here, so that no id in it is reused while this runs.
             hit = seen[key] = (lists, source.strategies, cut)
         if hit[2] is not None:
-            (choice.strategies, choice.compute_s, choice.memory_bytes, choice.grad_sync_bytes, choice.param_sync_s,
-             choice.backward_s, choice.param_syncs) = hit[2]
+            (
+                choice.strategies,
+                choice.compute_s,
+                choice.memory_bytes,
+                choice.grad_sync_bytes,
+                choice.param_sync_s,
+                choice.backward_s,
+                choice.param_syncs,
+            ) = hit[2]
             choice.follower_of = producer
 
 
 def _lists(choice: Choice) -> tuple[list, ...]:
     """The per-strategy lists of a choice (what ``_keep_only`` cuts)."""
-    return (choice.strategies, choice.compute_s, choice.memory_bytes, choice.grad_sync_bytes, choice.param_sync_s,
-            choice.backward_s, choice.param_syncs)
+    return (
+        choice.strategies,
+        choice.compute_s,
+        choice.memory_bytes,
+        choice.grad_sync_bytes,
+        choice.param_sync_s,
+        choice.backward_s,
+        choice.param_syncs,
+    )

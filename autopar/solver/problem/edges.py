@@ -47,8 +47,13 @@ class EdgePrices(Mapping):
 
     __slots__ = ("table", "hub", "_price", "_asked", "_factor")
 
-    def __init__(self, table: dict[tuple[Spec, Spec], Price], price: Callable[[Spec, Spec], Price | None] | None,
-                 hub: tuple[dict[Spec, float], dict[Spec, float]] | None = None, factor: float = 1.0):
+    def __init__(
+        self,
+        table: dict[tuple[Spec, Spec], Price],
+        price: Callable[[Spec, Spec], Price | None] | None,
+        hub: tuple[dict[Spec, float], dict[Spec, float]] | None = None,
+        factor: float = 1.0,
+    ):
         self.table = table
         self.hub = hub
         self._price = price
@@ -147,10 +152,10 @@ class Pricer:
         known = self.known.setdefault((edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype), {})
         price = known.get((src_code, dst_code), _UNPRICED)
         if price is _UNPRICED:
-            cost = comm.transition_cost(src, dst, edge.shape, edge.dtype, self.mesh_shape, self.cluster,
-                                        edge.requires_grad, edge.grad_dtype)
-            price = known[(src_code, dst_code)] = (
-                None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent))
+            cost = comm.transition_cost(
+                src, dst, edge.shape, edge.dtype, self.mesh_shape, self.cluster, edge.requires_grad, edge.grad_dtype
+            )
+            price = known[(src_code, dst_code)] = None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent)
         return price
 
     def on_demand(self, edge: Edge) -> Callable[[Spec, Spec], Price | None]:
@@ -172,8 +177,10 @@ def near_pairs(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]]) -> li
         return []
     num_axes = len(srcs[0][0])
     codes: dict = {}
+
     def key(spec: Spec) -> tuple[int, ...]:
         return tuple(codes.setdefault(p, len(codes)) for p in spec)
+
     dst_keys = [key(spec) for spec, _ in dsts]
     src_keys = [key(spec) for spec, _ in srcs]
     replicate = codes.setdefault(Replicate(), len(codes))
@@ -202,17 +209,19 @@ def near_pairs(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]]) -> li
             # Changes on the Partial axes and on ``axis``: to replicated, or ``axis`` alone.
             for j in candidates:
                 other = dst_keys[j]
-                if other[axis] in (k[axis], replicate) or all(
-                        other[a] == k[a] for a in range(num_axes) if partial >> a & 1):
+                if other[axis] in (k[axis], replicate) or all(other[a] == k[a] for a in range(num_axes) if partial >> a & 1):
                     found.add(j)
         if partial:  # a reduction, a gather to replicated, and an all-to-all
             for a, b in pairs_of_axes:
                 mask = partial | 1 << a | 1 << b
                 if partial >> a & 1 or partial >> b & 1 or k[a] != k[b] or k[a] not in sharded:
                     continue
-                found.update(j for j in buckets.get((mask, _wildcard(k, mask)), ())
-                             if (dst_keys[j][b] == replicate and dst_keys[j][a] in sharded)
-                             or (dst_keys[j][a] == replicate and dst_keys[j][b] in sharded))
+                found.update(
+                    j
+                    for j in buckets.get((mask, _wildcard(k, mask)), ())
+                    if (dst_keys[j][b] == replicate and dst_keys[j][a] in sharded)
+                    or (dst_keys[j][a] == replicate and dst_keys[j][b] in sharded)
+                )
         pairs.extend((i, j) for j in sorted(found))
     return pairs
 
@@ -221,8 +230,7 @@ def _wildcard(key: tuple[int, ...], mask: int) -> tuple[int, ...]:
     return tuple(-1 if mask >> axis & 1 else code for axis, code in enumerate(key))
 
 
-def price_edges(gm: torch.fx.GraphModule, choices: dict, mesh_shape: tuple[int, ...],
-                cluster: ClusterSpec) -> list[Edge]:
+def price_edges(gm: torch.fx.GraphModule, choices: dict, mesh_shape: tuple[int, ...], cluster: ClusterSpec) -> list[Edge]:
     """One ``Edge`` per tensor input of every node, with its prices.
 
     Edges of one shape share prices: one table per (spec lists, shape, dtype, grad, pinned), and
@@ -261,8 +269,17 @@ def price_edges(gm: torch.fx.GraphModule, choices: dict, mesh_shape: tuple[int, 
             source = choices[producer]
             shape, dtype = source.out_shapes[out_index], source.out_dtypes[out_index]
             pinned = in_index in mutated or node.target is operator.getitem or choice.follower_of == producer
-            edge = Edge(producer, out_index, node.name, in_index, shape, dtype, source.requires_grad, pinned,
-                        grad_dtype=grad_dtypes.get(producer))
+            edge = Edge(
+                producer,
+                out_index,
+                node.name,
+                in_index,
+                shape,
+                dtype,
+                source.requires_grad,
+                pinned,
+                grad_dtype=grad_dtypes.get(producer),
+            )
             srcs, dsts = specs_of(source, "out", out_index), specs_of(choice, "in", in_index)
             # By identity: the spec tuples are cached above, and hashing their placements is
             # most of this loop's time on a deep model.
@@ -274,8 +291,7 @@ def price_edges(gm: torch.fx.GraphModule, choices: dict, mesh_shape: tuple[int, 
     return edges
 
 
-def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]], pricer: Pricer,
-                 hub: bool) -> EdgePrices:
+def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]], pricer: Pricer, hub: bool) -> EdgePrices:
     """The prices of one edge (``EdgePrices``): every pair, only the spec as it is (pinned), or
     the near pairs and the hub."""
     if edge.no_reshard:
@@ -296,8 +312,10 @@ def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec,
         whole_code = pricer.code(whole)
         outs = {src: pricer.price(edge, src, whole, code, whole_code) for src, code in srcs}
         ins = {dst: pricer.price(edge, whole, dst, whole_code, code) for dst, code in dsts}
-        via = ({spec: price[0] for spec, price in outs.items()},
-               {spec: price[0] for spec, price in ins.items() if price is not None})
+        via = (
+            {spec: price[0] for spec, price in outs.items()},
+            {spec: price[0] for spec, price in ins.items() if price is not None},
+        )
     # Only a hub's table leaves pairs out that may be asked for: a dense one holds every
     # possible pair, a pinned one every pair it allows (the spec as it is).
     return EdgePrices(table, pricer.on_demand(edge) if hub else None, via)
@@ -347,5 +365,15 @@ def flatten(value) -> list:
     return [value]
 
 
-__all__ = ["Edge", "EdgePrices", "Pricer", "price_edges", "price_table", "near_pairs", "uses_hub", "mutated_inputs", "reduce_dtype",
-           "flatten"]
+__all__ = [
+    "Edge",
+    "EdgePrices",
+    "Pricer",
+    "price_edges",
+    "price_table",
+    "near_pairs",
+    "uses_hub",
+    "mutated_inputs",
+    "reduce_dtype",
+    "flatten",
+]

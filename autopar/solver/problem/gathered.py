@@ -69,16 +69,27 @@ def cast_of_param(choices: dict[str, "Choice"], name: str) -> str | None:
     choice = choices[name]
     if choice.kind == "param":
         return name
-    if (choice.info is not None and choice.info.target is torch.ops.aten._to_copy.default and len(choice.inputs) == 1
-            and choices[choice.inputs[0][0]].kind == "param"):
+    if (
+        choice.info is not None
+        and choice.info.target is torch.ops.aten._to_copy.default
+        and len(choice.inputs) == 1
+        and choices[choice.inputs[0][0]].kind == "param"
+    ):
         return choice.inputs[0][0]
     return None
 
 
-def gathered_parameters(choices: dict[str, "Choice"], edges: Sequence["Edge"], order: Sequence[str],
-                        nodes: Sequence[liveness.LiveNode], mesh_shape: Sequence[int], fqns: Mapping[str, str],
-                        ties: Sequence[Sequence[str]] = (), options: CommOptions | None = None,
-                        exchange: bool = False) -> tuple[dict[str, GatheredSize], list[liveness.Interval]]:
+def gathered_parameters(
+    choices: dict[str, "Choice"],
+    edges: Sequence["Edge"],
+    order: Sequence[str],
+    nodes: Sequence[liveness.LiveNode],
+    mesh_shape: Sequence[int],
+    fqns: Mapping[str, str],
+    ties: Sequence[Sequence[str]] = (),
+    options: CommOptions | None = None,
+    exchange: bool = False,
+) -> tuple[dict[str, GatheredSize], list[liveness.Interval]]:
     """The sizes and liveness intervals of every parameter the runtime may gather (module
     docstring), under the communication schedule ``options`` (``CommOptions()``: the runtime's
     default). ``fqns`` maps parameter placeholders to their FQNs (their layer groups them)."""
@@ -107,11 +118,15 @@ def gathered_parameters(choices: dict[str, "Choice"], edges: Sequence["Edge"], o
         edge = edges[e]
         key = (id(edge.price), edge.shape, edge.dtype)
         if key not in sized:
-            sized[key] = {(src, dst): float(memory.local_bytes(edge.shape, edge.dtype, dst, mesh_shape))
-                          for src, dst in edge.price if single_gather(src, dst) is not None}
+            sized[key] = {
+                (src, dst): float(memory.local_bytes(edge.shape, edge.dtype, dst, mesh_shape))
+                for src, dst in edge.price
+                if single_gather(src, dst) is not None
+            }
         sizes[PREFIX + param] = GatheredSize(e, sized[key])  # shared by the layers' copies: read only
-        rows.append(GatherRow(param, fqns.get(param, param), tuple(uses[param]), edge.shape, edge.dtype,
-                              choices[param].out_dtypes[0]))
+        rows.append(
+            GatherRow(param, fqns.get(param, param), tuple(uses[param]), edge.shape, edge.dtype, choices[param].out_dtypes[0])
+        )
     return sizes, gathered_intervals(rows, nodes, options, exchange)
 
 
@@ -128,24 +143,33 @@ class GatherRow:
     stored_dtype: torch.dtype
 
 
-def gathered_intervals(rows: Sequence[GatherRow], nodes: Sequence[liveness.LiveNode],
-                       options: CommOptions | None = None, exchange: bool = False) -> list[liveness.Interval]:
+def gathered_intervals(
+    rows: Sequence[GatherRow], nodes: Sequence[liveness.LiveNode], options: CommOptions | None = None, exchange: bool = False
+) -> list[liveness.Interval]:
     """The liveness intervals of ``rows``' gathered parameters (named ``PREFIX + param``), grouped
     and resharded as ``passes.schedule`` does under ``options`` (``exchange``: reduce-scatters
     run as gloo's all-to-all, ``ClusterSpec.gloo``)."""
     options = options or CommOptions()
     ordered = sorted(rows, key=lambda row: (min(i for i, _ in row.uses), row.param))
     wholes = [math.prod(row.shape) * row.dtype.itemsize for row in ordered]
-    groups = gather_groups([(row.param, param_layer(row.fqn), row.dtype, whole) for row, whole in zip(ordered, wholes)],
-                           options.gather_group_bytes)
+    groups = gather_groups(
+        [(row.param, param_layer(row.fqn), row.dtype, whole) for row, whole in zip(ordered, wholes)], options.gather_group_bytes
+    )
     group_of = {param: g for g, params in enumerate(groups) for param in params}
     group_bytes = [0.0] * len(groups)
     for row, whole in zip(ordered, wholes):
         group_bytes[group_of[row.param]] += whole
-    gathered = [liveness.Gathered(
-        PREFIX + row.param, row.uses, group_of[row.param], reshards(param_layer(row.fqn), options.reshard_after_forward),
-        row.stored_dtype.itemsize / row.dtype.itemsize,
-        _prefetched_by(group_of[row.param], group_bytes, options.prefetch_bytes)) for row in ordered]
+    gathered = [
+        liveness.Gathered(
+            PREFIX + row.param,
+            row.uses,
+            group_of[row.param],
+            reshards(param_layer(row.fqn), options.reshard_after_forward),
+            row.stored_dtype.itemsize / row.dtype.itemsize,
+            _prefetched_by(group_of[row.param], group_bytes, options.prefetch_bytes),
+        )
+        for row in ordered
+    ]
     return liveness.gathered_intervals(nodes, gathered, backward_prefetch=options.prefetch_bytes > 0, exchange=exchange)
 
 
@@ -163,5 +187,13 @@ def _prefetched_by(group: int, group_bytes: Sequence[float], prefetch_bytes: int
     return earliest
 
 
-__all__ = ["PREFIX", "GatheredSize", "GatherRow", "single_gather", "gathered_parameters", "gathered_intervals", "cast_of_param",
-           "reads_whole"]
+__all__ = [
+    "PREFIX",
+    "GatheredSize",
+    "GatherRow",
+    "single_gather",
+    "gathered_parameters",
+    "gathered_intervals",
+    "cast_of_param",
+    "reads_whole",
+]

@@ -168,9 +168,7 @@ class ShardingILP:
                 self.x[name] = [pulp.LpAffineExpression(constant=1)]
             else:
                 node_id = self._node_ids[name]
-                self.x[name] = [
-                    pulp.LpVariable(f"x_{node_id}_{s}", cat=pulp.LpBinary) for s in range(len(choice.strategies))
-                ]
+                self.x[name] = [pulp.LpVariable(f"x_{node_id}_{s}", cat=pulp.LpBinary) for s in range(len(choice.strategies))]
 
     # -- constraint families ------------------------------------------------------------------
     def add_pick_constraints(self) -> None:
@@ -190,8 +188,12 @@ class ShardingILP:
                 continue  # the follower's choice already equals its producer's output spec
             # Edges whose two ends share x variables (repeated layers) and whose prices agree
             # have identical marginals: one y serves them all, and its constraints stand once.
-            key = (template.get(edge.producer, edge.producer), edge.out_index,
-                   template.get(edge.consumer, edge.consumer), edge.in_index)
+            key = (
+                template.get(edge.producer, edge.producer),
+                edge.out_index,
+                template.get(edge.consumer, edge.consumer),
+                edge.in_index,
+            )
             twin = first_edge.setdefault(key, e)
             twin_price = self.graph.edges[twin].price
             if twin != e and twin in self.y and (twin_price is edge.price or twin_price == edge.price):
@@ -201,7 +203,8 @@ class ShardingILP:
                 continue
             producer = self.graph.choices[edge.producer]
             self.y[e] = {
-                pair: _variable(f"y_{e}_{k}") for k, pair in enumerate(edge.price)  # in spec order, which is deterministic
+                pair: _variable(f"y_{e}_{k}")
+                for k, pair in enumerate(edge.price)  # in spec order, which is deterministic
             }
             # Group once, so each family is linear in the number of y and x terms.
             y_out, y_in = _by_spec(self.y[e])
@@ -322,13 +325,13 @@ class ShardingILP:
     def param_sync_values(self) -> dict[tuple, float]:
         """The value each z takes at the current x: the largest of its lower bounds
         (``rounding.check`` sets them for an integer assignment)."""
-        return {key: max((float(pulp.value(e) or 0.0) for e in exprs), default=0.0)
-                for key, exprs in self._z_uses.items()}
+        return {key: max((float(pulp.value(e) or 0.0) for e in exprs), default=0.0) for key, exprs in self._z_uses.items()}
 
     def set_objective(self) -> None:
         refund = self.per_use_refund
         compute_terms = (
-            (c - (refund[name][s] if name in refund else 0.0), x) for name in self.graph.order
+            (c - (refund[name][s] if name in refund else 0.0), x)
+            for name in self.graph.order
             for s, (c, x) in enumerate(zip(self.graph.choices[name].compute_s, self.x[name]))
             if c - (refund[name][s] if name in refund else 0.0)
         )
@@ -342,7 +345,8 @@ class ShardingILP:
         reshard_terms = (
             (count * seconds, var)
             for variables, price, count in shared.values()
-            for (seconds, _), var in zip(price.values(), variables.values()) if seconds
+            for (seconds, _), var in zip(price.values(), variables.values())
+            if seconds
         )
         hubs: dict[int, list] = {}
         for e, (outs, ins) in self.hub.items():
@@ -352,7 +356,8 @@ class ShardingILP:
             (count * seconds[spec], var)
             for outs, ins, hub, count in hubs.values()
             for variables, seconds in ((outs, hub[0]), (ins, hub[1]))
-            for spec, var in variables.items() if seconds[spec]
+            for spec, var in variables.items()
+            if seconds[spec]
         )
         self.problem += weighted_sum(itertools.chain(compute_terms, reshard_terms, hub_terms, sync_terms))
 
@@ -372,8 +377,12 @@ class ShardingILP:
             self._variables = (len(constraints), objective, variables, {id(var) for var in variables})
         elif kept[0] < len(constraints):
             rows, _, variables, known = kept
-            new = [var for row in itertools.islice(constraints.values(), rows, None) for var in row.keys()
-                   if id(var) not in known and not known.add(id(var))]
+            new = [
+                var
+                for row in itertools.islice(constraints.values(), rows, None)
+                for var in row.keys()
+                if id(var) not in known and not known.add(id(var))
+            ]
             if new:  # in PuLP's order: by name
                 variables = sorted(variables + new, key=lambda var: var.name)
             self._variables = (len(constraints), objective, variables, known)
@@ -447,8 +456,10 @@ class RowTable:
         values = np.fromiter((var.varValue for var in self.columns), float, len(self.columns))
         constants = np.fromiter((row.constant for row in self.rows), float, len(self.rows))
         senses = np.fromiter((row.sense for row in self.rows), float, len(self.rows))
-        value = np.bincount(self.entry_rows, weights=self.entry_coefs * values[self.entry_columns],
-                            minlength=len(self.rows)) + constants
+        value = (
+            np.bincount(self.entry_rows, weights=self.entry_coefs * values[self.entry_columns], minlength=len(self.rows))
+            + constants
+        )
         eps = tolerance * np.maximum(1.0, np.abs(constants))
         held = np.where(senses == pulp.LpConstraintEQ, np.abs(value) <= eps, value * senses >= -eps)
         return bool(held.all())

@@ -125,12 +125,22 @@ def make(name: str, time_limit_s: float, *, mip: bool = True) -> pulp.LpSolver:
         warnings.simplefilter("ignore", DeprecationWarning)
         if name == "highs":
             return _QuietHiGHS(
-                mip=mip, msg=msg, timeLimit=float(time_limit_s), gapRel=MIP_REL_GAP, gapAbs=0.0, random_seed=1,
+                mip=mip,
+                msg=msg,
+                timeLimit=float(time_limit_s),
+                gapRel=MIP_REL_GAP,
+                gapAbs=0.0,
+                random_seed=1,
                 **({} if mip else LP_OPTIONS),
             )
         if name == "cbc":
             return _QuietCBC(
-                mip=mip, msg=msg, timeLimit=time_limit_s, threads=1, gapRel=MIP_REL_GAP, gapAbs=0.0,
+                mip=mip,
+                msg=msg,
+                timeLimit=time_limit_s,
+                threads=1,
+                gapRel=MIP_REL_GAP,
+                gapAbs=0.0,
                 options=["randomSeed 1", "randomCbcSeed 1"],
             )
     raise ValueError(f"no backend {name!r}: expected 'highs' or 'cbc'")

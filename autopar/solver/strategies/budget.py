@@ -62,8 +62,13 @@ _CLOSE = 0.02
 MILP_GAP = 0.05
 
 
-def solve_under_budget(ilp: ShardingILP, budget: float, time_limit_s: float, unbounded: Solution | None = None,
-                       visited: list[dict[str, int]] | None = None) -> Solution:
+def solve_under_budget(
+    ilp: ShardingILP,
+    budget: float,
+    time_limit_s: float,
+    unbounded: Solution | None = None,
+    visited: list[dict[str, int]] | None = None,
+) -> Solution:
     """Solve ``ilp`` (built with its budget) by the steps of the module docstring.
 
     ``unbounded`` is the solution without memory rows, when the caller has one: its peak time
@@ -98,8 +103,7 @@ def solve_under_budget(ilp: ShardingILP, budget: float, time_limit_s: float, unb
     if not any(consider.prices.values()):  # the rows were slack in the LP: price at the time/memory ratio
         best = consider.best
         reference = best[0] if best else bound if bound else (unbounded.objective_s if unbounded else 1.0)
-        consider.prices = dict.fromkeys(consider.prices,
-                                        reference / (budget / MEMORY_UNIT) / max(len(consider.prices), 1))
+        consider.prices = dict.fromkeys(consider.prices, reference / (budget / MEMORY_UNIT) / max(len(consider.prices), 1))
     _lagrangian_search(ilp, consider, relaxed_fits, bound, deadline)
     if not relaxed_fits:  # even the LP relaxation does not fit: no MILP will (``solve`` skips it)
         return empty_solution(ilp, "Infeasible", backend, start)
@@ -110,8 +114,15 @@ def solve_under_budget(ilp: ShardingILP, budget: float, time_limit_s: float, unb
     if best is None:
         return empty_solution(ilp, "Infeasible (no rounded plan fits)", backend, start)
     status = "Optimal" if rounding_gap(best[0], bound) <= 1e-9 else "Feasible (lagrangian)"
-    log.info("autopar: budgeted solve: %s, %s, %.6f s (bound %.6f), gap %.2f%% in %.2f s", status, best[2], best[0], bound,
-             100 * rounding_gap(best[0], bound), _time.perf_counter() - start)
+    log.info(
+        "autopar: budgeted solve: %s, %s, %.6f s (bound %.6f), gap %.2f%% in %.2f s",
+        status,
+        best[2],
+        best[0],
+        bound,
+        100 * rounding_gap(best[0], bound),
+        _time.perf_counter() - start,
+    )
     return solution_of(ilp, best, status, backend, bound, start)
 
 
@@ -126,8 +137,7 @@ class _Candidates:
     budget adds the memory row at its peak (priced 0 in ``prices``). ``best``: the fastest
     plan that fits, as (objective, choice, method)."""
 
-    def __init__(self, ilp: ShardingILP, budget: float, prices: dict[int, float],
-                 visited: list[dict[str, int]] | None):
+    def __init__(self, ilp: ShardingILP, budget: float, prices: dict[int, float], visited: list[dict[str, int]] | None):
         self.ilp, self.budget, self.prices, self.visited = ilp, budget, prices, visited
         self.best: tuple[float, dict[str, int], str] | None = None
         # Each plan considered, by its strategies in graph order: whether it fitted. Several prices
@@ -158,8 +168,7 @@ class _Candidates:
         return True
 
 
-def _lagrangian_search(ilp: ShardingILP, consider: _Candidates, relaxed_fits: bool, bound: float | None,
-                       deadline: float) -> None:
+def _lagrangian_search(ilp: ShardingILP, consider: _Candidates, relaxed_fits: bool, bound: float | None, deadline: float) -> None:
     """Step 3: Lagrangian plans at prices ``consider.prices`` times a factor that rises until a
     plan fits, then is bisected towards the least that fits (while the best plan is not close
     to ``bound``)."""
@@ -228,8 +237,12 @@ def _dive(ilp: ShardingILP, consider, deadline: float) -> None:
                 break  # the fixings leave no plan within the rows
             rows = len(ilp.memory_times)
             fits = consider(rounding.round_relaxation(ilp), "lp-diving")
-            split = [(value, -i, s) for i, name in enumerate(deciding)
-                     for s, var in enumerate(ilp.x[name]) if _SPLIT < (value := var.varValue or 0.0) < 1 - _SPLIT]
+            split = [
+                (value, -i, s)
+                for i, name in enumerate(deciding)
+                for s, var in enumerate(ilp.x[name])
+                if _SPLIT < (value := var.varValue or 0.0) < 1 - _SPLIT
+            ]
             if not split:
                 if fits or len(ilp.memory_times) == rows:
                     break  # the LP chose one plan: the best under these fixings

@@ -79,9 +79,16 @@ class Relaxation:
         self.costs = np.zeros(len(self.columns))
         self.lows, self.ups = list(map(_LOW, self.columns)), list(map(_UP, self.columns))
         with backends.solver_output():
-            self.highs.addCols(len(self.columns), self.costs, self._bounds(self.lows, -self.inf),
-                               self._bounds(self.ups, self.inf), 0,
-                               np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
+            self.highs.addCols(
+                len(self.columns),
+                self.costs,
+                self._bounds(self.lows, -self.inf),
+                self._bounds(self.ups, self.inf),
+                0,
+                np.zeros(1, dtype=np.int32),
+                np.zeros(0, dtype=np.int32),
+                np.zeros(0),
+            )
         # The objective HiGHS holds: its variables (kept, so that their ids stay theirs), their
         # ids and coefficients, in the expression's order, and the scale it was passed at.
         self.objective_vars: list[pulp.LpVariable] = []
@@ -144,8 +151,12 @@ class Relaxation:
         the objective, as they were always passed); the objective's scale."""
         constraints = self.ilp.rows_by_name()
         objective = self._read_objective()
-        if (len(constraints) < len(self.rows) or list(itertools.islice(constraints, len(self.rows))) != self.row_names
-                or not self._add_new_rows() or objective is None):
+        if (
+            len(constraints) < len(self.rows)
+            or list(itertools.islice(constraints, len(self.rows))) != self.row_names
+            or not self._add_new_rows()
+            or objective is None
+        ):
             self._build()  # a row removed, or a variable no row had: start over
             objective = self._read_objective()
         self._sync_row_bounds()

@@ -57,7 +57,8 @@ def complete(graph: ChoiceGraph, picked: dict[str, int]) -> dict[str, int] | Non
 def deciding_nodes(graph: ChoiceGraph) -> list[str]:
     """Nodes that carry variables of their own in the ILP, in graph order."""
     return [
-        name for name in graph.order
+        name
+        for name in graph.order
         if name not in graph.layer_template
         and graph.choices[name].follower_of is None
         and len(graph.choices[name].strategies) > 1

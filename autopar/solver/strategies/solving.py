@@ -61,8 +61,7 @@ def peak_memory(graph: "ChoiceGraph", solution: "Solution") -> Peak:
     return Peak(*graph.timeline.peak(chosen_bytes(graph, solution)))
 
 
-def solve_within_budget(ilp: "ShardingILP", budget: float | None, time_limit_s: float,
-                        solver: str) -> tuple["Solution", bool]:
+def solve_within_budget(ilp: "ShardingILP", budget: float | None, time_limit_s: float, solver: str) -> tuple["Solution", bool]:
     """Solve, then add the memory row at the time where the liveness walk overshoots ``budget``
     and solve again, up to ``MAX_MEMORY_ROUNDS`` times (the ILP bounds memory only at a handful
     of times). Returns the solution and whether it fits ``budget`` (True with no budget, or no
@@ -78,8 +77,7 @@ def solve_within_budget(ilp: "ShardingILP", budget: float | None, time_limit_s: 
             return solution, True
         if time.perf_counter() >= deadline:
             break
-        log.debug("memory overshoot %.0f > %.0f at %s: adding that time", peak_bytes, budget,
-                  graph.timeline.time_name(peak_time))
+        log.debug("memory overshoot %.0f > %.0f at %s: adding that time", peak_bytes, budget, graph.timeline.time_name(peak_time))
         ilp.add_memory_constraint_at(peak_time, budget)
         solution = solve_ilp(ilp, max(deadline - time.perf_counter(), 1.0), solver)
     return solution, not solution.choice or fits(peak_memory(graph, solution).bytes, budget)
@@ -205,9 +203,12 @@ def _run(ilp: ShardingILP, solver: pulp.LpSolver) -> str:
     scale = objective_scale(objective)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        ilp.problem.setObjective(pulp.LpAffineExpression(
-            {var: coef * scale for var, coef in objective.items()}, constant=objective.constant * scale,
-        ))
+        ilp.problem.setObjective(
+            pulp.LpAffineExpression(
+                {var: coef * scale for var, coef in objective.items()},
+                constant=objective.constant * scale,
+            )
+        )
         try:
             ilp.problem.solve(solver)
         except pulp.PulpSolverError as error:
@@ -241,13 +242,21 @@ def edge_specs(graph: "ChoiceGraph", choice: dict[str, int]) -> dict[int, tuple]
     return specs
 
 
-def solution_of(ilp: ShardingILP, incumbent: tuple[float, dict[str, int], str], status: str, backend: str,
-                bound: float | None, start: float) -> Solution:
+def solution_of(
+    ilp: ShardingILP, incumbent: tuple[float, dict[str, int], str], status: str, backend: str, bound: float | None, start: float
+) -> Solution:
     """The Solution of ``incumbent`` (objective, choice, method), timed from ``start``."""
     objective, choice, method = incumbent
     return Solution(
-        choice, edge_specs(ilp.graph, choice), status, objective, time.perf_counter() - start, *ilp.size(),
-        method=method, backend=backend, bound_s=bound,
+        choice,
+        edge_specs(ilp.graph, choice),
+        status,
+        objective,
+        time.perf_counter() - start,
+        *ilp.size(),
+        method=method,
+        backend=backend,
+        bound_s=bound,
         gap=None if bound is None else _gap(objective, bound),
     )
 
