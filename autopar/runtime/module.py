@@ -193,7 +193,9 @@ class ParallelModule(ShardedModule):
         )
         # The data check settles before the graph's first collective, or at the end (runtime.data),
         # or before the graph where it writes buffers in place.
-        if self._writes_state.setdefault(run.attr, writes_state(getattr(self, run.attr))):
+        if run.attr not in self._writes_state:  # read once per mode graph, not on every call
+            self._writes_state[run.attr] = writes_state(getattr(self, run.attr))
+        if self._writes_state[run.attr]:
             settle()
         collectives.before_next_collective(settle)
         try:
