@@ -5,8 +5,11 @@ Fixtures are found by pytest; the plain helpers are imported as ``from tests.con
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import autopar
 from autopar.ir.spec import format_spec
@@ -67,6 +70,20 @@ def gpt_plan_2() -> autopar.Plan:
 
 
 # -- gloo ranks shared by the multi-process tests -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A world-size-1 gloo group in this process (so that compile runs on mesh (1,)), or the
+    group already there; yields the world group's name."""
+    if dist.is_initialized():
+        yield dist.group.WORLD.group_name
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -3,36 +3,17 @@ collectives, forward and backward (one process, a world of one over gloo)."""
 
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from autopar.ops import collectives
 
 
 @pytest.fixture(scope="module")
-def world_of_one():
-    if dist.is_initialized():
-        yield dist.group.WORLD.group_name
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{os.path.join(tmp, 'rdzv')}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        try:
-            name = dist.group.WORLD.group_name
-            collectives.remember_groups([name])
-            yield name
-        finally:
-            dist.destroy_process_group()
+def world_of_one(world_of_one):
+    """tests/conftest.py's group, with its size and rank remembered for traced collectives."""
+    collectives.remember_groups([world_of_one])
+    return world_of_one
 
 
 def _graphs(fn, *args):

@@ -4,37 +4,14 @@ The multi-rank checks are tests/zoo/test_zoo_compiled.py (one shared spawn)."""
 from __future__ import annotations
 
 import copy
-import datetime
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import autopar
 from autopar.runtime.launch import max_rel_diff
 from autopar.zoo.models import build_model, example_batch
 from tests.conftest import eager_grads
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    if dist.is_initialized():
-        yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{os.path.join(tmp, 'rdzv')}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def _compiled_step(config: dict):

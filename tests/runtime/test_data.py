@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -103,19 +100,6 @@ def test_other_data_or_a_refused_call_fails_on_every_rank_before_the_call_return
         assert out["same_rng"], f"rank {rank}: a refused call left the random generator drawn from"
     assert "refused this call" not in results[1]["refused"] and results[1]["refused"] != "no error", results[1]
     assert "ranks [1] refused this call" in results[0]["refused"], results[0]["refused"]
-
-
-@pytest.fixture
-def world_of_one():
-    if dist.is_initialized():
-        yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1, timeout=timedelta(seconds=60))
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def test_the_check_is_awaited_once_before_the_next_collective_only(world_of_one) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import json
 import os
 import subprocess
@@ -15,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import autopar
 from autopar.cost.cluster import ClusterSpec, LinkSpec, get_cluster
@@ -41,19 +39,6 @@ def _gpt(dtype=torch.float64) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
 def gpt_free_plan():
     model, batch = _gpt()
     return autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    """A world-size-1 gloo group, so that compile runs in this process on mesh (1,)."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _plan(fraction: float, free: Plan, **kwargs) -> Plan:
