@@ -27,7 +27,10 @@ Compiled variants, in the same run (a ``_compiled`` suffix):
   trainers with ``autopar.compile(..., compiler="inductor")`` (its own plan then priced for
   inductor's executor).
 
-``--kinds`` can add ``autopar_ddp_sync`` and ``autopar_fsdp_sync``: the same hand plans compiled
+``--kinds`` can add ``torch_replicate``: torch's own data parallelism on DTensor parameters
+(``torch.distributed._composable.replicate_with_fsdp.replicate``, FSDP2's machinery with every
+parameter replicated), the like-for-like layout of autopar's ``ddp`` plan, whose parameters are
+DTensors too (``ddp_over_dtensor_ddp``); ``autopar_ddp_sync`` and ``autopar_fsdp_sync``: the same hand plans compiled
 with ``autopar.CommOptions(enabled=False)``, one synchronous collective per use (the executor
 before communication was scheduled); and ``eager_local``: the plain model on each rank's slice of
 the batch with no communication at all, the floor that data parallelism's overhead is measured
@@ -108,18 +111,20 @@ def _trainer(kind: str, world: int, rank: int, foreach: bool | None = None):
         if compiled:  # dynamo's DDPOptimizer splits the graph at DDP's buckets
             module = torch.compile(module)
         batch = (idx.chunk(world)[rank], targets.chunk(world)[rank])
-    elif kind == "torch_fsdp2":
+    elif kind in ("torch_fsdp2", "torch_replicate"):
+        from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         # An explicit CPU mesh: without it, fully_shard moves the model to the GPU wherever
         # CUDA is visible, and FSDP2 would be timed on another device than the others.
-        mesh = init_device_mesh("cpu", (world,))
+        wrap = fully_shard if kind == "torch_fsdp2" else replicate
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard" if wrap is fully_shard else "replicate",))
         for block in model.transformer.h:
             if compiled:  # torchtitan's order: compile each block, then shard it
                 block.compile()
-            fully_shard(block, mesh=mesh)
-        module = fully_shard(model, mesh=mesh)
+            wrap(block, mesh=mesh)
+        module = wrap(model, mesh=mesh)
         batch = (idx.chunk(world)[rank], targets.chunk(world)[rank])
     else:
         mesh = (world,)
@@ -190,6 +195,8 @@ def _ratios(step_s: dict[str, float], suffix: str) -> dict[str, float]:
     for ours, theirs, name in (("autopar_ddp", "torch_ddp", "ddp"), ("autopar_fsdp", "torch_fsdp2", "fsdp")):
         if ours in got and theirs in got:
             out[f"{name}{suffix}_ratio"] = round(got[ours] / got[theirs], 3)
+    if "autopar_ddp" in got and "torch_replicate" in got:  # both on DTensor parameters
+        out[f"ddp{suffix}_over_dtensor_ddp{suffix}"] = round(got["autopar_ddp"] / got["torch_replicate"], 3)
     best = [got[k] for k in ("torch_ddp", "torch_fsdp2") if k in got]
     if "autopar" in got and best:
         out[f"own{suffix}_over_best_torch{suffix}"] = round(got["autopar"] / min(best), 3)
