@@ -10,8 +10,10 @@ the stage that owns it and a broadcast to the others), which each subclass says 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,9 @@ from autopar.ops.params import local_of
 from autopar.runtime.checkpoint import device_mesh, model_state_dict
 from autopar.runtime.offload import grad_key, param_key
 from autopar.trace import TracedModel
+
+log = logging.getLogger("autopar")
+_no_sync_said: list[bool] = []  # no_sync() logs what it does once per process
 
 
 def gather_tensor(local: torch.Tensor, spec: Spec, groups: tuple[str, ...]) -> torch.Tensor:
@@ -311,6 +316,20 @@ class ShardedModule(torch.nn.Module):
             if self._offloader is not None and fqn in self._offloader.grads:  # the store gave a copy
                 self._offloader.store.put(grad_key(fqn), grad)
         return total
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync()``, so that a DDP script's gradient accumulation runs unchanged. autopar
+        still reduces the gradients at every backward inside it; they accumulate as eager's do and
+        the step's gradients are the same as without it, but no communication is saved (said once
+        in the log)."""
+        if not _no_sync_said:
+            _no_sync_said.append(True)
+            log.warning(
+                "autopar: no_sync() still reduces gradients at every backward (the accumulated "
+                "gradients are the same; no communication is saved)"
+            )
+        yield
 
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:

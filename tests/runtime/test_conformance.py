@@ -5,7 +5,7 @@ a small CNN (batch norm, and a ``self.training`` branch that drops features in t
 under the ``ddp``, ``fsdp`` and ``megatron`` hand plans and under the solver's own plan, each
 rank loads its own rows (``batch="per_rank"``, a ``DistributedSampler`` built from
 ``pm.data_parallel_size`` and ``pm.data_parallel_rank``) and runs a loop that accumulates two
-micro-steps, clips gradients (torch's ``clip_grad_norm_`` on ``pm.parameters()``), steps AdamW and an LR scheduler, evaluates between train steps
+micro-steps (the first under DDP's ``pm.no_sync()``), clips gradients (torch's ``clip_grad_norm_`` on ``pm.parameters()``), steps AdamW and an LR scheduler, evaluates between train steps
 (``pm.eval()`` under ``torch.no_grad()``), and saves and resumes mid-run into a module compiled
 from another model. The eager loop runs on the concatenation of every data-parallel rank's rows.
 Every step's losses, clip norm, gradients, parameters and eval loss must equal eager's.
@@ -13,6 +13,7 @@ Every step's losses, clip norm, gradients, parameters and eval loss must equal e
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -149,8 +150,10 @@ def _loop(name: str, kind: str, plans: dict[str, str], path: str) -> dict:
             index = step * ACCUM + micro
             local = loaders[rank][index]
             whole = tuple(torch.cat([loaders[r][index][i] for r in range(size)]) for i in range(len(local)))
-            loss = pm(*local) / ACCUM
-            loss.backward()
+            # DDP's idiom: every micro-step but the last under no_sync()
+            with pm.no_sync() if micro < ACCUM - 1 else contextlib.nullcontext():
+                loss = pm(*local) / ACCUM
+                loss.backward()
             eager_loss = eager(*whole) / ACCUM
             eager_loss.backward()
             out["loss"] = max(out["loss"], abs(loss.item() - eager_loss.item()) / abs(eager_loss.item()))
