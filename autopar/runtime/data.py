@@ -10,11 +10,17 @@ gather runs while the call computes: each rank waits for it just before the call
 collective, or at the end of its forward (``start_check``), so it raises before any collective
 and before the call returns, and a forward that computes before its first collective (a
 data-parallel plan's) finds it done.
+
+The random generators are an input too. Where the plan draws random numbers (dropout) for a tensor
+that several ranks hold whole (replicated on a mesh axis), those ranks must draw the same numbers,
+or their copies of one tensor differ and the step is silently wrong. The same gather compares a
+fingerprint of their generators' states (``random_ops``), and refuses a call whose ranks are not in
+step, as DDP scripts that seed each rank differently would be.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,11 +28,13 @@ import torch.fx
 from torch._subclasses.fake_tensor import is_fake
 
 from autopar.ir.data import DataLayout
+from autopar.ir.plan import Plan
 from autopar.ops import collectives
 
 _T = TypeVar("_T")
-# Per rank: its group (the data-parallel rank under per_rank data, else 0), refused (1) or not, the fingerprint.
-_FIELDS = 5
+# Per rank: its group (the data-parallel rank under per_rank data, else 0), refused (1) or not, the
+# data's fingerprint (3), the group of ranks whose random generators must agree, and theirs.
+_FIELDS = 7
 _PRIME = 251  # position weights cycle through 1..251, so that reordered rows change the fingerprint
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13's name
 
@@ -49,8 +57,78 @@ def fingerprint(leaves: list[Any], device: torch.device) -> torch.Tensor:
     return torch.stack([count, total, weighted])
 
 
+class RandomOps(NamedTuple):
+    """The random ops of a graph that draw for a tensor replicated on some mesh axes (``random_ops``)."""
+
+    group: int  # this rank's coordinate on the other axes, row-major: the ranks that must draw alike share it
+    axes: tuple[int, ...]
+    nodes: tuple[str, ...]
+
+
+def random_ops(gm: torch.fx.GraphModule, plan: Plan, coordinate: tuple[int, ...]) -> RandomOps | None:
+    """Which of ``gm``'s random ops (``torch.Tag.nondeterministic_seeded``: dropout in training,
+    ``rand_like``, ``bernoulli`` ...) have an output replicated on a mesh axis of size > 1, as the
+    plan places them; None if none has. A node the plan does not name counts as replicated."""
+    axes: set[int] = set()
+    nodes = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded not in node.target.tags or _draws_nothing(node):
+            continue
+        decided = plan.nodes.get(node.name)
+        spec = decided.outs[0] if decided is not None and decided.outs else None
+        replicated = [
+            axis
+            for axis, size in enumerate(plan.mesh_shape)
+            if size > 1 and (spec is None or axis >= len(spec) or spec[axis].is_replicate())
+        ]
+        if replicated:
+            axes.update(replicated)
+            nodes.append(node.name)
+    if not nodes:
+        return None
+    group = 0
+    for axis, size in enumerate(plan.mesh_shape):
+        group = group * size + (0 if axis in axes else coordinate[axis])
+    return RandomOps(group, tuple(sorted(axes)), tuple(nodes))
+
+
+def _draws_nothing(node: torch.fx.Node) -> bool:
+    """Dropout in evaluation (``train=False``) or with ``p=0`` is the identity."""
+    if node.target not in (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default):
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return train is False or p == 0
+
+
+_STATE_WEIGHTS: dict[int, torch.Tensor] = {}
+
+
+def _random_fingerprint(device: torch.device) -> float:
+    """One number that differs, almost surely, between two states of the generators a forward
+    draws from (the CPU's, and ``device``'s)."""
+    total = 0.0
+    for state in (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None):
+        if state is None:
+            continue
+        weights = _STATE_WEIGHTS.get(state.numel())
+        if weights is None:
+            weights = _STATE_WEIGHTS.setdefault(
+                state.numel(), torch.arange(state.numel(), dtype=torch.float64).remainder_(_PRIME).add_(1)
+            )
+        total = total * 2 + float((state.to(torch.float64) * weights).sum())
+    return total
+
+
 def start_check(
-    validate: Callable[[], _T], leaves: list[Any], layout: DataLayout, coordinate: tuple[int, ...], device: torch.device
+    validate: Callable[[], _T],
+    leaves: list[Any],
+    layout: DataLayout,
+    coordinate: tuple[int, ...],
+    device: torch.device,
+    random: RandomOps | None = None,
 ) -> tuple[_T, Callable[[], None]]:
     """``validate()`` (the call's own checks, which return its flat inputs) and the launch of one
     all-gather that tells every rank whether any rank refused the call or passed other data than
@@ -60,7 +138,8 @@ def start_check(
     The caller settles before the call's first collective and before it returns: until then the
     rank computes while the gather runs, so the check adds no sync point of its own (a data-parallel
     plan's forward has none before its loss). A rank that refuses waits for the gather and raises
-    at once; the others raise at their settle, before any collective that rank would not join."""
+    at once; the others raise at their settle, before any collective that rank would not join.
+    ``random``: the graph's random ops that need this rank's generators in step with others'."""
     if any(isinstance(leaf, torch.Tensor) and (leaf.is_meta or is_fake(leaf)) for leaf in leaves):
         return validate(), _nothing  # shapes only (``autopar check``'s fake world): no values to compare
     refusal: BaseException | None = None
@@ -70,8 +149,13 @@ def start_check(
     except (ValueError, TypeError) as error:
         refusal = error
     group = layout.rank(coordinate) if layout.per_rank else 0  # the ranks that must pass the same data
+    drawn = [0.0, 0.0] if random is None else [float(random.group), _random_fingerprint(device)]
     row = torch.cat(
-        [torch.tensor([group, float(refusal is not None)], dtype=torch.float64, device=device), fingerprint(leaves, device)]
+        [
+            torch.tensor([group, float(refusal is not None)], dtype=torch.float64, device=device),
+            fingerprint(leaves, device),
+            torch.tensor(drawn, dtype=torch.float64, device=device),
+        ]
     )
     gathered = torch.empty(dist.get_world_size() * _FIELDS, dtype=torch.float64, device=device)
     work = collectives.call_on_world("all-gather (data check)", _all_gather_into, gathered, row, async_op=True)
@@ -90,6 +174,8 @@ def start_check(
             if refused:
                 raise ValueError(f"ranks {refused} refused this call (see their errors); every rank stops here")
             _check_same_data(rows, layout)
+            if random is not None:
+                _check_same_random(rows, random)
         except ValueError:  # a refusing rank ran nothing: every rank leaves with the state it came with
             _set_rng_state(rng, device)
             raise
@@ -154,7 +240,7 @@ def _check_same_data(rows: torch.Tensor, layout: DataLayout) -> None:
     for rank in range(rows.shape[0]):
         dp_rank = int(rows[rank, 0])
         other = first.setdefault(dp_rank, rank)
-        if torch.equal(rows[rank, 2:], rows[other, 2:]):
+        if torch.equal(rows[rank, 2:5], rows[other, 2:5]):
             continue
         if not layout.per_rank:
             raise ValueError(
@@ -169,4 +255,21 @@ def _check_same_data(rows: torch.Tensor, layout: DataLayout) -> None:
             f"batch='per_rank' the ranks of one data-parallel rank (data_parallel_size {layout.size}, the mesh axes "
             f"{list(layout.axes)} split the batch) pass the same rows. Build the sampler with "
             "DistributedSampler(num_replicas=pm.data_parallel_size, rank=pm.data_parallel_rank), not the world rank"
+        )
+
+
+def _check_same_random(rows: torch.Tensor, random: RandomOps) -> None:
+    first: dict[int, int] = {}
+    for rank in range(rows.shape[0]):
+        other = first.setdefault(int(rows[rank, 5]), rank)
+        if rows[rank, 6] == rows[other, 6]:
+            continue
+        nodes = ", ".join(random.nodes[:3]) + (f" and {len(random.nodes) - 3} more" if len(random.nodes) > 3 else "")
+        raise ValueError(
+            f"ranks {other} and {rank} draw different random numbers (their torch random generators are not in step: "
+            "seeded differently, or they drew different counts since), but this plan draws random numbers "
+            f"({nodes}) for tensors that both hold whole (replicated on mesh axes {list(random.axes)}), so their "
+            "copies would differ and the step would be wrong without an error. Seed every rank alike before "
+            "the first call (torch.manual_seed(seed), not seed + rank), and give per-rank randomness such as "
+            "data augmentation a torch.Generator of its own"
         )

@@ -20,7 +20,7 @@ from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
-from autopar.runtime.data import start_check, writes_state
+from autopar.runtime.data import random_ops, start_check, writes_state
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
 from autopar.runtime.offload import param_key
 from autopar.runtime.checkpoint import to_dtensor
@@ -71,6 +71,7 @@ class ParallelModule(ShardedModule):
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
         self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
         self._writes_state: dict[str, bool] = {}  # per mode graph: whether it writes a buffer (runtime.data)
+        self._random_ops: dict[str, Any] = {}  # per mode graph: its random ops on replicated tensors (runtime.data)
         self._build_mode = build_mode
         self._data = plan.data_layout
         if self._data.per_rank:
@@ -187,14 +188,20 @@ class ParallelModule(ShardedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run = self._mode_graph()
+        if run.attr not in self._writes_state:  # read once per mode graph, not on every call
+            self._writes_state[run.attr] = writes_state(getattr(self, run.attr))
+            self._random_ops[run.attr] = random_ops(run.traced.gm, run.plan, self._coordinate)
         leaves = pytree.tree_leaves((args, kwargs))
         flat, settle = start_check(
-            lambda: self._user_inputs(args, kwargs), leaves, self._data, self._coordinate, self._check_device
+            lambda: self._user_inputs(args, kwargs),
+            leaves,
+            self._data,
+            self._coordinate,
+            self._check_device,
+            self._random_ops[run.attr],
         )
         # The data check settles before the graph's first collective, or at the end (runtime.data),
         # or before the graph where it writes buffers in place.
-        if run.attr not in self._writes_state:  # read once per mode graph, not on every call
-            self._writes_state[run.attr] = writes_state(getattr(self, run.attr))
         if self._writes_state[run.attr]:
             settle()
         collectives.before_next_collective(settle)

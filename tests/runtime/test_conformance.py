@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -64,6 +65,17 @@ class DropoutHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+class NoisyHead(nn.Module):
+    """Noise injection with ``torch.randn``: a random factory, which every rank draws whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + 0.1 * torch.randn(x.shape))
 
 
 def _model(name: str, seed: int) -> nn.Module:
@@ -198,6 +210,19 @@ def _dropout_and_whole_batch(rank: int) -> dict:
         out["mixed"] = "no error"
     except ValueError as error:
         out["mixed"] = str(error)
+    # DDP scripts seed each rank differently; a tensor every rank draws whole must not differ
+    noisy = autopar.compile(NoisyHead(), MESH, example_inputs=(x,), cluster="cpu")
+    torch.manual_seed(100 + rank)
+    try:
+        noisy(x)
+        out["seeded_per_rank"] = "no error"
+    except ValueError as error:
+        out["seeded_per_rank"] = str(error)
+    torch.manual_seed(5)  # in step again: the same call runs, and every rank drew the same noise
+    got = noisy(x).detach()
+    gathered = [torch.empty_like(got) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, got)
+    out["noise_spread"] = max((g - got).abs().max().item() for g in gathered)
     return out
 
 
@@ -256,6 +281,8 @@ def test_training_loop_equals_eager(rank_pool, tmp_path) -> None:
         assert dropout["eval"] < 1e-12, f"rank {rank}: eval with dropout off differs from eager's eval: {dropout}"
         assert dropout["train_differs"] > 1e-3, f"rank {rank}: train mode must run dropout: {dropout}"
         assert "batch='per_rank'" in dropout["mixed"] and "ranks 0 and 3" in dropout["mixed"], dropout["mixed"]
+        assert "not in step" in dropout["seeded_per_rank"] and "torch.manual_seed(seed)" in dropout["seeded_per_rank"], dropout
+        assert dropout["noise_spread"] == 0.0, f"rank {rank}: ranks drew different noise in step: {dropout}"
     # Coverage, not numerics: the cpu preset's plans split the batch on no axis (CNN under fsdp),
     # one (GPT) and both (CNN under ddp). Should the cost model change that, change the models' sizes.
     assert set(sizes.values()) >= {1, 2, 4}, f"data-parallel sizes of the loops: {sizes}"

@@ -131,3 +131,33 @@ def test_graphs_that_write_a_buffer_in_place_are_known() -> None:
     assert writes_state(trace(_Counter(), (x,)).gm)
     assert not writes_state(trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout()), (x,)).gm)
     assert not writes_state(trace(torch.nn.Sequential(torch.nn.BatchNorm1d(4)).eval(), (x,)).gm)
+
+
+def test_random_ops_on_replicated_tensors_are_found_with_their_axes() -> None:
+    """Ranks must draw alike only where a random op's output is whole on a mesh axis: sharded
+    dropout may draw per rank (as DDP's does), eval-mode dropout draws nothing."""
+    import dataclasses
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.runtime.data import random_ops
+
+    model = _Regression()
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    traced = trace(model, (x, y))
+    plan = autopar.plan(model, (2, 2), example_inputs=(x, y), cluster="cpu")
+    (name,) = [n.name for n in traced.gm.graph.nodes if n.target is torch.ops.aten.dropout.default]
+
+    def placed(*spec):
+        nodes = dict(plan.nodes)
+        nodes[name] = dataclasses.replace(nodes[name], outs=(spec,))
+        return dataclasses.replace(plan, nodes=nodes)
+
+    assert random_ops(traced.gm, placed(Shard(0), Shard(0)), (1, 1)) is None
+    found = random_ops(traced.gm, placed(Shard(0), Replicate()), (1, 1))
+    assert found is not None and found.axes == (1,) and found.nodes == (name,)
+    # ranks (1, 0) and (1, 1) must agree with each other, not with (0, 1)
+    assert found.group == random_ops(traced.gm, placed(Shard(0), Replicate()), (1, 0)).group
+    assert found.group != random_ops(traced.gm, placed(Shard(0), Replicate()), (0, 1)).group
+    assert random_ops(traced.gm, placed(Replicate(), Replicate()), (0, 1)).axes == (0, 1)
+    assert random_ops(trace(model.eval(), (x, y)).gm, plan, (0, 0)) is None  # eval: dropout draws nothing
