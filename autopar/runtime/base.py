@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -316,6 +316,24 @@ class ShardedModule(torch.nn.Module):
             if self._offloader is not None and fqn in self._offloader.grads:  # the store gave a copy
                 self._offloader.store.put(grad_key(fqn), grad)
         return total
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedModule":
+        """``to``, ``half``, ``double``, ``cuda`` ... after compile: the shards stay where and as
+        the plan put them. A call that would change nothing returns the module; one that would
+        cast or move a tensor is refused (the plan, its buffers and gathers are made for them)."""
+        for name, tensor in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            local = local_of(tensor)
+            if local.numel() == 0:  # an offloaded parameter's stub, or an empty shard
+                continue
+            probe = fn(torch.empty(0, dtype=local.dtype, device=local.device))
+            if probe.dtype != local.dtype or probe.device != local.device:
+                raise TypeError(
+                    f"cannot cast or move a compiled module ({name}: {local.dtype} on {local.device} would become "
+                    f"{probe.dtype} on {probe.device}): autopar placed its shards for the plan. Cast or move the "
+                    "model before autopar.compile (model.to(...)), or pass precision='bf16-mixed' or 'bf16-true' "
+                    "to compile for bf16 compute"
+                )
+        return self
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

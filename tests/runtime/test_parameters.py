@@ -221,3 +221,17 @@ def test_a_strided_shard_parameter_is_the_whole_tensor_to_torch() -> None:
 
     for error, norm, want in run_ranks_in_threads(2, _strided_round_trip):
         assert error == 0 and norm == pytest.approx(want, rel=1e-12)
+
+
+def test_casting_or_moving_a_compiled_module_is_refused_and_a_no_op_is_not(world_of_one):
+    """``pm.double()`` after compile would cast shards the plan, its buffers and its gathers were
+    made for; such calls are refused with the fix, while calls that change nothing pass."""
+    model = build_model("mlp", seed=0, d_in=8, d_hidden=16, d_out=4)
+    batch = example_batch("mlp", batch_size=4, seed=1, d_in=8, d_hidden=16, d_out=4)
+    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu")
+    assert pm.to("cpu") is pm and pm.float() is pm and pm.to(torch.float32) is pm
+    for cast in (pm.double, pm.half, lambda: pm.to(torch.bfloat16)):
+        with pytest.raises(TypeError, match=r"before autopar.compile.*precision="):
+            cast()
+    assert all(p.dtype == torch.float32 for p in pm.parameters())
+    pm(*batch).backward()  # still runs as compiled
