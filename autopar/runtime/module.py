@@ -94,6 +94,7 @@ class ParallelModule(ShardedModule):
             fqn = graph_input.fqn
             canonical = traced.ties.get(fqn, fqn)
             if canonical in made:
+                made[fqn] = made[canonical]
                 attach(self.module, fqn, made[canonical], graph_input.kind)
                 continue
             offloaded = offloader is not None and graph_input.kind == "param" and canonical in offloader.params
@@ -116,7 +117,9 @@ class ParallelModule(ShardedModule):
             made[canonical] = value
             made[fqn] = value
             attach(self.module, fqn, value, graph_input.kind)
-        self._leaves = {id(p): LocalLeaf(p) for p in made.values() if isinstance(p, DTensor)}
+        # By name, not by id(): a deepcopy of the module (swa_utils.AveragedModel) copies these too.
+        leaves: dict[int, LocalLeaf] = {}
+        self._leaves = {fqn: leaves.setdefault(id(p), LocalLeaf(p)) for fqn, p in made.items() if isinstance(p, DTensor)}
         if offloader is not None:
             offloader.attach_grad_hooks(
                 {traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}
@@ -219,7 +222,7 @@ class ParallelModule(ShardedModule):
         for name, kind, fqn in run.inputs:
             if kind == "param":  # the graph runs on the local shard; its gradient comes back a DTensor
                 param = lookup(self.module, fqn)
-                values.append(self._leaves[id(param)].get() if isinstance(param, DTensor) else param)
+                values.append(self._leaves[fqn].get() if isinstance(param, DTensor) else param)
             elif kind == "buffer":
                 values.append(lookup(self.module, fqn))
             elif kind == "constant":

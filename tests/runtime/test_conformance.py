@@ -6,7 +6,8 @@ under the ``ddp``, ``fsdp`` and ``megatron`` hand plans and under the solver's o
 rank loads its own rows (``batch="per_rank"``, a ``DistributedSampler`` built from
 ``pm.data_parallel_size`` and ``pm.data_parallel_rank``) and runs a loop that accumulates two
 micro-steps (the first under DDP's ``pm.no_sync()``), clips gradients (torch's ``clip_grad_norm_`` on ``pm.parameters()``), steps AdamW and an LR scheduler, evaluates between train steps
-(``pm.eval()`` under ``torch.no_grad()``), and saves and resumes mid-run into a module compiled
+(``pm.eval()`` under ``torch.no_grad()``), keeps an exponential moving average of the weights
+(``torch.optim.swa_utils.AveragedModel``, a deep copy of the module), and saves and resumes mid-run into a module compiled
 from another model. The eager loop runs on the concatenation of every data-parallel rank's rows.
 Every step's losses, clip norm, gradients, parameters and eval loss must equal eager's.
 """
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import autopar
@@ -138,6 +140,8 @@ def _loop(name: str, kind: str, plans: dict[str, str], path: str) -> dict:
     rows = slice(rank * GLOBAL_BATCH // size, (rank + 1) * GLOBAL_BATCH // size)
     opt, sched = _optimizer(pm.parameters())
     eager_opt, eager_sched = _optimizer(eager.parameters())
+    # weight averaging deep-copies the module: the copy must run on its own parameters
+    ema, eager_ema = (AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.5)) for m in (pm, eager))
     out = {
         "size": size,
         "plan_size": pm.plan.data.size,
@@ -147,6 +151,7 @@ def _loop(name: str, kind: str, plans: dict[str, str], path: str) -> dict:
         "grads": 0.0,
         "params": 0.0,
         "eval": 0.0,
+        "ema": 0.0,
         "eval_grad_fn": [],
         "lr": [],
     }
@@ -179,6 +184,8 @@ def _loop(name: str, kind: str, plans: dict[str, str], path: str) -> dict:
             optimizer.zero_grad()
             scheduler.step()
         out["lr"].append((opt.param_groups[0]["lr"], eager_opt.param_groups[0]["lr"]))
+        ema.update_parameters(pm)
+        eager_ema.update_parameters(eager)
         out["params"] = max(out["params"], _rel(pm.full_state_dict(), eager.state_dict()))
         pm.eval()
         eager.eval()
@@ -189,6 +196,13 @@ def _loop(name: str, kind: str, plans: dict[str, str], path: str) -> dict:
         eager.train()
         out["eval"] = max(out["eval"], abs(got.item() - want.item()) / abs(want.item()))
         out["eval_grad_fn"].append(got.grad_fn is not None)
+    averaged = ema.module.full_state_dict()
+    out["ema"] = _rel({n: averaged[n] for n in names}, {n: p for n, p in eager_ema.module.named_parameters()})
+    ema.eval()
+    eager_ema.eval()
+    with torch.no_grad():  # the average evaluates on its own weights
+        got, want = ema(*(t[rows] for t in eval_batch)), eager_ema(*eval_batch)
+    out["ema"] = max(out["ema"], abs(got.item() - want.item()) / abs(want.item()))
     return out
 
 
@@ -272,7 +286,7 @@ def test_training_loop_equals_eager(rank_pool, tmp_path) -> None:
                 got = out[name, kind]
                 where = f"rank {rank}, {name} under {kind} (data_parallel_size {got['size']})"
                 assert got["batch"] == "per_rank" and got["plan_size"] == got["size"], where
-                for key in ("loss", "norm", "grads", "params", "eval"):
+                for key in ("loss", "norm", "grads", "params", "eval", "ema"):
                     assert got[key] < TOL, f"{where}: {key} off by {got[key]:.2e} (relative) from eager"
                 assert not any(got["eval_grad_fn"]), f"{where}: eval under no_grad kept a graph for backward"
                 assert all(a == b for a, b in got["lr"]), f"{where}: learning rates {got['lr']}"
