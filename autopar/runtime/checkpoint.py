@@ -109,24 +109,43 @@ def load_model_state_dict(
     Values may be whole tensors (as ``model.state_dict()`` or ``pm.full_state_dict()`` give),
     which each rank cuts to its shard, or DTensors on this module's mesh (as
     ``pm.state_dict()`` gives, filled by ``dcp.load``), which are redistributed to its placements.
+    Every rank calls it; a state dict that one rank refuses is refused on every rank, before any
+    copy or redistribution.
     """
     keys = pm.state_dict_keys()
     missing = [k for k in keys if k not in state_dict]
     unexpected = [k for k in state_dict if k not in set(keys)]
+    held = set(pm.local_state_keys())  # in a pipeline, this rank's stages' names
+    loaded = [fqn for fqn in keys if fqn in state_dict and fqn in held]
+    _agreed("load_state_dict", lambda: _check_state_dict(pm, state_dict, loaded, missing, unexpected, strict))
+    for fqn in loaded:
+        value = state_dict[fqn]
+        target = pm.local_shard(fqn)
+        spec = pm.plan.params[fqn]
+        if isinstance(value, DTensor):
+            local = value.redistribute(pm.device_mesh, spec).to_local()
+        else:
+            local = shard_tensor(value, spec, pm.coordinate, pm.shard_mesh_shape)
+        if local.data_ptr() != target.data_ptr():
+            target.copy_(local)
+    return missing, unexpected
+
+
+def _check_state_dict(
+    pm: "ParallelModule",
+    state_dict: Mapping[str, Any],
+    loaded: list[str],
+    missing: list[str],
+    unexpected: list[str],
+    strict: bool,
+) -> None:
     if strict and (missing or unexpected):
         raise RuntimeError(
             f"state dict does not match the model: missing {missing or 'none'}, unexpected "
             f"{unexpected or 'none'}; pass a state dict of this model, or strict=False to load the common names"
         )
-
-    held = set(pm.local_state_keys())  # in a pipeline, this rank's stages' names
-    for fqn in keys:
-        if fqn not in state_dict or fqn not in held:
-            continue
-        value = state_dict[fqn]
-        target = pm.local_shard(fqn)
-        spec = pm.plan.params[fqn]
-        full_shape = pm.full_shape(fqn)
+    for fqn in loaded:
+        value, full_shape = state_dict[fqn], pm.full_shape(fqn)
         if tuple(value.shape) != full_shape:
             raise ValueError(
                 f"{fqn}: the state dict holds shape {tuple(value.shape)}, the model {full_shape}; "
@@ -138,12 +157,20 @@ def load_model_state_dict(
                     f"{fqn} is a DTensor on another device mesh ({value.device_mesh}); load through "
                     "autopar.checkpoint.load, or pass whole tensors (value.full_tensor())"
                 )
-            local = value.redistribute(pm.device_mesh, spec).to_local()
-        else:
-            local = shard_tensor(value, spec, pm.coordinate, pm.shard_mesh_shape)
-        if local.data_ptr() != target.data_ptr():
-            target.copy_(local)
-    return missing, unexpected
+            _check_own_shard(fqn, value, pm.device_mesh)
+
+
+def _check_own_shard(fqn: str, value: DTensor, mesh: Any) -> None:
+    """A DTensor unpickled from another rank's ``torch.save`` keeps that rank's mesh coordinate and
+    its shard: loading it would put that rank's slice here."""
+    saved, mine = value.device_mesh.get_coordinate(), mesh.get_coordinate()
+    if saved != mine and not all(p.is_replicate() for p in value.placements):
+        raise ValueError(
+            f"{fqn} is a DTensor holding the shard of mesh coordinate {saved}, saved by another rank (this rank "
+            f"sits at {mine}): loading it would put that rank's slice here. Save and load with "
+            "autopar.checkpoint.save / autopar.checkpoint.load (torch.distributed.checkpoint), or torch.save "
+            "pm.full_state_dict() (whole tensors) and load that"
+        )
 
 
 def _param_fqns(pm: "ParallelModule", optimizer: torch.optim.Optimizer) -> dict[int, str]:

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import autopar
@@ -108,6 +109,7 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
     except RuntimeError as error:
         out["load_missing"] = str(error)
     out["fsdp"] = _resume(other, path)
+    out["torch_save"] = _torch_save(pm, other, f"{path}_pt", rank)
 
     # Load on mesh (1, 4) under Megatron, into a meta-built model: shards straight from the checkpoint.
     with torch.device("meta"):
@@ -153,6 +155,27 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
     return out
 
 
+def _torch_save(pm: autopar.ParallelModule, other: autopar.ParallelModule, path: str, rank: int) -> dict:
+    """Plain torch.save: each rank's own ``pm.state_dict()`` loads back; rank 0's sharded one
+    loaded on every rank is refused on every rank (it holds rank 0's slices); rank 0's
+    ``full_state_dict()`` loads anywhere."""
+    out = {}
+    torch.save(pm.state_dict(), f"{path}{rank}")
+    torch.save(pm.full_state_dict(), f"{path}_full")  # every rank writes the same: a race-free stand-in for rank 0
+    dist.barrier()
+    want = pm.full_state_dict()
+    pm.load_state_dict(torch.load(f"{path}{rank}", weights_only=False))
+    out["own"] = max(max_rel_diff(pm.full_state_dict(), want).values())
+    try:
+        pm.load_state_dict(torch.load(f"{path}0", weights_only=False))
+        out["rank0"] = "no error"
+    except ValueError as error:  # autopar.CheckpointError on the ranks that hear of another's refusal
+        out["rank0"] = str(error)
+    other.load_state_dict(torch.load(f"{path}_full", weights_only=False))
+    out["full"] = max(max_rel_diff(other.full_state_dict(), want).values())
+    return out
+
+
 def _plans() -> dict[str, str]:
     batch = _batch(0)
     cnn_batch = example_batch("cnn", batch_size=8)
@@ -193,6 +216,9 @@ def test_checkpoint_round_trip_across_meshes(rank_pool, tmp_path) -> None:
         assert max(out["megatron_compiled_state"].values()) == 0.0, f"{where}: FromCheckpoint shards differ"
         assert max(out["load_whole"].values()) == 0.0, f"{where}: pm.load_state_dict(whole tensors): {out['load_whole']}"
         assert "missing ['lm_head.weight']" in out["load_missing"], out["load_missing"]
+        saved = out["torch_save"]
+        assert saved["own"] == 0.0 and saved["full"] == 0.0, f"{where}: torch.save round trips {saved}"
+        assert "saved by another rank" in saved["rank0"] and "full_state_dict" in saved["rank0"], saved["rank0"]
         for label in ("fsdp", "megatron"):
             resumed = out[label]
             assert resumed["lr"] == 1e-2, f"{where} {label}: lr {resumed['lr']} not restored from the checkpoint"
