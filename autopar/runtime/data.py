@@ -57,6 +57,14 @@ def fingerprint(leaves: list[Any], device: torch.device) -> torch.Tensor:
     return torch.stack([count, total, weighted])
 
 
+class DataMismatchError(ValueError):
+    """Two ranks (``ranks``) passed data that the module's data layout says must be the same."""
+
+    def __init__(self, message: str, ranks: tuple[int, int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
 class RandomOps(NamedTuple):
     """The random ops of a graph that draw for a tensor replicated on some mesh axes (``random_ops``)."""
 
@@ -243,18 +251,20 @@ def _check_same_data(rows: torch.Tensor, layout: DataLayout) -> None:
         if torch.equal(rows[rank, 2:5], rows[other, 2:5]):
             continue
         if not layout.per_rank:
-            raise ValueError(
+            raise DataMismatchError(
                 f"ranks {other} and {rank} passed different batches, but this module takes the same whole batch on "
                 "every rank (batch='whole') and cuts it itself; mixing rows of different batches would train on "
                 "neither. Pass every rank the same batch, or, to load each rank's own rows as DDP does, compile with "
                 "data=autopar.DataOptions(batch='per_rank') and use DistributedSampler(num_replicas="
-                "pm.data_parallel_size, rank=pm.data_parallel_rank)"
+                "pm.data_parallel_size, rank=pm.data_parallel_rank)",
+                (other, rank),
             )
-        raise ValueError(
+        raise DataMismatchError(
             f"ranks {other} and {rank} have data-parallel rank {dp_rank} but passed different rows: under "
             f"batch='per_rank' the ranks of one data-parallel rank (data_parallel_size {layout.size}, the mesh axes "
             f"{list(layout.axes)} split the batch) pass the same rows. Build the sampler with "
-            "DistributedSampler(num_replicas=pm.data_parallel_size, rank=pm.data_parallel_rank), not the world rank"
+            "DistributedSampler(num_replicas=pm.data_parallel_size, rank=pm.data_parallel_rank), not the world rank",
+            (other, rank),
         )
 
 

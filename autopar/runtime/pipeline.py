@@ -70,10 +70,12 @@ from autopar.errors import PlanError
 from autopar.passes import default_passes, run_passes
 from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
 from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
+from autopar.ir.data import DataLayout
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
 from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict
+from autopar.runtime.data import DataMismatchError, start_check
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
 from autopar.runtime.microbatch_loss import label_counts
 from autopar.runtime.module import world_timeout
@@ -402,7 +404,7 @@ class PipelineParallelModule(ShardedModule):
                 "pm.train() (under torch.no_grad() it runs forward only), or evaluate with a module compiled without "
                 "a pipeline (pipeline='off')"
             )
-        flat = self._user_inputs(args, kwargs)
+        flat = self._agreed_inputs(args, kwargs)
         user = dict(zip(self._user_keys, flat))
         params = [p for p in self._stages.parameters() if p.requires_grad]
         train = torch.is_grad_enabled() and bool(params)
@@ -441,6 +443,24 @@ class PipelineParallelModule(ShardedModule):
                 p.grad = grad
         loss = self._broadcast_loss(losses)
         return self._outputs(_HeldGradients.apply(loss, len(params), *held, *params))
+
+    def _agreed_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The call's flat inputs, once every rank has passed the same whole batch (one small
+        all-gather, ``runtime.data``; waited for here, as a step's stages exchange activations
+        from the start): the first stage reads the inputs and the last the labels, each on its
+        own ranks, so other data on one rank would pair one rank's inputs with another's labels."""
+        leaves = pytree.tree_leaves((args, kwargs))
+        whole = DataLayout("whole", (), (dist.get_world_size(),))
+        flat, settle = start_check(lambda: self._user_inputs(args, kwargs), leaves, whole, (0,), self._device)
+        try:
+            settle()
+        except DataMismatchError as error:
+            raise ValueError(
+                f"ranks {error.ranks[0]} and {error.ranks[1]} passed different batches, but a pipelined module takes the same whole batch on every rank "
+                "(its first stage reads the inputs and its last the labels, on their own ranks): pass every rank "
+                "the same batch"
+            ) from None
+        return flat
 
     @property
     def _holds_loss(self) -> bool:

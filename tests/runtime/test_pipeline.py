@@ -311,6 +311,12 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
         results["ignored"]["empty"] = "ran"
     except ValueError as error:
         results["ignored"]["empty"] = str(error)
+    # One rank passing other data would pair one rank's inputs with another's labels: refused everywhere.
+    try:
+        pm(idx + (rank == 3), targets)
+        results["ignored"]["mixed"] = "ran"
+    except ValueError as error:
+        results["ignored"]["mixed"] = str(error)
     # A meta-built GPT, seeded per stage: each stage holds its shards of init.apply's numbers.
     init = autopar.SeededInit(3, fn=GPT._init_weights)
     with torch.device("meta"):
@@ -387,6 +393,7 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
             f"rank {rank}: uneven -100 targets, {worst} off by {ignored['grad_rel'][worst]:.2e}"
         )
         assert "microbatch 1 of this step holds no target" in ignored["empty"], ignored["empty"]
+        assert "ranks 0 and 3 passed different batches" in ignored["mixed"] and "same whole batch" in ignored["mixed"], ignored
         seeded = by_label.pop("seeded")
         assert seeded and all(seeded.values()), f"rank {rank}: seeded stages differ from SeededInit.apply: {seeded}"
         tied = by_label.pop("tied")
