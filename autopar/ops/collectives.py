@@ -52,7 +52,10 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.fx.traceback
+import torch.utils.checkpoint
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autopar.errors import CollectiveError
 from autopar.ir.spec import strided_piece, unstride
@@ -610,13 +613,64 @@ def allreduce_grad(x: torch.Tensor, group_name: str, reduce_dtype: torch.dtype |
     return _AllReduceGrad.apply(x, group_name, reduce_dtype)
 
 
-def gather_param(x: torch.Tensor, dim: int, group_name: str, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+# The key of a gather's layer in its nodes' ``meta["custom"]`` (``torch.fx.traceback.annotate``),
+# which survives dynamo, AOTAutograd and recomputation: the compiled mode's bucketing reads it
+# (``passes.inductor_comm``) to gather one layer per collective, as ``ir.gathers`` groups them.
+LAYER_ANNOTATION = "autopar_layer"
+
+
+def gather_param(
+    x: torch.Tensor, dim: int, group_name: str, reduce_dtype: torch.dtype | None = None, layer: str | None = None
+) -> torch.Tensor:
     """FSDP's pair for a sharded parameter whose uses are split on the axis: all-gather in
     forward, reduce-scatter of the (partial) gradient in backward. The same numbers as
     ``allreduce_grad(all_gather(x, dim, g), g, reduce_dtype)``, with half the bytes in backward;
     the compiled mode's schedule (``passes.schedule.schedule_in_graph``) puts it in the graph,
-    for inductor to bucket and reorder."""
+    for inductor to bucket and reorder, with the parameter's ``layer`` (``ir.gathers.param_layer``)
+    annotated on its collectives where traced (``LAYER_ANNOTATION``)."""
+    if layer is not None and torch.compiler.is_compiling():
+        with torch.fx.traceback.annotate({LAYER_ANNOTATION: layer}):
+            return _GatherParam.apply(x, dim, group_name, reduce_dtype)
     return _GatherParam.apply(x, dim, group_name, reduce_dtype)
+
+
+def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _recompute_in_backward() -> tuple:
+    return create_selective_checkpoint_contexts(_recompute_everything)
+
+
+def gather_param_resharded(
+    x: torch.Tensor,
+    dim: int,
+    group_name: str,
+    reduce_dtype: torch.dtype | None = None,
+    layer: str | None = None,
+    param_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``gather_param`` (cast to ``param_dtype`` after the gather, where given) whose gathered
+    parameter is not kept for backward: AOTAutograd's partitioner all-gathers it again in
+    backward (FSDP's ``reshard_after_forward``), as SimpleFSDP does: the gather and the cast run
+    in a selective activation checkpoint whose policy makes every op in it MUST_RECOMPUTE (the
+    all-gather, its wait, the concatenation of a gather along a dim other than 0, the cast), so
+    backward saves the shard, not the whole parameter. Outside ``torch.compile`` no checkpoint
+    is needed: eagerly the parameter's users save it anyway, and the eager schedule frees
+    gathers its own way (``ops.buckets.ParamGathers``)."""
+    if not torch.compiler.is_compiling():
+        return _gather_cast(x, dim, group_name, reduce_dtype, param_dtype)
+    with torch.fx.traceback.annotate({LAYER_ANNOTATION: layer} if layer is not None else {}):
+        return torch.utils.checkpoint.checkpoint(
+            _gather_cast, x, dim, group_name, reduce_dtype, param_dtype, use_reentrant=False, context_fn=_recompute_in_backward
+        )
+
+
+def _gather_cast(
+    x: torch.Tensor, dim: int, group_name: str, reduce_dtype: torch.dtype | None, param_dtype: torch.dtype | None
+) -> torch.Tensor:
+    whole = gather_param(x, dim, group_name, reduce_dtype)
+    return whole if param_dtype is None else whole.to(param_dtype)
 
 
 def move_pieces(

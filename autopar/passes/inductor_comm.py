@@ -7,6 +7,9 @@ filled from bucketing altogether. Under DDP's caps (1 MiB first, 25 MiB after) t
 bucket 1 MiB and left each 1 MiB weight gradient all-reduced alone: 25 all-reduces per step of
 the benchmark's GPT (4 with this pass). ``BucketCollectives`` does the grouping with the caps of
 ``CommOptions`` bucket by bucket, and merges each bucket with inductor's own merge functions.
+All-gathers are bucketed one layer at a time (the layer that ``ops.collectives.gather_param``
+annotates), as ``ir.gathers`` groups the eager schedule's, so that a layer resharded after
+forward is gathered again in backward just before its own backward, not with every other layer.
 
 On gloo it then runs each (merged) reduce-scatter as one all-to-all and a local sum of the
 pieces received, as the eager runtime does (``ops.collectives._sums_exchanged``: gloo's own
@@ -26,6 +29,7 @@ from torch._inductor.fx_passes import bucketing
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from autopar.ir.options import CommOptions
+from autopar.ops.collectives import LAYER_ANNOTATION
 
 _C10D = torch.ops._c10d_functional
 # (is this node the collective, its bucketing key, merge one bucket)
@@ -40,9 +44,11 @@ KINDS: dict[str, tuple[Callable[[torch.fx.Node], bool], Callable[[torch.fx.Node]
         lambda n: (n.args[3], n.args[1], n.args[2], n.meta["val"].dtype),
         lambda graph, nodes: bucketing.merge_reduce_scatter_bucket(graph, nodes, "default"),
     ),
+    # one layer per bucket, as ir.gathers groups the eager gathers (forward, and backward's again
+    # where the layer reshards after forward): the layer is annotated on the gather's nodes
     "all_gather": (
         bucketing.is_all_gather_into_tensor,
-        lambda n: (n.args[2], n.args[1], n.meta["val"].dtype),
+        lambda n: (n.args[2], n.args[1], n.meta["val"].dtype, n.meta.get("custom", {}).get(LAYER_ANNOTATION)),
         lambda graph, nodes: bucketing.merge_all_gather_bucket(graph, nodes, "default"),
     ),
 }

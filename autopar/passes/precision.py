@@ -26,6 +26,9 @@ gradient reaches the master's ``.grad``:
   through a cast to one dtype is gathered in that dtype instead (FSDP2's all-gather in
   ``param_dtype``: half the bytes of fp32, as the cost model prices it); its reduce-scatter slot
   stays in the master dtype. Casts of one tensor to one dtype are then merged into the first.
+  In the compiled mode a parameter resharded after forward (``gather_param_resharded``) takes
+  such a cast into its gather instead (after the all-gather, as before), so that backward
+  recomputes the cast with the gather rather than keeping the cast parameter whole.
 
 Parameters gathered by per-use collectives (``CommOptions(enabled=False)``, or uses the
 schedule keeps apart) move their forward bytes in the master dtype.
@@ -114,6 +117,16 @@ def gather_in_param_dtype(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Grap
 
     gathers = getattr(gm, PARAM_GATHERS, None)
     for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is collectives.gather_param_resharded:
+            casts = list(node.users)
+            dtypes = {cast.kwargs.get("dtype") for cast in casts}
+            if casts and all(is_param_cast(cast) for cast in casts) and len(dtypes) == 1:
+                # the cast joins the gather's recomputation, so backward keeps neither
+                node.kwargs = {**node.kwargs, "param_dtype": dtypes.pop()}
+                node.meta["val"] = casts[0].meta["val"]
+                for cast in casts:
+                    drop(cast, node)
+                continue
         if node.op == "call_module" and node.target == PARAM_GATHERS and isinstance(gathers, ParamGathers):
             casts = list(node.users)
             dtypes = {cast.kwargs.get("dtype") for cast in casts}

@@ -25,10 +25,12 @@ same merging (``solver.comm_schedule``).
 Under ``compiler="inductor"`` ``schedule_in_graph`` runs instead: the schedule stays in the
 graph, where the compiler sees it. Each ``all_gather`` → ``allreduce_grad`` pair of a sharded
 parameter becomes one ``gather_param`` (all-gather forward, reduce-scatter backward: FSDP's pair);
-DDP's ``allreduce_grad`` chains stay (all-reduce in backward). A post-grad pass then buckets
-these functional collectives (``passes.inductor_comm``, sized by the same ``CommOptions``) and
-inductor moves their waits behind compute (``inductor_options``). Gathered parameters stay
-alive from forward to backward there: ``reshard_after_forward`` is not carried out yet.
+DDP's ``allreduce_grad`` chains stay (all-reduce in backward). Where the parameter's layer
+reshards after forward (``CommOptions.reshard_after_forward``, ``ir.gathers.reshards``) it is
+``gather_param_resharded``: the gather is marked for recomputation, so AOTAutograd's
+partitioner gathers the parameter again in backward instead of keeping it (SimpleFSDP's way).
+A post-grad pass then buckets these functional collectives (``passes.inductor_comm``, sized by
+the same ``CommOptions``) and inductor moves their waits behind compute (``inductor_options``).
 """
 
 from __future__ import annotations
@@ -228,7 +230,9 @@ def schedule_in_graph(
     options: CommOptions | None = None,
 ) -> torch.fx.GraphModule:
     """The compiled mode's schedule (module docstring): gathers whose gradient is reduced on the
-    same axis become ``gather_param``; bucketing and overlap are inductor's (``inductor_options``)."""
+    same axis become ``gather_param``, or ``gather_param_resharded`` where the parameter's layer
+    reshards after forward (``ir.gathers.reshards``); bucketing and overlap are inductor's
+    (``inductor_options``)."""
     options = options or CommOptions()
     if fqns is None or not options.enabled:
         return gm
@@ -236,6 +240,10 @@ def schedule_in_graph(
     _sync_lookups_at_the_table(graph, set(fqns))
     for placeholder in [n for n in graph.nodes if n.op == "placeholder" and n.name in fqns]:
         _one_sync_per_param(graph, placeholder)
+        layer = param_layer(fqns[placeholder.name])
+        gather_fn = (
+            collectives.gather_param_resharded if reshards(layer, options.reshard_after_forward) else collectives.gather_param
+        )
         for gather in list(placeholder.users):
             if not (_is(gather, collectives.all_gather) and len(gather.args) == 3 and len(gather.users) == 1):
                 continue
@@ -244,7 +252,7 @@ def schedule_in_graph(
                 continue
             reduce_dtype = chain[0].kwargs.get("reduce_dtype")
             with graph.inserting_before(gather):
-                node = graph.call_function(collectives.gather_param, tuple(gather.args), {"reduce_dtype": reduce_dtype})
+                node = graph.call_function(gather_fn, tuple(gather.args), {"reduce_dtype": reduce_dtype, "layer": layer})
             node.meta = dict(gather.meta)
             # further axes of the chain (a parameter replicated on them) keep their allreduce_grad
             rest = chain[1:]

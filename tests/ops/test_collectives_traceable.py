@@ -25,7 +25,17 @@ def _graphs(fn, *args):
 
 
 @pytest.mark.parametrize(
-    "op", ["all_gather", "chunk", "reduce_scatter", "all_to_all", "allreduce_grad", "all_reduce", "gather_param"]
+    "op",
+    [
+        "all_gather",
+        "chunk",
+        "reduce_scatter",
+        "all_to_all",
+        "allreduce_grad",
+        "all_reduce",
+        "gather_param",
+        "gather_param_resharded",
+    ],
 )
 def test_each_collective_traces_without_a_graph_break(world_of_one, op):
     group = world_of_one
@@ -37,6 +47,7 @@ def test_each_collective_traces_without_a_graph_break(world_of_one, op):
         "allreduce_grad": lambda x: collectives.allreduce_grad(x, group),
         "all_reduce": lambda x: collectives.all_reduce(x, group),
         "gather_param": lambda x: collectives.gather_param(x, 0, group),
+        "gather_param_resharded": lambda x: collectives.gather_param_resharded(x, 1, group, torch.float64, "h.0"),
     }
 
     def fn(x):
@@ -53,3 +64,67 @@ def test_each_collective_traces_without_a_graph_break(world_of_one, op):
     want.backward()
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(grad, x.grad)
+
+
+def _partitioned(gather, group):
+    """The forward and backward graphs that inductor's partitioner (min-cut) makes of two
+    linears whose weights are gathered by ``gather``, and the gradients they compute."""
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graphs = []
+
+    def backend(gm, inputs):
+        def keep(graph, _):
+            graphs.append(graph)
+            return make_boxed_func(graph)
+
+        return aot_module_simplified(
+            gm, inputs, fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition
+        )
+
+    def fn(w1, w2, x):
+        hidden = torch.relu(x @ gather(w1, 0, group, None, "h.0").t())
+        return (hidden @ gather(w2, 1, group, None, "h.1").t()).sum()
+
+    torch._dynamo.reset()
+    w1, w2, x = (torch.randn(*shape, requires_grad=True) for shape in ((8, 4), (3, 8), (5, 4)))
+    torch.compile(fn, backend=backend)(w1, w2, x).backward()
+    grads = [t.grad for t in (w1, w2, x)]
+    for t in (w1, w2, x):
+        t.grad = None
+    fn(w1, w2, x).backward()
+    for got, t in zip(grads, (w1, w2, x)):
+        torch.testing.assert_close(got, t.grad)
+    return graphs
+
+
+def _gathers(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+
+
+_LAYOUT = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.permute.default, torch.ops.aten._to_copy.default}
+
+
+def _saved_gathers(forward: torch.fx.Graph) -> list[str]:
+    """The tensors forward saves for backward that are a gathered weight (a collective's
+    output, or a view or cast of one)."""
+    found = []
+    for node in forward.output_node().args[0][1:]:
+        source = node
+        while source.op == "call_function" and source.target in _LAYOUT:
+            source = source.args[0]
+        if source.target is torch.ops._c10d_functional.wait_tensor.default:
+            found.append(node.format_node())
+    return found
+
+
+def test_a_resharded_gather_is_recomputed_in_backward_not_saved(world_of_one):
+    """SimpleFSDP's reshard_after_forward: forward saves the shards, backward gathers again
+    (each gather annotated with its layer); the plain gather saves the gathered weight."""
+    forward, backward = (g.graph for g in _partitioned(collectives.gather_param_resharded, world_of_one))
+    assert not _saved_gathers(forward), _saved_gathers(forward)
+    assert len(_gathers(forward)) == 2 and len(_gathers(backward)) == 2
+    assert {n.meta.get("custom", {}).get(collectives.LAYER_ANNOTATION) for n in _gathers(backward)} == {"h.0", "h.1"}
+    forward, backward = (g.graph for g in _partitioned(collectives.gather_param, world_of_one))
+    assert _saved_gathers(forward) and not _gathers(backward)

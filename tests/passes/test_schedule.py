@@ -163,13 +163,13 @@ def test_fsdp_gathers_each_layer_with_one_collective():
 # -- the compiled mode's schedule: in the graph, for inductor ------------------------------------
 
 
-def _in_graph(kind: str, config: dict = FSDP_CONFIG):
+def _in_graph(kind: str, config: dict = FSDP_CONFIG, options: CommOptions | None = None, precision: str = "32-true"):
     model = build_model("gpt", seed=0, **config)
     batch = example_batch("gpt", 16, seed=1, **config)
-    plan = autopar.hand_plan(kind, model, (2,), example_inputs=batch, cluster="cpu")
-    traced = trace(model, batch)
+    plan = autopar.hand_plan(kind, model, (2,), example_inputs=batch, cluster="cpu", precision=precision)
+    traced = trace(model, batch, precision=plan.precision)
     fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
-    gm = run_passes(copy.deepcopy(traced.gm), plan, default_passes(("g0",), None, fqns, None, compiler="inductor"))
+    gm = run_passes(copy.deepcopy(traced.gm), plan, default_passes(("g0",), None, fqns, options, compiler="inductor"))
     return gm, traced
 
 
@@ -178,8 +178,15 @@ def test_in_graph_schedule_pairs_fsdp_gathers_with_reduce_scatters_and_leaves_no
     params = {gi.name for gi in traced.inputs if gi.kind == "param"}
     assert not any(n.op == "call_module" for n in gm.graph.nodes), "no GradBuckets/ParamGathers modules"
     direct = _param_collectives(gm, params)
-    pairs = [n for n in direct if n.target is collectives.gather_param]
+    pairs = [n for n in direct if n.target in (collectives.gather_param, collectives.gather_param_resharded)]
     assert pairs, "the fsdp plan splits the batch: its gathered parameters' gradients are partial sums"
+    # FSDP2's default: the layer's parameters are gathered again in backward, the root's kept
+    fqn = {gi.name: gi.fqn for gi in traced.inputs}
+    for node in pairs:
+        layer = "transformer.h.0" if fqn[node.args[0].name].startswith("transformer.h.0.") else ""
+        assert node.kwargs["layer"] == layer, node.format_node()
+        assert (node.target is collectives.gather_param_resharded) == (layer != ""), node.format_node()
+    assert {n.kwargs["layer"] for n in pairs} == {"", "transformer.h.0"}
     # no gather of a parameter is left whose gradient is all-reduced whole then chunked
     for node in direct:
         if node.target is collectives.all_gather:
@@ -187,6 +194,20 @@ def test_in_graph_schedule_pairs_fsdp_gathers_with_reduce_scatters_and_leaves_no
             assert not (
                 user.op == "call_function" and user.target is collectives.allreduce_grad and user.args[1] == node.args[2]
             ), node.format_node()
+
+
+def test_in_graph_schedule_reshards_as_comm_options_say_and_recomputes_the_cast_with_the_gather():
+    gm, traced = _in_graph("fsdp", options=CommOptions(reshard_after_forward=False))
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert collectives.gather_param in targets and collectives.gather_param_resharded not in targets
+    gm, traced = _in_graph("fsdp", options=CommOptions(reshard_after_forward=True), precision="bf16-mixed")
+    resharded = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is collectives.gather_param_resharded]
+    assert resharded and collectives.gather_param not in {n.target for n in gm.graph.nodes}
+    # bf16-mixed: each parameter is gathered in fp32 and cast inside the recomputed gather
+    for node in resharded:
+        assert node.kwargs["param_dtype"] == torch.bfloat16, node.format_node()
+        assert node.meta["val"].dtype == torch.bfloat16
+        assert not any(user.target is torch.ops.aten._to_copy.default for user in node.users), node.format_node()
 
 
 def test_in_graph_schedule_keeps_ddp_gradient_all_reduces_for_inductor_to_bucket():
@@ -240,3 +261,22 @@ def test_buckets_take_each_buckets_cap_and_cut_at_dependences():
     # 2 MiB: g0+g1; 8 MiB: g2+g3; g4 reads g3's reduced value: a bucket of its own (dropped: alone)
     assert names == [["g0", "g1"], ["g2", "g3"]], names
     assert all(bucketing.is_all_reduce_tensor(node) for bucket in got for node in bucket)
+
+
+def test_all_gathers_are_bucketed_one_layer_at_a_time():
+    """The compiled mode's gathers of one layer share a bucket and no other layer's join it (its
+    regather in backward then waits for its own backward, as ir.gathers groups the eager ones)."""
+    from autopar.passes.inductor_comm import KINDS, buckets
+
+    c10d = torch.ops._c10d_functional
+    graph = torch.fx.Graph()
+    for i, layer in enumerate(["h.0", "h.0", "h.1", "h.1", ""]):
+        shard = graph.placeholder(f"w{i}")
+        shard.meta["val"] = torch.empty(16, device="meta")
+        gather = graph.call_function(c10d.all_gather_into_tensor.default, (shard, 2, "g"))
+        gather.meta.update(val=torch.empty(32, device="meta"), custom={collectives.LAYER_ANNOTATION: layer})
+        wait = graph.call_function(c10d.wait_tensor.default, (gather,))
+        wait.meta["val"] = gather.meta["val"]
+    is_kind, key, _ = KINDS["all_gather"]
+    got = [[node.args[0].name for node in bucket] for bucket in buckets(graph, is_kind, key, (2**20, 2**20))]
+    assert got == [["w0", "w1"], ["w2", "w3"]], got

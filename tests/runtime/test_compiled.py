@@ -50,10 +50,38 @@ def test_compiler_is_checked_and_offload_refused(world_of_one):
         autopar.compile(model, (1,), example_inputs=batch, cluster="cpu", compiler="inductor", offload="cpu")
 
 
+def _saved_by_compiled(loss: torch.Tensor) -> list[torch.Tensor]:
+    """What the compiled graphs' autograd nodes saved for backward."""
+    seen, saved, stack = set(), [], [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if "CompiledFunction" in type(fn).__name__:
+            saved.extend(fn.saved_tensors)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return saved
+
+
+def _kept_whole(saved: list[torch.Tensor], whole: dict[str, torch.Tensor]) -> list[str]:
+    """The parameters (by name) that a saved tensor holds whole: gathered, or its transpose."""
+    return sorted(
+        {
+            name
+            for name, weight in whole.items()
+            for tensor in saved
+            if (tensor.shape == weight.shape and torch.equal(tensor, weight))
+            or (weight.dim() == 2 and tensor.shape == weight.t().shape and torch.equal(tensor, weight.t()))
+        }
+    )
+
+
 def _hand_plans_compiled(rank: int, world: int) -> dict:
     """On each rank: the small GPT under the ddp and fsdp hand plans, compiled with inductor
-    (buckets small enough that backward has several), against eager; and which gloo
-    collectives the compiled step ran (torch.profiler)."""
+    (buckets small enough that backward has several), against eager; which gloo collectives
+    the compiled step ran in forward and in backward (torch.profiler); and which parameters
+    forward kept whole for backward."""
     from torch.profiler import ProfilerActivity, profile
 
     from autopar.zoo.models import GPT
@@ -62,7 +90,11 @@ def _hand_plans_compiled(rank: int, world: int) -> dict:
     for kind in ("ddp", "fsdp"):
         torch.manual_seed(0)
         model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)  # big enough to split the batch
+        with torch.no_grad():  # no two parameters equal (layer norms start at ones), for _kept_whole
+            for param in model.parameters():
+                param.mul_(1 + 0.01 * torch.randn_like(param))
         eager = copy.deepcopy(model)
+        whole = {name: param.detach().clone() for name, param in model.named_parameters()}
         idx = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
         batch = (idx, idx.roll(1, 1))
         plan = autopar.hand_plan(kind, model, (world,), example_inputs=batch, cluster="cpu")
@@ -70,8 +102,14 @@ def _hand_plans_compiled(rank: int, world: int) -> dict:
         pm = autopar.compile(model, (world,), example_inputs=batch, plan=plan, comm=comm, compiler="inductor")
         loss = pm(*batch)
         loss.backward()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:  # a compiled step (the first compiles)
-            pm(*batch).backward()
+        ran = []
+        with profile(activities=[ProfilerActivity.CPU]) as prof:  # a compiled forward (the first compiles)
+            again = pm(*batch)
+        ran.append({event.key: event.count for event in prof.key_averages() if "c10d" in event.key})
+        kept = _kept_whole(_saved_by_compiled(again), whole)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            again.backward()
+        ran.append({event.key: event.count for event in prof.key_averages() if "c10d" in event.key})
         want = eager(*batch)
         want.backward()
         want_grads = eager_grads(eager)
@@ -83,22 +121,30 @@ def _hand_plans_compiled(rank: int, world: int) -> dict:
             for name, rel in max_rel_diff(got, want_grads).items()
             if want_grads[name].abs().max().item() >= 1e-6 * scale
         }
-        ran = {event.key: event.count for event in prof.key_averages() if "c10d" in event.key}
-        out[kind] = (loss.item(), want.item(), max(grads.values()), ran)
+        out[kind] = (loss.item(), want.item(), max(grads.values()), ran, kept)
     return out
 
 
 @pytest.mark.multiproc
-def test_hand_plans_compiled_on_two_ranks_equal_eager_with_buckets_and_gloo_exchanges(rank_pool):
+def test_hand_plans_compiled_on_two_ranks_equal_eager_with_buckets_gloo_exchanges_and_resharding(rank_pool):
     """The ddp plan's gradient all-reduces go in buckets (not one per parameter), and the fsdp
     plan's reduce-scatters run as all-to-alls on gloo (``passes.inductor_comm``), with eager's
-    numbers."""
+    numbers. Under FSDP2's default ``reshard_after_forward`` the fsdp plan's layers are gathered
+    again in backward, one all-gather per layer, and forward keeps none of them whole for
+    backward; the root's parameters (embeddings, final norm) are kept."""
     results = rank_pool(2).run(_hand_plans_compiled, timeout_s=900)
     for rank, by_kind in enumerate(results):
-        for kind, (loss, want, grad_rel, ran) in by_kind.items():
+        for kind, (loss, want, grad_rel, _, _) in by_kind.items():
             assert abs(loss - want) <= 1e-5 * abs(want), (rank, kind, loss, want)
             assert grad_rel <= 1e-4, (rank, kind, grad_rel)
-        ddp, fsdp = by_kind["ddp"][3], by_kind["fsdp"][3]
+        (ddp_forward, ddp_backward), ddp_kept = by_kind["ddp"][3:]
+        (forward, backward), kept = by_kind["fsdp"][3:]
         # 28 gradients (2 x 12 + 4 parameters, 463 KiB) in 256 KiB buckets, and the loss's in forward
-        assert 3 <= ddp.get("c10d::allreduce_", 0) <= 6, ddp
-        assert fsdp.get("c10d::alltoall_base_", 0) >= 1 and not any("reduce_scatter" in key for key in fsdp), fsdp
+        assert 3 <= ddp_forward.get("c10d::allreduce_", 0) + ddp_backward.get("c10d::allreduce_", 0) <= 6
+        assert backward.get("c10d::alltoall_base_", 0) >= 1 and not any("reduce_scatter" in key for key in backward), backward
+        # forward: the root's embeddings, layer 0, layer 1, the final norm (the head is tied to wte)
+        assert forward.get("c10d::_allgather_base_", 0) == 4, forward
+        assert backward.get("c10d::_allgather_base_", 0) == 2, backward
+        assert not [name for name in kept if name.startswith("transformer.h.")], kept
+        assert {"transformer.wte.weight", "transformer.ln_f.weight"} <= set(kept), kept
+        assert not ddp_backward.get("c10d::_allgather_base_", 0) and "transformer.h.0.mlp.c_fc.weight" in ddp_kept, ddp_kept
