@@ -236,6 +236,24 @@ def call_on_world(kind: str, fn: Callable[..., _T], *args, **kwargs) -> _T:
         raise _collective_error(kind, dist.group.WORLD.group_name, error) from error
 
 
+# Words of a failed collective's error, where the failure surfaces from a compiled graph's code
+# rather than from one of the guarded functions above: a lost peer, or a timeout.
+_COLLECTIVE_FAILED = _PEER_CLOSED + ("gloo", "nccl", "timed out")
+
+
+def compiled_graph_error(part: str, error: BaseException) -> CollectiveError | None:
+    """The diagnosis of ``error``, raised while a compiled graph's ``part`` ran ("forward"),
+    where it is a failed collective (a ``DistError``, or a RuntimeError in gloo's or NCCL's
+    words for a lost peer or a timeout): its functional collectives run inside inductor's
+    code, outside ``_guarded``. None for any other error, which the caller lets pass as it is."""
+    if isinstance(error, (CollectiveError, torch._dynamo.exc.TorchDynamoException)):  # compiling failed: not a peer
+        return None
+    worded = isinstance(error, RuntimeError) and any(text in str(error).lower() for text in _COLLECTIVE_FAILED)
+    if not (worded or isinstance(error, dist.DistError)):
+        return None
+    return _collective_error(f"a collective of the compiled {part}", dist.group.WORLD.group_name, error)
+
+
 # group name -> (size, this rank's index, backend): read while tracing, where resolving a process
 # group would break dynamo's graph.
 _GROUPS: dict[str, tuple[int, int, str]] = {}

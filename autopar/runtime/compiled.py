@@ -24,11 +24,24 @@ import torch.distributed as dist
 import torch.fx
 
 from autopar.ir.options import CommOptions
+from autopar.ops import collectives
 from autopar.passes.schedule import inductor_options, saved_tensors_hooks
 
 log = logging.getLogger("autopar")
 
 COMPILERS = (None, "inductor")
+
+
+class _DropCheckpointNotice(logging.Filter):
+    """Drops dynamo's notice that a checkpoint with a ``context_fn`` must hold no in-place op:
+    the compiled mode's resharded gathers (``collectives.gather_param_resharded``) hold only an
+    all-gather and a cast, and the notice would read as a problem with the user's model."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+_CHECKPOINT_NOTICE = logging.getLogger("torch._higher_order_ops.wrap")
 
 
 class CompiledGraph:
@@ -41,12 +54,16 @@ class CompiledGraph:
         exchange_sums = dist.is_initialized() and dist.get_backend() == "gloo"
         self.compiled = torch.compile(gm, backend="inductor", dynamic=False, options=inductor_options(comm, exchange_sums))
         self.first_call_s: float | None = None
+        if not any(isinstance(f, _DropCheckpointNotice) for f in _CHECKPOINT_NOTICE.filters):
+            _CHECKPOINT_NOTICE.addFilter(_DropCheckpointNotice())
 
     def __call__(self, *values: Any) -> Any:
-        if self.first_call_s is not None or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return self.compiled(*values)
+        if self.first_call_s is not None:
+            return self._run(values)
         start = time.perf_counter()
-        out = self.compiled(*values)
+        out = self._run(values)
         self.first_call_s = time.perf_counter() - start
         log.info(
             "autopar: inductor traced and compiled the graph's forward in %.1f s (cached by inductor "
@@ -54,6 +71,19 @@ class CompiledGraph:
             self.first_call_s,
         )
         return out
+
+    def _run(self, values: Sequence[Any]) -> Any:
+        """The compiled forward; a collective of it that fails (a rank died) raises the eager
+        collectives' CollectiveError, which names the rank (``collectives.compiled_graph_error``).
+        The compiled backward runs inside the user's ``loss.backward()``, where a failure comes
+        out as the process group's own error."""
+        try:
+            return self.compiled(*values)
+        except (RuntimeError, dist.DistError) as error:
+            diagnosed = collectives.compiled_graph_error("forward", error)
+            if diagnosed is None:
+                raise
+            raise diagnosed from error
 
 
 @torch._dynamo.disable(reason="autopar's eager schedule runs in autograd hooks that dynamo cannot follow")

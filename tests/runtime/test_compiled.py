@@ -148,3 +148,50 @@ def test_hand_plans_compiled_on_two_ranks_equal_eager_with_buckets_gloo_exchange
         assert not [name for name in kept if name.startswith("transformer.h.")], kept
         assert {"transformer.wte.weight", "transformer.ln_f.weight"} <= set(kept), kept
         assert not ddp_backward.get("c10d::_allgather_base_", 0) and "transformer.h.0.mlp.c_fc.weight" in ddp_kept, ddp_kept
+
+
+def test_a_collective_failing_in_the_compiled_forward_names_the_dead_rank_other_errors_pass(world_of_one, monkeypatch):
+    """Inductor's code runs the functional collectives outside the guarded eager functions: the
+    compiled forward turns gloo's words for a lost peer into the CollectiveError that names the
+    rank (a world of 2 seen from rank 0, whose rank 1's process is gone), and lets any other
+    error through as it is."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from autopar.errors import CollectiveError
+    from autopar.ops import collectives
+    from autopar.runtime.compiled import CompiledGraph
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process
+    store = dist.distributed_c10d._get_default_store()
+    monkeypatch.setattr(dist, "get_world_size", lambda *args: 2)
+    graph = CompiledGraph(torch.fx.symbolic_trace(torch.nn.Identity()), None)
+
+    def fails(error):
+        def run(*values):
+            raise error
+
+        return run
+
+    try:
+        for rank, pid in enumerate((os.getpid(), gone.pid)):
+            store.set(collectives._PEER_KEY.format(rank), f"{socket.gethostname()}:{pid}")
+        graph.compiled = fails(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:64218"))
+        with pytest.raises(
+            CollectiveError, match="compiled forward over ranks .0. failed on rank 0: rank 1 is no longer running"
+        ) as info:
+            graph(torch.ones(1))
+        assert "Connection closed by peer" in str(info.value) and isinstance(info.value.__cause__, RuntimeError)
+        graph.compiled = fails(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 4x8)"))
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
+            graph(torch.ones(1))
+        assert not isinstance(info.value, CollectiveError)
+    finally:
+        for key in (collectives._PEER_KEY.format(1), collectives._FAILED_KEY.format(0)):
+            if store.check([key]):
+                store.delete_key(key)
