@@ -77,3 +77,14 @@ def test_a_caller_that_froze_or_disabled_the_collector_is_left_alone():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_full_collections_wait_for_the_block_and_the_thresholds_come_back():
+    before = gc.get_threshold()
+    with quiet_gc():
+        young, middle, full = gc.get_threshold()
+        assert (young, middle) == before[:2] and full > 10**6  # no automatic full pass
+        inside = _cycle()
+        gc.collect()
+        assert inside() is None  # an explicit collection still collects
+    assert gc.get_threshold() == before

@@ -258,6 +258,88 @@ def transition_cost(
     return CommCost(forward_total, backward_total, sent_total, tuple(sorted(per_axis.items())))
 
 
+class TransitionPrices:
+    """``transition_cost``'s (forward + backward seconds, bytes sent) on one mesh and cluster, for
+    many (src, dst, shape) at once, the same floats in the same order: a pair's steps and the
+    specs before each step are worked out once per pair, each spec's local element count once
+    per (shape, spec), and each collective's price once per (kind, bytes, axis). Pricing the
+    edges of a 3-axis mesh asks for tens of thousands of (pair, shape) (``solver.problem.edges``).
+    Specs are passed with their codes (ints the caller numbers them by, one per distinct spec)."""
+
+    def __init__(self, mesh_shape: Sequence[int], cluster: ClusterSpec):
+        self.mesh_shape, self.cluster = tuple(mesh_shape), cluster
+        self._routes: dict[tuple[int, int], tuple | None] = {}
+        self._before: dict[tuple, Spec] = {}  # a spec before a step, interned (its code is its position)
+        self._codes: dict[Spec, int] = {}
+        self._elements: dict[tuple, int] = {}
+        self._collectives: dict[tuple, tuple[float, float]] = {}
+
+    def _route(self, src: Spec, dst: Spec, key: tuple[int, int]) -> tuple | None:
+        route = self._routes.get(key, _UNSEEN)
+        if route is _UNSEEN:
+            steps = transition_steps(src, dst)
+            if steps is None:
+                route = None
+            else:
+                route, current = [], list(src)
+                for step in steps:
+                    spec = tuple(current)
+                    code = self._codes.setdefault(spec, len(self._codes))
+                    self._before.setdefault(code, spec)
+                    route.append((step.kind, step.axis, code))
+                    current[step.axis] = dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
+                route = tuple(route)
+            self._routes[key] = route
+        return route
+
+    def _price(self, collective: Collective, axis: int) -> tuple[float, float]:
+        if collective is None:
+            return 0.0, 0.0
+        key = (collective, axis)
+        found = self._collectives.get(key)
+        if found is None:
+            found = self._collectives[key] = _price(collective, axis, self.mesh_shape, self.cluster)
+        return found
+
+    def price(
+        self,
+        src: Spec,
+        dst: Spec,
+        codes: tuple[int, int],
+        global_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        requires_grad: bool,
+        grad_dtype: torch.dtype | None = None,
+    ) -> tuple[float, float] | None:
+        """(``transition_cost(...).total_s``, its ``bytes_sent``), or None where it is None."""
+        route = self._route(src, dst, codes)
+        if route is None:
+            return None
+        itemsize, grad_itemsize = dtype.itemsize, (grad_dtype or dtype).itemsize
+        forward_total = backward_total = sent_total = 0.0
+        mesh_shape = self.mesh_shape
+        for kind, axis, code in route:
+            elements = self._elements.get((global_shape, code))
+            if elements is None:
+                before = self._before[code]
+                elements = self._elements[(global_shape, code)] = math.prod(local_shape(global_shape, before, mesh_shape))
+            k = mesh_shape[axis]
+            forward, _ = _step_collectives(kind, elements * itemsize, k)
+            forward_s, sent = self._price(forward, axis)
+            backward_s = 0.0
+            if requires_grad:
+                _, backward = _step_collectives(kind, elements * grad_itemsize, k)
+                backward_s, backward_sent = self._price(backward, axis)
+                sent = sent + backward_sent
+            forward_total += forward_s
+            backward_total += backward_s
+            sent_total += sent
+        return forward_total + backward_total, sent_total
+
+
+_UNSEEN = object()
+
+
 def transition_bytes_per_axis(
     src: Spec,
     dst: Spec,
@@ -427,6 +509,7 @@ __all__ = [
     "context_parallel_collectives",
     "collectives_cost",
     "transition_cost",
+    "TransitionPrices",
     "transition_bytes_per_axis",
     "grad_allreduce_cost",
     "param_grad_sync_cost",

@@ -45,7 +45,7 @@ class EdgePrices(Mapping):
     and kept. ``hub`` is None (dense or pinned), or the seconds of src → replicated per src spec
     and of replicated → dst per dst spec."""
 
-    __slots__ = ("table", "hub", "_price", "_asked", "_factor")
+    __slots__ = ("table", "hub", "_price", "_asked", "_factor", "_routed")
 
     def __init__(
         self,
@@ -53,12 +53,25 @@ class EdgePrices(Mapping):
         price: Callable[[Spec, Spec], Price | None] | None,
         hub: tuple[dict[Spec, float], dict[Spec, float]] | None = None,
         factor: float = 1.0,
+        routed: frozenset[int] = frozenset(),
     ):
         self.table = table
         self.hub = hub
         self._price = price
         self._asked: dict[tuple[Spec, Spec], Price | None] = {}
         self._factor = factor
+        self._routed = routed  # positions in ``table`` of the pairs the hub prices no higher
+
+    def direct_items(self) -> list[tuple[tuple[Spec, Spec], Price]]:
+        """The (pair, price) items of ``table`` that the hub does not price as low: through the
+        replicated spec a pair costs r[p, ρ] + r[ρ, q] ≥ r[p, q] (``ilp.ShardingILP._add_hub``),
+        so where that is equal (a gather to replicated and a local chunk back, on LLaMA-3-8B
+        (8, 2, 4) a sixth of the near pairs), the pair needs no y of its own: every item with
+        no hub."""
+        if not self._routed:
+            return list(self.table.items())
+        routed = self._routed
+        return [item for k, item in enumerate(self.table.items()) if k not in routed]
 
     def get(self, pair: tuple[Spec, Spec], default=None):
         found = self.table.get(pair)
@@ -103,7 +116,7 @@ class EdgePrices(Mapping):
         """The same prices with seconds times ``factor`` (bytes as they are)."""
         table = {pair: (seconds * factor, sent) for pair, (seconds, sent) in self.table.items()}
         hub = None if self.hub is None else tuple({spec: s * factor for spec, s in side.items()} for side in self.hub)
-        return EdgePrices(table, self._price, hub, self._factor * factor)
+        return EdgePrices(table, self._price, hub, self._factor * factor, self._routed)
 
 
 @dataclass
@@ -144,18 +157,19 @@ class Pricer:
         self.mesh_shape, self.cluster = mesh_shape, cluster
         self.codes: dict[Spec, int] = {}
         self.known: dict[tuple, dict[tuple[int, int], Price | None]] = {}
+        self.transitions = comm.TransitionPrices(mesh_shape, cluster)  # ``comm.transition_cost``, shared work
 
     def code(self, spec: Spec) -> int:
         return self.codes.setdefault(spec, len(self.codes))
 
     def price(self, edge: Edge, src: Spec, dst: Spec, src_code: int, dst_code: int) -> Price | None:
         known = self.known.setdefault((edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype), {})
-        price = known.get((src_code, dst_code), _UNPRICED)
+        codes = (src_code, dst_code)
+        price = known.get(codes, _UNPRICED)
         if price is _UNPRICED:
-            cost = comm.transition_cost(
-                src, dst, edge.shape, edge.dtype, self.mesh_shape, self.cluster, edge.requires_grad, edge.grad_dtype
+            price = known[codes] = self.transitions.price(
+                src, dst, codes, edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype
             )
-            price = known[(src_code, dst_code)] = None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent)
         return price
 
     def on_demand(self, edge: Edge) -> Callable[[Spec, Spec], Price | None]:
@@ -301,12 +315,7 @@ def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec,
         combos = [(srcs[i], dsts[j]) for i, j in near_pairs(srcs, dsts)]
     else:
         combos = itertools.product(srcs, dsts)
-    table = {}
-    for (src, src_code), (dst, dst_code) in combos:
-        price = pricer.price(edge, src, dst, src_code, dst_code)
-        if price is not None:
-            table[(src, dst)] = price
-    via = None
+    via, out_s, in_s, routed = None, {}, {}, []
     if hub:
         whole = replicated(len(pricer.mesh_shape))
         whole_code = pricer.code(whole)
@@ -316,9 +325,19 @@ def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec,
             {spec: price[0] for spec, price in outs.items()},
             {spec: price[0] for spec, price in ins.items() if price is not None},
         )
+        # By code, for ``EdgePrices.direct_items`` (hashing a spec hashes its placements).
+        out_s = {code: via[0][src] for src, code in srcs}
+        in_s = {code: via[1][dst] for dst, code in dsts if dst in via[1]}
+    table = {}
+    for (src, src_code), (dst, dst_code) in combos:
+        price = pricer.price(edge, src, dst, src_code, dst_code)
+        if price is not None:
+            if dst_code in in_s and price[0] >= out_s[src_code] + in_s[dst_code]:
+                routed.append(len(table))
+            table[(src, dst)] = price
     # Only a hub's table leaves pairs out that may be asked for: a dense one holds every
     # possible pair, a pinned one every pair it allows (the spec as it is).
-    return EdgePrices(table, pricer.on_demand(edge) if hub else None, via)
+    return EdgePrices(table, pricer.on_demand(edge) if hub else None, via, routed=frozenset(routed))
 
 
 # Composite ops that write arguments their schema does not mark as written: they update running

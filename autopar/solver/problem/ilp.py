@@ -7,6 +7,8 @@ Sets
     O_e, I_e     distinct specs of u's output j, and of v's input i, over their strategies
     T_e ⊆ O_e×I_e  transitions that exist (none into Partial; none on a tensor written in place);
                  on meshes of three or more axes, only the near ones (``edges.near_pairs``)
+                 that the hub prices higher (``EdgePrices.direct_items``; all of them on the
+                 edge of a parameter the runtime gathers whole: its memory rows weigh y)
     H_e          on those meshes: the hub of e, the transitions through the replicated spec ρ
 
 Variables
@@ -129,6 +131,7 @@ class ShardingILP:
         self.problem = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
         self.x: dict[str, list[pulp.LpAffineExpression | pulp.LpVariable]] = {}
         self.y: dict[int, dict[tuple[Spec, Spec], pulp.LpVariable]] = {}
+        self._y_seconds: dict[int, list[float]] = {}  # r[e, p, q] of each y[e], in its order
         # Edge → (h_out by src spec, h_in by dst spec), where its prices have a hub (``_add_hub``).
         self.hub: dict[int, tuple[dict[Spec, pulp.LpVariable], dict[Spec, pulp.LpVariable]]] = {}
         self._node_ids = {name: i for i, name in enumerate(graph.order)}
@@ -181,7 +184,10 @@ class ShardingILP:
 
     def add_edge_constraints(self) -> None:
         template = self.graph.layer_template
-        first_edge: dict[tuple[str, int, str, int], int] = {}
+        first_edge: dict[tuple, int] = {}
+        # A gathered parameter's edge keeps a y for every pair: its memory rows weigh them
+        # (``_MemoryTerms``), which a pair routed through the hub would not be.
+        gathered = {item.edge for item in self.graph.gathered.values()}
         for e, edge in enumerate(self.graph.edges):
             consumer = self.graph.choices[edge.consumer]
             if consumer.follower_of == edge.producer:
@@ -193,19 +199,22 @@ class ShardingILP:
                 edge.out_index,
                 template.get(edge.consumer, edge.consumer),
                 edge.in_index,
+                None if getattr(edge.price, "hub", None) is None else e in gathered,
             )
             twin = first_edge.setdefault(key, e)
             twin_price = self.graph.edges[twin].price
             if twin != e and twin in self.y and (twin_price is edge.price or twin_price == edge.price):
                 self.y[e] = self.y[twin]
+                self._y_seconds[e] = self._y_seconds[twin]
                 if twin in self.hub:
                     self.hub[e] = self.hub[twin]
                 continue
             producer = self.graph.choices[edge.producer]
-            self.y[e] = {
-                pair: _variable(f"y_{e}_{k}")
-                for k, pair in enumerate(edge.price)  # in spec order, which is deterministic
-            }
+            # In spec order, which is deterministic; pairs the hub prices as low have none.
+            direct = getattr(edge.price, "direct_items", None)
+            items = edge.price.items() if direct is None or e in gathered else direct()
+            self.y[e] = {pair: _variable(f"y_{e}_{k}") for k, (pair, _) in enumerate(items)}
+            self._y_seconds[e] = [seconds for _, (seconds, _) in items]
             # Group once, so each family is linear in the number of y and x terms.
             y_out, y_in = _by_spec(self.y[e])
             self._add_hub(e, edge, y_out, y_in)
@@ -337,15 +346,15 @@ class ShardingILP:
         )
         sync_terms = ((self._z_price[key], z) for key, z in self.z.items())
         # Edges that share y (repeated layers) have equal prices: count each shared y once,
-        # weighted by how many edges use it. y was built in the order of the price table.
+        # weighted by how many edges use it, at the prices y was built with (``_y_seconds``).
         shared: dict[int, list] = {}
         for e, variables in self.y.items():
-            entry = shared.setdefault(id(variables), [variables, self.graph.edges[e].price, 0])
+            entry = shared.setdefault(id(variables), [variables, self._y_seconds[e], 0])
             entry[2] += 1
         reshard_terms = (
             (count * seconds, var)
-            for variables, price, count in shared.values()
-            for (seconds, _), var in zip(price.values(), variables.values())
+            for variables, prices, count in shared.values()
+            for seconds, var in zip(prices, variables.values())
             if seconds
         )
         hubs: dict[int, list] = {}
@@ -600,9 +609,47 @@ def _merged(groups, y: dict) -> dict[Spec, list]:
 _QUIET = {"_skip_v4_deprecation": True} if "_skip_v4_deprecation" in inspect.signature(pulp.LpVariable).parameters else {}
 
 
-def _variable(name: str) -> pulp.LpVariable:
-    """A continuous variable in [0, 1]."""
+def _built_variable(name: str) -> pulp.LpVariable:
     return pulp.LpVariable(name, lowBound=0, upBound=1, **_QUIET)
+
+
+def _copier():
+    """A function that makes a continuous [0, 1] variable by copying the attributes of one that
+    PuLP built (about 7x faster than its constructor, which checks the name and the bounds: the
+    edges of a 3-axis mesh make 10^5 of them); None where this PuLP lays its variables out
+    otherwise (then each is built by the constructor)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        reference = _built_variable("v_0")
+    state = dict(getattr(reference, "__dict__", {}))
+    if state.get("_LpElement__name") != "v_0" or state.get("hash") != id(reference):
+        return None
+    new, cls = object.__new__, pulp.LpVariable
+
+    def copy(name: str) -> pulp.LpVariable:
+        var = new(cls)
+        attributes = var.__dict__
+        attributes.update(state)
+        attributes["_LpElement__name"] = name
+        attributes["hash"] = id(var)
+        return var
+
+    copied = copy("v_1")
+    if copied.name != "v_1" or hash(copied) != id(copied) or {**copied.__dict__, "_LpElement__name": "v_0", "hash": 0} != {
+        **state,
+        "hash": 0,
+    }:
+        return None
+    return copy
+
+
+_COPY = _copier()
+
+
+def _variable(name: str) -> pulp.LpVariable:
+    """A continuous variable in [0, 1]. ``name`` has only letters, digits and underscores (PuLP
+    would replace others)."""
+    return _COPY(name) if _COPY is not None else _built_variable(name)
 
 
 def _linear(terms) -> dict:

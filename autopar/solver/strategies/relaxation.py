@@ -62,7 +62,6 @@ class Relaxation:
     def _build(self) -> None:
         import highspy  # an optional dependency (``backends.highs_available``)
 
-        problem = self.ilp.problem
         self.inf = highspy.kHighsInf
         with backends.solver_output():  # the constructor prints HiGHS's banner
             self.highs = highspy.Highs()
@@ -73,7 +72,7 @@ class Relaxation:
         self.highs.setOptionValue("random_seed", 1)
         for option, value in backends.LP_OPTIONS.items():  # as PuLP's HiGHS gets them for an LP
             self.highs.setOptionValue(option, value)
-        self.columns: list[pulp.LpVariable] = list(problem.variables())
+        self.columns: list[pulp.LpVariable] = list(self.ilp.variables())  # ``problem.variables()``, kept
         # By identity: pulp variables compare into constraints, not booleans.
         self.column_of = {id(var): i for i, var in enumerate(self.columns)}
         self.costs = np.zeros(len(self.columns))
