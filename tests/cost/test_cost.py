@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import tomllib
@@ -33,10 +34,10 @@ from autopar.cost import (
     tensor_bytes,
     transition_cost,
 )
-from autopar.cost.comm import transition_bytes_per_axis
+from autopar.cost.comm import TransitionPrices, transition_bytes_per_axis
 from autopar.cost.cluster import PRESETS_DIR
 from autopar.rules.registry import Strategy, op_info_from_values
-from autopar.ir.spec import P, R, S
+from autopar.ir.spec import SS, P, R, S
 
 aten = torch.ops.aten
 MiB = 1 << 20
@@ -282,6 +283,23 @@ def test_transition_partial_to_shard_and_all_to_all():
 def test_transition_identity_and_impossible():
     assert _cost((S(0),), (S(0),), requires_grad=True) == CommCost(0.0, 0.0, 0.0)
     assert _cost((R,), (P,), requires_grad=True) is None
+
+
+@pytest.mark.parametrize("mesh", [(2, 8), (2, 2, 4)])
+def test_transition_prices_are_transition_cost_to_the_bit(mesh):
+    """``TransitionPrices`` shares the work of many (pair, shape) and gives the same floats."""
+    cluster = get_cluster("h100-80g")
+    placements = [R, P, S(0), S(1), SS(1, 2)]
+    specs = list(itertools.product(placements, repeat=len(mesh)))
+    prices = TransitionPrices(mesh, cluster)
+    for (i, src), (j, dst) in itertools.product(enumerate(specs[::3]), enumerate(specs[::2])):
+        for shape, dtype, grad, grad_dtype in [
+            ((64, 128), torch.bfloat16, True, torch.float32),
+            ((32, 64), torch.float32, False, None),
+        ]:
+            cost = transition_cost(src, dst, shape, dtype, mesh, cluster, grad, grad_dtype)
+            expected = None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent)
+            assert prices.price(src, dst, (i, j), shape, dtype, grad, grad_dtype) == expected
 
 
 def test_transition_two_axes_prices_each_step_at_its_local_size():

@@ -74,6 +74,29 @@ def test_prices_of_other_pairs_are_exact_and_asked_for():
     assert doubled.hub[0][src] == 2 * prices.hub[0][src]
 
 
+def test_pairs_the_hub_prices_as_low_get_no_y():
+    """A near pair that costs as much as its route through the replicated spec (gathering to
+    replicated, or chunking out of it) needs no y: the hub carries it at that price."""
+    shape, mesh = (8, 16), (2, 2, 2)
+    pricer = edges.Pricer(mesh, get_cluster("h100-80g"))
+    src, whole = (S(0), S(1), R), (R, R, R)
+    edge = edges.Edge("a", 0, "b", 0, shape, torch.float32, True, False)
+
+    def coded(*specs):
+        return [(spec, pricer.code(spec)) for spec in specs]
+
+    prices = edges.price_table(edge, coded(src, whole), coded(whole, src, (S(0), R, R)), pricer, hub=True)
+    direct = dict(prices.direct_items())
+    assert (src, whole) in prices and (src, whole) not in direct  # the hub's way out, exactly
+    assert (whole, src) in prices and (whole, src) not in direct  # and its way in
+    assert direct[(src, src)] == (0.0, 0.0)  # staying put costs nothing: below the hub's route
+    assert direct[(src, (S(0), R, R))] == prices[(src, (S(0), R, R))]  # one gather, below gather-all and chunk
+    assert list(direct) == [pair for pair in prices if pair in direct]  # in the table's order
+    assert prices.scaled(2.0).direct_items() == [(pair, (2.0 * s, b)) for pair, (s, b) in direct.items()]
+    dense = edges.price_table(edge, coded(src), coded(whole, src), pricer, hub=False)
+    assert dense.direct_items() == list(dense.items())  # no hub: every pair has its y
+
+
 @pytest.mark.parametrize("model", ["mlp", "llama"])
 def test_hub_formulation_keeps_the_dense_optimum_of_small_models(monkeypatch, model):
     """On (2, 2, 2) the near pairs and the hub reach the optimum of every pair (measured

@@ -84,3 +84,15 @@ def test_weighted_memory_adds_in_order_with_irregular_factors(ilp):
     _same(ilp.weighted_memory(factors), _reference(ilp, factors, 1.0))
     _same(ilp.weighted_memory(factors, 1.0 / MEMORY_UNIT), _reference(ilp, factors, 1.0 / MEMORY_UNIT))
     assert not ilp.weighted_memory({"not_a_name": 1.0})
+
+
+def test_copied_variables_are_what_pulps_constructor_builds():
+    """``ilp._variable`` copies a built variable's attributes (10^5 y on a 3-axis mesh)."""
+    from autopar.solver.problem import ilp as ilp_module
+
+    made, built = ilp_module._variable("y_3_4"), ilp_module._built_variable("y_3_4")
+    assert {**vars(made), "hash": 0} == {**vars(built), "hash": 0}
+    assert made.name == "y_3_4" and (made.lowBound, made.upBound, made.cat) == (0, 1, pulp.LpContinuous)
+    other = ilp_module._variable("y_3_5")
+    assert hash(made) == id(made) and hash(other) == id(other) and made.name != other.name
+    assert ilp_module._COPY is not None  # this PuLP's layout is the one copied

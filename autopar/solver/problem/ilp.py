@@ -650,10 +650,8 @@ def _copier():
         return var
 
     copied = copy("v_1")
-    if copied.name != "v_1" or hash(copied) != id(copied) or {**copied.__dict__, "_LpElement__name": "v_0", "hash": 0} != {
-        **state,
-        "hash": 0,
-    }:
+    expected = {**state, "_LpElement__name": "v_1", "hash": id(copied)}
+    if copied.name != "v_1" or hash(copied) != id(copied) or copied.__dict__ != expected:
         return None
     return copy
 
