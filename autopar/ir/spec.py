@@ -22,7 +22,6 @@ steps and the collectives pass inserts exactly these steps, so what is priced is
 from __future__ import annotations
 
 import functools
-import math
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -49,9 +48,10 @@ def SS(dim: int, blocks: int) -> _StridedShard:
     return _StridedShard(dim, split_factor=blocks)
 
 
-_SHARD, _STRIDED = 1, 2
-# Placement type -> _SHARD | _STRIDED bits (0 for R and P): ``isinstance`` on torch's placement
-# types goes through a metaclass hook, and pricing a 3-axis mesh asks it tens of millions of times.
+_SHARD, _STRIDED, _REPLICATE = 1, 2, 4
+# Placement type -> _SHARD | _STRIDED bits, or _REPLICATE (0 for P): ``isinstance`` on torch's
+# placement types goes through a metaclass hook, and pricing a 3-axis mesh asks it tens of
+# millions of times.
 _KINDS: dict[type, int] = {}
 
 
@@ -59,7 +59,11 @@ def _kind(placement: Placement) -> int:
     cls = type(placement)
     kind = _KINDS.get(cls)
     if kind is None:
-        kind = _KINDS[cls] = _STRIDED | _SHARD if issubclass(cls, _StridedShard) else _SHARD if issubclass(cls, Shard) else 0
+        if issubclass(cls, _StridedShard):
+            kind = _STRIDED | _SHARD
+        else:
+            kind = _SHARD if issubclass(cls, Shard) else _REPLICATE if issubclass(cls, Replicate) else 0
+        kind = _KINDS[cls] = kind
     return kind
 
 
@@ -133,21 +137,22 @@ def is_valid(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> boo
     axis of size 1 carries only ``R``: there a shard is the whole tensor and a partial sum has
     one term, so S and P would only name R differently, and plans that mix the names ask for
     transitions (S to P) that no collective makes."""
+    factors = [1] * len(shape)  # the product of the axis sizes that shard each dim
     for axis, placement in enumerate(spec):
-        if mesh_shape[axis] == 1 and not isinstance(placement, Replicate):
+        kind = _kind(placement)
+        if mesh_shape[axis] == 1 and not kind & _REPLICATE:
             return False
-        if is_sharded(placement) and not 0 <= placement.dim < len(shape):
+        if not kind & _SHARD:
+            continue
+        if not 0 <= placement.dim < len(shape):
             return False
-        if is_strided(placement):
+        if kind & _STRIDED:
             if shape[placement.dim] % (placement.split_factor * mesh_shape[axis]):
                 return False
             if any(is_sharded(p) and p.dim == placement.dim for a, p in enumerate(spec) if a != axis):
                 return False
-    for dim, size in enumerate(shape):
-        factor = math.prod(mesh_shape[a] for a in shard_axes(spec, dim))
-        if size % factor:
-            return False
-    return True
+        factors[placement.dim] *= mesh_shape[axis]
+    return all(size % factor == 0 for size, factor in zip(shape, factors))
 
 
 def replicate_size_one_axes(spec: Spec, mesh_shape: Sequence[int]) -> Spec:
