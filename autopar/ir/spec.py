@@ -165,7 +165,7 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
     """The shape each rank holds. Assumes ``is_valid``."""
     out = list(shape)
     for axis, placement in enumerate(spec):
-        if _kind(placement):
+        if _kind(placement) & _SHARD:
             out[placement.dim] //= mesh_shape[axis]
     return tuple(out)
 
