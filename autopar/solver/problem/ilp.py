@@ -390,9 +390,17 @@ class ShardingILP:
         constraints, objective = self.rows_by_name(), self.problem.objective
         kept = self._variables
         if kept is None or kept[1] is not objective or kept[0] > len(constraints):
-            # The objective is kept with them, so that its id is not another object's later.
-            variables = list(self.problem.variables())
-            self._variables = (len(constraints), objective, variables, {id(var) for var in variables})
+            # What PuLP's walk finds: the rows' variables (``row_table``, which the relaxation
+            # reads anyway), then the objective's, by name (names are unique). The objective is
+            # kept with them, so that its id is not another object's later.
+            table = self.row_table()
+            variables, known = list(table.columns), set(table.column_of)
+            for var in objective.keys() if objective else ():
+                if id(var) not in known:
+                    known.add(id(var))
+                    variables.append(var)
+            variables.sort(key=lambda var: var.name)
+            self._variables = (len(constraints), objective, variables, known)
         elif kept[0] < len(constraints):
             rows, _, variables, known = kept
             new = [
