@@ -390,17 +390,9 @@ class ShardingILP:
         constraints, objective = self.rows_by_name(), self.problem.objective
         kept = self._variables
         if kept is None or kept[1] is not objective or kept[0] > len(constraints):
-            # What PuLP's walk finds: the rows' variables (``row_table``, which the relaxation
-            # reads anyway), then the objective's, by name (names are unique). The objective is
-            # kept with them, so that its id is not another object's later.
-            table = self.row_table()
-            variables, known = list(table.columns), set(table.column_of)
-            for var in objective.keys() if objective else ():
-                if id(var) not in known:
-                    known.add(id(var))
-                    variables.append(var)
-            variables.sort(key=lambda var: var.name)
-            self._variables = (len(constraints), objective, variables, known)
+            # The objective is kept with them, so that its id is not another object's later.
+            variables = _problem_variables(self.problem)
+            self._variables = (len(constraints), objective, variables, {id(var) for var in variables})
         elif kept[0] < len(constraints):
             rows, _, variables, known = kept
             new = [
@@ -427,6 +419,22 @@ class ShardingILP:
             self._rows = RowTable(self.problem)  # a row removed (no caller does): read them all again
         self._rows.read()
         return self._rows
+
+
+def _problem_variables(problem: pulp.LpProblem) -> list[pulp.LpVariable]:
+    """``problem.variables()`` without its walk over every row's terms (10^6 on a 3-axis mesh):
+    PuLP registers a row's variables as the row is added, so what the walk adds is the
+    objective's; then it sorts them by name. Where this PuLP keeps no such registry, its walk."""
+    registered, ids = getattr(problem, "_variables", None), getattr(problem, "_variable_ids", None)
+    if not isinstance(registered, list) or not isinstance(ids, dict):
+        return list(problem.variables())
+    variables, added = list(registered), set()
+    for var in problem.objective.keys() if problem.objective else ():
+        if var.hash not in ids and var.hash not in added:
+            added.add(var.hash)
+            variables.append(var)
+    variables.sort(key=lambda var: var.name)
+    return variables
 
 
 def rows_by_name(problem: pulp.LpProblem) -> dict[str, pulp.LpConstraint]:
