@@ -269,8 +269,8 @@ class TransitionPrices:
     def __init__(self, mesh_shape: Sequence[int], cluster: ClusterSpec):
         self.mesh_shape, self.cluster = tuple(mesh_shape), cluster
         self._routes: dict[tuple[int, int], tuple | None] = {}
-        self._before: dict[tuple, Spec] = {}  # a spec before a step, interned (its code is its position)
-        self._codes: dict[Spec, int] = {}
+        self._codes: dict[Spec, int] = {}  # the specs a tensor is in before a step, numbered
+        self._before: dict[int, Spec] = {}  # and back
         self._elements: dict[tuple, int] = {}
         self._collectives: dict[tuple, tuple[float, float]] = {}
 
