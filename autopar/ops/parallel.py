@@ -181,10 +181,15 @@ def cross_entropy_mean(
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross entropy of logits whose class dim is split over ``axis_groups`` (Megatron's
-    vocab-parallel loss). Forward: the global max, sum of exponentials and target logit are
-    all-reduced as [N] vectors, so the [N, C] logits are never gathered. The loss is whole on
-    every rank, so each rank's gradient is its own slice of softmax - one-hot: no communication
-    in backward."""
+    vocab-parallel loss), with ONE collective per axis. Forward: each rank's softmax of its own
+    classes (torch's fused kernel), their log-sum-exp and the target logit (0 on the ranks whose
+    classes do not hold the target) go as [2, N] into one all-gather, and every rank combines
+    them the same way (log-sum-exp and sum over the ranks, in rank order), so the [N, C] logits
+    are never gathered; rescaled by exp(local - global log-sum-exp), the local softmax is this
+    rank's slice of the whole one. Megatron all-reduces the max, the target logit and the sum
+    of exponentials one after another: three latencies where this pays one. The loss is whole
+    on every rank, so each rank's gradient is its own slice of softmax - one-hot: no
+    communication in backward."""
 
     @staticmethod
     def forward(ctx, logits, target, axis_groups, ignore_index, reduction):
@@ -193,22 +198,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # At least float32 (half-precision logits are upcast, as F.cross_entropy's kernels do);
         # float64 stays float64.
         x = logits.detach().to(torch.promote_types(logits.dtype, torch.float32))
-        peak = x.max(1).values
-        for group in axis_groups:
-            peak = collectives.no_grad_all_reduce_max(peak, group)
-        exp = (x - peak[:, None]).exp()
-        sum_exp = exp.sum(1)
+        softmax, local_lse = _local_softmax(x)
         valid = target != ignore_index
         local = target - start
         inside = valid & (local >= 0) & (local < rows)
         local = local.clamp(0, rows - 1)
-        picked = (x.gather(1, local[:, None]).squeeze(1) - peak) * inside
+        picked = x.gather(1, local[:, None]).squeeze(1).masked_fill(~inside, 0)
+        lse = local_lse
         for group in axis_groups:
-            sum_exp = collectives.no_grad_all_reduce(sum_exp, group)
-            picked = collectives.no_grad_all_reduce(picked, group)
-        per_sample = (sum_exp.log() - picked) * valid
+            gathered = collectives.no_grad_all_gather(torch.stack([lse, picked]), 0, group).view(-1, 2, lse.shape[0])
+            lse, picked = torch.logsumexp(gathered[:, 0], 0), gathered[:, 1].sum(0)
+        softmax.mul_((local_lse - lse).exp_()[:, None])
+        per_sample = (lse - picked) * valid
         count = valid.sum()
-        ctx.save_for_backward(exp / sum_exp[:, None], local, inside, valid, count)
+        ctx.save_for_backward(softmax, local, inside, valid, count)
         ctx.reduction, ctx.dtype = reduction, logits.dtype
         if reduction == 0:
             return per_sample.to(logits.dtype)
@@ -218,14 +221,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, local, inside, valid, count = ctx.saved_tensors
-        out = softmax.clone()
-        out[torch.arange(out.shape[0], device=out.device), local] -= inside.to(out.dtype)
-        out *= valid[:, None]
-        if ctx.reduction == 0:
-            out *= grad.to(out.dtype)[:, None]
-        else:
-            out *= grad.to(out.dtype) / (count if ctx.reduction == 1 else 1)
+        # (softmax - one-hot) * scale per row: one pass over the [N, C] slice
+        scale = grad.to(softmax.dtype) * valid
+        if ctx.reduction == 1:
+            scale = scale / count
+        out = softmax * scale[:, None]
+        out[torch.arange(out.shape[0], device=out.device), local] -= inside * scale
         return out.to(ctx.dtype), None, None, None, None
+
+
+def _local_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax of each row of ``x``, its log-sum-exp). The log-sum-exp is read off the softmax
+    at the row's max (1 / the sum of exponentials there, which is at least 1 / C: no loss of
+    precision). A row whose classes are all masked (-inf) has softmax 0 and log-sum-exp -inf."""
+    peak = x.amax(1)
+    softmax = torch.softmax(x, 1)
+    empty = peak == -math.inf
+    softmax.masked_fill_(empty[:, None], 0.0)
+    return softmax, (peak - softmax.amax(1).log()).masked_fill(empty, -math.inf)
 
 
 @register_kernel("cross_entropy_vocab_split")

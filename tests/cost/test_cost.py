@@ -573,11 +573,11 @@ def test_presets_dir_is_packaged_data():
     assert all(math.isfinite(get_cluster(n).memory_bandwidth_bytes_per_s) for n in preset_names())
 
 
-def test_vocab_parallel_cross_entropy_prices_its_own_all_reduces() -> None:
-    # The kernel all-reduces three [N] float32 vectors (max, sum of exponentials, target logit)
-    # that no edge of the graph shows; the strategy's price must carry them.
+def test_vocab_parallel_cross_entropy_prices_its_own_all_gather() -> None:
+    # The kernel all-gathers [2, N] float32 (each row's log-sum-exp and target logit) once per
+    # axis, which no edge of the graph shows; the strategy's price must carry it.
     from autopar.cost.cluster import get_cluster
-    from autopar.cost.comm import all_reduce_s, bytes_sent
+    from autopar.cost.comm import all_gather_s, bytes_sent
     from autopar.zoo.models import build_model, example_batch
     from autopar.solver.problem.choices import build_choice_graph
     from autopar.trace import trace
@@ -588,11 +588,11 @@ def test_vocab_parallel_cross_entropy_prices_its_own_all_reduces() -> None:
     graph = build_choice_graph(traced, (2,), cluster)
     choice = next(c for c in graph.choices.values() if c.info is not None and "cross_entropy" in str(c.info.target))
     index = next(i for i, s in enumerate(choice.strategies) if s.kernel == "cross_entropy_vocab_split")
-    rows = 4 * 32  # batch x sequence
-    assert choice.grad_sync_bytes[index] == pytest.approx(3 * bytes_sent("all_reduce", 4 * rows, 2))
+    gathered = 2 * 2 * 4 * (4 * 32)  # ranks x (lse, target logit) x float32 x (batch x sequence)
+    assert choice.grad_sync_bytes[index] == pytest.approx(bytes_sent("all_gather", gathered, 2))
     replicated = next(i for i, s in enumerate(choice.strategies) if s.kernel is None and s.ins[0] == (R,))
-    assert choice.compute_s[index] >= 3 * all_reduce_s(4 * rows, 0, (2,), cluster)
-    assert choice.compute_s[index] - 3 * all_reduce_s(4 * rows, 0, (2,), cluster) < choice.compute_s[replicated]
+    assert choice.compute_s[index] >= all_gather_s(gathered, 0, (2,), cluster)
+    assert choice.compute_s[index] - all_gather_s(gathered, 0, (2,), cluster) < choice.compute_s[replicated]
 
 
 def test_default_budget_is_the_device_memory_less_a_reserve():

@@ -8,6 +8,8 @@ and gradients.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -855,6 +857,19 @@ def _kernels_on_ranks(rank: int, world_size: int) -> str:
         close(out, ref.detach(), f"vocab-parallel cross entropy forward ({name})")
         (out * c).sum().backward()
         close(logitsl.grad, logits.grad.chunk(world_size, 1)[rank], f"vocab-parallel cross entropy grad ({name})")
+    # masked classes (-inf): rank 0's whole block of row 0 (its target is on rank 1), one class elsewhere
+    logits = torch.randn(4, 10)
+    logits[0, :5] = -math.inf
+    logits[1, 7] = -math.inf
+    logits.requires_grad_()
+    target = torch.tensor([6, 2, 9, -100])
+    ref = F.cross_entropy(logits, target)
+    ref.backward()
+    logitsl = chunk(logits, 1)
+    out = get_kernel("cross_entropy_vocab_split")(axis_groups=(group,), self=logitsl, target=target, reduction=1)
+    close(out, ref.detach(), "vocab-parallel cross entropy forward (masked classes)")
+    out.backward()
+    close(logitsl.grad, logits.grad.chunk(world_size, 1)[rank], "vocab-parallel cross entropy grad (masked classes)")
 
     # sync_batch_norm: input S(0) (and a trivial second group), weight/bias/stats R -> S(0)
     bn = nn.BatchNorm2d(3)

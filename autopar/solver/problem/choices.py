@@ -701,10 +701,6 @@ def _price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad
                 synced += cost.bytes_sent
         param_sync_s.append(param_synced_s)
         param_syncs.append(tuple(merged))
-        for axis in strategy.kernel_axes:
-            for num_bytes in kernel_all_reduce_bytes(info, strategy):
-                seconds += comm.all_reduce_s(num_bytes, axis, mesh_shape, cluster)
-                synced += comm.bytes_sent("all_reduce", num_bytes, mesh_shape[axis])
         kernel_s, kernel_bytes = comm.collectives_cost(
             kernel_collectives(info, strategy, mesh_shape, needs_grad), mesh_shape, cluster
         )
@@ -718,16 +714,6 @@ def _price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad
         )
         memory_bytes.append(float(out_bytes))
     return strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs
-
-
-# Kernels that all-reduce tensors of their own, beyond the redistributions of their inputs and
-# outputs (which the edges price): kernel name -> the sizes in bytes of what it all-reduces on each
-# of its axes in one forward. Their backward communicates nothing.
-_KERNEL_ALL_REDUCES = {
-    # The max, the sum of exponentials and the target logit per row, in float32 (float64 logits:
-    # float64).
-    "cross_entropy_vocab_split": lambda info: [max(4, info.kw["self"].dtype.itemsize) * info.kw["self"].shape[0]] * 3,
-}
 
 
 def kernel_all_to_all_bytes(info, strategy: Strategy, mesh_shape: Sequence[int], needs_grad: bool) -> list[float]:
@@ -778,17 +764,19 @@ def expert_parallel_record(choice: Choice, index: int, mesh_shape: Sequence[int]
     }
 
 
-def kernel_all_reduce_bytes(info, strategy: Strategy) -> list[int]:
-    """Sizes of the all-reduces ``strategy``'s kernel runs on each of its ``kernel_axes``."""
-    sizes = _KERNEL_ALL_REDUCES.get(strategy.kernel)
-    return sizes(info) if sizes is not None else []
-
-
 def kernel_collectives(info, strategy: Strategy, mesh_shape: Sequence[int], requires_grad: bool) -> list[tuple[str, float, int]]:
-    """Collectives of a kernel beyond all-reduces, as ``(kind, bytes, axis)``: the
-    context-parallel attention's K/V gathers, gradient reduce-scatters and head-tail row
-    exchanges (``comm.context_parallel_collectives``), and an expert-parallel kernel's
-    all-to-alls (``kernel_all_to_all_bytes``)."""
+    """Collectives a kernel runs of its own, beyond the redistributions of its inputs and
+    outputs (which the edges price), as ``(kind, bytes, axis)``: the context-parallel
+    attention's K/V gathers, gradient reduce-scatters and head-tail row exchanges
+    (``comm.context_parallel_collectives``), an expert-parallel kernel's all-to-alls
+    (``kernel_all_to_all_bytes``), and the vocab-parallel cross entropy's one all-gather per
+    axis of [2, rows] (each row's log-sum-exp and target logit, in float32; float64 logits:
+    float64) in forward, with nothing in backward."""
+    if strategy.kernel == "cross_entropy_vocab_split":
+        logits = info.kw["self"]
+        rows = local_shape(logits.shape, strategy.ins[logits.index], mesh_shape)[0]
+        stats = 2 * rows * max(4, logits.dtype.itemsize)
+        return [("all_gather", stats * mesh_shape[axis], axis) for axis in strategy.kernel_axes]
     if strategy.kernel != "sdpa_context_parallel":
         return [
             ("all_to_all", num_bytes, axis)
@@ -821,9 +809,6 @@ def grad_sync_bytes_per_axis(
             dtype = (choice.sync_dtypes[position] if choice.sync_dtypes else None) or arg.dtype
             local = memory.local_bytes(arg.shape, dtype, strategy.ins[position], mesh_shape)
             per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent("all_reduce", local, mesh_shape[axis])
-    for axis in strategy.kernel_axes:
-        for num_bytes in kernel_all_reduce_bytes(choice.info, strategy):
-            per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent("all_reduce", num_bytes, mesh_shape[axis])
     for kind, num_bytes, axis in kernel_collectives(choice.info, strategy, mesh_shape, choice.requires_grad):
         per_axis[axis] = per_axis.get(axis, 0.0) + comm.bytes_sent(kind, num_bytes, mesh_shape[axis])
     return per_axis
