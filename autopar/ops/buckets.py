@@ -393,6 +393,7 @@ class ParamGathers(torch.nn.Module):
         self._packed: dict[int, int] = {}
         self._regathered: dict[int, dict[str, torch.Tensor]] = {}
         self.num_backward_gathers = 0  # all-gathers of resharded groups in backward (tests, benchmarks)
+        self._begun = False  # ``begin`` launched this forward's first gathers
 
     def cast_to(self, key: str, dtype: torch.dtype, stored: torch.dtype) -> None:
         """Gather ``key`` cast to ``dtype`` (a precision policy's ``param_dtype``: FSDP2 gathers
@@ -471,12 +472,30 @@ class ParamGathers(torch.nn.Module):
 
     @contextlib.contextmanager
     def saved_tensors_hooks(self) -> Iterator[None]:
-        """Run the graph under this to free resharded groups after forward (class docstring)."""
-        if not any(self.reshard):
-            yield
+        """Run the graph's forward under this: it launches the first groups' gathers at once
+        (``begin``), and frees resharded groups after forward (class docstring)."""
+        self.begin()
+        try:
+            if not any(self.reshard):
+                yield
+                return
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._begun = False
+
+    def begin(self) -> None:
+        """A forward starts: drop what the last one left and launch the first group's gather
+        (and the groups ahead within ``prefetch_bytes``) now, as FSDP2 unshards its root at the
+        start of forward, so that it overlaps what the graph runs before the first gathered use
+        (an embedding's own collectives, say) instead of waiting there. Its first ``gather``
+        then finds them in flight."""
+        if torch._C._current_graph_task_id() != -1 or not self.groups:  # a recompute in backward
             return
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+        self._discard()
+        if all(key in self._shards for key in self.groups[0]):
+            self._start_from(0)
+            self._begun = True
 
     def _pack(self, tensor: torch.Tensor) -> object:
         try:
@@ -530,18 +549,16 @@ class ParamGathers(torch.nn.Module):
         index = self._index[key]
         in_backward = torch._C._current_graph_task_id() != -1  # a checkpoint's recompute
         if index == 0 and not in_backward:
-            self._discard()
+            if self._begun:  # launched by ``begin`` with the bound shards: the same storage
+                self._begun = False
+            else:
+                self._discard()
         if key not in self._ready:
             gi = self._group_of[key]
-            self.start(gi, (key, shard))
-            ahead = 0
-            for next_gi in range(gi + 1, len(self.groups)) if not in_backward and self.prefetch_bytes > 0 else ():
-                nbytes = self._group_bytes[next_gi]
-                if next_gi > gi + 1 and ahead + nbytes > self.prefetch_bytes:
-                    break
-                if all(other in self._shards for other in self.groups[next_gi]):
-                    self.start(next_gi)
-                ahead += nbytes
+            if in_backward:
+                self.start(gi, (key, shard))
+            else:
+                self._start_from(gi, (key, shard))
             wholes = self._complete(gi)
             if not in_backward:
                 for gathered_key, whole in wholes.items():
@@ -549,6 +566,19 @@ class ParamGathers(torch.nn.Module):
                     self._roots[root.untyped_storage().data_ptr()] = (weakref.ref(root), gathered_key)
             self._ready.update(wholes)
         return self._ready.pop(key)
+
+    def _start_from(self, gi: int, current: tuple[str, torch.Tensor] | None = None) -> None:
+        """Launch group ``gi``'s gather and the prefetch ahead of it: the next group always,
+        further ones while within ``prefetch_bytes`` (none with 0)."""
+        self.start(gi, current)
+        ahead = 0
+        for next_gi in range(gi + 1, len(self.groups)) if self.prefetch_bytes > 0 else ():
+            nbytes = self._group_bytes[next_gi]
+            if next_gi > gi + 1 and ahead + nbytes > self.prefetch_bytes:
+                break
+            if all(other in self._shards for other in self.groups[next_gi]):
+                self.start(next_gi)
+            ahead += nbytes
 
 
 @dataclass(frozen=True, slots=True)
