@@ -122,6 +122,27 @@ def test_a_bf16_slot_reduces_in_bf16_and_the_fp32_grad_gets_the_sum(one_rank_wor
     assert torch.equal(v.grad, torch.full((2, 3), 3.0)), "the bf16 sum (1) added to the fp32 .grad (2)"
 
 
+def test_gathers_start_when_forward_starts_and_a_forward_cut_short_leaves_none(one_rank_world, monkeypatch):
+    """Entering the forward's context launches the first group's gather and the next one
+    (FSDP2 unshards its root as forward starts); the first use then launches nothing. A forward
+    that stopped before using them does not hand its values to the next forward."""
+    a, b = torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))
+    gathers = ParamGathers([("a", one_rank_world, 0, 24), ("b", one_rank_world, 0, 16)], prefetch_bytes=1, grads=None)
+    gathers.bind({"a": a, "b": b})
+    launched = []
+    start = collectives.start_all_gather
+    monkeypatch.setattr(collectives, "start_all_gather", lambda out, x, name: launched.append(x.numel()) or start(out, x, name))
+    with gathers.saved_tensors_hooks():
+        assert launched == [6, 4], "both groups in flight before the first use"
+        got_a, got_b = gathers(a, key="a"), gathers(b, key="b")
+    assert launched == [6, 4] and torch.equal(got_a, a) and torch.equal(got_b, b)
+    with gathers.saved_tensors_hooks():
+        pass  # a forward that stopped before its first gathered use
+    with torch.no_grad():
+        a.add_(1.0)  # an optimizer step in between
+    assert torch.equal(gathers(a, key="a"), a), "the next forward gathers the new values"
+
+
 @pytest.mark.multiproc
 def test_buckets_and_gathers_sum_like_the_collectives_they_replace(rank_pool):
     for rank, results in enumerate(rank_pool(2).run(_run, timeout_s=120)):
