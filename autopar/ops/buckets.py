@@ -13,7 +13,7 @@ The rewritten graph calls two stateful modules (added by ``passes.schedule``, si
 - ``ParamGathers`` all-gathers sharded parameters in forward (FSDP's pattern), a group of them
   (one layer, as FSDP2's ``fully_shard(block)``) with one collective of a flat buffer, and
   issues the all-gather of the next group in forward order while the current one computes
-  (prefetch). A group marked to reshard after forward (``CommOptions.reshard_after_forward``)
+  (prefetch); the first groups' gathers launch as forward starts (``begin``). A group marked to reshard after forward (``CommOptions.reshard_after_forward``)
   is not kept alive by autograd: while the graph runs (``saved_tensors_hooks``), a saved tensor
   that is (a view of) one of its gathered parameters is packed as its key and layout, so the
   gathered storage is freed after its last forward use; backward's first unpack of the group

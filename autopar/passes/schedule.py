@@ -363,8 +363,9 @@ def _sync_lookups_at_the_table(graph: torch.fx.Graph, params: set[str]) -> None:
 
 
 def saved_tensors_hooks(gm: torch.fx.GraphModule) -> contextlib.AbstractContextManager:
-    """The context to run ``gm`` in, so that its resharded parameter gathers are freed after
-    forward (``ParamGathers.saved_tensors_hooks``); a no-op for a graph without them."""
+    """The context to run ``gm``'s forward in: its first parameter gathers launch on entry, and
+    its resharded ones are freed after forward (``ParamGathers.saved_tensors_hooks``); a no-op
+    for a graph without them."""
     gathers = getattr(gm, PARAM_GATHERS, None)
     if isinstance(gathers, ParamGathers):
         return gathers.saved_tensors_hooks()
