@@ -237,9 +237,9 @@ def _local_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     peak = x.amax(1)
     softmax = torch.softmax(x, 1)
     empty = peak == -math.inf
-    # A pass over [N, C] on the CPU only where a row needs it; elsewhere a pass is cheaper than
-    # the host sync that reading ``any()`` would be.
-    if x.device.type != "cpu" or bool(empty.any()):
+    # A pass over [N, C] on the CPU only where a row needs it; on a device (or traced) the pass
+    # is cheaper than the host sync (or the graph break) that reading ``any()`` would be.
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or bool(empty.any()):
         softmax.masked_fill_(empty[:, None], 0.0)
     return softmax, (peak - softmax.amax(1).log()).masked_fill(empty, -math.inf)
 
