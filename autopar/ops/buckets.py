@@ -13,10 +13,11 @@ The rewritten graph calls two stateful modules (added by ``passes.schedule``, si
 - ``ParamGathers`` all-gathers sharded parameters in forward (FSDP's pattern), a group of them
   (one layer, as FSDP2's ``fully_shard(block)``) with one collective of a flat buffer, and
   issues the all-gather of the next group in forward order while the current one computes
-  (prefetch); the first groups' gathers launch as forward starts (``begin``). A group marked to reshard after forward (``CommOptions.reshard_after_forward``)
-  is not kept alive by autograd: while the graph runs (``saved_tensors_hooks``), a saved tensor
-  that is (a view of) one of its gathered parameters is packed as its key and layout, so the
-  gathered storage is freed after its last forward use; backward's first unpack of the group
+  (prefetch); the first groups' gathers launch as forward starts (``begin``). A group marked to
+  reshard after forward (``CommOptions.reshard_after_forward``) is not kept alive by autograd:
+  while the graph runs (``saved_tensors_hooks``), a saved tensor that is (a view of) one of its
+  gathered parameters is packed as its key and layout, so the gathered storage is freed after
+  its last forward use; backward's first unpack of the group
   all-gathers it again (and the group backward needs next, ahead) and rebuilds the view with the
   same strides on the new storage, which holds the same values. FSDP2 frees and refills the
   unsharded storage in place instead; packing leaves autograd's saved tensors alone.
