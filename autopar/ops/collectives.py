@@ -299,11 +299,6 @@ def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _waited(funcol.all_reduce(x.contiguous(), "sum", group_name))
 
 
-@_guarded("all-reduce (max)")
-def _all_reduce_max(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return _waited(funcol.all_reduce(x.contiguous(), "max", group_name))
-
-
 # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single; older torch has only
 # the old names.
 _gather_along = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -718,8 +713,3 @@ def no_grad_all_gather(x: torch.Tensor, dim: int, group_name: str, blocks: int =
 
 def no_grad_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _all_reduce(x, group_name)
-
-
-def no_grad_all_reduce_max(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The elementwise maximum over the group (forward only: for kernels that need a max)."""
-    return _all_reduce_max(x, group_name)
