@@ -20,7 +20,7 @@ from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
-from autopar.runtime.data import random_ops, start_check, writes_state
+from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
 from autopar.runtime.offload import param_key
 from autopar.runtime.checkpoint import to_dtensor
@@ -71,7 +71,7 @@ class ParallelModule(ShardedModule):
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
         self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
         self._writes_state: dict[str, bool] = {}  # per mode graph: whether it writes a buffer (runtime.data)
-        self._random_ops: dict[str, Any] = {}  # per mode graph: its random ops on replicated tensors (runtime.data)
+        self._random_ops: dict[str, RandomOps | None] = {}  # per mode graph: its random ops on replicated tensors (runtime.data)
         self._build_mode = build_mode
         self._data = plan.data_layout
         if self._data.per_rank:

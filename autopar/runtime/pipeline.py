@@ -456,9 +456,9 @@ class PipelineParallelModule(ShardedModule):
             settle()
         except DataMismatchError as error:
             raise ValueError(
-                f"ranks {error.ranks[0]} and {error.ranks[1]} passed different batches, but a pipelined module takes the same whole batch on every rank "
-                "(its first stage reads the inputs and its last the labels, on their own ranks): pass every rank "
-                "the same batch"
+                f"ranks {error.ranks[0]} and {error.ranks[1]} passed different batches, but a pipelined module takes "
+                "the same whole batch on every rank (its first stage reads the inputs and its last the labels, on "
+                "their own ranks): pass every rank the same batch"
             ) from None
         return flat
 
