@@ -61,6 +61,13 @@ class LocalLeaf:
 
     def get(self) -> torch.Tensor:
         """The leaf, made again if the parameter's shard or ``requires_grad`` changed."""
+        if self.param._backward_hooks:
+            raise RuntimeError(
+                "a hook registered with register_hook on a parameter of a compiled module would not run: autopar "
+                "computes the gradient on the local shard, not through that DTensor. Register the hook on the "
+                "model's parameter before autopar.compile (it is traced), or use p.register_post_accumulate_grad_hook, "
+                "which runs on the DTensor .grad"
+            )
         local, leaf = self.param._local_tensor, self._leaf
         if (
             leaf is None

@@ -24,6 +24,7 @@ from torch.utils._pytree import TreeSpec
 from autopar.errors import TraceError
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.trace.fake import fake_tensors, has_meta_tensors
+from autopar.trace.hooks import check_hooks
 from autopar.trace.moe import experts_as_one_op
 
 # Runtime shape and dtype assertions that export leaves behind; after sharding they would
@@ -96,6 +97,7 @@ def trace(
     if precision is not None:
         example_inputs, example_kwargs = precision.cast_inputs((example_inputs, example_kwargs))
     _refuse_cache_inputs(example_kwargs)
+    check_hooks(model)
     try:
         # Stacked experts modules trace as one autopar::moe_experts op (``trace.moe``).
         with (

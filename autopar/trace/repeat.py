@@ -37,6 +37,7 @@ import torch.fx
 
 from autopar.ir.options import MixedPrecision
 from autopar.trace.export import GraphInput, TracedModel, graph_hash, name_base, trace
+from autopar.trace.hooks import check_hooks
 
 log = logging.getLogger("autopar")
 
@@ -58,6 +59,7 @@ def trace_repeated(
 ) -> TracedModel:
     """``trace.trace``'s graph of ``model``, built from a two-layer export where the model
     repeats one layer (see the module docstring), else traced whole."""
+    check_hooks(model)
     found = layer_list(model)
     if found is None:
         return trace(model, example_inputs, example_kwargs, precision)

@@ -235,3 +235,16 @@ def test_casting_or_moving_a_compiled_module_is_refused_and_a_no_op_is_not(world
             cast()
     assert all(p.dtype == torch.float32 for p in pm.parameters())
     pm(*batch).backward()  # still runs as compiled
+
+
+def test_a_tensor_hook_on_a_compiled_modules_parameter_is_refused(world_of_one):
+    """``p.register_hook`` on a DTensor parameter of the compiled module would never run (the
+    gradient is computed on the local shard): the next call says so and names what works."""
+    model = build_model("mlp", seed=0, d_in=8, d_hidden=16, d_out=4)
+    batch = example_batch("mlp", batch_size=4, seed=1, d_in=8, d_hidden=16, d_out=4)
+    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu")
+    handle = next(iter(pm.parameters())).register_hook(lambda grad: grad * 0)
+    with pytest.raises(RuntimeError, match=r"before autopar.compile.*register_post_accumulate_grad_hook"):
+        pm(*batch)
+    handle.remove()
+    pm(*batch).backward()  # runs again once the hook is gone

@@ -197,3 +197,33 @@ def test_argument_names_survive_graph_copies(name):
     assert name not in names
     assert [n.name for n in copy.deepcopy(traced.gm).graph.nodes] == names
     assert [gi.name for gi in traced.inputs] == [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+
+
+def test_module_backward_hooks_are_refused_and_forward_hooks_said_once(caplog) -> None:
+    """A module's backward hook would not run in the compiled module (its gradients come from the
+    graph), so tracing refuses it; forward hooks are traced (their outputs kept), which is said."""
+    import logging
+
+    from autopar.trace import trace_repeated
+    from autopar.trace.hooks import _said
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    x = (torch.randn(3, 4),)
+    hooked = model()
+    hooked[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    with pytest.raises(TraceError, match=r"module '2' has a backward hook.*p.register_hook"):
+        trace(hooked, x)
+    hooked = model()
+    hooked[0].weight.register_hook(lambda grad: grad * 2)  # a tensor hook on a parameter is traced: no error
+    trace(hooked, x)
+    hooked = model()
+    hooked[0].register_forward_hook(lambda module, args, out: out * 2)
+    _said.clear()
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        trace_repeated(hooked, x)
+        trace(hooked, x)
+    notices = [r.getMessage() for r in caplog.records if "forward hooks on '0'" in r.getMessage()]
+    assert len(notices) == 1, notices
