@@ -114,19 +114,19 @@ def _draws_nothing(node: torch.fx.Node) -> bool:
 _STATE_WEIGHTS: dict[int, torch.Tensor] = {}
 
 
-def _random_fingerprint(device: torch.device) -> float:
+def _random_fingerprint(state: tuple[torch.Tensor, torch.Tensor | None]) -> float:
     """One number that differs, almost surely, between two states of the generators a forward
-    draws from (the CPU's, and ``device``'s)."""
+    draws from (``_rng_state``: the CPU's, and the device's)."""
     total = 0.0
-    for state in (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None):
-        if state is None:
+    for part in state:
+        if part is None:
             continue
-        weights = _STATE_WEIGHTS.get(state.numel())
+        weights = _STATE_WEIGHTS.get(part.numel())
         if weights is None:
             weights = _STATE_WEIGHTS.setdefault(
-                state.numel(), torch.arange(state.numel(), dtype=torch.float64).remainder_(_PRIME).add_(1)
+                part.numel(), torch.arange(part.numel(), dtype=torch.float64).remainder_(_PRIME).add_(1)
             )
-        total = total * 2 + float((state.to(torch.float64) * weights).sum())
+        total = total * 2 + float((part.to(torch.float64) * weights).sum())
     return total
 
 
@@ -157,7 +157,8 @@ def start_check(
     except (ValueError, TypeError) as error:
         refusal = error
     group = layout.rank(coordinate) if layout.per_rank else 0  # the ranks that must pass the same data
-    drawn = [0.0, 0.0] if random is None else [float(random.group), _random_fingerprint(device)]
+    rng = _rng_state(device)  # compared here where random ops need it, restored on a refusal
+    drawn = [0.0, 0.0] if random is None else [float(random.group), _random_fingerprint(rng)]
     row = torch.cat(
         [
             torch.tensor([group, float(refusal is not None)], dtype=torch.float64, device=device),
@@ -171,7 +172,7 @@ def start_check(
     if refusal is not None:
         collectives.call_on_world("all-gather (data check)", work.wait)
         raise refusal
-    pending, rng = [work], _rng_state(device)
+    pending = [work]
 
     def settle() -> None:
         if not pending:

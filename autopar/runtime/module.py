@@ -70,8 +70,8 @@ class ParallelModule(ShardedModule):
         when it is first called (None: the module runs in the mode it was compiled in only)."""
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
         self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
-        self._writes_state: dict[str, bool] = {}  # per mode graph: whether it writes a buffer (runtime.data)
-        self._random_ops: dict[str, RandomOps | None] = {}  # per mode graph: its random ops on replicated tensors (runtime.data)
+        # Per mode graph, read once (runtime.data): whether it writes a buffer, its random ops on replicated tensors.
+        self._graph_facts: dict[str, tuple[bool, RandomOps | None]] = {}
         self._build_mode = build_mode
         self._data = plan.data_layout
         if self._data.per_rank:
@@ -191,9 +191,13 @@ class ParallelModule(ShardedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run = self._mode_graph()
-        if run.attr not in self._writes_state:  # read once per mode graph, not on every call
-            self._writes_state[run.attr] = writes_state(getattr(self, run.attr))
-            self._random_ops[run.attr] = random_ops(run.traced.gm, run.plan, self._coordinate)
+        facts = self._graph_facts.get(run.attr)
+        if facts is None:  # read once per mode graph, not on every call
+            facts = self._graph_facts[run.attr] = (
+                writes_state(getattr(self, run.attr)),
+                random_ops(run.traced.gm, run.plan, self._coordinate),
+            )
+        writes, random = facts
         leaves = pytree.tree_leaves((args, kwargs))
         flat, settle = start_check(
             lambda: self._user_inputs(args, kwargs),
@@ -201,11 +205,11 @@ class ParallelModule(ShardedModule):
             self._data,
             self._coordinate,
             self._check_device,
-            self._random_ops[run.attr],
+            random,
         )
         # The data check settles before the graph's first collective, or at the end (runtime.data),
         # or before the graph where it writes buffers in place.
-        if self._writes_state[run.attr]:
+        if writes:
             settle()
         collectives.before_next_collective(settle)
         try:

@@ -255,6 +255,7 @@ class PipelineParallelModule(ShardedModule):
         # (target, losses, ...): they go under neutral keys.
         self._user_keys = {f"input_{i}": name for i, name in enumerate(users)}
         self._device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        self._whole_batch = DataLayout("whole", (), (dist.get_world_size(),))  # what every rank passes (``_agreed_inputs``)
         self._loss_dtype = loss_node.meta["val"].dtype
         self._label_counts = label_counts(traced, loss_node)  # refuses a loss summed over its targets
         self._schedule = self._make_schedule(split, loss_node, tensors)
@@ -450,8 +451,7 @@ class PipelineParallelModule(ShardedModule):
         from the start): the first stage reads the inputs and the last the labels, each on its
         own ranks, so other data on one rank would pair one rank's inputs with another's labels."""
         leaves = pytree.tree_leaves((args, kwargs))
-        whole = DataLayout("whole", (), (dist.get_world_size(),))
-        flat, settle = start_check(lambda: self._user_inputs(args, kwargs), leaves, whole, (0,), self._device)
+        flat, settle = start_check(lambda: self._user_inputs(args, kwargs), leaves, self._whole_batch, (0,), self._device)
         try:
             settle()
         except DataMismatchError as error:
