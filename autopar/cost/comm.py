@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+from torch.distributed.tensor import Placement
 
 from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.ir.options import CommOptions
@@ -239,22 +240,21 @@ def transition_cost(
     forward_total = backward_total = sent_total = 0.0
     per_axis: dict[int, float] = {}
     current = list(src)
+
+    def price(collective: Collective, axis: int) -> tuple[float, float]:
+        return _price(collective, axis, mesh_shape, cluster)
+
     for step in steps:
         elements = math.prod(local_shape(global_shape, tuple(current), mesh_shape))
-        k = mesh_shape[step.axis]
-        forward, _ = _step_collectives(step.kind, elements * itemsize, k)
-        forward_s, sent = _price(forward, step.axis, mesh_shape, cluster)
-        backward_s = 0.0
-        if requires_grad:
-            _, backward = _step_collectives(step.kind, elements * grad_itemsize, k)
-            backward_s, backward_sent = _price(backward, step.axis, mesh_shape, cluster)
-            sent = sent + backward_sent
+        forward_s, backward_s, sent = _step_cost(
+            step.kind, step.axis, elements, (itemsize, grad_itemsize), mesh_shape, requires_grad, price
+        )
         forward_total += forward_s
         backward_total += backward_s
         sent_total += sent
         if sent:
             per_axis[step.axis] = per_axis.get(step.axis, 0.0) + sent
-        current[step.axis] = dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
+        current[step.axis] = _after_step(step, dst)
     return CommCost(forward_total, backward_total, sent_total, tuple(sorted(per_axis.items())))
 
 
@@ -287,7 +287,7 @@ class TransitionPrices:
                     code = self._codes.setdefault(spec, len(self._codes))
                     self._before.setdefault(code, spec)
                     route.append((step.kind, step.axis, code))
-                    current[step.axis] = dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
+                    current[step.axis] = _after_step(step, dst)
                 route = tuple(route)
             self._routes[key] = route
         return route
@@ -315,7 +315,7 @@ class TransitionPrices:
         route = self._route(src, dst, codes)
         if route is None:
             return None
-        itemsize, grad_itemsize = dtype.itemsize, (grad_dtype or dtype).itemsize
+        itemsizes = (dtype.itemsize, (grad_dtype or dtype).itemsize)
         forward_total = backward_total = sent_total = 0.0
         mesh_shape = self.mesh_shape
         for kind, axis, code in route:
@@ -323,14 +323,7 @@ class TransitionPrices:
             if elements is None:
                 before = self._before[code]
                 elements = self._elements[(global_shape, code)] = math.prod(local_shape(global_shape, before, mesh_shape))
-            k = mesh_shape[axis]
-            forward, _ = _step_collectives(kind, elements * itemsize, k)
-            forward_s, sent = self._price(forward, axis)
-            backward_s = 0.0
-            if requires_grad:
-                _, backward = _step_collectives(kind, elements * grad_itemsize, k)
-                backward_s, backward_sent = self._price(backward, axis)
-                sent = sent + backward_sent
+            forward_s, backward_s, sent = _step_cost(kind, axis, elements, itemsizes, mesh_shape, requires_grad, self._price)
             forward_total += forward_s
             backward_total += backward_s
             sent_total += sent
@@ -338,6 +331,33 @@ class TransitionPrices:
 
 
 _UNSEEN = object()
+
+
+def _step_cost(
+    kind: str,
+    axis: int,
+    elements: int,
+    itemsizes: tuple[int, int],
+    mesh_shape: Sequence[int],
+    requires_grad: bool,
+    price: Callable[[Collective, int], tuple[float, float]],
+) -> tuple[float, float, float]:
+    """(forward seconds, backward seconds, bytes sent) of one transition step on a tensor of
+    ``elements`` local elements (``itemsizes``: the value's and its gradient's), each collective
+    priced by ``price(collective, axis)``: what ``transition_cost`` and ``TransitionPrices`` sum."""
+    forward, _ = _step_collectives(kind, elements * itemsizes[0], mesh_shape[axis])
+    forward_s, sent = price(forward, axis)
+    backward_s = 0.0
+    if requires_grad:
+        _, backward = _step_collectives(kind, elements * itemsizes[1], mesh_shape[axis])
+        backward_s, backward_sent = price(backward, axis)
+        sent = sent + backward_sent
+    return forward_s, backward_s, sent
+
+
+def _after_step(step, dst: Spec) -> Placement:
+    """The placement on ``step.axis`` once ``step`` of a transition to ``dst`` is done."""
+    return dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
 
 
 def transition_bytes_per_axis(
