@@ -41,8 +41,9 @@ After ``--warmup`` steps each, the trainers take turns step by step (zero_grad, 
 backward, optimizer step; a barrier before each), ``--steps`` timed steps each, so that the
 machine's drift falls on all of them alike. A trainer's time is the median of its timed steps on
 the slowest rank; ``<kind>_opt_ms`` is the same for its ``optimizer.step()`` alone (torch's AdamW
-over the module's parameters: DTensors for FSDP2 and autopar, plain tensors for DDP; ``--foreach``
-makes it ``foreach=True``, CUDA's default, in every trainer). Ratios are taken within the run;
+over the module's parameters: DTensors for FSDP2 and autopar, plain tensors for DDP; ``--optimizer
+foreach`` makes it ``foreach=True``, CUDA's default, and ``--optimizer fused`` ``fused=True``,
+torchtitan's default, in every trainer). Ratios are taken within the run;
 absolute times on this shared machine mean little. Uses only the public API (``autopar.compile``,
 ``autopar.hand_plan``, ``autopar.plan``) and torch. Writes ``results/vs_torch.csv``.
 """
@@ -93,8 +94,11 @@ def _batch():
     return idx, targets
 
 
-def _trainer(kind: str, world: int, rank: int, foreach: bool | None = None):
-    """(step function) for one trainer; ``foreach``: AdamW's (None: torch's default)."""
+OPTIMIZERS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def _trainer(kind: str, world: int, rank: int, optimizer: str = "default"):
+    """(step function) for one trainer; ``optimizer``: AdamW's implementation (``OPTIMIZERS``)."""
     import autopar
 
     model = _gpt()
@@ -138,27 +142,25 @@ def _trainer(kind: str, world: int, rank: int, foreach: bool | None = None):
             model, mesh, example_inputs=(idx, targets), plan=plan, comm=comm, compiler="inductor" if compiled else None
         )
         batch = (idx, targets)  # the compiled module cuts out its own shard
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=foreach)
+    adamw = torch.optim.AdamW(module.parameters(), lr=1e-4, **OPTIMIZERS[optimizer])
 
     def step() -> tuple[float, float]:
         start = time.perf_counter()
-        optimizer.zero_grad()
+        adamw.zero_grad()
         module(*batch).backward()
         stepping = time.perf_counter()
-        optimizer.step()
+        adamw.step()
         end = time.perf_counter()
         return end - start, end - stepping
 
     return step
 
 
-def _rank(
-    rank: int, world: int, init: str, out_dir: str, kinds: list[str], steps: int, warmup: int, foreach: bool | None
-) -> None:
+def _rank(rank: int, world: int, init: str, out_dir: str, kinds: list[str], steps: int, warmup: int, optimizer: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
-        trainers = {kind: _trainer(kind, world, rank, foreach) for kind in kinds}
+        trainers = {kind: _trainer(kind, world, rank, optimizer) for kind in kinds}
         times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
         for step in trainers.values():
             for _ in range(warmup):
@@ -179,10 +181,10 @@ def _rank(
         dist.destroy_process_group()
 
 
-def run(world: int, kinds: list[str], steps: int, warmup: int, foreach: bool | None = None) -> dict[str, float]:
+def run(world: int, kinds: list[str], steps: int, warmup: int, optimizer: str = "default") -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="vs_torch_") as out_dir:
         init = "file://" + os.path.join(out_dir, "rendezvous")
-        mp.spawn(_rank, args=(world, init, out_dir, kinds, steps, warmup, foreach), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, init, out_dir, kinds, steps, warmup, optimizer), nprocs=world, join=True)
         with open(os.path.join(out_dir, "result.csv")) as handle:
             return {kind: float(seconds) for kind, seconds in (line.strip().split(",") for line in handle)}
 
@@ -211,15 +213,17 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="*", default=list(TRAINERS))
     parser.add_argument("--out", default="benchmarks/results/vs_torch.csv")
     parser.add_argument(
-        "--foreach",
-        action="store_true",
-        help="AdamW(foreach=True) in every trainer (the default on CUDA; on the CPU torch's default is a "
-        "loop over parameters, one DTensor dispatch per op and parameter for FSDP2 and autopar)",
+        "--optimizer",
+        choices=list(OPTIMIZERS),
+        default="default",
+        help="AdamW's implementation in every trainer: torch's default (on the CPU a loop over parameters, one "
+        "DTensor dispatch per op and parameter for FSDP2 and autopar), foreach (CUDA's default) or fused "
+        "(torchtitan's default)",
     )
     args = parser.parse_args()
     rows = []
     for world in args.ranks:
-        step_s = run(world, args.kinds, args.steps, args.warmup, True if args.foreach else None)
+        step_s = run(world, args.kinds, args.steps, args.warmup, args.optimizer)
         row = {"ranks": world, **{f"{kind}_ms": round(1e3 * s, 1) for kind, s in step_s.items()}}
         best = [step_s[k] for k in ("torch_ddp", "torch_fsdp2") if k in step_s]
         for suffix in ("", "_compiled"):  # the same ratios among the uncompiled and the compiled trainers

@@ -20,7 +20,7 @@ step, as DDP scripts that seed each rank differently would be.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, Collection, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -73,14 +73,19 @@ class RandomOps(NamedTuple):
     nodes: tuple[str, ...]
 
 
-def random_ops(gm: torch.fx.GraphModule, plan: Plan, coordinate: tuple[int, ...]) -> RandomOps | None:
+def random_ops(
+    gm: torch.fx.GraphModule, plan: Plan, coordinate: tuple[int, ...], only: Collection[str] | None = None
+) -> RandomOps | None:
     """Which of ``gm``'s random ops (``torch.Tag.nondeterministic_seeded``: dropout in training,
     ``rand_like``, ``bernoulli`` ...) have an output replicated on a mesh axis of size > 1, as the
-    plan places them; None if none has. A node the plan does not name counts as replicated."""
+    plan places them; None if none has. A node the plan does not name counts as replicated.
+    ``only``: the names of the nodes this rank runs (a pipeline stage's), None for all."""
     axes: set[int] = set()
     nodes = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if only is not None and node.name not in only:
             continue
         if torch.Tag.nondeterministic_seeded not in node.target.tags or _draws_nothing(node):
             continue

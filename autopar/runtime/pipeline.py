@@ -75,7 +75,7 @@ from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
 from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict
-from autopar.runtime.data import DataMismatchError, start_check
+from autopar.runtime.data import DataMismatchError, random_ops, start_check
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
 from autopar.runtime.microbatch_loss import label_counts
 from autopar.runtime.module import world_timeout
@@ -259,6 +259,7 @@ class PipelineParallelModule(ShardedModule):
         self._loss_dtype = loss_node.meta["val"].dtype
         self._label_counts = label_counts(traced, loss_node)  # refuses a loss summed over its targets
         self._schedule = self._make_schedule(split, loss_node, tensors)
+        self._random = self._stage_random_ops(traced, plan, coordinate)
 
     def _hold_tensors(self, model: torch.nn.Module, split: torch.fx.GraphModule, init) -> dict[str, torch.Tensor]:
         """Attach this stage's shards to ``self.module``; return placeholder name → tensor.
@@ -379,6 +380,16 @@ class PipelineParallelModule(ShardedModule):
         stages_arg = pipeline_stages if plan.pipeline.virtual_stages > 1 else pipeline_stages[0]
         return schedule(stages_arg, self._num_microbatches, loss_fn=_microbatch_loss, scale_grads=False)
 
+    def _stage_random_ops(self, traced: TracedModel, plan: Plan, coordinate: tuple[int, ...]):
+        """The random ops of this rank's stages that draw for a tensor replicated on a stage-mesh
+        axis (``runtime.data.random_ops``): the ranks of this stage group that hold it must draw
+        alike. Groups of other stages never compare with this one's (their ``group`` is offset)."""
+        names = {name for j in self._chunks for name in plan.pipeline.stages[j].nodes}
+        found = random_ops(traced.gm, _stage_view(plan), coordinate, only=names)
+        if found is None:
+            return None
+        return found._replace(group=found.group + self._stage_index * math.prod(plan.pipeline.stage_mesh))
+
     def _example(self, node: torch.fx.Node, plan: Plan) -> torch.Tensor:
         val = node.meta.get("val")
         decision = plan.nodes.get(node.name)
@@ -446,12 +457,15 @@ class PipelineParallelModule(ShardedModule):
         return self._outputs(_HeldGradients.apply(loss, len(params), *held, *params))
 
     def _agreed_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
-        """The call's flat inputs, once every rank has passed the same whole batch (one small
-        all-gather, ``runtime.data``; waited for here, as a step's stages exchange activations
-        from the start): the first stage reads the inputs and the last the labels, each on its
-        own ranks, so other data on one rank would pair one rank's inputs with another's labels."""
+        """The call's flat inputs, once every rank has passed the same whole batch and the ranks
+        that must draw alike have random generators in step (one small all-gather,
+        ``runtime.data``; waited for here, as a step's stages exchange activations from the start):
+        the first stage reads the inputs and the last the labels, each on its own ranks, so other
+        data on one rank would pair one rank's inputs with another's labels."""
         leaves = pytree.tree_leaves((args, kwargs))
-        flat, settle = start_check(lambda: self._user_inputs(args, kwargs), leaves, self._whole_batch, (0,), self._device)
+        flat, settle = start_check(
+            lambda: self._user_inputs(args, kwargs), leaves, self._whole_batch, (0,), self._device, self._random
+        )
         try:
             settle()
         except DataMismatchError as error:

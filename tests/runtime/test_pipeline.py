@@ -3,7 +3,8 @@ runs on gloo against eager PyTorch.
 
 The multi-process test is ONE 4-rank spawn that runs every pipelined configuration: 2 stages on
 mesh (2, 2) with 2 and 4 microbatches (1F1B), and 4 stages on mesh (4, 1) with 2 microbatches
-(GPipe, since there are fewer microbatches than stages). Plans are made here, in the parent, and
+(GPipe, since there are fewer microbatches than stages), and a dropout model whose stage ranks must
+draw alike. Plans are made here, in the parent, and
 handed to the ranks as JSON, so the ranks do not compete for the two cores while solving.
 """
 
@@ -55,6 +56,28 @@ class SkipMLP(torch.nn.Module):
         for layer in self.layers[1:]:
             h = torch.nn.functional.gelu(layer(h))
         return torch.nn.functional.mse_loss(h + first, y)
+
+
+class DropMLP(torch.nn.Module):
+    """Two residual blocks with dropout: at one row per microbatch, the plan keeps the dropout's
+    output whole on both ranks of a stage, so they must draw the same mask."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(2))
+        self.drop = torch.nn.Dropout(0.5)
+        self.head = torch.nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + self.drop(torch.tanh(layer(x)))
+        return torch.nn.functional.cross_entropy(self.head(x), y)
+
+
+def _drop_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(4)
+    return torch.randn(2, 16, generator=generator, dtype=DTYPE), torch.randint(0, 4, (2,), generator=generator)
 
 
 def _skip_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +271,9 @@ def _mlp_plans() -> dict[str, str]:
     return {"one": one.to_json(), "auto": auto.to_json()}
 
 
-def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict[str, str], flat_text: str, path: str) -> dict:
+def _run_pipelines(
+    rank: int, world: int, plans: dict[str, str], mlp_plans: dict[str, str], flat_text: str, drop_text: str, path: str
+) -> dict:
     torch.manual_seed(0)
     results = {}
     for label, text in plans.items():
@@ -365,6 +390,21 @@ def _run_pipelines(rank: int, world: int, plans: dict[str, str], mlp_plans: dict
     torch.nn.init.normal_(other.layers[2].weight)
     pm.load_state_dict(other.state_dict())
     results["skip"]["loaded_rel"] = max_rel_diff(pm.full_state_dict(), other.state_dict())
+    # Dropout on a tensor both ranks of a stage hold whole: their generators must be in step
+    # (ranks of different stages may differ); a call whose are not is refused on every rank.
+    drop = {}
+    pm = autopar.compile(DropMLP().to(DTYPE), (2, 2), example_inputs=_drop_batch(), plan=autopar.Plan.from_json(drop_text))
+    torch.manual_seed(7 + pm.stage_index)
+    drop["per_stage"] = pm(*_drop_batch()).item()
+    torch.manual_seed(7 + rank)
+    state = torch.get_rng_state()
+    try:
+        pm(*_drop_batch())
+        drop["per_rank"] = "ran"
+    except ValueError as error:
+        drop["per_rank"] = str(error)
+    drop["restored"] = torch.equal(state, torch.get_rng_state())
+    results["drop"] = drop
     return results
 
 
@@ -375,8 +415,16 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
         for label, (mesh, stages, microbatches) in RUNS.items()
     }
     flat = autopar.hand_plan("fsdp", _gpt(), (4,), example_inputs=example_batch("gpt", BATCH, seed=1), cluster="cpu")
-    results = rank_pool(4).run(_run_pipelines, plans, _mlp_plans(), flat.to_json(), str(tmp_path / "ckpt"), timeout_s=400)
+    drop = autopar.plan(DropMLP().to(DTYPE), (2, 2), example_inputs=_drop_batch(), cluster="cpu", pipeline=2, num_microbatches=2)
+    assert all(drop.nodes[n].outs[0][1].is_replicate() for n in ("dropout", "dropout_1")), "the test needs whole dropouts"
+    results = rank_pool(4).run(
+        _run_pipelines, plans, _mlp_plans(), flat.to_json(), drop.to_json(), str(tmp_path / "ckpt"), timeout_s=400
+    )
     for rank, by_label in enumerate(results):
+        drop = by_label.pop("drop")
+        assert math.isfinite(drop["per_stage"]), drop
+        assert "draw different random numbers" in drop["per_rank"] and "torch.manual_seed(seed)" in drop["per_rank"], drop
+        assert drop["restored"], f"rank {rank}: a refused call left the random generator drawn from"
         mlp = {label: by_label.pop(f"mlp_{label}") for label in ("one", "auto")}
         assert mlp["one"]["stages"] == 1 and mlp["auto"]["stages"] >= 2, "the budget leaves one stage infeasible"
         for label, result in mlp.items():
