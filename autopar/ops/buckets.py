@@ -22,6 +22,15 @@ The rewritten graph calls two stateful modules (added by ``passes.schedule``, si
   same strides on the new storage, which holds the same values. FSDP2 frees and refills the
   unsharded storage in place instead; packing leaves autograd's saved tensors alone.
 
+Held back (``pm.no_sync()``, DDP's gradient accumulation): while ``sync`` is off, an all-reduce
+bucket whose parameters get their gradients from it alone (``Slot.alone``) launches nothing. Its
+flat buffer is kept, summed over such backwards, and each parameter's ``.grad`` is a view of its
+slot there, this rank's unreduced sum, as DDP's ``.grad`` is inside ``no_sync()``: ``zero_grad()``
+drops or zeroes it as it would DDP's. The next synced backward adds what the views still hold into
+its bucket before the all-reduce, so one collective serves every micro-step. Reduce-scatter
+buckets (sharded parameters) still reduce at every backward: holding them would keep every
+sharded gradient whole.
+
 Numbers: a bucket's all-reduce is an all-reduce of each of its slots (sums are elementwise);
 a reduce-scatter bucket lays each slot out rank-major (chunk ``r`` of every slot in section
 ``r``), so rank ``r`` receives exactly the sum of chunk ``r`` of each gradient, as the
@@ -39,7 +48,7 @@ from typing import Iterator, Sequence
 import torch
 
 from autopar.ops import collectives
-from autopar.ops.params import add_grad, local_of
+from autopar.ops.params import add_grad, as_like, local_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +70,7 @@ class Slot:
     dim: int = 0
     uses: int = 1
     group: int = -1
+    alone: bool = False  # the parameter's every use is in this slot: only the bucket writes its .grad
 
     @property
     def numel(self) -> int:
@@ -118,7 +128,7 @@ def make_buckets(slots: Sequence[Slot], cap_bytes: int, first_cap_bytes: int | N
 class _Pending:
     """One bucket's state during one backward."""
 
-    __slots__ = ("flat", "left", "written", "work", "out", "done")
+    __slots__ = ("flat", "left", "written", "work", "out", "done", "held")
 
     def __init__(self, bucket: Bucket, device: torch.device, flat: torch.Tensor | None = None):
         self.flat: torch.Tensor | None = (
@@ -129,6 +139,7 @@ class _Pending:
         self.work = None
         self.out: torch.Tensor | None = None
         self.done = False  # waited on (a reduce-scatter retired by the next one's launch)
+        self.held = False  # summed into the held buffer (``sync`` off): nothing launched
 
 
 class GradBuckets(torch.nn.Module):
@@ -159,6 +170,10 @@ class GradBuckets(torch.nn.Module):
         self._scattering: int | None = None  # the reduce-scatter bucket in flight whose input is held
         self._scatter_inputs = 0  # reduce-scatter inputs alive now
         self.max_scatter_inputs = 0  # most reduce-scatter inputs alive at once in the last backward (tests)
+        self.sync = True  # off inside ``pm.no_sync()``: all-reduces held back (module docstring)
+        self._held: dict[int, torch.Tensor] = {}  # bucket → this rank's unreduced sum of held backwards
+        self._views: dict[str, torch.Tensor] = {}  # slot key → the ``.grad`` set to its view of the held buffer
+        self.launches = 0  # collectives launched (tests)
 
     def bind(self, params: dict[str, torch.Tensor]) -> None:
         missing = [slot.key for bucket in self.buckets for slot in bucket.slots if slot.key not in params]
@@ -171,6 +186,40 @@ class GradBuckets(torch.nn.Module):
 
     def has(self, key: str) -> bool:
         return key in self._where
+
+    @property
+    def held_numel(self) -> int:
+        """Elements of unreduced gradients held for the next synced backward (``pm.no_sync()``)."""
+        return sum(flat.numel() for flat in self._held.values())
+
+    def _holds(self, index: int) -> bool:
+        """Whether bucket ``index`` can be held back: an all-reduce whose parameters' ``.grad``
+        can be views of it (same dtype, written by it alone, none set by anything else now)."""
+        bucket = self.buckets[index]
+        if bucket.kind != "all_reduce":
+            return False
+        for slot in bucket.slots:
+            param = self._params[slot.key]
+            if not slot.alone or slot.dtype != param.dtype:
+                return False
+            if param.grad is not None and param.grad is not self._views.get(slot.key):
+                return False  # a gradient already there (reduced, or the user's) cannot become a view
+        return True
+
+    def _take_held(self, index: int) -> torch.Tensor | None:
+        """Bucket ``index``'s held buffer, its slots detached from the ``.grad`` views: a slot
+        whose ``.grad`` was replaced or dropped since (``zero_grad()``) counts as zeros."""
+        held = self._held.pop(index, None)
+        if held is None:
+            return None
+        for position, slot in enumerate(self.buckets[index].slots):
+            view = self._views.pop(slot.key, None)
+            param = self._params[slot.key]
+            if view is not None and param.grad is view:
+                param.grad = None
+            else:
+                self._slot_view(index, position, held).zero_()
+        return held
 
     # -- backward -------------------------------------------------------------------------
 
@@ -228,6 +277,17 @@ class GradBuckets(torch.nn.Module):
             position = self._where[key][1]
             self._slot_view(index, position, pending.flat).zero_()  # no use of it ran this time
             pending.written.add(key)
+        if not self.sync and (index in self._held or self._holds(index)):
+            held = self._take_held(index)
+            if held is not None:
+                pending.flat.add_(held)
+            self._held[index] = pending.flat  # its views become the .grad at the end of backward
+            pending.held = True
+            return
+        held = self._take_held(index)
+        if held is not None:  # the micro-steps held back by no_sync(), reduced with this one
+            pending.flat.add_(held)
+        self.launches += 1
         group_name = bucket.groups[0]
         if bucket.kind == "all_reduce":
             pending.work = collectives.start_all_reduce(pending.flat, group_name)
@@ -266,17 +326,22 @@ class GradBuckets(torch.nn.Module):
         pending_all, self._pending = self._pending, None
         self._scattering = None
         for index, pending in enumerate(pending_all or ()):
-            if pending is not None and pending.work is not None and not pending.done:
+            if pending is not None and pending.held:
+                self._show_held(index)  # kept, as autograd keeps what an unfinished backward accumulated
+            elif pending is not None and pending.work is not None and not pending.done:
                 collectives.wait(pending.work, self.buckets[index].groups[0])
 
     def _finish(self) -> None:
         pending_all = self._pending
         for index, pending in enumerate(pending_all or ()):
-            if pending is not None and pending.work is None:
+            if pending is not None and pending.work is None and not pending.held:
                 self._launch(index, pending)
         self._pending, self._scattering = None, None
         for index, pending in enumerate(pending_all or ()):
             if pending is None:
+                continue
+            if pending.held:
+                self._show_held(index)
                 continue
             bucket = self.buckets[index]
             if not pending.done:
@@ -299,6 +364,13 @@ class GradBuckets(torch.nn.Module):
                 # reduced in a policy's reduce_dtype: lands in the master's; a DTensor
                 # parameter's gradient is a DTensor with its placements (ops.params)
                 add_grad(self._params[slot.key], reduced)
+
+    def _show_held(self, index: int) -> None:
+        """Each parameter's ``.grad`` becomes its view of bucket ``index``'s held buffer."""
+        held = self._held[index]
+        for position, slot in enumerate(self.buckets[index].slots):
+            param = self._params[slot.key]
+            param.grad = self._views[slot.key] = as_like(self._slot_view(index, position, held).view(slot.shape), param)
 
 
 def _unshared(tensor: torch.Tensor) -> bool:

@@ -108,7 +108,9 @@ def schedule_communication(
         if len(synced) == 1:  # one set of axes for every synced use (else: keep per-use collectives)
             ((chain_groups, chains),) = synced.items()
             first, slot_dtype = _merge_synced(graph, placeholder, chains, order)
-            reduce_slots.append((first, Slot(placeholder.name, "all_reduce", local, slot_dtype, chain_groups)))
+            alone = len(placeholder.users) == 1  # every use of it is synced: only the bucket writes its .grad
+            slot = Slot(placeholder.name, "all_reduce", local, slot_dtype, chain_groups, alone=alone)
+            reduce_slots.append((first, slot))
         if len(gathered) == 1 and not synced:
             (((dim, group, reduce), pairs),) = gathered.items()
             first, slot_dtype = _merge_gathered(graph, placeholder, pairs, reduce, order)

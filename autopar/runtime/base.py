@@ -337,17 +337,32 @@ class ShardedModule(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """DDP's ``no_sync()``, so that a DDP script's gradient accumulation runs unchanged. autopar
-        still reduces the gradients at every backward inside it; they accumulate as eager's do and
-        the step's gradients are the same as without it, but no communication is saved (said once
-        in the log)."""
+        """DDP's ``no_sync()``: gradient accumulation with one reduction per optimizer step. Inside
+        it, the all-reduces of parameters whose gradients only a bucket writes (``ops.buckets``:
+        replicated parameters, as DDP's) are held back, each ``.grad`` this rank's unreduced sum as
+        DDP's is, and reduced with the next backward outside it; the step's gradients are eager's.
+        Reduce-scatters (sharded parameters), reductions inside a compiled or unscheduled graph, and
+        pipelines still reduce at every backward (said once in the log)."""
+        buckets = self._no_sync_buckets()
         if not _no_sync_said:
             _no_sync_said.append(True)
-            log.warning(
-                "autopar: no_sync() still reduces gradients at every backward (the accumulated "
-                "gradients are the same; no communication is saved)"
+            log.info(
+                "autopar: no_sync() holds back the all-reduces of replicated parameters' gradients until the next "
+                "backward outside it%s; reduce-scatters (sharded parameters), compiled graphs and pipelines still "
+                "reduce at every backward",
+                "" if buckets else " (this module has none it can hold)",
             )
-        yield
+        for bucket in buckets:
+            bucket.sync = False
+        try:
+            yield
+        finally:
+            for bucket in buckets:
+                bucket.sync = True
+
+    def _no_sync_buckets(self) -> list[Any]:
+        """The gradient buckets ``no_sync()`` turns off (``ops.buckets.GradBuckets``); none here."""
+        return []
 
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:

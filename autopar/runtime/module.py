@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from autopar.ops import collectives
+from autopar.ops.buckets import GradBuckets
 from autopar.ops.params import LocalLeaf
 from autopar.passes.schedule import bind_parameters
 from autopar.runtime.compiled import run_eager, warn_not_compiled
@@ -218,6 +219,13 @@ class ParallelModule(ShardedModule):
             collectives.before_next_collective(None)
             settle()
         return pytree.tree_unflatten(list(outputs), run.traced.out_spec)
+
+    def _no_sync_buckets(self) -> list[GradBuckets]:
+        """The gradient buckets of the graphs that run op by op (a compiled graph reduces inside)."""
+        graphs = [getattr(self, attr) for attr in {run.attr for run in self._modes.values()}]
+        if self._compiled_graph is not None:
+            graphs = [gm for gm in graphs if gm is not self.graph_module]
+        return [m for gm in graphs for m in gm.modules() if isinstance(m, GradBuckets)]
 
     def _graph_values(self, run: ModeGraph, flat: list[Any]) -> list[Any]:
         """The graph's inputs in order: each parameter's local leaf, buffers, constants, the user's."""

@@ -5,7 +5,7 @@ a small CNN (batch norm, and a ``self.training`` branch that drops features in t
 under the ``ddp``, ``fsdp`` and ``megatron`` hand plans and under the solver's own plan, each
 rank loads its own rows (``batch="per_rank"``, a ``DistributedSampler`` built from
 ``pm.data_parallel_size`` and ``pm.data_parallel_rank``) and runs a loop that accumulates two
-micro-steps (the first under DDP's ``pm.no_sync()``), clips gradients (torch's ``clip_grad_norm_`` on ``pm.parameters()``), steps AdamW and an LR scheduler, evaluates between train steps
+micro-steps (the first under DDP's ``pm.no_sync()``, which holds the ddp plan's all-reduces back), clips gradients (torch's ``clip_grad_norm_`` on ``pm.parameters()``), steps AdamW and an LR scheduler, evaluates between train steps
 (``pm.eval()`` under ``torch.no_grad()``), keeps an exponential moving average of the weights
 (``torch.optim.swa_utils.AveragedModel``, a deep copy of the module), and saves and resumes mid-run into a module compiled
 from another model. The eager loop runs on the concatenation of every data-parallel rank's rows.
@@ -152,6 +152,7 @@ def _loop(name: str, kind: str, plans: dict[str, str], path: str) -> dict:
         "params": 0.0,
         "eval": 0.0,
         "ema": 0.0,
+        "held": 0,
         "eval_grad_fn": [],
         "lr": [],
     }
@@ -171,6 +172,8 @@ def _loop(name: str, kind: str, plans: dict[str, str], path: str) -> dict:
             with pm.no_sync() if micro < ACCUM - 1 else contextlib.nullcontext():
                 loss = pm(*local) / ACCUM
                 loss.backward()
+                if micro < ACCUM - 1:  # what no_sync() held back instead of reducing
+                    out["held"] = max(out["held"], sum(b.held_numel for b in pm._no_sync_buckets()))
             eager_loss = eager(*whole) / ACCUM
             eager_loss.backward()
             out["loss"] = max(out["loss"], abs(loss.item() - eager_loss.item()) / abs(eager_loss.item()))
@@ -289,6 +292,8 @@ def test_training_loop_equals_eager(rank_pool, tmp_path) -> None:
                 for key in ("loss", "norm", "grads", "params", "eval", "ema"):
                     assert got[key] < TOL, f"{where}: {key} off by {got[key]:.2e} (relative) from eager"
                 assert not any(got["eval_grad_fn"]), f"{where}: eval under no_grad kept a graph for backward"
+                if kind == "ddp" and got["size"] > 1:  # DDP's accumulation: one all-reduce per optimizer step
+                    assert got["held"] > 0, f"{where}: no_sync() held back no gradient"
                 assert all(a == b for a, b in got["lr"]), f"{where}: learning rates {got['lr']}"
                 sizes[name, kind] = got["size"]
         dropout = out["dropout"]
