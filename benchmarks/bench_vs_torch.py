@@ -43,7 +43,8 @@ machine's drift falls on all of them alike. A trainer's time is the median of it
 the slowest rank; ``<kind>_opt_ms`` is the same for its ``optimizer.step()`` alone (torch's AdamW
 over the module's parameters: DTensors for FSDP2 and autopar, plain tensors for DDP; ``--optimizer
 foreach`` makes it ``foreach=True``, CUDA's default, and ``--optimizer fused`` ``fused=True``,
-torchtitan's default, in every trainer). Ratios are taken within the run;
+torchtitan's default, in every trainer). ``--accum N`` makes a step N micro-steps (forward and
+backward), every one but the last without gradient sync, as each library offers it. Ratios are taken within the run;
 absolute times on this shared machine mean little. Uses only the public API (``autopar.compile``,
 ``autopar.hand_plan``, ``autopar.plan``) and torch. Writes ``results/vs_torch.csv``.
 """
@@ -51,6 +52,7 @@ absolute times on this shared machine mean little. Uses only the public API (``a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import os
@@ -97,8 +99,28 @@ def _batch():
 OPTIMIZERS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
-def _trainer(kind: str, world: int, rank: int, optimizer: str = "default"):
-    """(step function) for one trainer; ``optimizer``: AdamW's implementation (``OPTIMIZERS``)."""
+def _no_sync(module: torch.nn.Module, sync: bool):
+    """The context a micro-step runs in: DDP's and autopar's ``no_sync()``, FSDP2's and
+    replicate's ``set_requires_gradient_sync``; nothing for the plain model."""
+    if sync or not hasattr(module, "no_sync") and not hasattr(module, "set_requires_gradient_sync"):
+        return contextlib.nullcontext()
+    if hasattr(module, "no_sync"):
+        return module.no_sync()
+    module.set_requires_gradient_sync(False)
+    return _synced_after(module)
+
+
+@contextlib.contextmanager
+def _synced_after(module: torch.nn.Module):
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _trainer(kind: str, world: int, rank: int, optimizer: str = "default", accum: int = 1):
+    """(step function) for one trainer; ``optimizer``: AdamW's implementation (``OPTIMIZERS``);
+    ``accum``: micro-steps per optimizer step, every one but the last without gradient sync."""
     import autopar
 
     model = _gpt()
@@ -147,7 +169,9 @@ def _trainer(kind: str, world: int, rank: int, optimizer: str = "default"):
     def step() -> tuple[float, float]:
         start = time.perf_counter()
         adamw.zero_grad()
-        module(*batch).backward()
+        for micro in range(accum):
+            with _no_sync(module, micro == accum - 1):
+                module(*batch).backward()
         stepping = time.perf_counter()
         adamw.step()
         end = time.perf_counter()
@@ -156,11 +180,13 @@ def _trainer(kind: str, world: int, rank: int, optimizer: str = "default"):
     return step
 
 
-def _rank(rank: int, world: int, init: str, out_dir: str, kinds: list[str], steps: int, warmup: int, optimizer: str) -> None:
+def _rank(
+    rank: int, world: int, init: str, out_dir: str, kinds: list[str], steps: int, warmup: int, optimizer: str, accum: int
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
-        trainers = {kind: _trainer(kind, world, rank, optimizer) for kind in kinds}
+        trainers = {kind: _trainer(kind, world, rank, optimizer, accum) for kind in kinds}
         times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
         for step in trainers.values():
             for _ in range(warmup):
@@ -181,10 +207,10 @@ def _rank(rank: int, world: int, init: str, out_dir: str, kinds: list[str], step
         dist.destroy_process_group()
 
 
-def run(world: int, kinds: list[str], steps: int, warmup: int, optimizer: str = "default") -> dict[str, float]:
+def run(world: int, kinds: list[str], steps: int, warmup: int, optimizer: str = "default", accum: int = 1) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="vs_torch_") as out_dir:
         init = "file://" + os.path.join(out_dir, "rendezvous")
-        mp.spawn(_rank, args=(world, init, out_dir, kinds, steps, warmup, optimizer), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, init, out_dir, kinds, steps, warmup, optimizer, accum), nprocs=world, join=True)
         with open(os.path.join(out_dir, "result.csv")) as handle:
             return {kind: float(seconds) for kind, seconds in (line.strip().split(",") for line in handle)}
 
@@ -220,10 +246,17 @@ def main() -> None:
         "DTensor dispatch per op and parameter for FSDP2 and autopar), foreach (CUDA's default) or fused "
         "(torchtitan's default)",
     )
+    parser.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="micro-steps per optimizer step, every one but the last under no_sync() (DDP, autopar) or "
+        "set_requires_gradient_sync(False) (FSDP2, replicate)",
+    )
     args = parser.parse_args()
     rows = []
     for world in args.ranks:
-        step_s = run(world, args.kinds, args.steps, args.warmup, args.optimizer)
+        step_s = run(world, args.kinds, args.steps, args.warmup, args.optimizer, args.accum)
         row = {"ranks": world, **{f"{kind}_ms": round(1e3 * s, 1) for kind, s in step_s.items()}}
         best = [step_s[k] for k in ("torch_ddp", "torch_fsdp2") if k in step_s]
         for suffix in ("", "_compiled"):  # the same ratios among the uncompiled and the compiled trainers
