@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.ops import collectives
 from autopar.ops.params import add_grad, as_like, local_of
@@ -142,6 +143,27 @@ class _Pending:
         self.held = False  # summed into the held buffer (``sync`` off): nothing launched
 
 
+# id of a ``.grad`` that is a view of held gradients → the view: ``optimizer.step()`` refuses them.
+_held_grads: dict[int, weakref.ref] = {}
+_step_hook: list[object] = []
+
+
+def _refuse_held_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    """A global optimizer step pre-hook: a step on gradients ``no_sync()`` holds back (each rank's
+    own unreduced sum) would move the ranks' replicas apart without an error."""
+    if not _held_grads:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            ref = _held_grads.get(id(param.grad)) if param.grad is not None else None
+            if ref is not None and ref() is param.grad:
+                raise RuntimeError(
+                    "optimizer.step() ran on gradients that pm.no_sync() holds back: inside no_sync() each rank's "
+                    ".grad is its own unreduced sum, as DDP's, so the ranks would step apart. Step after a backward "
+                    "outside no_sync() (every micro-step but the last under no_sync(), then step)"
+                )
+
+
 class GradBuckets(torch.nn.Module):
     """Bucketed, asynchronous gradient reductions (see the module docstring).
 
@@ -214,6 +236,8 @@ class GradBuckets(torch.nn.Module):
             return None
         for position, slot in enumerate(self.buckets[index].slots):
             view = self._views.pop(slot.key, None)
+            if view is not None:
+                _held_grads.pop(id(view), None)
             param = self._params[slot.key]
             if view is not None and param.grad is view:
                 param.grad = None
@@ -368,9 +392,13 @@ class GradBuckets(torch.nn.Module):
     def _show_held(self, index: int) -> None:
         """Each parameter's ``.grad`` becomes its view of bucket ``index``'s held buffer."""
         held = self._held[index]
+        if not _step_hook:
+            _step_hook.append(register_optimizer_step_pre_hook(_refuse_held_step))
         for position, slot in enumerate(self.buckets[index].slots):
             param = self._params[slot.key]
-            param.grad = self._views[slot.key] = as_like(self._slot_view(index, position, held).view(slot.shape), param)
+            view = as_like(self._slot_view(index, position, held).view(slot.shape), param)
+            param.grad = self._views[slot.key] = view
+            _held_grads[id(view)] = weakref.ref(view)
 
 
 def _unshared(tensor: torch.Tensor) -> bool:

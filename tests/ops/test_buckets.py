@@ -77,6 +77,11 @@ def _held_back(rank: int, world: int) -> dict:
     out["held_launches"] = buckets.launches - before  # a and b only
     out["unreduced"] = max((params[k].grad - weights(0, rank)[k]).abs().max().item() for k in "xy")
     out["held_numel"] = buckets.held_numel
+    try:  # a step on held gradients would move the ranks apart
+        torch.optim.SGD(params.values(), lr=0.1).step()
+        out["step_inside"] = "stepped"
+    except RuntimeError as error:
+        out["step_inside"] = str(error)
     buckets.sync = True
     backward(1)
     want = summed([0, 1])
@@ -215,6 +220,7 @@ def test_buckets_and_gathers_sum_like_the_collectives_they_replace(rank_pool):
         assert held["unreduced"] == 0.0 and held["held_numel"] == 5, f"rank {rank}: .grad is the rank's own sum: {held}"
         assert held["reduced"] < 1e-5 and held["after"] == 0, f"rank {rank}: one reduction for both micro-steps: {held}"
         assert held["dropped"] < 1e-5, f"rank {rank}: zero_grad() after a held micro-step must drop it: {held}"
+        assert "holds back" in held["step_inside"] and "outside no_sync()" in held["step_inside"], held
         for how, result in results.items():
             where = f"rank {rank}, {how} gathers"
             assert result["gathered"] == (True, True), f"{where}: a gathered parameter is the whole tensor"
