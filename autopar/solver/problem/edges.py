@@ -23,7 +23,9 @@ import functools
 import itertools
 import operator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, NamedTuple
+
+import numpy as np
 
 import torch
 import torch.fx
@@ -38,6 +40,18 @@ from autopar.rules.registry import normalized_kwargs, tensor_meta
 Price = tuple[float, float]  # (seconds forward + backward, bytes sent)
 
 
+class HeldPairs(NamedTuple):
+    """The pairs of a hub's table that the hub prices higher (``EdgePrices.direct_items``), in
+    table order: the position of each one's src in the src spec list the table was priced from,
+    of its dst in the dst list, and its seconds; and the lengths of both lists."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    seconds: np.ndarray
+    num_src: int
+    num_dst: int
+
+
 class EdgePrices(Mapping):
     """(src spec, dst spec) → (seconds, bytes sent) of one edge; a missing key is an impossible
     transition. Iteration yields the pairs the ILP gives variables (all, or the near ones: see
@@ -45,7 +59,7 @@ class EdgePrices(Mapping):
     and kept. ``hub`` is None (dense or pinned), or the seconds of src → replicated per src spec
     and of replicated → dst per dst spec."""
 
-    __slots__ = ("table", "hub", "_price", "_asked", "_factor", "_routed")
+    __slots__ = ("table", "hub", "_price", "_asked", "_factor", "_routed", "_held")
 
     def __init__(
         self,
@@ -54,6 +68,7 @@ class EdgePrices(Mapping):
         hub: tuple[dict[Spec, float], dict[Spec, float]] | None = None,
         factor: float = 1.0,
         routed: frozenset[int] = frozenset(),
+        held: HeldPairs | None = None,
     ):
         self.table = table
         self.hub = hub
@@ -61,6 +76,7 @@ class EdgePrices(Mapping):
         self._asked: dict[tuple[Spec, Spec], Price | None] = {}
         self._factor = factor
         self._routed = routed  # positions in ``table`` of the pairs the hub prices no higher
+        self._held = held  # ``direct_items`` as arrays (a hub's table; ``held_pairs``)
 
     def direct_items(self) -> list[tuple[tuple[Spec, Spec], Price]]:
         """The (pair, price) items of ``table`` that the hub does not price as low: through the
@@ -72,6 +88,11 @@ class EdgePrices(Mapping):
             return list(self.table.items())
         routed = self._routed
         return [item for k, item in enumerate(self.table.items()) if k not in routed]
+
+    def held_pairs(self) -> HeldPairs | None:
+        """``direct_items`` as arrays, for an ILP that gives them columns of its LP alone
+        (``solver.problem.columns``): None on a table without a hub."""
+        return self._held
 
     def get(self, pair: tuple[Spec, Spec], default=None):
         found = self.table.get(pair)
@@ -116,7 +137,10 @@ class EdgePrices(Mapping):
         """The same prices with seconds times ``factor`` (bytes as they are)."""
         table = {pair: (seconds * factor, sent) for pair, (seconds, sent) in self.table.items()}
         hub = None if self.hub is None else tuple({spec: s * factor for spec, s in side.items()} for side in self.hub)
-        return EdgePrices(table, self._price, hub, self._factor * factor, self._routed)
+        held = self._held
+        if held is not None:
+            held = HeldPairs(held.src, held.dst, held.seconds * factor, held.num_src, held.num_dst)
+        return EdgePrices(table, self._price, hub, self._factor * factor, self._routed, held)
 
 
 @dataclass
@@ -312,10 +336,11 @@ def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec,
         allowed = {spec for spec, _ in dsts}
         combos = [(pair, pair) for pair in srcs if pair[0] in allowed]
     elif hub:
-        combos = [(srcs[i], dsts[j]) for i, j in near_pairs(srcs, dsts)]
+        near = near_pairs(srcs, dsts)
+        combos = [(srcs[i], dsts[j]) for i, j in near]
     else:
         combos = itertools.product(srcs, dsts)
-    via, out_s, in_s, routed = None, {}, {}, []
+    via, out_s, in_s, routed, direct = None, {}, {}, [], []
     if hub:
         whole = replicated(len(pricer.mesh_shape))
         whole_code = pricer.code(whole)
@@ -329,15 +354,22 @@ def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec,
         out_s = {code: via[0][src] for src, code in srcs}
         in_s = {code: via[1][dst] for dst, code in dsts if dst in via[1]}
     table = {}
-    for (src, src_code), (dst, dst_code) in combos:
+    for k, ((src, src_code), (dst, dst_code)) in enumerate(combos):
         price = pricer.price(edge, src, dst, src_code, dst_code)
         if price is not None:
             if dst_code in in_s and price[0] >= out_s[src_code] + in_s[dst_code]:
                 routed.append(len(table))
+            elif hub:
+                direct.append((k, price[0]))
             table[(src, dst)] = price
     # Only a hub's table leaves pairs out that may be asked for: a dense one holds every
     # possible pair, a pinned one every pair it allows (the spec as it is).
-    return EdgePrices(table, pricer.on_demand(edge) if hub else None, via, routed=frozenset(routed))
+    if not hub:
+        return EdgePrices(table, None, via, routed=frozenset(routed))
+    positions = np.array([near[k] for k, _ in direct], dtype=np.int64).reshape(-1, 2)
+    seconds = np.fromiter((seconds for _, seconds in direct), float, len(direct))
+    held = HeldPairs(positions[:, 0], positions[:, 1], seconds, len(srcs), len(dsts))
+    return EdgePrices(table, pricer.on_demand(edge), via, routed=frozenset(routed), held=held)
 
 
 # Composite ops that write arguments their schema does not mark as written: they update running
@@ -387,6 +419,7 @@ def flatten(value) -> list:
 __all__ = [
     "Edge",
     "EdgePrices",
+    "HeldPairs",
     "Pricer",
     "price_edges",
     "price_table",

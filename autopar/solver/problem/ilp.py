@@ -94,6 +94,7 @@ import numpy as np
 import pulp
 
 from autopar.solver.problem.choices import ChoiceGraph
+from autopar.solver.problem.columns import HeldColumns
 from autopar.ir.spec import Spec, format_spec
 
 
@@ -140,6 +141,8 @@ class ShardingILP:
         self._variables: tuple | None = None  # ``variables``: (rows read, objective, variables, their ids)
         self._memory_terms: _MemoryTerms | None = None  # ``weighted_memory``'s table, built on first use
         self._rows: RowTable | None = None  # ``row_table``, grown as rows are added
+        self.held = HeldColumns()  # the y of hub edges, columns of the LP alone (``columns``)
+        self.generated: list[tuple[pulp.LpVariable, int]] = []  # y taken from ``held``: (var, its position there)
         self.add_node_variables()
         self.add_pick_constraints()
         self.add_edge_constraints()
@@ -218,9 +221,10 @@ class ShardingILP:
                     self.hub[e] = self.hub[twin]
                 continue
             producer = self.graph.choices[edge.producer]
-            # In spec order, which is deterministic; pairs the hub prices as low have none.
-            direct = getattr(edge.price, "direct_items", None)
-            items = edge.price.items() if direct is None or e in gathered else direct()
+            # In spec order, which is deterministic; pairs the hub prices as low have none, and
+            # a hub edge's others are held as columns of the LP alone (``columns``).
+            held = getattr(edge.price, "held_pairs", lambda: None)() if e not in gathered else None
+            items = () if held is not None else edge.price.items()
             self.y[e] = {pair: _variable(f"y_{e}_{k}") for k, (pair, _) in enumerate(items)}
             self._y_seconds[e] = [seconds for _, (seconds, _) in items]
             # Group once, so each family is linear in the number of y and x terms.
@@ -232,10 +236,14 @@ class ShardingILP:
             x_in: dict[Spec, list] = {}
             for s, strategy in enumerate(consumer.strategies):
                 x_in.setdefault(strategy.ins[edge.in_index], []).append(self.x[edge.consumer][s])
-            for p in producer.out_specs(edge.out_index):
+            row = len(self.rows_by_name())
+            srcs, dsts = producer.out_specs(edge.out_index), consumer.in_specs(edge.in_index)
+            for p in srcs:
                 self.problem += _difference(y_out.get(p, []), x_out[p]) == 0, f"edge_out__{e}__{spec_name(p)}"
-            for q in consumer.in_specs(edge.in_index):
+            for q in dsts:
                 self.problem += _difference(y_in.get(q, []), x_in[q]) == 0, f"edge_in__{e}__{spec_name(q)}"
+            if held is not None:
+                self.held.hold(e, self.y[e], self._y_seconds[e], (list(srcs), list(dsts)), held, row)
 
     def _add_hub(self, e: int, edge, y_out: dict[Spec, list], y_in: dict[Spec, list]) -> None:
         """h_out[e, p], h_in[e, q]: the flow of edge e through the replicated spec, where its
@@ -378,9 +386,47 @@ class ShardingILP:
         )
         # y, h and z are in no other term, each once (shared y and hubs are counted once above).
         self.problem += weighted_sum(compute_terms, distinct=itertools.chain(reshard_terms, hub_terms, sync_terms))
+        self.time_objective = self.problem.objective  # the objective the held y are priced in
+        self.held.weigh({key: count for key, (_, _, count) in shared.items()})
+
+    def generate(self, held: np.ndarray, values: np.ndarray | None = None) -> None:
+        """Make the held y at positions ``held`` (``columns.HeldColumns``) PuLP variables: in
+        their y dict (shared by the edges of repeated layers), their two edge rows and the
+        objective, at the weight ``set_objective`` gives the y it builds; ``values``: theirs."""
+        if not len(held):
+            return
+        columns = self.held
+        rows = list(self.rows_by_name().values())
+        objective = self.time_objective
+        new = []
+        for k, value in zip(held.tolist(), values.tolist() if values is not None else itertools.repeat(None)):
+            pair, seconds, e = columns.pair(k)
+            var = _variable(f"y_{e}_g{columns.position[k]}")
+            var.varValue = value
+            self.y[e][pair] = var
+            self._y_seconds[e].append(seconds)
+            rows[columns.out_row[k]].expr[var] = 1.0
+            rows[columns.in_row[k]].expr[var] = 1.0
+            if seconds:
+                objective[var] = 0.0 + float(columns.cost[k])
+            new.append((var, k))
+        columns.taken[held] = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.problem.addVariables([var for var, _ in new])
+        self.generated += new
+        self._variables = None
+        if self._rows is not None:
+            self._rows.add_columns([(var, int(columns.out_row[k]), int(columns.in_row[k])) for var, k in new])
+
+    def generate_all(self) -> None:
+        """Every held y a PuLP variable: a MILP, or an LP under another objective, sees them all."""
+        if len(self.held):
+            self.generate(self.held.left())
 
     def size(self) -> tuple[int, int]:
-        return len(self.variables()), self.problem.numConstraints()
+        """(variables, rows): the held y count (``columns``)."""
+        return len(self.variables()) + len(self.held), self.problem.numConstraints()
 
     def variables(self) -> list[pulp.LpVariable]:
         """``problem.variables()``, kept while the objective is the same object: PuLP walks every
@@ -485,6 +531,21 @@ class RowTable:
         self.entry_rows = np.concatenate([self.entry_rows, rows])
         self.entry_columns = np.concatenate([self.entry_columns, numbers[inverse.reshape(-1)]])
         self.entry_coefs = np.concatenate([self.entry_coefs, coefs])
+
+    def add_columns(self, columns: list[tuple[pulp.LpVariable, int, int]]) -> None:
+        """Read new columns of rows already read, each (variable, row, row) with coefficient 1
+        in both (``ShardingILP.generate``): last in each row, as PuLP appends them."""
+        if not columns:
+            return
+        numbers = np.arange(len(self.columns), len(self.columns) + len(columns), dtype=np.int64)
+        for var, _, _ in columns:
+            self.column_of[id(var)] = len(self.columns)
+            self.columns.append(var)
+        rows = np.array([row for _, out, into in columns for row in (out, into)], dtype=np.int64)
+        order = np.argsort(np.concatenate([self.entry_rows, rows]), kind="stable")
+        self.entry_rows = np.concatenate([self.entry_rows, rows])[order]
+        self.entry_columns = np.concatenate([self.entry_columns, np.repeat(numbers, 2)])[order]
+        self.entry_coefs = np.concatenate([self.entry_coefs, np.ones(len(rows))])[order]
 
     def entries(self, first: int, last: int | None = None) -> slice:
         """The entries of rows ``first`` up to ``last`` (excluded; None: to the end)."""

@@ -36,7 +36,7 @@ import pulp
 from autopar.solver.strategies import backends, rounding
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import MEMORY_UNIT, ShardingILP, Solution
-from autopar.solver.strategies.relaxation import objective_scale
+from autopar.solver.strategies.relaxation import lp_scale
 from autopar.solver.strategies.solving import MAX_MEMORY_ROUNDS, empty_solution, solution_of, solve_relaxation
 
 log = logging.getLogger("autopar")
@@ -92,7 +92,7 @@ def solve_under_budget(
     if not relaxed_fits and visited is None:
         return empty_solution(ilp, "Infeasible", backend, start)
     bound = float(pulp.value(ilp.problem.objective) or 0.0) if relaxed_fits else None
-    scale = objective_scale(ilp.problem.objective)
+    scale = lp_scale(ilp)  # the scale of the LP's duals, held y included (``solver.problem.columns``)
     prices = {t: abs(_dual(ilp, t)) / scale if relaxed_fits else 0.0 for t in ilp.memory_times}
     consider = _Candidates(ilp, budget, prices, visited)
     # 2. Round the LP itself. (Where even the LP does not fit, only the Lagrangian plans are

@@ -100,7 +100,54 @@ class Relaxation:
         self.row_names: list[str] = []
         self.row_constants: list[float] = []
         self.row_senses: list[int] = []
+        self.generated = len(self.ilp.generated)  # the ILP's generated y this model knows as such
         self._add_new_rows()
+        self._add_held()
+
+    def _add_held(self) -> None:
+        """Columns for the y the ILP holds (``solver.problem.columns``), after the PuLP
+        variables: each in its two edge rows, coefficient 1; cost 0 until ``_sync_objective``."""
+        held = self.ilp.held
+        left = held.left()
+        self.held_column = np.full(len(held.taken), -1, dtype=np.int64)  # by held position; -1: none
+        if not left.size:
+            return
+        first = len(self.columns)
+        self.held_column[left] = np.arange(first, first + left.size)
+        rows = np.empty(2 * left.size, dtype=np.int32)
+        rows[0::2], rows[1::2] = held.out_row[left], held.in_row[left]
+        with backends.solver_output():
+            self.highs.addCols(
+                left.size,
+                np.zeros(left.size),
+                np.zeros(left.size),
+                np.ones(left.size),
+                rows.size,
+                np.arange(0, rows.size, 2, dtype=np.int32),
+                rows,
+                np.ones(rows.size),
+            )
+        self.columns += [_HELD] * left.size
+        self.lows += [_HELD.lowBound] * left.size
+        self.ups += [_HELD.upBound] * left.size
+        self.costs = np.concatenate([self.costs, np.zeros(left.size)])
+
+    def _held_costs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(columns, objective coefficients) of the y the ILP still holds."""
+        held = self.ilp.held
+        kept = ~held.taken
+        return self.held_column[kept], held.cost[kept]
+
+    def _add_new_columns(self) -> None:
+        """The held y the ILP made PuLP variables since (``ShardingILP.generate``): their columns
+        are theirs now."""
+        for var, k in self.ilp.generated[self.generated :]:
+            column = int(self.held_column[k])
+            if column < 0:
+                raise AssertionError("Relaxation: a generated y has no column; this is a bug in autopar")
+            self.columns[column] = var
+            self.column_of[id(var)] = column
+        self.generated = len(self.ilp.generated)
 
     @staticmethod
     def _bounds(values: list, infinite: float) -> np.ndarray:
@@ -149,6 +196,7 @@ class Relaxation:
         """Pass HiGHS what changed in the problem since the last solve (rows, then bounds, then
         the objective, as they were always passed); the objective's scale."""
         constraints = self.ilp.rows_by_name()
+        self._add_new_columns()
         objective = self._read_objective()
         if (
             len(constraints) < len(self.rows)
@@ -197,8 +245,10 @@ class Relaxation:
     def _sync_objective(self, variables: list, ids: list[int], coefs: list[float], columns: list[int]) -> None:
         """Pass the objective's coefficients that changed, scaled (``objective_scale``)."""
         values = np.array(coefs, dtype=float)
-        self.scale = _scale_for(float(np.abs(values).max()) if len(values) else 0.0)
+        held_columns, held_costs = self._held_costs()
+        self.scale = _scale_for(_largest(values, held_costs))
         costs = np.zeros(len(self.columns))
+        costs[held_columns] = held_costs * self.scale
         costs[np.array(columns, dtype=np.int64)] = values * self.scale
         self._pass_costs(costs)
         self.objective_vars, self.objective_ids, self.objective_coefs = variables, ids, coefs
@@ -220,6 +270,8 @@ class Relaxation:
             columns, coefs = self._row_terms(name)
             penalty[columns] += price * coefs
         costs = np.zeros(len(self.columns))
+        held_columns, held_costs = self._held_costs()
+        costs[held_columns] = held_costs
         costs[np.array(list(map(self.column_of.__getitem__, self.objective_ids)), dtype=np.int64)] = self.objective_coefs
         costs += penalty
         scale = _scale_for(float(np.abs(costs).max()) if len(costs) else 0.0)
@@ -243,7 +295,9 @@ class Relaxation:
         its rows' duals (``pi``, of the scaled objective, as PuLP's HiGHS sets them) and its
         status, as ``problem.solve`` would. Returns the status's name. ``priced``: (row name,
         price) pairs whose terms are added to the objective for this solve only (``_price``)."""
-        problem = self.ilp.problem
+        problem, ilp = self.ilp.problem, self.ilp
+        if problem.objective is not ilp.time_objective:
+            ilp.generate_all()  # the held y are priced in the time objective only
         self._sync()
         if priced:
             self._price(priced)
@@ -254,10 +308,40 @@ class Relaxation:
         solution = self.highs.getSolution()
         for var, value in zip(self.columns, solution.col_value):
             var.varValue = value
+        if len(ilp.held) and len(solution.col_value) == len(self.columns):
+            # The held y the solution uses become PuLP variables, at their values: the problem
+            # of record then holds every y that is not 0 (``solver.problem.columns``).
+            kept = np.flatnonzero(~ilp.held.taken)
+            values = np.asarray(solution.col_value)[self.held_column[kept]]
+            used = values != 0
+            ilp.generate(kept[used], values[used])
+            self._add_new_columns()
         for row, dual in zip(self.rows, solution.row_dual):
             row.pi = dual
         problem.assignStatus(status, sol_status)
         return pulp.LpStatus[status]
+
+
+class _Held:
+    """What a held y's column shows of a variable (``Relaxation._add_held``): the bounds of a
+    y; its value is set and never read."""
+
+    lowBound, upBound, varValue = 0, 1, None
+
+
+_HELD = _Held()
+
+
+def _largest(*arrays: np.ndarray) -> float:
+    """The largest magnitude in any of ``arrays`` (0.0 for none)."""
+    return max((float(np.abs(a).max()) for a in arrays if len(a)), default=0.0)
+
+
+def lp_scale(ilp: "ShardingILP") -> float:
+    """``objective_scale`` of the ILP's objective with the y it holds in it: the scale of the
+    LP whose duals the caller reads (``Relaxation``)."""
+    held_costs = ilp.held.cost[~ilp.held.taken]
+    return _scale_for(_largest(np.fromiter(ilp.problem.objective.values(), float), held_costs))
 
 
 def _changed(a: list, was_a: list, b: list, was_b: list) -> list[int]:

@@ -167,6 +167,7 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
 
 def _fixed_solve(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
     """Fix x to ``choice`` and solve the LP over the remaining variables."""
+    ilp.generate_all()  # PuLP's solver sees every y (``solver.problem.columns``)
     fixed = [var for name in deciding_nodes(ilp.graph) for var in ilp.x[name]]
     bounds = [(var.lowBound, var.upBound) for var in fixed]
     for var in fixed:

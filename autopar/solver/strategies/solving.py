@@ -199,6 +199,7 @@ def _greedy_plans(ilp: ShardingILP):
 
 def _run(ilp: ShardingILP, solver: pulp.LpSolver) -> str:
     """Solve with the objective scaled (``objective_scale``); values are read unscaled after."""
+    ilp.generate_all()  # PuLP's solvers see every y (``solver.problem.columns``)
     objective = ilp.problem.objective
     scale = objective_scale(objective)
     with warnings.catch_warnings():

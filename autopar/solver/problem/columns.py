@@ -1,0 +1,85 @@
+r"""The y of hub edges as columns of the LP alone, until a solution uses them.
+
+On meshes of three or more axes an edge's near pairs (``edges.near_pairs``) are most of the
+ILP's variables: LLaMA-3-8B on (8, 2, 4) has 140,000 y next to 9,000 x, and a solution uses a
+few hundred of them. Each y as a PuLP variable, in a dict keyed by its spec pair, in two PuLP
+rows and the objective, and then read back into the HiGHS model, cost more than the LP's
+solve. So the y of a hub edge (``EdgePrices.held_pairs``; not those of a gathered parameter,
+whose memory rows weigh them) are held here as arrays: the rows each sits in (edge_out[e, p]
+and edge_in[e, q], coefficient 1 in both) and its objective coefficient w · r[e, p, q] (w: the
+edges that share the y, ``ShardingILP.set_objective``). ``solver.strategies.relaxation`` gives
+them columns of its HiGHS model beside the PuLP variables: the LP is the same LP, every column
+in it. A held y that a solution sets above 0 becomes a PuLP variable (``ShardingILP.generate``),
+in its y dict, its two rows and the objective, with the value HiGHS gave it; so the problem of
+record holds every y the solution uses, ``rounding.check`` prices an assignment by it as
+before, and the objective's value at the solution is the LP's. A MILP (PuLP's solvers), or an LP
+under another objective, first takes them all (``ShardingILP.generate_all``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.ir.spec import Spec
+from autopar.solver.problem.edges import HeldPairs
+
+
+class HeldColumns:
+    """The held y of every hub edge with y of its own, as flat arrays, one entry a y: its group
+    (an edge whose y its repeated-layer twins share), its position in the group, its two rows
+    (numbered as the problem added them), its seconds; ``cost`` = seconds × the edges sharing
+    the group, once ``weigh`` has counted them; ``taken``: a PuLP variable now."""
+
+    def __init__(self):
+        # Per group: (first edge, its y dict, its seconds list, src specs, dst specs, src and dst positions).
+        self.groups: list[tuple] = []
+        self._parts: list[tuple[np.ndarray, ...]] = []
+        self.group = self.out_row = self.in_row = self.position = np.zeros(0, dtype=np.int64)
+        self.seconds = self.cost = np.zeros(0)
+        self.taken = np.zeros(0, dtype=bool)
+
+    def hold(self, e: int, y: dict, seconds: list, specs: tuple[list[Spec], list[Spec]], pairs: HeldPairs, row: int) -> None:
+        """Hold the y of edge ``e`` (``pairs``: its table's, positions into ``specs``, its
+        producer's output specs and its consumer's input specs, whose edge_out rows are numbered
+        from ``row`` on, then its edge_in rows); ``y`` and ``seconds``: its y dict and their seconds."""
+        srcs, dsts = specs
+        if (len(srcs), len(dsts)) != (pairs.num_src, pairs.num_dst):
+            raise AssertionError("columns.hold: an edge's specs are not those its prices were priced from; this is a bug in autopar")
+        if not len(pairs.seconds):
+            return
+        count = len(pairs.seconds)
+        self._parts.append(
+            (
+                np.full(count, len(self.groups), dtype=np.int64),
+                row + pairs.src,
+                row + len(srcs) + pairs.dst,
+                np.arange(count, dtype=np.int64),
+                pairs.seconds,
+            )
+        )
+        self.groups.append((e, y, seconds, srcs, dsts, pairs.src, pairs.dst))
+
+    def weigh(self, uses: dict[int, int]) -> None:
+        """Fix the arrays; ``uses``: the edges that share each group's y, by the id of its dict."""
+        if self._parts:
+            self.group, self.out_row, self.in_row, self.position, self.seconds = map(np.concatenate, zip(*self._parts))
+            counts = np.array([uses[id(group[1])] for group in self.groups], dtype=float)
+            self.cost = counts[self.group] * self.seconds
+        self.taken = np.zeros(len(self.seconds), dtype=bool)
+        self._parts = []
+
+    def __len__(self) -> int:
+        return len(self.taken) - int(self.taken.sum())
+
+    def left(self) -> np.ndarray:
+        """The positions of the y still held."""
+        return np.flatnonzero(~self.taken)
+
+    def pair(self, k: int) -> tuple[tuple[Spec, Spec], float, int]:
+        """(its (src, dst) specs, its seconds, its group's first edge) of held y ``k``."""
+        e, _, _, srcs, dsts, src, dst = self.groups[self.group[k]]
+        position = self.position[k]
+        return (srcs[src[position]], dsts[dst[position]]), float(self.seconds[k]), e
+
+
+__all__ = ["HeldColumns"]
