@@ -273,6 +273,7 @@ class TransitionPrices:
         self._before: dict[int, Spec] = {}  # and back
         self._elements: dict[tuple, int] = {}
         self._collectives: dict[tuple, tuple[float, float]] = {}
+        self._steps: dict[tuple, tuple[float, float, float]] = {}  # ``_step_cost`` by its arguments
 
     def _route(self, src: Spec, dst: Spec, key: tuple[int, int]) -> tuple | None:
         route = self._routes.get(key, _UNSEEN)
@@ -317,13 +318,17 @@ class TransitionPrices:
             return None
         itemsizes = (dtype.itemsize, (grad_dtype or dtype).itemsize)
         forward_total = backward_total = sent_total = 0.0
-        mesh_shape = self.mesh_shape
+        mesh_shape, steps = self.mesh_shape, self._steps
         for kind, axis, code in route:
             elements = self._elements.get((global_shape, code))
             if elements is None:
                 before = self._before[code]
                 elements = self._elements[(global_shape, code)] = math.prod(local_shape(global_shape, before, mesh_shape))
-            forward_s, backward_s, sent = _step_cost(kind, axis, elements, itemsizes, mesh_shape, requires_grad, self._price)
+            key = (kind, axis, elements, itemsizes, requires_grad)
+            step = steps.get(key)
+            if step is None:
+                step = steps[key] = _step_cost(kind, axis, elements, itemsizes, mesh_shape, requires_grad, self._price)
+            forward_s, backward_s, sent = step
             forward_total += forward_s
             backward_total += backward_s
             sent_total += sent

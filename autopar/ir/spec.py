@@ -48,8 +48,8 @@ def SS(dim: int, blocks: int) -> _StridedShard:
     return _StridedShard(dim, split_factor=blocks)
 
 
-_SHARD, _STRIDED, _REPLICATE = 1, 2, 4
-# Placement type -> _SHARD | _STRIDED bits, or _REPLICATE (0 for P): ``isinstance`` on torch's
+_SHARD, _STRIDED, _REPLICATE, _PARTIAL = 1, 2, 4, 8
+# Placement type -> _SHARD | _STRIDED bits, or _REPLICATE, or _PARTIAL: ``isinstance`` on torch's
 # placement types goes through a metaclass hook, and pricing a 3-axis mesh asks it tens of
 # millions of times.
 _KINDS: dict[type, int] = {}
@@ -62,7 +62,15 @@ def _kind(placement: Placement) -> int:
         if issubclass(cls, _StridedShard):
             kind = _STRIDED | _SHARD
         else:
-            kind = _SHARD if issubclass(cls, Shard) else _REPLICATE if issubclass(cls, Replicate) else 0
+            kind = (
+                _SHARD
+                if issubclass(cls, Shard)
+                else _REPLICATE
+                if issubclass(cls, Replicate)
+                else _PARTIAL
+                if issubclass(cls, Partial)
+                else 0
+            )
         kind = _KINDS[cls] = kind
     return kind
 
@@ -203,30 +211,33 @@ def transition_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:
         raise ValueError(f"spec lengths differ: {src} vs {dst}")
     if src == dst:
         return ()
-    if any(map(is_strided, src + dst)):
+    kinds = list(map(_kind, src + dst))  # ``isinstance`` on placements is slow (``_kind``)
+    if any(kind & _STRIDED for kind in kinds):
         return _strided_steps(src, dst)
-    for s, d in zip(src, dst):
-        if isinstance(d, Partial) and not isinstance(s, Partial):
+    num = len(src)
+    for s, d in zip(kinds, kinds[num:]):
+        if d & _PARTIAL and not s & _PARTIAL:
             return None
     reset = _axes_to_reset(src, dst)
     current = list(src)
     steps: list[Step] = []
-    for axis in reversed(range(len(src))):
+    for axis in reversed(range(num)):
         if axis not in reset:
             continue
         s, d = current[axis], dst[axis]
-        others = [a for a in range(len(src)) if a != axis]
-        if isinstance(s, Partial):
-            if isinstance(d, Shard) and _dim_free(d.dim, others, current, dst):
+        s_kind, d_kind = _kind(s), kinds[num + axis]
+        others = [a for a in range(num) if a != axis]
+        if s_kind & _PARTIAL:
+            if d_kind & _SHARD and _dim_free(d.dim, others, current, dst):
                 steps.append(Step("reduce_scatter", axis, d.dim))
                 current[axis] = d
             else:
                 steps.append(Step("all_reduce", axis))
                 current[axis] = R
-        elif isinstance(s, Shard):
+        elif s_kind & _SHARD:
             if (
-                isinstance(d, Shard)
-                and s != d
+                d_kind & _SHARD
+                and s.dim != d.dim
                 and _dim_free(d.dim, others, current, dst)
                 and _dim_free(s.dim, others, current, dst)
             ):
@@ -260,9 +271,13 @@ def _axes_to_reset(src: Spec, dst: Spec) -> set[int]:
 
 
 def _dim_free(dim: int, axes: list[int], current: list[Placement], dst: Spec) -> bool:
-    """No other axis shards ``dim`` now or in the target, so nesting order cannot be broken."""
-    shard = Shard(dim)
-    return all(current[a] != shard and dst[a] != shard for a in axes)
+    """No other axis shards ``dim`` now or in the target, so nesting order cannot be broken
+    (placements that are not strided here: a plain ``Shard`` equals ``Shard(dim)`` by its dim)."""
+    for a in axes:
+        for placement in (current[a], dst[a]):
+            if _kind(placement) & _SHARD and placement.dim == dim:
+                return False
+    return True
 
 
 def _strided_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:

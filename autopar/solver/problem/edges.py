@@ -59,18 +59,22 @@ class EdgePrices(Mapping):
     and kept. ``hub`` is None (dense or pinned), or the seconds of src → replicated per src spec
     and of replicated → dst per dst spec."""
 
-    __slots__ = ("table", "hub", "_price", "_asked", "_factor", "_routed", "_held")
+    __slots__ = ("_table", "_items", "hub", "_price", "_asked", "_factor", "_routed", "_held")
 
     def __init__(
         self,
-        table: dict[tuple[Spec, Spec], Price],
+        table: dict[tuple[Spec, Spec], Price] | list[tuple[tuple[Spec, Spec], Price]],
         price: Callable[[Spec, Spec], Price | None] | None,
         hub: tuple[dict[Spec, float], dict[Spec, float]] | None = None,
         factor: float = 1.0,
         routed: frozenset[int] = frozenset(),
         held: HeldPairs | None = None,
     ):
-        self.table = table
+        # A hub's table comes as its (pair, price) items, made a dict only when iterated: a
+        # pair is found by pricing it (``price``, which has them all, by spec codes), and the
+        # dict's keys cost a hash of every placement of both specs, for 10^5 near pairs.
+        lazy = isinstance(table, list) and price is not None
+        self._table, self._items = (None, table) if lazy else (dict(table), None) if isinstance(table, list) else (table, None)
         self.hub = hub
         self._price = price
         self._asked: dict[tuple[Spec, Spec], Price | None] = {}
@@ -94,8 +98,15 @@ class EdgePrices(Mapping):
         (``solver.problem.columns``): None on a table without a hub."""
         return self._held
 
+    @property
+    def table(self) -> dict[tuple[Spec, Spec], Price]:
+        """The priced pairs (all, pinned, or near: see the module docstring) and their prices."""
+        if self._table is None:
+            self._table, self._items = dict(self._items), None
+        return self._table
+
     def get(self, pair: tuple[Spec, Spec], default=None):
-        found = self.table.get(pair)
+        found = self._table.get(pair) if self._table is not None else None
         if found is not None or self._price is None:
             return default if found is None else found
         price = self._asked.get(pair, _UNPRICED)
@@ -187,13 +198,31 @@ class Pricer:
         return self.codes.setdefault(spec, len(self.codes))
 
     def price(self, edge: Edge, src: Spec, dst: Spec, src_code: int, dst_code: int) -> Price | None:
-        known = self.known.setdefault((edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype), {})
+        key = (edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype)
+        known = self.known.get(key)
+        if known is None:
+            known = self.known[key] = {}
         codes = (src_code, dst_code)
         price = known.get(codes, _UNPRICED)
         if price is _UNPRICED:
-            price = known[codes] = self.transitions.price(
-                src, dst, codes, edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype
-            )
+            price = known[codes] = self.transitions.price(src, dst, codes, *key)
+        return price
+
+    def prices_of(self, edge: Edge) -> Callable[[Spec, Spec, int, int], Price | None]:
+        """``price`` for one edge's (shape, dtype, grad, grad dtype), looked up once."""
+        key = (edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype)
+        known = self.known.get(key)
+        if known is None:
+            known = self.known[key] = {}
+        transitions, get = self.transitions.price, known.get
+
+        def price(src: Spec, dst: Spec, src_code: int, dst_code: int) -> Price | None:
+            codes = (src_code, dst_code)
+            found = get(codes, _UNPRICED)
+            if found is _UNPRICED:
+                found = known[codes] = transitions(src, dst, codes, *key)
+            return found
+
         return price
 
     def on_demand(self, edge: Edge) -> Callable[[Spec, Spec], Price | None]:
@@ -341,11 +370,12 @@ def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec,
     else:
         combos = itertools.product(srcs, dsts)
     via, out_s, in_s, routed, direct = None, {}, {}, [], []
+    prices = pricer.prices_of(edge)
     if hub:
         whole = replicated(len(pricer.mesh_shape))
         whole_code = pricer.code(whole)
-        outs = {src: pricer.price(edge, src, whole, code, whole_code) for src, code in srcs}
-        ins = {dst: pricer.price(edge, whole, dst, whole_code, code) for dst, code in dsts}
+        outs = {src: prices(src, whole, code, whole_code) for src, code in srcs}
+        ins = {dst: prices(whole, dst, whole_code, code) for dst, code in dsts}
         via = (
             {spec: price[0] for spec, price in outs.items()},
             {spec: price[0] for spec, price in ins.items() if price is not None},
@@ -353,23 +383,28 @@ def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec,
         # By code, for ``EdgePrices.direct_items`` (hashing a spec hashes its placements).
         out_s = {code: via[0][src] for src, code in srcs}
         in_s = {code: via[1][dst] for dst, code in dsts if dst in via[1]}
-    table = {}
+    if not hub:
+        table = {}
+        for (src, src_code), (dst, dst_code) in combos:
+            price = prices(src, dst, src_code, dst_code)
+            if price is not None:
+                table[(src, dst)] = price
+        # Only a hub's table leaves pairs out that may be asked for: a dense one holds every
+        # possible pair, a pinned one every pair it allows (the spec as it is).
+        return EdgePrices(table, None)
+    items = []
     for k, ((src, src_code), (dst, dst_code)) in enumerate(combos):
-        price = pricer.price(edge, src, dst, src_code, dst_code)
+        price = prices(src, dst, src_code, dst_code)
         if price is not None:
             if dst_code in in_s and price[0] >= out_s[src_code] + in_s[dst_code]:
-                routed.append(len(table))
-            elif hub:
+                routed.append(len(items))
+            else:
                 direct.append((k, price[0]))
-            table[(src, dst)] = price
-    # Only a hub's table leaves pairs out that may be asked for: a dense one holds every
-    # possible pair, a pinned one every pair it allows (the spec as it is).
-    if not hub:
-        return EdgePrices(table, None, via, routed=frozenset(routed))
+            items.append(((src, dst), price))
     positions = np.array([near[k] for k, _ in direct], dtype=np.int64).reshape(-1, 2)
     seconds = np.fromiter((seconds for _, seconds in direct), float, len(direct))
     held = HeldPairs(positions[:, 0], positions[:, 1], seconds, len(srcs), len(dsts))
-    return EdgePrices(table, pricer.on_demand(edge), via, routed=frozenset(routed), held=held)
+    return EdgePrices(items, pricer.on_demand(edge), via, routed=frozenset(routed), held=held)
 
 
 # Composite ops that write arguments their schema does not mark as written: they update running
