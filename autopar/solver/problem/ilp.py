@@ -189,11 +189,15 @@ class ShardingILP:
         template = self.graph.layer_template
         first_edge: dict[tuple, int] = {}
         names: dict[int, tuple[Spec, str]] = {}  # by the spec's identity (the spec kept alive with it)
+        by_spec: dict[Spec, str] = {}  # then by the spec (equal specs held by other objects)
 
         def spec_name(spec: Spec) -> str:
             found = names.get(id(spec))
             if found is None:
-                found = names[id(spec)] = (spec, _spec_name(spec))
+                name = by_spec.get(spec)
+                if name is None:
+                    name = by_spec[spec] = _spec_name(spec)
+                found = names[id(spec)] = (spec, name)
             return found[1]
 
         # A gathered parameter's edge keeps a y for every pair: its memory rows weigh them
