@@ -4,12 +4,14 @@
     python benchmarks/bench_mesh_axes.py --model llama-2-70b --meshes 128x8 16x8x8
     python benchmarks/bench_mesh_axes.py --meshes 8x8 2x4x2x4 --seq-len 32768
     python benchmarks/bench_mesh_axes.py --devices 64                    # the mesh search, every mesh
+    python benchmarks/bench_mesh_axes.py --repeat 3                       # (8, 8), (8, 2, 4), (8, 8), ... interleaved
 
 Each row is ``autopar plan MODEL --mesh M --precision bf16-mixed`` on the meta device (a CLI
 model preset, traced once; the trace is not in the row): ``plan_s`` is wall-clock,
 ``plan_cpu_s`` the process's CPU time for the same work (``time.process_time``), which other
 jobs on a loaded machine disturb far less. ``ratio`` is each row's CPU time over the first
-row's. ``strategies`` are the op strategies the rules enumerate, and ``cut`` those
+row's of its round (``--repeat N`` plans the meshes N rounds, interleaved; a mesh's first round
+prices its transitions cold, ``ir.spec.transition_steps`` keeps them for the next). ``strategies`` are the op strategies the rules enumerate, and ``cut`` those
 ``solver.problem.pruning`` removes before the ILP (impossible, dominated). ``rss_gib`` is the
 process's peak resident memory after the row (``ru_maxrss``: it never goes down, so a row that
 does not raise it used no more). ``--devices N`` runs the mesh search instead (one row, the
@@ -49,6 +51,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--repeat", type=int, default=1, help="plan the meshes this many rounds, interleaved")
     args = parser.parse_args()
 
     model, inputs = load_model(args.model, args.batch_size, True, args.seq_len)
@@ -63,9 +66,11 @@ def main() -> int:
         f"{'mesh':<10} {'plan_s':>8} {'plan_cpu_s':>10} {'ratio':>6} {'variables':>10} {'strategies':>10} "
         f"{'cut':>16} {'step_ms':>9} {'peak_GiB':>9} {'rss_gib':>8}"
     )
-    first = None
     runs = [("search", None)] if args.devices else [(mesh, _mesh(mesh)) for mesh in args.meshes]
-    for label, shape in runs:
+    first = None
+    for index, (label, shape) in enumerate(runs * max(args.repeat, 1)):
+        if index % len(runs) == 0:
+            first = None  # a new round
         wall, cpu = time.perf_counter(), time.process_time()
         if shape is None:
             plan = search_mesh(
@@ -84,7 +89,7 @@ def main() -> int:
         counts = plan.stats.get("strategies", {})
         cut = f"{counts.get('impossible', 0)} + {counts.get('dominated', 0)}"
         print(
-            f"{label:<10} {wall:>8.1f} {cpu:>10.1f} {cpu / first:>6.2f} {plan.solver.num_variables:>10} "
+            f"{label:<10} {wall:>8.2f} {cpu:>10.2f} {cpu / first:>6.2f} {plan.solver.num_variables:>10} "
             f"{counts.get('enumerated', 0):>10} {cut:>16} {plan.predicted.step_time_s * 1e3:>9.1f} "
             f"{plan.predicted.peak_memory_bytes / 2**30:>9.1f} {_rss_gib():>8.2f}",
             flush=True,

@@ -10,7 +10,8 @@ import torch
 from autopar.cost.cluster import get_cluster
 from autopar.ir.spec import R, S
 from autopar.solver.problem import choices, edges
-from autopar.solver.problem.ilp import RowTable, ShardingILP
+from autopar.solver.problem.ilp import ShardingILP
+from autopar.solver.problem.rows import RowTable
 from autopar.solver.strategies import rounding
 from autopar.solver.strategies.solving import solve_ilp
 from autopar.trace import trace_repeated

@@ -297,6 +297,7 @@ class CandidateSolver:
         if memory_value <= 0 or time_value <= 0:
             return []
         memory = self.ilp.weighted_memory(weight)
+        self.ilp.generate_all()  # every y in the objective this one is built from (``solver.problem.columns``)
         time_objective = self.ilp.problem.objective
         seen = {tuple(sorted(fastest.solution.choice.items()))}
         found = []

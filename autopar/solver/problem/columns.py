@@ -44,7 +44,9 @@ class HeldColumns:
         from ``row`` on, then its edge_in rows); ``y`` and ``seconds``: its y dict and their seconds."""
         srcs, dsts = specs
         if (len(srcs), len(dsts)) != (pairs.num_src, pairs.num_dst):
-            raise AssertionError("columns.hold: an edge's specs are not those its prices were priced from; this is a bug in autopar")
+            raise AssertionError(
+                "columns.hold: an edge's specs are not those its prices were priced from; this is a bug in autopar"
+            )
         if not len(pairs.seconds):
             return
         count = len(pairs.seconds)
@@ -74,6 +76,16 @@ class HeldColumns:
     def left(self) -> np.ndarray:
         """The positions of the y still held."""
         return np.flatnonzero(~self.taken)
+
+    def name(self, k: int) -> str:
+        """The name of held y ``k``'s variable: ``ShardingILP`` names an edge's y by its position
+        among the edge's pairs (``EdgePrices.direct_items``), as it did when each was one."""
+        return self.names(np.array([k]))[0]
+
+    def names(self, held: np.ndarray) -> list[str]:
+        """``name`` of each of ``held``."""
+        edges = np.array([group[0] for group in self.groups], dtype=np.int64)[self.group[held]]
+        return [f"y_{e}_{p}" for e, p in zip(edges.tolist(), self.position[held].tolist())]
 
     def pair(self, k: int) -> tuple[tuple[Spec, Spec], float, int]:
         """(its (src, dst) specs, its seconds, its group's first edge) of held y ``k``."""

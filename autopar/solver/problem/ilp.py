@@ -62,6 +62,12 @@ Constraints
     The two edge families make y the joint distribution of the two endpoint choices, which is
     exact for 0/1 x and gives a tight LP relaxation.
 
+    On those meshes the y of a hub edge (not a gathered parameter's) are *held*
+    (``solver.problem.columns``): columns of the HiGHS model of the LP relaxation, with their
+    two edge rows and their objective coefficient, but no PuLP variable until a solution sets
+    them above 0 (``generate``). The LP is the same; a MILP or another objective takes them all
+    first (``generate_all``).
+
     Memory is the peak of a liveness walk (``autopar.cost.liveness``) over 2N times: forward
     after each node, then backward of each node in reverse. m[n, s] is the local bytes of n's
     outputs under strategy s; each stored tensor is an interval of times with a factor on the m
@@ -95,6 +101,7 @@ import pulp
 
 from autopar.solver.problem.choices import ChoiceGraph
 from autopar.solver.problem.columns import HeldColumns
+from autopar.solver.problem.rows import RowTable, rows_by_name
 from autopar.ir.spec import Spec, format_spec
 
 
@@ -371,27 +378,52 @@ class ShardingILP:
         for e, variables in self.y.items():
             entry = shared.setdefault(id(variables), [variables, self._y_seconds[e], 0])
             entry[2] += 1
-        reshard_terms = (
-            (count * seconds, var)
-            for variables, prices, count in shared.values()
-            for seconds, var in zip(prices, variables.values())
-            if seconds
-        )
+        # Per shared y, its terms' count; a held group's (``columns``) ("held", its index): where
+        # ``_order_objective`` puts the y it generates.
+        held_groups = {id(group[1]): g for g, group in enumerate(self.held.groups)}
+        reshard_terms, layout = [], []
+        for variables, prices, count in shared.values():
+            terms = [(count * seconds, var) for seconds, var in zip(prices, variables.values()) if seconds]
+            reshard_terms += terms
+            layout.append(("held", held_groups[id(variables)]) if id(variables) in held_groups else ("terms", len(terms)))
         hubs: dict[int, list] = {}
         for e, (outs, ins) in self.hub.items():
             entry = hubs.setdefault(id(outs), [outs, ins, self.graph.edges[e].price.hub, 0])
             entry[3] += 1
-        hub_terms = (
+        hub_terms = [
             (count * seconds[spec], var)
             for outs, ins, hub, count in hubs.values()
             for variables, seconds in ((outs, hub[0]), (ins, hub[1]))
             for spec, var in variables.items()
             if seconds[spec]
-        )
+        ]
+        sync_terms = list(sync_terms)
         # y, h and z are in no other term, each once (shared y and hubs are counted once above).
         self.problem += weighted_sum(compute_terms, distinct=itertools.chain(reshard_terms, hub_terms, sync_terms))
         self.time_objective = self.problem.objective  # the objective the held y are priced in
+        size = len(self.time_objective)
+        self._objective_layout = (size - len(reshard_terms) - len(hub_terms) - len(sync_terms), layout, size)
+        self._generated_terms: dict[int, list[tuple[int, pulp.LpVariable, float]]] = {}  # by held group
         self.held.weigh({key: count for key, (_, _, count) in shared.items()})
+
+    def _order_objective(self) -> None:
+        """The time objective with the generated y where ``set_objective`` would have put them had
+        they been variables then (each held group's at its place, by position): a sum over it
+        adds the same terms in the same order, as the y left held are 0."""
+        compute, layout, size = self._objective_layout
+        old = self.time_objective
+        items = list(old.items())
+        ordered, at = items[:compute], compute
+        for kind, value in layout:
+            if kind == "held":
+                ordered += [(var, coef) for _, var, coef in sorted(self._generated_terms.get(value, ()), key=lambda t: t[0])]
+            else:
+                ordered += items[at : at + value]
+                at += value
+        ordered += items[at:size]
+        self.time_objective = pulp.LpAffineExpression(dict(ordered), constant=old.constant)
+        if self.problem.objective is old:
+            self.problem.objective = self.time_objective
 
     def generate(self, held: np.ndarray, values: np.ndarray | None = None) -> None:
         """Make the held y at positions ``held`` (``columns.HeldColumns``) PuLP variables: in
@@ -401,20 +433,21 @@ class ShardingILP:
             return
         columns = self.held
         rows = list(self.rows_by_name().values())
-        objective = self.time_objective
         new = []
         for k, value in zip(held.tolist(), values.tolist() if values is not None else itertools.repeat(None)):
             pair, seconds, e = columns.pair(k)
-            var = _variable(f"y_{e}_g{columns.position[k]}")
+            var = _variable(columns.name(k))
             var.varValue = value
             self.y[e][pair] = var
             self._y_seconds[e].append(seconds)
             rows[columns.out_row[k]].expr[var] = 1.0
             rows[columns.in_row[k]].expr[var] = 1.0
             if seconds:
-                objective[var] = 0.0 + float(columns.cost[k])
+                group = int(columns.group[k])
+                self._generated_terms.setdefault(group, []).append((int(columns.position[k]), var, 0.0 + float(columns.cost[k])))
             new.append((var, k))
         columns.taken[held] = True
+        self._order_objective()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             self.problem.addVariables([var for var, _ in new])
@@ -485,89 +518,6 @@ def _problem_variables(problem: pulp.LpProblem) -> list[pulp.LpVariable]:
             variables.append(var)
     variables.sort(key=lambda var: var.name)
     return variables
-
-
-def rows_by_name(problem: pulp.LpProblem) -> dict[str, pulp.LpConstraint]:
-    """``problem``'s rows by name, in the order they were added: the mapping PuLP's own
-    backends read (``LpProblem.constraints`` warns under PuLP 3)."""
-    return problem._constraints
-
-
-class RowTable:
-    """The terms of a problem's rows as flat arrays (row, column, coefficient), in row order,
-    columns numbered by first appearance. Rows are only ever added, their coefficients fixed once
-    added (as ``ShardingILP.variables`` takes them): a row added since the last ``read`` is all
-    there is to read. Constants and senses are read afresh by ``hold`` (a Lagrangian step lifts
-    the constants of the memory rows for its solve)."""
-
-    def __init__(self, problem: pulp.LpProblem):
-        self.problem = problem
-        self.rows: list[pulp.LpConstraint] = []
-        self.columns: list[pulp.LpVariable] = []
-        self.column_of: dict[int, int] = {}  # by identity: pulp variables compare into constraints
-        self.entry_rows = np.zeros(0, dtype=np.int64)
-        self.entry_columns = np.zeros(0, dtype=np.int64)
-        self.entry_coefs = np.zeros(0)
-
-    def read(self) -> None:
-        """Add the rows the problem has gained since the last call."""
-        constraints = rows_by_name(self.problem)
-        if len(constraints) == len(self.rows):
-            return
-        new = list(itertools.islice(constraints.values(), len(self.rows), None))
-        # The entries in row order, flat; each distinct variable numbered once, by first appearance.
-        variables = list(itertools.chain.from_iterable(row.keys() for row in new))
-        size = len(variables)
-        coefs = np.fromiter(itertools.chain.from_iterable(row.values() for row in new), float, size)
-        ids = np.fromiter(map(id, variables), np.int64, size)
-        unique, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-        numbers = np.empty(len(unique), dtype=np.int64)
-        column_of, get = self.column_of, self.column_of.get
-        for u in np.argsort(first, kind="stable").tolist():
-            key = int(unique[u])
-            column = get(key)
-            if column is None:
-                column = column_of[key] = len(self.columns)
-                self.columns.append(variables[first[u]])
-            numbers[u] = column
-        rows = np.repeat(np.arange(len(self.rows), len(self.rows) + len(new), dtype=np.int64), [len(row) for row in new])
-        self.rows += new
-        self.entry_rows = np.concatenate([self.entry_rows, rows])
-        self.entry_columns = np.concatenate([self.entry_columns, numbers[inverse.reshape(-1)]])
-        self.entry_coefs = np.concatenate([self.entry_coefs, coefs])
-
-    def add_columns(self, columns: list[tuple[pulp.LpVariable, int, int]]) -> None:
-        """Read new columns of rows already read, each (variable, row, row) with coefficient 1
-        in both (``ShardingILP.generate``): last in each row, as PuLP appends them."""
-        if not columns:
-            return
-        numbers = np.arange(len(self.columns), len(self.columns) + len(columns), dtype=np.int64)
-        for var, _, _ in columns:
-            self.column_of[id(var)] = len(self.columns)
-            self.columns.append(var)
-        rows = np.array([row for _, out, into in columns for row in (out, into)], dtype=np.int64)
-        order = np.argsort(np.concatenate([self.entry_rows, rows]), kind="stable")
-        self.entry_rows = np.concatenate([self.entry_rows, rows])[order]
-        self.entry_columns = np.concatenate([self.entry_columns, np.repeat(numbers, 2)])[order]
-        self.entry_coefs = np.concatenate([self.entry_coefs, np.ones(len(rows))])[order]
-
-    def entries(self, first: int, last: int | None = None) -> slice:
-        """The entries of rows ``first`` up to ``last`` (excluded; None: to the end)."""
-        end = len(self.entry_rows) if last is None else int(np.searchsorted(self.entry_rows, last))
-        return slice(int(np.searchsorted(self.entry_rows, first)), end)
-
-    def hold(self, tolerance: float) -> bool:
-        """``ShardingILP.rows_hold`` of the rows read so far."""
-        values = np.fromiter((var.varValue for var in self.columns), float, len(self.columns))
-        constants = np.fromiter((row.constant for row in self.rows), float, len(self.rows))
-        senses = np.fromiter((row.sense for row in self.rows), float, len(self.rows))
-        value = (
-            np.bincount(self.entry_rows, weights=self.entry_coefs * values[self.entry_columns], minlength=len(self.rows))
-            + constants
-        )
-        eps = tolerance * np.maximum(1.0, np.abs(constants))
-        held = np.where(senses == pulp.LpConstraintEQ, np.abs(value) <= eps, value * senses >= -eps)
-        return bool(held.all())
 
 
 class _MemoryTerms:

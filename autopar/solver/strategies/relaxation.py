@@ -72,9 +72,9 @@ class Relaxation:
         self.highs.setOptionValue("random_seed", 1)
         for option, value in backends.LP_OPTIONS.items():  # as PuLP's HiGHS gets them for an LP
             self.highs.setOptionValue(option, value)
-        self.columns: list[pulp.LpVariable] = list(self.ilp.variables())  # ``problem.variables()``, kept
+        self.columns = self._held_in_order(list(self.ilp.variables()))  # ``problem.variables()``, kept
         # By identity: pulp variables compare into constraints, not booleans.
-        self.column_of = {id(var): i for i, var in enumerate(self.columns)}
+        self.column_of = {id(var): i for i, var in enumerate(self.columns) if var is not _HELD}
         self.costs = np.zeros(len(self.columns))
         self.lows, self.ups = list(map(_LOW, self.columns)), list(map(_UP, self.columns))
         with backends.solver_output():
@@ -102,35 +102,37 @@ class Relaxation:
         self.row_senses: list[int] = []
         self.generated = len(self.ilp.generated)  # the ILP's generated y this model knows as such
         self._add_new_rows()
-        self._add_held()
 
-    def _add_held(self) -> None:
-        """Columns for the y the ILP holds (``solver.problem.columns``), after the PuLP
-        variables: each in its two edge rows, coefficient 1; cost 0 until ``_sync_objective``."""
+    def _held_in_order(self, variables: list[pulp.LpVariable]) -> list:
+        """``variables`` (by name) with a column for each y the ILP holds (``solver.problem.columns``,
+        ``_HELD``) where its name (``HeldColumns.name``) puts it: PuLP's order had every y been
+        a variable, so the LP is the one HiGHS was given then, column for column (a tie between
+        optima breaks alike). Sets ``held_column``, each held y's column (-1: taken)."""
         held = self.ilp.held
         left = held.left()
-        self.held_column = np.full(len(held.taken), -1, dtype=np.int64)  # by held position; -1: none
+        self.held_column = np.full(len(held.taken), -1, dtype=np.int64)
         if not left.size:
-            return
-        first = len(self.columns)
-        self.held_column[left] = np.arange(first, first + left.size)
-        rows = np.empty(2 * left.size, dtype=np.int32)
-        rows[0::2], rows[1::2] = held.out_row[left], held.in_row[left]
-        with backends.solver_output():
-            self.highs.addCols(
-                left.size,
-                np.zeros(left.size),
-                np.zeros(left.size),
-                np.ones(left.size),
-                rows.size,
-                np.arange(0, rows.size, 2, dtype=np.int32),
-                rows,
-                np.ones(rows.size),
-            )
-        self.columns += [_HELD] * left.size
-        self.lows += [_HELD.lowBound] * left.size
-        self.ups += [_HELD.upBound] * left.size
-        self.costs = np.concatenate([self.costs, np.zeros(left.size)])
+            return variables
+        names = np.array([var.name for var in variables] + held.names(left))
+        order = np.argsort(names, kind="stable")
+        position = np.empty(len(order), dtype=np.int64)
+        position[order] = np.arange(len(order))
+        self.held_column[left] = position[len(variables) :]
+        columns: list = [_HELD] * len(order)
+        for var, column in zip(variables, position[: len(variables)].tolist()):
+            columns[column] = var
+        return columns
+
+    def _with_held(self, rows: np.ndarray, indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The entries (row, column, value) in row order, with each held y's two (``_held_in_order``)."""
+        held = self.ilp.held
+        left = np.flatnonzero(self.held_column >= 0)
+        if not left.size:
+            return rows, indices, values
+        rows = np.concatenate([rows, held.out_row[left], held.in_row[left]])
+        columns = np.tile(self.held_column[left], 2).astype(np.int32)
+        order = np.argsort(rows, kind="stable")
+        return rows[order], np.concatenate([indices, columns])[order], np.concatenate([values, np.ones(columns.size)])[order]
 
     def _held_costs(self) -> tuple[np.ndarray, np.ndarray]:
         """(columns, objective coefficients) of the y the ILP still holds."""
@@ -182,10 +184,13 @@ class Relaxation:
         kept = values != 0
         rows = table.entry_rows[entries][kept] - first
         indices = np.array(self.table_columns, dtype=np.int32)[table.entry_columns[entries][kept]]
+        values = values[kept]
+        if first == 0:  # the y the ILP holds sit in the edge rows too, coefficient 1
+            rows, indices, values = self._with_held(rows, indices, values)
         starts = np.searchsorted(rows, np.arange(len(new))).astype(np.int32)  # each row's first entry
         lower, upper = self._row_bounds(new)
         with backends.solver_output():
-            self.highs.addRows(len(new), lower, upper, len(indices), starts, indices, values[kept])
+            self.highs.addRows(len(new), lower, upper, len(indices), starts, indices, values)
         self.rows += new
         self.row_names += list(constraints)[first:]
         self.row_constants += map(_CONSTANT, new)
@@ -323,7 +328,7 @@ class Relaxation:
 
 
 class _Held:
-    """What a held y's column shows of a variable (``Relaxation._add_held``): the bounds of a
+    """What a held y's column shows of a variable (``Relaxation._held_in_order``): the bounds of a
     y; its value is set and never read."""
 
     lowBound, upBound, varValue = 0, 1, None

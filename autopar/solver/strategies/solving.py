@@ -136,6 +136,7 @@ def solve_relaxation(ilp: ShardingILP, time_limit_s: float, priced: list[tuple[s
     ``highspy``), PuLP builds the model afresh. ``priced``: (row name, price) pairs whose terms join the objective
     for this solve only (a Lagrangian step, ``solver.strategies.budget``)."""
     if backends.lp_backend() != "highs":
+        ilp.generate_all()  # before the objective is read (``solver.problem.columns``)
         objective = ilp.problem.objective
         if priced:
             rows = ilp.rows_by_name()
