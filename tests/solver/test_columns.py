@@ -78,3 +78,15 @@ def test_generated_columns_join_the_row_table_as_a_fresh_read_finds_them(llama_g
         return per_row
 
     assert ilp.row_table() is table and terms(table) == terms(fresh)
+
+
+def test_check_prices_a_choice_by_its_own_y_held_or_not(llama_graph):
+    """A plan that uses a held y (a greedy one, unlike the LP's) is priced by that y, which
+    becomes a variable, exactly as with every y a variable, not at the hub's upper bound."""
+    held = ShardingILP(llama_graph, None)
+    every = ShardingILP(llama_graph, None)
+    every.generate_all()
+    choice = rounding.greedy(held, 0.0)
+    count = len(held.held)
+    assert rounding.check(held, choice) == rounding.check(every, choice)
+    assert len(held.held) < count

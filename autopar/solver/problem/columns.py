@@ -37,6 +37,9 @@ class HeldColumns:
         self.group = self.out_row = self.in_row = self.position = np.zeros(0, dtype=np.int64)
         self.seconds = self.cost = np.zeros(0)
         self.taken = np.zeros(0, dtype=bool)
+        self._group_of: dict[int, int] = {}
+        self._starts = np.zeros(1, dtype=np.int64)
+        self._index: dict[int, tuple[dict, dict, dict]] = {}
 
     def hold(self, e: int, y: dict, seconds: list, specs: tuple[list[Spec], list[Spec]], pairs: HeldPairs, row: int) -> None:
         """Hold the y of edge ``e`` (``pairs``: its table's, positions into ``specs``, its
@@ -69,6 +72,24 @@ class HeldColumns:
             self.cost = counts[self.group] * self.seconds
         self.taken = np.zeros(len(self.seconds), dtype=bool)
         self._parts = []
+        self._group_of = {id(group[1]): g for g, group in enumerate(self.groups)}  # by the id of its y dict
+        self._starts = np.cumsum([0] + [len(group[5]) for group in self.groups])
+        self._index: dict[int, tuple[dict, dict, dict]] = {}  # ``find``'s, per group asked
+
+    def find(self, y: dict, pair: tuple[Spec, Spec]) -> int | None:
+        """The position of the held y of ``pair`` in the group whose y dict is ``y``; None when
+        it is none (not a held group's, not one of its pairs, or a variable now)."""
+        g = self._group_of.get(id(y))
+        if g is None:
+            return None
+        index = self._index.get(g)
+        if index is None:
+            _, _, _, srcs, dsts, src, dst = self.groups[g]
+            start = int(self._starts[g])
+            pairs = {(i, j): start + n for n, (i, j) in enumerate(zip(src.tolist(), dst.tolist()))}
+            index = self._index[g] = ({s: i for i, s in enumerate(srcs)}, {d: j for j, d in enumerate(dsts)}, pairs)
+        k = index[2].get((index[0].get(pair[0]), index[1].get(pair[1])))
+        return None if k is None or self.taken[k] else k
 
     def __len__(self) -> int:
         return len(self.taken) - int(self.taken.sum())

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import math
+
+import numpy as np
 from typing import TYPE_CHECKING
 
 import pulp
@@ -132,21 +134,31 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
     # Edges of repeated layers share one y (``ShardingILP.add_edge_constraints``: their ends have
     # equal strategy lists), so one (y, strategy indices) names one transition: look each up once.
     taken: dict[tuple, tuple] = {}  # → the variables at 1 of its transition
+    wanted: dict[tuple, int] = {}  # → the held y it uses (``solver.problem.columns``), a variable below
     for e, variables in ilp.y.items():
         edge = graph.edges[e]
         key = (id(variables), edge.out_index, edge.in_index, choice[edge.producer], choice[edge.consumer])
-        if key in taken:
+        if key in taken or key in wanted:
             continue
         src = graph.choices[edge.producer].strategies[choice[edge.producer]].outs[edge.out_index]
         dst = graph.choices[edge.consumer].strategies[choice[edge.consumer]].ins[edge.in_index]
         if (src, dst) in variables:
             taken[key] = (variables[(src, dst)],)
             continue
+        held = ilp.held.find(variables, (src, dst))
+        if held is not None:  # a y of its own, still held
+            wanted[key] = held
+            continue
         # Not a pair of its own: through the replicated spec, where the edge has that hub.
         outs, ins = ilp.hub.get(e, ({}, {}))
         if src not in outs or dst not in ins:
             return None
         taken[key] = (outs[src], ins[dst])
+    if wanted:
+        ilp.generate(np.array(sorted(set(wanted.values())), dtype=np.int64))
+        made = {k: var for var, k in ilp.generated}
+        for key, k in wanted.items():
+            taken[key] = (made[k],)
     for variables in {id(variables): variables for variables in ilp.y.values()}.values():
         for var in variables.values():
             var.varValue = 0.0
