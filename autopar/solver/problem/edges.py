@@ -73,8 +73,9 @@ class EdgePrices(Mapping):
         # A hub's table comes as its (pair, price) items, made a dict only when iterated: a
         # pair is found by pricing it (``price``, which has them all, by spec codes), and the
         # dict's keys cost a hash of every placement of both specs, for 10^5 near pairs.
-        lazy = isinstance(table, list) and price is not None
-        self._table, self._items = (None, table) if lazy else (dict(table), None) if isinstance(table, list) else (table, None)
+        self._table, self._items = table, None
+        if isinstance(table, list):
+            self._table, self._items = (None, table) if price is not None else (dict(table), None)
         self.hub = hub
         self._price = price
         self._asked: dict[tuple[Spec, Spec], Price | None] = {}
@@ -198,15 +199,7 @@ class Pricer:
         return self.codes.setdefault(spec, len(self.codes))
 
     def price(self, edge: Edge, src: Spec, dst: Spec, src_code: int, dst_code: int) -> Price | None:
-        key = (edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype)
-        known = self.known.get(key)
-        if known is None:
-            known = self.known[key] = {}
-        codes = (src_code, dst_code)
-        price = known.get(codes, _UNPRICED)
-        if price is _UNPRICED:
-            price = known[codes] = self.transitions.price(src, dst, codes, *key)
-        return price
+        return self.prices_of(edge)(src, dst, src_code, dst_code)
 
     def prices_of(self, edge: Edge) -> Callable[[Spec, Spec, int, int], Price | None]:
         """``price`` for one edge's (shape, dtype, grad, grad dtype), looked up once."""
