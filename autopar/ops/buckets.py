@@ -10,6 +10,8 @@ The rewritten graph calls two stateful modules (added by ``passes.schedule``, si
   order of use, which is the order backward produces gradients. At the end of backward (an
   autograd engine callback) it waits on every bucket and adds each reduced gradient into the
   parameter's ``.grad`` (which autograd may already hold from uses that need no reduction).
+  Where forward ran twice before one backward (``loss = pm(x) + pm(y)``), a launched bucket gets
+  more gradients: they fill a new round of it, reduced on its own, and every round is added.
 - ``ParamGathers`` all-gathers sharded parameters in forward (FSDP's pattern), a group of them
   (one layer, as FSDP2's ``fully_shard(block)``) with one collective of a flat buffer, and
   issues the all-gather of the next group in forward order while the current one computes
@@ -188,8 +190,13 @@ class GradBuckets(torch.nn.Module):
         # DDP keeps its buckets.
         self._spare: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._pending: list[_Pending | None] | None = None
+        # Launched buckets that more gradients came for in the same backward (the graph ran forward
+        # twice before one backward, ``loss = pm(a) + pm(b)``): each such round is reduced on its own
+        # and every round's result is added into ``.grad`` at the end of backward.
+        self._rounds: list[tuple[int, _Pending]] = []
         self._task = -1  # the autograd graph task the pending buckets belong to
-        self._scattering: int | None = None  # the reduce-scatter bucket in flight whose input is held
+        # the reduce-scatter bucket (index, round) in flight whose input is held
+        self._scattering: tuple[int, _Pending] | None = None
         self._scatter_inputs = 0  # reduce-scatter inputs alive now
         self.max_scatter_inputs = 0  # most reduce-scatter inputs alive at once in the last backward (tests)
         self.sync = True  # off inside ``pm.no_sync()``: all-reduces held back (module docstring)
@@ -259,6 +266,14 @@ class GradBuckets(torch.nn.Module):
         index, position = self._where[key]
         bucket = self.buckets[index]
         pending = self._pending[index]
+        if pending is not None and pending.work is not None:
+            # launched already: this gradient is another forward's (forward ran more than once
+            # before this backward); it goes into a new round, reduced on its own
+            self._rounds.append((index, pending))
+            pending = self._pending[index] = _Pending(bucket, grad.device)
+            if bucket.kind == "reduce_scatter":
+                self._scatter_inputs += 1
+                self.max_scatter_inputs = max(self.max_scatter_inputs, self._scatter_inputs)
         if pending is None:
             flat, out = self._reusable(index, grad.device)
             pending = self._pending[index] = _Pending(bucket, grad.device, flat)
@@ -321,15 +336,14 @@ class GradBuckets(torch.nn.Module):
                     pending.flat.numel() // self._k(index), dtype=pending.flat.dtype, device=pending.flat.device
                 )
             pending.work = collectives.start_reduce_scatter(pending.out, pending.flat, group_name)
-            previous, self._scattering = self._scattering, index
+            previous, self._scattering = self._scattering, (index, pending)
             if previous is not None:
-                self._retire(previous)
+                self._retire(*previous)
 
-    def _retire(self, index: int) -> None:
-        """Wait for reduce-scatter bucket ``index`` and free its input (the whole gradients); its
-        output waits for the end of backward."""
-        pending = self._pending[index] if self._pending is not None else None
-        if pending is None or pending.done:
+    def _retire(self, index: int, pending: _Pending) -> None:
+        """Wait for reduce-scatter bucket ``index``'s round ``pending`` and free its input (the
+        whole gradients); its output waits for the end of backward."""
+        if pending.done:
             return
         collectives.wait(pending.work, self.buckets[index].groups[0])
         pending.done = True
@@ -348,22 +362,22 @@ class GradBuckets(torch.nn.Module):
     def _drop(self) -> None:
         """Forget the buckets of an unfinished backward (waiting for what was launched)."""
         pending_all, self._pending = self._pending, None
+        rounds, self._rounds = self._rounds, []
         self._scattering = None
-        for index, pending in enumerate(pending_all or ()):
+        for index, pending in [*rounds, *enumerate(pending_all or ())]:
             if pending is not None and pending.held:
                 self._show_held(index)  # kept, as autograd keeps what an unfinished backward accumulated
             elif pending is not None and pending.work is not None and not pending.done:
                 collectives.wait(pending.work, self.buckets[index].groups[0])
 
     def _finish(self) -> None:
-        pending_all = self._pending
-        for index, pending in enumerate(pending_all or ()):
-            if pending is not None and pending.work is None and not pending.held:
+        pending_all = [(index, pending) for index, pending in enumerate(self._pending or ()) if pending is not None]
+        for index, pending in pending_all:
+            if pending.work is None and not pending.held:
                 self._launch(index, pending)
-        self._pending, self._scattering = None, None
-        for index, pending in enumerate(pending_all or ()):
-            if pending is None:
-                continue
+        pending_all = [*self._rounds, *pending_all]
+        self._pending, self._scattering, self._rounds = None, None, []
+        for index, pending in pending_all:
             if pending.held:
                 self._show_held(index)
                 continue

@@ -122,12 +122,16 @@ def _scenario(rank: int, world: int, gather_groups) -> dict:
     gathers.bind({"a": a, "b": b, "c": c})
     w_a, w_b, w_c = weights[rank]
 
-    def step() -> tuple[torch.Tensor, torch.Tensor]:
+    def forward() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         got_b, got_c = gathers(b, key="b"), gathers(c, key="c")
         # ``a`` has a synced use and a use whose gradient is already whole (left to autograd).
         loss = (buckets(a, key="a") * w_a).sum() + (a * 2).sum() + (got_b * w_b).sum() + (got_c * w_c).sum()
+        return loss, got_b.detach(), got_c.detach()
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        loss, got_b, got_c = forward()
         loss.backward()
-        return got_b.detach(), got_c.detach()
+        return got_b, got_c
 
     launched = []
     start_all_gather = collectives.start_all_gather
@@ -153,7 +157,14 @@ def _scenario(rank: int, world: int, gather_groups) -> dict:
     for p in (a, b, c):
         p.grad = None
     step()
+    # two forwards, one backward (``pm(x) + pm(y)``): each bucket's slots arrive twice, the second
+    # time after the bucket was launched
+    for p in (a, b, c):
+        p.grad = None
+    (forward()[0] + forward()[0]).backward()
+    twice = {k: (g.grad - 2 * want[k]).abs().max().item() for k, g in (("a", a), ("b", b), ("c", c))}
     return {
+        "twice": twice,
         "reused": reused,
         "after_reuse": after_reuse,
         "kept": (kept - kept_value).abs().max().item(),
@@ -226,7 +237,7 @@ def test_buckets_and_gathers_sum_like_the_collectives_they_replace(rank_pool):
             assert result["gathered"] == (True, True), f"{where}: a gathered parameter is the whole tensor"
             assert result["buckets"] == 3
             assert result["shapes"] == ((4, 6), (2, 4)), f"{where}: the reduce-scattered gradient stays sharded"
-            for what in ("first", "accumulated", "after_reuse"):
+            for what in ("first", "accumulated", "after_reuse", "twice"):
                 worst = max(result[what].values())
                 assert worst < 1e-5, f"{where}: {what} gradients off by {result[what]}"
             assert result["reused"], f"{where}: bucket buffers no .grad views are reused"
