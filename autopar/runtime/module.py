@@ -166,8 +166,10 @@ class ParallelModule(ShardedModule):
     def _mode_graph(self) -> ModeGraph:
         """The graph of the mode the module is in, made on first use (``runtime.modes``)."""
         run = self._modes.get(self.training)
-        if run is not None:
-            return run
+        return run if run is not None else self._make_mode_graph()
+
+    @torch._dynamo.disable(reason="traces and plans the graph of a mode once, outside a user's torch.compile(pm)")
+    def _make_mode_graph(self) -> ModeGraph:
         if self._build_mode is None:
             compiled = mode_name(not self.training)
             raise RuntimeError(
@@ -186,7 +188,7 @@ class ParallelModule(ShardedModule):
         else:
             run = ModeGraph(traced, plan, f"{mode_name(self.training)}_graph_module")
             self._bind(gm, run.inputs)
-            self.add_module(run.attr, gm)
+            self.add_module(run.attr, gm.train(self.training))
         self._modes[self.training] = run
         return run
 

@@ -195,3 +195,25 @@ def test_a_collective_failing_in_the_compiled_forward_names_the_dead_rank_other_
         for key in (collectives._PEER_KEY.format(1), collectives._FAILED_KEY.format(0)):
             if store.check([key]):
                 store.delete_key(key)
+
+
+def test_a_users_torch_compile_makes_the_eval_graph_outside_dynamo_and_equals_eager(world_of_one):
+    """The first eval call under ``torch.compile(pm)`` traces and plans the eval graph: that runs
+    outside dynamo (which would otherwise trace autopar's planner, for minutes), and eval then
+    equals the model's own eval (batch norm on its running statistics)."""
+    model = build_model("cnn", seed=0)
+    eager = copy.deepcopy(model)
+    batch = example_batch("cnn", batch_size=4, seed=1)
+    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu")
+    built_while_compiling = []
+    build = pm._build_mode
+    pm._build_mode = lambda training: built_while_compiling.append(torch.compiler.is_compiling()) or build(training)
+    compiled = torch.compile(pm)
+    compiled(*batch).backward()
+    eager(*batch).backward()
+    compiled.eval()
+    eager.eval()
+    with torch.no_grad():
+        got, want = compiled(*batch), eager(*batch)
+    assert built_while_compiling == [False]
+    assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item()), (got.item(), want.item())
