@@ -27,7 +27,7 @@ from autopar.ops import collectives
 from autopar.ops.params import local_of
 from autopar.runtime.checkpoint import device_mesh, model_state_dict
 from autopar.runtime.offload import grad_key, param_key
-from autopar.trace import TracedModel
+from autopar.trace import TracedModel, requires_grad
 
 log = logging.getLogger("autopar")
 _no_sync_said: list[bool] = []  # no_sync() logs what it does once per process
@@ -171,6 +171,9 @@ class ShardedModule(torch.nn.Module):
         # The original state_dict()'s names, in its order: tied names, no non-persistent buffers.
         self._state_keys = [k for k in model.state_dict(keep_vars=True) if k in held or k in traced.ties]
         self._user_metas = _user_metas(traced, num_microbatches)
+        placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+        # user inputs traced as requiring grad: the plan sums their gradients over the ranks that share them
+        self._grad_inputs = {gi.name for gi in traced.inputs if gi.kind == "user" and requires_grad(placeholders[gi.name])}
         self._shape_hint = " (its example inputs)"
 
     # -- what a subclass says --------------------------------------------------------------------
@@ -417,6 +420,13 @@ class ShardedModule(torch.nn.Module):
                 raise ValueError(
                     f"input {name!r} is on the meta device, which holds no values: meta inputs can plan and "
                     "compile (as example inputs), but a call computes; pass real tensors"
+                )
+            if value.requires_grad and name not in self._grad_inputs and torch.is_grad_enabled() and math.prod(self._mesh_shape) > 1:
+                raise ValueError(
+                    f"input {name!r} requires grad, but the example input {name!r} did not when the module was "
+                    "planned: its gradient would not be summed over the ranks that share it, and would be wrong. "
+                    f"Compile with an example input that requires grad (example.requires_grad_()), or pass "
+                    f"{name}.detach() where its gradient is not needed"
                 )
             if tuple(value.shape) != shape or value.dtype != dtype:
                 raise ValueError(

@@ -211,7 +211,8 @@ def _loop(name: str, kind: str, plans: dict[str, str], path: str) -> dict:
 
 def _dropout_and_whole_batch(rank: int) -> dict:
     """A real dropout: eval switches it off (train mode draws masks, eval equals eager's eval);
-    a whole-batch module refuses ranks that pass different batches."""
+    a whole-batch module refuses ranks that pass different batches, and an input that requires
+    grad where the example input did not."""
     torch.manual_seed(0)
     model, eager = DropoutHead(), DropoutHead()
     eager.load_state_dict(model.state_dict())
@@ -222,6 +223,11 @@ def _dropout_and_whole_batch(rank: int) -> dict:
         pm.eval()
         eager.eval()
         out = {"eval": (pm(x) - eager(x)).abs().max().item(), "train_differs": (trained - eager(x)).abs().max().item()}
+    try:  # its gradient is summed over the ranks only where the plan was made for it
+        pm(x.clone().requires_grad_())
+        out["input_grad"] = "no error"
+    except ValueError as error:
+        out["input_grad"] = str(error)
     try:
         pm(x + (rank == 3))
         out["mixed"] = "no error"
@@ -299,6 +305,7 @@ def test_training_loop_equals_eager(rank_pool, tmp_path) -> None:
         dropout = out["dropout"]
         assert dropout["eval"] < 1e-12, f"rank {rank}: eval with dropout off differs from eager's eval: {dropout}"
         assert dropout["train_differs"] > 1e-3, f"rank {rank}: train mode must run dropout: {dropout}"
+        assert "requires grad" in dropout["input_grad"] and "requires_grad_()" in dropout["input_grad"], dropout
         assert "batch='per_rank'" in dropout["mixed"] and "ranks 0 and 3" in dropout["mixed"], dropout["mixed"]
         assert "not in step" in dropout["seeded_per_rank"] and "torch.manual_seed(seed)" in dropout["seeded_per_rank"], dropout
         assert dropout["noise_spread"] == 0.0, f"rank {rank}: ranks drew different noise in step: {dropout}"
