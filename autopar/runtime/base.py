@@ -25,6 +25,7 @@ from autopar.ir.plan import Plan
 from autopar.ir.spec import Spec, is_sharded, is_strided, shard_tensor
 from autopar.ops import collectives
 from autopar.ops.params import local_of
+from autopar.runtime import originals
 from autopar.runtime.checkpoint import device_mesh, model_state_dict
 from autopar.runtime.offload import grad_key, param_key
 from autopar.trace import TracedModel, requires_grad
@@ -162,6 +163,7 @@ class ShardedModule(torch.nn.Module):
         self._offloader = offloader
         self.graph_module = graph_module
         self.module = Holder()
+        originals.watch(model)  # an optimizer stepping the model's own parameters is refused
         full = model_tensors(model)
         self._full_shapes = {fqn: tuple(t.shape) for fqn, t in full.items()}
         self._full_dtypes = {fqn: t.dtype for fqn, t in full.items()}

@@ -248,3 +248,21 @@ def test_a_tensor_hook_on_a_compiled_modules_parameter_is_refused(world_of_one):
         pm(*batch)
     handle.remove()
     pm(*batch).backward()  # runs again once the hook is gone
+
+
+def test_an_optimizer_over_the_original_models_parameters_is_refused(world_of_one):
+    """``opt = SGD(model.parameters())`` beside ``pm = autopar.compile(model, ...)`` steps tensors
+    that the compiled module never gives a gradient: nothing would train. The step is refused with
+    the fix; the same model trained eagerly beside ``pm`` (its parameters have gradients) steps."""
+    model = build_model("mlp", seed=0, d_in=8, d_hidden=16, d_out=4)
+    batch = example_batch("mlp", batch_size=4, seed=1, d_in=8, d_hidden=16, d_out=4)
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu")
+    pm(*batch).backward()
+    with pytest.raises(RuntimeError, match=r"torch\.optim\.SGD\(pm\.parameters\(\)"):
+        stale.step()
+    torch.optim.SGD(pm.parameters(), lr=0.1).step()
+    model(*batch).backward()  # the model as an eager reference: it has its own gradients
+    before = [p.detach().clone() for p in model.parameters()]
+    stale.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
