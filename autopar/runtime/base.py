@@ -423,7 +423,12 @@ class ShardedModule(torch.nn.Module):
                     f"input {name!r} is on the meta device, which holds no values: meta inputs can plan and "
                     "compile (as example inputs), but a call computes; pass real tensors"
                 )
-            if value.requires_grad and name not in self._grad_inputs and torch.is_grad_enabled() and math.prod(self._mesh_shape) > 1:
+            if (
+                value.requires_grad
+                and name not in self._grad_inputs
+                and torch.is_grad_enabled()
+                and math.prod(self._mesh_shape) > 1
+            ):
                 raise ValueError(
                     f"input {name!r} requires grad, but the example input {name!r} did not when the module was "
                     "planned: its gradient would not be summed over the ranks that share it, and would be wrong. "

@@ -30,7 +30,8 @@ def watch(model: torch.nn.Module) -> None:
 
 
 def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if args or kwargs.get("closure") is not None:  # LBFGS and the like make their gradients in the step
+    # LBFGS and the like make their gradients inside the step (args[0] is the optimizer)
+    if args[1:] or kwargs.get("closure") is not None:
         return
     num_params = sum(len(group["params"]) for group in optimizer.param_groups)
     if _CHECKED.get(optimizer) == num_params:
