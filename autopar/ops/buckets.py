@@ -11,7 +11,10 @@ The rewritten graph calls two stateful modules (added by ``passes.schedule``, si
   autograd engine callback) it waits on every bucket and adds each reduced gradient into the
   parameter's ``.grad`` (which autograd may already hold from uses that need no reduction).
   Where forward ran twice before one backward (``loss = pm(x) + pm(y)``), a launched bucket gets
-  more gradients: they fill a new round of it, reduced on its own, and every round is added.
+  more gradients: they fill a new round of it, reduced on its own, and every round is added. A
+  slot no gradient reached (a parameter frozen after compile, or one the loss does not depend on)
+  is reduced as zeros but leaves ``.grad`` as it is (None), as eager does: a zero gradient would
+  still move the parameter under weight decay or momentum.
 - ``ParamGathers`` all-gathers sharded parameters in forward (FSDP's pattern), a group of them
   (one layer, as FSDP2's ``fully_shard(block)``) with one collective of a flat buffer, and
   issues the all-gather of the next group in forward order while the current one computes
@@ -131,7 +134,7 @@ def make_buckets(slots: Sequence[Slot], cap_bytes: int, first_cap_bytes: int | N
 class _Pending:
     """One bucket's state during one backward."""
 
-    __slots__ = ("flat", "left", "written", "work", "out", "done", "held")
+    __slots__ = ("flat", "left", "written", "zeroed", "work", "out", "done", "held")
 
     def __init__(self, bucket: Bucket, device: torch.device, flat: torch.Tensor | None = None):
         self.flat: torch.Tensor | None = (
@@ -139,6 +142,9 @@ class _Pending:
         )
         self.left = sum(slot.uses for slot in bucket.slots)
         self.written: set[str] = set()
+        # slots no gradient arrived for (a parameter frozen after compile, or one the loss does not
+        # reach): zeros in the collective, but their .grad stays as it is (None), as in eager
+        self.zeroed: set[str] = set()
         self.work = None
         self.out: torch.Tensor | None = None
         self.done = False  # waited on (a reduce-scatter retired by the next one's launch)
@@ -316,6 +322,7 @@ class GradBuckets(torch.nn.Module):
             position = self._where[key][1]
             self._slot_view(index, position, pending.flat).zero_()  # no use of it ran this time
             pending.written.add(key)
+            pending.zeroed.add(key)
         if not self.sync and (index in self._held or self._holds(index)):
             held = self._take_held(index)
             if held is not None:
@@ -326,6 +333,7 @@ class GradBuckets(torch.nn.Module):
         held = self._take_held(index)
         if held is not None:  # the micro-steps held back by no_sync(), reduced with this one
             pending.flat.add_(held)
+            pending.zeroed.clear()  # earlier micro-steps may have written them
         self.launches += 1
         group_name = bucket.groups[0]
         if bucket.kind == "all_reduce":
@@ -401,7 +409,8 @@ class GradBuckets(torch.nn.Module):
                 at += numel
                 # reduced in a policy's reduce_dtype: lands in the master's; a DTensor
                 # parameter's gradient is a DTensor with its placements (ops.params)
-                add_grad(self._params[slot.key], reduced)
+                if slot.key not in pending.zeroed:
+                    add_grad(self._params[slot.key], reduced)
 
     def _show_held(self, index: int) -> None:
         """Each parameter's ``.grad`` becomes its view of bucket ``index``'s held buffer."""

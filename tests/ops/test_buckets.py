@@ -110,6 +110,7 @@ def _scenario(rank: int, world: int, gather_groups) -> dict:
         Slot("c", "reduce_scatter", (2, 8), torch.float32, (group,), 1),
         Slot("b", "reduce_scatter", (8, 6), torch.float32, (group,), 0),
         Slot("a", "all_reduce", (3, 4), torch.float32, (group,)),
+        Slot("d", "all_reduce", (2,), torch.float32, (group,)),  # in a's bucket; the loss never reaches it
     ]
     buckets = GradBuckets(make_buckets(slots, cap_bytes=1 << 20, first_cap_bytes=64))
     a = torch.nn.Parameter(torch.randn(3, 4))
@@ -118,7 +119,8 @@ def _scenario(rank: int, world: int, gather_groups) -> dict:
     gathers = ParamGathers(
         [("b", group, 0, 8 * 6 * 4), ("c", group, 1, 2 * 8 * 4)], prefetch_bytes=1 << 20, grads=buckets, groups=gather_groups
     )
-    buckets.bind({"a": a, "b": b, "c": c})
+    d = torch.nn.Parameter(torch.randn(2))
+    buckets.bind({"a": a, "b": b, "c": c, "d": d})
     gathers.bind({"a": a, "b": b, "c": c})
     w_a, w_b, w_c = weights[rank]
 
@@ -164,6 +166,7 @@ def _scenario(rank: int, world: int, gather_groups) -> dict:
     (forward()[0] + forward()[0]).backward()
     twice = {k: (g.grad - 2 * want[k]).abs().max().item() for k, g in (("a", a), ("b", b), ("c", c))}
     return {
+        "unreached_grad": d.grad,  # None, as eager leaves a parameter the loss does not reach
         "twice": twice,
         "reused": reused,
         "after_reuse": after_reuse,
@@ -241,6 +244,7 @@ def test_buckets_and_gathers_sum_like_the_collectives_they_replace(rank_pool):
                 worst = max(result[what].values())
                 assert worst < 1e-5, f"{where}: {what} gradients off by {result[what]}"
             assert result["reused"], f"{where}: bucket buffers no .grad views are reused"
+            assert result["unreached_grad"] is None, f"{where}: a parameter no gradient reached got {result['unreached_grad']}"
             assert result["kept"] == 0.0, f"{where}: a held gradient was overwritten by the next backward"
         # shards of b (8x6 split on dim 0) and c (2x8 split on dim 1) on 2 ranks: 24 and 8 elements
         assert sorted(results["single"]["all_gathers"]) == [8, 24], "one all-gather per parameter"
