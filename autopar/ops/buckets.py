@@ -208,6 +208,7 @@ class GradBuckets(torch.nn.Module):
         self.sync = True  # off inside ``pm.no_sync()``: all-reduces held back (module docstring)
         self._held: dict[int, torch.Tensor] = {}  # bucket → this rank's unreduced sum of held backwards
         self._views: dict[str, torch.Tensor] = {}  # slot key → the ``.grad`` set to its view of the held buffer
+        self._held_written: dict[int, set[str]] = {}  # bucket → the slots a held backward wrote (the others stay None)
         self.launches = 0  # collectives launched (tests)
 
     def bind(self, params: dict[str, torch.Tensor]) -> None:
@@ -241,12 +242,15 @@ class GradBuckets(torch.nn.Module):
                 return False  # a gradient already there (reduced, or the user's) cannot become a view
         return True
 
-    def _take_held(self, index: int) -> torch.Tensor | None:
-        """Bucket ``index``'s held buffer, its slots detached from the ``.grad`` views: a slot
-        whose ``.grad`` was replaced or dropped since (``zero_grad()``) counts as zeros."""
+    def _take_held(self, index: int) -> tuple[torch.Tensor | None, set[str]]:
+        """Bucket ``index``'s held buffer, its slots detached from the ``.grad`` views, and the
+        slots it holds gradients for: a slot whose ``.grad`` was replaced or dropped since
+        (``zero_grad()``), or that no held backward wrote, counts as zeros."""
         held = self._held.pop(index, None)
+        written = self._held_written.pop(index, set())
         if held is None:
-            return None
+            return None, set()
+        kept = set()
         for position, slot in enumerate(self.buckets[index].slots):
             view = self._views.pop(slot.key, None)
             if view is not None:
@@ -254,9 +258,10 @@ class GradBuckets(torch.nn.Module):
             param = self._params[slot.key]
             if view is not None and param.grad is view:
                 param.grad = None
+                kept.add(slot.key)
             else:
                 self._slot_view(index, position, held).zero_()
-        return held
+        return held, kept & written
 
     # -- backward -------------------------------------------------------------------------
 
@@ -296,6 +301,7 @@ class GradBuckets(torch.nn.Module):
         else:
             target.copy_(grad.reshape(target.shape))
             pending.written.add(key)
+        pending.zeroed.discard(key)  # a held round's second forward may reach a slot the first did not
         pending.left -= 1
         if pending.left == 0:
             self._launch(index, pending)
@@ -324,16 +330,17 @@ class GradBuckets(torch.nn.Module):
             pending.written.add(key)
             pending.zeroed.add(key)
         if not self.sync and (index in self._held or self._holds(index)):
-            held = self._take_held(index)
+            held, kept = self._take_held(index)
             if held is not None:
                 pending.flat.add_(held)
             self._held[index] = pending.flat  # its views become the .grad at the end of backward
+            self._held_written[index] = kept
             pending.held = True
             return
-        held = self._take_held(index)
+        held, kept = self._take_held(index)
         if held is not None:  # the micro-steps held back by no_sync(), reduced with this one
             pending.flat.add_(held)
-            pending.zeroed.clear()  # earlier micro-steps may have written them
+            pending.zeroed -= kept  # written by an earlier micro-step: its .grad gets the sum
         self.launches += 1
         group_name = bucket.groups[0]
         if bucket.kind == "all_reduce":
@@ -374,7 +381,7 @@ class GradBuckets(torch.nn.Module):
         self._scattering = None
         for index, pending in [*rounds, *enumerate(pending_all or ())]:
             if pending is not None and pending.held:
-                self._show_held(index)  # kept, as autograd keeps what an unfinished backward accumulated
+                self._show_held(index, pending)  # kept, as autograd keeps what an unfinished backward accumulated
             elif pending is not None and pending.work is not None and not pending.done:
                 collectives.wait(pending.work, self.buckets[index].groups[0])
 
@@ -387,7 +394,7 @@ class GradBuckets(torch.nn.Module):
         self._pending, self._scattering, self._rounds = None, None, []
         for index, pending in pending_all:
             if pending.held:
-                self._show_held(index)
+                self._show_held(index, pending)
                 continue
             bucket = self.buckets[index]
             if not pending.done:
@@ -412,12 +419,16 @@ class GradBuckets(torch.nn.Module):
                 if slot.key not in pending.zeroed:
                     add_grad(self._params[slot.key], reduced)
 
-    def _show_held(self, index: int) -> None:
-        """Each parameter's ``.grad`` becomes its view of bucket ``index``'s held buffer."""
+    def _show_held(self, index: int, pending: _Pending) -> None:
+        """The ``.grad`` of each parameter a held backward reached becomes its view of bucket
+        ``index``'s held buffer (one that none reached keeps its None, as in eager)."""
         held = self._held[index]
+        written = self._held_written[index] = self._held_written.get(index, set()) | (pending.written - pending.zeroed)
         if not _step_hook:
             _step_hook.append(register_optimizer_step_pre_hook(_refuse_held_step))
         for position, slot in enumerate(self.buckets[index].slots):
+            if slot.key not in written:
+                continue
             param = self._params[slot.key]
             view = as_like(self._slot_view(index, position, held).view(slot.shape), param)
             param.grad = self._views[slot.key] = view

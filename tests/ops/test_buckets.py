@@ -41,31 +41,34 @@ def _held_back(rank: int, world: int) -> dict:
     the bucket alone) launches nothing and shows this rank's unreduced sum in ``.grad``; the next
     synced backward reduces every micro-step at once. ``a`` (a use outside the bucket) and the
     reduce-scatter of ``b`` reduce at every backward. ``zero_grad()`` in between, to None or in
-    place, drops what was held."""
+    place, drops what was held. ``u``, in x's bucket, is reached by micro-step 2 only: its
+    ``.grad`` stays None until then, and then gets that micro-step's sum."""
     group = dist.group.WORLD.group_name
     f32 = torch.float32
     slots = [
         Slot("x", "all_reduce", (3,), f32, (group,), alone=True),
         Slot("y", "all_reduce", (2,), f32, (group,), alone=True),
+        Slot("u", "all_reduce", (2,), f32, (group,), alone=True),
         Slot("a", "all_reduce", (4,), torch.float64, (group,)),  # a bucket of its own: another dtype
         Slot("b", "reduce_scatter", (2 * world,), f32, (group,), 0),
     ]
     buckets = GradBuckets(make_buckets(slots, cap_bytes=1 << 20))
-    params = {k: torch.nn.Parameter(torch.zeros(n)) for k, n in (("x", 3), ("y", 2), ("a", 4), ("b", 2))}
+    params = {k: torch.nn.Parameter(torch.zeros(n)) for k, n in (("x", 3), ("y", 2), ("u", 2), ("a", 4), ("b", 2))}
     buckets.bind(params)
 
     def weights(step: int, r: int) -> dict[str, torch.Tensor]:  # rank r's gradients at micro-step ``step``
         g = torch.Generator().manual_seed(10 * step + r)
-        return {k: torch.randn(n, generator=g) for k, n in (("x", 3), ("y", 2), ("a", 4), ("b", 2 * world))}
+        return {k: torch.randn(n, generator=g) for k, n in (("x", 3), ("y", 2), ("u", 2), ("a", 4), ("b", 2 * world))}
 
     def backward(step: int) -> None:
         w = weights(step, rank)
         b = torch.cat([params["b"]] * world)  # stands for the gathered parameter
-        loss = sum((buckets(params[k], key=k) * w[k]).sum() for k in "xya") + (buckets(b, key="b") * w["b"]).sum()
+        reached = "xyua" if step == 2 else "xya"
+        loss = sum((buckets(params[k], key=k) * w[k]).sum() for k in reached) + (buckets(b, key="b") * w["b"]).sum()
         (loss + params["a"].sum()).backward()
 
     def summed(steps: list[int]) -> dict[str, torch.Tensor]:
-        total = {k: sum(weights(s, r)[k] for s in steps for r in range(world)) for k in "xyab"}
+        total = {k: sum(weights(s, r)[k] for s in steps for r in range(world)) for k in "xyuab"}
         total["a"] = total["a"] + len(steps)  # the use outside the bucket: one per backward, per rank
         total["b"] = total["b"].chunk(world)[rank]
         return total
@@ -77,6 +80,7 @@ def _held_back(rank: int, world: int) -> dict:
     out["held_launches"] = buckets.launches - before  # a and b only
     out["unreduced"] = max((params[k].grad - weights(0, rank)[k]).abs().max().item() for k in "xy")
     out["held_numel"] = buckets.held_numel
+    out["unreached"] = [params["u"].grad is None]
     try:  # a step on held gradients would move the ranks apart
         torch.optim.SGD(params.values(), lr=0.1).step()
         out["step_inside"] = "stepped"
@@ -87,6 +91,7 @@ def _held_back(rank: int, world: int) -> dict:
     want = summed([0, 1])
     out["reduced"] = max((params[k].grad - want[k]).abs().max().item() for k in "xyab")
     out["after"] = buckets.held_numel
+    out["unreached"].append(params["u"].grad is None)
     for p in params.values():
         p.grad = None
     # zero_grad after a held micro-step: x's to None, y's in place; both drop what was held
@@ -98,6 +103,7 @@ def _held_back(rank: int, world: int) -> dict:
     backward(3)
     want = summed([3])
     out["dropped"] = max((params[k].grad - want[k]).abs().max().item() for k in "xy")
+    out["reached_held"] = (params["u"].grad - summed([2])["u"]).abs().max().item()
     return out
 
 
@@ -231,9 +237,11 @@ def test_buckets_and_gathers_sum_like_the_collectives_they_replace(rank_pool):
     for rank, results in enumerate(rank_pool(2).run(_run, timeout_s=120)):
         held = results.pop("held")
         assert held["held_launches"] == 2, f"rank {rank}: under no_sync only a's and b's buckets reduce: {held}"
-        assert held["unreduced"] == 0.0 and held["held_numel"] == 5, f"rank {rank}: .grad is the rank's own sum: {held}"
+        assert held["unreduced"] == 0.0 and held["held_numel"] == 7, f"rank {rank}: .grad is the rank's own sum: {held}"
         assert held["reduced"] < 1e-5 and held["after"] == 0, f"rank {rank}: one reduction for both micro-steps: {held}"
         assert held["dropped"] < 1e-5, f"rank {rank}: zero_grad() after a held micro-step must drop it: {held}"
+        assert held["unreached"] == [True, True], f"rank {rank}: a slot no backward reached keeps .grad None: {held}"
+        assert held["reached_held"] < 1e-5, f"rank {rank}: a slot only a held micro-step reached: {held}"
         assert "holds back" in held["step_inside"] and "outside no_sync()" in held["step_inside"], held
         for how, result in results.items():
             where = f"rank {rank}, {how} gathers"
