@@ -14,6 +14,7 @@ from autopar.zoo.models import build_model, example_batch
 from autopar.solver import ShardingILP, build_choice_graph
 from autopar.solver.strategies.solving import peak_memory
 from autopar.solver.problem.choices import param_sync_adjustment_s
+from autopar.solver.problem.edges import EdgePrices
 from autopar.solver.pricing import runner_ups
 from autopar.solver.pricing.runner_ups import explain_decisions
 from autopar.trace import trace
@@ -272,3 +273,28 @@ def test_slots_price_as_every_member_alone():
             for term in (runner_ups._grad_sync_s, runner_ups._kernel_comm_s):
                 assert decision.member_sum(term, s) == sum(term(alone, name, assignment[name]) for name in ordered)
     assert shared > 100  # most members share a slot
+
+
+def test_hub_tables_price_runner_ups_by_codes_as_by_specs(gpt_traced, monkeypatch):
+    """On three axes an edge's table prices the pairs it leaves out on demand; the runner-ups
+    ask for them by spec codes (``EdgePrices.get_coded``): the same prices as asking by the
+    specs (``get``), so the same records to the last bit."""
+    cluster = get_cluster("cpu")
+    graph = build_choice_graph(gpt_traced, (2, 2, 2), cluster)
+    hubs = [edge for edge in graph.edges if isinstance(edge.price, EdgePrices) and edge.price.coder() is not None]
+    assert hubs
+    solution = solve_ilp(ShardingILP(graph))
+    decisions = explain_decisions(graph, solution, cluster, None)
+    asked = 0
+    for edge in hubs[:20]:
+        code = edge.price.coder()
+        srcs = list(dict.fromkeys(s.outs[edge.out_index] for s in graph.choices[edge.producer].strategies))
+        dsts = list(dict.fromkeys(s.ins[edge.in_index] for s in graph.choices[edge.consumer].strategies))
+        for src in srcs[:8]:
+            for dst in dsts[:8]:
+                asked += 1
+                assert edge.price.get_coded(src, dst, code(src), code(dst)) == edge.price.get((src, dst))
+    assert asked > 100
+    monkeypatch.setattr(EdgePrices, "coder", lambda self: None)  # every pair by its specs
+    by_specs = build_choice_graph(gpt_traced, (2, 2, 2), cluster)
+    assert explain_decisions(by_specs, solution, cluster, None) == decisions

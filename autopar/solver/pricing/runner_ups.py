@@ -21,6 +21,7 @@ import numpy as np
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost import comm
 from autopar.solver.problem.choices import ChoiceGraph, grad_sync_axes, grad_sync_cost, kernel_collectives
+from autopar.solver.problem.edges import EdgePrices
 from autopar.solver.problem.ilp import Solution
 from autopar.ir.spec import format_spec
 
@@ -90,6 +91,22 @@ class _Memo:
         self.grad_sync: dict[tuple, float] = {}
         self.kernel_comm: dict[tuple, float] = {}
         self.by_input: dict[int, dict] = {}  # follower strategy lists, by identity
+        self.codes: dict[tuple, list[int | None]] = {}  # (pricer, strategy list, side, index) → spec code per strategy
+
+    def code(self, coder: Callable, name: str, side: str, index: int, s: int) -> int:
+        """``coder``'s code of strategy ``s``'s spec of node ``name``'s output (``side`` "out")
+        or input ``index``, numbered once per strategy list (identical ops share theirs). One
+        pricer numbers every hub table's specs (``edges.price_edges``)."""
+        strategies = self.graph.choices[name].strategies
+        key = (id(getattr(coder, "__self__", coder)), id(strategies), side, index)
+        codes = self.codes.get(key)
+        if codes is None:
+            codes = self.codes[key] = [None] * len(strategies)
+        code = codes[s]
+        if code is None:
+            strategy = strategies[s]
+            code = codes[s] = coder(strategy.outs[index] if side == "out" else strategy.ins[index])
+        return code
 
     def cls(self, name: str) -> str:
         return self.template.get(name, name)
@@ -205,7 +222,17 @@ class _Decision:
         # the groups a member may need (the others cannot change with it).
         _, refunds = graph.param_sync_groups()
         self.refunds = [(self.slot_of[name], refunds[name]) for name in ordered if name in refunds]
-        self.synced = [group for group in groups.values() if any(consumer in members for consumer, _ in group.uses)]
+        # Per group a member uses: its seconds, whether a use outside needs it (as solved: then
+        # always), and the members' uses, (slot, the strategies that need it): ``needed`` in parts.
+        self.synced = [
+            (
+                group.total_s,
+                any(solution.choice[consumer] in wanted for (consumer, _), wanted in group.uses.items() if consumer not in members),
+                [(self.slot_of[consumer], wanted) for (consumer, _), wanted in group.uses.items() if consumer in members],
+            )
+            for group in groups.values()
+            if any(consumer in members for consumer, _ in group.uses)
+        ]
         # What a member's gradient all-reduces and kernel collectives depend on beyond its slot.
         inner: dict[tuple, int] = {}
         self.inner_reps: list[str] = []
@@ -234,10 +261,9 @@ class _Decision:
             # Parameter reductions run once per parameter: the members' per-use prices give way
             # to each group a member uses, priced once.
             merged_s = -sum(refund[index[slot]] for slot, refund in self.refunds)
-            full = _Overlay(self.slot_of, index, self.solution.choice)
-            for group in self.synced:
-                if group.needed(full):
-                    merged_s += group.total_s
+            for total_s, outside, uses in self.synced:
+                if outside or any(index[slot] in wanted for slot, wanted in uses):
+                    merged_s += total_s
             merged.append(merged_s)
             seconds = self._reshard_s(index)
             possible.append(seconds is not None)
@@ -333,20 +359,15 @@ def _edge_price(memo: _Memo, edge, edge_class: tuple, src_index: int, dst_index:
     if price is True:
         src = memo.graph.choices[edge.producer].strategies[src_index].outs[edge.out_index]
         dst = memo.graph.choices[edge.consumer].strategies[dst_index].ins[edge.in_index]
-        price = memo.edge[key] = False if src == dst else edge.price.get((src, dst))
+        coder = edge.price.coder() if isinstance(edge.price, EdgePrices) else None
+        if coder is None:
+            price = False if src == dst else edge.price.get((src, dst))
+        else:  # by the codes its pricer numbers specs by: equal codes, equal specs
+            src_code = memo.code(coder, edge.producer, "out", edge.out_index, src_index)
+            dst_code = memo.code(coder, edge.consumer, "in", edge.in_index, dst_index)
+            price = False if src_code == dst_code else edge.price.get_coded(src, dst, src_code, dst_code)
+        memo.edge[key] = price
     return price
-
-
-class _Overlay:
-    """Strategy index by node name when the decision's slots take ``index``: a member's from its
-    slot, any other node's as solved (read-only)."""
-
-    def __init__(self, slot_of: dict[str, int], index: list[int], solved: dict[str, int]):
-        self.slot_of, self.index, self.solved = slot_of, index, solved
-
-    def __getitem__(self, name: str) -> int:
-        slot = self.slot_of.get(name)
-        return self.solved[name] if slot is None else self.index[slot]
 
 
 def _grad_sync_s(memo: _Memo, name: str, index: int) -> float:
