@@ -227,7 +227,9 @@ class _Decision:
         self.synced = [
             (
                 group.total_s,
-                any(solution.choice[consumer] in wanted for (consumer, _), wanted in group.uses.items() if consumer not in members),
+                any(
+                    solution.choice[consumer] in wanted for (consumer, _), wanted in group.uses.items() if consumer not in members
+                ),
                 [(self.slot_of[consumer], wanted) for (consumer, _), wanted in group.uses.items() if consumer in members],
             )
             for group in groups.values()
