@@ -75,7 +75,7 @@ from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
 from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict
-from autopar.runtime.data import DataMismatchError, random_ops, start_check
+from autopar.runtime.data import DataMismatchError, RandomOps, random_ops, start_check
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
 from autopar.runtime.microbatch_loss import label_counts
 from autopar.runtime.module import world_timeout
@@ -380,7 +380,7 @@ class PipelineParallelModule(ShardedModule):
         stages_arg = pipeline_stages if plan.pipeline.virtual_stages > 1 else pipeline_stages[0]
         return schedule(stages_arg, self._num_microbatches, loss_fn=_microbatch_loss, scale_grads=False)
 
-    def _stage_random_ops(self, traced: TracedModel, plan: Plan, coordinate: tuple[int, ...]):
+    def _stage_random_ops(self, traced: TracedModel, plan: Plan, coordinate: tuple[int, ...]) -> RandomOps | None:
         """The random ops of this rank's stages that draw for a tensor replicated on a stage-mesh
         axis (``runtime.data.random_ops``): the ranks of this stage group that hold it must draw
         alike. Groups of other stages never compare with this one's (their ``group`` is offset)."""
