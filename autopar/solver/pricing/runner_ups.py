@@ -222,19 +222,7 @@ class _Decision:
         # the groups a member may need (the others cannot change with it).
         _, refunds = graph.param_sync_groups()
         self.refunds = [(self.slot_of[name], refunds[name]) for name in ordered if name in refunds]
-        # Per group a member uses: its seconds, whether a use outside needs it (as solved: then
-        # always), and the members' uses, (slot, the strategies that need it): ``needed`` in parts.
-        self.synced = [
-            (
-                group.total_s,
-                any(
-                    solution.choice[consumer] in wanted for (consumer, _), wanted in group.uses.items() if consumer not in members
-                ),
-                [(self.slot_of[consumer], wanted) for (consumer, _), wanted in group.uses.items() if consumer in members],
-            )
-            for group in groups.values()
-            if any(consumer in members for consumer, _ in group.uses)
-        ]
+        self.synced = _synced_groups(groups, self.slot_of, solution)
         # What a member's gradient all-reduces and kernel collectives depend on beyond its slot.
         inner: dict[tuple, int] = {}
         self.inner_reps: list[str] = []
@@ -453,3 +441,18 @@ def _binding(ranked: list, chosen: int, memory_budget: float | None, status: str
     if status != "Optimal":
         return "time_limit"
     return "coupled"
+
+
+def _synced_groups(groups: dict, slot_of: dict[str, int], solution: Solution) -> list[tuple]:
+    """Per parameter-reduction group a member (a key of ``slot_of``) uses: its seconds, whether a
+    use outside the decision needs it (as solved: then always), and the members' uses, (slot, the
+    strategies that need it): ``needed`` in parts."""
+    return [
+        (
+            group.total_s,
+            any(solution.choice[consumer] in wanted for (consumer, _), wanted in group.uses.items() if consumer not in slot_of),
+            [(slot_of[consumer], wanted) for (consumer, _), wanted in group.uses.items() if consumer in slot_of],
+        )
+        for group in groups.values()
+        if any(consumer in slot_of for consumer, _ in group.uses)
+    ]
