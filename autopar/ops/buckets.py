@@ -238,7 +238,7 @@ class GradBuckets(torch.nn.Module):
             param = self._params[slot.key]
             if not slot.alone or slot.dtype != param.dtype:
                 return False
-            if param.grad is not None and param.grad is not self._views.get(slot.key):
+            if param.grad is not None:  # (asked only of a bucket not held: none of its views is out)
                 return False  # a gradient already there (reduced, or the user's) cannot become a view
         return True
 
