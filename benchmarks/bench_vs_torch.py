@@ -99,23 +99,21 @@ def _batch():
 OPTIMIZERS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
+@contextlib.contextmanager
 def _no_sync(module: torch.nn.Module, sync: bool):
     """The context a micro-step runs in: DDP's and autopar's ``no_sync()``, FSDP2's and
-    replicate's ``set_requires_gradient_sync``; nothing for the plain model."""
+    replicate's ``set_requires_gradient_sync``; nothing for the plain model or a synced step."""
     if sync or not hasattr(module, "no_sync") and not hasattr(module, "set_requires_gradient_sync"):
-        return contextlib.nullcontext()
-    if hasattr(module, "no_sync"):
-        return module.no_sync()
-    module.set_requires_gradient_sync(False)
-    return _synced_after(module)
-
-
-@contextlib.contextmanager
-def _synced_after(module: torch.nn.Module):
-    try:
         yield
-    finally:
-        module.set_requires_gradient_sync(True)
+    elif hasattr(module, "no_sync"):
+        with module.no_sync():
+            yield
+    else:
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
 
 
 def _trainer(kind: str, world: int, rank: int, optimizer: str = "default", accum: int = 1):
