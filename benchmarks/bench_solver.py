@@ -29,6 +29,7 @@ from autopar.zoo.models import LLAMA_SHAPES, build_model
 from autopar.solver import plan_from_solution
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.ilp import ShardingILP
+from autopar.solver.strategies.solving import solve_ilp
 from autopar.trace import trace
 
 SHAPES = {
@@ -64,8 +65,8 @@ def plan_stages(builder: str, config: dict, batch: int, seq: int, mesh: tuple[in
     traced = watch.run("trace", trace, model, (idx, idx))
     graph = watch.run("build", build_choice_graph, traced, mesh, cluster)
     ilp = watch.run("ilp", ShardingILP, graph, BUDGET_BYTES)
-    solution = watch.run("solve", ilp.solve, 600.0)
-    plan = watch.run("plan", plan_from_solution, traced, graph, solution, cluster.name, BUDGET_BYTES)
+    solution = watch.run("solve", solve_ilp, ilp, 600.0)
+    plan = watch.run("plan", plan_from_solution, traced, graph, solution, cluster, BUDGET_BYTES)
     stages = ("trace", "build", "ilp", "solve", "plan")
     return {
         "layers": config["n_layer"],
