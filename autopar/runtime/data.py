@@ -155,6 +155,8 @@ def start_check(
     ``random``: the graph's random ops that need this rank's generators in step with others'."""
     if any(isinstance(leaf, torch.Tensor) and (leaf.is_meta or is_fake(leaf)) for leaf in leaves):
         return validate(), _nothing  # shapes only (``autopar check``'s fake world): no values to compare
+    if dist.get_world_size() == 1:
+        return validate(), _nothing  # no other rank to agree with (and no device sync on a lone GPU)
     refusal: BaseException | None = None
     result: Any = None
     try:
