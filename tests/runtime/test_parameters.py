@@ -10,6 +10,7 @@ match eager's.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -266,3 +267,20 @@ def test_an_optimizer_over_the_original_models_parameters_is_refused(world_of_on
     before = [p.detach().clone() for p in model.parameters()]
     stale.step()
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("compiler", [None, "inductor"])
+def test_the_models_weights_are_freed_once_the_caller_drops_it(world_of_one, compiler, monkeypatch):
+    """The compiled module holds its own copy of the weights. Tracing leaves reference cycles
+    that reach the model, and a model that existed before the trace sits in the collector's oldest
+    generation afterwards: without a collection at the end of compile, ``del model`` kept a whole
+    copy of the weights (on a GPU, device memory) alive until Python's next full collection.
+    Compile collects for weights on an accelerator or above a size, here lowered to this GPT's."""
+    monkeypatch.setattr("autopar.api.FREE_AFTER_TRACE_BYTES", 1)
+    model = build_model("gpt", seed=0)
+    batch = example_batch("gpt", 4, seed=1)
+    weight = weakref.ref(model.lm_head.weight)
+    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu", compiler=compiler)
+    del model
+    assert weight() is None
+    pm(*batch).backward()  # the module runs on its own copy
