@@ -185,13 +185,14 @@ def start_check(
         if not pending:
             return
         collectives.call_on_world("all-gather (data check)", pending.pop().wait)
+        table = rows.cpu()  # one device sync on a GPU, not one per rank and field read below
         try:
-            refused = [rank for rank in range(rows.shape[0]) if rows[rank, 1] != 0]
+            refused = [rank for rank in range(table.shape[0]) if table[rank, 1] != 0]
             if refused:
                 raise ValueError(f"ranks {refused} refused this call (see their errors); every rank stops here")
-            _check_same_data(rows, layout)
+            _check_same_data(table, layout)
             if random is not None:
-                _check_same_random(rows, random)
+                _check_same_random(table, random)
         except ValueError:  # a refusing rank ran nothing: every rank leaves with the state it came with
             _set_rng_state(rng, device)
             raise
