@@ -36,7 +36,7 @@ from autopar.cost.cluster import get_cluster
 from autopar.zoo.models import GPT, LLAMA_SHAPES, Llama
 
 
-def _time_cuda(fn, warmup: int = 3, repeat: int = 10) -> float:
+def time_cuda(fn, warmup: int = 3, repeat: int = 10) -> float:
     """Median seconds of ``fn()`` on the current CUDA stream."""
     for _ in range(warmup):
         fn()
@@ -60,7 +60,7 @@ def roofline(out: Path, quick: bool) -> None:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         a = torch.randn(size, size, device="cuda", dtype=dtype)
         b = torch.randn(size, size, device="cuda", dtype=dtype)
-        seconds = _time_cuda(lambda: a @ b)
+        seconds = time_cuda(lambda: a @ b)
         name = "tf32" if tf32 else str(dtype).removeprefix("torch.")
         measured = 2 * size**3 / seconds
         rows.append(
@@ -75,7 +75,7 @@ def roofline(out: Path, quick: bool) -> None:
     numel = (1 << 28) if quick else (1 << 30)
     src = torch.empty(numel, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    seconds = _time_cuda(lambda: dst.copy_(src))
+    seconds = time_cuda(lambda: dst.copy_(src))
     rows.append(
         dict(
             what=f"copy {numel >> 20} MiB (read + write)",
@@ -86,7 +86,7 @@ def roofline(out: Path, quick: bool) -> None:
     )
     free, total = torch.cuda.mem_get_info()
     rows.append(dict(what="memory", measured=total, preset=preset.memory_bytes, unit="bytes"))
-    _write(out / "gpu_roofline.csv", rows)
+    write_csv(out / "gpu_roofline.csv", rows)
     for row in rows:
         print(
             f"  {row['what']:<32} measured {row['measured']:.3e} {row['unit']:<8} preset {row['preset']:.3e}"
@@ -137,7 +137,7 @@ def step_accuracy(out: Path, quick: bool, pricings: list[tuple[str, str, str | N
         def fwd_bwd(model=model):  # bound now: the loop deletes `model` at its end
             model(idx, targets).backward()
 
-        measured_s = _time_cuda(fwd_bwd, warmup=2, repeat=5 if quick else 10)
+        measured_s = time_cuda(fwd_bwd, warmup=2, repeat=5 if quick else 10)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         opt.step()  # allocates the optimizer state
         opt.zero_grad(set_to_none=False)
@@ -174,7 +174,7 @@ def step_accuracy(out: Path, quick: bool, pricings: list[tuple[str, str, str | N
             )
         del model, opt
         torch.cuda.empty_cache()
-    _write(out / "gpu_step.csv", rows)
+    write_csv(out / "gpu_step.csv", rows)
     for label, _, _ in pricings:
         ratios = [r["time_ratio"] for r in rows if r["pricing"] == label]
         print(f"  {label}: time ratio geometric mean {math.exp(statistics.fmean(map(math.log, ratios))):.2f}")
@@ -225,12 +225,12 @@ def compile_on_cuda(out: Path) -> None:
         )
     finally:
         dist.destroy_process_group()
-    _write(out / "gpu_compile.csv", rows)
+    write_csv(out / "gpu_compile.csv", rows)
     for row in rows:
         print(f"  {row['check']:<40} {row['value']:.3g}")
 
 
-def _write(path: Path, rows: list[dict]) -> None:
+def write_csv(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import csv
 import datetime
 import gc
 import gzip
@@ -52,6 +51,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.zoo.models import GPT, LLAMA_SHAPES, Llama
+from bench_gpu import time_cuda, write_csv
 
 TRAINERS = ("eager", "torch_compile", "autopar", "autopar_compiled")
 # torch's default AdamW (foreach on CUDA, the for-loop on a CPU), and fused (torchtitan's default)
@@ -80,22 +80,15 @@ class Clock:
             torch.cuda.synchronize()
 
     def median(self, fn, warmup: int, repeat: int) -> float:
+        if self.cuda:
+            return time_cuda(fn, warmup, repeat)
         for _ in range(warmup):
             fn()
-        self.sync()
         times = []
         for _ in range(repeat):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                begin = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - begin)
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
         return statistics.median(times)
 
     def peak(self, fn) -> int:
@@ -258,14 +251,6 @@ def check_float32(device: torch.device) -> list[dict]:
     return rows
 
 
-def _write(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 @contextlib.contextmanager
 def _one_rank(device: torch.device):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -303,7 +288,7 @@ def main() -> int:
     with _one_rank(device):
         print("float32 against eager:", flush=True)
         try:
-            _write(out / "gpu_compiled_check.csv", check_float32(device))
+            write_csv(out / "gpu_compiled_check.csv", check_float32(device))
         except Exception:  # one device run is all there may be: report and go on to the timings
             traceback.print_exc()
             failed = True
@@ -316,7 +301,7 @@ def main() -> int:
                 traceback.print_exc()
                 failed = True
             if rows:
-                _write(out / f"gpu_compiled_{args.optimizer}.csv", rows)  # after each model, in case a later one fails
+                write_csv(out / f"gpu_compiled_{args.optimizer}.csv", rows)  # after each model, in case a later one fails
     return 1 if failed else 0
 
 
