@@ -96,7 +96,8 @@ def test_prices_of_other_pairs_are_exact_and_asked_for():
     src, dst = (S(0), S(1), R), (S(1), S(0), R)
     edge = edges.Edge("a", 0, "b", 0, shape, dtype, True, False)
     pricer = edges.Pricer(mesh, cluster)
-    prices = edges.price_table(edge, [(src, 0)], [(dst, 1), (src, 2)], pricer, hub=True)
+    srcs, dsts = [(src, pricer.code(src))], [(dst, pricer.code(dst)), (src, pricer.code(src))]  # the pricer's numbering
+    prices = edges.price_table(edge, srcs, dsts, pricer, hub=True)
     assert list(prices) == [(src, src)]  # the near pair only: the ILP's y
     cost = comm.transition_cost(src, dst, shape, dtype, mesh, cluster, True)
     assert prices[(src, dst)] == (cost.forward_s + cost.backward_s, cost.bytes_sent)
@@ -104,7 +105,7 @@ def test_prices_of_other_pairs_are_exact_and_asked_for():
     assert prices.hub[0][src] == whole.forward_s + whole.backward_s
     assert (src, (P, R, R)) not in prices  # into Partial: impossible, asked or not
     pinned = edges.price_table(
-        edges.Edge("a", 0, "b", 0, shape, dtype, True, True), [(src, 0)], [(dst, 1), (src, 2)], pricer, hub=False
+        edges.Edge("a", 0, "b", 0, shape, dtype, True, True), srcs, dsts, pricer, hub=False
     )
     assert list(pinned) == [(src, src)] and (src, dst) not in pinned  # written in place: as it is
     doubled = prices.scaled(2.0)
