@@ -104,9 +104,7 @@ def test_prices_of_other_pairs_are_exact_and_asked_for():
     whole = comm.transition_cost(src, (R, R, R), shape, dtype, mesh, cluster, True)
     assert prices.hub[0][src] == whole.forward_s + whole.backward_s
     assert (src, (P, R, R)) not in prices  # into Partial: impossible, asked or not
-    pinned = edges.price_table(
-        edges.Edge("a", 0, "b", 0, shape, dtype, True, True), srcs, dsts, pricer, hub=False
-    )
+    pinned = edges.price_table(edges.Edge("a", 0, "b", 0, shape, dtype, True, True), srcs, dsts, pricer, hub=False)
     assert list(pinned) == [(src, src)] and (src, dst) not in pinned  # written in place: as it is
     doubled = prices.scaled(2.0)
     assert doubled[(src, dst)][0] == 2 * prices[(src, dst)][0]
