@@ -87,7 +87,7 @@ def test_a_plan_leaves_no_reference_cycles():
     reference cycles."""
     import gc
 
-    traced = trace(build_model("llama", seed=0, n_layer=2), example_batch("llama", 4, n_layer=2))
+    traced = trace(build_model("mlp", seed=0), example_batch("mlp", 8))
     cluster, options = get_cluster("h100-80g"), PlanOptions()
     autopar.api.plan_traced(traced, (2, 2, 2), cluster, options)  # loads what loads once (the solver's libraries)
     gc.collect()
