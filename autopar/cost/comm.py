@@ -54,7 +54,7 @@ from torch.distributed.tensor import Placement
 
 from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.ir.options import CommOptions
-from autopar.ir.spec import R, Spec, local_shape, transition_steps
+from autopar.ir.spec import REPLICATE_KEY, R, Spec, key_local_shape, local_shape, spec_key, steps_between, transition_steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,31 +264,43 @@ class TransitionPrices:
     specs before each step are worked out once per pair, each spec's local element count once
     per (shape, spec), and each collective's price once per (kind, bytes, axis). Pricing the
     edges of a 3-axis mesh asks for tens of thousands of (pair, shape) (``solver.problem.edges``).
-    Specs are passed with their codes (ints the caller numbers them by, one per distinct spec)."""
+    Specs are passed with their codes (ints the caller numbers them by, one per distinct spec and
+    one spec per code: a code's spec is read once, ``spec.spec_key``)."""
 
     def __init__(self, mesh_shape: Sequence[int], cluster: ClusterSpec):
         self.mesh_shape, self.cluster = tuple(mesh_shape), cluster
         self._routes: dict[tuple[int, int], tuple | None] = {}
-        self._codes: dict[Spec, int] = {}  # the specs a tensor is in before a step, numbered
-        self._before: dict[int, Spec] = {}  # and back
+        self._keys: dict[int, tuple] = {}  # ``spec_key`` of each spec by its code
+        self._codes: dict[tuple, int] = {}  # the keys of the specs a tensor is in before a step, numbered
+        self._before: dict[int, tuple] = {}  # and back
         self._elements: dict[tuple, int] = {}
         self._collectives: dict[tuple, tuple[float, float]] = {}
         self._steps: dict[tuple, tuple[float, float, float]] = {}  # ``_step_cost`` by its arguments
 
     def _route(self, src: Spec, dst: Spec, key: tuple[int, int]) -> tuple | None:
+        """The steps from ``src`` to ``dst`` (codes ``key``) as (kind, axis, code of the spec
+        before it); by the specs' keys (``spec.steps_between``), each spec's read once."""
         route = self._routes.get(key, _UNSEEN)
         if route is _UNSEEN:
-            steps = transition_steps(src, dst)
+            keys = self._keys
+            src_key = keys.get(key[0])
+            if src_key is None:
+                src_key = keys[key[0]] = spec_key(src)
+            dst_key = keys.get(key[1])
+            if dst_key is None:
+                dst_key = keys[key[1]] = spec_key(dst)
+            # Specs of other lengths: ``transition_steps`` says so.
+            steps = steps_between(src_key, dst_key) if len(src_key) == len(dst_key) else transition_steps(src, dst)
             if steps is None:
                 route = None
             else:
-                route, current = [], list(src)
+                route, current = [], list(src_key)
                 for step in steps:
-                    spec = tuple(current)
-                    code = self._codes.setdefault(spec, len(self._codes))
-                    self._before.setdefault(code, spec)
+                    before = tuple(current)
+                    code = self._codes.setdefault(before, len(self._codes))
+                    self._before.setdefault(code, before)
                     route.append((step.kind, step.axis, code))
-                    current[step.axis] = _after_step(step, dst)
+                    current[step.axis] = dst_key[step.axis] if step.kind not in ("all_reduce", "all_gather") else REPLICATE_KEY
                 route = tuple(route)
             self._routes[key] = route
         return route
@@ -323,7 +335,7 @@ class TransitionPrices:
             elements = self._elements.get((global_shape, code))
             if elements is None:
                 before = self._before[code]
-                elements = self._elements[(global_shape, code)] = math.prod(local_shape(global_shape, before, mesh_shape))
+                elements = self._elements[(global_shape, code)] = math.prod(key_local_shape(global_shape, before, mesh_shape))
             key = (kind, axis, elements, itemsizes, requires_grad)
             step = steps.get(key)
             if step is None:

@@ -198,7 +198,9 @@ class Step:
             raise ValueError(f"unknown step kind {self.kind!r}")
 
 
-@functools.lru_cache(maxsize=1 << 18)  # a 3-axis mesh has tens of thousands of pairs per tensor rank
+PlacementKey = tuple  # ``placement_key``'s (kind, dim, blocks)
+
+
 def transition_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:
     """The collectives that turn a tensor held as ``src`` into ``dst``, or None if impossible.
 
@@ -206,54 +208,89 @@ def transition_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:
     Phase 1 walks axes innermost first and brings each changing axis to R (or straight to its
     target with one reduce-scatter or all-to-all when no other axis shards the same dim, so
     nesting order is kept). Phase 2 walks axes outermost first and chunks R into the target.
-    (Placements are read by their kinds, ``_kind``, and equal steps are one object, ``_step``:
-    a 3-axis mesh asks for ~20,000 new pairs per plan.)
+    The steps are ``steps_between`` the specs' keys (``spec_key``).
     """
     if len(src) != len(dst):
         raise ValueError(f"spec lengths differ: {src} vs {dst}")
+    return steps_between(spec_key(src), spec_key(dst))
+
+
+@functools.lru_cache(maxsize=1 << 18)  # a 3-axis mesh has tens of thousands of pairs per tensor rank
+def steps_between(src: tuple[PlacementKey, ...], dst: tuple[PlacementKey, ...]) -> tuple[Step, ...] | None:
+    """``transition_steps`` of the specs whose ``spec_key``s are ``src`` and ``dst``. Placements
+    are read once each, as keys, and compared as those (torch's placement ``__eq__`` and
+    ``__hash__`` were most of the time of the ~20,000 new pairs a 3-axis mesh asks for per plan);
+    equal steps are one object (``_step``)."""
+    num = len(src)
     if src == dst:
         return ()
-    num = len(src)
-    kinds = list(map(_kind, src + dst))  # ``isinstance`` on placements is slow (``_kind``)
+    keys = list(src + dst)
+    kinds = [key[0] for key in keys]
     if any(map(_STRIDED.__and__, kinds)):
-        return _strided_steps(src, dst, kinds)
-    now, ends = kinds[:num], kinds[num:]  # the kinds of ``current`` and of ``dst``
-    for s, d in zip(now, ends):
+        return _strided_steps(keys, num)
+    for s, d in zip(kinds, kinds[num:]):
         if d & _PARTIAL and not s & _PARTIAL:
             return None
-    reset = _axes_to_reset(src, dst, now)
-    current = list(src)
+    reset = _axes_to_reset(keys, num)
+    now, ends = keys[:num], keys[num:]  # the keys of the placements now and of the target's
     steps: list[Step] = []
     for axis in reversed(range(num)):
-        if axis not in reset:
+        if not reset[axis]:
             continue
-        s, d = current[axis], dst[axis]
-        s_kind, d_kind = now[axis], ends[axis]
+        (s_kind, s_dim, _), (d_kind, d_dim, _) = now[axis], ends[axis]
         if s_kind & _PARTIAL:
-            if d_kind & _SHARD and _dim_free(d.dim, axis, current, now, dst, ends):
-                steps.append(_step("reduce_scatter", axis, d.dim))
-                current[axis], now[axis] = d, d_kind
+            if d_kind & _SHARD and _dim_free(d_dim, axis, now, ends):
+                steps.append(_step("reduce_scatter", axis, d_dim))
+                now[axis] = ends[axis]
             else:
                 steps.append(_step("all_reduce", axis))
-                current[axis], now[axis] = R, _REPLICATE
+                now[axis] = REPLICATE_KEY
         elif s_kind & _SHARD:
-            if (
-                d_kind & _SHARD
-                and s.dim != d.dim
-                and _dim_free(d.dim, axis, current, now, dst, ends)
-                and _dim_free(s.dim, axis, current, now, dst, ends)
-            ):
-                steps.append(_step("all_to_all", axis, d.dim, s.dim))
-                current[axis], now[axis] = d, d_kind
+            if d_kind & _SHARD and s_dim != d_dim and _dim_free(d_dim, axis, now, ends) and _dim_free(s_dim, axis, now, ends):
+                steps.append(_step("all_to_all", axis, d_dim, s_dim))
+                now[axis] = ends[axis]
             else:
-                steps.append(_step("all_gather", axis, s.dim))
-                current[axis], now[axis] = R, _REPLICATE
+                steps.append(_step("all_gather", axis, s_dim))
+                now[axis] = REPLICATE_KEY
     for axis in range(num):
-        if current[axis] is not dst[axis] and current[axis] != dst[axis]:
-            assert now[axis] & _REPLICATE and ends[axis] & _SHARD
-            steps.append(_step("chunk", axis, dst[axis].dim))
-            current[axis] = dst[axis]
+        if now[axis] != ends[axis]:
+            assert now[axis][0] & _REPLICATE and ends[axis][0] & _SHARD
+            steps.append(_step("chunk", axis, ends[axis][1]))
     return tuple(steps)
+
+
+REPLICATE_KEY: PlacementKey = (_REPLICATE, 0, 1)  # ``placement_key(R)``
+
+
+def placement_key(placement: Placement) -> PlacementKey:
+    """(kind, dim, blocks) of a placement: equal keys for equal placements and only for them
+    (a Partial's reduce op in the dim's place; a placement of no kind autopar knows compares as
+    itself). ``_kind`` and attribute reads instead of torch's ``__eq__``, which checks types
+    through a metaclass hook."""
+    kind = _kind(placement)
+    if kind & _STRIDED:
+        return (kind, placement.dim, placement.split_factor)
+    if kind & _SHARD:
+        return (kind, placement.dim, 1)
+    if kind & _REPLICATE:
+        return REPLICATE_KEY
+    if kind & _PARTIAL:
+        return (kind, placement.reduce_op, 1)
+    return (kind, placement, 1)
+
+
+def spec_key(spec: Spec) -> tuple[PlacementKey, ...]:
+    """Each placement's ``placement_key``: a tuple of ints that hashes and compares in C."""
+    return tuple(map(placement_key, spec))
+
+
+def key_local_shape(shape: Sequence[int], key: tuple[PlacementKey, ...], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """``local_shape`` of the spec whose ``spec_key`` is ``key``."""
+    out = list(shape)
+    for axis, (kind, dim, _) in enumerate(key):
+        if kind & _SHARD:
+            out[dim] //= mesh_shape[axis]
+    return tuple(out)
 
 
 _STEPS: dict[tuple, Step] = {}  # ``_step``'s, by its arguments
@@ -267,63 +304,59 @@ def _step(*args) -> Step:
     return step
 
 
-def _axes_to_reset(src: Spec, dst: Spec, kinds: list[int]) -> set[int]:
-    """Axes that must be gathered and re-cut: those that change, plus inner axes that shard a
-    dim whose outer sharding changes (their chunks would otherwise come out in the wrong order).
-    ``kinds``: ``src``'s placements' (``_kind``)."""
-    reset = {axis for axis, (s, d) in enumerate(zip(src, dst)) if s is not d and s != d}
-    changed = True
-    while changed:
-        changed = False
-        for axis, placement in enumerate(src):
-            if axis in reset or not kinds[axis] & _SHARD:
-                continue
-            if any(b < axis and placement in (src[b], dst[b]) for b in reset):
-                reset.add(axis)
-                changed = True
+def _axes_to_reset(keys: list[tuple], num: int) -> list[bool]:
+    """Per axis, whether it must be gathered and re-cut: the axes that change, and the inner
+    axes that shard a dim whose outer sharding changes (their chunks would otherwise come out
+    in the wrong order). ``keys``: the ``placement_key`` of each placement of the source spec,
+    then of the target's. One pass, outermost first, finds them all: an axis is reset by outer ones only."""
+    src, dst = keys[:num], keys[num:]
+    reset = [src[axis] != dst[axis] for axis in range(num)]
+    for axis, key in enumerate(src):
+        if not reset[axis] and key[0] & _SHARD:
+            reset[axis] = any(reset[b] and key in (src[b], dst[b]) for b in range(axis))
     return reset
 
 
-def _dim_free(dim: int, axis: int, current: list[Placement], now: list[int], dst: Spec, ends: list[int]) -> bool:
+def _dim_free(dim: int, axis: int, now: list[tuple], ends: list[tuple]) -> bool:
     """No axis but ``axis`` shards ``dim`` now or in the target, so nesting order cannot be
     broken (placements that are not strided here: a plain ``Shard`` equals ``Shard(dim)`` by its
-    dim); ``now`` and ``ends``: the kinds of ``current`` and ``dst``."""
-    for a in range(len(current)):
+    dim); ``now`` and ``ends``: the ``placement_key``s of the current placements and of the target's."""
+    for a in range(len(now)):
         if a == axis:
             continue
-        if now[a] & _SHARD and current[a].dim == dim or ends[a] & _SHARD and dst[a].dim == dim:
+        if now[a][0] & _SHARD and now[a][1] == dim or ends[a][0] & _SHARD and ends[a][1] == dim:
             return False
     return True
 
 
-def _strided_steps(src: Spec, dst: Spec, kinds: list[int]) -> tuple[Step, ...] | None:
+def _strided_steps(keys: list[PlacementKey], num: int) -> tuple[Step, ...] | None:
     """Transitions to or from a strided shard: the changing axes are brought to R (a strided
     axis by a strided all-gather), innermost first, then cut into the target, outermost
     first. A strided dim is sharded on one axis only (``is_valid``), so no nesting is broken.
-    ``kinds``: those of ``src``'s placements, then ``dst``'s (``_kind``)."""
-    num = len(src)
+    ``keys``: the ``placement_key`` of each placement of the source spec, then of the target's."""
+    kinds = [key[0] for key in keys]
     for s, d in zip(kinds, kinds[num:]):
         if d & _PARTIAL and not s & _PARTIAL:
             return None
-    reset = _axes_to_reset(src, dst, kinds)
-    current = list(src)
+    reset = _axes_to_reset(keys, num)
+    now, ends = keys[:num], keys[num:]
     steps: list[Step] = []
     for axis in reversed(range(num)):
-        if axis not in reset:
+        if not reset[axis]:
             continue
-        s, kind = current[axis], kinds[axis]
+        key, kind = now[axis], kinds[axis]
         if kind & _PARTIAL:
             steps.append(_step("all_reduce", axis))
         elif kind & _STRIDED:
-            steps.append(_step("all_gather", axis, s.dim, -1, s.split_factor))
+            steps.append(_step("all_gather", axis, key[1], -1, key[2]))
         elif kind & _SHARD:
-            steps.append(_step("all_gather", axis, s.dim))
-        current[axis] = R
+            steps.append(_step("all_gather", axis, key[1]))
+        now[axis] = REPLICATE_KEY
     for axis in range(num):
-        d = dst[axis]
-        if current[axis] is not d and current[axis] != d:
-            steps.append(_step("chunk", axis, d.dim, -1, d.split_factor if kinds[num + axis] & _STRIDED else 1))
-            current[axis] = d
+        end = ends[axis]
+        if now[axis] != end:
+            steps.append(_step("chunk", axis, end[1], -1, end[2] if end[0] & _STRIDED else 1))
+            now[axis] = end
     return tuple(steps)
 
 

@@ -331,34 +331,25 @@ def normalized_kwargs(node: torch.fx.Node) -> dict[str, Any]:
 
 def op_info(node: torch.fx.Node) -> OpInfo:
     """The rule-facing view of a call_function node (shapes come from FakeTensor metadata)."""
-
-    def to_value(value: Any) -> Any:
-        if isinstance(value, torch.fx.Node):
-            return value.meta.get("val")
-        if isinstance(value, (list, tuple)):
-            return type(value)(to_value(v) for v in value)
-        return value
-
-    kw = {name: to_value(value) for name, value in normalized_kwargs(node).items()}
+    kw = {name: _to_value(value) for name, value in normalized_kwargs(node).items()}
     return op_info_from_values(node.name, node.target, kw, node.meta.get("val"))
+
+
+# The recursive helpers below are module functions, not closures: a closure that calls itself
+# is a reference cycle, left to the garbage collector's full passes, which planning holds off.
+def _to_value(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return value.meta.get("val")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_value(v) for v in value)
+    return value
 
 
 def op_info_from_values(name: str, target: Any, kw_values: dict[str, Any], out_value: Any) -> OpInfo:
     """Build an OpInfo from argument values (real or fake tensors). Tensors become TensorArgs,
     numbered in the order they appear; every other argument is passed through unchanged."""
     inputs: list[TensorArg] = []
-
-    def convert(value: Any) -> Any:
-        meta = tensor_meta(value)
-        if meta is not None:
-            arg = TensorArg(len(inputs), *meta)
-            inputs.append(arg)
-            return arg
-        if isinstance(value, (list, tuple)):
-            return type(value)(convert(v) for v in value)
-        return value
-
-    kw = {key: convert(value) for key, value in kw_values.items()}
+    kw = {key: _tensor_args(value, inputs) for key, value in kw_values.items()}
     if isinstance(out_value, (list, tuple)):
         out_shapes = tuple(tensor_meta(v)[0] for v in out_value if tensor_meta(v) is not None)
         out_is_tuple = True
@@ -367,6 +358,19 @@ def op_info_from_values(name: str, target: Any, kw_values: dict[str, Any], out_v
         out_shapes = (meta[0],) if meta else ()
         out_is_tuple = False
     return OpInfo(name, target, kw, tuple(inputs), out_shapes, out_is_tuple)
+
+
+def _tensor_args(value: Any, inputs: list[TensorArg]) -> Any:
+    """``value`` with each tensor in it (nested lists and tuples) a ``TensorArg``, numbered in
+    order and appended to ``inputs``."""
+    meta = tensor_meta(value)
+    if meta is not None:
+        arg = TensorArg(len(inputs), *meta)
+        inputs.append(arg)
+        return arg
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensor_args(v, inputs) for v in value)
+    return value
 
 
 def replace_tensors(kw: dict[str, Any], tensors: Sequence[Any]) -> dict[str, Any]:
@@ -396,18 +400,19 @@ def call_with_kw(target: Any, kw: dict[str, Any]) -> Any:
 def tensor_input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The fx nodes feeding ``node``'s tensor inputs, in the same order as OpInfo.inputs."""
     found: list[torch.fx.Node] = []
-
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.fx.Node):
-            if tensor_meta(value.meta.get("val")) is not None:
-                found.append(value)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
-
     for value in normalized_kwargs(node).values():
-        visit(value)
+        _tensor_nodes(value, found)
     return found
+
+
+def _tensor_nodes(value: Any, found: list[torch.fx.Node]) -> None:
+    """Append the nodes in ``value`` (nested lists and tuples) whose values are tensors to ``found``."""
+    if isinstance(value, torch.fx.Node):
+        if tensor_meta(value.meta.get("val")) is not None:
+            found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensor_nodes(v, found)
 
 
 __all__ = [

@@ -299,7 +299,8 @@ def test_transition_prices_are_transition_cost_to_the_bit(mesh):
         ]:
             cost = transition_cost(src, dst, shape, dtype, mesh, cluster, grad, grad_dtype)
             expected = None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent)
-            assert prices.price(src, dst, (i, j), shape, dtype, grad, grad_dtype) == expected
+            # Codes number the specs, one per spec (their positions in ``specs``).
+            assert prices.price(src, dst, (3 * i, 2 * j), shape, dtype, grad, grad_dtype) == expected
 
 
 def test_transition_two_axes_prices_each_step_at_its_local_size():

@@ -52,8 +52,10 @@ def _specs(ndim: int, num_axes: int, with_partial: bool, blocks: tuple[int, ...]
     return list(itertools.product(per_axis, repeat=num_axes))
 
 
-@pytest.mark.parametrize("blocks", [(), (2, 3)], ids=["plain", "strided"])
-@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2), (2, 3)])
+@pytest.mark.parametrize(
+    ("mesh_shape", "blocks"),
+    [((2,), ()), ((2, 2), ()), ((2, 3), ()), ((2,), (2, 3)), ((2, 2), (2, 3)), ((2, 3), (2, 3)), ((2, 2, 2), ())],
+)
 def test_every_transition_moves_the_right_data(mesh_shape, blocks):
     shape = (12, 6)
     tensor = torch.randn(shape, dtype=torch.float64)
@@ -92,6 +94,28 @@ def test_cheapest_single_collectives():
     assert transition_steps((Shard(0),), (Shard(1),)) == (Step("all_to_all", 0, 1, 0),)
     assert transition_steps((Replicate(),), (Shard(0),)) == (Step("chunk", 0, 0),)
     assert transition_steps((Replicate(), Shard(0)), (Replicate(), Shard(0))) == ()
+
+
+def test_placements_compare_by_value_not_by_object():
+    """Equal placements held by other objects are the same spec, and move the same way."""
+    fresh = (Shard(0), Shard(1), Replicate())
+    assert transition_steps((Shard(0), Shard(1), Replicate()), fresh) == ()
+    src, dst = (Partial(), Shard(0), Shard(0)), (Replicate(), Shard(1), Shard(0))
+    copies = tuple(parse_placement(text) for text in format_spec(src)), tuple(parse_placement(t) for t in format_spec(dst))
+    # Axis 2 shards dim 0 inside axis 1, whose dim changes: both are gathered and cut again.
+    assert (
+        transition_steps(src, dst)
+        == transition_steps(*copies)
+        == (
+            Step("all_gather", 2, 0),
+            Step("all_gather", 1, 0),
+            Step("all_reduce", 0),
+            Step("chunk", 1, 1),
+            Step("chunk", 2, 0),
+        )
+    )
+    assert transition_steps((SS(0, 2), Shard(1)), (parse_placement("S(0)/2"), Replicate())) == (Step("all_gather", 1, 1),)
+    assert transition_steps((SS(0, 2),), (SS(0, 3),)) == (Step("all_gather", 0, 0, -1, 2), Step("chunk", 0, 0, -1, 3))
 
 
 def test_into_partial_is_impossible():

@@ -978,3 +978,21 @@ def test_size_one_mesh_axes_carry_only_replicate_and_keep_the_rule_source(mesh):
             for spec in strategy.ins + strategy.outs:
                 assert all(isinstance(spec[a], Replicate) for a, n in enumerate(mesh) if n == 1), strategy
         assert any(any(not isinstance(p, Replicate) for p in s.outs[0]) for s in strategies) or max(mesh) == 1
+
+
+def test_expand_rows_keeps_valid_combinations_once_each_in_product_order():
+    """Per-axis rows combine over the mesh in ``itertools.product`` order; a combination with an
+    uneven shard is dropped, and one that repeats a kept strategy (its rows equal up to how
+    they spell one output) is kept once."""
+    from autopar.rules.registry import Row, expand_rows
+
+    x = torch.randn(8, 6)
+    info = op_info_from_values("t", torch.ops.aten.neg.default, {"self": x}, torch.neg(x))
+    rows = [Row((R,), R), Row((S(0),), S(0)), Row((S(1),), (S(1),)), Row((S(1),), S(1)), Row((P,), P)]
+    mesh = (2, 1, 4)
+    strategies = expand_rows(info, rows, mesh)
+    specs = [strategy.ins[0] for strategy in strategies]
+    # Dim 1 (6) takes at most the axis of 2; the middle axis, of size 1, only R; S(1) once, spelt twice.
+    assert specs == [(a, R, b) for a in (R, S(0), S(1), P) for b in (R, S(0), P)]
+    assert all(strategy.outs[0] == strategy.ins[0] for strategy in strategies)
+    assert len(set(specs)) == len(specs)

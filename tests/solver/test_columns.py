@@ -90,3 +90,29 @@ def test_check_prices_a_choice_by_its_own_y_held_or_not(llama_graph):
     count = len(held.held)
     assert rounding.check(held, choice) == rounding.check(every, choice)
     assert len(held.held) < count
+
+
+def test_a_solved_ilp_and_its_hub_tables_are_freed_without_the_garbage_collector(llama_graph):
+    """No reference cycle keeps a solved problem alive (its relaxation holds it weakly) nor a hub
+    table (its on-demand pricer holds no edge): planning holds full collections off
+    (``api.quiet_gc``), so whatever a cycle held stayed from plan to plan."""
+    import gc
+    import weakref
+
+    pricer = edges.Pricer((2, 2, 2), get_cluster("h100-80g"))
+    edge = edges.Edge("a", 0, "b", 0, (8, 16), torch.float32, True, False)
+    specs = [(s, pricer.code(s)) for s in [(S(0), S(1), R), (R, R, R), (S(1), R, R)]]
+    edge.price = hub_table = edges.price_table(edge, specs, specs, pricer, True)
+    assert hub_table.hub is not None and hub_table.get(((S(0), S(1), R), (S(1), R, R))) is not None
+    ilp = ShardingILP(llama_graph, None)
+    solve_ilp(ilp, 60)
+    assert ilp.relaxation is not None and ilp.relaxation.ilp is ilp
+    watched = [weakref.ref(ilp), weakref.ref(ilp.relaxation), weakref.ref(edge)]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del ilp, hub_table, edge
+        assert [ref() for ref in watched] == [None, None, None]
+    finally:
+        if enabled:
+            gc.enable()

@@ -3,6 +3,9 @@ replicated spec, with the other pairs priced exactly when asked."""
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 
@@ -18,8 +21,12 @@ from autopar.zoo.models import build_model, example_batch
 
 
 def _near(srcs, dsts) -> set[tuple]:
-    pairs = edges.near_pairs([(s, i) for i, s in enumerate(srcs)], [(d, i) for i, d in enumerate(dsts)])
-    return {(srcs[i], dsts[j]) for i, j in pairs}
+    return {(srcs[i], dsts[j]) for i, j in _near_indices(srcs, dsts)}
+
+
+def _near_indices(srcs, dsts) -> list[tuple[int, int]]:
+    rows, columns = edges.near_pairs([(s, i) for i, s in enumerate(srcs)], [(d, i) for i, d in enumerate(dsts)])
+    return list(zip(rows.tolist(), columns.tolist()))
 
 
 def test_near_pairs_change_one_axis_reduce_partials_or_chunk_replicated_axes():
@@ -48,8 +55,39 @@ def test_near_pairs_change_one_axis_reduce_partials_or_chunk_replicated_axes():
     assert ((R, R, S(0)), (S(1), S(1), S(0))) in near  # local chunks on the replicated axes
     assert ((R, R, S(0)), (R, S(1), R)) not in near  # a chunk and a gather
     # The order is the product's, src then dst: what the ILP's variable names follow.
-    pairs = edges.near_pairs([(s, i) for i, s in enumerate(srcs)], [(d, i) for i, d in enumerate(dsts)])
+    pairs = _near_indices(srcs, dsts)
     assert pairs == sorted(pairs)
+
+
+def _is_near(src, dst) -> bool:
+    """``near_pairs``' rule for one pair, as its docstring states it."""
+    num_axes = len(src)
+    differ = {a for a in range(num_axes) if src[a] != dst[a]}
+    partial = {a for a in range(num_axes) if src[a].is_partial()}
+    if differ <= {a for a in range(num_axes) if src[a].is_replicate()}:
+        return True  # local chunks out of replicated axes
+    for axis in range(num_axes):
+        if differ <= partial | {axis} and (not partial or axis in partial or dst[axis] in (src[axis], R) or not differ & partial):
+            return True  # one axis besides the reductions: to replicated, or that axis alone
+    for a, b in itertools.combinations(range(num_axes), 2):
+        if not partial or a in partial or b in partial or src[a] != src[b] or not src[a].is_shard():
+            continue
+        moved = (dst[b] == R and dst[a].is_shard()) or (dst[a] == R and dst[b].is_shard())
+        if differ <= partial | {a, b} and moved:
+            return True  # a dim split on two axes: gathered on one, moved on the other
+    return False
+
+
+@pytest.mark.parametrize("num_axes", [3, 4])
+def test_near_pairs_are_the_pairs_the_rule_admits_in_product_order(num_axes):
+    placements = [R, P, S(0), S(1), S(2)]
+    specs = list(itertools.product(placements, repeat=num_axes))
+    generator = random.Random(num_axes)
+    srcs = generator.sample(specs, 60)
+    dsts = generator.sample(specs, 80)
+    pairs = _near_indices(srcs, dsts)
+    expected = [(i, j) for i, src in enumerate(srcs) for j, dst in enumerate(dsts) if _is_near(src, dst)]
+    assert pairs == expected and len(expected) > 50
 
 
 def test_prices_of_other_pairs_are_exact_and_asked_for():
@@ -58,16 +96,15 @@ def test_prices_of_other_pairs_are_exact_and_asked_for():
     src, dst = (S(0), S(1), R), (S(1), S(0), R)
     edge = edges.Edge("a", 0, "b", 0, shape, dtype, True, False)
     pricer = edges.Pricer(mesh, cluster)
-    prices = edges.price_table(edge, [(src, 0)], [(dst, 1), (src, 2)], pricer, hub=True)
+    srcs, dsts = [(src, pricer.code(src))], [(dst, pricer.code(dst)), (src, pricer.code(src))]  # the pricer's numbering
+    prices = edges.price_table(edge, srcs, dsts, pricer, hub=True)
     assert list(prices) == [(src, src)]  # the near pair only: the ILP's y
     cost = comm.transition_cost(src, dst, shape, dtype, mesh, cluster, True)
     assert prices[(src, dst)] == (cost.forward_s + cost.backward_s, cost.bytes_sent)
     whole = comm.transition_cost(src, (R, R, R), shape, dtype, mesh, cluster, True)
     assert prices.hub[0][src] == whole.forward_s + whole.backward_s
     assert (src, (P, R, R)) not in prices  # into Partial: impossible, asked or not
-    pinned = edges.price_table(
-        edges.Edge("a", 0, "b", 0, shape, dtype, True, True), [(src, 0)], [(dst, 1), (src, 2)], pricer, hub=False
-    )
+    pinned = edges.price_table(edges.Edge("a", 0, "b", 0, shape, dtype, True, True), srcs, dsts, pricer, hub=False)
     assert list(pinned) == [(src, src)] and (src, dst) not in pinned  # written in place: as it is
     doubled = prices.scaled(2.0)
     assert doubled[(src, dst)][0] == 2 * prices[(src, dst)][0]

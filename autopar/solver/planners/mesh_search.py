@@ -11,7 +11,6 @@ which no plan fits the memory budget is kept in the table as infeasible.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import time
 from typing import Any, Callable
@@ -79,10 +78,9 @@ def search_mesh(
                 f"mesh search {number}/{len(candidates)}: planning on mesh {shape} "
                 f"({len(candidates) - number} after it{so_far}) ..."
             )
-        # What the last mesh left behind (its choice graph and ILP, in reference cycles) goes
-        # now, so that memory stays flat from mesh to mesh: planning runs with the collector
-        # quiet (``api.quiet_gc``).
-        gc.collect()
+        # What the last mesh left behind (its choice graph and ILP) went when its plan was
+        # dropped: planning makes no reference cycles (tests/solver/test_mesh_search.py), so
+        # memory stays flat from mesh to mesh without a full collection (0.3 s each on LLaMA-3-8B).
         start = time.perf_counter()
         try:
             plan, explained = plan_one(traced, shape, cluster, options)

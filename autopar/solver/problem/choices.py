@@ -608,17 +608,7 @@ def _op_info(node: torch.fx.Node, seen: dict) -> tuple[OpInfo, list[torch.fx.Nod
     its own name) and its tensor inputs at the same places. ``seen`` is keyed by identity: the
     graph holds every object in a key while the choices are built."""
     places: dict[torch.fx.Node, int] = {}  # each distinct argument node -> its place
-
-    def structure(value: Any) -> Any:
-        if isinstance(value, torch.fx.Node):
-            return ("node", id(value.meta.get("val")), places.setdefault(value, len(places)))
-        if isinstance(value, (list, tuple)):
-            return (type(value), tuple(structure(v) for v in value))
-        if isinstance(value, dict):
-            return (dict, tuple((k, structure(v)) for k, v in value.items()))
-        return id(value)
-
-    key = (node.target, structure(node.args), structure(node.kwargs), id(node.meta.get("val")))
+    key = (node.target, _structure(node.args, places), _structure(node.kwargs, places), id(node.meta.get("val")))
     hit = seen.get(key)
     if hit is None:
         info, input_nodes = op_info(node), tensor_input_nodes(node)
@@ -627,6 +617,19 @@ def _op_info(node: torch.fx.Node, seen: dict) -> tuple[OpInfo, list[torch.fx.Nod
     info, at, kw_text = hit
     arguments = list(places)
     return dataclasses.replace(info, name=node.name), [arguments[i] for i in at], kw_text
+
+
+def _structure(value: Any, places: dict) -> Any:
+    """``_op_info``'s key of an argument: its nodes by their values' identity and their places
+    (numbered in ``places`` as met), containers by type, anything else by identity. A module
+    function: a closure that calls itself is a reference cycle, left to full collections."""
+    if isinstance(value, torch.fx.Node):
+        return ("node", id(value.meta.get("val")), places.setdefault(value, len(places)))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_structure(v, places) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _structure(v, places)) for k, v in value.items()))
+    return id(value)
 
 
 def grad_sync_cost(

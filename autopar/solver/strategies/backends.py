@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -90,9 +91,16 @@ def solver_output() -> Iterator[None]:
 
 def _flush_c_stdio() -> None:
     try:
-        ctypes.CDLL(None).fflush(None)
+        _c_library().fflush(None)
     except (OSError, AttributeError):  # no libc by that name (Windows): C output is unbuffered there
         pass
+
+
+@functools.cache
+def _c_library() -> ctypes.CDLL:
+    """The process's C library, loaded once: each ``ctypes.CDLL`` is a reference cycle (the
+    library and its function type), left to full collections, which planning holds off."""
+    return ctypes.CDLL(None)
 
 
 class _QuietHiGHS(pulp.HiGHS):

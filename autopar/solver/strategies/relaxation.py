@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -56,8 +57,19 @@ class Relaxation:
     """The HiGHS model of ``ilp.problem``'s LP relaxation (module docstring)."""
 
     def __init__(self, ilp: "ShardingILP"):
-        self.ilp = ilp
+        # By a weak reference: the ILP keeps its relaxation (``ilp.relaxation``), and a cycle
+        # between them would leave the whole problem (10^5 PuLP objects on a 3-axis mesh) to the
+        # garbage collector's full passes, which planning holds off (``api.quiet_gc``): memory
+        # grew from plan to plan in one process.
+        self._ilp = weakref.ref(ilp)
         self._build()
+
+    @property
+    def ilp(self) -> "ShardingILP":
+        ilp = self._ilp()
+        if ilp is None:
+            raise AssertionError("Relaxation: its ILP is gone (a relaxation lives on its ILP); this is a bug in autopar")
+        return ilp
 
     def _build(self) -> None:
         import highspy  # an optional dependency (``backends.highs_available``)
