@@ -111,7 +111,7 @@ def _trainer(kind: str, model: torch.nn.Module, batch: tuple, cluster: str):
     return autopar.compile(model, mesh=(1,), example_inputs=batch, cluster=cluster, compiler=compiler)
 
 
-def _kernels(module, step, device: torch.device) -> int:
+def _kernels(step, device: torch.device) -> int:
     """GPU kernels (CPU ops on a CPU) one ``step`` launches."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -187,7 +187,7 @@ def measure(name, build, batch_rows, seq, args, device, clock) -> list[dict]:
     rows = []
     for kind, (step, module, first_s, peak, first_loss) in built.items():
         step_s = statistics.median(times[kind])
-        kernels = _kernels(module, step, device)
+        kernels = _kernels(step, device)
         if args.trace and kind == "autopar_compiled" and device.type == "cuda":
             _write_trace(step, Path(args.out) / f"trace_{name.split()[0]}_{args.optimizer}_autopar_compiled.json.gz")
         rows.append(
