@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torch.distributed.tensor import Placement
 
 from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.ir.options import CommOptions
@@ -300,7 +299,7 @@ class TransitionPrices:
                     code = self._codes.setdefault(before, len(self._codes))
                     self._before.setdefault(code, before)
                     route.append((step.kind, step.axis, code))
-                    current[step.axis] = dst_key[step.axis] if step.kind not in ("all_reduce", "all_gather") else REPLICATE_KEY
+                    current[step.axis] = _after_step(step, dst_key, REPLICATE_KEY)
                 route = tuple(route)
             self._routes[key] = route
         return route
@@ -372,9 +371,11 @@ def _step_cost(
     return forward_s, backward_s, sent
 
 
-def _after_step(step, dst: Spec) -> Placement:
-    """The placement on ``step.axis`` once ``step`` of a transition to ``dst`` is done."""
-    return dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else R
+def _after_step(step, dst: Sequence, replicated=R):
+    """The placement on ``step.axis`` once ``step`` of a transition to ``dst`` is done: the
+    target's, or ``replicated`` after a reduction or a gather (``R``; ``REPLICATE_KEY`` where
+    ``dst`` is a ``spec_key``)."""
+    return dst[step.axis] if step.kind not in ("all_reduce", "all_gather") else replicated
 
 
 def transition_bytes_per_axis(
