@@ -20,6 +20,7 @@ Needs a CUDA device; exits with a message otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import math
@@ -180,14 +181,24 @@ def step_accuracy(out: Path, quick: bool, pricings: list[tuple[str, str, str | N
         print(f"  {label}: time ratio geometric mean {math.exp(statistics.fmean(map(math.log, ratios))):.2f}")
 
 
-def compile_on_cuda(out: Path) -> None:
+@contextlib.contextmanager
+def one_rank(device: torch.device, port: str):
+    """A process group of one rank for ``device`` (NCCL on CUDA, gloo on a CPU), destroyed after."""
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
-    rows = []
+    os.environ.setdefault("MASTER_PORT", port)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=300))
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def compile_on_cuda(out: Path) -> None:
+    rows = []
+    with one_rank(torch.device("cuda"), "29533"):
         torch.manual_seed(0)
         with torch.device("cuda"):
             model = GPT(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=128, bias=False)
@@ -223,8 +234,6 @@ def compile_on_cuda(out: Path) -> None:
                 value=sum(1 for n in pm16.graph.nodes if "autopar" in str(n.target) or "c10d" in str(n.target)),
             )
         )
-    finally:
-        dist.destroy_process_group()
     write_csv(out / "gpu_compile.csv", rows)
     for row in rows:
         print(f"  {row['check']:<40} {row['value']:.3g}")

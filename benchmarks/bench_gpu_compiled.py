@@ -33,12 +33,9 @@ the loss, 1e-4 on gradients). Writes ``gpu_compiled_<optimizer>.csv`` and ``gpu_
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import datetime
 import gc
 import gzip
-import os
 import shutil
 import statistics
 import sys
@@ -47,11 +44,10 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import autopar
 from autopar.zoo.models import GPT, LLAMA_SHAPES, Llama
-from bench_gpu import time_cuda, write_csv
+from bench_gpu import one_rank, time_cuda, write_csv
 
 TRAINERS = ("eager", "torch_compile", "autopar", "autopar_compiled")
 # torch's default AdamW (foreach on CUDA, the for-loop on a CPU), and fused (torchtitan's default)
@@ -251,18 +247,6 @@ def check_float32(device: torch.device) -> list[dict]:
     return rows
 
 
-@contextlib.contextmanager
-def _one_rank(device: torch.device):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29541")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=300))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -285,7 +269,7 @@ def main() -> int:
     out = Path(args.out)
     clock = Clock(device)
     failed = False
-    with _one_rank(device):
+    with one_rank(device, "29541"):
         print("float32 against eager:", flush=True)
         try:
             write_csv(out / "gpu_compiled_check.csv", check_float32(device))
