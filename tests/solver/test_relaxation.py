@@ -184,6 +184,22 @@ def test_the_first_solve_is_the_one_pulp_runs(graph):
     assert rounding.round_relaxation(kept) == rounding.round_relaxation(fresh)
 
 
+def test_a_stalled_solve_goes_on_with_cost_perturbation(graph, monkeypatch):
+    """Past ``backends.stall_iterations`` the solve goes on from where it stopped, with the
+    perturbation, to the optimum of an uncapped solve, and the model keeps the perturbation."""
+    reference = ShardingILP(graph)
+    assert _kept(reference)[0] == "Optimal" and not reference.relaxation.perturbed
+    monkeypatch.setattr(backends, "stall_iterations", lambda num_rows: 5)
+    capped = ShardingILP(graph)
+    status, value = _kept(capped)
+    assert status == "Optimal" and capped.relaxation.perturbed
+    assert capped.relaxation.highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    assert value == pytest.approx(_kept(reference)[1], rel=1e-9)
+    for option, setting in backends.PERTURBED.items():
+        held = capped.relaxation.highs.getOptionValue(option)  # (status, value) in some highspy versions
+        assert (held[-1] if isinstance(held, tuple) else held) == setting
+
+
 def test_the_dive_finds_plans_that_fit_and_leaves_no_fixing_behind(graph, unbounded, tight):
     """Every plan the dive keeps fits the budget and meets every row; none beats the MILP's
     optimum; the strategies it fixed are free again after it."""

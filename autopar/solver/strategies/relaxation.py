@@ -23,7 +23,9 @@ bounds change is updated). A new column (a variable no row had before) rebuilds 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
+import time
 import weakref
 from operator import attrgetter
 from typing import TYPE_CHECKING
@@ -35,6 +37,8 @@ from autopar.solver.strategies import backends
 
 if TYPE_CHECKING:
     from autopar.solver.problem.ilp import ShardingILP
+
+log = logging.getLogger("autopar")
 
 
 def objective_scale(objective: pulp.LpAffineExpression) -> float:
@@ -113,6 +117,7 @@ class Relaxation:
         self.row_constants: list[float] = []
         self.row_senses: list[int] = []
         self.generated = len(self.ilp.generated)  # the ILP's generated y this model knows as such
+        self.perturbed = False  # ``_run``: the model has stalled once and runs with cost perturbation
         self._add_new_rows()
 
     def _held_in_order(self, variables: list[pulp.LpVariable]) -> list:
@@ -318,9 +323,7 @@ class Relaxation:
         self._sync()
         if priced:
             self._price(priced)
-        self.highs.setOptionValue("time_limit", float(time_limit_s))
-        with backends.solver_output():
-            self.highs.run()
+        self._run(time_limit_s)
         status, sol_status = _status(self.highs.getModelStatus(), self.highs.getObjectiveValue())
         solution = self.highs.getSolution()
         for var, value in zip(self.columns, solution.col_value):
@@ -337,6 +340,30 @@ class Relaxation:
             row.pi = dual
         problem.assignStatus(status, sol_status)
         return pulp.LpStatus[status]
+
+    def _run(self, time_limit_s: float) -> None:
+        """Run the simplex from the last basis. Without cost perturbation (``backends.LP_OPTIONS``)
+        a degenerate LP could stall: past ``backends.stall_iterations`` it goes on from where it
+        stopped with the perturbation, for this model's later solves too, within the time left."""
+        import highspy  # an optional dependency (``backends.highs_available``)
+
+        start = time.perf_counter()
+        self.highs.setOptionValue("time_limit", float(time_limit_s))
+        if not self.perturbed:
+            self.highs.setOptionValue("simplex_iteration_limit", backends.stall_iterations(len(self.rows)))
+        with backends.solver_output():
+            self.highs.run()
+        if self.perturbed or self.highs.getModelStatus() != highspy.HighsModelStatus.kIterationLimit:
+            return
+        self.perturbed = True
+        iterations = self.highs.getInfo().simplex_iteration_count
+        log.info("autopar: the LP relaxation stalled after %d iterations; going on with cost perturbation", iterations)
+        for option, value in backends.PERTURBED.items():
+            self.highs.setOptionValue(option, value)
+        self.highs.setOptionValue("simplex_iteration_limit", highspy.kHighsIInf)
+        self.highs.setOptionValue("time_limit", max(float(time_limit_s) - (time.perf_counter() - start), 1e-3))
+        with backends.solver_output():
+            self.highs.run()
 
 
 class _Held:
