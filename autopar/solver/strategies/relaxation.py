@@ -88,17 +88,23 @@ class Relaxation:
         self.highs.setOptionValue("random_seed", 1)
         for option, value in backends.LP_OPTIONS.items():  # as PuLP's HiGHS gets them for an LP
             self.highs.setOptionValue(option, value)
-        self.columns = self._held_in_order(list(self.ilp.variables()))  # ``problem.variables()``, kept
+        # The PuLP variables (``problem.variables()``, kept) and their columns, in column order;
+        # the held y's columns have no variable (``_HELD``) and never change bounds.
+        self.variables = list(self.ilp.variables())
+        self.columns, self.variable_columns = self._held_in_order(self.variables)
         # By identity: pulp variables compare into constraints, not booleans.
-        self.column_of = {id(var): i for i, var in enumerate(self.columns) if var is not _HELD}
+        self.column_of = dict(zip(map(id, self.variables), self.variable_columns))
         self.costs = np.zeros(len(self.columns))
-        self.lows, self.ups = list(map(_LOW, self.columns)), list(map(_UP, self.columns))
+        self.lows, self.ups = list(map(_LOW, self.variables)), list(map(_UP, self.variables))
+        lower, upper = np.full(len(self.columns), float(_Held.lowBound)), np.full(len(self.columns), float(_Held.upBound))
+        lower[self.variable_columns] = self._bounds(self.lows, -self.inf)
+        upper[self.variable_columns] = self._bounds(self.ups, self.inf)
         with backends.solver_output():
             self.highs.addCols(
                 len(self.columns),
                 self.costs,
-                self._bounds(self.lows, -self.inf),
-                self._bounds(self.ups, self.inf),
+                lower,
+                upper,
                 0,
                 np.zeros(1, dtype=np.int32),
                 np.zeros(0, dtype=np.int32),
@@ -120,25 +126,27 @@ class Relaxation:
         self.perturbed = False  # ``_run``: the model has stalled once and runs with cost perturbation
         self._add_new_rows()
 
-    def _held_in_order(self, variables: list[pulp.LpVariable]) -> list:
-        """``variables`` (by name) with a column for each y the ILP holds (``solver.problem.columns``,
-        ``_HELD``) where its name (``HeldColumns.name``) puts it: PuLP's order had every y been
-        a variable, so the LP is the one HiGHS was given then, column for column (a tie between
-        optima breaks alike). Sets ``held_column``, each held y's column (-1: taken)."""
+    def _held_in_order(self, variables: list[pulp.LpVariable]) -> tuple[list, list[int]]:
+        """(the columns, the column of each of ``variables``): ``variables`` (by name) with a
+        column for each y the ILP holds (``solver.problem.columns``, ``_HELD``) where its name
+        (``HeldColumns.name``) puts it: PuLP's order had every y been a variable, so the LP is
+        the one HiGHS was given then, column for column (a tie between optima breaks alike).
+        Sets ``held_column``, each held y's column (-1: taken)."""
         held = self.ilp.held
         left = held.left()
         self.held_column = np.full(len(held.taken), -1, dtype=np.int64)
         if not left.size:
-            return variables
+            return list(variables), list(range(len(variables)))
         names = np.array([var.name for var in variables] + held.names(left))
         order = np.argsort(names, kind="stable")
         position = np.empty(len(order), dtype=np.int64)
         position[order] = np.arange(len(order))
         self.held_column[left] = position[len(variables) :]
         columns: list = [_HELD] * len(order)
-        for var, column in zip(variables, position[: len(variables)].tolist()):
+        variable_columns = position[: len(variables)].tolist()
+        for var, column in zip(variables, variable_columns):
             columns[column] = var
-        return columns
+        return columns, variable_columns
 
     def _with_held(self, rows: np.ndarray, indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, ...]:
         """The entries (row, column, value) in row order, with each held y's two (``_held_in_order``)."""
@@ -166,6 +174,11 @@ class Relaxation:
                 raise AssertionError("Relaxation: a generated y has no column; this is a bug in autopar")
             self.columns[column] = var
             self.column_of[id(var)] = column
+            # Its column's bounds, as HiGHS holds them (``_sync_column_bounds`` passes any other).
+            self.variables.append(var)
+            self.variable_columns.append(column)
+            self.lows.append(_Held.lowBound)
+            self.ups.append(_Held.upBound)
         self.generated = len(self.ilp.generated)
 
     @staticmethod
@@ -245,13 +258,14 @@ class Relaxation:
         self.row_constants, self.row_senses = constants, senses
 
     def _sync_column_bounds(self) -> None:
-        lows, ups = list(map(_LOW, self.columns)), list(map(_UP, self.columns))
+        lows, ups = list(map(_LOW, self.variables)), list(map(_UP, self.variables))
         if lows == self.lows and ups == self.ups:
             return
         changed = _changed(lows, self.lows, ups, self.ups)
         lower = self._bounds([lows[i] for i in changed], -self.inf)
         upper = self._bounds([ups[i] for i in changed], self.inf)
-        self.highs.changeColsBounds(len(changed), np.array(changed, dtype=np.int32), lower, upper)
+        columns = np.array(self.variable_columns, dtype=np.int32)[changed]
+        self.highs.changeColsBounds(len(changed), columns, lower, upper)
         self.lows, self.ups = lows, ups
 
     def _read_objective(self) -> tuple | None:
@@ -326,15 +340,17 @@ class Relaxation:
         self._run(time_limit_s)
         status, sol_status = _status(self.highs.getModelStatus(), self.highs.getObjectiveValue())
         solution = self.highs.getSolution()
-        for var, value in zip(self.columns, solution.col_value):
-            var.varValue = value
-        if len(ilp.held) and len(solution.col_value) == len(self.columns):
+        values = np.asarray(solution.col_value)
+        if len(values) == len(self.columns):  # none when the solve found nothing
+            for var, value in zip(self.variables, values[self.variable_columns].tolist()):
+                var.varValue = value
+        if len(ilp.held) and len(values) == len(self.columns):
             # The held y the solution uses become PuLP variables, at their values: the problem
             # of record then holds every y that is not 0 (``solver.problem.columns``).
             kept = np.flatnonzero(~ilp.held.taken)
-            values = np.asarray(solution.col_value)[self.held_column[kept]]
-            used = values != 0
-            ilp.generate(kept[used], values[used])
+            held_values = values[self.held_column[kept]]
+            used = held_values != 0
+            ilp.generate(kept[used], held_values[used])
             self._add_new_columns()
         for row, dual in zip(self.rows, solution.row_dual):
             row.pi = dual
@@ -368,7 +384,7 @@ class Relaxation:
 
 class _Held:
     """What a held y's column shows of a variable (``Relaxation._held_in_order``): the bounds of a
-    y; its value is set and never read."""
+    y, which never change while it is held; no value (the solve sets the variables' alone)."""
 
     lowBound, upBound, varValue = 0, 1, None
 
