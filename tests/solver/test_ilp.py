@@ -18,6 +18,7 @@ import torch
 from autopar.cost.cluster import get_cluster
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.ilp import MEMORY_UNIT, ShardingILP, weighted_sum
+from autopar.solver.problem.terms import compute_coefficients
 from autopar.trace import trace_repeated
 from autopar.zoo.models import build_model
 
@@ -96,3 +97,65 @@ def test_copied_variables_are_what_pulps_constructor_builds():
     other = ilp_module._variable("y_3_5")
     assert hash(made) == id(made) and hash(other) == id(other) and made.name != other.name
     assert ilp_module._COPY is not None  # this PuLP's layout is the one copied
+
+
+def _compute_terms(ilp: ShardingILP):
+    """The objective's compute terms as ``set_objective`` wrote them before ``terms``: one by one."""
+    refund, graph = ilp.per_use_refund, ilp.graph
+    for name in graph.order:
+        for s, (c, x) in enumerate(zip(graph.choices[name].compute_s, ilp.x[name])):
+            weight = c - (refund[name][s] if name in refund else 0.0)
+            if weight:
+                yield weight, x
+
+
+def test_compute_coefficients_equal_the_terms_summed_one_by_one(ilp):
+    """``terms.compute_coefficients`` gives the objective's compute part as summing its terms one
+    by one does: the same variables in the same order, the same floats, the same constant. The
+    fixture has every kind of term: shared x of repeated layers, followers' expressions,
+    constants of single-strategy nodes, and per-use refunds of parameter reductions."""
+    kinds = {type(x) for name in ilp.graph.order for x in ilp.x[name]}
+    assert kinds == {pulp.LpVariable, pulp.LpAffineExpression} and ilp.per_use_refund
+    assert any(name in ilp.graph.layer_template for name in ilp.graph.order)
+    order, refund = ilp.graph.order, ilp.per_use_refund
+    got = compute_coefficients(order, {name: ilp.graph.choices[name].compute_s for name in order}, ilp.x, refund)
+    want = weighted_sum(_compute_terms(ilp))
+    assert got is not None and None in got  # the constants of single-strategy nodes
+    _same(weighted_sum((), start=got), want)
+    # And the objective the ILP holds starts with them, as it did.
+    objective = list(ilp.time_objective.items())[: len(want)]
+    assert [var for var, _ in objective] == list(want.keys())
+    assert [coef.hex() for _, coef in objective] == [coef.hex() for coef in want.values()]
+
+
+def test_compute_coefficients_leave_an_unknown_variable_to_the_caller(ilp):
+    """An expression over a variable outside the ILP's x lists: None, so that the caller sums the
+    terms one by one."""
+    stranger = pulp.LpVariable("stranger")
+    x = dict(ilp.x)
+    name = ilp.graph.order[-2]
+    x[name] = [pulp.LpAffineExpression({stranger: 1.0})] * len(x[name])
+    order = ilp.graph.order
+    assert compute_coefficients(order, {n: ilp.graph.choices[n].compute_s for n in order}, x, ilp.per_use_refund) is None
+
+
+def test_compute_coefficients_keep_the_order_variables_are_first_met():
+    """A variable first met in an expression (its own node's terms all zero) takes its place in
+    the expression's order, not in its list's; a shared list adds each node's terms in turn."""
+    v = [pulp.LpVariable(f"v{i}") for i in range(3)]
+    x = {
+        "a": v,
+        "b": [pulp.LpAffineExpression({v[2]: 1.0, v[0]: 2.0}), pulp.LpAffineExpression({v[1]: 1.0}, constant=1.0)],
+        "c": v,
+    }
+    compute_s = {"a": [0.0, 0.0, 0.0], "b": [0.5, 0.25], "c": [0.1, 0.2, 0.3]}
+    refund = {"c": [0.0, 0.2, 0.0]}
+    got = compute_coefficients(["a", "b", "c"], compute_s, x, refund)
+    want = weighted_sum(
+        (c - (refund.get(n, [0.0] * 3)[s]), x[n][s])
+        for n in "abc"
+        for s, c in enumerate(compute_s[n])
+        if c - (refund.get(n, [0.0] * 3)[s])
+    )
+    _same(weighted_sum((), start=got), want)
+    assert [var.name for var in want] == ["v2", "v0", "v1"]

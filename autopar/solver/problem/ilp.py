@@ -102,6 +102,7 @@ import pulp
 from autopar.solver.problem.choices import ChoiceGraph
 from autopar.solver.problem.columns import HeldColumns
 from autopar.solver.problem.rows import RowTable, rows_by_name
+from autopar.solver.problem.terms import compute_coefficients
 from autopar.ir.spec import Spec, format_spec
 
 
@@ -364,11 +365,14 @@ class ShardingILP:
         return {key: max((float(pulp.value(e) or 0.0) for e in exprs), default=0.0) for key, exprs in self._z_uses.items()}
 
     def set_objective(self) -> None:
-        refund = self.per_use_refund
+        refund, order = self.per_use_refund, self.graph.order
+        compute_s = {name: self.graph.choices[name].compute_s for name in order}
+        # The same sum as the terms below, added with numpy (``terms``); one by one where it cannot.
+        compute = compute_coefficients(order, compute_s, self.x, refund)
         compute_terms = (
             (c - (refund[name][s] if name in refund else 0.0), x)
-            for name in self.graph.order
-            for s, (c, x) in enumerate(zip(self.graph.choices[name].compute_s, self.x[name]))
+            for name in (order if compute is None else ())
+            for s, (c, x) in enumerate(zip(compute_s[name], self.x[name]))
             if c - (refund[name][s] if name in refund else 0.0)
         )
         sync_terms = ((self._z_price[key], z) for key, z in self.z.items())
@@ -399,7 +403,8 @@ class ShardingILP:
         ]
         sync_terms = list(sync_terms)
         # y, h and z are in no other term, each once (shared y and hubs are counted once above).
-        self.problem += weighted_sum(compute_terms, distinct=itertools.chain(reshard_terms, hub_terms, sync_terms))
+        distinct = itertools.chain(reshard_terms, hub_terms, sync_terms)
+        self.problem += weighted_sum(compute_terms, distinct=distinct, start=compute)
         self.time_objective = self.problem.objective  # the objective the held y are priced in
         size = len(self.time_objective)
         self._objective_layout = (size - len(reshard_terms) - len(hub_terms) - len(sync_terms), layout, size)
@@ -711,11 +716,12 @@ def _linear(terms) -> dict:
     return total
 
 
-def weighted_sum(terms, distinct=()) -> pulp.LpAffineExpression:
+def weighted_sum(terms, distinct=(), start: dict | None = None) -> pulp.LpAffineExpression:
     """Σ coefficient · term over (coefficient, variable or affine expression) pairs; then over
     ``distinct``, (coefficient, variable) pairs of variables in no other term and each once: the
-    same sum, without looking each up (10^5 of them on a 3-axis mesh)."""
-    coefs: dict = {}
+    same sum, without looking each up (10^5 of them on a 3-axis mesh). ``start``: a coefficient
+    map (the constant under None) the sum starts from, as if its terms came first."""
+    coefs: dict = dict(start) if start else {}
     for weight, term in terms:
         if isinstance(term, pulp.LpVariable):
             coefs[term] = coefs.get(term, 0.0) + weight
