@@ -80,6 +80,24 @@ def test_generated_columns_join_the_row_table_as_a_fresh_read_finds_them(llama_g
     assert ilp.row_table() is table and terms(table) == terms(fresh)
 
 
+def test_held_columns_take_the_places_their_names_sort_to(llama_graph):
+    """``HeldColumns.merged_order`` places the held y among the variables as sorting every name
+    does (PuLP's column order, had every y been a variable), before and after some of them are
+    generated (their names then sit among the variables'). The order decides which of tied
+    optima the LP returns."""
+    ilp = ShardingILP(llama_graph, None)
+    for step in range(2):
+        if step:
+            ilp.generate(ilp.held.left()[::5])
+        names, left = [var.name for var in ilp.variables()], ilp.held.left()
+        every = np.array(names + ilp.held.names(left))
+        place = np.empty(len(every), dtype=np.int64)
+        place[np.argsort(every, kind="stable")] = np.arange(len(every))
+        held, variables = ilp.held.merged_order(names, left)
+        assert held.tolist() == place[len(names) :].tolist() and variables.tolist() == place[: len(names)].tolist()
+        assert len({int(e) for e in np.array([g[0] for g in ilp.held.groups])[ilp.held.group[left]]}) > 10
+
+
 def test_check_prices_a_choice_by_its_own_y_held_or_not(llama_graph):
     """A plan that uses a held y (a greedy one, unlike the LP's) is priced by that y, which
     becomes a variable, exactly as with every y a variable, not at the hub's upper bound."""

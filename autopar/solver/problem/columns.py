@@ -18,6 +18,8 @@ under another objective, first takes them all (``ShardingILP.generate_all``).
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from autopar.ir.spec import Spec
@@ -108,11 +110,47 @@ class HeldColumns:
         edges = np.array([group[0] for group in self.groups], dtype=np.int64)[self.group[held]]
         return [f"y_{e}_{p}" for e, p in zip(edges.tolist(), self.position[held].tolist())]
 
+    def merged_order(self, names: list[str], held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the place of each of ``held``, the place of each of ``names``) in the sorted list of
+        ``names`` (sorted, as PuLP sorts its variables) and the names of ``held``: what a stable
+        argsort of the two lists' strings gives, without the strings of ``held``.
+
+        A held name is ``y_{e}_{p}``; the names of one edge e are one block of the sorted list
+        (they share a prefix), placed by the prefix where no other name has it, and ordered in it
+        by the text of p; two blocks compare by the text of e followed by ``_``, which sorts after
+        every digit."""
+        edges = np.array([group[0] for group in self.groups], dtype=np.int64)[self.group[held]]
+        positions = self.position[held]
+        order = np.lexsort((_text_ranks(positions), _text_ranks(edges, suffix="_")))
+        starts = np.empty(len(order), dtype=np.int64)  # how many of names sort before each, in that order
+        sorted_edges = edges[order]
+        bounds = np.flatnonzero(np.diff(sorted_edges)) + 1
+        for first, last in zip(np.r_[0, bounds].tolist(), np.r_[bounds, len(order)].tolist()):
+            e = int(sorted_edges[first])
+            low, high = bisect.bisect_left(names, f"y_{e}_"), bisect.bisect_left(names, f"y_{e}`")
+            if low == high:
+                starts[first:last] = low
+            else:  # names of this edge's y among them (generated since): place each by its text
+                texts = [f"y_{e}_{p}" for p in positions[order[first:last]].tolist()]
+                starts[first:last] = [bisect.bisect_left(names, text, low, high) for text in texts]
+        place = np.empty(len(order), dtype=np.int64)
+        place[order] = np.arange(len(order)) + starts
+        return place, np.arange(len(names)) + np.searchsorted(starts, np.arange(len(names)), side="right")
+
     def pair(self, k: int) -> tuple[tuple[Spec, Spec], float, int]:
         """(its (src, dst) specs, its seconds, its group's first edge) of held y ``k``."""
         e, _, _, srcs, dsts, src, dst = self.groups[self.group[k]]
         position = self.position[k]
         return (srcs[src[position]], dsts[dst[position]]), float(self.seconds[k]), e
+
+
+def _text_ranks(values: np.ndarray, suffix: str = "") -> np.ndarray:
+    """Each of ``values`` (integers) replaced by the rank of its decimal text (plus ``suffix``)
+    among theirs, in string order."""
+    distinct, inverse = np.unique(values, return_inverse=True)
+    ranks = np.empty(len(distinct), dtype=np.int64)
+    ranks[sorted(range(len(distinct)), key=lambda i: f"{distinct[i]}{suffix}")] = np.arange(len(distinct))
+    return ranks[inverse]
 
 
 __all__ = ["HeldColumns"]

@@ -137,13 +137,10 @@ class Relaxation:
         self.held_column = np.full(len(held.taken), -1, dtype=np.int64)
         if not left.size:
             return list(variables), list(range(len(variables)))
-        names = np.array([var.name for var in variables] + held.names(left))
-        order = np.argsort(names, kind="stable")
-        position = np.empty(len(order), dtype=np.int64)
-        position[order] = np.arange(len(order))
-        self.held_column[left] = position[len(variables) :]
-        columns: list = [_HELD] * len(order)
-        variable_columns = position[: len(variables)].tolist()
+        held_columns, variable_columns = held.merged_order([var.name for var in variables], left)
+        self.held_column[left] = held_columns
+        columns: list = [_HELD] * (len(variables) + len(left))
+        variable_columns = variable_columns.tolist()
         for var, column in zip(variables, variable_columns):
             columns[column] = var
         return columns, variable_columns
