@@ -49,11 +49,26 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.ir.options import CommOptions
-from autopar.ir.spec import REPLICATE_KEY, R, Spec, key_local_shape, local_shape, spec_key, steps_between, transition_steps
+from autopar.ir.spec import (
+    REPLICATE_KEY,
+    STEP_KINDS,
+    PlacementNumbers,
+    R,
+    Routes,
+    Spec,
+    key_local_shape,
+    local_shape,
+    routes_between,
+    slot_axis,
+    spec_key,
+    steps_between,
+    transition_steps,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +290,9 @@ class TransitionPrices:
         self._elements: dict[tuple, int] = {}
         self._collectives: dict[tuple, tuple[float, float]] = {}
         self._steps: dict[tuple, tuple[float, float, float]] = {}  # ``_step_cost`` by its arguments
+        self.numbers = PlacementNumbers()  # of ``id_rows`` and ``price_pairs``
+        self._rows: dict[int, tuple[int, ...]] = {}  # ``id_rows``' by code
+        self._by_state: dict[tuple, int] = {}  # ``_state_elements``
 
     def _route(self, src: Spec, dst: Spec, key: tuple[int, int]) -> tuple | None:
         """The steps from ``src`` to ``dst`` (codes ``key``) as (kind, axis, code of the spec
@@ -344,6 +362,91 @@ class TransitionPrices:
             backward_total += backward_s
             sent_total += sent
         return forward_total + backward_total, sent_total
+
+    def id_rows(self, specs: Sequence[tuple[Spec, int]]) -> np.ndarray:
+        """Specs (with their codes) as rows of placement numbers (``spec.PlacementNumbers``), what
+        ``price_pairs`` takes; each code's read once."""
+        rows, number = self._rows, self.numbers.number
+        found = []
+        for spec, code in specs:
+            row = rows.get(code)
+            if row is None:
+                row = rows[code] = tuple(map(number, spec_key(spec)))
+            found.append(row)
+        return np.array(found, dtype=np.int64).reshape(len(found), len(self.mesh_shape))
+
+    def price_pairs(
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        global_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        requires_grad: bool,
+        grad_dtype: torch.dtype | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``price`` of each (``src[k]``, ``dst[k]``), rows of ``id_rows``, with numpy: whether it
+        is possible, its seconds and its bytes sent (0 where not possible). The same floats as
+        ``price``: each step's price is ``_step_cost``'s, and the steps are summed slot by slot in
+        their order (a slot with no step adds 0.0, which changes no sum)."""
+        routes = routes_between(src, dst, self.numbers)
+        itemsizes = (dtype.itemsize, (grad_dtype or dtype).itemsize)
+        count, slots = routes.kinds.shape
+        forward, backward, sent = np.zeros(count), np.zeros(count), np.zeros(count)
+        states = routes.base ** len(self.mesh_shape)
+        for slot in range(slots):
+            kinds = routes.kinds[:, slot]
+            if not kinds.any():
+                continue
+            keys = kinds.astype(np.int64) * states + routes.before[:, slot]
+            axis = slot_axis(slot, len(self.mesh_shape))
+            table, index = self._slot_prices(keys, routes, axis, global_shape, itemsizes, requires_grad)
+            forward += table[0][index]
+            backward += table[1][index]
+            sent += table[2][index]
+        return routes.possible, forward + backward, sent
+
+    def _slot_prices(
+        self, keys: np.ndarray, routes: Routes, axis: int, global_shape: tuple, itemsizes: tuple[int, int], requires_grad: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The (forward, backward, sent) of each distinct step that ``keys`` name (kind · states +
+        the placements before it, ``routes.before``; 0: none), and each key's index among them."""
+        base = routes.base
+        states = base ** len(self.mesh_shape)
+        if len(STEP_KINDS) * states <= 1 << 22:  # each key marked in a mask: no sort
+            present = np.zeros(len(STEP_KINDS) * states, dtype=bool)
+            present[keys] = True
+            distinct = np.flatnonzero(present)
+            index = np.zeros(len(present), dtype=np.int64)
+            index[distinct] = np.arange(len(distinct))
+            index = index[keys]
+        else:
+            distinct, index = np.unique(keys, return_inverse=True)
+        table = np.zeros((3, len(distinct)))
+        steps, mesh_shape = self._steps, self.mesh_shape
+        for column, key in enumerate(distinct.tolist()):
+            kind, state = divmod(key, states)
+            if not kind:
+                continue
+            elements = self._state_elements(global_shape, state, base)
+            step_key = (STEP_KINDS[kind], axis, elements, itemsizes, requires_grad)
+            step = steps.get(step_key)
+            if step is None:
+                step = steps[step_key] = _step_cost(
+                    STEP_KINDS[kind], axis, elements, itemsizes, mesh_shape, requires_grad, self._price
+                )
+            table[:, column] = step
+        return table, index
+
+    def _state_elements(self, global_shape: tuple, state: int, base: int) -> int:
+        """The local element count of ``global_shape`` in the placements a route's ``before``
+        numbers ``state`` (``Routes``: Σ number[a]·``base``**a)."""
+        key = (global_shape, base, state)
+        found = self._by_state.get(key)
+        if found is None:
+            keys, num = self.numbers.keys, len(self.mesh_shape)
+            placements = tuple(keys[state // base**axis % base] for axis in range(num))
+            found = self._by_state[key] = math.prod(key_local_shape(global_shape, placements, self.mesh_shape))
+        return found
 
 
 _UNSEEN = object()

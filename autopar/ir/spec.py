@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -49,6 +50,8 @@ def SS(dim: int, blocks: int) -> _StridedShard:
 
 
 _SHARD, _STRIDED, _REPLICATE, _PARTIAL = 1, 2, 4, 8
+# The same bits, as ``PlacementNumbers.arrays`` gives them.
+KIND_SHARD, KIND_STRIDED, KIND_REPLICATE, KIND_PARTIAL = _SHARD, _STRIDED, _REPLICATE, _PARTIAL
 # Placement type -> _SHARD | _STRIDED bits, or _REPLICATE, or _PARTIAL: ``isinstance`` on torch's
 # placement types goes through a metaclass hook, and pricing a 3-axis mesh asks it tens of
 # millions of times.
@@ -358,6 +361,115 @@ def _strided_steps(keys: list[PlacementKey], num: int) -> tuple[Step, ...] | Non
             steps.append(_step("chunk", axis, end[1], -1, end[2] if end[0] & _STRIDED else 1))
             now[axis] = end
     return tuple(steps)
+
+
+# Step kinds as numbers (``routes_between``); 0: no step.
+STEP_KINDS = ("", "all_reduce", "reduce_scatter", "all_gather", "chunk", "all_to_all")
+_AR, _RS, _AG, _CHUNK, _A2A = 1, 2, 3, 4, 5
+
+
+class PlacementNumbers:
+    """``placement_key``s numbered in the order first seen, ``REPLICATE_KEY`` as 0, with each
+    one's kind and dim (-1 where not a shard) as arrays: how ``routes_between`` reads specs."""
+
+    def __init__(self):
+        self.keys: list[PlacementKey] = []
+        self._numbers: dict[PlacementKey, int] = {}
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self.number(REPLICATE_KEY)
+
+    def number(self, key: PlacementKey) -> int:
+        found = self._numbers.get(key)
+        if found is None:
+            found = self._numbers[key] = len(self.keys)
+            self.keys.append(key)
+            self._arrays = None
+        return found
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(kind, dim) of each number."""
+        if self._arrays is None:
+            kinds = np.array([key[0] for key in self.keys], dtype=np.int64)
+            dims = np.array([key[1] if key[0] & _SHARD else -1 for key in self.keys], dtype=np.int64)
+            self._arrays = (kinds, dims)
+        return self._arrays
+
+
+class Routes(NamedTuple):
+    """``steps_between`` of many pairs (``routes_between``), one row per pair. A route has a slot
+    per step it may take, in the order steps are taken: the axes innermost first (gathers,
+    reductions, all-to-alls), then outermost first (chunks); ``slot_axis`` names each slot's axis."""
+
+    possible: np.ndarray  # bool: False where ``steps_between`` is None (the row's slots mean nothing)
+    kinds: np.ndarray  # (pairs, slots) int8: each slot's step, by ``STEP_KINDS``; 0 none
+    before: np.ndarray  # (pairs, slots) int64: the placements before the step, Σ number[a]·base**a; 0 with no step
+    base: int  # how many placement numbers there were
+
+
+def slot_axis(slot: int, num_axes: int) -> int:
+    """The mesh axis of a ``Routes`` slot."""
+    return num_axes - 1 - slot if slot < num_axes else slot - num_axes
+
+
+def routes_between(src: np.ndarray, dst: np.ndarray, numbers: PlacementNumbers) -> Routes:
+    """``steps_between`` of each (``src[k]``, ``dst[k]``), specs as rows of placement numbers
+    (``numbers``), all at once with numpy: the same steps, and the placements before each
+    (a 4-axis mesh prices ~10^6 pairs; ``cost.comm.TransitionPrices.price_pairs``)."""
+    kinds_of, dims_of = numbers.arrays()
+    count, num = src.shape
+    base = len(numbers.keys)
+    if base**num >= 1 << 59:
+        raise ValueError(f"{base} placements on {num} axes overflow a route's numbering")
+    weights = base ** np.arange(num, dtype=np.int64)
+    src_kind, dst_kind = kinds_of[src], kinds_of[dst]
+    src_dim, dst_dim = dims_of[src], dims_of[dst]
+    possible = ~((dst_kind & _PARTIAL != 0) & (src_kind & _PARTIAL == 0)).any(axis=1)
+    simple = ~((src_kind | dst_kind) & _STRIDED != 0).any(axis=1)  # no strided shard: ``steps_between``'s own walk
+    reset = _resets(src, dst, src_kind & _SHARD != 0)
+    dst_shard = dst_kind & _SHARD != 0
+    kinds = np.zeros((count, 2 * num), dtype=np.int8)
+    before = np.zeros((count, 2 * num), dtype=np.int64)
+    now = src.copy()
+    for slot, axis in enumerate(reversed(range(num))):
+        now_shard, now_dim = kinds_of[now] & _SHARD != 0, dims_of[now]
+        free_dst = _dims_free(dst_dim[:, axis], axis, (now_shard, now_dim), (dst_shard, dst_dim))
+        partial, shard = src_kind[:, axis] & _PARTIAL != 0, src_kind[:, axis] & _SHARD != 0
+        moved = simple & dst_shard[:, axis] & free_dst & reset[:, axis]  # straight to the target
+        scatter = moved & partial
+        to_all = moved & shard & (src_dim[:, axis] != dst_dim[:, axis])
+        to_all &= _dims_free(src_dim[:, axis], axis, (now_shard, now_dim), (dst_shard, dst_dim))
+        reduce, gather = reset[:, axis] & partial & ~scatter, reset[:, axis] & shard & ~to_all
+        step = scatter * _RS + to_all * _A2A + reduce * _AR + gather * _AG
+        kinds[:, slot] = step
+        before[:, slot] = (now @ weights) * (step != 0)
+        now[:, axis] = np.where(scatter | to_all, dst[:, axis], np.where(reduce | gather, 0, now[:, axis]))
+    for axis in range(num):
+        chunk = now[:, axis] != dst[:, axis]
+        if (chunk & possible & simple & ~((now[:, axis] == 0) & dst_shard[:, axis])).any():
+            raise AssertionError("a chunk of a placement that is not replicated, into one that is not a shard")
+        kinds[:, num + axis] = chunk * _CHUNK
+        before[:, num + axis] = (now @ weights) * chunk
+        now[:, axis] = dst[:, axis]
+    kinds[~possible] = 0
+    return Routes(possible, kinds, before, base)
+
+
+def _resets(src: np.ndarray, dst: np.ndarray, src_shard: np.ndarray) -> np.ndarray:
+    """``_axes_to_reset`` of each row (specs as placement numbers)."""
+    reset = src != dst
+    for axis in range(1, src.shape[1]):
+        inherited = np.zeros(len(src), dtype=bool)
+        for b in range(axis):
+            inherited |= reset[:, b] & ((src[:, axis] == src[:, b]) | (src[:, axis] == dst[:, b]))
+        reset[:, axis] |= src_shard[:, axis] & inherited
+    return reset
+
+
+def _dims_free(dim: np.ndarray, axis: int, now: tuple[np.ndarray, np.ndarray], ends: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """``_dim_free`` of each row: ``now`` and ``ends`` as (is a shard, its dim) per axis."""
+    taken = (now[0] & (now[1] == dim[:, None])) | (ends[0] & (ends[1] == dim[:, None]))
+    taken[:, axis] = False
+    return ~taken.any(axis=1)
 
 
 # Strided shards (S(d)/k) cut a dim into `blocks` equal blocks and give each rank its chunk of each.
