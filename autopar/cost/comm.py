@@ -63,6 +63,8 @@ from autopar.ir.spec import (
     Spec,
     key_local_shape,
     local_shape,
+    numbered_elements,
+    placement_key,
     routes_between,
     slot_axis,
     spec_key,
@@ -290,9 +292,9 @@ class TransitionPrices:
         self._elements: dict[tuple, int] = {}
         self._collectives: dict[tuple, tuple[float, float]] = {}
         self._steps: dict[tuple, tuple[float, float, float]] = {}  # ``_step_cost`` by its arguments
-        self.numbers = PlacementNumbers()  # of ``id_rows`` and ``price_pairs``
-        self._rows: dict[int, tuple[int, ...]] = {}  # ``id_rows``' by code
-        self._by_state: dict[tuple, int] = {}  # ``_state_elements``
+        self.numbers = PlacementNumbers()  # of ``numbered`` and ``price_pairs``
+        self._placements: dict[int, tuple[object, int]] = {}  # ``numbered``: by id, the placement and its number
+        self._slots: dict[tuple, dict[int, tuple[float, float, float]]] = {}  # ``_slot_prices``'
 
     def _route(self, src: Spec, dst: Spec, key: tuple[int, int]) -> tuple | None:
         """The steps from ``src`` to ``dst`` (codes ``key``) as (kind, axis, code of the spec
@@ -347,33 +349,29 @@ class TransitionPrices:
             return None
         itemsizes = (dtype.itemsize, (grad_dtype or dtype).itemsize)
         forward_total = backward_total = sent_total = 0.0
-        mesh_shape, steps = self.mesh_shape, self._steps
+        mesh_shape = self.mesh_shape
         for kind, axis, code in route:
             elements = self._elements.get((global_shape, code))
             if elements is None:
                 before = self._before[code]
                 elements = self._elements[(global_shape, code)] = math.prod(key_local_shape(global_shape, before, mesh_shape))
-            key = (kind, axis, elements, itemsizes, requires_grad)
-            step = steps.get(key)
-            if step is None:
-                step = steps[key] = _step_cost(kind, axis, elements, itemsizes, mesh_shape, requires_grad, self._price)
-            forward_s, backward_s, sent = step
+            forward_s, backward_s, sent = self._step(kind, axis, elements, itemsizes, requires_grad)
             forward_total += forward_s
             backward_total += backward_s
             sent_total += sent
         return forward_total + backward_total, sent_total
 
-    def id_rows(self, specs: Sequence[tuple[Spec, int]]) -> np.ndarray:
-        """Specs (with their codes) as rows of placement numbers (``spec.PlacementNumbers``), what
-        ``price_pairs`` takes; each code's read once."""
-        rows, number = self._rows, self.numbers.number
-        found = []
-        for spec, code in specs:
-            row = rows.get(code)
-            if row is None:
-                row = rows[code] = tuple(map(number, spec_key(spec)))
-            found.append(row)
-        return np.array(found, dtype=np.int64).reshape(len(found), len(self.mesh_shape))
+    def numbered(self, spec: Spec) -> tuple[int, ...]:
+        """``spec``'s placements as numbers (``spec.PlacementNumbers``), rows of which
+        ``price_pairs`` takes. Each placement object is read once (a plan has a few hundred, in
+        ~10^5 specs): by its identity, and kept alive so that its identity is not reused."""
+        placements, row = self._placements, []
+        for placement in spec:
+            found = placements.get(id(placement))
+            if found is None:
+                found = placements[id(placement)] = (placement, self.numbers.number(placement_key(placement)))
+            row.append(found[1])
+        return tuple(row)
 
     def price_pairs(
         self,
@@ -384,20 +382,20 @@ class TransitionPrices:
         requires_grad: bool,
         grad_dtype: torch.dtype | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``price`` of each (``src[k]``, ``dst[k]``), rows of ``id_rows``, with numpy: whether it
+        """``price`` of each (``src[k]``, ``dst[k]``), rows of ``numbered``, with numpy: whether it
         is possible, its seconds and its bytes sent (0 where not possible). The same floats as
         ``price``: each step's price is ``_step_cost``'s, and the steps are summed slot by slot in
         their order (a slot with no step adds 0.0, which changes no sum)."""
         routes = routes_between(src, dst, self.numbers)
         itemsizes = (dtype.itemsize, (grad_dtype or dtype).itemsize)
-        count, slots = routes.kinds.shape
+        slots, count = routes.kinds.shape
         forward, backward, sent = np.zeros(count), np.zeros(count), np.zeros(count)
         states = routes.base ** len(self.mesh_shape)
         for slot in range(slots):
-            kinds = routes.kinds[:, slot]
+            kinds = routes.kinds[slot]
             if not kinds.any():
                 continue
-            keys = kinds.astype(np.int64) * states + routes.before[:, slot]
+            keys = kinds.astype(np.int64) * states + routes.before[slot]
             axis = slot_axis(slot, len(self.mesh_shape))
             table, index = self._slot_prices(keys, routes, axis, global_shape, itemsizes, requires_grad)
             forward += table[0][index]
@@ -421,32 +419,25 @@ class TransitionPrices:
             index = index[keys]
         else:
             distinct, index = np.unique(keys, return_inverse=True)
-        table = np.zeros((3, len(distinct)))
-        steps, mesh_shape = self._steps, self.mesh_shape
-        for column, key in enumerate(distinct.tolist()):
-            kind, state = divmod(key, states)
-            if not kind:
-                continue
-            elements = self._state_elements(global_shape, state, base)
-            step_key = (STEP_KINDS[kind], axis, elements, itemsizes, requires_grad)
-            step = steps.get(step_key)
-            if step is None:
-                step = steps[step_key] = _step_cost(
-                    STEP_KINDS[kind], axis, elements, itemsizes, mesh_shape, requires_grad, self._price
-                )
-            table[:, column] = step
-        return table, index
+        # Each step's price once per (shape, sizes, grad, axis) and numbering, across calls.
+        known = self._slots.setdefault((global_shape, itemsizes, requires_grad, axis, base), {0: (0.0, 0.0, 0.0)})
+        distinct = distinct.tolist()
+        missing = np.array([key for key in distinct if key not in known], dtype=np.int64)
+        if len(missing):
+            elements = numbered_elements(global_shape, missing % states, base, self.numbers, self.mesh_shape)
+            for key, kind, count in zip(missing.tolist(), (missing // states).tolist(), elements.tolist()):
+                known[key] = self._step(STEP_KINDS[kind], axis, count, itemsizes, requires_grad)
+        return np.array([known[key] for key in distinct]).reshape(len(distinct), 3).T, index
 
-    def _state_elements(self, global_shape: tuple, state: int, base: int) -> int:
-        """The local element count of ``global_shape`` in the placements a route's ``before``
-        numbers ``state`` (``Routes``: Σ number[a]·``base``**a)."""
-        key = (global_shape, base, state)
-        found = self._by_state.get(key)
-        if found is None:
-            keys, num = self.numbers.keys, len(self.mesh_shape)
-            placements = tuple(keys[state // base**axis % base] for axis in range(num))
-            found = self._by_state[key] = math.prod(key_local_shape(global_shape, placements, self.mesh_shape))
-        return found
+    def _step(
+        self, kind: str, axis: int, elements: int, itemsizes: tuple[int, int], requires_grad: bool
+    ) -> tuple[float, float, float]:
+        """``_step_cost`` of one step, once per arguments."""
+        key = (kind, axis, elements, itemsizes, requires_grad)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = _step_cost(kind, axis, elements, itemsizes, self.mesh_shape, requires_grad, self._price)
+        return step
 
 
 _UNSEEN = object()

@@ -200,16 +200,29 @@ def reduce_dtype(node: torch.fx.Node) -> torch.dtype | None:
 
 class Pricer:
     """Prices of one (shape, dtype, grad, grad dtype) by spec codes, computed once each: hashing a
-    spec hashes each of its placements, so specs are numbered once (``code``)."""
+    spec hashes each of its placements, so specs are numbered (``code``) by their placements'
+    numbers (``comm.TransitionPrices.numbered``), which read each placement object once."""
 
     def __init__(self, mesh_shape, cluster):
         self.mesh_shape, self.cluster = mesh_shape, cluster
-        self.codes: dict[Spec, int] = {}
+        self.codes: dict[tuple[int, ...], int] = {}  # by the spec's placement numbers
+        self.rows: list[tuple[int, ...]] = []  # and back
         self.known: dict[tuple, dict[tuple[int, int], Price | None]] = {}
         self.transitions = comm.TransitionPrices(mesh_shape, cluster)  # ``comm.transition_cost``, shared work
 
     def code(self, spec: Spec) -> int:
-        return self.codes.setdefault(spec, len(self.codes))
+        row = self.transitions.numbered(spec)
+        found = self.codes.get(row)
+        if found is None:
+            found = self.codes[row] = len(self.rows)
+            self.rows.append(row)
+        return found
+
+    def rows_of(self, specs: list[tuple[Spec, int]]) -> np.ndarray:
+        """The placement numbers of ``specs`` (with their codes), a row each: what
+        ``comm.TransitionPrices.price_pairs`` takes."""
+        rows = self.rows
+        return np.array([rows[code] for _, code in specs], dtype=self.transitions.numbers.dtype).reshape(len(specs), -1)
 
     def price(self, edge: Edge, src: Spec, dst: Spec, src_code: int, dst_code: int) -> Price | None:
         return self.prices_of(edge)(src, dst, src_code, dst_code)
@@ -255,7 +268,7 @@ def near_pairs(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]]) -> tu
     numbers = PlacementNumbers()
 
     def rows(specs: list[tuple[Spec, int]]) -> np.ndarray:
-        return np.array([[numbers.number(key) for key in spec_key(spec)] for spec, _ in specs], dtype=np.int64)
+        return np.array([[numbers.number(key) for key in spec_key(spec)] for spec, _ in specs], dtype=numbers.dtype)
 
     src, dst = rows(srcs), rows(dsts)
     return near_numbered(src, dst, numbers.arrays()[0])
@@ -319,25 +332,29 @@ def price_edges(gm: torch.fx.GraphModule, choices: dict, mesh_shape: tuple[int, 
     edges = []
     tables: dict[tuple, EdgePrices] = {}
     pricer = Pricer(mesh_shape, cluster)
-    spec_lists: dict[tuple[int, str, int], tuple[Spec, ...]] = {}
-    interned: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
-    list_codes: dict[int, tuple[int, ...]] = {}  # by id of an interned list (``interned`` holds them)
+    spec_lists: dict[tuple[int, str, int], tuple[tuple[Spec, ...], tuple[int, ...]]] = {}
+    interned: dict[tuple[int, ...], tuple[tuple[Spec, ...], tuple[int, ...]]] = {}
     hub = uses_hub(mesh_shape)
 
-    def coded(specs: tuple[Spec, ...]) -> list[tuple[Spec, int]]:
-        found = list_codes.get(id(specs))
-        if found is None:
-            found = list_codes[id(specs)] = tuple(pricer.code(spec) for spec in specs)
-        return list(zip(specs, found))
+    def coded(specs: tuple[tuple[Spec, ...], tuple[int, ...]]) -> list[tuple[Spec, int]]:
+        return list(zip(*specs))
 
-    def specs_of(choice, side: str, index: int) -> tuple[Spec, ...]:
+    def specs_of(choice, side: str, index: int) -> tuple[tuple[Spec, ...], tuple[int, ...]]:
+        """The distinct specs of one side of a strategy list, in order (``Choice.out_specs``,
+        ``Choice.in_specs``), and their codes; told apart by the codes, which read placements by
+        identity (hashing a spec hashes each of its placements, in Python)."""
         key = (id(choice.strategies), side, index)
-        if key not in spec_lists:
-            specs = tuple(choice.out_specs(index) if side == "out" else choice.in_specs(index))
+        found = spec_lists.get(key)
+        if found is None:
+            distinct: dict[int, Spec] = {}
+            for strategy in choice.strategies:
+                spec = (strategy.outs if side == "out" else strategy.ins)[index]
+                distinct.setdefault(pricer.code(spec), spec)
             # One object per distinct list (every layer's weights have their own strategy
             # lists), so that the tables below, keyed by identity, are shared between layers.
-            spec_lists[key] = interned.setdefault(specs, specs)
-        return spec_lists[key]
+            codes = tuple(distinct)
+            found = spec_lists[key] = interned.setdefault(codes, (tuple(distinct.values()), codes))
+        return found
 
     grad_dtypes = {node.name: reduce_dtype(node) for node in gm.graph.nodes if reduce_dtype(node) is not None}
     for node in gm.graph.nodes:
@@ -398,17 +415,21 @@ def _hub_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, 
     others ``held`` (by their positions in ``srcs`` and ``dsts``). All priced at once, with
     numpy (``comm.TransitionPrices.price_pairs``: 10^6 near pairs on a 4-axis mesh)."""
     transitions = pricer.transitions
-    src_rows, dst_rows = transitions.id_rows(srcs), transitions.id_rows(dsts)
+    src_rows, dst_rows = pricer.rows_of(srcs), pricer.rows_of(dsts)
     rows, columns = near_numbered(src_rows, dst_rows, transitions.numbers.arrays()[0])
+    # One call prices each src → replicated (placement number 0 on every axis), replicated → each dst, and the near pairs.
+    whole = np.zeros_like(src_rows[:1])
+    src_all = np.concatenate([src_rows, np.broadcast_to(whole, dst_rows.shape), src_rows[rows]])
+    dst_all = np.concatenate([np.broadcast_to(whole, src_rows.shape), dst_rows, dst_rows[columns]])
     key = (edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype)
-    whole = np.zeros_like(src_rows[:1])  # the replicated spec: placement number 0 on every axis
-    _, outs, _ = transitions.price_pairs(src_rows, np.broadcast_to(whole, src_rows.shape), *key)
-    into, ins, _ = transitions.price_pairs(np.broadcast_to(whole, dst_rows.shape), dst_rows, *key)
+    possible, seconds, sent = transitions.price_pairs(src_all, dst_all, *key)
+    hub = slice(len(srcs), len(srcs) + len(dsts))
+    outs, ins, into = seconds[: len(srcs)], seconds[hub], possible[hub]
+    possible, seconds, sent = (column[hub.stop :] for column in (possible, seconds, sent))
     via = (
         dict(zip([src for src, _ in srcs], outs.tolist())),
         {dst: seconds for (dst, _), seconds, possible in zip(dsts, ins.tolist(), into.tolist()) if possible},
     )
-    possible, seconds, sent = transitions.price_pairs(src_rows[rows], dst_rows[columns], *key)
     routed = possible & (seconds >= outs[rows] + np.where(into, ins, np.inf)[columns])
     direct = np.flatnonzero(possible & ~routed)
     held = HeldPairs(rows[direct], columns[direct], seconds[direct], len(srcs), len(dsts))
