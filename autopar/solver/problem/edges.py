@@ -222,7 +222,8 @@ class Pricer:
         """The placement numbers of ``specs`` (with their codes), a row each: what
         ``comm.TransitionPrices.price_pairs`` takes."""
         rows = self.rows
-        return np.array([rows[code] for _, code in specs], dtype=self.transitions.numbers.dtype).reshape(len(specs), -1)
+        numbered = np.array([rows[code] for _, code in specs], dtype=self.transitions.numbers.dtype)
+        return numbered.reshape(len(specs), len(self.mesh_shape))
 
     def price(self, edge: Edge, src: Spec, dst: Spec, src_code: int, dst_code: int) -> Price | None:
         return self.prices_of(edge)(src, dst, src_code, dst_code)
@@ -418,7 +419,7 @@ def _hub_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, 
     src_rows, dst_rows = pricer.rows_of(srcs), pricer.rows_of(dsts)
     rows, columns = near_numbered(src_rows, dst_rows, transitions.numbers.arrays()[0])
     # One call prices each src → replicated (placement number 0 on every axis), replicated → each dst, and the near pairs.
-    whole = np.zeros_like(src_rows[:1])
+    whole = np.zeros((1, len(pricer.mesh_shape)), dtype=src_rows.dtype)
     src_all = np.concatenate([src_rows, np.broadcast_to(whole, dst_rows.shape), src_rows[rows]])
     dst_all = np.concatenate([np.broadcast_to(whole, src_rows.shape), dst_rows, dst_rows[columns]])
     key = (edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype)
