@@ -281,7 +281,9 @@ class TransitionPrices:
     per (shape, spec), and each collective's price once per (kind, bytes, axis). Pricing the
     edges of a 3-axis mesh asks for tens of thousands of (pair, shape) (``solver.problem.edges``).
     Specs are passed with their codes (ints the caller numbers them by, one per distinct spec and
-    one spec per code: a code's spec is read once, ``spec.spec_key``)."""
+    one spec per code: a code's spec is read once, ``spec.spec_key``). ``price_pairs`` prices
+    many pairs of one shape at once with numpy, specs as rows of placement numbers (``numbered``):
+    a hub table's ~10^5 near pairs on a 4-axis mesh."""
 
     def __init__(self, mesh_shape: Sequence[int], cluster: ClusterSpec):
         self.mesh_shape, self.cluster = tuple(mesh_shape), cluster
@@ -293,7 +295,8 @@ class TransitionPrices:
         self._collectives: dict[tuple, tuple[float, float]] = {}
         self._steps: dict[tuple, tuple[float, float, float]] = {}  # ``_step_cost`` by its arguments
         self.numbers = PlacementNumbers()  # of ``numbered`` and ``price_pairs``
-        self._placements: dict[int, tuple[object, int]] = {}  # ``numbered``: by id, the placement and its number
+        self._placements: dict[int, int] = {}  # ``numbered``: by a placement's id, its number
+        self._kept: list = []  # and the placements, alive
         self._slots: dict[tuple, dict[int, tuple[float, float, float]]] = {}  # ``_slot_prices``'
 
     def _route(self, src: Spec, dst: Spec, key: tuple[int, int]) -> tuple | None:
@@ -365,13 +368,15 @@ class TransitionPrices:
         """``spec``'s placements as numbers (``spec.PlacementNumbers``), rows of which
         ``price_pairs`` takes. Each placement object is read once (a plan has a few hundred, in
         ~10^5 specs): by its identity, and kept alive so that its identity is not reused."""
-        placements, row = self._placements, []
-        for placement in spec:
-            found = placements.get(id(placement))
-            if found is None:
-                found = placements[id(placement)] = (placement, self.numbers.number(placement_key(placement)))
-            row.append(found[1])
-        return tuple(row)
+        placements = self._placements
+        try:
+            return tuple([placements[id(placement)] for placement in spec])
+        except KeyError:
+            for placement in spec:
+                if id(placement) not in placements:
+                    placements[id(placement)] = self.numbers.number(placement_key(placement))
+                    self._kept.append(placement)
+            return tuple([placements[id(placement)] for placement in spec])
 
     def price_pairs(
         self,
