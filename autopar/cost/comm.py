@@ -49,11 +49,28 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.ir.options import CommOptions
-from autopar.ir.spec import REPLICATE_KEY, R, Spec, key_local_shape, local_shape, spec_key, steps_between, transition_steps
+from autopar.ir.spec import (
+    REPLICATE_KEY,
+    STEP_KINDS,
+    PlacementNumbers,
+    R,
+    Routes,
+    Spec,
+    key_local_shape,
+    local_shape,
+    numbered_elements,
+    placement_key,
+    routes_between,
+    slot_axis,
+    spec_key,
+    steps_between,
+    transition_steps,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +281,9 @@ class TransitionPrices:
     per (shape, spec), and each collective's price once per (kind, bytes, axis). Pricing the
     edges of a 3-axis mesh asks for tens of thousands of (pair, shape) (``solver.problem.edges``).
     Specs are passed with their codes (ints the caller numbers them by, one per distinct spec and
-    one spec per code: a code's spec is read once, ``spec.spec_key``)."""
+    one spec per code: a code's spec is read once, ``spec.spec_key``). ``price_pairs`` prices
+    many pairs of one shape at once with numpy, specs as rows of placement numbers (``numbered``):
+    a hub table's ~10^5 near pairs on a 4-axis mesh."""
 
     def __init__(self, mesh_shape: Sequence[int], cluster: ClusterSpec):
         self.mesh_shape, self.cluster = tuple(mesh_shape), cluster
@@ -275,6 +294,10 @@ class TransitionPrices:
         self._elements: dict[tuple, int] = {}
         self._collectives: dict[tuple, tuple[float, float]] = {}
         self._steps: dict[tuple, tuple[float, float, float]] = {}  # ``_step_cost`` by its arguments
+        self.numbers = PlacementNumbers()  # of ``numbered`` and ``price_pairs``
+        self._placements: dict[int, int] = {}  # ``numbered``: by a placement's id, its number
+        self._kept: list = []  # and the placements, alive
+        self._slots: dict[tuple, dict[int, tuple[float, float, float]]] = {}  # ``_slot_prices``'
 
     def _route(self, src: Spec, dst: Spec, key: tuple[int, int]) -> tuple | None:
         """The steps from ``src`` to ``dst`` (codes ``key``) as (kind, axis, code of the spec
@@ -329,21 +352,97 @@ class TransitionPrices:
             return None
         itemsizes = (dtype.itemsize, (grad_dtype or dtype).itemsize)
         forward_total = backward_total = sent_total = 0.0
-        mesh_shape, steps = self.mesh_shape, self._steps
+        mesh_shape = self.mesh_shape
         for kind, axis, code in route:
             elements = self._elements.get((global_shape, code))
             if elements is None:
                 before = self._before[code]
                 elements = self._elements[(global_shape, code)] = math.prod(key_local_shape(global_shape, before, mesh_shape))
-            key = (kind, axis, elements, itemsizes, requires_grad)
-            step = steps.get(key)
-            if step is None:
-                step = steps[key] = _step_cost(kind, axis, elements, itemsizes, mesh_shape, requires_grad, self._price)
-            forward_s, backward_s, sent = step
+            forward_s, backward_s, sent = self._step(kind, axis, elements, itemsizes, requires_grad)
             forward_total += forward_s
             backward_total += backward_s
             sent_total += sent
         return forward_total + backward_total, sent_total
+
+    def numbered(self, spec: Spec) -> tuple[int, ...]:
+        """``spec``'s placements as numbers (``spec.PlacementNumbers``), rows of which
+        ``price_pairs`` takes. Each placement object is read once (a plan has a few hundred, in
+        ~10^5 specs): by its identity, and kept alive so that its identity is not reused."""
+        placements = self._placements
+        try:
+            return tuple([placements[id(placement)] for placement in spec])
+        except KeyError:
+            for placement in spec:
+                if id(placement) not in placements:
+                    placements[id(placement)] = self.numbers.number(placement_key(placement))
+                    self._kept.append(placement)
+            return tuple([placements[id(placement)] for placement in spec])
+
+    def price_pairs(
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        global_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        requires_grad: bool,
+        grad_dtype: torch.dtype | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``price`` of each (``src[k]``, ``dst[k]``), rows of ``numbered``, with numpy: whether it
+        is possible, its seconds and its bytes sent (0 where not possible). The same floats as
+        ``price``: each step's price is ``_step_cost``'s, and the steps are summed slot by slot in
+        their order (a slot with no step adds 0.0, which changes no sum)."""
+        routes = routes_between(src, dst, self.numbers)
+        itemsizes = (dtype.itemsize, (grad_dtype or dtype).itemsize)
+        slots, count = routes.kinds.shape
+        forward, backward, sent = np.zeros(count), np.zeros(count), np.zeros(count)
+        states = routes.base ** len(self.mesh_shape)
+        for slot in range(slots):
+            kinds = routes.kinds[slot]
+            if not kinds.any():
+                continue
+            keys = kinds.astype(np.int64) * states + routes.before[slot]
+            axis = slot_axis(slot, len(self.mesh_shape))
+            table, index = self._slot_prices(keys, routes, axis, global_shape, itemsizes, requires_grad)
+            forward += table[0][index]
+            backward += table[1][index]
+            sent += table[2][index]
+        return routes.possible, forward + backward, sent
+
+    def _slot_prices(
+        self, keys: np.ndarray, routes: Routes, axis: int, global_shape: tuple, itemsizes: tuple[int, int], requires_grad: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The (forward, backward, sent) of each distinct step that ``keys`` name (kind · states +
+        the placements before it, ``routes.before``; 0: none), and each key's index among them."""
+        base = routes.base
+        states = base ** len(self.mesh_shape)
+        if len(STEP_KINDS) * states <= 1 << 22:  # each key marked in a mask: no sort
+            present = np.zeros(len(STEP_KINDS) * states, dtype=bool)
+            present[keys] = True
+            distinct = np.flatnonzero(present)
+            index = np.zeros(len(present), dtype=np.int64)
+            index[distinct] = np.arange(len(distinct))
+            index = index[keys]
+        else:
+            distinct, index = np.unique(keys, return_inverse=True)
+        # Each step's price once per (shape, sizes, grad, axis) and numbering, across calls.
+        known = self._slots.setdefault((global_shape, itemsizes, requires_grad, axis, base), {0: (0.0, 0.0, 0.0)})
+        distinct = distinct.tolist()
+        missing = np.array([key for key in distinct if key not in known], dtype=np.int64)
+        if len(missing):
+            elements = numbered_elements(global_shape, missing % states, base, self.numbers, self.mesh_shape)
+            for key, kind, count in zip(missing.tolist(), (missing // states).tolist(), elements.tolist()):
+                known[key] = self._step(STEP_KINDS[kind], axis, count, itemsizes, requires_grad)
+        return np.array([known[key] for key in distinct]).reshape(len(distinct), 3).T, index
+
+    def _step(
+        self, kind: str, axis: int, elements: int, itemsizes: tuple[int, int], requires_grad: bool
+    ) -> tuple[float, float, float]:
+        """``_step_cost`` of one step, once per arguments."""
+        key = (kind, axis, elements, itemsizes, requires_grad)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = _step_cost(kind, axis, elements, itemsizes, self.mesh_shape, requires_grad, self._price)
+        return step
 
 
 _UNSEEN = object()

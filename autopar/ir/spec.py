@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -49,6 +50,8 @@ def SS(dim: int, blocks: int) -> _StridedShard:
 
 
 _SHARD, _STRIDED, _REPLICATE, _PARTIAL = 1, 2, 4, 8
+# The same bits, as ``PlacementNumbers.arrays`` gives them.
+KIND_SHARD, KIND_STRIDED, KIND_REPLICATE, KIND_PARTIAL = _SHARD, _STRIDED, _REPLICATE, _PARTIAL
 # Placement type -> _SHARD | _STRIDED bits, or _REPLICATE, or _PARTIAL: ``isinstance`` on torch's
 # placement types goes through a metaclass hook, and pricing a 3-axis mesh asks it tens of
 # millions of times.
@@ -358,6 +361,146 @@ def _strided_steps(keys: list[PlacementKey], num: int) -> tuple[Step, ...] | Non
             steps.append(_step("chunk", axis, end[1], -1, end[2] if end[0] & _STRIDED else 1))
             now[axis] = end
     return tuple(steps)
+
+
+# Step kinds as numbers (``routes_between``); 0: no step.
+STEP_KINDS = ("", "all_reduce", "reduce_scatter", "all_gather", "chunk", "all_to_all")
+_AR, _RS, _AG, _CHUNK, _A2A = 1, 2, 3, 4, 5
+_NO_DIM = -128  # ``PlacementNumbers``' dim of a placement that is not a shard
+
+
+class PlacementNumbers:
+    """``placement_key``s numbered in the order first seen, ``REPLICATE_KEY`` as 0, with each
+    one's kind and dim (``_NO_DIM`` where not a shard) as arrays: how ``routes_between`` reads specs.
+    Small ints (``dtype``, int8), so that a million pairs' arrays stay small."""
+
+    dtype = np.int16
+
+    def __init__(self):
+        self.keys: list[PlacementKey] = []
+        self._numbers: dict[PlacementKey, int] = {}
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self.number(REPLICATE_KEY)
+
+    def number(self, key: PlacementKey) -> int:
+        found = self._numbers.get(key)
+        if found is None:
+            if len(self.keys) == np.iinfo(self.dtype).max or key[0] & _SHARD and not _NO_DIM < key[1] < 128:
+                raise ValueError(f"placement {key} is one too many for a route's numbering (``PlacementNumbers``)")
+            found = self._numbers[key] = len(self.keys)
+            self.keys.append(key)
+            self._arrays = None
+        return found
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(kind, dim) of each number."""
+        if self._arrays is None:
+            kinds = np.array([key[0] for key in self.keys], dtype=np.int8)
+            dims = np.array([key[1] if key[0] & _SHARD else _NO_DIM for key in self.keys], dtype=np.int8)
+            self._arrays = (kinds, dims)
+        return self._arrays
+
+
+class Routes(NamedTuple):
+    """``steps_between`` of many pairs (``routes_between``), a column per pair. A route has a slot
+    per step it may take, in the order steps are taken: the axes innermost first (gathers,
+    reductions, all-to-alls), then outermost first (chunks); ``slot_axis`` names each slot's axis."""
+
+    possible: np.ndarray  # (pairs,) bool: False where ``steps_between`` is None (no steps)
+    kinds: np.ndarray  # (slots, pairs) int8: each slot's step, by ``STEP_KINDS``; 0 none
+    before: np.ndarray  # (slots, pairs) int64: the placements before the step, Σ number[a]·base**a; 0 with no step
+    base: int  # how many placement numbers there were
+
+
+def slot_axis(slot: int, num_axes: int) -> int:
+    """The mesh axis of a ``Routes`` slot."""
+    return num_axes - 1 - slot if slot < num_axes else slot - num_axes
+
+
+def routes_between(src: np.ndarray, dst: np.ndarray, numbers: PlacementNumbers) -> Routes:
+    """``steps_between`` of each (``src[k]``, ``dst[k]``), specs as rows of placement numbers
+    (``numbers``), all at once with numpy: the same steps, and the placements before each
+    (a 4-axis mesh prices ~10^6 pairs; ``cost.comm.TransitionPrices.price_pairs``). Arrays are
+    axis by pair inside, so that each axis is one contiguous run."""
+    kinds_of, dims_of = numbers.arrays()
+    count, num = src.shape
+    base = len(numbers.keys)
+    if base**num >= 1 << 59:
+        raise ValueError(f"{base} placements on {num} axes overflow a route's numbering")
+    weights = base ** np.arange(num, dtype=np.int64)
+    src, dst = np.ascontiguousarray(src.T), np.ascontiguousarray(dst.T)
+    src_kind, dst_kind = np.take(kinds_of, src), np.take(kinds_of, dst)
+    src_dim, dst_dim = np.take(dims_of, src), np.take(dims_of, dst)
+    possible = np.bitwise_or.reduce(dst_kind & ~src_kind & _PARTIAL, axis=0) == 0
+    simple = np.bitwise_or.reduce((src_kind | dst_kind) & _STRIDED, axis=0) == 0  # ``steps_between``'s own walk
+    reset = _resets(src, dst, src_kind & _SHARD != 0)
+    dst_shard = dst_kind & _SHARD != 0
+    kinds = np.zeros((2 * num, count), dtype=np.int8)
+    before = np.zeros((2 * num, count), dtype=np.int64)
+    # The placements as the steps go, their number, and the dims they shard (``_NO_DIM``: none).
+    now, code, now_dim = src.copy(), weights @ src, src_dim.copy()
+    movable = src_kind & (_PARTIAL | _SHARD) != 0
+    for slot, axis in enumerate(reversed(range(num))):
+        rows = np.flatnonzero(reset[axis] & movable[axis] & possible)  # the pairs with a step here
+        partial = src_kind[axis, rows] & _PARTIAL != 0
+        step = np.where(partial, np.int8(_AR), np.int8(_AG))  # unless straight to the target:
+        near = np.flatnonzero(simple[rows] & dst_shard[axis, rows])
+        ends = rows[near]
+        target = dst_dim[axis, ends]
+        free = _dims_free(target, axis, now_dim[:, ends], dst_dim[:, ends])
+        to_all = free & ~partial[near] & (src_dim[axis, ends] != target)
+        others = ends[to_all]
+        to_all[to_all] = _dims_free(src_dim[axis, others], axis, now_dim[:, others], dst_dim[:, others])
+        step[near[free & partial[near]]] = _RS
+        step[near[to_all]] = _A2A
+        kinds[slot, rows] = step
+        before[slot, rows] = code[rows]
+        code[rows] -= now[axis, rows] * weights[axis]  # to replicated (number 0), or:
+        now[axis, rows], now_dim[axis, rows] = 0, _NO_DIM
+        moved = ends[(free & partial[near]) | to_all]
+        code[moved] += dst[axis, moved] * weights[axis]
+        now[axis, moved], now_dim[axis, moved] = dst[axis, moved], target[(free & partial[near]) | to_all]
+    for axis in range(num):
+        rows = np.flatnonzero((now[axis] != dst[axis]) & possible)
+        if not ((now[axis, rows] == 0) & dst_shard[axis, rows] | ~simple[rows]).all():
+            raise AssertionError("a chunk of a placement that is not replicated, into one that is not a shard")
+        kinds[num + axis, rows] = _CHUNK
+        before[num + axis, rows] = code[rows]
+        code[rows] += (dst[axis, rows] - now[axis, rows]) * weights[axis]
+        now[axis, rows] = dst[axis, rows]
+    return Routes(possible, kinds, before, base)
+
+
+def numbered_elements(
+    shape: Sequence[int], states: np.ndarray, base: int, numbers: PlacementNumbers, mesh_shape: Sequence[int]
+) -> np.ndarray:
+    """``math.prod(key_local_shape(shape, key, mesh_shape))`` of the placements each of ``states``
+    numbers (``Routes.before``: Σ number[a]·``base``**a), the same ints."""
+    dims = numbers.arrays()[1][states[:, None] // base ** np.arange(len(mesh_shape), dtype=np.int64) % base]
+    local = np.tile(np.asarray(shape, dtype=np.int64), (len(states), 1))
+    for axis, size in enumerate(mesh_shape):
+        sharded = np.flatnonzero(dims[:, axis] != _NO_DIM)
+        local[sharded, dims[sharded, axis]] //= size
+    return local.prod(axis=1)
+
+
+def _resets(src: np.ndarray, dst: np.ndarray, src_shard: np.ndarray) -> np.ndarray:
+    """``_axes_to_reset`` of each pair (specs as placement numbers, axis by pair)."""
+    reset = src != dst
+    for axis in range(1, len(src)):
+        inherited = np.zeros(src.shape[1], dtype=bool)
+        for b in range(axis):
+            inherited |= reset[b] & ((src[axis] == src[b]) | (src[axis] == dst[b]))
+        reset[axis] |= src_shard[axis] & inherited
+    return reset
+
+
+def _dims_free(dim: np.ndarray, axis: int, now: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """``_dim_free`` of each pair: ``now`` and ``ends``, the dims the placements now and the
+    target's shard (``_NO_DIM``: none), axis by pair; ``dim`` is a shard's."""
+    taken = (now == dim) | (ends == dim)
+    taken[axis] = False
+    return ~taken.any(axis=0)
 
 
 # Strided shards (S(d)/k) cut a dim into `blocks` equal blocks and give each rank its chunk of each.

@@ -8,6 +8,7 @@ import json
 import math
 import tomllib
 
+import numpy as np
 import pytest
 import torch
 
@@ -622,3 +623,20 @@ def test_local_cluster_prices_this_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some Accelerator")
     with pytest.raises(ValueError, match="no cluster preset prices the CUDA device 'Some Accelerator'"):
         local_cluster()
+
+
+@pytest.mark.parametrize("mesh", [(2, 2, 4), (2, 2, 2, 4)])
+def test_price_pairs_are_price_to_the_bit(mesh):
+    """``TransitionPrices.price_pairs`` prices many pairs at once with numpy: the same floats as
+    ``price`` pair by pair, and None (not possible) where it is None."""
+    cluster = get_cluster("h100-80g")
+    placements = [R, P, S(0), S(1), SS(1, 2)]
+    specs = list(itertools.product(placements, repeat=len(mesh)))[:: 1 if len(mesh) == 3 else 5]
+    prices = TransitionPrices(mesh, cluster)
+    rows = np.array([prices.numbered(spec) for spec in specs], dtype=prices.numbers.dtype)
+    src, dst = (a.ravel() for a in np.meshgrid(np.arange(len(specs)), np.arange(len(specs)), indexing="ij"))
+    for args in [((64, 128), torch.bfloat16, True, torch.float32), ((32, 64), torch.float32, False, None)]:
+        possible, seconds, sent = prices.price_pairs(rows[src], rows[dst], *args)
+        got = [(s, b) if ok else None for ok, s, b in zip(possible.tolist(), seconds.tolist(), sent.tolist())]
+        expected = [prices.price(specs[i], specs[j], (i, j), *args) for i, j in zip(src.tolist(), dst.tolist())]
+        assert got == expected and None in got

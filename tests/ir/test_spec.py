@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -11,13 +12,21 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.rules.simulate import local_inputs
 from autopar.ir.spec import strided_piece, unstride
 from autopar.ir.spec import (
+    REPLICATE_KEY,
     SS,
+    STEP_KINDS,
+    PlacementNumbers,
     Step,
     format_spec,
     is_valid,
     local_shape,
     parse_placement,
     parse_spec,
+    placement_key,
+    routes_between,
+    slot_axis,
+    spec_key,
+    steps_between,
     transition_steps,
 )
 
@@ -173,3 +182,30 @@ def test_a_mesh_axis_of_size_one_carries_only_replicate():
     assert not is_valid((4, 4), (Partial(), Replicate()), (1, 2))
     assert is_valid((4, 4), (Replicate(), Shard(0)), (1, 2))
     assert replicate_size_one_axes((Shard(0), Shard(1)), (1, 2)) == (Replicate(), Shard(1))
+
+
+@pytest.mark.parametrize("num_axes", [3, 4])
+def test_routes_between_are_steps_between_with_the_placements_before_each(num_axes):
+    """``routes_between`` (numpy, many pairs at once) takes ``steps_between``'s steps, in order,
+    each from the placements the walk has reached: every pair of specs over R, P, shards and
+    strided shards, valid or not, possible or not."""
+    placements = [Replicate(), Partial(), Shard(0), Shard(1), SS(1, 2), SS(2, 3)]
+    specs = list(itertools.product(placements, repeat=num_axes))[:: 3 if num_axes == 3 else 17]
+    numbers = PlacementNumbers()
+    rows = np.array([[numbers.number(placement_key(p)) for p in spec] for spec in specs], dtype=numbers.dtype)
+    src, dst = (a.ravel() for a in np.meshgrid(np.arange(len(specs)), np.arange(len(specs)), indexing="ij"))
+    routes = routes_between(rows[src], rows[dst], numbers)
+    assert routes.kinds.shape == (2 * num_axes, len(src)) and not routes.possible.all()
+    for k, (i, j) in enumerate(zip(src.tolist(), dst.tolist())):
+        steps = steps_between(spec_key(specs[i]), spec_key(specs[j]))
+        assert routes.possible[k] == (steps is not None)
+        taken = [
+            (STEP_KINDS[kind], slot_axis(slot, num_axes), before)
+            for slot, (kind, before) in enumerate(zip(routes.kinds[:, k].tolist(), routes.before[:, k].tolist()))
+            if kind
+        ]
+        now, expected = list(spec_key(specs[i])), []
+        for step in steps or ():
+            expected.append((step.kind, step.axis, sum(numbers.number(key) * routes.base**a for a, key in enumerate(now))))
+            now[step.axis] = spec_key(specs[j])[step.axis] if step.kind not in ("all_reduce", "all_gather") else REPLICATE_KEY
+        assert taken == expected, (specs[i], specs[j])

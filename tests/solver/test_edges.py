@@ -157,3 +157,33 @@ def test_hub_formulation_keeps_the_dense_optimum_of_small_models(monkeypatch, mo
     dense_ilp = ShardingILP(dense, None)
     assert not dense_ilp.hub and solution.num_variables < dense_ilp.size()[0]
     assert solution.objective_s == pytest.approx(solve_ilp(dense_ilp, 60.0, "highs").objective_s, rel=1e-9)
+
+
+def test_a_hub_table_prices_its_near_pairs_and_hub_as_transition_cost():
+    """A hub table prices its near pairs and its hub in bulk (numpy): each price is
+    ``transition_cost``'s, to the bit, impossible pairs are left out, and a pair is held (has a
+    y) exactly where the hub, src → replicated → dst, prices it higher."""
+    shape, dtype, mesh = (8, 16, 24), torch.bfloat16, (2, 2, 2)
+    cluster = get_cluster("h100-80g")
+    pricer = edges.Pricer(mesh, cluster)
+    specs = list(itertools.product([R, P, S(0), S(1), S(2)], repeat=3))
+    srcs = [(spec, pricer.code(spec)) for spec in specs[::2]]
+    dsts = [(spec, pricer.code(spec)) for spec in specs[1::2]]
+    edge = edges.Edge("a", 0, "b", 0, shape, dtype, True, False, grad_dtype=torch.float32)
+    prices = edges.price_table(edge, srcs, dsts, pricer, hub=True)
+
+    def cost(src, dst):
+        found = comm.transition_cost(src, dst, shape, dtype, mesh, cluster, True, torch.float32)
+        return None if found is None else (found.forward_s + found.backward_s, found.bytes_sent)
+
+    whole = (R, R, R)
+    assert prices.hub[0] == {src: cost(src, whole)[0] for src, _ in srcs}
+    assert prices.hub[1] == {dst: cost(whole, dst)[0] for dst, _ in dsts if cost(whole, dst) is not None}
+    near = [(srcs[i][0], dsts[j][0]) for i, j in zip(*edges.near_pairs(srcs, dsts))]
+    assert list(prices.items()) == [(pair, cost(*pair)) for pair in near if cost(*pair) is not None]
+    held = [
+        (pair, price)
+        for pair, price in prices.items()
+        if pair[1] not in prices.hub[1] or price[0] < prices.hub[0][pair[0]] + prices.hub[1][pair[1]]
+    ]
+    assert prices.direct_items() == held and 0 < len(held) < len(prices)

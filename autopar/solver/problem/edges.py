@@ -32,12 +32,11 @@ import torch.fx
 
 from autopar.cost import comm
 from autopar.cost.cluster import ClusterSpec
-from torch.distributed.tensor import Replicate
-
-from autopar.ir.spec import Spec, is_sharded, replicated
+from autopar.ir.spec import KIND_PARTIAL, KIND_REPLICATE, KIND_SHARD, PlacementNumbers, Spec, spec_key
 from autopar.rules.registry import normalized_kwargs, tensor_meta
 
 Price = tuple[float, float]  # (seconds forward + backward, bytes sent)
+Item = tuple[tuple[Spec, Spec], Price]
 
 
 class HeldPairs(NamedTuple):
@@ -63,25 +62,27 @@ class EdgePrices(Mapping):
 
     def __init__(
         self,
-        table: dict[tuple[Spec, Spec], Price] | list[tuple[tuple[Spec, Spec], Price]],
+        table: dict[tuple[Spec, Spec], Price] | list[Item] | Callable[[], list[Item]],
         price: Callable[[Spec, Spec], Price | None] | None,
         hub: tuple[dict[Spec, float], dict[Spec, float]] | None = None,
         factor: float = 1.0,
-        routed: frozenset[int] = frozenset(),
+        routed: np.ndarray | None = None,
         held: HeldPairs | None = None,
         coded: tuple[Callable[[Spec], int], Callable[[Spec, Spec, int, int], Price | None]] | None = None,
     ):
-        # A hub's table comes as its (pair, price) items, made a dict only when iterated: a
-        # pair is found by pricing it (``price``, which has them all, by spec codes), and the
-        # dict's keys cost a hash of every placement of both specs, for 10^5 near pairs.
+        # A hub's table comes as its (pair, price) items, or a function that lists them, made a
+        # dict only when iterated (most never are): a pair is found by pricing it (``price``),
+        # and the dict's keys cost a hash of every placement of both specs, for 10^5 near pairs.
         self._table, self._items = table, None
-        if isinstance(table, list):
-            self._table, self._items = (None, table) if price is not None else (dict(table), None)
+        if not isinstance(table, dict):
+            self._table, self._items = None, table
+            if price is None:
+                self._table, self._items = dict(table() if callable(table) else table), None
         self.hub = hub
         self._price = price
         self._asked: dict[tuple[Spec, Spec], Price | None] = {}
         self._factor = factor
-        self._routed = routed  # positions in ``table`` of the pairs the hub prices no higher
+        self._routed = routed  # per item of ``table``: whether the hub prices it no higher
         self._held = held  # ``direct_items`` as arrays (a hub's table; ``held_pairs``)
         self._coded = coded  # a hub's table: its pricer's (``Pricer.code``, ``Pricer.prices_of``)
 
@@ -101,10 +102,9 @@ class EdgePrices(Mapping):
         so where that is equal (a gather to replicated and a local chunk back, on LLaMA-3-8B
         (8, 2, 4) a sixth of the near pairs), the pair needs no y of its own: every item with
         no hub."""
-        if not self._routed:
+        if self._routed is None:
             return list(self.table.items())
-        routed = self._routed
-        return [item for k, item in enumerate(self.table.items()) if k not in routed]
+        return [item for item, routed in zip(self.table.items(), self._routed.tolist()) if not routed]
 
     def held_pairs(self) -> HeldPairs | None:
         """``direct_items`` as arrays, for an ILP that gives them columns of its LP alone
@@ -115,7 +115,8 @@ class EdgePrices(Mapping):
     def table(self) -> dict[tuple[Spec, Spec], Price]:
         """The priced pairs (all, pinned, or near: see the module docstring) and their prices."""
         if self._table is None:
-            self._table, self._items = dict(self._items), None
+            items = self._items
+            self._table, self._items = dict(items() if callable(items) else items), None
         return self._table
 
     def get(self, pair: tuple[Spec, Spec], default=None):
@@ -199,16 +200,30 @@ def reduce_dtype(node: torch.fx.Node) -> torch.dtype | None:
 
 class Pricer:
     """Prices of one (shape, dtype, grad, grad dtype) by spec codes, computed once each: hashing a
-    spec hashes each of its placements, so specs are numbered once (``code``)."""
+    spec hashes each of its placements, so specs are numbered (``code``) by their placements'
+    numbers (``comm.TransitionPrices.numbered``), which read each placement object once."""
 
     def __init__(self, mesh_shape, cluster):
         self.mesh_shape, self.cluster = mesh_shape, cluster
-        self.codes: dict[Spec, int] = {}
+        self.codes: dict[tuple[int, ...], int] = {}  # by the spec's placement numbers
+        self.rows: list[tuple[int, ...]] = []  # and back
         self.known: dict[tuple, dict[tuple[int, int], Price | None]] = {}
         self.transitions = comm.TransitionPrices(mesh_shape, cluster)  # ``comm.transition_cost``, shared work
 
     def code(self, spec: Spec) -> int:
-        return self.codes.setdefault(spec, len(self.codes))
+        row = self.transitions.numbered(spec)
+        found = self.codes.get(row)
+        if found is None:
+            found = self.codes[row] = len(self.rows)
+            self.rows.append(row)
+        return found
+
+    def rows_of(self, specs: list[tuple[Spec, int]]) -> np.ndarray:
+        """The placement numbers of ``specs`` (with their codes), a row each: what
+        ``comm.TransitionPrices.price_pairs`` takes."""
+        rows = self.rows
+        numbered = np.array([rows[code] for _, code in specs], dtype=self.transitions.numbers.dtype)
+        return numbered.reshape(len(specs), len(self.mesh_shape))
 
     def price(self, edge: Edge, src: Spec, dst: Spec, src_code: int, dst_code: int) -> Price | None:
         return self.prices_of(edge)(src, dst, src_code, dst_code)
@@ -248,51 +263,65 @@ def near_pairs(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]]) -> tu
     row-parallel linear's (S, S, P) into a sequence-parallel (S, R, S) is one); or, besides
     those, a dim sharded on two axes that is gathered on one and moved to another dim on the
     other (an all-to-all: a vocabulary-parallel embedding's (S(2), S(2), P) into (S(0), R, S(1))).
-    In the order of ``itertools.product`` (src, then dst), as two arrays: the i, and the j.
-
-    Every (src, dst) at once, with numpy: each placement numbered, ``differ[i, j]`` the mask of
-    the axes where the pair differs (a table of 200 x 200 specs on a 3-axis mesh; in Python,
-    pair by pair, 0.1 s of LLaMA-3-8B's plan on (8, 2, 4))."""
+    In the order of ``itertools.product`` (src, then dst), as two arrays: the i, and the j."""
     if not srcs or not dsts:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    num_axes = len(srcs[0][0])
-    codes: dict = {}
-    src_keys = np.array([[codes.setdefault(p, len(codes)) for p in spec] for spec, _ in srcs], dtype=np.int64)
-    dst_keys = np.array([[codes.setdefault(p, len(codes)) for p in spec] for spec, _ in dsts], dtype=np.int64)
-    replicate = codes.setdefault(Replicate(), len(codes))
-    is_sharded_code = np.zeros(len(codes), dtype=bool)
-    is_sharded_code[[code for placement, code in codes.items() if is_sharded(placement)]] = True
-    bits = 1 << np.arange(num_axes, dtype=np.int64)
-    partial = np.array([sum(1 << a for a, p in enumerate(spec) if p.is_partial()) for spec, _ in srcs], dtype=np.int64)[:, None]
-    whole = np.array([sum(1 << a for a, p in enumerate(spec) if p.is_replicate()) for spec, _ in srcs], dtype=np.int64)[:, None]
-    differ = ((src_keys[:, None, :] != dst_keys[None, :, :]) * bits).sum(axis=2)  # (src, dst) -> axes that differ
-    outside_partial = differ & ~partial
-    # Local chunks out of the replicated axes: any of them, and nothing else.
-    near = (differ & ~whole) == 0
-    # The Partial axes and at most one more: to replicated, or that axis alone.
-    no_partial = partial == 0
-    reduced = (differ & partial) == 0
+    numbers = PlacementNumbers()
+
+    def rows(specs: list[tuple[Spec, int]]) -> np.ndarray:
+        return np.array([[numbers.number(key) for key in spec_key(spec)] for spec, _ in specs], dtype=numbers.dtype)
+
+    src, dst = rows(srcs), rows(dsts)
+    return near_numbered(src, dst, numbers.arrays()[0])
+
+
+def near_numbered(src: np.ndarray, dst: np.ndarray, kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``near_pairs`` of specs as rows of placement numbers (``spec.PlacementNumbers``: 0 is
+    replicated; ``kinds``: each number's ``_kind`` bits).
+
+    Every (src, dst) at once, with numpy: ``differ[i, j]`` the mask of the axes where the pair
+    differs, one byte a pair (a table of 1,800 x 2,900 specs on a 4-axis mesh)."""
+    num_axes = src.shape[1]
+    differ = np.zeros((len(src), len(dst)), dtype=np.uint8)
     for axis in range(num_axes):
-        bit = 1 << axis
-        within = (differ & ~(partial | bit)) == 0
-        allowed = no_partial | (partial & bit != 0) | reduced | (dst_keys[None, :, axis] == replicate)
+        differ |= (src[:, None, axis] != dst[None, :, axis]) * np.uint8(1 << axis)
+    src_kinds = kinds[src]
+    bits = (1 << np.arange(num_axes)).astype(np.uint8)
+    partial = ((src_kinds & KIND_PARTIAL != 0) * bits).sum(axis=1, dtype=np.uint8)
+    whole = ((src_kinds & KIND_REPLICATE != 0) * bits).sum(axis=1, dtype=np.uint8)
+    # Local chunks out of the replicated axes: any of them, and nothing else; or one axis, with no Partial.
+    near = (differ & ~whole[:, None]) == 0
+    near |= (partial == 0)[:, None] & ((differ & (differ - np.uint8(1))) == 0)
+    reducing = np.flatnonzero(partial)
+    if len(reducing):
+        near[reducing] |= _near_reductions(differ[reducing], partial[reducing], src[reducing], dst, kinds)
+    return np.nonzero(near)
+
+
+def _near_reductions(differ: np.ndarray, partial: np.ndarray, src: np.ndarray, dst: np.ndarray, kinds: np.ndarray) -> np.ndarray:
+    """``near_numbered``'s pairs of srcs with Partial axes: the Partial axes and at most one more,
+    to replicated or that axis alone; or a reduction, a gather to replicated on one axis of a
+    dim sharded on two, and an all-to-all on the other."""
+    num_axes = src.shape[1]
+    near = np.zeros(differ.shape, dtype=bool)
+    reduced = (differ & partial[:, None]) == 0
+    for axis in range(num_axes):
+        bit = np.uint8(1 << axis)
+        within = (differ & ~(partial | bit)[:, None]) == 0
+        allowed = ((partial & bit) != 0)[:, None] | reduced | (dst[None, :, axis] == 0)
         near |= within & allowed
-    # A reduction, a gather to replicated on one axis of a dim sharded on two, an all-to-all on the other.
-    dst_whole = dst_keys == replicate
-    dst_sharded = is_sharded_code[dst_keys]
+    outside_partial = differ & ~partial[:, None]
+    dst_whole, dst_sharded = dst == 0, kinds[dst] & KIND_SHARD != 0
     for a, b in itertools.combinations(range(num_axes), 2):
         split = (
-            ~no_partial[:, 0]
-            & (partial[:, 0] >> a & 1 == 0)
-            & (partial[:, 0] >> b & 1 == 0)
-            & (src_keys[:, a] == src_keys[:, b])
-            & is_sharded_code[src_keys[:, a]]
+            (partial >> a & 1 == 0) & (partial >> b & 1 == 0) & (src[:, a] == src[:, b]) & (kinds[src[:, a]] & KIND_SHARD != 0)
         )
-        if not split.any():
+        rows = np.flatnonzero(split)
+        if not len(rows):
             continue
         moved = (dst_whole[:, b] & dst_sharded[:, a]) | (dst_whole[:, a] & dst_sharded[:, b])
-        near |= split[:, None] & ((outside_partial & ~((1 << a) | (1 << b))) == 0) & moved[None, :]
-    return np.nonzero(near)
+        near[rows] |= ((outside_partial[rows] & ~np.uint8((1 << a) | (1 << b))) == 0) & moved[None, :]
+    return near
 
 
 def price_edges(gm: torch.fx.GraphModule, choices: dict, mesh_shape: tuple[int, ...], cluster: ClusterSpec) -> list[Edge]:
@@ -304,25 +333,29 @@ def price_edges(gm: torch.fx.GraphModule, choices: dict, mesh_shape: tuple[int, 
     edges = []
     tables: dict[tuple, EdgePrices] = {}
     pricer = Pricer(mesh_shape, cluster)
-    spec_lists: dict[tuple[int, str, int], tuple[Spec, ...]] = {}
-    interned: dict[tuple[Spec, ...], tuple[Spec, ...]] = {}
-    list_codes: dict[int, tuple[int, ...]] = {}  # by id of an interned list (``interned`` holds them)
+    spec_lists: dict[tuple[int, str, int], tuple[tuple[Spec, ...], tuple[int, ...]]] = {}
+    interned: dict[tuple[int, ...], tuple[tuple[Spec, ...], tuple[int, ...]]] = {}
     hub = uses_hub(mesh_shape)
 
-    def coded(specs: tuple[Spec, ...]) -> list[tuple[Spec, int]]:
-        found = list_codes.get(id(specs))
-        if found is None:
-            found = list_codes[id(specs)] = tuple(pricer.code(spec) for spec in specs)
-        return list(zip(specs, found))
+    def coded(specs: tuple[tuple[Spec, ...], tuple[int, ...]]) -> list[tuple[Spec, int]]:
+        return list(zip(*specs))
 
-    def specs_of(choice, side: str, index: int) -> tuple[Spec, ...]:
+    def specs_of(choice, side: str, index: int) -> tuple[tuple[Spec, ...], tuple[int, ...]]:
+        """The distinct specs of one side of a strategy list, in order (``Choice.out_specs``,
+        ``Choice.in_specs``), and their codes; told apart by the codes, which read placements by
+        identity (hashing a spec hashes each of its placements, in Python)."""
         key = (id(choice.strategies), side, index)
-        if key not in spec_lists:
-            specs = tuple(choice.out_specs(index) if side == "out" else choice.in_specs(index))
+        found = spec_lists.get(key)
+        if found is None:
+            distinct: dict[int, Spec] = {}
+            for strategy in choice.strategies:
+                spec = (strategy.outs if side == "out" else strategy.ins)[index]
+                distinct.setdefault(pricer.code(spec), spec)
             # One object per distinct list (every layer's weights have their own strategy
             # lists), so that the tables below, keyed by identity, are shared between layers.
-            spec_lists[key] = interned.setdefault(specs, specs)
-        return spec_lists[key]
+            codes = tuple(distinct)
+            found = spec_lists[key] = interned.setdefault(codes, (tuple(distinct.values()), codes))
+        return found
 
     grad_dtypes = {node.name: reduce_dtype(node) for node in gm.graph.nodes if reduce_dtype(node) is not None}
     for node in gm.graph.nodes:
@@ -380,33 +413,36 @@ def price_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec,
 def _hub_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]], pricer: Pricer) -> EdgePrices:
     """The near pairs' prices, and the hub: each src's price to the replicated spec and the
     replicated spec's to each dst; the pairs the hub prices no higher are ``routed``, the
-    others ``held`` (by their positions in ``srcs`` and ``dsts``)."""
-    src_rows, dst_columns = near_pairs(srcs, dsts)
-    prices = pricer.prices_of(edge)
-    whole = replicated(len(pricer.mesh_shape))
-    whole_code = pricer.code(whole)
-    outs = [prices(src, whole, code, whole_code)[0] for src, code in srcs]
-    ins = [None if (price := prices(whole, dst, whole_code, code)) is None else price[0] for dst, code in dsts]
+    others ``held`` (by their positions in ``srcs`` and ``dsts``). All priced at once, with
+    numpy (``comm.TransitionPrices.price_pairs``: 10^6 near pairs on a 4-axis mesh)."""
+    transitions = pricer.transitions
+    src_rows, dst_rows = pricer.rows_of(srcs), pricer.rows_of(dsts)
+    rows, columns = near_numbered(src_rows, dst_rows, transitions.numbers.arrays()[0])
+    # One call prices each src → replicated (placement number 0 on every axis), replicated → each dst, and the near pairs.
+    whole = np.zeros((1, len(pricer.mesh_shape)), dtype=src_rows.dtype)
+    src_all = np.concatenate([src_rows, np.broadcast_to(whole, dst_rows.shape), src_rows[rows]])
+    dst_all = np.concatenate([np.broadcast_to(whole, src_rows.shape), dst_rows, dst_rows[columns]])
+    key = (edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype)
+    possible, seconds, sent = transitions.price_pairs(src_all, dst_all, *key)
+    hub = slice(len(srcs), len(srcs) + len(dsts))
+    outs, ins, into = seconds[: len(srcs)], seconds[hub], possible[hub]
+    possible, seconds, sent = (column[hub.stop :] for column in (possible, seconds, sent))
     via = (
-        {src: seconds for (src, _), seconds in zip(srcs, outs)},
-        {dst: seconds for (dst, _), seconds in zip(dsts, ins) if seconds is not None},
+        dict(zip([src for src, _ in srcs], outs.tolist())),
+        {dst: seconds for (dst, _), seconds, possible in zip(dsts, ins.tolist(), into.tolist()) if possible},
     )
-    items, routed, direct, direct_s = [], [], [], []
-    for k, (i, j) in enumerate(zip(src_rows.tolist(), dst_columns.tolist())):
-        (src, src_code), (dst, dst_code) = srcs[i], dsts[j]
-        price = prices(src, dst, src_code, dst_code)
-        if price is not None:
-            into = ins[j]
-            if into is not None and price[0] >= outs[i] + into:
-                routed.append(len(items))
-            else:
-                direct.append(k)
-                direct_s.append(price[0])
-            items.append(((src, dst), price))
-    direct = np.array(direct, dtype=np.int64)
-    held = HeldPairs(src_rows[direct], dst_columns[direct], np.array(direct_s, dtype=float), len(srcs), len(dsts))
-    coded = (pricer.code, prices)
-    return EdgePrices(items, pricer.on_demand(edge), via, routed=frozenset(routed), held=held, coded=coded)
+    routed = possible & (seconds >= outs[rows] + np.where(into, ins, np.inf)[columns])
+    direct = np.flatnonzero(possible & ~routed)
+    held = HeldPairs(rows[direct], columns[direct], seconds[direct], len(srcs), len(dsts))
+    kept = np.flatnonzero(possible)
+    items = functools.partial(_items, srcs, dsts, (rows[kept], columns[kept], seconds[kept], sent[kept]))
+    coded = (pricer.code, pricer.prices_of(edge))
+    return EdgePrices(items, pricer.on_demand(edge), via, routed=routed[kept], held=held, coded=coded)
+
+
+def _items(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]], pairs: tuple[np.ndarray, ...]) -> list[Item]:
+    """A hub table's (pair, price) items: ``pairs`` as (src positions, dst positions, seconds, bytes sent)."""
+    return [((srcs[i][0], dsts[j][0]), (seconds, sent)) for i, j, seconds, sent in zip(*(column.tolist() for column in pairs))]
 
 
 # Composite ops that write arguments their schema does not mark as written: they update running
