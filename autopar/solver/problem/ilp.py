@@ -211,6 +211,7 @@ class ShardingILP:
         # A gathered parameter's edge keeps a y for every pair: its memory rows weigh them
         # (``_MemoryTerms``), which a pair routed through the hub would not be.
         gathered = {item.edge for item in self.graph.gathered.values()}
+        groups: dict[tuple, tuple] = {}  # ``_spec_groups``'
         for e, edge in enumerate(self.graph.edges):
             consumer = self.graph.choices[edge.consumer]
             if consumer.follower_of == edge.producer:
@@ -242,18 +243,17 @@ class ShardingILP:
             # Group once, so each family is linear in the number of y and x terms.
             y_out, y_in = _by_spec(self.y[e])
             self._add_hub(e, edge, y_out, y_in)
-            x_out: dict[Spec, list] = {}
-            for s, strategy in enumerate(producer.strategies):
-                x_out.setdefault(strategy.outs[edge.out_index], []).append(self.x[edge.producer][s])
-            x_in: dict[Spec, list] = {}
-            for s, strategy in enumerate(consumer.strategies):
-                x_in.setdefault(strategy.ins[edge.in_index], []).append(self.x[edge.consumer][s])
+            x_out, x_in = self.x[edge.producer], self.x[edge.consumer]
+            out_groups = _spec_groups(producer.strategies, True, edge.out_index, groups)
+            in_groups = _spec_groups(consumer.strategies, False, edge.in_index, groups)
             row = len(self.rows_by_name())
-            srcs, dsts = producer.out_specs(edge.out_index), consumer.in_specs(edge.in_index)
-            for p in srcs:
-                self.problem += _difference(y_out.get(p, []), x_out[p]) == 0, f"edge_out__{e}__{spec_name(p)}"
-            for q in dsts:
-                self.problem += _difference(y_in.get(q, []), x_in[q]) == 0, f"edge_in__{e}__{spec_name(q)}"
+            srcs, dsts = list(out_groups), list(in_groups)
+            for p, at in out_groups.items():
+                x_p = [x_out[s] for s in at]
+                self.problem += _difference(y_out.get(p, []), x_p) == 0, f"edge_out__{e}__{spec_name(p)}"
+            for q, at in in_groups.items():
+                x_q = [x_in[s] for s in at]
+                self.problem += _difference(y_in.get(q, []), x_q) == 0, f"edge_in__{e}__{spec_name(q)}"
             if held is not None:
                 self.held.hold(e, self.y[e], self._y_seconds[e], (list(srcs), list(dsts)), held, row)
 
@@ -618,6 +618,29 @@ class _MemoryTerms:
         used = used[used != 0]
         coefs = dict(zip([self.variables[slot] for slot in used], total[used].tolist()))
         return pulp.LpAffineExpression(coefs, constant=float(total[0]))
+
+
+def _spec_groups(strategies: list, outs: bool, index: int, cache: dict) -> dict[Spec, list[int]]:
+    """The strategies by their spec of output (``outs``) or input ``index``: {spec: their
+    positions}, specs in first-seen order (``Choice.out_specs``), positions in order. Once per
+    strategy list (repeated layers and identical ops share theirs), grouped by the identity of
+    the spec objects first (a list holds few: ``rules.registry.expand_rows`` interns them), then
+    by the specs, whose hashes are torch's placements' in Python."""
+    key = (id(strategies), outs, index)
+    found = cache.get(key)
+    if found is None:
+        by_id: dict[int, tuple[Spec, list[int]]] = {}
+        for s, strategy in enumerate(strategies):
+            spec = strategy.outs[index] if outs else strategy.ins[index]
+            entry = by_id.get(id(spec))
+            if entry is None:
+                entry = by_id[id(spec)] = (spec, [])
+            entry[1].append(s)
+        merged: dict[Spec, list[int]] = {}
+        for spec, positions in by_id.values():
+            merged[spec] = sorted(merged[spec] + positions) if spec in merged else positions
+        found = cache[key] = (merged, strategies)  # the list held, so that its id stays its own
+    return found[0]
 
 
 def _by_spec(y: dict[tuple[Spec, Spec], pulp.LpVariable]) -> tuple[dict[Spec, list], dict[Spec, list]]:
