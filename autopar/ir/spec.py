@@ -147,23 +147,51 @@ def is_valid(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> boo
     strided dim must divide into its blocks times the axis size, on that one axis alone. A mesh
     axis of size 1 carries only ``R``: there a shard is the whole tensor and a partial sum has
     one term, so S and P would only name R differently, and plans that mix the names ask for
-    transitions (S to P) that no collective makes."""
-    factors = [1] * len(shape)  # the product of the axis sizes that shard each dim
+    transitions (S to P) that no collective makes.
+
+    Axis by axis (``axis_cut``), outermost first: a dim cut on several axes must divide by each
+    size in turn, which is dividing by their product; a strided dim must meet no other cut."""
+    remaining = list(shape)  # each dim's size over the sizes of the axes that cut it so far
+    cut_dims = strided_dims = 0  # bit d: dim d is cut (strided) on some axis so far
     for axis, placement in enumerate(spec):
-        kind = _kind(placement)
-        if mesh_shape[axis] == 1 and not kind & _REPLICATE:
+        cut = axis_cut(shape, placement, mesh_shape[axis])
+        if cut is None:
             return False
-        if not kind & _SHARD:
+        dim, strided = cut
+        if dim < 0:
             continue
-        if not 0 <= placement.dim < len(shape):
+        bit = 1 << dim
+        if strided_dims & bit or strided and cut_dims & bit or remaining[dim] % mesh_shape[axis]:
             return False
-        if kind & _STRIDED:
-            if shape[placement.dim] % (placement.split_factor * mesh_shape[axis]):
-                return False
-            if any(is_sharded(p) and p.dim == placement.dim for a, p in enumerate(spec) if a != axis):
-                return False
-        factors[placement.dim] *= mesh_shape[axis]
-    return all(size % factor == 0 for size, factor in zip(shape, factors))
+        remaining[dim] //= mesh_shape[axis]
+        cut_dims |= bit
+        if strided:
+            strided_dims |= bit
+    return True
+
+
+_UNCUT = (-1, False)
+
+
+def axis_cut(shape: Sequence[int], placement: Placement, size: int) -> tuple[int, bool] | None:
+    """What ``placement`` on one mesh axis of ``size`` does to a tensor of ``shape``, the part of
+    ``is_valid`` that looks at one axis: None where that axis alone makes a spec invalid (a shard
+    or partial sum on an axis of size 1, a dim the tensor lacks, a strided dim whose blocks do not
+    divide into ``size`` chunks); else ``(dim, strided)``, the dim it cuts into ``size`` parts
+    (-1: none). ``registry.expand_rows`` checks whole strategies from these, per row and axis."""
+    kind = _kind(placement)
+    if size == 1 and not kind & _REPLICATE:
+        return None
+    if not kind & _SHARD:
+        return _UNCUT
+    dim = placement.dim
+    if not 0 <= dim < len(shape):
+        return None
+    if kind & _STRIDED:
+        if shape[dim] % (placement.split_factor * size):
+            return None
+        return (dim, True)
+    return (dim, False)
 
 
 def replicate_size_one_axes(spec: Spec, mesh_shape: Sequence[int]) -> Spec:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -27,7 +26,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.ir.spec import Placement, Spec, is_valid
+from autopar.ir.spec import Placement, Spec, axis_cut
 
 aten = torch.ops.aten
 
@@ -253,7 +252,11 @@ def fallback_strategy(info: OpInfo, num_axes: int) -> Strategy:
 
 
 def expand_rows(info: OpInfo, rows: Iterable[Row], mesh_shape: Sequence[int], source: str = "rule") -> list[Strategy]:
-    """Cartesian product of per-axis rows, keeping combinations with even shards everywhere."""
+    """Cartesian product of per-axis rows, keeping combinations with even shards everywhere
+    (``spec.is_valid``), one kernel at most, and a single-axis kernel on one axis, in the
+    product's order. The product is walked axis by axis and a prefix that already fails is not
+    extended: a dim cut on several axes must divide by each of their sizes in turn
+    (``spec.axis_cut`` per row and axis, computed once)."""
     rows = _dedupe(rows)
     for row in rows:
         if len(row.ins) != len(info.inputs) or len(row.outs) != len(info.out_shapes):
@@ -262,30 +265,109 @@ def expand_rows(info: OpInfo, rows: Iterable[Row], mesh_shape: Sequence[int], so
                 f"{len(row.outs)} outputs; the op has {len(info.inputs)} tensor inputs and "
                 f"{len(info.out_shapes)} outputs ({info.describe()})"
             )
-    strategies: list[Strategy] = []
-    seen: set[tuple] = set()
     # A mesh axis of size 1 carries only R (``spec.is_valid``): the op runs whole on it.
-    whole = [replicate_row(info)]
-    per_axis = [whole if size == 1 else rows for size in mesh_shape]
-    for combo in itertools.product(*per_axis):
-        kernels = {row.kernel for row in combo if row.kernel is not None}
-        if len(kernels) > 1:
-            continue
-        ins = tuple(tuple(row.ins[i] for row in combo) for i in range(len(info.inputs)))
-        outs = tuple(tuple(row.outs[i] for row in combo) for i in range(len(info.out_shapes)))
-        if not all(is_valid(arg.shape, spec, mesh_shape) for arg, spec in zip(info.inputs, ins)):
-            continue
-        if not all(is_valid(shape, spec, mesh_shape) for shape, spec in zip(info.out_shapes, outs)):
-            continue
+    rows.append(replicate_row(info))
+    shapes = [arg.shape for arg in info.inputs] + list(info.out_shapes)
+    cuts = {size: [_row_cuts(row, shapes, size) for row in rows] for size in set(mesh_shape)}
+    whole = len(rows) - 1
+    candidates = [[whole] if size == 1 else range(whole) for size in mesh_shape]
+    combos = _valid_combos(rows, candidates, [cuts[size] for size in mesh_shape], [s for shape in shapes for s in shape])
+    return _strategies(info, rows, combos, source)
+
+
+def _row_cuts(row: Row, shapes: list[tuple[int, ...]], size: int) -> tuple | None:
+    """What ``row`` does on one mesh axis of ``size`` (``spec.axis_cut`` of each placement): None
+    where that alone is invalid, else the (position, size) of each dim it cuts, positions
+    numbering the dims of every input and output in turn, and the masks of the positions it
+    cuts and cuts strided."""
+    cuts, cut_mask, strided_mask, offset = [], 0, 0, 0
+    for shape, placement in zip(shapes, row.ins + row.outs):
+        cut = axis_cut(shape, placement, size)
+        if cut is None:
+            return None
+        if cut[0] >= 0:
+            position = offset + cut[0]
+            cuts.append((position, size))
+            cut_mask |= 1 << position
+            if cut[1]:
+                strided_mask |= 1 << position
+        offset += len(shape)
+    return tuple(cuts), cut_mask, strided_mask
+
+
+def _valid_combos(rows: list[Row], candidates: list, cuts: list[list], sizes: list[int]) -> list[tuple[int, ...]]:
+    """The combinations (a row index per axis, from ``candidates``) that ``is_valid`` and the
+    kernel rules keep, in ``itertools.product`` order: each prefix is extended by each row in
+    turn. ``cuts[axis][row]``: ``_row_cuts``; ``sizes``: every dim's size, by position."""
+    # A prefix: (row indices, each dim's size left to cut, cut mask, strided mask, kernel, kernel axes)
+    prefixes = [((), tuple(sizes), 0, 0, None, 0)]
+    for axis, rows_here in enumerate(candidates):
+        extended = []
+        for combo, remaining, cut_mask, strided_mask, kernel, num_kernel in prefixes:
+            for r in rows_here:
+                found = cuts[axis][r]
+                if found is None:
+                    continue
+                row_kernel = rows[r].kernel
+                if row_kernel is not None:
+                    if kernel is not None and row_kernel != kernel:
+                        continue
+                    if num_kernel and row_kernel in SINGLE_AXIS_KERNELS:
+                        continue
+                row_cuts, row_cut_mask, row_strided_mask = found
+                if row_strided_mask & cut_mask or strided_mask & row_cut_mask:
+                    continue  # a strided dim is cut on its one axis alone
+                left = _divide(remaining, row_cuts) if row_cuts else remaining
+                if left is None:
+                    continue
+                extended.append(
+                    (
+                        combo + (r,),
+                        left,
+                        cut_mask | row_cut_mask,
+                        strided_mask | row_strided_mask,
+                        kernel if row_kernel is None else row_kernel,
+                        num_kernel + (row_kernel is not None),
+                    )
+                )
+        prefixes = extended
+    return [prefix[0] for prefix in prefixes]
+
+
+def _divide(remaining: tuple[int, ...], cuts: tuple[tuple[int, int], ...]) -> tuple[int, ...] | None:
+    """``remaining`` (each dim's size left to cut, by position) after ``cuts``; None where a
+    size does not divide."""
+    left = list(remaining)
+    for position, size in cuts:
+        if left[position] % size:
+            return None
+        left[position] //= size
+    return tuple(left)
+
+
+def _strategies(info: OpInfo, rows: list[Row], combos: list[tuple[int, ...]], source: str) -> list[Strategy]:
+    """A ``Strategy`` per combination of rows (a row index per axis); rows of equal contents
+    (one rule's ``out`` given as a placement and as a 1-tuple) give one strategy once."""
+    first: dict[tuple, int] = {}
+    same = [first.setdefault((row.ins, row.outs, row.kernel, row.whole_grad), r) for r, row in enumerate(rows)]
+    # The last row (``expand_rows``'s replicated one) stands alone on its axes: it never meets another.
+    seen: set[tuple] | None = set() if len(set(same[:-1])) < len(rows) - 1 else None
+    row_ins, row_outs = [row.ins for row in rows], [row.outs for row in rows]
+    no_ins, no_outs = ((),) * len(info.inputs), ((),) * len(info.out_shapes)
+    any_whole_grad = any(row.whole_grad for row in rows)
+    strategies: list[Strategy] = []
+    for combo in combos:
+        if seen is not None:
+            key = tuple(same[r] for r in combo)
+            if key in seen:
+                continue
+            seen.add(key)
+        kernels = {rows[r].kernel for r in combo} - {None}
         kernel = kernels.pop() if kernels else None
-        kernel_axes = tuple(a for a, row in enumerate(combo) if kernel and row.kernel == kernel)
-        if kernel in SINGLE_AXIS_KERNELS and len(kernel_axes) > 1:
-            continue
-        whole_grad = tuple((i, a) for a, row in enumerate(combo) for i in row.whole_grad)
-        key = (ins, outs, kernel, kernel_axes, whole_grad)
-        if key in seen:
-            continue
-        seen.add(key)
+        kernel_axes = tuple(a for a, r in enumerate(combo) if rows[r].kernel == kernel) if kernel else ()
+        whole_grad = tuple((i, a) for a, r in enumerate(combo) for i in rows[r].whole_grad) if any_whole_grad else ()
+        ins = tuple(zip(*[row_ins[r] for r in combo])) if combo else no_ins
+        outs = tuple(zip(*[row_outs[r] for r in combo])) if combo else no_outs
         strategies.append(Strategy(ins, outs, kernel, kernel_axes, source, whole_grad))
     return strategies
 

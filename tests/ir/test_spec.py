@@ -209,3 +209,29 @@ def test_routes_between_are_steps_between_with_the_placements_before_each(num_ax
             expected.append((step.kind, step.axis, sum(numbers.number(key) * routes.base**a for a, key in enumerate(now))))
             now[step.axis] = spec_key(specs[j])[step.axis] if step.kind not in ("all_reduce", "all_gather") else REPLICATE_KEY
         assert taken == expected, (specs[i], specs[j])
+
+
+def test_is_valid_divides_each_dim_by_the_product_of_its_axes():
+    """Per dim, the product of the sizes of the axes that cut it must divide it; a strided dim
+    also its blocks times its axis, on that axis alone; only R on an axis of size 1."""
+    import itertools
+    import math
+
+    from autopar.ir.spec import SS, is_sharded, is_strided
+
+    shape, mesh = (12, 6, 8), (2, 3, 2, 1)
+    placements = [Replicate(), Partial(), Shard(0), Shard(1), Shard(2), Shard(3), SS(0, 3), SS(1, 2), SS(2, 2)]
+    for spec in itertools.product(placements, repeat=len(mesh)):
+        cuts = [(axis, p.dim) for axis, p in enumerate(spec) if is_sharded(p)]
+        strided = [(axis, p) for axis, p in enumerate(spec) if is_strided(p)]
+        expected = (
+            all(isinstance(p, Replicate) for p, n in zip(spec, mesh) if n == 1)
+            and all(dim < len(shape) for _, dim in cuts)
+            and all(size % math.prod(mesh[axis] for axis, d in cuts if d == dim) == 0 for dim, size in enumerate(shape))
+            and all(
+                shape[p.dim] % (p.split_factor * mesh[axis]) == 0 and sum(d == p.dim for _, d in cuts) == 1
+                for axis, p in strided
+                if p.dim < len(shape)
+            )
+        )
+        assert is_valid(shape, spec, mesh) == expected, spec

@@ -996,3 +996,61 @@ def test_expand_rows_keeps_valid_combinations_once_each_in_product_order():
     assert specs == [(a, R, b) for a in (R, S(0), S(1), P) for b in (R, S(0), P)]
     assert all(strategy.outs[0] == strategy.ins[0] for strategy in strategies)
     assert len(set(specs)) == len(specs)
+
+
+def _expand_by_product(info, rows, mesh):
+    """``expand_rows`` as its docstring defines it: every combination of the product, kept where
+    each spec ``is_valid``, with one kernel at most (a single-axis one on one axis), once each."""
+    import itertools
+
+    from autopar.ir.spec import is_valid
+    from autopar.rules.registry import SINGLE_AXIS_KERNELS, replicate_row
+
+    kept, seen = [], set()
+    per_axis = [[replicate_row(info)] if size == 1 else rows for size in mesh]
+    shapes = [arg.shape for arg in info.inputs] + list(info.out_shapes)
+    for combo in itertools.product(*per_axis):
+        kernels = {row.kernel for row in combo} - {None}
+        kernel = kernels.pop() if len(kernels) == 1 else None
+        kernel_axes = tuple(a for a, row in enumerate(combo) if kernel and row.kernel == kernel)
+        ins = tuple(tuple(row.ins[i] for row in combo) for i in range(len(info.inputs)))
+        outs = tuple(tuple(row.outs[i] for row in combo) for i in range(len(info.out_shapes)))
+        if len(kernels) > 0 or (kernel in SINGLE_AXIS_KERNELS and len(kernel_axes) > 1):
+            continue
+        if not all(is_valid(shape, spec, mesh) for shape, spec in zip(shapes, ins + outs)):
+            continue
+        whole_grad = tuple((i, a) for a, row in enumerate(combo) for i in row.whole_grad)
+        key = (ins, outs, kernel, kernel_axes, whole_grad)
+        if key not in seen:
+            seen.add(key)
+            kept.append(Strategy(ins, outs, kernel, kernel_axes, "rule", whole_grad))
+    return kept
+
+
+@pytest.mark.parametrize("mesh", [(2, 3, 2), (4, 2, 2, 2), (2, 1, 4), (3, 4)], ids=str)
+def test_expand_rows_equals_the_filtered_product(mesh):
+    """Walking the axes with the divisibility checked per axis keeps exactly the combinations,
+    in the order, that checking each combination of the product whole keeps: strided shards,
+    kernels (one on one axis only among them), whole gradients and twice-spelt rows included."""
+    import random
+
+    from autopar.rules.registry import SINGLE_AXIS_KERNELS, Row, expand_rows
+
+    x, y = torch.randn(12, 8, 6), torch.randn(12, 8, 6)
+    info = op_info_from_values("t", torch.ops.aten.add.Tensor, {"self": x, "other": y}, x + y)
+    placements = [R, P, S(0), S(1), S(2), S(3), SS(1, 2), SS(2, 3), SS(0, 4)]
+    rng = random.Random(34)
+    SINGLE_AXIS_KERNELS.add("test_single_axis")
+    try:
+        for _ in range(12):
+            rows = []
+            for _ in range(rng.randint(3, 9)):
+                ins = (rng.choice(placements), rng.choice(placements))
+                out = rng.choice(placements)
+                kernel = rng.choice([None, None, "k", "other", "test_single_axis"])
+                whole_grad = (1,) if ins[1] == R and rng.random() < 0.3 else ()
+                rows.append(Row(ins, out if rng.random() < 0.7 else (out,), kernel, whole_grad))
+            rows.append(Row((R, R), R))
+            assert expand_rows(info, rows, mesh) == _expand_by_product(info, rows, mesh)
+    finally:
+        SINGLE_AXIS_KERNELS.discard("test_single_axis")
