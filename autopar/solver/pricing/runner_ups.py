@@ -14,6 +14,7 @@ solved, and deterministic (ties are broken by strategy index).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -58,18 +59,16 @@ def explain_decisions(
         members = _members(base, followers)
         ordered = sorted(members, key=position.__getitem__)
         decision = _Decision(graph, solution, base, ordered, edges_of, groups, memo)
-        costs = decision.price(len(choice.strategies))
-        priced = [(s, cost) for s, cost in enumerate(costs) if cost is not None]
+        costs = decision.costs(len(choice.strategies))
         chosen = solution.choice[rep]
-        ranked = sorted(priced, key=lambda item: (item[0] != chosen, item[1]["total_s"], item[0]))
-        kept = ranked[: top_k + 1]
-        candidates = [_candidate(graph, rep, s, decision, cost, s == chosen, memo) for s, cost in kept]
+        ranked = costs.ranked(chosen)
+        candidates = [_candidate(graph, rep, s, decision, costs.record(s), s == chosen, memo) for s in ranked[: top_k + 1]]
         decisions[rep] = {
             "members": ordered,
             "fqns": [graph.choices[n].fqn for n in ordered if graph.choices[n].fqn],
             "num_strategies": len(choice.strategies),
-            "num_impossible": len(choice.strategies) - len(priced),
-            "binding": _binding(ranked, chosen, memory_budget, solution.status),
+            "num_impossible": len(choice.strategies) - len(ranked),
+            "binding": _binding(costs, chosen, memory_budget, solution.status),
             "candidates": candidates,
         }
     return decisions
@@ -153,6 +152,38 @@ def _members(base: set[str], followers: dict[str, list[str]]) -> set[str]:
                 members.add(follower)
                 stack.append(follower)
     return members
+
+
+@dataclass(frozen=True)
+class Costs:
+    """A decision's counterfactuals (``_Decision.costs``), one entry per strategy: the terms of
+    the objective its members cost when the decision takes it, everything else as solved, and
+    whether every resharding it asks for is possible."""
+
+    compute_s: np.ndarray
+    param_sync_merge_s: np.ndarray
+    reshard_in_s: np.ndarray
+    reshard_out_s: np.ndarray
+    memory_bytes: np.ndarray
+    total_s: np.ndarray
+    possible: np.ndarray
+
+    def record(self, s: int) -> dict[str, float]:
+        """Strategy ``s``'s terms by name (its ``total_s`` their sum, in this order)."""
+        return {
+            "compute_s": float(self.compute_s[s]),
+            "param_sync_merge_s": float(self.param_sync_merge_s[s]),
+            "reshard_in_s": float(self.reshard_in_s[s]),
+            "reshard_out_s": float(self.reshard_out_s[s]),
+            "memory_bytes": float(self.memory_bytes[s]),
+            "total_s": float(self.total_s[s]),
+        }
+
+    def ranked(self, chosen: int) -> list[int]:
+        """The possible strategies, ``chosen`` first, then by total, ties by index."""
+        strategies = np.flatnonzero(self.possible)
+        order = np.lexsort((strategies, self.total_s[strategies], strategies != chosen))
+        return strategies[order].tolist()
 
 
 class _Decision:
@@ -239,95 +270,115 @@ class _Decision:
 
     def price(self, num_strategies: int) -> list[dict[str, float] | None]:
         """Per strategy of the decision: seconds and bytes the members cost when it takes that
-        strategy, everything else as solved; None if a resharding is impossible. Keeps each
-        strategy's slot indices for ``member_sum``."""
+        strategy, everything else as solved (``Costs.record``); None if a resharding is impossible."""
+        costs = self.costs(num_strategies)
+        return [costs.record(s) if costs.possible[s] else None for s in range(num_strategies)]
+
+    def costs(self, num_strategies: int) -> Costs:
+        """``price`` of every strategy at once, as arrays. Keeps each strategy's slot indices for
+        ``member_sum``."""
         graph = self.graph
-        self.indices = [self._indices(s) for s in range(num_strategies)]
-        compute, memory, reshard_in, reshard_out, merged, possible = [], [], [], [], [], []
+        self.indices = index = self._index_table(num_strategies)
         choices = [graph.choices[rep] for rep in self.reps]
-        for index in self.indices:
-            compute.append([choice.compute_s[i] for choice, i in zip(choices, index)])
-            memory.append([choice.memory_bytes[i] for choice, i in zip(choices, index)])
-            # Parameter reductions run once per parameter: the members' per-use prices give way
-            # to each group a member uses, priced once.
-            merged_s = -sum(refund[index[slot]] for slot, refund in self.refunds)
-            for total_s, outside, uses in self.synced:
-                if outside or any(index[slot] in wanted for slot, wanted in uses):
-                    merged_s += total_s
-            merged.append(merged_s)
-            seconds = self._reshard_s(index)
-            possible.append(seconds is not None)
-            seconds = seconds or [0.0] * len(self.edges)
-            reshard_in.append([x if edge[2] else 0.0 for x, edge in zip(seconds, self.edges)])
-            reshard_out.append([0.0 if edge[2] else x for x, edge in zip(seconds, self.edges)])
+        compute = np.empty(index.shape)
+        memory = np.empty(index.shape)
+        for slot, choice in enumerate(choices):
+            compute[:, slot] = np.asarray(choice.compute_s, dtype=float)[index[:, slot]]
+            memory[:, slot] = np.asarray(choice.memory_bytes, dtype=float)[index[:, slot]]
+        seconds, possible = self._reshard_s(index)
+        enters = np.array([edge[2] for edge in self.edges], dtype=bool)
         compute_s, memory_bytes = _in_order(compute, self.columns), _in_order(memory, self.columns)
-        reshard_in_s = _in_order(reshard_in, self.edge_columns)
-        reshard_out_s = _in_order(reshard_out, self.edge_columns)
-        return [
-            {
-                "compute_s": compute_s[s],
-                "param_sync_merge_s": merged[s],
-                "reshard_in_s": reshard_in_s[s],
-                "reshard_out_s": reshard_out_s[s],
-                "memory_bytes": memory_bytes[s],
-                "total_s": compute_s[s] + merged[s] + reshard_in_s[s] + reshard_out_s[s],
-            }
-            if possible[s]
-            else None
-            for s in range(num_strategies)
-        ]
+        reshard_in_s = _in_order(np.where(enters, seconds, 0.0), self.edge_columns)
+        reshard_out_s = _in_order(np.where(enters, 0.0, seconds), self.edge_columns)
+        merged = self._merged_s(index)
+        total_s = compute_s + merged + reshard_in_s + reshard_out_s
+        return Costs(compute_s, merged, reshard_in_s, reshard_out_s, memory_bytes, total_s, possible)
 
-    def _reshard_s(self, index: list[int]) -> list[float] | None:
-        """Resharding seconds per edge slot when the slots take ``index`` (0.0 where the spec
-        does not change); None if one is impossible."""
-        seconds = []
-        for edge, edge_class, _, src_slot, src_index, dst_slot, dst_index in self.edges:
-            price = _edge_price(
-                self.memo,
-                edge,
-                edge_class,
-                src_index if src_slot is None else index[src_slot],
-                dst_index if dst_slot is None else index[dst_slot],
-            )
-            if price is None:
-                return None
-            seconds.append(0.0 if price is False else price[0])
-        return seconds
+    def _merged_s(self, index: np.ndarray) -> np.ndarray:
+        """Per strategy, the parameter reductions' change: they run once per parameter, so the
+        members' per-use prices give way to each group a member uses, priced once (a ``+=``
+        per term, in order, for all strategies at once)."""
+        refunded = np.zeros(len(index))
+        for slot, refund in self.refunds:
+            refunded += np.asarray(refund, dtype=float)[index[:, slot]]
+        merged = -refunded
+        for total_s, outside, uses in self.synced:
+            if outside:
+                merged += total_s
+                continue
+            needed = np.zeros(len(index), dtype=bool)
+            for slot, wanted in uses:
+                wants = np.zeros(len(self.graph.choices[self.reps[slot]].strategies), dtype=bool)
+                wants[list(wanted)] = True
+                needed |= wants[index[:, slot]]
+            merged[needed] += total_s
+        return merged
 
-    def _indices(self, s: int) -> list[int]:
-        """Strategy index of each slot when the decision takes strategy ``s``."""
+    def _reshard_s(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Resharding seconds per (strategy, edge slot) when the slots take ``index`` (0.0
+        where the spec does not change), and whether each strategy's are all possible. Edge
+        slots are priced in order, each for the strategies that every earlier one allows, and
+        each distinct (src, dst) of a slot once: the pairs a strategy-by-strategy walk that
+        stops at the first impossible edge prices."""
+        num_strategies = len(index)
+        seconds = np.zeros((num_strategies, len(self.edges)))
+        alive = np.arange(num_strategies)
+        for e, (edge, edge_class, _, src_slot, src_index, dst_slot, dst_index) in enumerate(self.edges):
+            if not len(alive):
+                break
+            src = index[alive, src_slot] if src_slot is not None else np.full(len(alive), src_index)
+            dst = index[alive, dst_slot] if dst_slot is not None else np.full(len(alive), dst_index)
+            width = int(dst.max()) + 1
+            pairs, inverse = np.unique(src * width + dst, return_inverse=True)
+            found = [_edge_price(self.memo, edge, edge_class, *divmod(pair, width)) for pair in pairs.tolist()]
+            possible = np.array([price is not None for price in found], dtype=bool)
+            values = np.array([0.0 if price is None or price is False else price[0] for price in found])
+            inverse = inverse.reshape(-1)
+            seconds[alive, e] = values[inverse]
+            alive = alive[possible[inverse]]
+        possible = np.zeros(num_strategies, dtype=bool)
+        possible[alive] = True
+        return seconds, possible
+
+    def _index_table(self, num_strategies: int) -> np.ndarray:
+        """Strategy index of each slot (a column) when the decision takes each strategy (a row)."""
         graph, memo = self.graph, self.memo
-        index: list[int] = []
-        for rep, follow in zip(self.reps, self.follows):
+        index = np.empty((num_strategies, len(self.reps)), dtype=np.intp)
+        for slot, (rep, follow) in enumerate(zip(self.reps, self.follows)):
             if follow is None:
-                index.append(s)
+                index[:, slot] = np.arange(num_strategies)
                 continue
             prefix, producer_slot = follow
-            key = (*prefix, index[producer_slot])
-            found = memo.follow.get(key)
-            if found is None:
-                producer, out_index = graph.choices[rep].inputs[0]
-                spec = graph.choices[producer].strategies[index[producer_slot]].outs[out_index]
-                found = memo.follow[key] = _index_by_input(graph.choices[rep].strategies, memo.by_input)[spec]
-            index.append(found)
+            producer_index = index[:, producer_slot]
+            values = np.unique(producer_index)
+            found = []
+            for value in values.tolist():
+                key = (*prefix, value)
+                follows = memo.follow.get(key)
+                if follows is None:
+                    producer, out_index = graph.choices[rep].inputs[0]
+                    spec = graph.choices[producer].strategies[value].outs[out_index]
+                    follows = memo.follow[key] = _index_by_input(graph.choices[rep].strategies, memo.by_input)[spec]
+                found.append(follows)
+            index[:, slot] = np.array(found, dtype=np.intp)[np.searchsorted(values, producer_index)]
         return index
 
     def member_sum(self, term: Callable[[_Memo, str, int], float], s: int) -> float:
         """``sum`` of ``term(memo, member, its index)`` over the members in graph order when the
         decision takes strategy ``s`` (``_grad_sync_s``, ``_kernel_comm_s``: terms that depend
         on a member's class, index and ``_Memo.inputs_key``)."""
-        index = self.indices[s]
+        index = self.indices[s].tolist()
         values = [term(self.memo, rep, index[self.slot_of[rep]]) for rep in self.inner_reps]
         return sum(map(values.__getitem__, self.inner_columns))
 
 
-def _in_order(values: list[list[float]], columns: np.ndarray) -> list[float]:
+def _in_order(values: np.ndarray, columns: np.ndarray) -> np.ndarray:
     """Per row of ``values`` (a strategy's term per slot): 0.0 plus the term of each member
     (``columns``: their slots, in graph order) added left to right, as a ``+=`` loop adds them.
     ``np.add.accumulate`` never reorders the additions (``np.sum`` adds pairwise)."""
     terms = np.zeros((len(values), len(columns) + 1))
-    terms[:, 1:] = np.asarray(values, dtype=float).reshape(len(values), -1)[:, columns]
-    return np.add.accumulate(terms, axis=1)[:, -1].tolist()
+    terms[:, 1:] = values.reshape(len(values), -1)[:, columns]
+    return np.add.accumulate(terms, axis=1)[:, -1]
 
 
 def _index_by_input(strategies: list, cache: dict[int, dict]) -> dict:
@@ -423,20 +474,18 @@ def _candidate(graph, rep, s, decision: _Decision, cost, chosen, memo: _Memo) ->
     return record
 
 
-def _binding(ranked: list, chosen: int, memory_budget: float | None, status: str) -> str:
+def _binding(costs: Costs, chosen: int, memory_budget: float | None, status: str) -> str:
     """Which constraint decided: ``cost`` when the chosen strategy is the cheapest priced one;
     ``memory_budget`` when every cheaper one needs more memory under a budget; ``time_limit``
     when the solver stopped before proving optimality; ``coupled`` otherwise (a cheaper change
     exists only for this decision alone, which an optimal solve rules out; kept as a guard)."""
-    chosen_cost = next(cost for s, cost in ranked if s == chosen)
-    cheaper = [
-        cost
-        for s, cost in ranked
-        if s != chosen and cost["total_s"] < chosen_cost["total_s"] - _REL_TOL * max(abs(chosen_cost["total_s"]), 1e-30)
-    ]
-    if not cheaper:
+    assert costs.possible[chosen], "the solved strategy of a decision is always possible"
+    chosen_s = float(costs.total_s[chosen])
+    cheaper = costs.possible & (costs.total_s < chosen_s - _REL_TOL * max(abs(chosen_s), 1e-30))
+    cheaper[chosen] = False
+    if not cheaper.any():
         return "cost"
-    if memory_budget is not None and all(c["memory_bytes"] > chosen_cost["memory_bytes"] for c in cheaper):
+    if memory_budget is not None and bool(np.all(costs.memory_bytes[cheaper] > costs.memory_bytes[chosen])):
         return "memory_budget"
     if status != "Optimal":
         return "time_limit"
