@@ -42,15 +42,14 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from torch.distributed.tensor import Replicate
 from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.context import max_work_fraction
-from autopar.ir.spec import VIEW_OP_NAMES
+from autopar.ir.spec import VIEW_OP_NAMES, Spec, replicated_axes
 from autopar.rules.registry import OpInfo, Strategy, TensorArg
 from autopar.cost.measured import measured_seconds
 from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
@@ -257,10 +256,13 @@ def executed_bytes(info: OpInfo, executor: str) -> float:
     return node_bytes(info)
 
 
-def work_split(strategy: Strategy, mesh_shape: Sequence[int]) -> int:
-    """Product of the mesh axes on which some input or output is not replicated."""
-    specs = strategy.ins + strategy.outs
-    return math.prod(size for axis, size in enumerate(mesh_shape) if any(not isinstance(spec[axis], Replicate) for spec in specs))
+def work_split(strategy: Strategy, mesh_shape: Sequence[int], replicated: Callable[[Spec], int] = replicated_axes) -> int:
+    """Product of the mesh axes on which some input or output is not replicated (``replicated``:
+    ``spec.replicated_axes``, or a cache of it)."""
+    split_axes = 0
+    for spec in strategy.ins + strategy.outs:
+        split_axes |= ~replicated(spec)
+    return math.prod(size for axis, size in enumerate(mesh_shape) if split_axes >> axis & 1)
 
 
 def backward_factor(info: OpInfo) -> float:
@@ -282,20 +284,49 @@ def roofline_terms(
     With ``cluster.compute == "measured"`` an op that ``autopar.cost.measured`` can time gives
     ``(measured seconds / share / factor, 0, factor)``, so that the same product is its measured
     time at this rank's share of the device (``ClusterSpec.compute_share``)."""
+    return roofline_terms_each(info, [strategy], mesh_shape, cluster, requires_grad)[0]
+
+
+def roofline_terms_each(
+    info: OpInfo,
+    strategies: Sequence[Strategy],
+    mesh_shape: Sequence[int],
+    cluster: ClusterSpec,
+    requires_grad: bool,
+    replicated: Callable[[Spec], int] = replicated_axes,
+) -> list[tuple[float, float, float]]:
+    """``roofline_terms`` of each of one op's ``strategies``: the op's FLOPs and bytes are
+    counted once, and each (work split, kernel, kernel axes), all that the roofline reads of a
+    strategy, is priced once (``replicated``: as ``work_split`` takes it)."""
     factor = 1.0 + backward_factor(info) if requires_grad else 1.0
     share = cluster.compute_share(mesh_shape)
-    if cluster.compute == "measured" and _packet(info.target) not in VIEW_OPS:
-        seconds = measured_seconds(info, strategy, mesh_shape, requires_grad)
-        if seconds is not None:
-            return seconds / share / factor, 0.0, factor
-    split = work_split(strategy, mesh_shape)
-    if strategy.kernel in EXPERT_PARALLEL_KERNELS:
-        split /= CAPACITY_FACTOR
-    flops_s = node_flops(info) / split / share / cluster.peak_flops_for(compute_dtype(info))
-    memory_s = executed_bytes(info, cluster.executor) / split / share / cluster.memory_bandwidth_bytes_per_s
-    if strategy.kernel == "sdpa_context_parallel":
-        flops_s, factor = _context_parallel_terms(info, strategy, mesh_shape, flops_s, factor, requires_grad)
-    return flops_s, memory_s, factor
+    measured = cluster.compute == "measured" and _packet(info.target) not in VIEW_OPS
+    flops = moved = peak = None
+    found: dict[tuple, tuple[float, float, float]] = {}
+    terms = []
+    for strategy in strategies:
+        if measured:
+            seconds = measured_seconds(info, strategy, mesh_shape, requires_grad)
+            if seconds is not None:
+                terms.append((seconds / share / factor, 0.0, factor))
+                continue
+        split = work_split(strategy, mesh_shape, replicated)
+        key = (split, strategy.kernel, strategy.kernel_axes)
+        found_terms = found.get(key)
+        if found_terms is None:
+            if flops is None:
+                flops, moved = node_flops(info), executed_bytes(info, cluster.executor)
+                peak = cluster.peak_flops_for(compute_dtype(info))
+            if strategy.kernel in EXPERT_PARALLEL_KERNELS:
+                split /= CAPACITY_FACTOR
+            flops_s = flops / split / share / peak
+            memory_s = moved / split / share / cluster.memory_bandwidth_bytes_per_s
+            strategy_factor = factor
+            if strategy.kernel == "sdpa_context_parallel":
+                flops_s, strategy_factor = _context_parallel_terms(info, strategy, mesh_shape, flops_s, factor, requires_grad)
+            found_terms = found[key] = (flops_s, memory_s, strategy_factor)
+        terms.append(found_terms)
+    return terms
 
 
 def _context_parallel_terms(info, strategy, mesh_shape, flops_s, factor, requires_grad) -> tuple[float, float]:
@@ -330,6 +361,7 @@ __all__ = [
     "POINTWISE",
     "compute_cost_s",
     "roofline_terms",
+    "roofline_terms_each",
     "compute_dtype",
     "work_split",
     "backward_factor",

@@ -194,6 +194,15 @@ def axis_cut(shape: Sequence[int], placement: Placement, size: int) -> tuple[int
     return (dim, False)
 
 
+def replicated_axes(spec: Spec) -> int:
+    """Bit ``a`` set where ``spec`` is ``Replicate()`` on mesh axis ``a``."""
+    mask = 0
+    for axis, placement in enumerate(spec):
+        if _kind(placement) & _REPLICATE:
+            mask |= 1 << axis
+    return mask
+
+
 def replicate_size_one_axes(spec: Spec, mesh_shape: Sequence[int]) -> Spec:
     """``spec`` with ``R`` on every mesh axis of size 1 (the same layout, named as ``is_valid``
     wants it)."""

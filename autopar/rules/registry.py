@@ -347,13 +347,16 @@ def _divide(remaining: tuple[int, ...], cuts: tuple[tuple[int, int], ...]) -> tu
 
 def _strategies(info: OpInfo, rows: list[Row], combos: list[tuple[int, ...]], source: str) -> list[Strategy]:
     """A ``Strategy`` per combination of rows (a row index per axis); rows of equal contents
-    (one rule's ``out`` given as a placement and as a 1-tuple) give one strategy once."""
+    (one rule's ``out`` given as a placement and as a 1-tuple) give one strategy once. Equal
+    specs are one object, and equal placements too (``_spec_numbers``): what prices an op's
+    strategies can price each spec once, by identity."""
     first: dict[tuple, int] = {}
     same = [first.setdefault((row.ins, row.outs, row.kernel, row.whole_grad), r) for r, row in enumerate(rows)]
     # The last row (``expand_rows``'s replicated one) stands alone on its axes: it never meets another.
     seen: set[tuple] | None = set() if len(set(same[:-1])) < len(rows) - 1 else None
-    row_ins, row_outs = [row.ins for row in rows], [row.outs for row in rows]
-    no_ins, no_outs = ((),) * len(info.inputs), ((),) * len(info.out_shapes)
+    placements, numbers = _spec_numbers(rows)
+    specs: dict[tuple[int, ...], Spec] = {}
+    num_ins, num_tensors = len(info.inputs), len(info.inputs) + len(info.out_shapes)
     any_whole_grad = any(row.whole_grad for row in rows)
     strategies: list[Strategy] = []
     for combo in combos:
@@ -366,10 +369,33 @@ def _strategies(info: OpInfo, rows: list[Row], combos: list[tuple[int, ...]], so
         kernel = kernels.pop() if kernels else None
         kernel_axes = tuple(a for a, r in enumerate(combo) if rows[r].kernel == kernel) if kernel else ()
         whole_grad = tuple((i, a) for a, r in enumerate(combo) for i in rows[r].whole_grad) if any_whole_grad else ()
-        ins = tuple(zip(*[row_ins[r] for r in combo])) if combo else no_ins
-        outs = tuple(zip(*[row_outs[r] for r in combo])) if combo else no_outs
+        tensor_specs = []
+        for tensor in range(num_tensors):
+            key = tuple(map(numbers[tensor].__getitem__, combo))
+            spec = specs.get(key)
+            if spec is None:
+                spec = specs[key] = tuple(map(placements.__getitem__, key))
+            tensor_specs.append(spec)
+        ins, outs = tuple(tensor_specs[:num_ins]), tuple(tensor_specs[num_ins:])
         strategies.append(Strategy(ins, outs, kernel, kernel_axes, source, whole_grad))
     return strategies
+
+
+def _spec_numbers(rows: list[Row]) -> tuple[list[Placement], list[list[int]]]:
+    """The distinct placements of ``rows`` (by type and value), and per tensor (inputs, then
+    outputs) the number of each row's placement among them."""
+    numbers: dict[tuple, int] = {}
+    placements: list[Placement] = []
+    by_row = []
+    for row in rows:
+        numbered = []
+        for placement in row.ins + row.outs:
+            number = numbers.setdefault((type(placement), placement), len(numbers))
+            if number == len(placements):
+                placements.append(placement)
+            numbered.append(number)
+        by_row.append(numbered)
+    return placements, [list(column) for column in zip(*by_row)] if by_row else []
 
 
 def _dedupe(rows: Iterable[Row]) -> list[Row]:

@@ -46,7 +46,7 @@ from autopar.rules.registry import (
 )
 from autopar.ir import context
 from autopar.ir.options import CommOptions
-from autopar.ir.spec import SS, Spec, is_valid, local_shape, replicated
+from autopar.ir.spec import SS, Spec, is_valid, local_shape, replicated, replicated_axes
 from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
 from autopar.solver.problem import pruning
 from autopar.solver.problem.edges import Edge, flatten, mutated_inputs, price_edges, reduce_dtype
@@ -676,47 +676,87 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
 
 
 def _price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, strategies) -> tuple:
+    """Each strategy's compute (roofline, gradient all-reduces, kernel collectives), output
+    memory and parameter reductions. What depends on one spec (its replicated axes, a gradient
+    all-reduce, an output's bytes) is priced once per spec object: the rules give an op's equal
+    specs as one object (``registry.expand_rows``), and any other list is priced all the same."""
     compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs = [], [], [], [], [], []
-    for strategy in strategies:
-        flops_s, bytes_s, factor = compute.roofline_terms(info, strategy, mesh_shape, cluster, needs_grad)
+    replicated = _by_identity(replicated_axes)
+    roofline = compute.roofline_terms_each(info, strategies, mesh_shape, cluster, needs_grad, replicated)
+    grads = [
+        (index, arg, choices[node.name].kind == "param")
+        for index, (arg, node) in enumerate(zip(info.inputs, input_nodes))
+        if choices[node.name].requires_grad
+    ]
+    sync_terms: dict[tuple, tuple] = {}  # (input, id(spec), axis) -> (its all-reduce, bucketed seconds or None)
+    outputs = list(zip(range(len(info.out_shapes)), info.out_shapes, (out.dtype for out in flatten(val))))
+    out_bytes_of: dict[tuple[int, int], int] = {}  # (output, id(spec)) -> local bytes
+    for strategy, (flops_s, bytes_s, factor) in zip(strategies, roofline):
         seconds = max(flops_s, bytes_s) * factor
         backward_s.append(seconds * (factor - 1) / factor)
         synced = param_synced_s = 0.0
         merged = []
-        for index, arg in enumerate(info.inputs):
-            producer = choices[input_nodes[index].name]
-            if not producer.requires_grad:
-                continue
-            for axis in grad_sync_axes(strategy, index):
-                cost = grad_sync_cost(
-                    arg, strategy.ins[index], axis, producer.kind == "param", mesh_shape, cluster, sync_dtypes[index]
-                )
+        for index, arg, is_param in grads:
+            spec = strategy.ins[index]
+            for axis in grad_sync_axes(strategy, index, replicated):
+                key = (index, id(spec), axis)
+                terms = sync_terms.get(key)
+                if terms is None:
+                    terms = sync_terms[key] = _sync_terms(arg, spec, axis, is_param, mesh_shape, cluster, sync_dtypes[index])
+                cost, bucketed_s = terms
                 seconds += cost.backward_s
-                if producer.kind == "param":
+                if is_param:
                     param_synced_s += cost.backward_s
-                # A parameter's gradient, or that of its cast under a precision policy (which
-                # carries the reduction dtype): reduced once per parameter, in a bucket.
-                if producer.kind == "param" or sync_dtypes[index] is not None:
-                    bucketed = comm.param_grad_sync_cost(
-                        arg.shape, strategy.ins[index], axis, sync_dtypes[index] or arg.dtype, mesh_shape, cluster
-                    )
-                    merged.append((index, axis, cost.backward_s, bucketed.backward_s))
+                if bucketed_s is not None:
+                    merged.append((index, axis, cost.backward_s, bucketed_s))
                 synced += cost.bytes_sent
         param_sync_s.append(param_synced_s)
         param_syncs.append(tuple(merged))
-        kernel_s, kernel_bytes = comm.collectives_cost(
-            kernel_collectives(info, strategy, mesh_shape, needs_grad), mesh_shape, cluster
-        )
-        seconds += kernel_s
-        synced += sum(kernel_bytes.values())
+        if strategy.kernel is not None:  # a plain strategy runs no collectives of its own
+            kernel_s, kernel_bytes = comm.collectives_cost(
+                kernel_collectives(info, strategy, mesh_shape, needs_grad), mesh_shape, cluster
+            )
+            seconds += kernel_s
+            synced += sum(kernel_bytes.values())
         compute_s.append(seconds)
         sync_bytes.append(synced)
-        out_bytes = sum(
-            memory.local_bytes(shape, out.dtype, spec, mesh_shape)
-            for shape, spec, out in zip(info.out_shapes, strategy.outs, flatten(val))
-        )
+        out_bytes = 0
+        for index, shape, dtype in outputs:
+            spec = strategy.outs[index]
+            found = out_bytes_of.get((index, id(spec)))
+            if found is None:
+                found = out_bytes_of[(index, id(spec))] = memory.local_bytes(shape, dtype, spec, mesh_shape)
+            out_bytes += found
         memory_bytes.append(float(out_bytes))
     return strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs
+
+
+def _sync_terms(arg, spec: Spec, axis: int, is_param: bool, mesh_shape, cluster, sync_dtype) -> tuple:
+    """An input's gradient all-reduce on ``axis`` (``grad_sync_cost``), and for a parameter's
+    gradient, or that of its cast under a precision policy (which carries the reduction dtype),
+    the seconds of its reduction once per parameter, in a bucket (None for others)."""
+    cost = grad_sync_cost(arg, spec, axis, is_param, mesh_shape, cluster, sync_dtype)
+    if not (is_param or sync_dtype is not None):
+        return cost, None
+    bucketed = comm.param_grad_sync_cost(arg.shape, spec, axis, sync_dtype or arg.dtype, mesh_shape, cluster)
+    return cost, bucketed.backward_s
+
+
+def _by_identity(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``function`` of one argument, computed once per argument object while the cache lives
+    (the caller holds every argument it asks about, so no id is reused)."""
+    found: dict[int, Any] = {}
+
+    def cached(value: Any) -> Any:
+        result = found.get(id(value), _MISSING)
+        if result is _MISSING:
+            result = found[id(value)] = function(value)
+        return result
+
+    return cached
+
+
+_MISSING = object()
 
 
 def kernel_all_to_all_bytes(info, strategy: Strategy, mesh_shape: Sequence[int], needs_grad: bool) -> list[float]:
@@ -826,17 +866,20 @@ def synced_param(choices: dict[str, Choice], name: str) -> str:
     return name
 
 
-def grad_sync_axes(strategy: Strategy, index: int) -> list[int]:
+def grad_sync_axes(strategy: Strategy, index: int, replicated: Callable[[Spec], int] = replicated_axes) -> list[int]:
     """Axes on which input ``index`` is replicated while the op's result is split.
 
     There every rank's local gradient for that input is only a partial sum, so it needs an
     all-reduce in backward (DDP's gradient all-reduce and Megatron's ``f`` are both this case).
+    ``replicated``: ``spec.replicated_axes``, or a cache of it.
     """
+    split_axes = 0
+    for out in strategy.outs:
+        split_axes |= ~replicated(out)
+    axes_mask = replicated(strategy.ins[index]) & split_axes
     axes = []
-    for axis, placement in enumerate(strategy.ins[index]):
-        if (index, axis) in strategy.whole_grad:
-            continue
-        if isinstance(placement, Replicate) and any(not isinstance(out[axis], Replicate) for out in strategy.outs):
+    for axis in range(len(strategy.ins[index])):
+        if axes_mask >> axis & 1 and (index, axis) not in strategy.whole_grad:
             axes.append(axis)
     return axes
 
