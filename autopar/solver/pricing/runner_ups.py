@@ -92,20 +92,16 @@ class _Memo:
         self.by_input: dict[int, dict] = {}  # follower strategy lists, by identity
         self.codes: dict[tuple, list[int | None]] = {}  # (pricer, strategy list, side, index) → spec code per strategy
 
-    def code(self, coder: Callable, name: str, side: str, index: int, s: int) -> int:
-        """``coder``'s code of strategy ``s``'s spec of node ``name``'s output (``side`` "out")
-        or input ``index``, numbered once per strategy list (identical ops share theirs). One
-        pricer numbers every hub table's specs (``edges.price_edges``)."""
+    def codes_of(self, coder: Callable, name: str, side: str, index: int) -> list[int | None]:
+        """``coder``'s code of each strategy's spec of node ``name``'s output (``side`` "out")
+        or input ``index``, None until asked (``_code``); one list per strategy list (identical
+        ops share theirs). One pricer numbers every hub table's specs (``edges.price_edges``)."""
         strategies = self.graph.choices[name].strategies
         key = (id(getattr(coder, "__self__", coder)), id(strategies), side, index)
         codes = self.codes.get(key)
         if codes is None:
             codes = self.codes[key] = [None] * len(strategies)
-        code = codes[s]
-        if code is None:
-            strategy = strategies[s]
-            code = codes[s] = coder(strategy.outs[index] if side == "out" else strategy.ins[index])
-        return code
+        return codes
 
     def cls(self, name: str) -> str:
         return self.template.get(name, name)
@@ -330,7 +326,7 @@ class _Decision:
             dst = index[alive, dst_slot] if dst_slot is not None else np.full(len(alive), dst_index)
             width = int(dst.max()) + 1
             pairs, inverse = np.unique(src * width + dst, return_inverse=True)
-            found = [_edge_price(self.memo, edge, edge_class, *divmod(pair, width)) for pair in pairs.tolist()]
+            found = _edge_prices(self.memo, edge, edge_class, [divmod(pair, width) for pair in pairs.tolist()])
             possible = np.array([price is not None for price in found], dtype=bool)
             values = np.array([0.0 if price is None or price is False else price[0] for price in found])
             inverse = inverse.reshape(-1)
@@ -392,23 +388,36 @@ def _index_by_input(strategies: list, cache: dict[int, dict]) -> dict:
     return index
 
 
-def _edge_price(memo: _Memo, edge, edge_class: tuple, src_index: int, dst_index: int) -> tuple | None | bool:
-    """An edge's (seconds, bytes) between its ends' strategies, False where the spec does not
-    change, None where the change is impossible."""
-    key = (edge_class, src_index, dst_index)
-    price = memo.edge.get(key, True)
-    if price is True:
-        src = memo.graph.choices[edge.producer].strategies[src_index].outs[edge.out_index]
-        dst = memo.graph.choices[edge.consumer].strategies[dst_index].ins[edge.in_index]
-        coder = edge.price.coder() if isinstance(edge.price, EdgePrices) else None
-        if coder is None:
-            price = False if src == dst else edge.price.get((src, dst))
-        else:  # by the codes its pricer numbers specs by: equal codes, equal specs
-            src_code = memo.code(coder, edge.producer, "out", edge.out_index, src_index)
-            dst_code = memo.code(coder, edge.consumer, "in", edge.in_index, dst_index)
-            price = False if src_code == dst_code else edge.price.get_coded(src, dst, src_code, dst_code)
-        memo.edge[key] = price
-    return price
+def _edge_prices(memo: _Memo, edge, edge_class: tuple, pairs: list[tuple[int, int]]) -> list[tuple | None | bool]:
+    """An edge's (seconds, bytes) between its ends' strategies, per (src index, dst index) of
+    ``pairs``: False where the spec does not change, None where the change is impossible."""
+    prices = []
+    producer, consumer = memo.graph.choices[edge.producer].strategies, memo.graph.choices[edge.consumer].strategies
+    coder = edge.price.coder() if isinstance(edge.price, EdgePrices) else None
+    if coder is not None:  # by the codes its pricer numbers specs by: equal codes, equal specs
+        src_codes = memo.codes_of(coder, edge.producer, "out", edge.out_index)
+        dst_codes = memo.codes_of(coder, edge.consumer, "in", edge.in_index)
+    for src_index, dst_index in pairs:
+        key = (edge_class, src_index, dst_index)
+        price = memo.edge.get(key, True)
+        if price is True:
+            src, dst = producer[src_index].outs[edge.out_index], consumer[dst_index].ins[edge.in_index]
+            if coder is None:
+                price = False if src == dst else edge.price.get((src, dst))
+            else:
+                src_code, dst_code = _code(src_codes, src_index, coder, src), _code(dst_codes, dst_index, coder, dst)
+                price = False if src_code == dst_code else edge.price.get_coded(src, dst, src_code, dst_code)
+            memo.edge[key] = price
+        prices.append(price)
+    return prices
+
+
+def _code(codes: list[int | None], s: int, coder: Callable, spec) -> int:
+    """Strategy ``s``'s entry of ``codes`` (``_Memo.codes_of``): ``coder(spec)``, once."""
+    code = codes[s]
+    if code is None:
+        code = codes[s] = coder(spec)
+    return code
 
 
 def _grad_sync_s(memo: _Memo, name: str, index: int) -> float:

@@ -25,7 +25,7 @@ import itertools
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -89,10 +89,17 @@ class Choice:
 
     def out_specs(self, index: int) -> list[Spec]:
         """Distinct specs of output ``index`` over the strategies, in first-seen order."""
-        return list(dict.fromkeys(s.outs[index] for s in self.strategies))
+        return distinct_specs(s.outs[index] for s in self.strategies)
 
     def in_specs(self, index: int) -> list[Spec]:
-        return list(dict.fromkeys(s.ins[index] for s in self.strategies))
+        return distinct_specs(s.ins[index] for s in self.strategies)
+
+
+def distinct_specs(specs: Iterable[Spec]) -> list[Spec]:
+    """The distinct ``specs`` in first-seen order. Each object is hashed by value once: the rules
+    give an op's equal specs as one object (``registry.expand_rows``), and hashing a spec hashes
+    each of its placements in Python. The caller holds the objects, so no id is reused."""
+    return list(dict.fromkeys({id(spec): spec for spec in specs}.values()))
 
 
 @dataclass
@@ -665,8 +672,12 @@ def _price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, need
     if not strategies:  # nothing the producers deliver: keep the rules' list, so the ILP says why
         strategies = enumerated
     lists = _price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, strategies)
+    number = _by_identity(_numbering())  # interfaces compared by their specs' numbers: each spec hashed once
     keep = pruning.undominated(
-        [(s.ins, s.outs, tuple(sorted((i, a) for i, a, _, _ in syncs))) for s, syncs in zip(lists[0], lists[6])],
+        [
+            (tuple(map(number, s.ins)), tuple(map(number, s.outs)), tuple(sorted((i, a) for i, a, _, _ in syncs)))
+            for s, syncs in zip(lists[0], lists[6])
+        ],
         [(c, m, b, p, -bw) for c, m, b, p, bw in zip(lists[1], lists[2], lists[3], lists[4], lists[5])],
     )
     if len(keep) < len(strategies):
@@ -757,6 +768,12 @@ def _by_identity(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 _MISSING = object()
+
+
+def _numbering() -> Callable[[Spec], int]:
+    """Numbers specs by value, in order of first appearance."""
+    numbers: dict[Spec, int] = {}
+    return lambda spec: numbers.setdefault(spec, len(numbers))
 
 
 def kernel_all_to_all_bytes(info, strategy: Strategy, mesh_shape: Sequence[int], needs_grad: bool) -> list[float]:
@@ -933,12 +950,9 @@ def _mark_followers(choices: dict[str, Choice], order: list[str], exclude: set[s
         hit = seen.get(key)
         if hit is None:
             source_specs = source.out_specs(out_index)
-            by_in: dict[Spec, list[int]] = {}
-            for i, strategy in enumerate(choice.strategies):
-                if strategy.kernel is None:
-                    by_in.setdefault(strategy.ins[0], []).append(i)
+            by_in = _strategies_by_input(choice.strategies)
             cut = None
-            if all(len(by_in.get(spec, [])) == 1 for spec in source_specs):
+            if all(len(by_in.get(spec, ())) == 1 for spec in source_specs):
                 _keep_only(choice, [by_in[spec][0] for spec in source_specs])
                 cut = _lists(choice)
             # The key's objects are held here, so that no id in it is reused while this runs.
@@ -954,6 +968,23 @@ def _mark_followers(choices: dict[str, Choice], order: list[str], exclude: set[s
                 choice.param_syncs,
             ) = hit[2]
             choice.follower_of = producer
+
+
+def _strategies_by_input(strategies: list[Strategy]) -> dict[Spec, list[int]]:
+    """Input 0's spec -> the indices, in order, of the strategies without a kernel that take it;
+    each spec object hashed once (``distinct_specs``)."""
+    by_object: dict[int, list] = {}  # id(spec) -> [spec, its strategies]
+    for i, strategy in enumerate(strategies):
+        if strategy.kernel is None:
+            spec = strategy.ins[0]
+            entry = by_object.get(id(spec))
+            if entry is None:
+                entry = by_object[id(spec)] = [spec, []]
+            entry[1].append(i)
+    by_in: dict[Spec, list[int]] = {}
+    for spec, indices in by_object.values():
+        by_in.setdefault(spec, []).extend(indices)
+    return {spec: sorted(indices) for spec, indices in by_in.items()}
 
 
 def _lists(choice: Choice) -> tuple[list, ...]:

@@ -62,10 +62,20 @@ class Reachable:
 
 def feasible(ins_of: Sequence[tuple[Spec, ...]], reachable: Sequence[Reachable | None]) -> list[int]:
     """Indices of the strategies (given by their input specs) whose every input spec its
-    producer can deliver (``reachable[i]`` None: anything)."""
+    producer can deliver (``reachable[i]`` None: anything). Each input's spec objects are asked
+    about once (an op's equal specs are mostly one object: ``rules.registry.expand_rows``)."""
+    admitted: dict[tuple[int, int], bool] = {}  # (input, id(spec)): ``ins_of`` holds the specs
     keep = []
     for s, ins in enumerate(ins_of):
-        if all(r is None or r.admits(spec) for spec, r in zip(ins, reachable)):
+        for index, (spec, r) in enumerate(zip(ins, reachable)):
+            if r is None:
+                continue
+            found = admitted.get((index, id(spec)))
+            if found is None:
+                found = admitted[(index, id(spec))] = r.admits(spec)
+            if not found:
+                break
+        else:
             keep.append(s)
     return keep
 
