@@ -91,6 +91,8 @@ class _Memo:
         self.kernel_comm: dict[tuple, float] = {}
         self.by_input: dict[int, dict] = {}  # follower strategy lists, by identity
         self.codes: dict[tuple, list[int | None]] = {}  # (pricer, strategy list, side, index) → spec code per strategy
+        self.group_users: dict[int, tuple[dict, dict]] = {}  # ``groups_used_by``, by the groups' id
+        self.spec_codes: dict[tuple[int, int], int] = {}  # (pricer, spec object) → code: an op's equal specs are one object
 
     def codes_of(self, coder: Callable, name: str, side: str, index: int) -> list[int | None]:
         """``coder``'s code of each strategy's spec of node ``name``'s output (``side`` "out")
@@ -102,6 +104,20 @@ class _Memo:
         if codes is None:
             codes = self.codes[key] = [None] * len(strategies)
         return codes
+
+    def groups_used_by(self, groups: dict) -> dict[str, list[int]]:
+        """Consumer → the positions in ``groups`` (``choices.param_sync_groups``) of the groups
+        it uses, in order; once per dict (the caller holds it)."""
+        held = self.group_users.get(id(groups))
+        if held is None:
+            found: dict[str, list[int]] = {}
+            for position, group in enumerate(groups.values()):
+                for consumer, _ in group.uses:
+                    positions = found.setdefault(consumer, [])
+                    if not positions or positions[-1] != position:
+                        positions.append(position)
+            held = self.group_users[id(groups)] = (found, groups)  # ``groups`` held: its id is not reused
+        return held[0]
 
     def cls(self, name: str) -> str:
         return self.template.get(name, name)
@@ -249,7 +265,7 @@ class _Decision:
         # the groups a member may need (the others cannot change with it).
         _, refunds = graph.param_sync_groups()
         self.refunds = [(self.slot_of[name], refunds[name]) for name in ordered if name in refunds]
-        self.synced = _synced_groups(groups, self.slot_of, solution)
+        self.synced = _synced_groups(groups, self.slot_of, solution, memo.groups_used_by(groups))
         # What a member's gradient all-reduces and kernel collectives depend on beyond its slot.
         inner: dict[tuple, int] = {}
         self.inner_reps: list[str] = []
@@ -405,18 +421,24 @@ def _edge_prices(memo: _Memo, edge, edge_class: tuple, pairs: list[tuple[int, in
             if coder is None:
                 price = False if src == dst else edge.price.get((src, dst))
             else:
-                src_code, dst_code = _code(src_codes, src_index, coder, src), _code(dst_codes, dst_index, coder, dst)
+                src_code = _code(memo, src_codes, src_index, coder, src)
+                dst_code = _code(memo, dst_codes, dst_index, coder, dst)
                 price = False if src_code == dst_code else edge.price.get_coded(src, dst, src_code, dst_code)
             memo.edge[key] = price
         prices.append(price)
     return prices
 
 
-def _code(codes: list[int | None], s: int, coder: Callable, spec) -> int:
-    """Strategy ``s``'s entry of ``codes`` (``_Memo.codes_of``): ``coder(spec)``, once."""
+def _code(memo: _Memo, codes: list[int | None], s: int, coder: Callable, spec) -> int:
+    """Strategy ``s``'s entry of ``codes`` (``_Memo.codes_of``): ``coder(spec)``, once per
+    strategy and once per spec object (the graph holds them all, so no id is reused)."""
     code = codes[s]
     if code is None:
-        code = codes[s] = coder(spec)
+        key = (id(getattr(coder, "__self__", coder)), id(spec))
+        code = memo.spec_codes.get(key)
+        if code is None:
+            code = memo.spec_codes[key] = coder(spec)
+        codes[s] = code
     return code
 
 
@@ -501,16 +523,17 @@ def _binding(costs: Costs, chosen: int, memory_budget: float | None, status: str
     return "coupled"
 
 
-def _synced_groups(groups: dict, slot_of: dict[str, int], solution: Solution) -> list[tuple]:
+def _synced_groups(groups: dict, slot_of: dict[str, int], solution: Solution, used_by: dict[str, list[int]]) -> list[tuple]:
     """Per parameter-reduction group a member (a key of ``slot_of``) uses: its seconds, whether a
     use outside the decision needs it (as solved: then always), and the members' uses, (slot, the
-    strategies that need it): ``needed`` in parts."""
+    strategies that need it): ``needed`` in parts. ``used_by``: ``_Memo.groups_used_by``."""
+    positions = sorted({position for name in slot_of for position in used_by.get(name, ())})
+    listed = list(groups.values())
     return [
         (
             group.total_s,
             any(solution.choice[consumer] in wanted for (consumer, _), wanted in group.uses.items() if consumer not in slot_of),
             [(slot_of[consumer], wanted) for (consumer, _), wanted in group.uses.items() if consumer in slot_of],
         )
-        for group in groups.values()
-        if any(consumer in slot_of for consumer, _ in group.uses)
+        for group in map(listed.__getitem__, positions)
     ]
