@@ -983,8 +983,11 @@ def _strategies_by_input(strategies: list[Strategy]) -> dict[Spec, list[int]]:
             entry[1].append(i)
     by_in: dict[Spec, list[int]] = {}
     for spec, indices in by_object.values():
-        by_in.setdefault(spec, []).extend(indices)
-    return {spec: sorted(indices) for spec, indices in by_in.items()}
+        found = by_in.setdefault(spec, indices)
+        if found is not indices:  # equal specs, two objects: their strategies merged in order
+            found.extend(indices)
+            found.sort()
+    return by_in
 
 
 def _lists(choice: Choice) -> tuple[list, ...]:
