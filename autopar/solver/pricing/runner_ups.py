@@ -340,12 +340,9 @@ class _Decision:
                 break
             src = index[alive, src_slot] if src_slot is not None else np.full(len(alive), src_index)
             dst = index[alive, dst_slot] if dst_slot is not None else np.full(len(alive), dst_index)
-            width = int(dst.max()) + 1
-            pairs, inverse = np.unique(src * width + dst, return_inverse=True)
-            found = _edge_prices(self.memo, edge, edge_class, [divmod(pair, width) for pair in pairs.tolist()])
+            inverse, found = _edge_prices(self.memo, edge, edge_class, src, dst)
             possible = np.array([price is not None for price in found], dtype=bool)
             values = np.array([0.0 if price is None or price is False else price[0] for price in found])
-            inverse = inverse.reshape(-1)
             seconds[alive, e] = values[inverse]
             alive = alive[possible[inverse]]
         possible = np.zeros(num_strategies, dtype=bool)
@@ -404,29 +401,45 @@ def _index_by_input(strategies: list, cache: dict[int, dict]) -> dict:
     return index
 
 
-def _edge_prices(memo: _Memo, edge, edge_class: tuple, pairs: list[tuple[int, int]]) -> list[tuple | None | bool]:
-    """An edge's (seconds, bytes) between its ends' strategies, per (src index, dst index) of
-    ``pairs``: False where the spec does not change, None where the change is impossible."""
-    prices = []
+def _edge_prices(memo: _Memo, edge, edge_class: tuple, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, list]:
+    """An edge's prices between its ends' strategies ``src[k]`` and ``dst[k]``: the distinct
+    ones, each (seconds, bytes), False where the spec does not change or None where the change
+    is impossible, and per k which. A table whose pricer numbers specs is asked once per pair
+    of codes (equal codes, equal specs); another once per pair of strategies (``_Memo.edge``)."""
     producer, consumer = memo.graph.choices[edge.producer].strategies, memo.graph.choices[edge.consumer].strategies
     coder = edge.price.coder() if isinstance(edge.price, EdgePrices) else None
-    if coder is not None:  # by the codes its pricer numbers specs by: equal codes, equal specs
-        src_codes = memo.codes_of(coder, edge.producer, "out", edge.out_index)
-        dst_codes = memo.codes_of(coder, edge.consumer, "in", edge.in_index)
-    for src_index, dst_index in pairs:
+    src_keys, dst_keys = src, dst
+    if coder is not None:
+        src_keys = _codes(memo, coder, edge.producer, "out", edge.out_index, src)
+        dst_keys = _codes(memo, coder, edge.consumer, "in", edge.in_index, dst)
+    width = int(dst_keys.max()) + 1
+    _, first, inverse = np.unique(src_keys * width + dst_keys, return_index=True, return_inverse=True)
+    found = []
+    for k in first.tolist():
+        src_index, dst_index = int(src[k]), int(dst[k])
+        src_spec, dst_spec = producer[src_index].outs[edge.out_index], consumer[dst_index].ins[edge.in_index]
+        if coder is not None:
+            src_code, dst_code = int(src_keys[k]), int(dst_keys[k])
+            found.append(False if src_code == dst_code else edge.price.get_coded(src_spec, dst_spec, src_code, dst_code))
+            continue
         key = (edge_class, src_index, dst_index)
         price = memo.edge.get(key, True)
         if price is True:
-            src, dst = producer[src_index].outs[edge.out_index], consumer[dst_index].ins[edge.in_index]
-            if coder is None:
-                price = False if src == dst else edge.price.get((src, dst))
-            else:
-                src_code = _code(memo, src_codes, src_index, coder, src)
-                dst_code = _code(memo, dst_codes, dst_index, coder, dst)
-                price = False if src_code == dst_code else edge.price.get_coded(src, dst, src_code, dst_code)
-            memo.edge[key] = price
-        prices.append(price)
-    return prices
+            price = memo.edge[key] = False if src_spec == dst_spec else edge.price.get((src_spec, dst_spec))
+        found.append(price)
+    return inverse.reshape(-1), found
+
+
+def _codes(memo: _Memo, coder: Callable, name: str, side: str, index: int, strategies: np.ndarray) -> np.ndarray:
+    """``coder``'s code of the spec of node ``name``'s output or input ``index`` (``side``) in
+    each of ``strategies`` (indices), each strategy's once (``_code``)."""
+    codes = memo.codes_of(coder, name, side, index)
+    listed = memo.graph.choices[name].strategies
+    distinct, inverse = np.unique(strategies, return_inverse=True)
+    found = [
+        _code(memo, codes, s, coder, listed[s].outs[index] if side == "out" else listed[s].ins[index]) for s in distinct.tolist()
+    ]
+    return np.array(found, dtype=np.int64)[inverse.reshape(-1)]
 
 
 def _code(memo: _Memo, codes: list[int | None], s: int, coder: Callable, spec) -> int:
