@@ -90,19 +90,19 @@ class _Memo:
         self.grad_sync: dict[tuple, float] = {}
         self.kernel_comm: dict[tuple, float] = {}
         self.by_input: dict[int, dict] = {}  # follower strategy lists, by identity
-        self.codes: dict[tuple, list[int | None]] = {}  # (pricer, strategy list, side, index) → spec code per strategy
+        self.codes: dict[tuple, np.ndarray] = {}  # (pricer, strategy list, side, index) → spec code per strategy
         self.group_users: dict[int, tuple[dict, dict]] = {}  # ``groups_used_by``, by the groups' id
         self.spec_codes: dict[tuple[int, int], int] = {}  # (pricer, spec object) → code: an op's equal specs are one object
 
-    def codes_of(self, coder: Callable, name: str, side: str, index: int) -> list[int | None]:
+    def codes_of(self, coder: Callable, name: str, side: str, index: int) -> np.ndarray:
         """``coder``'s code of each strategy's spec of node ``name``'s output (``side`` "out")
-        or input ``index``, None until asked (``_code``); one list per strategy list (identical
+        or input ``index``, -1 until asked (``_codes``); one array per strategy list (identical
         ops share theirs). One pricer numbers every hub table's specs (``edges.price_edges``)."""
         strategies = self.graph.choices[name].strategies
         key = (id(getattr(coder, "__self__", coder)), id(strategies), side, index)
         codes = self.codes.get(key)
         if codes is None:
-            codes = self.codes[key] = [None] * len(strategies)
+            codes = self.codes[key] = np.full(len(strategies), -1, dtype=np.int64)
         return codes
 
     def groups_used_by(self, groups: dict) -> dict[str, list[int]]:
@@ -432,27 +432,19 @@ def _edge_prices(memo: _Memo, edge, edge_class: tuple, src: np.ndarray, dst: np.
 
 def _codes(memo: _Memo, coder: Callable, name: str, side: str, index: int, strategies: np.ndarray) -> np.ndarray:
     """``coder``'s code of the spec of node ``name``'s output or input ``index`` (``side``) in
-    each of ``strategies`` (indices), each strategy's once (``_code``)."""
+    each of ``strategies`` (indices): once per strategy (``_Memo.codes_of``), and once per spec
+    object (``_Memo.spec_codes``; the graph holds them all, so no id is reused)."""
     codes = memo.codes_of(coder, name, side, index)
-    listed = memo.graph.choices[name].strategies
-    distinct, inverse = np.unique(strategies, return_inverse=True)
-    found = [
-        _code(memo, codes, s, coder, listed[s].outs[index] if side == "out" else listed[s].ins[index]) for s in distinct.tolist()
-    ]
-    return np.array(found, dtype=np.int64)[inverse.reshape(-1)]
-
-
-def _code(memo: _Memo, codes: list[int | None], s: int, coder: Callable, spec) -> int:
-    """Strategy ``s``'s entry of ``codes`` (``_Memo.codes_of``): ``coder(spec)``, once per
-    strategy and once per spec object (the graph holds them all, so no id is reused)."""
-    code = codes[s]
-    if code is None:
-        key = (id(getattr(coder, "__self__", coder)), id(spec))
-        code = memo.spec_codes.get(key)
-        if code is None:
-            code = memo.spec_codes[key] = coder(spec)
-        codes[s] = code
-    return code
+    missing = np.unique(strategies[codes[strategies] < 0])
+    if len(missing):
+        listed, pricer = memo.graph.choices[name].strategies, id(getattr(coder, "__self__", coder))
+        for s in missing.tolist():
+            spec = listed[s].outs[index] if side == "out" else listed[s].ins[index]
+            code = memo.spec_codes.get((pricer, id(spec)))
+            if code is None:
+                code = memo.spec_codes[(pricer, id(spec))] = coder(spec)
+            codes[s] = code
+    return codes[strategies]
 
 
 def _grad_sync_s(memo: _Memo, name: str, index: int) -> float:
