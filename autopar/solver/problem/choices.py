@@ -224,14 +224,8 @@ def param_sync_groups(graph: ChoiceGraph) -> tuple[dict[tuple, ParamSyncGroup], 
             continue
         key = (id(choice.param_syncs), id(choice.strategies))
         if key not in terms_of:
-            by_spec: dict[tuple, list] = {}  # (input, axis, held spec) -> [price, strategies]
-            for s, terms in enumerate(choice.param_syncs):
-                for index, axis, _, bucketed_s in terms:
-                    entry = by_spec.setdefault((index, axis, choice.strategies[s].ins[index]), [0.0, []])
-                    entry[0] = max(entry[0], bucketed_s)
-                    entry[1].append(s)
             refund = [sum(term[2] for term in terms) for terms in choice.param_syncs]
-            terms_of[key] = (refund, by_spec)
+            terms_of[key] = (refund, _terms_by_spec(choice))
         refunds[name], by_spec = terms_of[key]
         consumer = template.get(name, name)
         for (index, axis, spec), (price_s, strategies) in by_spec.items():
@@ -245,6 +239,26 @@ def param_sync_groups(graph: ChoiceGraph) -> tuple[dict[tuple, ParamSyncGroup], 
             group.params.add(param)
             group.uses.setdefault((consumer, index), set()).update(strategies)
     return groups, refunds
+
+
+def _terms_by_spec(choice: Choice) -> dict[tuple, list]:
+    """(input, axis, held spec) -> [largest bucketed price, strategies] of ``choice``'s parameter
+    reductions, in order of first appearance; each spec object hashed once (``distinct_specs``)."""
+    by_object: dict[tuple, list] = {}  # (input, axis, id(spec)) -> [spec, price, strategies]
+    for s, terms in enumerate(choice.param_syncs):
+        for index, axis, _, bucketed_s in terms:
+            spec = choice.strategies[s].ins[index]
+            entry = by_object.get((index, axis, id(spec)))
+            if entry is None:
+                entry = by_object[(index, axis, id(spec))] = [spec, 0.0, []]
+            entry[1] = max(entry[1], bucketed_s)
+            entry[2].append(s)
+    by_spec: dict[tuple, list] = {}
+    for (index, axis, _), (spec, price_s, strategies) in by_object.items():
+        entry = by_spec.setdefault((index, axis, spec), [0.0, []])
+        entry[0] = max(entry[0], price_s)
+        entry[1].extend(strategies)
+    return by_spec
 
 
 def param_sync_adjustment_s(graph: ChoiceGraph, assignment: Mapping[str, int]) -> float:
