@@ -196,9 +196,18 @@ def axis_cut(shape: Sequence[int], placement: Placement, size: int) -> tuple[int
 
 def replicated_axes(spec: Spec) -> int:
     """Bit ``a`` set where ``spec`` is ``Replicate()`` on mesh axis ``a``."""
+    return _axes_of_kind(spec, _REPLICATE)
+
+
+def partial_axes(spec: Spec) -> int:
+    """Bit ``a`` set where ``spec`` is ``Partial`` on mesh axis ``a``."""
+    return _axes_of_kind(spec, _PARTIAL)
+
+
+def _axes_of_kind(spec: Spec, kind: int) -> int:
     mask = 0
     for axis, placement in enumerate(spec):
-        if _kind(placement) & _REPLICATE:
+        if _kind(placement) & kind:
             mask |= 1 << axis
     return mask
 

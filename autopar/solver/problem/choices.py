@@ -218,6 +218,9 @@ def param_sync_groups(graph: ChoiceGraph) -> tuple[dict[tuple, ParamSyncGroup], 
     # bucketed price. Each node then joins one group per such entry, in the order, and with the
     # strategies, that a walk over its terms one by one would give.
     terms_of: dict[tuple[int, int], tuple[list[float], dict[tuple, list]]] = {}
+    # The groups by (owner, axis, spec object): the specs of ``terms_of``'s entries, which the
+    # graph holds, recur node after node, and hashing a spec hashes each of its placements.
+    by_object: dict[tuple, ParamSyncGroup] = {}
     for name in graph.order:
         choice = graph.choices[name]
         if not any(choice.param_syncs):
@@ -231,10 +234,13 @@ def param_sync_groups(graph: ChoiceGraph) -> tuple[dict[tuple, ParamSyncGroup], 
         for (index, axis, spec), (price_s, strategies) in by_spec.items():
             param = synced_param(graph.choices, choice.inputs[index][0])
             shared = name in template and param in template
-            group_key = (template[param] if shared else param, axis, spec)
-            group = groups.get(group_key)
+            owner = template[param] if shared else param
+            group = by_object.get((owner, axis, id(spec)))
             if group is None:
-                group = groups[group_key] = ParamSyncGroup(0.0, set(), {})
+                group = groups.get((owner, axis, spec))
+                if group is None:
+                    group = groups[(owner, axis, spec)] = ParamSyncGroup(0.0, set(), {})
+                by_object[(owner, axis, id(spec))] = group
             group.price_s = max(group.price_s, price_s)
             group.params.add(param)
             group.uses.setdefault((consumer, index), set()).update(strategies)

@@ -22,18 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from torch.distributed.tensor import Partial
-
-from autopar.ir.spec import Spec
+from autopar.ir.spec import Spec, partial_axes
 
 
 def partial_mask(spec: Spec) -> int:
     """Bit ``a`` set where ``spec`` is Partial on mesh axis ``a``."""
-    mask = 0
-    for axis, placement in enumerate(spec):
-        if isinstance(placement, Partial):
-            mask |= 1 << axis
-    return mask
+    return partial_axes(spec)
 
 
 @dataclass(frozen=True, slots=True)
