@@ -64,3 +64,73 @@ def test_a_replaced_graph_starts_with_its_own_derived_cache():
     graph.derived["param_uses"] = "computed for graph"
     other = dataclasses.replace(graph, edges=list(graph.edges))
     assert other.derived == {} and graph.derived == {"param_uses": "computed for graph"}
+
+
+def _priced_one_by_one(choice, graph, cluster):
+    """A node's compute seconds, output bytes and parameter reductions as the cost model defines
+    them, strategy by strategy, with nothing shared between strategies."""
+    from autopar.cost import comm, compute, memory
+
+    info, mesh = choice.info, graph.mesh_shape
+    rows = []
+    for strategy in choice.strategies:
+        flops_s, bytes_s, factor = compute.roofline_terms(info, strategy, mesh, cluster, choice.requires_grad)
+        seconds = max(flops_s, bytes_s) * factor
+        merged = []
+        for index, arg in enumerate(info.inputs):
+            producer = graph.choices[choice.inputs[index][0]]
+            if not producer.requires_grad:
+                continue
+            dtype = choice.sync_dtypes[index]
+            for axis in choices.grad_sync_axes(strategy, index):
+                spec = strategy.ins[index]
+                cost = choices.grad_sync_cost(arg, spec, axis, producer.kind == "param", mesh, cluster, dtype)
+                seconds += cost.backward_s
+                if producer.kind == "param" or dtype is not None:
+                    bucketed = comm.param_grad_sync_cost(arg.shape, spec, axis, dtype or arg.dtype, mesh, cluster)
+                    merged.append((index, axis, cost.backward_s, bucketed.backward_s))
+        kernel = choices.kernel_collectives(info, strategy, mesh, choice.requires_grad)
+        seconds += comm.collectives_cost(kernel, mesh, cluster)[0]
+        out_bytes = sum(
+            memory.local_bytes(shape, dtype, spec, mesh)
+            for shape, spec, dtype in zip(info.out_shapes, strategy.outs, choice.out_dtypes)
+        )
+        rows.append((seconds, float(out_bytes), tuple(merged)))
+    return rows
+
+
+def test_strategies_price_as_each_alone_on_three_axes():
+    """``_price_each`` prices what one strategy reads once per op (the roofline per work split,
+    an all-reduce and an output's bytes per spec object): the same floats, to the last bit, as
+    pricing each strategy on its own, on a 3-axis mesh (axes of two sizes) with a precision
+    policy's casts."""
+    from autopar.ir.options import PlanOptions
+    from autopar.trace import trace
+
+    cluster = get_cluster("cpu")
+    model, batch = build_model("llama", n_layer=2), example_batch("llama", 4, n_layer=2)
+    traced = trace(model, batch, precision=PlanOptions.from_keywords(precision="bf16-mixed").precision)
+    graph = choices.build_choice_graph(traced, (2, 4, 2), cluster)
+    checked = 0
+    for name in graph.order:
+        choice = graph.choices[name]
+        if choice.info is None or choice.follower_of is not None or len(choice.strategies) < 2:
+            continue
+        expected = _priced_one_by_one(choice, graph, cluster)
+        assert [(c, m, p) for c, m, p in zip(choice.compute_s, choice.memory_bytes, choice.param_syncs)] == expected, name
+        checked += 1
+    assert checked > 20
+
+
+def test_distinct_specs_are_by_value_in_first_seen_order():
+    """Equal specs that are distinct objects count once, at their first place."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    first, again, other = (Shard(0), Replicate()), (Shard(0), Replicate()), (Replicate(), Replicate())
+    assert first is not again
+    assert choices.distinct_specs([other, first, other, again, first]) == [other, first]
+    by_input = choices._strategies_by_input(
+        [choices.Strategy((spec,), (spec,)) for spec in (first, other, again, first)]
+        + [choices.Strategy((other,), (other,), kernel="k")]
+    )
+    assert by_input == {first: [0, 2, 3], other: [1]}
