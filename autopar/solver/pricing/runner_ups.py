@@ -413,9 +413,9 @@ def _edge_prices(memo: _Memo, edge, edge_class: tuple, src: np.ndarray, dst: np.
         src_keys = _codes(memo, coder, edge.producer, "out", edge.out_index, src)
         dst_keys = _codes(memo, coder, edge.consumer, "in", edge.in_index, dst)
     width = int(dst_keys.max()) + 1
-    _, first, inverse = np.unique(src_keys * width + dst_keys, return_index=True, return_inverse=True)
+    first, inverse = _distinct(src_keys * width + dst_keys)
     found = []
-    for k in first.tolist():
+    for k in first:
         src_index, dst_index = int(src[k]), int(dst[k])
         src_spec, dst_spec = producer[src_index].outs[edge.out_index], consumer[dst_index].ins[edge.in_index]
         if coder is not None:
@@ -427,7 +427,23 @@ def _edge_prices(memo: _Memo, edge, edge_class: tuple, src: np.ndarray, dst: np.
         if price is True:
             price = memo.edge[key] = False if src_spec == dst_spec else edge.price.get((src_spec, dst_spec))
         found.append(price)
-    return inverse.reshape(-1), found
+    return inverse, found
+
+
+def _distinct(keys: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """Where each distinct key of ``keys`` first occurs, in increasing order of key, and per
+    key the number of its distinct one (``np.unique``; a few keys, as on a 2-axis mesh, in
+    Python, where numpy's calls cost more than the work)."""
+    if len(keys) > 16:
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        return first.tolist(), inverse.reshape(-1)
+    listed = keys.tolist()
+    firsts: dict[int, int] = {}
+    for k, key in enumerate(listed):
+        firsts.setdefault(key, k)
+    ordered = sorted(firsts)
+    number = {key: n for n, key in enumerate(ordered)}
+    return [firsts[key] for key in ordered], np.array([number[key] for key in listed], dtype=np.intp)
 
 
 def _codes(memo: _Memo, coder: Callable, name: str, side: str, index: int, strategies: np.ndarray) -> np.ndarray:
@@ -435,8 +451,9 @@ def _codes(memo: _Memo, coder: Callable, name: str, side: str, index: int, strat
     each of ``strategies`` (indices): once per strategy (``_Memo.codes_of``), and once per spec
     object (``_Memo.spec_codes``; the graph holds them all, so no id is reused)."""
     codes = memo.codes_of(coder, name, side, index)
-    missing = np.unique(strategies[codes[strategies] < 0])
-    if len(missing):
+    unknown = codes[strategies] < 0
+    if unknown.any():
+        missing = np.unique(strategies[unknown])
         listed, pricer = memo.graph.choices[name].strategies, id(getattr(coder, "__self__", coder))
         for s in missing.tolist():
             spec = listed[s].outs[index] if side == "out" else listed[s].ins[index]
