@@ -299,7 +299,7 @@ def _valid_combos(rows: list[Row], candidates: list, cuts: list[list], sizes: li
     """The combinations (a row index per axis, from ``candidates``) that ``is_valid`` and the
     kernel rules keep, in ``itertools.product`` order: each prefix is extended by each row in
     turn. ``cuts[axis][row]``: ``_row_cuts``; ``sizes``: every dim's size, by position."""
-    # A prefix: (row indices, each dim's size left to cut, cut mask, strided mask, kernel, kernel axes)
+    # A prefix: (row indices, each dim's size left to cut, cut mask, strided mask, kernel, axes running it)
     prefixes = [((), tuple(sizes), 0, 0, None, 0)]
     for axis, rows_here in enumerate(candidates):
         extended = []
