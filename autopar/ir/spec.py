@@ -207,7 +207,7 @@ def partial_axes(spec: Spec) -> int:
 def _axes_of_kind(spec: Spec, kind: int) -> int:
     mask = 0
     for axis, placement in enumerate(spec):
-        if _kind(placement) & kind:
+        if (_KINDS.get(type(placement)) or _kind(placement)) & kind:  # ``_kind``, its call saved
             mask |= 1 << axis
     return mask
 
@@ -222,7 +222,7 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
     """The shape each rank holds. Assumes ``is_valid``."""
     out = list(shape)
     for axis, placement in enumerate(spec):
-        if _kind(placement) & _SHARD:
+        if (_KINDS.get(type(placement)) or _kind(placement)) & _SHARD:  # ``_kind``, its call saved
             out[placement.dim] //= mesh_shape[axis]
     return tuple(out)
 
