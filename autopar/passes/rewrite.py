@@ -6,7 +6,7 @@
 - ``insert_collectives``: wherever a producer's spec differs from what its consumer takes, the
   steps of ``spec.transition_steps`` are inserted as explicit collective nodes; where an
   replicated input feeds a split computation, an ``allreduce_grad`` node is inserted so the
-  input's gradient is summed in backward (``solver.choices.grad_sync_axes``).
+  input's gradient is summed in backward (``solver.problem.op_prices.grad_sync_axes``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from autopar.ops import get_kernel
 from autopar.ops.kernels import EAGER_IMPLEMENTATIONS
 from autopar.ir.plan import NodePlan, Plan
 from autopar.rules.registry import SIZE_ARGS, Strategy, localize_kwargs, normalized_kwargs, tensor_meta
-from autopar.solver.problem.choices import grad_sync_axes
+from autopar.solver.problem.op_prices import grad_sync_axes
 from autopar.ir.spec import local_shape, transition_steps
 from autopar.trace import requires_grad
 

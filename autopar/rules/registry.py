@@ -75,7 +75,7 @@ class Row:
     out: Placement | tuple[Placement, ...]
     kernel: str | None = None
     # Inputs (by index) that are replicated here and whose local gradient the computation
-    # already makes whole, so they need no gradient all-reduce (see solver.problem.choices.grad_sync_axes).
+    # already makes whole, so they need no gradient all-reduce (see solver.problem.op_prices.grad_sync_axes).
     whole_grad: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

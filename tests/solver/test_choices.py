@@ -7,7 +7,7 @@ import torch
 from autopar.cost.cluster import get_cluster
 from autopar.rules import op_info
 from autopar.rules.registry import tensor_input_nodes
-from autopar.solver.problem import choices
+from autopar.solver.problem import choices, op_prices
 from autopar.trace import trace_repeated
 from autopar.zoo.models import build_model, example_batch
 
@@ -82,14 +82,14 @@ def _priced_one_by_one(choice, graph, cluster):
             if not producer.requires_grad:
                 continue
             dtype = choice.sync_dtypes[index]
-            for axis in choices.grad_sync_axes(strategy, index):
+            for axis in op_prices.grad_sync_axes(strategy, index):
                 spec = strategy.ins[index]
-                cost = choices.grad_sync_cost(arg, spec, axis, producer.kind == "param", mesh, cluster, dtype)
+                cost = op_prices.grad_sync_cost(arg, spec, axis, producer.kind == "param", mesh, cluster, dtype)
                 seconds += cost.backward_s
                 if producer.kind == "param" or dtype is not None:
                     bucketed = comm.param_grad_sync_cost(arg.shape, spec, axis, dtype or arg.dtype, mesh, cluster)
                     merged.append((index, axis, cost.backward_s, bucketed.backward_s))
-        kernel = choices.kernel_collectives(info, strategy, mesh, choice.requires_grad)
+        kernel = op_prices.kernel_collectives(info, strategy, mesh, choice.requires_grad)
         seconds += comm.collectives_cost(kernel, mesh, cluster)[0]
         out_bytes = sum(
             memory.local_bytes(shape, dtype, spec, mesh)
@@ -100,7 +100,7 @@ def _priced_one_by_one(choice, graph, cluster):
 
 
 def test_strategies_price_as_each_alone_on_three_axes():
-    """``_price_each`` prices what one strategy reads once per op (the roofline per work split,
+    """``op_prices.price_each`` prices what one strategy reads once per op (the roofline per work split,
     an all-reduce and an output's bytes per spec object): the same floats, to the last bit, as
     pricing each strategy on its own, on a 3-axis mesh (axes of two sizes) with a precision
     policy's casts."""

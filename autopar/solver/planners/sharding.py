@@ -18,13 +18,8 @@ from autopar.ir.prediction import Prediction, SolverStats
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver.strategies import backends
 from autopar.solver.strategies.backends import check_solver
-from autopar.solver.problem.choices import (
-    ChoiceGraph,
-    build_choice_graph,
-    expert_parallel_record,
-    grad_sync_bytes_per_axis,
-    param_sync_adjustment_s,
-)
+from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, param_sync_adjustment_s
+from autopar.solver.problem.op_prices import expert_parallel_record, grad_sync_bytes_per_axis
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.runner_ups import explain_decisions
 from autopar.solver.strategies.budget import MILP_GAP, solve_under_budget

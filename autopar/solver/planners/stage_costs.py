@@ -45,7 +45,8 @@ import numpy as np
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.solver.problem.edges import EdgePrices
-from autopar.solver.problem.choices import ChoiceGraph, Choice, build_choice_graph, grad_sync_axes, grad_sync_cost, layer_key
+from autopar.solver.problem.choices import ChoiceGraph, Choice, build_choice_graph, layer_key
+from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.solver.problem.ilp import ShardingILP, Solution
 from autopar.solver.strategies.solving import peak_memory, solve_ilp, solve_within_budget

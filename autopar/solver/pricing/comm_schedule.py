@@ -32,7 +32,8 @@ import torch
 from autopar.cost import comm, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.gathers import param_layer, reshards
-from autopar.solver.problem.choices import ChoiceGraph, grad_sync_axes, synced_param
+from autopar.solver.problem.choices import ChoiceGraph, synced_param
+from autopar.solver.problem.op_prices import grad_sync_axes
 from autopar.solver.problem.gathered import single_gather
 
 

@@ -21,7 +21,8 @@ import numpy as np
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost import comm
-from autopar.solver.problem.choices import ChoiceGraph, grad_sync_axes, grad_sync_cost, kernel_collectives
+from autopar.solver.problem.choices import ChoiceGraph
+from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost, kernel_collectives
 from autopar.solver.problem.edges import EdgePrices
 from autopar.solver.problem.ilp import Solution
 from autopar.ir.spec import format_spec
@@ -487,7 +488,7 @@ def _grad_sync_s(memo: _Memo, name: str, index: int) -> float:
 
 def _kernel_comm_s(memo: _Memo, name: str, index: int) -> float:
     """Seconds of a kernel's own collectives inside a member's ``compute_s`` (the
-    context-parallel attention's K/V gathers and row exchanges: ``choices.kernel_collectives``)."""
+    context-parallel attention's K/V gathers and row exchanges: ``op_prices.kernel_collectives``)."""
     graph = memo.graph
     choice = graph.choices[name]
     if choice.info is None or choice.strategies[index].kernel is None:

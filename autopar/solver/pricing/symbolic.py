@@ -35,7 +35,7 @@ from autopar.ir.plan import Plan
 from autopar.ir.prediction import Prediction
 from autopar.rules import op_info
 from autopar.rules.registry import Strategy, tensor_input_nodes, tensor_meta
-from autopar.solver.problem.choices import grad_sync_axes, grad_sync_cost, kernel_collectives
+from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost, kernel_collectives
 from autopar.solver.problem.gathered import PREFIX, GatherRow, gathered_intervals, reads_whole, single_gather
 from autopar.trace import TracedModel, requires_grad
 from autopar.trace.moe import EXPERTS_OP
@@ -174,7 +174,7 @@ def _ties(traced: TracedModel) -> list[list[str]]:
 
 
 def _backward_s(roofline) -> float:
-    """Backward compute of the ops (``choices._price_strategies``' ``backward_s``)."""
+    """Backward compute of the ops (``op_prices.price_strategies``' ``backward_s``)."""
     return sum(max(f, b) * (factor - 1) for f, b, factor in roofline)
 
 
