@@ -187,3 +187,30 @@ def test_a_hub_table_prices_its_near_pairs_and_hub_as_transition_cost():
         if pair[1] not in prices.hub[1] or price[0] < prices.hub[0][pair[0]] + prices.hub[1][pair[1]]
     ]
     assert prices.direct_items() == held and 0 < len(held) < len(prices)
+
+
+def test_a_hub_table_prices_many_pairs_by_code_as_each_alone():
+    """``EdgePrices.get_coded_many`` (the explanations' pairs, priced together) gives each pair
+    what ``get_coded`` gives it alone and ``transition_cost`` prices: the same floats, None where
+    the change is impossible, repeated pairs and pairs known before included."""
+    shape, dtype, mesh = (8, 16, 24), torch.bfloat16, (2, 2, 2)
+    cluster = get_cluster("h100-80g")
+    pricer = edges.Pricer(mesh, cluster)
+    specs = list(itertools.product([R, P, S(0), S(1), S(2)], repeat=3))
+    coded = [(spec, pricer.code(spec)) for spec in specs]
+    edge = edges.Edge("a", 0, "b", 0, shape, dtype, True, False, grad_dtype=torch.float32)
+    prices = edges.price_table(edge, coded[::2], coded[1::2], pricer, hub=True)
+    pairs = [(a, b) for a, b in itertools.product(range(0, len(coded), 7), range(1, len(coded), 5)) if a != b]
+    prices.get_coded(coded[pairs[0][0]][0], coded[pairs[0][1]][0], *pairs[0])  # one known before
+    got = prices.get_coded_many(pairs + pairs[:3])
+    fresh = edges.Pricer(mesh, cluster)
+    assert [fresh.code(spec) for spec, _ in coded] == [code for _, code in coded]
+    alone = edges.price_table(edge, coded[::2], coded[1::2], fresh, hub=True)
+
+    def cost(src, dst):
+        found = comm.transition_cost(src, dst, shape, dtype, mesh, cluster, True, torch.float32)
+        return None if found is None else (found.forward_s + found.backward_s, found.bytes_sent)
+
+    want = [cost(coded[a][0], coded[b][0]) for a, b in pairs + pairs[:3]]
+    assert got == want and None in want and len({w for w in want if w}) > 10
+    assert got[: len(pairs)] == [alone.get_coded(coded[a][0], coded[b][0], a, b) for a, b in pairs]

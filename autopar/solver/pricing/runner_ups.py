@@ -415,14 +415,15 @@ def _edge_prices(memo: _Memo, edge, edge_class: tuple, src: np.ndarray, dst: np.
         dst_keys = _codes(memo, coder, edge.consumer, "in", edge.in_index, dst)
     width = int(dst_keys.max()) + 1
     first, inverse = _distinct(src_keys * width + dst_keys)
+    if coder is not None:  # the pairs that change spec priced together, by their codes
+        pairs = list(zip(src_keys[first].tolist(), dst_keys[first].tolist()))
+        asked = [pair for pair in pairs if pair[0] != pair[1]]
+        prices = dict(zip(asked, edge.price.get_coded_many(asked)))
+        return inverse, [False if src_code == dst_code else prices[(src_code, dst_code)] for src_code, dst_code in pairs]
     found = []
     for k in first:
         src_index, dst_index = int(src[k]), int(dst[k])
         src_spec, dst_spec = producer[src_index].outs[edge.out_index], consumer[dst_index].ins[edge.in_index]
-        if coder is not None:
-            src_code, dst_code = int(src_keys[k]), int(dst_keys[k])
-            found.append(False if src_code == dst_code else edge.price.get_coded(src_spec, dst_spec, src_code, dst_code))
-            continue
         key = (edge_class, src_index, dst_index)
         price = memo.edge.get(key, True)
         if price is True:
