@@ -10,7 +10,7 @@ changed (new rows, row and column bounds, objective coefficients), so the simple
 last basis (dual simplex after a row or a bound is added, primal after the objective changes).
 
 Finding what changed costs no more than a pass over each list at C speed: the kept model
-remembers every column's bounds, every row's constant and sense, and the objective's variables
+remembers every PuLP variable's bounds (a held y's column keeps [0, 1]), every row's constant and sense, and the objective's variables
 (by identity) and coefficients as Python lists, and compares them with the problem's; only a
 list that differs is converted and passed on, and only its changed entries.
 
