@@ -11,7 +11,8 @@ model preset, traced once; the trace is not in the row): ``plan_s`` is wall-cloc
 ``plan_cpu_s`` the process's CPU time for the same work (``time.process_time``), which other
 jobs on a loaded machine disturb far less. ``ratio`` is each row's CPU time over the first
 row's of its round (``--repeat N`` plans the meshes N rounds, interleaved; a mesh's first round
-works out its transition steps cold, ``ir.spec.steps_between`` keeps them for the next). ``strategies`` are the op strategies the rules enumerate, and ``cut`` those
+works out its 2-axis transition steps cold, ``ir.spec.steps_between`` keeps them for the next; hub tables
+route their pairs in bulk each time, ``spec.routes_between``). ``strategies`` are the op strategies the rules enumerate, and ``cut`` those
 ``solver.problem.pruning`` removes before the ILP (impossible, dominated). ``rss_gib`` is the
 process's peak resident memory after the row (``ru_maxrss``: it never goes down, so a row that
 does not raise it used no more). ``--devices N`` runs the mesh search instead (one row, the
