@@ -418,7 +418,7 @@ _NO_DIM = -128  # ``PlacementNumbers``' dim of a placement that is not a shard
 class PlacementNumbers:
     """``placement_key``s numbered in the order first seen, ``REPLICATE_KEY`` as 0, with each
     one's kind and dim (``_NO_DIM`` where not a shard) as arrays: how ``routes_between`` reads specs.
-    Small ints (``dtype``, int8), so that a million pairs' arrays stay small."""
+    Small ints (``dtype``; kinds and dims int8), so that a million pairs' arrays stay small."""
 
     dtype = np.int16
 

@@ -129,8 +129,9 @@ def test_distinct_specs_are_by_value_in_first_seen_order():
     first, again, other = (Shard(0), Replicate()), (Shard(0), Replicate()), (Replicate(), Replicate())
     assert first is not again
     assert choices.distinct_specs([other, first, other, again, first]) == [other, first]
-    by_input = choices._strategies_by_input(
-        [choices.Strategy((spec,), (spec,)) for spec in (first, other, again, first)]
-        + [choices.Strategy((other,), (other,), kernel="k")]
-    )
+    strategies = [choices.Strategy((spec,), (spec,)) for spec in (first, other, again, first)]
+    strategies.append(choices.Strategy((other,), (other,), kernel="k"))
+    by_input = choices.strategies_by_spec(strategies, False, 0, plain_only=True)
     assert by_input == {first: [0, 2, 3], other: [1]}
+    assert list(choices.strategies_by_spec(strategies, True, 0)) == [first, other]
+    assert choices.strategies_by_spec(strategies, True, 0)[other] == [1, 4]

@@ -406,8 +406,8 @@ def _edge_prices(memo: _Memo, edge, edge_class: tuple, src: np.ndarray, dst: np.
     """An edge's prices between its ends' strategies ``src[k]`` and ``dst[k]``: the distinct
     ones, each (seconds, bytes), False where the spec does not change or None where the change
     is impossible, and per k which. A table whose pricer numbers specs is asked once per pair
-    of codes (equal codes, equal specs); another once per pair of strategies (``_Memo.edge``)."""
-    producer, consumer = memo.graph.choices[edge.producer].strategies, memo.graph.choices[edge.consumer].strategies
+    of codes (equal codes, equal specs), all together (``EdgePrices.get_coded_many``); another
+    once per pair of strategies (``_Memo.edge``)."""
     coder = edge.price.coder() if isinstance(edge.price, EdgePrices) else None
     src_keys, dst_keys = src, dst
     if coder is not None:
@@ -420,6 +420,7 @@ def _edge_prices(memo: _Memo, edge, edge_class: tuple, src: np.ndarray, dst: np.
         asked = [pair for pair in pairs if pair[0] != pair[1]]
         prices = dict(zip(asked, edge.price.get_coded_many(asked)))
         return inverse, [False if src_code == dst_code else prices[(src_code, dst_code)] for src_code, dst_code in pairs]
+    producer, consumer = memo.graph.choices[edge.producer].strategies, memo.graph.choices[edge.consumer].strategies
     found = []
     for k in first:
         src_index, dst_index = int(src[k]), int(dst[k])

@@ -724,7 +724,7 @@ def _mark_followers(choices: dict[str, Choice], order: list[str], exclude: set[s
         hit = seen.get(key)
         if hit is None:
             source_specs = source.out_specs(out_index)
-            by_in = _strategies_by_input(choice.strategies)
+            by_in = strategies_by_spec(choice.strategies, False, 0, plain_only=True)
             cut = None
             if all(len(by_in.get(spec, ())) == 1 for spec in source_specs):
                 _keep_only(choice, [by_in[spec][0] for spec in source_specs])
@@ -744,24 +744,25 @@ def _mark_followers(choices: dict[str, Choice], order: list[str], exclude: set[s
             choice.follower_of = producer
 
 
-def _strategies_by_input(strategies: list[Strategy]) -> dict[Spec, list[int]]:
-    """Input 0's spec -> the indices, in order, of the strategies without a kernel that take it;
-    each spec object hashed once (``distinct_specs``)."""
+def strategies_by_spec(strategies: list[Strategy], outs: bool, index: int, plain_only: bool = False) -> dict[Spec, list[int]]:
+    """The spec of output (``outs``) or input ``index`` -> the indices, in order, of the
+    strategies that have it (``plain_only``: those without a kernel), specs in first-seen order
+    (``Choice.out_specs``); each spec object hashed once (``distinct_specs``)."""
     by_object: dict[int, list] = {}  # id(spec) -> [spec, its strategies]
     for i, strategy in enumerate(strategies):
-        if strategy.kernel is None:
-            spec = strategy.ins[0]
+        if not (plain_only and strategy.kernel is not None):
+            spec = (strategy.outs if outs else strategy.ins)[index]
             entry = by_object.get(id(spec))
             if entry is None:
                 entry = by_object[id(spec)] = [spec, []]
             entry[1].append(i)
-    by_in: dict[Spec, list[int]] = {}
+    by_spec: dict[Spec, list[int]] = {}
     for spec, indices in by_object.values():
-        found = by_in.setdefault(spec, indices)
+        found = by_spec.setdefault(spec, indices)
         if found is not indices:  # equal specs, two objects: their strategies merged in order
             found.extend(indices)
             found.sort()
-    return by_in
+    return by_spec
 
 
 def _lists(choice: Choice) -> tuple[list, ...]:

@@ -226,19 +226,27 @@ class Pricer:
     def rows_of(self, specs: list[tuple[Spec, int]]) -> np.ndarray:
         """The placement numbers of ``specs`` (with their codes), a row each: what
         ``comm.TransitionPrices.price_pairs`` takes."""
+        return self._rows([code for _, code in specs])
+
+    def _rows(self, codes: list[int]) -> np.ndarray:
         rows = self.rows
-        numbered = np.array([rows[code] for _, code in specs], dtype=self.transitions.numbers.dtype)
-        return numbered.reshape(len(specs), len(self.mesh_shape))
+        numbered = np.array([rows[code] for code in codes], dtype=self.transitions.numbers.dtype)
+        return numbered.reshape(len(codes), len(self.mesh_shape))
+
+    def _known(self, edge: Edge) -> tuple[tuple, dict[tuple[int, int], Price | None]]:
+        """(what an edge's prices depend on besides its specs, the prices known for it by codes)."""
+        key = _price_key(edge)
+        known = self.known.get(key)
+        if known is None:
+            known = self.known[key] = {}
+        return key, known
 
     def price(self, edge: Edge, src: Spec, dst: Spec, src_code: int, dst_code: int) -> Price | None:
         return self.prices_of(edge)(src, dst, src_code, dst_code)
 
     def prices_of(self, edge: Edge) -> Callable[[Spec, Spec, int, int], Price | None]:
         """``price`` for one edge's (shape, dtype, grad, grad dtype), looked up once."""
-        key = (edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype)
-        known = self.known.get(key)
-        if known is None:
-            known = self.known[key] = {}
+        key, known = self._known(edge)
         transitions, get = self.transitions.price, known.get
 
         def price(src: Spec, dst: Spec, src_code: int, dst_code: int) -> Price | None:
@@ -253,18 +261,14 @@ class Pricer:
     def prices_many(self, edge: Edge) -> Callable[[list[tuple[int, int]]], list[Price | None]]:
         """``prices_of`` for many (src code, dst code) at once: the ones not known yet priced
         together (``comm.TransitionPrices.price_pairs``, the same floats as one by one), and kept."""
-        key = (edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype)
-        known = self.known.get(key)
-        if known is None:
-            known = self.known[key] = {}
-        rows, transitions = self.rows, self.transitions
+        key, known = self._known(edge)
+        transitions = self.transitions
 
         def prices(pairs: list[tuple[int, int]]) -> list[Price | None]:
             new = [pair for pair in dict.fromkeys(pairs) if pair not in known]
             if new:
-                numbered = np.array([rows[code] for pair in new for code in pair], dtype=transitions.numbers.dtype)
-                numbered = numbered.reshape(len(new), 2, len(self.mesh_shape))
-                possible, seconds, sent = transitions.price_pairs(numbered[:, 0], numbered[:, 1], *key)
+                src, dst = self._rows([pair[0] for pair in new]), self._rows([pair[1] for pair in new])
+                possible, seconds, sent = transitions.price_pairs(src, dst, *key)
                 for pair, ok, total, bytes_sent in zip(new, possible.tolist(), seconds.tolist(), sent.tolist()):
                     known[pair] = (total, bytes_sent) if ok else None
             return [known[pair] for pair in pairs]
@@ -280,6 +284,11 @@ class Pricer:
 
 
 _UNPRICED = object()
+
+
+def _price_key(edge: Edge) -> tuple:
+    """What an edge's transition prices depend on besides its two specs: (shape, dtype, grad, grad dtype)."""
+    return (edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype)
 
 
 def near_pairs(srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -448,8 +457,7 @@ def _hub_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, 
     whole = np.zeros((1, len(pricer.mesh_shape)), dtype=src_rows.dtype)
     src_all = np.concatenate([src_rows, np.broadcast_to(whole, dst_rows.shape), src_rows[rows]])
     dst_all = np.concatenate([np.broadcast_to(whole, src_rows.shape), dst_rows, dst_rows[columns]])
-    key = (edge.shape, edge.dtype, edge.requires_grad, edge.grad_dtype)
-    possible, seconds, sent = transitions.price_pairs(src_all, dst_all, *key)
+    possible, seconds, sent = transitions.price_pairs(src_all, dst_all, *_price_key(edge))
     hub = slice(len(srcs), len(srcs) + len(dsts))
     outs, ins, into = seconds[: len(srcs)], seconds[hub], possible[hub]
     possible, seconds, sent = (column[hub.stop :] for column in (possible, seconds, sent))

@@ -99,7 +99,7 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from autopar.solver.problem.choices import ChoiceGraph
+from autopar.solver.problem.choices import ChoiceGraph, strategies_by_spec
 from autopar.solver.problem.columns import HeldColumns
 from autopar.solver.problem.rows import RowTable, rows_by_name
 from autopar.solver.problem.terms import compute_coefficients
@@ -621,25 +621,12 @@ class _MemoryTerms:
 
 
 def _spec_groups(strategies: list, outs: bool, index: int, cache: dict) -> dict[Spec, list[int]]:
-    """The strategies by their spec of output (``outs``) or input ``index``: {spec: their
-    positions}, specs in first-seen order (``Choice.out_specs``), positions in order. Once per
-    strategy list (repeated layers and identical ops share theirs), grouped by the identity of
-    the spec objects first (a list holds few: ``rules.registry.expand_rows`` interns them), then
-    by the specs, whose hashes are torch's placements' in Python."""
+    """``choices.strategies_by_spec`` once per strategy list (repeated layers and identical ops
+    share theirs)."""
     key = (id(strategies), outs, index)
     found = cache.get(key)
-    if found is None:
-        by_id: dict[int, tuple[Spec, list[int]]] = {}
-        for s, strategy in enumerate(strategies):
-            spec = strategy.outs[index] if outs else strategy.ins[index]
-            entry = by_id.get(id(spec))
-            if entry is None:
-                entry = by_id[id(spec)] = (spec, [])
-            entry[1].append(s)
-        merged: dict[Spec, list[int]] = {}
-        for spec, positions in by_id.values():
-            merged[spec] = sorted(merged[spec] + positions) if spec in merged else positions
-        found = cache[key] = (merged, strategies)  # the list held, so that its id stays its own
+    if found is None:  # the list held, so that its id stays its own
+        found = cache[key] = (strategies_by_spec(strategies, outs, index), strategies)
     return found[0]
 
 
