@@ -15,6 +15,10 @@ from typing import Any
 from autopar.ir.summary import format_bytes
 
 TARGETS = ("cpu", "disk")
+# Activation checkpointing policies of a layer (docs/memory.md): "full" recomputes the whole
+# layer in backward; "selective" (torchtitan's op-level policy, Megatron's selective recompute)
+# keeps the outputs of matmuls and attention and recomputes the cheap ops between them.
+CHECKPOINT_POLICIES = ("selective", "full")
 OFFLOAD_KINDS = ("param", "grad", "optimizer_state")
 
 
