@@ -1,7 +1,8 @@
 """The ``autopar`` command line.
 
     autopar plan MODEL_SPEC (--mesh 2x4 | --devices 64) [--cluster h100-80g|FILE]
-                 [--memory-budget 70GiB] [--offload auto] [--batch-size N] [--seq-len N] [--num-layers N] [--meta]
+                 [--memory-budget 70GiB] [--offload auto] [--checkpointing selective]
+                 [--batch-size N] [--seq-len N] [--num-layers N] [--meta]
                  [--out plan.json] [--json]
     autopar show plan.json [--all] [--json] [--html report.html]
     autopar explain plan.json [NODE_OR_PARAM] [--json]
@@ -109,6 +110,16 @@ def _cluster(text: str):
         return get_cluster(text)
     except (ValueError, OSError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+# --checkpointing's words and the ``checkpointing=`` value each stands for.
+CHECKPOINTING = {"auto": None, "off": False, "selective": "selective", "full": "full"}
+
+
+def _checkpointing(text: str) -> bool | str | None:
+    if text not in CHECKPOINTING:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(CHECKPOINTING)}, got {text!r}")
+    return CHECKPOINTING[text]
 
 
 def _stages(text: str) -> int | str:
@@ -312,6 +323,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         pipeline=args.pipeline or "off",
         num_microbatches=args.num_microbatches,
         offload=args.offload,
+        checkpointing=args.checkpointing,
         devices=None if args.mesh else args.devices,
         precision=args.precision,
         data=DataOptions(batch=args.data),
@@ -613,6 +625,14 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         metavar="auto|off|cpu|disk",
         help="when no sharding fits --memory-budget, let the planner add checkpointing and offload "
         "(autopar.plan's offload=; with --mesh only)",
+    )
+    p.add_argument(
+        "--checkpointing",
+        type=_checkpointing,
+        default=None,
+        metavar="auto|off|selective|full",
+        help="activation checkpointing: auto (the default: each layer selective or full where the budget binds), "
+        "off, or a policy every layer takes (docs/memory.md; autopar.plan's checkpointing=)",
     )
     p.add_argument(
         "--colossal-config",

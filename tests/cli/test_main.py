@@ -413,3 +413,12 @@ def test_check_numerics_runs_every_rank_against_eager(capsys, plans):
     # A plan for a published shape on the meta device holds no values to compare.
     code, out, err = _run(capsys, "check", str(plans["gpt4_cpu"]), "--numerics")
     assert code != 0 and "meta device" in err
+
+
+def test_plan_checkpointing_policy(capsys):
+    code, out, err = _run(capsys, "plan", "gpt", "--mesh", "1", "--cluster", "cpu", "--json", "--checkpointing", "selective")
+    assert code == 0, err
+    segments = json.loads(out)["memory"]["checkpoint"]
+    assert segments and {s["policy"] for s in segments} == {"selective"}
+    code, out, err = _run(capsys, "plan", "gpt", "--mesh", "1", "--checkpointing", "some")
+    assert code != 0 and "auto, off, selective, full" in err
