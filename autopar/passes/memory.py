@@ -63,12 +63,35 @@ class Checkpointed(torch.nn.Module):
         super().__init__()
         self.body = body
         self.policy = policy
+        if policy == "selective":
+            for target in {n.target for n in body.graph.nodes if n.op == "call_module" and n.target in _REPLAYED_ELSEWISE}:
+                setattr(body, target, _OutsideSelective(getattr(body, target)))
 
     def forward(self, *args):
         if self.policy == "selective":
             contexts = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, _selective_policy)
             return torch.utils.checkpoint.checkpoint(self.body, *args, use_reentrant=False, context_fn=contexts)
         return torch.utils.checkpoint.checkpoint(self.body, *args, use_reentrant=False)
+
+
+# Submodules that run other ops in a checkpoint's recompute than in forward: parameter gathers
+# (prefetched ahead in forward, gathered in place in the recompute) and offload fetches.
+_REPLAYED_ELSEWISE = (PARAM_GATHERS, OFFLOADER)
+
+
+class _OutsideSelective(torch.nn.Module):
+    """A gather or fetch inside a selective segment, run outside torch's dispatch modes: the
+    selective checkpoint replays forward's sequence of ops from its cache in the recompute, and
+    fails on an op forward did not run; outside, the recompute simply runs it again (as a
+    "full" segment does), and its output is never cached."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        with torch.utils._python_dispatch._disable_current_modes():
+            return self.inner(*args, **kwargs)
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy:

@@ -144,3 +144,30 @@ def test_a_runtime_that_drops_the_selective_policy_fails(model_and_plans, measur
     mutated = {**measured, "selective": _measure(model, batch, plans["selective"])}
     with pytest.raises(AssertionError):
         _check_kept_bytes(mutated, plans)
+
+
+def _two_rank_run(rank: int, world_size: int, plan_paths: list[str]) -> list[dict]:
+    model = build_model("gpt", seed=0, n_layer=2).double()
+    batch = example_batch("gpt", 4, seed=1)
+    out = []
+    for path in plan_paths:
+        pm = autopar.compile(copy.deepcopy(model), (2,), example_inputs=batch, plan=path)
+        out.append(_train(pm, copy.deepcopy(model), batch, steps=2))
+    return out
+
+
+@pytest.mark.multiproc
+def test_selective_checkpointing_with_collectives_inside_on_two_ranks(rank_pool, tmp_path):
+    """FSDP's all-gathers and Megatron's all-reduces inside selective segments: the recompute
+    runs them again on every rank, and the numbers stay eager's."""
+    model = build_model("gpt", seed=0, n_layer=2).double()
+    batch = example_batch("gpt", 4, seed=1)
+    paths = []
+    for kind in ("fsdp", "megatron"):
+        plan = autopar.hand_plan(kind, model, (2,), example_inputs=batch, cluster="cpu", checkpointing="selective")
+        assert {s.policy for s in plan.memory.checkpoint} == {"selective"}
+        plan.save(tmp_path / f"{kind}.json")
+        paths.append(str(tmp_path / f"{kind}.json"))
+    for results in rank_pool(2).run(_two_rank_run, paths, timeout_s=300):
+        for worst in results:
+            assert all(diff < TOL for diff in worst.values()), worst
