@@ -234,6 +234,12 @@ class PlanOptions:
                 "(activation checkpointing is: the stage planner recomputes a stage's layers where its budget "
                 "binds); pass offload='off', or pipeline='off' to plan offload"
             )
+        if self.pipeline.enabled and isinstance(self.memory.checkpointing, str):
+            raise ValueError(
+                f"checkpointing={self.memory.checkpointing!r} with a pipeline: the stage planner recomputes whole "
+                "layers where a stage's budget binds and plans no checkpoint policy yet; pass checkpointing=None "
+                "(or False), or pipeline='off' to checkpoint every layer with a policy"
+            )
         if self.pipeline.enabled and self.symbolic_batch:
             raise ValueError("symbolic_batch is not available for pipelined plans yet: pass pipeline='off'")
 

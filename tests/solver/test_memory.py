@@ -136,6 +136,9 @@ def test_checkpoint_policy_in_the_plan_file(gpt_free_plan):
         CheckpointSegment("h.0", "a", "b", 1.0, 1.0, "some")
     with pytest.raises(ValueError, match="checkpointing must be"):
         _plan(0.95, gpt_free_plan, checkpointing="selectiv")
+    model, batch = _gpt()
+    with pytest.raises(ValueError, match="with a pipeline"):  # not silently whole layers
+        autopar.plan(model, (2,), example_inputs=batch, pipeline=2, checkpointing="selective")
 
 
 def test_forced_specs_under_a_binding_budget_checkpoint_when_allowed(gpt_free_plan):
