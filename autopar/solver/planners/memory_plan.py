@@ -9,6 +9,9 @@ decision           bytes saved on the device                   seconds added per
 =================  ==========================================  ==================================
 checkpoint layer   its activations kept from forward to        the layer's forward compute, run
                    backward (not its outputs, not its inputs)  again in backward
+selective          the same, less the outputs of its matmuls   the forward compute of its other
+checkpoint layer   and attention (``SELECTIVE_KEEPS``), which  ops, run again in backward
+                   it keeps until its recompute
 offload optimizer  the parameter's optimizer state             read + write it once (the step)
 state
 offload gradient   the gradient, from its backward to the      write it in backward, read it in
@@ -19,7 +22,10 @@ offload layer      the same as checkpointing it                write them in for
 activations                                                    in backward
 =================  ==========================================  ==================================
 
-A layer is either checkpointed or has its activations offloaded, never both.
+A layer takes one of its three decisions at most; a whole-layer one (checkpoint, offload) taken
+later replaces a selective checkpoint, which saves less. ``checkpointing="selective"`` or
+``"full"`` (``plan_memory``'s ``policy``) takes that checkpoint of every layer first, whatever
+the budget.
 
 Transfers run at the target's link: ``cluster.host_link`` for "cpu" (pinned host memory), and
 ``cluster.disk_link`` for "disk" (through the host link too, on a device that is not the host).
