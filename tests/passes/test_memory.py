@@ -38,24 +38,35 @@ class _Allocated(TorchDispatchMode):
                 self.storages.append(weakref.ref(leaf.untyped_storage()))
         return out
 
-    def alive_bytes(self) -> int:
+    def alive_bytes(self, exclude: set[int]) -> int:
         gc.collect()
         alive = {}
         for ref in self.storages:
             storage = ref()
-            if storage is not None:
+            if storage is not None and storage.data_ptr() not in exclude:
                 alive[storage.data_ptr()] = storage.nbytes()
         return sum(alive.values())
 
 
-def _kept_for_backward(pm, batch) -> int:
-    """Bytes that forward made and that are still alive when backward starts."""
+def _kept_for_backward(pm, batch) -> tuple[int, int]:
+    """(bytes that forward made and that are still alive when backward starts, bytes of the
+    tensors autograd's saved-tensor hooks saw saved), neither counting parameters or inputs."""
+    exclude = {t.untyped_storage().data_ptr() for t in batch}
+    exclude |= {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in pm.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
     mode = _Allocated()
-    with mode:
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), mode:
         loss = pm(*batch)
-    kept = mode.alive_bytes()
+    kept = mode.alive_bytes(exclude)
     loss.backward()
-    return kept
+    return kept, sum(saved.values())
 
 
 @pytest.fixture(scope="module", params=["gpt", "llama"])
@@ -111,14 +122,27 @@ def test_selective_checkpointing_trains_as_eager(world_of_one, model_and_plans):
     assert all(diff < TOL for diff in worst.values()), worst
 
 
-def _measure(model, batch, plan) -> int:
+def _measure(model, batch, plan) -> tuple[int, int]:
     return _kept_for_backward(autopar.compile(copy.deepcopy(model), (1,), example_inputs=batch, plan=plan), batch)
 
 
 @pytest.fixture(scope="module")
-def measured(world_of_one, model_and_plans) -> dict:
+def measured_with_hooks(world_of_one, model_and_plans) -> dict:
     model, batch, plans = model_and_plans
     return {policy: _measure(model, batch, plans[policy]) for policy in POLICIES}
+
+
+@pytest.fixture(scope="module")
+def measured(measured_with_hooks) -> dict:
+    return {policy: kept for policy, (kept, _) in measured_with_hooks.items()}
+
+
+def test_the_count_is_what_saved_tensor_hooks_see_where_they_see_it(measured_with_hooks):
+    """Without checkpoints every tensor kept for backward goes through autograd's saved-tensor
+    hooks, and the storages alive after forward are those (and the loss); inside a checkpoint
+    the hooks see nothing (its own replace them), which is why the count is of storages."""
+    kept, hooked = measured_with_hooks[False]
+    assert hooked > 0 and 0 <= kept - hooked <= 64, (kept, hooked)
 
 
 def _check_kept_bytes(measured: dict, plans: dict) -> None:
@@ -141,7 +165,7 @@ def test_a_runtime_that_drops_the_selective_policy_fails(model_and_plans, measur
     policy = torch.utils.checkpoint.CheckpointPolicy
     chosen = policy.MUST_SAVE if mutant == "recomputes nothing" else policy.PREFER_RECOMPUTE
     monkeypatch.setattr(memory_pass, "_selective_policy", lambda ctx, op, *args, **kwargs: chosen)
-    mutated = {**measured, "selective": _measure(model, batch, plans["selective"])}
+    mutated = {**measured, "selective": _measure(model, batch, plans["selective"])[0]}
     with pytest.raises(AssertionError):
         _check_kept_bytes(mutated, plans)
 
