@@ -93,8 +93,10 @@ def device_name(device: torch.device) -> str:
     return f"cpu-{torch.get_num_threads()}thread"
 
 
-def measure_device(device: torch.device | str | None = None, quick: bool = False) -> dict[str, Any]:
-    """The roofline of ``device`` (default: CUDA when available, else CPU), as ClusterSpec fields."""
+def measure_device(device: torch.device | str | None = None, quick: bool = False, rates: bool | None = None) -> dict[str, Any]:
+    """The roofline of ``device`` (default: CUDA when available, else CPU), as ClusterSpec fields;
+    on CUDA (or with ``rates=True``) also its achieved rates and, on CUDA, its host link
+    (``runtime.profile_rates``)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         size, copy_bytes = (4096, 256 << 20) if quick else (8192, 1 << 30)
@@ -103,12 +105,31 @@ def measure_device(device: torch.device | str | None = None, quick: bool = False
         size, copy_bytes = (384, 32 << 20) if quick else (1024, 256 << 20)
         dtypes = (torch.float32,)  # CPU half-precision matmuls are emulated; the fp32 peak is the fallback
     peak_flops = {str(d).removeprefix("torch."): measure_matmul_flops(device, d, size) for d in dtypes}
-    return {
+    measured = {
         "device": device_name(device),
         "peak_flops": peak_flops,
         "memory_bandwidth_bytes_per_s": measure_memory_bandwidth(device, copy_bytes),
         "memory_bytes": device_memory_bytes(device),
     }
+    if device.type == "cuda" if rates is None else rates:
+        measured.update(_rates_and_host_link(device, measured, quick))
+    return measured
+
+
+def _rates_and_host_link(device: torch.device, measured: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """``ClusterSpec.rates`` in the dtype that training computes in (bf16 on CUDA), and on CUDA
+    ``host_link``: a CPU device is its own host, which a spec says by having none."""
+    # profile_rates times with this module's time_call: imported here, not at the top, to break the cycle
+    from autopar.runtime import profile_rates
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    peak = measured["peak_flops"][str(dtype).removeprefix("torch.")]
+    out: dict[str, Any] = {
+        "rates": profile_rates.measure_rates(device, dtype, peak, measured["memory_bandwidth_bytes_per_s"], quick)
+    }
+    if device.type == "cuda":
+        out["host_link"] = profile_rates.measure_host_link(device, profile_rates.host_link_sizes(device, quick))["link"]
+    return out
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float], k: int) -> LinkSpec:
@@ -215,6 +236,10 @@ def build_spec(
             f"{math.prod(mesh_shape)} ranks shared {compute_slots_per_node} compute slots: the "
             f"links are the measured ones at full speed (latency x {share:g}, bandwidth / {share:g})."
         )
+    if device.get("host_link") is not None:
+        notes.append("host_link: pinned host-to-device and device-to-host copies, the slower direction.")
+    if device.get("rates") is not None:
+        notes.append("rates: measured (rates.source).")
     chosen: dict[str, LinkSpec] = {}
     for level, found in links.items():
         if found:  # the slowest axis of that level: a plan must not count on the best one
@@ -254,6 +279,8 @@ def build_spec(
         source="autopar profile (measured)",
         notes=" ".join(notes),
         compute_slots_per_node=compute_slots_per_node,
+        host_link=device.get("host_link"),
+        rates=device.get("rates"),
     )
 
 
