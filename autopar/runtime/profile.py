@@ -29,9 +29,8 @@ import dataclasses
 import math
 import os
 import statistics
-import time
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,29 +39,11 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from autopar.cost.cluster import CPU_PRESET, ClusterSpec, LinkSpec, cpu_cluster, get_cluster
 from autopar.runtime.module import mesh_groups
 from autopar.runtime.launch import run_distributed
+from autopar.runtime import profile_rates
+from autopar.runtime.profile_rates import time_call
 
 QUICK_ALLREDUCE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
 FULL_ALLREDUCE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call(fn: Callable[[], Any], device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, synchronized."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int, repeats: int = 5) -> float:
@@ -119,9 +100,6 @@ def measure_device(device: torch.device | str | None = None, quick: bool = False
 def _rates_and_host_link(device: torch.device, measured: dict[str, Any], quick: bool) -> dict[str, Any]:
     """``ClusterSpec.rates`` in the dtype that training computes in (bf16 on CUDA), and on CUDA
     ``host_link``: a CPU device is its own host, which a spec says by having none."""
-    # profile_rates times with this module's time_call: imported here, not at the top, to break the cycle
-    from autopar.runtime import profile_rates
-
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     peak = measured["peak_flops"][str(dtype).removeprefix("torch.")]
     out: dict[str, Any] = {

@@ -16,21 +16,21 @@
   the device is the host and a spec has no host link; the same code then times plain copies
   (what the tests run).
 
-Every timing is ``runtime.profile.time_call``'s (synchronized, median after warm-up). Sizes
+Every timing is ``time_call``'s (synchronized, median after warm-up). Sizes
 are small on CPU and with ``quick``, so that the whole profile stays within a minute on a GPU.
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from autopar.cost.cluster import LinkSpec
 from autopar.cost.rates import ComputeRates
-from autopar.runtime.profile import time_call
 
 # (M, N, K) GEMMs: square ones from small to large, then LLaMA-3-8B's at 8192 tokens (attention
 # projections, GQA key/value, MLP up and down, a quarter of the LM head), the shapes the planner prices.
@@ -75,6 +75,26 @@ def fit_link(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> LinkSpec
     if slope <= 0:
         raise ValueError(f"copy times {list(times_s)} do not grow with size {list(sizes_bytes)}: measure larger sizes")
     return LinkSpec(latency_s=max(mean_t - slope * mean_n, 1e-6), bandwidth_bytes_per_s=1.0 / slope)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, synchronized."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _time(fn, device: torch.device, repeats: int = 5) -> float:
@@ -196,6 +216,7 @@ def host_link_sizes(device: torch.device, quick: bool) -> tuple[int, ...]:
 
 
 __all__ = [
+    "time_call",
     "fit_saturating",
     "fit_link",
     "measure_matmuls",
