@@ -27,6 +27,7 @@ import argparse
 import csv
 import dataclasses
 import inspect
+import math
 import os
 import sys
 import time
@@ -56,7 +57,8 @@ HF_LLAMA_3_8B = dict(
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One measured job. ``measured_step_s`` or ``measured_tokens_per_s`` (per GPU) is given;
+    """One measured job, ``batch`` sequences of ``seq`` tokens per GPU. ``measured_step_s`` or
+    ``measured_tokens_per_s`` (per GPU) is given;
     ``with_optimizer``: the measured time includes the AdamW step."""
 
     name: str
@@ -113,10 +115,10 @@ ROWS = (
 )  # fmt: skip
 
 
-def build_model(spec: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The row's model on the meta device."""
+def build_model(spec: str, dtype: torch.dtype, device: str | torch.device = "meta") -> torch.nn.Module:
+    """The row's model, on the meta device unless told."""
     kind, *args = spec.split(":")
-    with torch.device("meta"):
+    with torch.device(device):
         if kind == "gpt":
             layers, width, heads = map(int, args)
             model = GPT(vocab_size=50304, block_size=1024, n_layer=layers, n_head=heads, n_embd=width, bias=False)
@@ -135,7 +137,8 @@ def build_model(spec: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _inputs(row: Row, model: torch.nn.Module) -> dict:
-    ids = torch.zeros(row.batch, row.seq, dtype=torch.long, device="meta")
+    """The global batch: ``row.batch`` rows per GPU on every GPU of the mesh."""
+    ids = torch.zeros(row.batch * math.prod(row.mesh), row.seq, dtype=torch.long, device="meta")
     if row.model.startswith("hf-"):
         return {"example_kwargs": {"input_ids": ids, "labels": ids.clone()}}
     return {"example_inputs": (ids, ids.clone())}

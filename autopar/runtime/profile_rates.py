@@ -16,12 +16,13 @@
   the device is the host and a spec has no host link; the same code then times plain copies
   (what the tests run).
 
-Every timing is ``time_call``'s (synchronized, median after warm-up). Sizes
+Every timing is the best of a few synchronized runs after warm-up (``_time``). Sizes
 are small on CPU and with ``quick``, so that the whole profile stays within a minute on a GPU.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -51,20 +52,22 @@ CPU_ATTENTION = (1, 2, 256, 32)
 
 
 def fit_saturating(flops: Sequence[float], fractions: Sequence[float]) -> tuple[float, float]:
-    """(efficiency, half_flops) of ``fraction = efficiency · f / (f + half_flops)``, least squares
-    on ``1/fraction`` against ``1/f``; the efficiency is capped at 1 and half_flops at >= 0."""
+    """(efficiency, half_flops) of ``fraction = efficiency · f / (f + half_flops)``: least squares
+    on the logarithms (a GEMM 10x off counts the same at any size), ``half_flops`` searched on a
+    geometric grid over the sizes measured (and 0) with the best ``efficiency`` for each in
+    closed form; the efficiency is capped at 1."""
     if len(flops) != len(fractions) or len(flops) < 2:
         raise ValueError(f"fit_saturating needs two or more (flops, fraction) pairs, got {len(flops)} and {len(fractions)}")
-    xs = [1.0 / f for f in flops]
-    ys = [1.0 / r for r in fractions]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var if var else 0.0
-    intercept = mean_y - slope * mean_x
-    if intercept <= 0:  # noise made the large-GEMM ceiling unbounded: take the best seen
-        return min(1.0, max(fractions)), 0.0
-    efficiency = min(1.0, 1.0 / intercept)
-    return efficiency, max(0.0, slope * efficiency)
+    logs = [math.log(r) for r in fractions]
+    low, high = math.log(min(flops) / 100), math.log(max(flops) * 10)
+    best = None
+    for half in [0.0] + [math.exp(low + (high - low) * i / 400) for i in range(401)]:
+        shape = [math.log(f / (f + half)) for f in flops]
+        log_e = min(0.0, statistics.fmean(r - s for r, s in zip(logs, shape)))
+        error = sum((r - s - log_e) ** 2 for r, s in zip(logs, shape))
+        if best is None or error < best[0] - 1e-12:
+            best = (error, math.exp(log_e), half)
+    return best[1], best[2]
 
 
 def fit_link(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> LinkSpec:
@@ -98,7 +101,9 @@ def time_call(fn: Callable[[], Any], device: torch.device, repeats: int = 5, war
 
 
 def _time(fn, device: torch.device, repeats: int = 5) -> float:
-    return time_call(fn, device, repeats=repeats, warmup=2)
+    """The best of ``repeats`` runs after warm-up: what else the host does only slows a kernel."""
+    time_call(fn, device, repeats=1, warmup=1)
+    return min(time_call(fn, device, repeats=1, warmup=0) for _ in range(repeats))
 
 
 def measure_matmuls(device: torch.device, dtype: torch.dtype, peak: float, shapes) -> list[tuple[float, float]]:
@@ -199,8 +204,7 @@ def measure_host_link(device: torch.device, sizes_bytes: Sequence[int], repeats:
             host = torch.empty(size // 4, pin_memory=pin)
             dev = torch.empty(size // 4, device=device)
             src, dst = (host, dev) if direction == "host_to_device" else (dev, host)
-            # the best run: a copy is only ever slowed down by what else the host does
-            times.append(min(time_call(lambda: dst.copy_(src, non_blocking=pin), device, 1, 1) for _ in range(repeats)))
+            times.append(_time(lambda: dst.copy_(src, non_blocking=pin), device, repeats))
         fits[direction] = fit_link(sizes_bytes, times)
     link = LinkSpec(
         latency_s=max(f.latency_s for f in fits.values()),

@@ -22,7 +22,10 @@ def test_fit_saturating_recovers_the_curve():
     flops = [1e6, 1e7, 1e8, 1e9, 1e10]
     fractions = [0.7 * f / (f + 3e7) for f in flops]
     efficiency, half = profile_rates.fit_saturating(flops, fractions)
-    assert efficiency == pytest.approx(0.7) and half == pytest.approx(3e7)
+    assert efficiency == pytest.approx(0.7, rel=0.02) and half == pytest.approx(3e7, rel=0.05)
+    # one GEMM slowed 10x by noise moves the fit far less than a least-squares fit of 1/fraction would
+    noisy = fractions[:1] + [fractions[1] / 10] + fractions[2:]
+    assert profile_rates.fit_saturating(flops, noisy)[0] == pytest.approx(0.7, rel=0.35)
     # GEMMs all at the ceiling: no size dependence
     assert profile_rates.fit_saturating(flops, [0.5] * 5) == pytest.approx((0.5, 0.0))
     with pytest.raises(ValueError, match="two or more"):
