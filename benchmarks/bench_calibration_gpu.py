@@ -102,9 +102,6 @@ def measure_row(row: calibration.Row, device: torch.device, clock: Clock, steps:
         torch.cuda.reset_peak_memory_stats()
     seconds = clock.median(step, warmup=3, repeat=steps)
     peak = clock.peak_gib()
-    del model, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return {"row": row.name, "measured_step_s": seconds, "measured_peak_gib": peak}
 
 
@@ -184,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         predicted = {label: calibration.evaluate(row, spec) for label, spec in (("preset", None), ("profiled", profiled))}
         measured = measure_row(row, device, clock, steps)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the row's model is gone with measure_row's frame
         results.append(
             {
                 **measured,
