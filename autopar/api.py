@@ -83,7 +83,7 @@ def plan(
     num_microbatches: int | str | None = None,
     pipeline_schedules: str | Sequence[str] = ("1F1B",),
     offload: str = "off",
-    checkpointing: bool | None = None,
+    checkpointing: bool | str | None = None,
     prefetch: bool = True,
     precision: str | MixedPrecision | None = None,
     comm: CommOptions | None = None,
@@ -361,10 +361,16 @@ def hand_plan(
     num_microbatches: int | None = None,
     comm: CommOptions | None = None,
     data: DataOptions | None = None,
+    offload: str = "off",
+    checkpointing: bool | str | None = False,
+    prefetch: bool = True,
 ) -> Plan:
     """The hand plan ``kind`` (``autopar.solver.planners.hand_plans.KINDS``: "ddp", "fsdp", "megatron", ...)
-    for ``model`` on ``mesh``, as a Plan priced by autopar's model (``memory_budget`` and
-    ``precision`` as in ``autopar.plan``).
+    for ``model`` on ``mesh``, as a Plan priced by autopar's model (``memory_budget``,
+    ``precision``, ``offload``, ``checkpointing`` and ``prefetch`` as in ``autopar.plan``).
+    ``checkpointing`` is False by default here: a hand plan is the layout as written, so it
+    recomputes only what it is told to, such as ``checkpointing="selective"`` (torchtitan's
+    op-level policy on every layer) or ``"full"`` (docs/memory.md).
 
     ``kind="colossal"`` reads Colossal-AI's ``parallel`` dict instead of a layout name, for example
     ``parallel=dict(pipeline=2, tensor=dict(mode="2.5d", depth=1, size=4))``, and builds its mesh,
@@ -379,8 +385,9 @@ def hand_plan(
     is ``autopar.plan``'s.
     """
     if kind == "colossal":
+        memory = MemoryOptions(memory_budget, offload, checkpointing, prefetch)
         return _colossal_plan(
-            model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget, precision, num_microbatches, comm
+            model, mesh, parallel, example_inputs, example_kwargs, cluster, memory, precision, num_microbatches, comm
         )
     if parallel is not None:
         raise ValueError(f"parallel= is Colossal-AI's config, for hand_plan('colossal', ...), not {kind!r}")
@@ -396,13 +403,20 @@ def hand_plan(
         traced,
         mesh_shape,
         cluster_spec,
-        PlanOptions.from_keywords(memory_budget=memory_budget, checkpointing=False, precision=policy, comm=comm or CommOptions()),
+        PlanOptions.from_keywords(
+            memory_budget=memory_budget,
+            offload=offload,
+            checkpointing=checkpointing,
+            prefetch=prefetch,
+            precision=policy,
+            comm=comm or CommOptions(),
+        ),
     )
     return _with_notes(traced, with_data_layout(made, traced, data or DataOptions()))
 
 
 def _colossal_plan(
-    model, mesh, parallel, example_inputs, example_kwargs, cluster, memory_budget, precision, num_microbatches, comm
+    model, mesh, parallel, example_inputs, example_kwargs, cluster, memory: MemoryOptions, precision, num_microbatches, comm
 ) -> Plan:
     from autopar.solver.planners.colossal import ColossalParallel, solve_colossal  # for Colossal-AI configs only
 
@@ -415,8 +429,10 @@ def _colossal_plan(
     config = ColossalParallel.from_dict(parallel, world)
     pipelined = config.pipeline > 1
     options = PlanOptions.from_keywords(
-        memory_budget=memory_budget,
-        checkpointing=False,
+        memory_budget=memory.budget,
+        offload=memory.offload,
+        checkpointing=memory.checkpointing,
+        prefetch=memory.prefetch,
         precision=precision_policy(precision),
         comm=comm or CommOptions(),
         pipeline=config.pipeline if pipelined else "off",
@@ -444,7 +460,7 @@ def compile(
     num_microbatches: int | str | None = None,
     pipeline_schedules: str | Sequence[str] = ("1F1B",),
     offload: str = "off",
-    checkpointing: bool | None = None,
+    checkpointing: bool | str | None = None,
     prefetch: bool = True,
     precision: str | MixedPrecision | None = None,
     comm: CommOptions | None = None,

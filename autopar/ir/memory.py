@@ -15,6 +15,42 @@ from typing import Any
 from autopar.ir.summary import format_bytes
 
 TARGETS = ("cpu", "disk")
+# Activation checkpointing policies of a layer (docs/memory.md): "full" recomputes the whole
+# layer in backward; "selective" (torchtitan's op-level policy, Megatron's selective recompute)
+# keeps the outputs of matmuls and attention and recomputes the cheap ops between them.
+CHECKPOINT_POLICIES = ("selective", "full")
+# The ops whose outputs a "selective" segment keeps, by schema name: matmuls and attention, both
+# as the traced graph has them (``linear``, ``scaled_dot_product_attention``: what the planner
+# prices) and as they reach torch's dispatcher at run time (``mm``, ``addmm``, the SDPA kernels:
+# what ``torch.utils.checkpoint``'s selective policy sees). Everything else is recomputed.
+SELECTIVE_KEEPS = frozenset(
+    {
+        "aten::linear",
+        "aten::matmul",
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::einsum",
+        "aten::scaled_dot_product_attention",
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_flash_attention_forward",
+        "aten::_efficient_attention_forward",
+        "autopar::moe_experts",
+    }
+)
+
+
+def selective_keeps(op) -> bool:
+    """Whether a "selective" checkpoint keeps the output of ``op`` (an ``OpOverload``, or any
+    other call target, which it recomputes)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and schema.name in SELECTIVE_KEEPS
+
+
 OFFLOAD_KINDS = ("param", "grad", "optimizer_state")
 
 
@@ -29,13 +65,29 @@ class CheckpointSegment:
     last: str
     saved_bytes: float  # activations no longer kept from forward to backward
     cost_s: float  # checkpoint: the segment's forward compute, run again; offload: the transfers
+    # One of CHECKPOINT_POLICIES: what a checkpointed segment recomputes ("full": all of it).
+    policy: str = "full"
+
+    def __post_init__(self) -> None:
+        if self.policy not in CHECKPOINT_POLICIES:
+            raise ValueError(f"checkpoint policy must be one of {', '.join(CHECKPOINT_POLICIES)}, got {self.policy!r}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "first": self.first, "last": self.last, "saved_bytes": self.saved_bytes, "cost_s": self.cost_s}
+        out = {"name": self.name, "first": self.first, "last": self.last, "saved_bytes": self.saved_bytes, "cost_s": self.cost_s}
+        if self.policy != "full":  # "full" is the default, which plans written before policies have
+            out["policy"] = self.policy
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "CheckpointSegment":
-        return cls(str(data["name"]), str(data["first"]), str(data["last"]), float(data["saved_bytes"]), float(data["cost_s"]))
+        return cls(
+            str(data["name"]),
+            str(data["first"]),
+            str(data["last"]),
+            float(data["saved_bytes"]),
+            float(data["cost_s"]),
+            str(data.get("policy", "full")),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +185,8 @@ class MemoryPlan:
                 quiet += 1
                 continue
             lines.append(
-                f"  checkpoint {segment.name} ({segment.first} .. {segment.last}): "
+                f"  checkpoint{' (selective)' if segment.policy == 'selective' else ''} {segment.name} "
+                f"({segment.first} .. {segment.last}): "
                 f"saves {format_bytes(segment.saved_bytes)}, recompute {segment.cost_s * 1e3:.2f} ms"
             )
         for segment in self.offload_activations:
@@ -157,4 +210,13 @@ class MemoryPlan:
         return lines
 
 
-__all__ = ["TARGETS", "OFFLOAD_KINDS", "CheckpointSegment", "OffloadEntry", "MemoryPlan"]
+__all__ = [
+    "TARGETS",
+    "OFFLOAD_KINDS",
+    "CHECKPOINT_POLICIES",
+    "SELECTIVE_KEEPS",
+    "selective_keeps",
+    "CheckpointSegment",
+    "OffloadEntry",
+    "MemoryPlan",
+]

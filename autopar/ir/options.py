@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 
 from autopar.errors import MeshError
 from autopar.ir.data import DataOptions
+from autopar.ir.memory import CHECKPOINT_POLICIES
 from autopar.ir.units import parse_budget
 
 
@@ -96,14 +97,21 @@ class MemoryOptions:
     ``offload`` is "off" (sharding only), "cpu" (pinned host memory), "disk" or "disk:PATH", or
     "auto" (host memory, or disk where the compute device is the host). ``checkpointing`` None
     (the default) allows activation checkpointing where the budget binds (it moves no data off
-    the device); False forbids it. ``prefetch`` fetches each offloaded tensor one use ahead."""
+    the device); False forbids it; a policy name (``ir.memory.CHECKPOINT_POLICIES``: "selective",
+    torchtitan's op-level policy, or "full", whole layers) checkpoints every layer with it.
+    ``prefetch`` fetches each offloaded tensor one use ahead."""
 
     budget: float | None = None
     offload: str = "off"
-    checkpointing: bool | None = None
+    checkpointing: bool | str | None = None
     prefetch: bool = True
 
     def __post_init__(self) -> None:
+        if not (self.checkpointing is None or isinstance(self.checkpointing, bool) or self.checkpointing in CHECKPOINT_POLICIES):
+            raise ValueError(
+                "checkpointing must be None (where the budget binds), True, False, or a policy for every layer: "
+                f"{' or '.join(repr(p) for p in CHECKPOINT_POLICIES)}; got {self.checkpointing!r}"
+            )
         object.__setattr__(self, "budget", parse_budget(self.budget))
         if self.budget is not None and (
             isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not self.budget > 0
@@ -239,7 +247,7 @@ class PlanOptions:
         pipeline: int | str = "off",
         num_microbatches: int | None = None,
         offload: str = "off",
-        checkpointing: bool | None = None,
+        checkpointing: bool | str | None = None,
         prefetch: bool = True,
         pipeline_schedules: tuple[str, ...] | str = ("1F1B",),
         **rest: Any,

@@ -1,6 +1,7 @@
 """Carry out a plan's memory decisions (``plan.memory``): fetch offloaded parameters at their
 uses, run segments whose activations are offloaded under the offloader's saved-tensor hooks, and
-wrap checkpointed segments in ``torch.utils.checkpoint`` (non-reentrant).
+wrap checkpointed segments in ``torch.utils.checkpoint`` (non-reentrant; a "selective" segment
+with torch's selective checkpoint contexts, which keep the outputs of ``ir.memory.SELECTIVE_KEEPS``).
 
 Both passes leave a graph without memory decisions as it is. Offload runs before checkpointing,
 so that a fetch whose uses all lie in a checkpointed segment moves into it (and is fetched again
@@ -9,6 +10,7 @@ by the recompute instead of being kept as the segment's input).
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Mapping
 
@@ -16,6 +18,7 @@ import torch
 import torch.fx
 import torch.utils.checkpoint
 
+from autopar.ir.memory import selective_keeps
 from autopar.ir.plan import Plan
 from autopar.passes.schedule import PARAM_GATHERS
 
@@ -52,14 +55,29 @@ def offload_params(
 
 
 class Checkpointed(torch.nn.Module):
-    """A segment of the graph, recomputed in backward (``torch.utils.checkpoint``, non-reentrant)."""
+    """A segment of the graph, recomputed in backward (``torch.utils.checkpoint``, non-reentrant):
+    all of it under ``policy`` "full"; under "selective", all but the ops whose outputs
+    ``ir.memory.selective_keeps``, which torch caches from forward (``create_selective_checkpoint_contexts``)."""
 
-    def __init__(self, body: torch.fx.GraphModule):
+    def __init__(self, body: torch.fx.GraphModule, policy: str = "full"):
         super().__init__()
         self.body = body
+        self.policy = policy
 
     def forward(self, *args):
+        if self.policy == "selective":
+            contexts = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, _selective_policy)
+            return torch.utils.checkpoint.checkpoint(self.body, *args, use_reentrant=False, context_fn=contexts)
         return torch.utils.checkpoint.checkpoint(self.body, *args, use_reentrant=False)
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy:
+    """torch's selective checkpoint policy of a "selective" segment: keep matmul and attention
+    outputs, recompute the rest. MUST, not PREFER: torch.compile would otherwise be free to
+    choose differently from what the plan priced."""
+    if selective_keeps(op):
+        return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class OffloadedActivations(torch.nn.Module):
@@ -104,7 +122,7 @@ def checkpoint_segments(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphM
         return gm
     for index, segment in enumerate(plan.memory.checkpoint):
         nodes = _segment_nodes(gm, segment.first, segment.last)
-        _outline(gm, nodes, f"checkpoint_{index}")
+        _outline(gm, nodes, f"checkpoint_{index}", lambda body, policy=segment.policy: Checkpointed(body, policy))
     gm.graph.eliminate_dead_code()
     return gm
 

@@ -139,3 +139,36 @@ def test_a_hand_plan_that_fits_no_budget_alone_is_checkpointed_when_allowed():
     assert plan.predicted.peak_memory_bytes <= budget
     for name, spec in forced.items():
         assert plan.nodes[name].outs[0] == spec
+
+
+@pytest.fixture(scope="module")
+def torchtitan_8b():
+    """torchtitan's Llama 3.1 8B FSDP job (benchmarks/llama3_h100_202412_torchtitan.md): local
+    batch 2 × 8192 on 8 H100s with 96 GB, bf16; planned offline on the meta device."""
+    import dataclasses
+
+    from autopar.zoo.models import LLAMA_SHAPES
+
+    with torch.device("meta"):
+        model = build_model("llama", **LLAMA_SHAPES["llama-3-8b"])
+    idx = torch.zeros(16, 8192, dtype=torch.long, device="meta")
+    cluster = dataclasses.replace(get_cluster("h100-80g"), name="h100-96g", memory_bytes=96 * 10**9)
+    return model, (idx, idx), cluster
+
+
+def test_a_hand_plan_with_checkpointing_fits_where_one_without_cannot(torchtitan_8b):
+    model, batch, cluster = torchtitan_8b
+    kwargs = dict(example_inputs=batch, cluster=cluster, memory_budget=96e9, precision="bf16-mixed")
+    with pytest.raises(InfeasibleError):
+        autopar.hand_plan("fsdp", model, (8,), **kwargs)
+    plan = autopar.hand_plan("fsdp", model, (8,), checkpointing="selective", **kwargs)
+    segments = plan.memory.checkpoint
+    assert len(segments) == 32 and {s.policy for s in segments} == {"selective"}, "torchtitan's AC on every layer"
+    assert plan.predicted.peak_memory_bytes <= 96e9 < plan.memory.peak_before_bytes
+    assert all(spec == (Shard(0),) for fqn, spec in plan.params.items() if fqn.endswith("proj.weight")), "still FSDP"
+    # torchtitan measured 82.4 GiB (Table 1, 8 GPUs); the issue asks for the peak within 15%.
+    assert plan.predicted.peak_memory_bytes / (82.4 * 2**30) == pytest.approx(1.0, abs=0.15)
+    # Whole-layer recompute saves more and costs more than selective.
+    full = autopar.hand_plan("fsdp", model, (8,), checkpointing="full", **kwargs)
+    assert full.predicted.peak_memory_bytes < plan.predicted.peak_memory_bytes
+    assert full.predicted.step_time_s > plan.predicted.step_time_s

@@ -104,6 +104,40 @@ def test_checkpointing_alone_when_offload_is_off(gpt_free_plan):
     assert {s.name for s in plan.memory.checkpoint} <= {"transformer.h.0", "transformer.h.1"}
 
 
+def test_cheap_memory_first_selective_then_whole_layers(gpt_free_plan):
+    # Recomputing a layer's norms and pointwise ops costs less per byte than recomputing its
+    # matmuls too: a budget selective checkpoints meet takes them alone...
+    plan = _plan(0.95, gpt_free_plan, checkpointing=True)
+    assert plan.memory.checkpoint and {s.policy for s in plan.memory.checkpoint} == {"selective"}
+    assert plan.predicted.peak_memory_bytes <= 0.95 * gpt_free_plan.predicted.peak_memory_bytes
+    # ...and a tighter one, which they cannot meet, recomputes whole layers instead.
+    tight = _plan(0.85, gpt_free_plan, checkpointing=True)
+    assert "full" in {s.policy for s in tight.memory.checkpoint}
+    assert len({s.name for s in tight.memory.checkpoint}) == len(tight.memory.checkpoint), "one policy per layer"
+    model, batch = _gpt()
+    every = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu", memory_budget=float("inf"), checkpointing="full")
+    full = {s.name: s for s in every.memory.checkpoint}
+    for segment in plan.memory.checkpoint:
+        whole = full[segment.name]
+        assert segment.cost_s / segment.saved_bytes < whole.cost_s / whole.saved_bytes
+
+
+def test_checkpoint_policy_in_the_plan_file(gpt_free_plan):
+    plan = _plan(0.95, gpt_free_plan, checkpointing=True)
+    data = json.loads(plan.to_json())
+    validate_plan_json(data)
+    assert {s["policy"] for s in data["memory"]["checkpoint"]} == {"selective"}
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "checkpoint (selective) transformer.h." in plan.summary()
+    # A full segment is written as before policies existed: plans without them stay byte-identical.
+    assert "policy" not in CheckpointSegment("h.0", "a", "b", 1.0, 1.0).to_json()
+    assert CheckpointSegment.from_json({"name": "h.0", "first": "a", "last": "b", "saved_bytes": 1, "cost_s": 1}).policy == "full"
+    with pytest.raises(ValueError, match="policy"):
+        CheckpointSegment("h.0", "a", "b", 1.0, 1.0, "some")
+    with pytest.raises(ValueError, match="checkpointing must be"):
+        _plan(0.95, gpt_free_plan, checkpointing="selectiv")
+
+
 def test_forced_specs_under_a_binding_budget_checkpoint_when_allowed(gpt_free_plan):
     # Pinned specs (a hand layout, as benchmarks/bench_context_parallel.py pins torchtitan's)
     # that fit no sharding alone start from the leanest sharding and checkpoint to fit; without

@@ -39,6 +39,9 @@ def _decision_sets(walk: _Walk) -> list[set]:
     sets += [{("checkpoint", s)} for s in segments]
     sets += [{("checkpoint", a), ("checkpoint", b)} for a, b in itertools.combinations(segments, 2)]
     sets += [{("checkpoint", s) for s in segments}]
+    sets += [{("selective", s)} for s in segments]
+    sets += [{("selective", segments[0]), ("checkpoint", segments[1]), ("activations", segments[2])}]
+    sets += [{("selective", s) for s in segments}]
     sets += [{("activations", s)} for s in segments]
     sets += [{("activations", segments[0]), ("activations", segments[-1]), ("checkpoint", segments[1])}]
     sets += [{(kind, p)} for kind in TRANSFERS for p in params]
@@ -69,7 +72,7 @@ def test_no_checkpoints_bring_the_peak_under_the_kept_peak(walk, prefetch):
     kept = walk.kept_peak()
     assert 0 < kept < walk.peak(set(), prefetch)[0]
     for decisions in _decision_sets(walk):
-        if all(kind == "checkpoint" for kind, _ in decisions):
+        if all(kind in ("checkpoint", "selective") for kind, _ in decisions):
             assert walk.peak(decisions, prefetch)[0] >= kept * (1 - 1e-12), decisions
 
 

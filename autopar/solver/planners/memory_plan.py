@@ -58,7 +58,7 @@ import numpy as np
 from autopar.cost import compute, liveness
 from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.errors import InfeasibleError
-from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry
+from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps
 from autopar.trace import TracedModel
 from autopar.solver.problem.choices import layer_key, live_nodes
 from autopar.solver.problem.gathered import PREFIX as GATHERED
@@ -67,6 +67,12 @@ log = logging.getLogger("autopar")
 
 # Transfers of each offloaded kind per step, in units of its bytes (see the module docstring).
 TRANSFERS = {"optimizer_state": 2.0, "grad": 2.0, "param": 4.0}
+# Decisions of a layer (a segment index), at most one per layer: recompute all of it
+# ("checkpoint"), recompute its cheap ops ("selective"), or offload its activations.
+_RECOMPUTES = ("checkpoint", "selective")
+_LAYER_DECISIONS = _RECOMPUTES + ("activations",)
+# The key of each checkpoint policy's decisions (``ir.memory.CHECKPOINT_POLICIES``).
+_POLICY_KEY = {"full": "checkpoint", "selective": "selective"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,8 @@ class _WalkShape:
     segments: list[tuple[str, int, int]]
     fetches: list[tuple[int, str]]
     touched: dict[tuple[str, str], set[int]]
+    # Times whose op a "selective" checkpoint keeps the output of (``ir.memory.selective_keeps``).
+    kept: frozenset[int] = frozenset()
     # Per segment, what pricing it needs of each of its nodes (``_Walk.segment_terms``).
     segment_terms: list | None = None
 
@@ -145,19 +153,20 @@ class _WalkShape:
             keys: list[tuple[str, str]] = []
             if iv.kind == "activation":
                 if iv.start in segment_at:
-                    keys += [("checkpoint", str(segment_at[iv.start])), ("activations", str(segment_at[iv.start]))]
-                keys += [("checkpoint", str(segment_at[u])) for u in uses.get(iv.node, ()) if u in segment_at]
+                    keys += [(policy, str(segment_at[iv.start])) for policy in _LAYER_DECISIONS]
+                keys += [(p, str(segment_at[u])) for u in uses.get(iv.node, ()) if u in segment_at for p in _RECOMPUTES]
             elif iv.kind == "gathered":  # re-gathered inside a checkpointed segment of its uses
-                keys += [
-                    ("checkpoint", str(segment_at[u])) for u in uses.get(iv.node.removeprefix(GATHERED), ()) if u in segment_at
-                ]
+                gathered_uses = uses.get(iv.node.removeprefix(GATHERED), ())
+                keys += [(p, str(segment_at[u])) for u in gathered_uses if u in segment_at for p in _RECOMPUTES]
             elif iv.kind in TRANSFERS:
                 keys.append((iv.kind, iv.node))
                 if iv.kind == "grad":  # a fetched parameter's gradient goes to the store
                     keys.append(("param", iv.node))
             for key in keys:
                 touched.setdefault(key, set()).add(k)
-        return cls(len(nodes), {node.name: i for i, node in enumerate(nodes)}, root, uses, segments, fetches, touched)
+        kept = frozenset(i for i, node in enumerate(nodes) if node.kind == "op" and selective_keeps(fx_nodes[node.name].target))
+        index = {node.name: i for i, node in enumerate(nodes)}
+        return cls(len(nodes), index, root, uses, segments, fetches, touched, kept)
 
 
 class _Walk:
@@ -194,11 +203,17 @@ class _Walk:
         segments and the segment of each of their times, the times of offloaded activations."""
         offloaded = {kind: {node for k, node in decisions if k == kind} for kind in TRANSFERS}
         offloaded["grad"] |= offloaded["param"]  # a fetched parameter's gradient goes to the store
-        segments = [self.segments[int(index)] for k, index in decisions if k == "checkpoint"]
+        segments = [self.segments[int(index)] for k, index in decisions if k in _RECOMPUTES]
         in_segment: dict[int, tuple[int, int]] = {}
         for _, first, last in segments:
             for i in range(first, last + 1):
                 in_segment[i] = (first, last)
+        # Outputs a selective segment keeps (it recomputes the rest).
+        kept = set()
+        for k, index in decisions:
+            if k == "selective":
+                _, first, last = self.segments[int(index)]
+                kept.update(i for i in range(first, last + 1) if i in self.shape.kept)
         moved = sorted((self.segments[int(index)] for k, index in decisions if k == "activations"), key=lambda seg: seg[1])
         in_moved: dict[int, tuple[int, int]] = {}  # time -> (last forward time, time the read starts)
         for position, (_, first, last) in enumerate(moved):
@@ -206,11 +221,11 @@ class _Walk:
             read_from = self.bwd(later[0][2]) if prefetch and later else self.bwd(last)
             for i in range(first, last + 1):
                 in_moved[i] = (last, read_from)
-        return offloaded, segments, in_segment, in_moved, prefetch
+        return offloaded, segments, in_segment, in_moved, prefetch, kept
 
     def _spans(self, iv: liveness.Interval, context: tuple) -> list[tuple[str, str, int, int, float]]:
         """The (node, kind, start, end, factor) spans of one interval under ``_context``'s decisions."""
-        offloaded, segments, in_segment, in_moved, prefetch = context
+        offloaded, segments, in_segment, in_moved, prefetch, kept = context
         if iv.kind == "optimizer_state" and iv.node in offloaded["optimizer_state"]:
             return []
         if iv.kind == "grad" and iv.node in offloaded["grad"]:
@@ -222,6 +237,11 @@ class _Walk:
             last_forward = self.saved_inside(iv, last)
             if last_forward is not None:
                 return [(iv.node, iv.kind, iv.start, last_forward, iv.factor), (iv.node, iv.kind, read_from, iv.end, iv.factor)]
+        if iv.kind == "activation" and iv.start in kept:
+            # torch's selective checkpoint caches the output from forward until the recompute
+            # at the start of the segment's backward reads it back.
+            _, last = in_segment[iv.start]
+            return [(iv.node, iv.kind, iv.start, max(iv.end, self.bwd(last)), iv.factor)]
         if iv.kind == "activation" and segments:
             return self._checkpointed(iv, in_segment, segments)
         if iv.kind == "gathered" and segments:
@@ -254,11 +274,13 @@ class _Walk:
             spans.append((self.bwd(after), self.bwd(use)))
         return spans
 
-    def segment_terms(self) -> list[list[tuple[str, float | None, float | None]]]:
+    def segment_terms(self) -> list[list[tuple[str, float | None, float | None, bool, float | None]]]:
         """Per checkpoint segment, (node, what its compute is divided by to leave its forward
         (1 + the backward factor of its op; None: all forward), the factor of its activation that
-        the segment frees (None: none)) for each node: the same for every sharding, so computed
-        once per choice graph (``_WalkShape``) and priced per plan by ``_candidates``."""
+        the segment frees (None: none), whether a selective checkpoint keeps its output, the
+        factor a selective checkpoint keeps longer than no checkpoint (None: none)) for each
+        node: the same for every sharding, so computed once per choice graph (``_WalkShape``)
+        and priced per plan by ``_candidates``."""
         if self.shape.segment_terms is None:
             # a node's last activation interval, as ``_candidates`` always took it
             activation = {iv.node: iv for iv in self.timeline.intervals if iv.kind == "activation"}
@@ -271,7 +293,10 @@ class _Walk:
                     divisor = 1.0 + compute.backward_factor(c.info) if c.info is not None and c.requires_grad else None
                     iv = activation.get(node)
                     freed = iv.factor if iv is not None and self.saved_inside(iv, last) is not None else None
-                    rows.append((node, divisor, freed))
+                    keeps = i in self.shape.kept
+                    # kept from forward to the recompute, where nothing in backward needed it
+                    held = iv.factor if keeps and iv is not None and iv.end < self.num else None
+                    rows.append((node, divisor, freed, keeps, held))
                 terms.append(rows)
             self.shape.segment_terms = terms
         return self.shape.segment_terms
@@ -341,7 +366,7 @@ class _Walk:
         the largest), so a set with offload is re-priced from the walk without decisions."""
         decisions = frozenset(decisions)
         context = self._context(decisions, prefetch)
-        local = all(key[0] == "checkpoint" for key in decisions)
+        local = all(key[0] in _RECOMPUTES for key in decisions)
         last = self._last if local else None
         if last is not None and last[0] == prefetch:
             _, before, old_context, delta = last
@@ -429,9 +454,12 @@ def plan_memory(
     prefetch: bool = True,
     checkpointing: bool = True,
     explain: bool = True,
+    policy: str | None = None,
 ) -> tuple[MemoryPlan, dict[str, float]]:
     """The cheapest decisions that bring the peak under ``budget`` (module docstring), and the
     adjusted memory breakdown at the new peak. ``target`` None allows checkpointing only.
+    ``policy`` ("selective" or "full") checkpoints every layer with that policy first, whatever
+    the budget (a layout such as torchtitan's), and leaves only offload to choose.
     Raises InfeasibleError with the peak when every candidate is taken (``explain=False``: with
     no list of what is alive there, for a caller that only tries a candidate and moves on)."""
     bytes_of = graph.bytes_of(choice)
@@ -442,30 +470,31 @@ def plan_memory(
         if not explain:
             raise _infeasible(None, graph, set(), prefetch, budget, target, checkpointing, explain)
         walk = _Walk(traced, graph, bytes_of, sizes)
-        keys = {c.key for c in _candidates(walk, graph, choice, cluster, target, checkpointing)}
+        keys = _leanest_keys(_candidates(walk, graph, choice, cluster, target, checkpointing, policy))
         raise _infeasible(walk, graph, keys, prefetch, budget, target, checkpointing, explain)
     walk = _Walk(traced, graph, bytes_of, sizes)
-    candidates = _candidates(walk, graph, choice, cluster, target, checkpointing)
+    candidates = _candidates(walk, graph, choice, cluster, target, checkpointing, policy)
     before, _ = walk.peak(set(), prefetch)
-    chosen, keys, peak = _take(walk, candidates, before, budget, prefetch)
+    fixed = [c for c in candidates if policy is not None and c.key[0] == _POLICY_KEY[policy]]
+    chosen, keys, peak = _take(walk, candidates, fixed, budget, prefetch)
     if peak > budget:
-        raise _infeasible(walk, graph, keys, prefetch, budget, target, checkpointing, explain)
-    chosen, keys = _drop_unneeded(walk, candidates, chosen, keys, budget, prefetch)
+        raise _infeasible(walk, graph, _leanest_keys(candidates), prefetch, budget, target, checkpointing, explain)
+    chosen, keys = _drop_unneeded(walk, candidates, chosen, keys, budget, prefetch, {c.key for c in fixed})
     compute_s = sum(graph.choices[n].compute_s[choice[n]] for n in graph.order)
-    recompute_s = sum(c.cost_s for c in chosen if c.key[0] == "checkpoint")  # the rest are transfers
-    transfer_s = sum(c.cost_s for c in chosen if c.key[0] != "checkpoint")
+    recompute_s = sum(c.cost_s for c in chosen if c.key[0] in _RECOMPUTES)  # the rest are transfers
+    transfer_s = sum(c.cost_s for c in chosen if c.key[0] not in _RECOMPUTES)
     exposed_s = max(0.0, transfer_s - compute_s) if prefetch else transfer_s
     peak, time = walk.peak(keys, prefetch)
     breakdown = dict.fromkeys(liveness.KINDS, 0.0)
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):
         if start <= time <= end:
             breakdown[kind] += factor * bytes_of(node)
-    segments = tuple(sorted((c.decision for c in chosen if c.key[0] == "checkpoint"), key=lambda s: walk.index[s.first]))
+    segments = tuple(sorted((c.decision for c in chosen if c.key[0] in _RECOMPUTES), key=lambda s: walk.index[s.first]))
     order = {"optimizer_state": 0, "grad": 1, "param": 2}
     moved = tuple(sorted((c.decision for c in chosen if c.key[0] == "activations"), key=lambda s: walk.index[s.first]))
     entries = tuple(
         sorted(
-            (c.decision for c in chosen if c.key[0] not in ("checkpoint", "activations")),
+            (c.decision for c in chosen if c.key[0] not in _LAYER_DECISIONS),
             key=lambda e: (order[e.kind], walk.index.get(_param_node(graph, e.fqn), 0)),
         )
     )
@@ -493,18 +522,27 @@ def plan_memory(
 
 
 def _take(
-    walk: _Walk, candidates: list[_Candidate], peak: float, budget: float, prefetch: bool
+    walk: _Walk, candidates: list[_Candidate], fixed: list[_Candidate], budget: float, prefetch: bool
 ) -> tuple[list[_Candidate], set, float]:
-    """The candidates taken greedily, cheapest per byte saved first, until the peak (``peak``
-    before any) fits ``budget``: (taken, their keys, the peak then)."""
-    chosen: list[_Candidate] = []
-    keys: set = set()
+    """``fixed`` and the candidates taken greedily, cheapest per byte saved first, until the
+    peak fits ``budget``: (taken, their keys, the peak then). A layer takes one decision; a
+    whole-layer one (recompute all, offload) replaces the selective checkpoint it saves more
+    than, unless that one is ``fixed``."""
+    chosen = list(fixed)
+    keys = {c.key for c in fixed}
+    peak, _ = walk.peak(keys, prefetch)
     ranked = sorted(candidates, key=lambda c: (c.cost_s / max(c.saved_bytes, 1.0), c.key))
     for candidate in ranked:
         if peak <= budget:
             break
-        if _other_way(candidate.key) in keys:  # the layer is already checkpointed or offloaded
+        if candidate.key in keys:
             continue
+        taken = _same_layer(candidate.key, keys)
+        if taken is not None:
+            if taken[0] != "selective" or candidate.key[0] == "selective" or any(c.key == taken for c in fixed):
+                continue
+            keys.discard(taken)
+            chosen = [c for c in chosen if c.key != taken]
         chosen.append(candidate)
         keys.add(candidate.key)
         peak, _ = walk.peak(keys, prefetch)
@@ -512,11 +550,13 @@ def _take(
 
 
 def _drop_unneeded(
-    walk: _Walk, candidates: list[_Candidate], chosen: list[_Candidate], keys: set, budget: float, prefetch: bool
+    walk: _Walk, candidates: list[_Candidate], chosen: list[_Candidate], keys: set, budget: float, prefetch: bool, fixed: set
 ) -> tuple[list[_Candidate], set]:
-    """``chosen`` without the decisions the budget holds without (costliest tried first), and
-    with each offloaded parameter's gradient, which is offloaded with it."""
+    """``chosen`` without the decisions the budget holds without (costliest tried first; never
+    one of ``fixed``), and with each offloaded parameter's gradient, which is offloaded with it."""
     for candidate in sorted(chosen, key=lambda c: -c.cost_s):
+        if candidate.key in fixed:
+            continue
         trial = keys - {candidate.key}
         trial_peak, _ = walk.peak(trial, prefetch)
         if trial_peak <= budget:
@@ -531,13 +571,22 @@ def _drop_unneeded(
     return chosen, keys
 
 
-def _other_way(key: tuple[str, str]) -> tuple[str, str] | None:
-    """The other decision for the same layer: checkpointing it, or offloading its activations."""
-    if key[0] == "checkpoint":
-        return ("activations", key[1])
-    if key[0] == "activations":
-        return ("checkpoint", key[1])
+def _same_layer(key: tuple[str, str], keys: set) -> tuple[str, str] | None:
+    """The decision in ``keys`` for the layer of ``key`` (a checkpoint of either policy, or its
+    offloaded activations), if any."""
+    if key[0] not in _LAYER_DECISIONS:
+        return None
+    for kind in _LAYER_DECISIONS:
+        if (kind, key[1]) in keys:
+            return (kind, key[1])
     return None
+
+
+def _leanest_keys(candidates: list[_Candidate]) -> set:
+    """Every candidate but a selective checkpoint of a layer that has a whole-layer decision
+    too, which saves more: what the greedy has taken when nothing is left to take."""
+    whole = {c.key[1] for c in candidates if c.key[0] in _LAYER_DECISIONS and c.key[0] != "selective"}
+    return {c.key for c in candidates if not (c.key[0] == "selective" and c.key[1] in whole)}
 
 
 def _param_node(graph, fqn: str) -> str:
@@ -547,26 +596,37 @@ def _param_node(graph, fqn: str) -> str:
     return fqn
 
 
-def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing) -> list[_Candidate]:
+def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing, policy: str | None = None) -> list[_Candidate]:
+    """Every decision ``plan_memory`` may take, priced; with a ``policy``, the checkpoints of
+    that policy only."""
     out: list[_Candidate] = []
     link = offload_link(cluster, target) if target else None
-    if checkpointing or link is not None:
+    policies = (policy,) if policy is not None else (("full", "selective") if checkpointing else ())
+    if policies or link is not None:
         for index, ((name, first, last), terms) in enumerate(zip(walk.segments, walk.segment_terms())):
-            saved = 0.0
-            forward_s = 0.0
-            for node, divisor, freed in terms:
+            saved = selective_saved = 0.0
+            forward_s = selective_s = 0.0
+            for node, divisor, freed, keeps, held in terms:
                 seconds = graph.choices[node].compute_s[choice[node]]
                 if divisor is not None:
                     seconds /= divisor
                 forward_s += seconds
+                selective_s += 0.0 if keeps else seconds
+                size = walk.bytes_of(node)
                 if freed is not None:
-                    saved += walk.bytes_of(node) * freed
+                    saved += size * freed
+                    selective_saved += 0.0 if keeps else size * freed
+                if held is not None:
+                    selective_saved -= size * held
             if saved <= 0:
                 continue
             first_name, last_name = walk.timeline.names[first], walk.timeline.names[last]
-            if checkpointing:
+            if "full" in policies:
                 segment = CheckpointSegment(name, first_name, last_name, saved, forward_s)
                 out.append(_Candidate(("checkpoint", str(index)), saved, forward_s, segment))
+            if "selective" in policies and selective_saved > 0:
+                segment = CheckpointSegment(name, first_name, last_name, selective_saved, selective_s, "selective")
+                out.append(_Candidate(("selective", str(index)), selective_saved, selective_s, segment))
             if link is not None:  # written in forward, read in backward
                 seconds = 2 * saved / link.bandwidth_bytes_per_s + 2 * link.latency_s
                 segment = CheckpointSegment(name, first_name, last_name, saved, seconds)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 from typing import Callable, Sequence
 
@@ -136,13 +137,17 @@ class _Settings:
     solver: str
     precision: MixedPrecision | None
     comm: CommOptions | None
+    # A checkpoint policy every layer takes whatever the budget ("selective", "full"); None: the
+    # memory planner chooses per layer where the budget binds.
+    policy: str | None = None
 
     @classmethod
     def of(cls, options: PlanOptions, cluster: ClusterSpec) -> "_Settings":
         memory = options.memory
         offload, _ = memory.offload_target(has_host=cluster.host_link is not None)
         # Checkpointing moves no data off the device: allowed by default, used only where the budget binds.
-        checkpointing = True if memory.checkpointing is None else memory.checkpointing
+        checkpointing = True if memory.checkpointing is None else bool(memory.checkpointing)
+        policy = memory.checkpointing if isinstance(memory.checkpointing, str) else None
         return cls(
             resolve_budget(memory.budget, cluster),
             offload,
@@ -152,6 +157,7 @@ class _Settings:
             check_solver(options.solve.solver),
             options.precision,
             options.comm,
+            policy,
         )
 
     @property
@@ -207,20 +213,21 @@ def _memory_for(
 ):
     """``plan_memory``'s (decisions, breakdown) for a sharding over the budget; None for one
     that fits as it is (or when nothing may be checkpointed or offloaded)."""
-    if settings.memory_budget is None or not settings.decides_memory:
+    if settings.policy is None and (settings.memory_budget is None or not settings.decides_memory):
         return None
-    if fits(peak_memory(graph, candidate).bytes, settings.memory_budget):
+    if settings.policy is None and fits(peak_memory(graph, candidate).bytes, settings.memory_budget):
         return None
     return plan_memory(
         traced,
         graph,
         candidate.choice,
         cluster,
-        settings.memory_budget,
+        settings.memory_budget if settings.memory_budget is not None else math.inf,
         target=settings.offload,
         prefetch=settings.prefetch,
         checkpointing=settings.checkpointing,
         explain=explain,
+        policy=settings.policy,
     )
 
 
@@ -230,9 +237,20 @@ def _with_memory_decisions(traced: TracedModel, graph: ChoiceGraph, cluster: Clu
     later would make an earlier plan waste)."""
     solution, unbounded = solved.solution, solved.unbounded
     parts = _StepParts.of(graph, solution, cluster)
-    memory = _memory_for(traced, graph, cluster, settings, solution)
-    step_s = parts.step_s + (memory[0].added_s if memory is not None else 0.0)  # the plan's predicted step
-    if solution is unbounded or not unbounded.choice or not settings.decides_memory:
+    alone = solution is unbounded or not unbounded.choice or not settings.decides_memory
+    try:
+        memory = _memory_for(traced, graph, cluster, settings, solution)
+    except InfeasibleError as error:
+        # The leanest sharding, with a fixed checkpoint policy, can peak where a faster one
+        # does not (its resharding temporaries): try the others before failing.
+        if alone:
+            raise
+        failed, memory = error, None
+        step_s = math.inf
+    else:
+        failed = None
+        step_s = parts.step_s + (memory[0].added_s if memory is not None else 0.0)  # the plan's predicted step
+    if alone:
         return solution, parts, memory
     # A faster sharding with checkpointing (or offload) may beat the leaner one that fits
     # alone: try the fastest and the Lagrangian plans on the way to the budget.
@@ -256,6 +274,8 @@ def _with_memory_decisions(traced: TracedModel, graph: ChoiceGraph, cluster: Clu
         if other_parts.step_s + added_s < step_s:
             solution, parts, memory = other_solution, other_parts, other_memory
             step_s = parts.step_s + added_s
+    if failed is not None and step_s == math.inf:
+        raise failed
     return solution, parts, memory
 
 
