@@ -43,7 +43,7 @@ from autopar.runtime.profile import run_profile  # noqa: E402
 
 GIB = 2**30
 SINGLE_GPU_ROWS = ("hf-llama-3-8b 4L 2x4096 eager", "gpt 12x768 8x1024 eager", "zoo llama-3-8b 2L 2x2048 eager")
-TINY = calibration.Row("gpt 2x64 (tiny)", "dry run", "gpt:2:64:4", 2, 64, (1,), "plan", "h200-141g", 141)
+TINY = calibration.Row("gpt 2x64 (tiny)", "dry run", "gpt:2:64:4", 2, 64, (1,), "plan", "h200-141g", 141 * GIB)
 
 
 def _write(path: Path, rows: list[dict]) -> None:
@@ -107,7 +107,7 @@ def measure_row(row: calibration.Row, device: torch.device, clock: Clock, steps:
 
 def offload_run(device: torch.device, clock: Clock, tiny: bool, specs: dict[str, ClusterSpec], steps: int) -> list[dict]:
     """The zoo GPT with and without a budget that needs offload: measured and predicted seconds."""
-    row = TINY if tiny else calibration.Row("gpt 12x768", "", "gpt:12:768:12", 8, 1024, (1,), "plan", "h200-141g", 141)
+    row = TINY if tiny else calibration.Row("gpt 12x768", "", "gpt:12:768:12", 8, 1024, (1,), "plan", "h200-141g", 141 * GIB)
     torch.manual_seed(0)
     model = calibration.build_model(row.model, torch.bfloat16, device)
     ids = torch.randint(0, 50304 if not tiny else 256, (row.batch, row.seq), device=device)
