@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.cost.cluster import CPU_PRESET, ClusterSpec, LinkSpec, cpu_cluster, get_cluster
+from autopar.cost.cluster import CPU_PRESET, ClusterSpec, LinkSpec, cpu_cluster, get_cluster, local_cluster
 from autopar.runtime.module import mesh_groups
 from autopar.runtime.launch import run_distributed
 from autopar.runtime import profile_rates
@@ -277,6 +277,17 @@ def profile_distributed(mesh_shape: Sequence[int], quick: bool = True) -> Cluste
     return build_spec(payload[0], axes, mesh_shape, per_node, max(world // per_node, 1), compute_slots_per_node=slots)
 
 
+def _device_preset() -> str:
+    """The preset whose links a spec of this device alone takes: its CUDA device's (by name,
+    ``cost.cluster.local_cluster``), "h100-80g" for an unknown GPU, "cpu-gloo" without one."""
+    if not torch.cuda.is_available():
+        return CPU_PRESET
+    try:
+        return local_cluster().name.split(" (")[0]
+    except ValueError:  # a GPU no preset names
+        return "h100-80g"
+
+
 def _spawned(rank: int, world_size: int, mesh_shape: tuple[int, ...], quick: bool) -> dict[str, Any]:
     return profile_distributed(mesh_shape, quick).to_json()
 
@@ -316,7 +327,7 @@ def run_profile(
                 "(local gloo ranks) or run under torchrun"
             )
         device = measure_device(None, quick)
-        spec = build_spec(device, None, (1,), 1, 1, base="h100-80g" if torch.cuda.is_available() else CPU_PRESET)
+        spec = build_spec(device, None, (1,), 1, 1, base=_device_preset())
     spec.save(out)
     return spec
 

@@ -89,3 +89,15 @@ def test_a_spec_with_measured_rates_plans(tmp_path):
     slow = autopar.plan(model, mesh=(2,), example_inputs=(x,), cluster=str(tmp_path / "c.json"))
     fast = autopar.plan(model, mesh=(2,), example_inputs=(x,), cluster=dataclasses.replace(spec, rates=None))
     assert slow.predicted.compute_s > fast.predicted.compute_s  # below-peak rates and the launch floor cost time
+
+
+def test_the_cli_shows_the_rates_and_host_link(monkeypatch, capsys, tmp_path):
+    from autopar.cli.main import main
+    from autopar.runtime import profile
+
+    monkeypatch.setattr(profile, "run_profile", lambda *args, **kwargs: get_cluster("h200-141g"))
+    assert main(["profile", "--out", str(tmp_path / "c.json")]) == 0
+    shown = capsys.readouterr().out
+    assert "host link 5e+10 B/s" in shown and "rates: matmul 0.65 of peak" in shown and "causal work 0.50" in shown
+    if not torch.cuda.is_available():  # a device alone takes its preset's links; without CUDA, cpu-gloo's
+        assert profile._device_preset() == "cpu-gloo"
