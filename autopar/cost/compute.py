@@ -361,7 +361,9 @@ def _achieved_terms(info, flops, moved, split, peak, cluster, factor) -> tuple[f
     memory_s = moved / split / (cluster.memory_bandwidth_bytes_per_s * rates.memory_efficiency)
     if factor > 1 and got.backward_slowdown != 1:
         factor = 1.0 + backward_factor(info) * got.backward_slowdown
-    floor = rates.launch_overhead_s if flops or moved else 0.0  # a view launches nothing
+    # a view launches nothing, nor does a pointwise op that inductor fuses into its neighbour's kernel
+    fused = cluster.executor == "inductor" and info.target in POINTWISE
+    floor = rates.launch_overhead_s if (flops or moved) and not fused else 0.0
     return max(flops_s, floor), max(memory_s, floor), factor
 
 

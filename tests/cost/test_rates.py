@@ -82,6 +82,11 @@ def test_memory_bound_ops_and_the_launch_floor():
     assert compute_cost_s(tiny, one, (1,), cluster, True) == pytest.approx(2e-5)  # forward and backward kernels
     view = info_for(aten.view.default, meta(4, 4), [16])
     assert compute_cost_s(view, one, (1,), cluster, True) == 0.0
+    # under inductor a pointwise op runs inside its neighbour's kernel: no launch of its own
+    compiled = dataclasses.replace(cluster, executor="inductor")
+    assert compute_cost_s(tiny, one, (1,), compiled, False) == pytest.approx(4 * 4 / (0.5 * 1e11))
+    matmul = info_for(aten.mm.default, meta(2, 2), meta(2, 2))
+    assert compute_cost_s(matmul, REPLICATED_2, (1,), compiled, False) == pytest.approx(1e-5)
 
 
 def test_optimizer_step_reads_and_writes_params_grads_and_states():
