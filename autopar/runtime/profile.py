@@ -231,20 +231,7 @@ def build_spec(
             else:
                 chosen[level] = getattr(fallback, level)
                 notes.append(f"{level}: not measured (no process group); taken from preset {base!r}.")
-    notes.append(
-        "Per axis: "
-        + "; ".join(
-            f"axis {e['axis']} (size {e['size']}): "
-            + (
-                "not measured"
-                if e["link"] is None
-                else f"alpha {e['link'].latency_s:.3g} s, beta {e['link'].bandwidth_bytes_per_s:.3g} B/s"
-            )
-            for e in (axes or [])
-        )
-        if axes
-        else "Per axis: none measured."
-    )
+    notes.append(_axes_note(axes))
     return ClusterSpec(
         name=name or f"profiled-{device['device'].replace(' ', '-').lower()}",
         devices_per_node=devices_per_node,
@@ -259,6 +246,21 @@ def build_spec(
         compute_slots_per_node=compute_slots_per_node,
         host_link=device.get("host_link"),
         rates=device.get("rates"),
+    )
+
+
+def _axes_note(axes: list[dict[str, Any]] | None) -> str:
+    """The spec's note of what each mesh axis measured."""
+    if not axes:
+        return "Per axis: none measured."
+    return "Per axis: " + "; ".join(
+        f"axis {e['axis']} (size {e['size']}): "
+        + (
+            "not measured"
+            if e["link"] is None
+            else f"alpha {e['link'].latency_s:.3g} s, beta {e['link'].bandwidth_bytes_per_s:.3g} B/s"
+        )
+        for e in axes
     )
 
 
