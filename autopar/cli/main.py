@@ -723,6 +723,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
             f"memory {spec.memory_bandwidth_bytes_per_s:.3g} B/s, intra-node alpha {spec.intra_node.latency_s:.3g} s "
             f"beta {spec.intra_node.bandwidth_bytes_per_s:.3g} B/s"
         )
+        if spec.host_link is not None:
+            print(f"  host link {spec.host_link.bandwidth_bytes_per_s:.3g} B/s, alpha {spec.host_link.latency_s:.3g} s")
+        if spec.rates is not None:
+            rates = spec.rates
+            print(
+                f"  rates: matmul {rates.matmul_efficiency:.2f} of peak (half at {rates.matmul_half_flops:.3g} FLOPs), "
+                f"attention {rates.attention_efficiency:.2f} (causal work {rates.causal_work:.2f}; masked "
+                f"{rates.masked_attention_efficiency:.2f}, backward x{rates.masked_backward_slowdown:.2f}), memory "
+                f"{rates.memory_efficiency:.2f}, launch {rates.launch_overhead_s * 1e6:.1f} us"
+            )
     return 0
 
 

@@ -55,6 +55,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from autopar.cost.rates import ComputeRates
 from autopar.ir.units import parse_budget
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -70,7 +71,7 @@ EXECUTORS = ("eager", "inductor")
 MEMORY_RESERVE_FRACTION = 0.10
 MEMORY_RESERVE_MIN_BYTES = 2**30
 # CUDA device names (``torch.cuda.get_device_name``) -> the preset that prices them, by substring.
-_DEVICE_PRESETS = (("H100", "h100-80g"), ("H200", "h100-80g"), ("A100", "a100-40g"), ("V100", "v100-16g"))
+_DEVICE_PRESETS = (("H100", "h100-80g"), ("H200", "h200-141g"), ("A100", "a100-40g"), ("V100", "v100-16g"))
 
 
 def _positive_number(owner: str, name: str, value: Any) -> None:
@@ -148,6 +149,8 @@ class ClusterSpec:
     compute_slots_per_node: int | None = None
     # The executor the plan is priced for (``EXECUTORS``); compile sets it from its ``compiler``.
     executor: str = "eager"
+    # What kernels reach of the peaks (``cost.rates``); None: the plain roofline against them.
+    rates: ComputeRates | None = None
 
     @property
     def gloo(self) -> bool:
@@ -187,6 +190,8 @@ class ClusterSpec:
             _positive_int(owner, "compute_slots_per_node", self.compute_slots_per_node)
         if self.compute not in COMPUTE_MODES:
             raise ValueError(f"{owner}.compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
+        if self.rates is not None and not isinstance(self.rates, ComputeRates):
+            raise ValueError(f"{owner}.rates must be a ComputeRates or None, got {self.rates!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"{owner}.executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         for name in ("source", "notes"):
@@ -264,6 +269,7 @@ class ClusterSpec:
             **({"disk_link": self.disk_link.to_json()} if self.disk_link != DEFAULT_DISK_LINK else {}),
             **({"compute_slots_per_node": self.compute_slots_per_node} if self.compute_slots_per_node is not None else {}),
             **({"executor": self.executor} if self.executor != "eager" else {}),
+            **({"rates": self.rates.to_json()} if self.rates is not None else {}),
         }
 
     @classmethod
@@ -274,7 +280,7 @@ class ClusterSpec:
         if not isinstance(data, Mapping):
             raise ValueError(f"a cluster spec must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        required = known - {"source", "notes", "compute", "host_link", "disk_link", "compute_slots_per_node", "executor"}
+        required = known - {"source", "notes", "compute", "host_link", "disk_link", "compute_slots_per_node", "executor", "rates"}
         unknown = set(data) - known
         missing = required - set(data)
         if unknown or missing:
@@ -289,6 +295,8 @@ class ClusterSpec:
             kwargs["host_link"] = LinkSpec.from_json(data["host_link"], "host_link")
         if "disk_link" in data:
             kwargs["disk_link"] = LinkSpec.from_json(data["disk_link"], "disk_link")
+        if "rates" in data:
+            kwargs["rates"] = ComputeRates.from_json(data["rates"], "rates")
         return cls(**kwargs)
 
     def save(self, path: str | os.PathLike) -> None:

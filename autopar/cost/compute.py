@@ -52,6 +52,7 @@ from autopar.ir.context import max_work_fraction
 from autopar.ir.spec import VIEW_OP_NAMES, Spec, replicated_axes
 from autopar.rules.registry import OpInfo, Strategy, TensorArg
 from autopar.cost.measured import measured_seconds
+from autopar.cost.rates import achieved
 from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
 from autopar.rules import pointwise
 from autopar.trace.moe import EXPERTS_OP
@@ -319,14 +320,51 @@ def roofline_terms_each(
                 peak = cluster.peak_flops_for(compute_dtype(info))
             if strategy.kernel in EXPERT_PARALLEL_KERNELS:
                 split /= CAPACITY_FACTOR
-            flops_s = flops / split / share / peak
-            memory_s = moved / split / share / cluster.memory_bandwidth_bytes_per_s
-            strategy_factor = factor
+            if cluster.rates is None:
+                flops_s = flops / split / share / peak
+                memory_s = moved / split / share / cluster.memory_bandwidth_bytes_per_s
+                strategy_factor = factor
+            else:
+                flops_s, memory_s, strategy_factor = _achieved_terms(info, flops, moved, split / share, peak, cluster, factor)
             if strategy.kernel == "sdpa_context_parallel":
                 flops_s, strategy_factor = _context_parallel_terms(info, strategy, mesh_shape, flops_s, factor, requires_grad)
             found_terms = found[key] = (flops_s, memory_s, strategy_factor)
         terms.append(found_terms)
     return terms
+
+
+ATTENTION_OPS = _packets(
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def rate_kind(info: OpInfo) -> str:
+    """Which achieved rate prices an op (``cost.rates``): "attention", "matmul" or "other"."""
+    packet = _packet(info.target)
+    if packet in ATTENTION_OPS:
+        return "attention"
+    if packet in MATMUL_OPS or info.target is EXPERTS_OP or _is_grouped_mm(info):
+        return "matmul"
+    return "other"
+
+
+def _achieved_terms(info, flops, moved, split, peak, cluster, factor) -> tuple[float, float, float]:
+    """The roofline terms at the rates kernels reach (``cost.rates``): ``split`` is the work
+    split over the rank's compute share. Each of the ``factor`` kernels (forward, backward)
+    takes at least the launch overhead."""
+    rates = cluster.rates
+    got = achieved(rates, rate_kind(info), flops / split, info.kw)
+    flops_s = got.work * flops / split / (peak * got.efficiency)
+    memory_s = moved / split / (cluster.memory_bandwidth_bytes_per_s * rates.memory_efficiency)
+    if factor > 1 and got.backward_slowdown != 1:
+        factor = 1.0 + backward_factor(info) * got.backward_slowdown
+    # a view launches nothing, nor does a pointwise op that inductor fuses into its neighbour's kernel
+    fused = cluster.executor == "inductor" and info.target in POINTWISE
+    floor = rates.launch_overhead_s if (flops or moved) and not fused else 0.0
+    return max(flops_s, floor), max(memory_s, floor), factor
 
 
 def _context_parallel_terms(info, strategy, mesh_shape, flops_s, factor, requires_grad) -> tuple[float, float]:
@@ -369,5 +407,7 @@ __all__ = [
     "EXPERT_PARALLEL_KERNELS",
     "VIEW_OPS",
     "MATMUL_OPS",
+    "ATTENTION_OPS",
     "REDUCTION_OPS",
+    "rate_kind",
 ]

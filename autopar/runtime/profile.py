@@ -29,40 +29,21 @@ import dataclasses
 import math
 import os
 import statistics
-import time
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.cost.cluster import CPU_PRESET, ClusterSpec, LinkSpec, cpu_cluster, get_cluster
+from autopar.cost.cluster import CPU_PRESET, ClusterSpec, LinkSpec, cpu_cluster, get_cluster, local_cluster
 from autopar.runtime.module import mesh_groups
 from autopar.runtime.launch import run_distributed
+from autopar.runtime import profile_rates
+from autopar.runtime.profile_rates import time_call
 
 QUICK_ALLREDUCE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
 FULL_ALLREDUCE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call(fn: Callable[[], Any], device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, synchronized."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int, repeats: int = 5) -> float:
@@ -93,8 +74,10 @@ def device_name(device: torch.device) -> str:
     return f"cpu-{torch.get_num_threads()}thread"
 
 
-def measure_device(device: torch.device | str | None = None, quick: bool = False) -> dict[str, Any]:
-    """The roofline of ``device`` (default: CUDA when available, else CPU), as ClusterSpec fields."""
+def measure_device(device: torch.device | str | None = None, quick: bool = False, rates: bool | None = None) -> dict[str, Any]:
+    """The roofline of ``device`` (default: CUDA when available, else CPU), as ClusterSpec fields;
+    on CUDA (or with ``rates=True``) also its achieved rates and, on CUDA, its host link
+    (``runtime.profile_rates``)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         size, copy_bytes = (4096, 256 << 20) if quick else (8192, 1 << 30)
@@ -103,12 +86,28 @@ def measure_device(device: torch.device | str | None = None, quick: bool = False
         size, copy_bytes = (384, 32 << 20) if quick else (1024, 256 << 20)
         dtypes = (torch.float32,)  # CPU half-precision matmuls are emulated; the fp32 peak is the fallback
     peak_flops = {str(d).removeprefix("torch."): measure_matmul_flops(device, d, size) for d in dtypes}
-    return {
+    measured = {
         "device": device_name(device),
         "peak_flops": peak_flops,
         "memory_bandwidth_bytes_per_s": measure_memory_bandwidth(device, copy_bytes),
         "memory_bytes": device_memory_bytes(device),
     }
+    if device.type == "cuda" if rates is None else rates:
+        measured.update(_rates_and_host_link(device, measured, quick))
+    return measured
+
+
+def _rates_and_host_link(device: torch.device, measured: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """``ClusterSpec.rates`` in the dtype that training computes in (bf16 on CUDA), and on CUDA
+    ``host_link``: a CPU device is its own host, which a spec says by having none."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    peak = measured["peak_flops"][str(dtype).removeprefix("torch.")]
+    out: dict[str, Any] = {
+        "rates": profile_rates.measure_rates(device, dtype, peak, measured["memory_bandwidth_bytes_per_s"], quick)
+    }
+    if device.type == "cuda":
+        out["host_link"] = profile_rates.measure_host_link(device, profile_rates.host_link_sizes(device, quick))["link"]
+    return out
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float], k: int) -> LinkSpec:
@@ -215,6 +214,10 @@ def build_spec(
             f"{math.prod(mesh_shape)} ranks shared {compute_slots_per_node} compute slots: the "
             f"links are the measured ones at full speed (latency x {share:g}, bandwidth / {share:g})."
         )
+    if device.get("host_link") is not None:
+        notes.append("host_link: pinned host-to-device and device-to-host copies, the slower direction.")
+    if device.get("rates") is not None:
+        notes.append("rates: measured (rates.source).")
     chosen: dict[str, LinkSpec] = {}
     for level, found in links.items():
         if found:  # the slowest axis of that level: a plan must not count on the best one
@@ -228,20 +231,7 @@ def build_spec(
             else:
                 chosen[level] = getattr(fallback, level)
                 notes.append(f"{level}: not measured (no process group); taken from preset {base!r}.")
-    notes.append(
-        "Per axis: "
-        + "; ".join(
-            f"axis {e['axis']} (size {e['size']}): "
-            + (
-                "not measured"
-                if e["link"] is None
-                else f"alpha {e['link'].latency_s:.3g} s, beta {e['link'].bandwidth_bytes_per_s:.3g} B/s"
-            )
-            for e in (axes or [])
-        )
-        if axes
-        else "Per axis: none measured."
-    )
+    notes.append(_axes_note(axes))
     return ClusterSpec(
         name=name or f"profiled-{device['device'].replace(' ', '-').lower()}",
         devices_per_node=devices_per_node,
@@ -254,6 +244,23 @@ def build_spec(
         source="autopar profile (measured)",
         notes=" ".join(notes),
         compute_slots_per_node=compute_slots_per_node,
+        host_link=device.get("host_link"),
+        rates=device.get("rates"),
+    )
+
+
+def _axes_note(axes: list[dict[str, Any]] | None) -> str:
+    """The spec's note of what each mesh axis measured."""
+    if not axes:
+        return "Per axis: none measured."
+    return "Per axis: " + "; ".join(
+        f"axis {e['axis']} (size {e['size']}): "
+        + (
+            "not measured"
+            if e["link"] is None
+            else f"alpha {e['link'].latency_s:.3g} s, beta {e['link'].bandwidth_bytes_per_s:.3g} B/s"
+        )
+        for e in axes
     )
 
 
@@ -270,6 +277,17 @@ def profile_distributed(mesh_shape: Sequence[int], quick: bool = True) -> Cluste
     # CPU ranks share the host's cores: as many run at once as it has cores for their threads
     slots = cpu_cluster().compute_slots_per_node if device_type == "cpu" else None
     return build_spec(payload[0], axes, mesh_shape, per_node, max(world // per_node, 1), compute_slots_per_node=slots)
+
+
+def _device_preset() -> str:
+    """The preset whose links a spec of this device alone takes: its CUDA device's (by name,
+    ``cost.cluster.local_cluster``), "h100-80g" for an unknown GPU, "cpu-gloo" without one."""
+    if not torch.cuda.is_available():
+        return CPU_PRESET
+    try:
+        return local_cluster().name.split(" (")[0]
+    except ValueError:  # a GPU no preset names
+        return "h100-80g"
 
 
 def _spawned(rank: int, world_size: int, mesh_shape: tuple[int, ...], quick: bool) -> dict[str, Any]:
@@ -311,7 +329,7 @@ def run_profile(
                 "(local gloo ranks) or run under torchrun"
             )
         device = measure_device(None, quick)
-        spec = build_spec(device, None, (1,), 1, 1, base="h100-80g" if torch.cuda.is_available() else CPU_PRESET)
+        spec = build_spec(device, None, (1,), 1, 1, base=_device_preset())
     spec.save(out)
     return spec
 

@@ -1,0 +1,333 @@
+"""The cost model against every measured GPU run we have and published runs (issue 44).
+
+    python benchmarks/bench_calibration.py [--rows NAME ...] [--cluster FILE] [--out CSV]
+
+Each row is one training job whose step time (or tokens/s) and peak memory were measured, on
+our H200 and H100 (``benchmarks/results/gpu_step.csv``, ``gpu_compiled_*.csv``, issues 43/44)
+or published with exact settings (torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md``).
+The job is planned offline on the meta device, on the row's preset (``h200-141g``; H100 rows on
+``h100-80g`` with the H200's achieved rates, the same Hopper kernels; ``--cluster FILE``: a
+spec from ``autopar profile`` for the H200 rows instead), laid out as measured (``layout``: a
+hand plan, or ``plan``: what ``autopar.plan`` picks), and priced:
+
+* predicted step = the plan's ``step_time_s`` (forward + backward + exposed communication),
+  plus the AdamW step (``cost.rates.optimizer_step_s``) where the measured figure includes it;
+* predicted peak = the plan's ``peak_memory_bytes``.
+
+Columns: predicted and measured step seconds (tokens/s/GPU for published rows), peak GiB,
+and the ratios predicted / measured. A published job is also planned by ``autopar.plan`` on the
+same mesh and budget (``solver_*`` columns): its predicted step must not be slower. Rows whose
+layout autopar cannot express yet say why in ``status`` (torchtitan's FSDP + selective
+activation checkpointing waits for ``hand_plan(..., checkpointing="selective")``, issue 44 item 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import inspect
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the 405B row reuses a sibling benchmark
+
+import autopar  # noqa: E402
+from autopar.cost.cluster import ClusterSpec, get_cluster  # noqa: E402
+from autopar.cost.rates import optimizer_step_s  # noqa: E402
+from autopar.ir.spec import format_spec  # noqa: E402
+from autopar.zoo.models import GPT, LLAMA_SHAPES, Llama  # noqa: E402
+
+GIB = 2**30
+HF_LLAMA_3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    num_hidden_layers=32,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One measured job, ``batch`` sequences of ``seq`` tokens per GPU. ``measured_step_s`` or
+    ``measured_tokens_per_s`` (per GPU) is given;
+    ``with_optimizer``: the measured time includes the AdamW step."""
+
+    name: str
+    source: str
+    model: str  # "gpt:L:E:H", "zoo-llama-3-8b:L", "hf-llama-3-8b:L"
+    batch: int
+    seq: int
+    mesh: tuple[int, ...]
+    layout: str  # "plan" or a hand_plan kind
+    preset: str
+    memory_bytes: float  # the device's memory the job ran on; published rows plan with all of it as the budget
+    measured_step_s: float | None = None
+    measured_tokens_per_s: float | None = None
+    measured_peak_gib: float | None = None
+    with_optimizer: bool = True
+    dtype: str = "bfloat16"  # the model's dtype (parameters, activations, AdamW state)
+    precision: str | None = None
+    checkpointing: str | None = None  # what the published job ran ("selective")
+    optimizer: str = "foreach"  # AdamW's implementation (``cost.rates.OPTIMIZER_TRAFFIC``)
+    published: bool = False
+
+
+ROWS = (
+    Row("hf-llama-3-8b 4L 2x4096 eager", "issue 43/44, one H200, torch 2.11", "hf-llama-3-8b:4", 2, 4096, (1,), "plan",
+        "h200-141g", 141 * GIB, measured_step_s=0.1645, measured_peak_gib=30.9),
+    Row("hf-llama-3-8b 4L 2x4096 autopar", "issue 43/44, one H200, torch 2.11", "hf-llama-3-8b:4", 2, 4096, (1,), "plan",
+        "h200-141g", 141 * GIB, measured_step_s=0.1826, measured_peak_gib=35.0),
+    Row("gpt 12x768 8x1024 eager", "issue 43/44, one H200", "gpt:12:768:12", 8, 1024, (1,), "plan",
+        "h200-141g", 141 * GIB, measured_step_s=0.0218, measured_peak_gib=5.3),
+    Row("gpt 12x768 8x1024 autopar", "issue 43/44, one H200", "gpt:12:768:12", 8, 1024, (1,), "plan",
+        "h200-141g", 141 * GIB, measured_step_s=0.0292, measured_peak_gib=5.29),
+    Row("zoo llama-3-8b 2L 2x2048 eager", "results/gpu_compiled_default.csv, one H200", "zoo-llama-3-8b:2", 2, 2048, (1,),
+        "plan", "h200-141g", 141 * GIB, measured_step_s=0.062481, measured_peak_gib=13.85),
+    Row("zoo llama-3-8b 2L 2x2048 eager fused", "results/gpu_compiled_fused.csv, one H200", "zoo-llama-3-8b:2", 2, 2048,
+        (1,), "plan", "h200-141g", 141 * GIB, measured_step_s=0.051959, measured_peak_gib=12.84, optimizer="fused"),
+    Row("gpt 12x768 8x1024 fwd+bwd", "results/gpu_step.csv, one H100", "gpt:12:768:12", 8, 1024, (1,), "plan",
+        "h100-80g", 80 * GIB, measured_step_s=0.019369, measured_peak_gib=5.5867, with_optimizer=False),
+    Row("gpt 24x1024 8x1024 fwd+bwd", "results/gpu_step.csv, one H100", "gpt:24:1024:16", 8, 1024, (1,), "plan",
+        "h100-80g", 80 * GIB, measured_step_s=0.045528, measured_peak_gib=11.0535, with_optimizer=False),
+    Row("gpt 8x2048 8x1024 fwd+bwd", "results/gpu_step.csv, one H100", "gpt:8:2048:16", 8, 1024, (1,), "plan",
+        "h100-80g", 80 * GIB, measured_step_s=0.047812, measured_peak_gib=10.2183, with_optimizer=False),
+    Row("zoo llama-3-8b 4L 4x2048 fwd+bwd", "results/gpu_step.csv, one H100", "zoo-llama-3-8b:4", 4, 2048, (1,), "plan",
+        "h100-80g", 80 * GIB, measured_step_s=0.13227, measured_peak_gib=26.4545, with_optimizer=False),
+    Row("zoo llama-2-7b 8L 4x2048 fwd+bwd", "results/gpu_step.csv, one H100", "zoo-llama-2-7b:8", 4, 2048, (1,), "plan",
+        "h100-80g", 80 * GIB, measured_step_s=0.181503, measured_peak_gib=26.1153, with_optimizer=False),
+    # torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (bf16, no compile,
+    # no Float8): Llama 3.1 8B, FSDP, selective AC, local batch 2 x 8192, H100 96 GB, 500 W.
+    Row("torchtitan llama-3.1-8b fsdp 8 gpus", "torchtitan llama3_h100_202412, Table 1", "zoo-llama-3-8b:32", 2, 8192, (8,),
+        "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5762, measured_peak_gib=82.4, dtype="float32",
+        precision="bf16-mixed", checkpointing="selective", optimizer="fused", published=True),
+    Row("torchtitan llama-3.1-8b fsdp 128 gpus", "torchtitan llama3_h100_202412, Table 3", "zoo-llama-3-8b:32", 2, 8192,
+        (128,), "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5605, measured_peak_gib=67.0, dtype="float32",
+        precision="bf16-mixed", checkpointing="selective", optimizer="fused", published=True),
+)  # fmt: skip
+
+
+def build_model(spec: str, dtype: torch.dtype, device: str | torch.device = "meta") -> torch.nn.Module:
+    """The row's model, on the meta device unless told."""
+    kind, *args = spec.split(":")
+    with torch.device(device):
+        if kind == "gpt":
+            layers, width, heads = map(int, args)
+            model = GPT(vocab_size=50304, block_size=1024, n_layer=layers, n_head=heads, n_embd=width, bias=False)
+        elif kind.startswith("zoo-"):
+            model = Llama(**{**LLAMA_SHAPES[kind.removeprefix("zoo-")], "n_layer": int(args[0])})
+        elif kind == "hf-llama-3-8b":
+            import transformers  # optional dependency: only these rows need it
+
+            config = transformers.LlamaConfig(
+                use_cache=False, attn_implementation="sdpa", **{**HF_LLAMA_3_8B, "num_hidden_layers": int(args[0])}
+            )
+            model = transformers.LlamaForCausalLM(config)
+        else:
+            raise ValueError(f"unknown model {spec!r}")
+    return model.to(dtype)
+
+
+def _inputs(row: Row, model: torch.nn.Module) -> dict:
+    """The global batch: ``row.batch`` rows per GPU on every GPU of the mesh."""
+    ids = torch.zeros(row.batch * math.prod(row.mesh), row.seq, dtype=torch.long, device="meta")
+    if row.model.startswith("hf-"):
+        return {"example_kwargs": {"input_ids": ids, "labels": ids.clone()}}
+    return {"example_inputs": (ids, ids.clone())}
+
+
+def grand_teton() -> ClusterSpec:
+    """torchtitan's machine (its docs/performance.md): Grand Teton hosts of 8 H100s with 96 GB of
+    HBM2e at 2.4 TB/s, NVLink inside a host, 400 Gb/s RDMA per GPU, a 500 W power limit (not
+    modelled: the peaks are the 700 W datasheet's)."""
+    h100 = get_cluster("h100-80g")
+    return dataclasses.replace(h100, name="h100-96g (Grand Teton)", memory_bytes=int(96e9), memory_bandwidth_bytes_per_s=2.4e12)
+
+
+def row_cluster(row: Row, profiled: ClusterSpec | None) -> ClusterSpec:
+    """The row's spec: a profiled one for the H200 rows when given; H100 rows take the H200's
+    achieved rates (same Hopper tensor cores and kernels) on the H100 preset's peaks."""
+    if profiled is not None and row.preset == "h200-141g":
+        return profiled
+    spec = grand_teton() if row.preset == "grand-teton" else get_cluster(row.preset)
+    if spec.rates is None:
+        spec = dataclasses.replace(spec, rates=get_cluster("h200-141g").rates)
+    return dataclasses.replace(spec, memory_bytes=int(row.memory_bytes))
+
+
+def _local_elements(plan, model: torch.nn.Module, mesh: tuple[int, ...]) -> float:
+    """Parameter elements each rank's optimizer steps: a sharded parameter's share."""
+    total = 0.0
+    for name, param in model.named_parameters():
+        shards = 1
+        for axis, placement in enumerate(plan.params.get(name) or ()):  # a spec: one placement per mesh axis
+            if placement.is_shard():
+                shards *= mesh[axis]
+        total += param.numel() / shards
+    return total
+
+
+def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -> dict:
+    """Plan the row's job as ``layout`` and price its step and peak memory."""
+    precision = row.precision
+    if precision is None and row.dtype != "float32":
+        # the runs stepped torch's AdamW, whose state takes the parameters' dtype ("32-true" prices fp32 state)
+        precision = autopar.MixedPrecision(optimizer_dtype=row.dtype, name=f"{row.dtype} model and AdamW state")
+    kwargs = dict(_inputs(row, model), cluster=cluster, precision=precision)
+    if row.published:  # as torchtitan ran: the whole device, no reserve
+        kwargs["memory_budget"] = row.memory_bytes
+    if layout == "plan":
+        plan = autopar.plan(model, row.mesh, **kwargs)
+    else:
+        if row.checkpointing and "checkpointing" in inspect.signature(autopar.hand_plan).parameters:
+            kwargs["checkpointing"] = row.checkpointing
+        plan = autopar.hand_plan(layout, model, row.mesh, **kwargs)
+    step = plan.predicted.step_time_s + (plan.predicted.memory_s or 0.0)
+    if row.with_optimizer:
+        param_size = 4 if row.precision else torch.finfo(getattr(torch, row.dtype)).bits // 8
+        step += optimizer_step_s(
+            _local_elements(plan, model, row.mesh),
+            param_size,
+            param_size,
+            len(list(model.parameters())),
+            cluster.memory_bandwidth_bytes_per_s,
+            cluster.rates,
+            row.optimizer,
+        )
+    return {"step_s": step, "peak_gib": plan.predicted.peak_memory_bytes / GIB, "plan": plan}
+
+
+def describe(plan) -> str:
+    """A plan's layout in a few words: parameter specs by count, checkpointing, offload."""
+    from collections import Counter
+
+    specs = Counter(" ".join(format_spec(spec)) for fqn, spec in plan.params.items() if fqn.endswith("weight"))
+    words = [", ".join(f"{count} weights {spec}" for spec, count in specs.most_common(3))]
+    memory = plan.memory
+    if memory is not None and memory.checkpoint:
+        policies = Counter(getattr(segment, "policy", "full") for segment in memory.checkpoint)
+        words.append("AC " + ", ".join(f"{n} {p}" for p, n in policies.items()))
+    if memory is not None and memory.offload:
+        words.append(f"offload {len(memory.offload)} to {memory.target}")
+    return "; ".join(words)
+
+
+def evaluate(row: Row, profiled: ClusterSpec | None) -> dict:
+    cluster = row_cluster(row, profiled)
+    model = build_model(row.model, getattr(torch, row.dtype))
+    out = {"row": row.name, "source": row.source, "cluster": cluster.name, "layout": row.layout, "status": "priced"}
+    tokens = row.batch * row.seq
+    start = time.perf_counter()
+    try:
+        got = price(row, model, cluster, row.layout)
+    except Exception as err:  # a layout autopar cannot express yet: the row says why
+        out["status"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        got = None
+    if got is not None:
+        out["layout_detail"] = describe(got["plan"])
+        out["predicted_step_s"] = got["step_s"]
+        out["predicted_peak_gib"] = got["peak_gib"]
+    measured_step = row.measured_step_s or (tokens / row.measured_tokens_per_s if row.measured_tokens_per_s else None)
+    out["measured_step_s"] = measured_step
+    out["measured_peak_gib"] = row.measured_peak_gib
+    if got is not None and measured_step:
+        out["time_ratio"] = got["step_s"] / measured_step
+        out["predicted_tokens_per_s"] = tokens / got["step_s"]
+        out["measured_tokens_per_s"] = tokens / measured_step
+    if got is not None and row.measured_peak_gib:
+        out["memory_ratio"] = got["peak_gib"] / row.measured_peak_gib
+    if row.published:  # what autopar.plan picks for the same job and budget
+        solved = price(row, model, cluster, "plan")
+        out["solver_step_s"] = solved["step_s"]
+        out["solver_peak_gib"] = solved["peak_gib"]
+        out["solver_layout"] = describe(solved["plan"])
+        if got is not None:
+            out["solver_over_published"] = solved["step_s"] / got["step_s"]
+    out["plan_s"] = time.perf_counter() - start
+    return out
+
+
+def evaluate_405b(microbatches: int) -> dict:
+    """torchtitan's Table 5 job (Llama 3.1 405B, 512 H100s, FSDP 8 x TP 8 x PP 8, interleaved
+    1F1B, full AC, 256 x 8192 tokens): its layout and autopar's stage search, priced with the
+    rates by ``bench_llama405b_pipeline``'s machinery. Measured 128 tokens/s/GPU with Float8 and
+    torch.compile, which autopar does not price (bf16 eager): the measured step is a floor."""
+    import bench_llama405b_pipeline as job  # a sibling benchmark: its job definition and pricing
+
+    spec = dataclasses.replace(grand_teton(), rates=get_cluster("h200-141g").rates)
+    start = time.perf_counter()
+    theirs = job.torchtitan(spec)[-1]
+    search, _ = job.ours(spec, microbatches)
+    tokens = job.GLOBAL_BATCH * job.SEQ
+    measured = tokens / (128 * 512)
+    return {
+        "row": "torchtitan llama-3.1-405b fsdp8 tp8 pp8 512 gpus",
+        "source": "torchtitan llama3_h100_202412, Table 5 (Float8 + compile)",
+        "cluster": spec.name,
+        "layout": f"{theirs['schedule']} x{theirs['virtual_stages']}, {theirs['stages']} stages of {theirs['stage_mesh']}",
+        "status": "priced (bf16 eager; measured with Float8 and compile)",
+        "predicted_step_s": theirs["step_s"],
+        "measured_step_s": measured,
+        "time_ratio": theirs["step_s"] / measured,
+        "predicted_tokens_per_s": theirs["tokens_per_s_per_gpu"],
+        "measured_tokens_per_s": 128.0,
+        "predicted_peak_gib": theirs["peak_gib"],
+        "solver_step_s": search.step_time_s,
+        "solver_peak_gib": max(st.memory_bytes for st in search.stages) / GIB,
+        "solver_over_published": search.step_time_s / theirs["step_s"],
+        "solver_layout": f"{search.schedule} on {search.num_stages} stages of {'x'.join(map(str, search.stage_mesh))}, "
+        f"{search.num_microbatches} microbatches",
+        "plan_s": time.perf_counter() - start,
+    }
+
+
+COLUMNS = (
+    "row", "source", "cluster", "layout", "status", "predicted_step_s", "measured_step_s", "time_ratio",
+    "predicted_tokens_per_s", "measured_tokens_per_s", "predicted_peak_gib", "measured_peak_gib", "memory_ratio",
+    "layout_detail", "solver_step_s", "solver_peak_gib", "solver_over_published", "solver_layout", "plan_s",
+)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="*", help="substrings of row names to run (default: all)")
+    parser.add_argument("--cluster", help="a spec from `autopar profile` for the H200 rows")
+    parser.add_argument("--out", default="benchmarks/results/calibration.csv")
+    parser.add_argument(
+        "--405b-microbatches",
+        dest="microbatches_405b",
+        type=int,
+        default=128,
+        help="autopar's stage search for the 405B job at this microbatch count (0: skip the row)",
+    )
+    args = parser.parse_args(argv)
+    profiled = ClusterSpec.load(args.cluster) if args.cluster else None
+    rows = [r for r in ROWS if not args.rows or any(s in r.name for s in args.rows)]
+    results = []
+    for row in rows:
+        result = evaluate(row, profiled)
+        results.append(result)
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in result.items() if k != "source"}
+        print(shown, flush=True)
+    if args.microbatches_405b and (not args.rows or any(s in "405b" for s in args.rows)):
+        results.append(evaluate_405b(args.microbatches_405b))
+        print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in results[-1].items()}, flush=True)
+    with open(args.out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: result.get(k) for k in COLUMNS} for result in results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
