@@ -63,6 +63,9 @@ MILP_GAP = 0.05
 # Where no plan fits alone, the Lagrangian front stops at a plan this close to the least peak
 # (``trace_front``).
 _FLOOR_CLOSE = 0.01
+# ... and its prices rise by ``_GROWTH`` squared while a plan has moved less than this share of
+# the way from the fastest plan's peak to the least peak.
+_SLOW_MOVE = 0.1
 
 
 def solve_under_budget(
@@ -148,14 +151,18 @@ def trace_front(
     # No plan fits, so the prices only rise (no bisection); a plan within ``_FLOOR_CLOSE`` of
     # ``floor`` ends the front: the leanest plan is a candidate of the caller's already, and the
     # next prices only creep towards it (tiny GPT-OSS: 0.7%, 0.2%, 0.04% over it, 0.2 s each).
+    # A price under which the plan stays near the fastest one's peak rises twice as fast: the
+    # rounds that matter lie between the two ends.
+    top = graph.timeline.peak(_bytes_of(graph, unbounded.choice))[0]
     factor = 1.0
     for _ in range(_MAX_GROWTH_ROUNDS // 2):
         if _time.perf_counter() > deadline:
             break
         _lagrangian_fits(ilp, consider.prices, factor, consider, _left(deadline))
-        if visited and graph.timeline.peak(_bytes_of(graph, visited[-1]))[0] <= floor * (1 + _FLOOR_CLOSE):
+        peak = graph.timeline.peak(_bytes_of(graph, visited[-1]))[0] if visited else top
+        if peak <= floor * (1 + _FLOOR_CLOSE):
             break
-        factor *= _GROWTH
+        factor *= _GROWTH**2 if top - peak < _SLOW_MOVE * (top - floor) else _GROWTH
 
 
 def _left(deadline: float) -> float:
