@@ -17,7 +17,7 @@ from autopar.solver.strategies.solving import peak_memory, solve_ilp
 from autopar.trace import trace
 from autopar.zoo.models import build_model
 
-MESH = (2, 2)
+MESH = (4,)
 
 
 @pytest.fixture(scope="module")
