@@ -62,7 +62,7 @@ class Store:
         self.meta[key] = (tensor.shape, tensor.dtype)
         self.bytes_written += tensor.numel() * tensor.element_size()
         ready = None
-        if self._stream is not None and tensor.is_cuda:  # the kernels that made it, on the caller's stream
+        if self._stream is not None:  # the kernels that made it, on the caller's stream
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         if wait:
