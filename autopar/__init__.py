@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         CheckpointError,
         InfeasibleError,
         MeshError,
+        OffloadError,
         PassError,
         PlanError,
         TraceError,
@@ -56,6 +57,7 @@ _EXPORTS = {
     "PlanError": "autopar.errors",
     "InfeasibleError": "autopar.errors",
     "PassError": "autopar.errors",
+    "OffloadError": "autopar.errors",
     "CheckpointError": "autopar.errors",
     "checkpoint": "autopar.checkpoint",
     "optim": "autopar.optim",
@@ -79,6 +81,7 @@ __all__ = [
     "InfeasibleError",
     "PassError",
     "CheckpointError",
+    "OffloadError",
 ]
 
 

@@ -57,6 +57,10 @@ class CheckpointError(AutoparError, ValueError):
     """A checkpoint is missing, incomplete or damaged, or does not fit the module it is loaded into."""
 
 
+class OffloadError(AutoparError, RuntimeError):
+    """A torch optimizer would step parameters whose state the plan offloads (use ``autopar.optim.AdamW``)."""
+
+
 class PassError(AutoparError):
     """A rewrite pass failed; the message names the pass and those that ran before it."""
 

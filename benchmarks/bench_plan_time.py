@@ -19,6 +19,14 @@ smallest depth's, per model. Models:
   12, so the two depths take different paths through the solver (a binding budget adds LP
   solves, roundings and liveness walks: ``solver.strategies.budget``).
 
+- ``gpt-oss``: a tiny Hugging Face GPT-OSS (width 64, 4 experts), batch 4 × 32, mesh (2, 2):
+  ``--models gpt-oss --layers 2 --memory-budget inf --state-budget 0.6`` is issue 48's budgeted
+  planning case, where no sharding fits alone (``solver.strategies.lean``).
+
+``--state-budget F`` also plans each row under F × its parameter, gradient and AdamW bytes with
+``offload="auto"``, from the same trace: ``budget_ratio`` (and ``budget_ratio_cpu``) is that
+plan's time over the row's own ``plan_s``.
+
 ``--memory-budget inf`` plans without the default budget, so that every depth takes the same
 path through the solver (with it, a deep model's budget may bind where a shallow one's does not).
 Times are wall-clock on whatever machine runs this; compare rows of one run only. ``--repeat N``
@@ -53,8 +61,17 @@ from autopar.ir.options import PlanOptions  # noqa: E402
 from autopar.trace import trace, trace_repeated  # noqa: E402
 from autopar.zoo.models import GPT, LLAMA_SHAPES, build_model  # noqa: E402
 
-MODELS = ("gpt", "llama", "hf-llama", "hf-llama-128")
-TIMES = ("trace_s", "plan_s", "total_s", "total_cpu_s", "export_s")  # columns --repeat keeps the minimum of
+MODELS = ("gpt", "llama", "hf-llama", "hf-llama-128", "gpt-oss")
+TIMES = (
+    "trace_s",
+    "plan_s",
+    "total_s",
+    "total_cpu_s",
+    "export_s",
+    "plan_cpu_s",
+    "budgeted_plan_s",
+    "budgeted_plan_cpu_s",
+)  # columns --repeat keeps the minimum of
 
 
 def build(name: str, layers: int):
@@ -71,6 +88,8 @@ def build(name: str, layers: int):
         return model, (idx, idx), None, (128, 8)
     import transformers
 
+    if name == "gpt-oss":
+        return _gpt_oss(layers)
     config = transformers.LlamaConfig(
         vocab_size=32000,
         hidden_size=8192,
@@ -88,7 +107,55 @@ def build(name: str, layers: int):
     return model, (), {"input_ids": ids, "labels": ids.clone()}, (128, 8)
 
 
-def plan_row(name: str, layers: int, export: bool, memory_budget: float | None = None) -> dict:
+def _gpt_oss(layers: int):
+    """A tiny Hugging Face GPT-OSS (width 64, 4 experts, top 2), batch 4 x 32, mesh (2, 2): the
+    budgeted case of issue 48, where no sharding fits 60% of its state alone (``--state-budget``)."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
+        use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    ids = torch.randint(0, 256, (4, 32))
+    return model, (), {"input_ids": ids, "labels": ids.clone()}, (2, 2)
+
+
+def _state_bytes(model: torch.nn.Module) -> float:
+    """Parameter, gradient and AdamW state bytes (four copies of the parameters)."""
+    return 4.0 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _budgeted(traced, mesh, cluster, budget: float) -> dict:
+    """The same traced model planned under ``budget`` with ``offload="auto"``: its time and plan."""
+    gc.collect()
+    start, cpu = time.perf_counter(), time.process_time()
+    plan = plan_traced(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=budget, offload="auto"))
+    return {
+        "budgeted_plan_s": round(time.perf_counter() - start, 2),
+        "budgeted_plan_cpu_s": round(time.process_time() - cpu, 2),
+        "budgeted_method": plan.solver.method,
+        "budgeted_step_s": plan.predicted.step_time_s,
+        "budgeted_peak_bytes": plan.predicted.peak_memory_bytes,
+        "budget_bytes": int(budget),
+        "budgeted_plan_hash": plan.hash,
+    }
+
+
+def plan_row(name: str, layers: int, export: bool, memory_budget: float | None = None, state_budget: float | None = None) -> dict:
     model, args, kwargs, mesh = build(name, layers)
     cluster = get_cluster("h100-80g")
     # The last row's model and plan are garbage now: collect them before the clock starts, so
@@ -116,7 +183,12 @@ def plan_row(name: str, layers: int, export: bool, memory_budget: float | None =
         "plan_s": round(plan_s, 2),
         "total_s": round(trace_s + plan_s, 2),
         "total_cpu_s": round(trace_cpu_s + plan_cpu_s, 2),
+        "plan_cpu_s": round(plan_cpu_s, 2),
     }
+    if state_budget is not None:  # the unbounded plan above against one under a share of the state
+        row.update(_budgeted(traced, mesh, cluster, state_budget * _state_bytes(model)))
+        row["budget_ratio"] = round(row["budgeted_plan_s"] / plan_s, 2)
+        row["budget_ratio_cpu"] = round(row["budgeted_plan_cpu_s"] / plan_cpu_s, 2)
     if export:
         start = time.perf_counter()
         with quiet_gc():  # as ``compile`` exports
@@ -140,6 +212,13 @@ def main() -> int:
         default=None,
         help="bytes per device (default: the device's memory less its reserve; inf: none)",
     )
+    parser.add_argument(
+        "--state-budget",
+        type=float,
+        default=None,
+        help="also plan each row under this share of its parameter, gradient and AdamW bytes with "
+        'offload="auto" (with --memory-budget inf: budgeted against unbounded, budget_ratio)',
+    )
     args = parser.parse_args()
     rows = []
     for name in args.models:
@@ -147,7 +226,7 @@ def main() -> int:
         totals: dict[int, list[float]] = {layers: [] for layers in args.layers}  # per repeat
         for _ in range(args.repeat):
             for layers in args.layers:
-                row = plan_row(name, layers, args.export, args.memory_budget)
+                row = plan_row(name, layers, args.export, args.memory_budget, args.state_budget)
                 print(row, flush=True)
                 totals[layers].append(row["total_s"])
                 if layers in best:  # the first repeat's plan; a time-limited MILP may differ
@@ -166,6 +245,9 @@ def main() -> int:
             # machine at one speed, and the median over repeats ignores a burst in either row.
             paired = [total / smallest for total, smallest in zip(totals[layers], totals[args.layers[0]])]
             row["paired_ratio_median"] = round(statistics.median(paired), 2)
+            if "budgeted_plan_s" in row:  # of the minima, as the ratios above
+                row["budget_ratio"] = round(row["budgeted_plan_s"] / row["plan_s"], 2)
+                row["budget_ratio_cpu"] = round(row["budgeted_plan_cpu_s"] / row["plan_cpu_s"], 2)
             row["repeats"] = args.repeat
             rows.append(row)
             print("min:", row, flush=True)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar import api
-from autopar.errors import CollectiveError, InfeasibleError, MeshError, PassError, PlanError, TraceError
+from autopar.errors import CollectiveError, InfeasibleError, MeshError, OffloadError, PassError, PlanError, TraceError
 from autopar.passes import check_plan_matches, run_passes
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
@@ -256,3 +256,27 @@ def test_from_checkpoint_of_a_model_with_unsaved_buffers_names_unsaved(one_rank_
         )
     message = str(info.value)
     assert "non-persistent: scale" in message and "FromCheckpoint(path, unsaved=autopar.SeededInit(" in message
+
+
+def test_a_torch_optimizer_over_offloaded_state_names_autopar_adamw(one_rank_group, tmp_path):
+    # Offloaded optimizer state alone: parameters and gradients stay resident, so torch's AdamW
+    # would step them and quietly make its state on the device, over the budget.
+    model = autopar.zoo.models.GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, bias=False)
+    batch = example_batch("gpt", 4)
+    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
+    plan = autopar.plan(
+        model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
+    )
+    states = tuple(entry for entry in plan.memory.offload if entry.kind == "optimizer_state")
+    assert states, "the budget should offload optimizer state"
+    plan = dataclasses.replace(plan, memory=dataclasses.replace(plan.memory, offload=states))
+    pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm(*batch).backward()
+    with pytest.raises(OffloadError) as info:
+        optimizer.step()
+    message = str(info.value)
+    assert "torch.optim.adamw.AdamW steps parameter" in message and "optimizer state the plan offloads" in message
+    assert "autopar.optim.AdamW(pm, lr=...)" in message
+    assert not optimizer.state, "no optimizer state may have been made on the device"
+    autopar.optim.AdamW(pm, lr=1e-3).step()  # the documented optimizer steps the same module

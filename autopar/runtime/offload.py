@@ -31,6 +31,7 @@ import torch
 
 from autopar.ir.memory import MemoryPlan
 from autopar.ops.params import local_of
+from autopar.runtime.optim_guard import refuse_torch_optimizers
 from autopar.runtime.store import Store
 
 
@@ -122,10 +123,17 @@ class Offloader(torch.nn.Module):
 
     def attach_grad_hooks(self, params: dict[str, torch.nn.Parameter]) -> None:
         """Send the gradients of resident parameters whose gradient is offloaded to the store
-        as soon as autograd has accumulated them, and free them on the device."""
+        as soon as autograd has accumulated them, and free them on the device; and refuse a
+        torch optimizer over any parameter whose value, gradient or state is offloaded
+        (``runtime.optim_guard``)."""
         for fqn, param in params.items():
             if fqn in self.grads and fqn not in self.params and param.requires_grad:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_hook(fqn)))
+        # What these parameters hold is in the store: a torch optimizer must not step them.
+        offloaded = {fqn: "value" for fqn in self.params}
+        offloaded.update({fqn: "gradient" for fqn in self.grads - self.params})
+        offloaded.update({fqn: "optimizer state" for fqn in self.states - self.grads})
+        refuse_torch_optimizers(params, offloaded)
 
     def _grad_hook(self, fqn: str):
         def hook(param: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ point of disk offload (ZeRO-Infinity's NVMe offload) is that they do not.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -42,6 +43,9 @@ class Store:
         self._writes: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autopar-offload")
+        # On a GPU every copy runs on a stream of the store's own (``_on_side_stream``), so that a
+        # prefetch or a write behind overlaps the compute stream instead of queueing on it.
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -57,21 +61,49 @@ class Store:
         tensor = tensor.detach()
         self.meta[key] = (tensor.shape, tensor.dtype)
         self.bytes_written += tensor.numel() * tensor.element_size()
+        ready = None
+        if self._stream is not None:  # the kernels that made it, on the caller's stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         if wait:
-            self._write(key, tensor)
+            self._write_after(key, tensor, ready)
             return
         while len(self._writes) >= MAX_WRITES_BEHIND:
             self._wait_write(next(iter(self._writes)))
-        self._writes[key] = self._pool.submit(self._write, key, tensor)
+        self._writes[key] = self._pool.submit(self._write_after, key, tensor, ready)
+
+    def _write_after(self, key: str, tensor: torch.Tensor, ready: "torch.cuda.Event | None") -> None:
+        with self._on_side_stream(ready):
+            self._write(key, tensor)  # holds ``tensor`` until its copy is done
+
+    @contextlib.contextmanager
+    def _on_side_stream(self, ready: "torch.cuda.Event | None" = None):
+        """Run the copies inside on the store's stream, after ``ready``, and wait for them (on
+        this thread only: the compute stream goes on). Nothing on a CPU."""
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            if ready is not None:
+                self._stream.wait_event(ready)
+            yield
+        self._stream.synchronize()
 
     def get(self, key: str) -> torch.Tensor:
         """A fresh tensor on the compute device holding ``key``'s value."""
         with self._lock:
             future = self._pending.pop(key, None)
         if future is not None:
-            return future.result()
+            return self._handed_over(future.result())
         self._wait_write(key)
-        return self._load(key)
+        return self._handed_over(self._load(key))
+
+    def _handed_over(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, read on the store's stream, now used on the caller's: its memory must not
+        go back to the store's stream while the caller's kernels may still read it."""
+        if self._stream is not None and tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(self.device))
+        return tensor
 
     def _wait_write(self, key: str) -> None:
         future = self._writes.pop(key, None)
@@ -111,7 +143,8 @@ class Store:
 
     def _load(self, key: str) -> torch.Tensor:
         shape, dtype = self.meta[key]
-        out = self._read(key, shape, dtype)
+        with self._on_side_stream():
+            out = self._read(key, shape, dtype)
         self.bytes_read += out.numel() * out.element_size()
         return out
 

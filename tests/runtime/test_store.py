@@ -50,3 +50,64 @@ def test_nothing_is_left_at_exit_without_close(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "offload")], check=True, timeout=300, env=env)
     assert not (tmp_path / "offload").exists()
+
+
+class _Recorder:
+    """Stands in for CUDA's streams and events on a CPU: logs what the store asks of them."""
+
+    def __init__(self, log: list):
+        self.log, self.recorded_on = log, None
+
+    def record(self, stream) -> None:
+        self.log.append(("record", stream))
+        self.recorded_on = stream
+
+    def wait_event(self, event) -> None:
+        self.log.append(("side waits for", event.recorded_on))
+
+    def synchronize(self) -> None:
+        self.log.append(("side synchronized",))
+
+
+def test_copies_run_on_the_stores_stream_after_the_kernels_that_made_them(monkeypatch):
+    # On a GPU a write behind waits (on the store's stream) for the compute stream's event
+    # recorded at put(), copies there, and the store's thread waits for the copy alone.
+    import contextlib
+
+    from autopar.runtime.store import HostStore
+
+    log: list = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _Recorder(log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute")
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(("enter", "side"))
+        yield
+        log.append(("exit", "side"))
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    store = HostStore("cpu")
+    store._stream = _Recorder(log)
+    original = store._write
+
+    def write(key, tensor):
+        log.append(("copy", key))
+        original(key, tensor)
+
+    store._write = write
+    store.put("exp_avg/w", torch.arange(4.0), wait=False)
+    store.flush()
+    assert log == [
+        ("record", "compute"),
+        ("enter", "side"),
+        ("side waits for", "compute"),
+        ("copy", "exp_avg/w"),
+        ("exit", "side"),
+        ("side synchronized",),
+    ]
+    log.clear()
+    store.prefetch("exp_avg/w")
+    assert torch.equal(store.get("exp_avg/w"), torch.arange(4.0))
+    assert log == [("enter", "side"), ("exit", "side"), ("side synchronized",)]
+    store.close()

@@ -23,7 +23,8 @@ from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, para
 from autopar.solver.problem.op_prices import expert_parallel_record, grad_sync_bytes_per_axis
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.runner_ups import explain_decisions
-from autopar.solver.strategies.budget import MILP_GAP, solve_under_budget
+from autopar.solver.strategies.budget import MILP_GAP, solve_under_budget, trace_front
+from autopar.solver.strategies.lean import lean_choice, least_peak
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP, Solution
 from autopar.solver.strategies.solving import (
@@ -187,7 +188,10 @@ def _solve_sharding(graph: ChoiceGraph, settings: _Settings, forced: dict[str, S
     solution = unbounded = solve_ilp(ilp, time_limit_s, solver)
     visited: list[dict[str, int]] = []  # the Lagrangian plans on the way to the budget
     if memory_budget is not None and solution.choice and not fits(peak_memory(graph, solution).bytes, memory_budget):
-        solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited, start)
+        if settings.decides_memory and not fits(least_peak(graph), memory_budget):
+            solution = _lean_start(ilp, memory_budget, unbounded, deadline, solver, visited)
+        else:
+            solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited, start)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
         # No sharding fits alone: with checkpointing or offload allowed, start from the leanest
@@ -373,6 +377,25 @@ def _solve_budgeted(
     if fast is not None and fast.choice and (not exact.choice or fast.objective_s <= exact.objective_s):
         return fast
     return exact
+
+
+def _lean_start(
+    ilp: ShardingILP, memory_budget: float, unbounded: Solution, deadline: float, solver: str, visited: list[dict[str, int]]
+) -> Solution:
+    """No sharding fits ``memory_budget`` alone (``lean.least_peak`` is over it): the leanest
+    sharding, for the memory planner to bring under the budget, and (``solver="auto"``) the
+    Lagrangian plans on the way to it in ``visited``, which may do better with checkpointing.
+    Built where it can be proved leanest (``lean.lean_choice``); else the min-peak MILP."""
+    floor = least_peak(ilp.graph)
+    lean = lean_choice(ilp, floor)  # before the memory rows, which it would not meet
+    ilp.add_memory_constraint(memory_budget)
+    if solver == "auto":
+        trace_front(ilp, memory_budget, max(deadline - time.perf_counter(), 1.0), unbounded, visited, floor)
+    if lean is None:
+        return _leanest(ilp.graph, max(deadline - time.perf_counter(), 1.0), solver)
+    fixed = _fixed_solution(ilp, lean, unbounded)
+    assert fixed is not None, "lean_choice passed rounding.check: every resharding exists"
+    return dataclasses.replace(fixed[0], status="Optimal (leanest)", method="leanest")
 
 
 def _leanest(graph: ChoiceGraph, time_limit_s: float, solver: str) -> Solution:

@@ -60,6 +60,12 @@ _CLOSE = 0.02
 # plan was 0.8% from the MILP's optimum with a 1% gap to the LP bound; at 3.4% the MILP found
 # nothing better within 60 s.)
 MILP_GAP = 0.05
+# Where no plan fits alone, the Lagrangian front stops at a plan this close to the least peak
+# (``trace_front``).
+_FLOOR_CLOSE = 0.01
+# ... and its prices rise by ``_GROWTH`` squared while a plan has moved less than this share of
+# the way from the fastest plan's peak to the least peak.
+_SLOW_MOVE = 0.1
 
 
 def solve_under_budget(
@@ -124,6 +130,39 @@ def solve_under_budget(
         _time.perf_counter() - start,
     )
     return solution_of(ilp, best, status, backend, bound, start)
+
+
+def trace_front(
+    ilp: ShardingILP, budget: float, time_limit_s: float, unbounded: Solution, visited: list[dict[str, int]], floor: float
+) -> None:
+    """Step 3 alone, where no sharding fits the budget by itself (``lean.least_peak`` is over it,
+    so the LP with memory rows of step 1 is infeasible: it only took a long simplex to say so).
+    The Lagrangian plans at prices from the time/memory ratio, rising, as ``solve_under_budget``
+    prices them when its LP does not fit, go to ``visited``: the plans on the way from the
+    fastest to the leanest, which the caller brings under the budget with checkpointing and
+    offload. ``ilp`` holds its memory rows (``add_memory_constraint``) and ``unbounded``'s solve;
+    ``floor`` is the least peak of any plan (``lean.least_peak``)."""
+    deadline = _time.perf_counter() + time_limit_s
+    graph = ilp.graph
+    ilp.add_memory_constraint_at(graph.timeline.peak(_bytes_of(graph, unbounded.choice))[1], budget)
+    consider = _Candidates(ilp, budget, {}, visited)
+    price = unbounded.objective_s / (budget / MEMORY_UNIT) / max(len(ilp.memory_times), 1)
+    consider.prices = dict.fromkeys(ilp.memory_times, price)
+    # No plan fits, so the prices only rise (no bisection); a plan within ``_FLOOR_CLOSE`` of
+    # ``floor`` ends the front: the leanest plan is a candidate of the caller's already, and the
+    # next prices only creep towards it (tiny GPT-OSS: 0.7%, 0.2%, 0.04% over it, 0.2 s each).
+    # A price under which the plan stays near the fastest one's peak rises twice as fast: the
+    # rounds that matter lie between the two ends.
+    top = graph.timeline.peak(_bytes_of(graph, unbounded.choice))[0]
+    factor = 1.0
+    for _ in range(_MAX_GROWTH_ROUNDS // 2):
+        if _time.perf_counter() > deadline:
+            break
+        _lagrangian_fits(ilp, consider.prices, factor, consider, _left(deadline))
+        peak = graph.timeline.peak(_bytes_of(graph, visited[-1]))[0] if visited else top
+        if peak <= floor * (1 + _FLOOR_CLOSE):
+            break
+        factor *= _GROWTH**2 if top - peak < _SLOW_MOVE * (top - floor) else _GROWTH
 
 
 def _left(deadline: float) -> float:

@@ -1,0 +1,59 @@
+"""The leanest sharding without a MILP (autopar/solver/strategies/lean.py), and planning under a
+budget that no sharding meets alone (``sharding._lean_start``): no LP with memory rows, no MILP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.cost.cluster import get_cluster
+from autopar.ir.options import PlanOptions
+from autopar.solver import solve
+from autopar.solver.planners import sharding
+from autopar.solver.problem.choices import build_choice_graph
+from autopar.solver.problem.ilp import ShardingILP
+from autopar.solver.strategies.lean import lean_choice, least_peak
+from autopar.solver.strategies.solving import peak_memory, solve_ilp
+from autopar.trace import trace
+from autopar.zoo.models import build_model
+
+MESH = (4,)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    with torch.device("meta"):
+        model = build_model("llama", n_layer=2, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
+        idx = torch.zeros(8, 64, dtype=torch.long)
+    return trace(model, (idx, idx))
+
+
+@pytest.fixture(scope="module")
+def graph(traced):
+    return build_choice_graph(traced, MESH, get_cluster("h100-80g"))
+
+
+def test_the_built_plan_is_as_lean_as_the_milps(graph):
+    floor = least_peak(graph)
+    unbounded = solve_ilp(ShardingILP(graph), 60)
+    assert floor <= peak_memory(graph, unbounded).bytes
+    lean = lean_choice(ShardingILP(graph), floor)
+    assert lean is not None
+    exact = sharding._leanest(graph, 60, "highs")
+    assert exact.status == "Optimal"
+    # The bound is a bound: the MILP's leanest cannot go under it, and the built plan meets it.
+    assert floor <= peak_memory(graph, exact).bytes * (1 + 1e-9)
+    assert graph.timeline.peak(graph.bytes_of(lean))[0] == pytest.approx(peak_memory(graph, exact).bytes, rel=1e-9)
+
+
+def test_a_budget_no_sharding_meets_plans_without_the_memory_lp_or_the_milp(traced, graph, monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("a budget under the least peak needs neither the LP with memory rows nor the MILP")
+
+    monkeypatch.setattr(sharding, "_solve_budgeted", refused)
+    monkeypatch.setattr(sharding, "_leanest", refused)
+    budget = 0.9 * least_peak(graph)
+    options = PlanOptions.from_keywords(memory_budget=budget, offload="auto")
+    plan = solve(traced, MESH, get_cluster("h100-80g"), options)
+    assert plan.memory is not None and plan.predicted.peak_memory_bytes <= budget
+    assert plan.solver.method in ("leanest", "lagrangian")
