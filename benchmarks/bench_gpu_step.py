@@ -50,8 +50,7 @@ TRAINERS = ("eager", "torch_compile", "autopar", "autopar_inductor")
 
 @dataclass(frozen=True)
 class Case:
-    """A model and its batch: ``build()`` makes the model on the current device, ``loss(module,
-    batch)`` runs it, ``kwargs`` says whether the batch goes in by keyword."""
+    """A model, its batch on a device (a dict goes in by keyword) and its targets."""
 
     name: str
     build: Callable[[], torch.nn.Module]
@@ -219,8 +218,7 @@ def measure(kind: str, case: Case, device: torch.device, meter: Meter, args) -> 
         f"warm-up {row['first_steps_s']:6.1f} s  loss {row['first_loss']:.4f}  masked sdpa {row['sdpa_masked']}",
         flush=True,
     )
-    del module, optimizer, losses, step
-    return row
+    return row  # the trainer is freed with this frame, before the next one is built
 
 
 def verdicts(case: Case, rows: list[dict]) -> list[dict]:
