@@ -7,14 +7,15 @@ A GPT small enough that the host, not the arithmetic, sets the step time (``auto
 4 layers, 64 wide, 4 heads, vocabulary 256, 8 sequences of 32 tokens: about 40 parameters of a
 few KiB each). For each world size one set of spawned gloo ranks (one thread each) builds the
 trainers of ``bench_vs_torch.build`` for the same model (``eager_local``: the plain model on the
-rank's rows, no communication; ``torch_ddp``; ``torch_fsdp2``; ``autopar_ddp``; ``autopar_fsdp``),
+rank's rows, no communication; ``torch_ddp``; ``torch_fsdp2``; ``autopar_ddp``; ``autopar_fsdp``;
+``--kinds`` can add ``torch_replicate``, FSDP2's machinery with every parameter replicated),
 each with torch's AdamW (``--optimizer``: default, foreach or fused). The trainers take turns step
 by step; each phase (``zero_grad``, forward, backward, ``optimizer.step()``) is timed with
 ``time.process_time`` (the rank's CPU time: what the host spends, not what it waits for peers).
 A phase's figure is its median over ``--steps`` steps on the slowest rank, in microseconds.
-Ratios: ``<phase>_<autopar kind>_over_<torch kind>`` for autopar's ddp against DDP and its fsdp
-against FSDP2, and ``host_over_eager`` for each trainer (its whole step's CPU time over the plain
-model's, which carries no parameter path at all). Writes ``results/param_path.csv``.
+Ratios: ``<phase>_<autopar kind>_over_<torch kind>`` for autopar's ddp against DDP and against
+``torch_replicate``, and its fsdp against FSDP2; ``host_over_eager`` for each trainer: its whole
+step's CPU time over the plain model's, which carries no parameter path at all. Writes ``results/param_path.csv``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ CONFIG = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64)
 BATCH = 8
 KINDS = ("eager_local", "torch_ddp", "torch_fsdp2", "autopar_ddp", "autopar_fsdp")
 PHASES = ("zero_grad", "forward", "backward", "step")
-PAIRS = (("autopar_ddp", "torch_ddp"), ("autopar_fsdp", "torch_fsdp2"))
+# autopar's ddp against DDP (plain tensors) and against torch_replicate (FSDP2's machinery, every
+# parameter a replicated DTensor: the same layout as autopar's), its fsdp against FSDP2.
+PAIRS = (("autopar_ddp", "torch_ddp"), ("autopar_ddp", "torch_replicate"), ("autopar_fsdp", "torch_fsdp2"))
 
 
 def _phases(module, batch, optimizer) -> dict[str, float]:
