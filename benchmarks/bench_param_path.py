@@ -4,7 +4,7 @@
     python benchmarks/bench_param_path.py --ranks 2 --optimizer fused --steps 20
 
 A GPT small enough that the host, not the arithmetic, sets the step time (``autopar.zoo``'s GPT,
-4 layers, 64 wide, 4 heads, vocabulary 256, 8 sequences of 32 tokens: about 40 parameters of a
+4 layers, 64 wide, 4 heads, vocabulary 256, 8 sequences of 32 tokens: 68 parameter tensors of a
 few KiB each). For each world size one set of spawned gloo ranks (one thread each) builds the
 trainers of ``bench_vs_torch.build`` for the same model (``eager_local``: the plain model on the
 rank's rows, no communication; ``torch_ddp``; ``torch_fsdp2``; ``autopar_ddp``; ``autopar_fsdp``;
