@@ -122,13 +122,19 @@ def _trainer(kind: str, model: torch.nn.Module, batch) -> torch.nn.Module:
 
 
 def masked_sdpa_calls(module) -> tuple[int, int]:
-    """(calls of scaled_dot_product_attention that carry a mask, all its calls) in autopar's graph."""
+    """(attention calls that carry a mask, all attention calls) in autopar's graph: the
+    ``scaled_dot_product`` ops, their ``attn_mask`` or ``attn_bias`` argument read by name."""
     graph = getattr(module, "graph_module", None)
     if graph is None:
         return 0, 0
     calls = [n for n in graph.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
-    masked = [n for n in calls if (n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")) is not None]
-    return len(masked), len(calls)
+    masked = 0
+    for node in calls:
+        schema = getattr(node.target, "_schema", None)
+        names = [argument.name for argument in schema.arguments] if schema is not None else []
+        given = {**dict(zip(names, node.args)), **node.kwargs}
+        masked += any(given.get(name) is not None for name in ("attn_mask", "attn_bias"))
+    return masked, len(calls)
 
 
 class Meter:
