@@ -80,19 +80,19 @@ TRAINERS = (
 )
 
 
-def _gpt():
+def _gpt(config: dict = CONFIG):
     try:
         from autopar.zoo import GPT
     except ImportError:  # before the package re-layout
         from autopar.zoo.models import GPT
     torch.manual_seed(0)
-    return GPT(**CONFIG)
+    return GPT(**config)
 
 
-def _batch():
+def _batch(config: dict = CONFIG, batch: int = BATCH):
     generator = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"]), generator=generator)
-    targets = torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"]), generator=generator)
+    idx = torch.randint(0, config["vocab_size"], (batch, config["block_size"]), generator=generator)
+    targets = torch.randint(0, config["vocab_size"], (batch, config["block_size"]), generator=generator)
     return idx, targets
 
 
@@ -119,10 +119,32 @@ def _no_sync(module: torch.nn.Module, sync: bool):
 def _trainer(kind: str, world: int, rank: int, optimizer: str = "default", accum: int = 1):
     """(step function) for one trainer; ``optimizer``: AdamW's implementation (``OPTIMIZERS``);
     ``accum``: micro-steps per optimizer step, every one but the last without gradient sync."""
+    module, batch = build(kind, world, rank)
+    adamw = torch.optim.AdamW(module.parameters(), lr=1e-4, **OPTIMIZERS[optimizer])
+
+    def step() -> tuple[float, float]:
+        start = time.perf_counter()
+        adamw.zero_grad()
+        for micro in range(accum):
+            with _no_sync(module, micro == accum - 1):
+                module(*batch).backward()
+        stepping = time.perf_counter()
+        adamw.step()
+        end = time.perf_counter()
+        return end - start, end - stepping
+
+    return step
+
+
+def build(
+    kind: str, world: int, rank: int, config: dict = CONFIG, batch_size: int = BATCH
+) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """(module, this rank's batch) of one trainer ``kind`` (``TRAINERS``, or the ``--kinds`` extras)
+    on the GPT ``config`` and a global batch of ``batch_size`` sequences."""
     import autopar
 
-    model = _gpt()
-    idx, targets = _batch()
+    model = _gpt(config)
+    idx, targets = _batch(config, batch_size)
     compiled = kind.endswith("_compiled")
     kind = kind.removesuffix("_compiled")
     if kind == "eager_local":
@@ -162,20 +184,7 @@ def _trainer(kind: str, world: int, rank: int, optimizer: str = "default", accum
             model, mesh, example_inputs=(idx, targets), plan=plan, comm=comm, compiler="inductor" if compiled else None
         )
         batch = (idx, targets)  # the compiled module cuts out its own shard
-    adamw = torch.optim.AdamW(module.parameters(), lr=1e-4, **OPTIMIZERS[optimizer])
-
-    def step() -> tuple[float, float]:
-        start = time.perf_counter()
-        adamw.zero_grad()
-        for micro in range(accum):
-            with _no_sync(module, micro == accum - 1):
-                module(*batch).backward()
-        stepping = time.perf_counter()
-        adamw.step()
-        end = time.perf_counter()
-        return end - start, end - stepping
-
-    return step
+    return module, batch
 
 
 def _rank(

@@ -61,29 +61,40 @@ class LocalLeaf:
 
     def get(self) -> torch.Tensor:
         """The leaf, made again if the parameter's shard or ``requires_grad`` changed."""
-        if self.param._backward_hooks:
+        param = self.param
+        if param._backward_hooks:
             raise RuntimeError(
                 "a hook registered with register_hook on a parameter of a compiled module would not run: autopar "
                 "computes the gradient on the local shard, not through that DTensor. Register the hook on the "
                 "model's parameter before autopar.compile (it is traced), or use p.register_post_accumulate_grad_hook, "
                 "which runs on the DTensor .grad"
             )
-        local, leaf = self.param._local_tensor, self._leaf
+        local, leaf = param._local_tensor, self._leaf
         if (
             leaf is None
             or leaf.data_ptr() != local.data_ptr()
             or leaf.shape != local.shape
             or leaf.dtype != local.dtype
-            or leaf.requires_grad != self.param.requires_grad
+            or leaf.requires_grad != param.requires_grad
         ):
-            leaf = self._leaf = local.detach().requires_grad_(self.param.requires_grad)
+            leaf = self._leaf = local.detach().requires_grad_(param.requires_grad)
             if leaf.requires_grad:
                 leaf.register_post_accumulate_grad_hook(self._route)
         return leaf
 
     def _route(self, leaf: torch.Tensor) -> None:
-        grad, leaf.grad = leaf.grad, None
+        # Runs once per parameter and backward, so it takes the short way where it can: the first
+        # gradient of a step, laid out as the shard, becomes the DTensor .grad as it is.
+        grad = leaf.grad
         if grad is not None:  # None where every use's gradient went to a bucket (ops.buckets)
-            add_grad(self.param, grad)
-        for hook in tuple((self.param._post_accumulate_grad_hooks or {}).values()):
-            hook(self.param)
+            leaf.grad = None
+            param = self.param
+            shard = param._local_tensor
+            if param.grad is None and grad.dtype == shard.dtype and grad.shape == shard.shape and grad.stride() == shard.stride():
+                param.grad = DTensor(grad, param._spec, requires_grad=False)
+            else:
+                add_grad(param, grad)
+        hooks = self.param._post_accumulate_grad_hooks
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(self.param)

@@ -284,3 +284,24 @@ def test_the_models_weights_are_freed_once_the_caller_drops_it(world_of_one, com
     del model
     assert weight() is None
     pm(*batch).backward()  # the module runs on its own copy
+
+
+def test_gradients_accumulate_as_eagers_and_post_accumulate_hooks_see_each(world_of_one):
+    """Each backward's gradient lands in the DTensor ``.grad`` (the first as the leaf's own tensor,
+    later ones added into it) and the parameter's post-accumulate-grad hooks run once per
+    backward, with the ``.grad`` holding that backward's sum; two backwards equal eager's."""
+    model = build_model("mlp", seed=0, d_in=8, d_hidden=16, d_out=4).to(DTYPE)
+    eager = copy.deepcopy(model)
+    batches = [
+        tuple(t.to(DTYPE) for t in example_batch("mlp", batch_size=4, seed=s, d_in=8, d_hidden=16, d_out=4)) for s in (1, 2)
+    ]
+    pm = autopar.compile(model, (1,), example_inputs=batches[0], cluster="cpu")
+    seen: list[torch.Tensor] = []
+    first = next(iter(pm.parameters()))
+    first.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.full_tensor().clone()))
+    for batch in batches:
+        pm(*batch).backward()
+        eager(*batch).backward()
+    assert isinstance(first.grad, DTensor) and first.grad.placements == first.placements
+    assert len(seen) == 2 and torch.equal(seen[1], first.grad.full_tensor()) and not torch.equal(seen[0], seen[1])
+    assert max_rel_diff(pm.full_grads(), {n: p.grad for n, p in eager.named_parameters()}) < TOL
