@@ -1,0 +1,289 @@
+"""``trace.attention``: a traced mask that is provably causal becomes SDPA's ``is_causal=True``.
+
+Hand-written attention builds its mask in many ways; each case traces the model, says whether its
+SDPA call must come out causal and maskless, and runs the traced graph against eager (float64).
+The Hugging Face cases compile LLaMA, Mistral and Qwen2 on mesh (1,), record every SDPA call of
+eager and of the compiled forward (a ``TorchFunctionMode`` sees both ``F.scaled_dot_product_attention``
+and the graph's ``aten`` call), and train both for a few AdamW steps: where eager passes no mask
+the compiled module must pass none, and a padding mask or a sliding window must stay a mask.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+import autopar
+from autopar.trace import trace
+from autopar.trace.attention import causal_attention
+
+L, S, E, HEADS = 6, 6, 8, 2
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+NEG = float("-inf")
+
+
+def _positions(x: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.arange(length, device=x.device)
+
+
+def _tril_bool(x, q_len, k_len):
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=x.device).tril()
+
+
+def _triu_inf(x, q_len, k_len):
+    return torch.full((q_len, k_len), NEG, dtype=x.dtype, device=x.device).triu(1)
+
+
+def _comparison(x, q_len, k_len):
+    return _positions(x, q_len)[:, None] >= _positions(x, k_len)[None, :]
+
+
+def _where_finfo_min(x, q_len, k_len):
+    # Hugging Face's additive convention, expanded over the batch as its masks are.
+    allowed = _positions(x, k_len)[None, :] <= _positions(x, q_len)[:, None]
+    mask = torch.where(allowed, x.new_zeros(()), torch.finfo(x.dtype).min)
+    return mask[None, None].expand(x.shape[0], 1, q_len, k_len)
+
+
+def _masked_fill_in_place(x, q_len, k_len):
+    mask = torch.zeros(q_len, k_len, dtype=x.dtype)
+    mask.masked_fill_(torch.ones(q_len, k_len, dtype=torch.bool).triu(1), NEG)
+    return mask
+
+
+def _vmap(x, q_len, k_len):
+    return torch.vmap(lambda row: _positions(x, k_len) <= row)(_positions(x, q_len))
+
+
+def _top_left_short_query(x, q_len, k_len):
+    return torch.ones(q_len, k_len, dtype=torch.bool).tril()
+
+
+CAUSAL = {
+    "tril-bool": _tril_bool,
+    "triu-inf": _triu_inf,
+    "comparison": _comparison,
+    "where-finfo-min-batch": _where_finfo_min,
+    "masked-fill-in-place": _masked_fill_in_place,
+    "vmap": _vmap,
+}
+
+
+def _sliding_window(x, q_len, k_len):
+    query, key = _positions(x, q_len)[:, None], _positions(x, k_len)[None, :]
+    return (key <= query) & (key > query - 3)
+
+
+def _bottom_right(x, q_len, k_len):
+    return torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+
+
+def _large_negative(x, q_len, k_len):
+    return torch.full((q_len, k_len), -1e4, dtype=x.dtype).triu(1)  # shifts scores; not exact
+
+
+def _random(x, q_len, k_len):
+    return torch.rand(q_len, k_len) < 2  # all True, but drawn: nothing proves it
+
+
+def _from_data(x, q_len, k_len):
+    return _tril_bool(x, q_len, k_len) & (x.sum(-1)[:, :, :, None] > -1e9)
+
+
+def _written_by_data(x, q_len, k_len):
+    mask = torch.ones(q_len, k_len, dtype=torch.bool).tril()
+    mask.logical_and_(x[0, 0].sum(-1)[:, None] > -1e9)  # an in-place write of data into a constant
+    return mask
+
+
+KEPT = {
+    "sliding-window": _sliding_window,
+    "additive-1e4": _large_negative,
+    "random": _random,
+    "from-data": _from_data,
+    "written-by-data": _written_by_data,
+}
+
+
+class _Attention(nn.Module):
+    """Two layers share one mask built by ``build(x, q_len, k_len)``; ``q_len`` may be shorter."""
+
+    def __init__(self, build, q_len: int = L, extra_use: bool = False, dropout: float = 0.0):
+        super().__init__()
+        self.build, self.q_len, self.extra_use, self.dropout = build, q_len, extra_use, dropout
+        self.layers = nn.ModuleList(nn.Linear(E, 3 * E) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        heads = x.view(batch, S, HEADS, E // HEADS).transpose(1, 2)
+        mask = self.build(heads, self.q_len, S)
+        for layer in self.layers:
+            q, k, v = layer(x).view(batch, S, 3 * HEADS, E // HEADS).transpose(1, 2).chunk(3, 1)
+            out = F.scaled_dot_product_attention(q[:, :, : self.q_len], k, v, attn_mask=mask, dropout_p=self.dropout)
+            x = x + F.pad(out.transpose(1, 2).reshape(batch, self.q_len, E), (0, 0, 0, S - self.q_len))
+        return x.sum() + (mask.float().sum() if self.extra_use else 0)
+
+
+def _run_traced(traced, model: nn.Module, args: tuple) -> torch.Tensor:
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    users = iter(pytree.tree_leaves(args))
+    values = [
+        state[gi.fqn] if gi.kind in ("param", "buffer") else traced.constants[gi.name] if gi.kind == "constant" else next(users)
+        for gi in traced.inputs
+    ]
+    return traced.gm(*values)[0]
+
+
+def _sdpa_masks(traced) -> list[bool]:
+    """For each SDPA call of the traced graph: whether it passes a mask (and then is not causal)."""
+    calls = [n for n in traced.gm.graph.nodes if n.target is SDPA]
+    for call in calls:
+        has_mask = len(call.args) > 3 and call.args[3] is not None
+        assert has_mask != bool(call.kwargs.get("is_causal")), call.format_node()
+    return [len(c.args) > 3 and c.args[3] is not None for c in calls]
+
+
+def _traced_against_eager(model: nn.Module):
+    torch.manual_seed(0)
+    model = model.double()
+    x = torch.randn(2, S, E, dtype=torch.float64)
+    traced = trace(model, (x,))
+    torch.testing.assert_close(_run_traced(traced, model, (x,)), model(x), rtol=1e-12, atol=1e-12)
+    return traced
+
+
+@pytest.mark.parametrize("build", CAUSAL.values(), ids=CAUSAL.keys())
+def test_a_causal_mask_however_built_becomes_is_causal_and_its_construction_goes(build):
+    traced = _traced_against_eager(_Attention(build))
+    assert _sdpa_masks(traced) == [False, False]
+    ops = {str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function"}
+    assert not ops & {"aten.tril.default", "aten.triu.default", "aten.ge.Tensor", "aten.le.Tensor", "aten.where.self"}
+
+
+def test_torch_aligns_is_causal_top_left_so_a_shorter_query_may_still_be_causal():
+    assert _sdpa_masks(_traced_against_eager(_Attention(_top_left_short_query, q_len=4))) == [False, False]
+    assert _sdpa_masks(_traced_against_eager(_Attention(_bottom_right, q_len=4))) == [True, True]
+
+
+@pytest.mark.parametrize("build", KEPT.values(), ids=KEPT.keys())
+def test_a_mask_that_is_not_provably_causal_stays(build):
+    assert _sdpa_masks(_traced_against_eager(_Attention(build))) == [True, True]
+
+
+def test_a_mask_that_feeds_another_op_is_kept_for_it_and_attention_with_dropout_is_still_rewritten():
+    traced = trace(_Attention(_tril_bool, extra_use=True, dropout=0.1).train(), (torch.randn(2, S, E),))
+    assert _sdpa_masks(traced) == [False, False]
+    assert any(n.target is torch.ops.aten.tril.default for n in traced.gm.graph.nodes)
+    assert _sdpa_masks(_traced_against_eager(_Attention(_tril_bool, extra_use=True))) == [False, False]
+
+
+def test_a_mask_kept_in_a_buffer_stays_because_a_buffer_can_change():
+    class Buffered(_Attention):
+        def __init__(self):
+            super().__init__(lambda x, q_len, k_len: self.causal)
+            self.register_buffer("causal", torch.ones(L, S, dtype=torch.bool).tril())
+
+    assert _sdpa_masks(_traced_against_eager(Buffered())) == [True, True]
+
+
+def test_a_meta_device_model_is_proved_on_the_cpu(caplog):
+    with torch.device("meta"):
+        model = _Attention(_where_finfo_min)
+    with caplog.at_level(logging.INFO, logger="autopar.trace.attention"):
+        traced = trace(model, (torch.randn(2, S, E, device="meta"),))
+    assert _sdpa_masks(traced) == [False, False]
+    assert "2 of 2 masked attention calls are causal" in caplog.text
+
+
+def test_the_pass_rewrites_the_private_sdpa_variants_by_their_schema():
+    q = torch.randn(1, 2, 4, 8)  # (the kernel is CUDA's; the pass only reads shapes)
+    mask = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), NEG)
+
+    class Efficient(nn.Module):
+        def forward(self, q, k, v):
+            return torch.ops.aten._scaled_dot_product_efficient_attention.default(q, k, v, mask, False)[0]
+
+    gm = torch.fx.symbolic_trace(Efficient())
+    for node in gm.graph.nodes:
+        node.meta["val"] = q  # the pass reads the query's and key's shapes
+    assert causal_attention(gm) == 1
+    (call,) = [n for n in gm.graph.nodes if n.op == "call_function" and "efficient" in str(n.target)]
+    assert call.args[3] is None and call.kwargs["is_causal"] is True
+
+
+# -- Hugging Face models, compiled on mesh (1,) and trained against eager ----------------------
+
+
+class _SdpaCalls(TorchFunctionMode):
+    """Whether each SDPA call passes a mask, in call order (eager's ``F`` call or the graph's op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.masks: list[bool] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention or func is SDPA:
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            self.masks.append(mask is not None)
+        return func(*args, **kwargs)
+
+
+def _padding(kwargs: dict) -> dict:
+    mask = torch.ones_like(kwargs["input_ids"])
+    mask[0, :5] = 0  # left padding in the first row
+    return {**kwargs, "attention_mask": mask}
+
+
+def _hf_case(name: str):
+    from tests.zoo import hf_models
+
+    builders = {
+        "llama": lambda: hf_models.llama(batch_size=2),
+        "mistral": lambda: hf_models.mistral(batch_size=2),
+        "qwen2": lambda: hf_models.qwen2(batch_size=2),
+        "llama-padding": lambda: (lambda m, kw: (m, _padding(kw)))(*hf_models.llama(batch_size=2)),
+        "mistral-sliding-window": lambda: hf_models.mistral(batch_size=2, sliding_window=4),
+    }
+    return builders[name]()
+
+
+STEPS = 3
+TOL = 1e-10  # float64
+
+
+@pytest.mark.parametrize(
+    "name,eager_masked",
+    [("llama", False), ("mistral", False), ("qwen2", False), ("llama-padding", True), ("mistral-sliding-window", True)],
+)
+def test_hf_attention_passes_the_mask_eager_passes_and_trains_as_eager(world_of_one, name, eager_masked):
+    model, kwargs = _hf_case(name)
+    model = model.double()
+    eager = copy.deepcopy(model)
+    pm = autopar.compile(model, (1,), example_kwargs=kwargs, cluster="cpu")
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pm, eager)]
+    for step in range(STEPS):
+        with _SdpaCalls() as compiled_calls:
+            loss = pm(**kwargs).loss
+        with _SdpaCalls() as eager_calls:
+            want = eager(**kwargs).loss
+        assert eager_calls.masks == [eager_masked] * 2, eager_calls.masks
+        assert compiled_calls.masks == eager_calls.masks, f"{name}: compiled {compiled_calls.masks}, eager {eager_calls.masks}"
+        torch.testing.assert_close(loss, want, rtol=TOL, atol=TOL, msg=f"{name}: loss at step {step}")
+        loss.backward()
+        want.backward()
+        grads = dict(eager.named_parameters())
+        for fqn, grad in pm.full_grads().items():
+            torch.testing.assert_close(grad, grads[fqn].grad, rtol=TOL, atol=TOL, msg=f"{name}: {fqn}.grad at step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for fqn, value in pm.full_state_dict().items():
+        torch.testing.assert_close(value, eager.state_dict()[fqn], rtol=TOL, atol=TOL, msg=f"{name}: {fqn} after {STEPS} steps")
