@@ -21,6 +21,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 import autopar
+from autopar.cost.cluster import get_cluster
+from autopar.ir.spec import S as Shard
+from autopar.runtime.numerics import check_numerics
+from autopar.solver import solve
 from autopar.trace import trace
 from autopar.trace.attention import causal_attention
 
@@ -287,3 +291,23 @@ def test_hf_attention_passes_the_mask_eager_passes_and_trains_as_eager(world_of_
             optimizer.zero_grad()
     for fqn, value in pm.full_state_dict().items():
         torch.testing.assert_close(value, eager.state_dict()[fqn], rtol=TOL, atol=TOL, msg=f"{name}: {fqn} after {STEPS} steps")
+
+
+@pytest.mark.parametrize(
+    "mesh,spec,kernel",
+    [((2,), (Shard(2),), "sdpa_context_parallel"), ((2,), (Shard(1),), None)],
+    ids=["sequence-context-parallel", "heads"],
+)
+def test_rewritten_hf_attention_runs_sharded_as_eager(mesh, spec, kernel):
+    """The rewritten causal call on the plans its rule allows: split by sequence (the
+    context-parallel kernel, which only a maskless causal call gets) or by heads."""
+    from tests.zoo import hf_models
+
+    model, kwargs = hf_models.llama(batch_size=2)
+    model = model.double()
+    traced = trace(model, (), kwargs)
+    names = [n.name for n in traced.gm.graph.nodes if n.target is SDPA]
+    plan = solve(traced, mesh, get_cluster("cpu"), forced={name: spec for name in names})
+    assert names and all(plan.nodes[name].kernel == kernel for name in names)
+    result = check_numerics(model, plan, (), kwargs, tolerance=1e-10)
+    assert result.ok, result.text()
