@@ -170,26 +170,29 @@ class _Values:
         value = self.known.pop(node, None)
         if not isinstance(value, torch.Tensor):
             return
-        storage = value.untyped_storage().data_ptr()
-        for other, known in list(self.known.items()):
-            if isinstance(known, torch.Tensor) and known.untyped_storage().data_ptr() == storage:
-                del self.known[other]
+        try:
+            storage = value.untyped_storage().data_ptr()
+            aliases = [
+                n for n, v in self.known.items() if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == storage
+            ]
+        except (RuntimeError, NotImplementedError):  # a vmap-batched value has no plain storage
+            aliases = list(self.known)
+        for other in aliases:
+            del self.known[other]
 
     def _compute(self, node: torch.fx.Node) -> Any:
-        if node.op == "placeholder":
-            value = self.constants.get(node.name)
-            return None if value is None else value.detach().to("cpu", copy=True)
-        if node.op == "get_attr":
-            value = getattr(self.gm, node.target, None)
-            return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else None
-        if node.op != "call_function" or not _deterministic(node.target) or _too_large(node):
+        if node.op in ("placeholder", "get_attr"):
+            return self._constant(node)
+        if node.op != "call_function" or not _deterministic(node.target):
             return None
         if any(n not in self.known for n in node.all_input_nodes if not self._metadata_only(node, n)):
+            return None
+        if _too_large(node):
             return None
         if node.target in _VMAP_LEVELS:  # entered and left whatever the mask needs
             return node.target(*node.args, **node.kwargs)
         args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), self._concrete)
-        if self._metadata_only(node, node.args[0]) and node.args[0] not in self.known:
+        if node.args and self._metadata_only(node, node.args[0]) and node.args[0] not in self.known:
             fake = node.args[0].meta["val"]  # its data is never read: a tensor of its kind stands in
             args = (torch.empty(fake.shape, dtype=fake.dtype), *args[1:])
         try:
@@ -201,6 +204,17 @@ class _Values:
         if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name.removeprefix("aten::") in _UNINITIALIZED:
             return value.fill_(float("nan")) if value.is_floating_point() else None
         return value
+
+    def _constant(self, node: torch.fx.Node) -> torch.Tensor | None:
+        """A lifted constant's or a graph attribute's value; None for data, and for a constant
+        the graph writes in place (the next call would read the written value)."""
+        if node.op == "placeholder":
+            value = self.constants.get(node.name)
+        else:
+            value = getattr(self.gm, node.target, None)
+        if not isinstance(value, torch.Tensor) or any(node in written(user) for user in node.users):
+            return None
+        return value.detach().to("cpu", copy=True)
 
     @staticmethod
     def _metadata_only(node: torch.fx.Node, argument: Any) -> bool:
@@ -247,6 +261,8 @@ def _not_causal(mask: Any, call: torch.fx.Node) -> str | None:
         return "its value depends on the graph's inputs or random numbers"
     query, key = _argument(call, "query").meta["val"], _argument(call, "key").meta["val"]
     scores = (*query.shape[:-1], key.shape[-2])
+    if not all(isinstance(size, int) for size in scores):
+        return f"the attention's shape {scores} is symbolic"
     try:
         if torch.broadcast_shapes(mask.shape, scores) != torch.Size(scores):
             return f"its shape {tuple(mask.shape)} broadcasts the scores {scores} to a larger shape"
