@@ -73,18 +73,21 @@ def causal_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor
     needed = _ancestors([mask for mask, _ in calls.values()] + [n for n in gm.graph.nodes if written(n)])
     values = _Values(gm, constants or {})
     rewritten, masks = 0, []
-    for node in list(gm.graph.nodes):
-        if node in calls:
-            mask, mask_argument = calls[node]
-            reason = _not_causal(values.get(mask), node)
-            if reason is None:
-                _set_causal(node, mask_argument)
-                masks.append(mask)
-                rewritten += 1
-            else:
-                log.debug("autopar: %s keeps its mask %s: %s", node.name, mask.name, reason)
-        elif node in needed or written(node) or node.target in _VMAP_LEVELS:
-            values.evaluate(node)
+    try:
+        for node in list(gm.graph.nodes):
+            if node in calls:
+                mask, mask_argument = calls[node]
+                reason = _not_causal(values.get(mask), node)
+                if reason is None:
+                    _set_causal(node, mask_argument)
+                    masks.append(mask)
+                    rewritten += 1
+                else:
+                    log.debug("autopar: %s keeps its mask %s: %s", node.name, mask.name, reason)
+            elif node in needed or written(node) or node.target in _VMAP_LEVELS:
+                values.evaluate(node)
+    finally:
+        values.leave_vmap()
     if rewritten:
         _erase_unread(gm.graph, masks)
         gm.recompile()
@@ -154,6 +157,13 @@ class _Values:
         self.gm = gm
         self.constants = constants
         self.known: dict[torch.fx.Node, Any] = {}
+        self.vmap_depth = 0  # vmap levels entered and not yet left
+
+    def leave_vmap(self) -> None:
+        """Leave the vmap levels a walk cut short left entered (functorch's state is global)."""
+        while self.vmap_depth > 0:
+            _predispatch._vmap_decrement_nesting()
+            self.vmap_depth -= 1
 
     def get(self, node: torch.fx.Node) -> Any:
         return self.known.get(node)
@@ -190,6 +200,10 @@ class _Values:
         if _too_large(node):
             return None
         if node.target in _VMAP_LEVELS:  # entered and left whatever the mask needs
+            entering = node.target is _predispatch._vmap_increment_nesting
+            if not entering and self.vmap_depth == 0:
+                return None
+            self.vmap_depth += 1 if entering else -1
             return node.target(*node.args, **node.kwargs)
         args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), self._concrete)
         if node.args and self._metadata_only(node, node.args[0]) and node.args[0] not in self.known:
@@ -259,6 +273,8 @@ def _not_causal(mask: Any, call: torch.fx.Node) -> str | None:
     ``is_causal=True`` means for ``call``'s query and key lengths; None when it is."""
     if not isinstance(mask, torch.Tensor):
         return "its value depends on the graph's inputs or random numbers"
+    if torch._C._functorch.is_batchedtensor(mask):
+        return "the attention runs under torch.vmap"
     query, key = _argument(call, "query").meta["val"], _argument(call, "key").meta["val"]
     scores = (*query.shape[:-1], key.shape[-2])
     if not all(isinstance(size, int) for size in scores):
