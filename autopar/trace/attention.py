@@ -15,8 +15,12 @@ traced shapes, on the CPU, and compares it exactly with the mask that ``is_causa
 in torch: ``ones(L, S).tril()`` for L queries and S keys (aligned top-left, so a mask aligned
 bottom-right when L != S is not that and stays). An additive mask counts as causal only when
 its entries are 0 where the pattern allows and -inf or the dtype's lowest value (Hugging Face's
-``finfo.min``) elsewhere: either makes a softmax weight exactly zero. Anything else (a padding
-mask from ``attention_mask``, a sliding window, a mask kept in a buffer) stays a mask.
+``finfo.min``) elsewhere: either makes a softmax weight exactly zero (the lowest value does so
+for any score below 1e38 in magnitude). Anything else (a padding mask from ``attention_mask``, a
+sliding window, a mask kept in a buffer) stays a mask. The values are computed in graph order, so
+an in-place write (``mask.masked_fill_(...)``) lands as in eager, and one that writes data into
+a constant makes it data; ops that read only their input's shape and dtype (``x.new_zeros(())``)
+need no value for it.
 
 A rewritten call keeps its dropout, scale and ``enable_gqa``: the causal pattern is over the
 last two dims only, and a masked entry's weight is zero before dropout either way. A mask that
