@@ -17,7 +17,8 @@ bottom-right when L != S is not that and stays). An additive mask counts as caus
 its entries are 0 where the pattern allows and -inf or the dtype's lowest value (Hugging Face's
 ``finfo.min``) elsewhere: either makes a softmax weight exactly zero (the lowest value does so
 for any score below 1e38 in magnitude). Anything else (a padding mask from ``attention_mask``, a
-sliding window, a mask kept in a buffer) stays a mask. The values are computed in graph order, so
+sliding window, a mask kept in a buffer) stays a mask, except a mask that masks nothing (all
+allowed: an encoder's without padding), which is dropped as eager drops it. The values are computed in graph order, so
 an in-place write (``mask.masked_fill_(...)``) lands as in eager, and one that writes data into
 a constant makes it data; ops that read only their input's shape and dtype (``x.new_zeros(())``)
 need no value for it.
@@ -67,9 +68,10 @@ _UNINITIALIZED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empt
 
 def causal_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor] | None = None) -> int:
     """Rewrite every SDPA call whose mask is provably the causal mask of its query and key
-    positions to ``is_causal=True`` without a mask, and erase the mask construction nothing else
-    reads. ``constants`` maps placeholder names of lifted constant tensors to their values (they
-    may feed a mask); every other placeholder is data. Returns how many calls were rewritten."""
+    positions to ``is_causal=True`` without a mask, drop every mask that provably masks nothing,
+    and erase the mask construction nothing else reads. ``constants`` maps placeholder names of
+    lifted constant tensors to their values (they may feed a mask); every other placeholder is
+    data. Returns how many calls lost their mask."""
     calls = {node: found for node in gm.graph.nodes if (found := _masked_attention(node)) is not None}
     if not calls:
         return 0
@@ -81,11 +83,11 @@ def causal_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor
         for node in list(gm.graph.nodes):
             if node in calls:
                 mask, mask_argument = calls[node]
-                reason = _not_causal(values.get(mask), node)
+                causal, reason = _meaning(values.get(mask), node)
                 if reason is None:
-                    _set_causal(node, mask_argument)
+                    _drop_mask(node, mask_argument, causal)
                     masks.append(mask)
-                    rewritten += 1
+                    rewritten += causal
                 else:
                     log.debug("autopar: %s keeps its mask %s: %s", node.name, mask.name, reason)
             elif node in needed or written(node) or node.target in _VMAP_LEVELS:
@@ -95,8 +97,13 @@ def causal_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor
     if rewritten:
         _erase_unread(gm.graph, masks)
         gm.recompile()
-    log.info("autopar: %d of %d masked attention calls are causal: is_causal=True, mask dropped", rewritten, len(calls))
-    return rewritten
+    log.info(
+        "autopar: of %d masked attention calls, %d are causal (is_causal=True) and %d mask nothing: masks dropped",
+        len(calls),
+        rewritten,
+        len(masks) - rewritten,
+    )
+    return len(masks)
 
 
 def _masked_attention(node: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
@@ -136,9 +143,10 @@ def _set_argument(node: torch.fx.Node, name: str, value: Any) -> None:
         node.update_kwarg(name, value)
 
 
-def _set_causal(node: torch.fx.Node, mask_argument: str) -> None:
+def _drop_mask(node: torch.fx.Node, mask_argument: str, causal: bool) -> None:
     _set_argument(node, mask_argument, None)
-    _set_argument(node, "is_causal", True)
+    if causal:
+        _set_argument(node, "is_causal", True)
 
 
 def _ancestors(nodes) -> set[torch.fx.Node]:
@@ -272,29 +280,32 @@ def _too_large(node: torch.fx.Node) -> bool:
     return False
 
 
-def _not_causal(mask: Any, call: torch.fx.Node) -> str | None:
-    """Why ``mask`` (a computed value, or None where the mask is data) is not exactly the mask that
-    ``is_causal=True`` means for ``call``'s query and key lengths; None when it is."""
+def _meaning(mask: Any, call: torch.fx.Node) -> tuple[bool, str | None]:
+    """(True, None) where ``mask`` (a computed value, or None where the mask is data) is exactly the
+    mask that ``is_causal=True`` means for ``call``'s query and key lengths, (False, None) where it
+    masks nothing (an encoder's mask without padding), else (False, why it stays)."""
     if not isinstance(mask, torch.Tensor):
-        return "its value depends on the graph's inputs or random numbers"
+        return False, "its value depends on the graph's inputs or random numbers"
     if torch._C._functorch.is_batchedtensor(mask):
-        return "the attention runs under torch.vmap"
+        return False, "the attention runs under torch.vmap"
     query, key = _argument(call, "query").meta["val"], _argument(call, "key").meta["val"]
     scores = (*query.shape[:-1], key.shape[-2])
     if not all(isinstance(size, int) for size in scores):
-        return f"the attention's shape {scores} is symbolic"
+        return False, f"the attention's shape {scores} is symbolic"
     try:
         if torch.broadcast_shapes(mask.shape, scores) != torch.Size(scores):
-            return f"its shape {tuple(mask.shape)} broadcasts the scores {scores} to a larger shape"
+            return False, f"its shape {tuple(mask.shape)} broadcasts the scores {scores} to a larger shape"
     except RuntimeError:
-        return f"its shape {tuple(mask.shape)} does not broadcast to the scores {scores}"
+        return False, f"its shape {tuple(mask.shape)} does not broadcast to the scores {scores}"
     allowed = _allowed(mask)
     if allowed is None:
-        return "an additive mask with entries other than 0, -inf and the dtype's lowest value"
+        return False, "an additive mask with entries other than 0, -inf and the dtype's lowest value"
+    if bool(allowed.all()):
+        return False, None
     causal = torch.ones(scores[-2], scores[-1], dtype=torch.bool).tril()
-    if not torch.equal(allowed.expand(scores), causal.expand(scores)):
-        return "it is not the causal mask of the query and key positions (a window, padding, or other pattern)"
-    return None
+    if torch.equal(allowed.expand(scores), causal.expand(scores)):
+        return True, None
+    return False, "it is neither the causal mask of the query and key positions nor empty (a window, padding, ...)"
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor | None:

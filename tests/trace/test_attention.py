@@ -140,13 +140,14 @@ def _run_traced(traced, model: nn.Module, args: tuple) -> torch.Tensor:
     return traced.gm(*values)[0]
 
 
-def _sdpa_masks(traced) -> list[bool]:
-    """For each SDPA call of the traced graph: whether it passes a mask (and then is not causal)."""
-    calls = [n for n in traced.gm.graph.nodes if n.target is SDPA]
-    for call in calls:
-        has_mask = len(call.args) > 3 and call.args[3] is not None
-        assert has_mask != bool(call.kwargs.get("is_causal")), call.format_node()
-    return [len(c.args) > 3 and c.args[3] is not None for c in calls]
+def _sdpa_calls(traced) -> list[str]:
+    """For each SDPA call of the traced graph: "mask" (it passes one), "causal" or "plain"."""
+    kinds = []
+    for call in (n for n in traced.gm.graph.nodes if n.target is SDPA):
+        has_mask, causal = len(call.args) > 3 and call.args[3] is not None, bool(call.kwargs.get("is_causal"))
+        assert not (has_mask and causal), call.format_node()
+        kinds.append("mask" if has_mask else "causal" if causal else "plain")
+    return kinds
 
 
 def _traced_against_eager(model: nn.Module):
@@ -161,26 +162,38 @@ def _traced_against_eager(model: nn.Module):
 @pytest.mark.parametrize("build", CAUSAL.values(), ids=CAUSAL.keys())
 def test_a_causal_mask_however_built_becomes_is_causal_and_its_construction_goes(build):
     traced = _traced_against_eager(_Attention(build))
-    assert _sdpa_masks(traced) == [False, False]
+    assert _sdpa_calls(traced) == ["causal"] * 2
     ops = {str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function"}
     assert not ops & {"aten.tril.default", "aten.triu.default", "aten.ge.Tensor", "aten.le.Tensor", "aten.where.self"}
 
 
 def test_torch_aligns_is_causal_top_left_so_a_shorter_query_may_still_be_causal():
-    assert _sdpa_masks(_traced_against_eager(_Attention(_top_left_short_query, q_len=4))) == [False, False]
-    assert _sdpa_masks(_traced_against_eager(_Attention(_bottom_right, q_len=4))) == [True, True]
+    assert _sdpa_calls(_traced_against_eager(_Attention(_top_left_short_query, q_len=4))) == ["causal"] * 2
+    assert _sdpa_calls(_traced_against_eager(_Attention(_bottom_right, q_len=4))) == ["mask"] * 2
 
 
 @pytest.mark.parametrize("build", KEPT.values(), ids=KEPT.keys())
 def test_a_mask_that_is_not_provably_causal_stays(build):
-    assert _sdpa_masks(_traced_against_eager(_Attention(build))) == [True, True]
+    assert _sdpa_calls(_traced_against_eager(_Attention(build))) == ["mask"] * 2
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda x, q_len, k_len: torch.ones(q_len, k_len, dtype=torch.bool),
+        lambda x, q_len, k_len: x.new_zeros(x.shape[0], 1, 1, k_len),
+    ],
+    ids=["all-true", "additive-zeros"],
+)
+def test_a_mask_that_masks_nothing_is_dropped_as_eager_drops_an_encoders(build):
+    assert _sdpa_calls(_traced_against_eager(_Attention(build))) == ["plain"] * 2
 
 
 def test_a_mask_that_feeds_another_op_is_kept_for_it_and_attention_with_dropout_is_still_rewritten():
     traced = trace(_Attention(_tril_bool, extra_use=True, dropout=0.1).train(), (torch.randn(2, S, E),))
-    assert _sdpa_masks(traced) == [False, False]
+    assert _sdpa_calls(traced) == ["causal"] * 2
     assert any(n.target is torch.ops.aten.tril.default for n in traced.gm.graph.nodes)
-    assert _sdpa_masks(_traced_against_eager(_Attention(_tril_bool, extra_use=True))) == [False, False]
+    assert _sdpa_calls(_traced_against_eager(_Attention(_tril_bool, extra_use=True))) == ["causal"] * 2
 
 
 def test_a_mask_kept_in_a_buffer_stays_because_a_buffer_can_change():
@@ -189,7 +202,7 @@ def test_a_mask_kept_in_a_buffer_stays_because_a_buffer_can_change():
             super().__init__(lambda x, q_len, k_len: self.causal)
             self.register_buffer("causal", torch.ones(L, S, dtype=torch.bool).tril())
 
-    assert _sdpa_masks(_traced_against_eager(Buffered())) == [True, True]
+    assert _sdpa_calls(_traced_against_eager(Buffered())) == ["mask"] * 2
 
 
 def test_a_mask_held_as_a_plain_tensor_attribute_is_a_lifted_constant_and_is_proved():
@@ -201,7 +214,7 @@ def test_a_mask_held_as_a_plain_tensor_attribute_is_a_lifted_constant_and_is_pro
     model = Constant()
     traced = _traced_against_eager(model)
     assert [gi.kind for gi in traced.inputs].count("constant") == 1
-    assert _sdpa_masks(traced) == [False, False]
+    assert _sdpa_calls(traced) == ["causal"] * 2
 
 
 def test_a_meta_device_model_is_proved_on_the_cpu(caplog):
@@ -209,8 +222,8 @@ def test_a_meta_device_model_is_proved_on_the_cpu(caplog):
         model = _Attention(_where_finfo_min)
     with caplog.at_level(logging.INFO, logger="autopar.trace.attention"):
         traced = trace(model, (torch.randn(2, S, E, device="meta"),))
-    assert _sdpa_masks(traced) == [False, False]
-    assert "2 of 2 masked attention calls are causal" in caplog.text
+    assert _sdpa_calls(traced) == ["causal"] * 2
+    assert "of 2 masked attention calls, 2 are causal" in caplog.text
 
 
 def test_the_pass_rewrites_the_private_sdpa_variants_by_their_schema():

@@ -52,6 +52,7 @@ def _hf_case(name: str):
         "qwen2": lambda: hf_models.qwen2(batch_size=2),
         "llama-padding": lambda: (lambda m, kw: (m, _padding(kw)))(*hf_models.llama(batch_size=2)),
         "mistral-sliding-window": lambda: hf_models.mistral(batch_size=2, sliding_window=4),
+        "bert": lambda: hf_models.bert(batch_size=2),  # an encoder: its all-true mask is dropped
     }
     return builders[name]()
 
@@ -62,7 +63,14 @@ TOL = 1e-10  # float64
 
 @pytest.mark.parametrize(
     "name,eager_masked",
-    [("llama", False), ("mistral", False), ("qwen2", False), ("llama-padding", True), ("mistral-sliding-window", True)],
+    [
+        ("llama", False),
+        ("mistral", False),
+        ("qwen2", False),
+        ("bert", False),
+        ("llama-padding", True),
+        ("mistral-sliding-window", True),
+    ],
 )
 def test_hf_attention_passes_the_mask_eager_passes_and_trains_as_eager(world_of_one, name, eager_masked):
     model, kwargs = _hf_case(name)
@@ -80,7 +88,7 @@ def test_hf_attention_passes_the_mask_eager_passes_and_trains_as_eager(world_of_
         torch.testing.assert_close(loss, want, rtol=TOL, atol=TOL, msg=f"{name}: loss at step {step}")
         loss.backward()
         want.backward()
-        grads = dict(eager.named_parameters())
+        grads = dict(eager.named_parameters(remove_duplicate=False))  # tied names too
         for fqn, grad in pm.full_grads().items():
             torch.testing.assert_close(grad, grads[fqn].grad, rtol=TOL, atol=TOL, msg=f"{name}: {fqn}.grad at step {step}")
         for optimizer in optimizers:
