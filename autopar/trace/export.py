@@ -23,6 +23,7 @@ from torch.utils._pytree import TreeSpec
 
 from autopar.errors import TraceError
 from autopar.ir.options import MixedPrecision, to_dtype
+from autopar.trace.attention import causal_attention
 from autopar.trace.fake import fake_tensors, has_meta_tensors
 from autopar.trace.hooks import check_hooks
 from autopar.trace.moe import experts_as_one_op
@@ -131,6 +132,7 @@ def trace(
         inputs.append(GraphInput(name, kind, spec.target))
         if kind == "constant":
             constants[name] = exported.constants[spec.target]
+    causal_attention(gm, constants)  # a traced causal mask back to SDPA's is_causal (trace.attention)
     if precision is not None and precision.casts:
         _cast_parameters(gm, inputs, precision)
     renamed = canonical_names(gm)

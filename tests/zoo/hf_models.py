@@ -179,3 +179,23 @@ class LossOnly(torch.nn.Module):
 
 def loss_only(model: torch.nn.Module) -> torch.nn.Module:
     return LossOnly(model)
+
+
+def qwen2(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn.Module, dict]:
+    """Qwen2ForCausalLM: LLaMA's layout with biased q/k/v projections and grouped-query attention."""
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        use_cache=False,
+        attn_implementation="sdpa",
+        **SPECIAL,
+        **overrides,
+    )
+    model = _seeded(lambda: transformers.Qwen2ForCausalLM(config), seed)
+    ids, labels = _ids(batch_size, seed + 1)
+    return model, {"input_ids": ids, "labels": labels}

@@ -181,10 +181,11 @@ def test_encoder_vision_and_moe_models_trace_and_plan(coverage_plans, name) -> N
 
 def test_fallbacks_are_counted_replicated_and_listed_in_the_summary(coverage_plans) -> None:
     # Mixtral has the most op kinds of these (routing: topk, sort, histc, index_put, a custom
-    # grouped-matmul op from transformers).
+    # grouped-matmul op from transformers). Its causal mask's ops (diff, cumsum, index, le, ...)
+    # are gone since ``trace.attention`` turns the mask back into is_causal: 32 kinds remain.
     traced, plan = coverage_plans["mixtral"]
     kinds = {str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function"}
-    assert len(kinds) >= 40, f"expected a model with many op kinds, got {len(kinds)}"
+    assert len(kinds) >= 30, f"expected a model with many op kinds, got {len(kinds)}"
     expected = _fallback_nodes(traced)
     assert expected, "Mixtral's routing has ops with no rule; the test needs some"
     got = {name: node.op for name, node in plan.nodes.items() if node.source == "fallback"}
@@ -197,7 +198,8 @@ def test_fallbacks_are_counted_replicated_and_listed_in_the_summary(coverage_pla
         )
     summary = plan.summary()
     num_ops = len(set(expected.values()))
-    assert f"Fallbacks (replicated, no rule): {len(expected)} nodes of {num_ops} ops" in summary
+    nodes, ops = f"node{'s' * (len(expected) != 1)}", f"op{'s' * (num_ops != 1)}"
+    assert f"Fallbacks (replicated, no rule): {len(expected)} {nodes} of {num_ops} {ops}" in summary
     for name, op in expected.items():
         line = next(l for l in summary.splitlines() if l.strip().startswith(f"{op} x"))
         assert name in line.split(": ", 1)[1].split(", "), f"{name} not listed under {op}: {line}"
