@@ -712,12 +712,15 @@ def _mode_builder(
     comm: CommOptions | None,
     offloads: bool,
 ):
-    """The builder of the compiled module's other mode (``runtime.modes``): trace ``model`` in
-    that mode, plan it with every parameter and buffer pinned to ``chosen``'s placements and the
-    batch split on ``chosen``'s axes (rank 0 solves, as in ``compile``), and rewrite it."""
+    """The builder of the compiled module's other mode (``runtime.modes``) and of its graphs for
+    other input shapes (``runtime.shapes``): trace ``model`` in that mode, plan it with every
+    parameter and buffer pinned to ``chosen``'s placements and the batch split on ``chosen``'s
+    axes (rank 0 solves, as in ``compile``), and rewrite it."""
     example_inputs, example_kwargs = examples
 
-    def build(training: bool):
+    def build(training: bool, examples: tuple[tuple[Any, ...], dict[str, Any] | None] | None = None):
+        # ``examples``: a call's inputs of other shapes (runtime.shapes), else the example inputs
+        inputs, kwargs = examples if examples is not None else (example_inputs, example_kwargs)
         if offloads:
             raise PlanError(
                 f"pm.{mode_name(training)}(): this plan offloads, and another mode's graph of an offloading plan "
@@ -728,7 +731,7 @@ def _mode_builder(
         model.train(training)
         try:
             with quiet_gc():
-                traced = trace(model, example_inputs, example_kwargs, options.precision)
+                traced = trace(model, inputs, kwargs, options.precision)
         finally:
             model.train(was)
         forced = pinned_placements(traced, chosen)

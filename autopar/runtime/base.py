@@ -410,12 +410,14 @@ class ShardedModule(torch.nn.Module):
             is_sharded(placement) or index == 0 for placement, index in zip(spec, self._coordinate)
         )
 
-    def _user_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
-        """The user inputs of a call, flat in graph order, checked against the planned ones."""
-        flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in self._user_metas])
+    def _user_inputs(self, args: tuple, kwargs: dict, metas: list | None = None) -> list[Any]:
+        """The user inputs of a call, flat in graph order, checked against the planned ones
+        (``metas``: those of a graph for other input shapes, ``runtime.shapes``)."""
+        metas = self._user_metas if metas is None else metas
+        flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in metas])
         if self._plan.precision is not None:  # floating inputs in param_dtype, as traced
             flat = [self._plan.precision.cast_inputs(value) for value in flat]
-        for value, (name, shape, dtype) in zip(flat, self._user_metas):
+        for value, (name, shape, dtype) in zip(flat, metas):
             if shape is None or not isinstance(value, torch.Tensor):
                 continue
             if value.is_meta and not any(self._local(fqn).is_meta for fqn, _ in self._fqns()):

@@ -33,8 +33,9 @@ from autopar.ops import collectives
 
 _T = TypeVar("_T")
 # Per rank: its group (the data-parallel rank under per_rank data, else 0), refused (1) or not, the
-# data's fingerprint (3), the group of ranks whose random generators must agree, and theirs.
-_FIELDS = 7
+# data's fingerprint (3), the group of ranks whose random generators must agree, and theirs, and
+# the number of the call's input shapes (``runtime.shapes``), which every rank must share.
+_FIELDS = 8
 _PRIME = 251  # position weights cycle through 1..251, so that reordered rows change the fingerprint
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13's name
 
@@ -142,6 +143,7 @@ def start_check(
     coordinate: tuple[int, ...],
     device: torch.device,
     random: RandomOps | None = None,
+    shapes: float = 0.0,
 ) -> tuple[_T, Callable[[], None]]:
     """``validate()`` (the call's own checks, which return its flat inputs) and the launch of one
     all-gather that tells every rank whether any rank refused the call or passed other data than
@@ -152,7 +154,9 @@ def start_check(
     rank computes while the gather runs, so the check adds no sync point of its own (a data-parallel
     plan's forward has none before its loss). A rank that refuses waits for the gather and raises
     at once; the others raise at their settle, before any collective that rank would not join.
-    ``random``: the graph's random ops that need this rank's generators in step with others'."""
+    ``random``: the graph's random ops that need this rank's generators in step with others'.
+    ``shapes``: a number of the call's input shapes (``runtime.shapes.key_number``), which must be
+    the same on every rank: a rank that meets new shapes settles before it plans them."""
     if any(isinstance(leaf, torch.Tensor) and (leaf.is_meta or is_fake(leaf)) for leaf in leaves):
         return validate(), _nothing  # shapes only (``autopar check``'s fake world): no values to compare
     if dist.get_world_size() == 1:
@@ -171,6 +175,7 @@ def start_check(
             torch.tensor([group, float(refusal is not None)], dtype=torch.float64, device=device),
             fingerprint(leaves, device),
             torch.tensor(drawn, dtype=torch.float64, device=device),
+            torch.tensor([shapes], dtype=torch.float64, device=device),
         ]
     )
     gathered = torch.empty(dist.get_world_size() * _FIELDS, dtype=torch.float64, device=device)
@@ -190,6 +195,7 @@ def start_check(
             refused = [rank for rank in range(table.shape[0]) if table[rank, 1] != 0]
             if refused:
                 raise ValueError(f"ranks {refused} refused this call (see their errors); every rank stops here")
+            _check_same_shapes(table)
             _check_same_data(table, layout)
             if random is not None:
                 _check_same_random(table, random)
@@ -274,6 +280,16 @@ def _check_same_data(rows: torch.Tensor, layout: DataLayout) -> None:
             f"{list(layout.axes)} split the batch) pass the same rows. Build the sampler with "
             "DistributedSampler(num_replicas=pm.data_parallel_size, rank=pm.data_parallel_rank), not the world rank",
             (other, rank),
+        )
+
+
+def _check_same_shapes(rows: torch.Tensor) -> None:
+    differ = [rank for rank in range(rows.shape[0]) if rows[rank, 7] != rows[0, 7]]
+    if differ:
+        raise ValueError(
+            f"ranks 0 and {differ[0]} passed inputs of different shapes: every rank must pass inputs of the same "
+            "shapes in each call (under batch='per_rank', the same number of rows: DistributedSampler pads the "
+            "last batch so that each rank gets as many), since a new shape is planned by all ranks together"
         )
 
 

@@ -23,6 +23,7 @@ from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
+from autopar.runtime import shapes
 from autopar.runtime.offload import param_key
 from autopar.runtime.checkpoint import to_dtensor
 from autopar.runtime.checkpoint import load_model_state_dict
@@ -74,6 +75,10 @@ class ParallelModule(ShardedModule):
         # Per mode graph, read once (runtime.data): whether it writes a buffer, its random ops on replicated tensors.
         self._graph_facts: dict[str, tuple[bool, RandomOps | None]] = {}
         self._build_mode = build_mode
+        # Graphs for calls of other input shapes (runtime.shapes), by (training, shapes).
+        self._by_shape: dict[tuple[bool, shapes.ShapeKey], ModeGraph] = {}
+        self._shape_attrs: set[str] = set()
+        self._shape_metas: dict[str, list] = {}
         self._data = plan.data_layout
         if self._data.per_rank:
             self._expect_per_rank_rows()
@@ -202,14 +207,22 @@ class ParallelModule(ShardedModule):
             )
         writes, random = facts
         leaves = pytree.tree_leaves((args, kwargs))
+        # Inputs of other shapes than the mode graph's run a graph of their own (runtime.shapes).
+        key = shapes.shape_key(leaves)
+        run, new = self._shape_graph(run, key)
         flat, settle = start_check(
-            lambda: self._user_inputs(args, kwargs),
+            lambda: self._check_call(run, new, args, kwargs),
             leaves,
             self._data,
             self._coordinate,
             self._check_device,
             random,
+            shapes.key_number(key),
         )
+        if new:  # every rank agrees on the shapes (the settle raises where one differs) before all plan them
+            settle()
+            run = self._make_shape_graph(key, args, kwargs)
+            flat = self._user_inputs(args, kwargs, self._shape_metas[run.attr])
         # The data check settles before the graph's first collective, or at the end (runtime.data),
         # or before the graph where it writes buffers in place.
         if writes:
@@ -221,6 +234,36 @@ class ParallelModule(ShardedModule):
             collectives.before_next_collective(None)
             settle()
         return pytree.tree_unflatten(list(outputs), run.traced.out_spec)
+
+    def _shape_graph(self, run: ModeGraph, key: shapes.ShapeKey) -> tuple[ModeGraph, bool]:
+        """The graph for a call of shapes ``key`` in ``run``'s mode: ``run`` where they are its
+        own, a cached one, or (``True``) one still to make."""
+        if key == shapes.metas_key(self._user_metas) or self._build_mode is None:
+            return run, False
+        cached = self._by_shape.get((self.training, key))
+        return (run, True) if cached is None else (cached, False)
+
+    def _check_call(self, run: ModeGraph, new: bool, args: tuple, kwargs: dict) -> list[Any]:
+        """The call's flat user inputs, checked against its graph's (or, for new shapes, the planned maximum)."""
+        if run.attr not in self._shape_attrs and not new:
+            return self._user_inputs(args, kwargs)
+        flat = shapes.check_within(args, kwargs, self._traced, self._user_metas, self._shape_hint)
+        return flat if new else self._user_inputs(args, kwargs, self._shape_metas[run.attr])
+
+    @torch._dynamo.disable(reason="traces and plans a graph per input shape once, outside a user's torch.compile(pm)")
+    def _make_shape_graph(self, key: shapes.ShapeKey, args: tuple, kwargs: dict) -> ModeGraph:
+        examples = shapes.examples_of(args, kwargs, self._user_metas, self._data)
+        assert self._build_mode is not None
+        traced, gm, plan = shapes.timed_build(
+            key, mode_name(self.training), lambda: self._build_mode(self.training, examples), len(self._by_shape)
+        )
+        run = ModeGraph(traced, plan, f"shape_graph_module_{len(self._by_shape)}")
+        self._bind(gm, run.inputs)
+        self.add_module(run.attr, gm.train(self.training))
+        self._by_shape[(self.training, key)] = run
+        self._shape_attrs.add(run.attr)
+        self._shape_metas[run.attr] = [(name, shape, dtype) for (name, _, dtype), shape in zip(self._user_metas, key)]
+        return run
 
     def _no_sync_buckets(self) -> list[GradBuckets]:
         """The gradient buckets of the graphs that run op by op (a compiled graph reduces inside)."""
