@@ -38,6 +38,7 @@ from autopar.ir.options import (
 from autopar.ir.data import DataOptions
 from autopar.ir.pipeline import batch_size_of, first_microbatch, stage_mesh_of
 from autopar.ir.plan import Plan, validate_plan_json
+from autopar.runtime.signature import adopt_signature
 from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.runtime.compiled import check_compiler, graph_runner
 from autopar.runtime.modes import mode_name, pinned_placements
@@ -568,6 +569,7 @@ def _materialize(
     if isinstance(init, FromCheckpoint):
         checkpoint.load(init.path, pm)
     pm._compiled_graph = graph_runner(gm, compiler, comm)
+    adopt_signature(pm, model)  # HF Trainer keeps the columns the forward names (runtime.signature)
     return pm
 
 

@@ -49,6 +49,11 @@ class ParallelModule(ShardedModule):
     """
 
     _compiled_graph = None  # set by autopar.compile(..., compiler="inductor"): runtime.compiled.CompiledGraph
+    # Hugging Face Trainer and accelerate (docs/huggingface.md): the loss is the whole batch's mean, so
+    # Trainer passes no num_items_in_batch and scales nothing by the process count; accelerate's
+    # prepare_model returns a module it has prepared as it is, so it wraps none in DDP.
+    accepts_loss_kwargs = False
+    _is_accelerate_prepared = True
 
     def __init__(
         self,
