@@ -245,6 +245,8 @@ class ParallelModule(ShardedModule):
         own, a cached one, or (``True``) one still to make."""
         if key == shapes.metas_key(self._user_metas) or self._build_mode is None:
             return run, False
+        if torch.is_grad_enabled() and self.training:
+            shapes.refuse_held_gradients(self._no_sync_buckets())
         cached = self._by_shape.get((self.training, key))
         return (run, True) if cached is None else (cached, False)
 

@@ -78,6 +78,12 @@ def _run_shapes(rank: int, world: int) -> dict:
     losses = _train(pm, batches, lambda m: grads.append(m.full_grads()))
     eager_grads: list[dict] = []
     eager_losses = _train(eager, batches, lambda m: eager_grads.append({n: p.grad.clone() for n, p in m.named_parameters()}))
+    with pm.no_sync():  # held gradients of the planned shape: another shape's graph would not reduce them
+        pm(**batches[0]).loss.backward()
+        with pytest.raises(ValueError, match="no_sync"):
+            pm(**batches[1])
+    pm(**batches[0]).loss.backward()  # the held gradients reduced; not stepped
+    pm.zero_grad()
     prompt = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
     pm.eval()
     eager.eval()
