@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets
-from autopar.ops.params import LocalLeaf
+from autopar.ops.params import LocalLeaf, local_of
 from autopar.passes.schedule import bind_parameters
 from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.ir.plan import Plan
@@ -23,8 +23,10 @@ from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
+from autopar.runtime.model_view import model_view
 from autopar.runtime.offload import param_key
 from autopar.runtime.checkpoint import to_dtensor
+from autopar.runtime import originals
 from autopar.runtime.checkpoint import load_model_state_dict
 
 log = logging.getLogger("autopar")
@@ -70,6 +72,7 @@ class ParallelModule(ShardedModule):
         ``gm`` is the graph of mode ``training``; ``build_mode(training)`` makes the other one
         when it is first called (None: the module runs in the mode it was compiled in only)."""
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
+        self.module = model_view(model, self)  # the model's own classes hold the shards (runtime.model_view)
         self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
         # Per mode graph, read once (runtime.data): whether it writes a buffer, its random ops on replicated tensors.
         self._graph_facts: dict[str, tuple[bool, RandomOps | None]] = {}
@@ -128,6 +131,14 @@ class ParallelModule(ShardedModule):
         # The communication schedule's buckets and gathers read and write these shards.
         self._bind(gm, self._inputs)
         self.train(training)
+        if offloader is None:  # an optimizer built on the model's parameters steps these instead
+            originals.bind(model, self, set(self._leaves))
+
+    def shard_like(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
+        """A copy of this rank's shard of ``whole`` (a tensor of parameter ``fqn``'s whole shape,
+        such as its optimizer state) as a DTensor with the parameter's placements."""
+        local = self._cut(fqn, whole.to(local_of(self.held_tensor(fqn)).device)).clone()
+        return to_dtensor(local, self._plan.params[fqn], tuple(whole.shape), self.device_mesh)
 
     def _expect_per_rank_rows(self) -> None:
         """A call passes this data-parallel rank's rows of each batched input."""
@@ -256,6 +267,23 @@ class ParallelModule(ShardedModule):
         if torch.compiler.is_compiling():
             warn_not_compiled()
         return run_eager(getattr(self, run.attr), values, self._offloader)
+
+    def __getattr__(self, name: str) -> Any:
+        """What the module is not, the model is: ``pm.config``, ``pm.generate(...)``, ``pm.transformer``
+        come from ``pm.module`` (``runtime.model_view``), where calling the model runs this module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            view = self.__dict__.get("_modules", {}).get("module")
+            if view is None or name.startswith("__"):
+                raise
+        try:
+            return getattr(view, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute {name!r}, and neither has the model "
+                f"({type(view).__bases__[-1].__name__})"
+            ) from None
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The parameters under the model's own names, as ``state_dict()`` and the eager model's
