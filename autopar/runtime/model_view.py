@@ -87,11 +87,30 @@ def _shell(module: torch.nn.Module, memo: dict[int, torch.nn.Module], cls: type 
     shell = object.__new__(cls or type(module))
     memo[id(module)] = shell
     shell.__dict__.update(module.__dict__)
-    shell.__dict__["_parameters"] = {}
-    shell.__dict__["_buffers"] = {}
+    # a None entry (Linear(bias=False)'s bias) is the model's attribute too, and holds no tensor
+    shell.__dict__["_parameters"] = {name: None for name, value in module._parameters.items() if value is None}
+    shell.__dict__["_buffers"] = {name: None for name, value in module._buffers.items() if value is None}
     shell.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
     for name in _HOOK_DICTS:
         if name in module.__dict__:
             shell.__dict__[name] = type(module.__dict__[name])()
     shell.__dict__["_modules"] = {name: None if child is None else _shell(child, memo) for name, child in module._modules.items()}
     return shell
+
+
+def local_model(view: torch.nn.Module, tensors: Mapping[str, tuple[torch.Tensor, str]]) -> torch.nn.Module:
+    """A plain model of ``view``'s classes (the root's too) over ``tensors`` (FQN → (this rank's
+    tensor, "param" or "buffer")), sharing their storage: where the plan replicates every tensor,
+    the model itself, run eagerly with no communication (``ParallelModule``'s local evaluation)."""
+    root = _shell(view, {}, type(view).__bases__[-1])
+    root.__dict__.pop("_autopar_owner", None)
+    for fqn, (tensor, kind) in tensors.items():
+        *path, leaf = fqn.split(".")
+        module = root
+        for part in path:
+            module = module._modules[part]
+        if kind == "param":
+            module._parameters[leaf] = tensor if isinstance(tensor, torch.nn.Parameter) else torch.nn.Parameter(tensor, False)
+        else:
+            module._buffers[leaf] = tensor
+    return root
