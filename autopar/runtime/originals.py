@@ -19,6 +19,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _ORIGINALS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
@@ -61,6 +62,7 @@ def _targets(originals: list[torch.Tensor]) -> "dict[int, tuple[Any, str]] | Non
 
 def _rebind(optimizer: torch.optim.Optimizer, targets: "dict[int, tuple[Any, str]]") -> None:
     """Swap each original in ``optimizer`` for its compiled module's parameter, state included."""
+    bound: dict[int, tuple[Any, str]] = {}
     for group in optimizer.param_groups:
         params = []
         for param in group["params"]:
@@ -75,13 +77,41 @@ def _rebind(optimizer: torch.optim.Optimizer, targets: "dict[int, tuple[Any, str
                     key: pm.shard_like(fqn, value) if _whole(value, param) else value for key, value in state.items()
                 }
             params.append(new)
+            bound[id(new)] = (pm, fqn)
         group["params"] = params
+    _keep_whole_state_dicts(optimizer, bound)
     log.info(
         "autopar: %s was built on the parameters of the model passed to autopar.compile; it now steps the compiled "
         "module's (%d parameters), as DDP trains the model's own",
         type(optimizer).__name__,
         len(targets),
     )
+
+
+def _keep_whole_state_dicts(optimizer: torch.optim.Optimizer, bound: "dict[int, tuple[Any, str]]") -> None:
+    """The re-bound optimizer's ``state_dict()`` stays what the script's plain model had (whole
+    tensors, which ``torch.save`` writes and a plain optimizer loads: gathered where the plan shards
+    a parameter, so every rank calls it then), and ``load_state_dict`` of one cuts it to shards."""
+
+    def whole(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        # new dicts: the packed state shares each parameter's dict with the live optimizer's
+        state_dict["state"] = {
+            index: {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in per_param.items()}
+            for index, per_param in state_dict["state"].items()
+        }
+        return state_dict
+
+    def cut(opt: torch.optim.Optimizer) -> None:
+        for param, per_param in opt.state.items():
+            if id(param) not in bound:
+                continue
+            pm, fqn = bound[id(param)]
+            for key, value in per_param.items():
+                if not isinstance(value, DTensor) and _whole(value, param):
+                    per_param[key] = pm.shard_like(fqn, value)
+
+    optimizer.register_state_dict_post_hook(whole)
+    optimizer.register_load_state_dict_post_hook(cut)
 
 
 def _whole(value: Any, param: torch.Tensor) -> bool:
