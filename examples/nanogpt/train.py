@@ -51,8 +51,9 @@ torch.set_default_dtype(torch.float64)  # exact comparisons between the wraps an
 
 # -- distributed set-up ---------------------------------------------------------------------------
 ddp = int(os.environ.get("RANK", -1)) != -1
+owns_group = ddp and not dist.is_initialized()  # a test's ranks may have joined one already
 if ddp:
-    if not dist.is_initialized():
+    if owns_group:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     ddp_rank, ddp_world_size = dist.get_rank(), dist.get_world_size()
     master_process = ddp_rank == 0
@@ -156,5 +157,5 @@ while iter_num < args.max_iters:
         print(f"iter {iter_num}: loss {total!r}, mfu {mfu * 100:.6f}%", flush=True)
     iter_num += 1
 
-if ddp:
+if owns_group:
     dist.destroy_process_group()
