@@ -369,6 +369,20 @@ class ShardedModule(torch.nn.Module):
         """The gradient buckets ``no_sync()`` turns off (``ops.buckets.GradBuckets``); none here."""
         return []
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag: False holds back gradient all-reduces as inside ``no_sync()`` until it is
+        True again (nanoGPT sets it per micro-step: True on the last one only)."""
+        return all(bucket.sync for bucket in self._no_sync_buckets())
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not value:
+            with self.no_sync():  # its once-per-process log, and the buckets it can hold
+                pass
+        for bucket in self._no_sync_buckets():
+            bucket.sync = bool(value)
+
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The total norm of order ``norm_type`` of the whole model's gradients (every rank calls
