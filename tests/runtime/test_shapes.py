@@ -1,6 +1,6 @@
 """Calls of other input shapes than the example inputs (``autopar.runtime.shapes``): a training loop
-over batches of three sequence lengths and a last smaller batch, and greedy decoding that grows
-the sequence, equal to eager on 2 gloo ranks; larger shapes and ranks that disagree are refused."""
+over batches of three sequence lengths and a last smaller batch, greedy decoding that grows the
+sequence and the model's own ``generate()``, equal to eager on 2 gloo ranks; larger shapes and ranks that disagree are refused."""
 
 from __future__ import annotations
 
@@ -59,11 +59,12 @@ def _train(model, batches, step_fn) -> list[float]:
 
 
 def _greedy(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decoding by calls of the model on the growing sequence (in grad mode, so that the
+    compiled module runs its graphs, where under no_grad a replicated plan evaluates locally)."""
     ids = prompt
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(input_ids=ids, labels=ids).logits
-            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    for _ in range(steps):
+        logits = model(input_ids=ids, labels=ids).logits
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return ids
 
 
@@ -88,6 +89,8 @@ def _run_shapes(rank: int, world: int) -> dict:
     pm.eval()
     eager.eval()
     tokens, eager_tokens = _greedy(pm, prompt, 4), _greedy(eager, prompt, 4)
+    generated = pm.generate(prompt, max_new_tokens=4, do_sample=False)  # the model's own method
+    eager_generated = eager.generate(prompt, max_new_tokens=4, do_sample=False)
     with pytest.raises(ValueError, match="planned for shape"):
         pm(input_ids=torch.randint(3, VOCAB, (2, SEQ + 1)), labels=torch.randint(3, VOCAB, (2, SEQ + 1)))
     return {
@@ -105,6 +108,8 @@ def _run_shapes(rank: int, world: int) -> dict:
         ),
         "tokens": tokens,
         "eager_tokens": eager_tokens,
+        "generated": generated,
+        "eager_generated": eager_generated,
         "graphs": len(pm._by_shape),
         "data_parallel": [run.plan.data_layout.size for run in pm._by_shape.values()] + [pm.data_parallel_size],
     }
@@ -119,8 +124,9 @@ def test_loop_over_changing_shapes_and_greedy_decoding_match_eager(rank_pool) ->
         assert result["grad_diff"] < 1e-9
         assert result["param_diff"] < 1e-9
         assert torch.equal(result["tokens"], result["eager_tokens"])
-    # 12, 8 and the last 3 rows: three train graphs; decoding's lengths 5..8 (8 is cached in eval too)
-    assert results[0]["graphs"] >= 3
+        assert torch.equal(result["generated"], result["eager_generated"])
+    # 12, 8 and the last 3 rows: three train graphs; decoding's lengths 5 to 8: four eval graphs
+    assert results[0]["graphs"] == 7
 
 
 def test_shape_key_numbers_are_stable_and_tell_shapes_apart() -> None:
