@@ -38,6 +38,7 @@ from autopar.ir.options import (
 from autopar.ir.data import DataOptions
 from autopar.ir.pipeline import batch_size_of, first_microbatch, stage_mesh_of
 from autopar.ir.plan import Plan, validate_plan_json
+from autopar.runtime.signature import adopt_signature
 from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.runtime.compiled import check_compiler, graph_runner
 from autopar.runtime.modes import mode_name, pinned_placements
@@ -49,6 +50,7 @@ from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
 from autopar.runtime.offload import Offloader
 from autopar.runtime.store import make_store
 from autopar.runtime.weights import check_same_weights
+from autopar.solver.planners.split_batch import split_batch_at_least
 
 log = logging.getLogger("autopar")
 
@@ -466,16 +468,20 @@ def compile(
     comm: CommOptions | None = None,
     compiler: str | None = None,
     data: DataOptions | None = None,
+    weights: str = "broadcast",
 ) -> ParallelModule | PipelineParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into this rank's ParallelModule.
 
     Runs under an initialized ``torch.distributed`` process group whose world size is the mesh
     size; every rank calls it with the same model and example inputs. The planning keywords are
     ``autopar.plan``'s; ``plan`` (a Plan or a plan file) is run instead of solving; ``init``
-    makes each rank materialize only its own shards (docs/checkpoints.md). Each keyword is
+    makes each rank materialize only its own shards (docs/checkpoints.md); ``weights``
+    ("broadcast", DDP's way, or "check") is what happens where ranks hold different weights
+    (``runtime.weights``). Each keyword is
     described in docs/api.md, and the module in docs/training.md.
     """
-    mesh_shape = _check_call(model, mesh, init, comm, compiler)
+    mesh_shape = _check_call(model, mesh, init, comm, compiler, weights)
+    split_batch = cluster is None  # the local default splits the batch at least (solver.planners.split_batch)
     # None: price the machine this runs on (its CUDA device's preset, or "cpu-gloo")
     cluster = priced_for(get_cluster(local_cluster() if cluster is None else cluster), compiler)
     plan = Plan.load(plan) if plan is not None and not isinstance(plan, Plan) else plan
@@ -506,7 +512,7 @@ def compile(
         # param_dtype and cast from their master dtype at use, as when planning.
         with quiet_gc():
             traced = trace(model, example_inputs, example_kwargs, policy)
-        chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options)
+        chosen = _resolve_plan(plan, traced, mesh_shape, cluster, options, split_batch=split_batch)
         check_rank_agreement(chosen)
         module = _materialize(model, examples, traced, chosen, cluster, options, init, comm, compiler)
     _free_traced(model)
@@ -529,7 +535,9 @@ def _free_traced(model: torch.nn.Module) -> None:
         gc.collect()
 
 
-def _check_call(model: torch.nn.Module, mesh, init, comm: CommOptions | None, compiler: str | None) -> tuple[int, ...]:
+def _check_call(
+    model: torch.nn.Module, mesh, init, comm: CommOptions | None, compiler: str | None, weights: str = "broadcast"
+) -> tuple[int, ...]:
     """``compile``'s checks before anything is traced: its arguments, the process group, and that
     every rank holds the same model; the mesh shape."""
     check_compiler(compiler)
@@ -538,7 +546,7 @@ def _check_call(model: torch.nn.Module, mesh, init, comm: CommOptions | None, co
     mesh_shape = _check_world(_mesh_shape(mesh))
     _check_init(model, init)
     collectives.register_peer()  # lets a failed collective name a dead rank
-    check_same_weights(model, init)  # every rank cuts its shards from its own copy of the model
+    check_same_weights(model, init, weights)  # every rank cuts its shards from its own copy of the model
     return mesh_shape
 
 
@@ -584,6 +592,7 @@ def _materialize(
     if isinstance(init, FromCheckpoint):
         checkpoint.load(init.path, pm)
     pm._compiled_graph = graph_runner(gm, compiler, comm)
+    adopt_signature(pm, model)  # HF Trainer keeps the columns the forward names (runtime.signature)
     return pm
 
 
@@ -728,12 +737,15 @@ def _mode_builder(
     comm: CommOptions | None,
     offloads: bool,
 ):
-    """The builder of the compiled module's other mode (``runtime.modes``): trace ``model`` in
-    that mode, plan it with every parameter and buffer pinned to ``chosen``'s placements and the
-    batch split on ``chosen``'s axes (rank 0 solves, as in ``compile``), and rewrite it."""
+    """The builder of the compiled module's other mode (``runtime.modes``) and of its graphs for
+    other input shapes (``runtime.shapes``): trace ``model`` in that mode, plan it with every
+    parameter and buffer pinned to ``chosen``'s placements and the batch split on ``chosen``'s
+    axes (rank 0 solves, as in ``compile``), and rewrite it."""
     example_inputs, example_kwargs = examples
 
-    def build(training: bool):
+    def build(training: bool, examples: tuple[tuple[Any, ...], dict[str, Any] | None] | None = None):
+        # ``examples``: a call's inputs of other shapes (runtime.shapes), else the example inputs
+        inputs, kwargs = examples if examples is not None else (example_inputs, example_kwargs)
         if offloads:
             raise PlanError(
                 f"pm.{mode_name(training)}(): this plan offloads, and another mode's graph of an offloading plan "
@@ -744,7 +756,7 @@ def _mode_builder(
         model.train(training)
         try:
             with quiet_gc():
-                traced = trace(model, example_inputs, example_kwargs, options.precision)
+                traced = trace(model, inputs, kwargs, options.precision)
         finally:
             model.train(was)
         forced = pinned_placements(traced, chosen)
@@ -889,6 +901,7 @@ def _resolve_plan(
     options: PlanOptions,
     forced: dict[str, Any] | None = None,
     data_axes: tuple[int, ...] | None = None,
+    split_batch: bool = False,
 ) -> Plan:
     if plan is None:
         # Rank 0 solves and broadcasts; the solve is deterministic, but eight identical solves
@@ -901,6 +914,10 @@ def _resolve_plan(
                     made = _plan_stages(traced, mesh_shape, None, get_cluster(cluster), options)
                 else:
                     made = plan_traced(traced, mesh_shape, get_cluster(cluster), options, forced, data_axes)
+                    if split_batch:
+                        made = split_batch_at_least(
+                            made, traced, lambda pins: plan_traced(traced, mesh_shape, get_cluster(cluster), options, pins)
+                        )
                 text = made.to_json()
                 validate_plan_json(json.loads(text))  # once, here: every rank parses these same bytes
                 payload[0] = ("plan", text)

@@ -369,6 +369,20 @@ class ShardedModule(torch.nn.Module):
         """The gradient buckets ``no_sync()`` turns off (``ops.buckets.GradBuckets``); none here."""
         return []
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag: False holds back gradient all-reduces as inside ``no_sync()`` until it is
+        True again (nanoGPT sets it per micro-step: True on the last one only)."""
+        return all(bucket.sync for bucket in self._no_sync_buckets())
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not value:
+            with self.no_sync():  # its once-per-process log, and the buckets it can hold
+                pass
+        for bucket in self._no_sync_buckets():
+            bucket.sync = bool(value)
+
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The total norm of order ``norm_type`` of the whole model's gradients (every rank calls
@@ -410,12 +424,14 @@ class ShardedModule(torch.nn.Module):
             is_sharded(placement) or index == 0 for placement, index in zip(spec, self._coordinate)
         )
 
-    def _user_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
-        """The user inputs of a call, flat in graph order, checked against the planned ones."""
-        flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in self._user_metas])
+    def _user_inputs(self, args: tuple, kwargs: dict, metas: list | None = None) -> list[Any]:
+        """The user inputs of a call, flat in graph order, checked against the planned ones
+        (``metas``: those of a graph for other input shapes, ``runtime.shapes``)."""
+        metas = self._user_metas if metas is None else metas
+        flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in metas])
         if self._plan.precision is not None:  # floating inputs in param_dtype, as traced
             flat = [self._plan.precision.cast_inputs(value) for value in flat]
-        for value, (name, shape, dtype) in zip(flat, self._user_metas):
+        for value, (name, shape, dtype) in zip(flat, metas):
             if shape is None or not isinstance(value, torch.Tensor):
                 continue
             if value.is_meta and not any(self._local(fqn).is_meta for fqn, _ in self._fqns()):

@@ -33,8 +33,10 @@ from autopar.ops import collectives
 
 _T = TypeVar("_T")
 # Per rank: its group (the data-parallel rank under per_rank data, else 0), refused (1) or not, the
-# data's fingerprint (3), the group of ranks whose random generators must agree, and theirs.
-_FIELDS = 7
+# data's fingerprint (3), the group of ranks whose random generators must agree, and theirs, and
+# which call of the module this is (its count, and 1 in train mode): ``check_same_call``, and the
+# number of the call's input shapes (``runtime.shapes``), which every rank must share.
+_FIELDS = 10
 _PRIME = 251  # position weights cycle through 1..251, so that reordered rows change the fingerprint
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13's name
 
@@ -142,6 +144,8 @@ def start_check(
     coordinate: tuple[int, ...],
     device: torch.device,
     random: RandomOps | None = None,
+    call: tuple[int, bool] = (0, False),
+    shapes: float = 0.0,
 ) -> tuple[_T, Callable[[], None]]:
     """``validate()`` (the call's own checks, which return its flat inputs) and the launch of one
     all-gather that tells every rank whether any rank refused the call or passed other data than
@@ -152,7 +156,10 @@ def start_check(
     rank computes while the gather runs, so the check adds no sync point of its own (a data-parallel
     plan's forward has none before its loss). A rank that refuses waits for the gather and raises
     at once; the others raise at their settle, before any collective that rank would not join.
-    ``random``: the graph's random ops that need this rank's generators in step with others'."""
+    ``random``: the graph's random ops that need this rank's generators in step with others'.
+    ``call``: (how many calls of the module this rank made, its train mode), which must agree.
+    ``shapes``: a number of the call's input shapes (``runtime.shapes.key_number``), which must be
+    the same on every rank: a rank that meets new shapes settles before it plans them."""
     if any(isinstance(leaf, torch.Tensor) and (leaf.is_meta or is_fake(leaf)) for leaf in leaves):
         return validate(), _nothing  # shapes only (``autopar check``'s fake world): no values to compare
     if dist.get_world_size() == 1:
@@ -171,6 +178,8 @@ def start_check(
             torch.tensor([group, float(refusal is not None)], dtype=torch.float64, device=device),
             fingerprint(leaves, device),
             torch.tensor(drawn, dtype=torch.float64, device=device),
+            torch.tensor([float(call[0]), float(call[1])], dtype=torch.float64, device=device),
+            torch.tensor([shapes], dtype=torch.float64, device=device),
         ]
     )
     gathered = torch.empty(dist.get_world_size() * _FIELDS, dtype=torch.float64, device=device)
@@ -187,9 +196,11 @@ def start_check(
         collectives.call_on_world("all-gather (data check)", pending.pop().wait)
         table = rows.cpu()  # one device sync on a GPU, not one per rank and field read below
         try:
+            check_same_call(table[:, 7:9])
             refused = [rank for rank in range(table.shape[0]) if table[rank, 1] != 0]
             if refused:
                 raise ValueError(f"ranks {refused} refused this call (see their errors); every rank stops here")
+            _check_same_shapes(table)
             _check_same_data(table, layout)
             if random is not None:
                 _check_same_random(table, random)
@@ -252,6 +263,29 @@ def _nothing() -> None:
     pass
 
 
+class PartialCallError(ValueError):
+    """Ranks are in different calls of the compiled module: not every rank called it."""
+
+
+def check_same_call(calls: torch.Tensor) -> None:
+    """Refuse on every rank where ranks are at different calls (``calls``: per rank, its count of
+    calls and its train mode): a forward that only some ranks run (an evaluation on rank 0 alone)
+    would otherwise wait for the others until the process-group timeout, or pair with their next call."""
+    seen = {(int(count), bool(training)) for count, training in calls.tolist()}
+    if len(seen) == 1:
+        return
+    where = "; ".join(
+        f"rank {rank}: call {int(count)} in {'train' if training else 'eval'} mode"
+        for rank, (count, training) in enumerate(calls.tolist())
+    )
+    raise PartialCallError(
+        f"every rank must call the compiled module, each call on every rank, but the ranks are in different calls "
+        f"({where}): a forward that some ranks skip (an evaluation on rank 0 alone) meets another call of the others. "
+        "Run it on every rank (each evaluates, rank 0 reports), or, as DDP's evaluation does, let rank 0 alone run "
+        "a plan that replicates every parameter in eval mode under torch.no_grad(), which needs no other rank"
+    )
+
+
 def _check_same_data(rows: torch.Tensor, layout: DataLayout) -> None:
     first: dict[int, int] = {}
     for rank in range(rows.shape[0]):
@@ -274,6 +308,16 @@ def _check_same_data(rows: torch.Tensor, layout: DataLayout) -> None:
             f"{list(layout.axes)} split the batch) pass the same rows. Build the sampler with "
             "DistributedSampler(num_replicas=pm.data_parallel_size, rank=pm.data_parallel_rank), not the world rank",
             (other, rank),
+        )
+
+
+def _check_same_shapes(rows: torch.Tensor) -> None:
+    differ = [rank for rank in range(rows.shape[0]) if rows[rank, 9] != rows[0, 9]]
+    if differ:
+        raise ValueError(
+            f"ranks 0 and {differ[0]} passed inputs of different shapes: every rank must pass inputs of the same "
+            "shapes in each call (under batch='per_rank', the same number of rows: DistributedSampler pads the "
+            "last batch so that each rank gets as many), since a new shape is planned by all ranks together"
         )
 
 

@@ -36,8 +36,9 @@ class ModeGraph:
         return [(gi.name, gi.kind, gi.fqn) for gi in self.traced.inputs]
 
 
-# Made by ``compile``: (training) -> (traced model, rewritten graph, plan) of that mode.
-ModeBuilder = Callable[[bool], tuple[TracedModel, torch.fx.GraphModule, Plan]]
+# Made by ``compile``: (training, examples=None) -> (traced model, rewritten graph, plan) of that
+# mode, traced on the example inputs, or on ``examples`` ((args, kwargs): ``runtime.shapes``).
+ModeBuilder = Callable[..., tuple[TracedModel, torch.fx.GraphModule, Plan]]
 
 
 def pinned_placements(traced: TracedModel, plan: Plan) -> dict[str, Any]:

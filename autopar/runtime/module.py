@@ -5,29 +5,35 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets
-from autopar.ops.params import LocalLeaf
+from autopar.ops.params import LocalLeaf, local_of
 from autopar.passes.schedule import bind_parameters
 from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
-from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
+from autopar.runtime.base import ShardedModule, attach, has, lookup, model_tensors
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
+from autopar.runtime import shapes
+from autopar.runtime.model_view import local_model, model_view
 from autopar.runtime.offload import param_key
 from autopar.runtime.checkpoint import to_dtensor
+from autopar.runtime import originals
 from autopar.runtime.checkpoint import load_model_state_dict
 
 log = logging.getLogger("autopar")
+# ParallelModule → the model on its rank's whole tensors, for evaluation without communication
+_LOCAL_MODELS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
 
 
 class ParallelModule(ShardedModule):
@@ -48,6 +54,11 @@ class ParallelModule(ShardedModule):
     """
 
     _compiled_graph = None  # set by autopar.compile(..., compiler="inductor"): runtime.compiled.CompiledGraph
+    # Hugging Face Trainer and accelerate (docs/huggingface.md): the loss is the whole batch's mean, so
+    # Trainer passes no num_items_in_batch and scales nothing by the process count; accelerate's
+    # prepare_model returns a module it has prepared as it is, so it wraps none in DDP.
+    accepts_loss_kwargs = False
+    _is_accelerate_prepared = True
 
     def __init__(
         self,
@@ -70,10 +81,16 @@ class ParallelModule(ShardedModule):
         ``gm`` is the graph of mode ``training``; ``build_mode(training)`` makes the other one
         when it is first called (None: the module runs in the mode it was compiled in only)."""
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
+        self.module = model_view(model, self)  # the model's own classes hold the shards (runtime.model_view)
+        self._num_calls = 0  # calls that ran the graph: the ranks compare it (runtime.data.check_same_call)
         self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
         # Per mode graph, read once (runtime.data): whether it writes a buffer, its random ops on replicated tensors.
         self._graph_facts: dict[str, tuple[bool, RandomOps | None]] = {}
         self._build_mode = build_mode
+        # Graphs for calls of other input shapes (runtime.shapes), by (training, shapes).
+        self._by_shape: dict[tuple[bool, shapes.ShapeKey], ModeGraph] = {}
+        self._shape_attrs: set[str] = set()
+        self._shape_metas: dict[str, list] = {}
         self._data = plan.data_layout
         if self._data.per_rank:
             self._expect_per_rank_rows()
@@ -128,6 +145,14 @@ class ParallelModule(ShardedModule):
         # The communication schedule's buckets and gathers read and write these shards.
         self._bind(gm, self._inputs)
         self.train(training)
+        if offloader is None:  # an optimizer built on the model's parameters steps these instead
+            originals.bind(model, self, set(self._leaves))
+
+    def shard_like(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
+        """A copy of this rank's shard of ``whole`` (a tensor of parameter ``fqn``'s whole shape,
+        such as its optimizer state) as a DTensor with the parameter's placements."""
+        local = self._cut(fqn, whole.to(local_of(self.held_tensor(fqn)).device)).clone()
+        return to_dtensor(local, self._plan.params[fqn], tuple(whole.shape), self.device_mesh)
 
     def _expect_per_rank_rows(self) -> None:
         """A call passes this data-parallel rank's rows of each batched input."""
@@ -193,6 +218,11 @@ class ParallelModule(ShardedModule):
         return run
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._evaluates_locally():
+            return self._local_model()(*args, **kwargs)
+        self._num_calls += 1
+        if self.training not in self._modes:  # its graph is planned with rank 0: agree on the call first
+            start_check(list, [], self._data, self._coordinate, self._check_device, None, (self._num_calls, self.training))[1]()
         run = self._mode_graph()
         facts = self._graph_facts.get(run.attr)
         if facts is None:  # read once per mode graph, not on every call
@@ -202,14 +232,23 @@ class ParallelModule(ShardedModule):
             )
         writes, random = facts
         leaves = pytree.tree_leaves((args, kwargs))
+        # Inputs of other shapes than the mode graph's run a graph of their own (runtime.shapes).
+        key = shapes.shape_key(leaves)
+        run, new = self._shape_graph(run, key)
         flat, settle = start_check(
-            lambda: self._user_inputs(args, kwargs),
+            lambda: self._check_call(run, new, args, kwargs),
             leaves,
             self._data,
             self._coordinate,
             self._check_device,
             random,
+            (self._num_calls, self.training),
+            shapes=shapes.key_number(key),
         )
+        if new:  # every rank agrees on the shapes (the settle raises where one differs) before all plan them
+            settle()
+            run = self._make_shape_graph(key, args, kwargs)
+            flat = self._user_inputs(args, kwargs, self._shape_metas[run.attr])
         # The data check settles before the graph's first collective, or at the end (runtime.data),
         # or before the graph where it writes buffers in place.
         if writes:
@@ -221,6 +260,63 @@ class ParallelModule(ShardedModule):
             collectives.before_next_collective(None)
             settle()
         return pytree.tree_unflatten(list(outputs), run.traced.out_spec)
+
+    def _shape_graph(self, run: ModeGraph, key: shapes.ShapeKey) -> tuple[ModeGraph, bool]:
+        """The graph for a call of shapes ``key`` in ``run``'s mode: ``run`` where they are its
+        own, a cached one, or (``True``) one still to make."""
+        if key == shapes.metas_key(self._user_metas) or self._build_mode is None:
+            return run, False
+        if torch.is_grad_enabled() and self.training:
+            shapes.refuse_held_gradients(self._no_sync_buckets())
+        cached = self._by_shape.get((self.training, key))
+        return (run, True) if cached is None else (cached, False)
+
+    def _check_call(self, run: ModeGraph, new: bool, args: tuple, kwargs: dict) -> list[Any]:
+        """The call's flat user inputs, checked against its graph's (or, for new shapes, the planned maximum)."""
+        if run.attr not in self._shape_attrs and not new:
+            return self._user_inputs(args, kwargs)
+        flat = shapes.check_within(args, kwargs, self._traced, self._user_metas, self._shape_hint)
+        return flat if new else self._user_inputs(args, kwargs, self._shape_metas[run.attr])
+
+    @torch._dynamo.disable(reason="traces and plans a graph per input shape once, outside a user's torch.compile(pm)")
+    def _make_shape_graph(self, key: shapes.ShapeKey, args: tuple, kwargs: dict) -> ModeGraph:
+        examples = shapes.examples_of(args, kwargs, self._user_metas, self._data)
+        assert self._build_mode is not None
+        traced, gm, plan = shapes.timed_build(
+            key, mode_name(self.training), lambda: self._build_mode(self.training, examples), len(self._by_shape)
+        )
+        run = ModeGraph(traced, plan, f"shape_graph_module_{len(self._by_shape)}")
+        self._bind(gm, run.inputs)
+        self.add_module(run.attr, gm.train(self.training))
+        self._by_shape[(self.training, key)] = run
+        self._shape_attrs.add(run.attr)
+        self._shape_metas[run.attr] = [(name, shape, dtype) for (name, _, dtype), shape in zip(self._user_metas, key)]
+        return run
+
+    def _evaluates_locally(self) -> bool:
+        """In eval mode under ``torch.no_grad()``, a plan that keeps every tensor whole on every
+        rank in the model's own dtypes needs no other rank: the call runs the model's own forward
+        on this rank's tensors, as DDP's evaluation does (so rank 0 alone may evaluate), and
+        returns the outputs of the inputs it was given (under ``batch="per_rank"``, this rank's
+        rows'), of any shape."""
+        if self.training or torch.is_grad_enabled() or self._offloader is not None:
+            return False
+        if self._plan.precision is not None and self._plan.precision.param_dtype is not None:
+            return False
+        return all(isinstance(p, Replicate) for spec in self._plan.params.values() for p in spec)
+
+    def _local_model(self) -> torch.nn.Module:
+        eager = _LOCAL_MODELS.get(self)  # not an attribute: a deepcopy of pm makes its own
+        if eager is None:
+            tensors = {fqn: (local_of(lookup(self.module, fqn)), kind) for _, kind, fqn in self._fqn_inputs()}
+            eager = _LOCAL_MODELS[self] = local_model(self.module, tensors).eval()
+        return eager
+
+    def _fqn_inputs(self) -> list[tuple[str, str, str]]:
+        """(name, kind, FQN) of each parameter and buffer the module holds, tied names included."""
+        out = [(name, kind, fqn) for name, kind, fqn in self._inputs if kind in ("param", "buffer")]
+        held = {fqn for _, _, fqn in out}
+        return out + [("", "param", fqn) for fqn in self._traced.ties if fqn not in held and has(self.module, fqn)]
 
     def _no_sync_buckets(self) -> list[GradBuckets]:
         """The gradient buckets of the graphs that run op by op (a compiled graph reduces inside)."""
@@ -256,6 +352,23 @@ class ParallelModule(ShardedModule):
         if torch.compiler.is_compiling():
             warn_not_compiled()
         return run_eager(getattr(self, run.attr), values, self._offloader)
+
+    def __getattr__(self, name: str) -> Any:
+        """What the module is not, the model is: ``pm.config``, ``pm.generate(...)``, ``pm.transformer``
+        come from ``pm.module`` (``runtime.model_view``), where calling the model runs this module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            view = self.__dict__.get("_modules", {}).get("module")
+            if view is None or name.startswith("__"):
+                raise
+        try:
+            return getattr(view, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute {name!r}, and neither has the model "
+                f"({type(view).__bases__[-1].__name__})"
+            ) from None
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The parameters under the model's own names, as ``state_dict()`` and the eager model's

@@ -1,24 +1,33 @@
 """The parameters of a model passed to ``autopar.compile`` stay the model's own: the compiled
-module holds its own shards and never writes gradients into them. An optimizer built from
-``model.parameters()`` instead of ``pm.parameters()`` would step tensors that get no gradient,
-and train nothing, silently. A torch optimizer step pre-hook (registered at the first
-``compile``) refuses the step of an optimizer whose parameters include such originals when none
+module holds its own shards and never writes gradients into them. A DDP script builds its
+optimizer before the wrap, on the model's own parameters (nanoGPT's ``configure_optimizers``),
+and DDP trains them in place. A torch optimizer step pre-hook (registered at the first
+``compile``) therefore looks at an optimizer whose parameters include such originals when none
 of those has a gradient (the same model trained eagerly beside ``pm`` has them, and steps), and
-the step takes no closure (which makes the gradients inside it). Each optimizer is checked when
-its parameter count changes, not at every step.
+the step takes no closure (which makes the gradients inside it): where the compiled module that
+holds them is alive (``bind``), it re-binds the optimizer to that module's parameters, once,
+before this first step (its state too, as a resumed script loads it: each whole tensor cut to the
+parameter's shard, a DTensor with its placements) and logs it; otherwise (a pipeline, an
+offloading plan, a module that is gone) it refuses the step, which would train nothing. Each
+optimizer is checked when its parameter count changes, not at every step.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _ORIGINALS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+# id(original parameter) → (it, the compiled module, both weakly; the parameter's FQN in the module)
+_BINDINGS: "dict[int, tuple[weakref.ref, weakref.ref, str]]" = {}
 _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _HOOK: list[Any] = []
+log = logging.getLogger("autopar")
 
 
 def watch(model: torch.nn.Module) -> None:
@@ -27,6 +36,86 @@ def watch(model: torch.nn.Module) -> None:
         _ORIGINALS[id(param)] = param
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_check))
+
+
+def bind(model: torch.nn.Module, pm: torch.nn.Module, fqns: set[str]) -> None:
+    """Let an optimizer over ``model``'s parameters named in ``fqns`` be re-bound to ``pm``'s
+    (``pm.held_tensor(fqn)``, ``pm.shard_like(fqn, whole)`` for its state)."""
+    owner = weakref.ref(pm)
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if fqn in fqns:
+            _BINDINGS[id(param)] = (weakref.ref(param), owner, fqn)
+
+
+def _targets(originals: list[torch.Tensor]) -> "dict[int, tuple[Any, str]] | None":
+    """id(original) → (its live compiled module, FQN) for each of ``originals``, or None if one has none."""
+    out = {}
+    for param in originals:
+        binding = _BINDINGS.get(id(param))
+        pm = binding[1]() if binding is not None and binding[0]() is param else None
+        if pm is None:
+            return None
+        fqn = binding[2]
+        out[id(param)] = (pm, fqn)
+    return out
+
+
+def _rebind(optimizer: torch.optim.Optimizer, targets: "dict[int, tuple[Any, str]]") -> None:
+    """Swap each original in ``optimizer`` for its compiled module's parameter, state included."""
+    bound: dict[int, tuple[Any, str]] = {}
+    for group in optimizer.param_groups:
+        params = []
+        for param in group["params"]:
+            if id(param) not in targets:
+                params.append(param)
+                continue
+            pm, fqn = targets[id(param)]
+            new = pm.held_tensor(fqn)
+            state = optimizer.state.pop(param, None)
+            if state:
+                optimizer.state[new] = {
+                    key: pm.shard_like(fqn, value) if _whole(value, param) else value for key, value in state.items()
+                }
+            params.append(new)
+            bound[id(new)] = (pm, fqn)
+        group["params"] = params
+    _keep_whole_state_dicts(optimizer, bound)
+    log.info(
+        "autopar: %s was built on the parameters of the model passed to autopar.compile; it now steps the compiled "
+        "module's (%d parameters), as DDP trains the model's own",
+        type(optimizer).__name__,
+        len(targets),
+    )
+
+
+def _keep_whole_state_dicts(optimizer: torch.optim.Optimizer, bound: "dict[int, tuple[Any, str]]") -> None:
+    """The re-bound optimizer's ``state_dict()`` stays what the script's plain model had (whole
+    tensors, which ``torch.save`` writes and a plain optimizer loads: gathered where the plan shards
+    a parameter, so every rank calls it then), and ``load_state_dict`` of one cuts it to shards."""
+
+    def whole(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        # new dicts: the packed state shares each parameter's dict with the live optimizer's
+        state_dict["state"] = {
+            index: {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in per_param.items()}
+            for index, per_param in state_dict["state"].items()
+        }
+        return state_dict
+
+    def cut(opt: torch.optim.Optimizer) -> None:
+        for param, per_param in opt.state.items():
+            if id(param) not in bound:
+                continue
+            pm, fqn = bound[id(param)]
+            for key, value in per_param.items():
+                if not isinstance(value, DTensor) and _whole(value, param):
+                    per_param[key] = pm.shard_like(fqn, value)
+
+    optimizer.register_state_dict_post_hook(whole)
+    optimizer.register_load_state_dict_post_hook(cut)
+
+
+def _whole(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
 def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -38,6 +127,11 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         return
     originals = [p for group in optimizer.param_groups for p in group["params"] if _ORIGINALS.get(id(p)) is p]
     if originals and all(p.grad is None for p in originals):
+        targets = _targets(originals)
+        if targets is not None:
+            _rebind(optimizer, targets)
+            _CHECKED[optimizer] = num_params
+            return
         raise RuntimeError(
             f"{type(optimizer).__name__} steps {len(originals)} parameters of the model passed to autopar.compile, "
             "which the compiled module does not use: they get no gradients, and nothing would train. Build the "

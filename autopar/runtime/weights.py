@@ -1,21 +1,22 @@
-"""The same weights on every rank: a checksum compared at ``compile``, and a refusal naming the ranks.
+"""The same weights on every rank: rank 0's broadcast where ranks differ, as DDP does, or a refusal.
 
 Every rank cuts its shards from its own copy of the model, so ranks that built it differently
-(another seed, another checkpoint) would train a mix of models without a word. DDP broadcasts
-rank 0's parameters and buffers at construction instead. autopar compares checksums, for three
-reasons: the check reads each tensor once on its own device and sends a few bytes per tensor
-(a broadcast sends the whole model from rank 0 to every rank); the user's ``model`` is left as the
-user built it (a broadcast would change it under them on every rank but 0, and an eager
-reference built from it would then differ from what trains); and a rank that disagrees is
-usually a bug (a missed seed, a rank that loaded another file) better fixed at its source.
+(a DDP script's ``seed + rank``, another checkpoint) would train a mix of models without a word.
+``compile`` first compares a checksum of every parameter and buffer across ranks (it reads each
+tensor once on its own device and sends a few bytes per tensor), then, by default
+(``weights="broadcast"``), does what DDP does at construction: it broadcasts rank 0's tensors,
+only those that differ, into every rank's model in place (said in the log). ``weights="check"``
+refuses ranks that differ instead, naming them: for users who want the model left as they built
+it, and a rank that disagrees treated as the bug it usually is (a missed seed, another file).
 
 Models built on the meta device (``SeededInit``, ``FromCheckpoint``) are materialized from a
-seed or a checkpoint that is the same on every rank by construction: they skip the check.
+seed or a checkpoint that is the same on every rank by construction: they skip both.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import hashlib
 from typing import Any
 
@@ -23,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.ops.collectives import call_on_world
+
+log = logging.getLogger("autopar")
 
 _CHUNK = 1 << 24  # elements per chunk on an accelerator: bounds the int64 temporary at 128 MiB
 
@@ -57,11 +60,17 @@ def _word_sums(flat: torch.Tensor) -> str:
     return f"{total % 2**64:x}:{weighted % 2**64:x}"
 
 
-def check_same_weights(model: torch.nn.Module, init: Any = None) -> None:
-    """Refuse (ValueError on every rank) when ranks hold different parameters or buffers.
+WEIGHTS_MODES = ("broadcast", "check")
+
+
+def check_same_weights(model: torch.nn.Module, init: Any = None, weights: str = "broadcast") -> None:
+    """Make every rank hold rank 0's parameters and buffers (``weights="broadcast"``, DDP's way),
+    or refuse (ValueError on every rank) when ranks hold different ones (``"check"``).
 
     ``init`` is ``compile``'s: a model materialized by ``SeededInit`` or ``FromCheckpoint`` is
     the same on every rank by construction, and costs nothing here."""
+    if weights not in WEIGHTS_MODES:
+        raise ValueError(f"weights must be one of {WEIGHTS_MODES}, got {weights!r}")
     if init is not None or dist.get_world_size() == 1:
         return
     named = list(model.named_parameters()) + list(model.named_buffers())
@@ -77,6 +86,9 @@ def check_same_weights(model: torch.nn.Module, init: Any = None) -> None:
     differ = {rank: names for rank, names in differ.items() if names or len(everyone[rank]) != len(reference)}
     if not differ:
         return
+    if weights == "broadcast" and all(len(everyone[rank]) == len(reference) for rank in differ):
+        _broadcast_from_rank0(named, sorted({name for names in differ.values() for name in names}), sorted(differ))
+        return
     lines = []
     for rank, names in differ.items():
         if len(everyone[rank]) != len(reference):
@@ -90,3 +102,24 @@ def check_same_weights(model: torch.nn.Module, init: Any = None) -> None:
         "before building the model) and load the same files, or build it on the meta device and pass "
         "init=autopar.SeededInit(seed) or init=autopar.FromCheckpoint(path)"
     )
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(named: list[tuple[str, torch.Tensor]], names: list[str], ranks: list[int]) -> None:
+    """Copy rank 0's ``names`` into every rank's model, in place (DDP's broadcast at construction)."""
+    log.warning(
+        "autopar: ranks %s hold other weights than rank 0 in %d tensors (%s%s); compile broadcasts rank 0's into "
+        "every rank's model, as DDP does (weights='check' refuses them instead)",
+        ranks,
+        len(names),
+        ", ".join(names[:3]),
+        " ..." if len(names) > 3 else "",
+    )
+    tensors = dict(named)
+    for name in names:
+        tensor = tensors[name]
+        whole = tensor.detach()
+        buffer = whole if whole.is_contiguous() else whole.contiguous()
+        dist.broadcast(buffer, src=0)
+        if buffer is not whole:
+            whole.copy_(buffer)

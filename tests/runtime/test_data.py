@@ -78,7 +78,11 @@ def _calls(rank: int, world_size: int, kind: str) -> dict:
     first = pm(x, y)
     first.backward()
     rng = torch.get_rng_state()
-    out = {"mixed": _error(lambda: pm(x + (rank == 1), y)), "refused": _error(lambda: pm(x[:4] if rank else x, y))}
+    out = {
+        "mixed": _error(lambda: pm(x + (rank == 1), y)),
+        "refused": _error(lambda: pm(torch.cat([x, x]) if rank else x, y)),  # larger than planned
+        "shapes": _error(lambda: pm(x[:4] if rank else x, y[:4] if rank else y)),  # smaller: planned, if all agree
+    }
     with torch.no_grad():
         out["mixed_no_grad"] = _error(lambda: pm(x, y + (rank == 0)))
     out["same_rng"] = torch.equal(rng, torch.get_rng_state())  # the forward's dropout drew before the check failed
@@ -96,6 +100,7 @@ def test_other_data_or_a_refused_call_fails_on_every_rank_before_the_call_return
     for rank, out in enumerate(results):
         assert "ranks 0 and 1 passed different batches" in out["mixed"], (rank, out["mixed"])
         assert "ranks 0 and 1 passed different batches" in out["mixed_no_grad"], (rank, out["mixed_no_grad"])
+        assert "ranks 0 and 1 passed inputs of different shapes" in out["shapes"], (rank, out["shapes"])
         assert out["same_loss"], f"rank {rank}: the call after the refused ones computed another loss"
         assert out["same_rng"], f"rank {rank}: a refused call left the random generator drawn from"
     assert "refused this call" not in results[1]["refused"] and results[1]["refused"] != "no error", results[1]

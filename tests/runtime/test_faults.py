@@ -288,7 +288,7 @@ def test_weight_fingerprints_change_with_any_bit_and_any_swap(monkeypatch):
 def _different_weights(rank: int, world: int) -> str:
     model = build_model("mlp", seed=0 if rank == 0 else 1)
     try:
-        autopar.compile(model, (world,), example_inputs=example_batch("mlp", 8))
+        autopar.compile(model, (world,), example_inputs=example_batch("mlp", 8), weights="check")
     except ValueError as error:
         return str(error)
     return "compiled"

@@ -10,6 +10,7 @@ match eager's.
 from __future__ import annotations
 
 import copy
+import gc
 import weakref
 
 import pytest
@@ -251,22 +252,37 @@ def test_a_tensor_hook_on_a_compiled_modules_parameter_is_refused(world_of_one):
     pm(*batch).backward()  # runs again once the hook is gone
 
 
-def test_an_optimizer_over_the_original_models_parameters_is_refused(world_of_one):
-    """``opt = SGD(model.parameters())`` beside ``pm = autopar.compile(model, ...)`` steps tensors
-    that the compiled module never gives a gradient: nothing would train. The step is refused with
-    the fix; the same model trained eagerly beside ``pm`` (its parameters have gradients) steps."""
+def test_an_optimizer_over_the_original_models_parameters_is_rebound(world_of_one):
+    """``opt = SGD(model.parameters())`` built before ``pm = autopar.compile(model, ...)`` (a DDP
+    script's order) steps the compiled module's parameters from its first step, state included,
+    as DDP trains the model's own; once ``pm`` is gone the step is refused with the fix; the same
+    model trained eagerly beside ``pm`` (its parameters have gradients) steps its own."""
     model = build_model("mlp", seed=0, d_in=8, d_hidden=16, d_out=4)
     batch = example_batch("mlp", batch_size=4, seed=1, d_in=8, d_hidden=16, d_out=4)
-    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    early = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu")
-    pm(*batch).backward()
+    for _ in range(2):
+        pm(*batch).backward()
+        early.step()
+        early.zero_grad()
+        reference(*batch).backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    assert all(any(p is q for q in pm.parameters()) for group in early.param_groups for p in group["params"])
+    assert max(rel_diffs(pm.full_state_dict(), reference.state_dict()).values()) < 1e-6
+    stale_model = build_model("mlp", seed=0, d_in=8, d_hidden=16, d_out=4)
+    stale = torch.optim.SGD(stale_model.parameters(), lr=0.1)
+    gone = autopar.compile(stale_model, (1,), example_inputs=batch, cluster="cpu")
+    del gone
+    gc.collect()
     with pytest.raises(RuntimeError, match=r"torch\.optim\.SGD\(pm\.parameters\(\)"):
         stale.step()
-    torch.optim.SGD(pm.parameters(), lr=0.1).step()
-    model(*batch).backward()  # the model as an eager reference: it has its own gradients
-    before = [p.detach().clone() for p in model.parameters()]
+    stale_model(*batch).backward()  # the model as an eager reference: it has its own gradients
+    before = [p.detach().clone() for p in stale_model.parameters()]
     stale.step()
-    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(not torch.equal(b, p) for b, p in zip(before, stale_model.parameters()))
 
 
 @pytest.mark.parametrize("compiler", [None, "inductor"])

@@ -1,0 +1,116 @@
+"""``pm.module``: the user's model, distributed, as DDP's ``model.module`` is the model.
+
+A compiled module holds its shards under the model's own names. Instead of empty holders, the
+tree that holds them is made of the model's own classes (a shell of each submodule: its
+``__dict__`` less its tensors, sharing its config and other attributes), so that the model's
+methods, properties and attributes work on it. The root's class is, as FSDP2's ``fully_shard``
+does it, a dynamic subclass of the model's class (``isinstance(pm.module, GPT)`` holds) that
+changes three things:
+
+- calling it (``self(...)``, ``self.forward(...)``) runs the compiled module's forward, so a
+  method such as ``generate`` that calls the model runs the distributed graph;
+- ``state_dict()`` is the whole model's, gathered (``pm.full_state_dict()``): what DDP's
+  ``model.module.state_dict()`` gives, which ``torch.save`` writes and a plain model loads;
+- ``load_state_dict`` copies whole tensors into the shards (``pm.load_state_dict``).
+
+A method that reads a parameter directly (``self.lm_head.weight``, ``self.parameters()``) sees
+the DTensor that ``pm`` trains: its shape, ``numel()`` and ``dim()`` are the whole tensor's (so
+``get_num_params`` and ``configure_optimizers`` give eager's answers and build the optimizer on
+``pm``'s parameters), ``.full_tensor()`` gathers it, ``.to_local()`` is this rank's shard. A
+submodule called directly (``self.transformer.wte(idx)``) would run eagerly on DTensors and fail
+on plain inputs: call the model itself. The compiled module's other attribute lookups fall
+through to this one (``ParallelModule.__getattr__``): ``pm.config``, ``pm.generate(...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+# the hooks of a shell start empty: the model's own forward hooks were traced into the graph
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+_CLASSES: dict[type, type] = {}
+
+
+class DistributedModel:
+    """Mixed in before the model's class at the root of ``pm.module`` (see the module docstring)."""
+
+    _autopar_owner: Any  # the ParallelModule, in __dict__: not a submodule (that would be a cycle)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._autopar_owner(*args, **kwargs)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The whole model's ``state_dict()`` (``pm.full_state_dict()``), as DDP's
+        ``model.module.state_dict()``. A gather over the mesh where the plan shards a tensor:
+        every rank calls it then; a plan that replicates every tensor needs no communication."""
+        out = self._autopar_owner.full_state_dict()
+        if destination is None:
+            return out if not prefix else {prefix + key: value for key, value in out.items()}
+        for key, value in out.items():
+            destination[prefix + key] = value
+        return destination
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        return self._autopar_owner.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def distributed_class(cls: type) -> type:
+    """The dynamic subclass ``Distributed<cls>`` of ``cls`` (one per class, as FSDP2's)."""
+    made = _CLASSES.get(cls)
+    if made is None:
+        made = _CLASSES[cls] = type(f"Distributed{cls.__name__}", (DistributedModel, cls), {"__module__": cls.__module__})
+    return made
+
+
+def model_view(model: torch.nn.Module, owner: torch.nn.Module) -> torch.nn.Module:
+    """A shell of ``model`` whose root calls ``owner`` (its tensors left out: ``attach`` fills them)."""
+    root = _shell(model, {}, distributed_class(type(model)))
+    root.__dict__["_autopar_owner"] = owner
+    return root
+
+
+def _shell(module: torch.nn.Module, memo: dict[int, torch.nn.Module], cls: type | None = None) -> torch.nn.Module:
+    """``module``'s class and attributes without its parameters and buffers; a submodule shared
+    by two paths stays one shell."""
+    if id(module) in memo:
+        return memo[id(module)]
+    shell = object.__new__(cls or type(module))
+    memo[id(module)] = shell
+    shell.__dict__.update(module.__dict__)
+    # a None entry (Linear(bias=False)'s bias) is the model's attribute too, and holds no tensor
+    shell.__dict__["_parameters"] = {name: None for name, value in module._parameters.items() if value is None}
+    shell.__dict__["_buffers"] = {name: None for name, value in module._buffers.items() if value is None}
+    shell.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+    for name in _HOOK_DICTS:
+        if name in module.__dict__:
+            shell.__dict__[name] = type(module.__dict__[name])()
+    shell.__dict__["_modules"] = {name: None if child is None else _shell(child, memo) for name, child in module._modules.items()}
+    return shell
+
+
+def local_model(view: torch.nn.Module, tensors: Mapping[str, tuple[torch.Tensor, str]]) -> torch.nn.Module:
+    """A plain model of ``view``'s classes (the root's too) over ``tensors`` (FQN → (this rank's
+    tensor, "param" or "buffer")), sharing their storage: where the plan replicates every tensor,
+    the model itself, run eagerly with no communication (``ParallelModule``'s local evaluation)."""
+    root = _shell(view, {}, type(view).__bases__[-1])
+    root.__dict__.pop("_autopar_owner", None)
+    for fqn, (tensor, kind) in tensors.items():
+        *path, leaf = fqn.split(".")
+        module = root
+        for part in path:
+            module = module._modules[part]
+        if kind == "param":
+            module._parameters[leaf] = tensor if isinstance(tensor, torch.nn.Parameter) else torch.nn.Parameter(tensor, False)
+        else:
+            module._buffers[leaf] = tensor
+    return root

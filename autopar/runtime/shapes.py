@@ -1,0 +1,121 @@
+"""Calls whose inputs have other shapes than the example inputs: re-planned once per shape, cached.
+
+Fine-tuning scripts change shapes all the time: a collator that pads each batch to its own
+longest sequence, the last smaller batch of an epoch, greedy decoding that grows the sequence.
+The traced graph and its plan hold the example inputs' shapes, so a call with other shapes gets a
+graph of its own: the model traced on the call's inputs (on its meta copy, as another mode's graph
+is, ``runtime.modes``), planned with every parameter and buffer pinned to the placements the module
+already holds and the batch split on the same mesh axes, and rewritten. The graphs are cached by
+(mode, shapes), so each shape is traced and planned once; one log line gives the time it took.
+
+Every size may shrink, none may grow: the example inputs are the planned maximum (the memory
+budget was checked at their size), and a larger call is refused with the fix.
+
+Every rank must take the same decision, or one rank plans (collectives of its own) while another
+runs the graph, and both hang. Each call's data check (``runtime.data.start_check``) gathers a
+number made from the call's shapes from every rank, and a rank that meets a shape it has no graph
+for settles that check before it plans: if any rank passed other shapes, every rank raises the same
+error there, before any collective. Since ranks see the same shapes in the same order, their caches
+hold the same graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from autopar.ir.data import DataLayout
+from autopar.runtime.base import flatten_inputs
+from autopar.trace import TracedModel
+
+log = logging.getLogger("autopar")
+
+ShapeKey = tuple[tuple[int, ...] | None, ...]
+# (name, shape, dtype) of each user input, as ``runtime.base._user_metas`` gives them.
+Metas = list[tuple[str, tuple[int, ...] | None, Any]]
+
+
+def shape_key(leaves: list[Any]) -> ShapeKey:
+    """The shapes of a call's tensor leaves (None for a leaf that is not a tensor)."""
+    return tuple(tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves)
+
+
+def key_number(key: ShapeKey) -> float:
+    """A float64-exact number that differs, almost surely, between two shape keys: the same on
+    every process for the same key (Python hashes tuples of ints without a per-process seed)."""
+    return float(hash(key) % 2**52)
+
+
+def metas_key(metas: Metas) -> ShapeKey:
+    """The shape key a call matching ``metas`` has."""
+    return tuple(shape for _, shape, _ in metas)
+
+
+def check_within(args: tuple, kwargs: dict, traced: TracedModel, metas: Metas, hint: str) -> list[Any]:
+    """The call's flat user inputs, once checked against the planned ones (``metas``, the example
+    inputs' shapes as a call passes them) for what a graph of its own cannot change: the same
+    arguments, dtypes and dims, and no size larger than planned."""
+    flat = flatten_inputs(args, kwargs, traced.in_spec, [name for name, _, _ in metas])
+    for value, (name, shape, dtype) in zip(flat, metas):
+        if shape is None or not isinstance(value, torch.Tensor):
+            continue
+        given = tuple(value.shape)
+        if value.dtype != dtype or len(given) != len(shape) or any(g > s for g, s in zip(given, shape)):
+            raise ValueError(
+                f"input {name!r} has shape {given} and dtype {value.dtype}, but this module was planned for "
+                f"shape {shape} and dtype {dtype}{hint}: it takes that dtype and any size up to the planned one "
+                "in each dim (a smaller batch or a shorter sequence is planned again once per shape). Pass "
+                "inputs within the planned shape, or compile again with example inputs of the largest shape"
+            )
+    return flat
+
+
+def examples_of(args: tuple, kwargs: dict, metas: Metas, layout: DataLayout) -> tuple[tuple, dict]:
+    """Example inputs to trace a call's shapes with: the call's own tensors, detached (a call under
+    ``batch="per_rank"`` passes one data-parallel rank's rows: the batched inputs are repeated to
+    the whole batch's rows, which the plan splits as before)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    names = iter(name for name, _, _ in metas)
+    made = []
+    for leaf in leaves:
+        name = next(names, None)
+        if isinstance(leaf, torch.Tensor):
+            example = leaf.detach().requires_grad_(leaf.requires_grad)
+            if layout.per_rank and name in layout.inputs and layout.size > 1:
+                example = example.repeat(layout.size, *([1] * (example.dim() - 1)))
+            leaf = example
+        made.append(leaf)
+    args, kwargs = pytree.tree_unflatten(made, spec)
+    return tuple(args), dict(kwargs)
+
+
+def refuse_held_gradients(buckets: list[Any]) -> None:
+    """A graph for other shapes reduces its gradients with buckets of its own, which know nothing of
+    those ``pm.no_sync()`` holds back in the planned shape's buckets: refused while any are held,
+    rather than stepping on gradients that part of the ranks never summed."""
+    if any(not bucket.sync or bucket.held_numel for bucket in buckets):
+        raise ValueError(
+            "a backward under pm.no_sync() (gradient accumulation) ran inputs of other shapes than the example "
+            "inputs: the planned shape's gradient buckets hold this rank's unreduced gradients, which another "
+            "shape's graph does not reduce. Pass every micro-batch of one accumulated step in the example inputs' "
+            "shapes (pad them), or accumulate without no_sync() (every backward reduces)"
+        )
+
+
+def timed_build(key: ShapeKey, mode: str, build: Callable[[], Any], cached: int) -> Any:
+    """``build()``, with the one log line that says which shapes were planned and how long it took."""
+    start = time.perf_counter()
+    made = build()
+    shapes = ", ".join(str(tuple(shape)) for shape in key if shape is not None)
+    log.info(
+        "autopar: traced and planned the %s graph for input shapes %s in %.2f s (%d shapes cached)",
+        mode,
+        shapes,
+        time.perf_counter() - start,
+        cached + 1,
+    )
+    return made

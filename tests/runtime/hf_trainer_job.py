@@ -1,0 +1,104 @@
+"""One Trainer run (train, evaluate) of a tiny Llama on rows of several lengths, padded per batch
+by the collator: eager on one process, or compiled by autopar on each rank of a process group;
+used by tests/runtime/test_hf_trainer.py."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB, SEQ, GLOBAL_ROWS, WORLD, PAD = 64, 16, 4, 2, 2
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=PAD,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).double()
+
+
+def dataset(rows: int, seed: int) -> list[dict]:
+    """Rows of 4 to 16 tokens, with a column the model does not take (Trainer drops it)."""
+    generator = torch.Generator().manual_seed(seed)
+    made = []
+    for _ in range(rows):
+        length = int(torch.randint(4, SEQ + 1, (), generator=generator))
+        ids = torch.randint(3, VOCAB, (length,), generator=generator)
+        made.append({"input_ids": ids, "labels": ids.clone(), "unused_column": 7})
+    return made
+
+
+def pad_to_longest(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """A batch padded to its own longest row, as DataCollatorWithPadding pads (labels with -100)."""
+    longest = max(len(row["input_ids"]) for row in rows)
+    batch: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": []}
+    for row in rows:
+        pad = longest - len(row["input_ids"])
+        batch["input_ids"].append(torch.cat([row["input_ids"], torch.full((pad,), PAD)]))
+        batch["attention_mask"].append(
+            torch.cat([torch.ones(len(row["input_ids"]), dtype=torch.long), torch.zeros(pad, dtype=torch.long)])
+        )
+        batch["labels"].append(torch.cat([row["labels"], torch.full((pad,), -100)]))
+    return {key: torch.stack(values) for key, values in batch.items()}
+
+
+def example_batch() -> dict[str, torch.Tensor]:
+    """The largest batch a step passes: the planned maximum."""
+    ids = torch.randint(3, VOCAB, (GLOBAL_ROWS, SEQ))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def arguments(output_dir: str, distributed: bool):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=GLOBAL_ROWS,
+        per_device_eval_batch_size=GLOBAL_ROWS,
+        # Rank 0 collates each global batch (one padded length) and sends each rank its rows.
+        accelerator_config={"split_batches": True, "dispatch_batches": True} if distributed else None,
+        max_steps=4,
+        learning_rate=1e-2,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=3,
+        data_seed=3,
+        prediction_loss_only=True,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        dataloader_num_workers=0,
+    )
+
+
+def run(model, output_dir: str, distributed: bool) -> dict:
+    """Train 4 steps with clipping and a scheduler, then evaluate; the logged losses."""
+    from transformers import Trainer
+
+    trainer = Trainer(
+        model=model,
+        args=arguments(output_dir, distributed),
+        train_dataset=dataset(32, 1),
+        # One eval batch: over several, accelerate 1.15's split and dispatched loader keeps only a process's share
+        # of the last batch's gathered losses (a model-independent weighting, DDP's too).
+        eval_dataset=dataset(GLOBAL_ROWS, 2),
+        data_collator=pad_to_longest,
+    )
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"losses": losses, "eval_loss": trainer.evaluate()["eval_loss"], "columns": trainer._signature_columns}

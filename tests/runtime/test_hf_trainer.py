@@ -1,0 +1,72 @@
+"""Hugging Face ``Trainer`` takes the compiled module as it takes the model (docs/huggingface.md):
+under 2 gloo ranks it trains (clipping, a scheduler) and evaluates with the losses of the same
+Trainer run on one process (batches padded to their own longest row), keeps the dataset's columns the model's forward names, and accelerate
+wraps nothing in DDP; the trained weights, saved with ``save_pretrained``, load with
+``from_pretrained`` and equal the one-process run's."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from tests.runtime import hf_trainer_job as job
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+
+def _compiled_run(rank: int, world: int, output_dir: str) -> dict:
+    import autopar
+
+    model = job.tiny_llama()
+    pm = autopar.compile(
+        model, mesh=(world,), example_kwargs=job.example_batch(), cluster="cpu", data=autopar.DataOptions(batch="per_rank")
+    )
+    result = job.run(pm, f"{output_dir}/rank{rank}", distributed=True)
+    result["shapes"] = len(pm._by_shape)
+    result["data_parallel_size"] = pm.data_parallel_size
+    full = pm.full_state_dict()  # every rank gathers; rank 0 writes the model as save_pretrained does
+    if rank == 0:
+        model.save_pretrained(f"{output_dir}/saved", state_dict=full)
+    return result
+
+
+@pytest.mark.multiproc
+def test_trainer_on_two_ranks_has_the_losses_of_one_process(rank_pool, tmp_path) -> None:
+    results = rank_pool(job.WORLD).run(_compiled_run, str(tmp_path), timeout_s=300)
+    torch.set_num_threads(1)  # the reference is small; two threads only contend with the ranks
+    eager_model = job.tiny_llama()
+    eager = job.run(eager_model, str(tmp_path / "eager"), distributed=False)
+    assert len(eager["losses"]) == 4
+    from transformers import LlamaForCausalLM
+
+    assert (tmp_path / "saved" / "model.safetensors").exists()
+    saved = LlamaForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    for name, value in eager_model.state_dict().items():  # the parameters after 4 steps
+        torch.testing.assert_close(saved[name], value, rtol=1e-9, atol=1e-12, msg=name)
+    for result in results:
+        assert result["data_parallel_size"] == job.WORLD  # each rank's own rows, as accelerate deals them
+        assert result["losses"] == pytest.approx(eager["losses"], rel=1e-6)
+        assert result["eval_loss"] == pytest.approx(eager["eval_loss"], rel=1e-6)
+        assert "input_ids" in result["columns"] and "labels" in result["columns"]
+        assert result["shapes"] >= 1  # batches padded to other lengths than the example ran too
+
+
+def test_the_compiled_module_shows_the_model_forward_signature() -> None:
+    from autopar.runtime.signature import adopt_signature
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, labels=None, **kwargs):
+            return input_ids
+
+    class Module(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return ("ran", args, kwargs)
+
+    module = Module()
+    adopt_signature(module, Model())
+    assert list(inspect.signature(module.forward).parameters) == ["input_ids", "labels", "kwargs"]
+    assert module(1, labels=2) == ("ran", (1,), {"labels": 2})
+    assert isinstance(module, Module) and type(module).__name__ == "Module"

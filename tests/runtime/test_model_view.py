@@ -1,0 +1,112 @@
+"""``pm`` is the user's model, distributed: ``pm.module`` is of the model's class, its attributes
+and methods reach through ``pm``, calling the model runs the compiled forward, its
+``state_dict()`` is the whole one; the ranks agree on each call (``runtime.data.check_same_call``)."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.runtime.data import PartialCallError, check_same_call
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "nanogpt"))
+from model import GPT, GPTConfig  # noqa: E402
+
+
+@pytest.fixture()
+def gpt_pair(world_of_one):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    eager = copy.deepcopy(model)
+    batch = (torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32)))
+    return autopar.compile(model, (1,), example_inputs=batch, cluster="cpu"), eager, batch
+
+
+def test_the_models_attributes_and_methods_reach_through(gpt_pair):
+    pm, eager, batch = gpt_pair
+    assert isinstance(pm.module, GPT) and type(pm.module).__name__ == "DistributedGPT"
+    assert pm.config == eager.config and pm.module.config is pm.config
+    assert pm.get_num_params() == eager.get_num_params() and pm.module.get_num_params(False) == eager.get_num_params(False)
+    assert isinstance(pm.transformer.wte.weight, DTensor)  # what a method that reads a parameter sees
+    assert pm.lm_head.weight is pm.transformer.wte.weight  # ties stay ties
+    assert pm.estimate_mfu(4, 0.5) == pytest.approx(eager.estimate_mfu(4, 0.5))
+    optimizer = pm.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")  # on pm's own parameters
+    assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {id(p) for p in pm.parameters()}
+    with pytest.raises(
+        AttributeError, match=r"'ParallelModule' object has no attribute 'nothing', and neither has the model \(GPT\)"
+    ):
+        pm.nothing
+    # calling the model (pm.module(...), self(...) in its methods) runs the compiled forward
+    assert torch.equal(pm.module(*batch)[1], pm(*batch)[1])
+
+
+def test_the_state_dict_of_the_model_is_whole_and_loads_into_a_plain_model(gpt_pair):
+    pm, eager, _ = gpt_pair
+    state = pm.module.state_dict()
+    assert list(state) == list(eager.state_dict())
+    assert all(type(t) is torch.Tensor and torch.equal(t, eager.state_dict()[k]) for k, t in state.items())
+    plain = GPT(GPTConfig())
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.add_(1.0)
+    pm.module.load_state_dict(state)  # whole tensors into the shards
+    assert all(torch.equal(t, state[k]) for k, t in pm.module.state_dict().items())
+
+
+def test_evaluation_of_a_replicated_plan_runs_the_model_on_this_ranks_tensors(gpt_pair):
+    """In eval mode under no_grad, a plan that replicates every tensor needs no other rank (rank 0
+    alone may evaluate, as with DDP) and takes any shape: greedy or sampled decoding equals eager's."""
+    pm, eager, batch = gpt_pair
+    pm.eval()
+    eager.eval()
+    prompt = batch[0][:1, :5]  # another shape than the example inputs
+    torch.manual_seed(3)
+    got = pm.generate(prompt, 4)
+    torch.manual_seed(3)
+    want = eager.generate(prompt, 4)
+    assert torch.equal(got, want)
+    with torch.no_grad():
+        assert torch.equal(pm(*batch)[1], eager(*batch)[1])
+    assert pm._num_calls == 0  # none of these ran the compiled graph
+    pm.train()
+    pm(*batch)
+    assert pm._num_calls == 1
+
+
+def test_ranks_in_different_calls_are_refused_with_the_fix():
+    check_same_call(torch.tensor([[3.0, 1.0], [3.0, 1.0]]))
+    with pytest.raises(PartialCallError) as info:
+        check_same_call(torch.tensor([[4.0, 0.0], [3.0, 1.0]]))
+    message = str(info.value)
+    assert "rank 0: call 4 in eval mode; rank 1: call 3 in train mode" in message
+    assert "every rank must call the compiled module" in message and "torch.no_grad()" in message
+
+
+def _grads_with_and_without_sync(rank: int, world: int) -> list[float]:
+    torch.manual_seed(0)
+    rows = (torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32)))
+    pm = autopar.compile(GPT(GPTConfig()), (world,), example_inputs=rows, data=autopar.DataOptions(batch="per_rank"))
+    mine = tuple(t[rank * 2 : rank * 2 + 2] for t in rows)
+    sums = []
+    for sync in (False, True):
+        pm.require_backward_grad_sync = sync
+        assert pm.require_backward_grad_sync is sync
+        pm(*mine)[1].backward()
+        sums.append(float(pm.transformer.h[0].c_fc.weight.grad.to_local().sum()))
+    return sums
+
+
+@pytest.mark.multiproc
+def test_require_backward_grad_sync_false_holds_back_the_reduction(rank_pool):
+    """DDP's flag, as nanoGPT sets it per micro-step: False keeps each rank's own gradient (they
+    differ); the next backward with it True reduces both micro-steps (the ranks agree)."""
+    held, synced = zip(*rank_pool(2).run(_grads_with_and_without_sync, timeout_s=240))
+    assert held[0] != held[1]
+    assert synced[0] == pytest.approx(synced[1], rel=1e-12)

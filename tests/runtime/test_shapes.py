@@ -1,0 +1,144 @@
+"""Calls of other input shapes than the example inputs (``autopar.runtime.shapes``): a training loop
+over batches of three sequence lengths and a last smaller batch, greedy decoding that grows the
+sequence and the model's own ``generate()``, equal to eager on 2 gloo ranks; larger shapes and ranks that disagree are refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from autopar.runtime.shapes import examples_of, key_number, shape_key
+from autopar.ir.data import DataLayout
+
+VOCAB, ROWS, SEQ = 64, 4, 16
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).double()
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    """Three sequence lengths (as a padding collator makes them), then a last smaller batch."""
+    generator = torch.Generator().manual_seed(1)
+    made = []
+    for rows, seq in ((ROWS, SEQ), (ROWS, 12), (ROWS, 8), (ROWS, 12), (3, SEQ)):
+        ids = torch.randint(3, VOCAB, (rows, seq), generator=generator)
+        made.append({"input_ids": ids, "labels": ids.clone()})
+    return made
+
+
+def _train(model, batches, step_fn) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        step_fn(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _greedy(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decoding by calls of the model on the growing sequence (in grad mode, so that the
+    compiled module runs its graphs, where under no_grad a replicated plan evaluates locally)."""
+    ids = prompt
+    for _ in range(steps):
+        logits = model(input_ids=ids, labels=ids).logits
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def _run_shapes(rank: int, world: int) -> dict:
+    import autopar
+
+    eager = _llama()
+    model = copy.deepcopy(eager)
+    batches = _batches()
+    grads: list[dict] = []
+    pm = autopar.compile(model, mesh=(world,), example_kwargs=batches[0], cluster="cpu")
+    losses = _train(pm, batches, lambda m: grads.append(m.full_grads()))
+    eager_grads: list[dict] = []
+    eager_losses = _train(eager, batches, lambda m: eager_grads.append({n: p.grad.clone() for n, p in m.named_parameters()}))
+    with pm.no_sync():  # held gradients of the planned shape: another shape's graph would not reduce them
+        pm(**batches[0]).loss.backward()
+        with pytest.raises(ValueError, match="no_sync"):
+            pm(**batches[1])
+    pm(**batches[0]).loss.backward()  # the held gradients reduced; not stepped
+    pm.zero_grad()
+    prompt = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    pm.eval()
+    eager.eval()
+    tokens, eager_tokens = _greedy(pm, prompt, 4), _greedy(eager, prompt, 4)
+    generated = pm.generate(prompt, max_new_tokens=4, do_sample=False)  # the model's own method
+    eager_generated = eager.generate(prompt, max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match="planned for shape"):
+        pm(input_ids=torch.randint(3, VOCAB, (2, SEQ + 1)), labels=torch.randint(3, VOCAB, (2, SEQ + 1)))
+    return {
+        "losses": losses,
+        "eager_losses": eager_losses,
+        "grad_diff": max(
+            float((got[name] - want[name]).abs().max() / want[name].abs().max().clamp_min(1e-30))
+            for got, want in zip(grads, eager_grads)
+            for name in want
+        ),
+        "param_diff": max(
+            float((pm.full_state_dict()[name] - p).abs().max())
+            for name, p in eager.state_dict().items()
+            if name in pm.full_state_dict()
+        ),
+        "tokens": tokens,
+        "eager_tokens": eager_tokens,
+        "generated": generated,
+        "eager_generated": eager_generated,
+        "graphs": len(pm._by_shape),
+        "data_parallel": [run.plan.data_layout.size for run in pm._by_shape.values()] + [pm.data_parallel_size],
+    }
+
+
+@pytest.mark.multiproc
+def test_loop_over_changing_shapes_and_greedy_decoding_match_eager(rank_pool) -> None:
+    pytest.importorskip("transformers")
+    results = rank_pool(2).run(_run_shapes, timeout_s=300)
+    for result in results:
+        assert result["losses"] == pytest.approx(result["eager_losses"], rel=1e-9)
+        assert result["grad_diff"] < 1e-9
+        assert result["param_diff"] < 1e-9
+        assert torch.equal(result["tokens"], result["eager_tokens"])
+        assert torch.equal(result["generated"], result["eager_generated"])
+    # 12, 8 and the last 3 rows: three train graphs; decoding's lengths 5 to 8: four eval graphs
+    assert results[0]["graphs"] == 7
+
+
+def test_shape_key_numbers_are_stable_and_tell_shapes_apart() -> None:
+    one = shape_key([torch.zeros(4, 16), 3, torch.zeros(4)])
+    assert one == ((4, 16), None, (4,))
+    assert key_number(one) == key_number(((4, 16), None, (4,)))
+    assert key_number(one) != key_number(((4, 12), None, (4,)))
+    assert float(key_number(one)) == key_number(one) and key_number(one) < 2**52
+
+
+def test_per_rank_examples_repeat_the_rows_to_the_whole_batch() -> None:
+    layout = DataLayout("per_rank", (0,), (2,), ("x",))
+    x, mask = torch.ones(3, 5), torch.ones(5)
+    args, kwargs = examples_of((x,), {"mask": mask}, [("x", (4, 8), x.dtype), ("mask", (8,), x.dtype)], layout)
+    assert args[0].shape == (6, 5) and kwargs["mask"].shape == (5,)

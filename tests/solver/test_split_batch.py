@@ -1,0 +1,48 @@
+"""``compile`` without ``cluster=`` splits the batch at least (``solver.planners.split_batch``):
+where the local preset prices the whole batch on every rank below data parallelism (a small GPT
+on "cpu-gloo"), the plan is solved again with the batch pinned, and says why in one note."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from torch.distributed.tensor import Shard
+
+from autopar.api import _trace, plan_traced
+from autopar.cost.cluster import cpu_cluster
+from autopar.ir.options import PlanOptions
+from autopar.solver.planners.split_batch import batch_pins, split_batch_at_least
+from autopar.zoo.models import build_model, example_batch
+
+
+@pytest.fixture(scope="module")
+def traced_gpt():
+    return _trace(build_model("gpt", seed=0), example_batch("gpt", 8, seed=1), None)
+
+
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)])
+def test_a_plan_that_keeps_the_batch_whole_is_solved_again_with_it_split(traced_gpt, mesh):
+    cluster = cpu_cluster(threads_per_rank=1, cores=2)
+    options = PlanOptions.from_keywords()
+    priced = plan_traced(traced_gpt, mesh, cluster, options)
+    assert priced.data_layout.size == 1  # the preset's price: replicate this small model
+    split = split_batch_at_least(priced, traced_gpt, lambda pins: plan_traced(traced_gpt, mesh, cluster, options, pins))
+    assert split.data_layout.size == 4 if mesh == (2, 2) else split.data_layout.size == 2
+    # the compute is split, not only the input: the embedding's output is cut along the batch
+    assert split.nodes["embedding"].outs[0] == tuple(Shard(0) for _ in mesh)
+    if mesh == (2,):  # two ranks on two cores: each computes half the batch
+        assert split.predicted.compute_s < priced.predicted.compute_s
+    (note,) = [n for n in split.notes if "batch split" in n]
+    assert "no cluster=" in note and "pass cluster=" in note and f"{priced.predicted.step_time_s * 1e3:.3g} ms" in note
+
+
+def test_a_plan_that_splits_the_batch_or_cannot_stays(traced_gpt):
+    cluster = cpu_cluster(threads_per_rank=1, cores=2)
+    options = PlanOptions.from_keywords()
+    whole = plan_traced(traced_gpt, (2,), cluster, options)
+    split = split_batch_at_least(whole, traced_gpt, lambda pins: plan_traced(traced_gpt, (2,), cluster, options, pins))
+    assert split_batch_at_least(split, traced_gpt, lambda pins: pytest.fail("solved again")) is split
+    assert batch_pins(traced_gpt, (3,)) == {}  # a batch of 8 does not split 3 ways
+    one = dataclasses.replace(whole, mesh_shape=(1,))
+    assert split_batch_at_least(one, traced_gpt, lambda pins: pytest.fail("solved again")) is one
