@@ -24,6 +24,7 @@ from torch.utils._pytree import TreeSpec
 from autopar.errors import TraceError
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.trace.fake import fake_tensors, has_meta_tensors
+from autopar.trace.functions import functions_as_one_op
 from autopar.trace.hooks import check_hooks
 from autopar.trace.moe import experts_as_one_op
 
@@ -104,6 +105,7 @@ def trace(
             _no_stack_traces(),
             _lazy_recompile(),
             experts_as_one_op(model),
+            functions_as_one_op(),  # custom autograd Functions keep their backward (``trace.functions``)
             _no_caches(model) as notes,
             _fake_params(model, (example_inputs, example_kwargs or {}), precision),
         ):

@@ -1,0 +1,145 @@
+"""Custom autograd Functions keep their backward (``autopar.trace.functions``): traced as one
+op, run through the compiled module and the numerics guard, equal to eager over several steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.autograd.function import once_differentiable
+
+import autopar
+from autopar.runtime.numerics import check_numerics
+from autopar.trace import trace
+from autopar.trace.functions import FUNCTION_OP
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient scaled by a non-tensor argument."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class SavedCube(torch.autograd.Function):
+    """Saves its input; a backward that is not the forward's derivative (3x² + 1)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (3 * x * x + 1)
+
+
+class SplitTwo(torch.autograd.Function):
+    """Two outputs, the second non-differentiable, the backward once-differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        index = (x > 0).to(x.dtype)
+        ctx.mark_non_differentiable(index)
+        ctx.save_for_backward(y)
+        return x * y, index
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, _grad_index):
+        (y,) = ctx.saved_tensors
+        return grad * y * 2, grad.sum(0, keepdim=True).expand_as(y) * 0.5
+
+
+class StraightThrough(torch.autograd.Function):
+    """Rounding forward, identity backward (quantization-aware training)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class FunctionsNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 16)
+        self.gate = torch.nn.Parameter(torch.randn(1, 16))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = ScaleGrad.apply(self.fc1(x), 4.0)
+        h = SavedCube.apply(torch.tanh(h))
+        h, index = SplitTwo.apply(self.fc2(h), self.gate.expand(x.shape[0], -1))
+        h = StraightThrough.apply(h) + index
+        return self.head(h).square().mean()
+
+
+def _model_and_batch():
+    torch.manual_seed(0)
+    model = FunctionsNet().double()
+    return model, (torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),)
+
+
+def test_each_function_call_is_one_op():
+    model, batch = _model_and_batch()
+    traced = trace(model, batch)
+    calls = [n for n in traced.gm.graph.nodes if n.target is FUNCTION_OP]
+    assert len(calls) == 4
+    assert not any(n.target is torch.ops.aten.round.default for n in traced.gm.graph.nodes)
+
+
+def test_the_traced_graph_differentiates_through_the_users_backward():
+    model, batch = _model_and_batch()
+    traced = trace(copy.deepcopy(model), batch)
+    params = dict(model.named_parameters())
+    values = []
+    for graph_input in traced.inputs:
+        values.append(params[graph_input.fqn] if graph_input.kind == "param" else batch[0])
+    (loss,) = traced.gm(*values)
+    got = torch.autograd.grad(loss, list(params.values()))
+    want = torch.autograd.grad(model(*batch), list(params.values()))
+    for name, g, w in zip(params, got, want):
+        torch.testing.assert_close(g, w, msg=name)
+
+
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)])
+def test_numerics_guard_equals_eager_with_custom_functions(mesh):
+    model, batch = _model_and_batch()
+    plan = autopar.plan(model, mesh, example_inputs=batch, cluster="cpu")
+    result = check_numerics(model, plan, batch)
+    assert result.ok, result.text()
+
+
+def test_compiled_module_trains_as_eager_with_custom_functions(world_of_one):
+    model, batch = _model_and_batch()
+    eager = copy.deepcopy(model)
+    pm = autopar.compile(model, mesh=(1,), example_inputs=batch)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.05)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(8, 8, dtype=torch.float64, generator=generator)
+        loss, want = pm(x), eager(x)
+        loss.backward()
+        want.backward()
+        torch.testing.assert_close(loss.detach(), want.detach())
+        grads = pm.full_grads()
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=name)
+        opt.step(), eager_opt.step(), opt.zero_grad(), eager_opt.zero_grad()
+    full = pm.full_state_dict()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), msg=name)
