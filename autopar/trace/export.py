@@ -23,6 +23,7 @@ from torch.utils._pytree import TreeSpec
 
 from autopar.errors import TraceError
 from autopar.ir.options import MixedPrecision, to_dtype
+from autopar.trace.aliases import independent_inputs
 from autopar.trace.fake import fake_tensors, has_meta_tensors
 from autopar.trace.functions import functions_as_one_op
 from autopar.trace.hooks import check_hooks
@@ -98,6 +99,8 @@ def trace(
     if precision is not None:
         example_inputs, example_kwargs = precision.cast_inputs((example_inputs, example_kwargs))
     _refuse_cache_inputs(example_kwargs)
+    # Inputs that share memory would be one placeholder for every call (``trace.aliases``).
+    example_inputs, example_kwargs = independent_inputs(example_inputs, example_kwargs)
     check_hooks(model)
     try:
         # Stacked experts modules trace as one autopar::moe_experts op (``trace.moe``).
