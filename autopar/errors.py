@@ -57,6 +57,10 @@ class CheckpointError(AutoparError, ValueError):
     """A checkpoint is missing, incomplete or damaged, or does not fit the module it is loaded into."""
 
 
+class HookError(AutoparError, RuntimeError):
+    """A module hook was registered where the compiled module would not run it (after compile)."""
+
+
 class PassError(AutoparError):
     """A rewrite pass failed; the message names the pass and those that ran before it."""
 

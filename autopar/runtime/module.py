@@ -22,6 +22,7 @@ from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, lookup, model_tensors
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
+from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
 from autopar.runtime.offload import param_key
 from autopar.runtime.checkpoint import to_dtensor
@@ -128,6 +129,7 @@ class ParallelModule(ShardedModule):
         # The communication schedule's buckets and gathers read and write these shards.
         self._bind(gm, self._inputs)
         self.train(training)
+        self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
 
     def _expect_per_rank_rows(self) -> None:
         """A call passes this data-parallel rank's rows of each batched input."""
@@ -193,6 +195,7 @@ class ParallelModule(ShardedModule):
         return run
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._hook_guard.check()
         run = self._mode_graph()
         facts = self._graph_facts.get(run.attr)
         if facts is None:  # read once per mode graph, not on every call
