@@ -50,8 +50,8 @@ def _is_user_function(cls: type) -> bool:
     return not (module == "torch" or module.startswith(("torch.", "autopar.")))
 
 
-def _register(function: type, args: tuple[Any, ...]) -> tuple[str, list[torch.Tensor]]:
-    leaves, spec = pytree.tree_flatten(args)
+def _register(function: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, list[torch.Tensor]]:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     template = tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
     shown = ", ".join("T" if leaf is _TENSOR else repr(leaf) for leaf in template)
@@ -60,7 +60,7 @@ def _register(function: type, args: tuple[Any, ...]) -> tuple[str, list[torch.Te
     return key, tensors
 
 
-def _rebuild(key: str, tensors: list[torch.Tensor]) -> tuple[type, tuple[Any, ...]]:
+def _rebuild(key: str, tensors: list[torch.Tensor]) -> tuple[type, tuple[tuple[Any, ...], dict[str, Any]]]:
     call = _CALLS.get(key)
     if call is None:
         raise RuntimeError(
@@ -82,8 +82,8 @@ def _tensor_outputs(out: Any, key: str | None = None) -> list[torch.Tensor]:
 
 def apply_function(tensors: list[torch.Tensor], key: str) -> Any:
     """``MyFn.apply`` on the call's arguments (what a rewritten graph runs, with autograd)."""
-    function, args = _rebuild(key, list(tensors))
-    return _ORIGINAL_APPLY.__func__(function, *args)
+    function, (args, kwargs) = _rebuild(key, list(tensors))
+    return _ORIGINAL_APPLY.__func__(function, *args, **kwargs)
 
 
 def apply_function_eager(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
@@ -109,12 +109,14 @@ def _(tensors, key):
 def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[0])
     ctx.key = inputs[1]
+    # Which inputs asked for a gradient: the Function's ``ctx.needs_input_grad`` must say the same.
+    ctx.wants_grad = [t.requires_grad for t in inputs[0]]
 
 
 def _backward(ctx, grads):
     """Run the Function again with autograd on, and let autograd call its own backward."""
     saved = ctx.saved_tensors
-    leaves = [t.detach().requires_grad_(t.requires_grad or t.is_floating_point() or t.is_complex()) for t in saved]
+    leaves = [t.detach().requires_grad_(wants) for t, wants in zip(saved, ctx.wants_grad)]
     with torch.enable_grad():
         outs = apply_function_eager(leaves, ctx.key)
     pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
@@ -134,13 +136,11 @@ _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
 
 
 def _traced_apply(cls, *args, **kwargs):
-    if kwargs or not _is_user_function(cls):
-        if kwargs:  # Function.apply takes positional arguments only; keep torch's own error
-            return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
-        return _ORIGINAL_APPLY.__func__(cls, *args)
-    key, tensors = _register(cls, args)
-    if not tensors:
-        return _ORIGINAL_APPLY.__func__(cls, *args)
+    if not _is_user_function(cls):
+        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+    key, tensors = _register(cls, args, kwargs)
+    if not tensors:  # nothing to differentiate: its forward is traced as it is
+        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
     return _restructure(key, _autograd_function(tensors, key))
 
 

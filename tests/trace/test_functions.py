@@ -71,6 +71,21 @@ class StraightThrough(torch.autograd.Function):
         return grad
 
 
+class Masked(torch.autograd.Function):
+    """Reads ``ctx.needs_input_grad``: the mask (data) asks for no gradient, as in eager."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        assert ctx.needs_input_grad == (True, False), ctx.needs_input_grad
+        return grad * mask * 2, None
+
+
 class FunctionsNet(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -84,6 +99,7 @@ class FunctionsNet(torch.nn.Module):
         h = SavedCube.apply(torch.tanh(h))
         h, index = SplitTwo.apply(self.fc2(h), self.gate.expand(x.shape[0], -1))
         h = StraightThrough.apply(h) + index
+        h = Masked.apply(h, (x.sum(-1, keepdim=True) > 0).to(h.dtype).expand_as(h))
         return self.head(h).square().mean()
 
 
@@ -97,7 +113,7 @@ def test_each_function_call_is_one_op():
     model, batch = _model_and_batch()
     traced = trace(model, batch)
     calls = [n for n in traced.gm.graph.nodes if n.target is FUNCTION_OP]
-    assert len(calls) == 4
+    assert len(calls) == 5
     assert not any(n.target is torch.ops.aten.round.default for n in traced.gm.graph.nodes)
 
 
