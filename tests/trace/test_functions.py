@@ -159,3 +159,48 @@ def test_compiled_module_trains_as_eager_with_custom_functions(world_of_one):
     full = pm.full_state_dict()
     for name, p in eager.named_parameters():
         torch.testing.assert_close(full[name], p.detach(), msg=name)
+
+
+class Regression(FunctionsNet):
+    """``FunctionsNet`` against a target shaped like its input (so ``(z, z)`` can stand for both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(16, 8)
+
+    def forward(self, x, target):
+        h = ScaleGrad.apply(self.fc1(x), 4.0)
+        h = SavedCube.apply(torch.tanh(h))
+        h, index = SplitTwo.apply(self.fc2(h), self.gate.expand(x.shape[0], -1))
+        return (self.head(StraightThrough.apply(h) + index) - target).square().mean()
+
+
+def _train_on_ranks(rank: int, world_size: int) -> dict:
+    """Rank ``rank`` of mesh (2, 2): Functions and examples ``(z, z)``, 3 SGD steps against eager."""
+    torch.manual_seed(0)
+    model = Regression().double()
+    eager = copy.deepcopy(model)
+    zeros = torch.zeros(8, 8, dtype=torch.float64)
+    pm = autopar.compile(model, mesh=(2, 2), example_inputs=(zeros, zeros))
+    opt, eager_opt = torch.optim.SGD(pm.parameters(), lr=0.05), torch.optim.SGD(eager.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(5)
+    losses, grad_err = [], 0.0
+    for _ in range(3):
+        x, y = (torch.randn(8, 8, dtype=torch.float64, generator=generator) for _ in range(2))
+        loss, want = pm(x, y), eager(x, y)
+        loss.backward(), want.backward()
+        losses.append((loss.item(), want.item()))
+        grads = pm.full_grads()
+        grad_err = max([grad_err] + [(grads[n] - p.grad).abs().max().item() for n, p in eager.named_parameters()])
+        opt.step(), eager_opt.step(), opt.zero_grad(), eager_opt.zero_grad()
+    full = pm.full_state_dict()
+    param_err = max((full[n] - p.detach()).abs().max().item() for n, p in eager.named_parameters())
+    return {"losses": losses, "grad_err": grad_err, "param_err": param_err}
+
+
+@pytest.mark.multiproc
+def test_functions_and_aliased_examples_train_as_eager_on_4_gloo_ranks(rank_pool):
+    for rank, result in enumerate(rank_pool(4).run(_train_on_ranks, timeout_s=300)):
+        for got, want in result["losses"]:
+            assert got == pytest.approx(want, rel=1e-9), (rank, result["losses"])
+        assert result["grad_err"] < 1e-9 and result["param_err"] < 1e-9, (rank, result)
