@@ -24,6 +24,8 @@ that the graph (and its hash) is the same in every process.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -54,10 +56,30 @@ def _register(function: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     template = tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
-    shown = ", ".join("T" if leaf is _TENSOR else repr(leaf) for leaf in template)
-    key = f"{function.__module__}.{function.__qualname__}({shown}|{spec})"
-    _CALLS.setdefault(key, _Call(function, template, spec))
-    return key, tensors
+    # Addresses in a repr differ between processes; the key must not (it is in the graph's hash).
+    shown = re.sub(r" at 0x[0-9a-fA-F]+", "", ", ".join("T" if leaf is _TENSOR else repr(leaf) for leaf in template))
+    base = f"{function.__module__}.{function.__qualname__}({shown}|{spec})"
+    call = _Call(function, template, spec)
+    for number in itertools.count():  # arguments that print alike but differ get their own key
+        key = f"{base}#{number}" if number else base
+        held = _CALLS.setdefault(key, call)
+        if held is call or _same_call(held, call):
+            return key, tensors
+    raise AssertionError("unreachable")
+
+
+def _same_call(a: _Call, b: _Call) -> bool:
+    if a.function is not b.function or a.spec != b.spec or len(a.leaves) != len(b.leaves):
+        return False
+    for x, y in zip(a.leaves, b.leaves):
+        if x is y:
+            continue
+        try:
+            if type(x) is not type(y) or not bool(x == y):
+                return False
+        except Exception:  # noqa: BLE001 - objects that cannot be compared are different calls
+            return False
+    return True
 
 
 def _rebuild(key: str, tensors: list[torch.Tensor]) -> tuple[type, tuple[tuple[Any, ...], dict[str, Any]]]:

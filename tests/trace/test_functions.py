@@ -131,6 +131,48 @@ def test_the_traced_graph_differentiates_through_the_users_backward():
         torch.testing.assert_close(g, w, msg=name)
 
 
+class CallWith(torch.autograd.Function):
+    """A non-tensor argument whose repr holds an address (a lambda); the gradient doubled."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+def _lambdas():
+    return [lambda t: t * 3, lambda t: t + 1]  # one qualname, two objects
+
+
+class Lambdas(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.fns = _lambdas()
+
+    def forward(self, x):
+        return sum(CallWith.apply(self.fc(x), fn) for fn in self.fns).square().sum()
+
+
+def test_arguments_that_print_alike_are_different_calls_and_the_hash_is_stable():
+    torch.manual_seed(0)
+    model, x = Lambdas().double(), torch.randn(2, 4, dtype=torch.float64)
+    first, second = trace(model, (x,)), trace(model, (x,))
+    keys = [n.args[1] for n in first.gm.graph.nodes if n.target is FUNCTION_OP]
+    assert len(set(keys)) == 2 and all("0x" not in key for key in keys)
+    assert first.graph_hash == second.graph_hash
+    params = dict(model.named_parameters())
+    values = [params[i.fqn] if i.kind == "param" else x for i in first.inputs]
+    (loss,) = first.gm(*values)
+    want = model(x)
+    torch.testing.assert_close(loss, want)
+    got = torch.autograd.grad(loss, list(params.values()))
+    torch.testing.assert_close(got, torch.autograd.grad(want, list(params.values())))
+
+
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)])
 def test_numerics_guard_equals_eager_with_custom_functions(mesh):
     model, batch = _model_and_batch()
