@@ -113,6 +113,8 @@ def trace(
             _fake_params(model, (example_inputs, example_kwargs or {}), precision),
         ):
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
+    except TraceError:  # autopar's own refusal, raised while tracing (trace.functions): it names its fix
+        raise
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error
     exported, written_back = _functionalize_aliased_writes(exported)

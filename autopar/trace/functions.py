@@ -32,6 +32,8 @@ from typing import Any, Iterator
 import torch
 import torch.utils._pytree as pytree
 
+from autopar.errors import TraceError
+
 
 @dataclass(frozen=True)
 class _Call:
@@ -124,8 +126,17 @@ def _autograd_function(tensors: list[torch.Tensor], key: str) -> list[torch.Tens
 
 @_autograd_function.register_fake
 def _(tensors, key):
+    versions = [t._version for t in tensors]
     with torch.no_grad():
-        return [torch.empty_like(t) for t in _tensor_outputs(apply_function(tensors, key), key)]
+        outs = _tensor_outputs(apply_function(tensors, key), key)
+    written = [i for i, (t, v) in enumerate(zip(tensors, versions)) if t._version != v]
+    if written:  # the op is declared pure: an in-place forward would be traced as if it were not
+        raise TraceError(
+            f"custom autograd Function {_CALLS[key].function.__qualname__} writes its tensor argument(s) "
+            f"{written} in place (ctx.mark_dirty), which autopar cannot keep as one op: other uses of that tensor "
+            "would not see the write. Make its forward out of place (return a new tensor: x.clone() then write into it)"
+        )
+    return [torch.empty_like(t) for t in outs]
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 import autopar
+from autopar.errors import TraceError
 from autopar.runtime.numerics import check_numerics
 from autopar.trace import trace
 from autopar.trace.functions import FUNCTION_OP
@@ -171,6 +172,32 @@ def test_arguments_that_print_alike_are_different_calls_and_the_hash_is_stable()
     torch.testing.assert_close(loss, want)
     got = torch.autograd.grad(loss, list(params.values()))
     torch.testing.assert_close(got, torch.autograd.grad(want, list(params.values())))
+
+
+class AddInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.add_(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Dirty(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return (AddInPlace.apply(h) * h).sum()
+
+
+def test_a_function_that_writes_its_input_in_place_is_refused_with_the_fix():
+    with pytest.raises(TraceError, match=r"AddInPlace writes .* in place \(ctx.mark_dirty\).*out of place"):
+        trace(Dirty(), (torch.randn(2, 4),))
 
 
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)])
