@@ -131,6 +131,23 @@ def test_a_flipped_byte_in_a_saved_weight_is_refused_naming_file_and_tensor(save
     assert _same(_state(pm), before)
 
 
+def test_a_flipped_byte_in_the_metadata_or_a_checksum_file_is_refused(saved, tmp_path):
+    path, _, pm, _ = saved
+    before = _state(pm)
+    for name, match in (
+        (".metadata", r"\.metadata (differs from what was saved|cannot be read)"),
+        ("__0_checksums.json", "checksum"),
+    ):
+        broken = _copy(path, tmp_path / name.strip("._"))
+        target = broken / name
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match=match):
+            autopar.checkpoint.load(broken, pm)
+    assert _same(_state(pm), before)
+
+
 def test_every_record_has_a_checksum_and_one_without_side_files_still_loads(saved, tmp_path):
     path, state, _, _ = saved
     metadata = dcp.FileSystemReader(path).read_metadata()
