@@ -52,6 +52,8 @@ def _same(decision: NodePlan, strategy: Strategy) -> bool:
         and tuple(decision.outs) == tuple(strategy.outs)
         and decision.kernel == strategy.kernel
         and (decision.kernel is None or tuple(decision.kernel_axes) == tuple(strategy.kernel_axes))
+        # which replicated inputs need no gradient all-reduce: an edit here would skip one
+        and tuple(map(tuple, decision.whole_grad)) == tuple(map(tuple, strategy.whole_grad))
     )
 
 

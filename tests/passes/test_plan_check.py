@@ -116,3 +116,14 @@ def test_a_consistent_edit_passes_and_equals_eager(gpt):
     check_plan_strategies(edited, traced)
     result = check_numerics(model, edited, batch)
     assert result.ok, result.text()
+
+
+def test_a_whole_grad_the_rule_does_not_give_is_refused(gpt):
+    _, _, plan, traced = gpt
+    name = next(n for n, d in plan.nodes.items() if d.op.endswith("linear.default") and not d.whole_grad)
+
+    def edit(data):  # would skip the weight's gradient all-reduce on mesh axis 0
+        data["nodes"][name]["whole_grad"] = [[1, 0]]
+
+    with pytest.raises(PlanError, match=rf"node '{name}' .*which no strategy of its rule allows"):
+        check_plan_strategies(_edited(plan, edit), traced)
