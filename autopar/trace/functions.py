@@ -171,6 +171,13 @@ _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
 def _traced_apply(cls, *args, **kwargs):
     if not _is_user_function(cls):
         return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+    modules = [type(leaf).__name__ for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.nn.Module)]
+    if modules:  # its parameters would be the model's own tensors, not the compiled module's shards
+        raise TraceError(
+            f"custom autograd Function {cls.__qualname__} is given a module ({', '.join(modules)}) as an argument: "
+            "autopar keeps each Function as one op on its tensor arguments, and the module's parameters would not "
+            "be the compiled module's. Pass the tensors it uses (module.weight, ...) as arguments instead"
+        )
     key, tensors = _register(cls, args, kwargs)
     if not tensors:  # nothing to differentiate: its forward is traced as it is
         return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)

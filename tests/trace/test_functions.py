@@ -200,6 +200,30 @@ def test_a_function_that_writes_its_input_in_place_is_refused_with_the_fix():
         trace(Dirty(), (torch.randn(2, 4),))
 
 
+class ThroughModule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, module):
+        return module(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GivesModule(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return ThroughModule.apply(x, self.fc).sum()
+
+
+def test_a_function_given_a_module_is_refused_with_the_fix():
+    with pytest.raises(TraceError, match=r"ThroughModule is given a module \(Linear\).*Pass the tensors"):
+        trace(GivesModule(), (torch.randn(2, 4),))
+
+
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)])
 def test_numerics_guard_equals_eager_with_custom_functions(mesh):
     model, batch = _model_and_batch()
