@@ -68,6 +68,18 @@ class _GuardedHooks(OrderedDict):
             self._refuse("removed from")
         return super().pop(key, *default)
 
+    def popitem(self, last: bool = True) -> Any:
+        self._refuse("removed from")
+
+    def clear(self) -> None:
+        if self:
+            self._refuse("removed from")
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self._refuse("on")
+        return self[key]
+
     def __reduce_ex__(self, protocol: int):
         # A copy (deepcopy, pickling) is a plain table: the guard belongs to this module only.
         return (OrderedDict, (list(self.items()),))
