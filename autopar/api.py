@@ -25,6 +25,7 @@ from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_s
 from autopar.solver.planners.hand_plans import resolve_kind, solve_hand_plan
 from autopar.solver.planners.mesh_search import search_mesh
 from autopar.passes import check_plan_matches, default_passes, run_passes
+from autopar.passes.plan_check import check_plan_strategies
 from autopar.ir.options import (
     CommOptions,
     MemoryOptions,
@@ -937,6 +938,8 @@ def _resolve_plan(
     else:
         chosen = plan
     check_plan_matches(chosen, traced, mesh_shape)
+    if plan is not None:  # the user's plan may be hand-edited: every choice one the solver could make
+        check_plan_strategies(chosen, traced)
     return chosen
 
 

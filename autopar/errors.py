@@ -61,6 +61,10 @@ class OffloadError(AutoparError, RuntimeError):
     """A torch optimizer would step parameters whose state the plan offloads (use ``autopar.optim.AdamW``)."""
 
 
+class HookError(AutoparError, RuntimeError):
+    """A module hook was registered where the compiled module would not run it (after compile)."""
+
+
 class PassError(AutoparError):
     """A rewrite pass failed; the message names the pass and those that ran before it."""
 

@@ -280,3 +280,48 @@ def test_a_torch_optimizer_over_offloaded_state_names_autopar_adamw(one_rank_gro
     assert "autopar.optim.AdamW(pm, lr=...)" in message
     assert not optimizer.state, "no optimizer state may have been made on the device"
     autopar.optim.AdamW(pm, lr=1e-3).step()  # the documented optimizer steps the same module
+
+
+def test_a_hook_added_after_compile_names_registering_before_compile(compiled_mlp):
+    from autopar.errors import HookError
+
+    name, module = next((n, m) for n, m in compiled_mlp.module.named_modules() if n)
+    with pytest.raises(HookError) as info:
+        module.register_forward_hook(lambda mod, args, out: out)
+    message = str(info.value)
+    assert f"module {name!r}" in message and "before autopar.compile" in message
+
+
+def test_a_hand_edited_op_names_the_node_and_the_allowed_choices(mlp_plan):
+    import json
+
+    from autopar.passes.plan_check import check_plan_strategies
+
+    data = json.loads(mlp_plan.to_json())
+    name = next(n for n, node in data["nodes"].items() if node["op"].endswith("linear.default"))
+    data["nodes"][name]["out"] = [["S(0)"]] if data["nodes"][name]["out"] != [["S(0)"]] else [["S(1)"]]
+    data["nodes"][name]["in"] = [["R"] for _ in data["nodes"][name]["in"]]
+    with pytest.raises(PlanError) as info:
+        check_plan_strategies(autopar.Plan.from_json(json.dumps(data)), trace(build_model("mlp"), example_batch("mlp", 8)))
+    message = str(info.value)
+    assert f"node {name!r}" in message and "which no strategy of its rule allows. Allowed: in (R)" in message
+    assert "re-plan" in message
+
+
+def test_a_flipped_byte_names_the_file_and_tensor_and_loads_nothing(compiled_mlp, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from autopar.errors import CheckpointError
+
+    autopar.checkpoint.save(tmp_path / "ckpt", compiled_mlp)
+    metadata = dcp.FileSystemReader(tmp_path / "ckpt").read_metadata()
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.endswith("weight"))
+    shard = tmp_path / "ckpt" / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as info_error:
+        autopar.checkpoint.load(tmp_path / "ckpt", compiled_mlp)
+    message = str(info_error.value)
+    assert f"{info.relative_path}: {index.fqn}" in message and "No tensor was loaded" in message
+    assert "restore these files or load another checkpoint" in message

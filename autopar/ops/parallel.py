@@ -20,6 +20,7 @@ import torch
 from autopar.ops import collectives
 from autopar.ops.kernels import EAGER_IMPLEMENTATIONS, register_kernel
 from autopar.trace.moe import EXPERTS_OP, combine, expert_mlp, moe_experts_eager
+from autopar.trace.functions import FUNCTION_OP, apply_function_eager
 
 aten = torch.ops.aten
 
@@ -300,6 +301,7 @@ def sync_batch_norm(*, axis_groups: Sequence[str], input: torch.Tensor, training
 
 
 EAGER_IMPLEMENTATIONS[EXPERTS_OP] = moe_experts_eager
+EAGER_IMPLEMENTATIONS[FUNCTION_OP] = apply_function_eager  # the user's Function, its backward without recompute
 
 
 def _local_experts(gate_up: torch.Tensor, axis_groups: Sequence[str]) -> tuple[int, int]:

@@ -29,6 +29,7 @@ from autopar.runtime import originals
 from autopar.runtime.checkpoint import device_mesh, model_state_dict
 from autopar.runtime.offload import grad_key, param_key
 from autopar.trace import TracedModel, requires_grad
+from autopar.trace.aliases import check_call_aliases, written_inputs
 
 log = logging.getLogger("autopar")
 _no_sync_said: list[bool] = []  # no_sync() logs what it does once per process
@@ -176,6 +177,7 @@ class ShardedModule(torch.nn.Module):
         placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
         # user inputs traced as requiring grad: the plan sums their gradients over the ranks that share them
         self._grad_inputs = {gi.name for gi in traced.inputs if gi.kind == "user" and requires_grad(placeholders[gi.name])}
+        self._written_inputs = written_inputs(traced.gm)  # a call may not alias these (trace.aliases)
         self._shape_hint = " (its example inputs)"
 
     # -- what a subclass says --------------------------------------------------------------------
@@ -429,6 +431,7 @@ class ShardedModule(torch.nn.Module):
         (``metas``: those of a graph for other input shapes, ``runtime.shapes``)."""
         metas = self._user_metas if metas is None else metas
         flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in metas])
+        check_call_aliases(flat, [name for name, _, _ in metas], self._written_inputs)
         if self._plan.precision is not None:  # floating inputs in param_dtype, as traced
             flat = [self._plan.precision.cast_inputs(value) for value in flat]
         for value, (name, shape, dtype) in zip(flat, metas):

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from autopar.ir.spec import Spec, local_shape, shard_tensor
 from autopar.ops.collectives import call_on_world
 from autopar.runtime import checkpoint_files as files
+from autopar.runtime.checksums import ChecksumWriter, checksum_problems
 
 if TYPE_CHECKING:
     from autopar.runtime.module import ParallelModule
@@ -237,7 +238,8 @@ def save(path: str | os.PathLike, pm: "ParallelModule", optimizer: torch.optim.O
         state[_OPTIM] = optimizer_state_dict(pm, optimizer)
     _on_rank0("prepare the checkpoint directory", lambda: files.recover(path))
     staging = files.staging_dir(path)
-    _run_dcp("save", path, lambda: dcp.save(state, checkpoint_id=staging))
+    # Each record's checksum is summed as it is written (runtime.checksums), verified by load.
+    _run_dcp("save", path, lambda: dcp.save(state, storage_writer=ChecksumWriter(staging)))
     _on_rank0("commit the checkpoint", lambda: files.commit(path, dist.get_world_size()))
 
 
@@ -269,6 +271,8 @@ def load(
 
     def check() -> tuple[Any, Any, list[str]]:
         directory, metadata = files.verify(path, marked=verify)
+        if verify:  # every record's bytes, before anything is read into the module (runtime.checksums)
+            _check_sums(directory, metadata)
         keys = _check_model_keys(pm, metadata.state_dict_metadata, directory, strict)
         if optimizer is not None:
             _check_param_groups(mine, metadata.state_dict_metadata, directory)
@@ -283,6 +287,18 @@ def load(
     _run_dcp("load", directory, lambda: dcp.load(state, storage_reader=reader))
     if optimizer is not None:
         load_optimizer_state_dict(pm, optimizer, state[_OPTIM])
+
+
+def _check_sums(directory, metadata) -> None:
+    """A CheckpointError naming each file and tensor of this rank's share of the files whose
+    bytes differ from those saved (``_agreed`` tells every rank)."""
+    problems = checksum_problems(directory, metadata, dist.get_rank(), dist.get_world_size())
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise files.CheckpointError(
+            f"the checkpoint at {directory} is damaged: {shown} (checksum). No tensor was loaded; restore "
+            "these files or load another checkpoint"
+        )
 
 
 def _check_model_keys(pm: "ParallelModule", metadata: Mapping[str, Any], directory, strict: bool) -> list[str]:

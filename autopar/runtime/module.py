@@ -23,6 +23,7 @@ from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 from autopar.runtime.base import ShardedModule, attach, has, lookup, model_tensors
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
+from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
 from autopar.runtime import shapes
 from autopar.runtime.model_view import local_model, model_view
@@ -145,6 +146,7 @@ class ParallelModule(ShardedModule):
         # The communication schedule's buckets and gathers read and write these shards.
         self._bind(gm, self._inputs)
         self.train(training)
+        self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
         if offloader is None:  # an optimizer built on the model's parameters steps these instead
             originals.bind(model, self, set(self._leaves))
 
@@ -218,6 +220,7 @@ class ParallelModule(ShardedModule):
         return run
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._hook_guard.check()
         if self._evaluates_locally():
             return self._local_model()(*args, **kwargs)
         self._num_calls += 1

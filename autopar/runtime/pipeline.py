@@ -73,6 +73,7 @@ from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.data import DataLayout
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
+from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict
 from autopar.runtime.data import DataMismatchError, RandomOps, random_ops, start_check
@@ -260,6 +261,7 @@ class PipelineParallelModule(ShardedModule):
         self._label_counts = label_counts(traced, loss_node)  # refuses a loss summed over its targets
         self._schedule = self._make_schedule(split, loss_node, tensors)
         self._random = self._stage_random_ops(traced, plan, coordinate)
+        self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
 
     def _hold_tensors(self, model: torch.nn.Module, split: torch.fx.GraphModule, init) -> dict[str, torch.Tensor]:
         """Attach this stage's shards to ``self.module``; return placeholder name → tensor.
@@ -409,6 +411,7 @@ class PipelineParallelModule(ShardedModule):
         return self._stage_index
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._hook_guard.check()
         if not self.training:
             raise RuntimeError(
                 "this pipelined module is in eval mode, but it runs only the graph traced in train mode (batch norm "

@@ -23,8 +23,10 @@ from torch.utils._pytree import TreeSpec
 
 from autopar.errors import TraceError
 from autopar.ir.options import MixedPrecision, to_dtype
+from autopar.trace.aliases import independent_inputs
 from autopar.trace.attention import causal_attention
 from autopar.trace.fake import fake_tensors, has_meta_tensors
+from autopar.trace.functions import functions_as_one_op
 from autopar.trace.hooks import check_hooks
 from autopar.trace.moe import experts_as_one_op
 
@@ -98,6 +100,8 @@ def trace(
     if precision is not None:
         example_inputs, example_kwargs = precision.cast_inputs((example_inputs, example_kwargs))
     _refuse_cache_inputs(example_kwargs)
+    # Inputs that share memory would be one placeholder for every call (``trace.aliases``).
+    example_inputs, example_kwargs = independent_inputs(example_inputs, example_kwargs)
     check_hooks(model)
     try:
         # Stacked experts modules trace as one autopar::moe_experts op (``trace.moe``).
@@ -105,10 +109,13 @@ def trace(
             _no_stack_traces(),
             _lazy_recompile(),
             experts_as_one_op(model),
+            functions_as_one_op(),  # custom autograd Functions keep their backward (``trace.functions``)
             _no_caches(model) as notes,
             _fake_params(model, (example_inputs, example_kwargs or {}), precision),
         ):
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
+    except TraceError:  # autopar's own refusal, raised while tracing (trace.functions): it names its fix
+        raise
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error
     exported, written_back = _functionalize_aliased_writes(exported)

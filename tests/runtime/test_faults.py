@@ -8,6 +8,7 @@ at the end, each on as few spawned ranks as it needs.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import autopar
 from autopar.runtime import checkpoint_files as files
@@ -106,6 +108,60 @@ def test_a_truncated_shard_and_a_damaged_metadata_are_refused(saved, tmp_path):
     (broken / ".metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(CheckpointError, match=r"\.metadata cannot be read.*damaged"):
         autopar.checkpoint.load(broken, pm)
+
+
+def _record(directory: Path, fqn: str):
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    return next(info for index, info in metadata.storage_data.items() if index.fqn == fqn)
+
+
+def test_a_flipped_byte_in_a_saved_weight_is_refused_naming_file_and_tensor(saved, tmp_path):
+    path, _, pm, _ = saved
+    assert sorted(p.name for p in path.glob("*checksums.json")) == ["__0_checksums.json"]
+    broken = _copy(path, tmp_path)
+    fqn = "model.transformer.h.0.mlp.c_fc.weight"
+    info = _record(broken, fqn)
+    shard = broken / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    before = _state(pm)
+    with pytest.raises(CheckpointError, match=rf"{info.relative_path}: {fqn} \(bytes .*differs.*No tensor was loaded"):
+        autopar.checkpoint.load(broken, pm)
+    assert _same(_state(pm), before)
+
+
+def test_a_flipped_byte_in_the_metadata_or_a_checksum_file_is_refused(saved, tmp_path):
+    path, _, pm, _ = saved
+    before = _state(pm)
+    for name, match in (
+        (".metadata", r"\.metadata (differs from what was saved|cannot be read)"),
+        ("__0_checksums.json", "checksum"),
+    ):
+        broken = _copy(path, tmp_path / name.strip("._"))
+        target = broken / name
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match=match):
+            autopar.checkpoint.load(broken, pm)
+    assert _same(_state(pm), before)
+
+
+def test_every_record_has_a_checksum_and_one_without_side_files_still_loads(saved, tmp_path):
+    path, state, _, _ = saved
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    sums = json.loads((path / "__0_checksums.json").read_text())["records"]
+    summed = {(name, offset, length) for name, entries in sums.items() for offset, length, _ in entries}
+    assert {(i.relative_path, i.offset, i.length) for i in metadata.storage_data.values()} <= summed
+    old = _copy(path, tmp_path)  # as saved before checksums: no side file, a marker without it
+    (old / "__0_checksums.json").unlink()
+    marker = json.loads((old / files.MARKER).read_text())
+    del marker["files"]["__0_checksums.json"]
+    (old / files.MARKER).write_text(json.dumps(marker))
+    pm, _ = _gpt(seed=3)
+    autopar.checkpoint.load(old, pm)
+    assert _same(_state(pm), state)
 
 
 def test_a_checkpoint_without_its_commit_marker_is_refused_unless_verify_is_off(saved, tmp_path):

@@ -1,0 +1,141 @@
+"""Module hooks added after ``compile`` are refused, not silently skipped.
+
+The compiled module runs one traced graph: the modules under ``pm.module`` hold its parameters
+but are never called, so a forward, forward-pre or backward hook registered on one of them after
+``compile`` would never run. Hooks registered before ``compile`` met the trace
+(``autopar.trace.hooks``): a forward hook's result is in the graph, backward hooks were refused.
+
+``HookGuard.install`` gives every module under ``pm.module`` hook tables that refuse a new
+entry, or the removal of one that was traced in, at the ``register_*_hook`` (or
+``handle.remove()``) call, with the fix. Global hooks (``register_module_forward_hook`` and the
+like) cannot be guarded that way without changing every other model of the process, so the
+guard remembers the global tables at ``compile`` and ``check`` refuses a call after one of them
+changed (and after a handle made before ``compile`` removed a hook that the graph still runs). Hooks on the compiled module itself (``pm.register_forward_hook``) run as
+on any module: they see the call's whole inputs and outputs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autopar.errors import HookError
+
+_TABLES = {
+    "_forward_hooks": "register_forward_hook",
+    "_forward_pre_hooks": "register_forward_pre_hook",
+    "_backward_hooks": "register_full_backward_hook",
+    "_backward_pre_hooks": "register_full_backward_pre_hook",
+}
+_GLOBAL_TABLES = {
+    "_global_forward_hooks": "register_module_forward_hook",
+    "_global_forward_pre_hooks": "register_module_forward_pre_hook",
+    "_global_backward_hooks": "register_module_full_backward_hook",
+    "_global_backward_pre_hooks": "register_module_full_backward_pre_hook",
+}
+_FIX = (
+    "the compiled module runs a traced graph and never calls its submodules, so the hook would not run. "
+    "Register module hooks on the model before autopar.compile (a forward hook's result is traced into the "
+    "graph; its other effects run only while tracing), or a hook on the compiled module itself "
+    "(pm.register_forward_hook), which runs at every call"
+)
+
+
+class _GuardedHooks(OrderedDict):
+    """A module's hook table after ``compile``: what it held stays, nothing is added or removed."""
+
+    def __init__(self, held: dict, where: str, register: str) -> None:
+        super().__init__(held)
+        self._where = (where, register)
+
+    def _refuse(self, action: str) -> None:
+        where, register = self._where
+        raise HookError(f"{register} {action} module {where!r} of a compiled module after autopar.compile: {_FIX}")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if "_where" not in self.__dict__:  # being built (OrderedDict's own __init__)
+            return super().__setitem__(key, value)
+        self._refuse("on")
+
+    def __delitem__(self, key: Any) -> None:
+        self._refuse("removed from")
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key in self:
+            self._refuse("removed from")
+        return super().pop(key, *default)
+
+    def popitem(self, last: bool = True) -> Any:
+        self._refuse("removed from")
+
+    def clear(self) -> None:
+        if self:
+            self._refuse("removed from")
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self._refuse("on")
+        return self[key]
+
+    def __reduce_ex__(self, protocol: int):
+        # A copy (deepcopy, pickling) is a plain table: the guard belongs to this module only.
+        return (OrderedDict, (list(self.items()),))
+
+
+def _guard_tables(module: torch.nn.Module) -> list[tuple[str, dict]]:
+    """Give every module under ``module`` (itself included) guarded hook tables; return the
+    tables that held hooks, as (module name, the table itself): a handle made before compile
+    removes from that table (it holds a weak reference to it), which the guard checks at calls."""
+    held = []
+    for name, sub in module.named_modules(remove_duplicate=False):
+        for table, register in _TABLES.items():
+            hooks = getattr(sub, table, None)
+            if isinstance(hooks, dict) and not isinstance(hooks, _GuardedHooks):
+                object.__setattr__(sub, table, _GuardedHooks(hooks, name or "(the root)", register))
+                if hooks:
+                    held.append((name or "(the root)", hooks))
+    return held
+
+
+@dataclass(frozen=True)
+class HookGuard:
+    """What ``check`` compares at each call: the keys of torch's global module hook tables at
+    ``compile``, and the tables of hooks traced in (with their sizes then)."""
+
+    keys: tuple[frozenset, ...]
+    held: tuple[tuple[str, dict, int], ...] = ()
+
+    @classmethod
+    def install(cls, module: torch.nn.Module) -> "HookGuard":
+        """Guard the hook tables of every module under ``module``; remember the global ones."""
+        held = tuple((name, hooks, len(hooks)) for name, hooks in _guard_tables(module))
+        return cls(_global_keys(), held)
+
+    def check(self) -> None:
+        """Refuse a call after a global module hook was added or removed since ``compile``, or
+        a hook traced into the graph was removed by its handle."""
+        for name, hooks, size in self.held:
+            if len(hooks) != size:
+                raise HookError(
+                    f"a hook of module {name!r} was removed after autopar.compile, but it is traced into the "
+                    "graph and still runs there: compile again after removing it"
+                )
+        now = _global_keys()
+        if now == self.keys:
+            return
+        changed = [register for (_, register), old, new in zip(_GLOBAL_TABLES.items(), self.keys, now) if old != new]
+        raise HookError(
+            f"a global module hook ({', '.join(changed)}) was added or removed after autopar.compile: {_FIX}. "
+            "Remove it before calling the compiled module, or compile again after registering it"
+        )
+
+
+def _global_keys() -> tuple[frozenset, ...]:
+    tables = torch.nn.modules.module
+    return tuple(frozenset(getattr(tables, table)) for table in _GLOBAL_TABLES)
+
+
+__all__ = ["HookGuard"]

@@ -1,0 +1,115 @@
+"""Module hooks registered after compile are refused with the fix (``runtime.hook_guard``);
+hooks registered before compile keep their traced behaviour."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import HookError
+from autopar.runtime.hook_guard import HookGuard
+from autopar.zoo.models import build_model, example_batch
+
+REGISTER = {
+    "forward": lambda m: m.register_forward_hook(lambda mod, args, out: out * 2),
+    "forward_pre": lambda m: m.register_forward_pre_hook(lambda mod, args: (args[0] * 2,)),
+    "backward": lambda m: m.register_full_backward_hook(lambda mod, gin, gout: gin),
+    "backward_pre": lambda m: m.register_full_backward_pre_hook(lambda mod, gout: gout),
+    "forward_kwargs": lambda m: m.register_forward_hook(lambda mod, args, kwargs, out: out, with_kwargs=True),
+}
+GLOBAL = {
+    "forward": lambda: torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: None),
+    "forward_pre": lambda: torch.nn.modules.module.register_module_forward_pre_hook(lambda mod, args: None),
+    "backward": lambda: torch.nn.modules.module.register_module_full_backward_hook(lambda mod, gin, gout: None),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled(world_of_one):
+    torch.manual_seed(0)
+    model = build_model("gpt")
+    batch = example_batch("gpt", 2)
+    return autopar.compile(model, mesh=(1,), example_inputs=batch), batch
+
+
+@pytest.mark.parametrize("kind", list(REGISTER))
+def test_a_submodule_hook_added_after_compile_is_refused(compiled, kind):
+    pm, batch = compiled
+    ln_f = pm.module.get_submodule("transformer.ln_f")
+    with pytest.raises(HookError, match=r"transformer.ln_f.*before autopar.compile"):
+        REGISTER[kind](ln_f)
+    assert not ln_f._forward_hooks and not ln_f._forward_pre_hooks and not ln_f._backward_hooks
+    pm(*batch).backward()  # the module still runs
+
+
+@pytest.mark.parametrize("kind", list(GLOBAL))
+def test_a_global_hook_added_after_compile_refuses_the_next_call(compiled, kind):
+    pm, batch = compiled
+    handle = GLOBAL[kind]()
+    try:
+        with pytest.raises(HookError, match=r"global module hook.*before autopar.compile"):
+            pm(*batch)
+    finally:
+        handle.remove()
+    pm(*batch)  # removed again: the call runs
+
+
+def test_a_hook_on_the_compiled_module_itself_runs(compiled):
+    pm, batch = compiled
+    seen = []
+    handle = pm.register_forward_hook(lambda mod, args, out: seen.append(out.detach()))
+    try:
+        loss = pm(*batch)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and torch.equal(seen[0], loss.detach())
+
+
+def test_a_copy_of_the_compiled_module_takes_hooks(compiled):
+    pm, _ = compiled
+    holder = copy.deepcopy(pm.module)
+    handle = holder.get_submodule("transformer.ln_f").register_forward_hook(lambda mod, args, out: None)
+    handle.remove()
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.fc(x)).square().mean()
+
+
+def test_a_hook_registered_before_compile_is_traced(world_of_one):
+    torch.manual_seed(0)
+    model = Scaled().double()
+    handle = model.fc.register_forward_hook(lambda mod, args, out: out * 3)
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pm = autopar.compile(model, mesh=(1,), example_inputs=(x,))
+    loss, want = pm(x), eager(x)
+    loss.backward(), want.backward()
+    torch.testing.assert_close(loss.detach(), want.detach())
+    grads = pm.full_grads()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    handle.remove()
+
+
+def test_a_guarded_hook_stays_and_cannot_be_removed():
+    model = Scaled()
+    handle = model.fc.register_forward_hook(lambda mod, args, out: out * 3)
+    guard = HookGuard.install(model)
+    with pytest.raises(HookError, match="removed from module 'fc'.*before autopar.compile"):
+        model.fc._forward_hooks.pop(handle.id)
+    guard.check()
+    handle.remove()  # through the table it was registered in: found at the next check
+    with pytest.raises(HookError, match="hook of module 'fc' was removed after autopar.compile.*compile again"):
+        guard.check()
+    assert len(model.fc._forward_hooks) == 1
+    torch.testing.assert_close(model(torch.ones(2, 8)), Scaled.forward(model, torch.ones(2, 8)))
