@@ -21,7 +21,7 @@ from autopar.passes.schedule import bind_parameters
 from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
-from autopar.runtime.base import ShardedModule, attach, has, lookup, model_tensors
+from autopar.runtime.base import ShardedModule, attach, flatten_inputs, has, lookup, model_tensors
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
 from autopar.runtime.model_view import local_model, model_view
@@ -208,7 +208,7 @@ class ParallelModule(ShardedModule):
         return run
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._evaluates_locally():
+        if self._evaluates_locally(args, kwargs):
             return self._local_model()(*args, **kwargs)
         self._num_calls += 1
         if self.training not in self._modes:  # its graph is planned with rank 0: agree on the call first
@@ -243,17 +243,31 @@ class ParallelModule(ShardedModule):
             settle()
         return pytree.tree_unflatten(list(outputs), run.traced.out_spec)
 
-    def _evaluates_locally(self) -> bool:
+    def _evaluates_locally(self, args: tuple, kwargs: dict) -> bool:
         """In eval mode under ``torch.no_grad()``, a plan that keeps every tensor whole on every
         rank in the model's own dtypes needs no other rank: the call runs the model's own forward
         on this rank's tensors, as DDP's evaluation does (so rank 0 alone may evaluate), and
-        returns the outputs of the inputs it was given (under ``batch="per_rank"``, this rank's
-        rows'), of any shape."""
+        returns the model's outputs for the inputs it was given, of any shape. Under
+        ``batch="per_rank"`` a call of the planned per-rank shapes still means the global batch's
+        outputs, which need every rank: only a call the graph cannot take runs locally."""
         if self.training or torch.is_grad_enabled() or self._offloader is not None:
             return False
         if self._plan.precision is not None and self._plan.precision.param_dtype is not None:
             return False
-        return all(isinstance(p, Replicate) for spec in self._plan.params.values() for p in spec)
+        if not all(isinstance(p, Replicate) for spec in self._plan.params.values() for p in spec):
+            return False
+        return not self._data.per_rank or not self._graph_takes(args, kwargs)
+
+    def _graph_takes(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a call's arguments have the planned structure and shapes."""
+        try:
+            flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in self._user_metas])
+        except ValueError:
+            return False
+        return all(
+            shape is None or not isinstance(value, torch.Tensor) or tuple(value.shape) == shape
+            for value, (_, shape, _) in zip(flat, self._user_metas)
+        )
 
     def _local_model(self) -> torch.nn.Module:
         eager = _LOCAL_MODELS.get(self)  # not an attribute: a deepcopy of pm makes its own
