@@ -131,3 +131,21 @@ def test_ddp_habits_on_two_ranks(rank_pool):
         assert text.startswith("every rank must call the compiled module"), message
         assert "rank 0: call 1 in eval mode; rank 1: call 1 in train mode" in text
         assert float(seconds.rstrip("s")) < 30
+
+
+def test_save_pretrained_through_pm_writes_the_whole_model(world_of_one, tmp_path):
+    """HF's ``save_pretrained`` is the model's method: through ``pm`` it saves the whole weights
+    (``state_dict()`` of ``pm.module``), which ``from_pretrained`` loads into a plain model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 16))
+    pm = autopar.compile(model, (1,), example_kwargs=dict(input_ids=ids, labels=ids), cluster="cpu")
+    assert pm.config.hidden_size == 32 and pm.num_parameters() == model.num_parameters()
+    pm.save_pretrained(tmp_path)
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    want = model.state_dict()
+    assert all(torch.equal(tensor, want[name]) for name, tensor in back.state_dict().items())
