@@ -256,3 +256,13 @@ def test_from_checkpoint_of_a_model_with_unsaved_buffers_names_unsaved(one_rank_
         )
     message = str(info.value)
     assert "non-persistent: scale" in message and "FromCheckpoint(path, unsaved=autopar.SeededInit(" in message
+
+
+def test_ranks_in_different_calls_are_told_every_rank_must_call():
+    from autopar.runtime.data import PartialCallError, check_same_call
+
+    with pytest.raises(PartialCallError) as info:
+        check_same_call(torch.tensor([[5.0, 0.0], [5.0, 1.0]]))
+    message = str(info.value)
+    assert "every rank must call the compiled module" in message and "rank 0: call 5 in eval mode" in message
+    assert "Run it on every rank" in message and "torch.no_grad()" in message
