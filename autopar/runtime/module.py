@@ -53,6 +53,7 @@ class ParallelModule(ShardedModule):
     """
 
     _compiled_graph = None  # set by autopar.compile(..., compiler="inductor"): runtime.compiled.CompiledGraph
+    _num_calls = 0  # calls that ran the graph: the ranks compare it (runtime.data.check_same_call)
 
     def __init__(
         self,
@@ -75,8 +76,6 @@ class ParallelModule(ShardedModule):
         ``gm`` is the graph of mode ``training``; ``build_mode(training)`` makes the other one
         when it is first called (None: the module runs in the mode it was compiled in only)."""
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
-        self.module = model_view(model, self)  # the model's own classes hold the shards (runtime.model_view)
-        self._num_calls = 0  # calls that ran the graph: the ranks compare it (runtime.data.check_same_call)
         self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
         # Per mode graph, read once (runtime.data): whether it writes a buffer, its random ops on replicated tensors.
         self._graph_facts: dict[str, tuple[bool, RandomOps | None]] = {}
@@ -135,14 +134,17 @@ class ParallelModule(ShardedModule):
         # The communication schedule's buckets and gathers read and write these shards.
         self._bind(gm, self._inputs)
         self.train(training)
-        if offloader is None:  # an optimizer built on the model's parameters steps these instead
-            originals.bind(model, self, set(self._leaves))
+        originals.bind(model, self, set(self._leaves) if offloader is None else set())  # optimizers built before
 
     def shard_like(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
         """A copy of this rank's shard of ``whole`` (a tensor of parameter ``fqn``'s whole shape,
         such as its optimizer state) as a DTensor with the parameter's placements."""
         local = self._cut(fqn, whole.to(local_of(self.held_tensor(fqn)).device)).clone()
         return to_dtensor(local, self._plan.params[fqn], tuple(whole.shape), self.device_mesh)
+
+    def _holder(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model's own classes hold the shards (``runtime.model_view``): ``pm.module`` is the model."""
+        return model_view(model, self)
 
     def _expect_per_rank_rows(self) -> None:
         """A call passes this data-parallel rank's rows of each batched input."""
