@@ -478,8 +478,8 @@ def compile(
     ``autopar.plan``'s; ``plan`` (a Plan or a plan file) is run instead of solving; ``init``
     makes each rank materialize only its own shards (docs/checkpoints.md); ``weights``
     ("broadcast", DDP's way, or "check") is what happens where ranks hold different weights
-    (``runtime.weights``). Each keyword is
-    described in docs/api.md, and the module in docs/training.md.
+    (``runtime.weights``). Each keyword is described in docs/api.md, and the module in
+    docs/training.md.
     """
     mesh_shape = _check_call(model, mesh, init, comm, compiler, weights)
     split_batch = cluster is None  # the local default splits the batch at least (solver.planners.split_batch)

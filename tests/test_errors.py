@@ -325,3 +325,13 @@ def test_a_flipped_byte_names_the_file_and_tensor_and_loads_nothing(compiled_mlp
     message = str(info_error.value)
     assert f"{info.relative_path}: {index.fqn}" in message and "No tensor was loaded" in message
     assert "restore these files or load another checkpoint" in message
+
+
+def test_ranks_in_different_calls_are_told_every_rank_must_call():
+    from autopar.runtime.data import PartialCallError, check_same_call
+
+    with pytest.raises(PartialCallError) as info:
+        check_same_call(torch.tensor([[5.0, 0.0], [5.0, 1.0]]))
+    message = str(info.value)
+    assert "every rank must call the compiled module" in message and "rank 0: call 5 in eval mode" in message
+    assert "Run it on every rank" in message and "torch.no_grad()" in message

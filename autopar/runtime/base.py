@@ -163,7 +163,7 @@ class ShardedModule(torch.nn.Module):
         self._device_mesh: Any = None
         self._offloader = offloader
         self.graph_module = graph_module
-        self.module = Holder()
+        self.module = self._holder(model)
         originals.watch(model)  # an optimizer stepping the model's own parameters is refused
         full = model_tensors(model)
         self._full_shapes = {fqn: tuple(t.shape) for fqn, t in full.items()}
@@ -181,6 +181,10 @@ class ShardedModule(torch.nn.Module):
         self._shape_hint = " (its example inputs)"
 
     # -- what a subclass says --------------------------------------------------------------------
+
+    def _holder(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module tree that holds the shards under the model's names (``attach`` fills it)."""
+        return Holder()
 
     def _contributes(self, fqn: str) -> bool:
         """Whether this rank's shard of ``fqn`` is read to make the whole tensor (``full_state_dict``)."""

@@ -282,7 +282,8 @@ def check_same_call(calls: torch.Tensor) -> None:
         f"every rank must call the compiled module, each call on every rank, but the ranks are in different calls "
         f"({where}): a forward that some ranks skip (an evaluation on rank 0 alone) meets another call of the others. "
         "Run it on every rank (each evaluates, rank 0 reports), or, as DDP's evaluation does, let rank 0 alone run "
-        "a plan that replicates every parameter in eval mode under torch.no_grad(), which needs no other rank"
+        "a plan that replicates every parameter in eval mode under torch.no_grad(), which needs no other rank "
+        "(under batch='per_rank', on other shapes than a rank's rows: the whole batch)"
     )
 
 

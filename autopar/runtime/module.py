@@ -21,7 +21,7 @@ from autopar.passes.schedule import bind_parameters
 from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
-from autopar.runtime.base import ShardedModule, attach, has, lookup, model_tensors
+from autopar.runtime.base import ShardedModule, attach, flatten_inputs, has, lookup, model_tensors
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
 from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
@@ -60,6 +60,7 @@ class ParallelModule(ShardedModule):
     # prepare_model returns a module it has prepared as it is, so it wraps none in DDP.
     accepts_loss_kwargs = False
     _is_accelerate_prepared = True
+    _num_calls = 0  # calls that ran the graph: the ranks compare it (runtime.data.check_same_call)
 
     def __init__(
         self,
@@ -82,8 +83,6 @@ class ParallelModule(ShardedModule):
         ``gm`` is the graph of mode ``training``; ``build_mode(training)`` makes the other one
         when it is first called (None: the module runs in the mode it was compiled in only)."""
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
-        self.module = model_view(model, self)  # the model's own classes hold the shards (runtime.model_view)
-        self._num_calls = 0  # calls that ran the graph: the ranks compare it (runtime.data.check_same_call)
         self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
         # Per mode graph, read once (runtime.data): whether it writes a buffer, its random ops on replicated tensors.
         self._graph_facts: dict[str, tuple[bool, RandomOps | None]] = {}
@@ -147,14 +146,17 @@ class ParallelModule(ShardedModule):
         self._bind(gm, self._inputs)
         self.train(training)
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
-        if offloader is None:  # an optimizer built on the model's parameters steps these instead
-            originals.bind(model, self, set(self._leaves))
+        originals.bind(model, self, set(self._leaves) if offloader is None else set())  # optimizers built before
 
     def shard_like(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
         """A copy of this rank's shard of ``whole`` (a tensor of parameter ``fqn``'s whole shape,
         such as its optimizer state) as a DTensor with the parameter's placements."""
         local = self._cut(fqn, whole.to(local_of(self.held_tensor(fqn)).device)).clone()
         return to_dtensor(local, self._plan.params[fqn], tuple(whole.shape), self.device_mesh)
+
+    def _holder(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model's own classes hold the shards (``runtime.model_view``): ``pm.module`` is the model."""
+        return model_view(model, self)
 
     def _expect_per_rank_rows(self) -> None:
         """A call passes this data-parallel rank's rows of each batched input."""
@@ -221,7 +223,7 @@ class ParallelModule(ShardedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hook_guard.check()
-        if self._evaluates_locally():
+        if self._evaluates_locally(args, kwargs):
             return self._local_model()(*args, **kwargs)
         self._num_calls += 1
         if self.training not in self._modes:  # its graph is planned with rank 0: agree on the call first
@@ -296,17 +298,31 @@ class ParallelModule(ShardedModule):
         self._shape_metas[run.attr] = [(name, shape, dtype) for (name, _, dtype), shape in zip(self._user_metas, key)]
         return run
 
-    def _evaluates_locally(self) -> bool:
+    def _evaluates_locally(self, args: tuple, kwargs: dict) -> bool:
         """In eval mode under ``torch.no_grad()``, a plan that keeps every tensor whole on every
         rank in the model's own dtypes needs no other rank: the call runs the model's own forward
         on this rank's tensors, as DDP's evaluation does (so rank 0 alone may evaluate), and
-        returns the outputs of the inputs it was given (under ``batch="per_rank"``, this rank's
-        rows'), of any shape."""
+        returns the model's outputs for the inputs it was given, of any shape. Under
+        ``batch="per_rank"`` a call of the planned per-rank shapes still means the global batch's
+        outputs, which need every rank: only a call the graph cannot take runs locally."""
         if self.training or torch.is_grad_enabled() or self._offloader is not None:
             return False
         if self._plan.precision is not None and self._plan.precision.param_dtype is not None:
             return False
-        return all(isinstance(p, Replicate) for spec in self._plan.params.values() for p in spec)
+        if not all(isinstance(p, Replicate) for spec in self._plan.params.values() for p in spec):
+            return False
+        return not self._data.per_rank or not self._graph_takes(args, kwargs)
+
+    def _graph_takes(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a call's arguments have the planned structure and shapes."""
+        try:
+            flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in self._user_metas])
+        except ValueError:
+            return False
+        return all(
+            shape is None or not isinstance(value, torch.Tensor) or tuple(value.shape) == shape
+            for value, (_, shape, _) in zip(flat, self._user_metas)
+        )
 
     def _local_model(self) -> torch.nn.Module:
         eager = _LOCAL_MODELS.get(self)  # not an attribute: a deepcopy of pm makes its own

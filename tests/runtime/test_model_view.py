@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,9 @@ def test_ranks_in_different_calls_are_refused_with_the_fix():
     assert "every rank must call the compiled module" in message and "torch.no_grad()" in message
 
 
-def _grads_with_and_without_sync(rank: int, world: int) -> list[float]:
+def _ddp_habits(rank: int, world: int) -> tuple[list[float], str]:
+    """(this rank's gradient sums with DDP's sync flag off, then on; what a forward that rank 0
+    alone runs under a sharded plan raised, and how long it took)."""
     torch.manual_seed(0)
     rows = (torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32)))
     pm = autopar.compile(GPT(GPTConfig()), (world,), example_inputs=rows, data=autopar.DataOptions(batch="per_rank"))
@@ -100,13 +103,49 @@ def _grads_with_and_without_sync(rank: int, world: int) -> list[float]:
         assert pm.require_backward_grad_sync is sync
         pm(*mine)[1].backward()
         sums.append(float(pm.transformer.h[0].c_fc.weight.grad.to_local().sum()))
-    return sums
+    fsdp = autopar.hand_plan("fsdp", GPT(GPTConfig()), (world,), example_inputs=rows, cluster="cpu")
+    sharded = autopar.compile(GPT(GPTConfig()), (world,), example_inputs=rows, plan=fsdp)
+    start = time.monotonic()
+    try:
+        if rank == 0:  # nanoGPT's estimate_loss(), on the master alone
+            with torch.no_grad():
+                sharded.eval()(*rows)
+        sharded.train()(*rows)
+    except PartialCallError as error:
+        return sums, f"{time.monotonic() - start:.0f}s {error}"
+    return sums, "ran"
 
 
 @pytest.mark.multiproc
-def test_require_backward_grad_sync_false_holds_back_the_reduction(rank_pool):
-    """DDP's flag, as nanoGPT sets it per micro-step: False keeps each rank's own gradient (they
-    differ); the next backward with it True reduces both micro-steps (the ranks agree)."""
-    held, synced = zip(*rank_pool(2).run(_grads_with_and_without_sync, timeout_s=240))
+def test_ddp_habits_on_two_ranks(rank_pool):
+    """DDP's ``require_backward_grad_sync``, as nanoGPT sets it per micro-step: False keeps each
+    rank's own gradient (they differ), the next backward with it True reduces both micro-steps
+    (the ranks agree). A forward that rank 0 alone runs under a sharded plan fails at once on
+    every rank, saying that every rank must call it, instead of waiting out the timeout."""
+    results = rank_pool(2).run(_ddp_habits, timeout_s=240)
+    held, synced, messages = [sums[0] for sums, _ in results], [sums[1] for sums, _ in results], [m for _, m in results]
     assert held[0] != held[1]
     assert synced[0] == pytest.approx(synced[1], rel=1e-12)
+    for message in messages:
+        seconds, _, text = message.partition(" ")
+        assert text.startswith("every rank must call the compiled module"), message
+        assert "rank 0: call 1 in eval mode; rank 1: call 1 in train mode" in text
+        assert float(seconds.rstrip("s")) < 30
+
+
+def test_save_pretrained_through_pm_writes_the_whole_model(world_of_one, tmp_path):
+    """HF's ``save_pretrained`` is the model's method: through ``pm`` it saves the whole weights
+    (``state_dict()`` of ``pm.module``), which ``from_pretrained`` loads into a plain model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 16))
+    pm = autopar.compile(model, (1,), example_kwargs=dict(input_ids=ids, labels=ids), cluster="cpu")
+    assert pm.config.hidden_size == 32 and pm.num_parameters() == model.num_parameters()
+    pm.save_pretrained(tmp_path)
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    want = model.state_dict()
+    assert all(torch.equal(tensor, want[name]) for name, tensor in back.state_dict().items())
