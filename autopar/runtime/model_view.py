@@ -24,11 +24,15 @@ through to this one (``ParallelModule.__getattr__``): ``pm.config``, ``pm.genera
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Mapping
 
 import torch
 
-# the hooks of a shell start empty: the model's own forward hooks were traced into the graph
+# The hook tables of ``pm.module``'s shells start empty: the model's own hooks were traced into
+# the graph, and the root runs that graph (a copied root hook would apply twice). Each shell keeps
+# its model module's hooks aside (``_SAVED_HOOKS``) for ``local_model``, which runs the model
+# eagerly and so must run them as eager does.
 _HOOK_DICTS = (
     "_forward_hooks",
     "_forward_hooks_with_kwargs",
@@ -38,6 +42,7 @@ _HOOK_DICTS = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
+_SAVED_HOOKS = "_autopar_model_hooks"
 _CLASSES: dict[type, type] = {}
 
 
@@ -91,9 +96,13 @@ def _shell(module: torch.nn.Module, memo: dict[int, torch.nn.Module], cls: type 
     shell.__dict__["_parameters"] = {name: None for name, value in module._parameters.items() if value is None}
     shell.__dict__["_buffers"] = {name: None for name, value in module._buffers.items() if value is None}
     shell.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+    if _SAVED_HOOKS not in module.__dict__:  # a module of the user's model, not a shell already
+        shell.__dict__[_SAVED_HOOKS] = {
+            name: OrderedDict(module.__dict__[name]) for name in _HOOK_DICTS if module.__dict__.get(name)
+        }
     for name in _HOOK_DICTS:
-        if name in module.__dict__:
-            shell.__dict__[name] = type(module.__dict__[name])()
+        if name in module.__dict__:  # plain tables (the view's may be runtime.hook_guard's guarded ones)
+            shell.__dict__[name] = OrderedDict()
     shell.__dict__["_modules"] = {name: None if child is None else _shell(child, memo) for name, child in module._modules.items()}
     return shell
 
@@ -104,6 +113,9 @@ def local_model(view: torch.nn.Module, tensors: Mapping[str, tuple[torch.Tensor,
     the model itself, run eagerly with no communication (``ParallelModule``'s local evaluation)."""
     root = _shell(view, {}, type(view).__bases__[-1])
     root.__dict__.pop("_autopar_owner", None)
+    for module in root.modules():  # the model's own hooks run, as in eager
+        for name, table in module.__dict__[_SAVED_HOOKS].items():
+            module.__dict__[name] = OrderedDict(table)
     for fqn, (tensor, kind) in tensors.items():
         *path, leaf = fqn.split(".")
         module = root

@@ -97,6 +97,30 @@ class ParallelModule(ShardedModule):
         self._check_device = (
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
         )
+        made = self._make_shards(model, traced, plan, local_shards, offloader)
+        # By name, not by id(): a deepcopy of the module (swa_utils.AveragedModel) copies these too.
+        leaves: dict[int, LocalLeaf] = {}
+        self._leaves = {fqn: leaves.setdefault(id(p), LocalLeaf(p)) for fqn, p in made.items() if isinstance(p, DTensor)}
+        if offloader is not None:
+            offloader.attach_grad_hooks(
+                {traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}
+            )
+        # The communication schedule's buckets and gathers read and write these shards.
+        self._bind(gm, self._inputs)
+        self.train(training)
+        self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
+        originals.bind(model, self, set(self._leaves) if offloader is None else set())  # optimizers built before
+
+    def _make_shards(
+        self,
+        model: torch.nn.Module,
+        traced: TracedModel,
+        plan: Plan,
+        local_shards: Mapping[str, torch.Tensor] | None,
+        offloader: Any,
+    ) -> dict[str, torch.Tensor]:
+        """This rank's shard of each parameter and buffer, by FQN (tied names share one), held
+        under the model's names in ``self.module``; an offloaded parameter's shard goes to its store."""
         full = model_tensors(model)
         # Each shard is stored in its placeholder's dtype: the model's own, or under a precision
         # policy the master dtype (or param_dtype where the policy keeps no master copy).
@@ -135,18 +159,7 @@ class ParallelModule(ShardedModule):
             made[canonical] = value
             made[fqn] = value
             attach(self.module, fqn, value, graph_input.kind)
-        # By name, not by id(): a deepcopy of the module (swa_utils.AveragedModel) copies these too.
-        leaves: dict[int, LocalLeaf] = {}
-        self._leaves = {fqn: leaves.setdefault(id(p), LocalLeaf(p)) for fqn, p in made.items() if isinstance(p, DTensor)}
-        if offloader is not None:
-            offloader.attach_grad_hooks(
-                {traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}
-            )
-        # The communication schedule's buckets and gathers read and write these shards.
-        self._bind(gm, self._inputs)
-        self.train(training)
-        self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
-        originals.bind(model, self, set(self._leaves) if offloader is None else set())  # optimizers built before
+        return made
 
     def shard_like(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
         """A copy of this rank's shard of ``whole`` (a tensor of parameter ``fqn``'s whole shape,

@@ -213,7 +213,12 @@ def test_a_users_torch_compile_makes_the_eval_graph_outside_dynamo_and_equals_ea
     eager(*batch).backward()
     compiled.eval()
     eager.eval()
-    with torch.no_grad():
-        got, want = compiled(*batch), eager(*batch)
+    # With grad on, eval runs the eval graph (under no_grad a replicated plan's eval runs the
+    # model's own forward locally, runtime.module._evaluates_locally, and builds no graph).
+    got, want = compiled(*batch), eager(*batch)
     assert built_while_compiling == [False]
+    assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item()), (got.item(), want.item())
+    with torch.no_grad():
+        got = compiled(*batch)
+    assert built_while_compiling == [False], "a no_grad eval call built another graph"
     assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item()), (got.item(), want.item())

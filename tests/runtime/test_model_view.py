@@ -81,6 +81,23 @@ def test_evaluation_of_a_replicated_plan_runs_the_model_on_this_ranks_tensors(gp
     assert pm._num_calls == 1
 
 
+def test_local_evaluation_runs_the_hooks_registered_before_compile(world_of_one):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    model.transformer.ln_f.register_forward_hook(lambda module, args, out: out * 3.0)
+    model.register_forward_hook(lambda module, args, out: (out[0] + 1.0, out[1]))
+    eager = copy.deepcopy(model)
+    batch = (torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32)))
+    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu")
+    pm.eval()
+    eager.eval()
+    with torch.no_grad():  # a replicated plan's eval runs the model locally: its hooks too, once each
+        assert pm._evaluates_locally(batch, {})
+        got, want = pm(*batch), eager(*batch)
+    assert torch.allclose(got[0], want[0]) and torch.allclose(got[1], want[1])
+    assert torch.allclose(pm(*batch)[1], eager(*batch)[1])  # the graph, hooks traced in
+
+
 def test_ranks_in_different_calls_are_refused_with_the_fix():
     check_same_call(torch.tensor([[3.0, 1.0], [3.0, 1.0]]))
     with pytest.raises(PartialCallError) as info:
