@@ -205,7 +205,7 @@ def _run_forced(rank: int, world: int) -> dict:
     group = _resolve_process_group(pm._groups[0])
     results["timeouts"] = (world_timeout(), group._get_backend(torch.device("cpu")).options._timeout)
     try:
-        pm(*example_batch("mlp_block", batch_size=4, seed=1))
+        pm(*example_batch("mlp_block", batch_size=16, seed=1))  # larger than planned (smaller is re-planned)
         results["wrong_shape"] = "ran"
     except ValueError as error:
         results["wrong_shape"] = str(error)
@@ -336,7 +336,7 @@ def test_forced_plans_with_split_activations_match_eager() -> None:
         _check_reshard(by_label)
         world, axis = by_label.pop("timeouts")
         message = by_label.pop("wrong_shape")
-        assert "(4, 64)" in message and "(8, 64)" in message, f"a wrong input shape must be named: {message}"
+        assert "(16, 64)" in message and "(8, 64)" in message, f"a wrong input shape must be named: {message}"
         assert world.total_seconds() == 45 and axis == world, f"mesh groups must inherit the world timeout: {axis} vs {world}"
         for label, result in by_label.items():
             _check_first_step(rank, label, result)

@@ -540,10 +540,14 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict) -> Choice:
     if meta is None:
         return Choice(node.name, kind, [Strategy((), ())], [0.0], [0.0], [], fqn=fqn, grad_sync_bytes=[0.0])
     shape, dtype = meta
+    # A buffer that the graph never reads is kept whole: sharding it saves next to nothing, and
+    # the model's own code may still read it outside the graph (a replicated plan's local eval,
+    # ``generate``; HF's ``rotary_emb.original_inv_freq``).
+    unread_buffer = kind == "buffer" and not node.users
     # Placeholders of one shape, dtype and kind (every layer's weights) share one strategy list.
-    key = (kind in ("param", "buffer"), shape, dtype)
+    key = (kind in ("param", "buffer"), unread_buffer, shape, dtype)
     if key not in cache:
-        if kind in ("param", "buffer"):
+        if kind in ("param", "buffer") and not unread_buffer:
             specs = _all_specs(shape, mesh_shape)
         else:
             # User inputs arrive whole on every rank and constants are whole: the first consumer
