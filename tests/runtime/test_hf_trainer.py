@@ -24,12 +24,18 @@ def _compiled_run(rank: int, world: int, output_dir: str) -> dict:
     pm = autopar.compile(
         model, mesh=(world,), example_kwargs=job.example_batch(), cluster="cpu", data=autopar.DataOptions(batch="per_rank")
     )
-    result = job.run(pm, f"{output_dir}/rank{rank}", distributed=True)
+    # Every rank saves Trainer's checkpoints (steps 2 and 4) into one output directory.
+    callbacks = [autopar.checkpoint.trainer_callback()]
+    result = job.run(pm, f"{output_dir}/compiled", distributed=True, callbacks=callbacks)
     result["shapes"] = len(pm._by_shape)
     result["data_parallel_size"] = pm.data_parallel_size
-    full = pm.full_state_dict()  # every rank gathers; rank 0 writes the model as save_pretrained does
-    if rank == 0:
-        model.save_pretrained(f"{output_dir}/saved", state_dict=full)
+    pm.module.save_pretrained(f"{output_dir}/saved")  # every rank gathers; rank 0 writes
+    # A new Trainer resumes from step 2: its weights and optimizer state (the module's are step 4's
+    # until it loads them), scheduler, RNG and logs; it trains steps 3 and 4 again.
+    resumed = job.run(
+        pm, f"{output_dir}/compiled", distributed=True, resume=f"{output_dir}/compiled/checkpoint-2", callbacks=callbacks
+    )
+    result["resumed_losses"], result["resumed_eval_loss"] = resumed["losses"], resumed["eval_loss"]
     return result
 
 
@@ -42,14 +48,18 @@ def test_trainer_on_two_ranks_has_the_losses_of_one_process(rank_pool, tmp_path)
     assert len(eager["losses"]) == 4
     from transformers import LlamaForCausalLM
 
-    assert (tmp_path / "saved" / "model.safetensors").exists()
-    saved = LlamaForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
-    for name, value in eager_model.state_dict().items():  # the parameters after 4 steps
-        torch.testing.assert_close(saved[name], value, rtol=1e-9, atol=1e-12, msg=name)
+    for saved_dir in ("saved", "compiled/checkpoint-4"):
+        assert (tmp_path / saved_dir / "model.safetensors").exists()
+        saved = LlamaForCausalLM.from_pretrained(tmp_path / saved_dir).state_dict()
+        for name, value in eager_model.state_dict().items():  # the parameters after 4 steps
+            torch.testing.assert_close(saved[name], value, rtol=1e-9, atol=1e-12, msg=f"{saved_dir}: {name}")
     for result in results:
         assert result["data_parallel_size"] == job.WORLD  # each rank's own rows, as accelerate deals them
         assert result["losses"] == pytest.approx(eager["losses"], rel=1e-6)
         assert result["eval_loss"] == pytest.approx(eager["eval_loss"], rel=1e-6)
+        # steps 1 and 2 from the checkpoint's log, 3 and 4 trained again after the resume
+        assert result["resumed_losses"] == pytest.approx(eager["losses"], rel=1e-6)
+        assert result["resumed_eval_loss"] == pytest.approx(eager["eval_loss"], rel=1e-6)
         assert "input_ids" in result["columns"] and "labels" in result["columns"]
         assert result["shapes"] >= 1  # batches padded to other lengths than the example ran too
 
