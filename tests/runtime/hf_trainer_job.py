@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 
 VOCAB, SEQ, GLOBAL_ROWS, WORLD, PAD = 64, 16, 4, 2, 2
+# Bytes per device: under this the plan shards some parameters (the embedding, some projections)
+# and still splits the batch over both ranks (unbounded, it replicates every parameter).
+SHARDING_BUDGET = 560_000
 
 
 def tiny_llama():

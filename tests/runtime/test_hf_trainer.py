@@ -20,13 +20,22 @@ pytest.importorskip("accelerate")
 def _compiled_run(rank: int, world: int, output_dir: str) -> dict:
     import autopar
 
+    from torch.distributed.tensor import Shard
+
     model = job.tiny_llama()
+    result = {}
     pm = autopar.compile(
-        model, mesh=(world,), example_kwargs=job.example_batch(), cluster="cpu", data=autopar.DataOptions(batch="per_rank")
+        model,
+        mesh=(world,),
+        example_kwargs=job.example_batch(),
+        cluster="cpu",
+        data=autopar.DataOptions(batch="per_rank"),
+        memory_budget=job.SHARDING_BUDGET,  # some parameters sharded: a save must gather them from every rank
     )
+    result["sharded"] = sum(isinstance(p.placements[0], Shard) for p in pm.parameters())
     # Every rank saves Trainer's checkpoints (steps 2 and 4) into one output directory.
     callbacks = [autopar.checkpoint.trainer_callback()]
-    result = job.run(pm, f"{output_dir}/compiled", distributed=True, callbacks=callbacks)
+    result.update(job.run(pm, f"{output_dir}/compiled", distributed=True, callbacks=callbacks))
     result["shapes"] = len(pm._by_shape)
     result["data_parallel_size"] = pm.data_parallel_size
     pm.module.save_pretrained(f"{output_dir}/saved")  # every rank gathers; rank 0 writes
@@ -55,6 +64,7 @@ def test_trainer_on_two_ranks_has_the_losses_of_one_process(rank_pool, tmp_path)
             torch.testing.assert_close(saved[name], value, rtol=1e-9, atol=1e-12, msg=f"{saved_dir}: {name}")
     for result in results:
         assert result["data_parallel_size"] == job.WORLD  # each rank's own rows, as accelerate deals them
+        assert result["sharded"] > 0  # so the checkpoints gather shards and the resume cuts them
         assert result["losses"] == pytest.approx(eager["losses"], rel=1e-6)
         assert result["eval_loss"] == pytest.approx(eager["eval_loss"], rel=1e-6)
         # steps 1 and 2 from the checkpoint's log, 3 and 4 trained again after the resume
