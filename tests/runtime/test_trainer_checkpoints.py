@@ -1,6 +1,6 @@
 """Trainer's checkpoints of a compiled module (``autopar.runtime.trainer_checkpoints``): what it
-refuses at once, on every rank. The save and resume themselves, on 2 ranks against one eager
-process, are in tests/runtime/test_hf_trainer.py."""
+refuses at once, on every rank (best-model tracking: tests/test_errors.py). The save and resume
+themselves, on 2 ranks against one eager process, are in tests/runtime/test_hf_trainer.py."""
 
 from __future__ import annotations
 
@@ -23,14 +23,3 @@ def test_a_model_that_is_not_compiled_is_refused_with_the_fix() -> None:
     callback = autopar.checkpoint.trainer_callback()
     with pytest.raises(autopar.checkpoint.CheckpointError, match=r"Trainer\(model=pm\).*given Linear"):
         callback.on_init_end(_args(), None, None, model=torch.nn.Linear(2, 2))
-
-
-def test_best_model_tracking_is_refused_before_training(monkeypatch) -> None:
-    import autopar
-    from autopar.runtime import trainer_checkpoints
-
-    monkeypatch.setattr(trainer_checkpoints, "_parallel_module", lambda model: model)
-    callback = autopar.checkpoint.trainer_callback()
-    for args in (_args(load_best_model_at_end=True), _args(save_strategy="best")):
-        with pytest.raises(autopar.checkpoint.CheckpointError, match="load_best_model_at_end=False"):
-            callback.on_init_end(args, None, None, model=object())
