@@ -105,7 +105,9 @@ def save_checkpoint(args: Any, state: Any, pm: Any, optimizer: Any, lr_scheduler
     writer = args.should_save  # rank 0 (or each node's first rank under save_on_each_node)
     # save_pretrained reads the view's state_dict(), the whole weights that every rank gathers
     pm.module.save_pretrained(output_dir, is_main_process=writer)
-    whole_optimizer = None if optimizer is None or args.save_only_model else whole_optimizer_state(optimizer)
+    whole_optimizer = None
+    if optimizer is not None and not args.save_only_model:
+        whole_optimizer = whole_optimizer_state(optimizer, keep=writer)
     if writer:
         if whole_optimizer is not None:
             torch.save(whole_optimizer, os.path.join(output_dir, OPTIMIZER_NAME))
@@ -130,15 +132,20 @@ def save_checkpoint(args: Any, state: Any, pm: Any, optimizer: Any, lr_scheduler
     return output_dir
 
 
-def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with every DTensor gathered whole (every rank calls it, in the
-    same order: the state dict's); plain tensors (AdamW's ``step``) are the same on every rank."""
+def whole_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool = True) -> dict[str, Any] | None:
+    """``optimizer.state_dict()`` with every DTensor gathered whole, on the CPU (every rank calls
+    it, in the same order: the state dict's); plain tensors (AdamW's ``step``) are the same on every
+    rank. ``keep=False`` (a rank that writes nothing) takes part in each gather, keeps nothing and
+    returns None, so that only the writer ever holds the whole state."""
     out = optimizer.state_dict()
     for index in sorted(out["state"]):
-        out["state"][index] = {
-            key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in out["state"][index].items()
-        }
-    return out
+        # state_dict() shares each parameter's state dict with the optimizer: fill a copy
+        entry = out["state"][index] = dict(out["state"][index])
+        for key, value in entry.items():
+            if isinstance(value, DTensor):
+                whole = value.full_tensor()
+                entry[key] = whole.cpu() if keep else None
+    return out if keep else None
 
 
 @torch.no_grad()
