@@ -48,8 +48,8 @@ class TrainerCheckpoints(TrainerCallback):
         _parallel_module(model)
         if args.load_best_model_at_end or args.save_strategy == "best":
             raise CheckpointError(
-                "autopar's TrainerCheckpoints saves where Trainer decides to save, before it evaluates, so it "
-                "cannot track the best checkpoint: leave load_best_model_at_end=False and use save_strategy "
+                "autopar's TrainerCheckpoints saves in Trainer's stead, and Trainer cannot track the best "
+                "checkpoint of saves it does not make: leave load_best_model_at_end=False and use save_strategy "
                 "'steps' or 'epoch'"
             )
 
