@@ -1,7 +1,10 @@
 """Hugging Face ``Trainer`` takes the compiled module as it takes the model (docs/huggingface.md):
-under 2 gloo ranks it trains (clipping, a scheduler) and evaluates with the losses of the same
-Trainer run on one process (batches padded to their own longest row), keeps the dataset's columns the model's forward names, and accelerate
-wraps nothing in DDP; the trained weights, saved with ``save_pretrained``, load with
+under 2 gloo ranks, with a plan that shards some parameters, it trains (clipping, a scheduler) and
+evaluates with the losses of the same Trainer run on one process (batches padded to their own
+longest row), keeps the dataset's columns the model's forward names, and accelerate wraps nothing
+in DDP. Its own checkpoints (every 2 steps, saved by every rank through
+``autopar.checkpoint.trainer_callback()``) resume with Trainer's ``resume_from_checkpoint`` to the
+same losses; the weights of the last checkpoint and of ``pm.module.save_pretrained`` load with
 ``from_pretrained`` and equal the one-process run's."""
 
 from __future__ import annotations
