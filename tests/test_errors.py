@@ -335,3 +335,21 @@ def test_ranks_in_different_calls_are_told_every_rank_must_call():
     message = str(info.value)
     assert "every rank must call the compiled module" in message and "rank 0: call 5 in eval mode" in message
     assert "Run it on every rank" in message and "torch.no_grad()" in message
+
+
+def test_trainer_checkpoints_refuse_best_model_tracking_with_the_strategies_they_take(compiled_mlp):
+    import types
+
+    pytest.importorskip("transformers")
+    from autopar.errors import CheckpointError
+
+    callback = autopar.checkpoint.trainer_callback()
+    for best in (
+        {"load_best_model_at_end": True, "save_strategy": "steps"},
+        {"load_best_model_at_end": False, "save_strategy": "best"},
+    ):
+        with pytest.raises(CheckpointError) as info:
+            callback.on_init_end(types.SimpleNamespace(**best), None, None, model=compiled_mlp)
+        message = str(info.value)
+        assert "cannot track the best checkpoint" in message
+        assert "load_best_model_at_end=False" in message and "'steps' or 'epoch'" in message

@@ -1,4 +1,4 @@
-"""One Trainer run (train, evaluate) of a tiny Llama on rows of several lengths, padded per batch
+"""One Trainer run (train with checkpoints, evaluate) of a tiny Llama on rows of several lengths, padded per batch
 by the collator: eager on one process, or compiled by autopar on each rank of a process group;
 used by tests/runtime/test_hf_trainer.py."""
 
@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 
 VOCAB, SEQ, GLOBAL_ROWS, WORLD, PAD = 64, 16, 4, 2, 2
+# Bytes per device: under this the plan shards some parameters (the embedding, some projections)
+# and still splits the batch over both ranks (unbounded, it replicates every parameter).
+SHARDING_BUDGET = 560_000
 
 
 def tiny_llama():
@@ -60,7 +63,7 @@ def example_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def arguments(output_dir: str, distributed: bool):
+def arguments(output_dir: str, distributed: bool, max_steps: int = 4):
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -69,11 +72,12 @@ def arguments(output_dir: str, distributed: bool):
         per_device_eval_batch_size=GLOBAL_ROWS,
         # Rank 0 collates each global batch (one padded length) and sends each rank its rows.
         accelerator_config={"split_batches": True, "dispatch_batches": True} if distributed else None,
-        max_steps=4,
+        max_steps=max_steps,
         learning_rate=1e-2,
         max_grad_norm=0.5,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps",  # Trainer's own checkpoints, every 2 steps
+        save_steps=2,
         eval_strategy="no",
         report_to=[],
         use_cpu=True,
@@ -86,8 +90,9 @@ def arguments(output_dir: str, distributed: bool):
     )
 
 
-def run(model, output_dir: str, distributed: bool) -> dict:
-    """Train 4 steps with clipping and a scheduler, then evaluate; the logged losses."""
+def run(model, output_dir: str, distributed: bool, resume: str | None = None, callbacks=()) -> dict:
+    """Train to step 4 with clipping and a scheduler (from step 0, or resumed from the checkpoint
+    ``resume``), then evaluate; the logged losses of steps 1 to 4."""
     from transformers import Trainer
 
     trainer = Trainer(
@@ -98,7 +103,8 @@ def run(model, output_dir: str, distributed: bool) -> dict:
         # of the last batch's gathered losses (a model-independent weighting, DDP's too).
         eval_dataset=dataset(GLOBAL_ROWS, 2),
         data_collator=pad_to_longest,
+        callbacks=list(callbacks),
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {"losses": losses, "eval_loss": trainer.evaluate()["eval_loss"], "columns": trainer._signature_columns}

@@ -1,7 +1,10 @@
 """Hugging Face ``Trainer`` takes the compiled module as it takes the model (docs/huggingface.md):
-under 2 gloo ranks it trains (clipping, a scheduler) and evaluates with the losses of the same
-Trainer run on one process (batches padded to their own longest row), keeps the dataset's columns the model's forward names, and accelerate
-wraps nothing in DDP; the trained weights, saved with ``save_pretrained``, load with
+under 2 gloo ranks, with a plan that shards some parameters, it trains (clipping, a scheduler) and
+evaluates with the losses of the same Trainer run on one process (batches padded to their own
+longest row), keeps the dataset's columns the model's forward names, and accelerate wraps nothing
+in DDP. Its own checkpoints (every 2 steps, saved by every rank through
+``autopar.checkpoint.trainer_callback()``) resume with Trainer's ``resume_from_checkpoint`` to the
+same losses; the weights of the last checkpoint and of ``pm.module.save_pretrained`` load with
 ``from_pretrained`` and equal the one-process run's."""
 
 from __future__ import annotations
@@ -20,16 +23,31 @@ pytest.importorskip("accelerate")
 def _compiled_run(rank: int, world: int, output_dir: str) -> dict:
     import autopar
 
+    from torch.distributed.tensor import Shard
+
     model = job.tiny_llama()
+    result = {}
     pm = autopar.compile(
-        model, mesh=(world,), example_kwargs=job.example_batch(), cluster="cpu", data=autopar.DataOptions(batch="per_rank")
+        model,
+        mesh=(world,),
+        example_kwargs=job.example_batch(),
+        cluster="cpu",
+        data=autopar.DataOptions(batch="per_rank"),
+        memory_budget=job.SHARDING_BUDGET,  # some parameters sharded: a save must gather them from every rank
     )
-    result = job.run(pm, f"{output_dir}/rank{rank}", distributed=True)
+    result["sharded"] = sum(isinstance(p.placements[0], Shard) for p in pm.parameters())
+    # Every rank saves Trainer's checkpoints (steps 2 and 4) into one output directory.
+    callbacks = [autopar.checkpoint.trainer_callback()]
+    result.update(job.run(pm, f"{output_dir}/compiled", distributed=True, callbacks=callbacks))
     result["shapes"] = len(pm._by_shape)
     result["data_parallel_size"] = pm.data_parallel_size
-    full = pm.full_state_dict()  # every rank gathers; rank 0 writes the model as save_pretrained does
-    if rank == 0:
-        model.save_pretrained(f"{output_dir}/saved", state_dict=full)
+    pm.module.save_pretrained(f"{output_dir}/saved")  # every rank gathers; rank 0 writes
+    # A new Trainer resumes from step 2: its weights and optimizer state (the module's are step 4's
+    # until it loads them), scheduler, RNG and logs; it trains steps 3 and 4 again.
+    resumed = job.run(
+        pm, f"{output_dir}/compiled", distributed=True, resume=f"{output_dir}/compiled/checkpoint-2", callbacks=callbacks
+    )
+    result["resumed_losses"], result["resumed_eval_loss"] = resumed["losses"], resumed["eval_loss"]
     return result
 
 
@@ -42,14 +60,19 @@ def test_trainer_on_two_ranks_has_the_losses_of_one_process(rank_pool, tmp_path)
     assert len(eager["losses"]) == 4
     from transformers import LlamaForCausalLM
 
-    assert (tmp_path / "saved" / "model.safetensors").exists()
-    saved = LlamaForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
-    for name, value in eager_model.state_dict().items():  # the parameters after 4 steps
-        torch.testing.assert_close(saved[name], value, rtol=1e-9, atol=1e-12, msg=name)
+    for saved_dir in ("saved", "compiled/checkpoint-4"):
+        assert (tmp_path / saved_dir / "model.safetensors").exists()
+        saved = LlamaForCausalLM.from_pretrained(tmp_path / saved_dir).state_dict()
+        for name, value in eager_model.state_dict().items():  # the parameters after 4 steps
+            torch.testing.assert_close(saved[name], value, rtol=1e-9, atol=1e-12, msg=f"{saved_dir}: {name}")
     for result in results:
         assert result["data_parallel_size"] == job.WORLD  # each rank's own rows, as accelerate deals them
+        assert result["sharded"] > 0  # so the checkpoints gather shards and the resume cuts them
         assert result["losses"] == pytest.approx(eager["losses"], rel=1e-6)
         assert result["eval_loss"] == pytest.approx(eager["eval_loss"], rel=1e-6)
+        # steps 1 and 2 from the checkpoint's log, 3 and 4 trained again after the resume
+        assert result["resumed_losses"] == pytest.approx(eager["losses"], rel=1e-6)
+        assert result["resumed_eval_loss"] == pytest.approx(eager["eval_loss"], rel=1e-6)
         assert "input_ids" in result["columns"] and "labels" in result["columns"]
         assert result["shapes"] >= 1  # batches padded to other lengths than the example ran too
 
