@@ -24,7 +24,7 @@ from torch.utils._pytree import TreeSpec
 from autopar.errors import TraceError
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.trace.aliases import independent_inputs
-from autopar.trace.attention import causal_attention
+from autopar.trace.attention import causal_attention, written
 from autopar.trace.fake import fake_tensors, has_meta_tensors
 from autopar.trace.functions import functions_as_one_op
 from autopar.trace.hooks import check_hooks
@@ -215,21 +215,6 @@ def _is_view(node: torch.fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
-def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The tensors that ``node`` writes in place, by its schema's alias annotations."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return []
-    found = []
-    for index, argument in enumerate(target._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-        if isinstance(value, torch.fx.Node):
-            found.append(value)
-    return found
-
-
 def aliased_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """In-place writes that reach a tensor through an alias: a write into a view (``x[:, 1:] =
     y``, ``x.chunk(2)[0].mul_(2)``), or into a tensor that has views. Sharding plans each node's
@@ -237,7 +222,7 @@ def aliased_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     functionalizes graphs that have any."""
     found = []
     for node in gm.graph.nodes:
-        for target in _written(node):
+        for target in written(node):
             if _is_view(target) or any(_is_view(user) for user in target.users if user is not node):
                 found.append(node)
                 break

@@ -11,28 +11,13 @@ import torch
 
 from autopar.runtime.shapes import examples_of, key_number, shape_key
 from autopar.ir.data import DataLayout
+from tests.runtime.hf_trainer_job import SEQ, VOCAB, tiny_llama
 
-VOCAB, ROWS, SEQ = 64, 4, 16
+ROWS = 4
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).double()
+    return tiny_llama()  # the Trainer test's tiny float64 Llama
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:
