@@ -65,6 +65,10 @@ class HookError(AutoparError, RuntimeError):
     """A module hook was registered where the compiled module would not run it (after compile)."""
 
 
+class PartialCallError(AutoparError, ValueError):
+    """Ranks are in different calls of the compiled module: not every rank called it."""
+
+
 class PassError(AutoparError):
     """A rewrite pass failed; the message names the pass and those that ran before it."""
 

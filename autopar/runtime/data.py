@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.fx
 from torch._subclasses.fake_tensor import is_fake
 
+from autopar.errors import PartialCallError
 from autopar.ir.data import DataLayout
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
@@ -261,10 +262,6 @@ def _reads_input(value: Any) -> bool:
 
 def _nothing() -> None:
     pass
-
-
-class PartialCallError(ValueError):
-    """Ranks are in different calls of the compiled module: not every rank called it."""
 
 
 def check_same_call(calls: torch.Tensor) -> None:
