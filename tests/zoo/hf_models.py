@@ -148,7 +148,12 @@ COVERAGE: dict[str, Callable[..., tuple[torch.nn.Module, dict]]] = {"bert": bert
 
 def mistral(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn.Module, dict]:
     """MistralForCausalLM: LLaMA's layout with grouped-query attention (4 query, 2 kv heads)."""
-    config = transformers.MistralConfig(
+    return _gqa_decoder(transformers.MistralConfig, transformers.MistralForCausalLM, batch_size, seed, overrides)
+
+
+def _gqa_decoder(config_class, model_class, batch_size: int, seed: int, overrides: dict) -> tuple[torch.nn.Module, dict]:
+    """A two-layer decoder of LLaMA's layout with 4 query and 2 key-value heads, and its batch."""
+    config = config_class(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=128,
@@ -161,7 +166,7 @@ def mistral(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch
         **SPECIAL,
         **overrides,
     )
-    model = _seeded(lambda: transformers.MistralForCausalLM(config), seed)
+    model = _seeded(lambda: model_class(config), seed)
     ids, labels = _ids(batch_size, seed + 1)
     return model, {"input_ids": ids, "labels": labels}
 
@@ -183,19 +188,4 @@ def loss_only(model: torch.nn.Module) -> torch.nn.Module:
 
 def qwen2(batch_size: int = 8, seed: int = 0, **overrides: Any) -> tuple[torch.nn.Module, dict]:
     """Qwen2ForCausalLM: LLaMA's layout with biased q/k/v projections and grouped-query attention."""
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        use_cache=False,
-        attn_implementation="sdpa",
-        **SPECIAL,
-        **overrides,
-    )
-    model = _seeded(lambda: transformers.Qwen2ForCausalLM(config), seed)
-    ids, labels = _ids(batch_size, seed + 1)
-    return model, {"input_ids": ids, "labels": labels}
+    return _gqa_decoder(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, batch_size, seed, overrides)
