@@ -188,8 +188,9 @@ def _solve_sharding(graph: ChoiceGraph, settings: _Settings, forced: dict[str, S
     solution = unbounded = solve_ilp(ilp, time_limit_s, solver)
     visited: list[dict[str, int]] = []  # the Lagrangian plans on the way to the budget
     if memory_budget is not None and solution.choice and not fits(peak_memory(graph, solution).bytes, memory_budget):
-        if settings.decides_memory and not fits(least_peak(graph), memory_budget):
-            solution = _lean_start(ilp, memory_budget, unbounded, deadline, solver, visited)
+        floor = least_peak(graph) if settings.decides_memory else None
+        if floor is not None and not fits(floor, memory_budget):
+            solution = _lean_start(ilp, memory_budget, floor, unbounded, deadline, solver, visited)
         else:
             solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited, start)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
@@ -380,13 +381,18 @@ def _solve_budgeted(
 
 
 def _lean_start(
-    ilp: ShardingILP, memory_budget: float, unbounded: Solution, deadline: float, solver: str, visited: list[dict[str, int]]
+    ilp: ShardingILP,
+    memory_budget: float,
+    floor: float,
+    unbounded: Solution,
+    deadline: float,
+    solver: str,
+    visited: list[dict[str, int]],
 ) -> Solution:
-    """No sharding fits ``memory_budget`` alone (``lean.least_peak`` is over it): the leanest
+    """No sharding fits ``memory_budget`` alone (``floor``, ``lean.least_peak``, is over it): the leanest
     sharding, for the memory planner to bring under the budget, and (``solver="auto"``) the
     Lagrangian plans on the way to it in ``visited``, which may do better with checkpointing.
     Built where it can be proved leanest (``lean.lean_choice``); else the min-peak MILP."""
-    floor = least_peak(ilp.graph)
     lean = lean_choice(ilp, floor)  # before the memory rows, which it would not meet
     ilp.add_memory_constraint(memory_budget)
     if solver == "auto":
