@@ -208,6 +208,8 @@ def measure(kind: str, case: Case, device: torch.device, meter: Meter, args) -> 
     first_s = time.perf_counter() - begin
     times = [meter.seconds(step) for _ in range(args.steps)]
     peak = meter.peak(step) - (before if meter.cuda else 0)
+    if args.profile:
+        write_profile(Path(args.profile) / f"profile_{case.name}.txt", f"{case.name} {kind}", step, meter.cuda)
     masked, calls = masked_sdpa_calls(module)
     row = dict(
         model=case.name,
@@ -225,6 +227,24 @@ def measure(kind: str, case: Case, device: torch.device, meter: Meter, args) -> 
         flush=True,
     )
     return row  # the trainer is freed with this frame, before the next one is built
+
+
+def write_profile(path: Path, title: str, step, cuda: bool) -> None:
+    """Append the ops of one profiled ``step`` to ``path``: the top by device time and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(f"\n=== {title}\n")
+        if cuda:
+            handle.write(table.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+        handle.write(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
 
 
 def verdicts(case: Case, rows: list[dict]) -> list[dict]:
@@ -257,6 +277,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--minutes", type=float, default=8.0, help="no trainer starts after this")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--profile", metavar="DIR", help="write each trainer's profiled step to DIR/profile_<model>.txt")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
