@@ -1,7 +1,10 @@
 """Parameters as DTensors, the graph on their local shards.
 
 A compiled module's parameters are ``nn.Parameter``s that are DTensors on its device mesh, as
-FSDP2's are: torch's own tools (``clip_grad_norm_``, optimizers, DCP) see the whole model. The
+FSDP2's are: torch's own tools (``clip_grad_norm_``, optimizers, DCP) see the whole model. Where
+the plan replicates every parameter (data parallel, or one device) they are plain tensors, as
+DDP's are, and the graph reads them directly: a DTensor there would only add host time (its
+dispatch in every optimizer op and gradient hand-off) to a step that is often host-bound. The
 rewritten graph runs on the local shards: the runtime passes it each parameter's ``LocalLeaf``,
 a plain leaf tensor on the shard's storage whose accumulated gradient is moved into the
 parameter's ``.grad`` (a DTensor with the same placements) as soon as autograd accumulates it,

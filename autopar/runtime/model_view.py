@@ -14,7 +14,7 @@ changes three things:
 - ``load_state_dict`` copies whole tensors into the shards (``pm.load_state_dict``).
 
 A method that reads a parameter directly (``self.lm_head.weight``, ``self.parameters()``) sees
-the DTensor that ``pm`` trains: its shape, ``numel()`` and ``dim()`` are the whole tensor's (so
+the parameter ``pm`` trains (plain where the plan replicates every parameter), or the DTensor: its shape, ``numel()`` and ``dim()`` are the whole tensor's (so
 ``get_num_params`` and ``configure_optimizers`` give eager's answers and build the optimizer on
 ``pm``'s parameters), ``.full_tensor()`` gathers it, ``.to_local()`` is this rank's shard. A
 submodule called directly (``self.transformer.wte(idx)``) would run eagerly on DTensors and fail

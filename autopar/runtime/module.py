@@ -48,7 +48,8 @@ class ParallelModule(ShardedModule):
     names (no ``module.`` prefix). Each parameter is an ``nn.Parameter`` that is a
     DTensor on ``pm.device_mesh`` with the plan's placements, as FSDP2's are, and so is its
     ``.grad``: torch's ``clip_grad_norm_``, optimizers and ``get_state_dict`` compute on the whole
-    model. The graph runs on the local shards (``autopar.ops.params.LocalLeaf``). Buffers are held as local
+    model. The graph runs on the local shards (``autopar.ops.params.LocalLeaf``). Where the plan
+    replicates every parameter they are plain tensors, as DDP's are. Buffers are held as local
     shards; ``state_dict()`` shows every entry as a DTensor, for torch.distributed.checkpoint
     (``autopar.runtime.checkpoint``). A parameter the plan offloads is an empty plain stub whose
     shard lives in the offload store (step it with ``autopar.optim.AdamW``).
@@ -86,6 +87,7 @@ class ParallelModule(ShardedModule):
         self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
         # Per mode graph, read once (runtime.data): whether it writes a buffer, its random ops on replicated tensors.
         self._graph_facts: dict[str, tuple[bool, RandomOps | None]] = {}
+        self._readers: dict[str, list[tuple[str, Any, str, str | None]]] = {}  # per graph: _graph_values
         self._build_mode = build_mode
         # Graphs for calls of other input shapes (runtime.shapes), by (training, shapes).
         self._by_shape: dict[tuple[bool, shapes.ShapeKey], ModeGraph] = {}
@@ -97,6 +99,9 @@ class ParallelModule(ShardedModule):
         self._check_device = (
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
         )
+        # Where the plan replicates every parameter (data parallel, or one device), they are plain
+        # tensors, as DDP's are: no DTensor dispatch in autograd's accumulation or the optimizer's step.
+        self._plain_params = all(isinstance(p, Replicate) for spec in plan.params.values() for p in spec)
         made = self._make_shards(model, traced, plan, local_shards, offloader)
         # By name, not by id(): a deepcopy of the module (swa_utils.AveragedModel) copies these too.
         leaves: dict[int, LocalLeaf] = {}
@@ -109,7 +114,8 @@ class ParallelModule(ShardedModule):
         self._bind(gm, self._inputs)
         self.train(training)
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
-        originals.bind(model, self, set(self._leaves) if offloader is None else set())  # optimizers built before
+        held = {fqn for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}
+        originals.bind(model, self, held if offloader is None else set())  # optimizers built before
 
     def _make_shards(
         self,
@@ -151,7 +157,7 @@ class ParallelModule(ShardedModule):
                 offloader.store.put(param_key(canonical), local)
                 local = torch.empty(0, dtype=local.dtype, device=local.device)
             if graph_input.kind == "param":
-                if not offloaded:  # a DTensor on the device mesh, as FSDP2's parameters are
+                if not offloaded and not self._plain_params:  # a DTensor on the device mesh, as FSDP2's are
                     local = to_dtensor(local, plan.params[fqn], tuple(full[fqn].shape), self.device_mesh)
                 value: torch.Tensor = torch.nn.Parameter(local, requires_grad=full[fqn].requires_grad)
             else:
@@ -163,8 +169,11 @@ class ParallelModule(ShardedModule):
 
     def shard_like(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
         """A copy of this rank's shard of ``whole`` (a tensor of parameter ``fqn``'s whole shape,
-        such as its optimizer state) as a DTensor with the parameter's placements."""
+        such as its optimizer state) as a tensor of the parameter's kind: a DTensor with its
+        placements, or a plain tensor where the plan replicates every parameter."""
         local = self._cut(fqn, whole.to(local_of(self.held_tensor(fqn)).device)).clone()
+        if self._plain_params:
+            return local
         return to_dtensor(local, self._plan.params[fqn], tuple(whole.shape), self.device_mesh)
 
     def _holder(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -359,19 +368,32 @@ class ParallelModule(ShardedModule):
 
     def _graph_values(self, run: ModeGraph, flat: list[Any]) -> list[Any]:
         """The graph's inputs in order: each parameter's local leaf, buffers, constants, the user's."""
+        readers = self._readers.get(run.attr)
+        if readers is None:  # where each input is read from, found once per graph (host time per call)
+            readers = self._readers[run.attr] = [self._reader(run, *graph_input) for graph_input in run.inputs]
         user = iter(flat)
         values = []
-        for name, kind, fqn in run.inputs:
-            if kind == "param":  # the graph runs on the local shard; its gradient comes back a DTensor
-                param = lookup(self.module, fqn)
-                values.append(self._leaves[fqn].get() if isinstance(param, DTensor) else param)
-            elif kind == "buffer":
-                values.append(lookup(self.module, fqn))
-            elif kind == "constant":
-                values.append(run.traced.constants[name])
-            else:
+        for kind, table, key, fqn in readers:
+            if kind == "user":
                 values.append(next(user))
+            elif kind == "param":  # the graph runs on the local shard; its gradient comes back a DTensor
+                param = table[key]
+                values.append(self._leaves[fqn].get() if isinstance(param, DTensor) else param)
+            else:
+                values.append(table[key])
         return values
+
+    def _reader(self, run: ModeGraph, name: str, kind: str, fqn: str | None) -> tuple[str, Any, str, str | None]:
+        """(kind, the mapping that holds one graph input, its key there, its FQN): a parameter's or
+        buffer's owning submodule's ``_parameters`` or ``_buffers``, or the traced constants."""
+        if kind not in ("param", "buffer"):
+            return ("constant", run.traced.constants, name, None) if kind == "constant" else ("user", None, name, None)
+        assert fqn is not None
+        *path, leaf = fqn.split(".")
+        owner = self.module
+        for part in path:
+            owner = owner._modules[part]
+        return kind, owner._parameters if kind == "param" else owner._buffers, leaf, fqn
 
     def _run_graph(self, values: list[Any], run: ModeGraph, settle: Callable[[], None]) -> Any:
         """The graph of ``run``'s mode on ``values``: inductor's compiled graph under

@@ -151,15 +151,13 @@ def whole_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool = True) -
 @torch.no_grad()
 def shard_whole_state(pm: Any, optimizer: torch.optim.Optimizer) -> int:
     """Replace each whole plain state tensor of a DTensor parameter (as ``load_state_dict`` of
-    ``whole_optimizer_state`` leaves them) by this rank's shard; return how many were cut."""
+    ``whole_optimizer_state`` leaves them) by this rank's shard; return how many were cut. A plain
+    parameter (a plan that replicates every parameter) keeps its whole state as loaded."""
     names = {id(param): name for name, param in pm.named_parameters()}
     cut = 0
     for group in optimizer.param_groups:
         for param in group["params"]:
-            state = optimizer.state.get(param)
-            if not state or not isinstance(param, DTensor):
-                continue
-            for key, value in list(state.items()):
+            for key, value in list(optimizer.state.get(param, {}).items()):
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
                     if tuple(value.shape) != tuple(param.shape):
                         raise CheckpointError(
@@ -167,8 +165,9 @@ def shard_whole_state(pm: Any, optimizer: torch.optim.Optimizer) -> int:
                             f"{tuple(value.shape)}, neither the parameter's {tuple(param.shape)} nor a shard: was "
                             "the checkpoint written by another model?"
                         )
-                    state[key] = pm.shard_like(names[id(param)], value)
-                    cut += 1
+                    if isinstance(param, DTensor):
+                        optimizer.state[param][key] = pm.shard_like(names[id(param)], value)
+                        cut += 1
     return cut
 
 

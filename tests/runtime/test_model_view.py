@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import autopar
+from autopar.ops.params import local_of
 from autopar.runtime.data import PartialCallError, check_same_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "nanogpt"))
@@ -34,7 +35,10 @@ def test_the_models_attributes_and_methods_reach_through(gpt_pair):
     assert isinstance(pm.module, GPT) and type(pm.module).__name__ == "DistributedGPT"
     assert pm.config == eager.config and pm.module.config is pm.config
     assert pm.get_num_params() == eager.get_num_params() and pm.module.get_num_params(False) == eager.get_num_params(False)
-    assert isinstance(pm.transformer.wte.weight, DTensor)  # what a method that reads a parameter sees
+    # What a method that reads a parameter sees: the parameter pm trains (plain where the plan
+    # replicates every parameter, as here on one rank; a DTensor where it shards one).
+    assert pm.transformer.wte.weight is dict(pm.named_parameters())["transformer.wte.weight"]
+    assert not isinstance(pm.transformer.wte.weight, DTensor)
     assert pm.lm_head.weight is pm.transformer.wte.weight  # ties stay ties
     assert pm.estimate_mfu(4, 0.5) == pytest.approx(eager.estimate_mfu(4, 0.5))
     optimizer = pm.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")  # on pm's own parameters
@@ -119,7 +123,7 @@ def _ddp_habits(rank: int, world: int) -> tuple[list[float], str]:
         pm.require_backward_grad_sync = sync
         assert pm.require_backward_grad_sync is sync
         pm(*mine)[1].backward()
-        sums.append(float(pm.transformer.h[0].c_fc.weight.grad.to_local().sum()))
+        sums.append(float(local_of(pm.transformer.h[0].c_fc.weight.grad).sum()))
     fsdp = autopar.hand_plan("fsdp", GPT(GPTConfig()), (world,), example_inputs=rows, cluster="cpu")
     sharded = autopar.compile(GPT(GPTConfig()), (world,), example_inputs=rows, plan=fsdp)
     start = time.monotonic()

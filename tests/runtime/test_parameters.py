@@ -1,4 +1,5 @@
-"""Parameters are DTensors, as FSDP2's are: torch's own training tools on the compiled module.
+"""Parameters are DTensors, as FSDP2's are, or plain tensors where the plan replicates every
+parameter, as DDP's are: torch's own training tools on the compiled module.
 
 Real gloo ranks (the session's ``rank_pool``; ``torch.export`` cannot trace in several threads
 of one process at once), one job per world size running every case. Each loop compares with eager
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
+import re
 import weakref
 
 import pytest
@@ -75,15 +78,27 @@ def _loop(rank: int, kind: str, mesh: tuple[int, ...], optimizer: str, own_clip:
         "norms": norms,
         "state_rel": max_rel_diff(pm.full_state_dict(), eager.state_dict()),
         "names": sorted(params) == sorted(dict(eager.named_parameters())),
-        "placements": all(
-            isinstance(p, DTensor) and p.device_mesh == pm.device_mesh and tuple(p.placements) == tuple(pm.plan.params[name])
-            for name, p in params.items()
-        )
+        "placements": all(_kind_is_the_plans(pm, name, p) for name, p in params.items())
         or {n: (type(p).__name__, getattr(p, "placements", None), pm.plan.params[n]) for n, p in params.items()},
-        "grads": all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in params.values())
-        or {n: (type(p.grad).__name__, getattr(p.grad, "placements", None), p.placements) for n, p in params.items()},
-        "sharded": any(p.to_local().numel() < p.numel() for p in params.values()),
+        "grads": all(
+            type(p.grad) is type(p.data) and getattr(p.grad, "placements", None) == getattr(p, "placements", None)
+            for p in params.values()
+        )
+        or {n: (type(p.grad).__name__, getattr(p.grad, "placements", None)) for n, p in params.items()},
+        "sharded": any(local_of(p).numel() < p.numel() for p in params.values()),
     }
+
+
+def _kind_is_the_plans(pm, name: str, param: torch.Tensor) -> bool:
+    """A DTensor on ``pm.device_mesh`` with the plan's placements, or a plain tensor where the plan
+    replicates every parameter (as DDP's are)."""
+    if all(p.is_replicate() for spec in pm.plan.params.values() for p in spec):
+        return not isinstance(param, DTensor)
+    return (
+        isinstance(param, DTensor)
+        and param.device_mesh == pm.device_mesh
+        and tuple(param.placements) == tuple(pm.plan.params[name])
+    )
 
 
 CASES = {  # world size -> (hand plan, mesh, optimizer, pm.clip_grad_norm_ rather than torch's)
@@ -107,6 +122,7 @@ def _all_cases(rank: int, world: int, pipelined: autopar.Plan) -> dict:
     out = {case: _loop(rank, *case) for case in CASES[world]}
     if world == 2:
         out["get_state_dict"] = _get_state_dict(rank)
+        out["hooks"] = _hooks((2,))
     else:
         out["pipelined"] = _pipelined(rank, pipelined)
     return out
@@ -239,17 +255,80 @@ def test_casting_or_moving_a_compiled_module_is_refused_and_a_no_op_is_not(world
     pm(*batch).backward()  # still runs as compiled
 
 
-def test_a_tensor_hook_on_a_compiled_modules_parameter_is_refused(world_of_one):
-    """``p.register_hook`` on a DTensor parameter of the compiled module would never run (the
-    gradient is computed on the local shard): the next call says so and names what works."""
-    model = build_model("mlp", seed=0, d_in=8, d_hidden=16, d_out=4)
-    batch = example_batch("mlp", batch_size=4, seed=1, d_in=8, d_hidden=16, d_out=4)
-    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu")
-    handle = next(iter(pm.parameters())).register_hook(lambda grad: grad * 0)
-    with pytest.raises(RuntimeError, match=r"before autopar.compile.*register_post_accumulate_grad_hook"):
+def _mlp_module(plan_kind: str, dtype: torch.dtype = torch.float32, mesh: tuple[int, ...] = (1,)) -> tuple:
+    """(an MLP, its compiled module under hand plan ``plan_kind`` on ``mesh``, two batches):
+    "fsdp" on two ranks shards every parameter (DTensors); any plan on one rank replicates them
+    (plain tensors)."""
+    model = build_model("mlp", seed=0, d_in=8, d_hidden=16, d_out=4).to(dtype)
+    eager = copy.deepcopy(model)
+    batches = [
+        tuple(t.to(dtype) for t in example_batch("mlp", batch_size=4, seed=s, d_in=8, d_hidden=16, d_out=4)) for s in (1, 2)
+    ]
+    plan = autopar.hand_plan(plan_kind, model, mesh, example_inputs=batches[0], cluster="cpu")
+    pm = autopar.compile(model, mesh, example_inputs=batches[0], cluster="cpu", plan=plan)
+    assert all(isinstance(p, DTensor) == (math.prod(mesh) > 1 and plan_kind == "fsdp") for p in pm.parameters())
+    return eager, pm, batches
+
+
+def _hooks(mesh: tuple[int, ...]) -> dict:
+    """Tensor hooks and gradient accumulation on the parameters of an "fsdp" plan on ``mesh``:
+    DTensors on two ranks, plain tensors on one."""
+    out = {}
+    _, pm, (batch, _) = _mlp_module("fsdp", mesh=mesh)
+    handle = next(iter(pm.parameters())).register_hook(lambda grad: grad * 3)
+    try:
         pm(*batch)
+        out["hook"] = "ran"
+    except RuntimeError as error:
+        out["hook"] = str(error)
     handle.remove()
-    pm(*batch).backward()  # runs again once the hook is gone
+    eager, pm, (batch, _) = _mlp_module("fsdp", mesh=mesh)
+    for module in (pm, eager):
+        if not isinstance(next(iter(pm.parameters())), DTensor):  # a hook that runs changes both gradients alike
+            next(iter(module.parameters())).register_hook(lambda grad: grad * 3)
+        module(*batch).backward()
+    out["hook_grad_rel"] = max_rel_diff(pm.full_grads(), {n: p.grad for n, p in eager.named_parameters()})
+    eager, pm, batches = _mlp_module("fsdp", DTYPE, mesh)
+    seen: list[torch.Tensor] = []
+    first = next(iter(pm.parameters()))
+    whole = (lambda t: t.full_tensor()) if isinstance(first, DTensor) else (lambda t: t)
+    first.register_post_accumulate_grad_hook(lambda p: seen.append(whole(p.grad).clone()))
+    for batch in batches:
+        pm(*batch).backward()
+        eager(*batch).backward()
+    out["grad_kind"] = type(first.grad) is type(first.data) and getattr(first.grad, "placements", None) == getattr(
+        first, "placements", None
+    )
+    out["hook_calls"] = len(seen) == 2 and torch.equal(seen[1], whole(first.grad)) and not torch.equal(seen[0], seen[1])
+    out["accumulated_rel"] = max_rel_diff(pm.full_grads(), {n: p.grad for n, p in eager.named_parameters()})
+    return out
+
+
+def _check_hooks(result: dict, sharded: bool) -> None:
+    if sharded:  # the graph computes a DTensor's gradient on its local shard: the hook would not run
+        assert re.search(r"before autopar.compile.*register_post_accumulate_grad_hook", result["hook"]), result["hook"]
+    else:  # the graph reads the plain parameter itself: its hook runs, as in eager
+        assert result["hook"] == "ran"
+    assert result["hook_grad_rel"] < 1e-6
+    assert result["grad_kind"] and result["hook_calls"]
+    assert result["accumulated_rel"] < TOL
+
+
+def test_tensor_hooks_and_gradient_accumulation_on_plain_parameters(world_of_one):
+    """On one rank every parameter is replicated, so plain: ``p.register_hook`` runs as in eager,
+    each backward's gradient lands in ``.grad`` (the first as the leaf's own tensor, later ones
+    added into it), post-accumulate-grad hooks run once per backward with that backward's sum,
+    and two backwards equal eager's."""
+    _check_hooks(_hooks((1,)), sharded=False)
+
+
+@pytest.mark.multiproc
+def test_tensor_hooks_and_gradient_accumulation_on_dtensor_parameters(results):
+    """On two ranks under "fsdp": ``p.register_hook`` on a DTensor parameter would never run (the
+    gradient is computed on the local shard), so the next call says so and names what works; the
+    ``.grad`` is a DTensor with the parameter's placements, accumulated and hooked as eager's."""
+    for by_case in results[2]:
+        _check_hooks(by_case["hooks"], sharded=True)
 
 
 def test_an_optimizer_over_the_original_models_parameters_is_rebound(world_of_one):
@@ -300,24 +379,3 @@ def test_the_models_weights_are_freed_once_the_caller_drops_it(world_of_one, com
     del model
     assert weight() is None
     pm(*batch).backward()  # the module runs on its own copy
-
-
-def test_gradients_accumulate_as_eagers_and_post_accumulate_hooks_see_each(world_of_one):
-    """Each backward's gradient lands in the DTensor ``.grad`` (the first as the leaf's own tensor,
-    later ones added into it) and the parameter's post-accumulate-grad hooks run once per
-    backward, with the ``.grad`` holding that backward's sum; two backwards equal eager's."""
-    model = build_model("mlp", seed=0, d_in=8, d_hidden=16, d_out=4).to(DTYPE)
-    eager = copy.deepcopy(model)
-    batches = [
-        tuple(t.to(DTYPE) for t in example_batch("mlp", batch_size=4, seed=s, d_in=8, d_hidden=16, d_out=4)) for s in (1, 2)
-    ]
-    pm = autopar.compile(model, (1,), example_inputs=batches[0], cluster="cpu")
-    seen: list[torch.Tensor] = []
-    first = next(iter(pm.parameters()))
-    first.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.full_tensor().clone()))
-    for batch in batches:
-        pm(*batch).backward()
-        eager(*batch).backward()
-    assert isinstance(first.grad, DTensor) and first.grad.placements == first.placements
-    assert len(seen) == 2 and torch.equal(seen[1], first.grad.full_tensor()) and not torch.equal(seen[0], seen[1])
-    assert max_rel_diff(pm.full_grads(), {n: p.grad for n, p in eager.named_parameters()}) < TOL
