@@ -1,7 +1,7 @@
 """A DDP script changes by one line: ``examples/nanogpt/train.py`` (nanoGPT's habits: per-rank
 seeds, the optimizer built before the wrap, ``model.module``, evaluation and checkpoints on the
 master rank alone, ``require_backward_grad_sync``, a resume) with its wrap line switched between
-DDP and ``autopar.compile`` runs on 2 gloo ranks, and its losses equal one eager process on the
+DDP and ``autopar.compile`` runs on 2 gloo ranks (and autopar's on 4), and its losses equal one eager process on the
 same global batches (float64, 1e-6 relative; they agree to about 1e-15)."""
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def test_the_ddp_script_with_autopar_equals_ddp_and_eager(rank_pool, tmp_path, m
     runs = {wrap: pool.run(_on_rank, str(tmp_path / wrap), wrap, False, timeout_s=240)[0] for wrap in ("autopar", "ddp")}
     # the master saved at iterations 0 and 2; a resume from iteration 2 gives iterations 2 and 3 again
     resumed = pool.run(_on_rank, str(tmp_path / "autopar"), "autopar", True, timeout_s=240)[0]
+    runs["autopar on 4 ranks"] = rank_pool(4).run(_on_rank, str(tmp_path / "four"), "autopar", False, timeout_s=300)[0]
     want = dict(_pairs(eager))
     assert len(want) == 8, eager
     for name, lines in [*runs.items(), ("autopar resumed", resumed)]:
