@@ -46,18 +46,37 @@ def fingerprint(leaves: list[Any], device: torch.device) -> torch.Tensor:
     """Three float64 numbers that differ, almost surely, between two different lists of tensors:
     the tensors' sizes (each weighted by its place), the sum of their rows' sums, and that sum
     weighted by row position (so that reordered rows differ). Sums accumulate in float64 and make
-    no float64 copy of the inputs' elements beyond the row sums."""
-    count = total = weighted = torch.zeros((), dtype=torch.float64, device=device)
+    no float64 copy of the inputs' elements beyond the row sums. A handful of ops in all, whatever
+    the number of tensors: it runs on every call."""
+    count, sums, layout = 0.0, [], []
     for index, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             continue
         rows = leaf.detach().reshape(leaf.shape[0] if leaf.dim() else 1, -1)
-        sums = torch.nan_to_num(rows.sum(dim=1, dtype=torch.float64)).to(device)
-        weights = torch.arange(sums.numel(), dtype=torch.float64, device=device).remainder_(_PRIME).add_(index + 1)
-        count = count + (index + 1) * (leaf.numel() + sum(size * (dim + 1) * _PRIME for dim, size in enumerate(leaf.shape)))
-        total = total + sums.sum()
-        weighted = weighted + (sums * weights).sum()
-    return torch.stack([count, total, weighted])
+        sums.append(rows.sum(dim=1, dtype=torch.float64).to(device))
+        layout.append((rows.shape[0], index))
+        count += (index + 1) * (leaf.numel() + sum(size * (dim + 1) * _PRIME for dim, size in enumerate(leaf.shape)))
+    if not sums:
+        return torch.tensor([count, 0.0, 0.0], dtype=torch.float64, device=device)
+    flat = torch.nan_to_num(torch.cat(sums))
+    both = torch.stack([flat.sum(), flat.dot(_row_weights(tuple(layout), device))])
+    return torch.cat([torch.tensor([count], dtype=torch.float64, device=device), both])
+
+
+_WEIGHTS: dict[tuple, torch.Tensor] = {}
+
+
+def _row_weights(layout: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    """Each row's weight in ``fingerprint``: its position in its tensor, cycling through 1..251,
+    plus the tensor's place; made once per layout of (rows, place) and device."""
+    key = (layout, device)
+    weights = _WEIGHTS.get(key)
+    if weights is None:
+        if len(_WEIGHTS) > 64:  # shapes that keep changing: keep the cache small
+            _WEIGHTS.clear()
+        parts = [torch.arange(rows, dtype=torch.float64).remainder_(_PRIME).add_(index + 1) for rows, index in layout]
+        weights = _WEIGHTS[key] = torch.cat(parts).to(device)
+    return weights
 
 
 class DataMismatchError(ValueError):
@@ -178,9 +197,7 @@ def start_check(
         [
             torch.tensor([group, float(refusal is not None)], dtype=torch.float64, device=device),
             fingerprint(leaves, device),
-            torch.tensor(drawn, dtype=torch.float64, device=device),
-            torch.tensor([float(call[0]), float(call[1])], dtype=torch.float64, device=device),
-            torch.tensor([shapes], dtype=torch.float64, device=device),
+            torch.tensor([*drawn, float(call[0]), float(call[1]), shapes], dtype=torch.float64, device=device),
         ]
     )
     gathered = torch.empty(dist.get_world_size() * _FIELDS, dtype=torch.float64, device=device)
@@ -195,10 +212,10 @@ def start_check(
         if not pending:
             return
         collectives.call_on_world("all-gather (data check)", pending.pop().wait)
-        table = rows.cpu()  # one device sync on a GPU, not one per rank and field read below
+        table = rows.tolist()  # one device sync on a GPU; the checks below read Python floats (host time)
         try:
-            check_same_call(table[:, 7:9])
-            refused = [rank for rank in range(table.shape[0]) if table[rank, 1] != 0]
+            check_same_call([row[7:9] for row in table])
+            refused = [rank for rank, row in enumerate(table) if row[1] != 0]
             if refused:
                 raise ValueError(f"ranks {refused} refused this call (see their errors); every rank stops here")
             _check_same_shapes(table)
@@ -264,16 +281,17 @@ def _nothing() -> None:
     pass
 
 
-def check_same_call(calls: torch.Tensor) -> None:
+def check_same_call(calls: "torch.Tensor | list[list[float]]") -> None:
     """Refuse on every rank where ranks are at different calls (``calls``: per rank, its count of
     calls and its train mode): a forward that only some ranks run (an evaluation on rank 0 alone)
     would otherwise wait for the others until the process-group timeout, or pair with their next call."""
-    seen = {(int(count), bool(training)) for count, training in calls.tolist()}
+    calls = _listed(calls)
+    seen = {(int(count), bool(training)) for count, training in calls}
     if len(seen) == 1:
         return
     where = "; ".join(
         f"rank {rank}: call {int(count)} in {'train' if training else 'eval'} mode"
-        for rank, (count, training) in enumerate(calls.tolist())
+        for rank, (count, training) in enumerate(calls)
     )
     raise PartialCallError(
         f"every rank must call the compiled module, each call on every rank, but the ranks are in different calls "
@@ -284,12 +302,18 @@ def check_same_call(calls: torch.Tensor) -> None:
     )
 
 
-def _check_same_data(rows: torch.Tensor, layout: DataLayout) -> None:
+def _listed(rows: "torch.Tensor | list[list[float]]") -> list[list[float]]:
+    """The gathered table (a row per rank) as Python floats."""
+    return rows.tolist() if isinstance(rows, torch.Tensor) else rows
+
+
+def _check_same_data(rows: "torch.Tensor | list[list[float]]", layout: DataLayout) -> None:
+    rows = _listed(rows)
     first: dict[int, int] = {}
-    for rank in range(rows.shape[0]):
-        dp_rank = int(rows[rank, 0])
+    for rank, row in enumerate(rows):
+        dp_rank = int(row[0])
         other = first.setdefault(dp_rank, rank)
-        if torch.equal(rows[rank, 2:5], rows[other, 2:5]):
+        if row[2:5] == rows[other][2:5]:
             continue
         if not layout.per_rank:
             raise DataMismatchError(
@@ -309,8 +333,8 @@ def _check_same_data(rows: torch.Tensor, layout: DataLayout) -> None:
         )
 
 
-def _check_same_shapes(rows: torch.Tensor) -> None:
-    differ = [rank for rank in range(rows.shape[0]) if rows[rank, 9] != rows[0, 9]]
+def _check_same_shapes(rows: list[list[float]]) -> None:
+    differ = [rank for rank, row in enumerate(rows) if row[9] != rows[0][9]]
     if differ:
         raise ValueError(
             f"ranks 0 and {differ[0]} passed inputs of different shapes: every rank must pass inputs of the same "
@@ -319,11 +343,11 @@ def _check_same_shapes(rows: torch.Tensor) -> None:
         )
 
 
-def _check_same_random(rows: torch.Tensor, random: RandomOps) -> None:
+def _check_same_random(rows: list[list[float]], random: RandomOps) -> None:
     first: dict[int, int] = {}
-    for rank in range(rows.shape[0]):
-        other = first.setdefault(int(rows[rank, 5]), rank)
-        if rows[rank, 6] == rows[other, 6]:
+    for rank, row in enumerate(rows):
+        other = first.setdefault(int(row[5]), rank)
+        if row[6] == rows[other][6]:
             continue
         nodes = ", ".join(random.nodes[:3]) + (f" and {len(random.nodes) - 3} more" if len(random.nodes) > 3 else "")
         raise ValueError(
