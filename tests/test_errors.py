@@ -353,3 +353,32 @@ def test_trainer_checkpoints_refuse_best_model_tracking_with_the_strategies_they
         message = str(info.value)
         assert "cannot track the best checkpoint" in message
         assert "load_best_model_at_end=False" in message and "'steps' or 'epoch'" in message
+
+
+def test_pickling_a_compiled_module_names_its_state_dict_and_dcp(compiled_mlp):
+    import io
+
+    from autopar.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as info:
+        torch.save(compiled_mlp, io.BytesIO())
+    message = str(info.value)
+    assert message.startswith("a compiled module cannot be pickled")
+    assert "pm.module.state_dict() on every rank" in message and "autopar.checkpoint.save" in message
+
+
+def test_trainers_own_save_names_the_callback(one_rank_group, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from autopar.errors import CheckpointError
+    from tests.runtime import hf_trainer_job as job
+
+    pm = autopar.compile(job.tiny_llama(), mesh=(1,), example_kwargs=job.example_batch(), cluster="cpu")
+    trainer = Trainer(model=pm, args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True))
+    with pytest.raises(CheckpointError) as info:
+        trainer.save_model()
+    message = str(info.value)
+    assert "saves the model from rank 0 alone" in message
+    assert "callbacks=[autopar.checkpoint.trainer_callback()]" in message and "pm.module.save_pretrained" in message

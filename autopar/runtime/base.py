@@ -28,6 +28,8 @@ from autopar.ops.params import local_of
 from autopar.runtime import originals
 from autopar.runtime.checkpoint import device_mesh, model_state_dict
 from autopar.runtime.offload import grad_key, param_key
+from autopar.runtime.pickling import NotPickled
+from autopar.runtime.trainer_saves import refuse_trainer_save
 from autopar.trace import TracedModel, requires_grad
 from autopar.trace.aliases import check_call_aliases, written_inputs
 
@@ -132,7 +134,7 @@ def call_mismatch(args, kwargs, in_spec, names: list[str]) -> str:
     return "; ".join(problems)
 
 
-class ShardedModule(torch.nn.Module):
+class ShardedModule(NotPickled, torch.nn.Module):
     """This rank's shards of a traced model, cut by a plan on a mesh of ``mesh_shape``.
 
     A subclass fills ``self.module`` (``attach``) with the shards it holds and runs the graph.
@@ -245,6 +247,7 @@ class ShardedModule(torch.nn.Module):
         rank's shard (no copy). For ``torch.distributed.checkpoint``: ``dcp.save(pm.state_dict(),
         checkpoint_id=path)``; ``sd = pm.state_dict(); dcp.load(sd, checkpoint_id=path)`` reads
         into the shards (DCP puts a pipeline's parts together into the whole model)."""
+        refuse_trainer_save()  # Hugging Face Trainer's save, from rank 0 alone (runtime.trainer_saves)
         out = model_state_dict(self)
         if destination is None:
             return out if not prefix else {prefix + k: v for k, v in out.items()}

@@ -29,6 +29,8 @@ from typing import Any, Mapping
 
 import torch
 
+from autopar.runtime.pickling import NotPickled
+
 # The hook tables of ``pm.module``'s shells start empty: the model's own hooks were traced into
 # the graph, and the root runs that graph (a copied root hook would apply twice). Each shell keeps
 # its model module's hooks aside (``_SAVED_HOOKS``) for ``local_model``, which runs the model
@@ -46,7 +48,7 @@ _SAVED_HOOKS = "_autopar_model_hooks"
 _CLASSES: dict[type, type] = {}
 
 
-class DistributedModel:
+class DistributedModel(NotPickled):
     """Mixed in before the model's class at the root of ``pm.module`` (see the module docstring)."""
 
     _autopar_owner: Any  # the ParallelModule, in __dict__: not a submodule (that would be a cycle)
