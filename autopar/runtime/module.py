@@ -29,7 +29,7 @@ from autopar.runtime import shapes
 from autopar.runtime.model_view import ModelAttributes, local_model, model_view
 from autopar.runtime.offload import param_key
 from autopar.runtime.checkpoint import to_dtensor
-from autopar.runtime import loaded_state, originals
+from autopar.runtime import loaded_state, originals, trainer_saves
 from autopar.runtime.checkpoint import load_model_state_dict
 
 log = logging.getLogger("autopar")
@@ -111,6 +111,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
         originals.bind(model, self, set(self._leaves) if offloader is None else set())  # optimizers built before
         loaded_state.track(self, {traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, DTensor)})
+        trainer_saves.watch_trainers(self)  # Trainer's own saves (rank 0 alone) are refused at its first step
 
     def _make_shards(
         self,
