@@ -7,10 +7,10 @@ tensors beside parameters that are DTensor shards, and the next ``step()`` would
 (torch refuses it, or a foreach kernel reads the wrong rows). Trainer's resume loads the optimizer
 that way on every rank, so ``track`` registers a module's DTensor parameters, and a global
 optimizer step pre-hook cuts each whole plain state tensor of one of them to this rank's shard
-(``pm.shard_like``: a DTensor with the parameter's placements) before the step that follows a
-load. ``load_state_dict`` replaces ``optimizer.state`` with a new dict, so the hook looks at an
-optimizer's state only when that dict is another one than at its last step: a step in between
-costs one identity check. Parameters are held weakly, as their modules are.
+(``pm.shard_like``: a DTensor with the parameter's placements) at the first step of each
+optimizer (Trainer builds it, loads the checkpoint, then steps), and registers on that optimizer a
+``load_state_dict`` post-hook that cuts a state loaded later at once. Every later step costs one
+lookup. Parameters and optimizers are held weakly, as their modules are.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from autopar.errors import CheckpointError
 
 # id(parameter) -> (a weak reference to it, to its compiled module; its FQN in that module)
 _TRACKED: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
-_SEEN: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()  # -> id(its state)
+_SEEN: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers that stepped since tracking
 _HOOK: list[Any] = []
 
 
@@ -42,10 +42,11 @@ def track(pm: Any, params: dict[str, torch.Tensor]) -> None:
 
 
 def _cut_loaded_state(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    if not _TRACKED or _SEEN.get(optimizer) == id(optimizer.state):
+    if not _TRACKED or optimizer in _SEEN:
         return
-    _SEEN[optimizer] = id(optimizer.state)
-    cut_whole_state(optimizer)
+    _SEEN.add(optimizer)
+    cut_whole_state(optimizer)  # a state loaded before the first step
+    optimizer.register_load_state_dict_post_hook(cut_whole_state)  # one loaded after it
 
 
 @torch.no_grad()
@@ -61,9 +62,11 @@ def cut_whole_state(optimizer: torch.optim.Optimizer) -> int:
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
                 if tuple(value.shape) != tuple(param.shape):
                     raise CheckpointError(
-                        f"optimizer state {key!r} of parameter {entry[2]} has shape {tuple(value.shape)}, neither the "
-                        f"parameter's whole shape {tuple(param.shape)} nor a DTensor shard: was the optimizer state "
-                        "loaded from a checkpoint of another model?"
+                        f"optimizer state {key!r} of parameter {entry[2]} was loaded as a plain tensor of shape "
+                        f"{tuple(value.shape)}, neither the parameter's whole shape {tuple(param.shape)} nor a DTensor "
+                        "shard, so it cannot be cut to this rank's shard (only state shaped like its parameter can, as "
+                        "AdamW's and SGD's): was it saved from another model? Save and load the optimizer with "
+                        "autopar.checkpoint.save/load(path, pm, optimizer)"
                     )
                 state[key] = pm.shard_like(entry[2], value)
                 cut += 1

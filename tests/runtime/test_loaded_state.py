@@ -49,3 +49,17 @@ def test_a_whole_optimizer_state_loaded_into_a_torch_optimizer_steps_the_shards(
     for param, want in zip(pm.parameters(), after_first):
         assert torch.equal(param.detach().to_local(), want)
     assert all(isinstance(second.state[p]["exp_avg"], DTensor) for p in pm.parameters())
+
+
+def test_a_state_loaded_after_the_first_step_is_cut_at_the_load(world_of_one):
+    torch.manual_seed(0)
+    batch = (torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32)))
+    pm = autopar.compile(GPT(GPTConfig()), (1,), example_inputs=batch, cluster="cpu")
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm(*batch)[1].backward()
+    optimizer.step()
+    file = io.BytesIO()
+    torch.save(whole_optimizer_state(optimizer), file)
+    file.seek(0)
+    optimizer.load_state_dict(torch.load(file))
+    assert all(isinstance(optimizer.state[p]["exp_avg"], DTensor) for p in pm.parameters())
