@@ -69,8 +69,10 @@ def _check_trainer(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
         return
     strategy = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy))
     callbacks = trainer.callback_handler.callbacks
+    own_save = type(trainer)._save_checkpoint is sys.modules["transformers.trainer"].Trainer._save_checkpoint
     if (
         trainer.model in _MODULES
+        and own_save  # a subclass that saves its own way is left to it (its _save still refuses, at a save)
         and strategy != "no"
         and not any(getattr(callback, "saves_compiled_modules", False) for callback in callbacks)
     ):
