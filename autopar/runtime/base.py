@@ -21,12 +21,14 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
+from autopar.ir.data import DataLayout
 from autopar.ir.plan import Plan
 from autopar.ir.spec import Spec, is_sharded, is_strided, shard_tensor
 from autopar.ops import collectives
 from autopar.ops.params import local_of
 from autopar.runtime import originals
 from autopar.runtime.checkpoint import device_mesh, model_state_dict
+from autopar.runtime.data import GATHER, start_check
 from autopar.runtime.offload import grad_key, param_key
 from autopar.runtime.pickling import NotPickled
 from autopar.runtime.trainer_saves import refuse_trainer_save
@@ -290,6 +292,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
         dict; non-persistent buffers left out), so ``model.load_state_dict(pm.full_state_dict())``
         loads into the unsharded model.
         """
+        self._agree_on_gather()
         out: dict[str, torch.Tensor] = {}
         whole: dict[str, torch.Tensor] = {}
         for fqn in self._state_keys:
@@ -298,6 +301,22 @@ class ShardedModule(NotPickled, torch.nn.Module):
                 whole[canonical] = self._gather(fqn, self._local(fqn) if self._contributes(fqn) else None)
             out[fqn] = whole[canonical]
         return out
+
+    def _gathers(self) -> bool:
+        """Whether putting the whole state together needs other ranks: a tensor the plan shards."""
+        return any(is_sharded(placement) for spec in self._plan.params.values() for placement in spec)
+
+    def _agree_on_gather(self) -> None:
+        """Every rank gathers the whole state together. One all-gather, the same as a forward's data
+        check (``runtime.data``), so a rank that gathers alone (a checkpoint on the master rank of a
+        sharded plan) meets the others' next forward, and every rank raises at once instead of
+        waiting out the process-group timeout. Nothing where no other rank is needed."""
+        if dist.get_world_size() == 1 or not self._gathers():
+            return
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        whole = DataLayout("whole", (), (dist.get_world_size(),))
+        count = int(getattr(self, "_num_calls", 0))
+        start_check(list, [], whole, (0,), device, None, (count, GATHER))[1]()
 
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor | None]:

@@ -264,6 +264,10 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         self._random = self._stage_random_ops(traced, plan, coordinate)
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
 
+    def _gathers(self) -> bool:
+        """The whole state needs every stage (a broadcast from the one that holds each tensor)."""
+        return True
+
     def _holder(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model's own classes hold this stage's shards (``runtime.model_view``), as ParallelModule's."""
         return model_view(model, self)
