@@ -382,3 +382,13 @@ def test_trainers_own_save_names_the_callback(one_rank_group, tmp_path):
     message = str(info.value)
     assert "saves the model from rank 0 alone" in message
     assert "callbacks=[autopar.checkpoint.trainer_callback()]" in message and "pm.module.save_pretrained" in message
+
+
+def test_a_gather_of_the_whole_state_on_some_ranks_names_calling_it_on_every_rank():
+    from autopar.runtime.data import GATHER, PartialCallError, check_same_call
+
+    with pytest.raises(PartialCallError) as info:
+        check_same_call(torch.tensor([[4.0, float(GATHER)], [5.0, 1.0]]))
+    message = str(info.value)
+    assert "rank 0: gathering the whole state after call 4; rank 1: call 5 in train mode" in message
+    assert "Call it on every rank and let rank 0 alone write the file" in message
