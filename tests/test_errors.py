@@ -353,3 +353,42 @@ def test_trainer_checkpoints_refuse_best_model_tracking_with_the_strategies_they
         message = str(info.value)
         assert "cannot track the best checkpoint" in message
         assert "load_best_model_at_end=False" in message and "'steps' or 'epoch'" in message
+
+
+def test_pickling_a_compiled_module_names_its_state_dict_and_dcp(compiled_mlp):
+    import io
+
+    from autopar.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as info:
+        torch.save(compiled_mlp, io.BytesIO())
+    message = str(info.value)
+    assert message.startswith("a compiled module cannot be pickled")
+    assert "pm.module.state_dict() on every rank" in message and "autopar.checkpoint.save" in message
+
+
+def test_trainers_own_save_names_the_callback(one_rank_group, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from autopar.errors import CheckpointError
+    from tests.runtime import hf_trainer_job as job
+
+    pm = autopar.compile(job.tiny_llama(), mesh=(1,), example_kwargs=job.example_batch(), cluster="cpu")
+    trainer = Trainer(model=pm, args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True))
+    with pytest.raises(CheckpointError) as info:
+        trainer.save_model()
+    message = str(info.value)
+    assert "saves the model from rank 0 alone" in message
+    assert "callbacks=[autopar.checkpoint.trainer_callback()]" in message and "pm.module.save_pretrained" in message
+
+
+def test_a_gather_of_the_whole_state_on_some_ranks_names_calling_it_on_every_rank():
+    from autopar.runtime.data import GATHER, PartialCallError, check_same_call
+
+    with pytest.raises(PartialCallError) as info:
+        check_same_call(torch.tensor([[4.0, float(GATHER)], [5.0, 1.0]]))
+    message = str(info.value)
+    assert "rank 0: gathering the whole state after call 4; rank 1: call 5 in train mode" in message
+    assert "Call it on every rank and let rank 0 alone write the file" in message

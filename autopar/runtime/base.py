@@ -21,13 +21,17 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
+from autopar.ir.data import DataLayout
 from autopar.ir.plan import Plan
 from autopar.ir.spec import Spec, is_sharded, is_strided, shard_tensor
 from autopar.ops import collectives
 from autopar.ops.params import local_of
 from autopar.runtime import originals
 from autopar.runtime.checkpoint import device_mesh, model_state_dict
+from autopar.runtime.data import GATHER, start_check
 from autopar.runtime.offload import grad_key, param_key
+from autopar.runtime.pickling import NotPickled
+from autopar.runtime.trainer_saves import refuse_trainer_save
 from autopar.trace import TracedModel, requires_grad
 from autopar.trace.aliases import check_call_aliases, written_inputs
 
@@ -132,7 +136,7 @@ def call_mismatch(args, kwargs, in_spec, names: list[str]) -> str:
     return "; ".join(problems)
 
 
-class ShardedModule(torch.nn.Module):
+class ShardedModule(NotPickled, torch.nn.Module):
     """This rank's shards of a traced model, cut by a plan on a mesh of ``mesh_shape``.
 
     A subclass fills ``self.module`` (``attach``) with the shards it holds and runs the graph.
@@ -245,6 +249,7 @@ class ShardedModule(torch.nn.Module):
         rank's shard (no copy). For ``torch.distributed.checkpoint``: ``dcp.save(pm.state_dict(),
         checkpoint_id=path)``; ``sd = pm.state_dict(); dcp.load(sd, checkpoint_id=path)`` reads
         into the shards (DCP puts a pipeline's parts together into the whole model)."""
+        refuse_trainer_save()  # Hugging Face Trainer's save, from rank 0 alone (runtime.trainer_saves)
         out = model_state_dict(self)
         if destination is None:
             return out if not prefix else {prefix + k: v for k, v in out.items()}
@@ -287,6 +292,7 @@ class ShardedModule(torch.nn.Module):
         dict; non-persistent buffers left out), so ``model.load_state_dict(pm.full_state_dict())``
         loads into the unsharded model.
         """
+        self._agree_on_gather()
         out: dict[str, torch.Tensor] = {}
         whole: dict[str, torch.Tensor] = {}
         for fqn in self._state_keys:
@@ -295,6 +301,22 @@ class ShardedModule(torch.nn.Module):
                 whole[canonical] = self._gather(fqn, self._local(fqn) if self._contributes(fqn) else None)
             out[fqn] = whole[canonical]
         return out
+
+    def _gathers(self) -> bool:
+        """Whether putting the whole state together needs other ranks: a tensor the plan shards."""
+        return any(is_sharded(placement) for spec in self._plan.params.values() for placement in spec)
+
+    def _agree_on_gather(self) -> None:
+        """Every rank gathers the whole state together. One all-gather, the same as a forward's data
+        check (``runtime.data``), so a rank that gathers alone (a checkpoint on the master rank of a
+        sharded plan) meets the others' next forward, and every rank raises at once instead of
+        waiting out the process-group timeout. Nothing where no other rank is needed."""
+        if dist.get_world_size() == 1 or not self._gathers():
+            return
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        whole = DataLayout("whole", (), (dist.get_world_size(),))
+        count = int(getattr(self, "_num_calls", 0))
+        start_check(list, [], whole, (0,), device, None, (count, GATHER))[1]()
 
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor | None]:

@@ -164,7 +164,7 @@ def start_check(
     coordinate: tuple[int, ...],
     device: torch.device,
     random: RandomOps | None = None,
-    call: tuple[int, bool] = (0, False),
+    call: tuple[int, int] = (0, False),
     shapes: float = 0.0,
 ) -> tuple[_T, Callable[[], None]]:
     """``validate()`` (the call's own checks, which return its flat inputs) and the launch of one
@@ -177,7 +177,7 @@ def start_check(
     plan's forward has none before its loss). A rank that refuses waits for the gather and raises
     at once; the others raise at their settle, before any collective that rank would not join.
     ``random``: the graph's random ops that need this rank's generators in step with others'.
-    ``call``: (how many calls of the module this rank made, its train mode), which must agree.
+    ``call``: (how many calls of the module this rank made, its train mode or ``GATHER``), which must agree.
     ``shapes``: a number of the call's input shapes (``runtime.shapes.key_number``), which must be
     the same on every rank: a rank that meets new shapes settles before it plans them."""
     if any(isinstance(leaf, torch.Tensor) and (leaf.is_meta or is_fake(leaf)) for leaf in leaves):
@@ -281,18 +281,35 @@ def _nothing() -> None:
     pass
 
 
+# The mode code of a ``call`` that gathers the whole state (``ShardedModule.full_state_dict``),
+# beside a forward's 0 (eval) and 1 (train): every rank must gather together, as every rank calls.
+GATHER = 2
+
+
+def _call_name(count: float, mode: float) -> str:
+    if int(mode) == GATHER:
+        return f"gathering the whole state after call {int(count)}"
+    return f"call {int(count)} in {'train' if mode else 'eval'} mode"
+
+
 def check_same_call(calls: "torch.Tensor | list[list[float]]") -> None:
     """Refuse on every rank where ranks are at different calls (``calls``: per rank, its count of
-    calls and its train mode): a forward that only some ranks run (an evaluation on rank 0 alone)
-    would otherwise wait for the others until the process-group timeout, or pair with their next call."""
+    calls and its mode: eval, train or ``GATHER``): a forward or a gather of the whole state that
+    only some ranks run (an evaluation or a checkpoint on rank 0 alone) would otherwise wait for the
+    others until the process-group timeout, or pair with their next call."""
     calls = _listed(calls)
-    seen = {(int(count), bool(training)) for count, training in calls}
+    seen = {(int(count), int(mode)) for count, mode in calls}
     if len(seen) == 1:
         return
-    where = "; ".join(
-        f"rank {rank}: call {int(count)} in {'train' if training else 'eval'} mode"
-        for rank, (count, training) in enumerate(calls)
-    )
+    where = "; ".join(f"rank {rank}: {_call_name(count, mode)}" for rank, (count, mode) in enumerate(calls))
+    if any(mode == GATHER for _, mode in seen):
+        raise PartialCallError(
+            f"every rank must gather the whole state of a compiled module together, but the ranks are in different "
+            f"calls ({where}): pm.module.state_dict(), pm.full_state_dict() and save_pretrained gather the shards "
+            "from every rank where the plan shards a tensor. Call it on every rank and let rank 0 alone write the "
+            "file (torch.save on rank 0; save_pretrained does it), or save a sharded checkpoint on every rank with "
+            "autopar.checkpoint.save(path, pm, optimizer)"
+        )
     raise PartialCallError(
         f"every rank must call the compiled module, each call on every rank, but the ranks are in different calls "
         f"({where}): a forward that some ranks skip (an evaluation on rank 0 alone) meets another call of the others. "

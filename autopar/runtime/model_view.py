@@ -19,7 +19,12 @@ the parameter ``pm`` trains (plain where the plan replicates every parameter), o
 ``pm``'s parameters), ``.full_tensor()`` gathers it, ``.to_local()`` is this rank's shard. A
 submodule called directly (``self.transformer.wte(idx)``) would run eagerly on DTensors and fail
 on plain inputs: call the model itself. The compiled module's other attribute lookups fall
-through to this one (``ParallelModule.__getattr__``): ``pm.config``, ``pm.generate(...)``.
+through to this one (``ModelAttributes.__getattr__``): ``pm.config``, ``pm.generate(...)``.
+
+A pipelined module (``PipelineParallelModule``) has the same view over the shards of this rank's
+stage: a method that reads parameters sees those only (plain tensors, the stage's shards; the other
+stages' modules hold none), ``state_dict()`` is still the whole model's (gathered from every stage),
+and calling the model runs a pipeline step, which returns the loss alone (so ``generate`` cannot run).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from collections import OrderedDict
 from typing import Any, Mapping
 
 import torch
+
+from autopar.runtime.pickling import NotPickled
 
 # The hook tables of ``pm.module``'s shells start empty: the model's own hooks were traced into
 # the graph, and the root runs that graph (a copied root hook would apply twice). Each shell keeps
@@ -46,7 +53,7 @@ _SAVED_HOOKS = "_autopar_model_hooks"
 _CLASSES: dict[type, type] = {}
 
 
-class DistributedModel:
+class DistributedModel(NotPickled):
     """Mixed in before the model's class at the root of ``pm.module`` (see the module docstring)."""
 
     _autopar_owner: Any  # the ParallelModule, in __dict__: not a submodule (that would be a cycle)
@@ -67,6 +74,27 @@ class DistributedModel:
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         return self._autopar_owner.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class ModelAttributes:
+    """Mixed into the compiled modules (``ParallelModule``, ``PipelineParallelModule``): what the
+    module is not, the model is. ``pm.config``, ``pm.generate(...)``, ``pm.transformer`` come from
+    ``pm.module`` (the view), where calling the model runs the compiled module."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]  # nn.Module's: parameters, buffers, submodules
+        except AttributeError:
+            view = self.__dict__.get("_modules", {}).get("module")
+            if view is None or name.startswith("__"):
+                raise
+        try:
+            return getattr(view, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute {name!r}, and neither has the model "
+                f"({type(view).__bases__[-1].__name__})"
+            ) from None
 
 
 def distributed_class(cls: type) -> type:

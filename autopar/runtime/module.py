@@ -26,10 +26,10 @@ from autopar.runtime.data import RandomOps, random_ops, start_check, writes_stat
 from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
 from autopar.runtime import shapes
-from autopar.runtime.model_view import local_model, model_view
+from autopar.runtime.model_view import ModelAttributes, local_model, model_view
 from autopar.runtime.offload import param_key
 from autopar.runtime.checkpoint import to_dtensor
-from autopar.runtime import originals
+from autopar.runtime import loaded_state, originals, trainer_saves
 from autopar.runtime.checkpoint import load_model_state_dict
 
 log = logging.getLogger("autopar")
@@ -37,7 +37,7 @@ log = logging.getLogger("autopar")
 _LOCAL_MODELS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
 
 
-class ParallelModule(ShardedModule):
+class ParallelModule(ModelAttributes, ShardedModule):
     """Runs the rewritten graph on this rank's shards.
 
     Called like the original model with whole inputs (the same on every rank), or under a plan
@@ -116,6 +116,8 @@ class ParallelModule(ShardedModule):
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
         held = {fqn for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}
         originals.bind(model, self, held if offloader is None else set())  # optimizers built before
+        loaded_state.track(self, {traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, DTensor)})
+        trainer_saves.watch_trainers(self)  # Trainer's own saves (rank 0 alone) are refused at its first step
 
     def _make_shards(
         self,
@@ -406,23 +408,6 @@ class ParallelModule(ShardedModule):
         if torch.compiler.is_compiling():
             warn_not_compiled()
         return run_eager(getattr(self, run.attr), values, self._offloader)
-
-    def __getattr__(self, name: str) -> Any:
-        """What the module is not, the model is: ``pm.config``, ``pm.generate(...)``, ``pm.transformer``
-        come from ``pm.module`` (``runtime.model_view``), where calling the model runs this module."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            view = self.__dict__.get("_modules", {}).get("module")
-            if view is None or name.startswith("__"):
-                raise
-        try:
-            return getattr(view, name)
-        except AttributeError:
-            raise AttributeError(
-                f"'{type(self).__name__}' object has no attribute {name!r}, and neither has the model "
-                f"({type(view).__bases__[-1].__name__})"
-            ) from None
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The parameters under the model's own names, as ``state_dict()`` and the eager model's

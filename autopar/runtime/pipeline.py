@@ -78,6 +78,7 @@ from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict
 from autopar.runtime.data import DataMismatchError, RandomOps, random_ops, start_check
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
+from autopar.runtime.model_view import ModelAttributes, model_view
 from autopar.runtime.microbatch_loss import label_counts
 from autopar.runtime.module import world_timeout
 from autopar.trace import TracedModel, requires_grad
@@ -215,7 +216,7 @@ def _stage_view(plan: Plan) -> Plan:
     return dataclasses.replace(plan, mesh_shape=tuple(plan.pipeline.stage_mesh), pipeline=None, stats={})
 
 
-class PipelineParallelModule(ShardedModule):
+class PipelineParallelModule(ModelAttributes, ShardedModule):
     """The sibling of ParallelModule for a pipelined plan (see the module docstring for what a call does).
 
     ``pm.module`` holds this rank's stage's shards under the model's names; ``pm.graph`` is the
@@ -262,6 +263,14 @@ class PipelineParallelModule(ShardedModule):
         self._schedule = self._make_schedule(split, loss_node, tensors)
         self._random = self._stage_random_ops(traced, plan, coordinate)
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
+
+    def _gathers(self) -> bool:
+        """The whole state needs every stage (a broadcast from the one that holds each tensor)."""
+        return True
+
+    def _holder(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model's own classes hold this stage's shards (``runtime.model_view``), as ParallelModule's."""
+        return model_view(model, self)
 
     def _hold_tensors(self, model: torch.nn.Module, split: torch.fx.GraphModule, init) -> dict[str, torch.Tensor]:
         """Attach this stage's shards to ``self.module``; return placeholder name → tensor.

@@ -44,6 +44,8 @@ class TrainerCheckpoints(TrainerCallback):
     """Trainer's checkpoints (``save_strategy`` "steps" or "epoch") of a compiled module, saved by
     every rank and resumed by Trainer's own ``resume_from_checkpoint`` (see the module docstring)."""
 
+    saves_compiled_modules = True  # runtime.trainer_saves lets a Trainer with this callback save
+
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         _parallel_module(model)
         if args.load_best_model_at_end or args.save_strategy == "best":

@@ -63,7 +63,7 @@ def example_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def arguments(output_dir: str, distributed: bool, max_steps: int = 4):
+def arguments(output_dir: str, distributed: bool, max_steps: int = 4, save: bool = True):
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -76,7 +76,7 @@ def arguments(output_dir: str, distributed: bool, max_steps: int = 4):
         learning_rate=1e-2,
         max_grad_norm=0.5,
         logging_steps=1,
-        save_strategy="steps",  # Trainer's own checkpoints, every 2 steps
+        save_strategy="steps" if save else "no",  # Trainer's own checkpoints, every 2 steps
         save_steps=2,
         eval_strategy="no",
         report_to=[],
@@ -90,14 +90,15 @@ def arguments(output_dir: str, distributed: bool, max_steps: int = 4):
     )
 
 
-def run(model, output_dir: str, distributed: bool, resume: str | None = None, callbacks=()) -> dict:
+def run(model, output_dir: str, distributed: bool, resume: str | None = None, callbacks=(), save: bool = True) -> dict:
     """Train to step 4 with clipping and a scheduler (from step 0, or resumed from the checkpoint
-    ``resume``), then evaluate; the logged losses of steps 1 to 4."""
+    ``resume``), saving checkpoints every 2 steps where ``save``, then evaluate; the logged losses
+    of steps 1 to 4."""
     from transformers import Trainer
 
     trainer = Trainer(
         model=model,
-        args=arguments(output_dir, distributed),
+        args=arguments(output_dir, distributed, save=save),
         train_dataset=dataset(32, 1),
         # One eval batch: over several, accelerate 1.15's split and dispatched loader keeps only a process's share
         # of the last batch's gathered losses (a model-independent weighting, DDP's too).

@@ -4,7 +4,7 @@ evaluates with the losses of the same Trainer run on one process (batches padded
 longest row), keeps the dataset's columns the model's forward names, and accelerate wraps nothing
 in DDP. Its own checkpoints (every 2 steps, saved by every rank through
 ``autopar.checkpoint.trainer_callback()``) resume with Trainer's ``resume_from_checkpoint`` to the
-same losses; the weights of the last checkpoint and of ``pm.module.save_pretrained`` load with
+same losses, in a run without the callback that saves nothing; the weights of the last checkpoint and of ``pm.module.save_pretrained`` load with
 ``from_pretrained`` and equal the one-process run's."""
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ def _compiled_run(rank: int, world: int, output_dir: str) -> dict:
     result["data_parallel_size"] = pm.data_parallel_size
     pm.module.save_pretrained(f"{output_dir}/saved")  # every rank gathers; rank 0 writes
     # A new Trainer resumes from step 2: its weights and optimizer state (the module's are step 4's
-    # until it loads them), scheduler, RNG and logs; it trains steps 3 and 4 again.
-    resumed = job.run(
-        pm, f"{output_dir}/compiled", distributed=True, resume=f"{output_dir}/compiled/checkpoint-2", callbacks=callbacks
-    )
+    # until it loads them), scheduler, RNG and logs; it trains steps 3 and 4 again. It saves
+    # nothing, so it needs no callback: the whole optimizer state that Trainer loads is cut to each
+    # rank's shards before the first step (runtime.loaded_state).
+    resumed = job.run(pm, f"{output_dir}/compiled", distributed=True, resume=f"{output_dir}/compiled/checkpoint-2", save=False)
     result["resumed_losses"], result["resumed_eval_loss"] = resumed["losses"], resumed["eval_loss"]
     return result
 

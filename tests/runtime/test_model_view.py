@@ -111,9 +111,25 @@ def test_ranks_in_different_calls_are_refused_with_the_fix():
     assert "every rank must call the compiled module" in message and "torch.no_grad()" in message
 
 
-def _ddp_habits(rank: int, world: int) -> tuple[list[float], str]:
+def _master_only_eval(pm, rows: tuple, mine: tuple) -> str:
+    """nanoGPT's own ``estimate_loss()``: rank 0 alone evaluates ``rows`` in eval mode under
+    ``no_grad``, then every rank trains on ``mine``; what it raised, and how long it took."""
+    start = time.monotonic()
+    try:
+        if torch.distributed.get_rank() == 0:
+            with torch.no_grad():
+                pm.eval()(*rows)
+        pm.train()(*mine)
+    except PartialCallError as error:
+        return f"{time.monotonic() - start:.0f}s {error}"
+    return "ran"
+
+
+def _ddp_habits(rank: int, world: int) -> tuple[list[float], str, str, str]:
     """(this rank's gradient sums with DDP's sync flag off, then on; what a forward that rank 0
-    alone runs under a sharded plan raised, and how long it took)."""
+    alone runs raised, and how long it took: under batch='per_rank' on its own rows, as nanoGPT's
+    estimate_loss passes them, and under a sharded plan; and what a gather of the whole state that
+    rank 0 alone runs under that plan raised)."""
     torch.manual_seed(0)
     rows = (torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32)))
     pm = autopar.compile(GPT(GPTConfig()), (world,), example_inputs=rows, data=autopar.DataOptions(batch="per_rank"))
@@ -124,17 +140,19 @@ def _ddp_habits(rank: int, world: int) -> tuple[list[float], str]:
         assert pm.require_backward_grad_sync is sync
         pm(*mine)[1].backward()
         sums.append(float(local_of(pm.transformer.h[0].c_fc.weight.grad).sum()))
+    per_rank = _master_only_eval(pm, mine, mine)  # its rows: a rank's share of a global batch
     fsdp = autopar.hand_plan("fsdp", GPT(GPTConfig()), (world,), example_inputs=rows, cluster="cpu")
     sharded = autopar.compile(GPT(GPTConfig()), (world,), example_inputs=rows, plan=fsdp)
+    evaluated = _master_only_eval(sharded, rows, rows)
     start = time.monotonic()
     try:
-        if rank == 0:  # nanoGPT's estimate_loss(), on the master alone
-            with torch.no_grad():
-                sharded.eval()(*rows)
+        if rank == 0:  # nanoGPT's checkpoint: raw_model.state_dict() on the master alone
+            sharded.module.state_dict()
         sharded.train()(*rows)
+        gathered = "ran"
     except PartialCallError as error:
-        return sums, f"{time.monotonic() - start:.0f}s {error}"
-    return sums, "ran"
+        gathered = f"{time.monotonic() - start:.0f}s {error}"
+    return sums, per_rank, evaluated, gathered
 
 
 @pytest.mark.multiproc
@@ -142,16 +160,24 @@ def test_ddp_habits_on_two_ranks(rank_pool):
     """DDP's ``require_backward_grad_sync``, as nanoGPT sets it per micro-step: False keeps each
     rank's own gradient (they differ), the next backward with it True reduces both micro-steps
     (the ranks agree). A forward that rank 0 alone runs under a sharded plan fails at once on
-    every rank, saying that every rank must call it, instead of waiting out the timeout."""
+    every rank, saying that every rank must call it, instead of waiting out the timeout; so does
+    one under batch='per_rank' on the rank's own rows (nanoGPT's own estimate_loss), which mean a
+    share of a global batch, and a gather of the whole state on rank 0 alone (nanoGPT's checkpoint)."""
     results = rank_pool(2).run(_ddp_habits, timeout_s=240)
-    held, synced, messages = [sums[0] for sums, _ in results], [sums[1] for sums, _ in results], [m for _, m in results]
+    held, synced = [result[0][0] for result in results], [result[0][1] for result in results]
     assert held[0] != held[1]
     assert synced[0] == pytest.approx(synced[1], rel=1e-12)
-    for message in messages:
-        seconds, _, text = message.partition(" ")
-        assert text.startswith("every rank must call the compiled module"), message
-        assert "rank 0: call 1 in eval mode; rank 1: call 1 in train mode" in text
-        assert float(seconds.rstrip("s")) < 30
+    for _, per_rank, sharded, gathered in results:
+        seconds, _, text = gathered.partition(" ")
+        assert text.startswith("every rank must gather the whole state of a compiled module together"), gathered
+        assert "rank 0: gathering the whole state after call 1; rank 1: call 2 in train mode" in text
+        assert "Call it on every rank and let rank 0 alone write" in text and float(seconds.rstrip("s")) < 30
+        for message, call in ((per_rank, 3), (sharded, 1)):
+            seconds, _, text = message.partition(" ")
+            assert text.startswith("every rank must call the compiled module"), message
+            assert f"rank 0: call {call} in eval mode; rank 1: call {call} in train mode" in text
+            assert "Run it on every rank" in text and "replicates every parameter" in text
+            assert float(seconds.rstrip("s")) < 30
 
 
 def test_save_pretrained_through_pm_writes_the_whole_model(world_of_one, tmp_path):

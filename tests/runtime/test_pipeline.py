@@ -312,6 +312,24 @@ def _run_pipelines(
         if label == "4x1_m2":
             result["local_param_bytes"] = pm.local_param_bytes()
             result["full_param_bytes"] = sum(p.numel() * p.element_size() for p in eager.parameters())
+            # pm is the model (runtime.model_view), as ParallelModule's: its attributes, methods and state
+            try:
+                pm.nothing
+                missing = "found"
+            except AttributeError as error:
+                missing = str(error)
+            with torch.no_grad():
+                called = pm.module(*batch).item()  # calling the model runs the pipeline (forward only here)
+            result["view"] = {
+                "class": type(pm.module).__name__,
+                "is_model": isinstance(pm.module, GPT),
+                "attributes": pm.config == eager.config
+                and pm.block_size == eager.block_size
+                and len(pm.transformer.h) == len(eager.transformer.h),
+                "state_keys": list(pm.module.state_dict()) == list(eager.state_dict()),  # whole: every stage's
+                "called": (called, result["no_grad_loss"][0]),
+                "missing": missing,
+            }
     # A pipeline= that contradicts the plan's, and init= with a pipeline, are refused up front.
     plan = autopar.Plan.from_json(plans["2x2_m2"])
     errors = {}
@@ -454,6 +472,10 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
         assert max(skip["accumulated_rel"].values()) < TOL, f"rank {rank} skip: accumulated {skip['accumulated_rel']}"
         assert max(skip["loaded_rel"].values()) == 0, f"rank {rank} skip: load_state_dict {skip['loaded_rel']}"
         held = by_label["4x1_m2"]
+        view = held.pop("view")
+        assert view["class"] == "DistributedGPT" and view["is_model"] and view["attributes"] and view["state_keys"], view
+        assert view["called"][0] == view["called"][1], view
+        assert "'PipelineParallelModule' object has no attribute 'nothing', and neither has the model (GPT)" in view["missing"]
         assert held["local_param_bytes"] < 0.6 * held["full_param_bytes"], f"rank {rank} holds more than its stage: {held}"
         for label, result in by_label.items():
             got, want = result["loss"]
