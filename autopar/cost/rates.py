@@ -30,7 +30,11 @@ With rates, one op's local forward on one rank takes
 * **Launch overhead**: each kernel takes at least ``launch_overhead_s`` (the host's dispatch time
   per eager op, autograd included), which is what makes small models host-bound. ``factor`` is
   forward + backward kernels, so an op with backward launches ``factor`` kernels.
-* **The optimizer step** (``optimizer_step_s``): AdamW reads and writes the parameters and both
+* **Checkpoint hooks**: a checkpointed segment's ops cost the host ``checkpoint_hook_s`` each on
+  top of their recompute (torch.utils.checkpoint packs and unpacks every saved tensor in Python;
+  a selective segment's dispatch modes see every op, ``SELECTIVE_HOOK_FACTOR`` times that). It
+  is host time: it shows where the step is host-bound (small models), as the launch floor does.
+* **The optimizer step** (``optimizer_step_s``; ``cost.optimizer`` prices it in every plan): AdamW reads and writes the parameters and both
   moments and reads the gradients, memory-bound at the achieved bandwidth, one launch per tensor
   group (foreach).
 
@@ -76,6 +80,9 @@ class ComputeRates:
     memory_efficiency: float = 1.0
     # The least time one kernel takes: the host's dispatch of one eager op.
     launch_overhead_s: float = 0.0
+    # Host seconds per op of a checkpointed segment spent in ``torch.utils.checkpoint``'s hooks
+    # (saved tensors packed in forward, packed again in the recompute, unpacked in backward).
+    checkpoint_hook_s: float = 0.0
     # Where these numbers come from (datasheet, measured where, fitted from what).
     source: str = ""
 
@@ -85,6 +92,7 @@ class ComputeRates:
         _fraction("causal_work", self.causal_work)
         _non_negative("matmul_half_flops", self.matmul_half_flops)
         _non_negative("launch_overhead_s", self.launch_overhead_s)
+        _non_negative("checkpoint_hook_s", self.checkpoint_hook_s)
         slowdown = self.masked_backward_slowdown
         if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 1 <= slowdown < math.inf:
             raise ValueError(f"ComputeRates.masked_backward_slowdown must be a finite number >= 1, got {slowdown!r}")
@@ -144,6 +152,21 @@ def achieved(rates: ComputeRates, kind: str, local_flops: float, kw: Mapping[str
     return Achieved(1.0, 1.0)
 
 
+# Checkpoint-hook cost of a selective segment's op against a full one's: torch's selective
+# checkpoint runs every op of the segment through a Python dispatch mode in forward and again in
+# the recompute. Measured on 2 CPU cores, torch 2.13, a 12-layer GPT's runtime graph, host-bound:
+# full checkpointing of every layer added 8.6 ms of hooks to a 10.7 ms step, selective 22 ms.
+SELECTIVE_HOOK_FACTOR = 2.5
+
+
+def recompute_hooks_s(rates: ComputeRates | None, num_ops: int, policy: str) -> float:
+    """Host seconds ``torch.utils.checkpoint``'s hooks add to a segment of ``num_ops`` ops that
+    save tensors, checkpointed under ``policy`` ("full" or "selective")."""
+    if rates is None:
+        return 0.0
+    return num_ops * rates.checkpoint_hook_s * (SELECTIVE_HOOK_FACTOR if policy == "selective" else 1.0)
+
+
 # Tensor passes over HBM per AdamW step, relative to the fused kernel's 7 (read param, grad and
 # both moments; write param and both moments): torch's foreach AdamW runs one kernel per
 # operation (lerp, mul, addcmul, sqrt, div, add, addcdiv, weight decay), each reading and writing
@@ -176,4 +199,14 @@ def optimizer_step_s(
     return max(moved / (memory_bandwidth_bytes_per_s * efficiency), launches * launch)
 
 
-__all__ = ["ComputeRates", "Achieved", "achieved", "mask_kind", "optimizer_step_s", "OPTIMIZER_TRAFFIC", "MASK_KINDS"]
+__all__ = [
+    "ComputeRates",
+    "Achieved",
+    "achieved",
+    "mask_kind",
+    "optimizer_step_s",
+    "recompute_hooks_s",
+    "OPTIMIZER_TRAFFIC",
+    "SELECTIVE_HOOK_FACTOR",
+    "MASK_KINDS",
+]
