@@ -13,7 +13,7 @@ by implementation (``IMPLEMENTATIONS``):
 
 * ``"fused"``: one kernel over every tensor, traffic 1 (``cost.rates.OPTIMIZER_TRAFFIC``);
 * ``"foreach"`` (torch's default on CUDA): one list kernel per operation, each a whole pass over
-  its tensors, traffic 19/7, and at least one launch per tensor;
+  its tensors, traffic 21/7 (``cost.rates.OPTIMIZER_TRAFFIC``), and at least one launch per tensor;
 * ``"for-loop"`` (torch's default off CUDA, and ``autopar.optim.AdamW``, which steps one
   parameter at a time where its state lives): the same passes, ``KERNELS_PER_TENSOR`` kernels per
   tensor, each tensor on its own (``max`` per tensor, summed).

@@ -169,10 +169,12 @@ def recompute_hooks_s(rates: ComputeRates | None, num_ops: int, policy: str) -> 
 
 # Tensor passes over HBM per AdamW step, relative to the fused kernel's 7 (read param, grad and
 # both moments; write param and both moments): torch's foreach AdamW runs one kernel per
-# operation (lerp, mul, addcmul, sqrt, div, add, addcdiv, weight decay), each reading and writing
-# whole tensors, about 19 passes; on one H200 the foreach step of a 1.5 B-parameter model took
-# 10 ms more than the fused one (results/gpu_compiled_*.csv: 62.5 against 52.0 ms).
-OPTIMIZER_TRAFFIC = {"fused": 1.0, "foreach": 19 / 7}
+# operation, each reading and writing whole tensors: weight decay mul_ (2 passes), lerp_ (3),
+# mul_ (2), addcmul_ (4: the gradient is read as both factors), sqrt (2), div_ (2), add_ (2),
+# addcdiv_ (4), 21 passes. On one H200 the foreach step of a 1.5 B-parameter bf16 model took
+# 10.5 ms more than the fused one (results/gpu_compiled_*.csv: 62.5 against 52.0 ms), where
+# 14 bytes per parameter at 0.8 of 4.8 TB/s make the fused step 5.4 ms: foreach 2.9 times it.
+OPTIMIZER_TRAFFIC = {"fused": 1.0, "foreach": 21 / 7}
 
 
 def optimizer_step_s(
