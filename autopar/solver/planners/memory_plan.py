@@ -491,8 +491,9 @@ def plan_memory(
     chosen, keys = _drop_unneeded(walk, candidates, chosen, keys, budget, prefetch, {c.key for c in fixed})
     compute_s = sum(graph.choices[n].compute_s[choice[n]] for n in graph.order)
     recompute_s = sum(c.cost_s for c in chosen if c.key[0] in _RECOMPUTES)  # the rest are transfers
-    exposed_s = _exposed_transfers_s(chosen, compute_s, prefetch, offload_link(cluster, target) if target else None)
-    exposed_s += _optimizer_switch_s(walk, cluster, graph.mesh_shape, chosen)
+    switch_s, resident_s = _optimizer_switch_s(walk, cluster, graph.mesh_shape, chosen)
+    link = offload_link(cluster, target) if target else None
+    exposed_s = _exposed_transfers_s(chosen, compute_s, prefetch, link, resident_s) + switch_s
     peak, time = walk.peak(keys, prefetch)
     breakdown = dict.fromkeys(liveness.KINDS, 0.0)
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):
@@ -580,34 +581,44 @@ def _drop_unneeded(
     return chosen, keys
 
 
-def _exposed_transfers_s(chosen: list[_Candidate], compute_s: float, prefetch: bool, link: LinkSpec | None) -> float:
+def _exposed_transfers_s(
+    chosen: list[_Candidate], compute_s: float, prefetch: bool, link: LinkSpec | None, resident_s: float
+) -> float:
     """Transfer seconds a step waits for. Without prefetch, all of them. With prefetch, those in
     forward and backward (activations, parameter fetches, gradients written behind) overlap the
-    step's compute; those of the optimizer step have no compute to hide behind: the runtime
+    step's compute; those of the optimizer step have little to hide behind: the runtime
     (``runtime.optim.AdamW``) reads each offloaded parameter's tensors (``OPTIMIZER_READS``) on
-    the store's one thread before updating it, and only writes back behind."""
+    the store's one thread before updating it, one parameter ahead, and writes back behind. It
+    steps the ``resident_s`` seconds of resident parameters first, behind which the first
+    offloaded parameter's read runs."""
     transfer_s = sum(c.cost_s for c in chosen if c.key[0] not in _RECOMPUTES)
     if not prefetch:
         return transfer_s
-    reads_s = 0.0
+    reads: dict[str, float] = {}  # per parameter node, in plan order
     if link is not None:
         for c in chosen:
             if c.key[0] in OPTIMIZER_READS:
-                reads_s += c.saved_bytes / link.bandwidth_bytes_per_s + link.latency_s
-    return max(0.0, transfer_s - reads_s - compute_s) + reads_s
+                reads[c.key[1]] = reads.get(c.key[1], 0.0) + c.saved_bytes / link.bandwidth_bytes_per_s + link.latency_s
+    reads_s = sum(reads.values())
+    hidden_s = min(next(iter(reads.values()), 0.0), resident_s)
+    return max(0.0, transfer_s - reads_s - compute_s) + reads_s - hidden_s
 
 
-def _optimizer_switch_s(walk: _Walk, cluster: ClusterSpec, mesh_shape, chosen: list[_Candidate]) -> float:
+def _optimizer_switch_s(walk: _Walk, cluster: ClusterSpec, mesh_shape, chosen: list[_Candidate]) -> tuple[float, float]:
     """A plan that offloads a parameter, gradient or optimizer state is stepped by
-    ``autopar.optim.AdamW``, one parameter at a time: what that adds to the step's optimizer
-    (priced as torch's default, ``cost.optimizer``)."""
-    if not any(c.key[0] in TRANSFERS for c in chosen):
-        return 0.0
-    stepped = optimizer.stepped_tensors(walk.timeline.intervals, walk.bytes_of)
+    ``autopar.optim.AdamW``, one parameter at a time: (what that adds to the step's optimizer,
+    priced as torch's default (``cost.optimizer``); the seconds of its resident parameters'
+    updates, which it runs first). (0, 0) for a plan that offloads none."""
+    offloaded = {c.key[1] for c in chosen if c.key[0] in TRANSFERS}
+    if not offloaded:
+        return 0.0, 0.0
+    intervals = walk.timeline.intervals
+    stepped = optimizer.stepped_tensors(intervals, walk.bytes_of)
+    resident = optimizer.stepped_tensors([iv for iv in intervals if iv.node not in offloaded], walk.bytes_of)
     default = optimizer.default_implementation(cluster)
-    return optimizer.adamw_step_s(stepped, cluster, "for-loop", mesh_shape) - optimizer.adamw_step_s(
-        stepped, cluster, default, mesh_shape
-    )
+    for_loop_s = optimizer.adamw_step_s(stepped, cluster, "for-loop", mesh_shape)
+    switch_s = for_loop_s - optimizer.adamw_step_s(stepped, cluster, default, mesh_shape)
+    return switch_s, optimizer.adamw_step_s(resident, cluster, "for-loop", mesh_shape)
 
 
 def _same_layer(key: tuple[str, str], keys: set) -> tuple[str, str] | None:
