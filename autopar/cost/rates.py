@@ -33,7 +33,8 @@ With rates, one op's local forward on one rank takes
 * **Checkpoint hooks**: a checkpointed segment's ops cost the host ``checkpoint_hook_s`` each on
   top of their recompute (torch.utils.checkpoint packs and unpacks every saved tensor in Python;
   a selective segment's dispatch modes see every op, ``SELECTIVE_HOOK_FACTOR`` times that). It
-  is host time: it shows where the step is host-bound (small models), as the launch floor does.
+  is host time: a segment's recompute takes the longer of its ops' device time and its host
+  time (launches and hooks, ``recompute_s``), so it shows where the step is host-bound.
 * **The optimizer step** (``optimizer_step_s``; ``cost.optimizer`` prices it in every plan): AdamW reads and writes the parameters and both
   moments and reads the gradients, memory-bound at the achieved bandwidth, one launch per tensor
   group (foreach).
@@ -159,12 +160,14 @@ def achieved(rates: ComputeRates, kind: str, local_flops: float, kw: Mapping[str
 SELECTIVE_HOOK_FACTOR = 2.5
 
 
-def recompute_hooks_s(rates: ComputeRates | None, num_ops: int, policy: str) -> float:
-    """Host seconds ``torch.utils.checkpoint``'s hooks add to a segment of ``num_ops`` ops that
-    save tensors, checkpointed under ``policy`` ("full" or "selective")."""
+def recompute_s(rates: ComputeRates | None, forward_s: float, num_ops: int, policy: str) -> float:
+    """Seconds a checkpointed segment adds: its recomputed ops' ``forward_s`` (each at least a
+    launch), or, where the host is slower, its ``num_ops`` launches plus ``torch.utils.checkpoint``'s
+    hooks under ``policy`` ("full" or "selective"): host time hides behind device time."""
     if rates is None:
-        return 0.0
-    return num_ops * rates.checkpoint_hook_s * (SELECTIVE_HOOK_FACTOR if policy == "selective" else 1.0)
+        return forward_s
+    hooks = num_ops * rates.checkpoint_hook_s * (SELECTIVE_HOOK_FACTOR if policy == "selective" else 1.0)
+    return max(forward_s, num_ops * rates.launch_overhead_s + hooks)
 
 
 # Tensor passes over HBM per AdamW step, relative to the fused kernel's 7 (read param, grad and
@@ -207,7 +210,7 @@ __all__ = [
     "achieved",
     "mask_kind",
     "optimizer_step_s",
-    "recompute_hooks_s",
+    "recompute_s",
     "OPTIMIZER_TRAFFIC",
     "SELECTIVE_HOOK_FACTOR",
     "MASK_KINDS",

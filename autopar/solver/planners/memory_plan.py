@@ -63,7 +63,7 @@ import numpy as np
 
 from autopar.cost import compute, liveness, optimizer
 from autopar.cost.cluster import ClusterSpec, LinkSpec
-from autopar.cost.rates import recompute_hooks_s
+from autopar.cost.rates import recompute_s as segment_recompute_s
 from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps
 from autopar.trace import TracedModel
@@ -673,11 +673,11 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing, poli
                 continue
             first_name, last_name = walk.timeline.names[first], walk.timeline.names[last]
             if "full" in policies:
-                seconds = forward_s + recompute_hooks_s(cluster.rates, num_ops, "full")
+                seconds = segment_recompute_s(cluster.rates, forward_s, num_ops, "full")
                 segment = CheckpointSegment(name, first_name, last_name, saved, seconds)
                 out.append(_Candidate(("checkpoint", str(index)), saved, seconds, segment))
             if "selective" in policies and selective_saved > 0:
-                seconds = selective_s + recompute_hooks_s(cluster.rates, num_ops, "selective")
+                seconds = segment_recompute_s(cluster.rates, selective_s, num_ops, "selective")
                 segment = CheckpointSegment(name, first_name, last_name, selective_saved, seconds, "selective")
                 out.append(_Candidate(("selective", str(index)), selective_saved, seconds, segment))
             if link is not None:  # written in forward, read in backward
