@@ -10,8 +10,10 @@ The job is planned offline on the meta device, on the row's preset (``h200-141g`
 spec from ``autopar profile`` for the H200 rows instead), laid out as measured (``layout``: a
 hand plan, or ``plan``: what ``autopar.plan`` picks), and priced:
 
-* predicted step = the plan's ``step_time_s`` (forward + backward + exposed communication),
-  plus the AdamW step (``cost.rates.optimizer_step_s``) where the measured figure includes it;
+* predicted step = the plan's ``step_time_s`` (forward + backward + exposed communication +
+  memory decisions + torch's default AdamW step, ``predicted.optimizer_s``), without the AdamW
+  step where the measured figure has none, with the fused one (``cost.rates.optimizer_step_s``)
+  where the run stepped that;
 * predicted peak = the plan's ``peak_memory_bytes``.
 
 Columns: predicted and measured step seconds (tokens/s/GPU for published rows), peak GiB,
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the 405B row r
 
 import autopar  # noqa: E402
 from autopar.cost.cluster import ClusterSpec, get_cluster  # noqa: E402
+from autopar.cost.optimizer import default_implementation  # noqa: E402
 from autopar.cost.rates import optimizer_step_s  # noqa: E402
 from autopar.ir.spec import format_spec  # noqa: E402
 from autopar.zoo.models import GPT, LLAMA_SHAPES, Llama  # noqa: E402
@@ -192,10 +195,14 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
         if row.checkpointing and "checkpointing" in inspect.signature(autopar.hand_plan).parameters:
             kwargs["checkpointing"] = row.checkpointing
         plan = autopar.hand_plan(layout, model, row.mesh, **kwargs)
-    step = plan.predicted.step_time_s + (plan.predicted.memory_s or 0.0)
-    if row.with_optimizer:
+    # The plan's step holds its memory decisions (memory_s) and the AdamW step of torch's default
+    # kind (optimizer_s, cost.optimizer): taken out where the run had none, swapped for the kind it ran.
+    step = plan.predicted.step_time_s
+    if not row.with_optimizer:
+        step -= plan.predicted.optimizer_s or 0.0
+    elif row.optimizer != default_implementation(cluster):
         param_size = 4 if row.precision else torch.finfo(getattr(torch, row.dtype)).bits // 8
-        step += optimizer_step_s(
+        step += -(plan.predicted.optimizer_s or 0.0) + optimizer_step_s(
             _local_elements(plan, model, row.mesh),
             param_size,
             param_size,
@@ -237,6 +244,7 @@ def evaluate(row: Row, profiled: ClusterSpec | None) -> dict:
         out["layout_detail"] = describe(got["plan"])
         out["predicted_step_s"] = got["step_s"]
         out["predicted_peak_gib"] = got["peak_gib"]
+        out["predicted_optimizer_s"] = got["plan"].predicted.optimizer_s
     measured_step = row.measured_step_s or (tokens / row.measured_tokens_per_s if row.measured_tokens_per_s else None)
     out["measured_step_s"] = measured_step
     out["measured_peak_gib"] = row.measured_peak_gib
@@ -295,6 +303,7 @@ COLUMNS = (
     "row", "source", "cluster", "layout", "status", "predicted_step_s", "measured_step_s", "time_ratio",
     "predicted_tokens_per_s", "measured_tokens_per_s", "predicted_peak_gib", "measured_peak_gib", "memory_ratio",
     "layout_detail", "solver_step_s", "solver_peak_gib", "solver_over_published", "solver_layout", "plan_s",
+    "predicted_optimizer_s",
 )  # fmt: skip
 
 

@@ -30,7 +30,12 @@ With rates, one op's local forward on one rank takes
 * **Launch overhead**: each kernel takes at least ``launch_overhead_s`` (the host's dispatch time
   per eager op, autograd included), which is what makes small models host-bound. ``factor`` is
   forward + backward kernels, so an op with backward launches ``factor`` kernels.
-* **The optimizer step** (``optimizer_step_s``): AdamW reads and writes the parameters and both
+* **Checkpoint hooks**: a checkpointed segment's ops cost the host ``checkpoint_hook_s`` each on
+  top of their recompute (torch.utils.checkpoint packs and unpacks every saved tensor in Python;
+  a selective segment's dispatch modes see every op, ``SELECTIVE_HOOK_FACTOR`` times that). It
+  is host time: a segment's recompute takes the longer of its ops' device time and its host
+  time (launches and hooks, ``recompute_s``), so it shows where the step is host-bound.
+* **The optimizer step** (``optimizer_step_s``; ``cost.optimizer`` prices it in every plan): AdamW reads and writes the parameters and both
   moments and reads the gradients, memory-bound at the achieved bandwidth, one launch per tensor
   group (foreach).
 
@@ -76,6 +81,9 @@ class ComputeRates:
     memory_efficiency: float = 1.0
     # The least time one kernel takes: the host's dispatch of one eager op.
     launch_overhead_s: float = 0.0
+    # Host seconds per op of a checkpointed segment spent in ``torch.utils.checkpoint``'s hooks
+    # (saved tensors packed in forward, packed again in the recompute, unpacked in backward).
+    checkpoint_hook_s: float = 0.0
     # Where these numbers come from (datasheet, measured where, fitted from what).
     source: str = ""
 
@@ -85,6 +93,7 @@ class ComputeRates:
         _fraction("causal_work", self.causal_work)
         _non_negative("matmul_half_flops", self.matmul_half_flops)
         _non_negative("launch_overhead_s", self.launch_overhead_s)
+        _non_negative("checkpoint_hook_s", self.checkpoint_hook_s)
         slowdown = self.masked_backward_slowdown
         if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 1 <= slowdown < math.inf:
             raise ValueError(f"ComputeRates.masked_backward_slowdown must be a finite number >= 1, got {slowdown!r}")
@@ -144,12 +153,31 @@ def achieved(rates: ComputeRates, kind: str, local_flops: float, kw: Mapping[str
     return Achieved(1.0, 1.0)
 
 
+# Checkpoint-hook cost of a selective segment's op against a full one's: torch's selective
+# checkpoint runs every op of the segment through a Python dispatch mode in forward and again in
+# the recompute. Measured on 2 CPU cores, torch 2.13, a 12-layer GPT's runtime graph, host-bound:
+# full checkpointing of every layer added 8.6 ms of hooks to a 10.7 ms step, selective 22 ms.
+SELECTIVE_HOOK_FACTOR = 2.5
+
+
+def recompute_s(rates: ComputeRates | None, forward_s: float, num_ops: int, policy: str) -> float:
+    """Seconds a checkpointed segment adds: its recomputed ops' ``forward_s`` (each at least a
+    launch), or, where the host is slower, its ``num_ops`` launches plus ``torch.utils.checkpoint``'s
+    hooks under ``policy`` ("full" or "selective"): host time hides behind device time."""
+    if rates is None:
+        return forward_s
+    hooks = num_ops * rates.checkpoint_hook_s * (SELECTIVE_HOOK_FACTOR if policy == "selective" else 1.0)
+    return max(forward_s, num_ops * rates.launch_overhead_s + hooks)
+
+
 # Tensor passes over HBM per AdamW step, relative to the fused kernel's 7 (read param, grad and
 # both moments; write param and both moments): torch's foreach AdamW runs one kernel per
-# operation (lerp, mul, addcmul, sqrt, div, add, addcdiv, weight decay), each reading and writing
-# whole tensors, about 19 passes; on one H200 the foreach step of a 1.5 B-parameter model took
-# 10 ms more than the fused one (results/gpu_compiled_*.csv: 62.5 against 52.0 ms).
-OPTIMIZER_TRAFFIC = {"fused": 1.0, "foreach": 19 / 7}
+# operation, each reading and writing whole tensors: weight decay mul_ (2 passes), lerp_ (3),
+# mul_ (2), addcmul_ (4: the gradient is read as both factors), sqrt (2), div_ (2), add_ (2),
+# addcdiv_ (4), 21 passes. On one H200 the foreach step of a 1.5 B-parameter bf16 model took
+# 10.5 ms more than the fused one (results/gpu_compiled_*.csv: 62.5 against 52.0 ms), where
+# 14 bytes per parameter at 0.8 of 4.8 TB/s make the fused step 5.4 ms: foreach 2.9 times it.
+OPTIMIZER_TRAFFIC = {"fused": 1.0, "foreach": 21 / 7}
 
 
 def optimizer_step_s(
@@ -176,4 +204,14 @@ def optimizer_step_s(
     return max(moved / (memory_bandwidth_bytes_per_s * efficiency), launches * launch)
 
 
-__all__ = ["ComputeRates", "Achieved", "achieved", "mask_kind", "optimizer_step_s", "OPTIMIZER_TRAFFIC", "MASK_KINDS"]
+__all__ = [
+    "ComputeRates",
+    "Achieved",
+    "achieved",
+    "mask_kind",
+    "optimizer_step_s",
+    "recompute_s",
+    "OPTIMIZER_TRAFFIC",
+    "SELECTIVE_HOOK_FACTOR",
+    "MASK_KINDS",
+]

@@ -69,6 +69,7 @@ _SHARDED_ORDER = (
     "comm_bytes_per_axis",
     "expert_parallel",
     "memory_s",
+    "optimizer_s",
     "executor",
     "symbolic",
 )
@@ -95,6 +96,7 @@ class Prediction(_KeyAccess):
     comm_bytes_per_axis: tuple[int, ...] | None = None
     expert_parallel: tuple[Mapping[str, Any], ...] | None = None  # one record per experts op split by rank
     memory_s: float | None = None  # seconds the memory decisions add (``Plan.memory``)
+    optimizer_s: float | None = None  # the AdamW step's seconds, in step_time_s (``cost.optimizer``)
     executor: str | None = None  # "eager" or "inductor": what the plan is priced for
     symbolic: Mapping[str, Any] | None = None  # costs as sympy expressions in the batch (``Plan.predict``)
     # Pipelined plans (solver.planners.stages):

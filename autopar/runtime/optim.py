@@ -7,7 +7,8 @@ parameter (value, gradient, exp_avg, exp_avg_sq) from the offload store onto the
 device, updates it, writes back what is offloaded, and frees it before the next parameter; with
 prefetch it reads the next parameter's tensors, and writes the last one's, on the store's thread
 meanwhile. So the device
-never holds more than one parameter's offloaded state. Parameters whose state is not offloaded
+never holds more than one parameter's offloaded state (two with prefetch). It steps the
+parameters whose state is resident first, so that the first offloaded read overlaps their updates. Parameters whose state is not offloaded
 keep it resident, as torch's optimizer would.
 
 For a module that offloads nothing it is a plain AdamW over ``pm.parameters()``.
@@ -71,13 +72,26 @@ class AdamW:
             store.prefetch(f"exp_avg/{fqn}")
             store.prefetch(f"exp_avg_sq/{fqn}")
 
+    def _stepping_order(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Parameters whose tensors live on the device first, offloaded ones last: with prefetch
+        the first offloaded read then runs behind the resident updates instead of stalling the
+        step (each parameter's update is its own, so the order changes no number)."""
+        kinds = ("params", "grads", "states")
+        return sorted(self.params, key=lambda item: any(self._offloaded(kind, item[0]) for kind in kinds))
+
     @torch.no_grad()
     def step(self) -> None:
         store = self.offloader.store if self.offloader is not None else None
         prefetch = self.offloader is not None and self.offloader.memory.prefetch
-        for k, (fqn, param) in enumerate(self.params):
-            if prefetch and k + 1 < len(self.params):
-                self._prefetch(self.params[k + 1][0])
+        params = self._stepping_order() if store is not None else self.params
+        if prefetch:  # the first offloaded parameter's read, behind the resident updates
+            kinds = ("params", "grads", "states")
+            first = next((fqn for fqn, _ in params if any(self._offloaded(kind, fqn) for kind in kinds)), None)
+            if first is not None:
+                self._prefetch(first)
+        for k, (fqn, param) in enumerate(params):
+            if prefetch and k + 1 < len(params):
+                self._prefetch(params[k + 1][0])
             grad = self.offloader.grad(fqn) if self._offloaded("grads", fqn) else param.grad
             if grad is None:
                 continue

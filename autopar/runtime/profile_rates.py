@@ -164,6 +164,38 @@ def measure_launch_overhead(device: torch.device, num_ops: int = 50) -> float:
     return _time(chain, device) / (2 * num_ops + 2)
 
 
+def measure_checkpoint_hook(device: torch.device, num_segments: int = 4, ops_per_segment: int = 15) -> float:
+    """Host seconds per op that ``torch.utils.checkpoint`` (non-reentrant, as
+    ``passes.memory.Checkpointed`` runs it) adds to a chain of tiny ops, besides its
+    recompute: ``num_segments`` segments of ``ops_per_segment`` ops (about a transformer layer's)
+    that each save a tensor, forward and backward."""
+    import torch.utils.checkpoint  # only this measurement needs it
+
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def segment(y: torch.Tensor) -> torch.Tensor:
+        for _ in range(ops_per_segment):
+            y = y.sin()  # saves its input for backward, as a layer's ops do
+        return y
+
+    def plain():
+        y = x
+        for _ in range(num_segments):
+            y = segment(y)
+        y.sum().backward()
+
+    def checkpointed():
+        y = x
+        for _ in range(num_segments):
+            y = torch.utils.checkpoint.checkpoint(segment, y, use_reentrant=False)
+        y.sum().backward()
+
+    num_ops = num_segments * ops_per_segment
+    plain_s = _time(plain, device)
+    launch = plain_s / (2 * num_ops + 2)
+    return max(0.0, (_time(checkpointed, device) - plain_s - num_ops * launch) / num_ops)
+
+
 def measure_rates(device: torch.device, dtype: torch.dtype, peak: float, copy_bandwidth: float, quick: bool) -> ComputeRates:
     """The ``ComputeRates`` of ``device`` in ``dtype`` against the spec's ``peak`` and
     ``copy_bandwidth`` (module docstring), with what was measured in its ``source``."""
@@ -176,18 +208,21 @@ def measure_rates(device: torch.device, dtype: torch.dtype, peak: float, copy_ba
     attention = measure_attention(device, dtype, peak, CUDA_ATTENTION if cuda else CPU_ATTENTION)
     memory = measure_memory_efficiency(device, (64 << 20 if cuda else 4 << 20) // (4 if quick else 1), copy_bandwidth)
     launch = measure_launch_overhead(device)
+    hook = measure_checkpoint_hook(device)
     shown = ", ".join(f"{m}x{n}x{k} {r:.2f}" for (m, n, k), (_, r) in zip(shapes, samples))
     source = (
         f"Measured by autopar profile on {device.type} in {str(dtype).removeprefix('torch.')} with torch "
         f"{torch.__version__}: GEMM (MxNxK) fractions of peak {shown}, fitted e·f/(f+h); SDPA "
         f"{'x'.join(map(str, CUDA_ATTENTION if cuda else CPU_ATTENTION))} (B, H, S, D) full, causal and masked; "
-        f"an elementwise add against the copy bandwidth; a chain of tiny multiplies for the launch overhead."
+        f"an elementwise add against the copy bandwidth; a chain of tiny multiplies for the launch overhead, "
+        f"and a chain of tiny sines in checkpointed segments of 15 for the checkpoint hooks."
     )
     return ComputeRates(
         matmul_efficiency=efficiency,
         matmul_half_flops=half_flops,
         memory_efficiency=memory,
         launch_overhead_s=launch,
+        checkpoint_hook_s=hook,
         source=source,
         **attention,
     )
@@ -227,6 +262,7 @@ __all__ = [
     "measure_attention",
     "measure_memory_efficiency",
     "measure_launch_overhead",
+    "measure_checkpoint_hook",
     "measure_rates",
     "measure_host_link",
     "host_link_sizes",

@@ -47,6 +47,8 @@ def test_measure_rates_on_cpu_gives_a_valid_spec_part():
     )
     assert isinstance(rates, ComputeRates)  # its __post_init__ checked every field's range
     assert rates.launch_overhead_s > 0 and "GEMM" in rates.source and "SDPA" in rates.source
+    # torch.utils.checkpoint's Python hooks cost the host something per op of a segment
+    assert 0 < rates.checkpoint_hook_s < 1e-2 and "checkpointed segments" in rates.source
     small, large = rates.matmul_fraction(2 * 32**3), rates.matmul_fraction(2 * 256**3)
     assert small <= large
 

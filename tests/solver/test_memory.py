@@ -354,3 +354,63 @@ def test_checkpoint_and_offload_on_two_ranks(rank_pool, tmp_path):
     plan.save(tmp_path / "plan.json")
     for result in rank_pool(2).run(_two_rank_run, str(tmp_path / "plan.json"), str(tmp_path / "offload"), timeout_s=300):
         _check(result)
+
+
+def _h200(**rates):
+    h200 = get_cluster("h200-141g")
+    return dataclasses.replace(h200, rates=dataclasses.replace(h200.rates, **rates))
+
+
+def test_offload_prices_the_optimizer_reads_that_nothing_hides():
+    # A GPU plan whose offload transfers all fit behind forward and backward compute but for
+    # what the optimizer step reads: autopar.optim.AdamW reads each offloaded tensor before its
+    # update, so those reads are exposed (but the first, which runs behind the resident
+    # parameters' updates), and it steps one parameter at a time (for-loop).
+    model, batch = _gpt(torch.float32)
+    cluster = _h200()
+    free = autopar.plan(model, (1,), example_inputs=batch, cluster=cluster)
+    plan = autopar.plan(
+        model, (1,), example_inputs=batch, cluster=cluster, memory_budget=0.6 * free.predicted.peak_memory_bytes, offload="auto"
+    )
+    memory, link = plan.memory, cluster.host_link
+    assert memory.offload and memory.target == "cpu"
+    read: dict[str, float] = {}  # what the step reads of each offloaded parameter
+    for e in memory.offload:
+        read[e.fqn] = read.get(e.fqn, 0.0) + e.saved_bytes / link.bandwidth_bytes_per_s + link.latency_s
+    recompute = sum(s.cost_s for s in memory.checkpoint)
+    reads = sum(read.values()) - max(read.values())
+    assert memory.added_s >= recompute + reads
+    # the per-parameter optimizer: at least 8 launches per tensor, against foreach's one
+    tensors = sum(1 for p in model.parameters())
+    assert memory.added_s - recompute - reads >= (8 - 1) * tensors * cluster.rates.launch_overhead_s * (1 - 1e-9)
+    assert plan.predicted.step_time_s == pytest.approx(free.predicted.step_time_s + memory.added_s, rel=1e-9)
+
+
+def test_checkpoint_segments_pay_their_hooks_on_the_host():
+    model, batch = _gpt(torch.float32)
+    costs = {}
+    for hook in (0.0, 1e-4):
+        for policy in ("full", "selective"):
+            plan = autopar.plan(model, (1,), example_inputs=batch, cluster=_h200(checkpoint_hook_s=hook), checkpointing=policy)
+            costs[hook, policy] = [s.cost_s for s in plan.memory.checkpoint]
+    full = [a - b for a, b in zip(costs[1e-4, "full"], costs[0.0, "full"])]
+    selective = [a - b for a, b in zip(costs[1e-4, "selective"], costs[0.0, "selective"])]
+    # every op of a layer that saves for backward pays the hooks; a selective segment's dispatch
+    # modes see each op in forward and in the recompute, SELECTIVE_HOOK_FACTOR times more
+    assert len(full) == 2 and all(d >= 5 * 1e-4 for d in full)
+    assert selective == pytest.approx([2.5 * d for d in full])
+
+
+def test_autopar_adamw_steps_resident_parameters_before_offloaded_ones(world_of_one, gpt_free_plan, tmp_path):
+    # so that the first offloaded read runs behind the resident updates (priced so by the planner)
+    plan = _plan(0.4, gpt_free_plan, offload="auto")
+    model, batch = _gpt()
+    pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
+    opt = autopar.optim.AdamW(pm, lr=1e-2)
+    offloaded = (
+        set(plan.memory.offloaded("param")) | set(plan.memory.offloaded("grad")) | set(plan.memory.offloaded("optimizer_state"))
+    )
+    flags = [fqn in offloaded for fqn, _ in opt._stepping_order()]
+    assert any(flags) and not all(flags) and flags == sorted(flags)
+    assert sorted(fqn for fqn, _ in opt._stepping_order()) == sorted(fqn for fqn, _ in opt.params)
+    pm.offloader.store.close()

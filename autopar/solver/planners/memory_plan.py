@@ -61,8 +61,9 @@ from typing import Callable
 
 import numpy as np
 
-from autopar.cost import compute, liveness
+from autopar.cost import compute, liveness, optimizer
 from autopar.cost.cluster import ClusterSpec, LinkSpec
+from autopar.cost.rates import recompute_s as segment_recompute_s
 from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps
 from autopar.trace import TracedModel
@@ -73,6 +74,8 @@ log = logging.getLogger("autopar")
 
 # Transfers of each offloaded kind per step, in units of its bytes (see the module docstring).
 TRANSFERS = {"optimizer_state": 2.0, "grad": 2.0, "param": 4.0}
+# Of those, the one read in the optimizer step, which no forward or backward compute hides.
+OPTIMIZER_READS = frozenset(TRANSFERS)
 # Decisions of a layer (a segment index), at most one per layer: recompute all of it
 # ("checkpoint"), recompute its cheap ops ("selective"), or offload its activations.
 _RECOMPUTES = ("checkpoint", "selective")
@@ -488,8 +491,9 @@ def plan_memory(
     chosen, keys = _drop_unneeded(walk, candidates, chosen, keys, budget, prefetch, {c.key for c in fixed})
     compute_s = sum(graph.choices[n].compute_s[choice[n]] for n in graph.order)
     recompute_s = sum(c.cost_s for c in chosen if c.key[0] in _RECOMPUTES)  # the rest are transfers
-    transfer_s = sum(c.cost_s for c in chosen if c.key[0] not in _RECOMPUTES)
-    exposed_s = max(0.0, transfer_s - compute_s) if prefetch else transfer_s
+    switch_s, resident_s = _optimizer_switch_s(walk, cluster, graph.mesh_shape, chosen)
+    link = offload_link(cluster, target) if target else None
+    exposed_s = _exposed_transfers_s(chosen, compute_s, prefetch, link, resident_s) + switch_s
     peak, time = walk.peak(keys, prefetch)
     breakdown = dict.fromkeys(liveness.KINDS, 0.0)
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):
@@ -577,6 +581,46 @@ def _drop_unneeded(
     return chosen, keys
 
 
+def _exposed_transfers_s(
+    chosen: list[_Candidate], compute_s: float, prefetch: bool, link: LinkSpec | None, resident_s: float
+) -> float:
+    """Transfer seconds a step waits for. Without prefetch, all of them. With prefetch, those in
+    forward and backward (activations, parameter fetches, gradients written behind) overlap the
+    step's compute; those of the optimizer step have little to hide behind: the runtime
+    (``runtime.optim.AdamW``) reads each offloaded parameter's tensors (``OPTIMIZER_READS``) on
+    the store's one thread before updating it, one parameter ahead, and writes back behind. It
+    steps the ``resident_s`` seconds of resident parameters first, behind which the first
+    offloaded parameter's read runs."""
+    transfer_s = sum(c.cost_s for c in chosen if c.key[0] not in _RECOMPUTES)
+    if not prefetch:
+        return transfer_s
+    reads: dict[str, float] = {}  # per parameter node, in plan order
+    if link is not None:
+        for c in chosen:
+            if c.key[0] in OPTIMIZER_READS:
+                reads[c.key[1]] = reads.get(c.key[1], 0.0) + c.saved_bytes / link.bandwidth_bytes_per_s + link.latency_s
+    reads_s = sum(reads.values())
+    hidden_s = min(next(iter(reads.values()), 0.0), resident_s)
+    return max(0.0, transfer_s - reads_s - compute_s) + reads_s - hidden_s
+
+
+def _optimizer_switch_s(walk: _Walk, cluster: ClusterSpec, mesh_shape, chosen: list[_Candidate]) -> tuple[float, float]:
+    """A plan that offloads a parameter, gradient or optimizer state is stepped by
+    ``autopar.optim.AdamW``, one parameter at a time: (what that adds to the step's optimizer,
+    priced as torch's default (``cost.optimizer``); the seconds of its resident parameters'
+    updates, which it runs first). (0, 0) for a plan that offloads none."""
+    offloaded = {c.key[1] for c in chosen if c.key[0] in TRANSFERS}
+    if not offloaded:
+        return 0.0, 0.0
+    intervals = walk.timeline.intervals
+    stepped = optimizer.stepped_tensors(intervals, walk.bytes_of)
+    resident = optimizer.stepped_tensors([iv for iv in intervals if iv.node not in offloaded], walk.bytes_of)
+    default = optimizer.default_implementation(cluster)
+    for_loop_s = optimizer.adamw_step_s(stepped, cluster, "for-loop", mesh_shape)
+    switch_s = for_loop_s - optimizer.adamw_step_s(stepped, cluster, default, mesh_shape)
+    return switch_s, optimizer.adamw_step_s(resident, cluster, "for-loop", mesh_shape)
+
+
 def _same_layer(key: tuple[str, str], keys: set) -> tuple[str, str] | None:
     """The decision in ``keys`` for the layer of ``key`` (a checkpoint of either policy, or its
     offloaded activations), if any."""
@@ -612,6 +656,7 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing, poli
         for index, ((name, first, last), terms) in enumerate(zip(walk.segments, walk.segment_terms())):
             saved = selective_saved = 0.0
             forward_s = selective_s = 0.0
+            num_ops = sum(1 for _, divisor, _, _, _ in terms if divisor is not None)  # ops that save for backward
             for node, divisor, freed, keeps, held in terms:
                 seconds = graph.choices[node].compute_s[choice[node]]
                 if divisor is not None:
@@ -628,11 +673,13 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing, poli
                 continue
             first_name, last_name = walk.timeline.names[first], walk.timeline.names[last]
             if "full" in policies:
-                segment = CheckpointSegment(name, first_name, last_name, saved, forward_s)
-                out.append(_Candidate(("checkpoint", str(index)), saved, forward_s, segment))
+                seconds = segment_recompute_s(cluster.rates, forward_s, num_ops, "full")
+                segment = CheckpointSegment(name, first_name, last_name, saved, seconds)
+                out.append(_Candidate(("checkpoint", str(index)), saved, seconds, segment))
             if "selective" in policies and selective_saved > 0:
-                segment = CheckpointSegment(name, first_name, last_name, selective_saved, selective_s, "selective")
-                out.append(_Candidate(("selective", str(index)), selective_saved, selective_s, segment))
+                seconds = segment_recompute_s(cluster.rates, selective_s, num_ops, "selective")
+                segment = CheckpointSegment(name, first_name, last_name, selective_saved, seconds, "selective")
+                out.append(_Candidate(("selective", str(index)), selective_saved, seconds, segment))
             if link is not None:  # written in forward, read in backward
                 seconds = 2 * saved / link.bandwidth_bytes_per_s + 2 * link.latency_s
                 segment = CheckpointSegment(name, first_name, last_name, saved, seconds)

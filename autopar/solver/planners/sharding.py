@@ -16,6 +16,7 @@ from autopar.errors import InfeasibleError
 from autopar.ir.options import CommOptions, MixedPrecision, PlanOptions, to_dtype
 from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.prediction import Prediction, SolverStats
+from autopar.cost import optimizer
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.solver.strategies import backends
 from autopar.solver.strategies.backends import check_solver
@@ -463,6 +464,7 @@ class _StepParts:
     compute_s: float
     reshard_s: float
     schedule: ParamSchedule
+    optimizer_s: float = 0.0  # the AdamW step after backward (``cost.optimizer``)
 
     @classmethod
     def of(
@@ -470,12 +472,15 @@ class _StepParts:
     ) -> "_StepParts":
         """``sums``: the solution's ``_compute_and_reshard_s``, where the caller has it already."""
         compute_s, reshard_s = sums or _compute_and_reshard_s(graph, solution.choice, solution.edge_specs)
-        return cls(solution, compute_s, reshard_s, param_schedule(graph, solution.choice, cluster))
+        schedule = param_schedule(graph, solution.choice, cluster)
+        stepped = optimizer.stepped_tensors(graph.timeline.intervals, graph.bytes_of(solution.choice))
+        optimizer_s = optimizer.adamw_step_s(stepped, cluster, optimizer.default_implementation(cluster), graph.mesh_shape)
+        return cls(solution, compute_s, reshard_s, schedule, optimizer_s)
 
     @property
     def step_s(self) -> float:
         schedule = self.schedule
-        return self.compute_s + self.reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s
+        return self.compute_s + self.reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s + self.optimizer_s
 
 
 def plan_from_solution(
@@ -618,4 +623,5 @@ def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen,
         comm_bytes=int(traffic.comm_bytes),
         comm_bytes_per_axis=tuple(int(b) for b in traffic.per_axis),
         expert_parallel=expert_parallel,
+        optimizer_s=parts.optimizer_s,
     )

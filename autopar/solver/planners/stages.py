@@ -60,6 +60,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from autopar.cost import optimizer as step_cost
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError, MeshError
 from autopar.solver.pricing import schedules
@@ -88,6 +89,26 @@ from autopar.trace import TracedModel
 from autopar.solver.planners.sharding import plan_from_solution
 
 log = logging.getLogger("autopar")
+
+
+def _stages_optimizer_s(graph: ChoiceGraph, choice: dict[str, int], search: StageSearch, stages: list[Stage], cluster) -> float:
+    """The optimizer step after the pipeline's flush: every rank group steps the parameters of
+    its stages (several, under an interleaved schedule) at once, so the step waits for the
+    slowest group's (``cost.optimizer``)."""
+    leader = {member: group[0] for group in graph.ties for member in group}
+    held: dict[int, set[str]] = {}
+    for stage in stages:
+        used = {producer for name in stage.nodes if name in graph.choices for producer, _ in graph.choices[name].inputs}
+        params = {leader.get(name, name) for name in used | set(stage.nodes)}  # the walk keys ties by their leader
+        held.setdefault(schedules.group_of(search.schedule, search.num_stages, stage.index), set()).update(params)
+    bytes_of = graph.bytes_of(choice)
+    implementation = step_cost.default_implementation(cluster)
+    slowest = 0.0
+    for nodes in held.values():
+        stepped = step_cost.stepped_tensors([iv for iv in graph.timeline.intervals if iv.node in nodes], bytes_of)
+        slowest = max(slowest, step_cost.adamw_step_s(stepped, cluster, implementation, tuple(search.stage_mesh)))
+    return slowest
+
 
 __all__ = ["plan_stages", "search_stages", "StageSettings", "price_chunks", "StageSearch", "StageChoice", "check_pipeline_args"]
 
@@ -853,13 +874,15 @@ def _assemble(
     # stage on the stage mesh: kept apart, so that they are not read as the pipeline's step.
     whole = ("compute_s", "reshard_s", "comm_bytes", "comm_bytes_per_axis")
     unpipelined = base.predicted.to_json()
+    optimizer_s = _stages_optimizer_s(graph, choice, search, stages, cluster)
     predicted = Prediction(
-        step_time_s=search.step_time_s,
+        step_time_s=search.step_time_s + optimizer_s,
         peak_memory_bytes=int(max(s.memory_bytes for s in search.stages)),
         stage_time_s=tuple(times),
         grad_sync_s=max(s.sync_s for s in search.stages),
         recompute=tuple(s.remat for s in search.stages),
         one_microbatch_unpipelined={key: unpipelined[key] for key in whole if key in unpipelined},
+        optimizer_s=optimizer_s,
     )
     solver_info = dataclasses.replace(
         base.solver,

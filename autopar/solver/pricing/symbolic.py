@@ -14,7 +14,8 @@ batch (each sharded batch dim divides evenly), writes each quantity in the batch
   each linear; where one line dominates for every ``B >= 1`` the ``Max`` is dropped;
 * resharding and gradient all-reduces: ``(k-1)·α`` terms (constant) plus bytes/β (linear);
 * peak memory: ``Max`` over the timeline's times of linear functions, kept to the upper
-  envelope over ``B >= 1``.
+  envelope over ``B >= 1``;
+* the optimizer step (``cost.optimizer``): the parameters', a constant.
 
 ``Plan.predict(batch=...)`` substitutes ``B``. It assumes the same strategies stay valid at the
 new batch (a batch dim sharded ``k`` ways needs a batch divisible by ``k``).
@@ -30,6 +31,7 @@ import torch
 import torch.fx
 
 from autopar.cost import comm, compute, liveness, memory
+from autopar.cost import optimizer as step_cost
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.plan import Plan
 from autopar.ir.prediction import Prediction
@@ -120,7 +122,9 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
     gathered, sizes = _gathered(traced, plan, kinds, grads, ties, live, cluster.gloo)
     out_bytes.update(sizes)
     curve = liveness.Timeline(timeline.names, timeline.intervals + tuple(gathered)).curve(out_bytes.__getitem__)
-    return {"roofline": roofline, "comm": comms, "memory_curve": curve}
+    stepped = step_cost.stepped_tensors(timeline.intervals, out_bytes.__getitem__)
+    optimizer_s = step_cost.adamw_step_s(stepped, cluster, step_cost.default_implementation(cluster), mesh)
+    return {"roofline": roofline, "comm": comms, "memory_curve": curve, "optimizer_s": optimizer_s}
 
 
 def _gathered(
@@ -182,7 +186,7 @@ def totals(priced: dict[str, Any]) -> dict[str, float]:
     """step_time_s, comm_bytes and peak_memory_bytes of a ``price_plan`` result."""
     compute_s = sum(max(f, b) * factor for f, b, factor in priced["roofline"])
     return {
-        "step_time_s": compute_s + sum(seconds for seconds, _ in priced["comm"]),
+        "step_time_s": compute_s + sum(seconds for seconds, _ in priced["comm"]) + priced["optimizer_s"],
         "comm_bytes": sum(sent for _, sent in priced["comm"]),
         "peak_memory_bytes": max(priced["memory_curve"], default=0.0),
     }
@@ -249,6 +253,8 @@ def symbolic_costs(
         exposed = sympy.Max(sympy.Float(min(last_s, sync_s), 17), sympy.Float(sync_s, 17) - backward, 0)
         step = step + sympy.Float(float(schedule["delta_s"]) - sync_s, 17) + exposed
         comm_bytes = (comm_bytes[0], comm_bytes[1] + float(schedule["delta_bytes"]))
+    if priced_b["optimizer_s"]:  # the parameters' step, whatever the batch: a constant
+        step = step + sympy.Float(priced_b["optimizer_s"], 17)
     memory_lines = [_line(a, b, batch) for a, b in zip(priced_b["memory_curve"], priced_2b["memory_curve"])]
     peak = sympy.Max(*(_expr(*line) for line in _upper_envelope(memory_lines)))
     return {

@@ -1,0 +1,83 @@
+"""The optimizer step in the predicted step (``autopar.cost.optimizer``): AdamW priced from the bytes
+it reads and writes, in every plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost.cluster import get_cluster
+from autopar.cost.liveness import Interval
+from autopar.cost.optimizer import KERNELS_PER_TENSOR, adamw_step_s, default_implementation, stepped_tensors
+from autopar.cost.rates import OPTIMIZER_TRAFFIC
+from autopar.zoo.models import GPT
+
+
+def _cluster(launch: float = 1e-5):
+    h200 = get_cluster("h200-141g")
+    return dataclasses.replace(h200, rates=dataclasses.replace(h200.rates, launch_overhead_s=launch, memory_efficiency=0.5))
+
+
+def test_stepped_tensors_are_the_parameters_with_a_gradient():
+    sizes = {"w": 100.0, "frozen": 1000.0}
+    intervals = [
+        Interval("w", "param", 0, 9),
+        Interval("w", "optimizer_state", 0, 9, 4.0),  # two fp32 moments of a bf16 parameter
+        Interval("w", "grad", 5, 9, 0.5),  # ZeRO-2: half of the gradient
+        Interval("frozen", "param", 0, 9),
+        Interval("x", "activation", 1, 8),
+    ]
+    # 2 P + G + 2 S: the parameter read and written, the gradient read, both moments read and written
+    assert stepped_tensors(intervals, sizes.get) == [2 * 100 + 50 + 2 * 400]
+
+
+def test_implementations_by_bandwidth_and_launches():
+    cluster = _cluster()
+    bandwidth = cluster.memory_bandwidth_bytes_per_s * 0.5
+    big = [1e9] * 4  # bandwidth-bound: the passes over memory decide
+    assert adamw_step_s(big, cluster, "fused") == pytest.approx(4e9 / bandwidth)
+    assert adamw_step_s(big, cluster, "foreach") == pytest.approx(OPTIMIZER_TRAFFIC["foreach"] * 4e9 / bandwidth)
+    assert adamw_step_s(big, cluster, "for-loop") == pytest.approx(adamw_step_s(big, cluster, "foreach"))
+    small = [1e3] * 100  # host-bound: the launches decide, 8 kernels per tensor in a for-loop
+    assert adamw_step_s(small, cluster, "fused") == pytest.approx(1e-5)
+    assert adamw_step_s(small, cluster, "foreach") == pytest.approx(100 * 1e-5)
+    assert adamw_step_s(small, cluster, "for-loop") == pytest.approx(100 * KERNELS_PER_TENSOR * 1e-5)
+    with pytest.raises(ValueError, match="for-loop"):
+        adamw_step_s(small, cluster, "sgd")
+
+
+def test_cpu_ranks_share_cores_and_step_for_loop():
+    cpu = dataclasses.replace(get_cluster("cpu-gloo"), compute_slots_per_node=2)
+    assert default_implementation(cpu) == "for-loop" and default_implementation(get_cluster("h200-141g")) == "foreach"
+    alone = adamw_step_s([1e8], cpu, "for-loop", (2,))
+    assert adamw_step_s([1e8], cpu, "for-loop", (4,)) == pytest.approx(2 * alone)  # 4 ranks on 2 cores
+
+
+def _gpt():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, bias=False)
+    batch = torch.randint(0, 256, (8, 32))
+    return model, (batch, batch)
+
+
+def test_every_plan_prices_its_optimizer_step_from_its_local_shards():
+    model, batch = _gpt()
+    cluster = _cluster(launch=0.0)
+    ddp = autopar.hand_plan("ddp", model, (4,), example_inputs=batch, cluster=cluster)
+    fsdp = autopar.hand_plan("fsdp", model, (4,), example_inputs=batch, cluster=cluster)
+    elements = sum(p.numel() for p in model.parameters())
+    # fp32 parameters, gradients and both moments: 2·4 + 4 + 2·8 bytes per element, foreach's passes
+    whole = OPTIMIZER_TRAFFIC["foreach"] * elements * 28 / (cluster.memory_bandwidth_bytes_per_s * 0.5)
+    assert ddp.predicted.optimizer_s == pytest.approx(whole, rel=1e-6)
+    assert fsdp.predicted.optimizer_s < 0.3 * ddp.predicted.optimizer_s  # each rank steps its quarter
+    for plan in (ddp, fsdp):
+        parts = plan.predicted
+        assert parts.step_time_s == pytest.approx(
+            parts.compute_s + parts.reshard_s + parts.grad_schedule["delta_s"] - parts.grad_sync_s
+            + parts.exposed_grad_sync_s + parts.optimizer_s
+        )  # fmt: skip
+        assert json.loads(plan.to_json())["predicted"]["optimizer_s"] == parts.optimizer_s
