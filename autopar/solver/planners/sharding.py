@@ -475,7 +475,10 @@ class _StepParts:
     @property
     def step_s(self) -> float:
         schedule = self.schedule
-        return self.compute_s + self.reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s
+        step = self.compute_s + self.reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s
+        if schedule.overlaps:  # FSDP's gathers priced whole above; only what compute does not hide counts
+            step += schedule.overlap_delta_s
+        return step
 
 
 def plan_from_solution(
@@ -593,6 +596,14 @@ def _add_resharding_traffic(graph: ChoiceGraph, solution: Solution, traffic: _Tr
             )
 
 
+def _overlap_terms(schedule: ParamSchedule) -> dict[str, float]:
+    """The overlapped gathers' terms of ``grad_schedule`` (``comm_schedule.ParamSchedule``), where any overlap."""
+    if not schedule.overlaps:
+        return {}
+    names = ("gather_s", "regather_s", "gathered_s", "first_gather_s", "regathered_s", "forward_s")
+    return {name: getattr(schedule, name) for name in names}
+
+
 def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen, expert_parallel) -> Prediction:
     """The plan's ``predicted`` section."""
     schedule = parts.schedule
@@ -611,6 +622,7 @@ def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen,
             "delta_bytes": schedule.delta_bytes,
             "last_bucket_s": schedule.last_bucket_s,
             "post_solve_s": schedule.post_solve_s,
+            **_overlap_terms(schedule),
         },
         peak_memory_bytes=int(peak_bytes),
         peak_memory_at=graph.timeline.time_name(peak_time),
