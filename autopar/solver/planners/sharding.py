@@ -266,15 +266,18 @@ def _with_memory_decisions(traced: TracedModel, graph: ChoiceGraph, cluster: Clu
         if fixed is None:
             continue
         other_solution, sums = fixed
-        if other_solution.objective_s >= step_s:
-            continue  # checkpointing and offload only add time
+        other_parts = _StepParts.of(graph, other_solution, cluster, sums)
+        # checkpointing and offload only add time; the objective prices the gathers whole, which
+        # overlap compute on NCCL clusters (``ParamSchedule.overlaps``): there its step is the bound
+        if (other_solution.objective_s if cluster.gloo else other_parts.step_s) >= step_s:
+            continue
         try:
             other_memory = _memory_for(traced, graph, cluster, settings, other_solution, explain=False)
         except InfeasibleError:
             continue
         if other_memory is None:  # a Lagrangian plan that fits as it is
             other_solution = dataclasses.replace(other_solution, status="Feasible (lagrangian)")
-        other_parts = _StepParts.of(graph, other_solution, cluster, sums)
+            other_parts = dataclasses.replace(other_parts, solution=other_solution)
         added_s = other_memory[0].added_s if other_memory is not None else 0.0
         if other_parts.step_s + added_s < step_s:
             solution, parts, memory = other_solution, other_parts, other_memory
