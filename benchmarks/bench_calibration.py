@@ -107,13 +107,15 @@ ROWS = (
     Row("zoo llama-2-7b 8L 4x2048 fwd+bwd", "results/gpu_step.csv, one H100", "zoo-llama-2-7b:8", 4, 2048, (1,), "plan",
         "h100-80g", 80 * GIB, measured_step_s=0.181503, measured_peak_gib=26.1153, with_optimizer=False),
     # torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (bf16, no compile,
-    # no Float8): Llama 3.1 8B, FSDP, selective AC, local batch 2 x 8192, H100 96 GB, 500 W.
+    # no Float8): Llama 3.1 8B, FSDP, selective AC, local batch 2 x 8192, H100 96 GB, 500 W. At
+    # its commit (9dec370) AdamW is foreach (optimizer.fused is off unless asked; llama3_8b.toml
+    # does not), params bf16 and reductions fp32 (mixed_precision_*), gradients clipped at 1.0.
     Row("torchtitan llama-3.1-8b fsdp 8 gpus", "torchtitan llama3_h100_202412, Table 1", "zoo-llama-3-8b:32", 2, 8192, (8,),
         "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5762, measured_peak_gib=82.4, dtype="float32",
-        precision="bf16-mixed", checkpointing="selective", optimizer="fused", published=True),
+        precision="bf16-mixed", checkpointing="selective", optimizer="foreach", published=True),
     Row("torchtitan llama-3.1-8b fsdp 128 gpus", "torchtitan llama3_h100_202412, Table 3", "zoo-llama-3-8b:32", 2, 8192,
         (128,), "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5605, measured_peak_gib=67.0, dtype="float32",
-        precision="bf16-mixed", checkpointing="selective", optimizer="fused", published=True),
+        precision="bf16-mixed", checkpointing="selective", optimizer="foreach", published=True),
 )  # fmt: skip
 
 
@@ -147,11 +149,11 @@ def _inputs(row: Row, model: torch.nn.Module) -> dict:
 
 
 def grand_teton() -> ClusterSpec:
-    """torchtitan's machine (its docs/performance.md): Grand Teton hosts of 8 H100s with 96 GB of
-    HBM2e at 2.4 TB/s, NVLink inside a host, 400 Gb/s RDMA per GPU, a 500 W power limit (not
-    modelled: the peaks are the 700 W datasheet's)."""
-    h100 = get_cluster("h100-80g")
-    return dataclasses.replace(h100, name="h100-96g (Grand Teton)", memory_bytes=int(96e9), memory_bandwidth_bytes_per_s=2.4e12)
+    """torchtitan's machine: the ``h100-96g`` preset (Grand Teton hosts of 8 H100s with 96 GB of
+    HBM2e at 2.4 TB/s, NVLink inside a host, 400 Gb/s RDMA per GPU, a 500 W power limit whose
+    peak torchtitan bounds between the H100 NVL's and SXM's; the preset's notes say which figures
+    come from where)."""
+    return get_cluster("h100-96g")
 
 
 def row_cluster(row: Row, profiled: ClusterSpec | None) -> ClusterSpec:
@@ -192,7 +194,7 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
         if row.checkpointing and "checkpointing" in inspect.signature(autopar.hand_plan).parameters:
             kwargs["checkpointing"] = row.checkpointing
         plan = autopar.hand_plan(layout, model, row.mesh, **kwargs)
-    step = plan.predicted.step_time_s + (plan.predicted.memory_s or 0.0)
+    step = plan.predicted.step_time_s  # checkpointing's recompute (predicted.memory_s) is in it already
     if row.with_optimizer:
         param_size = 4 if row.precision else torch.finfo(getattr(torch, row.dtype)).bits // 8
         step += optimizer_step_s(
@@ -264,7 +266,7 @@ def evaluate_405b(microbatches: int) -> dict:
     torch.compile, which autopar does not price (bf16 eager): the measured step is a floor."""
     import bench_llama405b_pipeline as job  # a sibling benchmark: its job definition and pricing
 
-    spec = dataclasses.replace(grand_teton(), rates=get_cluster("h200-141g").rates)
+    spec = grand_teton()
     start = time.perf_counter()
     theirs = job.torchtitan(spec)[-1]
     search, _ = job.ours(spec, microbatches)
