@@ -17,13 +17,14 @@ import autopar
 
 from autopar.cost import comm
 from autopar.cost.cluster import LinkSpec, get_cluster
+from autopar.ir.gathers import param_layer
 from autopar.solver import solve
 from autopar.solver.planners.hand_plans import param_specs
 from autopar.solver.pricing import symbolic
 from autopar.trace import trace
 from autopar.zoo.models import GPT, LLAMA_SHAPES, Llama
 
-OVERLAP_KEYS = ("gather_s", "regather_s", "gathered_s", "first_gather_s", "regathered_s", "forward_s")
+OVERLAP_KEYS = ("gather_s", "regather_s", "gathered_s", "first_gather_s", "regathered_s", "forward_s", "copy_s")
 
 
 def _gpt():
@@ -135,3 +136,17 @@ def test_the_solver_is_no_slower_than_torchtitans_fsdp_layout() -> None:
     job = _torchtitan_8b(8)
     published = autopar.hand_plan("fsdp", checkpointing="selective", **job).predicted.step_time_s
     assert autopar.plan(**job).predicted.step_time_s <= published * (1 + 1e-9)
+
+
+def test_the_flat_buffer_copies_are_priced_on_the_compute_stream() -> None:
+    # each gather copies shards in and whole parameters out (2·(1 + 1/k) of the bytes), again for a
+    # layer gathered again in backward (the root's parameters are kept after forward)
+    cluster = get_cluster("h100-80g")  # no rates: the copies run at the full memory bandwidth
+    _, plan = _fsdp(cluster)
+    moved = 0.0
+    for fqn, param in _gpt().named_parameters():
+        if plan.params[fqn][0].is_shard() and fqn != "transformer.wpe.weight":  # looked up on its shards (embedding_vocab_split)
+            again = 2 if param_layer(fqn) else 1
+            moved += again * 2 * param.numel() * param.element_size() * (1 + 1 / 16)
+    schedule = plan.predicted.grad_schedule
+    assert schedule["copy_s"] == pytest.approx(moved / cluster.memory_bandwidth_bytes_per_s, rel=1e-9)

@@ -603,7 +603,7 @@ def _overlap_terms(schedule: ParamSchedule) -> dict[str, float]:
     """The overlapped gathers' terms of ``grad_schedule`` (``comm_schedule.ParamSchedule``), where any overlap."""
     if not schedule.overlaps:
         return {}
-    names = ("gather_s", "regather_s", "gathered_s", "first_gather_s", "regathered_s", "forward_s")
+    names = ("gather_s", "regather_s", "gathered_s", "first_gather_s", "regathered_s", "forward_s", "copy_s")
     return {name: getattr(schedule, name) for name in names}
 
 

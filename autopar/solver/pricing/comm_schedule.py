@@ -64,6 +64,7 @@ class ParamSchedule:
     first_gather_s: float = 0.0  # of which the first collective's, which nothing runs before
     regathered_s: float = 0.0  # the backward re-gathers as run
     forward_s: float = 0.0  # forward compute of the chosen strategies, which hides the forward gathers
+    copy_s: float = 0.0  # the flat buffers' copies around the gathers and reduce-scatters, on the compute stream
 
     @property
     def overlaps(self) -> bool:
@@ -84,7 +85,7 @@ class ParamSchedule:
         """What overlapping the gathers changes in the step: the gathers priced whole (forward in
         ``reshard_s``, backward in ``delta_s``) out, what compute does not hide of them in (the
         backward re-gathers' share is in ``exposed_s``)."""
-        return self.exposed_gathers_s - self.gather_s - self.regather_s
+        return self.exposed_gathers_s - self.gather_s - self.regather_s + self.copy_s
 
 
 def _saves(consumer, index: int) -> bool:
@@ -148,7 +149,25 @@ def param_schedule(
         *gathers,
         # compute_s holds the per-use gradient all-reduces too (backward): not forward compute
         forward_s - per_use_s if any(gathers) else 0.0,
+        _copy_s(sums, cluster, graph.mesh_shape) if any(gathers) else 0.0,
     )
+
+
+def _copy_s(sums: _Sums, cluster: ClusterSpec, mesh) -> float:
+    """Seconds of the copies the runtime makes around FSDP's collectives, as FSDP2 does
+    (``ops.buckets``): each gather copies the shards into a flat buffer and every whole parameter
+    out of the gathered one (read and write: 2·(1 + 1/k) of its bytes), again for a re-gather, and
+    each reduce-scatter copies the whole gradients into its bucket (2× their bytes), memory-bound
+    at the achieved bandwidth on the compute stream. Priced where the gathers overlap (NCCL); the
+    gloo prices are those the CPU calibration measured."""
+    moved = 0.0
+    for _, _, layer, _, gathered, (axis, _) in sums.gathers:
+        copies = 2 if layer in sums.regathered_layers else 1
+        moved += copies * 2 * gathered * (1 + 1 / mesh[axis])
+    for _, _, whole, _ in sums.scattered.values():
+        moved += 2 * whole
+    efficiency = cluster.rates.memory_efficiency if cluster.rates is not None else 1.0
+    return moved / (cluster.memory_bandwidth_bytes_per_s * efficiency)
 
 
 def _overlapped_gathers(sums: _Sums, cluster: ClusterSpec, group_bytes: int) -> tuple[float, ...]:

@@ -185,7 +185,8 @@ def _overlapped_gathers(schedule, priced_b: dict[str, Any], priced_2b: dict[str,
     forward = sympy.Float(float(schedule["forward_s"]), 17) + sympy.Float(slope, 17) * (BATCH - batch)
     first = sympy.Float(float(schedule["first_gather_s"]), 17)
     exposed = first + sympy.Max(0, sympy.Float(float(schedule["gathered_s"]), 17) - first - forward)
-    return exposed - sympy.Float(float(schedule["gather_s"]) + float(schedule["regather_s"]), 17)
+    priced = float(schedule["gather_s"]) + float(schedule["regather_s"]) - float(schedule.get("copy_s", 0.0))
+    return exposed - sympy.Float(priced, 17)
 
 
 def _forward_s(roofline) -> float:
