@@ -89,12 +89,12 @@ class Row:
 ROWS = (
     Row("hf-llama-3-8b 4L 2x4096 eager", "issue 43/44, one H200, torch 2.11", "hf-llama-3-8b:4", 2, 4096, (1,), "plan",
         "h200-141g", 141 * GIB, measured_step_s=0.1645, measured_peak_gib=30.9),
-    Row("hf-llama-3-8b 4L 2x4096 autopar", "issue 43/44, one H200, torch 2.11", "hf-llama-3-8b:4", 2, 4096, (1,), "plan",
-        "h200-141g", 141 * GIB, measured_step_s=0.1826, measured_peak_gib=35.0),
+    Row("hf-llama-3-8b 4L 2x4096 autopar", "results/h200/gpu_step_hf-llama.csv, one H200, torch 2.11", "hf-llama-3-8b:4", 2,
+        4096, (1,), "plan", "h200-141g", 141 * GIB, measured_step_s=0.16695, measured_peak_gib=29.245),
     Row("gpt 12x768 8x1024 eager", "issue 43/44, one H200", "gpt:12:768:12", 8, 1024, (1,), "plan",
         "h200-141g", 141 * GIB, measured_step_s=0.0218, measured_peak_gib=5.3),
-    Row("gpt 12x768 8x1024 autopar", "issue 43/44, one H200", "gpt:12:768:12", 8, 1024, (1,), "plan",
-        "h200-141g", 141 * GIB, measured_step_s=0.0292, measured_peak_gib=5.29),
+    Row("gpt 12x768 8x1024 autopar", "results/h200/gpu_step_gpt.csv, one H200, torch 2.11", "gpt:12:768:12", 8, 1024, (1,),
+        "plan", "h200-141g", 141 * GIB, measured_step_s=0.02046, measured_peak_gib=5.532),
     Row("zoo llama-3-8b 2L 2x2048 eager", "results/gpu_compiled_default.csv, one H200", "zoo-llama-3-8b:2", 2, 2048, (1,),
         "plan", "h200-141g", 141 * GIB, measured_step_s=0.062481, measured_peak_gib=13.85),
     Row("zoo llama-3-8b 2L 2x2048 eager fused", "results/gpu_compiled_fused.csv, one H200", "zoo-llama-3-8b:2", 2, 2048,
@@ -110,13 +110,15 @@ ROWS = (
     Row("zoo llama-2-7b 8L 4x2048 fwd+bwd", "results/gpu_step.csv, one H100", "zoo-llama-2-7b:8", 4, 2048, (1,), "plan",
         "h100-80g", 80 * GIB, measured_step_s=0.181503, measured_peak_gib=26.1153, with_optimizer=False),
     # torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (bf16, no compile,
-    # no Float8): Llama 3.1 8B, FSDP, selective AC, local batch 2 x 8192, H100 96 GB, 500 W.
+    # no Float8): Llama 3.1 8B, FSDP, selective AC, local batch 2 x 8192, H100 96 GB, 500 W. At
+    # its commit (9dec370) AdamW is foreach (optimizer.fused is off unless asked; llama3_8b.toml
+    # does not), params bf16 and reductions fp32 (mixed_precision_*), gradients clipped at 1.0.
     Row("torchtitan llama-3.1-8b fsdp 8 gpus", "torchtitan llama3_h100_202412, Table 1", "zoo-llama-3-8b:32", 2, 8192, (8,),
         "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5762, measured_peak_gib=82.4, dtype="float32",
-        precision="bf16-mixed", checkpointing="selective", optimizer="fused", published=True),
+        precision="bf16-mixed", checkpointing="selective", optimizer="foreach", published=True),
     Row("torchtitan llama-3.1-8b fsdp 128 gpus", "torchtitan llama3_h100_202412, Table 3", "zoo-llama-3-8b:32", 2, 8192,
         (128,), "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5605, measured_peak_gib=67.0, dtype="float32",
-        precision="bf16-mixed", checkpointing="selective", optimizer="fused", published=True),
+        precision="bf16-mixed", checkpointing="selective", optimizer="foreach", published=True),
 )  # fmt: skip
 
 
@@ -150,11 +152,11 @@ def _inputs(row: Row, model: torch.nn.Module) -> dict:
 
 
 def grand_teton() -> ClusterSpec:
-    """torchtitan's machine (its docs/performance.md): Grand Teton hosts of 8 H100s with 96 GB of
-    HBM2e at 2.4 TB/s, NVLink inside a host, 400 Gb/s RDMA per GPU, a 500 W power limit (not
-    modelled: the peaks are the 700 W datasheet's)."""
-    h100 = get_cluster("h100-80g")
-    return dataclasses.replace(h100, name="h100-96g (Grand Teton)", memory_bytes=int(96e9), memory_bandwidth_bytes_per_s=2.4e12)
+    """torchtitan's machine: the ``h100-96g`` preset (Grand Teton hosts of 8 H100s with 96 GB of
+    HBM2e at 2.4 TB/s, NVLink inside a host, 400 Gb/s RDMA per GPU, a 500 W power limit whose
+    peak torchtitan bounds between the H100 NVL's and SXM's; the preset's notes say which figures
+    come from where)."""
+    return get_cluster("h100-96g")
 
 
 def row_cluster(row: Row, profiled: ClusterSpec | None) -> ClusterSpec:
@@ -272,7 +274,7 @@ def evaluate_405b(microbatches: int) -> dict:
     torch.compile, which autopar does not price (bf16 eager): the measured step is a floor."""
     import bench_llama405b_pipeline as job  # a sibling benchmark: its job definition and pricing
 
-    spec = dataclasses.replace(grand_teton(), rates=get_cluster("h200-141g").rates)
+    spec = grand_teton()
     start = time.perf_counter()
     theirs = job.torchtitan(spec)[-1]
     search, _ = job.ours(spec, microbatches)

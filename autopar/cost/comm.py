@@ -584,6 +584,17 @@ def exposed_grad_sync_s(sync_s: float, backward_compute_s: float, last_bucket_s:
     return max(min(last_bucket_s, sync_s), sync_s - backward_compute_s, 0.0)
 
 
+def exposed_gathers_s(gather_s: float, first_gather_s: float, forward_compute_s: float) -> float:
+    """Seconds of FSDP's forward all-gathers that forward compute does not hide.
+
+    Each layer's group is gathered one group ahead on the communication stream (FSDP2's forward
+    prefetch; autopar's ``passes.schedule``), so every gather but the first runs while an earlier
+    group computes, one after another on the link. The first group's waits with nothing before
+    it: first + max(0, rest − forward compute). Per layer, a gather longer than its layer's
+    compute would show more; with repeated layers the totals say the same."""
+    return first_gather_s + max(0.0, gather_s - first_gather_s - forward_compute_s)
+
+
 def context_parallel_collectives(
     kv_bytes: float, rows_bytes: float, axes: Sequence[int], balanced: bool, mesh_shape: Sequence[int], requires_grad: bool
 ) -> list[tuple[str, float, int]]:
@@ -651,5 +662,6 @@ __all__ = [
     "grad_allreduce_cost",
     "param_grad_sync_cost",
     "exposed_grad_sync_s",
+    "exposed_gathers_s",
     "DEFAULT_BUCKET_CAP_BYTES",
 ]

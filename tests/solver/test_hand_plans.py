@@ -92,6 +92,19 @@ def test_autopar_is_never_predicted_slower_than_a_hand_plan(gpt_and_batch, plans
         assert auto_s <= hand_s * (1 + 1e-9), kind
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the ILP does not price the AdamW step yet (cost.optimizer prices it after the solve): a hand plan "
+    "that shards optimizer state or parameters (zero1, zero2, megatron) steps a share of them and wins by that "
+    "alone on this small GPT. When the ILP prices it per parameter strategy this passes: drop the xfail.",
+)
+def test_autopar_is_never_predicted_slower_than_a_hand_plan_with_the_optimizer_step(gpt_and_batch, plans):
+    model, batch = gpt_and_batch
+    auto = autopar.plan(model, MESH, example_inputs=batch, cluster="cpu")
+    slower = [kind for kind in KINDS if auto.predicted.step_time_s > plans[kind].predicted.step_time_s * (1 + 1e-9)]
+    assert not slower, f"hand plans predicted faster than autopar's: {slower}"
+
+
 def test_under_a_budget_autopar_still_wins_over_every_feasible_hand_plan(gpt_and_batch, plans):
     model, batch = gpt_and_batch
     # Below autopar's free plan (0.73 of DDP's peak) and above the leanest plan (0.50: the

@@ -267,15 +267,18 @@ def _with_memory_decisions(traced: TracedModel, graph: ChoiceGraph, cluster: Clu
         if fixed is None:
             continue
         other_solution, sums = fixed
-        if other_solution.objective_s >= step_s:
-            continue  # checkpointing and offload only add time
+        other_parts = _StepParts.of(graph, other_solution, cluster, sums)
+        # checkpointing and offload only add time; the objective prices the gathers whole, which
+        # overlap compute on NCCL clusters (``ParamSchedule.overlaps``): there its step is the bound
+        if (other_solution.objective_s if cluster.gloo else other_parts.step_s) >= step_s:
+            continue
         try:
             other_memory = _memory_for(traced, graph, cluster, settings, other_solution, explain=False)
         except InfeasibleError:
             continue
         if other_memory is None:  # a Lagrangian plan that fits as it is
             other_solution = dataclasses.replace(other_solution, status="Feasible (lagrangian)")
-        other_parts = _StepParts.of(graph, other_solution, cluster, sums)
+            other_parts = dataclasses.replace(other_parts, solution=other_solution)
         added_s = other_memory[0].added_s if other_memory is not None else 0.0
         if other_parts.step_s + added_s < step_s:
             solution, parts, memory = other_solution, other_parts, other_memory
@@ -480,7 +483,10 @@ class _StepParts:
     @property
     def step_s(self) -> float:
         schedule = self.schedule
-        return self.compute_s + self.reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s + self.optimizer_s
+        step = self.compute_s + self.reshard_s + schedule.delta_s - schedule.sync_s + schedule.exposed_s + self.optimizer_s
+        if schedule.overlaps:  # FSDP's gathers priced whole above; only what compute does not hide counts
+            step += schedule.overlap_delta_s
+        return step
 
 
 def plan_from_solution(
@@ -598,6 +604,14 @@ def _add_resharding_traffic(graph: ChoiceGraph, solution: Solution, traffic: _Tr
             )
 
 
+def _overlap_terms(schedule: ParamSchedule) -> dict[str, float]:
+    """The overlapped gathers' terms of ``grad_schedule`` (``comm_schedule.ParamSchedule``), where any overlap."""
+    if not schedule.overlaps:
+        return {}
+    names = ("gather_s", "regather_s", "gathered_s", "first_gather_s", "regathered_s", "forward_s", "copy_s")
+    return {name: getattr(schedule, name) for name in names}
+
+
 def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen, expert_parallel) -> Prediction:
     """The plan's ``predicted`` section."""
     schedule = parts.schedule
@@ -616,6 +630,7 @@ def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen,
             "delta_bytes": schedule.delta_bytes,
             "last_bucket_s": schedule.last_bucket_s,
             "post_solve_s": schedule.post_solve_s,
+            **_overlap_terms(schedule),
         },
         peak_memory_bytes=int(peak_bytes),
         peak_memory_at=graph.timeline.time_name(peak_time),

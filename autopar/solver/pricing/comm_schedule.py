@@ -20,6 +20,14 @@ them per parameter and buckets the reductions:
 
 ``param_schedule`` returns the difference between the two, and the totals that the step's
 exposed-communication term needs (``comm.exposed_grad_sync_s``).
+
+**Overlap of FSDP's gathers** (on NCCL clusters; ``ParamSchedule.overlaps``): the runtime gathers
+each layer's group one group ahead on its communication stream, as FSDP2 prefetches, so the
+forward gathers run while the previous group computes and only the first group's gather and
+what forward compute cannot cover is exposed (``comm.exposed_gathers_s``); the backward re-gathers
+share the stream with the gradient reductions, and both hide behind backward compute
+(``comm.exposed_grad_sync_s`` of their sum). On gloo the ranks' own CPU moves every message,
+so nothing overlaps there and the gathers stay in the step whole (the CPU calibration).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import torch
 
 from autopar.cost import comm, memory
 from autopar.cost.cluster import ClusterSpec
-from autopar.ir.gathers import param_layer, reshards
+from autopar.ir.gathers import gather_groups, param_layer, reshards
 from autopar.solver.problem.choices import ChoiceGraph, synced_param
 from autopar.solver.problem.op_prices import grad_sync_axes
 from autopar.solver.problem.gathered import single_gather
@@ -49,10 +57,35 @@ class ParamSchedule:
     last_bucket_s: float  # the last bucket (the first parameters of forward): never hidden
     per_use_s: float = 0.0  # the per-use parameter all-reduces in compute_s that the buckets replace
     post_solve_s: float = 0.0  # what the ILP does not price: one gather per parameter, reduce-scatter, buckets' latency
+    # FSDP's gathers that overlap compute (module docstring; all 0 where nothing overlaps, gloo):
+    gather_s: float = 0.0  # forward: one gather per scheduled parameter, as the step's reshard_s prices them
+    regather_s: float = 0.0  # backward: the groups gathered again, as delta_s prices them
+    gathered_s: float = 0.0  # the forward gathers as the runtime runs them: one latency per collective
+    first_gather_s: float = 0.0  # of which the first collective's, which nothing runs before
+    regathered_s: float = 0.0  # the backward re-gathers as run
+    forward_s: float = 0.0  # forward compute of the chosen strategies, which hides the forward gathers
+    copy_s: float = 0.0  # the flat buffers' copies around the gathers and reduce-scatters, on the compute stream
+
+    @property
+    def overlaps(self) -> bool:
+        return self.gather_s > 0.0 or self.regather_s > 0.0
 
     @property
     def exposed_s(self) -> float:
-        return comm.exposed_grad_sync_s(self.sync_s, self.backward_s, self.last_bucket_s)
+        """The gradient reductions (and backward re-gathers, where they overlap) that backward compute does not hide."""
+        return comm.exposed_grad_sync_s(self.sync_s + self.regathered_s, self.backward_s, self.last_bucket_s)
+
+    @property
+    def exposed_gathers_s(self) -> float:
+        """The forward gathers that forward compute does not hide (0 where nothing overlaps)."""
+        return comm.exposed_gathers_s(self.gathered_s, self.first_gather_s, self.forward_s)
+
+    @property
+    def overlap_delta_s(self) -> float:
+        """What overlapping the gathers changes in the step: the gathers priced whole (forward in
+        ``reshard_s``, backward in ``delta_s``) out, what compute does not hide of them in (the
+        backward re-gathers' share is in ``exposed_s``)."""
+        return self.exposed_gathers_s - self.gather_s - self.regather_s + self.copy_s
 
 
 def _saves(consumer, index: int) -> bool:
@@ -82,11 +115,13 @@ def param_schedule(
     sync_s = 0.0
     sync_s += merged_s + sums.scatter_delta_s
     synced = _synced(needed, sums, order)
-    backward_s = 0.0
+    backward_s = forward_s = 0.0
     for name in graph.order:
         chosen = graph.choices[name]
         if chosen.backward_s:
-            backward_s += chosen.backward_s[choice[name]]
+            index = choice[name]
+            backward_s += chosen.backward_s[index]
+            forward_s += chosen.compute_s[index] - chosen.backward_s[index]
     last_bucket_s, filled = _last_bucket(synced, bucket_cap_bytes)
     if synced:
         # Each member paid bytes/cap of its bucket's latency (``comm.param_grad_sync_cost``); the
@@ -101,6 +136,7 @@ def param_schedule(
         sync_s += max(0.0, owed - paid)
         sums.delta_s += max(0.0, owed - paid)
         last_bucket_s += latency * (1.0 - min(1.0, filled / bucket_cap_bytes))
+    gathers = _overlapped_gathers(sums, cluster, graph.comm.gather_group_bytes)
     return ParamSchedule(
         sums.delta_s,
         sums.delta_bytes,
@@ -110,7 +146,49 @@ def param_schedule(
         last_bucket_s,
         per_use_s,
         sums.delta_s - (merged_s - per_use_s),
+        *gathers,
+        # compute_s holds the per-use gradient all-reduces too (backward): not forward compute
+        forward_s - per_use_s if any(gathers) else 0.0,
+        _copy_s(sums, cluster, graph.mesh_shape) if any(gathers) else 0.0,
     )
+
+
+def _copy_s(sums: _Sums, cluster: ClusterSpec, mesh) -> float:
+    """Seconds of the copies the runtime makes around FSDP's collectives, as FSDP2 does
+    (``ops.buckets``): each gather copies the shards into a flat buffer and every whole parameter
+    out of the gathered one (read and write: 2·(1 + 1/k) of its bytes), again for a re-gather, and
+    each reduce-scatter copies the whole gradients into its bucket (2× their bytes), memory-bound
+    at the achieved bandwidth on the compute stream. Priced where the gathers overlap (NCCL); the
+    gloo prices are those the CPU calibration measured."""
+    moved = 0.0
+    for _, _, layer, _, gathered, (axis, _) in sums.gathers:
+        copies = 2 if layer in sums.regathered_layers else 1
+        moved += copies * 2 * gathered * (1 + 1 / mesh[axis])
+    for _, _, whole, _ in sums.scattered.values():
+        moved += 2 * whole
+    efficiency = cluster.rates.memory_efficiency if cluster.rates is not None else 1.0
+    return moved / (cluster.memory_bandwidth_bytes_per_s * efficiency)
+
+
+def _overlapped_gathers(sums: _Sums, cluster: ClusterSpec, group_bytes: int) -> tuple[float, ...]:
+    """(forward gathers as priced, backward re-gathers as priced, forward gathers as run, the
+    first collective's, backward re-gathers as run) that overlap compute: FSDP's gathers on an
+    NCCL cluster (module docstring); none on gloo. The runtime gathers a run of one layer's
+    parameters (up to ``group_bytes``, ``ir.gathers.gather_groups``) in one collective, which
+    pays one latency where the per-parameter prices paid one each."""
+    if cluster.gloo or not sums.gathers:
+        return 0.0, 0.0, 0.0, 0.0, 0.0
+    ordered = sorted(sums.gathers, key=lambda gather: (gather[0], gather[2]))
+    runs = gather_groups([(i, gather[2], gather[5], gather[4]) for i, gather in enumerate(ordered)], group_bytes)
+    run_s = []
+    for run in runs:
+        members = [ordered[i] for i in run]
+        latency = max(gather[3] for gather in members)
+        run_s.append((members[0][2], sum(gather[1] - gather[3] for gather in members) + latency))
+    gathered_s = sum(seconds for _, seconds in run_s)
+    regathered_s = sum(seconds for layer, seconds in run_s if layer in sums.regathered_layers)
+    priced_s = sum(gather[1] for gather in ordered)
+    return priced_s, sums.regather_s, gathered_s, run_s[0][1], regathered_s
 
 
 @dataclass(slots=True)
@@ -124,6 +202,9 @@ class _Sums:
     held: dict[str, tuple[int, float]] = field(default_factory=dict)  # reduced parameter → (first use, local bytes)
     # reduce-scattered parameter → (first use, Δs, bytes, layer)
     scattered: dict[str, tuple[int, float, float, str]] = field(default_factory=dict)
+    gathers: list[tuple] = field(default_factory=list)  # ``_ParamTerms.gather`` of each gathered parameter
+    regather_s: float = 0.0  # the backward re-gathers added to delta_s
+    regathered_layers: set[str] = field(default_factory=set)
 
     def add_axis(self, axis: int, value: float) -> None:
         self.per_axis[axis] = self.per_axis.get(axis, 0.0) + value
@@ -159,6 +240,8 @@ def _per_param_sums(
             else:
                 sums.add_axis(target, value)
         sums.held[name] = terms.held
+        if terms.gather is not None:
+            sums.gathers.append(terms.gather)
         if terms.regathered is not None:
             regathered.append(terms.regathered)
             if terms.saved:
@@ -177,6 +260,8 @@ def _per_param_sums(
     for layer, gather_s, gather_sent, axis in regathered:
         if layer in saved_layers:
             sums.delta_s += gather_s
+            sums.regather_s += gather_s
+            sums.regathered_layers.add(layer)
             sums.delta_bytes += gather_sent
             sums.add_axis(axis, gather_sent)
     return sums
@@ -222,6 +307,8 @@ class _ParamTerms:
     held: tuple[int, float]  # (first use, local bytes) of its reduction
     regathered: tuple[str, float, float, int] | None  # (layer, seconds, bytes sent, axis): gathered again in backward if saved
     saved: bool  # an op saves it for backward
+    # gathered once in forward: (first use, seconds, layer, latency s, whole bytes, (axis, dtype))
+    gather: tuple[int, float, str, float, int, tuple] | None
     scatter: (
         tuple[int, int, tuple, float, float, float, str] | None
     )  # reduce-scattered: (first use, axis, spec, seconds, Δbytes, bytes, layer)
@@ -271,7 +358,7 @@ def _param_terms(
         held = (min(order[e.consumer] for ms in syncs.values() for e, _ in ms), memory.local_bytes(arg_shape, dtype, src, mesh))
     if held is None:
         held = (min(order[e.consumer] for e in edges), memory.local_bytes(arg_shape, dtype, src, mesh))
-    regathered = scatter = None
+    regathered = scatter = forward_gather = None
     saved = False
     if len(gathers) == 1 and not syncs:
         (((axis, dim, reduce), members),) = gathers.items()
@@ -288,24 +375,37 @@ def _param_terms(
         changes.append(("bytes", -((len(members) - 1) * gather_sent)))
         changes.append((axis, -((len(members) - 1) * gather_sent)))
         layer = param_layer(graph.choices[name].fqn or name)
+        latency_s = (k - 1) * cluster.axis_link(mesh, axis).latency_s
+        forward_gather = (
+            min(order[e.consumer] for e, _ in members),
+            gather_s,
+            layer,
+            latency_s,
+            gathered,
+            (axis, members[0][0].dtype),
+        )
         if reshards(layer, graph.comm.reshard_after_forward):
             regathered = (layer, gather_s, gather_sent, axis)
             saved = any(_saves(graph.choices[e.consumer], e.in_index) for e, _ in members)
         if reduce:
-            link = cluster.axis_link(mesh, axis)
-            scatter_sent = comm.bytes_sent("reduce_scatter", whole, k)
-            scatter_s = (k - 1) * link.latency_s * min(1.0, whole / bucket_cap_bytes) + scatter_sent / link.bandwidth_bytes_per_s
-            priced = comm.grad_allreduce_cost(arg_shape, dst, axis, dtype, mesh, cluster)
-            scatter = (
-                min(order[e.consumer] for e, _ in members),
-                axis,
-                dst,
-                scatter_s,
-                scatter_sent - len(members) * priced.bytes_sent,
-                whole,
-                layer,
-            )
-    return _ParamTerms(tuple(changes), held, regathered, saved, scatter)
+            first = min(order[e.consumer] for e, _ in members)
+            scatter = _scatter_terms(arg_shape, dst, axis, dtype, whole, len(members), cluster, mesh, bucket_cap_bytes)
+            scatter = (first, axis, dst, *scatter, whole, layer)
+    return _ParamTerms(tuple(changes), held, regathered, saved, forward_gather, scatter)
+
+
+def _scatter_terms(
+    arg_shape, dst, axis: int, dtype, whole: float, uses: int, cluster, mesh, bucket_cap_bytes
+) -> tuple[float, float]:
+    """(seconds, Δbytes sent) of reduce-scattering a gathered parameter's gradient (``whole``
+    bytes) on ``axis`` in place of the all-reduce per use that the edges priced: its bandwidth
+    term and its share of a bucket's latency."""
+    link = cluster.axis_link(mesh, axis)
+    k = mesh[axis]
+    scatter_sent = comm.bytes_sent("reduce_scatter", whole, k)
+    scatter_s = (k - 1) * link.latency_s * min(1.0, whole / bucket_cap_bytes) + scatter_sent / link.bandwidth_bytes_per_s
+    priced = comm.grad_allreduce_cost(arg_shape, dst, axis, dtype, mesh, cluster)
+    return scatter_s, scatter_sent - uses * priced.bytes_sent
 
 
 def _param_uses(graph: ChoiceGraph) -> tuple[dict[str, int], dict[str, list], dict[str, object]]:

@@ -182,6 +182,22 @@ def _backward_s(roofline) -> float:
     return sum(max(f, b) * (factor - 1) for f, b, factor in roofline)
 
 
+def _overlapped_gathers(schedule, priced_b: dict[str, Any], priced_2b: dict[str, Any], batch: int) -> sympy.Expr:
+    """``ParamSchedule.overlap_delta_s`` in ``B``: the gathers are constants, forward compute is
+    the plan's ``forward_s`` moved by its roofline's slope (``comm.exposed_gathers_s``)."""
+    slope, _ = _line(_forward_s(priced_b["roofline"]), _forward_s(priced_2b["roofline"]), batch)
+    forward = sympy.Float(float(schedule["forward_s"]), 17) + sympy.Float(slope, 17) * (BATCH - batch)
+    first = sympy.Float(float(schedule["first_gather_s"]), 17)
+    exposed = first + sympy.Max(0, sympy.Float(float(schedule["gathered_s"]), 17) - first - forward)
+    priced = float(schedule["gather_s"]) + float(schedule["regather_s"]) - float(schedule.get("copy_s", 0.0))
+    return exposed - sympy.Float(priced, 17)
+
+
+def _forward_s(roofline) -> float:
+    """Forward compute of the ops."""
+    return sum(max(f, b) for f, b, _ in roofline)
+
+
 def totals(priced: dict[str, Any]) -> dict[str, float]:
     """step_time_s, comm_bytes and peak_memory_bytes of a ``price_plan`` result."""
     compute_s = sum(max(f, b) * factor for f, b, factor in priced["roofline"])
@@ -250,8 +266,13 @@ def symbolic_costs(
     if schedule is not None:
         sync_s, last_s = float(predicted.grad_sync_s), float(schedule["last_bucket_s"])
         backward = _expr(*_line(_backward_s(priced_b["roofline"]), _backward_s(priced_2b["roofline"]), batch))
-        exposed = sympy.Max(sympy.Float(min(last_s, sync_s), 17), sympy.Float(sync_s, 17) - backward, 0)
+        streamed = sympy.Float(sync_s, 17)  # what the communication stream runs in backward
+        if "regathered_s" in schedule:
+            streamed = streamed + sympy.Float(float(schedule["regathered_s"]), 17)
+        exposed = sympy.Max(sympy.Float(min(last_s, sync_s), 17), streamed - backward, 0)
         step = step + sympy.Float(float(schedule["delta_s"]) - sync_s, 17) + exposed
+        if "gathered_s" in schedule:  # FSDP's gathers overlap compute (``comm_schedule.ParamSchedule``)
+            step = step + _overlapped_gathers(schedule, priced_b, priced_2b, batch)
         comm_bytes = (comm_bytes[0], comm_bytes[1] + float(schedule["delta_bytes"]))
     if priced_b["optimizer_s"]:  # the parameters' step, whatever the batch: a constant
         step = step + sympy.Float(priced_b["optimizer_s"], 17)
