@@ -57,7 +57,7 @@ def _run(plan: autopar.Plan, reference: bool = False) -> dict:
         module = PolicyReference(model, "bf16-mixed")
         opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     else:
-        module = autopar.compile(model, (1,), example_inputs=batch, plan=plan)
+        module = autopar.compile(model, tuple(plan.mesh_shape), example_inputs=batch, plan=plan)
         opt = autopar.optim.AdamW(module, lr=1e-2)
     losses, grads = [], None
     for step in range(STEPS):
@@ -141,3 +141,32 @@ def test_a_32_true_offload_graph_fetches_the_stored_dtype(world_of_one):
         "self.offload(" in pm.graph_module.code and "dtype" not in pm.graph_module.code.split("self.offload(")[1].split("\n")[0]
     )
     assert not [key for key in pm.offloader.store.meta if "@" in key]
+
+
+def _two_rank_run(rank: int, world_size: int, plan_json: str) -> dict:
+    plan = autopar.Plan.from_json(plan_json)
+    resident = dataclasses.replace(plan, memory=dataclasses.replace(plan.memory, offload=()))
+    runs = {"offloaded": _run(plan), "resident": _run(resident)}
+    return {
+        "losses": (runs["offloaded"]["losses"], runs["resident"]["losses"]),
+        "grads": _l2(runs["offloaded"]["grads"], runs["resident"]["grads"]),
+        "weights": _l2(runs["offloaded"]["weights"], runs["resident"]["weights"]),
+    }
+
+
+@pytest.mark.multiproc  # ~15 s: two ranks, each compiling and training the plan with and without offload
+def test_bf16_mixed_offload_of_sharded_parameters_on_two_ranks(rank_pool):
+    """Sharded, then offloaded: a parameter's collectives stand between its fetch and its cast,
+    so the fetch reads the fp32 master and the cast stays after them (``passes.memory``)."""
+    model, batch = _gpt()
+    kwargs = dict(example_inputs=batch, cluster="cpu", precision="bf16-mixed")
+    free = autopar.plan(model, (2,), memory_budget=float("inf"), **kwargs)
+    plan = autopar.plan(model, (2,), memory_budget=0.25 * free.predicted.peak_memory_bytes, offload="auto", **kwargs)
+    assert plan.memory is not None and plan.memory.offloaded("param"), plan.summary()
+    assert any(not p.is_replicate() for fqn in plan.memory.offloaded("param") for p in plan.params[fqn])
+    plan = dataclasses.replace(plan, memory=dataclasses.replace(plan.memory, target="cpu"))
+    for result in rank_pool(2).run(_two_rank_run, plan.to_json(), timeout_s=300):
+        for got, want in zip(*result["losses"]):
+            assert abs(got - want) <= LOSS_TOL * abs(want)
+        assert max(result["grads"].values()) < GRAD_TOL, result["grads"]
+        assert max(result["weights"].values()) < WEIGHT_TOL, result["weights"]
