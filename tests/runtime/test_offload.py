@@ -170,3 +170,24 @@ def test_bf16_mixed_offload_of_sharded_parameters_on_two_ranks(rank_pool):
             assert abs(got - want) <= LOSS_TOL * abs(want)
         assert max(result["grads"].values()) < GRAD_TOL, result["grads"]
         assert max(result["weights"].values()) < WEIGHT_TOL, result["weights"]
+
+
+def test_loading_weights_into_an_offloading_module_reaches_the_store(world_of_one, bf16_offload_plan, tmp_path):
+    """An offloaded parameter's shard is a copy read from the store: ``load_state_dict`` and
+    ``autopar.checkpoint.load`` write what they load back, and the bf16 copy follows."""
+    model, batch = _gpt()
+    pm = autopar.compile(model, (1,), example_inputs=batch, plan=bf16_offload_plan)
+    pm(*batch)  # makes the bf16 copies, which a load must rewrite
+    loaded = {k: v + 0.01 * torch.randn_like(v) for k, v in pm.full_state_dict().items()}
+    loaded["lm_head.weight"] = loaded["transformer.wte.weight"]  # tied
+    pm.load_state_dict(loaded)
+    got = pm.full_state_dict()
+    assert all(torch.equal(got[k], loaded[k]) for k in loaded)
+    fqn = bf16_offload_plan.memory.offloaded("param")[0]
+    assert torch.equal(pm.offloader.store.get(f"param/{fqn}@bfloat16"), loaded[fqn].bfloat16())
+    autopar.checkpoint.save(tmp_path / "ckpt", pm)
+    other = autopar.compile(_gpt()[0], (1,), example_inputs=batch, plan=bf16_offload_plan)
+    autopar.checkpoint.load(tmp_path / "ckpt", other)
+    got = other.full_state_dict()
+    assert all(torch.equal(got[k], loaded[k]) for k in loaded)
+    assert torch.equal(other(*batch), pm(*batch))
