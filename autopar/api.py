@@ -566,9 +566,7 @@ def _materialize(
     a checkpoint), the builder of its other mode, and the compiled graph under ``compiler``."""
     example_inputs, example_kwargs = examples
     mesh_shape = tuple(chosen.mesh_shape)
-    _check_precision_runs(
-        options.precision, offloads=chosen.memory is not None and bool(chosen.memory.offload or chosen.memory.offload_activations)
-    )
+    _check_precision_runs(options.precision)
     groups, coordinate = mesh_groups(mesh_shape)
     offloader = _offloader(chosen, options.memory.offload, example_inputs, example_kwargs)
     if compiler is not None and offloader is not None:
@@ -789,7 +787,7 @@ def _dtypes_of(policy: MixedPrecision) -> dict[str, Any]:
     return {key: value for key, value in policy.to_json().items() if key != "name"}
 
 
-def _check_precision_runs(policy: MixedPrecision, offloads: bool = False) -> None:
+def _check_precision_runs(policy: MixedPrecision) -> None:
     """What the runtime carries out of a precision policy (README, "Mixed precision"): parameters
     stored in ``stored_dtype`` (the master dtype, or ``param_dtype`` without one), cast to
     ``param_dtype`` at use, floating inputs cast to ``param_dtype``, and parameter gradients
@@ -812,11 +810,6 @@ def _check_precision_runs(policy: MixedPrecision, offloads: bool = False) -> Non
             "sums of gradients can overflow or underflow where bfloat16 (float32's exponent range) cannot, and "
             "the runtime does not split the division by the world size around the reduction as FSDP2 does for "
             "float16; pass reduce_dtype='bfloat16' or reduce_dtype='float32'"
-        )
-    if offloads:
-        raise PlanError(
-            f"precision={policy.name!r} with a plan that offloads: the offload store does not carry out casts "
-            "yet; compile with offload='off' (checkpointing stays available), or precision='32-true'"
         )
 
 

@@ -17,11 +17,16 @@ Parts (``benchmarks/results/gpu_memory.csv``, one row each), on Hugging Face
   under the budget or refused at its first ``step()`` (``OffloadError``: ``status=refused``);
 - ``budget25g``: a 25 GiB budget, ``offload="auto"``, ``autopar.optim.AdamW``.
 
-``--full`` (``gpu_memory_full.csv``): LLaMA-3-8B with all 32 layers, ``bf16-mixed`` (fp32
-master weights and AdamW state), batch 4 x 4096, built on the meta device and materialized on
-the GPU (``SeededInit``), ``offload="auto"`` under the default budget (the device's memory less
-its reserve), 5 steps: peak, step time, MFU (6 N per token plus 12 L d s for attention, PaLM's
-count, against 989 TFLOP/s dense bf16), losses, what was offloaded and what the plan predicted.
+``--full`` (``gpu_memory_full.csv``): LLaMA-3-8B with all 32 layers (``--layers``), ``bf16-mixed``
+(fp32 master weights and AdamW state), batch 4 x 4096, built on the meta device and materialized
+on the GPU (``SeededInit``), ``offload="auto"``, 5 steps (``--steps``), all timed: peak, step
+time, MFU (6 N per token plus 12 L d s for attention, PaLM's count, against 989 TFLOP/s dense
+bf16), losses, what was offloaded and what the plan predicted. Two parts: ``full-8b`` under the
+default budget of ``--cluster`` (``h200-141g``: the device's memory less its reserve), then, if
+``--max-minutes`` leaves time, ``full-8b-offload`` under ``--offload-budget-gib`` (70), which
+makes the plan offload (fp32 masters and AdamW state in pinned host memory, the bf16 copy
+fetched). Each row has ``trace_s`` and ``plan_s`` (from autopar's log) inside ``compile_s``;
+a step loop past ``--max-minutes`` stops after the step in hand (``steps_done``).
 
 Each row: ``predicted_step_s`` and ``predicted_peak_bytes`` (the plan), ``step_s`` (median of the
 timed steps, forward + backward + optimizer step, after ``--warmup`` steps), ``peak_bytes``
@@ -44,6 +49,7 @@ import contextlib
 import csv
 import datetime
 import gc
+import logging
 import math
 import os
 import statistics
@@ -83,13 +89,14 @@ TINY = dict(
 class Setup:
     """What the parts share: device, widths, batch, cluster, dtype (from the arguments)."""
 
-    def __init__(self, args: argparse.Namespace, layers: int, batch: int, seq: int):
+    def __init__(self, args: argparse.Namespace, layers: int, batch: int, seq: int, cluster: str = "h100-80g"):
         self.device = torch.device(args.device)
         self.tiny = args.tiny
         self.widths = TINY if args.tiny else LLAMA3_8B
         self.layers = layers
         self.batch, self.seq = (2, 32) if args.tiny else (batch, seq)
-        self.cluster = "cpu" if args.tiny else "h100-80g"
+        self.cluster = "cpu" if args.tiny else cluster
+        self.deadline = float("inf")  # set by main: --max-minutes
         self.dtype = torch.float32 if args.tiny else torch.bfloat16
         self.warmup, self.steps = args.warmup, args.steps
         self.precision = args.precision
@@ -133,6 +140,8 @@ def train(pm, optimizer, kwargs: dict, setup: Setup) -> dict:
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for step in range(setup.warmup + setup.steps):
+        if step and time.perf_counter() > setup.deadline:
+            break  # --max-minutes: the steps done so far are the row
         synchronize(setup.device)
         start = time.perf_counter()
         out = pm(**kwargs)
@@ -145,7 +154,39 @@ def train(pm, optimizer, kwargs: dict, setup: Setup) -> dict:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
     peak = torch.cuda.max_memory_allocated() if setup.device.type == "cuda" else float("nan")
-    return {"step_s": statistics.median(times), "peak_bytes": peak, "losses": " ".join(f"{v:.4f}" for v in losses)}
+    return {
+        "step_s": statistics.median(times) if times else float("nan"),
+        "steps_done": len(losses),
+        "peak_bytes": peak,
+        "losses": " ".join(f"{v:.4f}" for v in losses),
+    }
+
+
+class PhaseTimes(logging.Handler):
+    """The trace and plan seconds that ``autopar.compile`` logs (``api``: "traced ... in %.2f s",
+    "planned ... in %.2f s"), so a row splits its compile time without tracing twice."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.times: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = str(record.msg)
+        for phase, needle in (("trace_s", "traced"), ("plan_s", "planned")):
+            if needle in message and record.args:
+                self.times[phase] = self.times.get(phase, 0.0) + float(record.args[-1])
+
+    @contextlib.contextmanager
+    def watching(self):
+        logger = logging.getLogger("autopar")
+        level = logger.level
+        logger.addHandler(self)
+        logger.setLevel(min(level or logging.INFO, logging.INFO))
+        try:
+            yield self.times
+        finally:
+            logger.removeHandler(self)
+            logger.setLevel(level)
 
 
 def describe(plan) -> dict:
@@ -175,17 +216,11 @@ def run_part(name: str, setup: Setup, budget: float, optimizer: str, precision: 
     model = setup.model(meta=meta)
     # HF's own initializer covers the modules without reset_parameters (RMSNorm).
     init = autopar.SeededInit(seed=0, fn=model._init_weights, device=str(setup.device)) if meta else None
-    pm = autopar.compile(
-        model,
-        (1,),
-        example_kwargs=kwargs,
-        cluster=setup.cluster,
-        memory_budget=budget,
-        offload="off" if math.isinf(budget) else setup.offload,
-        precision=precision,
-        init=init,
-    )
+    with PhaseTimes().watching() as phases:
+        pm = _compile(model, kwargs, setup, budget, precision, init)
     row["compile_s"] = time.perf_counter() - start
+    row.update(phases)
+    print(f"{name}: compiled in {row['compile_s']:.1f} s ({phases})", flush=True)
     row.update(describe(pm.plan))
     opt = autopar.optim.AdamW(pm, lr=1e-5) if optimizer == "autopar" else torch.optim.AdamW(pm.parameters(), lr=1e-5)
     try:
@@ -198,6 +233,19 @@ def run_part(name: str, setup: Setup, budget: float, optimizer: str, precision: 
     row["under_budget"] = measured <= budget if not (math.isinf(budget) or math.isnan(measured)) else ""
     del pm, opt, model
     return row
+
+
+def _compile(model, kwargs: dict, setup: Setup, budget: float, precision: str | None, init):
+    return autopar.compile(
+        model,
+        (1,),
+        example_kwargs=kwargs,
+        cluster=setup.cluster,
+        memory_budget=budget,
+        offload="off" if math.isinf(budget) else setup.offload,
+        precision=precision,
+        init=init,
+    )
 
 
 def guarded(rows: list, deadline: float, name: str, fn) -> dict | None:
@@ -237,38 +285,37 @@ def four_layers(setup: Setup, deadline: float) -> list[dict]:
     return rows
 
 
-def full(setup: Setup, deadline: float) -> list[dict]:
+def full(setup: Setup, deadline: float, offload_budget_gib: float) -> list[dict]:
+    """The 32-layer fine-tune under the device's budget, then under a budget that offloads."""
     rows: list[dict] = []
     if setup.device.type == "cuda":
-        budget = None  # the default: the device's memory less its reserve
-    else:
-        budget = (
-            0.5
-            * autopar.plan(
-                setup.model(meta=True),
-                (1,),
-                example_kwargs=setup.batch_kwargs(),
-                cluster=setup.cluster,
-                memory_budget=float("inf"),
-                precision="bf16-mixed",
-            ).predicted.peak_memory_bytes
-        )
-
-    def part() -> dict:
-        budget_bytes = budget if budget is not None else _default_budget(setup)
-        row = run_part("full-8b", setup, budget_bytes, "autopar", setup.precision, True)
-        if row.get("status") == "ok":
-            num_params = _num_params(setup)
-            tokens = setup.batch * setup.seq
-            flops = tokens * (6 * num_params + 12 * setup.layers * setup.widths["hidden_size"] * setup.seq)
-            row["num_params"] = num_params
-            row["mfu"] = flops / row["step_s"] / PEAK_FLOPS
-            losses = [float(v) for v in row["losses"].split()]
-            row["losses_finite_and_falling"] = all(map(math.isfinite, losses)) and losses[-1] < losses[0]
-        return row
-
-    guarded(rows, deadline, "full-8b", part)
+        budgets = {"full-8b": _default_budget(setup), "full-8b-offload": offload_budget_gib * GIB}
+    else:  # fractions of the unbounded plan: the second offloads parameters too
+        free = autopar.plan(
+            setup.model(meta=True),
+            (1,),
+            example_kwargs=setup.batch_kwargs(),
+            cluster=setup.cluster,
+            memory_budget=float("inf"),
+            precision=setup.precision,
+        ).predicted.peak_memory_bytes
+        budgets = {"full-8b": 0.5 * free, "full-8b-offload": 0.33 * free}
+    for name, budget in budgets.items():
+        guarded(rows, deadline, name, lambda name=name, budget=budget: _full_part(name, setup, budget))
     return rows
+
+
+def _full_part(name: str, setup: Setup, budget: float) -> dict:
+    row = run_part(name, setup, budget, "autopar", setup.precision, True)
+    if row.get("status") == "ok":
+        num_params = _num_params(setup)
+        tokens = setup.batch * setup.seq
+        flops = tokens * (6 * num_params + 12 * setup.layers * setup.widths["hidden_size"] * setup.seq)
+        row["num_params"] = num_params
+        row["mfu"] = flops / row["step_s"] / PEAK_FLOPS
+        losses = [float(v) for v in row["losses"].split()]
+        row["losses_finite_and_falling"] = all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+    return row
 
 
 def _default_budget(setup: Setup) -> float:
@@ -310,24 +357,34 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="toy widths: the script's logic on a CPU")
     parser.add_argument("--full", action="store_true", help="the 32-layer LLaMA-3-8B full fine-tune instead")
     parser.add_argument("--precision", default="bf16-mixed", help="--full's precision policy")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--max-minutes", type=float, default=7.5, help="skip the parts left once this is spent")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; --full: 0)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 3; --full: 5)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; --full: 32; --tiny: 2)")
+    parser.add_argument("--cluster", default="h200-141g", help="--full's preset, whose memory is the default budget")
+    parser.add_argument("--offload-budget-gib", type=float, default=70.0, help="--full's second part's budget")
+    parser.add_argument(
+        "--max-minutes", type=float, default=7.5, help="skip the parts left, and stop a step loop, once this is spent"
+    )
     parser.add_argument("--out", default="benchmarks/results/gpu_memory")
     args = parser.parse_args()
-    if args.full:
-        args.warmup, args.steps = 0, 5  # five steps in all, each timed and reported
+    if args.warmup is None:
+        args.warmup = 0 if args.full else 2  # --full: every step timed and reported
+    if args.steps is None:
+        args.steps = 5 if args.full else 3
     deadline = time.perf_counter() + 60 * args.max_minutes
     suffix = ("_full" if args.full else "") + ("_tiny" if args.tiny else "")
     with world_of_one(torch.device(args.device)):
         if args.full:
-            setup = Setup(args, layers=2 if args.tiny else 32, batch=4, seq=4096)
-            rows = full(setup, deadline)
+            layers = args.layers or (2 if args.tiny else 32)
+            setup = Setup(args, layers=layers, batch=4, seq=4096, cluster=args.cluster)
+            setup.deadline = deadline
+            rows = full(setup, deadline, args.offload_budget_gib)
         else:
-            setup = Setup(args, layers=2 if args.tiny else 4, batch=2, seq=4096)
+            setup = Setup(args, layers=args.layers or (2 if args.tiny else 4), batch=2, seq=4096)
+            setup.deadline = deadline
             rows = four_layers(setup, deadline)
     write_csv(f"{args.out}{suffix}.csv", rows)
-    return 0 if all(str(row.get("status", "")).startswith(("ok", "refused")) for row in rows) else 1
+    return 0 if all(str(row.get("status", "")).startswith(("ok", "refused", "skipped")) for row in rows) else 1
 
 
 if __name__ == "__main__":

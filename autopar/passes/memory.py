@@ -20,6 +20,7 @@ import torch.utils.checkpoint
 
 from autopar.ir.memory import selective_keeps
 from autopar.ir.plan import Plan
+from autopar.passes.precision import is_param_cast
 from autopar.passes.schedule import PARAM_GATHERS
 
 OFFLOADER = "offload"  # the Offloader's attribute name in the rewritten graph module
@@ -30,28 +31,60 @@ def offload_params(
 ) -> torch.fx.GraphModule:
     """Before every use of an offloaded parameter's placeholder, insert a fetch from the store
     (``gm.offload``), with the next fetch in graph order as its prefetch. ``fqns`` maps
-    placeholder names to canonical parameter FQNs."""
+    placeholder names to canonical parameter FQNs.
+
+    A use that is the parameter's cast to the compute dtype (a precision policy's master weights)
+    becomes the fetch itself, in that dtype (the store keeps that copy: ``runtime.offload``), and
+    each later use of the cast gets a fetch of its own, so no cast copy stays on the device
+    between uses. The cast node keeps its name: the plan may name it (a checkpoint segment's
+    first node)."""
     if plan.memory is None or not plan.memory.offloaded("param"):
         return gm
     if offloader is None or fqns is None:
         raise ValueError("the plan offloads parameters, but compile gave the offload pass no Offloader")
     gm.add_submodule(OFFLOADER, offloader)
     offloaded = set(plan.memory.offloaded("param"))
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    uses: list[tuple[int, torch.fx.Node, torch.fx.Node]] = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and fqns.get(node.name) in offloaded:
-            uses.extend((order[user], user, node) for user in node.users)
-    uses.sort(key=lambda use: use[0])
-    keys = [fqns[placeholder.name] for _, _, placeholder in uses]
-    for k, (_, user, placeholder) in enumerate(uses):
-        next_key = keys[k + 1] if plan.memory.prefetch and k + 1 < len(keys) else None
-        with gm.graph.inserting_before(user):
-            fetch = gm.graph.call_module(OFFLOADER, (placeholder,), {"key": keys[k], "next_key": next_key})
-        fetch.meta = dict(placeholder.meta)
-        user.replace_input_with(placeholder, fetch)
+    for placeholder in [n for n in gm.graph.nodes if n.op == "placeholder" and fqns.get(n.name) in offloaded]:
+        fqn = fqns[placeholder.name]
+        for user in list(placeholder.users):
+            if _is_plain_cast(user):
+                _cast_into_fetches(gm, user, fqn)
+            else:
+                _insert_fetch(gm, user, placeholder, placeholder, fqn, None)
+    fetches = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == OFFLOADER]
+    keys = [(n.kwargs["key"], n.kwargs.get("dtype")) for n in fetches]
+    for k, fetch in enumerate(fetches):
+        following = keys[k + 1] if plan.memory.prefetch and k + 1 < len(fetches) else (None, None)
+        kwargs = {"key": keys[k][0], "next_key": following[0]}
+        # dtypes only where a fetch is cast: a graph without a precision policy reads as before
+        kwargs.update({name: dtype for name, dtype in (("dtype", keys[k][1]), ("next_dtype", following[1])) if dtype is not None})
+        fetch.kwargs = kwargs
     offloader.previous = {keys[k]: keys[k - 1] for k in range(1, len(keys))}
     return gm
+
+
+def _is_plain_cast(node: torch.fx.Node) -> bool:
+    """A precision policy's cast of a parameter, with nothing but its dtype to carry out."""
+    return is_param_cast(node) and set(node.kwargs) == {"dtype"} and len(node.args) == 1
+
+
+def _insert_fetch(gm, user: torch.fx.Node, replaced: torch.fx.Node, placeholder: torch.fx.Node, fqn: str, dtype) -> None:
+    """A fetch of ``fqn`` (in ``dtype``) right before ``user``, which reads it instead of ``replaced``."""
+    with gm.graph.inserting_before(user):
+        fetch = gm.graph.call_module(OFFLOADER, (placeholder,), {"key": fqn, "dtype": dtype})
+    fetch.meta = dict(replaced.meta)
+    user.replace_input_with(replaced, fetch)
+
+
+def _cast_into_fetches(gm: torch.fx.GraphModule, cast: torch.fx.Node, fqn: str) -> None:
+    """``cast`` becomes a fetch in its dtype, read by its first use; each later use gets its own."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    later = sorted(cast.users, key=order.__getitem__)[1:]
+    (placeholder,) = cast.args
+    dtype = cast.kwargs["dtype"]
+    for user in later:
+        _insert_fetch(gm, user, cast, placeholder, fqn, dtype)
+    cast.op, cast.target, cast.kwargs = "call_module", OFFLOADER, {"key": fqn, "dtype": dtype}
 
 
 class Checkpointed(torch.nn.Module):

@@ -44,6 +44,7 @@ from autopar.ir.spec import Spec, local_shape, shard_tensor
 from autopar.ops.collectives import call_on_world
 from autopar.runtime import checkpoint_files as files
 from autopar.runtime.checksums import ChecksumWriter, checksum_problems
+from autopar.runtime.offload import param_key
 
 if TYPE_CHECKING:
     from autopar.runtime.module import ParallelModule
@@ -129,7 +130,17 @@ def load_model_state_dict(
             local = shard_tensor(value, spec, pm.coordinate, pm.shard_mesh_shape)
         if local.data_ptr() != target.data_ptr():
             target.copy_(local)
+        _store_back(pm, fqn, target)
     return missing, unexpected
+
+
+def _store_back(pm: "ParallelModule", fqn: str, value: torch.Tensor) -> None:
+    """An offloaded parameter's ``local_shard`` is a copy read from the offload store: what was
+    loaded into it goes back there (and, through the store, into its compute-dtype copy)."""
+    offloader = pm.offloader
+    canonical = pm.ties.get(fqn, fqn)
+    if offloader is not None and canonical in offloader.params:
+        offloader.store.put(param_key(canonical), value.to_local() if isinstance(value, DTensor) else value)
 
 
 def _check_state_dict(
@@ -285,6 +296,8 @@ def load(
     if optimizer is not None:
         state[_OPTIM] = _optimizer_target(pm, optimizer, metadata.state_dict_metadata, directory)
     _run_dcp("load", directory, lambda: dcp.load(state, storage_reader=reader))
+    for fqn, value in state[_MODEL].items():
+        _store_back(pm, fqn, value)
     if optimizer is not None:
         load_optimizer_state_dict(pm, optimizer, state[_OPTIM])
 

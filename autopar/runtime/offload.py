@@ -17,8 +17,17 @@ the innermost ones, and their recompute fetches again.
 Segments whose activations are offloaded run under ``Offloader.activation_hooks``: their saved
 tensors go to the store in forward and come back in backward, one segment prefetched ahead.
 
+Under a precision policy that casts ("bf16-mixed"), the store holds the parameter's master (fp32),
+which ``autopar.optim.AdamW`` steps, and the offload pass fetches it already cast:
+``offload(stub, key=..., dtype=torch.bfloat16)`` reads the store's copy in the compute dtype
+(``Store.keep_cast``, rewritten by every write of the master), so a fetch moves and holds half the
+bytes, and the tensor that ops save is the fetched one, which the hooks above drop. Its gradient
+comes back in the compute dtype and is cast to the master's before it is added to the store, as
+the cast's backward does where nothing is offloaded.
+
 Store keys: ``param/FQN``, ``grad/FQN``, ``exp_avg/FQN``, ``exp_avg_sq/FQN`` (canonical FQNs),
-``act/LAYER/N`` (the N-th saved tensor of a layer, this step).
+``param/FQN@bfloat16`` (the compute copy), ``act/LAYER/N`` (the N-th saved tensor of a layer,
+this step).
 """
 
 from __future__ import annotations
@@ -47,15 +56,21 @@ def grad_key(fqn: str) -> str:
     return f"grad/{fqn}"
 
 
+# A fetch: a parameter's canonical FQN, and the dtype it is read in (None: the stored master's).
+Fetch = tuple[str, "torch.dtype | None"]
+
+
 class _Fetch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, stub: torch.Tensor, offloader: "Offloader", fqn: str) -> torch.Tensor:
-        ctx.offloader, ctx.fqn = offloader, fqn
-        return offloader.store.get(param_key(fqn))
+    def forward(ctx, stub: torch.Tensor, offloader: "Offloader", fetch: Fetch) -> torch.Tensor:
+        ctx.offloader, ctx.fqn = offloader, fetch[0]
+        ctx.master_dtype = offloader.store.meta[param_key(fetch[0])][1]
+        return offloader.store.get(offloader.store_key(fetch))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
-        ctx.offloader.add_grad(ctx.fqn, grad)
+        # The master's gradient, as the cast's backward gives it where nothing is offloaded.
+        ctx.offloader.add_grad(ctx.fqn, grad.to(ctx.master_dtype))
         return None, None, None
 
 
@@ -93,20 +108,39 @@ class Offloader(torch.nn.Module):
         self.params = set(memory.offloaded("param"))
         self.grads = set(memory.offloaded("grad")) | self.params  # a fetched parameter's gradient
         self.states = set(memory.offloaded("optimizer_state"))
-        self.previous: dict[str, str] = {}  # fetch order, for backward prefetch (set by the pass)
-        self._fetched: dict[int, tuple[weakref.ref, str]] = {}
+        self.previous: dict[Fetch, Fetch] = {}  # fetch order, for backward prefetch (set by the pass)
+        self._fetched: dict[int, tuple[weakref.ref, Fetch]] = {}
         self._activation_keys: dict[str, list[str]] = {}  # segment -> its stored activations, this step
         self._read_started: set[str] = set()  # segments whose backward has begun reading
         self._hooks: list[Any] = []
 
-    def forward(self, stub: torch.Tensor, key: str, next_key: str | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        stub: torch.Tensor,
+        key: str,
+        next_key: str | None = None,
+        dtype: torch.dtype | None = None,
+        next_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Parameter ``key`` (a canonical FQN) from the store, in ``dtype`` (the compute copy) or
+        as stored; ``next_key`` (in ``next_dtype``) is prefetched."""
         # A checkpoint's recompute runs fetches again inside backward, where the next fetch in
         # forward order was needed long ago: prefetch only in forward.
         if next_key is not None and torch._C._current_graph_task_id() == -1:
-            self.store.prefetch(param_key(next_key))
-        value = _Fetch.apply(stub, self, key)
-        self._fetched[value.untyped_storage().data_ptr()] = (weakref.ref(value), key)
+            self.store.prefetch(self.store_key((next_key, next_dtype)))
+        fetch = (key, dtype)
+        value = _Fetch.apply(stub, self, fetch)
+        self._fetched[value.untyped_storage().data_ptr()] = (weakref.ref(value), fetch)
         return value
+
+    def store_key(self, fetch: Fetch) -> str:
+        """The store key a fetch reads: the master's, or its copy in the fetch's dtype (made on
+        the first fetch in that dtype, then rewritten with every write of the master)."""
+        fqn, dtype = fetch
+        key = param_key(fqn)
+        if dtype is None or key not in self.store or self.store.meta[key][1] == dtype:
+            return key
+        return self.store.keep_cast(key, dtype)
 
     # -- gradients ------------------------------------------------------------------------------
     def add_grad(self, fqn: str, grad: torch.Tensor) -> None:
@@ -214,11 +248,11 @@ class Offloader(torch.nn.Module):
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, tuple):
             return packed
-        fqn, shape, stride, offset = packed
-        before = self.previous.get(fqn)
+        fetch, shape, stride, offset = packed
+        before = self.previous.get(fetch)
         if before is not None and self.memory.prefetch:
-            self.store.prefetch(param_key(before))
-        full = self.store.get(param_key(fqn))
+            self.store.prefetch(self.store_key(before))
+        full = self.store.get(self.store_key(fetch))
         return full.as_strided(shape, stride, full.storage_offset() + offset)
 
 

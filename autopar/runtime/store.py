@@ -6,6 +6,12 @@ stays resident on the device between uses. ``prefetch(key)`` starts reading ``ke
 background thread; the next ``get(key)`` takes that read instead of starting one. ``put(...,
 wait=False)`` writes behind on the same thread, which keeps reads and writes of a key in order.
 
+A store also carries casts (``keep_cast``): under a precision policy an offloaded parameter's
+master (fp32) is what the optimizer steps, and a copy in the compute dtype (bf16) is what the
+graph reads. Every ``put`` of the master rewrites that copy (cast where the value is, on the
+device), so no writer (the optimizer, compile, a checkpoint load) can leave it stale, and a fetch
+moves half the bytes of the master.
+
 ``DiskStore`` keeps one file per key, read and written with ``os.preadv`` / ``os.pwrite``
 into and out of ordinary tensors. It never maps a file: mapped pages count in the process's
 resident memory while they are mapped, and on a machine whose compute device is the host, the
@@ -33,6 +39,11 @@ from autopar.cost.cluster import LinkSpec
 MAX_WRITES_BEHIND = 2
 
 
+def cast_key(key: str, dtype: torch.dtype) -> str:
+    """The key of ``key``'s copy in ``dtype`` (``Store.keep_cast``)."""
+    return f"{key}@{str(dtype).removeprefix('torch.')}"
+
+
 class Store:
     """The common part: shapes and dtypes by key, and one background thread for prefetch."""
 
@@ -48,6 +59,7 @@ class Store:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.bytes_read = 0
         self.bytes_written = 0
+        self._casts: dict[str, set[torch.dtype]] = {}  # key -> the dtypes of its copies (keep_cast)
 
     def __contains__(self, key: str) -> bool:
         return key in self.meta
@@ -67,10 +79,22 @@ class Store:
             ready.record(torch.cuda.current_stream(self.device))
         if wait:
             self._write_after(key, tensor, ready)
-            return
-        while len(self._writes) >= MAX_WRITES_BEHIND:
-            self._wait_write(next(iter(self._writes)))
-        self._writes[key] = self._pool.submit(self._write_after, key, tensor, ready)
+        else:
+            while len(self._writes) >= MAX_WRITES_BEHIND:
+                self._wait_write(next(iter(self._writes)))
+            self._writes[key] = self._pool.submit(self._write_after, key, tensor, ready)
+        for dtype in self._casts.get(key, ()):  # cast here, where the value is: the copy moves fewer bytes
+            self.put(cast_key(key, dtype), tensor.to(dtype), wait)
+
+    def keep_cast(self, key: str, dtype: torch.dtype) -> str:
+        """Keep a copy of ``key`` in ``dtype``, rewritten by every later ``put`` of ``key``, and
+        return its key (``cast_key``). A key that holds a value already is copied now."""
+        copies = self._casts.setdefault(key, set())
+        if dtype not in copies:
+            copies.add(dtype)
+            if key in self.meta:
+                self.put(cast_key(key, dtype), self.get(key).to(dtype))
+        return cast_key(key, dtype)
 
     def _write_after(self, key: str, tensor: torch.Tensor, ready: "torch.cuda.Event | None") -> None:
         with self._on_side_stream(ready):
@@ -134,6 +158,8 @@ class Store:
         self._drop_pending(key)
         self._wait_write(key)
         self.meta.pop(key, None)
+        for dtype in self._casts.pop(key, ()):
+            self.delete(cast_key(key, dtype))
 
     def _drop_pending(self, key: str) -> None:
         with self._lock:
@@ -362,4 +388,4 @@ def make_store(target: str, path: str | None, device: torch.device | str) -> Sto
     return HostStore(device)
 
 
-__all__ = ["Store", "HostStore", "DiskStore", "make_store", "return_freed_memory_to_os", "measure_disk_link"]
+__all__ = ["cast_key", "Store", "HostStore", "DiskStore", "make_store", "return_freed_memory_to_os", "measure_disk_link"]

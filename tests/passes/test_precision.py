@@ -201,18 +201,17 @@ def test_gathers_prefetch_by_the_bytes_they_move():
 
 
 @pytest.mark.parametrize(
-    "precision, offloads, needle",
+    "precision, needle",
     [
-        (autopar.MixedPrecision("bfloat16", "float32"), False, "master_dtype='float32'"),
-        (autopar.MixedPrecision("float16", master_dtype="float32"), False, "reduce_dtype='bfloat16'"),
-        ("bf16-mixed", True, "offload='off'"),
+        (autopar.MixedPrecision("bfloat16", "float32"), "master_dtype='float32'"),
+        (autopar.MixedPrecision("float16", master_dtype="float32"), "reduce_dtype='bfloat16'"),
     ],
 )
-def test_what_the_runtime_does_not_carry_out_is_refused(precision, offloads, needle):
+def test_what_the_runtime_does_not_carry_out_is_refused(precision, needle):
     from autopar.api import _check_precision_runs
 
     with pytest.raises(PlanError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        _check_precision_runs(precision_policy(precision), offloads=offloads)
+        _check_precision_runs(precision_policy(precision))
 
 
 def test_what_the_runtime_carries_out_is_accepted():
@@ -228,7 +227,6 @@ def test_what_the_runtime_carries_out_is_accepted():
         autopar.MixedPrecision("bfloat16", master_dtype="float32"),
     ):
         _check_precision_runs(precision_policy(precision))
-    _check_precision_runs(precision_policy("32-true"), offloads=True)  # pipelines run every policy
 
 
 def test_a_precision_that_contradicts_the_plan_is_refused():

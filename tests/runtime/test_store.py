@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from autopar.runtime.store import DiskStore
@@ -110,4 +111,25 @@ def test_copies_run_on_the_stores_stream_after_the_kernels_that_made_them(monkey
     store.prefetch("exp_avg/w")
     assert torch.equal(store.get("exp_avg/w"), torch.arange(4.0))
     assert log == [("enter", "side"), ("exit", "side"), ("side synchronized",)]
+    store.close()
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_a_kept_cast_follows_every_write_of_its_master(tmp_path, kind):
+    from autopar.runtime.store import HostStore, cast_key
+
+    store = HostStore() if kind == "host" else DiskStore(tmp_path / "offload")
+    master = torch.randn(300, 7)
+    store.put("param/w", master)
+    key = store.keep_cast("param/w", torch.bfloat16)  # made from what is stored
+    assert key == cast_key("param/w", torch.bfloat16) == "param/w@bfloat16"
+    assert store.get(key).dtype == torch.bfloat16 and torch.equal(store.get(key), master.bfloat16())
+    for wait in (True, False):  # written through, then behind
+        master = master + 1
+        store.put("param/w", master, wait=wait)
+        store.prefetch(key)
+        assert torch.equal(store.get(key), master.bfloat16())
+        assert store.get("param/w").dtype == torch.float32
+    store.delete("param/w")
+    assert key not in store and "param/w" not in store
     store.close()
