@@ -14,21 +14,24 @@ import sys
 import warnings
 
 MOVED = {
+    # solver/strategies/ named for its role: the search for the ILP's solution (the package only:
+    # import its modules from autopar.solver.search)
+    "autopar.solver.strategies": "autopar.solver.search",
     "autopar.models": "autopar.zoo.models",
     "autopar.model_specs": "autopar.zoo.shapes",
     "autopar.testing": "autopar.runtime.launch",
     "autopar.spec": "autopar.ir.spec",
     "autopar.materialize": "autopar.runtime.materialize",
     "autopar.html_report": "autopar.report.html",
-    # solver/ laid out by role (problem, strategies, pricing, planners)
+    # solver/ laid out by role (problem, search, pricing, planners)
     "autopar.solver.choices": "autopar.solver.problem.choices",
     "autopar.solver.gathered": "autopar.solver.problem.gathered",
     "autopar.solver.ilp": "autopar.solver.problem.ilp",
-    "autopar.solver.backends": "autopar.solver.strategies.backends",
-    "autopar.solver.relaxation": "autopar.solver.strategies.relaxation",
-    "autopar.solver.rounding": "autopar.solver.strategies.rounding",
-    "autopar.solver.solving": "autopar.solver.strategies.solving",
-    "autopar.solver.budget": "autopar.solver.strategies.budget",
+    "autopar.solver.backends": "autopar.solver.search.backends",
+    "autopar.solver.relaxation": "autopar.solver.search.relaxation",
+    "autopar.solver.rounding": "autopar.solver.search.rounding",
+    "autopar.solver.solving": "autopar.solver.search.solving",
+    "autopar.solver.budget": "autopar.solver.search.budget",
     "autopar.solver.comm_schedule": "autopar.solver.pricing.comm_schedule",
     "autopar.solver.runner_ups": "autopar.solver.pricing.runner_ups",
     "autopar.solver.symbolic": "autopar.solver.pricing.symbolic",

@@ -17,11 +17,11 @@ smallest depth's, per model. Models:
   8 × 4096, mesh (128, 8) (as ``bench_llm_plan.py``); ``hf-llama-128``: the same at batch
   128 × 4096. For both, and the zoo's Llama, the default budget binds at 48 layers and not at
   12, so the two depths take different paths through the solver (a binding budget adds LP
-  solves, roundings and liveness walks: ``solver.strategies.budget``).
+  solves, roundings and liveness walks: ``solver.search.budget``).
 
 - ``gpt-oss``: a tiny Hugging Face GPT-OSS (width 64, 4 experts), batch 4 × 32, mesh (2, 2):
   ``--models gpt-oss --layers 2 --memory-budget inf --state-budget 0.6`` is issue 48's budgeted
-  planning case, where no sharding fits alone (``solver.strategies.lean``).
+  planning case, where no sharding fits alone (``solver.search.lean``).
 
 ``--state-budget F`` also plans each row under F × its parameter, gradient and AdamW bytes with
 ``offload="auto"``, from the same trace: ``budget_ratio`` (and ``budget_ratio_cpu``) is that

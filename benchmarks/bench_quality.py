@@ -43,7 +43,7 @@ from autopar.solver.planners.hand_plans import KINDS, hand_specs, zero_stage
 from autopar.zoo.models import LLAMA_SHAPES, build_model
 from autopar.ir.options import PlanOptions
 from autopar.solver import solve
-from autopar.solver.strategies.backends import MIP_REL_GAP
+from autopar.solver.search.backends import MIP_REL_GAP
 from autopar.trace import trace_repeated
 
 MODELS = {

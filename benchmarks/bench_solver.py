@@ -29,7 +29,7 @@ from autopar.zoo.models import LLAMA_SHAPES, build_model
 from autopar.solver import plan_from_solution
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.ilp import ShardingILP
-from autopar.solver.strategies.solving import solve_ilp
+from autopar.solver.search.solving import solve_ilp
 from autopar.trace import trace
 
 SHAPES = {

@@ -746,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exit_.code) if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
     saved_log = os.environ.get("AUTOPAR_LOG")
     if args.verbose and not saved_log:
-        os.environ["AUTOPAR_LOG"] = "1"  # read by solver.strategies.backends
+        os.environ["AUTOPAR_LOG"] = "1"  # read by solver.search.backends
     try:
         return args.func(args)
     except BrokenPipeError:  # stdout closed early (``autopar show plan.json | head``): not an error

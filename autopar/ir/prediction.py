@@ -133,7 +133,7 @@ class SolverStats(_KeyAccess):
     """How the ILP solve that made a plan went. ``status`` is the solver's ("Optimal", ...);
     ``objective_s`` its objective; ``memory_budget_bytes`` the budget it planned under (None:
     none); ``fallbacks`` the nodes no rule covered; ``method`` and ``backend`` how it was solved
-    (solver.strategies); ``lower_bound_s`` and ``gap`` the proven bound where one is known;
+    (solver.search); ``lower_bound_s`` and ``gap`` the proven bound where one is known;
     ``stage_search`` the stage planner's counts, in pipelined plans. Every field at its default is
     a plan made without a solve, whose JSON object is empty; otherwise the JSON holds every key
     but ``stage_search`` (null where unknown), as the planners write it."""

@@ -15,6 +15,6 @@ from __future__ import annotations
 from autopar.solver.planners.sharding import plan_from_solution, predicted_step_s, solve
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.ilp import ShardingILP
-from autopar.solver.strategies.backends import SOLVERS
+from autopar.solver.search.backends import SOLVERS
 
 __all__ = ["solve", "build_choice_graph", "ShardingILP", "plan_from_solution", "predicted_step_s", "SOLVERS"]

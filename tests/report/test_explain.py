@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.solver.strategies.solving import solve_ilp
+from autopar.solver.search.solving import solve_ilp
 
 import autopar
 from autopar.cost.cluster import get_cluster
@@ -12,7 +12,7 @@ from autopar.errors import PlanError
 from autopar.report.explain import explain_json, explain_text, find_decision
 from autopar.zoo.models import build_model, example_batch
 from autopar.solver import ShardingILP, build_choice_graph
-from autopar.solver.strategies.solving import peak_memory
+from autopar.solver.search.solving import peak_memory
 from autopar.solver.problem.choices import param_sync_adjustment_s
 from autopar.solver.problem.edges import EdgePrices
 from autopar.solver.pricing import runner_ups

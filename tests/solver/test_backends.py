@@ -7,7 +7,7 @@ import os
 import pulp
 import pytest
 
-from autopar.solver.strategies import backends
+from autopar.solver.search import backends
 
 
 def _tiny_problem() -> pulp.LpProblem:

@@ -12,8 +12,8 @@ from autopar.ir.spec import R, S
 from autopar.solver.problem import choices, edges
 from autopar.solver.problem.ilp import ShardingILP
 from autopar.solver.problem.rows import RowTable
-from autopar.solver.strategies import rounding
-from autopar.solver.strategies.solving import solve_ilp
+from autopar.solver.search import rounding
+from autopar.solver.search.solving import solve_ilp
 from autopar.trace import trace_repeated
 from autopar.zoo.models import build_model, example_batch
 

@@ -1,4 +1,4 @@
-"""The leanest sharding without a MILP (autopar/solver/strategies/lean.py), and planning under a
+"""The leanest sharding without a MILP (autopar/solver/search/lean.py), and planning under a
 budget that no sharding meets alone (``sharding._lean_start``): no LP with memory rows, no MILP."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from autopar.solver import solve
 from autopar.solver.planners import sharding
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.ilp import ShardingILP
-from autopar.solver.strategies.lean import lean_choice, least_peak
-from autopar.solver.strategies.solving import peak_memory, solve_ilp
+from autopar.solver.search.lean import lean_choice, least_peak
+from autopar.solver.search.solving import peak_memory, solve_ilp
 from autopar.trace import trace
 from autopar.zoo.models import build_model
 

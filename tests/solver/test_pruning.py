@@ -9,7 +9,7 @@ from autopar.cost.cluster import get_cluster
 from autopar.ir.spec import P, R, S
 from autopar.solver.problem import choices, pruning
 from autopar.solver.problem.ilp import ShardingILP
-from autopar.solver.strategies.solving import solve_ilp
+from autopar.solver.search.solving import solve_ilp
 from autopar.trace import trace_repeated
 from autopar.zoo.models import build_model, example_batch
 

@@ -1,5 +1,5 @@
-"""The LP relaxation kept as one HiGHS model (``solver.strategies.relaxation``) and the dive that uses it
-(``solver.strategies.budget._dive``), against fresh solves.
+"""The LP relaxation kept as one HiGHS model (``solver.search.relaxation``) and the dive that uses it
+(``solver.search.budget._dive``), against fresh solves.
 
 The tiny LLaMA of ``test_solving`` on a (2, 2) mesh, layers tied, at a budget between its leanest
 and its fastest plan, so that the memory rows bind.
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from autopar.cost.cluster import get_cluster
-from autopar.solver.strategies import backends, budget, rounding, solving
+from autopar.solver.search import backends, budget, rounding, solving
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP
-from autopar.solver.strategies.relaxation import Relaxation
+from autopar.solver.search.relaxation import Relaxation
 from autopar.trace import trace
 from autopar.zoo.models import build_model
 

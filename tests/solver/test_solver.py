@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.solver.strategies.solving import solve_ilp
+from autopar.solver.search.solving import solve_ilp
 import torch
 
 import autopar

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.solver.strategies.solving import solve_ilp
+from autopar.solver.search.solving import solve_ilp
 import pulp
 import torch
 
 from autopar.cost.cluster import get_cluster
 from autopar.zoo.models import build_model, example_batch
-from autopar.solver.strategies import backends, rounding, solving
+from autopar.solver.search import backends, rounding, solving
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.ilp import ShardingILP
 from autopar.trace import trace
@@ -100,7 +100,7 @@ def test_rows_hold_agrees_with_pulp_row_by_row(graphs, plain):
     plan breaks and one it meets, added after a first check (the table grows)."""
     import warnings
 
-    from autopar.solver.strategies.solving import peak_memory
+    from autopar.solver.search.solving import peak_memory
 
     def pulp_says(ilp):
         with warnings.catch_warnings():
@@ -131,10 +131,10 @@ def test_unknown_solver_is_refused(graphs):
 
 
 def test_budget_fast_path_fits_and_reports_its_gap_to_the_milp(graphs):
-    """Under a binding budget the Lagrangian fast path (``solver.strategies.budget``) returns a plan that fits,
+    """Under a binding budget the Lagrangian fast path (``solver.search.budget``) returns a plan that fits,
     no faster than the MILP's optimum, within the gap it reports to its bound."""
-    from autopar.solver.strategies.budget import solve_under_budget
-    from autopar.solver.strategies.solving import peak_memory
+    from autopar.solver.search.budget import solve_under_budget
+    from autopar.solver.search.solving import peak_memory
 
     graph = graphs[True]
     unbounded = solve_ilp(ShardingILP(graph), 60)
@@ -180,7 +180,7 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
     import autopar.solver.planners.sharding as solver_module
     from autopar.ir.options import PlanOptions
     from autopar.solver import solve
-    from autopar.solver.strategies.solving import peak_memory
+    from autopar.solver.search.solving import peak_memory
 
     cluster = get_cluster("h100-80g")
     graph = build_choice_graph(traced, (2, 2), cluster)

@@ -18,17 +18,17 @@ from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.prediction import Prediction, SolverStats
 from autopar.cost import optimizer
 from autopar.cost.comm import transition_bytes_per_axis
-from autopar.solver.strategies import backends
-from autopar.solver.strategies.backends import check_solver
+from autopar.solver.search import backends
+from autopar.solver.search.backends import check_solver
 from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, param_sync_adjustment_s
 from autopar.solver.problem.op_prices import expert_parallel_record, grad_sync_bytes_per_axis
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.runner_ups import explain_decisions
-from autopar.solver.strategies.budget import MILP_GAP, solve_under_budget, trace_front
-from autopar.solver.strategies.lean import lean_choice, least_peak
+from autopar.solver.search.budget import MILP_GAP, solve_under_budget, trace_front
+from autopar.solver.search.lean import lean_choice, least_peak
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP, Solution
-from autopar.solver.strategies.solving import (
+from autopar.solver.search.solving import (
     MAX_MEMORY_ROUNDS,
     chosen_bytes,
     edge_specs,
@@ -76,7 +76,7 @@ def solve_unexplained(
 
     Plan ``traced`` on ``mesh_shape`` under ``options`` (``autopar.plan``'s, whole; None: its
     defaults), translated here once. ``options.solve.solver`` is "auto", "highs" or "cbc" (see
-    ``solver.strategies.backends``); ``options.solve.time_limit_s`` bounds the solve, after which
+    ``solver.search.backends``); ``options.solve.time_limit_s`` bounds the solve, after which
     the best plan found (or a rounded / greedy fallback) is returned with its gap to the LP bound.
 
     The memory budget is ``options.memory.budget`` (None: the cluster's default, ``inf``: none).
@@ -350,7 +350,7 @@ def _solve_budgeted(
     visited: list[dict[str, int]],
     started: float,
 ) -> Solution:
-    """The fastest plan does not fit: the Lagrangian fast path (``solver.strategies.budget``); the MILP
+    """The fastest plan does not fit: the Lagrangian fast path (``solver.search.budget``); the MILP
     with its memory cutting-plane loop only for ``solver="highs"`` or ``"cbc"``, or while a gap
     above ``budget.MILP_GAP`` remains (the better of the two is kept).
 

@@ -49,7 +49,7 @@ from autopar.solver.problem.choices import ChoiceGraph, Choice, build_choice_gra
 from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.solver.problem.ilp import ShardingILP, Solution
-from autopar.solver.strategies.solving import peak_memory, solve_ilp, solve_within_budget
+from autopar.solver.search.solving import peak_memory, solve_ilp, solve_within_budget
 from autopar.trace import TracedModel
 from autopar.rules import op_info
 

@@ -138,7 +138,7 @@ class StageSettings:
     devices: int | None = None  # without a mesh: any stage mesh of devices / S devices ...
     max_axes: int = 2  # ... of up to this many axes
     remat: bool = False  # a stage may recompute its activations in backward to fit
-    solver: str = "auto"  # "auto", "highs" or "cbc" (``solver.strategies.backends``)
+    solver: str = "auto"  # "auto", "highs" or "cbc" (``solver.search.backends``)
     # How the leaner intra-stage plans are found (``stage_costs.CandidateSolver``): "lagrangian" (an
     # LP each), "budget" (a MILP each, slower, sometimes better) or "both".
     candidates: str = "lagrangian"

@@ -7,7 +7,7 @@ rows and the objective, and then read back into the HiGHS model, cost more than 
 solve. So the y of a hub edge (``EdgePrices.held_pairs``; not those of a gathered parameter,
 whose memory rows weigh them) are held here as arrays: the rows each sits in (edge_out[e, p]
 and edge_in[e, q], coefficient 1 in both) and its objective coefficient w · r[e, p, q] (w: the
-edges that share the y, ``ShardingILP.set_objective``). ``solver.strategies.relaxation`` gives
+edges that share the y, ``ShardingILP.set_objective``). ``solver.search.relaxation`` gives
 them columns of its HiGHS model beside the PuLP variables: the LP is the same LP, every column
 in it. A held y that a solution sets above 0 becomes a PuLP variable (``ShardingILP.generate``),
 in its y dict, its two rows and the objective, with the value HiGHS gave it; so the problem of

@@ -81,7 +81,7 @@ Constraints
     at the time of any overshoot, and solves again (a cutting-plane loop; in practice zero or
     one extra round). With repeated layers the terms of all layers fall on the shared
     variables, so each memory[t] keeps the size of one layer's variables. The rows are written
-    in GiB (``MEMORY_UNIT``). ``solver="auto"`` does not branch on them: ``solver.strategies.budget``
+    in GiB (``MEMORY_UNIT``). ``solver="auto"`` does not branch on them: ``solver.search.budget``
     relaxes them into the objective at the prices of their LP duals (Lagrangian relaxation) and
     rounds, and the MILP runs only where that leaves a gap above ``budget.MILP_GAP``.
 
@@ -145,7 +145,7 @@ class ShardingILP:
         self.hub: dict[int, tuple[dict[Spec, pulp.LpVariable], dict[Spec, pulp.LpVariable]]] = {}
         self._node_ids = {name: i for i, name in enumerate(graph.order)}
         self.memory_times: set[int] = set()  # timeline times with a memory[t] constraint
-        self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.strategies.relaxation``)
+        self.relaxation = None  # the HiGHS model of the LP relaxation, kept between solves (``solver.search.relaxation``)
         self._variables: tuple | None = None  # ``variables``: (rows read, objective, variables, their ids)
         self._memory_terms: _MemoryTerms | None = None  # ``weighted_memory``'s table, built on first use
         self._rows: RowTable | None = None  # ``row_table``, grown as rows are added
@@ -474,7 +474,7 @@ class ShardingILP:
         """``problem.variables()``, kept while the objective is the same object: PuLP walks every
         row's terms for it (tens of milliseconds on a 70B LLaMA), and ``rounding.check`` asks
         once per plan it checks. Rows are only ever added, with coefficients fixed once added
-        (as ``solver.strategies.relaxation`` takes them), so a row added since is all there is to read."""
+        (as ``solver.search.relaxation`` takes them), so a row added since is all there is to read."""
         constraints, objective = self.rows_by_name(), self.problem.objective
         kept = self._variables
         if kept is None or kept[1] is not objective or kept[0] > len(constraints):
@@ -502,7 +502,7 @@ class ShardingILP:
 
     def row_table(self) -> "RowTable":
         """Every row's terms as flat arrays, read up to the problem's last row (``RowTable``):
-        ``rows_hold`` and the HiGHS model of the LP relaxation (``solver.strategies.relaxation``) share it."""
+        ``rows_hold`` and the HiGHS model of the LP relaxation (``solver.search.relaxation``) share it."""
         if self._rows is None or len(self.rows_by_name()) < len(self._rows.rows):
             self._rows = RowTable(self.problem)  # a row removed (no caller does): read them all again
         self._rows.read()

@@ -1,5 +1,5 @@
 """The rows of a PuLP problem as PuLP's own backends read them, and as flat arrays (``RowTable``)
-for numpy and HiGHS (``solver.strategies.relaxation``, ``rounding.check``)."""
+for numpy and HiGHS (``solver.search.relaxation``, ``rounding.check``)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 import pulp
-from autopar.solver.strategies import backends
+from autopar.solver.search import backends
 
 if TYPE_CHECKING:
     from autopar.solver.problem.choices import ChoiceGraph

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import pulp
 
-from autopar.solver.strategies import backends, rounding
+from autopar.solver.search import backends, rounding
 
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import Solution
-from autopar.solver.strategies.relaxation import Relaxation, objective_scale
+from autopar.solver.search.relaxation import Relaxation, objective_scale
 
 if TYPE_CHECKING:
     from autopar.solver.problem.choices import ChoiceGraph
@@ -131,10 +131,10 @@ def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto"
 def solve_relaxation(ilp: ShardingILP, time_limit_s: float, priced: list[tuple[str, float]] | None = None) -> str:
     """Solve the LP relaxation of ``ilp.problem`` as it stands, and return the status's name.
 
-    With HiGHS, one model is kept on the ILP from solve to solve (``solver.strategies.relaxation``): only
+    With HiGHS, one model is kept on the ILP from solve to solve (``solver.search.relaxation``): only
     what changed is passed, and the simplex starts from the last basis. With CBC (no
     ``highspy``), PuLP builds the model afresh. ``priced``: (row name, price) pairs whose terms join the objective
-    for this solve only (a Lagrangian step, ``solver.strategies.budget``)."""
+    for this solve only (a Lagrangian step, ``solver.search.budget``)."""
     if backends.lp_backend() != "highs":
         ilp.generate_all()  # before the objective is read (``solver.problem.columns``)
         objective = ilp.problem.objective

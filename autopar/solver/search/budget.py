@@ -21,7 +21,7 @@ take minutes. Instead:
    to the LP.
 5. The fastest candidate wins. ``gap = (time − bound) / time`` is reported with it.
 
-Every step is an LP solve of one HiGHS model kept from solve to solve (``solver.strategies.relaxation``: a
+Every step is an LP solve of one HiGHS model kept from solve to solve (``solver.search.relaxation``: a
 few tenths of a second for the LLaMA-70B ILP, whose size does not grow with depth); the MILP
 runs only when the caller allows it and the gap stays above ``MILP_GAP``.
 """
@@ -33,11 +33,11 @@ import time as _time
 
 import pulp
 
-from autopar.solver.strategies import backends, rounding
+from autopar.solver.search import backends, rounding
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import MEMORY_UNIT, ShardingILP, Solution
-from autopar.solver.strategies.relaxation import lp_scale
-from autopar.solver.strategies.solving import MAX_MEMORY_ROUNDS, empty_solution, solution_of, solve_relaxation
+from autopar.solver.search.relaxation import lp_scale
+from autopar.solver.search.solving import MAX_MEMORY_ROUNDS, empty_solution, solution_of, solve_relaxation
 
 log = logging.getLogger("autopar")
 
@@ -265,7 +265,7 @@ def _dive(ilp: ShardingILP, consider, deadline: float) -> None:
     every layer at once, and the prices jump from a plan over the budget to one far under it
     (the zoo Llama at 48 layers: 76.5 GiB, then 18 GiB at 10% more time). The LP sits between
     the two; fixing its most decided choice first keeps the plan close to it, and each solve
-    starts from the last basis (``solver.strategies.relaxation``)."""
+    starts from the last basis (``solver.search.relaxation``)."""
     deciding = rounding.deciding_nodes(ilp.graph)
     fixed: list = []
     try:

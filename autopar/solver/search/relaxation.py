@@ -1,6 +1,6 @@
 """The LP relaxation of a ``ShardingILP`` as one HiGHS model, kept from one solve to the next.
 
-A budgeted solve (``solver.strategies.budget``) solves the same LP many times with small changes: memory
+A budgeted solve (``solver.search.budget``) solves the same LP many times with small changes: memory
 rows added, their bounds lifted for a Lagrangian step, the objective priced with memory, a few
 strategies fixed while diving. PuLP's HiGHS interface builds a fresh model for every solve,
 column by column (about as long as the solve itself) and starts the simplex from nothing.
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pulp
 
-from autopar.solver.strategies import backends
+from autopar.solver.search import backends
 
 if TYPE_CHECKING:
     from autopar.solver.problem.ilp import ShardingILP

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopar.solver.strategies import rounding
+from autopar.solver.search import rounding
 
 if TYPE_CHECKING:
     from autopar.solver.problem.choices import ChoiceGraph
