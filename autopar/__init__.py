@@ -15,7 +15,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autopar import checkpoint as checkpoint, optim as optim
+    from autopar import checkpoint as checkpoint
+    from autopar import optim as optim
     from autopar.api import compile, hand_plan, plan
     from autopar.errors import (
         AutoparError,

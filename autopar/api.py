@@ -11,21 +11,15 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from autopar.runtime import checkpoint
-
-from autopar.ops import collectives
 from autopar.cost.cluster import ClusterSpec, get_cluster, local_cluster, resolve_budget
 from autopar.errors import AutoparError, InfeasibleError, MeshError, PlanError
-from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, has_meta_tensors, seeded_shards
-from autopar.solver.planners.hand_plans import resolve_kind, solve_hand_plan
-from autopar.solver.planners.mesh_search import search_mesh
-from autopar.passes import check_plan_matches, default_passes, run_passes
-from autopar.passes.plan_check import check_plan_strategies
+from autopar.ir.data import DataOptions
 from autopar.ir.options import (
     CommOptions,
     MemoryOptions,
@@ -36,22 +30,28 @@ from autopar.ir.options import (
     precision_policy,
     to_dtype,
 )
-from autopar.ir.data import DataOptions
 from autopar.ir.pipeline import batch_size_of, first_microbatch, stage_mesh_of
 from autopar.ir.plan import Plan, validate_plan_json
-from autopar.runtime.signature import adopt_signature
-from autopar.runtime.module import ParallelModule, mesh_groups
+from autopar.ops import collectives
+from autopar.passes import check_plan_matches, default_passes, run_passes
+from autopar.passes.plan_check import check_plan_strategies
+from autopar.runtime import checkpoint
 from autopar.runtime.compiled import check_compiler, graph_runner
+from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, has_meta_tensors, seeded_shards
 from autopar.runtime.modes import mode_name, pinned_placements
-from autopar.solver.planners.sharding import solve_unexplained
-from autopar.solver.planners.data import with_data_layout
-from autopar.trace import TracedModel, trace, trace_repeated
-from autopar.solver.pricing import symbolic
-from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
+from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.runtime.offload import Offloader
+from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
+from autopar.runtime.signature import adopt_signature
 from autopar.runtime.store import make_store
 from autopar.runtime.weights import check_same_weights
+from autopar.solver.planners.data import with_data_layout
+from autopar.solver.planners.hand_plans import resolve_kind, solve_hand_plan
+from autopar.solver.planners.mesh_search import search_mesh
+from autopar.solver.planners.sharding import solve_unexplained
 from autopar.solver.planners.split_batch import split_batch_at_least
+from autopar.solver.pricing import symbolic
+from autopar.trace import TracedModel, trace, trace_repeated
 
 log = logging.getLogger("autopar")
 

@@ -18,7 +18,7 @@ class TraceError(AutoparError):
     """The model could not be traced to a graph."""
 
     @classmethod
-    def from_export_error(cls, model: torch.nn.Module, error: Exception) -> "TraceError":
+    def from_export_error(cls, model: torch.nn.Module, error: Exception) -> TraceError:
         text = str(error).strip()
         where = _user_frame(error)
         hint = (

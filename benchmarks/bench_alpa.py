@@ -40,9 +40,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from autopar.cost.cluster import get_cluster  # noqa: E402
-from autopar.zoo.models import LLAMA_SHAPES, build_model  # noqa: E402
 from autopar.solver.planners.stages import StageSettings, search_stages  # noqa: E402
 from autopar.trace import trace  # noqa: E402
+from autopar.zoo.models import LLAMA_SHAPES, build_model  # noqa: E402
 
 GLOBAL_BATCH = 1024
 SEQ = 1024

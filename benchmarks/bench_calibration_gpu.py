@@ -39,8 +39,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import autopar  # noqa: E402
 import bench_calibration as calibration  # noqa: E402
+
+import autopar  # noqa: E402
 from autopar.cost.cluster import ClusterSpec, get_cluster  # noqa: E402
 from autopar.runtime.profile import run_profile  # noqa: E402
 

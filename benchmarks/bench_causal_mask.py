@@ -31,10 +31,10 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from bench_gpu import one_rank, time_cuda, write_csv
 from torch.overrides import TorchFunctionMode
 
 import autopar
-from bench_gpu import one_rank, time_cuda, write_csv
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 

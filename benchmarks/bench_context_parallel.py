@@ -43,11 +43,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from autopar.cost.cluster import get_cluster  # noqa: E402
-from autopar.ir.options import PlanOptions  # noqa: E402
-from autopar.ir.options import precision_policy  # noqa: E402
+from autopar.ir.options import (
+    PlanOptions,  # noqa: E402
+    precision_policy,  # noqa: E402
+)
 from autopar.ir.spec import S, parse_spec  # noqa: E402
-from autopar.solver import solve  # noqa: E402
 from autopar.rules import registry  # noqa: E402
+from autopar.solver import solve  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 from autopar.zoo.models import LLAMA_SHAPES, Llama  # noqa: E402
 

@@ -59,17 +59,17 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import autopar  # noqa: E402
-from autopar.ops import collectives  # noqa: E402
 from autopar.cost.cluster import ClusterSpec, get_cluster, local_cluster  # noqa: E402
 from autopar.cost.comm import bytes_sent  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
-from autopar.solver.planners.hand_plans import param_specs  # noqa: E402
-from autopar.zoo.models import GPT  # noqa: E402
 from autopar.ir.options import PlanOptions  # noqa: E402
-from autopar.solver import solve  # noqa: E402
 from autopar.ir.spec import replicated  # noqa: E402
+from autopar.ops import collectives  # noqa: E402
 from autopar.runtime.launch import run_distributed  # noqa: E402
+from autopar.solver import solve  # noqa: E402
+from autopar.solver.planners.hand_plans import param_specs  # noqa: E402
 from autopar.trace import trace  # noqa: E402
+from autopar.zoo.models import GPT  # noqa: E402
 
 CONFIG = dict(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=256, bias=True)
 BATCH = 16
@@ -179,7 +179,7 @@ class CountBytes:
         self.calls: list[tuple[str, int, int]] = []  # (kind, group size, local bytes)
         self.originals: dict[str, Any] = {}
 
-    def __enter__(self) -> "CountBytes":
+    def __enter__(self) -> CountBytes:
         def wrap(name: str, kind: str, position: int = 0):
             original = getattr(collectives, name)
 

@@ -44,10 +44,10 @@ import traceback
 from pathlib import Path
 
 import torch
+from bench_gpu import one_rank, time_cuda, write_csv
 
 import autopar
 from autopar.zoo.models import GPT, LLAMA_SHAPES, Llama
-from bench_gpu import one_rank, time_cuda, write_csv
 
 TRAINERS = ("eager", "torch_compile", "autopar", "autopar_compiled")
 # torch's default AdamW (foreach on CUDA, the for-loop on a CPU), and fused (torchtitan's default)
@@ -181,7 +181,7 @@ def measure(name, build, batch_rows, seq, args, device, clock) -> list[dict]:
         for kind, (step, *_) in built.items():
             times[kind].append(clock.median(step, 0, 1))
     rows = []
-    for kind, (step, module, first_s, peak, first_loss) in built.items():
+    for kind, (step, _module, first_s, peak, first_loss) in built.items():
         step_s = statistics.median(times[kind])
         kernels = _kernels(step, device)
         if args.trace and kind == "autopar_compiled" and device.type == "cuda":

@@ -36,14 +36,14 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
+from bench_gpu import one_rank
 
 import autopar
-from bench_gpu import one_rank
 
 TRAINERS = ("eager", "torch_compile", "autopar", "autopar_inductor")
 

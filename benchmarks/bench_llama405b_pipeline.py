@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from autopar.cost import comm  # noqa: E402
 from autopar.cost.cluster import get_cluster  # noqa: E402
 from autopar.ir.options import precision_policy  # noqa: E402
-from autopar.solver.pricing import schedules  # noqa: E402
 from autopar.solver.planners.stages import StageSearch, StageSettings, price_chunks, search_stages  # noqa: E402
+from autopar.solver.pricing import schedules  # noqa: E402
 from autopar.trace import trace  # noqa: E402
 from autopar.zoo.models import LLAMA_SHAPES, build_model  # noqa: E402
 

@@ -39,11 +39,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "solver"))
 
+from memory_budget_run import reset_peak_rss, rss_bytes  # noqa: E402
+
 import autopar  # noqa: E402
 from autopar.cost.cluster import get_cluster  # noqa: E402
 from autopar.runtime.store import measure_disk_link  # noqa: E402
 from autopar.zoo.models import GPT  # noqa: E402
-from memory_budget_run import reset_peak_rss, rss_bytes  # noqa: E402
 
 CONFIG = dict(vocab_size=4096, block_size=64, n_layer=4, n_head=6, n_embd=384, bias=False)
 BATCH, SEQ = 8, 64
@@ -144,7 +145,7 @@ def main() -> None:
         for _ in range(args.steps):
             for _prefetch, pm, opt, _growth, times in runs:
                 times.append(_step(pm, opt, batch))
-        for prefetch, pm, opt, growth, times in runs:
+        for prefetch, pm, _opt, growth, times in runs:
             _close(pm)
             row = {
                 **base,

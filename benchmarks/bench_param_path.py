@@ -32,7 +32,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from bench_vs_torch import OPTIMIZERS, build
 
 CONFIG = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64)

@@ -38,13 +38,12 @@ import torch
 
 from autopar.cost.cluster import get_cluster, resolve_budget
 from autopar.errors import InfeasibleError
-from autopar.ir.options import precision_policy
-from autopar.solver.planners.hand_plans import KINDS, hand_specs, zero_stage
-from autopar.zoo.models import LLAMA_SHAPES, build_model
-from autopar.ir.options import PlanOptions
+from autopar.ir.options import PlanOptions, precision_policy
 from autopar.solver import solve
+from autopar.solver.planners.hand_plans import KINDS, hand_specs, zero_stage
 from autopar.solver.search.backends import MIP_REL_GAP
 from autopar.trace import trace_repeated
+from autopar.zoo.models import LLAMA_SHAPES, build_model
 
 MODELS = {
     # name: (builder name, config, sequences, tokens per sequence)

@@ -23,14 +23,13 @@ import time
 import torch
 
 import autopar
-
 from autopar.cost.cluster import get_cluster
-from autopar.zoo.models import LLAMA_SHAPES, build_model
 from autopar.solver import plan_from_solution
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.ilp import ShardingILP
 from autopar.solver.search.solving import solve_ilp
 from autopar.trace import trace
+from autopar.zoo.models import LLAMA_SHAPES, build_model
 
 SHAPES = {
     # family: (builder, config, sequences, tokens per sequence)

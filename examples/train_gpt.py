@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.zoo.models import GPT, example_batch
 from autopar.runtime.launch import DistributedRankError, max_rel_diff, run_distributed
+from autopar.zoo.models import GPT, example_batch
 
 _PLAN_FAILED = "__autopar_demo_plan_failed__"
 
@@ -90,7 +90,7 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     try:
         mesh = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"mesh must be sizes separated by commas, got {text!r}")
+        raise argparse.ArgumentTypeError(f"mesh must be sizes separated by commas, got {text!r}") from None
     if not mesh or min(mesh) < 1:
         raise argparse.ArgumentTypeError(f"mesh sizes must be positive, got {text!r}")
     return mesh

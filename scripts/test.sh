@@ -6,7 +6,7 @@ bash scripts/setup.sh
 . .venv/bin/activate
 # The layers of autopar/ (docs/architecture.md): each folder imports only from those below it, no cycles.
 lint-imports --no-cache
-# A small lint rule set (pyproject.toml [tool.ruff.lint]): unused and undefined names, shared defaults.
+# Lint (pyproject.toml [tool.ruff.lint]): unused and undefined names, bugbear, import order, pyupgrade, simplify.
 ruff check -q autopar tests benchmarks scripts examples
 # One code format (pyproject.toml [tool.ruff.format]); `ruff format autopar tests benchmarks scripts examples` fixes it.
 ruff format --check -q autopar tests benchmarks scripts examples

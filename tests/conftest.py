@@ -16,7 +16,6 @@ from autopar.ir.spec import format_spec
 from autopar.runtime.launch import max_rel_diff
 from autopar.zoo.models import build_model, example_batch
 
-
 # -- test order ---------------------------------------------------------------------------------
 
 # The slowest files, slowest first (seconds on the two-core machine, 2026-11-24). scripts/test.sh

@@ -10,8 +10,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +118,7 @@ class Progress:
         self._thread: threading.Thread | None = None
         self._caller = threading.get_ident()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if is_terminal(self.stream):
             from rich.console import Console
 

@@ -26,6 +26,7 @@ InfeasibleError's largest tensors and fix, continues on indented lines) and exit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -34,8 +35,9 @@ import os
 import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from autopar.cli.console import Progress
@@ -176,9 +178,8 @@ def load_model(
     """``(model, example_inputs)`` for a built-in name, a preset, or a ``module:callable`` MODEL_SPEC."""
     import torch
 
-    from autopar.zoo import shapes as model_specs
-
     from autopar.zoo import models
+    from autopar.zoo import shapes as model_specs
 
     if spec in model_specs.PRESETS:
         return model_specs.build_preset(spec, batch_size, seq_len, num_layers)
@@ -273,7 +274,7 @@ def _model_record(args: argparse.Namespace) -> dict[str, Any]:
 class _ProgressLog:
     """Sends the planner's stage messages (INFO on the ``autopar`` logger) to ``progress``."""
 
-    def __init__(self, progress: "Progress") -> None:
+    def __init__(self, progress: Progress) -> None:
         import logging
 
         class Forward(logging.Handler):
@@ -285,7 +286,7 @@ class _ProgressLog:
         self.handler.addFilter(lambda record: record.levelno == logging.INFO)
         self.level = self.logger.level
 
-    def __enter__(self) -> "_ProgressLog":
+    def __enter__(self) -> _ProgressLog:
         import logging
 
         self.logger.addHandler(self.handler)
@@ -406,8 +407,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from autopar.report.explain import explain_json, explain_text
     from autopar.ir.plan import Plan
+    from autopar.report.explain import explain_json, explain_text
 
     plan = Plan.load(args.plan)
     if plan.pipeline is not None and args.node in (None, "pipeline"):
@@ -437,8 +438,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from autopar.runtime.check import check_plan
     from autopar.ir.plan import Plan
+    from autopar.runtime.check import check_plan
 
     plan = Plan.load(args.plan)
     record = dict(plan.model)
@@ -750,10 +751,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except BrokenPipeError:  # stdout closed early (``autopar show plan.json | head``): not an error
-        try:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):
-            pass
         return 0
     except (AutoparError, CliError, ValueError, OSError, ImportError) as error:
         if args.debug:

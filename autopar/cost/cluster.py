@@ -48,11 +48,12 @@ import dataclasses
 import json
 import math
 import os
-import tomllib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
+import tomllib
 import torch
 
 from autopar.cost.rates import ComputeRates
@@ -312,10 +313,7 @@ class ClusterSpec:
         """Read JSON, or TOML when ``path`` ends in ``.toml``."""
         path = Path(path)
         try:
-            if path.suffix == ".toml":
-                data = tomllib.loads(path.read_text())
-            else:
-                data = json.loads(path.read_text())
+            data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
         except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
             raise ValueError(f"cannot parse cluster spec {str(path)!r}: {err}") from err
         try:

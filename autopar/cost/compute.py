@@ -42,19 +42,20 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 from autopar.cost.cluster import ClusterSpec
-from autopar.ir.context import max_work_fraction
-from autopar.ir.spec import VIEW_OP_NAMES, Spec, replicated_axes
-from autopar.rules.registry import OpInfo, Strategy, TensorArg
 from autopar.cost.measured import measured_seconds
 from autopar.cost.rates import achieved
-from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
+from autopar.ir.context import max_work_fraction
+from autopar.ir.spec import VIEW_OP_NAMES, Spec, replicated_axes
 from autopar.rules import pointwise
+from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
+from autopar.rules.registry import OpInfo, Strategy, TensorArg
 from autopar.trace.moe import EXPERTS_OP
 
 # The busiest rank's share of expert work over the mean under expert parallelism (routing is

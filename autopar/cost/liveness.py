@@ -52,8 +52,9 @@ comm_buffer       the same parameter      bwd(its last use) … the launch of th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -21,13 +21,14 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from autopar.rules.registry import OpInfo, Strategy, TensorArg
 from autopar.ir.spec import local_shape
+from autopar.rules.registry import OpInfo, Strategy, TensorArg
 
 _REPEATS = 5
 _SAVE_EVERY = 50

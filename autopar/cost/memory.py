@@ -20,7 +20,8 @@ The solver sums these over a liveness walk of the graph. This module gives the p
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -25,7 +25,7 @@ from those intervals: what the memory model counts is what the optimizer moves.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.rates import OPTIMIZER_TRAFFIC

@@ -46,8 +46,9 @@ on the device it runs on (``runtime.profile``).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 MASK_KINDS = ("causal", "masked", "full")
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 Chunk = tuple[int, int]  # (start, length) of global sequence positions
 

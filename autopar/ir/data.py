@@ -73,7 +73,7 @@ class DataLayout:
         return {"batch": self.batch, "axes": list(self.axes), "inputs": list(self.inputs), "data_parallel_size": self.size}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], mesh_shape: tuple[int, ...]) -> "DataLayout":
+    def from_json(cls, data: dict[str, Any], mesh_shape: tuple[int, ...]) -> DataLayout:
         return cls(data["batch"], tuple(int(a) for a in data["axes"]), tuple(mesh_shape), tuple(data.get("inputs", ())))
 
     def describe(self) -> str:

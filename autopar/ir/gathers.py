@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 
 def param_layer(fqn: str) -> str:

@@ -79,7 +79,7 @@ class CheckpointSegment:
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "CheckpointSegment":
+    def from_json(cls, data: dict[str, Any]) -> CheckpointSegment:
         return cls(
             str(data["name"]),
             str(data["first"]),
@@ -114,7 +114,7 @@ class OffloadEntry:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "OffloadEntry":
+    def from_json(cls, data: dict[str, Any]) -> OffloadEntry:
         return cls(
             str(data["kind"]), str(data["fqn"]), float(data["saved_bytes"]), float(data["transfer_bytes"]), float(data["cost_s"])
         )
@@ -159,7 +159,7 @@ class MemoryPlan:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "MemoryPlan":
+    def from_json(cls, data: dict[str, Any]) -> MemoryPlan:
         return cls(
             target=str(data["target"]),
             prefetch=bool(data["prefetch"]),

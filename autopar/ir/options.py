@@ -213,7 +213,7 @@ class PlanOptions:
     max_axes: int = 3
     symbolic_batch: bool = False
     compute: str | None = None
-    precision: "MixedPrecision | str | None" = None
+    precision: MixedPrecision | str | None = None
     comm: CommOptions = field(default_factory=CommOptions)
     data: DataOptions = field(default_factory=DataOptions)
 
@@ -257,7 +257,7 @@ class PlanOptions:
         prefetch: bool = True,
         pipeline_schedules: tuple[str, ...] | str = ("1F1B",),
         **rest: Any,
-    ) -> "PlanOptions":
+    ) -> PlanOptions:
         """The options of ``autopar.plan``'s keywords (the flat spelling of this value)."""
         return cls(
             solve=SolveOptions(time_limit_s, solver),
@@ -266,7 +266,7 @@ class PlanOptions:
             **rest,
         )
 
-    def replace(self, **changes: Any) -> "PlanOptions":
+    def replace(self, **changes: Any) -> PlanOptions:
         return dataclasses.replace(self, **changes)
 
 
@@ -358,7 +358,7 @@ class MixedPrecision:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "MixedPrecision":
+    def from_json(cls, data: dict[str, Any]) -> MixedPrecision:
         return cls(**data)
 
 

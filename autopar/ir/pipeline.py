@@ -10,8 +10,9 @@ chooses this record; the split pass and the pipeline runtime carry it out.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -47,7 +48,7 @@ class Stage:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Stage":
+    def from_json(cls, data: dict[str, Any]) -> Stage:
         return cls(
             index=int(data["index"]),
             layers=(int(data["layers"][0]), int(data["layers"][1])),
@@ -111,7 +112,7 @@ class StagePlan:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "StagePlan":
+    def from_json(cls, data: dict[str, Any]) -> StagePlan:
         return cls(
             num_microbatches=int(data["num_microbatches"]),
             schedule=data["schedule"],

@@ -29,9 +29,18 @@ from autopar.ir.memory import MemoryPlan
 from autopar.ir.options import MixedPrecision
 from autopar.ir.pipeline import StagePlan
 from autopar.ir.prediction import Prediction, SolverStats
+from autopar.ir.spec import (
+    Spec,
+    format_placement,
+    format_spec,
+    is_sharded,
+    is_strided,
+    parse_spec,
+    shard_axes,
+    spec_text,
+    transition_steps,
+)
 from autopar.ir.summary import summary_text
-from autopar.ir.spec import Spec, format_placement, format_spec, is_sharded, is_strided, parse_spec, shard_axes, spec_text
-from autopar.ir.spec import transition_steps
 
 PLAN_VERSION = 1
 SCHEMA_PATH = Path(__file__).parent / "plan.schema.json"
@@ -156,7 +165,7 @@ class NodePlan:
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "NodePlan":
+    def from_json(cls, data: dict[str, Any]) -> NodePlan:
         return cls(
             op=data["op"],
             outs=tuple(parse_spec(s) for s in data["out"]),
@@ -263,7 +272,7 @@ class Plan:
         return json.dumps(data, indent=1)
 
     @classmethod
-    def from_json(cls, text: str, *, validate: bool = True, source: str = "plan") -> "Plan":
+    def from_json(cls, text: str, *, validate: bool = True, source: str = "plan") -> Plan:
         """The plan in ``text``, checked against the plan schema and every placement against its
         tensor and the mesh (``check_placements``) unless ``validate=False`` (for text already
         checked: every rank parses the plan rank 0 checked before broadcasting it). ``source``
@@ -332,7 +341,7 @@ class Plan:
             handle.write(self.to_json())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
+    def load(cls, path: str | os.PathLike) -> Plan:
         """The plan in the file ``path``, checked as ``from_json`` checks it; errors name the file."""
         name = repr(os.fspath(path))
         try:
@@ -355,7 +364,7 @@ class Plan:
             message = str(error)
             raise PlanError(message if name in message else f"plan file {name}: {message}") from None
 
-    def with_model(self, model: dict[str, Any]) -> "Plan":
+    def with_model(self, model: dict[str, Any]) -> Plan:
         """This plan, recording how to rebuild its model (``model`` goes into the JSON)."""
         return dataclasses.replace(self, model=dict(model), stats=self.stats)
 

@@ -123,7 +123,7 @@ class Prediction(_KeyAccess):
         return {**out, **self.extra}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Prediction":
+    def from_json(cls, data: Mapping[str, Any]) -> Prediction:
         known = {name: value for name, value in data.items() if name in _FIELDS[cls] and name != "extra"}
         return cls(**known, extra={name: value for name, value in data.items() if name not in known})
 
@@ -174,7 +174,7 @@ class SolverStats(_KeyAccess):
         return {**out, **self.extra}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "SolverStats":
+    def from_json(cls, data: Mapping[str, Any]) -> SolverStats:
         known = {name: value for name, value in data.items() if name in _FIELDS[cls] and name != "extra"}
         return cls(**known, extra={name: value for name, value in data.items() if name not in known})
 

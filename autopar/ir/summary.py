@@ -25,7 +25,7 @@ def format_bytes(num: float, digits: int = 1) -> str:
     return str(num)
 
 
-def header_lines(plan: "Plan") -> list[str]:
+def header_lines(plan: Plan) -> list[str]:
     """The summary's first lines: the plan, its predicted time, memory and bytes, the solver, the
     pipeline and the memory decisions."""
     pred = plan.predicted.to_json()
@@ -121,7 +121,7 @@ def node_row(name: str, node, mesh_shape=None) -> tuple[str, str, str, str, str,
     return name, node.op, shape, placements, f"{node.cost_s * 1e3:.4f}", "; ".join(note)
 
 
-def summary_text(plan: "Plan", max_rows: int = 60) -> str:
+def summary_text(plan: Plan, max_rows: int = 60) -> str:
     lines = header_lines(plan)
     lines.append("")
     lines.append("Parameters")
@@ -160,7 +160,7 @@ def summary_text(plan: "Plan", max_rows: int = 60) -> str:
     return "\n".join(lines)
 
 
-def expert_parallel_lines(plan: "Plan") -> list[str]:
+def expert_parallel_lines(plan: Plan) -> list[str]:
     """The experts ops that split experts by rank (``predicted.expert_parallel``): the degree
     and axes, the experts each device holds, and the op's cost with its all-to-all part."""
     records = plan.predicted.expert_parallel or ()
@@ -187,7 +187,7 @@ def expert_parallel_lines(plan: "Plan") -> list[str]:
     return lines
 
 
-def fallback_lines(plan: "Plan") -> list[str]:
+def fallback_lines(plan: Plan) -> list[str]:
     """Every node that fell back to replication (no rule of ours, none from DTensor), grouped
     by op, so that a model's uncovered ops can be read off at once."""
     by_op: dict[str, list[str]] = {}
@@ -203,7 +203,7 @@ def fallback_lines(plan: "Plan") -> list[str]:
     return lines
 
 
-def pipeline_lines(plan: "Plan") -> list[str]:
+def pipeline_lines(plan: Plan) -> list[str]:
     """The stages of a pipelined plan: bubble, and each stage's layers, ranks, time and memory."""
     stages = plan.pipeline
     if stages is None:

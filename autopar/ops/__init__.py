@@ -4,7 +4,8 @@ kernels that one collective cannot express (``parallel``, ``losses``, ``attentio
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from autopar.ops import attention, losses, parallel  # noqa: F401  (registers the kernels)
 from autopar.ops.kernels import KERNELS

@@ -20,7 +20,8 @@ and backward. That recomputation is why the rule offers the kernel only without 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F

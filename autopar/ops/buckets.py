@@ -47,8 +47,8 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -595,7 +595,7 @@ class ParamGathers(torch.nn.Module):
         recompute in backward) may leave some, and they hold values from before the optimizer step.
         Also forget the last forward's packed parameters: a backward that still unpacks one
         gathers its group again."""
-        for gi, (work, _, layout) in self._inflight.items():
+        for work, _, layout in self._inflight.values():
             collectives.wait(work, self.order[self._index[layout[0][0]]][1])
         self._inflight.clear()
         self._ready.clear()

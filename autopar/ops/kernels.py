@@ -9,7 +9,8 @@ differentiates them under the replicated-loss convention without hand-written ba
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 KERNELS: dict[str, Callable[..., Any]] = {}
 

@@ -13,14 +13,15 @@ has an int argument called ``groups``).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from autopar.ops import collectives
 from autopar.ops.kernels import EAGER_IMPLEMENTATIONS, register_kernel
-from autopar.trace.moe import EXPERTS_OP, combine, expert_mlp, moe_experts_eager
 from autopar.trace.functions import FUNCTION_OP, apply_function_eager
+from autopar.trace.moe import EXPERTS_OP, combine, expert_mlp, moe_experts_eager
 
 aten = torch.ops.aten
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.fx
 
 from autopar.errors import PassError, PlanError
+from autopar.ir.options import CommOptions
+from autopar.ir.plan import Plan
 from autopar.passes.memory import checkpoint_segments, offload_activations, offload_params
 from autopar.passes.precision import cast_after_collectives, gather_in_param_dtype
 from autopar.passes.rewrite import insert_collectives, localize_shapes, use_kernels
 from autopar.passes.schedule import schedule_communication, schedule_in_graph
-from autopar.ir.options import CommOptions
-from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.fx

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.fx

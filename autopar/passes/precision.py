@@ -93,7 +93,7 @@ def cast_after_collectives(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Gra
             with graph.inserting_after(chain[-1]):
                 moved = graph.call_function(cast.target, (chain[-1],), dict(cast.kwargs))
             moved.meta = {key: (dict(value) if key == "autopar" else value) for key, value in cast.meta.items()}
-            chain[-1].replace_all_uses_with(moved, delete_user_cb=lambda use: use is not moved)
+            chain[-1].replace_all_uses_with(moved, delete_user_cb=lambda use, moved=moved: use is not moved)
         if not cast.users:
             cast.target, cast.kwargs = torch.ops.aten.alias.default, {}
             cast.meta["val"] = source.meta.get("val")

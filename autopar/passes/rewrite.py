@@ -11,20 +11,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx
 
-from autopar.ops import collectives
-from autopar.ops import get_kernel
-from autopar.ops.kernels import EAGER_IMPLEMENTATIONS
 from autopar.ir.plan import NodePlan, Plan
+from autopar.ir.spec import local_shape, transition_steps
+from autopar.ops import collectives, get_kernel
+from autopar.ops.kernels import EAGER_IMPLEMENTATIONS
 from autopar.rules.registry import SIZE_ARGS, Strategy, localize_kwargs, normalized_kwargs, tensor_meta
 from autopar.solver.problem.op_prices import grad_sync_axes
-from autopar.ir.spec import local_shape, transition_steps
 from autopar.trace import requires_grad
-
 
 # Views become reshapes: export drops a .contiguous() when the traced tensor happened to be
 # contiguous, but a resharded local tensor may not be, and then view() fails. reshape() is the

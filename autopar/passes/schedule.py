@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.fx

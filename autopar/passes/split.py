@@ -13,8 +13,7 @@ import torch.fx
 import torch.utils._pytree
 from torch.fx.passes.split_module import split_module
 
-from autopar.ir.pipeline import StagePlan
-from autopar.ir.pipeline import stage_of_nodes
+from autopar.ir.pipeline import StagePlan, stage_of_nodes
 from autopar.ir.plan import Plan
 
 

@@ -26,7 +26,7 @@ _BINDING_TEXT = {
 }
 
 
-def find_decision(plan: "Plan", key: str) -> tuple[str | None, dict[str, Any] | None]:
+def find_decision(plan: Plan, key: str) -> tuple[str | None, dict[str, Any] | None]:
     """(representative, decision record) for a node name or parameter FQN of ``plan``.
 
     The record is None for a node or parameter that had a single strategy (nothing to decide).
@@ -57,7 +57,7 @@ def _specs(specs: list[list[str]]) -> str:
     return ", ".join("(" + ", ".join(spec) + ")" for spec in specs) or "-"
 
 
-def explain_json(plan: "Plan", key: str) -> dict[str, Any]:
+def explain_json(plan: Plan, key: str) -> dict[str, Any]:
     rep, record = find_decision(plan, key)
     node = plan.nodes.get(key)
     out: dict[str, Any] = {
@@ -72,7 +72,7 @@ def explain_json(plan: "Plan", key: str) -> dict[str, Any]:
     return {**out, **record}
 
 
-def explain_text(plan: "Plan", key: str) -> str:
+def explain_text(plan: Plan, key: str) -> str:
     rep, record = find_decision(plan, key)
     node = plan.nodes.get(key)
     title = f"{key} ({node.op})" if node is not None else f"parameter {key}"

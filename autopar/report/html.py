@@ -77,7 +77,7 @@ def _bytes(num: float) -> str:
     return format_bytes(num, digits=2)
 
 
-def layer_rows(plan: "Plan") -> list[dict[str, Any]]:
+def layer_rows(plan: Plan) -> list[dict[str, Any]]:
     """Modules in model order: ``name`` (with ``*`` for collapsed layer indices), ``count``, and
     ``params``: (leaf name, placements text) per parameter. Layers collapse when every one of
     them has the same placements."""
@@ -160,7 +160,7 @@ def _per_axis(predicted: dict[str, Any], unit: str) -> dict[str, float]:
     return {}
 
 
-def time_breakdown(plan: "Plan") -> list[tuple[str, float]]:
+def time_breakdown(plan: Plan) -> list[tuple[str, float]]:
     """(label, seconds) parts of the predicted step: compute, communication, bubble."""
     pred = plan.predicted.to_json()
     parts = [("compute (incl. gradient sync)", float(pred.get("compute_s", 0.0)))]
@@ -262,7 +262,7 @@ def _timeline_svg(timeline: dict[str, Any], capacity: int | None, note: str) -> 
     )
 
 
-def _stages_section(plan: "Plan") -> str:
+def _stages_section(plan: Plan) -> str:
     """A pipelined plan's stages: time per microbatch and memory, one bar each."""
     stages = plan.pipeline
     if stages is None:
@@ -292,7 +292,7 @@ def _stages_section(plan: "Plan") -> str:
     )
 
 
-def _memory_section(plan: "Plan", capacity: int | None) -> str:
+def _memory_section(plan: Plan, capacity: int | None) -> str:
     pred = plan.predicted.to_json()
     if plan.memory_timeline and plan.memory_timeline.get("times"):
         note = ""
@@ -348,7 +348,7 @@ def _comm_bytes_table(predicted: dict[str, Any]) -> str:
     return f"<table><tr><th>mesh axis</th><th>bytes sent per device per step</th></tr>{rows}</table>"
 
 
-def render_html(plan: "Plan", title: str = "", device_memory_bytes: int | None = None) -> str:
+def render_html(plan: Plan, title: str = "", device_memory_bytes: int | None = None) -> str:
     """The report page. ``device_memory_bytes`` (the cluster's, where the caller knows it) shows
     the free memory beside the peak."""
     pred = plan.predicted.to_json()
@@ -394,7 +394,7 @@ communication per device per step {_esc(_bytes(float(pred.get("comm_bytes", 0)))
 """
 
 
-def write_html(plan: "Plan", path: str, title: str = "", device_memory_bytes: int | None = None) -> None:
+def write_html(plan: Plan, path: str, title: str = "", device_memory_bytes: int | None = None) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(render_html(plan, title, device_memory_bytes))
 

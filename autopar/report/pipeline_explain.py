@@ -31,7 +31,7 @@ def _field(record: Any, name: str) -> Any:
     return record.get(name) if isinstance(record, dict) else getattr(record, name, None)
 
 
-def explain_pipeline_json(plan: "Plan") -> dict[str, Any]:
+def explain_pipeline_json(plan: Plan) -> dict[str, Any]:
     """The pipeline's choice as a dict (``explain_pipeline_text`` prints it)."""
     stages = plan.pipeline
     assert stages is not None
@@ -69,7 +69,7 @@ def explain_pipeline_json(plan: "Plan") -> dict[str, Any]:
     return out
 
 
-def explain_pipeline_text(plan: "Plan") -> str:
+def explain_pipeline_text(plan: Plan) -> str:
     """Why this pipeline: schedule, groups and virtual stages, microbatches, bubble, stages, memory."""
     info = explain_pipeline_json(plan)
     v = info["virtual_stages"]

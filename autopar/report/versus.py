@@ -28,11 +28,11 @@ def _part(predicted: dict[str, Any], key: str) -> Any:
     return predicted.get("one_microbatch_unpipelined", {}).get(key)
 
 
-def _step(plan: "Plan") -> float:
+def _step(plan: Plan) -> float:
     return float(plan.predicted.step_time_s or 0.0)
 
 
-def versus(hand: "Plan", solved: "Plan") -> dict[str, Any]:
+def versus(hand: Plan, solved: Plan) -> dict[str, Any]:
     """The figures of the comparison (JSON-ready)."""
     pred_h, pred_s = hand.predicted.to_json(), solved.predicted.to_json()
     shared = {fqn for fqn in hand.params if fqn in solved.params}
@@ -50,7 +50,7 @@ def versus(hand: "Plan", solved: "Plan") -> dict[str, Any]:
     return out
 
 
-def versus_text(hand: "Plan", solved: "Plan", hand_name: str = "the hand plan", solved_name: str = "the solver's plan") -> str:
+def versus_text(hand: Plan, solved: Plan, hand_name: str = "the hand plan", solved_name: str = "the solver's plan") -> str:
     """A few lines: whether ``solved`` is faster than ``hand``, by how much, and the parts of the
     step that make it so."""
     figures = versus(hand, solved)

@@ -30,13 +30,14 @@ never an error (logged at debug level): the op then falls back to replication.
 from __future__ import annotations
 
 import logging
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autopar.ir.spec import P, Placement, R, S
 from autopar.rules.registry import FALLBACK_RULES, SIZE_ARGS, OpInfo, Row, TensorArg
-from autopar.ir.spec import P, R, S, Placement
 
 logger = logging.getLogger(__name__)
 

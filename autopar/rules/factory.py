@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from autopar.rules.registry import OpInfo, Row, register
 from autopar.ir.spec import P, R, S
+from autopar.rules.registry import OpInfo, Row, register
 
 aten = torch.ops.aten
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from autopar.ir.spec import SS, P, R, S
 from autopar.rules.pointwise import broadcast_shard, is_tensor
 from autopar.rules.registry import OpInfo, Row, TensorArg, register, replicate_row, strided_blocks
-from autopar.ir.spec import SS, P, R, S
 
 aten = torch.ops.aten
 

@@ -24,10 +24,9 @@ the local experts' groups and writes zeros elsewhere: a Partial result.
 
 from __future__ import annotations
 
-
-from autopar.rules.registry import SINGLE_AXIS_KERNELS, OpInfo, Row, register, replicate_row
 from autopar.ir.spec import P, R, S
 from autopar.ir.summary import EXPERT_PARALLEL_TEXT
+from autopar.rules.registry import SINGLE_AXIS_KERNELS, OpInfo, Row, register, replicate_row
 from autopar.trace.moe import EXPERTS_OP
 
 # The all-to-all kernel moves tokens over one mesh axis: an exchange over two axes at once is

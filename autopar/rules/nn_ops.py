@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from autopar.ir.spec import P, R, S
 from autopar.rules.pointwise import broadcast_shard, is_tensor, out_placement, row_by_name, shard_rows
 from autopar.rules.registry import OpInfo, Row, register, replicate_row
-from autopar.ir.spec import P, R, S
 
 aten = torch.ops.aten
 
@@ -229,7 +229,6 @@ def avg_pool3d_rule(info: OpInfo) -> list[Row]:
 @register(aten.dropout.default, aten.native_dropout.default)
 def dropout_rule(info: OpInfo) -> list[Row]:
     rows = shard_rows(info)
-    if info.kw["train"] is False or info.kw["p"] == 0:
-        if info.target is aten.dropout.default:
-            rows.append(Row((P,), P))
+    if (info.kw["train"] is False or info.kw["p"] == 0) and info.target is aten.dropout.default:
+        rows.append(Row((P,), P))
     return rows

@@ -12,12 +12,13 @@ In-place variants (``add_``, ``mul_``, ...) get the rows of their functional op 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
-from autopar.rules.registry import OpInfo, Row, TensorArg, register, replicate_row
 from autopar.ir.spec import P, Placement, R, S
+from autopar.rules.registry import OpInfo, Row, TensorArg, register, replicate_row
 
 aten = torch.ops.aten
 

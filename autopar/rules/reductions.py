@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from autopar.ir.spec import P, S
 from autopar.rules.pointwise import out_placement
 from autopar.rules.registry import OpInfo, Row, register, replicate_row
-from autopar.ir.spec import P, S
 
 aten = torch.ops.aten
 

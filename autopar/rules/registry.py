@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -216,7 +217,7 @@ def localize_kwargs(target: Any, kw: dict[str, Any], local_out_shape: Sequence[i
 
 
 # Where no rule is registered, these are asked in turn (``dtensor_adapter`` adds DTensor's registry).
-FALLBACK_RULES: list[Callable[[OpInfo], "list[Row] | None"]] = []
+FALLBACK_RULES: list[Callable[[OpInfo], list[Row] | None]] = []
 
 
 def node_strategies(info: OpInfo, mesh_shape: Sequence[int]) -> list[Strategy]:

@@ -12,12 +12,14 @@ Strategies that name a kernel need real collectives and are checked on gloo rank
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autopar.ir.spec import Spec, is_strided, local_shape, strided_piece, unstride
 from autopar.rules.registry import (
     Strategy,
     call_with_kw,
@@ -26,7 +28,6 @@ from autopar.rules.registry import (
     op_info_from_values,
     replace_tensors,
 )
-from autopar.ir.spec import Spec, is_strided, local_shape, strided_piece, unstride
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,12 +20,13 @@ P out). Sharding follows a tensor dim through the op:
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from autopar.ir.spec import SS, P, Placement, R, S
 from autopar.rules.registry import OpInfo, Row, TensorArg, register, strided_blocks
-from autopar.ir.spec import SS, P, R, S, Placement
 
 aten = torch.ops.aten
 

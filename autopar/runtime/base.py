@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -350,7 +351,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
                 self._offloader.store.put(grad_key(fqn), grad)
         return total
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedModule":
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ShardedModule:
         """``to``, ``half``, ``double``, ``cuda`` ... after compile: the shards stay where and as
         the plan put them. A call that would change nothing returns the module; one that would
         cast or move a tensor is refused (the plan, its buffers and gathers are made for them)."""

@@ -22,21 +22,22 @@ import copy
 import dataclasses
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
-from autopar.ops import collectives
 from autopar.errors import MeshError, PlanError
 from autopar.ir.plan import Plan
+from autopar.ir.spec import format_spec, local_shape
+from autopar.ops import collectives
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.trace import trace
-from autopar.ir.spec import format_spec, local_shape
 
 log = logging.getLogger("autopar")
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,7 @@ def to_dtensor(local: torch.Tensor, spec: Spec, full_shape: tuple[int, ...], mes
     return DTensor.from_local(local.detach(), mesh, spec, run_check=False, shape=torch.Size(full_shape), stride=stride)
 
 
-def model_state_dict(pm: "ParallelModule") -> dict[str, DTensor]:
+def model_state_dict(pm: ParallelModule) -> dict[str, DTensor]:
     """The original model's ``state_dict()`` names, each a DTensor view of this rank's shard:
     every name, or in a pipeline those of this rank's stages (``pm.local_state_keys()``: DCP
     puts the ranks' parts together into the whole model)."""
@@ -103,9 +104,7 @@ def model_state_dict(pm: "ParallelModule") -> dict[str, DTensor]:
 
 
 @torch.no_grad()
-def load_model_state_dict(
-    pm: "ParallelModule", state_dict: Mapping[str, Any], strict: bool = True
-) -> tuple[list[str], list[str]]:
+def load_model_state_dict(pm: ParallelModule, state_dict: Mapping[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:
     """Copy ``state_dict`` into this rank's shards; return (missing, unexpected) names.
 
     Values may be whole tensors (as ``model.state_dict()`` or ``pm.full_state_dict()`` give),
@@ -134,7 +133,7 @@ def load_model_state_dict(
     return missing, unexpected
 
 
-def _store_back(pm: "ParallelModule", fqn: str, value: torch.Tensor) -> None:
+def _store_back(pm: ParallelModule, fqn: str, value: torch.Tensor) -> None:
     """An offloaded parameter's ``local_shard`` is a copy read from the offload store: what was
     loaded into it goes back there (and, through the store, into its compute-dtype copy)."""
     offloader = pm.offloader
@@ -144,7 +143,7 @@ def _store_back(pm: "ParallelModule", fqn: str, value: torch.Tensor) -> None:
 
 
 def _check_state_dict(
-    pm: "ParallelModule",
+    pm: ParallelModule,
     state_dict: Mapping[str, Any],
     loaded: list[str],
     missing: list[str],
@@ -185,7 +184,7 @@ def _check_own_shard(fqn: str, value: DTensor, mesh: Any) -> None:
         )
 
 
-def _param_fqns(pm: "ParallelModule", optimizer: torch.optim.Optimizer) -> dict[int, str]:
+def _param_fqns(pm: ParallelModule, optimizer: torch.optim.Optimizer) -> dict[int, str]:
     """id(parameter) → the canonical FQN of every parameter ``optimizer`` steps."""
     names: dict[int, str] = {}
     for fqn in pm.local_state_keys():
@@ -201,7 +200,7 @@ def _param_fqns(pm: "ParallelModule", optimizer: torch.optim.Optimizer) -> dict[
     return names
 
 
-def optimizer_state_dict(pm: "ParallelModule", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state_dict(pm: ParallelModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer``'s state keyed by parameter FQN, shard-shaped state tensors as DTensors."""
     names = _param_fqns(pm, optimizer)
     mesh = pm.device_mesh
@@ -236,7 +235,7 @@ def optimizer_state_dict(pm: "ParallelModule", optimizer: torch.optim.Optimizer)
     return {"state": state, "param_groups": groups}
 
 
-def save(path: str | os.PathLike, pm: "ParallelModule", optimizer: torch.optim.Optimizer | None = None) -> None:
+def save(path: str | os.PathLike, pm: ParallelModule, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write a sharded checkpoint of ``pm`` (and ``optimizer``) to the directory ``path``.
 
     Every rank calls it; each writes its own shards (replicated tensors once, by one rank). The
@@ -256,7 +255,7 @@ def save(path: str | os.PathLike, pm: "ParallelModule", optimizer: torch.optim.O
 
 def load(
     path: str | os.PathLike,
-    pm: "ParallelModule",
+    pm: ParallelModule,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     strict: bool = True,
@@ -314,7 +313,7 @@ def _check_sums(directory, metadata) -> None:
         )
 
 
-def _check_model_keys(pm: "ParallelModule", metadata: Mapping[str, Any], directory, strict: bool) -> list[str]:
+def _check_model_keys(pm: ParallelModule, metadata: Mapping[str, Any], directory, strict: bool) -> list[str]:
     """The model names to load: a CheckpointError listing missing and unexpected names (unless
     not ``strict``) and every shape that differs."""
     prefix = f"{_MODEL}."
@@ -435,9 +434,7 @@ def _run_dcp(what: str, path, fn) -> None:
         ) from None
 
 
-def _optimizer_target(
-    pm: "ParallelModule", optimizer: torch.optim.Optimizer, metadata: Mapping[str, Any], path
-) -> dict[str, Any]:
+def _optimizer_target(pm: ParallelModule, optimizer: torch.optim.Optimizer, metadata: Mapping[str, Any], path) -> dict[str, Any]:
     """Empty buffers, shaped as this rank's shards, for every optimizer entry in the checkpoint."""
     names = _param_fqns(pm, optimizer)
     mesh = pm.device_mesh
@@ -472,7 +469,7 @@ def _optimizer_target(
 
 
 @torch.no_grad()
-def load_optimizer_state_dict(pm: "ParallelModule", optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+def load_optimizer_state_dict(pm: ParallelModule, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
     """Install ``state_dict`` (as ``optimizer_state_dict`` gives, filled by ``dcp.load``) in ``optimizer``."""
     names = _param_fqns(pm, optimizer)
     groups = state_dict["param_groups"]

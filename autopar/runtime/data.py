@@ -20,7 +20,8 @@ step, as DDP scripts that seed each rank differently would be.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, NamedTuple, TypeVar
+from collections.abc import Callable, Collection
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -292,7 +293,7 @@ def _call_name(count: float, mode: float) -> str:
     return f"call {int(count)} in {'train' if mode else 'eval'} mode"
 
 
-def check_same_call(calls: "torch.Tensor | list[list[float]]") -> None:
+def check_same_call(calls: torch.Tensor | list[list[float]]) -> None:
     """Refuse on every rank where ranks are at different calls (``calls``: per rank, its count of
     calls and its mode: eval, train or ``GATHER``): a forward or a gather of the whole state that
     only some ranks run (an evaluation or a checkpoint on rank 0 alone) would otherwise wait for the
@@ -319,12 +320,12 @@ def check_same_call(calls: "torch.Tensor | list[list[float]]") -> None:
     )
 
 
-def _listed(rows: "torch.Tensor | list[list[float]]") -> list[list[float]]:
+def _listed(rows: torch.Tensor | list[list[float]]) -> list[list[float]]:
     """The gathered table (a row per rank) as Python floats."""
     return rows.tolist() if isinstance(rows, torch.Tensor) else rows
 
 
-def _check_same_data(rows: "torch.Tensor | list[list[float]]", layout: DataLayout) -> None:
+def _check_same_data(rows: torch.Tensor | list[list[float]], layout: DataLayout) -> None:
     rows = _listed(rows)
     first: dict[int, int] = {}
     for rank, row in enumerate(rows):

@@ -109,7 +109,7 @@ class HookGuard:
     held: tuple[tuple[str, dict, int], ...] = ()
 
     @classmethod
-    def install(cls, module: torch.nn.Module) -> "HookGuard":
+    def install(cls, module: torch.nn.Module) -> HookGuard:
         """Guard the hook tables of every module under ``module``; remember the global ones."""
         held = tuple((name, hooks, len(hooks)) for name, hooks in _guard_tables(module))
         return cls(_global_keys(), held)

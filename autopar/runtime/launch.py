@@ -20,8 +20,9 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -221,9 +222,8 @@ def _collect(
 
     _drain(report_queue, results, errors)
     for rank, proc in enumerate(procs):
-        if rank not in results and rank not in errors and rank not in lost:
-            if proc.exitcode is not None:
-                lost[rank] = proc.exitcode
+        if rank not in results and rank not in errors and rank not in lost and proc.exitcode is not None:
+            lost[rank] = proc.exitcode
     silent = [r for r in range(world_size) if r not in results and r not in errors and r not in lost]
     failed = sorted(set(errors) | set(lost) | set(silent))
     if errors or lost:

@@ -26,7 +26,7 @@ from autopar.errors import CheckpointError
 
 # id(parameter) -> (a weak reference to it, to its compiled module; its FQN in that module)
 _TRACKED: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
-_SEEN: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers that stepped since tracking
+_SEEN: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers that stepped since tracking
 _HOOK: list[Any] = []
 
 

@@ -41,13 +41,13 @@ Each rank then materializes only its own shards, in one of two ways (``compile(i
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 
 from autopar.ir.spec import Spec, local_shape, shard_tensor
-from autopar.trace.fake import apply_order, own_tensors, fake_tensors, has_meta_tensors
+from autopar.trace.fake import apply_order, fake_tensors, has_meta_tensors, own_tensors
 
 __all__ = [
     "SeededInit",
@@ -174,7 +174,7 @@ def seeded_shards(
             finally:
                 for slot, name, tensor in own:
                     getattr(module, slot)[name] = tensor
-            for slot, name, tensor in own:
+            for _, _, tensor in own:
                 key = id(tensor)
                 owners_left[key] -= 1
                 if owners_left[key]:

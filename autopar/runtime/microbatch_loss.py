@@ -164,9 +164,7 @@ def _scales_only(loss: torch.fx.Node, mean: torch.fx.Node) -> bool:
         if node.op != "call_function":
             return False
         if node.target is operator.getitem:
-            if node.args[0] is not mean or node.args[1] != 0:
-                return False
-            return True
+            return not (node.args[0] is not mean or node.args[1] != 0)
         if node.target not in _KEEPS_MEAN:
             return False
         tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]

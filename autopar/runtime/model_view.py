@@ -30,7 +30,8 @@ and calling the model runs a pipeline step, which returns the loss alone (so ``g
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

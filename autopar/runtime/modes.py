@@ -11,8 +11,9 @@ and write the same shards (running statistics written in train mode are read in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx

@@ -6,7 +6,8 @@ import datetime
 import logging
 import math
 import weakref
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,27 +15,25 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate
 
+from autopar.ir.plan import Plan
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets
 from autopar.ops.params import LocalLeaf, local_of
 from autopar.passes.schedule import bind_parameters
-from autopar.runtime.compiled import run_eager, warn_not_compiled
-from autopar.ir.plan import Plan
-from autopar.trace import TracedModel
+from autopar.runtime import loaded_state, originals, shapes, trainer_saves
 from autopar.runtime.base import ShardedModule, attach, flatten_inputs, has, lookup, model_tensors
+from autopar.runtime.checkpoint import load_model_state_dict, to_dtensor
+from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
 from autopar.runtime.hook_guard import HookGuard
-from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
-from autopar.runtime import shapes
 from autopar.runtime.model_view import ModelAttributes, local_model, model_view
+from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
 from autopar.runtime.offload import param_key
-from autopar.runtime.checkpoint import to_dtensor
-from autopar.runtime import loaded_state, originals, trainer_saves
-from autopar.runtime.checkpoint import load_model_state_dict
+from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
 # ParallelModule → the model on its rank's whole tensors, for evaluation without communication
-_LOCAL_MODELS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
+_LOCAL_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
 
 
 class ParallelModule(ModelAttributes, ShardedModule):
@@ -434,7 +433,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def world_timeout() -> "datetime.timedelta | None":
+def world_timeout() -> datetime.timedelta | None:
     """The timeout the default process group was created with, or None if it cannot be read."""
     group = dist.distributed_c10d._get_default_group()
     device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")

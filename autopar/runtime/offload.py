@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -42,7 +43,6 @@ from autopar.ir.memory import MemoryPlan
 from autopar.ops.params import local_of
 from autopar.runtime.optim_guard import refuse_torch_optimizers
 from autopar.runtime.store import Store
-
 
 # Saved tensors smaller than this stay on the device (a store entry costs more than they save).
 MIN_ACTIVATION_BYTES = 4096
@@ -62,7 +62,7 @@ Fetch = tuple[str, "torch.dtype | None"]
 
 class _Fetch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, stub: torch.Tensor, offloader: "Offloader", fetch: Fetch) -> torch.Tensor:
+    def forward(ctx, stub: torch.Tensor, offloader: Offloader, fetch: Fetch) -> torch.Tensor:
         ctx.offloader, ctx.fqn = offloader, fetch[0]
         ctx.master_dtype = offloader.store.meta[param_key(fetch[0])][1]
         return offloader.store.get(offloader.store_key(fetch))

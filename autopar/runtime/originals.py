@@ -22,10 +22,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-_ORIGINALS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_ORIGINALS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 # id(original parameter) → (it, the compiled module, both weakly; the parameter's FQN in the module)
-_BINDINGS: "dict[int, tuple[weakref.ref, weakref.ref, str]]" = {}
-_CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_BINDINGS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _HOOK: list[Any] = []
 log = logging.getLogger("autopar")
 
@@ -47,7 +47,7 @@ def bind(model: torch.nn.Module, pm: torch.nn.Module, fqns: set[str]) -> None:
             _BINDINGS[id(param)] = (weakref.ref(param), owner, fqn)
 
 
-def _targets(originals: list[torch.Tensor]) -> "dict[int, tuple[Any, str]] | None":
+def _targets(originals: list[torch.Tensor]) -> dict[int, tuple[Any, str]] | None:
     """id(original) → (its live compiled module, FQN) for each of ``originals``, or None if one has none."""
     out = {}
     for param in originals:
@@ -60,7 +60,7 @@ def _targets(originals: list[torch.Tensor]) -> "dict[int, tuple[Any, str]] | Non
     return out
 
 
-def _rebind(optimizer: torch.optim.Optimizer, targets: "dict[int, tuple[Any, str]]") -> None:
+def _rebind(optimizer: torch.optim.Optimizer, targets: dict[int, tuple[Any, str]]) -> None:
     """Swap each original in ``optimizer`` for its compiled module's parameter, state included."""
     bound: dict[int, tuple[Any, str]] = {}
     for group in optimizer.param_groups:
@@ -88,7 +88,7 @@ def _rebind(optimizer: torch.optim.Optimizer, targets: "dict[int, tuple[Any, str
     )
 
 
-def _keep_whole_state_dicts(optimizer: torch.optim.Optimizer, bound: "dict[int, tuple[Any, str]]") -> None:
+def _keep_whole_state_dicts(optimizer: torch.optim.Optimizer, bound: dict[int, tuple[Any, str]]) -> None:
     """The re-bound optimizer's ``state_dict()`` stays what the script's plain model had (whole
     tensors, which ``torch.save`` writes and a plain optimizer loads: gathered where the plan shards
     a parameter, so every rank calls it then), and ``load_state_dict`` of one cuts it to shards."""

@@ -57,7 +57,6 @@ import torch
 import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -65,21 +64,22 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from autopar.errors import PlanError
-from autopar.passes import default_passes, run_passes
-from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
-from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.data import DataLayout
+from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
-from autopar.runtime.hook_guard import HookGuard
+from autopar.passes import default_passes, run_passes
+from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
 from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict
 from autopar.runtime.data import DataMismatchError, RandomOps, random_ops, start_check
+from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
-from autopar.runtime.model_view import ModelAttributes, model_view
 from autopar.runtime.microbatch_loss import label_counts
+from autopar.runtime.model_view import ModelAttributes, model_view
 from autopar.runtime.module import world_timeout
 from autopar.trace import TracedModel, requires_grad
 
@@ -173,7 +173,7 @@ class _HeldGradients(torch.autograd.Function):
 
 def compile_pipeline(
     model: torch.nn.Module, traced: TracedModel, plan: Plan, init: SeededInit | FromCheckpoint | None = None
-) -> "PipelineParallelModule":
+) -> PipelineParallelModule:
     """Rewrite and split ``traced`` (one microbatch) by ``plan`` and return this rank's module.
 
     ``init`` (None: cut from ``model``'s tensors) makes the shards of this rank's stages only;

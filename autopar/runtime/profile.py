@@ -29,17 +29,18 @@ import dataclasses
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.cost.cluster import CPU_PRESET, ClusterSpec, LinkSpec, cpu_cluster, get_cluster, local_cluster
-from autopar.runtime.module import mesh_groups
-from autopar.runtime.launch import run_distributed
 from autopar.runtime import profile_rates
+from autopar.runtime.launch import run_distributed
+from autopar.runtime.module import mesh_groups
 from autopar.runtime.profile_rates import time_call
 
 QUICK_ALLREDUCE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)

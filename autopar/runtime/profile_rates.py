@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -113,7 +114,7 @@ def measure_matmuls(device: torch.device, dtype: torch.dtype, peak: float, shape
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
         flops = 2.0 * m * n * k
-        out.append((flops, flops / _time(lambda: torch.mm(a, b), device) / peak))
+        out.append((flops, flops / _time(lambda a=a, b=b: torch.mm(a, b), device) / peak))
     return out
 
 
@@ -239,7 +240,7 @@ def measure_host_link(device: torch.device, sizes_bytes: Sequence[int], repeats:
             host = torch.empty(size // 4, pin_memory=pin)
             dev = torch.empty(size // 4, device=device)
             src, dst = (host, dev) if direction == "host_to_device" else (dev, host)
-            times.append(_time(lambda: dst.copy_(src, non_blocking=pin), device, repeats))
+            times.append(_time(lambda dst=dst, src=src: dst.copy_(src, non_blocking=pin), device, repeats))
         fits[direction] = fit_link(sizes_bytes, times)
     link = LinkSpec(
         latency_s=max(f.latency_s for f in fits.values()),

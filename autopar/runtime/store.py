@@ -34,7 +34,6 @@ import torch
 
 from autopar.cost.cluster import LinkSpec
 
-
 # Writes a store keeps in flight behind the caller (each holds its tensor until written).
 MAX_WRITES_BEHIND = 2
 
@@ -96,12 +95,12 @@ class Store:
                 self.put(cast_key(key, dtype), self.get(key).to(dtype))
         return cast_key(key, dtype)
 
-    def _write_after(self, key: str, tensor: torch.Tensor, ready: "torch.cuda.Event | None") -> None:
+    def _write_after(self, key: str, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         with self._on_side_stream(ready):
             self._write(key, tensor)  # holds ``tensor`` until its copy is done
 
     @contextlib.contextmanager
-    def _on_side_stream(self, ready: "torch.cuda.Event | None" = None):
+    def _on_side_stream(self, ready: torch.cuda.Event | None = None):
         """Run the copies inside on the store's stream, after ``ready``, and wait for them (on
         this thread only: the compute stream goes on). Nothing on a CPU."""
         if self._stream is None:
@@ -338,16 +337,12 @@ def _remove_files(path: str, fds: dict[str, int], files: list[str], made_dir: bo
     """Close a DiskStore's files and remove those it created, and its directory if it made it
     (a temporary one, or a ``disk:PATH`` that did not exist) and nothing else is left in it."""
     for fd in fds.values():
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     fds.clear()
     for name in files:
-        try:
+        with contextlib.suppress(OSError):
             os.remove(name)
-        except OSError:
-            pass
     files.clear()
     if made_dir:
         try:

@@ -35,8 +35,8 @@ _FIX = (
     "loads; and save the final model with pm.module.save_pretrained(output_dir) on every rank, not "
     "trainer.save_model()"
 )
-_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # the compiled modules watched
-_CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the compiled modules watched
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
 _HOOK: list[Any] = []
 _MAX_DEPTH = 40  # frames between a Trainer's training loop and the step hook: a handful
 

@@ -16,8 +16,8 @@ seed or a checkpoint that is the same on every rank by construction: they skip b
 from __future__ import annotations
 
 import ctypes
-import logging
 import hashlib
+import logging
 from typing import Any
 
 import torch

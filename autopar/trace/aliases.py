@@ -12,7 +12,8 @@ refuses a call whose inputs alias one another where one of them is written.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx

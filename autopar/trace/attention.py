@@ -234,10 +234,7 @@ class _Values:
     def _constant(self, node: torch.fx.Node) -> torch.Tensor | None:
         """A lifted constant's or a graph attribute's value; None for data, and for a constant
         the graph writes in place (the next call would read the written value)."""
-        if node.op == "placeholder":
-            value = self.constants.get(node.name)
-        else:
-            value = getattr(self.gm, node.target, None)
+        value = self.constants.get(node.name) if node.op == "placeholder" else getattr(self.gm, node.target, None)
         if not isinstance(value, torch.Tensor) or any(node in written(user) for user in node.users):
             return None
         return value.detach().to("cpu", copy=True)

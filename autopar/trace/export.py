@@ -387,7 +387,7 @@ def _cast_parameters(gm: torch.fx.GraphModule, inputs: list[GraphInput], precisi
             first_use = min(node.users, key=position.__getitem__)
             with gm.graph.inserting_before(first_use):
                 cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": val.dtype})
-            node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+            node.replace_all_uses_with(cast, delete_user_cb=lambda user, cast=cast: user is not cast)
             cast.meta["val"] = val
             cast.meta["autopar"] = {"reduce_dtype": reduce_dtype, "cast_of": info.fqn}
             if first_use.meta.get("nn_module_stack"):  # the cast belongs to the layer that uses it
@@ -493,14 +493,14 @@ def _inline_wrappers(gm: torch.fx.GraphModule) -> None:
                 if inner.op == "placeholder":
                     env[inner] = next(placeholders)
                 elif inner.op == "output":
-                    outputs = torch.fx.node.map_arg(inner.args[0], lambda n: env[n])
+                    outputs = torch.fx.node.map_arg(inner.args[0], env.__getitem__)
                 elif inner.op == "get_attr":
                     target = _free_attr_name(gm, inner.target)
                     setattr(gm, target, getattr(body, inner.target))
                     env[inner] = graph.get_attr(target)
                     env[inner].meta = dict(inner.meta)
                 else:
-                    env[inner] = graph.node_copy(inner, lambda n: env[n])
+                    env[inner] = graph.node_copy(inner, env.__getitem__)
             if no_grad:
                 outputs = [_detached(graph, out) for out in outputs]
         for user in list(node.users):

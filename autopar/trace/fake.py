@@ -4,7 +4,7 @@ with no storage, so that ``torch.export`` traces it and the planner prices it.""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode

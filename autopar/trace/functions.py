@@ -26,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F

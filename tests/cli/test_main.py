@@ -397,7 +397,7 @@ def test_help_names_equal_the_zoo_and_cluster_lists():
     from autopar.zoo.shapes import PRESETS
 
     assert catalog.MODEL_NAMES == MODEL_NAMES
-    assert catalog.MODEL_PRESETS == tuple(PRESETS)
+    assert tuple(PRESETS) == catalog.MODEL_PRESETS
     assert catalog.DEFAULT_CLUSTER == DEFAULT_PRESET
     assert catalog.cluster_presets() == preset_names()
 

@@ -6,10 +6,10 @@ import dataclasses
 import itertools
 import json
 import math
-import tomllib
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 
 from autopar.cost import (
@@ -30,15 +30,15 @@ from autopar.cost import (
     preset_names,
     reduce_scatter_s,
     saves_inputs,
-    send_recv_s,
     saves_output,
+    send_recv_s,
     tensor_bytes,
     transition_cost,
 )
-from autopar.cost.comm import TransitionPrices, transition_bytes_per_axis
 from autopar.cost.cluster import PRESETS_DIR
-from autopar.rules.registry import Strategy, op_info_from_values
+from autopar.cost.comm import TransitionPrices, transition_bytes_per_axis
 from autopar.ir.spec import SS, P, R, S
+from autopar.rules.registry import Strategy, op_info_from_values
 
 aten = torch.ops.aten
 MiB = 1 << 20
@@ -580,9 +580,9 @@ def test_vocab_parallel_cross_entropy_prices_its_own_all_gather() -> None:
     # axis, which no edge of the graph shows; the strategy's price must carry it.
     from autopar.cost.cluster import get_cluster
     from autopar.cost.comm import all_gather_s, bytes_sent
-    from autopar.zoo.models import build_model, example_batch
     from autopar.solver.problem.choices import build_choice_graph
     from autopar.trace import trace
+    from autopar.zoo.models import build_model, example_batch
 
     config = dict(vocab_size=1024, n_layer=1, bias=False)
     traced = trace(build_model("gpt", **config), example_batch("gpt", batch_size=4, **config))

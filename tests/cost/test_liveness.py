@@ -210,10 +210,10 @@ def test_activation_memory_matches_korthikanti_for_one_transformer_layer():
 
 
 def test_memory_constraints_do_not_grow_with_depth_and_the_budget_holds_at_every_time():
-    from autopar.zoo.models import GPT
     from autopar.ir.options import PlanOptions
     from autopar.solver import solve
     from autopar.solver.problem.ilp import ShardingILP
+    from autopar.zoo.models import GPT
 
     def traced(n_layer: int):
         with torch.device("meta"):

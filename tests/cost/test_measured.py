@@ -11,8 +11,8 @@ import autopar
 from autopar.cost import measured
 from autopar.cost.cluster import get_cluster
 from autopar.cost.compute import compute_cost_s
-from autopar.rules.registry import Strategy, op_info_from_values
 from autopar.ir.spec import R, S
+from autopar.rules.registry import Strategy, op_info_from_values
 
 aten = torch.ops.aten
 

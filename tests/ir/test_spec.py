@@ -9,8 +9,6 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.rules.simulate import local_inputs
-from autopar.ir.spec import strided_piece, unstride
 from autopar.ir.spec import (
     REPLICATE_KEY,
     SS,
@@ -27,8 +25,11 @@ from autopar.ir.spec import (
     slot_axis,
     spec_key,
     steps_between,
+    strided_piece,
     transition_steps,
+    unstride,
 )
+from autopar.rules.simulate import local_inputs
 
 
 def _apply(step: Step, pieces: dict, mesh_shape) -> dict:

@@ -57,7 +57,7 @@ def test_simulated_ranks_equal_eager(group_sizes, heads):
     assert covered.eq(1).all(), "every query row is computed by exactly one rank"
     torch.testing.assert_close(out, ref.detach())
     for got, want, name in zip(grads, (q.grad, k.grad, v.grad), "qkv"):
-        torch.testing.assert_close(got, want, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(got, want, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def test_head_tail_chunks_balance_the_causal_work():
@@ -94,7 +94,7 @@ def test_head_tail_route_moves_every_piece_to_its_rank(group_sizes):
             assert sorted(p for c in group for p in holding[c]) == sorted(p for pieces in dest for p in pieces)
             after[coords] = dest[coords[axis]]
         holding = after
-    for index, coords in enumerate(ranks):
+    for _index, coords in enumerate(ranks):
         chunks = query_chunks(2 * num, group_sizes, coords)
         assert holding[coords] == tuple(start for start, _ in chunks), (coords, holding[coords], chunks)
 

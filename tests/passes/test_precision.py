@@ -194,7 +194,7 @@ def test_gathers_prefetch_by_the_bytes_they_move():
     gm, plan, traced = _rewritten("fsdp", "bf16-mixed", config=FSDP_CONFIG)
     gathers: ParamGathers = gm.get_submodule("param_gathers")
     placeholders = {n.name: n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"}
-    for key, group, dim, nbytes in gathers.order:
+    for key, _group, _dim, nbytes in gathers.order:
         assert gathers._dtypes[key] == torch.bfloat16
         assert nbytes == placeholders[key].numel() * 2, "the whole tensor (the placeholder holds it whole), in bf16"
     assert gathers._group_bytes == [sum(gathers.order[gathers._index[k]][3] for k in g) for g in gathers.groups]

@@ -33,13 +33,13 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
-from autopar.zoo.models import build_model, example_batch
 from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.prediction import Prediction, SolverStats
+from autopar.ir.spec import format_spec, is_valid
 from autopar.rules.registry import op_info_from_values
 from autopar.rules.simulate import _normalize, check_op
-from autopar.ir.spec import format_spec, is_valid
 from autopar.trace import trace
+from autopar.zoo.models import build_model, example_batch
 from tests.conftest import strategy_text
 
 MESHES = [(2,), (3,), (2, 2)]
@@ -503,8 +503,8 @@ def _compile_and_compare(model: torch.nn.Module, mesh: tuple[int, ...], batch: t
 
 def _run_random_forced(rank: int, world: int, seed: int) -> dict:
     from autopar.cost.cluster import get_cluster
-    from autopar.solver import solve
     from autopar.ir.spec import S
+    from autopar.solver import solve
 
     torch.manual_seed(0)
     rng = random.Random(seed)
@@ -556,8 +556,8 @@ def test_forcing_a_getitem_keeps_it_on_its_producer() -> None:
     Forcing its spec must therefore pin the producer too, or be refused; found by the random
     draws above (mlp_block, mesh (2,), forced {linear_1: S(1), getitem_1: S(0)})."""
     from autopar.cost.cluster import get_cluster
-    from autopar.solver import solve
     from autopar.ir.spec import S
+    from autopar.solver import solve
 
     model = build_model("mlp_block", seed=0)
     traced = trace(model, example_batch("mlp_block", 8, seed=1))

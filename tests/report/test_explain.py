@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.solver.search.solving import solve_ilp
-
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.errors import PlanError
 from autopar.report.explain import explain_json, explain_text, find_decision
-from autopar.zoo.models import build_model, example_batch
 from autopar.solver import ShardingILP, build_choice_graph
-from autopar.solver.search.solving import peak_memory
-from autopar.solver.problem.choices import param_sync_adjustment_s
-from autopar.solver.problem.edges import EdgePrices
 from autopar.solver.pricing import runner_ups
 from autopar.solver.pricing.runner_ups import explain_decisions
+from autopar.solver.problem.choices import param_sync_adjustment_s
+from autopar.solver.problem.edges import EdgePrices
+from autopar.solver.search.solving import peak_memory, solve_ilp
 from autopar.trace import trace
+from autopar.zoo.models import build_model, example_batch
 
 
 def _objective(graph, assignment) -> tuple[float, float]:

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import autopar.rules  # noqa: F401  (registers every rule)
+from autopar.ir.spec import P, R, S
 from autopar.rules import dtensor_adapter
 from autopar.rules.registry import (
     RULES,
@@ -16,7 +17,6 @@ from autopar.rules.registry import (
     replicate_row,
 )
 from autopar.rules.simulate import _normalize, check_op, check_strategy
-from autopar.ir.spec import P, R, S
 from tests.conftest import strategy_text
 
 aten = torch.ops.aten

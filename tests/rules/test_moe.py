@@ -146,7 +146,7 @@ def test_moe_kernels_equal_the_op_without_groups() -> None:
     starts = [0, 3, 3, 7]
     want_mm = torch.cat([rows[s:e] @ weight[i] for i, (s, e) in enumerate(zip(starts, offs.tolist()))])
     torch.testing.assert_close(got, want_mm)
-    assert EXPERT_PARALLEL_KERNELS == {"moe_experts_all_to_all", "moe_experts_local", "grouped_mm_local_experts"}
+    assert {"moe_experts_all_to_all", "moe_experts_local", "grouped_mm_local_experts"} == EXPERT_PARALLEL_KERNELS
 
 
 def _forced_ep_plan(model, batch, mesh, kernel):

@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.ir.spec import SS, P, R, S, format_spec
 from autopar.ops import get_kernel
 from autopar.rules.registry import RULES, Strategy, node_strategies, offering_strided, op_info_from_values
 from autopar.rules.simulate import _normalize, check_op, check_strategy
-from autopar.ir.spec import SS, P, R, S, format_spec
 from tests.conftest import strategy_text
 
 aten = torch.ops.aten

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import autopar.rules  # noqa: F401  (registers every rule)
+from autopar.ir.spec import P, R, S
 from autopar.rules.registry import RULES
 from autopar.rules.simulate import check_op
 from autopar.rules.views import reshape_dim_map
-from autopar.ir.spec import P, R, S
 from tests.conftest import strategy_text
 
 aten = torch.ops.aten

@@ -8,9 +8,9 @@ import pytest
 import torch.distributed as dist
 
 import autopar
+from autopar.ir.spec import parse_spec
 from autopar.runtime.check import check_plan
 from autopar.zoo.models import build_model, example_batch
-from autopar.ir.spec import parse_spec
 from tests.conftest import gpt_and_batch
 
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import autopar
-from autopar.runtime import checkpoint_files as files
 from autopar.errors import CheckpointError
+from autopar.runtime import checkpoint_files as files
 from autopar.zoo.models import build_model, example_batch
 
 GPT_BATCH = 4

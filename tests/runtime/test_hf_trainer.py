@@ -21,9 +21,9 @@ pytest.importorskip("accelerate")
 
 
 def _compiled_run(rank: int, world: int, output_dir: str) -> dict:
-    import autopar
-
     from torch.distributed.tensor import Shard
+
+    import autopar
 
     model = job.tiny_llama()
     result = {}

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import autopar
+from autopar.ir.spec import R, S
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
+from autopar.trace import trace
 from autopar.trace.fake import fake_tensors, has_meta_tensors
 from autopar.zoo.models import GPT, build_model, example_batch
-from autopar.ir.spec import R, S
-from autopar.trace import trace
 
 
 def _meta(name: str, **config) -> torch.nn.Module:

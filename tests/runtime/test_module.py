@@ -15,8 +15,8 @@ import torch
 
 import autopar
 from autopar.cost.memory import param_state_bytes
-from autopar.zoo.models import build_model, example_batch
 from autopar.runtime.launch import max_rel_diff, run_distributed
+from autopar.zoo.models import build_model, example_batch
 from tests.conftest import collective_counts, eager_grads, step_against_eager
 
 pytestmark = pytest.mark.multiproc
@@ -162,8 +162,8 @@ VOCAB = 4096
 
 def _run_forced(rank: int, world: int) -> dict:
     from autopar.cost.cluster import get_cluster
-    from autopar.solver import solve
     from autopar.ir.spec import parse_spec
+    from autopar.solver import solve
     from autopar.trace import trace
 
     results = {}

@@ -20,13 +20,13 @@ import torch
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
-from autopar.zoo.models import GPT, build_model, example_batch
-from autopar.passes.split import split_into_stages, stage_io, stage_wiring
-from autopar.runtime.pipeline import _stage_view
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
-from autopar.solver.planners.stages import StageSettings, plan_stages
+from autopar.passes.split import split_into_stages, stage_io, stage_wiring
 from autopar.runtime.launch import max_rel_diff
+from autopar.runtime.pipeline import _stage_view
+from autopar.solver.planners.stages import StageSettings, plan_stages
 from autopar.trace import trace
+from autopar.zoo.models import GPT, build_model, example_batch
 from tests.conftest import eager_grads, step_against_eager
 
 # No biases and float64, as in test_parallel: AdamW's first step turns rounding noise in
@@ -316,7 +316,7 @@ def _run_pipelines(
             result["full_param_bytes"] = sum(p.numel() * p.element_size() for p in eager.parameters())
             # pm is the model (runtime.model_view), as ParallelModule's: its attributes, methods and state
             try:
-                pm.nothing
+                _ = pm.nothing
                 missing = "found"
             except AttributeError as error:
                 missing = str(error)

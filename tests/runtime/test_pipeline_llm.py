@@ -24,7 +24,6 @@ import math
 
 import pytest
 import torch
-
 import torch.utils._pytree as pytree
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -123,7 +123,7 @@ def _run_case(name: str, kind: str, precision, mesh: tuple[int, ...], given: str
     opt_reference = torch.optim.AdamW(reference.parameters(), lr=LR)
     opt_truth = torch.optim.AdamW(truth.parameters(), lr=LR)
     steps = []
-    for step in range(2):
+    for _step in range(2):
         opt.zero_grad()
         opt_reference.zero_grad()
         loss = pm(*batch)

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import autopar
 from autopar import api
 from autopar.errors import PlanError
-from autopar.zoo.models import build_model, example_batch
 from autopar.runtime.launch import DistributedRankError, run_distributed
+from autopar.zoo.models import build_model, example_batch
 
 
 @pytest.fixture

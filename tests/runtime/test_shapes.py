@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from autopar.runtime.shapes import examples_of, key_number, shape_key
 from autopar.ir.data import DataLayout
+from autopar.runtime.shapes import examples_of, key_number, shape_key
 from tests.runtime.hf_trainer_job import SEQ, VOCAB, tiny_llama
 
 ROWS = 4

@@ -40,10 +40,11 @@ def test_the_whole_optimizer_state_loads_back_and_a_wrong_shape_is_refused(one_r
     """On one rank the plan replicates every parameter, so they and their optimizer state are
     plain tensors: the whole state loads back as it is (nothing to cut). Cutting whole state into
     DTensor shards is tested on two ranks (``test_hf_trainer``, whose plan shards parameters)."""
+    from torch.distributed.tensor import DTensor
+
     import autopar
     from autopar.runtime.trainer_checkpoints import shard_whole_state, whole_optimizer_state
     from autopar.zoo.models import build_model, example_batch
-    from torch.distributed.tensor import DTensor
 
     batch = example_batch("mlp", 8)
     pm = autopar.compile(build_model("mlp"), mesh=(1,), example_inputs=batch)

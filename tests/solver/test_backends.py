@@ -39,10 +39,9 @@ def test_solves_print_nothing_on_stdout(capfd, monkeypatch, name, log):
 
 
 def test_solver_output_restores_stdout_after_an_error(capfd):
-    with pytest.raises(RuntimeError):
-        with backends.solver_output():
-            os.write(1, b"hidden\n")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), backends.solver_output():
+        os.write(1, b"hidden\n")
+        raise RuntimeError("boom")
     os.write(1, b"shown\n")
     out, _ = capfd.readouterr()
     assert out == "shown\n"

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import autopar
-
 from autopar.cost import comm
 from autopar.cost.cluster import LinkSpec, get_cluster
 from autopar.ir.gathers import param_layer

@@ -18,9 +18,9 @@ import torch
 import autopar
 from autopar.cost.cluster import ClusterSpec, LinkSpec, get_cluster
 from autopar.ir.memory import CheckpointSegment, MemoryPlan
+from autopar.ir.plan import Plan, validate_plan_json
 from autopar.runtime.store import DiskStore, HostStore
 from autopar.zoo.models import GPT
-from autopar.ir.plan import Plan, validate_plan_json
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
@@ -146,8 +146,8 @@ def test_forced_specs_under_a_binding_budget_checkpoint_when_allowed(gpt_free_pl
     # that fit no sharding alone start from the leanest sharding and checkpoint to fit; without
     # checkpointing the forced specs are named in the error.
     from autopar.cost.cluster import get_cluster
-    from autopar.ir.spec import R
     from autopar.ir.options import PlanOptions
+    from autopar.ir.spec import R
     from autopar.solver import solve
     from autopar.trace import trace
 
@@ -216,10 +216,7 @@ def test_infeasible_budget_states_minimum_and_dominant_tensors(gpt_free_plan):
 @pytest.mark.parametrize("store_kind", ["disk", "disk-buffered", "host"])
 @pytest.mark.parametrize("shape", [(3, 5), (), (1500, 1001)])
 def test_store_round_trip_prefetch_and_accumulate(tmp_path, store_kind, shape):
-    if store_kind == "host":
-        store = HostStore()
-    else:
-        store = DiskStore(tmp_path / "offload", direct=store_kind == "disk")
+    store = HostStore() if store_kind == "host" else DiskStore(tmp_path / "offload", direct=store_kind == "disk")
     value = torch.randn(shape, dtype=torch.float64)
     store.put("a/x", value)
     store.prefetch("a/x")

@@ -8,8 +8,8 @@ import itertools
 import pytest
 
 from autopar.cost.cluster import get_cluster
-from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.planners.memory_plan import TRANSFERS, _Walk
+from autopar.solver.problem.choices import build_choice_graph
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 

@@ -8,11 +8,11 @@ import pytest
 
 import autopar
 from autopar.api import plan_traced_unexplained
-from autopar.ir.options import PlanOptions
 from autopar.cost.cluster import get_cluster
+from autopar.ir.options import PlanOptions
 from autopar.solver.planners.mesh_search import mesh_candidates, mesh_search_text, search_mesh
-from autopar.zoo.models import build_model, example_batch
 from autopar.trace import trace
+from autopar.zoo.models import build_model, example_batch
 
 
 def test_candidates():

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from autopar.cost.cluster import get_cluster
-from autopar.solver.search import backends, budget, rounding, solving
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP
+from autopar.solver.search import backends, budget, rounding, solving
 from autopar.solver.search.relaxation import Relaxation
 from autopar.trace import trace
 from autopar.zoo.models import build_model

@@ -9,8 +9,8 @@ from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.ir.pipeline import first_microbatch
-from autopar.solver.pricing import schedules
 from autopar.solver.planners.stages import StageSettings, plan_stages
+from autopar.solver.pricing import schedules
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 

@@ -6,16 +6,15 @@ Planned offline (no process group) on the h100-80g preset, so these run in one p
 from __future__ import annotations
 
 import pytest
-
-from autopar.solver.search.solving import solve_ilp
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.cost.memory import param_state_bytes
 from autopar.errors import InfeasibleError
-from autopar.zoo.models import AttentionBlock, CausalSelfAttention, MLPBlock, WithMSELoss
 from autopar.ir.spec import format_spec, transition_steps
-from torch.distributed.tensor import Replicate, Shard
+from autopar.solver.search.solving import solve_ilp
+from autopar.zoo.models import AttentionBlock, CausalSelfAttention, MLPBlock, WithMSELoss
 
 
 def _activation_all_reduces(plan: autopar.Plan) -> list[tuple[str, str]]:
@@ -152,10 +151,10 @@ def test_tied_weights_get_one_spec_even_under_a_tight_budget():
 
 def test_repeated_layers_share_one_choice_at_the_same_optimum():
     from autopar.cost.cluster import get_cluster
-    from autopar.zoo.models import GPT
     from autopar.solver.problem.choices import build_choice_graph
     from autopar.solver.problem.ilp import ShardingILP
     from autopar.trace import trace
+    from autopar.zoo.models import GPT
 
     def solve(n_layer: int, share: bool):
         with torch.device("meta"):

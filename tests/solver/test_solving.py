@@ -8,18 +8,17 @@ about 20 s (three blocks took it 55 s, for the same checks).
 
 from __future__ import annotations
 
-import pytest
-
-from autopar.solver.search.solving import solve_ilp
 import pulp
+import pytest
 import torch
 
 from autopar.cost.cluster import get_cluster
-from autopar.zoo.models import build_model, example_batch
-from autopar.solver.search import backends, rounding, solving
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.ilp import ShardingILP
+from autopar.solver.search import backends, rounding, solving
+from autopar.solver.search.solving import solve_ilp
 from autopar.trace import trace
+from autopar.zoo.models import build_model, example_batch
 
 
 @pytest.fixture(scope="module")

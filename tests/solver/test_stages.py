@@ -14,11 +14,11 @@ from torch.distributed.tensor import Replicate
 import autopar
 from autopar.cost.cluster import LinkSpec, get_cluster
 from autopar.errors import InfeasibleError, MeshError
-from autopar.zoo.models import MLP, build_model, example_batch
 from autopar.ir.plan import Plan
 from autopar.solver.planners.stage_costs import cluster_layers
 from autopar.solver.planners.stages import StageSettings, search_stages
 from autopar.trace import trace
+from autopar.zoo.models import MLP, build_model, example_batch
 
 H100 = get_cluster("h100-80g")
 # A network so fast that splitting the batch over more devices always beats a pipeline.

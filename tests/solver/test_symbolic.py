@@ -8,11 +8,11 @@ import torch
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.errors import PlanError
-from autopar.zoo.models import GPT
 from autopar.solver import solve
 from autopar.solver.planners.hand_plans import param_specs
 from autopar.solver.pricing.symbolic import price_plan, totals
 from autopar.trace import trace
+from autopar.zoo.models import GPT
 
 KEYS = ("step_time_s", "comm_bytes", "peak_memory_bytes")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from autopar.errors import TraceError
-from autopar.zoo.models import build_model, example_batch
 from autopar.trace import trace
+from autopar.zoo.models import build_model, example_batch
 
 
 def test_gpt_trace_keeps_composites_and_maps_fqns():

@@ -10,7 +10,8 @@ tensor into one graph input).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

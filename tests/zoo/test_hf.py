@@ -17,16 +17,15 @@ from torch.distributed.tensor import Replicate
 
 import autopar
 from autopar.api import plan_traced
-from autopar.ir.options import PlanOptions
 from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
-from autopar.rules.registry import node_strategies, op_info
+from autopar.ir.options import PlanOptions
 from autopar.ir.spec import SS, format_spec
+from autopar.rules.registry import node_strategies, op_info
 from autopar.solver import solve
 from autopar.trace import trace
 from tests.conftest import collective_counts, eager_grads, step_against_eager
 from tests.solver.test_objective_price import assert_objective_is_step_time
-
 from tests.zoo.hf_models import BUILDERS, COVERAGE
 
 MESH = (2, 2)

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -91,7 +92,7 @@ class ColossalParallel:
             raise ValueError(f"parallel: mode '3d' needs size = q³ (a q × q × q cube), got size={self.size}: use 8, 27, 64, ...")
 
     @classmethod
-    def from_dict(cls, parallel: Mapping[str, Any], world_size: int | None = None) -> "ColossalParallel":
+    def from_dict(cls, parallel: Mapping[str, Any], world_size: int | None = None) -> ColossalParallel:
         """Read ``parallel`` as Colossal-AI does: ``pipeline`` an int or ``dict(size=N)``, ``tensor``
         ``dict(mode=..., size=..., depth=...)`` (no ``tensor``: mode "1d", size 1), ``data`` optional.
         ``world_size`` (when given) must be pipeline × tensor size × data."""

@@ -39,7 +39,7 @@ are written (``COLUMN``, ``ROW``); a model with other names gets fewer tensor-pa
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -47,8 +47,8 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
-from autopar.solver.planners.sharding import solve
 from autopar.ir.spec import Spec, is_valid, replicate_size_one_axes
+from autopar.solver.planners.sharding import solve
 from autopar.trace import TracedModel
 from autopar.trace.moe import EXPERTS_OP
 

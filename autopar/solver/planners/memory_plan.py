@@ -56,8 +56,8 @@ next offloaded layer).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -66,9 +66,9 @@ from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.cost.rates import recompute_s as segment_recompute_s
 from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps
-from autopar.trace import TracedModel
 from autopar.solver.problem.choices import layer_key, live_nodes
 from autopar.solver.problem.gathered import PREFIX as GATHERED
+from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
 
@@ -124,7 +124,7 @@ class _WalkShape:
     segment_terms: list | None = None
 
     @classmethod
-    def of(cls, traced: TracedModel, graph) -> "_WalkShape":
+    def of(cls, traced: TracedModel, graph) -> _WalkShape:
         nodes = live_nodes(traced.gm, graph.choices)
         root: dict[str, str] = {}
         for node in nodes:
@@ -401,10 +401,7 @@ class _Walk:
         """Add (``sign`` 1) or take out (-1) interval ``k``'s spans under ``context`` (None: as
         the walk without decisions has it)."""
         iv = self.timeline.intervals[k]
-        if context is None:
-            spans = [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
-        else:
-            spans = self._spans(iv, context)
+        spans = [(iv.node, iv.kind, iv.start, iv.end, iv.factor)] if context is None else self._spans(iv, context)
         for node, _kind, start, end, factor in spans:
             size = sign * factor * self.bytes_of(node)
             delta[start] += size

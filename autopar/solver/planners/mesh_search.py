@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError, MeshError

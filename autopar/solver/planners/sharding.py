@@ -7,27 +7,30 @@ import functools
 import logging
 import math
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from autopar.cost import optimizer
 from autopar.cost.cluster import ClusterSpec, resolve_budget
+from autopar.cost.comm import transition_bytes_per_axis
 from autopar.errors import InfeasibleError
 from autopar.ir.options import CommOptions, MixedPrecision, PlanOptions, to_dtype
 from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.prediction import Prediction, SolverStats
-from autopar.cost import optimizer
-from autopar.cost.comm import transition_bytes_per_axis
-from autopar.solver.search import backends
-from autopar.solver.search.backends import check_solver
-from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, param_sync_adjustment_s
-from autopar.solver.problem.op_prices import expert_parallel_record, grad_sync_bytes_per_axis
+from autopar.ir.spec import Spec, format_spec
+from autopar.ir.summary import format_bytes
+from autopar.solver.planners.memory_plan import plan_memory
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.runner_ups import explain_decisions
-from autopar.solver.search.budget import MILP_GAP, solve_under_budget, trace_front
-from autopar.solver.search.lean import lean_choice, least_peak
+from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, param_sync_adjustment_s
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP, Solution
+from autopar.solver.problem.op_prices import expert_parallel_record, grad_sync_bytes_per_axis
+from autopar.solver.search import backends
+from autopar.solver.search.backends import check_solver
+from autopar.solver.search.budget import MILP_GAP, solve_under_budget, trace_front
+from autopar.solver.search.lean import lean_choice, least_peak
 from autopar.solver.search.solving import (
     MAX_MEMORY_ROUNDS,
     chosen_bytes,
@@ -36,10 +39,7 @@ from autopar.solver.search.solving import (
     solve_ilp,
     solve_within_budget,
 )
-from autopar.ir.spec import Spec, format_spec
-from autopar.ir.summary import format_bytes
 from autopar.trace import TracedModel
-from autopar.solver.planners.memory_plan import plan_memory
 
 log = logging.getLogger("autopar")
 
@@ -144,7 +144,7 @@ class _Settings:
     policy: str | None = None
 
     @classmethod
-    def of(cls, options: PlanOptions, cluster: ClusterSpec) -> "_Settings":
+    def of(cls, options: PlanOptions, cluster: ClusterSpec) -> _Settings:
         memory = options.memory
         offload, _ = memory.offload_target(has_host=cluster.host_link is not None)
         # Checkpointing moves no data off the device: allowed by default, used only where the budget binds.
@@ -472,7 +472,7 @@ class _StepParts:
     @classmethod
     def of(
         cls, graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec, sums: tuple[float, float] | None = None
-    ) -> "_StepParts":
+    ) -> _StepParts:
         """``sums``: the solution's ``_compute_and_reshard_s``, where the caller has it already."""
         compute_s, reshard_s = sums or _compute_and_reshard_s(graph, solution.choice, solution.edge_specs)
         schedule = param_schedule(graph, solution.choice, cluster)

@@ -44,14 +44,14 @@ import numpy as np
 
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
+from autopar.rules import op_info
+from autopar.solver.problem.choices import Choice, ChoiceGraph, build_choice_graph, layer_key
 from autopar.solver.problem.edges import EdgePrices
-from autopar.solver.problem.choices import ChoiceGraph, Choice, build_choice_graph, layer_key
-from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.solver.problem.ilp import ShardingILP, Solution
+from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost
 from autopar.solver.search.solving import peak_memory, solve_ilp, solve_within_budget
 from autopar.trace import TracedModel
-from autopar.rules import op_info
 
 log = logging.getLogger("autopar")
 
@@ -150,20 +150,17 @@ class Candidate:
 
     solution: Solution
     memory_weight: float | None  # the fraction f of ``CandidateSolver`` (None: the fastest plan)
-    units: "UnitCosts | None" = None
+    units: UnitCosts | None = None
 
 
-def per_step_graph(graph: ChoiceGraph, split: "OpSplit", num_microbatches: int) -> ChoiceGraph:
+def per_step_graph(graph: ChoiceGraph, split: OpSplit, num_microbatches: int) -> ChoiceGraph:
     """``graph`` priced per step of M microbatches: compute and resharding × M, parameter
     gradient synchronisation × 1 (see the module docstring)."""
     m = float(num_microbatches)
     choices = {}
     for name, choice in graph.choices.items():
         sync = split.sync.get(name)
-        if sync is None:
-            costs = [m * c for c in choice.compute_s]
-        else:
-            costs = [m * (c - s) + s for c, s in zip(choice.compute_s, sync)]
+        costs = [m * c for c in choice.compute_s] if sync is None else [m * (c - s) + s for c, s in zip(choice.compute_s, sync)]
         choices[name] = dataclasses.replace(choice, compute_s=costs)
     scaled: dict[int, dict] = {}
     edges = []

@@ -55,25 +55,30 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from autopar.cost import optimizer as step_cost
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError, MeshError
-from autopar.solver.pricing import schedules
-from autopar.solver.planners.mesh_search import mesh_candidates
-from autopar.ir.pipeline import Stage, StagePlan
-from autopar.ir.pipeline import MULTI_STAGE_SCHEDULES, check_num_stages, schedule_for, stage_mesh_of, stage_ranks
-from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.ir.memory import CheckpointSegment, MemoryPlan
+from autopar.ir.options import MixedPrecision, to_dtype
+from autopar.ir.pipeline import (
+    MULTI_STAGE_SCHEDULES,
+    Stage,
+    StagePlan,
+    check_num_stages,
+    schedule_for,
+    stage_mesh_of,
+    stage_ranks,
+)
 from autopar.ir.plan import Plan
 from autopar.ir.prediction import Prediction
-from autopar.solver.problem.choices import ChoiceGraph
-from autopar.solver.problem.fits import fits
-from autopar.solver.problem.ilp import Solution
+from autopar.solver.planners.mesh_search import mesh_candidates
+from autopar.solver.planners.sharding import plan_from_solution
 from autopar.solver.planners.stage_costs import (
     Candidate,
     CandidateSolver,
@@ -85,8 +90,11 @@ from autopar.solver.planners.stage_costs import (
     split_op_costs,
     unit_costs,
 )
+from autopar.solver.pricing import schedules
+from autopar.solver.problem.choices import ChoiceGraph
+from autopar.solver.problem.fits import fits
+from autopar.solver.problem.ilp import Solution
 from autopar.trace import TracedModel
-from autopar.solver.planners.sharding import plan_from_solution
 
 log = logging.getLogger("autopar")
 

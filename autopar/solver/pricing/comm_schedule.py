@@ -41,8 +41,8 @@ from autopar.cost import comm, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.gathers import gather_groups, param_layer, reshards
 from autopar.solver.problem.choices import ChoiceGraph, synced_param
-from autopar.solver.problem.op_prices import grad_sync_axes
 from autopar.solver.problem.gathered import single_gather
+from autopar.solver.problem.op_prices import grad_sync_axes
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,18 +14,19 @@ solved, and deterministic (ties are broken by strategy index).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from autopar.cost.cluster import ClusterSpec
 from autopar.cost import comm
+from autopar.cost.cluster import ClusterSpec
+from autopar.ir.spec import format_spec
 from autopar.solver.problem.choices import ChoiceGraph
-from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost, kernel_collectives
 from autopar.solver.problem.edges import EdgePrices
 from autopar.solver.problem.ilp import Solution
-from autopar.ir.spec import format_spec
+from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost, kernel_collectives
 
 TOP_K = 3
 # Relative slack under which two totals count as equal (float sums in different orders).

@@ -27,7 +27,7 @@ Bubble: the share of the step a group sits idle, 1 − M · Σ_j t_j / (S · (st
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from autopar.ir.pipeline import MULTI_STAGE_SCHEDULES, PLANNED_SCHEDULES, group_of, schedule_for
 

@@ -37,8 +37,8 @@ from autopar.ir.plan import Plan
 from autopar.ir.prediction import Prediction
 from autopar.rules import op_info
 from autopar.rules.registry import Strategy, tensor_input_nodes, tensor_meta
-from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost, kernel_collectives
 from autopar.solver.problem.gathered import PREFIX, GatherRow, gathered_intervals, reads_whole, single_gather
+from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost, kernel_collectives
 from autopar.trace import TracedModel, requires_grad
 from autopar.trace.moe import EXPERTS_OP
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-
 import itertools
+import math
 import operator
 import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -34,6 +34,8 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.cost import compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import InfeasibleError
+from autopar.ir.options import CommOptions
+from autopar.ir.spec import SS, Spec, is_valid, replicated
 from autopar.rules import op_info
 from autopar.rules.registry import (
     OpInfo,
@@ -44,8 +46,6 @@ from autopar.rules.registry import (
     tensor_input_nodes,
     tensor_meta,
 )
-from autopar.ir.options import CommOptions
-from autopar.ir.spec import SS, Spec, is_valid, replicated
 from autopar.solver.problem import pruning
 from autopar.solver.problem.edges import Edge, flatten, mutated_inputs, price_edges, reduce_dtype
 from autopar.solver.problem.gathered import GatheredSize, gathered_parameters
@@ -121,7 +121,7 @@ class ChoiceGraph:
     comm: CommOptions = field(default_factory=CommOptions)
     # How many strategies of op nodes were enumerated, and how many of them ``solver.problem.pruning``
     # cut before pricing edges (impossible) or after pricing the node (dominated).
-    pruned: "Pruned" = field(default_factory=lambda: Pruned())
+    pruned: Pruned = field(default_factory=lambda: Pruned())
     # What later stages compute from this graph alone (the memory planner's walk: see
     # ``solver.planners.memory_plan``), kept so that one solve computes it once however many plans it tries.
     # Not an argument: a graph made by ``dataclasses.replace`` (other prices, other choices)

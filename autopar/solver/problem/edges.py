@@ -22,11 +22,11 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
-
 import torch
 import torch.fx
 
@@ -163,7 +163,7 @@ class EdgePrices(Mapping):
 
     __hash__ = None
 
-    def scaled(self, factor: float) -> "EdgePrices":
+    def scaled(self, factor: float) -> EdgePrices:
         """The same prices with seconds times ``factor`` (bytes as they are)."""
         table = {pair: (seconds * factor, sent) for pair, (seconds, sent) in self.table.items()}
         hub = None if self.hub is None else tuple({spec: s * factor for spec, s in side.items()} for side in self.hub)

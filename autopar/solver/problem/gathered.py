@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -64,7 +65,7 @@ def reads_whole(target) -> bool:
     return not compute.is_view(target)
 
 
-def cast_of_param(choices: dict[str, "Choice"], name: str) -> str | None:
+def cast_of_param(choices: dict[str, Choice], name: str) -> str | None:
     """The parameter ``name`` is (a parameter, or a precision policy's cast of one), else None."""
     choice = choices[name]
     if choice.kind == "param":
@@ -80,8 +81,8 @@ def cast_of_param(choices: dict[str, "Choice"], name: str) -> str | None:
 
 
 def gathered_parameters(
-    choices: dict[str, "Choice"],
-    edges: Sequence["Edge"],
+    choices: dict[str, Choice],
+    edges: Sequence[Edge],
     order: Sequence[str],
     nodes: Sequence[liveness.LiveNode],
     mesh_shape: Sequence[int],

@@ -99,12 +99,11 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
+from autopar.ir.spec import Spec, format_spec
 from autopar.solver.problem.choices import ChoiceGraph, strategies_by_spec
 from autopar.solver.problem.columns import HeldColumns
 from autopar.solver.problem.rows import RowTable, rows_by_name
 from autopar.solver.problem.terms import compute_coefficients
-from autopar.ir.spec import Spec, format_spec
-
 
 # Memory rows are written in GiB: in bytes their coefficients (up to 1e10) next to the 0/1
 # variables made HiGHS call a feasible peak-minimisation infeasible.
@@ -486,7 +485,7 @@ class ShardingILP:
             new = [
                 var
                 for row in itertools.islice(constraints.values(), rows, None)
-                for var in row.keys()
+                for var in row
                 if id(var) not in known and not known.add(id(var))
             ]
             if new:  # in PuLP's order: by name
@@ -500,7 +499,7 @@ class ShardingILP:
         numpy over ``row_table`` (``rounding.check`` asks once per plan)."""
         return self.row_table().hold(tolerance)
 
-    def row_table(self) -> "RowTable":
+    def row_table(self) -> RowTable:
         """Every row's terms as flat arrays, read up to the problem's last row (``RowTable``):
         ``rows_hold`` and the HiGHS model of the LP relaxation (``solver.search.relaxation``) share it."""
         if self._rows is None or len(self.rows_by_name()) < len(self._rows.rows):

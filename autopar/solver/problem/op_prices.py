@@ -7,7 +7,8 @@ rewrite (``passes``) ask the same functions, so that every layer reads the same 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -175,7 +176,7 @@ def kernel_all_to_all_bytes(info, strategy: Strategy, mesh_shape: Sequence[int],
     return sizes + [rows, rows] if needs_grad else sizes
 
 
-def expert_parallel_record(choice: "Choice", index: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> dict | None:
+def expert_parallel_record(choice: Choice, index: int, mesh_shape: Sequence[int], cluster: ClusterSpec) -> dict | None:
     """What the plan reports of a node whose strategy ``index`` splits experts (a kernel of
     ``rules.moe.EXPERT_PARALLEL_KERNELS``): the axes and degree, the experts each device holds,
     and the kernel's all-to-all seconds and bytes within the node's cost. None otherwise."""
@@ -232,7 +233,7 @@ def kernel_collectives(info, strategy: Strategy, mesh_shape: Sequence[int], requ
 
 
 def grad_sync_bytes_per_axis(
-    choice: "Choice", index: int, choices: "dict[str, Choice]", mesh_shape: Sequence[int]
+    choice: Choice, index: int, choices: dict[str, Choice], mesh_shape: Sequence[int]
 ) -> dict[int, float]:
     """Bytes each device sends per mesh axis in the backward gradient all-reduces of strategy
     ``index`` of ``choice`` (what ``grad_sync_bytes[index]`` sums)."""

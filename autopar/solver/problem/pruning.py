@@ -19,8 +19,8 @@ The counts go to ``ChoiceGraph.pruned`` and the plan's solver statistics.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from autopar.ir.spec import Spec, partial_axes
 
@@ -41,7 +41,7 @@ class Reachable:
     pinned: bool
 
     @classmethod
-    def of(cls, out_specs: Sequence[Spec], pinned: bool) -> "Reachable":
+    def of(cls, out_specs: Sequence[Spec], pinned: bool) -> Reachable:
         masks = frozenset(partial_mask(spec) for spec in out_specs)
         # Only the maximal masks matter for the subset test.
         maximal = frozenset(m for m in masks if not any(m != o and m & o == m for o in masks))

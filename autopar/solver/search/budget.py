@@ -33,9 +33,9 @@ import time as _time
 
 import pulp
 
-from autopar.solver.search import backends, rounding
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import MEMORY_UNIT, ShardingILP, Solution
+from autopar.solver.search import backends, rounding
 from autopar.solver.search.relaxation import lp_scale
 from autopar.solver.search.solving import MAX_MEMORY_ROUNDS, empty_solution, solution_of, solve_relaxation
 

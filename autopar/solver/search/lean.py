@@ -28,12 +28,12 @@ if TYPE_CHECKING:
 _LEAN_WEIGHTS = (1e3, 1e6)
 
 
-def least_peak(graph: "ChoiceGraph") -> float:
+def least_peak(graph: ChoiceGraph) -> float:
     """The peak of the curve with every node at its least bytes: no sharding peaks lower."""
     return graph.timeline.peak(graph.bytes_bound(largest=False))[0]
 
 
-def lean_choice(ilp: "ShardingILP", floor: float) -> dict[str, int] | None:
+def lean_choice(ilp: ShardingILP, floor: float) -> dict[str, int] | None:
     """The first plan built as the module docstring says whose peak is ``floor`` (``least_peak``:
     so it is the leanest) and that meets every row of ``ilp``; None where none does. Call it
     before memory rows are added (``rounding.check`` holds a plan to every row)."""
@@ -46,7 +46,7 @@ def lean_choice(ilp: "ShardingILP", floor: float) -> dict[str, int] | None:
     return None
 
 
-def _lean_plans(ilp: "ShardingILP"):
+def _lean_plans(ilp: ShardingILP):
     graph = ilp.graph
     picked = {}
     for name in rounding.deciding_nodes(graph):

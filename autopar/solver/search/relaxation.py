@@ -60,7 +60,7 @@ _LOW, _UP, _CONSTANT, _SENSE = (attrgetter(name) for name in ("lowBound", "upBou
 class Relaxation:
     """The HiGHS model of ``ilp.problem``'s LP relaxation (module docstring)."""
 
-    def __init__(self, ilp: "ShardingILP"):
+    def __init__(self, ilp: ShardingILP):
         # By a weak reference: the ILP keeps its relaxation (``ilp.relaxation``), and a cycle
         # between them would leave the whole problem (10^5 PuLP objects on a 3-axis mesh) to the
         # garbage collector's full passes, which planning holds off (``api.quiet_gc``): memory
@@ -69,7 +69,7 @@ class Relaxation:
         self._build()
 
     @property
-    def ilp(self) -> "ShardingILP":
+    def ilp(self) -> ShardingILP:
         ilp = self._ilp()
         if ilp is None:
             raise AssertionError("Relaxation: its ILP is gone (a relaxation lives on its ILP); this is a bug in autopar")
@@ -394,7 +394,7 @@ def _largest(*arrays: np.ndarray) -> float:
     return max((float(np.abs(a).max()) for a in arrays if len(a)), default=0.0)
 
 
-def lp_scale(ilp: "ShardingILP") -> float:
+def lp_scale(ilp: ShardingILP) -> float:
     """``objective_scale`` of the ILP's objective with the y it holds in it: the scale of the
     LP whose duals the caller reads (``Relaxation``)."""
     held_costs = ilp.held.cost[~ilp.held.taken]

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import itertools
 import math
-
-import numpy as np
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pulp
+
 from autopar.solver.search import backends
 
 if TYPE_CHECKING:

@@ -22,10 +22,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import pulp
 
-from autopar.solver.search import backends, rounding
-
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import Solution
+from autopar.solver.search import backends, rounding
 from autopar.solver.search.relaxation import Relaxation, objective_scale
 
 if TYPE_CHECKING:
@@ -44,7 +43,7 @@ _GREEDY_WEIGHTS = (1.0, 10.0, 100.0, 1e4, 1e6)
 MAX_MEMORY_ROUNDS = 20
 
 
-def chosen_bytes(graph: "ChoiceGraph", solution: "Solution"):
+def chosen_bytes(graph: ChoiceGraph, solution: Solution):
     """Node name -> bytes of its chosen strategy."""
     return graph.bytes_of(solution.choice)
 
@@ -56,12 +55,12 @@ class Peak(NamedTuple):
     time: int  # on the timeline (``Timeline.time_name`` names it)
 
 
-def peak_memory(graph: "ChoiceGraph", solution: "Solution") -> Peak:
+def peak_memory(graph: ChoiceGraph, solution: Solution) -> Peak:
     """The peak of a solution's liveness curve."""
     return Peak(*graph.timeline.peak(chosen_bytes(graph, solution)))
 
 
-def solve_within_budget(ilp: "ShardingILP", budget: float | None, time_limit_s: float, solver: str) -> tuple["Solution", bool]:
+def solve_within_budget(ilp: ShardingILP, budget: float | None, time_limit_s: float, solver: str) -> tuple[Solution, bool]:
     """Solve, then add the memory row at the time where the liveness walk overshoots ``budget``
     and solve again, up to ``MAX_MEMORY_ROUNDS`` times (the ILP bounds memory only at a handful
     of times). Returns the solution and whether it fits ``budget`` (True with no budget, or no
@@ -233,7 +232,7 @@ def _gap(objective: float, bound: float) -> float:
     return max(0.0, (objective - bound) / objective)
 
 
-def edge_specs(graph: "ChoiceGraph", choice: dict[str, int]) -> dict[int, tuple]:
+def edge_specs(graph: ChoiceGraph, choice: dict[str, int]) -> dict[int, tuple]:
     """Edge index → (its producer's output spec, its consumer's input spec) under ``choice``."""
     specs = {}
     choices = graph.choices
