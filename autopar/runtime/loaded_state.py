@@ -56,18 +56,27 @@ def cut_whole_state(optimizer: torch.optim.Optimizer) -> int:
     for param, state in optimizer.state.items():
         entry = _TRACKED.get(id(param))
         pm = entry[1]() if entry is not None and entry[0]() is param else None
-        if pm is None:
-            continue
-        for key, value in list(state.items()):
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
-                if tuple(value.shape) != tuple(param.shape):
-                    raise CheckpointError(
-                        f"optimizer state {key!r} of parameter {entry[2]} was loaded as a plain tensor of shape "
-                        f"{tuple(value.shape)}, neither the parameter's whole shape {tuple(param.shape)} nor a DTensor "
-                        "shard, so it cannot be cut to this rank's shard (only state shaped like its parameter can, as "
-                        "AdamW's and SGD's): was it saved from another model? Save and load the optimizer with "
-                        "autopar.checkpoint.save/load(path, pm, optimizer)"
-                    )
-                state[key] = pm.shard_like(entry[2], value)
+        if pm is not None:
+            cut += cut_state(pm, entry[2], param, state)
+    return cut
+
+
+def cut_state(pm: Any, fqn: str, param: torch.Tensor, state: dict) -> int:
+    """Replace, in ``state`` (one parameter's optimizer state), each whole plain tensor by this
+    rank's shard where ``param`` is a DTensor (a plain parameter keeps it whole); refuse one shaped
+    neither like the parameter nor as a shard. Returns how many were cut."""
+    cut = 0
+    for key, value in list(state.items()):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
+            if tuple(value.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"optimizer state {key!r} of parameter {fqn} was loaded as a plain tensor of shape "
+                    f"{tuple(value.shape)}, neither the parameter's whole shape {tuple(param.shape)} nor a DTensor "
+                    "shard, so it cannot be cut to this rank's shard (only state shaped like its parameter can, as "
+                    "AdamW's and SGD's): was it saved from another model? Save and load the optimizer with "
+                    "autopar.checkpoint.save/load(path, pm, optimizer)"
+                )
+            if isinstance(param, DTensor):
+                state[key] = pm.shard_like(fqn, value)
                 cut += 1
     return cut

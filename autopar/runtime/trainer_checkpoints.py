@@ -33,6 +33,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from autopar.errors import CheckpointError
+from autopar.runtime.loaded_state import cut_state
 
 # Trainer's own file names (transformers.trainer), which its resume looks for.
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -156,21 +157,12 @@ def shard_whole_state(pm: Any, optimizer: torch.optim.Optimizer) -> int:
     ``whole_optimizer_state`` leaves them) by this rank's shard; return how many were cut. A plain
     parameter (a plan that replicates every parameter) keeps its whole state as loaded."""
     names = {id(param): name for name, param in pm.named_parameters()}
-    cut = 0
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for key, value in list(optimizer.state.get(param, {}).items()):
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
-                    if tuple(value.shape) != tuple(param.shape):
-                        raise CheckpointError(
-                            f"optimizer state {key!r} of parameter {names.get(id(param), '?')} has shape "
-                            f"{tuple(value.shape)}, neither the parameter's {tuple(param.shape)} nor a shard: was "
-                            "the checkpoint written by another model?"
-                        )
-                    if isinstance(param, DTensor):
-                        optimizer.state[param][key] = pm.shard_like(names[id(param)], value)
-                        cut += 1
-    return cut
+    return sum(
+        cut_state(pm, names.get(id(param), "?"), param, optimizer.state[param])
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if param in optimizer.state
+    )
 
 
 def _parallel_module(model: Any) -> Any:
