@@ -6,6 +6,7 @@ Fixtures are found by pytest; the plain helpers are imported as ``from tests.con
 from __future__ import annotations
 
 import datetime
+import operator
 
 import pytest
 import torch
@@ -131,6 +132,19 @@ def step_against_eager(
 _SCHEDULED = {"param_gathers": "all_gather", "grad_buckets": "allreduce_grad"}
 
 
+def bucket_reads(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+    """Each bucketed parameter's read in the graph (``passes.schedule``: one ``grad_buckets``
+    node per bucket takes its parameters, a ``getitem`` per parameter reads one back), by key."""
+    reads = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target == "grad_buckets":
+            assert len(node.kwargs["keys"]) == len(node.args), node.format_node()
+            for item in node.users:
+                assert item.target is operator.getitem, item.format_node()
+                reads[node.kwargs["keys"][item.args[1]]] = item
+    return reads
+
+
 def collective_counts(pm: torch.nn.Module) -> dict[str, int]:
     """How many times the compiled module's graph calls each autopar collective, by name."""
     counts: dict[str, int] = {}
@@ -138,7 +152,8 @@ def collective_counts(pm: torch.nn.Module) -> dict[str, int]:
         if node.op == "call_function" and getattr(node.target, "__module__", "") == "autopar.ops.collectives":
             counts[node.target.__name__] = counts.get(node.target.__name__, 0) + 1
         elif node.op == "call_module" and node.target in _SCHEDULED:
-            counts[_SCHEDULED[node.target]] = counts.get(_SCHEDULED[node.target], 0) + 1
+            slots = len(node.kwargs.get("keys") or (None,))  # a bucket's node serves each of its parameters
+            counts[_SCHEDULED[node.target]] = counts.get(_SCHEDULED[node.target], 0) + slots
     return counts
 
 

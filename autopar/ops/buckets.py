@@ -217,8 +217,17 @@ class GradBuckets(torch.nn.Module):
             raise AssertionError(f"gradient buckets have slots for parameters the module does not hold: {missing}")
         self._params = dict(params)
 
-    def forward(self, x: torch.Tensor, key: str) -> torch.Tensor:
-        return _SyncGrad.apply(x, self, key)
+    def forward(
+        self, *params: torch.Tensor, key: str | None = None, keys: Sequence[str] | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Identity on ``params``, whose gradients backward hands to their slots (``keys``; one
+        parameter may name its slot as ``key`` and gets a tensor back, not a tuple). The graph
+        calls this once per bucket with all its parameters (``passes.schedule``): one autograd
+        node a bucket, not one a parameter, is host time a step saves (a bucket launches when
+        all its slots have arrived, which is when that node's backward runs)."""
+        if key is not None:
+            return _SyncGrads.apply(self, (key,), *params)[0]
+        return _SyncGrads.apply(self, tuple(keys or ()), *params)
 
     def has(self, key: str) -> bool:
         return key in self._where
@@ -463,19 +472,28 @@ def _from_dim0(flat: torch.Tensor, shape: tuple[int, ...], dim: int) -> torch.Te
     return flat.view(moved_shape).movedim(0, dim).contiguous()
 
 
-class _SyncGrad(torch.autograd.Function):
-    """Identity in forward; backward hands the gradient to the buckets and returns none (the
-    reduced gradient reaches ``.grad`` at the end of backward)."""
+class _SyncGrads(torch.autograd.Function):
+    """Identity in forward; backward hands each gradient that arrived to its bucket slot and
+    returns none (the reduced gradient reaches ``.grad`` at the end of backward). A parameter that
+    needs no gradient (frozen after compile), or whose output no gradient reached, adds nothing:
+    its slot is reduced as zeros and its ``.grad`` stays None, as in eager."""
 
     @staticmethod
-    def forward(ctx, x, buckets, key):
-        ctx.buckets, ctx.key = buckets, key
-        return x.view_as(x)
+    def forward(ctx, buckets, keys, *params):
+        ctx.buckets, ctx.keys = buckets, keys
+        ctx.set_materialize_grads(False)
+        outs = tuple(param.view_as(param) for param in params)
+        # a frozen parameter's view needs no gradient either: nothing computes one for it
+        ctx.mark_non_differentiable(*(out for out, param in zip(outs, params, strict=True) if not param.requires_grad))
+        return outs
 
     @staticmethod
-    def backward(ctx, grad):
-        ctx.buckets.add(ctx.key, grad)
-        return None, None, None
+    def backward(ctx, *grads):
+        needs = ctx.needs_input_grad[2:]
+        for key, grad, need in zip(ctx.keys, grads, needs, strict=True):
+            if grad is not None and need:
+                ctx.buckets.add(key, grad)
+        return (None, None, *(None for _ in grads))
 
 
 class ParamGathers(torch.nn.Module):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import operator
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -212,6 +213,7 @@ def _install_schedule(
     slots = [slot for _, slot in sorted(reduce_slots, key=lambda item: -item[0])]
     buckets = GradBuckets(make_buckets(slots, options.bucket_cap_bytes, options.first_bucket_cap_bytes))
     gm.add_submodule(GRAD_BUCKETS, buckets)
+    _one_node_per_bucket(gm.graph, buckets)
     layer_of = {g[1]: g[5] for g in gathers}
     reshard = [reshards(layer_of[keys[0]], options.reshard_after_forward) for keys in groups_of_keys]
     gm.add_submodule(
@@ -222,6 +224,31 @@ def _install_schedule(
         delattr(gm, GRAD_BUCKETS)
     if not gathers:
         delattr(gm, PARAM_GATHERS)
+
+
+def _one_node_per_bucket(graph: torch.fx.Graph, buckets: GradBuckets) -> None:
+    """The per-parameter ``grad_buckets`` nodes of each all-reduce bucket become one node that
+    takes all its parameters (``GradBuckets.forward``), placed after the graph's inputs, and a
+    ``getitem`` per parameter: one autograd node a bucket instead of one a parameter, the host
+    time DDP's hooks on ``AccumulateGrad`` do not pay either."""
+    nodes = {n.kwargs["key"]: n for n in graph.nodes if n.op == "call_module" and n.target == GRAD_BUCKETS}
+    if not nodes:
+        return
+    first_op = [n for n in graph.nodes if n.op == "placeholder"][-1].next  # after every input
+    while first_op in nodes.values():  # (a parameter's own node, erased below)
+        first_op = first_op.next
+    for bucket in buckets.buckets:
+        keys = tuple(slot.key for slot in bucket.slots if slot.key in nodes)
+        if not keys:
+            continue  # a reduce-scatter bucket: its gradients come from the gathers' backward
+        with graph.inserting_before(first_op):
+            group = graph.call_module(GRAD_BUCKETS, tuple(nodes[key].args[0] for key in keys), {"keys": keys})
+            group.meta["val"] = tuple(nodes[key].meta.get("val") for key in keys)
+            for index, key in enumerate(keys):
+                item = graph.call_function(operator.getitem, (group, index))
+                item.meta = dict(nodes[key].meta)
+                nodes[key].replace_all_uses_with(item)
+                graph.erase_node(nodes[key])
 
 
 def schedule_in_graph(

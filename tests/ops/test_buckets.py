@@ -64,7 +64,10 @@ def _held_back(rank: int, world: int) -> dict:
         w = weights(step, rank)
         b = torch.cat([params["b"]] * world)  # stands for the gathered parameter
         reached = "xyua" if step == 2 else "xya"
-        loss = sum((buckets(params[k], key=k) * w[k]).sum() for k in reached) + (buckets(b, key="b") * w["b"]).sum()
+        # x, y and u's bucket as the graph calls it (one node for the bucket); a alone, by key
+        read = dict(zip("xyu", buckets(params["x"], params["y"], params["u"], keys=("x", "y", "u")), strict=True))
+        read["a"] = buckets(params["a"], key="a")
+        loss = sum((read[k] * w[k]).sum() for k in reached) + (buckets(b, key="b") * w["b"]).sum()
         (loss + params["a"].sum()).backward()
 
     def summed(steps: list[int]) -> dict[str, torch.Tensor]:
@@ -206,9 +209,27 @@ def test_a_bf16_slot_reduces_in_bf16_and_the_fp32_grad_gets_the_sum(one_rank_wor
     w, v = torch.zeros(2, 3, requires_grad=True), torch.zeros(2, 3, requires_grad=True)
     v.grad = torch.full((2, 3), 2.0)  # an earlier use's gradient, which the reduced one adds to
     buckets.bind({"w": w, "v": v})
-    ((buckets(w, "w") * (1 + 2**-12)).sum() + (buckets(v, "v") * (1 + 2**-10)).sum()).backward()
+    ((buckets(w, key="w") * (1 + 2**-12)).sum() + (buckets(v, key="v") * (1 + 2**-10)).sum()).backward()
     assert w.grad.dtype == torch.float32 and torch.equal(w.grad, torch.ones(2, 3))
     assert torch.equal(v.grad, torch.full((2, 3), 3.0)), "the bf16 sum (1) added to the fp32 .grad (2)"
+
+
+def test_one_node_per_bucket_adds_what_arrived_and_computes_nothing_for_a_frozen_parameter(one_rank_world):
+    """The graph's one call per bucket (``passes.schedule``): each parameter whose gradient
+    arrived gets it reduced; one that no gradient reached keeps ``.grad`` None; a frozen one's
+    read needs no gradient, so nothing computes one for it, and its ``.grad`` stays None too."""
+    f32 = torch.float32
+    slots = [Slot(k, "all_reduce", (3,), f32, (one_rank_world,), alone=True) for k in "wuf"]
+    buckets = GradBuckets(make_buckets(slots, cap_bytes=1 << 20))
+    params = {k: torch.nn.Parameter(torch.full((3,), 1.0 + i)) for i, k in enumerate("wuf")}
+    params["f"].requires_grad_(False)
+    buckets.bind(params)
+    w, u, f = buckets(*params.values(), keys=tuple(params))
+    assert w.requires_grad and u.requires_grad and not f.requires_grad
+    ((w * torch.arange(3.0)).sum() + (f * w).sum()).backward()  # u unused
+    assert torch.equal(params["w"].grad, torch.arange(3.0) + 3.0), "d/dw of w·arange + f·w, f = 3"
+    assert params["u"].grad is None and params["f"].grad is None
+    assert buckets.launches == 1
 
 
 def test_gathers_start_when_forward_starts_and_a_forward_cut_short_leaves_none(one_rank_world, monkeypatch):

@@ -21,6 +21,7 @@ from autopar.passes import default_passes, run_passes
 from autopar.passes.precision import is_param_cast
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
+from tests.conftest import bucket_reads
 
 # The configurations under which the cpu preset splits the batch (tests/passes/test_schedule.py).
 CONFIG = dict(vocab_size=1024, block_size=64, n_layer=2, n_head=4, n_embd=128)
@@ -83,9 +84,11 @@ def test_ddp_buckets_reduce_fp32_masters_and_casts_follow():
     slots = [slot for bucket in buckets.buckets for slot in bucket.slots]
     assert slots, "the DDP plan splits the batch, so its parameter gradients are reduced"
     assert {slot.dtype for slot in slots} == {torch.float32}, "gradient buckets reduce in reduce_dtype (fp32)"
-    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "grad_buckets"]
-    for call in calls:
-        assert call.args[0].op == "placeholder" and _dtype(call.args[0]) == torch.float32
+    reads = bucket_reads(gm)
+    assert sorted(reads) == sorted(slot.key for slot in slots)
+    for call in reads.values():
+        param = call.args[0].args[call.args[1]]
+        assert param.op == "placeholder" and _dtype(param) == torch.float32
         assert all(is_param_cast(user) and user.kwargs["dtype"] == torch.bfloat16 for user in call.users), (
             f"{call.name} must feed its parameter's cast to bf16, got {list(call.users)}"
         )

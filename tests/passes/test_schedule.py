@@ -19,6 +19,7 @@ from autopar.ops.buckets import GradBuckets, ParamGathers
 from autopar.passes import default_passes, run_passes
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
+from tests.conftest import bucket_reads
 
 # Wide enough, and a batch large enough, that the cpu preset splits the batch: DDP's pattern.
 CONFIG = dict(vocab_size=1024, block_size=64, n_layer=2, n_head=4, n_embd=128)
@@ -57,18 +58,23 @@ def test_ddp_gradients_go_to_buckets_in_reverse_order_of_use(ddp):
     gm, plan, traced = ddp
     params = {gi.name for gi in traced.inputs if gi.kind == "param"}
     assert not [n for n in _param_collectives(gm, params) if n.target is collectives.allreduce_grad]
+    reads = bucket_reads(gm)
+    assert reads, "the DDP plan splits the batch, so its parameter gradients are reduced"
     calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "grad_buckets"]
-    assert calls, "the DDP plan splits the batch, so its parameter gradients are reduced"
-    assert all(len(n.args) == 1 and n.args[0].op == "placeholder" for n in calls)
-    assert len({n.args[0] for n in calls}) == len(calls), "one bucket node per parameter"
+    assert all(arg.op == "placeholder" for n in calls for arg in n.args)
     buckets: GradBuckets = gm.get_submodule("grad_buckets")
+    assert [n.kwargs["keys"] for n in calls] == [tuple(slot.key for slot in b.slots) for b in buckets.buckets], (
+        "one node per bucket, taking its parameters in slot order"
+    )
+    assert all(n.args[i].name == key for n in calls for i, key in enumerate(n.kwargs["keys"]))
     keys = [slot.key for bucket in buckets.buckets for slot in bucket.slots]
-    assert sorted(keys) == sorted(n.args[0].name for n in calls)
+    assert sorted(keys) == sorted(reads) and len(set(keys)) == len(keys), "one slot per parameter"
     first_use = {}
+    read_key = {node: key for key, node in reads.items()}
     for position, node in enumerate(gm.graph.nodes):
         for arg in node.all_input_nodes:
-            if arg.op == "call_module" and arg.target == "grad_buckets":
-                first_use.setdefault(arg.args[0].name, position)
+            if arg in read_key:
+                first_use.setdefault(read_key[arg], position)
     assert [first_use[k] for k in keys] == sorted((first_use[k] for k in keys), reverse=True), (
         "buckets fill in the reverse of forward order: the order backward produces gradients"
     )
@@ -98,8 +104,7 @@ def test_ddp_layout_runs_no_collective_of_its_own_in_backward(ddp):
         )
     ]
     assert not backward, [n.format_node() for n in backward]
-    tables = {n.args[0].name for n in gm.graph.nodes if n.op == "call_module" and n.target == "grad_buckets"}
-    assert {"p_transformer_wpe_weight", "p_lm_head_weight"} <= tables
+    assert {"p_transformer_wpe_weight", "p_lm_head_weight"} <= set(bucket_reads(gm))
 
 
 def test_bucket_caps():
