@@ -158,10 +158,12 @@ def cross_entropy_mean(
     label_smoothing: float = 0.0,
     **_: Any,
 ) -> torch.Tensor:
-    """Batch-split mean cross entropy as a Partial: the local loss sum over the *global*
-    denominator (non-ignored targets, their total class weight, or for probability targets
-    the number of samples), which is all-reduced without gradient: started before the loss is
-    computed and waited for after, so that its latency hides behind the log-softmax."""
+    """Batch-split mean cross entropy, whole on every rank after ONE all-reduce per axis of two
+    numbers: the rank's loss sum and its denominator (non-ignored targets, their total class
+    weight, or for probability targets the number of samples), summed in float64. The gradient
+    of the local sum is one over the global denominator, so backward communicates nothing. A
+    Partial result would need two: the global denominator before the division, then the sum of
+    the partial losses (the latency a data-parallel forward pays that DDP's does not)."""
     if target.is_floating_point():
         denominator = torch.tensor(self.numel() // self.shape[1], dtype=torch.int64, device=self.device)
     else:
@@ -171,14 +173,15 @@ def cross_entropy_mean(
         else:
             picked = weight.detach()[target.masked_fill(~valid, 0)]
             denominator = picked.masked_fill(~valid, 0).sum()
-    denominator = denominator.detach().clone()  # summed in place
-    work = collectives.start_sum(denominator, axis_groups[0]) if axis_groups else None
     local_sum = aten.cross_entropy_loss(self, target, weight, 2, ignore_index, label_smoothing)
-    if work is not None:
-        collectives.wait(work, axis_groups[0])
-    for group in axis_groups[1:]:
-        denominator = collectives.no_grad_all_reduce(denominator, group)
-    return local_sum / denominator.to(local_sum.dtype)
+    stats = torch.stack([local_sum.detach().to(torch.float64), denominator.detach().to(torch.float64)])
+    for group in axis_groups:
+        stats = collectives.no_grad_all_reduce(stats, group)
+    total, count = stats[0], stats[1]
+    wide = torch.promote_types(local_sum.dtype, torch.float32)  # the scale 1/count in at least float32
+    live = local_sum.to(wide)
+    # value: the global sum over the global denominator; gradient: 1/denominator to the local sum
+    return ((live - live.detach()) / count.to(wide) + (total / count).to(wide)).to(local_sum.dtype)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

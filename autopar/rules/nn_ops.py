@@ -120,7 +120,7 @@ def cross_entropy_rule(info: OpInfo) -> list[Row]:
         elif reduction == 2:
             rows.append(row_by_name(info, placements, P))
         elif reduction == 1 and (info.kw["label_smoothing"] == 0 or not has_weight):
-            rows.append(Row(row_by_name(info, placements, P).ins, P, kernel="cross_entropy_mean"))
+            rows.append(Row(row_by_name(info, placements, P).ins, R, kernel="cross_entropy_mean"))  # whole: one all-reduce
     if logits.ndim == 2 and not probabilities and not has_weight and info.kw["label_smoothing"] == 0:
         # Vocab-parallel: logits split by class, targets whole; the kernel all-reduces [N] vectors.
         ins = row_by_name(info, {"self": S(1), "target": R}, R).ins

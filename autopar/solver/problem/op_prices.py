@@ -210,7 +210,10 @@ def kernel_collectives(info, strategy: Strategy, mesh_shape: Sequence[int], requ
     (``comm.context_parallel_collectives``), an expert-parallel kernel's all-to-alls
     (``kernel_all_to_all_bytes``), and the vocab-parallel cross entropy's one all-gather per
     axis of [2, rows] (each row's log-sum-exp and target logit, in float32; float64 logits:
-    float64) in forward, with nothing in backward."""
+    float64) in forward, with nothing in backward; the batch-split mean cross entropy's one
+    all-reduce per axis of two float64 numbers (its loss sum and denominator)."""
+    if strategy.kernel == "cross_entropy_mean":
+        return [("all_reduce", 16, axis) for axis in strategy.kernel_axes]
     if strategy.kernel == "cross_entropy_vocab_split":
         logits = info.kw["self"]
         rows = local_shape(logits.shape, strategy.ins[logits.index], mesh_shape)[0]
