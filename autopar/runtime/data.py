@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.fx
 from torch._subclasses.fake_tensor import is_fake
 
-from autopar.errors import PartialCallError
+from autopar.errors import DataMismatchError, PartialCallError
 from autopar.ir.data import DataLayout
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
@@ -78,14 +78,6 @@ def _row_weights(layout: tuple[tuple[int, int], ...], device: torch.device) -> t
         parts = [torch.arange(rows, dtype=torch.float64).remainder_(_PRIME).add_(index + 1) for rows, index in layout]
         weights = _WEIGHTS[key] = torch.cat(parts).to(device)
     return weights
-
-
-class DataMismatchError(ValueError):
-    """Two ranks (``ranks``) passed data that the module's data layout says must be the same."""
-
-    def __init__(self, message: str, ranks: tuple[int, int]):
-        super().__init__(message)
-        self.ranks = ranks
 
 
 class RandomOps(NamedTuple):

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.errors import DistributedRankError  # defined in the error family, importable here as before
+
 __all__ = [
     "DistributedRankError",
     "run_distributed",
@@ -43,14 +45,6 @@ _ERROR_GRACE_S = 2.0
 # and exited at once can still have its report in the queue's pipe.
 _DEAD_GRACE_S = 2.0
 _EXTRA_DEADLINE_S = 30.0
-
-
-class DistributedRankError(RuntimeError):
-    """One or more ranks of ``run_distributed`` raised, died, or did not report in time."""
-
-    def __init__(self, message: str, failed_ranks: list[int]):
-        super().__init__(message)
-        self.failed_ranks = failed_ranks
 
 
 def _worker(
