@@ -77,7 +77,13 @@ class DataMismatchError(InputError):
 
 class InternalError(AutoparError, ValueError):
     """autopar's own code, or a rule or kernel registered into it, broke an invariant: a bug to
-    report with the plan JSON, not a user mistake."""
+    report with the plan JSON, not a user mistake. The message ends with that fix."""
+
+    FIX = "this is a bug in autopar (or in a rule or kernel registered into it): please report it with the plan JSON"
+
+    def __init__(self, message: str):
+        # Appended once: a rank that re-raises rank 0's error builds it again from its text.
+        super().__init__(message if self.FIX in message else f"{message} ({self.FIX})")
 
 
 class MeshError(AutoparError, ValueError):
