@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
+from autopar.errors import ConfigError
 from autopar.ir.plan import Plan
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.rules.simulate import assemble
@@ -239,11 +240,17 @@ def check_numerics(
     ``tolerance`` (relative to the largest magnitude of the eager value).
     """
     if plan.pipeline is not None:
-        raise ValueError("the numerics guard runs one-stage plans; a pipelined plan needs the pipeline runtime")
+        raise ConfigError(
+            "the numerics guard runs one-stage plans; a pipelined plan needs the pipeline runtime: check the same "
+            "model planned with pipeline='off'"
+        )
     if plan.memory is not None and (plan.memory.offload or plan.memory.offload_activations):
-        raise ValueError("the numerics guard does not run plans that offload (they need an offload store)")
+        raise ConfigError(
+            "the numerics guard does not run plans that offload (they need an offload store): check the same "
+            "model planned with offload='off'"
+        )
     if plan.precision is not None and plan.precision.param_dtype is not None:
-        raise ValueError(
+        raise ConfigError(
             f"the numerics guard compares with fp32 eager at 1e-4, and this plan runs precision="
             f"{plan.precision.name!r}: check the same sharding planned with precision='32-true'"
         )
