@@ -111,11 +111,17 @@ class OffloadError(AutoparError, RuntimeError):
 
 
 class HookError(AutoparError, RuntimeError):
-    """A module hook was registered where the compiled module would not run it (after compile)."""
+    """A module hook (after compile) or a parameter's tensor hook was registered where the compiled module
+    would not run it."""
 
 
 class PartialCallError(AutoparError, ValueError):
     """Ranks are in different calls of the compiled module: not every rank called it."""
+
+
+class UsageError(AutoparError, RuntimeError):
+    """The compiled module is used in a way it cannot run as asked: a mode it was not compiled in,
+    an optimizer over the model's original parameters, a step inside ``no_sync()``."""
 
 
 class PassError(AutoparError):

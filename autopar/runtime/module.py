@@ -15,7 +15,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, UsageError
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets
@@ -225,7 +225,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
     def _make_mode_graph(self) -> ModeGraph:
         if self._build_mode is None:
             compiled = mode_name(not self.training)
-            raise RuntimeError(
+            raise UsageError(
                 f"this module was compiled in {compiled} mode and cannot make its {mode_name(self.training)} graph "
                 f"here: call pm.{compiled}() to run it, or compile the model in {mode_name(self.training)} mode"
             )

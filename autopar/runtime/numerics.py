@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, UsageError
 from autopar.ir.plan import Plan
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.rules.simulate import assemble
@@ -129,7 +129,7 @@ def run_ranks_in_threads(world_size: int, fn, *args: Any, timeout_s: float = 300
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
     if dist.is_initialized():
-        raise RuntimeError("the numerics guard runs its own in-process ranks: call it outside a process group")
+        raise UsageError("the numerics guard runs its own in-process ranks: call it outside a process group")
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     world = threaded._install_threaded_pg()
     threaded.ProcessLocalGroup.reset()

@@ -66,7 +66,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from autopar.errors import ConfigError, DataMismatchError, ModelError, PlanError
+from autopar.errors import ConfigError, DataMismatchError, ModelError, PlanError, UsageError
 from autopar.ir.data import DataLayout
 from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
@@ -422,7 +422,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hook_guard.check()
         if not self.training:
-            raise RuntimeError(
+            raise UsageError(
                 "this pipelined module is in eval mode, but it runs only the graph traced in train mode (batch norm "
                 "with batch statistics, dropout on), so its outputs would not be the model's eval outputs: call "
                 "pm.train() (under torch.no_grad() it runs forward only), or evaluate with a module compiled without "
