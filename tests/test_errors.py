@@ -13,7 +13,9 @@ import torch.distributed as dist
 import autopar
 from autopar import api
 from autopar.errors import (
+    ClusterSpecError,
     CollectiveError,
+    ConfigError,
     InfeasibleError,
     InputError,
     MeshError,
@@ -64,6 +66,33 @@ def test_trace_error_names_the_traceable_alternatives():
     message = str(info.value)
     assert message.startswith("could not trace _Branchy")
     assert "torch.where" in message and "torch.cond" in message and "shapes or Python values" in message
+
+
+def test_an_option_that_needs_another_names_it():
+    with pytest.raises(ConfigError) as info:
+        autopar.plan(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8), cluster="cpu", num_microbatches=4)
+    message = str(info.value)
+    assert message.startswith("num_microbatches=4 cuts the batch for a pipeline, but pipeline is 'off'")
+    assert "pass pipeline=N" in message and "drop num_microbatches" in message
+
+
+def test_an_unknown_cluster_names_the_presets_and_profile():
+    with pytest.raises(ClusterSpecError) as info:
+        autopar.plan(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8), cluster="tpu-v9")
+    message = str(info.value)
+    assert message.startswith("unknown cluster 'tpu-v9'") and "h100-80g" in message
+    assert "autopar profile --out cluster.json" in message
+
+
+def test_ranks_whose_input_shapes_differ_are_told_to_pad_the_last_batch():
+    from autopar.runtime.data import _check_same_shapes
+
+    rows = [[0.0] * 9 + [shapes] for shapes in (11.0, 11.0, 12.0)]  # column 9: a number of each rank's input shapes
+    with pytest.raises(InputError) as info:
+        _check_same_shapes(rows)
+    message = str(info.value)
+    assert message.startswith("ranks 0 and 2 passed inputs of different shapes")
+    assert "DistributedSampler pads the last batch" in message
 
 
 def test_compile_without_a_process_group_names_init_process_group():

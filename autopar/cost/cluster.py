@@ -369,7 +369,8 @@ def get_cluster(spec: str | ClusterSpec | os.PathLike | None = None) -> ClusterS
             )
         return ClusterSpec.load(path)
     raise ClusterSpecError(
-        f"unknown cluster {spec!r}: expected a preset name ({', '.join(preset_names())}), a .json or .toml file, or a ClusterSpec"
+        f"unknown cluster {spec!r}: expected a preset name ({', '.join(preset_names())}), a .json or .toml file, or a "
+        "ClusterSpec; pass one of the presets, or measure this machine into a file with `autopar profile --out cluster.json`"
     )
 
 
