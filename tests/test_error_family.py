@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import pickle
 import re
 from pathlib import Path
 
@@ -101,6 +102,8 @@ def test_each_class_is_rebuilt_from_its_message_alone(cls):
     error = cls("planned badly")
     again = type(error)(f"{error}\n(planned on rank 0)")  # as api re-raises rank 0's planning error
     assert str(again).count("planned badly") == 1 and "(planned on rank 0)" in str(again)
+    sent = pickle.loads(pickle.dumps(error))  # as broadcast_object_list sends it to the other ranks
+    assert type(sent) is cls and str(sent) == str(error)
 
 
 def test_an_internal_error_names_the_report_once():
