@@ -2,8 +2,8 @@
 
 One family under ``AutoparError``. A class also derives from the builtin its errors used to be
 (``ValueError``, ``TypeError``, ``RuntimeError``), so ``except ValueError`` in a user's script keeps
-working. ``tests/test_error_family.py`` keeps plain ``raise ValueError`` / ``raise TypeError``
-out of the package; ``docs/troubleshooting.md`` lists the classes.
+working. ``tests/test_error_family.py`` keeps plain ValueError and TypeError raises out of the
+package; ``docs/troubleshooting.md`` lists the classes.
 """
 
 from __future__ import annotations
