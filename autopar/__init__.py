@@ -21,8 +21,12 @@ if TYPE_CHECKING:
     from autopar.errors import (
         AutoparError,
         CheckpointError,
+        ClusterSpecError,
+        ConfigError,
         InfeasibleError,
+        InputError,
         MeshError,
+        ModelError,
         OffloadError,
         PassError,
         PlanError,
@@ -60,6 +64,10 @@ _EXPORTS = {
     "PassError": "autopar.errors",
     "OffloadError": "autopar.errors",
     "CheckpointError": "autopar.errors",
+    "ConfigError": "autopar.errors",
+    "ClusterSpecError": "autopar.errors",
+    "ModelError": "autopar.errors",
+    "InputError": "autopar.errors",
     "checkpoint": "autopar.checkpoint",
     "optim": "autopar.optim",
 }
@@ -83,6 +91,10 @@ __all__ = [
     "PassError",
     "CheckpointError",
     "OffloadError",
+    "ConfigError",
+    "ClusterSpecError",
+    "ModelError",
+    "InputError",
 ]
 
 

@@ -1,4 +1,10 @@
-"""autopar's own errors. Each message says what was given, what was expected, and the fix."""
+"""autopar's own errors. Each message says what was given, what was expected, and the fix.
+
+One family under ``AutoparError``. A class also derives from the builtin its errors used to be
+(``ValueError``, ``TypeError``, ``RuntimeError``), so ``except ValueError`` in a user's script keeps
+working. ``tests/test_error_family.py`` keeps plain ValueError and TypeError raises out of the
+package; ``docs/troubleshooting.md`` lists the classes.
+"""
 
 from __future__ import annotations
 
@@ -37,6 +43,49 @@ class TraceError(AutoparError):
         return cls(f"could not trace {type(model).__name__}: {type(error).__name__}: {first}{location}\n{hint}")
 
 
+class ConfigError(AutoparError, ValueError):
+    """An option or argument has a value autopar does not take: a keyword of ``plan``/``compile``,
+    a field of an options value (``PlanOptions``, ``MixedPrecision``, ``CommOptions``, ...), a
+    hand-plan kind, a solver name, a zoo model's config."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """An option or argument of the wrong type (an ``int`` where an ``autopar.CommOptions`` goes)."""
+
+
+class ClusterSpecError(AutoparError, ValueError):
+    """A cluster (``cluster=``) is unknown, or its spec file or profiled measurements are malformed."""
+
+
+class ModelError(AutoparError, ValueError):
+    """The model or its example inputs cannot be planned or run as asked (a pipelined model without
+    a scalar loss, buffers no checkpoint holds, ranks that built different weights, ...)."""
+
+
+class InputError(AutoparError, ValueError):
+    """A call of the compiled module passes other inputs than those it was compiled for
+    (arguments, shapes, dtypes, inputs that share memory, ranks whose shapes differ)."""
+
+
+class DataMismatchError(InputError):
+    """Two ranks (``ranks``) passed data that the module's data layout says must be the same."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class InternalError(AutoparError, ValueError):
+    """autopar's own code, or a rule or kernel registered into it, broke an invariant: a bug to
+    report with the plan JSON, not a user mistake. The message ends with that fix."""
+
+    FIX = "this is a bug in autopar (or in a rule or kernel registered into it): please report it with the plan JSON"
+
+    def __init__(self, message: str):
+        # Appended once: a rank that re-raises rank 0's error builds it again from its text.
+        super().__init__(message if self.FIX in message else f"{message} ({self.FIX})")
+
+
 class MeshError(AutoparError, ValueError):
     """The mesh does not fit the world or is malformed."""
 
@@ -62,15 +111,33 @@ class OffloadError(AutoparError, RuntimeError):
 
 
 class HookError(AutoparError, RuntimeError):
-    """A module hook was registered where the compiled module would not run it (after compile)."""
+    """A module hook (after compile) or a parameter's tensor hook was registered where the compiled module
+    would not run it."""
 
 
 class PartialCallError(AutoparError, ValueError):
     """Ranks are in different calls of the compiled module: not every rank called it."""
 
 
+class UsageError(AutoparError, RuntimeError):
+    """The compiled module is used in a way it cannot run as asked: a mode it was not compiled in,
+    an optimizer over the model's original parameters, a step inside ``no_sync()``."""
+
+
 class PassError(AutoparError):
     """A rewrite pass failed; the message names the pass and those that ran before it."""
+
+
+class DistributedRankError(AutoparError, RuntimeError):
+    """One or more ranks of ``run_distributed`` raised, died, or did not report in time."""
+
+    def __init__(self, message: str, failed_ranks: list[int] | None = None):
+        super().__init__(message)
+        self.failed_ranks = failed_ranks if failed_ranks is not None else []
+
+
+class CliError(AutoparError):
+    """A user mistake found while running a command (exit status 1)."""
 
 
 def _user_frame(error: BaseException) -> str | None:

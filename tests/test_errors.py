@@ -12,7 +12,19 @@ import torch.distributed as dist
 
 import autopar
 from autopar import api
-from autopar.errors import CollectiveError, InfeasibleError, MeshError, OffloadError, PassError, PlanError, TraceError
+from autopar.errors import (
+    ClusterSpecError,
+    CollectiveError,
+    ConfigError,
+    InfeasibleError,
+    InputError,
+    MeshError,
+    ModelError,
+    OffloadError,
+    PassError,
+    PlanError,
+    TraceError,
+)
 from autopar.passes import check_plan_matches, run_passes
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
@@ -54,6 +66,33 @@ def test_trace_error_names_the_traceable_alternatives():
     message = str(info.value)
     assert message.startswith("could not trace _Branchy")
     assert "torch.where" in message and "torch.cond" in message and "shapes or Python values" in message
+
+
+def test_an_option_that_needs_another_names_it():
+    with pytest.raises(ConfigError) as info:
+        autopar.plan(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8), cluster="cpu", num_microbatches=4)
+    message = str(info.value)
+    assert message.startswith("num_microbatches=4 cuts the batch for a pipeline, but pipeline is 'off'")
+    assert "pass pipeline=N" in message and "drop num_microbatches" in message
+
+
+def test_an_unknown_cluster_names_the_presets_and_profile():
+    with pytest.raises(ClusterSpecError) as info:
+        autopar.plan(build_model("mlp"), mesh=(2,), example_inputs=example_batch("mlp", 8), cluster="tpu-v9")
+    message = str(info.value)
+    assert message.startswith("unknown cluster 'tpu-v9'") and "h100-80g" in message
+    assert "autopar profile --out cluster.json" in message
+
+
+def test_ranks_whose_input_shapes_differ_are_told_to_pad_the_last_batch():
+    from autopar.runtime.data import _check_same_shapes
+
+    rows = [[0.0] * 9 + [shapes] for shapes in (11.0, 11.0, 12.0)]  # column 9: a number of each rank's input shapes
+    with pytest.raises(InputError) as info:
+        _check_same_shapes(rows)
+    message = str(info.value)
+    assert message.startswith("ranks 0 and 2 passed inputs of different shapes")
+    assert "DistributedSampler pads the last batch" in message
 
 
 def test_compile_without_a_process_group_names_init_process_group():
@@ -159,7 +198,7 @@ def test_a_precision_the_runtime_does_not_carry_out_names_the_fix(one_rank_group
 
 def test_larger_input_shapes_name_the_planned_shape(compiled_mlp):
     x, y = example_batch("mlp", 16)  # smaller ones are planned again per shape (runtime.shapes)
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(InputError) as info:
         compiled_mlp(x, y)
     message = str(info.value)
     assert "input 'x' has shape (16, 32)" in message and "planned for shape (8, 32)" in message
@@ -168,11 +207,11 @@ def test_larger_input_shapes_name_the_planned_shape(compiled_mlp):
 
 def test_missing_argument_is_named_not_a_treespec(compiled_mlp):
     x, _ = example_batch("mlp", 8)
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(InputError) as info:
         compiled_mlp(x)
     message = str(info.value)
     assert "missing argument 'y'" in message and "TreeSpec" not in message
-    with pytest.raises(ValueError, match="unexpected keyword argument 'z'"):
+    with pytest.raises(InputError, match="unexpected keyword argument 'z'"):
         compiled_mlp(*example_batch("mlp", 8), z=1)
 
 
@@ -213,7 +252,7 @@ class _SummedLoss(torch.nn.Module):
 
 
 def test_a_pipelined_summed_loss_names_the_mean(one_rank_group):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ModelError) as info:
         autopar.compile(
             _SummedLoss(),
             (1,),
@@ -230,7 +269,7 @@ def test_a_microbatch_without_targets_names_the_reorder(one_rank_group):
     idx, targets = example_batch("gpt", 4)
     pm = autopar.compile(build_model("gpt"), (1,), example_inputs=(idx, targets), pipeline=1, num_microbatches=2, cluster="cpu")
     targets[2:] = -100
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(InputError) as info:
         pm(idx, targets)
     message = str(info.value)
     assert "microbatch 1 of this step holds no target other than ignore_index (-100)" in message
@@ -250,7 +289,7 @@ class _ScaledBuffer(torch.nn.Module):
 def test_from_checkpoint_of_a_model_with_unsaved_buffers_names_unsaved(one_rank_group, tmp_path):
     with torch.device("meta"):
         model = _ScaledBuffer()
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ModelError) as info:
         autopar.compile(
             model, (1,), example_inputs=(torch.randn(4, 8),), cluster="cpu", init=autopar.FromCheckpoint(tmp_path / "ckpt")
         )

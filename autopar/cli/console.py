@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.errors import InternalError
+
 
 @dataclass(frozen=True, slots=True)
 class Table:
@@ -26,7 +28,7 @@ class Table:
     def __post_init__(self) -> None:
         for row in self.rows:
             if len(row) != len(self.columns):
-                raise ValueError(f"table {self.title!r}: row {row} has {len(row)} cells, expected {len(self.columns)}")
+                raise InternalError(f"table {self.title!r}: row {row} has {len(row)} cells, expected {len(self.columns)}")
 
 
 def render(table: Table) -> str:

@@ -39,14 +39,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autopar.errors import CliError  # torch-free: the CLI starts without loading torch
+
 if TYPE_CHECKING:
     from autopar.cli.console import Progress
 
 PROG = "autopar"
-
-
-class CliError(Exception):
-    """A user mistake found while running a command (exit status 1)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -757,7 +755,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AutoparError, CliError, ValueError, OSError, ImportError) as error:
         if args.debug:
             raise
-        _print_error(f"{type(error).__name__}: {error}" if isinstance(error, AutoparError) else error)
+        named = isinstance(error, AutoparError) and not isinstance(error, CliError)  # a CliError is already a sentence
+        _print_error(f"{type(error).__name__}: {error}" if named else error)
         return 1
     except KeyboardInterrupt:
         _print_error("interrupted")

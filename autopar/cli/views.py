@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from autopar.cli.console import Table, table_rows
+from autopar.errors import PlanError
 
 _INDEX_RE = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 # Operators listed by ``show`` without --all: the costliest ones.
@@ -224,7 +225,9 @@ def _rank_pieces(spec: tuple[str, ...], mesh_shape: tuple[int, ...]) -> tuple | 
                 continue
             match = re.fullmatch(r"S\((\d+)\)(?:/(\d+))?", text)
             if match is None:
-                raise ValueError(f"unknown placement {text!r}")
+                raise PlanError(
+                    f"unknown placement {text!r}: expected R, P, S(dim) or S(dim)/blocks; re-plan, or fix the plan file"
+                )
             entry = dims.setdefault(int(match.group(1)), [0, 1, int(match.group(2) or 1)])
             entry[0], entry[1] = entry[0] * size + coordinate[axis], entry[1] * size
         held.append((tuple(sorted((dim, tuple(v)) for dim, v in dims.items())), tuple(partial)))

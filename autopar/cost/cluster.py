@@ -57,6 +57,7 @@ import tomllib
 import torch
 
 from autopar.cost.rates import ComputeRates
+from autopar.errors import ClusterSpecError, ConfigError, InternalError
 from autopar.ir.units import parse_budget
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -77,14 +78,14 @@ _DEVICE_PRESETS = (("H100", "h100-80g"), ("H200", "h200-141g"), ("A100", "a100-4
 
 def _positive_number(owner: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{owner}.{name} must be a number, got {value!r}")
+        raise ClusterSpecError(f"{owner}.{name} must be a number, got {value!r}")
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}.{name} must be finite and > 0, got {value!r}")
+        raise ClusterSpecError(f"{owner}.{name} must be finite and > 0, got {value!r}")
 
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}.{name} must be an integer >= 1, got {value!r}")
+        raise ClusterSpecError(f"{owner}.{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +109,10 @@ class LinkSpec:
     @classmethod
     def from_json(cls, data: Mapping[str, Any], where: str = "link") -> LinkSpec:
         if not isinstance(data, Mapping):
-            raise ValueError(f"{where} must be a table with latency_s and bandwidth_bytes_per_s, got {data!r}")
+            raise ClusterSpecError(f"{where} must be a table with latency_s and bandwidth_bytes_per_s, got {data!r}")
         expected = {"latency_s", "bandwidth_bytes_per_s"}
         if set(data) != expected:
-            raise ValueError(f"{where} has keys {sorted(data)}; expected exactly {sorted(expected)}")
+            raise ClusterSpecError(f"{where} has keys {sorted(data)}; expected exactly {sorted(expected)}")
         return cls(latency_s=data["latency_s"], bandwidth_bytes_per_s=data["bandwidth_bytes_per_s"])
 
 
@@ -164,14 +165,16 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         owner = f"ClusterSpec {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"ClusterSpec.name must be a non-empty string, got {self.name!r}")
+            raise ClusterSpecError(f"ClusterSpec.name must be a non-empty string, got {self.name!r}")
         _positive_int(owner, "devices_per_node", self.devices_per_node)
         _positive_int(owner, "num_nodes", self.num_nodes)
         if not isinstance(self.peak_flops, Mapping) or "float32" not in self.peak_flops:
-            raise ValueError(f"{owner}: peak_flops must map dtype names to FLOP/s and include 'float32', got {self.peak_flops!r}")
+            raise ClusterSpecError(
+                f"{owner}: peak_flops must map dtype names to FLOP/s and include 'float32', got {self.peak_flops!r}"
+            )
         for dtype_name, value in self.peak_flops.items():
             if not isinstance(getattr(torch, str(dtype_name), None), torch.dtype):
-                raise ValueError(
+                raise ClusterSpecError(
                     f"{owner}: peak_flops key {dtype_name!r} is not a torch dtype name "
                     f"(expected e.g. 'float32', 'bfloat16', 'float16')"
                 )
@@ -182,22 +185,22 @@ class ClusterSpec:
         _positive_int(owner, "memory_bytes", self.memory_bytes)
         for name in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, name), LinkSpec):
-                raise ValueError(f"{owner}.{name} must be a LinkSpec, got {getattr(self, name)!r}")
+                raise ClusterSpecError(f"{owner}.{name} must be a LinkSpec, got {getattr(self, name)!r}")
         if self.host_link is not None and not isinstance(self.host_link, LinkSpec):
-            raise ValueError(f"{owner}.host_link must be a LinkSpec or None, got {self.host_link!r}")
+            raise ClusterSpecError(f"{owner}.host_link must be a LinkSpec or None, got {self.host_link!r}")
         if not isinstance(self.disk_link, LinkSpec):
-            raise ValueError(f"{owner}.disk_link must be a LinkSpec, got {self.disk_link!r}")
+            raise ClusterSpecError(f"{owner}.disk_link must be a LinkSpec, got {self.disk_link!r}")
         if self.compute_slots_per_node is not None:
             _positive_int(owner, "compute_slots_per_node", self.compute_slots_per_node)
         if self.compute not in COMPUTE_MODES:
-            raise ValueError(f"{owner}.compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
+            raise ClusterSpecError(f"{owner}.compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
         if self.rates is not None and not isinstance(self.rates, ComputeRates):
-            raise ValueError(f"{owner}.rates must be a ComputeRates or None, got {self.rates!r}")
+            raise ClusterSpecError(f"{owner}.rates must be a ComputeRates or None, got {self.rates!r}")
         if self.executor not in EXECUTORS:
-            raise ValueError(f"{owner}.executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+            raise ClusterSpecError(f"{owner}.executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         for name in ("source", "notes"):
             if not isinstance(getattr(self, name), str):
-                raise ValueError(f"{owner}.{name} must be a string, got {getattr(self, name)!r}")
+                raise ClusterSpecError(f"{owner}.{name} must be a string, got {getattr(self, name)!r}")
 
     @property
     def num_devices(self) -> int:
@@ -241,7 +244,7 @@ class ClusterSpec:
         by it, bandwidth multiplied by it.
         """
         if not 0 <= axis < len(mesh_shape):
-            raise ValueError(f"mesh axis {axis} out of range for mesh {tuple(mesh_shape)}")
+            raise InternalError(f"mesh axis {axis} out of range for mesh {tuple(mesh_shape)}")
         block = math.prod(mesh_shape[axis:])
         link = self.intra_node if self.devices_per_node % block == 0 else self.inter_node
         share = self.compute_share(mesh_shape)
@@ -279,13 +282,13 @@ class ClusterSpec:
         if isinstance(data, str):
             data = json.loads(data)
         if not isinstance(data, Mapping):
-            raise ValueError(f"a cluster spec must be a JSON object, got {type(data).__name__}")
+            raise ClusterSpecError(f"a cluster spec must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         required = known - {"source", "notes", "compute", "host_link", "disk_link", "compute_slots_per_node", "executor", "rates"}
         unknown = set(data) - known
         missing = required - set(data)
         if unknown or missing:
-            raise ValueError(
+            raise ClusterSpecError(
                 f"cluster spec {data.get('name', '?')!r}: unknown keys {sorted(unknown)}, "
                 f"missing keys {sorted(missing)}; expected {sorted(known)}"
             )
@@ -315,11 +318,15 @@ class ClusterSpec:
         try:
             data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
         except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
-            raise ValueError(f"cannot parse cluster spec {str(path)!r}: {err}") from err
+            raise ClusterSpecError(
+                f"cannot parse cluster spec {str(path)!r}: {err}; fix its syntax, or write it again with `autopar profile`"
+            ) from err
         try:
             return cls.from_json(data)
         except (ValueError, TypeError) as err:
-            raise ValueError(f"invalid cluster spec in {str(path)!r}: {err}") from err
+            raise ClusterSpecError(
+                f"invalid cluster spec in {str(path)!r}: {err}; fix that field, or write the file again with `autopar profile`"
+            ) from err
 
 
 def _toml_value(value: Any) -> str:
@@ -329,7 +336,7 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return json.dumps(value)  # a JSON string is a valid TOML basic string for our text
-    raise TypeError(f"cannot write {value!r} to TOML")
+    raise InternalError(f"cannot write {value!r} to TOML")
 
 
 def _to_toml(data: Mapping[str, Any]) -> str:
@@ -356,10 +363,14 @@ def get_cluster(spec: str | ClusterSpec | os.PathLike | None = None) -> ClusterS
     path = Path(spec)
     if path.suffix in (".json", ".toml") or isinstance(spec, os.PathLike):
         if not path.is_file():
-            raise ValueError(f"cluster spec file {str(path)!r} does not exist")
+            raise ClusterSpecError(
+                f"cluster spec file {str(path)!r} does not exist: pass an existing file, a preset name "
+                f"({', '.join(preset_names())}), or write one with `autopar profile --out {path.name}`"
+            )
         return ClusterSpec.load(path)
-    raise ValueError(
-        f"unknown cluster {spec!r}: expected a preset name ({', '.join(preset_names())}), a .json or .toml file, or a ClusterSpec"
+    raise ClusterSpecError(
+        f"unknown cluster {spec!r}: expected a preset name ({', '.join(preset_names())}), a .json or .toml file, or a "
+        "ClusterSpec; pass one of the presets, or measure this machine into a file with `autopar profile --out cluster.json`"
     )
 
 
@@ -372,7 +383,7 @@ def resolve_budget(memory_budget: float | str | None, cluster: ClusterSpec) -> f
     if memory_budget == float("inf"):
         return None
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget > 0:
-        raise ValueError(
+        raise ConfigError(
             f"memory_budget is bytes per device and must be positive (or float('inf') for none), got {memory_budget!r}"
         )
     return float(memory_budget)
@@ -414,7 +425,7 @@ def local_cluster() -> ClusterSpec:
             if memory != spec.memory_bytes:
                 spec = dataclasses.replace(spec, memory_bytes=memory, name=f"{spec.name} ({name})")
             return spec
-    raise ValueError(
+    raise ClusterSpecError(
         f"no cluster preset prices the CUDA device {name!r}: pass cluster= a preset "
         f"({', '.join(preset_names())}), a ClusterSpec, or a file from `autopar profile`"
     )

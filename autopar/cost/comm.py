@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from autopar.cost.cluster import ClusterSpec, LinkSpec
+from autopar.errors import InternalError
 from autopar.ir.options import CommOptions
 from autopar.ir.spec import (
     REPLICATE_KEY,
@@ -208,9 +209,9 @@ def bytes_sent(kind: str, num_bytes: float, k: int) -> float:
     all-gather, the input for reduce-scatter, the tensor for all-reduce and all-to-all.
     """
     if kind not in _SENT_FRACTION:
-        raise ValueError(f"unknown collective {kind!r}: expected one of {sorted(_SENT_FRACTION)}")
+        raise InternalError(f"unknown collective {kind!r}: expected one of {sorted(_SENT_FRACTION)}")
     if k < 1:
-        raise ValueError(f"a group has at least one rank, got k={k}")
+        raise InternalError(f"a group has at least one rank, got k={k}")
     return _SENT_FRACTION[kind](k) * num_bytes
 
 

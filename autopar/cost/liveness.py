@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from autopar.cost import memory
+from autopar.errors import InternalError
 
 KINDS = ("param", "optimizer_state", "grad", "input", "activation", "activation_grad", "gathered", "comm_buffer")
 
@@ -398,7 +399,7 @@ def build_timeline(
     carries the parameter's bytes, and its gradient is alive from the last use of any member.
     """
     if optimizer not in memory.OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(memory.OPTIMIZER_STATES))}")
+        raise InternalError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(memory.OPTIMIZER_STATES))}")
     num = len(nodes)
 
     def bwd(i: int) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from autopar.errors import InternalError
 from autopar.ir.spec import Spec, local_shape
 from autopar.trace.moe import EXPERTS_OP
 
@@ -57,7 +58,7 @@ def param_state_bytes(
     """Local parameter + gradient + optimizer state, in bytes on one rank. (ZeRO-1/2 hand plans
     split state and gradients in the liveness walk: ``liveness.build_timeline(zero_stage=)``.)"""
     if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(OPTIMIZER_STATES))}")
+        raise InternalError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(OPTIMIZER_STATES))}")
     local = local_shape(shape, spec, mesh_shape)
     param_bytes = tensor_bytes(local, dtype)
     state_bytes = OPTIMIZER_STATES[optimizer] * tensor_bytes(local, _STATE_DTYPE)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.rates import OPTIMIZER_TRAFFIC
+from autopar.errors import InternalError
 
 IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 # Kernels the single-tensor AdamW launches per parameter (torch's ``_single_tensor_adamw`` and
@@ -61,7 +62,7 @@ def adamw_step_s(
     """Seconds of one AdamW step over tensors of ``fused_bytes`` each (module docstring), at a
     rank's share of its device on ``mesh_shape`` (``ClusterSpec.compute_share``)."""
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+        raise InternalError(f"optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
     rates = cluster.rates
     bandwidth = cluster.memory_bandwidth_bytes_per_s * (rates.memory_efficiency if rates is not None else 1.0)
     launch = rates.launch_overhead_s if rates is not None else 0.0

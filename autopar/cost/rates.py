@@ -50,17 +50,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from autopar.errors import ClusterSpecError, InternalError
+
 MASK_KINDS = ("causal", "masked", "full")
 
 
 def _fraction(name: str, value: Any, upper: float = 1.0) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= upper:
-        raise ValueError(f"ComputeRates.{name} must be a number in (0, {upper:g}], got {value!r}")
+        raise ClusterSpecError(f"ComputeRates.{name} must be a number in (0, {upper:g}], got {value!r}")
 
 
 def _non_negative(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"ComputeRates.{name} must be a finite number >= 0, got {value!r}")
+        raise ClusterSpecError(f"ComputeRates.{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +99,9 @@ class ComputeRates:
         _non_negative("checkpoint_hook_s", self.checkpoint_hook_s)
         slowdown = self.masked_backward_slowdown
         if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 1 <= slowdown < math.inf:
-            raise ValueError(f"ComputeRates.masked_backward_slowdown must be a finite number >= 1, got {slowdown!r}")
+            raise ClusterSpecError(f"ComputeRates.masked_backward_slowdown must be a finite number >= 1, got {slowdown!r}")
         if not isinstance(self.source, str):
-            raise ValueError(f"ComputeRates.source must be a string, got {self.source!r}")
+            raise ClusterSpecError(f"ComputeRates.source must be a string, got {self.source!r}")
 
     def matmul_fraction(self, local_flops: float) -> float:
         """The fraction of peak a GEMM of ``local_flops`` FLOPs reaches (saturating curve)."""
@@ -114,11 +116,11 @@ class ComputeRates:
     def from_json(cls, data: Mapping[str, Any], where: str = "rates") -> ComputeRates:
         """From a table of the fields; missing ones keep their defaults (the plain roofline)."""
         if not isinstance(data, Mapping):
-            raise ValueError(f"{where} must be a table of ComputeRates fields, got {data!r}")
+            raise ClusterSpecError(f"{where} must be a table of ComputeRates fields, got {data!r}")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"{where} has unknown keys {sorted(unknown)}; expected some of {sorted(known)}")
+            raise ClusterSpecError(f"{where} has unknown keys {sorted(unknown)}; expected some of {sorted(known)}")
         return cls(**data)
 
 
@@ -196,7 +198,7 @@ def optimizer_step_s(
     kernel's bytes for ``implementation``, and at least one launch per tensor for "foreach"
     (its kernels take lists, but each list op is launched per chunk of tensors) or per step."""
     if implementation not in OPTIMIZER_TRAFFIC:
-        raise ValueError(f"optimizer implementation must be one of {sorted(OPTIMIZER_TRAFFIC)}, got {implementation!r}")
+        raise InternalError(f"optimizer implementation must be one of {sorted(OPTIMIZER_TRAFFIC)}, got {implementation!r}")
     # fused: reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq
     moved = param_elements * (3 * param_itemsize + 4 * state_itemsize) * OPTIMIZER_TRAFFIC[implementation]
     efficiency = rates.memory_efficiency if rates is not None else 1.0

@@ -25,6 +25,8 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from autopar.errors import InternalError
+
 Chunk = tuple[int, int]  # (start, length) of global sequence positions
 
 
@@ -99,10 +101,10 @@ def query_chunks(seq_len: int, group_sizes: Sequence[int], coords: Sequence[int]
     ``group_sizes`` and ``coords`` are the kernel's mesh axes, outermost first; the sequence is
     sharded contiguously and nested over them (``spec.shard_tensor``)."""
     if len(group_sizes) != len(coords) or not group_sizes:
-        raise ValueError(f"need one coordinate per kernel axis, got sizes {group_sizes} and coords {coords}")
+        raise InternalError(f"need one coordinate per kernel axis, got sizes {group_sizes} and coords {coords}")
     num = math.prod(group_sizes)
     if seq_len % num:
-        raise ValueError(f"sequence of {seq_len} does not split evenly over {num} ranks")
+        raise InternalError(f"sequence of {seq_len} does not split evenly over {num} ranks")
     local = seq_len // num
     index = _flat(coords, group_sizes)
     if not is_balanced(seq_len, group_sizes):

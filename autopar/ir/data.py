@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.errors import ConfigError, PlanError
+
 BATCH_MODES = ("whole", "per_rank")
 
 
@@ -29,7 +31,10 @@ class DataOptions:
 
     def __post_init__(self) -> None:
         if self.batch not in BATCH_MODES:
-            raise ValueError(f"batch must be one of {BATCH_MODES}, got {self.batch!r}")
+            raise ConfigError(
+                f"batch must be one of {BATCH_MODES}, got {self.batch!r}: 'whole' when every rank passes the same "
+                "whole batch, 'per_rank' when each data-parallel rank passes its own rows (a DistributedSampler's)"
+            )
 
     @property
     def per_rank(self) -> bool:
@@ -49,8 +54,8 @@ class DataLayout:
     def __post_init__(self) -> None:
         DataOptions(self.batch)
         if list(self.axes) != sorted(set(self.axes)) or any(not 0 <= a < len(self.mesh_shape) for a in self.axes):
-            raise ValueError(
-                f"data-parallel axes must be distinct mesh axes in order, got {self.axes} for mesh {self.mesh_shape}"
+            raise PlanError(
+                f"data-parallel axes must be distinct mesh axes in order, got {self.axes} for mesh {self.mesh_shape}: re-plan"
             )
 
     @property

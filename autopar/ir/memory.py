@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.errors import PlanError
 from autopar.ir.summary import format_bytes
 
 TARGETS = ("cpu", "disk")
@@ -70,7 +71,9 @@ class CheckpointSegment:
 
     def __post_init__(self) -> None:
         if self.policy not in CHECKPOINT_POLICIES:
-            raise ValueError(f"checkpoint policy must be one of {', '.join(CHECKPOINT_POLICIES)}, got {self.policy!r}")
+            raise PlanError(
+                f"checkpoint policy must be one of {', '.join(CHECKPOINT_POLICIES)}, got {self.policy!r}: re-plan, or fix the plan file"
+            )
 
     def to_json(self) -> dict[str, Any]:
         out = {"name": self.name, "first": self.first, "last": self.last, "saved_bytes": self.saved_bytes, "cost_s": self.cost_s}
@@ -102,7 +105,9 @@ class OffloadEntry:
 
     def __post_init__(self) -> None:
         if self.kind not in OFFLOAD_KINDS:
-            raise ValueError(f"offload kind must be one of {', '.join(OFFLOAD_KINDS)}, got {self.kind!r}")
+            raise PlanError(
+                f"offload kind must be one of {', '.join(OFFLOAD_KINDS)}, got {self.kind!r}: re-plan, or fix the plan file"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -136,7 +141,9 @@ class MemoryPlan:
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
-            raise ValueError(f"offload target must be one of {', '.join(TARGETS)}, got {self.target!r}")
+            raise PlanError(
+                f"offload target must be one of {', '.join(TARGETS)}, got {self.target!r}: re-plan, or fix the plan file"
+            )
 
     def offloaded(self, kind: str) -> list[str]:
         """FQNs whose ``kind`` (param, grad, optimizer_state) is offloaded, in plan order."""

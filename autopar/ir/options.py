@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from autopar.errors import MeshError
+from autopar.errors import ConfigError, ConfigTypeError, MeshError
 from autopar.ir.data import DataOptions
 from autopar.ir.memory import CHECKPOINT_POLICIES
 from autopar.ir.units import parse_budget
@@ -37,7 +37,7 @@ class SolveOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, (int, float)) or not self.time_limit_s > 0:
-            raise ValueError(f"time_limit_s must be a positive number of seconds, got {self.time_limit_s!r}")
+            raise ConfigError(f"time_limit_s must be a positive number of seconds (such as 60), got {self.time_limit_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +79,9 @@ class CommOptions:
             zero_ok = name in ("prefetch_bytes", "gather_group_bytes")
             if not _is_int(value) or value < (0 if zero_ok else 1):
                 least = "0" if zero_ok else "1"
-                raise ValueError(f"CommOptions.{name} is a number of bytes of at least {least}, got {value!r}")
+                raise ConfigError(f"CommOptions.{name} is a number of bytes of at least {least}, got {value!r}")
         if not (self.reshard_after_forward is None or isinstance(self.reshard_after_forward, bool)):
-            raise ValueError(
+            raise ConfigError(
                 "CommOptions.reshard_after_forward is True (free gathered parameters after forward, gather them "
                 "again in backward), False (keep them until backward) or None (FSDP2's default: True for each "
                 f"layer, False for the root's parameters), got {self.reshard_after_forward!r}"
@@ -108,7 +108,7 @@ class MemoryOptions:
 
     def __post_init__(self) -> None:
         if not (self.checkpointing is None or isinstance(self.checkpointing, bool) or self.checkpointing in CHECKPOINT_POLICIES):
-            raise ValueError(
+            raise ConfigError(
                 "checkpointing must be None (where the budget binds), True, False, or a policy for every layer: "
                 f"{' or '.join(repr(p) for p in CHECKPOINT_POLICIES)}; got {self.checkpointing!r}"
             )
@@ -116,7 +116,7 @@ class MemoryOptions:
         if self.budget is not None and (
             isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not self.budget > 0
         ):
-            raise ValueError(f"memory_budget is bytes per device and must be positive, got {self.budget!r}")
+            raise ConfigError(f"memory_budget is bytes per device and must be positive, got {self.budget!r}")
         self.offload_target(has_host=True)  # checks the spelling
 
     def offload_target(self, has_host: bool) -> tuple[str | None, str | None]:
@@ -124,7 +124,7 @@ class MemoryOptions:
         the cluster's device has a host memory apart from it (else "auto" means disk)."""
         offload = self.offload
         if not isinstance(offload, str):
-            raise ValueError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
+            raise ConfigError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
         if offload == "off":
             return None, None
         if offload == "auto":
@@ -133,7 +133,7 @@ class MemoryOptions:
             return "cpu", None
         if offload == "disk" or offload.startswith("disk:"):
             return "disk", offload.partition(":")[2] or None
-        raise ValueError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
+        raise ConfigError(f"offload must be 'auto', 'off', 'cpu' or 'disk:PATH', got {offload!r}")
 
     @property
     def decides_memory(self) -> bool:
@@ -163,22 +163,22 @@ class PipelineOptions:
             else ((self.schedules,) if isinstance(self.schedules, str) else tuple(self.schedules))
         )
         if not schedules or set(schedules) - set(PLANNED_SCHEDULES):
-            raise ValueError(f"pipeline_schedules must be 'auto' or some of {PLANNED_SCHEDULES}, got {self.schedules!r}")
+            raise ConfigError(f"pipeline_schedules must be 'auto' or some of {PLANNED_SCHEDULES}, got {self.schedules!r}")
         object.__setattr__(self, "schedules", schedules)
         if self.stages is None:
             object.__setattr__(self, "stages", "off")
         if self.stages == "off":
             if self.num_microbatches is not None:
-                raise ValueError(
+                raise ConfigError(
                     f"num_microbatches={self.num_microbatches!r} cuts the batch for a pipeline, but pipeline is "
                     "'off': pass pipeline=N (N stages along mesh axis 0) or pipeline='auto' as well, or drop "
                     "num_microbatches"
                 )
             return
         if self.stages != "auto" and (not _is_int(self.stages) or self.stages < 1):
-            raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {self.stages!r}")
+            raise ConfigError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {self.stages!r}")
         if self.num_microbatches not in (None, "auto") and (not _is_int(self.num_microbatches) or self.num_microbatches < 1):
-            raise ValueError(f"num_microbatches must be a positive int or 'auto', got {self.num_microbatches!r}")
+            raise ConfigError(f"num_microbatches must be a positive int or 'auto', got {self.num_microbatches!r}")
 
     @property
     def enabled(self) -> bool:
@@ -188,7 +188,10 @@ class PipelineOptions:
     def microbatches(self) -> int:
         """``num_microbatches`` as given, or its default: N for N stages, 1 under "auto"."""
         if self.num_microbatches == "auto":
-            raise ValueError("num_microbatches='auto' has no single count: the planner tries several")
+            raise ConfigError(
+                "num_microbatches='auto' has no single count: the planner tries several (autopar.plan only); pass a "
+                "number of microbatches, or compile with the plan that autopar.plan(num_microbatches='auto') made"
+            )
         if self.num_microbatches is not None:
             return self.num_microbatches
         return 1 if self.stages == "auto" else int(self.stages)
@@ -220,28 +223,28 @@ class PlanOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", precision_policy(self.precision))
         if not isinstance(self.comm, CommOptions):
-            raise TypeError(f"comm must be an autopar.CommOptions, got {self.comm!r}")
+            raise ConfigTypeError(f"comm must be an autopar.CommOptions, got {self.comm!r}")
         if not isinstance(self.data, DataOptions):
-            raise TypeError(f"data must be an autopar.DataOptions, got {self.data!r}")
+            raise ConfigTypeError(f"data must be an autopar.DataOptions, got {self.data!r}")
         if self.pipeline.enabled and self.data.per_rank:
-            raise ValueError(
+            raise ConfigError(
                 "batch='per_rank' with a pipeline: the pipeline runtime takes the whole batch on every "
                 "rank and cuts it into microbatches; pass batch='whole' (the default), or pipeline='off'"
             )
         if self.pipeline.enabled and self.memory.offload != "off":
-            raise ValueError(
+            raise ConfigError(
                 f"offload={self.memory.offload!r} with a pipeline: offload inside pipeline stages is not built yet "
                 "(activation checkpointing is: the stage planner recomputes a stage's layers where its budget "
                 "binds); pass offload='off', or pipeline='off' to plan offload"
             )
         if self.pipeline.enabled and isinstance(self.memory.checkpointing, str):
-            raise ValueError(
+            raise ConfigError(
                 f"checkpointing={self.memory.checkpointing!r} with a pipeline: the stage planner recomputes whole "
                 "layers where a stage's budget binds and plans no checkpoint policy yet; pass checkpointing=None "
                 "(or False), or pipeline='off' to checkpoint every layer with a policy"
             )
         if self.pipeline.enabled and self.symbolic_batch:
-            raise ValueError("symbolic_batch is not available for pipelined plans yet: pass pipeline='off'")
+            raise ConfigError("symbolic_batch is not available for pipelined plans yet: pass pipeline='off'")
 
     @classmethod
     def from_keywords(
@@ -299,7 +302,7 @@ def dtype_name(value: str | torch.dtype | None) -> str | None:
         return None
     name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
     if name not in _DTYPES:
-        raise ValueError(f"precision dtypes are {', '.join(_DTYPES)} (or torch dtypes), got {value!r}")
+        raise ConfigError(f"precision dtypes are {', '.join(_DTYPES)} (or torch dtypes), got {value!r}")
     return name
 
 
@@ -322,9 +325,9 @@ class MixedPrecision:
         for field_name in ("param_dtype", "reduce_dtype", "master_dtype", "optimizer_dtype"):
             object.__setattr__(self, field_name, dtype_name(getattr(self, field_name)))
         if self.optimizer_dtype is None:
-            raise ValueError("optimizer_dtype must be a dtype, got None")
+            raise ConfigError("optimizer_dtype must be a dtype, got None: pass 'float32' (the default) or another dtype name")
         if self.master_dtype is not None and self.param_dtype is None:
-            raise ValueError(
+            raise ConfigError(
                 f"master_dtype={self.master_dtype!r} needs a param_dtype: the master weights are what "
                 "parameters are cast from at their use"
             )
@@ -378,7 +381,7 @@ def precision_policy(value: str | MixedPrecision | None) -> MixedPrecision:
         return value
     if isinstance(value, str) and value in PRECISIONS:
         return PRECISIONS[value]
-    raise ValueError(
+    raise ConfigError(
         f"precision must be one of {', '.join(repr(p) for p in PRECISIONS)} or an autopar.MixedPrecision, got {value!r}"
     )
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from autopar.errors import MeshError
+from autopar.errors import ConfigError, InternalError, MeshError, ModelError, PlanError
 
 # torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe (one stage per rank),
 # ScheduleInterleaved1F1B and ScheduleZBVZeroBubble (``virtual_stages`` model stages per rank).
@@ -74,15 +74,17 @@ class StagePlan:
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+            raise PlanError(f"pipeline schedule must be one of {SCHEDULES}, got {self.schedule!r}: re-plan, or fix the plan file")
         if self.num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be at least 1, got {self.num_microbatches}")
+            raise PlanError(f"num_microbatches must be at least 1, got {self.num_microbatches}: re-plan, or fix the plan file")
         if self.virtual_stages < 1 or len(self.stages) % self.virtual_stages:
-            raise ValueError(f"{len(self.stages)} stages cannot be {self.virtual_stages} virtual stages per rank group")
+            raise PlanError(
+                f"{len(self.stages)} stages cannot be {self.virtual_stages} virtual stages per rank group: re-plan, or fix the plan file"
+            )
         if (self.virtual_stages > 1) != (self.schedule in MULTI_STAGE_SCHEDULES):
-            raise ValueError(
+            raise PlanError(
                 f"schedule {self.schedule!r} with virtual_stages={self.virtual_stages}: "
-                f"{MULTI_STAGE_SCHEDULES} run several stages per rank group, the others one"
+                f"{MULTI_STAGE_SCHEDULES} run several stages per rank group, the others one: re-plan, or fix the plan file"
             )
 
     @property
@@ -145,7 +147,7 @@ def check_num_stages(axis0: int, num_stages: int, where: str | None = None) -> N
     """Pipeline stages cut ``axis0`` ranks (mesh axis 0, or ``where`` says what) into equal groups:
     a ValueError (MeshError) naming the cause and the fix otherwise."""
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {num_stages!r}")
+        raise ConfigError(f"pipeline must be 'off', 'auto' or a positive number of stages, got {num_stages!r}")
     if axis0 % num_stages:
         divisors = [s for s in range(1, axis0 + 1) if axis0 % s == 0]
         raise MeshError(
@@ -184,7 +186,7 @@ def stage_of_nodes(stage_plan: StagePlan, gm: torch.fx.GraphModule) -> dict[str,
         body = getattr(gm.get_submodule(node.target), "body", None) if node.op == "call_module" else None
         inside = {planned[n.name] for n in body.graph.nodes if n.name in planned} if body is not None else set()
         if len(inside) > 1:
-            raise ValueError(
+            raise InternalError(
                 f"{node.format_node()} outlines nodes of pipeline stages {sorted(inside)}: a segment must lie in one stage"
             )
         if inside:
@@ -201,7 +203,7 @@ def stage_of_nodes(stage_plan: StagePlan, gm: torch.fx.GraphModule) -> dict[str,
         if any(u.op == "output" for u in node.users):
             users.append(stage_plan.num_model_stages - 1)
         if not users:
-            raise ValueError(f"node {node.format_node()} is in no pipeline stage and has no consumer in one")
+            raise InternalError(f"node {node.format_node()} is in no pipeline stage and has no consumer in one")
         stage[node.name] = min(users)
     return stage
 
@@ -211,9 +213,12 @@ def batch_size_of(example_inputs, example_kwargs) -> int:
     leaves = torch.utils._pytree.tree_leaves((example_inputs, example_kwargs or {}))
     sizes = {tuple(t.shape)[0] if t.dim() else None for t in leaves if isinstance(t, torch.Tensor)}
     if not sizes:
-        raise ValueError("pipelining cuts the example inputs' dim 0 into microbatches, but no input is a tensor")
+        raise ModelError(
+            "pipelining cuts the example inputs' dim 0 into microbatches, but no input is a tensor: pass the batch "
+            "as tensor inputs (dim 0 the batch), or compile without a pipeline"
+        )
     if len(sizes) > 1 or None in sizes:
-        raise ValueError(
+        raise ModelError(
             f"pipelining cuts every tensor input on dim 0 into microbatches, but the inputs' dim 0 sizes are "
             f"{sorted(sizes, key=str)}: give every tensor input the batch as its dim 0"
         )
@@ -222,10 +227,10 @@ def batch_size_of(example_inputs, example_kwargs) -> int:
 
 def check_num_microbatches(num_microbatches, batch: int) -> None:
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+        raise ConfigError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
     if batch % num_microbatches:
         divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-        raise ValueError(
+        raise ConfigError(
             f"num_microbatches={num_microbatches} does not divide the batch of {batch} (dim 0 of the example "
             f"inputs) into equal microbatches: use one of {divisors}, or a batch that divides by {num_microbatches}"
         )

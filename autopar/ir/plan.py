@@ -23,7 +23,7 @@ import sympy
 import torch
 from torch.distributed.tensor import Replicate
 
-from autopar.errors import PlanError
+from autopar.errors import ConfigError, ConfigTypeError, PlanError
 from autopar.ir.data import DataLayout
 from autopar.ir.memory import MemoryPlan
 from autopar.ir.options import MixedPrecision
@@ -123,7 +123,7 @@ def _or_nan(value: float | None) -> float:
 def evaluate_symbolic(symbolic: Mapping[str, Any], batch: int) -> dict[str, float]:
     """Substitute ``B = batch`` in the plan's symbolic costs (``predicted.symbolic``)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive integer, got {batch!r}")
+        raise ConfigError(f"batch must be a positive integer (the batch size to predict for), got {batch!r}")
     symbol = sympy.Symbol(symbolic["symbol"], positive=True)
     out = {}
     for key in ("step_time_s", "comm_bytes", "peak_memory_bytes"):
@@ -222,7 +222,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.predicted, Prediction) or not isinstance(self.solver, SolverStats):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"Plan takes predicted=Prediction(...) and solver=SolverStats(...) "
                 f"(autopar.ir.prediction), got {type(self.predicted).__name__} and "
                 f"{type(self.solver).__name__}: Prediction.from_json(d) reads a dict"

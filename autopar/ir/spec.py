@@ -32,6 +32,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from autopar.errors import ConfigTypeError, InternalError, PlanError
+
 Placement = Replicate | Shard | Partial | _StridedShard
 Spec = tuple[Placement, ...]
 
@@ -46,7 +48,7 @@ def S(dim: int) -> Shard:
 def SS(dim: int, blocks: int) -> _StridedShard:
     """A strided shard of ``dim`` seen as ``blocks`` equal blocks (plan spelling ``S(dim)/blocks``)."""
     if blocks < 2:
-        raise ValueError(f"a strided shard needs at least 2 blocks, got {blocks}: use S({dim}) for 1")
+        raise PlanError(f"a strided shard needs at least 2 blocks, got {blocks}: use S({dim}) for 1")
     return _StridedShard(dim, split_factor=blocks)
 
 
@@ -104,7 +106,7 @@ def parse_placement(text: str) -> Placement:
     match = _STRIDED_RE.match(text)
     if match:
         return SS(int(match.group(1)), int(match.group(2)))
-    raise ValueError(f"unknown placement {text!r}: expected 'R', 'P', 'S(<dim>)' or 'S(<dim>)/<blocks>'")
+    raise PlanError(f"unknown placement {text!r}: expected 'R', 'P', 'S(<dim>)' or 'S(<dim>)/<blocks>'")
 
 
 def format_placement(placement: Placement) -> str:
@@ -116,9 +118,9 @@ def format_placement(placement: Placement) -> str:
         return f"S({placement.dim})"
     if isinstance(placement, Partial):
         if placement.reduce_op != "sum":
-            raise ValueError(f"only Partial('sum') is used by autopar, got {placement!r}")
+            raise InternalError(f"only Partial('sum') is used by autopar, got {placement!r}")
         return "P"
-    raise TypeError(f"not a placement: {placement!r}")
+    raise ConfigTypeError(f"not a placement: {placement!r}; expected Replicate(), Shard(dim) or Partial('sum')")
 
 
 def spec_text(spec: Spec) -> str:
@@ -245,7 +247,7 @@ class Step:
 
     def __post_init__(self) -> None:
         if self.kind not in ("all_reduce", "reduce_scatter", "all_gather", "chunk", "all_to_all"):
-            raise ValueError(f"unknown step kind {self.kind!r}")
+            raise InternalError(f"unknown step kind {self.kind!r}")
 
 
 PlacementKey = tuple  # ``placement_key``'s (kind, dim, blocks)
@@ -261,7 +263,7 @@ def transition_steps(src: Spec, dst: Spec) -> tuple[Step, ...] | None:
     The steps are ``steps_between`` the specs' keys (``spec_key``).
     """
     if len(src) != len(dst):
-        raise ValueError(f"spec lengths differ: {src} vs {dst}")
+        raise InternalError(f"spec lengths differ: {src} vs {dst}")
     return steps_between(spec_key(src), spec_key(dst))
 
 
@@ -433,7 +435,7 @@ class PlacementNumbers:
         found = self._numbers.get(key)
         if found is None:
             if len(self.keys) == np.iinfo(self.dtype).max or key[0] & _SHARD and not _NO_DIM < key[1] < 128:
-                raise ValueError(f"placement {key} is one too many for a route's numbering (``PlacementNumbers``)")
+                raise InternalError(f"placement {key} is one too many for a route's numbering (``PlacementNumbers``)")
             found = self._numbers[key] = len(self.keys)
             self.keys.append(key)
             self._arrays = None
@@ -473,7 +475,7 @@ def routes_between(src: np.ndarray, dst: np.ndarray, numbers: PlacementNumbers) 
     count, num = src.shape
     base = len(numbers.keys)
     if base**num >= 1 << 59:
-        raise ValueError(f"{base} placements on {num} axes overflow a route's numbering")
+        raise InternalError(f"{base} placements on {num} axes overflow a route's numbering")
     weights = base ** np.arange(num, dtype=np.int64)
     src, dst = np.ascontiguousarray(src.T), np.ascontiguousarray(dst.T)
     src_kind, dst_kind = np.take(kinds_of, src), np.take(kinds_of, dst)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import re
 
+from autopar.errors import ConfigError
+
 _BYTE_UNITS = {
     "": 1,
     "b": 1,
@@ -25,13 +27,13 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _BYTE_UNITS:
-        raise ValueError(
+        raise ConfigError(
             f"invalid memory budget {text!r}: expected bytes, or a number with a unit "
             "(KiB, MiB, GiB, TiB, KB, MB, GB), such as '70GiB'"
         )
     value = float(match.group(1)) * _BYTE_UNITS[unit]
     if not math.isfinite(value) or value < 1:
-        raise ValueError(f"invalid memory budget {text!r}: must be at least 1 byte")
+        raise ConfigError(f"invalid memory budget {text!r}: must be at least 1 byte")
     return int(value)
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from autopar.errors import InternalError
 from autopar.ir.context import Chunk, exchange_tables, is_balanced, query_chunks
 from autopar.ops import collectives
 from autopar.ops.kernels import register_kernel
@@ -125,7 +126,7 @@ def sdpa_context_parallel(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )
     if not is_causal or attn_mask is not None or dropout_p:
-        raise ValueError(
+        raise InternalError(
             "sdpa_context_parallel runs causal self-attention without an explicit mask or dropout, got "
             f"is_causal={is_causal}, attn_mask={'a tensor' if attn_mask is not None else None}, "
             f"dropout_p={dropout_p}: re-plan (the rule offers this kernel only for that case)"

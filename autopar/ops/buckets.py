@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from autopar.errors import UsageError
 from autopar.ops import collectives
 from autopar.ops.params import add_grad, as_like, local_of
 
@@ -165,7 +166,7 @@ def _refuse_held_step(optimizer: torch.optim.Optimizer, args: object, kwargs: ob
         for param in group["params"]:
             ref = _held_grads.get(id(param.grad)) if param.grad is not None else None
             if ref is not None and ref() is param.grad:
-                raise RuntimeError(
+                raise UsageError(
                     "optimizer.step() ran on gradients that pm.no_sync() holds back: inside no_sync() each rank's "
                     ".grad is its own unreduced sum, as DDP's, so the ranks would step apart. Step after a backward "
                     "outside no_sync() (every micro-step but the last under no_sync(), then step)"

@@ -58,7 +58,7 @@ import torch.utils.checkpoint
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autopar.errors import CollectiveError
+from autopar.errors import CollectiveError, InternalError
 from autopar.ir.spec import strided_piece, unstride
 
 _T = TypeVar("_T")
@@ -479,7 +479,7 @@ def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) ->
     ``ir.spec.is_valid``.)"""
     k = group_size(group_name)
     if x.shape[dst_dim] % k:
-        raise ValueError(
+        raise InternalError(
             f"all-to-all of a tensor of shape {tuple(x.shape)} into {k} chunks along dim {dst_dim}: "
             "that dim does not divide evenly, which a valid plan never asks for (ir.spec.is_valid)"
         )

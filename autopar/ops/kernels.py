@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from autopar.errors import InternalError
+
 KERNELS: dict[str, Callable[..., Any]] = {}
 
 # Ops that the trace keeps whole as custom ops whose autograd recomputes their forward
@@ -23,7 +25,7 @@ EAGER_IMPLEMENTATIONS: dict[Any, Callable[..., Any]] = {}
 def register_kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in KERNELS:
-            raise ValueError(f"duplicate kernel {name!r}")
+            raise InternalError(f"duplicate kernel {name!r}")
         KERNELS[name] = fn
         fn.__autopar_kernel__ = name
         return fn

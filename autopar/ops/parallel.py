@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from autopar.errors import InternalError
 from autopar.ops import collectives
 from autopar.ops.kernels import EAGER_IMPLEMENTATIONS, register_kernel
 from autopar.trace.functions import FUNCTION_OP, apply_function_eager
@@ -369,7 +370,7 @@ def moe_experts_all_to_all(
     if not axis_groups:
         return moe_experts_eager(hidden, top_k_index, top_k_weights, gate_up, down, transposed)
     if len(axis_groups) != 1:
-        raise ValueError(f"moe_experts_all_to_all runs over one mesh axis, got groups {list(axis_groups)}")
+        raise InternalError(f"moe_experts_all_to_all runs over one mesh axis, got groups {list(axis_groups)}")
     group = axis_groups[0]
     num_ranks = collectives.group_size(group)
     num_local = gate_up.shape[0]

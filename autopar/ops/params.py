@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from autopar.errors import HookError
+
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of ``tensor`` (itself if it is not a DTensor), sharing its storage."""
@@ -66,7 +68,7 @@ class LocalLeaf:
         """The leaf, made again if the parameter's shard or ``requires_grad`` changed."""
         param = self.param
         if param._backward_hooks:
-            raise RuntimeError(
+            raise HookError(
                 "a hook registered with register_hook on a parameter of a compiled module would not run: autopar "
                 "computes the gradient on the local shard, not through that DTensor. Register the hook on the "
                 "model's parameter before autopar.compile (it is traced), or use p.register_post_accumulate_grad_hook, "

@@ -18,6 +18,7 @@ import torch
 import torch.fx
 import torch.utils.checkpoint
 
+from autopar.errors import InternalError, PlanError
 from autopar.ir.memory import selective_keeps
 from autopar.ir.plan import Plan
 from autopar.passes.precision import is_param_cast
@@ -41,7 +42,7 @@ def offload_params(
     if plan.memory is None or not plan.memory.offloaded("param"):
         return gm
     if offloader is None or fqns is None:
-        raise ValueError("the plan offloads parameters, but compile gave the offload pass no Offloader")
+        raise InternalError("the plan offloads parameters, but compile gave the offload pass no Offloader")
     gm.add_submodule(OFFLOADER, offloader)
     offloaded = set(plan.memory.offloaded("param"))
     for placeholder in [n for n in gm.graph.nodes if n.op == "placeholder" and fqns.get(n.name) in offloaded]:
@@ -157,7 +158,7 @@ def offload_activations(gm: torch.fx.GraphModule, plan: Plan, offloader=None) ->
     if plan.memory is None or not plan.memory.offload_activations:
         return gm
     if offloader is None:
-        raise ValueError("the plan offloads activations, but compile gave the offload pass no Offloader")
+        raise InternalError("the plan offloads activations, but compile gave the offload pass no Offloader")
     previous = None
     for index, segment in enumerate(plan.memory.offload_activations):
         nodes = _segment_nodes(gm, segment.first, segment.last)
@@ -188,7 +189,9 @@ def _segment_nodes(gm: torch.fx.GraphModule, first: str, last: str) -> list[torc
     names = {node.name: i for i, node in enumerate(listed)}
     if first not in names or last not in names:
         missing = first if first not in names else last
-        raise ValueError(f"checkpoint segment {first} .. {last}: node {missing} is not in the rewritten graph")
+        raise PlanError(
+            f"checkpoint segment {first} .. {last}: node {missing} is not in the rewritten graph: re-plan for this model"
+        )
     start, end = names[first], names[last]
     nodes = [n for n in listed[start : end + 1] if n.op not in ("placeholder", "output")]
     inside = set(nodes)

@@ -13,6 +13,7 @@ import torch.fx
 import torch.utils._pytree
 from torch.fx.passes.split_module import split_module
 
+from autopar.errors import InternalError
 from autopar.ir.pipeline import StagePlan, stage_of_nodes
 from autopar.ir.plan import Plan
 
@@ -31,7 +32,7 @@ def split_into_stages(gm: torch.fx.GraphModule, plan: Plan, stages: StagePlan) -
     stage = stage_of_nodes(stages, gm)
     missing = [i for i in range(stages.num_model_stages) if i not in set(stage.values())]
     if missing:
-        raise ValueError(f"pipeline stages {missing} hold no node of the graph")
+        raise InternalError(f"pipeline stages {missing} hold no node of the graph")
     split = split_module(
         gm,
         gm,

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from autopar.errors import InternalError
 from autopar.ir.spec import P, Placement, R, S
 from autopar.rules.registry import OpInfo, Row, TensorArg, register, replicate_row
 
@@ -49,7 +50,7 @@ def row_by_name(info: OpInfo, placements: dict[str, Placement], out: Any) -> Row
     for name, placement in placements.items():
         arg = info.kw.get(name)
         if not isinstance(arg, TensorArg):
-            raise ValueError(f"{name!r} is not a tensor argument of {info.describe()}")
+            raise InternalError(f"{name!r} is not a tensor argument of {info.describe()}")
         ins[arg.index] = placement
     return Row(tuple(ins), out)
 

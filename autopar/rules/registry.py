@@ -27,6 +27,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Replicate, Shard
 
+from autopar.errors import InternalError
 from autopar.ir.spec import Placement, Spec, axis_cut
 
 aten = torch.ops.aten
@@ -82,10 +83,10 @@ class Row:
     def __post_init__(self) -> None:
         for index in self.whole_grad:
             if not isinstance(self.ins[index], Replicate):
-                raise ValueError(f"whole_grad names input {index}, which is not replicated in {self}")
+                raise InternalError(f"whole_grad names input {index}, which is not replicated in {self}")
         for placement in self.ins + self.outs:
             if isinstance(placement, Shard) and placement.dim < 0:
-                raise ValueError(f"rows use non-negative dims, got {placement} in {self}")
+                raise InternalError(f"rows use non-negative dims, got {placement} in {self}")
 
     @property
     def outs(self) -> tuple[Placement, ...]:
@@ -167,7 +168,7 @@ def register(*targets: Any) -> Callable[[Rule], Rule]:
     def wrap(fn: Rule) -> Rule:
         for target in targets:
             if target in RULES:
-                raise ValueError(f"duplicate sharding rule for {target}: {RULES[target].__qualname__} and {fn.__qualname__}")
+                raise InternalError(f"duplicate sharding rule for {target}: {RULES[target].__qualname__} and {fn.__qualname__}")
             RULES[target] = fn
         return fn
 
@@ -261,7 +262,7 @@ def expand_rows(info: OpInfo, rows: Iterable[Row], mesh_shape: Sequence[int], so
     rows = _dedupe(rows)
     for row in rows:
         if len(row.ins) != len(info.inputs) or len(row.outs) != len(info.out_shapes):
-            raise ValueError(
+            raise InternalError(
                 f"rule for {info.target} returned {row} with {len(row.ins)} inputs and "
                 f"{len(row.outs)} outputs; the op has {len(info.inputs)} tensor inputs and "
                 f"{len(info.out_shapes)} outputs ({info.describe()})"

@@ -22,6 +22,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
+from autopar.errors import ConfigTypeError, InputError
 from autopar.ir.data import DataLayout
 from autopar.ir.plan import Plan
 from autopar.ir.spec import Spec, is_sharded, is_strided, shard_tensor
@@ -98,7 +99,7 @@ def flatten_inputs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec, names: l
     a mismatch say which argument is missing or unexpected."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     if spec != in_spec:
-        raise ValueError(
+        raise InputError(
             "ParallelModule was called with other arguments than the example inputs it was compiled "
             f"with: {call_mismatch(args, kwargs, in_spec, names)}. Pass the arguments the way the "
             "example inputs were passed"
@@ -361,7 +362,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
                 continue
             probe = fn(torch.empty(0, dtype=local.dtype, device=local.device))
             if probe.dtype != local.dtype or probe.device != local.device:
-                raise TypeError(
+                raise ConfigTypeError(
                     f"cannot cast or move a compiled module ({name}: {local.dtype} on {local.device} would become "
                     f"{probe.dtype} on {probe.device}): autopar placed its shards for the plan. Cast or move the "
                     "model before autopar.compile (model.to(...)), or pass precision='bf16-mixed' or 'bf16-true' "
@@ -465,7 +466,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
             if shape is None or not isinstance(value, torch.Tensor):
                 continue
             if value.is_meta and not any(self._local(fqn).is_meta for fqn, _ in self._fqns()):
-                raise ValueError(
+                raise InputError(
                     f"input {name!r} is on the meta device, which holds no values: meta inputs can plan and "
                     "compile (as example inputs), but a call computes; pass real tensors"
                 )
@@ -475,14 +476,14 @@ class ShardedModule(NotPickled, torch.nn.Module):
                 and torch.is_grad_enabled()
                 and math.prod(self._mesh_shape) > 1
             ):
-                raise ValueError(
+                raise InputError(
                     f"input {name!r} requires grad, but the example input {name!r} did not when the module was "
                     "planned: its gradient would not be summed over the ranks that share it, and would be wrong. "
                     f"Compile with an example input that requires grad (example.requires_grad_()), or pass "
                     f"{name}.detach() where its gradient is not needed"
                 )
             if tuple(value.shape) != shape or value.dtype != dtype:
-                raise ValueError(
+                raise InputError(
                     f"input {name!r} has shape {tuple(value.shape)} and dtype {value.dtype}, but this module "
                     f"was planned for shape {shape} and dtype {dtype}{self._shape_hint}. Pass inputs of the "
                     "planned shape, or compile again with example inputs of the new shape"

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
+from autopar.errors import CheckpointError
 from autopar.ir.spec import Spec, local_shape, shard_tensor
 from autopar.ops.collectives import call_on_world
 from autopar.runtime import checkpoint_files as files
@@ -158,13 +159,13 @@ def _check_state_dict(
     for fqn in loaded:
         value, full_shape = state_dict[fqn], pm.full_shape(fqn)
         if tuple(value.shape) != full_shape:
-            raise ValueError(
+            raise CheckpointError(
                 f"{fqn}: the state dict holds shape {tuple(value.shape)}, the model {full_shape}; "
                 "load a checkpoint of the same model configuration"
             )
         if isinstance(value, DTensor):
             if value.device_mesh != pm.device_mesh:
-                raise ValueError(
+                raise CheckpointError(
                     f"{fqn} is a DTensor on another device mesh ({value.device_mesh}); load through "
                     "autopar.checkpoint.load, or pass whole tensors (value.full_tensor())"
                 )
@@ -176,7 +177,7 @@ def _check_own_shard(fqn: str, value: DTensor, mesh: Any) -> None:
     its shard: loading it would put that rank's slice here."""
     saved, mine = value.device_mesh.get_coordinate(), mesh.get_coordinate()
     if saved != mine and not all(p.is_replicate() for p in value.placements):
-        raise ValueError(
+        raise CheckpointError(
             f"{fqn} is a DTensor holding the shard of mesh coordinate {saved}, saved by another rank (this rank "
             f"sits at {mine}): loading it would put that rank's slice here. Save and load with "
             "autopar.checkpoint.save / autopar.checkpoint.load (torch.distributed.checkpoint), or torch.save "
@@ -194,7 +195,7 @@ def _param_fqns(pm: ParallelModule, optimizer: torch.optim.Optimizer) -> dict[in
     for group in optimizer.param_groups:
         for param in group["params"]:
             if id(param) not in names:
-                raise ValueError(
+                raise CheckpointError(
                     "the optimizer steps a tensor that is not a parameter of this ParallelModule; build it from pm.parameters()"
                 )
     return names
@@ -212,14 +213,14 @@ def optimizer_state_dict(pm: ParallelModule, optimizer: torch.optim.Optimizer) -
         for key, value in entries.items():
             if isinstance(value, DTensor):  # the state of a DTensor parameter: already global
                 if value.device_mesh != mesh or tuple(value.shape) != pm.full_shape(fqn):
-                    raise ValueError(
+                    raise CheckpointError(
                         f"optimizer state {key!r} of {fqn} is a DTensor of shape {tuple(value.shape)} on "
                         f"{value.device_mesh}, not one shaped like the parameter on pm.device_mesh; autopar "
                         "checkpoints optimizers whose state is per element or scalar (SGD, Adam, AdamW, ...)"
                     )
             elif isinstance(value, torch.Tensor) and value.dim() > 0:
                 if tuple(value.shape) != tuple(param.shape):
-                    raise ValueError(
+                    raise CheckpointError(
                         f"optimizer state {key!r} of {fqn} has shape {tuple(value.shape)}, neither a scalar "
                         f"nor the shard's shape {tuple(param.shape)}, so its sharding is unknown; "
                         "autopar checkpoints optimizers whose state is per element or scalar (SGD, Adam, AdamW, ...)"
@@ -476,7 +477,7 @@ def load_optimizer_state_dict(pm: ParallelModule, optimizer: torch.optim.Optimiz
     for group, saved in zip(optimizer.param_groups, groups, strict=True):
         mine = [names[id(p)] for p in group["params"]]
         if pm.local_params_of(list(saved["params"])) != mine:
-            raise ValueError(
+            raise CheckpointError(
                 f"the saved param group holds {list(saved['params'])}, this optimizer's {mine}: "
                 "build the optimizer with the same groups as when saving"
             )

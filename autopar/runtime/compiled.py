@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from autopar.errors import ConfigError
 from autopar.ir.options import CommOptions
 from autopar.ops import collectives
 from autopar.passes.schedule import inductor_options, saved_tensors_hooks
@@ -113,7 +114,7 @@ def warn_not_compiled() -> None:
 
 def check_compiler(compiler: str | None) -> None:
     if compiler not in COMPILERS:
-        raise ValueError(f"compiler must be None (run the graph op by op) or 'inductor', got {compiler!r}")
+        raise ConfigError(f"compiler must be None (run the graph op by op) or 'inductor', got {compiler!r}")
 
 
 def graph_runner(gm: torch.fx.GraphModule, compiler: str | None, comm: CommOptions | None) -> Callable[..., Any] | None:

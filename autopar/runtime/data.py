@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.fx
 from torch._subclasses.fake_tensor import is_fake
 
-from autopar.errors import PartialCallError
+from autopar.errors import DataMismatchError, InputError, ModelError, PartialCallError
 from autopar.ir.data import DataLayout
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
@@ -78,14 +78,6 @@ def _row_weights(layout: tuple[tuple[int, int], ...], device: torch.device) -> t
         parts = [torch.arange(rows, dtype=torch.float64).remainder_(_PRIME).add_(index + 1) for rows, index in layout]
         weights = _WEIGHTS[key] = torch.cat(parts).to(device)
     return weights
-
-
-class DataMismatchError(ValueError):
-    """Two ranks (``ranks``) passed data that the module's data layout says must be the same."""
-
-    def __init__(self, message: str, ranks: tuple[int, int]):
-        super().__init__(message)
-        self.ranks = ranks
 
 
 class RandomOps(NamedTuple):
@@ -218,7 +210,7 @@ def start_check(
             check_same_call([row[7:9] for row in table])
             refused = [rank for rank, row in enumerate(table) if row[1] != 0]
             if refused:
-                raise ValueError(f"ranks {refused} refused this call (see their errors); every rank stops here")
+                raise InputError(f"ranks {refused} refused this call (see their errors); every rank stops here")
             _check_same_shapes(table)
             _check_same_data(table, layout)
             if random is not None:
@@ -354,7 +346,7 @@ def _check_same_data(rows: torch.Tensor | list[list[float]], layout: DataLayout)
 def _check_same_shapes(rows: list[list[float]]) -> None:
     differ = [rank for rank, row in enumerate(rows) if row[9] != rows[0][9]]
     if differ:
-        raise ValueError(
+        raise InputError(
             f"ranks 0 and {differ[0]} passed inputs of different shapes: every rank must pass inputs of the same "
             "shapes in each call (under batch='per_rank', the same number of rows: DistributedSampler pads the "
             "last batch so that each rank gets as many), since a new shape is planned by all ranks together"
@@ -368,7 +360,7 @@ def _check_same_random(rows: list[list[float]], random: RandomOps) -> None:
         if row[6] == rows[other][6]:
             continue
         nodes = ", ".join(random.nodes[:3]) + (f" and {len(random.nodes) - 3} more" if len(random.nodes) > 3 else "")
-        raise ValueError(
+        raise ModelError(
             f"ranks {other} and {rank} draw different random numbers (their torch random generators are not in step: "
             "seeded differently, or they drew different counts since), but this plan draws random numbers "
             f"({nodes}) for tensors that both hold whole (replicated on mesh axes {list(random.axes)}), so their "

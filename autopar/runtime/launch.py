@@ -28,6 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# DistributedRankError is defined in the error family, and importable from here as before.
+from autopar.errors import ConfigError, ConfigTypeError, DistributedRankError
+
 __all__ = [
     "DistributedRankError",
     "run_distributed",
@@ -43,14 +46,6 @@ _ERROR_GRACE_S = 2.0
 # and exited at once can still have its report in the queue's pipe.
 _DEAD_GRACE_S = 2.0
 _EXTRA_DEADLINE_S = 30.0
-
-
-class DistributedRankError(RuntimeError):
-    """One or more ranks of ``run_distributed`` raised, died, or did not report in time."""
-
-    def __init__(self, message: str, failed_ranks: list[int]):
-        super().__init__(message)
-        self.failed_ranks = failed_ranks
 
 
 def _worker(
@@ -86,7 +81,7 @@ def _worker(
         try:
             payload = pickle.dumps(result)
         except Exception as exc:
-            raise TypeError(
+            raise ConfigTypeError(
                 f"the result of {_name(fn)} on rank {rank} cannot be pickled ({type(result).__name__}): {exc}"
             ) from exc
         report_queue.put((rank, "ok", payload))
@@ -127,18 +122,18 @@ def run_distributed(
     ``timeout_s + 30`` seconds. In both cases every child is killed first.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+        raise ConfigError(f"world_size must be at least 1, got {world_size}")
     try:
         pickle.dumps(fn)
     except Exception as exc:
-        raise ValueError(
+        raise ConfigError(
             f"run_distributed needs a module-level function, because the ranks are spawned "
             f"processes that import it; got {fn!r} ({exc})"
         ) from exc
     try:
         pickle.dumps(args)
     except Exception as exc:
-        raise ValueError(f"the arguments passed to {_name(fn)} cannot be pickled: {exc}") from exc
+        raise ConfigError(f"the arguments passed to {_name(fn)} cannot be pickled: {exc}") from exc
 
     ctx = mp.get_context("spawn")
     report_queue = ctx.Queue()
@@ -276,6 +271,8 @@ def _lost_lines(lost: dict[int, int | None]) -> list[str]:
 def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     """``max|got - want| / max|want|``: the error relative to the tensor's scale (0 if both are 0)."""
     if got.shape != want.shape:
+        # A programming error of the test or script that compares, not a user's input to autopar:
+        # a plain ValueError, as numpy's and torch's own comparisons raise (allowed in test_error_family).
         raise ValueError(f"shapes differ: got {tuple(got.shape)}, want {tuple(want.shape)}")
     got64 = got.detach().to("cpu", torch.float64)
     want64 = want.detach().to("cpu", torch.float64)

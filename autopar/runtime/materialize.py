@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.errors import ConfigTypeError, ModelError
 from autopar.ir.spec import Spec, local_shape, shard_tensor
 from autopar.trace.fake import apply_order, fake_tensors, has_meta_tensors, own_tensors
 
@@ -70,9 +71,9 @@ class SeededInit:
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int):
-            raise TypeError(f"SeededInit.seed must be an int, got {self.seed!r}")
+            raise ConfigTypeError(f"SeededInit.seed must be an int, got {self.seed!r}")
         if self.fn is not None and not callable(self.fn):
-            raise TypeError(f"SeededInit.fn must be a function of one module, got {self.fn!r}")
+            raise ConfigTypeError(f"SeededInit.fn must be a function of one module, got {self.fn!r}")
 
     def init_module(self, module: torch.nn.Module) -> None:
         """Initialize ``module``'s own tensors: ``reset_parameters()``, then ``fn``."""
@@ -102,7 +103,7 @@ class FromCheckpoint:
 
     def __post_init__(self) -> None:
         if self.unsaved is not None and not isinstance(self.unsaved, SeededInit):
-            raise TypeError(f"FromCheckpoint.unsaved must be an autopar.SeededInit, got {self.unsaved!r}")
+            raise ConfigTypeError(f"FromCheckpoint.unsaved must be an autopar.SeededInit, got {self.unsaved!r}")
 
 
 def empty_shards(
@@ -132,7 +133,7 @@ def checkpoint_shards(
     unsaved = {fqn: spec for fqn, spec in specs.items() if fqn not in saved}
     if unsaved and init.unsaved is None:
         names = ", ".join(sorted(unsaved)[:4]) + (f" and {len(unsaved) - 4} more" if len(unsaved) > 4 else "")
-        raise ValueError(
+        raise ModelError(
             f"{type(model).__name__} reads buffers that no checkpoint holds (non-persistent: {names}), so "
             "FromCheckpoint would leave them uninitialized: pass FromCheckpoint(path, unsaved=autopar.SeededInit(seed, "
             "fn=...)) to make them as that init does (for a Hugging Face model, fn=model._init_weights)"
@@ -182,7 +183,7 @@ def seeded_shards(
                 full = whole.pop(key)
                 fqns = names.pop(key)
                 if full.is_floating_point() and bool(torch.isnan(full).any()):
-                    raise ValueError(
+                    raise ModelError(
                         f"{fqns[0]} ({type(module).__name__}) holds values no initializer set: neither the "
                         "module's reset_parameters() nor SeededInit.fn initialized all of it. Pass "
                         "SeededInit(seed, fn=...) with a function that initializes it, or load a "

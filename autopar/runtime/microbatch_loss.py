@@ -30,6 +30,7 @@ import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
+from autopar.errors import InputError, ModelError
 from autopar.trace import TracedModel
 
 aten = torch.ops.aten
@@ -79,14 +80,14 @@ class LabelCounts:
         if total == 0 or len(set(counts)) == 1:  # no target anywhere (eager's loss is NaN too), or even
             return [1.0] * M
         if not self.alone:
-            raise ValueError(
+            raise InputError(
                 f"this step's {M} microbatches hold {counts} targets other than ignore_index ({self.ignore_index}), "
                 f"and the model's loss is {self.loss}'s mean over them combined with other terms, so no weighting of "
                 "the microbatch losses gives eager's whole-batch loss: give every microbatch the same number of "
                 "targets (spread the ignored ones evenly), or compile without a pipeline"
             )
         if 0 in counts:
-            raise ValueError(
+            raise InputError(
                 f"microbatch {counts.index(0)} of this step holds no target other than ignore_index "
                 f"({self.ignore_index}) (counts {counts}): its mean loss is 0/0, NaN, where eager's whole-batch mean "
                 "skips it. Give every microbatch at least one target (reorder the batch's rows), or use fewer microbatches"
@@ -104,7 +105,7 @@ def label_counts(traced: TracedModel, loss_node: torch.fx.Node) -> LabelCounts |
         args = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
         reduction, ignore_index = int(args.get("reduction", 1)), int(args.get("ignore_index", -100))
         if reduction == 2:
-            raise ValueError(
+            raise ModelError(
                 f"this pipelined model's loss sums {node.target} over its targets (reduction='sum', as Hugging Face "
                 "models compute it when given num_items_in_batch): a pipeline would return the mean of the "
                 "microbatch sums, 1/M of eager's. Use the mean (drop num_items_in_batch: the pipeline weights each "

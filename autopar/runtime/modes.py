@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from autopar.errors import ModelError
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel
 
@@ -53,7 +54,7 @@ def pinned_placements(traced: TracedModel, plan: Plan) -> dict[str, Any]:
         fqn = graph_input.fqn
         spec = plan.params.get(fqn, plan.params.get(traced.ties.get(fqn, fqn)))
         if spec is None:
-            raise ValueError(
+            raise ModelError(
                 f"the model reads {'parameter' if graph_input.kind == 'param' else 'buffer'} {fqn!r} in this mode but not in the mode it was compiled in, so "
                 "the compiled module holds no shard of it: compile the model in the mode that reads every "
                 "parameter and buffer (model.train() or model.eval() before autopar.compile)"

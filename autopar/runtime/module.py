@@ -15,6 +15,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate
 
+from autopar.errors import ConfigError, UsageError
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets
@@ -224,7 +225,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
     def _make_mode_graph(self) -> ModeGraph:
         if self._build_mode is None:
             compiled = mode_name(not self.training)
-            raise RuntimeError(
+            raise UsageError(
                 f"this module was compiled in {compiled} mode and cannot make its {mode_name(self.training)} graph "
                 f"here: call pm.{compiled}() to run it, or compile the model in {mode_name(self.training)} mode"
             )
@@ -428,7 +429,9 @@ class ParallelModule(ModelAttributes, ShardedModule):
         """Copy whole tensors (a plain ``state_dict()``) or DTensors on ``device_mesh`` (a filled
         ``pm.state_dict()``) into this rank's shards."""
         if assign:
-            raise ValueError("ParallelModule.load_state_dict copies into its shards; assign=True is not supported")
+            raise ConfigError(
+                "ParallelModule.load_state_dict copies into its shards; assign=True is not supported: call it without assign"
+            )
         missing, unexpected = load_model_state_dict(self, state_dict, strict=strict)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
+from autopar.errors import ConfigError, UsageError
 from autopar.ir.plan import Plan
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.rules.simulate import assemble
@@ -128,7 +129,7 @@ def run_ranks_in_threads(world_size: int, fn, *args: Any, timeout_s: float = 300
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
     if dist.is_initialized():
-        raise RuntimeError("the numerics guard runs its own in-process ranks: call it outside a process group")
+        raise UsageError("the numerics guard runs its own in-process ranks: call it outside a process group")
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     world = threaded._install_threaded_pg()
     threaded.ProcessLocalGroup.reset()
@@ -222,6 +223,25 @@ def _eager_values(traced: TracedModel, model: torch.nn.Module, inputs, kwargs, n
     return recorder.values
 
 
+def _check_runs(plan: Plan) -> None:
+    """The plans the guard runs: one stage, nothing offloaded, fp32 (a ConfigError with the fix otherwise)."""
+    if plan.pipeline is not None:
+        raise ConfigError(
+            "the numerics guard runs one-stage plans; a pipelined plan needs the pipeline runtime: check the same "
+            "model planned with pipeline='off'"
+        )
+    if plan.memory is not None and (plan.memory.offload or plan.memory.offload_activations):
+        raise ConfigError(
+            "the numerics guard does not run plans that offload (they need an offload store): check the same "
+            "model planned with offload='off'"
+        )
+    if plan.precision is not None and plan.precision.param_dtype is not None:
+        raise ConfigError(
+            f"the numerics guard compares with fp32 eager at 1e-4, and this plan runs precision="
+            f"{plan.precision.name!r}: check the same sharding planned with precision='32-true'"
+        )
+
+
 def check_numerics(
     model: torch.nn.Module,
     plan: Plan,
@@ -238,15 +258,7 @@ def check_numerics(
     when the loss, a gradient or a planned node's value differs from eager by more than
     ``tolerance`` (relative to the largest magnitude of the eager value).
     """
-    if plan.pipeline is not None:
-        raise ValueError("the numerics guard runs one-stage plans; a pipelined plan needs the pipeline runtime")
-    if plan.memory is not None and (plan.memory.offload or plan.memory.offload_activations):
-        raise ValueError("the numerics guard does not run plans that offload (they need an offload store)")
-    if plan.precision is not None and plan.precision.param_dtype is not None:
-        raise ValueError(
-            f"the numerics guard compares with fp32 eager at 1e-4, and this plan runs precision="
-            f"{plan.precision.name!r}: check the same sharding planned with precision='32-true'"
-        )
+    _check_runs(plan)
     example_kwargs = dict(example_kwargs or {})
     traced = trace(model, example_inputs, example_kwargs)
     check_plan_matches(plan, traced, plan.mesh_shape)

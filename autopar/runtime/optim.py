@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from autopar.errors import ConfigError
 from autopar.ops.params import local_of
 from autopar.runtime.offload import grad_key, param_key
 
@@ -37,7 +38,7 @@ class AdamW:
         weight_decay: float = 1e-2,
     ):
         if not lr >= 0 or not eps >= 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"AdamW needs lr >= 0, eps >= 0 and betas in [0, 1), got lr={lr}, eps={eps}, betas={betas}")
+            raise ConfigError(f"AdamW needs lr >= 0, eps >= 0 and betas in [0, 1), got lr={lr}, eps={eps}, betas={betas}")
         self.module = module
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.offloader = getattr(module, "offloader", None)

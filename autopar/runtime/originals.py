@@ -22,6 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from autopar.errors import UsageError
+
 _ORIGINALS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 # id(original parameter) → (it, the compiled module, both weakly; the parameter's FQN in the module)
 _BINDINGS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
@@ -132,7 +134,7 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             _rebind(optimizer, targets)
             _CHECKED[optimizer] = num_params
             return
-        raise RuntimeError(
+        raise UsageError(
             f"{type(optimizer).__name__} steps {len(originals)} parameters of the model passed to autopar.compile, "
             "which the compiled module does not use: they get no gradients, and nothing would train. Build the "
             "optimizer from the compiled module's parameters: "

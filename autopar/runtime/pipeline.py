@@ -66,7 +66,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from autopar.errors import PlanError
+from autopar.errors import ConfigError, DataMismatchError, ModelError, PlanError, UsageError
 from autopar.ir.data import DataLayout
 from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
@@ -75,7 +75,7 @@ from autopar.passes import default_passes, run_passes
 from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
 from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict
-from autopar.runtime.data import DataMismatchError, RandomOps, random_ops, start_check
+from autopar.runtime.data import RandomOps, random_ops, start_check
 from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
 from autopar.runtime.microbatch_loss import label_counts
@@ -422,7 +422,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hook_guard.check()
         if not self.training:
-            raise RuntimeError(
+            raise UsageError(
                 "this pipelined module is in eval mode, but it runs only the graph traced in train mode (batch norm "
                 "with batch statistics, dropout on), so its outputs would not be the model's eval outputs: call "
                 "pm.train() (under torch.no_grad() it runs forward only), or evaluate with a module compiled without "
@@ -481,10 +481,11 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         try:
             settle()
         except DataMismatchError as error:
-            raise ValueError(
+            raise DataMismatchError(
                 f"ranks {error.ranks[0]} and {error.ranks[1]} passed different batches, but a pipelined module takes "
                 "the same whole batch on every rank (its first stage reads the inputs and its last the labels, on "
-                "their own ranks): pass every rank the same batch"
+                "their own ranks): pass every rank the same batch",
+                error.ranks,
             ) from None
         return flat
 
@@ -580,7 +581,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         dist.all_gather_object(gathered, [list(names) for names in groups])
         counts = sorted({len(rank_groups) for rank_groups in gathered})
         if len(counts) > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"the optimizers of the pipeline's ranks have different numbers of param groups ({counts}): build "
                 "each rank's optimizer with the same groups (a group may be empty on a stage that holds none of it)"
             )
@@ -603,7 +604,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         """Copy whole tensors (a plain ``state_dict()``) or DTensors on ``device_mesh`` (a filled
         ``pm.state_dict()``) into this rank's shards; ``strict`` asks for every name of the model."""
         if assign:
-            raise ValueError("load_state_dict copies into the shards; assign=True is not supported")
+            raise ConfigError("load_state_dict copies into the shards; assign=True is not supported: call it without assign")
         part = isinstance(next(iter(state_dict.values()), None), DTensor)  # this rank's part only
         missing = [k for k in self._state_keys if k not in state_dict and (self._holds(k) or not part)]
         unexpected = [k for k in state_dict if k not in set(self._state_keys)]
@@ -638,7 +639,7 @@ def loss_output(traced: TracedModel) -> tuple[int, torch.fx.Node]:
     results = pytree.tree_leaves(output.args[0])
     scalars = [i for i, r in enumerate(results) if isinstance(r, torch.fx.Node) and _is_scalar(r)]
     if len(scalars) != 1:
-        raise ValueError(
+        raise ModelError(
             "a pipelined model must return its loss, one scalar floating tensor (the last stage's output), among "
             f"its outputs: this model returns {len(results)} values, of which {len(scalars)} are scalars; compute the "
             "loss inside forward (GPT(..)(idx, targets), or labels= for a Hugging Face model)"

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.cost.cluster import CPU_PRESET, ClusterSpec, LinkSpec, cpu_cluster, get_cluster, local_cluster
+from autopar.errors import ClusterSpecError, ConfigError, InternalError, MeshError
 from autopar.runtime import profile_rates
 from autopar.runtime.launch import run_distributed
 from autopar.runtime.module import mesh_groups
@@ -118,13 +119,13 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float], k: in
     negative); a non-positive slope means the sizes were too small to see the bandwidth.
     """
     if k < 2 or len(sizes_bytes) != len(times_s) or len(sizes_bytes) < 2:
-        raise ValueError(f"fit_alpha_beta needs k >= 2 and two or more (size, time) pairs, got k={k}, {len(times_s)} times")
+        raise InternalError(f"fit_alpha_beta needs k >= 2 and two or more (size, time) pairs, got k={k}, {len(times_s)} times")
     mean_n = statistics.fmean(sizes_bytes)
     mean_t = statistics.fmean(times_s)
     var = sum((n - mean_n) ** 2 for n in sizes_bytes)
     slope = sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes_bytes, times_s)) / var
     if slope <= 0:
-        raise ValueError(
+        raise ClusterSpecError(
             f"all-reduce times {list(times_s)} do not grow with size {list(sizes_bytes)}: measure larger sizes (drop --quick)"
         )
     intercept = mean_t - slope * mean_n
@@ -151,7 +152,7 @@ def measure_axes(
     Every rank of an initialized process group whose world size is ``prod(mesh_shape)`` must call
     it; all ranks return the same list."""
     if math.prod(mesh_shape) != dist.get_world_size():
-        raise ValueError(
+        raise MeshError(
             f"mesh {tuple(mesh_shape)} has {math.prod(mesh_shape)} devices but the world size is "
             f"{dist.get_world_size()}: pass a mesh whose sizes multiply to the world size"
         )
@@ -307,7 +308,7 @@ def run_profile(
     """What ``autopar profile`` does; returns the spec (None on ranks other than 0)."""
     if spawn:
         if mesh_shape is None:
-            raise ValueError("--spawn needs --mesh, e.g. --mesh 2x2, to know how many local ranks to start")
+            raise ConfigError("--spawn needs --mesh, e.g. --mesh 2x2, to know how many local ranks to start")
         spec = profile_spawn(mesh_shape, quick, timeout_s)
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -325,7 +326,7 @@ def run_profile(
                 dist.destroy_process_group()
     else:
         if mesh_shape is not None and math.prod(mesh_shape) > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"--mesh {'x'.join(map(str, mesh_shape))} needs ranks to time collectives on: add --spawn "
                 "(local gloo ranks) or run under torchrun"
             )

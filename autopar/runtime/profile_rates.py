@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from autopar.cost.cluster import LinkSpec
 from autopar.cost.rates import ComputeRates
+from autopar.errors import ClusterSpecError, InternalError
 
 # (M, N, K) GEMMs: square ones from small to large, then LLaMA-3-8B's at 8192 tokens (attention
 # projections, GQA key/value, MLP up and down, a quarter of the LM head), the shapes the planner prices.
@@ -58,7 +59,7 @@ def fit_saturating(flops: Sequence[float], fractions: Sequence[float]) -> tuple[
     geometric grid over the sizes measured (and 0) with the best ``efficiency`` for each in
     closed form; the efficiency is capped at 1."""
     if len(flops) != len(fractions) or len(flops) < 2:
-        raise ValueError(f"fit_saturating needs two or more (flops, fraction) pairs, got {len(flops)} and {len(fractions)}")
+        raise InternalError(f"fit_saturating needs two or more (flops, fraction) pairs, got {len(flops)} and {len(fractions)}")
     logs = [math.log(r) for r in fractions]
     low, high = math.log(min(flops) / 100), math.log(max(flops) * 10)
     best = None
@@ -77,7 +78,7 @@ def fit_link(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> LinkSpec
     var = sum((n - mean_n) ** 2 for n in sizes_bytes)
     slope = sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes_bytes, times_s)) / var
     if slope <= 0:
-        raise ValueError(f"copy times {list(times_s)} do not grow with size {list(sizes_bytes)}: measure larger sizes")
+        raise ClusterSpecError(f"copy times {list(times_s)} do not grow with size {list(sizes_bytes)}: measure larger sizes")
     return LinkSpec(latency_s=max(mean_t - slope * mean_n, 1e-6), bandwidth_bytes_per_s=1.0 / slope)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from autopar.errors import InputError
 from autopar.ir.data import DataLayout
 from autopar.runtime.base import flatten_inputs
 from autopar.trace import TracedModel
@@ -66,7 +67,7 @@ def check_within(args: tuple, kwargs: dict, traced: TracedModel, metas: Metas, h
             continue
         given = tuple(value.shape)
         if value.dtype != dtype or len(given) != len(shape) or any(g > s for g, s in zip(given, shape)):
-            raise ValueError(
+            raise InputError(
                 f"input {name!r} has shape {given} and dtype {value.dtype}, but this module was planned for "
                 f"shape {shape} and dtype {dtype}{hint}: it takes that dtype and any size up to the planned one "
                 "in each dim (a smaller batch or a shorter sequence is planned again once per shape). Pass "
@@ -99,7 +100,7 @@ def refuse_held_gradients(buckets: list[Any]) -> None:
     those ``pm.no_sync()`` holds back in the planned shape's buckets: refused while any are held,
     rather than stepping on gradients that part of the ranks never summed."""
     if any(not bucket.sync or bucket.held_numel for bucket in buckets):
-        raise ValueError(
+        raise InputError(
             "a backward under pm.no_sync() (gradient accumulation) ran inputs of other shapes than the example "
             "inputs: the planned shape's gradient buckets hold this rank's unreduced gradients, which another "
             "shape's graph does not reduce. Pass every micro-batch of one accumulated step in the example inputs' "

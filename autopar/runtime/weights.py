@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar.errors import ConfigError, ModelError
 from autopar.ops.collectives import call_on_world
 
 log = logging.getLogger("autopar")
@@ -70,7 +71,7 @@ def check_same_weights(model: torch.nn.Module, init: Any = None, weights: str = 
     ``init`` is ``compile``'s: a model materialized by ``SeededInit`` or ``FromCheckpoint`` is
     the same on every rank by construction, and costs nothing here."""
     if weights not in WEIGHTS_MODES:
-        raise ValueError(f"weights must be one of {WEIGHTS_MODES}, got {weights!r}")
+        raise ConfigError(f"weights must be one of {WEIGHTS_MODES}, got {weights!r}")
     if init is not None or dist.get_world_size() == 1:
         return
     named = list(model.named_parameters()) + list(model.named_buffers())
@@ -96,7 +97,7 @@ def check_same_weights(model: torch.nn.Module, init: Any = None, weights: str = 
             continue
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         lines.append(f"rank {rank} differs from rank 0 in {len(names)} tensors ({shown})")
-    raise ValueError(
+    raise ModelError(
         "ranks hold different weights: " + "; ".join(lines) + ". autopar.compile cuts each rank's shards from its own "
         "copy of the model, so every rank must build the same one: seed every rank alike (torch.manual_seed(s) "
         "before building the model) and load the same files, or build it on the meta device and pass "

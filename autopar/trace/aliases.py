@@ -19,6 +19,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from autopar.errors import InputError
+
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
     """An id of the memory a tensor views, or None where it has none to share (a FakeTensor
@@ -71,7 +73,7 @@ def check_call_aliases(values: Sequence[Any], names: Sequence[str], written: fro
             continue
         other = owners.setdefault(key, name)
         if other != name and (name in written or other in written):
-            raise ValueError(
+            raise InputError(
                 f"inputs {other!r} and {name!r} share memory (the same tensor, or views of one tensor), and the "
                 f"compiled graph writes {name if name in written else other!r} in place: it was traced with "
                 "independent inputs, so the write would not show through the other as in eager. Pass a copy "

@@ -21,7 +21,7 @@ import torch.fx
 from torch.export.graph_signature import InputKind
 from torch.utils._pytree import TreeSpec
 
-from autopar.errors import TraceError
+from autopar.errors import ConfigTypeError, TraceError
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.trace.aliases import independent_inputs
 from autopar.trace.attention import causal_attention, written
@@ -94,7 +94,7 @@ def trace(
     Floating example inputs are cast to ``param_dtype`` first, as the runtime casts each call's
     (``MixedPrecision.cast_inputs``)."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
+        raise ConfigTypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     if precision is not None:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from autopar.errors import TraceError
+from autopar.errors import TraceError, UsageError
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _same_call(a: _Call, b: _Call) -> bool:
 def _rebuild(key: str, tensors: list[torch.Tensor]) -> tuple[type, tuple[tuple[Any, ...], dict[str, Any]]]:
     call = _CALLS.get(key)
     if call is None:
-        raise RuntimeError(
+        raise UsageError(
             f"autopar: the custom autograd Function call {key!r} was traced in another process; "
             "compile the model in this process (autopar.compile traces it) before running its graph"
         )

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.errors import ConfigError, InputError
+
 __all__ = [
     "MLP",
     "GPT",
@@ -50,7 +52,7 @@ class MLP(nn.Module):
     def __init__(self, d_in: int = 32, d_hidden: int = 128, d_out: int = 32, depth: int = 2):
         super().__init__()
         if depth < 1:
-            raise ValueError(f"MLP depth must be at least 1, got {depth}")
+            raise ConfigError(f"MLP depth must be at least 1, got {depth}")
         self.config = dict(d_in=d_in, d_hidden=d_hidden, d_out=d_out, depth=depth)
         widths = [d_in] + [d_hidden] * depth
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
@@ -72,7 +74,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, fused_qkv: bool = False, bias: bool = True, causal: bool = True):
         super().__init__()
         if n_embd % n_head != 0:
-            raise ValueError(f"n_embd ({n_embd}) must divide by n_head ({n_head})")
+            raise ConfigError(f"n_embd ({n_embd}) must divide by n_head ({n_head})")
         self.n_embd, self.n_head, self.fused_qkv, self.causal = n_embd, n_head, fused_qkv, causal
         if fused_qkv:
             self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
@@ -183,7 +185,9 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq = idx.shape
         if seq > self.block_size:
-            raise ValueError(f"sequence length {seq} exceeds block_size {self.block_size}")
+            raise InputError(
+                f"sequence length {seq} exceeds block_size {self.block_size}: pass shorter sequences, or a larger block_size"
+            )
         pos = torch.arange(seq, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
@@ -287,7 +291,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int):
         super().__init__()
         if n_embd % n_head or n_head % n_kv_head:
-            raise ValueError(f"n_embd ({n_embd}) must divide by n_head ({n_head}), and n_head by n_kv_head ({n_kv_head})")
+            raise ConfigError(f"n_embd ({n_embd}) must divide by n_head ({n_head}), and n_head by n_kv_head ({n_kv_head})")
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, n_embd // n_head
         self.q_proj = nn.Linear(n_embd, n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
@@ -547,7 +551,7 @@ _BATCH_DEFAULTS: dict[str, dict[str, int]] = {
 
 def _check_name(name: str) -> None:
     if name not in DEFAULT_CONFIGS:
-        raise ValueError(f"unknown model {name!r}; expected one of {list(MODEL_NAMES)}")
+        raise ConfigError(f"unknown model {name!r}; expected one of {list(MODEL_NAMES)}")
 
 
 def build_model(name: str, seed: int = 0, **config: Any) -> nn.Module:
@@ -559,7 +563,7 @@ def build_model(name: str, seed: int = 0, **config: Any) -> nn.Module:
     _check_name(name)
     unknown = set(config) - set(DEFAULT_CONFIGS[name])
     if unknown:
-        raise ValueError(f"unknown config for {name!r}: {sorted(unknown)}; expected some of {sorted(DEFAULT_CONFIGS[name])}")
+        raise ConfigError(f"unknown config for {name!r}: {sorted(unknown)}; expected some of {sorted(DEFAULT_CONFIGS[name])}")
     kwargs = {**DEFAULT_CONFIGS[name], **config}
     torch.manual_seed(seed)
     if name == "mlp":
@@ -590,7 +594,7 @@ def example_batch(name: str, batch_size: int = 8, seed: int = 0, **config: Any) 
     allowed = set(DEFAULT_CONFIGS[name]) | set(_BATCH_DEFAULTS.get(name, {}))
     unknown = set(config) - allowed
     if unknown:
-        raise ValueError(f"unknown config for {name!r}: {sorted(unknown)}; expected some of {sorted(allowed)}")
+        raise ConfigError(f"unknown config for {name!r}: {sorted(unknown)}; expected some of {sorted(allowed)}")
     cfg = {**DEFAULT_CONFIGS[name], **_BATCH_DEFAULTS.get(name, {}), **config}
     gen = torch.Generator().manual_seed(seed)
     if name == "mlp":

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from autopar.errors import ConfigError
 from autopar.zoo import models
 
 
@@ -25,7 +26,7 @@ class ModelPreset:
 
     def __post_init__(self) -> None:
         if self.family not in ("gpt", "llama", "moe"):
-            raise ValueError(f"presets are gpt, llama or moe shapes, got family {self.family!r}")
+            raise ConfigError(f"presets are gpt, llama or moe shapes, got family {self.family!r}")
 
 
 def _gpt2(n_layer: int, n_head: int, n_embd: int) -> dict[str, Any]:
@@ -75,14 +76,14 @@ def build_preset(
     ``num_layers`` overrides the depth (a 2-layer LLaMA-2-70B has the real widths and plans fast).
     """
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+        raise ConfigError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
     preset = PRESETS[name]
     config = dict(preset.config)
     if num_layers is not None:
         config["n_layer"] = num_layers
     seq = seq_len or preset.seq_len
     if preset.family == "gpt" and seq > config["block_size"]:
-        raise ValueError(f"{name} takes at most {config['block_size']} tokens, got --seq-len {seq}")
+        raise ConfigError(f"{name} takes at most {config['block_size']} tokens, got --seq-len {seq}")
     with torch.device("meta"):
         model = models.build_model(preset.family, **config).to(preset.dtype)
     inputs = tuple(

@@ -45,6 +45,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost.cluster import ClusterSpec, resolve_budget
+from autopar.errors import ConfigError
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
 from autopar.ir.spec import SS, Spec, format_spec, is_valid, replicate_size_one_axes
@@ -75,21 +76,21 @@ class ColossalParallel:
         for name in ("pipeline", "size", "depth", "data"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"parallel: {name} must be a positive int, got {value!r}")
+                raise ConfigError(f"parallel: {name} must be a positive int, got {value!r}")
         if self.mode not in MODES:
-            raise ValueError(f"parallel: tensor mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+            raise ConfigError(f"parallel: tensor mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.mode != "2.5d" and self.depth != 1:
-            raise ValueError(f"parallel: depth is for mode '2.5d' only, got depth={self.depth} with mode {self.mode!r}")
+            raise ConfigError(f"parallel: depth is for mode '2.5d' only, got depth={self.depth} with mode {self.mode!r}")
         side = self.side
         if self.mode == "2d" and side**2 != self.size:
-            raise ValueError(f"parallel: mode '2d' needs size = q² (a q × q grid), got size={self.size}: use 4, 9, 16, ...")
+            raise ConfigError(f"parallel: mode '2d' needs size = q² (a q × q grid), got size={self.size}: use 4, 9, 16, ...")
         if self.mode == "2.5d" and (self.size % self.depth or side**2 * self.depth != self.size):
-            raise ValueError(
+            raise ConfigError(
                 f"parallel: mode '2.5d' needs size = depth · q², got size={self.size}, depth={self.depth}: "
                 f"for depth={self.depth} use size {', '.join(str(self.depth * q * q) for q in (2, 3, 4))}"
             )
         if self.mode == "3d" and side**3 != self.size:
-            raise ValueError(f"parallel: mode '3d' needs size = q³ (a q × q × q cube), got size={self.size}: use 8, 27, 64, ...")
+            raise ConfigError(f"parallel: mode '3d' needs size = q³ (a q × q × q cube), got size={self.size}: use 8, 27, 64, ...")
 
     @classmethod
     def from_dict(cls, parallel: Mapping[str, Any], world_size: int | None = None) -> ColossalParallel:
@@ -97,19 +98,19 @@ class ColossalParallel:
         ``dict(mode=..., size=..., depth=...)`` (no ``tensor``: mode "1d", size 1), ``data`` optional.
         ``world_size`` (when given) must be pipeline × tensor size × data."""
         if not isinstance(parallel, Mapping):
-            raise ValueError(
+            raise ConfigError(
                 f"parallel must be a dict such as dict(pipeline=2, tensor=dict(mode='2d', size=4)), got {parallel!r}"
             )
         unknown = set(parallel) - {"pipeline", "tensor", "data"}
         if unknown:
-            raise ValueError(f"parallel: unknown keys {sorted(unknown)}; expected pipeline, tensor and data")
+            raise ConfigError(f"parallel: unknown keys {sorted(unknown)}; expected pipeline, tensor and data")
         pipeline = _size_of(parallel.get("pipeline", 1), "pipeline")
         tensor = parallel.get("tensor") or {}
         if not isinstance(tensor, Mapping):
-            raise ValueError(f"parallel: tensor must be a dict such as dict(mode='2d', size=4), got {tensor!r}")
+            raise ConfigError(f"parallel: tensor must be a dict such as dict(mode='2d', size=4), got {tensor!r}")
         unknown = set(tensor) - {"mode", "size", "depth"}
         if unknown:
-            raise ValueError(f"parallel: unknown tensor keys {sorted(unknown)}; expected mode, size and depth")
+            raise ConfigError(f"parallel: unknown tensor keys {sorted(unknown)}; expected mode, size and depth")
         mode = tensor.get("mode", "1d")
         mode = mode.lower() if isinstance(mode, str) else mode
         size, depth = tensor.get("size", 1), tensor.get("depth", 1)
@@ -118,7 +119,7 @@ class ColossalParallel:
         if world_size is not None:
             model = pipeline * (size if isinstance(size, int) else 1)
             if isinstance(size, int) and (world_size % model or (data is not None and data * model != world_size)):
-                raise ValueError(
+                raise ConfigError(
                     f"parallel: the world of {world_size} ranks must be pipeline ({pipeline}) × tensor "
                     f"size ({size}) × data{f' ({data})' if data else ''}: pass a mesh of "
                     f"{model * (data or 1)} ranks, or change the config"
@@ -182,7 +183,7 @@ def _size_of(value: Any, name: str) -> int:
     if isinstance(value, Mapping):
         value = value.get("size", 1)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"parallel: {name} must be a positive int (or dict(size=N)), got {value!r}")
+        raise ConfigError(f"parallel: {name} must be a positive int (or dict(size=N)), got {value!r}")
     return value
 
 
@@ -202,7 +203,7 @@ def colossal_specs(config: ColossalParallel, traced: TracedModel) -> dict[str, S
         spec = replicate_size_one_axes(tuple(per_role.get(role, Replicate()) for role in roles), mesh)
         shape = tuple(placeholders[name].meta["val"].shape)
         if not is_valid(shape, spec, mesh):
-            raise ValueError(
+            raise ConfigError(
                 f"{config.mode} tensor parallelism cannot split {fqn} of shape {shape} as "
                 f"{format_spec(spec)} on the stage mesh {mesh} ({', '.join(roles)}): its dims must "
                 f"divide by the grid (Colossal-AI's layers need the same); change tensor size or the model"
@@ -330,7 +331,7 @@ def _residual_specs(
             continue
         if isinstance(val, torch.Tensor) and val.dim() == 3 and val.shape[-1] == hidden and val.is_floating_point():
             if not is_valid(tuple(val.shape), spec, mesh):
-                raise ValueError(
+                raise ConfigError(
                     f"{config.mode} tensor parallelism splits the activations {tuple(val.shape)} of "
                     f"{node.format_node()} as {format_spec(spec)} on the stage mesh {mesh} ({', '.join(roles)}): "
                     f"the batch (per microbatch) must divide by {_batch_ways(spec, mesh)} and the width by the "

@@ -45,6 +45,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost.cluster import ClusterSpec
+from autopar.errors import ConfigError
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
 from autopar.ir.spec import Spec, is_valid, replicate_size_one_axes
@@ -95,7 +96,7 @@ def resolve_kind(kind: str) -> str:
     kind = ALIASES.get(kind, kind)
     if kind not in KINDS:
         names = ", ".join(KINDS + tuple(ALIASES))
-        raise ValueError(f"unknown hand plan {kind!r}; expected one of {names}")
+        raise ConfigError(f"unknown hand plan {kind!r}; expected one of {names}")
     return kind
 
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
+from autopar.errors import ConfigError
 from autopar.rules import op_info
 from autopar.solver.problem.choices import Choice, ChoiceGraph, build_choice_graph, layer_key
 from autopar.solver.problem.edges import EdgePrices
@@ -260,7 +261,7 @@ class CandidateSolver:
         mode: str = "lagrangian",
     ):
         if mode not in CANDIDATE_MODES:
-            raise ValueError(f"candidates must be one of {CANDIDATE_MODES}, got {mode!r}")
+            raise ConfigError(f"candidates must be one of {CANDIDATE_MODES}, got {mode!r}")
         self.graph, self.time_limit_s, self.solver, self.ladder = graph, time_limit_s, solver, ladder
         self.mode = mode
         self.ilp = ShardingILP(per_step_graph(graph, split, num_microbatches), None)

@@ -63,7 +63,7 @@ import numpy as np
 
 from autopar.cost import optimizer as step_cost
 from autopar.cost.cluster import ClusterSpec
-from autopar.errors import InfeasibleError, MeshError
+from autopar.errors import ConfigError, InfeasibleError, MeshError, ModelError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.ir.pipeline import (
@@ -172,7 +172,7 @@ class StageSettings:
             object.__setattr__(self, "forced_layers", tuple(self.forced_layers))
         unknown = set(self.schedules_allowed) - set(schedules.ALL_SCHEDULES)
         if unknown:
-            raise ValueError(f"schedules must be among {schedules.ALL_SCHEDULES}, got {sorted(unknown)}")
+            raise ConfigError(f"schedules must be among {schedules.ALL_SCHEDULES}, got {sorted(unknown)}")
 
 
 @dataclass
@@ -283,7 +283,7 @@ def _representatives(traced_blocks: int, num_layers: int) -> np.ndarray:
     if num_layers == traced_blocks:
         return np.arange(num_layers + 2)
     if traced_blocks < 3:
-        raise ValueError(
+        raise ModelError(
             f"planning {num_layers} layers from a trace of {traced_blocks} blocks needs at least 3 "
             "traced blocks (the first, an interior one and the last): trace a deeper model"
         )
@@ -547,7 +547,7 @@ def check_pipeline_args(
 ) -> list[int]:
     """The stage counts to try; a ValueError naming the cause and the fix otherwise."""
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+        raise ConfigError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
     axis0 = mesh_shape[0] if mesh_shape is not None else devices
     where = f"mesh axis 0 ({axis0})" if mesh_shape is not None else f"the {devices} devices"
     if num_stages == "auto":
@@ -555,7 +555,7 @@ def check_pipeline_args(
         return counts
     check_num_stages(axis0, num_stages, where)
     if num_stages > num_layers:
-        raise ValueError(
+        raise ConfigError(
             f"pipeline={num_stages} stages, but the model has only {num_layers} layers to split "
             f"(its repeated blocks): use at most {num_layers} stages"
         )

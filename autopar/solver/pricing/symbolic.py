@@ -33,6 +33,7 @@ import torch.fx
 from autopar.cost import comm, compute, liveness, memory
 from autopar.cost import optimizer as step_cost
 from autopar.cost.cluster import ClusterSpec
+from autopar.errors import ModelError, PlanError
 from autopar.ir.plan import Plan
 from autopar.ir.prediction import Prediction
 from autopar.rules import op_info
@@ -61,8 +62,8 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
     for node in traced.gm.graph.nodes:
         decided = plan.nodes.get(node.name)
         if decided is None:
-            raise ValueError(
-                f"node {node.name} is not in the plan: the model traced to another graph; predict only changes the batch size"
+            raise PlanError(
+                f"node {node.name} is not in the plan: the model traced to another graph; predict only changes the batch size: re-plan for this model"
             )
         if node.op == "placeholder":
             kind = kinds[node.name]
@@ -303,7 +304,10 @@ def batch_size(args: Any) -> int:
     for leaf in torch.utils._pytree.tree_leaves(args):
         if isinstance(leaf, torch.Tensor) and leaf.dim():
             return int(leaf.shape[0])
-    raise ValueError("symbolic costs need a tensor input whose dim 0 is the batch; the example inputs have none")
+    raise ModelError(
+        "symbolic costs need a tensor input whose dim 0 is the batch; the example inputs have none: pass the "
+        "batch as a tensor input, or plan without symbolic_batch"
+    )
 
 
 __all__ = ["BATCH", "price_plan", "totals", "symbolic_costs", "double_batch", "batch_size"]

@@ -33,7 +33,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost import compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
-from autopar.errors import InfeasibleError
+from autopar.errors import ConfigError, InfeasibleError
 from autopar.ir.options import CommOptions
 from autopar.ir.spec import SS, Spec, is_valid, replicated
 from autopar.rules import op_info
@@ -343,7 +343,10 @@ def _build_choice_graph(
                         f"{what} of {node.format_node()} needs inputs that its producers, as "
                         "planned or forced, cannot deliver: force a compatible spec, or none"
                     )
-                raise ValueError(f"{what} is not a strategy of {node.format_node()}")
+                raise ConfigError(
+                    f"{what} is not a strategy of {node.format_node()}: force one that its rule offers "
+                    "(`autopar explain` lists them), or leave the node to the solver"
+                )
             _keep_only(choice, keep)
     layers = _layers(traced.gm, choices, traced) if share_layers else {}
     _mark_followers(choices, order, _boundary_nodes(layers, choices))
@@ -366,7 +369,7 @@ def _build_choice_graph(
 def _check_zero_layout(choices: dict[str, Choice], zero_stage: int) -> None:
     for choice in choices.values():
         if choice.kind == "param" and any(not spec.is_replicate() for s in choice.strategies for spec in s.outs[0]):
-            raise ValueError(
+            raise ConfigError(
                 f"zero_stage={zero_stage} prices ZeRO over a DDP layout, but parameter {choice.fqn} may be "
                 "sharded: pin every parameter replicated (forced=...), as autopar.hand_plan('zero1') does"
             )

@@ -31,6 +31,8 @@ from collections.abc import Iterator
 
 import pulp
 
+from autopar.errors import ConfigError, InternalError
+
 SOLVERS = ("auto", "highs", "cbc")
 
 # A MILP solve stops once its plan is proven within this fraction of the optimum (HiGHS's
@@ -51,9 +53,9 @@ def check_solver(name: str) -> str:
     """Validate ``name`` and resolve HiGHS to CBC when ``highspy`` is missing (``"highs"`` asked
     for by name is an error then, since the caller chose it)."""
     if name not in SOLVERS:
-        raise ValueError(f"unknown solver {name!r}: expected one of {', '.join(SOLVERS)}")
+        raise ConfigError(f"unknown solver {name!r}: expected one of {', '.join(SOLVERS)}")
     if name == "highs" and not highs_available():
-        raise ValueError("solver='highs' needs the highspy package: pip install highspy, or pass solver='cbc'")
+        raise ConfigError("solver='highs' needs the highspy package: pip install highspy, or pass solver='cbc'")
     return name
 
 
@@ -140,7 +142,7 @@ def make(name: str, time_limit_s: float, *, mip: bool = True) -> pulp.LpSolver:
     """A PuLP solver object for backend ``name`` ("highs" or "cbc") with a time limit, whose
     solves print nothing on stdout (``solver_output``)."""
     if not time_limit_s > 0:
-        raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
+        raise ConfigError(f"time_limit_s must be positive, got {time_limit_s!r}")
     msg = solver_log_enabled()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -164,7 +166,7 @@ def make(name: str, time_limit_s: float, *, mip: bool = True) -> pulp.LpSolver:
                 gapAbs=0.0,
                 options=["randomSeed 1", "randomCbcSeed 1"],
             )
-    raise ValueError(f"no backend {name!r}: expected 'highs' or 'cbc'")
+    raise InternalError(f"no backend {name!r}: expected 'highs' or 'cbc'")
 
 
 def lp_backend() -> str:
