@@ -276,32 +276,9 @@ class GradBuckets(torch.nn.Module):
     # -- backward -------------------------------------------------------------------------
 
     def add(self, key: str, grad: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if self._pending is not None and task != self._task:
-            self._drop()  # a backward that raised before its end left buckets half full
-        if self._pending is None:
-            self._pending = [None] * len(self.buckets)
-            self._task = task
-            self._scatter_inputs = self.max_scatter_inputs = 0
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         index, position = self._where[key]
+        pending = self._round(index, grad.device)
         bucket = self.buckets[index]
-        pending = self._pending[index]
-        if pending is not None and pending.work is not None:
-            # launched already: this gradient is another forward's (forward ran more than once
-            # before this backward); it goes into a new round, reduced on its own
-            self._rounds.append((index, pending))
-            pending = self._pending[index] = _Pending(bucket, grad.device)
-            if bucket.kind == "reduce_scatter":
-                self._scatter_inputs += 1
-                self.max_scatter_inputs = max(self.max_scatter_inputs, self._scatter_inputs)
-        if pending is None:
-            flat, out = self._reusable(index, grad.device)
-            pending = self._pending[index] = _Pending(bucket, grad.device, flat)
-            pending.out = out
-            if bucket.kind == "reduce_scatter":
-                self._scatter_inputs += 1
-                self.max_scatter_inputs = max(self.max_scatter_inputs, self._scatter_inputs)
         slot = bucket.slots[position]
         target = self._slot_view(index, position, pending.flat)
         if slot.kind == "reduce_scatter":
@@ -315,6 +292,62 @@ class GradBuckets(torch.nn.Module):
         pending.left -= 1
         if pending.left == 0:
             self._launch(index, pending)
+
+    def add_all(self, keys: Sequence[str], grads: Sequence[torch.Tensor | None]) -> None:
+        """``add`` of each gradient that arrived (None: none did). Where they fill a whole
+        all-reduce bucket not written yet this round (the graph's node for the bucket, every
+        parameter reached), they go into its flat buffer in one copy, as DDP's reducer copies
+        in C++: one op instead of a slot view and a copy per parameter."""
+        index = self._where[keys[0]][0] if keys else -1
+        bucket = self.buckets[index] if keys else None
+        whole = (
+            bucket is not None
+            and bucket.kind == "all_reduce"
+            and all(grad is not None for grad in grads)
+            and tuple(keys) == tuple(slot.key for slot in bucket.slots)
+            and all(slot.uses == 1 for slot in bucket.slots)
+        )
+        if whole:
+            pending = self._round(index, grads[0].device)
+            if not pending.written and all(grad.dtype == pending.flat.dtype for grad in grads):
+                torch.cat([grad.reshape(-1) for grad in grads], out=pending.flat)
+                pending.written.update(keys)
+                pending.left -= len(keys)
+                if pending.left == 0:
+                    self._launch(index, pending)
+                return
+        for key, grad in zip(keys, grads, strict=True):
+            if grad is not None:
+                self.add(key, grad)
+
+    def _round(self, index: int, device: torch.device) -> _Pending:
+        """Bucket ``index``'s state in this backward, started where it is the first gradient."""
+        task = torch._C._current_graph_task_id()
+        if self._pending is not None and task != self._task:
+            self._drop()  # a backward that raised before its end left buckets half full
+        if self._pending is None:
+            self._pending = [None] * len(self.buckets)
+            self._task = task
+            self._scatter_inputs = self.max_scatter_inputs = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket = self.buckets[index]
+        pending = self._pending[index]
+        if pending is not None and pending.work is not None:
+            # launched already: this gradient is another forward's (forward ran more than once
+            # before this backward); it goes into a new round, reduced on its own
+            self._rounds.append((index, pending))
+            pending = self._pending[index] = _Pending(bucket, device)
+            if bucket.kind == "reduce_scatter":
+                self._scatter_inputs += 1
+                self.max_scatter_inputs = max(self.max_scatter_inputs, self._scatter_inputs)
+        if pending is None:
+            flat, out = self._reusable(index, device)
+            pending = self._pending[index] = _Pending(bucket, device, flat)
+            pending.out = out
+            if bucket.kind == "reduce_scatter":
+                self._scatter_inputs += 1
+                self.max_scatter_inputs = max(self.max_scatter_inputs, self._scatter_inputs)
+        return pending
 
     def _slot_view(self, index: int, position: int, flat: torch.Tensor) -> torch.Tensor:
         slot = self.buckets[index].slots[position]
@@ -491,9 +524,7 @@ class _SyncGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         needs = ctx.needs_input_grad[2:]
-        for key, grad, need in zip(ctx.keys, grads, needs, strict=True):
-            if grad is not None and need:
-                ctx.buckets.add(key, grad)
+        ctx.buckets.add_all(ctx.keys, [grad if need else None for grad, need in zip(grads, needs, strict=True)])
         return (None, None, *(None for _ in grads))
 
 

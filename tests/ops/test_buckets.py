@@ -230,6 +230,17 @@ def test_one_node_per_bucket_adds_what_arrived_and_computes_nothing_for_a_frozen
     assert torch.equal(params["w"].grad, torch.arange(3.0) + 3.0), "d/dw of w·arange + f·w, f = 3"
     assert params["u"].grad is None and params["f"].grad is None
     assert buckets.launches == 1
+    # every parameter reached: one copy into the flat bucket; two forwards before one backward
+    # fill two rounds, each reduced, and both are added
+    params["f"].requires_grad_(True)
+    for p in params.values():
+        p.grad = None
+    first = buckets(*params.values(), keys=tuple(params))
+    second = buckets(*params.values(), keys=tuple(params))
+    (sum((t * (i + 1)).sum() for i, t in enumerate(first)) + sum((t * 10).sum() for t in second)).backward()
+    for i, k in enumerate(params):
+        assert torch.equal(params[k].grad, torch.full((3,), i + 11.0)), k
+    assert buckets.launches == 3
 
 
 def test_gathers_start_when_forward_starts_and_a_forward_cut_short_leaves_none(one_rank_world, monkeypatch):
