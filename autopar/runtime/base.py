@@ -295,6 +295,8 @@ class ShardedModule(NotPickled, torch.nn.Module):
         loads into the unsharded model.
         """
         self._agree_on_gather()
+        if self._offloader is not None:
+            self._offloader.store.take_back()  # weights loaded in place into state_dict()'s copies
         out: dict[str, torch.Tensor] = {}
         whole: dict[str, torch.Tensor] = {}
         for fqn in self._state_keys:

@@ -96,10 +96,22 @@ def model_state_dict(pm: ParallelModule) -> dict[str, DTensor]:
     mesh = pm.device_mesh
     out: dict[str, DTensor] = {}
     made: dict[int, DTensor] = {}
+    offloader = pm.offloader
+    if offloader is not None:
+        offloader.store.take_back()
+    copies: dict[str, torch.Tensor] = {}  # offloaded parameter → its copy, one for tied names
     for fqn in pm.local_state_keys():
-        local = pm.local_shard(fqn)
+        canonical = pm.ties.get(fqn, fqn)
+        offloaded = offloader is not None and canonical in offloader.params
+        local = copies.get(canonical) if offloaded else None
+        if local is None:
+            local = pm.local_shard(fqn)
+            if offloaded:
+                copies[canonical] = local
         if id(local) not in made:  # tied names share one DTensor, as they share one tensor
             made[id(local)] = to_dtensor(local, pm.plan.params[fqn], pm.full_shape(fqn), mesh)
+            if offloaded:  # a copy read from the store: what dcp.load writes into it goes back
+                offloader.store.hand_out(param_key(canonical), made[id(local)])
         out[fqn] = made[id(local)]
     return out
 
@@ -114,6 +126,8 @@ def load_model_state_dict(pm: ParallelModule, state_dict: Mapping[str, Any], str
     Every rank calls it; a state dict that one rank refuses is refused on every rank, before any
     copy or redistribution.
     """
+    if pm.offloader is not None:
+        pm.offloader.store.take_back()  # copies handed out by state_dict(), before they are overwritten
     keys = pm.state_dict_keys()
     missing = [k for k in keys if k not in state_dict]
     unexpected = [k for k in state_dict if k not in set(keys)]

@@ -247,6 +247,8 @@ class ParallelModule(ModelAttributes, ShardedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hook_guard.check()
+        if self._offloader is not None:
+            self._offloader.store.take_back()  # weights loaded in place into state_dict()'s copies (dcp.load)
         if self._evaluates_locally(args, kwargs):
             return self._local_model()(*args, **kwargs)
         self._num_calls += 1

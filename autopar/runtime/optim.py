@@ -83,6 +83,8 @@ class AdamW:
     @torch.no_grad()
     def step(self) -> None:
         store = self.offloader.store if self.offloader is not None else None
+        if store is not None:
+            store.take_back()  # weights loaded in place into pm.state_dict()'s copies (dcp.load)
         prefetch = self.offloader is not None and self.offloader.memory.prefetch
         params = self._stepping_order() if store is not None else self.params
         if prefetch:  # the first offloaded parameter's read, behind the resident updates

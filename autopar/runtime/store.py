@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from autopar.cost.cluster import LinkSpec
+from autopar.ops.params import local_of
 
 # Writes a store keeps in flight behind the caller (each holds its tensor until written).
 MAX_WRITES_BEHIND = 2
@@ -59,6 +60,7 @@ class Store:
         self.bytes_read = 0
         self.bytes_written = 0
         self._casts: dict[str, set[torch.dtype]] = {}  # key -> the dtypes of its copies (keep_cast)
+        self._handed: dict[str, tuple[weakref.ref, int]] = {}  # key -> a copy handed out, its version then
 
     def __contains__(self, key: str) -> bool:
         return key in self.meta
@@ -84,6 +86,26 @@ class Store:
             self._writes[key] = self._pool.submit(self._write_after, key, tensor, ready)
         for dtype in self._casts.get(key, ()):  # cast here, where the value is: the copy moves fewer bytes
             self.put(cast_key(key, dtype), tensor.to(dtype), wait)
+
+    def hand_out(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (or a DTensor over it), a copy of ``key``'s value given to the user (an
+        offloaded parameter in ``pm.state_dict()``), recorded without keeping it alive, so that
+        what is later written into it in place (``dcp.load(pm.state_dict(), ...)``) comes back to
+        the store (``take_back``), as it would reach a resident parameter through their storage."""
+        self._handed[key] = (weakref.ref(tensor), local_of(tensor)._version)
+        return tensor
+
+    def take_back(self) -> None:
+        """Put back every handed-out copy written in place since it was handed out; forget the
+        copies no one holds any more. The module calls this before it reads the store anew
+        (each forward, the optimizer's step, a state dict)."""
+        for key, (ref, version) in list(self._handed.items()):
+            tensor = ref()
+            if tensor is None:
+                del self._handed[key]
+            elif local_of(tensor)._version != version:
+                self.put(key, local_of(tensor))
+                self._handed[key] = (ref, local_of(tensor)._version)
 
     def keep_cast(self, key: str, dtype: torch.dtype) -> str:
         """Keep a copy of ``key`` in ``dtype``, rewritten by every later ``put`` of ``key``, and

@@ -20,6 +20,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import autopar
 from autopar.zoo.models import GPT
@@ -191,3 +192,13 @@ def test_loading_weights_into_an_offloading_module_reaches_the_store(world_of_on
     got = other.full_state_dict()
     assert all(torch.equal(got[k], loaded[k]) for k in loaded)
     assert torch.equal(other(*batch), pm(*batch))
+    # DCP's own way: load in place into pm.state_dict(), whose offloaded entries are copies read
+    # from the store; the next forward (or step, or state dict) takes what was written back
+    third = autopar.compile(_gpt()[0], (1,), example_inputs=batch, plan=bf16_offload_plan)
+    third(*batch)
+    state = third.state_dict()
+    dcp.load({"model": state}, checkpoint_id=tmp_path / "ckpt")  # autopar.checkpoint.save's layout
+    assert torch.equal(third(*batch), pm(*batch)), "the loaded weights reached the offloaded parameters"
+    assert torch.equal(third.offloader.store.get(f"param/{fqn}@bfloat16"), loaded[fqn].bfloat16())
+    got = third.full_state_dict()
+    assert all(torch.equal(got[k], loaded[k]) for k in loaded)
