@@ -1,4 +1,4 @@
-"""``api.quiet_gc``: planning leaves the caller's objects out of the collector's passes, and gives
+"""``solver.planners.quiet_gc``: planning leaves the caller's objects out of the collector's passes, and gives
 them back, untouched, when it ends."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from autopar.api import quiet_gc
+from autopar.solver.planners.quiet_gc import quiet_gc
 
 
 class _Node:
