@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from autopar.cost.cluster import get_cluster
+from autopar.cost.cluster import ClusterSpec, get_cluster
 from autopar.errors import AutoparError, PlanError
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan, validate_plan_json
@@ -24,12 +24,17 @@ def resolve_plan(
     plan: Plan | None,
     traced: TracedModel,
     mesh_shape: tuple[int, ...],
-    cluster,
+    cluster: ClusterSpec | str | None,
     options: PlanOptions,
     forced: dict[str, Any] | None = None,
     data_axes: tuple[int, ...] | None = None,
     split_batch: bool = False,
 ) -> Plan:
+    """This rank's plan for ``traced`` on ``mesh_shape``: ``plan`` where given (checked to be one
+    the solver could make: it may be hand-edited), else the one rank 0 makes on ``cluster``
+    under ``options`` (``solver.planners.traced.plan_traced``; ``forced`` and ``data_axes`` as
+    there, ``split_batch``: at least split the batch, ``split_batch.split_batch_at_least``) and
+    broadcasts. Either way, a plan made for this graph, torch and mesh."""
     if plan is None:
         # Rank 0 solves and broadcasts; the solve is deterministic, but eight identical solves
         # on one host would only compete for its cores. A failure is broadcast too, so that
