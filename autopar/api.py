@@ -26,6 +26,7 @@ from autopar.ir.options import (
     PrecisionName,
     ScheduleName,
     SolverName,
+    check_mesh_devices,
     precision_policy,
 )
 from autopar.ir.plan import Plan
@@ -213,6 +214,7 @@ def compile(
     # Beside a plan, a precision or data layout is asked for where given, or where options= holds one of its own.
     precision_asked = precision is not None or asked.precision != precision_policy(None)
     run = options_for_plan(plan, asked, precision_asked, data is not None or asked.data != DataOptions())
+    check_mesh_devices(mesh_shape, run.devices)  # options= may hold devices
     check_backend_dtypes(model, example_inputs, example_kwargs, run.precision)
     check_compile_options(run, compiler)
     return build_module(model, (example_inputs, example_kwargs), plan, mesh_shape, cluster, run, init, compiler, split_batch)

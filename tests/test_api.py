@@ -81,6 +81,10 @@ def test_compile_takes_options_whole(mlp):
         options = autopar.PlanOptions(data=autopar.DataOptions(batch="per_rank"), precision="bf16-mixed")
         pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu", options=options)
         assert pm.plan.data_layout.batch == "per_rank" and pm.plan.precision.name == "bf16-mixed"
+        with pytest.raises(ValueError, match="symbolic_batch prices an offline plan"):
+            autopar.compile(model, (1,), example_inputs=batch, options=autopar.PlanOptions(symbolic_batch=True))
+        with pytest.raises(autopar.MeshError, match="not devices=2"):
+            autopar.compile(model, (1,), example_inputs=batch, options=autopar.PlanOptions(devices=2))
         # beside a plan, options' own precision must agree with the plan's
         with pytest.raises(autopar.PlanError, match="contradicts the plan"):
             autopar.compile(model, (1,), example_inputs=batch, plan=pm.plan, options=autopar.PlanOptions(precision="bf16-true"))

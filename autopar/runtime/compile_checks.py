@@ -67,6 +67,11 @@ def check_compile_options(options: PlanOptions, compiler: str | None) -> None:
             "num_microbatches='auto' searches microbatch counts offline, one trace each: plan with "
             "autopar.plan(..., num_microbatches='auto') and compile with plan=, or give a number"
         )
+    if options.symbolic_batch:
+        raise ValueError(
+            "symbolic_batch prices an offline plan for other batch sizes, which compile does not run: "
+            "plan with autopar.plan(..., symbolic_batch=True), and compile without it"
+        )
     check_precision_runs(options.precision)
     if compiler is not None and (options.pipeline.enabled or options.memory.offload != "off"):
         raise ValueError(

@@ -34,7 +34,10 @@ def plan_traced(
     """Plan an already traced model on one mesh (``autopar.plan`` without the tracing); a
     pipeline where ``options.pipeline`` asks for one (``mesh_shape`` None: any mesh of
     ``options.devices``). ``forced`` pins placeholders' specs and ``data_axes`` the
-    batch-splitting axes (another mode's graph of a compiled module: ``runtime.modes``)."""
+    batch-splitting axes (another mode's graph of a compiled module: ``runtime.modes``).
+    ``options.compute`` overrides the cluster's way of pricing ops."""
+    if options.compute is not None:
+        cluster = dataclasses.replace(cluster, compute=options.compute)
     if options.pipeline.enabled:
         assert forced is None and data_axes is None, "a pipelined plan pins no specs"
         return plan_pipelined(traced, mesh_shape, cluster, options)
