@@ -70,6 +70,8 @@ def test_hand_plan_takes_options_whole(mlp):
     options = autopar.PlanOptions(precision="bf16-mixed", memory=autopar.MemoryOptions(checkpointing=False))
     whole = autopar.hand_plan("fsdp", model, (2,), example_inputs=batch, cluster="cpu", options=options)
     assert whole.hash == by_keywords.hash and whole.precision.name == "bf16-mixed"
+    with pytest.raises(ValueError, match="prices one layout on one mesh"):
+        autopar.hand_plan("fsdp", model, (2,), example_inputs=batch, options=autopar.PlanOptions(symbolic_batch=True))
 
 
 def test_compile_takes_options_whole(mlp):

@@ -172,8 +172,18 @@ def _plan_microbatches(model, mesh_shape, examples: Examples, cluster: ClusterSp
 def plan_hand(
     kind: str, model: torch.nn.Module, mesh_shape: tuple[int, ...], examples: Examples, cluster: ClusterSpec, options: PlanOptions
 ) -> Plan:
-    """The hand plan ``kind`` (``hand_plans.KINDS``) of ``model`` on ``mesh_shape``, priced under ``options``."""
+    """The hand plan ``kind`` (``hand_plans.KINDS``) of ``model`` on ``mesh_shape``, priced under
+    ``options`` (``compute`` as in ``plan_traced``; a hand plan lays out one mesh: no pipeline,
+    and no ``symbolic_batch``)."""
     resolve_kind(kind)
+    if options.pipeline.enabled or options.symbolic_batch:
+        raise ValueError(
+            f"hand_plan({kind!r}) prices one layout on one mesh: options with pipeline={options.pipeline.stages!r}, "
+            f"symbolic_batch={options.symbolic_batch!r} are autopar.plan's (or hand_plan('colossal', ...) with "
+            "parallel=dict(pipeline=N) for a pipelined layout)"
+        )
+    if options.compute is not None:
+        cluster = dataclasses.replace(cluster, compute=options.compute)
     traced = trace_repeated(model, *examples, options.precision)
     made = solve_hand_plan(kind, traced, mesh_shape, cluster, options)
     return with_notes(traced, with_data_layout(made, traced, options.data))
