@@ -5,6 +5,7 @@ pm = autopar.compile(model, mesh=(2, 4), example_inputs=(x,))      # under torch
 autopar.checkpoint.save(path, pm, optimizer); autopar.checkpoint.load(path, pm, optimizer)
 pm = autopar.compile(meta_model, mesh, example_inputs=(x,), init=autopar.SeededInit(seed))
 pm = autopar.compile(model, mesh=(2, 2), example_inputs=(x, y), pipeline=2, num_microbatches=4)
+plan = autopar.plan(model, (2, 4), example_inputs=(x,), options=autopar.PlanOptions(...))  # options whole
 """
 
 # The public names are loaded on first use (PEP 562), for start-up speed: `import autopar` and
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
         TraceError,
     )
     from autopar.ir.data import DataOptions
-    from autopar.ir.options import CommOptions, MixedPrecision
+    from autopar.ir.options import CommOptions, MemoryOptions, MixedPrecision, PipelineOptions, PlanOptions, SolveOptions
     from autopar.ir.plan import Plan
     from autopar.runtime.materialize import FromCheckpoint, SeededInit
     from autopar.runtime.module import ParallelModule
@@ -52,6 +53,10 @@ _EXPORTS = {
     "Plan": "autopar.ir.plan",
     "MixedPrecision": "autopar.ir.options",
     "CommOptions": "autopar.ir.options",
+    "PlanOptions": "autopar.ir.options",
+    "SolveOptions": "autopar.ir.options",
+    "MemoryOptions": "autopar.ir.options",
+    "PipelineOptions": "autopar.ir.options",
     "DataOptions": "autopar.ir.data",
     "SeededInit": "autopar.runtime.materialize",
     "FromCheckpoint": "autopar.runtime.materialize",
@@ -74,6 +79,10 @@ _EXPORTS = {
 
 __all__ = [
     "CommOptions",
+    "PlanOptions",
+    "SolveOptions",
+    "MemoryOptions",
+    "PipelineOptions",
     "DataOptions",
     "plan",
     "compile",

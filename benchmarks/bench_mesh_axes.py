@@ -33,6 +33,7 @@ from autopar import api  # noqa: E402
 from autopar.cli.main import load_model  # noqa: E402
 from autopar.cost.cluster import get_cluster  # noqa: E402
 from autopar.ir.options import PlanOptions  # noqa: E402
+from autopar.solver.planners.dispatch import trace_model  # noqa: E402
 from autopar.solver.planners.mesh_search import mesh_search_text, search_mesh  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def main() -> int:
     model, inputs = load_model(args.model, args.batch_size, True, args.seq_len)
     options = PlanOptions.from_keywords(precision=args.precision, devices=args.devices)
     cluster = get_cluster(None)
-    traced = api._trace(model, inputs, None, options.precision)
+    traced = trace_model(model, inputs, None, options.precision)
     print(
         f"{args.model}, batch {args.batch_size}, {args.precision}, cluster {cluster.name}; "
         f"{len(traced.gm.graph.nodes)} graph nodes"

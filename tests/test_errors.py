@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar import api
 from autopar.errors import (
     ClusterSpecError,
     CollectiveError,
@@ -26,6 +25,7 @@ from autopar.errors import (
     TraceError,
 )
 from autopar.passes import check_plan_matches, run_passes
+from autopar.runtime import agreement, compile_checks
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 
@@ -182,7 +182,7 @@ def test_mesh_larger_than_the_world_names_the_world_size(one_rank_group):
 
 
 def test_bfloat16_on_a_gloo_that_cannot_sum_it_names_float32(one_rank_group, monkeypatch):
-    monkeypatch.setitem(api._REDUCES, ("gloo", torch.bfloat16), False)  # an older gloo build
+    monkeypatch.setitem(compile_checks._REDUCES, ("gloo", torch.bfloat16), False)  # an older gloo build
     with pytest.raises(ValueError) as info:
         autopar.compile(build_model("mlp").bfloat16(), mesh=(1,), example_inputs=example_batch("mlp", 8))
     assert "gloo backend cannot reduce" in str(info.value)
@@ -216,14 +216,12 @@ def test_missing_argument_is_named_not_a_treespec(compiled_mlp):
 
 
 def test_ranks_with_different_plans_are_told_to_share_one(one_rank_group, mlp_plan, monkeypatch):
-    from autopar import api
-
     def gather(label, fn, hashes, value):
         hashes[:] = [value, "0123456789abcdef"]
 
-    monkeypatch.setattr(api.collectives, "call_on_world", gather)
+    monkeypatch.setattr(agreement.collectives, "call_on_world", gather)
     with pytest.raises(PlanError) as info:
-        api.check_rank_agreement(mlp_plan)
+        agreement.check_rank_agreement(mlp_plan)
     assert "ranks hold different plans" in str(info.value)
     assert "give every rank the same plan file and model" in str(info.value)
 

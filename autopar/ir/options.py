@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.utils._pytree as pytree
@@ -20,6 +20,16 @@ from autopar.errors import ConfigError, ConfigTypeError, MeshError
 from autopar.ir.data import DataOptions
 from autopar.ir.memory import CHECKPOINT_POLICIES
 from autopar.ir.units import parse_budget
+
+# The string choices of the options, as types (each equals the tuple its checker reads, which
+# tests/ir/test_options.py holds them to).
+SolverName = Literal["auto", "highs", "cbc"]  # solver.search.backends.SOLVERS
+ComputeMode = Literal["roofline", "measured"]  # cost.cluster.COMPUTE_MODES
+OffloadTarget = Literal["off", "auto", "cpu", "disk"]  # or "disk:PATH"
+CheckpointPolicy = Literal["selective", "full"]  # ir.memory.CHECKPOINT_POLICIES
+PipelineStages = Literal["off", "auto"]  # or a number of stages
+ScheduleName = Literal["1F1B", "Interleaved1F1B", "ZBV"]  # ir.pipeline.PLANNED_SCHEDULES
+PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]  # PRECISIONS
 
 
 def _is_int(value: Any) -> bool:
@@ -33,7 +43,7 @@ class SolveOptions:
     plan found is used, and its gap is reported)."""
 
     time_limit_s: float = 60.0
-    solver: str = "auto"
+    solver: SolverName = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, (int, float)) or not self.time_limit_s > 0:
@@ -102,8 +112,8 @@ class MemoryOptions:
     ``prefetch`` fetches each offloaded tensor one use ahead."""
 
     budget: float | None = None
-    offload: str = "off"
-    checkpointing: bool | str | None = None
+    offload: OffloadTarget | str = "off"
+    checkpointing: bool | CheckpointPolicy | None = None
     prefetch: bool = True
 
     def __post_init__(self) -> None:
@@ -150,9 +160,9 @@ class PipelineOptions:
     among: "1F1B" (GPipe where there are fewer microbatches than stages), "Interleaved1F1B", "ZBV",
     or "auto" for all three."""
 
-    stages: int | str = "off"
-    num_microbatches: int | str | None = None
-    schedules: tuple[str, ...] | str = ("1F1B",)
+    stages: int | PipelineStages = "off"
+    num_microbatches: int | Literal["auto"] | None = None
+    schedules: tuple[ScheduleName, ...] | Literal["auto"] = ("1F1B",)
 
     def __post_init__(self) -> None:
         from autopar.ir.pipeline import PLANNED_SCHEDULES  # ir.pipeline imports torch (start-up speed)
@@ -215,8 +225,8 @@ class PlanOptions:
     devices: int | None = None
     max_axes: int = 3
     symbolic_batch: bool = False
-    compute: str | None = None
-    precision: MixedPrecision | str | None = None
+    compute: ComputeMode | None = None
+    precision: MixedPrecision | PrecisionName | None = None
     comm: CommOptions = field(default_factory=CommOptions)
     data: DataOptions = field(default_factory=DataOptions)
 
@@ -252,16 +262,18 @@ class PlanOptions:
         *,
         memory_budget: float | None = None,
         time_limit_s: float = 60.0,
-        solver: str = "auto",
-        pipeline: int | str = "off",
-        num_microbatches: int | None = None,
-        offload: str = "off",
-        checkpointing: bool | str | None = None,
+        solver: SolverName = "auto",
+        pipeline: int | PipelineStages = "off",
+        num_microbatches: int | Literal["auto"] | None = None,
+        offload: OffloadTarget | str = "off",
+        checkpointing: bool | CheckpointPolicy | None = None,
         prefetch: bool = True,
-        pipeline_schedules: tuple[str, ...] | str = ("1F1B",),
+        pipeline_schedules: tuple[ScheduleName, ...] | Literal["auto"] = ("1F1B",),
         **rest: Any,
     ) -> PlanOptions:
-        """The options of ``autopar.plan``'s keywords (the flat spelling of this value)."""
+        """The options of ``autopar.plan``'s keywords (the flat spelling of this value); ``comm``
+        and ``data`` None are their defaults."""
+        rest = {name: value for name, value in rest.items() if not (name in ("comm", "data") and value is None)}
         return cls(
             solve=SolveOptions(time_limit_s, solver),
             memory=MemoryOptions(memory_budget, offload, checkpointing, prefetch),
@@ -269,8 +281,66 @@ class PlanOptions:
             **rest,
         )
 
+    @classmethod
+    def of(cls, options: PlanOptions | None, keywords: dict[str, Any], defaults: dict[str, Any]) -> PlanOptions:
+        """The one value of a facade's ``options`` and its keywords, the shortcut: the keywords'
+        (``from_keywords``) without ``options``, else ``options``, which each keyword given (one
+        that differs from its default in ``defaults``) must agree with."""
+        built = cls.from_keywords(**keywords)
+        if options is None:
+            return built
+        if not isinstance(options, PlanOptions):
+            raise ConfigTypeError(f"options must be an autopar.PlanOptions, got {options!r}")
+        for name, value in keywords.items():
+            if _same(value, defaults[name]):
+                continue
+            path = KEYWORD_FIELDS[name]
+            asked, held = _field(built, path), _field(options, path)
+            if asked != held:
+                raise ConfigError(
+                    f"{name}={value!r} disagrees with options.{path}={held!r}: pass each option once, as a "
+                    f"keyword or in options= (drop {name}=, or set it in options)"
+                )
+        return options
+
     def replace(self, **changes: Any) -> PlanOptions:
         return dataclasses.replace(self, **changes)
+
+
+# Each keyword of ``autopar.plan``, ``compile`` and ``hand_plan`` -> the field of PlanOptions it sets.
+KEYWORD_FIELDS = {
+    "memory_budget": "memory.budget",
+    "offload": "memory.offload",
+    "checkpointing": "memory.checkpointing",
+    "prefetch": "memory.prefetch",
+    "time_limit_s": "solve.time_limit_s",
+    "solver": "solve.solver",
+    "pipeline": "pipeline.stages",
+    "num_microbatches": "pipeline.num_microbatches",
+    "pipeline_schedules": "pipeline.schedules",
+    "devices": "devices",
+    "max_axes": "max_axes",
+    "symbolic_batch": "symbolic_batch",
+    "compute": "compute",
+    "precision": "precision",
+    "comm": "comm",
+    "data": "data",
+}
+
+
+def _field(options: PlanOptions, path: str) -> Any:
+    value: Any = options
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Whether a keyword holds its default (then it was not given)."""
+    try:
+        return value is default or bool(value == default)
+    except Exception:  # noqa: BLE001 - a value that does not compare (a tensor) was given
+        return False
 
 
 # -- precision ---------------------------------------------------------------------------------
@@ -396,6 +466,15 @@ def check_mesh_devices(mesh_shape: tuple[int, ...], devices: int | None) -> None
 
 
 __all__ = [
+    "SolverName",
+    "ComputeMode",
+    "OffloadTarget",
+    "CheckpointPolicy",
+    "PipelineStages",
+    "ScheduleName",
+    "PrecisionName",
+    "KEYWORD_FIELDS",
+    "CommOptions",
     "MemoryOptions",
     "PipelineOptions",
     "PlanOptions",

@@ -55,7 +55,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
     shard lives in the offload store (step it with ``autopar.optim.AdamW``).
     """
 
-    _compiled_graph = None  # set by autopar.compile(..., compiler="inductor"): runtime.compiled.CompiledGraph
+    _compiled_graph = None  # under compiler="inductor": runtime.compiled.CompiledGraph (run_compiled)
     # Hugging Face Trainer and accelerate (docs/huggingface.md): the loss is the whole batch's mean, so
     # Trainer passes no num_items_in_batch and scales nothing by the process count; accelerate's
     # prepare_model returns a module it has prepared as it is, so it wraps none in DDP.
@@ -168,6 +168,11 @@ class ParallelModule(ModelAttributes, ShardedModule):
             made[fqn] = value
             attach(self.module, fqn, value, graph_input.kind)
         return made
+
+    def run_compiled(self, runner: Callable[..., Any] | None) -> None:
+        """Run the graph of the mode it was compiled in with ``runner`` (``runtime.compiled.graph_runner``:
+        inductor's compiled graph) instead of op by op; None runs it op by op."""
+        self._compiled_graph = runner
 
     def shard_like(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
         """A copy of this rank's shard of ``whole`` (a tensor of parameter ``fqn``'s whole shape,

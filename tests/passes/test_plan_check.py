@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import autopar
-from autopar import api
 from autopar.cost.memory import param_state_bytes
 from autopar.errors import PlanError
 from autopar.passes.plan_check import check_plan_strategies
+from autopar.runtime.agreement import resolve_plan
 from autopar.runtime.numerics import check_numerics
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
@@ -63,7 +63,7 @@ def test_a_weight_edited_from_replicated_to_sharded_is_refused_before_it_runs(gp
         data["params"][WEIGHT] = ["S(0)", "R"]
 
     with pytest.raises(PlanError, match=rf"parameter '{WEIGHT}' has placements \(S\(0\), R\).*Allowed: \(R, R\)"):
-        api._resolve_plan(_edited(plan, edit), traced, MESH, None, None)
+        resolve_plan(_edited(plan, edit), traced, MESH, None, None)
 
 
 def test_an_op_edited_to_a_strategy_its_rule_lacks_is_refused(gpt):

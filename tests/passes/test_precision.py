@@ -211,14 +211,14 @@ def test_gathers_prefetch_by_the_bytes_they_move():
     ],
 )
 def test_what_the_runtime_does_not_carry_out_is_refused(precision, needle):
-    from autopar.api import _check_precision_runs
+    from autopar.runtime.compile_checks import check_precision_runs
 
     with pytest.raises(PlanError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        _check_precision_runs(precision_policy(precision))
+        check_precision_runs(precision_policy(precision))
 
 
 def test_what_the_runtime_carries_out_is_accepted():
-    from autopar.api import _check_precision_runs
+    from autopar.runtime.compile_checks import check_precision_runs
 
     for precision in (
         "32-true",
@@ -229,16 +229,16 @@ def test_what_the_runtime_carries_out_is_accepted():
         FSDP2,
         autopar.MixedPrecision("bfloat16", master_dtype="float32"),
     ):
-        _check_precision_runs(precision_policy(precision))
+        check_precision_runs(precision_policy(precision))
 
 
 def test_a_precision_that_contradicts_the_plan_is_refused():
-    from autopar.api import _precision_of
+    from autopar.ir.given_plan import precision_of
 
     model = build_model("mlp", seed=0)
     plan = autopar.plan(model, (2,), example_inputs=example_batch("mlp", 8, seed=1), cluster="cpu", precision="bf16-mixed")
-    assert _precision_of(plan, None).name == "bf16-mixed"
-    assert _precision_of(plan, "bf16-mixed").name == "bf16-mixed"
-    assert _precision_of(plan, autopar.MixedPrecision("bfloat16", "float32", "float32")).name == "bf16-mixed"
+    assert precision_of(plan, None).name == "bf16-mixed"
+    assert precision_of(plan, "bf16-mixed").name == "bf16-mixed"
+    assert precision_of(plan, autopar.MixedPrecision("bfloat16", "float32", "float32")).name == "bf16-mixed"
     with pytest.raises(PlanError, match="contradicts the plan"):
-        _precision_of(plan, "32-true")
+        precision_of(plan, "32-true")

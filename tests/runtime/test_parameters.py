@@ -371,7 +371,7 @@ def test_the_models_weights_are_freed_once_the_caller_drops_it(world_of_one, com
     generation afterwards: without a collection at the end of compile, ``del model`` kept a whole
     copy of the weights (on a GPU, device memory) alive until Python's next full collection.
     Compile collects for weights on an accelerator or above a size, here lowered to this GPT's."""
-    monkeypatch.setattr("autopar.api.FREE_AFTER_TRACE_BYTES", 1)
+    monkeypatch.setattr("autopar.runtime.build.FREE_AFTER_TRACE_BYTES", 1)
     model = build_model("gpt", seed=0)
     batch = example_batch("gpt", 4, seed=1)
     weight = weakref.ref(model.lm_head.weight)

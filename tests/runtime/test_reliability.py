@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar import api
 from autopar.errors import PlanError
+from autopar.runtime import compile_checks
 from autopar.runtime.launch import DistributedRankError, run_distributed
 from autopar.zoo.models import build_model, example_batch
 
@@ -37,13 +37,13 @@ def test_bfloat16_on_gloo_trains_where_gloo_sums_it(one_rank_gloo):
     model = build_model("mlp", seed=0).to(torch.bfloat16)
     x, y = (t.to(torch.bfloat16) for t in example_batch("mlp", 8))
     pm = autopar.compile(model, (1,), example_inputs=(x, y))
-    assert api._REDUCES[("gloo", torch.bfloat16)] is True
+    assert compile_checks._REDUCES[("gloo", torch.bfloat16)] is True
     pm(x, y).backward()
     assert {p.grad.dtype for p in pm.parameters()} == {torch.bfloat16}
 
 
 def test_bfloat16_on_a_gloo_that_cannot_sum_it_is_refused_with_the_fix(one_rank_gloo, monkeypatch):
-    monkeypatch.setitem(api._REDUCES, ("gloo", torch.bfloat16), False)  # an older gloo build
+    monkeypatch.setitem(compile_checks._REDUCES, ("gloo", torch.bfloat16), False)  # an older gloo build
     model = build_model("mlp", seed=0).to(torch.bfloat16)
     x, y = (t.to(torch.bfloat16) for t in example_batch("mlp", 8))
     with pytest.raises(ValueError, match="cannot reduce.*float32"):

@@ -9,17 +9,18 @@ import dataclasses
 import pytest
 from torch.distributed.tensor import Shard
 
-from autopar.api import _trace, plan_traced
 from autopar.cost.cluster import cpu_cluster
 from autopar.cost.comm import collectives_cost
 from autopar.ir.options import PlanOptions
+from autopar.solver.planners.dispatch import trace_model
 from autopar.solver.planners.split_batch import batch_pins, split_batch_at_least
+from autopar.solver.planners.traced import plan_traced
 from autopar.zoo.models import build_model, example_batch
 
 
 @pytest.fixture(scope="module")
 def traced_gpt():
-    return _trace(build_model("gpt", seed=0), example_batch("gpt", 8, seed=1), None)
+    return trace_model(build_model("gpt", seed=0), example_batch("gpt", 8, seed=1), None)
 
 
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)])

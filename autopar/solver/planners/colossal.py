@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.cost.cluster import ClusterSpec, resolve_budget
+from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
@@ -374,8 +374,7 @@ def solve_colossal(
     """The Colossal-AI plan of ``config`` for ``traced``: on its mesh, or with ``config.pipeline``
     stages (``traced`` then at one microbatch of ``options.pipeline.microbatches``, the stage
     planner choosing where to cut), every stage with the layout of the module docstring.
-    ``options`` as ``solve`` reads them (the stage planner reads the budget, the time limit, the
-    backend and the precision)."""
+    ``options`` as ``solve`` reads them (the stage planner as ``StageSettings.of`` translates them)."""
     options = options if options is not None else PlanOptions()
     forced = colossal_specs(config, traced)
     if config.pipeline == 1:
@@ -383,14 +382,7 @@ def solve_colossal(
     else:
         from autopar.solver.planners.stages import StageSettings, plan_stages  # loads only for pipelines (start-up speed)
 
-        settings = StageSettings(
-            num_microbatches=options.pipeline.microbatches,
-            num_stages=config.pipeline,
-            memory_budget=resolve_budget(options.memory.budget, cluster),
-            time_limit_s=options.solve.time_limit_s,
-            solver=options.solve.solver,
-            forced=forced,
-        )
+        settings = StageSettings.of(options, cluster, num_stages=config.pipeline, forced=forced)
         plan = plan_stages(traced, config.mesh_shape(), cluster, settings, options.precision)
     return dataclasses.replace(plan, stats={**plan.stats, "hand_plan": "colossal", "colossal": config.to_json()})
 

@@ -63,7 +63,7 @@ def search_mesh(
     """The fastest plan over ``mesh_candidates(num_devices)``; its ``stats["mesh_search"]`` holds
     the table of every candidate (``mesh``, ``status``, ``step_time_s``, ``peak_memory_bytes``,
     ``plan_time_s``, ``reason``), fastest first, infeasible ones last. ``plan_one`` plans one mesh
-    (``autopar.api.plan_traced_unexplained``): (its plan without decisions, the function that
+    (``solver.planners.traced.plan_traced_unexplained``): (its plan without decisions, the function that
     explains them), which runs for the chosen plan alone; ``options.max_axes`` bounds the meshes' axes."""
     rows: list[dict[str, Any]] = []
     best: Plan | None = None

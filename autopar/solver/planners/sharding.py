@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from autopar.cost import optimizer
-from autopar.cost.cluster import ClusterSpec, resolve_budget
+from autopar.cost.cluster import ClusterSpec
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.errors import InfeasibleError
 from autopar.ir.options import CommOptions, MixedPrecision, PlanOptions, to_dtype
@@ -21,6 +21,7 @@ from autopar.ir.prediction import Prediction, SolverStats
 from autopar.ir.spec import Spec, format_spec
 from autopar.ir.summary import format_bytes
 from autopar.solver.planners.memory_plan import plan_memory
+from autopar.solver.planners.settings import memory_budget
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.runner_ups import explain_decisions
 from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, param_sync_adjustment_s
@@ -151,7 +152,7 @@ class _Settings:
         checkpointing = True if memory.checkpointing is None else bool(memory.checkpointing)
         policy = memory.checkpointing if isinstance(memory.checkpointing, str) else None
         return cls(
-            resolve_budget(memory.budget, cluster),
+            memory_budget(options, cluster),
             offload,
             checkpointing,
             memory.prefetch,

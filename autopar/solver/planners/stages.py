@@ -65,7 +65,7 @@ from autopar.cost import optimizer as step_cost
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasibleError, MeshError, ModelError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan
-from autopar.ir.options import MixedPrecision, to_dtype
+from autopar.ir.options import MixedPrecision, PlanOptions, to_dtype
 from autopar.ir.pipeline import (
     MULTI_STAGE_SCHEDULES,
     Stage,
@@ -78,6 +78,7 @@ from autopar.ir.pipeline import (
 from autopar.ir.plan import Plan
 from autopar.ir.prediction import Prediction
 from autopar.solver.planners.mesh_search import mesh_candidates
+from autopar.solver.planners.settings import memory_budget
 from autopar.solver.planners.sharding import plan_from_solution
 from autopar.solver.planners.stage_costs import (
     Candidate,
@@ -137,7 +138,7 @@ class StageChoice:
 @dataclass(frozen=True, slots=True)
 class StageSettings:
     """What the stage planner searches, and under what limits: one value for ``plan_stages`` and
-    ``search_stages``, made from ``PlanOptions`` where the API calls the planner."""
+    ``search_stages``, made from ``PlanOptions`` by ``of``."""
 
     num_microbatches: int  # M; the model is traced at one microbatch (global batch / M)
     num_stages: int | str = "auto"  # S, or "auto": the DP picks S (one stage: no split)
@@ -163,6 +164,33 @@ class StageSettings:
     stage_meshes: tuple[tuple[int, ...], ...] | None = None
     forced_layers: tuple[int, ...] | None = None
     ladder: tuple[float, ...] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        options: PlanOptions,
+        cluster: ClusterSpec,
+        *,
+        num_stages: int | str | None = None,
+        devices: int | None = None,
+        forced: dict | None = None,
+    ) -> StageSettings:
+        """``options`` as the stage planner reads them, for ``autopar.plan``'s pipelines and
+        Colossal-AI's alike: ``num_stages`` (None: ``options.pipeline.stages``), ``devices`` where
+        no mesh is given, ``forced`` a hand plan's specs. A stage may recompute its layers unless
+        ``checkpointing=False``."""
+        return cls(
+            num_microbatches=options.pipeline.microbatches,
+            num_stages=options.pipeline.stages if num_stages is None else num_stages,
+            memory_budget=memory_budget(options, cluster),
+            time_limit_s=options.solve.time_limit_s,
+            devices=devices,
+            max_axes=min(options.max_axes, 2),
+            remat=options.memory.checkpointing is not False,
+            solver=options.solve.solver,
+            schedules_allowed=options.pipeline.schedules,
+            forced=forced,
+        )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedules_allowed", tuple(self.schedules_allowed))
