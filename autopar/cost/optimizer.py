@@ -55,22 +55,64 @@ def stepped_tensors(intervals: Iterable, bytes_of: Callable[[str], float]) -> li
     return [2 * param.get(node, 0.0) + size + 2 * state.get(node, 0.0) for node, size in grad.items()]
 
 
+def tensor_step_s(fused_bytes: float, cluster: ClusterSpec, implementation: str, mesh_shape: Sequence[int] = (1,)) -> float:
+    """The part of ``adamw_step_s`` that one tensor of ``fused_bytes`` adds on its own: its
+    bandwidth term, and for the for-loop the floor of its own ``KERNELS_PER_TENSOR`` launches.
+    The sharding ILP prices each parameter's placement with it (``solver.problem.optimizer_terms``):
+    it is linear in the choice of one parameter, where the list kernels' floor
+    (``list_kernels_floor_s``: a launch per tensor, or one) is the same for every layout."""
+    return _unshared_s(fused_bytes, cluster, implementation) / cluster.compute_share(mesh_shape)
+
+
 def adamw_step_s(
     fused_bytes: Sequence[float], cluster: ClusterSpec, implementation: str, mesh_shape: Sequence[int] = (1,)
 ) -> float:
     """Seconds of one AdamW step over tensors of ``fused_bytes`` each (module docstring), at a
-    rank's share of its device on ``mesh_shape`` (``ClusterSpec.compute_share``)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
-    rates = cluster.rates
-    bandwidth = cluster.memory_bandwidth_bytes_per_s * (rates.memory_efficiency if rates is not None else 1.0)
-    launch = rates.launch_overhead_s if rates is not None else 0.0
+    rank's share of its device on ``mesh_shape`` (``ClusterSpec.compute_share``): the sum of
+    ``tensor_step_s``, and for the list kernels at least ``list_kernels_floor_s``."""
     share = cluster.compute_share(mesh_shape)
     if implementation == "for-loop":
-        traffic = OPTIMIZER_TRAFFIC["foreach"]
-        return sum(max(traffic * size / bandwidth, KERNELS_PER_TENSOR * launch) for size in fused_bytes) / share
-    launches = len(fused_bytes) if implementation == "foreach" else 1
-    return max(OPTIMIZER_TRAFFIC[implementation] * sum(fused_bytes) / bandwidth, launches * launch) / share
+        return sum(_unshared_s(size, cluster, implementation) for size in fused_bytes) / share
+    # Σ over tensors of their bandwidth terms, summed as bytes first (one product, as before).
+    terms = _unshared_s(sum(fused_bytes), cluster, implementation) / share
+    return max(terms, list_kernels_floor_s(len(fused_bytes), cluster, implementation, mesh_shape))
 
 
-__all__ = ["IMPLEMENTATIONS", "KERNELS_PER_TENSOR", "default_implementation", "stepped_tensors", "adamw_step_s"]
+def list_kernels_floor_s(num_tensors: int, cluster: ClusterSpec, implementation: str, mesh_shape: Sequence[int] = (1,)) -> float:
+    """The least time the fused or foreach kinds take over ``num_tensors`` tensors: one launch
+    per tensor (foreach: each list op is launched per chunk of tensors) or one launch (fused);
+    0 for the for-loop, whose floors are its tensors' own (``tensor_step_s``)."""
+    _check(implementation)
+    if implementation == "for-loop":
+        return 0.0
+    launch = cluster.rates.launch_overhead_s if cluster.rates is not None else 0.0
+    launches = num_tensors if implementation == "foreach" else 1
+    return launches * launch / cluster.compute_share(mesh_shape)
+
+
+def _unshared_s(fused_bytes: float, cluster: ClusterSpec, implementation: str) -> float:
+    """One tensor's step on a whole device: memory-bound at the achieved bandwidth, and for the
+    for-loop at least its own launches."""
+    _check(implementation)
+    rates = cluster.rates
+    bandwidth = cluster.memory_bandwidth_bytes_per_s * (rates.memory_efficiency if rates is not None else 1.0)
+    if implementation == "for-loop":
+        launch = rates.launch_overhead_s if rates is not None else 0.0
+        return max(OPTIMIZER_TRAFFIC["foreach"] * fused_bytes / bandwidth, KERNELS_PER_TENSOR * launch)
+    return OPTIMIZER_TRAFFIC[implementation] * fused_bytes / bandwidth
+
+
+def _check(implementation: str) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "KERNELS_PER_TENSOR",
+    "default_implementation",
+    "stepped_tensors",
+    "adamw_step_s",
+    "tensor_step_s",
+    "list_kernels_floor_s",
+]

@@ -50,6 +50,7 @@ from autopar.solver.problem import pruning
 from autopar.solver.problem.edges import Edge, flatten, mutated_inputs, price_edges, reduce_dtype
 from autopar.solver.problem.gathered import GatheredSize, gathered_parameters
 from autopar.solver.problem.op_prices import price_strategies
+from autopar.solver.problem.optimizer_terms import step_prices
 from autopar.trace import TracedModel, requires_grad
 
 
@@ -122,11 +123,21 @@ class ChoiceGraph:
     # How many strategies of op nodes were enumerated, and how many of them ``solver.problem.pruning``
     # cut before pricing edges (impossible) or after pricing the node (dominated).
     pruned: Pruned = field(default_factory=lambda: Pruned())
+    # Per parameter the optimizer steps: the seconds of its step under each strategy, which the
+    # ILP's objective adds to its compute (``solver.problem.optimizer_terms``).
+    optimizer_s: dict[str, list[float]] = field(default_factory=dict)
     # What later stages compute from this graph alone (the memory planner's walk: see
     # ``solver.planners.memory_plan``), kept so that one solve computes it once however many plans it tries.
     # Not an argument: a graph made by ``dataclasses.replace`` (other prices, other choices)
     # starts with its own, empty.
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def objective_s(self, name: str) -> list[float]:
+        """Node ``name``'s seconds per strategy in the ILP's objective: its ``compute_s``, and for a
+        parameter the optimizer step of its shard (``optimizer_s``)."""
+        compute_s = self.choices[name].compute_s
+        step_s = self.optimizer_s.get(name)
+        return compute_s if step_s is None else [c + o for c, o in zip(compute_s, step_s)]
 
     def bytes_of(self, assignment: Mapping[str, int]) -> Callable[[str], float]:
         """Timeline name -> bytes under ``assignment`` (every node's strategy): a node's outputs
@@ -360,7 +371,8 @@ def _build_choice_graph(
     fqns = {i.name: traced.ties.get(i.fqn, i.fqn) for i in traced.inputs if i.kind == "param"}
     gathered, intervals = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm, cluster.gloo)
     timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
-    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned)
+    steps = step_prices({name: choice.memory_bytes for name, choice in choices.items()}, timeline, cluster, mesh_shape)
+    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps)
 
 
 def _check_zero_layout(choices: dict[str, Choice], zero_stage: int) -> None:

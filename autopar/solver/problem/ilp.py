@@ -30,6 +30,9 @@ Objective (seconds of one training step, forward and backward)
     + Σ_g P_g · z[g]: each parameter gradient reduction g (a parameter, a mesh axis, the spec it
       is held in; ``choices.param_sync_groups``) once, at its bucketed price P_g, however many
       uses need it, as the runtime runs it (``passes.schedule``).
+    + Σ_{n param} Σ_s o[n, s] · x[n, s]: the optimizer step of the parameter's local shard, its
+      gradient and state under strategy s (``solver.problem.optimizer_terms``), so that a layout
+      that shards parameters or their state is paid back for the step it shards.
     How much of the buckets backward hides is priced on the solved plan
     (``solver.pricing.comm_schedule``, ``predicted.exposed_grad_sync_s``), as are one gather per
     parameter, FSDP's reduce-scatter and the buckets' whole latencies
@@ -365,7 +368,7 @@ class ShardingILP:
 
     def set_objective(self) -> None:
         refund, order = self.per_use_refund, self.graph.order
-        compute_s = {name: self.graph.choices[name].compute_s for name in order}
+        compute_s = {name: self.graph.objective_s(name) for name in order}  # a parameter's with its optimizer step
         # The same sum as the terms below, added with numpy (``terms``); one by one where it cannot.
         compute = compute_coefficients(order, compute_s, self.x, refund)
         compute_terms = (
