@@ -18,6 +18,10 @@ by implementation (``IMPLEMENTATIONS``):
   parameter at a time where its state lives): the same passes, ``KERNELS_PER_TENSOR`` kernels per
   tensor, each tensor on its own (``max`` per tensor, summed).
 
+Where a plan holds its parameters as DTensors (any one not replicated), each op of the step goes
+through DTensor's dispatch on the host: ``dtensor_dispatch_s`` adds ``ClusterSpec.dtensor_op_s``
+per op (``plan_step_s``).
+
 The liveness walk already sizes every parameter, gradient and moment of a chosen sharding
 (``cost.liveness``: the "param", "grad" and "optimizer_state" intervals), so the step is priced
 from those intervals: what the memory model counts is what the optimizer moves.
@@ -90,6 +94,27 @@ def list_kernels_floor_s(num_tensors: int, cluster: ClusterSpec, implementation:
     return launches * launch / cluster.compute_share(mesh_shape)
 
 
+def holds_dtensors(param_specs: Iterable[Sequence]) -> bool:
+    """Whether a plan with these parameter specs trains its parameters as DTensors: wherever one
+    parameter is not replicated on every mesh axis (``runtime.module``: a plan that replicates
+    every parameter keeps them plain, as DDP does)."""
+    return any(not placement.is_replicate() for spec in param_specs for placement in spec)
+
+
+def dtensor_dispatch_s(num_tensors: int, cluster: ClusterSpec, mesh_shape: Sequence[int] = (1,)) -> float:
+    """Host seconds torch's AdamW adds when it steps ``num_tensors`` DTensor parameters: each of
+    its ``KERNELS_PER_TENSOR`` ops per tensor goes through DTensor's dispatch
+    (``ClusterSpec.dtensor_op_s``; measured for the for-loop kind on CPU ranks)."""
+    return num_tensors * KERNELS_PER_TENSOR * cluster.dtensor_op_s / cluster.compute_share(mesh_shape)
+
+
+def plan_step_s(fused_bytes: Sequence[float], cluster: ClusterSpec, mesh_shape: Sequence[int], dtensors: bool) -> float:
+    """A plan's ``predicted.optimizer_s``: torch's default AdamW for ``cluster`` over tensors of
+    ``fused_bytes``, with DTensor's dispatch where the plan holds its parameters as DTensors."""
+    step_s = adamw_step_s(fused_bytes, cluster, default_implementation(cluster), mesh_shape)
+    return step_s + dtensor_dispatch_s(len(fused_bytes), cluster, mesh_shape) if dtensors else step_s
+
+
 def _unshared_s(fused_bytes: float, cluster: ClusterSpec, implementation: str) -> float:
     """One tensor's step on a whole device: memory-bound at the achieved bandwidth, and for the
     for-loop at least its own launches."""
@@ -115,4 +140,7 @@ __all__ = [
     "adamw_step_s",
     "tensor_step_s",
     "list_kernels_floor_s",
+    "holds_dtensors",
+    "dtensor_dispatch_s",
+    "plan_step_s",
 ]

@@ -78,3 +78,39 @@ def test_a_step_bound_job_shards_what_the_optimizer_steps():
     assert auto.params["module.fc1.weight"] == (Shard(0),) and auto.params["module.fc2.weight"] == (Shard(1),)
     assert auto.predicted.optimizer_s == pytest.approx(ddp.predicted.optimizer_s / 4, rel=0.05)
     assert auto.predicted.step_time_s < ddp.predicted.step_time_s
+
+
+def _cpu_gloo():
+    return dataclasses.replace(get_cluster("cpu-gloo"), compute_slots_per_node=2)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_dtensor_parameters_pay_the_dispatch_once_in_the_ilp_and_the_plan(kind):
+    # Sharding any parameter makes the runtime hold them all as DTensors (runtime.module), and
+    # torch's AdamW then dispatches each of its ops through DTensor: one price D for the plan,
+    # the d variable of the ILP, and the same seconds in the plan's optimizer_s.
+    cluster = _cpu_gloo()
+    assert cluster.dtensor_op_s > 0, "the cpu-gloo preset measured DTensor's dispatch"
+    model, batch = gpt_and_batch()
+    plan = autopar.hand_plan(kind, model, (2,), example_inputs=batch, cluster=cluster)
+    graph = _graph(cluster, mesh=(2,))
+    stepped = len(graph.optimizer_s)
+    dispatch = optimizer.dtensor_dispatch_s(stepped, cluster, (2,))
+    assert graph.dtensor_step_s == pytest.approx(dispatch) and dispatch == pytest.approx(stepped * 8 * cluster.dtensor_op_s)
+    sharded = kind == "fsdp"
+    assert optimizer.holds_dtensors(plan.params.values()) is sharded
+    p = plan.predicted
+    post_solve, hidden = p.grad_schedule["post_solve_s"], p.grad_sync_s - p.exposed_grad_sync_s
+    assert plan.solver.objective_s + post_solve - hidden == pytest.approx(p.step_time_s, rel=1e-6)
+    plain = sum(graph.optimizer_s[name][0] for name in graph.optimizer_s)  # every parameter replicated
+    if sharded:
+        assert p.optimizer_s > dispatch
+    else:
+        assert p.optimizer_s == pytest.approx(plain)
+
+
+def test_a_pipeline_stage_holds_plain_parameters():
+    from autopar.solver.planners.stage_costs import build_stage_graph
+
+    model, batch = gpt_and_batch()
+    assert build_stage_graph(trace(model, batch), (2,), _cpu_gloo()).dtensor_step_s == 0.0

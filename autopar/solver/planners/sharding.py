@@ -477,7 +477,10 @@ class _StepParts:
         compute_s, reshard_s = sums or _compute_and_reshard_s(graph, solution.choice, solution.edge_specs)
         schedule = param_schedule(graph, solution.choice, cluster)
         stepped = optimizer.stepped_tensors(graph.timeline.intervals, graph.bytes_of(solution.choice))
-        optimizer_s = optimizer.adamw_step_s(stepped, cluster, optimizer.default_implementation(cluster), graph.mesh_shape)
+        params = [
+            choice.strategies[solution.choice[name]].outs[0] for name, choice in graph.choices.items() if choice.kind == "param"
+        ]
+        optimizer_s = optimizer.plan_step_s(stepped, cluster, graph.mesh_shape, optimizer.holds_dtensors(params))
         return cls(solution, compute_s, reshard_s, schedule, optimizer_s)
 
     @property

@@ -50,7 +50,7 @@ from autopar.solver.problem import pruning
 from autopar.solver.problem.edges import Edge, flatten, mutated_inputs, price_edges, reduce_dtype
 from autopar.solver.problem.gathered import GatheredSize, gathered_parameters
 from autopar.solver.problem.op_prices import price_strategies
-from autopar.solver.problem.optimizer_terms import step_prices
+from autopar.solver.problem.optimizer_terms import dtensor_price, step_prices
 from autopar.trace import TracedModel, requires_grad
 
 
@@ -126,6 +126,9 @@ class ChoiceGraph:
     # Per parameter the optimizer steps: the seconds of its step under each strategy, which the
     # ILP's objective adds to its compute (``solver.problem.optimizer_terms``).
     optimizer_s: dict[str, list[float]] = field(default_factory=dict)
+    # The seconds DTensor's dispatch adds to that step where some parameter is not replicated
+    # (the runtime then holds them all as DTensors; ``optimizer_terms.dtensor_price``).
+    dtensor_step_s: float = 0.0
     # What later stages compute from this graph alone (the memory planner's walk: see
     # ``solver.planners.memory_plan``), kept so that one solve computes it once however many plans it tries.
     # Not an argument: a graph made by ``dataclasses.replace`` (other prices, other choices)
@@ -372,7 +375,8 @@ def _build_choice_graph(
     gathered, intervals = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm, cluster.gloo)
     timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
     steps = step_prices({name: choice.memory_bytes for name, choice in choices.items()}, timeline, cluster, mesh_shape)
-    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps)
+    dispatch = dtensor_price(timeline, cluster, mesh_shape)
+    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps, dispatch)
 
 
 def _check_zero_layout(choices: dict[str, Choice], zero_stage: int) -> None:

@@ -13,6 +13,16 @@ reported ``predicted.optimizer_s`` term by term (``cost.optimizer.adamw_step_s``
 ``tensor_step_s``), but for the list kernels' floor (a launch per tensor, or one), which is the
 same for every layout and is applied to the solved plan. The state's bytes are already in the
 memory rows: the same intervals are alive all step.
+
+Where any parameter is not replicated, the runtime holds every parameter as a DTensor, and each
+op of the step pays DTensor's dispatch on the host (``cost.optimizer.dtensor_dispatch_s``): one
+price D for the plan, not per parameter. The ILP carries it as a continuous d ∈ [0, 1],
+
+    d ≥ Σ_{s not replicated} x[n, s]   for each parameter n   (``dtensor_params__<n>``),
+
+and D · d in the objective (``ilp.ShardingILP.add_dtensor_variable``): d is 1 exactly when some
+parameter is sharded. Clusters that have not measured ``ClusterSpec.dtensor_op_s`` have D = 0
+and no d.
 """
 
 from __future__ import annotations
@@ -47,4 +57,11 @@ def step_prices(
     }
 
 
-__all__ = ["step_prices"]
+def dtensor_price(timeline: Timeline, cluster: ClusterSpec, mesh_shape: Sequence[int]) -> float:
+    """D: the seconds DTensor's dispatch adds to the step where the plan holds its parameters as
+    DTensors (``cost.optimizer.dtensor_dispatch_s`` over the parameters the optimizer steps)."""
+    stepped = {iv.node for iv in timeline.intervals if iv.kind == "grad"}
+    return optimizer.dtensor_dispatch_s(len(stepped), cluster, mesh_shape)
+
+
+__all__ = ["step_prices", "dtensor_price"]
