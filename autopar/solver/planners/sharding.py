@@ -23,7 +23,7 @@ from autopar.ir.summary import format_bytes
 from autopar.solver.planners.memory_plan import plan_memory
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.runner_ups import explain_decisions
-from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, param_sync_adjustment_s
+from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, optimizer_objective_s, param_sync_adjustment_s
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP, Solution
 from autopar.solver.problem.op_prices import expert_parallel_record, grad_sync_bytes_per_axis
@@ -313,6 +313,7 @@ def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) ->
     sums = _compute_and_reshard_s(ilp.graph, choice, specs)
     objective = sums[0] + sums[1]
     objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
+    objective += optimizer_objective_s(ilp.graph, choice)  # and the optimizer step of each parameter's placement
     return dataclasses.replace(
         like,
         choice=choice,

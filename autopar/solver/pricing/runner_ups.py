@@ -181,6 +181,10 @@ class Costs:
     memory_bytes: np.ndarray
     total_s: np.ndarray
     possible: np.ndarray
+    # The optimizer step of the members' shards (``ChoiceGraph.optimizer_s``); None: no member is
+    # a parameter the optimizer steps. (The plan-wide DTensor dispatch, ``dtensor_step_s``, is
+    # not a member's.)
+    optimizer_s: np.ndarray | None = None
 
     def record(self, s: int) -> dict[str, float]:
         """Strategy ``s``'s terms by name (its ``total_s`` their sum, in this order)."""
@@ -190,6 +194,7 @@ class Costs:
             "reshard_in_s": float(self.reshard_in_s[s]),
             "reshard_out_s": float(self.reshard_out_s[s]),
             "memory_bytes": float(self.memory_bytes[s]),
+            **({"optimizer_s": float(self.optimizer_s[s])} if self.optimizer_s is not None else {}),
             "total_s": float(self.total_s[s]),
         }
 
@@ -306,7 +311,22 @@ class _Decision:
         reshard_out_s = _in_order(np.where(enters, 0.0, seconds), self.edge_columns)
         merged = self._merged_s(index)
         total_s = compute_s + merged + reshard_in_s + reshard_out_s
-        return Costs(compute_s, merged, reshard_in_s, reshard_out_s, memory_bytes, total_s, possible)
+        optimizer_s = self._optimizer_s(index)
+        if optimizer_s is not None:
+            total_s = total_s + optimizer_s
+        return Costs(compute_s, merged, reshard_in_s, reshard_out_s, memory_bytes, total_s, possible, optimizer_s)
+
+    def _optimizer_s(self, index: np.ndarray) -> np.ndarray | None:
+        """Per strategy, the optimizer step of the members that are parameters it steps, in
+        member order (``_in_order``); None where there are none."""
+        steps = [self.graph.optimizer_s.get(rep) for rep in self.reps]
+        if all(step is None for step in steps):
+            return None
+        seconds = np.zeros(index.shape)
+        for slot, step in enumerate(steps):
+            if step is not None:
+                seconds[:, slot] = np.asarray(step, dtype=float)[index[:, slot]]
+        return _in_order(seconds, self.columns)
 
     def _merged_s(self, index: np.ndarray) -> np.ndarray:
         """Per strategy, the parameter reductions' change: they run once per parameter, so the
@@ -523,6 +543,8 @@ def _candidate(graph, rep, s, decision: _Decision, cost, chosen, memo: _Memo) ->
             "memory_bytes": int(cost["memory_bytes"]),
         }
     )
+    if "optimizer_s" in cost:
+        record["optimizer_s"] = cost["optimizer_s"]
     if strategy.kernel:
         record["kernel"] = strategy.kernel
         record["kernel_axes"] = list(strategy.kernel_axes)

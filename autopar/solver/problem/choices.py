@@ -287,6 +287,20 @@ def param_sync_adjustment_s(graph: ChoiceGraph, assignment: Mapping[str, int]) -
     return merged - sum(refund[assignment[name]] for name, refund in refunds.items())
 
 
+def optimizer_objective_s(graph: ChoiceGraph, assignment: Mapping[str, int]) -> float:
+    """What the ILP objective adds to Σ compute_s for ``assignment`` for the optimizer step: each
+    parameter's at its strategy, and DTensor's dispatch where some parameter is sharded
+    (``solver.problem.optimizer_terms``)."""
+    seconds = sum(step[assignment[name]] for name, step in graph.optimizer_s.items())
+    if graph.dtensor_step_s and any(
+        not all(p.is_replicate() for p in choice.strategies[assignment[name]].outs[0])
+        for name, choice in graph.choices.items()
+        if choice.kind == "param"
+    ):
+        seconds += graph.dtensor_step_s
+    return seconds
+
+
 def build_choice_graph(
     traced: TracedModel,
     mesh_shape: Sequence[int],
