@@ -139,7 +139,7 @@ def test_hub_formulation_keeps_the_dense_optimum_of_small_models(monkeypatch, mo
     """On (2, 2, 2) the near pairs and the hub reach the optimum of every pair (measured
     2026-11-26: 1.04e-07 s for the MLP, 2.00e-06 s for a 2-layer LLaMA, whose dense ILP takes
     minutes and 1M variables: its optimum is pinned here as measured; 4.68e-06 s since the
-    objective carries each parameter's AdamW step, 2026-11-29). The rounding check
+    objective carries each parameter's AdamW step, the dense ILP's too: 2026-11-29, 300 s). The rounding check
     prices a solution through the hub as the ILP does."""
     kwargs = {"n_layer": 2} if model == "llama" else {}
     traced = trace_repeated(build_model(model, seed=0, **kwargs), example_batch(model, 4, **kwargs))
