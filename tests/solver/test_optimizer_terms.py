@@ -114,3 +114,20 @@ def test_a_pipeline_stage_holds_plain_parameters():
 
     model, batch = gpt_and_batch()
     assert build_stage_graph(trace(model, batch), (2,), _cpu_gloo()).dtensor_step_s == 0.0
+
+
+def test_explain_prices_the_dispatch_a_decision_would_bring():
+    # A DDP plan on CPU ranks: sharding any one parameter would bring DTensor's dispatch to the
+    # whole step, so every runner-up that shards pays it, and the chosen replicas stay cheapest.
+    from autopar.solver.pricing.runner_ups import explain_decisions
+    from autopar.solver.problem.ilp import ShardingILP
+    from autopar.solver.search.solving import solve_ilp
+
+    cluster = _cpu_gloo()
+    graph = _graph(cluster, mesh=(2,))
+    solution = solve_ilp(ShardingILP(graph))
+    decisions = explain_decisions(graph, solution, cluster, None)
+    params = [r for r in decisions.values() if r.get("fqns")]
+    assert params and all(r["binding"] == "cost" for r in params)
+    sharding = [c for r in params for c in r["candidates"][1:] if any(p != "R" for spec in c["out"] for p in spec)]
+    assert sharding and all(c["optimizer_s"] >= graph.dtensor_step_s for c in sharding)

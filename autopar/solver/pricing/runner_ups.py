@@ -181,9 +181,8 @@ class Costs:
     memory_bytes: np.ndarray
     total_s: np.ndarray
     possible: np.ndarray
-    # The optimizer step of the members' shards (``ChoiceGraph.optimizer_s``); None: no member is
-    # a parameter the optimizer steps. (The plan-wide DTensor dispatch, ``dtensor_step_s``, is
-    # not a member's.)
+    # The optimizer step of the members' shards (``ChoiceGraph.optimizer_s``), and DTensor's
+    # dispatch where the decision alone decides it (``_Decision._optimizer_s``); None: neither.
     optimizer_s: np.ndarray | None = None
 
     def record(self, s: int) -> dict[str, float]:
@@ -286,6 +285,13 @@ class _Decision:
             inner_columns.append(inner[key])
         self.inner_columns = inner_columns
         self.indices: list[list[int]] = []
+        # Whether a parameter outside the decision is sharded as solved: then the plan holds
+        # DTensors whatever the decision takes (``ChoiceGraph.dtensor_step_s``).
+        self.dtensors_outside = any(
+            _sharded(choice, solution.choice[name])
+            for name, choice in graph.choices.items()
+            if choice.kind == "param" and name not in self.slot_of
+        )
 
     def price(self, num_strategies: int) -> list[dict[str, float] | None]:
         """Per strategy of the decision: seconds and bytes the members cost when it takes that
@@ -318,15 +324,27 @@ class _Decision:
 
     def _optimizer_s(self, index: np.ndarray) -> np.ndarray | None:
         """Per strategy, the optimizer step of the members that are parameters it steps, in
-        member order (``_in_order``); None where there are none."""
-        steps = [self.graph.optimizer_s.get(rep) for rep in self.reps]
-        if all(step is None for step in steps):
+        member order (``_in_order``), and DTensor's dispatch where the strategy alone decides
+        whether the plan holds DTensors; None where there are none."""
+        graph = self.graph
+        steps = [graph.optimizer_s.get(rep) for rep in self.reps]
+        params = [slot for slot, rep in enumerate(self.reps) if graph.choices[rep].kind == "param"]
+        dispatch = bool(graph.dtensor_step_s and params and not self.dtensors_outside)
+        if all(step is None for step in steps) and not dispatch:
             return None
         seconds = np.zeros(index.shape)
         for slot, step in enumerate(steps):
             if step is not None:
                 seconds[:, slot] = np.asarray(step, dtype=float)[index[:, slot]]
-        return _in_order(seconds, self.columns)
+        total = _in_order(seconds, self.columns)
+        if dispatch:
+            sharded = np.zeros(len(index), dtype=bool)
+            for slot in params:
+                choice = graph.choices[self.reps[slot]]
+                flags = np.array([_sharded(choice, s) for s in range(len(choice.strategies))], dtype=bool)
+                sharded |= flags[index[:, slot]]
+            total = total + np.where(sharded, graph.dtensor_step_s, 0.0)
+        return total
 
     def _merged_s(self, index: np.ndarray) -> np.ndarray:
         """Per strategy, the parameter reductions' change: they run once per parameter, so the
@@ -551,6 +569,11 @@ def _candidate(graph, rep, s, decision: _Decision, cost, chosen, memo: _Memo) ->
     if kernel_comm_s:
         record["kernel_comm_s"] = kernel_comm_s
     return record
+
+
+def _sharded(choice, s: int) -> bool:
+    """Whether strategy ``s`` of a parameter's ``choice`` shards it on some mesh axis."""
+    return not all(p.is_replicate() for p in choice.strategies[s].outs[0])
 
 
 def _binding(costs: Costs, chosen: int, memory_budget: float | None, status: str) -> str:
