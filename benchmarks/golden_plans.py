@@ -67,7 +67,8 @@ def data_parallel():
 
 def megatron_budget():
     model, x = _mlp(), torch.randn(8, 1024)
-    free = autopar.plan(model, (4,), example_inputs=(x, torch.randn_like(x)), cluster="h100-80g")
+    # the replicated layout's peak, as tests/solver/test_solver.py takes it
+    free = autopar.hand_plan("ddp", model, (4,), example_inputs=(x, torch.randn_like(x)), cluster="h100-80g")
     budget = 0.35 * free.predicted.peak_memory_bytes
     return autopar.plan(model, (4,), example_inputs=(x, torch.randn_like(x)), cluster="h100-80g", memory_budget=budget)
 

@@ -153,6 +153,10 @@ class ClusterSpec:
     executor: str = "eager"
     # What kernels reach of the peaks (``cost.rates``); None: the plain roofline against them.
     rates: ComputeRates | None = None
+    # Host seconds DTensor's dispatch adds to one op whose arguments are DTensors, over the plain
+    # op: torch's optimizer steps a plan's parameters as DTensors wherever one is not replicated
+    # (``cost.optimizer.dtensor_dispatch_s``). 0: not measured for this machine.
+    dtensor_op_s: float = 0.0
 
     @property
     def gloo(self) -> bool:
@@ -196,6 +200,9 @@ class ClusterSpec:
             raise ClusterSpecError(f"{owner}.compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
         if self.rates is not None and not isinstance(self.rates, ComputeRates):
             raise ClusterSpecError(f"{owner}.rates must be a ComputeRates or None, got {self.rates!r}")
+        dispatch = self.dtensor_op_s
+        if isinstance(dispatch, bool) or not isinstance(dispatch, (int, float)) or not 0 <= dispatch < math.inf:
+            raise ClusterSpecError(f"{owner}.dtensor_op_s must be a finite number >= 0, got {dispatch!r}")
         if self.executor not in EXECUTORS:
             raise ClusterSpecError(f"{owner}.executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         for name in ("source", "notes"):
@@ -274,6 +281,7 @@ class ClusterSpec:
             **({"compute_slots_per_node": self.compute_slots_per_node} if self.compute_slots_per_node is not None else {}),
             **({"executor": self.executor} if self.executor != "eager" else {}),
             **({"rates": self.rates.to_json()} if self.rates is not None else {}),
+            **({"dtensor_op_s": self.dtensor_op_s} if self.dtensor_op_s else {}),
         }
 
     @classmethod
@@ -284,7 +292,17 @@ class ClusterSpec:
         if not isinstance(data, Mapping):
             raise ClusterSpecError(f"a cluster spec must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        required = known - {"source", "notes", "compute", "host_link", "disk_link", "compute_slots_per_node", "executor", "rates"}
+        required = known - {
+            "source",
+            "notes",
+            "compute",
+            "host_link",
+            "disk_link",
+            "compute_slots_per_node",
+            "executor",
+            "rates",
+            "dtensor_op_s",
+        }
         unknown = set(data) - known
         missing = required - set(data)
         if unknown or missing:

@@ -18,6 +18,10 @@ by implementation (``IMPLEMENTATIONS``):
   parameter at a time where its state lives): the same passes, ``KERNELS_PER_TENSOR`` kernels per
   tensor, each tensor on its own (``max`` per tensor, summed).
 
+Where a plan holds its parameters as DTensors (any one not replicated), each op of the step goes
+through DTensor's dispatch on the host: ``dtensor_dispatch_s`` adds ``ClusterSpec.dtensor_op_s``
+per op (``plan_step_s``).
+
 The liveness walk already sizes every parameter, gradient and moment of a chosen sharding
 (``cost.liveness``: the "param", "grad" and "optimizer_state" intervals), so the step is priced
 from those intervals: what the memory model counts is what the optimizer moves.
@@ -56,22 +60,88 @@ def stepped_tensors(intervals: Iterable, bytes_of: Callable[[str], float]) -> li
     return [2 * param.get(node, 0.0) + size + 2 * state.get(node, 0.0) for node, size in grad.items()]
 
 
+def tensor_step_s(fused_bytes: float, cluster: ClusterSpec, implementation: str, mesh_shape: Sequence[int] = (1,)) -> float:
+    """The part of ``adamw_step_s`` that one tensor of ``fused_bytes`` adds on its own: its
+    bandwidth term, and for the for-loop the floor of its own ``KERNELS_PER_TENSOR`` launches.
+    The sharding ILP prices each parameter's placement with it (``solver.problem.optimizer_terms``):
+    it is linear in the choice of one parameter, where the list kernels' floor
+    (``list_kernels_floor_s``: a launch per tensor, or one) is the same for every layout."""
+    return _unshared_s(fused_bytes, cluster, implementation) / cluster.compute_share(mesh_shape)
+
+
 def adamw_step_s(
     fused_bytes: Sequence[float], cluster: ClusterSpec, implementation: str, mesh_shape: Sequence[int] = (1,)
 ) -> float:
     """Seconds of one AdamW step over tensors of ``fused_bytes`` each (module docstring), at a
-    rank's share of its device on ``mesh_shape`` (``ClusterSpec.compute_share``)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise InternalError(f"optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
-    rates = cluster.rates
-    bandwidth = cluster.memory_bandwidth_bytes_per_s * (rates.memory_efficiency if rates is not None else 1.0)
-    launch = rates.launch_overhead_s if rates is not None else 0.0
+    rank's share of its device on ``mesh_shape`` (``ClusterSpec.compute_share``): the sum of
+    ``tensor_step_s``, and for the list kernels at least ``list_kernels_floor_s``."""
     share = cluster.compute_share(mesh_shape)
     if implementation == "for-loop":
-        traffic = OPTIMIZER_TRAFFIC["foreach"]
-        return sum(max(traffic * size / bandwidth, KERNELS_PER_TENSOR * launch) for size in fused_bytes) / share
-    launches = len(fused_bytes) if implementation == "foreach" else 1
-    return max(OPTIMIZER_TRAFFIC[implementation] * sum(fused_bytes) / bandwidth, launches * launch) / share
+        return sum(_unshared_s(size, cluster, implementation) for size in fused_bytes) / share
+    # Σ over tensors of their bandwidth terms, summed as bytes first (one product, as before).
+    terms = _unshared_s(sum(fused_bytes), cluster, implementation) / share
+    return max(terms, list_kernels_floor_s(len(fused_bytes), cluster, implementation, mesh_shape))
 
 
-__all__ = ["IMPLEMENTATIONS", "KERNELS_PER_TENSOR", "default_implementation", "stepped_tensors", "adamw_step_s"]
+def list_kernels_floor_s(num_tensors: int, cluster: ClusterSpec, implementation: str, mesh_shape: Sequence[int] = (1,)) -> float:
+    """The least time the fused or foreach kinds take over ``num_tensors`` tensors: one launch
+    per tensor (foreach: each list op is launched per chunk of tensors) or one launch (fused);
+    0 for the for-loop, whose floors are its tensors' own (``tensor_step_s``)."""
+    _check(implementation)
+    if implementation == "for-loop":
+        return 0.0
+    launch = cluster.rates.launch_overhead_s if cluster.rates is not None else 0.0
+    launches = num_tensors if implementation == "foreach" else 1
+    return launches * launch / cluster.compute_share(mesh_shape)
+
+
+def holds_dtensors(param_specs: Iterable[Sequence]) -> bool:
+    """Whether a plan with these parameter specs trains its parameters as DTensors: wherever one
+    parameter is not replicated on every mesh axis (``runtime.module``: a plan that replicates
+    every parameter keeps them plain, as DDP does)."""
+    return any(not placement.is_replicate() for spec in param_specs for placement in spec)
+
+
+def dtensor_dispatch_s(num_tensors: int, cluster: ClusterSpec, mesh_shape: Sequence[int] = (1,)) -> float:
+    """Host seconds torch's AdamW adds when it steps ``num_tensors`` DTensor parameters: each of
+    its ``KERNELS_PER_TENSOR`` ops per tensor goes through DTensor's dispatch
+    (``ClusterSpec.dtensor_op_s``; measured for the for-loop kind on CPU ranks)."""
+    return num_tensors * KERNELS_PER_TENSOR * cluster.dtensor_op_s / cluster.compute_share(mesh_shape)
+
+
+def plan_step_s(fused_bytes: Sequence[float], cluster: ClusterSpec, mesh_shape: Sequence[int], dtensors: bool) -> float:
+    """A plan's ``predicted.optimizer_s``: torch's default AdamW for ``cluster`` over tensors of
+    ``fused_bytes``, with DTensor's dispatch where the plan holds its parameters as DTensors."""
+    step_s = adamw_step_s(fused_bytes, cluster, default_implementation(cluster), mesh_shape)
+    return step_s + dtensor_dispatch_s(len(fused_bytes), cluster, mesh_shape) if dtensors else step_s
+
+
+def _unshared_s(fused_bytes: float, cluster: ClusterSpec, implementation: str) -> float:
+    """One tensor's step on a whole device: memory-bound at the achieved bandwidth, and for the
+    for-loop at least its own launches."""
+    _check(implementation)
+    rates = cluster.rates
+    bandwidth = cluster.memory_bandwidth_bytes_per_s * (rates.memory_efficiency if rates is not None else 1.0)
+    if implementation == "for-loop":
+        launch = rates.launch_overhead_s if rates is not None else 0.0
+        return max(OPTIMIZER_TRAFFIC["foreach"] * fused_bytes / bandwidth, KERNELS_PER_TENSOR * launch)
+    return OPTIMIZER_TRAFFIC[implementation] * fused_bytes / bandwidth
+
+
+def _check(implementation: str) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise InternalError(f"optimizer implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "KERNELS_PER_TENSOR",
+    "default_implementation",
+    "stepped_tensors",
+    "adamw_step_s",
+    "tensor_step_s",
+    "list_kernels_floor_s",
+    "holds_dtensors",
+    "dtensor_dispatch_s",
+    "plan_step_s",
+]

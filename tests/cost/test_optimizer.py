@@ -8,12 +8,21 @@ import json
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.cost import comm
 from autopar.cost.cluster import get_cluster
 from autopar.cost.liveness import Interval
-from autopar.cost.optimizer import KERNELS_PER_TENSOR, adamw_step_s, default_implementation, stepped_tensors
+from autopar.cost.optimizer import (
+    KERNELS_PER_TENSOR,
+    adamw_step_s,
+    default_implementation,
+    dtensor_dispatch_s,
+    holds_dtensors,
+    plan_step_s,
+    stepped_tensors,
+)
 from autopar.cost.rates import OPTIMIZER_TRAFFIC
 from autopar.zoo.models import GPT
 
@@ -87,3 +96,19 @@ def test_every_plan_prices_its_optimizer_step_from_its_local_shards():
             + parts.exposed_grad_sync_s + parts.optimizer_s + overlap
         )  # fmt: skip
         assert json.loads(plan.to_json())["predicted"]["optimizer_s"] == parts.optimizer_s
+
+
+def test_dtensor_dispatch_is_per_op_where_a_parameter_is_sharded():
+    cpu = dataclasses.replace(get_cluster("cpu-gloo"), compute_slots_per_node=2)
+    assert holds_dtensors([(Replicate(), Shard(0)), (Replicate(), Replicate())])
+    assert not holds_dtensors([(Replicate(), Replicate())])
+    per_tensor = KERNELS_PER_TENSOR * cpu.dtensor_op_s
+    assert dtensor_dispatch_s(10, cpu, (2,)) == pytest.approx(10 * per_tensor)
+    assert dtensor_dispatch_s(10, cpu, (4,)) == pytest.approx(20 * per_tensor)  # 4 ranks on 2 cores
+    sizes = [1e6] * 10
+    assert plan_step_s(sizes, cpu, (2,), True) == pytest.approx(adamw_step_s(sizes, cpu, "for-loop", (2,)) + 10 * per_tensor)
+    assert plan_step_s(sizes, cpu, (2,), False) == adamw_step_s(sizes, cpu, "for-loop", (2,))
+    assert get_cluster("h200-141g").dtensor_op_s == 0.0, "not measured on a GPU host yet"
+    assert type(cpu).from_json(cpu.to_json()) == cpu
+    with pytest.raises(ValueError, match="dtensor_op_s"):
+        dataclasses.replace(cpu, dtensor_op_s=-1.0)

@@ -11,7 +11,7 @@ from autopar.report.explain import explain_json, explain_text, find_decision
 from autopar.solver import ShardingILP, build_choice_graph
 from autopar.solver.pricing import runner_ups
 from autopar.solver.pricing.runner_ups import explain_decisions
-from autopar.solver.problem.choices import param_sync_adjustment_s
+from autopar.solver.problem.choices import optimizer_objective_s, param_sync_adjustment_s
 from autopar.solver.problem.edges import EdgePrices
 from autopar.solver.search.solving import peak_memory, solve_ilp
 from autopar.trace import trace
@@ -21,6 +21,7 @@ from autopar.zoo.models import build_model, example_batch
 def _objective(graph, assignment) -> tuple[float, float]:
     """Seconds and memory of a full assignment, summed from scratch over every node and edge."""
     seconds = sum(graph.choices[n].compute_s[assignment[n]] for n in graph.order)
+    seconds += optimizer_objective_s(graph, assignment)  # each parameter's optimizer step at its placement
     # each parameter's gradient reduction once, bucketed, in place of one all-reduce per use
     seconds += param_sync_adjustment_s(graph, assignment)
     memory = sum(graph.choices[n].memory_bytes[assignment[n]] for n in graph.order)
@@ -81,6 +82,7 @@ def test_runner_up_costs_are_exact_counterfactuals(solved):
                 + cand.get("kernel_comm_s", 0.0)
                 + cand["reshard_in_s"]
                 + cand["reshard_out_s"]
+                + cand.get("optimizer_s", 0.0)
             )
             assert parts == pytest.approx(cand["total_s"], rel=1e-9, abs=1e-15)
             if cand is chosen:
@@ -208,9 +210,12 @@ def _member_by_member(graph, solution, ordered, assignment) -> dict[str, float] 
     graph order, and every edge that touches a member priced on its own."""
     members = set(ordered)
     compute_s = memory_bytes = reshard_in_s = reshard_out_s = 0.0
+    optimizer_s = 0.0 if any(name in graph.optimizer_s for name in ordered) else None
     for name in ordered:
         compute_s += graph.choices[name].compute_s[assignment[name]]
         memory_bytes += graph.choices[name].memory_bytes[assignment[name]]
+        if name in graph.optimizer_s:
+            optimizer_s += graph.optimizer_s[name][assignment[name]]
     groups, refunds = graph.param_sync_groups()
     merged_s = -sum(refunds[name][assignment[name]] for name in ordered if name in refunds)
     for group in groups.values():
@@ -235,7 +240,8 @@ def _member_by_member(graph, solution, ordered, assignment) -> dict[str, float] 
         "reshard_in_s": reshard_in_s,
         "reshard_out_s": reshard_out_s,
         "memory_bytes": memory_bytes,
-        "total_s": compute_s + merged_s + reshard_in_s + reshard_out_s,
+        **({"optimizer_s": optimizer_s} if optimizer_s is not None else {}),
+        "total_s": compute_s + merged_s + reshard_in_s + reshard_out_s + (optimizer_s or 0.0),
     }
 
 

@@ -103,7 +103,7 @@ def _compute_terms(ilp: ShardingILP):
     """The objective's compute terms as ``set_objective`` wrote them before ``terms``: one by one."""
     refund, graph = ilp.per_use_refund, ilp.graph
     for name in graph.order:
-        for s, (c, x) in enumerate(zip(graph.choices[name].compute_s, ilp.x[name])):
+        for s, (c, x) in enumerate(zip(graph.objective_s(name), ilp.x[name])):
             weight = c - (refund[name][s] if name in refund else 0.0)
             if weight:
                 yield weight, x
@@ -118,7 +118,8 @@ def test_compute_coefficients_equal_the_terms_summed_one_by_one(ilp):
     assert kinds == {pulp.LpVariable, pulp.LpAffineExpression} and ilp.per_use_refund
     assert any(name in ilp.graph.layer_template for name in ilp.graph.order)
     order, refund = ilp.graph.order, ilp.per_use_refund
-    got = compute_coefficients(order, {name: ilp.graph.choices[name].compute_s for name in order}, ilp.x, refund)
+    assert ilp.graph.optimizer_s, "parameters carry their optimizer step"
+    got = compute_coefficients(order, {name: ilp.graph.objective_s(name) for name in order}, ilp.x, refund)
     want = weighted_sum(_compute_terms(ilp))
     assert got is not None and None in got  # the constants of single-strategy nodes
     _same(weighted_sum((), start=got), want)

@@ -43,8 +43,9 @@ def test_batch_heavy_with_ample_memory_is_data_parallel():
 
 def _megatron_plan(model: torch.nn.Module, x: torch.Tensor, mesh=(4,)) -> autopar.Plan:
     y = torch.randn_like(x)
-    replicated = autopar.plan(model, mesh, example_inputs=(x, y), cluster="h100-80g")
-    # Too small to keep any one weight whole (with its gradient and AdamW state).
+    replicated = autopar.hand_plan("ddp", model, mesh, example_inputs=(x, y), cluster="h100-80g")
+    # Too small to keep any one weight whole (with its gradient and AdamW state). (Without a
+    # budget these small batches already go Megatron: its AdamW step is a quarter of DDP's.)
     budget = 0.35 * replicated.predicted.peak_memory_bytes
     return autopar.plan(model, mesh, example_inputs=(x, y), cluster="h100-80g", memory_budget=budget)
 

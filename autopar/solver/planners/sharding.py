@@ -24,7 +24,7 @@ from autopar.solver.planners.memory_plan import plan_memory
 from autopar.solver.planners.settings import memory_budget
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.runner_ups import explain_decisions
-from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, param_sync_adjustment_s
+from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, optimizer_objective_s, param_sync_adjustment_s
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP, Solution
 from autopar.solver.problem.op_prices import expert_parallel_record, grad_sync_bytes_per_axis
@@ -314,6 +314,7 @@ def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) ->
     sums = _compute_and_reshard_s(ilp.graph, choice, specs)
     objective = sums[0] + sums[1]
     objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
+    objective += optimizer_objective_s(ilp.graph, choice)  # and the optimizer step of each parameter's placement
     return dataclasses.replace(
         like,
         choice=choice,
@@ -478,7 +479,10 @@ class _StepParts:
         compute_s, reshard_s = sums or _compute_and_reshard_s(graph, solution.choice, solution.edge_specs)
         schedule = param_schedule(graph, solution.choice, cluster)
         stepped = optimizer.stepped_tensors(graph.timeline.intervals, graph.bytes_of(solution.choice))
-        optimizer_s = optimizer.adamw_step_s(stepped, cluster, optimizer.default_implementation(cluster), graph.mesh_shape)
+        params = [
+            choice.strategies[solution.choice[name]].outs[0] for name, choice in graph.choices.items() if choice.kind == "param"
+        ]
+        optimizer_s = optimizer.plan_step_s(stepped, cluster, graph.mesh_shape, optimizer.holds_dtensors(params))
         return cls(solution, compute_s, reshard_s, schedule, optimizer_s)
 
     @property

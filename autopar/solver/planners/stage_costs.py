@@ -465,7 +465,8 @@ def build_stage_graph(
         traced, stage_mesh, cluster, forced=forced, **({} if optimizer_dtype is None else {"optimizer_dtype": optimizer_dtype})
     )
     log.debug("stage mesh %s: choice graph in %.2f s", stage_mesh, time.perf_counter() - start)
-    return graph
+    # A pipeline stage holds its parameters as plain shards: its optimizer step pays no DTensor dispatch.
+    return dataclasses.replace(graph, dtensor_step_s=0.0)
 
 
 __all__ = [

@@ -181,6 +181,9 @@ class Costs:
     memory_bytes: np.ndarray
     total_s: np.ndarray
     possible: np.ndarray
+    # The optimizer step of the members' shards (``ChoiceGraph.optimizer_s``), and DTensor's
+    # dispatch where the decision alone decides it (``_Decision._optimizer_s``); None: neither.
+    optimizer_s: np.ndarray | None = None
 
     def record(self, s: int) -> dict[str, float]:
         """Strategy ``s``'s terms by name (its ``total_s`` their sum, in this order)."""
@@ -190,6 +193,7 @@ class Costs:
             "reshard_in_s": float(self.reshard_in_s[s]),
             "reshard_out_s": float(self.reshard_out_s[s]),
             "memory_bytes": float(self.memory_bytes[s]),
+            **({"optimizer_s": float(self.optimizer_s[s])} if self.optimizer_s is not None else {}),
             "total_s": float(self.total_s[s]),
         }
 
@@ -281,6 +285,13 @@ class _Decision:
             inner_columns.append(inner[key])
         self.inner_columns = inner_columns
         self.indices: list[list[int]] = []
+        # Whether a parameter outside the decision is sharded as solved: then the plan holds
+        # DTensors whatever the decision takes (``ChoiceGraph.dtensor_step_s``).
+        self.dtensors_outside = any(
+            _sharded(choice, solution.choice[name])
+            for name, choice in graph.choices.items()
+            if choice.kind == "param" and name not in self.slot_of
+        )
 
     def price(self, num_strategies: int) -> list[dict[str, float] | None]:
         """Per strategy of the decision: seconds and bytes the members cost when it takes that
@@ -306,7 +317,34 @@ class _Decision:
         reshard_out_s = _in_order(np.where(enters, 0.0, seconds), self.edge_columns)
         merged = self._merged_s(index)
         total_s = compute_s + merged + reshard_in_s + reshard_out_s
-        return Costs(compute_s, merged, reshard_in_s, reshard_out_s, memory_bytes, total_s, possible)
+        optimizer_s = self._optimizer_s(index)
+        if optimizer_s is not None:
+            total_s = total_s + optimizer_s
+        return Costs(compute_s, merged, reshard_in_s, reshard_out_s, memory_bytes, total_s, possible, optimizer_s)
+
+    def _optimizer_s(self, index: np.ndarray) -> np.ndarray | None:
+        """Per strategy, the optimizer step of the members that are parameters it steps, in
+        member order (``_in_order``), and DTensor's dispatch where the strategy alone decides
+        whether the plan holds DTensors; None where there are none."""
+        graph = self.graph
+        steps = [graph.optimizer_s.get(rep) for rep in self.reps]
+        params = [slot for slot, rep in enumerate(self.reps) if graph.choices[rep].kind == "param"]
+        dispatch = bool(graph.dtensor_step_s and params and not self.dtensors_outside)
+        if all(step is None for step in steps) and not dispatch:
+            return None
+        seconds = np.zeros(index.shape)
+        for slot, step in enumerate(steps):
+            if step is not None:
+                seconds[:, slot] = np.asarray(step, dtype=float)[index[:, slot]]
+        total = _in_order(seconds, self.columns)
+        if dispatch:
+            sharded = np.zeros(len(index), dtype=bool)
+            for slot in params:
+                choice = graph.choices[self.reps[slot]]
+                flags = np.array([_sharded(choice, s) for s in range(len(choice.strategies))], dtype=bool)
+                sharded |= flags[index[:, slot]]
+            total = total + np.where(sharded, graph.dtensor_step_s, 0.0)
+        return total
 
     def _merged_s(self, index: np.ndarray) -> np.ndarray:
         """Per strategy, the parameter reductions' change: they run once per parameter, so the
@@ -523,12 +561,19 @@ def _candidate(graph, rep, s, decision: _Decision, cost, chosen, memo: _Memo) ->
             "memory_bytes": int(cost["memory_bytes"]),
         }
     )
+    if "optimizer_s" in cost:
+        record["optimizer_s"] = cost["optimizer_s"]
     if strategy.kernel:
         record["kernel"] = strategy.kernel
         record["kernel_axes"] = list(strategy.kernel_axes)
     if kernel_comm_s:
         record["kernel_comm_s"] = kernel_comm_s
     return record
+
+
+def _sharded(choice, s: int) -> bool:
+    """Whether strategy ``s`` of a parameter's ``choice`` shards it on some mesh axis."""
+    return not all(p.is_replicate() for p in choice.strategies[s].outs[0])
 
 
 def _binding(costs: Costs, chosen: int, memory_budget: float | None, status: str) -> str:

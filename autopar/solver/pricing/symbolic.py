@@ -124,7 +124,7 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
     out_bytes.update(sizes)
     curve = liveness.Timeline(timeline.names, timeline.intervals + tuple(gathered)).curve(out_bytes.__getitem__)
     stepped = step_cost.stepped_tensors(timeline.intervals, out_bytes.__getitem__)
-    optimizer_s = step_cost.adamw_step_s(stepped, cluster, step_cost.default_implementation(cluster), mesh)
+    optimizer_s = step_cost.plan_step_s(stepped, cluster, mesh, step_cost.holds_dtensors(plan.params.values()))
     return {"roofline": roofline, "comm": comms, "memory_curve": curve, "optimizer_s": optimizer_s}
 
 

@@ -50,6 +50,7 @@ from autopar.solver.problem import pruning
 from autopar.solver.problem.edges import Edge, flatten, mutated_inputs, price_edges, reduce_dtype
 from autopar.solver.problem.gathered import GatheredSize, gathered_parameters
 from autopar.solver.problem.op_prices import price_strategies
+from autopar.solver.problem.optimizer_terms import dtensor_price, step_prices
 from autopar.trace import TracedModel, requires_grad
 
 
@@ -122,11 +123,24 @@ class ChoiceGraph:
     # How many strategies of op nodes were enumerated, and how many of them ``solver.problem.pruning``
     # cut before pricing edges (impossible) or after pricing the node (dominated).
     pruned: Pruned = field(default_factory=lambda: Pruned())
+    # Per parameter the optimizer steps: the seconds of its step under each strategy, which the
+    # ILP's objective adds to its compute (``solver.problem.optimizer_terms``).
+    optimizer_s: dict[str, list[float]] = field(default_factory=dict)
+    # The seconds DTensor's dispatch adds to that step where some parameter is not replicated
+    # (the runtime then holds them all as DTensors; ``optimizer_terms.dtensor_price``).
+    dtensor_step_s: float = 0.0
     # What later stages compute from this graph alone (the memory planner's walk: see
     # ``solver.planners.memory_plan``), kept so that one solve computes it once however many plans it tries.
     # Not an argument: a graph made by ``dataclasses.replace`` (other prices, other choices)
     # starts with its own, empty.
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def objective_s(self, name: str) -> list[float]:
+        """Node ``name``'s seconds per strategy in the ILP's objective: its ``compute_s``, and for a
+        parameter the optimizer step of its shard (``optimizer_s``)."""
+        compute_s = self.choices[name].compute_s
+        step_s = self.optimizer_s.get(name)
+        return compute_s if step_s is None else [c + o for c, o in zip(compute_s, step_s)]
 
     def bytes_of(self, assignment: Mapping[str, int]) -> Callable[[str], float]:
         """Timeline name -> bytes under ``assignment`` (every node's strategy): a node's outputs
@@ -273,6 +287,20 @@ def param_sync_adjustment_s(graph: ChoiceGraph, assignment: Mapping[str, int]) -
     return merged - sum(refund[assignment[name]] for name, refund in refunds.items())
 
 
+def optimizer_objective_s(graph: ChoiceGraph, assignment: Mapping[str, int]) -> float:
+    """What the ILP objective adds to Σ compute_s for ``assignment`` for the optimizer step: each
+    parameter's at its strategy, and DTensor's dispatch where some parameter is sharded
+    (``solver.problem.optimizer_terms``)."""
+    seconds = sum(step[assignment[name]] for name, step in graph.optimizer_s.items())
+    if graph.dtensor_step_s and any(
+        not all(p.is_replicate() for p in choice.strategies[assignment[name]].outs[0])
+        for name, choice in graph.choices.items()
+        if choice.kind == "param"
+    ):
+        seconds += graph.dtensor_step_s
+    return seconds
+
+
 def build_choice_graph(
     traced: TracedModel,
     mesh_shape: Sequence[int],
@@ -363,7 +391,9 @@ def _build_choice_graph(
     fqns = {i.name: traced.ties.get(i.fqn, i.fqn) for i in traced.inputs if i.kind == "param"}
     gathered, intervals = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm, cluster.gloo)
     timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
-    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned)
+    steps = step_prices({name: choice.memory_bytes for name, choice in choices.items()}, timeline, cluster, mesh_shape)
+    dispatch = dtensor_price(timeline, cluster, mesh_shape)
+    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps, dispatch)
 
 
 def _check_zero_layout(choices: dict[str, Choice], zero_stage: int) -> None:

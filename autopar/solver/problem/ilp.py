@@ -30,6 +30,11 @@ Objective (seconds of one training step, forward and backward)
     + Σ_g P_g · z[g]: each parameter gradient reduction g (a parameter, a mesh axis, the spec it
       is held in; ``choices.param_sync_groups``) once, at its bucketed price P_g, however many
       uses need it, as the runtime runs it (``passes.schedule``).
+    + Σ_{n param} Σ_s o[n, s] · x[n, s]: the optimizer step of the parameter's local shard, its
+      gradient and state under strategy s (``solver.problem.optimizer_terms``), so that a layout
+      that shards parameters or their state is paid back for the step it shards.
+    + D · d: DTensor's dispatch in that step, where any parameter is sharded (d below; D = 0, and
+      no d, on clusters that have not measured it).
     How much of the buckets backward hides is priced on the solved plan
     (``solver.pricing.comm_schedule``, ``predicted.exposed_grad_sync_s``), as are one gather per
     parameter, FSDP's reduce-scatter and the buckets' whole latencies
@@ -50,6 +55,7 @@ Constraints
     param_sync[g, v, i]: z[g] ≥ Σ_{s ∈ U} x[v, s]  for each use (v, i) of reduction g, U the
                        strategies of v that reduce input i's gradient so; z ∈ [0, 1] continuous
                        (at an optimum z is the max of its rows: 0 or 1 for integer x)
+    dtensor_params[n]: d ≥ Σ_{s not replicated} x[n, s]   ∀ parameters n; d ∈ [0, 1] continuous
 
     Repeated layers (``choices.repeated_layers``) share variables outright: a node of layer k
     uses the x of its counterpart in the first layer, and an edge whose two ends share x with
@@ -157,6 +163,7 @@ class ShardingILP:
             self.add_memory_constraint(memory_budget_bytes)
         self.add_tie_constraints()
         self.add_param_sync_variables()
+        self.add_dtensor_variable()
         self.set_objective()
 
     # -- variables ----------------------------------------------------------------------------
@@ -358,6 +365,33 @@ class ShardingILP:
                     self._z_uses[key].append(lower)
                     self.problem += _difference([z], [lower]) >= 0, f"param_sync__{g}__{self._node_ids[consumer]}__{index}"
 
+    def add_dtensor_variable(self) -> None:
+        """d ≥ Σ_{s not replicated} x[n, s] for each parameter n, priced D = ``graph.dtensor_step_s``
+        (``solver.problem.optimizer_terms``): where any parameter is sharded the runtime holds them
+        all as DTensors, and the optimizer step pays DTensor's dispatch once for the plan. d joins
+        the z family (``z``, its price, its lower bounds), whose objective terms and values at an
+        integer x (``param_sync_values``) it shares."""
+        price = self.graph.dtensor_step_s
+        if not price:
+            return
+        key = ("dtensor_params",)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.z[key] = d = pulp.LpVariable("d_dtensor_params", lowBound=0, upBound=1)
+        self._z_price[key] = price
+        self._z_uses[key] = []
+        seen: set[int] = set()
+        for name in self.graph.order:
+            choice = self.graph.choices[name]
+            if choice.kind != "param" or id(self.x[name]) in seen:
+                continue
+            seen.add(id(self.x[name]))  # repeated layers and tied weights share their x
+            sharded = [x for s, x in zip(choice.strategies, self.x[name]) if not all(p.is_replicate() for p in s.outs[0])]
+            if sharded:
+                lower = pulp.lpSum(sharded)
+                self._z_uses[key].append(lower)
+                self.problem += _difference([d], [lower]) >= 0, f"dtensor_params__{self._node_ids[name]}"
+
     def param_sync_values(self) -> dict[tuple, float]:
         """The value each z takes at the current x: the largest of its lower bounds
         (``rounding.check`` sets them for an integer assignment)."""
@@ -365,7 +399,7 @@ class ShardingILP:
 
     def set_objective(self) -> None:
         refund, order = self.per_use_refund, self.graph.order
-        compute_s = {name: self.graph.choices[name].compute_s for name in order}
+        compute_s = {name: self.graph.objective_s(name) for name in order}  # a parameter's with its optimizer step
         # The same sum as the terms below, added with numpy (``terms``); one by one where it cannot.
         compute = compute_coefficients(order, compute_s, self.x, refund)
         compute_terms = (
