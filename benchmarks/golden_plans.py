@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import autopar  # noqa: E402
-from autopar.api import plan_traced  # noqa: E402
 from autopar.cost.cluster import get_cluster  # noqa: E402
 from autopar.ir.options import PlanOptions  # noqa: E402
+from autopar.solver.planners.traced import plan_traced  # noqa: E402
 from autopar.trace import trace_repeated  # noqa: E402
 from autopar.zoo.models import GPT, LLAMA_SHAPES, MLPBlock, WithMSELoss, build_model, example_batch  # noqa: E402
 

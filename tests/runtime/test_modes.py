@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import autopar
-from autopar.api import plan_traced
 from autopar.cost.cluster import get_cluster
 from autopar.ir.options import PlanOptions
 from autopar.runtime.modes import pinned_placements
+from autopar.solver.planners.traced import plan_traced
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 

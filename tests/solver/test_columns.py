@@ -117,7 +117,7 @@ def test_check_prices_a_choice_by_its_own_y_held_or_not(llama_graph):
 def test_a_solved_ilp_and_its_hub_tables_are_freed_without_the_garbage_collector(llama_graph):
     """No reference cycle keeps a solved problem alive (its relaxation holds it weakly) nor a hub
     table (its on-demand pricer holds no edge): planning holds full collections off
-    (``api.quiet_gc``), so whatever a cycle held stayed from plan to plan."""
+    (``solver.planners.quiet_gc``), so whatever a cycle held stayed from plan to plan."""
     import gc
     import weakref
 

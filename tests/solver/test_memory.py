@@ -58,7 +58,7 @@ def test_cluster_host_and_disk_links_round_trip(tmp_path):
 
 
 def test_offload_argument():
-    from autopar.api import offload_target
+    from autopar.solver.planners.traced import offload_target
 
     cpu, h100 = get_cluster("cpu"), get_cluster("h100-80g")
     assert offload_target("off", cpu) == (None, None)

@@ -7,10 +7,10 @@ import math
 import pytest
 
 import autopar
-from autopar.api import plan_traced_unexplained
 from autopar.cost.cluster import get_cluster
 from autopar.ir.options import PlanOptions
 from autopar.solver.planners.mesh_search import mesh_candidates, mesh_search_text, search_mesh
+from autopar.solver.planners.traced import plan_traced, plan_traced_unexplained
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 
@@ -89,12 +89,12 @@ def test_a_plan_leaves_no_reference_cycles():
 
     traced = trace(build_model("mlp", seed=0), example_batch("mlp", 8))
     cluster, options = get_cluster("h100-80g"), PlanOptions()
-    autopar.api.plan_traced(traced, (2, 2, 2), cluster, options)  # loads what loads once (the solver's libraries)
+    plan_traced(traced, (2, 2, 2), cluster, options)  # loads what loads once (the solver's libraries)
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     try:
-        plan = autopar.api.plan_traced(traced, (2, 2, 2), cluster, options)
+        plan = plan_traced(traced, (2, 2, 2), cluster, options)
         assert plan.decisions
         del plan
         assert gc.collect() == 0

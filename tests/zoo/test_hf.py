@@ -16,13 +16,13 @@ import torch
 from torch.distributed.tensor import Replicate
 
 import autopar
-from autopar.api import plan_traced
 from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
 from autopar.ir.options import PlanOptions
 from autopar.ir.spec import SS, format_spec
 from autopar.rules.registry import node_strategies, op_info
 from autopar.solver import solve
+from autopar.solver.planners.traced import plan_traced
 from autopar.trace import trace
 from tests.conftest import collective_counts, eager_grads, step_against_eager
 from tests.solver.test_objective_price import assert_objective_is_step_time

@@ -278,7 +278,7 @@ class Pricer:
     def on_demand(self, edge: Edge) -> Callable[[Spec, Spec], Price | None]:
         """``price`` of any pair, by specs. It holds no reference to ``edge``, whose table keeps
         it: that cycle left every hub table (10^5 tuples on a 3-axis mesh) to the garbage
-        collector's full passes, which planning holds off (``api.quiet_gc``)."""
+        collector's full passes, which planning holds off (``solver.planners.quiet_gc``)."""
         prices, code = self.prices_of(edge), self.code
         return lambda src, dst: prices(src, dst, code(src), code(dst))
 

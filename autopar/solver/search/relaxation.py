@@ -63,7 +63,7 @@ class Relaxation:
     def __init__(self, ilp: ShardingILP):
         # By a weak reference: the ILP keeps its relaxation (``ilp.relaxation``), and a cycle
         # between them would leave the whole problem (10^5 PuLP objects on a 3-axis mesh) to the
-        # garbage collector's full passes, which planning holds off (``api.quiet_gc``): memory
+        # garbage collector's full passes, which planning holds off (``solver.planners.quiet_gc``): memory
         # grew from plan to plan in one process.
         self._ilp = weakref.ref(ilp)
         self._build()
