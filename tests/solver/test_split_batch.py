@@ -29,6 +29,8 @@ def test_a_plan_that_keeps_the_batch_whole_is_solved_again_with_it_split(traced_
     options = PlanOptions.from_keywords()
     priced = plan_traced(traced_gpt, mesh, cluster, options)
     assert priced.data_layout.size == 1  # the preset's price: replicate this small model
+    (whole,) = [n for n in priced.notes if "whole batch" in n]  # ...and the plan says so
+    assert "every rank computes the whole batch" in whole and "cluster=" in whole, whole
     split = split_batch_at_least(priced, traced_gpt, lambda pins: plan_traced(traced_gpt, mesh, cluster, options, pins))
     assert split.data_layout.size == 4 if mesh == (2, 2) else split.data_layout.size == 2
     # the compute is split, not only the input: the embedding's output is cut along the batch

@@ -80,5 +80,21 @@ def split_batch_at_least(made: Plan, traced: TracedModel, solve: Callable[[dict[
     )
 
 
+def whole_batch_note(made: Plan, traced: TracedModel) -> Plan:
+    """``made`` noting that every rank computes the whole batch, where it runs on several ranks
+    and keeps a batch whole that the mesh could split: on a cluster whose links are slow for the
+    model's size the price chooses that, which a user who started N ranks may not expect (``compile``
+    without ``cluster=`` splits it at least: ``split_batch_at_least``)."""
+    mesh_shape = tuple(made.mesh_shape)
+    if made.data_layout.size > 1 or made.pipeline is not None or not batch_pins(traced, mesh_shape):
+        return made
+    return _noted(
+        made,
+        f"every rank computes the whole batch: on the {made.cluster} preset this plan "
+        f"({made.predicted.step_time_s * 1e3:.3g} ms a step) is priced below splitting it over the mesh "
+        "(a small model, or slow links); autopar.compile without cluster= splits it at least",
+    )
+
+
 def _noted(plan: Plan, note: str) -> Plan:
     return dataclasses.replace(plan, notes=(*plan.notes, note), stats=plan.stats)

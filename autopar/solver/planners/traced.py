@@ -17,6 +17,7 @@ from autopar.ir.plan import Plan
 from autopar.solver.planners.data import with_data_layout
 from autopar.solver.planners.quiet_gc import quiet_gc
 from autopar.solver.planners.sharding import solve_unexplained
+from autopar.solver.planners.split_batch import whole_batch_note
 from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
@@ -62,7 +63,8 @@ def plan_traced_unexplained(
     result, explained = solve_unexplained(traced, mesh_shape, cluster, options, forced=forced)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     result = dataclasses.replace(result, predicted=dataclasses.replace(result.predicted, executor=cluster.executor))
-    return with_notes(traced, with_data_layout(result, traced, options.data, axes=data_axes)), explained
+    result = with_notes(traced, with_data_layout(result, traced, options.data, axes=data_axes))
+    return (result if forced else whole_batch_note(result, traced)), explained
 
 
 def plan_pipelined(traced: TracedModel, mesh_shape: tuple[int, ...] | None, cluster: ClusterSpec, options: PlanOptions) -> Plan:
