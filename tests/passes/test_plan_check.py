@@ -9,6 +9,7 @@ import operator
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate
 
 import autopar
 from autopar.cost.memory import param_state_bytes
@@ -56,8 +57,11 @@ def test_a_pipelined_plan_passes(gpt):
 
 
 def test_a_weight_edited_from_replicated_to_sharded_is_refused_before_it_runs(gpt):
-    _, _, plan, traced = gpt
-    assert plan.params[WEIGHT] == plan.nodes["p_" + WEIGHT.replace(".", "_")].outs[0]
+    model, batch, _, traced = gpt
+    # DDP's layout, where the weight is replicated (the solver's plan may shard it: it prices the
+    # optimizer step that sharding saves)
+    plan = autopar.hand_plan("ddp", model, MESH, example_inputs=batch, cluster="cpu")
+    assert plan.params[WEIGHT] == plan.nodes["p_" + WEIGHT.replace(".", "_")].outs[0] == (Replicate(), Replicate())
 
     def edit(data):
         data["params"][WEIGHT] = ["S(0)", "R"]
