@@ -66,6 +66,7 @@ from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.cost.rates import recompute_s as segment_recompute_s
 from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps
+from autopar.solver.planners.walk_changes import affected_keys
 from autopar.solver.problem.choices import layer_key, live_nodes
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.trace import TracedModel
@@ -183,7 +184,7 @@ class _Walk:
 
     def __init__(self, traced: TracedModel, graph, bytes_of: Callable[[str], float], sizes: np.ndarray | None = None):
         self.graph = graph
-        self.bytes_of = bytes_of
+        self.bytes_of = _memoized(bytes_of)  # asked for the same nodes at every step of the greedy
         self.timeline: liveness.Timeline = graph.timeline
         cached = graph.derived.get("memory_walk")
         if cached is None or cached[0] is not traced.gm:
@@ -193,7 +194,8 @@ class _Walk:
         self.segments, self.fetches, self._touched = shape.segments, shape.fetches, shape.touched
         self._sizes = self.timeline.sizes(bytes_of) if sizes is None else sizes
         self._base = _unplanned(self.timeline, self._sizes)
-        self._last: tuple | None = None  # (prefetch, decisions, context, delta) of the last checkpoint-only curve
+        self._last: tuple | None = None  # (prefetch, decisions, context, delta, streamed) of the last curve
+        self._stepped: dict[str, list[tuple[str, float]]] | None = None  # ``_streamed_step``'s factors
 
     def bwd(self, time: int) -> int:
         return 2 * self.num - 1 - time
@@ -261,10 +263,16 @@ class _Walk:
         """The optimizer step streams offloaded state one parameter at a time: at the end of the
         step, the largest parameter's offloaded tensors and AdamW's temporary (and, with
         prefetch, the next largest's tensors) are on the device."""
+        if self._stepped is None:  # each node's optimizer state and gradient factors, in interval order
+            self._stepped = {}
+            for iv in self.timeline.intervals:
+                if iv.kind in ("optimizer_state", "grad"):
+                    self._stepped.setdefault(iv.node, []).append((iv.kind, iv.factor))
         factors: dict[str, float] = {}
-        for iv in self.timeline.intervals:
-            if iv.kind in ("optimizer_state", "grad") and iv.node in offloaded[iv.kind]:
-                factors[iv.node] = factors.get(iv.node, 1.0) + iv.factor
+        for node in offloaded["optimizer_state"] | offloaded["grad"]:
+            for kind, factor in self._stepped.get(node, ()):
+                if node in offloaded[kind]:
+                    factors[node] = factors.get(node, 1.0) + factor
         for node in offloaded["param"]:
             factors[node] = factors.get(node, 1.0) + 1.0
         largest = sorted(factors, key=lambda n: (-factors[n] * self.bytes_of(n), n))[: 2 if prefetch else 1]
@@ -363,45 +371,46 @@ class _Walk:
         return out
 
     def curve_under(self, decisions, prefetch: bool) -> np.ndarray:
-        """Bytes alive at every time under ``decisions`` (``curve(intervals(decisions))``): the
-        walk without decisions, with only the intervals the decisions touch re-priced
-        (``_index_decisions``).
-
-        Checkpointing a segment changes only the intervals it touches (the spans of an
-        activation depend on the segments of its start and of its uses alone), so between two
-        sets of checkpoints only the intervals of the decisions that differ are re-priced, from
-        the previous call's curve: the greedy's steps add or drop one segment each. Offloading
-        does not stay local (prefetch pairs each fetch with its neighbours, the step streams
-        the largest), so a set with offload is re-priced from the walk without decisions."""
+        """Bytes alive at every time under ``decisions`` (``curve(intervals(decisions))``), priced
+        from the last call's curve: only the intervals whose spans differ between its decisions
+        and these are taken out and added again (``walk_changes.affected_keys``: the decisions
+        that differ, and the offloaded neighbours whose prefetch spans they bound), and the
+        optimizer step's streamed tensors where they differ. The greedy's steps add or drop one
+        decision each, so a step costs that decision's intervals, not the whole walk's. The
+        first call (or one with another ``prefetch``) prices from the walk without decisions."""
         decisions = frozenset(decisions)
         context = self._context(decisions, prefetch)
-        local = all(key[0] in _RECOMPUTES for key in decisions)
-        last = self._last if local else None
+        streamed = self._streamed_step(context[0], prefetch)
+        last = self._last
         if last is not None and last[0] == prefetch:
-            _, before, old_context, delta = last
-            changed = before ^ decisions
+            _, before, old_context, delta, old_streamed = last
             delta = delta.copy()
-            for k in sorted({k for key in changed for k in self._touched.get(key, ())}):
-                self._reprice(delta, k, old_context, -1.0)
-                self._reprice(delta, k, context, 1.0)
+            keys = affected_keys(before, decisions, self.fetches, self.segments, prefetch)
+            for k in sorted({k for key in keys for k in self._touched.get(key, ())}):
+                self._replace(delta, k, old_context, context)
+            if streamed != old_streamed:
+                self._add(delta, old_streamed, -1.0)
+                self._add(delta, streamed, 1.0)
         else:
             delta = self._base.copy()
             for k in sorted({k for key in decisions for k in self._touched.get(key, ())}):
-                self._reprice(delta, k, None, -1.0)
-                self._reprice(delta, k, context, 1.0)
-            if any(context[0].values()):
-                for node, _kind, start, end, factor in self._streamed_step(context[0], prefetch):
-                    size = factor * self.bytes_of(node)
-                    delta[start] += size
-                    delta[end + 1] -= size
-        self._last = (prefetch, decisions, context, delta) if local else None
+                self._replace(delta, k, None, context)
+            self._add(delta, streamed, 1.0)
+        self._last = (prefetch, decisions, context, delta, streamed)
         return np.cumsum(delta[:-1])
 
-    def _reprice(self, delta: np.ndarray, k: int, context: tuple | None, sign: float) -> None:
-        """Add (``sign`` 1) or take out (-1) interval ``k``'s spans under ``context`` (None: as
-        the walk without decisions has it)."""
+    def _replace(self, delta: np.ndarray, k: int, old_context: tuple | None, context: tuple) -> None:
+        """Take interval ``k``'s spans under ``old_context`` (None: as the walk without decisions
+        has it) out of ``delta`` and add its spans under ``context``, where they differ."""
         iv = self.timeline.intervals[k]
-        spans = [(iv.node, iv.kind, iv.start, iv.end, iv.factor)] if context is None else self._spans(iv, context)
+        old = [(iv.node, iv.kind, iv.start, iv.end, iv.factor)] if old_context is None else self._spans(iv, old_context)
+        new = self._spans(iv, context)
+        if old != new:
+            self._add(delta, old, -1.0)
+            self._add(delta, new, 1.0)
+
+    def _add(self, delta: np.ndarray, spans: list[tuple[str, str, int, int, float]], sign: float) -> None:
+        """Add (``sign`` 1) or take out (-1) ``spans`` in the difference array ``delta``."""
         for node, _kind, start, end, factor in spans:
             size = sign * factor * self.bytes_of(node)
             delta[start] += size
@@ -411,11 +420,27 @@ class _Walk:
         """``_kept_peak`` of this walk's sizes."""
         return _kept_peak(self.timeline, self._sizes)
 
-    def peak(self, decisions, prefetch: bool) -> tuple[float, int]:
-        """(peak bytes, the first time it is reached) under ``decisions``."""
+    def peak(self, decisions, prefetch: bool, fresh: bool = False) -> tuple[float, int]:
+        """(peak bytes, the first time it is reached) under ``decisions``; ``fresh``: priced from
+        the walk without decisions, as a plan's figures are, whatever the greedy priced before."""
+        if fresh:
+            self._last = None
         values = self.curve_under(decisions, prefetch)
         time = int(np.argmax(values))
         return float(values[time]), time
+
+
+def _memoized(bytes_of: Callable[[str], float]) -> Callable[[str], float]:
+    """``bytes_of``, asked once per name."""
+    known: dict[str, float] = {}
+
+    def size(name: str) -> float:
+        value = known.get(name)
+        if value is None:
+            value = known[name] = bytes_of(name)
+        return value
+
+    return size
 
 
 def _kept_peak(timeline: liveness.Timeline, sizes: np.ndarray) -> float:
@@ -491,7 +516,7 @@ def plan_memory(
     switch_s, resident_s = _optimizer_switch_s(walk, cluster, graph.mesh_shape, chosen)
     link = offload_link(cluster, target) if target else None
     exposed_s = _exposed_transfers_s(chosen, compute_s, prefetch, link, resident_s) + switch_s
-    peak, time = walk.peak(keys, prefetch)
+    peak, time = walk.peak(keys, prefetch, fresh=True)
     breakdown = dict.fromkeys(liveness.KINDS, 0.0)
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):
         if start <= time <= end:
@@ -704,7 +729,7 @@ def _infeasible(
 ) -> InfeasibleError:
     if not explain:
         return InfeasibleError(f"no plan of this sharding fits memory_budget={budget:.0f} bytes per device")
-    peak, time = walk.peak(keys, prefetch)
+    peak, time = walk.peak(keys, prefetch, fresh=True)
     alive = []
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):
         if start <= time <= end:

@@ -1,0 +1,66 @@
+"""Which decisions' intervals a step of the memory planner's greedy must re-price.
+
+``memory_plan._Walk.curve_under`` keeps the last curve it priced, and prices the next set of
+decisions from it. The spans of an interval depend on the decisions that touch it
+(``_WalkShape.touched``) and on two neighbours that are not its own:
+
+- with prefetch, an offloaded parameter is fetched from the previous offloaded fetch and kept
+  until the next one (``_Walk._fetched``): offloading or keeping a parameter changes the spans
+  of the offloaded parameters fetched just before and after each of its uses;
+- with prefetch, a layer whose activations are offloaded reads them back from the backward of
+  the next such layer (``_Walk._context``): moving a layer's activations changes the previous
+  moved layer's spans.
+
+So the decisions to re-price are those that differ between the two sets, and those neighbours
+under either set. (The optimizer step's streamed tensors, the largest offloaded ones, are
+re-priced apart: ``_Walk._streamed_step``.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def affected_keys(
+    before: frozenset, after: frozenset, fetches: list[tuple[int, str]], segments: list[tuple[str, int, int]], prefetch: bool
+) -> set[tuple[str, str]]:
+    """The decision keys whose touched intervals may have other spans under ``after`` than under
+    ``before``: the keys in one set only, and (with prefetch) their neighbours in either."""
+    changed = set(before ^ after)
+    if not prefetch:
+        return changed
+    out = set(changed)
+    params = {node for kind, node in changed if kind == "param"}
+    if params:
+        for decisions in (before, after):
+            offloaded = {node for kind, node in decisions if kind == "param"}
+            out.update(("param", node) for node in fetch_neighbours(fetches, offloaded, params))
+    moved = {index for kind, index in changed if kind == "activations"}
+    if moved:
+        for decisions in (before, after):
+            layers = {index for kind, index in decisions if kind == "activations"}
+            out.update(("activations", index) for index in moved_before(segments, layers, moved))
+    return out
+
+
+def fetch_neighbours(fetches: list[tuple[int, str]], offloaded: set[str], params: Iterable[str]) -> set[str]:
+    """The parameters of ``offloaded`` fetched right before or after a fetch of one of ``params``
+    (in ``offloaded``), in the order of ``fetches``: those whose prefetch spans it bounds."""
+    params = set(params) & offloaded
+    order = [node for _, node in fetches if node in offloaded]
+    out: set[str] = set()
+    for position, node in enumerate(order):
+        if node not in params:
+            continue
+        if position > 0:
+            out.add(order[position - 1])
+        if position + 1 < len(order):
+            out.add(order[position + 1])
+    return out - params
+
+
+def moved_before(segments: list[tuple[str, int, int]], layers: set[str], changed: set[str]) -> set[str]:
+    """The segment indices in ``layers`` (those whose activations are offloaded) that come right
+    before one of ``changed`` in forward order: their read back starts in its backward."""
+    order = sorted(layers, key=lambda index: segments[int(index)][1])
+    return {order[position - 1] for position, index in enumerate(order) if index in changed and position > 0} - changed
