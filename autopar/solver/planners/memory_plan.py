@@ -55,6 +55,7 @@ next offloaded layer).
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.cost.rates import recompute_s as segment_recompute_s
 from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps
-from autopar.solver.planners.walk_changes import affected_keys
+from autopar.solver.planners.walk_changes import BySegment, affected_keys
 from autopar.solver.problem.choices import layer_key, live_nodes
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.trace import TracedModel
@@ -119,6 +120,7 @@ class _WalkShape:
     segments: list[tuple[str, int, int]]
     fetches: list[tuple[int, str]]
     touched: dict[tuple[str, str], set[int]]
+    segment_at: dict[int, int]  # time -> index of its segment, for the times in one
     # Times whose op a "selective" checkpoint keeps the output of (``ir.memory.selective_keeps``).
     kept: frozenset[int] = frozenset()
     # Per segment, what pricing it needs of each of its nodes (``_Walk.segment_terms``).
@@ -176,7 +178,7 @@ class _WalkShape:
                 touched.setdefault(key, set()).add(k)
         kept = frozenset(i for i, node in enumerate(nodes) if node.kind == "op" and selective_keeps(fx_nodes[node.name].target))
         index = {node.name: i for i, node in enumerate(nodes)}
-        return cls(len(nodes), index, root, uses, segments, fetches, touched, kept)
+        return cls(len(nodes), index, root, uses, segments, fetches, touched, segment_at, kept)
 
 
 class _Walk:
@@ -211,32 +213,40 @@ class _Walk:
 
     def _context(self, decisions: set[tuple[str, str]], prefetch: bool) -> tuple:
         """What ``_spans`` needs of ``decisions``: the offloaded nodes by kind, the checkpointed
-        segments and the segment of each of their times, the times of offloaded activations."""
-        offloaded = {kind: {node for k, node in decisions if k == kind} for kind in TRANSFERS}
+        segments and the segment of each of their times, the times of offloaded activations.
+        The per-time lookups go through each time's segment (``walk_changes.BySegment``), so
+        this costs the decisions, not the times of the layers they cover."""
+        offloaded: dict[str, set[str]] = {kind: set() for kind in TRANSFERS}
+        recomputed: dict[int, tuple[int, int]] = {}  # segment index -> (first, last)
+        selective: dict[int, tuple[int, int]] = {}
+        moved: list[tuple[str, int, int]] = []
+        for kind, name in decisions:
+            if kind in offloaded:
+                offloaded[kind].add(name)
+                continue
+            index = int(name)
+            segment = self.segments[index]
+            if kind in _RECOMPUTES:
+                recomputed[index] = segment[1:]
+                if kind == "selective":
+                    selective[index] = segment[1:]
+            elif kind == "activations":
+                moved.append(segment)
         offloaded["grad"] |= offloaded["param"]  # a fetched parameter's gradient goes to the store
-        segments = [self.segments[int(index)] for k, index in decisions if k in _RECOMPUTES]
-        in_segment: dict[int, tuple[int, int]] = {}
-        for _, first, last in segments:
-            for i in range(first, last + 1):
-                in_segment[i] = (first, last)
+        segment_at = self.shape.segment_at
+        in_segment = BySegment(segment_at, recomputed)
         # Outputs a selective segment keeps (it recomputes the rest).
-        kept = set()
-        for k, index in decisions:
-            if k == "selective":
-                _, first, last = self.segments[int(index)]
-                kept.update(i for i in range(first, last + 1) if i in self.shape.kept)
-        moved = sorted((self.segments[int(index)] for k, index in decisions if k == "activations"), key=lambda seg: seg[1])
-        in_moved: dict[int, tuple[int, int]] = {}  # time -> (last forward time, time the read starts)
+        kept = BySegment(segment_at, selective, self.shape.kept)
+        moved.sort(key=lambda seg: seg[1])
+        reads: dict[int, tuple[int, int]] = {}  # segment -> (last forward time, time the read starts)
         for position, (_, first, last) in enumerate(moved):
-            later = moved[position + 1 :]
-            read_from = self.bwd(later[0][2]) if prefetch and later else self.bwd(last)
-            for i in range(first, last + 1):
-                in_moved[i] = (last, read_from)
-        return offloaded, segments, in_segment, in_moved, prefetch, kept
+            read_from = self.bwd(moved[position + 1][2]) if prefetch and position + 1 < len(moved) else self.bwd(last)
+            reads[segment_at[first]] = (last, read_from)
+        return offloaded, in_segment, BySegment(segment_at, reads), prefetch, kept
 
     def _spans(self, iv: liveness.Interval, context: tuple) -> list[tuple[str, str, int, int, float]]:
         """The (node, kind, start, end, factor) spans of one interval under ``_context``'s decisions."""
-        offloaded, segments, in_segment, in_moved, prefetch, kept = context
+        offloaded, in_segment, in_moved, prefetch, kept = context
         if iv.kind == "optimizer_state" and iv.node in offloaded["optimizer_state"]:
             return []
         if iv.kind == "grad" and iv.node in offloaded["grad"]:
@@ -253,9 +263,9 @@ class _Walk:
             # at the start of the segment's backward reads it back.
             _, last = in_segment[iv.start]
             return [(iv.node, iv.kind, iv.start, max(iv.end, self.bwd(last)), iv.factor)]
-        if iv.kind == "activation" and segments:
-            return self._checkpointed(iv, in_segment, segments)
-        if iv.kind == "gathered" and segments:
+        if iv.kind == "activation" and in_segment:
+            return self._checkpointed(iv, in_segment)
+        if iv.kind == "gathered" and in_segment:
             return self._gathered_checkpointed(iv, in_segment)
         return [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
 
@@ -275,7 +285,7 @@ class _Walk:
                     factors[node] = factors.get(node, 1.0) + factor
         for node in offloaded["param"]:
             factors[node] = factors.get(node, 1.0) + 1.0
-        largest = sorted(factors, key=lambda n: (-factors[n] * self.bytes_of(n), n))[: 2 if prefetch else 1]
+        largest = heapq.nsmallest(2 if prefetch else 1, factors, key=lambda n: (-factors[n] * self.bytes_of(n), n))
         last = 2 * self.num - 1
         return [(node, "optimizer_state", last, last, factors[node]) for node in largest]
 
@@ -325,7 +335,7 @@ class _Walk:
         last_forward = max(self.uses.get(iv.node, [iv.start]))
         return last_forward if last_forward <= last and iv.end >= self.num else None
 
-    def _checkpointed(self, iv: liveness.Interval, in_segment, segments) -> list[tuple[str, str, int, int, float]]:
+    def _checkpointed(self, iv: liveness.Interval, in_segment) -> list[tuple[str, str, int, int, float]]:
         i = iv.start
         uses = self.uses.get(iv.node, [i])
         end = iv.end

@@ -64,3 +64,32 @@ def moved_before(segments: list[tuple[str, int, int]], layers: set[str], changed
     before one of ``changed`` in forward order: their read back starts in its backward."""
     order = sorted(layers, key=lambda index: segments[int(index)][1])
     return {order[position - 1] for position, index in enumerate(order) if index in changed and position > 0} - changed
+
+
+class BySegment:
+    """A value per time for the times of some segments, looked up through the segment of each
+    time (``segment_at``) instead of being written out time by time: the greedy builds one per
+    step (``_Walk._context``), and a step should cost its decisions, not the layers they cover.
+    Reads as the dict {time: values[segment_at[time]]} over the times of ``values``' segments
+    whose time is in ``only`` (None: every time)."""
+
+    __slots__ = ("_at", "_values", "_only")
+
+    def __init__(self, segment_at: dict[int, int], values: dict[int, object], only: frozenset[int] | None = None):
+        self._at, self._values, self._only = segment_at, values, only
+
+    def __contains__(self, time: int) -> bool:
+        return self._at.get(time) in self._values and (self._only is None or time in self._only)
+
+    def __getitem__(self, time: int):
+        if time not in self:
+            raise KeyError(time)
+        return self._values[self._at[time]]
+
+    def get(self, time: int, default=None):
+        if time not in self:
+            return default
+        return self._values[self._at[time]]
+
+    def __bool__(self) -> bool:
+        return bool(self._values)
