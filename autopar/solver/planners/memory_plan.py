@@ -67,7 +67,7 @@ from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.cost.rates import recompute_s as segment_recompute_s
 from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps
-from autopar.solver.planners.walk_changes import BySegment, affected_keys
+from autopar.solver.planners.walk_changes import WalkContext, affected_keys
 from autopar.solver.problem.choices import layer_key, live_nodes
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.trace import TracedModel
@@ -208,50 +208,28 @@ class _Walk:
         out = []
         for iv in self.timeline.intervals:
             out.extend(self._spans(iv, context))
-        out.extend(self._streamed_step(context[0], prefetch))
+        out.extend(self._streamed_step(context))
         return out
 
-    def _context(self, decisions: set[tuple[str, str]], prefetch: bool) -> tuple:
-        """What ``_spans`` needs of ``decisions``: the offloaded nodes by kind, the checkpointed
-        segments and the segment of each of their times, the times of offloaded activations.
-        The per-time lookups go through each time's segment (``walk_changes.BySegment``), so
-        this costs the decisions, not the times of the layers they cover."""
-        offloaded: dict[str, set[str]] = {kind: set() for kind in TRANSFERS}
-        recomputed: dict[int, tuple[int, int]] = {}  # segment index -> (first, last)
-        selective: dict[int, tuple[int, int]] = {}
-        moved: list[tuple[str, int, int]] = []
-        for kind, name in decisions:
-            if kind in offloaded:
-                offloaded[kind].add(name)
-                continue
-            index = int(name)
-            segment = self.segments[index]
-            if kind in _RECOMPUTES:
-                recomputed[index] = segment[1:]
-                if kind == "selective":
-                    selective[index] = segment[1:]
-            elif kind == "activations":
-                moved.append(segment)
-        offloaded["grad"] |= offloaded["param"]  # a fetched parameter's gradient goes to the store
-        segment_at = self.shape.segment_at
-        in_segment = BySegment(segment_at, recomputed)
-        # Outputs a selective segment keeps (it recomputes the rest).
-        kept = BySegment(segment_at, selective, self.shape.kept)
-        moved.sort(key=lambda seg: seg[1])
-        reads: dict[int, tuple[int, int]] = {}  # segment -> (last forward time, time the read starts)
-        for position, (_, first, last) in enumerate(moved):
-            read_from = self.bwd(moved[position + 1][2]) if prefetch and position + 1 < len(moved) else self.bwd(last)
-            reads[segment_at[first]] = (last, read_from)
-        return offloaded, in_segment, BySegment(segment_at, reads), prefetch, kept
+    def _context(self, decisions, prefetch: bool) -> WalkContext:
+        """What ``_spans`` needs of ``decisions`` (``walk_changes.WalkContext``), from nothing."""
+        decisions = frozenset(decisions)
+        return WalkContext.empty(prefetch).derive(self, decisions, decisions)
 
-    def _spans(self, iv: liveness.Interval, context: tuple) -> list[tuple[str, str, int, int, float]]:
+    def _spans(self, iv: liveness.Interval, context: WalkContext) -> list[tuple[str, str, int, int, float]]:
         """The (node, kind, start, end, factor) spans of one interval under ``_context``'s decisions."""
-        offloaded, in_segment, in_moved, prefetch, kept = context
-        if iv.kind == "optimizer_state" and iv.node in offloaded["optimizer_state"]:
-            return []
-        if iv.kind == "grad" and iv.node in offloaded["grad"]:
-            return [(iv.node, iv.kind, iv.start, iv.start, iv.factor)]
-        if iv.kind == "param" and iv.node in offloaded["param"]:
+        offloaded, in_segment, in_moved, prefetch, kept = (
+            context.offloaded,
+            context.in_segment,
+            context.in_moved,
+            context.prefetch,
+            context.kept,
+        )
+        if iv.kind in TRANSFERS and context.offloads(iv.kind, iv.node):
+            if iv.kind == "optimizer_state":
+                return []
+            if iv.kind == "grad":
+                return [(iv.node, iv.kind, iv.start, iv.start, iv.factor)]
             return [(iv.node, iv.kind, s, e, iv.factor) for s, e in self._fetched(iv.node, offloaded["param"], prefetch)]
         if iv.kind == "activation" and iv.start in in_moved:
             last, read_from = in_moved[iv.start]
@@ -269,25 +247,30 @@ class _Walk:
             return self._gathered_checkpointed(iv, in_segment)
         return [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
 
-    def _streamed_step(self, offloaded: dict[str, set[str]], prefetch: bool) -> list[tuple[str, str, int, int, float]]:
+    def _streamed_step(self, context: WalkContext) -> list[tuple[str, str, int, int, float]]:
         """The optimizer step streams offloaded state one parameter at a time: at the end of the
         step, the largest parameter's offloaded tensors and AdamW's temporary (and, with
-        prefetch, the next largest's tensors) are on the device."""
+        prefetch, the next largest's tensors) are on the device (``stream_entry``)."""
+        largest = heapq.nsmallest(2 if context.prefetch else 1, context.stream.values())
+        last = 2 * self.num - 1
+        return [(node, "optimizer_state", last, last, factor) for _, node, factor in largest]
+
+    def stream_entry(self, node: str, context: WalkContext) -> tuple[float, str, float] | None:
+        """(its order in the stream, ``node``, the factor of its bytes that the step holds: one
+        for AdamW's temporary, and each of its offloaded tensors), or None where nothing of
+        ``node`` is offloaded."""
         if self._stepped is None:  # each node's optimizer state and gradient factors, in interval order
             self._stepped = {}
             for iv in self.timeline.intervals:
                 if iv.kind in ("optimizer_state", "grad"):
                     self._stepped.setdefault(iv.node, []).append((iv.kind, iv.factor))
-        factors: dict[str, float] = {}
-        for node in offloaded["optimizer_state"] | offloaded["grad"]:
-            for kind, factor in self._stepped.get(node, ()):
-                if node in offloaded[kind]:
-                    factors[node] = factors.get(node, 1.0) + factor
-        for node in offloaded["param"]:
-            factors[node] = factors.get(node, 1.0) + 1.0
-        largest = heapq.nsmallest(2 if prefetch else 1, factors, key=lambda n: (-factors[n] * self.bytes_of(n), n))
-        last = 2 * self.num - 1
-        return [(node, "optimizer_state", last, last, factors[node]) for node in largest]
+        factor = None
+        for kind, share in self._stepped.get(node, ()):
+            if context.offloads(kind, node):
+                factor = (1.0 if factor is None else factor) + share
+        if node in context.offloaded["param"]:
+            factor = (1.0 if factor is None else factor) + 1.0
+        return None if factor is None else (-factor * self.bytes_of(node), node, factor)
 
     def _fetched(self, param: str, offloaded: set[str], prefetch: bool) -> list[tuple[int, int]]:
         fetches = [(u, p) for u, p in self.fetches if p in offloaded]
@@ -389,11 +372,11 @@ class _Walk:
         decision each, so a step costs that decision's intervals, not the whole walk's. The
         first call (or one with another ``prefetch``) prices from the walk without decisions."""
         decisions = frozenset(decisions)
-        context = self._context(decisions, prefetch)
-        streamed = self._streamed_step(context[0], prefetch)
         last = self._last
         if last is not None and last[0] == prefetch:
             _, before, old_context, delta, old_streamed = last
+            context = old_context.derive(self, before ^ decisions, decisions)
+            streamed = self._streamed_step(context)
             delta = delta.copy()
             keys = affected_keys(before, decisions, self.fetches, self.segments, prefetch)
             for k in sorted({k for key in keys for k in self._touched.get(key, ())}):
@@ -402,6 +385,8 @@ class _Walk:
                 self._add(delta, old_streamed, -1.0)
                 self._add(delta, streamed, 1.0)
         else:
+            context = self._context(decisions, prefetch)
+            streamed = self._streamed_step(context)
             delta = self._base.copy()
             for k in sorted({k for key in decisions for k in self._touched.get(key, ())}):
                 self._replace(delta, k, None, context)
@@ -409,7 +394,7 @@ class _Walk:
         self._last = (prefetch, decisions, context, delta, streamed)
         return np.cumsum(delta[:-1])
 
-    def _replace(self, delta: np.ndarray, k: int, old_context: tuple | None, context: tuple) -> None:
+    def _replace(self, delta: np.ndarray, k: int, old_context: WalkContext | None, context: WalkContext) -> None:
         """Take interval ``k``'s spans under ``old_context`` (None: as the walk without decisions
         has it) out of ``delta`` and add its spans under ``context``, where they differ."""
         iv = self.timeline.intervals[k]

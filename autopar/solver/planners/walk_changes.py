@@ -19,6 +19,7 @@ re-priced apart: ``_Walk._streamed_step``.)
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 
 def affected_keys(
@@ -93,3 +94,92 @@ class BySegment:
 
     def __bool__(self) -> bool:
         return bool(self._values)
+
+
+# Kinds of offloaded tensors (``memory_plan.TRANSFERS``); a layer's decisions are keyed by
+# its segment index: a recompute ("checkpoint", "selective") or its moved "activations".
+_OFFLOADED = ("optimizer_state", "grad", "param")
+_RECOMPUTES = ("checkpoint", "selective")
+
+
+@dataclass(slots=True)
+class WalkContext:
+    """What ``memory_plan._Walk._spans`` needs of a set of decisions, derived from the last
+    step's by the decisions that differ (``derive``), so that a step of the greedy costs its
+    decisions, not all of them: the offloaded nodes by kind, the recomputed (and selective)
+    segments, the segments whose activations move and when each reads them back, and each
+    offloaded node's tensors in the optimizer step's stream (``stream``: its sort key first)."""
+
+    prefetch: bool
+    offloaded: dict[str, set[str]]
+    recomputed: dict[int, tuple[int, int]] = field(default_factory=dict)  # segment -> (first, last)
+    selective: dict[int, tuple[int, int]] = field(default_factory=dict)
+    moved: dict[int, tuple[str, int, int]] = field(default_factory=dict)
+    reads: dict[int, tuple[int, int]] = field(default_factory=dict)  # segment -> (last forward, read from)
+    stream: dict[str, tuple[float, str, float]] = field(default_factory=dict)  # node -> (-bytes, node, factor)
+    in_segment: BySegment | None = None
+    in_moved: BySegment | None = None
+    kept: BySegment | None = None
+
+    @classmethod
+    def empty(cls, prefetch: bool) -> WalkContext:
+        return cls(prefetch, {kind: set() for kind in _OFFLOADED})
+
+    def offloads(self, kind: str, node: str) -> bool:
+        """Whether ``node``'s tensor of ``kind`` lives off the device (a fetched parameter's
+        gradient goes to the store with it)."""
+        return node in self.offloaded[kind] or (kind == "grad" and node in self.offloaded["param"])
+
+    def derive(self, walk, changed: Iterable[tuple[str, str]], decisions: frozenset) -> WalkContext:
+        """The context of ``decisions``, which differ from this one's by ``changed``."""
+        out = WalkContext(
+            self.prefetch,
+            {kind: set(nodes) for kind, nodes in self.offloaded.items()},
+            dict(self.recomputed),
+            dict(self.selective),
+            dict(self.moved),
+            self.reads,
+            dict(self.stream),
+        )
+        streamed: set[str] = set()
+        moved = False
+        for key in changed:
+            kind, name = key
+            on = key in decisions
+            if kind in out.offloaded:
+                (out.offloaded[kind].add if on else out.offloaded[kind].discard)(name)
+                streamed.add(name)
+                continue
+            index = int(name)
+            segment = walk.segments[index]
+            target = out.moved if kind == "activations" else out.recomputed
+            moved |= kind == "activations"
+            if on:
+                target[index] = segment if kind == "activations" else segment[1:]
+            else:
+                target.pop(index, None)
+            if kind == "selective":
+                if on:
+                    out.selective[index] = segment[1:]
+                else:
+                    out.selective.pop(index, None)
+            if kind in _RECOMPUTES and not on and any((other, name) in decisions for other in _RECOMPUTES):
+                out.recomputed[index] = segment[1:]  # the layer's other recompute stays
+        if moved:
+            layers = sorted(out.moved.values(), key=lambda seg: seg[1])
+            out.reads = {}
+            for position, (_, first, last) in enumerate(layers):
+                later = position + 1 < len(layers)
+                read_from = walk.bwd(layers[position + 1][2]) if self.prefetch and later else walk.bwd(last)
+                out.reads[walk.shape.segment_at[first]] = (last, read_from)
+        for node in streamed:
+            entry = walk.stream_entry(node, out)
+            if entry is None:
+                out.stream.pop(node, None)
+            else:
+                out.stream[node] = entry
+        segment_at = walk.shape.segment_at
+        out.in_segment = BySegment(segment_at, out.recomputed)
+        out.in_moved = BySegment(segment_at, out.reads)
+        out.kept = BySegment(segment_at, out.selective, walk.shape.kept)  # outputs a selective checkpoint keeps
+        return out
