@@ -35,10 +35,11 @@ total transfer time less the compute it hides behind, and never below zero.
 The choice is greedy by seconds per byte saved: take the cheapest candidates until the peak of
 the adjusted liveness walk fits, then drop, most expensive first, every chosen decision the peak
 does not need. Savings are not additive (removing bytes at one time does not lower the peak if
-another time is higher), which is why each step re-prices the walk instead of summing: only the
-intervals the decisions touch (a checkpointed segment's activations and inputs, an offloaded
-tensor), and between two checkpoint-only steps only those of the segment added or dropped
-(``_Walk.curve_under``), so a step costs one layer, not the whole model. A Rotor-style dynamic
+another time is higher), which is why each step re-prices the walk instead of summing, from the
+last step's: only the intervals of the decision added or dropped (a checkpointed segment's
+activations and inputs, an offloaded tensor), of the offloaded neighbours whose prefetch spans
+it bounds, and the optimizer step's streamed tensors (``_Walk.curve_under``,
+``walk_changes``), so a step costs one decision, not the whole model. A Rotor-style dynamic
 program over the chain of layers would choose the checkpoints optimally; it is not built.
 
 The adjusted walk changes the intervals of ``autopar.cost.liveness``: an offloaded parameter is
