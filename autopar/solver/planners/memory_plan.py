@@ -68,7 +68,7 @@ from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.cost.rates import recompute_s as segment_recompute_s
 from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps
-from autopar.solver.planners.walk_changes import WalkContext, affected_keys
+from autopar.solver.planners.walk_changes import WalkContext, affected_keys, offloads
 from autopar.solver.problem.choices import layer_key, live_nodes
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.trace import TracedModel
@@ -215,7 +215,7 @@ class _Walk:
     def _context(self, decisions, prefetch: bool) -> WalkContext:
         """What ``_spans`` needs of ``decisions`` (``walk_changes.WalkContext``), from nothing."""
         decisions = frozenset(decisions)
-        return WalkContext.empty(prefetch).derive(self, decisions, decisions)
+        return WalkContext.empty(self, prefetch).derive(self, decisions, decisions)
 
     def _spans(self, iv: liveness.Interval, context: WalkContext) -> list[tuple[str, str, int, int, float]]:
         """The (node, kind, start, end, factor) spans of one interval under ``_context``'s decisions."""
@@ -256,10 +256,10 @@ class _Walk:
         last = 2 * self.num - 1
         return [(node, "optimizer_state", last, last, factor) for _, node, factor in largest]
 
-    def stream_entry(self, node: str, context: WalkContext) -> tuple[float, str, float] | None:
+    def stream_entry(self, node: str, offloaded: dict[str, set[str]]) -> tuple[float, str, float] | None:
         """(its order in the stream, ``node``, the factor of its bytes that the step holds: one
         for AdamW's temporary, and each of its offloaded tensors), or None where nothing of
-        ``node`` is offloaded."""
+        ``node`` is in ``offloaded`` (the offloaded nodes by kind)."""
         if self._stepped is None:  # each node's optimizer state and gradient factors, in interval order
             self._stepped = {}
             for iv in self.timeline.intervals:
@@ -267,9 +267,9 @@ class _Walk:
                     self._stepped.setdefault(iv.node, []).append((iv.kind, iv.factor))
         factor = None
         for kind, share in self._stepped.get(node, ()):
-            if context.offloads(kind, node):
+            if offloads(offloaded, kind, node):
                 factor = (1.0 if factor is None else factor) + share
-        if node in context.offloaded["param"]:
+        if node in offloaded["param"]:
             factor = (1.0 if factor is None else factor) + 1.0
         return None if factor is None else (-factor * self.bytes_of(node), node, factor)
 

@@ -19,7 +19,7 @@ re-priced apart: ``_Walk._streamed_step``.)
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def affected_keys(
@@ -102,84 +102,85 @@ _OFFLOADED = ("optimizer_state", "grad", "param")
 _RECOMPUTES = ("checkpoint", "selective")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class WalkContext:
     """What ``memory_plan._Walk._spans`` needs of a set of decisions, derived from the last
     step's by the decisions that differ (``derive``), so that a step of the greedy costs its
     decisions, not all of them: the offloaded nodes by kind, the recomputed (and selective)
     segments, the segments whose activations move and when each reads them back, and each
-    offloaded node's tensors in the optimizer step's stream (``stream``: its sort key first)."""
+    offloaded node's tensors in the optimizer step's stream (``stream``: its sort key first).
+    Its sets and dicts are not changed once built: the next step's are copies."""
 
     prefetch: bool
     offloaded: dict[str, set[str]]
-    recomputed: dict[int, tuple[int, int]] = field(default_factory=dict)  # segment -> (first, last)
-    selective: dict[int, tuple[int, int]] = field(default_factory=dict)
-    moved: dict[int, tuple[str, int, int]] = field(default_factory=dict)
-    reads: dict[int, tuple[int, int]] = field(default_factory=dict)  # segment -> (last forward, read from)
-    stream: dict[str, tuple[float, str, float]] = field(default_factory=dict)  # node -> (-bytes, node, factor)
-    in_segment: BySegment | None = None
-    in_moved: BySegment | None = None
-    kept: BySegment | None = None
+    recomputed: dict[int, tuple[int, int]]  # segment -> (first, last)
+    selective: dict[int, tuple[int, int]]
+    moved: dict[int, tuple[str, int, int]]
+    reads: dict[int, tuple[int, int]]  # segment -> (last forward time, time its read starts)
+    stream: dict[str, tuple[float, str, float]]  # node -> (-bytes, node, factor)
+    in_segment: BySegment
+    in_moved: BySegment
+    kept: BySegment  # the outputs a selective checkpoint keeps
 
     @classmethod
-    def empty(cls, prefetch: bool) -> WalkContext:
-        return cls(prefetch, {kind: set() for kind in _OFFLOADED})
+    def empty(cls, walk, prefetch: bool) -> WalkContext:
+        return cls._of(walk, prefetch, {kind: set() for kind in _OFFLOADED}, {}, {}, {}, {}, {})
+
+    @classmethod
+    def _of(cls, walk, prefetch, offloaded, recomputed, selective, moved, reads, stream) -> WalkContext:
+        at = walk.shape.segment_at
+        lookups = BySegment(at, recomputed), BySegment(at, reads), BySegment(at, selective, walk.shape.kept)
+        return cls(prefetch, offloaded, recomputed, selective, moved, reads, stream, *lookups)
 
     def offloads(self, kind: str, node: str) -> bool:
-        """Whether ``node``'s tensor of ``kind`` lives off the device (a fetched parameter's
-        gradient goes to the store with it)."""
-        return node in self.offloaded[kind] or (kind == "grad" and node in self.offloaded["param"])
+        """Whether ``node``'s tensor of ``kind`` lives off the device."""
+        return offloads(self.offloaded, kind, node)
 
     def derive(self, walk, changed: Iterable[tuple[str, str]], decisions: frozenset) -> WalkContext:
         """The context of ``decisions``, which differ from this one's by ``changed``."""
-        out = WalkContext(
-            self.prefetch,
-            {kind: set(nodes) for kind, nodes in self.offloaded.items()},
-            dict(self.recomputed),
-            dict(self.selective),
-            dict(self.moved),
-            self.reads,
-            dict(self.stream),
-        )
+        offloaded = {kind: set(nodes) for kind, nodes in self.offloaded.items()}
+        recomputed, selective, moved = dict(self.recomputed), dict(self.selective), dict(self.moved)
         streamed: set[str] = set()
-        moved = False
         for key in changed:
             kind, name = key
             on = key in decisions
-            if kind in out.offloaded:
-                (out.offloaded[kind].add if on else out.offloaded[kind].discard)(name)
+            if kind in offloaded:
+                (offloaded[kind].add if on else offloaded[kind].discard)(name)
                 streamed.add(name)
                 continue
             index = int(name)
             segment = walk.segments[index]
-            target = out.moved if kind == "activations" else out.recomputed
-            moved |= kind == "activations"
-            if on:
-                target[index] = segment if kind == "activations" else segment[1:]
-            else:
-                target.pop(index, None)
-            if kind == "selective":
-                if on:
-                    out.selective[index] = segment[1:]
-                else:
-                    out.selective.pop(index, None)
+            for target, value, kinds in (
+                (moved, segment, ("activations",)),
+                (recomputed, segment[1:], _RECOMPUTES),
+                (selective, segment[1:], ("selective",)),
+            ):
+                if kind in kinds:
+                    if on:
+                        target[index] = value
+                    else:
+                        target.pop(index, None)
             if kind in _RECOMPUTES and not on and any((other, name) in decisions for other in _RECOMPUTES):
-                out.recomputed[index] = segment[1:]  # the layer's other recompute stays
-        if moved:
-            layers = sorted(out.moved.values(), key=lambda seg: seg[1])
-            out.reads = {}
+                recomputed[index] = segment[1:]  # the layer's other recompute stays
+        reads = self.reads
+        if any(kind == "activations" for kind, _ in changed):
+            layers = sorted(moved.values(), key=lambda seg: seg[1])
+            reads = {}
             for position, (_, first, last) in enumerate(layers):
                 later = position + 1 < len(layers)
                 read_from = walk.bwd(layers[position + 1][2]) if self.prefetch and later else walk.bwd(last)
-                out.reads[walk.shape.segment_at[first]] = (last, read_from)
+                reads[walk.shape.segment_at[first]] = (last, read_from)
+        stream = dict(self.stream)
         for node in streamed:
-            entry = walk.stream_entry(node, out)
+            entry = walk.stream_entry(node, offloaded)
             if entry is None:
-                out.stream.pop(node, None)
+                stream.pop(node, None)
             else:
-                out.stream[node] = entry
-        segment_at = walk.shape.segment_at
-        out.in_segment = BySegment(segment_at, out.recomputed)
-        out.in_moved = BySegment(segment_at, out.reads)
-        out.kept = BySegment(segment_at, out.selective, walk.shape.kept)  # outputs a selective checkpoint keeps
-        return out
+                stream[node] = entry
+        return WalkContext._of(walk, self.prefetch, offloaded, recomputed, selective, moved, reads, stream)
+
+
+def offloads(offloaded: dict[str, set[str]], kind: str, node: str) -> bool:
+    """Whether ``node``'s tensor of ``kind`` is in ``offloaded`` (by kind); a fetched
+    parameter's gradient goes to the store with it."""
+    return node in offloaded[kind] or (kind == "grad" and node in offloaded["param"])
