@@ -24,8 +24,8 @@ smallest depth's, per model. Models:
   planning case, where no sharding fits alone (``solver.search.lean``).
 
 ``--state-budget F`` also plans each row under F × its parameter, gradient and AdamW bytes with
-``offload="auto"``, from the same trace: ``budget_ratio`` (and ``budget_ratio_cpu``) is that
-plan's time over the row's own ``plan_s``. ``--default-budget`` does the same under the device's
+``offload="auto"`` (``--offload off``: checkpointing alone), from the same trace: ``budget_ratio``
+(and ``budget_ratio_cpu``) is that plan's time over the row's own ``plan_s``. ``--default-budget`` does the same under the device's
 default budget (issue 48's LLaMA-2-70B cases, with ``--memory-budget inf``:
 ``--models hf-llama hf-llama-128 llama --layers 48 80 --memory-budget inf --default-budget``).
 Each row plans once untimed first, so that neither timed plan pays the process's first-solve
@@ -143,11 +143,11 @@ def _state_bytes(model: torch.nn.Module) -> float:
     return 4.0 * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _budgeted(traced, mesh, cluster, budget: float | None) -> dict:
-    """The same traced model planned under ``budget`` with ``offload="auto"``: its time and plan."""
+def _budgeted(traced, mesh, cluster, budget: float | None, offload: str = "auto") -> dict:
+    """The same traced model planned under ``budget`` with ``offload``: its time and plan."""
     gc.collect()
     start, cpu = time.perf_counter(), time.process_time()
-    plan = plan_traced(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=budget, offload="auto"))
+    plan = plan_traced(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=budget, offload=offload))
     return {
         "budgeted_plan_s": round(time.perf_counter() - start, 2),
         "budgeted_plan_cpu_s": round(time.process_time() - cpu, 2),
@@ -166,6 +166,7 @@ def plan_row(
     memory_budget: float | None = None,
     state_budget: float | None = None,
     default_budget: bool = False,
+    offload: str = "auto",
 ) -> dict:
     model, args, kwargs, mesh = build(name, layers)
     cluster = get_cluster("h100-80g")
@@ -200,7 +201,8 @@ def plan_row(
         "plan_cpu_s": round(plan_cpu_s, 2),
     }
     if state_budget is not None or default_budget:  # the plan above against one under a budget
-        row.update(_budgeted(traced, mesh, cluster, None if default_budget else state_budget * _state_bytes(model)))
+        budget = None if default_budget else state_budget * _state_bytes(model)
+        row.update(_budgeted(traced, mesh, cluster, budget, offload), offload=offload)
         row["budget_ratio"] = round(row["budgeted_plan_s"] / plan_s, 2)
         row["budget_ratio_cpu"] = round(row["budgeted_plan_cpu_s"] / plan_cpu_s, 2)
     if export:
@@ -238,6 +240,12 @@ def main() -> int:
         action="store_true",
         help='also plan each row under the default budget with offload="auto" (budget_ratio, as --state-budget)',
     )
+    parser.add_argument(
+        "--offload",
+        default="auto",
+        choices=("auto", "off", "cpu", "disk"),
+        help="the budgeted plans' offload (default auto; off: checkpointing alone)",
+    )
     args = parser.parse_args()
     rows = []
     for name in args.models:
@@ -245,7 +253,9 @@ def main() -> int:
         totals: dict[int, list[float]] = {layers: [] for layers in args.layers}  # per repeat
         for _ in range(args.repeat):
             for layers in args.layers:
-                row = plan_row(name, layers, args.export, args.memory_budget, args.state_budget, args.default_budget)
+                row = plan_row(
+                    name, layers, args.export, args.memory_budget, args.state_budget, args.default_budget, args.offload
+                )
                 print(row, flush=True)
                 totals[layers].append(row["total_s"])
                 if layers in best:  # the first repeat's plan; a time-limited MILP may differ

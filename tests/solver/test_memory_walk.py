@@ -4,6 +4,7 @@ intervals its decisions touch, and must equal the walk re-run over every interva
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
@@ -102,3 +103,36 @@ def test_giving_up_early_says_what_the_greedy_said(monkeypatch):
     with pytest.raises(InfeasibleError, match="no plan of this sharding fits"):
         memory.plan_memory(traced, graph, choice, cluster, budget, target=None, explain=False)
     assert "memory_walk" not in graph.derived
+
+
+def _every_key(walk: _Walk) -> list[tuple[str, str]]:
+    """Every decision the greedy may take on ``walk``: each layer's three, each tensor's offload."""
+    keys = [(kind, str(i)) for i in range(len(walk.segments)) for kind in ("checkpoint", "selective", "activations")]
+    keys += sorted({(iv.kind, iv.node) for iv in walk.timeline.intervals if iv.kind in TRANSFERS})
+    return keys
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_incremental_pricing_along_random_decision_sequences(walk, prefetch, seed):
+    """The greedy prices each step from the last one (``walk_changes.affected_keys``: the decision
+    added or dropped, and the offloaded neighbours whose prefetch spans it bounds). Along random
+    sequences of single additions and removals, of every kind and mixed, each curve must equal the
+    walk re-run over every interval from nothing, at every time."""
+    rng = random.Random(seed)
+    keys = _every_key(walk)
+    assert {kind for kind, _ in keys} >= {"checkpoint", "activations", *TRANSFERS}
+    decisions: set = set()
+    longest = 0
+    walk.peak(set(), prefetch, fresh=True)
+    for step in range(60):
+        # mostly additions early (long sets, many neighbours), then removals too
+        if decisions and rng.random() < (0.2 if step < 30 else 0.6):
+            decisions.discard(rng.choice(sorted(decisions)))
+        else:
+            decisions.add(rng.choice(keys))
+        got = walk.curve_under(decisions, prefetch).tolist()
+        want = walk.curve(walk.intervals(decisions, prefetch))
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-6), (step, sorted(decisions))
+        longest = max(longest, len(decisions))
+    assert longest >= 10  # the sequence reached sets where neighbours matter

@@ -35,10 +35,11 @@ total transfer time less the compute it hides behind, and never below zero.
 The choice is greedy by seconds per byte saved: take the cheapest candidates until the peak of
 the adjusted liveness walk fits, then drop, most expensive first, every chosen decision the peak
 does not need. Savings are not additive (removing bytes at one time does not lower the peak if
-another time is higher), which is why each step re-prices the walk instead of summing: only the
-intervals the decisions touch (a checkpointed segment's activations and inputs, an offloaded
-tensor), and between two checkpoint-only steps only those of the segment added or dropped
-(``_Walk.curve_under``), so a step costs one layer, not the whole model. A Rotor-style dynamic
+another time is higher), which is why each step re-prices the walk instead of summing, from the
+last step's: only the intervals of the decision added or dropped (a checkpointed segment's
+activations and inputs, an offloaded tensor), of the offloaded neighbours whose prefetch spans
+it bounds, and the optimizer step's streamed tensors (``_Walk.curve_under``,
+``walk_changes``), so a step costs one decision, not the whole model. A Rotor-style dynamic
 program over the chain of layers would choose the checkpoints optimally; it is not built.
 
 The adjusted walk changes the intervals of ``autopar.cost.liveness``: an offloaded parameter is
@@ -55,6 +56,7 @@ next offloaded layer).
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +68,7 @@ from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.cost.rates import recompute_s as segment_recompute_s
 from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps
+from autopar.solver.planners.walk_changes import WalkContext, affected_keys, offloads
 from autopar.solver.problem.choices import layer_key, live_nodes
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.trace import TracedModel
@@ -118,6 +121,7 @@ class _WalkShape:
     segments: list[tuple[str, int, int]]
     fetches: list[tuple[int, str]]
     touched: dict[tuple[str, str], set[int]]
+    segment_at: dict[int, int]  # time -> index of its segment, for the times in one
     # Times whose op a "selective" checkpoint keeps the output of (``ir.memory.selective_keeps``).
     kept: frozenset[int] = frozenset()
     # Per segment, what pricing it needs of each of its nodes (``_Walk.segment_terms``).
@@ -175,7 +179,7 @@ class _WalkShape:
                 touched.setdefault(key, set()).add(k)
         kept = frozenset(i for i, node in enumerate(nodes) if node.kind == "op" and selective_keeps(fx_nodes[node.name].target))
         index = {node.name: i for i, node in enumerate(nodes)}
-        return cls(len(nodes), index, root, uses, segments, fetches, touched, kept)
+        return cls(len(nodes), index, root, uses, segments, fetches, touched, segment_at, kept)
 
 
 class _Walk:
@@ -183,7 +187,7 @@ class _Walk:
 
     def __init__(self, traced: TracedModel, graph, bytes_of: Callable[[str], float], sizes: np.ndarray | None = None):
         self.graph = graph
-        self.bytes_of = bytes_of
+        self.bytes_of = _memoized(bytes_of)  # asked for the same nodes at every step of the greedy
         self.timeline: liveness.Timeline = graph.timeline
         cached = graph.derived.get("memory_walk")
         if cached is None or cached[0] is not traced.gm:
@@ -193,7 +197,8 @@ class _Walk:
         self.segments, self.fetches, self._touched = shape.segments, shape.fetches, shape.touched
         self._sizes = self.timeline.sizes(bytes_of) if sizes is None else sizes
         self._base = _unplanned(self.timeline, self._sizes)
-        self._last: tuple | None = None  # (prefetch, decisions, context, delta) of the last checkpoint-only curve
+        self._last: tuple | None = None  # (prefetch, decisions, context, delta, streamed) of the last curve
+        self._stepped: dict[str, list[tuple[str, float]]] | None = None  # ``_streamed_step``'s factors
 
     def bwd(self, time: int) -> int:
         return 2 * self.num - 1 - time
@@ -204,42 +209,28 @@ class _Walk:
         out = []
         for iv in self.timeline.intervals:
             out.extend(self._spans(iv, context))
-        out.extend(self._streamed_step(context[0], prefetch))
+        out.extend(self._streamed_step(context))
         return out
 
-    def _context(self, decisions: set[tuple[str, str]], prefetch: bool) -> tuple:
-        """What ``_spans`` needs of ``decisions``: the offloaded nodes by kind, the checkpointed
-        segments and the segment of each of their times, the times of offloaded activations."""
-        offloaded = {kind: {node for k, node in decisions if k == kind} for kind in TRANSFERS}
-        offloaded["grad"] |= offloaded["param"]  # a fetched parameter's gradient goes to the store
-        segments = [self.segments[int(index)] for k, index in decisions if k in _RECOMPUTES]
-        in_segment: dict[int, tuple[int, int]] = {}
-        for _, first, last in segments:
-            for i in range(first, last + 1):
-                in_segment[i] = (first, last)
-        # Outputs a selective segment keeps (it recomputes the rest).
-        kept = set()
-        for k, index in decisions:
-            if k == "selective":
-                _, first, last = self.segments[int(index)]
-                kept.update(i for i in range(first, last + 1) if i in self.shape.kept)
-        moved = sorted((self.segments[int(index)] for k, index in decisions if k == "activations"), key=lambda seg: seg[1])
-        in_moved: dict[int, tuple[int, int]] = {}  # time -> (last forward time, time the read starts)
-        for position, (_, first, last) in enumerate(moved):
-            later = moved[position + 1 :]
-            read_from = self.bwd(later[0][2]) if prefetch and later else self.bwd(last)
-            for i in range(first, last + 1):
-                in_moved[i] = (last, read_from)
-        return offloaded, segments, in_segment, in_moved, prefetch, kept
+    def _context(self, decisions, prefetch: bool) -> WalkContext:
+        """What ``_spans`` needs of ``decisions`` (``walk_changes.WalkContext``), from nothing."""
+        decisions = frozenset(decisions)
+        return WalkContext.empty(self, prefetch).derive(self, decisions, decisions)
 
-    def _spans(self, iv: liveness.Interval, context: tuple) -> list[tuple[str, str, int, int, float]]:
+    def _spans(self, iv: liveness.Interval, context: WalkContext) -> list[tuple[str, str, int, int, float]]:
         """The (node, kind, start, end, factor) spans of one interval under ``_context``'s decisions."""
-        offloaded, segments, in_segment, in_moved, prefetch, kept = context
-        if iv.kind == "optimizer_state" and iv.node in offloaded["optimizer_state"]:
-            return []
-        if iv.kind == "grad" and iv.node in offloaded["grad"]:
-            return [(iv.node, iv.kind, iv.start, iv.start, iv.factor)]
-        if iv.kind == "param" and iv.node in offloaded["param"]:
+        offloaded, in_segment, in_moved, prefetch, kept = (
+            context.offloaded,
+            context.in_segment,
+            context.in_moved,
+            context.prefetch,
+            context.kept,
+        )
+        if iv.kind in TRANSFERS and context.offloads(iv.kind, iv.node):
+            if iv.kind == "optimizer_state":
+                return []
+            if iv.kind == "grad":
+                return [(iv.node, iv.kind, iv.start, iv.start, iv.factor)]
             return [(iv.node, iv.kind, s, e, iv.factor) for s, e in self._fetched(iv.node, offloaded["param"], prefetch)]
         if iv.kind == "activation" and iv.start in in_moved:
             last, read_from = in_moved[iv.start]
@@ -251,25 +242,36 @@ class _Walk:
             # at the start of the segment's backward reads it back.
             _, last = in_segment[iv.start]
             return [(iv.node, iv.kind, iv.start, max(iv.end, self.bwd(last)), iv.factor)]
-        if iv.kind == "activation" and segments:
-            return self._checkpointed(iv, in_segment, segments)
-        if iv.kind == "gathered" and segments:
+        if iv.kind == "activation" and in_segment:
+            return self._checkpointed(iv, in_segment)
+        if iv.kind == "gathered" and in_segment:
             return self._gathered_checkpointed(iv, in_segment)
         return [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
 
-    def _streamed_step(self, offloaded: dict[str, set[str]], prefetch: bool) -> list[tuple[str, str, int, int, float]]:
+    def _streamed_step(self, context: WalkContext) -> list[tuple[str, str, int, int, float]]:
         """The optimizer step streams offloaded state one parameter at a time: at the end of the
         step, the largest parameter's offloaded tensors and AdamW's temporary (and, with
-        prefetch, the next largest's tensors) are on the device."""
-        factors: dict[str, float] = {}
-        for iv in self.timeline.intervals:
-            if iv.kind in ("optimizer_state", "grad") and iv.node in offloaded[iv.kind]:
-                factors[iv.node] = factors.get(iv.node, 1.0) + iv.factor
-        for node in offloaded["param"]:
-            factors[node] = factors.get(node, 1.0) + 1.0
-        largest = sorted(factors, key=lambda n: (-factors[n] * self.bytes_of(n), n))[: 2 if prefetch else 1]
+        prefetch, the next largest's tensors) are on the device (``stream_entry``)."""
+        largest = heapq.nsmallest(2 if context.prefetch else 1, context.stream.values())
         last = 2 * self.num - 1
-        return [(node, "optimizer_state", last, last, factors[node]) for node in largest]
+        return [(node, "optimizer_state", last, last, factor) for _, node, factor in largest]
+
+    def stream_entry(self, node: str, offloaded: dict[str, set[str]]) -> tuple[float, str, float] | None:
+        """(its order in the stream, ``node``, the factor of its bytes that the step holds: one
+        for AdamW's temporary, and each of its offloaded tensors), or None where nothing of
+        ``node`` is in ``offloaded`` (the offloaded nodes by kind)."""
+        if self._stepped is None:  # each node's optimizer state and gradient factors, in interval order
+            self._stepped = {}
+            for iv in self.timeline.intervals:
+                if iv.kind in ("optimizer_state", "grad"):
+                    self._stepped.setdefault(iv.node, []).append((iv.kind, iv.factor))
+        factor = None
+        for kind, share in self._stepped.get(node, ()):
+            if offloads(offloaded, kind, node):
+                factor = (1.0 if factor is None else factor) + share
+        if node in offloaded["param"]:
+            factor = (1.0 if factor is None else factor) + 1.0
+        return None if factor is None else (-factor * self.bytes_of(node), node, factor)
 
     def _fetched(self, param: str, offloaded: set[str], prefetch: bool) -> list[tuple[int, int]]:
         fetches = [(u, p) for u, p in self.fetches if p in offloaded]
@@ -317,7 +319,7 @@ class _Walk:
         last_forward = max(self.uses.get(iv.node, [iv.start]))
         return last_forward if last_forward <= last and iv.end >= self.num else None
 
-    def _checkpointed(self, iv: liveness.Interval, in_segment, segments) -> list[tuple[str, str, int, int, float]]:
+    def _checkpointed(self, iv: liveness.Interval, in_segment) -> list[tuple[str, str, int, int, float]]:
         i = iv.start
         uses = self.uses.get(iv.node, [i])
         end = iv.end
@@ -363,45 +365,48 @@ class _Walk:
         return out
 
     def curve_under(self, decisions, prefetch: bool) -> np.ndarray:
-        """Bytes alive at every time under ``decisions`` (``curve(intervals(decisions))``): the
-        walk without decisions, with only the intervals the decisions touch re-priced
-        (``_index_decisions``).
-
-        Checkpointing a segment changes only the intervals it touches (the spans of an
-        activation depend on the segments of its start and of its uses alone), so between two
-        sets of checkpoints only the intervals of the decisions that differ are re-priced, from
-        the previous call's curve: the greedy's steps add or drop one segment each. Offloading
-        does not stay local (prefetch pairs each fetch with its neighbours, the step streams
-        the largest), so a set with offload is re-priced from the walk without decisions."""
+        """Bytes alive at every time under ``decisions`` (``curve(intervals(decisions))``), priced
+        from the last call's curve: only the intervals whose spans differ between its decisions
+        and these are taken out and added again (``walk_changes.affected_keys``: the decisions
+        that differ, and the offloaded neighbours whose prefetch spans they bound), and the
+        optimizer step's streamed tensors where they differ. The greedy's steps add or drop one
+        decision each, so a step costs that decision's intervals, not the whole walk's. The
+        first call (or one with another ``prefetch``) prices from the walk without decisions."""
         decisions = frozenset(decisions)
-        context = self._context(decisions, prefetch)
-        local = all(key[0] in _RECOMPUTES for key in decisions)
-        last = self._last if local else None
+        last = self._last
         if last is not None and last[0] == prefetch:
-            _, before, old_context, delta = last
-            changed = before ^ decisions
+            _, before, old_context, delta, old_streamed = last
+            context = old_context.derive(self, before ^ decisions, decisions)
+            streamed = self._streamed_step(context)
             delta = delta.copy()
-            for k in sorted({k for key in changed for k in self._touched.get(key, ())}):
-                self._reprice(delta, k, old_context, -1.0)
-                self._reprice(delta, k, context, 1.0)
+            keys = affected_keys(before, decisions, self.fetches, self.segments, prefetch)
+            for k in sorted({k for key in keys for k in self._touched.get(key, ())}):
+                self._replace(delta, k, old_context, context)
+            if streamed != old_streamed:
+                self._add(delta, old_streamed, -1.0)
+                self._add(delta, streamed, 1.0)
         else:
+            context = self._context(decisions, prefetch)
+            streamed = self._streamed_step(context)
             delta = self._base.copy()
             for k in sorted({k for key in decisions for k in self._touched.get(key, ())}):
-                self._reprice(delta, k, None, -1.0)
-                self._reprice(delta, k, context, 1.0)
-            if any(context[0].values()):
-                for node, _kind, start, end, factor in self._streamed_step(context[0], prefetch):
-                    size = factor * self.bytes_of(node)
-                    delta[start] += size
-                    delta[end + 1] -= size
-        self._last = (prefetch, decisions, context, delta) if local else None
+                self._replace(delta, k, None, context)
+            self._add(delta, streamed, 1.0)
+        self._last = (prefetch, decisions, context, delta, streamed)
         return np.cumsum(delta[:-1])
 
-    def _reprice(self, delta: np.ndarray, k: int, context: tuple | None, sign: float) -> None:
-        """Add (``sign`` 1) or take out (-1) interval ``k``'s spans under ``context`` (None: as
-        the walk without decisions has it)."""
+    def _replace(self, delta: np.ndarray, k: int, old_context: WalkContext | None, context: WalkContext) -> None:
+        """Take interval ``k``'s spans under ``old_context`` (None: as the walk without decisions
+        has it) out of ``delta`` and add its spans under ``context``, where they differ."""
         iv = self.timeline.intervals[k]
-        spans = [(iv.node, iv.kind, iv.start, iv.end, iv.factor)] if context is None else self._spans(iv, context)
+        old = [(iv.node, iv.kind, iv.start, iv.end, iv.factor)] if old_context is None else self._spans(iv, old_context)
+        new = self._spans(iv, context)
+        if old != new:
+            self._add(delta, old, -1.0)
+            self._add(delta, new, 1.0)
+
+    def _add(self, delta: np.ndarray, spans: list[tuple[str, str, int, int, float]], sign: float) -> None:
+        """Add (``sign`` 1) or take out (-1) ``spans`` in the difference array ``delta``."""
         for node, _kind, start, end, factor in spans:
             size = sign * factor * self.bytes_of(node)
             delta[start] += size
@@ -411,11 +416,27 @@ class _Walk:
         """``_kept_peak`` of this walk's sizes."""
         return _kept_peak(self.timeline, self._sizes)
 
-    def peak(self, decisions, prefetch: bool) -> tuple[float, int]:
-        """(peak bytes, the first time it is reached) under ``decisions``."""
+    def peak(self, decisions, prefetch: bool, fresh: bool = False) -> tuple[float, int]:
+        """(peak bytes, the first time it is reached) under ``decisions``; ``fresh``: priced from
+        the walk without decisions, as a plan's figures are, whatever the greedy priced before."""
+        if fresh:
+            self._last = None
         values = self.curve_under(decisions, prefetch)
         time = int(np.argmax(values))
         return float(values[time]), time
+
+
+def _memoized(bytes_of: Callable[[str], float]) -> Callable[[str], float]:
+    """``bytes_of``, asked once per name."""
+    known: dict[str, float] = {}
+
+    def size(name: str) -> float:
+        value = known.get(name)
+        if value is None:
+            value = known[name] = bytes_of(name)
+        return value
+
+    return size
 
 
 def _kept_peak(timeline: liveness.Timeline, sizes: np.ndarray) -> float:
@@ -491,7 +512,7 @@ def plan_memory(
     switch_s, resident_s = _optimizer_switch_s(walk, cluster, graph.mesh_shape, chosen)
     link = offload_link(cluster, target) if target else None
     exposed_s = _exposed_transfers_s(chosen, compute_s, prefetch, link, resident_s) + switch_s
-    peak, time = walk.peak(keys, prefetch)
+    peak, time = walk.peak(keys, prefetch, fresh=True)
     breakdown = dict.fromkeys(liveness.KINDS, 0.0)
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):
         if start <= time <= end:
@@ -704,7 +725,7 @@ def _infeasible(
 ) -> InfeasibleError:
     if not explain:
         return InfeasibleError(f"no plan of this sharding fits memory_budget={budget:.0f} bytes per device")
-    peak, time = walk.peak(keys, prefetch)
+    peak, time = walk.peak(keys, prefetch, fresh=True)
     alive = []
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):
         if start <= time <= end:
