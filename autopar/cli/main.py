@@ -156,6 +156,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1 (such as 0.05), got {text!r}")
+    return value
+
+
 # -- model loading ----------------------------------------------------------------------------
 
 
@@ -302,7 +312,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.cli.views import mesh_search_table, plan_blocks
     from autopar.cost.cluster import get_cluster
     from autopar.ir.data import DataOptions
-    from autopar.ir.options import PlanOptions
+    from autopar.ir.options import PlanOptions, SolveOptions
 
     cluster = args.cluster if args.cluster is not None else get_cluster(None)
     if args.out:
@@ -327,6 +337,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         precision=args.precision,
         data=DataOptions(batch=args.data),
     )
+    if args.budget_gap is not None:
+        options = options.replace(solve=SolveOptions(options.solve.time_limit_s, options.solve.solver, args.budget_gap))
     start = time.perf_counter()
     with Progress(PROG) as progress:
         progress(f"building {args.model}{' on the meta device' if args.meta else ''} ...")
@@ -604,6 +616,13 @@ def _add_plan_command(sub: Any, common: argparse.ArgumentParser) -> None:
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
     """``autopar plan``'s options beyond the model, the mesh and the cluster."""
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="solver time limit in seconds")
+    p.add_argument(
+        "--budget-gap",
+        type=_fraction,
+        default=None,
+        help="under a binding memory budget, keep the fast search's plan within this fraction of the bound "
+        "(default 0.05; 0: always try the MILP too; 1: never, the same plan on every machine)",
+    )
     p.add_argument(
         "--pipeline",
         type=_stages,

@@ -40,14 +40,24 @@ def _is_int(value: Any) -> bool:
 class SolveOptions:
     """How the sharding ILP is solved: ``solver`` is "auto" (LP relaxation first, MILP only if
     rounding leaves a gap), "highs" or "cbc"; ``time_limit_s`` bounds each solve (then the best
-    plan found is used, and its gap is reported)."""
+    plan found is used, and its gap is reported).
+
+    ``budget_gap``: where a memory budget binds, "auto" keeps the fast search's plan (Lagrangian
+    rounding, ``solver.search.budget``) when its step is within this fraction of the LP bound;
+    further, the MILP runs as a second opinion for about as long as planning took so far. 0 runs
+    it always (slower, and what it finds in its time depends on the machine); 1 never (fastest,
+    and the same plan on every machine)."""
 
     time_limit_s: float = 60.0
     solver: SolverName = "auto"
+    budget_gap: float = 0.05
 
     def __post_init__(self) -> None:
         if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, (int, float)) or not self.time_limit_s > 0:
             raise ConfigError(f"time_limit_s must be a positive number of seconds (such as 60), got {self.time_limit_s!r}")
+        gap = self.budget_gap
+        if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap <= 1:
+            raise ConfigError(f"budget_gap must be a fraction from 0 to 1 (such as 0.05), got {gap!r}")
 
 
 @dataclass(frozen=True, slots=True)

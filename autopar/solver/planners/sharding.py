@@ -138,6 +138,7 @@ class _Settings:
     prefetch: bool
     time_limit_s: float
     solver: str
+    budget_gap: float  # a budgeted plan this close to the LP bound needs no MILP (SolveOptions)
     precision: MixedPrecision | None
     comm: CommOptions | None
     # A checkpoint policy every layer takes whatever the budget ("selective", "full"); None: the
@@ -158,6 +159,7 @@ class _Settings:
             memory.prefetch,
             options.solve.time_limit_s,
             check_solver(options.solve.solver),
+            options.solve.budget_gap,
             options.precision,
             options.comm,
             policy,
@@ -194,7 +196,7 @@ def _solve_sharding(graph: ChoiceGraph, settings: _Settings, forced: dict[str, S
         if floor is not None and not fits(floor, memory_budget):
             solution = _lean_start(ilp, memory_budget, floor, unbounded, deadline, solver, visited)
         else:
-            solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited, start)
+            solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited, start, settings.budget_gap)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
     if not solution.choice:
         # No sharding fits alone: with checkpointing or offload allowed, start from the leanest
@@ -351,10 +353,11 @@ def _solve_budgeted(
     solver: str,
     visited: list[dict[str, int]],
     started: float,
+    gap: float = MILP_GAP,
 ) -> Solution:
     """The fastest plan does not fit: the Lagrangian fast path (``solver.search.budget``); the MILP
     with its memory cutting-plane loop only for ``solver="highs"`` or ``"cbc"``, or while a gap
-    above ``budget.MILP_GAP`` remains (the better of the two is kept).
+    above ``gap`` (``SolveOptions.budget_gap``) remains (the better of the two is kept).
 
     Under ``solver="auto"`` that MILP is a second opinion, not the answer: it gets as long as
     planning has taken so far (``started``: when ``solve`` began), at least
@@ -365,7 +368,7 @@ def _solve_budgeted(
     fast = None
     if solver == "auto":
         fast = solve_under_budget(ilp, memory_budget, max(deadline - time.perf_counter(), 1.0), unbounded, visited)
-        if fast.choice and (fast.gap or 0.0) <= MILP_GAP or fast.status == "Infeasible":
+        if fast.choice and (fast.gap or 0.0) <= gap or fast.status == "Infeasible":
             return fast  # close enough; or even the LP relaxation does not fit: neither will the MILP
     left = deadline - time.perf_counter()
     if fast is not None and fast.choice:
