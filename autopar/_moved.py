@@ -17,9 +17,15 @@ MOVED = {
     # solver/strategies/ named for its role: the search for the ILP's solution (the package only:
     # import its modules from autopar.solver.search)
     "autopar.solver.strategies": "autopar.solver.search",
+    # runtime/'s tools apart from its execution
+    "autopar.runtime.check": "autopar.runtime.tools.check",
+    "autopar.runtime.numerics": "autopar.runtime.tools.numerics",
+    "autopar.runtime.profile": "autopar.runtime.tools.profile",
+    "autopar.runtime.profile_rates": "autopar.runtime.tools.profile_rates",
+    "autopar.runtime.launch": "autopar.runtime.tools.launch",
     "autopar.models": "autopar.zoo.models",
     "autopar.model_specs": "autopar.zoo.shapes",
-    "autopar.testing": "autopar.runtime.launch",
+    "autopar.testing": "autopar.runtime.tools.launch",
     "autopar.spec": "autopar.ir.spec",
     "autopar.materialize": "autopar.runtime.materialize",
     "autopar.html_report": "autopar.report.html",

@@ -5,7 +5,7 @@
 
 Four parts, each writing to ``--out`` (default ``benchmarks/results``):
 
-1. ``autopar profile`` of this device (``runtime.profile.run_profile``: peaks, achieved rates,
+1. ``autopar profile`` of this device (``runtime.tools.profile.run_profile``: peaks, achieved rates,
    host link) into ``calibration_profiled.json``.
 2. ``bench_calibration.py`` on the single-GPU rows, priced on that profiled spec
    (``calibration_profiled.csv``; the preset's pricing is ``calibration.csv``).
@@ -43,7 +43,7 @@ import bench_calibration as calibration  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.cost.cluster import ClusterSpec, get_cluster  # noqa: E402
-from autopar.runtime.profile import run_profile  # noqa: E402
+from autopar.runtime.tools.profile import run_profile  # noqa: E402
 
 GIB = 2**30
 SINGLE_GPU_ROWS = ("hf-llama-3-8b 4L 2x4096 eager", "gpt 12x768 8x1024 eager", "zoo llama-3-8b 2L 2x2048 eager")
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. the profile (on CPU it writes a CPU spec: the dry run still exercises the rates' code)
     profiled = run_profile(str(out / "calibration_profiled.json"), None, False, quick=args.quick or args.tiny)
     if device.type != "cuda":
-        from autopar.runtime.profile import measure_device  # the CPU variant of the GPU's rates
+        from autopar.runtime.tools.profile import measure_device  # the CPU variant of the GPU's rates
 
         rates = measure_device("cpu", quick=True, rates=True)["rates"]
         profiled = dataclasses.replace(profiled, rates=rates)

@@ -71,7 +71,7 @@ from autopar.errors import InfeasibleError  # noqa: E402
 from autopar.ir.options import PlanOptions  # noqa: E402
 from autopar.ir.spec import replicated  # noqa: E402
 from autopar.ops import collectives  # noqa: E402
-from autopar.runtime.launch import run_distributed  # noqa: E402
+from autopar.runtime.tools.launch import run_distributed  # noqa: E402
 from autopar.solver import solve  # noqa: E402
 from autopar.solver.planners.hand_plans import param_specs  # noqa: E402
 from autopar.trace import trace  # noqa: E402
@@ -409,7 +409,7 @@ def main() -> int:
         return 0
 
     if args.profile:
-        from autopar.runtime.profile import profile_spawn
+        from autopar.runtime.tools.profile import profile_spawn
 
         cluster = profile_spawn((max(args.worlds),), quick=True)
         print(f"profiled: {cluster.to_json()}", flush=True)

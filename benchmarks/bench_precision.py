@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, kinds: list[str], steps: int) -> list[dict]:
 
 
 def main() -> None:
-    from autopar.runtime.launch import run_distributed
+    from autopar.runtime.tools.launch import run_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)

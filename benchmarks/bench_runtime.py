@@ -5,7 +5,7 @@
 
 A GPT (``autopar.zoo.models``, 4 layers, 256 wide, 16 sequences of 128 tokens, fp32) trained with
 AdamW for ``--steps`` steps after two warm-up steps, on this machine's CPU with gloo (one thread
-per rank, spawned by ``autopar.runtime.launch.run_distributed``). Every plan is compiled with
+per rank, spawned by ``autopar.runtime.tools.launch.run_distributed``). Every plan is compiled with
 ``autopar.compile(..., plan=...)`` and run; ``zero1`` and ``zero2`` run their DDP layout with
 ``torch.distributed.optim.ZeroRedundancyOptimizer``. Bytes are the payloads of the functional
 collectives that each rank runs in one step (forward, backward), counted by a dispatch mode:
@@ -139,7 +139,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main() -> None:
-    from autopar.runtime.launch import run_distributed
+    from autopar.runtime.tools.launch import run_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/runtime.csv")

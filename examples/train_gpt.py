@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.runtime.launch import DistributedRankError, max_rel_diff, run_distributed
+from autopar.runtime.tools.launch import DistributedRankError, max_rel_diff, run_distributed
 from autopar.zoo.models import GPT, example_batch
 
 _PLAN_FAILED = "__autopar_demo_plan_failed__"

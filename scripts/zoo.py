@@ -416,7 +416,7 @@ def compare(name: str, budget: str, build=None, compiler: str | None = None, tor
     """Plan, compile (under the current process group) and compare one model with eager.
     ``compiler`` is ``autopar.compile``'s; ``torch_compile`` runs the module through a user's
     ``torch.compile`` as well."""
-    from autopar.runtime.launch import max_rel_diff
+    from autopar.runtime.tools.launch import max_rel_diff
 
     model, kwargs = (build or MODELS[name])()
     eager = copy.deepcopy(model)
@@ -457,7 +457,7 @@ def compare(name: str, budget: str, build=None, compiler: str | None = None, tor
 
 def guard(name: str, budget: str) -> dict:
     """Plan and run every rank in this process with the numerics guard."""
-    from autopar.runtime.numerics import check_numerics
+    from autopar.runtime.tools.numerics import check_numerics
 
     model, kwargs = MODELS[name]()
     try:
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[(name, budget)]["seconds"] = time.perf_counter() - start
                 print(name, budget, results[(name, budget)], flush=True)
     else:
-        from autopar.runtime.launch import run_distributed
+        from autopar.runtime.tools.launch import run_distributed
 
         results = run_distributed(_run_ranks, math.prod(MESH), names, timeout_s=3600)[0]
     text = table(results)

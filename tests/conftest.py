@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.ir.spec import format_spec
-from autopar.runtime.launch import max_rel_diff
+from autopar.runtime.tools.launch import max_rel_diff
 from autopar.zoo.models import build_model, example_batch
 
 # -- test order ---------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Starting four ranks that import torch, autopar (and transformers) costs 10-30 s 
 test machine, far more than many of the checks run on them. ``RankPool(n).run(fn, *args)`` runs
 ``fn(rank, world_size, *args)`` on ``n`` ranks that were spawned (and joined a gloo process group
 with a timeout) at the first call, and returns what each rank returned, in rank order, as
-``autopar.runtime.launch.run_distributed`` does. Between jobs every rank restores the state a
+``autopar.runtime.tools.launch.run_distributed`` does. Between jobs every rank restores the state a
 fresh rank starts with (torch's default RNG seed, float32 default dtype, grad mode on) and the
 ranks meet at a barrier, so a job starts from a clean, synchronized world.
 
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar.runtime.launch import DistributedRankError
+from autopar.runtime.tools.launch import DistributedRankError
 
 PG_TIMEOUT_S = 600.0  # every collective of a pooled rank gives up after this long
 _GRACE_S = 2.0  # after a first failure, how long the other ranks may still report theirs

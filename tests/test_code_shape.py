@@ -82,3 +82,16 @@ def test_the_checks_see_what_they_check():
     functions = list(_functions())
     assert len(functions) > 1000
     assert max(_num_params(node) for where, node in functions if (where, node.name) in WIDE_FACADES) > MAX_PARAMS
+
+
+def test_every_execution_module_of_the_runtime_is_kept_from_its_tools():
+    """The import-linter contract that keeps ``runtime/tools/`` out of the execution names each
+    execution module (a forbidden contract on ``autopar.runtime`` would cover the tools too): a
+    new module in ``runtime/`` must join it."""
+    import tomllib
+
+    config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in config if c["name"] == "The runtime's execution does not import its tools"]
+    execution = {f"autopar.runtime.{p.stem}" for p in (ROOT / "runtime").glob("*.py") if p.stem != "__init__"}
+    assert set(contract["source_modules"]) == execution
+    assert contract["forbidden_modules"] == ["autopar.runtime.tools"]

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "autopar"
 # The only plain builtin raises allowed, each a programming error of the caller, not a user's
 # input to autopar: (file, function) -> why.
 ALLOWED = {
-    ("autopar/runtime/launch.py", "rel_diff"): "a script comparing tensors of different shapes, as numpy's own",
+    ("autopar/runtime/tools/launch.py", "rel_diff"): "a script comparing tensors of different shapes, as numpy's own",
 }
 BUILTINS = {"ValueError", "TypeError"}
 
@@ -83,7 +83,7 @@ def test_every_error_class_is_an_autopar_error_listed_in_troubleshooting():
 def test_the_moved_classes_keep_their_builtin_bases_and_old_import_paths():
     from autopar.cli.main import CliError
     from autopar.runtime.data import DataMismatchError
-    from autopar.runtime.launch import DistributedRankError
+    from autopar.runtime.tools.launch import DistributedRankError
 
     assert issubclass(DataMismatchError, ValueError) and issubclass(DataMismatchError, errors.InputError)
     assert issubclass(DistributedRankError, RuntimeError) and issubclass(DistributedRankError, errors.AutoparError)

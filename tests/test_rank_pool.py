@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.launch import DistributedRankError
+from autopar.runtime.tools.launch import DistributedRankError
 from tests.rank_pool import RankPool
 
 

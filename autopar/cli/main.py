@@ -449,7 +449,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from autopar.ir.plan import Plan
-    from autopar.runtime.check import check_plan
+    from autopar.runtime.tools.check import check_plan
 
     plan = Plan.load(args.plan)
     record = dict(plan.model)
@@ -498,7 +498,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _check_numerics(args: argparse.Namespace, plan, model, inputs, world: int, start: float) -> int:
-    from autopar.runtime.numerics import check_numerics
+    from autopar.runtime.tools.numerics import check_numerics
     from autopar.trace.fake import has_meta_tensors
 
     if has_meta_tensors(model):
@@ -732,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from autopar.runtime.profile import run_profile
+    from autopar.runtime.tools.profile import run_profile
 
     spec = run_profile(args.out, args.mesh, args.spawn, quick=not args.full)
     if spec is not None:

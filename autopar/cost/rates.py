@@ -40,7 +40,7 @@ With rates, one op's local forward on one rank takes
   group (foreach).
 
 The presets' coefficients are sourced in their ``rates.source``; ``autopar profile`` fits them
-on the device it runs on (``runtime.profile``).
+on the device it runs on (``runtime.tools.profile``).
 """
 
 from __future__ import annotations

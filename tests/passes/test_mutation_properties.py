@@ -5,7 +5,7 @@ Random small models write in place into views of a tensor (setitem on slices and
 transpose, and the scatter family), then read the whole tensor; others name their forward
 arguments after Python builtins (``input``, ``type``, ``id``...), which fx renames when it copies
 a graph. Each is planned on mesh (2, 2) with random forced specs (so the plans really shard) and
-run for every rank in one process by ``autopar.runtime.numerics.check_numerics``, which must
+run for every rank in one process by ``autopar.runtime.tools.numerics.check_numerics``, which must
 find the loss, every gradient and every planned node equal to eager. (Issue 15's fixed patterns,
 teacher forcing and ``nn.Sequential``, are in tests/runtime/test_numerics.py.)
 """
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from autopar.cost.cluster import get_cluster
 from autopar.errors import InfeasibleError
-from autopar.runtime.numerics import check_numerics
+from autopar.runtime.tools.numerics import check_numerics
 from autopar.solver import solve
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.trace import aliased_writes, trace

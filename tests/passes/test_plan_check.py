@@ -16,7 +16,7 @@ from autopar.cost.memory import param_state_bytes
 from autopar.errors import PlanError
 from autopar.passes.plan_check import check_plan_strategies
 from autopar.runtime.agreement import resolve_plan
-from autopar.runtime.numerics import check_numerics
+from autopar.runtime.tools.numerics import check_numerics
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 

@@ -488,7 +488,7 @@ class TransposeMulView(torch.nn.Module):
 
 
 def _compile_and_compare(model: torch.nn.Module, mesh: tuple[int, ...], batch: tuple, plan: Plan) -> dict:
-    from autopar.runtime.launch import max_rel_diff
+    from autopar.runtime.tools.launch import max_rel_diff
 
     eager = copy.deepcopy(model)
     pm = autopar.compile(model, mesh, example_inputs=batch, plan=plan)

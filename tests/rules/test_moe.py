@@ -18,7 +18,7 @@ from autopar.cost.cluster import get_cluster
 from autopar.ops import get_kernel
 from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
 from autopar.rules.simulate import check_op
-from autopar.runtime.numerics import check_numerics
+from autopar.runtime.tools.numerics import check_numerics
 from autopar.solver import solve
 from autopar.trace import trace
 from autopar.trace.moe import EXPERTS_OP, experts_as_one_op, is_stacked_experts, moe_experts_eager

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.ir.spec import parse_spec
-from autopar.runtime.check import check_plan
+from autopar.runtime.tools.check import check_plan
 from autopar.zoo.models import build_model, example_batch
 from tests.conftest import gpt_and_batch
 

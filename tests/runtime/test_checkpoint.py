@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import autopar
-from autopar.runtime.launch import max_rel_diff
+from autopar.runtime.tools.launch import max_rel_diff
 from autopar.zoo.models import GPT, build_model, example_batch
 
 pytestmark = pytest.mark.multiproc

@@ -19,7 +19,7 @@ from torch import nn
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.ir.spec import S
-from autopar.runtime.numerics import check_numerics
+from autopar.runtime.tools.numerics import check_numerics
 from autopar.solver import solve
 from autopar.trace import trace
 from autopar.zoo.models import GPT, Llama

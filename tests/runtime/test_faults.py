@@ -398,7 +398,7 @@ def _dies_mid_step(rank: int, world: int, folder: str) -> str:
 def test_a_rank_killed_mid_step_is_named_by_every_survivor(tmp_path):
     """Mesh (2, 2): rank 1 shares no group with rank 2, and fails only once rank 0 or 3 has
     failed and exited; it must still name rank 2, not the rank it lost."""
-    from autopar.runtime.launch import DistributedRankError, run_distributed
+    from autopar.runtime.tools.launch import DistributedRankError, run_distributed
 
     start = time.monotonic()
     with pytest.raises(DistributedRankError) as info:
@@ -442,7 +442,7 @@ def _dies_mid_save(rank: int, world: int, folder: str) -> str:
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_whole(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from autopar.runtime.launch import DistributedRankError, run_distributed
+    from autopar.runtime.tools.launch import DistributedRankError, run_distributed
 
     with pytest.raises(DistributedRankError) as info:
         run_distributed(_dies_mid_save, 2, str(tmp_path), timeout_s=240, pg_timeout_s=60, grace_s=60)

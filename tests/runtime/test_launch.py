@@ -1,4 +1,4 @@
-"""Tests of autopar.runtime.launch: the multi-process harness and the tensor-dict comparisons."""
+"""Tests of autopar.runtime.tools.launch: the multi-process harness and the tensor-dict comparisons."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.launch import (
+from autopar.runtime.tools.launch import (
     DistributedRankError,
     assert_close_dicts,
     max_rel_diff,

@@ -15,7 +15,7 @@ import torch
 
 import autopar
 from autopar.cost.memory import param_state_bytes
-from autopar.runtime.launch import max_rel_diff, run_distributed
+from autopar.runtime.tools.launch import max_rel_diff, run_distributed
 from autopar.zoo.models import build_model, example_batch
 from tests.conftest import collective_counts, eager_grads, step_against_eager
 

@@ -1,4 +1,4 @@
-"""The numerics guard (autopar.runtime.numerics): every rank's rewritten module in one process.
+"""The numerics guard (autopar.runtime.tools.numerics): every rank's rewritten module in one process.
 
 Issue 15's patterns (label shifting by in-place writes into slices, teacher forcing, an
 ``nn.Sequential`` whose modules take ``input``) equal eager under plans that shard; and the guard
@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate
 
 import autopar
 from autopar.cost.memory import param_state_bytes
-from autopar.runtime.numerics import check_numerics, run_ranks_in_threads
+from autopar.runtime.tools.numerics import check_numerics, run_ranks_in_threads
 from autopar.trace import export
 from tests.conftest import gpt_and_batch
 from tests.trace.test_export import ShiftRight

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.ops.params import add_grad, as_like, local_of
-from autopar.runtime.launch import max_rel_diff as rel_diffs
+from autopar.runtime.tools.launch import max_rel_diff as rel_diffs
 from autopar.zoo.models import build_model, example_batch
 
 DTYPE = torch.float64  # gloo and the threaded backend reduce float64; AdamW's sign steps need it
@@ -235,7 +235,7 @@ def _strided_round_trip(rank: int) -> float:
 
 
 def test_a_strided_shard_parameter_is_the_whole_tensor_to_torch() -> None:
-    from autopar.runtime.numerics import run_ranks_in_threads
+    from autopar.runtime.tools.numerics import run_ranks_in_threads
 
     for error, norm, want in run_ranks_in_threads(2, _strided_round_trip):
         assert error == 0 and norm == pytest.approx(want, rel=1e-12)

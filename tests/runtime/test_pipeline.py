@@ -22,8 +22,8 @@ from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.passes.split import split_into_stages, stage_io, stage_wiring
-from autopar.runtime.launch import max_rel_diff
 from autopar.runtime.pipeline import _stage_view
+from autopar.runtime.tools.launch import max_rel_diff
 from autopar.solver.planners.stages import StageSettings, plan_stages
 from autopar.trace import trace
 from autopar.zoo.models import GPT, build_model, example_batch

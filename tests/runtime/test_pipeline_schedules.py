@@ -20,7 +20,7 @@ import torch
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.ir.pipeline import first_microbatch
-from autopar.runtime.launch import max_rel_diff
+from autopar.runtime.tools.launch import max_rel_diff
 from autopar.solver.planners.stages import StageSettings, plan_stages
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch

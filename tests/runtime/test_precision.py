@@ -46,7 +46,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.runtime.launch import max_rel_diff
+from autopar.runtime.tools.launch import max_rel_diff
 from autopar.zoo.models import build_model, example_batch
 from tests.conftest import PolicyReference, collective_counts, eager_grads
 

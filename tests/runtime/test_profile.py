@@ -7,7 +7,7 @@ import torch
 
 import autopar
 from autopar.cost.cluster import ClusterSpec, LinkSpec
-from autopar.runtime.profile import build_spec, fit_alpha_beta, measure_device, run_profile
+from autopar.runtime.tools.profile import build_spec, fit_alpha_beta, measure_device, run_profile
 
 DEVICE = {"device": "test", "peak_flops": {"float32": 1e11}, "memory_bandwidth_bytes_per_s": 1e10, "memory_bytes": 2**34}
 

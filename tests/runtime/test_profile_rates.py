@@ -1,4 +1,4 @@
-"""autopar profile's achieved rates and host link (``runtime.profile_rates``), on CPU: the fits,
+"""autopar profile's achieved rates and host link (``runtime.tools.profile_rates``), on CPU: the fits,
 and the same measuring code the GPU runs, at small sizes."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import autopar
 from autopar.cost.cluster import ClusterSpec, LinkSpec, get_cluster
 from autopar.cost.rates import ComputeRates
-from autopar.runtime import profile_rates
-from autopar.runtime.profile import build_spec, measure_device
+from autopar.runtime.tools import profile_rates
+from autopar.runtime.tools.profile import build_spec, measure_device
 
 DEVICE = {"device": "test", "peak_flops": {"float32": 1e11}, "memory_bandwidth_bytes_per_s": 1e10, "memory_bytes": 2**34}
 CPU = torch.device("cpu")
@@ -96,7 +96,7 @@ def test_a_spec_with_measured_rates_plans(tmp_path):
 
 def test_the_cli_shows_the_rates_and_host_link(monkeypatch, capsys, tmp_path):
     from autopar.cli.main import main
-    from autopar.runtime import profile
+    from autopar.runtime.tools import profile
 
     monkeypatch.setattr(profile, "run_profile", lambda *args, **kwargs: get_cluster("h200-141g"))
     assert main(["profile", "--out", str(tmp_path / "c.json")]) == 0

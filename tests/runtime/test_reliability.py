@@ -16,7 +16,7 @@ import torch.distributed as dist
 import autopar
 from autopar.errors import PlanError
 from autopar.runtime import compile_checks
-from autopar.runtime.launch import DistributedRankError, run_distributed
+from autopar.runtime.tools.launch import DistributedRankError, run_distributed
 from autopar.zoo.models import build_model, example_batch
 
 

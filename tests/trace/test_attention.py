@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.cost.cluster import get_cluster
 from autopar.ir.spec import S as Shard
-from autopar.runtime.numerics import check_numerics
+from autopar.runtime.tools.numerics import check_numerics
 from autopar.solver import solve
 from autopar.trace import trace
 from autopar.trace.attention import causal_attention

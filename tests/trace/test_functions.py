@@ -11,7 +11,7 @@ from torch.autograd.function import once_differentiable
 
 import autopar
 from autopar.errors import TraceError
-from autopar.runtime.numerics import check_numerics
+from autopar.runtime.tools.numerics import check_numerics
 from autopar.trace import trace
 from autopar.trace.functions import FUNCTION_OP
 

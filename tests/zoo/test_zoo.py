@@ -31,7 +31,7 @@ def _zoo():
 
 
 def _pipelined_mistral() -> dict:
-    from autopar.runtime.launch import max_rel_diff
+    from autopar.runtime.tools.launch import max_rel_diff
     from tests.zoo.hf_models import mistral
 
     model, kwargs = mistral(batch_size=8)  # as it is: it returns the loss and the logits

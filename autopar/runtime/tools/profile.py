@@ -39,10 +39,10 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.cost.cluster import CPU_PRESET, ClusterSpec, LinkSpec, cpu_cluster, get_cluster, local_cluster
 from autopar.errors import ClusterSpecError, ConfigError, InternalError, MeshError
-from autopar.runtime import profile_rates
-from autopar.runtime.launch import run_distributed
 from autopar.runtime.module import mesh_groups
-from autopar.runtime.profile_rates import time_call
+from autopar.runtime.tools import profile_rates
+from autopar.runtime.tools.launch import run_distributed
+from autopar.runtime.tools.profile_rates import time_call
 
 QUICK_ALLREDUCE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
 FULL_ALLREDUCE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
@@ -79,7 +79,7 @@ def device_name(device: torch.device) -> str:
 def measure_device(device: torch.device | str | None = None, quick: bool = False, rates: bool | None = None) -> dict[str, Any]:
     """The roofline of ``device`` (default: CUDA when available, else CPU), as ClusterSpec fields;
     on CUDA (or with ``rates=True``) also its achieved rates and, on CUDA, its host link
-    (``runtime.profile_rates``)."""
+    (``runtime.tools.profile_rates``)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         size, copy_bytes = (4096, 256 << 20) if quick else (8192, 1 << 30)
