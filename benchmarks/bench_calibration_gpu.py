@@ -174,9 +174,9 @@ def offload_run(device: torch.device, clock: PhaseClock, tiny: bool, specs: dict
     torch.manual_seed(0)
     model = calibration.build_model(row.model, torch.bfloat16, device)
     ids = torch.randint(0, 50304 if not tiny else 256, (row.batch, row.seq), device=device)
-    # Planned without a precision policy, as the first H200 run was: the plan prices fp32 AdamW
-    # moments, where torch's and autopar's AdamW keep them in the parameters' bf16 (with bf16
-    # moments a 60% budget needs no offload).
+    # Planned without a precision policy, as the first H200 run was. That run's plan priced fp32
+    # AdamW moments; plans now price them in the parameters' bf16, as torch's and autopar's AdamW
+    # keep them, so the budget search below goes lower before a plan needs offload.
     precision = None
     out = []
     measured_once: dict[str, dict[str, float]] = {}

@@ -386,14 +386,15 @@ def build_timeline(
     ties: Sequence[Sequence[str]] = (),
     zero_stage: int = 0,
     zero_ways: int = 1,
-    optimizer_dtype: torch.dtype = torch.float32,
+    optimizer_dtype: torch.dtype | None = None,
 ) -> Timeline:
     """The intervals of the module docstring for ``nodes`` in graph order.
 
     ``zero_stage`` 1 splits every parameter's optimizer state ``zero_ways`` ways (ZeRO-1 over
     ``zero_ways`` replicas), 2 its gradient too (ZeRO-2).
 
-    ``optimizer_dtype`` is the dtype of the optimizer state (a precision policy's).
+    ``optimizer_dtype`` is the dtype of the optimizer state (a precision policy's); None: each
+    parameter's own, as torch's optimizers keep it (a bf16 model's AdamW moments are bf16).
 
     ``ties`` groups parameter placeholders that hold one tensor: only the first of each group
     carries the parameter's bytes, and its gradient is alive from the last use of any member.
@@ -433,7 +434,7 @@ def build_timeline(
             states = memory.OPTIMIZER_STATES[optimizer]
             if node.requires_grad:
                 if states:
-                    factor = states * optimizer_dtype.itemsize / node.itemsize
+                    factor = states * (optimizer_dtype.itemsize / node.itemsize if optimizer_dtype is not None else 1.0)
                     if zero_stage >= 1:
                         factor /= zero_ways
                     intervals.append(Interval(name, "optimizer_state", 0, last, factor))

@@ -265,3 +265,18 @@ def test_mixed_precision_prices_bf16_compute_and_fp32_state_and_reductions():
     assert 0 < mixed.peak_memory_bytes < fp32.peak_memory_bytes
     assert mixed.compute_s < fp32.compute_s, "bf16 runs at the cluster's bf16 FLOP/s"
     assert autopar.Plan.from_json(plans["bf16-mixed"].to_json()).precision == plans["bf16-mixed"].precision
+
+
+def test_a_bf16_model_without_a_policy_prices_adamw_state_in_bf16():
+    """torch's AdamW keeps its moments in the dtype of what it steps: a bf16 model stepped as it
+    is ("32-true" changes no dtype) holds two bf16 moments per parameter (twice the parameters'
+    bytes), not two fp32 ones; under "bf16-mixed" it steps fp32 masters, whose moments are fp32."""
+    from autopar.zoo.models import build_model, example_batch
+
+    model, batch = build_model("gpt", seed=0).to(torch.bfloat16), example_batch("gpt", 8, seed=1)
+    as_is = autopar.hand_plan("ddp", model, (1,), example_inputs=batch, cluster="cpu").predicted.memory_at_peak_bytes
+    assert as_is["optimizer_state"] == pytest.approx(2 * as_is["param"], rel=1e-9)
+    mixed = autopar.hand_plan("ddp", model, (1,), example_inputs=batch, cluster="cpu", precision="bf16-mixed")
+    masters = mixed.predicted.memory_at_peak_bytes
+    assert masters["param"] == pytest.approx(2 * as_is["param"], rel=1e-9), "fp32 masters of bf16 weights"
+    assert masters["optimizer_state"] == pytest.approx(4 * as_is["param"], rel=1e-9)

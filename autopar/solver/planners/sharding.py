@@ -9,8 +9,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-
 from autopar.cost import optimizer
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.comm import transition_bytes_per_axis
@@ -87,7 +85,9 @@ def solve_unexplained(
     ``memory`` (no sharding fitting at all, it starts from the leanest one).
 
     ``options.precision`` is the policy ``traced`` was traced under (``autopar.trace.trace``): the
-    optimizer state is priced in its ``optimizer_dtype``, and the plan records it.
+    optimizer state is priced in the dtype the optimizer steps, its stored one (fp32 masters under
+    "bf16-mixed"; the model's own under "32-true", as torch's AdamW keeps a bf16 model's moments
+    in bf16), and the plan records the policy.
     ``options.comm`` is the communication schedule ``compile`` will run, as priced. ``forced``
     pins nodes' specs and ``zero_stage`` shards optimizer state and gradients (hand plans)."""
     settings = _Settings.of(options if options is not None else PlanOptions(), cluster)
@@ -96,7 +96,8 @@ def solve_unexplained(
     start = time.perf_counter()
     log.info("autopar: rules and costs: pricing every node's strategies on mesh %s ...", tuple(mesh_shape))
     precision = settings.precision
-    optimizer_dtype = to_dtype(precision.optimizer_dtype) if precision is not None else torch.float32
+    # The optimizer steps the stored parameters, so its state takes their dtype (None: the model's own)
+    optimizer_dtype = to_dtype(precision.stored_dtype) if precision is not None else None
     graph = build_choice_graph(
         traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage, optimizer_dtype=optimizer_dtype, comm=settings.comm
     )

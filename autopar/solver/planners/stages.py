@@ -156,7 +156,7 @@ class StageSettings:
     # per chunk with the candidates solved for 1F1B.
     schedules_allowed: tuple[str, ...] = ("1F1B",)
     forced: dict | None = None  # node name → spec on the stage mesh: what a hand plan fixes (colossal)
-    optimizer_dtype: Any = None  # the optimizer state's torch dtype (a precision policy's); fp32 when None
+    optimizer_dtype: Any = None  # the optimizer state's torch dtype (a precision policy's); the params' own when None
     # For benchmarks and tests: plan ``num_layers`` identical blocks from a shallower trace; only
     # these ``stage_meshes``; price the partition ``forced_layers`` (boundaries a_0 = 0 < ... <
     # a_S = L, a published plan) instead of searching; the candidate solver's budget ``ladder``.
@@ -773,12 +773,12 @@ def plan_stages(
     segments, one per layer, which the runtime checkpoints). A plan of one stage runs its M microbatches
     one after another (gradient accumulation).
 
-    ``precision`` is the policy ``traced`` was traced under: the optimizer state is priced in
-    its ``optimizer_dtype`` (in place of ``settings.optimizer_dtype``), and the plan records it (as
-    ``solver.solve`` does).
+    ``precision`` is the policy ``traced`` was traced under: the optimizer state is priced in the
+    dtype the optimizer steps, the policy's stored one (None: the model's own; in place of
+    ``settings.optimizer_dtype``), and the plan records the policy (as ``solver.solve`` does).
     """
     if precision is not None:
-        settings = dataclasses.replace(settings, optimizer_dtype=to_dtype(precision.optimizer_dtype))
+        settings = dataclasses.replace(settings, optimizer_dtype=to_dtype(precision.stored_dtype))
     layers = cluster_layers(traced)
     search, costs = search_stages(traced, mesh_shape, cluster, settings, layers)
     mesh_costs = costs[search.stage_mesh]

@@ -310,7 +310,7 @@ def build_choice_graph(
     forced: dict[str, Spec | str] | None = None,
     share_layers: bool = True,
     zero_stage: int = 0,
-    optimizer_dtype: torch.dtype = torch.float32,
+    optimizer_dtype: torch.dtype | None = None,
     comm: CommOptions | None = None,
 ) -> ChoiceGraph:
     """Enumerate strategies and prices for every node of ``traced``.
@@ -322,7 +322,8 @@ def build_choice_graph(
     ``zero_stage`` (1 or 2) prices parameter state as ZeRO does over a DDP layout: every rank
     holds every parameter whole, and the optimizer state (stage 1) and the gradients (stage 2)
     are split among all ranks. So it needs every parameter pinned replicated by ``forced``.
-    ``optimizer_dtype`` is the optimizer state's (a precision policy's ``optimizer_dtype``).
+    ``optimizer_dtype`` is the optimizer state's (a precision policy's ``optimizer_dtype``; None:
+    each parameter's own dtype, as torch's optimizers keep their state).
     ``comm`` is the communication schedule the runtime will run (``CommOptions()``, its default,
     when None): how it gathers and frees sharded parameters decides their memory.
     """
