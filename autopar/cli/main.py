@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -312,7 +313,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.cli.views import mesh_search_table, plan_blocks
     from autopar.cost.cluster import get_cluster
     from autopar.ir.data import DataOptions
-    from autopar.ir.options import PlanOptions, SolveOptions
+    from autopar.ir.options import PlanOptions
 
     cluster = args.cluster if args.cluster is not None else get_cluster(None)
     if args.out:
@@ -338,7 +339,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         data=DataOptions(batch=args.data),
     )
     if args.budget_gap is not None:
-        options = options.replace(solve=SolveOptions(options.solve.time_limit_s, options.solve.solver, args.budget_gap))
+        options = options.replace(solve=dataclasses.replace(options.solve, budget_gap=args.budget_gap))
     start = time.perf_counter()
     with Progress(PROG) as progress:
         progress(f"building {args.model}{' on the meta device' if args.meta else ''} ...")

@@ -106,11 +106,10 @@ def model_state_dict(pm: ParallelModule) -> dict[str, DTensor]:
         local = copies.get(canonical) if offloaded else None
         if local is None:
             local = pm.local_shard(fqn)
-            if offloaded:
-                copies[canonical] = local
         if id(local) not in made:  # tied names share one DTensor, as they share one tensor
             made[id(local)] = to_dtensor(local, pm.plan.params[fqn], pm.full_shape(fqn), mesh)
             if offloaded:  # a copy read from the store: what dcp.load writes into it goes back
+                copies[canonical] = local
                 offloader.store.hand_out(param_key(canonical), made[id(local)])
         out[fqn] = made[id(local)]
     return out

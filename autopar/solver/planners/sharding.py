@@ -28,7 +28,7 @@ from autopar.solver.problem.ilp import ShardingILP, Solution
 from autopar.solver.problem.op_prices import expert_parallel_record, grad_sync_bytes_per_axis
 from autopar.solver.search import backends
 from autopar.solver.search.backends import check_solver
-from autopar.solver.search.budget import MILP_GAP, solve_under_budget, trace_front
+from autopar.solver.search.budget import solve_under_budget, trace_front
 from autopar.solver.search.lean import lean_choice, least_peak
 from autopar.solver.search.solving import (
     MAX_MEMORY_ROUNDS,
@@ -354,7 +354,7 @@ def _solve_budgeted(
     solver: str,
     visited: list[dict[str, int]],
     started: float,
-    gap: float = MILP_GAP,
+    gap: float,
 ) -> Solution:
     """The fastest plan does not fit: the Lagrangian fast path (``solver.search.budget``); the MILP
     with its memory cutting-plane loop only for ``solver="highs"`` or ``"cbc"``, or while a gap
