@@ -8,6 +8,8 @@ about 20 s (three blocks took it 55 s, for the same checks).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pulp
 import pytest
 import torch
@@ -186,7 +188,6 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
     unbounded = solve_ilp(ShardingILP(graph), 60)
     lean = graph.timeline.peak(graph.bytes_bound(largest=False))[0]
     budget = lean + 0.3 * (peak_memory(graph, unbounded).bytes - lean)
-    monkeypatch.setattr(solver_module, "MILP_GAP", -1.0)  # every Lagrangian gap is "too large"
     limits = []
     real = solver_module.solve_within_budget
 
@@ -196,9 +197,10 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
 
     monkeypatch.setattr(solver_module, "solve_within_budget", spy)
     start = time.perf_counter()
-    plan = solve(
-        traced, (2, 2), cluster, PlanOptions.from_keywords(memory_budget=budget, time_limit_s=600.0, checkpointing=False)
-    )
+    options = PlanOptions.from_keywords(memory_budget=budget, time_limit_s=600.0, checkpointing=False)
+    # budget_gap 0: every Lagrangian gap is "too large", so the MILP gives its second opinion
+    options = options.replace(solve=dataclasses.replace(options.solve, budget_gap=0.0))
+    plan = solve(traced, (2, 2), cluster, options)
     assert plan.predicted.peak_memory_bytes <= budget * (1 + 1e-9)
     assert len(limits) == 1, "the MILP ran as a second opinion"
     limit, called = limits[0]
