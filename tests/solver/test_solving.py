@@ -173,7 +173,7 @@ def test_predicted_step_is_the_plans_step_to_the_last_bit(traced, graphs):
 
 
 def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkeypatch):
-    """Where the Lagrangian plan's gap stays above ``MILP_GAP``, ``solve(solver="auto")`` runs the
+    """Where the Lagrangian plan's gap stays above ``SolveOptions.budget_gap``, ``solve(solver="auto")`` runs the
     MILP too, but only for as long as planning has taken so far (at least ``_MIN_MILP_S``), not
     ``time_limit_s``: a binding budget must not cost 60 s more than the unbounded plan."""
     import time
