@@ -184,11 +184,8 @@ def _local_elements(plan, model: torch.nn.Module, mesh: tuple[int, ...]) -> floa
 
 def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -> dict:
     """Plan the row's job as ``layout`` and price its step and peak memory."""
-    precision = row.precision
-    if precision is None and row.dtype != "float32":
-        # the runs stepped torch's AdamW, whose state takes the parameters' dtype ("32-true" prices fp32 state)
-        precision = autopar.MixedPrecision(optimizer_dtype=row.dtype, name=f"{row.dtype} model and AdamW state")
-    kwargs = dict(_inputs(row, model), cluster=cluster, precision=precision)
+    # None: "32-true", the model's own dtypes; torch's AdamW state takes the parameters' dtype, as priced
+    kwargs = dict(_inputs(row, model), cluster=cluster, precision=row.precision)
     if row.published:  # as torchtitan ran: the whole device, no reserve
         kwargs["memory_budget"] = row.memory_bytes
     if layout == "plan":

@@ -365,12 +365,16 @@ def _same(value: Any, default: Any) -> bool:
 # master_dtype    stored (sharded) parameters and     float32
 #                 their gradients
 # reduce_dtype    gradient reductions across ranks    float32
-# optimizer_dtype optimizer state                     float32
+# optimizer_dtype optimizer state (the stored dtype:    float32
+#                 torch's optimizers keep their
+#                 state in the parameter's dtype)
 # ==============  ==================================  ==========================================
 #
 # None in ``param_dtype`` or ``master_dtype`` means the model's own dtype, so "32-true" (the
 # default) changes nothing: an fp32 model trains in fp32 and a bf16 one in bf16, as before the
-# policy existed. ``reduce_dtype`` None is the gradient's own dtype. dtypes are stored by name
+# policy existed. ``reduce_dtype`` None is the gradient's own dtype. ``optimizer_dtype`` is
+# the stored dtype, always: a policy may name it or leave it None (filled in), and naming another
+# is refused, since no optimizer that steps the parameters would keep it. dtypes are stored by name
 # ("float32"), so that the policy is a plain JSON value of the plan.
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -398,19 +402,26 @@ class MixedPrecision:
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     master_dtype: str | None = None
-    optimizer_dtype: str = "float32"
+    optimizer_dtype: str | None = None
     name: str = "custom"
 
     def __post_init__(self) -> None:
         for field_name in ("param_dtype", "reduce_dtype", "master_dtype", "optimizer_dtype"):
             object.__setattr__(self, field_name, dtype_name(getattr(self, field_name)))
-        if self.optimizer_dtype is None:
-            raise ConfigError("optimizer_dtype must be a dtype, got None: pass 'float32' (the default) or another dtype name")
         if self.master_dtype is not None and self.param_dtype is None:
             raise ConfigError(
                 f"master_dtype={self.master_dtype!r} needs a param_dtype: the master weights are what "
                 "parameters are cast from at their use"
             )
+        if self.optimizer_dtype is not None and self.optimizer_dtype != self.stored_dtype:
+            stored = self.stored_dtype or "the model's own dtype"
+            raise ConfigError(
+                f"optimizer_dtype={self.optimizer_dtype!r}, but this policy stores parameters in {stored}, and "
+                "the optimizer's state takes the dtype of what it steps (torch's AdamW and autopar.optim.AdamW "
+                f"alike): for {self.optimizer_dtype} state, store the weights in it "
+                f"(master_dtype={self.optimizer_dtype!r} beside param_dtype), or leave optimizer_dtype None"
+            )
+        object.__setattr__(self, "optimizer_dtype", self.stored_dtype)  # one spelling of one policy
 
     @property
     def casts(self) -> bool:
@@ -442,7 +453,9 @@ class MixedPrecision:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MixedPrecision:
-        return cls(**data)
+        # Plans written before 2026-11-29 recorded "float32" whatever the parameters were stored in;
+        # their state took the stored dtype then too, which is what the policy says now.
+        return cls(**{**data, "optimizer_dtype": None})
 
 
 PRECISIONS: dict[str, MixedPrecision] = {

@@ -205,6 +205,27 @@ def test_precision_policies_are_checked_values():
         MixedPrecision(master_dtype="float32")
 
 
+def test_the_optimizer_dtype_is_the_stored_dtype_or_refused():
+    """Torch's optimizers keep their state in the dtype of what they step: a policy that names
+    another optimizer dtype would be priced and recorded for state nothing keeps."""
+    from autopar.errors import ConfigError
+    from autopar.ir.options import PRECISIONS, MixedPrecision
+
+    assert PRECISIONS["32-true"].optimizer_dtype is None  # the model's own, as its parameters
+    assert PRECISIONS["bf16-true"].optimizer_dtype == "bfloat16"
+    assert MixedPrecision("bfloat16", "float32", "float32", "float32").optimizer_dtype == "float32"
+    for wrong, stored in (
+        (MixedPrecision, "the model's own dtype"),  # "32-true" with float32 state named
+        (lambda **kw: MixedPrecision("bfloat16", **kw), "bfloat16"),  # bf16 weights, no master copy
+    ):
+        with pytest.raises(ConfigError, match=f"stores parameters in {stored}.*master_dtype='float32'"):
+            wrong(optimizer_dtype="float32")
+    # A plan written before recorded "float32" whatever the state took: it loads as what it was.
+    old = {"name": "32-true", "param_dtype": None, "reduce_dtype": None, "master_dtype": None, "optimizer_dtype": "float32"}
+    assert MixedPrecision.from_json(old) == PRECISIONS["32-true"]
+    assert MixedPrecision.from_json(PRECISIONS["bf16-mixed"].to_json()) == PRECISIONS["bf16-mixed"]
+
+
 def _edited(gpt_plan, edit) -> str:
     data = json.loads(gpt_plan.to_json())
     edit(data)
