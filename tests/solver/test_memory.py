@@ -383,6 +383,35 @@ def test_offload_prices_the_optimizer_reads_that_nothing_hides():
     assert plan.predicted.step_time_s == pytest.approx(free.predicted.step_time_s + memory.added_s, rel=1e-9)
 
 
+def test_selective_op_also_frees_every_second_matmul_of_each_layer():
+    """torchtitan's op-level policy priced: per layer, "selective-op" frees what "selective" frees
+    and the outputs of the layer's 2nd, 4th and 6th matmul (a Llama layer's k, o and up
+    projections), and recomputes them: more seconds than "selective", fewer than "full"."""
+    from autopar.zoo.models import build_model, example_batch
+
+    model = build_model("llama", seed=0, n_layer=2)
+    batch = example_batch("llama", 4, seed=1)
+    plans = {
+        policy: autopar.plan(model, (1,), example_inputs=batch, cluster="cpu", checkpointing=policy, memory_budget=float("inf"))
+        for policy in ("selective", "selective-op", "full")
+    }
+    traced = autopar.trace.trace(model, batch)
+    linears: dict[str, list[torch.fx.Node]] = {}
+    for node in traced.gm.graph.nodes:
+        if node.target is torch.ops.aten.linear.default:
+            owner = list(node.meta["nn_module_stack"].values())[-1][0]
+            if ".layers." in owner:
+                linears.setdefault(owner.split(".self_attn")[0].split(".mlp")[0], []).append(node)
+    assert [len(nodes) for nodes in linears.values()] == [7, 7]
+    layers = zip(*(plans[policy].memory.checkpoint for policy in ("selective", "selective-op", "full")))
+    for (name, nodes), (selective, op, full) in zip(linears.items(), layers):
+        assert selective.name == op.name == full.name == name
+        recomputed = nodes[1::2]
+        freed = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in recomputed)
+        assert op.saved_bytes - selective.saved_bytes == freed
+        assert selective.cost_s < op.cost_s < full.cost_s
+
+
 def test_checkpoint_segments_pay_their_hooks_on_the_host():
     model, batch = _gpt(torch.float32)
     costs = {}
