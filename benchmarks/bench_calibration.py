@@ -19,8 +19,8 @@ hand plan, or ``plan``: what ``autopar.plan`` picks), and priced:
 Columns: predicted and measured step seconds (tokens/s/GPU for published rows), peak GiB,
 and the ratios predicted / measured. A published job is also planned by ``autopar.plan`` on the
 same mesh and budget (``solver_*`` columns): its predicted step must not be slower. Rows whose
-layout autopar cannot express yet say why in ``status`` (torchtitan's FSDP + selective
-activation checkpointing waits for ``hand_plan(..., checkpointing="selective")``, issue 44 item 3).
+layout autopar cannot express yet say why in ``status`` (torchtitan's FSDP + op-level selective
+activation checkpointing is ``hand_plan(..., checkpointing="selective-op")``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Row:
     with_optimizer: bool = True
     dtype: str = "bfloat16"  # the model's dtype (parameters, activations, AdamW state)
     precision: str | None = None
-    checkpointing: str | None = None  # what the published job ran ("selective")
+    checkpointing: str | None = None  # what the published job ran ("selective-op")
     optimizer: str = "foreach"  # AdamW's implementation (``cost.rates.OPTIMIZER_TRAFFIC``)
     published: bool = False
 
@@ -113,12 +113,14 @@ ROWS = (
     # no Float8): Llama 3.1 8B, FSDP, selective AC, local batch 2 x 8192, H100 96 GB, 500 W. At
     # its commit (9dec370) AdamW is foreach (optimizer.fused is off unless asked; llama3_8b.toml
     # does not), params bf16 and reductions fp32 (mixed_precision_*), gradients clipped at 1.0.
+    # Its AC is op-level (llama3_8b.toml: mode "selective", selective_ac_option "op"): attention
+    # and every other mm kept, "selective-op" here.
     Row("torchtitan llama-3.1-8b fsdp 8 gpus", "torchtitan llama3_h100_202412, Table 1", "zoo-llama-3-8b:32", 2, 8192, (8,),
         "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5762, measured_peak_gib=82.4, dtype="float32",
-        precision="bf16-mixed", checkpointing="selective", optimizer="foreach", published=True),
+        precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True),
     Row("torchtitan llama-3.1-8b fsdp 128 gpus", "torchtitan llama3_h100_202412, Table 3", "zoo-llama-3-8b:32", 2, 8192,
         (128,), "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5605, measured_peak_gib=67.0, dtype="float32",
-        precision="bf16-mixed", checkpointing="selective", optimizer="foreach", published=True),
+        precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True),
 )  # fmt: skip
 
 
