@@ -412,6 +412,29 @@ def test_selective_op_also_frees_every_second_matmul_of_each_layer():
         assert selective.cost_s < op.cost_s < full.cost_s
 
 
+@pytest.mark.parametrize("fraction, offload", [(0.9, "off"), (0.7, "off"), (0.9, "auto"), (0.7, "auto")])
+def test_selective_op_as_a_candidate_never_makes_a_budget_plan_slower(monkeypatch, fraction, offload):
+    """With "selective-op" among the greedy's candidates, a budgeted plan adds no more seconds
+    than the greedy without it (at 0.7 with offload, taking it on both layers would add 3.5 ms
+    where a selective layer and one offloaded layer add 0.6)."""
+    from autopar.solver.planners import memory_plan
+    from autopar.zoo.models import Llama
+
+    torch.manual_seed(0)
+    model = Llama(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=128, hidden=256).to(torch.bfloat16)
+    idx = torch.randint(0, 512, (4, 256))
+    kwargs = dict(example_inputs=(idx, idx), cluster="cpu", offload=offload)
+    free = autopar.plan(model, (1,), memory_budget=float("inf"), **kwargs).predicted.peak_memory_bytes
+    with_op = autopar.plan(model, (1,), memory_budget=fraction * free, **kwargs).memory
+    candidates = memory_plan._candidates
+    monkeypatch.setattr(
+        memory_plan, "_candidates", lambda *a, **k: [c for c in candidates(*a, **k) if c.key[0] != "selective-op"]
+    )
+    without = autopar.plan(model, (1,), memory_budget=fraction * free, **kwargs).memory
+    assert with_op.peak_bytes <= fraction * free
+    assert with_op.added_s <= without.added_s * (1 + 1e-9), (with_op.summary_lines(), without.summary_lines())
+
+
 def test_checkpoint_segments_pay_their_hooks_on_the_host():
     model, batch = _gpt(torch.float32)
     costs = {}

@@ -530,15 +530,24 @@ def plan_memory(
     candidates = _candidates(walk, graph, choice, cluster, target, checkpointing, policy)
     before, _ = walk.peak(set(), prefetch)
     fixed = [c for c in candidates if policy is not None and c.key[0] == _POLICY_KEY[policy]]
-    chosen, keys, peak = _take(walk, candidates, fixed, budget, prefetch)
-    if peak > budget:
+    taken = _greedy(walk, candidates, fixed, budget, prefetch)
+    if taken is None:
         raise _infeasible(walk, graph, _leanest_keys(candidates), prefetch, budget, target, checkpointing, explain)
-    chosen, keys = _drop_unneeded(walk, candidates, chosen, keys, budget, prefetch, {c.key for c in fixed})
+    chosen, keys = taken
     compute_s = sum(graph.choices[n].compute_s[choice[n]] for n in graph.order)
-    recompute_s = sum(c.cost_s for c in chosen if c.key[0] in _RECOMPUTES)  # the rest are transfers
-    switch_s, resident_s = _optimizer_switch_s(walk, cluster, graph.mesh_shape, chosen)
     link = offload_link(cluster, target) if target else None
-    exposed_s = _exposed_transfers_s(chosen, compute_s, prefetch, link, resident_s) + switch_s
+    added = _added_s(walk, cluster, graph.mesh_shape, chosen, compute_s, prefetch, link)
+    if policy is None and any(c.key[0] == "selective-op" for c in chosen):
+        # The greedy ranks a transfer by its seconds before overlap, and a layer's
+        # "selective-op" by its average over the bytes a cheaper "selective" would free too: the
+        # greedy without it (as planned before it was a candidate) wins where it adds less.
+        others = [c for c in candidates if c.key[0] != "selective-op"]
+        alternative = _greedy(walk, others, fixed, budget, prefetch)
+        if alternative is not None:
+            other = _added_s(walk, cluster, graph.mesh_shape, alternative[0], compute_s, prefetch, link)
+            if sum(other) < sum(added):
+                (chosen, keys), added = alternative, other
+    recompute_s, exposed_s = added
     peak, time = walk.peak(keys, prefetch, fresh=True)
     breakdown = dict.fromkeys(liveness.KINDS, 0.0)
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):
@@ -574,6 +583,26 @@ def plan_memory(
         budget,
     )
     return memory, {"time": walk.timeline.time_name(time) if time < walk.timeline.num_times else "", **breakdown}
+
+
+def _greedy(
+    walk: _Walk, candidates: list[_Candidate], fixed: list[_Candidate], budget: float, prefetch: bool
+) -> tuple[list[_Candidate], set] | None:
+    """``_take``, then ``_drop_unneeded``: the decisions chosen and their keys; None where
+    ``candidates`` cannot fit ``budget``."""
+    chosen, keys, peak = _take(walk, candidates, fixed, budget, prefetch)
+    if peak > budget:
+        return None
+    return _drop_unneeded(walk, candidates, chosen, keys, budget, prefetch, {c.key for c in fixed})
+
+
+def _added_s(
+    walk: _Walk, cluster: ClusterSpec, mesh_shape, chosen: list[_Candidate], compute_s: float, prefetch: bool, link
+) -> tuple[float, float]:
+    """(recompute seconds, exposed transfer and optimizer seconds) that ``chosen`` add to a step."""
+    recompute_s = sum(c.cost_s for c in chosen if c.key[0] in _RECOMPUTES)  # the rest are transfers
+    switch_s, resident_s = _optimizer_switch_s(walk, cluster, mesh_shape, chosen)
+    return recompute_s, _exposed_transfers_s(chosen, compute_s, prefetch, link, resident_s) + switch_s
 
 
 def _take(
