@@ -410,6 +410,13 @@ def test_selective_op_also_frees_every_second_matmul_of_each_layer():
         freed = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in recomputed)
         assert op.saved_bytes - selective.saved_bytes == freed
         assert selective.cost_s < op.cost_s < full.cost_s
+    # The plan file says so, and reads back the same.
+    plan = plans["selective-op"]
+    data = json.loads(plan.to_json())
+    validate_plan_json(data)
+    assert {s["policy"] for s in data["memory"]["checkpoint"]} == {"selective-op"}
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "checkpoint (selective-op) model.layers.0" in plan.summary()
 
 
 @pytest.mark.parametrize("fraction, offload", [(0.9, "off"), (0.7, "off"), (0.9, "auto"), (0.7, "auto")])
