@@ -751,8 +751,8 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing, poli
                 continue
             first_name, last_name = walk.timeline.names[first], walk.timeline.names[last]
             for kind in policies:
-                if saved[kind] <= 0:
-                    continue
+                if saved[kind] <= 0 or (policy is None and kind == "selective-op" and saved[kind] <= saved["selective"]):
+                    continue  # frees nothing (a layer without matmuls: nothing more than "selective")
                 seconds = segment_recompute_s(cluster.rates, forward_s[kind], num_ops, kind)
                 segment = CheckpointSegment(name, first_name, last_name, saved[kind], seconds, kind)
                 out.append(_Candidate((_POLICY_KEY[kind], str(index)), saved[kind], seconds, segment))
