@@ -80,7 +80,7 @@ def plan(
     num_microbatches: int | Literal["auto"] | None = None,
     pipeline_schedules: ScheduleName | Sequence[ScheduleName] | Literal["auto"] = ("1F1B",),
     offload: OffloadTarget | str = "off",
-    checkpointing: bool | Literal["selective", "full"] | None = None,
+    checkpointing: bool | Literal["selective", "full", "selective-op"] | None = None,
     prefetch: bool = True,
     precision: Precision = None,
     comm: CommOptions | None = None,
@@ -125,7 +125,7 @@ def hand_plan(
     comm: CommOptions | None = None,
     data: DataOptions | None = None,
     offload: OffloadTarget | str = "off",
-    checkpointing: bool | Literal["selective", "full"] | None = False,
+    checkpointing: bool | Literal["selective", "full", "selective-op"] | None = False,
     prefetch: bool = True,
     options: Options = None,
 ) -> Plan:
@@ -133,8 +133,8 @@ def hand_plan(
     for ``model`` on ``mesh``, as a Plan priced by autopar's model (``memory_budget``,
     ``precision``, ``offload``, ``checkpointing`` and ``prefetch`` as in ``autopar.plan``).
     ``checkpointing`` is False by default here: a hand plan is the layout as written, so it
-    recomputes only what it is told to, such as ``checkpointing="selective"`` (torchtitan's
-    op-level policy on every layer) or ``"full"`` (docs/memory.md).
+    recomputes only what it is told to, such as ``checkpointing="selective-op"`` (torchtitan's
+    op-level policy on every layer), ``"selective"`` or ``"full"`` (docs/memory.md).
 
     ``kind="colossal"`` reads Colossal-AI's ``parallel`` dict instead of a layout name, for example
     ``parallel=dict(pipeline=2, tensor=dict(mode="2.5d", depth=1, size=4))``, and builds its mesh,
@@ -181,7 +181,7 @@ def compile(
     num_microbatches: int | None = None,
     pipeline_schedules: ScheduleName | Sequence[ScheduleName] | Literal["auto"] = ("1F1B",),
     offload: OffloadTarget | str = "off",
-    checkpointing: bool | Literal["selective", "full"] | None = None,
+    checkpointing: bool | Literal["selective", "full", "selective-op"] | None = None,
     prefetch: bool = True,
     precision: Precision = None,
     comm: CommOptions | None = None,

@@ -19,8 +19,8 @@ hand plan, or ``plan``: what ``autopar.plan`` picks), and priced:
 Columns: predicted and measured step seconds (tokens/s/GPU for published rows), peak GiB,
 and the ratios predicted / measured. A published job is also planned by ``autopar.plan`` on the
 same mesh and budget (``solver_*`` columns): its predicted step must not be slower. Rows whose
-layout autopar cannot express yet say why in ``status`` (torchtitan's FSDP + selective
-activation checkpointing waits for ``hand_plan(..., checkpointing="selective")``, issue 44 item 3).
+layout autopar cannot express yet say why in ``status`` (torchtitan's FSDP + op-level selective
+activation checkpointing is ``hand_plan(..., checkpointing="selective-op")``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Row:
     with_optimizer: bool = True
     dtype: str = "bfloat16"  # the model's dtype (parameters, activations, AdamW state)
     precision: str | None = None
-    checkpointing: str | None = None  # what the published job ran ("selective")
+    checkpointing: str | None = None  # what the published job ran ("selective-op")
     optimizer: str = "foreach"  # AdamW's implementation (``cost.rates.OPTIMIZER_TRAFFIC``)
     published: bool = False
 
@@ -113,13 +113,29 @@ ROWS = (
     # no Float8): Llama 3.1 8B, FSDP, selective AC, local batch 2 x 8192, H100 96 GB, 500 W. At
     # its commit (9dec370) AdamW is foreach (optimizer.fused is off unless asked; llama3_8b.toml
     # does not), params bf16 and reductions fp32 (mixed_precision_*), gradients clipped at 1.0.
-    Row("torchtitan llama-3.1-8b fsdp 8 gpus", "torchtitan llama3_h100_202412, Table 1", "zoo-llama-3-8b:32", 2, 8192, (8,),
+    # Its AC is op-level (llama3_8b.toml: mode "selective", selective_ac_option "op"): attention
+    # and every other mm kept, "selective-op" here; its loss takes fp32 logits ("titan-" models).
+    # Its memory column is the caching allocator's max reserved (torchtitan's metrics log
+    # ``max_reserved_gib``), the plan's the tensors alive: the allocator's cache is not priced.
+    Row("torchtitan llama-3.1-8b fsdp 8 gpus", "torchtitan llama3_h100_202412, Table 1", "titan-llama-3-8b:32", 2, 8192, (8,),
         "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5762, measured_peak_gib=82.4, dtype="float32",
-        precision="bf16-mixed", checkpointing="selective", optimizer="foreach", published=True),
-    Row("torchtitan llama-3.1-8b fsdp 128 gpus", "torchtitan llama3_h100_202412, Table 3", "zoo-llama-3-8b:32", 2, 8192,
+        precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True),
+    Row("torchtitan llama-3.1-8b fsdp 128 gpus", "torchtitan llama3_h100_202412, Table 3", "titan-llama-3-8b:32", 2, 8192,
         (128,), "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5605, measured_peak_gib=67.0, dtype="float32",
-        precision="bf16-mixed", checkpointing="selective", optimizer="foreach", published=True),
+        precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True),
 )  # fmt: skip
+
+
+class TitanLlama(Llama):
+    """The zoo's Llama with torchtitan's loss: cross-entropy of the logits cast to fp32
+    (torchtitan's ``cross_entropy_loss``: ``pred.flatten(0, 1).float()``), whose log-probabilities
+    and gradients are fp32 where the zoo's, under bf16, are bf16."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(idx)
+        if targets is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
 def build_model(spec: str, dtype: torch.dtype, device: str | torch.device = "meta") -> torch.nn.Module:
@@ -131,6 +147,8 @@ def build_model(spec: str, dtype: torch.dtype, device: str | torch.device = "met
             model = GPT(vocab_size=50304, block_size=1024, n_layer=layers, n_head=heads, n_embd=width, bias=False)
         elif kind.startswith("zoo-"):
             model = Llama(**{**LLAMA_SHAPES[kind.removeprefix("zoo-")], "n_layer": int(args[0])})
+        elif kind.startswith("titan-"):
+            model = TitanLlama(**{**LLAMA_SHAPES[kind.removeprefix("titan-")], "n_layer": int(args[0])})
         elif kind == "hf-llama-3-8b":
             import transformers  # optional dependency: only these rows need it
 

@@ -6,8 +6,9 @@
 The job (issue #48 item 2): a LLaMA with LLaMA-3-8B widths and 4 layers, bfloat16, batch
 2 × 4096, one GPU, mesh (1,), priced on ``--cluster`` (default ``h100-80g``). Cases:
 
-* ``none``, ``selective``, ``full``: ``checkpointing=`` that policy on every layer, no budget;
-* ``budget_25GiB``: the planner chooses per layer (none / selective / full) under 25 GiB, where
+* ``none``, ``selective``, ``selective-op``, ``full``: ``checkpointing=`` that policy on every
+  layer, no budget;
+* ``budget_25GiB``: the planner chooses per layer (none / selective / selective-op / full) under 25 GiB, where
   HF's whole-layer checkpointing measured 24.95 GiB and 191.8 ms;
 * ``budget_19.3GiB``: as above with ``offload="auto"``, where today's plan measured 459 ms.
 
@@ -57,6 +58,7 @@ def _cases(tiny: bool, free_peak: float) -> dict[str, dict]:
     cases = {
         "none": dict(checkpointing=False, memory_budget=float("inf")),
         "selective": dict(checkpointing="selective", memory_budget=float("inf")),
+        "selective-op": dict(checkpointing="selective-op", memory_budget=float("inf")),
         "full": dict(checkpointing="full", memory_budget=float("inf")),
     }
     # On a CPU the issue's budgets mean nothing: the same fractions of the unbudgeted peak.

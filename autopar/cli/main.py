@@ -114,7 +114,7 @@ def _cluster(text: str):
 
 
 # --checkpointing's words and the ``checkpointing=`` value each stands for.
-CHECKPOINTING = {"auto": None, "off": False, "selective": "selective", "full": "full"}
+CHECKPOINTING = {"auto": None, "off": False, "selective": "selective", "selective-op": "selective-op", "full": "full"}
 
 
 def _checkpointing(text: str) -> bool | str | None:
@@ -649,8 +649,8 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "--checkpointing",
         type=_checkpointing,
         default=None,
-        metavar="auto|off|selective|full",
-        help="activation checkpointing: auto (the default: each layer selective or full where the budget binds), "
+        metavar="auto|off|selective|selective-op|full",
+        help="activation checkpointing: auto (the default: each layer selective, selective-op or full where the budget binds), "
         "off, or a policy every layer takes (docs/memory.md; autopar.plan's checkpointing=)",
     )
     p.add_argument(

@@ -166,10 +166,11 @@ SELECTIVE_HOOK_FACTOR = 2.5
 def recompute_s(rates: ComputeRates | None, forward_s: float, num_ops: int, policy: str) -> float:
     """Seconds a checkpointed segment adds: its recomputed ops' ``forward_s`` (each at least a
     launch), or, where the host is slower, its ``num_ops`` launches plus ``torch.utils.checkpoint``'s
-    hooks under ``policy`` ("full" or "selective"): host time hides behind device time."""
+    hooks under ``policy`` ("full", or a selective one, whose dispatch mode sees every op):
+    host time hides behind device time."""
     if rates is None:
         return forward_s
-    hooks = num_ops * rates.checkpoint_hook_s * (SELECTIVE_HOOK_FACTOR if policy == "selective" else 1.0)
+    hooks = num_ops * rates.checkpoint_hook_s * (SELECTIVE_HOOK_FACTOR if policy != "full" else 1.0)
     return max(forward_s, num_ops * rates.launch_overhead_s + hooks)
 
 

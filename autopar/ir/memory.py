@@ -17,9 +17,11 @@ from autopar.ir.summary import format_bytes
 
 TARGETS = ("cpu", "disk")
 # Activation checkpointing policies of a layer (docs/memory.md): "full" recomputes the whole
-# layer in backward; "selective" (torchtitan's op-level policy, Megatron's selective recompute)
-# keeps the outputs of matmuls and attention and recomputes the cheap ops between them.
-CHECKPOINT_POLICIES = ("selective", "full")
+# layer in backward; "selective" (Megatron's selective recompute) keeps the outputs of matmuls
+# and attention and recomputes the cheap ops between them; "selective-op" is torchtitan's
+# op-level policy (``ac_mode="selective"``, ``selective_ac_option="op"``): attention and every
+# other matmul kept, the rest (every second matmul of the layer among them) recomputed.
+CHECKPOINT_POLICIES = ("selective", "full", "selective-op")
 # The ops whose outputs a "selective" segment keeps, by schema name: matmuls and attention, both
 # as the traced graph has them (``linear``, ``scaled_dot_product_attention``: what the planner
 # prices) and as they reach torch's dispatcher at run time (``mm``, ``addmm``, the SDPA kernels:
@@ -45,11 +47,63 @@ SELECTIVE_KEEPS = frozenset(
 )
 
 
+# "selective-op": the attention kernels whose outputs torchtitan's save list keeps (traced, and
+# as they reach the dispatcher), and the matmuls its policy counts: a linear layer's GEMM, which
+# reaches the dispatcher as one ``mm`` (torchtitan's models have no biases) or ``addmm`` (a
+# linear with a bias, counted the same here so that the policy means "every second linear").
+# torchtitan's list also keeps ``max`` (for Float8 scales) and a sequence-parallel
+# ``reduce_scatter``: neither is in a bf16 layer's graph here.
+SELECTIVE_OP_ATTENTION = frozenset(
+    {
+        "aten::scaled_dot_product_attention",
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_flash_attention_forward",
+        "aten::_efficient_attention_forward",
+    }
+)
+SELECTIVE_OP_MATMULS = frozenset({"aten::mm", "aten::addmm"})
+
+
+def _schema_name(op) -> str | None:
+    schema = getattr(op, "_schema", None)
+    return None if schema is None else schema.name
+
+
 def selective_keeps(op) -> bool:
     """Whether a "selective" checkpoint keeps the output of ``op`` (an ``OpOverload``, or any
     other call target, which it recomputes)."""
-    schema = getattr(op, "_schema", None)
-    return schema is not None and schema.name in SELECTIVE_KEEPS
+    return _schema_name(op) in SELECTIVE_KEEPS
+
+
+def selective_op_role(op, arg_dims: tuple[int, ...] = ()) -> str | None:
+    """What a "selective-op" checkpoint does with ``op`` (an ``OpOverload`` at the dispatcher,
+    or a traced node's target with its tensor arguments' ``arg_dims``): "keep" (attention),
+    "matmul" (one GEMM its policy counts: kept when odd in the segment's order, recomputed when
+    even), or None (recomputed). A traced ``linear`` or ``matmul`` counts where it reaches the
+    dispatcher as one ``mm``/``addmm``: a weight (or other right operand) of two dims, an input
+    of two or more."""
+    name = _schema_name(op)
+    if name in SELECTIVE_OP_ATTENTION:
+        return "keep"
+    if name in SELECTIVE_OP_MATMULS:
+        return "matmul"
+    if name in ("aten::linear", "aten::matmul") and len(arg_dims) >= 2 and arg_dims[0] >= 2 and arg_dims[1] == 2:
+        return "matmul"
+    return None
+
+
+def selective_op_kept(roles: list[str | None]) -> list[bool]:
+    """Which of a segment's ops, in forward order with their ``selective_op_role``, a
+    "selective-op" checkpoint keeps: attention, and the 1st, 3rd, 5th ... matmul (torchtitan
+    counts ``mm`` calls per checkpointed block and recomputes the even ones)."""
+    kept, count = [], 0
+    for role in roles:
+        count += role == "matmul"
+        kept.append(role == "keep" or (role == "matmul" and count % 2 == 1))
+    return kept
 
 
 OFFLOAD_KINDS = ("param", "grad", "optimizer_state")
@@ -192,7 +246,7 @@ class MemoryPlan:
                 quiet += 1
                 continue
             lines.append(
-                f"  checkpoint{' (selective)' if segment.policy == 'selective' else ''} {segment.name} "
+                f"  checkpoint{f' ({segment.policy})' if segment.policy != 'full' else ''} {segment.name} "
                 f"({segment.first} .. {segment.last}): "
                 f"saves {format_bytes(segment.saved_bytes)}, recompute {segment.cost_s * 1e3:.2f} ms"
             )
@@ -223,6 +277,10 @@ __all__ = [
     "CHECKPOINT_POLICIES",
     "SELECTIVE_KEEPS",
     "selective_keeps",
+    "SELECTIVE_OP_ATTENTION",
+    "SELECTIVE_OP_MATMULS",
+    "selective_op_role",
+    "selective_op_kept",
     "CheckpointSegment",
     "OffloadEntry",
     "MemoryPlan",

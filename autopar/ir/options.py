@@ -26,7 +26,7 @@ from autopar.ir.units import parse_budget
 SolverName = Literal["auto", "highs", "cbc"]  # solver.search.backends.SOLVERS
 ComputeMode = Literal["roofline", "measured"]  # cost.cluster.COMPUTE_MODES
 OffloadTarget = Literal["off", "auto", "cpu", "disk"]  # or "disk:PATH"
-CheckpointPolicy = Literal["selective", "full"]  # ir.memory.CHECKPOINT_POLICIES
+CheckpointPolicy = Literal["selective", "full", "selective-op"]  # ir.memory.CHECKPOINT_POLICIES
 PipelineStages = Literal["off", "auto"]  # or a number of stages
 ScheduleName = Literal["1F1B", "Interleaved1F1B", "ZBV"]  # ir.pipeline.PLANNED_SCHEDULES
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]  # PRECISIONS
@@ -118,7 +118,8 @@ class MemoryOptions:
     "auto" (host memory, or disk where the compute device is the host). ``checkpointing`` None
     (the default) allows activation checkpointing where the budget binds (it moves no data off
     the device); False forbids it; a policy name (``ir.memory.CHECKPOINT_POLICIES``: "selective",
-    torchtitan's op-level policy, or "full", whole layers) checkpoints every layer with it.
+    matmul and attention outputs kept; "selective-op", torchtitan's op-level policy, every
+    second matmul recomputed too; or "full", whole layers) checkpoints every layer with it.
     ``prefetch`` fetches each offloaded tensor one use ahead."""
 
     budget: float | None = None

@@ -1,7 +1,8 @@
 """Carry out a plan's memory decisions (``plan.memory``): fetch offloaded parameters at their
 uses, run segments whose activations are offloaded under the offloader's saved-tensor hooks, and
 wrap checkpointed segments in ``torch.utils.checkpoint`` (non-reentrant; a "selective" segment
-with torch's selective checkpoint contexts, which keep the outputs of ``ir.memory.SELECTIVE_KEEPS``).
+with torch's selective checkpoint contexts, which keep the outputs of ``ir.memory.SELECTIVE_KEEPS``;
+a "selective-op" one with torchtitan's op-level policy, ``_SelectiveOpPolicy``).
 
 Both passes leave a graph without memory decisions as it is. Offload runs before checkpointing,
 so that a fetch whose uses all lie in a checkpointed segment moves into it (and is fetched again
@@ -10,7 +11,6 @@ by the recompute instead of being kept as the segment's input).
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Mapping
 
@@ -19,7 +19,7 @@ import torch.fx
 import torch.utils.checkpoint
 
 from autopar.errors import InternalError, PlanError
-from autopar.ir.memory import selective_keeps
+from autopar.ir.memory import selective_keeps, selective_op_role
 from autopar.ir.plan import Plan
 from autopar.passes.precision import is_param_cast
 from autopar.passes.schedule import PARAM_GATHERS
@@ -91,19 +91,20 @@ def _cast_into_fetches(gm: torch.fx.GraphModule, cast: torch.fx.Node, fqn: str) 
 class Checkpointed(torch.nn.Module):
     """A segment of the graph, recomputed in backward (``torch.utils.checkpoint``, non-reentrant):
     all of it under ``policy`` "full"; under "selective", all but the ops whose outputs
-    ``ir.memory.selective_keeps``, which torch caches from forward (``create_selective_checkpoint_contexts``)."""
+    ``ir.memory.selective_keeps``, which torch caches from forward (``create_selective_checkpoint_contexts``);
+    under "selective-op", all but attention and every other matmul (``_SelectiveOpPolicy``)."""
 
     def __init__(self, body: torch.fx.GraphModule, policy: str = "full"):
         super().__init__()
         self.body = body
         self.policy = policy
-        if policy == "selective":
+        if policy in _SELECTIVE_CONTEXTS:
             for target in {n.target for n in body.graph.nodes if n.op == "call_module" and n.target in _REPLAYED_ELSEWISE}:
                 setattr(body, target, _OutsideSelective(getattr(body, target)))
 
     def forward(self, *args):
-        if self.policy == "selective":
-            contexts = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, _selective_policy)
+        contexts = _SELECTIVE_CONTEXTS.get(self.policy)
+        if contexts is not None:
             return torch.utils.checkpoint.checkpoint(self.body, *args, use_reentrant=False, context_fn=contexts)
         return torch.utils.checkpoint.checkpoint(self.body, *args, use_reentrant=False)
 
@@ -135,6 +136,36 @@ def _selective_policy(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.Checkp
     if selective_keeps(op):
         return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
     return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _SelectiveOpPolicy:
+    """torchtitan's op-level policy for one call of a "selective-op" segment: keep attention and
+    the 1st, 3rd, 5th ... matmul (``ir.memory.selective_op_role``), recompute the rest. Forward
+    and the recompute count their matmuls apart, so both make the same choice for the same op
+    (torch's selective checkpoint replays forward's cache by position). A fresh one per call:
+    the count starts again at every layer, as the planner prices it (``ir.memory.selective_op_kept``)."""
+
+    def __init__(self):
+        self.counts = {False: 0, True: 0}  # matmuls seen, by ctx.is_recompute
+
+    def __call__(self, ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy:
+        role = selective_op_role(op)
+        if role == "matmul":
+            self.counts[ctx.is_recompute] += 1
+        if role == "keep" or (role == "matmul" and self.counts[ctx.is_recompute] % 2 == 1):
+            return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+        return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_op_contexts():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_SelectiveOpPolicy())
+
+
+# The context functions of the selective policies, by name; a policy not here ("full") has none.
+_SELECTIVE_CONTEXTS = {
+    "selective": lambda: torch.utils.checkpoint.create_selective_checkpoint_contexts(_selective_policy),
+    "selective-op": _selective_op_contexts,
+}
 
 
 class OffloadedActivations(torch.nn.Module):

@@ -420,5 +420,8 @@ def test_plan_checkpointing_policy(capsys):
     assert code == 0, err
     segments = json.loads(out)["memory"]["checkpoint"]
     assert segments and {s["policy"] for s in segments} == {"selective"}
+    code, out, err = _run(capsys, "plan", "gpt", "--mesh", "1", "--cluster", "cpu", "--json", "--checkpointing", "selective-op")
+    assert code == 0, err
+    assert {s["policy"] for s in json.loads(out)["memory"]["checkpoint"]} == {"selective-op"}
     code, out, err = _run(capsys, "plan", "gpt", "--mesh", "1", "--checkpointing", "some")
-    assert code != 0 and "auto, off, selective, full" in err
+    assert code != 0 and "auto, off, selective, selective-op, full" in err

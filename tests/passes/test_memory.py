@@ -1,6 +1,7 @@
-"""Checkpointed segments at run time (autopar/passes/memory.py): a "selective" segment trains as
-eager does, and keeps from forward to backward what the plan says it keeps: less than no
-checkpointing, more than whole-layer checkpointing, as much as the planner priced."""
+"""Checkpointed segments at run time (autopar/passes/memory.py): a "selective" or "selective-op"
+(torchtitan's op-level policy) segment trains as eager does, and keeps from forward to backward
+what the plan says it keeps: less than no checkpointing, more than whole-layer checkpointing
+("selective-op" less than "selective"), as much as the planner priced."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from autopar.passes import memory as memory_pass
 from autopar.zoo.models import build_model, example_batch
 
 TOL = 1e-9  # float64
-POLICIES = (False, "selective", "full")
+POLICIES = (False, "selective", "selective-op", "full")
+SELECTIVE = ("selective", "selective-op")
+# The checkpointing policies, from the one that frees least to the one that frees most.
+CHECKPOINTED = ("selective", "selective-op", "full")
 
 
 class _Allocated(TorchDispatchMode):
@@ -87,12 +91,14 @@ def _predicted_saving(plan) -> float:
 def test_a_policy_checkpoints_every_layer_whatever_the_budget(model_and_plans):
     _, _, plans = model_and_plans
     assert plans[False].memory is None
-    for policy in ("selective", "full"):
+    for policy in CHECKPOINTED:
         segments = plans[policy].memory.checkpoint
         assert len(segments) == 2 and {s.policy for s in segments} == {policy}
-    # A selective checkpoint saves less and recomputes less than a full one, per layer.
-    for selective, full in zip(plans["selective"].memory.checkpoint, plans["full"].memory.checkpoint):
-        assert 0 < selective.saved_bytes < full.saved_bytes and 0 < selective.cost_s < full.cost_s
+    # Per layer, selective saves and recomputes less than selective-op (which recomputes every
+    # second matmul too), which saves and recomputes less than full.
+    for layers in zip(*(plans[policy].memory.checkpoint for policy in CHECKPOINTED)):
+        assert 0 < layers[0].saved_bytes < layers[1].saved_bytes < layers[2].saved_bytes, layers
+        assert 0 < layers[0].cost_s < layers[1].cost_s < layers[2].cost_s, layers
 
 
 def _train(pm, eager, batch, steps=3) -> dict:
@@ -113,11 +119,12 @@ def _train(pm, eager, batch, steps=3) -> dict:
     return worst
 
 
-def test_selective_checkpointing_trains_as_eager(world_of_one, model_and_plans):
+@pytest.mark.parametrize("policy", SELECTIVE)
+def test_selective_checkpointing_trains_as_eager(world_of_one, model_and_plans, policy):
     model, batch, plans = model_and_plans
-    pm = autopar.compile(copy.deepcopy(model), (1,), example_inputs=batch, plan=plans["selective"])
+    pm = autopar.compile(copy.deepcopy(model), (1,), example_inputs=batch, plan=plans[policy])
     segments = [m for m in pm.graph_module.modules() if isinstance(m, memory_pass.Checkpointed)]
-    assert len(segments) == 2 and all(m.policy == "selective" for m in segments)
+    assert len(segments) == 2 and all(m.policy == policy for m in segments)
     worst = _train(pm, copy.deepcopy(model), batch)
     assert all(diff < TOL for diff in worst.values()), worst
 
@@ -146,13 +153,17 @@ def test_the_count_is_what_saved_tensor_hooks_see_where_they_see_it(measured_wit
 
 
 def _check_kept_bytes(measured: dict, plans: dict) -> None:
-    """Selective keeps less than no checkpointing and more than full, and each saves what the
-    plan priced (within 20%: the planner prices the traced graph, torch runs the kernels)."""
-    for policy in ("selective", "full"):
+    """Each policy keeps less than no checkpointing and more than the next in ``CHECKPOINTED``
+    (by at least half the gap the plan priced), and saves what the plan priced (within 20%: the
+    planner prices the traced graph, torch runs the kernels)."""
+    for policy in CHECKPOINTED:
         saved, predicted = measured[False] - measured[policy], _predicted_saving(plans[policy])
         assert saved == pytest.approx(predicted, rel=0.2), (policy, measured, predicted)
-    gap = _predicted_saving(plans["full"]) - _predicted_saving(plans["selective"])
-    assert measured["full"] + gap / 2 < measured["selective"] < measured[False] - _predicted_saving(plans["selective"]) / 2
+    for less, more in zip(CHECKPOINTED, CHECKPOINTED[1:]):
+        gap = _predicted_saving(plans[more]) - _predicted_saving(plans[less])
+        assert measured[more] + gap / 2 < measured[less], (less, more, measured, gap)
+    for policy in SELECTIVE:
+        assert measured[policy] < measured[False] - _predicted_saving(plans[policy]) / 2, (policy, measured)
 
 
 def test_selective_checkpointing_keeps_what_the_plan_says(model_and_plans, measured):
@@ -166,6 +177,18 @@ def test_a_runtime_that_drops_the_selective_policy_fails(model_and_plans, measur
     chosen = policy.MUST_SAVE if mutant == "recomputes nothing" else policy.PREFER_RECOMPUTE
     monkeypatch.setattr(memory_pass, "_selective_policy", lambda ctx, op, *args, **kwargs: chosen)
     mutated = {**measured, "selective": _measure(model, batch, plans["selective"])[0]}
+    with pytest.raises(AssertionError):
+        _check_kept_bytes(mutated, plans)
+
+
+def test_a_selective_op_runtime_that_keeps_every_matmul_fails(model_and_plans, measured, monkeypatch):
+    """torchtitan's policy without its count (every matmul kept, as "selective" keeps them)
+    keeps more than the plan priced, and the check says so."""
+    model, batch, plans = model_and_plans
+    monkeypatch.setattr(
+        memory_pass._SelectiveOpPolicy, "__call__", lambda self, ctx, op, *a, **k: memory_pass._selective_policy(ctx, op)
+    )
+    mutated = {**measured, "selective-op": _measure(model, batch, plans["selective-op"])[0]}
     with pytest.raises(AssertionError):
         _check_kept_bytes(mutated, plans)
 
@@ -187,11 +210,11 @@ def test_selective_checkpointing_with_collectives_inside_on_two_ranks(rank_pool,
     model = build_model("gpt", seed=0, n_layer=2).double()
     batch = example_batch("gpt", 4, seed=1)
     paths = []
-    for kind in ("fsdp", "megatron"):
-        plan = autopar.hand_plan(kind, model, (2,), example_inputs=batch, cluster="cpu", checkpointing="selective")
-        assert {s.policy for s in plan.memory.checkpoint} == {"selective"}
-        plan.save(tmp_path / f"{kind}.json")
-        paths.append(str(tmp_path / f"{kind}.json"))
+    for kind, policy in (("fsdp", "selective"), ("megatron", "selective"), ("fsdp", "selective-op")):
+        plan = autopar.hand_plan(kind, model, (2,), example_inputs=batch, cluster="cpu", checkpointing=policy)
+        assert {s.policy for s in plan.memory.checkpoint} == {policy}
+        plan.save(tmp_path / f"{kind}-{policy}.json")
+        paths.append(str(tmp_path / f"{kind}-{policy}.json"))
     for results in rank_pool(2).run(_two_rank_run, paths, timeout_s=300):
         for worst in results:
             assert all(diff < TOL for diff in worst.values()), worst

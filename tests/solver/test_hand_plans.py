@@ -178,12 +178,18 @@ def test_a_hand_plan_with_checkpointing_fits_where_one_without_cannot(torchtitan
         autopar.hand_plan("fsdp", model, (8,), **kwargs)
     plan = autopar.hand_plan("fsdp", model, (8,), checkpointing="selective", **kwargs)
     segments = plan.memory.checkpoint
-    assert len(segments) == 32 and {s.policy for s in segments} == {"selective"}, "torchtitan's AC on every layer"
+    assert len(segments) == 32 and {s.policy for s in segments} == {"selective"}, "the policy on every layer"
     assert plan.predicted.peak_memory_bytes <= 96e9 < plan.memory.peak_before_bytes
     assert all(spec == (Shard(0),) for fqn, spec in plan.params.items() if fqn.endswith("proj.weight")), "still FSDP"
     # torchtitan measured 82.4 GiB (Table 1, 8 GPUs); the issue asks for the peak within 15%.
     assert plan.predicted.peak_memory_bytes / (82.4 * 2**30) == pytest.approx(1.0, abs=0.15)
-    # Whole-layer recompute saves more and costs more than selective.
+    # Whole-layer recompute saves more and costs more than selective; torchtitan's own op-level
+    # policy ("selective-op", priced against its runs in benchmarks/bench_calibration.py) lies
+    # between them.
     full = autopar.hand_plan("fsdp", model, (8,), checkpointing="full", **kwargs)
     assert full.predicted.peak_memory_bytes < plan.predicted.peak_memory_bytes
     assert full.predicted.step_time_s > plan.predicted.step_time_s
+    titan = autopar.hand_plan("fsdp", model, (8,), checkpointing="selective-op", **kwargs)
+    assert {s.policy for s in titan.memory.checkpoint} == {"selective-op"} and len(titan.memory.checkpoint) == 32
+    assert full.predicted.peak_memory_bytes < titan.predicted.peak_memory_bytes < plan.predicted.peak_memory_bytes
+    assert plan.predicted.step_time_s < titan.predicted.step_time_s < full.predicted.step_time_s

@@ -383,6 +383,65 @@ def test_offload_prices_the_optimizer_reads_that_nothing_hides():
     assert plan.predicted.step_time_s == pytest.approx(free.predicted.step_time_s + memory.added_s, rel=1e-9)
 
 
+def test_selective_op_also_frees_every_second_matmul_of_each_layer():
+    """torchtitan's op-level policy priced: per layer, "selective-op" frees what "selective" frees
+    and the outputs of the layer's 2nd, 4th and 6th matmul (a Llama layer's k, o and up
+    projections), and recomputes them: more seconds than "selective", fewer than "full"."""
+    from autopar.zoo.models import build_model, example_batch
+
+    model = build_model("llama", seed=0, n_layer=2)
+    batch = example_batch("llama", 4, seed=1)
+    plans = {
+        policy: autopar.plan(model, (1,), example_inputs=batch, cluster="cpu", checkpointing=policy, memory_budget=float("inf"))
+        for policy in ("selective", "selective-op", "full")
+    }
+    traced = autopar.trace.trace(model, batch)
+    linears: dict[str, list[torch.fx.Node]] = {}
+    for node in traced.gm.graph.nodes:
+        if node.target is torch.ops.aten.linear.default:
+            owner = list(node.meta["nn_module_stack"].values())[-1][0]
+            if ".layers." in owner:
+                linears.setdefault(owner.split(".self_attn")[0].split(".mlp")[0], []).append(node)
+    assert [len(nodes) for nodes in linears.values()] == [7, 7]
+    layers = zip(*(plans[policy].memory.checkpoint for policy in ("selective", "selective-op", "full")))
+    for (name, nodes), (selective, op, full) in zip(linears.items(), layers):
+        assert selective.name == op.name == full.name == name
+        recomputed = nodes[1::2]
+        freed = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in recomputed)
+        assert op.saved_bytes - selective.saved_bytes == freed
+        assert selective.cost_s < op.cost_s < full.cost_s
+    # The plan file says so, and reads back the same.
+    plan = plans["selective-op"]
+    data = json.loads(plan.to_json())
+    validate_plan_json(data)
+    assert {s["policy"] for s in data["memory"]["checkpoint"]} == {"selective-op"}
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "checkpoint (selective-op) model.layers.0" in plan.summary()
+
+
+@pytest.mark.parametrize("fraction, offload", [(0.9, "off"), (0.7, "off"), (0.9, "auto"), (0.7, "auto")])
+def test_selective_op_as_a_candidate_never_makes_a_budget_plan_slower(monkeypatch, fraction, offload):
+    """With "selective-op" among the greedy's candidates, a budgeted plan adds no more seconds
+    than the greedy without it (at 0.7 with offload, taking it on both layers would add 3.5 ms
+    where a selective layer and one offloaded layer add 0.6)."""
+    from autopar.solver.planners import memory_plan
+    from autopar.zoo.models import Llama
+
+    torch.manual_seed(0)
+    model = Llama(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=128, hidden=256).to(torch.bfloat16)
+    idx = torch.randint(0, 512, (4, 256))
+    kwargs = dict(example_inputs=(idx, idx), cluster="cpu", offload=offload)
+    free = autopar.plan(model, (1,), memory_budget=float("inf"), **kwargs).predicted.peak_memory_bytes
+    with_op = autopar.plan(model, (1,), memory_budget=fraction * free, **kwargs).memory
+    candidates = memory_plan._candidates
+    monkeypatch.setattr(
+        memory_plan, "_candidates", lambda *a, **k: [c for c in candidates(*a, **k) if c.key[0] != "selective-op"]
+    )
+    without = autopar.plan(model, (1,), memory_budget=fraction * free, **kwargs).memory
+    assert with_op.peak_bytes <= fraction * free
+    assert with_op.added_s <= without.added_s * (1 + 1e-9), (with_op.summary_lines(), without.summary_lines())
+
+
 def test_checkpoint_segments_pay_their_hooks_on_the_host():
     model, batch = _gpt(torch.float32)
     costs = {}

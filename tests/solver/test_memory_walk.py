@@ -43,6 +43,9 @@ def _decision_sets(walk: _Walk) -> list[set]:
     sets += [{("selective", s)} for s in segments]
     sets += [{("selective", segments[0]), ("checkpoint", segments[1]), ("activations", segments[2])}]
     sets += [{("selective", s) for s in segments}]
+    sets += [{("selective-op", s)} for s in segments]
+    sets += [{("selective-op", segments[0]), ("selective", segments[1]), ("checkpoint", segments[2])}]
+    sets += [{("selective-op", s) for s in segments}]
     sets += [{("activations", s)} for s in segments]
     sets += [{("activations", segments[0]), ("activations", segments[-1]), ("checkpoint", segments[1])}]
     sets += [{(kind, p)} for kind in TRANSFERS for p in params]
@@ -73,7 +76,7 @@ def test_no_checkpoints_bring_the_peak_under_the_kept_peak(walk, prefetch):
     kept = walk.kept_peak()
     assert 0 < kept < walk.peak(set(), prefetch)[0]
     for decisions in _decision_sets(walk):
-        if all(kind in ("checkpoint", "selective") for kind, _ in decisions):
+        if all(kind in ("checkpoint", "selective", "selective-op") for kind, _ in decisions):
             assert walk.peak(decisions, prefetch)[0] >= kept * (1 - 1e-12), decisions
 
 
@@ -106,8 +109,9 @@ def test_giving_up_early_says_what_the_greedy_said(monkeypatch):
 
 
 def _every_key(walk: _Walk) -> list[tuple[str, str]]:
-    """Every decision the greedy may take on ``walk``: each layer's three, each tensor's offload."""
-    keys = [(kind, str(i)) for i in range(len(walk.segments)) for kind in ("checkpoint", "selective", "activations")]
+    """Every decision the greedy may take on ``walk``: each layer's four, each tensor's offload."""
+    layer_kinds = ("checkpoint", "selective", "selective-op", "activations")
+    keys = [(kind, str(i)) for i in range(len(walk.segments)) for kind in layer_kinds]
     keys += sorted({(iv.kind, iv.node) for iv in walk.timeline.intervals if iv.kind in TRANSFERS})
     return keys
 

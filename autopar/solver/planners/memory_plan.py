@@ -12,6 +12,9 @@ checkpoint layer   its activations kept from forward to        the layer's forwa
 selective          the same, less the outputs of its matmuls   the forward compute of its other
 checkpoint layer   and attention (``SELECTIVE_KEEPS``), which  ops, run again in backward
                    it keeps until its recompute
+selective-op       the same, less the outputs of attention     the forward compute of its other
+checkpoint layer   and of every other matmul (torchtitan's     ops (every second matmul among
+                   op-level policy: ``selective_op_kept``)     them), run again in backward
 offload optimizer  the parameter's optimizer state             read + write it once (the step)
 state
 offload gradient   the gradient, from its backward to the      write it in backward, read it in
@@ -22,10 +25,10 @@ offload layer      the same as checkpointing it                write them in for
 activations                                                    in backward
 =================  ==========================================  ==================================
 
-A layer takes one of its three decisions at most; a whole-layer one (checkpoint, offload) taken
-later replaces a selective checkpoint, which saves less. ``checkpointing="selective"`` or
-``"full"`` (``plan_memory``'s ``policy``) takes that checkpoint of every layer first, whatever
-the budget.
+A layer takes one of its four decisions at most; one that saves more (selective-op over
+selective, a whole-layer checkpoint or offload over either) taken later replaces a selective
+checkpoint. ``checkpointing="selective"``, ``"selective-op"`` or ``"full"`` (``plan_memory``'s
+``policy``) takes that checkpoint of every layer first, whatever the budget.
 
 Transfers run at the target's link: ``cluster.host_link`` for "cpu" (pinned host memory), and
 ``cluster.disk_link`` for "disk" (through the host link too, on a device that is not the host).
@@ -62,12 +65,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch.fx
 
 from autopar.cost import compute, liveness, optimizer
 from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.cost.rates import recompute_s as segment_recompute_s
 from autopar.errors import InfeasibleError
-from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps
+from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps, selective_op_kept, selective_op_role
 from autopar.solver.planners.walk_changes import WalkContext, affected_keys, offloads
 from autopar.solver.problem.choices import layer_key, live_nodes
 from autopar.solver.problem.gathered import PREFIX as GATHERED
@@ -80,11 +84,15 @@ TRANSFERS = {"optimizer_state": 2.0, "grad": 2.0, "param": 4.0}
 # Of those, the one read in the optimizer step, which no forward or backward compute hides.
 OPTIMIZER_READS = frozenset(TRANSFERS)
 # Decisions of a layer (a segment index), at most one per layer: recompute all of it
-# ("checkpoint"), recompute its cheap ops ("selective"), or offload its activations.
-_RECOMPUTES = ("checkpoint", "selective")
+# ("checkpoint"), recompute its cheap ops ("selective"), those and every second matmul
+# ("selective-op"), or offload its activations.
+_RECOMPUTES = ("checkpoint", "selective", "selective-op")
 _LAYER_DECISIONS = _RECOMPUTES + ("activations",)
+# How much of a layer each decision frees, in order: a layer's decision is replaced only by one
+# that frees more (``_take``).
+_FREES = {"selective": 0, "selective-op": 1, "checkpoint": 2, "activations": 2}
 # The key of each checkpoint policy's decisions (``ir.memory.CHECKPOINT_POLICIES``).
-_POLICY_KEY = {"full": "checkpoint", "selective": "selective"}
+_POLICY_KEY = {"full": "checkpoint", "selective": "selective", "selective-op": "selective-op"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +132,8 @@ class _WalkShape:
     segment_at: dict[int, int]  # time -> index of its segment, for the times in one
     # Times whose op a "selective" checkpoint keeps the output of (``ir.memory.selective_keeps``).
     kept: frozenset[int] = frozenset()
+    # Times whose op a "selective-op" checkpoint keeps the output of (``ir.memory.selective_op_kept``).
+    kept_op: frozenset[int] = frozenset()
     # Per segment, what pricing it needs of each of its nodes (``_Walk.segment_terms``).
     segment_terms: list | None = None
 
@@ -178,8 +188,14 @@ class _WalkShape:
             for key in keys:
                 touched.setdefault(key, set()).add(k)
         kept = frozenset(i for i, node in enumerate(nodes) if node.kind == "op" and selective_keeps(fx_nodes[node.name].target))
+        kept_op = frozenset(
+            first + k
+            for _, first, last in segments
+            for k, keeps in enumerate(selective_op_kept([_op_role(nodes[i], fx_nodes) for i in range(first, last + 1)]))
+            if keeps
+        )
         index = {node.name: i for i, node in enumerate(nodes)}
-        return cls(len(nodes), index, root, uses, segments, fetches, touched, segment_at, kept)
+        return cls(len(nodes), index, root, uses, segments, fetches, touched, segment_at, kept, kept_op)
 
 
 class _Walk:
@@ -237,7 +253,7 @@ class _Walk:
             last_forward = self.saved_inside(iv, last)
             if last_forward is not None:
                 return [(iv.node, iv.kind, iv.start, last_forward, iv.factor), (iv.node, iv.kind, read_from, iv.end, iv.factor)]
-        if iv.kind == "activation" and iv.start in kept:
+        if iv.kind == "activation" and (iv.start in kept or iv.start in context.kept_op):
             # torch's selective checkpoint caches the output from forward until the recompute
             # at the start of the segment's backward reads it back.
             _, last = in_segment[iv.start]
@@ -285,13 +301,13 @@ class _Walk:
             spans.append((self.bwd(after), self.bwd(use)))
         return spans
 
-    def segment_terms(self) -> list[list[tuple[str, float | None, float | None, bool, float | None]]]:
+    def segment_terms(self) -> list[list[tuple[str, float | None, float | None, bool, bool, float | None]]]:
         """Per checkpoint segment, (node, what its compute is divided by to leave its forward
         (1 + the backward factor of its op; None: all forward), the factor of its activation that
-        the segment frees (None: none), whether a selective checkpoint keeps its output, the
-        factor a selective checkpoint keeps longer than no checkpoint (None: none)) for each
-        node: the same for every sharding, so computed once per choice graph (``_WalkShape``)
-        and priced per plan by ``_candidates``."""
+        the segment frees (None: none), whether a "selective" checkpoint keeps its output,
+        whether a "selective-op" one does, the factor a checkpoint that keeps it keeps longer
+        than no checkpoint (None: none)) for each node: the same for every sharding, so computed
+        once per choice graph (``_WalkShape``) and priced per plan by ``_candidates``."""
         if self.shape.segment_terms is None:
             # a node's last activation interval, as ``_candidates`` always took it
             activation = {iv.node: iv for iv in self.timeline.intervals if iv.kind == "activation"}
@@ -304,10 +320,10 @@ class _Walk:
                     divisor = 1.0 + compute.backward_factor(c.info) if c.info is not None and c.requires_grad else None
                     iv = activation.get(node)
                     freed = iv.factor if iv is not None and self.saved_inside(iv, last) is not None else None
-                    keeps = i in self.shape.kept
+                    keeps, keeps_op = i in self.shape.kept, i in self.shape.kept_op
                     # kept from forward to the recompute, where nothing in backward needed it
-                    held = iv.factor if keeps and iv is not None and iv.end < self.num else None
-                    rows.append((node, divisor, freed, keeps, held))
+                    held = iv.factor if (keeps or keeps_op) and iv is not None and iv.end < self.num else None
+                    rows.append((node, divisor, freed, keeps, keeps_op, held))
                 terms.append(rows)
             self.shape.segment_terms = terms
         return self.shape.segment_terms
@@ -426,6 +442,17 @@ class _Walk:
         return float(values[time]), time
 
 
+def _op_role(node, fx_nodes) -> str | None:
+    """``ir.memory.selective_op_role`` of a live node of the choice graph (None: not an op)."""
+    if node.kind != "op":
+        return None
+    fx_node = fx_nodes[node.name]
+    dims = tuple(
+        arg.meta["val"].dim() for arg in fx_node.args if isinstance(arg, torch.fx.Node) and hasattr(arg.meta.get("val"), "dim")
+    )
+    return selective_op_role(fx_node.target, dims)
+
+
 def _memoized(bytes_of: Callable[[str], float]) -> Callable[[str], float]:
     """``bytes_of``, asked once per name."""
     known: dict[str, float] = {}
@@ -503,15 +530,24 @@ def plan_memory(
     candidates = _candidates(walk, graph, choice, cluster, target, checkpointing, policy)
     before, _ = walk.peak(set(), prefetch)
     fixed = [c for c in candidates if policy is not None and c.key[0] == _POLICY_KEY[policy]]
-    chosen, keys, peak = _take(walk, candidates, fixed, budget, prefetch)
-    if peak > budget:
+    taken = _greedy(walk, candidates, fixed, budget, prefetch)
+    if taken is None:
         raise _infeasible(walk, graph, _leanest_keys(candidates), prefetch, budget, target, checkpointing, explain)
-    chosen, keys = _drop_unneeded(walk, candidates, chosen, keys, budget, prefetch, {c.key for c in fixed})
+    chosen, keys = taken
     compute_s = sum(graph.choices[n].compute_s[choice[n]] for n in graph.order)
-    recompute_s = sum(c.cost_s for c in chosen if c.key[0] in _RECOMPUTES)  # the rest are transfers
-    switch_s, resident_s = _optimizer_switch_s(walk, cluster, graph.mesh_shape, chosen)
     link = offload_link(cluster, target) if target else None
-    exposed_s = _exposed_transfers_s(chosen, compute_s, prefetch, link, resident_s) + switch_s
+    added = _added_s(walk, cluster, graph.mesh_shape, chosen, compute_s, prefetch, link)
+    if policy is None and any(c.key[0] == "selective-op" for c in chosen):
+        # The greedy ranks a transfer by its seconds before overlap, and a layer's
+        # "selective-op" by its average over the bytes a cheaper "selective" would free too: the
+        # greedy without it (as planned before it was a candidate) wins where it adds less.
+        others = [c for c in candidates if c.key[0] != "selective-op"]
+        alternative = _greedy(walk, others, fixed, budget, prefetch)
+        if alternative is not None:
+            other = _added_s(walk, cluster, graph.mesh_shape, alternative[0], compute_s, prefetch, link)
+            if sum(other) < sum(added):
+                (chosen, keys), added = alternative, other
+    recompute_s, exposed_s = added
     peak, time = walk.peak(keys, prefetch, fresh=True)
     breakdown = dict.fromkeys(liveness.KINDS, 0.0)
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):
@@ -549,6 +585,26 @@ def plan_memory(
     return memory, {"time": walk.timeline.time_name(time) if time < walk.timeline.num_times else "", **breakdown}
 
 
+def _greedy(
+    walk: _Walk, candidates: list[_Candidate], fixed: list[_Candidate], budget: float, prefetch: bool
+) -> tuple[list[_Candidate], set] | None:
+    """``_take``, then ``_drop_unneeded``: the decisions chosen and their keys; None where
+    ``candidates`` cannot fit ``budget``."""
+    chosen, keys, peak = _take(walk, candidates, fixed, budget, prefetch)
+    if peak > budget:
+        return None
+    return _drop_unneeded(walk, candidates, chosen, keys, budget, prefetch, {c.key for c in fixed})
+
+
+def _added_s(
+    walk: _Walk, cluster: ClusterSpec, mesh_shape, chosen: list[_Candidate], compute_s: float, prefetch: bool, link
+) -> tuple[float, float]:
+    """(recompute seconds, exposed transfer and optimizer seconds) that ``chosen`` add to a step."""
+    recompute_s = sum(c.cost_s for c in chosen if c.key[0] in _RECOMPUTES)  # the rest are transfers
+    switch_s, resident_s = _optimizer_switch_s(walk, cluster, mesh_shape, chosen)
+    return recompute_s, _exposed_transfers_s(chosen, compute_s, prefetch, link, resident_s) + switch_s
+
+
 def _take(
     walk: _Walk, candidates: list[_Candidate], fixed: list[_Candidate], budget: float, prefetch: bool
 ) -> tuple[list[_Candidate], set, float]:
@@ -567,7 +623,7 @@ def _take(
             continue
         taken = _same_layer(candidate.key, keys)
         if taken is not None:
-            if taken[0] != "selective" or candidate.key[0] == "selective" or any(c.key == taken for c in fixed):
+            if _FREES[candidate.key[0]] <= _FREES[taken[0]] or any(c.key == taken for c in fixed):
                 continue
             keys.discard(taken)
             chosen = [c for c in chosen if c.key != taken]
@@ -651,10 +707,14 @@ def _same_layer(key: tuple[str, str], keys: set) -> tuple[str, str] | None:
 
 
 def _leanest_keys(candidates: list[_Candidate]) -> set:
-    """Every candidate but a selective checkpoint of a layer that has a whole-layer decision
-    too, which saves more: what the greedy has taken when nothing is left to take."""
-    whole = {c.key[1] for c in candidates if c.key[0] in _LAYER_DECISIONS and c.key[0] != "selective"}
-    return {c.key for c in candidates if not (c.key[0] == "selective" and c.key[1] in whole)}
+    """Every candidate but a layer's decisions that free less than another of that layer (a
+    selective checkpoint where the layer has a whole-layer one): what the greedy has taken when
+    nothing is left to take."""
+    most: dict[str, int] = {}
+    for c in candidates:
+        if c.key[0] in _LAYER_DECISIONS:
+            most[c.key[1]] = max(most.get(c.key[1], -1), _FREES[c.key[0]])
+    return {c.key for c in candidates if c.key[0] not in _LAYER_DECISIONS or _FREES[c.key[0]] == most[c.key[1]]}
 
 
 def _param_node(graph, fqn: str) -> str:
@@ -669,39 +729,37 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing, poli
     that policy only."""
     out: list[_Candidate] = []
     link = offload_link(cluster, target) if target else None
-    policies = (policy,) if policy is not None else (("full", "selective") if checkpointing else ())
+    policies = (policy,) if policy is not None else (("full", "selective", "selective-op") if checkpointing else ())
     if policies or link is not None:
         for index, ((name, first, last), terms) in enumerate(zip(walk.segments, walk.segment_terms())):
-            saved = selective_saved = 0.0
-            forward_s = selective_s = 0.0
-            num_ops = sum(1 for _, divisor, _, _, _ in terms if divisor is not None)  # ops that save for backward
-            for node, divisor, freed, keeps, held in terms:
+            # per policy: bytes freed and forward seconds run again ("full": all of it)
+            saved = {"full": 0.0, "selective": 0.0, "selective-op": 0.0}
+            forward_s = dict(saved)
+            num_ops = sum(1 for _, divisor, *_ in terms if divisor is not None)  # ops that save for backward
+            for node, divisor, freed, keeps, keeps_op, held in terms:
                 seconds = graph.choices[node].compute_s[choice[node]]
                 if divisor is not None:
                     seconds /= divisor
-                forward_s += seconds
-                selective_s += 0.0 if keeps else seconds
                 size = walk.bytes_of(node)
-                if freed is not None:
-                    saved += size * freed
-                    selective_saved += 0.0 if keeps else size * freed
-                if held is not None:
-                    selective_saved -= size * held
-            if saved <= 0:
+                for kind, kept in (("full", False), ("selective", keeps), ("selective-op", keeps_op)):
+                    forward_s[kind] += 0.0 if kept else seconds
+                    if freed is not None and not kept:
+                        saved[kind] += size * freed
+                    if held is not None and kept:
+                        saved[kind] -= size * held
+            if saved["full"] <= 0:
                 continue
             first_name, last_name = walk.timeline.names[first], walk.timeline.names[last]
-            if "full" in policies:
-                seconds = segment_recompute_s(cluster.rates, forward_s, num_ops, "full")
-                segment = CheckpointSegment(name, first_name, last_name, saved, seconds)
-                out.append(_Candidate(("checkpoint", str(index)), saved, seconds, segment))
-            if "selective" in policies and selective_saved > 0:
-                seconds = segment_recompute_s(cluster.rates, selective_s, num_ops, "selective")
-                segment = CheckpointSegment(name, first_name, last_name, selective_saved, seconds, "selective")
-                out.append(_Candidate(("selective", str(index)), selective_saved, seconds, segment))
+            for kind in policies:
+                if saved[kind] <= 0 or (policy is None and kind == "selective-op" and saved[kind] <= saved["selective"]):
+                    continue  # frees nothing (a layer without matmuls: nothing more than "selective")
+                seconds = segment_recompute_s(cluster.rates, forward_s[kind], num_ops, kind)
+                segment = CheckpointSegment(name, first_name, last_name, saved[kind], seconds, kind)
+                out.append(_Candidate((_POLICY_KEY[kind], str(index)), saved[kind], seconds, segment))
             if link is not None:  # written in forward, read in backward
-                seconds = 2 * saved / link.bandwidth_bytes_per_s + 2 * link.latency_s
-                segment = CheckpointSegment(name, first_name, last_name, saved, seconds)
-                out.append(_Candidate(("activations", str(index)), saved, seconds, segment))
+                seconds = 2 * saved["full"] / link.bandwidth_bytes_per_s + 2 * link.latency_s
+                segment = CheckpointSegment(name, first_name, last_name, saved["full"], seconds)
+                out.append(_Candidate(("activations", str(index)), saved["full"], seconds, segment))
     if link is None:
         return out
     for iv in walk.timeline.intervals:

@@ -142,7 +142,7 @@ class _Settings:
     budget_gap: float  # a budgeted plan this close to the LP bound needs no MILP (SolveOptions)
     precision: MixedPrecision | None
     comm: CommOptions | None
-    # A checkpoint policy every layer takes whatever the budget ("selective", "full"); None: the
+    # A checkpoint policy every layer takes whatever the budget ("selective", "selective-op", "full"); None: the
     # memory planner chooses per layer where the budget binds.
     policy: str | None = None
 

@@ -97,9 +97,9 @@ class BySegment:
 
 
 # Kinds of offloaded tensors (``memory_plan.TRANSFERS``); a layer's decisions are keyed by
-# its segment index: a recompute ("checkpoint", "selective") or its moved "activations".
+# its segment index: a recompute ("checkpoint", "selective", "selective-op") or its moved "activations".
 _OFFLOADED = ("optimizer_state", "grad", "param")
-_RECOMPUTES = ("checkpoint", "selective")
+_RECOMPUTES = ("checkpoint", "selective", "selective-op")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,22 +115,29 @@ class WalkContext:
     offloaded: dict[str, set[str]]
     recomputed: dict[int, tuple[int, int]]  # segment -> (first, last)
     selective: dict[int, tuple[int, int]]
+    selective_op: dict[int, tuple[int, int]]
     moved: dict[int, tuple[str, int, int]]
     reads: dict[int, tuple[int, int]]  # segment -> (last forward time, time its read starts)
     stream: dict[str, tuple[float, str, float]]  # node -> (-bytes, node, factor)
     in_segment: BySegment
     in_moved: BySegment
     kept: BySegment  # the outputs a selective checkpoint keeps
+    kept_op: BySegment  # the outputs a selective-op checkpoint keeps
 
     @classmethod
     def empty(cls, walk, prefetch: bool) -> WalkContext:
-        return cls._of(walk, prefetch, {kind: set() for kind in _OFFLOADED}, {}, {}, {}, {}, {})
+        return cls._of(walk, prefetch, {kind: set() for kind in _OFFLOADED}, {}, {}, {}, {}, {}, {})
 
     @classmethod
-    def _of(cls, walk, prefetch, offloaded, recomputed, selective, moved, reads, stream) -> WalkContext:
+    def _of(cls, walk, prefetch, offloaded, recomputed, selective, selective_op, moved, reads, stream) -> WalkContext:
         at = walk.shape.segment_at
-        lookups = BySegment(at, recomputed), BySegment(at, reads), BySegment(at, selective, walk.shape.kept)
-        return cls(prefetch, offloaded, recomputed, selective, moved, reads, stream, *lookups)
+        lookups = (
+            BySegment(at, recomputed),
+            BySegment(at, reads),
+            BySegment(at, selective, walk.shape.kept),
+            BySegment(at, selective_op, walk.shape.kept_op),
+        )
+        return cls(prefetch, offloaded, recomputed, selective, selective_op, moved, reads, stream, *lookups)
 
     def offloads(self, kind: str, node: str) -> bool:
         """Whether ``node``'s tensor of ``kind`` lives off the device."""
@@ -140,6 +147,7 @@ class WalkContext:
         """The context of ``decisions``, which differ from this one's by ``changed``."""
         offloaded = {kind: set(nodes) for kind, nodes in self.offloaded.items()}
         recomputed, selective, moved = dict(self.recomputed), dict(self.selective), dict(self.moved)
+        selective_op = dict(self.selective_op)
         streamed: set[str] = set()
         for key in changed:
             kind, name = key
@@ -154,6 +162,7 @@ class WalkContext:
                 (moved, segment, ("activations",)),
                 (recomputed, segment[1:], _RECOMPUTES),
                 (selective, segment[1:], ("selective",)),
+                (selective_op, segment[1:], ("selective-op",)),
             ):
                 if kind in kinds:
                     if on:
@@ -177,7 +186,7 @@ class WalkContext:
                 stream.pop(node, None)
             else:
                 stream[node] = entry
-        return WalkContext._of(walk, self.prefetch, offloaded, recomputed, selective, moved, reads, stream)
+        return WalkContext._of(walk, self.prefetch, offloaded, recomputed, selective, selective_op, moved, reads, stream)
 
 
 def offloads(offloaded: dict[str, set[str]], kind: str, node: str) -> bool:
