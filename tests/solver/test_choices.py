@@ -117,7 +117,7 @@ def test_strategies_price_as_each_alone_on_three_axes():
         if choice.info is None or choice.follower_of is not None or len(choice.strategies) < 2:
             continue
         expected = _priced_one_by_one(choice, graph, cluster)
-        assert [(c, m, p) for c, m, p in zip(choice.compute_s, choice.memory_bytes, choice.param_syncs)] == expected, name
+        assert [(p.compute_s, p.memory_bytes, p.param_syncs) for p in choice.priced] == expected, name
         checked += 1
     assert checked > 20
 

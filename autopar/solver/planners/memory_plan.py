@@ -507,7 +507,7 @@ def plan_memory(
     if peak > budget:
         raise _infeasible(walk, graph, _leanest_keys(candidates), prefetch, budget, target, checkpointing, explain)
     chosen, keys = _drop_unneeded(walk, candidates, chosen, keys, budget, prefetch, {c.key for c in fixed})
-    compute_s = sum(graph.choices[n].compute_s[choice[n]] for n in graph.order)
+    compute_s = sum(graph.choices[n].priced[choice[n]].compute_s for n in graph.order)
     recompute_s = sum(c.cost_s for c in chosen if c.key[0] in _RECOMPUTES)  # the rest are transfers
     switch_s, resident_s = _optimizer_switch_s(walk, cluster, graph.mesh_shape, chosen)
     link = offload_link(cluster, target) if target else None
@@ -676,7 +676,7 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing, poli
             forward_s = selective_s = 0.0
             num_ops = sum(1 for _, divisor, _, _, _ in terms if divisor is not None)  # ops that save for backward
             for node, divisor, freed, keeps, held in terms:
-                seconds = graph.choices[node].compute_s[choice[node]]
+                seconds = graph.choices[node].priced[choice[node]].compute_s
                 if divisor is not None:
                     seconds /= divisor
                 forward_s += seconds

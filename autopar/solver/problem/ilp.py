@@ -594,10 +594,10 @@ class _MemoryTerms:
             counts.append(block[1])
 
         for name, choice in choices.items():
-            key = (id(ilp.x[name]), id(choice.memory_bytes))
+            key = (id(ilp.x[name]), id(choice.priced))
             if key not in blocks:
                 first = len(slots)
-                for m, x in zip(choice.memory_bytes, ilp.x[name]):
+                for m, x in zip(choice.priced.memory_bytes, ilp.x[name]):
                     if not m:
                         continue
                     if isinstance(x, pulp.LpVariable):
