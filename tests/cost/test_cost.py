@@ -591,10 +591,10 @@ def test_vocab_parallel_cross_entropy_prices_its_own_all_gather() -> None:
     choice = next(c for c in graph.choices.values() if c.info is not None and "cross_entropy" in str(c.info.target))
     index = next(i for i, s in enumerate(choice.strategies) if s.kernel == "cross_entropy_vocab_split")
     gathered = 2 * 2 * 4 * (4 * 32)  # ranks x (lse, target logit) x float32 x (batch x sequence)
-    assert choice.grad_sync_bytes[index] == pytest.approx(bytes_sent("all_gather", gathered, 2))
+    assert choice.priced[index].grad_sync_bytes == pytest.approx(bytes_sent("all_gather", gathered, 2))
     replicated = next(i for i, s in enumerate(choice.strategies) if s.kernel is None and s.ins[0] == (R,))
-    assert choice.compute_s[index] >= all_gather_s(gathered, 0, (2,), cluster)
-    assert choice.compute_s[index] - all_gather_s(gathered, 0, (2,), cluster) < choice.compute_s[replicated]
+    assert choice.priced[index].compute_s >= all_gather_s(gathered, 0, (2,), cluster)
+    assert choice.priced[index].compute_s - all_gather_s(gathered, 0, (2,), cluster) < choice.priced[replicated].compute_s
 
 
 def test_default_budget_is_the_device_memory_less_a_reserve():

@@ -196,7 +196,7 @@ def test_activation_memory_matches_korthikanti_for_one_transformer_layer():
     graph = build_choice_graph(trace(model, (x,)), (1,), get_cluster("cpu"))
     timeline = graph.timeline
     end_of_forward = len(timeline.names) - 1
-    kept = timeline.breakdown(end_of_forward, lambda n: graph.choices[n].memory_bytes[0])
+    kept = timeline.breakdown(end_of_forward, lambda n: graph.choices[n].priced[0].memory_bytes)
     predicted = kept["activation"] + kept["input"]  # the layer's input x is LayerNorm 1's saved input
     # The paper's sbh·(34 + 5as/h) bytes includes three dropouts: the attention dropout's mask
     # (as²b) and output (2as²b, saved for attention·V instead of the softmax output), and the

@@ -20,11 +20,11 @@ from autopar.zoo.models import build_model, example_batch
 
 def _objective(graph, assignment) -> tuple[float, float]:
     """Seconds and memory of a full assignment, summed from scratch over every node and edge."""
-    seconds = sum(graph.choices[n].compute_s[assignment[n]] for n in graph.order)
+    seconds = sum(graph.choices[n].priced[assignment[n]].compute_s for n in graph.order)
     seconds += optimizer_objective_s(graph, assignment)  # each parameter's optimizer step at its placement
     # each parameter's gradient reduction once, bucketed, in place of one all-reduce per use
     seconds += param_sync_adjustment_s(graph, assignment)
-    memory = sum(graph.choices[n].memory_bytes[assignment[n]] for n in graph.order)
+    memory = sum(graph.choices[n].priced[assignment[n]].memory_bytes for n in graph.order)
     for edge in graph.edges:
         src = graph.choices[edge.producer].strategies[assignment[edge.producer]].outs[edge.out_index]
         dst = graph.choices[edge.consumer].strategies[assignment[edge.consumer]].ins[edge.in_index]
@@ -212,8 +212,8 @@ def _member_by_member(graph, solution, ordered, assignment) -> dict[str, float] 
     compute_s = memory_bytes = reshard_in_s = reshard_out_s = 0.0
     optimizer_s = 0.0 if any(name in graph.optimizer_s for name in ordered) else None
     for name in ordered:
-        compute_s += graph.choices[name].compute_s[assignment[name]]
-        memory_bytes += graph.choices[name].memory_bytes[assignment[name]]
+        compute_s += graph.choices[name].priced[assignment[name]].compute_s
+        memory_bytes += graph.choices[name].priced[assignment[name]].memory_bytes
         if name in graph.optimizer_s:
             optimizer_s += graph.optimizer_s[name][assignment[name]]
     groups, refunds = graph.param_sync_groups()

@@ -42,15 +42,15 @@ def test_op_info_tells_apart_a_repeated_argument():
     assert choices._op_info(once, seen)[1] == [x, y]
 
 
-def test_followers_of_repeated_layers_share_their_lists():
+def test_followers_of_repeated_layers_share_their_tables():
     """Every follower of a repeated layer, getitems included, holds its first-layer
-    counterpart's very lists: ``_mark_followers`` cut them once, not once per layer."""
+    counterpart's very table: ``_mark_followers`` cut it once, not once per layer."""
     traced = trace_repeated(build_model("llama", n_layer=6), example_batch("llama", 4, n_layer=6))
     graph = choices.build_choice_graph(traced, (2, 2), get_cluster("cpu"))
     followers = [name for name, template in graph.layer_template.items() if graph.choices[name].follower_of]
     assert any(graph.choices[name].info is None for name in followers)  # getitems among them
     for name in followers:
-        assert graph.choices[name].strategies is graph.choices[graph.layer_template[name]].strategies, name
+        assert graph.choices[name].priced is graph.choices[graph.layer_template[name]].priced, name
 
 
 def test_a_replaced_graph_starts_with_its_own_derived_cache():
@@ -117,7 +117,7 @@ def test_strategies_price_as_each_alone_on_three_axes():
         if choice.info is None or choice.follower_of is not None or len(choice.strategies) < 2:
             continue
         expected = _priced_one_by_one(choice, graph, cluster)
-        assert [(c, m, p) for c, m, p in zip(choice.compute_s, choice.memory_bytes, choice.param_syncs)] == expected, name
+        assert [(p.compute_s, p.memory_bytes, p.param_syncs) for p in choice.priced] == expected, name
         checked += 1
     assert checked > 20
 

@@ -40,7 +40,7 @@ def _reference(ilp: ShardingILP, factors: dict[str, float], unit: float) -> pulp
                 (factor * m * unit, x)
                 for name, factor in factors.items()
                 if name in choices
-                for m, x in zip(choices[name].memory_bytes, ilp.x[name])
+                for m, x in zip(choices[name].priced.memory_bytes, ilp.x[name])
                 if m
             ),
             (
@@ -137,7 +137,7 @@ def test_compute_coefficients_leave_an_unknown_variable_to_the_caller(ilp):
     name = ilp.graph.order[-2]
     x[name] = [pulp.LpAffineExpression({stranger: 1.0})] * len(x[name])
     order = ilp.graph.order
-    assert compute_coefficients(order, {n: ilp.graph.choices[n].compute_s for n in order}, x, ilp.per_use_refund) is None
+    assert compute_coefficients(order, {n: ilp.graph.choices[n].priced.compute_s for n in order}, x, ilp.per_use_refund) is None
 
 
 def test_compute_coefficients_keep_the_order_variables_are_first_met():

@@ -34,7 +34,7 @@ def test_each_parameter_pays_the_step_of_its_shard():
     whole = choice.strategies.index(next(s for s in choice.strategies if all(p == Replicate() for p in s.outs[0])))
     split = next(i for i, s in enumerate(choice.strategies) if any(isinstance(p, Shard) for p in s.outs[0]))
     # fp32 AdamW: the parameter and both moments read and written, the gradient read (2·P + G + 2·S = 7·P)
-    fused = 7 * choice.memory_bytes[whole]
+    fused = 7 * choice.priced[whole].memory_bytes
     assert step_s[whole] == pytest.approx(optimizer.tensor_step_s(fused, cluster, "for-loop", (4,)))
     assert step_s[split] == pytest.approx(step_s[whole] / 4), "a shard on 4 ranks steps a quarter"
 
@@ -46,7 +46,7 @@ def test_zero_stages_split_the_state_and_gradient_terms():
     zero1 = _graph(cluster, mesh=(2,), forced=forced, zero_stage=1)
     zero2 = _graph(cluster, mesh=(2,), forced=forced, zero_stage=2)
     name = next(iter(zero1.optimizer_s))
-    size = zero1.choices[name].memory_bytes[0]
+    size = zero1.choices[name].priced[0].memory_bytes
     per_byte = optimizer.tensor_step_s(1.0, cluster, "foreach")
     assert zero1.optimizer_s[name][0] == pytest.approx(per_byte * (2 + 1 + 2 * 2 / 2) * size)  # half of both moments
     assert zero2.optimizer_s[name][0] == pytest.approx(per_byte * (2 + 1 / 2 + 2 * 2 / 2) * size)  # and of the gradient

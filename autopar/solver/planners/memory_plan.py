@@ -534,7 +534,7 @@ def plan_memory(
     if taken is None:
         raise _infeasible(walk, graph, _leanest_keys(candidates), prefetch, budget, target, checkpointing, explain)
     chosen, keys = taken
-    compute_s = sum(graph.choices[n].compute_s[choice[n]] for n in graph.order)
+    compute_s = sum(graph.choices[n].priced[choice[n]].compute_s for n in graph.order)
     link = offload_link(cluster, target) if target else None
     added = _added_s(walk, cluster, graph.mesh_shape, chosen, compute_s, prefetch, link)
     if policy is None and any(c.key[0] == "selective-op" for c in chosen):
@@ -737,7 +737,7 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing, poli
             forward_s = dict(saved)
             num_ops = sum(1 for _, divisor, *_ in terms if divisor is not None)  # ops that save for backward
             for node, divisor, freed, keeps, keeps_op, held in terms:
-                seconds = graph.choices[node].compute_s[choice[node]]
+                seconds = graph.choices[node].priced[choice[node]].compute_s
                 if divisor is not None:
                     seconds /= divisor
                 size = walk.bytes_of(node)

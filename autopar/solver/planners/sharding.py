@@ -338,7 +338,7 @@ def _compute_and_reshard_s(
     and ``plan_from_solution`` all start from, added in one order so that they agree exactly."""
     compute_s = reshard_s = 0.0
     for name in graph.order:
-        compute_s += graph.choices[name].compute_s[choice[name]]
+        compute_s += graph.choices[name].priced[choice[name]].compute_s
     for e, edge in enumerate(graph.edges):
         src, dst = specs[e]
         if src != dst:
@@ -442,7 +442,7 @@ def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: 
     solution = _leanest(graph, time_limit_s, solver)
     minimum = peak_memory(graph, solution).bytes if solution.choice else float("nan")
     biggest = sorted(
-        ((max(c.memory_bytes), c.fqn or c.name) for c in graph.choices.values() if c.memory_bytes),
+        ((max(c.priced.memory_bytes), c.fqn or c.name) for c in graph.choices.values() if c.priced),
         reverse=True,
     )[:5]
     lines = "\n".join(f"    {name}: {format_bytes(size)} replicated" for size, name in biggest)
@@ -577,7 +577,8 @@ def _node_plans(
     for name in graph.order:
         choice = graph.choices[name]
         index = solution.choice[name]
-        strategy = choice.strategies[index]
+        priced = choice.priced[index]
+        strategy = priced.strategy
         record = expert_parallel_record(choice, index, graph.mesh_shape, cluster)
         if record is not None:
             expert_parallel.append(record)
@@ -591,10 +592,10 @@ def _node_plans(
             kernel=strategy.kernel,
             kernel_axes=strategy.kernel_axes,
             source=strategy.source,
-            cost_s=choice.compute_s[index],
+            cost_s=priced.compute_s,
             whole_grad=strategy.whole_grad,
         )
-        traffic.add(choice.grad_sync_bytes[index], grad_sync_bytes_per_axis(choice, index, graph.choices, graph.mesh_shape))
+        traffic.add(priced.grad_sync_bytes, grad_sync_bytes_per_axis(choice, index, graph.choices, graph.mesh_shape))
         if choice.kind in ("param", "buffer") and choice.fqn is not None and strategy.outs:
             params[choice.fqn] = strategy.outs[0]
     return nodes, params, traffic, expert_parallel

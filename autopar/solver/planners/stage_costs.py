@@ -51,6 +51,7 @@ from autopar.solver.problem.edges import EdgePrices
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.solver.problem.ilp import ShardingILP, Solution
 from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost
+from autopar.solver.problem.priced import PriceTable
 from autopar.solver.search.solving import peak_memory, solve_ilp, solve_within_budget
 from autopar.trace import TracedModel
 
@@ -159,10 +160,17 @@ def per_step_graph(graph: ChoiceGraph, split: OpSplit, num_microbatches: int) ->
     gradient synchronisation × 1 (see the module docstring)."""
     m = float(num_microbatches)
     choices = {}
+    # Identical ops share their tables and their sync lists (``split_op_costs``): reprice each
+    # distinct pair once, and share the result as they shared theirs. Both are held by their owners.
+    repriced: dict[tuple[int, int], PriceTable] = {}
     for name, choice in graph.choices.items():
         sync = split.sync.get(name)
-        costs = [m * c for c in choice.compute_s] if sync is None else [m * (c - s) + s for c, s in zip(choice.compute_s, sync)]
-        choices[name] = dataclasses.replace(choice, compute_s=costs)
+        table = repriced.get((id(choice.priced), id(sync)))
+        if table is None:
+            compute_s = choice.priced.compute_s
+            costs = [m * c for c in compute_s] if sync is None else [m * (c - s) + s for c, s in zip(compute_s, sync)]
+            table = repriced[(id(choice.priced), id(sync))] = choice.priced.repriced(costs)
+        choices[name] = dataclasses.replace(choice, priced=table)
     scaled: dict[int, dict] = {}
     edges = []
     for edge in graph.edges:
@@ -233,7 +241,7 @@ def _split(choice: Choice, grads, params, mesh, cluster, placeholders) -> tuple[
                 else:
                     other_s += cost.backward_s
         syncs.append(param_s)
-        forwards.append(max(choice.compute_s[index] - param_s - other_s, 0.0) / factor)
+        forwards.append(max(choice.priced[index].compute_s - param_s - other_s, 0.0) / factor)
     return syncs, forwards
 
 
@@ -386,7 +394,7 @@ def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[
             continue
         index = choice[name]
         if name in split.sync:
-            own[u + 1] += graph.choices[name].compute_s[index] - split.sync[name][index]
+            own[u + 1] += graph.choices[name].priced[index].compute_s - split.sync[name][index]
             # the parameter reductions the runtime buckets are charged below, once per parameter
             sync[u + 1] += max(split.sync[name][index] - (per_use[name][index] if name in per_use else 0.0), 0.0)
             fwd[u + 1] += split.forward[name][index]

@@ -117,11 +117,9 @@ def param_schedule(
     synced = _synced(needed, sums, order)
     backward_s = forward_s = 0.0
     for name in graph.order:
-        chosen = graph.choices[name]
-        if chosen.backward_s:
-            index = choice[name]
-            backward_s += chosen.backward_s[index]
-            forward_s += chosen.compute_s[index] - chosen.backward_s[index]
+        chosen = graph.choices[name].priced[choice[name]]
+        backward_s += chosen.backward_s
+        forward_s += chosen.compute_s - chosen.backward_s
     last_bucket_s, filled = _last_bucket(synced, bucket_cap_bytes)
     if synced:
         # Each member paid bytes/cap of its bucket's latency (``comm.param_grad_sync_cost``); the
@@ -421,7 +419,7 @@ def _param_uses(graph: ChoiceGraph) -> tuple[dict[str, int], dict[str, list], di
         producer = graph.choices[edge.producer]
         consumer = graph.choices[edge.consumer]
         # The cast of a parameter under a precision policy carries the dtype its gradient is
-        # reduced in: it is reduced once per parameter, as a parameter's (``choices.param_syncs``).
+        # reduced in: it is reduced once per parameter, as a parameter's (``PricedStrategy.param_syncs``).
         cast = consumer.sync_dtypes[edge.in_index] if edge.in_index < len(consumer.sync_dtypes) else None
         if (producer.kind == "param" or cast is not None) and edge.requires_grad:
             param = synced_param(graph.choices, edge.producer)

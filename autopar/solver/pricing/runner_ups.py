@@ -308,8 +308,8 @@ class _Decision:
         compute = np.empty(index.shape)
         memory = np.empty(index.shape)
         for slot, choice in enumerate(choices):
-            compute[:, slot] = np.asarray(choice.compute_s, dtype=float)[index[:, slot]]
-            memory[:, slot] = np.asarray(choice.memory_bytes, dtype=float)[index[:, slot]]
+            compute[:, slot] = np.asarray(choice.priced.compute_s, dtype=float)[index[:, slot]]
+            memory[:, slot] = np.asarray(choice.priced.memory_bytes, dtype=float)[index[:, slot]]
         seconds, possible = self._reshard_s(index)
         enters = np.array([edge[2] for edge in self.edges], dtype=bool)
         compute_s, memory_bytes = _in_order(compute, self.columns), _in_order(memory, self.columns)

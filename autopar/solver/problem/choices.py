@@ -51,20 +51,17 @@ from autopar.solver.problem.edges import Edge, flatten, mutated_inputs, price_ed
 from autopar.solver.problem.gathered import GatheredSize, gathered_parameters
 from autopar.solver.problem.op_prices import price_strategies
 from autopar.solver.problem.optimizer_terms import dtensor_price, step_prices
+from autopar.solver.problem.priced import PricedStrategy, PriceTable
 from autopar.trace import TracedModel, requires_grad
 
 
 @dataclass
 class Choice:
-    """One graph node's decision: its strategies and the price of each."""
+    """One graph node's decision: its strategies, each with its prices (``priced``)."""
 
     name: str
     kind: str  # "param" | "buffer" | "constant" | "user" | "op" | "output"
-    strategies: list[Strategy]
-    compute_s: list[float]
-    # Local bytes of the node's outputs under each strategy (a parameter's: its shard). The
-    # liveness walk (``ChoiceGraph.timeline``) says when, and in what kinds, they are alive.
-    memory_bytes: list[float]
+    priced: PriceTable  # one record per strategy, in order (shared by identical ops)
     inputs: list[tuple[str, int]]  # (producer, output index) per tensor input
     out_shapes: tuple[tuple[int, ...], ...] = ()
     out_dtypes: tuple[torch.dtype, ...] = ()
@@ -72,19 +69,14 @@ class Choice:
     follower_of: str | None = None
     fqn: str | None = None
     info: OpInfo | None = None
-    grad_sync_bytes: list[float] = field(default_factory=list)
     # Per tensor input: the dtype its gradient all-reduces run in, where not the input's own
     # (the cast of a parameter under a precision policy carries its ``reduce_dtype``).
     sync_dtypes: tuple[torch.dtype | None, ...] = ()
-    # Seconds of the gradient all-reduces of the parameters this op reads (in ``compute_s``; the
-    # runtime buckets them, see ``solver.pricing.comm_schedule``), and the backward compute of the op,
-    # which can hide them.
-    param_sync_s: list[float] = field(default_factory=list)
-    backward_s: list[float] = field(default_factory=list)
-    # Per strategy: (input index, mesh axis, seconds as priced here per use, seconds as the
-    # runtime's bucketed reduction of that parameter) for each parameter gradient the strategy
-    # all-reduces. The ILP merges them per parameter (``ilp.ShardingILP.add_param_sync_variables``).
-    param_syncs: list[tuple[tuple[int, int, float, float], ...]] = field(default_factory=list)
+
+    @property
+    def strategies(self) -> tuple[Strategy, ...]:
+        """The strategies alone, in order: a view of ``priced`` (the same object while it is)."""
+        return self.priced.strategies
 
     def out_specs(self, index: int) -> list[Spec]:
         """Distinct specs of output ``index`` over the strategies, in first-seen order."""
@@ -138,7 +130,7 @@ class ChoiceGraph:
     def objective_s(self, name: str) -> list[float]:
         """Node ``name``'s seconds per strategy in the ILP's objective: its ``compute_s``, and for a
         parameter the optimizer step of its shard (``optimizer_s``)."""
-        compute_s = self.choices[name].compute_s
+        compute_s = self.choices[name].priced.compute_s
         step_s = self.optimizer_s.get(name)
         return compute_s if step_s is None else [c + o for c, o in zip(compute_s, step_s)]
 
@@ -149,7 +141,7 @@ class ChoiceGraph:
         def size(name: str) -> float:
             choice = self.choices.get(name)
             if choice is not None:
-                return choice.memory_bytes[assignment[name]]
+                return choice.priced[assignment[name]].memory_bytes
             gathered = self.gathered[name]
             edge = self.edges[gathered.edge]
             src = self.choices[edge.producer].strategies[assignment[edge.producer]].outs[edge.out_index]
@@ -166,7 +158,7 @@ class ChoiceGraph:
         def size(name: str) -> float:
             choice = self.choices.get(name)
             if choice is not None:
-                return pick(choice.memory_bytes, default=0.0)
+                return pick(choice.priced.memory_bytes, default=0.0)
             return pick(self.gathered[name].sizes.values(), default=0.0) if largest else 0.0
 
         return size
@@ -216,7 +208,7 @@ class ParamSyncGroup:
 
 
 def param_sync_groups(graph: ChoiceGraph) -> tuple[dict[tuple, ParamSyncGroup], dict[str, list[float]]]:
-    """Group the parameter-gradient reductions of every strategy (``Choice.param_syncs``) by
+    """Group the parameter-gradient reductions of every strategy (``PricedStrategy.param_syncs``) by
     (parameter, axis, spec). A parameter of a repeated layer shares the group of its first-layer
     counterpart when its consumer shares that layer's strategy too; a cast of a parameter counts
     as the parameter (``synced_param``). Also returns, per node, the per-use seconds of those
@@ -224,22 +216,22 @@ def param_sync_groups(graph: ChoiceGraph) -> tuple[dict[tuple, ParamSyncGroup], 
     template = graph.layer_template
     groups: dict[tuple, ParamSyncGroup] = {}
     refunds: dict[str, list[float]] = {}
-    # Identical ops share their lists (``_op_choice``), as do repeated layers: each distinct list
+    # Identical ops share their tables (``_op_choice``), as do repeated layers: each distinct table
     # is read once into its refunds (shared, read-only) and its terms by (input, axis, held
     # spec), in order of first appearance, with their strategies in order and their largest
     # bucketed price. Each node then joins one group per such entry, in the order, and with the
     # strategies, that a walk over its terms one by one would give.
-    terms_of: dict[tuple[int, int], tuple[list[float], dict[tuple, list]]] = {}
+    terms_of: dict[int, tuple[list[float], dict[tuple, list]]] = {}  # by id of a table (held by the graph)
     # The groups by (owner, axis, spec object): the specs of ``terms_of``'s entries, which the
     # graph holds, recur node after node, and hashing a spec hashes each of its placements.
     by_object: dict[tuple, ParamSyncGroup] = {}
     for name in graph.order:
         choice = graph.choices[name]
-        if not any(choice.param_syncs):
+        if not any(priced.param_syncs for priced in choice.priced):
             continue
-        key = (id(choice.param_syncs), id(choice.strategies))
+        key = id(choice.priced)
         if key not in terms_of:
-            refund = [sum(term[2] for term in terms) for terms in choice.param_syncs]
+            refund = [sum(term[2] for term in priced.param_syncs) for priced in choice.priced]
             terms_of[key] = (refund, _terms_by_spec(choice))
         refunds[name], by_spec = terms_of[key]
         consumer = template.get(name, name)
@@ -263,9 +255,9 @@ def _terms_by_spec(choice: Choice) -> dict[tuple, list]:
     """(input, axis, held spec) -> [largest bucketed price, strategies] of ``choice``'s parameter
     reductions, in order of first appearance; each spec object hashed once (``distinct_specs``)."""
     by_object: dict[tuple, list] = {}  # (input, axis, id(spec)) -> [spec, price, strategies]
-    for s, terms in enumerate(choice.param_syncs):
-        for index, axis, _, bucketed_s in terms:
-            spec = choice.strategies[s].ins[index]
+    for s, priced in enumerate(choice.priced):
+        for index, axis, _, bucketed_s in priced.param_syncs:
+            spec = priced.strategy.ins[index]
             entry = by_object.get((index, axis, id(spec)))
             if entry is None:
                 entry = by_object[(index, axis, id(spec))] = [spec, 0.0, []]
@@ -376,7 +368,7 @@ def _build_choice_graph(
                     f"{what} is not a strategy of {node.format_node()}: force one that its rule offers "
                     "(`autopar explain` lists them), or leave the node to the solver"
                 )
-            _keep_only(choice, keep)
+            choice.priced = choice.priced.keep(keep)
     layers = _layers(traced.gm, choices, traced) if share_layers else {}
     _mark_followers(choices, order, _boundary_nodes(layers, choices))
     # After the followers: an edge into a follower only ever carries its producer's spec as it
@@ -392,7 +384,7 @@ def _build_choice_graph(
     fqns = {i.name: traced.ties.get(i.fqn, i.fqn) for i in traced.inputs if i.kind == "param"}
     gathered, intervals = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm, cluster.gloo)
     timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
-    steps = step_prices({name: choice.memory_bytes for name, choice in choices.items()}, timeline, cluster, mesh_shape)
+    steps = step_prices({name: choice.priced.memory_bytes for name, choice in choices.items()}, timeline, cluster, mesh_shape)
     dispatch = dtensor_price(timeline, cluster, mesh_shape)
     return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps, dispatch)
 
@@ -527,8 +519,8 @@ def _same_choice(a: Choice, b: Choice) -> bool:
         and a.out_shapes == b.out_shapes
         and (a.follower_of is None) == (b.follower_of is None)
         and a.strategies == b.strategies
-        and a.compute_s == b.compute_s
-        and a.memory_bytes == b.memory_bytes
+        and a.priced.compute_s == b.priced.compute_s
+        and a.priced.memory_bytes == b.priced.memory_bytes
     )
 
 
@@ -548,18 +540,6 @@ def _tie_groups(traced: TracedModel, choices: dict[str, Choice]) -> list[list[st
     return groups
 
 
-def _keep_only(choice: Choice, keep: list[int]) -> None:
-    choice.strategies = [choice.strategies[i] for i in keep]
-    choice.compute_s = [choice.compute_s[i] for i in keep]
-    choice.memory_bytes = [choice.memory_bytes[i] for i in keep]
-    choice.grad_sync_bytes = [choice.grad_sync_bytes[i] for i in keep]
-    if choice.param_sync_s:
-        choice.param_sync_s = [choice.param_sync_s[i] for i in keep]
-        choice.backward_s = [choice.backward_s[i] for i in keep]
-    if choice.param_syncs:
-        choice.param_syncs = [choice.param_syncs[i] for i in keep]
-
-
 def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec]:
     """Every R/S spec with even shards (Partial is never a placeholder's placement), and the
     strided shards that the graph's splits can use (``registry.strided_blocks``)."""
@@ -572,13 +552,13 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict) -> Choice:
     meta = tensor_meta(node.meta.get("val"))
     num_axes = len(mesh_shape)
     if meta is None:
-        return Choice(node.name, kind, [Strategy((), ())], [0.0], [0.0], [], fqn=fqn, grad_sync_bytes=[0.0])
+        return Choice(node.name, kind, PriceTable([PricedStrategy(Strategy((), ()))]), [], fqn=fqn)
     shape, dtype = meta
     # A buffer that the graph never reads is kept whole: sharding it saves next to nothing, and
     # the model's own code may still read it outside the graph (a replicated plan's local eval,
     # ``generate``; HF's ``rotary_emb.original_inv_freq``).
     unread_buffer = kind == "buffer" and not node.users
-    # Placeholders of one shape, dtype and kind (every layer's weights) share one strategy list.
+    # Placeholders of one shape, dtype and kind (every layer's weights) share one table.
     key = (kind in ("param", "buffer"), unread_buffer, shape, dtype)
     if key not in cache:
         if kind in ("param", "buffer") and not unread_buffer:
@@ -587,29 +567,21 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict) -> Choice:
             # User inputs arrive whole on every rank and constants are whole: the first consumer
             # decides how to cut them (a local chunk, free of communication).
             specs = [replicated(num_axes)]
-        strategies = [Strategy((), (spec,), source="placeholder") for spec in specs]
-        cache[key] = (strategies, [float(memory.local_bytes(shape, dtype, spec, mesh_shape)) for spec in specs])
-    strategies, mem = cache[key]
-    return Choice(
-        node.name,
-        kind,
-        strategies,
-        [0.0] * len(strategies),
-        list(mem),
-        [],
-        (shape,),
-        (dtype,),
-        requires_grad(node),
-        fqn=fqn,
-        grad_sync_bytes=[0.0] * len(strategies),
-    )
+        cache[key] = PriceTable(
+            PricedStrategy(
+                Strategy((), (spec,), source="placeholder"),
+                memory_bytes=float(memory.local_bytes(shape, dtype, spec, mesh_shape)),
+            )
+            for spec in specs
+        )
+    return Choice(node.name, kind, cache[key], [], (shape,), (dtype,), requires_grad(node), fqn=fqn)
 
 
 def _output_choice(node: torch.fx.Node, num_axes: int) -> Choice:
     # Outputs come back whole on every rank.
     inputs = [(n.name, 0) for n in flatten(node.args) if isinstance(n, torch.fx.Node) and tensor_meta(n.meta.get("val"))]
     strategy = Strategy(tuple(replicated(num_axes) for _ in inputs), (), source="output")
-    return Choice(node.name, "output", [strategy], [0.0], [0.0], inputs, grad_sync_bytes=[0.0])
+    return Choice(node.name, "output", PriceTable([PricedStrategy(strategy)]), inputs)
 
 
 def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict, pruned: Pruned) -> Choice:
@@ -638,27 +610,11 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict, pru
     )
     if key not in cache:
         cache[key] = price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, reachable)
-    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs, counts = cache[key]
+    priced, counts = cache[key]
     pruned.enumerated += counts[0]
     pruned.impossible += counts[1]
     pruned.dominated += counts[2]
-    return Choice(
-        node.name,
-        "op",
-        strategies,
-        compute_s,
-        memory_bytes,
-        inputs,
-        info.out_shapes,
-        out_dtypes,
-        needs_grad,
-        info=info,
-        grad_sync_bytes=sync_bytes,
-        sync_dtypes=sync_dtypes,
-        param_sync_s=param_sync_s,
-        backward_s=backward_s,
-        param_syncs=param_syncs,
-    )
+    return Choice(node.name, "op", priced, inputs, info.out_shapes, out_dtypes, needs_grad, info=info, sync_dtypes=sync_dtypes)
 
 
 def _op_info(node: torch.fx.Node, seen: dict) -> tuple[OpInfo, list[torch.fx.Node], str]:
@@ -716,30 +672,21 @@ def synced_param(choices: dict[str, Choice], name: str) -> str:
 def _getitem_choice(node, choices, needs_grad, cache: dict) -> Choice:
     producer, index = node.args
     source = choices[producer.name]
-    # The getitems of one output of identical ops share their lists, as identical ops do, so
-    # that their followers' lists are shared too (``_mark_followers`` cuts each once). The
-    # source's list is held in the entry, so that no id in a key is reused while this runs.
-    key = ("getitem", id(source.strategies), index)
+    # The getitems of one output of identical ops share their tables, as identical ops do, so
+    # that their followers' tables are shared too (``_mark_followers`` cuts each once). The
+    # source's table is held in the entry, so that no id in a key is reused while this runs.
+    key = ("getitem", id(source.priced), index)
     if key not in cache:
-        specs = source.out_specs(index)
-        zeros = [0.0] * len(specs)
-        strategies = [Strategy((spec,), (spec,), source="follow") for spec in specs]
-        cache[key] = (strategies, zeros, list(zeros), list(zeros), [], [], [], source.strategies)
-    strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs, _ = cache[key]
+        follows = PriceTable(PricedStrategy(Strategy((spec,), (spec,), source="follow")) for spec in source.out_specs(index))
+        cache[key] = (follows, source.priced)
     return Choice(
         node.name,
         "op",
-        strategies,
-        compute_s,
-        memory_bytes,
+        cache[key][0],
         [(producer.name, index)],
         (source.out_shapes[index],),
         (source.out_dtypes[index],),
         needs_grad,
-        grad_sync_bytes=sync_bytes,
-        param_sync_s=param_sync_s,
-        backward_s=backward_s,
-        param_syncs=param_syncs,
     )
 
 
@@ -747,9 +694,9 @@ def _mark_followers(choices: dict[str, Choice], order: list[str], exclude: set[s
     """Mark nodes whose choice is a function of their single producer's choice (not those in
     ``exclude``: ``_boundary_nodes``).
 
-    Identical ops share their lists (``_op_choice``), as do the nodes of repeated layers: each
-    distinct (lists, producer's strategy list) is decided and cut once, and its followers share
-    the cut lists, so that the next follower down the chain hits again."""
+    Identical ops share their tables (``_op_choice``), as do the nodes of repeated layers: each
+    distinct (table, producer's table) is decided and cut once, and its followers share the cut
+    table, so that the next follower down the chain hits again."""
     seen: dict[tuple, tuple] = {}
     for name in order:
         choice = choices[name]
@@ -757,32 +704,22 @@ def _mark_followers(choices: dict[str, Choice], order: list[str], exclude: set[s
             continue
         producer, out_index = choice.inputs[0]
         source = choices[producer]
-        lists = _lists(choice)
-        key = (tuple(map(id, lists)), id(source.strategies), out_index)
+        key = (id(choice.priced), id(source.priced), out_index)
         hit = seen.get(key)
         if hit is None:
             source_specs = source.out_specs(out_index)
             by_in = strategies_by_spec(choice.strategies, False, 0, plain_only=True)
             cut = None
             if all(len(by_in.get(spec, ())) == 1 for spec in source_specs):
-                _keep_only(choice, [by_in[spec][0] for spec in source_specs])
-                cut = _lists(choice)
+                cut = choice.priced.keep(by_in[spec][0] for spec in source_specs)
             # The key's objects are held here, so that no id in it is reused while this runs.
-            hit = seen[key] = (lists, source.strategies, cut)
+            hit = seen[key] = (choice.priced, source.priced, cut)
         if hit[2] is not None:
-            (
-                choice.strategies,
-                choice.compute_s,
-                choice.memory_bytes,
-                choice.grad_sync_bytes,
-                choice.param_sync_s,
-                choice.backward_s,
-                choice.param_syncs,
-            ) = hit[2]
+            choice.priced = hit[2]
             choice.follower_of = producer
 
 
-def strategies_by_spec(strategies: list[Strategy], outs: bool, index: int, plain_only: bool = False) -> dict[Spec, list[int]]:
+def strategies_by_spec(strategies: Sequence[Strategy], outs: bool, index: int, plain_only: bool = False) -> dict[Spec, list[int]]:
     """The spec of output (``outs``) or input ``index`` -> the indices, in order, of the
     strategies that have it (``plain_only``: those without a kernel), specs in first-seen order
     (``Choice.out_specs``); each spec object hashed once (``distinct_specs``)."""
@@ -801,16 +738,3 @@ def strategies_by_spec(strategies: list[Strategy], outs: bool, index: int, plain
             found.extend(indices)
             found.sort()
     return by_spec
-
-
-def _lists(choice: Choice) -> tuple[list, ...]:
-    """The per-strategy lists of a choice (what ``_keep_only`` cuts)."""
-    return (
-        choice.strategies,
-        choice.compute_s,
-        choice.memory_bytes,
-        choice.grad_sync_bytes,
-        choice.param_sync_s,
-        choice.backward_s,
-        choice.param_syncs,
-    )

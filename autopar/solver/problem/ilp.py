@@ -564,8 +564,8 @@ class _MemoryTerms:
     its slot (slot 0: the constant); name k's are the ``counts[k]`` from ``starts[k]``. A node's
     terms are m[n, s] on x[n, s] (a variable, coefficient 1; or a follower's expression, one
     term per variable, and its constant), for each s with bytes; a gathered parameter's are its
-    bytes per (p, q) on y[e, p, q]. Nodes of repeated layers share their x and their byte
-    lists (``choices.repeated_layers``), and their gathered parameters their y and their sizes
+    bytes per (p, q) on y[e, p, q]. Nodes of repeated layers share their x and their price
+    tables (``choices.repeated_layers``), and their gathered parameters their y and their sizes
     (``gathered.gathered_parameters``), hence their terms: those are stored once. The
     variables are fixed once the ILP is built, so the table is built once."""
 
@@ -594,10 +594,10 @@ class _MemoryTerms:
             counts.append(block[1])
 
         for name, choice in choices.items():
-            key = (id(ilp.x[name]), id(choice.memory_bytes))
+            key = (id(ilp.x[name]), id(choice.priced))
             if key not in blocks:
                 first = len(slots)
-                for m, x in zip(choice.memory_bytes, ilp.x[name]):
+                for m, x in zip(choice.priced.memory_bytes, ilp.x[name]):
                     if not m:
                         continue
                     if isinstance(x, pulp.LpVariable):

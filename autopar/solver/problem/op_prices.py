@@ -21,6 +21,7 @@ from autopar.rules.moe import EXPERT_PARALLEL_KERNELS
 from autopar.rules.registry import Strategy
 from autopar.solver.problem import pruning
 from autopar.solver.problem.edges import flatten
+from autopar.solver.problem.priced import PricedStrategy, PriceTable
 from autopar.trace.moe import EXPERTS_OP
 
 if TYPE_CHECKING:
@@ -36,41 +37,47 @@ def grad_sync_cost(
     The runtime reduces a parameter's gradient once per parameter, in buckets
     (``passes.schedule``). The ILP prices that: it takes these per-use terms of parameters back
     out of the objective and charges each (parameter, axis, held spec) once, at the bucketed
-    price (``Choice.param_syncs``, ``ilp.ShardingILP.add_param_sync_variables``);
+    price (``PricedStrategy.param_syncs``, ``ilp.ShardingILP.add_param_sync_variables``);
     ``solver.pricing.comm_schedule`` prices the solved plan's buckets and their overlap with backward.
-    ``is_param`` marks the parameter terms (``Choice.param_sync_s``); ``dtype`` is the
+    ``is_param`` marks the parameter terms (``PricedStrategy.param_sync_s``); ``dtype`` is the
     reduction's, where a precision policy sets one (else the argument's)."""
     return comm.grad_allreduce_cost(arg.shape, spec, axis, dtype or arg.dtype, mesh_shape, cluster)
 
 
-def price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, reachable) -> tuple:
-    """Every possible strategy of one op and its prices, dominated ones cut (``solver.problem.pruning``),
-    with the counts (enumerated, impossible, dominated)."""
+def price_strategies(
+    info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, reachable
+) -> tuple[PriceTable, tuple[int, int, int]]:
+    """Every possible strategy of one op with its prices, dominated ones cut (``solver.problem.pruning``),
+    and the counts (enumerated, impossible, dominated)."""
     enumerated = node_strategies(info, mesh_shape)
     strategies = [enumerated[i] for i in pruning.feasible([s.ins for s in enumerated], reachable)]
     if not strategies:  # nothing the producers deliver: keep the rules' list, so the ILP says why
         strategies = enumerated
-    lists = price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, strategies)
+    priced = price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, strategies)
     number = _by_identity(_numbering())  # interfaces compared by their specs' numbers: each spec hashed once
     keep = pruning.undominated(
         [
-            (tuple(map(number, s.ins)), tuple(map(number, s.outs)), tuple(sorted((i, a) for i, a, _, _ in syncs)))
-            for s, syncs in zip(lists[0], lists[6])
+            (
+                tuple(map(number, p.strategy.ins)),
+                tuple(map(number, p.strategy.outs)),
+                tuple(sorted((i, a) for i, a, _, _ in p.param_syncs)),
+            )
+            for p in priced
         ],
-        [(c, m, b, p, -bw) for c, m, b, p, bw in zip(lists[1], lists[2], lists[3], lists[4], lists[5])],
+        [(p.compute_s, p.memory_bytes, p.grad_sync_bytes, p.param_sync_s, -p.backward_s) for p in priced],
     )
     if len(keep) < len(strategies):
-        lists = tuple([values[i] for i in keep] for values in lists)
+        priced = priced.keep(keep)
     counts = (len(enumerated), len(enumerated) - len(strategies), len(strategies) - len(keep))
-    return (*lists, counts)
+    return priced, counts
 
 
-def price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, strategies) -> tuple:
+def price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, strategies) -> PriceTable:
     """Each strategy's compute (roofline, gradient all-reduces, kernel collectives), output
     memory and parameter reductions. What depends on one spec (its replicated axes, a gradient
     all-reduce, an output's bytes) is priced once per spec object: the rules give an op's equal
     specs as one object (``registry.expand_rows``), and any other list is priced all the same."""
-    compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs = [], [], [], [], [], []
+    priced = []
     replicated = _by_identity(replicated_axes)
     roofline = compute.roofline_terms_each(info, strategies, mesh_shape, cluster, needs_grad, replicated)
     grads = [
@@ -83,7 +90,7 @@ def price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad,
     out_bytes_of: dict[tuple[int, int], int] = {}  # (output, id(spec)) -> local bytes
     for strategy, (flops_s, bytes_s, factor) in zip(strategies, roofline):
         seconds = max(flops_s, bytes_s) * factor
-        backward_s.append(seconds * (factor - 1) / factor)
+        backward_s = seconds * (factor - 1) / factor
         synced = param_synced_s = 0.0
         merged = []
         for index, arg, is_param in grads:
@@ -100,16 +107,12 @@ def price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad,
                 if bucketed_s is not None:
                     merged.append((index, axis, cost.backward_s, bucketed_s))
                 synced += cost.bytes_sent
-        param_sync_s.append(param_synced_s)
-        param_syncs.append(tuple(merged))
         if strategy.kernel is not None:  # a plain strategy runs no collectives of its own
             kernel_s, kernel_bytes = comm.collectives_cost(
                 kernel_collectives(info, strategy, mesh_shape, needs_grad), mesh_shape, cluster
             )
             seconds += kernel_s
             synced += sum(kernel_bytes.values())
-        compute_s.append(seconds)
-        sync_bytes.append(synced)
         out_bytes = 0
         for index, shape, dtype in outputs:
             spec = strategy.outs[index]
@@ -117,8 +120,9 @@ def price_each(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad,
             if found is None:
                 found = out_bytes_of[(index, id(spec))] = memory.local_bytes(shape, dtype, spec, mesh_shape)
             out_bytes += found
-        memory_bytes.append(float(out_bytes))
-    return strategies, compute_s, memory_bytes, sync_bytes, param_sync_s, backward_s, param_syncs
+        # By position, in the record's field order: keywords take twice as long, per strategy.
+        priced.append(PricedStrategy(strategy, seconds, float(out_bytes), synced, param_synced_s, backward_s, tuple(merged)))
+    return PriceTable(priced)
 
 
 def _sync_terms(arg, spec: Spec, axis: int, is_param: bool, mesh_shape, cluster, sync_dtype) -> tuple:
@@ -196,7 +200,7 @@ def expert_parallel_record(choice: Choice, index: int, mesh_shape: Sequence[int]
         "degree": degree,
         "num_experts": weight.shape[0],
         "experts_per_device": weight.shape[0] // degree,
-        "cost_s": choice.compute_s[index],
+        "cost_s": choice.priced[index].compute_s,
         "all_to_all_s": exchange_s,
         "all_to_all_bytes": int(exchange_bytes),
         "capacity_factor": compute.CAPACITY_FACTOR,
@@ -239,7 +243,7 @@ def grad_sync_bytes_per_axis(
     choice: Choice, index: int, choices: dict[str, Choice], mesh_shape: Sequence[int]
 ) -> dict[int, float]:
     """Bytes each device sends per mesh axis in the backward gradient all-reduces of strategy
-    ``index`` of ``choice`` (what ``grad_sync_bytes[index]`` sums)."""
+    ``index`` of ``choice`` (what its ``PricedStrategy.grad_sync_bytes`` sums)."""
     per_axis: dict[int, float] = {}
     if choice.info is None:
         return per_axis

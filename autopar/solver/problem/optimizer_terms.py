@@ -41,7 +41,7 @@ def step_prices(
     memory_bytes: Mapping[str, Sequence[float]], timeline: Timeline, cluster: ClusterSpec, mesh_shape: Sequence[int]
 ) -> dict[str, list[float]]:
     """o[n, s] for every parameter n the optimizer steps (one with a gradient interval), from
-    ``memory_bytes`` (each node's local bytes per strategy, ``Choice.memory_bytes``)."""
+    ``memory_bytes`` (each node's local bytes per strategy, ``PricedStrategy.memory_bytes``)."""
     weight: dict[str, float] = {}
     stepped: set[str] = set()
     for iv in timeline.intervals:

@@ -30,7 +30,7 @@ def compute_coefficients(
     table = _Table(x)
     if table.unknown:
         return None
-    arrays: dict[int, np.ndarray] = {}  # by id of a compute_s list (identical ops share theirs)
+    arrays: dict[int, np.ndarray] = {}  # by id of a compute_s column (identical ops share their tables)
     for name in order:
         costs = compute_s[name]
         weights = arrays.get(id(costs))

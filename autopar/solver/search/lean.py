@@ -51,9 +51,10 @@ def _lean_plans(ilp: ShardingILP):
     picked = {}
     for name in rounding.deciding_nodes(graph):
         node = graph.choices[name]
-        picked[name] = min(range(len(node.strategies)), key=lambda s: (node.memory_bytes[s], node.compute_s[s], s))
+        priced = node.priced
+        picked[name] = min(range(len(priced)), key=lambda s: (priced[s].memory_bytes, priced[s].compute_s, s))
     yield rounding.complete(graph, picked)
-    seconds = sum(min(c.compute_s, default=0.0) for c in graph.choices.values())
-    total_bytes = sum(min(c.memory_bytes, default=0.0) for c in graph.choices.values())
+    seconds = sum(min(c.priced.compute_s, default=0.0) for c in graph.choices.values())
+    total_bytes = sum(min(c.priced.memory_bytes, default=0.0) for c in graph.choices.values())
     for weight in _LEAN_WEIGHTS:
         yield rounding.greedy(ilp, weight * max(seconds, 1e-12) / max(total_bytes, 1.0))

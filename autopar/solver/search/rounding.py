@@ -89,7 +89,7 @@ def greedy(ilp: ShardingILP, memory_weight: float = 0.0) -> dict[str, int] | Non
             best, best_cost = None, math.inf
             seconds = graph.objective_s(name)  # a parameter's with its optimizer step, as the ILP has it
             for s, strategy in enumerate(node.strategies):
-                cost = seconds[s] + memory_weight * node.memory_bytes[s]
+                cost = seconds[s] + memory_weight * node.priced[s].memory_bytes
                 for edge in inputs_of.get(name, []):
                     producer = graph.choices[edge.producer]
                     src = producer.strategies[chosen[edge.producer]].outs[edge.out_index]

@@ -185,8 +185,8 @@ def _greedy_plans(ilp: ShardingILP):
     if value is not None:
         yield value, choice, "greedy"
         return
-    seconds = sum(ilp.graph.choices[n].compute_s[s] for n, s in choice.items())
-    total_bytes = sum(ilp.graph.choices[n].memory_bytes[s] for n, s in choice.items())
+    seconds = sum(ilp.graph.choices[n].priced[s].compute_s for n, s in choice.items())
+    total_bytes = sum(ilp.graph.choices[n].priced[s].memory_bytes for n, s in choice.items())
     if not total_bytes:
         return
     for weight in _GREEDY_WEIGHTS:
