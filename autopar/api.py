@@ -17,6 +17,7 @@ from autopar.errors import ConfigError, ConfigTypeError, MeshError
 from autopar.ir.data import DataOptions
 from autopar.ir.given_plan import options_for_plan
 from autopar.ir.options import (
+    CheckpointPolicy,
     CommOptions,
     ComputeMode,
     MixedPrecision,
@@ -80,7 +81,7 @@ def plan(
     num_microbatches: int | Literal["auto"] | None = None,
     pipeline_schedules: ScheduleName | Sequence[ScheduleName] | Literal["auto"] = ("1F1B",),
     offload: OffloadTarget | str = "off",
-    checkpointing: bool | Literal["selective", "full", "selective-op"] | None = None,
+    checkpointing: bool | CheckpointPolicy | None = None,
     prefetch: bool = True,
     precision: Precision = None,
     comm: CommOptions | None = None,
@@ -125,7 +126,7 @@ def hand_plan(
     comm: CommOptions | None = None,
     data: DataOptions | None = None,
     offload: OffloadTarget | str = "off",
-    checkpointing: bool | Literal["selective", "full", "selective-op"] | None = False,
+    checkpointing: bool | CheckpointPolicy | None = False,
     prefetch: bool = True,
     options: Options = None,
 ) -> Plan:
@@ -181,7 +182,7 @@ def compile(
     num_microbatches: int | None = None,
     pipeline_schedules: ScheduleName | Sequence[ScheduleName] | Literal["auto"] = ("1F1B",),
     offload: OffloadTarget | str = "off",
-    checkpointing: bool | Literal["selective", "full", "selective-op"] | None = None,
+    checkpointing: bool | CheckpointPolicy | None = None,
     prefetch: bool = True,
     precision: Precision = None,
     comm: CommOptions | None = None,

@@ -7,6 +7,7 @@ import inspect
 import typing
 
 import autopar
+from autopar.cli.main import CHECKPOINTING
 from autopar.cost.cluster import COMPUTE_MODES
 from autopar.ir import options
 from autopar.ir.memory import CHECKPOINT_POLICIES
@@ -22,6 +23,8 @@ def test_each_literal_is_what_its_checker_accepts():
     assert typing.get_args(options.PrecisionName) == tuple(options.PRECISIONS)
     for offload in typing.get_args(options.OffloadTarget):
         options.MemoryOptions(offload=offload)  # each one passes the check
+    # the CLI spells its words without importing torch: every policy is one of them
+    assert {policy: policy for policy in CHECKPOINT_POLICIES}.items() <= CHECKPOINTING.items()
 
 
 def test_every_planning_keyword_of_the_facades_sets_one_field():
