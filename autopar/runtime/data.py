@@ -8,8 +8,12 @@ so that every rank sees every other's and all raise the same error, none waits).
 rank refuses (wrong arguments or shapes) is refused on every rank in the same exchange. The
 gather runs while the call computes: each rank waits for it just before the call's first
 collective, or at the end of its forward (``start_check``), so it raises before any collective
-and before the call returns, and a forward that computes before its first collective (a
-data-parallel plan's) finds it done.
+and before the call returns.
+
+Where a graph's first collective is an all-reduce of a few numbers (a data-parallel plan's loss:
+its sum and denominator), the gather waits for it and carries them: each rank sums the group's
+numbers from the checked table itself, so the forward makes one collective where it made two
+(``_Check.ride``; ``ParallelModule`` learns which graphs do so from their first call).
 
 The random generators are an input too. Where the plan draws random numbers (dropout) for a tensor
 that several ranks hold whole (replicated on a mesh axis), those ranks must draw the same numbers,
