@@ -58,35 +58,43 @@ def fingerprint(leaves: list[Any], device: torch.device) -> torch.Tensor:
     the tensors' sizes (each weighted by its place), the sum of their rows' sums, and that sum
     weighted by row position (so that reordered rows differ). Sums accumulate in float64 and make
     no float64 copy of the inputs' elements beyond the row sums. A handful of ops in all, whatever
-    the number of tensors: it runs on every call."""
+    the number of tensors: it runs on every call (``start_check`` reads ``_data_sums``)."""
+    count, sums = _data_sums(leaves, device)
+    return torch.cat([torch.tensor([count], dtype=torch.float64, device=device), sums])
+
+
+def _data_sums(leaves: list[Any], device: torch.device) -> tuple[float, torch.Tensor]:
+    """``fingerprint``'s numbers: the sizes' number (a Python float) and the two sums (a float64
+    tensor on ``device``), in one product of the row sums with their weights (``_row_weights``)."""
     count, sums, layout = 0.0, [], []
     for index, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             continue
-        rows = leaf.detach().reshape(leaf.shape[0] if leaf.dim() else 1, -1)
-        sums.append(rows.sum(dim=1, dtype=torch.float64).to(device))
+        rows = (leaf.detach() if leaf.requires_grad else leaf).reshape(leaf.shape[0] if leaf.dim() else 1, -1)
+        summed = rows.sum(dim=1, dtype=torch.float64)
+        sums.append(summed if summed.device == device else summed.to(device))
         layout.append((rows.shape[0], index))
         count += (index + 1) * (leaf.numel() + sum(size * (dim + 1) * _PRIME for dim, size in enumerate(leaf.shape)))
     if not sums:
-        return torch.tensor([count, 0.0, 0.0], dtype=torch.float64, device=device)
-    flat = torch.nan_to_num(torch.cat(sums))
-    both = torch.stack([flat.sum(), flat.dot(_row_weights(tuple(layout), device))])
-    return torch.cat([torch.tensor([count], dtype=torch.float64, device=device), both])
+        return count, torch.zeros(2, dtype=torch.float64, device=device)
+    flat = torch.nan_to_num(sums[0] if len(sums) == 1 else torch.cat(sums))
+    return count, flat @ _row_weights(tuple(layout), device)
 
 
 _WEIGHTS: dict[tuple, torch.Tensor] = {}
 
 
 def _row_weights(layout: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
-    """Each row's weight in ``fingerprint``: its position in its tensor, cycling through 1..251,
-    plus the tensor's place; made once per layout of (rows, place) and device."""
+    """Each row's two weights in ``fingerprint`` ([rows, 2]): 1, and its position in its tensor,
+    cycling through 1..251, plus the tensor's place; made once per layout of (rows, place) and device."""
     key = (layout, device)
     weights = _WEIGHTS.get(key)
     if weights is None:
         if len(_WEIGHTS) > 64:  # shapes that keep changing: keep the cache small
             _WEIGHTS.clear()
         parts = [torch.arange(rows, dtype=torch.float64).remainder_(_PRIME).add_(index + 1) for rows, index in layout]
-        weights = _WEIGHTS[key] = torch.cat(parts).to(device)
+        positions = torch.cat(parts)
+        weights = _WEIGHTS[key] = torch.stack([torch.ones_like(positions), positions], dim=1).to(device)
     return weights
 
 
@@ -199,14 +207,10 @@ def start_check(
     group = layout.rank(coordinate) if layout.per_rank else 0  # the ranks that must pass the same data
     rng = _rng_state(device)  # compared here where random ops need it, restored on a refusal
     drawn = [0.0, 0.0] if random is None else [float(random.group), _random_fingerprint(rng)]
-    row = torch.cat(
-        [
-            torch.tensor([group, float(refusal is not None)], dtype=torch.float64, device=device),
-            fingerprint(leaves, device),
-            torch.tensor([*drawn, float(call[0]), float(call[1]), shapes], dtype=torch.float64, device=device),
-            torch.zeros(_FIELDS - _RIDE, dtype=torch.float64, device=device),
-        ]
-    )
+    count, sums = _data_sums(leaves, device)
+    head = [group, float(refusal is not None), count, 0.0, 0.0, *drawn, float(call[0]), float(call[1]), shapes]
+    row = torch.tensor(head + [0.0] * (_FIELDS - _RIDE), dtype=torch.float64, device=device)
+    row[3:5] = sums  # one tensor and one copy: this runs on every call
     check = _Check(row, layout, random, rng, device)
     if refusal is not None:
         check.post()
@@ -291,16 +295,15 @@ class _Check:
         members = collectives.group_ranks(group_name)
         key = _group_key(members)
         if self._work is None:  # still to post: the numbers ride in this rank's row
-            self._row[_RIDE] = x.numel()
-            self._row[_RIDE + 1] = key
-            self._row[_RIDE + 2 : _RIDE + 2 + x.numel()].copy_(x.detach().reshape(-1))
+            carried = [x.numel(), key, *x.detach().reshape(-1).tolist()]
+            self._row[_RIDE : _RIDE + len(carried)] = torch.tensor(carried, dtype=torch.float64)
         table = self._settle()
         assert table is not None
         if any(table[rank][_RIDE] != x.numel() or table[rank][_RIDE + 1] != key for rank in members):
             return None
         start = _RIDE + 2
         sums = [sum(table[rank][start + i] for rank in members) for i in range(x.numel())]
-        return torch.tensor(sums, dtype=torch.float64, device=x.device).to(x.dtype).view(x.shape)
+        return torch.tensor(sums, dtype=x.dtype, device=x.device).reshape(x.shape)  # rounded once, from float64
 
 
 def _group_key(members: list[int]) -> float:
