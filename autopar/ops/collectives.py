@@ -622,6 +622,8 @@ def all_gather(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> t
 
 def chunk(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
     """R → S(dim) (or S(dim)/blocks): keep this rank's piece; no communication in forward."""
+    if not x.requires_grad:  # the batch's inputs and labels: no backward, so no autograd node (host time a call)
+        return _chunk(x, dim, group_name, blocks)
     return _Chunk.apply(x, dim, group_name, blocks)
 
 
