@@ -9,7 +9,9 @@ A GPT small enough that the host, not the arithmetic, sets the step time (``auto
 few KiB each). For each world size one set of spawned gloo ranks (one thread each) builds the
 trainers of ``bench_vs_torch.build`` for the same model (``eager_local``: the plain model on the
 rank's rows, no communication; ``torch_ddp``; ``torch_fsdp2``; ``autopar_ddp``; ``autopar_fsdp``;
-``--kinds`` can add ``torch_replicate``, FSDP2's machinery with every parameter replicated),
+``--kinds`` can add ``torch_replicate``, FSDP2's machinery with every parameter replicated, and
+``autopar_ddp_check_apart``, autopar's ddp whose data check never carries the loss's all-reduce:
+two collectives a forward, as before ``runtime.data`` let them ride together),
 each with torch's AdamW (``--optimizer``: default, foreach or fused). The trainers take turns step
 by step; each phase (``zero_grad``, forward, backward, ``optimizer.step()``) is timed with
 ``time.process_time`` (the rank's CPU time: what the host spends, not what it waits for peers).
@@ -40,7 +42,13 @@ KINDS = ("eager_local", "torch_ddp", "torch_fsdp2", "autopar_ddp", "autopar_fsdp
 PHASES = ("zero_grad", "forward", "backward", "step")
 # autopar's ddp against DDP (plain tensors) and against torch_replicate (FSDP2's machinery, every
 # parameter a replicated DTensor: the same layout as autopar's), its fsdp against FSDP2.
-PAIRS = (("autopar_ddp", "torch_ddp"), ("autopar_ddp", "torch_replicate"), ("autopar_fsdp", "torch_fsdp2"))
+PAIRS = (
+    ("autopar_ddp", "torch_ddp"),
+    ("autopar_ddp", "torch_replicate"),
+    ("autopar_fsdp", "torch_fsdp2"),
+    ("autopar_ddp", "autopar_ddp_check_apart"),
+)
+_APART = "_check_apart"
 
 
 def _phases(module, batch, optimizer) -> dict[str, float]:
@@ -63,7 +71,9 @@ def _rank(rank: int, world: int, init: str, out_dir: str, kinds: list[str], step
     try:
         trainers = {}
         for kind in kinds:
-            module, batch = build(kind, world, rank, CONFIG, BATCH)
+            module, batch = build(kind.removesuffix(_APART), world, rank, CONFIG, BATCH)
+            if kind.endswith(_APART):  # never learns to defer its check to the loss's all-reduce
+                module._learn_riding = lambda attr, settle: None
             trainers[kind] = (module, batch, torch.optim.AdamW(module.parameters(), lr=1e-3, **OPTIMIZERS[optimizer]))
         times: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
         for _ in range(3):  # warm-up

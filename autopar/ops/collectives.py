@@ -199,13 +199,17 @@ _before = threading.local()  # .hook: run once before this thread's next eager c
 
 def before_next_collective(hook: Callable[[], None] | None) -> None:
     """Run ``hook`` once, before the next eager collective of this thread (None: drop the one
-    set). ``runtime.data`` waits for a call's data check there, not before the call's compute."""
+    set). ``runtime.data`` waits for a call's data check there, not before the call's compute.
+    A hook with a ``ride(x, group_name)`` method is offered the next collective where it is an
+    all-reduce of a few numbers (``runtime.data``: the data check carries them in its own
+    all-gather); where it returns their sum, the all-reduce is not run."""
     _before.hook = hook
 
 
-def _guarded(kind: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
+def _guarded(kind: str, rides: bool = False) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
     """Turn a failed collective into a CollectiveError that names the group and the dead rank.
-    The wrapped function takes the group name as its last positional argument."""
+    The wrapped function takes the group name as its last positional argument; ``rides``: it
+    is an all-reduce whose first argument the hook may sum itself (``before_next_collective``)."""
 
     def wrap(fn: Callable[..., _T]) -> Callable[..., _T]:
         @functools.wraps(fn)
@@ -215,7 +219,13 @@ def _guarded(kind: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
             hook = getattr(_before, "hook", None)
             if hook is not None:
                 _before.hook = None
-                hook()
+                ride = getattr(hook, "ride", None) if rides else None
+                if ride is None:
+                    hook()
+                else:
+                    summed = ride(args[0], args[-1])
+                    if summed is not None:
+                        return summed
             try:
                 return fn(*args, **kwargs)
             except CollectiveError:
@@ -288,6 +298,11 @@ def group_rank(group_name: str) -> int:
     return _group(group_name)[1]
 
 
+def group_ranks(group_name: str) -> list[int]:
+    """The global ranks of the group, in group order (eagerly)."""
+    return dist.get_process_group_ranks(_resolve_process_group(group_name))
+
+
 def _waited(x: torch.Tensor) -> torch.Tensor:
     """A functional collective's result, waited on: eagerly it is an ``AsyncCollectiveTensor``;
     where traced, funcol has already put the ``wait_tensor`` in the graph (a second one would
@@ -295,7 +310,7 @@ def _waited(x: torch.Tensor) -> torch.Tensor:
     return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
-@_guarded("all-reduce")
+@_guarded("all-reduce", rides=True)
 def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _waited(funcol.all_reduce(x.contiguous(), "sum", group_name))
 
@@ -607,6 +622,8 @@ def all_gather(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> t
 
 def chunk(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
     """R → S(dim) (or S(dim)/blocks): keep this rank's piece; no communication in forward."""
+    if not x.requires_grad:  # the batch's inputs and labels: no backward, so no autograd node (host time a call)
+        return _chunk(x, dim, group_name, blocks)
     return _Chunk.apply(x, dim, group_name, blocks)
 
 

@@ -8,8 +8,12 @@ so that every rank sees every other's and all raise the same error, none waits).
 rank refuses (wrong arguments or shapes) is refused on every rank in the same exchange. The
 gather runs while the call computes: each rank waits for it just before the call's first
 collective, or at the end of its forward (``start_check``), so it raises before any collective
-and before the call returns, and a forward that computes before its first collective (a
-data-parallel plan's) finds it done.
+and before the call returns.
+
+Where a graph's first collective is an all-reduce of a few numbers (a data-parallel plan's loss:
+its sum and denominator), the gather waits for it and carries them: each rank sums the group's
+numbers from the checked table itself, so the forward makes one collective where it made two
+(``_Check.ride``; ``ParallelModule`` learns which graphs do so from their first call).
 
 The random generators are an input too. Where the plan draws random numbers (dropout) for a tensor
 that several ranks hold whole (replicated on a mesh axis), those ranks must draw the same numbers,
@@ -20,6 +24,7 @@ step, as DDP scripts that seed each rank differently would be.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Collection
 from typing import Any, NamedTuple, TypeVar
 
@@ -37,8 +42,13 @@ _T = TypeVar("_T")
 # Per rank: its group (the data-parallel rank under per_rank data, else 0), refused (1) or not, the
 # data's fingerprint (3), the group of ranks whose random generators must agree, and theirs, and
 # which call of the module this is (its count, and 1 in train mode): ``check_same_call``, and the
-# number of the call's input shapes (``runtime.shapes``), which every rank must share.
-_FIELDS = 10
+# number of the call's input shapes (``runtime.shapes``), which every rank must share. Then the
+# all-reduce that rides along (``_Check.ride``): how many numbers (0: none), its group's key, and
+# the numbers. Every row has every column, so that every rank's gather is the same size whatever
+# it carries (a rank that refuses or settles early posts the same all-gather as one that rides).
+_RIDE = 10
+RIDE_SLOTS = 4
+_FIELDS = _RIDE + 2 + RIDE_SLOTS
 _PRIME = 251  # position weights cycle through 1..251, so that reordered rows change the fingerprint
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13's name
 
@@ -48,35 +58,43 @@ def fingerprint(leaves: list[Any], device: torch.device) -> torch.Tensor:
     the tensors' sizes (each weighted by its place), the sum of their rows' sums, and that sum
     weighted by row position (so that reordered rows differ). Sums accumulate in float64 and make
     no float64 copy of the inputs' elements beyond the row sums. A handful of ops in all, whatever
-    the number of tensors: it runs on every call."""
+    the number of tensors: it runs on every call (``start_check`` reads ``_data_sums``)."""
+    count, sums = _data_sums(leaves, device)
+    return torch.cat([torch.tensor([count], dtype=torch.float64, device=device), sums])
+
+
+def _data_sums(leaves: list[Any], device: torch.device) -> tuple[float, torch.Tensor]:
+    """``fingerprint``'s numbers: the sizes' number (a Python float) and the two sums (a float64
+    tensor on ``device``), in one product of the row sums with their weights (``_row_weights``)."""
     count, sums, layout = 0.0, [], []
     for index, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             continue
-        rows = leaf.detach().reshape(leaf.shape[0] if leaf.dim() else 1, -1)
-        sums.append(rows.sum(dim=1, dtype=torch.float64).to(device))
+        rows = (leaf.detach() if leaf.requires_grad else leaf).reshape(leaf.shape[0] if leaf.dim() else 1, -1)
+        summed = rows.sum(dim=1, dtype=torch.float64)
+        sums.append(summed if summed.device == device else summed.to(device))
         layout.append((rows.shape[0], index))
         count += (index + 1) * (leaf.numel() + sum(size * (dim + 1) * _PRIME for dim, size in enumerate(leaf.shape)))
     if not sums:
-        return torch.tensor([count, 0.0, 0.0], dtype=torch.float64, device=device)
-    flat = torch.nan_to_num(torch.cat(sums))
-    both = torch.stack([flat.sum(), flat.dot(_row_weights(tuple(layout), device))])
-    return torch.cat([torch.tensor([count], dtype=torch.float64, device=device), both])
+        return count, torch.zeros(2, dtype=torch.float64, device=device)
+    flat = torch.nan_to_num(sums[0] if len(sums) == 1 else torch.cat(sums))
+    return count, flat @ _row_weights(tuple(layout), device)
 
 
 _WEIGHTS: dict[tuple, torch.Tensor] = {}
 
 
 def _row_weights(layout: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
-    """Each row's weight in ``fingerprint``: its position in its tensor, cycling through 1..251,
-    plus the tensor's place; made once per layout of (rows, place) and device."""
+    """Each row's two weights in ``fingerprint`` ([rows, 2]): 1, and its position in its tensor,
+    cycling through 1..251, plus the tensor's place; made once per layout of (rows, place) and device."""
     key = (layout, device)
     weights = _WEIGHTS.get(key)
     if weights is None:
         if len(_WEIGHTS) > 64:  # shapes that keep changing: keep the cache small
             _WEIGHTS.clear()
         parts = [torch.arange(rows, dtype=torch.float64).remainder_(_PRIME).add_(index + 1) for rows, index in layout]
-        weights = _WEIGHTS[key] = torch.cat(parts).to(device)
+        positions = torch.cat(parts)
+        weights = _WEIGHTS[key] = torch.stack([torch.ones_like(positions), positions], dim=1).to(device)
     return weights
 
 
@@ -159,6 +177,7 @@ def start_check(
     random: RandomOps | None = None,
     call: tuple[int, int] = (0, False),
     shapes: float = 0.0,
+    defer: bool = False,
 ) -> tuple[_T, Callable[[], None]]:
     """``validate()`` (the call's own checks, which return its flat inputs) and the launch of one
     all-gather that tells every rank whether any rank refused the call or passed other data than
@@ -172,7 +191,9 @@ def start_check(
     ``random``: the graph's random ops that need this rank's generators in step with others'.
     ``call``: (how many calls of the module this rank made, its train mode or ``GATHER``), which must agree.
     ``shapes``: a number of the call's input shapes (``runtime.shapes.key_number``), which must be
-    the same on every rank: a rank that meets new shapes settles before it plans them."""
+    the same on every rank: a rank that meets new shapes settles before it plans them.
+    ``defer``: post the gather at the settle instead of now, so that an all-reduce of a few numbers
+    met first (a data-parallel plan's loss) rides in it (``_Check.ride``): one collective, not two."""
     if any(isinstance(leaf, torch.Tensor) and (leaf.is_meta or is_fake(leaf)) for leaf in leaves):
         return validate(), _nothing  # shapes only (``autopar check``'s fake world): no values to compare
     if dist.get_world_size() == 1:
@@ -186,40 +207,109 @@ def start_check(
     group = layout.rank(coordinate) if layout.per_rank else 0  # the ranks that must pass the same data
     rng = _rng_state(device)  # compared here where random ops need it, restored on a refusal
     drawn = [0.0, 0.0] if random is None else [float(random.group), _random_fingerprint(rng)]
-    row = torch.cat(
-        [
-            torch.tensor([group, float(refusal is not None)], dtype=torch.float64, device=device),
-            fingerprint(leaves, device),
-            torch.tensor([*drawn, float(call[0]), float(call[1]), shapes], dtype=torch.float64, device=device),
-        ]
-    )
-    gathered = torch.empty(dist.get_world_size() * _FIELDS, dtype=torch.float64, device=device)
-    work = collectives.call_on_world("all-gather (data check)", _all_gather_into, gathered, row, async_op=True)
-    rows = gathered.view(-1, _FIELDS)  # row r is rank r's
+    count, sums = _data_sums(leaves, device)
+    head = [group, float(refusal is not None), count, 0.0, 0.0, *drawn, float(call[0]), float(call[1]), shapes]
+    row = torch.tensor(head + [0.0] * (_FIELDS - _RIDE), dtype=torch.float64, device=device)
+    row[3:5] = sums  # one tensor and one copy: this runs on every call
+    check = _Check(row, layout, random, rng, device)
     if refusal is not None:
-        collectives.call_on_world("all-gather (data check)", work.wait)
+        check.post()
+        collectives.call_on_world("all-gather (data check)", check.wait)
         raise refusal
-    pending = [work]
+    if not defer:
+        check.post()
+    return result, check
 
-    def settle() -> None:
-        if not pending:
-            return
-        collectives.call_on_world("all-gather (data check)", pending.pop().wait)
-        table = rows.tolist()  # one device sync on a GPU; the checks below read Python floats (host time)
+
+class _Check:
+    """One call's data check (``start_check``): calling it settles the check, once. ``ride`` settles
+    it at an all-reduce of a few numbers and, where every rank of the all-reduce's group put them
+    in its row, returns their sum; ``rode`` says whether the check settled at such an all-reduce
+    (``ParallelModule`` then defers the next call's gather to ride)."""
+
+    __slots__ = ("_row", "_layout", "_random", "_rng", "_device", "_gathered", "_work", "_settled", "rode")
+
+    def __init__(
+        self,
+        row: torch.Tensor,
+        layout: DataLayout,
+        random: RandomOps | None,
+        rng: tuple[torch.Tensor, torch.Tensor | None],
+        device: torch.device,
+    ):
+        self._row, self._layout, self._random, self._rng, self._device = row, layout, random, rng, device
+        self._gathered: torch.Tensor | None = None
+        self._work: Any = None
+        self._settled = False
+        self.rode = False
+
+    def post(self) -> None:
+        """Launch the all-gather of every rank's row."""
+        self._gathered = torch.empty(dist.get_world_size() * _FIELDS, dtype=torch.float64, device=self._device)
+        self._work = collectives.call_on_world(
+            "all-gather (data check)", _all_gather_into, self._gathered, self._row, async_op=True
+        )
+
+    def wait(self) -> None:
+        self._work.wait()
+
+    def __call__(self) -> None:
+        self._settle()
+
+    def _settle(self) -> list[list[float]] | None:
+        """Wait for the gather (posting it first where deferred) and check the table; the table."""
+        if self._settled:
+            return None
+        self._settled = True
+        if self._work is None:
+            self.post()
+        collectives.call_on_world("all-gather (data check)", self.wait)
+        assert self._gathered is not None
+        table = self._gathered.view(-1, _FIELDS).tolist()  # one device sync on a GPU; the checks read Python floats
         try:
             check_same_call([row[7:9] for row in table])
             refused = [rank for rank, row in enumerate(table) if row[1] != 0]
             if refused:
                 raise InputError(f"ranks {refused} refused this call (see their errors); every rank stops here")
             _check_same_shapes(table)
-            _check_same_data(table, layout)
-            if random is not None:
-                _check_same_random(table, random)
+            _check_same_data(table, self._layout)
+            if self._random is not None:
+                _check_same_random(table, self._random)
         except ValueError:  # a refusing rank ran nothing: every rank leaves with the state it came with
-            _set_rng_state(rng, device)
+            _set_rng_state(self._rng, self._device)
             raise
+        return table
 
-    return result, settle
+    def ride(self, x: torch.Tensor, group_name: str) -> torch.Tensor | None:
+        """Settle at an all-reduce (sum) of ``x`` over ``group_name``: where the gather is still to
+        post and ``x`` holds at most ``RIDE_SLOTS`` floating-point numbers, they ride in this rank's
+        row. Returns their sum over the group where every rank of it put the same all-reduce in its
+        row (each rank sums the same rows in rank order, in float64: all get the same numbers), else
+        None: the all-reduce then runs as it is, on every rank of the group alike, since each
+        decides from the same table."""
+        fits = x.is_floating_point() and 0 < x.numel() <= RIDE_SLOTS and x.device == self._device
+        self.rode = fits and not self._settled
+        if not self.rode:
+            self._settle()
+            return None
+        members = collectives.group_ranks(group_name)
+        key = _group_key(members)
+        if self._work is None:  # still to post: the numbers ride in this rank's row
+            carried = [x.numel(), key, *x.detach().reshape(-1).tolist()]
+            self._row[_RIDE : _RIDE + len(carried)] = torch.tensor(carried, dtype=torch.float64)
+        table = self._settle()
+        assert table is not None
+        if any(table[rank][_RIDE] != x.numel() or table[rank][_RIDE + 1] != key for rank in members):
+            return None
+        start = _RIDE + 2
+        sums = [sum(table[rank][start + i] for rank in members) for i in range(x.numel())]
+        return torch.tensor(sums, dtype=x.dtype, device=x.device).reshape(x.shape)  # rounded once, from float64
+
+
+def _group_key(members: list[int]) -> float:
+    """A number naming a group by its ranks (a CRC: exact in float64), so that ranks that ride
+    all-reduces of different groups (which a rank never should) do not sum each other's."""
+    return float(zlib.crc32(",".join(map(str, members)).encode()))
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -87,6 +87,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
         # Per mode graph, read once (runtime.data): whether it writes a buffer, its random ops on replicated tensors.
         self._graph_facts: dict[str, tuple[bool, RandomOps | None]] = {}
+        self._riding: set[str] = set()  # graphs whose data check rides on their first all-reduce (_learn_riding)
         self._readers: dict[str, list[tuple[str, Any, str, str | None]]] = {}  # per graph: _graph_values
         self._build_mode = build_mode
         # Graphs for calls of other input shapes (runtime.shapes), by (training, shapes).
@@ -280,6 +281,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
             random,
             (self._num_calls, self.training),
             shapes=shapes.key_number(key),
+            defer=run.attr in self._riding,
         )
         if new:  # every rank agrees on the shapes (the settle raises where one differs) before all plan them
             settle()
@@ -292,10 +294,22 @@ class ParallelModule(ModelAttributes, ShardedModule):
         collectives.before_next_collective(settle)
         try:
             outputs = self._run_graph(self._graph_values(run, flat), run, settle)
+            self._learn_riding(run.attr, settle)
         finally:  # also where the graph failed: other data is then the likelier cause, and is raised
             collectives.before_next_collective(None)
             settle()
         return pytree.tree_unflatten(list(outputs), run.traced.out_spec)
+
+    def _learn_riding(self, attr: str, settle: Callable[[], None]) -> None:
+        """Whether the next call of graph ``attr`` defers its data check to carry the first
+        all-reduce of the call (``runtime.data.start_check``): where this call's check settled at an
+        all-reduce of a few numbers (a data-parallel plan's loss). Learned after a call that every
+        rank ran (its check passed), so every rank learns alike; where ranks still differ, each
+        group's all-reduce runs as it is (``_Check.ride``), so it costs time, never numbers."""
+        if getattr(settle, "rode", False):
+            self._riding.add(attr)
+        else:
+            self._riding.discard(attr)
 
     def _shape_graph(self, run: ModeGraph, key: shapes.ShapeKey) -> tuple[ModeGraph, bool]:
         """The graph for a call of shapes ``key`` in ``run``'s mode: ``run`` where they are its

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -166,3 +169,135 @@ def test_random_ops_on_replicated_tensors_are_found_with_their_axes() -> None:
     assert found.group != random_ops(traced.gm, placed(Shard(0), Replicate()), (0, 1)).group
     assert random_ops(traced.gm, placed(Replicate(), Replicate()), (0, 1)).axes == (0, 1)
     assert random_ops(trace(model.eval(), (x, y)).gm, plan, (0, 0)) is None  # eval: dropout draws nothing
+
+
+class _DroppedScale(torch.nn.Module):
+    """The zoo's GPT (cross entropy: one all-reduce of its sum and denominator under a data-parallel
+    plan) times the mean of a replicated parameter under dropout, so that the ranks' random
+    generators must agree."""
+
+    def __init__(self):
+        super().__init__()
+        from autopar.zoo.models import build_model
+
+        self.gpt = build_model("gpt", seed=0)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, idx, targets):
+        return self.gpt(idx, targets) * torch.dropout(self.scale, 0.5, self.training).mean()
+
+
+def _stepped(module, opt, batch, seed, micro: int) -> float:
+    """One SGD step of ``module`` on ``batch`` in ``micro`` micro-batches (the first ones under
+    no_sync where ``module`` has it), dropout seeded with ``seed``; the first micro-batch's loss."""
+    losses = []
+    for index in range(micro):
+        torch.manual_seed(seed + index)
+        sync = hasattr(module, "no_sync") and index < micro - 1
+        with module.no_sync() if sync else contextlib.nullcontext():
+            loss = module(*batch)
+            loss.div(micro).backward()
+        losses.append(loss.item())
+    opt.step()
+    opt.zero_grad()
+    return losses[0]
+
+
+def _riding(rank: int, world_size: int) -> dict:
+    """A data-parallel plan whose data check carries the loss's all-reduce: four SGD steps (one of
+    two micro-batches under no_sync) and eval-mode calls (a graph of its own) equal eager's in float64, with no
+    all-reduce in the forward once learned; other data, other shapes, a refused call and random
+    generators out of step fail on every rank, and the module is unharmed after them."""
+    import torch.distributed._functional_collectives as funcol
+
+    from autopar.zoo.models import example_batch
+
+    torch.set_default_dtype(torch.float64)
+    x, y = example_batch("gpt", 8, seed=1)
+    model = _DroppedScale()
+    eager = copy.deepcopy(model)
+    plan = autopar.hand_plan("ddp", model, (world_size,), example_inputs=(x, y), cluster="cpu")
+    pm = autopar.compile(model, (world_size,), example_inputs=(x, y), plan=plan)
+    reduces = []
+    real_all_reduce = funcol.all_reduce
+    funcol.all_reduce = lambda *args, **kwargs: reduces.append(1) or real_all_reduce(*args, **kwargs)
+    out: dict = {"kernel": plan.nodes["cross_entropy_loss"].kernel}
+    try:
+        opt, eager_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+        out["losses"] = []
+        for step in range(4):
+            batch = (x.roll(step, 1), y.roll(step, 1))
+            micro = 2 if step == 2 else 1
+            ours, theirs = _stepped(pm, opt, batch, 10 * step, micro), _stepped(eager, eager_opt, batch, 10 * step, micro)
+            out["losses"].append(abs(ours - theirs))
+            if step == 0:
+                out["reduces_learning"] = len(reduces)  # first call: the check settles at the loss's all-reduce
+                reduces.clear()
+        out["reduces_riding"] = len(reduces)
+        out["riding"] = sorted(pm._riding)
+        out["params"] = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(pm.parameters(), eager.parameters()))
+        torch.manual_seed(0)
+        first = pm(x, y).item()
+        out["mixed"] = _error(lambda: pm(x.flip(0) if rank else x, y))
+        out["shapes"] = _error(lambda: pm(x[:4] if rank else x, y[:4] if rank else y))
+        out["refused"] = _error(lambda: pm(torch.cat([x, x]) if rank else x, y))
+        torch.manual_seed(rank)
+        out["random"] = _error(lambda: pm(x, y))
+        torch.manual_seed(0)
+        out["same_loss"] = pm(x, y).item() == first
+        pm.eval(), eager.eval()
+        out["eval"] = max(abs(pm(x, y).item() - eager(x, y).item()) for _ in range(2))
+    finally:
+        funcol.all_reduce = real_all_reduce
+    return out
+
+
+@pytest.mark.multiproc
+def test_the_data_check_carries_the_loss_all_reduce_and_still_fails_on_every_rank(rank_pool) -> None:
+    results = rank_pool(2).run(_riding, timeout_s=300)
+    for rank, out in enumerate(results):
+        assert out["kernel"] == "cross_entropy_mean", out  # the plan this test is about
+        assert out["reduces_learning"] == 1 and out["reduces_riding"] == 0 and len(out["riding"]) == 1, (rank, out)
+        assert max(out["losses"]) < 1e-12 and out["params"] < 1e-12 and out["eval"] < 1e-12, (rank, out)
+        assert "ranks 0 and 1 passed different batches" in out["mixed"], (rank, out["mixed"])
+        assert "ranks 0 and 1 passed inputs of different shapes" in out["shapes"], (rank, out["shapes"])
+        assert "draw different random numbers" in out["random"], (rank, out["random"])
+        assert out["same_loss"], f"rank {rank}: the call after the refused ones computed another loss"
+    assert "refused this call" not in results[1]["refused"] and results[1]["refused"] != "no error", results[1]
+    assert "ranks [1] refused this call" in results[0]["refused"], results[0]["refused"]
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def test_an_all_reduce_rides_only_where_every_rank_of_its_group_carried_it(world_of_one, monkeypatch) -> None:
+    """Each rank sums the ridden numbers from the same table, so all ranks of a group ride or none
+    does: where another rank's row carries nothing (it posted its check before its all-reduce) or
+    another group's numbers, the all-reduce runs as it is. Too many numbers never ride."""
+    from autopar.runtime import data
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(collectives, "group_ranks", lambda name: [0, 1])
+    other = torch.zeros(data._FIELDS, dtype=torch.float64)
+
+    def post(self) -> None:  # rank 0's row beside ``other`` (rank 1's), as the gather would return them
+        self._gathered, self._work = torch.cat([self._row, other]), _Done()
+
+    monkeypatch.setattr(data._Check, "post", post)
+
+    def ride(x: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        check = data._Check(
+            torch.zeros(data._FIELDS, dtype=torch.float64), DataLayout("whole", (), (2,)), None, data._rng_state(cpu), cpu
+        )
+        return check.ride(x, "group"), check.rode
+
+    other[data._RIDE : data._RIDE + 4] = torch.tensor([2, data._group_key([0, 1]), 0.25, 4.0], dtype=torch.float64)
+    summed, rode = ride(torch.tensor([1.5, 2.0], dtype=torch.float32))
+    assert rode and summed is not None and summed.dtype == torch.float32 and summed.tolist() == [1.75, 6.0]
+    other[data._RIDE + 1] = data._group_key([0, 2])
+    assert ride(torch.tensor([1.5, 2.0])) == (None, True)
+    other[data._RIDE : data._RIDE + 2] = 0.0
+    assert ride(torch.tensor([1.5, 2.0])) == (None, True)
+    assert ride(torch.ones(data.RIDE_SLOTS + 1)) == (None, False)
