@@ -530,24 +530,12 @@ def plan_memory(
     candidates = _candidates(walk, graph, choice, cluster, target, checkpointing, policy)
     before, _ = walk.peak(set(), prefetch)
     fixed = [c for c in candidates if policy is not None and c.key[0] == _POLICY_KEY[policy]]
-    taken = _greedy(walk, candidates, fixed, budget, prefetch)
-    if taken is None:
-        raise _infeasible(walk, graph, _leanest_keys(candidates), prefetch, budget, target, checkpointing, explain)
-    chosen, keys = taken
     compute_s = sum(graph.choices[n].priced[choice[n]].compute_s for n in graph.order)
     link = offload_link(cluster, target) if target else None
-    added = _added_s(walk, cluster, graph.mesh_shape, chosen, compute_s, prefetch, link)
-    if policy is None and any(c.key[0] == "selective-op" for c in chosen):
-        # The greedy ranks a transfer by its seconds before overlap, and a layer's
-        # "selective-op" by its average over the bytes a cheaper "selective" would free too: the
-        # greedy without it (as planned before it was a candidate) wins where it adds less.
-        others = [c for c in candidates if c.key[0] != "selective-op"]
-        alternative = _greedy(walk, others, fixed, budget, prefetch)
-        if alternative is not None:
-            other = _added_s(walk, cluster, graph.mesh_shape, alternative[0], compute_s, prefetch, link)
-            if sum(other) < sum(added):
-                (chosen, keys), added = alternative, other
-    recompute_s, exposed_s = added
+    taken = _cheapest_greedy(walk, cluster, graph.mesh_shape, candidates, fixed, budget, prefetch, compute_s, link)
+    if taken is None:
+        raise _infeasible(walk, graph, _leanest_keys(candidates), prefetch, budget, target, checkpointing, explain)
+    (chosen, keys), (recompute_s, exposed_s) = taken
     peak, time = walk.peak(keys, prefetch, fresh=True)
     breakdown = dict.fromkeys(liveness.KINDS, 0.0)
     for node, kind, start, end, factor in walk.intervals(keys, prefetch):
@@ -594,6 +582,27 @@ def _greedy(
     if peak > budget:
         return None
     return _drop_unneeded(walk, candidates, chosen, keys, budget, prefetch, {c.key for c in fixed})
+
+
+def _cheapest_greedy(
+    walk: _Walk, cluster: ClusterSpec, mesh_shape, candidates, fixed, budget: float, prefetch: bool, compute_s: float, link
+) -> tuple[tuple[list[_Candidate], set], tuple[float, float]] | None:
+    """``_greedy``'s decisions and what they add (``_added_s``); None where nothing fits. The
+    greedy ranks a transfer by its seconds before overlap, and a layer's "selective-op" by its
+    average over the bytes a cheaper "selective" would free too: where it took "selective-op"
+    (not ``fixed``), the greedy without it (as planned before it was a candidate) wins if it adds less."""
+    taken = _greedy(walk, candidates, fixed, budget, prefetch)
+    if taken is None:
+        return None
+    added = _added_s(walk, cluster, mesh_shape, taken[0], compute_s, prefetch, link)
+    if not fixed and any(c.key[0] == "selective-op" for c in taken[0]):
+        others = [c for c in candidates if c.key[0] != "selective-op"]
+        alternative = _greedy(walk, others, fixed, budget, prefetch)
+        if alternative is not None:
+            other = _added_s(walk, cluster, mesh_shape, alternative[0], compute_s, prefetch, link)
+            if sum(other) < sum(added):
+                return alternative, other
+    return taken, added
 
 
 def _added_s(
