@@ -15,9 +15,11 @@ smallest depth's, per model. Models:
 - ``llama``: the zoo's Llama at LLaMA-2-70B widths, batch 8 × 4096, mesh (128, 8);
 - ``hf-llama``: Hugging Face ``LlamaForCausalLM`` at LLaMA-2-70B widths in bf16, batch
   8 × 4096, mesh (128, 8) (as ``bench_llm_plan.py``); ``hf-llama-128``: the same at batch
-  128 × 4096. For both, and the zoo's Llama, the default budget binds at 48 layers and not at
-  12, so the two depths take different paths through the solver (a binding budget adds LP
-  solves, roundings and liveness walks: ``solver.search.budget``).
+  128 × 4096. For the zoo's Llama the default budget binds at 48 layers and not at 12, so the
+  two depths take different paths through the solver (a binding budget adds LP solves,
+  roundings and liveness walks: ``solver.search.budget``); on the HF models it no longer binds
+  (2026-11-29: ``hf-llama`` peaks at 40 and 66 GiB at 48 and 80 layers, ``hf-llama-128`` at
+  69 GiB at 48, under 72; 80 not measured).
 
 - ``gpt-oss``: a tiny Hugging Face GPT-OSS (width 64, 4 experts), batch 4 × 32, mesh (2, 2):
   ``--models gpt-oss --layers 2 --memory-budget inf --state-budget 0.6`` is issue 48's budgeted

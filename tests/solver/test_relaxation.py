@@ -174,6 +174,48 @@ def test_a_priced_solve_is_the_solve_of_the_priced_expression(graph, unbounded, 
     assert _model(fast.relaxation)["cost"] == plain
 
 
+def test_lagrangian_steps_in_a_row_pass_each_steps_costs_once(graph, unbounded, tight):
+    """Two Lagrangian steps back to back (``budget.trace_front``), the second at other prices: the
+    second passes HiGHS its priced costs once (not the problem's objective first), and they are
+    the costs of the objective + Σ price · row built in PuLP, so the solve ends at the same LP
+    optimum (from another basis: maybe at another of its solutions); a plain solve after them
+    holds the problem's own objective again."""
+    ilps = [ShardingILP(graph, tight) for _ in range(2)]
+    for ilp in ilps:
+        ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded).time, tight)
+        assert solving.solve_relaxation(ilp, 60) == "Optimal"
+    plain = _model(ilps[0].relaxation)["cost"]
+    names = [ilps[0].memory_constraint_name(t) for t in sorted(ilps[0].memory_times)]
+    first = [(name, 1e-3 * (i + 1)) for i, name in enumerate(names)]
+    second = [(name, 4e-3 * (len(names) - i)) for i, name in enumerate(names)]
+    saved = {name: ilps[0].problem.constraints[name].constant for name in names}
+    for ilp in ilps:
+        for name in names:
+            ilp.problem.constraints[name].constant = -1e30
+    fast, slow = ilps
+    assert solving.solve_relaxation(fast, 60, priced=first) == "Optimal"
+    passed = []
+    pass_costs = fast.relaxation._pass_costs
+    fast.relaxation._pass_costs = lambda costs: passed.append(costs) or pass_costs(costs)
+    assert solving.solve_relaxation(fast, 60, priced=second) == "Optimal"
+    del fast.relaxation._pass_costs
+    assert len(passed) == 1, "the second step's costs are passed once"
+    terms: dict = {}
+    for name, price in second:
+        for var, coef in slow.problem.constraints[name].items():
+            terms[var] = terms.get(var, 0.0) + price * coef
+    objective = slow.problem.objective
+    solving._set_objective(slow, objective + pulp.LpAffineExpression(terms))
+    assert solving.solve_relaxation(slow, 60) == "Optimal"
+    assert _model(fast.relaxation)["cost"] == _model(slow.relaxation)["cost"] != plain
+    optimum = slow.relaxation.highs.getObjectiveValue()
+    assert fast.relaxation.highs.getObjectiveValue() == pytest.approx(optimum, rel=1e-9)
+    for name in names:
+        fast.problem.constraints[name].constant = saved[name]
+    assert solving.solve_relaxation(fast, 60) == "Optimal"
+    assert _model(fast.relaxation)["cost"] == plain
+
+
 def test_the_first_solve_is_the_one_pulp_runs(graph):
     """Same columns, rows and options as PuLP's HiGHS: the same LP solution, value for value, so
     the unbounded plan (one LP and its rounding) does not move."""

@@ -92,6 +92,7 @@ class Relaxation:
         # the held y's columns have no variable (``_HELD``) and never change bounds.
         self.variables = list(self.ilp.variables())
         self.columns, self.variable_columns = self._held_in_order(self.variables)
+        self._index: np.ndarray | None = None  # ``_variable_index``
         # By identity: pulp variables compare into constraints, not booleans.
         self.column_of = dict(zip(map(id, self.variables), self.variable_columns))
         self.costs = np.zeros(len(self.columns))
@@ -116,6 +117,10 @@ class Relaxation:
         self.objective_ids: list[int] = []
         self.objective_coefs: list[float] = []
         self.scale = 1.0
+        # That objective unscaled, a cost per column (``_hold_objective``), and its own scale:
+        # what HiGHS holds while ``priced`` is False, and what a Lagrangian step adds to.
+        self.base_costs, self.base_scale = np.zeros(len(self.columns)), 1.0
+        self.priced = False  # HiGHS holds the objective plus a Lagrangian step's prices (``_price``)
         self.rows: list[pulp.LpConstraint] = []
         self.table, self.table_columns = None, []  # ``_add_new_rows``: the ILP's row table, its columns' numbers here
         self.row_terms: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # ``_row_terms``
@@ -224,9 +229,11 @@ class Relaxation:
         self.row_senses += map(_SENSE, new)
         return True
 
-    def _sync(self) -> float:
+    def _sync(self, priced: bool = False) -> float:
         """Pass HiGHS what changed in the problem since the last solve (rows, then bounds, then
-        the objective, as they were always passed); the objective's scale."""
+        the objective, as they were always passed); the objective's scale. ``priced``: a
+        Lagrangian step's prices follow (``_price``), which replace the objective's costs: they
+        are read, not passed (on a tiny GPT-OSS, passing them twice per step cost 20% of it)."""
         constraints = self.ilp.rows_by_name()
         self._add_new_columns()
         objective = self._read_objective()
@@ -241,7 +248,10 @@ class Relaxation:
         self._sync_row_bounds()
         self._sync_column_bounds()
         if objective:
-            self._sync_objective(*objective)
+            self._hold_objective(*objective)
+        if not priced and (objective or self.priced):
+            self._pass_costs(self.base_costs * self.base_scale)
+            self.scale, self.priced = self.base_scale, False
         return self.scale
 
     def _sync_row_bounds(self) -> None:
@@ -275,15 +285,16 @@ class Relaxation:
         columns = list(map(self.column_of.get, ids))
         return None if None in columns else (list(objective), ids, coefs, columns)
 
-    def _sync_objective(self, variables: list, ids: list[int], coefs: list[float], columns: list[int]) -> None:
-        """Pass the objective's coefficients that changed, scaled (``objective_scale``)."""
+    def _hold_objective(self, variables: list, ids: list[int], coefs: list[float], columns: list[int]) -> None:
+        """Take the problem's objective as the one HiGHS holds: its costs per column, unscaled
+        (``base_costs``), and their scale (``objective_scale``), which ``_sync`` passes."""
         values = np.array(coefs, dtype=float)
         held_columns, held_costs = self._held_costs()
-        self.scale = _scale_for(_largest(values, held_costs))
+        self.base_scale = _scale_for(_largest(values, held_costs))
         costs = np.zeros(len(self.columns))
-        costs[held_columns] = held_costs * self.scale
-        costs[np.array(columns, dtype=np.int64)] = values * self.scale
-        self._pass_costs(costs)
+        costs[held_columns] = held_costs
+        costs[np.array(columns, dtype=np.int64)] = values
+        self.base_costs = costs
         self.objective_vars, self.objective_ids, self.objective_coefs = variables, ids, coefs
 
     def _pass_costs(self, costs: np.ndarray) -> None:
@@ -296,21 +307,16 @@ class Relaxation:
         """Pass HiGHS the problem's objective plus price · terms of each named row: what PuLP's
         ``objective + Σ price · row`` would hold, coefficient for coefficient (each variable's
         prices added in ``priced``'s order, then its objective coefficient), scaled as
-        ``_sync_objective`` scales. Building that expression in PuLP, once per Lagrangian
+        ``_sync`` scales. Building that expression in PuLP, once per Lagrangian
         step, took as long as the warm solve. The next ``_sync`` passes the objective back."""
         penalty = np.zeros(len(self.columns))
         for name, price in priced:
             columns, coefs = self._row_terms(name)
             penalty[columns] += price * coefs
-        costs = np.zeros(len(self.columns))
-        held_columns, held_costs = self._held_costs()
-        costs[held_columns] = held_costs
-        costs[np.array(list(map(self.column_of.__getitem__, self.objective_ids)), dtype=np.int64)] = self.objective_coefs
-        costs += penalty
+        costs = self.base_costs + penalty
         scale = _scale_for(float(np.abs(costs).max()) if len(costs) else 0.0)
-        self.objective_ids = self.objective_coefs = None  # HiGHS does not hold the problem's objective now
         self._pass_costs(costs * scale)
-        self.scale = scale
+        self.scale, self.priced = scale, True
 
     def _row_terms(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(columns, coefficients) of a row HiGHS holds, in the row's order, from the row table
@@ -331,7 +337,7 @@ class Relaxation:
         problem, ilp = self.ilp.problem, self.ilp
         if problem.objective is not ilp.time_objective:
             ilp.generate_all()  # the held y are priced in the time objective only
-        self._sync()
+        self._sync(priced=bool(priced))
         if priced:
             self._price(priced)
         self._run(time_limit_s)
@@ -339,7 +345,7 @@ class Relaxation:
         solution = self.highs.getSolution()
         values = np.asarray(solution.col_value)
         if len(values) == len(self.columns):  # none when the solve found nothing
-            for var, value in zip(self.variables, values[self.variable_columns].tolist()):
+            for var, value in zip(self.variables, values[self._variable_index()].tolist()):
                 var.varValue = value
         if len(ilp.held) and len(values) == len(self.columns):
             # The held y the solution uses become PuLP variables, at their values: the problem
@@ -353,6 +359,14 @@ class Relaxation:
             row.pi = dual
         problem.assignStatus(status, sol_status)
         return pulp.LpStatus[status]
+
+    def _variable_index(self) -> np.ndarray:
+        """``variable_columns`` as an array, kept while it has as many entries (it only grows):
+        each solve reads its variables' values by it, and a list of 10^5 is converted anew each time."""
+        index = self._index
+        if index is None or len(index) != len(self.variable_columns):
+            index = self._index = np.array(self.variable_columns, dtype=np.int64)
+        return index
 
     def _run(self, time_limit_s: float) -> None:
         """Run the simplex from the last basis. Without cost perturbation (``backends.LP_OPTIONS``)
