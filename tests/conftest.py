@@ -19,26 +19,43 @@ from autopar.zoo.models import build_model, example_batch
 
 # -- test order ---------------------------------------------------------------------------------
 
-# The slowest files, slowest first (seconds on the two-core machine, 2026-11-24). scripts/test.sh
-# runs the suite on two pytest-xdist workers, one file at a time each (``--dist loadfile``), in
-# this order: a long file started last would leave one worker running it alone at the end.
+# The slowest files, slowest first (seconds on the two-core machine: the slowest test or two of
+# each, from ``--durations`` of the full suite, 2026-11-29). scripts/test.sh runs the suite on two
+# pytest-xdist workers, one file at a time each (``--dist loadfile``), in this order: a long file
+# started last would leave one worker running it alone at the end.
 # Order only; a file not listed runs after these, in collection order.
 SLOWEST_FILES = (
     "tests/zoo/test_zoo.py",  # 175
-    "tests/zoo/test_hf.py",  # 120
+    "tests/test_docs.py",  # 150: every README and docs/ code block
+    "tests/solver/test_moe_plans.py",  # 140: a Mixtral plan on 64 GPUs in its fixture
     "tests/solver/test_solving.py",  # 120
+    "tests/zoo/test_hf.py",  # 120
+    "tests/runtime/test_conformance.py",  # 116
     "tests/runtime/test_module.py",  # 95
-    "tests/runtime/test_colossal_distributed.py",  # 142 (216-282 under a load of 20)
-    "tests/test_docs.py",  # 90-200: every README and docs/ code block
+    "tests/solver/test_edges.py",  # 92
+    "tests/zoo/test_zoo_compiled.py",  # 79
+    "tests/runtime/test_faults.py",  # 71
+    "tests/solver/test_relaxation.py",  # 57
     "tests/solver/test_memory.py",  # 55
     "tests/solver/test_hand_plans.py",  # 55
-    "tests/cli/test_main.py",  # 40
-    "tests/runtime/test_precision.py",  # 36
+    "tests/cli/test_main.py",  # 50
+    "tests/test_rank_pool.py",  # 49
+    "tests/runtime/test_compiled.py",  # 48
+    "tests/runtime/test_precision.py",  # 47
+    "tests/runtime/test_colossal_distributed.py",  # 44 (216-282 under a load of 20)
+    "tests/solver/test_columns.py",  # 42
+    "tests/runtime/test_pipeline.py",  # 42
+    "tests/runtime/test_pipeline_llm.py",  # 41
+    "tests/solver/test_pruning.py",  # 38
+    "tests/runtime/test_shapes.py",  # 38
     "tests/runtime/test_reliability.py",  # 36
     "tests/passes/test_properties.py",  # 35
     "tests/solver/test_solver.py",  # 35
+    "tests/runtime/test_hf_trainer.py",  # 34
+    "tests/zoo/test_shapes.py",  # 34
     "tests/passes/test_mutation_properties.py",  # 34
     "tests/runtime/test_checkpoint.py",  # 30
+    "tests/runtime/test_parameters.py",  # 28 (its 2-rank pool)
 )
 
 
