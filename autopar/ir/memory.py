@@ -22,11 +22,25 @@ TARGETS = ("cpu", "disk")
 # op-level policy (``ac_mode="selective"``, ``selective_ac_option="op"``): attention and every
 # other matmul kept, the rest (every second matmul of the layer among them) recomputed.
 CHECKPOINT_POLICIES = ("selective", "full", "selective-op")
-# The ops whose outputs a "selective" segment keeps, by schema name: matmuls and attention, both
-# as the traced graph has them (``linear``, ``scaled_dot_product_attention``: what the planner
-# prices) and as they reach torch's dispatcher at run time (``mm``, ``addmm``, the SDPA kernels:
-# what ``torch.utils.checkpoint``'s selective policy sees). Everything else is recomputed.
-SELECTIVE_KEEPS = frozenset(
+# The attention kernels, by schema name, as the traced graph has them
+# (``scaled_dot_product_attention``: what the planner prices) and as they reach torch's
+# dispatcher at run time (what ``torch.utils.checkpoint``'s selective policy sees). Both selective
+# policies keep their outputs.
+ATTENTION_KERNELS = frozenset(
+    {
+        "aten::scaled_dot_product_attention",
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_flash_attention_forward",
+        "aten::_efficient_attention_forward",
+    }
+)
+# The ops whose outputs a "selective" segment keeps, by schema name: matmuls (traced, ``linear``,
+# and at the dispatcher, ``mm``, ``addmm``, ...), attention and the experts op. Everything else
+# is recomputed.
+SELECTIVE_KEEPS = ATTENTION_KERNELS | frozenset(
     {
         "aten::linear",
         "aten::matmul",
@@ -35,35 +49,16 @@ SELECTIVE_KEEPS = frozenset(
         "aten::bmm",
         "aten::baddbmm",
         "aten::einsum",
-        "aten::scaled_dot_product_attention",
-        "aten::_scaled_dot_product_flash_attention",
-        "aten::_scaled_dot_product_flash_attention_for_cpu",
-        "aten::_scaled_dot_product_efficient_attention",
-        "aten::_scaled_dot_product_cudnn_attention",
-        "aten::_flash_attention_forward",
-        "aten::_efficient_attention_forward",
         "autopar::moe_experts",
     }
 )
 
 
-# "selective-op": the attention kernels whose outputs torchtitan's save list keeps (traced, and
-# as they reach the dispatcher), and the matmuls its policy counts: a linear layer's GEMM, which
-# reaches the dispatcher as one ``mm`` (torchtitan's models have no biases) or ``addmm`` (a
-# linear with a bias, counted the same here so that the policy means "every second linear").
-# torchtitan's list also keeps ``max`` (for Float8 scales) and a sequence-parallel
-# ``reduce_scatter``: neither is in a bf16 layer's graph here.
-SELECTIVE_OP_ATTENTION = frozenset(
-    {
-        "aten::scaled_dot_product_attention",
-        "aten::_scaled_dot_product_flash_attention",
-        "aten::_scaled_dot_product_flash_attention_for_cpu",
-        "aten::_scaled_dot_product_efficient_attention",
-        "aten::_scaled_dot_product_cudnn_attention",
-        "aten::_flash_attention_forward",
-        "aten::_efficient_attention_forward",
-    }
-)
+# "selective-op": torchtitan's save list keeps attention (``ATTENTION_KERNELS``) and its policy
+# counts the matmuls: a linear layer's GEMM, which reaches the dispatcher as one ``mm``
+# (torchtitan's models have no biases) or ``addmm`` (a linear with a bias, counted the same here
+# so that the policy means "every second linear"). torchtitan's list also keeps ``max`` (for
+# Float8 scales) and a sequence-parallel ``reduce_scatter``: neither is in a bf16 layer's graph here.
 SELECTIVE_OP_MATMULS = frozenset({"aten::mm", "aten::addmm"})
 
 
@@ -86,7 +81,7 @@ def selective_op_role(op, arg_dims: tuple[int, ...] = ()) -> str | None:
     dispatcher as one ``mm``/``addmm``: a weight (or other right operand) of two dims, an input
     of two or more."""
     name = _schema_name(op)
-    if name in SELECTIVE_OP_ATTENTION:
+    if name in ATTENTION_KERNELS:
         return "keep"
     if name in SELECTIVE_OP_MATMULS:
         return "matmul"
@@ -275,9 +270,9 @@ __all__ = [
     "TARGETS",
     "OFFLOAD_KINDS",
     "CHECKPOINT_POLICIES",
+    "ATTENTION_KERNELS",
     "SELECTIVE_KEEPS",
     "selective_keeps",
-    "SELECTIVE_OP_ATTENTION",
     "SELECTIVE_OP_MATMULS",
     "selective_op_role",
     "selective_op_kept",
