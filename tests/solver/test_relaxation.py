@@ -139,31 +139,42 @@ def test_the_kept_model_follows_every_change_of_the_problem(graph, unbounded, ti
     assert len(steps) == 7
 
 
-def test_a_priced_solve_is_the_solve_of_the_priced_expression(graph, unbounded, tight):
-    """``solve_relaxation(priced=...)``, a Lagrangian step, against the same step with the
-    objective + Σ price · row built in PuLP, from the same kept model: HiGHS holds the same costs
-    bit for bit, so the solve ends at the same LP solution, value for value; the next plain
-    solve holds the problem's own objective again."""
+def _priced_pair(graph, unbounded, tight) -> tuple[ShardingILP, ShardingILP, list, list[str], dict]:
+    """Two kept models of the same budgeted ILP, solved once: (fast, slow, the costs HiGHS held
+    then, the memory rows' names, their constants), with those rows priced, not enforced (their
+    constants out of reach) until the caller puts the constants back."""
     ilps = [ShardingILP(graph, tight) for _ in range(2)]
     for ilp in ilps:
         ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded).time, tight)
         assert solving.solve_relaxation(ilp, 60) == "Optimal"
     plain = _model(ilps[0].relaxation)["cost"]
     names = [ilps[0].memory_constraint_name(t) for t in sorted(ilps[0].memory_times)]
-    assert len(names) > 1, "prices add up over several rows"
-    priced = [(name, 1e-3 * (i + 1)) for i, name in enumerate(names)]
     saved = {name: ilps[0].problem.constraints[name].constant for name in names}
     for ilp in ilps:
-        for name in names:  # the rows are priced, not enforced
+        for name in names:
             ilp.problem.constraints[name].constant = -1e30
-    fast, slow = ilps
-    assert solving.solve_relaxation(fast, 60, priced=priced) == "Optimal"
-    objective = slow.problem.objective
+    return ilps[0], ilps[1], plain, names, saved
+
+
+def _price_in_pulp(ilp: ShardingILP, priced: list[tuple[str, float]]) -> None:
+    """Set ``ilp``'s objective to objective + Σ price · row, built in PuLP."""
     terms: dict = {}
     for name, price in priced:
-        for var, coef in slow.problem.constraints[name].items():
+        for var, coef in ilp.problem.constraints[name].items():
             terms[var] = terms.get(var, 0.0) + price * coef
-    solving._set_objective(slow, objective + pulp.LpAffineExpression(terms))
+    solving._set_objective(ilp, ilp.problem.objective + pulp.LpAffineExpression(terms))
+
+
+def test_a_priced_solve_is_the_solve_of_the_priced_expression(graph, unbounded, tight):
+    """``solve_relaxation(priced=...)``, a Lagrangian step, against the same step with the
+    objective + Σ price · row built in PuLP, from the same kept model: HiGHS holds the same costs
+    bit for bit, so the solve ends at the same LP solution, value for value; the next plain
+    solve holds the problem's own objective again."""
+    fast, slow, plain, names, saved = _priced_pair(graph, unbounded, tight)
+    assert len(names) > 1, "prices add up over several rows"
+    priced = [(name, 1e-3 * (i + 1)) for i, name in enumerate(names)]
+    assert solving.solve_relaxation(fast, 60, priced=priced) == "Optimal"
+    _price_in_pulp(slow, priced)
     assert solving.solve_relaxation(slow, 60) == "Optimal"
     assert _model(fast.relaxation)["cost"] == _model(slow.relaxation)["cost"] != plain
     assert [var.varValue for var in fast.relaxation.columns] == [var.varValue for var in slow.relaxation.columns]
@@ -180,19 +191,9 @@ def test_lagrangian_steps_in_a_row_pass_each_steps_costs_once(graph, unbounded, 
     the costs of the objective + Σ price · row built in PuLP, so the solve ends at the same LP
     optimum (from another basis: maybe at another of its solutions); a plain solve after them
     holds the problem's own objective again."""
-    ilps = [ShardingILP(graph, tight) for _ in range(2)]
-    for ilp in ilps:
-        ilp.add_memory_constraint_at(solving.peak_memory(graph, unbounded).time, tight)
-        assert solving.solve_relaxation(ilp, 60) == "Optimal"
-    plain = _model(ilps[0].relaxation)["cost"]
-    names = [ilps[0].memory_constraint_name(t) for t in sorted(ilps[0].memory_times)]
+    fast, slow, plain, names, saved = _priced_pair(graph, unbounded, tight)
     first = [(name, 1e-3 * (i + 1)) for i, name in enumerate(names)]
     second = [(name, 4e-3 * (len(names) - i)) for i, name in enumerate(names)]
-    saved = {name: ilps[0].problem.constraints[name].constant for name in names}
-    for ilp in ilps:
-        for name in names:
-            ilp.problem.constraints[name].constant = -1e30
-    fast, slow = ilps
     assert solving.solve_relaxation(fast, 60, priced=first) == "Optimal"
     passed = []
     pass_costs = fast.relaxation._pass_costs
@@ -200,12 +201,7 @@ def test_lagrangian_steps_in_a_row_pass_each_steps_costs_once(graph, unbounded, 
     assert solving.solve_relaxation(fast, 60, priced=second) == "Optimal"
     del fast.relaxation._pass_costs
     assert len(passed) == 1, "the second step's costs are passed once"
-    terms: dict = {}
-    for name, price in second:
-        for var, coef in slow.problem.constraints[name].items():
-            terms[var] = terms.get(var, 0.0) + price * coef
-    objective = slow.problem.objective
-    solving._set_objective(slow, objective + pulp.LpAffineExpression(terms))
+    _price_in_pulp(slow, second)
     assert solving.solve_relaxation(slow, 60) == "Optimal"
     assert _model(fast.relaxation)["cost"] == _model(slow.relaxation)["cost"] != plain
     optimum = slow.relaxation.highs.getObjectiveValue()
