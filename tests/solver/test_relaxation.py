@@ -287,3 +287,19 @@ def test_the_kept_variable_list_follows_new_rows_and_objectives(graph):
     ilp.minimize_peak_memory(graph.timeline.checkpoints([graph.bytes_bound(largest=False)]))
     assert "peak_memory_bytes" in {var.name for var in ilp.variables()}
     assert ids(ilp.variables()) == ids(ilp.problem.variables())
+
+
+def test_the_kept_model_watches_every_bound_but_the_edge_variables(graph, tight):
+    """``_sync_column_bounds`` compares the bounds of all variables but the edge (and hub) ones,
+    which no caller moves: every strategy's x, which the dive and ``rounding`` fix, is watched;
+    after a budgeted solve (``solve_under_budget``) every unwatched variable is still [0, 1]."""
+    ilp = ShardingILP(graph)
+    solved = budget.solve_under_budget(ilp, tight, 60)
+    assert solved.choice
+    relaxation = ilp.relaxation
+    watched = set(map(id, relaxation.watched))
+    strategies = [x for xs in ilp.x.values() for x in xs if isinstance(x, pulp.LpVariable)]
+    assert strategies and all(id(x) in watched for x in strategies)
+    unwatched = [var for var in relaxation.variables if id(var) not in watched]
+    assert unwatched, "the edge variables are the most numerous: none watched"
+    assert all(var.name.startswith(("y_", "h_")) and (var.lowBound, var.upBound) == (0, 1) for var in unwatched)
