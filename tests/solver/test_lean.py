@@ -12,6 +12,7 @@ from autopar.solver import solve
 from autopar.solver.planners import sharding
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.ilp import ShardingILP
+from autopar.solver.search import budget as budget_search
 from autopar.solver.search.lean import lean_choice, least_peak
 from autopar.solver.search.solving import peak_memory, solve_ilp
 from autopar.trace import trace
@@ -57,3 +58,50 @@ def test_a_budget_no_sharding_meets_plans_without_the_memory_lp_or_the_milp(trac
     plan = solve(traced, MESH, get_cluster("h100-80g"), options)
     assert plan.memory is not None and plan.predicted.peak_memory_bytes <= budget
     assert plan.solver.method in ("leanest", "lagrangian")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    """The tiny Hugging Face GPT-OSS of issue 48 (``benchmarks/bench_plan_time.py``), traced, and
+    60% of its parameter, gradient and AdamW bytes: no sharding fits that alone."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    ids = torch.randint(0, 256, (4, 32))
+    state = 4.0 * sum(p.numel() * p.element_size() for p in model.parameters())
+    return trace(model, (), {"input_ids": ids, "labels": ids.clone()}), 0.6 * state
+
+
+def test_the_front_stops_at_a_plan_that_loses_and_plans_alike(gpt_oss, monkeypatch):
+    """The Lagrangian front ends at its first plan that is no faster before its memory decisions
+    than the best plan so far with them (``sharding._front_stop``): fewer LPs, the same plan."""
+    traced, budget = gpt_oss
+    steps = []
+    fits = budget_search._lagrangian_fits
+    monkeypatch.setattr(budget_search, "_lagrangian_fits", lambda *args: steps.append(args[2]) or fits(*args))
+    cluster, mesh = get_cluster("h100-80g"), (2, 2)
+    options = PlanOptions.from_keywords(memory_budget=budget, offload="auto")
+    stopped = solve(traced, mesh, cluster, options)
+    stopped_steps = len(steps)
+    steps.clear()
+    monkeypatch.setattr(sharding, "_front_stop", lambda *args: None)  # the whole front
+    whole = solve(traced, mesh, cluster, options)
+    assert stopped.solver.method == "lagrangian" and stopped.predicted.peak_memory_bytes <= budget
+    assert stopped_steps < len(steps)
+    assert stopped.hash == whole.hash

@@ -111,8 +111,9 @@ def solve_unexplained(
         graph.pruned.impossible,
         graph.pruned.dominated,
     )
-    solved = _solve_sharding(graph, settings, forced, start)
-    solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved)
+    priced = _Priced(traced, graph, cluster, settings)
+    solved = _solve_sharding(graph, settings, forced, start, priced)
+    solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved, priced)
     plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts)
     if memory is not None:
         plan = _with_memory(plan, *memory)
@@ -183,9 +184,12 @@ class _Solved:
     visited: list[dict[str, int]]
 
 
-def _solve_sharding(graph: ChoiceGraph, settings: _Settings, forced: dict[str, Spec | str] | None, start: float) -> _Solved:
+def _solve_sharding(
+    graph: ChoiceGraph, settings: _Settings, forced: dict[str, Spec | str] | None, start: float, priced: _Priced | None = None
+) -> _Solved:
     """The fastest sharding within the budget (``start``: when ``solve`` began); the leanest one
-    where none fits and the memory planner may shrink it; else an error that says why."""
+    where none fits and the memory planner may shrink it; else an error that says why.
+    ``priced``: where the Lagrangian front may price its plans' memory decisions as it goes."""
     memory_budget, time_limit_s, solver = settings.memory_budget, settings.time_limit_s, settings.solver
     log.info("autopar: solving the ILP ...")
     deadline = time.perf_counter() + time_limit_s
@@ -195,7 +199,7 @@ def _solve_sharding(graph: ChoiceGraph, settings: _Settings, forced: dict[str, S
     if memory_budget is not None and solution.choice and not fits(peak_memory(graph, solution).bytes, memory_budget):
         floor = least_peak(graph) if settings.decides_memory else None
         if floor is not None and not fits(floor, memory_budget):
-            solution = _lean_start(ilp, memory_budget, floor, unbounded, deadline, solver, visited)
+            solution = _lean_start(ilp, memory_budget, floor, unbounded, deadline, solver, visited, priced)
         else:
             solution = _solve_budgeted(ilp, memory_budget, unbounded, deadline, solver, visited, start, settings.budget_gap)
     log.info("autopar: solve: %s in %.2f s", solution.status, solution.solve_time_s)
@@ -241,15 +245,24 @@ def _memory_for(
     )
 
 
-def _with_memory_decisions(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings, solved: _Solved):
+def _with_memory_decisions(
+    traced: TracedModel,
+    graph: ChoiceGraph,
+    cluster: ClusterSpec,
+    settings: _Settings,
+    solved: _Solved,
+    priced: _Priced | None = None,
+):
     """(solution, its ``_StepParts``, its memory decisions or None): which sharding, with which
     memory decisions, is decided first, and its plan built once after (a candidate that wins
-    later would make an earlier plan waste)."""
+    later would make an earlier plan waste). ``priced``: what the solve priced already."""
+    if priced is None:
+        priced = _Priced(traced, graph, cluster, settings)
     solution, unbounded = solved.solution, solved.unbounded
     parts = _StepParts.of(graph, solution, cluster)
     alone = solution is unbounded or not unbounded.choice or not settings.decides_memory
     try:
-        memory = _memory_for(traced, graph, cluster, settings, solution)
+        memory = priced.memory(solution)
     except InfeasibleError as error:
         # The leanest sharding, with a fixed checkpoint policy, can peak where a faster one
         # does not (its resharding temporaries): try the others before failing.
@@ -267,17 +280,16 @@ def _with_memory_decisions(traced: TracedModel, graph: ChoiceGraph, cluster: Clu
     for choice in _spread([unbounded.choice] + solved.visited, _MAX_MEMORY_CANDIDATES):
         if choice == solution.choice:
             continue
-        fixed = _fixed_solution(solved.ilp, choice, unbounded)
+        fixed = priced.fixed(solved.ilp, choice, unbounded)
         if fixed is None:
             continue
-        other_solution, sums = fixed
-        other_parts = _StepParts.of(graph, other_solution, cluster, sums)
+        other_solution, other_parts = fixed
         # checkpointing and offload only add time; the objective prices the gathers whole, which
         # overlap compute on NCCL clusters (``ParamSchedule.overlaps``): there its step is the bound
         if (other_solution.objective_s if cluster.gloo else other_parts.step_s) >= step_s:
             continue
         try:
-            other_memory = _memory_for(traced, graph, cluster, settings, other_solution, explain=False)
+            other_memory = priced.memory(other_solution, explain=False)
         except InfeasibleError:
             continue
         if other_memory is None:  # a Lagrangian plan that fits as it is
@@ -304,6 +316,81 @@ def _spread(items: list, count: int) -> list:
         return items
     step = (len(items) - 1) / (count - 1)
     return [items[round(i * step)] for i in range(count)]
+
+
+class _Priced:
+    """The memory decisions (``_memory_for``) and fixed solutions (``_fixed_solution``, with their
+    ``_StepParts``) of the shardings ``solve`` weighs under a binding budget, each priced once:
+    the Lagrangian front prices its plans as it goes (``_front_stop``), ``_with_memory_decisions``
+    after, from here. A sharding is keyed by its strategies in graph order."""
+
+    def __init__(self, traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings):
+        self.traced, self.graph, self.cluster, self.settings = traced, graph, cluster, settings
+        self._memory: dict = {}
+        self._fixed: dict = {}
+
+    def _key(self, choice: dict[str, int]) -> tuple[int, ...]:
+        return tuple(choice[name] for name in self.graph.order)
+
+    def memory(self, solution: Solution, explain: bool = True):
+        """``_memory_for(solution)``: raises its InfeasibleError again when asked again."""
+        key = (self._key(solution.choice), explain)
+        if key not in self._memory:
+            try:
+                self._memory[key] = _memory_for(self.traced, self.graph, self.cluster, self.settings, solution, explain)
+            except InfeasibleError as error:
+                self._memory[key] = error
+        value = self._memory[key]
+        if isinstance(value, InfeasibleError):
+            raise value
+        return value
+
+    def fixed(self, ilp: ShardingILP, choice: dict[str, int], like: Solution) -> tuple[Solution, _StepParts] | None:
+        """``_fixed_solution(ilp, choice, like)`` and its ``_StepParts``; None where it is None."""
+        key = self._key(choice)
+        if key not in self._fixed:
+            fixed = _fixed_solution(ilp, choice, like)
+            self._fixed[key] = None if fixed is None else (fixed[0], _StepParts.of(self.graph, fixed[0], self.cluster, fixed[1]))
+        return self._fixed[key]
+
+
+def _front_stop(
+    priced: _Priced, ilp: ShardingILP, lean: Solution | None, unbounded: Solution
+) -> Callable[[dict[str, int]], bool]:
+    """``trace_front``'s ``stop``: weighs each plan of the front as ``_with_memory_decisions`` will
+    (after the leanest plan and the fastest, in the front's order), and says True at the first
+    that it would skip, being no faster before its memory decisions than the best plan so far
+    with its own. Each later plan of the front is priced higher for memory, so it is slower: on
+    a tiny GPT-OSS the last LP of the front went to a plan skipped anyway. (Where the front holds
+    more plans than ``_MAX_MEMORY_CANDIDATES``, ``_spread`` picks among fewer.)"""
+    best = math.inf
+    if lean is not None:
+        try:
+            memory = priced.memory(lean)
+        except InfeasibleError:
+            pass
+        else:
+            best = _StepParts.of(priced.graph, lean, priced.cluster).step_s + (memory[0].added_s if memory is not None else 0.0)
+
+    def loses(choice: dict[str, int]) -> bool:
+        nonlocal best
+        if lean is not None and choice == lean.choice:
+            return False
+        fixed = priced.fixed(ilp, choice, unbounded)
+        if fixed is None:
+            return False
+        solution, parts = fixed
+        if (solution.objective_s if priced.cluster.gloo else parts.step_s) >= best:
+            return True
+        try:
+            memory = priced.memory(solution, explain=False)
+        except InfeasibleError:
+            return False
+        best = min(best, parts.step_s + (memory[0].added_s if memory is not None else 0.0))
+        return False
+
+    loses(unbounded.choice)
+    return loses
 
 
 def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) -> tuple[Solution, tuple[float, float]] | None:
@@ -398,20 +485,26 @@ def _lean_start(
     deadline: float,
     solver: str,
     visited: list[dict[str, int]],
+    priced: _Priced | None = None,
 ) -> Solution:
     """No sharding fits ``memory_budget`` alone (``floor``, ``lean.least_peak``, is over it): the leanest
     sharding, for the memory planner to bring under the budget, and (``solver="auto"``) the
-    Lagrangian plans on the way to it in ``visited``, which may do better with checkpointing.
-    Built where it can be proved leanest (``lean.lean_choice``); else the min-peak MILP."""
+    Lagrangian plans on the way to it in ``visited``, which may do better with checkpointing
+    (``priced``: the front stops at one that cannot, ``_front_stop``). Built where it can be
+    proved leanest (``lean.lean_choice``); else the min-peak MILP."""
     lean = lean_choice(ilp, floor)  # before the memory rows, which it would not meet
+    solution = None
+    if lean is not None:
+        fixed = _fixed_solution(ilp, lean, unbounded)
+        assert fixed is not None, "lean_choice passed rounding.check: every resharding exists"
+        solution = dataclasses.replace(fixed[0], status="Optimal (leanest)", method="leanest")
     ilp.add_memory_constraint(memory_budget)
     if solver == "auto":
-        trace_front(ilp, memory_budget, max(deadline - time.perf_counter(), 1.0), unbounded, visited, floor)
-    if lean is None:
+        stop = _front_stop(priced, ilp, solution, unbounded) if priced is not None else None
+        trace_front(ilp, memory_budget, max(deadline - time.perf_counter(), 1.0), unbounded, visited, floor, stop)
+    if solution is None:
         return _leanest(ilp.graph, max(deadline - time.perf_counter(), 1.0), solver)
-    fixed = _fixed_solution(ilp, lean, unbounded)
-    assert fixed is not None, "lean_choice passed rounding.check: every resharding exists"
-    return dataclasses.replace(fixed[0], status="Optimal (leanest)", method="leanest")
+    return solution
 
 
 def _leanest(graph: ChoiceGraph, time_limit_s: float, solver: str) -> Solution:

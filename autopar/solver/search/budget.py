@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time as _time
+from collections.abc import Callable
 
 import pulp
 
@@ -133,7 +134,13 @@ def solve_under_budget(
 
 
 def trace_front(
-    ilp: ShardingILP, budget: float, time_limit_s: float, unbounded: Solution, visited: list[dict[str, int]], floor: float
+    ilp: ShardingILP,
+    budget: float,
+    time_limit_s: float,
+    unbounded: Solution,
+    visited: list[dict[str, int]],
+    floor: float,
+    stop: Callable[[dict[str, int]], bool] | None = None,
 ) -> None:
     """Step 3 alone, where no sharding fits the budget by itself (``lean.least_peak`` is over it,
     so the LP with memory rows of step 1 is infeasible: it only took a long simplex to say so).
@@ -141,7 +148,9 @@ def trace_front(
     prices them when its LP does not fit, go to ``visited``: the plans on the way from the
     fastest to the leanest, which the caller brings under the budget with checkpointing and
     offload. ``ilp`` holds its memory rows (``add_memory_constraint``) and ``unbounded``'s solve;
-    ``floor`` is the least peak of any plan (``lean.least_peak``)."""
+    ``floor`` is the least peak of any plan (``lean.least_peak``). ``stop``, called with each new
+    plan, ends the front where it says True: a plan that loses to one already found with its
+    memory decisions (``planners.sharding``); a higher price only makes the next one slower."""
     deadline = _time.perf_counter() + time_limit_s
     graph = ilp.graph
     ilp.add_memory_constraint_at(graph.timeline.peak(_bytes_of(graph, unbounded.choice))[1], budget)
@@ -158,7 +167,10 @@ def trace_front(
     for _ in range(_MAX_GROWTH_ROUNDS // 2):
         if _time.perf_counter() > deadline:
             break
+        seen = len(visited)
         _lagrangian_fits(ilp, consider.prices, factor, consider, _left(deadline))
+        if stop is not None and len(visited) > seen and stop(visited[-1]):
+            break
         peak = graph.timeline.peak(_bytes_of(graph, visited[-1]))[0] if visited else top
         if peak <= floor * (1 + _FLOOR_CLOSE):
             break
