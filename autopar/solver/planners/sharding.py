@@ -360,9 +360,11 @@ def _front_stop(
     """``trace_front``'s ``stop``: weighs each plan of the front as ``_with_memory_decisions`` will
     (after the leanest plan and the fastest, in the front's order), and says True at the first
     that it would skip, being no faster before its memory decisions than the best plan so far
-    with its own. Each later plan of the front is priced higher for memory, so it is slower: on
-    a tiny GPT-OSS the last LP of the front went to a plan skipped anyway. (Where the front holds
-    more plans than ``_MAX_MEMORY_CANDIDATES``, ``_spread`` picks among fewer.)"""
+    with its own. Each later plan of the front minimises time plus a higher price of the same
+    memory rows, so its objective is no lower (exactly so for the LP's optima; the rounded plans
+    and their predicted steps follow them, which is assumed, not proved): on a tiny GPT-OSS the
+    last LP of the front went to a plan skipped anyway. (Where the whole front would hold more
+    plans than ``_MAX_MEMORY_CANDIDATES``, ``_spread`` picks among fewer.)"""
     best = math.inf
     if lean is not None:
         try:
