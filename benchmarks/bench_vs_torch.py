@@ -39,14 +39,23 @@ cannot go below it but by sharding the optimizer's work).
 
 After ``--warmup`` steps each, the trainers take turns step by step (zero_grad, forward,
 backward, optimizer step; a barrier before each), ``--steps`` timed steps each, so that the
-machine's drift falls on all of them alike. A trainer's time is the median of its timed steps on
-the slowest rank; ``<kind>_opt_ms`` is the same for its ``optimizer.step()`` alone (torch's AdamW
+machine's drift falls on all of them alike; each round starts one trainer later than the last,
+so that no trainer always runs right after the same one. A trainer's time is the median of its
+timed steps on the slowest rank; ``<kind>_cpu_ms`` is the same for the CPU time the rank's
+process spent in the step (``time.process_time``, gloo's threads included), which other jobs on a
+shared machine disturb far less than wall time but which leaves out time spent waiting for the
+other rank, and the ``..._cpu`` ratios are taken from it; ``<kind>_opt_ms`` is the same for its
+``optimizer.step()`` alone (torch's AdamW
 over the module's parameters: DTensors for FSDP2 and autopar, plain tensors for DDP; ``--optimizer
 foreach`` makes it ``foreach=True``, CUDA's default, and ``--optimizer fused`` ``fused=True``,
 torchtitan's default, in every trainer). ``--accum N`` makes a step N micro-steps (forward and
 backward), every one but the last without gradient sync, as each library offers it. Ratios are taken within the run;
-absolute times on this shared machine mean little. Uses only the public API (``autopar.compile``,
-``autopar.hand_plan``, ``autopar.plan``) and torch. Writes ``results/vs_torch.csv``.
+absolute times on this shared machine mean little. ``own_plan`` names the hand plan whose layout
+autopar's own plan is (every parameter's and op's placements and the data layout the same:
+``ddp``, ``fsdp``), or ``own``: where it is a hand plan's, the own plan's trainer runs the same
+program as that hand plan's and the two differ only by the machine's noise. Uses only the public
+API (``autopar.compile``, ``autopar.hand_plan``, ``autopar.plan``) and torch. Writes
+``results/vs_torch.csv``.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ import argparse
 import contextlib
 import csv
 import datetime
+import json
 import os
 import statistics
 import tempfile
@@ -117,13 +127,14 @@ def _no_sync(module: torch.nn.Module, sync: bool):
 
 
 def _trainer(kind: str, world: int, rank: int, optimizer: str = "default", accum: int = 1):
-    """(step function) for one trainer; ``optimizer``: AdamW's implementation (``OPTIMIZERS``);
-    ``accum``: micro-steps per optimizer step, every one but the last without gradient sync."""
+    """(step function, module) for one trainer; ``optimizer``: AdamW's implementation
+    (``OPTIMIZERS``); ``accum``: micro-steps per optimizer step, every one but the last without
+    gradient sync. A step returns its wall seconds, its optimizer's, and its CPU seconds."""
     module, batch = build(kind, world, rank)
     adamw = torch.optim.AdamW(module.parameters(), lr=1e-4, **OPTIMIZERS[optimizer])
 
-    def step() -> tuple[float, float]:
-        start = time.perf_counter()
+    def step() -> tuple[float, float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
         adamw.zero_grad()
         for micro in range(accum):
             with _no_sync(module, micro == accum - 1):
@@ -131,9 +142,31 @@ def _trainer(kind: str, world: int, rank: int, optimizer: str = "default", accum
         stepping = time.perf_counter()
         adamw.step()
         end = time.perf_counter()
-        return end - start, end - stepping
+        return end - start, end - stepping, time.process_time() - cpu
 
-    return step
+    return step, module
+
+
+def _layout(module: torch.nn.Module) -> str | None:
+    """The placements of ``module``'s plan (parameters, ops, data layout) as one JSON text, costs
+    left out; None for a module that is not autopar's."""
+    plan = getattr(module, "plan", None)
+    if plan is None:
+        return None
+    data = json.loads(plan.to_json())
+    nodes = {name: {k: v for k, v in node.items() if k != "cost_s"} for name, node in data["nodes"].items()}
+    return json.dumps([data["mesh"], data["params"], nodes, data.get("data")], sort_keys=True)
+
+
+def own_plan_is(layouts: dict[str, str | None], suffix: str = "") -> str | None:
+    """Which hand plan autopar's own plan is (``own_plan`` in the module docstring) among the
+    trainers whose names end in ``suffix``, from their ``_layout``s: "ddp", "fsdp", "own" where it
+    is neither, None without its trainer."""
+    own = layouts.get(f"autopar{suffix}")
+    if own is None:
+        return None
+    same = [name for name in ("ddp", "fsdp") if layouts.get(f"autopar_{name}{suffix}") == own]
+    return same[0] if same else "own"
 
 
 def build(
@@ -193,33 +226,47 @@ def _rank(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
-        trainers = {kind: _trainer(kind, world, rank, optimizer, accum) for kind in kinds}
-        times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+        built = {kind: _trainer(kind, world, rank, optimizer, accum) for kind in kinds}
+        trainers = {kind: step for kind, (step, _) in built.items()}
+        layouts = {kind: _layout(module) for kind, (_, module) in built.items()}
+        owns = {f"own{suffix}_plan": own_plan_is(layouts, suffix) for suffix in ("", "_compiled")}
+        times: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in kinds}
         for step in trainers.values():
             for _ in range(warmup):
                 step()
-        for _ in range(steps):  # round-robin, step by step: the machine's drift hits all alike
-            for kind, step in trainers.items():
+        order = list(trainers)
+        for round_ in range(steps):  # round-robin, step by step: the machine's drift hits all alike
+            first = round_ % len(order)  # and no trainer always follows the same one
+            for kind in order[first:] + order[:first]:
                 dist.barrier()
-                times[kind].append(step())
-        medians = {kind: statistics.median(total for total, _ in t) for kind, t in times.items()}
-        medians.update({f"{kind}_opt": statistics.median(opt for _, opt in t) for kind, t in times.items()})
+                times[kind].append(trainers[kind]())
+        medians = {}
+        for index, name in enumerate(("", "_opt", "_cpu")):
+            medians.update({f"{kind}{name}": statistics.median(s[index] for s in t) for kind, t in times.items()})
         gathered: list = [None] * world
         dist.all_gather_object(gathered, medians)
         if rank == 0:
             with open(os.path.join(out_dir, "result.csv"), "w") as handle:
                 for key in medians:
                     handle.write(f"{key},{max(g[key] for g in gathered)}\n")
+                for key, own in owns.items():
+                    if own is not None:
+                        handle.write(f"{key},{own}\n")
     finally:
         dist.destroy_process_group()
 
 
-def run(world: int, kinds: list[str], steps: int, warmup: int, optimizer: str = "default", accum: int = 1) -> dict[str, float]:
+def run(
+    world: int, kinds: list[str], steps: int, warmup: int, optimizer: str = "default", accum: int = 1
+) -> dict[str, float | str]:
+    """The slowest rank's medians (seconds: ``<kind>``, ``<kind>_opt``, ``<kind>_cpu``) and
+    ``own_plan``, ``own_compiled_plan`` (``own_plan_is``) where the own plan's trainer ran."""
     with tempfile.TemporaryDirectory(prefix="vs_torch_") as out_dir:
         init = "file://" + os.path.join(out_dir, "rendezvous")
         mp.spawn(_rank, args=(world, init, out_dir, kinds, steps, warmup, optimizer, accum), nprocs=world, join=True)
         with open(os.path.join(out_dir, "result.csv")) as handle:
-            return {kind: float(seconds) for kind, seconds in (line.strip().split(",") for line in handle)}
+            pairs = [line.strip().split(",") for line in handle]
+            return {key: value if key.endswith("_plan") else float(value) for key, value in pairs}
 
 
 def _ratios(step_s: dict[str, float], suffix: str) -> dict[str, float]:
@@ -263,11 +310,17 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for world in args.ranks:
-        step_s = run(world, args.kinds, args.steps, args.warmup, args.optimizer, args.accum)
-        row = {"ranks": world, **{f"{kind}_ms": round(1e3 * s, 1) for kind, s in step_s.items()}}
+        measured = run(world, args.kinds, args.steps, args.warmup, args.optimizer, args.accum)
+        row: dict[str, object] = {"ranks": world}
+        row.update({key: value for key, value in measured.items() if isinstance(value, str)})
+        step_s = {kind: float(s) for kind, s in measured.items() if not isinstance(s, str)}
+        row.update({f"{kind}_ms": round(1e3 * s, 1) for kind, s in step_s.items()})
         best = [step_s[k] for k in ("torch_ddp", "torch_fsdp2") if k in step_s]
+        walls = {k: s for k, s in step_s.items() if not k.endswith(("_opt", "_cpu"))}
+        cpus = {k.removesuffix("_cpu"): s for k, s in step_s.items() if k.endswith("_cpu")}
         for suffix in ("", "_compiled"):  # the same ratios among the uncompiled and the compiled trainers
-            row.update(_ratios(step_s, suffix))
+            row.update(_ratios(walls, suffix))
+            row.update({f"{key}_cpu": ratio for key, ratio in _ratios(cpus, suffix).items()})
         if "autopar_compiled" in step_s and "autopar" in step_s:
             row["own_compiled_over_uncompiled"] = round(step_s["autopar_compiled"] / step_s["autopar"], 3)
         if "eager_local" in step_s and best:
