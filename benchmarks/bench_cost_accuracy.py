@@ -71,6 +71,7 @@ from autopar.errors import InfeasibleError  # noqa: E402
 from autopar.ir.options import PlanOptions  # noqa: E402
 from autopar.ir.spec import replicated  # noqa: E402
 from autopar.ops import collectives  # noqa: E402
+from autopar.ops.params import local_of  # noqa: E402
 from autopar.runtime.tools.launch import run_distributed  # noqa: E402
 from autopar.solver import solve  # noqa: E402
 from autopar.solver.planners.hand_plans import param_specs  # noqa: E402
@@ -221,7 +222,9 @@ def _local_tensors(pm: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs
     tensors = [p.detach() for p in pm.parameters()] + [b for b in pm.buffers()]
     for state in optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors + [t for t in inputs if isinstance(t, torch.Tensor)]
+    # A plan that shards a parameter holds it (and AdamW its state) as a DTensor, which has no
+    # storage of its own: count the local shard's.
+    return [local_of(t) for t in tensors + [t for t in inputs if isinstance(t, torch.Tensor)]]
 
 
 def _bytes_of(tensors: list[torch.Tensor]) -> int:
