@@ -21,6 +21,7 @@ from autopar.ir.summary import format_bytes
 from autopar.solver.planners.memory_plan import plan_memory
 from autopar.solver.planners.settings import memory_budget
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
+from autopar.solver.pricing.reserved import allocator_budget, allocator_peaks, timeline_spans
 from autopar.solver.pricing.runner_ups import explain_decisions
 from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, optimizer_objective_s, param_sync_adjustment_s
 from autopar.solver.problem.fits import fits
@@ -111,15 +112,31 @@ def solve_unexplained(
         graph.pruned.impossible,
         graph.pruned.dominated,
     )
+    solution, plan = _plan_under(traced, graph, cluster, settings, forced, start)
+    lowered = allocator_budget(plan, settings.memory_budget)
+    if lowered is not None:  # fits on paper, but the caching allocator would run out: plan again under less
+        log.warning(
+            "autopar: the plan's tensors fit memory_budget=%.0f bytes, but PyTorch's caching allocator would lack "
+            "%.0f bytes of the device (fragmentation of its cached segments); planning again under %.0f bytes",
+            settings.memory_budget,
+            settings.memory_budget - lowered,
+            lowered,
+        )
+        solution, plan = _plan_under(traced, graph, cluster, dataclasses.replace(settings, memory_budget=lowered), forced, start)
+    return (
+        dataclasses.replace(plan, precision=precision),
+        functools.partial(_explained, graph, solution, cluster, settings.memory_budget),
+    )
+
+
+def _plan_under(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings, forced, start: float):
+    """(solution, plan) of ``graph`` under ``settings``: the sharding, then its memory decisions."""
     solved = _solve_sharding(graph, settings, forced, start)
     solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved)
     plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts)
     if memory is not None:
         plan = _with_memory(plan, *memory)
-    return (
-        dataclasses.replace(plan, precision=precision),
-        functools.partial(_explained, graph, solution, cluster, settings.memory_budget),
-    )
+    return solution, plan
 
 
 def _explained(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec, memory_budget: float | None, plan: Plan) -> Plan:
@@ -426,6 +443,7 @@ def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
     """``plan`` with the memory decisions ``plan_memory`` made for its sharding."""
     breakdown = dict(breakdown)
     at = breakdown.pop("time")
+    allocator = breakdown.pop("allocator", None)
     predicted = dataclasses.replace(
         plan.predicted,
         step_time_s=plan.predicted.step_time_s + memory.added_s,
@@ -433,6 +451,7 @@ def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
         peak_memory_bytes=int(memory.peak_bytes),
         peak_memory_at=at,
         memory_at_peak_bytes={k: int(v) for k, v in breakdown.items()},
+        allocator_peak_bytes=allocator,
     )
     return dataclasses.replace(plan, memory=memory, predicted=predicted)
 
@@ -519,7 +538,7 @@ def plan_from_solution(
     # one gather per parameter, FSDP's reduce-scatter, and only the exposed part of the buckets.
     traffic.add(parts.schedule.delta_bytes, parts.schedule.delta_bytes_per_axis)
     chosen = chosen_bytes(graph, solution)
-    predicted = _predicted(graph, parts, traffic, chosen, expert_parallel or None)
+    predicted = _predicted(graph, parts, traffic, chosen, expert_parallel or None, cluster)
     solver_info = SolverStats(
         status=solution.status,
         objective_s=solution.objective_s,
@@ -622,7 +641,9 @@ def _overlap_terms(schedule: ParamSchedule) -> dict[str, float]:
     return {name: getattr(schedule, name) for name in names}
 
 
-def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen, expert_parallel) -> Prediction:
+def _predicted(
+    graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen, expert_parallel, cluster: ClusterSpec
+) -> Prediction:
     """The plan's ``predicted`` section."""
     schedule = parts.schedule
     peak_bytes, peak_time = graph.timeline.peak(chosen)
@@ -645,6 +666,7 @@ def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen,
         peak_memory_bytes=int(peak_bytes),
         peak_memory_at=graph.timeline.time_name(peak_time),
         memory_at_peak_bytes={k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},
+        allocator_peak_bytes=allocator_peaks(timeline_spans(graph.timeline), chosen, graph.timeline.num_times, cluster),
         comm_bytes=int(traffic.comm_bytes),
         comm_bytes_per_axis=tuple(int(b) for b in traffic.per_axis),
         expert_parallel=expert_parallel,
