@@ -241,12 +241,14 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
     return {"step_s": step, "peak_gib": plan.predicted.peak_memory_bytes / GIB, "plan": plan}
 
 
-def reserved_gib(plan, allocator: str) -> float | None:
-    """The plan's reserved peak (``predicted.allocator_peak_bytes``) under ``allocator``."""
+def reserved_gib(plan, row: Row) -> float | None:
+    """The plan's reserved peak (``predicted.allocator_peak_bytes``) under the row's allocator,
+    as FSDP2 allocates for a published FSDP job (torchtitan's ``fully_shard``)."""
     peaks = plan.predicted.allocator_peak_bytes
     if not peaks:
         return None
-    return peaks["reserved_expandable" if allocator == "expandable" else "reserved"] / GIB
+    key = "reserved" + ("_fsdp2" if row.published and row.layout == "fsdp" else "")
+    return peaks[key + ("_expandable" if row.allocator == "expandable" else "")] / GIB
 
 
 def describe(plan) -> str:
@@ -279,7 +281,7 @@ def evaluate(row: Row, profiled: ClusterSpec | None) -> dict:
         out["layout_detail"] = describe(got["plan"])
         out["predicted_step_s"] = got["step_s"]
         out["predicted_allocated_gib"] = got["peak_gib"]
-        out["predicted_reserved_gib"] = reserved_gib(got["plan"], row.allocator)
+        out["predicted_reserved_gib"] = reserved_gib(got["plan"], row)
         # the figure the run measured: tensors allocated, or the allocator's reserve
         out["predicted_peak_gib"] = out[f"predicted_{row.measured_memory}_gib"]
         out["predicted_optimizer_s"] = got["plan"].predicted.optimizer_s

@@ -13,7 +13,7 @@ import torch
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.ir.plan import Plan
-from autopar.solver.pricing.reserved import allocator_budget, stream_of
+from autopar.solver.pricing.reserved import allocator_budget, fsdp2_stream_of
 from autopar.zoo.models import GPT
 
 
@@ -25,7 +25,7 @@ def gpt_and_batch():
     return model, (idx, idx)
 
 
-def test_fsdp_streams_gradients_and_gather_buffers_apart():
+def test_fsdp2_streams_gradients_and_gather_buffers_apart():
     spans = [
         ("w", "param", 0, 9, 1.0),
         ("w", "grad", 6, 9, 1.0),  # reduce-scattered: a comm_buffer names its gathered node
@@ -35,7 +35,7 @@ def test_fsdp_streams_gradients_and_gather_buffers_apart():
         ("v", "grad", 5, 9, 1.0),  # all-reduced: the compute stream
         ("gathered:u", "gathered", 4, 4, 1.0),  # a one-time gather of its own: a use, not a buffer
     ]
-    streams = [stream_of(spans)(span) for span in spans]
+    streams = [fsdp2_stream_of(spans)(span) for span in spans]
     assert streams == ["compute", "reduce_scatter", "all_gather", "compute", "compute", "compute", "compute"]
 
 
@@ -43,10 +43,13 @@ def test_gpu_plans_carry_the_allocator_peaks_and_cpu_plans_none(gpt_and_batch, t
     model, batch = gpt_and_batch
     plan = autopar.hand_plan("fsdp", model, (2,), example_inputs=batch, cluster="h100-80g")
     peaks = plan.predicted.allocator_peak_bytes
-    assert set(peaks) == {"allocated", "reserved", "reserved_expandable"}
+    reserved = {"reserved", "reserved_expandable", "reserved_fsdp2", "reserved_fsdp2_expandable"}
+    assert set(peaks) == {"allocated"} | reserved
     # every tensor's block is rounded up, and AdamW's foreach temporary comes on top
     assert peaks["allocated"] >= plan.predicted.peak_memory_bytes
-    assert peaks["reserved"] >= peaks["allocated"] and peaks["reserved_expandable"] >= peaks["allocated"]
+    assert all(peaks[key] >= peaks["allocated"] for key in reserved)
+    # FSDP2's gradients wait on the reduce-scatter stream, where the compute stream cannot reuse them
+    assert peaks["reserved_fsdp2"] >= peaks["reserved"]
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").predicted.allocator_peak_bytes == peaks
     cpu = autopar.hand_plan("fsdp", model, (2,), example_inputs=batch, cluster="cpu")
@@ -79,3 +82,13 @@ def test_allocator_budget_lowers_the_budget_by_what_the_allocator_lacks():
     assert allocator_budget(_Plan(), None) is None  # no budget: nothing to keep
     _Predicted.allocator_peak_bytes = {"allocated": 10, "reserved": 30}
     assert allocator_budget(_Plan(), 100.0) is None
+
+
+def test_a_plan_the_allocator_never_holds_is_an_error(gpt_and_batch, monkeypatch):
+    from autopar.errors import InfeasibleError
+    from autopar.solver.planners import sharding
+
+    model, batch = gpt_and_batch
+    monkeypatch.setattr(sharding, "allocator_budget", lambda plan, budget: budget - 1.0)
+    with pytest.raises(InfeasibleError, match="caching allocator would still run out"):
+        autopar.plan(model, (2,), example_inputs=batch, cluster="h100-80g", memory_budget=10**9)

@@ -60,6 +60,10 @@ def solve(
     return explained(plan)
 
 
+# Plans made again under a lower budget where the caching allocator would run out of the device
+ALLOCATOR_ROUNDS = 4
+
+
 def solve_unexplained(
     traced: TracedModel,
     mesh_shape: Sequence[int],
@@ -112,9 +116,22 @@ def solve_unexplained(
         graph.pruned.impossible,
         graph.pruned.dominated,
     )
+    solution, plan = _within_allocator(traced, graph, cluster, settings, forced, start)
+    return (
+        dataclasses.replace(plan, precision=precision),
+        functools.partial(_explained, graph, solution, cluster, settings.memory_budget),
+    )
+
+
+def _within_allocator(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings, forced, start: float):
+    """``_plan_under`` ``settings``, then, while PyTorch's caching allocator would run out of the
+    device for a plan whose tensors fit the budget (``pricing.reserved.allocator_budget``), again
+    under the budget lowered by what it lacks; an error where that does not end."""
     solution, plan = _plan_under(traced, graph, cluster, settings, forced, start)
-    lowered = allocator_budget(plan, settings.memory_budget)
-    if lowered is not None:  # fits on paper, but the caching allocator would run out: plan again under less
+    for _ in range(ALLOCATOR_ROUNDS):
+        lowered = allocator_budget(plan, settings.memory_budget)
+        if lowered is None:
+            return solution, plan
         log.warning(
             "autopar: the plan's tensors fit memory_budget=%.0f bytes, but PyTorch's caching allocator would lack "
             "%.0f bytes of the device (fragmentation of its cached segments); planning again under %.0f bytes",
@@ -122,11 +139,15 @@ def solve_unexplained(
             settings.memory_budget - lowered,
             lowered,
         )
-        solution, plan = _plan_under(traced, graph, cluster, dataclasses.replace(settings, memory_budget=lowered), forced, start)
-    return (
-        dataclasses.replace(plan, precision=precision),
-        functools.partial(_explained, graph, solution, cluster, settings.memory_budget),
-    )
+        settings = dataclasses.replace(settings, memory_budget=lowered)
+        solution, plan = _plan_under(traced, graph, cluster, settings, forced, start)
+    if allocator_budget(plan, settings.memory_budget) is not None:
+        raise InfeasibleError(
+            f"the plan's tensors fit memory_budget={settings.memory_budget:.0f} bytes after {ALLOCATOR_ROUNDS} lower "
+            f"budgets, but PyTorch's caching allocator would still run out of the device's {cluster.memory_bytes} bytes "
+            f"(its peaks: {dict(plan.predicted.allocator_peak_bytes)}).\n  Lower memory_budget, or plan on a larger mesh."
+        )
+    return solution, plan
 
 
 def _plan_under(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings, forced, start: float):

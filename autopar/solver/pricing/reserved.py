@@ -3,11 +3,13 @@ once on the final plan: the ILP and the memory planner bound the tensors alive
 (``peak_memory_bytes``), which is linear in their choices; the allocator's cache is not, and a
 simulation per candidate would cost the solver's inner loop a walk of every allocation.
 
-Streams, as FSDP2 (and the runtime's gather and reduce-scatter buckets) use them: a
-reduce-scattered parameter's sharded gradient is carved out of the reduce-scatter's output, which
-is allocated on the reduce-scatter stream; an all-gather's flat buffer (the walk's one-time
-``gathered`` span inside a longer one: the buffer the group's parameters are copied out of) on
-the all-gather stream; everything else on the compute stream.
+Streams. autopar's runtime allocates every tensor on the compute stream, collectives' outputs
+included (c10d's async work runs on NCCL's stream, into tensors the caller allocated): one pool.
+FSDP2 (``fully_shard``, as torchtitan runs it) allocates apart: a reduce-scattered parameter's
+sharded gradient is carved out of the reduce-scatter's output, allocated on the reduce-scatter
+stream, and an all-gather's flat buffer (the walk's one-time ``gathered`` span inside a longer
+one: the buffer the group's parameters are copied out of) on the all-gather stream; a block
+cached on one of those streams serves no other (``fsdp2_stream_of``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from autopar.solver.problem.gathered import PREFIX as GATHERED
 FOREACH_TEMPORARY = {"foreach": 0.5}
 
 
-def stream_of(spans: Iterable[Span]) -> Callable[[Span], str]:
-    """The stream each span of ``spans`` is allocated on (module docstring)."""
+def fsdp2_stream_of(spans: Iterable[Span]) -> Callable[[Span], str]:
+    """The stream FSDP2 allocates each span of ``spans`` on (module docstring)."""
     spans = list(spans)
     scattered = {node.removeprefix(GATHERED) for node, kind, *_ in spans if kind == "comm_buffer"}
     gathered: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -49,21 +51,34 @@ def allocator_peaks(
     spans: Iterable[Span], bytes_of: Callable[[str], float], num_times: int, cluster: ClusterSpec
 ) -> Mapping[str, int] | None:
     """``Prediction.allocator_peak_bytes``: the steady state's allocated peak (with the
-    optimizer's temporaries, every block rounded), its reserved peak under PyTorch's default
-    allocator (``reserved``) and with expandable segments (``reserved_expandable``), on a device
-    of ``cluster.memory_bytes``; ``short``, only where the default allocator runs out of that
-    device even after giving back its cache, the most bytes a request lacked. None on a
-    cluster of host devices (``ClusterSpec.gloo``), whose memory has no caching allocator."""
+    optimizer's temporaries, every block rounded), its reserved peak as autopar's runtime
+    allocates (one stream) under PyTorch's default allocator (``reserved``) and with expandable
+    segments (``reserved_expandable``), and the same as FSDP2 allocates (``reserved_fsdp2``,
+    ``reserved_fsdp2_expandable``), on a device of ``cluster.memory_bytes``; ``short``, only
+    where the runtime's default allocator runs out of that device even after giving back its
+    cache, the most bytes a request lacked. None on a cluster of host devices
+    (``ClusterSpec.gloo``), whose memory has no caching allocator."""
     if cluster.gloo:
         return None
     spans = [tuple(span) for span in spans]
     temporary = FOREACH_TEMPORARY.get(default_implementation(cluster), 0.0)
-    peaks = peaks_by_config(spans, bytes_of, num_times, stream_of(spans), temporary, cluster.memory_bytes)
-    default, expandable = peaks["segments"], peaks["expandable"]
-    out = {"allocated": default.allocated, "reserved": default.reserved, "reserved_expandable": expandable.reserved}
+    runtime = peaks_by_config(spans, bytes_of, num_times, _compute_stream, temporary, cluster.memory_bytes)
+    fsdp2 = peaks_by_config(spans, bytes_of, num_times, fsdp2_stream_of(spans), temporary, cluster.memory_bytes)
+    default = runtime["segments"]
+    out = {
+        "allocated": default.allocated,
+        "reserved": default.reserved,
+        "reserved_expandable": runtime["expandable"].reserved,
+        "reserved_fsdp2": fsdp2["segments"].reserved,
+        "reserved_fsdp2_expandable": fsdp2["expandable"].reserved,
+    }
     if default.num_ooms:
         out["short"] = default.short
     return out
+
+
+def _compute_stream(span: Span) -> str:
+    return "compute"
 
 
 def allocator_budget(plan, memory_budget: float | None) -> float | None:
@@ -85,4 +100,4 @@ def timeline_spans(timeline) -> list[Span]:
     return [(iv.node, iv.kind, iv.start, iv.end, iv.factor) for iv in timeline.intervals]
 
 
-__all__ = ["allocator_budget", "allocator_peaks", "stream_of", "timeline_spans"]
+__all__ = ["allocator_budget", "allocator_peaks", "fsdp2_stream_of", "timeline_spans"]
