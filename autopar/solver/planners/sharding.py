@@ -125,8 +125,8 @@ def solve_unexplained(
 
 def _within_allocator(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings, forced, start: float):
     """``_plan_under`` ``settings``, then, while PyTorch's caching allocator would run out of the
-    device for a plan whose tensors fit the budget (``pricing.reserved.allocator_budget``), again
-    under the budget lowered by what it lacks; an error where that does not end."""
+    device for a plan whose tensors fit the budget, again under a lower budget
+    (``pricing.reserved.allocator_budget``); an error where that does not end."""
     solution, plan = _plan_under(traced, graph, cluster, settings, forced, start)
     for _ in range(ALLOCATOR_ROUNDS):
         lowered = allocator_budget(plan, settings.memory_budget)
@@ -136,7 +136,7 @@ def _within_allocator(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterS
             "autopar: the plan's tensors fit memory_budget=%.0f bytes, but PyTorch's caching allocator would lack "
             "%.0f bytes of the device (fragmentation of its cached segments); planning again under %.0f bytes",
             settings.memory_budget,
-            settings.memory_budget - lowered,
+            plan.predicted.allocator_peak_bytes.get("short", 0),
             lowered,
         )
         settings = dataclasses.replace(settings, memory_budget=lowered)
@@ -154,7 +154,8 @@ def _plan_under(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, s
     """(solution, plan) of ``graph`` under ``settings``: the sharding, then its memory decisions."""
     solved = _solve_sharding(graph, settings, forced, start)
     solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved)
-    plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts)
+    # the allocator is simulated on the plan's final walk: with memory decisions, their walk's
+    plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts, allocator=memory is None)
     if memory is not None:
         plan = _with_memory(plan, *memory)
     return solution, plan
@@ -545,8 +546,10 @@ def plan_from_solution(
     cluster: ClusterSpec,
     memory_budget: float | None,
     parts: _StepParts | None = None,
+    allocator: bool = True,
 ) -> Plan:
-    """The plan of ``solution``. ``parts``: its step's sums, where the caller has them already."""
+    """The plan of ``solution``. ``parts``: its step's sums, where the caller has them already;
+    ``allocator``: with the caching allocator's peaks (``pricing.reserved``)."""
     if parts is None or parts.solution is not solution:
         parts = _StepParts.of(graph, solution, cluster)
     nodes, params, traffic, expert_parallel = _node_plans(graph, solution, cluster)
@@ -559,7 +562,7 @@ def plan_from_solution(
     # one gather per parameter, FSDP's reduce-scatter, and only the exposed part of the buckets.
     traffic.add(parts.schedule.delta_bytes, parts.schedule.delta_bytes_per_axis)
     chosen = chosen_bytes(graph, solution)
-    predicted = _predicted(graph, parts, traffic, chosen, expert_parallel or None, cluster)
+    predicted = _predicted(graph, parts, traffic, chosen, expert_parallel or None, cluster if allocator else None)
     solver_info = SolverStats(
         status=solution.status,
         objective_s=solution.objective_s,
@@ -663,9 +666,9 @@ def _overlap_terms(schedule: ParamSchedule) -> dict[str, float]:
 
 
 def _predicted(
-    graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen, expert_parallel, cluster: ClusterSpec
+    graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen, expert_parallel, cluster: ClusterSpec | None
 ) -> Prediction:
-    """The plan's ``predicted`` section."""
+    """The plan's ``predicted`` section (with the caching allocator's peaks on ``cluster``; None: without)."""
     schedule = parts.schedule
     peak_bytes, peak_time = graph.timeline.peak(chosen)
     return Prediction(
@@ -687,7 +690,9 @@ def _predicted(
         peak_memory_bytes=int(peak_bytes),
         peak_memory_at=graph.timeline.time_name(peak_time),
         memory_at_peak_bytes={k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},
-        allocator_peak_bytes=allocator_peaks(timeline_spans(graph.timeline), chosen, graph.timeline.num_times, cluster),
+        allocator_peak_bytes=(
+            allocator_peaks(timeline_spans(graph.timeline), chosen, graph.timeline.num_times, cluster) if cluster else None
+        ),
         comm_bytes=int(traffic.comm_bytes),
         comm_bytes_per_axis=tuple(int(b) for b in traffic.per_axis),
         expert_parallel=expert_parallel,
