@@ -257,6 +257,16 @@ class CachingAllocator:
         self.reserved -= size
         self._reserved_by_stream[stream] -= size
 
+    def close(self) -> None:
+        """Unlink the blocks' neighbours, so that the allocator goes without a garbage collection
+        (a plan's planning leaves no reference cycles: the mesh search runs none between meshes)."""
+        blocks = [block for pool in self._pools.values() for block in pool.blocks.values()]
+        blocks += [block for block, _ in self._live.values()]
+        for block in blocks:
+            block.prev = block.next = None
+        for pool in self._pools.values():
+            pool.tail = None
+
     def peak(self) -> AllocatorPeak:
         return AllocatorPeak(
             self.peak_allocated,
@@ -274,14 +284,17 @@ def simulate(
     """Run ``events``, each ("malloc", key, bytes, stream) or ("free", key, 0, stream), through
     one ``CachingAllocator`` on a device of ``capacity`` bytes; its peaks."""
     allocator = CachingAllocator(expandable_segments, capacity)
-    for action, key, size, stream in events:
-        if action == "malloc":
-            allocator.malloc(key, size, stream)
-        elif action == "free":
-            allocator.free(key)
-        else:
-            raise InternalError(f"unknown allocator event {action!r}")
-    return allocator.peak()
+    try:
+        for action, key, size, stream in events:
+            if action == "malloc":
+                allocator.malloc(key, size, stream)
+            elif action == "free":
+                allocator.free(key)
+            else:
+                raise InternalError(f"unknown allocator event {action!r}")
+        return allocator.peak()
+    finally:
+        allocator.close()
 
 
 __all__ = ["AllocatorPeak", "CachingAllocator", "round_size", "segment_size", "simulate"]

@@ -125,3 +125,18 @@ def test_misuse_is_an_internal_error():
     allocator.malloc("zero", 0)  # CUDA gives no block for 0 bytes
     allocator.free("zero")
     assert allocator.peak().allocated == 512
+
+
+def test_a_simulation_leaves_no_reference_cycles():
+    import gc
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        _run([("malloc", "a", 3, "s"), ("malloc", "b", 1, "s"), ("free", "a", 0, "s")], expandable=True)
+        _run([("malloc", "a", 3, "s"), ("malloc", "b", 1, "s"), ("free", "a", 0, "s")])
+        assert gc.collect() == 0
+    finally:
+        if enabled:
+            gc.enable()
