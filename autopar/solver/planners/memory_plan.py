@@ -59,6 +59,7 @@ next offloaded layer).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 from collections.abc import Callable
@@ -543,7 +544,8 @@ def plan_memory(
     for node, kind, start, end, factor in spans:
         if start <= time <= end:
             breakdown[kind] += factor * bytes_of(node)
-    allocator = allocator_peaks(spans, bytes_of, walk.timeline.num_times, cluster)
+    # simulated only for the plan kept (``sharding._with_memory``), not for every candidate priced
+    allocator = functools.partial(allocator_peaks, spans, bytes_of, walk.timeline.num_times, cluster)
     segments = tuple(sorted((c.decision for c in chosen if c.key[0] in _RECOMPUTES), key=lambda s: walk.index[s.first]))
     order = {"optimizer_state": 0, "grad": 1, "param": 2}
     moved = tuple(sorted((c.decision for c in chosen if c.key[0] == "activations"), key=lambda s: walk.index[s.first]))

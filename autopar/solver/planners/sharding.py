@@ -465,7 +465,7 @@ def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
     """``plan`` with the memory decisions ``plan_memory`` made for its sharding."""
     breakdown = dict(breakdown)
     at = breakdown.pop("time")
-    allocator = breakdown.pop("allocator", None)
+    allocator = breakdown.pop("allocator", None)  # the caching allocator's peaks, simulated now
     predicted = dataclasses.replace(
         plan.predicted,
         step_time_s=plan.predicted.step_time_s + memory.added_s,
@@ -473,7 +473,7 @@ def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
         peak_memory_bytes=int(memory.peak_bytes),
         peak_memory_at=at,
         memory_at_peak_bytes={k: int(v) for k, v in breakdown.items()},
-        allocator_peak_bytes=allocator,
+        allocator_peak_bytes=allocator() if allocator is not None else None,
     )
     return dataclasses.replace(plan, memory=memory, predicted=predicted)
 
