@@ -54,7 +54,7 @@ def allocator_peaks(
     optimizer's temporaries, every block rounded), its reserved peak as autopar's runtime
     allocates (one stream) under PyTorch's default allocator (``reserved``) and with expandable
     segments (``reserved_expandable``), and with expandable segments as FSDP2 allocates
-    (``reserved_fsdp2_expandable``: torchtitan's setting; each run of the model costs about 0.2 s
+    (``reserved_fsdp2_expandable``: torchtitan's setting; each run of the model costs about 0.06 s
     on Llama 3.1 8B, so the fourth combination is left out), on a device of
     ``cluster.memory_bytes``; ``short``, only
     where the runtime's default allocator runs out of that device even after giving back its
