@@ -14,7 +14,10 @@ hand plan, or ``plan``: what ``autopar.plan`` picks), and priced:
   memory decisions + torch's default AdamW step, ``predicted.optimizer_s``), without the AdamW
   step where the measured figure has none, with the fused one (``cost.rates.optimizer_step_s``)
   where the run stepped that;
-* predicted peak = the plan's ``peak_memory_bytes``.
+* predicted peak = what the run measured (``measured_memory``): the plan's ``peak_memory_bytes``
+  (tensors allocated) for ``torch.cuda.max_memory_allocated``, or the caching allocator's
+  reserved peak (``predicted.allocator_peak_bytes``, ``solver.pricing.reserved``; under the
+  allocator the run used) for ``max_memory_reserved``. Both are in the CSV.
 
 Columns: predicted and measured step seconds (tokens/s/GPU for published rows), peak GiB,
 and the ratios predicted / measured. A published job is also planned by ``autopar.plan`` on the
@@ -84,6 +87,10 @@ class Row:
     checkpointing: str | None = None  # what the published job ran ("selective-op")
     optimizer: str = "foreach"  # AdamW's implementation (``cost.rates.OPTIMIZER_TRAFFIC``)
     published: bool = False
+    # What the measured peak is: torch.cuda.max_memory_"allocated" (tensors) or "reserved" (the
+    # caching allocator's segments, under PyTorch's "default" allocator or "expandable" segments).
+    measured_memory: str = "allocated"
+    allocator: str = "default"
 
 
 ROWS = (
@@ -116,13 +123,16 @@ ROWS = (
     # Its AC is op-level (llama3_8b.toml: mode "selective", selective_ac_option "op"): attention
     # and every other mm kept, "selective-op" here; its loss takes fp32 logits ("titan-" models).
     # Its memory column is the caching allocator's max reserved (torchtitan's metrics log
-    # ``max_reserved_gib``), the plan's the tensors alive: the allocator's cache is not priced.
+    # ``reserved_bytes.all.peak``), with expandable segments (run_llama_train.sh sets
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): priced by the allocator model.
     Row("torchtitan llama-3.1-8b fsdp 8 gpus", "torchtitan llama3_h100_202412, Table 1", "titan-llama-3-8b:32", 2, 8192, (8,),
         "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5762, measured_peak_gib=82.4, dtype="float32",
-        precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True),
+        precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True,
+        measured_memory="reserved", allocator="expandable"),
     Row("torchtitan llama-3.1-8b fsdp 128 gpus", "torchtitan llama3_h100_202412, Table 3", "titan-llama-3-8b:32", 2, 8192,
         (128,), "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5605, measured_peak_gib=67.0, dtype="float32",
-        precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True),
+        precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True,
+        measured_memory="reserved", allocator="expandable"),
 )  # fmt: skip
 
 
@@ -231,6 +241,16 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
     return {"step_s": step, "peak_gib": plan.predicted.peak_memory_bytes / GIB, "plan": plan}
 
 
+def reserved_gib(plan, row: Row) -> float | None:
+    """The plan's reserved peak (``predicted.allocator_peak_bytes``) under the row's allocator,
+    as FSDP2 allocates for a published FSDP job (torchtitan's ``fully_shard``)."""
+    peaks = plan.predicted.allocator_peak_bytes
+    if not peaks:
+        return None
+    key = "reserved" + ("_fsdp2" if row.published and row.layout == "fsdp" else "")
+    return peaks[key + ("_expandable" if row.allocator == "expandable" else "")] / GIB
+
+
 def describe(plan) -> str:
     """A plan's layout in a few words: parameter specs by count, checkpointing, offload."""
     from collections import Counter
@@ -260,17 +280,21 @@ def evaluate(row: Row, profiled: ClusterSpec | None) -> dict:
     if got is not None:
         out["layout_detail"] = describe(got["plan"])
         out["predicted_step_s"] = got["step_s"]
-        out["predicted_peak_gib"] = got["peak_gib"]
+        out["predicted_allocated_gib"] = got["peak_gib"]
+        out["predicted_reserved_gib"] = reserved_gib(got["plan"], row)
+        # the figure the run measured: tensors allocated, or the allocator's reserve
+        out["predicted_peak_gib"] = out[f"predicted_{row.measured_memory}_gib"]
         out["predicted_optimizer_s"] = got["plan"].predicted.optimizer_s
     measured_step = row.measured_step_s or (tokens / row.measured_tokens_per_s if row.measured_tokens_per_s else None)
     out["measured_step_s"] = measured_step
     out["measured_peak_gib"] = row.measured_peak_gib
+    out["measured_memory"] = f"{row.measured_memory} ({row.allocator})" if row.measured_memory == "reserved" else "allocated"
     if got is not None and measured_step:
         out["time_ratio"] = got["step_s"] / measured_step
         out["predicted_tokens_per_s"] = tokens / got["step_s"]
         out["measured_tokens_per_s"] = tokens / measured_step
-    if got is not None and row.measured_peak_gib:
-        out["memory_ratio"] = got["peak_gib"] / row.measured_peak_gib
+    if got is not None and row.measured_peak_gib and out["predicted_peak_gib"]:
+        out["memory_ratio"] = out["predicted_peak_gib"] / row.measured_peak_gib
     if row.published:  # what autopar.plan picks for the same job and budget
         solved = price(row, model, cluster, "plan")
         out["solver_step_s"] = solved["step_s"]
@@ -320,7 +344,7 @@ COLUMNS = (
     "row", "source", "cluster", "layout", "status", "predicted_step_s", "measured_step_s", "time_ratio",
     "predicted_tokens_per_s", "measured_tokens_per_s", "predicted_peak_gib", "measured_peak_gib", "memory_ratio",
     "layout_detail", "solver_step_s", "solver_peak_gib", "solver_over_published", "solver_layout", "plan_s",
-    "predicted_optimizer_s",
+    "predicted_optimizer_s", "measured_memory", "predicted_allocated_gib", "predicted_reserved_gib",
 )  # fmt: skip
 
 

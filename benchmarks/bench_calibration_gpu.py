@@ -11,7 +11,8 @@ Four parts, each writing to ``--out`` (default ``benchmarks/results``):
    (``calibration_profiled.csv``; the preset's pricing is ``calibration.csv``).
 3. The same jobs measured here (``calibration_measured.csv``): eager training steps in bf16
    (forward, backward, foreach AdamW; median of timed steps after warm-up, CUDA events) and
-   ``torch.cuda.max_memory_allocated``, next to the step and peak each spec predicts.
+   ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``), next to the step and peaks
+   each spec predicts.
 4. Offload (``calibration_offload.csv``): the zoo GPT under a memory budget that needs offload
    (``offload="auto"``: pinned host memory on a GPU), compiled and stepped with
    ``autopar.optim.AdamW``, against the same model without a budget stepped with torch's AdamW:
@@ -87,6 +88,10 @@ class Clock:
     def peak_gib(self) -> float | None:
         return torch.cuda.max_memory_allocated() / GIB if self.device.type == "cuda" else None
 
+    def reserved_gib(self) -> float | None:
+        """The caching allocator's peak (issue 44: ``predicted.allocator_peak_bytes["reserved"]``)."""
+        return torch.cuda.max_memory_reserved() / GIB if self.device.type == "cuda" else None
+
 
 def measure_row(row: calibration.Row, device: torch.device, clock: Clock, steps: int) -> dict:
     """One eager training step of ``row``'s model on ``device``: seconds and peak GiB."""
@@ -106,12 +111,18 @@ def measure_row(row: calibration.Row, device: torch.device, clock: Clock, steps:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     seconds = clock.median(step, warmup=3, repeat=steps)
-    peak = clock.peak_gib()
+    peak, reserved = clock.peak_gib(), clock.reserved_gib()
     # the AdamW step alone, on one backward's gradients (what the plan's optimizer_s prices)
     out = model(input_ids=ids, labels=ids) if row.model.startswith("hf-") else model(ids, ids)
     (out.loss if hasattr(out, "loss") else out).backward()
     optimizer_s = clock.median(opt.step, warmup=1, repeat=steps)
-    return {"row": row.name, "measured_step_s": seconds, "measured_peak_gib": peak, "measured_optimizer_s": optimizer_s}
+    return {
+        "row": row.name,
+        "measured_step_s": seconds,
+        "measured_peak_gib": peak,
+        "measured_reserved_gib": reserved,
+        "measured_optimizer_s": optimizer_s,
+    }
 
 
 class PhaseClock(Clock):
@@ -289,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 **{f"{label}_step_s": p.get("predicted_step_s") for label, p in predicted.items()},
                 **{f"{label}_optimizer_s": p.get("predicted_optimizer_s") for label, p in predicted.items()},
                 **{f"{label}_peak_gib": p.get("predicted_peak_gib") for label, p in predicted.items()},
+                **{f"{label}_reserved_gib": p.get("predicted_reserved_gib") for label, p in predicted.items()},
             }
         )
         print(results[-1], f"{time.perf_counter() - start:.0f} s", flush=True)

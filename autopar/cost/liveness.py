@@ -45,8 +45,9 @@ comm_buffer       the same parameter      bwd(its last use) … the launch of th
   save nothing.
 * Gradients of parameters are kept to the end of the step (the optimizer reads them). The
   optimizer state is taken as alive all step: from the second step on it always is.
-* Not modelled: workspace inside a kernel, the allocator's fragmentation and caching, and the
-  fused kernels' small extra saved statistics (a norm's mean and rstd, attention's logsumexp).
+* Not modelled: workspace inside a kernel, the allocator's fragmentation and caching (which
+  ``cost.step_memory`` runs the final plan's walk through), and the fused kernels' small extra
+  saved statistics (a norm's mean and rstd, attention's logsumexp).
 """
 
 from __future__ import annotations

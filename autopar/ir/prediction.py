@@ -65,6 +65,7 @@ _SHARDED_ORDER = (
     "peak_memory_bytes",
     "peak_memory_at",
     "memory_at_peak_bytes",
+    "allocator_peak_bytes",
     "comm_bytes",
     "comm_bytes_per_axis",
     "expert_parallel",
@@ -92,6 +93,9 @@ class Prediction(_KeyAccess):
     peak_memory_bytes: int | None = None
     peak_memory_at: str | None = None  # "forward after NODE" or "backward of NODE"
     memory_at_peak_bytes: Mapping[str, int] | None = None  # the peak by kind
+    # the caching allocator's peaks over steady-state steps: allocated, reserved (default
+    # allocator), reserved_expandable (expandable segments); solver.pricing.reserved
+    allocator_peak_bytes: Mapping[str, int] | None = None
     comm_bytes: int | None = None
     comm_bytes_per_axis: tuple[int, ...] | None = None
     expert_parallel: tuple[Mapping[str, Any], ...] | None = None  # one record per experts op split by rank

@@ -50,6 +50,12 @@ def header_lines(plan: Plan) -> list[str]:
     if pred.get("memory_at_peak_bytes"):
         parts = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in pred["memory_at_peak_bytes"].items() if size)
         lines.append(f"  memory at the peak: {parts}")
+    if pred.get("allocator_peak_bytes"):
+        peaks = pred["allocator_peak_bytes"]
+        lines.append(
+            f"  reserved by PyTorch's caching allocator: {format_bytes(peaks['reserved'])}"
+            f" ({format_bytes(peaks['reserved_expandable'])} with expandable segments)"
+        )
     if per.get("comm_bytes_per_axis"):
         parts = ", ".join(
             f"axis {axis} (size {size}): {format_bytes(sent)}"

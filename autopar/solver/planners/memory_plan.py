@@ -59,6 +59,7 @@ next offloaded layer).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 from collections.abc import Callable
@@ -73,6 +74,7 @@ from autopar.cost.rates import recompute_s as segment_recompute_s
 from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps, selective_op_kept, selective_op_role
 from autopar.solver.planners.walk_changes import WalkContext, affected_keys, offloads
+from autopar.solver.pricing.reserved import allocator_peaks
 from autopar.solver.problem.choices import layer_key, live_nodes
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.trace import TracedModel
@@ -538,9 +540,12 @@ def plan_memory(
     (chosen, keys), (recompute_s, exposed_s) = taken
     peak, time = walk.peak(keys, prefetch, fresh=True)
     breakdown = dict.fromkeys(liveness.KINDS, 0.0)
-    for node, kind, start, end, factor in walk.intervals(keys, prefetch):
+    spans = walk.intervals(keys, prefetch)
+    for node, kind, start, end, factor in spans:
         if start <= time <= end:
             breakdown[kind] += factor * bytes_of(node)
+    # simulated only for the plan kept (``sharding._with_memory``), not for every candidate priced
+    allocator = functools.partial(allocator_peaks, spans, bytes_of, walk.timeline.num_times, cluster)
     segments = tuple(sorted((c.decision for c in chosen if c.key[0] in _RECOMPUTES), key=lambda s: walk.index[s.first]))
     order = {"optimizer_state": 0, "grad": 1, "param": 2}
     moved = tuple(sorted((c.decision for c in chosen if c.key[0] == "activations"), key=lambda s: walk.index[s.first]))
@@ -570,7 +575,8 @@ def plan_memory(
         peak,
         budget,
     )
-    return memory, {"time": walk.timeline.time_name(time) if time < walk.timeline.num_times else "", **breakdown}
+    time_name = walk.timeline.time_name(time) if time < walk.timeline.num_times else ""
+    return memory, {"time": time_name, "allocator": allocator, **breakdown}
 
 
 def _greedy(

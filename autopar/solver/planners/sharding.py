@@ -21,6 +21,7 @@ from autopar.ir.summary import format_bytes
 from autopar.solver.planners.memory_plan import plan_memory
 from autopar.solver.planners.settings import memory_budget
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
+from autopar.solver.pricing.reserved import allocator_budget, allocator_peaks, timeline_spans
 from autopar.solver.pricing.runner_ups import explain_decisions
 from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, optimizer_objective_s, param_sync_adjustment_s
 from autopar.solver.problem.fits import fits
@@ -57,6 +58,10 @@ def solve(
     """``solve_unexplained``'s plan with its decisions explained (``plan.decisions``)."""
     plan, explained = solve_unexplained(traced, mesh_shape, cluster, options, forced=forced, zero_stage=zero_stage)
     return explained(plan)
+
+
+# Plans made again under a lower budget where the caching allocator would run out of the device
+ALLOCATOR_ROUNDS = 4
 
 
 def solve_unexplained(
@@ -111,16 +116,50 @@ def solve_unexplained(
         graph.pruned.impossible,
         graph.pruned.dominated,
     )
-    priced = _Priced(traced, graph, cluster, settings)
-    solved = _solve_sharding(graph, settings, forced, start, priced)
-    solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved, priced)
-    plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts)
-    if memory is not None:
-        plan = _with_memory(plan, *memory)
+    solution, plan = _within_allocator(traced, graph, cluster, settings, forced, start)
     return (
         dataclasses.replace(plan, precision=precision),
         functools.partial(_explained, graph, solution, cluster, settings.memory_budget),
     )
+
+
+def _within_allocator(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings, forced, start: float):
+    """``_plan_under`` ``settings``, then, while PyTorch's caching allocator would run out of the
+    device for a plan whose tensors fit the budget, again under a lower budget
+    (``pricing.reserved.allocator_budget``); an error where that does not end."""
+    solution, plan = _plan_under(traced, graph, cluster, settings, forced, start)
+    for _ in range(ALLOCATOR_ROUNDS):
+        lowered = allocator_budget(plan, settings.memory_budget)
+        if lowered is None:
+            return solution, plan
+        log.warning(
+            "autopar: the plan's tensors fit memory_budget=%.0f bytes, but PyTorch's caching allocator would lack "
+            "%.0f bytes of the device (fragmentation of its cached segments); planning again under %.0f bytes",
+            settings.memory_budget,
+            plan.predicted.allocator_peak_bytes.get("short", 0),
+            lowered,
+        )
+        settings = dataclasses.replace(settings, memory_budget=lowered)
+        solution, plan = _plan_under(traced, graph, cluster, settings, forced, start)
+    if allocator_budget(plan, settings.memory_budget) is not None:
+        raise InfeasibleError(
+            f"the plan's tensors fit memory_budget={settings.memory_budget:.0f} bytes after {ALLOCATOR_ROUNDS} lower "
+            f"budgets, but PyTorch's caching allocator would still run out of the device's {cluster.memory_bytes} bytes "
+            f"(its peaks: {dict(plan.predicted.allocator_peak_bytes)}).\n  Lower memory_budget, or plan on a larger mesh."
+        )
+    return solution, plan
+
+
+def _plan_under(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings, forced, start: float):
+    """(solution, plan) of ``graph`` under ``settings``: the sharding, then its memory decisions."""
+    priced = _Priced(traced, graph, cluster, settings)
+    solved = _solve_sharding(graph, settings, forced, start, priced)
+    solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved, priced)
+    # the allocator is simulated on the plan's final walk: with memory decisions, their walk's
+    plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts, allocator=memory is None)
+    if memory is not None:
+        plan = _with_memory(plan, *memory)
+    return solution, plan
 
 
 def _explained(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec, memory_budget: float | None, plan: Plan) -> Plan:
@@ -521,6 +560,7 @@ def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
     """``plan`` with the memory decisions ``plan_memory`` made for its sharding."""
     breakdown = dict(breakdown)
     at = breakdown.pop("time")
+    allocator = breakdown.pop("allocator", None)  # the caching allocator's peaks, simulated now
     predicted = dataclasses.replace(
         plan.predicted,
         step_time_s=plan.predicted.step_time_s + memory.added_s,
@@ -528,6 +568,7 @@ def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
         peak_memory_bytes=int(memory.peak_bytes),
         peak_memory_at=at,
         memory_at_peak_bytes={k: int(v) for k, v in breakdown.items()},
+        allocator_peak_bytes=allocator() if allocator is not None else None,
     )
     return dataclasses.replace(plan, memory=memory, predicted=predicted)
 
@@ -600,8 +641,10 @@ def plan_from_solution(
     cluster: ClusterSpec,
     memory_budget: float | None,
     parts: _StepParts | None = None,
+    allocator: bool = True,
 ) -> Plan:
-    """The plan of ``solution``. ``parts``: its step's sums, where the caller has them already."""
+    """The plan of ``solution``. ``parts``: its step's sums, where the caller has them already;
+    ``allocator``: with the caching allocator's peaks (``pricing.reserved``)."""
     if parts is None or parts.solution is not solution:
         parts = _StepParts.of(graph, solution, cluster)
     nodes, params, traffic, expert_parallel = _node_plans(graph, solution, cluster)
@@ -614,7 +657,7 @@ def plan_from_solution(
     # one gather per parameter, FSDP's reduce-scatter, and only the exposed part of the buckets.
     traffic.add(parts.schedule.delta_bytes, parts.schedule.delta_bytes_per_axis)
     chosen = chosen_bytes(graph, solution)
-    predicted = _predicted(graph, parts, traffic, chosen, expert_parallel or None)
+    predicted = _predicted(graph, parts, traffic, chosen, expert_parallel or None, cluster if allocator else None)
     solver_info = SolverStats(
         status=solution.status,
         objective_s=solution.objective_s,
@@ -717,8 +760,10 @@ def _overlap_terms(schedule: ParamSchedule) -> dict[str, float]:
     return {name: getattr(schedule, name) for name in names}
 
 
-def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen, expert_parallel) -> Prediction:
-    """The plan's ``predicted`` section."""
+def _predicted(
+    graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen, expert_parallel, cluster: ClusterSpec | None
+) -> Prediction:
+    """The plan's ``predicted`` section (with the caching allocator's peaks on ``cluster``; None: without)."""
     schedule = parts.schedule
     peak_bytes, peak_time = graph.timeline.peak(chosen)
     return Prediction(
@@ -740,6 +785,9 @@ def _predicted(graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen,
         peak_memory_bytes=int(peak_bytes),
         peak_memory_at=graph.timeline.time_name(peak_time),
         memory_at_peak_bytes={k: int(v) for k, v in graph.timeline.breakdown(peak_time, chosen).items()},
+        allocator_peak_bytes=(
+            allocator_peaks(timeline_spans(graph.timeline), chosen, graph.timeline.num_times, cluster) if cluster else None
+        ),
         comm_bytes=int(traffic.comm_bytes),
         comm_bytes_per_axis=tuple(int(b) for b in traffic.per_axis),
         expert_parallel=expert_parallel,

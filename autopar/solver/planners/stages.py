@@ -894,7 +894,7 @@ def _assemble(
         method=first.method,
         backend=first.backend,
     )
-    base = plan_from_solution(traced, graph, solution, cluster, memory_budget)
+    base = plan_from_solution(traced, graph, solution, cluster, memory_budget, allocator=False)  # stages: not simulated
     times = [s.time_s for s in search.stages]
     pipeline = StagePlan(
         num_microbatches=search.num_microbatches,

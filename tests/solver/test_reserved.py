@@ -1,0 +1,96 @@
+"""A plan's peak as the caching allocator reserves it (``autopar.solver.pricing.reserved``), and
+the memory budget kept on a sound footing: a plan that fits on paper but whose allocator would
+run out of the device is planned again under less."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost.cluster import get_cluster
+from autopar.ir.plan import Plan
+from autopar.solver.pricing.reserved import allocator_budget, fsdp2_stream_of
+from autopar.zoo.models import GPT
+
+
+@pytest.fixture(scope="module")
+def gpt_and_batch():
+    with torch.device("meta"):
+        model = GPT(vocab_size=1024, block_size=128, n_layer=2, n_head=8, n_embd=256, bias=False)
+        idx = torch.zeros(8, 128, dtype=torch.long)
+    return model, (idx, idx)
+
+
+def test_fsdp2_streams_gradients_and_gather_buffers_apart():
+    spans = [
+        ("w", "param", 0, 9, 1.0),
+        ("w", "grad", 6, 9, 1.0),  # reduce-scattered: a comm_buffer names its gathered node
+        ("gathered:w", "gathered", 2, 2, 1.0),  # the all-gather's buffer, inside the gathered span
+        ("gathered:w", "gathered", 1, 3, 1.0),
+        ("gathered:w", "comm_buffer", 6, 7, 2.0),
+        ("v", "grad", 5, 9, 1.0),  # all-reduced: the compute stream
+        ("gathered:u", "gathered", 4, 4, 1.0),  # a one-time gather of its own: a use, not a buffer
+    ]
+    streams = [fsdp2_stream_of(spans)(span) for span in spans]
+    assert streams == ["compute", "reduce_scatter", "all_gather", "compute", "compute", "compute", "compute"]
+
+
+def test_gpu_plans_carry_the_allocator_peaks_and_cpu_plans_none(gpt_and_batch, tmp_path):
+    model, batch = gpt_and_batch
+    plan = autopar.hand_plan("fsdp", model, (2,), example_inputs=batch, cluster="h100-80g")
+    peaks = plan.predicted.allocator_peak_bytes
+    reserved = {"reserved", "reserved_expandable", "reserved_fsdp2_expandable"}
+    assert set(peaks) == {"allocated"} | reserved
+    # every tensor's block is rounded up, and AdamW's foreach temporary comes on top
+    assert peaks["allocated"] >= plan.predicted.peak_memory_bytes
+    assert all(peaks[key] >= peaks["allocated"] for key in reserved)
+    # FSDP2's gradients wait on the reduce-scatter stream, where the compute stream cannot reuse them
+    assert peaks["reserved_fsdp2_expandable"] >= peaks["reserved_expandable"]
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").predicted.allocator_peak_bytes == peaks
+    cpu = autopar.hand_plan("fsdp", model, (2,), example_inputs=batch, cluster="cpu")
+    assert cpu.predicted.allocator_peak_bytes is None  # host memory: no caching allocator
+
+
+def test_a_plan_the_allocator_cannot_hold_is_planned_again_under_less(gpt_and_batch, caplog):
+    model, batch = gpt_and_batch
+    free = autopar.plan(model, (2,), example_inputs=batch, cluster="h100-80g", memory_budget=float("inf"))
+    # a device exactly the size of the plan's tensors: they fit on paper, its 20 MiB segments do not
+    device = free.predicted.peak_memory_bytes
+    cluster = dataclasses.replace(get_cluster("h100-80g"), memory_bytes=device)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        plan = autopar.plan(model, (2,), example_inputs=batch, cluster=cluster, memory_budget=device)
+    assert "caching allocator would lack" in caplog.text
+    peaks = plan.predicted.allocator_peak_bytes
+    assert "short" not in peaks and peaks["reserved"] <= device
+    assert plan.predicted.peak_memory_bytes < free.predicted.peak_memory_bytes
+    assert plan.memory is not None and plan.memory.checkpoint  # it checkpoints to leave the allocator room
+
+
+def test_allocator_budget_lowers_the_budget_by_the_reserve_beyond_the_tensors():
+    class _Predicted:
+        allocator_peak_bytes = {"allocated": 10, "reserved": 30, "short": 7}
+
+    class _Plan:
+        predicted = _Predicted()
+
+    assert allocator_budget(_Plan(), 100.0) == 80.0  # what it reserves beyond its tensors
+    _Predicted.allocator_peak_bytes = {"allocated": 10, "reserved": 12, "short": 7}
+    assert allocator_budget(_Plan(), 100.0) == 93.0  # at least what it lacks
+    assert allocator_budget(_Plan(), None) is None  # no budget: nothing to keep
+    _Predicted.allocator_peak_bytes = {"allocated": 10, "reserved": 30}
+    assert allocator_budget(_Plan(), 100.0) is None
+
+
+def test_a_plan_the_allocator_never_holds_is_an_error(gpt_and_batch, monkeypatch):
+    from autopar.errors import InfeasibleError
+    from autopar.solver.planners import sharding
+
+    model, batch = gpt_and_batch
+    monkeypatch.setattr(sharding, "allocator_budget", lambda plan, budget: budget - 1.0)
+    with pytest.raises(InfeasibleError, match="caching allocator would still run out"):
+        autopar.plan(model, (2,), example_inputs=batch, cluster="h100-80g", memory_budget=10**9)

@@ -1,0 +1,51 @@
+"""``benchmarks/bench_calibration.py``'s memory columns: each row is compared with the figure its
+run measured, tensors allocated or the caching allocator's reserve (issue 44). Small models only."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import bench_calibration as calibration  # noqa: E402
+
+GIB = 2**30
+
+
+def _row(**changes) -> calibration.Row:
+    base = calibration.Row(
+        "small gpt", "test", "gpt:2:128:4", 2, 64, (1,), "plan", "h100-80g", 80 * GIB, measured_step_s=0.01, measured_peak_gib=0.5
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_an_allocated_row_is_compared_with_the_tensors_alive():
+    out = calibration.evaluate(_row(), None)
+    assert out["measured_memory"] == "allocated"
+    assert out["predicted_peak_gib"] == out["predicted_allocated_gib"]
+    assert out["predicted_reserved_gib"] >= out["predicted_allocated_gib"]
+    assert out["memory_ratio"] == pytest.approx(out["predicted_allocated_gib"] / 0.5)
+    assert set(calibration.COLUMNS) >= {"measured_memory", "predicted_allocated_gib", "predicted_reserved_gib"}
+
+
+def test_a_published_fsdp_row_that_measured_the_reserve_is_compared_with_fsdp2s():
+    row = _row(
+        mesh=(2,), layout="fsdp", published=True, measured_step_s=None, measured_tokens_per_s=1e5,
+        measured_memory="reserved", allocator="expandable",
+    )  # fmt: skip
+    out = calibration.evaluate(row, None)
+    model = calibration.build_model(row.model, calibration.torch.bfloat16)
+    plan = calibration.price(row, model, calibration.row_cluster(row, None), "fsdp")["plan"]
+    expected = plan.predicted.allocator_peak_bytes["reserved_fsdp2_expandable"] / GIB
+    assert out["measured_memory"] == "reserved (expandable)"
+    assert out["predicted_peak_gib"] == out["predicted_reserved_gib"] == pytest.approx(expected)
+    assert out["memory_ratio"] == pytest.approx(expected / 0.5)
+
+
+def test_torchtitans_rows_say_they_measured_the_reserve_with_expandable_segments():
+    titan = [row for row in calibration.ROWS if row.name.startswith("torchtitan")]
+    assert titan and all((row.measured_memory, row.allocator) == ("reserved", "expandable") for row in titan)
+    assert all(row.measured_memory == "allocated" for row in calibration.ROWS if not row.published)
