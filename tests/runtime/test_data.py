@@ -267,6 +267,25 @@ def test_the_data_check_carries_the_loss_all_reduce_and_still_fails_on_every_ran
     assert "ranks [1] refused this call" in results[0]["refused"], results[0]["refused"]
 
 
+@pytest.mark.multiproc
+def test_four_ranks_ride_as_two_do_and_refuse_on_every_rank(rank_pool) -> None:
+    """At 4 ranks as at 2: the check carries the loss's all-reduce (the planner prices it so:
+    ``op_prices.rides_data_check``), losses and parameters equal eager's in float64, and other
+    data, shapes or random states, or a call three ranks refuse, fail on every rank."""
+    results = rank_pool(4).run(_riding, timeout_s=300)
+    for rank, out in enumerate(results):
+        assert out["kernel"] == "cross_entropy_mean", out
+        assert out["reduces_learning"] == 1 and out["reduces_riding"] == 0 and len(out["riding"]) == 1, (rank, out)
+        assert max(out["losses"]) < 1e-12 and out["params"] < 1e-12 and out["eval"] < 1e-12, (rank, out)
+        assert "ranks 0 and 1 passed different batches" in out["mixed"], (rank, out["mixed"])
+        assert "ranks 0 and 1 passed inputs of different shapes" in out["shapes"], (rank, out["shapes"])
+        assert "draw different random numbers" in out["random"], (rank, out["random"])
+        assert out["same_loss"], f"rank {rank}: the call after the refused ones computed another loss"
+    for out in results[1:]:
+        assert "refused this call" not in out["refused"] and out["refused"] != "no error", out
+    assert "ranks [1, 2, 3] refused this call" in results[0]["refused"], results[0]["refused"]
+
+
 class _Done:
     def wait(self) -> None:
         pass
