@@ -32,6 +32,10 @@ def test_fingerprints_tell_reordered_shifted_and_reshaped_batches_apart() -> Non
     for other in (x.flip(0), x + 1, x.reshape(3, 4), x[:3]):
         assert not torch.equal(fingerprint([other, torch.tensor([1, 2])], torch.device("cpu")), same)
     assert not torch.equal(fingerprint([torch.tensor([1, 2]), x], torch.device("cpu")), same)
+    # a NaN in float data still fingerprints equal batches alike (beside integer inputs, which skip that step)
+    nan = x.clone()
+    nan[1, 1] = float("nan")
+    assert torch.equal(*(fingerprint([b, torch.tensor([1, 2])], torch.device("cpu")) for b in (nan, nan.clone())))
 
 
 def test_whole_batches_must_be_equal_on_every_rank_and_the_error_names_the_per_rank_mode() -> None:
