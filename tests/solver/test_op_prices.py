@@ -56,3 +56,16 @@ def test_only_the_first_all_reduce_on_the_only_split_axis_rides():
         assert kernel_collectives(None, shifted, mesh, True) == [], mesh
     both = type(strategy)(strategy.ins, strategy.outs, strategy.kernel, (0, 1), strategy.source, strategy.whole_grad)
     assert kernel_collectives(None, both, (2, 2), True) == [("all_reduce", 16, 0), ("all_reduce", 16, 1)]
+
+
+def test_nothing_rides_where_inductor_runs_the_graph():
+    """A compiled graph's collectives are inductor's own, after the data check settles
+    (``runtime.module``): planned for ``compiler="inductor"``, the plan is the one priced without
+    the ride, to the byte."""
+    model, batch = _small_gpt()
+    compiled = autopar.plan(model, (4,), example_inputs=batch, cluster="cpu", compiler="inductor")
+    with pricing_without_rides():
+        apart = autopar.plan(model, (4,), example_inputs=batch, cluster="cpu", compiler="inductor")
+    assert compiled.hash == apart.hash
+    eager = autopar.plan(model, (4,), example_inputs=batch, cluster="cpu")
+    assert eager.nodes["cross_entropy_loss"].kernel == "cross_entropy_mean", eager.summary()
