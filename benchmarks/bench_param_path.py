@@ -12,8 +12,9 @@ rank's rows, no communication; ``torch_ddp``; ``torch_fsdp2``; ``autopar_ddp``; 
 ``--kinds`` can add ``torch_replicate``, FSDP2's machinery with every parameter replicated, and
 ``autopar_ddp_check_apart``, autopar's ddp whose data check never carries the loss's all-reduce:
 two collectives a forward, as before ``runtime.data`` let them ride together), and
-``autopar_ddp_priced_apart``, the ddp plan made with the loss's all-reduce priced as a collective
-of its own (``op_prices.pricing_without_rides``: at 4 ranks this GPT's plan then gathers the logits),
+``autopar_ddp_priced_apart`` (or ``autopar_fsdp_priced_apart``), the hand plan made with the loss's
+all-reduce priced as a collective of its own (``op_prices.pricing_without_rides``: at 4 ranks this
+GPT's plan then gathers the logits),
 each with torch's AdamW (``--optimizer``: default, foreach or fused). The trainers take turns step
 by step; each phase (``zero_grad``, forward, backward, ``optimizer.step()``) is timed with
 ``time.process_time`` (the rank's CPU time: what the host spends, not what it waits for peers).
@@ -50,6 +51,7 @@ PAIRS = (
     ("autopar_fsdp", "torch_fsdp2"),
     ("autopar_ddp", "autopar_ddp_check_apart"),
     ("autopar_ddp", "autopar_ddp_priced_apart"),
+    ("autopar_fsdp", "autopar_fsdp_priced_apart"),
 )
 _APART = "_check_apart"
 _PRICED_APART = "_priced_apart"
@@ -63,8 +65,9 @@ def _build(kind: str, world: int, rank: int):
     from autopar.solver.problem.op_prices import pricing_without_rides
 
     model, (idx, targets) = _gpt(CONFIG), _batch(CONFIG, BATCH)
+    hand = kind.removeprefix("autopar_").removesuffix(_PRICED_APART)
     with pricing_without_rides():
-        plan = autopar.hand_plan("ddp", model, (world,), example_inputs=(idx, targets), cluster="cpu")
+        plan = autopar.hand_plan(hand, model, (world,), example_inputs=(idx, targets), cluster="cpu")
     return autopar.compile(model, (world,), example_inputs=(idx, targets), plan=plan), (idx, targets)
 
 
