@@ -11,7 +11,10 @@ trainers of ``bench_vs_torch.build`` for the same model (``eager_local``: the pl
 rank's rows, no communication; ``torch_ddp``; ``torch_fsdp2``; ``autopar_ddp``; ``autopar_fsdp``;
 ``--kinds`` can add ``torch_replicate``, FSDP2's machinery with every parameter replicated, and
 ``autopar_ddp_check_apart``, autopar's ddp whose data check never carries the loss's all-reduce:
-two collectives a forward, as before ``runtime.data`` let them ride together),
+two collectives a forward, as before ``runtime.data`` let them ride together), and
+``autopar_ddp_priced_apart`` (or ``autopar_fsdp_priced_apart``), the hand plan made with the loss's
+all-reduce priced as a collective of its own (``op_prices.pricing_without_rides``: at 4 ranks this
+GPT's plan then gathers the logits),
 each with torch's AdamW (``--optimizer``: default, foreach or fused). The trainers take turns step
 by step; each phase (``zero_grad``, forward, backward, ``optimizer.step()``) is timed with
 ``time.process_time`` (the rank's CPU time: what the host spends, not what it waits for peers).
@@ -34,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench_vs_torch import OPTIMIZERS, build
+from bench_vs_torch import OPTIMIZERS, _batch, _gpt, build
 
 CONFIG = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64)
 BATCH = 8
@@ -47,8 +50,25 @@ PAIRS = (
     ("autopar_ddp", "torch_replicate"),
     ("autopar_fsdp", "torch_fsdp2"),
     ("autopar_ddp", "autopar_ddp_check_apart"),
+    ("autopar_ddp", "autopar_ddp_priced_apart"),
+    ("autopar_fsdp", "autopar_fsdp_priced_apart"),
 )
 _APART = "_check_apart"
+_PRICED_APART = "_priced_apart"
+
+
+def _build(kind: str, world: int, rank: int):
+    """``bench_vs_torch.build``, but for ``*_priced_apart``: the plan priced without the ride."""
+    if not kind.endswith(_PRICED_APART):
+        return build(kind.removesuffix(_APART), world, rank, CONFIG, BATCH)
+    import autopar  # as in bench_vs_torch.build: imported where a kind needs it
+    from autopar.solver.problem.op_prices import pricing_without_rides
+
+    model, (idx, targets) = _gpt(CONFIG), _batch(CONFIG, BATCH)
+    hand = kind.removeprefix("autopar_").removesuffix(_PRICED_APART)
+    with pricing_without_rides():
+        plan = autopar.hand_plan(hand, model, (world,), example_inputs=(idx, targets), cluster="cpu")
+    return autopar.compile(model, (world,), example_inputs=(idx, targets), plan=plan), (idx, targets)
 
 
 def _phases(module, batch, optimizer) -> dict[str, float]:
@@ -71,7 +91,7 @@ def _rank(rank: int, world: int, init: str, out_dir: str, kinds: list[str], step
     try:
         trainers = {}
         for kind in kinds:
-            module, batch = build(kind.removesuffix(_APART), world, rank, CONFIG, BATCH)
+            module, batch = _build(kind, world, rank)
             if kind.endswith(_APART):  # never learns to defer its check to the loss's all-reduce
                 module._learn_riding = lambda attr, settle: None
             trainers[kind] = (module, batch, torch.optim.AdamW(module.parameters(), lr=1e-3, **OPTIMIZERS[optimizer]))

@@ -55,7 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.errors import UsageError
 from autopar.ops import collectives
-from autopar.ops.params import add_grad, as_like, local_of
+from autopar.ops.params import add_grads, as_like, local_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,7 +448,7 @@ class GradBuckets(torch.nn.Module):
             result = pending.flat if bucket.kind == "all_reduce" else pending.out
             for group_name in bucket.groups[1:]:  # further mesh axes, one after another
                 collectives.wait(collectives.start_all_reduce(result, group_name), group_name)
-            at = 0
+            at, handed = 0, []
             for slot in bucket.slots:
                 numel = slot.numel if bucket.kind == "all_reduce" else slot.numel // self._k(index)
                 shape = slot.shape if bucket.kind == "all_reduce" else _chunk_shape(slot.shape, slot.dim, self._k(index))
@@ -460,7 +460,8 @@ class GradBuckets(torch.nn.Module):
                 # reduced in a policy's reduce_dtype: lands in the master's; a DTensor
                 # parameter's gradient is a DTensor with its placements (ops.params)
                 if slot.key not in pending.zeroed:
-                    add_grad(self._params[slot.key], reduced)
+                    handed.append((self._params[slot.key], reduced))
+            add_grads(handed)
 
     def _show_held(self, index: int, pending: _Pending) -> None:
         """The ``.grad`` of each parameter a held backward reached becomes its view of bucket

@@ -166,11 +166,11 @@ def cross_entropy_mean(
     Partial result would need two: the global denominator before the division, then the sum of
     the partial losses (the latency a data-parallel forward pays that DDP's does not)."""
     if target.is_floating_point():
-        denominator = torch.tensor(self.numel() // self.shape[1], dtype=torch.int64, device=self.device)
+        denominator = torch.tensor(self.numel() // self.shape[1], dtype=torch.float64, device=self.device)
     else:
         valid = target != ignore_index
         if weight is None:
-            denominator = valid.sum()
+            denominator = valid.sum(dtype=torch.float64)  # exact below 2**53 targets; no cast after
         else:
             picked = weight.detach()[target.masked_fill(~valid, 0)]
             denominator = picked.masked_fill(~valid, 0).sum()
@@ -178,7 +178,7 @@ def cross_entropy_mean(
     stats = torch.stack([local_sum.detach().to(torch.float64), denominator.detach().to(torch.float64)])
     for group in axis_groups:
         stats = collectives.no_grad_all_reduce(stats, group)
-    total, count = stats[0], stats[1]
+    total, count = stats.unbind()
     wide = torch.promote_types(local_sum.dtype, torch.float32)  # the scale 1/count in at least float32
     live = local_sum.to(wide)
     # value: the global sum over the global denominator; gradient: 1/denominator to the local sum

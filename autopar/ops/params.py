@@ -20,6 +20,8 @@ the autograd graph: ``torch.autograd.grad(loss, pm.parameters())`` does not reac
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -50,7 +52,21 @@ def as_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def add_grad(param: torch.Tensor, local: torch.Tensor) -> None:
     """Add ``local`` (this rank's gradient shard of ``param``) into ``param.grad``, as autograd's
     accumulation would: set it when there is none, add into its local shard otherwise."""
-    local = local.to(param.dtype)
+    _add_grad(param, local)
+
+
+@torch.no_grad()
+def add_grads(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``add_grad`` of each (parameter, local gradient) pair under one ``no_grad``: the end of
+    backward hands over a whole bucket at once (entering ``no_grad`` per parameter cost more
+    than the hand-over itself)."""
+    for param, local in pairs:
+        _add_grad(param, local)
+
+
+def _add_grad(param: torch.Tensor, local: torch.Tensor) -> None:
+    if local.dtype != param.dtype:
+        local = local.to(param.dtype)
     if param.grad is None:
         param.grad = as_like(local, param)
     else:

@@ -66,18 +66,21 @@ def fingerprint(leaves: list[Any], device: torch.device) -> torch.Tensor:
 def _data_sums(leaves: list[Any], device: torch.device) -> tuple[float, torch.Tensor]:
     """``fingerprint``'s numbers: the sizes' number (a Python float) and the two sums (a float64
     tensor on ``device``), in one product of the row sums with their weights (``_row_weights``)."""
-    count, sums, layout = 0.0, [], []
+    count, sums, layout, floating = 0.0, [], [], False
     for index, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             continue
         rows = (leaf.detach() if leaf.requires_grad else leaf).reshape(leaf.shape[0] if leaf.dim() else 1, -1)
         summed = rows.sum(dim=1, dtype=torch.float64)
+        floating = floating or leaf.is_floating_point() or leaf.is_complex()
         sums.append(summed if summed.device == device else summed.to(device))
         layout.append((rows.shape[0], index))
         count += (index + 1) * (leaf.numel() + sum(size * (dim + 1) * _PRIME for dim, size in enumerate(leaf.shape)))
     if not sums:
         return count, torch.zeros(2, dtype=torch.float64, device=device)
-    flat = torch.nan_to_num(sums[0] if len(sums) == 1 else torch.cat(sums))
+    flat = sums[0] if len(sums) == 1 else torch.cat(sums)
+    if floating:  # a NaN would make equal data compare unequal; integer sums hold none (one op less a call)
+        flat = torch.nan_to_num(flat)
     return count, flat @ _row_weights(tuple(layout), device)
 
 

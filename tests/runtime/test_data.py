@@ -32,6 +32,10 @@ def test_fingerprints_tell_reordered_shifted_and_reshaped_batches_apart() -> Non
     for other in (x.flip(0), x + 1, x.reshape(3, 4), x[:3]):
         assert not torch.equal(fingerprint([other, torch.tensor([1, 2])], torch.device("cpu")), same)
     assert not torch.equal(fingerprint([torch.tensor([1, 2]), x], torch.device("cpu")), same)
+    # a NaN in float data still fingerprints equal batches alike (beside integer inputs, which skip that step)
+    nan = x.clone()
+    nan[1, 1] = float("nan")
+    assert torch.equal(*(fingerprint([b, torch.tensor([1, 2])], torch.device("cpu")) for b in (nan, nan.clone())))
 
 
 def test_whole_batches_must_be_equal_on_every_rank_and_the_error_names_the_per_rank_mode() -> None:
@@ -265,6 +269,25 @@ def test_the_data_check_carries_the_loss_all_reduce_and_still_fails_on_every_ran
         assert out["same_loss"], f"rank {rank}: the call after the refused ones computed another loss"
     assert "refused this call" not in results[1]["refused"] and results[1]["refused"] != "no error", results[1]
     assert "ranks [1] refused this call" in results[0]["refused"], results[0]["refused"]
+
+
+@pytest.mark.multiproc
+def test_four_ranks_ride_as_two_do_and_refuse_on_every_rank(rank_pool) -> None:
+    """At 4 ranks as at 2: the check carries the loss's all-reduce (the planner prices it so:
+    ``op_prices.rides_data_check``), losses and parameters equal eager's in float64, and other
+    data, shapes or random states, or a call three ranks refuse, fail on every rank."""
+    results = rank_pool(4).run(_riding, timeout_s=300)
+    for rank, out in enumerate(results):
+        assert out["kernel"] == "cross_entropy_mean", out
+        assert out["reduces_learning"] == 1 and out["reduces_riding"] == 0 and len(out["riding"]) == 1, (rank, out)
+        assert max(out["losses"]) < 1e-12 and out["params"] < 1e-12 and out["eval"] < 1e-12, (rank, out)
+        assert "ranks 0 and 1 passed different batches" in out["mixed"], (rank, out["mixed"])
+        assert "ranks 0 and 1 passed inputs of different shapes" in out["shapes"], (rank, out["shapes"])
+        assert "draw different random numbers" in out["random"], (rank, out["random"])
+        assert out["same_loss"], f"rank {rank}: the call after the refused ones computed another loss"
+    for out in results[1:]:
+        assert "refused this call" not in out["refused"] and out["refused"] != "no error", out
+    assert "ranks [1, 2, 3] refused this call" in results[0]["refused"], results[0]["refused"]
 
 
 class _Done:

@@ -95,6 +95,7 @@ from autopar.solver.pricing import schedules
 from autopar.solver.problem.choices import ChoiceGraph
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import Solution
+from autopar.solver.problem.op_prices import pricing_without_rides
 from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
@@ -780,13 +781,14 @@ def plan_stages(
     if precision is not None:
         settings = dataclasses.replace(settings, optimizer_dtype=to_dtype(precision.stored_dtype))
     layers = cluster_layers(traced)
-    search, costs = search_stages(traced, mesh_shape, cluster, settings, layers)
-    mesh_costs = costs[search.stage_mesh]
-    return dataclasses.replace(
-        _assemble(traced, layers, search, mesh_costs, cluster, settings.memory_budget),
-        precision=precision,
-        memory=_checkpointing(layers, search, mesh_costs),
-    )
+    with pricing_without_rides():  # a stage's loss never rides its data check (runtime.pipeline)
+        search, costs = search_stages(traced, mesh_shape, cluster, settings, layers)
+        mesh_costs = costs[search.stage_mesh]
+        return dataclasses.replace(
+            _assemble(traced, layers, search, mesh_costs, cluster, settings.memory_budget),
+            precision=precision,
+            memory=_checkpointing(layers, search, mesh_costs),
+        )
 
 
 def _checkpointing(layers: Layers, search: StageSearch, mesh_costs: _MeshCosts) -> MemoryPlan | None:

@@ -6,6 +6,8 @@ rewrite (``passes``) ask the same functions, so that every layer reads the same 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -215,9 +217,11 @@ def kernel_collectives(info, strategy: Strategy, mesh_shape: Sequence[int], requ
     (``kernel_all_to_all_bytes``), and the vocab-parallel cross entropy's one all-gather per
     axis of [2, rows] (each row's log-sum-exp and target logit, in float32; float64 logits:
     float64) in forward, with nothing in backward; the batch-split mean cross entropy's one
-    all-reduce per axis of two float64 numbers (its loss sum and denominator)."""
+    all-reduce per axis of two float64 numbers (its loss sum and denominator), less the one that
+    rides the data check (``rides_data_check``)."""
     if strategy.kernel == "cross_entropy_mean":
-        return [("all_reduce", 16, axis) for axis in strategy.kernel_axes]
+        rides = rides_data_check(strategy, mesh_shape)
+        return [("all_reduce", 16, axis) for axis in strategy.kernel_axes[1 if rides else 0 :]]
     if strategy.kernel == "cross_entropy_vocab_split":
         logits = info.kw["self"]
         rows = local_shape(logits.shape, strategy.ins[logits.index], mesh_shape)[0]
@@ -237,6 +241,35 @@ def kernel_collectives(info, strategy: Strategy, mesh_shape: Sequence[int], requ
     axes = strategy.kernel_axes
     balanced = context.is_balanced(q.shape[-2], tuple(mesh_shape[a] for a in axes))
     return comm.context_parallel_collectives(kv_bytes, q_bytes + out_bytes, axes, balanced, mesh_shape, requires_grad)
+
+
+# False while pipelined plans are priced: a pipeline stage's data check settles before its
+# first send or receive, so no all-reduce rides it (``runtime.pipeline``).
+_RIDES: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_data_check_rides", default=True)
+
+
+@contextlib.contextmanager
+def pricing_without_rides():
+    """Price every kernel all-reduce in full inside the ``with`` block (``rides_data_check``)."""
+    token = _RIDES.set(False)
+    try:
+        yield
+    finally:
+        _RIDES.reset(token)
+
+
+def rides_data_check(strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
+    """Whether the batch-split mean cross entropy's first all-reduce costs nothing: on a mesh
+    with one axis of more than one rank (data parallel), where it is the forward's first
+    collective, the runtime's data check (an all-gather of a fixed-size row per rank, paid on
+    every call) carries its two numbers (``runtime.data``: ``_Check.ride``), so the forward makes
+    one collective where it would make two. Priced per op, the ILP cannot see whether another
+    collective comes first (an FSDP plan's parameter gathers, a gather of the logits): there the
+    all-reduce runs apart, underpriced by one latency of a 16-byte all-reduce; a plan that would
+    run a collective before the loss for it pays more than that anyway. Not in pipelined plans
+    (``pricing_without_rides``)."""
+    split = [axis for axis, size in enumerate(mesh_shape) if size > 1]
+    return _RIDES.get() and len(split) == 1 and strategy.kernel_axes[:1] == (split[0],)
 
 
 def grad_sync_bytes_per_axis(
