@@ -366,7 +366,11 @@ class _Walk:
         pieces = []
         if iv.start < self.num:
             pieces.append((iv.node, iv.kind, iv.start, min(iv.end, max(uses)), iv.factor))
-        if iv.end >= self.num:
+        if iv.start == iv.end >= self.num:
+            # the all-gather buffer the group is copied out of (``liveness.gathered_intervals``):
+            # one instant, now at the recompute's gather, not the segment's whole backward
+            pieces.append((iv.node, iv.kind, self.bwd(last), self.bwd(last), iv.factor))
+        elif iv.end >= self.num:
             pieces.append((iv.node, iv.kind, self.bwd(last), self.bwd(first), iv.factor))
         return pieces
 
