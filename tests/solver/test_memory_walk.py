@@ -57,6 +57,22 @@ def test_the_walk_has_segments_to_decide(walk):
     assert len(walk.segments) >= 4  # one per layer at least: the sets below exercise them
 
 
+def test_a_gathered_copy_stays_one_instant_in_a_checkpointed_segment(walk):
+    # The all-gather's buffer a group is copied out of lives one instant (``liveness.gathered_intervals``);
+    # a checkpointed segment gathers again at its recompute, and the copy is there one instant, not
+    # its whole backward (the parameters would count twice there).
+    copies = [iv for iv in walk.timeline.intervals if iv.kind == "gathered" and iv.start == iv.end >= walk.num]
+    assert copies
+    moved = 0
+    for segment in range(len(walk.segments)):
+        context = walk._context({("checkpoint", str(segment))}, True)
+        for iv in copies:
+            spans = walk._spans(iv, context)
+            assert all(start == end for _, _, start, end, _ in spans), (iv, spans)
+            moved += spans != [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
+    assert moved  # some copies lie in a checkpointed segment
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_incremental_peak_equals_the_full_walk(walk, prefetch):
     for decisions in _decision_sets(walk):

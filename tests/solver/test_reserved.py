@@ -94,3 +94,90 @@ def test_a_plan_the_allocator_never_holds_is_an_error(gpt_and_batch, monkeypatch
     monkeypatch.setattr(sharding, "allocator_budget", lambda plan, budget: budget - 1.0)
     with pytest.raises(InfeasibleError, match="caching allocator would still run out"):
         autopar.plan(model, (2,), example_inputs=batch, cluster="h100-80g", memory_budget=10**9)
+
+
+def _captured_allocator(monkeypatch) -> list[tuple]:
+    """Record each simulation's (spans, bytes_of, num_times, streamed_step, peaks) as the planners call it."""
+    from autopar.solver.planners import memory_plan, sharding
+    from autopar.solver.pricing import reserved
+
+    calls = []
+
+    def spy(spans, bytes_of, num_times, cluster, streamed_step=False):
+        spans = [tuple(span) for span in spans]
+        peaks = reserved.allocator_peaks(spans, bytes_of, num_times, cluster, streamed_step)
+        calls.append((spans, bytes_of, num_times, streamed_step, peaks))
+        return peaks
+
+    monkeypatch.setattr(sharding, "allocator_peaks", spy)
+    monkeypatch.setattr(memory_plan, "allocator_peaks", spy)
+    return calls
+
+
+def _replayed_peak(spans, bytes_of, num_times, temporary: float) -> float:
+    """The most bytes the replay's events hold at once, at the tensors' own sizes (no rounding)."""
+    from autopar.cost.step_memory import step_events
+
+    live: dict = {}
+    now = peak = 0.0
+    for event, key, size, _ in step_events(spans, bytes_of, num_times, foreach_temporary=temporary):
+        if event == "malloc":
+            live[key] = size
+            now += size
+            peak = max(peak, now)
+        else:
+            now -= live.pop(key)
+    return peak
+
+
+def _assert_allocated_is_the_walks_peak(plan, call) -> None:
+    """The simulation's allocated peak is the walk's peak of tensors alive, plus AdamW's foreach
+    temporary (half the resident optimizer state, where torch's optimizer steps the plan) and
+    the allocator's rounding: the replay frees and allocates what the walk counts alive."""
+    spans, bytes_of, num_times, streamed, peaks = call
+    alive = plan.predicted.peak_memory_bytes
+    assert _replayed_peak(spans, bytes_of, num_times, 0.0) == pytest.approx(alive, rel=1e-9, abs=1)
+    state = sum(f * bytes_of(n) for n, kind, start, end, f in spans if kind == "optimizer_state" and end - start == num_times - 1)
+    temporary = 0.0 if streamed else 0.5 * state
+    expected = _replayed_peak(spans, bytes_of, num_times, 0.0 if streamed else 0.5)
+    assert alive <= expected <= alive + temporary + 1
+    # rounding: every block up to a multiple of 512 bytes (these plans leave no cached block unsplit)
+    assert expected <= peaks["allocated"] <= expected + 512 * len(spans)
+
+
+@pytest.fixture(scope="module")
+def wide_gpt_and_batch():
+    with torch.device("meta"):  # tensors well above the allocator's 1 MiB granularity
+        model = GPT(vocab_size=8192, block_size=512, n_layer=3, n_head=16, n_embd=1024, bias=False)
+        idx = torch.zeros(8, 512, dtype=torch.long)
+    return model, (idx, idx)
+
+
+def test_allocated_is_the_walks_peak_on_a_two_axis_mesh(wide_gpt_and_batch, monkeypatch):
+    model, batch = wide_gpt_and_batch
+    calls = _captured_allocator(monkeypatch)
+    plan = autopar.plan(model, (2, 4), example_inputs=batch, cluster="h100-80g", memory_budget=float("inf"))
+    assert plan.memory is None and len(calls) == 1 and not calls[0][3]
+    _assert_allocated_is_the_walks_peak(plan, calls[-1])
+    fsdp = autopar.hand_plan("fsdp", model, (2, 4), example_inputs=batch, cluster="h100-80g")
+    _assert_allocated_is_the_walks_peak(fsdp, calls[-1])
+
+
+@pytest.mark.parametrize(
+    "tokens, share, memory",
+    [
+        ((8, 512), 0.5, {"checkpointing": True}),
+        ((8, 512), 0.2, {"offload": "cpu"}),
+        ((1, 64), 0.5, {"offload": "cpu"}),  # the optimizer step is the peak: a foreach temporary would show
+    ],
+)
+def test_allocated_is_the_walks_peak_under_memory_decisions(wide_gpt_and_batch, monkeypatch, tokens, share, memory):
+    model, _ = wide_gpt_and_batch
+    batch = (torch.zeros(tokens, dtype=torch.long, device="meta"),) * 2
+    free = autopar.plan(model, (2, 4), example_inputs=batch, cluster="h100-80g", memory_budget=float("inf"))
+    calls = _captured_allocator(monkeypatch)
+    budget = share * free.predicted.peak_memory_bytes
+    plan = autopar.plan(model, (2, 4), example_inputs=batch, cluster="h100-80g", memory_budget=budget, **memory)
+    assert plan.memory is not None
+    assert calls[-1][3] == bool(plan.memory.offload)  # autopar.optim.AdamW steps what offloads
+    _assert_allocated_is_the_walks_peak(plan, calls[-1])

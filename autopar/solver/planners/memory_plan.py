@@ -366,7 +366,11 @@ class _Walk:
         pieces = []
         if iv.start < self.num:
             pieces.append((iv.node, iv.kind, iv.start, min(iv.end, max(uses)), iv.factor))
-        if iv.end >= self.num:
+        if iv.start == iv.end >= self.num:
+            # the all-gather buffer the group is copied out of (``liveness.gathered_intervals``):
+            # one instant, now at the recompute's gather, not the segment's whole backward
+            pieces.append((iv.node, iv.kind, self.bwd(last), self.bwd(last), iv.factor))
+        elif iv.end >= self.num:
             pieces.append((iv.node, iv.kind, self.bwd(last), self.bwd(first), iv.factor))
         return pieces
 
@@ -544,8 +548,6 @@ def plan_memory(
     for node, kind, start, end, factor in spans:
         if start <= time <= end:
             breakdown[kind] += factor * bytes_of(node)
-    # simulated only for the plan kept (``sharding._with_memory``), not for every candidate priced
-    allocator = functools.partial(allocator_peaks, spans, bytes_of, walk.timeline.num_times, cluster)
     segments = tuple(sorted((c.decision for c in chosen if c.key[0] in _RECOMPUTES), key=lambda s: walk.index[s.first]))
     order = {"optimizer_state": 0, "grad": 1, "param": 2}
     moved = tuple(sorted((c.decision for c in chosen if c.key[0] == "activations"), key=lambda s: walk.index[s.first]))
@@ -555,6 +557,9 @@ def plan_memory(
             key=lambda e: (order[e.kind], walk.index.get(_param_node(graph, e.fqn), 0)),
         )
     )
+    # simulated only for the plan kept (``sharding._with_memory``), not for every candidate priced;
+    # a plan that offloads parameters, gradients or state is stepped by ``autopar.optim.AdamW``
+    allocator = functools.partial(allocator_peaks, spans, bytes_of, walk.timeline.num_times, cluster, bool(entries))
     memory = MemoryPlan(
         target=target or "cpu",
         prefetch=prefetch,

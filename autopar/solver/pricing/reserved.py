@@ -48,7 +48,11 @@ def fsdp2_stream_of(spans: Iterable[Span]) -> Callable[[Span], str]:
 
 
 def allocator_peaks(
-    spans: Iterable[Span], bytes_of: Callable[[str], float], num_times: int, cluster: ClusterSpec
+    spans: Iterable[Span],
+    bytes_of: Callable[[str], float],
+    num_times: int,
+    cluster: ClusterSpec,
+    streamed_step: bool = False,
 ) -> Mapping[str, int] | None:
     """``Prediction.allocator_peak_bytes``: the steady state's allocated peak (with the
     optimizer's temporaries, every block rounded), its reserved peak as autopar's runtime
@@ -59,11 +63,16 @@ def allocator_peaks(
     ``cluster.memory_bytes``; ``short``, only
     where the runtime's default allocator runs out of that device even after giving back its
     cache, the most bytes a request lacked. None on a cluster of host devices
-    (``ClusterSpec.gloo``), whose memory has no caching allocator."""
+    (``ClusterSpec.gloo``), whose memory has no caching allocator.
+
+    ``streamed_step``: the plan offloads parameters, gradients or optimizer state, so
+    ``autopar.optim.AdamW`` steps it one parameter at a time (torch's optimizers are refused:
+    ``runtime.optim_guard``) and holds no foreach temporary; what that step holds is among
+    ``spans`` (the memory planner's ``optimizer_state`` spans at the last time)."""
     if cluster.gloo:
         return None
     spans = [tuple(span) for span in spans]
-    temporary = FOREACH_TEMPORARY.get(default_implementation(cluster), 0.0)
+    temporary = 0.0 if streamed_step else FOREACH_TEMPORARY.get(default_implementation(cluster), 0.0)
     runtime = peaks_by_config(spans, bytes_of, num_times, _compute_stream, temporary, cluster.memory_bytes)
     fsdp2_stream = fsdp2_stream_of(spans)
     fsdp2 = runtime["expandable"]
