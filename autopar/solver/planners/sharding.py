@@ -132,12 +132,17 @@ def _within_allocator(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterS
         lowered = allocator_budget(plan, settings.memory_budget)
         if lowered is None:
             return solution, plan
+        peaks = plan.predicted.allocator_peak_bytes
+        # say which of the two it is: the step's temporaries (allocated) or the cache's fragments (reserved)
         log.warning(
-            "autopar: the plan's tensors fit memory_budget=%.0f bytes, but PyTorch's caching allocator would lack "
-            "%.0f bytes of the device (fragmentation of its cached segments); planning again under %.0f bytes",
-            settings.memory_budget,
-            plan.predicted.allocator_peak_bytes.get("short", 0),
-            lowered,
+            "autopar: the plan's tensors fit memory_budget=%s, but over a training step PyTorch's caching allocator "
+            "would allocate %s (with the optimizer step's temporaries: torch's foreach AdamW holds half its state "
+            "again) and reserve %s, %s more than the device holds; planning again under %s",
+            format_bytes(settings.memory_budget),
+            format_bytes(peaks["allocated"]),
+            format_bytes(peaks["reserved"]),
+            format_bytes(peaks.get("short", 0)),
+            format_bytes(lowered),
         )
         settings = dataclasses.replace(settings, memory_budget=lowered)
         solution, plan = _plan_under(traced, graph, cluster, settings, forced, start)
