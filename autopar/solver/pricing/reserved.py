@@ -105,7 +105,9 @@ def allocator_budget(plan, memory_budget: float | None) -> float | None:
     ``memory_budget`` bounds the tensors alive (allocated), not the allocator's reserve: where a
     new segment would not fit, the allocator gives its cached segments back and retries, so a
     reserve above the budget costs a synchronizing cache flush, not an error; what can fail is
-    fragmentation inside segments that still hold live blocks, which the simulation finds."""
+    fragmentation inside segments that still hold live blocks, and what the walk leaves out:
+    torch's foreach AdamW's temporary (half the optimizer state, at the step), which the
+    simulation adds and finds."""
     peaks = plan.predicted.allocator_peak_bytes
     if memory_budget is None or not peaks or not peaks.get("short"):
         return None
