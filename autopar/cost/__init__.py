@@ -5,6 +5,8 @@
 * ``compute``: roofline time of one op under one strategy (``measured``: timed on this device).
 * ``memory``: tensor, shard and parameter-state bytes, and what backward keeps alive.
 * ``liveness``: the peak-memory walk over forward and backward that the ILP constrains.
+* ``allocator``, ``step_memory``: PyTorch's CUDA caching allocator, replayed over a step's
+  allocations (what ``max_memory_allocated`` and ``max_memory_reserved`` would report).
 * ``profile``: ``autopar profile``, which measures a machine into a ClusterSpec.
 """
 
