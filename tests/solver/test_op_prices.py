@@ -69,3 +69,22 @@ def test_nothing_rides_where_inductor_runs_the_graph():
     assert compiled.hash == apart.hash
     eager = autopar.plan(model, (4,), example_inputs=batch, cluster="cpu")
     assert eager.nodes["cross_entropy_loss"].kernel == "cross_entropy_mean", eager.summary()
+
+
+def test_every_planner_and_the_symbolic_costs_price_an_inductor_plan_alike():
+    """Whether the loss rides is decided where every planner passes (``sharding.solve_unexplained``)
+    and for ``Plan.predict``'s symbolic costs too: a hand plan on an inductor cluster, and a plan
+    with ``symbolic_batch=True``, are the ones priced without the ride, to the byte."""
+    import dataclasses
+
+    from autopar.cost.cluster import get_cluster
+
+    model, batch = _small_gpt()
+    inductor = dataclasses.replace(get_cluster("cpu"), executor="inductor")
+    hand = autopar.hand_plan("ddp", model, (4,), example_inputs=batch, cluster=inductor)
+    symbolic = autopar.plan(model, (4,), example_inputs=batch, cluster="cpu", compiler="inductor", symbolic_batch=True)
+    with pricing_without_rides():
+        assert hand.hash == autopar.hand_plan("ddp", model, (4,), example_inputs=batch, cluster=inductor).hash
+        apart = autopar.plan(model, (4,), example_inputs=batch, cluster="cpu", compiler="inductor", symbolic_batch=True)
+    assert symbolic.hash == apart.hash
+    assert hand.hash != autopar.hand_plan("ddp", model, (4,), example_inputs=batch, cluster="cpu").hash  # the ride counts

@@ -25,6 +25,7 @@ from autopar.solver.planners.mesh_search import search_mesh
 from autopar.solver.planners.quiet_gc import quiet_gc
 from autopar.solver.planners.traced import plan_pipelined, plan_traced, plan_traced_unexplained, with_notes
 from autopar.solver.pricing import symbolic
+from autopar.solver.problem.op_prices import pricing_for
 from autopar.trace import TracedModel, trace_repeated
 
 log = logging.getLogger("autopar")
@@ -94,12 +95,13 @@ def _with_symbolic(
     doubled = trace_repeated(
         model, symbolic.double_batch(example_inputs), symbolic.double_batch(example_kwargs), options.precision
     )
-    costs = symbolic.symbolic_costs(
-        symbolic.price_plan(traced, result, cluster),
-        symbolic.price_plan(doubled, result, cluster),
-        batch,
-        result.predicted,
-    )
+    with pricing_for(cluster):  # priced as the plan was (``sharding.solve_unexplained``)
+        costs = symbolic.symbolic_costs(
+            symbolic.price_plan(traced, result, cluster),
+            symbolic.price_plan(doubled, result, cluster),
+            batch,
+            result.predicted,
+        )
     return dataclasses.replace(result, predicted=dataclasses.replace(result.predicted, symbolic=costs))
 
 

@@ -26,7 +26,7 @@ from autopar.solver.pricing.runner_ups import explain_decisions
 from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, optimizer_objective_s, param_sync_adjustment_s
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP, Solution
-from autopar.solver.problem.op_prices import expert_parallel_record, grad_sync_bytes_per_axis
+from autopar.solver.problem.op_prices import expert_parallel_record, grad_sync_bytes_per_axis, pricing_for
 from autopar.solver.search import backends
 from autopar.solver.search.backends import check_solver
 from autopar.solver.search.budget import solve_under_budget, trace_front
@@ -65,6 +65,21 @@ ALLOCATOR_ROUNDS = 4
 
 
 def solve_unexplained(
+    traced: TracedModel,
+    mesh_shape: Sequence[int],
+    cluster: ClusterSpec,
+    options: PlanOptions | None = None,
+    *,
+    forced: dict[str, Spec | str] | None = None,
+    zero_stage: int = 0,
+) -> tuple[Plan, Callable[[Plan], Plan]]:
+    """``_solve_unexplained`` priced as ``cluster``'s executor runs the loss (``op_prices.pricing_for``):
+    every planner (``autopar.plan``, hand plans, Colossal-AI's, the mesh search) comes through here."""
+    with pricing_for(cluster):
+        return _solve_unexplained(traced, mesh_shape, cluster, options, forced=forced, zero_stage=zero_stage)
+
+
+def _solve_unexplained(
     traced: TracedModel,
     mesh_shape: Sequence[int],
     cluster: ClusterSpec,
@@ -169,7 +184,8 @@ def _plan_under(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, s
 
 def _explained(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec, memory_budget: float | None, plan: Plan) -> Plan:
     start = time.perf_counter()
-    decisions = explain_decisions(graph, solution, cluster, memory_budget)
+    with pricing_for(cluster):  # priced as the plan was (``solve_unexplained``)
+        decisions = explain_decisions(graph, solution, cluster, memory_budget)
     log.info("autopar: explanations of %d decisions in %.2f s", len(decisions), time.perf_counter() - start)
     return dataclasses.replace(plan, decisions=decisions)
 

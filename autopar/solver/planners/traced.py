@@ -5,7 +5,6 @@ returns its ``Plan``, pipelined (the stage planner, on a model traced at one mic
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -19,7 +18,6 @@ from autopar.solver.planners.data import with_data_layout
 from autopar.solver.planners.quiet_gc import quiet_gc
 from autopar.solver.planners.sharding import solve_unexplained
 from autopar.solver.planners.split_batch import whole_batch_note
-from autopar.solver.problem.op_prices import pricing_without_rides
 from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
@@ -46,8 +44,7 @@ def plan_traced(
         return plan_pipelined(traced, mesh_shape, cluster, options)
     assert mesh_shape is not None, "an unpipelined plan is made on a mesh"
     plan, explained = plan_traced_unexplained(traced, mesh_shape, cluster, options, forced, data_axes)
-    with _rides_for(cluster):
-        return explained(plan)
+    return explained(plan)
 
 
 @quiet_gc()
@@ -63,18 +60,11 @@ def plan_traced_unexplained(
     ``solver.planners.sharding.solve_unexplained``), for the mesh search, which explains only the
     mesh it chooses."""
     start = time.perf_counter()
-    with _rides_for(cluster):
-        result, explained = solve_unexplained(traced, mesh_shape, cluster, options, forced=forced)
+    result, explained = solve_unexplained(traced, mesh_shape, cluster, options, forced=forced)
     log.info("autopar: planned %d nodes on mesh %s in %.2f s", len(result.nodes), mesh_shape, time.perf_counter() - start)
     result = dataclasses.replace(result, predicted=dataclasses.replace(result.predicted, executor=cluster.executor))
     result = with_notes(traced, with_data_layout(result, traced, options.data, axes=data_axes))
     return (result if forced else whole_batch_note(result, traced)), explained
-
-
-def _rides_for(cluster: ClusterSpec) -> contextlib.AbstractContextManager:
-    """Where inductor runs the graph, its collectives are the compiled code's own and the data check
-    settles before it (``runtime.module``): the loss's all-reduce rides nothing, priced in full."""
-    return pricing_without_rides() if cluster.executor == "inductor" else contextlib.nullcontext()
 
 
 def plan_pipelined(traced: TracedModel, mesh_shape: tuple[int, ...] | None, cluster: ClusterSpec, options: PlanOptions) -> Plan:

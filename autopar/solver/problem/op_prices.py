@@ -258,6 +258,13 @@ def pricing_without_rides():
         _RIDES.reset(token)
 
 
+def pricing_for(cluster: ClusterSpec) -> contextlib.AbstractContextManager:
+    """Prices as ``cluster``'s executor runs the graph: where inductor runs it, its collectives are
+    the compiled code's own and the data check settles before it (``runtime.module``), so the
+    loss's all-reduce rides nothing (``pricing_without_rides``); else as the context already says."""
+    return pricing_without_rides() if cluster.executor == "inductor" else contextlib.nullcontext()
+
+
 def rides_data_check(strategy: Strategy, mesh_shape: Sequence[int]) -> bool:
     """Whether the batch-split mean cross entropy's first all-reduce costs nothing: on a mesh
     with one axis of more than one rank (data parallel), where it is the forward's first
