@@ -73,21 +73,6 @@ def solve_unexplained(
     forced: dict[str, Spec | str] | None = None,
     zero_stage: int = 0,
 ) -> tuple[Plan, Callable[[Plan], Plan]]:
-    """``_solve_unexplained`` priced as ``cluster``'s executor runs the loss (``op_prices.pricing_for``):
-    every planner (``autopar.plan``, hand plans, Colossal-AI's, the mesh search) comes through here."""
-    with pricing_for(cluster):
-        return _solve_unexplained(traced, mesh_shape, cluster, options, forced=forced, zero_stage=zero_stage)
-
-
-def _solve_unexplained(
-    traced: TracedModel,
-    mesh_shape: Sequence[int],
-    cluster: ClusterSpec,
-    options: PlanOptions | None = None,
-    *,
-    forced: dict[str, Spec | str] | None = None,
-    zero_stage: int = 0,
-) -> tuple[Plan, Callable[[Plan], Plan]]:
     """(plan, explained): the plan without its ``decisions``, and a function that gives a plan
     (this one, or one derived from it) those decisions, the runner-up of each choice
     (``solver.pricing.runner_ups``), which only a plan that is kept needs (a mesh search
@@ -118,20 +103,23 @@ def _solve_unexplained(
     precision = settings.precision
     # The optimizer steps the stored parameters, so its state takes their dtype (None: the model's own)
     optimizer_dtype = to_dtype(precision.stored_dtype) if precision is not None else None
-    graph = build_choice_graph(
-        traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage, optimizer_dtype=optimizer_dtype, comm=settings.comm
-    )
-    log.info(
-        "autopar: rules and costs: %d nodes, %d edges in %.2f s (%d of %d op strategies cut: %d impossible, %d dominated)",
-        len(graph.order),
-        len(graph.edges),
-        time.perf_counter() - start,
-        graph.pruned.impossible + graph.pruned.dominated,
-        graph.pruned.enumerated,
-        graph.pruned.impossible,
-        graph.pruned.dominated,
-    )
-    solution, plan = _within_allocator(traced, graph, cluster, settings, forced, start)
+    # Priced as the cluster's executor runs the loss (``op_prices.pricing_for``): every planner
+    # (``autopar.plan``, hand plans, Colossal-AI's, the mesh search) comes through here.
+    with pricing_for(cluster):
+        graph = build_choice_graph(
+            traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage, optimizer_dtype=optimizer_dtype, comm=settings.comm
+        )
+        log.info(
+            "autopar: rules and costs: %d nodes, %d edges in %.2f s (%d of %d op strategies cut: %d impossible, %d dominated)",
+            len(graph.order),
+            len(graph.edges),
+            time.perf_counter() - start,
+            graph.pruned.impossible + graph.pruned.dominated,
+            graph.pruned.enumerated,
+            graph.pruned.impossible,
+            graph.pruned.dominated,
+        )
+        solution, plan = _within_allocator(traced, graph, cluster, settings, forced, start)
     return (
         dataclasses.replace(plan, precision=precision),
         functools.partial(_explained, graph, solution, cluster, settings.memory_budget),
