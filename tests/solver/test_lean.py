@@ -3,6 +3,9 @@ budget that no sharding meets alone (``sharding._lean_start``): no LP with memor
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -62,30 +65,14 @@ def test_a_budget_no_sharding_meets_plans_without_the_memory_lp_or_the_milp(trac
 
 @pytest.fixture(scope="module")
 def gpt_oss():
-    """The tiny Hugging Face GPT-OSS of issue 48 (``benchmarks/bench_plan_time.py``), traced, and
-    60% of its parameter, gradient and AdamW bytes: no sharding fits that alone."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GptOssConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention"],
-        use_cache=False,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config)
-    ids = torch.randint(0, 256, (4, 32))
-    state = 4.0 * sum(p.numel() * p.element_size() for p in model.parameters())
-    return trace(model, (), {"input_ids": ids, "labels": ids.clone()}), 0.6 * state
+    """The tiny Hugging Face GPT-OSS of issue 48 (``benchmarks/bench_plan_time.py``, built there),
+    traced, and 60% of its parameter, gradient and AdamW bytes: no sharding fits that alone."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_plan_time  # a script, found on the path set above
+
+    model, args, kwargs, _ = bench_plan_time._gpt_oss(2)
+    return trace(model, args, kwargs), 0.6 * bench_plan_time._state_bytes(model)
 
 
 def test_the_front_stops_at_a_plan_that_loses_and_plans_alike(gpt_oss, monkeypatch):
