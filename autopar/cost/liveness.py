@@ -15,6 +15,8 @@ kind              owner                   alive                                 
 ================  ======================  ============================================  =========
 param             parameter p             the whole step                                1
 optimizer_state   parameter p             the whole step                                states·4/itemsize
+optimizer_        parameter p             the optimizer step (the last time)            its state's
+temporary                                                                               × temporary
 grad              parameter p             bwd(last use of p) … end of step              1
 input             user input, buffer,     the whole step                                1
                   constant
@@ -30,8 +32,8 @@ gathered          a parameter the         its group's gather (one group ahead: f
                                           group after's) last saver's backward to
                                           bwd(its group's first saver)
 comm_buffer       the same parameter      bwd(its last use) … the launch of the next    see
-                                          group's reduce-scatter (end of step for the   Gathered
-                                          first group): its whole gradient in a
+                                          group's reduce-scatter (end of backward for   Gathered
+                                          the first group): its whole gradient in a
                                           reduce-scatter bucket; on gloo, again from its
                                           group's launch to the same end (the exchange's
                                           receive buffer)
@@ -45,6 +47,10 @@ comm_buffer       the same parameter      bwd(its last use) … the launch of th
   save nothing.
 * Gradients of parameters are kept to the end of the step (the optimizer reads them). The
   optimizer state is taken as alive all step: from the second step on it always is.
+* The last time, ``bwd(0)`` (the first node is a placeholder: no backward runs there), is the
+  optimizer step: every bucket has been waited on, and what the optimizer holds while it steps
+  beyond its state is alive (``build_timeline``'s ``step_temporary``: torch's foreach AdamW's
+  ``_foreach_sqrt`` of every second moment, ``cost.optimizer.step_temporary``).
 * Not modelled: workspace inside a kernel, the allocator's fragmentation and caching (which
   ``cost.step_memory`` runs the final plan's walk through), and the fused kernels' small extra
   saved statistics (a norm's mean and rstd, attention's logsumexp).
@@ -63,7 +69,17 @@ import torch
 from autopar.cost import memory
 from autopar.errors import InternalError
 
-KINDS = ("param", "optimizer_state", "grad", "input", "activation", "activation_grad", "gathered", "comm_buffer")
+KINDS = (
+    "param",
+    "optimizer_state",
+    "optimizer_temporary",
+    "grad",
+    "input",
+    "activation",
+    "activation_grad",
+    "gathered",
+    "comm_buffer",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +132,8 @@ class Timeline:
         num = len(self.names)
         if time < num:
             return f"forward after {self.names[time]}"
+        if time == 2 * num - 1:
+            return "the optimizer step"
         return f"backward of {self.names[2 * num - 1 - time]}"
 
     def alive_at(self, time: int) -> list[Interval]:
@@ -285,7 +303,8 @@ def gathered_intervals(
     A reduce-scattered parameter's whole gradient (``grad_factor``) is alive in its group's
     bucket from its last use's backward until the next group's bucket launches, at the
     backward of that group's first use, which waits for this one and frees it
-    (``ops.buckets.GradBuckets``); the first group's stays to the end of backward. With
+    (``ops.buckets.GradBuckets``); the first group's stays to the end of backward, waited on
+    before the optimizer steps at the walk's last time. With
     ``exchange`` (gloo: ``ClusterSpec.gloo``) the reduce-scatter is an all-to-all into a second
     buffer of the same size, alive from the launch until that same wait."""
     num = len(nodes)
@@ -356,8 +375,8 @@ def _scatter_launches(gathered: Sequence[Gathered], num: int) -> tuple[dict[int,
             scatter_first[item.group] = min(scatter_first.get(item.group, 2 * num), min(i for i, _ in item.uses))
     launches = sorted(set(scatter_first.values()))  # forward order; backward launches them in reverse
     next_in_backward = dict(zip(launches[1:], launches))  # each launch to the one after it in backward
-    freed_at = {
-        g: 2 * num - 1 - next_in_backward[first] if first in next_in_backward else 2 * num - 1
+    freed_at = {  # the last launch's is waited on at the end of backward, before the optimizer step
+        g: 2 * num - 1 - next_in_backward[first] if first in next_in_backward else 2 * num - 2
         for g, first in scatter_first.items()
     }
     return scatter_first, freed_at
@@ -388,6 +407,7 @@ def build_timeline(
     zero_stage: int = 0,
     zero_ways: int = 1,
     optimizer_dtype: torch.dtype | None = None,
+    step_temporary: float = 0.0,
 ) -> Timeline:
     """The intervals of the module docstring for ``nodes`` in graph order.
 
@@ -396,6 +416,9 @@ def build_timeline(
 
     ``optimizer_dtype`` is the dtype of the optimizer state (a precision policy's); None: each
     parameter's own, as torch's optimizers keep it (a bf16 model's AdamW moments are bf16).
+
+    ``step_temporary``: bytes the optimizer holds while it steps, per byte of a parameter's
+    state (``cost.optimizer.step_temporary``), alive at the last time.
 
     ``ties`` groups parameter placeholders that hold one tensor: only the first of each group
     carries the parameter's bytes, and its gradient is alive from the last use of any member.
@@ -439,6 +462,8 @@ def build_timeline(
                     if zero_stage >= 1:
                         factor /= zero_ways
                     intervals.append(Interval(name, "optimizer_state", 0, last, factor))
+                    if step_temporary:
+                        intervals.append(Interval(name, "optimizer_temporary", last, last, factor * step_temporary))
                 if uses.get(name):
                     grad_factor = 1.0 / zero_ways if zero_stage >= 2 else 1.0
                     intervals.append(Interval(name, "grad", bwd(max(uses[name])), last, grad_factor))

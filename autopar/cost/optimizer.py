@@ -47,6 +47,21 @@ def default_implementation(cluster: ClusterSpec) -> str:
     return "for-loop" if cluster.gloo else "foreach"
 
 
+# Bytes torch's foreach Adam(W) holds while it steps, per byte of its state: ``_foreach_sqrt``
+# of every second moment at once (one moment of two), freed when the step ends.
+FOREACH_TEMPORARY = 0.5
+
+
+def step_temporary(cluster: ClusterSpec, optimizer: str = "adamw") -> float:
+    """Bytes torch's default ``optimizer`` on ``cluster`` holds while it steps, beyond its state,
+    per byte of state (the liveness walk's "optimizer_temporary" intervals): foreach Adam(W)'s
+    ``FOREACH_TEMPORARY``; none for the for-loop (one parameter's at a time) or an optimizer
+    that updates its state in place."""
+    if optimizer in ("adam", "adamw") and default_implementation(cluster) == "foreach":
+        return FOREACH_TEMPORARY
+    return 0.0
+
+
 def stepped_tensors(intervals: Iterable, bytes_of: Callable[[str], float]) -> list[float]:
     """``fused_bytes`` (module docstring) of each parameter the optimizer steps, from the liveness
     walk's intervals (``cost.liveness.Interval``): parameters that have a gradient."""
@@ -137,6 +152,8 @@ __all__ = [
     "IMPLEMENTATIONS",
     "KERNELS_PER_TENSOR",
     "default_implementation",
+    "FOREACH_TEMPORARY",
+    "step_temporary",
     "stepped_tensors",
     "adamw_step_s",
     "tensor_step_s",

@@ -8,12 +8,12 @@ alive; a span that ends before it starts holds nothing). Around that, as a train
 them:
 
 * parameters and inputs that live the whole step are allocated once, before the first step;
-* the optimizer state (AdamW's moments) is allocated by the first optimizer step, after the
-  first backward, where that step's activations are cached (torch's lazy state);
+* the optimizer state (AdamW's moments) is allocated by the first optimizer step, at the
+  walk's last time (the step), before what the step holds beyond it (the walk's
+  "optimizer_temporary" spans: torch's foreach AdamW's ``_foreach_sqrt`` of every second moment),
+  where the first backward's activations are cached (torch's lazy state);
 * gradients that live to the end of the step stay until the optimizer has stepped, then go
-  (``zero_grad(set_to_none=True)``); their blocks stay cached for the next step;
-* torch's foreach AdamW holds one temporary the size of a moment for every parameter at once
-  (``_foreach_sqrt`` of the second moments) while it steps (``foreach_temporary``).
+  (``zero_grad(set_to_none=True)``); their blocks stay cached for the next step.
 
 Steps repeat (``steps``, 2 by default): what one step leaves in the cache is what the next
 allocates from, so the reserved peak is the steady state's (a third step reserved nothing more
@@ -38,12 +38,10 @@ def step_events(
     bytes_of: Callable[[str], float],
     num_times: int,
     stream_of: Callable[[Span], str] = lambda span: "compute",
-    foreach_temporary: float = 0.0,
     steps: int = 2,
 ) -> Iterator[tuple[str, object, float, str]]:
     """The allocator events (``cost.allocator.simulate``) of ``steps`` training steps of
-    ``spans`` (module docstring). ``foreach_temporary``: bytes of the optimizer's temporary per
-    byte of optimizer state (AdamW's foreach kernels: 1/2, one moment of two; 0: none)."""
+    ``spans`` (module docstring)."""
     last = num_times - 1
     whole = [k for k, s in enumerate(spans) if s[1] in WHOLE_STEP_KINDS and s[2] == 0 and s[3] == last]
     state = [k for k, s in enumerate(spans) if s[1] == "optimizer_state" and s[2] == 0 and s[3] == last]
@@ -67,18 +65,13 @@ def step_events(
         for time in range(num_times):
             for k in ends.get(time - 1, ()):
                 yield "free", (step, k), 0.0, ""
+            if step == 0 and time == last:
+                for k in state:
+                    yield "malloc", k, size(k), stream_of(spans[k])
             for k in starts.get(time, ()):
                 yield "malloc", (step, k), size(k), stream_of(spans[k])
         for k in ends.get(last, ()):
             yield "free", (step, k), 0.0, ""
-        if step == 0:
-            for k in state:
-                yield "malloc", k, size(k), stream_of(spans[k])
-        if foreach_temporary:
-            for k in state:
-                yield "malloc", ("temporary", step, k), foreach_temporary * size(k), stream_of(spans[k])
-            for k in state:
-                yield "free", ("temporary", step, k), 0.0, ""
         for k in sorted(held):
             yield "free", (step, k), 0.0, ""
 
@@ -88,14 +81,13 @@ def reserved_peak(
     bytes_of: Callable[[str], float],
     num_times: int,
     stream_of: Callable[[Span], str] = lambda span: "compute",
-    foreach_temporary: float = 0.0,
     expandable_segments: bool = False,
     steps: int = 2,
     capacity: float = math.inf,
 ) -> AllocatorPeak:
     """The allocator's peaks over ``steps`` training steps of ``spans`` (``step_events``) on a
     device of ``capacity`` bytes."""
-    events = step_events(spans, bytes_of, num_times, stream_of, foreach_temporary, steps)
+    events = step_events(spans, bytes_of, num_times, stream_of, steps)
     return simulate(events, expandable_segments, capacity)
 
 
@@ -104,7 +96,6 @@ def peaks_by_config(
     bytes_of: Callable[[str], float],
     num_times: int,
     stream_of: Callable[[Span], str],
-    foreach_temporary: float,
     capacity: float = math.inf,
     configs: Sequence[str] = ("segments", "expandable"),
 ) -> Mapping[str, AllocatorPeak]:
@@ -114,9 +105,7 @@ def peaks_by_config(
     streams = {span: stream_of(span) for span in dict.fromkeys(spans)}
     sizes = {node: bytes_of(node) for node in dict.fromkeys(span[0] for span in spans)}
     return {
-        name: reserved_peak(
-            spans, sizes.__getitem__, num_times, streams.__getitem__, foreach_temporary, name == "expandable", capacity=capacity
-        )
+        name: reserved_peak(spans, sizes.__getitem__, num_times, streams.__getitem__, name == "expandable", capacity=capacity)
         for name in configs
     }
 

@@ -58,8 +58,8 @@ def test_gathered_parameters_live_by_hand():
 
     # Whole gradients in reduce-scatter buckets, from bwd(last use): g2's bucket launches at bwd(4) = 7
     # and is freed when g1's launches, at bwd(3) = 8, which waits for it; g1's, the first group's, stays
-    # to the end of backward.
-    buckets = {Interval("g1", "comm_buffer", 8, 11), Interval("g2", "comm_buffer", 7, 8)}
+    # to the end of backward (10), waited on before the optimizer steps at the last time (11).
+    buckets = {Interval("g1", "comm_buffer", 8, 10), Interval("g2", "comm_buffer", 7, 8)}
     # kept: from the gather to the backward of the op that saved it
     assert intervals(False) == {Interval("g1", "gathered", 3, 8), Interval("g2", "gathered", 3, 7)} | buckets
     # resharded: freed after the last forward use; backward gathers g2 again at b's backward (7),
@@ -110,6 +110,7 @@ def test_liveness_curve_of_a_small_graph_by_hand():
     assert breakdown == {
         "param": 100,
         "optimizer_state": 200,
+        "optimizer_temporary": 0,
         "grad": 100,
         "input": 10,
         "activation": 0,
@@ -117,6 +118,15 @@ def test_liveness_curve_of_a_small_graph_by_hand():
         "gathered": 0,
         "comm_buffer": 0,
     }
+    # torch's foreach AdamW holds half its state again while it steps, at the last time (the
+    # optimizer step): 410 + 100, now the peak
+    stepped = build_timeline(_mlp_nodes(), "adamw", step_temporary=0.5)
+    assert stepped.curve(SIZES.__getitem__) == expected[:-1] + [510]
+    assert stepped.peak(SIZES.__getitem__) == (510, 11)
+    assert stepped.time_name(11) == "the optimizer step"
+    assert stepped.breakdown(11, SIZES.__getitem__)["optimizer_temporary"] == 100
+    # plain SGD keeps no state, so no temporary either
+    assert build_timeline(_mlp_nodes(), "sgd", step_temporary=0.5).peak(SIZES.__getitem__)[1] == 9
 
 
 def test_sgd_keeps_no_state_and_views_alias_their_input():
@@ -244,6 +254,7 @@ def test_memory_constraints_do_not_grow_with_depth_and_the_budget_holds_at_every
     assert set(tight.predicted.memory_at_peak_bytes) == {
         "param",
         "optimizer_state",
+        "optimizer_temporary",
         "grad",
         "input",
         "activation",

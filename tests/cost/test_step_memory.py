@@ -9,9 +9,9 @@ MIB = 2**20
 SIZES = {"p": 20 * MIB, "a": 40 * MIB, "b": 40 * MIB, "g": 20 * MIB}
 
 
-def _peak(spans, num_times, streams=None, temporary=0.0, expandable=False):
+def _peak(spans, num_times, streams=None, expandable=False):
     stream_of = (lambda span: streams.get(span[0], "compute")) if streams else (lambda span: "compute")
-    return reserved_peak(spans, SIZES.__getitem__, num_times, stream_of, temporary, expandable)
+    return reserved_peak(spans, SIZES.__getitem__, num_times, stream_of, expandable)
 
 
 def test_a_step_that_reuses_its_blocks_reserves_what_it_allocates():
@@ -53,8 +53,12 @@ def test_the_optimizer_state_and_its_temporary_take_the_cached_activations():
     # its own, and the next step's activation one more: 20 + 40 + 20 + 40 reserved, where at
     # most 20 + 40 + 40 MiB are ever allocated.
     spans = [("p", "param", 0, 3, 1.0), ("p", "optimizer_state", 0, 3, 2.0), ("a", "activation", 0, 1, 1.0)]
-    peak = _peak(spans, 4, temporary=0.5)
+    temporary = ("p", "optimizer_temporary", 3, 3, 1.0)  # the walk's, at its last time: the step
+    peak = _peak(spans + [temporary], 4)
     assert peak.allocated == 100 * MIB and peak.reserved == 120 * MIB
     # without the temporary the state's segment is the activation's, and the next step's
     # activation reserves a second: reserved equals allocated
     assert _peak(spans, 4).reserved == 100 * MIB
+    # the first step allocates the state before the temporary, and frees the temporary after it
+    events = [(e[0], e[1]) for e in step_events(spans + [temporary], SIZES.__getitem__, 4, steps=1)]
+    assert events.index(("malloc", 1)) < events.index(("malloc", (0, 3))) < events.index(("free", (0, 3)))

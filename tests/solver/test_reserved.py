@@ -45,7 +45,7 @@ def test_gpu_plans_carry_the_allocator_peaks_and_cpu_plans_none(gpt_and_batch, t
     peaks = plan.predicted.allocator_peak_bytes
     reserved = {"reserved", "reserved_expandable", "reserved_fsdp2_expandable"}
     assert set(peaks) == {"allocated"} | reserved
-    # every tensor's block is rounded up, and AdamW's foreach temporary comes on top
+    # every tensor's block is rounded up
     assert peaks["allocated"] >= plan.predicted.peak_memory_bytes
     assert all(peaks[key] >= peaks["allocated"] for key in reserved)
     # FSDP2's gradients wait on the reduce-scatter stream, where the compute stream cannot reuse them
@@ -97,16 +97,16 @@ def test_a_plan_the_allocator_never_holds_is_an_error(gpt_and_batch, monkeypatch
 
 
 def _captured_allocator(monkeypatch) -> list[tuple]:
-    """Record each simulation's (spans, bytes_of, num_times, streamed_step, peaks) as the planners call it."""
+    """Record each simulation's (spans, bytes_of, num_times, peaks) as the planners call it."""
     from autopar.solver.planners import memory_plan, sharding
     from autopar.solver.pricing import reserved
 
     calls = []
 
-    def spy(spans, bytes_of, num_times, cluster, streamed_step=False):
+    def spy(spans, bytes_of, num_times, cluster):
         spans = [tuple(span) for span in spans]
-        peaks = reserved.allocator_peaks(spans, bytes_of, num_times, cluster, streamed_step)
-        calls.append((spans, bytes_of, num_times, streamed_step, peaks))
+        peaks = reserved.allocator_peaks(spans, bytes_of, num_times, cluster)
+        calls.append((spans, bytes_of, num_times, peaks))
         return peaks
 
     monkeypatch.setattr(sharding, "allocator_peaks", spy)
@@ -114,13 +114,13 @@ def _captured_allocator(monkeypatch) -> list[tuple]:
     return calls
 
 
-def _replayed_peak(spans, bytes_of, num_times, temporary: float) -> float:
+def _replayed_peak(spans, bytes_of, num_times) -> float:
     """The most bytes the replay's events hold at once, at the tensors' own sizes (no rounding)."""
     from autopar.cost.step_memory import step_events
 
     live: dict = {}
     now = peak = 0.0
-    for event, key, size, _ in step_events(spans, bytes_of, num_times, foreach_temporary=temporary):
+    for event, key, size, _ in step_events(spans, bytes_of, num_times):
         if event == "malloc":
             live[key] = size
             now += size
@@ -131,18 +131,23 @@ def _replayed_peak(spans, bytes_of, num_times, temporary: float) -> float:
 
 
 def _assert_allocated_is_the_walks_peak(plan, call) -> None:
-    """The simulation's allocated peak is the walk's peak of tensors alive, plus AdamW's foreach
-    temporary (half the resident optimizer state, where torch's optimizer steps the plan) and
-    the allocator's rounding: the replay frees and allocates what the walk counts alive."""
-    spans, bytes_of, num_times, streamed, peaks = call
+    """The simulation's allocated peak is the walk's peak of tensors alive, AdamW's foreach
+    temporary included, plus the allocator's rounding: the replay frees and allocates what the
+    walk counts alive."""
+    spans, bytes_of, num_times, peaks = call
     alive = plan.predicted.peak_memory_bytes
-    assert _replayed_peak(spans, bytes_of, num_times, 0.0) == pytest.approx(alive, rel=1e-9, abs=1)
-    state = sum(f * bytes_of(n) for n, kind, start, end, f in spans if kind == "optimizer_state" and end - start == num_times - 1)
-    temporary = 0.0 if streamed else 0.5 * state
-    expected = _replayed_peak(spans, bytes_of, num_times, 0.0 if streamed else 0.5)
-    assert alive <= expected <= alive + temporary + 1
+    assert _replayed_peak(spans, bytes_of, num_times) == pytest.approx(alive, rel=1e-9, abs=1)
     # rounding: every block up to a multiple of 512 bytes (these plans leave no cached block unsplit)
-    assert expected <= peaks["allocated"] <= expected + 512 * len(spans)
+    assert alive <= peaks["allocated"] <= alive + 512 * len(spans)
+
+
+def _temporary_share(spans, bytes_of, num_times) -> float:
+    """The walk's foreach temporary per byte of the optimizer state that lives all step."""
+
+    def total(kind, whole):
+        return sum(f * bytes_of(n) for n, k, start, end, f in spans if k == kind and (end - start == num_times - 1) == whole)
+
+    return total("optimizer_temporary", False) / total("optimizer_state", True)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +162,8 @@ def test_allocated_is_the_walks_peak_on_a_two_axis_mesh(wide_gpt_and_batch, monk
     model, batch = wide_gpt_and_batch
     calls = _captured_allocator(monkeypatch)
     plan = autopar.plan(model, (2, 4), example_inputs=batch, cluster="h100-80g", memory_budget=float("inf"))
-    assert plan.memory is None and len(calls) == 1 and not calls[0][3]
+    assert plan.memory is None and len(calls) == 1
+    assert _temporary_share(*calls[-1][:3]) == pytest.approx(0.5)  # torch's foreach AdamW steps it
     _assert_allocated_is_the_walks_peak(plan, calls[-1])
     fsdp = autopar.hand_plan("fsdp", model, (2, 4), example_inputs=batch, cluster="h100-80g")
     _assert_allocated_is_the_walks_peak(fsdp, calls[-1])
@@ -168,7 +174,7 @@ def test_allocated_is_the_walks_peak_on_a_two_axis_mesh(wide_gpt_and_batch, monk
     [
         ((8, 512), 0.5, {"checkpointing": True}),
         ((8, 512), 0.2, {"offload": "cpu"}),
-        ((1, 64), 0.5, {"offload": "cpu"}),  # the optimizer step is the peak: a foreach temporary would show
+        ((1, 64), 0.5, {"offload": "cpu"}),  # the optimizer step is the peak
     ],
 )
 def test_allocated_is_the_walks_peak_under_memory_decisions(wide_gpt_and_batch, monkeypatch, tokens, share, memory):
@@ -179,5 +185,6 @@ def test_allocated_is_the_walks_peak_under_memory_decisions(wide_gpt_and_batch, 
     budget = share * free.predicted.peak_memory_bytes
     plan = autopar.plan(model, (2, 4), example_inputs=batch, cluster="h100-80g", memory_budget=budget, **memory)
     assert plan.memory is not None
-    assert calls[-1][3] == bool(plan.memory.offload)  # autopar.optim.AdamW steps what offloads
+    # autopar.optim.AdamW steps what offloads, one parameter at a time: no foreach temporary
+    assert (_temporary_share(*calls[-1][:3]) == 0.0) == bool(plan.memory.offload)
     _assert_allocated_is_the_walks_peak(plan, calls[-1])

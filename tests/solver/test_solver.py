@@ -104,7 +104,9 @@ def test_tight_budget_fused_gate_up_is_split_with_a_strided_shard():
     torch.manual_seed(0)
     model = WithMSELoss(_FusedSwiGLU(1024, 4096))
     x = torch.randn(8, 1024)
-    budget = 0.3 * sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
+    # room for a quarter of each parameter, gradient and AdamW state, and the foreach step's temporary
+    # (a quarter of the state again: 0.3125), not for one replicated weight
+    budget = 0.35 * sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
     plan = autopar.plan(model, (4,), example_inputs=(x, torch.randn_like(x)), cluster="h100-80g", memory_budget=budget)
     assert format_spec(plan.params["module.gate_up.weight"]) == ["S(0)/2"], plan.summary()
     assert plan.params["module.down.weight"] == (Shard(1),)

@@ -49,7 +49,8 @@ The adjusted walk changes the intervals of ``autopar.cost.liveness``: an offload
 alive only at its uses (from the previous fetch, with prefetch); an offloaded gradient only at
 the time its backward writes it; offloaded optimizer state only in the step, which streams one
 parameter at a time: at the last time of the walk, the largest parameter's offloaded tensors
-and AdamW's temporary (two parameters' with prefetch) are added. A checkpointed layer's activations are
+and AdamW's temporary (two parameters' with prefetch) are added, in place of torch's foreach
+temporary over every parameter (the walk's "optimizer_temporary"). A checkpointed layer's activations are
 alive in forward until their last forward use, and again from the start of the layer's backward
 (the recompute) to their old end; the layer's inputs are kept until its backward ends. A layer
 whose activations are offloaded has the same two spans without keeping its inputs; with
@@ -138,6 +139,10 @@ class _WalkShape:
     kept_op: frozenset[int] = frozenset()
     # Per segment, what pricing it needs of each of its nodes (``_Walk.segment_terms``).
     segment_terms: list | None = None
+    # The walk's "optimizer_temporary" spans (torch's foreach AdamW's, at the step), which
+    # ``_Walk._step_spans`` holds apart, and which intervals they are.
+    temporaries: tuple = ()
+    temporary_mask: np.ndarray | None = None
 
     @classmethod
     def of(cls, traced: TracedModel, graph) -> _WalkShape:
@@ -197,7 +202,14 @@ class _WalkShape:
             if keeps
         )
         index = {node.name: i for i, node in enumerate(nodes)}
-        return cls(len(nodes), index, root, uses, segments, fetches, touched, segment_at, kept, kept_op)
+        mask = np.array([iv.kind == "optimizer_temporary" for iv in intervals], dtype=bool)
+        temporaries = tuple(
+            (iv.node, iv.kind, iv.start, iv.end, iv.factor) for iv, temporary in zip(intervals, mask) if temporary
+        )
+        return cls(
+            len(nodes), index, root, uses, segments, fetches, touched, segment_at, kept, kept_op,
+            temporaries=temporaries, temporary_mask=mask,
+        )  # fmt: skip
 
 
 class _Walk:
@@ -214,9 +226,9 @@ class _Walk:
         self.num, self.index, self.root, self.uses = shape.num, shape.index, shape.root, shape.uses
         self.segments, self.fetches, self._touched = shape.segments, shape.fetches, shape.touched
         self._sizes = self.timeline.sizes(bytes_of) if sizes is None else sizes
-        self._base = _unplanned(self.timeline, self._sizes)
+        self._base = _unplanned(self.timeline, self._sizes, ~shape.temporary_mask)  # the step's apart
         self._last: tuple | None = None  # (prefetch, decisions, context, delta, streamed) of the last curve
-        self._stepped: dict[str, list[tuple[str, float]]] | None = None  # ``_streamed_step``'s factors
+        self._stepped: dict[str, list[tuple[str, float]]] | None = None  # ``_step_spans``' factors
 
     def bwd(self, time: int) -> int:
         return 2 * self.num - 1 - time
@@ -227,7 +239,7 @@ class _Walk:
         out = []
         for iv in self.timeline.intervals:
             out.extend(self._spans(iv, context))
-        out.extend(self._streamed_step(context))
+        out.extend(self._step_spans(context))
         return out
 
     def _context(self, decisions, prefetch: bool) -> WalkContext:
@@ -244,6 +256,8 @@ class _Walk:
             context.prefetch,
             context.kept,
         )
+        if iv.kind == "optimizer_temporary":
+            return []  # ``_step_spans``
         if iv.kind in TRANSFERS and context.offloads(iv.kind, iv.node):
             if iv.kind == "optimizer_state":
                 return []
@@ -266,10 +280,14 @@ class _Walk:
             return self._gathered_checkpointed(iv, in_segment)
         return [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
 
-    def _streamed_step(self, context: WalkContext) -> list[tuple[str, str, int, int, float]]:
-        """The optimizer step streams offloaded state one parameter at a time: at the end of the
-        step, the largest parameter's offloaded tensors and AdamW's temporary (and, with
-        prefetch, the next largest's tensors) are on the device (``stream_entry``)."""
+    def _step_spans(self, context: WalkContext) -> list[tuple[str, str, int, int, float]] | tuple:
+        """What the optimizer step holds at the walk's last time beyond its resident tensors.
+        Where nothing is offloaded, torch's optimizer steps: its temporaries (the walk's
+        "optimizer_temporary" intervals). Else ``autopar.optim.AdamW`` streams offloaded state
+        one parameter at a time: the largest parameter's offloaded tensors and AdamW's temporary
+        (and, with prefetch, the next largest's tensors) are on the device (``stream_entry``)."""
+        if not context.stream:
+            return self.shape.temporaries  # the same tuple each time: ``curve_under`` compares it first
         largest = heapq.nsmallest(2 if context.prefetch else 1, context.stream.values())
         last = 2 * self.num - 1
         return [(node, "optimizer_state", last, last, factor) for _, node, factor in largest]
@@ -399,17 +417,17 @@ class _Walk:
         if last is not None and last[0] == prefetch:
             _, before, old_context, delta, old_streamed = last
             context = old_context.derive(self, before ^ decisions, decisions)
-            streamed = self._streamed_step(context)
+            streamed = self._step_spans(context)
             delta = delta.copy()
             keys = affected_keys(before, decisions, self.fetches, self.segments, prefetch)
             for k in sorted({k for key in keys for k in self._touched.get(key, ())}):
                 self._replace(delta, k, old_context, context)
-            if streamed != old_streamed:
+            if streamed is not old_streamed and streamed != old_streamed:
                 self._add(delta, old_streamed, -1.0)
                 self._add(delta, streamed, 1.0)
         else:
             context = self._context(decisions, prefetch)
-            streamed = self._streamed_step(context)
+            streamed = self._step_spans(context)
             delta = self._base.copy()
             for k in sorted({k for key in decisions for k in self._touched.get(key, ())}):
                 self._replace(delta, k, None, context)
@@ -483,9 +501,12 @@ def _kept_peak(timeline: liveness.Timeline, sizes: np.ndarray) -> float:
     return float(np.cumsum(delta[:-1]).max(initial=0.0))
 
 
-def _unplanned(timeline: liveness.Timeline, sizes: np.ndarray) -> np.ndarray:
-    """The walk with no decision, as a difference array (``np.add.at`` adds in order, as a loop)."""
+def _unplanned(timeline: liveness.Timeline, sizes: np.ndarray, only: np.ndarray | None = None) -> np.ndarray:
+    """The walk with no decision, as a difference array (``np.add.at`` adds in order, as a
+    loop), of the intervals ``only`` marks (None: all)."""
     starts, ends = timeline.bounds()
+    if only is not None:
+        starts, ends, sizes = starts[only], ends[only], sizes[only]
     return _difference(len(timeline.names), starts, ends, sizes)
 
 
@@ -557,9 +578,8 @@ def plan_memory(
             key=lambda e: (order[e.kind], walk.index.get(_param_node(graph, e.fqn), 0)),
         )
     )
-    # simulated only for the plan kept (``sharding._with_memory``), not for every candidate priced;
-    # a plan that offloads parameters, gradients or state is stepped by ``autopar.optim.AdamW``
-    allocator = functools.partial(allocator_peaks, spans, bytes_of, walk.timeline.num_times, cluster, bool(entries))
+    # simulated only for the plan kept (``sharding._with_memory``), not for every candidate priced
+    allocator = functools.partial(allocator_peaks, spans, bytes_of, walk.timeline.num_times, cluster)
     memory = MemoryPlan(
         target=target or "cpu",
         prefetch=prefetch,

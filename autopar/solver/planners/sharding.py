@@ -136,11 +136,10 @@ def _within_allocator(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterS
         if lowered is None:
             return solution, plan
         peaks = plan.predicted.allocator_peak_bytes
-        # say which of the two it is: the step's temporaries (allocated) or the cache's fragments (reserved)
         log.warning(
             "autopar: the plan's tensors fit memory_budget=%s, but over a training step PyTorch's caching allocator "
-            "would allocate %s (with the optimizer step's temporaries: torch's foreach AdamW holds half its state "
-            "again) and reserve %s, %s more than the device holds; planning again under %s",
+            "would allocate %s (every block rounded up) and reserve %s (segments a freed block cannot leave while "
+            "another in it lives), %s more than the device holds; planning again under %s",
             format_bytes(settings.memory_budget),
             format_bytes(peaks["allocated"]),
             format_bytes(peaks["reserved"]),

@@ -13,7 +13,7 @@ decisions from it. The spans of an interval depend on the decisions that touch i
 
 So the decisions to re-price are those that differ between the two sets, and those neighbours
 under either set. (The optimizer step's streamed tensors, the largest offloaded ones, are
-re-priced apart: ``_Walk._streamed_step``.)
+re-priced apart: ``_Walk._step_spans``.)
 """
 
 from __future__ import annotations

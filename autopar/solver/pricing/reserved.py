@@ -18,12 +18,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 
 from autopar.cost.cluster import ClusterSpec
-from autopar.cost.optimizer import default_implementation
 from autopar.cost.step_memory import Span, peaks_by_config
 from autopar.solver.problem.gathered import PREFIX as GATHERED
-
-# torch's foreach AdamW holds one moment's bytes per parameter (of its two) while it steps
-FOREACH_TEMPORARY = {"foreach": 0.5}
 
 
 def fsdp2_stream_of(spans: Iterable[Span]) -> Callable[[Span], str]:
@@ -52,10 +48,9 @@ def allocator_peaks(
     bytes_of: Callable[[str], float],
     num_times: int,
     cluster: ClusterSpec,
-    streamed_step: bool = False,
 ) -> Mapping[str, int] | None:
-    """``Prediction.allocator_peak_bytes``: the steady state's allocated peak (with the
-    optimizer's temporaries, every block rounded), its reserved peak as autopar's runtime
+    """``Prediction.allocator_peak_bytes``: the steady state's allocated peak (every block
+    rounded), its reserved peak as autopar's runtime
     allocates (one stream) under PyTorch's default allocator (``reserved``) and with expandable
     segments (``reserved_expandable``), and with expandable segments as FSDP2 allocates
     (``reserved_fsdp2_expandable``: torchtitan's setting; each run of the model costs about 0.06 s
@@ -63,21 +58,16 @@ def allocator_peaks(
     ``cluster.memory_bytes``; ``short``, only
     where the runtime's default allocator runs out of that device even after giving back its
     cache, the most bytes a request lacked. None on a cluster of host devices
-    (``ClusterSpec.gloo``), whose memory has no caching allocator.
-
-    ``streamed_step``: the plan offloads parameters, gradients or optimizer state, so
-    ``autopar.optim.AdamW`` steps it one parameter at a time (torch's optimizers are refused:
-    ``runtime.optim_guard``) and holds no foreach temporary; what that step holds is among
-    ``spans`` (the memory planner's ``optimizer_state`` spans at the last time)."""
+    (``ClusterSpec.gloo``), whose memory has no caching allocator. What the optimizer holds
+    while it steps is among ``spans`` (the walk's last time)."""
     if cluster.gloo:
         return None
     spans = [tuple(span) for span in spans]
-    temporary = 0.0 if streamed_step else FOREACH_TEMPORARY.get(default_implementation(cluster), 0.0)
-    runtime = peaks_by_config(spans, bytes_of, num_times, _compute_stream, temporary, cluster.memory_bytes)
+    runtime = peaks_by_config(spans, bytes_of, num_times, _compute_stream, cluster.memory_bytes)
     fsdp2_stream = fsdp2_stream_of(spans)
     fsdp2 = runtime["expandable"]
     if any(fsdp2_stream(span) != "compute" for span in spans):  # else FSDP2 allocates as the runtime does
-        fsdp2 = peaks_by_config(spans, bytes_of, num_times, fsdp2_stream, temporary, cluster.memory_bytes, ("expandable",))
+        fsdp2 = peaks_by_config(spans, bytes_of, num_times, fsdp2_stream, cluster.memory_bytes, ("expandable",))
         fsdp2 = fsdp2["expandable"]
     default = runtime["segments"]
     out = {
@@ -105,9 +95,7 @@ def allocator_budget(plan, memory_budget: float | None) -> float | None:
     ``memory_budget`` bounds the tensors alive (allocated), not the allocator's reserve: where a
     new segment would not fit, the allocator gives its cached segments back and retries, so a
     reserve above the budget costs a synchronizing cache flush, not an error; what can fail is
-    fragmentation inside segments that still hold live blocks, and what the walk leaves out:
-    torch's foreach AdamW's temporary (half the optimizer state, at the step), which the
-    simulation adds and finds."""
+    fragmentation inside segments that still hold live blocks."""
     peaks = plan.predicted.allocator_peak_bytes
     if memory_budget is None or not peaks or not peaks.get("short"):
         return None

@@ -119,7 +119,7 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
             seconds, per_axis = comm.collectives_cost(steps, mesh, cluster)
             comms.append((seconds, sum(per_axis.values())))
     ties = _ties(traced)
-    timeline = liveness.build_timeline(live, optimizer, ties)
+    timeline = liveness.build_timeline(live, optimizer, ties, step_temporary=step_cost.step_temporary(cluster, optimizer))
     gathered, sizes = _gathered(traced, plan, kinds, grads, ties, live, cluster.gloo)
     out_bytes.update(sizes)
     curve = liveness.Timeline(timeline.names, timeline.intervals + tuple(gathered)).curve(out_bytes.__getitem__)

@@ -33,6 +33,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost import compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
+from autopar.cost.optimizer import step_temporary
 from autopar.errors import ConfigError, InfeasibleError
 from autopar.ir.options import CommOptions
 from autopar.ir.spec import SS, Spec, is_valid, replicated
@@ -380,7 +381,8 @@ def _build_choice_graph(
         _check_zero_layout(choices, zero_stage)
     zero_ways = math.prod(mesh_shape) if zero_stage else 1
     nodes = live_nodes(traced.gm, choices)
-    timeline = liveness.build_timeline(nodes, optimizer, ties, zero_stage, zero_ways, optimizer_dtype)
+    temporary = step_temporary(cluster, optimizer)
+    timeline = liveness.build_timeline(nodes, optimizer, ties, zero_stage, zero_ways, optimizer_dtype, temporary)
     fqns = {i.name: traced.ties.get(i.fqn, i.fqn) for i in traced.inputs if i.kind == "param"}
     gathered, intervals = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm, cluster.gloo)
     timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
