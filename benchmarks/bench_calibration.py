@@ -238,7 +238,22 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
             cluster.rates,
             row.optimizer,
         )
-    return {"step_s": step, "peak_gib": plan.predicted.peak_memory_bytes / GIB, "plan": plan}
+    peak = plan.predicted.peak_memory_bytes
+    if not row.with_optimizer or row.optimizer != "foreach":
+        peak = _peak_without_temporary(plan)
+    return {"step_s": step, "peak_gib": peak / GIB, "plan": plan}
+
+
+def _peak_without_temporary(plan) -> float:
+    """The plan's peak without what torch's foreach AdamW holds while it steps (the walk's
+    "optimizer_temporary", at its last time), for a run that stepped another kind or none: the
+    fullest time of the plan's sampled timeline (``Plan.memory_timeline``: each bucket's fullest
+    time, the step among them) without it."""
+    if not plan.predicted.memory_at_peak_bytes.get("optimizer_temporary"):
+        return plan.predicted.peak_memory_bytes
+    timeline = plan.memory_timeline
+    kinds = timeline["kinds"]
+    return max(sum(b for kind, b in zip(kinds, row) if kind != "optimizer_temporary") for row in timeline["bytes"])
 
 
 def reserved_gib(plan, row: Row) -> float | None:

@@ -30,8 +30,9 @@ smallest depth's, per model. Models:
 (and ``budget_ratio_cpu``) is that plan's time over the row's own ``plan_s``. ``--default-budget`` does the same under the device's
 default budget (issue 48's LLaMA-2-70B cases, with ``--memory-budget inf``:
 ``--models hf-llama hf-llama-128 llama --layers 48 80 --memory-budget inf --default-budget``).
-Each row plans once untimed first, so that neither timed plan pays the process's first-solve
-costs (imports, HiGHS start-up) and the order of the two does not tilt the ratio.
+Each row plans both once untimed first, so that neither timed plan pays the process's first run
+of its path (imports, HiGHS start-up, the first Lagrangian solve) and the order of the two does
+not tilt the ratio.
 
 ``--memory-budget inf`` plans without the default budget, so that every depth takes the same
 path through the solver (with it, a deep model's budget may bind where a shallow one's does not).
@@ -179,8 +180,11 @@ def plan_row(
     with quiet_gc():  # as ``autopar.plan`` traces (``api._trace``); ``plan_traced`` runs under it itself
         traced = trace_repeated(model, args, kwargs)
     trace_s, trace_cpu_s = time.perf_counter() - start, time.process_time() - cpu
-    if state_budget is not None or default_budget:  # a warm-up: the ratio compares warm plans
+    budgeted = state_budget is not None or default_budget
+    budget = None if default_budget or not budgeted else state_budget * _state_bytes(model)
+    if budgeted:  # a warm-up of both: the ratio compares warm plans, neither paying its path's first run
         plan_traced(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=memory_budget))
+        _budgeted(traced, mesh, cluster, budget, offload)
         gc.collect()
     start, cpu = time.perf_counter(), time.process_time()
     plan = plan_traced(traced, mesh, cluster, PlanOptions.from_keywords(memory_budget=memory_budget))
@@ -202,8 +206,7 @@ def plan_row(
         "total_cpu_s": round(trace_cpu_s + plan_cpu_s, 2),
         "plan_cpu_s": round(plan_cpu_s, 2),
     }
-    if state_budget is not None or default_budget:  # the plan above against one under a budget
-        budget = None if default_budget else state_budget * _state_bytes(model)
+    if budgeted:  # the plan above against one under a budget
         row.update(_budgeted(traced, mesh, cluster, budget, offload), offload=offload)
         row["budget_ratio"] = round(row["budgeted_plan_s"] / plan_s, 2)
         row["budget_ratio_cpu"] = round(row["budgeted_plan_cpu_s"] / plan_cpu_s, 2)
