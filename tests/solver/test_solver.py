@@ -114,6 +114,18 @@ def test_tight_budget_fused_gate_up_is_split_with_a_strided_shard():
     assert len(plan.redistributions()) == 1, plan.redistributions()
 
 
+def test_a_budget_the_optimizer_step_breaks_names_its_temporary():
+    model = WithMSELoss(_FusedSwiGLU(1024, 4096))
+    x = torch.randn(8, 1024)
+    # a quarter of each parameter, gradient and AdamW state fits, the foreach step's temporary does not
+    budget = 0.3 * sum(param_state_bytes(p.shape, p.dtype, (), ()) for p in model.parameters())
+    with pytest.raises(InfeasibleError, match="at the optimizer step") as caught:
+        autopar.plan(model, (4,), example_inputs=(x, torch.randn_like(x)), cluster="h100-80g", memory_budget=budget)
+    assert "optimizer_temporary" in str(caught.value) and "foreach AdamW" in str(caught.value)
+    # on CPU ranks torch's AdamW steps one parameter at a time: the same budget fits
+    autopar.plan(model, (4,), example_inputs=(x, torch.randn_like(x)), cluster="cpu", memory_budget=budget)
+
+
 def test_budget_is_respected_and_infeasible_budget_says_minimum():
     torch.manual_seed(0)
     model = WithMSELoss(MLPBlock(d=256, hidden=1024))

@@ -831,6 +831,11 @@ def _infeasible(
             alive.append((factor * walk.bytes_of(node), kind, (owner.fqn if owner is not None else None) or node))
     alive.sort(reverse=True)
     lines = "\n".join(f"    {kind} {name}: {size / 2**20:.1f} MiB" for size, kind, name in alive[:5])
+    if any(kind == "optimizer_temporary" for _, kind, _ in alive):
+        lines += (
+            "\n  (optimizer_temporary: torch's default foreach AdamW holds half its state again while it steps;"
+            " offload or autopar.optim.AdamW steps one parameter at a time instead)"
+        )
     allowed = ("checkpointing every layer" if checkpointing else "no checkpointing") + (
         f" and offloading every parameter, gradient, optimizer state and layer's activations to {target}"
         if target

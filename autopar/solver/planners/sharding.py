@@ -593,7 +593,8 @@ def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: 
     return InfeasibleError(
         f"no sharding of this model fits memory_budget={budget:.0f} bytes ({format_bytes(budget)}) per device "
         f"on mesh {graph.mesh_shape}.\n  The leanest plan needs {minimum:.0f} bytes ({format_bytes(minimum)}) "
-        f"per device (parameters, gradients, optimizer state and saved activations).\n  Largest tensors:\n{lines}\n"
+        f"per device (parameters, gradients, optimizer state and what its step holds, saved activations).\n"
+        f"  Largest tensors:\n{lines}\n"
         "  Raise the budget (float('inf') plans without one), use a larger mesh, a smaller batch or sequence, or "
         "precision='bf16-mixed'; or let the planner add activation checkpointing and offload: "
         'autopar.plan(..., offload="auto") (or checkpointing=True alone), `autopar plan ... --offload auto` '
