@@ -400,6 +400,26 @@ def _saved_inputs(node: LiveNode) -> list[int]:
     return []
 
 
+def _parameter_intervals(
+    node: LiveNode, last: int, grad_start: int | None, state: float, split: tuple[int, int], step_temporary: float
+) -> list[Interval]:
+    """A parameter's intervals (``build_timeline``): itself all step; where it needs a gradient,
+    its optimizer state all step (``state`` bytes per byte of it), what the step holds beyond
+    that at the last time, and its gradient from ``grad_start`` (None: never used) to the end;
+    ``split`` divides the state and the gradient (ZeRO-1 and -2 over that many replicas)."""
+    out = [Interval(node.name, "param", 0, last)]
+    if not node.requires_grad:
+        return out
+    if state:
+        factor = state / split[0]
+        out.append(Interval(node.name, "optimizer_state", 0, last, factor))
+        if step_temporary:
+            out.append(Interval(node.name, "optimizer_temporary", last, last, factor * step_temporary))
+    if grad_start is not None:
+        out.append(Interval(node.name, "grad", grad_start, last, 1.0 / split[1]))
+    return out
+
+
 def build_timeline(
     nodes: Sequence[LiveNode],
     optimizer: str = "adamw",
@@ -454,19 +474,12 @@ def build_timeline(
         if node.kind == "param":
             if name in tie_leader and tie_leader[name] != name:
                 continue
-            intervals.append(Interval(name, "param", 0, last))
-            states = memory.OPTIMIZER_STATES[optimizer]
-            if node.requires_grad:
-                if states:
-                    factor = states * (optimizer_dtype.itemsize / node.itemsize if optimizer_dtype is not None else 1.0)
-                    if zero_stage >= 1:
-                        factor /= zero_ways
-                    intervals.append(Interval(name, "optimizer_state", 0, last, factor))
-                    if step_temporary:
-                        intervals.append(Interval(name, "optimizer_temporary", last, last, factor * step_temporary))
-                if uses.get(name):
-                    grad_factor = 1.0 / zero_ways if zero_stage >= 2 else 1.0
-                    intervals.append(Interval(name, "grad", bwd(max(uses[name])), last, grad_factor))
+            grad_start = bwd(max(uses[name])) if uses.get(name) else None
+            state = memory.OPTIMIZER_STATES[optimizer] * (
+                optimizer_dtype.itemsize / node.itemsize if optimizer_dtype is not None else 1.0
+            )
+            split = (zero_ways if zero_stage >= 1 else 1, zero_ways if zero_stage >= 2 else 1)
+            intervals.extend(_parameter_intervals(node, last, grad_start, state, split, step_temporary))
         elif node.kind in ("buffer", "user", "constant"):
             intervals.append(Interval(name, "input", 0, last))
         elif node.kind == "op":
