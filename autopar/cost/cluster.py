@@ -11,7 +11,9 @@ ranks ``0 .. devices_per_node - 1`` share node 0, and so on. The ranks of one gr
 differ only in that axis's coordinate, and all of them lie in one block of
 ``prod(mesh_shape[axis:])`` consecutive ranks. When that block size divides ``devices_per_node``
 (so it is at most a node and never straddles a node boundary) the axis uses ``intra_node``,
-otherwise ``inter_node``.
+otherwise ``inter_node``: one network interface's link, times the interfaces a group crosses nodes
+on (``ClusterSpec.network_lanes``: a group with ``g`` devices on each node of a machine with one
+NIC per device uses ``g`` of them).
 
 Specs come from JSON presets in ``presets/`` (``get_cluster("h100-80g")``), from a JSON or TOML
 file, or (later) from ``autopar profile``. The numbers in the presets are approximate datasheet
@@ -157,6 +159,10 @@ class ClusterSpec:
     # op: torch's optimizer steps a plan's parameters as DTensors wherever one is not replicated
     # (``cost.optimizer.dtensor_dispatch_s``). 0: not measured for this machine.
     dtensor_op_s: float = 0.0
+    # Network interfaces of a node that carry ``inter_node`` traffic, each at ``inter_node``'s
+    # bandwidth (DGX/HGX nodes: one per GPU). A group with several devices on a node crosses
+    # nodes on their share of them (``axis_link``); 1: a node's traffic on one such link.
+    nics_per_node: int = 1
 
     @property
     def gloo(self) -> bool:
@@ -196,6 +202,7 @@ class ClusterSpec:
             raise ClusterSpecError(f"{owner}.disk_link must be a LinkSpec, got {self.disk_link!r}")
         if self.compute_slots_per_node is not None:
             _positive_int(owner, "compute_slots_per_node", self.compute_slots_per_node)
+        _positive_int(owner, "nics_per_node", self.nics_per_node)
         if self.compute not in COMPUTE_MODES:
             raise ClusterSpecError(f"{owner}.compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
         if self.rates is not None and not isinstance(self.rates, ComputeRates):
@@ -246,18 +253,35 @@ class ClusterSpec:
 
         The group block is ``prod(mesh_shape[axis:])`` consecutive ranks (the last axis is
         innermost). It is ``intra_node`` when the block divides ``devices_per_node``, so that every
-        group lies inside one node, and ``inter_node`` otherwise. Where the mesh's ranks share a
-        node's compute (``compute_share`` < 1), the link runs at that share too: latency divided
-        by it, bandwidth multiplied by it.
+        group lies inside one node, and ``inter_node`` otherwise, at the bandwidth of as many
+        network interfaces as the group crosses nodes on (``network_lanes``), up to ``intra_node``'s.
+        Where the mesh's ranks share a node's compute (``compute_share`` < 1), the link runs at that
+        share too: latency divided by it, bandwidth multiplied by it.
         """
         if not 0 <= axis < len(mesh_shape):
             raise InternalError(f"mesh axis {axis} out of range for mesh {tuple(mesh_shape)}")
         block = math.prod(mesh_shape[axis:])
         link = self.intra_node if self.devices_per_node % block == 0 else self.inter_node
+        lanes = self.network_lanes(mesh_shape, axis) if link is self.inter_node else 1.0
+        if lanes > 1:
+            bandwidth = min(link.bandwidth_bytes_per_s * lanes, self.intra_node.bandwidth_bytes_per_s)
+            link = LinkSpec(link.latency_s, max(bandwidth, link.bandwidth_bytes_per_s))
         share = self.compute_share(mesh_shape)
         if share < 1:  # time-sliced ranks also share the CPU that moves their messages
             return LinkSpec(link.latency_s / share, link.bandwidth_bytes_per_s * share)
         return link
+
+    def network_lanes(self, mesh_shape: Sequence[int], axis: int) -> float:
+        """How many network interfaces' bandwidth one group of mesh axis ``axis`` crosses nodes
+        with: its members on one node (``mesh_shape[axis]`` ranks, ``prod(mesh_shape[axis + 1:])``
+        apart) times the node's interfaces per device, at least one. NCCL runs a channel per
+        interface near the group's devices, so a group of a node's 8 GPUs crosses nodes on all 8
+        NICs of a DGX H100 (all-reduce bus bandwidth across such nodes: 400-450 GB/s, eight
+        400 Gb/s NICs), where the groups of an axis with one device per node share a node's
+        interfaces one each."""
+        stride = math.prod(mesh_shape[axis + 1 :])
+        on_node = max(1, min(mesh_shape[axis], self.devices_per_node // stride))
+        return max(1.0, on_node * self.nics_per_node / self.devices_per_node)
 
     # ---------------------------------------------------------------------------------------
     # Serialization: a flat JSON object (or TOML document) whose links are sub-tables.
@@ -282,6 +306,7 @@ class ClusterSpec:
             **({"executor": self.executor} if self.executor != "eager" else {}),
             **({"rates": self.rates.to_json()} if self.rates is not None else {}),
             **({"dtensor_op_s": self.dtensor_op_s} if self.dtensor_op_s else {}),
+            **({"nics_per_node": self.nics_per_node} if self.nics_per_node != 1 else {}),
         }
 
     @classmethod
@@ -302,6 +327,7 @@ class ClusterSpec:
             "executor",
             "rates",
             "dtensor_op_s",
+            "nics_per_node",
         }
         unknown = set(data) - known
         missing = required - set(data)

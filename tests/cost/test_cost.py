@@ -123,6 +123,30 @@ def test_axis_link_last_axis_is_innermost():
         cluster.axis_link((2, 8), 2)
 
 
+def test_a_group_crosses_nodes_on_the_nics_of_its_devices():
+    one_nic = round_cluster(devices_per_node=8)
+    dgx = dataclasses.replace(one_nic, nics_per_node=8)
+    nic = dgx.inter_node.bandwidth_bytes_per_s
+
+    def bandwidth(cluster, mesh, axis):
+        return cluster.axis_link(mesh, axis).bandwidth_bytes_per_s
+
+    # one device of each group per node (DP over TP 8): each group on its device's NIC
+    assert dgx.axis_link((16, 8), 0) == dgx.inter_node
+    # a whole node's devices in one group (FSDP over 64 GPUs): on all 8 NICs, NVLink's at most
+    assert bandwidth(dgx, (64,), 0) == min(8 * nic, dgx.intra_node.bandwidth_bytes_per_s)
+    # two devices of a group per node (a (16, 4) mesh's axis 0, ranks 4 apart): two NICs
+    assert bandwidth(dgx, (16, 4), 0) == 2 * nic
+    assert dgx.network_lanes((16, 4), 0) == 2 and dgx.network_lanes((16, 4), 1) == 4
+    # one NIC a node (the default): every group on that one, as before
+    assert one_nic.axis_link((64,), 0) == one_nic.inter_node
+    # latency stays one link's; the spec round-trips its NICs
+    assert dgx.axis_link((64,), 0).latency_s == dgx.inter_node.latency_s
+    assert ClusterSpec.from_json(dgx.to_json()) == dgx and "nics_per_node" not in one_nic.to_json()
+    with pytest.raises(ValueError, match="nics_per_node"):
+        dataclasses.replace(dgx, nics_per_node=0)
+
+
 @pytest.mark.parametrize("suffix", [".json", ".toml"])
 def test_save_load_round_trip(tmp_path, suffix):
     cluster = get_cluster("h100-80g")
