@@ -71,8 +71,8 @@ class Row:
 
     name: str
     source: str
-    model: str  # "gpt:L:E:H", "zoo-llama-3-8b:L", "hf-llama-3-8b:L"
-    batch: int
+    model: str  # "gpt:L:E:H[:option...]" (``build_model``), "zoo-llama-3-8b:L", "hf-llama-3-8b:L"
+    batch: float  # sequences per GPU: the global batch over the mesh (0.5: two tensor-parallel GPUs share one)
     seq: int
     mesh: tuple[int, ...]
     layout: str  # "plan" or a hand_plan kind
@@ -91,6 +91,89 @@ class Row:
     # caching allocator's segments, under PyTorch's "default" allocator or "expandable" segments).
     measured_memory: str = "allocated"
     allocator: str = "default"
+    optimizer_shards: int = 1  # ranks that split each parameter's AdamW step (a distributed optimizer's data-parallel size)
+    note: str = ""  # what of the published job the priced layout leaves out, or assumes
+
+    def __post_init__(self):
+        if abs(self.global_batch - self.batch * math.prod(self.mesh)) > 1e-9:
+            raise ValueError(f"row {self.name!r}: batch {self.batch} per GPU times {math.prod(self.mesh)} GPUs is no whole batch")
+
+    @property
+    def global_batch(self) -> int:
+        return round(self.batch * math.prod(self.mesh))
+
+
+def megatron_tokens_per_s(tflops_per_gpu: float, layers: int, hidden: int, seq: int, vocab: int) -> float:
+    """Tokens/s per GPU from Megatron-LM's achieved TFLOP/s per GPU, by its own count of a GPT
+    step's FLOPs (``num_floating_point_operations``, megatron/training/training.py at f2e5db402c):
+    12·L·h²·(6 + s/h + V/(2·L·h)) per token for a 4h GELU MLP without GQA, attention counted
+    whole (not halved for the causal mask), logits included, no recompute."""
+    return tflops_per_gpu * 1e12 / (12 * layers * hidden**2 * (6 + seq / hidden + vocab / (2 * layers * hidden)))
+
+
+# NVIDIA/Megatron-LM README.md "Performance Benchmarking" and its images/model_table.png (added in
+# f2e5db402c, 2024-07-15, "New scaling figures on H100 GPUs"): GPT models of vocabulary 131,072
+# and sequence 4,096 on H100s (NVIDIA's DGX H100 machines: the h100-80g preset), bf16, data-
+# parallel size 48, with --overlap-grad-reduce, --overlap-param-gather (which need the
+# distributed optimizer: AdamW state split over the 48 data-parallel ranks, as ZeRO-1) and
+# --tp-comm-overlap (which needs sequence parallelism). The parameter counts (1.7B at 24 x 2048)
+# are those of GPT-3's layer (12·h², biases, LayerNorm, learned positions) with an untied LM head.
+# Activation recompute is not stated: priced with none, Megatron's default. Megatron steps with
+# a fused Adam (Apex/Transformer Engine), bf16 parameters with fp32 main copies and gradients:
+# priced as "bf16-mixed" (fp32 parameters, bf16 compute). The rows with pipeline stages (70B
+# to 462B) are left out: a hand plan cannot express a pipeline yet (the 405B row's machinery,
+# bench_llama405b_pipeline, prices torchtitan's alone).
+MEGATRON_SOURCE = "NVIDIA/Megatron-LM README.md, images/model_table.png at f2e5db402c"
+MEGATRON_GPT = "vocab=131072:block=4096:bias:untied"
+MEGATRON_ZERO1_TP = (
+    "Megatron's distributed optimizer with TP has no hand plan yet: its AdamW step is priced split 48 ways "
+    "(optimizer_shards), its state in memory unsplit"
+)
+MEGATRON_ROWS = (
+    Row("megatron-lm gpt 1.7b dp48 48 gpus", MEGATRON_SOURCE + ", row 1.7B", f"gpt:24:2048:16:{MEGATRON_GPT}", 4, 4096,
+        (48,), "zero1", "h100-80g", 80 * GIB, measured_tokens_per_s=megatron_tokens_per_s(408.8, 24, 2048, 4096, 131072),
+        dtype="float32", precision="bf16-mixed", optimizer="fused", published=True, optimizer_shards=48,
+        note="DDP with the distributed optimizer (ZeRO-1 over 48)"),
+    Row("megatron-lm gpt 7.1b tp2 dp48 96 gpus", MEGATRON_SOURCE + ", row 7.1B", f"gpt:30:4096:32:{MEGATRON_GPT}", 2, 4096,
+        (48, 2), "megatron_sp", "h100-80g", 80 * GIB,
+        measured_tokens_per_s=megatron_tokens_per_s(465.9, 30, 4096, 4096, 131072), dtype="float32",
+        precision="bf16-mixed", optimizer="fused", published=True, optimizer_shards=48, note=MEGATRON_ZERO1_TP),
+    Row("megatron-lm gpt 16b tp4 dp48 192 gpus", MEGATRON_SOURCE + ", row 16B", f"gpt:32:6144:48:{MEGATRON_GPT}", 1, 4096,
+        (48, 4), "megatron_sp", "h100-80g", 80 * GIB,
+        measured_tokens_per_s=megatron_tokens_per_s(489.1, 32, 6144, 4096, 131072), dtype="float32",
+        precision="bf16-mixed", optimizer="fused", published=True, optimizer_shards=48, note=MEGATRON_ZERO1_TP),
+    Row("megatron-lm gpt 32b tp8 dp48 384 gpus", MEGATRON_SOURCE + ", row 32B", f"gpt:48:7168:56:{MEGATRON_GPT}", 0.5, 4096,
+        (48, 8), "megatron_sp", "h100-80g", 80 * GIB,
+        measured_tokens_per_s=megatron_tokens_per_s(459.6, 48, 7168, 4096, 131072), dtype="float32",
+        precision="bf16-mixed", optimizer="fused", published=True, optimizer_shards=48, note=MEGATRON_ZERO1_TP),
+)  # fmt: skip
+
+# mosaicml/llm-foundry scripts/train/benchmarking/README.md (at 061f2c7c), "H100 80GB BF16": MPT
+# trained by Composer with FSDP FULL_SHARD, mixed precision DEFAULT (bf16 parameters gathered,
+# fp32 reductions; priced as "bf16-mixed"), amp_bf16. Only its rows without activation
+# checkpointing or gradient accumulation (one microbatch a step, so the step is the microbatch's
+# forward, backward and optimizer step). The table's NumParams (6,658,859,008 for 7b at 2048)
+# are the zoo GPT's with biases, learned positions of the sequence length, a fused qkv and the
+# tied embedding of vocabulary 50,368 (ALiBi off in that sweep). Composer's DecoupledAdamW is a
+# loop over parameters of the same elementwise ops as torch's foreach: priced as "foreach".
+# Memory is not published.
+MPT_SOURCE = "mosaicml/llm-foundry scripts/train/benchmarking/README.md at 061f2c7c, H100 80GB BF16"
+MPT_GPT = "vocab=50368:block=2048:bias:fused"
+MPT_NOTE = "FSDP FULL_SHARD, no AC, one microbatch a step"
+MPT_ROWS = (
+    Row("mpt-1b fsdp 8 gpus", MPT_SOURCE + ", 1b 2048 x 8", f"gpt:24:2048:16:{MPT_GPT}", 14, 2048, (8,), "fsdp",
+        "h100-80g", 80 * GIB, measured_tokens_per_s=45455, dtype="float32", precision="bf16-mixed", published=True,
+        note=MPT_NOTE),
+    Row("mpt-7b fsdp 8 gpus", MPT_SOURCE + ", 7b 2048 x 8", f"gpt:32:4096:32:{MPT_GPT}", 6, 2048, (8,), "fsdp",
+        "h100-80g", 80 * GIB, measured_tokens_per_s=10643, dtype="float32", precision="bf16-mixed", published=True,
+        note=MPT_NOTE),
+    Row("mpt-13b fsdp 8 gpus", MPT_SOURCE + ", 13b 2048 x 8", f"gpt:40:5120:40:{MPT_GPT}", 2, 2048, (8,), "fsdp",
+        "h100-80g", 80 * GIB, measured_tokens_per_s=4792, dtype="float32", precision="bf16-mixed", published=True,
+        note=MPT_NOTE),
+    Row("mpt-13b fsdp 64 gpus", MPT_SOURCE + ", 13b 2048 x 64", f"gpt:40:5120:40:{MPT_GPT}", 2, 2048, (64,), "fsdp",
+        "h100-80g", 80 * GIB, measured_tokens_per_s=4800, dtype="float32", precision="bf16-mixed", published=True,
+        note=MPT_NOTE),
+)  # fmt: skip
 
 
 ROWS = (
@@ -133,6 +216,8 @@ ROWS = (
         (128,), "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5605, measured_peak_gib=67.0, dtype="float32",
         precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True,
         measured_memory="reserved", allocator="expandable"),
+    *MEGATRON_ROWS,
+    *MPT_ROWS,
 )  # fmt: skip
 
 
@@ -153,8 +238,7 @@ def build_model(spec: str, dtype: torch.dtype, device: str | torch.device = "met
     kind, *args = spec.split(":")
     with torch.device(device):
         if kind == "gpt":
-            layers, width, heads = map(int, args)
-            model = GPT(vocab_size=50304, block_size=1024, n_layer=layers, n_head=heads, n_embd=width, bias=False)
+            model = GPT(**_gpt_config(args))
         elif kind.startswith("zoo-"):
             model = Llama(**{**LLAMA_SHAPES[kind.removeprefix("zoo-")], "n_layer": int(args[0])})
         elif kind.startswith("titan-"):
@@ -171,9 +255,27 @@ def build_model(spec: str, dtype: torch.dtype, device: str | torch.device = "met
     return model.to(dtype)
 
 
+def _gpt_config(args: list[str]) -> dict:
+    """The zoo GPT's arguments from ``L:E:H`` (layers, width, heads) and options: ``vocab=V``
+    (default 50304), ``block=S`` (learned positions, default 1024), ``bias`` (Linear and
+    LayerNorm biases, as GPT-3, Megatron's GPT and MPT of 2023 have; default none),
+    ``untied`` (an LM head of its own), ``fused`` (one qkv Linear)."""
+    layers, width, heads = map(int, args[:3])
+    config = dict(vocab_size=50304, block_size=1024, n_layer=layers, n_head=heads, n_embd=width, bias=False)
+    for option in args[3:]:
+        key, _, value = option.partition("=")
+        if key in ("vocab", "block"):
+            config[{"vocab": "vocab_size", "block": "block_size"}[key]] = int(value)
+        elif key in ("bias", "untied", "fused") and not value:
+            config[{"bias": "bias", "untied": "tied", "fused": "fused_qkv"}[key]] = key != "untied"
+        else:
+            raise ValueError(f"unknown GPT option {option!r}: expected vocab=V, block=S, bias, untied or fused")
+    return config
+
+
 def _inputs(row: Row, model: torch.nn.Module) -> dict:
     """The global batch: ``row.batch`` rows per GPU on every GPU of the mesh."""
-    ids = torch.zeros(row.batch * math.prod(row.mesh), row.seq, dtype=torch.long, device="meta")
+    ids = torch.zeros(row.global_batch, row.seq, dtype=torch.long, device="meta")
     if row.model.startswith("hf-"):
         return {"example_kwargs": {"input_ids": ids, "labels": ids.clone()}}
     return {"example_inputs": (ids, ids.clone())}
@@ -230,7 +332,7 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
     elif row.optimizer != default_implementation(cluster):
         param_size = 4 if row.precision else torch.finfo(getattr(torch, row.dtype)).bits // 8
         step += -(plan.predicted.optimizer_s or 0.0) + optimizer_step_s(
-            _local_elements(plan, model, row.mesh),
+            _local_elements(plan, model, row.mesh) / row.optimizer_shards,
             param_size,
             param_size,
             len(list(model.parameters())),
@@ -263,7 +365,9 @@ def reserved_gib(plan, row: Row) -> float | None:
     if not peaks:
         return None
     key = "reserved" + ("_fsdp2" if row.published and row.layout == "fsdp" else "")
-    return peaks[key + ("_expandable" if row.allocator == "expandable" else "")] / GIB
+    key += "_expandable" if row.allocator == "expandable" else ""
+    # FSDP2's pools are modelled with expandable segments only: None where a row ran otherwise
+    return peaks[key] / GIB if key in peaks else None
 
 
 def describe(plan) -> str:
@@ -285,6 +389,7 @@ def evaluate(row: Row, profiled: ClusterSpec | None) -> dict:
     cluster = row_cluster(row, profiled)
     model = build_model(row.model, getattr(torch, row.dtype))
     out = {"row": row.name, "source": row.source, "cluster": cluster.name, "layout": row.layout, "status": "priced"}
+    out["note"] = row.note
     tokens = row.batch * row.seq
     start = time.perf_counter()
     try:
@@ -359,7 +464,7 @@ COLUMNS = (
     "row", "source", "cluster", "layout", "status", "predicted_step_s", "measured_step_s", "time_ratio",
     "predicted_tokens_per_s", "measured_tokens_per_s", "predicted_peak_gib", "measured_peak_gib", "memory_ratio",
     "layout_detail", "solver_step_s", "solver_peak_gib", "solver_over_published", "solver_layout", "plan_s",
-    "predicted_optimizer_s", "measured_memory", "predicted_allocated_gib", "predicted_reserved_gib",
+    "predicted_optimizer_s", "measured_memory", "predicted_allocated_gib", "predicted_reserved_gib", "note",
 )  # fmt: skip
 
 

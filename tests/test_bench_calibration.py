@@ -49,3 +49,29 @@ def test_torchtitans_rows_say_they_measured_the_reserve_with_expandable_segments
     titan = [row for row in calibration.ROWS if row.name.startswith("torchtitan")]
     assert titan and all((row.measured_memory, row.allocator) == ("reserved", "expandable") for row in titan)
     assert all(row.measured_memory == "allocated" for row in calibration.ROWS if not row.published)
+
+
+def test_gpt_options_build_the_published_widths():
+    # MPT 7b as llm-foundry's table counts it (NumParams 6,658,859,008): biases, fused qkv, tied
+    # embedding, learned positions of the sequence length
+    mpt = calibration.build_model("gpt:32:4096:32:vocab=50368:block=2048:bias:fused", calibration.torch.float32)
+    assert sum(p.numel() for p in mpt.parameters()) == 6_658_859_008
+    # an untied LM head adds vocab x width
+    tied = calibration.build_model("gpt:2:64:4:vocab=100:block=16", calibration.torch.float32)
+    untied = calibration.build_model("gpt:2:64:4:vocab=100:block=16:untied", calibration.torch.float32)
+    assert sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in tied.parameters()) == 100 * 64
+    with pytest.raises(ValueError, match="unknown GPT option"):
+        calibration.build_model("gpt:2:64:4:rope", calibration.torch.float32)
+
+
+def test_megatron_tokens_per_s_inverts_megatrons_flop_count():
+    # 1.7B of Megatron-LM's H100 table (408.8 TFLOP/s per GPU, 41% of 989: its MFU column)
+    tokens = calibration.megatron_tokens_per_s(408.8, 24, 2048, 4096, 131072)
+    per_token = 12 * 24 * 2048**2 * (6 + 4096 / 2048 + 131072 / (2 * 24 * 2048))
+    assert tokens * per_token == pytest.approx(408.8e12)
+
+
+def test_a_row_with_half_a_sequence_per_gpu_holds_a_whole_global_batch():
+    assert _row(batch=0.5, mesh=(4, 2)).global_batch == 4
+    with pytest.raises(ValueError, match="no whole batch"):
+        _row(batch=0.5, mesh=(3,))
