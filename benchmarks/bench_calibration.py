@@ -4,7 +4,8 @@
 
 Each row is one training job whose step time (or tokens/s) and peak memory were measured, on
 our H200 and H100 (``benchmarks/results/gpu_step.csv``, ``gpu_compiled_*.csv``, issues 43/44)
-or published with exact settings (torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md``).
+or published with exact settings (torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md``,
+Megatron-LM's H100 GPT table, llm-foundry's MPT table: ``MEGATRON_ROWS``, ``MPT_ROWS``).
 The job is planned offline on the meta device, on the row's preset (``h200-141g``; H100 rows on
 ``h100-80g`` with the H200's achieved rates, the same Hopper kernels; ``--cluster FILE``: a
 spec from ``autopar profile`` for the H200 rows instead), laid out as measured (``layout``: a
@@ -126,8 +127,8 @@ def megatron_tokens_per_s(tflops_per_gpu: float, layers: int, hidden: int, seq: 
 MEGATRON_SOURCE = "NVIDIA/Megatron-LM README.md, images/model_table.png at f2e5db402c"
 MEGATRON_GPT = "vocab=131072:block=4096:bias:untied"
 MEGATRON_ZERO1_TP = (
-    "Megatron's distributed optimizer with TP has no hand plan yet: its AdamW step is priced split 48 ways "
-    "(optimizer_shards), its state in memory unsplit"
+    "no hand plan splits AdamW state over DP under TP yet: the distributed optimizer's split (48) is priced "
+    "here, its step by optimizer_shards, its state as _distributed_optimizer_bytes"
 )
 MEGATRON_ROWS = (
     Row("megatron-lm gpt 1.7b dp48 48 gpus", MEGATRON_SOURCE + ", row 1.7B", f"gpt:24:2048:16:{MEGATRON_GPT}", 4, 4096,
@@ -318,11 +319,16 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
     kwargs = dict(_inputs(row, model), cluster=cluster, precision=row.precision)
     if row.published:  # as torchtitan ran: the whole device, no reserve
         kwargs["memory_budget"] = row.memory_bytes
+    split = 0.0
     if layout == "plan":
         plan = autopar.plan(model, row.mesh, **kwargs)
     else:
         if row.checkpointing and "checkpointing" in inspect.signature(autopar.hand_plan).parameters:
             kwargs["checkpointing"] = row.checkpointing
+        split = _distributed_optimizer_bytes(row, model, layout)
+        if split:  # the budget of the walk whose AdamW state is unsplit
+            kwargs["memory_budget"] = row.memory_bytes + split
+            kwargs["cluster"] = dataclasses.replace(cluster, memory_bytes=int(row.memory_bytes + split))
         plan = autopar.hand_plan(layout, model, row.mesh, **kwargs)
     # The plan's step holds its memory decisions (memory_s) and the AdamW step of torch's default
     # kind (optimizer_s, cost.optimizer): taken out where the run had none, swapped for the kind it ran.
@@ -332,7 +338,8 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
     elif row.optimizer != default_implementation(cluster):
         param_size = 4 if row.precision else torch.finfo(getattr(torch, row.dtype)).bits // 8
         step += -(plan.predicted.optimizer_s or 0.0) + optimizer_step_s(
-            _local_elements(plan, model, row.mesh) / row.optimizer_shards,
+            # the published layout's distributed optimizer; autopar.plan's own splits no state
+            _local_elements(plan, model, row.mesh) / (row.optimizer_shards if layout != "plan" else 1),
             param_size,
             param_size,
             len(list(model.parameters())),
@@ -343,7 +350,27 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
     peak = plan.predicted.peak_memory_bytes
     if not row.with_optimizer or row.optimizer != "foreach":
         peak = _peak_without_temporary(plan)
-    return {"step_s": step, "peak_gib": peak / GIB, "plan": plan}
+    return {"step_s": step, "peak_gib": (peak - split) / GIB, "plan": plan, "split_gib": split / GIB}
+
+
+def _distributed_optimizer_bytes(row: Row, model: torch.nn.Module, layout: str) -> float:
+    """AdamW state bytes that a distributed optimizer over ``row.optimizer_shards`` ranks frees on
+    each, for a tensor-parallel hand plan, which prices that state unsplit (ZeRO-1 hand plans
+    split it themselves, and only over a DDP layout). The state lives the whole step, so the walk
+    with it unsplit under the budget plus these bytes is the split walk under the budget: exact
+    for the hand plan's fixed parameter specs. Each rank's parameters are Megatron's
+    (``megatron_placement``, tensor-parallel on the inner axis); state in fp32 under a mixed
+    precision, else in the model's dtype."""
+    if row.optimizer_shards == 1 or layout not in ("megatron", "megatron_sp"):
+        return 0.0
+    from autopar.solver.planners.hand_plans import megatron_placement  # the hand plan's own placements
+
+    tp = row.mesh[-1]
+    local = sum(
+        p.numel() / (tp if megatron_placement(name, tuple(p.shape)).is_shard() else 1) for name, p in model.named_parameters()
+    )
+    state_itemsize = 4 if row.precision else torch.finfo(getattr(torch, row.dtype)).bits // 8
+    return 2 * state_itemsize * local * (1 - 1 / row.optimizer_shards)
 
 
 def _peak_without_temporary(plan) -> float:
@@ -395,16 +422,23 @@ def evaluate(row: Row, profiled: ClusterSpec | None) -> dict:
     try:
         got = price(row, model, cluster, row.layout)
     except Exception as err:  # a layout autopar cannot express yet: the row says why
-        out["status"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        message = str(err).splitlines()[0]
+        # the start says what failed, the end why
+        message = message if len(message) <= 240 else f"{message[:100]} ... {message[-130:]}"
+        out["status"] = f"{type(err).__name__}: {message}"
         got = None
     if got is not None:
         out["layout_detail"] = describe(got["plan"])
         out["predicted_step_s"] = got["step_s"]
         out["predicted_allocated_gib"] = got["peak_gib"]
-        out["predicted_reserved_gib"] = reserved_gib(got["plan"], row)
+        reserved = reserved_gib(got["plan"], row)
+        out["predicted_reserved_gib"] = reserved - got["split_gib"] if reserved is not None else None
         # the figure the run measured: tensors allocated, or the allocator's reserve
         out["predicted_peak_gib"] = out[f"predicted_{row.measured_memory}_gib"]
         out["predicted_optimizer_s"] = got["plan"].predicted.optimizer_s
+        # where the step goes: compute, resharding (TP and FSDP collectives), exposed gradient sync
+        for part in ("compute_s", "reshard_s", "exposed_grad_sync_s"):
+            out[f"predicted_{part}"] = getattr(got["plan"].predicted, part)
     measured_step = row.measured_step_s or (tokens / row.measured_tokens_per_s if row.measured_tokens_per_s else None)
     out["measured_step_s"] = measured_step
     out["measured_peak_gib"] = row.measured_peak_gib
@@ -465,6 +499,7 @@ COLUMNS = (
     "predicted_tokens_per_s", "measured_tokens_per_s", "predicted_peak_gib", "measured_peak_gib", "memory_ratio",
     "layout_detail", "solver_step_s", "solver_peak_gib", "solver_over_published", "solver_layout", "plan_s",
     "predicted_optimizer_s", "measured_memory", "predicted_allocated_gib", "predicted_reserved_gib", "note",
+    "predicted_compute_s", "predicted_reshard_s", "predicted_exposed_grad_sync_s",
 )  # fmt: skip
 
 
