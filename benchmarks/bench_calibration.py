@@ -49,6 +49,7 @@ from autopar.cost.cluster import ClusterSpec, get_cluster  # noqa: E402
 from autopar.cost.optimizer import default_implementation  # noqa: E402
 from autopar.cost.rates import optimizer_step_s  # noqa: E402
 from autopar.ir.spec import format_spec  # noqa: E402
+from autopar.solver.planners.hand_plans import megatron_placement  # noqa: E402
 from autopar.zoo.models import GPT, LLAMA_SHAPES, Llama  # noqa: E402
 
 GIB = 2**30
@@ -335,7 +336,7 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
     step = plan.predicted.step_time_s
     if not row.with_optimizer:
         step -= plan.predicted.optimizer_s or 0.0
-    elif row.optimizer != default_implementation(cluster):
+    elif row.optimizer != default_implementation(cluster) or (row.optimizer_shards > 1 and layout != "plan"):
         param_size = 4 if row.precision else torch.finfo(getattr(torch, row.dtype)).bits // 8
         step += -(plan.predicted.optimizer_s or 0.0) + optimizer_step_s(
             # the published layout's distributed optimizer; autopar.plan's own splits no state
@@ -363,8 +364,6 @@ def _distributed_optimizer_bytes(row: Row, model: torch.nn.Module, layout: str) 
     precision, else in the model's dtype."""
     if row.optimizer_shards == 1 or layout not in ("megatron", "megatron_sp"):
         return 0.0
-    from autopar.solver.planners.hand_plans import megatron_placement  # the hand plan's own placements
-
     tp = row.mesh[-1]
     local = sum(
         p.numel() / (tp if megatron_placement(name, tuple(p.shape)).is_shard() else 1) for name, p in model.named_parameters()

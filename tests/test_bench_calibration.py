@@ -75,3 +75,32 @@ def test_a_row_with_half_a_sequence_per_gpu_holds_a_whole_global_batch():
     assert _row(batch=0.5, mesh=(4, 2)).global_batch == 4
     with pytest.raises(ValueError, match="no whole batch"):
         _row(batch=0.5, mesh=(3,))
+
+
+def test_a_tp_row_with_a_distributed_optimizer_prices_the_split_state():
+    # TP 2 x DP 2: the hand plan holds AdamW state unsplit; the row takes away what a split over
+    # 2 data-parallel ranks frees, and plans under the budget plus those bytes. Width 512: wide
+    # enough that AdamW's step is priced by its bytes, not its launch.
+    row = _row(
+        model="gpt:2:512:8",
+        mesh=(2, 2),
+        batch=1,
+        layout="megatron_sp",
+        dtype="float32",
+        precision="bf16-mixed",
+        optimizer_shards=2,
+    )
+    model = calibration.build_model(row.model, calibration.torch.float32)
+    cluster = calibration.row_cluster(row, None)
+    split = calibration._distributed_optimizer_bytes(row, model, "megatron_sp")
+    local = sum(
+        p.numel() / (2 if calibration.megatron_placement(n, tuple(p.shape)).is_shard() else 1)
+        for n, p in model.named_parameters()
+    )
+    assert split == pytest.approx(2 * 4 * local / 2)
+    got = calibration.price(row, model, cluster, "megatron_sp")
+    unsplit = calibration.price(dataclasses.replace(row, optimizer_shards=1), model, cluster, "megatron_sp")
+    assert got["peak_gib"] == pytest.approx(unsplit["peak_gib"] - split / GIB)
+    # the fused AdamW step of half the elements; autopar.plan's own plan splits nothing
+    assert got["step_s"] < unsplit["step_s"]
+    assert calibration._distributed_optimizer_bytes(row, model, "plan") == 0.0
