@@ -150,6 +150,40 @@ MEGATRON_ROWS = (
         precision="bf16-mixed", optimizer="fused", published=True, optimizer_shards=48, note=MEGATRON_ZERO1_TP),
 )  # fmt: skip
 
+
+def megatron_2021_tokens_per_s(tflops_per_gpu: float, layers: int, hidden: int, seq: int, vocab: int) -> float:
+    """Tokens/s per GPU from the achieved TFLOP/s of Narayanan et al. 2021 ("Efficient Large-Scale
+    Language Model Training on GPU Clusters Using Megatron-LM", arXiv 2104.04473, eq. 3), which
+    count the recompute of full activation checkpointing: 96·l·h²·(1 + s/(6h) + V/(16·l·h)) per token."""
+    return tflops_per_gpu * 1e12 / (96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden)))
+
+
+# Megatron-LM's A100 table of 2021 (README.md, images/cases_april2021.png, added in 50a4b5fa02 and
+# kept to fd5cfec0ba; the paper's Table 1): GPT of vocabulary 51,200 and sequence 2,048 on
+# Selene's DGX A100 80 GB nodes (the a100-80g preset), data-parallel size 32, TP as its
+# "model-parallel size" below 16 (the larger rows are pipelined, left out as above). Attention
+# heads are the paper's (24, 32, 32, 48; the image has none). The paper trains in fp16 with full
+# activation recomputation and counts its FLOPs; the layer as GPT-3's with a tied embedding
+# (1.7B at 24 x 2304). No distributed optimizer or sequence parallelism existed yet: "ddp" and
+# "megatron". Its microbatch is not published: each data-parallel rank's 16 or 32 sequences are
+# priced as one batch, which full recompute keeps small. Ampere has no measured rates: the
+# H200's fractions of peak are applied (``row_cluster``), an assumption these rows test.
+MEGATRON_2021_SOURCE = "NVIDIA/Megatron-LM README.md, images/cases_april2021.png at fd5cfec0ba (arXiv 2104.04473 Table 1)"
+MEGATRON_2021_GPT = "vocab=51200:block=2048:bias"
+MEGATRON_2021_NOTE = "fp16 priced as bf16-mixed (same peak, fp32 gradient reduction); A100 at Hopper's fractions of peak"
+MEGATRON_2021_ROWS = tuple(
+    Row(f"megatron-lm 2021 gpt {size} tp{tp} dp32 {32 * tp} a100s", f"{MEGATRON_2021_SOURCE}, row {size}",
+        f"gpt:{layers}:{hidden}:{heads}:{MEGATRON_2021_GPT}", global_batch / (32 * tp), 2048, (32, tp) if tp > 1 else (32,),
+        "megatron" if tp > 1 else "ddp", "a100-80g", 80 * GIB,
+        measured_tokens_per_s=megatron_2021_tokens_per_s(tflops, layers, hidden, 2048, 51200), dtype="float32",
+        precision="bf16-mixed", checkpointing="full", optimizer="fused", published=True, note=MEGATRON_2021_NOTE)
+    for size, hidden, layers, heads, tp, global_batch, tflops in (
+        ("1.7b", 2304, 24, 24, 1, 512, 137), ("3.6b", 3072, 30, 32, 2, 512, 138),
+        ("7.5b", 4096, 36, 32, 4, 512, 142), ("18.4b", 6144, 40, 48, 8, 1024, 135),
+    )
+)  # fmt: skip
+
+
 # mosaicml/llm-foundry scripts/train/benchmarking/README.md (at 061f2c7c), "H100 80GB BF16": MPT
 # trained by Composer with FSDP FULL_SHARD, mixed precision DEFAULT (bf16 parameters gathered,
 # fp32 reductions; priced as "bf16-mixed"), amp_bf16. Only its rows without activation
@@ -219,6 +253,7 @@ ROWS = (
         precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True,
         measured_memory="reserved", allocator="expandable"),
     *MEGATRON_ROWS,
+    *MEGATRON_2021_ROWS,
     *MPT_ROWS,
 )  # fmt: skip
 
@@ -378,6 +413,11 @@ def _peak_without_temporary(plan) -> float:
     fullest time of the plan's sampled timeline (``Plan.memory_timeline``: each bucket's fullest
     time, the step among them) without it."""
     if not plan.predicted.memory_at_peak_bytes.get("optimizer_temporary"):
+        return plan.predicted.peak_memory_bytes
+    if plan.memory is not None and plan.memory.checkpoint:
+        # The sampled timeline keeps every activation as if none were checkpointed (a full-AC plan
+        # whose walk peaks at 33.3 GiB showed 58.6 GiB of activations there): the walk's peak,
+        # temporary included, is the bound to trust, high by at most the temporary.
         return plan.predicted.peak_memory_bytes
     timeline = plan.memory_timeline
     kinds = timeline["kinds"]

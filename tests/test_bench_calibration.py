@@ -69,6 +69,9 @@ def test_megatron_tokens_per_s_inverts_megatrons_flop_count():
     tokens = calibration.megatron_tokens_per_s(408.8, 24, 2048, 4096, 131072)
     per_token = 12 * 24 * 2048**2 * (6 + 4096 / 2048 + 131072 / (2 * 24 * 2048))
     assert tokens * per_token == pytest.approx(408.8e12)
+    # the 2021 paper's count (eq. 3) includes full recompute's second forward: 4 passes, not 3
+    tokens = calibration.megatron_2021_tokens_per_s(137, 24, 2304, 2048, 51200)
+    assert tokens * 96 * 24 * 2304**2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304)) == pytest.approx(137e12)
 
 
 def test_a_row_with_half_a_sequence_per_gpu_holds_a_whole_global_batch():
