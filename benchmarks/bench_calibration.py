@@ -185,8 +185,9 @@ MEGATRON_2021_ROWS = tuple(
 
 
 # mosaicml/llm-foundry scripts/train/benchmarking/README.md (at 061f2c7c), "H100 80GB BF16": MPT
-# trained by Composer with FSDP FULL_SHARD, mixed precision DEFAULT (bf16 parameters gathered,
-# fp32 reductions; priced as "bf16-mixed"), amp_bf16. Only its rows without activation
+# trained by Composer with FSDP FULL_SHARD, mixed precision DEFAULT (in most Composer versions
+# bf16 parameters gathered and fp32 reductions, as "bf16-mixed" prices; some earlier ones
+# gathered fp32 and reduced bf16: the table names no version), amp_bf16. Only its rows without activation
 # checkpointing or gradient accumulation (one microbatch a step, so the step is the microbatch's
 # forward, backward and optimizer step). The table's NumParams (6,658,859,008 for 7b at 2048)
 # are the zoo GPT's with biases, learned positions of the sequence length, a fused qkv and the
