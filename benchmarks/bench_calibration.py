@@ -4,7 +4,8 @@
 
 Each row is one training job whose step time (or tokens/s) and peak memory were measured, on
 our H200 and H100 (``benchmarks/results/gpu_step.csv``, ``gpu_compiled_*.csv``, issues 43/44)
-or published with exact settings (torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md``).
+or published with exact settings (torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md``,
+Megatron-LM's H100 GPT table, llm-foundry's MPT table: ``MEGATRON_ROWS``, ``MPT_ROWS``).
 The job is planned offline on the meta device, on the row's preset (``h200-141g``; H100 rows on
 ``h100-80g`` with the H200's achieved rates, the same Hopper kernels; ``--cluster FILE``: a
 spec from ``autopar profile`` for the H200 rows instead), laid out as measured (``layout``: a
@@ -48,6 +49,7 @@ from autopar.cost.cluster import ClusterSpec, get_cluster  # noqa: E402
 from autopar.cost.optimizer import default_implementation  # noqa: E402
 from autopar.cost.rates import optimizer_step_s  # noqa: E402
 from autopar.ir.spec import format_spec  # noqa: E402
+from autopar.solver.planners.hand_plans import megatron_placement  # noqa: E402
 from autopar.zoo.models import GPT, LLAMA_SHAPES, Llama  # noqa: E402
 
 GIB = 2**30
@@ -71,8 +73,8 @@ class Row:
 
     name: str
     source: str
-    model: str  # "gpt:L:E:H", "zoo-llama-3-8b:L", "hf-llama-3-8b:L"
-    batch: int
+    model: str  # "gpt:L:E:H[:option...]" (``build_model``), "zoo-llama-3-8b:L", "hf-llama-3-8b:L"
+    batch: float  # sequences per GPU: the global batch over the mesh (0.5: two tensor-parallel GPUs share one)
     seq: int
     mesh: tuple[int, ...]
     layout: str  # "plan" or a hand_plan kind
@@ -91,6 +93,124 @@ class Row:
     # caching allocator's segments, under PyTorch's "default" allocator or "expandable" segments).
     measured_memory: str = "allocated"
     allocator: str = "default"
+    optimizer_shards: int = 1  # ranks that split each parameter's AdamW step (a distributed optimizer's data-parallel size)
+    note: str = ""  # what of the published job the priced layout leaves out, or assumes
+
+    def __post_init__(self):
+        if abs(self.global_batch - self.batch * math.prod(self.mesh)) > 1e-9:
+            raise ValueError(f"row {self.name!r}: batch {self.batch} per GPU times {math.prod(self.mesh)} GPUs is no whole batch")
+
+    @property
+    def global_batch(self) -> int:
+        return round(self.batch * math.prod(self.mesh))
+
+
+def megatron_tokens_per_s(tflops_per_gpu: float, layers: int, hidden: int, seq: int, vocab: int) -> float:
+    """Tokens/s per GPU from Megatron-LM's achieved TFLOP/s per GPU, by its own count of a GPT
+    step's FLOPs (``num_floating_point_operations``, megatron/training/training.py at f2e5db402c):
+    12·L·h²·(6 + s/h + V/(2·L·h)) per token for a 4h GELU MLP without GQA, attention counted
+    whole (not halved for the causal mask), logits included, no recompute."""
+    return tflops_per_gpu * 1e12 / (12 * layers * hidden**2 * (6 + seq / hidden + vocab / (2 * layers * hidden)))
+
+
+# NVIDIA/Megatron-LM README.md "Performance Benchmarking" and its images/model_table.png (added in
+# f2e5db402c, 2024-07-15, "New scaling figures on H100 GPUs"): GPT models of vocabulary 131,072
+# and sequence 4,096 on H100s (NVIDIA's DGX H100 machines: the h100-80g preset), bf16, data-
+# parallel size 48, with --overlap-grad-reduce, --overlap-param-gather (which need the
+# distributed optimizer: AdamW state split over the 48 data-parallel ranks, as ZeRO-1) and
+# --tp-comm-overlap (which needs sequence parallelism). The parameter counts (1.7B at 24 x 2048)
+# are those of GPT-3's layer (12·h², biases, LayerNorm, learned positions) with an untied LM head.
+# Activation recompute is not stated: priced with none, Megatron's default. Megatron steps with
+# a fused Adam (Apex/Transformer Engine), bf16 parameters with fp32 main copies and gradients:
+# priced as "bf16-mixed" (fp32 parameters, bf16 compute). The rows with pipeline stages (70B
+# to 462B) are left out: a hand plan cannot express a pipeline yet (the 405B row's machinery,
+# bench_llama405b_pipeline, prices torchtitan's alone).
+MEGATRON_SOURCE = "NVIDIA/Megatron-LM README.md, images/model_table.png at f2e5db402c"
+MEGATRON_GPT = "vocab=131072:block=4096:bias:untied"
+MEGATRON_ZERO1_TP = (
+    "no hand plan splits AdamW state over DP under TP yet: the distributed optimizer's split (48) is priced "
+    "here, its step by optimizer_shards, its state as _distributed_optimizer_bytes"
+)
+MEGATRON_ROWS = (
+    Row("megatron-lm gpt 1.7b dp48 48 gpus", MEGATRON_SOURCE + ", row 1.7B", f"gpt:24:2048:16:{MEGATRON_GPT}", 4, 4096,
+        (48,), "zero1", "h100-80g", 80 * GIB, measured_tokens_per_s=megatron_tokens_per_s(408.8, 24, 2048, 4096, 131072),
+        dtype="float32", precision="bf16-mixed", optimizer="fused", published=True, optimizer_shards=48,
+        note="DDP with the distributed optimizer (ZeRO-1 over 48)"),
+    Row("megatron-lm gpt 7.1b tp2 dp48 96 gpus", MEGATRON_SOURCE + ", row 7.1B", f"gpt:30:4096:32:{MEGATRON_GPT}", 2, 4096,
+        (48, 2), "megatron_sp", "h100-80g", 80 * GIB,
+        measured_tokens_per_s=megatron_tokens_per_s(465.9, 30, 4096, 4096, 131072), dtype="float32",
+        precision="bf16-mixed", optimizer="fused", published=True, optimizer_shards=48, note=MEGATRON_ZERO1_TP),
+    Row("megatron-lm gpt 16b tp4 dp48 192 gpus", MEGATRON_SOURCE + ", row 16B", f"gpt:32:6144:48:{MEGATRON_GPT}", 1, 4096,
+        (48, 4), "megatron_sp", "h100-80g", 80 * GIB,
+        measured_tokens_per_s=megatron_tokens_per_s(489.1, 32, 6144, 4096, 131072), dtype="float32",
+        precision="bf16-mixed", optimizer="fused", published=True, optimizer_shards=48, note=MEGATRON_ZERO1_TP),
+    Row("megatron-lm gpt 32b tp8 dp48 384 gpus", MEGATRON_SOURCE + ", row 32B", f"gpt:48:7168:56:{MEGATRON_GPT}", 0.5, 4096,
+        (48, 8), "megatron_sp", "h100-80g", 80 * GIB,
+        measured_tokens_per_s=megatron_tokens_per_s(459.6, 48, 7168, 4096, 131072), dtype="float32",
+        precision="bf16-mixed", optimizer="fused", published=True, optimizer_shards=48, note=MEGATRON_ZERO1_TP),
+)  # fmt: skip
+
+
+def megatron_2021_tokens_per_s(tflops_per_gpu: float, layers: int, hidden: int, seq: int, vocab: int) -> float:
+    """Tokens/s per GPU from the achieved TFLOP/s of Narayanan et al. 2021 ("Efficient Large-Scale
+    Language Model Training on GPU Clusters Using Megatron-LM", arXiv 2104.04473, eq. 3), which
+    count the recompute of full activation checkpointing: 96·l·h²·(1 + s/(6h) + V/(16·l·h)) per token."""
+    return tflops_per_gpu * 1e12 / (96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden)))
+
+
+# Megatron-LM's A100 table of 2021 (README.md, images/cases_april2021.png, added in 50a4b5fa02 and
+# kept to fd5cfec0ba; the paper's Table 1): GPT of vocabulary 51,200 and sequence 2,048 on
+# Selene's DGX A100 80 GB nodes (the a100-80g preset), data-parallel size 32, TP as its
+# "model-parallel size" below 16 (the larger rows are pipelined, left out as above). Attention
+# heads are the paper's (24, 32, 32, 48; the image has none). The paper trains in fp16 with full
+# activation recomputation and counts its FLOPs; the layer as GPT-3's with a tied embedding
+# (1.7B at 24 x 2304). No distributed optimizer or sequence parallelism existed yet: "ddp" and
+# "megatron". Its microbatch is not published: each data-parallel rank's 16 or 32 sequences are
+# priced as one batch, which full recompute keeps small. Ampere has no measured rates: the
+# H200's fractions of peak are applied (``row_cluster``), an assumption these rows test.
+MEGATRON_2021_SOURCE = "NVIDIA/Megatron-LM README.md, images/cases_april2021.png at fd5cfec0ba (arXiv 2104.04473 Table 1)"
+MEGATRON_2021_GPT = "vocab=51200:block=2048:bias"
+MEGATRON_2021_NOTE = "fp16 priced as bf16-mixed (same peak, fp32 gradient reduction); A100 at Hopper's fractions of peak"
+MEGATRON_2021_ROWS = tuple(
+    Row(f"megatron-lm 2021 gpt {size} tp{tp} dp32 {32 * tp} a100s", f"{MEGATRON_2021_SOURCE}, row {size}",
+        f"gpt:{layers}:{hidden}:{heads}:{MEGATRON_2021_GPT}", global_batch / (32 * tp), 2048, (32, tp) if tp > 1 else (32,),
+        "megatron" if tp > 1 else "ddp", "a100-80g", 80 * GIB,
+        measured_tokens_per_s=megatron_2021_tokens_per_s(tflops, layers, hidden, 2048, 51200), dtype="float32",
+        precision="bf16-mixed", checkpointing="full", optimizer="fused", published=True, note=MEGATRON_2021_NOTE)
+    for size, hidden, layers, heads, tp, global_batch, tflops in (
+        ("1.7b", 2304, 24, 24, 1, 512, 137), ("3.6b", 3072, 30, 32, 2, 512, 138),
+        ("7.5b", 4096, 36, 32, 4, 512, 142), ("18.4b", 6144, 40, 48, 8, 1024, 135),
+    )
+)  # fmt: skip
+
+
+# mosaicml/llm-foundry scripts/train/benchmarking/README.md (at 061f2c7c), "H100 80GB BF16": MPT
+# trained by Composer with FSDP FULL_SHARD, mixed precision DEFAULT (in most Composer versions
+# bf16 parameters gathered and fp32 reductions, as "bf16-mixed" prices; some earlier ones
+# gathered fp32 and reduced bf16: the table names no version), amp_bf16. Only its rows without activation
+# checkpointing or gradient accumulation (one microbatch a step, so the step is the microbatch's
+# forward, backward and optimizer step). The table's NumParams (6,658,859,008 for 7b at 2048)
+# are the zoo GPT's with biases, learned positions of the sequence length, a fused qkv and the
+# tied embedding of vocabulary 50,368 (ALiBi off in that sweep). Composer's DecoupledAdamW is a
+# loop over parameters of the same elementwise ops as torch's foreach: priced as "foreach".
+# Memory is not published.
+MPT_SOURCE = "mosaicml/llm-foundry scripts/train/benchmarking/README.md at 061f2c7c, H100 80GB BF16"
+MPT_GPT = "vocab=50368:block=2048:bias:fused"
+MPT_NOTE = "FSDP FULL_SHARD, no AC, one microbatch a step"
+MPT_ROWS = (
+    Row("mpt-1b fsdp 8 gpus", MPT_SOURCE + ", 1b 2048 x 8", f"gpt:24:2048:16:{MPT_GPT}", 14, 2048, (8,), "fsdp",
+        "h100-80g", 80 * GIB, measured_tokens_per_s=45455, dtype="float32", precision="bf16-mixed", published=True,
+        note=MPT_NOTE),
+    Row("mpt-7b fsdp 8 gpus", MPT_SOURCE + ", 7b 2048 x 8", f"gpt:32:4096:32:{MPT_GPT}", 6, 2048, (8,), "fsdp",
+        "h100-80g", 80 * GIB, measured_tokens_per_s=10643, dtype="float32", precision="bf16-mixed", published=True,
+        note=MPT_NOTE),
+    Row("mpt-13b fsdp 8 gpus", MPT_SOURCE + ", 13b 2048 x 8", f"gpt:40:5120:40:{MPT_GPT}", 2, 2048, (8,), "fsdp",
+        "h100-80g", 80 * GIB, measured_tokens_per_s=4792, dtype="float32", precision="bf16-mixed", published=True,
+        note=MPT_NOTE),
+    Row("mpt-13b fsdp 64 gpus", MPT_SOURCE + ", 13b 2048 x 64", f"gpt:40:5120:40:{MPT_GPT}", 2, 2048, (64,), "fsdp",
+        "h100-80g", 80 * GIB, measured_tokens_per_s=4800, dtype="float32", precision="bf16-mixed", published=True,
+        note=MPT_NOTE),
+)  # fmt: skip
 
 
 ROWS = (
@@ -133,6 +253,9 @@ ROWS = (
         (128,), "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5605, measured_peak_gib=67.0, dtype="float32",
         precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True,
         measured_memory="reserved", allocator="expandable"),
+    *MEGATRON_ROWS,
+    *MEGATRON_2021_ROWS,
+    *MPT_ROWS,
 )  # fmt: skip
 
 
@@ -153,8 +276,7 @@ def build_model(spec: str, dtype: torch.dtype, device: str | torch.device = "met
     kind, *args = spec.split(":")
     with torch.device(device):
         if kind == "gpt":
-            layers, width, heads = map(int, args)
-            model = GPT(vocab_size=50304, block_size=1024, n_layer=layers, n_head=heads, n_embd=width, bias=False)
+            model = GPT(**_gpt_config(args))
         elif kind.startswith("zoo-"):
             model = Llama(**{**LLAMA_SHAPES[kind.removeprefix("zoo-")], "n_layer": int(args[0])})
         elif kind.startswith("titan-"):
@@ -171,9 +293,27 @@ def build_model(spec: str, dtype: torch.dtype, device: str | torch.device = "met
     return model.to(dtype)
 
 
+def _gpt_config(args: list[str]) -> dict:
+    """The zoo GPT's arguments from ``L:E:H`` (layers, width, heads) and options: ``vocab=V``
+    (default 50304), ``block=S`` (learned positions, default 1024), ``bias`` (Linear and
+    LayerNorm biases, as GPT-3, Megatron's GPT and MPT of 2023 have; default none),
+    ``untied`` (an LM head of its own), ``fused`` (one qkv Linear)."""
+    layers, width, heads = map(int, args[:3])
+    config = dict(vocab_size=50304, block_size=1024, n_layer=layers, n_head=heads, n_embd=width, bias=False)
+    for option in args[3:]:
+        key, _, value = option.partition("=")
+        if key in ("vocab", "block"):
+            config[{"vocab": "vocab_size", "block": "block_size"}[key]] = int(value)
+        elif key in ("bias", "untied", "fused") and not value:
+            config[{"bias": "bias", "untied": "tied", "fused": "fused_qkv"}[key]] = key != "untied"
+        else:
+            raise ValueError(f"unknown GPT option {option!r}: expected vocab=V, block=S, bias, untied or fused")
+    return config
+
+
 def _inputs(row: Row, model: torch.nn.Module) -> dict:
     """The global batch: ``row.batch`` rows per GPU on every GPU of the mesh."""
-    ids = torch.zeros(row.batch * math.prod(row.mesh), row.seq, dtype=torch.long, device="meta")
+    ids = torch.zeros(row.global_batch, row.seq, dtype=torch.long, device="meta")
     if row.model.startswith("hf-"):
         return {"example_kwargs": {"input_ids": ids, "labels": ids.clone()}}
     return {"example_inputs": (ids, ids.clone())}
@@ -216,21 +356,27 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
     kwargs = dict(_inputs(row, model), cluster=cluster, precision=row.precision)
     if row.published:  # as torchtitan ran: the whole device, no reserve
         kwargs["memory_budget"] = row.memory_bytes
+    split = 0.0
     if layout == "plan":
         plan = autopar.plan(model, row.mesh, **kwargs)
     else:
         if row.checkpointing and "checkpointing" in inspect.signature(autopar.hand_plan).parameters:
             kwargs["checkpointing"] = row.checkpointing
+        split = _distributed_optimizer_bytes(row, model, layout)
+        if split:  # the budget of the walk whose AdamW state is unsplit
+            kwargs["memory_budget"] = row.memory_bytes + split
+            kwargs["cluster"] = dataclasses.replace(cluster, memory_bytes=int(row.memory_bytes + split))
         plan = autopar.hand_plan(layout, model, row.mesh, **kwargs)
     # The plan's step holds its memory decisions (memory_s) and the AdamW step of torch's default
     # kind (optimizer_s, cost.optimizer): taken out where the run had none, swapped for the kind it ran.
     step = plan.predicted.step_time_s
     if not row.with_optimizer:
         step -= plan.predicted.optimizer_s or 0.0
-    elif row.optimizer != default_implementation(cluster):
+    elif row.optimizer != default_implementation(cluster) or (row.optimizer_shards > 1 and layout != "plan"):
         param_size = 4 if row.precision else torch.finfo(getattr(torch, row.dtype)).bits // 8
         step += -(plan.predicted.optimizer_s or 0.0) + optimizer_step_s(
-            _local_elements(plan, model, row.mesh),
+            # the published layout's distributed optimizer; autopar.plan's own splits no state
+            _local_elements(plan, model, row.mesh) / (row.optimizer_shards if layout != "plan" else 1),
             param_size,
             param_size,
             len(list(model.parameters())),
@@ -241,7 +387,25 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
     peak = plan.predicted.peak_memory_bytes
     if not row.with_optimizer or row.optimizer != "foreach":
         peak = _peak_without_temporary(plan)
-    return {"step_s": step, "peak_gib": peak / GIB, "plan": plan}
+    return {"step_s": step, "peak_gib": (peak - split) / GIB, "plan": plan, "split_gib": split / GIB}
+
+
+def _distributed_optimizer_bytes(row: Row, model: torch.nn.Module, layout: str) -> float:
+    """AdamW state bytes that a distributed optimizer over ``row.optimizer_shards`` ranks frees on
+    each, for a tensor-parallel hand plan, which prices that state unsplit (ZeRO-1 hand plans
+    split it themselves, and only over a DDP layout). The state lives the whole step, so the walk
+    with it unsplit under the budget plus these bytes is the split walk under the budget: exact
+    for the hand plan's fixed parameter specs. Each rank's parameters are Megatron's
+    (``megatron_placement``, tensor-parallel on the inner axis); state in fp32 under a mixed
+    precision, else in the model's dtype."""
+    if row.optimizer_shards == 1 or layout not in ("megatron", "megatron_sp"):
+        return 0.0
+    tp = row.mesh[-1]
+    local = sum(
+        p.numel() / (tp if megatron_placement(name, tuple(p.shape)).is_shard() else 1) for name, p in model.named_parameters()
+    )
+    state_itemsize = 4 if row.precision else torch.finfo(getattr(torch, row.dtype)).bits // 8
+    return 2 * state_itemsize * local * (1 - 1 / row.optimizer_shards)
 
 
 def _peak_without_temporary(plan) -> float:
@@ -250,6 +414,11 @@ def _peak_without_temporary(plan) -> float:
     fullest time of the plan's sampled timeline (``Plan.memory_timeline``: each bucket's fullest
     time, the step among them) without it."""
     if not plan.predicted.memory_at_peak_bytes.get("optimizer_temporary"):
+        return plan.predicted.peak_memory_bytes
+    if plan.memory is not None and plan.memory.checkpoint:
+        # The sampled timeline keeps every activation as if none were checkpointed (a full-AC plan
+        # whose walk peaks at 33.3 GiB showed 58.6 GiB of activations there): the walk's peak,
+        # temporary included, is the bound to trust, high by at most the temporary.
         return plan.predicted.peak_memory_bytes
     timeline = plan.memory_timeline
     kinds = timeline["kinds"]
@@ -263,7 +432,9 @@ def reserved_gib(plan, row: Row) -> float | None:
     if not peaks:
         return None
     key = "reserved" + ("_fsdp2" if row.published and row.layout == "fsdp" else "")
-    return peaks[key + ("_expandable" if row.allocator == "expandable" else "")] / GIB
+    key += "_expandable" if row.allocator == "expandable" else ""
+    # FSDP2's pools are modelled with expandable segments only: None where a row ran otherwise
+    return peaks[key] / GIB if key in peaks else None
 
 
 def describe(plan) -> str:
@@ -285,21 +456,29 @@ def evaluate(row: Row, profiled: ClusterSpec | None) -> dict:
     cluster = row_cluster(row, profiled)
     model = build_model(row.model, getattr(torch, row.dtype))
     out = {"row": row.name, "source": row.source, "cluster": cluster.name, "layout": row.layout, "status": "priced"}
+    out["note"] = row.note
     tokens = row.batch * row.seq
     start = time.perf_counter()
     try:
         got = price(row, model, cluster, row.layout)
     except Exception as err:  # a layout autopar cannot express yet: the row says why
-        out["status"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        message = str(err).splitlines()[0]
+        # the start says what failed, the end why
+        message = message if len(message) <= 240 else f"{message[:100]} ... {message[-130:]}"
+        out["status"] = f"{type(err).__name__}: {message}"
         got = None
     if got is not None:
         out["layout_detail"] = describe(got["plan"])
         out["predicted_step_s"] = got["step_s"]
         out["predicted_allocated_gib"] = got["peak_gib"]
-        out["predicted_reserved_gib"] = reserved_gib(got["plan"], row)
+        reserved = reserved_gib(got["plan"], row)
+        out["predicted_reserved_gib"] = reserved - got["split_gib"] if reserved is not None else None
         # the figure the run measured: tensors allocated, or the allocator's reserve
         out["predicted_peak_gib"] = out[f"predicted_{row.measured_memory}_gib"]
         out["predicted_optimizer_s"] = got["plan"].predicted.optimizer_s
+        # where the step goes: compute, resharding (TP and FSDP collectives), exposed gradient sync
+        for part in ("compute_s", "reshard_s", "exposed_grad_sync_s"):
+            out[f"predicted_{part}"] = getattr(got["plan"].predicted, part)
     measured_step = row.measured_step_s or (tokens / row.measured_tokens_per_s if row.measured_tokens_per_s else None)
     out["measured_step_s"] = measured_step
     out["measured_peak_gib"] = row.measured_peak_gib
@@ -359,7 +538,8 @@ COLUMNS = (
     "row", "source", "cluster", "layout", "status", "predicted_step_s", "measured_step_s", "time_ratio",
     "predicted_tokens_per_s", "measured_tokens_per_s", "predicted_peak_gib", "measured_peak_gib", "memory_ratio",
     "layout_detail", "solver_step_s", "solver_peak_gib", "solver_over_published", "solver_layout", "plan_s",
-    "predicted_optimizer_s", "measured_memory", "predicted_allocated_gib", "predicted_reserved_gib",
+    "predicted_optimizer_s", "measured_memory", "predicted_allocated_gib", "predicted_reserved_gib", "note",
+    "predicted_compute_s", "predicted_reshard_s", "predicted_exposed_grad_sync_s",
 )  # fmt: skip
 
 
