@@ -108,6 +108,11 @@ class HookGuard:
     keys: tuple[frozenset, ...]
     held: tuple[tuple[str, dict, int], ...] = ()
 
+    @property
+    def _any_global(self) -> bool:
+        """Whether a global module hook was registered at ``compile``."""
+        return any(self.keys)
+
     @classmethod
     def install(cls, module: torch.nn.Module) -> HookGuard:
         """Guard the hook tables of every module under ``module``; remember the global ones."""
@@ -123,6 +128,8 @@ class HookGuard:
                     f"a hook of module {name!r} was removed after autopar.compile, but it is traced into the "
                     "graph and still runs there: compile again after removing it"
                 )
+        if not self._any_global and not any(map(len, _global_tables())):  # none then, none now: every call
+            return
         now = _global_keys()
         if now == self.keys:
             return
@@ -133,9 +140,13 @@ class HookGuard:
         )
 
 
-def _global_keys() -> tuple[frozenset, ...]:
+def _global_tables() -> tuple[dict, ...]:
     tables = torch.nn.modules.module
-    return tuple(frozenset(getattr(tables, table)) for table in _GLOBAL_TABLES)
+    return tuple(getattr(tables, table) for table in _GLOBAL_TABLES)
+
+
+def _global_keys() -> tuple[frozenset, ...]:
+    return tuple(frozenset(table) for table in _global_tables())
 
 
 __all__ = ["HookGuard"]
