@@ -108,11 +108,6 @@ class HookGuard:
     keys: tuple[frozenset, ...]
     held: tuple[tuple[str, dict, int], ...] = ()
 
-    @property
-    def _any_global(self) -> bool:
-        """Whether a global module hook was registered at ``compile``."""
-        return any(self.keys)
-
     @classmethod
     def install(cls, module: torch.nn.Module) -> HookGuard:
         """Guard the hook tables of every module under ``module``; remember the global ones."""
@@ -128,8 +123,6 @@ class HookGuard:
                     f"a hook of module {name!r} was removed after autopar.compile, but it is traced into the "
                     "graph and still runs there: compile again after removing it"
                 )
-        if not self._any_global and not any(map(len, _global_tables())):  # none then, none now: every call
-            return
         now = _global_keys()
         if now == self.keys:
             return
@@ -140,13 +133,9 @@ class HookGuard:
         )
 
 
-def _global_tables() -> tuple[dict, ...]:
-    tables = torch.nn.modules.module
-    return tuple(getattr(tables, table) for table in _GLOBAL_TABLES)
-
-
 def _global_keys() -> tuple[frozenset, ...]:
-    return tuple(frozenset(table) for table in _global_tables())
+    tables = torch.nn.modules.module
+    return tuple(frozenset(getattr(tables, table)) for table in _GLOBAL_TABLES)
 
 
 __all__ = ["HookGuard"]
