@@ -179,10 +179,24 @@ def cross_entropy_mean(
     for group in axis_groups:
         stats = collectives.no_grad_all_reduce(stats, group)
     total, count = stats.unbind()
-    wide = torch.promote_types(local_sum.dtype, torch.float32)  # the scale 1/count in at least float32
-    live = local_sum.to(wide)
-    # value: the global sum over the global denominator; gradient: 1/denominator to the local sum
-    return ((live - live.detach()) / count.to(wide) + (total / count).to(wide)).to(local_sum.dtype)
+    return _WholeMean.apply(local_sum, total, count)
+
+
+class _WholeMean(torch.autograd.Function):
+    """The batch-split loss whole: value the global sum over the global denominator (float64,
+    then the loss's dtype through at least float32); gradient one over the denominator to the
+    local sum, in at least float32. One autograd node, where the same arithmetic written with
+    ``x - x.detach()`` took three (sub, div, add) and as many ops more in forward."""
+
+    @staticmethod
+    def forward(ctx, local_sum: torch.Tensor, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(local_sum.dtype, torch.float32)  # the scale 1/count in at least float32
+        ctx.count = count.to(wide)
+        return (total / count).to(wide).to(local_sum.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (grad.to(ctx.count.dtype) / ctx.count).to(grad.dtype), None, None
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

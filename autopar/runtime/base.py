@@ -37,6 +37,9 @@ from autopar.runtime.trainer_saves import refuse_trainer_save
 from autopar.trace import TracedModel, requires_grad
 from autopar.trace.aliases import check_call_aliases, written_inputs
 
+# A call's ``pytree.tree_flatten((args, kwargs))``: its leaves and their structure.
+Flattened = tuple[list[Any], pytree.TreeSpec]
+
 log = logging.getLogger("autopar")
 _no_sync_said: list[bool] = []  # no_sync() logs what it does once per process
 
@@ -94,10 +97,13 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def flatten_inputs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec, names: list[str]) -> list[Any]:
+def flatten_inputs(
+    args: tuple, kwargs: dict, in_spec: pytree.TreeSpec, names: list[str], flattened: Flattened | None = None
+) -> list[Any]:
     """The call's leaves in the traced order; ``names`` (the user inputs' names in that order) let
-    a mismatch say which argument is missing or unexpected."""
-    flat, spec = pytree.tree_flatten((args, kwargs))
+    a mismatch say which argument is missing or unexpected. ``flattened``: ``tree_flatten((args,
+    kwargs))`` where the caller has it already (the forward reads the leaves first)."""
+    flat, spec = pytree.tree_flatten((args, kwargs)) if flattened is None else flattened
     if spec != in_spec:
         raise InputError(
             "ParallelModule was called with other arguments than the example inputs it was compiled "
@@ -456,11 +462,12 @@ class ShardedModule(NotPickled, torch.nn.Module):
             is_sharded(placement) or index == 0 for placement, index in zip(spec, self._coordinate)
         )
 
-    def _user_inputs(self, args: tuple, kwargs: dict, metas: list | None = None) -> list[Any]:
+    def _user_inputs(self, args: tuple, kwargs: dict, metas: list | None = None, flattened: Flattened | None = None) -> list[Any]:
         """The user inputs of a call, flat in graph order, checked against the planned ones
-        (``metas``: those of a graph for other input shapes, ``runtime.shapes``)."""
+        (``metas``: those of a graph for other input shapes, ``runtime.shapes``; ``flattened``:
+        the call's ``tree_flatten``, where the caller made it)."""
         metas = self._user_metas if metas is None else metas
-        flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in metas])
+        flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in metas], flattened)
         check_call_aliases(flat, [name for name, _, _ in metas], self._written_inputs)
         if self._plan.precision is not None:  # floating inputs in param_dtype, as traced
             flat = [self._plan.precision.cast_inputs(value) for value in flat]

@@ -22,7 +22,7 @@ from autopar.ops.buckets import GradBuckets
 from autopar.ops.params import LocalLeaf, local_of
 from autopar.passes.schedule import bind_parameters
 from autopar.runtime import loaded_state, originals, shapes, trainer_saves
-from autopar.runtime.base import ShardedModule, attach, flatten_inputs, has, lookup, model_tensors
+from autopar.runtime.base import Flattened, ShardedModule, attach, flatten_inputs, has, lookup, model_tensors
 from autopar.runtime.checkpoint import load_model_state_dict, to_dtensor
 from autopar.runtime.compiled import run_eager, warn_not_compiled
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
@@ -268,12 +268,13 @@ class ParallelModule(ModelAttributes, ShardedModule):
                 random_ops(run.traced.gm, run.plan, self._coordinate),
             )
         writes, random = facts
-        leaves = pytree.tree_leaves((args, kwargs))
+        flattened = pytree.tree_flatten((args, kwargs))  # once a call: the check reads the same leaves
+        leaves = flattened[0]
         # Inputs of other shapes than the mode graph's run a graph of their own (runtime.shapes).
         key = shapes.shape_key(leaves)
         run, new = self._shape_graph(run, key)
         flat, settle = start_check(
-            lambda: self._check_call(run, new, args, kwargs),
+            lambda: self._check_call(run, new, args, kwargs, flattened),
             leaves,
             self._data,
             self._coordinate,
@@ -321,10 +322,10 @@ class ParallelModule(ModelAttributes, ShardedModule):
         cached = self._by_shape.get((self.training, key))
         return (run, True) if cached is None else (cached, False)
 
-    def _check_call(self, run: ModeGraph, new: bool, args: tuple, kwargs: dict) -> list[Any]:
+    def _check_call(self, run: ModeGraph, new: bool, args: tuple, kwargs: dict, flattened: Flattened | None = None) -> list[Any]:
         """The call's flat user inputs, checked against its graph's (or, for new shapes, the planned maximum)."""
         if run.attr not in self._shape_attrs and not new:
-            return self._user_inputs(args, kwargs)
+            return self._user_inputs(args, kwargs, flattened=flattened)
         flat = shapes.check_within(args, kwargs, self._traced, self._user_metas, self._shape_hint)
         return flat if new else self._user_inputs(args, kwargs, self._shape_metas[run.attr])
 

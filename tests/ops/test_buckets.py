@@ -27,6 +27,24 @@ def test_make_buckets_caps_and_keeps_kinds_apart():
     assert buckets[-1].nbytes == 4096 * 4, "a slot over the cap gets a bucket of its own"
 
 
+def test_the_bucket_node_returns_views_of_its_parameters_and_leaves_frozen_ones_out():
+    """One autograd node for the bucket's parameters (autograd's C++ ``apply``, no Python
+    preamble): each output is a view of its parameter (activation offload keeps parameters and
+    their views resident by ``_base``), and a frozen parameter's output needs no gradient."""
+    f32 = torch.float32
+    slots = [Slot(key, "all_reduce", (3,), f32, ("g",)) for key in ("p", "q", "frozen")]
+    buckets = GradBuckets(make_buckets(slots, cap_bytes=1 << 20))
+    params = {key: torch.nn.Parameter(torch.randn(3)) for key in ("p", "q", "frozen")}
+    params["frozen"].requires_grad_(False)
+    buckets.bind(params)
+    outs = buckets(*params.values(), keys=tuple(params))
+    assert all(out._base is param and torch.equal(out, param) for out, param in zip(outs, params.values()))
+    assert [out.requires_grad for out in outs] == [True, True, False]
+    assert outs[0].grad_fn is outs[1].grad_fn and type(outs[0].grad_fn).__name__ == "_SyncGradsBackward"
+    single = buckets(params["p"], key="p")
+    assert single._base is params["p"] and single.requires_grad
+
+
 def _run(rank: int, world: int) -> dict:
     # per-parameter gathers, then b and c gathered by one collective (FSDP2's flat copy-in)
     return {

@@ -113,3 +113,21 @@ def test_a_guarded_hook_stays_and_cannot_be_removed():
         guard.check()
     assert len(model.fc._forward_hooks) == 1
     torch.testing.assert_close(model(torch.ones(2, 8)), Scaled.forward(model, torch.ones(2, 8)))
+
+
+def test_the_guard_compares_the_global_tables_when_one_held_a_hook_at_install():
+    """The check's fast path (no global hook at install and none now) must not hide a change
+    where one was there: adding another, or removing it, is refused; the same tables pass."""
+    there = GLOBAL["forward"]()
+    try:
+        guard = HookGuard.install(torch.nn.Linear(2, 2))
+        guard.check()  # the tables as at install
+        added = GLOBAL["forward_pre"]()
+        with pytest.raises(HookError, match=r"register_module_forward_pre_hook"):
+            guard.check()
+        added.remove()
+        guard.check()
+    finally:
+        there.remove()
+    with pytest.raises(HookError, match=r"register_module_forward_hook"):
+        guard.check()  # every table empty now, but one held a hook at install
