@@ -59,10 +59,7 @@ def _instrument() -> None:
     _timed(data, "_rng_state", "  random generators' state")
     _timed(module.ParallelModule, "_graph_values", "graph inputs")
     _timed(module, "run_eager", "graph (run_eager)")
-    if hasattr(buckets, "_sync_grads"):
-        _timed(buckets, "_sync_grads", "  gradient buckets' forward node")
-    else:  # trees before it (A/B runs)
-        _timed(buckets._SyncGrads, "apply", "  gradient buckets' forward node")
+    _timed(buckets._SyncGrads, "apply", "  gradient buckets' forward node")
     _timed(data._Check, "ride", "  loss all-reduce riding the check")
     _timed(data._Check, "post", "    all-gather launch")
     _timed(data._Check, "wait", "    all-gather wait")

@@ -228,8 +228,8 @@ class GradBuckets(torch.nn.Module):
         node a bucket, not one a parameter, is host time a step saves (a bucket launches when
         all its slots have arrived, which is when that node's backward runs)."""
         if key is not None:
-            return _sync_grads(self, (key,), params)[0]
-        return _sync_grads(self, tuple(keys or ()), params)
+            return _SyncGrads.apply(self, (key,), *params)[0]
+        return _SyncGrads.apply(self, tuple(keys or ()), *params)
 
     def has(self, key: str) -> bool:
         return key in self._where
@@ -532,20 +532,6 @@ class _SyncGrads(torch.autograd.Function):
         needs = ctx.needs_input_grad[2:]
         ctx.buckets.add_all(ctx.keys, [grad if need else None for grad, need in zip(grads, needs, strict=True)])
         return (None, None, *(None for _ in grads))
-
-
-# torch.autograd.Function.apply less its Python preamble, which unwraps functorch's dead wrappers
-# one argument at a time (a bucket node takes every parameter of its bucket, each forward):
-# autograd's own C++ apply, bound to _SyncGrads
-_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _SyncGrads)
-
-
-def _sync_grads(buckets: GradBuckets, keys: tuple[str, ...], params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """``_SyncGrads.apply``: straight to autograd's C++ ``apply`` where nothing needs torch's
-    Python preamble (no functorch transform is active, dynamo is not tracing), else through it."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return _SyncGrads.apply(buckets, keys, *params)
-    return _APPLY(buckets, keys, *params)
 
 
 class ParamGathers(torch.nn.Module):
