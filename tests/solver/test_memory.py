@@ -104,6 +104,18 @@ def test_checkpointing_alone_when_offload_is_off(gpt_free_plan):
     assert {s.name for s in plan.memory.checkpoint} <= {"transformer.h.0", "transformer.h.1"}
 
 
+@pytest.mark.parametrize("memory", [{"checkpointing": True}, {"offload": "auto"}])
+def test_the_memory_timeline_is_the_walk_under_the_decisions(gpt_free_plan, memory):
+    plan = _plan(0.85 if "checkpointing" in memory else 0.5, gpt_free_plan, **memory)
+    timeline = plan.memory_timeline
+    totals = [sum(row) for row in timeline["bytes"]]
+    # the report's curve peaks where the plan does, at its peak: the checkpointed or offloaded
+    # walk's, not the sharding's before its memory decisions
+    assert max(totals) == pytest.approx(plan.predicted.peak_memory_bytes, abs=len(timeline["kinds"]))
+    assert max(totals) < gpt_free_plan.predicted.peak_memory_bytes
+    assert timeline["peak_at"] == plan.predicted.peak_memory_at
+
+
 def test_cheap_memory_first_selective_then_whole_layers(gpt_free_plan):
     # Recomputing a layer's norms and pointwise ops costs less per byte than recomputing its
     # matmuls too: a budget selective checkpoints meet takes them alone...

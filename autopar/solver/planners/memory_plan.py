@@ -63,7 +63,7 @@ from __future__ import annotations
 import functools
 import heapq
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -537,8 +537,8 @@ def plan_memory(
     explain: bool = True,
     policy: str | None = None,
 ) -> tuple[MemoryPlan, dict[str, float]]:
-    """The cheapest decisions that bring the peak under ``budget`` (module docstring), and the
-    adjusted memory breakdown at the new peak. ``target`` None allows checkpointing only.
+    """The cheapest decisions that bring the peak under ``budget`` (module docstring), and what
+    the plan reports of its memory under them (``MemoryFigures``). ``target`` None allows checkpointing only.
     ``policy`` ("selective" or "full") checkpoints every layer with that policy first, whatever
     the budget (a layout such as torchtitan's), and leaves only offload to choose.
     Raises InfeasibleError with the peak when every candidate is taken (``explain=False``: with
@@ -578,8 +578,6 @@ def plan_memory(
             key=lambda e: (order[e.kind], walk.index.get(_param_node(graph, e.fqn), 0)),
         )
     )
-    # simulated only for the plan kept (``sharding._with_memory``), not for every candidate priced
-    allocator = functools.partial(allocator_peaks, spans, bytes_of, walk.timeline.num_times, cluster)
     memory = MemoryPlan(
         target=target or "cpu",
         prefetch=prefetch,
@@ -601,7 +599,33 @@ def plan_memory(
         budget,
     )
     time_name = walk.timeline.time_name(time) if time < walk.timeline.num_times else ""
-    return memory, {"time": time_name, "allocator": allocator, **breakdown}
+    # simulated and sampled only for the plan kept (``sharding._with_memory``), not for every candidate priced
+    return memory, MemoryFigures(
+        time_name,
+        breakdown,
+        functools.partial(allocator_peaks, spans, bytes_of, walk.timeline.num_times, cluster),
+        functools.partial(_sampled, walk.timeline.names, spans, bytes_of),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFigures:
+    """What a plan reports of its memory under ``plan_memory``'s decisions: when its peak is
+    (``time``, ``Timeline.time_name``), what is alive then by kind (``at_peak``), and, each a
+    call made only for the plan kept, the caching allocator's peaks (``pricing.reserved``) and
+    the sampled timeline (``Plan.memory_timeline``), both of the walk under the decisions."""
+
+    time: str
+    at_peak: dict[str, float]
+    allocator: Callable[[], Mapping[str, int] | None]
+    timeline: Callable[[], dict]
+
+
+def _sampled(names: tuple[str, ...], spans, bytes_of: Callable[[str], float]) -> dict:
+    """``Timeline.sampled`` of the walk's ``spans`` under the decisions (a span that ends before
+    it starts holds nothing)."""
+    intervals = tuple(liveness.Interval(*span) for span in spans if span[2] <= span[3])
+    return liveness.Timeline(names, intervals).sampled(bytes_of)
 
 
 def _greedy(
@@ -855,4 +879,4 @@ def _infeasible(
     )
 
 
-__all__ = ["plan_memory", "offload_link", "TRANSFERS"]
+__all__ = ["plan_memory", "MemoryFigures", "offload_link", "TRANSFERS"]

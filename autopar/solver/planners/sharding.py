@@ -18,7 +18,7 @@ from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.prediction import Prediction, SolverStats
 from autopar.ir.spec import Spec, format_spec
 from autopar.ir.summary import format_bytes
-from autopar.solver.planners.memory_plan import plan_memory
+from autopar.solver.planners.memory_plan import MemoryFigures, plan_memory
 from autopar.solver.planners.settings import memory_budget
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.reserved import allocator_budget, allocator_peaks, timeline_spans
@@ -272,7 +272,7 @@ def _solve_sharding(
 def _memory_for(
     traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings, candidate: Solution, explain: bool = True
 ):
-    """``plan_memory``'s (decisions, breakdown) for a sharding over the budget; None for one
+    """``plan_memory``'s (decisions, figures) for a sharding over the budget; None for one
     that fits as it is (or when nothing may be checkpointed or offloaded)."""
     if settings.policy is None and (settings.memory_budget is None or not settings.decides_memory):
         return None
@@ -564,21 +564,19 @@ def _leanest(graph: ChoiceGraph, time_limit_s: float, solver: str) -> Solution:
     return solve_ilp(lean, time_limit_s, backends.mip_backend(solver))
 
 
-def _with_memory(plan: Plan, memory, breakdown: dict) -> Plan:
-    """``plan`` with the memory decisions ``plan_memory`` made for its sharding."""
-    breakdown = dict(breakdown)
-    at = breakdown.pop("time")
-    allocator = breakdown.pop("allocator", None)  # the caching allocator's peaks, simulated now
+def _with_memory(plan: Plan, memory, figures: MemoryFigures) -> Plan:
+    """``plan`` with the memory decisions ``plan_memory`` made for its sharding: its peak, what
+    is alive there, the allocator's peaks and the sampled timeline all under them."""
     predicted = dataclasses.replace(
         plan.predicted,
         step_time_s=plan.predicted.step_time_s + memory.added_s,
         memory_s=memory.added_s,
         peak_memory_bytes=int(memory.peak_bytes),
-        peak_memory_at=at,
-        memory_at_peak_bytes={k: int(v) for k, v in breakdown.items()},
-        allocator_peak_bytes=allocator() if allocator is not None else None,
+        peak_memory_at=figures.time,
+        memory_at_peak_bytes={k: int(v) for k, v in figures.at_peak.items()},
+        allocator_peak_bytes=figures.allocator(),
     )
-    return dataclasses.replace(plan, memory=memory, predicted=predicted)
+    return dataclasses.replace(plan, memory=memory, predicted=predicted, memory_timeline=figures.timeline())
 
 
 def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: str) -> InfeasibleError:
