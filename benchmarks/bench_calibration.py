@@ -412,13 +412,8 @@ def _peak_without_temporary(plan) -> float:
     """The plan's peak without what torch's foreach AdamW holds while it steps (the walk's
     "optimizer_temporary", at its last time), for a run that stepped another kind or none: the
     fullest time of the plan's sampled timeline (``Plan.memory_timeline``: each bucket's fullest
-    time, the step among them) without it."""
+    time, the step among them; the walk under the plan's memory decisions) without it."""
     if not plan.predicted.memory_at_peak_bytes.get("optimizer_temporary"):
-        return plan.predicted.peak_memory_bytes
-    if plan.memory is not None and plan.memory.checkpoint:
-        # The sampled timeline keeps every activation as if none were checkpointed (a full-AC plan
-        # whose walk peaks at 33.3 GiB showed 58.6 GiB of activations there): the walk's peak,
-        # temporary included, is the bound to trust, high by at most the temporary.
         return plan.predicted.peak_memory_bytes
     timeline = plan.memory_timeline
     kinds = timeline["kinds"]
