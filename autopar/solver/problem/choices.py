@@ -388,7 +388,9 @@ def _build_choice_graph(
     timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
     steps = step_prices({name: choice.priced.memory_bytes for name, choice in choices.items()}, timeline, cluster, mesh_shape)
     dispatch = dtensor_price(timeline, cluster, mesh_shape)
-    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps, dispatch)
+    graph = ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps, dispatch)
+    graph.derived["live_nodes"] = (traced.gm, nodes)  # the memory planner's walk reads them again
+    return graph
 
 
 def _check_zero_layout(choices: dict[str, Choice], zero_stage: int) -> None:
