@@ -151,6 +151,17 @@ class ChoiceGraph:
 
         return size
 
+    def peak(self, assignment: Mapping[str, int]) -> tuple[float, int]:
+        """``timeline.peak(bytes_of(assignment))``: (peak bytes, the first time it is reached),
+        walked once per assignment: a budgeted solve asks it of one plan several times (its
+        rounding, whether it fits, whether the memory planner must shrink it)."""
+        peaks = self.derived.setdefault("peaks", {})
+        key = tuple(assignment.get(name) for name in self.choices)
+        found = peaks.get(key)
+        if found is None:
+            found = peaks[key] = self.timeline.peak(self.bytes_of(assignment))
+        return found
+
     def bytes_bound(self, largest: bool) -> Callable[[str], float]:
         """Timeline name -> its least (or ``largest``) bytes over the strategies: references for
         the times where the peak may lie (``Timeline.checkpoints``)."""
