@@ -63,7 +63,7 @@ def test_a_replaced_graph_starts_with_its_own_derived_cache():
     graph = choices.build_choice_graph(traced, (2,), get_cluster("cpu"))
     graph.derived["param_uses"] = "computed for graph"
     other = dataclasses.replace(graph, edges=list(graph.edges))
-    assert other.derived == {} and graph.derived == {"param_uses": "computed for graph"}
+    assert other.derived == {} and graph.derived["param_uses"] == "computed for graph"
 
 
 def _priced_one_by_one(choice, graph, cluster):
@@ -135,3 +135,20 @@ def test_distinct_specs_are_by_value_in_first_seen_order():
     assert by_input == {first: [0, 2, 3], other: [1]}
     assert list(choices.strategies_by_spec(strategies, True, 0)) == [first, other]
     assert choices.strategies_by_spec(strategies, True, 0)[other] == [1, 4]
+
+
+def test_a_graphs_peak_is_its_timelines_walked_once_per_sharding(monkeypatch):
+    """``ChoiceGraph.peak`` is ``timeline.peak(bytes_of(...))`` to the last bit, for each of several
+    shardings, and asked again of one it does not walk again (a budgeted solve asks it of one
+    plan several times)."""
+    traced = trace_repeated(build_model("gpt", n_layer=2), example_batch("gpt", 2, n_layer=2))
+    graph = choices.build_choice_graph(traced, (2,), get_cluster("cpu"))
+    shardings = [
+        {name: (i + shift) % len(c.strategies) for i, (name, c) in enumerate(graph.choices.items())} for shift in range(3)
+    ]
+    want = [graph.timeline.peak(graph.bytes_of(choice)) for choice in shardings]
+    assert len(set(want)) > 1  # the shardings differ in memory
+    assert [graph.peak(choice) for choice in shardings] == want
+    walked = []
+    monkeypatch.setattr(type(graph.timeline), "peak", lambda self, bytes_of: walked.append(bytes_of))  # asked again: cached
+    assert [graph.peak(dict(choice)) for choice in shardings] == want and not walked

@@ -3,6 +3,7 @@ intervals its decisions touch, and must equal the walk re-run over every interva
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 
@@ -15,14 +16,26 @@ from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 
 
-@pytest.fixture(scope="module", params=["gpt", "llama"])
-def walk(request) -> _Walk:
-    model = build_model(request.param, seed=0, n_layer=4)
-    traced = trace(model, example_batch(request.param, 4, seed=1))
-    graph = build_choice_graph(traced, (2, 2), get_cluster("cpu"))
+@functools.cache
+def _walk_of(name: str, cluster: str) -> _Walk:
+    model = build_model(name, seed=0, n_layer=4)
+    traced = trace(model, example_batch(name, 4, seed=1))
+    graph = build_choice_graph(traced, (2, 2), get_cluster(cluster))
     # A mixed sharding (not the solved one), so that sizes differ from node to node.
     choice = {name: i % len(c.strategies) for i, (name, c) in enumerate(graph.choices.items())}
     return _Walk(traced, graph, graph.bytes_of(choice))  # gathered parameters too
+
+
+@pytest.fixture(scope="module", params=["gpt", "llama"])
+def walk(request) -> _Walk:
+    return _walk_of(request.param, "cpu")
+
+
+@pytest.fixture(scope="module", params=[("gpt", "cpu"), ("llama", "cpu"), ("llama", "h100-80g")])
+def any_walk(request) -> _Walk:
+    """``walk``, and one on a GPU cluster, whose timeline holds torch's foreach AdamW temporary
+    (the step's spans, ``_Walk._step_spans``)."""
+    return _walk_of(*request.param)
 
 
 def _full_walk(walk: _Walk, decisions: set, prefetch: bool) -> tuple[float, int]:
@@ -74,9 +87,11 @@ def test_a_gathered_copy_stays_one_instant_in_a_checkpointed_segment(walk):
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_incremental_peak_equals_the_full_walk(walk, prefetch):
+def test_incremental_peak_equals_the_full_walk(any_walk, prefetch):
+    walk = any_walk
     for decisions in _decision_sets(walk):
         peak, time = walk.peak(decisions, prefetch)
+        assert walk.last_intervals() == walk.intervals(decisions, prefetch), decisions  # ``plan_memory``'s breakdown
         want_peak, want_time = _full_walk(walk, decisions, prefetch)
         assert peak == pytest.approx(want_peak, rel=1e-12, abs=1e-6), decisions
         assert time == want_time, decisions
@@ -134,11 +149,12 @@ def _every_key(walk: _Walk) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_incremental_pricing_along_random_decision_sequences(walk, prefetch, seed):
+def test_incremental_pricing_along_random_decision_sequences(any_walk, prefetch, seed):
     """The greedy prices each step from the last one (``walk_changes.affected_keys``: the decision
     added or dropped, and the offloaded neighbours whose prefetch spans it bounds). Along random
     sequences of single additions and removals, of every kind and mixed, each curve must equal the
     walk re-run over every interval from nothing, at every time."""
+    walk = any_walk
     rng = random.Random(seed)
     keys = _every_key(walk)
     assert {kind for kind, _ in keys} >= {"checkpoint", "activations", *TRANSFERS}
@@ -154,5 +170,7 @@ def test_incremental_pricing_along_random_decision_sequences(walk, prefetch, see
         got = walk.curve_under(decisions, prefetch).tolist()
         want = walk.curve(walk.intervals(decisions, prefetch))
         assert got == pytest.approx(want, rel=1e-12, abs=1e-6), (step, sorted(decisions))
+        # the spans each step keeps of the intervals it re-priced are every interval's, exactly
+        assert walk.last_intervals() == walk.intervals(decisions, prefetch), (step, sorted(decisions))
         longest = max(longest, len(decisions))
     assert longest >= 10  # the sequence reached sets where neighbours matter

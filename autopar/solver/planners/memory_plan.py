@@ -146,7 +146,8 @@ class _WalkShape:
 
     @classmethod
     def of(cls, traced: TracedModel, graph) -> _WalkShape:
-        nodes = live_nodes(traced.gm, graph.choices)
+        cached = graph.derived.get("live_nodes")  # as the graph was built from them
+        nodes = cached[1] if cached is not None and cached[0] is traced.gm else live_nodes(traced.gm, graph.choices)
         root: dict[str, str] = {}
         for node in nodes:
             root[node.name] = root[node.inputs[0]] if node.kind == "alias" and node.inputs else node.name
@@ -227,7 +228,8 @@ class _Walk:
         self.segments, self.fetches, self._touched = shape.segments, shape.fetches, shape.touched
         self._sizes = self.timeline.sizes(bytes_of) if sizes is None else sizes
         self._base = _unplanned(self.timeline, self._sizes, ~shape.temporary_mask)  # the step's apart
-        self._last: tuple | None = None  # (prefetch, decisions, context, delta, streamed) of the last curve
+        # (prefetch, decisions, context, delta, streamed, each replaced interval's spans) of the last curve
+        self._last: tuple | None = None
         self._stepped: dict[str, list[tuple[str, float]]] | None = None  # ``_step_spans``' factors
 
     def bwd(self, time: int) -> int:
@@ -240,6 +242,22 @@ class _Walk:
         for iv in self.timeline.intervals:
             out.extend(self._spans(iv, context))
         out.extend(self._step_spans(context))
+        return out
+
+    def last_intervals(self) -> list[tuple[str, str, int, int, float]]:
+        """``intervals`` of the last curve's decisions (``curve_under``), from the spans it priced:
+        an interval it did not re-price is as the walk without decisions has it (torch's
+        optimizer temporaries apart: they are the step's spans, ``_step_spans``)."""
+        assert self._last is not None, "last_intervals follows a curve_under"
+        priced, streamed = self._last[5], self._last[4]
+        out = []
+        for k, iv in enumerate(self.timeline.intervals):
+            spans = priced.get(k)
+            if spans is not None:
+                out.extend(spans)
+            elif iv.kind != "optimizer_temporary":
+                out.append((iv.node, iv.kind, iv.start, iv.end, iv.factor))
+        out.extend(streamed)
         return out
 
     def _context(self, decisions, prefetch: bool) -> WalkContext:
@@ -264,8 +282,9 @@ class _Walk:
             if iv.kind == "grad":
                 return [(iv.node, iv.kind, iv.start, iv.start, iv.factor)]
             return [(iv.node, iv.kind, s, e, iv.factor) for s, e in self._fetched(iv.node, offloaded["param"], prefetch)]
-        if iv.kind == "activation" and iv.start in in_moved:
-            last, read_from = in_moved[iv.start]
+        moved = in_moved.get(iv.start) if iv.kind == "activation" else None
+        if moved is not None:
+            last, read_from = moved
             last_forward = self.saved_inside(iv, last)
             if last_forward is not None:
                 return [(iv.node, iv.kind, iv.start, last_forward, iv.factor), (iv.node, iv.kind, read_from, iv.end, iv.factor)]
@@ -359,15 +378,17 @@ class _Walk:
         i = iv.start
         uses = self.uses.get(iv.node, [i])
         end = iv.end
-        if i in in_segment:
-            first, last = in_segment[i]
+        own = in_segment.get(i)
+        if own is not None:
+            first, last = own
             last_forward = self.saved_inside(iv, last)
             if last_forward is not None:
                 return [(iv.node, iv.kind, i, last_forward, iv.factor), (iv.node, iv.kind, self.bwd(last), end, iv.factor)]
             return [(iv.node, iv.kind, i, end, iv.factor)]
         # An input of a checkpointed segment is kept until the segment's backward ends (the
         # earliest such segment's, which ends last).
-        firsts = [in_segment[u][0] for u in uses if u in in_segment and in_segment[u][0] > i]
+        get = in_segment.get
+        firsts = [span[0] for u in uses if (span := get(u)) is not None and span[0] > i]
         if firsts:
             end = max(end, self.bwd(min(firsts)))
         return [(iv.node, iv.kind, i, end, iv.factor)]
@@ -413,15 +434,15 @@ class _Walk:
         decision each, so a step costs that decision's intervals, not the whole walk's. The
         first call (or one with another ``prefetch``) prices from the walk without decisions."""
         decisions = frozenset(decisions)
-        last = self._last
+        last, self._last = self._last, None  # set again once this curve is whole
         if last is not None and last[0] == prefetch:
-            _, before, old_context, delta, old_streamed = last
+            _, before, old_context, delta, old_streamed, priced = last
             context = old_context.derive(self, before ^ decisions, decisions)
             streamed = self._step_spans(context)
             delta = delta.copy()
             keys = affected_keys(before, decisions, self.fetches, self.segments, prefetch)
             for k in sorted({k for key in keys for k in self._touched.get(key, ())}):
-                self._replace(delta, k, old_context, context)
+                self._replace(delta, k, priced, context)
             if streamed is not old_streamed and streamed != old_streamed:
                 self._add(delta, old_streamed, -1.0)
                 self._add(delta, streamed, 1.0)
@@ -429,18 +450,23 @@ class _Walk:
             context = self._context(decisions, prefetch)
             streamed = self._step_spans(context)
             delta = self._base.copy()
+            priced = {}
             for k in sorted({k for key in decisions for k in self._touched.get(key, ())}):
-                self._replace(delta, k, None, context)
+                self._replace(delta, k, priced, context)
             self._add(delta, streamed, 1.0)
-        self._last = (prefetch, decisions, context, delta, streamed)
+        self._last = (prefetch, decisions, context, delta, streamed, priced)
         return np.cumsum(delta[:-1])
 
-    def _replace(self, delta: np.ndarray, k: int, old_context: WalkContext | None, context: WalkContext) -> None:
-        """Take interval ``k``'s spans under ``old_context`` (None: as the walk without decisions
-        has it) out of ``delta`` and add its spans under ``context``, where they differ."""
+    def _replace(self, delta: np.ndarray, k: int, priced: dict[int, list], context: WalkContext) -> None:
+        """Take interval ``k``'s spans as ``delta`` holds them out of it and add its spans under
+        ``context``, where they differ. ``priced``: the spans of each interval replaced since the
+        walk without decisions (the others are as it has them), updated here: the last curve's
+        spans are looked up, not priced again under its context (half of a step's ``_spans``)."""
         iv = self.timeline.intervals[k]
-        old = [(iv.node, iv.kind, iv.start, iv.end, iv.factor)] if old_context is None else self._spans(iv, old_context)
-        new = self._spans(iv, context)
+        old = priced.get(k)
+        if old is None:
+            old = [(iv.node, iv.kind, iv.start, iv.end, iv.factor)]
+        new = priced[k] = self._spans(iv, context)
         if old != new:
             self._add(delta, old, -1.0)
             self._add(delta, new, 1.0)
@@ -565,7 +591,7 @@ def plan_memory(
     (chosen, keys), (recompute_s, exposed_s) = taken
     peak, time = walk.peak(keys, prefetch, fresh=True)
     breakdown = dict.fromkeys(liveness.KINDS, 0.0)
-    spans = walk.intervals(keys, prefetch)
+    spans = walk.last_intervals()  # the fresh curve's: ``intervals(keys, prefetch)``
     for node, kind, start, end, factor in spans:
         if start <= time <= end:
             breakdown[kind] += factor * bytes_of(node)

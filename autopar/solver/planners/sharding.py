@@ -448,9 +448,9 @@ def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) ->
     where ``choice`` needs a resharding that does not exist (into Partial): a rounded
     Lagrangian plan (``solved.visited``) is kept before its rows are checked."""
     specs = edge_specs(ilp.graph, choice)
-    if not all(src == dst or (src, dst) in ilp.graph.edges[e].price for e, (src, dst) in specs.items()):
+    sums = _compute_and_reshard_s(ilp.graph, choice, specs, missing_ok=True)
+    if sums is None:
         return None
-    sums = _compute_and_reshard_s(ilp.graph, choice, specs)
     objective = sums[0] + sums[1]
     objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
     objective += optimizer_objective_s(ilp.graph, choice)  # and the optimizer step of each parameter's placement
@@ -467,18 +467,24 @@ def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) ->
 
 
 def _compute_and_reshard_s(
-    graph: ChoiceGraph, choice: dict[str, int], specs: dict[int, tuple[Spec, Spec]]
-) -> tuple[float, float]:
+    graph: ChoiceGraph, choice: dict[str, int], specs: dict[int, tuple[Spec, Spec]], missing_ok: bool = False
+) -> tuple[float, float] | None:
     """(Σ compute seconds of the chosen strategies, in graph order; Σ seconds of the edges'
     reshardings, in edge order): the sums that the objective of a fixed plan, ``predicted_step_s``
-    and ``plan_from_solution`` all start from, added in one order so that they agree exactly."""
+    and ``plan_from_solution`` all start from, added in one order so that they agree exactly.
+    ``missing_ok``: None where a resharding does not exist (else a KeyError)."""
     compute_s = reshard_s = 0.0
     for name in graph.order:
         compute_s += graph.choices[name].priced[choice[name]].compute_s
     for e, edge in enumerate(graph.edges):
         src, dst = specs[e]
         if src != dst:
-            reshard_s += edge.price[(src, dst)][0]
+            price = edge.price.get((src, dst))
+            if price is None:
+                if missing_ok:
+                    return None
+                raise KeyError((src, dst))
+            reshard_s += price[0]
     return compute_s, reshard_s
 
 

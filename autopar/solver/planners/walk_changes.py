@@ -67,6 +67,9 @@ def moved_before(segments: list[tuple[str, int, int]], layers: set[str], changed
     return {order[position - 1] for position, index in enumerate(order) if index in changed and position > 0} - changed
 
 
+_ABSENT = object()  # ``BySegment.get``: no value (a value may be anything)
+
+
 class BySegment:
     """A value per time for the times of some segments, looked up through the segment of each
     time (``segment_at``) instead of being written out time by time: the greedy builds one per
@@ -80,17 +83,20 @@ class BySegment:
         self._at, self._values, self._only = segment_at, values, only
 
     def __contains__(self, time: int) -> bool:
-        return self._at.get(time) in self._values and (self._only is None or time in self._only)
+        return self.get(time, _ABSENT) is not _ABSENT
 
     def __getitem__(self, time: int):
-        if time not in self:
+        value = self.get(time, _ABSENT)
+        if value is _ABSENT:
             raise KeyError(time)
-        return self._values[self._at[time]]
+        return value
 
     def get(self, time: int, default=None):
-        if time not in self:
+        # one lookup each in the two dicts: the greedy asks this of every time its steps re-price
+        value = self._values.get(self._at.get(time), _ABSENT)
+        if value is _ABSENT or (self._only is not None and time not in self._only):
             return default
-        return self._values[self._at[time]]
+        return value
 
     def __bool__(self) -> bool:
         return bool(self._values)

@@ -151,6 +151,17 @@ class ChoiceGraph:
 
         return size
 
+    def peak(self, assignment: Mapping[str, int]) -> tuple[float, int]:
+        """``timeline.peak(bytes_of(assignment))``: (peak bytes, the first time it is reached),
+        walked once per assignment: a budgeted solve asks it of one plan several times (its
+        rounding, whether it fits, whether the memory planner must shrink it)."""
+        peaks = self.derived.setdefault("peaks", {})
+        key = tuple(assignment.get(name) for name in self.choices)
+        found = peaks.get(key)
+        if found is None:
+            found = peaks[key] = self.timeline.peak(self.bytes_of(assignment))
+        return found
+
     def bytes_bound(self, largest: bool) -> Callable[[str], float]:
         """Timeline name -> its least (or ``largest``) bytes over the strategies: references for
         the times where the peak may lie (``Timeline.checkpoints``)."""
@@ -388,7 +399,9 @@ def _build_choice_graph(
     timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
     steps = step_prices({name: choice.priced.memory_bytes for name, choice in choices.items()}, timeline, cluster, mesh_shape)
     dispatch = dtensor_price(timeline, cluster, mesh_shape)
-    return ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps, dispatch)
+    graph = ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps, dispatch)
+    graph.derived["live_nodes"] = (traced.gm, nodes)  # the memory planner's walk reads them again
+    return graph
 
 
 def _check_zero_layout(choices: dict[str, Choice], zero_stage: int) -> None:

@@ -87,7 +87,7 @@ def solve_under_budget(
     deadline = start + time_limit_s
     graph = ilp.graph
     if unbounded is not None and unbounded.choice:
-        ilp.add_memory_constraint_at(graph.timeline.peak(_bytes_of(graph, unbounded.choice))[1], budget)
+        ilp.add_memory_constraint_at(graph.peak(unbounded.choice)[1], budget)
     backend = backends.lp_backend()
     # 1. The LP with memory rows: a bound, and the prices of memory. From the unbounded LP's
     # basis (the rows are new; dual simplex): where the LP has several optima, one near the
@@ -153,7 +153,7 @@ def trace_front(
     memory decisions (``planners.sharding``); a higher price only makes the next one slower."""
     deadline = _time.perf_counter() + time_limit_s
     graph = ilp.graph
-    ilp.add_memory_constraint_at(graph.timeline.peak(_bytes_of(graph, unbounded.choice))[1], budget)
+    ilp.add_memory_constraint_at(graph.peak(unbounded.choice)[1], budget)
     consider = _Candidates(ilp, budget, {}, visited)
     price = unbounded.objective_s / (budget / MEMORY_UNIT) / max(len(ilp.memory_times), 1)
     consider.prices = dict.fromkeys(ilp.memory_times, price)
@@ -162,7 +162,7 @@ def trace_front(
     # next prices only creep towards it (tiny GPT-OSS: 0.7%, 0.2%, 0.04% over it, 0.2 s each).
     # A price under which the plan stays near the fastest one's peak rises twice as fast: the
     # rounds that matter lie between the two ends.
-    top = graph.timeline.peak(_bytes_of(graph, unbounded.choice))[0]
+    top = graph.peak(unbounded.choice)[0]
     factor = 1.0
     for _ in range(_MAX_GROWTH_ROUNDS // 2):
         if _time.perf_counter() > deadline:
@@ -171,7 +171,7 @@ def trace_front(
         _lagrangian_fits(ilp, consider.prices, factor, consider, _left(deadline))
         if stop is not None and len(visited) > seen and stop(visited[-1]):
             break
-        peak = graph.timeline.peak(_bytes_of(graph, visited[-1]))[0] if visited else top
+        peak = graph.peak(visited[-1])[0] if visited else top
         if peak <= floor * (1 + _FLOOR_CLOSE):
             break
         factor *= _GROWTH**2 if top - peak < _SLOW_MOVE * (top - floor) else _GROWTH
@@ -204,7 +204,7 @@ class _Candidates:
             return self.seen[key]
         if self.visited is not None:
             self.visited.append(choice)
-        peak, at = graph.timeline.peak(_bytes_of(graph, choice))
+        peak, at = graph.peak(choice)
         if not fits(peak, self.budget):
             self.ilp.add_memory_constraint_at(at, self.budget)
             self.prices.setdefault(at, 0.0)
@@ -310,7 +310,3 @@ def _dive(ilp: ShardingILP, consider, deadline: float) -> None:
 def _dual(ilp: ShardingILP, t: int) -> float:
     pi = ilp.rows_by_name()[ilp.memory_constraint_name(t)].pi
     return float(pi or 0.0)
-
-
-def _bytes_of(graph, choice):
-    return graph.bytes_of(choice)

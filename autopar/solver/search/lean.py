@@ -39,7 +39,7 @@ def lean_choice(ilp: ShardingILP, floor: float) -> dict[str, int] | None:
     before memory rows are added (``rounding.check`` holds a plan to every row)."""
     graph = ilp.graph
     for choice in _lean_plans(ilp):
-        if choice is None or graph.timeline.peak(graph.bytes_of(choice))[0] > floor:
+        if choice is None or graph.peak(choice)[0] > floor:
             continue
         if rounding.check(ilp, choice) is not None:
             return choice

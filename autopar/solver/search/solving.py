@@ -57,7 +57,7 @@ class Peak(NamedTuple):
 
 def peak_memory(graph: ChoiceGraph, solution: Solution) -> Peak:
     """The peak of a solution's liveness curve."""
-    return Peak(*graph.timeline.peak(chosen_bytes(graph, solution)))
+    return Peak(*graph.peak(solution.choice))
 
 
 def solve_within_budget(ilp: ShardingILP, budget: float | None, time_limit_s: float, solver: str) -> tuple[Solution, bool]:
