@@ -562,9 +562,10 @@ def plan_memory(
     checkpointing: bool = True,
     explain: bool = True,
     policy: str | None = None,
-) -> tuple[MemoryPlan, dict[str, float]]:
+) -> tuple[MemoryPlan, MemoryFigures]:
     """The cheapest decisions that bring the peak under ``budget`` (module docstring), and what
-    the plan reports of its memory under them (``MemoryFigures``). ``target`` None allows checkpointing only.
+    the plan reports of its memory under them (``MemoryFigures``). ``target`` None allows
+    checkpointing only.
     ``policy`` ("selective" or "full") checkpoints every layer with that policy first, whatever
     the budget (a layout such as torchtitan's), and leaves only offload to choose.
     Raises InfeasibleError with the peak when every candidate is taken (``explain=False``: with
@@ -595,15 +596,7 @@ def plan_memory(
     for node, kind, start, end, factor in spans:
         if start <= time <= end:
             breakdown[kind] += factor * bytes_of(node)
-    segments = tuple(sorted((c.decision for c in chosen if c.key[0] in _RECOMPUTES), key=lambda s: walk.index[s.first]))
-    order = {"optimizer_state": 0, "grad": 1, "param": 2}
-    moved = tuple(sorted((c.decision for c in chosen if c.key[0] == "activations"), key=lambda s: walk.index[s.first]))
-    entries = tuple(
-        sorted(
-            (c.decision for c in chosen if c.key[0] not in _LAYER_DECISIONS),
-            key=lambda e: (order[e.kind], walk.index.get(_param_node(graph, e.fqn), 0)),
-        )
-    )
+    segments, moved, entries = _in_order(chosen, walk, graph)
     memory = MemoryPlan(
         target=target or "cpu",
         prefetch=prefetch,
@@ -632,6 +625,21 @@ def plan_memory(
         functools.partial(allocator_peaks, spans, bytes_of, walk.timeline.num_times, cluster),
         functools.partial(_sampled, walk.timeline.names, spans, bytes_of),
     )
+
+
+def _in_order(chosen: list[_Candidate], walk: _Walk, graph) -> tuple[tuple, tuple, tuple]:
+    """The ``chosen`` decisions as the plan lists them: (checkpointed segments, segments whose
+    activations move, offloaded tensors), each in graph order (tensors by kind first)."""
+    segments = tuple(sorted((c.decision for c in chosen if c.key[0] in _RECOMPUTES), key=lambda s: walk.index[s.first]))
+    moved = tuple(sorted((c.decision for c in chosen if c.key[0] == "activations"), key=lambda s: walk.index[s.first]))
+    order = {"optimizer_state": 0, "grad": 1, "param": 2}
+    entries = tuple(
+        sorted(
+            (c.decision for c in chosen if c.key[0] not in _LAYER_DECISIONS),
+            key=lambda e: (order[e.kind], walk.index.get(_param_node(graph, e.fqn), 0)),
+        )
+    )
+    return segments, moved, entries
 
 
 @dataclass(frozen=True, slots=True)
