@@ -15,7 +15,7 @@ import torch.distributed as dist
 import autopar
 from autopar.ir.spec import format_spec
 from autopar.runtime.tools.launch import max_rel_diff
-from autopar.zoo.models import build_model, example_batch
+from autopar.zoo.models import GPT, build_model, example_batch
 
 # -- test order ---------------------------------------------------------------------------------
 
@@ -70,6 +70,16 @@ def pytest_collection_modifyitems(config, items) -> None:
 def gpt_and_batch() -> tuple[torch.nn.Module, tuple]:
     """The zoo's default GPT (seed 0) and a batch of 8 (seed 1): the model most tests plan."""
     return build_model("gpt", seed=0), example_batch("gpt", 8, seed=1)
+
+
+@pytest.fixture(scope="module")
+def meta_gpt_and_batch() -> tuple[torch.nn.Module, tuple]:
+    """A GPT of width 256 (2 layers, vocabulary 1024) on the meta device and a batch of 8 x 128:
+    what the planners price offline, with no weights made (hand plans, the allocator model)."""
+    with torch.device("meta"):
+        model = GPT(vocab_size=1024, block_size=128, n_layer=2, n_head=8, n_embd=256, bias=False)
+        idx = torch.zeros(8, 128, dtype=torch.long)
+    return model, (idx, idx)
 
 
 @pytest.fixture(scope="session")

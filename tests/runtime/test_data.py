@@ -256,17 +256,23 @@ def _riding(rank: int, world_size: int) -> dict:
     return out
 
 
+def _assert_rode_and_refused(rank: int, out: dict) -> None:
+    """One rank of ``_riding``: the loss's all-reduce rode the check, the loop equals eager's in
+    float64, and other data, shapes and random states were refused."""
+    assert out["kernel"] == "cross_entropy_mean", out  # the plan these tests are about
+    assert out["reduces_learning"] == 1 and out["reduces_riding"] == 0 and len(out["riding"]) == 1, (rank, out)
+    assert max(out["losses"]) < 1e-12 and out["params"] < 1e-12 and out["eval"] < 1e-12, (rank, out)
+    assert "ranks 0 and 1 passed different batches" in out["mixed"], (rank, out["mixed"])
+    assert "ranks 0 and 1 passed inputs of different shapes" in out["shapes"], (rank, out["shapes"])
+    assert "draw different random numbers" in out["random"], (rank, out["random"])
+    assert out["same_loss"], f"rank {rank}: the call after the refused ones computed another loss"
+
+
 @pytest.mark.multiproc
 def test_the_data_check_carries_the_loss_all_reduce_and_still_fails_on_every_rank(rank_pool) -> None:
     results = rank_pool(2).run(_riding, timeout_s=300)
     for rank, out in enumerate(results):
-        assert out["kernel"] == "cross_entropy_mean", out  # the plan this test is about
-        assert out["reduces_learning"] == 1 and out["reduces_riding"] == 0 and len(out["riding"]) == 1, (rank, out)
-        assert max(out["losses"]) < 1e-12 and out["params"] < 1e-12 and out["eval"] < 1e-12, (rank, out)
-        assert "ranks 0 and 1 passed different batches" in out["mixed"], (rank, out["mixed"])
-        assert "ranks 0 and 1 passed inputs of different shapes" in out["shapes"], (rank, out["shapes"])
-        assert "draw different random numbers" in out["random"], (rank, out["random"])
-        assert out["same_loss"], f"rank {rank}: the call after the refused ones computed another loss"
+        _assert_rode_and_refused(rank, out)
     assert "refused this call" not in results[1]["refused"] and results[1]["refused"] != "no error", results[1]
     assert "ranks [1] refused this call" in results[0]["refused"], results[0]["refused"]
 
@@ -278,13 +284,7 @@ def test_four_ranks_ride_as_two_do_and_refuse_on_every_rank(rank_pool) -> None:
     data, shapes or random states, or a call three ranks refuse, fail on every rank."""
     results = rank_pool(4).run(_riding, timeout_s=300)
     for rank, out in enumerate(results):
-        assert out["kernel"] == "cross_entropy_mean", out
-        assert out["reduces_learning"] == 1 and out["reduces_riding"] == 0 and len(out["riding"]) == 1, (rank, out)
-        assert max(out["losses"]) < 1e-12 and out["params"] < 1e-12 and out["eval"] < 1e-12, (rank, out)
-        assert "ranks 0 and 1 passed different batches" in out["mixed"], (rank, out["mixed"])
-        assert "ranks 0 and 1 passed inputs of different shapes" in out["shapes"], (rank, out["shapes"])
-        assert "draw different random numbers" in out["random"], (rank, out["random"])
-        assert out["same_loss"], f"rank {rank}: the call after the refused ones computed another loss"
+        _assert_rode_and_refused(rank, out)
     for out in results[1:]:
         assert "refused this call" not in out["refused"] and out["refused"] != "no error", out
     assert "ranks [1, 2, 3] refused this call" in results[0]["refused"], results[0]["refused"]

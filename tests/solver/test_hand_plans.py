@@ -13,22 +13,14 @@ from autopar.ir.options import PlanOptions
 from autopar.solver import solve
 from autopar.solver.planners.hand_plans import KINDS, hand_specs, zero_stage
 from autopar.trace import trace
-from autopar.zoo.models import GPT, build_model, example_batch
+from autopar.zoo.models import build_model, example_batch
 
 MESH = (2, 2)
 
 
 @pytest.fixture(scope="module")
-def gpt_and_batch():
-    with torch.device("meta"):
-        model = GPT(vocab_size=1024, block_size=128, n_layer=2, n_head=8, n_embd=256, bias=False)
-        idx = torch.zeros(8, 128, dtype=torch.long)
-    return model, (idx, idx)
-
-
-@pytest.fixture(scope="module")
-def plans(gpt_and_batch):
-    model, batch = gpt_and_batch
+def plans(meta_gpt_and_batch):
+    model, batch = meta_gpt_and_batch
     return {kind: autopar.hand_plan(kind, model, MESH, example_inputs=batch, cluster="cpu") for kind in KINDS}
 
 
@@ -45,7 +37,7 @@ def test_each_kind_lays_out_parameters_as_prescribed(plans):
     assert plans["zero1"].params == plans["zero2"].params == plans["ddp"].params
 
 
-def test_zero_shards_optimizer_state_then_gradients_at_ddp_speed(gpt_and_batch, plans):
+def test_zero_shards_optimizer_state_then_gradients_at_ddp_speed(meta_gpt_and_batch, plans):
     ddp, zero1, zero2 = (plans[k].predicted for k in ("ddp", "zero1", "zero2"))
     ways = MESH[0] * MESH[1]
     for zero in (zero1, zero2):
@@ -54,7 +46,7 @@ def test_zero_shards_optimizer_state_then_gradients_at_ddp_speed(gpt_and_batch, 
         assert zero.step_time_s - zero.optimizer_s == pytest.approx(ddp.step_time_s - ddp.optimizer_s)
         assert ddp.optimizer_s / ways < zero.optimizer_s < ddp.optimizer_s
     # fp32 parameters (tied ones once); AdamW keeps two fp32 states per element.
-    params_bytes = 4 * sum(p.numel() for p in gpt_and_batch[0].parameters())
+    params_bytes = 4 * sum(p.numel() for p in meta_gpt_and_batch[0].parameters())
     assert ddp.peak_memory_bytes - zero1.peak_memory_bytes == pytest.approx(2 * params_bytes * (1 - 1 / ways), rel=1e-6)
     # Optimizer state lives through the whole step, so ZeRO-1 lowers the liveness peak by exactly
     # its split (above). Gradients exist only from their backward on, so ZeRO-2 lowers it by the
@@ -71,15 +63,15 @@ def test_sequence_parallel_splits_the_residual_stream_along_the_sequence(plans):
     assert sp.predicted.peak_memory_bytes < tp.predicted.peak_memory_bytes, "SP keeps 1/TP of those activations"
 
 
-def test_tp_dp_is_megatron_on_two_axes(gpt_and_batch, plans):
-    model, batch = gpt_and_batch
+def test_tp_dp_is_megatron_on_two_axes(meta_gpt_and_batch, plans):
+    model, batch = meta_gpt_and_batch
     tp_dp = autopar.hand_plan("tp_dp", model, MESH, example_inputs=batch, cluster="cpu")
     assert tp_dp.to_json() == plans["megatron"].to_json()
 
 
 @pytest.mark.parametrize("cluster", ["cpu", "h100-80g"])
-def test_autopar_is_never_predicted_slower_than_a_hand_plan(gpt_and_batch, plans, cluster):
-    model, batch = gpt_and_batch
+def test_autopar_is_never_predicted_slower_than_a_hand_plan(meta_gpt_and_batch, plans, cluster):
+    model, batch = meta_gpt_and_batch
     auto = autopar.plan(model, MESH, example_inputs=batch, cluster=cluster)
     ddp = plans["ddp"] if cluster == "cpu" else autopar.hand_plan("ddp", model, MESH, example_inputs=batch, cluster=cluster)
     for kind in KINDS:
@@ -92,15 +84,15 @@ def test_autopar_is_never_predicted_slower_than_a_hand_plan(gpt_and_batch, plans
         assert auto.predicted.step_time_s <= (hand.predicted.step_time_s + allowance) * (1 + 1e-9), kind
 
 
-def test_autopar_is_never_predicted_slower_than_a_hand_plan_with_the_optimizer_step(gpt_and_batch, plans):
-    model, batch = gpt_and_batch
+def test_autopar_is_never_predicted_slower_than_a_hand_plan_with_the_optimizer_step(meta_gpt_and_batch, plans):
+    model, batch = meta_gpt_and_batch
     auto = autopar.plan(model, MESH, example_inputs=batch, cluster="cpu")
     slower = [kind for kind in KINDS if auto.predicted.step_time_s > plans[kind].predicted.step_time_s * (1 + 1e-9)]
     assert not slower, f"hand plans predicted faster than autopar's: {slower}"
 
 
-def test_under_a_budget_autopar_still_wins_over_every_feasible_hand_plan(gpt_and_batch, plans):
-    model, batch = gpt_and_batch
+def test_under_a_budget_autopar_still_wins_over_every_feasible_hand_plan(meta_gpt_and_batch, plans):
+    model, batch = meta_gpt_and_batch
     # Below autopar's free plan (0.73 of DDP's peak) and above the leanest plan (0.50: the
     # liveness peak counts backward temporaries that no sharding of parameters removes), so that
     # DDP and Megatron do not fit and FSDP and tp_fsdp (0.58) do.
@@ -118,19 +110,19 @@ def test_under_a_budget_autopar_still_wins_over_every_feasible_hand_plan(gpt_and
     assert feasible >= 2, "the budget should leave some hand plans feasible"
 
 
-def test_unknown_kind_names_the_kinds(gpt_and_batch):
-    model, batch = gpt_and_batch
+def test_unknown_kind_names_the_kinds(meta_gpt_and_batch):
+    model, batch = meta_gpt_and_batch
     with pytest.raises(ValueError, match="ddp, zero1, zero2, fsdp, megatron, megatron_sp, tp_fsdp, ep_fsdp, tp_dp"):
         autopar.hand_plan("zero9", model, MESH, example_inputs=batch)
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "tp_fsdp", "megatron_sp"])
-def test_hand_plans_on_a_mesh_with_a_size_one_axis_shard_only_the_other(gpt_and_batch, kind):
+def test_hand_plans_on_a_mesh_with_a_size_one_axis_shard_only_the_other(meta_gpt_and_batch, kind):
     # A pipeline stage's mesh, or (1, 4): axis 0 carries only R, and the plan still shards on axis 1.
     from autopar.solver.planners.hand_plans import hand_specs
     from autopar.trace import trace
 
-    model, batch = gpt_and_batch
+    model, batch = meta_gpt_and_batch
     specs = hand_specs(kind, trace(model, batch), (1, 4))
     assert all(isinstance(spec[0], Replicate) for spec in specs.values())
     assert any(isinstance(spec[1], Shard) for spec in specs.values())

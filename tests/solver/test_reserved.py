@@ -17,14 +17,6 @@ from autopar.solver.pricing.reserved import allocator_budget, fsdp2_stream_of
 from autopar.zoo.models import GPT
 
 
-@pytest.fixture(scope="module")
-def gpt_and_batch():
-    with torch.device("meta"):
-        model = GPT(vocab_size=1024, block_size=128, n_layer=2, n_head=8, n_embd=256, bias=False)
-        idx = torch.zeros(8, 128, dtype=torch.long)
-    return model, (idx, idx)
-
-
 def test_fsdp2_streams_gradients_and_gather_buffers_apart():
     spans = [
         ("w", "param", 0, 9, 1.0),
@@ -39,8 +31,8 @@ def test_fsdp2_streams_gradients_and_gather_buffers_apart():
     assert streams == ["compute", "reduce_scatter", "all_gather", "compute", "compute", "compute", "compute"]
 
 
-def test_gpu_plans_carry_the_allocator_peaks_and_cpu_plans_none(gpt_and_batch, tmp_path):
-    model, batch = gpt_and_batch
+def test_gpu_plans_carry_the_allocator_peaks_and_cpu_plans_none(meta_gpt_and_batch, tmp_path):
+    model, batch = meta_gpt_and_batch
     plan = autopar.hand_plan("fsdp", model, (2,), example_inputs=batch, cluster="h100-80g")
     peaks = plan.predicted.allocator_peak_bytes
     reserved = {"reserved", "reserved_expandable", "reserved_fsdp2_expandable"}
@@ -56,8 +48,8 @@ def test_gpu_plans_carry_the_allocator_peaks_and_cpu_plans_none(gpt_and_batch, t
     assert cpu.predicted.allocator_peak_bytes is None  # host memory: no caching allocator
 
 
-def test_a_plan_the_allocator_cannot_hold_is_planned_again_under_less(gpt_and_batch, caplog):
-    model, batch = gpt_and_batch
+def test_a_plan_the_allocator_cannot_hold_is_planned_again_under_less(meta_gpt_and_batch, caplog):
+    model, batch = meta_gpt_and_batch
     free = autopar.plan(model, (2,), example_inputs=batch, cluster="h100-80g", memory_budget=float("inf"))
     # a device exactly the size of the plan's tensors: they fit on paper, its 20 MiB segments do not
     device = free.predicted.peak_memory_bytes
@@ -86,11 +78,11 @@ def test_allocator_budget_lowers_the_budget_by_the_reserve_beyond_the_tensors():
     assert allocator_budget(_Plan(), 100.0) is None
 
 
-def test_a_plan_the_allocator_never_holds_is_an_error(gpt_and_batch, monkeypatch):
+def test_a_plan_the_allocator_never_holds_is_an_error(meta_gpt_and_batch, monkeypatch):
     from autopar.errors import InfeasibleError
     from autopar.solver.planners import sharding
 
-    model, batch = gpt_and_batch
+    model, batch = meta_gpt_and_batch
     monkeypatch.setattr(sharding, "allocator_budget", lambda plan, budget: budget - 1.0)
     with pytest.raises(InfeasibleError, match="caching allocator would still run out"):
         autopar.plan(model, (2,), example_inputs=batch, cluster="h100-80g", memory_budget=10**9)
