@@ -87,6 +87,7 @@ def plan(
     comm: CommOptions | None = None,
     compiler: Literal["inductor"] | None = None,
     data: DataOptions | None = None,
+    optimizer: str = "adamw",
     options: Options = None,
 ) -> Plan:
     """Choose a sharding for every op of ``model`` on ``mesh`` (a tuple of axis sizes, or "auto"
@@ -97,7 +98,8 @@ def plan(
     and ``max_axes``, ``symbolic_batch`` and ``compute`` (docs/cost-model.md), ``pipeline``,
     ``num_microbatches`` and ``pipeline_schedules`` (docs/pipelines.md), ``offload``,
     ``checkpointing`` and ``prefetch`` (docs/memory.md), ``precision`` (docs/precision.md), and
-    ``comm``, ``compiler`` and ``data``, which ``compile`` runs under (docs/training.md).
+    ``comm``, ``compiler`` and ``data``, which ``compile`` runs under (docs/training.md), and
+    ``optimizer``, the one the training loop steps with ("adamw:fused"; docs/api.md).
     ``options`` (an ``autopar.PlanOptions``) holds all but ``cluster`` and ``compiler`` in one
     value; a keyword given beside it must agree with it.
     """
@@ -105,7 +107,7 @@ def plan(
     keywords = dict(memory_budget=memory_budget, time_limit_s=time_limit_s, solver=solver, pipeline=pipeline)
     keywords.update(num_microbatches=num_microbatches, offload=offload, checkpointing=checkpointing, prefetch=prefetch)
     keywords.update(pipeline_schedules=pipeline_schedules, devices=devices, max_axes=max_axes, symbolic_batch=symbolic_batch)
-    keywords.update(compute=compute, precision=precision, comm=comm, data=data)
+    keywords.update(compute=compute, precision=precision, comm=comm, data=data, optimizer=optimizer)
     merged = _merged(plan, options, keywords)
     spec = priced_for(get_cluster(cluster), compiler) if compiler else get_cluster(cluster)
     return plan_model(model, mesh, example_inputs, example_kwargs, spec, merged)
@@ -128,6 +130,7 @@ def hand_plan(
     offload: OffloadTarget | str = "off",
     checkpointing: bool | CheckpointPolicy | None = False,
     prefetch: bool = True,
+    optimizer: str = "adamw",
     options: Options = None,
 ) -> Plan:
     """The hand plan ``kind`` (``autopar.solver.planners.hand_plans.KINDS``: "ddp", "fsdp", "megatron", ...)
@@ -144,13 +147,14 @@ def hand_plan(
     rest being data parallel. With a pipeline, the example inputs are the global batch, cut into
     ``num_microbatches`` (default: the number of stages).
 
-    ``comm`` (``autopar.CommOptions``) is the parameter schedule it is priced for, as in ``autopar.plan``.
+    ``comm`` (``autopar.CommOptions``) is the parameter schedule it is priced for, and
+    ``optimizer`` the optimizer, as in ``autopar.plan``.
 
     It can be saved, inspected and compiled like any plan, which gives real baselines. ``data``
     is ``autopar.plan``'s, and ``options`` as well.
     """
     keywords = dict(memory_budget=memory_budget, offload=offload, checkpointing=checkpointing, prefetch=prefetch)
-    keywords.update(precision=precision, comm=comm, data=data)
+    keywords.update(precision=precision, comm=comm, data=data, optimizer=optimizer)
     merged = _merged(hand_plan, options, keywords)
     examples = (example_inputs, example_kwargs)
     if kind == "colossal":
@@ -189,6 +193,7 @@ def compile(
     compiler: Literal["inductor"] | None = None,
     data: DataOptions | None = None,
     weights: Literal["broadcast", "check"] = "broadcast",
+    optimizer: str = "adamw",
     options: Options = None,
 ) -> ParallelModule | PipelineParallelModule:
     """Plan (or take ``plan``) and rewrite ``model`` into this rank's ParallelModule.
@@ -211,6 +216,7 @@ def compile(
     keywords = dict(memory_budget=memory_budget, time_limit_s=time_limit_s, pipeline=pipeline)
     keywords.update(num_microbatches=num_microbatches, pipeline_schedules=pipeline_schedules, offload=offload)
     keywords.update(checkpointing=checkpointing, prefetch=prefetch, precision=precision, comm=comm, data=data)
+    keywords.update(optimizer=optimizer)
     asked = _merged(compile, options, keywords)
     # Beside a plan, a precision or data layout is asked for where given, or where options= holds one of its own.
     precision_asked = precision is not None or asked.precision != precision_policy(None)

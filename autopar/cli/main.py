@@ -337,6 +337,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         devices=None if args.mesh else args.devices,
         precision=args.precision,
         data=DataOptions(batch=args.data),
+        optimizer=args.optimizer,
     )
     if args.budget_gap is not None:
         options = options.replace(solve=dataclasses.replace(options.solve, budget_gap=args.budget_gap))
@@ -594,6 +595,12 @@ def _add_plan_command(sub: Any, common: argparse.ArgumentParser) -> None:
         default="32-true",
         choices=("32-true", "bf16-mixed", "bf16-true"),
         help="the precision policy the plan is priced for (default 32-true: the model's own dtypes)",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="the optimizer the training loop steps with, priced: adamw, adam, sgd, sgd-momentum, and after a colon "
+        "how it runs, e.g. adamw:fused (default adamw: torch's AdamW as it runs by default on the devices)",
     )
     p.add_argument(
         "--data",

@@ -67,7 +67,6 @@ import numpy as np
 import torch
 
 from autopar.cost import memory
-from autopar.errors import InternalError
 
 KINDS = (
     "param",
@@ -443,8 +442,7 @@ def build_timeline(
     ``ties`` groups parameter placeholders that hold one tensor: only the first of each group
     carries the parameter's bytes, and its gradient is alive from the last use of any member.
     """
-    if optimizer not in memory.OPTIMIZER_STATES:
-        raise InternalError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(memory.OPTIMIZER_STATES))}")
+    states = memory.OPTIMIZER_STATES[memory.optimizer_kind(optimizer)]
     num = len(nodes)
 
     def bwd(i: int) -> int:
@@ -475,9 +473,7 @@ def build_timeline(
             if name in tie_leader and tie_leader[name] != name:
                 continue
             grad_start = bwd(max(uses[name])) if uses.get(name) else None
-            state = memory.OPTIMIZER_STATES[optimizer] * (
-                optimizer_dtype.itemsize / node.itemsize if optimizer_dtype is not None else 1.0
-            )
+            state = states * (optimizer_dtype.itemsize / node.itemsize if optimizer_dtype is not None else 1.0)
             split = (zero_ways if zero_stage >= 1 else 1, zero_ways if zero_stage >= 2 else 1)
             intervals.extend(_parameter_intervals(node, last, grad_start, state, split, step_temporary))
         elif node.kind in ("buffer", "user", "constant"):

@@ -25,14 +25,22 @@ from typing import Any
 
 import torch
 
-from autopar.errors import InternalError
+from autopar.ir.options import parse_optimizer
 from autopar.ir.spec import Spec, local_shape
 from autopar.trace.moe import EXPERTS_OP
 
 aten = torch.ops.aten
 
-# Optimizer name → float32 state tensors kept per parameter element.
+# Optimizer kind (``ir.options.OPTIMIZER_KINDS``) → float32 state tensors kept per parameter element.
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+def optimizer_kind(optimizer: str) -> str:
+    """The kind of ``optimizer`` as a plan names it (``PlanOptions.optimizer``: ``"adamw"`` or
+    ``"adamw:fused"``, the implementation after the colon): its key of ``OPTIMIZER_STATES``."""
+    return parse_optimizer(optimizer)[0]
+
+
 _STATE_DTYPE = torch.float32
 
 
@@ -57,11 +65,9 @@ def param_state_bytes(
 ) -> int:
     """Local parameter + gradient + optimizer state, in bytes on one rank. (ZeRO-1/2 hand plans
     split state and gradients in the liveness walk: ``liveness.build_timeline(zero_stage=)``.)"""
-    if optimizer not in OPTIMIZER_STATES:
-        raise InternalError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(OPTIMIZER_STATES))}")
     local = local_shape(shape, spec, mesh_shape)
     param_bytes = tensor_bytes(local, dtype)
-    state_bytes = OPTIMIZER_STATES[optimizer] * tensor_bytes(local, _STATE_DTYPE)
+    state_bytes = OPTIMIZER_STATES[optimizer_kind(optimizer)] * tensor_bytes(local, _STATE_DTYPE)
     return 2 * param_bytes + state_bytes
 
 
@@ -232,6 +238,7 @@ __all__ = [
     "local_bytes",
     "param_state_bytes",
     "OPTIMIZER_STATES",
+    "optimizer_kind",
     "SAVES_INPUTS",
     "SAVES_OUTPUT",
     "saves_inputs",

@@ -22,6 +22,10 @@ Where a plan holds its parameters as DTensors (any one not replicated), each op 
 through DTensor's dispatch on the host: ``dtensor_dispatch_s`` adds ``ClusterSpec.dtensor_op_s``
 per op (``plan_step_s``).
 
+The plan prices the optimizer the training loop declares (``PlanOptions.optimizer``: "adamw:fused"
+runs the fused kind), else torch's default AdamW for the devices (``implementation``). Other
+kinds (SGD, with or without momentum) are priced with AdamW's passes over their own bytes.
+
 The liveness walk already sizes every parameter, gradient and moment of a chosen sharding
 (``cost.liveness``: the "param", "grad" and "optimizer_state" intervals), so the step is priced
 from those intervals: what the memory model counts is what the optimizer moves.
@@ -34,8 +38,9 @@ from collections.abc import Callable, Iterable, Sequence
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.rates import OPTIMIZER_TRAFFIC
 from autopar.errors import InternalError
+from autopar.ir.options import DEFAULT_OPTIMIZER, OPTIMIZER_IMPLEMENTATIONS, parse_optimizer
 
-IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+IMPLEMENTATIONS = OPTIMIZER_IMPLEMENTATIONS
 # Kernels the single-tensor AdamW launches per parameter (torch's ``_single_tensor_adamw`` and
 # ``autopar.runtime.optim._adamw_update``): decay mul_, lerp_, mul_, addcmul_, sqrt, div_, add_, addcdiv_.
 KERNELS_PER_TENSOR = 8
@@ -47,17 +52,23 @@ def default_implementation(cluster: ClusterSpec) -> str:
     return "for-loop" if cluster.gloo else "foreach"
 
 
+def implementation(cluster: ClusterSpec, optimizer: str = DEFAULT_OPTIMIZER) -> str:
+    """The implementation a plan prices ``optimizer`` (``PlanOptions.optimizer``) as running: the
+    one it names ("adamw:fused"), else torch's default on ``cluster``'s devices."""
+    return parse_optimizer(optimizer)[1] or default_implementation(cluster)
+
+
 # Bytes torch's foreach Adam(W) holds while it steps, per byte of its state: ``_foreach_sqrt``
 # of every second moment at once (one moment of two), freed when the step ends.
 FOREACH_TEMPORARY = 0.5
 
 
-def step_temporary(cluster: ClusterSpec, optimizer: str = "adamw") -> float:
-    """Bytes torch's default ``optimizer`` on ``cluster`` holds while it steps, beyond its state,
-    per byte of state (the liveness walk's "optimizer_temporary" intervals): foreach Adam(W)'s
-    ``FOREACH_TEMPORARY``; none for the for-loop (one parameter's at a time) or an optimizer
-    that updates its state in place."""
-    if optimizer in ("adam", "adamw") and default_implementation(cluster) == "foreach":
+def step_temporary(cluster: ClusterSpec, optimizer: str = DEFAULT_OPTIMIZER) -> float:
+    """Bytes ``optimizer`` (``PlanOptions.optimizer``) holds on ``cluster`` while it steps, beyond
+    its state, per byte of state (the liveness walk's "optimizer_temporary" intervals): foreach
+    Adam(W)'s ``FOREACH_TEMPORARY``; none for the fused kernel or the for-loop (one parameter's
+    at a time), or an optimizer that updates its state in place."""
+    if parse_optimizer(optimizer)[0] in ("adam", "adamw") and implementation(cluster, optimizer) == "foreach":
         return FOREACH_TEMPORARY
     return 0.0
 
@@ -124,10 +135,17 @@ def dtensor_dispatch_s(num_tensors: int, cluster: ClusterSpec, mesh_shape: Seque
     return num_tensors * KERNELS_PER_TENSOR * cluster.dtensor_op_s / cluster.compute_share(mesh_shape)
 
 
-def plan_step_s(fused_bytes: Sequence[float], cluster: ClusterSpec, mesh_shape: Sequence[int], dtensors: bool) -> float:
-    """A plan's ``predicted.optimizer_s``: torch's default AdamW for ``cluster`` over tensors of
-    ``fused_bytes``, with DTensor's dispatch where the plan holds its parameters as DTensors."""
-    step_s = adamw_step_s(fused_bytes, cluster, default_implementation(cluster), mesh_shape)
+def plan_step_s(
+    fused_bytes: Sequence[float],
+    cluster: ClusterSpec,
+    mesh_shape: Sequence[int],
+    dtensors: bool,
+    optimizer: str = DEFAULT_OPTIMIZER,
+) -> float:
+    """A plan's ``predicted.optimizer_s``: ``optimizer`` as it runs on ``cluster``
+    (``implementation``) over tensors of ``fused_bytes``, with DTensor's dispatch where the plan
+    holds its parameters as DTensors."""
+    step_s = adamw_step_s(fused_bytes, cluster, implementation(cluster, optimizer), mesh_shape)
     return step_s + dtensor_dispatch_s(len(fused_bytes), cluster, mesh_shape) if dtensors else step_s
 
 
@@ -152,6 +170,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "KERNELS_PER_TENSOR",
     "default_implementation",
+    "implementation",
     "FOREACH_TEMPORARY",
     "step_temporary",
     "stepped_tensors",

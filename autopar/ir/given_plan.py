@@ -7,7 +7,7 @@ from typing import Any
 
 from autopar.errors import ConfigTypeError, PlanError
 from autopar.ir.data import DataOptions
-from autopar.ir.options import MixedPrecision, PipelineOptions, PlanOptions, precision_policy
+from autopar.ir.options import DEFAULT_OPTIMIZER, MixedPrecision, PipelineOptions, PlanOptions, precision_policy
 from autopar.ir.plan import Plan
 
 
@@ -19,7 +19,12 @@ def options_for_plan(plan: Plan | None, options: PlanOptions, precision_asked: b
         return options
     precision = precision_of(plan, options.precision if precision_asked else None)
     data = data_of(plan, options.data if data_asked else None)
-    return pipeline_of(plan, options).replace(precision=precision, data=data)
+    if options.optimizer not in (DEFAULT_OPTIMIZER, plan.optimizer):
+        raise PlanError(
+            f"optimizer={options.optimizer!r} contradicts the plan, which was priced for optimizer={plan.optimizer!r}: "
+            "drop optimizer= to run the plan as it is, or re-plan with the optimizer the loop steps with"
+        )
+    return pipeline_of(plan, options).replace(precision=precision, data=data, optimizer=plan.optimizer)
 
 
 def precision_of(plan: Plan | None, precision: str | MixedPrecision | None) -> MixedPrecision:

@@ -30,6 +30,24 @@ CheckpointPolicy = Literal["selective", "full", "selective-op"]  # ir.memory.CHE
 PipelineStages = Literal["off", "auto"]  # or a number of stages
 ScheduleName = Literal["1F1B", "Interleaved1F1B", "ZBV"]  # ir.pipeline.PLANNED_SCHEDULES
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]  # PRECISIONS
+# The optimizer a plan is priced for (``PlanOptions.optimizer``): a kind, and after a colon the
+# implementation it runs ("adamw:fused"); without one, torch's default for the devices.
+OPTIMIZER_KINDS = ("adamw", "adam", "sgd", "sgd-momentum")  # cost.memory.OPTIMIZER_STATES
+OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")  # cost.optimizer
+DEFAULT_OPTIMIZER = "adamw"
+
+
+def parse_optimizer(optimizer: str) -> tuple[str, str | None]:
+    """(kind, implementation or None) of an optimizer as ``PlanOptions.optimizer`` names it."""
+    kind, colon, implementation = optimizer.partition(":") if isinstance(optimizer, str) else ("", "", "")
+    if kind not in OPTIMIZER_KINDS or (colon and implementation not in OPTIMIZER_IMPLEMENTATIONS):
+        raise ConfigError(
+            f"unknown optimizer {optimizer!r}: expected one of {', '.join(sorted(OPTIMIZER_KINDS))}, the kind the "
+            f"training loop steps with, and after a colon how it runs ({', '.join(OPTIMIZER_IMPLEMENTATIONS)}), "
+            "for example 'adamw:fused' for torch.optim.AdamW(..., fused=True); without one, torch's default "
+            "for the devices (foreach on CUDA, the for-loop on CPU)"
+        )
+    return kind, implementation or None
 
 
 def _is_int(value: Any) -> bool:
@@ -228,7 +246,10 @@ class PlanOptions:
     is a ``MixedPrecision`` or the name of one ("32-true", the default, "bf16-mixed", "bf16-true").
     ``comm`` is the communication schedule ``compile`` runs, which the plan is priced for (how
     sharded parameters are gathered and freed decides their memory). ``data`` says how the
-    compiled module takes its batches (``autopar.ir.data.DataOptions``)."""
+    compiled module takes its batches (``autopar.ir.data.DataOptions``). ``optimizer`` is the one
+    the training loop steps with, which the plan prices (its state, what it holds while it steps,
+    its time): "adamw" (the default: torch's AdamW as it runs by default on the devices),
+    "adamw:fused", "adamw:foreach", "adamw:for-loop", "adam", "sgd", "sgd-momentum" (``parse_optimizer``)."""
 
     solve: SolveOptions = field(default_factory=SolveOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
@@ -240,9 +261,11 @@ class PlanOptions:
     precision: MixedPrecision | PrecisionName | None = None
     comm: CommOptions = field(default_factory=CommOptions)
     data: DataOptions = field(default_factory=DataOptions)
+    optimizer: str = DEFAULT_OPTIMIZER
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", precision_policy(self.precision))
+        parse_optimizer(self.optimizer)
         if not isinstance(self.comm, CommOptions):
             raise ConfigTypeError(f"comm must be an autopar.CommOptions, got {self.comm!r}")
         if not isinstance(self.data, DataOptions):
@@ -336,6 +359,7 @@ KEYWORD_FIELDS = {
     "precision": "precision",
     "comm": "comm",
     "data": "data",
+    "optimizer": "optimizer",
 }
 
 
@@ -497,6 +521,10 @@ __all__ = [
     "PipelineStages",
     "ScheduleName",
     "PrecisionName",
+    "OPTIMIZER_KINDS",
+    "OPTIMIZER_IMPLEMENTATIONS",
+    "DEFAULT_OPTIMIZER",
+    "parse_optimizer",
     "KEYWORD_FIELDS",
     "CommOptions",
     "MemoryOptions",

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Replicate
 from autopar.errors import ConfigError, ConfigTypeError, PlanError
 from autopar.ir.data import DataLayout
 from autopar.ir.memory import MemoryPlan
-from autopar.ir.options import MixedPrecision
+from autopar.ir.options import DEFAULT_OPTIMIZER, MixedPrecision
 from autopar.ir.pipeline import StagePlan
 from autopar.ir.prediction import Prediction, SolverStats
 from autopar.ir.spec import (
@@ -216,6 +216,9 @@ class Plan:
     data: DataLayout | None = None
     # What tracing or planning changed about the model's behaviour, in words (a cache dropped).
     notes: tuple[str, ...] = ()
+    # The optimizer the step is priced for (``PlanOptions.optimizer``), which the runtime holds a
+    # torch optimizer over the module's parameters to (``runtime.optim_guard``).
+    optimizer: str = DEFAULT_OPTIMIZER
     # Facts about the run that made this plan, such as wall-clock timings and the mesh search
     # table. Not serialized: a plan's JSON must be byte-identical across runs and ranks.
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -269,6 +272,8 @@ class Plan:
             data["data"] = self.data.to_json()
         if self.notes:
             data["notes"] = list(self.notes)
+        if self.optimizer != DEFAULT_OPTIMIZER:
+            data["optimizer"] = self.optimizer
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -311,6 +316,7 @@ class Plan:
                 precision=MixedPrecision.from_json(data["precision"]) if "precision" in data else None,
                 data=DataLayout.from_json(data["data"], tuple(data["mesh"]["shape"])) if "data" in data else None,
                 notes=tuple(data.get("notes", ())),
+                optimizer=data.get("optimizer", DEFAULT_OPTIMIZER),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"malformed plan: {type(error).__name__}: {error}") from None

@@ -16,6 +16,7 @@ from autopar.runtime import checkpoint
 from autopar.runtime.agreement import check_rank_agreement, resolve_plan
 from autopar.runtime.materialize import FromCheckpoint, SeededInit
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.optim_guard import hold_to_optimizer
 from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
 from autopar.runtime.single import Examples, compile_single
 from autopar.solver.planners.quiet_gc import quiet_gc
@@ -53,6 +54,7 @@ def build_module(
         module = compile_single(model, examples, traced, chosen, cluster, options, init, compiler)
     if isinstance(init, FromCheckpoint):  # the shards are empty until the checkpoint fills them
         checkpoint.load(init.path, module)
+    hold_to_optimizer(dict(module.named_parameters()), chosen.optimizer)
     free_traced(model)
     return module
 

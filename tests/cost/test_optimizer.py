@@ -20,7 +20,9 @@ from autopar.cost.optimizer import (
     default_implementation,
     dtensor_dispatch_s,
     holds_dtensors,
+    implementation,
     plan_step_s,
+    step_temporary,
     stepped_tensors,
 )
 from autopar.cost.rates import OPTIMIZER_TRAFFIC
@@ -112,3 +114,33 @@ def test_dtensor_dispatch_is_per_op_where_a_parameter_is_sharded():
     assert type(cpu).from_json(cpu.to_json()) == cpu
     with pytest.raises(ValueError, match="dtensor_op_s"):
         dataclasses.replace(cpu, dtensor_op_s=-1.0)
+
+
+def test_a_declared_optimizer_is_the_one_priced():
+    """``optimizer="adamw:fused"`` prices the fused kernel's one pass and no foreach temporary at
+    the step (torch's default on CUDA, foreach, holds half the state again there); the plan
+    records it, and a JSON round trip keeps it. The default writes nothing new into the JSON."""
+    model, _ = _gpt()
+    batch = (torch.randint(0, 256, (1, 8)),) * 2  # few activations: the step is the peak
+    cluster = _cluster(launch=0.0)
+    foreach = autopar.plan(model, (1,), example_inputs=batch, cluster=cluster)
+    fused = autopar.plan(model, (1,), example_inputs=batch, cluster=cluster, optimizer="adamw:fused")
+    elements = sum(p.numel() for p in model.parameters())
+    one_pass = elements * 28 / (cluster.memory_bandwidth_bytes_per_s * 0.5)
+    assert fused.predicted.optimizer_s == pytest.approx(OPTIMIZER_TRAFFIC["fused"] * one_pass, rel=1e-6)
+    assert foreach.predicted.optimizer_s == pytest.approx(OPTIMIZER_TRAFFIC["foreach"] * one_pass, rel=1e-6)
+    state = 8 * elements  # both fp32 moments
+    assert foreach.predicted.peak_memory_bytes - fused.predicted.peak_memory_bytes == pytest.approx(0.5 * state, rel=0.01)
+    assert fused.optimizer == "adamw:fused" and foreach.optimizer == "adamw"
+    assert autopar.Plan.from_json(fused.to_json()).optimizer == "adamw:fused"
+    assert "optimizer" not in json.loads(foreach.to_json())
+    assert implementation(cluster, "adamw") == "foreach" and implementation(get_cluster("cpu-gloo"), "adamw") == "for-loop"
+    assert implementation(get_cluster("cpu-gloo"), "adamw:foreach") == "foreach"
+    assert step_temporary(get_cluster("cpu-gloo"), "adamw:foreach") == 0.5 and step_temporary(cluster, "sgd:foreach") == 0.0
+
+
+def test_an_optimizer_autopar_does_not_price_is_refused_by_name():
+    model, batch = _gpt()
+    for name in ("lion", "adamw:apex", "adamw:"):
+        with pytest.raises(autopar.errors.ConfigError, match="unknown optimizer.*adamw:fused"):
+            autopar.plan(model, (1,), example_inputs=batch, cluster="cpu-gloo", optimizer=name)

@@ -787,7 +787,7 @@ def _optimizer_switch_s(walk: _Walk, cluster: ClusterSpec, mesh_shape, chosen: l
     intervals = walk.timeline.intervals
     stepped = optimizer.stepped_tensors(intervals, walk.bytes_of)
     resident = optimizer.stepped_tensors([iv for iv in intervals if iv.node not in offloaded], walk.bytes_of)
-    default = optimizer.default_implementation(cluster)
+    default = optimizer.implementation(cluster, walk.graph.optimizer)
     for_loop_s = optimizer.adamw_step_s(stepped, cluster, "for-loop", mesh_shape)
     switch_s = for_loop_s - optimizer.adamw_step_s(stepped, cluster, default, mesh_shape)
     return switch_s, optimizer.adamw_step_s(resident, cluster, "for-loop", mesh_shape)

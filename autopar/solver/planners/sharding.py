@@ -13,7 +13,7 @@ from autopar.cost import optimizer
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.errors import InfeasibleError
-from autopar.ir.options import CommOptions, MixedPrecision, PlanOptions, to_dtype
+from autopar.ir.options import DEFAULT_OPTIMIZER, CommOptions, MixedPrecision, PlanOptions, to_dtype
 from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.prediction import Prediction, SolverStats
 from autopar.ir.spec import Spec, format_spec
@@ -107,7 +107,14 @@ def solve_unexplained(
     # (``autopar.plan``, hand plans, Colossal-AI's, the mesh search) comes through here.
     with pricing_for(cluster):
         graph = build_choice_graph(
-            traced, mesh_shape, cluster, forced=forced, zero_stage=zero_stage, optimizer_dtype=optimizer_dtype, comm=settings.comm
+            traced,
+            mesh_shape,
+            cluster,
+            forced=forced,
+            zero_stage=zero_stage,
+            optimizer_dtype=optimizer_dtype,
+            comm=settings.comm,
+            optimizer=settings.optimizer,
         )
         log.info(
             "autopar: rules and costs: %d nodes, %d edges in %.2f s (%d of %d op strategies cut: %d impossible, %d dominated)",
@@ -121,7 +128,7 @@ def solve_unexplained(
         )
         solution, plan = _within_allocator(traced, graph, cluster, settings, forced, start)
     return (
-        dataclasses.replace(plan, precision=precision),
+        dataclasses.replace(plan, precision=precision, optimizer=settings.optimizer),
         functools.partial(_explained, graph, solution, cluster, settings.memory_budget),
     )
 
@@ -193,6 +200,7 @@ class _Settings:
     # A checkpoint policy every layer takes whatever the budget ("selective", "selective-op", "full"); None: the
     # memory planner chooses per layer where the budget binds.
     policy: str | None = None
+    optimizer: str = DEFAULT_OPTIMIZER  # the one the step is priced for (``PlanOptions.optimizer``)
 
     @classmethod
     def of(cls, options: PlanOptions, cluster: ClusterSpec) -> _Settings:
@@ -212,6 +220,7 @@ class _Settings:
             options.precision,
             options.comm,
             policy,
+            options.optimizer,
         )
 
     @property
@@ -635,7 +644,8 @@ class _StepParts:
         params = [
             choice.strategies[solution.choice[name]].outs[0] for name, choice in graph.choices.items() if choice.kind == "param"
         ]
-        optimizer_s = optimizer.plan_step_s(stepped, cluster, graph.mesh_shape, optimizer.holds_dtensors(params))
+        dtensors = optimizer.holds_dtensors(params)
+        optimizer_s = optimizer.plan_step_s(stepped, cluster, graph.mesh_shape, dtensors, graph.optimizer)
         return cls(solution, compute_s, reshard_s, schedule, optimizer_s)
 
     @property

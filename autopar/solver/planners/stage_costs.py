@@ -45,6 +45,7 @@ import numpy as np
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError
+from autopar.ir.options import DEFAULT_OPTIMIZER
 from autopar.rules import op_info
 from autopar.solver.problem.choices import Choice, ChoiceGraph, build_choice_graph, layer_key
 from autopar.solver.problem.edges import EdgePrices
@@ -464,14 +465,19 @@ def _memory(graph: ChoiceGraph, layers: Layers, choice: dict[str, int], consumer
 
 
 def build_stage_graph(
-    traced: TracedModel, stage_mesh: tuple[int, ...], cluster: ClusterSpec, optimizer_dtype=None, forced=None
+    traced: TracedModel,
+    stage_mesh: tuple[int, ...],
+    cluster: ClusterSpec,
+    optimizer_dtype=None,
+    forced=None,
+    optimizer: str = DEFAULT_OPTIMIZER,
 ) -> ChoiceGraph:
     """The choice graph of one stage mesh (``optimizer_dtype``: a precision policy's, fp32 by default;
-    ``forced``: node name → spec a hand plan fixes, as ``solver.solve``'s)."""
+    ``forced``: node name → spec a hand plan fixes, as ``solver.solve``'s; ``optimizer``: the one
+    the step is priced for)."""
     start = time.perf_counter()
-    graph = build_choice_graph(
-        traced, stage_mesh, cluster, forced=forced, **({} if optimizer_dtype is None else {"optimizer_dtype": optimizer_dtype})
-    )
+    dtype = {} if optimizer_dtype is None else {"optimizer_dtype": optimizer_dtype}
+    graph = build_choice_graph(traced, stage_mesh, cluster, forced=forced, optimizer=optimizer, **dtype)
     log.debug("stage mesh %s: choice graph in %.2f s", stage_mesh, time.perf_counter() - start)
     # A pipeline stage holds its parameters as plain shards: its optimizer step pays no DTensor dispatch.
     return dataclasses.replace(graph, dtensor_step_s=0.0)

@@ -65,7 +65,7 @@ from autopar.cost import optimizer as step_cost
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasibleError, MeshError, ModelError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan
-from autopar.ir.options import MixedPrecision, PlanOptions, to_dtype
+from autopar.ir.options import DEFAULT_OPTIMIZER, MixedPrecision, PlanOptions, to_dtype
 from autopar.ir.pipeline import (
     MULTI_STAGE_SCHEDULES,
     Stage,
@@ -112,7 +112,7 @@ def _stages_optimizer_s(graph: ChoiceGraph, choice: dict[str, int], search: Stag
         params = {leader.get(name, name) for name in used | set(stage.nodes)}  # the walk keys ties by their leader
         held.setdefault(schedules.group_of(search.schedule, search.num_stages, stage.index), set()).update(params)
     bytes_of = graph.bytes_of(choice)
-    implementation = step_cost.default_implementation(cluster)
+    implementation = step_cost.implementation(cluster, graph.optimizer)
     slowest = 0.0
     for nodes in held.values():
         stepped = step_cost.stepped_tensors([iv for iv in graph.timeline.intervals if iv.node in nodes], bytes_of)
@@ -158,6 +158,7 @@ class StageSettings:
     schedules_allowed: tuple[str, ...] = ("1F1B",)
     forced: dict | None = None  # node name → spec on the stage mesh: what a hand plan fixes (colossal)
     optimizer_dtype: Any = None  # the optimizer state's torch dtype (a precision policy's); the params' own when None
+    optimizer: str = DEFAULT_OPTIMIZER  # the optimizer the step is priced for (``PlanOptions.optimizer``)
     # For benchmarks and tests: plan ``num_layers`` identical blocks from a shallower trace; only
     # these ``stage_meshes``; price the partition ``forced_layers`` (boundaries a_0 = 0 < ... <
     # a_S = L, a published plan) instead of searching; the candidate solver's budget ``ladder``.
@@ -191,6 +192,7 @@ class StageSettings:
             solver=options.solve.solver,
             schedules_allowed=options.pipeline.schedules,
             forced=forced,
+            optimizer=options.optimizer,
         )
 
     def __post_init__(self) -> None:
@@ -244,7 +246,9 @@ class _MeshCosts:
         settings: StageSettings,
     ):
         self.stage_mesh, self.layers, self.cluster, self.remat = stage_mesh, layers, cluster, settings.remat
-        self.graph: ChoiceGraph = build_stage_graph(traced, stage_mesh, cluster, settings.optimizer_dtype, settings.forced)
+        self.graph: ChoiceGraph = build_stage_graph(
+            traced, stage_mesh, cluster, settings.optimizer_dtype, settings.forced, settings.optimizer
+        )
         self.split: OpSplit = split_op_costs(self.graph, cluster)
         kwargs = {} if settings.ladder is None else {"ladder": settings.ladder}
         self.solver = CandidateSolver(
@@ -787,6 +791,7 @@ def plan_stages(
         return dataclasses.replace(
             _assemble(traced, layers, search, mesh_costs, cluster, settings.memory_budget),
             precision=precision,
+            optimizer=settings.optimizer,
             memory=_checkpointing(layers, search, mesh_costs),
         )
 

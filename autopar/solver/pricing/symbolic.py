@@ -52,7 +52,7 @@ def _outs(node: torch.fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
     return [meta for meta in (tensor_meta(v) for v in values) if meta is not None]
 
 
-def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer: str = "adamw") -> dict[str, Any]:
+def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec) -> dict[str, Any]:
     """Price ``plan``'s choices on ``traced``: ``roofline`` [(flops_s, bytes_s, factor)] per op,
     ``comm`` [(seconds, bytes)] per gradient all-reduce and resharding, ``memory_curve``."""
     mesh = tuple(plan.mesh_shape)
@@ -119,12 +119,13 @@ def price_plan(traced: TracedModel, plan: Plan, cluster: ClusterSpec, optimizer:
             seconds, per_axis = comm.collectives_cost(steps, mesh, cluster)
             comms.append((seconds, sum(per_axis.values())))
     ties = _ties(traced)
+    optimizer = plan.optimizer  # the one its step is priced for
     timeline = liveness.build_timeline(live, optimizer, ties, step_temporary=step_cost.step_temporary(cluster, optimizer))
     gathered, sizes = _gathered(traced, plan, kinds, grads, ties, live, cluster.gloo)
     out_bytes.update(sizes)
     curve = liveness.Timeline(timeline.names, timeline.intervals + tuple(gathered)).curve(out_bytes.__getitem__)
     stepped = step_cost.stepped_tensors(timeline.intervals, out_bytes.__getitem__)
-    optimizer_s = step_cost.plan_step_s(stepped, cluster, mesh, step_cost.holds_dtensors(plan.params.values()))
+    optimizer_s = step_cost.plan_step_s(stepped, cluster, mesh, step_cost.holds_dtensors(plan.params.values()), optimizer)
     return {"roofline": roofline, "comm": comms, "memory_curve": curve, "optimizer_s": optimizer_s}
 
 

@@ -35,7 +35,7 @@ from autopar.cost import compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.optimizer import step_temporary
 from autopar.errors import ConfigError, InfeasibleError
-from autopar.ir.options import CommOptions
+from autopar.ir.options import DEFAULT_OPTIMIZER, CommOptions
 from autopar.ir.spec import SS, Spec, is_valid, replicated
 from autopar.rules import op_info
 from autopar.rules.registry import (
@@ -122,6 +122,8 @@ class ChoiceGraph:
     # The seconds DTensor's dispatch adds to that step where some parameter is not replicated
     # (the runtime then holds them all as DTensors; ``optimizer_terms.dtensor_price``).
     dtensor_step_s: float = 0.0
+    # The optimizer the step is priced for (``ir.options.PlanOptions.optimizer``).
+    optimizer: str = DEFAULT_OPTIMIZER
     # What later stages compute from this graph alone (the memory planner's walk: see
     # ``solver.planners.memory_plan``), kept so that one solve computes it once however many plans it tries.
     # Not an argument: a graph made by ``dataclasses.replace`` (other prices, other choices)
@@ -310,7 +312,7 @@ def build_choice_graph(
     mesh_shape: Sequence[int],
     cluster: ClusterSpec,
     *,
-    optimizer: str = "adamw",
+    optimizer: str = DEFAULT_OPTIMIZER,
     forced: dict[str, Spec | str] | None = None,
     share_layers: bool = True,
     zero_stage: int = 0,
@@ -327,7 +329,8 @@ def build_choice_graph(
     holds every parameter whole, and the optimizer state (stage 1) and the gradients (stage 2)
     are split among all ranks. So it needs every parameter pinned replicated by ``forced``.
     ``optimizer_dtype`` is the optimizer state's (a precision policy's ``optimizer_dtype``; None:
-    each parameter's own dtype, as torch's optimizers keep their state).
+    each parameter's own dtype, as torch's optimizers keep their state). ``optimizer`` is the one
+    the step is priced for (``PlanOptions.optimizer``).
     ``comm`` is the communication schedule the runtime will run (``CommOptions()``, its default,
     when None): how it gathers and frees sharded parameters decides their memory.
     """
@@ -397,9 +400,12 @@ def _build_choice_graph(
     fqns = {i.name: traced.ties.get(i.fqn, i.fqn) for i in traced.inputs if i.kind == "param"}
     gathered, intervals = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm, cluster.gloo)
     timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
-    steps = step_prices({name: choice.priced.memory_bytes for name, choice in choices.items()}, timeline, cluster, mesh_shape)
+    bytes_per_strategy = {name: choice.priced.memory_bytes for name, choice in choices.items()}
+    steps = step_prices(bytes_per_strategy, timeline, cluster, mesh_shape, optimizer)
     dispatch = dtensor_price(timeline, cluster, mesh_shape)
-    graph = ChoiceGraph(mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps, dispatch)
+    graph = ChoiceGraph(
+        mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps, dispatch, optimizer
+    )
     graph.derived["live_nodes"] = (traced.gm, nodes)  # the memory planner's walk reads them again
     return graph
 

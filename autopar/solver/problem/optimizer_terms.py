@@ -8,7 +8,8 @@ dtype). The ILP's objective adds
 
     Σ_{n param} Σ_s o[n, s] · x[n, s],   o[n, s] = cost.optimizer.tensor_step_s(fused_bytes[n, s])
 
-at torch's default AdamW for the cluster (``cost.optimizer.default_implementation``). That is the
+at the implementation the plan prices (``cost.optimizer.implementation``: the declared one, else
+torch's default AdamW for the cluster). That is the
 reported ``predicted.optimizer_s`` term by term (``cost.optimizer.adamw_step_s`` sums the same
 ``tensor_step_s``), but for the list kernels' floor (a launch per tensor, or one), which is the
 same for every layout and is applied to the solved plan. The state's bytes are already in the
@@ -32,16 +33,22 @@ from collections.abc import Mapping, Sequence
 from autopar.cost import optimizer
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.liveness import Timeline
+from autopar.ir.options import DEFAULT_OPTIMIZER
 
 # fused_bytes counts the parameter and both moments twice (read and written), the gradient once.
 _WEIGHTS = {"param": 2.0, "grad": 1.0, "optimizer_state": 2.0}
 
 
 def step_prices(
-    memory_bytes: Mapping[str, Sequence[float]], timeline: Timeline, cluster: ClusterSpec, mesh_shape: Sequence[int]
+    memory_bytes: Mapping[str, Sequence[float]],
+    timeline: Timeline,
+    cluster: ClusterSpec,
+    mesh_shape: Sequence[int],
+    stepper: str = DEFAULT_OPTIMIZER,
 ) -> dict[str, list[float]]:
-    """o[n, s] for every parameter n the optimizer steps (one with a gradient interval), from
-    ``memory_bytes`` (each node's local bytes per strategy, ``PricedStrategy.memory_bytes``)."""
+    """o[n, s] for every parameter n the optimizer ``stepper`` (``PlanOptions.optimizer``) steps
+    (one with a gradient interval), from ``memory_bytes`` (each node's local bytes per strategy,
+    ``PricedStrategy.memory_bytes``)."""
     weight: dict[str, float] = {}
     stepped: set[str] = set()
     for iv in timeline.intervals:
@@ -49,7 +56,7 @@ def step_prices(
             weight[iv.node] = weight.get(iv.node, 0.0) + _WEIGHTS[iv.kind] * iv.factor
             if iv.kind == "grad":
                 stepped.add(iv.node)
-    implementation = optimizer.default_implementation(cluster)
+    implementation = optimizer.implementation(cluster, stepper)
     return {
         node: [optimizer.tensor_step_s(weight[node] * size, cluster, implementation, mesh_shape) for size in sizes]
         for node, sizes in memory_bytes.items()
