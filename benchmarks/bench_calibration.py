@@ -46,7 +46,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the 405B row r
 
 import autopar  # noqa: E402
 from autopar.cost.cluster import ClusterSpec, get_cluster  # noqa: E402
-from autopar.cost.optimizer import default_implementation  # noqa: E402
 from autopar.cost.rates import optimizer_step_s  # noqa: E402
 from autopar.ir.spec import format_spec  # noqa: E402
 from autopar.solver.planners.hand_plans import megatron_placement  # noqa: E402
@@ -354,6 +353,8 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
     """Plan the row's job as ``layout`` and price its step and peak memory."""
     # None: "32-true", the model's own dtypes; torch's AdamW state takes the parameters' dtype, as priced
     kwargs = dict(_inputs(row, model), cluster=cluster, precision=row.precision)
+    if row.with_optimizer:  # the AdamW the run stepped with: its time, and what it holds while it steps
+        kwargs["optimizer"] = f"adamw:{row.optimizer}"
     if row.published:  # as torchtitan ran: the whole device, no reserve
         kwargs["memory_budget"] = row.memory_bytes
     split = 0.0
@@ -367,16 +368,17 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
             kwargs["memory_budget"] = row.memory_bytes + split
             kwargs["cluster"] = dataclasses.replace(cluster, memory_bytes=int(row.memory_bytes + split))
         plan = autopar.hand_plan(layout, model, row.mesh, **kwargs)
-    # The plan's step holds its memory decisions (memory_s) and the AdamW step of torch's default
-    # kind (optimizer_s, cost.optimizer): taken out where the run had none, swapped for the kind it ran.
+    # The plan's step holds its memory decisions (memory_s) and the AdamW step of the kind the run
+    # stepped with (optimizer_s, cost.optimizer): taken out where the run had none, and for a
+    # published layout's distributed optimizer swapped for the step of its share.
     step = plan.predicted.step_time_s
     if not row.with_optimizer:
         step -= plan.predicted.optimizer_s or 0.0
-    elif row.optimizer != default_implementation(cluster) or (row.optimizer_shards > 1 and layout != "plan"):
+    elif row.optimizer_shards > 1 and layout != "plan":
         param_size = 4 if row.precision else torch.finfo(getattr(torch, row.dtype)).bits // 8
         step += -(plan.predicted.optimizer_s or 0.0) + optimizer_step_s(
             # the published layout's distributed optimizer; autopar.plan's own splits no state
-            _local_elements(plan, model, row.mesh) / (row.optimizer_shards if layout != "plan" else 1),
+            _local_elements(plan, model, row.mesh) / row.optimizer_shards,
             param_size,
             param_size,
             len(list(model.parameters())),
@@ -385,7 +387,7 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
             row.optimizer,
         )
     peak = plan.predicted.peak_memory_bytes
-    if not row.with_optimizer or row.optimizer != "foreach":
+    if not row.with_optimizer:  # the run measured forward and backward alone
         peak = _peak_without_temporary(plan)
     return {"step_s": step, "peak_gib": (peak - split) / GIB, "plan": plan, "split_gib": split / GIB}
 
@@ -410,7 +412,7 @@ def _distributed_optimizer_bytes(row: Row, model: torch.nn.Module, layout: str) 
 
 def _peak_without_temporary(plan) -> float:
     """The plan's peak without what torch's foreach AdamW holds while it steps (the walk's
-    "optimizer_temporary", at its last time), for a run that stepped another kind or none: the
+    "optimizer_temporary", at its last time), for a run measured without its optimizer step: the
     fullest time of the plan's sampled timeline (``Plan.memory_timeline``: each bucket's fullest
     time, the step among them; the walk under the plan's memory decisions) without it."""
     if not plan.predicted.memory_at_peak_bytes.get("optimizer_temporary"):
