@@ -237,6 +237,12 @@ class Plan:
                 raise PlanError(f"param {fqn!r} has {len(spec)} placements for a {len(self.spec_mesh)}-axis mesh")
 
     @property
+    def declares_optimizer(self) -> bool:
+        """Whether the plan is priced for an optimizer the loop declared (``optimizer``), not
+        torch's default AdamW for the devices."""
+        return self.optimizer != DEFAULT_OPTIMIZER
+
+    @property
     def spec_mesh(self) -> tuple[int, ...]:
         """The mesh the node and parameter specs are for: the stage mesh of a pipelined plan."""
         return tuple(self.pipeline.stage_mesh) if self.pipeline is not None else tuple(self.mesh_shape)
@@ -272,7 +278,7 @@ class Plan:
             data["data"] = self.data.to_json()
         if self.notes:
             data["notes"] = list(self.notes)
-        if self.optimizer != DEFAULT_OPTIMIZER:
+        if self.declares_optimizer:
             data["optimizer"] = self.optimizer
         return json.dumps(data, indent=1)
 

@@ -35,7 +35,8 @@ def header_lines(plan: Plan) -> list[str]:
     lines = [
         f"autopar plan  mesh={tuple(plan.mesh_shape)}  cluster={plan.cluster or '-'}  "
         f"precision={plan.precision.name if plan.precision is not None else '32-true'}  "
-        f"graph={plan.graph_hash}  plan={plan.hash}",
+        + (f"optimizer={plan.optimizer}  " if plan.declares_optimizer else "")
+        + f"graph={plan.graph_hash}  plan={plan.hash}",
         f"  predicted step time {pred.get('step_time_s', 0) * 1e3:.3f} ms "
         + ("(one microbatch through every stage: " if plan.pipeline is not None else "(")
         + f"compute {per.get('compute_s', 0) * 1e3:.3f} ms, resharding {per.get('reshard_s', 0) * 1e3:.3f} ms)",

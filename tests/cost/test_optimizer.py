@@ -132,6 +132,7 @@ def test_a_declared_optimizer_is_the_one_priced():
     state = 8 * elements  # both fp32 moments
     assert foreach.predicted.peak_memory_bytes - fused.predicted.peak_memory_bytes == pytest.approx(0.5 * state, rel=0.01)
     assert fused.optimizer == "adamw:fused" and foreach.optimizer == "adamw"
+    assert "optimizer=adamw:fused" in fused.summary() and "optimizer=" not in foreach.summary()
     assert autopar.Plan.from_json(fused.to_json()).optimizer == "adamw:fused"
     assert "optimizer" not in json.loads(foreach.to_json())
     assert implementation(cluster, "adamw") == "foreach" and implementation(get_cluster("cpu-gloo"), "adamw") == "for-loop"
