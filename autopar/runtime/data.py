@@ -146,8 +146,8 @@ def random_ops(
 def _draws_nothing(node: torch.fx.Node) -> bool:
     """Dropout in evaluation (``train=False``) or with ``p=0`` is the identity; an op with a
     ``dropout_p`` of 0 (``scaled_dot_product_attention`` and its kernels, tagged random whatever
-    their dropout: a model without dropout) draws nothing either. Without this, ranks seeded
-    apart (DDP scripts seed ``seed + rank``) were refused for attention that draws nothing."""
+    their dropout: a model without dropout) draws nothing either, so that ranks seeded apart
+    (DDP scripts seed ``seed + rank``) are not refused for attention that draws nothing."""
     if node.target in (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default):
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
