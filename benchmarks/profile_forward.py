@@ -12,7 +12,10 @@ checks and the data check's row (``start_check``; inside it ``validate``, the da
 fingerprint and the random generators' state), the graph's inputs (``_graph_values``), the
 graph (``run_eager``; inside it the gradient buckets' forward node and the loss's all-reduce, which
 the data check's all-gather carries: ``ride``, with its launch and wait). Medians over the calls of
-rank 0, in microseconds; "gloo" is process minus thread time (what gloo's threads spent).
+rank 0, in microseconds; "gloo" is process minus thread time (what gloo's threads spent); "wall"
+is ``time.perf_counter``: where it exceeds the CPU time, rank 0 waited: in the loss's ride, for
+its peer's forward (a barrier starts each forward) and, on a busy machine, for a core after
+gloo's threads ran; DDP's forward has no such point.
 """
 
 from __future__ import annotations
@@ -31,20 +34,21 @@ import torch.multiprocessing as mp
 from bench_param_path import BATCH, CONFIG
 from bench_vs_torch import build
 
-_TIMES: dict[str, list[tuple[float, float]]] = {}
+_TIMES: dict[str, list[tuple[float, float, float]]] = {}
 
 
 def _timed(owner, name: str, label: str) -> None:
-    """Replace ``owner.name`` by a wrapper that records its thread and process CPU seconds."""
+    """Replace ``owner.name`` by a wrapper that records its thread and process CPU seconds and its wall seconds."""
     inner = getattr(owner, name)
 
     @functools.wraps(inner)
     def run(*args, **kwargs):
-        thread, process = time.thread_time(), time.process_time()
+        thread, process, wall = time.thread_time(), time.process_time(), time.perf_counter()
         try:
             return inner(*args, **kwargs)
         finally:
-            _TIMES.setdefault(label, []).append((time.thread_time() - thread, time.process_time() - process))
+            spent = time.thread_time() - thread, time.process_time() - process, time.perf_counter() - wall
+            _TIMES.setdefault(label, []).append(spent)
 
     setattr(owner, name, run)
 
@@ -65,10 +69,10 @@ def _instrument() -> None:
     _timed(data._Check, "wait", "    all-gather wait")
 
 
-def _forward(module, batch) -> tuple[float, float]:
-    thread, process = time.thread_time(), time.process_time()
+def _forward(module, batch) -> tuple[float, float, float]:
+    thread, process, wall = time.thread_time(), time.process_time(), time.perf_counter()
     loss = module(*batch)
-    spent = time.thread_time() - thread, time.process_time() - process
+    spent = time.thread_time() - thread, time.process_time() - process, time.perf_counter() - wall
     loss.backward()
     return spent
 
@@ -82,7 +86,7 @@ def _rank(rank: int, world: int, init: str, out: str, calls: int) -> None:
             _forward(*ours), _forward(*theirs)
         _instrument()
         _TIMES.clear()
-        whole: dict[str, list[tuple[float, float]]] = {"autopar ddp forward": [], "DDP forward": []}
+        whole: dict[str, list[tuple[float, float, float]]] = {"autopar ddp forward": [], "DDP forward": []}
         for _ in range(calls):
             dist.barrier()
             whole["autopar ddp forward"].append(_forward(*ours))
@@ -95,12 +99,11 @@ def _rank(rank: int, world: int, init: str, out: str, calls: int) -> None:
         dist.destroy_process_group()
 
 
-def _table(times: dict[str, list[tuple[float, float]]], calls: int) -> str:
-    lines = [f"{'part':40s} {'calls':>5s} {'thread':>7s} {'process':>8s} {'gloo':>6s}  (us, median)"]
+def _table(times: dict[str, list[tuple[float, float, float]]], calls: int) -> str:
+    lines = [f"{'part':40s} {'calls':>5s} {'thread':>7s} {'process':>8s} {'gloo':>6s} {'wall':>7s}  (us, median)"]
     for label, spent in times.items():
-        thread = 1e6 * statistics.median(t for t, _ in spent)
-        process = 1e6 * statistics.median(p for _, p in spent)
-        lines.append(f"{label:40s} {len(spent) / calls:5.1f} {thread:7.0f} {process:8.0f} {process - thread:6.0f}")
+        thread, process, wall = (1e6 * statistics.median(s[k] for s in spent) for k in range(3))
+        lines.append(f"{label:40s} {len(spent) / calls:5.1f} {thread:7.0f} {process:8.0f} {process - thread:6.0f} {wall:7.0f}")
     return "\n".join(lines) + "\n"
 
 

@@ -144,12 +144,24 @@ def random_ops(
 
 
 def _draws_nothing(node: torch.fx.Node) -> bool:
-    """Dropout in evaluation (``train=False``) or with ``p=0`` is the identity."""
-    if node.target not in (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default):
+    """Dropout in evaluation (``train=False``) or with ``p=0`` is the identity; an op with a
+    ``dropout_p`` of 0 (``scaled_dot_product_attention`` and its kernels, tagged random whatever
+    their dropout: a model without dropout) draws nothing either, so that ranks seeded apart
+    (DDP scripts seed ``seed + rank``) are not refused for attention that draws nothing."""
+    if node.target in (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default):
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return train is False or p == 0
+    arguments = node.target._schema.arguments
+    where = next((index for index, argument in enumerate(arguments) if argument.name == "dropout_p"), None)
+    if where is None:
         return False
-    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
-    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-    return train is False or p == 0
+    if where < len(node.args):
+        dropout_p = node.args[where]
+    else:
+        default = arguments[where].default_value if arguments[where].has_default_value() else None
+        dropout_p = node.kwargs.get("dropout_p", default)
+    return not isinstance(dropout_p, torch.fx.Node) and dropout_p == 0
 
 
 _STATE_WEIGHTS: dict[int, torch.Tensor] = {}

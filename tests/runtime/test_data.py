@@ -175,6 +175,40 @@ def test_random_ops_on_replicated_tensors_are_found_with_their_axes() -> None:
     assert random_ops(trace(model.eval(), (x, y)).gm, plan, (0, 0)) is None  # eval: dropout draws nothing
 
 
+class _Attention(torch.nn.Module):
+    def __init__(self, dropout_p: float):
+        super().__init__()
+        self.qkv, self.dropout_p = torch.nn.Linear(16, 48), dropout_p
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=True).sum()
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_attention_draws_only_with_dropout(dropout_p) -> None:
+    """SDPA is tagged random whatever its dropout: whole on a mesh axis, it needs the ranks'
+    generators in step only where its ``dropout_p`` draws (ranks seeded apart, as DDP scripts
+    seed them, must not be refused for a model without dropout)."""
+    import dataclasses
+
+    from torch.distributed.tensor import Replicate
+
+    from autopar.runtime.data import random_ops
+
+    model, x = _Attention(dropout_p), torch.randn(4, 6, 16)
+    traced = trace(model, (x,))
+    plan = autopar.plan(model, (2, 2), example_inputs=(x,), cluster="cpu")
+    (name,) = [n.name for n in traced.gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    nodes = dict(plan.nodes)
+    nodes[name] = dataclasses.replace(nodes[name], outs=((Replicate(), Replicate()),))
+    found = random_ops(traced.gm, dataclasses.replace(plan, nodes=nodes), (0, 1))
+    if dropout_p:
+        assert found is not None and found.nodes == (name,) and found.axes == (0, 1)
+    else:
+        assert found is None, found
+
+
 class _DroppedScale(torch.nn.Module):
     """The zoo's GPT (cross entropy: one all-reduce of its sum and denominator under a data-parallel
     plan) times the mean of a replicated parameter under dropout, so that the ranks' random
