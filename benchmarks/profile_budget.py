@@ -111,6 +111,49 @@ class Timers:
         relaxation.Relaxation._run = counted
 
 
+def profile_model(name: str, args: argparse.Namespace, timers: Timers) -> bool:
+    """Print ``name``'s phases (module docstring); False where a plan changed between repeats."""
+    cluster = get_cluster("h100-80g")
+    model, model_args, kwargs, mesh = bench_plan_time.build(name, args.layers)
+    with quiet_gc():
+        traced = trace_repeated(model, model_args, kwargs)
+    budget = None if args.default_budget else args.state_budget * bench_plan_time._state_bytes(model)
+    options = {
+        "unbounded": PlanOptions.from_keywords(memory_budget=float("inf")),
+        "budgeted": PlanOptions.from_keywords(memory_budget=budget, offload=args.offload),
+    }
+    for value in options.values():  # warm-up, as bench_plan_time.py's
+        plan_traced(traced, mesh, cluster, value)
+    best: dict[str, dict[str, float]] = {label: {} for label in options}
+    calls: dict[str, collections.Counter] = {}
+    hashes: dict[str, set] = {label: set() for label in options}
+    for _ in range(args.repeat):
+        for label, value in options.items():
+            gc.collect()
+            timers.clear()
+            start = time.process_time()
+            plan = plan_traced(traced, mesh, cluster, value)
+            seconds = {"plan_traced": time.process_time() - start, **timers.seconds}
+            for phase, spent in seconds.items():
+                best[label][phase] = min(best[label].get(phase, spent), spent)
+            calls[label] = collections.Counter(timers.calls)
+            hashes[label].add(plan.hash)
+    print(f"{name}, {args.layers} layers, load {os.getloadavg()[0]:.1f}: CPU s, min of {args.repeat}; plans {hashes}")
+    print(f"{'phase':40s} {'unbounded':>10s} {'budgeted':>10s} {'more':>8s}  calls")
+    phases = set(best["unbounded"]) | set(best["budgeted"])
+    for phase in sorted(phases, key=lambda p: best["budgeted"].get(p, 0.0) - best["unbounded"].get(p, 0.0), reverse=True):
+        unbounded, budgeted = best["unbounded"].get(phase, 0.0), best["budgeted"].get(phase, 0.0)
+        counts = f"{calls['unbounded'].get(phase, 0)} / {calls['budgeted'].get(phase, 0)}"
+        print(f"{phase:40s} {unbounded:10.3f} {budgeted:10.3f} {budgeted - unbounded:8.3f}  {counts}")
+    print("LP solves of the last budgeted plan (priced, simplex iterations, CPU s in HiGHS):")
+    for priced, iterations, seconds in timers.solves:
+        print(f"  {'priced' if priced else 'plain ':6s} {iterations:7d} {seconds:7.3f}")
+    if any(len(h) > 1 for h in hashes.values()):
+        print("plans differ between repeats (a time limit?)")
+        return False
+    return True
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt-oss"], choices=bench_plan_time.MODELS)
@@ -124,45 +167,8 @@ def main() -> int:
         parser.error("give one of --state-budget F and --default-budget")
     timers = Timers()
     timers.install()
-    cluster = get_cluster("h100-80g")
     for name in args.models:
-        model, model_args, kwargs, mesh = bench_plan_time.build(name, args.layers)
-        with quiet_gc():
-            traced = trace_repeated(model, model_args, kwargs)
-        budget = None if args.default_budget else args.state_budget * bench_plan_time._state_bytes(model)
-        options = {
-            "unbounded": PlanOptions.from_keywords(memory_budget=float("inf")),
-            "budgeted": PlanOptions.from_keywords(memory_budget=budget, offload=args.offload),
-        }
-        for value in options.values():  # warm-up, as bench_plan_time.py's
-            plan_traced(traced, mesh, cluster, value)
-        best: dict[str, dict[str, float]] = {label: {} for label in options}
-        calls: dict[str, collections.Counter] = {}
-        hashes: dict[str, set] = {label: set() for label in options}
-        for _ in range(args.repeat):
-            for label, value in options.items():
-                gc.collect()
-                timers.clear()
-                start = time.process_time()
-                plan = plan_traced(traced, mesh, cluster, value)
-                seconds = {"plan_traced": time.process_time() - start, **timers.seconds}
-                for phase, spent in seconds.items():
-                    best[label][phase] = min(best[label].get(phase, spent), spent)
-                calls[label] = collections.Counter(timers.calls)
-                hashes[label].add(plan.hash)
-        print(f"{name}, {args.layers} layers, load {os.getloadavg()[0]:.1f}: CPU s, min of {args.repeat}; plans {hashes}")
-        print(f"{'phase':40s} {'unbounded':>10s} {'budgeted':>10s} {'more':>8s}  calls")
-        phases = set(best["unbounded"]) | set(best["budgeted"])
-        rows = sorted(phases, key=lambda p: best["budgeted"].get(p, 0.0) - best["unbounded"].get(p, 0.0), reverse=True)
-        for phase in rows:
-            unbounded, budgeted = best["unbounded"].get(phase, 0.0), best["budgeted"].get(phase, 0.0)
-            counts = f"{calls['unbounded'].get(phase, 0)} / {calls['budgeted'].get(phase, 0)}"
-            print(f"{phase:40s} {unbounded:10.3f} {budgeted:10.3f} {budgeted - unbounded:8.3f}  {counts}")
-        print("LP solves of the last budgeted plan (priced, simplex iterations, CPU s in HiGHS):")
-        for priced, iterations, seconds in timers.solves:
-            print(f"  {'priced' if priced else 'plain ':6s} {iterations:7d} {seconds:7.3f}")
-        if any(len(h) > 1 for h in hashes.values()):
-            print("plans differ between repeats (a time limit?)")
+        if not profile_model(name, args, timers):
             return 1
     return 0
 
