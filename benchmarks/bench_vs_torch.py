@@ -107,6 +107,8 @@ def _batch(config: dict = CONFIG, batch: int = BATCH):
 
 
 OPTIMIZERS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+# Each of them as autopar's plans are told it (``optimizer=``), so that they price the step it runs.
+DECLARED = {"default": "adamw", "foreach": "adamw:foreach", "fused": "adamw:fused"}
 
 
 @contextlib.contextmanager
@@ -130,7 +132,7 @@ def _trainer(kind: str, world: int, rank: int, optimizer: str = "default", accum
     """(step function, module) for one trainer; ``optimizer``: AdamW's implementation
     (``OPTIMIZERS``); ``accum``: micro-steps per optimizer step, every one but the last without
     gradient sync. A step returns its wall seconds, its optimizer's, and its CPU seconds."""
-    module, batch = build(kind, world, rank)
+    module, batch = build(kind, world, rank, optimizer=DECLARED[optimizer])
     adamw = torch.optim.AdamW(module.parameters(), lr=1e-4, **OPTIMIZERS[optimizer])
 
     def step() -> tuple[float, float, float]:
@@ -170,10 +172,11 @@ def own_plan_is(layouts: dict[str, str | None], suffix: str = "") -> str | None:
 
 
 def build(
-    kind: str, world: int, rank: int, config: dict = CONFIG, batch_size: int = BATCH
+    kind: str, world: int, rank: int, config: dict = CONFIG, batch_size: int = BATCH, optimizer: str = "adamw"
 ) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     """(module, this rank's batch) of one trainer ``kind`` (``TRAINERS``, or the ``--kinds`` extras)
-    on the GPT ``config`` and a global batch of ``batch_size`` sequences."""
+    on the GPT ``config`` and a global batch of ``batch_size`` sequences; autopar's plans priced for
+    ``optimizer`` (``DECLARED``)."""
     import autopar
 
     model = _gpt(config)
@@ -212,9 +215,17 @@ def build(
         if kind == "autopar":
             plan = None  # what ``autopar.compile(model, mesh)`` plans by itself, for the machine it runs on
         else:
-            plan = autopar.hand_plan(kind.removeprefix("autopar_"), model, mesh, example_inputs=(idx, targets), cluster="cpu")
+            plan = autopar.hand_plan(
+                kind.removeprefix("autopar_"), model, mesh, example_inputs=(idx, targets), cluster="cpu", optimizer=optimizer
+            )
         module = autopar.compile(
-            model, mesh, example_inputs=(idx, targets), plan=plan, comm=comm, compiler="inductor" if compiled else None
+            model,
+            mesh,
+            example_inputs=(idx, targets),
+            plan=plan,
+            comm=comm,
+            compiler="inductor" if compiled else None,
+            optimizer=optimizer,
         )
         batch = (idx, targets)  # the compiled module cuts out its own shard
     return module, batch
