@@ -16,6 +16,7 @@ from autopar.runtime import checkpoint
 from autopar.runtime.agreement import check_rank_agreement, resolve_plan
 from autopar.runtime.materialize import FromCheckpoint, SeededInit
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.padded import check_padded_plan
 from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
 from autopar.runtime.single import Examples, compile_single
 from autopar.solver.planners.quiet_gc import quiet_gc
@@ -47,6 +48,7 @@ def build_module(
         traced = trace(model, *traced_on, options.precision)
     chosen = resolve_plan(plan, traced, mesh_shape, cluster, options, split_batch=split_batch)
     check_rank_agreement(chosen)
+    check_padded_plan(chosen, traced, options, compiler)
     if pipelined:
         module = compile_pipeline(model, traced, chosen, init)
     else:

@@ -35,8 +35,9 @@ from autopar.cost import compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.optimizer import step_temporary
 from autopar.errors import ConfigError, InfeasibleError
+from autopar.ir import spec as spec_module
 from autopar.ir.options import CommOptions
-from autopar.ir.spec import SS, Spec, is_valid, replicated
+from autopar.ir.spec import SS, Spec, is_valid, padded_axis, replicated
 from autopar.rules import op_info
 from autopar.rules.registry import (
     OpInfo,
@@ -354,7 +355,15 @@ def _build_choice_graph(
         impossible_before = pruned.impossible
         if node.op == "placeholder":
             graph_input = kinds[node.name]
-            choices[node.name] = _placeholder_choice(node, graph_input.kind, graph_input.fqn, mesh_shape, placeholder_cache)
+            pinned = forced.get(node.name) if forced else None
+            choices[node.name] = _placeholder_choice(
+                node,
+                graph_input.kind,
+                graph_input.fqn,
+                mesh_shape,
+                placeholder_cache,
+                pinned if isinstance(pinned, tuple) else None,
+            )
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
         elif node.op == "call_function":
@@ -555,15 +564,33 @@ def _tie_groups(traced: TracedModel, choices: dict[str, Choice]) -> list[list[st
     return groups
 
 
-def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec]:
+def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], padded: bool = False) -> list[Spec]:
     """Every R/S spec with even shards (Partial is never a placeholder's placement), and the
-    strided shards that the graph's splits can use (``registry.strided_blocks``)."""
+    strided shards that the graph's splits can use (``registry.strided_blocks``); with
+    ``padded`` (a parameter, ``padded_param_specs``), FSDP2's padded shards of dim 0 too."""
     per_axis = [Replicate()] + [Shard(d) for d in range(len(shape))]
     per_axis += [SS(d, n) for n in strided_blocks() for d in range(len(shape))]
-    return [spec for spec in itertools.product(per_axis, repeat=len(mesh_shape)) if is_valid(shape, spec, mesh_shape)]
+    specs = [spec for spec in itertools.product(per_axis, repeat=len(mesh_shape)) if is_valid(shape, spec, mesh_shape)]
+    if padded:
+        specs += [
+            spec
+            for spec in itertools.product(per_axis[:2], repeat=len(mesh_shape))
+            if padded_axis(shape, spec, mesh_shape) is not None
+        ]
+    return specs
 
 
-def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict) -> Choice:
+def padded_param_specs(mesh_shape: tuple[int, ...]) -> bool:
+    """Whether parameters may be planned as padded shards (``ir.spec.padded_axis``) on this mesh:
+    where ``ir.spec.PADDED_PARAM_SHARDS`` allows them, on a mesh of one axis larger than 1 (the
+    runtime gathers a padded shard on one axis, FSDP's pattern, where its gradient is reduced on
+    that axis alone)."""
+    return spec_module.PADDED_PARAM_SHARDS and sum(size > 1 for size in mesh_shape) == 1
+
+
+def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict, pinned: Spec | None = None) -> Choice:
+    """A graph input's choice; ``pinned``: the spec ``forced`` gives it (a padded shard is then
+    offered whatever ``padded_param_specs`` says: a plan that holds one is carried out as given)."""
     meta = tensor_meta(node.meta.get("val"))
     num_axes = len(mesh_shape)
     if meta is None:
@@ -574,10 +601,13 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict) -> Choice:
     # ``generate``; HF's ``rotary_emb.original_inv_freq``).
     unread_buffer = kind == "buffer" and not node.users
     # Placeholders of one shape, dtype and kind (every layer's weights) share one table.
-    key = (kind in ("param", "buffer"), unread_buffer, shape, dtype)
+    padded = kind == "param" and (  # (a buffer is read whole by its ops)
+        padded_param_specs(mesh_shape) or pinned is not None and padded_axis(shape, pinned, mesh_shape) is not None
+    )
+    key = (kind in ("param", "buffer"), unread_buffer, shape, dtype, padded)
     if key not in cache:
         if kind in ("param", "buffer") and not unread_buffer:
-            specs = _all_specs(shape, mesh_shape)
+            specs = _all_specs(shape, mesh_shape, padded)
         else:
             # User inputs arrive whole on every rank and constants are whole: the first consumer
             # decides how to cut them (a local chunk, free of communication).

@@ -1,0 +1,134 @@
+"""FSDP2's padded shards on real gloo ranks: a model that 3 ranks divide nowhere, trained whole.
+
+``WideNet`` is 64 wide (3 ranks hold 22, 22 and 20 rows of each weight) with a 2-row head (one
+rank's piece of it is empty). The fsdp hand plan, made with padded shards allowed, shards every
+parameter's dim 0; the ranks train it against eager PyTorch in float64: accumulation with
+``no_sync()``, torch's ``clip_grad_norm_``, AdamW, an eval pass, then a DCP save and a resume into
+a meta-built model, under ``reshard_after_forward`` both ways. The assertions run in the parent.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import autopar
+from autopar.runtime.tools.launch import max_rel_diff
+from tests.conftest import WideNet, eager_grads, wide_batch
+
+pytestmark = pytest.mark.multiproc
+
+WORLD = 3
+STEPS = 3
+LR = 1e-2
+CLIP = 0.05  # below the gradients' norm, so that clipping scales every step
+TOL = 1e-9  # float64 throughout: only summation order differs
+
+
+def _train_step(module, optimizer, step: int) -> tuple[list[float], float]:
+    """Two micro-batches (the first under ``no_sync()`` where the module has it), torch's
+    ``clip_grad_norm_``, one AdamW step: (the micro-batch losses, the norm before clipping)."""
+    optimizer.zero_grad()
+    losses = []
+    for micro in range(2):
+        hold = getattr(module, "no_sync", None) if micro == 0 else None
+        with hold() if hold is not None else torch.enable_grad():
+            loss = module(*wide_batch(10 * step + micro))
+            loss.backward()
+        losses.append(loss.item())
+    norm = torch.nn.utils.clip_grad_norm_(list(module.parameters()), CLIP).item()
+    optimizer.step()
+    return losses, norm
+
+
+def _loop(plan: autopar.Plan, reshard: bool, path: str) -> dict:
+    torch.manual_seed(0)
+    model = WideNet().double()
+    eager = copy.deepcopy(model)
+    comm = autopar.CommOptions(reshard_after_forward=reshard)
+    pm = autopar.compile(model, (WORLD,), example_inputs=wide_batch(0), plan=plan, comm=comm)
+    optimizer, eager_optimizer = torch.optim.AdamW(pm.parameters(), lr=LR), torch.optim.AdamW(eager.parameters(), lr=LR)
+    out: dict = {"pieces": {fqn: tuple(p.to_local().shape) for fqn, p in pm.named_parameters()}, "steps": []}
+    for step in range(STEPS):
+        got, want = _train_step(pm, optimizer, step), _train_step(eager, eager_optimizer, step)
+        # gradients after clipping, before the step: the sum of both micro-batches on every rank
+        out["steps"].append((got, want))
+    out["grad_rel"] = max_rel_diff(pm.full_grads(), eager_grads(eager))
+    pm.eval()
+    eager.eval()
+    with torch.no_grad():
+        out["eval"] = (pm(*wide_batch(99)).item(), eager(*wide_batch(99)).item())
+    pm.train()
+    eager.train()
+    out["state_rel"] = max_rel_diff(pm.full_state_dict(), eager.state_dict())
+    autopar.checkpoint.save(path, pm, optimizer)
+    # resume into a model built on the meta device: every shard and AdamW state from the checkpoint
+    with torch.device("meta"):
+        meta = WideNet().double()
+    init = autopar.FromCheckpoint(path)
+    resumed = autopar.compile(meta, (WORLD,), example_inputs=wide_batch(0), plan=plan, comm=comm, init=init)
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=LR / 7)  # the checkpoint's lr must win
+    autopar.checkpoint.load(path, resumed, resumed_optimizer)
+    out["resumed_step"] = (_train_step(resumed, resumed_optimizer, STEPS), _train_step(eager, eager_optimizer, STEPS))
+    out["resumed_state_rel"] = max_rel_diff(resumed.full_state_dict(), eager.state_dict())
+    return out
+
+
+def _refusal(plan: autopar.Plan, **kwargs) -> str:
+    """The error compiling the padded plan with ``kwargs`` raises (it must raise)."""
+    try:
+        autopar.compile(WideNet().double(), (WORLD,), example_inputs=wide_batch(0), plan=plan, **kwargs)
+    except autopar.errors.PlanError as error:
+        return str(error)
+    return "compiled"
+
+
+def _run(rank: int, world: int, path: str, plan_json: str) -> dict:
+    plan = autopar.Plan.from_json(plan_json)
+    out = {reshard: _loop(plan, reshard, f"{path}_{reshard}") for reshard in (True, False)}
+    out["unscheduled"] = _refusal(plan, comm=autopar.CommOptions(enabled=False))
+    out["inductor"] = _refusal(plan, compiler="inductor")
+    return out
+
+
+@pytest.fixture(scope="module")
+def padded_plan() -> autopar.Plan:
+    from autopar.ir import spec as spec_module
+
+    allowed, spec_module.PADDED_PARAM_SHARDS = spec_module.PADDED_PARAM_SHARDS, True
+    try:
+        return autopar.hand_plan("fsdp", WideNet().double(), (WORLD,), example_inputs=wide_batch(0), cluster="cpu")
+    finally:
+        spec_module.PADDED_PARAM_SHARDS = allowed
+
+
+def _close(got: float, want: float) -> bool:
+    return math.isclose(got, want, rel_tol=TOL, abs_tol=TOL)
+
+
+def test_padded_shards_train_as_eager_save_and_resume(rank_pool, tmp_path, padded_plan) -> None:
+    assert {fqn: [str(p) for p in spec] for fqn, spec in padded_plan.params.items()} == {
+        **{fqn: ["S(0)"] for fqn in ("up.weight", "up.bias", "down.weight", "down.bias")},
+        "scale": ["R"],  # a buffer: never padded
+    }
+    results = rank_pool(WORLD).run(_run, str(tmp_path / "ckpt"), padded_plan.to_json(), timeout_s=600)
+    rows = [(22, 22, 20), (1, 1, 0)]  # ceil(64 / 3) and ceil(2 / 3): torch.chunk's pieces
+    for rank, result in enumerate(results):
+        assert "communication schedule is off" in result.pop("unscheduled"), "plain collectives move equal pieces only"
+        assert "traces its gathers unpadded" in result.pop("inductor")
+        for reshard, run in result.items():
+            label = f"rank {rank} reshard_after_forward={reshard}"
+            assert run["pieces"]["up.weight"] == (rows[0][rank], 64) and run["pieces"]["down.weight"] == (rows[1][rank], 64)
+            assert run["pieces"]["down.bias"] == (rows[1][rank],), label
+            for step, ((losses, norm), (eager_losses, eager_norm)) in enumerate(run["steps"]):
+                assert all(map(_close, losses, eager_losses)), f"{label} step {step}: {losses} vs {eager_losses}"
+                assert _close(norm, eager_norm) and norm > CLIP, f"{label} step {step}: norm {norm} vs {eager_norm}"
+            assert max(run["grad_rel"].values()) < TOL, f"{label}: {run['grad_rel']}"
+            assert _close(*run["eval"]), f"{label}: eval {run['eval']}"
+            assert max(run["state_rel"].values()) < TOL, f"{label}: after {STEPS} steps {run['state_rel']}"
+            (losses, norm), (eager_losses, eager_norm) = run["resumed_step"]
+            assert all(map(_close, losses, eager_losses)) and _close(norm, eager_norm), f"{label}: resumed {run['resumed_step']}"
+            assert max(run["resumed_state_rel"].values()) < TOL, f"{label}: resumed {run['resumed_state_rel']}"
