@@ -470,7 +470,12 @@ def build_stage_graph(
     ``forced``: node name → spec a hand plan fixes, as ``solver.solve``'s)."""
     start = time.perf_counter()
     graph = build_choice_graph(
-        traced, stage_mesh, cluster, forced=forced, **({} if optimizer_dtype is None else {"optimizer_dtype": optimizer_dtype})
+        traced,
+        stage_mesh,
+        cluster,
+        forced=forced,
+        padded=False,  # a pipeline stage holds plain, equal shards (runtime.padded)
+        **({} if optimizer_dtype is None else {"optimizer_dtype": optimizer_dtype}),
     )
     log.debug("stage mesh %s: choice graph in %.2f s", stage_mesh, time.perf_counter() - start)
     # A pipeline stage holds its parameters as plain shards: its optimizer step pays no DTensor dispatch.

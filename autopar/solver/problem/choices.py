@@ -317,6 +317,7 @@ def build_choice_graph(
     zero_stage: int = 0,
     optimizer_dtype: torch.dtype | None = None,
     comm: CommOptions | None = None,
+    padded: bool = True,
 ) -> ChoiceGraph:
     """Enumerate strategies and prices for every node of ``traced``.
 
@@ -331,15 +332,26 @@ def build_choice_graph(
     each parameter's own dtype, as torch's optimizers keep their state).
     ``comm`` is the communication schedule the runtime will run (``CommOptions()``, its default,
     when None): how it gathers and frees sharded parameters decides their memory.
+    ``padded`` False offers no padded parameter shards (``padded_param_specs``) where the
+    runtime would not carry them (a pipeline stage), whatever the flag says.
     """
     with offering_strided(split_blocks(traced.gm)):
         return _build_choice_graph(
-            traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage, optimizer_dtype, comm or CommOptions()
+            traced,
+            mesh_shape,
+            cluster,
+            optimizer,
+            forced,
+            share_layers,
+            zero_stage,
+            optimizer_dtype,
+            comm or CommOptions(),
+            padded,
         )
 
 
 def _build_choice_graph(
-    traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage, optimizer_dtype, comm
+    traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage, optimizer_dtype, comm, padded
 ) -> ChoiceGraph:
     mesh_shape = tuple(mesh_shape)
     num_axes = len(mesh_shape)
@@ -363,6 +375,7 @@ def _build_choice_graph(
                 mesh_shape,
                 placeholder_cache,
                 pinned if isinstance(pinned, tuple) else None,
+                padded,
             )
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
@@ -580,6 +593,11 @@ def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], padded: bool
     return specs
 
 
+def padded_choice(choice: Choice, index: int, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether strategy ``index`` of ``choice`` holds a parameter as a padded shard."""
+    return choice.kind == "param" and padded_axis(choice.out_shapes[0], choice.strategies[index].outs[0], mesh_shape) is not None
+
+
 def padded_param_specs(mesh_shape: tuple[int, ...]) -> bool:
     """Whether parameters may be planned as padded shards (``ir.spec.padded_axis``) on this mesh:
     where ``ir.spec.PADDED_PARAM_SHARDS`` allows them, on a mesh of one axis larger than 1 (the
@@ -588,9 +606,10 @@ def padded_param_specs(mesh_shape: tuple[int, ...]) -> bool:
     return spec_module.PADDED_PARAM_SHARDS and sum(size > 1 for size in mesh_shape) == 1
 
 
-def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict, pinned: Spec | None = None) -> Choice:
+def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict, pinned: Spec | None = None, offered: bool = True) -> Choice:
     """A graph input's choice; ``pinned``: the spec ``forced`` gives it (a padded shard is then
-    offered whatever ``padded_param_specs`` says: a plan that holds one is carried out as given)."""
+    offered whatever ``padded_param_specs`` says: a plan that holds one is carried out as given);
+    ``offered`` False: no padded shard unless pinned."""
     meta = tensor_meta(node.meta.get("val"))
     num_axes = len(mesh_shape)
     if meta is None:
@@ -602,7 +621,7 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict, pinned: Spec |
     unread_buffer = kind == "buffer" and not node.users
     # Placeholders of one shape, dtype and kind (every layer's weights) share one table.
     padded = kind == "param" and (  # (a buffer is read whole by its ops)
-        padded_param_specs(mesh_shape) or pinned is not None and padded_axis(shape, pinned, mesh_shape) is not None
+        offered and padded_param_specs(mesh_shape) or pinned is not None and padded_axis(shape, pinned, mesh_shape) is not None
     )
     key = (kind in ("param", "buffer"), unread_buffer, shape, dtype, padded)
     if key not in cache:
