@@ -238,9 +238,9 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
     return tuple(out)
 
 
-# FSDP2's padded parameter shards (``padded_axis``) may be planned. Off until the runtime carries
-# every path a plan may take with one; the planner (``solver.problem.choices``, hand plans) reads
-# this flag alone, and pricing works with it either way.
+# FSDP2's padded parameter shards (``padded_axis``) may be planned: the one switch, which the
+# planner (``solver.problem.choices.padded_param_specs``, hand plans) reads. Off, plans are as
+# before them; pricing, and the runtime of a plan that holds one, work either way.
 PADDED_PARAM_SHARDS = False
 
 
