@@ -241,7 +241,7 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
 # FSDP2's padded parameter shards (``padded_axis``) may be planned: the one switch, which the
 # planner (``solver.problem.choices.padded_param_specs``, hand plans) reads. Off, plans are as
 # before them; pricing, and the runtime of a plan that holds one, work either way.
-PADDED_PARAM_SHARDS = False
+PADDED_PARAM_SHARDS = True
 
 
 def padded_axis(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> int | None:
