@@ -49,3 +49,13 @@ def test_a_plan_with_padded_shards_compiles_only_where_the_scheduled_gather_move
     with pytest.raises(PlanError, match=r"mesh \(2, 3\) has more than one axis larger than 1"):
         check_padded_plan(two_axes, traced, PlanOptions(), None)
     assert two_axes.params["up.weight"] == (Replicate(), Shard(0))
+
+
+def test_autopar_check_refuses_padded_shards_it_cannot_simulate(padded):
+    """``autopar check`` runs the graph unscheduled on a fake group, where no gather pads the
+    pieces: it says so instead of reporting shapes the runtime never has."""
+    from autopar.runtime.tools.check import check_plan
+
+    plan, _ = padded
+    with pytest.raises(PlanError, match="does not check plans with padded parameter shards"):
+        check_plan(plan, WideNet().double(), wide_batch(0), rank=2)
