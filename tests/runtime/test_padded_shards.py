@@ -1,10 +1,12 @@
 """FSDP2's padded shards on real gloo ranks: a model that 3 ranks divide nowhere, trained whole.
 
 ``WideNet`` is 64 wide (3 ranks hold 22, 22 and 20 rows of each weight) with a 2-row head (one
-rank's piece of it is empty). The fsdp hand plan, made with padded shards allowed, shards every
-parameter's dim 0; the ranks train it against eager PyTorch in float64: accumulation with
-``no_sync()``, torch's ``clip_grad_norm_``, AdamW, an eval pass, then a DCP save and a resume into
-a meta-built model, under ``reshard_after_forward`` both ways. The assertions run in the parent.
+rank's piece of it is empty). The fsdp hand plan shards every parameter's dim 0, padded; the
+ranks train it against eager PyTorch in float64: accumulation with ``no_sync()``, torch's
+``clip_grad_norm_``, AdamW, an eval pass, then a DCP save and a resume into a meta-built model.
+Twice: each rank passing its own rows (``batch="per_rank"``: the gradient is a partial sum, which
+the padded reduce-scatter reduces) with ``reshard_after_forward=True``, and the whole batch on
+every rank (each keeps its piece of the whole gradient) with False. The assertions run in the parent.
 """
 
 from __future__ import annotations
@@ -22,10 +24,17 @@ from tests.conftest import WideNet, eager_grads, wide_batch
 pytestmark = pytest.mark.multiproc
 
 WORLD = 3
+BATCH = 6  # wide_batch's rows: 2 a rank under batch="per_rank"
 STEPS = 3
 LR = 1e-2
 CLIP = 0.05  # below the gradients' norm, so that clipping scales every step
 TOL = 1e-9  # float64 throughout: only summation order differs
+
+
+def _rows(module) -> slice:
+    """The rows of the global batch that ``module`` takes: its own under ``batch="per_rank"``."""
+    size, rank = getattr(module, "data_parallel_size", 1), getattr(module, "data_parallel_rank", 0)
+    return slice(rank * BATCH // size, (rank + 1) * BATCH // size)
 
 
 def _train_step(module, optimizer, step: int) -> tuple[list[float], float]:
@@ -36,7 +45,7 @@ def _train_step(module, optimizer, step: int) -> tuple[list[float], float]:
     for micro in range(2):
         hold = getattr(module, "no_sync", None) if micro == 0 else None
         with hold() if hold is not None else torch.enable_grad():
-            loss = module(*wide_batch(10 * step + micro))
+            loss = module(*(t[_rows(module)] for t in wide_batch(10 * step + micro)))
             loss.backward()
         losses.append(loss.item())
     norm = torch.nn.utils.clip_grad_norm_(list(module.parameters()), CLIP).item()
@@ -52,6 +61,8 @@ def _loop(plan: autopar.Plan, reshard: bool, path: str) -> dict:
     pm = autopar.compile(model, (WORLD,), example_inputs=wide_batch(0), plan=plan, comm=comm)
     optimizer, eager_optimizer = torch.optim.AdamW(pm.parameters(), lr=LR), torch.optim.AdamW(eager.parameters(), lr=LR)
     out: dict = {"pieces": {fqn: tuple(p.to_local().shape) for fqn, p in pm.named_parameters()}, "steps": []}
+    buckets = getattr(pm.graph_module, "grad_buckets", None)
+    out["scattered"] = sum(s.size >= 0 for b in getattr(buckets, "buckets", ()) if b.kind == "reduce_scatter" for s in b.slots)
     for step in range(STEPS):
         got, want = _train_step(pm, optimizer, step), _train_step(eager, eager_optimizer, step)
         # gradients after clipping, before the step: the sum of both micro-batches on every rank
@@ -60,7 +71,7 @@ def _loop(plan: autopar.Plan, reshard: bool, path: str) -> dict:
     pm.eval()
     eager.eval()
     with torch.no_grad():
-        out["eval"] = (pm(*wide_batch(99)).item(), eager(*wide_batch(99)).item())
+        out["eval"] = (pm(*(t[_rows(pm)] for t in wide_batch(99))).item(), eager(*wide_batch(99)).item())
     pm.train()
     eager.train()
     out["state_rel"] = max_rel_diff(pm.full_state_dict(), eager.state_dict())
@@ -86,21 +97,38 @@ def _refusal(plan: autopar.Plan, **kwargs) -> str:
     return "compiled"
 
 
-def _run(rank: int, world: int, path: str, plan_json: str) -> dict:
-    plan = autopar.Plan.from_json(plan_json)
-    out = {reshard: _loop(plan, reshard, f"{path}_{reshard}") for reshard in (True, False)}
+def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
+    plan = autopar.Plan.from_json(plans["whole"])
+    out = {
+        "per_rank": _loop(autopar.Plan.from_json(plans["per_rank"]), True, f"{path}_per_rank"),
+        "whole": _loop(plan, False, f"{path}_whole"),
+    }
     out["unscheduled"] = _refusal(plan, comm=autopar.CommOptions(enabled=False))
     out["inductor"] = _refusal(plan, compiler="inductor")
     return out
 
 
 @pytest.fixture(scope="module")
-def padded_plan() -> autopar.Plan:
+def padded_plans() -> dict[str, autopar.Plan]:
+    """The fsdp hand plan as it is (the whole batch on every rank: so small a model is cheapest
+    unsplit), and with its batch split too (each rank its own rows, as FSDP2 runs)."""
+    from autopar.cost.cluster import get_cluster
     from autopar.ir import spec as spec_module
+    from autopar.ir.options import PlanOptions
+    from autopar.solver.planners.data import with_data_layout
+    from autopar.solver.planners.hand_plans import hand_specs
+    from autopar.solver.planners.sharding import solve
+    from autopar.solver.planners.split_batch import batch_pins
+    from autopar.trace import trace
 
     allowed, spec_module.PADDED_PARAM_SHARDS = spec_module.PADDED_PARAM_SHARDS, True
     try:
-        return autopar.hand_plan("fsdp", WideNet().double(), (WORLD,), example_inputs=wide_batch(0), cluster="cpu")
+        model, batch = WideNet().double(), wide_batch(0)
+        whole = autopar.hand_plan("fsdp", model, (WORLD,), example_inputs=batch, cluster="cpu")
+        traced, data = trace(model, batch), autopar.DataOptions("per_rank")
+        forced = {**hand_specs("fsdp", traced, (WORLD,)), **batch_pins(traced, (WORLD,))}
+        split = solve(traced, (WORLD,), get_cluster("cpu"), PlanOptions.from_keywords(data=data), forced=forced)
+        return {"whole": whole, "per_rank": with_data_layout(split, traced, data)}
     finally:
         spec_module.PADDED_PARAM_SHARDS = allowed
 
@@ -109,18 +137,23 @@ def _close(got: float, want: float) -> bool:
     return math.isclose(got, want, rel_tol=TOL, abs_tol=TOL)
 
 
-def test_padded_shards_train_as_eager_save_and_resume(rank_pool, tmp_path, padded_plan) -> None:
-    assert {fqn: [str(p) for p in spec] for fqn, spec in padded_plan.params.items()} == {
-        **{fqn: ["S(0)"] for fqn in ("up.weight", "up.bias", "down.weight", "down.bias")},
-        "scale": ["R"],  # a buffer: never padded
-    }
-    results = rank_pool(WORLD).run(_run, str(tmp_path / "ckpt"), padded_plan.to_json(), timeout_s=600)
+def test_padded_shards_train_as_eager_save_and_resume(rank_pool, tmp_path, padded_plans) -> None:
+    for plan in padded_plans.values():
+        assert {fqn: [str(p) for p in spec] for fqn, spec in plan.params.items()} == {
+            **{fqn: ["S(0)"] for fqn in ("up.weight", "up.bias", "down.weight", "down.bias")},
+            "scale": ["R"],  # a buffer: never padded
+        }
+    assert padded_plans["per_rank"].data.size == WORLD
+    plans = {batch: plan.to_json() for batch, plan in padded_plans.items()}
+    results = rank_pool(WORLD).run(_run, str(tmp_path / "ckpt"), plans, timeout_s=600)
     rows = [(22, 22, 20), (1, 1, 0)]  # ceil(64 / 3) and ceil(2 / 3): torch.chunk's pieces
     for rank, result in enumerate(results):
         assert "communication schedule is off" in result.pop("unscheduled"), "plain collectives move equal pieces only"
         assert "traces its gathers unpadded" in result.pop("inductor")
-        for reshard, run in result.items():
-            label = f"rank {rank} reshard_after_forward={reshard}"
+        assert result["per_rank"].pop("scattered") == 4, "each gradient leaves by a padded reduce-scatter"
+        assert result["whole"].pop("scattered") == 0, "whole gradients on every rank: each keeps its piece"
+        for batch, run in result.items():
+            label = f"rank {rank} batch={batch}"
             assert run["pieces"]["up.weight"] == (rows[0][rank], 64) and run["pieces"]["down.weight"] == (rows[1][rank], 64)
             assert run["pieces"]["down.bias"] == (rows[1][rank],), label
             for step, ((losses, norm), (eager_losses, eager_norm)) in enumerate(run["steps"]):
