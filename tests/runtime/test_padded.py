@@ -34,6 +34,11 @@ def test_padded_params_are_the_uneven_dim_0_shards(padded):
     assert padded_params(plan, traced) == ["up.weight", "up.bias", "down.weight", "down.bias"]
     even = dataclasses.replace(plan, params={fqn: (Replicate(),) for fqn in plan.params})
     assert padded_params(even, traced) == []
+    summary = plan.summary()  # the plan's text says which shards are padded, and how
+    assert (
+        "up.weight    (S(0))  padded: 22 of 64 rows a rank" in summary and "down.bias    (S(0))  padded: 1 of 2 rows" in summary
+    )
+    assert "  scale        (R)\n" in summary and "padded" not in even.summary()
 
 
 def test_a_plan_with_padded_shards_compiles_only_where_the_scheduled_gather_moves_them(padded):
