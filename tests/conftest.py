@@ -277,7 +277,8 @@ class WideNet(torch.nn.Module):
         self.register_buffer("scale", torch.ones(width))
 
     def forward(self, x, y):
-        return torch.nn.functional.cross_entropy(self.down(torch.relu(self.up(x) * self.scale)), y)
+        hidden = self.up(x) * self.scale.to(x.dtype)  # (a buffer in its own dtype under a precision policy)
+        return torch.nn.functional.cross_entropy(self.down(torch.relu(hidden)), y)
 
 
 def wide_batch(seed: int, dtype: torch.dtype = torch.float64, width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:

@@ -113,7 +113,7 @@ def schedule_communication(
         if not isinstance(val, torch.Tensor):
             continue
         local = local_shape(tuple(val.shape), plan.params[fqns[placeholder.name]], plan.mesh_shape)
-        synced, gathered = _param_uses(placeholder)
+        synced, gathered = _param_uses(placeholder, lenient=placeholder.name in padded)
         if placeholder.name in padded and not (
             len(gathered) == 1 and not synced and len(placeholder.users) == len(next(iter(gathered.values())))
         ):
@@ -184,9 +184,17 @@ def _refuse_padded(padded: Mapping[str, str], why: str) -> None:
         )
 
 
-def _param_uses(placeholder: torch.fx.Node) -> tuple[dict, dict]:
+def _used(node: torch.fx.Node, lenient: bool = True) -> list[torch.fx.Node]:
+    """``node``'s users but (where ``lenient``) the unused aliases ``passes.precision`` keeps for
+    a moved cast's name, which read a gather without needing it."""
+    return [u for u in node.users if not (lenient and u.target is torch.ops.aten.alias.default and not u.users)]
+
+
+def _param_uses(placeholder: torch.fx.Node, lenient: bool = False) -> tuple[dict, dict]:
     """A parameter's uses by their collectives: ``allreduce_grad`` chains by their groups, and
-    ``all_gather`` → ``allreduce_grad`` pairs by (dim, group, whether the gradient is reduced)."""
+    ``all_gather`` → ``allreduce_grad`` pairs by (dim, group, whether the gradient is reduced).
+    ``lenient``: a gather may also feed unused aliases (``_used``; a padded shard's, which only
+    the scheduled gather moves)."""
     synced: dict[tuple[str, ...], list[list[torch.fx.Node]]] = {}
     gathered: dict[tuple[int, str, bool], list[tuple[torch.fx.Node, torch.fx.Node]]] = {}
     for user in list(placeholder.users):
@@ -194,8 +202,8 @@ def _param_uses(placeholder: torch.fx.Node) -> tuple[dict, dict]:
         if chain:
             synced.setdefault(chain_groups, []).append(chain)
             continue
-        if _is(user, collectives.all_gather) and len(user.args) == 3 and len(user.users) == 1:
-            (after,) = user.users
+        if _is(user, collectives.all_gather) and len(user.args) == 3 and len(_used(user, lenient)) == 1:
+            (after,) = _used(user, lenient)
             chain, chain_groups = _grad_chain(after)
             if chain_groups == (user.args[2],):  # partial gradient: reduce-scatter it
                 gathered.setdefault((user.args[1], user.args[2], True), []).append((user, chain[-1]))
@@ -233,15 +241,16 @@ def _merge_gathered(
     with graph.inserting_before(first_use):
         node = graph.call_module(PARAM_GATHERS, (placeholder,), {"key": placeholder.name})
     node.meta = dict(first_use.meta)
-    slot_dtype = _reduce_dtype(_grad_chain(next(iter(pairs[0][0].users)))[0], val) if reduce else val.dtype
+    slot_dtype = _reduce_dtype(_grad_chain(_used(pairs[0][0])[0])[0], val) if reduce else val.dtype
     for gather, last in pairs:
         last.replace_all_uses_with(node)
         if reduce:
-            chain, _ = _grad_chain(next(iter(gather.users)))
+            chain, _ = _grad_chain(_used(gather)[0])
             for dead in reversed(chain):
                 graph.erase_node(dead)
         elif gather is not last:
             raise AssertionError("unreduced gather has no gradient chain")
+        gather.replace_all_uses_with(node)  # an unused alias of it (``_used``) reads the gathered one
         graph.erase_node(gather)
     return order[first_use], slot_dtype
 

@@ -97,12 +97,30 @@ def _refusal(plan: autopar.Plan, **kwargs) -> str:
     return "compiled"
 
 
+def _bf16_step(plan: autopar.Plan) -> dict:
+    """One step under "bf16-mixed" (bf16 gathers, fp32 masters and reduce-scatters) against the
+    policy's eager reference run as the data-parallel ranks run it."""
+    from tests.conftest import PolicyReference
+
+    torch.manual_seed(0)
+    model = WideNet()
+    reference = PolicyReference(copy.deepcopy(model), "bf16-mixed")
+    pm = autopar.compile(model, (WORLD,), example_inputs=wide_batch(0, torch.float32), plan=plan)
+    batch = wide_batch(1, torch.float32)
+    loss = pm(*(t[_rows(pm)] for t in batch))
+    loss.backward()
+    want, _ = reference.data_parallel_backward(batch, WORLD)
+    grads = {name: p.grad for name, p in reference.module.named_parameters()}
+    return {"loss": (loss.item(), want.item()), "grad_rel": max_rel_diff(pm.full_grads(), grads)}
+
+
 def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
     plan = autopar.Plan.from_json(plans["whole"])
     out = {
         "per_rank": _loop(autopar.Plan.from_json(plans["per_rank"]), True, f"{path}_per_rank"),
         "whole": _loop(plan, False, f"{path}_whole"),
     }
+    out["bf16"] = _bf16_step(autopar.Plan.from_json(plans["per_rank_bf16"]))
     out["unscheduled"] = _refusal(plan, comm=autopar.CommOptions(enabled=False))
     out["inductor"] = _refusal(plan, compiler="inductor")
     return out
@@ -125,10 +143,16 @@ def padded_plans() -> dict[str, autopar.Plan]:
     try:
         model, batch = WideNet().double(), wide_batch(0)
         whole = autopar.hand_plan("fsdp", model, (WORLD,), example_inputs=batch, cluster="cpu")
-        traced, data = trace(model, batch), autopar.DataOptions("per_rank")
-        forced = {**hand_specs("fsdp", traced, (WORLD,)), **batch_pins(traced, (WORLD,))}
-        split = solve(traced, (WORLD,), get_cluster("cpu"), PlanOptions.from_keywords(data=data), forced=forced)
-        return {"whole": whole, "per_rank": with_data_layout(split, traced, data)}
+        data = autopar.DataOptions("per_rank")
+        plans = {"whole": whole}
+        for name, precision in (("per_rank", None), ("per_rank_bf16", "bf16-mixed")):
+            options = PlanOptions.from_keywords(data=data, precision=precision)
+            model, batch = (WideNet(), wide_batch(0, torch.float32)) if precision else (model, batch)
+            traced = trace(model, batch, None, options.precision)
+            forced = {**hand_specs("fsdp", traced, (WORLD,)), **batch_pins(traced, (WORLD,))}
+            split = solve(traced, (WORLD,), get_cluster("cpu"), options, forced=forced)
+            plans[name] = with_data_layout(split, traced, data)
+        return plans
     finally:
         spec_module.PADDED_PARAM_SHARDS = allowed
 
@@ -150,6 +174,10 @@ def test_padded_shards_train_as_eager_save_and_resume(rank_pool, tmp_path, padde
     for rank, result in enumerate(results):
         assert "communication schedule is off" in result.pop("unscheduled"), "plain collectives move equal pieces only"
         assert "traces its gathers unpadded" in result.pop("inductor")
+        bf16 = result.pop("bf16")
+        # the loss comes back in bf16 (one ulp is 2**-8 relative); the fp32 gradients are exact
+        assert math.isclose(*bf16["loss"], rel_tol=2**-8), f"rank {rank} bf16-mixed: loss {bf16['loss']}"
+        assert max(bf16["grad_rel"].values()) < 1e-5, f"rank {rank} bf16-mixed: {bf16['grad_rel']}"
         assert result["per_rank"].pop("scattered") == 4, "each gradient leaves by a padded reduce-scatter"
         assert result["whole"].pop("scattered") == 0, "whole gradients on every rank: each keeps its piece"
         for batch, run in result.items():
