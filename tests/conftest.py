@@ -261,3 +261,26 @@ class PolicyReference(torch.nn.Module):
         for name, param in params.items():
             param.grad = sums[name].to(param.dtype) if name in sums else None
         return loss, own
+
+
+# -- a model that no small world size divides ---------------------------------------------------
+
+
+class WideNet(torch.nn.Module):
+    """64 wide, so that 3 (or 6, 48) ranks divide none of its dims, and a 2-row head, shorter than
+    3 ranks, so that one rank's piece of it is empty: FSDP2's padded shards (``ir.spec.padded_axis``)."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.up = torch.nn.Linear(width, width)
+        self.down = torch.nn.Linear(width, 2)
+        self.register_buffer("scale", torch.ones(width))
+
+    def forward(self, x, y):
+        hidden = self.up(x) * self.scale.to(x.dtype)  # (a buffer in its own dtype under a precision policy)
+        return torch.nn.functional.cross_entropy(self.down(torch.relu(hidden)), y)
+
+
+def wide_batch(seed: int, dtype: torch.dtype = torch.float64, width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(6, width, generator=generator, dtype=dtype), torch.randint(0, 2, (6,), generator=generator)

@@ -56,6 +56,7 @@ from autopar.cost.cluster import ClusterSpec, LinkSpec
 from autopar.errors import InternalError
 from autopar.ir.options import CommOptions
 from autopar.ir.spec import (
+    KIND_SHARD,
     REPLICATE_KEY,
     STEP_KINDS,
     PlacementNumbers,
@@ -65,6 +66,7 @@ from autopar.ir.spec import (
     key_local_shape,
     local_shape,
     numbered_elements,
+    padded_transition_ok,
     placement_key,
     routes_between,
     slot_axis,
@@ -248,7 +250,7 @@ def transition_cost(
     policy's ``reduce_dtype``).
     """
     steps = transition_steps(src, dst)
-    if steps is None:
+    if steps is None or steps and not padded_transition_ok(global_shape, src, dst, mesh_shape):
         return None
     if not steps:
         return ZERO
@@ -349,7 +351,7 @@ class TransitionPrices:
     ) -> tuple[float, float] | None:
         """(``transition_cost(...).total_s``, its ``bytes_sent``), or None where it is None."""
         route = self._route(src, dst, codes)
-        if route is None:
+        if route is None or route and not padded_transition_ok(global_shape, src, dst, self.mesh_shape):
             return None
         itemsizes = (dtype.itemsize, (grad_dtype or dtype).itemsize)
         forward_total = backward_total = sent_total = 0.0
@@ -407,7 +409,22 @@ class TransitionPrices:
             forward += table[0][index]
             backward += table[1][index]
             sent += table[2][index]
-        return routes.possible, forward + backward, sent
+        return routes.possible & self._padded_ok(src, dst, global_shape), forward + backward, sent
+
+    def _padded_ok(self, src: np.ndarray, dst: np.ndarray, global_shape: tuple[int, ...]) -> np.ndarray | bool:
+        """``spec.padded_transition_ok`` of each pair (rows of ``numbered``): a padded parameter
+        shard (``Shard(0)`` on one axis that does not divide dim 0, ``R`` on the others, number 0)
+        goes to replicated on every axis only."""
+        uneven = [axis for axis, size in enumerate(self.mesh_shape) if size > 1 and global_shape and global_shape[0] % size]
+        if not uneven:
+            return True
+        kinds, dims = self.numbers.arrays()
+        replicated = src == 0
+        padded = np.zeros(len(src), dtype=bool)
+        for axis in uneven:
+            others = np.delete(replicated, axis, axis=1).all(axis=1)
+            padded |= (kinds[src[:, axis]] == KIND_SHARD) & (dims[src[:, axis]] == 0) & others
+        return ~padded | (dst == 0).all(axis=1) | (src == dst).all(axis=1)
 
     def _slot_prices(
         self, keys: np.ndarray, routes: Routes, axis: int, global_shape: tuple, itemsizes: tuple[int, int], requires_grad: bool

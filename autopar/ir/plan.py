@@ -35,6 +35,7 @@ from autopar.ir.spec import (
     format_spec,
     is_sharded,
     is_strided,
+    padded_axis,
     parse_spec,
     shard_axes,
     spec_text,
@@ -88,9 +89,12 @@ def validate_plan_json(data: Any) -> None:
     )
 
 
-def _check_spec(spec: Spec, shape: tuple[int, ...], mesh: tuple[int, ...], where: str) -> None:
-    """PlanError naming ``where`` when ``spec`` cannot hold a tensor of ``shape`` on ``mesh``."""
+def _check_spec(spec: Spec, shape: tuple[int, ...], mesh: tuple[int, ...], where: str, param: bool = False) -> None:
+    """PlanError naming ``where`` when ``spec`` cannot hold a tensor of ``shape`` on ``mesh`` (a
+    ``param`` may be a padded shard, ``spec.padded_axis``)."""
     problem = None
+    if param and len(spec) == len(mesh) and padded_axis(shape, spec, mesh) is not None:
+        return
     if len(spec) != len(mesh):
         problem = f"are {len(spec)} for a {len(mesh)}-axis mesh {mesh}"
     else:
@@ -337,16 +341,18 @@ class Plan:
         mesh = self.spec_mesh
         for name, node in self.nodes.items():
             where = f"node {name!r} ({node.op})"
+            param = node.op == "param"
             for index, (spec, shape) in enumerate(zip(node.outs, node.shapes)):
-                _check_spec(spec, shape, mesh, f"{where}, output {index}")
+                _check_spec(spec, shape, mesh, f"{where}, output {index}", param)
             for index, ((producer, out_index), spec) in enumerate(zip(node.inputs, node.ins)):
                 shapes = self.nodes[producer].shapes if producer in self.nodes else ()
                 if out_index < len(shapes):
                     _check_spec(spec, shapes[out_index], mesh, f"{where}, input {index} (from {producer!r})")
         for fqn, spec in self.params.items():
-            node = self.nodes.get("p_" + fqn.replace(".", "_")) or self.nodes.get("b_" + fqn.replace(".", "_"))
+            param = self.nodes.get("p_" + fqn.replace(".", "_"))
+            node = param or self.nodes.get("b_" + fqn.replace(".", "_"))
             if node is not None and node.shapes:
-                _check_spec(spec, node.shapes[0], mesh, f"parameter {fqn!r}")
+                _check_spec(spec, node.shapes[0], mesh, f"parameter {fqn!r}", param is not None)
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as handle:

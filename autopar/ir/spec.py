@@ -11,9 +11,14 @@ rank's slice of ``split(dim, size / n)`` is then its own q, k and v, with no com
 allows a strided dim on one mesh axis only (no other axis shards that dim).
 
 Sharding is nested in axis order: a tensor dim sharded on axes 0 and 1 is first cut into
-``mesh[0]`` chunks, and each chunk again into ``mesh[1]`` chunks, as DTensor does. autopar only
-uses even shards: a dim may be sharded only when its size divides by the product of the axis
-sizes that shard it (``is_valid``). Uneven shards are excluded, never approximated.
+``mesh[0]`` chunks, and each chunk again into ``mesh[1]`` chunks, as DTensor does. Ops use even
+shards only: a dim may be sharded only when its size divides by the product of the axis sizes
+that shard it (``is_valid``). The one exception is FSDP2's: a *padded* parameter shard
+(``padded_axis``, ``is_valid_param``), ``Shard(0)`` on one mesh axis of ``k`` ranks that does
+not divide dim 0, cut as ``torch.chunk`` cuts (``ceil(n / k)`` rows a rank, the last ranks'
+pieces shorter or empty). Such a parameter reaches its uses only gathered whole
+(``padded_transition_ok``), and every collective moves it padded to ``k`` pieces of
+``ceil(n / k)`` rows: ``local_shape`` is that padded piece, which the cost model prices.
 
 ``transition_steps`` is the single source of truth for resharding. The cost model prices these
 steps and the collectives pass inserts exactly these steps, so what is priced is what runs.
@@ -222,11 +227,77 @@ def replicate_size_one_axes(spec: Spec, mesh_shape: Sequence[int]) -> Spec:
 
 
 def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape each rank holds. Assumes ``is_valid``."""
+    """The shape each rank holds, padded: a sharded dim of ``n`` on ``k`` ranks has ``ceil(n / k)``
+    rows, which is ``n / k`` under ``is_valid`` and the padded piece of a padded parameter shard
+    (``padded_axis``: what its collectives move and what the cost model prices; a rank's own
+    piece is ``piece_shape``)."""
     out = list(shape)
     for axis, placement in enumerate(spec):
         if (_KINDS.get(type(placement)) or _kind(placement)) & _SHARD:  # ``_kind``, its call saved
-            out[placement.dim] //= mesh_shape[axis]
+            out[placement.dim] = -(-out[placement.dim] // mesh_shape[axis])
+    return tuple(out)
+
+
+# FSDP2's padded parameter shards (``padded_axis``) may be planned: the one switch, which the
+# planner (``solver.problem.choices.padded_param_specs``, hand plans) reads. Off, plans are as
+# before them; pricing, and the runtime of a plan that holds one, work either way.
+PADDED_PARAM_SHARDS = True
+
+
+def padded_axis(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> int | None:
+    """The mesh axis of a padded parameter shard, or None where ``spec`` is not one: ``Shard(0)``
+    on exactly one mesh axis, whose size (> 1) does not divide dim 0, ``R`` on every other axis
+    (FSDP2's layout on one mesh dimension). Dim 0 may be shorter than the axis (some ranks then
+    hold empty pieces)."""
+    found = None
+    for axis, placement in enumerate(spec):
+        kind = _KINDS.get(type(placement)) or _kind(placement)
+        if kind & _REPLICATE:
+            continue
+        if found is not None or kind != _SHARD or placement.dim != 0 or mesh_shape[axis] == 1:
+            return None
+        found = axis
+    if found is None or not shape or shape[0] % mesh_shape[found] == 0:
+        return None
+    return found
+
+
+def is_valid_param(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
+    """``is_valid``, or a padded parameter shard (``padded_axis``): the specs a parameter may be
+    held as."""
+    return is_valid(shape, spec, mesh_shape) or padded_axis(shape, spec, mesh_shape) is not None
+
+
+def padded_transition_ok(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` held as ``src`` may be resharded to ``dst`` as far as padding
+    goes: a padded parameter shard only to replicated on every axis (one all-gather of the padded
+    pieces, whose backward reduce-scatters the padded gradient), any other spec freely."""
+    if not shape or all(shape[0] % size == 0 for size in mesh_shape) or padded_axis(shape, src, mesh_shape) is None:
+        return True
+    return all(_kind(placement) & _REPLICATE for placement in dst)
+
+
+def chunk_piece(x: torch.Tensor, dim: int, k: int, index: int) -> torch.Tensor:
+    """Piece ``index`` of ``torch.chunk(x, k, dim)``, empty where chunk gives fewer than ``k``
+    pieces (``ceil(n / k)`` rows a piece: DTensor's and FSDP2's cut of an uneven dim)."""
+    rows = -(-x.shape[dim] // k)
+    start = min(rows * index, x.shape[dim])
+    return x.narrow(dim, start, min(rows, x.shape[dim] - start))
+
+
+def piece_rows(size: int, k: int, index: int) -> int:
+    """Rows of piece ``index`` of a dim of ``size`` cut ``torch.chunk``'s way into ``k``."""
+    rows = -(-size // k)
+    return max(0, min(rows, size - rows * index))
+
+
+def piece_shape(shape: Sequence[int], spec: Spec, coordinate: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape the rank at mesh ``coordinate`` holds (``shard_tensor``'s piece): ``local_shape``
+    but for a padded parameter shard, whose rank holds its own, unpadded piece."""
+    out = list(shape)
+    for axis, placement in enumerate(spec):
+        if _kind(placement) & _SHARD:
+            out[placement.dim] = piece_rows(out[placement.dim], mesh_shape[axis], coordinate[axis])
     return tuple(out)
 
 
@@ -341,7 +412,7 @@ def key_local_shape(shape: Sequence[int], key: tuple[PlacementKey, ...], mesh_sh
     out = list(shape)
     for axis, (kind, dim, _) in enumerate(key):
         if kind & _SHARD:
-            out[dim] //= mesh_shape[axis]
+            out[dim] = -(-out[dim] // mesh_shape[axis])
     return tuple(out)
 
 
@@ -529,7 +600,7 @@ def numbered_elements(
     local = np.tile(np.asarray(shape, dtype=np.int64), (len(states), 1))
     for axis, size in enumerate(mesh_shape):
         sharded = np.flatnonzero(dims[:, axis] != _NO_DIM)
-        local[sharded, dims[sharded, axis]] //= size
+        local[sharded, dims[sharded, axis]] = -(-local[sharded, dims[sharded, axis]] // size)  # padded: ceil
     return local.prod(axis=1)
 
 
@@ -576,13 +647,14 @@ def unstride(x: torch.Tensor, dim: int, k: int, blocks: int) -> torch.Tensor:
 
 
 def shard_tensor(full: torch.Tensor, spec: Spec, coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]) -> torch.Tensor:
-    """This rank's piece of ``full`` under ``spec`` (axis 0 outermost, even shards)."""
+    """This rank's piece of ``full`` under ``spec`` (axis 0 outermost; an uneven dim is cut as
+    ``torch.chunk`` cuts it, with empty pieces where it gives fewer than the axis size)."""
     local = full
     for axis, placement in enumerate(spec):
         if is_strided(placement):
             local = strided_piece(local, placement.dim, mesh_shape[axis], coordinate[axis], placement.split_factor)
         elif isinstance(placement, Shard):
-            local = local.chunk(mesh_shape[axis], placement.dim)[coordinate[axis]]
+            local = chunk_piece(local, placement.dim, mesh_shape[axis], coordinate[axis])
     return local.contiguous()
 
 

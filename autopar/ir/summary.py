@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopar.ir.context import is_balanced, max_work_fraction
-from autopar.ir.spec import VIEW_OP_NAMES, spec_text
+from autopar.ir.spec import VIEW_OP_NAMES, padded_axis, spec_text
 
 if TYPE_CHECKING:
     from autopar.ir.plan import Plan
@@ -128,13 +128,23 @@ def node_row(name: str, node, mesh_shape=None) -> tuple[str, str, str, str, str,
     return name, node.op, shape, placements, f"{node.cost_s * 1e3:.4f}", "; ".join(note)
 
 
+def _padded_note(plan: Plan, fqn: str, spec) -> str:
+    """ "  padded: ceil(n / k) of n rows a rank" for a padded parameter shard (``spec.padded_axis``)."""
+    node = plan.nodes.get("p_" + fqn.replace(".", "_"))
+    shape = tuple(node.shapes[0]) if node is not None and node.op == "param" and node.shapes else None
+    axis = padded_axis(shape, spec, plan.mesh_shape) if shape else None
+    if axis is None:
+        return ""
+    return f"  padded: {-(-shape[0] // plan.mesh_shape[axis])} of {shape[0]} rows a rank"
+
+
 def summary_text(plan: Plan, max_rows: int = 60) -> str:
     lines = header_lines(plan)
     lines.append("")
     lines.append("Parameters")
     width = max((len(f) for f in plan.params), default=10)
     for fqn, spec in plan.params.items():
-        lines.append(f"  {fqn:<{width}}  {spec_text(spec)}")
+        lines.append(f"  {fqn:<{width}}  {spec_text(spec)}{_padded_note(plan, fqn, spec)}")
     lines.append("")
     lines.append("Operators (views and getitems omitted)")
     rows = 0

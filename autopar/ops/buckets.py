@@ -48,13 +48,14 @@ import contextlib
 import math
 import operator
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.errors import UsageError
+from autopar.ir.spec import chunk_piece, piece_rows
 from autopar.ops import collectives
 from autopar.ops.params import add_grads, as_like, local_of
 
@@ -79,6 +80,9 @@ class Slot:
     uses: int = 1
     group: int = -1
     alone: bool = False  # the parameter's every use is in this slot: only the bucket writes its .grad
+    # A padded shard's (``ir.spec.padded_axis``): the unpadded size of ``dim``, which ``shape`` pads
+    # to the group size times ``ceil(size / k)``; -1: not padded
+    size: int = -1
 
     @property
     def numel(self) -> int:
@@ -283,7 +287,7 @@ class GradBuckets(torch.nn.Module):
         slot = bucket.slots[position]
         target = self._slot_view(index, position, pending.flat)
         if slot.kind == "reduce_scatter":
-            grad = _rank_major(grad, slot.dim, collectives.group_size(slot.groups[0]))
+            grad = _rank_major(_pad(grad, slot.dim, slot.shape[slot.dim]), slot.dim, collectives.group_size(slot.groups[0]))
         if key in pending.written:
             target.add_(grad.reshape(target.shape))
         else:
@@ -457,6 +461,8 @@ class GradBuckets(torch.nn.Module):
                     reduced = result[at : at + numel].view(shape)
                 else:
                     reduced = _from_dim0(result[at : at + numel], shape, slot.dim)
+                    if slot.size >= 0:  # a padded shard: this rank's own rows of its padded chunk
+                        reduced = _own_rows(reduced, slot.dim, slot.size, bucket.groups[0])
                 at += numel
                 # reduced in a policy's reduce_dtype: lands in the master's; a DTensor
                 # parameter's gradient is a DTensor with its placements (ops.params)
@@ -491,6 +497,21 @@ def _unshared(tensor: torch.Tensor) -> bool:
 
 def _chunk_shape(shape: tuple[int, ...], dim: int, k: int) -> tuple[int, ...]:
     return tuple(s // k if d == dim else s for d, s in enumerate(shape))
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` with zeros after its end along ``dim`` up to ``size`` (itself when that long): a
+    padded shard's piece or gradient laid out as ``k`` equal chunks, as FSDP2 pads them."""
+    short = size - x.shape[dim]
+    if short <= 0:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[:dim] + (short,) + x.shape[dim + 1 :])], dim)
+
+
+def _own_rows(chunk: torch.Tensor, dim: int, size: int, group_name: str) -> torch.Tensor:
+    """This rank's rows of its padded ``chunk`` of a dim of ``size`` (``ir.spec.piece_rows``)."""
+    rows = piece_rows(size, collectives.group_size(group_name), collectives.group_rank(group_name))
+    return chunk.narrow(dim, 0, rows)
 
 
 def _rank_major(grad: torch.Tensor, dim: int, k: int) -> torch.Tensor:
@@ -556,9 +577,14 @@ class ParamGathers(torch.nn.Module):
         grads: GradBuckets | None,
         groups: Sequence[Sequence[str]] | None = None,
         reshard: Sequence[bool] | None = None,
+        sizes: Mapping[str, int] | None = None,
     ):
         super().__init__()
         self.order = list(order)
+        # key -> the unpadded size of the gathered dim of a padded shard (``ir.spec.padded_axis``):
+        # each rank's piece is padded to ``ceil(size / k)`` rows for the collective, and the
+        # gathered tensor cut back to ``size``
+        self.sizes = dict(sizes or {})
         self._index = {key: i for i, (key, _, _, _) in enumerate(self.order)}
         self.groups = [tuple(g) for g in groups] if groups is not None else [(key,) for key, _, _, _ in self.order]
         if [key for g in self.groups for key in g] != [key for key, _, _, _ in self.order]:
@@ -617,6 +643,8 @@ class ParamGathers(torch.nn.Module):
                 raise AssertionError(f"parameter gather group {keys} needs the shard of {key!r}: bind() the parameters")
             dim = self.order[self._index[key]][2]
             piece = shard.detach().to(self._dtypes.get(key, shard.dtype)).movedim(dim, 0)
+            if key in self.sizes:
+                piece = _pad(piece, 0, -(-self.sizes[key] // collectives.group_size(group_name)))
             moved.append(piece)
             layout.append((key, tuple(piece.shape)))
         if len({piece.dtype for piece in moved}) != 1:
@@ -641,6 +669,8 @@ class ParamGathers(torch.nn.Module):
             numel = math.prod(shape)
             # (k, numel) → (k * chunk rows, ...): a view when the group is one parameter, else a copy
             whole = rows[:, at : at + numel].reshape((k * shape[0],) + shape[1:])
+            if key in self.sizes:  # a padded shard: the padding is at the end (torch.chunk's cut)
+                whole = whole[: self.sizes[key]]
             dim = self.order[self._index[key]][2]
             wholes[key] = whole.movedim(0, dim) if dim else whole
             at += numel
@@ -804,4 +834,4 @@ class _GatherParam(torch.autograd.Function):
         # The gradient is whole on every rank (the computation was not split): keep the chunk.
         _, group_name, dim, _ = ctx.gathers.order[ctx.gathers._index[ctx.key]]
         k, rank = collectives.group_size(group_name), collectives.group_rank(group_name)
-        return grad.chunk(k, dim)[rank].to(ctx.dtype).contiguous(), None, None
+        return chunk_piece(grad, dim, k, rank).to(ctx.dtype).contiguous(), None, None

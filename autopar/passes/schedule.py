@@ -44,10 +44,11 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.fx
 
+from autopar.errors import PlanError
 from autopar.ir.gathers import gather_groups, param_layer, reshards
 from autopar.ir.options import CommOptions
 from autopar.ir.plan import Plan
-from autopar.ir.spec import local_shape
+from autopar.ir.spec import local_shape, padded_axis
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets, ParamGathers, Slot, make_buckets
 from autopar.passes.inductor_comm import bucket_pass
@@ -86,7 +87,11 @@ def schedule_communication(
     ``fqns`` maps parameter placeholder names to canonical FQNs; without it (the pipeline and
     ``autopar check`` run the passes without parameters to bind) the graph is left as it is."""
     options = options or CommOptions()
-    if fqns is None or not options.enabled:
+    if fqns is None:
+        return gm
+    padded = _padded_params(gm, plan, fqns)
+    if not options.enabled:
+        _refuse_padded(padded, "the communication schedule is off (CommOptions(enabled=False))")
         return gm
     graph = gm.graph
     # Stand-ins, so that call_module nodes resolve while the real modules are being sized.
@@ -94,18 +99,25 @@ def schedule_communication(
     gm.add_submodule(PARAM_GATHERS, torch.nn.Module())
     reduce_slots: list[tuple[int, Slot]] = []
     gathers: list[tuple[int, str, str, int, int, str, torch.dtype]] = []
+    sizes: dict[str, int] = {}  # padded shards' unpadded dim sizes (``ParamGathers.sizes``)
     size_of = {name: math.prod(plan.mesh_shape[i] for i, g in enumerate(groups) if g == name) for name in groups}
     offloaded = set(plan.memory.offloaded("param")) if plan.memory is not None else set()
     _sync_lookups_at_the_table(graph, {name for name, fqn in fqns.items() if fqn not in offloaded})
     order = {node: i for i, node in enumerate(graph.nodes)}
     for placeholder in [n for n in graph.nodes if n.op == "placeholder" and n.name in fqns]:
         if fqns[placeholder.name] in offloaded:  # its gradient goes to the offload store
+            if placeholder.name in padded:
+                _refuse_padded({placeholder.name: padded[placeholder.name]}, "the plan offloads it")
             continue
         val = placeholder.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
         local = local_shape(tuple(val.shape), plan.params[fqns[placeholder.name]], plan.mesh_shape)
-        synced, gathered = _param_uses(placeholder)
+        synced, gathered = _param_uses(placeholder, lenient=placeholder.name in padded)
+        if placeholder.name in padded and not (
+            len(gathered) == 1 and not synced and len(placeholder.users) == len(next(iter(gathered.values())))
+        ):
+            _refuse_padded({placeholder.name: padded[placeholder.name]}, "a use of it is not one all-gather on its axis")
         if len(synced) == 1:  # one set of axes for every synced use (else: keep per-use collectives)
             ((chain_groups, chains),) = synced.items()
             first, slot_dtype = _merge_synced(graph, placeholder, chains, order)
@@ -115,9 +127,14 @@ def schedule_communication(
         if len(gathered) == 1 and not synced:
             (((dim, group, reduce), pairs),) = gathered.items()
             first, slot_dtype = _merge_gathered(graph, placeholder, pairs, reduce, order)
-            whole = tuple(s * size_of[group] if d == dim else s for d, s in enumerate(local))
+            whole = tuple(s * size_of[group] if d == dim else s for d, s in enumerate(local))  # padded: k pieces
+            size = val.shape[dim] if placeholder.name in padded else -1
+            if size >= 0:
+                sizes[placeholder.name] = size
             if reduce:
-                reduce_slots.append((first, Slot(placeholder.name, "reduce_scatter", whole, slot_dtype, (group,), dim)))
+                reduce_slots.append(
+                    (first, Slot(placeholder.name, "reduce_scatter", whole, slot_dtype, (group,), dim, size=size))
+                )
             gathers.append(
                 (
                     first,
@@ -129,13 +146,55 @@ def schedule_communication(
                     val.dtype,
                 )
             )
-    _install_schedule(gm, reduce_slots, sorted(gathers), options)
+    _install_schedule(gm, reduce_slots, sorted(gathers), options, sizes)
     return gm
 
 
-def _param_uses(placeholder: torch.fx.Node) -> tuple[dict, dict]:
+def _padded_params(gm: torch.fx.GraphModule, plan: Plan, fqns: Mapping[str, str]) -> dict[str, str]:
+    """Placeholder name -> FQN of each parameter the plan holds as a padded shard
+    (``ir.spec.padded_axis``)."""
+    found = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" and node.name in fqns else None
+        spec = plan.params.get(fqns[node.name]) if val is not None else None
+        if (
+            isinstance(val, torch.Tensor)
+            and spec is not None
+            and padded_axis(tuple(val.shape), spec, plan.mesh_shape) is not None
+        ):
+            found[node.name] = fqns[node.name]
+    return found
+
+
+def refuse_padded_params(gm: torch.fx.GraphModule, plan: Plan, fqns: Mapping[str, str], why: str) -> None:
+    """Refuse a plan that holds a parameter of ``gm`` as a padded shard where the runtime cannot
+    move one (``why``: a pipeline, say)."""
+    _refuse_padded(_padded_params(gm, plan, fqns), why)
+
+
+def _refuse_padded(padded: Mapping[str, str], why: str) -> None:
+    """A padded shard moves only through the scheduled gathers (``ParamGathers``, whose pieces are
+    padded to equal sizes): refuse a graph that would move one with a plain collective."""
+    if padded:
+        names = ", ".join(sorted(padded.values())[:4]) + (" ..." if len(padded) > 4 else "")
+        raise PlanError(
+            f"the plan holds {names} as padded shards (Shard(0) on a mesh axis that does not divide dim 0, "
+            f"FSDP2's uneven layout), but {why}, and only the scheduled FSDP gather pads them. Keep the "
+            "communication schedule on (CommOptions()), or plan again on a mesh whose sizes divide the dims"
+        )
+
+
+def _used(node: torch.fx.Node, lenient: bool = True) -> list[torch.fx.Node]:
+    """``node``'s users but (where ``lenient``) the unused aliases ``passes.precision`` keeps for
+    a moved cast's name, which read a gather without needing it."""
+    return [u for u in node.users if not (lenient and u.target is torch.ops.aten.alias.default and not u.users)]
+
+
+def _param_uses(placeholder: torch.fx.Node, lenient: bool = False) -> tuple[dict, dict]:
     """A parameter's uses by their collectives: ``allreduce_grad`` chains by their groups, and
-    ``all_gather`` → ``allreduce_grad`` pairs by (dim, group, whether the gradient is reduced)."""
+    ``all_gather`` → ``allreduce_grad`` pairs by (dim, group, whether the gradient is reduced).
+    ``lenient``: a gather may also feed unused aliases (``_used``; a padded shard's, which only
+    the scheduled gather moves)."""
     synced: dict[tuple[str, ...], list[list[torch.fx.Node]]] = {}
     gathered: dict[tuple[int, str, bool], list[tuple[torch.fx.Node, torch.fx.Node]]] = {}
     for user in list(placeholder.users):
@@ -143,8 +202,8 @@ def _param_uses(placeholder: torch.fx.Node) -> tuple[dict, dict]:
         if chain:
             synced.setdefault(chain_groups, []).append(chain)
             continue
-        if _is(user, collectives.all_gather) and len(user.args) == 3 and len(user.users) == 1:
-            (after,) = user.users
+        if _is(user, collectives.all_gather) and len(user.args) == 3 and len(_used(user, lenient)) == 1:
+            (after,) = _used(user, lenient)
             chain, chain_groups = _grad_chain(after)
             if chain_groups == (user.args[2],):  # partial gradient: reduce-scatter it
                 gathered.setdefault((user.args[1], user.args[2], True), []).append((user, chain[-1]))
@@ -182,21 +241,26 @@ def _merge_gathered(
     with graph.inserting_before(first_use):
         node = graph.call_module(PARAM_GATHERS, (placeholder,), {"key": placeholder.name})
     node.meta = dict(first_use.meta)
-    slot_dtype = _reduce_dtype(_grad_chain(next(iter(pairs[0][0].users)))[0], val) if reduce else val.dtype
+    slot_dtype = _reduce_dtype(_grad_chain(_used(pairs[0][0])[0])[0], val) if reduce else val.dtype
     for gather, last in pairs:
         last.replace_all_uses_with(node)
         if reduce:
-            chain, _ = _grad_chain(next(iter(gather.users)))
+            chain, _ = _grad_chain(_used(gather)[0])
             for dead in reversed(chain):
                 graph.erase_node(dead)
         elif gather is not last:
             raise AssertionError("unreduced gather has no gradient chain")
+        gather.replace_all_uses_with(node)  # an unused alias of it (``_used``) reads the gathered one
         graph.erase_node(gather)
     return order[first_use], slot_dtype
 
 
 def _install_schedule(
-    gm: torch.fx.GraphModule, reduce_slots: list[tuple[int, Slot]], gathers: list[tuple], options: CommOptions
+    gm: torch.fx.GraphModule,
+    reduce_slots: list[tuple[int, Slot]],
+    gathers: list[tuple],
+    options: CommOptions,
+    sizes: Mapping[str, int] | None = None,
 ) -> None:
     """Size the real ``GradBuckets`` and ``ParamGathers`` modules (``gathers`` in forward order)."""
     groups_of_keys = gather_groups(
@@ -218,7 +282,9 @@ def _install_schedule(
     reshard = [reshards(layer_of[keys[0]], options.reshard_after_forward) for keys in groups_of_keys]
     gm.add_submodule(
         PARAM_GATHERS,
-        ParamGathers([g[1:5] for g in gathers], options.prefetch_bytes, buckets, groups=groups_of_keys, reshard=reshard),
+        ParamGathers(
+            [g[1:5] for g in gathers], options.prefetch_bytes, buckets, groups=groups_of_keys, reshard=reshard, sizes=sizes
+        ),
     )
     if not reduce_slots:
         delattr(gm, GRAD_BUCKETS)
@@ -265,6 +331,7 @@ def schedule_in_graph(
     options = options or CommOptions()
     if fqns is None or not options.enabled:
         return gm
+    _refuse_padded(_padded_params(gm, plan, fqns), 'compiler="inductor" traces its gathers unpadded')
     graph = gm.graph
     _sync_lookups_at_the_table(graph, set(fqns))
     for placeholder in [n for n in graph.nodes if n.op == "placeholder" and n.name in fqns]:

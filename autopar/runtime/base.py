@@ -44,16 +44,32 @@ log = logging.getLogger("autopar")
 _no_sync_said: list[bool] = []  # no_sync() logs what it does once per process
 
 
-def gather_tensor(local: torch.Tensor, spec: Spec, groups: tuple[str, ...]) -> torch.Tensor:
-    """The whole tensor from every rank's shard (no autograd)."""
+def gather_tensor(
+    local: torch.Tensor, spec: Spec, groups: tuple[str, ...], full_shape: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """The whole tensor (of ``full_shape``, where a padded shard's pieces differ) from every
+    rank's shard (no autograd)."""
     full = local.detach()
     for axis in reversed(range(len(spec))):
         placement = spec[axis]
         if is_strided(placement):
             full = collectives.no_grad_all_gather(full, placement.dim, groups[axis], placement.split_factor)
         elif isinstance(placement, Shard):
-            full = collectives.no_grad_all_gather(full, placement.dim, groups[axis])
+            full = _gather_padded(full, placement.dim, groups[axis], full_shape)
     return full
+
+
+def _gather_padded(local: torch.Tensor, dim: int, group: str, full_shape: tuple[int, ...] | None) -> torch.Tensor:
+    """``no_grad_all_gather`` of ``local`` along ``dim``; a padded shard's piece (``full_shape[dim]``
+    not a multiple of the group size) is padded to ``ceil(n / k)`` rows first and the result cut to
+    ``n``, as its scheduled gather does (``ops.buckets.ParamGathers``)."""
+    k = collectives.group_size(group)
+    if full_shape is None or full_shape[dim] % k == 0:
+        return collectives.no_grad_all_gather(local, dim, group)
+    rows = -(-full_shape[dim] // k)
+    pad = local.new_zeros(local.shape[:dim] + (rows - local.shape[dim],) + local.shape[dim + 1 :])
+    whole = collectives.no_grad_all_gather(torch.cat([local, pad], dim), dim, group)
+    return whole.narrow(dim, 0, full_shape[dim])
 
 
 class Holder(torch.nn.Module):
@@ -204,7 +220,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
 
     def _gather(self, fqn: str, local: torch.Tensor | None) -> torch.Tensor | None:
         """The whole tensor of ``fqn`` on every rank, from ``local`` where ``_contributes(fqn)``."""
-        return None if local is None else gather_tensor(local, self._plan.params[fqn], self._groups)
+        return None if local is None else gather_tensor(local, self._plan.params[fqn], self._groups, self._full_shapes.get(fqn))
 
     # -- shared ----------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import CheckpointError
-from autopar.ir.spec import Spec, local_shape, shard_tensor
+from autopar.ir.spec import Spec, piece_shape, shard_tensor
 from autopar.ops.collectives import call_on_world
 from autopar.runtime import checkpoint_files as files
 from autopar.runtime.checksums import ChecksumWriter, checksum_problems
@@ -467,7 +467,9 @@ def _optimizer_target(pm: ParallelModule, optimizer: torch.optim.Optimizer, meta
                 elif tuple(meta.size) == pm.full_shape(fqn) and len(meta.size) > 0:
                     spec = pm.plan.params[fqn]
                     local = torch.empty(
-                        local_shape(meta.size, spec, pm.shard_mesh_shape), dtype=meta.properties.dtype, device=param.device
+                        piece_shape(meta.size, spec, pm.coordinate, pm.shard_mesh_shape),
+                        dtype=meta.properties.dtype,
+                        device=param.device,
                     )
                     entries[name] = to_dtensor(local, spec, pm.full_shape(fqn), mesh)
                 else:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.errors import ConfigTypeError, ModelError
-from autopar.ir.spec import Spec, local_shape, shard_tensor
+from autopar.ir.spec import Spec, local_shape, piece_shape, shard_tensor
 from autopar.trace.fake import apply_order, fake_tensors, has_meta_tensors, own_tensors
 
 __all__ = [
@@ -107,16 +107,30 @@ class FromCheckpoint:
 
 
 def empty_shards(
-    model: torch.nn.Module, specs: Mapping[str, Spec], mesh_shape: tuple[int, ...], device: str | torch.device = "cpu"
+    model: torch.nn.Module,
+    specs: Mapping[str, Spec],
+    mesh_shape: tuple[int, ...],
+    device: str | torch.device = "cpu",
+    coordinate: tuple[int, ...] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """FQN → an uninitialized tensor of this rank's shard shape, for every tensor in ``specs``."""
+    """FQN → an uninitialized tensor of the shard shape of the rank at ``coordinate`` (its own
+    piece of a padded shard, ``ir.spec.piece_shape``; None: the padded shape), for every tensor
+    in ``specs``."""
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     return {
-        fqn: torch.empty(local_shape(tuple(named[fqn].shape), spec, mesh_shape), dtype=named[fqn].dtype, device=device)
+        fqn: torch.empty(
+            _shard_shape(tuple(named[fqn].shape), spec, mesh_shape, coordinate), dtype=named[fqn].dtype, device=device
+        )
         for fqn, spec in specs.items()
         if fqn in named
     }
+
+
+def _shard_shape(
+    shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...] | None
+) -> tuple[int, ...]:
+    return local_shape(shape, spec, mesh_shape) if coordinate is None else piece_shape(shape, spec, coordinate, mesh_shape)
 
 
 def checkpoint_shards(
@@ -128,7 +142,7 @@ def checkpoint_shards(
 ) -> dict[str, torch.Tensor]:
     """FQN → this rank's shard of each tensor in ``specs``, for ``autopar.checkpoint.load`` to fill:
     empty, except the tensors no checkpoint holds (non-persistent buffers), made by ``init.unsaved``."""
-    shards = empty_shards(model, specs, mesh_shape, init.device)
+    shards = empty_shards(model, specs, mesh_shape, init.device, coordinate)
     saved = set(model.state_dict(keep_vars=True))
     unsaved = {fqn: spec for fqn, spec in specs.items() if fqn not in saved}
     if unsaved and init.unsaved is None:

@@ -664,3 +664,36 @@ def test_price_pairs_are_price_to_the_bit(mesh):
         got = [(s, b) if ok else None for ok, s, b in zip(possible.tolist(), seconds.tolist(), sent.tolist())]
         expected = [prices.price(specs[i], specs[j], (i, j), *args) for i, j in zip(src.tolist(), dst.tolist())]
         assert got == expected and None in got
+
+
+def test_a_padded_shard_is_priced_padded_and_moves_only_to_replicated():
+    """FSDP2's padded parameter shard (``ir.spec.padded_axis``): 64 rows on 3 ranks hold
+    ceil(64 / 3) = 22 rows each in memory, and its gather moves 3 x 22 rows; any other move is
+    impossible."""
+    cluster = get_cluster("h100-80g")
+    shape, even, mesh = (64, 1024), (66, 1024), (3,)
+    assert local_bytes(shape, torch.float32, (S(0),), mesh) == 22 * 1024 * 4
+    assert param_state_bytes(shape, torch.float32, (S(0),), mesh) == 4 * 22 * 1024 * 4, "param, grad, 2 AdamW states"
+    padded = transition_cost((S(0),), (R,), shape, torch.float32, mesh, cluster, True)
+    same_bytes = transition_cost((S(0),), (R,), even, torch.float32, mesh, cluster, True)
+    assert padded is not None and padded == same_bytes, "priced as the 66-row tensor it pads to"
+    # the all-gather's output: 3 pieces of 22 rows (the gradient's reduce-scatter is the parameter's
+    # gradient sync, priced with the gathered use)
+    assert padded.bytes_sent == pytest.approx(2 / 3 * 66 * 1024 * 4)
+    assert transition_cost((S(0),), (S(1),), shape, torch.float32, mesh, cluster, True) is None
+    assert transition_cost((S(0),), (S(1),), even, torch.float32, mesh, cluster, True) is not None
+    # the batch pricer agrees, pair by pair, and so does the vectorized one
+    prices = TransitionPrices(mesh, cluster)
+    specs = [(R,), (S(0),), (S(1),)]
+    for (i, src), (j, dst) in itertools.product(enumerate(specs), repeat=2):
+        cost = transition_cost(src, dst, shape, torch.float32, mesh, cluster, True)
+        expected = None if cost is None else (cost.forward_s + cost.backward_s, cost.bytes_sent)
+        assert prices.price(src, dst, (i, j), shape, torch.float32, True) == expected, (src, dst)
+    rows = np.array([prices.numbered(spec) for spec in specs])
+    src, dst = np.repeat(rows, 3, axis=0), np.tile(rows, (3, 1))
+    possible, seconds, _ = prices.price_pairs(src, dst, shape, torch.float32, True)
+    pairs = list(itertools.product(specs, repeat=2))
+    assert [bool(p) for p in possible] == [
+        transition_cost(a, b, shape, torch.float32, mesh, cluster, True) is not None for a, b in pairs
+    ]
+    assert seconds[pairs.index(((S(0),), (R,)))] == pytest.approx(padded.forward_s + padded.backward_s)

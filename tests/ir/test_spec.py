@@ -236,3 +236,51 @@ def test_is_valid_divides_each_dim_by_the_product_of_its_axes():
             )
         )
         assert is_valid(shape, spec, mesh) == expected, spec
+
+
+# -- padded parameter shards (FSDP2's uneven dim 0) ----------------------------------------------
+
+
+def test_a_padded_shard_is_dim_0_on_one_axis_that_does_not_divide_it():
+    from autopar.ir.spec import is_valid_param, padded_axis
+
+    assert padded_axis((64, 8), (Shard(0),), (3,)) == 0
+    assert padded_axis((2, 8), (Shard(0),), (3,)) == 0, "shorter than the axis: some pieces are empty"
+    assert padded_axis((1, 4), (Replicate(), Shard(0)), (2, 3)) == 1
+    assert padded_axis((66, 8), (Shard(0),), (3,)) is None, "even: not padded"
+    assert padded_axis((8, 64), (Shard(1),), (3,)) is None, "only dim 0 is padded, as FSDP2 shards it"
+    assert padded_axis((64, 8), (Shard(0), Shard(0)), (2, 3)) is None, "one axis only"
+    assert padded_axis((64, 9), (Shard(1), Shard(0)), (3, 3)) is None, "R on every other axis"
+    assert padded_axis((64,), (SS(0, 2),), (3,)) is None
+    assert not is_valid((64, 8), (Shard(0),), (3,)), "ops never see uneven specs"
+    assert is_valid_param((64, 8), (Shard(0),), (3,)) and is_valid_param((66, 8), (Shard(0),), (3,))
+    assert not is_valid_param((8, 64), (Shard(1),), (3,))
+
+
+def test_padded_local_shape_is_the_padded_piece_and_each_rank_holds_torch_chunks_piece():
+    from autopar.ir.spec import chunk_piece, piece_rows, piece_shape, shard_tensor
+
+    assert local_shape((64, 8), (Shard(0),), (3,)) == (22, 8), "ceil(64 / 3): what collectives move"
+    assert local_shape((2, 8), (Shard(0),), (3,)) == (1, 8)
+    assert [piece_shape((64, 8), (Shard(0),), (r,), (3,)) for r in range(3)] == [(22, 8), (22, 8), (20, 8)]
+    assert [piece_rows(2, 3, r) for r in range(3)] == [1, 1, 0]
+    assert [piece_rows(7, 4, r) for r in range(4)] == [2, 2, 2, 1]
+    assert [piece_rows(4, 3, r) for r in range(3)] == [2, 2, 0], "torch.chunk: ceil-sized pieces, then empty"
+    for size, k in ((64, 3), (2, 3), (4, 3), (7, 4), (48, 5)):
+        whole = torch.arange(size * 2).reshape(size, 2)
+        pieces = [shard_tensor(whole, (Shard(0),), (r,), (k,)) for r in range(k)]
+        assert [p.shape[0] for p in pieces] == [piece_rows(size, k, r) for r in range(k)]
+        assert torch.equal(torch.cat(pieces), whole)
+        chunks = whole.chunk(k)
+        for r in range(k):
+            expected = chunks[r] if r < len(chunks) else whole[:0]
+            assert torch.equal(chunk_piece(whole, 0, k, r), expected)
+
+
+def test_a_padded_shard_moves_only_by_one_gather_to_replicated():
+    from autopar.ir.spec import padded_transition_ok
+
+    assert padded_transition_ok((64, 8), (Shard(0),), (Replicate(),), (3,))
+    assert not padded_transition_ok((64, 8), (Shard(0),), (Shard(1),), (3,)), "an all-to-all of uneven pieces"
+    assert not padded_transition_ok((64, 9), (Replicate(), Shard(0)), (Shard(1), Replicate()), (3, 3))
+    assert padded_transition_ok((66, 8), (Shard(0),), (Shard(1),), (3,)), "even shards move freely"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost.cluster import get_cluster
 from autopar.rules import op_info
@@ -10,6 +11,7 @@ from autopar.rules.registry import tensor_input_nodes
 from autopar.solver.problem import choices, op_prices
 from autopar.trace import trace_repeated
 from autopar.zoo.models import build_model, example_batch
+from tests.conftest import WideNet
 
 
 def test_op_info_of_layer_copies_is_each_nodes_own():
@@ -152,3 +154,60 @@ def test_a_graphs_peak_is_its_timelines_walked_once_per_sharding(monkeypatch):
     walked = []
     monkeypatch.setattr(type(graph.timeline), "peak", lambda self, bytes_of: walked.append(bytes_of))  # asked again: cached
     assert [graph.peak(dict(choice)) for choice in shardings] == want and not walked
+
+
+def _wide_specs(monkeypatch, padded: bool, mesh: tuple[int, ...]) -> dict[str, list[str]]:
+    """Each placeholder's specs, as plan text, with ``PADDED_PARAM_SHARDS`` set to ``padded``."""
+    from autopar.ir import spec as spec_module
+    from autopar.ir.spec import format_spec
+    from autopar.trace import trace
+
+    monkeypatch.setattr(spec_module, "PADDED_PARAM_SHARDS", padded)
+    batch = (torch.randn(6, 64), torch.randint(0, 2, (6,)))
+    traced = trace(WideNet(), batch)
+    graph = choices.build_choice_graph(traced, mesh, get_cluster("cpu"))
+    return {
+        c.fqn: ["".join(format_spec(s.outs[0])) for s in c.strategies]
+        for c in graph.choices.values()
+        if c.kind in ("param", "buffer")
+    }
+
+
+def test_parameters_may_be_padded_shards_behind_the_flag_and_buffers_never(monkeypatch):
+    off = _wide_specs(monkeypatch, False, (3,))
+    assert all(specs == ["R"] for specs in off.values()), off
+    on = _wide_specs(monkeypatch, True, (3,))
+    assert on["up.weight"] == ["R", "S(0)"] and on["down.weight"] == ["R", "S(0)"] and on["down.bias"] == ["R", "S(0)"]
+    assert on["scale"] == ["R"], "a buffer is read whole by its ops: never padded"
+    # two axes larger than 1: the runtime gathers a padded shard on one axis alone (FSDP's pattern)
+    two = _wide_specs(monkeypatch, True, (2, 3))
+    assert "RS(0)" not in two["up.weight"] and "S(0)R" in two["up.weight"], two["up.weight"]
+
+
+def test_the_solver_plans_fsdp_with_padded_shards_under_a_tight_budget(monkeypatch):
+    """A Llama 256 wide (hidden 512, vocab 1000) on 3 ranks: no dim divides, so without padded
+    shards every parameter stays whole and 70% of its replicated state is infeasible; with them
+    the solver shards parameters padded, and the prediction counts ceil(n / 3) rows a rank."""
+    import pytest
+
+    import autopar
+    from autopar.errors import InfeasibleError
+    from autopar.ir import spec as spec_module
+
+    with torch.device("meta"):
+        model = build_model("llama", n_embd=256, n_layer=4, n_head=4, n_kv_head=4, vocab_size=1000, hidden=512)
+    batch = example_batch("llama", batch_size=6, seq_len=32, vocab_size=1000)
+    params = dict(model.named_parameters())
+    budget = 0.7 * 16 * sum(p.numel() for p in params.values())  # fp32 param, grad, 2 AdamW states
+    monkeypatch.setattr(spec_module, "PADDED_PARAM_SHARDS", False)
+    with pytest.raises(InfeasibleError):
+        autopar.plan(model, (3,), example_inputs=batch, cluster="cpu", memory_budget=budget, checkpointing=False)
+    monkeypatch.setattr(spec_module, "PADDED_PARAM_SHARDS", True)
+    plan = autopar.plan(model, (3,), example_inputs=batch, cluster="cpu", memory_budget=budget, checkpointing=False)
+    assert plan.predicted.peak_memory_bytes <= budget
+    sharded = {fqn for fqn, spec in plan.params.items() if spec != (Replicate(),)}
+    assert sharded and all(plan.params[fqn] == (Shard(0),) for fqn in sharded), plan.params
+    assert all(params[fqn].shape[0] % 3 for fqn in sharded), "every shard here is padded"
+    rows = {fqn: -(-p.shape[0] // 3) if fqn in sharded else p.shape[0] for fqn, p in params.items()}  # ceil(n / 3)
+    state = sum(2 * 4 * rows[fqn] * p[0].numel() for fqn, p in params.items())
+    assert plan.predicted.memory_at_peak_bytes["optimizer_state"] == state

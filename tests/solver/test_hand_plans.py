@@ -185,3 +185,24 @@ def test_a_hand_plan_with_checkpointing_fits_where_one_without_cannot(torchtitan
     assert {s.policy for s in titan.memory.checkpoint} == {"selective-op"} and len(titan.memory.checkpoint) == 32
     assert full.predicted.peak_memory_bytes < titan.predicted.peak_memory_bytes < plan.predicted.peak_memory_bytes
     assert plan.predicted.step_time_s < titan.predicted.step_time_s < full.predicted.step_time_s
+
+
+@pytest.mark.parametrize("mesh", [(3,), (6,), (48,)])
+def test_fsdp_shards_dim_0_padded_on_a_world_size_that_divides_nothing(monkeypatch, mesh):
+    """FSDP2 runs on any world size: with padded shards planned, the fsdp hand plan shards every
+    parameter's dim 0 (its pieces padded to ceil(n / k) rows, some empty on 48 ranks) where no
+    dim divides; with them off, such parameters stay replicated."""
+    from autopar.ir import spec as spec_module
+    from tests.conftest import WideNet
+
+    model = WideNet()
+    batch = (torch.randn(6, 64), torch.randint(0, 2, (6,)))
+    monkeypatch.setattr(spec_module, "PADDED_PARAM_SHARDS", False)
+    off = autopar.hand_plan("fsdp", model, mesh, example_inputs=batch, cluster="cpu")
+    assert all(spec == (Replicate(),) for spec in off.params.values()), off.params
+    monkeypatch.setattr(spec_module, "PADDED_PARAM_SHARDS", True)
+    on = autopar.hand_plan("fsdp", model, mesh, example_inputs=batch, cluster="cpu")
+    params = {fqn: spec for fqn, spec in on.params.items() if fqn != "scale"}  # (a buffer: never padded)
+    assert len(params) == 4 and all(spec == (Shard(0),) for spec in params.values()), on.params
+    assert on.params["scale"] == (Replicate(),)
+    assert on.predicted.memory_at_peak_bytes["param"] < off.predicted.memory_at_peak_bytes["param"]

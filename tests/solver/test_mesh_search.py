@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from torch.distributed.tensor import Shard
 
 import autopar
 from autopar.cost.cluster import get_cluster
@@ -48,9 +49,13 @@ def test_search_picks_the_fastest_and_lists_every_mesh():
     assert "mesh_search" not in best.to_json()
 
 
-def test_infeasible_meshes_are_listed():
-    # The mlp's sizes (8, 32, 128) do not split by 3 or 6: on (6,) nothing can be sharded, on
-    # (2, 3) and (3, 2) the axis of 2 still can. A budget between the two is infeasible on (6,) only.
+def test_infeasible_meshes_are_listed(monkeypatch):
+    # The mlp's sizes (8, 32, 128) do not split by 3 or 6: on (6,) nothing can be sharded evenly,
+    # on (2, 3) and (3, 2) the axis of 2 still can. A budget between the two is infeasible on (6,)
+    # only, without padded shards (with them, FSDP2's uneven dim 0, (6,) shards too: below).
+    from autopar.ir import spec as spec_module
+
+    monkeypatch.setattr(spec_module, "PADDED_PARAM_SHARDS", False)
     model, batch = build_model("mlp", seed=0), example_batch("mlp", 8)
     traced = trace(model, batch)
     cluster = get_cluster("cpu")
@@ -60,6 +65,10 @@ def test_infeasible_meshes_are_listed():
     rows = {tuple(r["mesh"]): r for r in best.stats["mesh_search"]}
     assert set(rows) == {(6,), (2, 3), (3, 2)}
     assert rows[(6,)]["status"] == "infeasible" and "memory_budget" in rows[(6,)]["reason"]
+    monkeypatch.setattr(spec_module, "PADDED_PARAM_SHARDS", True)
+    padded = autopar.plan(model, (6,), example_inputs=batch, cluster="cpu", memory_budget=budget)
+    assert padded.predicted.peak_memory_bytes <= budget and (Shard(0),) in padded.params.values()
+    monkeypatch.setattr(spec_module, "PADDED_PARAM_SHARDS", False)
     assert best.mesh_shape in ((2, 3), (3, 2)) and best.predicted.peak_memory_bytes <= budget
     assert best.stats["mesh_search"][-1]["status"] == "infeasible"
     assert "infeasible" in mesh_search_text(best.stats["mesh_search"])

@@ -37,6 +37,7 @@ from autopar.ir.spec import format_spec, local_shape
 from autopar.ops import collectives
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.runtime.module import ParallelModule, mesh_groups
+from autopar.runtime.padded import padded_params
 from autopar.trace import trace
 
 log = logging.getLogger("autopar")
@@ -231,6 +232,13 @@ def check_plan(plan: Plan, model: torch.nn.Module, example_inputs: tuple, rank: 
     inputs = tuple(example_inputs)
     traced = trace(model, inputs, None, plan.precision)
     check_plan_matches(plan, traced, tuple(plan.mesh_shape))
+    padded = padded_params(plan, traced)
+    if padded:
+        raise PlanError(
+            f"autopar check does not check plans with padded parameter shards yet ({', '.join(padded[:3])}"
+            f"{' ...' if len(padded) > 3 else ''}: Shard(0) on a mesh axis that does not divide dim 0; only the "
+            "runtime's scheduled gather pads their pieces): run the plan on real ranks with autopar.compile"
+        )
     world_size = math.prod(plan.mesh_shape)
     with fake_world(world_size, rank):
         level = log.level

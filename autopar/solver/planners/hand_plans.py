@@ -48,8 +48,9 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
-from autopar.ir.spec import Spec, is_valid, replicate_size_one_axes
+from autopar.ir.spec import Spec, is_valid, padded_axis, replicate_size_one_axes
 from autopar.solver.planners.sharding import solve
+from autopar.solver.problem.choices import padded_param_specs
 from autopar.trace import TracedModel
 from autopar.trace.moe import EXPERTS_OP
 
@@ -85,11 +86,13 @@ def megatron_placement(fqn: str, shape: Sequence[int]) -> Shard | Replicate:
     return Replicate()
 
 
-def _fsdp_dim(shape: Sequence[int], ways: int) -> Shard | Replicate:
+def _fsdp_dim(shape: Sequence[int], ways: int, padded: bool = False) -> Shard | Replicate:
+    """The first dim that ``ways`` divides; else, with ``padded`` (``padded_param_specs``), dim 0
+    as FSDP2 shards it on any world size (a padded shard), else none."""
     for dim, size in enumerate(shape):
         if size % ways == 0:
             return Shard(dim)
-    return Replicate()
+    return Shard(0) if padded and shape else Replicate()
 
 
 def resolve_kind(kind: str) -> str:
@@ -108,6 +111,7 @@ def param_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> 
     outer = mesh_shape[:-1]
     specs: dict[str, Spec] = {}
     experts = _expert_weights(traced)
+    padded = padded_param_specs(mesh_shape)
     for graph_input in traced.placeholders("param"):
         shape = tuple(placeholders[graph_input.name].meta["val"].shape)
         fqn = traced.ties.get(graph_input.fqn, graph_input.fqn)
@@ -122,7 +126,7 @@ def param_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> 
             else:
                 spec = (_fsdp_dim(shape, _prod(mesh_shape)),) * num_axes
         elif kind == "fsdp":
-            spec = (_fsdp_dim(shape, _prod(mesh_shape)),) * num_axes
+            spec = (_fsdp_dim(shape, _prod(mesh_shape), padded),) * num_axes
         else:
             tp = megatron_placement(fqn, shape)
             if kind in ("megatron", "megatron_sp") or not outer:
@@ -133,7 +137,7 @@ def param_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> 
             spec = rest + (tp,)
         # On a mesh axis of size 1 (a pipeline stage's mesh, a (1, 4) mesh) every spec is R.
         spec = replicate_size_one_axes(spec, mesh_shape)
-        if not is_valid(shape, spec, mesh_shape):
+        if not is_valid(shape, spec, mesh_shape) and not (padded and padded_axis(shape, spec, mesh_shape) is not None):
             spec = (Replicate(),) * num_axes  # this parameter cannot be cut evenly
         specs[graph_input.name] = spec
     return specs

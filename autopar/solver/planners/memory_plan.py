@@ -76,7 +76,7 @@ from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps, selective_op_kept, selective_op_role
 from autopar.solver.planners.walk_changes import WalkContext, affected_keys, offloads
 from autopar.solver.pricing.reserved import allocator_peaks
-from autopar.solver.problem.choices import layer_key, live_nodes
+from autopar.solver.problem.choices import layer_key, live_nodes, padded_choice
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.trace import TracedModel
 
@@ -864,8 +864,8 @@ def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing, poli
         if iv.kind not in TRANSFERS:
             continue
         c = graph.choices[iv.node]
-        if iv.kind == "param" and not walk.uses.get(iv.node):
-            continue
+        if iv.kind == "param" and not walk.uses.get(iv.node) or padded_choice(c, choice[iv.node], graph.mesh_shape):
+            continue  # (the offload store keeps equal shards only: runtime.padded)
         size = iv.factor * walk.bytes_of(iv.node)
         if size <= 0:
             continue

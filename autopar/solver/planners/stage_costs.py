@@ -477,7 +477,8 @@ def build_stage_graph(
     the step is priced for)."""
     start = time.perf_counter()
     dtype = {} if optimizer_dtype is None else {"optimizer_dtype": optimizer_dtype}
-    graph = build_choice_graph(traced, stage_mesh, cluster, forced=forced, optimizer=optimizer, **dtype)
+    # padded=False: a pipeline stage holds plain, equal shards (runtime.padded)
+    graph = build_choice_graph(traced, stage_mesh, cluster, forced=forced, optimizer=optimizer, padded=False, **dtype)
     log.debug("stage mesh %s: choice graph in %.2f s", stage_mesh, time.perf_counter() - start)
     # A pipeline stage holds its parameters as plain shards: its optimizer step pays no DTensor dispatch.
     return dataclasses.replace(graph, dtensor_step_s=0.0)

@@ -17,13 +17,15 @@ same numbers.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import itertools
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +37,9 @@ from autopar.cost import compute, liveness, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.optimizer import step_temporary
 from autopar.errors import ConfigError, InfeasibleError
+from autopar.ir import spec as spec_module
 from autopar.ir.options import DEFAULT_OPTIMIZER, CommOptions
-from autopar.ir.spec import SS, Spec, is_valid, replicated
+from autopar.ir.spec import SS, Spec, is_valid, padded_axis, replicated
 from autopar.rules import op_info
 from autopar.rules.registry import (
     OpInfo,
@@ -318,6 +321,7 @@ def build_choice_graph(
     zero_stage: int = 0,
     optimizer_dtype: torch.dtype | None = None,
     comm: CommOptions | None = None,
+    padded: bool = True,
 ) -> ChoiceGraph:
     """Enumerate strategies and prices for every node of ``traced``.
 
@@ -333,15 +337,28 @@ def build_choice_graph(
     the step is priced for (``PlanOptions.optimizer``).
     ``comm`` is the communication schedule the runtime will run (``CommOptions()``, its default,
     when None): how it gathers and frees sharded parameters decides their memory.
+    ``padded`` False offers no padded parameter shards (``padded_param_specs``) where the
+    runtime would not carry them (a pipeline stage), whatever the flag says.
     """
+    comm = comm or CommOptions()
+    padded = padded and comm.enabled  # (only the scheduled gather pads: runtime.padded)
     with offering_strided(split_blocks(traced.gm)):
         return _build_choice_graph(
-            traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage, optimizer_dtype, comm or CommOptions()
+            traced,
+            mesh_shape,
+            cluster,
+            optimizer,
+            forced,
+            share_layers,
+            zero_stage,
+            optimizer_dtype,
+            comm,
+            padded,
         )
 
 
 def _build_choice_graph(
-    traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage, optimizer_dtype, comm
+    traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage, optimizer_dtype, comm, padded
 ) -> ChoiceGraph:
     mesh_shape = tuple(mesh_shape)
     num_axes = len(mesh_shape)
@@ -357,7 +374,16 @@ def _build_choice_graph(
         impossible_before = pruned.impossible
         if node.op == "placeholder":
             graph_input = kinds[node.name]
-            choices[node.name] = _placeholder_choice(node, graph_input.kind, graph_input.fqn, mesh_shape, placeholder_cache)
+            pinned = forced.get(node.name) if forced else None
+            choices[node.name] = _placeholder_choice(
+                node,
+                graph_input.kind,
+                graph_input.fqn,
+                mesh_shape,
+                placeholder_cache,
+                pinned if isinstance(pinned, tuple) else None,
+                padded,
+            )
         elif node.op == "output":
             choices[node.name] = _output_choice(node, num_axes)
         elif node.op == "call_function":
@@ -561,15 +587,53 @@ def _tie_groups(traced: TracedModel, choices: dict[str, Choice]) -> list[list[st
     return groups
 
 
-def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec]:
+def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], padded: bool = False) -> list[Spec]:
     """Every R/S spec with even shards (Partial is never a placeholder's placement), and the
-    strided shards that the graph's splits can use (``registry.strided_blocks``)."""
+    strided shards that the graph's splits can use (``registry.strided_blocks``); with
+    ``padded`` (a parameter, ``padded_param_specs``), FSDP2's padded shards of dim 0 too."""
     per_axis = [Replicate()] + [Shard(d) for d in range(len(shape))]
     per_axis += [SS(d, n) for n in strided_blocks() for d in range(len(shape))]
-    return [spec for spec in itertools.product(per_axis, repeat=len(mesh_shape)) if is_valid(shape, spec, mesh_shape)]
+    specs = [spec for spec in itertools.product(per_axis, repeat=len(mesh_shape)) if is_valid(shape, spec, mesh_shape)]
+    if padded:
+        specs += [
+            spec
+            for spec in itertools.product(per_axis[:2], repeat=len(mesh_shape))
+            if padded_axis(shape, spec, mesh_shape) is not None
+        ]
+    return specs
 
 
-def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict) -> Choice:
+def padded_choice(choice: Choice, index: int, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether strategy ``index`` of ``choice`` holds a parameter as a padded shard."""
+    return choice.kind == "param" and padded_axis(choice.out_shapes[0], choice.strategies[index].outs[0], mesh_shape) is not None
+
+
+def padded_param_specs(mesh_shape: tuple[int, ...]) -> bool:
+    """Whether parameters may be planned as padded shards (``ir.spec.padded_axis``) on this mesh:
+    where ``ir.spec.PADDED_PARAM_SHARDS`` allows them, outside ``offering_padded(False)``, on a
+    mesh of one axis larger than 1 (the runtime gathers a padded shard on one axis, FSDP's
+    pattern, where its gradient is reduced on that axis alone)."""
+    return spec_module.PADDED_PARAM_SHARDS and _PADDED_OFFERED.get() and sum(size > 1 for size in mesh_shape) == 1
+
+
+_PADDED_OFFERED: contextvars.ContextVar[bool] = contextvars.ContextVar("padded_offered", default=True)
+
+
+@contextlib.contextmanager
+def offering_padded(offered: bool) -> Iterator[None]:
+    """Plan inside the ``with`` block with padded parameter shards offered or not (``compile``
+    under ``compiler=``, whose traced gathers are unpadded, plans without them)."""
+    token = _PADDED_OFFERED.set(offered)
+    try:
+        yield
+    finally:
+        _PADDED_OFFERED.reset(token)
+
+
+def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict, pinned: Spec | None = None, offered: bool = True) -> Choice:
+    """A graph input's choice; ``pinned``: the spec ``forced`` gives it (a padded shard is then
+    offered whatever ``padded_param_specs`` says: a plan that holds one is carried out as given);
+    ``offered`` False: no padded shard unless pinned."""
     meta = tensor_meta(node.meta.get("val"))
     num_axes = len(mesh_shape)
     if meta is None:
@@ -580,10 +644,13 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict) -> Choice:
     # ``generate``; HF's ``rotary_emb.original_inv_freq``).
     unread_buffer = kind == "buffer" and not node.users
     # Placeholders of one shape, dtype and kind (every layer's weights) share one table.
-    key = (kind in ("param", "buffer"), unread_buffer, shape, dtype)
+    padded = kind == "param" and (  # (a buffer is read whole by its ops)
+        offered and padded_param_specs(mesh_shape) or pinned is not None and padded_axis(shape, pinned, mesh_shape) is not None
+    )
+    key = (kind in ("param", "buffer"), unread_buffer, shape, dtype, padded)
     if key not in cache:
         if kind in ("param", "buffer") and not unread_buffer:
-            specs = _all_specs(shape, mesh_shape)
+            specs = _all_specs(shape, mesh_shape, padded)
         else:
             # User inputs arrive whole on every rank and constants are whole: the first consumer
             # decides how to cut them (a local chunk, free of communication).

@@ -1,0 +1,195 @@
+"""FSDP2's padded shards on real gloo ranks: a model that 3 ranks divide nowhere, trained whole.
+
+``WideNet`` is 64 wide (3 ranks hold 22, 22 and 20 rows of each weight) with a 2-row head (one
+rank's piece of it is empty). The fsdp hand plan shards every parameter's dim 0, padded; the
+ranks train it against eager PyTorch in float64: accumulation with ``no_sync()``, torch's
+``clip_grad_norm_``, AdamW, an eval pass, then a DCP save and a resume into a meta-built model.
+Twice: each rank passing its own rows (``batch="per_rank"``: the gradient is a partial sum, which
+the padded reduce-scatter reduces) with ``reshard_after_forward=True``, and the whole batch on
+every rank (each keeps its piece of the whole gradient) with False. The assertions run in the parent.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import autopar
+from autopar.runtime.tools.launch import max_rel_diff
+from tests.conftest import WideNet, eager_grads, wide_batch
+
+pytestmark = pytest.mark.multiproc
+
+WORLD = 3
+BATCH = 6  # wide_batch's rows: 2 a rank under batch="per_rank"
+STEPS = 3
+LR = 1e-2
+CLIP = 0.05  # below the gradients' norm, so that clipping scales every step
+TOL = 1e-9  # float64 throughout: only summation order differs
+
+
+def _rows(module) -> slice:
+    """The rows of the global batch that ``module`` takes: its own under ``batch="per_rank"``."""
+    size, rank = getattr(module, "data_parallel_size", 1), getattr(module, "data_parallel_rank", 0)
+    return slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+
+
+def _train_step(module, optimizer, step: int) -> tuple[list[float], float]:
+    """Two micro-batches (the first under ``no_sync()`` where the module has it), torch's
+    ``clip_grad_norm_``, one AdamW step: (the micro-batch losses, the norm before clipping)."""
+    optimizer.zero_grad()
+    losses = []
+    for micro in range(2):
+        hold = getattr(module, "no_sync", None) if micro == 0 else None
+        with hold() if hold is not None else torch.enable_grad():
+            loss = module(*(t[_rows(module)] for t in wide_batch(10 * step + micro)))
+            loss.backward()
+        losses.append(loss.item())
+    norm = torch.nn.utils.clip_grad_norm_(list(module.parameters()), CLIP).item()
+    optimizer.step()
+    return losses, norm
+
+
+def _loop(plan: autopar.Plan, reshard: bool, path: str) -> dict:
+    torch.manual_seed(0)
+    model = WideNet().double()
+    eager = copy.deepcopy(model)
+    comm = autopar.CommOptions(reshard_after_forward=reshard)
+    pm = autopar.compile(model, (WORLD,), example_inputs=wide_batch(0), plan=plan, comm=comm)
+    optimizer, eager_optimizer = torch.optim.AdamW(pm.parameters(), lr=LR), torch.optim.AdamW(eager.parameters(), lr=LR)
+    out: dict = {"pieces": {fqn: tuple(p.to_local().shape) for fqn, p in pm.named_parameters()}, "steps": []}
+    buckets = getattr(pm.graph_module, "grad_buckets", None)
+    out["scattered"] = sum(s.size >= 0 for b in getattr(buckets, "buckets", ()) if b.kind == "reduce_scatter" for s in b.slots)
+    for step in range(STEPS):
+        got, want = _train_step(pm, optimizer, step), _train_step(eager, eager_optimizer, step)
+        # gradients after clipping, before the step: the sum of both micro-batches on every rank
+        out["steps"].append((got, want))
+    out["grad_rel"] = max_rel_diff(pm.full_grads(), eager_grads(eager))
+    pm.eval()
+    eager.eval()
+    with torch.no_grad():
+        out["eval"] = (pm(*(t[_rows(pm)] for t in wide_batch(99))).item(), eager(*wide_batch(99)).item())
+    pm.train()
+    eager.train()
+    out["state_rel"] = max_rel_diff(pm.full_state_dict(), eager.state_dict())
+    autopar.checkpoint.save(path, pm, optimizer)
+    # resume into a model built on the meta device: every shard and AdamW state from the checkpoint
+    with torch.device("meta"):
+        meta = WideNet().double()
+    init = autopar.FromCheckpoint(path)
+    resumed = autopar.compile(meta, (WORLD,), example_inputs=wide_batch(0), plan=plan, comm=comm, init=init)
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=LR / 7)  # the checkpoint's lr must win
+    autopar.checkpoint.load(path, resumed, resumed_optimizer)
+    out["resumed_step"] = (_train_step(resumed, resumed_optimizer, STEPS), _train_step(eager, eager_optimizer, STEPS))
+    out["resumed_state_rel"] = max_rel_diff(resumed.full_state_dict(), eager.state_dict())
+    return out
+
+
+def _refusal(plan: autopar.Plan, **kwargs) -> str:
+    """The error compiling the padded plan with ``kwargs`` raises (it must raise)."""
+    try:
+        autopar.compile(WideNet().double(), (WORLD,), example_inputs=wide_batch(0), plan=plan, **kwargs)
+    except autopar.errors.PlanError as error:
+        return str(error)
+    return "compiled"
+
+
+def _bf16_step(plan: autopar.Plan) -> dict:
+    """One step under "bf16-mixed" (bf16 gathers, fp32 masters and reduce-scatters) against the
+    policy's eager reference run as the data-parallel ranks run it."""
+    from tests.conftest import PolicyReference
+
+    torch.manual_seed(0)
+    model = WideNet()
+    reference = PolicyReference(copy.deepcopy(model), "bf16-mixed")
+    pm = autopar.compile(model, (WORLD,), example_inputs=wide_batch(0, torch.float32), plan=plan)
+    batch = wide_batch(1, torch.float32)
+    loss = pm(*(t[_rows(pm)] for t in batch))
+    loss.backward()
+    want, _ = reference.data_parallel_backward(batch, WORLD)
+    grads = {name: p.grad for name, p in reference.module.named_parameters()}
+    return {"loss": (loss.item(), want.item()), "grad_rel": max_rel_diff(pm.full_grads(), grads)}
+
+
+def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
+    plan = autopar.Plan.from_json(plans["whole"])
+    out = {
+        "per_rank": _loop(autopar.Plan.from_json(plans["per_rank"]), True, f"{path}_per_rank"),
+        "whole": _loop(plan, False, f"{path}_whole"),
+    }
+    out["bf16"] = _bf16_step(autopar.Plan.from_json(plans["per_rank_bf16"]))
+    out["unscheduled"] = _refusal(plan, comm=autopar.CommOptions(enabled=False))
+    out["inductor"] = _refusal(plan, compiler="inductor")
+    return out
+
+
+@pytest.fixture(scope="module")
+def padded_plans() -> dict[str, autopar.Plan]:
+    """The fsdp hand plan as it is (the whole batch on every rank: so small a model is cheapest
+    unsplit), and with its batch split too (each rank its own rows, as FSDP2 runs)."""
+    from autopar.cost.cluster import get_cluster
+    from autopar.ir import spec as spec_module
+    from autopar.ir.options import PlanOptions
+    from autopar.solver.planners.data import with_data_layout
+    from autopar.solver.planners.hand_plans import hand_specs
+    from autopar.solver.planners.sharding import solve
+    from autopar.solver.planners.split_batch import batch_pins
+    from autopar.trace import trace
+
+    allowed, spec_module.PADDED_PARAM_SHARDS = spec_module.PADDED_PARAM_SHARDS, True
+    try:
+        model, batch = WideNet().double(), wide_batch(0)
+        whole = autopar.hand_plan("fsdp", model, (WORLD,), example_inputs=batch, cluster="cpu")
+        data = autopar.DataOptions("per_rank")
+        plans = {"whole": whole}
+        for name, precision in (("per_rank", None), ("per_rank_bf16", "bf16-mixed")):
+            options = PlanOptions.from_keywords(data=data, precision=precision)
+            model, batch = (WideNet(), wide_batch(0, torch.float32)) if precision else (model, batch)
+            traced = trace(model, batch, None, options.precision)
+            forced = {**hand_specs("fsdp", traced, (WORLD,)), **batch_pins(traced, (WORLD,))}
+            split = solve(traced, (WORLD,), get_cluster("cpu"), options, forced=forced)
+            plans[name] = with_data_layout(split, traced, data)
+        return plans
+    finally:
+        spec_module.PADDED_PARAM_SHARDS = allowed
+
+
+def _close(got: float, want: float) -> bool:
+    return math.isclose(got, want, rel_tol=TOL, abs_tol=TOL)
+
+
+def test_padded_shards_train_as_eager_save_and_resume(rank_pool, tmp_path, padded_plans) -> None:
+    for plan in padded_plans.values():
+        assert {fqn: [str(p) for p in spec] for fqn, spec in plan.params.items()} == {
+            **{fqn: ["S(0)"] for fqn in ("up.weight", "up.bias", "down.weight", "down.bias")},
+            "scale": ["R"],  # a buffer: never padded
+        }
+    assert padded_plans["per_rank"].data.size == WORLD
+    plans = {batch: plan.to_json() for batch, plan in padded_plans.items()}
+    results = rank_pool(WORLD).run(_run, str(tmp_path / "ckpt"), plans, timeout_s=600)
+    rows = [(22, 22, 20), (1, 1, 0)]  # ceil(64 / 3) and ceil(2 / 3): torch.chunk's pieces
+    for rank, result in enumerate(results):
+        assert "communication schedule is off" in result.pop("unscheduled"), "plain collectives move equal pieces only"
+        assert "traces its gathers unpadded" in result.pop("inductor")
+        bf16 = result.pop("bf16")
+        # the loss comes back in bf16 (one ulp is 2**-8 relative); the fp32 gradients are exact
+        assert math.isclose(*bf16["loss"], rel_tol=2**-8), f"rank {rank} bf16-mixed: loss {bf16['loss']}"
+        assert max(bf16["grad_rel"].values()) < 1e-5, f"rank {rank} bf16-mixed: {bf16['grad_rel']}"
+        assert result["per_rank"].pop("scattered") == 4, "each gradient leaves by a padded reduce-scatter"
+        assert result["whole"].pop("scattered") == 0, "whole gradients on every rank: each keeps its piece"
+        for batch, run in result.items():
+            label = f"rank {rank} batch={batch}"
+            assert run["pieces"]["up.weight"] == (rows[0][rank], 64) and run["pieces"]["down.weight"] == (rows[1][rank], 64)
+            assert run["pieces"]["down.bias"] == (rows[1][rank],), label
+            for step, ((losses, norm), (eager_losses, eager_norm)) in enumerate(run["steps"]):
+                assert all(map(_close, losses, eager_losses)), f"{label} step {step}: {losses} vs {eager_losses}"
+                assert _close(norm, eager_norm) and norm > CLIP, f"{label} step {step}: norm {norm} vs {eager_norm}"
+            assert max(run["grad_rel"].values()) < TOL, f"{label}: {run['grad_rel']}"
+            assert _close(*run["eval"]), f"{label}: eval {run['eval']}"
+            assert max(run["state_rel"].values()) < TOL, f"{label}: after {STEPS} steps {run['state_rel']}"
+            (losses, norm), (eager_losses, eager_norm) = run["resumed_step"]
+            assert all(map(_close, losses, eager_losses)) and _close(norm, eager_norm), f"{label}: resumed {run['resumed_step']}"
+            assert max(run["resumed_state_rel"].values()) < TOL, f"{label}: resumed {run['resumed_state_rel']}"
