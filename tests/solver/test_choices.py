@@ -156,8 +156,11 @@ def test_a_graphs_peak_is_its_timelines_walked_once_per_sharding(monkeypatch):
     assert [graph.peak(dict(choice)) for choice in shardings] == want and not walked
 
 
-def _wide_specs(monkeypatch, padded: bool, mesh: tuple[int, ...]) -> dict[str, list[str]]:
-    """Each placeholder's specs, as plan text, with ``PADDED_PARAM_SHARDS`` set to ``padded``."""
+def _wide_specs(monkeypatch, padded: bool, mesh: tuple[int, ...], executor: str = "eager") -> dict[str, list[str]]:
+    """Each placeholder's specs, as plan text, with ``PADDED_PARAM_SHARDS`` set to ``padded``, priced
+    for ``executor``."""
+    import dataclasses
+
     from autopar.ir import spec as spec_module
     from autopar.ir.spec import format_spec
     from autopar.trace import trace
@@ -165,7 +168,7 @@ def _wide_specs(monkeypatch, padded: bool, mesh: tuple[int, ...]) -> dict[str, l
     monkeypatch.setattr(spec_module, "PADDED_PARAM_SHARDS", padded)
     batch = (torch.randn(6, 64), torch.randint(0, 2, (6,)))
     traced = trace(WideNet(), batch)
-    graph = choices.build_choice_graph(traced, mesh, get_cluster("cpu"))
+    graph = choices.build_choice_graph(traced, mesh, dataclasses.replace(get_cluster("cpu"), executor=executor))
     return {
         c.fqn: ["".join(format_spec(s.outs[0])) for s in c.strategies]
         for c in graph.choices.values()
@@ -182,6 +185,9 @@ def test_parameters_may_be_padded_shards_behind_the_flag_and_buffers_never(monke
     # two axes larger than 1: the runtime gathers a padded shard on one axis alone (FSDP's pattern)
     two = _wide_specs(monkeypatch, True, (2, 3))
     assert "RS(0)" not in two["up.weight"] and "S(0)R" in two["up.weight"], two["up.weight"]
+    # a plan priced for inductor (compile's or plan's compiler="inductor"): its traced gathers are unpadded
+    compiled = _wide_specs(monkeypatch, True, (3,), executor="inductor")
+    assert all(specs == ["R"] for specs in compiled.values()), compiled
 
 
 def test_the_solver_plans_fsdp_with_padded_shards_under_a_tight_budget(monkeypatch):

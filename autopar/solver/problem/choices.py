@@ -341,7 +341,9 @@ def build_choice_graph(
     runtime would not carry them (a pipeline stage), whatever the flag says.
     """
     comm = comm or CommOptions()
-    padded = padded and comm.enabled  # (only the scheduled gather pads: runtime.padded)
+    # Only the scheduled gather pads, and not the compiled mode's traced one (runtime.padded): a plan
+    # priced for inductor (``autopar.plan(compiler=...)`` as ``compile``'s) offers none.
+    padded = padded and comm.enabled and cluster.executor != "inductor"
     with offering_strided(split_blocks(traced.gm)):
         return _build_choice_graph(
             traced,
