@@ -11,7 +11,7 @@ from autopar.rules.registry import tensor_input_nodes
 from autopar.solver.problem import choices, op_prices
 from autopar.trace import trace_repeated
 from autopar.zoo.models import build_model, example_batch
-from tests.conftest import WideNet
+from tests.conftest import WideNet, wide_batch
 
 
 def test_op_info_of_layer_copies_is_each_nodes_own():
@@ -217,3 +217,20 @@ def test_the_solver_plans_fsdp_with_padded_shards_under_a_tight_budget(monkeypat
     rows = {fqn: -(-p.shape[0] // 3) if fqn in sharded else p.shape[0] for fqn, p in params.items()}  # ceil(n / 3)
     state = sum(2 * 4 * rows[fqn] * p[0].numel() for fqn, p in params.items())
     assert plan.predicted.memory_at_peak_bytes["optimizer_state"] == state
+
+
+def test_an_infeasible_budget_names_the_mesh_axis_that_cannot_split_the_largest_parameters():
+    """On (3, 2), axis 0 divides no dim of a 64-wide net, and padded shards are for meshes of one axis
+    larger than 1: the error says so, and how to give the parameters an axis that splits them."""
+    import pytest
+
+    import autopar
+    from autopar.errors import InfeasibleError
+
+    for checkpointing in (False, True):  # the sharding's own error, and the memory planner's
+        with pytest.raises(InfeasibleError, match=r"Mesh axis 0 \(3 ranks\) divides no dim of up\.weight.*powers of two"):
+            autopar.plan(WideNet(), (3, 2), example_inputs=wide_batch(0), cluster="cpu", memory_budget=4096,
+                         checkpointing=checkpointing)  # fmt: skip
+    with pytest.raises(InfeasibleError) as caught:  # (6,): padded shards split it; no such line
+        autopar.plan(WideNet(), (6,), example_inputs=wide_batch(0), cluster="cpu", memory_budget=1024)
+    assert "divides no dim" not in str(caught.value)

@@ -76,7 +76,7 @@ from autopar.errors import InfeasibleError
 from autopar.ir.memory import CheckpointSegment, MemoryPlan, OffloadEntry, selective_keeps, selective_op_kept, selective_op_role
 from autopar.solver.planners.walk_changes import WalkContext, affected_keys, offloads
 from autopar.solver.pricing.reserved import allocator_peaks
-from autopar.solver.problem.choices import layer_key, live_nodes, padded_choice
+from autopar.solver.problem.choices import layer_key, live_nodes, mesh_hint, padded_choice
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.trace import TracedModel
 
@@ -894,6 +894,7 @@ def _infeasible(
             "\n  (optimizer_temporary: torch's default foreach AdamW holds half its state again while it steps;"
             " offload or autopar.optim.AdamW steps one parameter at a time instead)"
         )
+    lines += mesh_hint(graph, [name for _, kind, name in alive[:5] if kind in ("param", "grad", "optimizer_state")])
     allowed = ("checkpointing every layer" if checkpointing else "no checkpointing") + (
         f" and offloading every parameter, gradient, optimizer state and layer's activations to {target}"
         if target

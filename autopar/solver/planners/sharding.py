@@ -23,7 +23,13 @@ from autopar.solver.planners.settings import memory_budget
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.reserved import allocator_budget, allocator_peaks, timeline_spans
 from autopar.solver.pricing.runner_ups import explain_decisions
-from autopar.solver.problem.choices import ChoiceGraph, build_choice_graph, optimizer_objective_s, param_sync_adjustment_s
+from autopar.solver.problem.choices import (
+    ChoiceGraph,
+    build_choice_graph,
+    mesh_hint,
+    optimizer_objective_s,
+    param_sync_adjustment_s,
+)
 from autopar.solver.problem.fits import fits
 from autopar.solver.problem.ilp import ShardingILP, Solution
 from autopar.solver.problem.op_prices import expert_parallel_record, grad_sync_bytes_per_axis, pricing_for
@@ -603,6 +609,7 @@ def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: 
         reverse=True,
     )[:5]
     lines = "\n".join(f"    {name}: {format_bytes(size)} replicated" for size, name in biggest)
+    lines += mesh_hint(graph, [name for _, name in biggest])
     return InfeasibleError(
         f"no sharding of this model fits memory_budget={budget:.0f} bytes ({format_bytes(budget)}) per device "
         f"on mesh {graph.mesh_shape}.\n  The leanest plan needs {minimum:.0f} bytes ({format_bytes(minimum)}) "

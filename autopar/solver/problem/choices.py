@@ -605,6 +605,41 @@ def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], padded: bool
     return specs
 
 
+def unsplit_axes(choice: Choice, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The mesh axes larger than 1 on which no strategy of ``choice`` (a parameter's) splits it:
+    none of its dims divides by the axis size (``ir.spec.is_valid``), and no padded shard is offered
+    there (``padded_param_specs``). On such an axis the parameter, its gradient and its optimizer
+    state are whole on every rank."""
+    return tuple(
+        axis
+        for axis, size in enumerate(mesh_shape)
+        if size > 1 and all(s.outs and s.outs[0][axis].is_replicate() for s in choice.strategies)
+    )
+
+
+def mesh_hint(graph: ChoiceGraph, names: Sequence[str]) -> str:
+    """A line for an InfeasibleError whose largest tensors (``names``: parameter FQNs or node names)
+    include parameters that some mesh axis cannot split (``unsplit_axes``), naming the axes and the
+    fix; "" where every one of them can be split on every axis."""
+    by_name = {c.fqn or c.name: c for c in graph.choices.values() if c.kind == "param"}
+    stuck = {}
+    for name in names:
+        choice = by_name.get(name)
+        axes = unsplit_axes(choice, graph.mesh_shape) if choice is not None else ()
+        if axes:
+            stuck.setdefault(axes, []).append(name)
+    if not stuck:
+        return ""
+    axes, fqns = max(stuck.items(), key=lambda item: len(item[1]))
+    sizes = ", ".join(f"axis {axis} ({graph.mesh_shape[axis]} ranks)" for axis in axes)
+    return (
+        f"\n  Mesh {sizes} divides no dim of {', '.join(fqns[:3])}{' ...' if len(fqns) > 3 else ''}: a parameter is "
+        "split only on an axis whose size divides one of its dims, or padded along dim 0 (FSDP2's layout) on a "
+        "mesh with one axis larger than 1, so these stay whole on every rank there. A mesh whose axis sizes "
+        "divide the model's widths (powers of two, say), or a 1-D mesh of the same devices, lets them shard."
+    )
+
+
 def padded_choice(choice: Choice, index: int, mesh_shape: tuple[int, ...]) -> bool:
     """Whether strategy ``index`` of ``choice`` holds a parameter as a padded shard."""
     return choice.kind == "param" and padded_axis(choice.out_shapes[0], choice.strategies[index].outs[0], mesh_shape) is not None
