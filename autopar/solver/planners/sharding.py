@@ -271,14 +271,14 @@ def _solve_sharding(
         can_shrink = memory_budget is not None and settings.decides_memory
         if can_shrink:
             solution = _leanest(graph, time_limit_s, solver)
-        if not solution.choice and forced:
+        if not solution.choice and forced and not unbounded.choice:  # (with one, the budget is the cause)
+            named = [f"{k}: {v if isinstance(v, str) else format_spec(v)}" for k, v in forced.items()]
             raise InfeasibleError(
-                f"no plan satisfies the forced specs { ({k: v if isinstance(v, str) else format_spec(v) for k, v in forced.items()}) }"
-                + (f" within memory_budget={memory_budget:.0f}" if memory_budget is not None else "")
-                + ": they need a resharding that does not exist (into Partial, or of a tensor written in place)"
+                f"no plan satisfies the forced specs ({', '.join(named[:6])}{f' and {len(named) - 6} more' if len(named) > 6 else ''})"
+                ": they need a resharding that does not exist (into Partial, or of a tensor written in place)"
             )
         if not solution.choice and memory_budget is not None and not can_shrink:
-            raise _infeasible(graph, memory_budget, time_limit_s, solver)
+            raise _infeasible(graph, memory_budget, time_limit_s, solver, bool(forced))
         if not solution.choice:
             raise InfeasibleError(f"the sharding ILP found no solution ({solution.status}); this is a bug in autopar")
     return _Solved(ilp, solution, unbounded, visited)
@@ -600,8 +600,9 @@ def _with_memory(plan: Plan, memory, figures: MemoryFigures) -> Plan:
     return dataclasses.replace(plan, memory=memory, predicted=predicted, memory_timeline=figures.timeline())
 
 
-def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: str) -> InfeasibleError:
-    """Say how much memory the leanest plan needs, and which tensors weigh most."""
+def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: str, forced: bool = False) -> InfeasibleError:
+    """Say how much memory the leanest plan needs (``forced``: under the forced specs, a hand
+    plan's layout), and which tensors weigh most."""
     solution = _leanest(graph, time_limit_s, solver)
     minimum = peak_memory(graph, solution).bytes if solution.choice else float("nan")
     biggest = sorted(
@@ -611,7 +612,8 @@ def _infeasible(graph: ChoiceGraph, budget: float, time_limit_s: float, solver: 
     lines = "\n".join(f"    {name}: {format_bytes(size)} replicated" for size, name in biggest)
     lines += mesh_hint(graph, [name for _, name in biggest])
     return InfeasibleError(
-        f"no sharding of this model fits memory_budget={budget:.0f} bytes ({format_bytes(budget)}) per device "
+        f"no sharding of this model{' with its forced specs (a hand plan layout)' if forced else ''} fits "
+        f"memory_budget={budget:.0f} bytes ({format_bytes(budget)}) per device "
         f"on mesh {graph.mesh_shape}.\n  The leanest plan needs {minimum:.0f} bytes ({format_bytes(minimum)}) "
         f"per device (parameters, gradients, optimizer state and what its step holds, saved activations).\n"
         f"  Largest tensors:\n{lines}\n"
