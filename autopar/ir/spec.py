@@ -285,6 +285,16 @@ def chunk_piece(x: torch.Tensor, dim: int, k: int, index: int) -> torch.Tensor:
     return x.narrow(dim, start, min(rows, x.shape[dim] - start))
 
 
+def pad_piece(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` with zeros after its end along ``dim`` up to ``size`` rows (itself when that long): a
+    padded shard's piece (or its gradient) laid out as the collectives move it, ``k`` equal
+    chunks of ``ceil(n / k)`` rows, as FSDP2 pads them."""
+    short = size - x.shape[dim]
+    if short <= 0:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[:dim] + (short,) + x.shape[dim + 1 :])], dim)
+
+
 def piece_rows(size: int, k: int, index: int) -> int:
     """Rows of piece ``index`` of a dim of ``size`` cut ``torch.chunk``'s way into ``k``."""
     rows = -(-size // k)

@@ -55,7 +55,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.errors import UsageError
-from autopar.ir.spec import chunk_piece, piece_rows
+from autopar.ir.spec import chunk_piece, pad_piece, piece_rows
 from autopar.ops import collectives
 from autopar.ops.params import add_grads, as_like, local_of
 
@@ -287,7 +287,7 @@ class GradBuckets(torch.nn.Module):
         slot = bucket.slots[position]
         target = self._slot_view(index, position, pending.flat)
         if slot.kind == "reduce_scatter":
-            grad = _rank_major(_pad(grad, slot.dim, slot.shape[slot.dim]), slot.dim, collectives.group_size(slot.groups[0]))
+            grad = _rank_major(pad_piece(grad, slot.dim, slot.shape[slot.dim]), slot.dim, collectives.group_size(slot.groups[0]))
         if key in pending.written:
             target.add_(grad.reshape(target.shape))
         else:
@@ -499,15 +499,6 @@ def _chunk_shape(shape: tuple[int, ...], dim: int, k: int) -> tuple[int, ...]:
     return tuple(s // k if d == dim else s for d, s in enumerate(shape))
 
 
-def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``x`` with zeros after its end along ``dim`` up to ``size`` (itself when that long): a
-    padded shard's piece or gradient laid out as ``k`` equal chunks, as FSDP2 pads them."""
-    short = size - x.shape[dim]
-    if short <= 0:
-        return x
-    return torch.cat([x, x.new_zeros(x.shape[:dim] + (short,) + x.shape[dim + 1 :])], dim)
-
-
 def _own_rows(chunk: torch.Tensor, dim: int, size: int, group_name: str) -> torch.Tensor:
     """This rank's rows of its padded ``chunk`` of a dim of ``size`` (``ir.spec.piece_rows``)."""
     rows = piece_rows(size, collectives.group_size(group_name), collectives.group_rank(group_name))
@@ -644,7 +635,7 @@ class ParamGathers(torch.nn.Module):
             dim = self.order[self._index[key]][2]
             piece = shard.detach().to(self._dtypes.get(key, shard.dtype)).movedim(dim, 0)
             if key in self.sizes:
-                piece = _pad(piece, 0, -(-self.sizes[key] // collectives.group_size(group_name)))
+                piece = pad_piece(piece, 0, -(-self.sizes[key] // collectives.group_size(group_name)))
             moved.append(piece)
             layout.append((key, tuple(piece.shape)))
         if len({piece.dtype for piece in moved}) != 1:

@@ -25,7 +25,7 @@ from torch.distributed.tensor import Shard
 from autopar.errors import ConfigTypeError, InputError
 from autopar.ir.data import DataLayout
 from autopar.ir.plan import Plan
-from autopar.ir.spec import Spec, is_sharded, is_strided, shard_tensor
+from autopar.ir.spec import Spec, is_sharded, is_strided, pad_piece, shard_tensor
 from autopar.ops import collectives
 from autopar.ops.params import local_of
 from autopar.runtime import originals
@@ -66,9 +66,7 @@ def _gather_padded(local: torch.Tensor, dim: int, group: str, full_shape: tuple[
     k = collectives.group_size(group)
     if full_shape is None or full_shape[dim] % k == 0:
         return collectives.no_grad_all_gather(local, dim, group)
-    rows = -(-full_shape[dim] // k)
-    pad = local.new_zeros(local.shape[:dim] + (rows - local.shape[dim],) + local.shape[dim + 1 :])
-    whole = collectives.no_grad_all_gather(torch.cat([local, pad], dim), dim, group)
+    whole = collectives.no_grad_all_gather(pad_piece(local, dim, -(-full_shape[dim] // k)), dim, group)
     return whole.narrow(dim, 0, full_shape[dim])
 
 

@@ -21,7 +21,6 @@ from autopar.runtime.padded import check_padded_plan
 from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
 from autopar.runtime.single import Examples, compile_single
 from autopar.solver.planners.quiet_gc import quiet_gc
-from autopar.solver.problem.choices import offering_padded
 from autopar.trace import trace
 
 # The weights' size from which compile collects what tracing left (``free_traced``).
@@ -48,8 +47,9 @@ def build_module(
     traced_on = first_microbatch(*examples, options.pipeline.microbatches) if pipelined else examples
     with quiet_gc():
         traced = trace(model, *traced_on, options.precision)
-    with offering_padded(compiler is None):  # (the compiled mode's gathers are unpadded: runtime.padded)
-        chosen = resolve_plan(plan, traced, mesh_shape, cluster, options, split_batch=split_batch)
+    # (``cluster`` is priced for ``compiler``'s executor: under inductor, whose traced gathers are
+    # unpadded, the planner offers no padded shard, ``choices.build_choice_graph``)
+    chosen = resolve_plan(plan, traced, mesh_shape, cluster, options, split_batch=split_batch)
     check_rank_agreement(chosen)
     check_padded_plan(chosen, traced, options, compiler)
     if pipelined:

@@ -48,7 +48,7 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
-from autopar.ir.spec import Spec, is_valid, padded_axis, replicate_size_one_axes
+from autopar.ir.spec import Spec, is_valid, is_valid_param, replicate_size_one_axes
 from autopar.solver.planners.sharding import solve
 from autopar.solver.problem.choices import padded_param_specs
 from autopar.trace import TracedModel
@@ -137,7 +137,7 @@ def param_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> 
             spec = rest + (tp,)
         # On a mesh axis of size 1 (a pipeline stage's mesh, a (1, 4) mesh) every spec is R.
         spec = replicate_size_one_axes(spec, mesh_shape)
-        if not is_valid(shape, spec, mesh_shape) and not (padded and padded_axis(shape, spec, mesh_shape) is not None):
+        if not (is_valid_param if padded else is_valid)(shape, spec, mesh_shape):
             spec = (Replicate(),) * num_axes  # this parameter cannot be cut evenly
         specs[graph_input.name] = spec
     return specs

@@ -17,15 +17,13 @@ same numbers.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import itertools
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -647,24 +645,9 @@ def padded_choice(choice: Choice, index: int, mesh_shape: tuple[int, ...]) -> bo
 
 def padded_param_specs(mesh_shape: tuple[int, ...]) -> bool:
     """Whether parameters may be planned as padded shards (``ir.spec.padded_axis``) on this mesh:
-    where ``ir.spec.PADDED_PARAM_SHARDS`` allows them, outside ``offering_padded(False)``, on a
-    mesh of one axis larger than 1 (the runtime gathers a padded shard on one axis, FSDP's
+    where ``ir.spec.PADDED_PARAM_SHARDS`` allows them, on a mesh of one axis larger than 1 (the runtime gathers a padded shard on one axis, FSDP's
     pattern, where its gradient is reduced on that axis alone)."""
-    return spec_module.PADDED_PARAM_SHARDS and _PADDED_OFFERED.get() and sum(size > 1 for size in mesh_shape) == 1
-
-
-_PADDED_OFFERED: contextvars.ContextVar[bool] = contextvars.ContextVar("padded_offered", default=True)
-
-
-@contextlib.contextmanager
-def offering_padded(offered: bool) -> Iterator[None]:
-    """Plan inside the ``with`` block with padded parameter shards offered or not (``compile``
-    under ``compiler=``, whose traced gathers are unpadded, plans without them)."""
-    token = _PADDED_OFFERED.set(offered)
-    try:
-        yield
-    finally:
-        _PADDED_OFFERED.reset(token)
+    return spec_module.PADDED_PARAM_SHARDS and sum(size > 1 for size in mesh_shape) == 1
 
 
 def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict, pinned: Spec | None = None, offered: bool = True) -> Choice:
