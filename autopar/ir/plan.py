@@ -120,6 +120,14 @@ def _check_spec(spec: Spec, shape: tuple[int, ...], mesh: tuple[int, ...], where
         )
 
 
+def placeholder_names(fqn: str) -> tuple[str, str]:
+    """The names torch.export gives the placeholder of parameter ``fqn`` and of buffer ``fqn``
+    ("p_" / "b_" and the path with its dots as underscores), which plans are keyed by: the one
+    place that spells the convention."""
+    flat = fqn.replace(".", "_")
+    return "p_" + flat, "b_" + flat
+
+
 def _or_nan(value: float | None) -> float:
     return float("nan") if value is None else value
 
@@ -240,6 +248,14 @@ class Plan:
             if len(spec) != len(self.spec_mesh):
                 raise PlanError(f"param {fqn!r} has {len(spec)} placements for a {len(self.spec_mesh)}-axis mesh")
 
+    def placeholder(self, fqn: str) -> tuple[str, NodePlan] | None:
+        """(node name, decision) of parameter or buffer ``fqn``'s placeholder, or None where the
+        plan has none (``placeholder_names``)."""
+        for name in placeholder_names(fqn):
+            if name in self.nodes:
+                return name, self.nodes[name]
+        return None
+
     @property
     def declares_optimizer(self) -> bool:
         """Whether the plan is priced for an optimizer the loop declared (``optimizer``), not
@@ -349,10 +365,9 @@ class Plan:
                 if out_index < len(shapes):
                     _check_spec(spec, shapes[out_index], mesh, f"{where}, input {index} (from {producer!r})")
         for fqn, spec in self.params.items():
-            param = self.nodes.get("p_" + fqn.replace(".", "_"))
-            node = param or self.nodes.get("b_" + fqn.replace(".", "_"))
-            if node is not None and node.shapes:
-                _check_spec(spec, node.shapes[0], mesh, f"parameter {fqn!r}", param is not None)
+            found = self.placeholder(fqn)
+            if found is not None and found[1].shapes:
+                _check_spec(spec, found[1].shapes[0], mesh, f"parameter {fqn!r}", found[1].op == "param")
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as handle:

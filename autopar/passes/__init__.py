@@ -12,7 +12,7 @@ import torch.fx
 
 from autopar.errors import PassError, PlanError
 from autopar.ir.options import CommOptions
-from autopar.ir.plan import Plan
+from autopar.ir.plan import Plan, placeholder_names
 from autopar.passes.memory import checkpoint_segments, offload_activations, offload_params
 from autopar.passes.precision import cast_after_collectives, gather_in_param_dtype
 from autopar.passes.rewrite import insert_collectives, localize_shapes, use_kernels
@@ -104,11 +104,7 @@ def graph_input_changes(chosen: Plan, traced: TracedModel, limit: int = 8) -> li
     def label(name: str, kind: str, fqn: str | None) -> str:
         return {"user": f"input {name!r}", "param": f"parameter {fqn or name!r}"}.get(kind, f"buffer {fqn or name!r}")
 
-    fqn_of = {
-        name: node_fqn
-        for node_fqn in chosen.params
-        for name in ("p_" + node_fqn.replace(".", "_"), "b_" + node_fqn.replace(".", "_"))
-    }
+    fqn_of = {name: node_fqn for node_fqn in chosen.params for name in placeholder_names(node_fqn)}
     changes: list[str] = []
     for name, gi in now.items():
         val = placeholders[name].meta.get("val") if name in placeholders else None
