@@ -13,8 +13,9 @@ import torch
 import autopar
 from autopar.cost import comm
 from autopar.cost.cluster import get_cluster
-from autopar.ir.spec import padded_axis
+from autopar.ir.spec import S, padded_axis
 from autopar.passes.plan_check import check_plan_strategies
+from autopar.solver.problem.gathered import moved_shape
 from autopar.trace import trace
 from autopar.zoo.models import GPT
 
@@ -103,3 +104,10 @@ def test_a_cast_of_the_models_own_reads_the_padded_weight_gathered() -> None:
     assert [str(p) for p in plan.params["weight"]] == ["S(0)"]  # 64 rows on 3 ranks: padded
     readers = [node for node in plan.nodes.values() if node.inputs and node.inputs[0][0] == "p_weight"]
     assert [(node.op, [str(p) for p in node.ins[0]]) for node in readers] == [("aten.to.dtype", ["R"])]
+
+
+def test_a_padded_gather_moves_and_holds_k_pieces_of_ceil_n_over_k_rows() -> None:
+    assert moved_shape((64, 5), (S(0),), 0, 3, (3,)) == (66, 5)  # 3 pieces of 22 rows
+    assert moved_shape((2, 5), (S(0),), 0, 3, (3,)) == (3, 5)  # 3 pieces of 1 row, one empty
+    assert moved_shape((63, 5), (S(0),), 0, 3, (3,)) == (63, 5)  # even: as it is
+    assert moved_shape((4, 64), (S(0), S(1)), 1, 4, (2, 4)) == (4, 64)  # another axis's cut stays global

@@ -43,9 +43,8 @@ import torch
 from autopar.cost import comm, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.gathers import gather_groups, param_layer, reshards
-from autopar.ir.spec import local_shape
 from autopar.solver.problem.choices import ChoiceGraph, synced_param
-from autopar.solver.problem.gathered import single_gather
+from autopar.solver.problem.gathered import moved_shape, single_gather
 from autopar.solver.problem.op_prices import grad_sync_axes
 
 
@@ -369,7 +368,7 @@ def _param_terms(
         # Gathered in the dtype its uses read (a policy's param_dtype: the runtime gathers the
         # cast shards), its gradient reduce-scattered in the reduction dtype; a padded shard's
         # (``ir.spec.padded_axis``) both k pieces of ceil(n / k) rows, as ``ops.buckets`` moves them.
-        moved = _moved_shape(arg_shape, src, dim, mesh[axis], mesh)
+        moved = moved_shape(arg_shape, src, dim, k, mesh)
         gathered = memory.local_bytes(moved, members[0][0].dtype, dst, mesh)
         whole = memory.local_bytes(moved, dtype, dst, mesh)
         gather_s = comm.all_gather_s(gathered, axis, mesh, cluster)
@@ -396,12 +395,6 @@ def _param_terms(
             scatter = _scatter_terms(arg_shape, dst, axis, dtype, whole, len(members), cluster, mesh, bucket_cap_bytes)
             scatter = (first, axis, dst, *scatter, whole, layer)
     return _ParamTerms(tuple(changes), held, regathered, saved, forward_gather, scatter)
-
-
-def _moved_shape(arg_shape, src, dim: int, k: int, mesh) -> tuple[int, ...]:
-    """``arg_shape`` as the gather of ``src``'s ``dim`` over ``k`` ranks moves it: ``k`` pieces of
-    the local ``ceil(n / k)`` rows (``arg_shape`` itself where ``k`` divides ``n``)."""
-    return tuple(k * size if d == dim else n for d, (n, size) in enumerate(zip(arg_shape, local_shape(arg_shape, src, mesh))))
 
 
 def _scatter_terms(
