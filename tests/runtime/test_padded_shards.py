@@ -120,6 +120,8 @@ def _policy_steps(plan: autopar.Plan, precision, dtype: torch.dtype) -> dict:
     reference_optimizer = torch.optim.AdamW(reference.module.parameters(), lr=LR)
     gathers = pm.graph_module.param_gathers
     out: dict = {"gathered": {key: str(gathers._dtypes.get(key)) for key, *_ in gathers.order}, "steps": []}
+    slots = [s for b in pm.graph_module.grad_buckets.buckets if b.kind == "reduce_scatter" for s in b.slots]
+    out["scattered"] = {slot.key: (slot.size, str(slot.dtype)) for slot in slots}
     for step in range(2):
         optimizer.zero_grad()
         batch = wide_batch(1 + step, dtype)
@@ -207,6 +209,9 @@ def test_padded_shards_train_as_eager_save_and_resume(rank_pool, tmp_path, padde
             policy = result.pop(name)
             label = f"rank {rank} {name}"
             assert set(policy["gathered"].values()) == {param_dtype}, f"{label}: gathered {policy['gathered']}"
+            # each gradient leaves by a padded reduce-scatter in the master dtype (the policy's reduce_dtype)
+            master = "torch.float32" if name == "per_rank_bf16" else "torch.float64"
+            assert sorted(policy["scattered"].values()) == [(2, master), (2, master), (64, master), (64, master)], label
             for step, (loss, grad_rel) in enumerate(policy["steps"]):
                 assert math.isclose(*loss, rel_tol=loss_tol), f"{label} step {step}: loss {loss}"
                 assert grad_rel < tol, f"{label} step {step}: gradients {grad_rel}"
