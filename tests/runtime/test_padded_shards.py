@@ -8,8 +8,8 @@ Twice: each rank passing its own rows (``batch="per_rank"``: the gradient is a p
 the padded reduce-scatter reduces) with ``reshard_after_forward=True``, and the whole batch on
 every rank (each keeps its piece of the whole gradient) with False. Under two policies that cast
 ("bf16-mixed", and float64 masters cast to float32), the plan casts each padded piece, the ranks
-gather the cast pieces in the policy's dtype (FSDP2's order), and two AdamW steps equal the
-policy's eager reference. The assertions run in the parent.
+gather the cast pieces in the policy's dtype (FSDP2's order; once again in backward), and two
+AdamW steps equal the policy's eager reference. The assertions run in the parent.
 """
 
 from __future__ import annotations
@@ -104,9 +104,10 @@ def _refusal(plan: autopar.Plan, **kwargs) -> str:
 # the cast, reduce-scatter in float64) checked tightly; "bf16-mixed" where gloo's reductions allow
 F32_OF_F64 = autopar.MixedPrecision(param_dtype="float32", master_dtype="float64", reduce_dtype="float64")
 POLICIES = {"per_rank_bf16": ("bf16-mixed", torch.float32), "per_rank_f32": (F32_OF_F64, torch.float64)}
+RESHARDS = {"per_rank_bf16": None, "per_rank_f32": True}  # True: the cast pieces gathered again in backward
 
 
-def _policy_steps(plan: autopar.Plan, precision, dtype: torch.dtype) -> dict:
+def _policy_steps(plan: autopar.Plan, precision, dtype: torch.dtype, reshard: bool | None) -> dict:
     """Two AdamW steps under a policy that casts (the padded pieces cast, then gathered in its
     ``param_dtype``) against the policy's eager reference run as the data-parallel ranks run it:
     each step's loss and gradients, the parameters after, and the dtypes the gathers moved."""
@@ -115,7 +116,8 @@ def _policy_steps(plan: autopar.Plan, precision, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
     model = WideNet().to(dtype)
     reference = PolicyReference(copy.deepcopy(model), precision)
-    pm = autopar.compile(model, (WORLD,), example_inputs=wide_batch(0, dtype), plan=plan)
+    comm = autopar.CommOptions(reshard_after_forward=reshard)
+    pm = autopar.compile(model, (WORLD,), example_inputs=wide_batch(0, dtype), plan=plan, comm=comm)
     optimizer = torch.optim.AdamW(pm.parameters(), lr=LR)
     reference_optimizer = torch.optim.AdamW(reference.module.parameters(), lr=LR)
     gathers = pm.graph_module.param_gathers
@@ -133,6 +135,7 @@ def _policy_steps(plan: autopar.Plan, precision, dtype: torch.dtype) -> dict:
         optimizer.step()
         reference_optimizer.step()
     out["state_rel"] = max(max_rel_diff(pm.full_state_dict(), reference.module.state_dict()).values())
+    out["backward_gathers"] = gathers.num_backward_gathers
     return out
 
 
@@ -143,7 +146,7 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
         "whole": _loop(plan, False, f"{path}_whole"),
     }
     for name, (precision, dtype) in POLICIES.items():
-        out[name] = _policy_steps(autopar.Plan.from_json(plans[name]), precision, dtype)
+        out[name] = _policy_steps(autopar.Plan.from_json(plans[name]), precision, dtype, RESHARDS[name])
     out["unscheduled"] = _refusal(plan, comm=autopar.CommOptions(enabled=False))
     out["inductor"] = _refusal(plan, compiler="inductor")
     return out
@@ -216,6 +219,7 @@ def test_padded_shards_train_as_eager_save_and_resume(rank_pool, tmp_path, padde
                 assert math.isclose(*loss, rel_tol=loss_tol), f"{label} step {step}: loss {loss}"
                 assert grad_rel < tol, f"{label} step {step}: gradients {grad_rel}"
             assert policy["state_rel"] < tol, f"{label}: parameters after 2 AdamW steps {policy['state_rel']}"
+            assert (policy["backward_gathers"] > 0) == bool(RESHARDS[name]), f"{label}: {policy['backward_gathers']}"
         assert result["per_rank"].pop("scattered") == 4, "each gradient leaves by a padded reduce-scatter"
         assert result["whole"].pop("scattered") == 0, "whole gradients on every rank: each keeps its piece"
         for batch, run in result.items():
