@@ -1,6 +1,6 @@
 """The cost model against every measured GPU run we have and published runs (issue 44).
 
-    python benchmarks/bench_calibration.py [--rows NAME ...] [--cluster FILE] [--out CSV]
+    python benchmarks/bench_calibration.py [--rows NAME ...] [--cluster FILE] [--out CSV] [--layout KIND]
 
 Each row is one training job whose step time (or tokens/s) and peak memory were measured, on
 our H200 and H100 (``benchmarks/results/gpu_step.csv``, ``gpu_compiled_*.csv``, issues 43/44)
@@ -337,16 +337,22 @@ def row_cluster(row: Row, profiled: ClusterSpec | None) -> ClusterSpec:
     return dataclasses.replace(spec, memory_bytes=int(row.memory_bytes))
 
 
-def _local_elements(plan, model: torch.nn.Module, mesh: tuple[int, ...]) -> float:
-    """Parameter elements each rank's optimizer steps: a sharded parameter's share."""
-    total = 0.0
+def _local_elements(plan, model: torch.nn.Module, mesh: tuple[int, ...], dp_shards: int = 1) -> float:
+    """Parameter elements each rank's optimizer steps: a sharded parameter's share, and of one
+    replicated on the data-parallel axis (axis 0) 1/``dp_shards`` of that (a distributed optimizer's
+    split; a parameter the plan splits over that axis already, FSDP's, is not split again)."""
+    replicated = split = 0.0  # (replicated on axis 0, split there)
     for name, param in model.named_parameters():
         shards = 1
-        for axis, placement in enumerate(plan.params.get(name) or ()):  # a spec: one placement per mesh axis
+        spec = plan.params.get(name) or ()  # one placement per mesh axis
+        for axis, placement in enumerate(spec):
             if placement.is_shard():
                 shards *= mesh[axis]
-        total += param.numel() / shards
-    return total
+        if spec and spec[0].is_shard():
+            split += param.numel() / shards
+        else:
+            replicated += param.numel() / shards
+    return replicated / dp_shards + split
 
 
 def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -> dict:
@@ -378,7 +384,7 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
         param_size = 4 if row.precision else torch.finfo(getattr(torch, row.dtype)).bits // 8
         step += -(plan.predicted.optimizer_s or 0.0) + optimizer_step_s(
             # the published layout's distributed optimizer; autopar.plan's own splits no state
-            _local_elements(plan, model, row.mesh) / row.optimizer_shards,
+            _local_elements(plan, model, row.mesh, row.optimizer_shards),
             param_size,
             param_size,
             len(list(model.parameters())),
@@ -545,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="*", help="substrings of row names to run (default: all)")
     parser.add_argument("--cluster", help="a spec from `autopar profile` for the H200 rows")
     parser.add_argument("--out", default="benchmarks/results/calibration.csv")
+    parser.add_argument("--layout", help="price each row's job as this hand plan instead of its published layout (fsdp, say)")
     parser.add_argument(
         "--405b-microbatches",
         dest="microbatches_405b",
@@ -555,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     profiled = ClusterSpec.load(args.cluster) if args.cluster else None
     rows = [r for r in ROWS if not args.rows or any(s in r.name for s in args.rows)]
+    rows = [dataclasses.replace(r, layout=args.layout) for r in rows] if args.layout else rows
     results = []
     for row in rows:
         result = evaluate(row, profiled)

@@ -6,8 +6,8 @@
   "transformer.h.3.attn.c_attn.weight"), "" for the root's parameters (embeddings, final norm,
   head), as FSDP2's ``fully_shard(block)`` then ``fully_shard(model)`` groups them.
 - Gathers, in forward order of first use, form *groups* of consecutive parameters of one
-  layer, process group and dtype, at most ``cap_bytes`` of whole parameters each; a group is one
-  all-gather of a flat buffer.
+  layer, process group and dtype, at most ``cap_bytes`` of whole parameters each (in the dtype
+  they move: a precision policy's ``param_dtype``); a group is one all-gather of a flat buffer.
 - A group is *resharded after forward* (its gathered parameters freed once forward no longer
   needs them, and all-gathered again in backward) as ``CommOptions.reshard_after_forward`` says:
   True every group, False none, None (FSDP2's default) every group but the root's.

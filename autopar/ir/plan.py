@@ -357,17 +357,23 @@ class Plan:
         mesh = self.spec_mesh
         for name, node in self.nodes.items():
             where = f"node {name!r} ({node.op})"
-            param = node.op == "param"
+            param = node.op == "param" or self._casts_param(node)  # may hold a padded shard
             for index, (spec, shape) in enumerate(zip(node.outs, node.shapes)):
                 _check_spec(spec, shape, mesh, f"{where}, output {index}", param)
             for index, ((producer, out_index), spec) in enumerate(zip(node.inputs, node.ins)):
                 shapes = self.nodes[producer].shapes if producer in self.nodes else ()
                 if out_index < len(shapes):
-                    _check_spec(spec, shapes[out_index], mesh, f"{where}, input {index} (from {producer!r})")
+                    _check_spec(spec, shapes[out_index], mesh, f"{where}, input {index} (from {producer!r})", param)
         for fqn, spec in self.params.items():
             found = self.placeholder(fqn)
             if found is not None and found[1].shapes:
                 _check_spec(spec, found[1].shapes[0], mesh, f"parameter {fqn!r}", found[1].op == "param")
+
+    def _casts_param(self, node: NodePlan) -> bool:
+        """Whether ``node`` casts a parameter (``_to_copy`` of one): a precision policy's cast of a
+        padded shard takes and gives the padded piece (``solver.problem.padded_casts``)."""
+        producer = self.nodes.get(node.inputs[0][0]) if len(node.inputs) == 1 else None
+        return node.op == "aten._to_copy.default" and producer is not None and producer.op == "param"
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as handle:

@@ -23,6 +23,7 @@ from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.spec import spec_text
 from autopar.rules import op_info
 from autopar.rules.registry import Strategy, node_strategies, offering_strided, split_blocks
+from autopar.solver.problem.padded_casts import padded_cast_strategies
 from autopar.trace import TracedModel
 
 _FIX = "The plan was edited or damaged: re-plan (autopar.plan), or set this node to one of the allowed choices"
@@ -41,9 +42,20 @@ def check_plan_strategies(plan: Plan, traced: TracedModel) -> None:
             if node.target is operator.getitem:
                 _check_getitem(plan, node, decision)
                 continue
-            strategies = node_strategies(op_info(node), mesh)
+            strategies = node_strategies(op_info(node), mesh) + list(_padded_cast(plan, node, mesh))
             if not any(_same(decision, strategy) for strategy in strategies):
                 raise PlanError(_not_allowed(node, decision, strategies))
+
+
+def _padded_cast(plan: Plan, node: torch.fx.Node, mesh) -> tuple[Strategy, ...]:
+    """A policy's cast of a parameter the plan holds padded: offered the padded piece too
+    (``solver.problem.padded_casts``)."""
+    inputs = node.all_input_nodes
+    producer = plan.nodes.get(inputs[0].name) if len(inputs) == 1 else None
+    val = inputs[0].meta.get("val") if producer is not None else None
+    if producer is None or not isinstance(val, torch.Tensor) or not producer.outs:
+        return ()
+    return padded_cast_strategies(node, producer.op, tuple(val.shape), [producer.outs[0]], mesh)
 
 
 def _same(decision: NodePlan, strategy: Strategy) -> bool:

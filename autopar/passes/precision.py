@@ -42,20 +42,11 @@ import torch.fx
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
 from autopar.ops.buckets import ParamGathers
-from autopar.passes.schedule import PARAM_GATHERS
+from autopar.passes.schedule import PARAM_GATHERS, cast_dtype, is_param_cast
 
 # Collectives that only move or keep elements in forward (so commute with a cast); allreduce_grad
 # is the identity in forward.
 _MOVES = (collectives.allreduce_grad, collectives.all_gather, collectives.chunk, collectives.all_to_all)
-
-
-def is_param_cast(node: torch.fx.Node) -> bool:
-    """A parameter's cast to ``param_dtype`` (``trace._cast_parameters``, or one moved here)."""
-    return (
-        node.op == "call_function"
-        and node.target is torch.ops.aten._to_copy.default
-        and "cast_of" in node.meta.get("autopar", {})
-    )
 
 
 def _dtype_of(node: torch.fx.Node) -> torch.dtype | None:
@@ -128,11 +119,10 @@ def gather_in_param_dtype(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Grap
                     drop(cast, node)
                 continue
         if node.op == "call_module" and node.target == PARAM_GATHERS and isinstance(gathers, ParamGathers):
-            casts = list(node.users)
-            dtypes = {cast.kwargs.get("dtype") for cast in casts}
-            if casts and all(is_param_cast(cast) for cast in casts) and len(dtypes) == 1:
-                gathers.cast_to(node.kwargs["key"], dtypes.pop(), node.args[0].meta["val"].dtype)
-                for cast in casts:
+            dtype = cast_dtype(node)  # as ``schedule_communication`` grouped the gathers
+            if dtype is not None:
+                gathers.cast_to(node.kwargs["key"], dtype, node.args[0].meta["val"].dtype)
+                for cast in list(node.users):
                     drop(cast, node)
                 continue
         casts = [user for user in node.users if is_param_cast(user)]

@@ -98,7 +98,7 @@ def schedule_communication(
     gm.add_submodule(GRAD_BUCKETS, torch.nn.Module())
     gm.add_submodule(PARAM_GATHERS, torch.nn.Module())
     reduce_slots: list[tuple[int, Slot]] = []
-    gathers: list[tuple[int, str, str, int, int, str, torch.dtype]] = []
+    gathers: list[tuple[int, str, str, int, int, str, torch.dtype, int]] = []
     sizes: dict[str, int] = {}  # padded shards' unpadded dim sizes (``ParamGathers.sizes``)
     size_of = {name: math.prod(plan.mesh_shape[i] for i, g in enumerate(groups) if g == name) for name in groups}
     offloaded = set(plan.memory.offloaded("param")) if plan.memory is not None else set()
@@ -114,8 +114,9 @@ def schedule_communication(
             continue
         local = local_shape(tuple(val.shape), plan.params[fqns[placeholder.name]], plan.mesh_shape)
         synced, gathered = _param_uses(placeholder, lenient=placeholder.name in padded)
+        # (a policy's cast moved past its gathers leaves an unused alias of the padded piece: ``_used``)
         if placeholder.name in padded and not (
-            len(gathered) == 1 and not synced and len(placeholder.users) == len(next(iter(gathered.values())))
+            len(gathered) == 1 and not synced and len(_used(placeholder)) == len(next(iter(gathered.values())))
         ):
             _refuse_padded({placeholder.name: padded[placeholder.name]}, "a use of it is not one all-gather on its axis")
         if len(synced) == 1:  # one set of axes for every synced use (else: keep per-use collectives)
@@ -126,7 +127,8 @@ def schedule_communication(
             reduce_slots.append((first, slot))
         if len(gathered) == 1 and not synced:
             (((dim, group, reduce), pairs),) = gathered.items()
-            first, slot_dtype = _merge_gathered(graph, placeholder, pairs, reduce, order)
+            first, slot_dtype, node = _merge_gathered(graph, placeholder, pairs, reduce, order)
+            moves = cast_dtype(node) or val.dtype  # ``gather_in_param_dtype`` gathers the cast
             whole = tuple(s * size_of[group] if d == dim else s for d, s in enumerate(local))  # padded: k pieces
             size = val.shape[dim] if placeholder.name in padded else -1
             if size >= 0:
@@ -143,7 +145,8 @@ def schedule_communication(
                     dim,
                     math.prod(whole) * val.dtype.itemsize,
                     param_layer(fqns[placeholder.name]),
-                    val.dtype,
+                    moves,
+                    math.prod(whole) * moves.itemsize,
                 )
             )
     _install_schedule(gm, reduce_slots, sorted(gathers), options, sizes)
@@ -234,8 +237,8 @@ def _merge_gathered(
     pairs: list[tuple[torch.fx.Node, torch.fx.Node]],
     reduce: bool,
     order: Mapping[torch.fx.Node, int],
-) -> tuple[int, torch.dtype]:
-    """One ``param_gathers`` node before the first gathered use; (its place, the slot's dtype)."""
+) -> tuple[int, torch.dtype, torch.fx.Node]:
+    """One ``param_gathers`` node before the first gathered use; (its place, the slot's dtype, it)."""
     val = placeholder.meta["val"]
     first_use = min(pairs, key=lambda pair: order[pair[0]])[0]
     with graph.inserting_before(first_use):
@@ -252,7 +255,27 @@ def _merge_gathered(
             raise AssertionError("unreduced gather has no gradient chain")
         gather.replace_all_uses_with(node)  # an unused alias of it (``_used``) reads the gathered one
         graph.erase_node(gather)
-    return order[first_use], slot_dtype
+    return order[first_use], slot_dtype, node
+
+
+def is_param_cast(node: torch.fx.Node) -> bool:
+    """A parameter's cast to ``param_dtype`` (``trace._cast_parameters``, or one that
+    ``passes.precision`` moved)."""
+    return (
+        node.op == "call_function"
+        and node.target is torch.ops.aten._to_copy.default
+        and "cast_of" in node.meta.get("autopar", {})
+    )
+
+
+def cast_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype that every user of ``node`` casts it to, where each is a parameter's cast and they
+    agree (a scheduled gather's: ``passes.precision.gather_in_param_dtype`` then gathers in it), else None."""
+    casts = list(node.users)
+    dtypes = {cast.kwargs.get("dtype") for cast in casts}
+    if casts and all(is_param_cast(cast) for cast in casts) and len(dtypes) == 1:
+        return dtypes.pop()
+    return None
 
 
 def _install_schedule(
@@ -263,8 +286,9 @@ def _install_schedule(
     sizes: Mapping[str, int] | None = None,
 ) -> None:
     """Size the real ``GradBuckets`` and ``ParamGathers`` modules (``gathers`` in forward order)."""
+    # grouped by the bytes they move (a policy's cast gathers in ``param_dtype``), as the cost model groups them
     groups_of_keys = gather_groups(
-        [(key, layer, (group, dtype), nbytes) for _, key, group, _, nbytes, layer, dtype in gathers], options.gather_group_bytes
+        [(key, layer, (group, dtype), moved) for _, key, group, _, _, layer, dtype, moved in gathers], options.gather_group_bytes
     )
     # A reduce-scatter bucket stays inside one gather group (ops.buckets: its input is freed
     # when the next one launches, as the memory walk prices it: cost.liveness.gathered_intervals).

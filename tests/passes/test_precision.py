@@ -14,6 +14,7 @@ import torch
 
 import autopar
 from autopar.errors import PlanError
+from autopar.ir.gathers import gather_groups, param_layer
 from autopar.ir.options import CommOptions, precision_policy
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets, ParamGathers
@@ -201,6 +202,19 @@ def test_gathers_prefetch_by_the_bytes_they_move():
         assert gathers._dtypes[key] == torch.bfloat16
         assert nbytes == placeholders[key].numel() * 2, "the whole tensor (the placeholder holds it whole), in bf16"
     assert gathers._group_bytes == [sum(gathers.order[gathers._index[k]][3] for k in g) for g in gathers.groups]
+
+
+def test_gathers_are_grouped_by_the_bytes_they_move():
+    """Under bf16-mixed a layer's gathers fill one collective by their bf16 bytes, as the cost
+    model groups them (``solver.pricing.comm_schedule``), not by their fp32 masters' bytes."""
+    cap = 256 * 2**10  # two 256 x 256 weights in bf16, one in fp32
+    gm, plan, traced = _rewritten("fsdp", "bf16-mixed", CommOptions(gather_group_bytes=cap), config=FSDP_CONFIG)
+    gathers: ParamGathers = gm.get_submodule("param_gathers")
+    fqns = {gi.name: gi.fqn for gi in traced.inputs if gi.kind == "param"}
+    moved = {key: nbytes for key, _group, _dim, nbytes in gathers.order}  # bf16 bytes (the last test)
+    want = gather_groups([(key, param_layer(fqns[key]), None, nbytes) for key, nbytes in moved.items()], cap)
+    assert gathers.groups == [tuple(group) for group in want]
+    assert any(len(group) > 1 and 2 * sum(moved[key] for key in group) > cap for group in gathers.groups), gathers.groups
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,10 @@ ranks train it against eager PyTorch in float64: accumulation with ``no_sync()``
 ``clip_grad_norm_``, AdamW, an eval pass, then a DCP save and a resume into a meta-built model.
 Twice: each rank passing its own rows (``batch="per_rank"``: the gradient is a partial sum, which
 the padded reduce-scatter reduces) with ``reshard_after_forward=True``, and the whole batch on
-every rank (each keeps its piece of the whole gradient) with False. The assertions run in the parent.
+every rank (each keeps its piece of the whole gradient) with False. Under two policies that cast
+("bf16-mixed", and float64 masters cast to float32), the plan casts each padded piece, the ranks
+gather the cast pieces in the policy's dtype (FSDP2's order; once again in backward), and two
+AdamW steps equal the policy's eager reference. The assertions run in the parent.
 """
 
 from __future__ import annotations
@@ -97,21 +100,43 @@ def _refusal(plan: autopar.Plan, **kwargs) -> str:
     return "compiled"
 
 
-def _bf16_step(plan: autopar.Plan) -> dict:
-    """One step under "bf16-mixed" (bf16 gathers, fp32 masters and reduce-scatters) against the
-    policy's eager reference run as the data-parallel ranks run it."""
+# float64 masters cast to float32 at their use: the policy's order (cast the padded piece, gather
+# the cast, reduce-scatter in float64) checked tightly; "bf16-mixed" where gloo's reductions allow
+F32_OF_F64 = autopar.MixedPrecision(param_dtype="float32", master_dtype="float64", reduce_dtype="float64")
+POLICIES = {"per_rank_bf16": ("bf16-mixed", torch.float32), "per_rank_f32": (F32_OF_F64, torch.float64)}
+RESHARDS = {"per_rank_bf16": None, "per_rank_f32": True}  # True: the cast pieces gathered again in backward
+
+
+def _policy_steps(plan: autopar.Plan, precision, dtype: torch.dtype, reshard: bool | None) -> dict:
+    """Two AdamW steps under a policy that casts (the padded pieces cast, then gathered in its
+    ``param_dtype``) against the policy's eager reference run as the data-parallel ranks run it:
+    each step's loss and gradients, the parameters after, and the dtypes the gathers moved."""
     from tests.conftest import PolicyReference
 
     torch.manual_seed(0)
-    model = WideNet()
-    reference = PolicyReference(copy.deepcopy(model), "bf16-mixed")
-    pm = autopar.compile(model, (WORLD,), example_inputs=wide_batch(0, torch.float32), plan=plan)
-    batch = wide_batch(1, torch.float32)
-    loss = pm(*(t[_rows(pm)] for t in batch))
-    loss.backward()
-    want, _ = reference.data_parallel_backward(batch, WORLD)
-    grads = {name: p.grad for name, p in reference.module.named_parameters()}
-    return {"loss": (loss.item(), want.item()), "grad_rel": max_rel_diff(pm.full_grads(), grads)}
+    model = WideNet().to(dtype)
+    reference = PolicyReference(copy.deepcopy(model), precision)
+    comm = autopar.CommOptions(reshard_after_forward=reshard)
+    pm = autopar.compile(model, (WORLD,), example_inputs=wide_batch(0, dtype), plan=plan, comm=comm)
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=LR)
+    reference_optimizer = torch.optim.AdamW(reference.module.parameters(), lr=LR)
+    gathers = pm.graph_module.param_gathers
+    out: dict = {"gathered": {key: str(gathers._dtypes.get(key)) for key, *_ in gathers.order}, "steps": []}
+    slots = [s for b in pm.graph_module.grad_buckets.buckets if b.kind == "reduce_scatter" for s in b.slots]
+    out["scattered"] = {slot.key: (slot.size, str(slot.dtype)) for slot in slots}
+    for step in range(2):
+        optimizer.zero_grad()
+        batch = wide_batch(1 + step, dtype)
+        loss = pm(*(t[_rows(pm)] for t in batch))
+        loss.backward()
+        want, _ = reference.data_parallel_backward(batch, WORLD)
+        grads = {name: p.grad for name, p in reference.module.named_parameters()}
+        out["steps"].append(((loss.item(), want.item()), max(max_rel_diff(pm.full_grads(), grads).values())))
+        optimizer.step()
+        reference_optimizer.step()
+    out["state_rel"] = max(max_rel_diff(pm.full_state_dict(), reference.module.state_dict()).values())
+    out["backward_gathers"] = gathers.num_backward_gathers
+    return out
 
 
 def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
@@ -120,7 +145,8 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
         "per_rank": _loop(autopar.Plan.from_json(plans["per_rank"]), True, f"{path}_per_rank"),
         "whole": _loop(plan, False, f"{path}_whole"),
     }
-    out["bf16"] = _bf16_step(autopar.Plan.from_json(plans["per_rank_bf16"]))
+    for name, (precision, dtype) in POLICIES.items():
+        out[name] = _policy_steps(autopar.Plan.from_json(plans[name]), precision, dtype, RESHARDS[name])
     out["unscheduled"] = _refusal(plan, comm=autopar.CommOptions(enabled=False))
     out["inductor"] = _refusal(plan, compiler="inductor")
     return out
@@ -145,9 +171,9 @@ def padded_plans() -> dict[str, autopar.Plan]:
         whole = autopar.hand_plan("fsdp", model, (WORLD,), example_inputs=batch, cluster="cpu")
         data = autopar.DataOptions("per_rank")
         plans = {"whole": whole}
-        for name, precision in (("per_rank", None), ("per_rank_bf16", "bf16-mixed")):
+        for name, (precision, dtype) in {"per_rank": (None, torch.float64), **POLICIES}.items():
             options = PlanOptions.from_keywords(data=data, precision=precision)
-            model, batch = (WideNet(), wide_batch(0, torch.float32)) if precision else (model, batch)
+            model, batch = WideNet().to(dtype), wide_batch(0, dtype)
             traced = trace(model, batch, None, options.precision)
             forced = {**hand_specs("fsdp", traced, (WORLD,)), **batch_pins(traced, (WORLD,))}
             split = solve(traced, (WORLD,), get_cluster("cpu"), options, forced=forced)
@@ -168,16 +194,32 @@ def test_padded_shards_train_as_eager_save_and_resume(rank_pool, tmp_path, padde
             "scale": ["R"],  # a buffer: never padded
         }
     assert padded_plans["per_rank"].data.size == WORLD
+    for name in POLICIES:  # the policy's cast takes the padded piece and gives it: FSDP2's order
+        casts = [n for n in padded_plans[name].nodes.values() if n.op == "aten._to_copy.default"]
+        assert len(casts) == 4 and all([str(p) for p in n.outs[0]] == ["S(0)"] for n in casts), name
     plans = {batch: plan.to_json() for batch, plan in padded_plans.items()}
     results = rank_pool(WORLD).run(_run, str(tmp_path / "ckpt"), plans, timeout_s=600)
     rows = [(22, 22, 20), (1, 1, 0)]  # ceil(64 / 3) and ceil(2 / 3): torch.chunk's pieces
     for rank, result in enumerate(results):
         assert "communication schedule is off" in result.pop("unscheduled"), "plain collectives move equal pieces only"
         assert "traces its gathers unpadded" in result.pop("inductor")
-        bf16 = result.pop("bf16")
-        # the loss comes back in bf16 (one ulp is 2**-8 relative); the fp32 gradients are exact
-        assert math.isclose(*bf16["loss"], rel_tol=2**-8), f"rank {rank} bf16-mixed: loss {bf16['loss']}"
-        assert max(bf16["grad_rel"].values()) < 1e-5, f"rank {rank} bf16-mixed: {bf16['grad_rel']}"
+        # bf16: the loss comes back in bf16 (one ulp is 2**-8 relative), the fp32 gradients and
+        # masters as the reference's to fp32 rounding; f32 of f64 masters: float32 rounding
+        for name, (loss_tol, tol, param_dtype) in {
+            "per_rank_bf16": (2**-8, 1e-5, "torch.bfloat16"),
+            "per_rank_f32": (1e-6, 1e-6, "torch.float32"),
+        }.items():
+            policy = result.pop(name)
+            label = f"rank {rank} {name}"
+            assert set(policy["gathered"].values()) == {param_dtype}, f"{label}: gathered {policy['gathered']}"
+            # each gradient leaves by a padded reduce-scatter in the master dtype (the policy's reduce_dtype)
+            master = "torch.float32" if name == "per_rank_bf16" else "torch.float64"
+            assert sorted(policy["scattered"].values()) == [(2, master), (2, master), (64, master), (64, master)], label
+            for step, (loss, grad_rel) in enumerate(policy["steps"]):
+                assert math.isclose(*loss, rel_tol=loss_tol), f"{label} step {step}: loss {loss}"
+                assert grad_rel < tol, f"{label} step {step}: gradients {grad_rel}"
+            assert policy["state_rel"] < tol, f"{label}: parameters after 2 AdamW steps {policy['state_rel']}"
+            assert (policy["backward_gathers"] > 0) == bool(RESHARDS[name]), f"{label}: {policy['backward_gathers']}"
         assert result["per_rank"].pop("scattered") == 4, "each gradient leaves by a padded reduce-scatter"
         assert result["whole"].pop("scattered") == 0, "whole gradients on every rank: each keeps its piece"
         for batch, run in result.items():

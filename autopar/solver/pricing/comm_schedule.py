@@ -13,7 +13,10 @@ them per parameter and buckets the reductions:
   its layer's group reshards after forward (``ir.gathers.reshards``) and an op saves it for
   backward, it is all-gathered once more, in backward;
 - gradients are reduced in the precision policy's ``reduce_dtype`` (which the cast of a
-  parameter carries), gathers move the dtype their uses read (the cast's ``param_dtype``);
+  parameter carries), gathers move the dtype their uses read (the cast's ``param_dtype``: a
+  padded shard's cast takes the piece too, ``solver.problem.padded_casts``, so its uses are one
+  gather as an even shard's are); a padded shard's gather and reduce-scatter move ``k`` pieces
+  of ``ceil(n / k)`` rows (``ops.buckets``);
 - each reduction pays its bytes and its share of a bucket's latency
   (``comm.param_grad_sync_cost``); the buckets pay ceil(bytes / cap) latencies in all (per
   layer for reduce-scatters, whose buckets stay inside one layer's gather group).
@@ -41,7 +44,7 @@ from autopar.cost import comm, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.gathers import gather_groups, param_layer, reshards
 from autopar.solver.problem.choices import ChoiceGraph, synced_param
-from autopar.solver.problem.gathered import single_gather
+from autopar.solver.problem.gathered import moved_shape, single_gather
 from autopar.solver.problem.op_prices import grad_sync_axes
 
 
@@ -361,11 +364,13 @@ def _param_terms(
     if len(gathers) == 1 and not syncs:
         (((axis, dim, reduce), members),) = gathers.items()
         dst = members[0][1]
-        # Gathered in the dtype its uses read (a policy's param_dtype: the runtime gathers the
-        # cast shards), its gradient reduce-scattered in the reduction dtype.
-        gathered = memory.local_bytes(arg_shape, members[0][0].dtype, dst, mesh)
-        whole = memory.local_bytes(arg_shape, dtype, dst, mesh)
         k = mesh[axis]
+        # Gathered in the dtype its uses read (a policy's param_dtype: the runtime gathers the
+        # cast shards), its gradient reduce-scattered in the reduction dtype; a padded shard's
+        # (``ir.spec.padded_axis``) both k pieces of ceil(n / k) rows, as ``ops.buckets`` moves them.
+        moved = moved_shape(arg_shape, src, dim, k, mesh)
+        gathered = memory.local_bytes(moved, members[0][0].dtype, dst, mesh)
+        whole = memory.local_bytes(moved, dtype, dst, mesh)
         gather_s = comm.all_gather_s(gathered, axis, mesh, cluster)
         gather_sent = comm.bytes_sent("all_gather", gathered, k)
         # each use gathered it; once now

@@ -53,6 +53,7 @@ from autopar.solver.problem.edges import Edge, flatten, mutated_inputs, price_ed
 from autopar.solver.problem.gathered import GatheredSize, gathered_parameters
 from autopar.solver.problem.op_prices import price_strategies
 from autopar.solver.problem.optimizer_terms import dtensor_price, step_prices
+from autopar.solver.problem.padded_casts import padded_cast_strategies
 from autopar.solver.problem.priced import PricedStrategy, PriceTable
 from autopar.trace import TracedModel, requires_grad
 
@@ -706,6 +707,7 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict, pru
     sync_dtypes = tuple(reduce_dtype(n) for n in input_nodes)
     mutated = mutated_inputs(node)
     reachable = tuple(_reachable(choices[n.name], i in mutated, cache) for i, n in enumerate(input_nodes))
+    padded = _padded_cast(node, choices, input_nodes, mesh_shape)
     key = (
         info.target,
         kw_text,
@@ -715,14 +717,28 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict, pru
         tuple((choices[n.name].requires_grad, choices[n.name].kind == "param") for n in input_nodes),
         sync_dtypes,
         reachable,
+        padded,
     )
     if key not in cache:
-        cache[key] = price_strategies(info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, reachable)
+        cache[key] = price_strategies(
+            info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, reachable, padded
+        )
     priced, counts = cache[key]
     pruned.enumerated += counts[0]
     pruned.impossible += counts[1]
     pruned.dominated += counts[2]
     return Choice(node.name, "op", priced, inputs, info.out_shapes, out_dtypes, needs_grad, info=info, sync_dtypes=sync_dtypes)
+
+
+def _padded_cast(node, choices, input_nodes, mesh_shape) -> tuple[Strategy, ...]:
+    """A policy's cast of a parameter offered padded shards takes and gives the padded piece
+    (``padded_casts``); nothing for any other node."""
+    if len(input_nodes) != 1:
+        return ()
+    producer = choices[input_nodes[0].name]
+    if producer.kind != "param" or not producer.out_shapes:
+        return ()
+    return padded_cast_strategies(node, producer.kind, producer.out_shapes[0], producer.out_specs(0), mesh_shape)
 
 
 def _op_info(node: torch.fx.Node, seen: dict) -> tuple[OpInfo, list[torch.fx.Node], str]:

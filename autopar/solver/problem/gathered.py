@@ -6,7 +6,7 @@ again in backward if its group is resharded after forward; its gradient waits wh
 reduce-scatter bucket (``ops.buckets``). Those whole tensors are not node outputs, so the choice
 graph names each gathered parameter ``gathered:<placeholder>`` and sizes it by the specs of its
 first use's edge: the bytes of the consumer's input spec where that edge is one all-gather
-(``single_gather``), else 0. In the ILP that is linear in the edge's y variables
+(``single_gather``; a padded shard's with its padding, ``moved_shape``), else 0. In the ILP that is linear in the edge's y variables
 (``ilp.ShardingILP.memory_expression``); for a chosen plan, ``ChoiceGraph.bytes_of``.
 """
 
@@ -24,7 +24,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.cost import compute, liveness, memory
 from autopar.ir.gathers import gather_groups, param_layer, reshards
 from autopar.ir.options import CommOptions
-from autopar.ir.spec import Spec
+from autopar.ir.spec import Spec, local_shape
 
 if TYPE_CHECKING:
     from autopar.solver.problem.choices import Choice, Edge
@@ -55,6 +55,14 @@ def single_gather(src: Spec, dst: Spec) -> tuple[int, int] | None:
         if not any(isinstance(p, Shard) and p.dim == src[axis].dim for a, p in enumerate(src) if a != axis):
             return axis, src[axis].dim
     return None
+
+
+def moved_shape(shape: Sequence[int], src: Spec, dim: int, k: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` as the all-gather of ``src``'s ``dim`` over ``k`` ranks moves and holds it: ``k``
+    pieces of the local ``ceil(n / k)`` rows, so a padded shard's (``ir.spec.padded_axis``) with
+    its padding, as ``ops.buckets.ParamGathers`` gathers it (``shape`` itself where ``k`` divides)."""
+    local = local_shape(shape, src, mesh_shape)
+    return tuple(k * local[d] if d == dim else n for d, n in enumerate(shape))
 
 
 def reads_whole(target) -> bool:
@@ -119,16 +127,24 @@ def gathered_parameters(
         edge = edges[e]
         key = (id(edge.price), edge.shape, edge.dtype)
         if key not in sized:
-            sized[key] = {
-                (src, dst): float(memory.local_bytes(edge.shape, edge.dtype, dst, mesh_shape))
-                for src, dst in edge.price
-                if single_gather(src, dst) is not None
-            }
+            sized[key] = _gathered_sizes(edge, mesh_shape)
         sizes[PREFIX + param] = GatheredSize(e, sized[key])  # shared by the layers' copies: read only
         rows.append(
             GatherRow(param, fqns.get(param, param), tuple(uses[param]), edge.shape, edge.dtype, choices[param].out_dtypes[0])
         )
     return sizes, gathered_intervals(rows, nodes, options, exchange)
+
+
+def _gathered_sizes(edge: Edge, mesh_shape: Sequence[int]) -> dict[tuple[Spec, Spec], float]:
+    """Bytes of ``edge``'s tensor gathered, per (src, dst) of its price table that is one
+    all-gather (``single_gather``), padded as it is gathered (``moved_shape``)."""
+    sizes = {}
+    for src, dst in edge.price:
+        found = single_gather(src, dst)
+        if found is not None:
+            moved = moved_shape(edge.shape, src, found[1], mesh_shape[found[0]], mesh_shape)
+            sizes[(src, dst)] = float(memory.local_bytes(moved, edge.dtype, dst, mesh_shape))
+    return sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +209,7 @@ __all__ = [
     "GatheredSize",
     "GatherRow",
     "single_gather",
+    "moved_shape",
     "gathered_parameters",
     "gathered_intervals",
     "cast_of_param",

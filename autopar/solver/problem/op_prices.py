@@ -47,11 +47,12 @@ def grad_sync_cost(
 
 
 def price_strategies(
-    info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, reachable
+    info, val, choices, input_nodes, mesh_shape, cluster, needs_grad, sync_dtypes, reachable, extra=()
 ) -> tuple[PriceTable, tuple[int, int, int]]:
     """Every possible strategy of one op with its prices, dominated ones cut (``solver.problem.pruning``),
-    and the counts (enumerated, impossible, dominated)."""
-    enumerated = node_strategies(info, mesh_shape)
+    and the counts (enumerated, impossible, dominated). ``extra``: strategies offered beyond the
+    rules' (a padded parameter's cast, ``padded_casts``)."""
+    enumerated = node_strategies(info, mesh_shape) + list(extra)
     strategies = [enumerated[i] for i in pruning.feasible([s.ins for s in enumerated], reachable)]
     if not strategies:  # nothing the producers deliver: keep the rules' list, so the ILP says why
         strategies = enumerated
