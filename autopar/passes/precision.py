@@ -42,7 +42,8 @@ import torch.fx
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
 from autopar.ops.buckets import ParamGathers
-from autopar.passes.schedule import PARAM_GATHERS, cast_dtype, is_param_cast
+from autopar.passes.schedule import PARAM_GATHERS, cast_dtype
+from autopar.trace import is_param_cast
 
 # Collectives that only move or keep elements in forward (so commute with a cast); allreduce_grad
 # is the identity in forward.
@@ -109,11 +110,11 @@ def gather_in_param_dtype(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Grap
     gathers = getattr(gm, PARAM_GATHERS, None)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is collectives.gather_param_resharded:
-            casts = list(node.users)
-            dtypes = {cast.kwargs.get("dtype") for cast in casts}
-            if casts and all(is_param_cast(cast) for cast in casts) and len(dtypes) == 1:
+            dtype = cast_dtype(node)
+            if dtype is not None:
                 # the cast joins the gather's recomputation, so backward keeps neither
-                node.kwargs = {**node.kwargs, "param_dtype": dtypes.pop()}
+                casts = list(node.users)
+                node.kwargs = {**node.kwargs, "param_dtype": dtype}
                 node.meta["val"] = casts[0].meta["val"]
                 for cast in casts:
                     drop(cast, node)

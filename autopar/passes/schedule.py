@@ -52,6 +52,7 @@ from autopar.ir.spec import local_shape, padded_axis
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets, ParamGathers, Slot, make_buckets
 from autopar.passes.inductor_comm import bucket_pass
+from autopar.trace import is_param_cast
 
 GRAD_BUCKETS = "grad_buckets"
 PARAM_GATHERS = "param_gathers"
@@ -256,16 +257,6 @@ def _merge_gathered(
         gather.replace_all_uses_with(node)  # an unused alias of it (``_used``) reads the gathered one
         graph.erase_node(gather)
     return order[first_use], slot_dtype, node
-
-
-def is_param_cast(node: torch.fx.Node) -> bool:
-    """A parameter's cast to ``param_dtype`` (``trace._cast_parameters``, or one that
-    ``passes.precision`` moved)."""
-    return (
-        node.op == "call_function"
-        and node.target is torch.ops.aten._to_copy.default
-        and "cast_of" in node.meta.get("autopar", {})
-    )
 
 
 def cast_dtype(node: torch.fx.Node) -> torch.dtype | None:

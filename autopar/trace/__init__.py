@@ -2,7 +2,16 @@
 deep model's graph from a shallow export of its repeated layers (``repeat``), and run
 meta-device models under fake tensors (``fake``)."""
 
-from autopar.trace.export import GraphInput, TracedModel, aliased_writes, graph_hash, requires_grad, trace
+from autopar.trace.export import GraphInput, TracedModel, aliased_writes, graph_hash, is_param_cast, requires_grad, trace
 from autopar.trace.repeat import trace_repeated
 
-__all__ = ["GraphInput", "TracedModel", "aliased_writes", "graph_hash", "requires_grad", "trace", "trace_repeated"]
+__all__ = [
+    "GraphInput",
+    "TracedModel",
+    "aliased_writes",
+    "graph_hash",
+    "is_param_cast",
+    "requires_grad",
+    "trace",
+    "trace_repeated",
+]

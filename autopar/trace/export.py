@@ -367,6 +367,16 @@ def _fake_params(model: torch.nn.Module, inputs: Any, precision: MixedPrecision 
     return fake_tensors(model, real[0] if real else "cpu", param_dtype)
 
 
+def is_param_cast(node: torch.fx.Node) -> bool:
+    """A precision policy's cast of a parameter to ``param_dtype`` (``_cast_parameters`` marks it
+    ``cast_of``; ``passes.precision`` may move it past the parameter's gather)."""
+    return (
+        node.op == "call_function"
+        and node.target is torch.ops.aten._to_copy.default
+        and "cast_of" in node.meta.get("autopar", {})
+    )
+
+
 def _cast_parameters(gm: torch.fx.GraphModule, inputs: list[GraphInput], precision: MixedPrecision) -> None:
     """Parameters hold the master dtype and are cast where used, as autocast and FSDP2 do: each
     floating parameter placeholder takes ``master_dtype``, and one ``_to_copy`` to its traced

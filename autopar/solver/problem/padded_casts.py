@@ -21,12 +21,7 @@ import torch.fx
 
 from autopar.ir.spec import Spec, padded_axis
 from autopar.rules.registry import Strategy
-
-
-def is_policy_cast(node: torch.fx.Node) -> bool:
-    """A precision policy's cast of a parameter (``trace``'s ``_to_copy`` marked ``cast_of``): the
-    only cast whose move past the gathers the runtime makes (``passes.precision``)."""
-    return node.target is torch.ops.aten._to_copy.default and "cast_of" in node.meta.get("autopar", {})
+from autopar.trace import is_param_cast
 
 
 def padded_cast_strategies(
@@ -35,9 +30,9 @@ def padded_cast_strategies(
     """The strategies ``padded → padded`` for ``node`` where it is a policy's cast of a parameter
     (its one input, of ``kind`` "param", ``shape`` and offered ``specs``) and some of those specs
     are padded shards; none otherwise."""
-    if kind != "param" or not is_policy_cast(node):
+    if kind != "param" or not is_param_cast(node):
         return ()
     return tuple(Strategy((spec,), (spec,)) for spec in specs if padded_axis(shape, spec, mesh_shape) is not None)
 
 
-__all__ = ["is_policy_cast", "padded_cast_strategies"]
+__all__ = ["padded_cast_strategies"]
