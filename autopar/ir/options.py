@@ -64,7 +64,9 @@ class SolveOptions:
     rounding, ``solver.search.budget``) when its step is within this fraction of the LP bound;
     further, the MILP runs as a second opinion for about as long as planning took so far. 0 runs
     it always (slower, and what it finds in its time depends on the machine); 1 never (fastest,
-    and the same plan on every machine)."""
+    and the same plan on every machine). A sharding that could beat the best plan so far by no
+    more than this fraction is not tried with checkpointing and offload (0: every one is; 1: none
+    beyond the first)."""
 
     time_limit_s: float = 60.0
     solver: SolverName = "auto"

@@ -8,10 +8,15 @@ import torch
 
 import autopar
 from autopar.cli.main import _fraction
+from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
 from autopar.errors import ConfigError
 from autopar.ir.options import MemoryOptions, PlanOptions, SolveOptions
+from autopar.solver import solve
 from autopar.solver.planners import sharding
+from autopar.solver.problem.choices import build_choice_graph
+from autopar.solver.search.lean import least_peak
+from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 
 
@@ -47,3 +52,44 @@ def test_a_gap_outside_zero_to_one_is_refused_by_the_options_and_the_cli():
     assert _fraction("0.2") == 0.2
     with pytest.raises(Exception, match="expected a fraction from 0 to 1"):
         _fraction("2")
+
+
+@pytest.fixture(scope="module")
+def small_llama():
+    with torch.device("meta"):
+        model = build_model("llama", n_layer=4, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
+        idx = torch.zeros(8, 64, dtype=torch.long)
+    return trace(model, (idx, idx))
+
+
+# (mesh, cluster, budget as a multiple of the least peak): under 1 no sharding fits alone (the
+# Lagrangian front, ``sharding._front_stop``), above it the shardings weighed with memory
+# decisions (``sharding._with_memory_decisions``); at a gap of 0.2 each of these plans another way.
+GAP_CASES = [((8,), "h100-80g", 0.9), ((8,), "h100-80g", 1.3), ((2, 2), "cpu", 0.9), ((8,), "cpu", 1.6)]
+
+
+@pytest.mark.parametrize("mesh, cluster_name, fraction", GAP_CASES)
+def test_a_gap_gives_up_at_most_that_share_of_the_step_and_prices_fewer_memory_plans(
+    small_llama, monkeypatch, mesh, cluster_name, fraction
+):
+    """A sharding whose step before checkpointing and offload is within ``budget_gap`` of the best
+    plan so far is not given memory decisions, and the front ends there: the plan is at most
+    1 / (1 - gap) times as slow as with a gap of 0, never over the budget, and fewer plans are
+    weighed."""
+    cluster = get_cluster(cluster_name)
+    budget = fraction * least_peak(build_choice_graph(small_llama, mesh, cluster))
+    calls = []
+    real = sharding.plan_memory
+    monkeypatch.setattr(sharding, "plan_memory", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plans, weighed = {}, {}
+    for gap in (0.0, 0.05, 0.2):
+        calls.clear()
+        options = PlanOptions(memory=MemoryOptions(budget=budget, offload="auto"), solve=SolveOptions(budget_gap=gap))
+        plans[gap], weighed[gap] = solve(small_llama, mesh, cluster, options), len(calls)
+        assert plans[gap].predicted.peak_memory_bytes <= budget
+    exact = plans[0.0].predicted.step_time_s
+    for gap in (0.05, 0.2):
+        assert plans[gap].predicted.step_time_s <= exact / (1 - gap) * (1 + 1e-9), f"budget_gap={gap}"
+        assert weighed[gap] <= weighed[0.0]
+    skipped = weighed[0.2] < weighed[0.0] or plans[0.2].hash != plans[0.0].hash
+    assert skipped, "a gap of 0.2 skips a sharding in each case: the test weighs something"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autopar.cost.cluster import get_cluster
-from autopar.ir.options import PlanOptions
+from autopar.ir.options import MemoryOptions, PlanOptions, SolveOptions
 from autopar.solver import solve
 from autopar.solver.planners import sharding
 from autopar.solver.problem.choices import build_choice_graph
@@ -92,3 +92,23 @@ def test_the_front_stops_at_a_plan_that_loses_and_plans_alike(gpt_oss, monkeypat
     assert stopped.solver.method == "lagrangian" and stopped.predicted.peak_memory_bytes <= budget
     assert stopped_steps < len(steps)
     assert stopped.hash == whole.hash
+
+
+def test_the_front_ends_where_later_plans_can_win_back_at_most_the_gap(gpt_oss, monkeypatch):
+    """With ``budget_gap`` 0.05 the front ends once a later plan, no faster than the last and
+    paying for memory decisions at least what the cheapest so far paid, could beat the best plan
+    by 5% at most (``sharding._front_stop``): on this GPT-OSS one LP fewer than with a gap of 0,
+    and the same plan."""
+    traced, budget = gpt_oss
+    steps = []
+    fits = budget_search._lagrangian_fits
+    monkeypatch.setattr(budget_search, "_lagrangian_fits", lambda *args: steps.append(args[2]) or fits(*args))
+    cluster, mesh = get_cluster("h100-80g"), (2, 2)
+    plans, counts = {}, {}
+    for gap in (0.0, 0.05):
+        steps.clear()
+        options = PlanOptions(memory=MemoryOptions(budget=budget, offload="auto"), solve=SolveOptions(budget_gap=gap))
+        plans[gap], counts[gap] = solve(traced, mesh, cluster, options), len(steps)
+    assert counts[0.05] < counts[0.0]
+    assert plans[0.05].hash == plans[0.0].hash
+    assert plans[0.05].predicted.peak_memory_bytes <= budget

@@ -317,7 +317,12 @@ def _with_memory_decisions(
 ):
     """(solution, its ``_StepParts``, its memory decisions or None): which sharding, with which
     memory decisions, is decided first, and its plan built once after (a candidate that wins
-    later would make an earlier plan waste). ``priced``: what the solve priced already."""
+    later would make an earlier plan waste). ``priced``: what the solve priced already.
+
+    A sharding whose step before memory decisions is within ``settings.budget_gap`` of the best
+    plan so far is not given memory decisions (``_could_win``): they only add time, so it could
+    beat that plan by no more than the gap the budgeted search accepts from its LP bound. (On the
+    zoo Llama at 48 layers that skips three ``plan_memory`` calls for a plan 0.25% faster.)"""
     if priced is None:
         priced = _Priced(traced, graph, cluster, settings)
     solution, unbounded = solved.solution, solved.unbounded
@@ -346,9 +351,9 @@ def _with_memory_decisions(
         if fixed is None:
             continue
         other_solution, other_parts = fixed
-        # checkpointing and offload only add time; the objective prices the gathers whole, which
-        # overlap compute on NCCL clusters (``ParamSchedule.overlaps``): there its step is the bound
-        if (other_solution.objective_s if cluster.gloo else other_parts.step_s) >= step_s:
+        # checkpointing and offload only add time, so this bounds the sharding's step with them
+        # from below (``_lower_s``): one that can win back no more than ``budget_gap`` is skipped
+        if not _could_win(_lower_s(other_solution, other_parts, cluster), step_s, settings.budget_gap):
             continue
         try:
             other_memory = priced.memory(other_solution, explain=False)
@@ -420,41 +425,72 @@ def _front_stop(
     priced: _Priced, ilp: ShardingILP, lean: Solution | None, unbounded: Solution
 ) -> Callable[[dict[str, int]], bool]:
     """``trace_front``'s ``stop``: weighs each plan of the front as ``_with_memory_decisions`` will
-    (after the leanest plan and the fastest, in the front's order), and says True at the first
-    that it would skip, being no faster before its memory decisions than the best plan so far
-    with its own. Each later plan of the front minimises time plus a higher price of the same
-    memory rows, so its objective is no lower (exactly so for the LP's optima; the rounded plans
-    and their predicted steps follow them, which is assumed, not proved): on a tiny GPT-OSS the
-    last LP of the front went to a plan skipped anyway. (Where the whole front would hold more
-    plans than ``_MAX_MEMORY_CANDIDATES``, ``_spread`` picks among fewer.)"""
-    best = math.inf
-    if lean is not None:
-        try:
-            memory = priced.memory(lean)
-        except InfeasibleError:
-            pass
-        else:
-            best = _StepParts.of(priced.graph, lean, priced.cluster).step_s + (memory[0].added_s if memory is not None else 0.0)
+    (after the leanest plan and the fastest, in the front's order) and says True once no later
+    plan of the front can beat the best plan so far, with its memory decisions, by more than
+    ``budget_gap`` (``SolveOptions``; 0: by anything).
 
-    def loses(choice: dict[str, int]) -> bool:
-        nonlocal best
+    Why no bound from the LP: a Lagrangian point at price λ bounds the sharding alone,
+    ``min_x time(x) + λ·(M x - B) ≤ time(x*)``, but here no sharding fits the budget ``B`` alone
+    (``lean.least_peak`` is over it), so that bound grows without end in λ: it bounds an empty
+    problem. The plans are brought under ``B`` by checkpointing and offload, which the LP does not
+    model, and offload hidden behind compute adds 0 s: the one sound bound on the whole problem is
+    the unbounded plan's step (on a tiny GPT-OSS 20× under the plan kept). What the front gives
+    instead is a bound on its later points: point k minimises ``time + f_k·price·M`` and f rises,
+    so a later optimum has no less time (exchange the two optimality conditions: ``(f_j - f_k)(M_j
+    - M_k) ≤ 0``, then ``time_j ≥ time_k``); the rounded plans and their predicted steps follow
+    the LP's optima, which is assumed, not proved. And a later point peaks at least at the least
+    peak, so its memory decisions must save at least what the leanest plan's save: they are taken
+    to cost at least the least any plan priced so far paid (assumed too; the leanest plan's
+    usually). So the front stops where ``step_k + that least`` is within ``budget_gap`` of the
+    best plan (``_could_win``); benchmarks/README.md (bench_plan_time) has the plans this changes.
+    On a tiny GPT-OSS the fourth LP of the front is gone, the plan kept the same. (Where the whole
+    front would hold more plans than ``_MAX_MEMORY_CANDIDATES``, ``_spread`` picks among fewer.)"""
+    gap = priced.settings.budget_gap
+    best, least_added = math.inf, math.inf
+
+    def weigh(solution: Solution, parts: _StepParts | None = None, explain: bool = False) -> None:
+        nonlocal best, least_added
+        try:
+            memory = priced.memory(solution, explain=explain)
+        except InfeasibleError:
+            return
+        added = memory[0].added_s if memory is not None else 0.0
+        parts = parts or _StepParts.of(priced.graph, solution, priced.cluster)
+        best, least_added = min(best, parts.step_s + added), min(least_added, added)
+
+    if lean is not None:
+        weigh(lean, explain=True)
+
+    def done(choice: dict[str, int]) -> bool:
         if lean is not None and choice == lean.choice:
             return False
         fixed = priced.fixed(ilp, choice, unbounded)
         if fixed is None:
             return False
-        solution, parts = fixed
-        if (solution.objective_s if priced.cluster.gloo else parts.step_s) >= best:
-            return True
-        try:
-            memory = priced.memory(solution, explain=False)
-        except InfeasibleError:
-            return False
-        best = min(best, parts.step_s + (memory[0].added_s if memory is not None else 0.0))
-        return False
+        lower = _lower_s(*fixed, priced.cluster)
+        if _could_win(lower, best, gap):  # as ``_with_memory_decisions`` weighs it
+            weigh(*fixed)
+        return not _could_win(lower + _finite_or_zero(least_added), best, gap)  # the later points
 
-    loses(unbounded.choice)
-    return loses
+    done(unbounded.choice)
+    return done
+
+
+def _lower_s(solution: Solution, parts: _StepParts, cluster: ClusterSpec) -> float:
+    """A lower bound on the predicted step of ``solution`` with any memory decisions, which only
+    add time: its step; on gloo its objective, which prices the gathers whole (on NCCL clusters
+    they overlap compute, ``ParamSchedule.overlaps``, and the step may be under the objective)."""
+    return solution.objective_s if cluster.gloo else parts.step_s
+
+
+def _could_win(lower_s: float, best_s: float, gap: float) -> bool:
+    """Whether a plan whose step is at least ``lower_s`` could beat ``best_s`` by more than the
+    fraction ``gap`` (``SolveOptions.budget_gap``; 0: by anything)."""
+    return not math.isfinite(best_s) or lower_s < best_s * (1.0 - gap)
+
+
+def _finite_or_zero(seconds: float) -> float:
+    return seconds if math.isfinite(seconds) else 0.0
 
 
 def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) -> tuple[Solution, tuple[float, float]] | None:

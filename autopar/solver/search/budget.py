@@ -149,8 +149,8 @@ def trace_front(
     fastest to the leanest, which the caller brings under the budget with checkpointing and
     offload. ``ilp`` holds its memory rows (``add_memory_constraint``) and ``unbounded``'s solve;
     ``floor`` is the least peak of any plan (``lean.least_peak``). ``stop``, called with each new
-    plan, ends the front where it says True: a plan that loses to one already found with its
-    memory decisions (``planners.sharding``); a higher price only makes the next one slower."""
+    plan, ends the front where it says True: where later plans, no faster, could beat one already
+    found with its memory decisions by ``budget_gap`` at most (``planners.sharding._front_stop``)."""
     deadline = _time.perf_counter() + time_limit_s
     graph = ilp.graph
     ilp.add_memory_constraint_at(graph.peak(unbounded.choice)[1], budget)
