@@ -294,15 +294,28 @@ def _meaning(mask: Any, call: torch.fx.Node) -> tuple[bool, str | None]:
             return False, f"its shape {tuple(mask.shape)} broadcasts the scores {scores} to a larger shape"
     except RuntimeError:
         return False, f"its shape {tuple(mask.shape)} does not broadcast to the scores {scores}"
-    allowed = _allowed(mask)
+    allowed = _allowed(_unexpanded(mask))
     if allowed is None:
         return False, "an additive mask with entries other than 0, -inf and the dtype's lowest value"
     if bool(allowed.all()):
         return False, None
+    # Compared over the mask's own leading dims, not the scores' (batch × heads × q × k elements,
+    # billions for a large batch): each of the scores' entries reads one of these.
+    plane = (*allowed.shape[:-2], scores[-2], scores[-1])
     causal = torch.ones(scores[-2], scores[-1], dtype=torch.bool).tril()
-    if torch.equal(allowed.expand(scores), causal.expand(scores)):
+    if torch.equal(allowed.expand(plane), causal.expand(plane)):
         return True, None
     return False, "it is neither the causal mask of the query and key positions nor empty (a window, padding, ...)"
+
+
+def _unexpanded(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` without the copies ``expand`` made (a dim of stride 0 kept at size 1): the same
+    values once broadcast back, read at the cost of the elements the mask holds (Hugging Face
+    expands its masks over the batch)."""
+    for dim, (size, stride) in enumerate(zip(mask.shape, mask.stride())):
+        if stride == 0 and size > 1:
+            mask = mask.narrow(dim, 0, 1)
+    return mask
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor | None:

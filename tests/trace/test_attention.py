@@ -177,6 +177,21 @@ def test_a_mask_that_is_not_provably_causal_stays(build):
     assert _sdpa_calls(_traced_against_eager(_Attention(build))) == ["mask"] * 2
 
 
+def test_the_proof_reads_the_mask_it_holds_not_the_scores_it_is_expanded_to(monkeypatch):
+    # Hugging Face expands its mask over the batch; a proof over the scores' shape (batch × heads
+    # × q × k) once spent minutes on a batch of 128. One (q, k) plane is all this mask holds.
+    compared, equal = [], torch.equal
+
+    def recording(a, b):
+        if a.dtype == torch.bool:
+            compared.append(max(a.numel(), b.numel()))
+        return equal(a, b)
+
+    monkeypatch.setattr(torch, "equal", recording)
+    assert _sdpa_calls(_traced_against_eager(_Attention(_where_finfo_min))) == ["causal"] * 2
+    assert compared and max(compared) == L * S
+
+
 @pytest.mark.parametrize(
     "build",
     [
