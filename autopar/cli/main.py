@@ -628,8 +628,9 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "--budget-gap",
         type=_fraction,
         default=None,
-        help="under a binding memory budget, keep the fast search's plan within this fraction of the bound "
-        "(default 0.05; 0: always try the MILP too; 1: never, the same plan on every machine)",
+        help="under a binding memory budget, keep the fast search's plan within this fraction of the bound, "
+        "and try checkpointing and offload only on shardings that could win back more "
+        "(default 0.05; 0: always try the MILP too, and every sharding; 1: neither, the same plan on every machine)",
     )
     p.add_argument(
         "--pipeline",
