@@ -79,11 +79,16 @@ def causal_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor
     needed = _ancestors([mask for mask, _ in calls.values()] + [n for n in gm.graph.nodes if written(n)])
     values = _Values(gm, constants or {})
     rewritten, masks = 0, []
+    meanings: dict[tuple, tuple[bool, str | None]] = {}  # every layer's call reads one mask: proved once
     try:
         for node in list(gm.graph.nodes):
             if node in calls:
                 mask, mask_argument = calls[node]
-                causal, reason = _meaning(values.get(mask), node)
+                scores = _scores(node)  # (a symbolic size is not hashable: such a call is not proved anyway)
+                key = (mask, scores) if all(isinstance(size, int) for size in scores) else None
+                if key is None or key not in meanings:
+                    meanings[key] = _meaning(values.get(mask), node)
+                causal, reason = meanings[key]
                 if reason is None:
                     _drop_mask(node, mask_argument, causal)
                     masks.append(mask)
@@ -285,8 +290,7 @@ def _meaning(mask: Any, call: torch.fx.Node) -> tuple[bool, str | None]:
         return False, "its value depends on the graph's inputs or random numbers"
     if torch._C._functorch.is_batchedtensor(mask):
         return False, "the attention runs under torch.vmap"
-    query, key = _argument(call, "query").meta["val"], _argument(call, "key").meta["val"]
-    scores = (*query.shape[:-1], key.shape[-2])
+    scores = _scores(call)
     if not all(isinstance(size, int) for size in scores):
         return False, f"the attention's shape {scores} is symbolic"
     try:
@@ -306,6 +310,12 @@ def _meaning(mask: Any, call: torch.fx.Node) -> tuple[bool, str | None]:
     if torch.equal(allowed.expand(plane), causal.expand(plane)):
         return True, None
     return False, "it is neither the causal mask of the query and key positions nor empty (a window, padding, ...)"
+
+
+def _scores(call: torch.fx.Node) -> tuple:
+    """The shape of ``call``'s attention scores: the query's without its last dim, then the keys'."""
+    query, key = _argument(call, "query").meta["val"], _argument(call, "key").meta["val"]
+    return (*query.shape[:-1], key.shape[-2])
 
 
 def _unexpanded(mask: torch.Tensor) -> torch.Tensor:
