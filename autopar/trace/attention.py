@@ -97,6 +97,8 @@ def causal_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor
                     log.debug("autopar: %s keeps its mask %s: %s", node.name, mask.name, reason)
             elif node in needed or written(node) or node.target in _VMAP_LEVELS:
                 values.evaluate(node)
+                if written(node):  # an in-place write may change a mask already proved
+                    meanings.clear()
     finally:
         values.leave_vmap()
     if rewritten:

@@ -9,6 +9,7 @@ rule allows (``test_attention_compiled.py`` trains compiled Hugging Face models 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -175,6 +176,32 @@ def test_torch_aligns_is_causal_top_left_so_a_shorter_query_may_still_be_causal(
 @pytest.mark.parametrize("build", KEPT.values(), ids=KEPT.keys())
 def test_a_mask_that_is_not_provably_causal_stays(build):
     assert _sdpa_calls(_traced_against_eager(_Attention(build))) == ["mask"] * 2
+
+
+class _MaskWrittenBetweenLayers(_Attention):
+    """The first layer reads the causal mask; then the mask is narrowed in place to a window of 2."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        mask = _triu_inf(x, S, S)
+        for index, layer in enumerate(self.layers):
+            if index == 1:
+                mask[2:, :].masked_fill_(torch.ones(S - 2, S, dtype=torch.bool).tril(), NEG)  # through a view
+            q, k, v = layer(x).view(batch, S, 3 * HEADS, E // HEADS).transpose(1, 2).chunk(3, 1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + out.transpose(1, 2).reshape(batch, S, E)
+        return x.sum()
+
+
+def test_a_mask_proved_once_is_proved_again_after_an_in_place_write():
+    model = _MaskWrittenBetweenLayers(_triu_inf)
+    assert _sdpa_calls(_traced_against_eager(model)) == ["causal", "mask"]
+    # The pass on export's own graph, where both calls read one mask node and the write goes
+    # through a view of it between them (``trace`` functionalizes such writes first).
+    gm = torch.export.export(model, (torch.randn(2, S, E, dtype=torch.float64),)).graph_module
+    assert [call.args[3].name for call in gm.graph.nodes if call.target is SDPA] == ["triu", "triu"]
+    causal_attention(gm)
+    assert _sdpa_calls(SimpleNamespace(gm=gm)) == ["causal", "mask"]
 
 
 def test_the_proof_reads_the_mask_it_holds_not_the_scores_it_is_expanded_to(monkeypatch):
