@@ -248,13 +248,10 @@ class Plan:
             if len(spec) != len(self.spec_mesh):
                 raise PlanError(f"param {fqn!r} has {len(spec)} placements for a {len(self.spec_mesh)}-axis mesh")
 
-    def placeholder(self, fqn: str) -> tuple[str, NodePlan] | None:
-        """(node name, decision) of parameter or buffer ``fqn``'s placeholder, or None where the
-        plan has none (``placeholder_names``)."""
-        for name in placeholder_names(fqn):
-            if name in self.nodes:
-                return name, self.nodes[name]
-        return None
+    def placeholder(self, fqn: str) -> NodePlan | None:
+        """The decision of parameter or buffer ``fqn``'s placeholder, or None where the plan has
+        none (``placeholder_names``)."""
+        return next((self.nodes[name] for name in placeholder_names(fqn) if name in self.nodes), None)
 
     @property
     def declares_optimizer(self) -> bool:
@@ -365,9 +362,9 @@ class Plan:
                 if out_index < len(shapes):
                     _check_spec(spec, shapes[out_index], mesh, f"{where}, input {index} (from {producer!r})", param)
         for fqn, spec in self.params.items():
-            found = self.placeholder(fqn)
-            if found is not None and found[1].shapes:
-                _check_spec(spec, found[1].shapes[0], mesh, f"parameter {fqn!r}", found[1].op == "param")
+            node = self.placeholder(fqn)
+            if node is not None and node.shapes:
+                _check_spec(spec, node.shapes[0], mesh, f"parameter {fqn!r}", node.op == "param")
 
     def _casts_param(self, node: NodePlan) -> bool:
         """Whether ``node`` casts a parameter (``_to_copy`` of one): a precision policy's cast of a

@@ -130,8 +130,7 @@ def node_row(name: str, node, mesh_shape=None) -> tuple[str, str, str, str, str,
 
 def _padded_note(plan: Plan, fqn: str, spec) -> str:
     """ "  padded: ceil(n / k) of n rows a rank" for a padded parameter shard (``spec.padded_axis``)."""
-    found = plan.placeholder(fqn)
-    node = found[1] if found is not None else None
+    node = plan.placeholder(fqn)
     shape = tuple(node.shapes[0]) if node is not None and node.op == "param" and node.shapes else None
     axis = padded_axis(shape, spec, plan.mesh_shape) if shape else None
     if axis is None:

@@ -779,7 +779,7 @@ def _exposed_transfers_s(
 def _optimizer_switch_s(walk: _Walk, cluster: ClusterSpec, mesh_shape, chosen: list[_Candidate]) -> tuple[float, float]:
     """A plan that offloads a parameter, gradient or optimizer state is stepped by
     ``autopar.optim.AdamW``, one parameter at a time: (what that adds to the step's optimizer,
-    priced as torch's default (``cost.optimizer``); the seconds of its resident parameters'
+    priced as the plan's optimizer runs (``cost.optimizer.implementation``); the seconds of its resident parameters'
     updates, which it runs first). (0, 0) for a plan that offloads none."""
     offloaded = {c.key[1] for c in chosen if c.key[0] in TRANSFERS}
     if not offloaded:
@@ -787,9 +787,9 @@ def _optimizer_switch_s(walk: _Walk, cluster: ClusterSpec, mesh_shape, chosen: l
     intervals = walk.timeline.intervals
     stepped = optimizer.stepped_tensors(intervals, walk.bytes_of)
     resident = optimizer.stepped_tensors([iv for iv in intervals if iv.node not in offloaded], walk.bytes_of)
-    default = optimizer.implementation(cluster, walk.graph.optimizer)
+    priced = optimizer.implementation(cluster, walk.graph.optimizer)
     for_loop_s = optimizer.adamw_step_s(stepped, cluster, "for-loop", mesh_shape)
-    switch_s = for_loop_s - optimizer.adamw_step_s(stepped, cluster, default, mesh_shape)
+    switch_s = for_loop_s - optimizer.adamw_step_s(stepped, cluster, priced, mesh_shape)
     return switch_s, optimizer.adamw_step_s(resident, cluster, "for-loop", mesh_shape)
 
 
