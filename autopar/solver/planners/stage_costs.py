@@ -182,7 +182,8 @@ def per_step_graph(graph: ChoiceGraph, split: OpSplit, num_microbatches: int) ->
                 price.scaled(m) if isinstance(price, EdgePrices) else {k: (m * s, b) for k, (s, b) in price.items()}
             )
         edges.append(dataclasses.replace(edge, price=table))
-    return dataclasses.replace(graph, choices=choices, edges=edges)
+    # A stage's gathers are not scheduled across microbatches as one step's are: priced per edge.
+    return dataclasses.replace(graph, choices=choices, edges=edges, overlap=None)
 
 
 @dataclass

@@ -50,6 +50,7 @@ from autopar.rules.registry import (
 )
 from autopar.solver.problem import pruning
 from autopar.solver.problem.edges import Edge, flatten, mutated_inputs, price_edges, reduce_dtype
+from autopar.solver.problem.gather_overlap import GatherOverlap, gather_overlap
 from autopar.solver.problem.gathered import GatheredSize, gathered_parameters
 from autopar.solver.problem.op_prices import price_strategies
 from autopar.solver.problem.optimizer_terms import dtensor_price, step_prices
@@ -126,6 +127,9 @@ class ChoiceGraph:
     dtensor_step_s: float = 0.0
     # The optimizer the step is priced for (``ir.options.PlanOptions.optimizer``).
     optimizer: str = DEFAULT_OPTIMIZER
+    # FSDP's gathers in the ILP's objective as the runtime overlaps them (``gather_overlap``;
+    # None where they do not overlap: gloo, a pipeline stage's per-step graph).
+    overlap: GatherOverlap | None = None
     # What later stages compute from this graph alone (the memory planner's walk: see
     # ``solver.planners.memory_plan``), kept so that one solve computes it once however many plans it tries.
     # Not an argument: a graph made by ``dataclasses.replace`` (other prices, other choices)
@@ -433,6 +437,7 @@ def _build_choice_graph(
     graph = ChoiceGraph(
         mesh_shape, choices, edges, order, ties, templates, timeline, gathered, comm, pruned, steps, dispatch, optimizer
     )
+    graph.overlap = gather_overlap(graph, cluster)
     graph.derived["live_nodes"] = (traced.gm, nodes)  # the memory planner's walk reads them again
     return graph
 

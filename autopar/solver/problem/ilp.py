@@ -35,6 +35,10 @@ Objective (seconds of one training step, forward and backward)
       that shards parameters or their state is paid back for the step it shards.
     + D · d: DTensor's dispatch in that step, where any parameter is sharded (d below; D = 0, and
       no d, on clusters that have not measured it).
+    + E_f + E_b: FSDP's gathers as the runtime overlaps them, where they do (NCCL, a mesh of one
+      axis larger than 1; ``solver.problem.gather_overlap``): a gathered parameter's first-use
+      edge pays its flat-buffer copies in place of the gather r prices, and E_f, E_b what the
+      least forward and backward compute F, B do not hide of the gathers as run (rows below).
     How much of the buckets backward hides is priced on the solved plan
     (``solver.pricing.comm_schedule``, ``predicted.exposed_grad_sync_s``), as are one gather per
     parameter, FSDP's reduce-scatter and the buckets' whole latencies
@@ -56,6 +60,9 @@ Constraints
                        strategies of v that reduce input i's gradient so; z ∈ [0, 1] continuous
                        (at an optimum z is the max of its rows: 0 or 1 for integer x)
     dtensor_params[n]: d ≥ Σ_{s not replicated} x[n, s]   ∀ parameters n; d ∈ [0, 1] continuous
+    exposed_gathers:   E_f ≥ Σ_g Σ_{(p,q)} a[g, p, q] · y[e_g, p, q] − F, and E_b the same over the
+                       parameters whose layer gathers them again in backward, less B; E ≥ 0
+                       continuous (a: one gather as run, bytes and a share of its group's latency)
 
     Repeated layers (``choices.repeated_layers``) share variables outright: a node of layer k
     uses the x of its counterpart in the first layer, and an edge whose two ends share x with
@@ -164,6 +171,7 @@ class ShardingILP:
         self.add_tie_constraints()
         self.add_param_sync_variables()
         self.add_dtensor_variable()
+        self.add_exposed_gathers()
         self.set_objective()
 
     # -- variables ----------------------------------------------------------------------------
@@ -392,6 +400,45 @@ class ShardingILP:
                 self._z_uses[key].append(lower)
                 self.problem += _difference([d], [lower]) >= 0, f"dtensor_params__{self._node_ids[name]}"
 
+    def add_exposed_gathers(self) -> None:
+        """E_f ≥ Σ run · y − F and E_b ≥ Σ_{regathered} run · y − B, E ≥ 0, over the gathered
+        parameters' first-use edges: FSDP's gathers in forward (and again in backward, where the
+        layer reshards) as the runtime runs them, less the compute that hides them; the
+        objective pays E_f + E_b and each gather's copies in place of the edge's price of the
+        gather (``solver.problem.gather_overlap``; none where gathers do not overlap: gloo)."""
+        self.exposed_gathers: list[tuple[pulp.LpVariable, dict, float]] = []  # (E, y → run seconds, hidden)
+        self._gather_adjust: dict[pulp.LpVariable, float] = {}  # y → its objective coefficient's change
+        overlap = self.graph.overlap
+        if overlap is None:
+            return
+        forward: dict[pulp.LpVariable, float] = {}
+        backward: dict[pulp.LpVariable, float] = {}
+        for item in overlap.items:
+            variables = self.y.get(item.edge, {})
+            for pair, (priced, run, copies) in item.pairs.items():
+                var = variables.get(pair)
+                if var is not None:
+                    self._gather_adjust[var] = self._gather_adjust.get(var, 0.0) + copies - priced
+                    forward[var] = forward.get(var, 0.0) + run
+                    if item.regathered:
+                        backward[var] = backward.get(var, 0.0) + run
+        for side, runs, hidden in (("forward", forward, overlap.forward_s), ("backward", backward, overlap.backward_s)):
+            if not runs:
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                exposed = pulp.LpVariable(f"e_exposed_gathers_{side}", lowBound=0)
+            self.exposed_gathers.append((exposed, runs, hidden))
+            row = pulp.LpAffineExpression({exposed: 1.0, **{var: -seconds for var, seconds in runs.items()}})
+            self.problem += row >= -hidden, f"exposed_gathers__{side}"
+
+    def exposed_gathers_values(self) -> list[tuple[pulp.LpVariable, float]]:
+        """Each E and the value it takes at the current y: the least its row allows."""
+        return [
+            (exposed, max(0.0, sum(seconds * float(var.varValue or 0.0) for var, seconds in runs.items()) - hidden))
+            for exposed, runs, hidden in self.exposed_gathers
+        ]
+
     def param_sync_values(self) -> dict[tuple, float]:
         """The value each z takes at the current x: the largest of its lower bounds
         (``rounding.check`` sets them for an integer assignment)."""
@@ -419,8 +466,13 @@ class ShardingILP:
         # ``_order_objective`` puts the y it generates.
         held_groups = {id(group[1]): g for g, group in enumerate(self.held.groups)}
         reshard_terms, layout = [], []
+        adjust = self._gather_adjust
         for variables, prices, count in shared.values():
-            terms = [(count * seconds, var) for seconds, var in zip(prices, variables.values()) if seconds]
+            terms = [
+                (count * seconds + adjust.get(var, 0.0), var)
+                for seconds, var in zip(prices, variables.values())
+                if count * seconds + adjust.get(var, 0.0)
+            ]
             reshard_terms += terms
             layout.append(("held", held_groups[id(variables)]) if id(variables) in held_groups else ("terms", len(terms)))
         hubs: dict[int, list] = {}
@@ -435,7 +487,8 @@ class ShardingILP:
             if seconds[spec]
         ]
         sync_terms = list(sync_terms)
-        # y, h and z are in no other term, each once (shared y and hubs are counted once above).
+        sync_terms += [(1.0, exposed) for exposed, _, _ in self.exposed_gathers]
+        # y, h, z and E are in no other term, each once (shared y and hubs are counted once above).
         distinct = itertools.chain(reshard_terms, hub_terms, sync_terms)
         self.problem += weighted_sum(compute_terms, distinct=distinct, start=compute)
         self.time_objective = self.problem.objective  # the objective the held y are priced in

@@ -171,6 +171,8 @@ def check(ilp: ShardingILP, choice: dict[str, int]) -> float | None:
             var.varValue = 1.0
     for key, value in ilp.param_sync_values().items():  # each z at the least its rows allow
         ilp.z[key].varValue = value
+    for exposed, value in ilp.exposed_gathers_values():  # and each E (``gather_overlap``)
+        exposed.varValue = value
     if any(var.varValue is None for var in ilp.variables()):
         return _fixed_solve(ilp, choice)  # another family added variables: let the LP set them
     if not ilp.rows_hold(_TOLERANCE):

@@ -1,0 +1,147 @@
+"""FSDP's forward all-gathers in the ILP's objective as the runtime runs them (NCCL clusters).
+
+An edge prices each gathered parameter's all-gather whole: its bytes and a ring latency per
+parameter, in the step. The runtime runs them otherwise (``solver.pricing.comm_schedule``):
+a layer's parameters in one collective (one latency per group), one group ahead on the
+communication stream, so forward compute hides them; and it copies the pieces into and out of
+flat buffers on the compute stream. Pricing them whole made FSDP look dearer than DDP by a
+latency per parameter (0.15 s a step on 196 parameters over 48 ranks), so where memory did not
+bind the ILP never sharded a parameter, and never won back the optimizer step that sharding
+splits.
+
+So, on clusters whose gathers overlap (not gloo: there the ranks' CPUs move every byte), the
+objective takes each gathered parameter's first-use gather out of its edge's price and pays
+
+- its copies, on that edge (``copy_s``: the runtime's, as ``comm_schedule._copy_s`` prices them;
+  the gradient's reduce-scatter copy always, a re-gather's where its layer reshards);
+- ``E ≥ Σ run_s · y − F, E ≥ 0``: the gathers as run (bytes, and each parameter's share of its
+  group's one latency, by bytes) that ``F`` does not hide, one row and one continuous variable.
+  ``F`` is the least forward compute any plan has (each node's cheapest strategy), so E is never
+  under what the chosen plan's own forward leaves exposed; the first group's gather, which
+  nothing hides, is priced on the solved plan alone.
+
+Only on meshes of one axis larger than 1, for now. On two, a parameter gathered on one axis and
+reduced on both (hybrid sharding) is not FSDP's pattern, which the runtime schedules only where a
+gathered use reduces its gradient on the gathered axis alone (``comm_schedule._param_terms``): an
+edge's pair does not say which, as that is the consumer's strategy. On three, an edge may also
+route a pair through the replicated spec (its hub, ``edges.EdgePrices``), which prices the same
+gather whole, and both routes of a pair must cost the same.
+
+What the plan reports is the solved plan's price (``ParamSchedule.overlap_delta_s``); this is the
+ILP's view of it, linear in the gathered edges' y (``ilp.ShardingILP.add_exposed_gathers``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from autopar.cost.cluster import ClusterSpec
+from autopar.ir.gathers import param_layer, reshards
+from autopar.ir.spec import Spec
+from autopar.solver.problem.gathered import single_gather
+
+
+@dataclass(frozen=True, slots=True)
+class GatherTerms:
+    """One gathered parameter's first-use edge, whether its layer gathers it again in backward,
+    and per (src, dst) of the edge that is one all-gather: (seconds the edge prices, seconds of
+    one gather as run, seconds of the runtime's copies). The table is shared by the parameters
+    whose edges share a price table, shape, dtype and layer size: read only."""
+
+    edge: int
+    regathered: bool
+    pairs: dict[tuple[Spec, Spec], tuple[float, float, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class GatherOverlap:
+    """The gathered parameters' terms, and the forward and backward compute that hide their
+    gathers (``F``, ``B``)."""
+
+    items: tuple[GatherTerms, ...]
+    forward_s: float
+    backward_s: float
+
+    def adjustment_s(self, specs: Mapping[int, tuple[Spec, Spec]]) -> float:
+        """What the ILP's objective adds to Σ compute + Σ resharding for a plan whose edges carry
+        ``specs``: each gather's copies in place of its edge price, and the gathers as run that
+        compute does not hide."""
+        delta = forward = backward = 0.0
+        for item in self.items:
+            terms = item.pairs.get(specs.get(item.edge))
+            if terms is not None:
+                delta += terms[2] - terms[0]
+                forward += terms[1]
+                backward += terms[1] if item.regathered else 0.0
+        return delta + max(0.0, forward - self.forward_s) + max(0.0, backward - self.backward_s)
+
+
+def gather_overlap(graph, cluster: ClusterSpec) -> GatherOverlap | None:
+    """The ILP's terms for ``graph``'s gathered parameters (module docstring); None where its
+    gathers do not overlap compute (gloo, or nothing gathered) or on two axes or more (docstring)."""
+    mesh = graph.mesh_shape
+    if cluster.gloo or not graph.gathered or sum(size > 1 for size in mesh) != 1:
+        return None
+    layer_of = {name: param_layer(graph.choices[name.split(":", 1)[1]].fqn or name) for name in graph.gathered}
+    per_layer = Counter(layer_of.values())
+    tables: dict[tuple, dict] = {}
+    items = []
+    for name, gathered in graph.gathered.items():
+        edge = graph.edges[gathered.edge]
+        param = name.split(":", 1)[1]
+        layer = layer_of[name]
+        regathered = reshards(layer, graph.comm.reshard_after_forward)
+        producer = graph.choices[edge.producer]
+        reduce_dtype = producer.sync_dtypes[0] if producer.kind != "param" and producer.sync_dtypes else None
+        grad_itemsize = (reduce_dtype or graph.choices[param].out_dtypes[0]).itemsize
+        key = (id(edge.price), id(gathered.sizes), regathered, grad_itemsize, per_layer[layer])
+        if key not in tables:
+            tables[key] = _pairs(graph, edge, gathered.sizes, regathered, grad_itemsize, per_layer[layer], cluster)
+        if tables[key]:
+            items.append(GatherTerms(gathered.edge, regathered, tables[key]))
+    if not items:
+        return None
+    forward, backward = _least_compute_s(graph)
+    return GatherOverlap(tuple(items), forward, backward)
+
+
+def _pairs(graph, edge, sizes, regathered: bool, grad_itemsize: int, in_layer: int, cluster: ClusterSpec) -> dict:
+    """``GatherTerms.pairs`` of one gathered parameter's edge: the runtime gathers a layer's
+    parameters in collectives of up to ``gather_group_bytes``, so each pays a share of a latency,
+    by its bytes, and at least an equal share of its layer's one (``in_layer`` parameters); and
+    it copies the pieces in and out of a flat buffer (again for a re-gather) and the gradient
+    into its reduce-scatter bucket, as ``comm_schedule._copy_s`` prices them."""
+    mesh = graph.mesh_shape
+    efficiency = cluster.rates.memory_efficiency if cluster.rates is not None else 1.0
+    copy_bandwidth = cluster.memory_bandwidth_bytes_per_s * efficiency
+    pairs = {}
+    for (src, dst), nbytes in sizes.items():
+        price = edge.price.get((src, dst))
+        if price is None or not nbytes:
+            continue
+        axis = single_gather(src, dst)[0]
+        k = mesh[axis]
+        latency = (k - 1) * cluster.axis_link(mesh, axis).latency_s
+        share = max(nbytes / graph.comm.gather_group_bytes, 1.0 / in_layer) if graph.comm.gather_group_bytes > 0 else 1.0
+        run = price[0] - latency + latency * min(1.0, share)
+        copies = (2 if regathered else 1) * 2 * nbytes * (1 + 1 / k) + 2 * nbytes * grad_itemsize / edge.dtype.itemsize
+        pairs[(src, dst)] = (price[0], max(0.0, run), copies / copy_bandwidth)
+    return pairs
+
+
+def _least_compute_s(graph) -> tuple[float, float]:
+    """(Σ over nodes of the least forward seconds of any strategy, and of the least backward):
+    forward is compute less backward and the per-use parameter gradient all-reduces that
+    ``compute_s`` holds (``param_sync_s``)."""
+    forward = backward = 0.0
+    for name in graph.order:
+        priced = graph.choices[name].priced
+        if len(priced):
+            forward += max(0.0, min(p.compute_s - p.backward_s - p.param_sync_s for p in priced))
+            backward += min(p.backward_s for p in priced)
+    return forward, backward
+
+
+__all__ = ["GatherOverlap", "GatherTerms", "gather_overlap"]
