@@ -513,7 +513,9 @@ def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) ->
     objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
     objective += optimizer_objective_s(ilp.graph, choice)  # and the optimizer step of each parameter's placement
     if ilp.graph.overlap is not None:  # and FSDP's gathers as the runtime overlaps them
-        objective += ilp.graph.overlap.adjustment_s(specs)
+        groups, _ = ilp.graph.param_sync_groups()
+        sync_s = sum(group.total_s for group in groups.values() if group.needed(choice))
+        objective += ilp.graph.overlap.adjustment_s(specs, sync_s)
     return dataclasses.replace(
         like,
         choice=choice,

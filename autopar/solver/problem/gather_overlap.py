@@ -14,11 +14,16 @@ objective takes each gathered parameter's first-use gather out of its edge's pri
 
 - its copies, on that edge (``copy_s``: the runtime's, as ``comm_schedule._copy_s`` prices them;
   the gradient's reduce-scatter copy always, a re-gather's where its layer reshards);
-- ``E ≥ Σ run_s · y − F, E ≥ 0``: the gathers as run (bytes, and each parameter's share of its
-  group's one latency, by bytes) that ``F`` does not hide, one row and one continuous variable.
-  ``F`` is the least forward compute any plan has (each node's cheapest strategy), so E is never
-  under what the chosen plan's own forward leaves exposed; the first group's gather, which
-  nothing hides, is priced on the solved plan alone.
+- ``E_f ≥ Σ run_s · y − F, E_f ≥ 0``: the gathers as run (bytes, and each parameter's share of
+  its group's one latency, by bytes, at least its share of its layer's one) that ``F`` does not
+  hide, one row and one continuous variable. ``F`` is the least forward compute any plan has
+  (each node's cheapest strategy), so E_f is never under what the chosen plan's own forward
+  leaves exposed; the first group's gather, which nothing hides, is priced on the solved plan
+  alone;
+- ``E_b ≥ Σ run_s · y + Σ P · z − B, E_b ≥ 0`` for the gathers again in backward (the layers that
+  reshard after forward), which share the stream with the gradient reductions (the ILP's z at
+  their bucketed price P, which the objective still pays whole), behind the least backward
+  compute ``B``.
 
 Only on meshes of one axis larger than 1, for now. On two, a parameter gathered on one axis and
 reduced on both (hybrid sharding) is not FSDP's pattern, which the runtime schedules only where a
@@ -64,10 +69,11 @@ class GatherOverlap:
     forward_s: float
     backward_s: float
 
-    def adjustment_s(self, specs: Mapping[int, tuple[Spec, Spec]]) -> float:
+    def adjustment_s(self, specs: Mapping[int, tuple[Spec, Spec]], sync_s: float = 0.0) -> float:
         """What the ILP's objective adds to Σ compute + Σ resharding for a plan whose edges carry
-        ``specs``: each gather's copies in place of its edge price, and the gathers as run that
-        compute does not hide."""
+        ``specs`` and whose parameter reductions take ``sync_s`` (each once, bucketed): each
+        gather's copies in place of its edge price, and the gathers as run that compute does not
+        hide (in backward, beside the reductions, where the plan gathers anything again)."""
         delta = forward = backward = 0.0
         for item in self.items:
             terms = item.pairs.get(specs.get(item.edge))
@@ -75,6 +81,7 @@ class GatherOverlap:
                 delta += terms[2] - terms[0]
                 forward += terms[1]
                 backward += terms[1] if item.regathered else 0.0
+        backward += sync_s if any(item.regathered for item in self.items) else 0.0
         return delta + max(0.0, forward - self.forward_s) + max(0.0, backward - self.backward_s)
 
 

@@ -61,8 +61,9 @@ Constraints
                        (at an optimum z is the max of its rows: 0 or 1 for integer x)
     dtensor_params[n]: d ≥ Σ_{s not replicated} x[n, s]   ∀ parameters n; d ∈ [0, 1] continuous
     exposed_gathers:   E_f ≥ Σ_g Σ_{(p,q)} a[g, p, q] · y[e_g, p, q] − F, and E_b the same over the
-                       parameters whose layer gathers them again in backward, less B; E ≥ 0
-                       continuous (a: one gather as run, bytes and a share of its group's latency)
+                       parameters whose layer gathers them again in backward, + Σ_g P_g · z[g],
+                       less B; E ≥ 0 continuous (a: one gather as run, bytes and a share of its
+                       group's latency)
 
     Repeated layers (``choices.repeated_layers``) share variables outright: a node of layer k
     uses the x of its counterpart in the first layer, and an edge whose two ends share x with
@@ -401,11 +402,12 @@ class ShardingILP:
                 self.problem += _difference([d], [lower]) >= 0, f"dtensor_params__{self._node_ids[name]}"
 
     def add_exposed_gathers(self) -> None:
-        """E_f ≥ Σ run · y − F and E_b ≥ Σ_{regathered} run · y − B, E ≥ 0, over the gathered
-        parameters' first-use edges: FSDP's gathers in forward (and again in backward, where the
-        layer reshards) as the runtime runs them, less the compute that hides them; the
-        objective pays E_f + E_b and each gather's copies in place of the edge's price of the
-        gather (``solver.problem.gather_overlap``; none where gathers do not overlap: gloo)."""
+        """E_f ≥ Σ run · y − F and E_b ≥ Σ_{regathered} run · y + Σ P · z − B, E ≥ 0, over the
+        gathered parameters' first-use edges: FSDP's gathers in forward (and again in backward,
+        where the layer reshards, beside the gradient reductions z, which the objective still
+        pays whole) as the runtime runs them, less the compute that hides them; the objective
+        pays E_f + E_b and each gather's copies in place of the edge's price of the gather
+        (``solver.problem.gather_overlap``; none where gathers do not overlap: gloo)."""
         self.exposed_gathers: list[tuple[pulp.LpVariable, dict, float]] = []  # (E, y → run seconds, hidden)
         self._gather_adjust: dict[pulp.LpVariable, float] = {}  # y → its objective coefficient's change
         overlap = self.graph.overlap
@@ -422,6 +424,12 @@ class ShardingILP:
                     forward[var] = forward.get(var, 0.0) + run
                     if item.regathered:
                         backward[var] = backward.get(var, 0.0) + run
+        if backward:
+            # The gradient reductions share the backward stream with the re-gathers: what
+            # backward compute hides of the re-gathers is what it has left after them.
+            for key, z in self.z.items():
+                if key != ("dtensor_params",):
+                    backward[z] = backward.get(z, 0.0) + self._z_price[key]
         for side, runs, hidden in (("forward", forward, overlap.forward_s), ("backward", backward, overlap.backward_s)):
             if not runs:
                 continue
@@ -433,7 +441,7 @@ class ShardingILP:
             self.problem += row >= -hidden, f"exposed_gathers__{side}"
 
     def exposed_gathers_values(self) -> list[tuple[pulp.LpVariable, float]]:
-        """Each E and the value it takes at the current y: the least its row allows."""
+        """Each E and the value it takes at the current y and z: the least its row allows."""
         return [
             (exposed, max(0.0, sum(seconds * float(var.varValue or 0.0) for var, seconds in runs.items()) - hidden))
             for exposed, runs, hidden in self.exposed_gathers
