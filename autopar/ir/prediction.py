@@ -88,7 +88,7 @@ class Prediction(_KeyAccess):
     reshard_s: float | None = None
     grad_sync_s: float | None = None
     exposed_grad_sync_s: float | None = None
-    # delta_s, delta_bytes, last_bucket_s, post_solve_s (solver.pricing.comm_schedule)
+    # delta_s, delta_bytes, last_bucket_s, post_solve_s (solver.pricing.comm_schedule); overlap_s (gather_overlap)
     grad_schedule: Mapping[str, float] | None = None
     peak_memory_bytes: int | None = None
     peak_memory_at: str | None = None  # "forward after NODE" or "backward of NODE"

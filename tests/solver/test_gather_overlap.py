@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import autopar
 from autopar.cost.cluster import get_cluster
@@ -46,7 +47,7 @@ def test_the_ilp_a_fixed_plan_and_the_rounding_check_price_a_plan_alike(wide_gpt
     graph = build_choice_graph(traced, (48,), get_cluster("h100-80g"))
     assert graph.overlap is not None and graph.overlap.items
     ilp = ShardingILP(graph, None)
-    assert [side.name for side, _, _ in ilp.exposed_gathers] == ["e_exposed_gathers_forward", "e_exposed_gathers_backward"]
+    assert [side.name for side, *_ in ilp.exposed_gathers] == ["e_exposed_gathers_forward", "e_exposed_gathers_backward"]
     solution = solve_ilp(ilp, 120.0, "highs")
     fixed, _ = sharding._fixed_solution(ilp, solution.choice, solution)
     assert fixed.objective_s == pytest.approx(solution.objective_s, rel=1e-6)
@@ -56,14 +57,52 @@ def test_the_ilp_a_fixed_plan_and_the_rounding_check_price_a_plan_alike(wide_gpt
     assert graph.overlap.adjustment_s({}) == 0.0 and graph.overlap.adjustment_s(specs) != 0.0
 
 
-@pytest.mark.parametrize("mesh, cluster", [((8,), "cpu"), ((2, 4), "h100-80g"), ((2, 2, 2), "h100-80g")])
-def test_gathers_stay_priced_whole_where_they_do_not_overlap_or_the_pattern_is_not_known(mesh, cluster):
-    # gloo's CPUs move every byte themselves; on two axes or more an edge's pair does not say
-    # whether the runtime runs FSDP's pattern (module docstring)
+def _small_gpt_graph(mesh, cluster):
     with torch.device("meta"):
         model = GPT(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128, bias=False)
         idx = torch.zeros(16, 64, dtype=torch.long)
     graph = build_choice_graph(trace(model, (idx, idx)), mesh, get_cluster(cluster))
     assert graph.gathered  # there are gathers to price
+    return graph
+
+
+@pytest.mark.parametrize("mesh, cluster", [((8,), "cpu"), ((2, 2, 2), "h100-80g")])
+def test_gathers_stay_priced_whole_where_they_do_not_overlap_or_the_routes_would_differ(mesh, cluster):
+    # gloo's CPUs move every byte themselves; on three axes an edge's hub prices a gather whole
+    graph = _small_gpt_graph(mesh, cluster)
     assert graph.overlap is None
     assert ShardingILP(graph, None).exposed_gathers == []
+
+
+def test_on_two_axes_only_a_gather_whose_use_is_cut_on_the_other_axis_is_fsdps_pattern():
+    # a use replicated on the other axis may sum its gradient there too (hybrid sharding), which
+    # the runtime gathers per use, whole: those pairs keep their price
+    graph = _small_gpt_graph((2, 4), "h100-80g")
+    assert graph.overlap is not None
+    kept = whole = 0
+    for item in graph.overlap.items:
+        edge = graph.edges[item.edge]
+        for src, dst in graph.gathered[next(n for n, g in graph.gathered.items() if g.edge == item.edge)].sizes:
+            axis = next(a for a in range(2) if src[a] != dst[a])
+            if (src, dst) in item.pairs:
+                kept += 1
+                assert isinstance(dst[1 - axis], Shard)
+            else:
+                whole += 1
+                assert not isinstance(dst[1 - axis], Shard) and (src, dst) in edge.price
+    assert kept and whole
+
+
+def test_the_gradient_reductions_are_paid_where_backward_does_not_hide_them():
+    # the objective pays E_b, which holds the z at their bucketed prices, in place of the z's own
+    # price; the ILP, a fixed plan and the rounding check still price a plan alike on two axes
+    graph = _small_gpt_graph((2, 4), "h100-80g")
+    ilp = ShardingILP(graph, None)
+    reductions = [z for key, z in ilp.z.items() if key != ("dtensor_params",)]
+    backward = ilp.rows_by_name()["exposed_gathers__backward"]
+    assert reductions and all(ilp.problem.objective.get(z, 0.0) == 0.0 for z in reductions)
+    assert all(backward.get(z, 0.0) < 0.0 for z in reductions)
+    solution = solve_ilp(ilp, 120.0, "highs")
+    fixed, _ = sharding._fixed_solution(ilp, solution.choice, solution)
+    assert fixed.objective_s == pytest.approx(solution.objective_s, rel=1e-6)
+    assert rounding.check(ilp, solution.choice) == pytest.approx(solution.objective_s, rel=1e-6)

@@ -7,7 +7,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from autopar.cost import optimizer
 from autopar.cost.cluster import ClusterSpec
@@ -512,10 +512,7 @@ def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) ->
     objective = sums[0] + sums[1]
     objective += param_sync_adjustment_s(ilp.graph, choice)  # as the ILP prices it: reductions once, bucketed
     objective += optimizer_objective_s(ilp.graph, choice)  # and the optimizer step of each parameter's placement
-    if ilp.graph.overlap is not None:  # and FSDP's gathers as the runtime overlaps them
-        groups, _ = ilp.graph.param_sync_groups()
-        sync_s = sum(group.total_s for group in groups.values() if group.needed(choice))
-        objective += ilp.graph.overlap.adjustment_s(specs, sync_s)
+    objective += _overlap_s(ilp.graph, choice, specs)  # and the communication the runtime overlaps
     return dataclasses.replace(
         like,
         choice=choice,
@@ -526,6 +523,15 @@ def _fixed_solution(ilp: ShardingILP, choice: dict[str, int], like: Solution) ->
         gap=None,
         bound_s=None,
     ), sums
+
+
+def _overlap_s(graph: ChoiceGraph, choice: Mapping[str, int], specs: dict[int, tuple[Spec, Spec]]) -> float:
+    """What the ILP's objective holds for ``choice`` in place of its gathers' and gradient
+    reductions' whole prices, where the runtime overlaps them (``gather_overlap``; 0 elsewhere)."""
+    if graph.overlap is None:
+        return 0.0
+    groups, _ = graph.param_sync_groups()
+    return graph.overlap.adjustment_s(specs, sum(group.total_s for group in groups.values() if group.needed(choice)))
 
 
 def _compute_and_reshard_s(
@@ -843,7 +849,7 @@ def _predicted(
     graph: ChoiceGraph, parts: _StepParts, traffic: _Traffic, chosen, expert_parallel, cluster: ClusterSpec | None
 ) -> Prediction:
     """The plan's ``predicted`` section (with the caching allocator's peaks on ``cluster``; None: without)."""
-    schedule = parts.schedule
+    schedule, choice = parts.schedule, parts.solution.choice
     peak_bytes, peak_time = graph.timeline.peak(chosen)
     return Prediction(
         step_time_s=parts.step_s,
@@ -859,6 +865,7 @@ def _predicted(
             "delta_bytes": schedule.delta_bytes,
             "last_bucket_s": schedule.last_bucket_s,
             "post_solve_s": schedule.post_solve_s,
+            **({"overlap_s": _overlap_s(graph, choice, edge_specs(graph, choice))} if graph.overlap is not None else {}),
             **_overlap_terms(schedule),
         },
         peak_memory_bytes=int(peak_bytes),

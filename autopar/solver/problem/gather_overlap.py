@@ -1,4 +1,4 @@
-"""FSDP's forward all-gathers in the ILP's objective as the runtime runs them (NCCL clusters).
+"""FSDP's all-gathers and the gradient reductions in the ILP's objective as the runtime overlaps them.
 
 An edge prices each gathered parameter's all-gather whole: its bytes and a ring latency per
 parameter, in the step. The runtime runs them otherwise (``solver.pricing.comm_schedule``):
@@ -21,16 +21,21 @@ objective takes each gathered parameter's first-use gather out of its edge's pri
   leaves exposed; the first group's gather, which nothing hides, is priced on the solved plan
   alone;
 - ``E_b ≥ Σ run_s · y + Σ P · z − B, E_b ≥ 0`` for the gathers again in backward (the layers that
-  reshard after forward), which share the stream with the gradient reductions (the ILP's z at
-  their bucketed price P, which the objective still pays whole), behind the least backward
-  compute ``B``.
+  reshard after forward) and the gradient reductions (the ILP's z at their bucketed price P),
+  which share the backward stream, behind the least backward compute ``B``: the objective pays
+  E_b in place of Σ P · z, so DDP's all-reduce is hidden as the post-solve price hides it
+  (``comm.exposed_grad_sync_s``, on the plan's own compute). Priced whole, it made a layout
+  that reduces less look faster than one whose reductions backward hides anyway.
 
-Only on meshes of one axis larger than 1, for now. On two, a parameter gathered on one axis and
-reduced on both (hybrid sharding) is not FSDP's pattern, which the runtime schedules only where a
-gathered use reduces its gradient on the gathered axis alone (``comm_schedule._param_terms``): an
-edge's pair does not say which, as that is the consumer's strategy. On three, an edge may also
-route a pair through the replicated spec (its hub, ``edges.EdgePrices``), which prices the same
-gather whole, and both routes of a pair must cost the same.
+The runtime runs FSDP's pattern only where a gathered use reduces its gradient on the gathered
+axis alone (``comm_schedule._param_terms``); a parameter gathered on one axis and reduced on
+another too (hybrid sharding) is gathered per use, whole. A pair says so where the consumer's
+input is cut on every other axis larger than 1 (tensor parallelism on the inner axis, FSDP on
+the outer, torchtitan's layout): its gradient then needs no sum there. Only those pairs are
+priced here; a pair replicated on another axis keeps its whole price, whatever the consumer does.
+Not on meshes of three axes larger than 1: there an edge may also route a pair through the
+replicated spec (its hub, ``edges.EdgePrices``), which prices the same gather whole, and both
+routes of a pair must cost the same.
 
 What the plan reports is the solved plan's price (``ParamSchedule.overlap_delta_s``); this is the
 ILP's view of it, linear in the gathered edges' y (``ilp.ShardingILP.add_exposed_gathers``).
@@ -41,6 +46,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from torch.distributed.tensor import Shard
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.gathers import param_layer, reshards
@@ -72,8 +79,8 @@ class GatherOverlap:
     def adjustment_s(self, specs: Mapping[int, tuple[Spec, Spec]], sync_s: float = 0.0) -> float:
         """What the ILP's objective adds to Σ compute + Σ resharding for a plan whose edges carry
         ``specs`` and whose parameter reductions take ``sync_s`` (each once, bucketed): each
-        gather's copies in place of its edge price, and the gathers as run that compute does not
-        hide (in backward, beside the reductions, where the plan gathers anything again)."""
+        gather's copies in place of its edge price, and what compute does not hide of the
+        gathers as run and, in backward, of the reductions beside them, in place of ``sync_s``."""
         delta = forward = backward = 0.0
         for item in self.items:
             terms = item.pairs.get(specs.get(item.edge))
@@ -81,23 +88,24 @@ class GatherOverlap:
                 delta += terms[2] - terms[0]
                 forward += terms[1]
                 backward += terms[1] if item.regathered else 0.0
-        backward += sync_s if any(item.regathered for item in self.items) else 0.0
-        return delta + max(0.0, forward - self.forward_s) + max(0.0, backward - self.backward_s)
+        # the reductions' own price leaves the objective for what backward does not hide of them
+        return delta + max(0.0, forward - self.forward_s) + max(0.0, backward + sync_s - self.backward_s) - sync_s
 
 
 def gather_overlap(graph, cluster: ClusterSpec) -> GatherOverlap | None:
     """The ILP's terms for ``graph``'s gathered parameters (module docstring); None where its
-    gathers do not overlap compute (gloo, or nothing gathered) or on two axes or more (docstring)."""
+    gathers do not overlap compute (gloo, or nothing gathered) or on three axes (docstring)."""
     mesh = graph.mesh_shape
-    if cluster.gloo or not graph.gathered or sum(size > 1 for size in mesh) != 1:
+    if cluster.gloo or not graph.gathered or sum(size > 1 for size in mesh) >= 3:
         return None
-    layer_of = {name: param_layer(graph.choices[name.split(":", 1)[1]].fqn or name) for name in graph.gathered}
+    params = {name: name.split(":", 1)[1] for name in graph.gathered}
+    layer_of = {name: param_layer(graph.choices[param].fqn or param) for name, param in params.items()}
     per_layer = Counter(layer_of.values())
     tables: dict[tuple, dict] = {}
     items = []
     for name, gathered in graph.gathered.items():
         edge = graph.edges[gathered.edge]
-        param = name.split(":", 1)[1]
+        param = params[name]
         layer = layer_of[name]
         regathered = reshards(layer, graph.comm.reshard_after_forward)
         producer = graph.choices[edge.producer]
@@ -129,6 +137,8 @@ def _pairs(graph, edge, sizes, regathered: bool, grad_itemsize: int, in_layer: i
         if price is None or not nbytes:
             continue
         axis = single_gather(src, dst)[0]
+        if any(size > 1 and not isinstance(dst[b], Shard) for b, size in enumerate(mesh) if b != axis):
+            continue  # its gradient may be summed on another axis too: not FSDP's pattern (docstring)
         k = mesh[axis]
         latency = (k - 1) * cluster.axis_link(mesh, axis).latency_s
         share = max(nbytes / graph.comm.gather_group_bytes, 1.0 / in_layer) if graph.comm.gather_group_bytes > 0 else 1.0

@@ -35,16 +35,18 @@ Objective (seconds of one training step, forward and backward)
       that shards parameters or their state is paid back for the step it shards.
     + D · d: DTensor's dispatch in that step, where any parameter is sharded (d below; D = 0, and
       no d, on clusters that have not measured it).
-    + E_f + E_b: FSDP's gathers as the runtime overlaps them, where they do (NCCL, a mesh of one
-      axis larger than 1; ``solver.problem.gather_overlap``): a gathered parameter's first-use
-      edge pays its flat-buffer copies in place of the gather r prices, and E_f, E_b what the
-      least forward and backward compute F, B do not hide of the gathers as run (rows below).
-    How much of the buckets backward hides is priced on the solved plan
-    (``solver.pricing.comm_schedule``, ``predicted.exposed_grad_sync_s``), as are one gather per
-    parameter, FSDP's reduce-scatter and the buckets' whole latencies
-    (``predicted.grad_schedule.post_solve_s``); the reductions themselves are priced alike. Pricing it inside the ILP
-    needs a row over every x (E ≥ Σ (g − b)·x); that row made CBC miss optimality on a 3-layer
-    LLaMA in 120 s.
+    + E_f + E_b: communication as the runtime overlaps it, where it does (NCCL, a mesh of one or
+      two axes larger than 1; ``solver.problem.gather_overlap``): a gathered parameter's
+      first-use edge pays its flat-buffer copies in place of the gather r prices; E_f what the
+      least forward compute F does not hide of FSDP's gathers as run, and E_b what the least
+      backward compute B does not hide of the re-gathers and the gradient reductions, whose
+      P_g · z[g] then leave the objective (rows below). Elsewhere (gloo, three axes) z is paid
+      whole. The compute is a constant there: a row over every x (E ≥ Σ (g − b)·x) made CBC
+      miss optimality on a 3-layer LLaMA in 120 s.
+    What backward hides of the buckets on the solved plan's own compute is priced after the
+    solve (``solver.pricing.comm_schedule``, ``predicted.exposed_grad_sync_s``), as are one
+    gather per parameter, FSDP's reduce-scatter and the buckets' whole latencies
+    (``predicted.grad_schedule.post_solve_s``).
 
 Constraints
     pick[n]:           Σ_s x[n, s] = 1                                        ∀ n ∈ N
@@ -404,11 +406,13 @@ class ShardingILP:
     def add_exposed_gathers(self) -> None:
         """E_f ≥ Σ run · y − F and E_b ≥ Σ_{regathered} run · y + Σ P · z − B, E ≥ 0, over the
         gathered parameters' first-use edges: FSDP's gathers in forward (and again in backward,
-        where the layer reshards, beside the gradient reductions z, which the objective still
-        pays whole) as the runtime runs them, less the compute that hides them; the objective
-        pays E_f + E_b and each gather's copies in place of the edge's price of the gather
-        (``solver.problem.gather_overlap``; none where gathers do not overlap: gloo)."""
-        self.exposed_gathers: list[tuple[pulp.LpVariable, dict, float]] = []  # (E, y → run seconds, hidden)
+        where the layer reshards, beside the gradient reductions z) as the runtime runs them,
+        less the compute that hides them; the objective pays E_f + E_b, each gather's copies in
+        place of the edge's price of the gather, and z nothing of its own
+        (``solver.problem.gather_overlap``; none where nothing overlaps: gloo, three axes)."""
+        # (E, its row's y and z → seconds, the seconds hidden, the unit E counts in)
+        self.exposed_gathers: list[tuple[pulp.LpVariable, dict, float, float]] = []
+        self._hidden_z: set[tuple] = set()  # the z that E_b holds
         self._gather_adjust: dict[pulp.LpVariable, float] = {}  # y → its objective coefficient's change
         overlap = self.graph.overlap
         if overlap is None:
@@ -424,27 +428,29 @@ class ShardingILP:
                     forward[var] = forward.get(var, 0.0) + run
                     if item.regathered:
                         backward[var] = backward.get(var, 0.0) + run
-        if backward:
-            # The gradient reductions share the backward stream with the re-gathers: what
-            # backward compute hides of the re-gathers is what it has left after them.
-            for key, z in self.z.items():
-                if key != ("dtensor_params",):
-                    backward[z] = backward.get(z, 0.0) + self._z_price[key]
+        # The gradient reductions run on the backward stream, beside the re-gathers, behind
+        # backward compute: E_b holds them, and the objective pays z nothing of its own.
+        self._hidden_z = {key for key in self.z if key != ("dtensor_params",)}
+        for key in self._hidden_z:
+            backward[self.z[key]] = backward.get(self.z[key], 0.0) + self._z_price[key]
         for side, runs, hidden in (("forward", forward, overlap.forward_s), ("backward", backward, overlap.backward_s)):
             if not runs:
                 continue
+            # E in units of the row's own size, so that E, its bound and its row are O(1): in
+            # seconds (10^-6 on a small model) they would sit below the solvers' tolerances.
+            unit = max(hidden, sum(runs.values())) or 1.0
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 exposed = pulp.LpVariable(f"e_exposed_gathers_{side}", lowBound=0)
-            self.exposed_gathers.append((exposed, runs, hidden))
-            row = pulp.LpAffineExpression({exposed: 1.0, **{var: -seconds for var, seconds in runs.items()}})
-            self.problem += row >= -hidden, f"exposed_gathers__{side}"
+            self.exposed_gathers.append((exposed, runs, hidden, unit))
+            row = pulp.LpAffineExpression({exposed: 1.0, **{var: -seconds / unit for var, seconds in runs.items()}})
+            self.problem += row >= -hidden / unit, f"exposed_gathers__{side}"
 
     def exposed_gathers_values(self) -> list[tuple[pulp.LpVariable, float]]:
-        """Each E and the value it takes at the current y and z: the least its row allows."""
+        """Each E and the value it takes at the current y and z: the least its row allows (in its unit)."""
         return [
-            (exposed, max(0.0, sum(seconds * float(var.varValue or 0.0) for var, seconds in runs.items()) - hidden))
-            for exposed, runs, hidden in self.exposed_gathers
+            (exposed, max(0.0, sum(seconds * float(var.varValue or 0.0) for var, seconds in runs.items()) - hidden) / unit)
+            for exposed, runs, hidden, unit in self.exposed_gathers
         ]
 
     def param_sync_values(self) -> dict[tuple, float]:
@@ -463,7 +469,7 @@ class ShardingILP:
             for s, (c, x) in enumerate(zip(compute_s[name], self.x[name]))
             if c - (refund[name][s] if name in refund else 0.0)
         )
-        sync_terms = ((self._z_price[key], z) for key, z in self.z.items())
+        sync_terms = ((self._z_price[key], z) for key, z in self.z.items() if key not in self._hidden_z)
         # Edges that share y (repeated layers) have equal prices: count each shared y once,
         # weighted by how many edges use it, at the prices y was built with (``_y_seconds``).
         shared: dict[int, list] = {}
@@ -495,7 +501,7 @@ class ShardingILP:
             if seconds[spec]
         ]
         sync_terms = list(sync_terms)
-        sync_terms += [(1.0, exposed) for exposed, _, _ in self.exposed_gathers]
+        sync_terms += [(unit, exposed) for exposed, _, _, unit in self.exposed_gathers]
         # y, h, z and E are in no other term, each once (shared y and hubs are counted once above).
         distinct = itertools.chain(reshard_terms, hub_terms, sync_terms)
         self.problem += weighted_sum(compute_terms, distinct=distinct, start=compute)

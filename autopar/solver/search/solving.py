@@ -108,6 +108,8 @@ def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto"
             bound = mip_bound / scale if bound is None else max(bound, mip_bound / scale)
         elif bound is None:  # CBC reports no bound through PuLP: take the LP relaxation's
             bound = _relaxation_bound(ilp, left())
+            if optimal and bound is not None:  # and what its optimal status proves (it ran with gapRel)
+                bound = max(bound, objective * (1.0 - backends.MIP_REL_GAP))
         if not optimal and incumbent is not None and incumbent[0] < objective:
             return solution_of(ilp, incumbent, "Feasible (time limit)", backend, bound, start)
         label = "Optimal" if optimal else "Feasible (time limit)"
