@@ -57,9 +57,9 @@ def test_the_ilp_a_fixed_plan_and_the_rounding_check_price_a_plan_alike(wide_gpt
     assert graph.overlap.adjustment_s({}) == 0.0 and graph.overlap.adjustment_s(specs) != 0.0
 
 
-def _small_gpt_graph(mesh, cluster):
+def _small_gpt_graph(mesh, cluster, width: int = 128):
     with torch.device("meta"):
-        model = GPT(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128, bias=False)
+        model = GPT(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=width, bias=False)
         idx = torch.zeros(16, 64, dtype=torch.long)
     graph = build_choice_graph(trace(model, (idx, idx)), mesh, get_cluster(cluster))
     assert graph.gathered  # there are gathers to price
@@ -95,13 +95,23 @@ def test_on_two_axes_only_a_gather_whose_use_is_cut_on_the_other_axis_is_fsdps_p
 
 def test_the_gradient_reductions_are_paid_where_backward_does_not_hide_them():
     # the objective pays E_b, which holds the z at their bucketed prices, in place of the z's own
-    # price; the ILP, a fixed plan and the rounding check still price a plan alike on two axes
-    graph = _small_gpt_graph((2, 4), "h100-80g")
+    # price, but for the last bucket's; the ILP, a fixed plan and the rounding check still price a
+    # plan alike on two axes
+    graph = _small_gpt_graph((2, 4), "h100-80g", width=1024)  # 100 MB of weights: more than a bucket
     ilp = ShardingILP(graph, None)
-    reductions = [z for key, z in ilp.z.items() if key != ("dtensor_params",)]
+    groups, _ = graph.param_sync_groups()
     backward = ilp.rows_by_name()["exposed_gathers__backward"]
-    assert reductions and all(ilp.problem.objective.get(z, 0.0) == 0.0 for z in reductions)
-    assert all(backward.get(z, 0.0) < 0.0 for z in reductions)
+    last = graph.overlap.last_bucket  # the first parameters of forward: reduced when backward is done
+    hidden = paid = 0
+    for key, z in ilp.z.items():
+        if key == ("dtensor_params",):
+            continue
+        group = groups[key]
+        whole = group.price_s * len(group.params & last)
+        assert ilp.problem.objective.get(z, 0.0) == pytest.approx(whole, rel=1e-12)
+        assert (backward.get(z, 0.0) < 0.0) == bool(group.params - last)
+        hidden, paid = hidden + bool(group.params - last), paid + bool(whole)
+    assert hidden and paid  # both kinds are weighed
     solution = solve_ilp(ilp, 120.0, "highs")
     fixed, _ = sharding._fixed_solution(ilp, solution.choice, solution)
     assert fixed.objective_s == pytest.approx(solution.objective_s, rel=1e-6)

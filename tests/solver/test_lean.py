@@ -97,9 +97,11 @@ def test_the_front_stops_at_a_plan_that_loses_and_plans_alike(gpt_oss, monkeypat
 def test_the_front_ends_where_later_plans_can_win_back_at_most_the_gap(gpt_oss, monkeypatch):
     """With ``budget_gap`` 0.05 the front ends once a later plan, no faster than the last and
     paying for memory decisions at least what the cheapest so far paid, could beat the best plan
-    by 5% at most (``sharding._front_stop``): on this GPT-OSS one LP fewer than with a gap of 0,
-    and the same plan."""
+    by 5% at most (``sharding._front_stop``): on this GPT-OSS at 55% of its state, one LP fewer
+    than with a gap of 0, and the same plan. (At 60% no longer since the ILP prices communication
+    as the runtime overlaps it, ``gather_overlap``: its front's plans are more than 5% apart.)"""
     traced, budget = gpt_oss
+    budget *= 0.55 / 0.6
     steps = []
     fits = budget_search._lagrangian_fits
     monkeypatch.setattr(budget_search, "_lagrangian_fits", lambda *args: steps.append(args[2]) or fits(*args))

@@ -531,7 +531,9 @@ def _overlap_s(graph: ChoiceGraph, choice: Mapping[str, int], specs: dict[int, t
     if graph.overlap is None:
         return 0.0
     groups, _ = graph.param_sync_groups()
-    return graph.overlap.adjustment_s(specs, sum(group.total_s for group in groups.values() if group.needed(choice)))
+    # the reductions' seconds that backward may hide (the last bucket's are paid whole, as the ILP pays them)
+    hidden = [graph.overlap.hidden_s(group) for group in groups.values() if group.needed(choice)]
+    return graph.overlap.adjustment_s(specs, sum(hidden))
 
 
 def _compute_and_reshard_s(

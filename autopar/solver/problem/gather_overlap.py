@@ -24,7 +24,8 @@ objective takes each gathered parameter's first-use gather out of its edge's pri
   reshard after forward) and the gradient reductions (the ILP's z at their bucketed price P),
   which share the backward stream, behind the least backward compute ``B``: the objective pays
   E_b in place of Σ P · z, so DDP's all-reduce is hidden as the post-solve price hides it
-  (``comm.exposed_grad_sync_s``, on the plan's own compute). Priced whole, it made a layout
+  (``comm.exposed_grad_sync_s``, on the plan's own compute), but for the last bucket's (the
+  first parameters of forward), which nothing hides and whose z keep their price. Priced whole, it made a layout
   that reduces less look faster than one whose reductions backward hides anyway.
 
 The runtime runs FSDP's pattern only where a gathered use reduces its gradient on the gathered
@@ -43,6 +44,7 @@ ILP's view of it, linear in the gathered edges' y (``ilp.ShardingILP.add_exposed
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -69,12 +71,14 @@ class GatherTerms:
 
 @dataclass(frozen=True, slots=True)
 class GatherOverlap:
-    """The gathered parameters' terms, and the forward and backward compute that hide their
-    gathers (``F``, ``B``)."""
+    """The gathered parameters' terms, the forward and backward compute that hide their
+    gathers (``F``, ``B``), and the parameters whose gradients fill the last bucket (the first
+    of forward, up to ``CommOptions.bucket_cap_bytes``), which backward never hides."""
 
     items: tuple[GatherTerms, ...]
     forward_s: float
     backward_s: float
+    last_bucket: frozenset[str] = frozenset()
 
     def adjustment_s(self, specs: Mapping[int, tuple[Spec, Spec]], sync_s: float = 0.0) -> float:
         """What the ILP's objective adds to Σ compute + Σ resharding for a plan whose edges carry
@@ -90,6 +94,11 @@ class GatherOverlap:
                 backward += terms[1] if item.regathered else 0.0
         # the reductions' own price leaves the objective for what backward does not hide of them
         return delta + max(0.0, forward - self.forward_s) + max(0.0, backward + sync_s - self.backward_s) - sync_s
+
+    def hidden_s(self, group) -> float:
+        """The seconds of reduction group ``group`` (``choices.ParamSyncGroup``) that E_b holds:
+        its parameters' outside the last bucket (the rest the objective pays whole)."""
+        return group.price_s * len(group.params - self.last_bucket)
 
 
 def gather_overlap(graph, cluster: ClusterSpec) -> GatherOverlap | None:
@@ -119,7 +128,28 @@ def gather_overlap(graph, cluster: ClusterSpec) -> GatherOverlap | None:
     if not items:
         return None
     forward, backward = _least_compute_s(graph)
-    return GatherOverlap(tuple(items), forward, backward)
+    return GatherOverlap(tuple(items), forward, backward, _last_bucket(graph))
+
+
+def _last_bucket(graph) -> frozenset[str]:
+    """The parameters first used in forward, in order, while their whole bytes fit one bucket (at
+    least one): their gradients are reduced last, when backward has no compute left to hide them
+    (``comm.exposed_grad_sync_s``), so the objective pays their reductions whole."""
+    index = {name: i for i, name in enumerate(graph.order)}
+    first_use = {}
+    for edge in graph.edges:
+        if graph.choices[edge.producer].kind == "param":
+            at = index[edge.consumer]
+            first_use[edge.producer] = min(at, first_use.get(edge.producer, at))
+    taken, filled = set(), 0.0
+    for param in sorted(first_use, key=lambda name: (first_use[name], name)):
+        choice = graph.choices[param]
+        nbytes = math.prod(choice.out_shapes[0]) * choice.out_dtypes[0].itemsize
+        if taken and filled + nbytes > graph.comm.bucket_cap_bytes:
+            break
+        taken.add(param)
+        filled += nbytes
+    return frozenset(taken)
 
 
 def _pairs(graph, edge, sizes, regathered: bool, grad_itemsize: int, in_layer: int, cluster: ClusterSpec) -> dict:

@@ -412,7 +412,7 @@ class ShardingILP:
         (``solver.problem.gather_overlap``; none where nothing overlaps: gloo, three axes)."""
         # (E, its row's y and z → seconds, the seconds hidden, the unit E counts in)
         self.exposed_gathers: list[tuple[pulp.LpVariable, dict, float, float]] = []
-        self._hidden_z: set[tuple] = set()  # the z that E_b holds
+        self._hidden_z: dict[tuple, float] = {}  # z → the seconds of its price that E_b holds
         self._gather_adjust: dict[pulp.LpVariable, float] = {}  # y → its objective coefficient's change
         overlap = self.graph.overlap
         if overlap is None:
@@ -430,9 +430,12 @@ class ShardingILP:
                         backward[var] = backward.get(var, 0.0) + run
         # The gradient reductions run on the backward stream, beside the re-gathers, behind
         # backward compute: E_b holds them, and the objective pays z nothing of its own.
-        self._hidden_z = {key for key in self.z if key != ("dtensor_params",)}
-        for key in self._hidden_z:
-            backward[self.z[key]] = backward.get(self.z[key], 0.0) + self._z_price[key]
+        # (The last bucket's, reduced when backward has nothing left to hide them, stay paid whole.)
+        groups, _ = self.graph.param_sync_groups()
+        self._hidden_z = {key: overlap.hidden_s(group) for key, group in groups.items() if key in self.z}
+        for key, seconds in self._hidden_z.items():
+            if seconds:
+                backward[self.z[key]] = backward.get(self.z[key], 0.0) + seconds
         for side, runs, hidden in (("forward", forward, overlap.forward_s), ("backward", backward, overlap.backward_s)):
             if not runs:
                 continue
@@ -469,7 +472,11 @@ class ShardingILP:
             for s, (c, x) in enumerate(zip(compute_s[name], self.x[name]))
             if c - (refund[name][s] if name in refund else 0.0)
         )
-        sync_terms = ((self._z_price[key], z) for key, z in self.z.items() if key not in self._hidden_z)
+        sync_terms = (
+            (self._z_price[key] - self._hidden_z.get(key, 0.0), z)
+            for key, z in self.z.items()
+            if self._z_price[key] - self._hidden_z.get(key, 0.0)
+        )
         # Edges that share y (repeated layers) have equal prices: count each shared y once,
         # weighted by how many edges use it, at the prices y was built with (``_y_seconds``).
         shared: dict[int, list] = {}
