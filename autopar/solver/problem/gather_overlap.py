@@ -25,8 +25,9 @@ objective takes each gathered parameter's first-use gather out of its edge's pri
   which share the backward stream, behind the least backward compute ``B``: the objective pays
   E_b in place of Σ P · z, so DDP's all-reduce is hidden as the post-solve price hides it
   (``comm.exposed_grad_sync_s``, on the plan's own compute), but for the last bucket's (the
-  first parameters of forward), which nothing hides and whose z keep their price. Priced whole, it made a layout
-  that reduces less look faster than one whose reductions backward hides anyway.
+  first parameters of forward), which nothing hides and whose z keep their price. Priced whole,
+  the reductions made a layout that reduces less look faster than one whose reductions backward
+  hides anyway.
 
 The runtime runs FSDP's pattern only where a gathered use reduces its gradient on the gathered
 axis alone (``comm_schedule._param_terms``); a parameter gathered on one axis and reduced on
