@@ -71,6 +71,9 @@ def test_allocator_budget_lowers_the_budget_by_the_reserve_beyond_the_tensors():
         predicted = _Predicted()
 
     assert allocator_budget(_Plan(), 100.0) == 80.0  # what it reserves beyond its tensors
+    # in a later round, of the budget asked for, not again of the one lowered: at least what it lacks
+    assert allocator_budget(_Plan(), 90.0, asked=100.0) == 80.0
+    assert allocator_budget(_Plan(), 80.0, asked=100.0) == 73.0
     _Predicted.allocator_peak_bytes = {"allocated": 10, "reserved": 12, "short": 7}
     assert allocator_budget(_Plan(), 100.0) == 93.0  # at least what it lacks
     assert allocator_budget(_Plan(), None) is None  # no budget: nothing to keep
@@ -83,7 +86,7 @@ def test_a_plan_the_allocator_never_holds_is_an_error(meta_gpt_and_batch, monkey
     from autopar.solver.planners import sharding
 
     model, batch = meta_gpt_and_batch
-    monkeypatch.setattr(sharding, "allocator_budget", lambda plan, budget: budget - 1.0)
+    monkeypatch.setattr(sharding, "allocator_budget", lambda plan, budget, asked=None: budget - 1.0)
     with pytest.raises(InfeasibleError, match="caching allocator would still run out"):
         autopar.plan(model, (2,), example_inputs=batch, cluster="h100-80g", memory_budget=10**9)
 

@@ -144,17 +144,11 @@ def _within_allocator(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterS
     device for a plan whose tensors fit the budget, again under a lower budget
     (``pricing.reserved.allocator_budget``); an error where that does not end."""
     solution, plan = _plan_under(traced, graph, cluster, settings, forced, start)
-    budget = settings.memory_budget
+    asked = settings.memory_budget
     for _ in range(ALLOCATOR_ROUNDS):
-        lowered = allocator_budget(plan, settings.memory_budget)
+        lowered = allocator_budget(plan, settings.memory_budget, asked)
         if lowered is None:
             return solution, plan
-        # What this plan reserves beyond its tensors is kept free of the budget asked for, not of
-        # the one already lowered, which would take each round's reserve off again; at least by
-        # what it lacks.
-        lowered = min(
-            settings.memory_budget - plan.predicted.allocator_peak_bytes.get("short", 0.0), allocator_budget(plan, budget)
-        )
         peaks = plan.predicted.allocator_peak_bytes
         log.warning(
             "autopar: the plan's tensors fit memory_budget=%s, but over a training step PyTorch's caching allocator "

@@ -85,11 +85,13 @@ def _compute_stream(span: Span) -> str:
     return "compute"
 
 
-def allocator_budget(plan, memory_budget: float | None) -> float | None:
+def allocator_budget(plan, memory_budget: float | None, asked: float | None = None) -> float | None:
     """The budget to plan again under where ``plan`` fits ``memory_budget`` on paper but the
-    caching allocator runs out of the device; None where it does not. It is lowered by what the
-    allocator reserves beyond the tensors (at least by what it lacks): a plan made under it that
-    fragments as much fits, where lowering by the shortfall alone let the next plan fill the
+    caching allocator runs out of the device; None where it does not. What the allocator reserves
+    beyond the tensors is kept free of ``asked``, the budget the user asked for (default
+    ``memory_budget``), not of a budget an earlier round already lowered, which would take each
+    round's reserve off again; and it is lowered by at least what it lacks: a plan made under it
+    that fragments as much fits, where lowering by the shortfall alone let the next plan fill the
     budget again and fall short by a little more, round after round.
 
     ``memory_budget`` bounds the tensors alive (allocated), not the allocator's reserve: where a
@@ -99,7 +101,8 @@ def allocator_budget(plan, memory_budget: float | None) -> float | None:
     peaks = plan.predicted.allocator_peak_bytes
     if memory_budget is None or not peaks or not peaks.get("short"):
         return None
-    return memory_budget - max(peaks["short"], peaks["reserved"] - peaks["allocated"])
+    asked = memory_budget if asked is None else asked
+    return min(memory_budget - peaks["short"], asked - max(peaks["short"], peaks["reserved"] - peaks["allocated"]))
 
 
 def timeline_spans(timeline) -> list[Span]:
