@@ -861,7 +861,7 @@ def _predicted(
             "delta_bytes": schedule.delta_bytes,
             "last_bucket_s": schedule.last_bucket_s,
             "post_solve_s": schedule.post_solve_s,
-            **({"overlap_s": _overlap_s(graph, choice, edge_specs(graph, choice))} if graph.overlap is not None else {}),
+            **({"overlap_s": _overlap_s(graph, choice, parts.solution.edge_specs)} if graph.overlap is not None else {}),
             **_overlap_terms(schedule),
         },
         peak_memory_bytes=int(peak_bytes),

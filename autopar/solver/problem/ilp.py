@@ -41,8 +41,8 @@ Objective (seconds of one training step, forward and backward)
       least forward compute F does not hide of FSDP's gathers as run, and E_b what the least
       backward compute B does not hide of the re-gathers and the gradient reductions, whose
       P_g · z[g] then leave the objective but for the last bucket's (rows below). Elsewhere
-      (gloo, three axes, nothing gathered) z is paid whole. The compute is a constant there: a row over every x (E ≥ Σ (g − b)·x) made CBC
-      miss optimality on a 3-layer LLaMA in 120 s.
+      (gloo, three axes, nothing gathered) z is paid whole. The compute is a constant there: a
+      row over every x (E ≥ Σ (g − b)·x) made CBC miss optimality on a 3-layer LLaMA in 120 s.
     What backward hides of the buckets on the solved plan's own compute is priced after the
     solve (``solver.pricing.comm_schedule``, ``predicted.exposed_grad_sync_s``), as are one
     gather per parameter, FSDP's reduce-scatter and the buckets' whole latencies
