@@ -72,6 +72,15 @@ def gpt_and_batch() -> tuple[torch.nn.Module, tuple]:
     return build_model("gpt", seed=0), example_batch("gpt", 8, seed=1)
 
 
+def meta_llama_and_batch(n_layer: int) -> tuple[torch.nn.Module, tuple]:
+    """A small Llama (width 128, 4 heads and 2 KV heads, vocabulary 512) of ``n_layer`` layers on
+    the meta device and a batch of 8 x 64: the ILP's unit tests plan it offline."""
+    with torch.device("meta"):
+        model = build_model("llama", n_layer=n_layer, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
+        idx = torch.zeros(8, 64, dtype=torch.long)
+    return model, (idx, idx)
+
+
 @pytest.fixture(scope="module")
 def meta_gpt_and_batch() -> tuple[torch.nn.Module, tuple]:
     """A GPT of width 256 (2 layers, vocabulary 1024) on the meta device and a batch of 8 x 128:

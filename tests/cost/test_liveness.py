@@ -16,6 +16,7 @@ from autopar.cost.cluster import get_cluster
 from autopar.cost.liveness import KINDS, Gathered, Interval, LiveNode, build_timeline, gathered_intervals
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.trace import trace
+from tests.conftest import meta_llama_and_batch
 
 aten = torch.ops.aten
 
@@ -315,12 +316,8 @@ def _sampled_by_loop(timeline, bytes_of, max_points: int) -> dict:
 
 @pytest.fixture(scope="module")
 def llama_graph():
-    from autopar.zoo.models import build_model
-
-    with torch.device("meta"):
-        model = build_model("llama", n_layer=3, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
-        idx = torch.zeros(8, 64, dtype=torch.long)
-    return build_choice_graph(trace(model, (idx, idx)), (2, 2), get_cluster("h100-80g"))
+    model, batch = meta_llama_and_batch(3)
+    return build_choice_graph(trace(model, batch), (2, 2), get_cluster("h100-80g"))
 
 
 def _irregular_weights(names, seed: int) -> dict[str, float]:

@@ -18,6 +18,7 @@ from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.search.lean import least_peak
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
+from tests.conftest import meta_llama_and_batch
 
 
 def _budgeted(gap: float, monkeypatch) -> tuple[autopar.Plan, int]:
@@ -56,10 +57,8 @@ def test_a_gap_outside_zero_to_one_is_refused_by_the_options_and_the_cli():
 
 @pytest.fixture(scope="module")
 def small_llama():
-    with torch.device("meta"):
-        model = build_model("llama", n_layer=4, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
-        idx = torch.zeros(8, 64, dtype=torch.long)
-    return trace(model, (idx, idx))
+    model, batch = meta_llama_and_batch(4)
+    return trace(model, batch)
 
 
 # (mesh, cluster, budget as a multiple of the least peak): under 1 no sharding fits alone (the

@@ -13,22 +13,19 @@ import random
 
 import pulp
 import pytest
-import torch
 
 from autopar.cost.cluster import get_cluster
 from autopar.solver.problem.choices import build_choice_graph
 from autopar.solver.problem.ilp import MEMORY_UNIT, ShardingILP, weighted_sum
 from autopar.solver.problem.terms import compute_coefficients
 from autopar.trace import trace_repeated
-from autopar.zoo.models import build_model
+from tests.conftest import meta_llama_and_batch
 
 
 @pytest.fixture(scope="module")
 def ilp():
-    with torch.device("meta"):
-        model = build_model("llama", n_layer=9, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
-        idx = torch.zeros(8, 64, dtype=torch.long)
-    return ShardingILP(build_choice_graph(trace_repeated(model, (idx, idx)), (2, 2), get_cluster("h100-80g")))
+    model, batch = meta_llama_and_batch(9)
+    return ShardingILP(build_choice_graph(trace_repeated(model, batch), (2, 2), get_cluster("h100-80g")))
 
 
 def _reference(ilp: ShardingILP, factors: dict[str, float], unit: float) -> pulp.LpAffineExpression:

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from autopar.cost.cluster import get_cluster
 from autopar.ir.options import MemoryOptions, PlanOptions, SolveOptions
@@ -19,17 +18,15 @@ from autopar.solver.search import budget as budget_search
 from autopar.solver.search.lean import lean_choice, least_peak
 from autopar.solver.search.solving import peak_memory, solve_ilp
 from autopar.trace import trace
-from autopar.zoo.models import build_model
+from tests.conftest import meta_llama_and_batch
 
 MESH = (4,)
 
 
 @pytest.fixture(scope="module")
 def traced():
-    with torch.device("meta"):
-        model = build_model("llama", n_layer=2, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
-        idx = torch.zeros(8, 64, dtype=torch.long)
-    return trace(model, (idx, idx))
+    model, batch = meta_llama_and_batch(2)
+    return trace(model, batch)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pulp
 import pytest
-import torch
 
 from autopar.cost.cluster import get_cluster
 from autopar.solver.problem.choices import build_choice_graph
@@ -18,7 +17,7 @@ from autopar.solver.problem.ilp import ShardingILP
 from autopar.solver.search import backends, budget, rounding, solving
 from autopar.solver.search.relaxation import Relaxation
 from autopar.trace import trace
-from autopar.zoo.models import build_model
+from tests.conftest import meta_llama_and_batch
 
 pytestmark = pytest.mark.skipif(not backends.highs_available(), reason="the kept model is HiGHS's")
 highspy = pytest.importorskip("highspy") if backends.highs_available() else None
@@ -26,10 +25,8 @@ highspy = pytest.importorskip("highspy") if backends.highs_available() else None
 
 @pytest.fixture(scope="module")
 def graph():
-    with torch.device("meta"):
-        model = build_model("llama", n_layer=3, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
-        idx = torch.zeros(8, 64, dtype=torch.long)
-    return build_choice_graph(trace(model, (idx, idx)), (2, 2), get_cluster("h100-80g"))
+    model, batch = meta_llama_and_batch(3)
+    return build_choice_graph(trace(model, batch), (2, 2), get_cluster("h100-80g"))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import dataclasses
 
 import pulp
 import pytest
-import torch
 
 from autopar.cost.cluster import get_cluster
 from autopar.solver.problem.choices import build_choice_graph
@@ -21,14 +20,13 @@ from autopar.solver.search import backends, rounding, solving
 from autopar.solver.search.solving import solve_ilp
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
+from tests.conftest import meta_llama_and_batch
 
 
 @pytest.fixture(scope="module")
 def traced():
-    with torch.device("meta"):
-        model = build_model("llama", n_layer=2, n_embd=128, n_head=4, n_kv_head=2, hidden=256, vocab_size=512)
-        idx = torch.zeros(8, 64, dtype=torch.long)
-    return trace(model, (idx, idx))
+    model, batch = meta_llama_and_batch(2)
+    return trace(model, batch)
 
 
 @pytest.fixture(scope="module")
