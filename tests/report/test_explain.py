@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from autopar.cost.cluster import get_cluster
@@ -302,3 +303,36 @@ def test_hub_tables_price_runner_ups_by_codes_as_by_specs(gpt_traced, monkeypatc
     monkeypatch.setattr(EdgePrices, "coder", lambda self: None)  # every pair by its specs
     by_specs = build_choice_graph(gpt_traced, (2, 2, 2), cluster)
     assert explain_decisions(by_specs, solution, cluster, None) == decisions
+
+
+def test_runner_ups_price_the_communication_the_runtime_overlaps():
+    """On an NCCL mesh the ILP prices FSDP's gathers and the gradient reductions as the runtime
+    overlaps them (``gather_overlap``): a global term, which a decision's counterfactual changes
+    too. Every runner-up's total then differs from the chosen one's by what the objective does."""
+    from autopar.solver.planners import sharding
+    from autopar.zoo.models import GPT
+
+    with torch.device("meta"):
+        model = GPT(vocab_size=131072, block_size=4096, n_layer=2, n_head=16, n_embd=2048, bias=True)
+        idx = torch.zeros(48 * 4, 4096, dtype=torch.long)
+    cluster = get_cluster("h100-80g")
+    graph = build_choice_graph(trace(model, (idx, idx)), (48,), cluster)
+    assert graph.overlap is not None and graph.overlap.items
+    ilp = ShardingILP(graph, None)
+    solution = solve_ilp(ilp, 120.0, "highs")
+    base = sharding._fixed_solution(ilp, solution.choice, solution)[0].objective_s
+    assert base == pytest.approx(solution.objective_s, rel=1e-6)
+    decisions = explain_decisions(graph, solution, cluster, None)
+    checked = moved = 0
+    for record in decisions.values():
+        chosen = record["candidates"][0]
+        assert chosen.get("overlap_s", 0.0) == 0.0  # the chosen plan's is the reference
+        for cand in record["candidates"][1:]:
+            parts = ("compute_s", "grad_sync_s", "kernel_comm_s", "reshard_in_s", "reshard_out_s", "optimizer_s", "overlap_s")
+            assert sum(cand.get(part, 0.0) for part in parts) == pytest.approx(cand["total_s"], rel=1e-9, abs=1e-15)
+            fixed = sharding._fixed_solution(ilp, _with_candidate(graph, solution, record, cand["strategy"]), solution)
+            assert fixed is not None
+            assert fixed[0].objective_s - base == pytest.approx(cand["total_s"] - chosen["total_s"], rel=1e-6, abs=1e-9)
+            checked += 1
+            moved += cand.get("overlap_s", 0.0) != 0.0
+    assert checked > 20 and moved, "some runner-up changes what the runtime overlaps"

@@ -526,8 +526,7 @@ def _overlap_s(graph: ChoiceGraph, choice: Mapping[str, int], specs: dict[int, t
         return 0.0
     groups, _ = graph.param_sync_groups()
     # the reductions' seconds that backward may hide (the last bucket's are paid whole, as the ILP pays them)
-    hidden = [graph.overlap.hidden_s(group) for group in groups.values() if group.needed(choice)]
-    return graph.overlap.adjustment_s(specs, sum(hidden))
+    return graph.overlap.adjustment_s(specs, graph.overlap.hidden_sync_s(groups, choice))
 
 
 def _compute_and_reshard_s(

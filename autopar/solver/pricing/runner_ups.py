@@ -5,7 +5,9 @@ its variables (the same node in later repeated layers, tied parameter names) and
 whose strategy is a function of theirs. For each decision this module prices the counterfactual
 "this decision takes strategy s, everything else stays as solved": the same objective terms the
 ILP sums (compute and gradient sync of every member, resharding on every edge that touches a
-member), split into parts, plus the memory the ILP counts for the members.
+member), split into parts, plus the memory the ILP counts for the members. Where the ILP prices
+the communication the runtime overlaps (``problem.gather_overlap``: a term of the whole plan, not
+a sum over nodes), a counterfactual also prices how that term changes (``overlap_s``).
 
 The plan stores the chosen strategy and the ``top_k`` cheapest others, so ``autopar explain``
 needs neither the model nor a re-solve. The numbers are exact for the choice graph that was
@@ -54,13 +56,14 @@ def explain_decisions(
         if follower_of is not None:
             followers.setdefault(follower_of, []).append(name)
     groups, _ = graph.param_sync_groups()
+    overlap = _SolvedOverlap.of(graph, solution, groups)
     for rep, base in _decision_bases(graph).items():
         choice = graph.choices[rep]
         if len(choice.strategies) < 2:
             continue
         members = _members(base, followers)
         ordered = sorted(members, key=position.__getitem__)
-        decision = _Decision(graph, solution, base, ordered, edges_of, groups, memo)
+        decision = _Decision(graph, solution, base, ordered, edges_of, groups, memo, overlap)
         costs = decision.costs(len(choice.strategies))
         chosen = solution.choice[rep]
         ranked = costs.ranked(chosen)
@@ -142,6 +145,34 @@ class _Memo:
         )
 
 
+@dataclass(frozen=True)
+class _SolvedOverlap:
+    """The solved plan's terms of the communication the runtime overlaps
+    (``problem.gather_overlap``): a term of the whole plan, not a sum over nodes, so each
+    counterfactual prices it anew from these sums, swapping its own members' parts in
+    (``_Decision._overlap_s``). ``items``: the gathered parameters' terms by their edge."""
+
+    items: dict[int, Any]
+    delta_s: float
+    forward_s: float
+    backward_s: float
+    sync_s: float
+
+    @classmethod
+    def of(cls, graph: ChoiceGraph, solution: Solution, groups: dict) -> _SolvedOverlap | None:
+        overlap = graph.overlap
+        if overlap is None:
+            return None
+        specs = {}
+        for item in overlap.items:
+            edge = graph.edges[item.edge]
+            producer = graph.choices[edge.producer].strategies[solution.choice[edge.producer]]
+            consumer = graph.choices[edge.consumer].strategies[solution.choice[edge.consumer]]
+            specs[item.edge] = (producer.outs[edge.out_index], consumer.ins[edge.in_index])
+        sums = overlap.sums(specs)
+        return cls({item.edge: item for item in overlap.items}, *sums, overlap.hidden_sync_s(groups, solution.choice))
+
+
 def _decision_bases(graph: ChoiceGraph) -> dict[str, set[str]]:
     """Representative → the free nodes that share its variables (layer copies, tied names)."""
     tie_first = {name: group[0] for group in graph.ties for name in group}
@@ -184,6 +215,9 @@ class Costs:
     # The optimizer step of the members' shards (``ChoiceGraph.optimizer_s``), and DTensor's
     # dispatch where the decision alone decides it (``_Decision._optimizer_s``); None: neither.
     optimizer_s: np.ndarray | None = None
+    # What the communication the runtime overlaps (``problem.gather_overlap``) adds against the
+    # solved plan (0 for the chosen strategy: ``_Decision._overlap_s``); None: no overlap priced.
+    overlap_s: np.ndarray | None = None
 
     def record(self, s: int) -> dict[str, float]:
         """Strategy ``s``'s terms by name (its ``total_s`` their sum, in this order)."""
@@ -194,6 +228,7 @@ class Costs:
             "reshard_out_s": float(self.reshard_out_s[s]),
             "memory_bytes": float(self.memory_bytes[s]),
             **({"optimizer_s": float(self.optimizer_s[s])} if self.optimizer_s is not None else {}),
+            **({"overlap_s": float(self.overlap_s[s])} if self.overlap_s is not None else {}),
             "total_s": float(self.total_s[s]),
         }
 
@@ -223,8 +258,10 @@ class _Decision:
         edges_of: dict[str, list[int]],
         groups: dict,
         memo: _Memo,
+        overlap: _SolvedOverlap | None = None,
     ):
-        self.graph, self.solution, self.memo = graph, solution, memo
+        self.graph, self.solution, self.memo, self.overlap = graph, solution, memo, overlap
+        self.chosen = solution.choice[next(iter(base))]  # the base nodes share their variables
         self.slot_of: dict[str, int] = {}
         self.reps: list[str] = []  # per slot: its first member, which prices it
         # per slot: None for base nodes (they take the decision's strategy), else the follow
@@ -251,7 +288,8 @@ class _Decision:
         self.edges: list[tuple] = []  # per edge slot: (edge, class, enters, src slot, src index, dst slot, dst index)
         edge_slots: dict[tuple, int] = {}
         edge_columns = []
-        for e in sorted({e for name in ordered for e in edges_of.get(name, ())}):
+        touching = sorted({e for name in ordered for e in edges_of.get(name, ())})
+        for e in touching:
             edge, edge_class, enters = memo.edge_class(graph.edges[e], members)
             src_slot, dst_slot = self.slot_of.get(edge.producer), self.slot_of.get(edge.consumer)
             key = (
@@ -267,11 +305,14 @@ class _Decision:
                 self.edges.append((edge, *key))
             edge_columns.append(edge_slots[key])
         self.edge_columns = np.array(edge_columns, dtype=np.intp)
+        # The gathered parameters' edges among them (``_overlap_s``), each with its edge slot.
+        items = overlap.items if overlap is not None else {}
+        self.gathered = [(items[e], column) for e, column in zip(touching, edge_columns) if e in items]
         # Parameter reductions (``choices.param_sync_groups``): the members' per-use prices, and
         # the groups a member may need (the others cannot change with it).
         _, refunds = graph.param_sync_groups()
         self.refunds = [(self.slot_of[name], refunds[name]) for name in ordered if name in refunds]
-        self.synced = _synced_groups(groups, self.slot_of, solution, memo.groups_used_by(groups))
+        self.synced = _synced_groups(groups, self.slot_of, solution, memo.groups_used_by(groups), graph.overlap)
         # What a member's gradient all-reduces and kernel collectives depend on beyond its slot.
         inner: dict[tuple, int] = {}
         self.inner_reps: list[str] = []
@@ -320,7 +361,10 @@ class _Decision:
         optimizer_s = self._optimizer_s(index)
         if optimizer_s is not None:
             total_s = total_s + optimizer_s
-        return Costs(compute_s, merged, reshard_in_s, reshard_out_s, memory_bytes, total_s, possible, optimizer_s)
+        overlap_s = self._overlap_s(index)
+        if overlap_s is not None:
+            total_s = total_s + overlap_s
+        return Costs(compute_s, merged, reshard_in_s, reshard_out_s, memory_bytes, total_s, possible, optimizer_s, overlap_s)
 
     def _optimizer_s(self, index: np.ndarray) -> np.ndarray | None:
         """Per strategy, the optimizer step of the members that are parameters it steps, in
@@ -354,17 +398,56 @@ class _Decision:
         for slot, refund in self.refunds:
             refunded += np.asarray(refund, dtype=float)[index[:, slot]]
         merged = -refunded
-        for total_s, outside, uses in self.synced:
+        for total_s, outside, uses, _ in self.synced:
             if outside:
                 merged += total_s
                 continue
-            needed = np.zeros(len(index), dtype=bool)
-            for slot, wanted in uses:
-                wants = np.zeros(len(self.graph.choices[self.reps[slot]].strategies), dtype=bool)
-                wants[list(wanted)] = True
-                needed |= wants[index[:, slot]]
-            merged[needed] += total_s
+            merged[self._needed(index, uses)] += total_s
         return merged
+
+    def _needed(self, index: np.ndarray, uses: list[tuple[int, Any]]) -> np.ndarray:
+        """Per strategy, whether one of a reduction group's member ``uses`` (``_synced_groups``) needs it."""
+        needed = np.zeros(len(index), dtype=bool)
+        for slot, wanted in uses:
+            wants = np.zeros(len(self.graph.choices[self.reps[slot]].strategies), dtype=bool)
+            wants[list(wanted)] = True
+            needed |= wants[index[:, slot]]
+        return needed
+
+    def _overlap_s(self, index: np.ndarray) -> np.ndarray | None:
+        """Per strategy, what ``gather_overlap``'s term of the whole plan changes against the
+        solved plan's: the members' gathered edges and the reductions they need swapped into its
+        sums (``_SolvedOverlap``), then priced as the ILP prices the term; None where there is
+        none (gloo, three axes, nothing gathered)."""
+        if self.overlap is None:
+            return None
+        graph, count = self.graph, len(index)
+        delta, forward, backward, sync = (np.zeros(count) for _ in range(4))
+        for item, column in self.gathered:
+            edge, _, _, src_slot, src_index, dst_slot, dst_index = self.edges[column]
+            src = index[:, src_slot] if src_slot is not None else np.full(count, src_index)
+            dst = index[:, dst_slot] if dst_slot is not None else np.full(count, dst_index)
+            outs, ins = graph.choices[edge.producer].strategies, graph.choices[edge.consumer].strategies
+            found: dict[tuple[int, int], Any] = {}
+            for k, pair in enumerate(zip(src.tolist(), dst.tolist())):
+                if pair not in found:
+                    found[pair] = item.pairs.get((outs[pair[0]].outs[edge.out_index], ins[pair[1]].ins[edge.in_index]))
+                terms = found[pair]
+                if terms is not None:
+                    delta[k] += terms[2] - terms[0]
+                    forward[k] += terms[1]
+                    backward[k] += terms[1] if item.regathered else 0.0
+        for _, outside, uses, hidden_s in self.synced:
+            if not outside:  # (one needed as solved whatever the decision takes stays in the sums)
+                sync[self._needed(index, uses)] += hidden_s
+        solved, c = self.overlap, self.chosen
+        priced = graph.overlap.combined(
+            solved.delta_s - delta[c] + delta,
+            solved.forward_s - forward[c] + forward,
+            solved.backward_s - backward[c] + backward,
+            solved.sync_s - sync[c] + sync,
+        )
+        return priced - priced[c]
 
     def _reshard_s(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Resharding seconds per (strategy, edge slot) when the slots take ``index`` (0.0
@@ -563,6 +646,8 @@ def _candidate(graph, rep, s, decision: _Decision, cost, chosen, memo: _Memo) ->
     )
     if "optimizer_s" in cost:
         record["optimizer_s"] = cost["optimizer_s"]
+    if "overlap_s" in cost:
+        record["overlap_s"] = cost["overlap_s"]
     if strategy.kernel:
         record["kernel"] = strategy.kernel
         record["kernel_axes"] = list(strategy.kernel_axes)
@@ -594,10 +679,13 @@ def _binding(costs: Costs, chosen: int, memory_budget: float | None, status: str
     return "coupled"
 
 
-def _synced_groups(groups: dict, slot_of: dict[str, int], solution: Solution, used_by: dict[str, list[int]]) -> list[tuple]:
+def _synced_groups(
+    groups: dict, slot_of: dict[str, int], solution: Solution, used_by: dict[str, list[int]], overlap=None
+) -> list[tuple]:
     """Per parameter-reduction group a member (a key of ``slot_of``) uses: its seconds, whether a
-    use outside the decision needs it (as solved: then always), and the members' uses, (slot, the
-    strategies that need it): ``needed`` in parts. ``used_by``: ``_Memo.groups_used_by``."""
+    use outside the decision needs it (as solved: then always), the members' uses, (slot, the
+    strategies that need it): ``needed`` in parts, and the seconds of it that ``overlap``
+    (``ChoiceGraph.overlap``) lets backward hide (0 without one). ``used_by``: ``_Memo.groups_used_by``."""
     positions = sorted({position for name in slot_of for position in used_by.get(name, ())})
     listed = list(groups.values())
     return [
@@ -605,6 +693,7 @@ def _synced_groups(groups: dict, slot_of: dict[str, int], solution: Solution, us
             group.total_s,
             any(solution.choice[consumer] in wanted for (consumer, _), wanted in group.uses.items() if consumer not in slot_of),
             [(slot_of[consumer], wanted) for (consumer, _), wanted in group.uses.items() if consumer in slot_of],
+            overlap.hidden_s(group) if overlap is not None else 0.0,
         )
         for group in map(listed.__getitem__, positions)
     ]

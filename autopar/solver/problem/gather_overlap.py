@@ -50,6 +50,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 from torch.distributed.tensor import Shard
 
 from autopar.cost.cluster import ClusterSpec
@@ -86,6 +87,11 @@ class GatherOverlap:
         ``specs`` and whose parameter reductions take ``sync_s`` (each once, bucketed): each
         gather's copies in place of its edge price, and what compute does not hide of the
         gathers as run and, in backward, of the reductions beside them, in place of ``sync_s``."""
+        return float(self.combined(*self.sums(specs), sync_s))
+
+    def sums(self, specs: Mapping[int, tuple[Spec, Spec]]) -> tuple[float, float, float]:
+        """(Σ copies − edge prices, Σ forward gathers as run, Σ backward re-gathers as run) of the
+        gathered edges that carry ``specs`` (an edge left out of it: none of its terms)."""
         delta = forward = backward = 0.0
         for item in self.items:
             terms = item.pairs.get(specs.get(item.edge))
@@ -93,8 +99,18 @@ class GatherOverlap:
                 delta += terms[2] - terms[0]
                 forward += terms[1]
                 backward += terms[1] if item.regathered else 0.0
-        # the reductions' own price leaves the objective for what backward does not hide of them
-        return delta + max(0.0, forward - self.forward_s) + max(0.0, backward + sync_s - self.backward_s) - sync_s
+        return delta, forward, backward
+
+    def combined(self, delta, forward, backward, sync_s):
+        """``adjustment_s`` from its ``sums`` and the hidden reductions' seconds: floats, or numpy
+        arrays of them (one per counterfactual, ``pricing.runner_ups``). The reductions' own price
+        leaves the objective for what backward does not hide of them."""
+        return delta + np.maximum(0.0, forward - self.forward_s) + np.maximum(0.0, backward + sync_s - self.backward_s) - sync_s
+
+    def hidden_sync_s(self, groups: Mapping, choice: Mapping[str, int]) -> float:
+        """The seconds of the reduction groups (``ChoiceGraph.param_sync_groups``) that ``choice``
+        needs, as E_b holds them (``hidden_s``)."""
+        return sum(self.hidden_s(group) for group in groups.values() if group.needed(choice))
 
     def hidden_s(self, group) -> float:
         """The seconds of reduction group ``group`` (``choices.ParamSyncGroup``) that E_b holds:
