@@ -15,10 +15,15 @@ all-reduces the whole gradient and keeps a chunk). This pass replaces them, per 
   consecutive in forward order are gathered by one collective (``CommOptions.gather_group_bytes``),
   and a group is freed after forward and gathered again in backward as
   ``CommOptions.reshard_after_forward`` says (``ir.gathers``; the graph runs under
-  ``saved_tensors_hooks(gm)``).
+  ``saved_tensors_hooks(gm)``). Where the chain sums the gradient on other axes too (hybrid
+  sharding, FSDP2's HSDP: sharded on one axis, replicated on others, the batch split on all),
+  the slot reduce-scatters on the gather's axis, then all-reduces the shard on the others
+  (``GradBuckets``, at the end of backward), in place of an all-reduce of the whole gradient
+  per use on each axis.
 
 Uses of other shapes keep their collectives (a parameter gathered over two axes, strided shards,
-uses that reduce over different axes, offloaded parameters). Nothing is chosen here: the bucket
+uses that reduce over different axes, a gather whose gradient is summed on other axes but not on
+its own, offloaded parameters). Nothing is chosen here: the bucket
 cap and the prefetch depth come from ``ir.options.CommOptions``, and the cost model prices the
 same merging (``solver.comm_schedule``).
 
@@ -127,17 +132,15 @@ def schedule_communication(
             slot = Slot(placeholder.name, "all_reduce", local, slot_dtype, chain_groups, alone=alone)
             reduce_slots.append((first, slot))
         if len(gathered) == 1 and not synced:
-            (((dim, group, reduce), pairs),) = gathered.items()
-            first, slot_dtype, node = _merge_gathered(graph, placeholder, pairs, reduce, order)
+            (((dim, group, reduced), pairs),) = gathered.items()
+            first, slot_dtype, node = _merge_gathered(graph, placeholder, pairs, bool(reduced), order)
             moves = cast_dtype(node) or val.dtype  # ``gather_in_param_dtype`` gathers the cast
             whole = tuple(s * size_of[group] if d == dim else s for d, s in enumerate(local))  # padded: k pieces
             size = val.shape[dim] if placeholder.name in padded else -1
             if size >= 0:
                 sizes[placeholder.name] = size
-            if reduce:
-                reduce_slots.append(
-                    (first, Slot(placeholder.name, "reduce_scatter", whole, slot_dtype, (group,), dim, size=size))
-                )
+            if reduced:
+                reduce_slots.append((first, Slot(placeholder.name, "reduce_scatter", whole, slot_dtype, reduced, dim, size=size)))
             gathers.append(
                 (
                     first,
@@ -196,11 +199,13 @@ def _used(node: torch.fx.Node, lenient: bool = True) -> list[torch.fx.Node]:
 
 def _param_uses(placeholder: torch.fx.Node, lenient: bool = False) -> tuple[dict, dict]:
     """A parameter's uses by their collectives: ``allreduce_grad`` chains by their groups, and
-    ``all_gather`` → ``allreduce_grad`` pairs by (dim, group, whether the gradient is reduced).
+    ``all_gather`` → ``allreduce_grad`` pairs by (dim, group, the groups the gradient is summed
+    over: the gather's first, then the chain's others in its order, as hybrid sharding sums a
+    shard sharded on one axis and replicated on others; () where it is not reduced).
     ``lenient``: a gather may also feed unused aliases (``_used``; a padded shard's, which only
     the scheduled gather moves)."""
     synced: dict[tuple[str, ...], list[list[torch.fx.Node]]] = {}
-    gathered: dict[tuple[int, str, bool], list[tuple[torch.fx.Node, torch.fx.Node]]] = {}
+    gathered: dict[tuple[int, str, tuple[str, ...]], list[tuple[torch.fx.Node, torch.fx.Node]]] = {}
     for user in list(placeholder.users):
         chain, chain_groups = _grad_chain(user)
         if chain:
@@ -209,10 +214,13 @@ def _param_uses(placeholder: torch.fx.Node, lenient: bool = False) -> tuple[dict
         if _is(user, collectives.all_gather) and len(user.args) == 3 and len(_used(user, lenient)) == 1:
             (after,) = _used(user, lenient)
             chain, chain_groups = _grad_chain(after)
-            if chain_groups == (user.args[2],):  # partial gradient: reduce-scatter it
-                gathered.setdefault((user.args[1], user.args[2], True), []).append((user, chain[-1]))
+            group = user.args[2]
+            if group in chain_groups and len(set(chain_groups)) == len(chain_groups):
+                # partial gradient: reduce-scatter it on the gather's axis, then sum the shard on the others
+                reduced = (group, *(g for g in chain_groups if g != group))
+                gathered.setdefault((user.args[1], group, reduced), []).append((user, chain[-1]))
             elif not chain:  # whole gradient on every rank: keep the local chunk
-                gathered.setdefault((user.args[1], user.args[2], False), []).append((user, user))
+                gathered.setdefault((user.args[1], group, ()), []).append((user, user))
     return synced, gathered
 
 

@@ -144,6 +144,38 @@ def test_fsdp_gathers_once_and_reduce_scatters():
         assert slot.shape == tuple(full.shape)
 
 
+def test_hybrid_sharding_reduce_scatters_on_the_shard_axis_then_sums_the_shard_on_the_other():
+    """FSDP on the inner axis of (2, 2), replicated on the outer, the batch split on both: each
+    gathered use sums its gradient on both axes. The schedule gathers such a parameter once and
+    reduce-scatters on the inner axis, then all-reduces the shard on the outer (FSDP2's HSDP);
+    before, every use kept its own gather and whole all-reduces. (The numbers, over a training
+    loop: tests/runtime/test_conformance.py, ``hsdp``.)"""
+    from torch.distributed.tensor import Replicate
+
+    from autopar.cost.cluster import get_cluster
+    from autopar.ir.options import PlanOptions
+    from autopar.solver.planners.hand_plans import param_specs
+    from autopar.solver.planners.sharding import solve
+    from autopar.solver.planners.split_batch import batch_pins
+
+    model = build_model("gpt", seed=0, **FSDP_CONFIG)
+    batch = example_batch("gpt", 16, seed=1, **FSDP_CONFIG)
+    traced = trace(model, batch)
+    forced = {name: (Replicate(), *spec) for name, spec in param_specs("fsdp", traced, (2,)).items()}
+    forced.update(batch_pins(traced, (2, 2)))
+    plan = solve(traced, (2, 2), get_cluster("cpu"), PlanOptions(), forced=forced)
+    fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+    gm = run_passes(copy.deepcopy(traced.gm), plan, default_passes(("g0", "g1"), None, fqns, None))
+    buckets: GradBuckets = gm.get_submodule("grad_buckets")
+    hybrid = [slot for bucket in buckets.buckets for slot in bucket.slots if slot.groups == ("g1", "g0")]
+    assert hybrid and all(slot.kind == "reduce_scatter" for slot in hybrid), [b.groups for b in buckets.buckets]
+    gathers: ParamGathers = gm.get_submodule("param_gathers")
+    scheduled = {key for key, *_ in gathers.order}
+    assert {slot.key for slot in hybrid} <= scheduled, "each is gathered by the schedule, once"
+    left = [n for n in _param_collectives(gm, {slot.key for slot in hybrid})]
+    assert not left, f"no per-use collective of theirs is left: {[n.format_node() for n in left]}"
+
+
 def test_fsdp_gathers_each_layer_with_one_collective():
     """FSDP2's grouping: the parameters of one layer (``fully_shard(block)``) are gathered by one
     collective; the root's parameters consecutive in forward order by another; a cap of 0

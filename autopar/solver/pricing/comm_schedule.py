@@ -9,7 +9,9 @@ them per parameter and buckets the reductions:
   plan's step agree up to the terms below (``ParamSchedule.post_solve_s``) and the overlap;
 - a parameter sharded on one axis, whose every gathered use needs the gradient summed on exactly
   that axis (and no use all-reduces it whole), is all-gathered once, and its gradient is
-  reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces; where
+  reduce-scattered (FSDP's pattern): (k-1)/k of the bytes of the all-reduce it replaces (one
+  whose uses sum it on other axes too, hybrid sharding, the runtime schedules as well, but it
+  is priced here per use, whole, as the ILP prices it: ``problem.gather_overlap``); where
   its layer's group reshards after forward (``ir.gathers.reshards``) and an op saves it for
   backward, it is all-gathered once more, in backward;
 - gradients are reduced in the precision policy's ``reduce_dtype`` (which the cast of a

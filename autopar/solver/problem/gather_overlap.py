@@ -29,9 +29,13 @@ objective takes each gathered parameter's first-use gather out of its edge's pri
   the reductions made a layout that reduces less look faster than one whose reductions backward
   hides anyway.
 
-The runtime runs FSDP's pattern only where a gathered use reduces its gradient on the gathered
-axis alone (``comm_schedule._param_terms``); a parameter gathered on one axis and reduced on
-another too (hybrid sharding) is gathered per use, whole. A pair says so where the consumer's
+The cost model prices FSDP's pattern only where a gathered use reduces its gradient on the
+gathered axis alone (``comm_schedule._param_terms``). A parameter gathered on one axis and
+reduced on another too (hybrid sharding) the runtime schedules as well (``passes.schedule``:
+reduce-scatter, then the shard all-reduced on the other axes), but its price is still per use,
+whole, here and after the solve: the ILP's reductions are priced by (parameter, axis, spec)
+whatever the parameter's own placement, so the shard's cheaper reductions would need a term for
+each (placement, reduction) pair (benchmarks/README.md). A pair says so where the consumer's
 input is cut on every other axis larger than 1 (tensor parallelism on the inner axis, FSDP on
 the outer, torchtitan's layout): its gradient then needs no sum there. Only those pairs are
 priced here; a pair replicated on another axis keeps its whole price, whatever the consumer does.
