@@ -52,3 +52,20 @@ def test_a_plan_that_splits_the_batch_or_cannot_stays(traced_gpt):
     assert batch_pins(traced_gpt, (3,)) == {}  # a batch of 8 does not split 3 ways
     one = dataclasses.replace(whole, mesh_shape=(1,))
     assert split_batch_at_least(one, traced_gpt, lambda pins: pytest.fail("solved again")) is one
+
+
+def test_a_batch_that_enters_whole_but_is_split_further_in_is_not_called_whole():
+    # LLaMA-3-8B widths on (16, 8): the embedding takes the tokens split along the sequence, and
+    # the layers' matmuls split the batch on axis 0. Every rank loads the whole batch; none
+    # computes it (before, the note said each did).
+    import autopar
+    from autopar.zoo.shapes import build_preset
+
+    model, batch = build_preset("llama-3-8b", 128, seq_len=4096, num_layers=2)
+    plan = autopar.plan(model, (16, 8), example_inputs=batch, cluster="h100-80g", precision="bf16-mixed")
+    assert plan.data_layout.size == 1
+    assert not [n for n in plan.notes if "computes the whole batch" in n], plan.notes
+    (note,) = [n for n in plan.notes if "enters whole" in n]
+    assert "mesh axes (0,)" in note and "loads the whole batch" in note, note
+    linear = next(node for node in plan.nodes.values() if node.op == "aten.linear.default")
+    assert linear.outs[0][0] == Shard(0)  # what the note says: the batch split on axis 0 further in

@@ -86,14 +86,33 @@ def whole_batch_note(made: Plan, traced: TracedModel) -> Plan:
     model's size the price chooses that, which a user who started N ranks may not expect (``compile``
     without ``cluster=`` splits it at least: ``split_batch_at_least``)."""
     mesh_shape = tuple(made.mesh_shape)
-    if made.data_layout.size > 1 or made.pipeline is not None or not batch_pins(traced, mesh_shape):
+    pins = batch_pins(traced, mesh_shape)
+    if made.data_layout.size > 1 or made.pipeline is not None or not pins:
         return made
+    inside = _split_inside(made, pins)
+    if inside:  # the ops after the first split it (a sequence-split embedding, say): not the note below
+        return _noted(
+            made,
+            f"the batch enters whole on every rank (data_parallel_size 1): its first ops take it whole, and the "
+            f"plan splits it on mesh axes {inside} further in, so each rank loads the whole batch",
+        )
     return _noted(
         made,
         f"every rank computes the whole batch: on the {made.cluster} preset this plan "
         f"({made.predicted.step_time_s * 1e3:.3g} ms a step) is priced below splitting it over the mesh "
         "(a small model, or slow links); autopar.compile without cluster= splits it at least",
     )
+
+
+def _split_inside(made: Plan, pins: dict[str, Spec]) -> tuple[int, ...]:
+    """The mesh axes (larger than 1) on which ``made`` splits some op output that carries the
+    batch along dim 0 (a key of ``pins``, ``batch_pins``)."""
+    axes = set()
+    for name in pins:
+        node = made.nodes.get(name)
+        if node is not None and node.outs:
+            axes.update(a for a, p in enumerate(node.outs[0]) if p == Shard(0) and made.mesh_shape[a] > 1)
+    return tuple(sorted(axes))
 
 
 def _noted(plan: Plan, note: str) -> Plan:
