@@ -122,39 +122,42 @@ def explain_text(plan: Plan, key: str) -> str:
     for label, field in fields:
         lines.append(f"    {label:<15} {_ms(chosen[field]):>14}")
     lines.append(f"    {'memory':<15} {format_bytes(chosen['memory_bytes']):>14} per device")
-    others = [c for c in candidates if not c.get("chosen")]
     lines.append("")
-    if others:
-        lines.append(f"  runner-ups (the {len(others)} cheapest of the other strategies):")
-        overlap = "overlap_s" in chosen  # (NCCL meshes: solver/problem/gather_overlap.py)
-        header = (
-            f"    {'out':<22} {'compute':>11} {'grad sync':>11} {'reshard in':>11} {'reshard out':>11}"
-            + (f" {'overlap':>11}" if overlap else "")
-            + f" {'total':>11} {'vs chosen':>11} {'memory':>11}  kernel"
-        )
-        lines.append(header)
-        for c in others:
-            delta = c["total_s"] - chosen["total_s"]
-            lines.append(
-                f"    {_specs(c['out']):<22} {c['compute_s'] * 1e3:>11.4f} {c['grad_sync_s'] * 1e3:>11.4f}"
-                f" {c['reshard_in_s'] * 1e3:>11.4f} {c['reshard_out_s'] * 1e3:>11.4f}"
-                + (f" {c['overlap_s'] * 1e3:>+11.4f}" if overlap else "")
-                + f" {c['total_s'] * 1e3:>11.4f} {delta * 1e3:>+11.4f} {format_bytes(c['memory_bytes']):>11}"
-                + (f"  kernel {c['kernel']}" if c.get("kernel") else "")
-            )
-        lines.append("    (milliseconds; memory per device)")
-        if overlap:
-            lines.append(
-                "    (overlap: how much more of the FSDP gathers and gradient reductions compute would leave"
-                " exposed than under the chosen strategy; the columns before it price them whole)"
-            )
-    else:
-        lines.append("  runner-ups: none (every other strategy is impossible here)")
+    lines += _runner_ups(chosen, [c for c in candidates if not c.get("chosen")])
     budget = plan.solver.memory_budget_bytes
     reason = _BINDING_TEXT.get(record["binding"], record["binding"]).format(budget=format_bytes(budget) if budget else "none")
     lines.append("")
     lines.append(f"  decided by {reason}")
     return "\n".join(lines)
+
+
+def _runner_ups(chosen: dict[str, Any], others: list[dict[str, Any]]) -> list[str]:
+    """The runner-ups' table: each one's terms, total and difference from ``chosen``."""
+    if not others:
+        return ["  runner-ups: none (every other strategy is impossible here)"]
+    overlap = "overlap_s" in chosen  # (NCCL meshes: solver/problem/gather_overlap.py)
+    lines = [
+        f"  runner-ups (the {len(others)} cheapest of the other strategies):",
+        f"    {'out':<22} {'compute':>11} {'grad sync':>11} {'reshard in':>11} {'reshard out':>11}"
+        + (f" {'overlap':>11}" if overlap else "")
+        + f" {'total':>11} {'vs chosen':>11} {'memory':>11}  kernel",
+    ]
+    for c in others:
+        delta = c["total_s"] - chosen["total_s"]
+        lines.append(
+            f"    {_specs(c['out']):<22} {c['compute_s'] * 1e3:>11.4f} {c['grad_sync_s'] * 1e3:>11.4f}"
+            f" {c['reshard_in_s'] * 1e3:>11.4f} {c['reshard_out_s'] * 1e3:>11.4f}"
+            + (f" {c['overlap_s'] * 1e3:>+11.4f}" if overlap else "")
+            + f" {c['total_s'] * 1e3:>11.4f} {delta * 1e3:>+11.4f} {format_bytes(c['memory_bytes']):>11}"
+            + (f"  kernel {c['kernel']}" if c.get("kernel") else "")
+        )
+    lines.append("    (milliseconds; memory per device)")
+    if overlap:
+        lines.append(
+            "    (overlap: how much more of the FSDP gathers and gradient reductions compute would leave"
+            " exposed than under the chosen strategy; the columns before it price them whole)"
+        )
+    return lines
 
 
 __all__ = ["find_decision", "explain_text", "explain_json"]

@@ -281,33 +281,11 @@ class _Decision:
                 self.follows.append(follow)
             self.slot_of[name] = slots[key]
         self.columns = np.array([self.slot_of[name] for name in ordered], dtype=np.intp)
-        # Per touching edge, what does not depend on the strategy: its class, whether it enters
-        # the decision, and its ends, each a member's slot or a node outside at its solved index.
-        # Edges alike in all of these price alike: one per edge slot prices them.
-        members = self.slot_of.keys()
-        self.edges: list[tuple] = []  # per edge slot: (edge, class, enters, src slot, src index, dst slot, dst index)
-        edge_slots: dict[tuple, int] = {}
-        edge_columns = []
         touching = sorted({e for name in ordered for e in edges_of.get(name, ())})
-        for e in touching:
-            edge, edge_class, enters = memo.edge_class(graph.edges[e], members)
-            src_slot, dst_slot = self.slot_of.get(edge.producer), self.slot_of.get(edge.consumer)
-            key = (
-                edge_class,
-                enters,
-                src_slot,
-                solution.choice[edge.producer] if src_slot is None else None,
-                dst_slot,
-                solution.choice[edge.consumer] if dst_slot is None else None,
-            )
-            if key not in edge_slots:
-                edge_slots[key] = len(self.edges)
-                self.edges.append((edge, *key))
-            edge_columns.append(edge_slots[key])
-        self.edge_columns = np.array(edge_columns, dtype=np.intp)
+        self._slot_edges(touching)
         # The gathered parameters' edges among them (``_overlap_s``), each with its edge slot.
         items = overlap.items if overlap is not None else {}
-        self.gathered = [(items[e], column) for e, column in zip(touching, edge_columns) if e in items]
+        self.gathered = [(items[e], column) for e, column in zip(touching, self.edge_columns.tolist()) if e in items]
         # Parameter reductions (``choices.param_sync_groups``): the members' per-use prices, and
         # the groups a member may need (the others cannot change with it).
         _, refunds = graph.param_sync_groups()
@@ -333,6 +311,33 @@ class _Decision:
             for name, choice in graph.choices.items()
             if choice.kind == "param" and name not in self.slot_of
         )
+
+    def _slot_edges(self, touching: list[int]) -> None:
+        """``edges`` and ``edge_columns``: per touching edge, what does not depend on the
+        strategy: its class, whether it enters the decision, and its ends, each a member's slot or
+        a node outside at its solved index. Edges alike in all of these price alike: one per edge
+        slot prices them."""
+        graph, memo, choice = self.graph, self.memo, self.solution.choice
+        members = self.slot_of.keys()
+        self.edges: list[tuple] = []  # per edge slot: (edge, class, enters, src slot, src index, dst slot, dst index)
+        edge_slots: dict[tuple, int] = {}
+        edge_columns = []
+        for e in touching:
+            edge, edge_class, enters = memo.edge_class(graph.edges[e], members)
+            src_slot, dst_slot = self.slot_of.get(edge.producer), self.slot_of.get(edge.consumer)
+            key = (
+                edge_class,
+                enters,
+                src_slot,
+                choice[edge.producer] if src_slot is None else None,
+                dst_slot,
+                choice[edge.consumer] if dst_slot is None else None,
+            )
+            if key not in edge_slots:
+                edge_slots[key] = len(self.edges)
+                self.edges.append((edge, *key))
+            edge_columns.append(edge_slots[key])
+        self.edge_columns = np.array(edge_columns, dtype=np.intp)
 
     def price(self, num_strategies: int) -> list[dict[str, float] | None]:
         """Per strategy of the decision: seconds and bytes the members cost when it takes that
