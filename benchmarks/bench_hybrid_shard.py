@@ -3,7 +3,7 @@ mesh (2, 2), replicated on the outer, the batch split on both.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/bench_hybrid_shard.py --steps 12
 
-The layout is pinned (``solve(forced=...)``: no hand-plan kind names it yet, benchmarks/README.md),
+The layout is pinned (``hand_plans.hybrid_specs``: no hand-plan kind names it yet, benchmarks/README.md),
 compiled with ``autopar.compile(..., plan=...)`` and stepped with torch's AdamW; rank 0 prints the
 median wall and CPU milliseconds of a step after three warm-up steps, and the last loss (the same
 on every tree that runs the same plan). Run it on two trees to compare their runtimes.
@@ -17,14 +17,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate
 
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.ir.options import PlanOptions
-from autopar.solver.planners.hand_plans import param_specs
+from autopar.solver.planners.hand_plans import hybrid_specs
 from autopar.solver.planners.sharding import solve
-from autopar.solver.planners.split_batch import batch_pins
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
 
@@ -33,12 +31,9 @@ MESH = (2, 2)
 
 
 def hybrid_plan(model: torch.nn.Module, batch: tuple) -> autopar.Plan:
-    """Every parameter ``Shard`` on the inner axis along its first dim that axis divides, ``R``
-    on the outer; every op output that carries the batch split on both axes."""
+    """The layout of ``hand_plans.hybrid_specs`` on ``MESH``, the rest as the solver picks it."""
     traced = trace(model, batch)
-    forced = {name: (Replicate(), *spec) for name, spec in param_specs("fsdp", traced, MESH[1:]).items()}
-    forced.update(batch_pins(traced, MESH))
-    return solve(traced, MESH, get_cluster("cpu"), PlanOptions(), forced=forced)
+    return solve(traced, MESH, get_cluster("cpu"), PlanOptions(), forced=hybrid_specs(traced, MESH))
 
 
 def main() -> None:

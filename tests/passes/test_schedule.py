@@ -150,20 +150,15 @@ def test_hybrid_sharding_reduce_scatters_on_the_shard_axis_then_sums_the_shard_o
     reduce-scatters on the inner axis, then all-reduces the shard on the outer (FSDP2's HSDP);
     before, every use kept its own gather and whole all-reduces. (The numbers, over a training
     loop: tests/runtime/test_conformance.py, ``hsdp``.)"""
-    from torch.distributed.tensor import Replicate
-
     from autopar.cost.cluster import get_cluster
     from autopar.ir.options import PlanOptions
-    from autopar.solver.planners.hand_plans import param_specs
+    from autopar.solver.planners.hand_plans import hybrid_specs
     from autopar.solver.planners.sharding import solve
-    from autopar.solver.planners.split_batch import batch_pins
 
     model = build_model("gpt", seed=0, **FSDP_CONFIG)
     batch = example_batch("gpt", 16, seed=1, **FSDP_CONFIG)
     traced = trace(model, batch)
-    forced = {name: (Replicate(), *spec) for name, spec in param_specs("fsdp", traced, (2,)).items()}
-    forced.update(batch_pins(traced, (2, 2)))
-    plan = solve(traced, (2, 2), get_cluster("cpu"), PlanOptions(), forced=forced)
+    plan = solve(traced, (2, 2), get_cluster("cpu"), PlanOptions(), forced=hybrid_specs(traced, (2, 2)))
     fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
     gm = run_passes(copy.deepcopy(traced.gm), plan, default_passes(("g0", "g1"), None, fqns, None))
     buckets: GradBuckets = gm.get_submodule("grad_buckets")

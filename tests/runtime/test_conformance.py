@@ -268,25 +268,18 @@ def _run(rank: int, world_size: int, plans: dict[str, str], path: str) -> dict:
 
 
 def _hybrid_plan(model: nn.Module, example: tuple) -> autopar.Plan:
-    """Hybrid sharding (FSDP2's ``fully_shard`` on a (replicate, shard) mesh): every parameter
-    sharded on the inner axis along its first dim that axis divides, replicated on the outer, the
-    batch split on both. No hand-plan kind names it yet (the ILP does not price its scheduled
-    reductions: benchmarks/README.md), so its specs are pinned here."""
-    from torch.distributed.tensor import Replicate
-
+    """Hybrid sharding (``hand_plans.hybrid_specs``: FSDP on the inner axis, replicated on the
+    outer, the batch split on both), pinned: no hand-plan kind names it yet."""
     from autopar.cost.cluster import get_cluster
     from autopar.ir.data import DataOptions
     from autopar.ir.options import PlanOptions
     from autopar.solver.planners.data import with_data_layout
-    from autopar.solver.planners.hand_plans import param_specs
+    from autopar.solver.planners.hand_plans import hybrid_specs
     from autopar.solver.planners.sharding import solve
-    from autopar.solver.planners.split_batch import batch_pins
     from autopar.trace import trace
 
     traced = trace(model, example)
-    forced = {name: (Replicate(), *spec) for name, spec in param_specs("fsdp", traced, MESH[1:]).items()}
-    forced.update(batch_pins(traced, MESH))
-    made = solve(traced, MESH, get_cluster("cpu"), PlanOptions(), forced=forced)
+    made = solve(traced, MESH, get_cluster("cpu"), PlanOptions(), forced=hybrid_specs(traced, MESH))
     return with_data_layout(made, traced, DataOptions(batch="per_rank"))
 
 

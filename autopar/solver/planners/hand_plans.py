@@ -50,6 +50,7 @@ from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
 from autopar.ir.spec import Spec, is_valid, is_valid_param, replicate_size_one_axes
 from autopar.solver.planners.sharding import solve
+from autopar.solver.planners.split_batch import batch_pins
 from autopar.solver.problem.choices import padded_param_specs
 from autopar.trace import TracedModel
 from autopar.trace.moe import EXPERTS_OP
@@ -174,6 +175,25 @@ def sequence_parallel_specs(traced: TracedModel, mesh_shape: tuple[int, ...]) ->
             if is_valid(tuple(val.shape), spec, mesh_shape):
                 forced[node.name] = spec
     return forced
+
+
+def hybrid_specs(traced: TracedModel, mesh_shape: tuple[int, ...]) -> dict[str, Spec]:
+    """Hybrid sharding, FSDP2's ``fully_shard`` on a (replicate, shard) mesh: every parameter
+    sharded on the innermost axis along its first dim that axis divides, replicated on the
+    others, and every op output that carries the batch split on every axis (``batch_pins``: all
+    ranks are data parallel). The runtime gathers each parameter once, reduce-scatters its
+    gradient on the inner axis and all-reduces the shard on the others (``passes.schedule``).
+    Not a kind of ``KINDS`` yet: the cost model prices those reductions per use, whole, so a plan
+    of it would be predicted slower than it runs (docs/cost-model.md)."""
+    placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+    specs: dict[str, Spec] = {}
+    for graph_input in traced.placeholders("param"):
+        shape = tuple(placeholders[graph_input.name].meta["val"].shape)
+        spec = (Replicate(),) * (len(mesh_shape) - 1) + (_fsdp_dim(shape, mesh_shape[-1]),)
+        spec = replicate_size_one_axes(spec, mesh_shape)
+        specs[graph_input.name] = spec if is_valid(shape, spec, mesh_shape) else (Replicate(),) * len(mesh_shape)
+    specs.update(batch_pins(traced, mesh_shape))
+    return specs
 
 
 def hand_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> dict[str, Spec]:
