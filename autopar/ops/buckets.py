@@ -140,7 +140,7 @@ def make_buckets(slots: Sequence[Slot], cap_bytes: int, first_cap_bytes: int | N
 class _Pending:
     """One bucket's state during one backward."""
 
-    __slots__ = ("flat", "left", "written", "zeroed", "work", "out", "done", "held")
+    __slots__ = ("flat", "left", "written", "zeroed", "work", "out", "done", "held", "summed")
 
     def __init__(self, bucket: Bucket, device: torch.device, flat: torch.Tensor | None = None):
         self.flat: torch.Tensor | None = (
@@ -155,6 +155,9 @@ class _Pending:
         self.out: torch.Tensor | None = None
         self.done = False  # waited on (a reduce-scatter retired by the next one's launch)
         self.held = False  # summed into the held buffer (``sync`` off): nothing launched
+        # a retired reduce-scatter's all-reduce on its second group, launched then (hybrid
+        # sharding: the shard summed over the replicas while backward goes on): (work, group)
+        self.summed: tuple[object, str] | None = None
 
 
 # id of a ``.grad`` that is a view of held gradients → the view: ``optimizer.step()`` refuses them.
@@ -405,13 +408,17 @@ class GradBuckets(torch.nn.Module):
 
     def _retire(self, index: int, pending: _Pending) -> None:
         """Wait for reduce-scatter bucket ``index``'s round ``pending`` and free its input (the
-        whole gradients); its output waits for the end of backward."""
+        whole gradients); its output waits for the end of backward, summed meanwhile over the
+        bucket's second group where it has one (hybrid sharding)."""
         if pending.done:
             return
-        collectives.wait(pending.work, self.buckets[index].groups[0])
+        groups = self.buckets[index].groups
+        collectives.wait(pending.work, groups[0])
         pending.done = True
         pending.flat = None
         self._scatter_inputs -= 1
+        if len(groups) > 1:  # the shard's sum over the replicas, behind the rest of backward
+            pending.summed = (collectives.start_all_reduce(pending.out, groups[1]), groups[1])
 
     def _reusable(self, index: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The last backward's buffers of bucket ``index`` if nothing else holds them any more
@@ -432,6 +439,8 @@ class GradBuckets(torch.nn.Module):
                 self._show_held(index, pending)  # kept, as autograd keeps what an unfinished backward accumulated
             elif pending is not None and pending.work is not None and not pending.done:
                 collectives.wait(pending.work, self.buckets[index].groups[0])
+            if pending is not None and pending.summed is not None:
+                collectives.wait(*pending.summed)
 
     def _finish(self) -> None:
         pending_all = [(index, pending) for index, pending in enumerate(self._pending or ()) if pending is not None]
@@ -451,7 +460,11 @@ class GradBuckets(torch.nn.Module):
             # for reuse, it would hold every sharded parameter's gradient whole all step.
             self._spare[index] = (pending.flat if bucket.kind == "all_reduce" else None, pending.out)
             result = pending.flat if bucket.kind == "all_reduce" else pending.out
-            for group_name in bucket.groups[1:]:  # further mesh axes, one after another
+            further = bucket.groups[1:]
+            if pending.summed is not None:  # launched when the reduce-scatter retired
+                collectives.wait(*pending.summed)
+                further = further[1:]
+            for group_name in further:  # further mesh axes, one after another
                 collectives.wait(collectives.start_all_reduce(result, group_name), group_name)
             at, handed = 0, []
             for slot in bucket.slots:

@@ -18,8 +18,9 @@ all-reduces the whole gradient and keeps a chunk). This pass replaces them, per 
   ``saved_tensors_hooks(gm)``). Where the chain sums the gradient on other axes too (hybrid
   sharding, FSDP2's HSDP: sharded on one axis, replicated on others, the batch split on all),
   the slot reduce-scatters on the gather's axis, then all-reduces the shard on the others
-  (``GradBuckets``, at the end of backward), in place of an all-reduce of the whole gradient
-  per use on each axis.
+  (``GradBuckets``: on the first of them as soon as the reduce-scatter is waited for, at the
+  next bucket's launch, as FSDP2 does; the last bucket's and further axes' at the end of
+  backward), in place of an all-reduce of the whole gradient per use on each axis.
 
 Uses of other shapes keep their collectives (a parameter gathered over two axes, strided shards,
 uses that reduce over different axes, a gather whose gradient is summed on other axes but not on
