@@ -350,7 +350,8 @@ def schedule_in_graph(
 ) -> torch.fx.GraphModule:
     """The compiled mode's schedule (module docstring): gathers whose gradient is reduced on the
     same axis become ``gather_param``, or ``gather_param_resharded`` where the parameter's layer
-    reshards after forward (``ir.gathers.reshards``); bucketing and overlap are inductor's
+    reshards after forward (``ir.gathers.reshards``); the reductions on the chain's other axes
+    (hybrid sharding) move before it, onto the shard; bucketing and overlap are inductor's
     (``inductor_options``)."""
     options = options or CommOptions()
     if fqns is None or not options.enabled:
@@ -368,19 +369,23 @@ def schedule_in_graph(
             if not (_is(gather, collectives.all_gather) and len(gather.args) == 3 and len(gather.users) == 1):
                 continue
             chain, chain_groups = _grad_chain(next(iter(gather.users)))
-            if chain_groups[:1] != (gather.args[2],):
+            if gather.args[2] not in chain_groups or len(set(chain_groups)) != len(chain_groups):
                 continue
-            reduce_dtype = chain[0].kwargs.get("reduce_dtype")
+            own = chain[chain_groups.index(gather.args[2])]
             with graph.inserting_before(gather):
-                node = graph.call_function(gather_fn, tuple(gather.args), {"reduce_dtype": reduce_dtype, "layer": layer})
+                # The chain's other axes (a parameter replicated on them: hybrid sharding) sum the
+                # shard's gradient, after the reduce-scatter: their allreduce_grad moves onto the shard.
+                shard = placeholder
+                for node in chain:
+                    if node is not own:
+                        shard = graph.call_function(node.target, (shard, *node.args[1:]), dict(node.kwargs))
+                        shard.meta = dict(placeholder.meta)
+                kwargs = {"reduce_dtype": own.kwargs.get("reduce_dtype"), "layer": layer}
+                node = graph.call_function(gather_fn, (shard, *gather.args[1:]), kwargs)
             node.meta = dict(gather.meta)
-            # further axes of the chain (a parameter replicated on them) keep their allreduce_grad
-            rest = chain[1:]
-            if rest:
-                rest[0].replace_input_with(chain[0], node)
-            else:
-                chain[0].replace_all_uses_with(node)
-            graph.erase_node(chain[0])
+            chain[-1].replace_all_uses_with(node)
+            for dead in reversed(chain):
+                graph.erase_node(dead)
             graph.erase_node(gather)
     return gm
 

@@ -228,6 +228,35 @@ def test_in_graph_schedule_pairs_fsdp_gathers_with_reduce_scatters_and_leaves_no
             ), node.format_node()
 
 
+def test_in_graph_schedule_sums_a_hybrid_shard_on_the_other_axis_before_its_gather():
+    """Under ``compiler="inductor"`` the hybrid layout (``hand_plans.hybrid_specs`` on (2, 2)):
+    each parameter's gather becomes ``gather_param`` (reduce-scatter in backward on the inner
+    axis), and the all-reduce on the outer axis reads the shard, before the gather, not the whole
+    gradient after it. (The numbers: tests/zoo/test_zoo_compiled.py.)"""
+    from autopar.cost.cluster import get_cluster
+    from autopar.ir.options import PlanOptions
+    from autopar.solver.planners.hand_plans import hybrid_specs
+    from autopar.solver.planners.sharding import solve
+
+    model = build_model("gpt", seed=0, **FSDP_CONFIG)
+    batch = example_batch("gpt", 16, seed=1, **FSDP_CONFIG)
+    traced = trace(model, batch)
+    plan = solve(traced, (2, 2), get_cluster("cpu"), PlanOptions(), forced=hybrid_specs(traced, (2, 2)))
+    fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+    gm = run_passes(copy.deepcopy(traced.gm), plan, default_passes(("g0", "g1"), None, fqns, None, compiler="inductor"))
+    gathers = [n for n in gm.graph.nodes if n.target in (collectives.gather_param, collectives.gather_param_resharded)]
+    hybrid = [n for n in gathers if _is_allreduce_on(n.args[0], "g0")]
+    assert hybrid, [n.format_node() for n in gathers]
+    for node in hybrid:
+        assert node.args[2] == "g1" and node.args[0].args[0].op == "placeholder", node.format_node()
+    for node in gathers:  # no gathered parameter's whole gradient is all-reduced after its gather
+        assert not any(_is_allreduce_on(user, "g0") or _is_allreduce_on(user, "g1") for user in node.users), node.format_node()
+
+
+def _is_allreduce_on(node: torch.fx.Node, group: str) -> bool:
+    return node.op == "call_function" and node.target is collectives.allreduce_grad and node.args[1] == group
+
+
 def test_in_graph_schedule_reshards_as_comm_options_say_and_recomputes_the_cast_with_the_gather():
     gm, traced = _in_graph("fsdp", options=CommOptions(reshard_after_forward=False))
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
