@@ -163,13 +163,7 @@ class _SolvedOverlap:
         overlap = graph.overlap
         if overlap is None:
             return None
-        specs = {}
-        for item in overlap.items:
-            edge = graph.edges[item.edge]
-            producer = graph.choices[edge.producer].strategies[solution.choice[edge.producer]]
-            consumer = graph.choices[edge.consumer].strategies[solution.choice[edge.consumer]]
-            specs[item.edge] = (producer.outs[edge.out_index], consumer.ins[edge.in_index])
-        sums = overlap.sums(specs)
+        sums = overlap.sums(solution.edge_specs)  # as the plan's own ``overlap_s`` reads them
         return cls({item.edge: item for item in overlap.items}, *sums, overlap.hidden_sync_s(groups, solution.choice))
 
 
@@ -361,12 +355,14 @@ class _Decision:
         compute_s, memory_bytes = _in_order(compute, self.columns), _in_order(memory, self.columns)
         reshard_in_s = _in_order(np.where(enters, seconds, 0.0), self.edge_columns)
         reshard_out_s = _in_order(np.where(enters, 0.0, seconds), self.edge_columns)
-        merged = self._merged_s(index)
+        # per reduction group a member uses, the strategies that need it (None: needed as solved, outside)
+        needed = [None if outside else self._needed(index, uses) for _, outside, uses, _ in self.synced]
+        merged = self._merged_s(index, needed)
         total_s = compute_s + merged + reshard_in_s + reshard_out_s
         optimizer_s = self._optimizer_s(index)
         if optimizer_s is not None:
             total_s = total_s + optimizer_s
-        overlap_s = self._overlap_s(index)
+        overlap_s = self._overlap_s(index, needed)
         if overlap_s is not None:
             total_s = total_s + overlap_s
         return Costs(compute_s, merged, reshard_in_s, reshard_out_s, memory_bytes, total_s, possible, optimizer_s, overlap_s)
@@ -395,19 +391,19 @@ class _Decision:
             total = total + np.where(sharded, graph.dtensor_step_s, 0.0)
         return total
 
-    def _merged_s(self, index: np.ndarray) -> np.ndarray:
+    def _merged_s(self, index: np.ndarray, needed: list[np.ndarray | None]) -> np.ndarray:
         """Per strategy, the parameter reductions' change: they run once per parameter, so the
         members' per-use prices give way to each group a member uses, priced once (a ``+=``
-        per term, in order, for all strategies at once)."""
+        per term, in order, for all strategies at once). ``needed``: ``costs``'."""
         refunded = np.zeros(len(index))
         for slot, refund in self.refunds:
             refunded += np.asarray(refund, dtype=float)[index[:, slot]]
         merged = -refunded
-        for total_s, outside, uses, _ in self.synced:
-            if outside:
+        for (total_s, _, _, _), wanted in zip(self.synced, needed):
+            if wanted is None:
                 merged += total_s
                 continue
-            merged[self._needed(index, uses)] += total_s
+            merged[wanted] += total_s
         return merged
 
     def _needed(self, index: np.ndarray, uses: list[tuple[int, Any]]) -> np.ndarray:
@@ -419,11 +415,11 @@ class _Decision:
             needed |= wants[index[:, slot]]
         return needed
 
-    def _overlap_s(self, index: np.ndarray) -> np.ndarray | None:
+    def _overlap_s(self, index: np.ndarray, needed: list[np.ndarray | None]) -> np.ndarray | None:
         """Per strategy, what ``gather_overlap``'s term of the whole plan changes against the
-        solved plan's: the members' gathered edges and the reductions they need swapped into its
-        sums (``_SolvedOverlap``), then priced as the ILP prices the term; None where there is
-        none (gloo, three axes, nothing gathered)."""
+        solved plan's: the members' gathered edges and the reductions they need (``needed``:
+        ``costs``') swapped into its sums (``_SolvedOverlap``), then priced as the ILP prices
+        the term; None where there is none (gloo, three axes, nothing gathered)."""
         if self.overlap is None:
             return None
         graph, count = self.graph, len(index)
@@ -433,18 +429,16 @@ class _Decision:
             src = index[:, src_slot] if src_slot is not None else np.full(count, src_index)
             dst = index[:, dst_slot] if dst_slot is not None else np.full(count, dst_index)
             outs, ins = graph.choices[edge.producer].strategies, graph.choices[edge.consumer].strategies
-            found: dict[tuple[int, int], Any] = {}
+            found: dict[tuple[int, int], tuple[float, float, float]] = {}
             for k, pair in enumerate(zip(src.tolist(), dst.tolist())):
                 if pair not in found:
-                    found[pair] = item.pairs.get((outs[pair[0]].outs[edge.out_index], ins[pair[1]].ins[edge.in_index]))
-                terms = found[pair]
-                if terms is not None:
-                    delta[k] += terms[2] - terms[0]
-                    forward[k] += terms[1]
-                    backward[k] += terms[1] if item.regathered else 0.0
-        for _, outside, uses, hidden_s in self.synced:
-            if not outside:  # (one needed as solved whatever the decision takes stays in the sums)
-                sync[self._needed(index, uses)] += hidden_s
+                    found[pair] = item.parts((outs[pair[0]].outs[edge.out_index], ins[pair[1]].ins[edge.in_index]))
+                delta[k] += found[pair][0]
+                forward[k] += found[pair][1]
+                backward[k] += found[pair][2]
+        for (_, _, _, hidden_s), wanted in zip(self.synced, needed):
+            if wanted is not None:  # (one needed as solved whatever the decision takes stays in the sums)
+                sync[wanted] += hidden_s
         solved, c = self.overlap, self.chosen
         priced = graph.overlap.combined(
             solved.delta_s - delta[c] + delta,

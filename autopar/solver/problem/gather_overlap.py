@@ -74,6 +74,14 @@ class GatherTerms:
     regathered: bool
     pairs: dict[tuple[Spec, Spec], tuple[float, float, float]]
 
+    def parts(self, pair: tuple[Spec, Spec] | None) -> tuple[float, float, float]:
+        """(copies − edge price, forward gather as run, backward re-gather as run) where the edge
+        carries ``pair``; zeros where that is no gather of the table."""
+        terms = self.pairs.get(pair)
+        if terms is None:
+            return 0.0, 0.0, 0.0
+        return terms[2] - terms[0], terms[1], terms[1] if self.regathered else 0.0
+
 
 @dataclass(frozen=True, slots=True)
 class GatherOverlap:
@@ -98,11 +106,10 @@ class GatherOverlap:
         gathered edges that carry ``specs`` (an edge left out of it: none of its terms)."""
         delta = forward = backward = 0.0
         for item in self.items:
-            terms = item.pairs.get(specs.get(item.edge))
-            if terms is not None:
-                delta += terms[2] - terms[0]
-                forward += terms[1]
-                backward += terms[1] if item.regathered else 0.0
+            parts = item.parts(specs.get(item.edge))
+            delta += parts[0]
+            forward += parts[1]
+            backward += parts[2]
         return delta, forward, backward
 
     def combined(self, delta, forward, backward, sync_s):
