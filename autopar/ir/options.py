@@ -62,7 +62,8 @@ class SolveOptions:
 
     ``budget_gap``: where a memory budget binds, "auto" keeps the fast search's plan (Lagrangian
     rounding, ``solver.search.budget``) when its step is within this fraction of the LP bound;
-    further, the MILP runs as a second opinion for about as long as planning took so far. 0 runs
+    further, the MILP runs as a second opinion for 30% of the time planning took so far, tracing
+    included (at least 2 s). 0 runs
     it always (slower, and what it finds in its time depends on the machine); 1 never (fastest,
     and the same plan on every machine). A sharding that could beat the best plan so far by no
     more than this fraction is not tried with checkpointing and offload (0: every one is; 1: none

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import operator
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,9 @@ class TracedModel:
     graph_hash: str = ""
     # What tracing changed about the model's behaviour, for the plan's notes (a cache dropped).
     notes: tuple[str, ...] = ()
+    # Wall seconds tracing took: planning's time before the solver, which sizes the solver's
+    # optional work (``sharding._solve_budgeted``).
+    trace_s: float = 0.0
 
     def placeholders(self, kind: str) -> list[GraphInput]:
         return [i for i in self.inputs if i.kind == kind]
@@ -93,6 +97,7 @@ def trace(
     cast to ``param_dtype`` at its first use, which every use reads (``_cast_parameters``).
     Floating example inputs are cast to ``param_dtype`` first, as the runtime casts each call's
     (``MixedPrecision.cast_inputs``)."""
+    start = time.perf_counter()
     if not isinstance(model, torch.nn.Module):
         raise ConfigTypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
@@ -156,6 +161,7 @@ def trace(
         constants=constants,
         graph_hash=graph_hash(gm),
         notes=tuple(notes),
+        trace_s=time.perf_counter() - start,
     )
 
 

@@ -28,8 +28,10 @@ plan made on a synthesized graph that differed from the real one would be refuse
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
+import time
 from typing import Any
 
 import torch
@@ -59,6 +61,7 @@ def trace_repeated(
 ) -> TracedModel:
     """``trace.trace``'s graph of ``model``, built from a two-layer export where the model
     repeats one layer (see the module docstring), else traced whole."""
+    start = time.perf_counter()
     check_hooks(model)
     found = layer_list(model)
     if found is None:
@@ -72,7 +75,7 @@ def trace_repeated(
         if reason is None:
             full = synthesize(small, path, depth, _ties(model))
             log.info("autopar: built the %d-layer graph of %s from a %d-layer export", depth, path, _SMALL)
-            return full
+            return dataclasses.replace(full, trace_s=time.perf_counter() - start)
     except Exception as error:  # noqa: BLE001 - whatever fails here, the whole export is the answer
         reason = f"{type(error).__name__}: {error}"
     log.debug("autopar: tracing all %d layers of %s: the layer-by-layer construction does not apply (%s)", depth, path, reason)

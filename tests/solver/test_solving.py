@@ -172,8 +172,9 @@ def test_predicted_step_is_the_plans_step_to_the_last_bit(traced, graphs):
 
 def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkeypatch):
     """Where the Lagrangian plan's gap stays above ``SolveOptions.budget_gap``, ``solve(solver="auto")`` runs the
-    MILP too, but only for as long as planning has taken so far (at least ``_MIN_MILP_S``), not
-    ``time_limit_s``: a binding budget must not cost 60 s more than the unbounded plan."""
+    MILP too, but only for a share of the time planning has taken so far, tracing included (at least
+    ``_MIN_MILP_S``), not ``time_limit_s``: a binding budget must not cost 60 s more than the unbounded
+    plan."""
     import time
 
     import autopar.solver.planners.sharding as solver_module
@@ -194,15 +195,28 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
         return real(ilp, budget, time_limit_s, solver)
 
     monkeypatch.setattr(solver_module, "solve_within_budget", spy)
-    start = time.perf_counter()
     options = PlanOptions.from_keywords(memory_budget=budget, time_limit_s=600.0, checkpointing=False)
     # budget_gap 0: every Lagrangian gap is "too large", so the MILP gives its second opinion
     options = options.replace(solve=dataclasses.replace(options.solve, budget_gap=0.0))
-    plan = solve(traced, (2, 2), cluster, options)
-    assert plan.predicted.peak_memory_bytes <= budget * (1 + 1e-9)
-    assert len(limits) == 1, "the MILP ran as a second opinion"
-    limit, called = limits[0]
-    assert limit <= max(solver_module._MIN_MILP_S, called - start) + 1e-6 < 600.0
+    share, least = solver_module._MILP_SHARE, solver_module._MIN_MILP_S
+    for trace_s in (0.0, 100.0):  # a model whose tracing took 100 s gives its MILP 30 s
+        start = time.perf_counter()
+        plan = solve(dataclasses.replace(traced, trace_s=trace_s), (2, 2), cluster, options)
+        assert plan.predicted.peak_memory_bytes <= budget * (1 + 1e-9)
+        assert len(limits) == 1, "the MILP ran as a second opinion"
+        limit, called = limits.pop()
+        assert share * (trace_s + 1e-3) <= limit <= max(least, share * (trace_s + called - start)) + 1e-6 < 600.0
+
+
+def test_tracing_records_how_long_it_took():
+    """What sizes the second opinion above, whether the model is exported whole or built from
+    two small exports (``trace.repeat``)."""
+    from autopar.trace.repeat import trace_repeated
+
+    model, batch = build_model("mlp", seed=0), example_batch("mlp", 8)
+    assert trace(model, batch).trace_s > 0.0
+    model, batch = build_model("llama", seed=0, n_layer=6), example_batch("llama", 2)
+    assert trace_repeated(model, batch).trace_s > 0.0  # built from exports of 2 and 3 layers
 
 
 def test_a_plan_needing_a_resharding_into_partial_is_no_memory_candidate():
