@@ -153,10 +153,10 @@ class _Pending:
         self.zeroed: set[str] = set()
         self.work = None
         self.out: torch.Tensor | None = None
-        self.done = False  # waited on (a reduce-scatter retired by the next one's launch)
+        self.done = False  # waited on its first group (retired by the next launch, ``_retire``)
         self.held = False  # summed into the held buffer (``sync`` off): nothing launched
-        # a retired reduce-scatter's all-reduce on its second group, launched then (hybrid
-        # sharding: the shard summed over the replicas while backward goes on): (work, group)
+        # a retired bucket's all-reduce on its second group, launched then (``_retire``: summed
+        # while backward goes on): (work, group)
         self.summed: tuple[object, str] | None = None
 
 
@@ -210,8 +210,9 @@ class GradBuckets(torch.nn.Module):
         # and every round's result is added into ``.grad`` at the end of backward.
         self._rounds: list[tuple[int, _Pending]] = []
         self._task = -1  # the autograd graph task the pending buckets belong to
-        # the reduce-scatter bucket (index, round) in flight whose input is held
-        self._scattering: tuple[int, _Pending] | None = None
+        # the bucket (index, round) in flight that the next launch retires (``_retire``): a
+        # reduce-scatter, whose input is held, or an all-reduce with further groups to sum over
+        self._retiring: tuple[int, _Pending] | None = None
         self._scatter_inputs = 0  # reduce-scatter inputs alive now
         self.max_scatter_inputs = 0  # most reduce-scatter inputs alive at once in the last backward (tests)
         self.sync = True  # off inside ``pm.no_sync()``: all-reduces held back (module docstring)
@@ -402,23 +403,29 @@ class GradBuckets(torch.nn.Module):
                     pending.flat.numel() // self._k(index), dtype=pending.flat.dtype, device=pending.flat.device
                 )
             pending.work = collectives.start_reduce_scatter(pending.out, pending.flat, group_name)
-            previous, self._scattering = self._scattering, (index, pending)
+        if bucket.kind == "reduce_scatter" or len(bucket.groups) > 1:
+            previous, self._retiring = self._retiring, (index, pending)
             if previous is not None:
                 self._retire(*previous)
 
     def _retire(self, index: int, pending: _Pending) -> None:
-        """Wait for reduce-scatter bucket ``index``'s round ``pending`` and free its input (the
-        whole gradients); its output waits for the end of backward, summed meanwhile over the
-        bucket's second group where it has one (hybrid sharding)."""
+        """Wait for bucket ``index``'s round ``pending`` on its first group, as the next bucket
+        launches: a reduce-scatter's input (the whole gradients) is freed; where the bucket has a
+        second group, its result is summed over it behind the rest of backward (hybrid sharding's
+        shard over the replicas; an all-reduce's second data-parallel axis). Further groups wait
+        for the end of backward."""
         if pending.done:
             return
-        groups = self.buckets[index].groups
+        bucket = self.buckets[index]
+        groups = bucket.groups
         collectives.wait(pending.work, groups[0])
         pending.done = True
-        pending.flat = None
-        self._scatter_inputs -= 1
-        if len(groups) > 1:  # the shard's sum over the replicas, behind the rest of backward
-            pending.summed = (collectives.start_all_reduce(pending.out, groups[1]), groups[1])
+        if bucket.kind == "reduce_scatter":
+            pending.flat = None
+            self._scatter_inputs -= 1
+        if len(groups) > 1:
+            result = pending.flat if bucket.kind == "all_reduce" else pending.out
+            pending.summed = (collectives.start_all_reduce(result, groups[1]), groups[1])
 
     def _reusable(self, index: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The last backward's buffers of bucket ``index`` if nothing else holds them any more
@@ -433,7 +440,7 @@ class GradBuckets(torch.nn.Module):
         """Forget the buckets of an unfinished backward (waiting for what was launched)."""
         pending_all, self._pending = self._pending, None
         rounds, self._rounds = self._rounds, []
-        self._scattering = None
+        self._retiring = None
         for index, pending in [*rounds, *enumerate(pending_all or ())]:
             if pending is not None and pending.held:
                 self._show_held(index, pending)  # kept, as autograd keeps what an unfinished backward accumulated
@@ -448,7 +455,7 @@ class GradBuckets(torch.nn.Module):
             if pending.work is None and not pending.held:
                 self._launch(index, pending)
         pending_all = [*self._rounds, *pending_all]
-        self._pending, self._scattering, self._rounds = None, None, []
+        self._pending, self._retiring, self._rounds = None, None, []
         for index, pending in pending_all:
             if pending.held:
                 self._show_held(index, pending)
@@ -461,7 +468,7 @@ class GradBuckets(torch.nn.Module):
             self._spare[index] = (pending.flat if bucket.kind == "all_reduce" else None, pending.out)
             result = pending.flat if bucket.kind == "all_reduce" else pending.out
             further = bucket.groups[1:]
-            if pending.summed is not None:  # launched when the reduce-scatter retired
+            if pending.summed is not None:  # launched when the bucket retired
                 collectives.wait(*pending.summed)
                 further = further[1:]
             for group_name in further:  # further mesh axes, one after another

@@ -232,6 +232,42 @@ def test_a_bf16_slot_reduces_in_bf16_and_the_fp32_grad_gets_the_sum(one_rank_wor
     assert torch.equal(v.grad, torch.full((2, 3), 3.0)), "the bf16 sum (1) added to the fp32 .grad (2)"
 
 
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter"])
+def test_a_bucket_is_summed_over_its_second_group_as_the_next_one_launches(one_rank_world, kind, monkeypatch):
+    """A gradient reduced over two mesh axes (data parallel on both; hybrid sharding's shard over
+    the replicas): its bucket's sum over the second group starts as the next bucket launches,
+    behind the rest of backward, not at its end. Buckets of one slot each (their sizes name
+    them); on one rank every sum is the gradient itself."""
+    f32 = torch.float32
+    started: list[tuple[int, str]] = []  # (numel, collective) in launch order
+    real_reduce, real_scatter = collectives.start_all_reduce, collectives.start_reduce_scatter
+
+    def reduce(x, group):
+        started.append((x.numel(), "all_reduce"))
+        return real_reduce(x, group)
+
+    def scatter(out, x, group):
+        started.append((x.numel(), "reduce_scatter"))
+        return real_scatter(out, x, group)
+
+    monkeypatch.setattr(collectives, "start_all_reduce", reduce)
+    monkeypatch.setattr(collectives, "start_reduce_scatter", scatter)
+    sizes = {"a": 1, "b": 2, "c": 3}
+    slots = [Slot(k, kind, (n,), f32, (one_rank_world, one_rank_world)) for k, n in sizes.items()]
+    buckets = GradBuckets(make_buckets(slots, cap_bytes=1))
+    params = {k: torch.nn.Parameter(torch.zeros(n)) for k, n in sizes.items()}
+    buckets.bind(params)
+    a, b, c = buckets(*params.values(), keys=tuple(params))
+    (a.sum() + 2 * b.sum() + 3 * c.sum()).backward()
+    launches = [i for i, (n, what) in enumerate(started) if what == kind and all(m != n for m, _ in started[:i])]
+    assert len(launches) == 3 and len(started) == 6, started
+    first, last = started[launches[0]][0], launches[-1]
+    second_sum = next(i for i, (n, what) in enumerate(started) if i > launches[0] and n == first and what == "all_reduce")
+    assert second_sum < last, f"the first bucket's second sum waited for the end of backward: {started}"
+    for k, n in sizes.items():
+        assert torch.equal(params[k].grad, torch.full((n,), float(list(sizes).index(k) + 1))), k
+
+
 def test_one_node_per_bucket_adds_what_arrived_and_computes_nothing_for_a_frozen_parameter(one_rank_world):
     """The graph's one call per bucket (``passes.schedule``): each parameter whose gradient
     arrived gets it reduced; one that no gradient reached keeps ``.grad`` None; a frozen one's

@@ -158,6 +158,10 @@ def _loop(name: str, kind: str, plans: dict[str, str], path: str) -> dict:
         "hybrid": sum(
             len(b.slots) for g in pm._no_sync_buckets() for b in g.buckets if b.kind == "reduce_scatter" and len(b.groups) > 1
         ),
+        # gradients all-reduced over both axes, the second sum started as the next bucket launches
+        "two_axes": sum(
+            len(b.slots) for g in pm._no_sync_buckets() for b in g.buckets if b.kind == "all_reduce" and len(b.groups) > 1
+        ),
         "eval_grad_fn": [],
         "lr": [],
     }
@@ -329,6 +333,8 @@ def test_training_loop_equals_eager(rank_pool, tmp_path) -> None:
                 assert not any(got["eval_grad_fn"]), f"{where}: eval under no_grad kept a graph for backward"
                 if kind == "ddp" and got["size"] > 1:  # DDP's accumulation: one all-reduce per optimizer step
                     assert got["held"] > 0, f"{where}: no_sync() held back no gradient"
+                if kind == "ddp" and got["size"] == 4:
+                    assert got["two_axes"] > 0, f"{where}: no gradient was all-reduced over both axes"
                 if kind == "hsdp" and name == "gpt":  # FSDP's schedule, each shard then summed over the replicas
                     assert got["hybrid"] > 0, f"{where}: no gradient was reduce-scattered and summed over the other axis"
                 assert all(a == b for a, b in got["lr"]), f"{where}: learning rates {got['lr']}"
