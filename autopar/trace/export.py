@@ -131,19 +131,7 @@ def trace(
     _rename_unstable(gm)
     _inline_wrappers(gm)
     _drop_assertions(gm)
-    inputs: list[GraphInput] = []
-    constants: dict[str, torch.Tensor] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for spec, placeholder in zip(exported.graph_signature.input_specs, placeholders, strict=True):
-        kind = _KINDS.get(spec.kind)
-        if kind is None:
-            raise TraceError(
-                f"the exported graph has an input of kind {spec.kind} ({spec.arg.name}), which autopar does not handle yet"
-            )
-        name = placeholder.name  # renamed by _rename_unstable where export's name was unsafe
-        inputs.append(GraphInput(name, kind, spec.target))
-        if kind == "constant":
-            constants[name] = exported.constants[spec.target]
+    inputs, constants = _graph_inputs(exported, gm)
     causal_attention(gm, constants)  # a traced causal mask back to SDPA's is_causal (trace.attention)
     if precision is not None and precision.casts:
         _cast_parameters(gm, inputs, precision)
@@ -163,6 +151,25 @@ def trace(
         notes=tuple(notes),
         trace_s=time.perf_counter() - start,
     )
+
+
+def _graph_inputs(exported, gm: torch.fx.GraphModule) -> tuple[list[GraphInput], dict[str, torch.Tensor]]:
+    """Each placeholder of ``gm`` (``exported``'s graph) as a ``GraphInput`` of its kind, and the
+    values of those that are constants."""
+    inputs: list[GraphInput] = []
+    constants: dict[str, torch.Tensor] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for spec, placeholder in zip(exported.graph_signature.input_specs, placeholders, strict=True):
+        kind = _KINDS.get(spec.kind)
+        if kind is None:
+            raise TraceError(
+                f"the exported graph has an input of kind {spec.kind} ({spec.arg.name}), which autopar does not handle yet"
+            )
+        name = placeholder.name  # renamed by _rename_unstable where export's name was unsafe
+        inputs.append(GraphInput(name, kind, spec.target))
+        if kind == "constant":
+            constants[name] = exported.constants[spec.target]
+    return inputs, constants
 
 
 @contextlib.contextmanager
