@@ -266,6 +266,13 @@ def test_a_bucket_is_summed_over_its_second_group_as_the_next_one_launches(one_r
     assert second_sum < last, f"the first bucket's second sum waited for the end of backward: {started}"
     for k, n in sizes.items():
         assert torch.equal(params[k].grad, torch.full((n,), float(list(sizes).index(k) + 1))), k
+    # two forwards before one backward: each bucket reduced twice, in two rounds, and both added
+    for p in params.values():
+        p.grad = None
+    first_call, second_call = (buckets(*params.values(), keys=tuple(params)) for _ in range(2))
+    (sum(t.sum() for t in first_call) + sum(10 * t.sum() for t in second_call)).backward()
+    for k, n in sizes.items():
+        assert torch.equal(params[k].grad, torch.full((n,), 11.0)), k
 
 
 def test_one_node_per_bucket_adds_what_arrived_and_computes_nothing_for_a_frozen_parameter(one_rank_world):
