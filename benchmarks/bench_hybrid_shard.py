@@ -1,7 +1,9 @@
 """Hybrid sharding (FSDP2's HSDP) on 4 gloo ranks: the step of a GPT sharded on the inner axis of
-mesh (2, 2), replicated on the outer, the batch split on both.
+mesh (2, 2), replicated on the outer, the batch split on both; ``--layout ddp``: replicated on both
+(``hand_plan("ddp")``), each gradient summed over both axes.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/bench_hybrid_shard.py --steps 12
+    torchrun --standalone --nproc-per-node 4 benchmarks/bench_hybrid_shard.py --steps 12 --layout ddp
 
 The layout is pinned (``hand_plans.hybrid_specs``: no hand-plan kind names it yet, benchmarks/README.md),
 compiled with ``autopar.compile(..., plan=...)`` and stepped with torch's AdamW; rank 0 prints the
@@ -39,13 +41,18 @@ def hybrid_plan(model: torch.nn.Module, batch: tuple) -> autopar.Plan:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--layout", choices=("hybrid", "ddp"), default="hybrid")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
         model = build_model("gpt", seed=0, **CONFIG)
         batch = example_batch("gpt", 16, seed=1, **CONFIG)
-        pm = autopar.compile(model, MESH, example_inputs=batch, plan=hybrid_plan(model, batch), cluster="cpu")
+        if args.layout == "hybrid":
+            plan = hybrid_plan(model, batch)
+        else:
+            plan = autopar.hand_plan("ddp", model, MESH, example_inputs=batch, cluster="cpu")
+        pm = autopar.compile(model, MESH, example_inputs=batch, plan=plan, cluster="cpu")
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         wall, cpu = [], []
         for step in range(args.steps + 3):
@@ -61,7 +68,7 @@ def main() -> None:
                 cpu.append(time.process_time() - start_cpu)
         if dist.get_rank() == 0:
             print(
-                f"hybrid (2, 2): step {statistics.median(wall) * 1e3:.1f} ms wall, "
+                f"{args.layout} (2, 2): step {statistics.median(wall) * 1e3:.1f} ms wall, "
                 f"{statistics.median(cpu) * 1e3:.1f} ms CPU (rank 0), last loss {loss.item():.6f}"
             )
     finally:
