@@ -170,7 +170,7 @@ def test_predicted_step_is_the_plans_step_to_the_last_bit(traced, graphs):
     assert predicted_step_s(graph, solution, cluster) == plan.predicted.step_time_s
 
 
-def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkeypatch):
+def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkeypatch, caplog):
     """Where the Lagrangian plan's gap stays above ``SolveOptions.budget_gap``, ``solve(solver="auto")`` runs the
     MILP too, but only for a share of the time planning has taken so far, tracing included (at least
     ``_MIN_MILP_S``), not ``time_limit_s``: a binding budget must not cost 60 s more than the unbounded
@@ -201,7 +201,10 @@ def test_under_auto_the_budgeted_milp_is_a_bounded_second_opinion(traced, monkey
     share, least = solver_module._MILP_SHARE, solver_module._MIN_MILP_S
     for trace_s in (0.0, 100.0):  # a model whose tracing took 100 s gives its MILP 30 s
         start = time.perf_counter()
-        plan = solve(dataclasses.replace(traced, trace_s=trace_s), (2, 2), cluster, options)
+        with caplog.at_level("INFO", logger="autopar"):
+            plan = solve(dataclasses.replace(traced, trace_s=trace_s), (2, 2), cluster, options)
+        assert "the MILP looks for a better one for up to" in caplog.text, "a long wait says what it waits for"
+        caplog.clear()
         assert plan.predicted.peak_memory_bytes <= budget * (1 + 1e-9)
         assert len(limits) == 1, "the MILP ran as a second opinion"
         limit, called = limits.pop()

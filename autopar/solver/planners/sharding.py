@@ -588,6 +588,13 @@ def _solve_budgeted(
         left = min(left, max(_MIN_MILP_S, _MILP_SHARE * (time.perf_counter() - began)))
         if left < 1.0:
             return fast
+        log.info(
+            "autopar: the fast plan is %.1f%% from the LP bound (over budget_gap=%g): the MILP looks for a better "
+            "one for up to %.1f s (budget_gap=1 skips it)",
+            100 * (fast.gap or 0.0),
+            gap,
+            left,
+        )
     exact, fitting = solve_within_budget(ilp, memory_budget, max(left, 1.0), backends.mip_backend(solver))
     if not fitting:
         log.warning(
