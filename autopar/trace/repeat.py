@@ -60,8 +60,15 @@ def trace_repeated(
     precision: MixedPrecision | None = None,
 ) -> TracedModel:
     """``trace.trace``'s graph of ``model``, built from a two-layer export where the model
-    repeats one layer (see the module docstring), else traced whole."""
+    repeats one layer (see the module docstring), else traced whole; ``trace_s`` holds all the
+    exports it took."""
     start = time.perf_counter()
+    traced = _built_or_traced(model, example_inputs, example_kwargs, precision)
+    return dataclasses.replace(traced, trace_s=time.perf_counter() - start)
+
+
+def _built_or_traced(model, example_inputs, example_kwargs, precision) -> TracedModel:
+    """``trace_repeated``'s graph, untimed."""
     check_hooks(model)
     found = layer_list(model)
     if found is None:
@@ -75,7 +82,7 @@ def trace_repeated(
         if reason is None:
             full = synthesize(small, path, depth, _ties(model))
             log.info("autopar: built the %d-layer graph of %s from a %d-layer export", depth, path, _SMALL)
-            return dataclasses.replace(full, trace_s=time.perf_counter() - start)
+            return full
     except Exception as error:  # noqa: BLE001 - whatever fails here, the whole export is the answer
         reason = f"{type(error).__name__}: {error}"
     log.debug("autopar: tracing all %d layers of %s: the layer-by-layer construction does not apply (%s)", depth, path, reason)

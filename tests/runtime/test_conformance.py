@@ -155,13 +155,9 @@ def _loop(name: str, kind: str, plans: dict[str, str], path: str) -> dict:
         "ema": 0.0,
         "held": 0,
         # gradients reduce-scattered on one axis and their shards summed on another (hybrid sharding)
-        "hybrid": sum(
-            len(b.slots) for g in pm._no_sync_buckets() for b in g.buckets if b.kind == "reduce_scatter" and len(b.groups) > 1
-        ),
+        "hybrid": _summed_twice(pm, "reduce_scatter"),
         # gradients all-reduced over both axes, the second sum started as the next bucket launches
-        "two_axes": sum(
-            len(b.slots) for g in pm._no_sync_buckets() for b in g.buckets if b.kind == "all_reduce" and len(b.groups) > 1
-        ),
+        "two_axes": _summed_twice(pm, "all_reduce"),
         "eval_grad_fn": [],
         "lr": [],
     }
@@ -269,6 +265,12 @@ def _run(rank: int, world_size: int, plans: dict[str, str], path: str) -> dict:
     results["dropout"] = _dropout_and_whole_batch(rank)
     results["seconds"] = seconds
     return results
+
+
+def _summed_twice(pm, kind: str) -> int:
+    """The slots of ``pm``'s ``kind`` buckets ("all_reduce", "reduce_scatter") reduced over more
+    than one mesh axis."""
+    return sum(len(b.slots) for g in pm._no_sync_buckets() for b in g.buckets if b.kind == kind and len(b.groups) > 1)
 
 
 def _hybrid_plan(model: nn.Module, example: tuple) -> autopar.Plan:
