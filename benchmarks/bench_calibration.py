@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the 405B row r
 import autopar  # noqa: E402
 from autopar.cost.cluster import ClusterSpec, get_cluster  # noqa: E402
 from autopar.cost.rates import optimizer_step_s  # noqa: E402
+from autopar.ir.gathers import param_layer  # noqa: E402
 from autopar.ir.spec import format_spec  # noqa: E402
 from autopar.solver.planners.hand_plans import megatron_placement  # noqa: E402
 from autopar.zoo.models import GPT, LLAMA_SHAPES, Llama  # noqa: E402
@@ -93,6 +94,9 @@ class Row:
     measured_memory: str = "allocated"
     allocator: str = "default"
     optimizer_shards: int = 1  # ranks that split each parameter's AdamW step (a distributed optimizer's data-parallel size)
+    # The FSDP layers the published job kept gathered from forward to backward: "root" (FSDP2's
+    # default; Composer's FULL_SHARD), or "root+last" (torchtitan: every block resharded but the last)
+    kept: str = "root"
     note: str = ""  # what of the published job the priced layout leaves out, or assumes
 
     def __post_init__(self):
@@ -247,11 +251,11 @@ ROWS = (
     Row("torchtitan llama-3.1-8b fsdp 8 gpus", "torchtitan llama3_h100_202412, Table 1", "titan-llama-3-8b:32", 2, 8192, (8,),
         "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5762, measured_peak_gib=82.4, dtype="float32",
         precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True,
-        measured_memory="reserved", allocator="expandable"),
+        measured_memory="reserved", allocator="expandable", kept="root+last"),
     Row("torchtitan llama-3.1-8b fsdp 128 gpus", "torchtitan llama3_h100_202412, Table 3", "titan-llama-3-8b:32", 2, 8192,
         (128,), "fsdp", "grand-teton", 96e9, measured_tokens_per_s=5605, measured_peak_gib=67.0, dtype="float32",
         precision="bf16-mixed", checkpointing="selective-op", optimizer="foreach", published=True,
-        measured_memory="reserved", allocator="expandable"),
+        measured_memory="reserved", allocator="expandable", kept="root+last"),
     *MEGATRON_ROWS,
     *MEGATRON_2021_ROWS,
     *MPT_ROWS,
@@ -355,6 +359,14 @@ def _local_elements(plan, model: torch.nn.Module, mesh: tuple[int, ...], dp_shar
     return replicated / dp_shards + split
 
 
+def _kept_layers(row: Row, model: torch.nn.Module) -> tuple[str, ...] | None:
+    """``CommOptions.reshard_after_forward`` of the job's own schedule (``Row.kept``)."""
+    if row.kept == "root":
+        return None
+    layers = {param_layer(name) for name, _ in model.named_parameters()} - {""}
+    return ("", max(layers, key=lambda layer: int(layer.rsplit(".", 1)[1])))
+
+
 def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -> dict:
     """Plan the row's job as ``layout`` and price its step and peak memory."""
     # None: "32-true", the model's own dtypes; torch's AdamW state takes the parameters' dtype, as priced
@@ -369,6 +381,7 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
     else:
         if row.checkpointing and "checkpointing" in inspect.signature(autopar.hand_plan).parameters:
             kwargs["checkpointing"] = row.checkpointing
+        kwargs["comm"] = autopar.CommOptions(reshard_after_forward=_kept_layers(row, model))  # as the job ran
         split = _distributed_optimizer_bytes(row, model, layout)
         if split:  # the budget of the walk whose AdamW state is unsplit
             kwargs["memory_budget"] = row.memory_bytes + split

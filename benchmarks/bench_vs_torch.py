@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import datetime
 import json
 import os
@@ -215,8 +216,16 @@ def build(
         if kind == "autopar":
             plan = None  # what ``autopar.compile(model, mesh)`` plans by itself, for the machine it runs on
         else:
+            # FSDP2's default schedule, as the torch trainers run it (the own plan chooses its own)
+            comm = dataclasses.replace(comm, reshard_after_forward=None)
             plan = autopar.hand_plan(
-                kind.removeprefix("autopar_"), model, mesh, example_inputs=(idx, targets), cluster="cpu", optimizer=optimizer
+                kind.removeprefix("autopar_"),
+                model,
+                mesh,
+                example_inputs=(idx, targets),
+                cluster="cpu",
+                optimizer=optimizer,
+                comm=comm,
             )
         module = autopar.compile(
             model,

@@ -10,7 +10,8 @@
   they move: a precision policy's ``param_dtype``); a group is one all-gather of a flat buffer.
 - A group is *resharded after forward* (its gathered parameters freed once forward no longer
   needs them, and all-gathered again in backward) as ``CommOptions.reshard_after_forward`` says:
-  True every group, False none, None (FSDP2's default) every group but the root's.
+  True every group, False none, None (FSDP2's default) every group but the root's, a tuple of
+  layers every group but theirs.
 """
 
 from __future__ import annotations
@@ -46,12 +47,15 @@ def gather_groups(gathers: Sequence[tuple[str, str, Hashable, int]], cap_bytes: 
     return runs
 
 
-def reshards(layer: str, reshard_after_forward: bool | None) -> bool:
+def reshards(layer: str, reshard_after_forward: bool | None | str | tuple[str, ...]) -> bool:
     """Whether a gather group of ``layer`` is freed after forward and gathered again in backward
-    (``CommOptions.reshard_after_forward``; None: every layer's but the root's, as FSDP2 keeps
-    the root module's parameters, which backward needs first)."""
-    if reshard_after_forward is None:
+    (``CommOptions.reshard_after_forward``; None, and "auto" until the planner has chosen:
+    every layer's but the root's, as FSDP2 keeps the root module's parameters, which backward
+    needs first; a tuple: every layer's but those it names)."""
+    if reshard_after_forward is None or reshard_after_forward == "auto":
         return layer != ""
+    if isinstance(reshard_after_forward, tuple):
+        return layer not in reshard_after_forward
     return bool(reshard_after_forward)
 
 

@@ -99,18 +99,21 @@ class CommOptions:
     forward is done with them and all-gathers them again in backward (the group backward needs
     next is gathered ahead: prefetch), which keeps one or two groups whole at a time instead of
     every gathered parameter from forward until its backward, for one more all-gather per
-    group per step; False keeps them (no backward all-gather). None, the default, is FSDP2's
-    ``fully_shard`` default: every layer's group is resharded, the root's parameters
-    (embeddings, final norm, head: the FQNs with no layer index) are kept, as backward needs
-    them first (``ir.gathers``). ``benchmarks/bench_vs_torch.py`` runs FSDP2 with its default,
-    so the two compare the same schedule."""
+    group per step; False keeps them (no backward all-gather). None is FSDP2's ``fully_shard``
+    default: every layer's group is resharded, the root's parameters (embeddings, final norm,
+    head: the FQNs with no layer index) are kept, as backward needs them first (``ir.gathers``).
+    A tuple of layer names ("model.layers.31"; "" for the root) keeps those layers and reshards
+    the rest, as ``fully_shard(block, reshard_after_forward=False)`` on those blocks does.
+    "auto", the default, is the planner's choice: the root kept, and the last layers too, as
+    many as make the step faster within the memory budget (``Plan.kept_layers`` records them,
+    and ``compile`` runs what the plan says; a plan that chose none runs FSDP2's default)."""
 
     bucket_cap_bytes: int = 25 * 2**20
     first_bucket_cap_bytes: int | None = 2**20
     prefetch_bytes: int = 4 * 2**20
     gather_group_bytes: int = 64 * 2**20
     enabled: bool = True
-    reshard_after_forward: bool | None = None
+    reshard_after_forward: bool | None | str | tuple[str, ...] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("bucket_cap_bytes", "first_bucket_cap_bytes", "prefetch_bytes", "gather_group_bytes"):
@@ -121,12 +124,25 @@ class CommOptions:
             if not _is_int(value) or value < (0 if zero_ok else 1):
                 least = "0" if zero_ok else "1"
                 raise ConfigError(f"CommOptions.{name} is a number of bytes of at least {least}, got {value!r}")
-        if not (self.reshard_after_forward is None or isinstance(self.reshard_after_forward, bool)):
+        value = self.reshard_after_forward
+        if isinstance(value, list):  # a plan's JSON, a config file
+            object.__setattr__(self, "reshard_after_forward", value := tuple(value))
+        layers = isinstance(value, tuple) and all(isinstance(layer, str) for layer in value)
+        if not (value is None or value == "auto" or isinstance(value, bool) or layers):
             raise ConfigError(
                 "CommOptions.reshard_after_forward is True (free gathered parameters after forward, gather them "
-                "again in backward), False (keep them until backward) or None (FSDP2's default: True for each "
-                f"layer, False for the root's parameters), got {self.reshard_after_forward!r}"
+                "again in backward), False (keep them until backward), None (FSDP2's default: True for each "
+                'layer, False for the root\'s parameters), a tuple of the layers to keep ("model.layers.31"; '
+                f'"" for the root) or "auto" (the planner\'s choice, the default), got {value!r}'
             )
+
+    def with_plan(self, kept_layers: tuple[str, ...] | None) -> CommOptions:
+        """These options as ``compile`` runs a plan that keeps ``kept_layers`` gathered
+        (``Plan.kept_layers``): under "auto" the plan's choice (None: FSDP2's default); any
+        other value is the caller's and stands."""
+        if self.reshard_after_forward != "auto":
+            return self
+        return dataclasses.replace(self, reshard_after_forward=kept_layers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -231,6 +231,10 @@ class Plan:
     # The optimizer the step is priced for (``PlanOptions.optimizer``), which the runtime holds a
     # torch optimizer over the module's parameters to (``runtime.optim_guard``).
     optimizer: str = DEFAULT_OPTIMIZER
+    # The layers ("model.layers.31"; "" for the root) whose gathered parameters stay from forward
+    # to backward, as the planner chose under ``CommOptions(reshard_after_forward="auto")`` (every
+    # other FSDP layer is resharded after forward); None: FSDP2's default, the root's alone.
+    kept_layers: tuple[str, ...] | None = None
     # Facts about the run that made this plan, such as wall-clock timings and the mesh search
     # table. Not serialized: a plan's JSON must be byte-identical across runs and ranks.
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -297,6 +301,8 @@ class Plan:
             data["notes"] = list(self.notes)
         if self.declares_optimizer:
             data["optimizer"] = self.optimizer
+        if self.kept_layers is not None:
+            data["kept_layers"] = list(self.kept_layers)
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -340,6 +346,7 @@ class Plan:
                 data=DataLayout.from_json(data["data"], tuple(data["mesh"]["shape"])) if "data" in data else None,
                 notes=tuple(data.get("notes", ())),
                 optimizer=data.get("optimizer", DEFAULT_OPTIMIZER),
+                kept_layers=tuple(data["kept_layers"]) if "kept_layers" in data else None,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"malformed plan: {type(error).__name__}: {error}") from None

@@ -77,6 +77,13 @@ def header_lines(plan: Plan) -> list[str]:
     if plan.data is not None:
         lines.append("  " + plan.data.describe())
     lines += [f"  note: {note}" for note in plan.notes]
+    if plan.kept_layers is not None:
+        layers = [layer for layer in plan.kept_layers if layer]
+        shown = ", ".join(layers[:2] + (["..."] if len(layers) > 3 else []) + layers[2:][-1:])
+        lines.append(
+            f"  gathered parameters kept from forward to backward (no re-gather): the root's and {len(layers)} "
+            f"layer{'s' if len(layers) != 1 else ''} ({shown})"
+        )
     lines += pipeline_lines(plan)
     if plan.memory is not None:
         lines.extend("  " + line for line in plan.memory.summary_lines())

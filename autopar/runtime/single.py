@@ -63,7 +63,8 @@ def compile_single(
         # the two are joined, a plan that offloads runs one collective per use (correct numbers).
         options = options.replace(comm=dataclasses.replace(options.comm, enabled=False))
     collectives.remember_groups(groups)  # read while tracing, where no process group is resolved
-    passes = default_passes(groups, offloader, param_fqns(traced), options.comm, compiler)
+    comm = options.comm.with_plan(plan.kept_layers)  # the layers the plan keeps gathered
+    passes = default_passes(groups, offloader, param_fqns(traced), comm, compiler)
     gm = run_passes(copy.deepcopy(traced.gm), plan, passes)
     build_mode = mode_builder(_meta_copy(model), examples, plan, cluster, options, groups, offloads=offloader is not None)
     pm = ParallelModule(
@@ -78,7 +79,7 @@ def compile_single(
         build_mode=build_mode,
         training=model.training,
     )
-    pm.run_compiled(graph_runner(gm, compiler, options.comm))
+    pm.run_compiled(graph_runner(gm, compiler, comm))
     adopt_signature(pm, model)  # HF Trainer keeps the columns the forward names (runtime.signature)
     return pm
 
@@ -163,7 +164,8 @@ def mode_builder(
         forced = pinned_placements(traced, chosen)
         made = resolve_plan(None, traced, mesh_shape, cluster, options, forced=forced, data_axes=chosen.data_layout.axes)
         check_rank_agreement(made)
-        gm = run_passes(copy.deepcopy(traced.gm), made, default_passes(groups, None, param_fqns(traced), options.comm))
+        comm = options.comm.with_plan(made.kept_layers)
+        gm = run_passes(copy.deepcopy(traced.gm), made, default_passes(groups, None, param_fqns(traced), comm))
         return traced, gm, made
 
     return build

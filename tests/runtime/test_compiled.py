@@ -87,7 +87,7 @@ def _hand_plans_compiled(rank: int, world: int) -> dict:
     from autopar.zoo.models import GPT
 
     out = {}
-    for kind in ("ddp", "fsdp"):
+    for kind in ("ddp", "fsdp", "fsdp+auto"):
         torch.manual_seed(0)
         model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)  # big enough to split the batch
         with torch.no_grad():  # no two parameters equal (layer norms start at ones), for _kept_whole
@@ -97,8 +97,11 @@ def _hand_plans_compiled(rank: int, world: int) -> dict:
         whole = {name: param.detach().clone() for name, param in model.named_parameters()}
         idx = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
         batch = (idx, idx.roll(1, 1))
-        plan = autopar.hand_plan(kind, model, (world,), example_inputs=batch, cluster="cpu")
-        comm = autopar.CommOptions(bucket_cap_bytes=256 * 2**10, first_bucket_cap_bytes=16 * 2**10)
+        # fsdp: FSDP2's default schedule; fsdp+auto: the layers the plan keeps (every one, on gloo)
+        reshard = "auto" if kind.endswith("+auto") else None
+        comm = autopar.CommOptions(bucket_cap_bytes=256 * 2**10, first_bucket_cap_bytes=16 * 2**10, reshard_after_forward=reshard)
+        plan = autopar.hand_plan(kind.removesuffix("+auto"), model, (world,), example_inputs=batch, cluster="cpu", comm=comm)
+        assert plan.kept_layers == (("", "transformer.h.0", "transformer.h.1") if reshard else None), plan.kept_layers
         pm = autopar.compile(model, (world,), example_inputs=batch, plan=plan, comm=comm, compiler="inductor")
         loss = pm(*batch)
         loss.backward()
@@ -131,7 +134,8 @@ def test_hand_plans_compiled_on_two_ranks_equal_eager_with_buckets_gloo_exchange
     plan's reduce-scatters run as all-to-alls on gloo (``passes.inductor_comm``), with eager's
     numbers. Under FSDP2's default ``reshard_after_forward`` the fsdp plan's layers are gathered
     again in backward, one all-gather per layer, and forward keeps none of them whole for
-    backward; the root's parameters (embeddings, final norm) are kept."""
+    backward; the root's parameters (embeddings, final norm) are kept. Under "auto" the plan keeps
+    every layer (memory to spare), and backward gathers nothing."""
     results = rank_pool(2).run(_hand_plans_compiled, timeout_s=900)
     for rank, by_kind in enumerate(results):
         for kind, (loss, want, grad_rel, _, _) in by_kind.items():
@@ -148,6 +152,9 @@ def test_hand_plans_compiled_on_two_ranks_equal_eager_with_buckets_gloo_exchange
         assert not [name for name in kept if name.startswith("transformer.h.")], kept
         assert {"transformer.wte.weight", "transformer.ln_f.weight"} <= set(kept), kept
         assert not ddp_backward.get("c10d::_allgather_base_", 0) and "transformer.h.0.mlp.c_fc.weight" in ddp_kept, ddp_kept
+        (forward, backward), kept = by_kind["fsdp+auto"][3:]
+        assert forward.get("c10d::_allgather_base_", 0) == 4 and not backward.get("c10d::_allgather_base_", 0), backward
+        assert "transformer.h.1.mlp.c_fc.weight" in kept, kept
 
 
 def test_a_collective_failing_in_the_compiled_forward_names_the_dead_rank_other_errors_pass(world_of_one, monkeypatch):

@@ -252,7 +252,8 @@ def _reshard_runs(world: int) -> dict:
     results = {}
     try:
         for label, chosen in (("", plan), ("_checkpointed", checkpointed)):
-            for reshard in (None, True, False):
+            # the planner's choice (gloo, memory to spare: every block kept) and a tuple of layers
+            for reshard in (None, True, False) + (() if label else ("auto", ("", "transformer.h.1"))):
                 pm = autopar.compile(
                     copy.deepcopy(model),
                     (world,),
@@ -266,6 +267,7 @@ def _reshard_runs(world: int) -> dict:
                 alive, forward_gathers = gathers.live_gathered(), len(launched)
                 loss.backward()
                 results[f"reshard_{reshard}{label}"] = {
+                    "kept_layers": chosen.kept_layers,
                     "loss": (loss.item(), want.item()),
                     "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
                     "groups": [list(keys) for keys in gathers.groups],
@@ -290,9 +292,11 @@ def _reshard_runs(world: int) -> dict:
 def _check_reshard(by_label: dict) -> None:
     """``reshard_after_forward``: True frees every gathered parameter after forward and gathers
     each group once more in backward; False keeps them all and gathers nothing in backward; None
-    (FSDP2's default) keeps only the root's. Checkpointed blocks gather again in their recompute,
-    whatever the option."""
-    plain = {r: by_label.pop(f"reshard_{r}") for r in (None, True, False)}
+    (FSDP2's default) keeps only the root's; a tuple keeps the layers it names; "auto" runs the
+    layers the plan keeps (the hand plan on gloo with memory to spare: every one). Checkpointed
+    blocks gather again in their recompute, whatever the option."""
+    last = ("", "transformer.h.1")
+    plain = {r: by_label.pop(f"reshard_{r}") for r in (None, True, False, "auto", last)}
     checkpointed = {r: by_label.pop(f"reshard_{r}_checkpointed") for r in (None, True, False)}
     groups = plain[False]["groups"]
     every = sorted(key for keys in groups for key in keys)
@@ -312,6 +316,14 @@ def _check_reshard(by_label: dict) -> None:
     assert plain[False]["backward_gathers"] == 0
     assert plain[None]["alive_after_forward"] == sorted(set(kept) & set(root)), "the default keeps the root's only"
     assert plain[None]["backward_gathers"] == len(plain[None]["resharded"])
+    # the planner kept every block: the run is False's
+    assert plain["auto"]["kept_layers"] == ("", "transformer.h.0", "transformer.h.1"), plain["auto"]["kept_layers"]
+    for key in ("resharded", "alive_after_forward", "backward_gathers"):
+        assert plain["auto"][key] == plain[False][key], (key, plain["auto"][key], plain[False][key])
+    first = sorted(key for key in every if "_h_0_" in key)
+    assert first and sorted(k for keys in plain[last]["resharded"] for k in keys) == first, plain[last]
+    assert plain[last]["alive_after_forward"] == sorted(set(kept) - set(first)), plain[last]
+    assert 0 < plain[last]["backward_gathers"] == len(plain[last]["resharded"])
     for reshard, result in checkpointed.items():
         assert result["checkpoints"] == 2, result
         assert result["forward_gathers"] == len(groups), (reshard, result)
@@ -321,6 +333,7 @@ def _check_reshard(by_label: dict) -> None:
     assert checkpointed[False]["alive_after_forward"] == sorted(set(kept) & set(root)), checkpointed[False]
     for label, runs in (("", plain), ("_checkpointed", checkpointed)):
         for reshard, result in runs.items():
+            result.pop("kept_layers")
             # A reduce-scatter bucket stays inside one gather group, one per group at least, and the
             # next one's launch frees its input: at most two groups' whole gradients at once.
             scattered = result.pop("scatter_groups")

@@ -17,6 +17,7 @@ import autopar
 from autopar.cost import comm
 from autopar.cost.cluster import LinkSpec, get_cluster
 from autopar.ir.gathers import param_layer
+from autopar.ir.options import PlanOptions
 from autopar.ir.plan import placeholder_names
 from autopar.solver import solve
 from autopar.solver.planners.hand_plans import param_specs
@@ -38,8 +39,10 @@ def _inputs(batch: int):
 
 
 def _fsdp(cluster, mesh=(16,), batch=16):
+    """The fsdp layout under FSDP2's default schedule (every layer gathered again in backward)."""
     traced = trace(_gpt(), _inputs(batch))
-    return traced, solve(traced, mesh, cluster, forced=param_specs("fsdp", traced, mesh))
+    options = PlanOptions(comm=autopar.CommOptions(reshard_after_forward=None))
+    return traced, solve(traced, mesh, cluster, options, forced=param_specs("fsdp", traced, mesh))
 
 
 def _one_nic():
@@ -119,7 +122,8 @@ def test_symbolic_step_follows_the_overlap_at_another_batch() -> None:
     step = symbolic.sympy.sympify(costs["step_time_s"], locals={"B": symbolic.BATCH})
     assert float(step.subs(symbolic.BATCH, 16)) == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
     forced = {name: node.outs[0] for name, node in plan.nodes.items() if node.outs and node.source != "follow"}
-    replanned = solve(trace(_gpt(), _inputs(64)), (16,), cluster, forced=forced)
+    options = PlanOptions(comm=autopar.CommOptions(reshard_after_forward=None))  # the plan's schedule
+    replanned = solve(trace(_gpt(), _inputs(64)), (16,), cluster, options, forced=forced)
     assert float(step.subs(symbolic.BATCH, 64)) == pytest.approx(replanned.predicted.step_time_s, rel=1e-6)
 
 

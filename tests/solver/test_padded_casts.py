@@ -33,7 +33,9 @@ def _inputs():
 
 
 def _fsdp(precision: str | None, mesh=MESH) -> autopar.Plan:
-    return autopar.hand_plan("fsdp", _gpt(), mesh, example_inputs=_inputs(), cluster="h100-80g", precision=precision)
+    # FSDP2's default schedule: every layer gathered again in backward
+    comm = autopar.CommOptions(reshard_after_forward=None)
+    return autopar.hand_plan("fsdp", _gpt(), mesh, example_inputs=_inputs(), cluster="h100-80g", precision=precision, comm=comm)
 
 
 def _casts(plan: autopar.Plan) -> dict[str, list[str]]:

@@ -18,6 +18,7 @@ from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.prediction import Prediction, SolverStats
 from autopar.ir.spec import Spec, format_spec
 from autopar.ir.summary import format_bytes
+from autopar.solver.planners.kept_layers import choose_kept
 from autopar.solver.planners.memory_plan import MemoryFigures, plan_memory
 from autopar.solver.planners.settings import memory_budget
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
@@ -134,7 +135,7 @@ def solve_unexplained(
         )
         # when planning began, tracing included: what sizes the budgeted solve's second opinion
         began = start - traced.trace_s
-        solution, plan = _within_allocator(traced, graph, cluster, settings, forced, began)
+        solution, plan, graph = _within_allocator(traced, graph, cluster, settings, forced, began)
     return (
         dataclasses.replace(plan, precision=precision, optimizer=settings.optimizer),
         functools.partial(_explained, graph, solution, cluster, settings.memory_budget),
@@ -145,12 +146,12 @@ def _within_allocator(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterS
     """``_plan_under`` ``settings``, then, while PyTorch's caching allocator would run out of the
     device for a plan whose tensors fit the budget, again under a lower budget
     (``pricing.reserved.allocator_budget``); an error where that does not end."""
-    solution, plan = _plan_under(traced, graph, cluster, settings, forced, began)
+    solution, plan, planned = _plan_under(traced, graph, cluster, settings, forced, began)
     asked = settings.memory_budget
     for _ in range(ALLOCATOR_ROUNDS):
         lowered = allocator_budget(plan, settings.memory_budget, asked)
         if lowered is None:
-            return solution, plan
+            return solution, plan, planned
         peaks = plan.predicted.allocator_peak_bytes
         log.warning(
             "autopar: the plan's tensors fit memory_budget=%s, but over a training step PyTorch's caching allocator "
@@ -163,27 +164,37 @@ def _within_allocator(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterS
             format_bytes(lowered),
         )
         settings = dataclasses.replace(settings, memory_budget=lowered)
-        solution, plan = _plan_under(traced, graph, cluster, settings, forced, began)
+        solution, plan, planned = _plan_under(traced, graph, cluster, settings, forced, began)
     if allocator_budget(plan, settings.memory_budget) is not None:
         raise InfeasibleError(
             f"the plan's tensors fit memory_budget={settings.memory_budget:.0f} bytes after {ALLOCATOR_ROUNDS} lower "
             f"budgets, but PyTorch's caching allocator would still run out of the device's {cluster.memory_bytes} bytes "
             f"(its peaks: {dict(plan.predicted.allocator_peak_bytes)}).\n  Lower memory_budget, or plan on a larger mesh."
         )
-    return solution, plan
+    return solution, plan, planned
 
 
 def _plan_under(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, settings: _Settings, forced, began: float):
-    """(solution, plan) of ``graph`` under ``settings``: the sharding, then its memory decisions
+    """(solution, plan, the graph as priced for its schedule) of ``graph`` under ``settings``:
+    the sharding, then its memory decisions, or else the layers it keeps gathered
     (``began``: when planning began, tracing included)."""
     priced = _Priced(traced, graph, cluster, settings)
     solved = _solve_sharding(graph, settings, forced, began, priced)
     solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved, priced)
+    kept = None
+    if memory is None and graph.comm.reshard_after_forward == "auto":
+
+        def step_of(other: ChoiceGraph) -> _StepParts:
+            return _StepParts.of(other, solution, cluster)
+
+        chosen = choose_kept(graph, solution, cluster, settings.memory_budget, parts, step_of)
+        if chosen is not None:
+            graph, kept, parts = chosen
     # the allocator is simulated on the plan's final walk: with memory decisions, their walk's
     plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts, allocator=memory is None)
     if memory is not None:
         plan = _with_memory(plan, *memory)
-    return solution, plan
+    return solution, dataclasses.replace(plan, kept_layers=kept), graph
 
 
 def _explained(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec, memory_budget: float | None, plan: Plan) -> Plan:

@@ -34,6 +34,7 @@ from autopar.cost import comm, compute, liveness, memory
 from autopar.cost import optimizer as step_cost
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ModelError, PlanError
+from autopar.ir.options import CommOptions
 from autopar.ir.plan import Plan
 from autopar.ir.prediction import Prediction
 from autopar.rules import op_info
@@ -133,7 +134,8 @@ def _gathered(
     traced: TracedModel, plan: Plan, kinds, grads, ties, live, exchange: bool
 ) -> tuple[list[liveness.Interval], dict[str, float]]:
     """The intervals and sizes of the parameters the runtime gathers under ``plan``, as
-    ``solver.problem.gathered.gathered_parameters`` prices them in the choice graph."""
+    ``solver.problem.gathered.gathered_parameters`` prices them in the choice graph, the layers the
+    plan keeps gathered kept."""
     mesh = tuple(plan.mesh_shape)
     if all(size == 1 for size in mesh):
         return [], {}
@@ -169,7 +171,9 @@ def _gathered(
         src = plan.nodes[producer].outs[out_index]
         sizes[PREFIX + param] = float(memory.local_bytes(shape, dtype, dst, mesh)) if single_gather(src, dst) else 0.0
         rows.append(GatherRow(param, fqns.get(param, param), tuple(uses[param]), shape, dtype, _outs(traced.node(param))[0][1]))
-    return gathered_intervals(rows, live, exchange=exchange), sizes
+    # resharded after forward as the plan runs them (``Plan.kept_layers``; None: FSDP2's default)
+    schedule = CommOptions(reshard_after_forward=plan.kept_layers)
+    return gathered_intervals(rows, live, schedule, exchange=exchange), sizes
 
 
 def _ties(traced: TracedModel) -> list[list[str]]:

@@ -429,7 +429,7 @@ def _build_choice_graph(
     temporary = step_temporary(cluster, optimizer)
     timeline = liveness.build_timeline(nodes, optimizer, ties, zero_stage, zero_ways, optimizer_dtype, temporary)
     fqns = {i.name: traced.ties.get(i.fqn, i.fqn) for i in traced.inputs if i.kind == "param"}
-    gathered, intervals = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm, cluster.gloo)
+    gathered, intervals, rows = gathered_parameters(choices, edges, order, nodes, mesh_shape, fqns, ties, comm, cluster.gloo)
     timeline = liveness.Timeline(timeline.names, timeline.intervals + tuple(intervals))
     bytes_per_strategy = {name: choice.priced.memory_bytes for name, choice in choices.items()}
     steps = step_prices(bytes_per_strategy, timeline, cluster, mesh_shape, optimizer)
@@ -439,6 +439,7 @@ def _build_choice_graph(
     )
     graph.overlap = gather_overlap(graph, cluster)
     graph.derived["live_nodes"] = (traced.gm, nodes)  # the memory planner's walk reads them again
+    graph.derived["gather_rows"] = (rows, cluster.gloo)  # for the layers kept gathered (``planners.kept_layers``)
     return graph
 
 

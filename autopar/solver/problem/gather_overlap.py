@@ -49,6 +49,7 @@ ILP's view of it, linear in the gathered edges' y (``ilp.ShardingILP.add_exposed
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Mapping
@@ -129,9 +130,11 @@ class GatherOverlap:
         return group.price_s * len(group.params - self.last_bucket)
 
 
-def gather_overlap(graph, cluster: ClusterSpec) -> GatherOverlap | None:
+def gather_overlap(graph, cluster: ClusterSpec, like: GatherOverlap | None = None) -> GatherOverlap | None:
     """The ILP's terms for ``graph``'s gathered parameters (module docstring); None where its
-    gathers do not overlap compute (gloo, or nothing gathered) or on three axes (docstring)."""
+    gathers do not overlap compute (gloo, or nothing gathered) or on three axes (docstring).
+    ``like``: the terms of the same graph under another schedule (``CommOptions``), whose
+    compute sums and last bucket, which no schedule changes, are taken as they are."""
     mesh = graph.mesh_shape
     if cluster.gloo or not graph.gathered or sum(size > 1 for size in mesh) >= 3:
         return None
@@ -155,6 +158,8 @@ def gather_overlap(graph, cluster: ClusterSpec) -> GatherOverlap | None:
             items.append(GatherTerms(gathered.edge, regathered, tables[key]))
     if not items:
         return None
+    if like is not None:
+        return dataclasses.replace(like, items=tuple(items))
     forward, backward = _least_compute_s(graph)
     return GatherOverlap(tuple(items), forward, backward, _last_bucket(graph))
 

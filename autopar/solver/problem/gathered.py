@@ -98,13 +98,14 @@ def gathered_parameters(
     ties: Sequence[Sequence[str]] = (),
     options: CommOptions | None = None,
     exchange: bool = False,
-) -> tuple[dict[str, GatheredSize], list[liveness.Interval]]:
-    """The sizes and liveness intervals of every parameter the runtime may gather (module
-    docstring), under the communication schedule ``options`` (``CommOptions()``: the runtime's
-    default). ``fqns`` maps parameter placeholders to their FQNs (their layer groups them)."""
+) -> tuple[dict[str, GatheredSize], list[liveness.Interval], list[GatherRow]]:
+    """The sizes, liveness intervals and rows (``gathered_intervals`` builds the intervals of
+    another schedule from them) of every parameter the runtime may gather (module docstring),
+    under the communication schedule ``options`` (``CommOptions()``: the runtime's default).
+    ``fqns`` maps parameter placeholders to their FQNs (their layer groups them)."""
     options = options or CommOptions()
     if not options.enabled or all(size == 1 for size in mesh_shape):
-        return {}, []
+        return {}, [], []
     index = {name: i for i, name in enumerate(order)}
     tie_leader = {member: group[0] for group in ties for member in group}
     uses: dict[str, list[tuple[int, int]]] = {}
@@ -132,7 +133,7 @@ def gathered_parameters(
         rows.append(
             GatherRow(param, fqns.get(param, param), tuple(uses[param]), edge.shape, edge.dtype, choices[param].out_dtypes[0])
         )
-    return sizes, gathered_intervals(rows, nodes, options, exchange)
+    return sizes, gathered_intervals(rows, nodes, options, exchange), rows
 
 
 def _gathered_sizes(edge: Edge, mesh_shape: Sequence[int]) -> dict[tuple[Spec, Spec], float]:

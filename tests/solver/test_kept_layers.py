@@ -1,0 +1,73 @@
+"""The layers a plan keeps gathered from forward to backward (``CommOptions(reshard_after_forward=
+"auto")``, ``solver.planners.kept_layers``): as many of the last ones as the budget holds, where
+that is faster than FSDP2's default, recorded in the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.ir.options import CommOptions
+from autopar.ir.plan import Plan
+from autopar.zoo.models import build_model, example_batch
+
+CONFIG = dict(n_layer=4, n_embd=256, vocab_size=1024)
+LAYERS = tuple(f"transformer.h.{i}" for i in range(4))
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return build_model("gpt", **CONFIG), example_batch("gpt", batch_size=16, **CONFIG)
+
+
+def _fsdp(gpt, **keywords) -> Plan:
+    model, batch = gpt
+    return autopar.hand_plan("fsdp", model, mesh=(8,), example_inputs=batch, cluster="h100-80g", **keywords)
+
+
+def test_with_memory_to_spare_every_layer_is_kept_and_the_step_is_faster(gpt):
+    default = _fsdp(gpt, comm=CommOptions(reshard_after_forward=None))
+    kept = _fsdp(gpt)
+    assert default.kept_layers is None
+    assert kept.kept_layers == ("", *LAYERS)
+    # one all-gather a layer fewer in backward, for the layers' whole parameters held meanwhile
+    assert kept.predicted.step_time_s < default.predicted.step_time_s
+    assert kept.predicted.peak_memory_bytes > default.predicted.peak_memory_bytes
+    assert kept.predicted.comm_bytes < default.predicted.comm_bytes
+    again = Plan.from_json(kept.to_json())
+    assert again.kept_layers == kept.kept_layers and again.to_json() == kept.to_json()
+    # as the plan's schedule, priced alike: False keeps every layer too
+    everything = _fsdp(gpt, comm=CommOptions(reshard_after_forward=False))
+    assert everything.predicted.step_time_s == pytest.approx(kept.predicted.step_time_s, rel=1e-9)
+
+
+def test_under_a_budget_the_last_layers_that_fit_are_kept(gpt):
+    default = _fsdp(gpt, comm=CommOptions(reshard_after_forward=None))
+    every = _fsdp(gpt)
+    low, high = default.predicted.peak_memory_bytes, every.predicted.peak_memory_bytes
+    budget = low + 0.1 * (high - low)
+    plan = _fsdp(gpt, memory_budget=budget)
+    kept = plan.kept_layers
+    assert plan.memory is None and plan.predicted.peak_memory_bytes <= budget
+    assert kept is not None and kept[0] == "" and 0 < len(kept) - 1 < len(LAYERS), kept
+    assert kept[1:] == LAYERS[len(LAYERS) - (len(kept) - 1) :], "the last layers, which backward needs first"
+    assert every.predicted.step_time_s <= plan.predicted.step_time_s < default.predicted.step_time_s
+    # at FSDP2's default's own peak, the layers whose backward comes before it still fit: kept
+    # parameters are freed at their backward, before the first layer's (where this plan peaks)
+    tight = _fsdp(gpt, memory_budget=low)
+    assert tight.predicted.peak_memory_bytes <= low and tight.kept_layers == kept, tight.kept_layers
+
+
+def test_a_plan_that_gathers_nothing_keeps_fsdp2s_default(gpt):
+    assert _fsdp(gpt, comm=CommOptions(reshard_after_forward=True)).kept_layers is None
+    model, batch = gpt
+    assert autopar.hand_plan("ddp", model, mesh=(8,), example_inputs=batch, cluster="h100-80g").kept_layers is None
+
+
+def test_the_option_takes_layer_names_and_names_every_value_it_takes():
+    assert CommOptions(reshard_after_forward=["", "model.layers.3"]).reshard_after_forward == ("", "model.layers.3")
+    assert CommOptions().with_plan(("", "a.0")).reshard_after_forward == ("", "a.0")
+    assert CommOptions().with_plan(None).reshard_after_forward is None
+    assert CommOptions(reshard_after_forward=True).with_plan(("", "a.0")).reshard_after_forward is True
+    with pytest.raises(autopar.ConfigError, match='a tuple of the layers to keep .* or "auto"'):
+        CommOptions(reshard_after_forward="yes")
