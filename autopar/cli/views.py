@@ -262,9 +262,10 @@ def plan_diff(a, b) -> dict[str, Any]:
         ("graph_hash", a.graph_hash, b.graph_hash),
         ("cluster", a.cluster, b.cluster),
         ("torch_version", a.torch_version, b.torch_version),
+        ("kept_layers", a.kept_layers, b.kept_layers),
     ):
         if va != vb:
-            diff[key] = {"a": va, "b": vb}
+            diff[key] = {"a": list(va) if isinstance(va, tuple) else va, "b": list(vb) if isinstance(vb, tuple) else vb}
     pred_a, pred_b = a.predicted.to_json(), b.predicted.to_json()
     keys = [k for k in _MAIN_PREDICTED if k in pred_a or k in pred_b]
     keys += sorted((set(pred_a) | set(pred_b)) - set(keys))
@@ -331,6 +332,13 @@ def diff_blocks(diff: dict[str, Any], path_a: str, path_b: str, a, b) -> list[st
     for key, label in (("graph_hash", "graph hash"), ("cluster", "cluster"), ("torch_version", "torch")):
         if key in diff:
             head.append(f"{label}: {diff[key]['a']} -> {diff[key]['b']}")
+    if "kept_layers" in diff:
+
+        def kept(layers):
+            return "the root's (FSDP2's default)" if layers is None else f"the root's and {len([x for x in layers if x])} layers'"
+
+        entry = diff["kept_layers"]
+        head.append(f"gathered parameters kept from forward to backward: {kept(entry['a'])} -> {kept(entry['b'])}")
     for key, entry in diff.get("solver", {}).items():
         if key == "fallbacks":
             head.append(f"solver fallbacks: {len(entry['a'] or [])} -> {len(entry['b'] or [])} nodes")
