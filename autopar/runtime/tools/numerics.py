@@ -29,6 +29,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from autopar.errors import ConfigError, UsageError
+from autopar.ir.options import CommOptions
 from autopar.ir.plan import Plan
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.rules.simulate import assemble
@@ -182,7 +183,8 @@ class _DropTimeoutWarning(logging.Filter):
 def _rank_run(rank: int, model, traced: TracedModel, plan: Plan, inputs, kwargs, names: set[str]) -> dict:
     groups, coordinate = mesh_groups(plan.mesh_shape)
     fqns = {gi.name: traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
-    gm = run_passes(copy.deepcopy(traced.gm), plan, default_passes(groups, None, fqns))
+    comm = CommOptions().with_plan(plan.kept_layers)  # the schedule compile runs the plan under
+    gm = run_passes(copy.deepcopy(traced.gm), plan, default_passes(groups, None, fqns, comm))
     pm = ParallelModule(model, traced, gm, plan, groups, coordinate)
     recorder = _Recorder(pm.graph_module, names)
     pm.graph_module.forward = recorder.run  # the module calls its graph through forward
