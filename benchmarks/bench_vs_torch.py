@@ -30,7 +30,10 @@ Compiled variants, in the same run (a ``_compiled`` suffix):
 ``--kinds`` can add ``torch_replicate``: torch's own data parallelism on DTensor parameters
 (``torch.distributed._composable.replicate_with_fsdp.replicate``, FSDP2's machinery with every
 parameter replicated), the like-for-like layout of autopar's ``ddp`` plan, whose parameters are
-DTensors too (``ddp_over_dtensor_ddp``); ``autopar_ddp_sync`` and ``autopar_fsdp_sync``: the same hand plans compiled
+DTensors too (``ddp_over_dtensor_ddp``); ``autopar_fsdp_kept``: the fsdp hand plan under the schedule
+the planner chooses (its layers kept gathered from forward to backward where memory allows; the
+other hand plans run FSDP2's default, as ``torch_fsdp2`` does: ``fsdp_kept_ratio``);
+``autopar_ddp_sync`` and ``autopar_fsdp_sync``: the same hand plans compiled
 with ``autopar.CommOptions(enabled=False)``, one synchronous collective per use (the executor
 before communication was scheduled); and ``eager_local``: the plain model on each rank's slice of
 the batch with no communication at all, the floor that data parallelism's overhead is measured
@@ -212,12 +215,14 @@ def build(
     else:
         mesh = (world,)
         comm = autopar.CommOptions(enabled=not kind.endswith("_sync"))
-        kind = kind.removesuffix("_sync")
+        kept = kind.endswith("_kept")
+        kind = kind.removesuffix("_sync").removesuffix("_kept")
         if kind == "autopar":
             plan = None  # what ``autopar.compile(model, mesh)`` plans by itself, for the machine it runs on
         else:
-            # FSDP2's default schedule, as the torch trainers run it (the own plan chooses its own)
-            comm = dataclasses.replace(comm, reshard_after_forward=None)
+            # FSDP2's default schedule, as the torch trainers run it (the own plan, and a ``_kept``
+            # hand plan, keep what the planner chooses: ``CommOptions(reshard_after_forward="auto")``)
+            comm = comm if kept else dataclasses.replace(comm, reshard_after_forward=None)
             plan = autopar.hand_plan(
                 kind.removeprefix("autopar_"),
                 model,
@@ -294,7 +299,8 @@ def _ratios(step_s: dict[str, float], suffix: str) -> dict[str, float]:
     the trainers whose names end in ``suffix`` ("" or "_compiled")."""
     got = {kind.removesuffix(suffix): s for kind, s in step_s.items() if kind.endswith(suffix)}
     out = {}
-    for ours, theirs, name in (("autopar_ddp", "torch_ddp", "ddp"), ("autopar_fsdp", "torch_fsdp2", "fsdp")):
+    pairs = (("autopar_ddp", "torch_ddp", "ddp"), ("autopar_fsdp", "torch_fsdp2", "fsdp"))
+    for ours, theirs, name in pairs + (("autopar_fsdp_kept", "torch_fsdp2", "fsdp_kept"),):
         if ours in got and theirs in got:
             out[f"{name}{suffix}_ratio"] = round(got[ours] / got[theirs], 3)
     if "autopar_ddp" in got and "torch_replicate" in got:  # both on DTensor parameters
