@@ -333,12 +333,10 @@ def diff_blocks(diff: dict[str, Any], path_a: str, path_b: str, a, b) -> list[st
         if key in diff:
             head.append(f"{label}: {diff[key]['a']} -> {diff[key]['b']}")
     if "kept_layers" in diff:
+        from autopar.ir.summary import kept_text
 
-        def kept(layers):
-            return "the root's (FSDP2's default)" if layers is None else f"the root's and {len([x for x in layers if x])} layers'"
-
-        entry = diff["kept_layers"]
-        head.append(f"gathered parameters kept from forward to backward: {kept(entry['a'])} -> {kept(entry['b'])}")
+        a_kept, b_kept = (None if v is None else tuple(v) for v in (diff["kept_layers"]["a"], diff["kept_layers"]["b"]))
+        head.append(f"gathered parameters kept from forward to backward: {kept_text(a_kept)} -> {kept_text(b_kept)}")
     for key, entry in diff.get("solver", {}).items():
         if key == "fallbacks":
             head.append(f"solver fallbacks: {len(entry['a'] or [])} -> {len(entry['b'] or [])} nodes")

@@ -105,8 +105,9 @@ class CommOptions:
     A tuple of layer names ("model.layers.31"; "" for the root) keeps those layers and reshards
     the rest, as ``fully_shard(block, reshard_after_forward=False)`` on those blocks does.
     "auto", the default, is the planner's choice: the root kept, and the last layers too, as
-    many as make the step faster within the memory budget (``Plan.kept_layers`` records them,
-    and ``compile`` runs what the plan says; a plan that chose none runs FSDP2's default)."""
+    many as make the step faster within the memory budget. A plan records the layers it is
+    priced for (``Plan.kept_layers``: chosen, or as given here), and ``compile`` under "auto"
+    runs what the plan says (a plan that records none runs FSDP2's default)."""
 
     bucket_cap_bytes: int = 25 * 2**20
     first_bucket_cap_bytes: int | None = 2**20

@@ -232,8 +232,9 @@ class Plan:
     # torch optimizer over the module's parameters to (``runtime.optim_guard``).
     optimizer: str = DEFAULT_OPTIMIZER
     # The layers ("model.layers.31"; "" for the root) whose gathered parameters stay from forward
-    # to backward, as the planner chose under ``CommOptions(reshard_after_forward="auto")`` (every
-    # other FSDP layer is resharded after forward); None: FSDP2's default, the root's alone.
+    # to backward, as the planner chose under ``CommOptions(reshard_after_forward="auto")`` or as
+    # the planning call's own value says (every other FSDP layer is resharded after forward); what
+    # ``compile`` runs under "auto". None: FSDP2's default, the root's alone.
     kept_layers: tuple[str, ...] | None = None
     # Facts about the run that made this plan, such as wall-clock timings and the mesh search
     # table. Not serialized: a plan's JSON must be byte-identical across runs and ranks.

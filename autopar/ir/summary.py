@@ -78,16 +78,23 @@ def header_lines(plan: Plan) -> list[str]:
         lines.append("  " + plan.data.describe())
     lines += [f"  note: {note}" for note in plan.notes]
     if plan.kept_layers is not None:
-        layers = [layer for layer in plan.kept_layers if layer]
-        shown = ", ".join(layers[:2] + (["..."] if len(layers) > 3 else []) + layers[2:][-1:])
-        lines.append(
-            f"  gathered parameters kept from forward to backward (no re-gather): the root's and {len(layers)} "
-            f"layer{'s' if len(layers) != 1 else ''} ({shown})"
-        )
+        lines.append(f"  gathered parameters kept from forward to backward (no re-gather): {kept_text(plan.kept_layers)}")
     lines += pipeline_lines(plan)
     if plan.memory is not None:
         lines.extend("  " + line for line in plan.memory.summary_lines())
     return lines
+
+
+def kept_text(kept: tuple[str, ...] | None) -> str:
+    """``Plan.kept_layers`` in words: whose gathered parameters stay from forward to backward."""
+    if kept is None:
+        return "the root's (FSDP2's default)"
+    layers = [layer for layer in kept if layer]
+    shown = ", ".join(layers[:2] + (["..."] if len(layers) > 3 else []) + layers[2:][-1:])
+    counted = f"{len(layers)} layer{'s' if len(layers) != 1 else ''}" + (f" ({shown})" if layers else "")
+    if "" in kept:
+        return f"the root's and {counted}"
+    return counted if layers else "none (every layer resharded after forward, the root's too)"
 
 
 # What a kernel does, in words, for the summary and ``explain``.

@@ -38,6 +38,7 @@ def test_with_memory_to_spare_every_layer_is_kept_and_the_step_is_faster(gpt):
     assert again.kept_layers == kept.kept_layers and again.to_json() == kept.to_json()
     # priced as a plan solved under that schedule from the start: False keeps every layer too
     everything = _fsdp(gpt, comm=CommOptions(reshard_after_forward=False))
+    assert everything.kept_layers == kept.kept_layers, "a plan records the schedule it is priced for"
     for key in ("step_time_s", "peak_memory_bytes", "comm_bytes"):
         assert getattr(everything.predicted, key) == pytest.approx(getattr(kept.predicted, key), rel=1e-9), key
 
@@ -59,8 +60,10 @@ def test_under_a_budget_the_last_layers_that_fit_are_kept(gpt):
     assert tight.predicted.peak_memory_bytes <= low and tight.kept_layers == kept, tight.kept_layers
 
 
-def test_a_plan_that_gathers_nothing_keeps_fsdp2s_default(gpt):
-    assert _fsdp(gpt, comm=CommOptions(reshard_after_forward=True)).kept_layers is None
+def test_a_plan_records_the_schedule_it_was_given_and_one_that_gathers_nothing_none(gpt):
+    assert _fsdp(gpt, comm=CommOptions(reshard_after_forward=True)).kept_layers == ()
+    last = ("", LAYERS[-1])
+    assert _fsdp(gpt, comm=CommOptions(reshard_after_forward=last)).kept_layers == last
     model, batch = gpt
     assert autopar.hand_plan("ddp", model, mesh=(8,), example_inputs=batch, cluster="h100-80g").kept_layers is None
 
@@ -85,4 +88,6 @@ def test_show_and_diff_say_which_layers_are_kept(gpt):
     diff = plan_diff(default, kept)
     assert diff["kept_layers"] == {"a": None, "b": ["", *LAYERS]}
     head = diff_blocks(diff, "a.json", "b.json", default, kept)[0]
-    assert "gathered parameters kept from forward to backward: the root's (FSDP2's default) -> the root's and 4 layers'" in head
+    assert "kept from forward to backward: the root's (FSDP2's default) -> the root's and 4 layers (transformer.h.0," in head
+    resharded = _fsdp(gpt, comm=CommOptions(reshard_after_forward=True))
+    assert "no re-gather): none (every layer resharded after forward, the root's too)" in "\n".join(header_lines(resharded))

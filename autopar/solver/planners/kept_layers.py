@@ -53,6 +53,19 @@ def resharded_layers(graph: ChoiceGraph, solution: Solution) -> list[str]:
     return layers
 
 
+def given_kept(graph: ChoiceGraph, solution: Solution) -> tuple[str, ...] | None:
+    """The layers that ``graph``'s schedule, as the caller gave it (``CommOptions.
+    reshard_after_forward``), keeps gathered under ``solution``, for the plan to record: a tuple
+    as given, False every layer's, True none (the root's resharded too); None for FSDP2's
+    default and for "auto" (``choose_kept`` decides)."""
+    value = graph.comm.reshard_after_forward
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, tuple):
+        return value
+    return () if value else ("", *resharded_layers(graph, solution))
+
+
 def _gathered_params(graph: ChoiceGraph, solution: Solution) -> set[str]:
     """The parameters ``solution`` gathers whole (an edge of theirs moves them by an all-gather)."""
     return {
@@ -141,4 +154,4 @@ def choose_kept(
     return other, _kept(layers, high), parts
 
 
-__all__ = ["choose_kept", "resharded_layers", "with_kept"]
+__all__ = ["choose_kept", "given_kept", "resharded_layers", "with_kept"]

@@ -18,7 +18,7 @@ from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.prediction import Prediction, SolverStats
 from autopar.ir.spec import Spec, format_spec
 from autopar.ir.summary import format_bytes
-from autopar.solver.planners.kept_layers import choose_kept
+from autopar.solver.planners.kept_layers import choose_kept, given_kept
 from autopar.solver.planners.memory_plan import MemoryFigures, plan_memory
 from autopar.solver.planners.settings import memory_budget
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
@@ -181,7 +181,7 @@ def _plan_under(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, s
     priced = _Priced(traced, graph, cluster, settings)
     solved = _solve_sharding(graph, settings, forced, began, priced)
     solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved, priced)
-    kept = None
+    kept = given_kept(graph, solution)  # the schedule priced, for compile to run it
     if memory is None and graph.comm.reshard_after_forward == "auto":
 
         def step_of(other: ChoiceGraph) -> _StepParts:
