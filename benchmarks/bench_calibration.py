@@ -367,8 +367,9 @@ def _kept_layers(row: Row, model: torch.nn.Module) -> tuple[str, ...] | None:
     return ("", max(layers, key=lambda layer: int(layer.rsplit(".", 1)[1])))
 
 
-def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -> dict:
-    """Plan the row's job as ``layout`` and price its step and peak memory."""
+def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str, search: bool = False) -> dict:
+    """Plan the row's job as ``layout`` and price its step and peak memory (``search``: the
+    solver's plan on the mesh it picks for the job's GPUs, ``mesh="auto"``)."""
     # None: "32-true", the model's own dtypes; torch's AdamW state takes the parameters' dtype, as priced
     kwargs = dict(_inputs(row, model), cluster=cluster, precision=row.precision)
     if row.with_optimizer:  # the AdamW the run stepped with: its time, and what it holds while it steps
@@ -377,7 +378,8 @@ def price(row: Row, model: torch.nn.Module, cluster: ClusterSpec, layout: str) -
         kwargs["memory_budget"] = row.memory_bytes
     split = 0.0
     if layout == "plan":
-        plan = autopar.plan(model, row.mesh, **kwargs)
+        mesh = "auto" if search else row.mesh
+        plan = autopar.plan(model, mesh, devices=math.prod(row.mesh) if search else None, **kwargs)
     else:
         if row.checkpointing and "checkpointing" in inspect.signature(autopar.hand_plan).parameters:
             kwargs["checkpointing"] = row.checkpointing
@@ -468,7 +470,9 @@ def describe(plan) -> str:
     return "; ".join(words)
 
 
-def evaluate(row: Row, profiled: ClusterSpec | None) -> dict:
+def evaluate(row: Row, profiled: ClusterSpec | None, search: bool = True) -> dict:
+    """The row priced as it ran, and for a published job what ``autopar.plan`` picks: on its mesh,
+    and (``search``) on the mesh it picks for the job's GPUs."""
     cluster = row_cluster(row, profiled)
     model = build_model(row.model, getattr(torch, row.dtype))
     out = {"row": row.name, "source": row.source, "cluster": cluster.name, "layout": row.layout, "status": "priced"}
@@ -512,6 +516,14 @@ def evaluate(row: Row, profiled: ClusterSpec | None) -> dict:
         out["solver_layout"] = describe(solved["plan"])
         if got is not None:
             out["solver_over_published"] = solved["step_s"] / got["step_s"]
+        if search:  # the job's GPUs on the mesh the solver picks (``mesh="auto"``)
+            searched = price(row, model, cluster, "plan", search=True)
+            out["searched_mesh"] = "x".join(map(str, searched["plan"].mesh_shape))
+            out["searched_step_s"] = searched["step_s"]
+            out["searched_peak_gib"] = searched["peak_gib"]
+            out["searched_layout"] = describe(searched["plan"])
+            if got is not None:
+                out["searched_over_published"] = searched["step_s"] / got["step_s"]
     out["plan_s"] = time.perf_counter() - start
     return out
 
@@ -556,6 +568,7 @@ COLUMNS = (
     "layout_detail", "solver_step_s", "solver_peak_gib", "solver_over_published", "solver_layout", "plan_s",
     "predicted_optimizer_s", "measured_memory", "predicted_allocated_gib", "predicted_reserved_gib", "note",
     "predicted_compute_s", "predicted_reshard_s", "predicted_exposed_grad_sync_s",
+    "searched_mesh", "searched_step_s", "searched_peak_gib", "searched_over_published", "searched_layout",
 )  # fmt: skip
 
 
@@ -565,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", help="a spec from `autopar profile` for the H200 rows")
     parser.add_argument("--out", default="benchmarks/results/calibration.csv")
     parser.add_argument("--layout", help="price each row's job as this hand plan instead of its published layout (fsdp, say)")
+    parser.add_argument(
+        "--no-mesh-search", dest="search", action="store_false", help="skip the solver's plan on a mesh of its choosing"
+    )
     parser.add_argument(
         "--405b-microbatches",
         dest="microbatches_405b",
@@ -578,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [dataclasses.replace(r, layout=args.layout) for r in rows] if args.layout else rows
     results = []
     for row in rows:
-        result = evaluate(row, profiled)
+        result = evaluate(row, profiled, args.search)
         results.append(result)
         shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in result.items() if k != "source"}
         print(shown, flush=True)
