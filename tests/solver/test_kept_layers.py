@@ -91,3 +91,24 @@ def test_show_and_diff_say_which_layers_are_kept(gpt):
     assert "kept from forward to backward: the root's (FSDP2's default) -> the root's and 4 layers (transformer.h.0," in head
     resharded = _fsdp(gpt, comm=CommOptions(reshard_after_forward=True))
     assert "no re-gather): none (every layer resharded after forward, the root's too)" in "\n".join(header_lines(resharded))
+
+
+def test_where_the_allocator_would_run_out_fewer_layers_are_kept_without_solving_again(gpt, monkeypatch):
+    from autopar.solver.planners import sharding
+
+    default = _fsdp(gpt, comm=CommOptions(reshard_after_forward=None)).predicted.peak_memory_bytes
+    every = _fsdp(gpt).predicted.peak_memory_bytes
+    lowered = default + 0.1 * (every - default)
+    solves = []
+    solve = sharding._solve_sharding
+    monkeypatch.setattr(sharding, "_solve_sharding", lambda *args, **kwargs: solves.append(1) or solve(*args, **kwargs))
+    # PyTorch's caching allocator, as if it ran out of the device above ``lowered``
+    monkeypatch.setattr(
+        sharding,
+        "allocator_budget",
+        lambda plan, budget, asked=None: lowered if plan.predicted.peak_memory_bytes > lowered else None,
+    )
+    plan = _fsdp(gpt, memory_budget=2 * every)
+    assert len(solves) == 1, "the kept layers are chosen again, the sharding is not solved again"
+    assert plan.predicted.peak_memory_bytes <= lowered and 0 < len(plan.kept_layers) - 1 < len(LAYERS), plan.kept_layers
+    assert plan.kept_layers[1:] == LAYERS[len(LAYERS) - (len(plan.kept_layers) - 1) :]

@@ -182,19 +182,40 @@ def _plan_under(traced: TracedModel, graph: ChoiceGraph, cluster: ClusterSpec, s
     solved = _solve_sharding(graph, settings, forced, began, priced)
     solution, parts, memory = _with_memory_decisions(traced, graph, cluster, settings, solved, priced)
     kept = given_kept(graph, solution)  # the schedule priced, for compile to run it
+    chosen = None
     if memory is None and graph.comm.reshard_after_forward == "auto":
-
-        def step_of(other: ChoiceGraph) -> _StepParts:
-            return _StepParts.of(other, solution, cluster)
-
-        chosen = choose_kept(graph, solution, cluster, settings.memory_budget, parts, step_of)
-        if chosen is not None:
-            graph, kept, parts = chosen
-    # the allocator is simulated on the plan's final walk: with memory decisions, their walk's
-    plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts, allocator=memory is None)
+        chosen = _with_kept_layers(traced, graph, solution, cluster, settings, parts)
+    if chosen is not None:
+        plan, graph, kept = chosen
+    else:  # the allocator is simulated on the plan's final walk: with memory decisions, their walk's
+        plan = plan_from_solution(traced, graph, solution, cluster, settings.memory_budget, parts, allocator=memory is None)
     if memory is not None:
         plan = _with_memory(plan, *memory)
     return solution, dataclasses.replace(plan, kept_layers=kept), graph
+
+
+def _with_kept_layers(
+    traced: TracedModel, graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec, settings: _Settings, parts: _StepParts
+) -> tuple[Plan, ChoiceGraph, tuple[str, ...]] | None:
+    """(plan, its graph, the layers it keeps) of ``solution`` with the layers kept gathered that
+    the budget holds (``kept_layers.choose_kept``), and PyTorch's caching allocator too: where it
+    would run out of the device, fewer, under the lower budget it asks for, without solving again
+    (``_within_allocator`` does where even FSDP2's default would); None where none is worth it."""
+
+    def step_of(other: ChoiceGraph) -> _StepParts:
+        return _StepParts.of(other, solution, cluster)
+
+    budget = settings.memory_budget
+    for _ in range(ALLOCATOR_ROUNDS):
+        chosen = choose_kept(graph, solution, cluster, budget, parts, step_of)
+        if chosen is None:
+            return None
+        kept_graph, kept, kept_parts = chosen
+        plan = plan_from_solution(traced, kept_graph, solution, cluster, settings.memory_budget, kept_parts)
+        budget = allocator_budget(plan, budget, settings.memory_budget)
+        if budget is None:
+            return plan, kept_graph, kept
+    return None
 
 
 def _explained(graph: ChoiceGraph, solution: Solution, cluster: ClusterSpec, memory_budget: float | None, plan: Plan) -> Plan:
