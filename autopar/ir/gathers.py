@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from autopar.errors import ConfigError
+
 
 def param_layer(fqn: str) -> str:
     """The layer a parameter belongs to: its FQN up to the first numeric index; "" for the root."""
@@ -59,4 +61,21 @@ def reshards(layer: str, reshard_after_forward: bool | None | str | tuple[str, .
     return bool(reshard_after_forward)
 
 
-__all__ = ["param_layer", "gather_groups", "reshards"]
+def check_kept_layers(reshard_after_forward, fqns) -> None:
+    """ConfigError where ``CommOptions.reshard_after_forward`` is a tuple naming a layer that no
+    parameter of ``fqns`` belongs to (a misspelt name would keep nothing, without a word)."""
+    if not isinstance(reshard_after_forward, tuple):
+        return
+    layers = {param_layer(fqn) for fqn in fqns}
+    unknown = [layer for layer in reshard_after_forward if layer not in layers]
+    if unknown:
+        named = sorted(layer for layer in layers if layer)
+        shown = ", ".join(repr(layer) for layer in named[:3]) + (f", ... {named[-1]!r}" if len(named) > 3 else "")
+        raise ConfigError(
+            f"CommOptions(reshard_after_forward=...) names {', '.join(map(repr, unknown))}, which is no layer of the "
+            f'model: name its layers as their parameters\' FQNs begin, up to the block index ({shown}; "" for the '
+            'root\'s), or use "auto"'
+        )
+
+
+__all__ = ["param_layer", "gather_groups", "reshards", "check_kept_layers"]

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError, PlanError
+from autopar.ir.gathers import check_kept_layers
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
@@ -64,6 +65,7 @@ def compile_single(
         options = options.replace(comm=dataclasses.replace(options.comm, enabled=False))
     collectives.remember_groups(groups)  # read while tracing, where no process group is resolved
     comm = options.comm.with_plan(plan.kept_layers)  # the layers the plan keeps gathered
+    check_kept_layers(comm.reshard_after_forward, param_fqns(traced).values())
     passes = default_passes(groups, offloader, param_fqns(traced), comm, compiler)
     gm = run_passes(copy.deepcopy(traced.gm), plan, passes)
     build_mode = mode_builder(_meta_copy(model), examples, plan, cluster, options, groups, offloads=offloader is not None)

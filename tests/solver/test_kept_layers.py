@@ -112,3 +112,18 @@ def test_where_the_allocator_would_run_out_fewer_layers_are_kept_without_solving
     assert len(solves) == 1, "the kept layers are chosen again, the sharding is not solved again"
     assert plan.predicted.peak_memory_bytes <= lowered and 0 < len(plan.kept_layers) - 1 < len(LAYERS), plan.kept_layers
     assert plan.kept_layers[1:] == LAYERS[len(LAYERS) - (len(plan.kept_layers) - 1) :]
+
+
+def test_a_layer_name_that_is_no_layer_of_the_model_is_refused_naming_the_real_ones(gpt):
+    with pytest.raises(
+        autopar.ConfigError, match=r"names 'transformer\.h\.9', which is no layer of the model.*'transformer\.h\.0'"
+    ):
+        _fsdp(gpt, comm=CommOptions(reshard_after_forward=("", "transformer.h.9")))
+
+
+def test_compile_refuses_it_too_before_building_anything(world_of_one):
+    model = build_model("gpt", **CONFIG)
+    batch = example_batch("gpt", batch_size=2, **CONFIG)
+    plan = autopar.hand_plan("fsdp", model, mesh=(1,), example_inputs=batch, cluster="cpu")
+    with pytest.raises(autopar.ConfigError, match=r"names 'blocks\.0', which is no layer of the model"):
+        autopar.compile(model, (1,), example_inputs=batch, plan=plan, comm=CommOptions(reshard_after_forward=("", "blocks.0")))

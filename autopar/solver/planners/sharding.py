@@ -13,6 +13,7 @@ from autopar.cost import optimizer
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.comm import transition_bytes_per_axis
 from autopar.errors import InfeasibleError
+from autopar.ir.gathers import check_kept_layers
 from autopar.ir.options import DEFAULT_OPTIMIZER, CommOptions, MixedPrecision, PlanOptions, to_dtype
 from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.prediction import Prediction, SolverStats
@@ -103,6 +104,8 @@ def solve_unexplained(
     ``options.comm`` is the communication schedule ``compile`` will run, as priced. ``forced``
     pins nodes' specs and ``zero_stage`` shards optimizer state and gradients (hand plans)."""
     settings = _Settings.of(options if options is not None else PlanOptions(), cluster)
+    if settings.comm is not None:
+        check_kept_layers(settings.comm.reshard_after_forward, (i.fqn for i in traced.inputs if i.kind == "param"))
     budget_text = f", memory budget {format_bytes(settings.memory_budget)}" if settings.memory_budget else ", no memory budget"
     log.info("planning on mesh %s for cluster %s%s ...", tuple(mesh_shape), cluster.name, budget_text)
     start = time.perf_counter()
