@@ -411,20 +411,36 @@ class TransitionPrices:
             sent += table[2][index]
         return routes.possible & self._padded_ok(src, dst, global_shape), forward + backward, sent
 
-    def _padded_ok(self, src: np.ndarray, dst: np.ndarray, global_shape: tuple[int, ...]) -> np.ndarray | bool:
-        """``spec.padded_transition_ok`` of each pair (rows of ``numbered``): a padded parameter
-        shard (``Shard(0)`` on one axis that does not divide dim 0, ``R`` on the others, number 0)
-        goes to replicated on every axis only."""
+    def padded_axes(self, src: np.ndarray, global_shape: tuple[int, ...]) -> np.ndarray | None:
+        """Per row of ``src`` (numbered specs of a ``global_shape`` tensor) and mesh axis, whether
+        the row is a padded parameter shard on that axis (``spec.padded_axis``: ``Shard(0)`` on one
+        axis that does not divide dim 0, ``R`` or a shard of another dim on the others; ``R`` is
+        number 0); None where every axis divides dim 0."""
         uneven = [axis for axis, size in enumerate(self.mesh_shape) if size > 1 and global_shape and global_shape[0] % size]
         if not uneven:
-            return True
+            return None
         kinds, dims = self.numbers.arrays()
-        replicated = src == 0
-        padded = np.zeros(len(src), dtype=bool)
+        src_kinds, src_dims = kinds[src], dims[src]
+        # per axis: R, or a plain shard of a dim other than 0 (no other cut of dim 0)
+        beside = (src == 0) | ((src_kinds == KIND_SHARD) & (src_dims != 0))
+        padded = np.zeros(src.shape, dtype=bool)
         for axis in uneven:
-            others = np.delete(replicated, axis, axis=1).all(axis=1)
-            padded |= (kinds[src[:, axis]] == KIND_SHARD) & (dims[src[:, axis]] == 0) & others
-        return ~padded | (dst == 0).all(axis=1) | (src == dst).all(axis=1)
+            others = np.delete(beside, axis, axis=1).all(axis=1)
+            padded[:, axis] = (src_kinds[:, axis] == KIND_SHARD) & (src_dims[:, axis] == 0) & others
+        return padded
+
+    def _padded_ok(self, src: np.ndarray, dst: np.ndarray, global_shape: tuple[int, ...]) -> np.ndarray | bool:
+        """``spec.padded_transition_ok`` of each pair (rows of ``numbered``): a padded parameter
+        shard (``padded_axes``) goes only to ``R`` on its axis, the others as they are."""
+        padded = self.padded_axes(src, global_shape)
+        if padded is None:
+            return True
+        same = src == dst
+        refused = np.zeros(len(src), dtype=bool)
+        for axis in np.flatnonzero(padded.any(axis=0)):
+            gathered_here = (dst[:, axis] == 0) & np.delete(same, axis, axis=1).all(axis=1)
+            refused |= padded[:, axis] & ~gathered_here
+        return ~refused | same.all(axis=1)
 
     def _slot_prices(
         self, keys: np.ndarray, routes: Routes, axis: int, global_shape: tuple, itemsizes: tuple[int, int], requires_grad: bool

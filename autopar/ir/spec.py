@@ -246,18 +246,26 @@ PADDED_PARAM_SHARDS = True
 
 def padded_axis(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> int | None:
     """The mesh axis of a padded parameter shard, or None where ``spec`` is not one: ``Shard(0)``
-    on exactly one mesh axis, whose size (> 1) does not divide dim 0, ``R`` on every other axis
-    (FSDP2's layout on one mesh dimension). Dim 0 may be shorter than the axis (some ranks then
-    hold empty pieces)."""
-    found = None
+    on exactly one mesh axis, whose size (> 1) does not divide dim 0, and on every other axis
+    ``R`` or an even ``Shard`` of another dim (FSDP2's layout on one mesh dimension, beside
+    tensor parallelism or replicas on the others: torchtitan's FSDP + TP, HSDP). Dim 0 may be
+    shorter than the axis (some ranks then hold empty pieces)."""
+    found, other_cuts = None, False
     for axis, placement in enumerate(spec):
         kind = _KINDS.get(type(placement)) or _kind(placement)
         if kind & _REPLICATE:
             continue
-        if found is not None or kind != _SHARD or placement.dim != 0 or mesh_shape[axis] == 1:
+        if kind != _SHARD:
+            return None
+        if placement.dim != 0:
+            other_cuts = True  # checked below: even, on an axis larger than 1
+            continue
+        if found is not None or mesh_shape[axis] == 1:
             return None
         found = axis
     if found is None or not shape or shape[0] % mesh_shape[found] == 0:
+        return None
+    if other_cuts and not is_valid(shape, (*spec[:found], R, *spec[found + 1 :]), mesh_shape):
         return None
     return found
 
@@ -270,11 +278,15 @@ def is_valid_param(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) 
 
 def padded_transition_ok(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequence[int]) -> bool:
     """Whether a tensor of ``shape`` held as ``src`` may be resharded to ``dst`` as far as padding
-    goes: a padded parameter shard only to replicated on every axis (one all-gather of the padded
-    pieces, whose backward reduce-scatters the padded gradient), any other spec freely."""
-    if not shape or all(shape[0] % size == 0 for size in mesh_shape) or padded_axis(shape, src, mesh_shape) is None:
+    goes: a padded parameter shard only to ``R`` on its padded axis with every other axis as it is
+    (one all-gather of the padded pieces on that axis, whose backward reduce-scatters the padded
+    gradient there), any other spec freely."""
+    if not shape or all(shape[0] % size == 0 for size in mesh_shape):
         return True
-    return all(_kind(placement) & _REPLICATE for placement in dst)
+    axis = padded_axis(shape, src, mesh_shape)
+    if axis is None or tuple(src) == tuple(dst):
+        return True
+    return all(bool(_kind(d) & _REPLICATE) if a == axis else d == s for a, (s, d) in enumerate(zip(src, dst)))
 
 
 def chunk_piece(x: torch.Tensor, dim: int, k: int, index: int) -> torch.Tensor:

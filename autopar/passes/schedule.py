@@ -203,8 +203,10 @@ def _param_uses(placeholder: torch.fx.Node, lenient: bool = False) -> tuple[dict
     ``all_gather`` → ``allreduce_grad`` pairs by (dim, group, the groups the gradient is summed
     over: the gather's first, then the chain's others in its order, as hybrid sharding sums a
     shard sharded on one axis and replicated on others; () where it is not reduced).
-    ``lenient``: a gather may also feed unused aliases (``_used``; a padded shard's, which only
-    the scheduled gather moves)."""
+    ``lenient`` (a padded shard's, which only the scheduled gather moves): a gather may also feed
+    unused aliases (``_used``), and one whose gradient is summed on other axes only (replicated
+    there, sharded where the batch is whole: a rank keeps its rows of the sum) is scheduled too,
+    its chain left in the graph to sum the whole gradient."""
     synced: dict[tuple[str, ...], list[list[torch.fx.Node]]] = {}
     gathered: dict[tuple[int, str, tuple[str, ...]], list[tuple[torch.fx.Node, torch.fx.Node]]] = {}
     for user in list(placeholder.users):
@@ -220,7 +222,9 @@ def _param_uses(placeholder: torch.fx.Node, lenient: bool = False) -> tuple[dict
                 # partial gradient: reduce-scatter it on the gather's axis, then sum the shard on the others
                 reduced = (group, *(g for g in chain_groups if g != group))
                 gathered.setdefault((user.args[1], group, reduced), []).append((user, chain[-1]))
-            elif not chain:  # whole gradient on every rank: keep the local chunk
+            elif not chain or lenient:
+                # whole gradient on every rank: keep the local chunk; or (a padded shard's, which
+                # only the scheduled gather moves) summed on other axes first, whole, by its chain
                 gathered.setdefault((user.args[1], group, ()), []).append((user, user))
     return synced, gathered
 

@@ -4,8 +4,8 @@ A padded shard (``ir.spec.padded_axis``: FSDP2's ``Shard(0)`` on a mesh axis tha
 divide dim 0) moves only through the scheduled FSDP gather and its reduce-scatter
 (``ops.buckets``), which pad each rank's piece to ``ceil(n / k)`` rows. Everything else that
 would move one (a plain collective, the compiled mode's traced gathers, a pipeline stage, the
-offload store, a gradient reduced over a second mesh axis) would see pieces of different sizes,
-so ``compile`` refuses such a plan before it builds anything, naming the fix.
+offload store) would see pieces of different sizes, so ``compile`` refuses such a plan before it
+builds anything, naming the fix.
 """
 
 from __future__ import annotations
@@ -40,10 +40,6 @@ def check_padded_plan(plan: Plan, traced: TracedModel, options: PlanOptions, com
     offloaded = set(plan.memory.offloaded("param")) if plan.memory is not None else set()
     reasons = [
         (plan.pipeline is not None, "a pipeline stage does not gather padded shards yet"),
-        (
-            sum(size > 1 for size in plan.mesh_shape) > 1,
-            f"the mesh {tuple(plan.mesh_shape)} has more than one axis larger than 1, and a padded shard's gradient is reduced on its own axis only",
-        ),
         (compiler is not None, f"compiler={compiler!r} traces its gathers unpadded: compile without compiler="),
         (
             not options.comm.enabled,

@@ -250,7 +250,9 @@ def test_a_padded_shard_is_dim_0_on_one_axis_that_does_not_divide_it():
     assert padded_axis((66, 8), (Shard(0),), (3,)) is None, "even: not padded"
     assert padded_axis((8, 64), (Shard(1),), (3,)) is None, "only dim 0 is padded, as FSDP2 shards it"
     assert padded_axis((64, 8), (Shard(0), Shard(0)), (2, 3)) is None, "one axis only"
-    assert padded_axis((64, 9), (Shard(1), Shard(0)), (3, 3)) is None, "R on every other axis"
+    assert padded_axis((64, 9), (Shard(1), Shard(0)), (3, 3)) == 1, "beside an even cut of another dim (FSDP + TP)"
+    assert padded_axis((64, 8), (Shard(1), Shard(0)), (3, 3)) is None, "the other dim's cut is even"
+    assert padded_axis((64, 8), (SS(1, 2), Shard(0)), (2, 3)) is None, "beside plain shards only"
     assert padded_axis((64,), (SS(0, 2),), (3,)) is None
     assert not is_valid((64, 8), (Shard(0),), (3,)), "ops never see uneven specs"
     assert is_valid_param((64, 8), (Shard(0),), (3,)) and is_valid_param((66, 8), (Shard(0),), (3,))
@@ -283,4 +285,7 @@ def test_a_padded_shard_moves_only_by_one_gather_to_replicated():
     assert padded_transition_ok((64, 8), (Shard(0),), (Replicate(),), (3,))
     assert not padded_transition_ok((64, 8), (Shard(0),), (Shard(1),), (3,)), "an all-to-all of uneven pieces"
     assert not padded_transition_ok((64, 9), (Replicate(), Shard(0)), (Shard(1), Replicate()), (3, 3))
+    # beside another axis's cut: gathered on its own axis, the other axis as it is
+    assert padded_transition_ok((64, 9), (Shard(1), Shard(0)), (Shard(1), Replicate()), (3, 3))
+    assert not padded_transition_ok((64, 9), (Shard(1), Shard(0)), (Replicate(), Replicate()), (3, 3))
     assert padded_transition_ok((66, 8), (Shard(0),), (Shard(1),), (3,)), "even shards move freely"

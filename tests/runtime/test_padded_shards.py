@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.runtime.tools.launch import max_rel_diff
@@ -27,20 +30,35 @@ from tests.conftest import WideNet, eager_grads, wide_batch
 pytestmark = pytest.mark.multiproc
 
 WORLD = 3
-BATCH = 6  # wide_batch's rows: 2 a rank under batch="per_rank"
 STEPS = 3
 LR = 1e-2
 CLIP = 0.05  # below the gradients' norm, so that clipping scales every step
 TOL = 1e-9  # float64 throughout: only summation order differs
 
 
-def _rows(module) -> slice:
+class Job(NamedTuple):
+    """A model, the mesh its padded plan runs on and its batches (``batch(seed)``)."""
+
+    model: Callable[[], torch.nn.Module]
+    mesh: tuple[int, ...]
+    batch: Callable[[int], tuple[torch.Tensor, ...]]
+
+
+WIDE = Job(WideNet, (WORLD,), wide_batch)
+
+
+def _rows(module, rows: int) -> slice:
     """The rows of the global batch that ``module`` takes: its own under ``batch="per_rank"``."""
     size, rank = getattr(module, "data_parallel_size", 1), getattr(module, "data_parallel_rank", 0)
-    return slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+    return slice(rank * rows // size, (rank + 1) * rows // size)
 
 
-def _train_step(module, optimizer, step: int) -> tuple[list[float], float]:
+def _local(module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``module``'s rows of ``batch``."""
+    return tuple(t[_rows(module, len(batch[0]))] for t in batch)
+
+
+def _train_step(module, optimizer, step: int, job: Job = WIDE) -> tuple[list[float], float]:
     """Two micro-batches (the first under ``no_sync()`` where the module has it), torch's
     ``clip_grad_norm_``, one AdamW step: (the micro-batch losses, the norm before clipping)."""
     optimizer.zero_grad()
@@ -48,7 +66,7 @@ def _train_step(module, optimizer, step: int) -> tuple[list[float], float]:
     for micro in range(2):
         hold = getattr(module, "no_sync", None) if micro == 0 else None
         with hold() if hold is not None else torch.enable_grad():
-            loss = module(*(t[_rows(module)] for t in wide_batch(10 * step + micro)))
+            loss = module(*_local(module, job.batch(10 * step + micro)))
             loss.backward()
         losses.append(loss.item())
     norm = torch.nn.utils.clip_grad_norm_(list(module.parameters()), CLIP).item()
@@ -56,37 +74,37 @@ def _train_step(module, optimizer, step: int) -> tuple[list[float], float]:
     return losses, norm
 
 
-def _loop(plan: autopar.Plan, reshard: bool, path: str) -> dict:
+def _loop(plan: autopar.Plan, reshard: bool, path: str, job: Job = WIDE) -> dict:
     torch.manual_seed(0)
-    model = WideNet().double()
+    model = job.model().double()
     eager = copy.deepcopy(model)
     comm = autopar.CommOptions(reshard_after_forward=reshard)
-    pm = autopar.compile(model, (WORLD,), example_inputs=wide_batch(0), plan=plan, comm=comm)
+    pm = autopar.compile(model, job.mesh, example_inputs=job.batch(0), plan=plan, comm=comm)
     optimizer, eager_optimizer = torch.optim.AdamW(pm.parameters(), lr=LR), torch.optim.AdamW(eager.parameters(), lr=LR)
     out: dict = {"pieces": {fqn: tuple(p.to_local().shape) for fqn, p in pm.named_parameters()}, "steps": []}
     buckets = getattr(pm.graph_module, "grad_buckets", None)
     out["scattered"] = sum(s.size >= 0 for b in getattr(buckets, "buckets", ()) if b.kind == "reduce_scatter" for s in b.slots)
     for step in range(STEPS):
-        got, want = _train_step(pm, optimizer, step), _train_step(eager, eager_optimizer, step)
+        got, want = _train_step(pm, optimizer, step, job), _train_step(eager, eager_optimizer, step, job)
         # gradients after clipping, before the step: the sum of both micro-batches on every rank
         out["steps"].append((got, want))
     out["grad_rel"] = max_rel_diff(pm.full_grads(), eager_grads(eager))
     pm.eval()
     eager.eval()
     with torch.no_grad():
-        out["eval"] = (pm(*(t[_rows(pm)] for t in wide_batch(99))).item(), eager(*wide_batch(99)).item())
+        out["eval"] = (pm(*_local(pm, job.batch(99))).item(), eager(*job.batch(99)).item())
     pm.train()
     eager.train()
     out["state_rel"] = max_rel_diff(pm.full_state_dict(), eager.state_dict())
     autopar.checkpoint.save(path, pm, optimizer)
     # resume into a model built on the meta device: every shard and AdamW state from the checkpoint
     with torch.device("meta"):
-        meta = WideNet().double()
+        meta = job.model().double()
     init = autopar.FromCheckpoint(path)
-    resumed = autopar.compile(meta, (WORLD,), example_inputs=wide_batch(0), plan=plan, comm=comm, init=init)
+    resumed = autopar.compile(meta, job.mesh, example_inputs=job.batch(0), plan=plan, comm=comm, init=init)
     resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=LR / 7)  # the checkpoint's lr must win
     autopar.checkpoint.load(path, resumed, resumed_optimizer)
-    out["resumed_step"] = (_train_step(resumed, resumed_optimizer, STEPS), _train_step(eager, eager_optimizer, STEPS))
+    out["resumed_step"] = (_train_step(resumed, resumed_optimizer, STEPS, job), _train_step(eager, eager_optimizer, STEPS, job))
     out["resumed_state_rel"] = max_rel_diff(resumed.full_state_dict(), eager.state_dict())
     return out
 
@@ -127,7 +145,7 @@ def _policy_steps(plan: autopar.Plan, precision, dtype: torch.dtype, reshard: bo
     for step in range(2):
         optimizer.zero_grad()
         batch = wide_batch(1 + step, dtype)
-        loss = pm(*(t[_rows(pm)] for t in batch))
+        loss = pm(*_local(pm, batch))
         loss.backward()
         want, _ = reference.data_parallel_backward(batch, WORLD)
         grads = {name: p.grad for name, p in reference.module.named_parameters()}
@@ -226,6 +244,93 @@ def test_padded_shards_train_as_eager_save_and_resume(rank_pool, tmp_path, padde
             label = f"rank {rank} batch={batch}"
             assert run["pieces"]["up.weight"] == (rows[0][rank], 64) and run["pieces"]["down.weight"] == (rows[1][rank], 64)
             assert run["pieces"]["down.bias"] == (rows[1][rank],), label
+            for step, ((losses, norm), (eager_losses, eager_norm)) in enumerate(run["steps"]):
+                assert all(map(_close, losses, eager_losses)), f"{label} step {step}: {losses} vs {eager_losses}"
+                assert _close(norm, eager_norm) and norm > CLIP, f"{label} step {step}: norm {norm} vs {eager_norm}"
+            assert max(run["grad_rel"].values()) < TOL, f"{label}: {run['grad_rel']}"
+            assert _close(*run["eval"]), f"{label}: eval {run['eval']}"
+            assert max(run["state_rel"].values()) < TOL, f"{label}: after {STEPS} steps {run['state_rel']}"
+            (losses, norm), (eager_losses, eager_norm) = run["resumed_step"]
+            assert all(map(_close, losses, eager_losses)) and _close(norm, eager_norm), f"{label}: resumed {run['resumed_step']}"
+            assert max(run["resumed_state_rel"].values()) < TOL, f"{label}: resumed {run['resumed_state_rel']}"
+
+
+# -- a padded axis beside another: tensor parallelism or replicas on the second axis -----------
+
+
+class TallNet(torch.nn.Module):
+    """63 rows (2 ranks hold 32 and 31) and a 3-row head (2 and 1): padded on either axis of a
+    (2, 2) mesh; 64 columns, which the other axis cuts evenly."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 63)
+        self.down = torch.nn.Linear(63, 3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.down(torch.relu(self.up(x))), y)
+
+
+def tall_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 64, generator=generator, dtype=torch.float64), torch.randint(0, 3, (8,), generator=generator)
+
+
+TALL = Job(TallNet, (2, 2), tall_batch)
+# "hsdp": padded on one axis, replicated on the other, each rank its own rows (a gradient reduce-
+# scattered on the padded axis, its piece summed over the other: HSDP's order, for either axis);
+# "tp": up.weight padded over the data-parallel axis and cut by columns on the other (torchtitan's
+# FSDP + TP), rows split on axis 0 only; "whole": the same specs, the whole batch on every rank
+R2 = (Replicate(), Replicate())
+TALL_SPECS = {
+    "hsdp": {"up.weight": (Shard(0), Replicate()), "up.bias": (Shard(0), Replicate())},
+    "tp": {"up.weight": (Shard(0), Shard(1))},
+    "whole": {"up.weight": (Shard(0), Shard(1))},
+}
+TALL_HEAD = {"down.weight": (Replicate(), Shard(0)), "down.bias": (Shard(0), Replicate())}
+
+
+@pytest.fixture(scope="module")
+def tall_plans() -> dict[str, autopar.Plan]:
+    from autopar.cost.cluster import get_cluster
+    from autopar.ir.options import PlanOptions
+    from autopar.solver.planners.data import with_data_layout
+    from autopar.solver.planners.sharding import solve
+    from autopar.solver.planners.split_batch import batch_pins
+    from autopar.trace import trace
+
+    plans = {}
+    for name, specs in TALL_SPECS.items():
+        data = autopar.DataOptions("per_rank" if name != "whole" else "whole")
+        options = PlanOptions.from_keywords(data=data)
+        traced = trace(TallNet().double(), tall_batch(0), None, options.precision)
+        names = {graph_input.fqn: graph_input.name for graph_input in traced.placeholders("param")}
+        forced = {names[fqn]: spec for fqn, spec in {**specs, **TALL_HEAD}.items()}
+        pins = batch_pins(traced, TALL.mesh) if name != "whole" else {}
+        if name == "tp":  # the rows split on axis 0; the first linear free to sum its column pieces on axis 1
+            pins = {node: (spec[0], Replicate()) for node, spec in pins.items() if node != "linear"}
+        plans[name] = with_data_layout(
+            solve(traced, TALL.mesh, get_cluster("cpu"), options, forced={**forced, **pins}), traced, data
+        )
+    return plans
+
+
+def _run_tall(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
+    return {name: _loop(autopar.Plan.from_json(plan), True, f"{path}_{name}", TALL) for name, plan in plans.items()}
+
+
+def test_padded_beside_another_axis_trains_as_eager(rank_pool, tmp_path, tall_plans) -> None:
+    assert tall_plans["hsdp"].data.axes == (0, 1) and tall_plans["tp"].data.axes == (0,)
+    assert [str(p) for p in tall_plans["tp"].nodes["linear"].outs[0]] == ["S(0)", "P(sum)"]  # the column pieces summed
+    plans = {name: plan.to_json() for name, plan in tall_plans.items()}
+    results = rank_pool(4).run(_run_tall, str(tmp_path / "tall"), plans, timeout_s=600)
+    for rank, result in enumerate(results):
+        row, column = divmod(rank, 2)
+        for name, run in result.items():
+            label = f"rank {rank} {name}"
+            up = (32 if row == 0 else 31, 64 if name == "hsdp" else 32)
+            assert run["pieces"]["up.weight"] == up and run["pieces"]["down.weight"] == ((2, 1)[column], 63), label
+            assert run["scattered"] == (0 if name == "whole" else 4 if name == "hsdp" else 2), label
             for step, ((losses, norm), (eager_losses, eager_norm)) in enumerate(run["steps"]):
                 assert all(map(_close, losses, eager_losses)), f"{label} step {step}: {losses} vs {eager_losses}"
                 assert _close(norm, eager_norm) and norm > CLIP, f"{label} step {step}: norm {norm} vs {eager_norm}"

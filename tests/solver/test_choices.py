@@ -182,12 +182,38 @@ def test_parameters_may_be_padded_shards_behind_the_flag_and_buffers_never(monke
     on = _wide_specs(monkeypatch, True, (3,))
     assert on["up.weight"] == ["R", "S(0)"] and on["down.weight"] == ["R", "S(0)"] and on["down.bias"] == ["R", "S(0)"]
     assert on["scale"] == ["R"], "a buffer is read whole by its ops: never padded"
-    # two axes larger than 1: the runtime gathers a padded shard on one axis alone (FSDP's pattern)
+    # two axes larger than 1: padded on the axis that divides no dim, replicated or an even cut of
+    # another dim on the other (HSDP's and FSDP + TP's layouts), never a second cut of dim 0
     two = _wide_specs(monkeypatch, True, (2, 3))
-    assert "RS(0)" not in two["up.weight"] and "S(0)R" in two["up.weight"], two["up.weight"]
+    assert {"RS(0)", "S(1)S(0)", "S(0)R"} <= set(two["up.weight"]) and "S(0)S(0)" not in two["up.weight"], two["up.weight"]
     # a plan priced for inductor (compile's or plan's compiler="inductor"): its traced gathers are unpadded
     compiled = _wide_specs(monkeypatch, True, (3,), executor="inductor")
     assert all(specs == ["R"] for specs in compiled.values()), compiled
+
+
+def test_a_padded_shard_moves_by_its_own_gather_on_a_mesh_priced_through_the_hub():
+    """On three axes larger than 1 an edge's table holds near pairs and a route through the
+    replicated spec (``edges.EdgePrices.hub``); a padded shard has no such route (the runtime
+    gathers it on its own axis only), so a plan that holds one prices and names only pairs it runs."""
+    from autopar.ir.options import PlanOptions
+    from autopar.ir.spec import padded_axis
+    from autopar.solver.planners.sharding import solve
+    from autopar.trace import trace
+
+    mesh = (3, 2, 2)
+    traced = trace(WideNet(), wide_batch(0))
+    graph = choices.build_choice_graph(traced, mesh, get_cluster("cpu"))
+    weight = graph.choices["p_up_weight"]
+    padded = [s.outs[0] for s in weight.strategies if padded_axis((64, 64), s.outs[0], mesh) is not None]
+    assert (Shard(0), Replicate(), Shard(1)) in padded, padded
+    edges = [edge for edge in graph.edges if edge.producer == "p_up_weight"]
+    assert edges and all(edge.price.hub is not None for edge in edges)
+    for edge in edges:
+        assert not set(padded) & set(edge.price.hub[0]), "no route through the replicated spec"
+    pinned = {"p_up_weight": (Shard(0), Replicate(), Shard(1)), "p_down_weight": (Replicate(), Shard(0), Replicate())}
+    plan = solve(traced, mesh, get_cluster("cpu"), PlanOptions(), forced=pinned)
+    assert plan.params["up.weight"] == (Shard(0), Replicate(), Shard(1))
+    assert plan.params["down.weight"] == (Replicate(), Shard(0), Replicate())
 
 
 def test_the_solver_plans_fsdp_with_padded_shards_under_a_tight_budget(monkeypatch):
@@ -219,18 +245,22 @@ def test_the_solver_plans_fsdp_with_padded_shards_under_a_tight_budget(monkeypat
     assert plan.predicted.memory_at_peak_bytes["optimizer_state"] == state
 
 
-def test_an_infeasible_budget_names_the_mesh_axis_that_cannot_split_the_largest_parameters():
-    """On (3, 2), axis 0 divides no dim of a 64-wide net, and padded shards are for meshes of one axis
-    larger than 1: the error says so, and how to give the parameters an axis that splits them."""
+def test_an_infeasible_budget_names_the_mesh_axis_that_cannot_split_the_largest_parameters(monkeypatch):
+    """On (3, 2), axis 0 divides no dim of a 64-wide net, and without padded shards (a plan for
+    inductor, whose traced gathers are unpadded): the error says so, and how to let them shard."""
     import pytest
 
     import autopar
     from autopar.errors import InfeasibleError
+    from autopar.ir import spec as spec_module
 
+    monkeypatch.setattr(spec_module, "PADDED_PARAM_SHARDS", False)  # as a plan for inductor is priced
     for checkpointing in (False, True):  # the sharding's own error, and the memory planner's
         with pytest.raises(InfeasibleError, match=r"Mesh axis 0 \(3 ranks\) divides no dim of up\.weight.*powers of two"):
             autopar.plan(WideNet(), (3, 2), example_inputs=wide_batch(0), cluster="cpu", memory_budget=4096,
                          checkpointing=checkpointing)  # fmt: skip
-    with pytest.raises(InfeasibleError) as caught:  # (6,): padded shards split it; no such line
-        autopar.plan(WideNet(), (6,), example_inputs=wide_batch(0), cluster="cpu", memory_budget=1024)
-    assert "divides no dim" not in str(caught.value)
+    monkeypatch.setattr(spec_module, "PADDED_PARAM_SHARDS", True)
+    for mesh in ((6,), (3, 2)):  # padded shards split them on any axis: no such line
+        with pytest.raises(InfeasibleError) as caught:
+            autopar.plan(WideNet(), mesh, example_inputs=wide_batch(0), cluster="cpu", memory_budget=1024)
+        assert "divides no dim" not in str(caught.value), mesh

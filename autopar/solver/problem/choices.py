@@ -601,10 +601,10 @@ def _all_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], padded: bool
     per_axis = [Replicate()] + [Shard(d) for d in range(len(shape))]
     per_axis += [SS(d, n) for n in strided_blocks() for d in range(len(shape))]
     specs = [spec for spec in itertools.product(per_axis, repeat=len(mesh_shape)) if is_valid(shape, spec, mesh_shape)]
-    if padded:
+    if padded:  # Shard(0) on one axis, R or a plain shard of another dim on the others
         specs += [
             spec
-            for spec in itertools.product(per_axis[:2], repeat=len(mesh_shape))
+            for spec in itertools.product(per_axis[: len(shape) + 1], repeat=len(mesh_shape))
             if padded_axis(shape, spec, mesh_shape) is not None
         ]
     return specs
@@ -639,9 +639,9 @@ def mesh_hint(graph: ChoiceGraph, names: Sequence[str]) -> str:
     sizes = ", ".join(f"axis {axis} ({graph.mesh_shape[axis]} ranks)" for axis in axes)
     return (
         f"\n  Mesh {sizes} divides no dim of {', '.join(fqns[:3])}{' ...' if len(fqns) > 3 else ''}: a parameter is "
-        "split only on an axis whose size divides one of its dims, or padded along dim 0 (FSDP2's layout) on a "
-        "mesh with one axis larger than 1, so these stay whole on every rank there. A mesh whose axis sizes "
-        "divide the model's widths (powers of two, say), or a 1-D mesh of the same devices, lets them shard."
+        "split only on an axis whose size divides one of its dims, or padded along dim 0 (FSDP2's layout) where "
+        "the plan runs eagerly with the communication schedule on, so these stay whole on every rank there. A mesh "
+        "whose axis sizes divide the model's widths (powers of two, say), or an eager plan, lets them shard."
     )
 
 
@@ -652,9 +652,10 @@ def padded_choice(choice: Choice, index: int, mesh_shape: tuple[int, ...]) -> bo
 
 def padded_param_specs(mesh_shape: tuple[int, ...]) -> bool:
     """Whether parameters may be planned as padded shards (``ir.spec.padded_axis``) on this mesh:
-    where ``ir.spec.PADDED_PARAM_SHARDS`` allows them, on a mesh of one axis larger than 1 (the runtime gathers a padded shard on one axis, FSDP's
-    pattern, where its gradient is reduced on that axis alone)."""
-    return spec_module.PADDED_PARAM_SHARDS and sum(size > 1 for size in mesh_shape) == 1
+    where ``ir.spec.PADDED_PARAM_SHARDS`` allows them and some axis larger than 1 exists (the
+    runtime gathers a padded shard on its axis, FSDP's pattern, and reduces its gradient there
+    first, then over the axes it is replicated on)."""
+    return spec_module.PADDED_PARAM_SHARDS and any(size > 1 for size in mesh_shape)
 
 
 def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict, pinned: Spec | None = None, offered: bool = True) -> Choice:

@@ -461,8 +461,13 @@ def _hub_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, 
     hub = slice(len(srcs), len(srcs) + len(dsts))
     outs, ins, into = seconds[: len(srcs)], seconds[hub], possible[hub]
     possible, seconds, sent = (column[hub.stop :] for column in (possible, seconds, sent))
+    # A padded parameter shard moves by its own gather alone (``spec.padded_transition_ok``): no
+    # route through the replicated spec, only its near pairs
+    padded = transitions.padded_axes(src_rows, edge.shape)
+    if padded is not None:
+        outs = np.where(padded.any(axis=1), np.inf, outs)
     via = (
-        dict(zip([src for src, _ in srcs], outs.tolist())),
+        {src: seconds for (src, _), seconds in zip(srcs, outs.tolist()) if seconds != np.inf},
         {dst: seconds for (dst, _), seconds, possible in zip(dsts, ins.tolist(), into.tolist()) if possible},
     )
     routed = possible & (seconds >= outs[rows] + np.where(into, ins, np.inf)[columns])
