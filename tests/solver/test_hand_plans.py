@@ -37,6 +37,22 @@ def test_each_kind_lays_out_parameters_as_prescribed(plans):
     assert plans["zero1"].params == plans["zero2"].params == plans["ddp"].params
 
 
+def test_tp_fsdp_pads_dim_0_over_a_data_parallel_axis_that_divides_no_dim_of_the_tp_piece(meta_gpt_and_batch):
+    """On (3, 2) no dim of the 256-wide GPT divides by 3: FSDP2 pads dim 0 there, beside TP's cut
+    of dim 1 (row parallel, and whatever TP leaves whole); a column-parallel weight, whose dim 0 TP
+    cuts, stays whole on the data-parallel axis (a pad inside TP's cut is not a padded shard)."""
+    from autopar.ir.spec import padded_axis
+
+    model, batch = meta_gpt_and_batch
+    mesh = (3, 2)
+    plan = autopar.hand_plan("tp_fsdp", model, mesh, example_inputs=batch, cluster="cpu")
+    shapes = {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
+    proj, q, ln = "transformer.h.1.mlp.c_proj.weight", "transformer.h.0.attn.q_proj.weight", "transformer.h.0.ln_1.weight"
+    assert plan.params[proj] == (Shard(0), Shard(1)) and padded_axis(shapes[proj], plan.params[proj], mesh) == 0
+    assert plan.params[ln] == (Shard(0), Replicate()) and padded_axis(shapes[ln], plan.params[ln], mesh) == 0
+    assert plan.params[q][1] == Shard(0) and padded_axis(shapes[q], plan.params[q], mesh) is None
+
+
 def test_zero_shards_optimizer_state_then_gradients_at_ddp_speed(meta_gpt_and_batch, plans):
     ddp, zero1, zero2 = (plans[k].predicted for k in ("ddp", "zero1", "zero2"))
     ways = MESH[0] * MESH[1]

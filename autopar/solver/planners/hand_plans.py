@@ -134,7 +134,10 @@ def param_specs(kind: str, traced: TracedModel, mesh_shape: tuple[int, ...]) -> 
                 rest: tuple = (Replicate(),) * (num_axes - 1)
             else:
                 local = tuple(s // mesh_shape[-1] if isinstance(tp, Shard) and d == tp.dim else s for d, s in enumerate(shape))
-                rest = (_fsdp_dim(local, _prod(outer)),) * (num_axes - 1)
+                # FSDP2's padded dim 0 where no dim of the TP piece divides: on one data-parallel
+                # axis, beside TP's cut of another dim (a second cut of dim 0 would nest the pad)
+                padded_here = padded and tp != Shard(0) and sum(size > 1 for size in outer) == 1
+                rest = (_fsdp_dim(local, _prod(outer), padded_here),) * (num_axes - 1)
             spec = rest + (tp,)
         # On a mesh axis of size 1 (a pipeline stage's mesh, a (1, 4) mesh) every spec is R.
         spec = replicate_size_one_axes(spec, mesh_shape)
