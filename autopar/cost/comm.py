@@ -618,6 +618,21 @@ def exposed_grad_sync_s(sync_s: float, backward_compute_s: float, last_bucket_s:
     return max(min(last_bucket_s, sync_s), sync_s - backward_compute_s, 0.0)
 
 
+def copy_s(nbytes: float, cluster: ClusterSpec) -> float:
+    """Seconds of copies that read and write ``nbytes`` in all (each byte counted once per read and
+    once per write), memory-bound at the achieved bandwidth, on the compute stream: the flat
+    buffers around the runtime's collectives (``ops.buckets``)."""
+    efficiency = cluster.rates.memory_efficiency if cluster.rates is not None else 1.0
+    return nbytes / (cluster.memory_bandwidth_bytes_per_s * efficiency)
+
+
+def bucket_copy_s(grad_bytes: float, cluster: ClusterSpec) -> float:
+    """Seconds of copying a gradient of ``grad_bytes`` into its all-reduce bucket (``ops.buckets.
+    GradBuckets.add``, as DDP copies into its buckets and FSDP2 into its reduce-scatter input), on
+    the compute stream; 0 on gloo, whose measured prices hold the host's copies (docs/cost-model.md)."""
+    return 0.0 if cluster.gloo else copy_s(2 * grad_bytes, cluster)
+
+
 def exposed_gathers_s(gather_s: float, first_gather_s: float, forward_compute_s: float) -> float:
     """Seconds of FSDP's forward all-gathers that forward compute does not hide.
 
@@ -695,6 +710,8 @@ __all__ = [
     "transition_bytes_per_axis",
     "grad_allreduce_cost",
     "param_grad_sync_cost",
+    "bucket_copy_s",
+    "copy_s",
     "exposed_grad_sync_s",
     "exposed_gathers_s",
     "DEFAULT_BUCKET_CAP_BYTES",

@@ -167,3 +167,31 @@ def test_the_flat_buffer_copies_are_priced_on_the_compute_stream() -> None:
             moved += again * 2 * param.numel() * param.element_size() * (1 + 1 / 16)
     schedule = plan.predicted.grad_schedule
     assert schedule["copy_s"] == pytest.approx(moved / cluster.memory_bandwidth_bytes_per_s, rel=1e-9)
+
+
+def test_each_all_reduced_gradient_is_copied_into_its_bucket(monkeypatch) -> None:
+    # as DDP copies each gradient into its bucket and the runtime does (ops.buckets), on the compute
+    # stream: twice its bytes at the memory bandwidth, every parameter of a DDP plan; gloo's measured
+    # prices hold the host's copies
+    cluster = _one_nic()  # no rates: the copies run at the full memory bandwidth
+    from autopar.solver.planners.split_batch import batch_pins
+
+    traced, mesh = trace(_gpt(), _inputs(16)), (16,)
+    forced = {**param_specs("ddp", traced, mesh), **batch_pins(traced, mesh)}  # each rank its rows
+
+    def ddp():
+        return solve(traced, mesh, cluster, PlanOptions(), forced=forced)
+
+    copied = ddp()
+    monkeypatch.setattr(comm, "bucket_copy_s", lambda grad_bytes, cluster: 0.0)
+    uncopied = ddp()
+    assert copied.params == uncopied.params and all(p.is_replicate() for s in copied.params.values() for p in s)
+    # the position table's gradient is summed over the batch on its (T, C) activation gradient,
+    # before the lookup's backward: an activation all-reduce, no bucket
+    grads = sum(p.numel() * p.element_size() for n, p in _gpt().named_parameters() if n != "transformer.wpe.weight")
+    added = copied.predicted.step_time_s - uncopied.predicted.step_time_s
+    assert added == pytest.approx(2 * grads / cluster.memory_bandwidth_bytes_per_s, rel=1e-6)
+    post = copied.predicted.grad_schedule["post_solve_s"] - uncopied.predicted.grad_schedule["post_solve_s"]
+    assert post == pytest.approx(added, rel=1e-9), "the ILP does not price it"
+    monkeypatch.undo()
+    assert comm.bucket_copy_s(1e9, get_cluster("cpu")) == 0.0

@@ -120,6 +120,9 @@ def param_schedule(
     sync_s = 0.0
     sync_s += merged_s + sums.scatter_delta_s
     synced = _synced(needed, sums, order)
+    # Each all-reduced gradient is copied into its bucket on the compute stream, as a reduce-
+    # scattered one is into its flat buffer (``_copy_s``): not in the ILP's price (post_solve_s)
+    sums.delta_s += sum(comm.bucket_copy_s(nbytes, cluster) for _, _, nbytes, layer in synced if layer is None)
     backward_s = forward_s = 0.0
     for name in graph.order:
         chosen = graph.choices[name].priced[choice[name]]
@@ -169,8 +172,7 @@ def _copy_s(sums: _Sums, cluster: ClusterSpec, mesh) -> float:
         moved += copies * 2 * gathered * (1 + 1 / mesh[axis])
     for _, _, whole, _ in sums.scattered.values():
         moved += 2 * whole
-    efficiency = cluster.rates.memory_efficiency if cluster.rates is not None else 1.0
-    return moved / (cluster.memory_bandwidth_bytes_per_s * efficiency)
+    return comm.copy_s(moved, cluster)
 
 
 def _overlapped_gathers(sums: _Sums, cluster: ClusterSpec, group_bytes: int) -> tuple[float, ...]:

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch.distributed.tensor import Shard
 
+from autopar.cost import comm
 from autopar.cost.cluster import ClusterSpec
 from autopar.ir.gathers import param_layer, reshards
 from autopar.ir.spec import Spec
@@ -192,8 +193,6 @@ def _pairs(graph, edge, sizes, regathered: bool, grad_itemsize: int, in_layer: i
     it copies the pieces in and out of a flat buffer (again for a re-gather) and the gradient
     into its reduce-scatter bucket, as ``comm_schedule._copy_s`` prices them."""
     mesh = graph.mesh_shape
-    efficiency = cluster.rates.memory_efficiency if cluster.rates is not None else 1.0
-    copy_bandwidth = cluster.memory_bandwidth_bytes_per_s * efficiency
     pairs = {}
     for (src, dst), nbytes in sizes.items():
         price = edge.price.get((src, dst))
@@ -207,7 +206,7 @@ def _pairs(graph, edge, sizes, regathered: bool, grad_itemsize: int, in_layer: i
         share = max(nbytes / graph.comm.gather_group_bytes, 1.0 / in_layer) if graph.comm.gather_group_bytes > 0 else 1.0
         run = price[0] - latency + latency * min(1.0, share)
         copies = (2 if regathered else 1) * 2 * nbytes * (1 + 1 / k) + 2 * nbytes * grad_itemsize / edge.dtype.itemsize
-        pairs[(src, dst)] = (price[0], max(0.0, run), copies / copy_bandwidth)
+        pairs[(src, dst)] = (price[0], max(0.0, run), comm.copy_s(copies, cluster))
     return pairs
 
 
