@@ -205,6 +205,19 @@ def _close(got: float, want: float) -> bool:
     return math.isclose(got, want, rel_tol=TOL, abs_tol=TOL)
 
 
+def _assert_as_eager(run: dict, label: str) -> None:
+    """One ``_loop``'s steps, gradients, eval, parameters and resumed step equal eager's."""
+    for step, ((losses, norm), (eager_losses, eager_norm)) in enumerate(run["steps"]):
+        assert all(map(_close, losses, eager_losses)), f"{label} step {step}: {losses} vs {eager_losses}"
+        assert _close(norm, eager_norm) and norm > CLIP, f"{label} step {step}: norm {norm} vs {eager_norm}"
+    assert max(run["grad_rel"].values()) < TOL, f"{label}: {run['grad_rel']}"
+    assert _close(*run["eval"]), f"{label}: eval {run['eval']}"
+    assert max(run["state_rel"].values()) < TOL, f"{label}: after {STEPS} steps {run['state_rel']}"
+    (losses, norm), (eager_losses, eager_norm) = run["resumed_step"]
+    assert all(map(_close, losses, eager_losses)) and _close(norm, eager_norm), f"{label}: resumed {run['resumed_step']}"
+    assert max(run["resumed_state_rel"].values()) < TOL, f"{label}: resumed {run['resumed_state_rel']}"
+
+
 def test_padded_shards_train_as_eager_save_and_resume(rank_pool, tmp_path, padded_plans) -> None:
     for plan in padded_plans.values():
         assert {fqn: [str(p) for p in spec] for fqn, spec in plan.params.items()} == {
@@ -244,15 +257,7 @@ def test_padded_shards_train_as_eager_save_and_resume(rank_pool, tmp_path, padde
             label = f"rank {rank} batch={batch}"
             assert run["pieces"]["up.weight"] == (rows[0][rank], 64) and run["pieces"]["down.weight"] == (rows[1][rank], 64)
             assert run["pieces"]["down.bias"] == (rows[1][rank],), label
-            for step, ((losses, norm), (eager_losses, eager_norm)) in enumerate(run["steps"]):
-                assert all(map(_close, losses, eager_losses)), f"{label} step {step}: {losses} vs {eager_losses}"
-                assert _close(norm, eager_norm) and norm > CLIP, f"{label} step {step}: norm {norm} vs {eager_norm}"
-            assert max(run["grad_rel"].values()) < TOL, f"{label}: {run['grad_rel']}"
-            assert _close(*run["eval"]), f"{label}: eval {run['eval']}"
-            assert max(run["state_rel"].values()) < TOL, f"{label}: after {STEPS} steps {run['state_rel']}"
-            (losses, norm), (eager_losses, eager_norm) = run["resumed_step"]
-            assert all(map(_close, losses, eager_losses)) and _close(norm, eager_norm), f"{label}: resumed {run['resumed_step']}"
-            assert max(run["resumed_state_rel"].values()) < TOL, f"{label}: resumed {run['resumed_state_rel']}"
+            _assert_as_eager(run, label)
 
 
 # -- a padded axis beside another: tensor parallelism or replicas on the second axis -----------
@@ -331,12 +336,4 @@ def test_padded_beside_another_axis_trains_as_eager(rank_pool, tmp_path, tall_pl
             up = (32 if row == 0 else 31, 64 if name == "hsdp" else 32)
             assert run["pieces"]["up.weight"] == up and run["pieces"]["down.weight"] == ((2, 1)[column], 63), label
             assert run["scattered"] == (0 if name == "whole" else 4 if name == "hsdp" else 2), label
-            for step, ((losses, norm), (eager_losses, eager_norm)) in enumerate(run["steps"]):
-                assert all(map(_close, losses, eager_losses)), f"{label} step {step}: {losses} vs {eager_losses}"
-                assert _close(norm, eager_norm) and norm > CLIP, f"{label} step {step}: norm {norm} vs {eager_norm}"
-            assert max(run["grad_rel"].values()) < TOL, f"{label}: {run['grad_rel']}"
-            assert _close(*run["eval"]), f"{label}: eval {run['eval']}"
-            assert max(run["state_rel"].values()) < TOL, f"{label}: after {STEPS} steps {run['state_rel']}"
-            (losses, norm), (eager_losses, eager_norm) = run["resumed_step"]
-            assert all(map(_close, losses, eager_losses)) and _close(norm, eager_norm), f"{label}: resumed {run['resumed_step']}"
-            assert max(run["resumed_state_rel"].values()) < TOL, f"{label}: resumed {run['resumed_state_rel']}"
+            _assert_as_eager(run, label)
