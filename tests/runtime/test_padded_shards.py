@@ -9,7 +9,9 @@ the padded reduce-scatter reduces) with ``reshard_after_forward=True``, and the 
 every rank (each keeps its piece of the whole gradient) with False. Under two policies that cast
 ("bf16-mixed", and float64 masters cast to float32), the plan casts each padded piece, the ranks
 gather the cast pieces in the policy's dtype (FSDP2's order; once again in backward), and two
-AdamW steps equal the policy's eager reference. The assertions run in the parent.
+AdamW steps equal the policy's eager reference. On 4 ranks, (2, 2): padded shards beside a
+replicated axis (HSDP's order) and beside a cut of another dim (FSDP + TP), and a table tied to its
+head padded. The assertions run in the parent.
 """
 
 from __future__ import annotations
@@ -282,6 +284,28 @@ def tall_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 TALL = Job(TallNet, (2, 2), tall_batch)
+
+
+class TiedNet(torch.nn.Module):
+    """A 63-row table tied to its head, as a language model ties its vocabulary: the graph reads
+    the tensor through one placeholder and never the other (``passes.schedule``'s second tie)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(63, 64)
+        self.head = torch.nn.Linear(64, 63, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids, labels):
+        return torch.nn.functional.cross_entropy(self.head(torch.relu(self.embed(ids))).flatten(0, 1), labels.flatten())
+
+
+def tied_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, 63, (4, 8), generator=generator) for _ in range(2))
+
+
+TIED = Job(TiedNet, (2, 2), tied_batch)
 # "hsdp": padded on one axis, replicated on the other, each rank its own rows (a gradient reduce-
 # scattered on the padded axis, its piece summed over the other: HSDP's order, for either axis);
 # "tp": up.weight padded over the data-parallel axis and cut by columns on the other (torchtitan's
@@ -317,11 +341,17 @@ def tall_plans() -> dict[str, autopar.Plan]:
         plans[name] = with_data_layout(
             solve(traced, TALL.mesh, get_cluster("cpu"), options, forced={**forced, **pins}), traced, data
         )
+    traced = trace(TiedNet().double(), tied_batch(0))  # both placeholders of the tied table padded over axis 0
+    forced = {graph_input.name: (Shard(0), Shard(1)) for graph_input in traced.placeholders("param")}
+    plans["tied"] = solve(traced, TIED.mesh, get_cluster("cpu"), PlanOptions(), forced=forced)
     return plans
 
 
 def _run_tall(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
-    return {name: _loop(autopar.Plan.from_json(plan), True, f"{path}_{name}", TALL) for name, plan in plans.items()}
+    return {
+        name: _loop(autopar.Plan.from_json(plan), True, f"{path}_{name}", TIED if name == "tied" else TALL)
+        for name, plan in plans.items()
+    }
 
 
 def test_padded_beside_another_axis_trains_as_eager(rank_pool, tmp_path, tall_plans) -> None:
@@ -331,6 +361,9 @@ def test_padded_beside_another_axis_trains_as_eager(rank_pool, tmp_path, tall_pl
     results = rank_pool(4).run(_run_tall, str(tmp_path / "tall"), plans, timeout_s=600)
     for rank, result in enumerate(results):
         row, column = divmod(rank, 2)
+        tied = result.pop("tied")
+        assert tied["pieces"]["embed.weight"] == (32 if row == 0 else 31, 32), f"rank {rank} tied"
+        _assert_as_eager(tied, f"rank {rank} tied")
         for name, run in result.items():
             label = f"rank {rank} {name}"
             up = (32 if row == 0 else 31, 64 if name == "hsdp" else 32)
