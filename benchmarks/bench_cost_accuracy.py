@@ -97,10 +97,13 @@ def example_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return idx, targets
 
 
-def make_plans(mesh: tuple[int, ...], cluster, wanted=PLANS) -> dict[str, autopar.Plan]:
+def make_plans(mesh: tuple[int, ...], cluster, wanted=PLANS, reshard: bool | str | None = "auto") -> dict[str, autopar.Plan]:
+    """The plans, under ``CommOptions(reshard_after_forward=reshard)`` but where ``RESHARD`` names
+    another (the schedule a stored run ran: ``reprice``)."""
     traced = trace(build_model(), example_inputs())
     plans: dict[str, autopar.Plan] = {}
-    plans["auto"] = solve(traced, mesh, cluster)
+    default = PlanOptions(comm=autopar.CommOptions(reshard_after_forward=reshard))
+    plans["auto"] = solve(traced, mesh, cluster, default)
     peak = plans["auto"].predicted.peak_memory_bytes
     for name, fraction in (("auto_mem90", 0.9), ("auto_mem80", 0.8)) if set(wanted) & {"auto_mem90", "auto_mem80"} else ():
         try:
@@ -108,12 +111,12 @@ def make_plans(mesh: tuple[int, ...], cluster, wanted=PLANS) -> dict[str, autopa
                 traced,
                 mesh,
                 cluster,
-                PlanOptions.from_keywords(memory_budget=fraction * peak, time_limit_s=60, checkpointing=False),
+                PlanOptions.from_keywords(memory_budget=fraction * peak, time_limit_s=60, checkpointing=False, comm=default.comm),
             )
         except InfeasibleError as error:
             print(f"  {name} on {mesh}: infeasible ({str(error).splitlines()[0]})", flush=True)
     for kind in ("ddp", "fsdp", "megatron"):
-        plans[kind] = solve(traced, mesh, cluster, forced=param_specs(kind, traced, mesh))
+        plans[kind] = solve(traced, mesh, cluster, default, forced=param_specs(kind, traced, mesh))
     for name, reshard in RESHARD.items():
         options = PlanOptions(comm=autopar.CommOptions(reshard_after_forward=reshard))
         plans[name] = solve(traced, mesh, cluster, options, forced=param_specs("fsdp", traced, mesh))
@@ -124,13 +127,14 @@ def make_plans(mesh: tuple[int, ...], cluster, wanted=PLANS) -> dict[str, autopa
         traced,
         mesh,
         cluster,
+        default,
         forced={name: fsdp[name] if ".mlp." in (names[name] or "") else spec for name, spec in rest.items()},
     )
     graph = plans["ddp"]
     everything = {
         name: replicated(len(mesh)) for name, node in graph.nodes.items() if node.outs and node.source not in ("follow", "output")
     }
-    plans["replicated"] = solve(traced, mesh, cluster, forced=everything)
+    plans["replicated"] = solve(traced, mesh, cluster, default, forced=everything)
     return plans
 
 
@@ -323,7 +327,10 @@ def reprice(path: str) -> list[dict[str, Any]]:
         if names != {"cpu-gloo (2 slots)"} or {row["compute"] for row in here} != {"roofline"}:
             raise ValueError(f"--reprice knows the 2-core cpu-gloo roofline rows only, got {sorted(names)}")
         cluster = cpu_cluster(threads_per_rank=1, cores=2)
-        plans = make_plans((world,), cluster, [row["plan"] for row in here])
+        # the stored runs ran FSDP2's default schedule, as every run did before "auto" (2026-11-30);
+        # one planned with another (``schedule`` column) runs as it says
+        reshard = _schedule(here)
+        plans = make_plans((world,), cluster, [row["plan"] for row in here], reshard)
         for row in here:
             plan = plans[row["plan"]]
             rows.append(
@@ -335,14 +342,27 @@ def reprice(path: str) -> list[dict[str, Any]]:
                     float(row["measured_step_s"]),
                     float(row["measured_peak_bytes"]),
                     float(row["counted_sent_bytes"]),
+                    reshard,
                 )
             )
     return rows
 
 
-def _row(name: str, world: int, cluster, plan, step_s: float, peak_bytes: float, sent_bytes: float) -> dict[str, Any]:
+def _schedule(rows: list[dict[str, Any]]) -> bool | str | None:
+    """``CommOptions.reshard_after_forward`` of a stored run (its ``schedule`` column; None, FSDP2's
+    default, for runs from before the column)."""
+    values = {row.get("schedule") or "None" for row in rows}
+    if len(values) != 1:
+        raise ValueError(f"--reprice expects one schedule per world size, got {sorted(values)}")
+    return {"None": None, "True": True, "False": False, "auto": "auto"}[values.pop()]
+
+
+def _row(
+    name: str, world: int, cluster, plan, step_s: float, peak_bytes: float, sent_bytes: float, schedule: object = "auto"
+) -> dict[str, Any]:
     row = {
         "plan": name,
+        "schedule": schedule,  # CommOptions.reshard_after_forward of the plans not in RESHARD
         "ranks": world,
         "cluster": cluster.name,
         "compute": cluster.compute,
