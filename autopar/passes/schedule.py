@@ -123,10 +123,11 @@ def schedule_communication(
         synced, gathered = _param_uses(placeholder, lenient=placeholder.name in padded)
         # (a policy's cast moved past its gathers leaves an unused alias of the padded piece: ``_used``;
         # a tied parameter's second placeholder, which the graph never reads, moves nothing)
+        used = _used(placeholder)
         if (
             placeholder.name in padded
-            and _used(placeholder)
-            and not (len(gathered) == 1 and not synced and len(_used(placeholder)) == len(next(iter(gathered.values()))))
+            and used
+            and not (len(gathered) == 1 and not synced and len(used) == len(next(iter(gathered.values()))))
         ):
             _refuse_padded({placeholder.name: padded[placeholder.name]}, "a use of it is not one all-gather on its axis")
         if len(synced) == 1:  # one set of axes for every synced use (else: keep per-use collectives)

@@ -464,10 +464,10 @@ def _hub_table(edge: Edge, srcs: list[tuple[Spec, int]], dsts: list[tuple[Spec, 
     # A padded parameter shard moves by its own gather alone (``spec.padded_transition_ok``): no
     # route through the replicated spec, only its near pairs
     padded = transitions.padded_axes(src_rows, edge.shape)
-    if padded is not None:
-        outs = np.where(padded.any(axis=1), np.inf, outs)
+    hubbed = np.ones(len(srcs), dtype=bool) if padded is None else ~padded.any(axis=1)
+    outs = np.where(hubbed, outs, np.inf)
     via = (
-        {src: seconds for (src, _), seconds in zip(srcs, outs.tolist()) if seconds != np.inf},
+        {src: seconds for (src, _), seconds, through in zip(srcs, outs.tolist(), hubbed.tolist()) if through},
         {dst: seconds for (dst, _), seconds, possible in zip(dsts, ins.tolist(), into.tolist()) if possible},
     )
     routed = possible & (seconds >= outs[rows] + np.where(into, ins, np.inf)[columns])
