@@ -19,16 +19,23 @@ from autopar.trace import TracedModel
 
 def padded_params(plan: Plan, traced: TracedModel) -> list[str]:
     """The FQNs of the parameters ``plan`` holds as padded shards, in graph order."""
+    return [fqn for fqn, _, _ in padded_placeholders(plan, traced).values()]
+
+
+def padded_placeholders(plan: Plan, traced: TracedModel) -> dict[str, tuple[str, int, int]]:
+    """The parameters ``plan`` holds as padded shards, by placeholder name, in graph order: each
+    one's FQN, padded mesh axis and rows (dim 0)."""
     shapes = {
         node.name: tuple(node.meta["val"].shape)
         for node in traced.gm.graph.nodes
         if node.op == "placeholder" and "val" in node.meta
     }
-    found = []
+    found = {}
     for graph_input in traced.placeholders("param"):
         spec, shape = plan.params.get(graph_input.fqn), shapes.get(graph_input.name)
-        if spec is not None and shape is not None and padded_axis(shape, spec, plan.mesh_shape) is not None:
-            found.append(graph_input.fqn)
+        axis = None if spec is None or shape is None else padded_axis(shape, spec, plan.mesh_shape)
+        if axis is not None:
+            found[graph_input.name] = (graph_input.fqn, axis, shape[0])
     return found
 
 

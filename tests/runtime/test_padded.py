@@ -1,5 +1,5 @@
 """``compile``'s refusals of padded parameter shards where the runtime cannot move them
-(``autopar.runtime.padded``), single-process: the check reads the plan and the trace alone."""
+(``autopar.runtime.padded``), and ``autopar check`` of plans that hold them, single-process."""
 
 from __future__ import annotations
 
@@ -16,17 +16,14 @@ from autopar.trace import trace
 from tests.conftest import WideNet, wide_batch
 
 
+def _padded_hand_plan(kind: str, mesh: tuple[int, ...], precision: str | None = None):
+    """WideNet's hand plan ``kind`` on ``mesh``: 3 ranks divide none of its dims, so its shards are padded."""
+    return autopar.hand_plan(kind, WideNet().double(), mesh, example_inputs=wide_batch(0), cluster="cpu", precision=precision)
+
+
 @pytest.fixture(scope="module")
 def padded():
-    from autopar.ir import spec as spec_module
-
-    model, batch = WideNet().double(), wide_batch(0)
-    allowed, spec_module.PADDED_PARAM_SHARDS = spec_module.PADDED_PARAM_SHARDS, True
-    try:
-        plan = autopar.hand_plan("fsdp", model, (3,), example_inputs=batch, cluster="cpu")
-    finally:
-        spec_module.PADDED_PARAM_SHARDS = allowed
-    return plan, trace(model, batch)
+    return _padded_hand_plan("fsdp", (3,)), trace(WideNet().double(), wide_batch(0))
 
 
 def test_padded_params_are_the_uneven_dim_0_shards(padded):
@@ -57,11 +54,24 @@ def test_a_plan_with_padded_shards_compiles_only_where_the_scheduled_gather_move
         check_padded_plan(two_axes, traced, PlanOptions(), "inductor")
 
 
-def test_autopar_check_refuses_padded_shards_it_cannot_simulate(padded):
-    """``autopar check`` runs the graph unscheduled on a fake group, where no gather pads the
-    pieces: it says so instead of reporting shapes the runtime never has."""
+@pytest.mark.parametrize("precision", [None, "bf16-mixed"])
+def test_autopar_check_gathers_padded_shards_as_the_runtime_does(padded, precision):
+    """``autopar check`` runs the graph unscheduled on a fake group: each padded shard's gather is
+    made as the runtime's scheduled one makes it (pad to ``ceil(n / k)`` rows, gather, cut back), and
+    each rank must hold its own rows of ``torch.chunk``'s cut (22, 22, 20 of 64; 1, 1, 0 of 2)."""
     from autopar.runtime.tools.check import check_plan
 
-    plan, _ = padded
-    with pytest.raises(PlanError, match="does not check plans with padded parameter shards"):
-        check_plan(plan, WideNet().double(), wide_batch(0), rank=2)
+    model, batch = WideNet().double(), wide_batch(0)
+    plan = padded[0] if precision is None else _padded_hand_plan("fsdp", (3,), precision)  # a cast before the gather
+    for rank in range(3):
+        result = check_plan(plan, model, batch, rank=rank)
+        assert result.ok, result.text()
+        assert result.num_collectives >= 4  # a gather of each padded parameter at least
+    two_axes = _padded_hand_plan("tp_fsdp", (3, 2), precision)  # padded on axis 0 of 3 beside a replicated axis
+    assert two_axes.params["down.bias"] == (Shard(0), Replicate())
+    for rank in (0, 5):
+        assert check_plan(two_axes, model, batch, rank=rank).ok
+    # A parameter held otherwise than its graph takes it (whole, where the plan pads it) is named.
+    wrong = dataclasses.replace(plan, params={**plan.params, "down.bias": (Replicate(),)})
+    result = check_plan(wrong, model, batch, rank=2)
+    assert not result.ok and result.mismatches[0].startswith("p_down_bias (param) output 0: local shape (2,)"), result.text()

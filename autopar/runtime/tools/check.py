@@ -13,6 +13,10 @@ plan implies:
   the spec the node takes it in (so the collectives in between produced the right thing);
 - every collective's output relates to its input as the collective says (all-gather multiplies
   the dimension by the group size, chunk and reduce-scatter divide it evenly, all-reduce keeps it).
+
+A padded parameter shard (FSDP2's uneven ``Shard(0)``, ``ir.spec.padded_axis``) is the one tensor
+whose pieces differ between ranks: each rank must hold its own rows of ``torch.chunk``'s cut, and
+its gather is made as the runtime's scheduled gather makes it (``_padded``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,12 +36,13 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from autopar.errors import MeshError, PlanError
+from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
-from autopar.ir.spec import format_spec, local_shape
+from autopar.ir.spec import format_spec, local_shape, pad_piece, piece_shape
 from autopar.ops import collectives
 from autopar.passes import check_plan_matches, default_passes, run_passes
 from autopar.runtime.module import ParallelModule, mesh_groups
-from autopar.runtime.padded import padded_params
+from autopar.runtime.padded import check_padded_plan, padded_placeholders
 from autopar.trace import trace
 
 log = logging.getLogger("autopar")
@@ -111,9 +116,12 @@ def _expected_collective_shape(kind: str, args: tuple, shape: tuple[int, ...]) -
 class _ShapeChecker(torch.fx.Interpreter):
     """Runs the rewritten graph and compares every shape with the plan's."""
 
-    def __init__(self, gm: torch.fx.GraphModule, plan: Plan):
+    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, coordinate: tuple[int, ...], padded: _Padded):
         super().__init__(gm)
         self.plan = plan
+        self.coordinate = coordinate
+        self.gathers = padded.gathers
+        self.pieces = padded.pieces
         self.mismatches: list[str] = []
         self.num_nodes = self.num_inputs = self.num_collectives = 0
 
@@ -122,16 +130,27 @@ class _ShapeChecker(torch.fx.Interpreter):
         if decision is not None and decision.inputs and node.op != "placeholder":
             self._check_inputs(node, decision)
         try:
-            result = super().run_node(node)
+            result = self._padded_gather(node) if node.name in self.gathers else super().run_node(node)
         except Exception as error:  # the op itself rejected the shapes it was given
             self.mismatches.append(f"{node.name}: raised {type(error).__name__}: {str(error).splitlines()[0]}")
             raise _Stop from error
         kind = _COLLECTIVES.get(node.target) if node.op == "call_function" else None
-        if kind is not None:
+        if node.name in self.gathers:
+            self.num_collectives += 1
+        elif kind is not None:
             self._check_collective(node, kind, result)
         elif decision is not None and node.op != "output":
             self._check_outputs(node, decision, result)
         return result
+
+    def _padded_gather(self, node: torch.fx.Node) -> torch.Tensor:
+        """A padded shard's all-gather, as the runtime's scheduled gather makes it (``ops.buckets``):
+        this rank's own rows (its placeholder checked them), padded to ``ceil(n / k)``, gathered, and
+        cut back to ``n`` rows, which its users' inputs check."""
+        size = self.gathers[node.name]
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        k = collectives.group_size(_group_name(node.args))
+        return node.target(pad_piece(args[0], 0, -(-size // k)), *args[1:], **kwargs)[:size]
 
     def _check_collective(self, node: torch.fx.Node, kind: str, result: torch.Tensor) -> None:
         self.num_collectives += 1
@@ -150,7 +169,7 @@ class _ShapeChecker(torch.fx.Interpreter):
             return  # a node whose outputs are not plain tensors (nothing planned to compare)
         self.num_nodes += 1
         for index, (tensor, spec, shape) in enumerate(zip(tensors, decision.outs, decision.shapes)):
-            expected = local_shape(shape, spec, self.plan.mesh_shape)
+            expected = self._held(node.name, shape, spec)
             if tuple(tensor.shape) != tuple(expected):
                 self.mismatches.append(
                     f"{node.name} ({decision.op}) output {index}: local shape {tuple(tensor.shape)}, but global "
@@ -166,12 +185,45 @@ class _ShapeChecker(torch.fx.Interpreter):
         for index, (tensor, (producer, out_index), spec) in enumerate(zip(tensors, decision.inputs, decision.ins)):
             self.num_inputs += 1
             shape = self.plan.nodes[producer].shapes[out_index]
-            expected = local_shape(shape, spec, self.plan.mesh_shape)
+            expected = self._held(producer, shape, spec)
             if tuple(tensor.shape) != tuple(expected):
                 self.mismatches.append(
                     f"{node.name} ({decision.op}) input {index} from {producer}: local shape {tuple(tensor.shape)}, "
                     f"but it is taken as {format_spec(spec)}, which is {tuple(expected)}"
                 )
+
+    def _held(self, name: str, shape, spec) -> tuple[int, ...]:
+        """The local shape of node ``name``'s output of global ``shape`` held as ``spec``: the padded
+        piece that collectives move, but this rank's own rows of a padded shard before its gather."""
+        if name in self.pieces:
+            return piece_shape(shape, spec, self.coordinate, self.plan.mesh_shape)
+        return tuple(local_shape(shape, spec, self.plan.mesh_shape))
+
+
+class _Padded(NamedTuple):
+    """The plan's padded parameter shards in the rewritten graph (``_padded``)."""
+
+    gathers: dict[str, int]  # each one's all-gather (node name) -> the parameter's rows
+    pieces: frozenset[str]  # the nodes that hold a rank's own rows of one: its placeholder and casts
+
+
+def _padded(gm: torch.fx.GraphModule, plan: Plan, traced, groups: tuple[str, ...]) -> _Padded:
+    """Where ``gm`` gathers the plan's padded parameter shards (``ir.spec.padded_axis``). The runtime
+    moves such a shard only by its scheduled gather on its padded axis
+    (``ir.spec.padded_transition_ok``), which pads the pieces; the graph's plain gather of it (dim 0,
+    that axis's group, of the parameter or a cast of it) stands for that one here."""
+    padded = {name: (groups[axis], rows) for name, (_, axis, rows) in padded_placeholders(plan, traced).items()}
+    origin = {name: name for name in padded}  # a node holding a rank's own rows -> its placeholder
+    gathers = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or len(node.all_input_nodes) != 1 or node.all_input_nodes[0].name not in origin:
+            continue
+        source = origin[node.all_input_nodes[0].name]
+        if node.target not in _COLLECTIVES:
+            origin[node.name] = source  # a cast of the parameter (a precision policy's), or its alias
+        elif node.target is collectives.all_gather and node.args[1] == 0 and _group_name(node.args) == padded[source][0]:
+            gathers[node.name] = padded[source][1]
+    return _Padded(gathers, frozenset(origin))
 
 
 class _Stop(Exception):
@@ -232,13 +284,7 @@ def check_plan(plan: Plan, model: torch.nn.Module, example_inputs: tuple, rank: 
     inputs = tuple(example_inputs)
     traced = trace(model, inputs, None, plan.precision)
     check_plan_matches(plan, traced, tuple(plan.mesh_shape))
-    padded = padded_params(plan, traced)
-    if padded:
-        raise PlanError(
-            f"autopar check does not check plans with padded parameter shards yet ({', '.join(padded[:3])}"
-            f"{' ...' if len(padded) > 3 else ''}: Shard(0) on a mesh axis that does not divide dim 0; only the "
-            "runtime's scheduled gather pads their pieces): run the plan on real ranks with autopar.compile"
-        )
+    check_padded_plan(plan, traced, PlanOptions(), None)  # what compile refuses of padded shards, refused here
     world_size = math.prod(plan.mesh_shape)
     with fake_world(world_size, rank):
         level = log.level
@@ -251,7 +297,7 @@ def check_plan(plan: Plan, model: torch.nn.Module, example_inputs: tuple, rank: 
         sharding = dataclasses.replace(plan, memory=None)
         gm = run_passes(copy.deepcopy(traced.gm), sharding, default_passes(groups))
         module = ParallelModule(model, traced, gm, sharding, groups, coordinate)
-        checker = _ShapeChecker(gm, plan)
+        checker = _ShapeChecker(gm, plan, coordinate, _padded(gm, plan, traced, groups))
         module.graph_module = _CheckingModule(checker)
         with torch.no_grad(), contextlib.suppress(_Stop), _no_compute(model) as convert:
             module(*pytree.tree_map(convert, inputs))
