@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from autopar.errors import ConfigError
 from autopar.runtime.pickling import NotPickled
 
 # The hook tables of ``pm.module``'s shells start empty: the model's own hooks were traced into
@@ -75,6 +76,45 @@ class DistributedModel(NotPickled):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         return self._autopar_owner.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # Hugging Face's switches (``activation_checkpointing_enable``, and ``gradient_checkpointing_enable``,
+    # its older name), which ``Trainer`` flips at ``train()`` under ``TrainingArguments(activation_checkpointing=True)``:
+    # the compiled graph is fixed, so each holds where the plan already does as asked, and raises naming the fix
+    # where it does not (``_fixed_checkpointing``).
+
+    def activation_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
+        _fixed_checkpointing(self, "activation_checkpointing_enable", True)
+
+    def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
+        _fixed_checkpointing(self, "gradient_checkpointing_enable", True)
+
+    def activation_checkpointing_disable(self) -> None:
+        _fixed_checkpointing(self, "activation_checkpointing_disable", False)
+
+    def gradient_checkpointing_disable(self) -> None:
+        _fixed_checkpointing(self, "gradient_checkpointing_disable", False)
+
+
+def _fixed_checkpointing(view: DistributedModel, method: str, enable: bool) -> None:
+    """``method`` of the model on a compiled module: nothing to do where the plan already
+    recomputes layers (``enable``) or none (not), else ConfigError naming how to compile it so."""
+    model_class = type(view).__bases__[-1]
+    if not hasattr(model_class, method):
+        raise AttributeError(f"'{model_class.__name__}' object has no attribute {method!r}")
+    plan = view._autopar_owner.plan
+    recomputed = [segment.name for segment in plan.memory.checkpoint] if plan.memory is not None else []
+    if bool(recomputed) == enable:
+        return
+    if enable:
+        fix = (
+            "compile with checkpointing='full' (every layer recomputed, as this switch asks), or call "
+            f"{method}() on the model before autopar.compile, which plans the model's own checkpointing so"
+        )
+    else:
+        fix = f"compile with checkpointing=False (the plan recomputes {', '.join(recomputed[:3])}{' ...' if len(recomputed) > 3 else ''})"
+    raise ConfigError(
+        f"{method}() cannot change a compiled module: its graph and plan are fixed at autopar.compile. To {'recompute' if enable else 'keep'} activations, {fix}"
+    )
 
 
 class ModelAttributes:

@@ -26,6 +26,7 @@ from autopar.errors import ConfigTypeError, TraceError
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.trace.aliases import independent_inputs
 from autopar.trace.attention import causal_attention, written
+from autopar.trace.checkpoints import model_checkpoints
 from autopar.trace.fake import fake_tensors, has_meta_tensors
 from autopar.trace.functions import functions_as_one_op
 from autopar.trace.hooks import check_hooks
@@ -63,6 +64,11 @@ class TracedModel:
     # Wall seconds tracing took: planning's time before the solver, which sizes the solver's
     # optional work (``sharding._solve_budgeted``).
     trace_s: float = 0.0
+    # The checkpoint policy the model's own torch.utils.checkpoint calls ask for, None if none, and
+    # the FQNs of the modules they ran (() where unknown: every layer) (``trace.checkpoints``): the
+    # planner's where ``checkpointing=`` leaves it open.
+    checkpointing: str | None = None
+    checkpointed: tuple[str, ...] = ()
 
     def placeholders(self, kind: str) -> list[GraphInput]:
         return [i for i in self.inputs if i.kind == kind]
@@ -115,6 +121,7 @@ def trace(
             _lazy_recompile(),
             experts_as_one_op(model),
             functions_as_one_op(),  # custom autograd Functions keep their backward (``trace.functions``)
+            model_checkpoints(model) as checkpoints,  # the model's own torch.utils.checkpoint calls (``trace.checkpoints``)
             _no_caches(model) as notes,
             _fake_params(model, (example_inputs, example_kwargs or {}), precision),
         ):
@@ -123,6 +130,8 @@ def trace(
         raise
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error
+    if checkpoints.calls:
+        notes.append(checkpoints.note())
     exported, written_back = _functionalize_aliased_writes(exported)
 
     gm = exported.graph_module
@@ -150,6 +159,8 @@ def trace(
         graph_hash=graph_hash(gm),
         notes=tuple(notes),
         trace_s=time.perf_counter() - start,
+        checkpointing=checkpoints.policy,
+        checkpointed=checkpoints.layers,
     )
 
 

@@ -356,7 +356,30 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
         constants=out.constants,
         graph_hash=graph_hash(new_gm),
         notes=small.notes,
+        checkpointing=small.checkpointing,
+        checkpointed=_deepened(small.checkpointed, path, have, depth),
     )
+
+
+def _deepened(checkpointed: tuple[str, ...], path: str, have: int, depth: int) -> tuple[str, ...]:
+    """The modules the ``depth``-layer model checkpoints (``TracedModel.checkpointed``), from the
+    ``have``-layer export's: the same modules in every layer where all ``have`` layers checkpoint the
+    same ones, else () (every layer: a pattern by index, such as Hugging Face's ``every_n_layers``,
+    is not known from a few layers)."""
+    if not checkpointed:
+        return ()
+    prefix = path + "."
+    inside: dict[str, set[str]] = {}
+    for fqn in checkpointed:
+        if fqn.startswith(prefix):
+            index, _, rest = fqn[len(prefix) :].partition(".")
+            inside.setdefault(index, set()).add(rest)
+    rests = [inside.get(str(layer), set()) for layer in range(have)]
+    if any(rest != rests[0] for rest in rests):
+        return ()
+    outside = [fqn for fqn in checkpointed if not fqn.startswith(prefix)]
+    within = [f"{prefix}{layer}" + (f".{rest}" if rest else "") for layer in range(depth) for rest in sorted(rests[0])]
+    return tuple(sorted(outside + within))
 
 
 class _Emitter:
@@ -458,6 +481,8 @@ def difference(built: TracedModel, real: TracedModel) -> str | None:
         return "tied weights or lifted constants differ"
     if built.in_spec != real.in_spec or built.out_spec != real.out_spec:
         return "input or output structure differs"
+    if (built.checkpointing, built.checkpointed) != (real.checkpointing, real.checkpointed):
+        return f"the model checkpoints {real.checkpointed or 'every layer'}, not {built.checkpointed or 'every layer'}"
     for a, b in zip(built.gm.graph.nodes, real.gm.graph.nodes):
         for key in ("nn_module_stack", "autopar"):
             if a.meta.get(key) != b.meta.get(key):

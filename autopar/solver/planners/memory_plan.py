@@ -99,6 +99,17 @@ _POLICY_KEY = {"full": "checkpoint", "selective": "selective", "selective-op": "
 
 
 @dataclass(frozen=True, slots=True)
+class LayerPolicy:
+    """A checkpoint policy (``ir.memory.CHECKPOINT_POLICIES``) that layers take whatever the budget:
+    every layer, or with ``layers`` (module FQNs: those a model checkpoints itself,
+    ``trace.checkpoints``) the layers that are, hold or lie inside one of them (every layer where
+    none does)."""
+
+    name: str
+    layers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class _Candidate:
     key: tuple[str, str]  # ("checkpoint", segment index) or (kind, param node)
     saved_bytes: float
@@ -561,17 +572,18 @@ def plan_memory(
     prefetch: bool = True,
     checkpointing: bool = True,
     explain: bool = True,
-    policy: str | None = None,
+    policy: LayerPolicy | None = None,
 ) -> tuple[MemoryPlan, MemoryFigures]:
     """The cheapest decisions that bring the peak under ``budget`` (module docstring), and what
     the plan reports of its memory under them (``MemoryFigures``). ``target`` None allows
     checkpointing only.
-    ``policy`` ("selective" or "full") checkpoints every layer with that policy first, whatever
-    the budget (a layout such as torchtitan's), and leaves only offload to choose.
+    ``policy`` checkpoints its layers with its policy first, whatever the budget (a layout such as
+    torchtitan's), and leaves only offload to choose.
     Raises InfeasibleError with the peak when every candidate is taken (``explain=False``: with
     no list of what is alive there, for a caller that only tries a candidate and moves on)."""
     bytes_of = graph.bytes_of(choice)
     sizes = graph.timeline.sizes(bytes_of)
+    layers, policy = (policy.layers, policy.name) if policy is not None else ((), None)
     if target is None and _kept_peak(graph.timeline, sizes) > budget and _plain_peak(graph.timeline, sizes) > budget:
         # Checkpointing alone cannot fit: fail as the greedy would, having taken every candidate
         # (known before the walk's shape is built, which ``solve``'s candidates may never need).
@@ -584,6 +596,7 @@ def plan_memory(
     candidates = _candidates(walk, graph, choice, cluster, target, checkpointing, policy)
     before, _ = walk.peak(set(), prefetch)
     fixed = [c for c in candidates if policy is not None and c.key[0] == _POLICY_KEY[policy]]
+    fixed = [c for c in fixed if _holds_any(c.decision.name, layers)] or fixed
     compute_s = sum(graph.choices[n].priced[choice[n]].compute_s for n in graph.order)
     link = offload_link(cluster, target) if target else None
     taken = _cheapest_greedy(walk, cluster, graph.mesh_shape, candidates, fixed, budget, prefetch, compute_s, link)
@@ -822,6 +835,12 @@ def _param_node(graph, fqn: str) -> str:
     return fqn
 
 
+def _holds_any(layer: str, modules: tuple[str, ...]) -> bool:
+    """Whether the layer of FQN ``layer`` is, holds or lies inside one of ``modules`` (any where
+    there are none)."""
+    return not modules or any(m == layer or m.startswith(layer + ".") or layer.startswith(m + ".") for m in modules)
+
+
 def _candidates(walk: _Walk, graph, choice, cluster, target, checkpointing, policy: str | None = None) -> list[_Candidate]:
     """Every decision ``plan_memory`` may take, priced; with a ``policy``, the checkpoints of
     that policy only."""
@@ -914,4 +933,4 @@ def _infeasible(
     )
 
 
-__all__ = ["plan_memory", "MemoryFigures", "offload_link", "TRANSFERS"]
+__all__ = ["plan_memory", "LayerPolicy", "MemoryFigures", "offload_link", "TRANSFERS"]

@@ -20,7 +20,7 @@ from autopar.ir.prediction import Prediction, SolverStats
 from autopar.ir.spec import Spec, format_spec
 from autopar.ir.summary import format_bytes
 from autopar.solver.planners.kept_layers import choose_kept, given_kept
-from autopar.solver.planners.memory_plan import MemoryFigures, plan_memory
+from autopar.solver.planners.memory_plan import LayerPolicy, MemoryFigures, plan_memory
 from autopar.solver.planners.settings import memory_budget
 from autopar.solver.pricing.comm_schedule import ParamSchedule, param_schedule
 from autopar.solver.pricing.reserved import allocator_budget, allocator_peaks, timeline_spans
@@ -103,7 +103,7 @@ def solve_unexplained(
     in bf16), and the plan records the policy.
     ``options.comm`` is the communication schedule ``compile`` will run, as priced. ``forced``
     pins nodes' specs and ``zero_stage`` shards optimizer state and gradients (hand plans)."""
-    settings = _Settings.of(options if options is not None else PlanOptions(), cluster)
+    settings = _Settings.of(options if options is not None else PlanOptions(), cluster, traced)
     if settings.comm is not None:
         check_kept_layers(settings.comm.reshard_after_forward, (i.fqn for i in traced.inputs if i.kind == "param"))
     budget_text = f", memory budget {format_bytes(settings.memory_budget)}" if settings.memory_budget else ", no memory budget"
@@ -242,18 +242,24 @@ class _Settings:
     budget_gap: float  # a budgeted plan this close to the LP bound needs no MILP (SolveOptions)
     precision: MixedPrecision | None
     comm: CommOptions | None
-    # A checkpoint policy every layer takes whatever the budget ("selective", "selective-op", "full"); None: the
-    # memory planner chooses per layer where the budget binds.
-    policy: str | None = None
+    # A checkpoint policy layers take whatever the budget ("selective", "selective-op", "full": every layer, or
+    # those of the modules the model checkpoints itself); None: the memory planner chooses per layer where the
+    # budget binds.
+    policy: LayerPolicy | None = None
     optimizer: str = DEFAULT_OPTIMIZER  # the one the step is priced for (``PlanOptions.optimizer``)
 
     @classmethod
-    def of(cls, options: PlanOptions, cluster: ClusterSpec) -> _Settings:
+    def of(cls, options: PlanOptions, cluster: ClusterSpec, traced: TracedModel) -> _Settings:
+        """``options`` on ``cluster``. Where they leave checkpointing to the planner (None) and the
+        model checkpoints activations itself (``TracedModel.checkpointing``, ``trace.checkpoints``),
+        the model's policy, on the layers it checkpoints."""
         memory = options.memory
         offload, _ = memory.offload_target(has_host=cluster.host_link is not None)
         # Checkpointing moves no data off the device: allowed by default, used only where the budget binds.
         checkpointing = True if memory.checkpointing is None else bool(memory.checkpointing)
-        policy = memory.checkpointing if isinstance(memory.checkpointing, str) else None
+        policy = LayerPolicy(memory.checkpointing) if isinstance(memory.checkpointing, str) else None
+        if memory.checkpointing is None and traced.checkpointing is not None:
+            policy = LayerPolicy(traced.checkpointing, traced.checkpointed)
         return cls(
             memory_budget(options, cluster),
             offload,
