@@ -510,7 +510,10 @@ def _inline_wrappers(gm: torch.fx.GraphModule) -> None:
     """Inline the bodies of ``torch.no_grad()`` / ``set_grad_enabled`` and disabled-autocast
     regions, which export keeps as higher-order ops over submodules (Hugging Face rotary
     embeddings run under both). Rules see only ATen ops, and a flat graph shards like any other.
-    A no-grad region's outputs go through ``aten.detach``, so that autograd still stops there.
+    A no-grad region's outputs, and its inputs that may need grad, go through ``aten.detach``, so
+    that autograd still stops there and its ops run on tensors that need no grad, as under
+    ``no_grad`` (an op with ``out=``, such as ``spectral_norm``'s power iteration, refuses inputs
+    that need grad).
     Disabled autocast is the identity for a model that runs without autocast, as training under
     autopar does."""
     graph = gm.graph
@@ -524,8 +527,9 @@ def _inline_wrappers(gm: torch.fx.GraphModule) -> None:
         placeholders = iter(operands)
         with graph.inserting_before(node):
             for inner in body.graph.nodes:
-                if inner.op == "placeholder":
-                    env[inner] = next(placeholders)
+                if inner.op == "placeholder":  # a no-grad region reads inputs that need grad cut from autograd
+                    operand = next(placeholders)
+                    env[inner] = _detached(graph, operand) if no_grad and _may_need_grad(operand) else operand
                 elif inner.op == "output":
                     outputs = torch.fx.node.map_arg(inner.args[0], env.__getitem__)
                 elif inner.op == "get_attr":
@@ -549,6 +553,21 @@ def _inline_wrappers(gm: torch.fx.GraphModule) -> None:
             graph.erase_node(node)
     gm.delete_all_unused_submodules()
     gm.recompile()
+
+
+def _may_need_grad(value: Any) -> bool:
+    """Whether a placeholder that needs grad (a parameter; export's FakeTensors say so on
+    placeholders only) reaches ``value`` through ops other than ``detach``."""
+    todo, seen = [value] if isinstance(value, torch.fx.Node) else [], set()
+    while todo:
+        node = todo.pop()
+        if node in seen or node.target is torch.ops.aten.detach.default:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and getattr(node.meta.get("val"), "requires_grad", False):
+            return True
+        todo.extend(node.all_input_nodes)
+    return False
 
 
 def _detached(graph: torch.fx.Graph, value: Any) -> Any:

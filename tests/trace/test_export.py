@@ -74,6 +74,33 @@ def test_no_grad_and_autocast_off_regions_are_inlined_and_detached():
     torch.testing.assert_close(got, model(x))
 
 
+def test_spectral_norm_power_iteration_under_no_grad_trains_as_eager(world_of_one):
+    """``spectral_norm`` runs its power iteration under ``no_grad`` with ``out=`` ops on the weight,
+    which needs grad: the inlined region reads its inputs detached, as ``no_grad`` runs them, and
+    its buffers (``_u``, ``_v``) and the weight train as eager."""
+    import copy
+
+    import autopar
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(8, 16)), torch.nn.Linear(16, 4))
+    model = model.double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pm = autopar.compile(model, (1,), example_inputs=(x,), cluster="cpu")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pm, eager)]
+    for _ in range(3):
+        for m, optimizer in zip((pm, eager), optimizers):
+            m(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    want = eager.state_dict()
+    got = pm.full_state_dict()
+    assert set(got) == set(want) and any(key.endswith("_u") for key in want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=key)
+
+
 def test_autocast_enabled_inside_forward_is_refused_with_the_fix():
     class Autocasting(torch.nn.Module):
         def __init__(self):
