@@ -14,6 +14,7 @@ import hashlib
 import operator
 import re
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,7 @@ def trace(
             functions_as_one_op(),  # custom autograd Functions keep their backward (``trace.functions``)
             model_checkpoints(model) as checkpoints,  # the model's own torch.utils.checkpoint calls (``trace.checkpoints``)
             _no_caches(model) as notes,
+            _sync_batch_norms_as_batch_norms(model, notes),
             _fake_params(model, (example_inputs, example_kwargs or {}), precision),
         ):
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
@@ -207,6 +209,27 @@ def _no_caches(model: torch.nn.Module):
     finally:
         for config in configs.values():
             config.use_cache = True
+
+
+@contextlib.contextmanager
+def _sync_batch_norms_as_batch_norms(model: torch.nn.Module, notes: list[str]):
+    """Trace each ``nn.SyncBatchNorm`` as the ``BatchNorm`` it is on one process. Under a process
+    group its forward would all-gather statistics over the world while tracing (and refuse a CPU
+    input); a plan's batch norm already takes its statistics over the whole batch, however the
+    batch is split, which is what ``SyncBatchNorm`` computes over DDP's ranks. Adds a note."""
+    synced = [m for m in model.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    if synced:
+        notes.append(
+            f"{len(synced)} SyncBatchNorm layer{'s' if len(synced) > 1 else ''} traced as BatchNorm: the plan takes "
+            "batch statistics over the whole batch, as SyncBatchNorm does over DDP's ranks"
+        )
+    for module in synced:
+        module.forward = types.MethodType(torch.nn.modules.batchnorm._BatchNorm.forward, module)
+    try:
+        yield
+    finally:
+        for module in synced:
+            del module.forward
 
 
 def _refuse_cache_inputs(example_kwargs: dict[str, Any] | None) -> None:

@@ -254,3 +254,38 @@ def test_module_backward_hooks_are_refused_and_forward_hooks_said_once(caplog) -
         trace(hooked, x)
     notices = [r.getMessage() for r in caplog.records if "forward hooks on '0'" in r.getMessage()]
     assert len(notices) == 1, notices
+
+
+def test_sync_batch_norm_traces_as_batch_norm_and_trains_as_eager(world_of_one):
+    """Under a process group ``SyncBatchNorm`` would all-gather its statistics while tracing (and
+    refuse a CPU input): it traces as the ``BatchNorm`` it converts from, whose statistics a plan
+    takes over the whole batch, and equals that model in eager, running statistics too."""
+    import copy
+
+    import autopar
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(2)
+    )
+    x = torch.randn(6, 3, 6, 6, dtype=torch.float64)
+    model = model.double()
+    model(x)  # the lazy layer's shape
+    eager = copy.deepcopy(model)
+    synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    assert isinstance(synced[1], torch.nn.SyncBatchNorm)
+    traced = trace(synced, (x,))
+    assert [str(n.target) for n in traced.gm.graph.nodes] == [str(n.target) for n in trace(eager, (x,)).gm.graph.nodes]
+    assert any("SyncBatchNorm layer traced as BatchNorm" in note for note in traced.notes)
+    assert "forward" not in synced[1].__dict__  # the module's own forward again
+    pm = autopar.compile(synced, (1,), example_inputs=(x,), cluster="cpu")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pm, eager)]
+    for _ in range(2):
+        for m, optimizer in zip((pm, eager), optimizers):
+            m(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    got, want = pm.full_state_dict(), eager.state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=key)
