@@ -22,6 +22,7 @@ from autopar.ops.buckets import GradBuckets
 from autopar.ops.params import LocalLeaf, local_of
 from autopar.passes.schedule import bind_parameters
 from autopar.runtime import loaded_state, originals, shapes, trainer_saves
+from autopar.runtime.attribute_guard import AttributeGuard
 from autopar.runtime.base import Flattened, ShardedModule, attach, flatten_inputs, has, lookup, model_tensors
 from autopar.runtime.checkpoint import load_model_state_dict, to_dtensor
 from autopar.runtime.compiled import run_eager, warn_not_compiled
@@ -115,6 +116,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         self._bind(gm, self._inputs)
         self.train(training)
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
+        self._attribute_guard = AttributeGuard(self, self.module, model, traced.reads)  # nor would an attribute set
         held = {fqn for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}
         originals.bind(model, self, held if offloader is None else set())  # optimizers built before
         loaded_state.track(self, {traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, DTensor)})
@@ -241,6 +243,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
             mode_name(self.training),
         )
         traced, gm, plan = self._build_mode(self.training)
+        self._attribute_guard.add(traced.reads)
         base = self._modes[not self.training]
         if traced.graph_hash == base.traced.graph_hash:  # the model's code does not branch on the mode
             run = base
@@ -253,6 +256,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hook_guard.check()
+        self._attribute_guard.check()
         if self._offloader is not None:
             self._offloader.store.take_back()  # weights loaded in place into state_dict()'s copies (dcp.load)
         if self._evaluates_locally(args, kwargs):
@@ -336,6 +340,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         traced, gm, plan = shapes.timed_build(
             key, mode_name(self.training), lambda: self._build_mode(self.training, examples), len(self._by_shape)
         )
+        self._attribute_guard.add(traced.reads)
         run = ModeGraph(traced, plan, f"shape_graph_module_{len(self._by_shape)}")
         self._bind(gm, run.inputs)
         self.add_module(run.attr, gm.train(self.training))

@@ -73,6 +73,7 @@ from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
 from autopar.passes import default_passes, run_passes
 from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
+from autopar.runtime.attribute_guard import AttributeGuard
 from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict
 from autopar.runtime.data import RandomOps, random_ops, start_check
@@ -263,6 +264,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         self._schedule = self._make_schedule(split, loss_node, tensors)
         self._random = self._stage_random_ops(traced, plan, coordinate)
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
+        self._attribute_guard = AttributeGuard(self, self.module, model, traced.reads)  # nor would an attribute set
 
     def _gathers(self) -> bool:
         """The whole state needs every stage (a broadcast from the one that holds each tensor)."""
@@ -421,6 +423,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hook_guard.check()
+        self._attribute_guard.check()
         if not self.training:
             raise UsageError(
                 "this pipelined module is in eval mode, but it runs only the graph traced in train mode (batch norm "

@@ -32,6 +32,7 @@ from autopar.trace.fake import fake_tensors, has_meta_tensors
 from autopar.trace.functions import functions_as_one_op
 from autopar.trace.hooks import check_hooks
 from autopar.trace.moe import experts_as_one_op
+from autopar.trace.reads import SCALARS, model_reads
 
 # Runtime shape and dtype assertions that export leaves behind; after sharding they would
 # check local tensors against global shapes, and they decide nothing, so they are dropped.
@@ -70,6 +71,9 @@ class TracedModel:
     # planner's where ``checkpointing=`` leaves it open.
     checkpointing: str | None = None
     checkpointed: tuple[str, ...] = ()
+    # (module FQN, name, value) of each plain attribute forward read, as the graph holds it
+    # (``trace.reads``; ``runtime.attribute_guard`` refuses a call after one changed).
+    reads: tuple[tuple[str, str, Any], ...] = ()
 
     def placeholders(self, kind: str) -> list[GraphInput]:
         return [i for i in self.inputs if i.kind == kind]
@@ -125,6 +129,7 @@ def trace(
             model_checkpoints(model) as checkpoints,  # the model's own torch.utils.checkpoint calls (``trace.checkpoints``)
             _no_caches(model) as notes,
             _sync_batch_norms_as_batch_norms(model, notes),
+            model_reads(model) as read,  # the plain attributes forward reads (``trace.reads``)
             _fake_params(model, (example_inputs, example_kwargs or {}), precision),
         ):
             exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
@@ -163,6 +168,7 @@ def trace(
         trace_s=time.perf_counter() - start,
         checkpointing=checkpoints.policy,
         checkpointed=checkpoints.layers,
+        reads=_read_values(model, read),
     )
 
 
@@ -230,6 +236,17 @@ def _sync_batch_norms_as_batch_norms(model: torch.nn.Module, notes: list[str]):
     finally:
         for module in synced:
             del module.forward
+
+
+def _read_values(model: torch.nn.Module, read: set[tuple[str, str]]) -> tuple[tuple[str, str, Any], ...]:
+    """``TracedModel.reads``: each attribute's value after the trace (a forward that sets one it reads
+    leaves the graph's value there), in a stable order."""
+    values = []
+    for fqn, name in sorted(read):
+        attributes = model.get_submodule(fqn).__dict__ if fqn else model.__dict__
+        if name in attributes and isinstance(attributes[name], SCALARS):
+            values.append((fqn, name, attributes[name]))
+    return tuple(values)
 
 
 def _refuse_cache_inputs(example_kwargs: dict[str, Any] | None) -> None:

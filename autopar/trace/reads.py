@@ -1,0 +1,84 @@
+"""The model's plain attributes that its forward reads while tracing (``model_reads``).
+
+A traced graph holds the values its forward read from Python attributes (``self.scale = 0.5``,
+``self.use_bias_trick = True``, ``self.drop_path_rate``) as constants: set one after ``compile``
+and eager would compute otherwise, while the graph would not, without a word. While tracing,
+each module of the model reads its attributes through a recording subclass of its own class
+(same name, module and behaviour, so the graph and its metadata are what export gives), and the
+trace keeps the (module FQN, name) of every instance attribute read whose value is a bool, int,
+float, str or None, but ``training`` (each mode has a graph of its own: ``runtime.modes``) and
+those forward sets itself (eager sets them again at each call, whatever a script set).
+``runtime.attribute_guard`` compares them at each call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+SCALARS = (bool, int, float, str, type(None))
+_SUBCLASSES: dict[type, type] = {}
+_UNREAD = frozenset({"training", "__dict__", "__class__"})
+
+
+def _recording(cls: type, reads: set[tuple[int, str]], writes: set[tuple[int, str]]) -> type:
+    """A subclass of ``cls`` that adds (id(module), name) to the active ``reads`` for a scalar
+    instance attribute read, and to ``writes`` for any attribute set; one class per module class,
+    whose sets are the trace's."""
+    made = _SUBCLASSES.get(cls)
+    if made is None:
+
+        def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807 - the protocol's name
+            value = object.__getattribute__(self, name)
+            if name not in _UNREAD and isinstance(value, SCALARS):
+                attributes = object.__getattribute__(self, "__dict__")
+                if name in attributes:
+                    type(self)._autopar_reads.add((id(self), name))
+            return value
+
+        def __setattr__(self: Any, name: str, value: Any) -> None:  # noqa: N807
+            type(self)._autopar_writes.add((id(self), name))
+            cls.__setattr__(self, name, value)
+
+        namespace = {
+            "__getattribute__": __getattribute__,
+            "__setattr__": __setattr__,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        }
+        made = _SUBCLASSES[cls] = type(cls.__name__, (cls,), namespace)
+    made._autopar_reads, made._autopar_writes = reads, writes
+    return made
+
+
+@contextlib.contextmanager
+def model_reads(model: torch.nn.Module) -> Iterator[set[tuple[str, str]]]:
+    """While tracing ``model``: record its modules' scalar attribute reads. The yielded set is
+    filled on exit with (module FQN, attribute name) pairs. A module whose class cannot be swapped
+    (a TorchScript or C++ module) is not recorded."""
+    seen: set[tuple[int, str]] = set()
+    written: set[tuple[int, str]] = set()
+    names = {id(module): fqn for fqn, module in model.named_modules()}
+    swapped = []
+    for module in {id(m): m for m in model.modules()}.values():
+        cls = type(module)
+        if cls in _SUBCLASSES.values():  # a nested trace of the same model
+            continue
+        try:
+            module.__class__ = _recording(cls, seen, written)
+        except TypeError:
+            continue
+        swapped.append((module, cls))
+    found: set[tuple[str, str]] = set()
+    try:
+        yield found
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+        found.update((names[key], name) for key, name in seen - written if key in names)
+
+
+__all__ = ["SCALARS", "model_reads"]

@@ -1,0 +1,74 @@
+"""A plain attribute the traced forward read, set after ``compile``, is refused at the next call
+(``trace.reads``, ``runtime.attribute_guard``): the graph holds the value it was traced with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import ConfigError
+from autopar.trace import trace
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.inner.gain = 1.0  # read through the submodule
+        self.scale, self.use_extra, self.unread = 1.0, False, 3
+        self.last_rows = 0
+
+    def forward(self, x):
+        self.last_rows = x.shape[0]  # set by forward itself: the graph's value is the one left
+        y = self.inner(x) * self.scale * self.inner.gain * self.last_rows
+        if self.use_extra:
+            y = y + 1
+        return y.sum()
+
+
+def test_the_trace_records_the_scalar_attributes_forward_reads():
+    model, x = Scaled(), torch.randn(2, 4)
+    reads = trace(model, (x,)).reads
+    assert reads == (("", "scale", 1.0), ("", "use_extra", False), ("inner", "gain", 1.0))  # not what forward sets
+    assert type(model) is Scaled and type(model.inner) is torch.nn.Linear  # the classes are the model's again
+
+
+@pytest.mark.parametrize("where", ["pm", "pm.module", "model", "pm.module.inner", "model.inner"])
+def test_setting_a_read_attribute_after_compile_is_refused_until_it_is_set_back(world_of_one, where):
+    model, x = Scaled(), torch.randn(2, 4)
+    pm = autopar.compile(model, (1,), example_inputs=(x,), cluster="cpu")
+    want = pm(x)
+    target = {"pm": pm, "pm.module": pm.module, "model": model, "pm.module.inner": pm.module.inner, "model.inner": model.inner}[
+        where
+    ]
+    name = "gain" if where.endswith("inner") else "scale"
+    target.unread = 4  # not read by forward: nothing to refuse
+    target.last_rows = 7  # set by forward before it reads it: nothing either
+    torch.testing.assert_close(pm(x), want)
+    setattr(target, name, 2.0)
+    with pytest.raises(
+        ConfigError, match=rf"^{where}\.{name} is 2\.0, but the compiled graph holds 1\.0.*Compile the model again"
+    ):
+        pm(x)
+    setattr(target, name, 1.0)
+    torch.testing.assert_close(pm(x), want)
+    pm.module.use_extra = True
+    with pytest.raises(ConfigError, match=r"pm\.module\.use_extra is True"):
+        pm(x)
+
+
+def test_a_hugging_face_model_runs_unrefused_until_an_attention_scaling_changes(world_of_one):
+    from tests.zoo import hf_models
+
+    model, kwargs = hf_models.llama(batch_size=2)
+    pm = autopar.compile(model, (1,), example_kwargs=kwargs, cluster="cpu")
+    for _ in range(2):
+        pm(**kwargs).loss.backward()
+    pm.eval()
+    with torch.no_grad():
+        pm(**kwargs)  # the eval graph's reads join the guard
+    pm.train()
+    pm.module.model.layers[1].self_attn.scaling = 0.5
+    with pytest.raises(ConfigError, match=r"pm\.module\.model\.layers\.1\.self_attn\.scaling is 0\.5"):
+        pm(**kwargs)
