@@ -147,6 +147,7 @@ def trace(
     _rename_unstable(gm)
     _inline_wrappers(gm)
     _drop_assertions(gm)
+    notes += _dense_embedding_grads(gm)
     inputs, constants = _graph_inputs(exported, gm)
     causal_attention(gm, constants)  # a traced causal mask back to SDPA's is_causal (trace.attention)
     if precision is not None and precision.casts:
@@ -624,6 +625,27 @@ def _free_attr_name(gm: torch.fx.GraphModule, name: str) -> str:
         index += 1
         candidate = f"{name}_inlined_{index}"
     return candidate
+
+
+def _dense_embedding_grads(gm: torch.fx.GraphModule) -> list[str]:
+    """``nn.Embedding(sparse=True)`` makes its weight's gradient a sparse tensor, which no
+    collective, bucket or sharded gradient of a plan holds: such embeddings give dense gradients
+    (the same numbers; torch's SGD and Adagrad step them alike, ``SparseAdam`` refuses them by
+    name). Returns the note that says so, if any."""
+    sparse = [
+        n
+        for n in gm.graph.nodes
+        if n.target is torch.ops.aten.embedding.default and (n.kwargs.get("sparse") or (len(n.args) > 4 and n.args[4]))
+    ]
+    for node in sparse:
+        node.args, node.kwargs = (*node.args[:4], False), {k: v for k, v in node.kwargs.items() if k != "sparse"}
+    if not sparse:
+        return []
+    gm.recompile()
+    return [
+        f"{len(sparse)} embedding{'s' if len(sparse) > 1 else ''} with sparse=True give{'' if len(sparse) > 1 else 's'} "
+        "dense gradients: a plan's collectives move dense ones (the same numbers; SparseAdam takes none)"
+    ]
 
 
 def _drop_assertions(gm: torch.fx.GraphModule) -> None:

@@ -289,3 +289,28 @@ def test_sync_batch_norm_traces_as_batch_norm_and_trains_as_eager(world_of_one):
     assert set(got) == set(want)
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=key)
+
+
+def test_a_sparse_embedding_gives_dense_gradients_and_trains_as_eager(world_of_one):
+    """``nn.Embedding(sparse=True)``'s sparse gradient fits no collective or bucket: the graph's
+    embedding gives a dense one, the same numbers, which torch's SGD steps as eager steps the sparse."""
+    import copy
+
+    import autopar
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 8, sparse=True), torch.nn.Linear(8, 3)).double()
+    eager = copy.deepcopy(model)
+    ids = torch.tensor([[1, 4, 4], [7, 1, 2]])
+    traced = trace(model, (ids,))
+    assert any("1 embedding with sparse=True gives dense gradients" in note for note in traced.notes)
+    pm = autopar.compile(model, (1,), example_inputs=(ids,), cluster="cpu")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (pm, eager)]
+    for _ in range(3):
+        for m, optimizer in zip((pm, eager), optimizers):
+            m(ids).square().mean().backward()
+            assert dict(m.named_parameters())["0.weight"].grad.is_sparse == (m is eager)
+            optimizer.step()
+            optimizer.zero_grad()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(pm.full_state_dict()[key], value, rtol=1e-12, atol=1e-12, msg=key)
