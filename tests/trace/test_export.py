@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -74,31 +75,38 @@ def test_no_grad_and_autocast_off_regions_are_inlined_and_detached():
     torch.testing.assert_close(got, model(x))
 
 
+def _steps_as_eager(model, eager, inputs: tuple, steps: int = 3, lr: float = 0.1, seen=None) -> dict:
+    """``model`` compiled on (1,) and ``eager`` each take ``steps`` SGD steps on the mean square of
+    their outputs (``seen(module)`` after each backward); their whole states must then be equal.
+    Returns eager's."""
+    import autopar
+
+    pm = autopar.compile(model, (1,), example_inputs=inputs, cluster="cpu")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=lr) for m in (pm, eager)]
+    for _ in range(steps):
+        for m, optimizer in zip((pm, eager), optimizers):
+            m(*inputs).square().mean().backward()
+            if seen is not None:
+                seen(m)
+            optimizer.step()
+            optimizer.zero_grad()
+    got, want = pm.full_state_dict(), eager.state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=key)
+    return want
+
+
 def test_spectral_norm_power_iteration_under_no_grad_trains_as_eager(world_of_one):
     """``spectral_norm`` runs its power iteration under ``no_grad`` with ``out=`` ops on the weight,
     which needs grad: the inlined region reads its inputs detached, as ``no_grad`` runs them, and
     its buffers (``_u``, ``_v``) and the weight train as eager."""
-    import copy
-
-    import autopar
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(8, 16)), torch.nn.Linear(16, 4))
     model = model.double()
     eager = copy.deepcopy(model)
-    x = torch.randn(6, 8, dtype=torch.float64)
-    pm = autopar.compile(model, (1,), example_inputs=(x,), cluster="cpu")
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pm, eager)]
-    for _ in range(3):
-        for m, optimizer in zip((pm, eager), optimizers):
-            m(x).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    want = eager.state_dict()
-    got = pm.full_state_dict()
-    assert set(got) == set(want) and any(key.endswith("_u") for key in want)
-    for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=key)
+    want = _steps_as_eager(model, eager, (torch.randn(6, 8, dtype=torch.float64),))
+    assert any(key.endswith("_u") for key in want)  # the power iteration's buffers too
 
 
 def test_autocast_enabled_inside_forward_is_refused_with_the_fix():
@@ -214,8 +222,6 @@ def test_a_model_without_aliased_writes_keeps_the_graph_export_gives():
 def test_argument_names_survive_graph_copies(name):
     # fx renames a node named after a Python builtin when it copies the graph (compile rewrites a
     # copy, and plans are keyed by node name): such a name is replaced once, at trace time.
-    import copy
-
     namespace: dict = {}
     exec(f"def forward(self, {name}):\n    return ({name} * 2.0).sum()", namespace)  # noqa: S102
     model = type("Named", (torch.nn.Module,), {"forward": namespace["forward"]})()
@@ -260,10 +266,6 @@ def test_sync_batch_norm_traces_as_batch_norm_and_trains_as_eager(world_of_one):
     """Under a process group ``SyncBatchNorm`` would all-gather its statistics while tracing (and
     refuse a CPU input): it traces as the ``BatchNorm`` it converts from, whose statistics a plan
     takes over the whole batch, and equals that model in eager, running statistics too."""
-    import copy
-
-    import autopar
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(2)
@@ -278,39 +280,20 @@ def test_sync_batch_norm_traces_as_batch_norm_and_trains_as_eager(world_of_one):
     assert [str(n.target) for n in traced.gm.graph.nodes] == [str(n.target) for n in trace(eager, (x,)).gm.graph.nodes]
     assert any("SyncBatchNorm layer traced as BatchNorm" in note for note in traced.notes)
     assert "forward" not in synced[1].__dict__  # the module's own forward again
-    pm = autopar.compile(synced, (1,), example_inputs=(x,), cluster="cpu")
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pm, eager)]
-    for _ in range(2):
-        for m, optimizer in zip((pm, eager), optimizers):
-            m(x).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    got, want = pm.full_state_dict(), eager.state_dict()
-    assert set(got) == set(want)
-    for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=key)
+    _steps_as_eager(synced, eager, (x,))
 
 
 def test_a_sparse_embedding_gives_dense_gradients_and_trains_as_eager(world_of_one):
     """``nn.Embedding(sparse=True)``'s sparse gradient fits no collective or bucket: the graph's
     embedding gives a dense one, the same numbers, which torch's SGD steps as eager steps the sparse."""
-    import copy
-
-    import autopar
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(20, 8, sparse=True), torch.nn.Linear(8, 3)).double()
     eager = copy.deepcopy(model)
     ids = torch.tensor([[1, 4, 4], [7, 1, 2]])
     traced = trace(model, (ids,))
     assert any("1 embedding with sparse=True gives dense gradients" in note for note in traced.notes)
-    pm = autopar.compile(model, (1,), example_inputs=(ids,), cluster="cpu")
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (pm, eager)]
-    for _ in range(3):
-        for m, optimizer in zip((pm, eager), optimizers):
-            m(ids).square().mean().backward()
-            assert dict(m.named_parameters())["0.weight"].grad.is_sparse == (m is eager)
-            optimizer.step()
-            optimizer.zero_grad()
-    for key, value in eager.state_dict().items():
-        torch.testing.assert_close(pm.full_state_dict()[key], value, rtol=1e-12, atol=1e-12, msg=key)
+    sparse = []
+    _steps_as_eager(
+        model, eager, (ids,), lr=0.5, seen=lambda m: sparse.append(dict(m.named_parameters())["0.weight"].grad.is_sparse)
+    )
+    assert sparse == [False, True] * 3  # the compiled module's dense, eager's sparse
