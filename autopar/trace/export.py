@@ -230,13 +230,17 @@ def _sync_batch_norms_as_batch_norms(model: torch.nn.Module, notes: list[str]):
             f"{len(synced)} SyncBatchNorm layer{'s' if len(synced) > 1 else ''} traced as BatchNorm: the plan takes "
             "batch statistics over the whole batch, as SyncBatchNorm does over DDP's ranks"
         )
+    own = [module.__dict__.get("forward") for module in synced]  # an instance's own forward, kept
     for module in synced:
         module.forward = types.MethodType(torch.nn.modules.batchnorm._BatchNorm.forward, module)
     try:
         yield
     finally:
-        for module in synced:
-            del module.forward
+        for module, forward in zip(synced, own):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
 
 
 def _read_values(model: torch.nn.Module, read: set[tuple[str, str]]) -> tuple[tuple[str, str, Any], ...]:
@@ -638,7 +642,10 @@ def _dense_embedding_grads(gm: torch.fx.GraphModule) -> list[str]:
         if n.target is torch.ops.aten.embedding.default and (n.kwargs.get("sparse") or (len(n.args) > 4 and n.args[4]))
     ]
     for node in sparse:
-        node.args, node.kwargs = (*node.args[:4], False), {k: v for k, v in node.kwargs.items() if k != "sparse"}
+        if len(node.args) > 4:
+            node.args = (*node.args[:4], False)
+        else:
+            node.kwargs = {**node.kwargs, "sparse": False}
     if not sparse:
         return []
     gm.recompile()
