@@ -56,11 +56,13 @@ class Checkpoints:
         return "selective" if self.selective == self.calls else "full"
 
     def note(self) -> str:
-        where = "the layers that hold " + ", ".join(self.layers[:3]) + (" ..." if len(self.layers) > 3 else "")
+        shown = ", ".join(self.layers[:3]) + (" ..." if len(self.layers) > 3 else "")
+        where = f"the layers of {shown}" if self.layers else "every layer"
         return (
             f"the model checkpoints activations itself ({self.calls} torch.utils.checkpoint call"
             f"{'s' if self.calls > 1 else ''} while tracing): traced as plain forward code, and planned as "
-            f"checkpointing={self.policy!r} for {where if self.layers else 'every layer'} unless checkpointing= says otherwise"
+            f"checkpointing={self.policy!r} for {where} where checkpointing= is not given (None) "
+            "and no pipeline is"
         )
 
     def saw(self, function: Any) -> None:

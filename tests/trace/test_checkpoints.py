@@ -99,10 +99,11 @@ def test_a_checkpointed_forward_traces_as_the_plain_one_and_asks_for_its_policy(
     assert _ops(traced) == _ops(plain)  # no recompute ops, no no-grad cut, no opaque Function
     assert plain.checkpointing is None and not plain.notes
     assert (traced.checkpointing, traced.checkpointed) == (policy, modules)
-    where = f"the layers that hold {', '.join(modules)}" if modules else "every layer"
+    where = f"the layers of {', '.join(modules)}" if modules else "every layer"
     assert traced.notes == (
         f"the model checkpoints activations itself ({calls} torch.utils.checkpoint calls while tracing): traced as "
-        f"plain forward code, and planned as checkpointing={policy!r} for {where} unless checkpointing= says otherwise",
+        f"plain forward code, and planned as checkpointing={policy!r} for {where} where checkpointing= "
+        "is not given (None) and no pipeline is",
     )
     assert torch_checkpoint.CheckpointFunction.__module__ == "torch.utils.checkpoint"  # torch's own, restored
 
