@@ -31,6 +31,7 @@ from autopar.trace.checkpoints import model_checkpoints
 from autopar.trace.fake import fake_tensors, has_meta_tensors
 from autopar.trace.functions import functions_as_one_op
 from autopar.trace.hooks import check_hooks
+from autopar.trace.host_random import export_checking_host_draws
 from autopar.trace.moe import experts_as_one_op
 from autopar.trace.reads import SCALARS, model_reads
 
@@ -132,7 +133,9 @@ def trace(
             model_reads(model) as read,  # the plain attributes forward reads (``trace.reads``)
             _fake_params(model, (example_inputs, example_kwargs or {}), precision),
         ):
-            exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
+            exported = export_checking_host_draws(  # Python's or NumPy's random numbers (``trace.host_random``)
+                lambda: torch.export.export(model, example_inputs, example_kwargs or {}, strict=False), type(model).__name__
+            )
     except TraceError:  # autopar's own refusal, raised while tracing (trace.functions): it names its fix
         raise
     except Exception as error:  # export raises many types; all mean "cannot trace"
