@@ -26,8 +26,10 @@ _MISSING = object()
 
 
 def _same(a: Any, b: Any) -> bool:
-    if type(a) is not type(b):
-        return False
+    """Whether ``a`` is ``b``'s value: equal scalars of one type, or the very tensor (which the graph
+    holds: a change in place reaches it)."""
+    if type(a) is not type(b) or isinstance(a, torch.Tensor):
+        return a is b
     return a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
 
 
@@ -62,12 +64,7 @@ class AttributeGuard:
                 current = attributes.get(name, _MISSING)
                 if current is held or current is _MISSING or _same(current, held):
                     continue
-                raise ConfigError(
-                    f"{where}.{name} is {current!r}, but the compiled graph holds {held!r}, the value its forward read "
-                    f"when autopar.compile traced it: eager would compute with {current!r}. Compile the model again "
-                    "after setting it, or keep a value that changes in a buffer (register_buffer), which the graph "
-                    "reads at every call"
-                )
+                raise ConfigError(_changed(f"{where}.{name}", current, held))
 
     def _resolved(self) -> list[tuple[str, weakref.ref, list[tuple[str, Any]]]]:
         """(how a message names the module, a weak reference to it, its guarded (name, value)s) for
@@ -86,6 +83,21 @@ class AttributeGuard:
             if not fqn and owner is not None:
                 checks.append(("pm", weakref.ref(owner), [(n, v) for n, v in items if n not in self._own]))
         return checks
+
+
+def _changed(where: str, current: Any, held: Any) -> str:
+    """The message of a guarded attribute that changed."""
+    if isinstance(held, torch.Tensor):
+        return (
+            f"{where} is another tensor than the one the compiled graph holds, which its forward read when "
+            "autopar.compile traced it: eager would compute with the new one. Copy into it in place "
+            f"({where}.copy_(new), which the graph sees), register it as a buffer, or compile the model again"
+        )
+    return (
+        f"{where} is {current!r}, but the compiled graph holds {held!r}, the value its forward read when "
+        f"autopar.compile traced it: eager would compute with {current!r}. Compile the model again after setting "
+        "it, or keep a value that changes in a buffer (register_buffer), which the graph reads at every call"
+    )
 
 
 def _submodule(root: torch.nn.Module | None, fqn: str) -> torch.nn.Module | None:

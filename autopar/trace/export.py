@@ -33,7 +33,7 @@ from autopar.trace.functions import functions_as_one_op
 from autopar.trace.hooks import check_hooks
 from autopar.trace.host_random import export_checking_host_draws
 from autopar.trace.moe import experts_as_one_op
-from autopar.trace.reads import SCALARS, model_reads
+from autopar.trace.reads import GUARDED, model_reads
 
 # Runtime shape and dtype assertions that export leaves behind; after sharding they would
 # check local tensors against global shapes, and they decide nothing, so they are dropped.
@@ -72,8 +72,9 @@ class TracedModel:
     # planner's where ``checkpointing=`` leaves it open.
     checkpointing: str | None = None
     checkpointed: tuple[str, ...] = ()
-    # (module FQN, name, value) of each plain attribute forward read, as the graph holds it
-    # (``trace.reads``; ``runtime.attribute_guard`` refuses a call after one changed).
+    # (module FQN, name, value) of each plain attribute forward read (a scalar, or a tensor that is
+    # neither parameter nor buffer), as the graph holds it (``trace.reads``; ``runtime.attribute_guard``
+    # refuses a call after one changed).
     reads: tuple[tuple[str, str, Any], ...] = ()
 
     def placeholders(self, kind: str) -> list[GraphInput]:
@@ -252,7 +253,7 @@ def _read_values(model: torch.nn.Module, read: set[tuple[str, str]]) -> tuple[tu
     values = []
     for fqn, name in sorted(read):
         attributes = model.get_submodule(fqn).__dict__ if fqn else model.__dict__
-        if name in attributes and isinstance(attributes[name], SCALARS):
+        if name in attributes and isinstance(attributes[name], GUARDED):
             values.append((fqn, name, attributes[name]))
     return tuple(values)
 

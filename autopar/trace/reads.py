@@ -6,7 +6,8 @@ and eager would compute otherwise, while the graph would not, without a word. Wh
 each module of the model reads its attributes through a recording subclass of its own class
 (same name, module and behaviour, so the graph and its metadata are what export gives), and the
 trace keeps the (module FQN, name) of every instance attribute read whose value is a bool, int,
-float, str or None, but ``training`` (each mode has a graph of its own: ``runtime.modes``) and
+float, str or None, or a plain tensor attribute (neither parameter nor buffer: the graph holds
+that tensor, so a change in place reaches it, another tensor assigned does not), but ``training`` (each mode has a graph of its own: ``runtime.modes``) and
 those forward sets itself (eager sets them again at each call, whatever a script set).
 ``runtime.attribute_guard`` compares them at each call.
 """
@@ -20,20 +21,21 @@ from typing import Any
 import torch
 
 SCALARS = (bool, int, float, str, type(None))
+GUARDED = (*SCALARS, torch.Tensor)  # what a read attribute may hold to be guarded (``runtime.attribute_guard``)
 _SUBCLASSES: dict[type, type] = {}
 _UNREAD = frozenset({"training", "__dict__", "__class__"})
 
 
 def _recording(cls: type, reads: set[tuple[int, str]], writes: set[tuple[int, str]]) -> type:
-    """A subclass of ``cls`` that adds (id(module), name) to the active ``reads`` for a scalar
-    instance attribute read, and to ``writes`` for any attribute set; one class per module class,
+    """A subclass of ``cls`` that adds (id(module), name) to the active ``reads`` for a scalar or
+    tensor instance attribute read, and to ``writes`` for any attribute set; one class per module class,
     whose sets are the trace's."""
     made = _SUBCLASSES.get(cls)
     if made is None:
 
         def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807 - the protocol's name
             value = object.__getattribute__(self, name)
-            if name not in _UNREAD and isinstance(value, SCALARS):
+            if name not in _UNREAD and isinstance(value, GUARDED):
                 attributes = object.__getattribute__(self, "__dict__")
                 if name in attributes:
                     type(self)._autopar_reads.add((id(self), name))
@@ -81,4 +83,4 @@ def model_reads(model: torch.nn.Module) -> Iterator[set[tuple[str, str]]]:
         found.update((names[key], name) for key, name in seen - written if key in names)
 
 
-__all__ = ["SCALARS", "model_reads"]
+__all__ = ["GUARDED", "model_reads"]

@@ -18,10 +18,11 @@ class Scaled(torch.nn.Module):
         self.inner.gain = 1.0  # read through the submodule
         self.scale, self.use_extra, self.unread = 1.0, False, 3
         self.last_rows = 0
+        self.mask = torch.ones(4)  # a plain tensor attribute: the graph holds this very tensor
 
     def forward(self, x):
         self.last_rows = x.shape[0]  # set by forward itself: the graph's value is the one left
-        y = self.inner(x) * self.scale * self.inner.gain * self.last_rows
+        y = self.inner(x) * self.scale * self.inner.gain * self.last_rows * self.mask
         if self.use_extra:
             y = y + 1
         return y.sum()
@@ -30,7 +31,8 @@ class Scaled(torch.nn.Module):
 def test_the_trace_records_the_scalar_attributes_forward_reads():
     model, x = Scaled(), torch.randn(2, 4)
     reads = trace(model, (x,)).reads
-    assert reads == (("", "scale", 1.0), ("", "use_extra", False), ("inner", "gain", 1.0))  # not what forward sets
+    assert [(fqn, name) for fqn, name, _ in reads] == [("", "mask"), ("", "scale"), ("", "use_extra"), ("inner", "gain")]
+    assert reads[0][2] is model.mask and reads[1][2] == 1.0  # not last_rows, which forward sets itself
     assert type(model) is Scaled and type(model.inner) is torch.nn.Linear  # the classes are the model's again
 
 
@@ -55,6 +57,17 @@ def test_setting_a_read_attribute_after_compile_is_refused_until_it_is_set_back(
     torch.testing.assert_close(pm(x), want)
     pm.module.use_extra = True
     with pytest.raises(ConfigError, match=r"pm\.module\.use_extra is True"):
+        pm(x)
+
+
+def test_a_tensor_attribute_changed_in_place_reaches_the_graph_and_one_assigned_is_refused(world_of_one):
+    model, x = Scaled(), torch.randn(2, 4)
+    pm = autopar.compile(model, (1,), example_inputs=(x,), cluster="cpu")
+    want = pm(x)
+    pm.module.mask.mul_(2.0)  # the graph's own tensor
+    torch.testing.assert_close(pm(x), 2 * want)
+    pm.module.mask = torch.full((4,), 2.0)  # another tensor: eager reads it, the graph would not
+    with pytest.raises(ConfigError, match=r"^pm\.module\.mask is another tensor than the one the compiled graph holds.*copy_"):
         pm(x)
 
 
