@@ -23,7 +23,6 @@ import torch
 SCALARS = (bool, int, float, str, type(None))
 GUARDED = (*SCALARS, torch.Tensor)  # what a read attribute may hold to be guarded (``runtime.attribute_guard``)
 _SUBCLASSES: dict[type, type] = {}
-_UNREAD = frozenset({"training", "__dict__", "__class__"})
 
 
 def _recording(cls: type, reads: set[tuple[int, str]], writes: set[tuple[int, str]]) -> type:
@@ -35,7 +34,7 @@ def _recording(cls: type, reads: set[tuple[int, str]], writes: set[tuple[int, st
 
         def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807 - the protocol's name
             value = object.__getattribute__(self, name)
-            if name not in _UNREAD and isinstance(value, GUARDED):
+            if name != "training" and isinstance(value, GUARDED):  # each mode has its own graph
                 attributes = object.__getattribute__(self, "__dict__")
                 if name in attributes:
                     type(self)._autopar_reads.add((id(self), name))
