@@ -12,7 +12,7 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.ir.options import PlanOptions
 from autopar.ir.pipeline import first_microbatch
 from autopar.ir.plan import Plan
-from autopar.runtime import checkpoint
+from autopar.runtime import checkpoint, stale_model
 from autopar.runtime.agreement import check_rank_agreement, resolve_plan
 from autopar.runtime.materialize import FromCheckpoint, SeededInit
 from autopar.runtime.module import ParallelModule
@@ -43,6 +43,23 @@ def build_module(
     ``solver.planners.split_batch``). A pipeline traces one microbatch of ``examples``. Meta tensors
     become FakeTensors; under a precision policy, parameters are traced in param_dtype and cast from
     their master dtype at use, as when planning. ``init`` makes only this rank's shards."""
+    with stale_model.quiet():  # the model may be one compiled before, and trained since (runtime.stale_model)
+        module = _build(model, examples, plan, mesh_shape, cluster, options, init, compiler, split_batch)
+    stale_model.watch(model, module)
+    return module
+
+
+def _build(
+    model: torch.nn.Module,
+    examples: Examples,
+    plan: Plan | None,
+    mesh_shape: tuple[int, ...],
+    cluster: ClusterSpec,
+    options: PlanOptions,
+    init: SeededInit | FromCheckpoint | None,
+    compiler: str | None,
+    split_batch: bool,
+) -> ParallelModule | PipelineParallelModule:
     pipelined = options.pipeline.enabled
     traced_on = first_microbatch(*examples, options.pipeline.microbatches) if pipelined else examples
     with quiet_gc():

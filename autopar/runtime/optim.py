@@ -23,6 +23,7 @@ import torch
 
 from autopar.errors import ConfigError
 from autopar.ops.params import local_of
+from autopar.runtime import stale_model
 from autopar.runtime.offload import grad_key, param_key
 
 
@@ -92,6 +93,7 @@ class AdamW:
             first = next((fqn for fqn, _ in params if any(self._offloaded(kind, fqn) for kind in kinds)), None)
             if first is not None:
                 self._prefetch(first)
+        stale_model.stepped(self.module)  # the model passed to compile is behind it now
         for k, (fqn, param) in enumerate(params):
             if prefetch and k + 1 < len(params):
                 self._prefetch(params[k + 1][0])

@@ -21,6 +21,7 @@ from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
 from autopar.passes import default_passes, run_passes
+from autopar.runtime import stale_model
 from autopar.runtime.agreement import check_rank_agreement, resolve_plan
 from autopar.runtime.compile_checks import check_precision_runs
 from autopar.runtime.compiled import graph_runner
@@ -159,7 +160,7 @@ def mode_builder(
         was = model.training
         model.train(training)
         try:
-            with quiet_gc():
+            with quiet_gc(), stale_model.quiet():
                 traced = trace(model, inputs, kwargs, options.precision)
         finally:
             model.train(was)

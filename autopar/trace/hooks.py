@@ -30,7 +30,7 @@ def check_hooks(model: torch.nn.Module) -> None:
             "modules. Remove the hook before autopar.compile; to change a parameter's gradient, register a tensor "
             "hook on it (p.register_hook) before compile, which is traced"
         )
-    forward = [name or "the model" for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    forward = [name or "the model" for name, m in model.named_modules() if m._forward_hooks or _own(m._forward_pre_hooks)]
     if forward or hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
         where = ", ".join(repr(n) for n in forward[:3]) + (f" and {len(forward) - 3} more" if len(forward) > 3 else "")
         if where not in _said:
@@ -40,3 +40,9 @@ def check_hooks(model: torch.nn.Module) -> None:
                 "do besides (logging, collecting activations) runs only while tracing, not at each call",
                 where or "every module (a global hook)",
             )
+
+
+def _own(pre_hooks: dict) -> bool:
+    """Whether a module's forward pre-hooks are the model's own: not autopar's guard of a model
+    compiled before (``runtime.stale_model``), which computes nothing."""
+    return any(not getattr(hook, "autopar_guard", False) for hook in pre_hooks.values())

@@ -1,0 +1,169 @@
+"""The model passed to ``autopar.compile``, once the compiled module has trained.
+
+``pm`` trains its own copy of the weights (docs/training.md): the model keeps the ones it had.
+Under DDP and FSDP2 the name a script wrapped is the trained model, so a script that evaluates,
+generates from or saves through it (``model.eval(); model(x)``, ``torch.save(model.state_dict())``,
+``model.save_pretrained(...)``) reads trained weights there; here it would read the initial ones,
+without a word. So once ``pm`` has changed (an optimizer stepped its parameters, or they were
+written in place: a loaded checkpoint) while the model has not (no optimizer stepped it, nothing
+wrote its parameters), the model's ``state_dict()`` and a forward that does not train (grad mode
+off, or the model in eval mode) raise a ``UsageError`` that names ``pm.module``, the model
+distributed. A forward that trains is left alone: a model trained eagerly beside ``pm``, to
+compare the two, starts with one. Once the model has changed, or ``pm`` is gone, the guard is
+removed. autopar's own calls (``compile`` of the same model again: ``quiet``) pass.
+
+What moved is seen two ways: a global optimizer step post-hook (fused optimizers write without
+bumping a tensor's version) and, for the rest, the sum of the tensors' version counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from autopar.errors import UsageError
+from autopar.ops.params import local_of
+
+# id(parameter) → (the parameter, the watch it belongs to, "pm" or "model"); weak on both
+_PARAMS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+_SEEN: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()  # optimizer → (params, generation)
+_STATE = {"generation": 0, "quiet": 0}
+_HOOK: list[Any] = []
+
+
+class _Watch:
+    """One compiled module and the model it was compiled from."""
+
+    def __init__(self, model: torch.nn.Module, pm: torch.nn.Module):
+        self.model = weakref.ref(model)
+        self.pm = weakref.ref(pm, lambda _: self.remove())
+        self.model_versions = _versions(model.parameters())
+        self.pm_versions = _versions(local_of(p) for p in pm.parameters())
+        self.pm_stepped = False
+        self.model_stepped = False
+        me = weakref.ref(self)
+        for param in model.parameters():
+            _PARAMS[id(param)] = (weakref.ref(param), me, "model")
+        for param in pm.parameters():
+            _PARAMS[id(param)] = (weakref.ref(param), me, "pm")
+        self.handles = [
+            model.register_forward_pre_hook(_Guard(self, "forward")),
+            model.register_state_dict_pre_hook(_Guard(self, "state_dict")),
+        ]
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of pm (swa_utils.AveragedModel) guards nothing
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        for key in [k for k, (_, watched, _) in _PARAMS.items() if watched() is self]:
+            del _PARAMS[key]
+
+    def stale(self) -> bool:
+        """Whether ``pm`` has changed since ``compile`` and the model has not (else the guard goes)."""
+        model, pm = self.model(), self.pm()
+        if model is None or pm is None or self.model_stepped or _versions(model.parameters()) != self.model_versions:
+            self.remove()
+            return False
+        return self.pm_stepped or _versions(local_of(p) for p in pm.parameters()) != self.pm_versions
+
+
+class _Guard:
+    """The model's forward pre-hook or state_dict pre-hook (a copy or pickle of the model gets none)."""
+
+    autopar_guard = True  # not the model's own hook (trace.hooks)
+
+    def __init__(self, watch: _Watch, call: str):
+        self.watch = watch
+        self.call = call
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return _Inert, ()
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
+        if _STATE["quiet"] or module is not self.watch.model() or torch.compiler.is_compiling():
+            return
+        if self.call == "forward" and torch.is_grad_enabled() and module.training:
+            return  # a forward that trains: the model trained eagerly, beside pm
+        if self.watch.stale():
+            raise UsageError(_message(type(module).__name__, self.call))
+
+
+class _Inert:
+    """What a copied or unpickled model keeps of the guard: nothing to check."""
+
+    autopar_guard = True
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+def _message(name: str, call: str) -> str:
+    what = "state_dict()" if call == "state_dict" else "forward (an evaluation or generation)"
+    return (
+        f"the {name} passed to autopar.compile is not the model that trains: the compiled module holds its own "
+        f"copy of the weights and has trained since, so this {what} would read the weights from before training. "
+        "Use the compiled module: pm.module is the model, distributed (pm.module(x), pm.module.generate(...), "
+        "pm.module.state_dict() on every rank, then torch.save on rank 0), as DDP's model.module is; or load the "
+        "trained weights back first: model.load_state_dict(pm.module.state_dict()). To keep the initial weights "
+        "as a reference, compile a copy: pm = autopar.compile(copy.deepcopy(model), ...)"
+    )
+
+
+def watch(model: torch.nn.Module, pm: torch.nn.Module) -> None:
+    """Guard ``model`` against being read for ``pm``'s weights (see the module docstring)."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_post_hook(_stepped))
+    _STATE["generation"] += 1
+    pm.__dict__["_autopar_stale_watch"] = _Watch(model, pm)  # lives as long as pm
+
+
+def stepped(pm: torch.nn.Module) -> None:
+    """``pm``'s parameters were stepped by an optimizer that is not torch's (``autopar.optim.AdamW``)."""
+    watched = pm.__dict__.get("_autopar_stale_watch")
+    if watched is not None:
+        watched.pm_stepped = True
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """autopar's own calls of a compiled model (``compile`` of it again) pass the guard."""
+    _STATE["quiet"] += 1
+    try:
+        yield
+    finally:
+        _STATE["quiet"] -= 1
+
+
+def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Each torch optimizer is looked at once (again when its parameters or the watches change)."""
+    if not _PARAMS:
+        return
+    num_params = sum(len(group["params"]) for group in optimizer.param_groups)
+    seen = (num_params, _STATE["generation"])
+    if _SEEN.get(optimizer) == seen:
+        return
+    _SEEN[optimizer] = seen
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entry = _PARAMS.get(id(param))
+            if entry is None or entry[0]() is not param or (watched := entry[1]()) is None:
+                continue
+            if entry[2] == "pm":
+                watched.pm_stepped = True
+            else:
+                watched.model_stepped = True
+
+
+def _versions(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t._version for t in tensors)
+
+
+__all__ = ["watch", "stepped", "quiet"]

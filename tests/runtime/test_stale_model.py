@@ -1,0 +1,121 @@
+"""The model passed to ``compile`` after ``pm`` has trained (``runtime.stale_model``): reading it
+for the trained weights (its ``state_dict()``, an evaluation, a generation) is refused, where DDP
+and FSDP2 would give the trained model; training it eagerly beside ``pm`` is left alone."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import UsageError
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))).pow(2).mean()
+
+
+X = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+STALE = r"^the Net passed to autopar\.compile is not the model that trains.*pm\.module\.state_dict\(\)"
+
+
+def _compiled(plan: str | None = None):
+    model = Net()
+    hand = None if plan is None else autopar.hand_plan(plan, model, (1,), example_inputs=(X,), cluster="cpu")
+    return model, autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu", plan=hand)
+
+
+def _train(pm, opt, steps: int = 1) -> None:
+    for _ in range(steps):
+        pm(X).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _evaluate(model):
+    model.eval()
+    with torch.no_grad():
+        return model(X)
+
+
+@pytest.mark.parametrize("plan", [None, "fsdp"])  # plain parameters, and DTensors
+@pytest.mark.parametrize("optimizer", ["fused", "foreach", "autopar"])
+def test_reading_the_model_for_what_pm_trained_is_refused(world_of_one, plan, optimizer):
+    model, pm = _compiled(plan)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    assert _evaluate(model) == _evaluate(pm)  # nothing trained yet: the same weights, nothing to refuse
+    model.train(), pm.train()
+    if optimizer == "autopar":
+        opt = autopar.optim.AdamW(pm, lr=0.1)
+    else:
+        opt = torch.optim.AdamW(pm.parameters(), lr=0.1, **{optimizer: True})
+    _train(pm, opt)
+    with pytest.raises(UsageError, match=STALE):
+        model.state_dict()
+    with pytest.raises(UsageError, match=r"this forward \(an evaluation or generation\) would read the weights"):
+        _evaluate(model)
+    trained = pm.module.state_dict()
+    assert not torch.equal(trained["up.weight"], initial["up.weight"])
+    model.load_state_dict(trained)  # the fix the error names: the model is the trained one now
+    torch.testing.assert_close(model.state_dict(), trained)
+    torch.testing.assert_close(_evaluate(model), _evaluate(pm))
+
+
+def test_a_model_trained_beside_pm_is_left_alone(world_of_one):
+    model, pm = _compiled()
+    opt_pm = torch.optim.AdamW(pm.parameters(), lr=0.1, fused=True)
+    opt_eager = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    for _ in range(3):  # pm steps first: the model's first forward comes after, still at its initial weights
+        _train(pm, opt_pm)
+        _train(model, opt_eager)
+    torch.testing.assert_close(_evaluate(model), _evaluate(pm))
+    torch.testing.assert_close(model.state_dict(), pm.module.state_dict())
+    assert not model._forward_pre_hooks and not model._state_dict_pre_hooks  # the guard is gone once it stepped
+
+
+def test_an_optimizer_built_on_the_model_before_compile_trains_pm_and_the_model_is_refused(world_of_one):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)  # DDP scripts build it before the wrap
+    pm = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu")
+    _train(pm, opt)  # re-bound to pm's parameters (runtime.originals)
+    with pytest.raises(UsageError, match=STALE):
+        torch.save(model.state_dict(), "unused.pt")
+
+
+def test_a_loaded_checkpoint_changes_pm(world_of_one):
+    model, pm = _compiled()
+    pm.load_state_dict({k: v + 1 for k, v in pm.module.state_dict().items()})
+    with pytest.raises(UsageError, match=STALE):
+        model.state_dict()
+
+
+def test_copies_compiles_and_a_gone_pm_pass(world_of_one, caplog):
+    model, pm = _compiled()
+    _train(pm, torch.optim.AdamW(pm.parameters(), lr=0.1, fused=True))
+    copied = copy.deepcopy(model)  # a reference of the initial weights, kept on purpose
+    assert _evaluate(copied) == _evaluate(pickle.loads(pickle.dumps(model)))
+    model.train()
+    again = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu")  # compiles the model as it is
+    assert again(X) == copied.train()(X)
+    assert "forward hooks" not in caplog.text  # the guard is not the model's own hook (trace.hooks)
+    with pytest.raises(UsageError, match=STALE):
+        model.state_dict()  # by the first pm
+    del pm
+    gc.collect()  # its reference cycles
+    again.load_state_dict({k: v + 1 for k, v in again.module.state_dict().items()})
+    with pytest.raises(UsageError, match=STALE):
+        model.state_dict()  # by the second
+    del again
+    gc.collect()
+    model.state_dict()  # no compiled module left to be behind: the model is the user's again
+    assert not model._forward_pre_hooks and not model._state_dict_pre_hooks
