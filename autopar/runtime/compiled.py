@@ -112,6 +112,26 @@ def warn_not_compiled() -> None:
         )
 
 
+def under_autocast(device: torch.device) -> bool:
+    """Whether this call runs under the caller's ``torch.autocast`` for ``device``'s type. Inductor
+    compiled the graph without it and would run it in the traced dtypes, ignoring it; op by op,
+    autocast casts each ATen op as it does the eager model's, so the graph runs so then (said once)."""
+    if not torch.is_autocast_enabled(device.type):
+        return False
+    if not _warned_autocast:
+        _warned_autocast.append(True)
+        log.warning(
+            "autopar: a call under torch.autocast runs the graph op by op, not inductor's compiled graph, which "
+            "was compiled without autocast and would ignore it. For bf16 compute under compiler='inductor', "
+            "compile with precision='bf16-mixed' (bf16 compute over float32 master weights, planned and priced) "
+            "and call without autocast"
+        )
+    return True
+
+
+_warned_autocast: list[bool] = []
+
+
 def check_compiler(compiler: str | None) -> None:
     if compiler not in COMPILERS:
         raise ConfigError(f"compiler must be None (run the graph op by op) or 'inductor', got {compiler!r}")

@@ -25,7 +25,7 @@ from autopar.runtime import loaded_state, originals, shapes, trainer_saves
 from autopar.runtime.attribute_guard import AttributeGuard
 from autopar.runtime.base import Flattened, ShardedModule, attach, flatten_inputs, has, lookup, model_tensors
 from autopar.runtime.checkpoint import load_model_state_dict, to_dtensor
-from autopar.runtime.compiled import run_eager, warn_not_compiled
+from autopar.runtime.compiled import run_eager, under_autocast, warn_not_compiled
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
 from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.model_view import ModelAttributes, local_model, model_view
@@ -429,7 +429,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         ``compiler="inductor"`` (the compiled mode's graph, whose collectives are its own: the data
         check settles first; the other mode's runs op by op), else op by op, outside any user's
         ``torch.compile`` (``autopar.runtime.compiled``)."""
-        if self._compiled_graph is not None and run.attr == "graph_module":
+        if self._compiled_graph is not None and run.attr == "graph_module" and not under_autocast(self._check_device):
             settle()
             return self._compiled_graph(*values)
         if torch.compiler.is_compiling():

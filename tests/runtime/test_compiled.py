@@ -41,6 +41,27 @@ def test_compiled_mode_equals_eager_and_hits_inductors_cache_when_compiled_again
     assert counters["inductor"]["fxgraph_cache_hit"] >= 1, dict(counters["inductor"])
 
 
+def test_a_call_under_autocast_is_autocasts_as_in_eager(world_of_one, caplog):
+    """Inductor compiled the graph without autocast, and would run a call under the caller's
+    ``torch.autocast`` in float32: such a call runs op by op, where autocast casts as in eager."""
+    config = dict(d_in=64, d_hidden=256, d_out=8)
+    model = build_model("mlp", seed=0, **config)
+    eager = copy.deepcopy(model)
+    batch = example_batch("mlp", batch_size=16, seed=1, **config)
+    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu", compiler="inductor")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, want = pm(*batch), eager(*batch)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)  # eager's very ops, autocast's casts
+    torch.testing.assert_close(pm.full_grads(), eager_grads(eager), rtol=0, atol=0)
+    assert abs(want.item() - eager(*batch).item()) > 1e-5 * abs(want.item()), "autocast changes this loss"
+    assert "runs the graph op by op" in caplog.text and "precision='bf16-mixed'" in caplog.text
+    assert pm._compiled_graph.first_call_s is None  # inductor compiled nothing yet
+    pm(*batch)
+    assert pm._compiled_graph.first_call_s is not None  # without autocast, the compiled graph
+
+
 def test_compiler_is_checked_and_offload_refused(world_of_one):
     model = build_model("mlp", seed=0, d_in=8, d_hidden=16, d_out=4)
     batch = example_batch("mlp", batch_size=4, seed=1, d_in=8, d_hidden=16, d_out=4)
