@@ -79,7 +79,7 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
     out["saved_losses"] = _train(pm, optimizer, range(STEPS_BEFORE))
     state = pm.state_dict()
     out["dtensor"] = {
-        "keys": list(state) == list(model.state_dict()),
+        "keys": list(state) == list(eager.state_dict()),  # the model's names (model itself is behind pm now)
         "aliases": all(state[k].to_local().data_ptr() == pm._local(k).data_ptr() for k in state),
         "tied": state["lm_head.weight"] is state["transformer.wte.weight"],
         "placements": {k: [str(p) for p in v.placements] for k, v in state.items()},
@@ -90,7 +90,7 @@ def _run(rank: int, world: int, path: str, plans: dict[str, str]) -> dict:
     original = _model(seed=9)
     result = original.load_state_dict(full, strict=True)
     out["full"] = {
-        "keys": list(full) == list(model.state_dict()),
+        "keys": list(full) == list(eager.state_dict()),
         "tie_shared": full["lm_head.weight"].data_ptr() == full["transformer.wte.weight"].data_ptr(),
         "incompatible": (list(result.missing_keys), list(result.unexpected_keys)),
         "loaded_rel": max_rel_diff(original.state_dict(), full),
