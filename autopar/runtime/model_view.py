@@ -5,13 +5,16 @@ tree that holds them is made of the model's own classes (a shell of each submodu
 ``__dict__`` less its tensors, sharing its config and other attributes), so that the model's
 methods, properties and attributes work on it. The root's class is, as FSDP2's ``fully_shard``
 does it, a dynamic subclass of the model's class (``isinstance(pm.module, GPT)`` holds) that
-changes three things:
+changes four things:
 
 - calling it (``self(...)``, ``self.forward(...)``) runs the compiled module's forward, so a
   method such as ``generate`` that calls the model runs the distributed graph;
 - ``state_dict()`` is the whole model's, gathered (``pm.full_state_dict()``): what DDP's
   ``model.module.state_dict()`` gives, which ``torch.save`` writes and a plain model loads;
-- ``load_state_dict`` copies whole tensors into the shards (``pm.load_state_dict``).
+- ``load_state_dict`` copies whole tensors into the shards (``pm.load_state_dict``);
+- ``train()`` and ``eval()`` switch the compiled module too (a submodule's switch,
+  ``pm.module.backbone.eval()``, is that module's mode, which a call runs as eager does:
+  ``runtime.modes``).
 
 A method that reads a parameter directly (``self.lm_head.weight``, ``self.parameters()``) sees
 the parameter ``pm`` trains (plain where the plan replicates every parameter), or the DTensor: its shape, ``numel()`` and ``dim()`` are the whole tensor's (so
@@ -76,6 +79,15 @@ class DistributedModel(NotPickled):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         return self._autopar_owner.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def train(self, mode: bool = True) -> Any:
+        """``pm.module.train()`` and ``.eval()`` switch the compiled module, as DDP's
+        ``model.module.eval()`` switches DDP's forward: ``pm`` and every module take ``mode``."""
+        owner = self._autopar_owner
+        if owner.training != mode:
+            owner.train(mode)  # which comes back here for this tree
+            return self
+        return super().train(mode)
 
     # Hugging Face's switches (``activation_checkpointing_enable``, and ``gradient_checkpointing_enable``,
     # its older name), which ``Trainer`` flips at ``train()`` under ``TrainingArguments(activation_checkpointing=True)``:

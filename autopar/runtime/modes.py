@@ -7,11 +7,18 @@ The mode it was compiled in is made by ``compile``; the other is made the first 
 called, by a builder ``compile`` hands over, which traces the model in that mode and plans it
 with every parameter and buffer pinned to the placements it already has, so that both graphs read
 and write the same shards (running statistics written in train mode are read in eval mode).
+
+A mode is the whole model's (``ModeKey``): the root's flag and the modules whose own flag differs
+(a frozen backbone's ``pm.module.backbone.eval()`` in a training model, batch norms held in eval
+mode, dropout kept on in eval for Monte Carlo sampling), since eager runs each module in its own
+mode. A call in a mode no graph was traced in gets one of its own, traced with every module's flag
+as the call has it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +45,11 @@ class ModeGraph:
         return [(gi.name, gi.kind, gi.fqn) for gi in self.traced.inputs]
 
 
-# Made by ``compile``: (training, examples=None) -> (traced model, rewritten graph, plan) of that
+# The root's training flag and the names of the modules whose flag differs from it ("" is the root's
+# own module: ``pm.module``'s, where ``pm``'s is the root).
+ModeKey = tuple[bool, frozenset[str]]
+
+# Made by ``compile``: (mode key, examples=None) -> (traced model, rewritten graph, plan) of that
 # mode, traced on the example inputs, or on ``examples`` ((args, kwargs): ``runtime.shapes``).
 ModeBuilder = Callable[..., tuple[TracedModel, torch.fx.GraphModule, Plan]]
 
@@ -65,3 +76,35 @@ def pinned_placements(traced: TracedModel, plan: Plan) -> dict[str, Any]:
 
 def mode_name(training: bool) -> str:
     return "train" if training else "eval"
+
+
+def mode_key(training: bool, modules: Iterable[tuple[str, torch.nn.Module]]) -> ModeKey:
+    """The mode of a model whose root is in ``training`` mode and whose modules are ``modules``."""
+    return training, frozenset(name for name, module in modules if module.training != training)
+
+
+def describe_mode(key: ModeKey) -> str:
+    """``"eval"``, or ``"train (with 'backbone' in eval mode)"``."""
+    training, odd = key
+    if not odd:
+        return mode_name(training)
+    # the topmost of them: 'backbone', not each of its modules too
+    names = sorted(name for name in odd if not any(name.startswith(f"{other}.") for other in odd if other))
+    listed = ", ".join(repr(name) if name else "the model's root" for name in names[:3])
+    listed += f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f"{mode_name(training)} (with {listed} in {mode_name(not training)} mode)"
+
+
+@contextlib.contextmanager
+def in_mode(model: torch.nn.Module, key: ModeKey) -> Iterator[None]:
+    """``model`` with every module's flag as ``key`` has it; each module's own flag back after."""
+    modules = list(model.named_modules())
+    was = [module.training for _, module in modules]
+    training, odd = key
+    for name, module in modules:
+        module.training = training != (name in odd)
+    try:
+        yield
+    finally:
+        for (_, module), flag in zip(modules, was):
+            module.training = flag

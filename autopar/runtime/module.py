@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import operator
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,13 +30,14 @@ from autopar.runtime.compiled import run_eager, under_autocast, warn_not_compile
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
 from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.model_view import ModelAttributes, local_model, model_view
-from autopar.runtime.modes import ModeBuilder, ModeGraph, mode_name
+from autopar.runtime.modes import ModeBuilder, ModeGraph, ModeKey, describe_mode, mode_key, mode_name
 from autopar.runtime.offload import param_key
 from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
 # ParallelModule → the model on its rank's whole tensors, for evaluation without communication
 _LOCAL_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+_TRAINING = operator.attrgetter("training")
 
 
 class ParallelModule(ModelAttributes, ShardedModule):
@@ -85,14 +87,18 @@ class ParallelModule(ModelAttributes, ShardedModule):
         ``gm`` is the graph of mode ``training``; ``build_mode(training)`` makes the other one
         when it is first called (None: the module runs in the mode it was compiled in only)."""
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
-        self._modes: dict[bool, ModeGraph] = {training: ModeGraph(traced, plan)}
+        # pm.module's modules, each in its own mode (a call's mode is theirs: runtime.modes)
+        self._shells = list(self.module.named_modules())
+        self._shell_modules = [module for _, module in self._shells]
+        self._mode_keys: dict[tuple[bool, tuple[bool, ...]], ModeKey] = {}  # every module's flag → its ModeKey
+        self._modes: dict[ModeKey, ModeGraph] = {mode_key(training, model.named_modules()): ModeGraph(traced, plan)}
         # Per mode graph, read once (runtime.data): whether it writes a buffer, its random ops on replicated tensors.
         self._graph_facts: dict[str, tuple[bool, RandomOps | None]] = {}
         self._riding: set[str] = set()  # graphs whose data check rides on their first all-reduce (_learn_riding)
         self._readers: dict[str, list[tuple[str, Any, str, str | None]]] = {}  # per graph: _graph_values
         self._build_mode = build_mode
         # Graphs for calls of other input shapes (runtime.shapes), by (training, shapes).
-        self._by_shape: dict[tuple[bool, shapes.ShapeKey], ModeGraph] = {}
+        self._by_shape: dict[tuple[ModeKey, shapes.ShapeKey], ModeGraph] = {}
         self._shape_attrs: set[str] = set()
         self._shape_metas: dict[str, list] = {}
         self._data = plan.data_layout
@@ -115,6 +121,8 @@ class ParallelModule(ModelAttributes, ShardedModule):
         # The communication schedule's buckets and gathers read and write these shards.
         self._bind(gm, self._inputs)
         self.train(training)
+        for (_, shell), (_, module) in zip(self._shells, model.named_modules()):
+            shell.training = module.training  # each module in the mode it was traced in, as the model
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
         self._attribute_guard = AttributeGuard(self, self.module, model, traced.reads)  # nor would an attribute set
         held = {fqn for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}
@@ -224,34 +232,39 @@ class ParallelModule(ModelAttributes, ShardedModule):
         # The communication schedule's buckets and gathers read and write these shards.
         bind_parameters(gm, {name: lookup(self.module, fqn) for name, kind, fqn in inputs if kind == "param"})
 
-    def _mode_graph(self) -> ModeGraph:
-        """The graph of the mode the module is in, made on first use (``runtime.modes``)."""
-        run = self._modes.get(self.training)
-        return run if run is not None else self._make_mode_graph()
+    def _mode(self) -> ModeKey:
+        """The mode of this call: ``pm``'s, and each module of ``pm.module`` in its own (``runtime.modes``)."""
+        flags = (self.training, tuple(map(_TRAINING, self._shell_modules)))  # host time: no Python loop
+        key = self._mode_keys.get(flags)
+        if key is None:
+            key = self._mode_keys[flags] = mode_key(self.training, self._shells)
+        return key
+
+    def _mode_graph(self, mode: ModeKey) -> ModeGraph:
+        """The graph of ``mode``, made on first use (``runtime.modes``)."""
+        run = self._modes.get(mode)
+        return run if run is not None else self._make_mode_graph(mode)
 
     @torch._dynamo.disable(reason="traces and plans the graph of a mode once, outside a user's torch.compile(pm)")
-    def _make_mode_graph(self) -> ModeGraph:
+    def _make_mode_graph(self, mode: ModeKey) -> ModeGraph:
         if self._build_mode is None:
-            compiled = mode_name(not self.training)
+            compiled = describe_mode(next(iter(self._modes)))
             raise UsageError(
-                f"this module was compiled in {compiled} mode and cannot make its {mode_name(self.training)} graph "
-                f"here: call pm.{compiled}() to run it, or compile the model in {mode_name(self.training)} mode"
+                f"this module was compiled in {compiled} mode and cannot make a graph for {describe_mode(mode)} mode "
+                f"here: run it in the mode it was compiled in (pm.train() or pm.eval()), or compile the model in the "
+                "mode you call it in"
             )
-        log.info(
-            "autopar: tracing and planning the %s-mode graph (first %s call) ...",
-            mode_name(self.training),
-            mode_name(self.training),
-        )
-        traced, gm, plan = self._build_mode(self.training)
+        log.info("autopar: tracing and planning the graph of %s mode (its first call) ...", describe_mode(mode))
+        traced, gm, plan = self._build_mode(mode)
         self._attribute_guard.add(traced.reads)
-        base = self._modes[not self.training]
-        if traced.graph_hash == base.traced.graph_hash:  # the model's code does not branch on the mode
-            run = base
+        same = next((run for run in self._modes.values() if run.traced.graph_hash == traced.graph_hash), None)
+        if same is not None:  # the model's code does not branch on what changed
+            run = same
         else:
-            run = ModeGraph(traced, plan, f"{mode_name(self.training)}_graph_module")
+            run = ModeGraph(traced, plan, f"{mode_name(mode[0])}_graph_module" + (f"_{len(self._modes)}" if mode[1] else ""))
             self._bind(gm, run.inputs)
-            self.add_module(run.attr, gm.train(self.training))
-        self._modes[self.training] = run
+            self.add_module(run.attr, gm.train(mode[0]))
+        self._modes[mode] = run
         return run
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -262,9 +275,10 @@ class ParallelModule(ModelAttributes, ShardedModule):
         if self._evaluates_locally(args, kwargs):
             return self._local_model()(*args, **kwargs)
         self._num_calls += 1
-        if self.training not in self._modes:  # its graph is planned with rank 0: agree on the call first
+        mode = self._mode()
+        if mode not in self._modes:  # its graph is planned with rank 0: agree on the call first
             start_check(list, [], self._data, self._coordinate, self._check_device, None, (self._num_calls, self.training))[1]()
-        run = self._mode_graph()
+        run = self._mode_graph(mode)
         facts = self._graph_facts.get(run.attr)
         if facts is None:  # read once per mode graph, not on every call
             facts = self._graph_facts[run.attr] = (
@@ -276,7 +290,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         leaves = flattened[0]
         # Inputs of other shapes than the mode graph's run a graph of their own (runtime.shapes).
         key = shapes.shape_key(leaves)
-        run, new = self._shape_graph(run, key)
+        run, new = self._shape_graph(run, mode, key)
         flat, settle = start_check(
             lambda: self._check_call(run, new, args, kwargs, flattened),
             leaves,
@@ -290,7 +304,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         )
         if new:  # every rank agrees on the shapes (the settle raises where one differs) before all plan them
             settle()
-            run = self._make_shape_graph(key, args, kwargs)
+            run = self._make_shape_graph(mode, key, args, kwargs)
             flat = self._user_inputs(args, kwargs, self._shape_metas[run.attr])
         # The data check settles before the graph's first collective, or at the end (runtime.data),
         # or before the graph where it writes buffers in place.
@@ -316,14 +330,14 @@ class ParallelModule(ModelAttributes, ShardedModule):
         else:
             self._riding.discard(attr)
 
-    def _shape_graph(self, run: ModeGraph, key: shapes.ShapeKey) -> tuple[ModeGraph, bool]:
-        """The graph for a call of shapes ``key`` in ``run``'s mode: ``run`` where they are its
-        own, a cached one, or (``True``) one still to make."""
+    def _shape_graph(self, run: ModeGraph, mode: ModeKey, key: shapes.ShapeKey) -> tuple[ModeGraph, bool]:
+        """The graph for a call of shapes ``key`` in ``mode`` (whose graph is ``run``): ``run`` where
+        they are its own, a cached one, or (``True``) one still to make."""
         if key == shapes.metas_key(self._user_metas) or self._build_mode is None:
             return run, False
         if torch.is_grad_enabled() and self.training:
             shapes.refuse_held_gradients(self._no_sync_buckets())
-        cached = self._by_shape.get((self.training, key))
+        cached = self._by_shape.get((mode, key))
         return (run, True) if cached is None else (cached, False)
 
     def _check_call(self, run: ModeGraph, new: bool, args: tuple, kwargs: dict, flattened: Flattened | None = None) -> list[Any]:
@@ -334,17 +348,17 @@ class ParallelModule(ModelAttributes, ShardedModule):
         return flat if new else self._user_inputs(args, kwargs, self._shape_metas[run.attr])
 
     @torch._dynamo.disable(reason="traces and plans a graph per input shape once, outside a user's torch.compile(pm)")
-    def _make_shape_graph(self, key: shapes.ShapeKey, args: tuple, kwargs: dict) -> ModeGraph:
+    def _make_shape_graph(self, mode: ModeKey, key: shapes.ShapeKey, args: tuple, kwargs: dict) -> ModeGraph:
         examples = shapes.examples_of(args, kwargs, self._user_metas, self._data)
         assert self._build_mode is not None
         traced, gm, plan = shapes.timed_build(
-            key, mode_name(self.training), lambda: self._build_mode(self.training, examples), len(self._by_shape)
+            key, describe_mode(mode), lambda: self._build_mode(mode, examples), len(self._by_shape)
         )
         self._attribute_guard.add(traced.reads)
         run = ModeGraph(traced, plan, f"shape_graph_module_{len(self._by_shape)}")
         self._bind(gm, run.inputs)
-        self.add_module(run.attr, gm.train(self.training))
-        self._by_shape[(self.training, key)] = run
+        self.add_module(run.attr, gm.train(mode[0]))
+        self._by_shape[(mode, key)] = run
         self._shape_attrs.add(run.attr)
         self._shape_metas[run.attr] = [(name, shape, dtype) for (name, _, dtype), shape in zip(self._user_metas, key)]
         return run
@@ -356,7 +370,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         returns the model's outputs for the inputs it was given, of any shape. Under
         ``batch="per_rank"`` a call of the planned per-rank shapes still means the global batch's
         outputs, which need every rank: only a call the graph cannot take runs locally."""
-        if self.training or torch.is_grad_enabled() or self._offloader is not None:
+        if self.training or torch.is_grad_enabled() or self._offloader is not None or self._mode()[1]:
             return False
         if self._plan.precision is not None and self._plan.precision.param_dtype is not None:
             return False

@@ -81,6 +81,7 @@ from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
 from autopar.runtime.microbatch_loss import label_counts
 from autopar.runtime.model_view import ModelAttributes, model_view
+from autopar.runtime.modes import describe_mode, mode_key
 from autopar.runtime.module import world_timeout
 from autopar.trace import TracedModel, requires_grad
 
@@ -265,6 +266,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         self._random = self._stage_random_ops(traced, plan, coordinate)
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
         self._attribute_guard = AttributeGuard(self, self.module, model, traced.reads)  # nor would an attribute set
+        self._traced_mode = mode_key(model.training, model.named_modules())  # each module's, as the graph ran them
 
     def _gathers(self) -> bool:
         """The whole state needs every stage (a broadcast from the one that holds each tensor)."""
@@ -430,6 +432,14 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
                 "with batch statistics, dropout on), so its outputs would not be the model's eval outputs: call "
                 "pm.train() (under torch.no_grad() it runs forward only), or evaluate with a module compiled without "
                 "a pipeline (pipeline='off')"
+            )
+        mode = mode_key(self.training, self.module.named_modules())
+        if mode[1] != self._traced_mode[1]:
+            raise UsageError(
+                f"this pipelined module runs only the graph traced with its modules' modes as they were at compile "
+                f"({describe_mode(self._traced_mode)} mode), but this call is in {describe_mode(mode)} mode, which "
+                "eager would run otherwise: set the modules back (pm.train()), set their modes on the model before "
+                "autopar.compile, or compile without a pipeline (pipeline='off'), whose module traces each mode"
             )
         flat = self._agreed_inputs(args, kwargs)
         user = dict(zip(self._user_keys, flat))

@@ -26,7 +26,7 @@ from autopar.runtime.agreement import check_rank_agreement, resolve_plan
 from autopar.runtime.compile_checks import check_precision_runs
 from autopar.runtime.compiled import graph_runner
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
-from autopar.runtime.modes import ModeBuilder, mode_name, pinned_placements
+from autopar.runtime.modes import ModeBuilder, ModeKey, describe_mode, in_mode, pinned_placements
 from autopar.runtime.module import ParallelModule, mesh_groups
 from autopar.runtime.offload import Offloader
 from autopar.runtime.signature import adopt_signature
@@ -148,22 +148,17 @@ def mode_builder(
     axes (rank 0 solves, as in ``compile``), and rewrite it."""
     mesh_shape = tuple(chosen.mesh_shape)
 
-    def build(training: bool, shaped: Examples | None = None):
+    def build(mode: ModeKey, shaped: Examples | None = None):
         # ``shaped``: a call's inputs of other shapes (runtime.shapes), else the example inputs
         inputs, kwargs = shaped if shaped is not None else examples
         if offloads:
             raise PlanError(
-                f"pm.{mode_name(training)}(): this plan offloads, and another mode's graph of an offloading plan "
-                f"is not built yet: run the module in the mode it was compiled in ({mode_name(not training)}), or "
-                "compile with offload='off'"
+                f"a call in {describe_mode(mode)} mode: this plan offloads, and another mode's graph of an offloading "
+                "plan is not built yet: run the module in the mode it was compiled in (pm.train() or pm.eval(), "
+                "and every module's mode as it was), or compile with offload='off'"
             )
-        was = model.training
-        model.train(training)
-        try:
-            with quiet_gc(), stale_model.quiet():
-                traced = trace(model, inputs, kwargs, options.precision)
-        finally:
-            model.train(was)
+        with in_mode(model, mode), quiet_gc(), stale_model.quiet():
+            traced = trace(model, inputs, kwargs, options.precision)
         forced = pinned_placements(traced, chosen)
         made = resolve_plan(None, traced, mesh_shape, cluster, options, forced=forced, data_axes=chosen.data_layout.axes)
         check_rank_agreement(made)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.ir.options import PlanOptions
-from autopar.runtime.modes import pinned_placements
+from autopar.runtime.modes import describe_mode, pinned_placements
 from autopar.solver.planners.traced import plan_traced
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
@@ -49,3 +51,73 @@ def test_a_tensor_the_compiled_mode_never_read_is_refused_by_name() -> None:
     )
     with pytest.raises(ValueError, match=r"parameter 'b.weight'.*model.train\(\) or model.eval\(\)"):
         pinned_placements(trace(model.eval(), (x,)), train)
+
+
+class _Noisy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.bn, self.drop, self.head = (
+            torch.nn.Linear(8, 8),
+            torch.nn.BatchNorm1d(8),
+            torch.nn.Dropout(0.5),
+            torch.nn.Linear(8, 1),
+        )
+
+    def forward(self, x):
+        return self.head(self.drop(self.bn(self.up(x)))).pow(2).mean()
+
+
+X = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _same_call(pm, eager, seed: int = 3) -> None:
+    torch.manual_seed(seed)
+    got = pm(X)
+    torch.manual_seed(seed)
+    torch.testing.assert_close(got, eager(X), rtol=0, atol=0)
+
+
+def test_each_module_runs_in_its_own_mode_as_in_eager(world_of_one) -> None:
+    model = _Noisy()
+    eager = copy.deepcopy(model)
+    pm = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu")
+    pm.module.eval()  # DDP's model.module.eval(): the module's mode
+    eager.eval()
+    assert not pm.training
+    _same_call(pm, eager)
+    with torch.no_grad():
+        _same_call(pm, eager)
+    pm.module.drop.train()  # Monte Carlo dropout: dropout on in an evaluating model
+    eager.drop.train()
+    with torch.no_grad():  # not the local evaluation, which would run every module in eval mode
+        _same_call(pm, eager)
+    pm.train()
+    eager.train()
+    pm.module.bn.eval()  # a frozen batch norm in a training model: its running statistics stay
+    eager.bn.eval()
+    opt_pm, opt_eager = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    for seed in range(3):
+        for module, opt in ((pm, opt_pm), (eager, opt_eager)):
+            torch.manual_seed(seed)
+            module(X).backward()
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(pm.module.state_dict(), eager.state_dict(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(pm.module.bn.running_mean, torch.zeros(8))  # frozen: never updated
+    assert {describe_mode(mode) for mode in pm._modes} == {
+        "train",
+        "eval",
+        "eval (with 'drop' in train mode)",
+        "train (with 'bn' in eval mode)",
+    }
+
+
+def test_modes_set_on_the_model_before_compile_are_the_compiled_graphs(world_of_one) -> None:
+    model = _Noisy()
+    model.bn.eval()  # frozen before compile: the graph is traced so, and pm's module keeps it so
+    eager = copy.deepcopy(model)
+    pm = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu")
+    assert not pm.module.bn.training and pm.module.drop.training
+    _same_call(pm, eager)
+    assert list(pm._modes) == [(True, frozenset({"bn"}))]  # no other graph was made

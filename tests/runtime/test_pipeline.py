@@ -20,6 +20,7 @@ import torch
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
+from autopar.errors import UsageError
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.passes.split import split_into_stages, stage_io, stage_wiring
 from autopar.runtime.pipeline import _stage_view
@@ -322,6 +323,14 @@ def _run_pipelines(
                 missing = str(error)
             with torch.no_grad():
                 called = pm.module(*batch).item()  # calling the model runs the pipeline (forward only here)
+                pm.module.transformer.h[0].eval()  # one module's mode, which its graph does not hold: refused
+                try:
+                    pm(*batch)
+                    moded = "ran"
+                except UsageError as error:
+                    moded = str(error)
+                pm.train()
+                moded = (moded, pm(*batch).item())
             result["view"] = {
                 "class": type(pm.module).__name__,
                 "is_model": isinstance(pm.module, GPT),
@@ -331,6 +340,7 @@ def _run_pipelines(
                 "state_keys": list(pm.module.state_dict()) == list(eager.state_dict()),  # whole: every stage's
                 "called": (called, result["no_grad_loss"][0]),
                 "missing": missing,
+                "moded": moded,
             }
     # A pipeline= that contradicts the plan's, and init= with a pipeline, are refused up front.
     plan = autopar.Plan.from_json(plans["2x2_m2"])
@@ -477,6 +487,8 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
         view = held.pop("view")
         assert view["class"] == "DistributedGPT" and view["is_model"] and view["attributes"] and view["state_keys"], view
         assert view["called"][0] == view["called"][1], view
+        assert "but this call is in train (with 'transformer.h.0' in eval mode) mode" in view["moded"][0], view
+        assert view["moded"][1] == view["called"][0], view
         assert "'PipelineParallelModule' object has no attribute 'nothing', and neither has the model (GPT)" in view["missing"]
         assert held["local_param_bytes"] < 0.6 * held["full_param_bytes"], f"rank {rank} holds more than its stage: {held}"
         for label, result in by_label.items():
