@@ -22,7 +22,7 @@ from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets
 from autopar.ops.params import LocalLeaf, local_of
 from autopar.passes.schedule import bind_parameters
-from autopar.runtime import loaded_state, originals, shapes, trainer_saves
+from autopar.runtime import loaded_state, originals, shapes, stale_model, trainer_saves
 from autopar.runtime.attribute_guard import AttributeGuard
 from autopar.runtime.base import Flattened, ShardedModule, attach, flatten_inputs, has, lookup, model_tensors
 from autopar.runtime.checkpoint import load_model_state_dict, to_dtensor
@@ -235,6 +235,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
     def _mode(self) -> ModeKey:
         """The mode of this call: ``pm``'s, and each module of ``pm.module`` in its own (``runtime.modes``)."""
         flags = (self.training, tuple(map(_TRAINING, self._shell_modules)))  # host time: no Python loop
+        stale_model.check_modes(self, flags[1])  # the model's own switched instead (DDP's pre-wrap name)
         key = self._mode_keys.get(flags)
         if key is None:
             key = self._mode_keys[flags] = mode_key(self.training, self._shells)

@@ -73,6 +73,7 @@ from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
 from autopar.passes import default_passes, run_passes
 from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
+from autopar.runtime import stale_model
 from autopar.runtime.attribute_guard import AttributeGuard
 from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict
@@ -433,7 +434,9 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
                 "pm.train() (under torch.no_grad() it runs forward only), or evaluate with a module compiled without "
                 "a pipeline (pipeline='off')"
             )
-        mode = mode_key(self.training, self.module.named_modules())
+        shells = list(self.module.named_modules())
+        stale_model.check_modes(self, tuple(module.training for _, module in shells))
+        mode = mode_key(self.training, shells)
         if mode[1] != self._traced_mode[1]:
             raise UsageError(
                 f"this pipelined module runs only the graph traced with its modules' modes as they were at compile "

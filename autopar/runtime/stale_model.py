@@ -12,6 +12,11 @@ distributed. A forward that trains is left alone: a model trained eagerly beside
 compare the two, starts with one. Once the model has changed, or ``pm`` is gone, the guard is
 removed. autopar's own calls (``compile`` of the same model again: ``quiet``) pass.
 
+Modes alike: under DDP, ``model.eval()`` or ``model.backbone.eval()`` on the name the script wrapped
+switches the wrapped forward; here ``pm`` keeps its own modules' modes. So a call of ``pm`` while
+the model's modes differ from ``pm``'s, changed since ``compile`` (a stale model, as above), raises
+a ``UsageError`` naming ``pm.eval()`` (``check_modes``).
+
 What moved is seen two ways: a global optimizer step post-hook (fused optimizers write without
 bumping a tensor's version) and, for the rest, the sum of the tensors' version counters.
 """
@@ -19,6 +24,7 @@ bumping a tensor's version) and, for the rest, the sum of the tensors' version c
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -34,6 +40,7 @@ _PARAMS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
 _SEEN: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()  # optimizer → (params, generation)
 _STATE = {"generation": 0, "quiet": 0}
 _HOOK: list[Any] = []
+_TRAINING = operator.attrgetter("training")
 
 
 class _Watch:
@@ -46,6 +53,11 @@ class _Watch:
         self.pm_versions = _versions(local_of(p) for p in pm.parameters())
         self.pm_stepped = False
         self.model_stepped = False
+        # each module of the model (weakly: pm must not keep the model's weights alive), its name and mode
+        named = list(model.named_modules())
+        self.names = [name for name, _ in named]
+        self.model_modules = [weakref.proxy(module) for _, module in named]
+        self.model_modes = tuple(map(_TRAINING, self.model_modules))
         me = weakref.ref(self)
         for param in model.parameters():
             _PARAMS[id(param)] = (weakref.ref(param), me, "model")
@@ -125,6 +137,30 @@ def watch(model: torch.nn.Module, pm: torch.nn.Module) -> None:
     pm.__dict__["_autopar_stale_watch"] = _Watch(model, pm)  # lives as long as pm
 
 
+def check_modes(pm: torch.nn.Module, modes: tuple[bool, ...]) -> None:
+    """At a call of ``pm`` whose modules are in ``modes`` (``pm.module.named_modules()``'s order):
+    refuse where the stale model's modes were changed since ``compile`` and are not ``pm``'s."""
+    watched = pm.__dict__.get("_autopar_stale_watch")
+    if watched is None or not watched.handles:
+        return
+    try:
+        now = tuple(map(_TRAINING, watched.model_modules))
+    except ReferenceError:  # the model is gone
+        watched.remove()
+        return
+    if now == watched.model_modes or now == modes or not watched.stale():
+        return
+    differ = {name: mine for name, mine, theirs in zip(watched.names, now, modes) if mine != theirs}
+    tops = [""] if "" in differ else [n for n in differ if not any(n.startswith(f"{other}.") for other in differ)]
+    where = ", ".join(f"model{'.' if name else ''}{name}.{'train' if differ[name] else 'eval'}()" for name in tops[:3])
+    raise UsageError(
+        f"the model passed to autopar.compile was switched to another mode after compile ({where}), but the "
+        "compiled module keeps its own modules' modes: unlike DDP's forward, pm does not follow the model's. Switch "
+        "pm itself: pm.train() or pm.eval(), or a module's on pm.module (pm.module.backbone.eval()), which each "
+        "call runs as eager does"
+    )
+
+
 def stepped(pm: torch.nn.Module) -> None:
     """``pm``'s parameters were stepped by an optimizer that is not torch's (``autopar.optim.AdamW``)."""
     watched = pm.__dict__.get("_autopar_stale_watch")
@@ -166,4 +202,4 @@ def _versions(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t._version for t in tensors)
 
 
-__all__ = ["watch", "stepped", "quiet"]
+__all__ = ["watch", "check_modes", "stepped", "quiet"]

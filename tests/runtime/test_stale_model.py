@@ -119,3 +119,30 @@ def test_copies_compiles_and_a_gone_pm_pass(world_of_one, caplog):
     gc.collect()
     model.state_dict()  # no compiled module left to be behind: the model is the user's again
     assert not model._forward_pre_hooks and not model._state_dict_pre_hooks
+
+
+class Dropped(Net):
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.down(self.drop(torch.relu(self.up(x)))).pow(2).mean()
+
+
+def test_switching_the_models_mode_for_pm_is_refused(world_of_one):
+    model = Dropped()
+    pm = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu")
+    model.eval()  # before pm trained: the model is still pm's equal, nothing to say yet
+    pm(X)
+    model.train()
+    _train(pm, torch.optim.AdamW(pm.parameters(), lr=0.1, fused=True))
+    model.eval()  # DDP's pre-wrap name: under DDP this switches the wrapped forward
+    with pytest.raises(UsageError, match=r"switched to another mode after compile \(model\.eval\(\)\).*pm\.eval\(\)"):
+        pm(X)
+    model.train()
+    model.drop.eval()
+    with pytest.raises(UsageError, match=r"\(model\.drop\.eval\(\)\)"):
+        pm(X)
+    pm.module.drop.eval()  # pm switched alike: it runs so
+    torch.testing.assert_close(pm(X), pm(X))  # no dropout: the same value twice
