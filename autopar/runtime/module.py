@@ -84,8 +84,9 @@ class ParallelModule(ModelAttributes, ShardedModule):
         ``offloader`` (``autopar.runtime.offload.Offloader``) holds the parameters, gradients and
         optimizer state the plan offloads: an offloaded parameter's shard goes to its store, and
         the module holds an empty stub in its place (step with ``autopar.optim.AdamW``).
-        ``gm`` is the graph of mode ``training``; ``build_mode(training)`` makes the other one
-        when it is first called (None: the module runs in the mode it was compiled in only)."""
+        ``gm`` is the graph of the model's mode (``training``, each module in its own);
+        ``build_mode(mode)`` makes another mode's graph when it is first called (``runtime.modes``;
+        None: the module runs in the mode it was compiled in only)."""
         super().__init__(model, traced, gm, plan, groups, coordinate, tuple(plan.mesh_shape), offloader)
         # pm.module's modules, each in its own mode (a call's mode is theirs: runtime.modes)
         self._shells = list(self.module.named_modules())
@@ -97,7 +98,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         self._riding: set[str] = set()  # graphs whose data check rides on their first all-reduce (_learn_riding)
         self._readers: dict[str, list[tuple[str, Any, str, str | None]]] = {}  # per graph: _graph_values
         self._build_mode = build_mode
-        # Graphs for calls of other input shapes (runtime.shapes), by (training, shapes).
+        # Graphs for calls of other input shapes (runtime.shapes), by (mode, shapes).
         self._by_shape: dict[tuple[ModeKey, shapes.ShapeKey], ModeGraph] = {}
         self._shape_attrs: set[str] = set()
         self._shape_metas: dict[str, list] = {}

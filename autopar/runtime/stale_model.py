@@ -35,8 +35,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from autopar.errors import UsageError
 from autopar.ops.params import local_of
 
-# id(parameter) → (the parameter, the watch it belongs to, "pm" or "model"); weak on both
-_PARAMS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+# id(parameter) → (the parameter, a watch it belongs to, "pm" or "model") for each watch; weak on both
+_PARAMS: dict[int, list[tuple[weakref.ref, weakref.ref, str]]] = {}
 _SEEN: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()  # optimizer → (params, generation)
 _STATE = {"generation": 0, "quiet": 0}
 _HOOK: list[Any] = []
@@ -59,10 +59,9 @@ class _Watch:
         self.model_modules = [weakref.proxy(module) for _, module in named]
         self.model_modes = tuple(map(_TRAINING, self.model_modules))
         me = weakref.ref(self)
-        for param in model.parameters():
-            _PARAMS[id(param)] = (weakref.ref(param), me, "model")
-        for param in pm.parameters():
-            _PARAMS[id(param)] = (weakref.ref(param), me, "pm")
+        for side, module in (("model", model), ("pm", pm)):  # a model compiled twice is in two watches
+            for param in module.parameters():
+                _PARAMS.setdefault(id(param), []).append((weakref.ref(param), me, side))
         self.handles = [
             model.register_forward_pre_hook(_Guard(self, "forward")),
             model.register_state_dict_pre_hook(_Guard(self, "state_dict")),
@@ -75,8 +74,10 @@ class _Watch:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        for key in [k for k, (_, watched, _) in _PARAMS.items() if watched() is self]:
-            del _PARAMS[key]
+        for key, entries in list(_PARAMS.items()):
+            entries[:] = [entry for entry in entries if entry[1]() not in (self, None)]
+            if not entries:
+                del _PARAMS[key]
 
     def stale(self) -> bool:
         """Whether ``pm`` has changed since ``compile`` and the model has not (else the guard goes)."""
@@ -189,13 +190,9 @@ def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _SEEN[optimizer] = seen
     for group in optimizer.param_groups:
         for param in group["params"]:
-            entry = _PARAMS.get(id(param))
-            if entry is None or entry[0]() is not param or (watched := entry[1]()) is None:
-                continue
-            if entry[2] == "pm":
-                watched.pm_stepped = True
-            else:
-                watched.model_stepped = True
+            for held, watched, side in _PARAMS.get(id(param), ()):
+                if held() is param and (watching := watched()) is not None:
+                    setattr(watching, f"{side}_stepped", True)
 
 
 def _versions(tensors: Iterable[torch.Tensor]) -> int:

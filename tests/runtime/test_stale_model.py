@@ -146,3 +146,12 @@ def test_switching_the_models_mode_for_pm_is_refused(world_of_one):
         pm(X)
     pm.module.drop.eval()  # pm switched alike: it runs so
     torch.testing.assert_close(pm(X), pm(X))  # no dropout: the same value twice
+
+
+def test_a_model_compiled_twice_and_trained_beside_both_is_left_alone(world_of_one):
+    model = Net()
+    first, second = (autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu") for _ in range(2))
+    for pm in (first, second):
+        _train(pm, torch.optim.AdamW(pm.parameters(), lr=0.1, fused=True))
+    _train(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))  # fused: no version bumps
+    assert torch.isfinite(_evaluate(model)) and model.state_dict()  # each watch saw the model's own step
