@@ -66,7 +66,7 @@ def check_kept_layers(reshard_after_forward, fqns) -> None:
     parameter of ``fqns`` belongs to (a misspelt name would keep nothing, without a word)."""
     if not isinstance(reshard_after_forward, tuple):
         return
-    layers = {param_layer(fqn) for fqn in fqns}
+    layers = {param_layer(fqn) for fqn in fqns} | {""}  # the root's is one, if only of no parameter (nn.Sequential)
     unknown = [layer for layer in reshard_after_forward if layer not in layers]
     if unknown:
         named = sorted(layer for layer in layers if layer)

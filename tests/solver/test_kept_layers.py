@@ -5,8 +5,10 @@ that is faster than FSDP2's default, recorded in the plan."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
+from autopar.ir.gathers import check_kept_layers
 from autopar.ir.options import CommOptions
 from autopar.ir.plan import Plan
 from autopar.zoo.models import build_model, example_batch
@@ -127,3 +129,15 @@ def test_compile_refuses_it_too_before_building_anything(world_of_one):
     plan = autopar.hand_plan("fsdp", model, mesh=(1,), example_inputs=batch, cluster="cpu")
     with pytest.raises(autopar.ConfigError, match=r"names 'blocks\.0', which is no layer of the model"):
         autopar.compile(model, (1,), example_inputs=batch, plan=plan, comm=CommOptions(reshard_after_forward=("", "blocks.0")))
+
+
+def test_the_roots_layer_is_one_where_no_parameter_sits_at_the_root():
+    """An ``nn.Sequential`` has no parameter at its root ('0.weight' is layer '0'), but every
+    schedule the planner records keeps the root's layer (``""``): compile took it for a misspelt name."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
+    x = torch.randn(8, 16)
+    plan = autopar.hand_plan("fsdp", model, mesh=(2,), example_inputs=(x,), cluster="cpu")
+    assert plan.kept_layers is not None and "" in plan.kept_layers, plan.kept_layers
+    check_kept_layers(plan.kept_layers, [name for name, _ in model.named_parameters()])
+    with pytest.raises(autopar.ConfigError, match=r"names '5', which is no layer"):
+        check_kept_layers(("", "5"), [name for name, _ in model.named_parameters()])
