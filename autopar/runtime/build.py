@@ -27,6 +27,7 @@ from autopar.trace import trace
 FREE_AFTER_TRACE_BYTES = 256 * 2**20
 
 
+@stale_model.quiet()  # the model may be one compiled before, and trained since (runtime.stale_model)
 def build_module(
     model: torch.nn.Module,
     examples: Examples,
@@ -43,23 +44,6 @@ def build_module(
     ``solver.planners.split_batch``). A pipeline traces one microbatch of ``examples``. Meta tensors
     become FakeTensors; under a precision policy, parameters are traced in param_dtype and cast from
     their master dtype at use, as when planning. ``init`` makes only this rank's shards."""
-    with stale_model.quiet():  # the model may be one compiled before, and trained since (runtime.stale_model)
-        module = _build(model, examples, plan, mesh_shape, cluster, options, init, compiler, split_batch)
-    stale_model.watch(model, module)
-    return module
-
-
-def _build(
-    model: torch.nn.Module,
-    examples: Examples,
-    plan: Plan | None,
-    mesh_shape: tuple[int, ...],
-    cluster: ClusterSpec,
-    options: PlanOptions,
-    init: SeededInit | FromCheckpoint | None,
-    compiler: str | None,
-    split_batch: bool,
-) -> ParallelModule | PipelineParallelModule:
     pipelined = options.pipeline.enabled
     traced_on = first_microbatch(*examples, options.pipeline.microbatches) if pipelined else examples
     with quiet_gc():
@@ -77,6 +61,7 @@ def _build(
         checkpoint.load(init.path, module)
     hold_to_optimizer(dict(module.named_parameters()), chosen.optimizer)
     free_traced(model)
+    stale_model.watch(model, module)
     return module
 
 
