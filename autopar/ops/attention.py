@@ -87,6 +87,7 @@ class _ContextParallelAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        collectives.refuse_double_backward(grad, saves_inputs=True)  # recomputed on detached inputs
         query, key, value = ctx.saved_tensors
         with torch.no_grad():
             whole_key, whole_value = _gather_sequence(key, ctx.groups), _gather_sequence(value, ctx.groups)

@@ -58,7 +58,7 @@ import torch.utils.checkpoint
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autopar.errors import CollectiveError, InternalError
+from autopar.errors import CollectiveError, InternalError, UsageError
 from autopar.ir.spec import strided_piece, unstride
 
 _T = TypeVar("_T")
@@ -444,6 +444,24 @@ def _gather(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torc
     return full
 
 
+def refuse_double_backward(grad: torch.Tensor, saves_inputs: bool = False) -> None:
+    """Refuse a backward under ``create_graph=True`` whose result needs a graph of its own (a
+    gradient penalty: ``torch.autograd.grad(out, x, create_graph=True)``, whose input gradient
+    depends on the weights; ``saves_inputs``: a kernel whose backward reads what its forward saw,
+    detached). The collective would run on it as a plain tensor, and the second backward would miss
+    what the ranks must exchange (the gradients a split computation gives a weight held whole):
+    wrong weight gradients, without a word. Probed before this refusal: an FSDP plan 0.41 off
+    eager's gradients, a Megatron-style one 0.34."""
+    if torch.is_grad_enabled() and (saves_inputs or grad.requires_grad):
+        raise UsageError(
+            "a gradient of a gradient (torch.autograd.grad(..., create_graph=True), as a gradient penalty takes) "
+            "goes through this plan's communication, which the second backward cannot follow: it would get "
+            "wrong weight gradients. Compute it where no rank exchanges anything: a plan that keeps the whole "
+            "batch and every weight on each rank (autopar.hand_plan('ddp', ...) where it splits no batch, or a "
+            "mesh of 1), or the penalty outside the compiled module"
+        )
+
+
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group_name):
@@ -451,6 +469,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward(grad)
         return grad, None
 
 
@@ -462,6 +481,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward(grad)
         return _chunk(grad, ctx.dim, ctx.group_name, ctx.blocks), None, None, None
 
 
@@ -473,6 +493,7 @@ class _Chunk(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward(grad)
         return _gather(grad, ctx.dim, ctx.group_name, ctx.blocks), None, None, None
 
 
@@ -484,6 +505,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward(grad)
         return _all_gather(grad, ctx.dim, ctx.group_name), None, None
 
 
@@ -511,6 +533,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward(grad)
         return _all_to_all(grad.contiguous(), ctx.dst_dim, ctx.src_dim, ctx.group_name), None, None, None
 
 
@@ -550,6 +573,7 @@ class _MovePieces(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward(grad)
         dim, group_name, src, dst, piece_rows = ctx.args
         return _move(grad, dim, group_name, dst, src, piece_rows), None, None, None, None, None
 
@@ -562,6 +586,7 @@ class _AllReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward(grad)
         if ctx.reduce_dtype is None or ctx.reduce_dtype == grad.dtype:
             return _all_reduce(grad, ctx.group_name), None, None
         return _all_reduce(grad.to(ctx.reduce_dtype), ctx.group_name).to(grad.dtype), None, None
@@ -575,6 +600,7 @@ class _GatherParam(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward(grad)
         if ctx.reduce_dtype is None or ctx.reduce_dtype == grad.dtype:
             return _reduce_scatter(grad, ctx.dim, ctx.group_name), None, None, None
         return _reduce_scatter(grad.to(ctx.reduce_dtype), ctx.dim, ctx.group_name).to(grad.dtype), None, None, None
@@ -593,6 +619,7 @@ class _AllToAllRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward(grad)
         out_splits, in_splits = ctx.splits
         return _all_to_all_rows(grad, in_splits, out_splits, ctx.group_name), None, None, None
 

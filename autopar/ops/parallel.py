@@ -240,6 +240,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        collectives.refuse_double_backward(grad, saves_inputs=True)  # its softmax is saved detached
         softmax, local, inside, valid, count = ctx.saved_tensors
         # (softmax - one-hot) * scale per row: one pass over the [N, C] slice
         scale = grad.to(softmax.dtype) * valid
