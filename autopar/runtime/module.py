@@ -274,10 +274,10 @@ class ParallelModule(ModelAttributes, ShardedModule):
         self._attribute_guard.check()
         if self._offloader is not None:
             self._offloader.store.take_back()  # weights loaded in place into state_dict()'s copies (dcp.load)
-        if self._evaluates_locally(args, kwargs):
+        mode = self._mode()
+        if self._evaluates_locally(args, kwargs, mode):
             return self._local_model()(*args, **kwargs)
         self._num_calls += 1
-        mode = self._mode()
         if mode not in self._modes:  # its graph is planned with rank 0: agree on the call first
             start_check(list, [], self._data, self._coordinate, self._check_device, None, (self._num_calls, self.training))[1]()
         run = self._mode_graph(mode)
@@ -365,14 +365,15 @@ class ParallelModule(ModelAttributes, ShardedModule):
         self._shape_metas[run.attr] = [(name, shape, dtype) for (name, _, dtype), shape in zip(self._user_metas, key)]
         return run
 
-    def _evaluates_locally(self, args: tuple, kwargs: dict) -> bool:
+    def _evaluates_locally(self, args: tuple, kwargs: dict, mode: ModeKey) -> bool:
         """In eval mode under ``torch.no_grad()``, a plan that keeps every tensor whole on every
         rank in the model's own dtypes needs no other rank: the call runs the model's own forward
         on this rank's tensors, as DDP's evaluation does (so rank 0 alone may evaluate), and
         returns the model's outputs for the inputs it was given, of any shape. Under
         ``batch="per_rank"`` a call of the planned per-rank shapes still means the global batch's
-        outputs, which need every rank: only a call the graph cannot take runs locally."""
-        if self.training or torch.is_grad_enabled() or self._offloader is not None or self._mode()[1]:
+        outputs, which need every rank: only a call the graph cannot take runs locally. A module in
+        another mode than its root's (``mode``) runs its graph: the local model runs every one in eval."""
+        if self.training or torch.is_grad_enabled() or self._offloader is not None or mode[1]:
             return False
         if self._plan.precision is not None and self._plan.precision.param_dtype is not None:
             return False

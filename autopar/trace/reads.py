@@ -7,8 +7,9 @@ each module of the model reads its attributes through a recording subclass of it
 (same name, module and behaviour, so the graph and its metadata are what export gives), and the
 trace keeps the (module FQN, name) of every instance attribute read whose value is a bool, int,
 float, str or None, or a plain tensor attribute (neither parameter nor buffer: the graph holds
-that tensor, so a change in place reaches it, another tensor assigned does not), but ``training`` (each mode has a graph of its own: ``runtime.modes``) and
-those forward sets itself (eager sets them again at each call, whatever a script set).
+that tensor, so a change in place reaches it, another tensor assigned does not), but ``training``
+(each mode has a graph of its own: ``runtime.modes``) and those forward sets itself (eager sets
+them again at each call, whatever a script set).
 ``runtime.attribute_guard`` compares them at each call.
 """
 

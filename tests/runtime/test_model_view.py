@@ -96,7 +96,7 @@ def test_local_evaluation_runs_the_hooks_registered_before_compile(world_of_one)
     pm.eval()
     eager.eval()
     with torch.no_grad():  # a replicated plan's eval runs the model locally: its hooks too, once each
-        assert pm._evaluates_locally(batch, {})
+        assert pm._evaluates_locally(batch, {}, pm._mode())
         got, want = pm(*batch), eager(*batch)
     assert torch.allclose(got[0], want[0]) and torch.allclose(got[1], want[1])
     assert torch.allclose(pm(*batch)[1], eager(*batch)[1])  # the graph, hooks traced in
