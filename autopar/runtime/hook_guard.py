@@ -12,6 +12,12 @@ like) cannot be guarded that way without changing every other model of the proce
 guard remembers the global tables at ``compile`` and ``check`` refuses a call after one of them
 changed (and after a handle made before ``compile`` removed a hook that the graph still runs). Hooks on the compiled module itself (``pm.register_forward_hook``) run as
 on any module: they see the call's whole inputs and outputs.
+
+Submodules alike: the graph ran the modules the model had at ``compile``, so one replaced or
+removed after it (``resize_token_embeddings``, PEFT's ``get_peft_model``, ``model.head =
+nn.Linear(...)``, an activation swapped) would never run, where eager would run the new one.
+Each module's submodule table refuses that at the assignment; a new submodule may be added (the
+graph never calls it: code that calls it itself, a head applied to ``pm``'s outputs, runs it).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 
 import torch
 
-from autopar.errors import HookError
+from autopar.errors import HookError, UsageError
 
 _TABLES = {
     "_forward_hooks": "register_forward_hook",
@@ -85,12 +91,65 @@ class _GuardedHooks(OrderedDict):
         return (OrderedDict, (list(self.items()),))
 
 
+class _GuardedModules(OrderedDict):
+    """A module's submodule table after ``compile``: a submodule may be added, not replaced or removed."""
+
+    def __init__(self, held: dict, where: str) -> None:
+        super().__init__(held)
+        self._where = where
+        self._traced = frozenset(held)  # the names the graph was traced with; one added later is free
+
+    def _refuse(self, key: str, value: Any) -> None:
+        path = f"{self._where}.{key}" if self._where else key
+        old = type(OrderedDict.__getitem__(self, key)).__name__
+        change = "removed" if value is None else f"replaced ({old} by {type(value).__name__})"
+        raise UsageError(
+            f"module {path!r} of a compiled module was {change} after autopar.compile: the compiled graph was "
+            f"traced with the {old} and runs it still, where eager would run the change. Make it on the model "
+            "before autopar.compile (resize_token_embeddings, get_peft_model, a new head or activation), or "
+            "compile again; a new submodule that the forward does not call may be added"
+        )
+
+    def _check(self, key: str, value: Any = None) -> None:
+        if "_traced" in self.__dict__ and key in self._traced and OrderedDict.__getitem__(self, key) is not value:
+            self._refuse(key, value)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._check(key, value)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self._check(key)
+        super().__delitem__(key)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key in self:
+            self._check(key)
+        return super().pop(key, *default)
+
+    def popitem(self, last: bool = True) -> Any:
+        if self:
+            self._check(next(reversed(self)) if last else next(iter(self)))
+        return super().popitem(last)
+
+    def clear(self) -> None:
+        for key in self:
+            self._check(key)
+        super().clear()
+
+    def __reduce_ex__(self, protocol: int):
+        return (OrderedDict, (list(self.items()),))  # a copy is a plain table, as _GuardedHooks'
+
+
 def _guard_tables(module: torch.nn.Module) -> list[tuple[str, dict]]:
-    """Give every module under ``module`` (itself included) guarded hook tables; return the
+    """Give every module under ``module`` (itself included) guarded hook and submodule tables; return the
     tables that held hooks, as (module name, the table itself): a handle made before compile
     removes from that table (it holds a weak reference to it), which the guard checks at calls."""
     held = []
     for name, sub in module.named_modules(remove_duplicate=False):
+        children = sub.__dict__.get("_modules")
+        if isinstance(children, dict) and not isinstance(children, _GuardedModules):
+            object.__setattr__(sub, "_modules", _GuardedModules(children, name))
         for table, register in _TABLES.items():
             hooks = getattr(sub, table, None)
             if isinstance(hooks, dict) and not isinstance(hooks, _GuardedHooks):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.errors import HookError
+from autopar.errors import HookError, UsageError
 from autopar.runtime.hook_guard import HookGuard
 from autopar.zoo.models import build_model, example_batch
 
@@ -73,6 +73,37 @@ def test_a_copy_of_the_compiled_module_takes_hooks(compiled):
     holder = copy.deepcopy(pm.module)
     handle = holder.get_submodule("transformer.ln_f").register_forward_hook(lambda mod, args, out: None)
     handle.remove()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda view: setattr(view.transformer, "ln_f", torch.nn.Identity()),  # a module the graph runs, replaced
+        lambda view: view.transformer.h.__setitem__(0, torch.nn.Identity()),  # a layer of a ModuleList
+        lambda view: delattr(view.transformer, "ln_f"),
+        lambda view: setattr(view.transformer, "ln_f", None),
+        lambda view: view.transformer.h.pop(1),
+    ],
+    ids=["replace", "replace-layer", "delete", "none", "pop"],
+)
+def test_a_submodule_replaced_or_removed_after_compile_is_refused(compiled, change):
+    """The graph runs the modules traced at compile: a new one (PEFT's wrappers, resized
+    embeddings, another head) would never run, where eager would run it."""
+    pm, batch = compiled
+    want = pm(*batch).item()
+    with pytest.raises(UsageError, match=r"module 'transformer\.(ln_f|h\.[01])' of a compiled module was (replaced|removed)"):
+        change(pm.module)
+    assert pm(*batch).item() == want, "the refused change left the module as it was"
+
+
+def test_a_new_submodule_may_be_added_and_a_copy_takes_changes(compiled):
+    pm, batch = compiled
+    pm.module.probe = torch.nn.Linear(2, 2)  # the forward never calls it: the user's own code does
+    pm.module.probe = pm.module.probe  # the same module again changes nothing
+    assert isinstance(pm(*batch), torch.Tensor)
+    del pm.module.probe  # added after compile: no graph ran it
+    holder = copy.deepcopy(pm.module)
+    holder.transformer.ln_f = torch.nn.Identity()  # a copy is a plain module: the guard belongs to pm
 
 
 class Scaled(torch.nn.Module):
