@@ -13,6 +13,14 @@ A mode is the whole model's (``ModeKey``): the root's flag and the modules whose
 mode, dropout kept on in eval for Monte Carlo sampling), since eager runs each module in its own
 mode. A call in a mode no graph was traced in gets one of its own, traced with every module's flag
 as the call has it.
+
+Which parameters train is part of a mode too. Export records the gradient path of the parameters
+that required grad, and the plan places them and their gradients' reductions by it: a parameter
+frozen at ``compile`` and unfrozen later (gradual unfreezing) would get a gradient no reduction
+was planned for (an FSDP plan's was local to each rank: wrong, without a word). A call with such
+parameters trainable, grad enabled, gets a graph traced with them trainable (``ModeKey.unfrozen``).
+A parameter frozen after ``compile`` needs none: the planned graph computes no gradient for it
+(``ops.buckets``), as eager.
 """
 
 from __future__ import annotations
@@ -20,14 +28,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
 
 from autopar.errors import ModelError
 from autopar.ir.plan import Plan
-from autopar.trace import TracedModel
+from autopar.trace import TracedModel, requires_grad
 
 
 @dataclass(frozen=True)
@@ -45,9 +53,15 @@ class ModeGraph:
         return [(gi.name, gi.kind, gi.fqn) for gi in self.traced.inputs]
 
 
-# The root's training flag and the names of the modules whose flag differs from it ("" is the root's
-# own module: ``pm.module``'s, where ``pm``'s is the root).
-ModeKey = tuple[bool, frozenset[str]]
+class ModeKey(NamedTuple):
+    """A call's mode: the root's training flag, the names of the modules whose flag differs from it
+    (``""`` is the root's own module: ``pm.module``'s, where ``pm``'s is the root), and the
+    parameters frozen at ``compile`` that this call trains."""
+
+    training: bool
+    odd: frozenset[str]
+    unfrozen: frozenset[str] = frozenset()
+
 
 # Made by ``compile``: (mode key, examples=None) -> (traced model, rewritten graph, plan) of that
 # mode, traced on the example inputs, or on ``examples`` ((args, kwargs): ``runtime.shapes``).
@@ -74,37 +88,74 @@ def pinned_placements(traced: TracedModel, plan: Plan) -> dict[str, Any]:
     return pinned
 
 
+def same_graph(a: TracedModel, b: TracedModel) -> bool:
+    """Whether ``a`` and ``b`` are one graph: the same ops and shapes (``graph_hash``), and the
+    same parameters trained (which the hash leaves out, and the plan's reductions follow)."""
+    return a.graph_hash == b.graph_hash and _trained(a) == _trained(b)
+
+
+def _trained(traced: TracedModel) -> frozenset[str]:
+    return frozenset(node.name for node in traced.gm.graph.find_nodes(op="placeholder") if requires_grad(node))
+
+
 def mode_name(training: bool) -> str:
     return "train" if training else "eval"
 
 
-def mode_key(training: bool, modules: Iterable[tuple[str, torch.nn.Module]]) -> ModeKey:
-    """The mode of a model whose root is in ``training`` mode and whose modules are ``modules``."""
-    return training, frozenset(name for name, module in modules if module.training != training)
+def mode_key(training: bool, modules: Iterable[tuple[str, torch.nn.Module]], unfrozen: frozenset[str] = frozenset()) -> ModeKey:
+    """The mode of a model whose root is in ``training`` mode and whose modules are ``modules``,
+    training the parameters ``unfrozen`` that were frozen at ``compile``."""
+    return ModeKey(training, frozenset(name for name, module in modules if module.training != training), unfrozen)
+
+
+def frozen_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``module``'s parameters that need no gradient (``requires_grad=False``), by name."""
+    return [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
+
+
+def unfrozen(frozen: list[tuple[str, torch.nn.Parameter]]) -> frozenset[str]:
+    """The names of ``frozen`` (``frozen_parameters`` at ``compile``) that a call under grad mode
+    trains now: the empty set under ``torch.no_grad()``, where no gradient flows."""
+    if not frozen or not torch.is_grad_enabled():
+        return frozenset()
+    return frozenset(name for name, param in frozen if param.requires_grad)
 
 
 def describe_mode(key: ModeKey) -> str:
-    """``"eval"``, or ``"train (with 'backbone' in eval mode)"``."""
-    training, odd = key
-    if not odd:
-        return mode_name(training)
-    # the topmost of them: 'backbone', not each of its modules too
-    names = sorted(name for name in odd if not any(name.startswith(f"{other}.") for other in odd if other))
-    listed = ", ".join(repr(name) if name else "the model's root" for name in names[:3])
-    listed += f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return f"{mode_name(training)} (with {listed} in {mode_name(not training)} mode)"
+    """``"eval"``, ``"train (with 'backbone' in eval mode)"``, ``"train (training '0.weight', frozen
+    at compile)"``."""
+    training, odd, thawed = key
+    said = []
+    if odd:
+        # the topmost of them: 'backbone', not each of its modules too
+        names = sorted(name for name in odd if not any(name.startswith(f"{other}.") for other in odd if other))
+        listed = _listed([repr(name) if name else "the model's root" for name in names])
+        said.append(f"with {listed} in {mode_name(not training)} mode")
+    if thawed:
+        said.append(f"training {_listed([repr(name) for name in sorted(thawed)])}, frozen at compile")
+    return mode_name(training) + (f" ({'; '.join(said)})" if said else "")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 @contextlib.contextmanager
 def in_mode(model: torch.nn.Module, key: ModeKey) -> Iterator[None]:
-    """``model`` with every module's flag as ``key`` has it; each module's own flag back after."""
+    """``model`` with every module's flag as ``key`` has it and its ``unfrozen`` parameters
+    trainable; each module's own flag and each parameter's back after."""
     modules = list(model.named_modules())
     was = [module.training for _, module in modules]
-    training, odd = key
+    thawed = [model.get_parameter(name) for name in sorted(key.unfrozen)]
+    frozen = [param for param in thawed if not param.requires_grad]
     for name, module in modules:
-        module.training = training != (name in odd)
+        module.training = key.training != (name in key.odd)
+    for param in frozen:
+        param.requires_grad_(True)
     try:
         yield
     finally:
         for (_, module), flag in zip(modules, was):
             module.training = flag
+        for param in frozen:
+            param.requires_grad_(False)

@@ -30,7 +30,17 @@ from autopar.runtime.compiled import run_eager, under_autocast, warn_not_compile
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
 from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.model_view import ModelAttributes, local_model, model_view
-from autopar.runtime.modes import ModeBuilder, ModeGraph, ModeKey, describe_mode, mode_key, mode_name
+from autopar.runtime.modes import (
+    ModeBuilder,
+    ModeGraph,
+    ModeKey,
+    describe_mode,
+    frozen_parameters,
+    mode_key,
+    mode_name,
+    same_graph,
+    unfrozen,
+)
 from autopar.runtime.offload import param_key
 from autopar.trace import TracedModel
 
@@ -91,7 +101,8 @@ class ParallelModule(ModelAttributes, ShardedModule):
         # pm.module's modules, each in its own mode (a call's mode is theirs: runtime.modes)
         self._shells = list(self.module.named_modules())
         self._shell_modules = [module for _, module in self._shells]
-        self._mode_keys: dict[tuple[bool, tuple[bool, ...]], ModeKey] = {}  # every module's flag → its ModeKey
+        # every module's flag and each frozen parameter's requires_grad → its ModeKey
+        self._mode_keys: dict[tuple[bool, tuple[bool, ...], frozenset[str]], ModeKey] = {}
         self._modes: dict[ModeKey, ModeGraph] = {mode_key(training, model.named_modules()): ModeGraph(traced, plan)}
         # Per mode graph, read once (runtime.data): whether it writes a buffer, its random ops on replicated tensors.
         self._graph_facts: dict[str, tuple[bool, RandomOps | None]] = {}
@@ -126,6 +137,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
             shell.training = module.training  # each module in the mode it was traced in, as the model
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
         self._attribute_guard = AttributeGuard(self, self.module, model, traced.reads)  # nor would an attribute set
+        self._frozen = frozen_parameters(self.module)  # one unfrozen later trains in a graph of its own
         held = {fqn for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}
         originals.bind(model, self, held if offloader is None else set())  # optimizers built before
         loaded_state.track(self, {traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, DTensor)})
@@ -235,11 +247,11 @@ class ParallelModule(ModelAttributes, ShardedModule):
 
     def _mode(self) -> ModeKey:
         """The mode of this call: ``pm``'s, and each module of ``pm.module`` in its own (``runtime.modes``)."""
-        flags = (self.training, tuple(map(_TRAINING, self._shell_modules)))  # host time: no Python loop
+        flags = (self.training, tuple(map(_TRAINING, self._shell_modules)), unfrozen(self._frozen))  # no Python loop
         stale_model.check_modes(self, flags[1])  # the model's own switched instead (DDP's pre-wrap name)
         key = self._mode_keys.get(flags)
         if key is None:
-            key = self._mode_keys[flags] = mode_key(self.training, self._shells)
+            key = self._mode_keys[flags] = mode_key(self.training, self._shells, flags[2])
         return key
 
     def _mode_graph(self, mode: ModeKey) -> ModeGraph:
@@ -259,13 +271,14 @@ class ParallelModule(ModelAttributes, ShardedModule):
         log.info("autopar: tracing and planning the graph of %s mode (its first call) ...", describe_mode(mode))
         traced, gm, plan = self._build_mode(mode)
         self._attribute_guard.add(traced.reads)
-        same = next((run for run in self._modes.values() if run.traced.graph_hash == traced.graph_hash), None)
+        same = next((run for run in self._modes.values() if same_graph(run.traced, traced)), None)
         if same is not None:  # the model's code does not branch on what changed
             run = same
         else:
-            run = ModeGraph(traced, plan, f"{mode_name(mode[0])}_graph_module" + (f"_{len(self._modes)}" if mode[1] else ""))
+            suffix = f"_{len(self._modes)}" if mode.odd or mode.unfrozen else ""
+            run = ModeGraph(traced, plan, f"{mode_name(mode.training)}_graph_module{suffix}")
             self._bind(gm, run.inputs)
-            self.add_module(run.attr, gm.train(mode[0]))
+            self.add_module(run.attr, gm.train(mode.training))
         self._modes[mode] = run
         return run
 
@@ -359,7 +372,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         self._attribute_guard.add(traced.reads)
         run = ModeGraph(traced, plan, f"shape_graph_module_{len(self._by_shape)}")
         self._bind(gm, run.inputs)
-        self.add_module(run.attr, gm.train(mode[0]))
+        self.add_module(run.attr, gm.train(mode.training))
         self._by_shape[(mode, key)] = run
         self._shape_attrs.add(run.attr)
         self._shape_metas[run.attr] = [(name, shape, dtype) for (name, _, dtype), shape in zip(self._user_metas, key)]
@@ -373,7 +386,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         ``batch="per_rank"`` a call of the planned per-rank shapes still means the global batch's
         outputs, which need every rank: only a call the graph cannot take runs locally. A module in
         another mode than its root's (``mode``) runs its graph: the local model runs every one in eval."""
-        if self.training or torch.is_grad_enabled() or self._offloader is not None or mode[1]:
+        if self.training or torch.is_grad_enabled() or self._offloader is not None or mode.odd:
             return False
         if self._plan.precision is not None and self._plan.precision.param_dtype is not None:
             return False

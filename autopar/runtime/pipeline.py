@@ -82,7 +82,7 @@ from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
 from autopar.runtime.microbatch_loss import label_counts
 from autopar.runtime.model_view import ModelAttributes, model_view
-from autopar.runtime.modes import describe_mode, mode_key
+from autopar.runtime.modes import describe_mode, frozen_parameters, mode_key, unfrozen
 from autopar.runtime.module import world_timeout
 from autopar.trace import TracedModel, requires_grad
 
@@ -268,6 +268,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         self._hook_guard = HookGuard.install(self.module)  # a hook added after compile would not run: refused
         self._attribute_guard = AttributeGuard(self, self.module, model, traced.reads)  # nor would an attribute set
         self._traced_mode = mode_key(model.training, model.named_modules())  # each module's, as the graph ran them
+        self._frozen = frozen_parameters(self.module)  # one unfrozen later is refused: no graph trains it
 
     def _gathers(self) -> bool:
         """The whole state needs every stage (a broadcast from the one that holds each tensor)."""
@@ -437,7 +438,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         shells = list(self.module.named_modules())
         stale_model.check_modes(self, tuple(module.training for _, module in shells))
         mode = mode_key(self.training, shells)
-        if mode[1] != self._traced_mode[1]:
+        if mode.odd != self._traced_mode.odd:
             raise UsageError(
                 f"this pipelined module runs only the graph traced with its modules' modes as they were at compile "
                 f"({describe_mode(self._traced_mode)} mode), but this call is in {describe_mode(mode)} mode, which "
@@ -491,9 +492,12 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         the first stage reads the inputs and the last the labels, each on its own ranks, so other
         data on one rank would pair one rank's inputs with another's labels."""
         leaves = pytree.tree_leaves((args, kwargs))
-        flat, settle = start_check(
-            lambda: self._user_inputs(args, kwargs), leaves, self._whole_batch, (0,), self._device, self._random
-        )
+
+        def validate() -> list[Any]:
+            self._check_unfrozen()
+            return self._user_inputs(args, kwargs)
+
+        flat, settle = start_check(validate, leaves, self._whole_batch, (0,), self._device, self._random)
         try:
             settle()
         except DataMismatchError as error:
@@ -504,6 +508,18 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
                 error.ranks,
             ) from None
         return flat
+
+    def _check_unfrozen(self) -> None:
+        """A ``ModelError`` (which every rank raises, ``runtime.data``: the parameter is one
+        stage's) where a parameter frozen at compile trains now: no stage graph trains it."""
+        thawed = unfrozen(self._frozen)
+        if thawed:
+            raise ModelError(
+                f"parameters {sorted(thawed)} were frozen (requires_grad=False) when the model was compiled and are "
+                "trained now, but a pipelined module runs only the graphs traced then, which compute no gradient "
+                "for them: unfreeze them before autopar.compile (freezing a parameter after compile is fine), or "
+                "compile without a pipeline (pipeline='off'), whose module traces a graph that trains them"
+            )
 
     @property
     def _holds_loss(self) -> bool:

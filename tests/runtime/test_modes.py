@@ -10,7 +10,7 @@ import torch
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.ir.options import PlanOptions
-from autopar.runtime.modes import describe_mode, pinned_placements
+from autopar.runtime.modes import ModeKey, describe_mode, in_mode, pinned_placements
 from autopar.solver.planners.traced import plan_traced
 from autopar.trace import trace
 from autopar.zoo.models import build_model, example_batch
@@ -120,4 +120,61 @@ def test_modes_set_on_the_model_before_compile_are_the_compiled_graphs(world_of_
     pm = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu")
     assert not pm.module.bn.training and pm.module.drop.training
     _same_call(pm, eager)
-    assert list(pm._modes) == [(True, frozenset({"bn"}))]  # no other graph was made
+    assert list(pm._modes) == [ModeKey(True, frozenset({"bn"}))]  # no other graph was made
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 2)]
+    return torch.nn.Sequential(*layers).double()
+
+
+def _unfrozen_later(rank: int, world: int) -> dict[str, tuple[float, list[str]]]:
+    """Per plan: how far from eager the parameters are after four SGD steps of a model compiled
+    with its first layer frozen, which is unfrozen after two steps while the second is frozen,
+    and the modes of the graphs the module made."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    results = {}
+    for kind in ("fsdp", "auto"):
+        model = _mlp()
+        model[0].requires_grad_(False)  # frozen at compile: the traced graph has no gradient for it
+        eager = copy.deepcopy(model)
+        plan = None if kind == "auto" else autopar.hand_plan(kind, model, (world,), example_inputs=(x,), cluster="cpu")
+        pm = autopar.compile(model, (world,), example_inputs=(x,), cluster="cpu", plan=plan)
+        opts = [(pm, torch.optim.SGD(pm.parameters(), lr=0.1)), (eager, torch.optim.SGD(eager.parameters(), lr=0.1))]
+        for step in range(4):
+            if step == 2:  # gradual unfreezing: the first layer trains from here, the second is frozen
+                for module in (pm.module, eager):
+                    module[0].requires_grad_(True)
+                    module[2].requires_grad_(False)
+                with torch.no_grad():  # no gradient flows: no graph of its own
+                    pm(x)
+            for module, opt in opts:
+                module(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        full = pm.full_state_dict()
+        worst = max((full[name] - value).abs().max().item() for name, value in eager.state_dict().items())
+        results[kind] = (worst, sorted(describe_mode(mode) for mode in pm._modes))
+    return results
+
+
+@pytest.mark.multiproc
+def test_a_parameter_frozen_at_compile_and_unfrozen_later_trains_as_in_eager(rank_pool) -> None:
+    """Gradual unfreezing on two ranks: the graph traced with a parameter frozen plans no reduction
+    of its gradient (FSDP's plan gave each rank its own: off by 1e-3), so a call that trains it
+    runs a graph traced with it trainable. Freezing after compile needs no graph of its own."""
+    for result in rank_pool(2).run(_unfrozen_later, timeout_s=300):
+        for kind, (worst, modes) in result.items():
+            assert worst < 1e-12, f"{kind}: parameters off eager's by {worst:.1e}"
+            assert modes == ["train", "train (training '0.bias', '0.weight', frozen at compile)"], (kind, modes)
+
+
+def test_in_mode_trains_the_unfrozen_parameters_and_puts_them_back() -> None:
+    model = _mlp()
+    model[0].requires_grad_(False)
+    key = ModeKey(True, frozenset({"1"}), frozenset({"0.weight"}))
+    with in_mode(model, key):
+        assert model[0].weight.requires_grad and not model[0].bias.requires_grad and not model[1].training
+    assert not model[0].weight.requires_grad and model[1].training
+    assert describe_mode(key) == "train (with '1' in eval mode; training '0.weight', frozen at compile)"

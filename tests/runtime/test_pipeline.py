@@ -20,7 +20,7 @@ import torch
 import autopar
 from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
-from autopar.errors import UsageError
+from autopar.errors import InputError, ModelError, UsageError
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
 from autopar.passes.split import split_into_stages, stage_io, stage_wiring
 from autopar.runtime.pipeline import _stage_view
@@ -423,7 +423,9 @@ def _run_pipelines(
     # Dropout on a tensor both ranks of a stage hold whole: their generators must be in step
     # (ranks of different stages may differ); a call whose are not is refused on every rank.
     drop = {}
-    pm = autopar.compile(DropMLP().to(DTYPE), (2, 2), example_inputs=_drop_batch(), plan=autopar.Plan.from_json(drop_text))
+    model = DropMLP().to(DTYPE)
+    model.head.bias.requires_grad_(False)  # frozen at compile: unfrozen below
+    pm = autopar.compile(model, (2, 2), example_inputs=_drop_batch(), plan=autopar.Plan.from_json(drop_text))
     torch.manual_seed(7 + pm.stage_index)
     drop["per_stage"] = pm(*_drop_batch()).item()
     torch.manual_seed(7 + rank)
@@ -434,6 +436,15 @@ def _run_pipelines(
     except ValueError as error:
         drop["per_rank"] = str(error)
     drop["restored"] = torch.equal(state, torch.get_rng_state())
+    # A parameter frozen at compile and trained now (one stage's): no stage graph computes its
+    # gradient, so every rank refuses the call.
+    pm.module.head.requires_grad_(True)
+    torch.manual_seed(7 + pm.stage_index)
+    try:
+        pm(*_drop_batch())
+        drop["unfrozen"] = "ran"
+    except (ModelError, InputError) as error:  # the holders' own, the others' "ranks [..] refused"
+        drop["unfrozen"] = str(error)
     results["drop"] = drop
     return results
 
@@ -450,11 +461,15 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
     results = rank_pool(4).run(
         _run_pipelines, plans, _mlp_plans(), flat.to_json(), drop.to_json(), str(tmp_path / "ckpt"), timeout_s=400
     )
+    # the ranks that hold the parameter name it; the others stop with them
+    assert any("['head.bias'] were frozen" in by_label["drop"]["unfrozen"] for by_label in results), results
     for rank, by_label in enumerate(results):
         drop = by_label.pop("drop")
         assert math.isfinite(drop["per_stage"]), drop
         assert "draw different random numbers" in drop["per_rank"] and "torch.manual_seed(seed)" in drop["per_rank"], drop
         assert drop["restored"], f"rank {rank}: a refused call left the random generator drawn from"
+        unfrozen = "were frozen (requires_grad=False) when the model was compiled"
+        assert unfrozen in drop["unfrozen"] or "refused this call" in drop["unfrozen"], drop
         mlp = {label: by_label.pop(f"mlp_{label}") for label in ("one", "auto")}
         assert mlp["one"]["stages"] == 1 and mlp["auto"]["stages"] >= 2, "the budget leaves one stage infeasible"
         for label, result in mlp.items():
