@@ -1,4 +1,5 @@
-"""Module hooks added after ``compile`` are refused, not silently skipped.
+"""Module hooks added after ``compile`` are refused, not silently skipped; so are submodules,
+parameters and buffers replaced in a way the graph would not follow.
 
 The compiled module runs one traced graph: the modules under ``pm.module`` hold its parameters
 but are never called, so a forward, forward-pre or backward hook registered on one of them after
@@ -18,6 +19,10 @@ removed after it (``resize_token_embeddings``, PEFT's ``get_peft_model``, ``mode
 nn.Linear(...)``, an activation swapped) would never run, where eager would run the new one.
 Each module's submodule table refuses that at the assignment; a new submodule may be added (the
 graph never calls it: code that calls it itself, a head applied to ``pm``'s outputs, runs it).
+Parameters and buffers: the graph reads each from its module's table at every call, so one
+removed (a parametrization such as ``weight_norm``, pruning) or replaced by a tensor of another
+layout (shape, dtype, device, or a whole tensor where the plan holds a shard) is refused at the
+assignment, naming ``pm.load_state_dict``; one of the same layout is read from the next call on.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from autopar.errors import HookError, UsageError
 
@@ -91,28 +97,72 @@ class _GuardedHooks(OrderedDict):
         return (OrderedDict, (list(self.items()),))
 
 
-class _GuardedModules(OrderedDict):
-    """A module's submodule table after ``compile``: a submodule may be added, not replaced or removed."""
+_REPLACED_FIX = (
+    "Load new values with pm.load_state_dict({{{path!r}: tensor}}, strict=False) (a whole tensor is cut into "
+    "the plan's shards), or copy into it in place under torch.no_grad()"
+)
+_REMOVED_FIX = (
+    "A parametrization (weight_norm, spectral_norm) or pruning goes on the model before autopar.compile; or compile again"
+)
+_MODULE_FIX = (
+    "Make it on the model before autopar.compile (resize_token_embeddings, get_peft_model, a new head or "
+    "activation), or compile again; a new submodule that the forward does not call may be added"
+)
 
-    def __init__(self, held: dict, where: str) -> None:
-        super().__init__(held)
-        self._where = where
-        self._traced = frozenset(held)  # the names the graph was traced with; one added later is free
 
-    def _refuse(self, key: str, value: Any) -> None:
-        path = f"{self._where}.{key}" if self._where else key
-        old = type(OrderedDict.__getitem__(self, key)).__name__
-        change = "removed" if value is None else f"replaced ({old} by {type(value).__name__})"
-        raise UsageError(
-            f"module {path!r} of a compiled module was {change} after autopar.compile: the compiled graph was "
-            f"traced with the {old} and runs it still, where eager would run the change. Make it on the model "
-            "before autopar.compile (resize_token_embeddings, get_peft_model, a new head or activation), or "
-            "compile again; a new submodule that the forward does not call may be added"
+def _describe(value: Any) -> str:
+    if isinstance(value, DTensor):
+        return f"a DTensor {tuple(value.placements)} of global shape {tuple(value.shape)}, {value.dtype}"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}, {value.dtype} on {value.device}"
+    return type(value).__name__
+
+
+def _readable(old: Any, new: Any) -> bool:
+    """Whether the graph can read tensor ``new`` where it was traced with ``old``: a shard of the
+    same layout, or a plain tensor of the same shape, dtype and device."""
+    if isinstance(old, DTensor) or isinstance(new, DTensor):
+        return (
+            isinstance(old, DTensor)
+            and isinstance(new, DTensor)
+            and old._spec == new._spec
+            and old.to_local().shape == new.to_local().shape
         )
+    return (
+        isinstance(old, torch.Tensor)
+        and isinstance(new, torch.Tensor)
+        and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
+    )
+
+
+class _GuardedTable(OrderedDict):
+    """A module's submodule, parameter or buffer table after ``compile``: an entry the graph was
+    traced with may not be removed, nor replaced by one the graph would not read as eager would
+    (a module it never calls; a tensor of another layout); an entry added later is free."""
+
+    def __init__(self, held: dict, where: str, kind: str) -> None:
+        super().__init__(held)
+        self._where, self._kind = where, kind
+        self._traced = frozenset(held)  # the names the graph was traced with
 
     def _check(self, key: str, value: Any = None) -> None:
-        if "_traced" in self.__dict__ and key in self._traced and OrderedDict.__getitem__(self, key) is not value:
-            self._refuse(key, value)
+        if "_traced" not in self.__dict__ or key not in self._traced:
+            return
+        old = OrderedDict.get(self, key)
+        if old is value or (self._kind != "module" and value is not None and _readable(old, value)):
+            return
+        path = f"{self._where}.{key}" if self._where else key
+        if self._kind == "module":
+            change = "removed" if value is None else f"replaced ({type(old).__name__} by {type(value).__name__})"
+            raise UsageError(
+                f"module {path!r} of a compiled module was {change} after autopar.compile: the compiled graph was "
+                f"traced with the {type(old).__name__} and runs it still, where eager would run the change. " + _MODULE_FIX
+            )
+        change, fix = ("removed", _REMOVED_FIX) if value is None else (f"replaced by {_describe(value)}", _REPLACED_FIX)
+        raise UsageError(
+            f"{self._kind} {path!r} of a compiled module was {change} after autopar.compile, where the graph reads "
+            f"{_describe(old)} at every call. " + fix.format(path=path)
+        )
 
     def __setitem__(self, key: str, value: Any) -> None:
         self._check(key, value)
@@ -141,15 +191,19 @@ class _GuardedModules(OrderedDict):
         return (OrderedDict, (list(self.items()),))  # a copy is a plain table, as _GuardedHooks'
 
 
+_GUARDED = {"_modules": "module", "_parameters": "parameter", "_buffers": "buffer"}
+
+
 def _guard_tables(module: torch.nn.Module) -> list[tuple[str, dict]]:
     """Give every module under ``module`` (itself included) guarded hook and submodule tables; return the
     tables that held hooks, as (module name, the table itself): a handle made before compile
     removes from that table (it holds a weak reference to it), which the guard checks at calls."""
     held = []
     for name, sub in module.named_modules(remove_duplicate=False):
-        children = sub.__dict__.get("_modules")
-        if isinstance(children, dict) and not isinstance(children, _GuardedModules):
-            object.__setattr__(sub, "_modules", _GuardedModules(children, name))
+        for attr, kind in _GUARDED.items():
+            entries = sub.__dict__.get(attr)
+            if isinstance(entries, dict) and not isinstance(entries, _GuardedTable):
+                object.__setattr__(sub, attr, _GuardedTable(entries, name, kind))
         for table, register in _TABLES.items():
             hooks = getattr(sub, table, None)
             if isinstance(hooks, dict) and not isinstance(hooks, _GuardedHooks):

@@ -106,6 +106,48 @@ def test_a_new_submodule_may_be_added_and_a_copy_takes_changes(compiled):
     holder.transformer.ln_f = torch.nn.Identity()  # a copy is a plain module: the guard belongs to pm
 
 
+def test_a_parameter_or_buffer_the_graph_cannot_read_is_refused_at_the_assignment(compiled):
+    """The graph reads each parameter and buffer at every call: a tensor of another shape or dtype
+    in its place, or none (a parametrization moves it), is refused; one it reads alike is used."""
+    pm, batch = compiled
+    block = pm.module.transformer.h[0]
+    with pytest.raises(UsageError, match=r"parameter 'transformer\.h\.0\.attn\.q_proj\.weight' .* was removed .*weight_norm"):
+        torch.nn.utils.parametrizations.weight_norm(block.attn.q_proj)
+    with pytest.raises(UsageError, match=r"replaced by a tensor of shape \(3,\).*load_state_dict\(\{'transformer\.ln_f\.bias'"):
+        pm.module.transformer.ln_f.bias = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(UsageError, match=r"parameter 'transformer\.ln_f\.bias' .* was removed"):
+        del pm.module.transformer.ln_f.bias
+    held = pm.module.transformer.ln_f.bias
+    want = pm(*batch).item()
+    try:
+        pm.module.transformer.ln_f.bias = torch.nn.Parameter(held.detach() + 1)  # read alike: used, as in eager
+        assert pm(*batch).item() != want
+    finally:
+        pm.module.transformer.ln_f.bias = held
+    assert pm(*batch).item() == want
+
+
+def _replaced_shard(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = Scaled()
+    x = torch.randn(4, 8)
+    plan = autopar.hand_plan("fsdp", model, (world,), example_inputs=(x,), cluster="cpu")
+    pm = autopar.compile(model, (world,), example_inputs=(x,), plan=plan)
+    try:
+        pm.module.fc.weight = torch.nn.Parameter(torch.zeros(8, 8))  # whole, where the plan holds a shard
+    except UsageError as error:
+        return str(error)
+    return "assigned"
+
+
+@pytest.mark.multiproc
+def test_a_whole_tensor_in_place_of_a_shard_is_refused_naming_load_state_dict(rank_pool):
+    for message in rank_pool(2).run(_replaced_shard, timeout_s=240):
+        assert "parameter 'fc.weight' of a compiled module was replaced by a tensor of shape (8, 8)" in message, message
+        assert "where the graph reads a DTensor (Shard(dim=0),) of global shape (8, 8)" in message, message
+        assert "pm.load_state_dict({'fc.weight': tensor}, strict=False)" in message, message
+
+
 class Scaled(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
