@@ -11,6 +11,7 @@ the stage that owns it and a broadcast to the others), which each subclass says 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -486,6 +487,9 @@ class ShardedModule(NotPickled, torch.nn.Module):
         if self._plan.precision is not None:  # floating inputs in param_dtype, as traced
             flat = [self._plan.precision.cast_inputs(value) for value in flat]
         for value, (name, shape, dtype) in zip(flat, metas):
+            if is_constant(shape):
+                _check_constant(name, value, shape)
+                continue
             if shape is None or not isinstance(value, torch.Tensor):
                 continue
             if value.is_meta and not any(self._local(fqn).is_meta for fqn, _ in self._fqns()):
@@ -546,16 +550,52 @@ class ShardedModule(NotPickled, torch.nn.Module):
         return None if grad is None else local_of(grad)
 
 
-def _user_metas(traced: TracedModel, num_microbatches: int) -> list[tuple[str, tuple[int, ...] | None, Any]]:
-    """(name, shape, dtype) of each user input a call takes (None, None for a non-tensor)."""
+_CONSTANT = "constant"
+# Values whose equality and repr mean the same on every rank; others (objects, a torch.device,
+# which differs per rank on GPUs) are entered by type only, as before.
+_COMPARED = (bool, int, float, complex, str, torch.dtype, enum.Enum, type(None))
+
+
+def constant_entry(value: Any) -> tuple[str, str, Any]:
+    """A non-tensor argument's entry in a shape key: its type and, where it can be compared alike on
+    every rank, its value (the graph holds it as a constant)."""
+    return (_CONSTANT, type(value).__qualname__, value if isinstance(value, _COMPARED) else None)
+
+
+def is_constant(entry: Any) -> bool:
+    return isinstance(entry, tuple) and len(entry) == 3 and entry[0] == _CONSTANT
+
+
+def takes(value: Any, entry: Any) -> bool:
+    """Whether a graph planned for ``entry`` (a shape, a ``constant_entry``, or None) takes
+    ``value`` as it is: the same constant, or a tensor of that shape."""
+    if is_constant(entry):
+        return not isinstance(value, torch.Tensor) and constant_entry(value) == entry
+    return entry is None or not isinstance(value, torch.Tensor) or tuple(value.shape) == entry
+
+
+def _check_constant(name: str, value: Any, entry: Any) -> None:
+    """InputError where argument ``name`` is not the value its graph holds as a constant."""
+    if not takes(value, entry):
+        raise InputError(
+            f"argument {name!r} is {value!r}, but this module runs a graph traced with {name}={entry[2]!r} (its "
+            "example inputs), which holds that value as a constant: eager would compute with the new one. Pass "
+            f"{entry[2]!r}, pass a value that changes as a tensor, or compile with the value you pass (a module "
+            "without a pipeline traces a graph per value)"
+        )
+
+
+def _user_metas(traced: TracedModel, num_microbatches: int) -> list[tuple[str, Any, Any]]:
+    """(name, shape, dtype) of each user input a call takes (``runtime.shapes.constant_entry``,
+    None for an argument that is not a tensor: the graph holds its example value)."""
     placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
     metas = []
     for gi in traced.inputs:
         if gi.kind != "user":
             continue
         val = placeholders[gi.name].meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            metas.append((gi.name, None, None))
+        if not isinstance(val, torch.Tensor):  # a constant of the graph (runtime.shapes)
+            metas.append((gi.name, constant_entry(val), None))
             continue
         shape = tuple(val.shape)
         if val.dim():

@@ -452,9 +452,10 @@ def _check_same_shapes(rows: list[list[float]]) -> None:
     differ = [rank for rank, row in enumerate(rows) if row[9] != rows[0][9]]
     if differ:
         raise InputError(
-            f"ranks 0 and {differ[0]} passed inputs of different shapes: every rank must pass inputs of the same "
-            "shapes in each call (under batch='per_rank', the same number of rows: DistributedSampler pads the "
-            "last batch so that each rank gets as many), since a new shape is planned by all ranks together"
+            f"ranks 0 and {differ[0]} passed inputs of different shapes (or other values of an argument that is not "
+            "a tensor): every rank must pass inputs of the same shapes and the same such values in each call "
+            "(under batch='per_rank', the same number of rows: DistributedSampler pads the last batch so that each "
+            "rank gets as many), since a new shape is planned by all ranks together"
         )
 
 

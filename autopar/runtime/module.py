@@ -24,7 +24,7 @@ from autopar.ops.params import LocalLeaf, local_of
 from autopar.passes.schedule import bind_parameters
 from autopar.runtime import loaded_state, originals, shapes, stale_model, trainer_saves
 from autopar.runtime.attribute_guard import AttributeGuard
-from autopar.runtime.base import Flattened, ShardedModule, attach, flatten_inputs, has, lookup, model_tensors
+from autopar.runtime.base import Flattened, ShardedModule, attach, flatten_inputs, has, lookup, model_tensors, takes
 from autopar.runtime.checkpoint import load_model_state_dict, to_dtensor
 from autopar.runtime.compiled import run_eager, under_autocast, warn_not_compiled
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
@@ -400,10 +400,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
             flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in self._user_metas])
         except ValueError:
             return False
-        return all(
-            shape is None or not isinstance(value, torch.Tensor) or tuple(value.shape) == shape
-            for value, (_, shape, _) in zip(flat, self._user_metas)
-        )
+        return all(takes(value, shape) for value, (_, shape, _) in zip(flat, self._user_metas))
 
     def _local_model(self) -> torch.nn.Module:
         eager = _LOCAL_MODELS.get(self)  # not an attribute: a deepcopy of pm makes its own

@@ -10,6 +10,8 @@ builds anything, naming the fix.
 
 from __future__ import annotations
 
+import torch
+
 from autopar.errors import PlanError
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
@@ -28,7 +30,7 @@ def padded_placeholders(plan: Plan, traced: TracedModel) -> dict[str, tuple[str,
     shapes = {
         node.name: tuple(node.meta["val"].shape)
         for node in traced.gm.graph.nodes
-        if node.op == "placeholder" and "val" in node.meta
+        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)  # not a traced scalar
     }
     found = {}
     for graph_input in traced.placeholders("param"):

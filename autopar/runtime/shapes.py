@@ -11,6 +11,11 @@ already holds and the batch split on the same mesh axes, and rewritten. The grap
 Every size may shrink, none may grow: the example inputs are the planned maximum (the memory
 budget was checked at their size), and a larger call is refused with the fix.
 
+A call's other arguments (a float scale, a flag, a count, a string) are in the graph as constants:
+export specializes on the example's values. A call with other values gets a graph of its own
+too, traced with the call's, as torch.compile recompiles for them (``constant_entry``). Values of
+other types (objects) are not compared.
+
 Every rank must take the same decision, or one rank plans (collectives of its own) while another
 runs the graph, and both hang. Each call's data check (``runtime.data.start_check``) gathers a
 number made from the call's shapes from every rank, and a rank that meets a shape it has no graph
@@ -21,6 +26,8 @@ hold the same graphs.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -31,25 +38,29 @@ import torch.utils._pytree as pytree
 
 from autopar.errors import InputError
 from autopar.ir.data import DataLayout
-from autopar.runtime.base import flatten_inputs
+from autopar.runtime.base import constant_entry, flatten_inputs, is_constant
 from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
 
-ShapeKey = tuple[tuple[int, ...] | None, ...]
-# (name, shape, dtype) of each user input, as ``runtime.base._user_metas`` gives them.
-Metas = list[tuple[str, tuple[int, ...] | None, Any]]
+# Per user input: a tensor's shape, or another argument's ``constant_entry``.
+ShapeKey = tuple[Any, ...]
+# (name, shape, dtype) of each user input, as ``runtime.base._user_metas`` gives them (for an
+# argument that is not a tensor: its ``constant_entry`` as the shape, None as the dtype).
+Metas = list[tuple[str, Any, Any]]
 
 
 def shape_key(leaves: list[Any]) -> ShapeKey:
-    """The shapes of a call's tensor leaves (None for a leaf that is not a tensor)."""
-    return tuple(tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves)
+    """The shapes of a call's tensor leaves, and the ``constant_entry`` of its other leaves."""
+    return tuple(tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else constant_entry(leaf) for leaf in leaves)
 
 
+@functools.lru_cache(maxsize=4096)
 def key_number(key: ShapeKey) -> float:
     """A float64-exact number that differs, almost surely, between two shape keys: the same on
-    every process for the same key (Python hashes tuples of ints without a per-process seed)."""
-    return float(hash(key) % 2**52)
+    every process for the same key (a digest of its repr; Python's hash of a string is seeded per
+    process)."""
+    return float(int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=6).digest(), "big"))
 
 
 def metas_key(metas: Metas) -> ShapeKey:
@@ -63,8 +74,8 @@ def check_within(args: tuple, kwargs: dict, traced: TracedModel, metas: Metas, h
     arguments, dtypes and dims, and no size larger than planned."""
     flat = flatten_inputs(args, kwargs, traced.in_spec, [name for name, _, _ in metas])
     for value, (name, shape, dtype) in zip(flat, metas):
-        if shape is None or not isinstance(value, torch.Tensor):
-            continue
+        if shape is None or is_constant(shape) or not isinstance(value, torch.Tensor):
+            continue  # another argument's value: a graph of its own
         given = tuple(value.shape)
         if value.dtype != dtype or len(given) != len(shape) or any(g > s for g, s in zip(given, shape)):
             raise InputError(
@@ -112,7 +123,7 @@ def timed_build(key: ShapeKey, mode: str, build: Callable[[], Any], cached: int)
     """``build()``, with the one log line that says which shapes were planned and how long it took."""
     start = time.perf_counter()
     made = build()
-    shapes = ", ".join(str(tuple(shape)) for shape in key if shape is not None)
+    shapes = ", ".join(repr(entry[2]) if is_constant(entry) else str(tuple(entry)) for entry in key if entry is not None)
     log.info(
         "autopar: traced and planned the %s graph for input shapes %s in %.2f s (%d shapes cached)",
         mode,

@@ -1,15 +1,21 @@
 """Calls of other input shapes than the example inputs (``autopar.runtime.shapes``): a training loop
 over batches of three sequence lengths and a last smaller batch, greedy decoding that grows the
-sequence and the model's own ``generate()``, equal to eager on 2 gloo ranks; larger shapes and ranks that disagree are refused."""
+sequence and the model's own ``generate()``, equal to eager on 2 gloo ranks; larger shapes and ranks that disagree are refused.
+Other values of arguments that are not tensors get graphs of their own, as other shapes do."""
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from autopar.errors import InputError
 from autopar.ir.data import DataLayout
+from autopar.runtime.base import _check_constant, constant_entry
 from autopar.runtime.shapes import examples_of, key_number, shape_key
 from tests.runtime.hf_trainer_job import SEQ, VOCAB, tiny_llama
 
@@ -116,10 +122,92 @@ def test_loop_over_changing_shapes_and_greedy_decoding_match_eager(rank_pool) ->
 
 def test_shape_key_numbers_are_stable_and_tell_shapes_apart() -> None:
     one = shape_key([torch.zeros(4, 16), 3, torch.zeros(4)])
-    assert one == ((4, 16), None, (4,))
-    assert key_number(one) == key_number(((4, 16), None, (4,)))
-    assert key_number(one) != key_number(((4, 12), None, (4,)))
+    assert one == ((4, 16), constant_entry(3), (4,))
+    assert key_number(one) == key_number(((4, 16), constant_entry(3), (4,)))
+    assert key_number(one) != key_number(((4, 12), constant_entry(3), (4,)))
+    assert key_number(one) != key_number(((4, 16), constant_entry(4), (4,)))  # another value of an argument
+    assert key_number(one) != key_number(((4, 16), constant_entry(3.0), (4,)))  # of another type
     assert float(key_number(one)) == key_number(one) and key_number(one) < 2**52
+
+
+def test_shape_key_numbers_are_the_same_in_every_process() -> None:
+    """Ranks compare the numbers: a string argument's must not follow Python's per-process hash seed."""
+    code = "from autopar.runtime.shapes import key_number, shape_key; print(key_number(shape_key(['mean', 2.5])))"
+    numbers = {
+        subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True, check=True
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(numbers) == 1, numbers
+
+
+def test_a_module_that_runs_only_its_traced_graphs_refuses_another_value() -> None:
+    """A pipelined module (no graph per value) checks each call's constants against its graph's."""
+    _check_constant("scale", 1.0, constant_entry(1.0))
+    with pytest.raises(InputError, match=r"argument 'scale' is 2\.0, but this module runs a graph traced with scale=1\.0"):
+        _check_constant("scale", 2.0, constant_entry(1.0))
+    with pytest.raises(InputError, match="pass a value that changes as a tensor"):
+        _check_constant("flag", 1, constant_entry(True))  # another type: the graph took the branch of True
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale=1.0, how="mean", repeat=1, flag=False):
+        y = self.fc(x) * scale
+        for _ in range(repeat):
+            y = torch.tanh(y)
+        y = y + 1 if flag else y
+        return y.mean() if how == "mean" else y.sum()
+
+
+def _run_constants(rank: int, world: int) -> dict:
+    """SGD steps with other values of the arguments that are not tensors than the example's, on
+    the solver's plan, against eager; and a call whose ranks pass other values."""
+    import autopar
+
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    eager = _Scaled().double()
+    example = dict(x=x, scale=1.0, how="mean", repeat=1, flag=False)
+    pm = autopar.compile(copy.deepcopy(eager), (world,), example_kwargs=example, cluster="cpu")
+    calls = [{}, {"scale": 0.5}, {"how": "sum"}, {"repeat": 2, "flag": True}, {"scale": 0.5}, {}]
+    losses = []
+    for module in (pm, eager):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        for changed in calls:
+            loss = module(**{**example, **changed})
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    full = pm.full_state_dict()
+    try:
+        pm(**{**example, "scale": 1.0 + rank})
+        disagreed = "ran"
+    except ValueError as error:
+        disagreed = str(error)
+    return {
+        "losses": (losses[: len(calls)], losses[len(calls) :]),
+        "param_diff": max(float((full[name] - p).abs().max()) for name, p in eager.state_dict().items()),
+        "graphs": len(pm._by_shape),
+        "disagreed": disagreed,
+    }
+
+
+@pytest.mark.multiproc
+def test_other_values_of_arguments_that_are_not_tensors_run_graphs_of_their_own(rank_pool) -> None:
+    """The graph holds such arguments (a scale, a flag, a count, a string) as constants: a call
+    with other values ran the example's, without a word."""
+    for result in rank_pool(2).run(_run_constants, timeout_s=300):
+        got, want = result["losses"]
+        assert got == pytest.approx(want, rel=1e-12), result["losses"]
+        assert result["param_diff"] < 1e-12
+        assert result["graphs"] == 3, "one graph per new set of values, cached"
+        assert "passed inputs of different shapes (or other values of an argument" in result["disagreed"], result
 
 
 def test_per_rank_examples_repeat_the_rows_to_the_whole_batch() -> None:
