@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, UsageError
 from autopar.ir.options import CommOptions
 from autopar.ops import collectives
 from autopar.passes.schedule import inductor_options, saved_tensors_hooks
@@ -80,12 +80,39 @@ class CompiledGraph:
         The compiled backward runs inside the user's ``loss.backward()``, where a failure comes
         out as the process group's own error."""
         try:
-            return self.compiled(*values)
+            outputs = self.compiled(*values)
         except (RuntimeError, dist.DistError) as error:
             diagnosed = collectives.compiled_graph_error("forward", error)
             if diagnosed is None:
                 raise
             raise diagnosed from error
+        if torch.is_grad_enabled():
+            nodes = {id(out.grad_fn): out.grad_fn for out in outputs if isinstance(out, torch.Tensor) and out.grad_fn is not None}
+            for node in nodes.values():
+                node.register_prehook(_BackwardOnce())
+        return outputs
+
+
+class _BackwardOnce:
+    """A prehook of a compiled graph's backward node that refuses its second run. A second
+    backward through one forward (after ``retain_graph=True``) of an FSDP layout gave one layer's
+    gradients 7e-3 off, without a word, where the communication is bucketed and reordered
+    (``passes.schedule.inductor_options``; either alone, or aot_eager, was right: the cause in
+    inductor was not found). torch's own check (donated buffers) refuses the first such backward
+    of other layouts."""
+
+    def __init__(self) -> None:
+        self.ran = False
+
+    def __call__(self, grad_outputs: Any) -> None:
+        if self.ran:
+            raise UsageError(
+                "a second backward through one forward of a module compiled with compiler='inductor' (after "
+                "backward(retain_graph=True)): its compiled backward runs once per forward, as torch.compile's "
+                "does. Sum the losses and call backward once ((loss_a + loss_b).backward()), run a forward for "
+                "each backward, or compile without compiler= (op by op, which runs it)"
+            )
+        self.ran = True
 
 
 @torch._dynamo.disable(reason="autopar's eager schedule runs in autograd hooks that dynamo cannot follow")
