@@ -1,6 +1,7 @@
 """``compile``'s checks: of its arguments before anything is traced, of the process group it
 runs on (its world size, and the floating dtypes its backend sums), and of what the runtime
-carries out (a precision policy, compiler= with pipelines or offload)."""
+carries out (a precision policy, compiler= with pipelines or offload), and of the traced model
+(state its forward carries from one call to the next)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from autopar.ops import collectives
 from autopar.runtime.compiled import check_compiler
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, has_meta_tensors
 from autopar.runtime.weights import check_same_weights
+from autopar.trace import TracedModel
 
 
 def check_call(
@@ -148,4 +150,31 @@ def check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs,
             )
 
 
-__all__ = ["check_call", "check_world", "check_init", "check_compile_options", "check_precision_runs", "check_backend_dtypes"]
+def check_carried_state(traced: TracedModel) -> None:
+    """ModelError where the model's forward reads a plain attribute and then sets it (a counter, a
+    cached length: state each call leaves to the next, ``TracedModel.carried``). The graph holds
+    the value it read at the trace and never sets it, so every call would compute as the first,
+    where eager's calls see it change: without a word."""
+    if not traced.carried:
+        return
+    names = [f"{fqn}.{name}" if fqn else name for fqn, name in traced.carried]
+    first = traced.carried[0][1]
+    raise ModelError(
+        f"the model's forward reads and then sets {', '.join(repr(n) for n in names[:3])}"
+        f"{f' and {len(names) - 3} more' if len(names) > 3 else ''}: state one call leaves to the next, which the "
+        "compiled graph holds at its value when traced and never sets, so every call would compute as the first "
+        "did, where eager's calls see it change. Keep it in a buffer updated in place (self.register_buffer("
+        f"'{first}', torch.zeros((), dtype=torch.long)) in __init__, self.{first}.add_(1) in forward; a branch on "
+        "it needs torch.where), which the graph reads and writes at every call, or update it outside forward"
+    )
+
+
+__all__ = [
+    "check_call",
+    "check_world",
+    "check_init",
+    "check_compile_options",
+    "check_precision_runs",
+    "check_backend_dtypes",
+    "check_carried_state",
+]

@@ -33,7 +33,7 @@ from autopar.trace.functions import functions_as_one_op
 from autopar.trace.hooks import check_hooks
 from autopar.trace.host_random import export_checking_host_draws
 from autopar.trace.moe import experts_as_one_op
-from autopar.trace.reads import GUARDED, model_reads
+from autopar.trace.reads import GUARDED, Reads, model_reads
 
 # Runtime shape and dtype assertions that export leaves behind; after sharding they would
 # check local tensors against global shapes, and they decide nothing, so they are dropped.
@@ -76,6 +76,9 @@ class TracedModel:
     # neither parameter nor buffer), as the graph holds it (``trace.reads``; ``runtime.attribute_guard``
     # refuses a call after one changed).
     reads: tuple[tuple[str, str, Any], ...] = ()
+    # (module FQN, name) of each plain attribute forward read before setting it: state one call
+    # leaves to the next (a counter), which the graph holds at its traced value (``trace.reads``)
+    carried: tuple[tuple[str, str], ...] = ()
 
     def placeholders(self, kind: str) -> list[GraphInput]:
         return [i for i in self.inputs if i.kind == kind]
@@ -173,7 +176,7 @@ def trace(
         trace_s=time.perf_counter() - start,
         checkpointing=checkpoints.policy,
         checkpointed=checkpoints.layers,
-        reads=_read_values(model, read),
+        **_read_fields(model, read),
     )
 
 
@@ -247,15 +250,15 @@ def _sync_batch_norms_as_batch_norms(model: torch.nn.Module, notes: list[str]):
                 module.forward = forward
 
 
-def _read_values(model: torch.nn.Module, read: set[tuple[str, str]]) -> tuple[tuple[str, str, Any], ...]:
-    """``TracedModel.reads``: each attribute's value after the trace (a forward that sets one it reads
-    leaves the graph's value there), in a stable order."""
+def _read_fields(model: torch.nn.Module, found: Reads) -> dict[str, Any]:
+    """``TracedModel.reads`` (each attribute's value after the trace, in a stable order) and
+    ``TracedModel.carried``, of what ``model_reads`` found."""
     values = []
-    for fqn, name in sorted(read):
+    for fqn, name in sorted(found.read):
         attributes = model.get_submodule(fqn).__dict__ if fqn else model.__dict__
         if name in attributes and isinstance(attributes[name], GUARDED):
             values.append((fqn, name, attributes[name]))
-    return tuple(values)
+    return {"reads": tuple(values), "carried": tuple(sorted(found.carried))}
 
 
 def _refuse_cache_inputs(example_kwargs: dict[str, Any] | None) -> None:

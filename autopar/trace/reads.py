@@ -10,12 +10,15 @@ float, str or None, or a plain tensor attribute (neither parameter nor buffer: t
 that tensor, so a change in place reaches it, another tensor assigned does not), but ``training``
 (each mode has a graph of its own: ``runtime.modes``) and those forward sets itself (eager sets
 them again at each call, whatever a script set).
-``runtime.attribute_guard`` compares them at each call.
+``runtime.attribute_guard`` compares them at each call. Those forward reads before it sets them
+are state one call leaves to the next (``self.calls += 1``), which a graph cannot carry:
+``Reads.carried``, which ``compile`` refuses (``runtime.compile_checks.check_carried_state``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,10 +29,10 @@ GUARDED = (*SCALARS, torch.Tensor)  # what a read attribute may hold to be guard
 _SUBCLASSES: dict[type, type] = {}
 
 
-def _recording(cls: type, reads: set[tuple[int, str]], writes: set[tuple[int, str]]) -> type:
+def _recording(cls: type, reads: set[tuple[int, str]], writes: set[tuple[int, str]], early: set[tuple[int, str]]) -> type:
     """A subclass of ``cls`` that adds (id(module), name) to the active ``reads`` for a scalar or
-    tensor instance attribute read, and to ``writes`` for any attribute set; one class per module class,
-    whose sets are the trace's."""
+    tensor instance attribute read (and to ``early`` where forward had not set it yet), and to
+    ``writes`` for any attribute set; one class per module class, whose sets are the trace's."""
     made = _SUBCLASSES.get(cls)
     if made is None:
 
@@ -38,7 +41,10 @@ def _recording(cls: type, reads: set[tuple[int, str]], writes: set[tuple[int, st
             if name != "training" and isinstance(value, GUARDED):  # each mode has its own graph
                 attributes = object.__getattribute__(self, "__dict__")
                 if name in attributes:
-                    type(self)._autopar_reads.add((id(self), name))
+                    made = type(self)
+                    made._autopar_reads.add((id(self), name))
+                    if (id(self), name) not in made._autopar_writes:
+                        made._autopar_early.add((id(self), name))
             return value
 
         def __setattr__(self: Any, name: str, value: Any) -> None:  # noqa: N807
@@ -52,17 +58,28 @@ def _recording(cls: type, reads: set[tuple[int, str]], writes: set[tuple[int, st
             "__qualname__": cls.__qualname__,
         }
         made = _SUBCLASSES[cls] = type(cls.__name__, (cls,), namespace)
-    made._autopar_reads, made._autopar_writes = reads, writes
+    made._autopar_reads, made._autopar_writes, made._autopar_early = reads, writes, early
     return made
 
 
+@dataclasses.dataclass
+class Reads:
+    """What ``model_reads`` found, as (module FQN, attribute name) pairs: the attributes forward
+    read and did not set (``read``), and those it read before setting them (``carried``: state one
+    call leaves to the next, a counter or a cached length)."""
+
+    read: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+    carried: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+
+
 @contextlib.contextmanager
-def model_reads(model: torch.nn.Module) -> Iterator[set[tuple[str, str]]]:
-    """While tracing ``model``: record its modules' scalar attribute reads. The yielded set is
-    filled on exit with (module FQN, attribute name) pairs. A module whose class cannot be swapped
-    (a TorchScript or C++ module) is not recorded."""
+def model_reads(model: torch.nn.Module) -> Iterator[Reads]:
+    """While tracing ``model``: record its modules' scalar attribute reads. The yielded ``Reads`` is
+    filled on exit. A module whose class cannot be swapped (a TorchScript or C++ module) is not
+    recorded."""
     seen: set[tuple[int, str]] = set()
     written: set[tuple[int, str]] = set()
+    early: set[tuple[int, str]] = set()
     names = {id(module): fqn for fqn, module in model.named_modules()}
     swapped = []
     for module in {id(m): m for m in model.modules()}.values():
@@ -70,17 +87,18 @@ def model_reads(model: torch.nn.Module) -> Iterator[set[tuple[str, str]]]:
         if cls in _SUBCLASSES.values():  # a nested trace of the same model
             continue
         try:
-            module.__class__ = _recording(cls, seen, written)
+            module.__class__ = _recording(cls, seen, written, early)
         except TypeError:
             continue
         swapped.append((module, cls))
-    found: set[tuple[str, str]] = set()
+    found = Reads()
     try:
         yield found
     finally:
         for module, cls in swapped:
             module.__class__ = cls
-        found.update((names[key], name) for key, name in seen - written if key in names)
+        found.read.update((names[key], name) for key, name in seen - written if key in names)
+        found.carried.update((names[key], name) for key, name in early & written if key in names)
 
 
-__all__ = ["GUARDED", "model_reads"]
+__all__ = ["GUARDED", "Reads", "model_reads"]

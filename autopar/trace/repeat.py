@@ -356,6 +356,7 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
         constants=out.constants,
         graph_hash=graph_hash(new_gm),
         notes=small.notes,
+        carried=small.carried,
         checkpointing=small.checkpointing,
         checkpointed=_deepened(small.checkpointed, path, have, depth),
     )

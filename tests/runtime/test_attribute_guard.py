@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import autopar
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, ModelError
 from autopar.trace import trace
 
 
@@ -85,3 +87,46 @@ def test_a_hugging_face_model_runs_unrefused_until_an_attention_scaling_changes(
     pm.module.model.layers[1].self_attn.scaling = 0.5
     with pytest.raises(ConfigError, match=r"pm\.module\.model\.layers\.1\.self_attn\.scaling is 0\.5"):
         pm(**kwargs)
+
+
+class Counting(torch.nn.Module):
+    """Reads a counter, then sets it: state each call leaves to the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x).sum() * (2.0 if self.calls > 2 else 1.0)
+
+
+class BufferCounting(torch.nn.Module):
+    """The same counter, held in a buffer updated in place, as the refusal asks."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.inner(x).sum() * torch.where(self.calls > 2, 2.0, 1.0)
+
+
+def test_a_forward_that_carries_state_to_the_next_call_is_refused_and_a_buffer_runs(world_of_one):
+    """The graph holds the counter's value when traced and never sets it: every call computed
+    as the first, where eager's third call doubled, without a word. In a buffer, it runs as eager."""
+    x = torch.randn(2, 4)
+    assert trace(Counting(), (x,)).carried == (("", "calls"),)
+    with pytest.raises(ModelError, match=r"forward reads and then sets 'calls'.*self\.calls\.add_\(1\)"):
+        autopar.compile(Counting(), mesh=(1,), example_inputs=(x,))
+    torch.manual_seed(0)
+    model = BufferCounting()
+    eager = copy.deepcopy(model)
+    pm = autopar.compile(model, mesh=(1,), example_inputs=(x,))
+    for _ in range(4):
+        assert pm(x).item() == pytest.approx(eager(x).item(), rel=1e-6)
+    assert pm.module.calls.item() == eager.calls.item() == 4
+    assert trace(Scaled(), (x,)).carried == ()  # set before read: no state between calls
