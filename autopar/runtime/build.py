@@ -14,7 +14,7 @@ from autopar.ir.pipeline import first_microbatch
 from autopar.ir.plan import Plan
 from autopar.runtime import checkpoint, stale_model
 from autopar.runtime.agreement import check_rank_agreement, resolve_plan
-from autopar.runtime.compile_checks import check_carried_state
+from autopar.runtime.compile_checks import check_carried_state, warn_set_attributes
 from autopar.runtime.materialize import FromCheckpoint, SeededInit
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.optim_guard import hold_to_optimizer
@@ -50,6 +50,7 @@ def build_module(
     with quiet_gc():
         traced = trace(model, *traced_on, options.precision)
     check_carried_state(traced)
+    warn_set_attributes(traced)
     # (``cluster`` is priced for ``compiler``'s executor: under inductor, whose traced gathers are
     # unpadded, the planner offers no padded shard, ``choices.build_choice_graph``)
     chosen = resolve_plan(plan, traced, mesh_shape, cluster, options, split_batch=split_batch)

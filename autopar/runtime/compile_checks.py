@@ -5,6 +5,7 @@ carries out (a precision policy, compiler= with pipelines or offload), and of th
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -17,6 +18,8 @@ from autopar.runtime.compiled import check_compiler
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, has_meta_tensors
 from autopar.runtime.weights import check_same_weights
 from autopar.trace import TracedModel
+
+log = logging.getLogger("autopar")
 
 
 def check_call(
@@ -148,6 +151,19 @@ def check_backend_dtypes(model: torch.nn.Module, example_inputs, example_kwargs,
                 f"(model.float(), precision='32-true') when running on {backend}, a torch whose {backend} sums "
                 f"{dtype} (2.13 does), or NCCL on GPUs"
             )
+
+
+def warn_set_attributes(traced: TracedModel) -> None:
+    """Say that the plain attributes forward sets (``self.last_attention = ...``) stay as they were:
+    a compiled call runs the graph, not the model's Python code."""
+    if traced.sets:
+        names = [f"{fqn}.{name}" if fqn else name for fqn, name in traced.sets]
+        log.warning(
+            "autopar: the model's forward sets %s%s, which a call of the compiled module does not: pm.module keeps "
+            "the values they had at compile. Return such values from forward instead",
+            ", ".join(repr(n) for n in names[:3]),
+            f" and {len(names) - 3} more" if len(names) > 3 else "",
+        )
 
 
 def check_carried_state(traced: TracedModel) -> None:

@@ -79,6 +79,8 @@ class TracedModel:
     # (module FQN, name) of each plain attribute forward read before setting it: state one call
     # leaves to the next (a counter), which the graph holds at its traced value (``trace.reads``)
     carried: tuple[tuple[str, str], ...] = ()
+    # (module FQN, name) of each other plain attribute forward sets, which a compiled call does not
+    sets: tuple[tuple[str, str], ...] = ()
 
     def placeholders(self, kind: str) -> list[GraphInput]:
         return [i for i in self.inputs if i.kind == kind]
@@ -258,7 +260,7 @@ def _read_fields(model: torch.nn.Module, found: Reads) -> dict[str, Any]:
         attributes = model.get_submodule(fqn).__dict__ if fqn else model.__dict__
         if name in attributes and isinstance(attributes[name], GUARDED):
             values.append((fqn, name, attributes[name]))
-    return {"reads": tuple(values), "carried": tuple(sorted(found.carried))}
+    return {"reads": tuple(values), "carried": tuple(sorted(found.carried)), "sets": tuple(sorted(found.sets))}
 
 
 def _refuse_cache_inputs(example_kwargs: dict[str, Any] | None) -> None:

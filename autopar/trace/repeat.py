@@ -357,6 +357,7 @@ def synthesize(small: TracedModel, path: str, depth: int, ties: dict[str, str]) 
         graph_hash=graph_hash(new_gm),
         notes=small.notes,
         carried=small.carried,
+        sets=small.sets,
         checkpointing=small.checkpointing,
         checkpointed=_deepened(small.checkpointed, path, have, depth),
     )

@@ -130,3 +130,13 @@ def test_a_forward_that_carries_state_to_the_next_call_is_refused_and_a_buffer_r
         assert pm(x).item() == pytest.approx(eager(x).item(), rel=1e-6)
     assert pm.module.calls.item() == eager.calls.item() == 4
     assert trace(Scaled(), (x,)).carried == ()  # set before read: no state between calls
+
+
+def test_compile_says_which_attributes_forward_sets_and_a_call_leaves_alone(world_of_one, caplog):
+    x = torch.randn(2, 4)
+    assert trace(Scaled(), (x,)).sets == (("", "last_rows"),)
+    with caplog.at_level("WARNING", logger="autopar"):
+        pm = autopar.compile(Scaled(), mesh=(1,), example_inputs=(x,))
+    assert "the model's forward sets 'last_rows', which a call of the compiled module does not" in caplog.text
+    pm(x[:1])  # eager would leave 1 there
+    assert pm.module.last_rows == 0
