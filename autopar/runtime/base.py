@@ -586,8 +586,8 @@ def _check_constant(name: str, value: Any, entry: Any) -> None:
 
 
 def _user_metas(traced: TracedModel, num_microbatches: int) -> list[tuple[str, Any, Any]]:
-    """(name, shape, dtype) of each user input a call takes (``runtime.shapes.constant_entry``,
-    None for an argument that is not a tensor: the graph holds its example value)."""
+    """(name, shape, dtype) of each user input a call takes (``constant_entry``, None for an
+    argument that is not a tensor: the graph holds its example value, ``runtime.shapes``)."""
     placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
     metas = []
     for gi in traced.inputs:
