@@ -66,8 +66,8 @@ def _recording(cls: type, reads: set[tuple[int, str]], writes: set[tuple[int, st
 class Reads:
     """What ``model_reads`` found, as (module FQN, attribute name) pairs: the attributes forward
     read and did not set (``read``), those it read before setting them (``carried``: state one
-    call leaves to the next, a counter or a cached length), and those it set otherwise (``sets``:
-    a compiled module leaves them as they were, ``self.last_attention = ...``)."""
+    call leaves to the next, a counter or a cached length), and the public ones it set otherwise
+    (``sets``: a compiled module leaves them as they were, ``self.last_attention = ...``)."""
 
     read: set[tuple[str, str]] = dataclasses.field(default_factory=set)
     carried: set[tuple[str, str]] = dataclasses.field(default_factory=set)
@@ -101,7 +101,8 @@ def model_reads(model: torch.nn.Module) -> Iterator[Reads]:
             module.__class__ = cls
         found.read.update((names[key], name) for key, name in seen - written if key in names)
         found.carried.update((names[key], name) for key, name in early & written if key in names)
-        found.sets.update((names[key], name) for key, name in written - early if key in names and name != "__class__")
+        # a private name is the module's own bookkeeping (LSTM's _flat_weights), not a value for the user
+        found.sets.update((names[key], name) for key, name in written - early if key in names and not name.startswith("_"))
 
 
 __all__ = ["GUARDED", "Reads", "model_reads"]
