@@ -101,8 +101,19 @@ def model_reads(model: torch.nn.Module) -> Iterator[Reads]:
             module.__class__ = cls
         found.read.update((names[key], name) for key, name in seen - written if key in names)
         found.carried.update((names[key], name) for key, name in early & written if key in names)
-        # a private name is the module's own bookkeeping (LSTM's _flat_weights), not a value for the user
-        found.sets.update((names[key], name) for key, name in written - early if key in names and not name.startswith("_"))
+        modules = {id(module): module for module, _ in swapped}
+        # a private name is the module's own bookkeeping (LSTM's _flat_weights), not a value for the user;
+        # a buffer set anew is a mutation the graph writes back, a parameter or submodule is no plain value
+        found.sets.update(
+            (names[key], name)
+            for key, name in written - early
+            if key in names and not name.startswith("_") and not _held(modules.get(key), name)
+        )
+
+
+def _held(module: torch.nn.Module | None, name: str) -> bool:
+    """Whether ``name`` is one of ``module``'s buffers, parameters or submodules."""
+    return module is not None and any(name in getattr(module, table) for table in ("_buffers", "_parameters", "_modules"))
 
 
 __all__ = ["GUARDED", "Reads", "model_reads"]

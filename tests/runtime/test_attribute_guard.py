@@ -140,3 +140,17 @@ def test_compile_says_which_attributes_forward_sets_and_a_call_leaves_alone(worl
     assert "the model's forward sets 'last_rows', which a call of the compiled module does not" in caplog.text
     pm(x[:1])  # eager would leave 1 there
     assert pm.module.last_rows == 0
+    # a buffer set anew in forward is a mutation the graph writes back: not named
+    assert trace(EmaBuffer(), (x,)).sets == ()
+
+
+class EmaBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.inner(x)
+        self.ema = 0.5 * self.ema + 0.5 * y.detach().mean(0)
+        return (y - self.ema).pow(2).sum()
