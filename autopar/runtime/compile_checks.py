@@ -193,4 +193,5 @@ __all__ = [
     "check_precision_runs",
     "check_backend_dtypes",
     "check_carried_state",
+    "warn_set_attributes",
 ]

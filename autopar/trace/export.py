@@ -253,8 +253,8 @@ def _sync_batch_norms_as_batch_norms(model: torch.nn.Module, notes: list[str]):
 
 
 def _read_fields(model: torch.nn.Module, found: Reads) -> dict[str, Any]:
-    """``TracedModel.reads`` (each attribute's value after the trace, in a stable order) and
-    ``TracedModel.carried``, of what ``model_reads`` found."""
+    """``TracedModel.reads`` (each attribute's value after the trace, in a stable order),
+    ``carried`` and ``sets``, of what ``model_reads`` found."""
     values = []
     for fqn, name in sorted(found.read):
         attributes = model.get_submodule(fqn).__dict__ if fqn else model.__dict__
