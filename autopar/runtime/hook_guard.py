@@ -56,45 +56,62 @@ _FIX = (
 )
 
 
-class _GuardedHooks(OrderedDict):
+class _CheckedTable(OrderedDict):
+    """A table whose every change passes ``_check(key, value)`` first (``value`` None: a removal),
+    once built (OrderedDict's own ``__init__`` fills it through ``__setitem__``). A copy (deepcopy,
+    pickling) is a plain table: the guard belongs to this module only."""
+
+    _armed = False
+
+    def _check(self, key: Any, value: Any = None) -> None:
+        raise NotImplementedError
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self._armed:
+            self._check(key, value)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self._check(key)
+        super().__delitem__(key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key in self:
+            self._check(key)
+        return super().pop(key, *default)
+
+    def popitem(self, last: bool = True) -> Any:
+        self._check((next(reversed(self)) if last else next(iter(self))) if self else None)
+        return super().popitem(last)
+
+    def clear(self) -> None:
+        for key in self:
+            self._check(key)
+        super().clear()
+
+    def __reduce_ex__(self, protocol: int):
+        return (OrderedDict, (list(self.items()),))
+
+
+class _GuardedHooks(_CheckedTable):
     """A module's hook table after ``compile``: what it held stays, nothing is added or removed."""
 
     def __init__(self, held: dict, where: str, register: str) -> None:
         super().__init__(held)
         self._where = (where, register)
+        self._armed = True
+
+    def _check(self, key: Any, value: Any = None) -> None:
+        self._refuse("removed from" if value is None else "on")
 
     def _refuse(self, action: str) -> None:
         where, register = self._where
         raise HookError(f"{register} {action} module {where!r} of a compiled module after autopar.compile: {_FIX}")
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if "_where" not in self.__dict__:  # being built (OrderedDict's own __init__)
-            return super().__setitem__(key, value)
-        self._refuse("on")
-
-    def __delitem__(self, key: Any) -> None:
-        self._refuse("removed from")
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        if key in self:
-            self._refuse("removed from")
-        return super().pop(key, *default)
-
-    def popitem(self, last: bool = True) -> Any:
-        self._refuse("removed from")
-
-    def clear(self) -> None:
-        if self:
-            self._refuse("removed from")
-
     def setdefault(self, key: Any, default: Any = None) -> Any:
         if key not in self:
             self._refuse("on")
         return self[key]
-
-    def __reduce_ex__(self, protocol: int):
-        # A copy (deepcopy, pickling) is a plain table: the guard belongs to this module only.
-        return (OrderedDict, (list(self.items()),))
 
 
 _REPLACED_FIX = (
@@ -135,7 +152,7 @@ def _readable(old: Any, new: Any) -> bool:
     )
 
 
-class _GuardedTable(OrderedDict):
+class _GuardedTable(_CheckedTable):
     """A module's submodule, parameter or buffer table after ``compile``: an entry the graph was
     traced with may not be removed, nor replaced by one the graph would not read as eager would
     (a module it never calls; a tensor of another layout); an entry added later is free."""
@@ -144,9 +161,10 @@ class _GuardedTable(OrderedDict):
         super().__init__(held)
         self._where, self._kind = where, kind
         self._traced = frozenset(held)  # the names the graph was traced with
+        self._armed = True
 
     def _check(self, key: str, value: Any = None) -> None:
-        if "_traced" not in self.__dict__ or key not in self._traced:
+        if key not in self._traced:
             return
         old = OrderedDict.get(self, key)
         if old is value or (self._kind != "module" and value is not None and _readable(old, value)):
@@ -163,32 +181,6 @@ class _GuardedTable(OrderedDict):
             f"{self._kind} {path!r} of a compiled module was {change} after autopar.compile, where the graph reads "
             f"{_describe(old)} at every call. " + fix.format(path=path)
         )
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self._check(key, value)
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: str) -> None:
-        self._check(key)
-        super().__delitem__(key)
-
-    def pop(self, key: str, *default: Any) -> Any:
-        if key in self:
-            self._check(key)
-        return super().pop(key, *default)
-
-    def popitem(self, last: bool = True) -> Any:
-        if self:
-            self._check(next(reversed(self)) if last else next(iter(self)))
-        return super().popitem(last)
-
-    def clear(self) -> None:
-        for key in self:
-            self._check(key)
-        super().clear()
-
-    def __reduce_ex__(self, protocol: int):
-        return (OrderedDict, (list(self.items()),))  # a copy is a plain table, as _GuardedHooks'
 
 
 _GUARDED = {"_modules": "module", "_parameters": "parameter", "_buffers": "buffer"}
