@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -25,11 +25,98 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from autopar.errors import UsageError
 
 _ORIGINALS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-# id(original parameter) → (it, the compiled module, both weakly; the parameter's FQN in the module)
-_BINDINGS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+# id(original parameter) → its binding to the compiled module (``_Binding``)
+_BINDINGS: dict[int, _Binding] = {}
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _HOOK: list[Any] = []
 log = logging.getLogger("autopar")
+
+
+_GRAD = torch._C.TensorBase.grad  # the gradient autograd accumulates into a tensor (the C field)
+_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
+
+
+class _Model:
+    """What the bindings of one model share: whether it has trained itself (``trains_itself``)."""
+
+    __slots__ = ("itself",)
+
+    def __init__(self) -> None:
+        self.itself = False
+
+
+class _Binding(NamedTuple):
+    param: weakref.ref  # the model's parameter
+    owner: weakref.ref  # the compiled module
+    fqn: str  # its name in the compiled module
+    model: _Model
+
+
+class _Linked(torch.nn.Parameter):
+    """A bound parameter of a model passed to ``compile``: its ``.grad`` is the compiled
+    module's where autograd gave it none (see the module docstring)."""
+
+    @property
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+        own = _GRAD.__get__(self)
+        if own is not None:
+            _trains_itself(self)
+            return own
+        twin = _twin(self)
+        return None if twin is None else twin.grad
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        if value is None and _GRAD.__get__(self) is None and (twin := _twin(self)) is not None:
+            twin.grad = None  # the model's zero_grad() is the compiled module's
+            return
+        _GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        self.grad = None
+
+    @property
+    def requires_grad(self) -> bool:  # type: ignore[override]
+        return _REQUIRES_GRAD.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        _REQUIRES_GRAD.__set__(self, value)
+        if (twin := _twin(self)) is not None:
+            twin.requires_grad = value  # freezing the model's is freezing the compiled module's
+
+    def requires_grad_(self, requires_grad: bool = True) -> _Linked:  # type: ignore[override]
+        self.requires_grad = requires_grad
+        return self
+
+    def __repr__(self) -> str:
+        return f"Parameter containing:\n{self.detach()!r}"
+
+
+def _twin(param: torch.Tensor) -> torch.Tensor | None:
+    """The compiled module's parameter that ``param`` is bound to, while both live and the model
+    has not trained itself."""
+    binding = _BINDINGS.get(id(param))
+    if binding is None or binding.model.itself or binding.param() is not param:
+        return None
+    pm = binding.owner()
+    return None if pm is None else pm.held_tensor(binding.fqn)
+
+
+def _trains_itself(param: torch.Tensor) -> None:
+    binding = _BINDINGS.get(id(param))
+    if binding is not None and binding.param() is param:
+        binding.model.itself = True
+
+
+def trains_itself(model: torch.nn.Module) -> None:
+    """``model``'s own forward ran in training: a model trained beside its compiled module keeps
+    its own gradients (``stale_model``'s forward guard calls this)."""
+    for param in model.parameters():
+        if type(param) is _Linked:
+            _trains_itself(param)
+            return
 
 
 def watch(model: torch.nn.Module) -> None:
@@ -42,11 +129,14 @@ def watch(model: torch.nn.Module) -> None:
 
 def bind(model: torch.nn.Module, pm: torch.nn.Module, fqns: set[str]) -> None:
     """Let an optimizer over ``model``'s parameters named in ``fqns`` be re-bound to ``pm``'s
-    (``pm.held_tensor(fqn)``, ``pm.shard_like(fqn, whole)`` for its state)."""
-    owner = weakref.ref(pm)
+    (``pm.held_tensor(fqn)``, ``pm.shard_like(fqn, whole)`` for its state), and their gradients
+    read and clear ``pm``'s (``_Linked``)."""
+    owner, shared = weakref.ref(pm), _Model()
     for fqn, param in model.named_parameters(remove_duplicate=False):
         if fqn in fqns:
-            _BINDINGS[id(param)] = (weakref.ref(param), owner, fqn)
+            _BINDINGS[id(param)] = _Binding(weakref.ref(param), owner, fqn, shared)
+            if type(param) is torch.nn.Parameter:
+                param.__class__ = _Linked
 
 
 def _targets(originals: list[torch.Tensor]) -> dict[int, tuple[Any, str]] | None:
@@ -54,11 +144,10 @@ def _targets(originals: list[torch.Tensor]) -> dict[int, tuple[Any, str]] | None
     out = {}
     for param in originals:
         binding = _BINDINGS.get(id(param))
-        pm = binding[1]() if binding is not None and binding[0]() is param else None
+        pm = binding.owner() if binding is not None and binding.param() is param else None
         if pm is None:
             return None
-        fqn = binding[2]
-        out[id(param)] = (pm, fqn)
+        out[id(param)] = (pm, binding.fqn)
     return out
 
 
@@ -128,7 +217,7 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _CHECKED.get(optimizer) == num_params:
         return
     originals = [p for group in optimizer.param_groups for p in group["params"] if _ORIGINALS.get(id(p)) is p]
-    if originals and all(p.grad is None for p in originals):
+    if originals and all(_GRAD.__get__(p) is None for p in originals):
         targets = _targets(originals)
         if targets is not None:
             _rebind(optimizer, targets)

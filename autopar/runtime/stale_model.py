@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from autopar.errors import UsageError
 from autopar.ops.params import local_of
+from autopar.runtime import originals
 
 # id(parameter) → (the parameter, a watch it belongs to, "pm" or "model") for each watch; weak on both
 _PARAMS: dict[int, list[tuple[weakref.ref, weakref.ref, str]]] = {}
@@ -104,7 +105,8 @@ class _Guard:
         if _STATE["quiet"] or module is not self.watch.model() or torch.compiler.is_compiling():
             return
         if self.call == "forward" and torch.is_grad_enabled() and module.training:
-            return  # a forward that trains: the model trained eagerly, beside pm
+            originals.trains_itself(module)  # the model trained eagerly, beside pm: its gradients are its own
+            return
         if self.watch.stale():
             raise UsageError(_message(type(module).__name__, self.call))
 

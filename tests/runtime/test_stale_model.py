@@ -155,3 +155,69 @@ def test_a_model_compiled_twice_and_trained_beside_both_is_left_alone(world_of_o
         _train(pm, torch.optim.AdamW(pm.parameters(), lr=0.1, fused=True))
     _train(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))  # fused: no version bumps
     assert torch.isfinite(_evaluate(model)) and model.state_dict()  # each watch saw the model's own step
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 2)).double()
+
+
+def _through_the_model(model, trained, steps: int = 4) -> list[float]:
+    """A DDP script that wrapped ``model`` under another name (``trained``) and clips, zeroes and
+    freezes through ``model`` itself, as DDP lets it (the parameters are the same there): the
+    clipped norms it measured."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    norms = []
+    for step in range(steps):
+        if step == 2:
+            model[0].requires_grad_(False)
+        trained(x).pow(2).mean().backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        model.zero_grad()
+    return norms
+
+
+def _wrapped_under_another_name(rank: int, world: int) -> dict[str, tuple[float, list[float], list[float]]]:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    eager = _mlp()
+    eager_norms = _through_the_model(eager, eager)
+    out = {}
+    for kind in ("ddp", "fsdp", "megatron"):
+        model = _mlp()
+        plan = autopar.hand_plan(kind, model, (world,), example_inputs=(x,), cluster="cpu")
+        ddp_model = autopar.compile(model, (world,), example_inputs=(x,), cluster="cpu", plan=plan)
+        norms = _through_the_model(model, ddp_model)
+        full = ddp_model.full_state_dict()
+        out[kind] = (max((full[k] - v).abs().max().item() for k, v in eager.state_dict().items()), norms, eager_norms)
+    return out
+
+
+@pytest.mark.multiproc
+def test_clipping_zeroing_and_freezing_through_the_model_act_on_pm(rank_pool):
+    """The model's own parameters stand for pm's (``runtime.originals._Linked``): before, the clip
+    measured 0.0 and scaled nothing, ``model.zero_grad()`` zeroed nothing (pm's gradients summed
+    over steps) and freezing the model's first layer froze nothing: 2.9e-3 to 2.4e-2 off eager."""
+    for result in rank_pool(2).run(_wrapped_under_another_name, timeout_s=300):
+        for kind, (worst, norms, eager_norms) in result.items():
+            assert worst < 1e-12, f"{kind}: parameters off eager's by {worst:.1e}"
+            assert norms == pytest.approx(eager_norms, rel=1e-12), kind
+
+
+def test_a_model_trained_beside_pm_keeps_its_own_gradients(world_of_one):
+    model, pm = _compiled("fsdp")
+    model.extra = torch.nn.Linear(2, 2)  # a parameter its forward does not use: eager leaves its .grad None
+    pm(X).backward()
+    assert model.up.weight.grad is pm.module.up.weight.grad  # pm's, while the model has none of its own
+    assert isinstance(model.up.weight, torch.nn.Parameter) and repr(model.up.weight).startswith("Parameter containing:")
+    pm.zero_grad()
+    model(X).backward()  # the model's own forward, in training: it trains beside pm from now on
+    assert model.up.weight.grad is not pm.module.up.weight.grad and pm.module.up.weight.grad is None
+    pm(X).backward()
+    model.zero_grad()
+    assert model.up.weight.grad is None and pm.module.up.weight.grad is not None  # each its own
+    model.up.requires_grad_(False)
+    assert pm.module.up.weight.requires_grad
+    copied = copy.deepcopy(model)
+    assert copied.up.weight.grad is None and pickle.loads(pickle.dumps(model)).up.weight.grad is None
