@@ -191,7 +191,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
         self._offloader = offloader
         self.graph_module = graph_module
         self.module = self._holder(model)
-        originals.watch(model)  # an optimizer stepping the model's own parameters is refused
+        originals.watch(model, self)  # an optimizer stepping the model's own parameters is refused
         full = model_tensors(model)
         self._full_shapes = {fqn: tuple(t.shape) for fqn, t in full.items()}
         self._full_dtypes = {fqn: t.dtype for fqn, t in full.items()}

@@ -134,17 +134,22 @@ def load_model_state_dict(pm: ParallelModule, state_dict: Mapping[str, Any], str
     loaded = [fqn for fqn in keys if fqn in state_dict and fqn in held]
     _agreed("load_state_dict", lambda: _check_state_dict(pm, state_dict, loaded, missing, unexpected, strict))
     for fqn in loaded:
-        value = state_dict[fqn]
-        target = pm.local_shard(fqn)
-        spec = pm.plan.params[fqn]
-        if isinstance(value, DTensor):
-            local = value.redistribute(pm.device_mesh, spec).to_local()
-        else:
-            local = shard_tensor(value, spec, pm.coordinate, pm.shard_mesh_shape)
-        if local.data_ptr() != target.data_ptr():
-            target.copy_(local)
-        _store_back(pm, fqn, target)
+        copy_into_shard(pm, fqn, state_dict[fqn])
     return missing, unexpected
+
+
+def copy_into_shard(pm: ParallelModule, fqn: str, value: torch.Tensor) -> None:
+    """Copy ``value`` (the whole tensor ``fqn``, or a DTensor on the mesh) into this rank's shard
+    of it; no check, and no communication but a DTensor's redistribution."""
+    target = pm.local_shard(fqn)
+    spec = pm.plan.params[fqn]
+    if isinstance(value, DTensor):
+        local = value.redistribute(pm.device_mesh, spec).to_local()
+    else:
+        local = shard_tensor(value, spec, pm.coordinate, pm.shard_mesh_shape)
+    if local.data_ptr() != target.data_ptr():
+        target.copy_(local)
+    _store_back(pm, fqn, target)
 
 
 def _store_back(pm: ParallelModule, fqn: str, value: torch.Tensor) -> None:

@@ -10,6 +10,19 @@ before this first step (its state too, as a resumed script loads it: each whole 
 parameter's shard, a DTensor with its placements) and logs it; otherwise (a pipeline, an
 offloading plan, a module that is gone) it refuses the step, which would train nothing. Each
 optimizer is checked when its parameter count changes, not at every step.
+
+The gradients are linked the same way. A script that wrapped its model under another name
+(``ddp_model = DDP(model)``, then ``autopar.compile``) clips, zeroes and freezes through the
+model's own parameters, which under DDP are the trained ones: ``clip_grad_norm_(model.parameters(),
+1.0)`` would clip nothing, ``model.zero_grad()`` zero nothing and ``model.requires_grad_(False)``
+freeze nothing, without a word. So at ``compile`` each parameter's class becomes ``_Linked``, a
+``Parameter`` whose ``.grad``, where autograd gave it none, is the compiled module's parameter's
+(``bind``; a DTensor where the plan shards it): a clip scales ``pm``'s gradients as
+``clip_grad_norm_(pm.parameters())`` does, setting it to ``None`` (``zero_grad``) clears ``pm``'s,
+and setting ``requires_grad`` sets ``pm``'s too. Where no parameter of ``pm`` stands for it (a
+pipeline's stages, an offloading plan) these raise a ``UsageError`` naming ``pm.clip_grad_norm_``.
+A model trained beside ``pm`` (its own forward in training, or a gradient of its own) keeps its
+own gradients from then on, as before.
 """
 
 from __future__ import annotations
@@ -39,22 +52,25 @@ _REQUIRES_GRAD = torch._C.TensorBase.requires_grad
 class _Model:
     """What the bindings of one model share: whether it has trained itself (``trains_itself``)."""
 
-    __slots__ = ("itself",)
+    __slots__ = ("itself", "__weakref__")
 
     def __init__(self) -> None:
         self.itself = False
 
 
+_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, _Model] = weakref.WeakKeyDictionary()
+
+
 class _Binding(NamedTuple):
     param: weakref.ref  # the model's parameter
     owner: weakref.ref  # the compiled module
-    fqn: str  # its name in the compiled module
+    fqn: str | None  # its name in the compiled module; None where its gradient cannot be pm's
     model: _Model
 
 
 class _Linked(torch.nn.Parameter):
-    """A bound parameter of a model passed to ``compile``: its ``.grad`` is the compiled
-    module's where autograd gave it none (see the module docstring)."""
+    """A parameter of a model passed to ``compile``: its ``.grad``, where autograd gave it none,
+    is the compiled module's, and its ``requires_grad`` is set on both (see the module docstring)."""
 
     @property
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
@@ -62,12 +78,12 @@ class _Linked(torch.nn.Parameter):
         if own is not None:
             _trains_itself(self)
             return own
-        twin = _twin(self)
+        twin = _twin(self, "read or clear its gradient")
         return None if twin is None else twin.grad
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
-        if value is None and _GRAD.__get__(self) is None and (twin := _twin(self)) is not None:
+        if value is None and _GRAD.__get__(self) is None and (twin := _twin(self, None)) is not None:
             twin.grad = None  # the model's zero_grad() is the compiled module's
             return
         _GRAD.__set__(self, value)
@@ -82,8 +98,9 @@ class _Linked(torch.nn.Parameter):
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
+        twin = _twin(self, "freeze or unfreeze it" if value != _REQUIRES_GRAD.__get__(self) else None)
         _REQUIRES_GRAD.__set__(self, value)
-        if (twin := _twin(self)) is not None:
+        if twin is not None:
             twin.requires_grad = value  # freezing the model's is freezing the compiled module's
 
     def requires_grad_(self, requires_grad: bool = True) -> _Linked:  # type: ignore[override]
@@ -94,14 +111,28 @@ class _Linked(torch.nn.Parameter):
         return f"Parameter containing:\n{self.detach()!r}"
 
 
-def _twin(param: torch.Tensor) -> torch.Tensor | None:
+def _twin(param: torch.Tensor, refused: str | None) -> torch.Tensor | None:
     """The compiled module's parameter that ``param`` is bound to, while both live and the model
-    has not trained itself."""
+    has not trained itself. Where the plan gives the model's parameters no such twin (a pipeline,
+    an offloading plan), ``refused`` (what the caller would do) raises, naming the fix."""
     binding = _BINDINGS.get(id(param))
     if binding is None or binding.model.itself or binding.param() is not param:
         return None
     pm = binding.owner()
-    return None if pm is None else pm.held_tensor(binding.fqn)
+    if pm is None:
+        return None
+    if binding.fqn is not None:
+        return pm.held_tensor(binding.fqn)
+    if refused is not None:
+        raise UsageError(
+            f"a parameter of the model passed to autopar.compile was used to {refused}, but under this plan "
+            f"({'an offloading plan' if pm.offloader is not None else 'a pipeline'}) the compiled module's "
+            "parameters cannot stand in for the model's, as they do under DDP: it would do nothing, without a word. "
+            "Go through the compiled module: pm.clip_grad_norm_(max_norm), the optimizer's zero_grad(), and "
+            "pm.module's parameters for freezing (a pipeline traces which parameters train at compile: freeze them "
+            "before it)"
+        )
+    return None
 
 
 def _trains_itself(param: torch.Tensor) -> None:
@@ -110,19 +141,28 @@ def _trains_itself(param: torch.Tensor) -> None:
         binding.model.itself = True
 
 
+def trained_itself(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has trained itself since it was compiled (``trains_itself``)."""
+    shared = _MODELS.get(model)
+    return shared is not None and shared.itself
+
+
 def trains_itself(model: torch.nn.Module) -> None:
     """``model``'s own forward ran in training: a model trained beside its compiled module keeps
-    its own gradients (``stale_model``'s forward guard calls this)."""
-    for param in model.parameters():
-        if type(param) is _Linked:
-            _trains_itself(param)
-            return
+    its own gradients and weights (``stale_model``'s forward guard calls this)."""
+    if (shared := _MODELS.get(model)) is not None:
+        shared.itself = True
 
 
-def watch(model: torch.nn.Module) -> None:
-    """Remember ``model``'s parameters (weakly): the ones a compiled module does not train."""
+def watch(model: torch.nn.Module, pm: torch.nn.Module) -> None:
+    """Remember ``model``'s parameters (weakly): the ones ``pm`` does not train. Until ``bind``
+    names their twins, using them for ``pm``'s gradients or freezing is refused (``_Linked``)."""
+    owner, shared = weakref.ref(pm), _MODELS.setdefault(model, _Model())
     for param in model.parameters():
         _ORIGINALS[id(param)] = param
+        _BINDINGS[id(param)] = _Binding(weakref.ref(param), owner, None, shared)
+        if type(param) is torch.nn.Parameter:
+            param.__class__ = _Linked
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_check))
 
@@ -131,12 +171,10 @@ def bind(model: torch.nn.Module, pm: torch.nn.Module, fqns: set[str]) -> None:
     """Let an optimizer over ``model``'s parameters named in ``fqns`` be re-bound to ``pm``'s
     (``pm.held_tensor(fqn)``, ``pm.shard_like(fqn, whole)`` for its state), and their gradients
     read and clear ``pm``'s (``_Linked``)."""
-    owner, shared = weakref.ref(pm), _Model()
+    owner, shared = weakref.ref(pm), _MODELS.setdefault(model, _Model())
     for fqn, param in model.named_parameters(remove_duplicate=False):
         if fqn in fqns:
             _BINDINGS[id(param)] = _Binding(weakref.ref(param), owner, fqn, shared)
-            if type(param) is torch.nn.Parameter:
-                param.__class__ = _Linked
 
 
 def _targets(originals: list[torch.Tensor]) -> dict[int, tuple[Any, str]] | None:
@@ -145,7 +183,7 @@ def _targets(originals: list[torch.Tensor]) -> dict[int, tuple[Any, str]] | None
     for param in originals:
         binding = _BINDINGS.get(id(param))
         pm = binding.owner() if binding is not None and binding.param() is param else None
-        if pm is None:
+        if pm is None or binding.fqn is None:
             return None
         out[id(param)] = (pm, binding.fqn)
     return out

@@ -6,6 +6,9 @@ made per model class as FSDP2 makes its own) is made at compile time, so pickle 
 with "attribute lookup ... failed". ``NotPickled`` refuses pickling with the fix instead, and
 keeps ``copy.deepcopy`` (a copy in this process, as ``swa_utils.AveragedModel`` makes one), which
 goes through the same ``__reduce_ex__`` unless a class has its own ``__deepcopy__``.
+
+The hooks autopar puts on the user's model (``runtime.stale_model``, ``runtime.originals``) watch
+that model and its compiled module: a copy or pickle of the model keeps an ``InertHook`` instead.
 """
 
 from __future__ import annotations
@@ -32,3 +35,13 @@ class NotPickled:
     def __deepcopy__(self, memo: dict) -> Any:
         # what copy.deepcopy does without this method, from object's own reduction (not the refusal above)
         return copy._reconstruct(self, memo, *object.__reduce_ex__(self, 4))  # type: ignore[attr-defined]
+
+
+class InertHook:
+    """What a copied or unpickled model keeps of a hook autopar put on it: nothing to run. Such a
+    hook's ``__reduce__`` returns ``(InertHook, ())``."""
+
+    autopar_guard = True  # not the model's own hook (trace.hooks)
+
+    def __call__(self, *args: Any) -> None:
+        return None

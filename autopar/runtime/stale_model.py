@@ -17,6 +17,11 @@ switches the wrapped forward; here ``pm`` keeps its own modules' modes. So a cal
 the model's modes differ from ``pm``'s, changed since ``compile`` (a stale model, as above), raises
 a ``UsageError`` naming ``pm.eval()`` (``check_modes``).
 
+A ``load_state_dict`` into the model or one of its modules (a resume through the pre-wrap name)
+is copied into ``pm``'s shards as well (``_Loaded``), since under DDP it would load the trained
+model; the two are equal again after it. Gradients and freezing through the model's parameters
+are ``runtime.originals``'.
+
 What moved is seen two ways: a global optimizer step post-hook (fused optimizers write without
 bumping a tensor's version) and, for the rest, the sum of the tensors' version counters.
 """
@@ -35,6 +40,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from autopar.errors import UsageError
 from autopar.ops.params import local_of
 from autopar.runtime import originals
+from autopar.runtime.checkpoint import copy_into_shard
+from autopar.runtime.pickling import InertHook
 
 # id(parameter) → (the parameter, a watch it belongs to, "pm" or "model") for each watch; weak on both
 _PARAMS: dict[int, list[tuple[weakref.ref, weakref.ref, str]]] = {}
@@ -67,6 +74,11 @@ class _Watch:
             model.register_forward_pre_hook(_Guard(self, "forward")),
             model.register_state_dict_pre_hook(_Guard(self, "state_dict")),
         ]
+        held = set(pm.local_state_keys())
+        for prefix, module in named:
+            names = [name for name in (*module._parameters, *module._buffers) if _dotted(prefix, name) in held]
+            if names:
+                self.handles.append(module.register_load_state_dict_post_hook(_Loaded(self, module, prefix, names)))
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copy of pm (swa_utils.AveragedModel) guards nothing
@@ -89,6 +101,38 @@ class _Watch:
         return self.pm_stepped or _versions(local_of(p) for p in pm.parameters()) != self.pm_versions
 
 
+class _Loaded:
+    """A model module's ``load_state_dict`` post-hook: what it loaded goes into ``pm``'s shards too,
+    as under DDP, where the model's tensors are the trained ones (a resume through the pre-wrap name,
+    of the whole model or of a module). Then the two are equal again. ``pm.module``'s shells share
+    the model modules' hook tables, so the module is checked."""
+
+    def __init__(self, watch: _Watch, module: torch.nn.Module, prefix: str, names: list[str]):
+        self.watch, self.module, self.prefix, self.names = watch, weakref.ref(module), prefix, names
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return InertHook, ()  # a copy or pickle of the model mirrors nothing
+
+    def __call__(self, module: torch.nn.Module, incompatible: Any) -> None:
+        watched = self.watch
+        model, pm = watched.model(), watched.pm()
+        if _STATE["quiet"] or module is not self.module() or model is None or pm is None or originals.trained_itself(model):
+            return
+        with torch.no_grad():
+            for name in self.names:
+                tensor = module._parameters.get(name)
+                tensor = module._buffers.get(name) if tensor is None else tensor
+                if tensor is not None:
+                    copy_into_shard(pm, _dotted(self.prefix, name), tensor.detach())
+        watched.model_versions = _versions(model.parameters())
+        watched.pm_versions = _versions(local_of(p) for p in pm.parameters())
+        watched.pm_stepped = False
+
+
+def _dotted(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 class _Guard:
     """The model's forward pre-hook or state_dict pre-hook (a copy or pickle of the model gets none)."""
 
@@ -99,7 +143,7 @@ class _Guard:
         self.call = call
 
     def __reduce__(self) -> tuple[Any, tuple]:
-        return _Inert, ()
+        return InertHook, ()
 
     def __call__(self, module: torch.nn.Module, *args: Any) -> None:
         if _STATE["quiet"] or module is not self.watch.model() or torch.compiler.is_compiling():
@@ -109,15 +153,6 @@ class _Guard:
             return
         if self.watch.stale():
             raise UsageError(_message(type(module).__name__, self.call))
-
-
-class _Inert:
-    """What a copied or unpickled model keeps of the guard: nothing to check."""
-
-    autopar_guard = True
-
-    def __call__(self, *args: Any) -> None:
-        return None
 
 
 def _message(name: str, call: str) -> str:

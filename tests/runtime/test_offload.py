@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import autopar
+from autopar.errors import UsageError
 from autopar.zoo.models import GPT
 from tests.conftest import PolicyReference
 
@@ -202,3 +203,26 @@ def test_loading_weights_into_an_offloading_module_reaches_the_store(world_of_on
     assert torch.equal(third.offloader.store.get(f"param/{fqn}@bfloat16"), loaded[fqn].bfloat16())
     got = third.full_state_dict()
     assert all(torch.equal(got[k], loaded[k]) for k in loaded)
+
+
+def test_the_model_passed_to_compile_loads_into_the_store_and_refuses_what_it_cannot_do(world_of_one, bf16_offload_plan):
+    """Through the pre-wrap name (a DDP script's ``model`` beside ``ddp_model``): a load reaches
+    the offloaded parameters (``runtime.stale_model``); clipping, zeroing or freezing its
+    parameters, which no resident twin stands behind here, is refused naming the fix
+    (``runtime.originals``), where before the clip measured 0.0 and scaled nothing."""
+    model, batch = _gpt()
+    pm = autopar.compile(model, (1,), example_inputs=batch, plan=bf16_offload_plan)
+    loaded = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    loaded["lm_head.weight"] = loaded["transformer.wte.weight"]  # tied
+    model.load_state_dict(loaded)
+    fqn = bf16_offload_plan.memory.offloaded("param")[0]
+    assert torch.equal(pm.offloader.store.get(f"param/{fqn}"), loaded[fqn])
+    got = pm.full_state_dict()
+    assert all(torch.equal(got[k], loaded[k]) for k in loaded)
+    pm(*batch).backward()
+    with pytest.raises(UsageError, match=r"read or clear its gradient.*an offloading plan.*pm\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(UsageError, match=r"freeze or unfreeze it"):
+        model.transformer.requires_grad_(False)
+    model.requires_grad_(True)  # what it is already: nothing to refuse
+    assert pm.clip_grad_norm_(1.0) > 0

@@ -420,6 +420,16 @@ def _run_pipelines(
     torch.nn.init.normal_(other.layers[2].weight)
     pm.load_state_dict(other.state_dict())
     results["skip"]["loaded_rel"] = max_rel_diff(pm.full_state_dict(), other.state_dict())
+    # Through the model passed to compile (a DDP script's pre-wrap name): a load reaches the stages'
+    # shards too; a clip of its parameters, which no stage's parameter can stand for, is refused.
+    torch.nn.init.normal_(other.layers[0].weight)
+    model.load_state_dict(other.state_dict())
+    results["skip"]["model_loaded_rel"] = max_rel_diff(pm.full_state_dict(), other.state_dict())
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        results["skip"]["model_clip"] = "ran"
+    except UsageError as error:
+        results["skip"]["model_clip"] = str(error)
     # Dropout on a tensor both ranks of a stage hold whole: their generators must be in step
     # (ranks of different stages may differ); a call whose are not is refused on every rank.
     drop = {}
@@ -498,6 +508,8 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
         assert skip["grad_rel"][worst] < TOL, f"rank {rank} skip: gradient of {worst} off by {skip['grad_rel'][worst]:.2e}"
         assert max(skip["accumulated_rel"].values()) < TOL, f"rank {rank} skip: accumulated {skip['accumulated_rel']}"
         assert max(skip["loaded_rel"].values()) == 0, f"rank {rank} skip: load_state_dict {skip['loaded_rel']}"
+        assert max(skip["model_loaded_rel"].values()) == 0, f"rank {rank} skip: the model's {skip['model_loaded_rel']}"
+        assert "(a pipeline)" in skip["model_clip"] and "pm.clip_grad_norm_" in skip["model_clip"], skip["model_clip"]
         held = by_label["4x1_m2"]
         view = held.pop("view")
         assert view["class"] == "DistributedGPT" and view["is_model"] and view["attributes"] and view["state_keys"], view
