@@ -132,7 +132,7 @@ def load_model_state_dict(pm: ParallelModule, state_dict: Mapping[str, Any], str
     unexpected = [k for k in state_dict if k not in set(keys)]
     held = set(pm.local_state_keys())  # in a pipeline, this rank's stages' names
     loaded = [fqn for fqn in keys if fqn in state_dict and fqn in held]
-    _agreed("load_state_dict", lambda: _check_state_dict(pm, state_dict, loaded, missing, unexpected, strict))
+    agreed("load_state_dict", lambda: _check_state_dict(pm, state_dict, loaded, missing, unexpected, strict))
     for fqn in loaded:
         copy_into_shard(pm, fqn, state_dict[fqn])
     return missing, unexpected
@@ -187,19 +187,21 @@ def _check_state_dict(
                     f"{fqn} is a DTensor on another device mesh ({value.device_mesh}); load through "
                     "autopar.checkpoint.load, or pass whole tensors (value.full_tensor())"
                 )
-            _check_own_shard(fqn, value, pm.device_mesh)
+            check_own_shard(fqn, value, pm.device_mesh)
 
 
-def _check_own_shard(fqn: str, value: DTensor, mesh: Any) -> None:
+_WHOLE_MODEL = "torch.save pm.full_state_dict() (whole tensors) and load that"
+
+
+def check_own_shard(what: str, value: DTensor, mesh: Any, whole: str = _WHOLE_MODEL) -> None:
     """A DTensor unpickled from another rank's ``torch.save`` keeps that rank's mesh coordinate and
-    its shard: loading it would put that rank's slice here."""
+    its shard: loading it would put that rank's slice here. ``whole`` names the other fix."""
     saved, mine = value.device_mesh.get_coordinate(), mesh.get_coordinate()
     if saved != mine and not all(p.is_replicate() for p in value.placements):
         raise CheckpointError(
-            f"{fqn} is a DTensor holding the shard of mesh coordinate {saved}, saved by another rank (this rank "
+            f"{what} is a DTensor holding the shard of mesh coordinate {saved}, saved by another rank (this rank "
             f"sits at {mine}): loading it would put that rank's slice here. Save and load with "
-            "autopar.checkpoint.save / autopar.checkpoint.load (torch.distributed.checkpoint), or torch.save "
-            "pm.full_state_dict() (whole tensors) and load that"
+            f"autopar.checkpoint.save / autopar.checkpoint.load (torch.distributed.checkpoint), or {whole}"
         )
 
 
@@ -295,7 +297,7 @@ def load(
     """
     mine = None
     if optimizer is not None:  # the whole model's groups (a pipeline gathers them): before any check
-        names = _agreed("check the optimizer", lambda: _param_fqns(pm, optimizer))
+        names = agreed("check the optimizer", lambda: _param_fqns(pm, optimizer))
         mine = pm.whole_param_names([[names[id(p)] for p in group["params"]] for group in optimizer.param_groups])
 
     def check() -> tuple[Any, Any, list[str]]:
@@ -307,7 +309,7 @@ def load(
             _check_param_groups(mine, metadata.state_dict_metadata, directory)
         return directory, metadata, keys
 
-    directory, metadata, keys = _agreed("check the checkpoint", check)
+    directory, metadata, keys = agreed("check the checkpoint", check)
     reader = dcp.FileSystemReader(directory)
     model_state = pm.state_dict()  # in a pipeline, this rank's stages' part
     state: dict[str, Any] = {_MODEL: {k: model_state[k] for k in keys if k in model_state}}
@@ -322,7 +324,7 @@ def load(
 
 def _check_sums(directory, metadata) -> None:
     """A CheckpointError naming each file and tensor of this rank's share of the files whose
-    bytes differ from those saved (``_agreed`` tells every rank)."""
+    bytes differ from those saved (``agreed`` tells every rank)."""
     problems = checksum_problems(directory, metadata, dist.get_rank(), dist.get_world_size())
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
@@ -420,7 +422,7 @@ def _on_rank0(what: str, fn) -> None:
         raise files.CheckpointError(f"could not {what} (on rank 0): {type(outcome[0]).__name__}: {outcome[0]}")
 
 
-def _agreed(what: str, fn):
+def agreed(what: str, fn):
     """``fn()`` on every rank, raising on every rank if it raised on any (so that no rank waits
     in a collective that another one never enters)."""
     try:
