@@ -135,12 +135,15 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _readable(old: Any, new: Any) -> bool:
-    """Whether the graph can read tensor ``new`` where it was traced with ``old``: a shard of the
-    same layout, or a plain tensor of the same shape, dtype and device."""
+def _readable(old: Any, new: Any, kind: str) -> bool:
+    """Whether the graph can read tensor ``new`` where it was traced with ``old``: a buffer's shard
+    of the same layout, or a plain tensor of the same shape, dtype and device. A DTensor parameter
+    is not replaced: the graph reads it through its ``LocalLeaf``, and the gradient buckets write
+    the old one's ``.grad`` (2 ranks, an FSDP plan: the next call ran the old weights, 0.8 off)."""
     if isinstance(old, DTensor) or isinstance(new, DTensor):
         return (
-            isinstance(old, DTensor)
+            kind == "buffer"
+            and isinstance(old, DTensor)
             and isinstance(new, DTensor)
             and old._spec == new._spec
             and old.to_local().shape == new.to_local().shape
@@ -167,7 +170,7 @@ class _GuardedTable(_CheckedTable):
         if key not in self._traced:
             return
         old = OrderedDict.get(self, key)
-        if old is value or (self._kind != "module" and value is not None and _readable(old, value)):
+        if old is value or (self._kind != "module" and value is not None and _readable(old, value, self._kind)):
             return
         path = f"{self._where}.{key}" if self._where else key
         if self._kind == "module":

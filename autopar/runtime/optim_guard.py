@@ -18,6 +18,13 @@ registers the module's parameters, and the same hook checks each torch optimizer
 at its first ``step()``: one that keeps more state per parameter than the declared kind, or runs
 foreach Adam(W) (half its state again while it steps, ``cost.optimizer.step_temporary``) where the
 plan priced none, raises ``ConfigError`` naming the declaration that fits it.
+
+A DTensor parameter ignores ``p.data = value``: torch replaces the wrapper's storage, never its
+local shard (FSDP2's parameters alike), so the graph and the optimizer go on with the old values.
+A SAM-style restore (``p.data = old_p`` before the base step) gave weights 0.075 off eager on 2
+ranks, without a word. ``watch_shard_data`` records each DTensor parameter's wrapper storage, and
+the same hook raises ``UsageError`` at the step of an optimizer over one whose storage changed,
+naming the in-place fix. It costs a storage read per such parameter per step.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ import weakref
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.cost.memory import OPTIMIZER_STATES
-from autopar.errors import ConfigError, OffloadError
+from autopar.errors import ConfigError, OffloadError, UsageError
 from autopar.ir.options import DEFAULT_OPTIMIZER, parse_optimizer
 
 # id(parameter) -> (a weak reference to it, its canonical FQN, what the plan offloads of it)
@@ -38,6 +46,8 @@ _HOOK: list[Any] = []  # the global step pre-hook's handle, once registered
 # id(parameter) -> (a weak reference to it, the optimizer its plan was priced for)
 _DECLARED: dict[int, tuple[weakref.ref, str]] = {}
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers already held to their plan
+# id(parameter) -> (a weak reference to it, its FQN, the id of its DTensor wrapper's storage)
+_SHARDS: dict[int, tuple[weakref.ref, str, int]] = {}
 
 
 def refuse_torch_optimizers(params: dict[str, torch.Tensor], offloaded: dict[str, str]) -> None:
@@ -63,14 +73,30 @@ def hold_to_optimizer(params: dict[str, torch.Tensor], declared: str) -> None:
     _ensure_hook()
 
 
+def watch_shard_data(params: dict[str, torch.Tensor]) -> None:
+    """Refuse a step over any DTensor parameter of ``params`` (FQN -> parameter) whose ``.data``
+    was replaced after this call (see the module docstring)."""
+    for fqn, param in params.items():
+        if isinstance(param, DTensor):
+            key = id(param)
+            _SHARDS[key] = (weakref.ref(param, lambda _, key=key: _SHARDS.pop(key, None)), fqn, _storage_id(param))
+    _ensure_hook()
+
+
+def _storage_id(param: torch.Tensor) -> int:
+    return torch.Tensor.untyped_storage(param)._cdata
+
+
 def _ensure_hook() -> None:
-    if not _HOOK and (_GUARDED or _DECLARED):
+    if not _HOOK and (_GUARDED or _DECLARED or _SHARDS):
         _HOOK.append(register_optimizer_step_pre_hook(_refuse))
 
 
 def _refuse(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     if _DECLARED and optimizer not in _CHECKED:
         _hold(optimizer)
+    if _SHARDS:
+        _check_shard_data(optimizer)
     if not _GUARDED:
         return
     for group in optimizer.param_groups:
@@ -84,6 +110,21 @@ def _refuse(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None
                     "Step the module with autopar.optim.AdamW(pm, lr=...), which steps each parameter where its "
                     "state lives; or plan without offloading parameters, gradients and optimizer state "
                     '(offload="off", checkpointing=True), or with a larger memory_budget.'
+                )
+
+
+def _check_shard_data(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entry = _SHARDS.get(id(param))
+            if entry is not None and entry[0]() is param and _storage_id(param) != entry[2]:
+                raise UsageError(
+                    f"parameter '{entry[1]}' of a compiled module had its .data replaced after autopar.compile "
+                    "(p.data = value: torch.nn.utils.vector_to_parameters, a SAM-style restore of saved weights). It is "
+                    "a DTensor shard, and torch ignores .data assignment on one (as on FSDP2's parameters): the step and "
+                    "the next call would use the old values, without a word. Write in place instead: "
+                    "p.data.copy_(value) with value a DTensor of the same placements (p.data.clone() saves one), or "
+                    "pm.load_state_dict({name: whole_tensor}, strict=False) for whole tensors"
                 )
 
 
