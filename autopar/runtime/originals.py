@@ -131,9 +131,9 @@ def _twin(param: torch.Tensor, refused: str | None) -> torch.Tensor | None:
             f"a parameter of the model passed to autopar.compile was used to {refused}, but under this plan "
             f"({'an offloading plan' if pm.offloader is not None else 'a pipeline'}) the compiled module's "
             "parameters cannot stand in for the model's, as they do under DDP: it would do nothing, without a word. "
-            "Go through the compiled module: pm.clip_grad_norm_(max_norm), the optimizer's zero_grad(), and "
-            "pm.module's parameters for freezing (a pipeline traces which parameters train at compile: freeze them "
-            "before it)"
+            "Go through the compiled module: build the optimizer from pm.parameters() and clear with its "
+            "zero_grad(), clip with pm.clip_grad_norm_(max_norm), and freeze pm.module's parameters (a pipeline "
+            "traces which parameters train at compile: freeze them before it)"
         )
     return None
 
