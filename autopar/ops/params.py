@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from autopar.errors import HookError
+from autopar.errors import HookError, UsageError
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,16 +73,42 @@ def _add_grad(param: torch.Tensor, local: torch.Tensor) -> None:
         local_of(param.grad).add_(local)
 
 
-class LocalLeaf:
-    """The tensor the graph reads for a DTensor parameter (see the module docstring)."""
+def storage_id(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s own storage (a DTensor's wrapper has one of its own, empty):
+    ``p.data = value`` replaces it, and nothing else of a DTensor (see ``data_replaced``)."""
+    return torch.Tensor.untyped_storage(tensor)._cdata
 
-    def __init__(self, param: DTensor):
-        self.param = param
+
+def data_replaced(fqn: str) -> UsageError:
+    """The refusal of a DTensor parameter whose ``.data`` was assigned: torch ignores that on a
+    DTensor (its local shard stays), as on FSDP2's parameters."""
+    return UsageError(
+        f"parameter '{fqn}' of a compiled module had its .data replaced after autopar.compile (p.data = value: "
+        "torch.nn.utils.vector_to_parameters, a SAM-style restore or an average swapped in for evaluation). It is a "
+        "DTensor shard, and torch ignores .data assignment on one (as on FSDP2's parameters): the module would go on "
+        "with the old values, without a word. Write in place instead: p.data.copy_(value) with value a DTensor of "
+        "the same placements (p.data.clone() saves one), or pm.load_state_dict({name: whole_tensor}, strict=False) "
+        "for whole tensors"
+    )
+
+
+class LocalLeaf:
+    """The tensor the graph reads for a DTensor parameter (see the module docstring). Each read
+    also refuses a parameter whose ``.data`` was assigned since the last (``data_replaced``)."""
+
+    def __init__(self, param: DTensor, fqn: str = ""):
+        self.param, self.fqn = param, fqn
         self._leaf: torch.Tensor | None = None
+        self._storage = (id(param), storage_id(param))  # a deep copy of the module holds another parameter
 
     def get(self) -> torch.Tensor:
         """The leaf, made again if the parameter's shard or ``requires_grad`` changed."""
         param = self.param
+        storage = storage_id(param)
+        if self._storage != (id(param), storage):
+            if self._storage[0] == id(param):
+                raise data_replaced(self.fqn)
+            self._storage = (id(param), storage)
         if param._backward_hooks:
             raise HookError(
                 "a hook registered with register_hook on a parameter of a compiled module would not run: autopar "

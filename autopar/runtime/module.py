@@ -125,7 +125,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         made = self._make_shards(model, traced, plan, local_shards, offloader)
         # By name, not by id(): a deepcopy of the module (swa_utils.AveragedModel) copies these too.
         leaves: dict[int, LocalLeaf] = {}
-        self._leaves = {fqn: leaves.setdefault(id(p), LocalLeaf(p)) for fqn, p in made.items() if isinstance(p, DTensor)}
+        self._leaves = {fqn: leaves.setdefault(id(p), LocalLeaf(p, fqn)) for fqn, p in made.items() if isinstance(p, DTensor)}
         if offloader is not None:
             offloader.attach_grad_hooks(
                 {traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}

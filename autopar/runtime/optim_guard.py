@@ -24,7 +24,8 @@ local shard (FSDP2's parameters alike), so the graph and the optimizer go on wit
 A SAM-style restore (``p.data = old_p`` before the base step) gave weights 0.075 off eager on 2
 ranks, without a word. ``watch_shard_data`` records each DTensor parameter's wrapper storage, and
 the same hook raises ``UsageError`` at the step of an optimizer over one whose storage changed,
-naming the in-place fix. It costs a storage read per such parameter per step.
+naming the in-place fix, before the step uses the old values (each call of the module checks the
+same, ``ops.params.LocalLeaf``). It costs a storage read per such parameter per step.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.cost.memory import OPTIMIZER_STATES
-from autopar.errors import ConfigError, OffloadError, UsageError
+from autopar.errors import ConfigError, OffloadError
 from autopar.ir.options import DEFAULT_OPTIMIZER, parse_optimizer
+from autopar.ops.params import data_replaced, storage_id
 
 # id(parameter) -> (a weak reference to it, its canonical FQN, what the plan offloads of it)
 _GUARDED: dict[int, tuple[weakref.ref, str, str]] = {}
@@ -79,12 +81,8 @@ def watch_shard_data(params: dict[str, torch.Tensor]) -> None:
     for fqn, param in params.items():
         if isinstance(param, DTensor):
             key = id(param)
-            _SHARDS[key] = (weakref.ref(param, lambda _, key=key: _SHARDS.pop(key, None)), fqn, _storage_id(param))
+            _SHARDS[key] = (weakref.ref(param, lambda _, key=key: _SHARDS.pop(key, None)), fqn, storage_id(param))
     _ensure_hook()
-
-
-def _storage_id(param: torch.Tensor) -> int:
-    return torch.Tensor.untyped_storage(param)._cdata
 
 
 def _ensure_hook() -> None:
@@ -117,15 +115,8 @@ def _check_shard_data(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             entry = _SHARDS.get(id(param))
-            if entry is not None and entry[0]() is param and _storage_id(param) != entry[2]:
-                raise UsageError(
-                    f"parameter '{entry[1]}' of a compiled module had its .data replaced after autopar.compile "
-                    "(p.data = value: torch.nn.utils.vector_to_parameters, a SAM-style restore of saved weights). It is "
-                    "a DTensor shard, and torch ignores .data assignment on one (as on FSDP2's parameters): the step and "
-                    "the next call would use the old values, without a word. Write in place instead: "
-                    "p.data.copy_(value) with value a DTensor of the same placements (p.data.clone() saves one), or "
-                    "pm.load_state_dict({name: whole_tensor}, strict=False) for whole tensors"
-                )
+            if entry is not None and entry[0]() is param and storage_id(param) != entry[2]:
+                raise data_replaced(entry[1])
 
 
 def _hold(optimizer: torch.optim.Optimizer) -> None:

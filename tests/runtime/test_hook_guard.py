@@ -134,7 +134,8 @@ def _replaced_shard(rank: int, world: int) -> dict[str, str]:
     x = torch.randn(4, 8)
     plan = autopar.hand_plan("fsdp", model, (world,), example_inputs=(x,), cluster="cpu")
     pm = autopar.compile(model, (world,), example_inputs=(x,), plan=plan)
-    said = {}
+    averaged = torch.optim.swa_utils.AveragedModel(pm)  # a deep copy: its parameters are its own
+    said = {"copy": type(averaged(x)).__name__}
     weight = pm.module.fc.weight
     for change, new in {
         "whole": lambda: torch.nn.Parameter(torch.zeros(8, 8)),  # whole, where the plan holds a shard
@@ -158,6 +159,12 @@ def _replaced_shard(rank: int, world: int) -> dict[str, str]:
         said["data"] = "stepped"
     except UsageError as error:
         said["data"] = str(error)
+    try:  # and a call with no step between (an average swapped in for evaluation)
+        with torch.no_grad():
+            pm(x)
+        said["data_call"] = "called"
+    except UsageError as error:
+        said["data_call"] = str(error)
     return said
 
 
@@ -171,6 +178,8 @@ def test_a_shard_replaced_after_compile_is_refused_naming_the_fix(rank_pool):
         assert "replaced by a DTensor (Shard(dim=0),) of global shape (8, 8)" in same, same
         assert "parameter 'fc.weight' of a compiled module had its .data replaced" in data, data
         assert "p.data.copy_(value)" in data, data
+        assert said["data_call"].startswith("parameter 'fc.weight' of a compiled module had its .data replaced")
+        assert said["copy"] == "Tensor", said["copy"]
 
 
 class Scaled(torch.nn.Module):
