@@ -99,16 +99,17 @@ class LocalLeaf:
     def __init__(self, param: DTensor, fqn: str = ""):
         self.param, self.fqn = param, fqn
         self._leaf: torch.Tensor | None = None
-        self._storage = (id(param), storage_id(param))  # a deep copy of the module holds another parameter
+        # the parameter whose storage this is: a deep copy of the module (AveragedModel) holds another
+        self._owner, self._storage = id(param), storage_id(param)
 
     def get(self) -> torch.Tensor:
         """The leaf, made again if the parameter's shard or ``requires_grad`` changed."""
         param = self.param
         storage = storage_id(param)
-        if self._storage != (id(param), storage):
-            if self._storage[0] == id(param):
+        if storage != self._storage:
+            if self._owner == id(param):
                 raise data_replaced(self.fqn)
-            self._storage = (id(param), storage)
+            self._owner, self._storage = id(param), storage
         if param._backward_hooks:
             raise HookError(
                 "a hook registered with register_hook on a parameter of a compiled module would not run: autopar "
