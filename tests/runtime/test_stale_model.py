@@ -157,8 +157,8 @@ def test_a_model_compiled_twice_and_trained_beside_both_is_left_alone(world_of_o
     assert torch.isfinite(_evaluate(model)) and model.state_dict()  # each watch saw the model's own step
 
 
-def _mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 2)).double()
 
 
@@ -167,8 +167,7 @@ def _through_the_model(model, trained, steps: int = 4) -> list[float]:
     zeroes and freezes through ``model`` itself, as DDP lets it (the parameters are the same
     there): the clipped norms it measured."""
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    torch.manual_seed(5)
-    resumed = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 2)).double()
+    resumed = _mlp(seed=5)
     model.load_state_dict(resumed.state_dict())
     opt = torch.optim.SGD(trained.parameters(), lr=0.1)
     norms = []
@@ -213,7 +212,6 @@ def test_loading_clipping_zeroing_and_freezing_through_the_model_act_on_pm(rank_
 
 def test_a_model_trained_beside_pm_keeps_its_own_gradients(world_of_one):
     model, pm = _compiled("fsdp")
-    model.extra = torch.nn.Linear(2, 2)  # a parameter its forward does not use: eager leaves its .grad None
     pm(X).backward()
     assert model.up.weight.grad is pm.module.up.weight.grad  # pm's, while the model has none of its own
     assert isinstance(model.up.weight, torch.nn.Parameter) and repr(model.up.weight).startswith("Parameter containing:")
@@ -221,8 +219,8 @@ def test_a_model_trained_beside_pm_keeps_its_own_gradients(world_of_one):
     model(X).backward()  # the model's own forward, in training: it trains beside pm from now on
     assert model.up.weight.grad is not pm.module.up.weight.grad and pm.module.up.weight.grad is None
     pm(X).backward()
-    model.zero_grad()
-    assert model.up.weight.grad is None and pm.module.up.weight.grad is not None  # each its own
+    model.zero_grad()  # its own gradients, not pm's; then none of its own, and still not pm's
+    assert model.up.weight.grad is None and pm.module.up.weight.grad is not None
     model.up.requires_grad_(False)
     assert pm.module.up.weight.requires_grad
     copied = copy.deepcopy(model)
