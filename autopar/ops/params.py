@@ -102,14 +102,19 @@ class LocalLeaf:
         # the parameter whose storage this is: a deep copy of the module (AveragedModel) holds another
         self._owner, self._storage = id(param), storage_id(param)
 
-    def get(self) -> torch.Tensor:
-        """The leaf, made again if the parameter's shard or ``requires_grad`` changed."""
+    def check(self) -> None:
+        """Refuse the parameter if its ``.data`` was assigned (``data_replaced``)."""
         param = self.param
         storage = storage_id(param)
         if storage != self._storage:
             if self._owner == id(param):
                 raise data_replaced(self.fqn)
             self._owner, self._storage = id(param), storage
+
+    def get(self) -> torch.Tensor:
+        """The leaf, made again if the parameter's shard or ``requires_grad`` changed."""
+        self.check()
+        param = self.param
         if param._backward_hooks:
             raise HookError(
                 "a hook registered with register_hook on a parameter of a compiled module would not run: autopar "

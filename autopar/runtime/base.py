@@ -273,6 +273,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
         checkpoint_id=path)``; ``sd = pm.state_dict(); dcp.load(sd, checkpoint_id=path)`` reads
         into the shards (DCP puts a pipeline's parts together into the whole model)."""
         refuse_trainer_save()  # Hugging Face Trainer's save, from rank 0 alone (runtime.trainer_saves)
+        self._check_shard_data()
         out = model_state_dict(self)
         if destination is None:
             return out if not prefix else {prefix + k: v for k, v in out.items()}
@@ -315,6 +316,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
         dict; non-persistent buffers left out), so ``model.load_state_dict(pm.full_state_dict())``
         loads into the unsharded model.
         """
+        self._check_shard_data()
         self._agree_on_gather()
         if self._offloader is not None:
             self._offloader.store.take_back()  # weights loaded in place into state_dict()'s copies
@@ -326,6 +328,10 @@ class ShardedModule(NotPickled, torch.nn.Module):
                 whole[canonical] = self._gather(fqn, self._local(fqn) if self._contributes(fqn) else None)
             out[fqn] = whole[canonical]
         return out
+
+    def _check_shard_data(self) -> None:
+        """Refuse to hand out a DTensor parameter whose ``.data`` was assigned, which torch ignores
+        (``ops.params.data_replaced``): a pipeline's shards are plain, so here there is none."""
 
     def _gathers(self) -> bool:
         """Whether putting the whole state together needs other ranks: a tensor the plan shards."""

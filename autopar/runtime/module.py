@@ -415,6 +415,10 @@ class ParallelModule(ModelAttributes, ShardedModule):
         held = {fqn for _, _, fqn in out}
         return out + [("", "param", fqn) for fqn in self._traced.ties if fqn not in held and has(self.module, fqn)]
 
+    def _check_shard_data(self) -> None:
+        for leaf in self._leaves.values():
+            leaf.check()
+
     def _no_sync_buckets(self) -> list[GradBuckets]:
         """The gradient buckets of the graphs that run op by op (a compiled graph reduces inside)."""
         graphs = [getattr(self, attr) for attr in {run.attr for run in self._modes.values()}]

@@ -165,6 +165,11 @@ def _replaced_shard(rank: int, world: int) -> dict[str, str]:
         said["data_call"] = "called"
     except UsageError as error:
         said["data_call"] = str(error)
+    try:  # nor would a save hand out the values torch ignored
+        pm.full_state_dict()
+        said["data_save"] = "saved"
+    except UsageError as error:
+        said["data_save"] = str(error)
     return said
 
 
@@ -179,6 +184,7 @@ def test_a_shard_replaced_after_compile_is_refused_naming_the_fix(rank_pool):
         assert "parameter 'fc.weight' of a compiled module had its .data replaced" in data, data
         assert "p.data.copy_(value)" in data, data
         assert said["data_call"].startswith("parameter 'fc.weight' of a compiled module had its .data replaced")
+        assert said["data_save"] == said["data_call"]
         assert said["copy"] == "Tensor", said["copy"]
 
 
