@@ -57,9 +57,7 @@ class _Watch:
     def __init__(self, model: torch.nn.Module, pm: torch.nn.Module):
         self.model = weakref.ref(model)
         self.pm = weakref.ref(pm, lambda _: self.remove())
-        self.model_versions = _versions(model.parameters())
-        self.pm_versions = _versions(local_of(p) for p in pm.parameters())
-        self.pm_stepped = False
+        self.rebase(model, pm)
         self.model_stepped = False
         # each module of the model (weakly: pm must not keep the model's weights alive), its name and mode
         named = list(model.named_modules())
@@ -79,6 +77,12 @@ class _Watch:
             names = [name for name in (*module._parameters, *module._buffers) if _dotted(prefix, name) in held]
             if names:
                 self.handles.append(module.register_load_state_dict_post_hook(_Loaded(self, module, prefix, names)))
+
+    def rebase(self, model: torch.nn.Module, pm: torch.nn.Module) -> None:
+        """The model and ``pm`` are equal as they are now (at ``compile``, after a mirrored load)."""
+        self.model_versions = _versions(model.parameters())
+        self.pm_versions = _versions(local_of(p) for p in pm.parameters())
+        self.pm_stepped = False
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copy of pm (swa_utils.AveragedModel) guards nothing
@@ -124,9 +128,7 @@ class _Loaded:
                 tensor = module._buffers.get(name) if tensor is None else tensor
                 if tensor is not None:
                     copy_into_shard(pm, _dotted(self.prefix, name), tensor.detach())
-        watched.model_versions = _versions(model.parameters())
-        watched.pm_versions = _versions(local_of(p) for p in pm.parameters())
-        watched.pm_stepped = False
+        watched.rebase(model, pm)
 
 
 def _dotted(prefix: str, name: str) -> str:
