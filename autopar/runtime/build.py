@@ -17,7 +17,7 @@ from autopar.runtime.agreement import check_rank_agreement, resolve_plan
 from autopar.runtime.compile_checks import check_carried_state, warn_set_attributes
 from autopar.runtime.materialize import FromCheckpoint, SeededInit
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.optim_guard import hold_to_optimizer, watch_shard_data
+from autopar.runtime.optim_guard import hold_to_optimizer
 from autopar.runtime.padded import check_padded_plan
 from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
 from autopar.runtime.single import Examples, compile_single
@@ -63,7 +63,6 @@ def build_module(
     if isinstance(init, FromCheckpoint):  # the shards are empty until the checkpoint fills them
         checkpoint.load(init.path, module)
     hold_to_optimizer(dict(module.named_parameters()), chosen.optimizer)
-    watch_shard_data(dict(module.named_parameters()))  # .data assignment, which a DTensor ignores
     free_traced(model)
     stale_model.watch(model, module)
     return module

@@ -42,6 +42,7 @@ from autopar.runtime.modes import (
     unfrozen,
 )
 from autopar.runtime.offload import param_key
+from autopar.runtime.optim_guard import watch_shard_data
 from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
@@ -126,6 +127,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         # By name, not by id(): a deepcopy of the module (swa_utils.AveragedModel) copies these too.
         leaves: dict[int, LocalLeaf] = {}
         self._leaves = {fqn: leaves.setdefault(id(p), LocalLeaf(p, fqn)) for fqn, p in made.items() if isinstance(p, DTensor)}
+        watch_shard_data(leaves.values())  # a step after a .data assignment, which a DTensor ignores
         if offloader is not None:
             offloader.attach_grad_hooks(
                 {traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}

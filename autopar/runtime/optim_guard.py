@@ -22,25 +22,25 @@ plan priced none, raises ``ConfigError`` naming the declaration that fits it.
 A DTensor parameter ignores ``p.data = value``: torch replaces the wrapper's storage, never its
 local shard (FSDP2's parameters alike), so the graph and the optimizer go on with the old values.
 A SAM-style restore (``p.data = old_p`` before the base step) gave weights 0.075 off eager on 2
-ranks, without a word. ``watch_shard_data`` records each DTensor parameter's wrapper storage, and
-the same hook raises ``UsageError`` at the step of an optimizer over one whose storage changed,
-naming the in-place fix, before the step uses the old values (each call of the module checks the
-same, ``ops.params.LocalLeaf``). It costs a storage read per such parameter per step.
+ranks, without a word. Each DTensor parameter's ``ops.params.LocalLeaf`` records its wrapper's
+storage and refuses it at every call once that changed; ``watch_shard_data`` registers the leaves,
+so that the same hook runs that check at the step of an optimizer over one, naming the in-place
+fix, before the step uses the old values. It costs a storage read per such parameter per step.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.cost.memory import OPTIMIZER_STATES
 from autopar.errors import ConfigError, OffloadError
 from autopar.ir.options import DEFAULT_OPTIMIZER, parse_optimizer
-from autopar.ops.params import data_replaced, storage_id
+from autopar.ops.params import LocalLeaf
 
 # id(parameter) -> (a weak reference to it, its canonical FQN, what the plan offloads of it)
 _GUARDED: dict[int, tuple[weakref.ref, str, str]] = {}
@@ -48,8 +48,8 @@ _HOOK: list[Any] = []  # the global step pre-hook's handle, once registered
 # id(parameter) -> (a weak reference to it, the optimizer its plan was priced for)
 _DECLARED: dict[int, tuple[weakref.ref, str]] = {}
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers already held to their plan
-# id(parameter) -> (a weak reference to it, its FQN, the id of its DTensor wrapper's storage)
-_SHARDS: dict[int, tuple[weakref.ref, str, int]] = {}
+# id(DTensor parameter) -> a weak reference to its LocalLeaf (held by its compiled module)
+_SHARDS: dict[int, weakref.ref] = {}
 
 
 def refuse_torch_optimizers(params: dict[str, torch.Tensor], offloaded: dict[str, str]) -> None:
@@ -75,13 +75,12 @@ def hold_to_optimizer(params: dict[str, torch.Tensor], declared: str) -> None:
     _ensure_hook()
 
 
-def watch_shard_data(params: dict[str, torch.Tensor]) -> None:
-    """Refuse a step over any DTensor parameter of ``params`` (FQN -> parameter) whose ``.data``
-    was replaced after this call (see the module docstring)."""
-    for fqn, param in params.items():
-        if isinstance(param, DTensor):
-            key = id(param)
-            _SHARDS[key] = (weakref.ref(param, lambda _, key=key: _SHARDS.pop(key, None)), fqn, storage_id(param))
+def watch_shard_data(leaves: Iterable[LocalLeaf]) -> None:
+    """Refuse a step over the parameter of any of ``leaves`` whose ``.data`` was replaced since
+    (``LocalLeaf.check``; see the module docstring)."""
+    for leaf in leaves:
+        key = id(leaf.param)
+        _SHARDS[key] = weakref.ref(leaf, lambda _, key=key: _SHARDS.pop(key, None))
     _ensure_hook()
 
 
@@ -115,8 +114,9 @@ def _check_shard_data(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             entry = _SHARDS.get(id(param))
-            if entry is not None and entry[0]() is param and storage_id(param) != entry[2]:
-                raise data_replaced(entry[1])
+            leaf = None if entry is None else entry()
+            if leaf is not None and leaf.param is param:
+                leaf.check()
 
 
 def _hold(optimizer: torch.optim.Optimizer) -> None:
