@@ -164,6 +164,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
             if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
         }
         made: dict[str, torch.Tensor] = {}
+        trains_apart = originals.trained_itself(model)  # a model trained beside an earlier pm keeps its own
         for graph_input in traced.inputs:
             if graph_input.kind not in ("param", "buffer"):
                 continue
@@ -179,8 +180,10 @@ class ParallelModule(ModelAttributes, ShardedModule):
                 local = local_shards[fqn].to(dtype)
             elif offloaded:  # no resident copy: straight from the model's tensor to the store
                 local = self._cut(fqn, full[fqn]).to(dtype)
-            else:
-                local = self._cut(fqn, full[fqn]).to(dtype, copy=True)
+            else:  # the model's own tensor where the plan holds it whole, as DDP does; else a copy
+                local = self._cut(fqn, full[fqn]).to(dtype)
+                if not _same_storage(local, full[fqn]) or trains_apart or stale_model.lent(full[fqn]):
+                    local = local.clone()
             if offloaded:
                 offloader.store.put(param_key(canonical), local)
                 local = torch.empty(0, dtype=local.dtype, device=local.device)
@@ -494,6 +497,11 @@ class ParallelModule(ModelAttributes, ShardedModule):
             )
         missing, unexpected = load_model_state_dict(self, state_dict, strict=strict)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _same_storage(local: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Whether ``local`` is ``whole`` itself, not a piece or a copy of it."""
+    return local.data_ptr() == whole.data_ptr() and local.shape == whole.shape and local.device == whole.device
 
 
 def world_timeout() -> datetime.timedelta | None:

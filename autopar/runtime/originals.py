@@ -1,5 +1,6 @@
-"""The parameters of a model passed to ``autopar.compile`` stay the model's own: the compiled
-module holds its own shards and never writes gradients into them. A DDP script builds its
+"""The parameters of a model passed to ``autopar.compile`` stay the model's own objects: the
+compiled module holds its own parameters (sharing the model's storage where it holds a tensor
+whole: ``stale_model``) and never writes gradients into the model's. A DDP script builds its
 optimizer before the wrap, on the model's own parameters (nanoGPT's ``configure_optimizers``),
 and DDP trains them in place. A torch optimizer step pre-hook (registered at the first
 ``compile``) therefore looks at an optimizer whose parameters include such originals when none
@@ -22,7 +23,7 @@ freeze nothing, without a word. So at ``compile`` each parameter's class becomes
 and setting ``requires_grad`` sets ``pm``'s too. Where no parameter of ``pm`` stands for it (a
 pipeline's stages, an offloading plan) these raise a ``UsageError`` naming ``pm.clip_grad_norm_``.
 A model trained beside ``pm`` (its own forward in training, or a gradient of its own) keeps its
-own gradients from then on, as before.
+own gradients from then on, and gets weights of its own (``on_trains_itself``).
 """
 
 from __future__ import annotations
@@ -51,12 +52,20 @@ _REQUIRES_GRAD = torch._C.TensorBase.requires_grad
 
 
 class _Model:
-    """What the bindings of one model share: whether it has trained itself (``trains_itself``)."""
+    """What the bindings of one model share: whether it has trained itself (``trains_itself``), and
+    what to do then (``on_itself``: ``stale_model`` gives the model back weights of its own)."""
 
-    __slots__ = ("itself", "__weakref__")
+    __slots__ = ("itself", "on_itself", "__weakref__")
 
     def __init__(self) -> None:
         self.itself = False
+        self.on_itself: list[Any] = []
+
+    def trains(self) -> None:
+        if not self.itself:
+            self.itself = True
+            for then in self.on_itself:
+                then()
 
 
 _MODELS: weakref.WeakKeyDictionary[torch.nn.Module, _Model] = weakref.WeakKeyDictionary()
@@ -141,7 +150,7 @@ def _twin(param: torch.Tensor, refused: str | None) -> torch.Tensor | None:
 def _trains_itself(param: torch.Tensor) -> None:
     binding = _BINDINGS.get(id(param))
     if binding is not None and binding.param() is param:
-        binding.model.itself = True
+        binding.model.trains()
 
 
 def trained_itself(model: torch.nn.Module) -> bool:
@@ -154,7 +163,12 @@ def trains_itself(model: torch.nn.Module) -> None:
     """``model``'s own forward ran in training: a model trained beside its compiled module keeps
     its own gradients and weights (``stale_model``'s forward guard calls this)."""
     if (shared := _MODELS.get(model)) is not None:
-        shared.itself = True
+        shared.trains()
+
+
+def on_trains_itself(model: torch.nn.Module, then: Any) -> None:
+    """Call ``then()`` once, when ``model`` first trains itself (``trains_itself``)."""
+    _MODELS.setdefault(model, _Model()).on_itself.append(then)
 
 
 def watch(model: torch.nn.Module, pm: torch.nn.Module) -> None:
@@ -258,6 +272,9 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _CHECKED.get(optimizer) == num_params:
         return
     originals = [p for group in optimizer.param_groups for p in group["params"] if _ORIGINALS.get(id(p)) is p]
+    for param in originals:  # the model trained beside pm: it steps weights of its own from now on
+        if _GRAD.__get__(param) is not None:
+            _trains_itself(param)
     if originals and all(_GRAD.__get__(p) is None for p in originals):
         targets = _targets(originals)
         if targets is not None:

@@ -1,21 +1,33 @@
 """The model passed to ``autopar.compile``, once the compiled module has trained.
 
-``pm`` trains its own copy of the weights (docs/training.md): the model keeps the ones it had.
 Under DDP and FSDP2 the name a script wrapped is the trained model, so a script that evaluates,
-generates from or saves through it (``model.eval(); model(x)``, ``torch.save(model.state_dict())``,
-``model.save_pretrained(...)``) reads trained weights there; here it would read the initial ones,
-without a word. So once ``pm`` has changed (an optimizer stepped its parameters, or they were
-written in place: a loaded checkpoint) while the model has not (no optimizer stepped it, nothing
-wrote its parameters), the model's ``state_dict()`` and a forward that does not train (grad mode
-off, or the model in eval mode) raise a ``UsageError`` that names ``pm.module``, the model
-distributed. A forward that trains is left alone: a model trained eagerly beside ``pm``, to
-compare the two, starts with one. Once the model has changed, or ``pm`` is gone, the guard is
-removed. autopar's own calls (``compile`` of the same model again: ``quiet``) pass.
+generates from, averages or saves through it (``model.eval(); model(x)``, an EMA of ``model``,
+``torch.save(model.state_dict())``) reads trained weights there. Where the plan holds a tensor
+whole, in the model's dtype (data parallel, one device), ``pm`` holds the model's own tensor
+(``_shared``; ``runtime.module`` shares it): the model is the trained one there, and the weights
+are on the device once. A second ``compile`` of the same model copies them (``lent``), so that two
+modules never train one tensor.
+
+Where the plan cuts a tensor (or casts it), ``pm`` holds a shard of its own and the model's goes
+stale: it would read the initial weights, without a word. So once ``pm`` has changed its own
+tensors (an optimizer stepped them, or they were written in place: a loaded checkpoint) while the
+model has not (no optimizer stepped it, nothing wrote its parameters), the model's ``state_dict()``
+and a forward that does not train (grad mode off, or the model in eval mode) raise a
+``UsageError`` that names ``pm.module``, the model distributed. Once the model has changed, or
+``pm`` is gone, the guard is removed. autopar's own calls (``compile`` of the same model again:
+``quiet``) pass.
+
+A model that trains itself beside ``pm`` (its own forward in training, or a gradient of its own:
+``runtime.originals``) gets storage of its own for what it shared (``unshare``), so that neither
+trains the other's weights; if ``pm`` had written them already, a warning says that the model goes
+on from the trained weights, not from those it had at ``compile`` (a reference from the same start
+is a compiled copy, as under DDP).
 
 Modes alike: under DDP, ``model.eval()`` or ``model.backbone.eval()`` on the name the script wrapped
 switches the wrapped forward; here ``pm`` keeps its own modules' modes. So a call of ``pm`` while
-the model's modes differ from ``pm``'s, changed since ``compile`` (a stale model, as above), raises
-a ``UsageError`` naming ``pm.eval()`` (``check_modes``).
+the model's modes differ from ``pm``'s, changed since ``compile``, while the model stands for
+``pm`` (sharing its tensors, or stale as above), raises a ``UsageError`` naming ``pm.eval()``
+(``check_modes``).
 
 A ``load_state_dict`` into the model or one of its modules (a resume through the pre-wrap name)
 is copied into ``pm``'s shards as well (``_Loaded``), since under DDP it would load the trained
@@ -23,12 +35,14 @@ model; the two are equal again after it. Gradients and freezing through the mode
 are ``runtime.originals``'.
 
 What moved is seen two ways: a global optimizer step post-hook (fused optimizers write without
-bumping a tensor's version) and, for the rest, the sum of the tensors' version counters.
+bumping a tensor's version) and, for the rest, the sum of the tensors' version counters (a
+DTensor's in-place ops bump the wrapper's, a load into its shard the local tensor's).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import weakref
 from collections.abc import Iterable, Iterator
@@ -45,10 +59,13 @@ from autopar.runtime.pickling import InertHook
 
 # id(parameter) → (the parameter, a watch it belongs to, "pm" or "model") for each watch; weak on both
 _PARAMS: dict[int, list[tuple[weakref.ref, weakref.ref, str]]] = {}
+# id(model tensor) → (it, the watch whose pm holds it as it is: ``_shared``)
+_LENT: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 _SEEN: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()  # optimizer → (params, generation)
 _STATE = {"generation": 0, "quiet": 0}
 _HOOK: list[Any] = []
 _TRAINING = operator.attrgetter("training")
+log = logging.getLogger("autopar")
 
 
 class _Watch:
@@ -56,7 +73,11 @@ class _Watch:
 
     def __init__(self, model: torch.nn.Module, pm: torch.nn.Module):
         self.model = weakref.ref(model)
-        self.pm = weakref.ref(pm, lambda _: self.remove())
+        self.pm = weakref.ref(pm, lambda _: self.forget())
+        self.shared = _shared(model, pm)
+        self.shared_ids = {id(entry[0]()) for entry in self.shared}
+        self.shared_addresses = {address for _, _, address in self.shared}
+        self.pm_own = any(not self._pm_shares(p) for p in pm.parameters())  # pm holds weights of its own
         self.rebase(model, pm)
         self.model_stepped = False
         # each module of the model (weakly: pm must not keep the model's weights alive), its name and mode
@@ -65,9 +86,15 @@ class _Watch:
         self.model_modules = [weakref.proxy(module) for _, module in named]
         self.model_modes = tuple(map(_TRAINING, self.model_modules))
         me = weakref.ref(self)
-        for side, module in (("model", model), ("pm", pm)):  # a model compiled twice is in two watches
-            for param in module.parameters():
-                _PARAMS.setdefault(id(param), []).append((weakref.ref(param), me, side))
+        for param in model.parameters():  # a model compiled twice is in two watches
+            if id(param) not in self.shared_ids:
+                _PARAMS.setdefault(id(param), []).append((weakref.ref(param), me, "model"))
+        for param in pm.parameters():
+            side = "shared" if self._pm_shares(param) else "pm"
+            _PARAMS.setdefault(id(param), []).append((weakref.ref(param), me, side))
+        for entry in self.shared:
+            _LENT[id(entry[0]())] = (entry[0], me)  # shared_ids are these keys
+        originals.on_trains_itself(model, self.unshare)
         self.handles = [
             model.register_forward_pre_hook(_Guard(self, "forward")),
             model.register_state_dict_pre_hook(_Guard(self, "state_dict")),
@@ -80,9 +107,23 @@ class _Watch:
 
     def rebase(self, model: torch.nn.Module, pm: torch.nn.Module) -> None:
         """The model and ``pm`` are equal as they are now (at ``compile``, after a mirrored load)."""
-        self.model_versions = _versions(model.parameters())
-        self.pm_versions = _versions(local_of(p) for p in pm.parameters())
-        self.pm_stepped = False
+        self.model_versions = _versions(p for p in model.parameters() if id(p) not in self.shared_ids)
+        self.pm_versions = self._pm_versions(pm)
+        self.shared_versions = self._shared_versions()
+        self.pm_stepped = self.shared_stepped = False
+        _STATE["generation"] += 1  # every optimizer is looked at again (``_stepped``)
+
+    def _pm_versions(self, pm: torch.nn.Module) -> int:
+        """The version counters of ``pm``'s own parameters: a DTensor's (its in-place ops bump the
+        wrapper's) and its local tensor's (which a checkpoint load writes)."""
+        own = [p for p in pm.parameters() if not self._pm_shares(p)]
+        return _versions(own) + _versions(local_of(p) for p in own if local_of(p) is not p)
+
+    def _shared_versions(self) -> int:
+        return _versions(tensor for entry in self.shared if (tensor := entry[0]()) is not None)
+
+    def _pm_shares(self, param: torch.Tensor) -> bool:
+        return local_of(param).data_ptr() in self.shared_addresses
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copy of pm (swa_utils.AveragedModel) guards nothing
@@ -96,13 +137,75 @@ class _Watch:
             if not entries:
                 del _PARAMS[key]
 
+    def forget(self) -> None:
+        """``pm`` is gone: nothing to guard, nothing lent."""
+        self.remove()
+        for key in self.shared_ids:
+            if (lent := _LENT.get(key)) is not None and lent[1]() in (self, None):
+                del _LENT[key]
+
+    def sharing(self) -> bool:
+        """Whether the model's tensors still are ``pm``'s, some of them (``_shared``)."""
+        pm = self.pm()
+        return pm is not None and any(_intact(pm, entry) for entry in self.shared)
+
+    def unshare(self) -> None:
+        """The model trains itself, beside ``pm``: its shared tensors get storage of their own, so
+        that neither trains the other's weights. They start from ``pm``'s, as they are now."""
+        pm = self.pm()
+        intact = [entry for entry in self.shared if pm is not None and _intact(pm, entry)]
+        if intact and (self.shared_stepped or self._shared_versions() != self.shared_versions):
+            log.warning(
+                "autopar: the model passed to autopar.compile trains itself now, beside the compiled module, which "
+                "has trained since: as under DDP they shared these weights (%d tensors), so the model goes on from the "
+                "trained ones, not from the weights it had at compile. To train a reference from the same start, "
+                "compile a copy: pm = autopar.compile(copy.deepcopy(model), ...)",
+                len(intact),
+            )
+        with torch.no_grad():
+            for entry in intact:
+                tensor = entry[0]()
+                tensor.data = tensor.detach().clone()
+
     def stale(self) -> bool:
-        """Whether ``pm`` has changed since ``compile`` and the model has not (else the guard goes)."""
+        """Whether ``pm`` has changed since ``compile`` and the model has not (else the guard goes):
+        its own tensors were written, or one they shared was replaced on ``pm``'s side."""
         model, pm = self.model(), self.pm()
-        if model is None or pm is None or self.model_stepped or _versions(model.parameters()) != self.model_versions:
+        moved = [] if pm is None else [entry for entry in self.shared if not _intact(pm, entry)]
+        model_moved = any(entry[0]() is None or entry[0]().data_ptr() != entry[2] for entry in moved)
+        if (
+            model is None
+            or pm is None
+            or self.model_stepped
+            or model_moved
+            or _versions(p for p in model.parameters() if id(p) not in self.shared_ids) != self.model_versions
+        ):
             self.remove()
             return False
-        return self.pm_stepped or _versions(local_of(p) for p in pm.parameters()) != self.pm_versions
+        return bool(moved) or self.pm_stepped or self._pm_versions(pm) != self.pm_versions
+
+
+def _shared(model: torch.nn.Module, pm: Any) -> list[tuple[weakref.ref, str, int]]:
+    """The model's parameters and buffers that ``pm`` holds as they are, sharing their storage (the
+    plan replicates them, in the model's dtype, as DDP does): each with its name and storage's address."""
+    out, seen = [], set()
+    for fqn, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        if id(tensor) in seen or not tensor.numel() or tensor.is_meta:
+            continue
+        try:
+            local = pm.local_shard(fqn)
+        except (AttributeError, KeyError):
+            continue
+        if local.data_ptr() == tensor.data_ptr() and local.shape == tensor.shape and local.device == tensor.device:
+            seen.add(id(tensor))
+            out.append((weakref.ref(tensor), fqn, tensor.data_ptr()))
+    return out
+
+
+def _intact(pm: Any, entry: tuple) -> bool:
+    ref, fqn, address = entry
+    tensor = ref()
+    return tensor is not None and tensor.data_ptr() == address and pm.local_shard(fqn).data_ptr() == address
 
 
 class _Loaded:
@@ -173,7 +276,6 @@ def watch(model: torch.nn.Module, pm: torch.nn.Module) -> None:
     """Guard ``model`` against being read for ``pm``'s weights (see the module docstring)."""
     if not _HOOK:
         _HOOK.append(register_optimizer_step_post_hook(_stepped))
-    _STATE["generation"] += 1
     pm.__dict__["_autopar_stale_watch"] = _Watch(model, pm)  # lives as long as pm
 
 
@@ -188,7 +290,7 @@ def check_modes(pm: torch.nn.Module, modes: tuple[bool, ...]) -> None:
     except ReferenceError:  # the model is gone
         watched.remove()
         return
-    if now == watched.model_modes or now == modes or not watched.stale():
+    if now == watched.model_modes or now == modes or not (watched.sharing() or watched.stale()):
         return
     differ = {name: mine for name, mine, theirs in zip(watched.names, now, modes) if mine != theirs}
     tops = [""] if "" in differ else [n for n in differ if not any(n.startswith(f"{other}.") for other in differ)]
@@ -205,7 +307,20 @@ def stepped(pm: torch.nn.Module) -> None:
     """``pm``'s parameters were stepped by an optimizer that is not torch's (``autopar.optim.AdamW``)."""
     watched = pm.__dict__.get("_autopar_stale_watch")
     if watched is not None:
-        watched.pm_stepped = True
+        watched.pm_stepped = watched.pm_stepped or watched.pm_own
+        watched.shared_stepped = watched.shared_stepped or bool(watched.shared)
+
+
+def lent(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``, a model's, is held as it is by a live compiled module (``_shared``): a
+    second ``compile`` of the model copies it instead, so that the two modules train apart."""
+    entry = _LENT.get(id(tensor))
+    watching = None if entry is None or entry[0]() is not tensor else entry[1]()
+    pm = None if watching is None else watching.pm()
+    if pm is None:
+        _LENT.pop(id(tensor), None)
+        return False
+    return any(shared[0]() is tensor and _intact(pm, shared) for shared in watching.shared)
 
 
 @contextlib.contextmanager
@@ -238,4 +353,4 @@ def _versions(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t._version for t in tensors)
 
 
-__all__ = ["watch", "check_modes", "stepped", "quiet"]
+__all__ = ["watch", "check_modes", "stepped", "quiet", "lent"]

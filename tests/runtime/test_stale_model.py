@@ -1,6 +1,7 @@
-"""The model passed to ``compile`` after ``pm`` has trained (``runtime.stale_model``): reading it
-for the trained weights (its ``state_dict()``, an evaluation, a generation) is refused, where DDP
-and FSDP2 would give the trained model; training it eagerly beside ``pm`` is left alone."""
+"""The model passed to ``compile`` after ``pm`` has trained (``runtime.stale_model``): where ``pm``
+holds its tensors whole it is the trained model, as under DDP; where the plan cuts them, reading it
+for the trained weights (its ``state_dict()``, an evaluation, a generation) is refused; training it
+eagerly beside ``pm`` gives it weights of its own."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pickle
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate
 
 import autopar
 from autopar.errors import UsageError
+from autopar.zoo import build_model, example_batch
 
 
 class Net(torch.nn.Module):
@@ -48,75 +51,100 @@ def _evaluate(model):
         return model(X)
 
 
-@pytest.mark.parametrize("plan", [None, "fsdp"])  # plain parameters, and DTensors
+def _local(pm, name: str) -> torch.Tensor:
+    return pm.local_shard(name)
+
+
+@pytest.mark.parametrize("plan", [None, "fsdp"])  # plain parameters, and DTensors (whole on one device)
 @pytest.mark.parametrize("optimizer", ["fused", "foreach", "autopar"])
-def test_reading_the_model_for_what_pm_trained_is_refused(world_of_one, plan, optimizer):
+def test_the_model_is_the_trained_one_where_pm_holds_its_tensors_whole(world_of_one, plan, optimizer):
+    """As under DDP: pm holds the model's own tensors where the plan keeps them whole, so the name
+    the script wrapped is the trained model (its state_dict, an evaluation, an EMA of it), and the
+    weights are on the device once."""
     model, pm = _compiled(plan)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    assert _evaluate(model) == _evaluate(pm)  # nothing trained yet: the same weights, nothing to refuse
+    assert all(t.data_ptr() == _local(pm, k).data_ptr() for k, t in model.state_dict().items())
+    ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.5))
+    reference = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.5))
     model.train(), pm.train()
     if optimizer == "autopar":
         opt = autopar.optim.AdamW(pm, lr=0.1)
     else:
         opt = torch.optim.AdamW(pm.parameters(), lr=0.1, **{optimizer: True})
-    _train(pm, opt)
-    with pytest.raises(UsageError, match=STALE):
-        model.state_dict()
-    with pytest.raises(UsageError, match=r"this forward \(an evaluation or generation\) would read the weights"):
-        _evaluate(model)
+    for _ in range(3):
+        _train(pm, opt)
+        ema.update_parameters(model)  # the pre-wrap name, as a DDP script keeps it
+        reference.update_parameters(pm.module)
     trained = pm.module.state_dict()
     assert not torch.equal(trained["up.weight"], initial["up.weight"])
-    model.load_state_dict(trained)  # the fix the error names: the model is the trained one now
-    torch.testing.assert_close(model.state_dict(), trained)
+    torch.testing.assert_close(model.state_dict(), trained, rtol=0, atol=0)
+    torch.testing.assert_close(ema.state_dict(), reference.state_dict(), rtol=0, atol=0)
     torch.testing.assert_close(_evaluate(model), _evaluate(pm))
 
 
-def test_a_model_trained_beside_pm_is_left_alone(world_of_one):
+def test_a_model_trained_beside_pm_trains_apart(world_of_one, caplog):
+    model, pm = _compiled()
+    reference, alone = Net(), Net()
+    pm_alone = autopar.compile(alone, (1,), example_inputs=(X,), cluster="cpu")
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, fused=True) for m in (pm, model, reference, pm_alone)]
+    for _ in range(3):  # the model's first forward before pm's first step: both start from the same weights
+        for module, opt in zip((model, pm, reference, pm_alone), (opts[1], opts[0], opts[2], opts[3])):
+            _train(module, opt)
+    assert "trains itself now" not in caplog.text
+    assert model.up.weight.data_ptr() != _local(pm, "up.weight").data_ptr()  # each trains its own
+    torch.testing.assert_close(model.state_dict(), reference.state_dict())
+    torch.testing.assert_close(pm.module.state_dict(), pm_alone.module.state_dict(), rtol=0, atol=0)
+    torch.testing.assert_close(_evaluate(model), _evaluate(pm))
+    assert not model._forward_pre_hooks and not model._state_dict_pre_hooks  # the guard is gone once it stepped
+    again = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu")  # a model that trains itself
+    assert model.up.weight.data_ptr() != _local(again, "up.weight").data_ptr()  # keeps weights of its own
+
+
+def test_a_model_that_trains_itself_after_pm_goes_on_from_the_trained_weights_and_says_so(world_of_one, caplog):
     model, pm = _compiled()
     opt_pm = torch.optim.AdamW(pm.parameters(), lr=0.1, fused=True)
-    opt_eager = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
-    for _ in range(3):  # pm steps first: the model's first forward comes after, still at its initial weights
-        _train(pm, opt_pm)
-        _train(model, opt_eager)
-    torch.testing.assert_close(_evaluate(model), _evaluate(pm))
-    torch.testing.assert_close(model.state_dict(), pm.module.state_dict())
-    assert not model._forward_pre_hooks and not model._state_dict_pre_hooks  # the guard is gone once it stepped
+    _train(pm, opt_pm)
+    trained = pm.module.state_dict()
+    model(X)  # its own forward in training: from here on it trains apart, from pm's weights as they are
+    assert "trains itself now" in caplog.text and "copy.deepcopy(model)" in caplog.text
+    torch.testing.assert_close(model.state_dict(), trained, rtol=0, atol=0)
+    _train(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    torch.testing.assert_close(pm.module.state_dict(), trained, rtol=0, atol=0)  # pm did not move with it
 
 
-def test_an_optimizer_built_on_the_model_before_compile_trains_pm_and_the_model_is_refused(world_of_one):
+def test_an_optimizer_built_on_the_model_before_compile_trains_pm_and_so_the_model(world_of_one):
     model = Net()
+    initial = copy.deepcopy(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)  # DDP scripts build it before the wrap
     pm = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu")
     _train(pm, opt)  # re-bound to pm's parameters (runtime.originals)
-    with pytest.raises(UsageError, match=STALE):
-        torch.save(model.state_dict(), "unused.pt")
+    assert opt.param_groups[0]["params"][0] is pm.module.up.weight
+    assert not torch.equal(model.up.weight, initial["up.weight"])
+    torch.testing.assert_close(model.state_dict(), pm.module.state_dict(), rtol=0, atol=0)
 
 
-def test_a_loaded_checkpoint_changes_pm(world_of_one):
+def test_a_checkpoint_loaded_into_pm_is_the_models(world_of_one):
     model, pm = _compiled()
     pm.load_state_dict({k: v + 1 for k, v in pm.module.state_dict().items()})
-    with pytest.raises(UsageError, match=STALE):
-        model.state_dict()
+    torch.testing.assert_close(model.state_dict(), pm.module.state_dict(), rtol=0, atol=0)
 
 
-def test_copies_compiles_and_a_gone_pm_pass(world_of_one, caplog):
+def test_a_second_compile_copies_and_a_gone_pm_passes(world_of_one, caplog):
     model, pm = _compiled()
     _train(pm, torch.optim.AdamW(pm.parameters(), lr=0.1, fused=True))
-    copied = copy.deepcopy(model)  # a reference of the initial weights, kept on purpose
+    copied = copy.deepcopy(model)  # the trained weights
     assert _evaluate(copied) == _evaluate(pickle.loads(pickle.dumps(model)))
     model.train()
     again = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu")  # compiles the model as it is
     assert again(X) == copied.train()(X)
+    assert model.up.weight.data_ptr() == _local(pm, "up.weight").data_ptr() != _local(again, "up.weight").data_ptr()
     assert "forward hooks" not in caplog.text  # the guard is not the model's own hook (trace.hooks)
-    with pytest.raises(UsageError, match=STALE):
-        model.state_dict()  # by the first pm
-    del pm
-    gc.collect()  # its reference cycles
+    model.state_dict()  # the first pm's weights, as they are
     again.load_state_dict({k: v + 1 for k, v in again.module.state_dict().items()})
     with pytest.raises(UsageError, match=STALE):
-        model.state_dict()  # by the second
-    del again
-    gc.collect()
+        model.state_dict()  # the second pm holds weights of its own, changed since
+    del pm, again
+    gc.collect()  # their reference cycles
     model.state_dict()  # no compiled module left to be behind: the model is the user's again
     assert not model._forward_pre_hooks and not model._state_dict_pre_hooks
 
@@ -133,9 +161,6 @@ class Dropped(Net):
 def test_switching_the_models_mode_for_pm_is_refused(world_of_one):
     model = Dropped()
     pm = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu")
-    model.eval()  # before pm trained: the model is still pm's equal, nothing to say yet
-    pm(X)
-    model.train()
     _train(pm, torch.optim.AdamW(pm.parameters(), lr=0.1, fused=True))
     model.eval()  # DDP's pre-wrap name: under DDP this switches the wrapped forward
     with pytest.raises(UsageError, match=r"switched to another mode after compile \(model\.eval\(\)\).*pm\.eval\(\)"):
@@ -183,7 +208,7 @@ def _through_the_model(model, trained, steps: int = 4) -> list[float]:
     return norms
 
 
-def _wrapped_under_another_name(rank: int, world: int) -> dict[str, tuple[float, list[float], list[float]]]:
+def _wrapped_under_another_name(rank: int, world: int) -> dict[str, tuple]:
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     eager = _mlp()
     eager_norms = _through_the_model(eager, eager)
@@ -194,8 +219,31 @@ def _wrapped_under_another_name(rank: int, world: int) -> dict[str, tuple[float,
         ddp_model = autopar.compile(model, (world,), example_inputs=(x,), cluster="cpu", plan=plan)
         norms = _through_the_model(model, ddp_model)
         full = ddp_model.full_state_dict()
-        out[kind] = (max((full[k] - v).abs().max().item() for k, v in eager.state_dict().items()), norms, eager_norms)
-    return out
+        try:  # the pre-wrap name read after training: the trained weights, or refused where the plan cuts them
+            read = "equal" if all(torch.equal(full[k], v) for k, v in model.state_dict().items()) else "stale"
+        except UsageError as error:
+            read = "refused" if "is not the model that trains" in str(error) else str(error)
+        worst = max((full[k] - v).abs().max().item() for k, v in eager.state_dict().items())
+        whole = all(isinstance(p, Replicate) for spec in plan.params.values() for p in spec)
+        out[kind] = (worst, norms, eager_norms, read, whole)
+    return out | {"partly whole": _partly_whole(world)}
+
+
+def _partly_whole(world: int) -> tuple[int, str]:
+    """A plan that cuts some tensors and keeps others whole (megatron: the norms whole): how many the
+    model shares with pm, and its state_dict read after a step."""
+    model, batch = build_model("gpt"), example_batch("gpt", batch_size=4)
+    plan = autopar.hand_plan("megatron", model, (world,), example_inputs=batch, cluster="cpu")
+    pm = autopar.compile(model, (world,), example_inputs=batch, cluster="cpu", plan=plan)
+    shared = sum(t.data_ptr() == pm.local_shard(k).data_ptr() for k, t in model.state_dict().items())
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.1, fused=True)
+    pm(*batch).backward()
+    opt.step()
+    try:
+        model.state_dict()
+    except UsageError as error:
+        return shared, "refused" if "is not the model that trains" in str(error) else str(error)
+    return shared, "read"
 
 
 @pytest.mark.multiproc
@@ -205,9 +253,15 @@ def test_loading_clipping_zeroing_and_freezing_through_the_model_act_on_pm(rank_
     freezing the model's first layer froze nothing (2.9e-3 to 2.4e-2 off eager) and a checkpoint
     loaded into the model after the wrap was not trained from (0.49 off)."""
     for result in rank_pool(2).run(_wrapped_under_another_name, timeout_s=300):
-        for kind, (worst, norms, eager_norms) in result.items():
+        shared, read = result.pop("partly whole")
+        assert shared > 0 and read == "refused"  # what it shares is current, the rest is not: refused
+        for kind, (worst, norms, eager_norms, read, whole) in result.items():
             assert worst < 1e-12, f"{kind}: parameters off eager's by {worst:.1e}"
             assert norms == pytest.approx(eager_norms, rel=1e-12), kind
+            # a plan that holds every tensor whole (ddp) shares them: the model is the trained one;
+            # one that cuts them (fsdp) refuses the read (it was stale after the mid-run load, before)
+            assert read == ("equal" if whole else "refused"), kind
+        assert [whole for *_, whole in result.values()][:2] == [True, False]  # ddp, fsdp
 
 
 def test_a_model_trained_beside_pm_keeps_its_own_gradients(world_of_one):
