@@ -42,6 +42,7 @@ DTensor's in-place ops bump the wrapper's, a load into its shard the local tenso
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import operator
 import weakref
@@ -80,6 +81,7 @@ class _Watch:
         self.pm_own = any(not self._pm_shares(p) for p in pm.parameters())  # pm holds weights of its own
         self.rebase(model, pm)
         self.model_stepped = False
+        self.called = False  # pm has been called (``check_modes``)
         # each module of the model (weakly: pm must not keep the model's weights alive), its name and mode
         named = list(model.named_modules())
         self.names = [name for name, _ in named]
@@ -281,8 +283,12 @@ def watch(model: torch.nn.Module, pm: torch.nn.Module) -> None:
 
 def check_modes(pm: torch.nn.Module, modes: tuple[bool, ...]) -> None:
     """At a call of ``pm`` whose modules are in ``modes`` (``pm.module.named_modules()``'s order):
-    refuse where the stale model's modes were changed since ``compile`` and are not ``pm``'s."""
+    refuse where the stale model's modes were changed since ``compile`` and are not ``pm``'s. At
+    the first call, say what the model still holds on an accelerator (``_say_leftover``)."""
     watched = pm.__dict__.get("_autopar_stale_watch")
+    if watched is not None and not watched.called:
+        watched.called = True
+        _say_leftover(watched)
     if watched is None or not watched.handles:
         return
     try:
@@ -301,6 +307,47 @@ def check_modes(pm: torch.nn.Module, modes: tuple[bool, ...]) -> None:
         "pm itself: pm.train() or pm.eval(), or a module's on pm.module (pm.module.backbone.eval()), which each "
         "call runs as eager does"
     )
+
+
+def leftover_bytes(watched: _Watch) -> dict[torch.device, int]:
+    """What the model passed to ``compile`` holds that ``pm`` does not (the whole tensors of those
+    the plan cuts or casts; ``pm`` holds its own), in bytes by device, while the model lives."""
+    model, held = watched.model(), {}
+    if model is None:
+        return held
+    seen: set[int] = set(watched.shared_addresses)
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_meta or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        held[tensor.device] = held.get(tensor.device, 0) + tensor.numel() * tensor.element_size()
+    return held
+
+
+def _accelerator(device: torch.device) -> bool:
+    return device.type != "cpu"
+
+
+def _say_leftover(watched: _Watch) -> None:
+    """A model kept alive beside ``pm`` (``pm = autopar.compile(model, ...)`` with ``model`` still in
+    scope) holds the whole tensors of what the plan cuts: on a GPU, memory that no plan counts."""
+    held = {device: n for device, n in leftover_bytes(watched).items() if _accelerator(device)}
+    if held:  # a model passed as a temporary may be held by export's reference cycles only
+        gc.collect()
+        held = {device: n for device, n in leftover_bytes(watched).items() if _accelerator(device)}
+    if held:
+        where = ", ".join(f"{_size(n)} on {device}" for device, n in held.items())
+        log.warning(
+            "autopar: the model passed to autopar.compile still holds %s that the compiled module does not use (the "
+            "whole tensors of those the plan cuts or casts; pm holds its own), beyond the plan's memory: del model after "
+            "compile frees it (or pass build() to compile, or start on the meta device with init=); to keep the model "
+            "as a reference, move it: model.cpu()",
+            where,
+        )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def stepped(pm: torch.nn.Module) -> None:

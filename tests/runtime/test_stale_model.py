@@ -149,6 +149,24 @@ def test_a_second_compile_copies_and_a_gone_pm_passes(world_of_one, caplog):
     assert not model._forward_pre_hooks and not model._state_dict_pre_hooks
 
 
+def test_a_model_kept_beside_pm_that_holds_what_pm_does_not_is_named_at_the_first_call(world_of_one, caplog, monkeypatch):
+    """On a GPU the whole tensors a kept model holds beside pm's own shards or casts are memory no
+    plan counts: the first call says how much, and how to free it (a CPU stands in for the device)."""
+    monkeypatch.setattr("autopar.runtime.stale_model._accelerator", lambda device: True)
+    kept = Net()
+    pm = autopar.compile(kept, (1,), example_inputs=(X,), cluster="cpu", precision="bf16-true")  # pm's: bf16 copies
+    assert "still holds" not in caplog.text
+    pm(X), pm(X)
+    nbytes = sum(p.numel() * 4 for p in kept.parameters())
+    assert caplog.text.count("still holds") == 1 and f"{nbytes / 2**20:.1f} MiB on cpu" in caplog.text
+    assert "del model" in caplog.text and "model.cpu()" in caplog.text
+    caplog.clear()
+    shared = Net()
+    autopar.compile(shared, (1,), example_inputs=(X,), cluster="cpu")(X)  # pm holds the model's own tensors
+    autopar.compile(Net(), (1,), example_inputs=(X,), cluster="cpu", precision="bf16-true")(X)  # none kept
+    assert "still holds" not in caplog.text
+
+
 class Dropped(Net):
     def __init__(self):
         super().__init__()
