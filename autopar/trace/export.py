@@ -148,6 +148,7 @@ def trace(
         raise TraceError.from_export_error(model, error) from error
     if checkpoints.calls:
         notes.append(checkpoints.note())
+    _refuse_parameter_writes(exported.graph_module, _parameter_names(exported))  # before functionalizing
     exported, written_back = _functionalize_aliased_writes(exported)
 
     gm = exported.graph_module
@@ -158,6 +159,7 @@ def trace(
     _drop_assertions(gm)
     notes += _dense_embedding_grads(gm)
     inputs, constants = _graph_inputs(exported, gm)
+    _refuse_parameter_writes(gm, {i.name: i.fqn for i in inputs if i.kind == "param"})  # no_grad regions inlined
     causal_attention(gm, constants)  # a traced causal mask back to SDPA's is_causal (trace.attention)
     if precision is not None and precision.casts:
         _cast_parameters(gm, inputs, precision)
@@ -305,6 +307,34 @@ def aliased_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
                 found.append(node)
                 break
     return found
+
+
+def _parameter_names(exported) -> dict[str, str]:
+    return {spec.arg.name: spec.target for spec in exported.graph_signature.input_specs if spec.kind == InputKind.PARAMETER}
+
+
+def _refuse_parameter_writes(gm: torch.fx.GraphModule, params: dict[str, str]) -> None:
+    """Refuse a forward that writes a parameter in place (weight clipping or renormalization under
+    ``torch.no_grad()``, ``nn.Embedding(max_norm=...)``). Export traces it as a write into a
+    detached alias of the parameter, and the forward's later uses read that alias: the graph gives
+    them no gradient where eager does (a linear layer clipped so trained 4.2 off eager, without a
+    word); and under a plan each rank would write its own shard or copy, out of the order its
+    gathers read them. ``params``: each parameter placeholder's name → its FQN."""
+    for node in gm.graph.nodes:
+        for target in written(node):
+            root = target
+            while _is_view(root):
+                root = root.args[0]
+            if root.op == "placeholder" and root.name in params:
+                fqn = params[root.name]
+                raise TraceError(
+                    f"the model's forward writes parameter {fqn!r} in place ({node.target.__name__}: weight "
+                    "clipping or renormalization under torch.no_grad(), or nn.Embedding(max_norm=...), which "
+                    "renormalizes the rows it looks up). A compiled graph cannot carry that write: the forward's "
+                    "later uses of the parameter would train no gradient, and each rank would write its own shard. "
+                    "Write it outside the forward, after optimizer.step(), under torch.no_grad(), on the compiled "
+                    f"module's parameter (pm.module.{fqn}); for nn.Embedding, drop max_norm and renormalize there"
+                )
 
 
 def _functionalize_aliased_writes(exported):

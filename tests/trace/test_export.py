@@ -109,6 +109,43 @@ def test_spectral_norm_power_iteration_under_no_grad_trains_as_eager(world_of_on
     assert any(key.endswith("_u") for key in want)  # the power iteration's buffers too
 
 
+class _ClipsItsWeight(torch.nn.Module):
+    """Weight clipping inside forward (a WGAN critic's, written there): the traced graph's later
+    use read a detached alias, and trained 4.2 off eager on ddp, fsdp and megatron plans."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.a, self.b, self.write = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4), write
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.write(self.a.weight)
+        return self.b(torch.relu(self.a(x))).sum()
+
+
+class _MaxNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Embedding(50, 16, max_norm=1.0)  # renormalizes the rows it looks up, in place
+
+    def forward(self, x):
+        return self.a(x).sum()
+
+
+@pytest.mark.parametrize(
+    "model, op",
+    [
+        (lambda: _ClipsItsWeight(lambda w: w.clamp_(-0.2, 0.2)), "clamp_"),
+        (lambda: _ClipsItsWeight(lambda w: w.mul_(1 / w.norm().clamp(min=1.0))), "mul_"),
+        (_MaxNorm, "embedding_renorm_"),
+    ],
+)
+def test_a_forward_that_writes_a_parameter_in_place_is_refused_with_the_fix(model, op):
+    inputs = (torch.randint(0, 50, (4, 6)),) if model is _MaxNorm else (torch.randn(4, 16),)
+    with pytest.raises(TraceError, match=rf"writes parameter 'a\.weight' in place \({op}.*pm\.module\.a\.weight"):
+        trace(model(), inputs)
+
+
 def test_autocast_enabled_inside_forward_is_refused_with_the_fix():
     class Autocasting(torch.nn.Module):
         def __init__(self):
