@@ -28,9 +28,11 @@ own gradients from then on, and gets weights of its own (``on_trains_itself``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -121,6 +123,76 @@ class _Linked(torch.nn.Parameter):
 
     def __repr__(self) -> str:
         return f"Parameter containing:\n{self.detach()!r}"
+
+
+class _Stale(_Linked):
+    """A parameter of the model whose values ``pm`` has trained past in a shard of its own
+    (``stale_model`` gives it this class while so, ``mark_stale``): reading its values (an EMA of
+    the model, ``p.data``, a copy) raises, where it would read the weights from before training
+    without a word. Its metadata, its gradient (``pm``'s), moving it and writing it whole pass,
+    and so does autopar's own tracing of the model (``QUIET``)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if QUIET[0] or func in _METADATA or torch.compiler.is_compiling() or _writes_whole(func, args):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        owner = getattr(func, "__self__", None)  # a getter's descriptor (p.data)
+        name = f".{owner.__name__}" if getattr(func, "__name__", "") == "__get__" else getattr(func, "__name__", str(func))
+        raise UsageError(
+            f"a parameter of the model passed to autopar.compile was read ({name}) after the compiled module trained "
+            "past it: under this plan pm holds its own shard of it, so the model still holds the value from before "
+            "training (an EMA, a copy or another compile of the model would take those, without a word). Read pm's: "
+            "pm.module's parameters (AveragedModel(pm), update_parameters(pm); a DTensor's .full_tensor() gathers "
+            "one, on every rank), or load the trained weights back first: model.load_state_dict(pm.module.state_dict())"
+        )
+
+    def __repr__(self) -> str:
+        with torch._C.DisableTorchFunctionSubclass():
+            return super().__repr__()
+
+
+QUIET = [0]  # > 0 while autopar traces or compiles the model (``stale_model.quiet``), or reads it (``own_reads``)
+
+
+@contextlib.contextmanager
+def own_reads() -> Iterator[None]:
+    """autopar's own reads of the model's values (a load mirrored into ``pm``, a copy for a model
+    that trains itself) pass ``_Stale``."""
+    QUIET[0] += 1
+    try:
+        yield
+    finally:
+        QUIET[0] -= 1
+
+
+_GETTERS = ("shape", "dtype", "device", "layout", "ndim", "requires_grad", "grad", "grad_fn", "is_leaf", "_version")
+_GETTERS += ("is_meta", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_nested", "names", "output_nr", "_base")
+_METHODS = ("size", "dim", "numel", "nelement", "element_size", "data_ptr", "untyped_storage", "storage_offset")
+_METHODS += ("stride", "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "requires_grad_")
+_METHODS += ("register_hook", "register_post_accumulate_grad_hook", "retain_grad", "_has_compatible_shallow_copy_type")
+_METHODS += ("to", "cpu", "cuda")  # moving the model (model.cpu()): the moved tensor is the parameter's again
+_METADATA = frozenset(
+    [getattr(torch.Tensor, name).__get__ for name in _GETTERS if hasattr(torch.Tensor, name)]
+    + [getattr(torch.Tensor, name).__set__ for name in ("grad", "requires_grad", "data")]
+    + [getattr(torch.Tensor, name) for name in _METHODS if hasattr(torch.Tensor, name)]
+    + [torch._has_compatible_shallow_copy_type]  # Module._apply's, before it sets .data
+)
+# writes that read nothing of the tensor they write (a load's copy_, an initializer's)
+_WHOLE_WRITES = frozenset(getattr(torch.Tensor, name) for name in ("copy_", "fill_", "zero_", "normal_", "uniform_"))
+
+
+def _writes_whole(func: Any, args: tuple) -> bool:
+    return func in _WHOLE_WRITES and not any(isinstance(value, _Stale) for value in args[1:])
+
+
+def mark_stale(params: list[torch.Tensor], stale: bool) -> None:
+    """Give each of ``params`` (the model's, bound or watched here) the class that refuses reading
+    its values (``stale``), or back the one that does not."""
+    old, new = (_Linked, _Stale) if stale else (_Stale, _Linked)
+    for param in params:
+        if type(param) is old:
+            param.__class__ = new
 
 
 def _twin(param: torch.Tensor, refused: str | None) -> torch.Tensor | None:

@@ -13,8 +13,10 @@ stale: it would read the initial weights, without a word. So once ``pm`` has cha
 tensors (an optimizer stepped them, or they were written in place: a loaded checkpoint) while the
 model has not (no optimizer stepped it, nothing wrote its parameters), the model's ``state_dict()``
 and a forward that does not train (grad mode off, or the model in eval mode) raise a
-``UsageError`` that names ``pm.module``, the model distributed. Once the model has changed, or
-``pm`` is gone, the guard is removed. autopar's own calls (``compile`` of the same model again:
+``UsageError`` that names ``pm.module``, the model distributed; and once a torch optimizer (or
+``autopar.optim``) has stepped ``pm``'s own shards, any other read of those parameters' values (an
+EMA of the model, ``p.data``, a copy, another ``compile``) raises too (``originals._Stale``,
+``mark``). Once the model has changed, or ``pm`` is gone, the guard is removed. autopar's own calls (``compile`` of the same model again:
 ``quiet``) pass.
 
 A model that trains itself beside ``pm`` (its own forward in training, or a gradient of its own:
@@ -79,6 +81,7 @@ class _Watch:
         self.shared_ids = {id(entry[0]()) for entry in self.shared}
         self.shared_addresses = {address for _, _, address in self.shared}
         self.pm_own = any(not self._pm_shares(p) for p in pm.parameters())  # pm holds weights of its own
+        self.cut = [weakref.ref(p) for p in model.parameters() if id(p) not in self.shared_ids]  # pm's own shards
         self.rebase(model, pm)
         self.model_stepped = False
         self.called = False  # pm has been called (``check_modes``)
@@ -114,6 +117,12 @@ class _Watch:
         self.shared_versions = self._shared_versions()
         self.pm_stepped = self.shared_stepped = False
         _STATE["generation"] += 1  # every optimizer is looked at again (``_stepped``)
+        self.mark(False)
+
+    def mark(self, stale: bool) -> None:
+        """Reading the values of the model's parameters that ``pm`` holds shards of raises
+        (``stale``: ``pm`` trained past them) or passes again (``originals.mark_stale``)."""
+        originals.mark_stale([param for ref in self.cut if (param := ref()) is not None], stale)
 
     def _pm_versions(self, pm: torch.nn.Module) -> int:
         """The version counters of ``pm``'s own parameters: a DTensor's (its in-place ops bump the
@@ -131,6 +140,7 @@ class _Watch:
         return None  # a copy of pm (swa_utils.AveragedModel) guards nothing
 
     def remove(self) -> None:
+        self.mark(False)
         for handle in self.handles:
             handle.remove()
         self.handles = []
@@ -164,10 +174,11 @@ class _Watch:
                 "compile a copy: pm = autopar.compile(copy.deepcopy(model), ...)",
                 len(intact),
             )
-        with torch.no_grad():
+        with torch.no_grad(), originals.own_reads():
             for entry in intact:
                 tensor = entry[0]()
                 tensor.data = tensor.detach().clone()
+        self.mark(False)  # its own from now on
 
     def stale(self) -> bool:
         """Whether ``pm`` has changed since ``compile`` and the model has not (else the guard goes):
@@ -227,7 +238,8 @@ class _Loaded:
         model, pm = watched.model(), watched.pm()
         if _STATE["quiet"] or module is not self.module() or model is None or pm is None or originals.trained_itself(model):
             return
-        with torch.no_grad():
+        watched.mark(False)  # the load wrote the model: what it holds is read into pm now
+        with torch.no_grad(), originals.own_reads():
             for name in self.names:
                 tensor = module._parameters.get(name)
                 tensor = module._buffers.get(name) if tensor is None else tensor
@@ -356,6 +368,7 @@ def stepped(pm: torch.nn.Module) -> None:
     if watched is not None:
         watched.pm_stepped = watched.pm_stepped or watched.pm_own
         watched.shared_stepped = watched.shared_stepped or bool(watched.shared)
+        watched.mark(watched.pm_stepped)
 
 
 def lent(tensor: torch.Tensor) -> bool:
@@ -374,10 +387,12 @@ def lent(tensor: torch.Tensor) -> bool:
 def quiet() -> Iterator[None]:
     """autopar's own calls of a compiled model (``compile`` of it again) pass the guard."""
     _STATE["quiet"] += 1
+    originals.QUIET[0] += 1
     try:
         yield
     finally:
         _STATE["quiet"] -= 1
+        originals.QUIET[0] -= 1
 
 
 def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -394,6 +409,8 @@ def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             for held, watched, side in _PARAMS.get(id(param), ()):
                 if held() is param and (watching := watched()) is not None:
                     setattr(watching, f"{side}_stepped", True)
+                    if side == "pm":
+                        watching.mark(True)  # reading the model's values of these is refused from now on
 
 
 def _versions(tensors: Iterable[torch.Tensor]) -> int:

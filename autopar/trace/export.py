@@ -148,7 +148,6 @@ def trace(
         raise TraceError.from_export_error(model, error) from error
     if checkpoints.calls:
         notes.append(checkpoints.note())
-    _refuse_parameter_writes(exported.graph_module, _parameter_names(exported))  # before functionalizing
     exported, written_back = _functionalize_aliased_writes(exported)
 
     gm = exported.graph_module
@@ -159,7 +158,6 @@ def trace(
     _drop_assertions(gm)
     notes += _dense_embedding_grads(gm)
     inputs, constants = _graph_inputs(exported, gm)
-    _refuse_parameter_writes(gm, {i.name: i.fqn for i in inputs if i.kind == "param"})  # no_grad regions inlined
     causal_attention(gm, constants)  # a traced causal mask back to SDPA's is_causal (trace.attention)
     if precision is not None and precision.casts:
         _cast_parameters(gm, inputs, precision)
@@ -186,7 +184,7 @@ def trace(
 
 def _graph_inputs(exported, gm: torch.fx.GraphModule) -> tuple[list[GraphInput], dict[str, torch.Tensor]]:
     """Each placeholder of ``gm`` (``exported``'s graph) as a ``GraphInput`` of its kind, and the
-    values of those that are constants."""
+    values of those that are constants. A graph that writes a parameter is refused here."""
     inputs: list[GraphInput] = []
     constants: dict[str, torch.Tensor] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -200,6 +198,8 @@ def _graph_inputs(exported, gm: torch.fx.GraphModule) -> tuple[list[GraphInput],
         inputs.append(GraphInput(name, kind, spec.target))
         if kind == "constant":
             constants[name] = exported.constants[spec.target]
+    # with the no_grad regions inlined, a write into a parameter under one shows
+    _refuse_parameter_writes(gm, {i.name: i.fqn for i in inputs if i.kind == "param"})
     return inputs, constants
 
 
@@ -342,6 +342,7 @@ def _functionalize_aliased_writes(exported):
     ops stay whole, writes become ``slice_scatter``, ``select_scatter``, ``index_put``, ...),
     for graphs with a write through an alias. Graphs without one are kept exactly as traced.
     Returns the program and its mutated inputs: (graph output index, placeholder name)."""
+    _refuse_parameter_writes(exported.graph_module, _parameter_names(exported))  # export's own may be one
     if not aliased_writes(exported.graph_module):
         return exported, []
     from torch.export.graph_signature import OutputKind

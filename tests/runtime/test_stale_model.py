@@ -282,6 +282,65 @@ def test_loading_clipping_zeroing_and_freezing_through_the_model_act_on_pm(rank_
         assert [whole for *_, whole in result.values()][:2] == [True, False]  # ddp, fsdp
 
 
+def _reads_after_training(rank: int, world: int) -> list[tuple[str, str]]:
+    """What reads of the model's values do once pm trained its own shards (fsdp on 2 ranks)."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    model = _mlp()
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    plan = autopar.hand_plan("fsdp", model, (world,), example_inputs=(x,), cluster="cpu")
+    pm = autopar.compile(model, (world,), example_inputs=(x,), cluster="cpu", plan=plan)
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.1)
+
+    def step():
+        pm(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the model's gradients are pm's
+        opt.step()
+        model.zero_grad()
+
+    reads = {
+        "ema": lambda: ema.update_parameters(model),
+        "data": lambda: model[0].weight.data.sum(),
+        "copy": lambda: copy.deepcopy(model),
+        "compile": lambda: autopar.compile(model, (world,), example_inputs=(x,), cluster="cpu", plan=plan),
+        "metadata": lambda: (sum(p.numel() for p in model.parameters()), repr(model[0].weight), model.cpu()),
+    }
+    out = [("ema before", _outcome(reads["ema"]))]
+    step()
+    out += [(name, _outcome(read)) for name, read in reads.items()]
+    model.load_state_dict(pm.module.state_dict())  # the fix the error names
+    out.append(("ema after a load", _outcome(reads["ema"])))
+    step()
+    model(x).pow(2).mean().backward()  # the model trains itself from here: its values are its own
+    out.append(("ema of a model trained beside", _outcome(reads["ema"])))
+    return out
+
+
+def _outcome(read) -> str:
+    try:
+        read()
+    except UsageError as error:
+        return "refused" if "after the compiled module trained past it" in str(error) else str(error)
+    return "read"
+
+
+@pytest.mark.multiproc
+def test_reading_the_models_values_that_pm_trained_past_is_refused(rank_pool):
+    """An EMA of the pre-wrap name (``AveragedModel.update_parameters(model)``), ``p.data``, a copy or
+    another compile of it read the initial weights without a word where the plan cuts them; now they
+    raise, while its metadata, gradients, moving it, a load into it and training it beside pass."""
+    for result in rank_pool(2).run(_reads_after_training, timeout_s=300):
+        assert dict(result) == {
+            "ema before": "read",
+            "ema": "refused",
+            "data": "refused",
+            "copy": "refused",
+            "compile": "refused",
+            "metadata": "read",
+            "ema after a load": "read",
+            "ema of a model trained beside": "read",
+        }
+
+
 def test_a_model_trained_beside_pm_keeps_its_own_gradients(world_of_one):
     model, pm = _compiled("fsdp")
     pm(X).backward()
