@@ -152,6 +152,11 @@ class _Stale(_Linked):
             return super().__repr__()
 
 
+def _getter_or_method(name: str) -> Any:
+    attribute = getattr(torch.Tensor, name)
+    return attribute.__get__ if hasattr(attribute, "__set__") else attribute
+
+
 QUIET = [0]  # > 0 while autopar traces or compiles the model (``stale_model.quiet``), or reads it (``own_reads``)
 
 
@@ -166,14 +171,19 @@ def own_reads() -> Iterator[None]:
         QUIET[0] -= 1
 
 
-_GETTERS = ("shape", "dtype", "device", "layout", "ndim", "requires_grad", "grad", "grad_fn", "is_leaf", "_version")
-_GETTERS += ("is_meta", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_nested", "names", "output_nr", "_base")
+# what a tensor is, not what it holds (``is_*`` but is_nonzero: export reads these to make its fake copy)
+_KINDS = tuple(name for name in dir(torch.Tensor) if name.startswith("is_") and name != "is_nonzero")
+_KINDS += ("_is_view", "_is_zerotensor")
+_GETTERS = ("shape", "dtype", "device", "layout", "ndim", "requires_grad", "grad", "grad_fn", "_version", "names")
+_GETTERS += ("output_nr", "_base", "grad_dtype", "itemsize", "nbytes")
 _METHODS = ("size", "dim", "numel", "nelement", "element_size", "data_ptr", "untyped_storage", "storage_offset")
-_METHODS += ("stride", "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "requires_grad_")
+_METHODS += ("stride", "get_device", "requires_grad_")
 _METHODS += ("register_hook", "register_post_accumulate_grad_hook", "retain_grad", "_has_compatible_shallow_copy_type")
 _METHODS += ("to", "cpu", "cuda")  # moving the model (model.cpu()): the moved tensor is the parameter's again
+_METHODS += ("__hash__", "__len__", "__dir__", "__format__")  # a dict key, len(), dir(), display (as repr)
 _METADATA = frozenset(
     [getattr(torch.Tensor, name).__get__ for name in _GETTERS if hasattr(torch.Tensor, name)]
+    + [_getter_or_method(name) for name in _KINDS]
     + [getattr(torch.Tensor, name).__set__ for name in ("grad", "requires_grad", "data")]
     + [getattr(torch.Tensor, name) for name in _METHODS if hasattr(torch.Tensor, name)]
     + [torch._has_compatible_shallow_copy_type]  # Module._apply's, before it sets .data

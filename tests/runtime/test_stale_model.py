@@ -303,6 +303,7 @@ def _reads_after_training(rank: int, world: int) -> list[tuple[str, str]]:
         "copy": lambda: copy.deepcopy(model),
         "compile": lambda: autopar.compile(model, (world,), example_inputs=(x,), cluster="cpu", plan=plan),
         "metadata": lambda: (sum(p.numel() for p in model.parameters()), repr(model[0].weight), model.cpu()),
+        "plan": lambda: autopar.plan(model, (world,), example_inputs=(x,), cluster="cpu"),  # shapes, not values
     }
     out = [("ema before", _outcome(reads["ema"]))]
     step()
@@ -336,6 +337,7 @@ def test_reading_the_models_values_that_pm_trained_past_is_refused(rank_pool):
             "copy": "refused",
             "compile": "refused",
             "metadata": "read",
+            "plan": "read",
             "ema after a load": "read",
             "ema of a model trained beside": "read",
         }
