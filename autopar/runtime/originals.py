@@ -23,7 +23,9 @@ freeze nothing, without a word. So at ``compile`` each parameter's class becomes
 and setting ``requires_grad`` sets ``pm``'s too. Where no parameter of ``pm`` stands for it (a
 pipeline's stages, an offloading plan) these raise a ``UsageError`` naming ``pm.clip_grad_norm_``.
 A model trained beside ``pm`` (its own forward in training, or a gradient of its own) keeps its
-own gradients from then on, and gets weights of its own (``on_trains_itself``).
+own gradients from then on, and gets weights of its own (``on_trains_itself``). A parameter whose
+value ``pm`` trained past in a shard of its own becomes ``_Stale`` (``mark_stale``), which
+refuses reading that value.
 """
 
 from __future__ import annotations
