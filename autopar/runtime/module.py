@@ -496,6 +496,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
                 "ParallelModule.load_state_dict copies into its shards; assign=True is not supported: call it without assign"
             )
         missing, unexpected = load_model_state_dict(self, state_dict, strict=strict)
+        stale_model.stepped(self)  # the model passed to compile is behind it now
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 

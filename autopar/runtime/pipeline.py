@@ -643,6 +643,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         if strict and (missing or unexpected):
             raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
         load_model_state_dict(self, state_dict, strict=False)
+        stale_model.stepped(self)  # the model passed to compile is behind it now
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 

@@ -169,8 +169,8 @@ class _Watch:
         if intact and (self.shared_stepped or self._shared_versions() != self.shared_versions):
             log.warning(
                 "autopar: the model passed to autopar.compile trains itself now, beside the compiled module, which "
-                "has trained since: as under DDP they shared these weights (%d tensors), so the model goes on from the "
-                "trained ones, not from the weights it had at compile. To train a reference from the same start, "
+                "has changed them since: as under DDP they shared these weights (%d tensors), so the model goes on from "
+                "pm's, not from the weights it had at compile. To train a reference from the same start, "
                 "compile a copy: pm = autopar.compile(copy.deepcopy(model), ...)",
                 len(intact),
             )
@@ -363,7 +363,8 @@ def _size(nbytes: int) -> str:
 
 
 def stepped(pm: torch.nn.Module) -> None:
-    """``pm``'s parameters were stepped by an optimizer that is not torch's (``autopar.optim.AdamW``)."""
+    """``pm``'s parameters were written where torch's step hook does not see it: by an optimizer that
+    is not torch's (``autopar.optim.AdamW``), or a load into ``pm``."""
     watched = pm.__dict__.get("_autopar_stale_watch")
     if watched is not None:
         watched.pm_stepped = watched.pm_stepped or watched.pm_own

@@ -149,6 +149,20 @@ def test_a_second_compile_copies_and_a_gone_pm_passes(world_of_one, caplog):
     assert not model._forward_pre_hooks and not model._state_dict_pre_hooks
 
 
+def test_a_load_into_pm_marks_the_models_cast_values_stale(world_of_one):
+    """Under ``bf16-true`` pm holds bf16 copies on one device: the model's float32 values are its
+    own, stale once pm changes; a load into pm (not only an optimizer step) makes reading them raise."""
+    model = Net()
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    pm = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu", precision="bf16-true")
+    ema.update_parameters(model)  # nothing changed yet
+    pm.load_state_dict({k: v + 1 for k, v in pm.module.state_dict().items()})
+    with pytest.raises(UsageError, match=r"was read \(detach\) after the compiled module trained past it"):
+        ema.update_parameters(model)
+    model.load_state_dict(pm.module.state_dict())  # the fix the error names: the model holds pm's now
+    ema.update_parameters(model)
+
+
 def test_a_model_kept_beside_pm_that_holds_what_pm_does_not_is_named_at_the_first_call(world_of_one, caplog, monkeypatch):
     """On a GPU the whole tensors a kept model holds beside pm's own shards or casts are memory no
     plan counts: the first call says how much, and how to free it (a CPU stands in for the device)."""
