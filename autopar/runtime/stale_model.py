@@ -13,11 +13,11 @@ stale: it would read the initial weights, without a word. So once ``pm`` has cha
 tensors (an optimizer stepped them, or they were written in place: a loaded checkpoint) while the
 model has not (no optimizer stepped it, nothing wrote its parameters), the model's ``state_dict()``
 and a forward that does not train (grad mode off, or the model in eval mode) raise a
-``UsageError`` that names ``pm.module``, the model distributed; and once a torch optimizer (or
-``autopar.optim``) has stepped ``pm``'s own shards, any other read of those parameters' values (an
-EMA of the model, ``p.data``, a copy, another ``compile``) raises too (``originals._Stale``,
-``mark``). Once the model has changed, or ``pm`` is gone, the guard is removed. autopar's own calls (``compile`` of the same model again:
-``quiet``) pass.
+``UsageError`` that names ``pm.module``, the model distributed; and once a torch optimizer,
+``autopar.optim`` or a load into ``pm`` has written ``pm``'s own shards, any other read of those
+parameters' values (an EMA of the model, ``p.data``, a copy, another ``compile``) raises too
+(``originals._Stale``, ``mark``). Once the model has changed, or ``pm`` is gone, the guard is
+removed. autopar's own calls (``compile`` of the same model again: ``quiet``) pass.
 
 A model that trains itself beside ``pm`` (its own forward in training, or a gradient of its own:
 ``runtime.originals``) gets storage of its own for what it shared (``unshare``), so that neither
