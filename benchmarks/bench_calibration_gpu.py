@@ -25,6 +25,7 @@ Four parts, each writing to ``--out`` (default ``benchmarks/results``):
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import dataclasses
 import datetime
@@ -243,7 +244,8 @@ def offload_run(device: torch.device, clock: PhaseClock, tiny: bool, specs: dict
 
 def _measure_plan(model, ids, plan, kind: str, clock: PhaseClock, steps: int) -> dict[str, float]:
     """Compile ``plan`` and time its steps with torch's AdamW ("torch") or autopar's ("autopar")."""
-    pm = autopar.compile(model, (1,), example_inputs=(ids, ids), plan=plan)
+    # a copy per plan: a compiled model whose pm trained past it cannot be compiled again
+    pm = autopar.compile(copy.deepcopy(model), (1,), example_inputs=(ids, ids), plan=plan)
     opt = autopar.optim.AdamW(pm, lr=1e-5) if kind == "autopar" else torch.optim.AdamW(pm.parameters(), lr=1e-5)
 
     def forward_backward():

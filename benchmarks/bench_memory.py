@@ -22,6 +22,7 @@ the first one), as ``tests/solver/memory_budget_run.py`` measures it.
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import dataclasses
 import datetime
@@ -140,7 +141,7 @@ def main() -> None:
         for prefetch in variants:
             run_plan = plan if prefetch else dataclasses.replace(plan, memory=dataclasses.replace(plan.memory, prefetch=False))
             offload = f"disk:{os.path.join(directory, f'{index}-{prefetch}')}"
-            pm, opt, growth = _compile(model, batch, run_plan, offload)
+            pm, opt, growth = _compile(copy.deepcopy(model), batch, run_plan, offload)  # a pm trains each copy
             runs.append((prefetch, pm, opt, growth, []))
         for _ in range(args.steps):
             for _prefetch, pm, opt, _growth, times in runs:

@@ -21,6 +21,7 @@ plan's predicted step and peak, and the policy of each checkpointed layer. Write
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import json
@@ -100,7 +101,8 @@ def run(args) -> list[dict]:
         memory = plan.memory
         offloads = memory is not None and bool(memory.offload or memory.offload_activations)
         target = f"disk:{args.offload_dir}" if offloads and device.type == "cpu" else options.get("offload", "off")
-        pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=target)
+        # a copy per case: a compiled model whose pm trained past it cannot be compiled again
+        pm = autopar.compile(copy.deepcopy(model), (1,), example_inputs=batch, plan=plan, offload=target)
         step_s, peak = _measure(pm, batch, offloads, device, args.steps)
         policies = Counter(s.policy for s in memory.checkpoint) if memory is not None else Counter()
         row = dict(
