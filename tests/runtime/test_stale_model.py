@@ -193,6 +193,10 @@ class Dropped(Net):
 def test_switching_the_models_mode_for_pm_is_refused(world_of_one):
     model = Dropped()
     pm = autopar.compile(model, (1,), example_inputs=(X,), cluster="cpu")
+    model.eval()  # before pm trained too: pm holds the model's own tensors, so the model stands for pm
+    with pytest.raises(UsageError, match=r"switched to another mode after compile \(model\.eval\(\)\)"):
+        pm(X)
+    model.train()
     _train(pm, torch.optim.AdamW(pm.parameters(), lr=0.1, fused=True))
     model.eval()  # DDP's pre-wrap name: under DDP this switches the wrapped forward
     with pytest.raises(UsageError, match=r"switched to another mode after compile \(model\.eval\(\)\).*pm\.eval\(\)"):
