@@ -182,7 +182,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
                 local = self._cut(fqn, full[fqn]).to(dtype)
             else:  # the model's own tensor where the plan holds it whole, as DDP does; else a copy
                 local = self._cut(fqn, full[fqn]).to(dtype)
-                if not _same_storage(local, full[fqn]) or trains_apart or stale_model.lent(full[fqn]):
+                if not stale_model.same_tensor(local, full[fqn]) or trains_apart or stale_model.lent(full[fqn]):
                     local = local.clone()
             if offloaded:
                 offloader.store.put(param_key(canonical), local)
@@ -498,11 +498,6 @@ class ParallelModule(ModelAttributes, ShardedModule):
         missing, unexpected = load_model_state_dict(self, state_dict, strict=strict)
         stale_model.stepped(self)  # the model passed to compile is behind it now
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-
-def _same_storage(local: torch.Tensor, whole: torch.Tensor) -> bool:
-    """Whether ``local`` is ``whole`` itself, not a piece or a copy of it."""
-    return local.data_ptr() == whole.data_ptr() and local.shape == whole.shape and local.device == whole.device
 
 
 def world_timeout() -> datetime.timedelta | None:

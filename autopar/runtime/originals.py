@@ -159,7 +159,7 @@ def _getter_or_method(name: str) -> Any:
     return attribute.__get__ if hasattr(attribute, "__set__") else attribute
 
 
-QUIET = [0]  # > 0 while autopar traces or compiles the model (``stale_model.quiet``), or reads it (``own_reads``)
+QUIET = [0]  # > 0 while autopar reads the model's values (``own_reads``: its traces and compiles too)
 
 
 @contextlib.contextmanager

@@ -209,10 +209,16 @@ def _shared(model: torch.nn.Module, pm: Any) -> list[tuple[weakref.ref, str, int
             local = pm.local_shard(fqn)
         except (AttributeError, KeyError):
             continue
-        if local.data_ptr() == tensor.data_ptr() and local.shape == tensor.shape and local.device == tensor.device:
+        if same_tensor(local, tensor):
             seen.add(id(tensor))
             out.append((weakref.ref(tensor), fqn, tensor.data_ptr()))
     return out
+
+
+def same_tensor(local: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Whether ``local`` is ``whole`` itself (its storage, from its start, of its shape), not a
+    piece or a copy of it: what ``pm`` holds as the model's own (``runtime.module`` shares these)."""
+    return local.data_ptr() == whole.data_ptr() and local.shape == whole.shape and local.device == whole.device
 
 
 def _intact(pm: Any, entry: tuple) -> bool:
@@ -238,7 +244,6 @@ class _Loaded:
         model, pm = watched.model(), watched.pm()
         if _STATE["quiet"] or module is not self.module() or model is None or pm is None or originals.trained_itself(model):
             return
-        watched.mark(False)  # the load wrote the model: what it holds is read into pm now
         with torch.no_grad(), originals.own_reads():
             for name in self.names:
                 tensor = module._parameters.get(name)
@@ -388,12 +393,11 @@ def lent(tensor: torch.Tensor) -> bool:
 def quiet() -> Iterator[None]:
     """autopar's own calls of a compiled model (``compile`` of it again) pass the guard."""
     _STATE["quiet"] += 1
-    originals.QUIET[0] += 1
     try:
-        yield
+        with originals.own_reads():  # its parameters' values too (``originals._Stale``)
+            yield
     finally:
         _STATE["quiet"] -= 1
-        originals.QUIET[0] -= 1
 
 
 def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -418,4 +422,4 @@ def _versions(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t._version for t in tensors)
 
 
-__all__ = ["watch", "check_modes", "stepped", "quiet", "lent"]
+__all__ = ["watch", "check_modes", "stepped", "quiet", "lent", "same_tensor"]
