@@ -15,6 +15,10 @@ The rewritten graph calls two stateful modules (added by ``passes.schedule``, si
   slot no gradient reached (a parameter frozen after compile, or one the loss does not depend on)
   is reduced as zeros but leaves ``.grad`` as it is (None), as eager does: a zero gradient would
   still move the parameter under weight decay or momentum.
+  ``torch.autograd.grad`` over a parameter with a slot would get None back, the gradient landing
+  in ``.grad``: its first gradient into a bucket refuses it (``ops.params.refuse_in_grad_call``).
+  ``backward(inputs=...)`` runs a bucket node's backward as soon as it names one of its
+  parameters, and autograd then computes the others' gradients too: only the named ones' are added.
 - ``ParamGathers`` all-gathers sharded parameters in forward (FSDP's pattern), a group of them
   (one layer, as FSDP2's ``fully_shard(block)``) with one collective of a flat buffer, and
   issues the all-gather of the next group in forward order while the current one computes
@@ -57,7 +61,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from autopar.errors import UsageError
 from autopar.ir.spec import chunk_piece, pad_piece, piece_rows
 from autopar.ops import collectives
-from autopar.ops.params import add_grads, as_like, local_of
+from autopar.ops.params import BACKWARD_INPUTS, add_grads, as_like, local_of, named_in_backward, refuse_in_grad_call
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +289,8 @@ class GradBuckets(torch.nn.Module):
     # -- backward -------------------------------------------------------------------------
 
     def add(self, key: str, grad: torch.Tensor) -> None:
+        if not named_in_backward(self._params[key]):
+            return  # backward(inputs=...) that leaves it out: its slot stays unreached, its .grad as it is
         index, position = self._where[key]
         pending = self._round(index, grad.device)
         bucket = self.buckets[index]
@@ -307,6 +313,8 @@ class GradBuckets(torch.nn.Module):
         all-reduce bucket not written yet this round (the graph's node for the bucket, every
         parameter reached), they go into its flat buffer in one copy, as DDP's reducer copies
         in C++: one op instead of a slot view and a copy per parameter."""
+        if BACKWARD_INPUTS[0] is not None:
+            grads = [grad if named_in_backward(self._params[key]) else None for key, grad in zip(keys, grads, strict=True)]
         index = self._where[keys[0]][0] if keys else -1
         bucket = self.buckets[index] if keys else None
         whole = (
@@ -332,6 +340,8 @@ class GradBuckets(torch.nn.Module):
     def _round(self, index: int, device: torch.device) -> _Pending:
         """Bucket ``index``'s state in this backward, started where it is the first gradient."""
         task = torch._C._current_graph_task_id()
+        if self._pending is None or task != self._task:  # this backward's first gradient into a bucket
+            refuse_in_grad_call()  # torch.autograd.grad would get None back for it, and .grad would get it
         if self._pending is not None and task != self._task:
             self._drop()  # a backward that raised before its end left buckets half full
         if self._pending is None:

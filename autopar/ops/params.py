@@ -15,11 +15,13 @@ runs ready nodes latest-made first, would run every parameter's at the end of ba
 hold all gradients until then (a leaf's accumulation runs at once, as for a plain parameter).
 What bypasses autograd (the scheduled gradient buckets, which write reduced gradients at the
 end of backward) goes through ``add_grad``. Like FSDP2's, the DTensor parameters are not in
-the autograd graph: ``torch.autograd.grad(loss, pm.parameters())`` does not reach them.
+the autograd graph: ``runtime.autograd_calls`` puts each one's leaf (``leaf_of``) in their place
+in ``torch.autograd.grad`` and ``backward(inputs=...)``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -92,6 +94,55 @@ def data_replaced(fqn: str) -> UsageError:
     )
 
 
+# id(DTensor parameter) -> a weak reference to the LocalLeaf its compiled module reads it through
+_LEAVES: dict[int, weakref.ref] = {}
+# Above 0 while ``torch.autograd.grad`` runs (``runtime.autograd_calls``): a gradient that reaches
+# ``.grad`` outside autograd (a bucket's) would not come back from it (``refuse_in_grad_call``).
+GRAD_CALLS = [0]
+# While ``backward(inputs=...)`` runs: the ids of the parameters it names (``runtime.autograd_calls``).
+# Autograd computes every gradient that a bucket node takes as soon as one of its parameters is
+# named; ``ops.buckets`` keeps those of the others out of ``.grad`` (``named_in_backward``).
+BACKWARD_INPUTS: list[frozenset[int] | None] = [None]
+
+
+def named_in_backward(param: torch.Tensor) -> bool:
+    """Whether the backward running now may write ``param``'s ``.grad``: every parameter, unless
+    it was called with ``inputs=`` that do not name ``param``."""
+    named = BACKWARD_INPUTS[0]
+    return named is None or id(param) in named
+
+
+def hold_leaves(leaves: Iterable[LocalLeaf]) -> None:
+    """Register ``leaves`` (a compiled module's, one per DTensor parameter) for ``leaf_of``, weakly."""
+    for leaf in leaves:
+        key = id(leaf.param)
+        _LEAVES[key] = weakref.ref(leaf, lambda ref, key=key: _LEAVES.pop(key) if _LEAVES.get(key) is ref else None)
+
+
+def holds_leaves() -> bool:
+    """Whether any compiled module's leaves are registered (``hold_leaves``) and alive."""
+    return bool(_LEAVES)
+
+
+def leaf_of(param: object) -> LocalLeaf | None:
+    """The ``LocalLeaf`` of ``param`` if it is a compiled module's DTensor parameter, else None."""
+    entry = _LEAVES.get(id(param))
+    leaf = None if entry is None else entry()
+    return leaf if leaf is not None and leaf.param is param else None
+
+
+def refuse_in_grad_call() -> None:
+    """Raise where ``torch.autograd.grad`` reached a gradient that the compiled module hands to
+    ``.grad`` at the end of backward instead of back through autograd (``ops.buckets``)."""
+    if GRAD_CALLS[0]:
+        raise UsageError(
+            "torch.autograd.grad reached a parameter gradient that this compiled module reduces in a bucket "
+            "and writes into .grad at the end of backward, outside autograd: it would come back as None and "
+            "land in .grad. Use loss.backward() (or loss.backward(inputs=[...]) for some parameters) and read "
+            "p.grad; torch.autograd.grad with respect to inputs and activations works as in eager"
+        )
+
+
 class LocalLeaf:
     """The tensor the graph reads for a DTensor parameter (see the module docstring). Each read
     also refuses a parameter whose ``.data`` was assigned since the last (``data_replaced``)."""
@@ -101,6 +152,11 @@ class LocalLeaf:
         self._leaf: torch.Tensor | None = None
         # the parameter whose storage this is: a deep copy of the module (AveragedModel) holds another
         self._owner, self._storage = id(param), storage_id(param)
+
+    @property
+    def last(self) -> torch.Tensor | None:
+        """The leaf the graph read last (None before the first call)."""
+        return self._leaf
 
     def check(self) -> None:
         """Refuse the parameter if its ``.data`` was assigned (``data_replaced``)."""

@@ -23,9 +23,10 @@ A DTensor parameter ignores ``p.data = value``: torch replaces the wrapper's sto
 local shard (FSDP2's parameters alike), so the graph and the optimizer go on with the old values.
 A SAM-style restore (``p.data = old_p`` before the base step) gave weights 0.075 off eager on 2
 ranks, without a word. Each DTensor parameter's ``ops.params.LocalLeaf`` records its wrapper's
-storage and refuses it at every call once that changed; ``watch_shard_data`` registers the leaves,
-so that the same hook runs that check at the step of an optimizer over one, naming the in-place
-fix, before the step uses the old values. It costs a storage read per such parameter per step.
+storage and refuses it at every call once that changed; ``watch_shard_data`` registers the leaves
+(``ops.params.hold_leaves``), so that the same hook runs that check at the step of an optimizer
+over one, naming the in-place fix, before the step uses the old values. It costs a storage read
+per such parameter per step.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from autopar.cost.memory import OPTIMIZER_STATES
 from autopar.errors import ConfigError, OffloadError
 from autopar.ir.options import DEFAULT_OPTIMIZER, parse_optimizer
-from autopar.ops.params import LocalLeaf
+from autopar.ops.params import LocalLeaf, hold_leaves, holds_leaves, leaf_of
 
 # id(parameter) -> (a weak reference to it, its canonical FQN, what the plan offloads of it)
 _GUARDED: dict[int, tuple[weakref.ref, str, str]] = {}
@@ -48,8 +49,6 @@ _HOOK: list[Any] = []  # the global step pre-hook's handle, once registered
 # id(parameter) -> (a weak reference to it, the optimizer its plan was priced for)
 _DECLARED: dict[int, tuple[weakref.ref, str]] = {}
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers already held to their plan
-# id(DTensor parameter) -> a weak reference to its LocalLeaf (held by its compiled module)
-_SHARDS: dict[int, weakref.ref] = {}
 
 
 def refuse_torch_optimizers(params: dict[str, torch.Tensor], offloaded: dict[str, str]) -> None:
@@ -78,21 +77,19 @@ def hold_to_optimizer(params: dict[str, torch.Tensor], declared: str) -> None:
 def watch_shard_data(leaves: Iterable[LocalLeaf]) -> None:
     """Refuse a step over the parameter of any of ``leaves`` whose ``.data`` was replaced since
     (``LocalLeaf.check``; see the module docstring)."""
-    for leaf in leaves:
-        key = id(leaf.param)
-        _SHARDS[key] = weakref.ref(leaf, lambda _, key=key: _SHARDS.pop(key, None))
+    hold_leaves(leaves)
     _ensure_hook()
 
 
 def _ensure_hook() -> None:
-    if not _HOOK and (_GUARDED or _DECLARED or _SHARDS):
+    if not _HOOK and (_GUARDED or _DECLARED or holds_leaves()):
         _HOOK.append(register_optimizer_step_pre_hook(_refuse))
 
 
 def _refuse(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     if _DECLARED and optimizer not in _CHECKED:
         _hold(optimizer)
-    if _SHARDS:
+    if holds_leaves():
         _check_shard_data(optimizer)
     if not _GUARDED:
         return
@@ -113,9 +110,8 @@ def _refuse(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None
 def _check_shard_data(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
-            entry = _SHARDS.get(id(param))
-            leaf = None if entry is None else entry()
-            if leaf is not None and leaf.param is param:
+            leaf = leaf_of(param)
+            if leaf is not None:
                 leaf.check()
 
 

@@ -1,0 +1,142 @@
+"""``backward(inputs=...)`` and ``torch.autograd.grad`` over a compiled module's parameters
+(``runtime.autograd_calls``), against eager on 2 gloo ranks in float64.
+
+A GAN's discriminator step (``d_loss.backward(inputs=list(D.parameters()))``) computed no gradient
+at all under a plan that shards parameters, and ``torch.autograd.grad(..., allow_unused=True)``
+returned None for each of them; where a bucket node holds several parameters, naming one made
+every other's gradient land in ``.grad`` too. Each check below failed before.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.errors import UsageError
+from autopar.zoo.models import build_model, example_batch
+
+PLANS = ("ddp", "fsdp", "megatron")
+TOL = 1e-12
+
+
+class _MLP(torch.nn.Module):
+    """Small enough that the solver's plan on 2 CPU ranks shards it and reduces in the graph, with
+    no bucket: ``torch.autograd.grad`` over its DTensor parameters is answered."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(64, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 4)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _off(got: torch.Tensor | None, want: torch.Tensor) -> float:
+    return float("inf") if got is None else (got - want).abs().max().item()
+
+
+def _partial_backward(pm, eager, batch) -> dict[str, object]:
+    """``backward(inputs=)`` naming one block's parameters: the named ones' gradients, and the names
+    of parameters that got a gradient eager did not give them."""
+    named = [name for name, _ in eager.named_parameters() if ".h.1." in name]
+    mine, theirs = dict(pm.named_parameters()), dict(eager.named_parameters())
+    pm(*batch).backward(inputs=[mine[name] for name in named])
+    eager(*batch).backward(inputs=[theirs[name] for name in named])
+    grads = pm.full_grads()
+    return {
+        "named": len(named),
+        "worst": max(_off(grads.get(name), theirs[name].grad) for name in named),
+        "extra": sorted(name for name, p in theirs.items() if p.grad is None and grads.get(name) is not None),
+    }
+
+
+def _grad_calls(rank: int, world: int) -> dict[str, object]:
+    batch = example_batch("gpt", 8)
+    said: dict[str, object] = {}
+    for kind in PLANS:
+        model, eager = build_model("gpt").double(), build_model("gpt").double()
+        plan = autopar.hand_plan(kind, model, (world,), example_inputs=batch, cluster="cpu")
+        pm = autopar.compile(model, (world,), example_inputs=batch, cluster="cpu", plan=plan)
+        said[kind] = _partial_backward(pm, eager, batch)
+        for module in (pm, eager):
+            module.zero_grad()
+        try:  # every plan of the GPT reduces its gradients in buckets
+            torch.autograd.grad(pm(*batch), list(pm.parameters()), allow_unused=True)
+            said[kind]["refused"] = ""
+        except UsageError as error:
+            said[kind]["refused"] = str(error)
+        said[kind]["untouched"] = all(p.grad is None for p in pm.parameters())
+        pm(*batch).backward()  # and the next whole backward is eager's
+        eager(*batch).backward()
+        grads = pm.full_grads()
+        said[kind]["after"] = max(_off(grads.get(name), p.grad) for name, p in eager.named_parameters())
+
+    generator = torch.Generator().manual_seed(5)
+    x, y = (
+        torch.randn(8, 64, generator=generator, dtype=torch.float64),
+        torch.randn(8, 4, generator=generator, dtype=torch.float64),
+    )
+    torch.manual_seed(0)
+    model = _MLP().double()
+    torch.manual_seed(0)
+    eager = _MLP().double()
+    pm = autopar.compile(model, (world,), example_inputs=(x,), cluster="cpu")
+    mine = torch.autograd.grad(F.mse_loss(pm(x), y), list(pm.parameters()), allow_unused=True)
+    theirs = torch.autograd.grad(F.mse_loss(eager(x), y), list(eager.parameters()))
+    said["own"] = {
+        "sharded": sum(isinstance(p, DTensor) for p in pm.parameters()),
+        "kinds": sorted({type(g).__name__ for g in mine}),
+        "worst": max(_off(_whole(a), b) for a, b in zip(mine, theirs, strict=True)),
+        "untouched": all(p.grad is None for p in pm.parameters()),
+    }
+    by_name = torch.autograd.grad(F.mse_loss(pm(x), y), {"w": dict(pm.named_parameters())["b.weight"]})
+    said["own"]["dict"] = _off(_whole(by_name["w"]), theirs[2])
+    return said
+
+
+@pytest.mark.multiproc
+def test_backward_inputs_and_autograd_grad_give_eager_gradients_or_are_refused(rank_pool):
+    for rank, said in enumerate(rank_pool(2).run(_grad_calls, timeout_s=300)):
+        for kind in PLANS:
+            got, where = said[kind], f"rank {rank}, {kind}"
+            assert got["named"] > 0 and got["worst"] < TOL, f"{where}: backward(inputs=) gave {got}"
+            assert got["extra"] == [], f"{where}: parameters backward(inputs=) did not name got gradients: {got['extra']}"
+            assert "torch.autograd.grad" in got["refused"] and "loss.backward()" in got["refused"], f"{where}: {got}"
+            assert got["untouched"], f"{where}: a refused torch.autograd.grad wrote .grad"
+            assert got["after"] < TOL, f"{where}: the backward after the refusal is off eager by {got['after']}"
+        own = said["own"]
+        assert own["sharded"] > 0 and own["kinds"] == ["DTensor"], f"rank {rank}: {own}"
+        assert own["worst"] < TOL and own["dict"] < TOL, f"rank {rank}: torch.autograd.grad off eager: {own}"
+        assert own["untouched"], f"rank {rank}: torch.autograd.grad wrote .grad"
+
+
+def test_the_wrapped_calls_take_what_torch_takes_for_any_other_model():
+    """Once installed, the wrappers pass torch's own inputs through: a generator (read once), one
+    tensor, a dict, positional flags."""
+    from autopar.runtime import autograd_calls
+
+    autograd_calls.install()
+    assert torch.autograd.grad is not autograd_calls._TORCH["grad"], "installed"
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    want = autograd_calls._TORCH["grad"](model(x).sum(), list(model.parameters()))
+    for got in (
+        torch.autograd.grad(model(x).sum(), model.parameters()),
+        torch.autograd.grad(model(x).sum(), tuple(model.parameters()), None, None, False),
+        tuple(torch.autograd.grad(model(x).sum(), dict(model.named_parameters())).values()),
+    ):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    (alone,) = torch.autograd.grad(model(x).sum(), model.bias)
+    assert torch.equal(alone, want[1])
+    model(x).sum().backward(inputs=model.parameters())
+    assert torch.equal(model.weight.grad, want[0]) and torch.equal(model.bias.grad, want[1])
+    model.zero_grad()
+    model(x).sum().backward(inputs=model.bias)
+    assert model.weight.grad is None and torch.equal(model.bias.grad, want[1])
