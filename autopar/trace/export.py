@@ -329,8 +329,9 @@ def _refuse_parameter_writes(gm: torch.fx.GraphModule, params: dict[str, str]) -
                 fqn = params[root.name]
                 raise TraceError(
                     f"the model's forward writes parameter {fqn!r} in place ({node.target.__name__}: weight "
-                    "clipping or renormalization under torch.no_grad(), or nn.Embedding(max_norm=...), which "
-                    "renormalizes the rows it looks up). A compiled graph cannot carry that write: the forward's "
+                    "clipping or renormalization under torch.no_grad(), a momentum teacher's update (MoCo, BYOL), "
+                    "or nn.Embedding(max_norm=...), which renormalizes the rows it looks up). A compiled graph "
+                    "cannot carry that write: the forward's "
                     "later uses of the parameter would train no gradient, and each rank would write its own shard. "
                     "Write it outside the forward, after optimizer.step(), under torch.no_grad(), on the compiled "
                     f"module's parameter (pm.module.{fqn}); for nn.Embedding, drop max_norm and renormalize there"
