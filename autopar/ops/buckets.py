@@ -61,7 +61,16 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from autopar.errors import UsageError
 from autopar.ir.spec import chunk_piece, pad_piece, piece_rows
 from autopar.ops import collectives
-from autopar.ops.params import BACKWARD_INPUTS, add_grads, as_like, local_of, named_in_backward, refuse_in_grad_call
+from autopar.ops.params import (
+    BACKWARD_INPUTS,
+    add_grads,
+    as_like,
+    hold_hooks,
+    local_of,
+    named_in_backward,
+    refuse_in_grad_call,
+    run_held_hooks,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +239,8 @@ class GradBuckets(torch.nn.Module):
         if missing:
             raise AssertionError(f"gradient buckets have slots for parameters the module does not hold: {missing}")
         self._params = dict(params)
+        for key in self._where:
+            hold_hooks(self._params[key])  # their hooks run once the bucket hands over the gradient
 
     def forward(
         self, *params: torch.Tensor, key: str | None = None, keys: Sequence[str] | None = None
@@ -466,9 +477,10 @@ class GradBuckets(torch.nn.Module):
                 self._launch(index, pending)
         pending_all = [*self._rounds, *pending_all]
         self._pending, self._retiring, self._rounds = None, None, []
+        ready: list[torch.Tensor] = []  # parameters whose .grad this backward wrote: their hooks run last
         for index, pending in pending_all:
             if pending.held:
-                self._show_held(index, pending)
+                ready.extend(self._show_held(index, pending))
                 continue
             bucket = self.buckets[index]
             if not pending.done:
@@ -499,14 +511,17 @@ class GradBuckets(torch.nn.Module):
                 if slot.key not in pending.zeroed:
                     handed.append((self._params[slot.key], reduced))
             add_grads(handed)
+            ready.extend(param for param, _ in handed)
+        run_held_hooks(ready)
 
-    def _show_held(self, index: int, pending: _Pending) -> None:
+    def _show_held(self, index: int, pending: _Pending) -> list[torch.Tensor]:
         """The ``.grad`` of each parameter a held backward reached becomes its view of bucket
-        ``index``'s held buffer (one that none reached keeps its None, as in eager)."""
+        ``index``'s held buffer (one that none reached keeps its None, as in eager); returns them."""
         held = self._held[index]
         written = self._held_written[index] = self._held_written.get(index, set()) | (pending.written - pending.zeroed)
         if not _step_hook:
             _step_hook.append(register_optimizer_step_pre_hook(_refuse_held_step))
+        reached, shown = pending.written - pending.zeroed, []
         for position, slot in enumerate(self.buckets[index].slots):
             if slot.key not in written:
                 continue
@@ -514,6 +529,9 @@ class GradBuckets(torch.nn.Module):
             view = as_like(self._slot_view(index, position, held).view(slot.shape), param)
             param.grad = self._views[slot.key] = view
             _held_grads[id(view)] = weakref.ref(view)
+            if slot.key in reached:
+                shown.append(param)
+        return shown
 
 
 def _unshared(tensor: torch.Tensor) -> bool:

@@ -21,11 +21,14 @@ in ``torch.autograd.grad`` and ``backward(inputs=...)``.
 
 from __future__ import annotations
 
+import types
 import weakref
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from autopar.errors import HookError, UsageError
 
@@ -141,6 +144,56 @@ def refuse_in_grad_call() -> None:
             "land in .grad. Use loss.backward() (or loss.backward(inputs=[...]) for some parameters) and read "
             "p.grad; torch.autograd.grad with respect to inputs and activations works as in eager"
         )
+
+
+# id(parameter) -> (a weak reference to it, its post-accumulate-grad hooks): parameters whose
+# reduced gradient a bucket hands to .grad at the end of backward (``hold_hooks``)
+_LATE_HOOKS: dict[int, tuple[weakref.ref, OrderedDict]] = {}
+
+
+def hold_hooks(param: torch.Tensor) -> None:
+    """Run ``param``'s post-accumulate-grad hooks when ``run_held_hooks`` says, not when autograd
+    accumulates into it. A bucket (``ops.buckets``) hands a parameter's reduced gradient to
+    ``.grad`` at the end of backward; autograd would run the hooks before, on a ``.grad`` still None
+    or the last step's (the optimizer-in-backward pattern stepped stale gradients, without a word).
+    The hooks it holds move here, and the parameter's ``register_post_accumulate_grad_hook`` adds
+    new ones here (an attribute of the parameter: a deep copy's is bound to the copy)."""
+    key = id(param)
+    entry = _LATE_HOOKS.get(key)
+    if entry is not None and entry[0]() is param:
+        return
+    hooks: OrderedDict = OrderedDict()
+    held = param._post_accumulate_grad_hooks
+    if held:
+        hooks.update(held)
+        held.clear()  # autograd holds this very dict and finds it empty
+    _LATE_HOOKS[key] = (
+        weakref.ref(param, lambda ref, key=key: _LATE_HOOKS.pop(key) if _LATE_HOOKS.get(key, (None,))[0] is ref else None),
+        hooks,
+    )
+    param.register_post_accumulate_grad_hook = types.MethodType(_register_held_hook, param)
+
+
+def _register_held_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
+    entry = _LATE_HOOKS.get(id(param))
+    if entry is None or entry[0]() is not param:  # a deep copy of the module: torch's own
+        return torch.Tensor.register_post_accumulate_grad_hook(param, hook)
+    handle = RemovableHandle(entry[1])
+    entry[1][handle.id] = hook
+    return handle
+
+
+def run_held_hooks(params: Iterable[torch.Tensor]) -> None:
+    """Run the post-accumulate-grad hooks ``hold_hooks`` holds for each of ``params``, once each,
+    in order: their ``.grad`` is final for this backward."""
+    seen: set[int] = set()
+    for param in params:
+        entry = _LATE_HOOKS.get(id(param))
+        if entry is None or id(param) in seen or entry[0]() is not param:
+            continue
+        seen.add(id(param))
+        for hook in tuple(entry[1].values()):
+            hook(param)
 
 
 class LocalLeaf:

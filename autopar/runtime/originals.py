@@ -22,6 +22,9 @@ freeze nothing, without a word. So at ``compile`` each parameter's class becomes
 ``clip_grad_norm_(pm.parameters())`` does, setting it to ``None`` (``zero_grad``) clears ``pm``'s,
 and setting ``requires_grad`` sets ``pm``'s too. Where no parameter of ``pm`` stands for it (a
 pipeline's stages, an offloading plan) these raise a ``UsageError`` naming ``pm.clip_grad_norm_``.
+A post-accumulate-grad hook on the model's parameter (torch's optimizer-in-backward recipe, set up
+before or after the wrap) runs when its twin gets its gradient, with the model's parameter
+(``_Relay``): under DDP it would run on the parameter that trains.
 A model trained beside ``pm`` (its own forward in training, or a gradient of its own) keeps its
 own gradients from then on, and gets weights of its own (``on_trains_itself``). A parameter whose
 value ``pm`` trained past in a shard of its own becomes ``_Stale`` (``mark_stale``), which
@@ -123,8 +126,41 @@ class _Linked(torch.nn.Parameter):
         self.requires_grad = requires_grad
         return self
 
+    def register_post_accumulate_grad_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        """Torch's, and the same hook on the compiled module's parameter (``_Relay``), which is the
+        one that gets gradients; the handle removes both."""
+        handle = super().register_post_accumulate_grad_hook(hook)
+        twin = _twin(self, None)
+        if twin is None or twin is self:
+            return handle
+        return _Handles((handle, twin.register_post_accumulate_grad_hook(_Relay(self, hook))))
+
     def __repr__(self) -> str:
         return f"Parameter containing:\n{self.detach()!r}"
+
+
+class _Relay:
+    """A post-accumulate-grad hook of a model's parameter, run when its twin in the compiled module
+    (``_twin``) gets its gradient, with the model's parameter, whose ``.grad`` reads the twin's: the
+    optimizer-in-backward recipe (an optimizer per parameter, stepped by the hook) steps ``pm``'s,
+    as DDP's hooks step the parameters it trains. Skipped once the model trains itself or is
+    compiled again (its parameter has another twin, or none)."""
+
+    def __init__(self, param: torch.Tensor, hook: Any):
+        self.param, self.hook = weakref.ref(param), hook
+
+    def __call__(self, twin: torch.Tensor) -> None:
+        param = self.param()
+        if param is not None and _twin(param, None) is twin:
+            self.hook(param)
+
+
+class _Handles(NamedTuple):
+    handles: tuple[Any, ...]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class _Stale(_Linked):
@@ -270,12 +306,18 @@ def watch(model: torch.nn.Module, pm: torch.nn.Module) -> None:
 
 def bind(model: torch.nn.Module, pm: torch.nn.Module, fqns: set[str]) -> None:
     """Let an optimizer over ``model``'s parameters named in ``fqns`` be re-bound to ``pm``'s
-    (``pm.held_tensor(fqn)``, ``pm.shard_like(fqn, whole)`` for its state), and their gradients
-    read and clear ``pm``'s (``_Linked``)."""
+    (``pm.held_tensor(fqn)``, ``pm.shard_like(fqn, whole)`` for its state), their gradients
+    read and clear ``pm``'s (``_Linked``), and their post-accumulate-grad hooks run on ``pm``'s
+    (``_Relay``)."""
     owner, shared = weakref.ref(pm), _MODELS.setdefault(model, _Model())
     for fqn, param in model.named_parameters(remove_duplicate=False):
         if fqn in fqns:
             _BINDINGS[id(param)] = _Binding(weakref.ref(param), owner, fqn, shared)
+    for fqn, param in model.named_parameters():  # hooks registered before compile run on the twin's gradient
+        if fqn in fqns and param._post_accumulate_grad_hooks:
+            twin = pm.held_tensor(fqn)
+            for hook in tuple(param._post_accumulate_grad_hooks.values()) if twin is not param else ():
+                twin.register_post_accumulate_grad_hook(_Relay(param, hook))
 
 
 def _targets(originals: list[torch.Tensor]) -> dict[int, tuple[Any, str]] | None:
