@@ -157,7 +157,8 @@ def hold_hooks(param: torch.Tensor) -> None:
     ``.grad`` at the end of backward; autograd would run the hooks before, on a ``.grad`` still None
     or the last step's (the optimizer-in-backward pattern stepped stale gradients, without a word).
     The hooks it holds move here, and the parameter's ``register_post_accumulate_grad_hook`` adds
-    new ones here (an attribute of the parameter: a deep copy's is bound to the copy)."""
+    new ones here (an attribute of the parameter: a deep copy's is bound to the copy). Its
+    ``register_hook`` is refused: such a hook would see no gradient (``grad_hook_refused``)."""
     key = id(param)
     entry = _LATE_HOOKS.get(key)
     if entry is not None and entry[0]() is param:
@@ -172,6 +173,24 @@ def hold_hooks(param: torch.Tensor) -> None:
         hooks,
     )
     param.register_post_accumulate_grad_hook = types.MethodType(_register_held_hook, param)
+    param.register_hook = types.MethodType(_refuse_grad_hook, param)
+
+
+def grad_hook_refused(why: str) -> HookError:
+    """The refusal of a ``register_hook`` gradient hook on a compiled module's parameter that would
+    not run on its gradient (``why``)."""
+    return HookError(
+        f"a hook registered with register_hook on a parameter of a compiled module would not run: {why}. Register "
+        "the hook on the model's parameter before autopar.compile (it is traced), or use "
+        "p.register_post_accumulate_grad_hook, which runs on the reduced .grad"
+    )
+
+
+def _refuse_grad_hook(param: torch.Tensor, hook: Callable) -> RemovableHandle:
+    raise grad_hook_refused(
+        "the plan reduces its gradient in a bucket, which hands it to .grad at the end of backward, and autograd "
+        "would run the hook before, on no gradient"
+    )
 
 
 def _register_held_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
@@ -225,12 +244,7 @@ class LocalLeaf:
         self.check()
         param = self.param
         if param._backward_hooks:
-            raise HookError(
-                "a hook registered with register_hook on a parameter of a compiled module would not run: autopar "
-                "computes the gradient on the local shard, not through that DTensor. Register the hook on the "
-                "model's parameter before autopar.compile (it is traced), or use p.register_post_accumulate_grad_hook, "
-                "which runs on the DTensor .grad"
-            )
+            raise grad_hook_refused("autopar computes the gradient on the local shard, not through that DTensor")
         local, leaf = param._local_tensor, self._leaf
         if (
             leaf is None

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.errors import UsageError
+from autopar.ops.params import grad_hook_refused
 
 _ORIGINALS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 # id(original parameter) → its binding to the compiled module (``_Binding``)
@@ -125,6 +126,14 @@ class _Linked(torch.nn.Parameter):
     def requires_grad_(self, requires_grad: bool = True) -> _Linked:  # type: ignore[override]
         self.requires_grad = requires_grad
         return self
+
+    def register_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        """Torch's, where the model's parameter gets gradients of its own; refused where the compiled
+        module's gets them (the hook would never run)."""
+        twin = _twin(self, None)
+        if twin is not None and twin is not self:
+            raise grad_hook_refused("the compiled module's parameter gets the gradients, not the model's")
+        return super().register_hook(hook)
 
     def register_post_accumulate_grad_hook(self, hook: Any) -> Any:  # type: ignore[override]
         """Torch's, and the same hook on the compiled module's parameter (``_Relay``), which is the

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.errors import UsageError
+from autopar.errors import HookError, UsageError
 from autopar.zoo.models import build_model, example_batch
 
 PLANS = ("ddp", "fsdp", "megatron")
@@ -36,6 +36,15 @@ class _MLP(torch.nn.Module):
 
 def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _refused(register) -> str:
+    """What ``register`` (a parameter's ``register_hook``) raised for a gradient-halving hook."""
+    try:
+        register(lambda grad: grad * 0.5)
+    except HookError as error:
+        return str(error)
+    return ""
 
 
 def _off(got: torch.Tensor | None, want: torch.Tensor) -> float:
@@ -65,6 +74,7 @@ def _grad_calls(rank: int, world: int) -> dict[str, object]:
         plan = autopar.hand_plan(kind, model, (world,), example_inputs=batch, cluster="cpu")
         pm = autopar.compile(model, (world,), example_inputs=batch, cluster="cpu", plan=plan)
         said[kind] = _partial_backward(pm, eager, batch)
+        said[kind]["hooks"] = [_refused(p.register_hook) for p in (next(pm.parameters()), next(model.parameters()))]
         for module in (pm, eager):
             module.zero_grad()
         try:  # every plan of the GPT reduces its gradients in buckets
@@ -111,6 +121,10 @@ def test_backward_inputs_and_autograd_grad_give_eager_gradients_or_are_refused(r
             assert "torch.autograd.grad" in got["refused"] and "loss.backward()" in got["refused"], f"{where}: {got}"
             assert got["untouched"], f"{where}: a refused torch.autograd.grad wrote .grad"
             assert got["after"] < TOL, f"{where}: the backward after the refusal is off eager by {got['after']}"
+            # a gradient hook on pm's bucketed parameter got None before the reduction, one on the
+            # model's never ran: gradients 0.06 off eager's halved ones
+            for said_hook in got["hooks"]:
+                assert "register_hook" in said_hook and "before autopar.compile" in said_hook, f"{where}: {got['hooks']}"
         own = said["own"]
         assert own["sharded"] > 0 and own["kinds"] == ["DTensor"], f"rank {rank}: {own}"
         assert own["worst"] < TOL and own["dict"] < TOL, f"rank {rank}: torch.autograd.grad off eager: {own}"
