@@ -21,7 +21,6 @@ in ``torch.autograd.grad`` and ``backward(inputs=...)``.
 
 from __future__ import annotations
 
-import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -146,34 +145,51 @@ def refuse_in_grad_call() -> None:
         )
 
 
-# id(parameter) -> (a weak reference to it, its post-accumulate-grad hooks): parameters whose
-# reduced gradient a bucket hands to .grad at the end of backward (``hold_hooks``)
-_LATE_HOOKS: dict[int, tuple[weakref.ref, OrderedDict]] = {}
+# id(parameter) -> (a weak reference to it, the post-accumulate-grad hooks of a plain one):
+# parameters whose reduced gradient a bucket hands to .grad at the end of backward (``hold_hooks``)
+_HELD: dict[int, tuple[weakref.ref, OrderedDict]] = {}
 
 
 def hold_hooks(param: torch.Tensor) -> None:
     """Run ``param``'s post-accumulate-grad hooks when ``run_held_hooks`` says, not when autograd
     accumulates into it. A bucket (``ops.buckets``) hands a parameter's reduced gradient to
     ``.grad`` at the end of backward; autograd would run the hooks before, on a ``.grad`` still None
-    or the last step's (the optimizer-in-backward pattern stepped stale gradients, without a word).
-    The hooks it holds move here, and the parameter's ``register_post_accumulate_grad_hook`` adds
-    new ones here (an attribute of the parameter: a deep copy's is bound to the copy). Its
-    ``register_hook`` is refused: such a hook would see no gradient (``grad_hook_refused``)."""
+    or the last step's (torch's optimizer-in-backward recipe stepped stale gradients, without a
+    word). A plain parameter becomes a ``_HeldParameter``: the hooks it holds move here, new ones
+    come here, and ``register_hook`` is refused (``grad_hook_refused``). A DTensor parameter's hooks
+    stay its own: autograd never runs them, and ``LocalLeaf`` leaves them to the bucket."""
     key = id(param)
-    entry = _LATE_HOOKS.get(key)
+    entry = _HELD.get(key)
     if entry is not None and entry[0]() is param:
         return
     hooks: OrderedDict = OrderedDict()
-    held = param._post_accumulate_grad_hooks
-    if held:
-        hooks.update(held)
-        held.clear()  # autograd holds this very dict and finds it empty
-    _LATE_HOOKS[key] = (
-        weakref.ref(param, lambda ref, key=key: _LATE_HOOKS.pop(key) if _LATE_HOOKS.get(key, (None,))[0] is ref else None),
-        hooks,
-    )
-    param.register_post_accumulate_grad_hook = types.MethodType(_register_held_hook, param)
-    param.register_hook = types.MethodType(_refuse_grad_hook, param)
+    if type(param) is torch.nn.Parameter:
+        if param._post_accumulate_grad_hooks:
+            hooks.update(param._post_accumulate_grad_hooks)
+            param._post_accumulate_grad_hooks.clear()  # autograd holds this very dict and finds it empty
+        param.__class__ = _HeldParameter
+    _HELD[key] = (weakref.ref(param, lambda ref, key=key: _HELD.pop(key) if _HELD.get(key, (None,))[0] is ref else None), hooks)
+
+
+def _held(param: torch.Tensor) -> OrderedDict | None:
+    """The hooks ``hold_hooks`` holds for ``param`` (a DTensor's: its own), or None if it holds none."""
+    entry = _HELD.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    if isinstance(param, DTensor):
+        return param._post_accumulate_grad_hooks or OrderedDict()
+    return entry[1]
+
+
+def run_held_hooks(params: Iterable[torch.Tensor]) -> None:
+    """Run the post-accumulate-grad hooks of each of ``params`` that ``hold_hooks`` holds, once
+    each, in order: their ``.grad`` is final for this backward."""
+    seen: set[int] = set()
+    for param in params:
+        hooks = _held(param) if id(param) not in seen else None
+        seen.add(id(param))
+        for hook in tuple(hooks.values()) if hooks else ():
+            hook(param)
 
 
 def grad_hook_refused(why: str) -> HookError:
@@ -186,33 +202,25 @@ def grad_hook_refused(why: str) -> HookError:
     )
 
 
-def _refuse_grad_hook(param: torch.Tensor, hook: Callable) -> RemovableHandle:
-    raise grad_hook_refused(
-        "the plan reduces its gradient in a bucket, which hands it to .grad at the end of backward, and autograd "
-        "would run the hook before, on no gradient"
-    )
+class _HeldParameter(torch.nn.Parameter):
+    """A plain parameter whose gradient a bucket reduces (``hold_hooks``). A copy of it (a deep copy
+    of the module) is held by nothing and registers its hooks as any parameter does."""
 
+    def register_post_accumulate_grad_hook(self, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
+        hooks = _held(self)
+        if hooks is None:
+            return super().register_post_accumulate_grad_hook(hook)
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
 
-def _register_held_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
-    entry = _LATE_HOOKS.get(id(param))
-    if entry is None or entry[0]() is not param:  # a deep copy of the module: torch's own
-        return torch.Tensor.register_post_accumulate_grad_hook(param, hook)
-    handle = RemovableHandle(entry[1])
-    entry[1][handle.id] = hook
-    return handle
-
-
-def run_held_hooks(params: Iterable[torch.Tensor]) -> None:
-    """Run the post-accumulate-grad hooks ``hold_hooks`` holds for each of ``params``, once each,
-    in order: their ``.grad`` is final for this backward."""
-    seen: set[int] = set()
-    for param in params:
-        entry = _LATE_HOOKS.get(id(param))
-        if entry is None or id(param) in seen or entry[0]() is not param:
-            continue
-        seen.add(id(param))
-        for hook in tuple(entry[1].values()):
-            hook(param)
+    def register_hook(self, hook: Callable) -> RemovableHandle:
+        if _held(self) is None:
+            return super().register_hook(hook)
+        raise grad_hook_refused(
+            "the plan reduces its gradient in a bucket, which hands it to .grad at the end of backward, and "
+            "autograd would run the hook before, on no gradient"
+        )
 
 
 class LocalLeaf:
@@ -271,6 +279,6 @@ class LocalLeaf:
             else:
                 add_grad(param, grad)
         hooks = self.param._post_accumulate_grad_hooks
-        if hooks:
+        if hooks and _held(self.param) is None:  # a bucket's gradient runs them when it arrives
             for hook in tuple(hooks.values()):
                 hook(self.param)
