@@ -473,6 +473,29 @@ class _AllReduce(torch.autograd.Function):
         return grad, None
 
 
+class _MeanGrad(torch.autograd.Function):
+    """Identity in forward; backward averages the gradient over ``group_name``'s ranks
+    (``mean_grad``)."""
+
+    @staticmethod
+    def forward(ctx, x, group_name):
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_double_backward(grad)
+        return _all_reduce(grad, ctx.group_name) / group_size(ctx.group_name), None
+
+
+def mean_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``x``, whose gradient is averaged over the ranks of ``group_name`` in backward: where each
+    rank computes its own loss from a tensor that every rank holds whole (a DDP script's loss on
+    its own rows of the outputs), the step is the mean of those losses', as DDP's is; the same
+    gradient on every rank stays as it is."""
+    return _MeanGrad.apply(x, group_name)
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group_name, blocks):

@@ -7,7 +7,7 @@ import logging
 import math
 import operator
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -338,7 +338,22 @@ class ParallelModule(ModelAttributes, ShardedModule):
         finally:  # also where the graph failed: other data is then the likelier cause, and is raised
             collectives.before_next_collective(None)
             settle()
-        return pytree.tree_unflatten(list(outputs), run.traced.out_spec)
+        return pytree.tree_unflatten(self._own_losses(outputs), run.traced.out_spec)
+
+    def _own_losses(self, outputs: Sequence[Any]) -> list[Any]:
+        """``outputs``, each tensor that may get a gradient averaging it over the ranks in backward
+        under ``batch="per_rank"``. The outputs are the global batch's, whole on every rank, and the
+        graph takes their gradient as the same on every rank; a DDP script that takes each rank's loss
+        from its own rows of them (``criterion(out[rows], target)``) gave every rank another, and the
+        step was the sum of the ranks' losses': gradients ``data_parallel_size`` times eager's, without
+        a word. Averaged, it is their mean, as under DDP: eager's step over the whole batch."""
+        if not self._data.per_rank or self.data_parallel_size == 1 or not torch.is_grad_enabled():
+            return list(outputs)
+        world = dist.group.WORLD.group_name
+        return [
+            collectives.mean_grad(out, world) if isinstance(out, torch.Tensor) and out.requires_grad and out.dim() else out
+            for out in outputs
+        ]
 
     def _learn_riding(self, attr: str, settle: Callable[[], None]) -> None:
         """Whether the next call of graph ``attr`` defers its data check to carry the first

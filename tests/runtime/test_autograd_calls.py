@@ -211,3 +211,44 @@ def test_post_accumulate_grad_hooks_see_the_reduced_gradient(rank_pool):
         for case, got in said.items():
             assert got["calls"][0] == got["calls"][1] and got["without_grad"] == 0, f"rank {rank}, {case}: {got}"
             assert got["worst"] < TOL, f"rank {rank}, {case}: parameters off eager by {got['worst']}"
+
+
+class _Classifier(torch.nn.Module):
+    """A model that returns its outputs, whose loss the script takes (a DDP image classifier's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _own_rows(rank: int, world: int) -> dict[str, float]:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 16, generator=generator, dtype=torch.float64), torch.randint(0, 4, (16,), generator=generator)
+    torch.manual_seed(0)
+    model = _Classifier().double()
+    torch.manual_seed(0)
+    eager = _Classifier().double()
+    pm = autopar.compile(model, (world,), example_inputs=(x,), data=autopar.DataOptions(batch="per_rank"))
+    rows = 16 // pm.data_parallel_size
+    mine = slice(pm.data_parallel_rank * rows, (pm.data_parallel_rank + 1) * rows)
+    F.cross_entropy(eager(x), y).backward()
+    said = {"dp": pm.data_parallel_size}
+    for how in ("own rows", "whole batch"):
+        out = pm(x[mine])  # the global batch's outputs
+        (F.cross_entropy(out[mine], y[mine]) if how == "own rows" else F.cross_entropy(out, y)).backward()
+        grads = pm.full_grads()
+        said[how] = max(_off(grads.get(name), p.grad) for name, p in eager.named_parameters())
+        pm.zero_grad()
+    return said
+
+
+@pytest.mark.multiproc
+def test_a_loss_on_each_ranks_own_rows_of_the_outputs_trains_as_ddp_and_eager(rank_pool):
+    """Under batch="per_rank" the outputs are the global batch's; a DDP script's loss on its own
+    rows of them made the step the sum of the ranks' losses': gradients 2.0 times eager's on 2 ranks."""
+    for rank, said in enumerate(rank_pool(2).run(_own_rows, timeout_s=300)):
+        assert said["dp"] == 2, said
+        assert said["own rows"] < TOL and said["whole batch"] < TOL, f"rank {rank}: gradients off eager by {said}"
