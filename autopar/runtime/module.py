@@ -338,9 +338,9 @@ class ParallelModule(ModelAttributes, ShardedModule):
         finally:  # also where the graph failed: other data is then the likelier cause, and is raised
             collectives.before_next_collective(None)
             settle()
-        return pytree.tree_unflatten(self._own_losses(outputs), run.traced.out_spec)
+        return pytree.tree_unflatten(self._averaged_in_backward(outputs), run.traced.out_spec)
 
-    def _own_losses(self, outputs: Sequence[Any]) -> list[Any]:
+    def _averaged_in_backward(self, outputs: Sequence[Any]) -> list[Any]:
         """``outputs``, each tensor that may get a gradient averaging it over the ranks in backward
         under ``batch="per_rank"``. The outputs are the global batch's, whole on every rank, and the
         graph takes their gradient as the same on every rank; a DDP script that takes each rank's loss
