@@ -300,7 +300,7 @@ class GradBuckets(torch.nn.Module):
     # -- backward -------------------------------------------------------------------------
 
     def add(self, key: str, grad: torch.Tensor) -> None:
-        if not named_in_backward(self._params[key]):
+        if BACKWARD_INPUTS[0] is not None and not named_in_backward(self._params[key]):
             return  # backward(inputs=...) that leaves it out: its slot stays unreached, its .grad as it is
         index, position = self._where[key]
         pending = self._round(index, grad.device)

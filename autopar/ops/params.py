@@ -172,13 +172,12 @@ def hold_hooks(param: torch.Tensor) -> None:
 
 
 def _held(param: torch.Tensor) -> OrderedDict | None:
-    """The hooks ``hold_hooks`` holds for ``param`` (a DTensor's: its own), or None if it holds none."""
+    """The hooks ``hold_hooks`` holds for ``param`` (a DTensor's: its own, None while it has none),
+    or None if it holds none."""
     entry = _HELD.get(id(param))
     if entry is None or entry[0]() is not param:
         return None
-    if isinstance(param, DTensor):
-        return param._post_accumulate_grad_hooks or OrderedDict()
-    return entry[1]
+    return param._post_accumulate_grad_hooks if isinstance(param, DTensor) else entry[1]
 
 
 def run_held_hooks(params: Iterable[torch.Tensor]) -> None:

@@ -179,11 +179,10 @@ class ParallelModule(ModelAttributes, ShardedModule):
             dtype = dtypes.get(graph_input.name, full[fqn].dtype)
             if local_shards is not None:
                 local = local_shards[fqn].to(dtype)
-            elif offloaded:  # no resident copy: straight from the model's tensor to the store
-                local = self._cut(fqn, full[fqn]).to(dtype)
             else:  # the model's own tensor where the plan holds it whole, as DDP does; else a copy
                 local = self._cut(fqn, full[fqn]).to(dtype)
-                if not stale_model.same_tensor(local, full[fqn]) or trains_apart or stale_model.lent(full[fqn]):
+                shared = stale_model.same_tensor(local, full[fqn]) and not trains_apart and not stale_model.lent(full[fqn])
+                if not offloaded and not shared:  # (offloaded: no resident copy, straight to the store)
                     local = local.clone()
             if offloaded:
                 offloader.store.put(param_key(canonical), local)
