@@ -496,6 +496,26 @@ def mean_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _MeanGrad.apply(x, group_name)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; backward scales the gradient by ``factor`` (``scale_grad``)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x``, whose gradient is scaled by ``factor`` in backward: a rank's own rows of a split
+    output, whose gradient is that rank's loss's alone, take ``1 / data_parallel_size`` so that
+    the step is the mean of the ranks' losses', as DDP's averaged gradients make it."""
+    return _ScaleGrad.apply(x, factor)
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group_name, blocks):

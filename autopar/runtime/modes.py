@@ -26,16 +26,22 @@ A parameter frozen after ``compile`` needs none: the planned graph computes no g
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.fx
+from torch.distributed.tensor import Replicate
 
 from autopar.errors import ModelError
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel, requires_grad
+
+
+def _whole(placement: Any) -> bool:
+    return isinstance(placement, Replicate)
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,18 @@ class ModeGraph:
     @property
     def inputs(self) -> list[tuple[str, str, str | None]]:
         return [(gi.name, gi.kind, gi.fqn) for gi in self.traced.inputs]
+
+    @functools.cached_property
+    def row_outputs(self) -> frozenset[int]:
+        """The positions of the graph's outputs that leave split, each rank its own rows (the
+        batched outputs under ``batch="per_rank"``: ``solver.planners.data``)."""
+        output = next(reversed(self.traced.gm.graph.nodes))
+        decision = self.plan.nodes.get(output.name)
+        if decision is None:
+            return frozenset()
+        split = {producer for (producer, _), spec in zip(decision.inputs, decision.ins) if not all(map(_whole, spec))}
+        values = output.args[0] if isinstance(output.args[0], (list, tuple)) else (output.args[0],)
+        return frozenset(i for i, value in enumerate(values) if isinstance(value, torch.fx.Node) and value.name in split)
 
 
 class ModeKey(NamedTuple):

@@ -337,22 +337,25 @@ class ParallelModule(ModelAttributes, ShardedModule):
         finally:  # also where the graph failed: other data is then the likelier cause, and is raised
             collectives.before_next_collective(None)
             settle()
-        return pytree.tree_unflatten(self._averaged_in_backward(outputs), run.traced.out_spec)
+        return pytree.tree_unflatten(self._as_ddp_in_backward(outputs, run), run.traced.out_spec)
 
-    def _averaged_in_backward(self, outputs: Sequence[Any]) -> list[Any]:
-        """``outputs``, each tensor that may get a gradient averaging it over the ranks in backward
-        under ``batch="per_rank"``. The outputs are the global batch's, whole on every rank, and the
-        graph takes their gradient as the same on every rank; a DDP script that takes each rank's loss
-        from its own rows of them (``criterion(out[rows], target)``) gave every rank another, and the
-        step was the sum of the ranks' losses': gradients ``data_parallel_size`` times eager's, without
-        a word. Averaged, it is their mean, as under DDP: eager's step over the whole batch."""
+    def _as_ddp_in_backward(self, outputs: Sequence[Any], run: ModeGraph) -> list[Any]:
+        """``outputs``, under ``batch="per_rank"`` each that may get a gradient made to give DDP's
+        step: the mean of the ranks' losses' gradients, eager's over the whole batch. A batched
+        output comes back as this rank's rows (``ModeGraph.row_outputs``), and the graph would sum
+        the ranks' gradients of it: each is scaled by ``1 / data_parallel_size``, with no
+        communication. Any other output comes back whole on every rank, and the graph takes its
+        gradient as the same on every rank; a script whose loss takes each rank's own rows of it
+        would give every rank another, and the step would be the sum of the ranks' losses', without
+        a word: its gradient is averaged over the ranks (one all-reduce in backward)."""
         if not self._data.per_rank or self.data_parallel_size == 1 or not torch.is_grad_enabled():
             return list(outputs)
-        world = dist.group.WORLD.group_name
-        return [
-            collectives.mean_grad(out, world) if isinstance(out, torch.Tensor) and out.requires_grad and out.dim() else out
-            for out in outputs
-        ]
+        world, rows, factor = dist.group.WORLD.group_name, run.row_outputs, 1.0 / self.data_parallel_size
+        averaged = list(outputs)
+        for i, out in enumerate(outputs):
+            if isinstance(out, torch.Tensor) and out.requires_grad and out.dim():
+                averaged[i] = collectives.scale_grad(out, factor) if i in rows else collectives.mean_grad(out, world)
+        return averaged
 
     def _learn_riding(self, attr: str, settle: Callable[[], None]) -> None:
         """Whether the next call of graph ``attr`` defers its data check to carry the first
@@ -403,8 +406,9 @@ class ParallelModule(ModelAttributes, ShardedModule):
         rank in the model's own dtypes needs no other rank: the call runs the model's own forward
         on this rank's tensors, as DDP's evaluation does (so rank 0 alone may evaluate), and
         returns the model's outputs for the inputs it was given, of any shape. Under
-        ``batch="per_rank"`` a call of the planned per-rank shapes still means the global batch's
-        outputs, which need every rank: only a call the graph cannot take runs locally. A module in
+        ``batch="per_rank"`` a call of the planned per-rank shapes still means the global batch (a
+        loss reduced over it is the global batch's), which needs every rank: only a call the graph
+        cannot take runs locally. A module in
         another mode than its root's (``mode``) runs its graph: the local model runs every one in eval."""
         if self.training or torch.is_grad_enabled() or self._offloader is not None or mode.odd:
             return False

@@ -111,3 +111,15 @@ def run(model, output_dir: str, distributed: bool, resume: str | None = None, ca
     trainer.train(resume_from_checkpoint=resume)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {"losses": losses, "eval_loss": trainer.evaluate()["eval_loss"], "columns": trainer._signature_columns}
+
+
+def predictions(model, output_dir: str, distributed: bool):
+    """``Trainer.predict``'s logits and labels over three batches, what ``compute_metrics`` is
+    given: with ``prediction_loss_only=False`` accelerate gathers each rank's outputs."""
+    from transformers import Trainer
+
+    args = arguments(output_dir, distributed, save=False)
+    args.prediction_loss_only = False
+    predicted = Trainer(model=model, args=args, data_collator=pad_to_longest).predict(dataset(3 * GLOBAL_ROWS, 5))
+    logits = predicted.predictions[0] if isinstance(predicted.predictions, tuple) else predicted.predictions
+    return torch.from_numpy(logits), torch.from_numpy(predicted.label_ids)

@@ -214,14 +214,16 @@ def test_post_accumulate_grad_hooks_see_the_reduced_gradient(rank_pool):
 
 
 class _Classifier(torch.nn.Module):
-    """A model that returns its outputs, whose loss the script takes (a DDP image classifier's)."""
+    """A model that returns its outputs, whose loss the script takes (a DDP image classifier's),
+    and the same logits flattened across the batch (an output that is not batched)."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
 
     def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
+        logits = self.b(torch.relu(self.a(x)))
+        return logits, logits.reshape(-1)
 
 
 def _own_rows(rank: int, world: int) -> dict[str, float]:
@@ -234,11 +236,16 @@ def _own_rows(rank: int, world: int) -> dict[str, float]:
     pm = autopar.compile(model, (world,), example_inputs=(x,), data=autopar.DataOptions(batch="per_rank"))
     rows = 16 // pm.data_parallel_size
     mine = slice(pm.data_parallel_rank * rows, (pm.data_parallel_rank + 1) * rows)
-    F.cross_entropy(eager(x), y).backward()
+    F.cross_entropy(eager(x)[0], y).backward()
     said = {"dp": pm.data_parallel_size}
-    for how in ("own rows", "whole batch"):
-        out = pm(x[mine])  # the global batch's outputs
-        (F.cross_entropy(out[mine], y[mine]) if how == "own rows" else F.cross_entropy(out, y)).backward()
+    for how in ("own rows", "whole output's rows"):
+        logits, flat = pm(x[mine])
+        said["shapes"] = (tuple(logits.shape), tuple(flat.shape))
+        if how == "own rows":  # the rank's own rows come back, as DDP's model gives them
+            loss = F.cross_entropy(logits, y[mine])
+        else:  # a whole output: the script takes its own rows of it
+            loss = F.cross_entropy(flat.view(16, 4)[mine], y[mine])
+        loss.backward()
         grads = pm.full_grads()
         said[how] = max(_off(grads.get(name), p.grad) for name, p in eager.named_parameters())
         pm.zero_grad()
@@ -247,8 +254,13 @@ def _own_rows(rank: int, world: int) -> dict[str, float]:
 
 @pytest.mark.multiproc
 def test_a_loss_on_each_ranks_own_rows_of_the_outputs_trains_as_ddp_and_eager(rank_pool):
-    """Under batch="per_rank" the outputs are the global batch's; a DDP script's loss on its own
-    rows of them made the step the sum of the ranks' losses': gradients 2.0 times eager's on 2 ranks."""
+    """Under batch="per_rank" a batched output comes back as the rank's own rows (a DDP script's
+    ``criterion(pm(images), target)``), and an output that is not batched comes back whole. A loss
+    on a rank's own rows of either trains as DDP: the step is the mean of the ranks' losses',
+    eager's over the whole batch. Before, every output was whole: the script's loss met a shape
+    error, and one on its own rows of a whole output made the step the sum of the ranks' losses'
+    (gradients 2.0 times eager's on 2 ranks)."""
     for rank, said in enumerate(rank_pool(2).run(_own_rows, timeout_s=300)):
         assert said["dp"] == 2, said
-        assert said["own rows"] < TOL and said["whole batch"] < TOL, f"rank {rank}: gradients off eager by {said}"
+        assert said["shapes"] == ((8, 4), (64,)), said
+        assert said["own rows"] < TOL and said["whole output's rows"] < TOL, f"rank {rank}: gradients off eager by {said}"

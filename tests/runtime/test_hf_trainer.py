@@ -4,7 +4,8 @@ evaluates with the losses of the same Trainer run on one process (batches padded
 longest row), keeps the dataset's columns the model's forward names, and accelerate wraps nothing
 in DDP. Its own checkpoints (every 2 steps, saved by every rank through
 ``autopar.checkpoint.trainer_callback()``) resume with Trainer's ``resume_from_checkpoint`` to the
-same losses, in a run without the callback that saves nothing; the weights of the last checkpoint and of ``pm.module.save_pretrained`` load with
+same losses, in a run without the callback that saves nothing; ``Trainer.predict`` gathers the
+logits of the one-process run (each rank's own rows, as DDP's model returns them); the weights of the last checkpoint and of ``pm.module.save_pretrained`` load with
 ``from_pretrained`` and equal the one-process run's."""
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def _compiled_run(rank: int, world: int, output_dir: str) -> dict:
     # rank's shards before the first step (runtime.loaded_state).
     resumed = job.run(pm, f"{output_dir}/compiled", distributed=True, resume=f"{output_dir}/compiled/checkpoint-2", save=False)
     result["resumed_losses"], result["resumed_eval_loss"] = resumed["losses"], resumed["eval_loss"]
+    result["predictions"] = job.predictions(pm, f"{output_dir}/compiled", distributed=True)
     return result
 
 
@@ -58,6 +60,7 @@ def test_trainer_on_two_ranks_has_the_losses_of_one_process(rank_pool, tmp_path)
     eager_model = job.tiny_llama()
     eager = job.run(eager_model, str(tmp_path / "eager"), distributed=False)
     assert len(eager["losses"]) == 4
+    predictions = job.predictions(eager_model, str(tmp_path / "eager"), distributed=False)
     from transformers import LlamaForCausalLM
 
     for saved_dir in ("saved", "compiled/checkpoint-4"):
@@ -73,6 +76,11 @@ def test_trainer_on_two_ranks_has_the_losses_of_one_process(rank_pool, tmp_path)
         # steps 1 and 2 from the checkpoint's log, 3 and 4 trained again after the resume
         assert result["resumed_losses"] == pytest.approx(eager["losses"], rel=1e-6)
         assert result["resumed_eval_loss"] == pytest.approx(eager["eval_loss"], rel=1e-6)
+        # each rank's own rows of the logits, gathered by accelerate: the one-process run's, in order
+        # (they were the global batch's on every rank: 16 rows of predictions for 12 labels, out of order)
+        for got, want in zip(result["predictions"], predictions):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
         assert "input_ids" in result["columns"] and "labels" in result["columns"]
         assert result["shapes"] >= 1  # batches padded to other lengths than the example ran too
 

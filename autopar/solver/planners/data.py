@@ -1,12 +1,14 @@
 """The plan's data layout: which mesh axes split the batch, and, for per-rank data, the batched
-inputs' placements (``autopar.ir.data``).
+inputs' and outputs' placements (``autopar.ir.data``).
 
 The solve plans every user input whole (``R`` on every axis) and lets its consumers cut it. The
 batch-splitting axes are read from that solution: the axes on which a consumer of a batched
 input takes it ``Shard(0)``. Under ``batch="per_rank"`` each batched input's placeholder then
 holds ``Shard(0)`` on those axes, which is what each rank passes; a consumer that takes it
 otherwise gets the collectives of ``spec.transition_steps`` from ``passes.insert_collectives``, as
-any other edge does, so the numbers stay those of the whole batch.
+any other edge does, so the numbers stay those of the whole batch. The batched outputs leave the
+same way: the output node takes each ``Shard(0)`` on those axes, so a rank gets its own rows of
+it, as DDP's model gives them (``batched_outputs``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,27 @@ def batched_inputs(traced: TracedModel) -> dict[str, tuple[int, ...]]:
         return {}
     batch = next(iter(shapes.values()))[0]
     return {name: shape for name, shape in shapes.items() if shape[0] == batch}
+
+
+def batched_outputs(traced: TracedModel, inputs: dict[str, tuple[int, ...]]) -> set[str]:
+    """The graph's outputs whose dim 0 is the batch: tensors computed from a batched input (or
+    one passed through) whose dim 0 has the batch's size, as a model's logits, hidden states and
+    per-row losses have. A loss reduced over the batch, or a tensor flattened across it
+    (``view(-1, vocab)``), is not one: it leaves whole."""
+    if not inputs:
+        return set()
+    batch = next(iter(inputs.values()))[0]
+    reached = set(inputs)
+    for node in traced.gm.graph.nodes:
+        if node.op == "call_function" and any(arg.name in reached for arg in node.all_input_nodes):
+            reached.add(node.name)
+    output = next(node for node in traced.gm.graph.nodes if node.op == "output")
+    found = set()
+    for node in output.all_input_nodes:
+        val = node.meta.get("val")
+        if node.name in reached and isinstance(val, torch.Tensor) and val.dim() and val.shape[0] == batch:
+            found.add(node.name)
+    return found
 
 
 def data_parallel_axes(plan: Plan, inputs: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
@@ -78,4 +101,15 @@ def with_data_layout(plan: Plan, traced: TracedModel, options: DataOptions, axes
     if options.per_rank and axes:
         spec = _spec(axes, len(plan.mesh_shape))
         nodes = {name: dataclasses.replace(node, outs=(spec,)) if name in inputs else node for name, node in nodes.items()}
+        nodes = _rows_out(nodes, batched_outputs(traced, inputs), spec)
     return dataclasses.replace(plan, nodes=nodes, data=layout, stats=plan.stats)
+
+
+def _rows_out(nodes: dict, batched: set[str], spec) -> dict:
+    """``nodes`` with the output node taking each batched output split as the inputs arrive
+    (``spec``): each rank gets its own rows back."""
+    for name, node in nodes.items():
+        if node.source == "output":
+            ins = tuple(spec if producer in batched else want for (producer, _), want in zip(node.inputs, node.ins))
+            return {**nodes, name: dataclasses.replace(node, ins=ins)}
+    return nodes
