@@ -62,12 +62,15 @@ def batched_outputs(traced: TracedModel, inputs: dict[str, tuple[int, ...]]) -> 
 
 
 def data_parallel_axes(plan: Plan, inputs: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """The mesh axes on which some consumer of a batched input takes it ``Shard(0)``, in mesh
-    order; only those on which every batched input can be split evenly."""
+    """The mesh axes on which some consumer of a batched input takes it ``Shard(0)``, or the
+    output node a batched output (the solve offers that under ``batch="per_rank"``:
+    ``choices.Offers``; an input that arrives split where its consumer takes it whole is gathered,
+    as a token batch is, smaller than the logits it saves gathering), in mesh order; only those on
+    which every batched input can be split evenly."""
     axes: set[int] = set()
     for node in plan.nodes.values():
         for (producer, _), spec in zip(node.inputs, node.ins):
-            if producer in inputs:
+            if producer in inputs or node.source == "output":
                 axes.update(axis for axis, placement in enumerate(spec) if placement == Shard(0))
     mesh = tuple(plan.mesh_shape)
     chosen: list[int] = []
@@ -98,18 +101,20 @@ def with_data_layout(plan: Plan, traced: TracedModel, options: DataOptions, axes
         axes = data_parallel_axes(plan, inputs)
     layout = DataLayout(options.batch, axes, tuple(plan.mesh_shape), tuple(inputs))
     nodes = plan.nodes
+    spec = _spec(axes, len(plan.mesh_shape))
     if options.per_rank and axes:
-        spec = _spec(axes, len(plan.mesh_shape))
         nodes = {name: dataclasses.replace(node, outs=(spec,)) if name in inputs else node for name, node in nodes.items()}
-        nodes = _rows_out(nodes, batched_outputs(traced, inputs), spec)
-    return dataclasses.replace(plan, nodes=nodes, data=layout, stats=plan.stats)
+    batched = batched_outputs(traced, inputs) if options.per_rank else set()
+    return dataclasses.replace(plan, nodes=_outputs_leave(nodes, batched, spec), data=layout, stats=plan.stats)
 
 
-def _rows_out(nodes: dict, batched: set[str], spec) -> dict:
+def _outputs_leave(nodes: dict, batched: set[str], spec) -> dict:
     """``nodes`` with the output node taking each batched output split as the inputs arrive
-    (``spec``): each rank gets its own rows back."""
+    (``spec``: each rank gets its own rows back) and every other output whole, whatever the solve
+    chose (it may offer a split output on other axes: ``choices.Offers``)."""
     for name, node in nodes.items():
         if node.source == "output":
-            ins = tuple(spec if producer in batched else want for (producer, _), want in zip(node.inputs, node.ins))
+            whole = _spec((), len(spec))
+            ins = tuple(spec if producer in batched else whole for producer, _ in node.inputs)
             return {**nodes, name: dataclasses.replace(node, ins=ins)}
     return nodes

@@ -19,6 +19,7 @@ from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.prediction import Prediction, SolverStats
 from autopar.ir.spec import Spec, format_spec
 from autopar.ir.summary import format_bytes
+from autopar.solver.planners.data import batched_inputs, batched_outputs
 from autopar.solver.planners.kept_layers import choose_kept, given_kept
 from autopar.solver.planners.memory_plan import LayerPolicy, MemoryFigures, plan_memory
 from autopar.solver.planners.settings import memory_budget
@@ -27,6 +28,7 @@ from autopar.solver.pricing.reserved import allocator_budget, allocator_peaks, t
 from autopar.solver.pricing.runner_ups import explain_decisions
 from autopar.solver.problem.choices import (
     ChoiceGraph,
+    Offers,
     build_choice_graph,
     mesh_hint,
     optimizer_objective_s,
@@ -125,6 +127,7 @@ def solve_unexplained(
             optimizer_dtype=optimizer_dtype,
             comm=settings.comm,
             optimizer=settings.optimizer,
+            offers=Offers(rows_out=settings.rows_out),
         )
         log.info(
             "autopar: rules and costs: %d nodes, %d edges in %.2f s (%d of %d op strategies cut: %d impossible, %d dominated)",
@@ -247,6 +250,8 @@ class _Settings:
     # budget binds.
     policy: LayerPolicy | None = None
     optimizer: str = DEFAULT_OPTIMIZER  # the one the step is priced for (``PlanOptions.optimizer``)
+    # The outputs that leave split, each rank its rows (``batch="per_rank"``'s batched outputs): no gather priced
+    rows_out: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, options: PlanOptions, cluster: ClusterSpec, traced: TracedModel) -> _Settings:
@@ -272,6 +277,7 @@ class _Settings:
             options.comm,
             policy,
             options.optimizer,
+            frozenset(batched_outputs(traced, batched_inputs(traced))) if options.data.per_rank else frozenset(),
         )
 
     @property

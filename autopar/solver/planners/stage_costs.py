@@ -47,7 +47,7 @@ from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError
 from autopar.ir.options import DEFAULT_OPTIMIZER
 from autopar.rules import op_info
-from autopar.solver.problem.choices import Choice, ChoiceGraph, build_choice_graph, layer_key
+from autopar.solver.problem.choices import Choice, ChoiceGraph, Offers, build_choice_graph, layer_key
 from autopar.solver.problem.edges import EdgePrices
 from autopar.solver.problem.gathered import PREFIX as GATHERED
 from autopar.solver.problem.ilp import ShardingILP, Solution
@@ -479,7 +479,9 @@ def build_stage_graph(
     start = time.perf_counter()
     dtype = {} if optimizer_dtype is None else {"optimizer_dtype": optimizer_dtype}
     # padded=False: a pipeline stage holds plain, equal shards (runtime.padded)
-    graph = build_choice_graph(traced, stage_mesh, cluster, forced=forced, optimizer=optimizer, padded=False, **dtype)
+    graph = build_choice_graph(
+        traced, stage_mesh, cluster, forced=forced, optimizer=optimizer, offers=Offers(padded=False), **dtype
+    )
     log.debug("stage mesh %s: choice graph in %.2f s", stage_mesh, time.perf_counter() - start)
     # A pipeline stage holds its parameters as plain shards: its optimizer step pays no DTensor dispatch.
     return dataclasses.replace(graph, dtensor_step_s=0.0)

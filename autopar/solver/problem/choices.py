@@ -313,6 +313,17 @@ def optimizer_objective_s(graph: ChoiceGraph, assignment: Mapping[str, int]) -> 
     return seconds
 
 
+@dataclass(frozen=True)
+class Offers:
+    """What the runtime carries beyond the ops' rules, which the choices offer: parameters held
+    as padded shards (``padded``: FSDP2's layout; a pipeline stage holds plain ones), and graph
+    outputs that leave split along dim 0, each rank its own rows (``rows_out``, by producer name:
+    the batched outputs under ``batch="per_rank"``, ``solver.planners.data``)."""
+
+    padded: bool = True
+    rows_out: frozenset[str] = frozenset()
+
+
 def build_choice_graph(
     traced: TracedModel,
     mesh_shape: Sequence[int],
@@ -324,7 +335,7 @@ def build_choice_graph(
     zero_stage: int = 0,
     optimizer_dtype: torch.dtype | None = None,
     comm: CommOptions | None = None,
-    padded: bool = True,
+    offers: Offers = Offers(),
 ) -> ChoiceGraph:
     """Enumerate strategies and prices for every node of ``traced``.
 
@@ -340,13 +351,14 @@ def build_choice_graph(
     the step is priced for (``PlanOptions.optimizer``).
     ``comm`` is the communication schedule the runtime will run (``CommOptions()``, its default,
     when None): how it gathers and frees sharded parameters decides their memory.
-    ``padded`` False offers no padded parameter shards (``padded_param_specs``) where the
-    runtime would not carry them (a pipeline stage), whatever the flag says.
+    ``offers.padded`` False offers no padded parameter shards (``padded_param_specs``) where the
+    runtime would not carry them (a pipeline stage), whatever the flag says; ``offers.rows_out``
+    are the outputs offered split along dim 0 (``Offers``).
     """
     comm = comm or CommOptions()
     # Only the scheduled gather pads, and not the compiled mode's traced one (runtime.padded): a plan
     # priced for inductor (``autopar.plan(compiler=...)`` as ``compile``'s) offers none.
-    padded = padded and comm.enabled and cluster.executor != "inductor"
+    padded = offers.padded and comm.enabled and cluster.executor != "inductor"
     with offering_strided(split_blocks(traced.gm)):
         return _build_choice_graph(
             traced,
@@ -358,15 +370,14 @@ def build_choice_graph(
             zero_stage,
             optimizer_dtype,
             comm,
-            padded,
+            dataclasses.replace(offers, padded=padded),
         )
 
 
 def _build_choice_graph(
-    traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage, optimizer_dtype, comm, padded
+    traced, mesh_shape, cluster, optimizer, forced, share_layers, zero_stage, optimizer_dtype, comm, offers: Offers
 ) -> ChoiceGraph:
     mesh_shape = tuple(mesh_shape)
-    num_axes = len(mesh_shape)
     kinds = {i.name: i for i in traced.inputs}
     choices: dict[str, Choice] = {}
     order: list[str] = []
@@ -387,10 +398,10 @@ def _build_choice_graph(
                 mesh_shape,
                 placeholder_cache,
                 pinned if isinstance(pinned, tuple) else None,
-                padded,
+                offers.padded,
             )
         elif node.op == "output":
-            choices[node.name] = _output_choice(node, num_axes)
+            choices[node.name] = _output_choice(node, mesh_shape, offers.rows_out)
         elif node.op == "call_function":
             choices[node.name] = _op_choice(node, choices, mesh_shape, cluster, cache, infos, pruned)
         else:
@@ -693,11 +704,25 @@ def _placeholder_choice(node, kind, fqn, mesh_shape, cache: dict, pinned: Spec |
     return Choice(node.name, kind, cache[key], [], (shape,), (dtype,), requires_grad(node), fqn=fqn)
 
 
-def _output_choice(node: torch.fx.Node, num_axes: int) -> Choice:
-    # Outputs come back whole on every rank.
-    inputs = [(n.name, 0) for n in flatten(node.args) if isinstance(n, torch.fx.Node) and tensor_meta(n.meta.get("val"))]
-    strategy = Strategy(tuple(replicated(num_axes) for _ in inputs), (), source="output")
-    return Choice(node.name, "output", PriceTable([PricedStrategy(strategy)]), inputs)
+def _output_choice(node: torch.fx.Node, mesh_shape: tuple[int, ...], rows_out: frozenset[str]) -> Choice:
+    """Outputs come back whole on every rank; those of ``rows_out`` may leave split along dim 0
+    on any set of mesh axes, as the batch's rows are dealt (``Offers``): a split batch then costs
+    no gather of them."""
+    nodes = [n for n in flatten(node.args) if isinstance(n, torch.fx.Node) and tensor_meta(n.meta.get("val"))]
+    inputs = [(n.name, 0) for n in nodes]
+    whole = replicated(len(mesh_shape))
+    strategies = [Strategy(tuple(whole for _ in nodes), (), source="output")]
+    if rows_out.intersection(name for name, _ in inputs):
+        split_axes = [axis for axis, size in enumerate(mesh_shape) if size > 1]
+        for count in range(1, len(split_axes) + 1):
+            for axes in itertools.combinations(split_axes, count):
+                rows = tuple(Shard(0) if axis in axes else Replicate() for axis in range(len(mesh_shape)))
+                ins = tuple(
+                    rows if n.name in rows_out and is_valid(tuple(n.meta["val"].shape), rows, mesh_shape) else whole
+                    for n in nodes
+                )
+                strategies.append(Strategy(ins, (), source="output"))
+    return Choice(node.name, "output", PriceTable([PricedStrategy(s) for s in strategies]), inputs)
 
 
 def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict, pruned: Pruned) -> Choice:
