@@ -21,6 +21,7 @@ in ``torch.autograd.grad`` and ``backward(inputs=...)``.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -189,6 +190,31 @@ def run_held_hooks(params: Iterable[torch.Tensor]) -> None:
         seen.add(id(param))
         for hook in tuple(hooks.values()) if hooks else ():
             hook(param)
+
+
+def adopt_in_backward_optimizers(module: torch.nn.Module) -> None:
+    """Move the steps that ``torch.distributed.optim._apply_optimizer_in_backward`` hooked on a
+    parameter's ``AccumulateGrad`` node to a post-accumulate-grad hook, for each parameter of
+    ``module`` whose reduced gradient does not come through that node: a DTensor's (autograd never
+    reaches it: its optimizer stepped nothing, without a word) and a bucketed one's (the node runs
+    before the bucket hands over the reduced gradient: it stepped on ``.grad`` None). The hook
+    runs once ``.grad`` is final (``run_held_hooks``) and does what torch's did: each of the
+    parameter's optimizers steps, then ``.grad`` is None. A no-op unless that function was used."""
+    in_backward = sys.modules.get("torch.distributed.optim.apply_optimizer_in_backward")
+    handles = getattr(in_backward, "param_to_optim_hook_handle_map", None)
+    if not handles:
+        return
+    for param in module.parameters():
+        if param in handles and (isinstance(param, DTensor) or _held(param) is not None):
+            for handle in handles.pop(param):
+                handle.remove()
+            param.register_post_accumulate_grad_hook(_step_in_backward)
+
+
+def _step_in_backward(param: torch.Tensor) -> None:
+    for optimizer in param._in_backward_optimizers:
+        optimizer.step()
+    param.grad = None
 
 
 def grad_hook_refused(why: str) -> HookError:

@@ -20,7 +20,7 @@ from autopar.errors import ConfigError, UsageError
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets
-from autopar.ops.params import LocalLeaf, local_of
+from autopar.ops.params import LocalLeaf, adopt_in_backward_optimizers, local_of
 from autopar.passes.schedule import bind_parameters
 from autopar.runtime import autograd_calls, loaded_state, originals, shapes, stale_model, trainer_saves
 from autopar.runtime.attribute_guard import AttributeGuard
@@ -289,6 +289,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hook_guard.check()
+        adopt_in_backward_optimizers(self)
         self._attribute_guard.check()
         if self._offloader is not None:
             self._offloader.store.take_back()  # weights loaded in place into state_dict()'s copies (dcp.load)
