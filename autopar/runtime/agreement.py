@@ -10,11 +10,13 @@ import torch.distributed as dist
 
 from autopar.cost.cluster import ClusterSpec, get_cluster
 from autopar.errors import AutoparError, PlanError
+from autopar.ir.data import DataOptions
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan, validate_plan_json
 from autopar.ops import collectives
 from autopar.passes import check_plan_matches
 from autopar.passes.plan_check import check_plan_strategies
+from autopar.solver.planners.data import with_data_layout
 from autopar.solver.planners.split_batch import split_batch_at_least
 from autopar.solver.planners.traced import plan_traced
 from autopar.trace import TracedModel
@@ -67,6 +69,10 @@ def resolve_plan(
     else:
         chosen = plan
     check_plan_matches(chosen, traced, mesh_shape)
+    if plan is not None and chosen.data_layout.per_rank:
+        # the batched inputs and outputs as this autopar deals them (a plan saved before outputs
+        # left as each rank's rows, or edited, would run them whole)
+        chosen = with_data_layout(chosen, traced, DataOptions("per_rank"), axes=chosen.data_layout.axes)
     if plan is not None:  # the user's plan may be hand-edited: every choice one the solver could make
         check_plan_strategies(chosen, traced)
     return chosen
