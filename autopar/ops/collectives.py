@@ -496,24 +496,68 @@ def mean_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _MeanGrad.apply(x, group_name)
 
 
+class RowGrads:
+    """The backwards in which a call's row outputs got a gradient (``scale_grad``), by autograd
+    graph task: where one did, the gradient reaching a row input had the row outputs' scale
+    (``rows_input``)."""
+
+    __slots__ = ("task",)
+
+    def __init__(self) -> None:
+        self.task = -1
+
+    def seen(self) -> bool:
+        return self.task == torch._C._current_graph_task_id()
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity in forward; backward scales the gradient by ``factor`` (``scale_grad``)."""
 
     @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
+    def forward(ctx, x, factor, rows):
+        ctx.factor, ctx.rows = factor, rows
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.factor, None
+        if torch.is_grad_enabled():  # a backward with create_graph=True
+            raise UsageError(
+                "a gradient of a gradient (torch.autograd.grad(..., create_graph=True), as a gradient penalty takes) "
+                "through an output that comes back as each rank's rows (batch='per_rank'): its second backward "
+                "would sum the ranks' penalties where DDP averages them. Compile with batch='whole' (every rank "
+                "passes the whole batch) for the penalty, or compute it outside the compiled module"
+            )
+        if ctx.rows is not None:
+            ctx.rows.task = torch._C._current_graph_task_id()
+        return grad * ctx.factor, None, None
 
 
-def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+def scale_grad(x: torch.Tensor, factor: float, rows: RowGrads | None = None) -> torch.Tensor:
     """``x``, whose gradient is scaled by ``factor`` in backward: a rank's own rows of a split
     output, whose gradient is that rank's loss's alone, take ``1 / data_parallel_size`` so that
-    the step is the mean of the ranks' losses', as DDP's averaged gradients make it."""
-    return _ScaleGrad.apply(x, factor)
+    the parameters' step is the mean of the ranks' losses', as DDP's averaged gradients make it.
+    ``rows`` records the backwards it ran in (``rows_input``)."""
+    return _ScaleGrad.apply(x, factor, rows)
+
+
+class _RowsInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor, rows):
+        ctx.factor, ctx.rows = factor, rows
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * ctx.factor if ctx.rows.seen() else grad), None, None
+
+
+def rows_input(x: torch.Tensor, factor: float, rows: RowGrads) -> torch.Tensor:
+    """``x``, a rank's own rows of an input that requires grad, whose gradient is scaled by
+    ``factor`` (``data_parallel_size``) in a backward where the row outputs' was scaled by its
+    inverse (``rows``): that scale is DDP's average of the parameters' gradients, and DDP leaves
+    an input's gradient as the rank's own loss gives it (an adversarial example's, a saliency
+    map's)."""
+    return _RowsInput.apply(x, factor, rows)
 
 
 class _AllGather(torch.autograd.Function):

@@ -70,6 +70,15 @@ class ModeGraph:
         values = output.args[0] if isinstance(output.args[0], (list, tuple)) else (output.args[0],)
         return frozenset(i for i, value in enumerate(values) if isinstance(value, torch.fx.Node) and value.name in split)
 
+    @functools.cached_property
+    def row_inputs(self) -> frozenset[int]:
+        """The positions among the user inputs of those that arrive as each rank's rows (the
+        batched inputs under ``batch="per_rank"``)."""
+        layout = self.plan.data_layout
+        batched = set(layout.inputs) if layout.per_rank and layout.axes else set()
+        users = [graph_input.name for graph_input in self.traced.inputs if graph_input.kind == "user"]
+        return frozenset(i for i, name in enumerate(users) if name in batched)
+
 
 class ModeKey(NamedTuple):
     """A call's mode: the root's training flag, the names of the modules whose flag differs from it

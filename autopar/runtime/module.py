@@ -333,30 +333,44 @@ class ParallelModule(ModelAttributes, ShardedModule):
             settle()
         collectives.before_next_collective(settle)
         try:
+            flat, rows = self._rows_in(flat, run)
             outputs = self._run_graph(self._graph_values(run, flat), run, settle)
             self._learn_riding(run.attr, settle)
         finally:  # also where the graph failed: other data is then the likelier cause, and is raised
             collectives.before_next_collective(None)
             settle()
-        return pytree.tree_unflatten(self._as_ddp_in_backward(outputs, run), run.traced.out_spec)
+        return pytree.tree_unflatten(self._as_ddp_in_backward(outputs, run, rows), run.traced.out_spec)
 
-    def _as_ddp_in_backward(self, outputs: Sequence[Any], run: ModeGraph) -> list[Any]:
+    def _as_ddp_in_backward(self, outputs: Sequence[Any], run: ModeGraph, rows: collectives.RowGrads | None) -> list[Any]:
         """``outputs``, under ``batch="per_rank"`` each that may get a gradient made to give DDP's
         step: the mean of the ranks' losses' gradients, eager's over the whole batch. A batched
         output comes back as this rank's rows (``ModeGraph.row_outputs``), and the graph would sum
         the ranks' gradients of it: each is scaled by ``1 / data_parallel_size``, with no
-        communication. Any other output comes back whole on every rank, and the graph takes its
-        gradient as the same on every rank; a script whose loss takes each rank's own rows of it
-        would give every rank another, and the step would be the sum of the ranks' losses', without
-        a word: its gradient is averaged over the ranks (one all-reduce in backward)."""
+        communication (``rows`` records it: ``_rows_in``). Any other output comes back whole on
+        every rank, and the graph takes its gradient as the same on every rank; a script whose loss
+        takes each rank's own rows of it would give every rank another, and the step would be the
+        sum of the ranks' losses', without a word: its gradient is averaged over the ranks (one
+        all-reduce in backward)."""
         if not self._data.per_rank or self.data_parallel_size == 1 or not torch.is_grad_enabled():
             return list(outputs)
-        world, rows, factor = dist.group.WORLD.group_name, run.row_outputs, 1.0 / self.data_parallel_size
+        world, split, factor = dist.group.WORLD.group_name, run.row_outputs, 1.0 / self.data_parallel_size
         averaged = list(outputs)
         for i, out in enumerate(outputs):
             if isinstance(out, torch.Tensor) and out.requires_grad and out.dim():
-                averaged[i] = collectives.scale_grad(out, factor) if i in rows else collectives.mean_grad(out, world)
+                averaged[i] = collectives.scale_grad(out, factor, rows) if i in split else collectives.mean_grad(out, world)
         return averaged
+
+    def _rows_in(self, flat: list[Any], run: ModeGraph) -> tuple[list[Any], collectives.RowGrads | None]:
+        """``flat``, each of this rank's rows of a batched input that requires grad given back its
+        gradient as DDP gives it: the rank's own loss's, without the ``1 / data_parallel_size``
+        that ``_as_ddp_in_backward`` gives the row outputs for the parameters' sake."""
+        if not run.row_inputs or not torch.is_grad_enabled() or not any(flat[i].requires_grad for i in run.row_inputs):
+            return flat, None
+        rows, size = collectives.RowGrads(), float(self.data_parallel_size)
+        return [
+            collectives.rows_input(value, size, rows) if i in run.row_inputs and value.requires_grad else value
+            for i, value in enumerate(flat)
+        ], rows
 
     def _learn_riding(self, attr: str, settle: Callable[[], None]) -> None:
         """Whether the next call of graph ``attr`` defers its data check to carry the first

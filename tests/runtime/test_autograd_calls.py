@@ -372,3 +372,62 @@ def test_a_contrastive_loss_over_every_ranks_gathered_features_equals_eager(rank
     for losses, state in rank_pool(2).run(_contrastive, timeout_s=300):
         assert losses == pytest.approx(want, rel=1e-12)
         assert max(_off(state[name], value) for name, value in eager.state_dict().items()) < TOL
+
+
+def _adversarial_step(module, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """FGSM's adversarial training step on a rank's rows: the input's gradient, then a step on the
+    perturbed inputs; returns the input's gradient."""
+    x = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(F.cross_entropy(module(x), y), x)
+    optimizer.zero_grad()
+    F.cross_entropy(module(x.detach() + 3.0 * grad), y).backward()
+    optimizer.step()
+    return grad
+
+
+def _input_grads(rank: int, world: int) -> dict[str, object]:
+    """The same DDP script under DDP and under autopar (``batch="per_rank"``, an example input that
+    requires grad): its input gradients and parameters, and what a gradient penalty raised."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 16, generator=generator, dtype=torch.float64), torch.randint(0, 4, (8,), generator=generator)
+    rows = slice(rank * 4, rank * 4 + 4)
+    modules = {}
+    for wrap in ("ddp", "autopar"):
+        torch.manual_seed(0)
+        model = _Classifier().double()
+        if wrap == "ddp":
+            modules[wrap] = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(model.a, torch.nn.ReLU(), model.b))
+        else:
+            modules[wrap] = autopar.compile(
+                torch.nn.Sequential(model.a, torch.nn.ReLU(), model.b),
+                (world,),
+                example_inputs=(x.clone().requires_grad_(),),
+                data=autopar.DataOptions(batch="per_rank"),
+            )
+    said: dict[str, object] = {"dp": modules["autopar"].data_parallel_size}
+    grads = {wrap: [] for wrap in modules}
+    for wrap, module in modules.items():
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+        grads[wrap] = [_adversarial_step(module, optimizer, x[rows], y[rows]) for _ in range(2)]
+    said["input grads"] = max((a - b).abs().max().item() for a, b in zip(grads["autopar"], grads["ddp"]))
+    whole = modules["autopar"].full_state_dict()
+    said["params"] = max(_off(whole[name], value) for name, value in modules["ddp"].module.state_dict().items())
+    penalty = x[rows].clone().requires_grad_(True)
+    try:
+        torch.autograd.grad(modules["autopar"](penalty).sum(), penalty, create_graph=True)
+        said["penalty"] = "no error"
+    except UsageError as error:
+        said["penalty"] = str(error)
+    return said
+
+
+@pytest.mark.multiproc
+def test_an_inputs_gradient_is_ddps_and_a_gradient_penalty_is_refused(rank_pool):
+    """The row outputs' ``1 / data_parallel_size`` (DDP's average of the parameters' gradients)
+    reached the input's gradient too: an FGSM step's was half DDP's on 2 ranks, before it was given
+    back. A gradient penalty's second backward would sum the ranks' penalties where DDP averages
+    them (parameters 507 off DDP's after 3 WGAN-GP steps): refused, naming batch='whole'."""
+    for rank, said in enumerate(rank_pool(2).run(_input_grads, timeout_s=300)):
+        assert said["dp"] == 2, said
+        assert said["input grads"] < TOL and said["params"] < TOL, f"rank {rank}: {said}"
+        assert "gradient of a gradient" in said["penalty"] and "batch='whole'" in said["penalty"], said
