@@ -473,6 +473,18 @@ class _AllReduce(torch.autograd.Function):
         return grad, None
 
 
+def refuse_per_rank_penalty(how: str) -> None:
+    """Refuse a backward with ``create_graph=True`` (a gradient penalty's) through an output of a
+    ``batch="per_rank"`` call that ``how``: its second backward would sum the ranks' penalties."""
+    if torch.is_grad_enabled():
+        raise UsageError(
+            "a gradient of a gradient (torch.autograd.grad(..., create_graph=True), as a gradient penalty takes) "
+            f"through an output that {how} (batch='per_rank'): its second backward would sum the ranks' penalties "
+            "where DDP averages them. Compile with batch='whole' (every rank passes the whole batch) for the "
+            "penalty, or compute it outside the compiled module"
+        )
+
+
 class _MeanGrad(torch.autograd.Function):
     """Identity in forward; backward averages the gradient over ``group_name``'s ranks
     (``mean_grad``)."""
@@ -484,7 +496,7 @@ class _MeanGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        refuse_double_backward(grad)
+        refuse_per_rank_penalty("comes back whole, which each rank may take its own rows of")
         return _all_reduce(grad, ctx.group_name) / group_size(ctx.group_name), None
 
 
@@ -520,13 +532,7 @@ class _ScaleGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():  # a backward with create_graph=True
-            raise UsageError(
-                "a gradient of a gradient (torch.autograd.grad(..., create_graph=True), as a gradient penalty takes) "
-                "through an output that comes back as each rank's rows (batch='per_rank'): its second backward "
-                "would sum the ranks' penalties where DDP averages them. Compile with batch='whole' (every rank "
-                "passes the whole batch) for the penalty, or compute it outside the compiled module"
-            )
+        refuse_per_rank_penalty("comes back as each rank's rows")
         if ctx.rows is not None:
             ctx.rows.task = torch._C._current_graph_task_id()
         return grad * ctx.factor, None, None

@@ -288,6 +288,13 @@ def _own_rows(rank: int, world: int) -> dict[str, float]:
         grads = pm.full_grads()
         said[how] = max(_off(grads.get(name), p.grad) for name, p in eager.named_parameters())
         pm.zero_grad()
+    for index, how in enumerate(("rows refused", "whole refused")):  # a second backward through either output
+        try:
+            pm(x[mine])[index].sum().backward(create_graph=True)
+            said[how] = "no error"
+        except UsageError as error:
+            said[how] = str(error)
+        pm.zero_grad()
     # a plan saved before outputs left as each rank's rows (its output node takes them whole)
     nodes = {
         name: dataclasses.replace(node, ins=tuple((Replicate(),) for _ in node.ins)) if node.source == "output" else node
@@ -309,6 +316,8 @@ def test_a_loss_on_each_ranks_own_rows_of_the_outputs_trains_as_ddp_and_eager(ra
     for rank, said in enumerate(rank_pool(2).run(_own_rows, timeout_s=300)):
         assert said["dp"] == 2, said
         assert said["shapes"] == said["old plan's shapes"] == ((8, 4), (64,)), said
+        assert "each rank's rows (batch='per_rank')" in said["rows refused"], said
+        assert "comes back whole" in said["whole refused"], said
         assert said["own rows"] < TOL and said["whole output's rows"] < TOL, f"rank {rank}: gradients off eager by {said}"
 
 
