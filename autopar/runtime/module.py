@@ -423,8 +423,8 @@ class ParallelModule(ModelAttributes, ShardedModule):
         returns the model's outputs for the inputs it was given, of any shape. Under
         ``batch="per_rank"`` a call of the planned per-rank shapes still means the global batch (a
         loss reduced over it is the global batch's), which needs every rank: only a call the graph
-        cannot take runs locally. A module in
-        another mode than its root's (``mode``) runs its graph: the local model runs every one in eval."""
+        cannot take runs locally. A module in another mode than its root's (``mode``) runs its
+        graph: the local model runs every one in eval."""
         if self.training or torch.is_grad_enabled() or self._offloader is not None or mode.odd:
             return False
         if self._plan.precision is not None and self._plan.precision.param_dtype is not None:
