@@ -182,6 +182,30 @@ def test_a_priced_solve_is_the_solve_of_the_priced_expression(graph, unbounded, 
     assert _model(fast.relaxation)["cost"] == plain
 
 
+def test_a_priced_solve_without_edge_values_sets_the_same_x_and_leaves_the_edges(graph, unbounded, tight):
+    """``edge_values=False`` (a Lagrangian step, ``budget._lagrangian_fits``): the same solve, so
+    every watched variable (the x among them) gets the value a full solve gives it, and the edge
+    and hub variables keep the ones they had."""
+    fast, slow, _, names, saved = _priced_pair(graph, unbounded, tight)
+    priced = [(name, 1e-3 * (i + 1)) for i, name in enumerate(names)]
+    watched = {id(var) for var in fast.relaxation.watched}
+    edges = [var for var in fast.relaxation.variables if id(var) not in watched]
+    assert edges and all(var.name.startswith(("y_", "h_")) for var in edges)
+    for var in edges:
+        var.varValue = -1.0  # no value an LP solve gives
+    assert solving.solve_relaxation(fast, 60, priced=priced, edge_values=False) == "Optimal"
+    assert solving.solve_relaxation(slow, 60, priced=priced) == "Optimal"
+    assert all(var.varValue == -1.0 for var in edges), "the edge variables keep their values"
+    values = {var.name: var.varValue for var in slow.relaxation.watched}
+    assert {var.name: var.varValue for var in fast.relaxation.watched} == values
+    x = [var.name for name in rounding.deciding_nodes(graph) for var in fast.x[name]]
+    assert x and set(x) <= set(values), "the x are watched"
+    assert rounding.round_relaxation(fast) == rounding.round_relaxation(slow)
+    for ilp in (fast, slow):
+        for name in names:
+            ilp.problem.constraints[name].constant = saved[name]
+
+
 def test_lagrangian_steps_in_a_row_pass_each_steps_costs_once(graph, unbounded, tight):
     """Two Lagrangian steps back to back (``budget.trace_front``), the second at other prices: the
     second passes HiGHS its priced costs once (not the problem's objective first), and they are

@@ -257,7 +257,9 @@ def _lagrangian_fits(ilp, prices, factor, consider, limit) -> bool:
     try:
         for row in rows.values():  # the rows are priced, not enforced
             row.constant = -1e30
-        solve_relaxation(ilp, limit, priced=[(names[t], factor * price) for t, price in prices.items() if price > 0])
+        # Only the x are rounded; ``consider`` (``rounding.check``) sets every variable it reads.
+        priced = [(names[t], factor * price) for t, price in prices.items() if price > 0]
+        solve_relaxation(ilp, limit, priced=priced, edge_values=False)
         if ilp.problem.status != pulp.LpStatusOptimal:
             return False
         choice = rounding.round_relaxation(ilp)

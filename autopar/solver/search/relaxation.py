@@ -28,7 +28,7 @@ import logging
 import math
 import time
 import weakref
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -122,10 +122,9 @@ class Relaxation:
                 np.zeros(0, dtype=np.int32),
                 np.zeros(0),
             )
-        # The objective HiGHS holds: its variables (kept, so that their ids stay theirs), their
-        # ids and coefficients, in the expression's order, and the scale it was passed at.
+        # The objective HiGHS holds: its variables and their coefficients, in the expression's
+        # order, and the scale it was passed at.
         self.objective_vars: list[pulp.LpVariable] = []
-        self.objective_ids: list[int] = []
         self.objective_coefs: list[float] = []
         self.scale = 1.0
         # That objective unscaled, a cost per column (``_hold_objective``), and its own scale:
@@ -134,6 +133,7 @@ class Relaxation:
         self.priced = False  # HiGHS holds the objective plus a Lagrangian step's prices (``_price``)
         self.rows: list[pulp.LpConstraint] = []
         self.table, self.table_columns = None, []  # ``_add_new_rows``: the ILP's row table, its columns' numbers here
+        self._table_index: np.ndarray | None = None  # ``_table_column_index``
         self.row_terms: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # ``_row_terms``
         self.row_names: list[str] = []
         self.row_constants: list[float] = []
@@ -212,7 +212,7 @@ class Relaxation:
             return True
         table = self.ilp.row_table()
         if table is not self.table:
-            self.table, self.table_columns = table, []
+            self.table, self.table_columns, self._table_index = table, [], None
         while len(self.table_columns) < len(table.columns):  # the table's columns as HiGHS numbers them
             column = self.column_of.get(id(table.columns[len(self.table_columns)]))
             if column is None:
@@ -224,7 +224,7 @@ class Relaxation:
         values = table.entry_coefs[entries]
         kept = values != 0
         rows = table.entry_rows[entries][kept] - first
-        indices = np.array(self.table_columns, dtype=np.int32)[table.entry_columns[entries][kept]]
+        indices = self._table_column_index()[table.entry_columns[entries][kept]].astype(np.int32)
         values = values[kept]
         if first == 0:  # the y the ILP holds sit in the edge rows too, coefficient 1
             rows, indices, values = self._with_held(rows, indices, values)
@@ -237,6 +237,15 @@ class Relaxation:
         self.row_constants += map(_CONSTANT, new)
         self.row_senses += map(_SENSE, new)
         return True
+
+    def _table_column_index(self) -> np.ndarray:
+        """``table_columns`` as an array, kept while it has as many entries (it only grows, or
+        starts again with a new table): converting a list of 10^5 took a millisecond or more for
+        each row a Lagrangian step first priced (``_row_terms``)."""
+        index = self._table_index
+        if index is None or len(index) != len(self.table_columns):
+            index = self._table_index = np.array(self.table_columns, dtype=np.int64)
+        return index
 
     def _sync(self, priced: bool = False) -> float:
         """Pass HiGHS what changed in the problem since the last solve (rows, then bounds, then
@@ -285,16 +294,18 @@ class Relaxation:
         self.lows, self.ups = lows, ups
 
     def _read_objective(self) -> tuple | None:
-        """(variables, their ids, coefficients, columns) of the problem's objective; () when it is
-        the one HiGHS holds, None when it has a variable HiGHS does not hold."""
+        """(variables, coefficients, columns) of the problem's objective; () when it is the one
+        HiGHS holds, None when it has a variable HiGHS does not hold. Its variables are compared
+        by identity (pulp variables compare into constraints): a third of the time of taking
+        their ids, as this did before every Lagrangian step."""
         objective = self.ilp.problem.objective
-        ids, coefs = list(map(id, objective)), list(objective.values())
-        if ids == self.objective_ids and coefs == self.objective_coefs:
+        coefs, held = list(objective.values()), self.objective_vars
+        if len(coefs) == len(held) and all(map(is_, objective, held)) and coefs == self.objective_coefs:
             return ()
-        columns = list(map(self.column_of.get, ids))
-        return None if None in columns else (list(objective), ids, coefs, columns)
+        columns = list(map(self.column_of.get, map(id, objective)))
+        return None if None in columns else (list(objective), coefs, columns)
 
-    def _hold_objective(self, variables: list, ids: list[int], coefs: list[float], columns: list[int]) -> None:
+    def _hold_objective(self, variables: list, coefs: list[float], columns: list[int]) -> None:
         """Take the problem's objective as the one HiGHS holds: its costs per column, unscaled
         (``base_costs``), and their scale (``objective_scale``), which ``_sync`` passes."""
         values = np.array(coefs, dtype=float)
@@ -304,7 +315,7 @@ class Relaxation:
         costs[held_columns] = held_costs
         costs[np.array(columns, dtype=np.int64)] = values
         self.base_costs = costs
-        self.objective_vars, self.objective_ids, self.objective_coefs = variables, ids, coefs
+        self.objective_vars, self.objective_coefs = variables, coefs
 
     def _pass_costs(self, costs: np.ndarray) -> None:
         changed = np.flatnonzero(costs != self.costs)
@@ -334,15 +345,19 @@ class Relaxation:
         if terms is None:
             row = self.row_names.index(name)
             entries = self.table.entries(row, row + 1)
-            columns = np.array(self.table_columns, dtype=np.int64)[self.table.entry_columns[entries]]
+            columns = self._table_column_index()[self.table.entry_columns[entries]]
             terms = self.row_terms[name] = (columns, self.table.entry_coefs[entries])
         return terms
 
-    def solve(self, time_limit_s: float, priced: list[tuple[str, float]] | None = None) -> str:
+    def solve(self, time_limit_s: float, priced: list[tuple[str, float]] | None = None, edge_values: bool = True) -> str:
         """Solve the LP as the problem stands, from the last basis; set its variables' values,
         its rows' duals (``pi``, of the scaled objective, as PuLP's HiGHS sets them) and its
         status, as ``problem.solve`` would. Returns the status's name. ``priced``: (row name,
-        price) pairs whose terms are added to the objective for this solve only (``_price``)."""
+        price) pairs whose terms are added to the objective for this solve only (``_price``).
+        ``edge_values=False``: the edge and hub variables (``_EDGE_PREFIXES``, all but a few
+        thousand of 10^5 on a tiny GPT-OSS) keep their last values, for a caller that reads the
+        others alone (a Lagrangian step rounds the x: setting every value took a tenth of its
+        time beside the simplex)."""
         problem, ilp = self.ilp.problem, self.ilp
         if problem.objective is not ilp.time_objective:
             ilp.generate_all()  # the held y are priced in the time objective only
@@ -354,7 +369,8 @@ class Relaxation:
         solution = self.highs.getSolution()
         values = np.asarray(solution.col_value)
         if len(values) == len(self.columns):  # none when the solve found nothing
-            for var, value in zip(self.variables, values[self._variable_index()].tolist()):
+            variables, index = (self.variables, self._variable_index()) if edge_values else (self.watched, self.watched_columns)
+            for var, value in zip(variables, values[index].tolist()):
                 var.varValue = value
         if len(ilp.held) and len(values) == len(self.columns):
             # The held y the solution uses become PuLP variables, at their values: the problem

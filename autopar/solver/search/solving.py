@@ -129,13 +129,16 @@ def solve_ilp(ilp: ShardingILP, time_limit_s: float = 60.0, solver: str = "auto"
     return solution_of(ilp, incumbent, "Feasible (fallback)", backend, bound, start)
 
 
-def solve_relaxation(ilp: ShardingILP, time_limit_s: float, priced: list[tuple[str, float]] | None = None) -> str:
+def solve_relaxation(
+    ilp: ShardingILP, time_limit_s: float, priced: list[tuple[str, float]] | None = None, edge_values: bool = True
+) -> str:
     """Solve the LP relaxation of ``ilp.problem`` as it stands, and return the status's name.
 
     With HiGHS, one model is kept on the ILP from solve to solve (``solver.search.relaxation``): only
     what changed is passed, and the simplex starts from the last basis. With CBC (no
     ``highspy``), PuLP builds the model afresh. ``priced``: (row name, price) pairs whose terms join the objective
-    for this solve only (a Lagrangian step, ``solver.search.budget``)."""
+    for this solve only (a Lagrangian step, ``solver.search.budget``). ``edge_values=False``: with
+    HiGHS, the edge and hub variables may keep their last values (``Relaxation.solve``)."""
     if backends.lp_backend() != "highs":
         ilp.generate_all()  # before the objective is read (``solver.problem.columns``)
         objective = ilp.problem.objective
@@ -153,7 +156,7 @@ def solve_relaxation(ilp: ShardingILP, time_limit_s: float, priced: list[tuple[s
                 _set_objective(ilp, objective)
     if ilp.relaxation is None:
         ilp.relaxation = Relaxation(ilp)
-    return ilp.relaxation.solve(time_limit_s, priced)
+    return ilp.relaxation.solve(time_limit_s, priced, edge_values)
 
 
 def _set_objective(ilp: ShardingILP, objective) -> None:
