@@ -522,14 +522,16 @@ class RowGrads:
         return self.task == torch._C._current_graph_task_id()
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity in forward; backward scales the gradient by ``factor`` (``scale_grad``)."""
+class _Scaled(torch.autograd.Function):
+    """Identity in forward; backward scales the gradient by ``factor`` (each subclass says when)."""
 
     @staticmethod
     def forward(ctx, x, factor, rows):
         ctx.factor, ctx.rows = factor, rows
         return x.view_as(x)
 
+
+class _ScaleGrad(_Scaled):
     @staticmethod
     def backward(ctx, grad):
         refuse_per_rank_penalty("comes back as each rank's rows")
@@ -546,12 +548,7 @@ def scale_grad(x: torch.Tensor, factor: float, rows: RowGrads | None = None) -> 
     return _ScaleGrad.apply(x, factor, rows)
 
 
-class _RowsInput(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, factor, rows):
-        ctx.factor, ctx.rows = factor, rows
-        return x.view_as(x)
-
+class _RowsInput(_Scaled):
     @staticmethod
     def backward(ctx, grad):
         return (grad * ctx.factor if ctx.rows.seen() else grad), None, None
