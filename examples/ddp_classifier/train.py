@@ -65,7 +65,7 @@ def batches(each: list[DataLoader], epoch: int):
         yield torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def mean_over_ranks(*sums: float) -> list[float]:
+def summed_over_ranks(*sums: float) -> list[float]:
     totals = torch.tensor(sums)
     if distributed:
         dist.all_reduce(totals)
@@ -73,7 +73,7 @@ def mean_over_ranks(*sums: float) -> list[float]:
 
 
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Dropout(0.0), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, classes))
+model = nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, classes))
 train, val = loaders(dataset(32, 1), shuffle=True), loaders(dataset(16, 2), shuffle=False)
 if distributed:
     if args.wrap == "ddp":
@@ -96,7 +96,7 @@ for epoch in range(args.epochs):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        summed_loss, summed_correct, rows = mean_over_ranks(loss.item() * len(target), correct, len(target))
+        summed_loss, summed_correct, rows = summed_over_ranks(loss.item() * len(target), correct, len(target))
         if rank == 0:
             print(f"train {epoch}.{step}: loss {summed_loss / rows!r} acc {summed_correct / rows!r}", flush=True)
     scheduler.step()
@@ -108,7 +108,7 @@ for epoch in range(args.epochs):
             total_loss += criterion(output, target).item() * len(target)
             total_correct += (output.argmax(1) == target).sum().item()
             total_rows += len(target)
-    summed_loss, summed_correct, rows = mean_over_ranks(total_loss, total_correct, total_rows)
+    summed_loss, summed_correct, rows = summed_over_ranks(total_loss, total_correct, total_rows)
     if rank == 0:
         print(f"val {epoch}: loss {summed_loss / rows!r} acc {summed_correct / rows!r}", flush=True)
 
