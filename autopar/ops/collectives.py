@@ -474,14 +474,16 @@ class _AllReduce(torch.autograd.Function):
 
 
 def refuse_per_rank_penalty(how: str) -> None:
-    """Refuse a backward with ``create_graph=True`` (a gradient penalty's) through an output of a
-    ``batch="per_rank"`` call that ``how``: its second backward would sum the ranks' penalties."""
+    """Refuse a backward with ``create_graph=True`` through an output of a ``batch="per_rank"``
+    call that ``how``, where ``_RowsInput`` cannot keep the second backward DDP's: it would sum
+    the ranks' gradients."""
     if torch.is_grad_enabled():
         raise UsageError(
-            "a gradient of a gradient (torch.autograd.grad(..., create_graph=True), as a gradient penalty takes) "
-            f"through an output that {how} (batch='per_rank'): its second backward would sum the ranks' penalties "
-            "where DDP averages them. Compile with batch='whole' (every rank passes the whole batch) for the "
-            "penalty, or compute it outside the compiled module"
+            "a gradient of a gradient (torch.autograd.grad(..., create_graph=True)) through an output that "
+            f"{how} (batch='per_rank'): its second backward would sum the ranks' gradients where DDP averages "
+            "them. A gradient penalty at the inputs runs where the output is each rank's rows and the input "
+            "requires grad; otherwise compile with batch='whole' (every rank passes the whole batch), or compute "
+            "it outside the compiled module"
         )
 
 
@@ -534,8 +536,9 @@ class _Scaled(torch.autograd.Function):
 class _ScaleGrad(_Scaled):
     @staticmethod
     def backward(ctx, grad):
-        refuse_per_rank_penalty("comes back as each rank's rows")
-        if ctx.rows is not None:
+        if ctx.rows is None:  # no input of the call requires grad: a second backward would reach the parameters
+            refuse_per_rank_penalty("comes back as each rank's rows")
+        else:
             ctx.rows.task = torch._C._current_graph_task_id()
         return grad * ctx.factor, None, None
 
@@ -551,7 +554,14 @@ def scale_grad(x: torch.Tensor, factor: float, rows: RowGrads | None = None) -> 
 class _RowsInput(_Scaled):
     @staticmethod
     def backward(ctx, grad):
-        return (grad * ctx.factor if ctx.rows.seen() else grad), None, None
+        if not ctx.rows.seen():
+            return grad, None, None
+        if not torch.is_grad_enabled():
+            return grad * ctx.factor, None, None
+        # create_graph=True (a gradient penalty): the value is scaled, but not what a second backward
+        # takes through it to the parameters, which their reductions then sum over the ranks: it
+        # keeps the row outputs' 1 / data_parallel_size, DDP's average of the ranks' penalties.
+        return grad.detach() * ctx.factor + (grad - grad.detach()), None, None
 
 
 def rows_input(x: torch.Tensor, factor: float, rows: RowGrads) -> torch.Tensor:
