@@ -554,13 +554,16 @@ def scale_grad(x: torch.Tensor, factor: float, rows: RowGrads | None = None) -> 
 class _RowsInput(_Scaled):
     @staticmethod
     def backward(ctx, grad):
-        if not ctx.rows.seen():
+        # A backward after one with create_graph=True: what reaches the input through that one's
+        # graph kept the row outputs' scale (below), whether or not a row output got a gradient here.
+        if not ctx.rows.seen() and not getattr(ctx, "penalty", False):
             return grad, None, None
         if not torch.is_grad_enabled():
             return grad * ctx.factor, None, None
         # create_graph=True (a gradient penalty): the value is scaled, but not what a second backward
         # takes through it to the parameters, which their reductions then sum over the ranks: it
         # keeps the row outputs' 1 / data_parallel_size, DDP's average of the ranks' penalties.
+        ctx.penalty = True
         return grad.detach() * ctx.factor + (grad - grad.detach()), None, None
 
 

@@ -396,14 +396,15 @@ def _adversarial_step(module, optimizer, x: torch.Tensor, y: torch.Tensor) -> to
 
 def _penalty_step(module, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """A WGAN-GP critic step on a rank's rows: the gradient penalty at the inputs
-    (``create_graph=True``) beside the outputs' mean; returns the penalty."""
+    (``create_graph=True``) beside the outputs' mean; returns the penalty and the gradient the
+    step's backward left on the inputs (through the penalty's graph alone)."""
     x = x.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(module(x).sum(), x, create_graph=True)
     penalty = ((grad.norm(dim=1) - 1) ** 2).mean()
     optimizer.zero_grad()
     (module(x.detach() + y.unsqueeze(1)).mean() + 10 * penalty).backward()
     optimizer.step()
-    return penalty.detach()
+    return torch.cat([penalty.detach().view(1), x.grad.flatten()])
 
 
 def _input_grads(rank: int, world: int) -> dict[str, object]:
@@ -418,7 +419,8 @@ def _input_grads(rank: int, world: int) -> dict[str, object]:
         for wrap in ("ddp", "autopar"):
             torch.manual_seed(0)
             model = _Classifier().double()
-            layers = torch.nn.Sequential(model.a, torch.nn.ReLU(), model.b)
+            # a smooth activation: through ReLU's the penalty's graph gives the inputs no gradient
+            layers = torch.nn.Sequential(model.a, torch.nn.Tanh() if name == "penalty" else torch.nn.ReLU(), model.b)
             if wrap == "ddp":
                 modules[wrap] = torch.nn.parallel.DistributedDataParallel(layers)
             else:
@@ -443,7 +445,7 @@ def test_an_inputs_gradient_and_a_gradient_penalty_are_ddps(rank_pool):
     reached the input's gradient too: an FGSM step's was half DDP's on 2 ranks, before it was given
     back. A gradient penalty's second backward summed the ranks' penalties where DDP averages them
     (parameters 507 off DDP's after 3 WGAN-GP steps, on the code before batched outputs came back as
-    each rank's rows too)."""
+    each rank's rows too); through the penalty's graph the inputs' gradient was half DDP's."""
     for rank, said in enumerate(rank_pool(2).run(_input_grads, timeout_s=300)):
         assert said["dp"] == 2, said
         assert all(value < TOL for key, value in said.items() if key != "dp"), f"rank {rank}: {said}"
