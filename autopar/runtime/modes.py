@@ -33,15 +33,10 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx
-from torch.distributed.tensor import Replicate
 
 from autopar.errors import ModelError
 from autopar.ir.plan import Plan
 from autopar.trace import TracedModel, requires_grad
-
-
-def _whole(placement: Any) -> bool:
-    return isinstance(placement, Replicate)
 
 
 @dataclass(frozen=True)
@@ -66,7 +61,9 @@ class ModeGraph:
         decision = self.plan.nodes.get(output.name)
         if decision is None:
             return frozenset()
-        split = {producer for (producer, _), spec in zip(decision.inputs, decision.ins) if not all(map(_whole, spec))}
+        split = {
+            producer for (producer, _), spec in zip(decision.inputs, decision.ins) if not all(p.is_replicate() for p in spec)
+        }
         values = output.args[0] if isinstance(output.args[0], (list, tuple)) else (output.args[0],)
         return frozenset(i for i, value in enumerate(values) if isinstance(value, torch.fx.Node) and value.name in split)
 

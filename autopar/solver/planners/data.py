@@ -40,6 +40,15 @@ def batched_inputs(traced: TracedModel) -> dict[str, tuple[int, ...]]:
     return {name: shape for name, shape in shapes.items() if shape[0] == batch}
 
 
+def batch_reached(traced: TracedModel, inputs: dict[str, tuple[int, ...]]) -> set[str]:
+    """The names of the batched ``inputs`` and of every op computed from one of them."""
+    reached = set(inputs)
+    for node in traced.gm.graph.nodes:
+        if node.op == "call_function" and any(arg.name in reached for arg in node.all_input_nodes):
+            reached.add(node.name)
+    return reached
+
+
 def batched_outputs(traced: TracedModel, inputs: dict[str, tuple[int, ...]]) -> set[str]:
     """The graph's outputs whose dim 0 is the batch: tensors computed from a batched input (or
     one passed through) whose dim 0 has the batch's size, as a model's logits, hidden states and
@@ -48,10 +57,7 @@ def batched_outputs(traced: TracedModel, inputs: dict[str, tuple[int, ...]]) -> 
     if not inputs:
         return set()
     batch = next(iter(inputs.values()))[0]
-    reached = set(inputs)
-    for node in traced.gm.graph.nodes:
-        if node.op == "call_function" and any(arg.name in reached for arg in node.all_input_nodes):
-            reached.add(node.name)
+    reached = batch_reached(traced, inputs)
     output = next(node for node in traced.gm.graph.nodes if node.op == "output")
     found = set()
     for node in output.all_input_nodes:

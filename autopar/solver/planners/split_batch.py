@@ -23,7 +23,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.ir.plan import Plan
 from autopar.ir.spec import Spec, is_valid
-from autopar.solver.planners.data import batched_inputs
+from autopar.solver.planners.data import batch_reached, batched_inputs
 from autopar.trace import TracedModel
 
 
@@ -39,12 +39,11 @@ def batch_pins(traced: TracedModel, mesh_shape: tuple[int, ...]) -> dict[str, Sp
     spec = tuple(Shard(0) for _ in mesh_shape)
     if not all(is_valid(shape, spec, mesh_shape) for shape in inputs.values()):
         return {}
-    reached = set(inputs)
+    reached = batch_reached(traced, inputs)
     pins: dict[str, Spec] = {}
     for node in traced.gm.graph.nodes:
-        if node.op != "call_function" or not any(arg.name in reached for arg in node.all_input_nodes):
+        if node.op != "call_function" or node.name not in reached:
             continue
-        reached.add(node.name)
         val = node.meta.get("val")
         if (
             isinstance(val, torch.Tensor)
