@@ -70,13 +70,18 @@ def _partial_backward(pm, eager, batch) -> dict[str, object]:
     }
 
 
+def _under(kind: str, model: torch.nn.Module, world: int, batch: tuple) -> torch.nn.Module:
+    """``model`` (the zoo's GPT) compiled under hand plan ``kind`` on ``world`` CPU ranks."""
+    plan = autopar.hand_plan(kind, model, (world,), example_inputs=batch, cluster="cpu")
+    return autopar.compile(model, (world,), example_inputs=batch, cluster="cpu", plan=plan)
+
+
 def _grad_calls(rank: int, world: int) -> dict[str, object]:
     batch = example_batch("gpt", 8)
     said: dict[str, object] = {}
     for kind in PLANS:
         model, eager = build_model("gpt").double(), build_model("gpt").double()
-        plan = autopar.hand_plan(kind, model, (world,), example_inputs=batch, cluster="cpu")
-        pm = autopar.compile(model, (world,), example_inputs=batch, cluster="cpu", plan=plan)
+        pm = _under(kind, model, world, batch)
         said[kind] = _partial_backward(pm, eager, batch)
         # (a DTensor parameter's is refused at the next call: test_hook_guard)
         plain = [p for p in pm.parameters() if not isinstance(p, DTensor)][:1]
@@ -189,8 +194,7 @@ def _hooked_steps(rank: int, world: int) -> dict[str, object]:
             model, eager = build_model("gpt").double(), build_model("gpt").double()
             theirs = _in_backward_steps(eager)
             mine = _in_backward_steps(model) if where == "model before" else []
-            plan = autopar.hand_plan(kind, model, (world,), example_inputs=batch, cluster="cpu")
-            pm = autopar.compile(model, (world,), example_inputs=batch, cluster="cpu", plan=plan)
+            pm = _under(kind, model, world, batch)
             if where != "model before":
                 mine = _in_backward_steps(pm if where == "pm" else model)
             for _ in range(2):
@@ -226,8 +230,7 @@ def _torch_in_backward(rank: int, world: int) -> dict[str, object]:
     said: dict[str, object] = {}
     for kind in PLANS:
         model, eager = build_model("gpt").double(), build_model("gpt").double()
-        plan = autopar.hand_plan(kind, model, (world,), example_inputs=batch, cluster="cpu")
-        pm = autopar.compile(model, (world,), example_inputs=batch, cluster="cpu", plan=plan)
+        pm = _under(kind, model, world, batch)
         for module in (pm, eager):
             _apply_optimizer_in_backward(torch.optim.Adam, module.parameters(), {"lr": 0.01})
         for _ in range(2):
