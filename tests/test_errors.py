@@ -429,3 +429,17 @@ def test_a_gather_of_the_whole_state_on_some_ranks_names_calling_it_on_every_ran
     message = str(info.value)
     assert "rank 0: gathering the whole state after call 4; rank 1: call 5 in train mode" in message
     assert "Call it on every rank and let rank 0 alone write the file" in message
+
+
+def test_an_optimizer_keeping_more_state_than_the_budget_has_room_for_names_the_declaration(one_rank_group):
+    model = autopar.zoo.models.GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, bias=False)
+    batch = example_batch("gpt", 4)
+    budget = 1.02 * autopar.plan(model, (1,), example_inputs=batch, cluster="cpu").predicted.peak_memory_bytes
+    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu", memory_budget=budget)
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3, amsgrad=True)
+    pm(*batch).backward()
+    with pytest.raises(ConfigError) as info:
+        optimizer.step()
+    message = str(info.value)
+    assert "keeps" in message and "more optimizer state on this rank than the plan priced for torch's AdamW" in message
+    assert "optimizer='adamw-amsgrad'" in message and "memory_budget" in message

@@ -599,7 +599,7 @@ def _add_plan_command(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--optimizer",
         default="adamw",
-        help="the optimizer the training loop steps with, priced: adamw, adam, sgd, sgd-momentum, and after a colon "
+        help="the optimizer the training loop steps with, priced: adamw, adam, adamw-amsgrad, adam-amsgrad, sgd, sgd-momentum, and after a colon "
         "how it runs, e.g. adamw:fused (default adamw: torch's AdamW as it runs by default on the devices)",
     )
     p.add_argument(

@@ -32,7 +32,7 @@ from autopar.trace.moe import EXPERTS_OP
 aten = torch.ops.aten
 
 # Optimizer kind (``ir.options.OPTIMIZER_KINDS``) → float32 state tensors kept per parameter element.
-OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "adamw-amsgrad": 3, "adam-amsgrad": 3, "sgd": 0, "sgd-momentum": 1}
 
 
 def optimizer_kind(optimizer: str) -> str:

@@ -58,9 +58,10 @@ def implementation(cluster: ClusterSpec, optimizer: str = DEFAULT_OPTIMIZER) -> 
     return parse_optimizer(optimizer)[1] or default_implementation(cluster)
 
 
-# Bytes torch's foreach Adam(W) holds while it steps, per byte of its state: ``_foreach_sqrt``
-# of every second moment at once (one moment of two), freed when the step ends.
-FOREACH_TEMPORARY = 0.5
+# Bytes torch's foreach Adam(W) holds while it steps, per byte of its state, by kind: one moment,
+# ``_foreach_sqrt`` of every second moment (or, under amsgrad, of their running maximum) at once,
+# freed when the step ends.
+FOREACH_TEMPORARY = {"adam": 1 / 2, "adamw": 1 / 2, "adam-amsgrad": 1 / 3, "adamw-amsgrad": 1 / 3}
 
 
 def step_temporary(cluster: ClusterSpec, optimizer: str = DEFAULT_OPTIMIZER) -> float:
@@ -68,8 +69,9 @@ def step_temporary(cluster: ClusterSpec, optimizer: str = DEFAULT_OPTIMIZER) -> 
     its state, per byte of state (the liveness walk's "optimizer_temporary" intervals): foreach
     Adam(W)'s ``FOREACH_TEMPORARY``; none for the fused kernel or the for-loop (one parameter's
     at a time), or an optimizer that updates its state in place."""
-    if parse_optimizer(optimizer)[0] in ("adam", "adamw") and implementation(cluster, optimizer) == "foreach":
-        return FOREACH_TEMPORARY
+    kind = parse_optimizer(optimizer)[0]
+    if kind in FOREACH_TEMPORARY and implementation(cluster, optimizer) == "foreach":
+        return FOREACH_TEMPORARY[kind]
     return 0.0
 
 

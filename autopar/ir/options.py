@@ -32,7 +32,7 @@ ScheduleName = Literal["1F1B", "Interleaved1F1B", "ZBV"]  # ir.pipeline.PLANNED_
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]  # PRECISIONS
 # The optimizer a plan is priced for (``PlanOptions.optimizer``): a kind, and after a colon the
 # implementation it runs ("adamw:fused"); without one, torch's default for the devices.
-OPTIMIZER_KINDS = ("adamw", "adam", "sgd", "sgd-momentum")  # cost.memory.OPTIMIZER_STATES
+OPTIMIZER_KINDS = ("adamw", "adam", "adamw-amsgrad", "adam-amsgrad", "sgd", "sgd-momentum")  # cost.memory.OPTIMIZER_STATES
 OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")  # cost.optimizer
 DEFAULT_OPTIMIZER = "adamw"
 
@@ -269,7 +269,8 @@ class PlanOptions:
     compiled module takes its batches (``autopar.ir.data.DataOptions``). ``optimizer`` is the one
     the training loop steps with, which the plan prices (its state, what it holds while it steps,
     its time): "adamw" (the default: torch's AdamW as it runs by default on the devices),
-    "adamw:fused", "adamw:foreach", "adamw:for-loop", "adam", "sgd", "sgd-momentum" (``parse_optimizer``)."""
+    "adamw:fused", "adamw:foreach", "adamw:for-loop", "adam", "adamw-amsgrad" (``amsgrad=True``, a
+    third moment), "adam-amsgrad", "sgd", "sgd-momentum" (``parse_optimizer``)."""
 
     solve: SolveOptions = field(default_factory=SolveOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)

@@ -8,7 +8,8 @@ import gc
 
 import torch
 
-from autopar.cost.cluster import ClusterSpec
+from autopar.cost.cluster import ClusterSpec, resolve_budget
+from autopar.cost.optimizer import implementation
 from autopar.ir.options import PlanOptions
 from autopar.ir.pipeline import first_microbatch
 from autopar.ir.plan import Plan
@@ -62,7 +63,9 @@ def build_module(
         module = compile_single(model, examples, traced, chosen, cluster, options, init, compiler)
     if isinstance(init, FromCheckpoint):  # the shards are empty until the checkpoint fills them
         checkpoint.load(init.path, module)
-    hold_to_optimizer(dict(module.named_parameters()), chosen.optimizer)
+    budget = resolve_budget(options.memory.budget, cluster)
+    priced = implementation(cluster, chosen.optimizer)
+    hold_to_optimizer(dict(module.named_parameters()), chosen.optimizer, priced, budget, chosen.predicted.peak_memory_bytes)
     free_traced(model)
     stale_model.watch(model, module)
     return module

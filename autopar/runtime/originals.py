@@ -310,7 +310,7 @@ def watch(model: torch.nn.Module, pm: torch.nn.Module) -> None:
         if type(param) is torch.nn.Parameter:
             param.__class__ = _Linked
     if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_check))
+        _HOOK.append(register_optimizer_step_pre_hook(rebind_optimizer))
 
 
 def bind(model: torch.nn.Module, pm: torch.nn.Module, fqns: set[str]) -> None:
@@ -399,7 +399,10 @@ def _whole(value: Any, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
-def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def rebind_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The step pre-hook: re-bind an optimizer over a compiled model's own parameters to the
+    module's, or refuse it (module docstring); once per optimizer, so that other hooks may call
+    it first (``optim_guard``, which checks the parameters it will step)."""
     # LBFGS and the like make their gradients inside the step (args[0] is the optimizer)
     if args[1:] or kwargs.get("closure") is not None:
         return

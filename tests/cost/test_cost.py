@@ -571,7 +571,8 @@ def test_param_state_bytes():
     assert param_state_bytes(shape, torch.float32, (R,), mesh) == 16 * MiB
     # bf16 params keep fp32 optimizer state: 0.5 + 0.5 + 2 MiB
     assert param_state_bytes(shape, torch.bfloat16, (S(0),), mesh) == 3 * MiB
-    with pytest.raises(ValueError, match="unknown optimizer 'lamb'.*adam, adamw, sgd, sgd-momentum"):
+    assert param_state_bytes(shape, torch.float32, (S(0),), mesh, optimizer="adamw-amsgrad") == 5 * MiB  # a third moment
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'.*adam, adam-amsgrad, adamw, adamw-amsgrad, sgd, sgd-momentum"):
         param_state_bytes(shape, torch.float32, (S(0),), mesh, optimizer="lamb")
 
 

@@ -138,6 +138,8 @@ def test_a_declared_optimizer_is_the_one_priced():
     assert implementation(cluster, "adamw") == "foreach" and implementation(get_cluster("cpu-gloo"), "adamw") == "for-loop"
     assert implementation(get_cluster("cpu-gloo"), "adamw:foreach") == "foreach"
     assert step_temporary(get_cluster("cpu-gloo"), "adamw:foreach") == 0.5 and step_temporary(cluster, "sgd:foreach") == 0.0
+    # amsgrad: three moments, of which foreach's temporary is one (the square root of their maximum)
+    assert step_temporary(cluster, "adamw-amsgrad") == pytest.approx(1 / 3)
 
 
 def test_an_optimizer_autopar_does_not_price_is_refused_by_name():

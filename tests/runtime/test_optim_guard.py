@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.runtime.optim_guard import running
-from autopar.zoo.models import MLP
+from autopar.zoo.models import MLP, example_batch
 
 
 @pytest.fixture
@@ -68,7 +68,76 @@ def test_running_names_torchs_optimizers_as_plans_do():
         (torch.optim.Adam([param], foreach=False), ("adam", "for-loop")),
         (torch.optim.SGD([param], lr=0.1), ("sgd", "for-loop")),
         (torch.optim.SGD([param], lr=0.1, momentum=0.9, foreach=True), ("sgd-momentum", "foreach")),
+        (torch.optim.Adam([param], amsgrad=True, fused=True), ("adam-amsgrad", "fused")),
         (torch.optim.Adagrad([param]), (None, None)),
     ]
     for optimizer, named in cases:
         assert running(optimizer, optimizer.param_groups[0], param) == named, optimizer
+
+
+def test_a_budget_holds_whatever_optimizer_the_loop_builds(one_rank):
+    # Planned for torch's default AdamW under a budget with 2% of room: an optimizer that keeps
+    # more state (amsgrad's third moment; RMSprop centered with momentum, a class autopar does
+    # not price, measured after its first step) would hold more than the budget, without a word.
+    torch.manual_seed(0)
+    model = autopar.zoo.models.GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, bias=False)
+    batch = example_batch("gpt", 4)
+    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
+    budget = 1.02 * free.predicted.peak_memory_bytes
+    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu", memory_budget=budget)
+    assert pm.plan.predicted.peak_memory_bytes <= budget
+    for fits in (
+        torch.optim.AdamW(pm.parameters()),
+        torch.optim.Adagrad(pm.parameters()),
+        torch.optim.SGD(pm.parameters(), lr=0.1),
+    ):
+        _step(fits, pm, batch)
+        _step(fits, pm, batch)
+    before = [p.detach().clone() for p in pm.parameters()]
+    amsgrad = torch.optim.AdamW(pm.parameters(), amsgrad=True)
+    with pytest.raises(autopar.errors.ConfigError, match=r"AdamW keeps .* MiB more optimizer state.*optimizer='adamw-amsgrad'"):
+        _step(amsgrad, pm, batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, pm.parameters()))  # refused before it moved anything
+    assert not amsgrad.state
+    with pytest.raises(autopar.errors.ConfigError, match=r"adamw-amsgrad"):
+        amsgrad.step()  # refused again, not waved through
+    rmsprop = torch.optim.RMSprop(pm.parameters(), momentum=0.9, centered=True)  # three tensors a parameter
+    with pytest.raises(
+        autopar.errors.ConfigError, match=r"RMSprop keeps .*measured after its first step.*optimizer='adamw-amsgrad'"
+    ):
+        _step(rmsprop, pm, batch)
+    # declared, the plan makes room for amsgrad's state under the same budget, and it steps
+    declared = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu", memory_budget=budget, optimizer="adamw-amsgrad")
+    assert declared.plan.predicted.peak_memory_bytes <= budget
+    for optimizer in (
+        torch.optim.AdamW(declared.parameters(), amsgrad=True),
+        torch.optim.RMSprop(declared.parameters(), momentum=0.9, centered=True),
+    ):
+        _step(optimizer, declared, batch)
+        _step(optimizer, declared, batch)
+
+
+def test_a_declared_adam_keeps_no_amsgrad_moment(one_rank):
+    torch.manual_seed(0)
+    model = MLP(d_in=8, d_hidden=16, d_out=4)
+    batch = (torch.randn(4, 8), torch.randn(4, 4))
+    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu", optimizer="adamw:fused")
+    with pytest.raises(autopar.errors.ConfigError, match="adamw-amsgrad:fused, which holds more state per parameter"):
+        _step(torch.optim.AdamW(pm.parameters(), fused=True, amsgrad=True), pm, batch)
+    with pytest.raises(
+        autopar.errors.ConfigError, match=r"RMSprop keeps .* more state.*optimizer='adamw:fused'.*'adamw-amsgrad'"
+    ):
+        _step(torch.optim.RMSprop(pm.parameters(), momentum=0.9, centered=True), pm, batch)
+
+
+def test_a_declared_kind_runs_as_torch_runs_it_on_the_plans_cluster(one_rank):
+    # "adam" on a GPU cluster is priced as torch's foreach there, its temporary included: torch's
+    # Adam(foreach=True) is what was priced, not more.
+    torch.manual_seed(0)
+    model = MLP(d_in=8, d_hidden=16, d_out=4)
+    batch = (torch.randn(4, 8), torch.randn(4, 4))
+    pm = autopar.compile(model, (1,), example_inputs=batch, cluster="h100-80g", optimizer="adam")
+    _step(torch.optim.Adam(pm.parameters(), foreach=True), pm, batch)
+    gloo = autopar.compile(model, (1,), example_inputs=batch, cluster="cpu", optimizer="adam")
+    with pytest.raises(autopar.errors.ConfigError, match="adam:foreach, which holds half its state again"):
+        _step(torch.optim.Adam(gloo.parameters(), foreach=True), gloo, batch)
