@@ -551,7 +551,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
         """This rank's shard of the gradient of ``fqn`` (plain), or None."""
         canonical = self._traced.ties.get(fqn, fqn)
         if self._offloader is not None and canonical in self._offloader.grads:
-            return self._offloader.grad(canonical)
+            return self._offloader.grad(canonical, self._held(fqn))
         grad = self._held(fqn).grad
         return None if grad is None else local_of(grad)
 

@@ -38,11 +38,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from autopar.errors import OffloadError
 from autopar.ir.memory import MemoryPlan
 from autopar.ops.params import local_of
 from autopar.runtime.optim_guard import refuse_torch_optimizers
 from autopar.runtime.store import Store
+
+aten = torch.ops.aten
+# In-place ops on an offloaded gradient that the store carries out (``Offloader.store_update``).
+_IN_PLACE = (aten.add_.Tensor, aten.zero_.default, aten.mul_.Tensor, aten.mul_.Scalar)
 
 # Saved tensors smaller than this stay on the device (a store entry costs more than they save).
 MIN_ACTIVATION_BYTES = 4096
@@ -63,15 +69,61 @@ Fetch = tuple[str, "torch.dtype | None"]
 class _Fetch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, stub: torch.Tensor, offloader: Offloader, fetch: Fetch) -> torch.Tensor:
-        ctx.offloader, ctx.fqn = offloader, fetch[0]
+        ctx.offloader, ctx.fqn, ctx.stub = offloader, fetch[0], weakref.ref(stub)
         ctx.master_dtype = offloader.store.meta[param_key(fetch[0])][1]
         return offloader.store.get(offloader.store_key(fetch))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
         # The master's gradient, as the cast's backward gives it where nothing is offloaded.
-        ctx.offloader.add_grad(ctx.fqn, grad.to(ctx.master_dtype))
+        stub = ctx.stub()
+        if stub is not None:
+            ctx.offloader.take_grad(stub, ctx.fqn, grad.to(ctx.master_dtype))
         return None, None, None
+
+
+class OffloadedGrad(torch.Tensor):
+    """The ``.grad`` of a parameter whose gradient the plan offloads, once backward has made it:
+    the gradient is in the store, and this stand-in (which holds no memory) says so. Reading it
+    raises ``OffloadError``: torch's ``clip_grad_norm_(pm.parameters())`` measured and clipped the
+    resident gradients alone, and the step went on with the offloaded ones unclipped (0.006 off
+    eager after one step), without a word. What a loop does to a gradient in place reaches the
+    store: backward's accumulation (``add_``), ``zero_``, ``mul_``. The stored gradient counts only
+    while ``.grad`` holds its stand-in: a ``.grad`` set to None (``pm.zero_grad()``, which HF's
+    Trainer calls; before, the stored gradients summed over the steps, 0.022 off eager after three)
+    makes the next backward replace it."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, offloader: Offloader, fqn: str):
+        held = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False)
+        held.offloader, held.fqn = weakref.ref(offloader), fqn
+        return held
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"OffloadedGrad({self.fqn!r}, shape={tuple(self.shape)}, in the offload store)"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        held = args[0] if args and isinstance(args[0], OffloadedGrad) else None
+        offloader = held.offloader() if held is not None else None
+        if func in (aten.detach.default, aten.detach_.default, aten.alias.default) and held is not None:
+            return held
+        if offloader is not None and func in _IN_PLACE:
+            offloader.store_update(held.fqn, func, args[1:], kwargs)
+            return held
+        fqn = next((a.fqn for a in args if isinstance(a, OffloadedGrad)), "?")
+        raise OffloadError(
+            f"the gradient of '{fqn}' is in the offload store (the plan offloads it: plan.memory), so {func} on "
+            "its .grad cannot read it. Clip with pm.clip_grad_norm_(max_norm), read gradients with "
+            "pm.full_grads() or pm.grad_norm(), and step with autopar.optim.AdamW(pm, ...)"
+        )
+
+
+def holds_offloaded_grad(param: torch.Tensor) -> bool:
+    """Whether ``param.grad`` is the stand-in of a gradient in the offload store (``OffloadedGrad``)."""
+    grad = param.grad
+    return isinstance(grad._local_tensor if isinstance(grad, DTensor) else grad, OffloadedGrad)
 
 
 def _stays(tensor: torch.Tensor) -> bool:
@@ -147,9 +199,34 @@ class Offloader(torch.nn.Module):
         """Add to the stored gradient; with prefetch the write runs behind the rest of backward."""
         self.store.accumulate(grad_key(fqn), grad, wait=not self.memory.prefetch)
 
-    def grad(self, fqn: str) -> torch.Tensor | None:
+    def grad(self, fqn: str, param: torch.Tensor) -> torch.Tensor | None:
+        """The stored gradient of ``fqn``, or None where ``param`` (its parameter or stub) holds no
+        stand-in for it (``OffloadedGrad``): none made since its ``.grad`` was set to None."""
         key = grad_key(fqn)
-        return self.store.get(key) if key in self.store else None
+        return self.store.get(key) if key in self.store and holds_offloaded_grad(param) else None
+
+    def take_grad(self, param: torch.Tensor, fqn: str, grad: torch.Tensor) -> None:
+        """Backward made ``grad`` (this rank's shard) for ``param``: add it to the stored gradient
+        where ``param`` holds the stand-in, else replace what the store holds (``.grad`` was set to
+        None since), and leave the stand-in in ``.grad``."""
+        if holds_offloaded_grad(param):
+            self.add_grad(fqn, grad)
+            return
+        self.store.put(grad_key(fqn), grad.detach(), wait=not self.memory.prefetch)
+        held = OffloadedGrad(local_of(param), self, fqn)
+        param.grad = DTensor(held, param._spec, requires_grad=False) if isinstance(param, DTensor) else held
+
+    def store_update(self, fqn: str, func: Any, args: tuple, kwargs: dict) -> None:
+        """Carry out an in-place op on the stand-in of ``fqn``'s gradient on the stored gradient."""
+        key = grad_key(fqn)
+        if func is aten.zero_.default:
+            self.store.delete(key)
+        elif func is aten.add_.Tensor:
+            self.add_grad(fqn, args[0] * kwargs.get("alpha", 1) if kwargs.get("alpha", 1) != 1 else args[0])
+        elif key in self.store:  # mul_: of the gradient there is, zero where there is none
+            value = self.store.get(key)
+            value.mul_(*args, **kwargs)
+            self.store.put(key, value, wait=not self.memory.prefetch)
 
     def clear_grads(self) -> None:
         for fqn in self.grads:
@@ -171,9 +248,10 @@ class Offloader(torch.nn.Module):
 
     def _grad_hook(self, fqn: str):
         def hook(param: torch.Tensor) -> None:
-            if param.grad is not None:  # a DTensor parameter's: its local shard is stored
-                self.add_grad(fqn, local_of(param.grad))
-                param.grad = None
+            # (where .grad held the stand-in, backward's accumulation has reached the store already)
+            if param.grad is not None and not holds_offloaded_grad(param):  # a DTensor's: its local shard is stored
+                grad, param.grad = local_of(param.grad), None
+                self.take_grad(param, fqn, grad)
 
         return hook
 

@@ -97,7 +97,7 @@ class AdamW:
         for k, (fqn, param) in enumerate(params):
             if prefetch and k + 1 < len(params):
                 self._prefetch(params[k + 1][0])
-            grad = self.offloader.grad(fqn) if self._offloaded("grads", fqn) else param.grad
+            grad = self.offloader.grad(fqn, param) if self._offloaded("grads", fqn) else param.grad
             if grad is None:
                 continue
             # A DTensor parameter (and its gradient) is stepped on its local shard: the update

@@ -226,3 +226,38 @@ def test_the_model_passed_to_compile_loads_into_the_store_and_refuses_what_it_ca
         model.transformer.requires_grad_(False)
     model.requires_grad_(True)  # what it is already: nothing to refuse
     assert pm.clip_grad_norm_(1.0) > 0
+
+
+def test_a_loop_that_clips_accumulates_and_zeroes_the_module_trains_as_eager(world_of_one, tmp_path):
+    # float64, everything the 40% budget offloads (parameters, gradients, AdamW state): two
+    # micro-batches a step, clipping, and pm.zero_grad() (HF's Trainer's call) with both of its
+    # modes. Before, pm.zero_grad() left the stored gradients to sum over the steps (0.022 off
+    # eager after three), and torch's clip_grad_norm_(pm.parameters()) clipped the resident
+    # gradients alone by their own norm (0.006 off after one step): neither said a word.
+    model, batch = _gpt()
+    model = model.double()
+    eager = copy.deepcopy(model)
+    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
+    plan = autopar.plan(
+        model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
+    )
+    assert {entry.kind for entry in plan.memory.offload} == {"param", "grad", "optimizer_state"}
+    pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
+    opt, eager_opt = autopar.optim.AdamW(pm, lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        for _ in range(2):
+            (pm(*batch) / 2).backward()
+            (eager(*batch) / 2).backward()
+        offloaded = [p for n, p in pm.module.named_parameters() if n in plan.memory.offloaded("grad")]
+        with pytest.raises(autopar.errors.OffloadError, match=r"gradient of '.*' is in the offload store.*pm.clip_grad_norm_"):
+            torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.5)
+        assert "in the offload store" in repr(offloaded[0].grad)
+        norm, want = pm.clip_grad_norm_(0.5), torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.5)
+        torch.testing.assert_close(norm, want, rtol=1e-12, atol=0, msg=f"norm at step {step}")
+        opt.step()
+        eager_opt.step()
+        pm.zero_grad(set_to_none=step != 1)
+        eager.zero_grad()
+    want = eager.state_dict()
+    for fqn, value in pm.full_state_dict().items():
+        torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=f"{fqn} after {STEPS} steps")
