@@ -26,6 +26,7 @@ checkpoint_id=path, no_dist=True)`` fills an unsharded model in one process, and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -224,11 +225,17 @@ def _param_fqns(pm: ParallelModule, optimizer: torch.optim.Optimizer) -> dict[in
 def optimizer_state_dict(pm: ParallelModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer``'s state keyed by parameter FQN, shard-shaped state tensors as DTensors."""
     names = _param_fqns(pm, optimizer)
+    with getattr(optimizer, "state_in_hand", contextlib.nullcontext)():  # autopar.optim.AdamW's offloaded moments
+        return _optimizer_state_dict(pm, optimizer, names)
+
+
+def _optimizer_state_dict(pm: ParallelModule, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
     mesh = pm.device_mesh
     state: dict[str, dict[str, Any]] = {}
     for param, entries in optimizer.state.items():
         fqn = names[id(param)]
         spec = pm.plan.params[fqn]
+        shard = _shard_shape(pm, fqn, param)
         state[fqn] = {}
         for key, value in entries.items():
             if isinstance(value, DTensor):  # the state of a DTensor parameter: already global
@@ -239,10 +246,10 @@ def optimizer_state_dict(pm: ParallelModule, optimizer: torch.optim.Optimizer) -
                         "checkpoints optimizers whose state is per element or scalar (SGD, Adam, AdamW, ...)"
                     )
             elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                if tuple(value.shape) != tuple(param.shape):
+                if tuple(value.shape) != shard:
                     raise CheckpointError(
                         f"optimizer state {key!r} of {fqn} has shape {tuple(value.shape)}, neither a scalar "
-                        f"nor the shard's shape {tuple(param.shape)}, so its sharding is unknown; "
+                        f"nor the shard's shape {shard}, so its sharding is unknown; "
                         "autopar checkpoints optimizers whose state is per element or scalar (SGD, Adam, AdamW, ...)"
                     )
                 value = to_dtensor(value, spec, pm.full_shape(fqn), mesh)
@@ -254,6 +261,16 @@ def optimizer_state_dict(pm: ParallelModule, optimizer: torch.optim.Optimizer) -
         saved["params"] = params  # the whole model's: a pipeline stage's optimizer steps a part
         groups.append(saved)
     return {"state": state, "param_groups": groups}
+
+
+def _shard_shape(pm: ParallelModule, fqn: str, param: torch.Tensor) -> tuple[int, ...]:
+    """This rank's shard shape of parameter ``fqn``: ``param``'s, or, where the plan offloads the
+    parameter (``param`` is an empty stub), the stored value's."""
+    offloader = pm.offloader
+    canonical = pm.ties.get(fqn, fqn)
+    if offloader is not None and canonical in offloader.params:
+        return tuple(offloader.store.meta[param_key(canonical)][0])
+    return tuple(param.shape)
 
 
 def save(path: str | os.PathLike, pm: ParallelModule, optimizer: torch.optim.Optimizer | None = None) -> None:

@@ -16,19 +16,29 @@ For a module that offloads nothing it is a plain AdamW over ``pm.parameters()``.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from autopar.errors import ConfigError
-from autopar.ops.params import local_of
+from autopar.ops.params import as_like, local_of
 from autopar.runtime import stale_model
 from autopar.runtime.offload import grad_key, param_key
 
 
-class AdamW:
-    """AdamW over a ParallelModule's parameters, offload-aware (see the module docstring)."""
+class AdamW(torch.optim.Optimizer):
+    """AdamW over a ParallelModule's parameters, offload-aware (see the module docstring). A
+    ``torch.optim.Optimizer``: one param group over the module's parameters, which torch's
+    schedulers, ``state_dict()``/``load_state_dict()`` and ``autopar.checkpoint`` read and write;
+    each parameter's state is torch AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``), so a state
+    saved by either loads into the other. Where the plan offloads it, it lives in the store and
+    ``state_dict()`` reads it back; state put in ``self.state`` (a load) goes to the store at the
+    next step."""
+
+    steps_offloaded_state = True  # for ``runtime.optim_guard``: what this optimizer steps is the plan's own
 
     def __init__(
         self,
@@ -40,9 +50,6 @@ class AdamW:
     ):
         if not lr >= 0 or not eps >= 0 or not all(0 <= b < 1 for b in betas):
             raise ConfigError(f"AdamW needs lr >= 0, eps >= 0 and betas in [0, 1), got lr={lr}, eps={eps}, betas={betas}")
-        self.module = module
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.offloader = getattr(module, "offloader", None)
         ties = getattr(module, "ties", None) or {}  # a ParallelModule's tied names; none on a plain module
         self.params: list[tuple[str, torch.nn.Parameter]] = []
         seen: set[int] = set()
@@ -53,7 +60,12 @@ class AdamW:
                 continue
             seen.add(id(param))
             self.params.append((fqn, param))
-        self.state: dict[str, dict[str, Any]] = {fqn: {"step": 0} for fqn, _ in self.params}
+        super().__init__(
+            [param for _, param in self.params], {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        )
+        self.module = module
+        self.offloader = getattr(module, "offloader", None)
+        self._fqns = {id(param): fqn for fqn, param in self.params}
 
     def _offloaded(self, kind: str, fqn: str) -> bool:
         return self.offloader is not None and fqn in getattr(self.offloader, kind)
@@ -64,15 +76,15 @@ class AdamW:
         if self.offloader is not None:
             self.offloader.clear_grads()
 
-    def _prefetch(self, fqn: str) -> None:
+    def _prefetch(self, fqn: str, param: torch.Tensor) -> None:
         store = self.offloader.store
         if self._offloaded("params", fqn):
             store.prefetch(param_key(fqn))
         if self._offloaded("grads", fqn):
             store.prefetch(grad_key(fqn))
-        if self._offloaded("states", fqn) and self.state[fqn]["step"]:
-            store.prefetch(f"exp_avg/{fqn}")
-            store.prefetch(f"exp_avg_sq/{fqn}")
+        if self._offloaded("states", fqn) and self.state.get(param):
+            for name in MOMENTS:
+                store.prefetch(state_key(name, fqn))
 
     def _stepping_order(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Parameters whose tensors live on the device first, offloaded ones last: with prefetch
@@ -81,8 +93,46 @@ class AdamW:
         kinds = ("params", "grads", "states")
         return sorted(self.params, key=lambda item: any(self._offloaded(kind, item[0]) for kind in kinds))
 
+    def _stow(self) -> None:
+        """Move the moments of parameters whose state the plan offloads from ``self.state`` (where a
+        load put them) to the store."""
+        for fqn, param in self.params:
+            state = self.state.get(param)
+            if state and self._offloaded("states", fqn) and any(name in state for name in MOMENTS):
+                for name in MOMENTS:
+                    self.offloader.store.put(state_key(name, fqn), state.pop(name).to(local_of(param).device))
+
+    @contextlib.contextmanager
+    def state_in_hand(self) -> Iterator[None]:
+        """Inside, ``self.state`` holds every moment, the offloaded ones read from the store (for
+        ``state_dict()`` and ``autopar.checkpoint.save``); after, it holds them as before."""
+        self._stow()
+        kept = {}
+        for fqn, param in self.params:
+            state = self.state.get(param)
+            if state and self._offloaded("states", fqn):
+                kept[param] = state
+                self.state[param] = {**state, **{name: self.offloader.store.get(state_key(name, fqn)) for name in MOMENTS}}
+        try:
+            yield
+        finally:
+            self.state.update(kept)
+
+    def state_dict(self) -> dict[str, Any]:
+        with self.state_in_hand():
+            return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._stow()
+
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._stow()
         store = self.offloader.store if self.offloader is not None else None
         if store is not None:
             store.take_back()  # weights loaded in place into pm.state_dict()'s copies (dcp.load)
@@ -90,38 +140,53 @@ class AdamW:
         params = self._stepping_order() if store is not None else self.params
         if prefetch:  # the first offloaded parameter's read, behind the resident updates
             kinds = ("params", "grads", "states")
-            first = next((fqn for fqn, _ in params if any(self._offloaded(kind, fqn) for kind in kinds)), None)
+            first = next(((fqn, p) for fqn, p in params if any(self._offloaded(kind, fqn) for kind in kinds)), None)
             if first is not None:
-                self._prefetch(first)
+                self._prefetch(*first)
         stale_model.stepped(self.module)  # the model passed to compile is behind it now
+        groups = {id(p): group for group in self.param_groups for p in group["params"]}
         for k, (fqn, param) in enumerate(params):
             if prefetch and k + 1 < len(params):
-                self._prefetch(params[k + 1][0])
-            grad = self.offloader.grad(fqn, param) if self._offloaded("grads", fqn) else param.grad
-            if grad is None:
-                continue
-            # A DTensor parameter (and its gradient) is stepped on its local shard: the update
-            # is elementwise, so no DTensor dispatch is needed.
-            grad = local_of(grad)
-            value = store.get(param_key(fqn)) if self._offloaded("params", fqn) else local_of(param)
-            state = self.state[fqn]
-            offloaded_state = self._offloaded("states", fqn)
-            if state["step"] == 0:
-                exp_avg, exp_avg_sq = torch.zeros_like(value), torch.zeros_like(value)
-            elif offloaded_state:
-                exp_avg, exp_avg_sq = store.get(f"exp_avg/{fqn}"), store.get(f"exp_avg_sq/{fqn}")
-            else:
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            state["step"] += 1
-            _adamw_update(value, grad, exp_avg, exp_avg_sq, state["step"], self.lr, self.betas, self.eps, self.weight_decay)
-            if offloaded_state:  # with prefetch, written behind the next parameter's update
-                store.put(f"exp_avg/{fqn}", exp_avg, wait=not prefetch)
-                store.put(f"exp_avg_sq/{fqn}", exp_avg_sq, wait=not prefetch)
-            else:
-                state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
-            if self._offloaded("params", fqn):
-                store.put(param_key(fqn), value, wait=not prefetch)
-            del value, grad, exp_avg, exp_avg_sq
+                self._prefetch(*params[k + 1])
+            if id(param) in groups:
+                self._step_one(fqn, param, groups[id(param)], store, prefetch)
+        return loss
+
+    def _step_one(self, fqn: str, param: torch.Tensor, group: dict, store: Any, prefetch: bool) -> None:
+        grad = self.offloader.grad(fqn, param) if self._offloaded("grads", fqn) else param.grad
+        if grad is None:
+            return
+        # A DTensor parameter (and its gradient) is stepped on its local shard: the update is
+        # elementwise, so no DTensor dispatch is needed.
+        grad = local_of(grad)
+        value = store.get(param_key(fqn)) if self._offloaded("params", fqn) else local_of(param)
+        state = self.state[param]
+        offloaded_state = self._offloaded("states", fqn)
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            exp_avg, exp_avg_sq = torch.zeros_like(value), torch.zeros_like(value)
+        elif offloaded_state:
+            exp_avg, exp_avg_sq = (store.get(state_key(name, fqn)) for name in MOMENTS)
+        else:
+            exp_avg, exp_avg_sq = (local_of(state[name]) for name in MOMENTS)
+        state["step"] += 1
+        lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        _adamw_update(value, grad, exp_avg, exp_avg_sq, int(state["step"]), lr, betas, eps, weight_decay)
+        if offloaded_state:  # with prefetch, written behind the next parameter's update
+            for name, moment in zip(MOMENTS, (exp_avg, exp_avg_sq), strict=True):
+                store.put(state_key(name, fqn), moment, wait=not prefetch)
+        elif "exp_avg" not in state:
+            state["exp_avg"], state["exp_avg_sq"] = (as_like(m, param) for m in (exp_avg, exp_avg_sq))
+        if self._offloaded("params", fqn):
+            store.put(param_key(fqn), value, wait=not prefetch)
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def state_key(name: str, fqn: str) -> str:
+    """The store key of moment ``name`` of parameter ``fqn``."""
+    return f"{name}/{fqn}"
 
 
 def _adamw_update(param, grad, exp_avg, exp_avg_sq, step: int, lr, betas, eps, weight_decay) -> None:

@@ -129,6 +129,10 @@ def _ensure_hook() -> None:
 
 
 def _refuse(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    if getattr(optimizer, "steps_offloaded_state", False):  # autopar.optim.AdamW: steps as the plan priced
+        if holds_leaves():
+            _check_shard_data(optimizer)
+        return
     if _DECLARED and optimizer not in _CHECKED and _UNHELD.get(optimizer) != _count(optimizer):
         rebind_optimizer(optimizer, args, kwargs)  # one over the model's own parameters steps the module's
         _hold(optimizer)

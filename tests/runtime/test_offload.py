@@ -261,3 +261,54 @@ def test_a_loop_that_clips_accumulates_and_zeroes_the_module_trains_as_eager(wor
     want = eager.state_dict()
     for fqn, value in pm.full_state_dict().items():
         torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=f"{fqn} after {STEPS} steps")
+
+
+def test_autopar_adamw_is_a_torch_optimizer_that_schedules_saves_and_resumes(world_of_one, tmp_path):
+    # An offloading module's documented optimizer under what a fine-tuning loop does: an LR
+    # schedule, a checkpoint of module and optimizer (the offloaded moments read from the store)
+    # and a resume in a new module; before, each raised AttributeError (no param_groups).
+    model, batch = _gpt()
+    model = model.double()
+    eager, fresh = copy.deepcopy(model), copy.deepcopy(model)
+    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
+    plan = autopar.plan(
+        model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
+    )
+    assert plan.memory.offloaded("optimizer_state")
+
+    def trainer(module, optimizer_type):
+        optimizer = (
+            optimizer_type(module, lr=1e-2)
+            if optimizer_type is autopar.optim.AdamW
+            else optimizer_type(module.parameters(), lr=1e-2)
+        )
+        return module, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (s + 1))
+
+    def train(run, steps):
+        module, optimizer, schedule = run
+        for _ in range(steps):
+            module(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            schedule.step()
+
+    pm = trainer(
+        autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path / 'a'}"), autopar.optim.AdamW
+    )
+    reference = trainer(eager, torch.optim.AdamW)
+    train(pm, 2)
+    train(reference, 2)
+    saved = pm[1].state_dict()
+    want = reference[1].state_dict()
+    assert len(saved["state"]) == len(want["state"]) and saved["param_groups"][0]["lr"] == want["param_groups"][0]["lr"]
+    autopar.checkpoint.save(tmp_path / "ckpt", pm[0], pm[1])
+    resumed = trainer(
+        autopar.compile(fresh, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path / 'b'}"), autopar.optim.AdamW
+    )
+    autopar.checkpoint.load(tmp_path / "ckpt", resumed[0], resumed[1])
+    resumed[2].load_state_dict(pm[2].state_dict())
+    train(resumed, 2)
+    train(reference, 2)
+    want = eager.state_dict()
+    for fqn, value in resumed[0].full_state_dict().items():
+        torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=f"{fqn} after a resume")
