@@ -8,7 +8,7 @@ import gc
 
 import torch
 
-from autopar.cost.cluster import ClusterSpec, resolve_budget
+from autopar.cost.cluster import ClusterSpec
 from autopar.cost.optimizer import implementation
 from autopar.ir.options import PlanOptions
 from autopar.ir.pipeline import first_microbatch
@@ -23,6 +23,7 @@ from autopar.runtime.padded import check_padded_plan
 from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
 from autopar.runtime.single import Examples, compile_single
 from autopar.solver.planners.quiet_gc import quiet_gc
+from autopar.solver.planners.settings import memory_budget
 from autopar.trace import trace
 
 # The weights' size from which compile collects what tracing left (``free_traced``).
@@ -63,7 +64,7 @@ def build_module(
         module = compile_single(model, examples, traced, chosen, cluster, options, init, compiler)
     if isinstance(init, FromCheckpoint):  # the shards are empty until the checkpoint fills them
         checkpoint.load(init.path, module)
-    budget = resolve_budget(options.memory.budget, cluster)
+    budget = memory_budget(options, cluster)
     priced = implementation(cluster, chosen.optimizer)
     hold_to_optimizer(dict(module.named_parameters()), chosen.optimizer, priced, budget, chosen.predicted.peak_memory_bytes)
     free_traced(model)
