@@ -443,19 +443,3 @@ def test_an_optimizer_keeping_more_state_than_the_budget_has_room_for_names_the_
     message = str(info.value)
     assert "keeps" in message and "more optimizer state on this rank than the plan priced for torch's AdamW" in message
     assert "optimizer='adamw-amsgrad'" in message and "memory_budget" in message
-
-
-def test_torch_clipping_an_offloaded_gradient_names_pm_clip_grad_norm(one_rank_group, tmp_path):
-    model = autopar.zoo.models.GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, bias=False)
-    batch = example_batch("gpt", 4)
-    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
-    plan = autopar.plan(
-        model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
-    )
-    pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
-    pm(*batch).backward()
-    with pytest.raises(OffloadError) as info:
-        torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
-    message = str(info.value)
-    assert "is in the offload store (the plan offloads it: plan.memory)" in message and "on its .grad cannot read it" in message
-    assert "pm.clip_grad_norm_(max_norm)" in message and "autopar.optim.AdamW(pm, ...)" in message

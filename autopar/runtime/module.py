@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import math
 import operator
@@ -187,6 +188,10 @@ class ParallelModule(ModelAttributes, ShardedModule):
             if offloaded:
                 offloader.store.put(param_key(canonical), local)
                 local = torch.empty(0, dtype=local.dtype, device=local.device)
+                if not self._plain_params:
+                    offloader.whole[canonical] = functools.partial(
+                        to_dtensor, spec=plan.params[fqn], full_shape=tuple(full[fqn].shape), mesh=self.device_mesh
+                    )
             if graph_input.kind == "param":
                 if not offloaded and not self._plain_params:  # a DTensor on the device mesh, as FSDP2's are
                     local = to_dtensor(local, plan.params[fqn], tuple(full[fqn].shape), self.device_mesh)

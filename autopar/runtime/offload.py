@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import OffloadError
@@ -47,8 +48,6 @@ from autopar.runtime.optim_guard import refuse_torch_optimizers
 from autopar.runtime.store import Store
 
 aten = torch.ops.aten
-# In-place ops on an offloaded gradient that the store carries out (``Offloader.store_update``).
-_IN_PLACE = (aten.add_.Tensor, aten.zero_.default, aten.mul_.Tensor, aten.mul_.Scalar)
 
 # Saved tensors smaller than this stay on the device (a store entry costs more than they save).
 MIN_ACTIVATION_BYTES = 4096
@@ -83,41 +82,101 @@ class _Fetch(torch.autograd.Function):
 
 
 class OffloadedGrad(torch.Tensor):
-    """The ``.grad`` of a parameter whose gradient the plan offloads, once backward has made it:
-    the gradient is in the store, and this stand-in (which holds no memory) says so. Reading it
-    raises ``OffloadError``: torch's ``clip_grad_norm_(pm.parameters())`` measured and clipped the
-    resident gradients alone, and the step went on with the offloaded ones unclipped (0.006 off
-    eager after one step), without a word. What a loop does to a gradient in place reaches the
-    store: backward's accumulation (``add_``), ``zero_``, ``mul_``. The stored gradient counts only
-    while ``.grad`` holds its stand-in: a ``.grad`` set to None (``pm.zero_grad()``, which HF's
-    Trainer calls; before, the stored gradients summed over the steps, 0.022 off eager after three)
-    makes the next backward replace it."""
+    """The ``.grad`` of a parameter whose gradient the plan offloads, once backward has made it: a
+    stand-in that holds no memory and reads through to the store. An op on it runs on the stored
+    gradient, read onto the device for that op alone (a foreach op, one tensor at a time), and an
+    op that writes it writes the store: so torch's ``clip_grad_norm_(pm.parameters())`` (what HF's
+    Trainer calls) measures and clips every gradient, one at a time, where before it saw the
+    resident ones alone and the step went on with the offloaded ones unclipped (0.006 off eager
+    after one step), without a word; backward's accumulation (``add_``) and ``zero_`` reach the
+    store too. The stored gradient counts only while ``.grad`` holds its stand-in: a ``.grad`` set
+    to None (``pm.zero_grad()``; before, the stored gradients summed over the steps, 0.022 off
+    eager after three) makes the next backward replace it."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, offloader: Offloader, fqn: str):
+    def __new__(cls, like: torch.Tensor, offloader: Offloader, fqn: str, whole: Any = None):
         held = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False)
-        held.offloader, held.fqn = weakref.ref(offloader), fqn
+        held.offloader, held.fqn, held.whole = weakref.ref(offloader), fqn, whole
         return held
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"OffloadedGrad({self.fqn!r}, shape={tuple(self.shape)}, in the offload store)"
 
+    def read(self) -> torch.Tensor:
+        """The stored gradient (this rank's shard) on the compute device, zeros where ``zero_``
+        cleared it; for an offloaded parameter's stub on a plan of DTensor parameters, a DTensor
+        (``whole``), so that it computes with the other gradients as theirs do (a norm summed
+        over the ranks' shards)."""
+        offloader = self._offloader()
+        key = grad_key(self.fqn)
+        if key in offloader.store:
+            value = offloader.store.get(key)
+        else:
+            shape, dtype = offloader.store.meta.get(param_key(self.fqn), (self.shape, self.dtype))
+            value = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return self.whole(value) if self.whole is not None else value
+
+    def write(self, value: torch.Tensor) -> None:
+        offloader = self._offloader()
+        offloader.store.put(grad_key(self.fqn), local_of(value), wait=not offloader.memory.prefetch)
+
+    def _offloader(self) -> Offloader:
+        offloader = self.offloader()
+        if offloader is None:
+            raise OffloadError(f"the gradient of '{self.fqn}' was in the offload store of a module that is gone")
+        return offloader
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        held = args[0] if args and isinstance(args[0], OffloadedGrad) else None
-        offloader = held.offloader() if held is not None else None
-        if func in (aten.detach.default, aten.detach_.default, aten.alias.default) and held is not None:
-            return held
-        if offloader is not None and func in _IN_PLACE:
-            offloader.store_update(held.fqn, func, args[1:], kwargs)
-            return held
-        fqn = next((a.fqn for a in args if isinstance(a, OffloadedGrad)), "?")
-        raise OffloadError(
-            f"the gradient of '{fqn}' is in the offload store (the plan offloads it: plan.memory), so {func} on "
-            "its .grad cannot read it. Clip with pm.clip_grad_norm_(max_norm), read gradients with "
-            "pm.full_grads() or pm.grad_norm(), and step with autopar.optim.AdamW(pm, ...)"
-        )
+        first = args[0] if args else None
+        if isinstance(first, OffloadedGrad):
+            if func in (aten.detach.default, aten.detach_.default, aten.alias.default):
+                return first  # (an in-place op on it still reaches the store)
+            if func is aten.zero_.default:
+                first._offloader().store.delete(grad_key(first.fqn))
+                return first
+        if func._opname.startswith("_foreach_"):
+            return _each_tensor(func, args, kwargs)
+        return _read_through(func, args, kwargs)
+
+
+def _read_through(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on the stored gradients of the stand-ins among its arguments; what it writes of
+    them goes back to the store, and an in-place op returns its stand-in."""
+    read: dict[int, tuple[OffloadedGrad, torch.Tensor]] = {}
+
+    def load(value: Any) -> Any:
+        if not isinstance(value, OffloadedGrad):
+            return value
+        if id(value) not in read:
+            read[id(value)] = (value, value.read())
+        return read[id(value)][1]
+
+    out = func(*pytree.tree_map(load, args), **pytree.tree_map(load, kwargs))
+    written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    names = [a.name for a in func._schema.arguments]
+    for name in written:
+        given = args[names.index(name)] if names.index(name) < len(args) else kwargs.get(name)
+        for held in pytree.tree_leaves(given):
+            if isinstance(held, OffloadedGrad):
+                held.write(read[id(held)][1])
+    values = {id(value): held for held, value in read.values()}
+    return pytree.tree_map(lambda v: values.get(id(v), v) if isinstance(v, torch.Tensor) else v, out)
+
+
+def _each_tensor(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A foreach op over lists holding stand-ins, one position at a time: only one stored
+    gradient is on the device at once."""
+    size = len(args[0])
+    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple)) and len(a) == size]
+    outs = []
+    for k in range(size):
+        one = tuple([a[k]] if i in lists else a for i, a in enumerate(args))
+        outs.append(_read_through(func, one, kwargs))
+    if all(out is None for out in outs):
+        return None
+    return [out[0] for out in outs]
 
 
 def holds_offloaded_grad(param: torch.Tensor) -> bool:
@@ -165,6 +224,9 @@ class Offloader(torch.nn.Module):
         self._activation_keys: dict[str, list[str]] = {}  # segment -> its stored activations, this step
         self._read_started: set[str] = set()  # segments whose backward has begun reading
         self._hooks: list[Any] = []
+        # canonical FQN -> makes this rank's shard of an offloaded parameter (or its gradient) the
+        # whole DTensor, where the plan's parameters are DTensors (set by the module)
+        self.whole: dict[str, Any] = {}
 
     def forward(
         self,
@@ -213,20 +275,8 @@ class Offloader(torch.nn.Module):
             self.add_grad(fqn, grad)
             return
         self.store.put(grad_key(fqn), grad.detach(), wait=not self.memory.prefetch)
-        held = OffloadedGrad(local_of(param), self, fqn)
+        held = OffloadedGrad(local_of(param), self, fqn, None if isinstance(param, DTensor) else self.whole.get(fqn))
         param.grad = DTensor(held, param._spec, requires_grad=False) if isinstance(param, DTensor) else held
-
-    def store_update(self, fqn: str, func: Any, args: tuple, kwargs: dict) -> None:
-        """Carry out an in-place op on the stand-in of ``fqn``'s gradient on the stored gradient."""
-        key = grad_key(fqn)
-        if func is aten.zero_.default:
-            self.store.delete(key)
-        elif func is aten.add_.Tensor:
-            self.add_grad(fqn, args[0] * kwargs.get("alpha", 1) if kwargs.get("alpha", 1) != 1 else args[0])
-        elif key in self.store:  # mul_: of the gradient there is, zero where there is none
-            value = self.store.get(key)
-            value.mul_(*args, **kwargs)
-            self.store.put(key, value, wait=not self.memory.prefetch)
 
     def clear_grads(self) -> None:
         for fqn in self.grads:
