@@ -443,3 +443,19 @@ def test_an_optimizer_keeping_more_state_than_the_budget_has_room_for_names_the_
     message = str(info.value)
     assert "keeps" in message and "more optimizer state on this rank than the plan priced for torch's AdamW" in message
     assert "optimizer='adamw-amsgrad'" in message and "memory_budget" in message
+
+
+def test_an_offloading_module_called_at_another_shape_names_the_padding(one_rank_group, tmp_path):
+    model = autopar.zoo.models.GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, bias=False)
+    batch = example_batch("gpt", 4)
+    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
+    plan = autopar.plan(
+        model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
+    )
+    pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
+    shorter = tuple(t[:, :16] for t in batch)
+    with pytest.raises(PlanError) as info:
+        pm(*shorter)
+    message = str(info.value)
+    assert "a call with inputs of other shapes than the example's (argument 0: (4, 16) (compiled (4, 32))" in message
+    assert "Pad every batch to the example's shapes" in message and "offload='off'" in message

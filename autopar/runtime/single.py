@@ -133,6 +133,34 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
         return model
 
 
+def _offload_refusal(mode: ModeKey, examples: Examples, shaped: Examples | None) -> PlanError:
+    """A plan that offloads runs the graph it was compiled with alone: a call in another mode, or
+    with inputs of other shapes, is refused with the fix."""
+    if shaped is None:
+        return PlanError(
+            f"a call in {describe_mode(mode)} mode: this plan offloads, and another mode's graph of an offloading "
+            "plan is not built yet: run the module in the mode it was compiled in (pm.train() or pm.eval(), "
+            "and every module's mode as it was), or compile with offload='off'"
+        )
+    compiled, called = _shapes(examples), _shapes(shaped)
+    changed = "; ".join(
+        f"{name}: {called[name]} (compiled {compiled.get(name)})" for name in called if called[name] != compiled.get(name)
+    )
+    return PlanError(
+        f"a call with inputs of other shapes than the example's ({changed or 'their structure'}): this plan offloads, "
+        "and an offloading plan runs the shapes it was compiled for alone. Pad every batch to the example's shapes "
+        "(a collator's padding='max_length', and drop_last=True for a short last batch), or compile with "
+        "offload='off' (checkpointing=True, or a larger memory_budget)"
+    )
+
+
+def _shapes(examples: Examples) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor among ``examples`` (positional and keyword), by name."""
+    inputs, kwargs = examples
+    named = {f"argument {i}": value for i, value in enumerate(inputs)} | dict(kwargs or {})
+    return {name: tuple(value.shape) for name, value in named.items() if isinstance(value, torch.Tensor)}
+
+
 def mode_builder(
     model: torch.nn.Module,
     examples: Examples,
@@ -152,11 +180,7 @@ def mode_builder(
         # ``shaped``: a call's inputs of other shapes (runtime.shapes), else the example inputs
         inputs, kwargs = shaped if shaped is not None else examples
         if offloads:
-            raise PlanError(
-                f"a call in {describe_mode(mode)} mode: this plan offloads, and another mode's graph of an offloading "
-                "plan is not built yet: run the module in the mode it was compiled in (pm.train() or pm.eval(), "
-                "and every module's mode as it was), or compile with offload='off'"
-            )
+            raise _offload_refusal(mode, examples, shaped)
         with in_mode(model, mode), quiet_gc(), stale_model.quiet():
             traced = trace(model, inputs, kwargs, options.precision)
         forced = pinned_placements(traced, chosen)

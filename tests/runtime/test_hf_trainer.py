@@ -101,3 +101,41 @@ def test_the_compiled_module_shows_the_model_forward_signature() -> None:
     assert list(inspect.signature(module.forward).parameters) == ["input_ids", "labels", "kwargs"]
     assert module(1, labels=2) == ("ran", (1,), {"labels": 2})
     assert isinstance(module, Module) and type(module).__name__ == "Module"
+
+
+def test_trainer_steps_an_offloading_module_with_autopar_adamw_as_eager(world_of_one, tmp_path) -> None:
+    # A plan that offloads parameters, gradients and AdamW state, stepped by the optimizer it
+    # needs, given to Trainer with Trainer's own scheduler (warmup, linear), clipping (0.5) and
+    # zero_grad; batches padded to the compiled length. Before, Trainer failed making the
+    # scheduler (autopar.optim.AdamW had no param_groups), and its clipping saw the resident
+    # gradients alone.
+    import copy
+
+    from transformers import Trainer
+
+    import autopar
+
+    model = job.tiny_llama()
+    eager = copy.deepcopy(model)
+    batch = job.example_batch()
+    free = autopar.plan(model, (1,), example_kwargs=batch, cluster="cpu")
+    plan = autopar.plan(
+        model, (1,), example_kwargs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
+    )
+    assert {entry.kind for entry in plan.memory.offload} == {"param", "grad", "optimizer_state"}
+    pm = autopar.compile(model, (1,), example_kwargs=batch, plan=plan, offload=f"disk:{tmp_path / 'store'}")
+    runs = {}
+    for name, module, optimizer in (
+        ("compiled", pm, autopar.optim.AdamW(pm, lr=1e-2, weight_decay=0.0)),
+        ("eager", eager, torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.0)),
+    ):
+        args = job.arguments(str(tmp_path / name), distributed=False, save=False)
+        trainer = Trainer(
+            model=module, args=args, train_dataset=job.dataset(32, 1), data_collator=job.pad_to_seq, optimizers=(optimizer, None)
+        )
+        trainer.train()
+        runs[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(runs["eager"]) == 4 and runs["compiled"] == pytest.approx(runs["eager"], rel=1e-10, abs=0)
+    want = eager.state_dict()
+    for fqn, value in pm.full_state_dict().items():
+        torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=fqn)
