@@ -111,9 +111,9 @@ class OffloadedGrad(torch.Tensor):
         key = grad_key(self.fqn)
         if key in offloader.store:
             value = offloader.store.get(key)
-        else:
-            shape, dtype = offloader.store.meta.get(param_key(self.fqn), (self.shape, self.dtype))
-            value = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        else:  # shaped as the stored parameter where this stands in for a stub's gradient
+            stored = offloader.store.meta.get(param_key(self.fqn))
+            value = torch.zeros(stored[0] if stored else self.shape, dtype=self.dtype, device=self.device)
         return self.whole(value) if self.whole is not None else value
 
     def write(self, value: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.gathers import check_kept_layers
+from autopar.ir.memory import MemoryPlan
 from autopar.ir.options import PlanOptions
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
@@ -69,7 +70,7 @@ def compile_single(
     check_kept_layers(comm.reshard_after_forward, param_fqns(traced).values())
     passes = default_passes(groups, offloader, param_fqns(traced), comm, compiler)
     gm = run_passes(copy.deepcopy(traced.gm), plan, passes)
-    build_mode = mode_builder(_meta_copy(model), examples, plan, cluster, options, groups, offloads=offloader is not None)
+    build_mode = mode_builder(_meta_copy(model), examples, plan, cluster, options, groups, offloader)
     pm = ParallelModule(
         model,
         traced,
@@ -138,9 +139,9 @@ def _offload_refusal(mode: ModeKey, examples: Examples, shaped: Examples | None)
     with inputs of other shapes, is refused with the fix."""
     if shaped is None:
         return PlanError(
-            f"a call in {describe_mode(mode)} mode: this plan offloads, and another mode's graph of an offloading "
-            "plan is not built yet: run the module in the mode it was compiled in (pm.train() or pm.eval(), "
-            "and every module's mode as it was), or compile with offload='off'"
+            f"a call in {describe_mode(mode)} mode: this plan offloads, and an offloading plan trains in the mode it "
+            "was compiled in alone (an eval mode runs at any shape): run the module in that mode (pm.train(), and "
+            "every module's mode as it was), or compile with offload='off'"
         )
     compiled, called = _shapes(examples), _shapes(shaped)
     changed = "; ".join(
@@ -148,7 +149,8 @@ def _offload_refusal(mode: ModeKey, examples: Examples, shaped: Examples | None)
     )
     return PlanError(
         f"a call with inputs of other shapes than the example's ({changed or 'their structure'}): this plan offloads, "
-        "and an offloading plan runs the shapes it was compiled for alone. Pad every batch to the example's shapes "
+        "and an offloading plan trains at the shapes it was compiled for alone (pm.eval() runs any). Pad every "
+        "training batch to the example's shapes "
         "(a collator's padding='max_length', and drop_last=True for a short last batch), or compile with "
         "offload='off' (checkpointing=True, or a larger memory_budget)"
     )
@@ -168,29 +170,46 @@ def mode_builder(
     cluster: ClusterSpec,
     options: PlanOptions,
     groups: tuple[str, ...],
-    offloads: bool,
+    offloader: Offloader | None = None,
 ) -> ModeBuilder:
     """The builder of the compiled module's other mode (``runtime.modes``) and of its graphs for
     other input shapes (``runtime.shapes``): trace ``model`` in that mode, plan it with every
     parameter and buffer pinned to ``chosen``'s placements and the batch split on ``chosen``'s
-    axes (rank 0 solves, as in ``compile``), and rewrite it."""
+    axes (rank 0 solves, as in ``compile``), and rewrite it. Where ``chosen`` offloads, an eval
+    mode's graph (at any shape) fetches the offloaded parameters from ``offloader``'s store as
+    the trained graph does, and checkpoints nothing (an eval forward saves nothing under
+    ``no_grad``); a train mode's other graphs are refused."""
     mesh_shape = tuple(chosen.mesh_shape)
+    plan_options = options if offloader is None else _resident(options)
 
     def build(mode: ModeKey, shaped: Examples | None = None):
         # ``shaped``: a call's inputs of other shapes (runtime.shapes), else the example inputs
         inputs, kwargs = shaped if shaped is not None else examples
-        if offloads:
+        if offloader is not None and (mode.training or mode.odd or mode.unfrozen):
             raise _offload_refusal(mode, examples, shaped)
         with in_mode(model, mode), quiet_gc(), stale_model.quiet():
             traced = trace(model, inputs, kwargs, options.precision)
         forced = pinned_placements(traced, chosen)
-        made = resolve_plan(None, traced, mesh_shape, cluster, options, forced=forced, data_axes=chosen.data_layout.axes)
+        made = resolve_plan(None, traced, mesh_shape, cluster, plan_options, forced=forced, data_axes=chosen.data_layout.axes)
+        if offloader is not None:  # the parameters are where the trained graph's plan put them
+            fetched = tuple(entry for entry in chosen.memory.offload if entry.kind == "param")
+            made = dataclasses.replace(made, memory=MemoryPlan(chosen.memory.target, chosen.memory.prefetch, offload=fetched))
         check_rank_agreement(made)
         comm = options.comm.with_plan(made.kept_layers)
-        gm = run_passes(copy.deepcopy(traced.gm), made, default_passes(groups, None, param_fqns(traced), comm))
+        previous = dict(offloader.previous) if offloader is not None else None
+        gm = run_passes(copy.deepcopy(traced.gm), made, default_passes(groups, offloader, param_fqns(traced), comm))
+        if offloader is not None:  # the trained graph's fetch order, which its backward prefetches by
+            offloader.previous = previous
         return traced, gm, made
 
     return build
+
+
+def _resident(options: PlanOptions) -> PlanOptions:
+    """``options`` for an offloading module's eval graph: planned without a budget, offload or
+    checkpointing (its placements are pinned; its offloaded parameters are fetched as trained)."""
+    memory = dataclasses.replace(options.memory, budget=float("inf"), offload="off", checkpointing=False)
+    return options.replace(memory=memory)
 
 
 __all__ = ["compile_single", "mode_builder", "param_fqns"]

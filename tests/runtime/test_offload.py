@@ -321,3 +321,32 @@ def test_autopar_adamw_is_a_torch_optimizer_that_schedules_saves_and_resumes(wor
     want = eager.state_dict()
     for fqn, value in resumed[0].full_state_dict().items():
         torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=f"{fqn} after a resume")
+
+
+def test_an_offloading_module_evaluates_at_any_shape_between_steps_as_eager(world_of_one, tmp_path):
+    # A validation pass in eval mode under no_grad, at the compiled shape and a shorter one: its
+    # graph fetches the offloaded parameters as the trained graph does (before, refused).
+    model, batch = _gpt()
+    model = model.double()
+    eager = copy.deepcopy(model)
+    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
+    plan = autopar.plan(
+        model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
+    )
+    assert plan.memory.offloaded("param")
+    pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
+    opt, eager_opt = autopar.optim.AdamW(pm, lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for step in range(2):
+        for module, optimizer in ((pm, opt), (eager, eager_opt)):
+            module.train()
+            module(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            module.eval()
+        with torch.no_grad():
+            for length in (32, 16):
+                inputs = tuple(t[:, :length].contiguous() for t in batch)
+                torch.testing.assert_close(pm(*inputs), eager(*inputs), rtol=1e-12, atol=0, msg=f"step {step}, {length} tokens")
+    want = eager.state_dict()
+    for fqn, value in pm.full_state_dict().items():
+        torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=fqn)
