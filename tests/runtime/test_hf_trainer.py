@@ -106,7 +106,7 @@ def test_the_compiled_module_shows_the_model_forward_signature() -> None:
 def test_trainer_steps_an_offloading_module_with_autopar_adamw_as_eager(world_of_one, tmp_path) -> None:
     # A plan that offloads parameters, gradients and AdamW state, stepped by the optimizer it
     # needs, given to Trainer with Trainer's own scheduler (warmup, linear), clipping (0.5) and
-    # zero_grad; batches padded to the compiled length. Before, Trainer failed making the
+    # zero_grad, then an evaluation; batches padded to the compiled length. Before, Trainer failed making the
     # scheduler (autopar.optim.AdamW had no param_groups), and its clipping saw the resident
     # gradients alone.
     import copy
@@ -131,11 +131,17 @@ def test_trainer_steps_an_offloading_module_with_autopar_adamw_as_eager(world_of
     ):
         args = job.arguments(str(tmp_path / name), distributed=False, save=False)
         trainer = Trainer(
-            model=module, args=args, train_dataset=job.dataset(32, 1), data_collator=job.pad_to_seq, optimizers=(optimizer, None)
+            model=module,
+            args=args,
+            train_dataset=job.dataset(32, 1),
+            eval_dataset=job.dataset(job.GLOBAL_ROWS, 2),
+            data_collator=job.pad_to_seq,
+            optimizers=(optimizer, None),
         )
         trainer.train()
         runs[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert len(runs["eager"]) == 4 and runs["compiled"] == pytest.approx(runs["eager"], rel=1e-10, abs=0)
+        runs[name].append(trainer.evaluate()["eval_loss"])  # in eval mode: a graph of its own
+    assert len(runs["eager"]) == 5 and runs["compiled"] == pytest.approx(runs["eager"], rel=1e-10, abs=0)
     want = eager.state_dict()
     for fqn, value in pm.full_state_dict().items():
         torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=fqn)
