@@ -445,7 +445,7 @@ def test_an_optimizer_keeping_more_state_than_the_budget_has_room_for_names_the_
     assert "optimizer='adamw-amsgrad'" in message and "memory_budget" in message
 
 
-def test_an_offloading_module_called_at_another_shape_names_the_padding(one_rank_group, tmp_path):
+def test_an_offloading_module_trained_in_another_mode_names_the_compiled_one(one_rank_group, tmp_path):
     model = autopar.zoo.models.GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, bias=False)
     batch = example_batch("gpt", 4)
     free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
@@ -454,10 +454,13 @@ def test_an_offloading_module_called_at_another_shape_names_the_padding(one_rank
     )
     pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
     shorter = tuple(t[:, :16].contiguous() for t in batch)
+    pm(*shorter).backward()  # a shorter batch trains, under the same memory decisions
+    pm.module.transformer.h[0].eval()
     with pytest.raises(PlanError) as info:
-        pm(*shorter)
+        pm(*batch)
     message = str(info.value)
-    assert "a call with inputs of other shapes than the example's (argument 0: (4, 16) (compiled (4, 32))" in message
-    assert "Pad every training batch to the example's shapes" in message and "offload='off'" in message
+    assert "a call in train (with 'transformer.h.0' in eval mode) mode: this plan offloads" in message
+    assert "trains in the mode it was compiled in alone" in message and "offload='off'" in message
+    pm.module.transformer.h[0].train()
     pm.eval()
     pm(*shorter)  # an eval graph runs any shape

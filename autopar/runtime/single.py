@@ -149,8 +149,8 @@ def _offload_refusal(mode: ModeKey, examples: Examples, shaped: Examples | None)
     )
     return PlanError(
         f"a call with inputs of other shapes than the example's ({changed or 'their structure'}): this plan offloads, "
-        "and an offloading plan trains at the shapes it was compiled for alone (pm.eval() runs any). Pad every "
-        "training batch to the example's shapes "
+        "and an offloading plan trains at the example's shapes or smaller ones alone, where its memory decisions "
+        "hold (pm.eval() runs any). Pad or cut every training batch to at most the example's shapes "
         "(a collator's padding='max_length', and drop_last=True for a short last batch), or compile with "
         "offload='off' (checkpointing=True, or a larger memory_budget)"
     )
@@ -178,31 +178,59 @@ def mode_builder(
     axes (rank 0 solves, as in ``compile``), and rewrite it. Where ``chosen`` offloads, an eval
     mode's graph (at any shape) fetches the offloaded parameters from ``offloader``'s store as
     the trained graph does, and checkpoints nothing (an eval forward saves nothing under
-    ``no_grad``); a train mode's other graphs are refused."""
+    ``no_grad``); a training graph at shapes no larger than the example's (a collator that pads
+    to each batch's longest row) takes the trained graph's memory decisions whole; other
+    training graphs are refused (``_offload_refusal``)."""
     mesh_shape = tuple(chosen.mesh_shape)
     plan_options = options if offloader is None else _resident(options)
 
     def build(mode: ModeKey, shaped: Examples | None = None):
         # ``shaped``: a call's inputs of other shapes (runtime.shapes), else the example inputs
         inputs, kwargs = shaped if shaped is not None else examples
-        if offloader is not None and (mode.training or mode.odd or mode.unfrozen):
+        trains = mode.training or bool(mode.odd)
+        if offloader is not None and (mode.unfrozen or (trains and not _within(examples, shaped))):
             raise _offload_refusal(mode, examples, shaped)
         with in_mode(model, mode), quiet_gc(), stale_model.quiet():
             traced = trace(model, inputs, kwargs, options.precision)
         forced = pinned_placements(traced, chosen)
         made = resolve_plan(None, traced, mesh_shape, cluster, plan_options, forced=forced, data_axes=chosen.data_layout.axes)
-        if offloader is not None:  # the parameters are where the trained graph's plan put them
-            fetched = tuple(entry for entry in chosen.memory.offload if entry.kind == "param")
-            made = dataclasses.replace(made, memory=MemoryPlan(chosen.memory.target, chosen.memory.prefetch, offload=fetched))
+        if offloader is not None:
+            made = dataclasses.replace(made, memory=_memory_of(chosen.memory, trains))
         check_rank_agreement(made)
         comm = options.comm.with_plan(made.kept_layers)
         previous = dict(offloader.previous) if offloader is not None else None
-        gm = run_passes(copy.deepcopy(traced.gm), made, default_passes(groups, offloader, param_fqns(traced), comm))
-        if offloader is not None:  # the trained graph's fetch order, which its backward prefetches by
-            offloader.previous = previous
+        try:
+            gm = run_passes(copy.deepcopy(traced.gm), made, default_passes(groups, offloader, param_fqns(traced), comm))
+        except PlanError as error:  # the trained graph's segments are not in this one's
+            raise _offload_refusal(mode, examples, shaped) from error
+        finally:
+            if offloader is not None:  # the trained graph's fetch order, which its backward prefetches by
+                offloader.previous = previous
         return traced, gm, made
 
     return build
+
+
+def _memory_of(trained: MemoryPlan, trains: bool) -> MemoryPlan:
+    """An offloading module's memory decisions for another graph of it: a training graph (at no
+    larger shapes) keeps the trained graph's, checkpoint segments included, which are smaller
+    there; an eval graph only fetches the offloaded parameters and checkpoints nothing."""
+    if trains:
+        return trained
+    fetched = tuple(entry for entry in trained.offload if entry.kind == "param")
+    return MemoryPlan(trained.target, trained.prefetch, offload=fetched)
+
+
+def _within(examples: Examples, shaped: Examples | None) -> bool:
+    """Whether a call's inputs (``shaped``; None: the example's own) are no larger than the
+    compiled example's in any dim, with the same names and ranks: the memory the plan promised
+    holds for them."""
+    if shaped is None:
+        return False  # a training mode of its own at the example's shapes: not the compiled graph
+    compiled, called = _shapes(examples), _shapes(shaped)
+    return compiled.keys() == called.keys() and all(
+        len(called[name]) == len(compiled[name]) and all(c <= e for c, e in zip(called[name], compiled[name])) for name in called
+    )
 
 
 def _resident(options: PlanOptions) -> PlanOptions:

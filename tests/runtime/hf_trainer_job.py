@@ -59,12 +59,6 @@ def pad_to_longest(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {key: torch.stack(values) for key, values in batch.items()}
 
 
-def pad_to_seq(rows: list[dict]) -> dict[str, torch.Tensor]:
-    """Every batch padded to SEQ tokens (a collator's ``padding="max_length"``): one shape, the example's."""
-    filler = {"input_ids": torch.full((SEQ,), PAD), "labels": torch.full((SEQ,), -100)}
-    return {key: value[:-1] for key, value in pad_to_longest([*rows, filler]).items()}
-
-
 def example_batch() -> dict[str, torch.Tensor]:
     """The largest batch a step passes: the planned maximum."""
     ids = torch.randint(3, VOCAB, (GLOBAL_ROWS, SEQ))

@@ -106,7 +106,7 @@ def test_the_compiled_module_shows_the_model_forward_signature() -> None:
 def test_trainer_steps_an_offloading_module_with_autopar_adamw_as_eager(world_of_one, tmp_path) -> None:
     # A plan that offloads parameters, gradients and AdamW state, stepped by the optimizer it
     # needs, given to Trainer with Trainer's own scheduler (warmup, linear), clipping (0.5) and
-    # zero_grad, then an evaluation; batches padded to the compiled length. Before, Trainer failed making the
+    # zero_grad, then an evaluation; batches padded to their longest row. Before, Trainer failed making the
     # scheduler (autopar.optim.AdamW had no param_groups), and its clipping saw the resident
     # gradients alone.
     import copy
@@ -135,7 +135,7 @@ def test_trainer_steps_an_offloading_module_with_autopar_adamw_as_eager(world_of
             args=args,
             train_dataset=job.dataset(32, 1),
             eval_dataset=job.dataset(job.GLOBAL_ROWS, 2),
-            data_collator=job.pad_to_seq,
+            data_collator=job.pad_to_longest,
             optimizers=(optimizer, None),
         )
         trainer.train()

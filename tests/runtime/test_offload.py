@@ -327,9 +327,11 @@ def test_autopar_adamw_is_a_torch_optimizer_that_schedules_saves_and_resumes(wor
         torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=f"{fqn} after a resume")
 
 
-def test_an_offloading_module_evaluates_at_any_shape_between_steps_as_eager(world_of_one, tmp_path):
-    # A validation pass in eval mode under no_grad, at the compiled shape and a shorter one: its
-    # graph fetches the offloaded parameters as the trained graph does (before, refused).
+def test_an_offloading_module_trains_at_shorter_lengths_and_evaluates_at_any_as_eager(world_of_one, tmp_path):
+    # Training batches padded to their own longest row (32, 16, 24 tokens) under the compiled
+    # graph's memory decisions (its checkpoint segments too), and a validation pass in eval mode
+    # under no_grad after each step, whose graph fetches the offloaded parameters as the trained
+    # graph does. Before, all but the compiled shape and mode were refused.
     model, batch = _gpt()
     model = model.double()
     eager = copy.deepcopy(model)
@@ -337,13 +339,14 @@ def test_an_offloading_module_evaluates_at_any_shape_between_steps_as_eager(worl
     plan = autopar.plan(
         model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
     )
-    assert plan.memory.offloaded("param")
+    assert plan.memory.offloaded("param") and plan.memory.checkpoint
     pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
     opt, eager_opt = autopar.optim.AdamW(pm, lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    for step in range(2):
+    for step, length in enumerate((32, 16, 24)):
+        inputs = tuple(t[:, :length].contiguous() for t in batch)
         for module, optimizer in ((pm, opt), (eager, eager_opt)):
             module.train()
-            module(*batch).backward()
+            module(*inputs).backward()
             optimizer.step()
             optimizer.zero_grad()
             module.eval()
@@ -354,3 +357,8 @@ def test_an_offloading_module_evaluates_at_any_shape_between_steps_as_eager(worl
     want = eager.state_dict()
     for fqn, value in pm.full_state_dict().items():
         torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=fqn)
+    trained = [run for (mode, _), run in pm._by_shape.items() if mode.training]
+    assert len(trained) == 2  # 16 and 24 tokens, each checkpointing and fetching as the compiled graph
+    assert all(
+        "self.checkpoint_0(" in getattr(pm, run.attr).code and "self.offload(" in getattr(pm, run.attr).code for run in trained
+    )
