@@ -441,8 +441,8 @@ def test_an_optimizer_keeping_more_state_than_the_budget_has_room_for_names_the_
     with pytest.raises(ConfigError) as info:
         optimizer.step()
     message = str(info.value)
-    assert "keeps" in message and "more optimizer state on this rank than the plan priced for torch's AdamW" in message
-    assert "optimizer='adamw-amsgrad'" in message and "memory_budget" in message
+    assert "holds" in message and "more optimizer state on this rank than the plan priced for torch's AdamW" in message
+    assert "optimizer='adamw-amsgrad:for-loop'" in message and "memory_budget" in message
 
 
 def test_an_offloading_module_trained_in_another_mode_names_the_compiled_one(one_rank_group, tmp_path):

@@ -198,7 +198,7 @@ def _hold(optimizer: torch.optim.Optimizer) -> None:
                 "(torch.optim.AdamW(..., fused=True) for 'adamw:fused')"
             )
         _add(excess, promise, (OPTIMIZER_STATES[kind] * (1 + temporary) - declared) * _local_bytes(param))
-    _charge(optimizer, excess.values(), kind)
+    _charge(optimizer, excess.values(), kind and f"{kind}:{implementation}")
     if held:
         _CHECKED.add(optimizer)
     else:  # over no module's parameters: looked at again once it has more (``add_param_group``)
@@ -258,7 +258,7 @@ def _charge(
         if promise.room is not None and total > promise.room:
             others = f" (the module's optimizers {total / 2**20:.4g} MiB in all)" if total > max(extra, 0.0) else ""
             raise ConfigError(
-                f"{_name(optimizer)} keeps {max(extra, 0.0) / 2**20:.4g} MiB more optimizer state on this rank{after} "
+                f"{_name(optimizer)} holds {max(extra, 0.0) / 2**20:.4g} MiB more optimizer state on this rank{after} "
                 f"than the plan priced for torch's AdamW (two moments a parameter){others}, where the plan's "
                 f"predicted peak leaves {promise.room / 2**20:.4g} MiB under its memory budget of "
                 f"{promise.budget / 2**30:.4g} GiB: the budget would not hold. {declare} so that the plan makes room "
