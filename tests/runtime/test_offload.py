@@ -241,6 +241,18 @@ def test_the_model_passed_to_compile_loads_into_the_store_and_refuses_what_it_ca
     assert pm.clip_grad_norm_(1.0) > 0
 
 
+def _float64_offload_plan() -> tuple[GPT, tuple[torch.Tensor, torch.Tensor], autopar.Plan]:
+    """The GPT in float64 (exact comparisons with eager) and its plan under 40% of its unbounded
+    peak, which offloads parameters, gradients and AdamW state to disk and checkpoints layers."""
+    model, batch = _gpt()
+    model = model.double()
+    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
+    plan = autopar.plan(
+        model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
+    )
+    return model, batch, plan
+
+
 def test_a_loop_that_clips_accumulates_and_zeroes_the_module_trains_as_eager(world_of_one, tmp_path):
     # float64, everything the 40% budget offloads (parameters, gradients, AdamW state): two
     # micro-batches a step, clipping by torch's clip_grad_norm_ (HF's Trainer's) and by
@@ -248,13 +260,8 @@ def test_a_loop_that_clips_accumulates_and_zeroes_the_module_trains_as_eager(wor
     # Before, pm.zero_grad() left the stored gradients to sum over the steps (0.022 off eager
     # after three), and torch's clip_grad_norm_(pm.parameters()) clipped the resident gradients
     # alone by their own norm (0.006 off after one step): neither said a word.
-    model, batch = _gpt()
-    model = model.double()
+    model, batch, plan = _float64_offload_plan()
     eager = copy.deepcopy(model)
-    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
-    plan = autopar.plan(
-        model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
-    )
     assert {entry.kind for entry in plan.memory.offload} == {"param", "grad", "optimizer_state"}
     pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
     opt, eager_opt = autopar.optim.AdamW(pm, lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
@@ -280,13 +287,8 @@ def test_autopar_adamw_is_a_torch_optimizer_that_schedules_saves_and_resumes(wor
     # An offloading module's documented optimizer under what a fine-tuning loop does: an LR
     # schedule, a checkpoint of module and optimizer (the offloaded moments read from the store)
     # and a resume in a new module; before, each raised AttributeError (no param_groups).
-    model, batch = _gpt()
-    model = model.double()
+    model, batch, plan = _float64_offload_plan()
     eager, fresh = copy.deepcopy(model), copy.deepcopy(model)
-    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
-    plan = autopar.plan(
-        model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
-    )
     assert plan.memory.offloaded("optimizer_state")
 
     def trainer(module, optimizer_type):
@@ -332,13 +334,8 @@ def test_an_offloading_module_trains_at_shorter_lengths_and_evaluates_at_any_as_
     # graph's memory decisions (its checkpoint segments too), and a validation pass in eval mode
     # under no_grad after each step, whose graph fetches the offloaded parameters as the trained
     # graph does. Before, all but the compiled shape and mode were refused.
-    model, batch = _gpt()
-    model = model.double()
+    model, batch, plan = _float64_offload_plan()
     eager = copy.deepcopy(model)
-    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
-    plan = autopar.plan(
-        model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
-    )
     assert plan.memory.offloaded("param") and plan.memory.checkpoint
     pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
     opt, eager_opt = autopar.optim.AdamW(pm, lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
