@@ -88,25 +88,29 @@ class OffloadedGrad(torch.Tensor):
     op that writes it writes the store: so torch's ``clip_grad_norm_(pm.parameters())`` (what HF's
     Trainer calls) measures and clips every gradient, one at a time, where before it saw the
     resident ones alone and the step went on with the offloaded ones unclipped (0.006 off eager
-    after one step), without a word; backward's accumulation (``add_``) and ``zero_`` reach the
-    store too. The stored gradient counts only while ``.grad`` holds its stand-in: a ``.grad`` set
+    after one step), without a word; backward's accumulation (``add_``), ``zero_`` and writes
+    through views of it (``p.grad.view(-1)[:k].mul_(c)``: a view is a stand-in too) reach the
+    store as well. The stored gradient counts only while ``.grad`` holds its stand-in: a ``.grad`` set
     to None (``pm.zero_grad()``; before, the stored gradients summed over the steps, 0.022 off
     eager after three) makes the next backward replace it."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, offloader: Offloader, fqn: str, whole: Any = None):
-        held = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False)
-        held.offloader, held.fqn, held.whole = weakref.ref(offloader), fqn, whole
+    def __new__(cls, like: torch.Tensor, offloader: Offloader, fqn: str, whole: Any = None, views: tuple = (), device=None):
+        held = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, strides=like.stride(), dtype=like.dtype, device=device or like.device, requires_grad=False
+        )
+        held.offloader, held.fqn, held.whole, held.views = weakref.ref(offloader), fqn, whole, views
         return held
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"OffloadedGrad({self.fqn!r}, shape={tuple(self.shape)}, in the offload store)"
 
-    def read(self) -> torch.Tensor:
-        """The stored gradient (this rank's shard) on the compute device, zeros where ``zero_``
-        cleared it; for an offloaded parameter's stub on a plan of DTensor parameters, a DTensor
-        (``whole``), so that it computes with the other gradients as theirs do (a norm summed
-        over the ranks' shards)."""
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the stored gradient, this stand-in's value): the gradient (this rank's shard) on the
+        compute device, zeros where ``zero_`` cleared it; for an offloaded parameter's stub on a
+        plan of DTensor parameters a DTensor (``whole``), so that it computes with the other
+        gradients as theirs do (a norm summed over the ranks' shards). The value is the gradient
+        seen through the views taken of the stand-in (``views``), so writes to it reach the first."""
         offloader = self._offloader()
         key = grad_key(self.fqn)
         if key in offloader.store:
@@ -114,11 +118,26 @@ class OffloadedGrad(torch.Tensor):
         else:  # shaped as the stored parameter where this stands in for a stub's gradient
             stored = offloader.store.meta.get(param_key(self.fqn))
             value = torch.zeros(stored[0] if stored else self.shape, dtype=self.dtype, device=self.device)
-        return self.whole(value) if self.whole is not None else value
+        base = self.whole(value) if self.whole is not None else value
+        seen = base
+        for func, args, kwargs in self.views:
+            seen = func(seen, *args, **kwargs)
+        return base, seen
 
-    def write(self, value: torch.Tensor) -> None:
+    def write(self, base: torch.Tensor) -> None:
         offloader = self._offloader()
-        offloader.store.put(grad_key(self.fqn), local_of(value), wait=not offloader.memory.prefetch)
+        offloader.store.put(grad_key(self.fqn), local_of(base), wait=not offloader.memory.prefetch)
+
+    def view_of(self, func: Any, args: tuple, kwargs: dict) -> OffloadedGrad:
+        """A stand-in for the view ``func`` takes of this one: it reads, and writes, the stored
+        gradient through that view."""
+        stored = self._offloader().store.meta.get(param_key(self.fqn))
+        with torch.device("meta"):  # a stub's stand-in is empty: its gradient has the stored parameter's shape
+            probe = torch.empty(stored[0], dtype=self.dtype) if stored and not self.views else None
+            if probe is None:
+                probe = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype)
+            like = func(probe, *args, **kwargs)
+        return OffloadedGrad(like, self._offloader(), self.fqn, self.whole, (*self.views, (func, args, kwargs)), self.device)
 
     def _offloader(self) -> Offloader:
         offloader = self.offloader()
@@ -133,25 +152,33 @@ class OffloadedGrad(torch.Tensor):
         if isinstance(first, OffloadedGrad):
             if func in (aten.detach.default, aten.detach_.default, aten.alias.default):
                 return first  # (an in-place op on it still reaches the store)
-            if func is aten.zero_.default:
+            if func is aten.zero_.default and not first.views:
                 first._offloader().store.delete(grad_key(first.fqn))
                 return first
+            if _is_view(func):
+                return first.view_of(func, args[1:], kwargs)
         if func._opname.startswith("_foreach_"):
             return _each_tensor(func, args, kwargs)
         return _read_through(func, args, kwargs)
 
 
+def _is_view(func: Any) -> bool:
+    """An op whose output aliases its first input without writing it (``view``, ``t``, ``select``)."""
+    returns = func._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
 def _read_through(func: Any, args: tuple, kwargs: dict) -> Any:
     """``func`` on the stored gradients of the stand-ins among its arguments; what it writes of
     them goes back to the store, and an in-place op returns its stand-in."""
-    read: dict[int, tuple[OffloadedGrad, torch.Tensor]] = {}
+    read: dict[int, tuple[OffloadedGrad, torch.Tensor, torch.Tensor]] = {}
 
     def load(value: Any) -> Any:
         if not isinstance(value, OffloadedGrad):
             return value
         if id(value) not in read:
-            read[id(value)] = (value, value.read())
-        return read[id(value)][1]
+            read[id(value)] = (value, *value.read())
+        return read[id(value)][2]
 
     out = func(*pytree.tree_map(load, args), **pytree.tree_map(load, kwargs))
     written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
@@ -161,7 +188,7 @@ def _read_through(func: Any, args: tuple, kwargs: dict) -> Any:
         for held in pytree.tree_leaves(given):
             if isinstance(held, OffloadedGrad):
                 held.write(read[id(held)][1])
-    values = {id(value): held for held, value in read.values()}
+    values = {id(value): held for held, _, value in read.values()}
     return pytree.tree_map(lambda v: values.get(id(v), v) if isinstance(v, torch.Tensor) else v, out)
 
 

@@ -256,7 +256,8 @@ def _float64_offload_plan() -> tuple[GPT, tuple[torch.Tensor, torch.Tensor], aut
 def test_a_loop_that_clips_accumulates_and_zeroes_the_module_trains_as_eager(world_of_one, tmp_path):
     # float64, everything the 40% budget offloads (parameters, gradients, AdamW state): two
     # micro-batches a step, clipping by torch's clip_grad_norm_ (HF's Trainer's) and by
-    # pm.clip_grad_norm_ in turn, and pm.zero_grad() (the Trainer's too) with both of its modes.
+    # pm.clip_grad_norm_ in turn, pm.zero_grad() (the Trainer's too) with both of its modes, and an
+    # edit of the gradients through views.
     # Before, pm.zero_grad() left the stored gradients to sum over the steps (0.022 off eager
     # after three), and torch's clip_grad_norm_(pm.parameters()) clipped the resident gradients
     # alone by their own norm (0.006 off after one step): neither said a word.
@@ -271,6 +272,10 @@ def test_a_loop_that_clips_accumulates_and_zeroes_the_module_trains_as_eager(wor
             (pm(*batch) / 2).backward()
             (eager(*batch) / 2).backward()
         assert "in the offload store" in repr(offloaded[0].grad)
+        if step == 2:  # a loop's own edit, through views of .grad: it reaches the store
+            for module in (pm, eager):
+                for param in module.parameters():
+                    param.grad.view(-1)[:7].mul_(3.0)
         clip = torch.nn.utils.clip_grad_norm_ if step != 1 else lambda params, max_norm: pm.clip_grad_norm_(max_norm)
         norm, want = clip(pm.parameters(), 0.5), torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.5)
         torch.testing.assert_close(norm, want, rtol=1e-12, atol=0, msg=f"norm at step {step}")
