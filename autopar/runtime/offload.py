@@ -193,17 +193,26 @@ def _read_through(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _each_tensor(func: Any, args: tuple, kwargs: dict) -> Any:
-    """A foreach op over lists holding stand-ins, one position at a time: only one stored
-    gradient is on the device at once."""
+    """A foreach op over lists holding stand-ins: one call over the other positions, and one per
+    stand-in, so that only one stored gradient is on the device at once."""
     size = len(args[0])
     lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple)) and len(a) == size]
-    outs = []
-    for k in range(size):
-        one = tuple([a[k]] if i in lists else a for i, a in enumerate(args))
-        outs.append(_read_through(func, one, kwargs))
-    if all(out is None for out in outs):
+    held = [k for k in range(size) if any(isinstance(args[i][k], OffloadedGrad) for i in lists)]
+    plain = [k for k in range(size) if k not in set(held)]
+
+    def at(positions: list[int]) -> tuple:
+        return tuple([a[k] for k in positions] if i in lists else a for i, a in enumerate(args))
+
+    outs: dict[int, Any] = {}
+    if plain:
+        result = func(*at(plain), **kwargs)
+        outs.update(zip(plain, result if result is not None else [None] * len(plain), strict=True))
+    for k in held:
+        result = _read_through(func, at([k]), kwargs)
+        outs[k] = result[0] if result is not None else None
+    if all(out is None for out in outs.values()):
         return None
-    return [out[0] for out in outs]
+    return [outs[k] for k in range(size)]
 
 
 def holds_offloaded_grad(param: torch.Tensor) -> bool:

@@ -272,6 +272,10 @@ def test_a_loop_that_clips_accumulates_and_zeroes_the_module_trains_as_eager(wor
             (pm(*batch) / 2).backward()
             (eager(*batch) / 2).backward()
         assert "in the offload store" in repr(offloaded[0].grad)
+        if step == 0:  # a foreach op over a list that mixes stand-ins and resident gradients (CUDA's clipping)
+            got = torch._foreach_norm([p.grad for p in pm.parameters()])
+            want = torch._foreach_norm([p.grad for p in eager.parameters()])
+            torch.testing.assert_close(list(got), list(want), rtol=1e-12, atol=0)
         if step == 2:  # a loop's own edit, through views of .grad: it reaches the store
             for module in (pm, eager):
                 for param in module.parameters():
