@@ -202,7 +202,11 @@ def mode_builder(
         try:
             gm = run_passes(copy.deepcopy(traced.gm), made, default_passes(groups, offloader, param_fqns(traced), comm))
         except PlanError as error:  # the trained graph's segments are not in this one's
-            raise _offload_refusal(mode, examples, shaped) from error
+            raise PlanError(
+                f"a call in {describe_mode(mode)} mode with inputs of other shapes than the example's: this plan "
+                "offloads, and this shape's graph differs from the compiled one where its memory decisions apply "
+                f"({error}). Pad every training batch to the example's shapes, or compile with offload='off'"
+            ) from error
         finally:
             if offloader is not None:  # the trained graph's fetch order, which its backward prefetches by
                 offloader.previous = previous

@@ -368,3 +368,22 @@ def test_an_offloading_module_trains_at_shorter_lengths_and_evaluates_at_any_as_
     assert all(
         "self.checkpoint_0(" in getattr(pm, run.attr).code and "self.offload(" in getattr(pm, run.attr).code for run in trained
     )
+
+
+def test_a_shorter_graph_the_memory_decisions_do_not_fit_is_refused_naming_the_padding(world_of_one, tmp_path, monkeypatch):
+    # Where a shape's graph lacks a node the compiled graph's checkpoint segments name, the
+    # decisions cannot be carried over: refused, not run without them (over the budget).
+    import autopar.runtime.single as single
+    from autopar.errors import PlanError
+
+    model, batch, plan = _float64_offload_plan()
+    pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
+
+    def lacking(gm, made, passes):
+        raise PlanError("checkpoint segment x .. y: node x is not in the rewritten graph")
+
+    monkeypatch.setattr(single, "run_passes", lacking)
+    with pytest.raises(
+        PlanError, match=r"other shapes than the example's: this plan offloads.*node x is not.*Pad every training batch"
+    ):
+        pm(*(t[:, :16].contiguous() for t in batch))
