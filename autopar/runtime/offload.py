@@ -157,7 +157,7 @@ class OffloadedGrad(torch.Tensor):
                 return first
             if _is_view(func):
                 return first.view_of(func, args[1:], kwargs)
-        if func._opname.startswith("_foreach_"):
+        if func._schema.name.startswith("aten::_foreach_"):
             return _each_tensor(func, args, kwargs)
         return _read_through(func, args, kwargs)
 
