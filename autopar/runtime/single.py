@@ -134,33 +134,14 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
         return model
 
 
-def _offload_refusal(mode: ModeKey, examples: Examples, shaped: Examples | None) -> PlanError:
-    """A plan that offloads runs the graph it was compiled with alone: a call in another mode, or
-    with inputs of other shapes, is refused with the fix."""
-    if shaped is None:
-        return PlanError(
-            f"a call in {describe_mode(mode)} mode: this plan offloads, and an offloading plan trains in the mode it "
-            "was compiled in alone (an eval mode runs at any shape): run the module in that mode (pm.train(), and "
-            "every module's mode as it was), or compile with offload='off'"
-        )
-    compiled, called = _shapes(examples), _shapes(shaped)
-    changed = "; ".join(
-        f"{name}: {called[name]} (compiled {compiled.get(name)})" for name in called if called[name] != compiled.get(name)
-    )
+def _offload_refusal(mode: ModeKey) -> PlanError:
+    """A plan that offloads trains in the mode it was compiled in alone (its memory decisions are
+    that graph's): a call that trains in another mode is refused with the fix."""
     return PlanError(
-        f"a call with inputs of other shapes than the example's ({changed or 'their structure'}): this plan offloads, "
-        "and an offloading plan trains at the example's shapes or smaller ones alone, where its memory decisions "
-        "hold (pm.eval() runs any). Pad or cut every training batch to at most the example's shapes "
-        "(a collator's padding='max_length', and drop_last=True for a short last batch), or compile with "
-        "offload='off' (checkpointing=True, or a larger memory_budget)"
+        f"a call in {describe_mode(mode)} mode: this plan offloads, and an offloading plan trains in the mode it "
+        "was compiled in alone (an eval mode runs at any shape): run the module in that mode (pm.train(), and "
+        "every module's mode as it was), or compile with offload='off'"
     )
-
-
-def _shapes(examples: Examples) -> dict[str, tuple[int, ...]]:
-    """The shape of each tensor among ``examples`` (positional and keyword), by name."""
-    inputs, kwargs = examples
-    named = {f"argument {i}": value for i, value in enumerate(inputs)} | dict(kwargs or {})
-    return {name: tuple(value.shape) for name, value in named.items() if isinstance(value, torch.Tensor)}
 
 
 def mode_builder(
@@ -188,8 +169,9 @@ def mode_builder(
         # ``shaped``: a call's inputs of other shapes (runtime.shapes), else the example inputs
         inputs, kwargs = shaped if shaped is not None else examples
         trains = mode.training or bool(mode.odd)
-        if offloader is not None and (mode.unfrozen or (trains and not _within(examples, shaped))):
-            raise _offload_refusal(mode, examples, shaped)
+        # (a call of other shapes got here within the example's: ``shapes.check_within``)
+        if offloader is not None and (mode.unfrozen or (trains and shaped is None)):
+            raise _offload_refusal(mode)
         with in_mode(model, mode), quiet_gc(), stale_model.quiet():
             traced = trace(model, inputs, kwargs, options.precision)
         forced = pinned_placements(traced, chosen)
@@ -223,18 +205,6 @@ def _memory_of(trained: MemoryPlan, trains: bool) -> MemoryPlan:
         return trained
     fetched = tuple(entry for entry in trained.offload if entry.kind == "param")
     return MemoryPlan(trained.target, trained.prefetch, offload=fetched)
-
-
-def _within(examples: Examples, shaped: Examples | None) -> bool:
-    """Whether a call's inputs (``shaped``; None: the example's own) are no larger than the
-    compiled example's in any dim, with the same names and ranks: the memory the plan promised
-    holds for them."""
-    if shaped is None:
-        return False  # a training mode of its own at the example's shapes: not the compiled graph
-    compiled, called = _shapes(examples), _shapes(shaped)
-    return compiled.keys() == called.keys() and all(
-        len(called[name]) == len(compiled[name]) and all(c <= e for c, e in zip(called[name], compiled[name])) for name in called
-    )
 
 
 def _resident(options: PlanOptions) -> PlanOptions:
