@@ -84,6 +84,11 @@ class Promise:
         """A declared optimizer is held to its kind; the default only to the budget."""
         return self.declared != DEFAULT_OPTIMIZER
 
+    @property
+    def states(self) -> int:
+        """Tensors the size of a parameter the plan priced the optimizer's state at."""
+        return OPTIMIZER_STATES[parse_optimizer(self.declared)[0]]
+
 
 def refuse_torch_optimizers(params: dict[str, torch.Tensor], offloaded: dict[str, str]) -> None:
     """Make a torch optimizer's ``step()`` over any of ``params`` (canonical FQN -> parameter)
@@ -182,7 +187,7 @@ def _hold(optimizer: torch.optim.Optimizer) -> None:
         if kind is None:
             _MEASURE.add(optimizer)
             break
-        declared = OPTIMIZER_STATES[parse_optimizer(promise.declared)[0]]
+        declared = promise.states
         # foreach Adam(W) holds a temporary where the plan priced none
         temporary = FOREACH_TEMPORARY.get(kind, 0.0) if implementation == "foreach" != promise.implementation else 0.0
         if promise.strict and (OPTIMIZER_STATES[kind] > declared or temporary):
@@ -218,7 +223,7 @@ def _measure(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Non
     kept_all = stepped = 0
     for _, param, promise in _held(optimizer):
         kept = sum(_local_bytes(v) for v in optimizer.state.get(param, {}).values() if isinstance(v, torch.Tensor) and v.dim())
-        _add(excess, promise, kept - OPTIMIZER_STATES[parse_optimizer(promise.declared)[0]] * _local_bytes(param))
+        _add(excess, promise, kept - promise.states * _local_bytes(param))
         kept_all, stepped = kept_all + kept, stepped + _local_bytes(param)
     states = math.ceil(kept_all / max(stepped, 1) - 1e-9)  # tensors the size of a parameter it keeps for each
     _charge(optimizer, excess.values(), _KIND_BY_STATES.get(states), measured=True)
