@@ -295,15 +295,22 @@ def test_from_checkpoint_of_a_model_with_unsaved_buffers_names_unsaved(one_rank_
     assert "non-persistent: scale" in message and "FromCheckpoint(path, unsaved=autopar.SeededInit(" in message
 
 
-def test_a_torch_optimizer_over_offloaded_state_names_autopar_adamw(one_rank_group, tmp_path):
-    # Offloaded optimizer state alone: parameters and gradients stay resident, so torch's AdamW
-    # would step them and quietly make its state on the device, over the budget.
+def _gpt_offload_plan():
+    """A small GPT, its batch, and its plan under 40% of its unbounded peak: checkpointing, and
+    offloaded parameters, gradients and AdamW state."""
     model = autopar.zoo.models.GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, bias=False)
     batch = example_batch("gpt", 4)
     free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
     plan = autopar.plan(
         model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
     )
+    return model, batch, plan
+
+
+def test_a_torch_optimizer_over_offloaded_state_names_autopar_adamw(one_rank_group, tmp_path):
+    # Offloaded optimizer state alone: parameters and gradients stay resident, so torch's AdamW
+    # would step them and quietly make its state on the device, over the budget.
+    model, batch, plan = _gpt_offload_plan()
     states = tuple(entry for entry in plan.memory.offload if entry.kind == "optimizer_state")
     assert states, "the budget should offload optimizer state"
     plan = dataclasses.replace(plan, memory=dataclasses.replace(plan.memory, offload=states))
@@ -446,12 +453,7 @@ def test_an_optimizer_keeping_more_state_than_the_budget_has_room_for_names_the_
 
 
 def test_an_offloading_module_trained_in_another_mode_names_the_compiled_one(one_rank_group, tmp_path):
-    model = autopar.zoo.models.GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, bias=False)
-    batch = example_batch("gpt", 4)
-    free = autopar.plan(model, (1,), example_inputs=batch, cluster="cpu")
-    plan = autopar.plan(
-        model, (1,), example_inputs=batch, cluster="cpu", memory_budget=0.4 * free.predicted.peak_memory_bytes, offload="auto"
-    )
+    model, batch, plan = _gpt_offload_plan()
     pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path}")
     shorter = tuple(t[:, :16].contiguous() for t in batch)
     pm(*shorter).backward()  # a shorter batch trains, under the same memory decisions
