@@ -13,6 +13,7 @@ import torch.fx
 from autopar.errors import PassError, PlanError
 from autopar.ir.options import CommOptions
 from autopar.ir.plan import Plan, placeholder_names
+from autopar.passes.held import HeldChains, hold_param_collectives
 from autopar.passes.memory import checkpoint_segments, offload_activations, offload_params
 from autopar.passes.precision import cast_after_collectives, gather_in_param_dtype
 from autopar.passes.rewrite import insert_collectives, localize_shapes, use_kernels
@@ -30,6 +31,7 @@ def default_passes(
     fqns: Mapping[str, str] | None = None,
     comm: CommOptions | None = None,
     compiler: str | None = None,
+    held: HeldChains | None = None,
 ) -> list[Pass]:
     """The passes ``compile`` runs, in order. ``groups`` are the mesh axes' process-group names;
     ``offloader`` (``autopar.runtime.offload.Offloader``) and ``fqns`` (placeholder name →
@@ -46,6 +48,7 @@ def default_passes(
         gather_in_param_dtype,
         functools.partial(offload_params, offloader=offloader, fqns=fqns),
         functools.partial(offload_activations, offloader=offloader),
+        *([functools.partial(hold_param_collectives, held=held)] if held is not None else []),
         checkpoint_segments,
     ]
 

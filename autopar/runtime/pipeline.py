@@ -72,6 +72,7 @@ from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
 from autopar.passes import default_passes, run_passes
+from autopar.passes.held import HeldChains
 from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
 from autopar.runtime import stale_model
 from autopar.runtime.attribute_guard import AttributeGuard
@@ -127,16 +128,21 @@ class _StageModule(torch.nn.Module):
         user_keys: dict[str, str],
         tensors: dict[str, torch.Tensor],
         constants: set[str],
+        held: HeldChains,
     ):
         super().__init__()
         self.submod = submod
         self._inputs, self._outputs, self._received, self._sent = inputs, outputs, received, sent
         self._loss_name, self._user_keys = loss_name, user_keys  # schedule kwarg key → placeholder
+        # the held chains this stage reads (``passes.held``), and their values for this step (``start_step``)
+        self._chains = {name: held.chains[name] for name in inputs if name in held.chains}
+        self.step_values: dict[str, torch.Tensor] = {}
+        sources = {source for source, _ in self._chains.values()}
         self.held = torch.nn.Module()
         self._held_names: list[str] = []
         self._constants: dict[str, torch.Tensor] = {}
         for name, value in tensors.items():
-            if name not in inputs:
+            if name not in inputs and name not in sources:
                 continue
             if isinstance(value, torch.nn.Parameter):
                 self.held.register_parameter(name, value)
@@ -146,16 +152,46 @@ class _StageModule(torch.nn.Module):
                 self.held.register_buffer(name, value)
             self._held_names.append(name)
 
+    def start_step(self, train: bool, made: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Run this stage's held chains for a step: every microbatch reads a detached leaf of
+        each value, whose gradient sums theirs (``PipelineParallelModule._reduce_held`` sends it
+        back through the chain). ``made``: name → (value, leaf), shared by this rank's stages."""
+        self.step_values = {}
+        for name, (source, chain) in self._chains.items():
+            if name not in made:
+                param = getattr(self.held, source)
+                with torch.set_grad_enabled(train):
+                    value = chain(param)
+                made[name] = (value, value.detach().requires_grad_(value.requires_grad))
+                if value.requires_grad and value.dtype != param.dtype:
+                    _sum_in(made[name][1], param.dtype)
+            self.step_values[name] = made[name][1]
+
     def forward(self, *received: torch.Tensor, **user: Any) -> Any:
         env: dict[str, Any] = dict(zip(self._received, received))
         env.update((self._user_keys[key], value) for key, value in user.items())
         for name in self._held_names:
             env[name] = self._constants[name] if name in self._constants else getattr(self.held, name)
+        env.update(self.step_values)
         outputs = self.submod(*[env[name] for name in self._inputs])
         env.update(zip(self._outputs, outputs))
         if self._sent is None:
             return env[self._loss_name]
         return tuple(env[name].contiguous() for name in self._sent)
+
+
+def _sum_in(leaf: torch.Tensor, dtype: torch.dtype) -> None:
+    """Sum the microbatches' gradients of ``leaf`` (a cast parameter's) in ``dtype``, the
+    parameter's own, as FSDP2 accumulates unsharded gradients in its reduce dtype: each
+    accumulated gradient moves into ``leaf.summed``."""
+
+    def move(tensor: torch.Tensor) -> None:
+        grad = tensor.grad.to(dtype)
+        tensor.grad = None
+        summed = getattr(tensor, "summed", None)
+        tensor.summed = grad if summed is None else summed.add_(grad)
+
+    leaf.register_post_accumulate_grad_hook(move)
 
 
 class _HeldGradients(torch.autograd.Function):
@@ -197,8 +233,11 @@ def compile_pipeline(
     stage_index, groups, coordinate, line = pipeline_groups(tuple(plan.mesh_shape), stages.num_stages)
     stage_view = _stage_view(plan)
     position, _ = loss_output(traced)
+    # ZBV computes weight gradients for the stage modules' parameters only: its graphs keep the syncs.
+    params = frozenset(gi.name for gi in traced.inputs if gi.kind == "param")
+    held = HeldChains(params) if stages.schedule != "ZBV" else None
     passes = [
-        *default_passes(groups),
+        *default_passes(groups, held=held),
         functools.partial(return_only, position=position),
         functools.partial(split_into_stages, stages=stages),
     ]
@@ -211,7 +250,7 @@ def compile_pipeline(
         tuple(stages.stage_mesh),
         coordinate,
     )
-    return PipelineParallelModule(model, traced, split, plan, stage_index, groups, coordinate, line, init)
+    return PipelineParallelModule(model, traced, split, plan, stage_index, groups, coordinate, line, init, held)
 
 
 def _stage_view(plan: Plan) -> Plan:
@@ -239,6 +278,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         coordinate: tuple[int, ...],
         line: dist.ProcessGroup,
         init: SeededInit | FromCheckpoint | None = None,
+        held: HeldChains | None = None,
     ):
         stages = plan.pipeline
         # Offloading is not combined with pipelines yet: no offloader.
@@ -254,6 +294,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         self._line = line
         self._loss_position, loss_node = loss_output(traced)
         self._param_canonicals = {traced.ties.get(gi.fqn, gi.fqn) for gi in traced.inputs if gi.kind == "param"}
+        self._held_chains = held if held is not None else HeldChains(frozenset())
         tensors = self._hold_tensors(model, split, init)
         users = [gi.name for gi in traced.inputs if gi.kind == "user"]
         # The schedule takes the user inputs as keyword arguments, which must not meet its own
@@ -288,8 +329,8 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         full = model_tensors(model)
         readers: dict[str, set[int]] = {}
         for index in range(self._num_model_stages):
-            for name in stage_io(split, index)[0]:
-                readers.setdefault(name, set()).add(self._group_of[index])
+            for name in stage_io(split, index)[0]:  # a held chain's value is its parameter's read
+                readers.setdefault(self._held_chains.source(name), set()).add(self._group_of[index])
         self._holders: dict[str, set[int]] = {}
         for gi in traced.inputs:
             if gi.kind in ("param", "buffer"):
@@ -350,7 +391,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         # node (an all-reduce of a batch-split loss, on a stage mesh of several devices).
         loss_name = _returned_name(split)
         count = self._num_model_stages
-        sent = stage_wiring(split, {gi.name for gi in traced.inputs}, loss_name, count)
+        sent = stage_wiring(split, {gi.name for gi in traced.inputs} | set(self._held_chains.chains), loss_name, count)
         nodes = {n.name: n for n in traced.gm.graph.nodes}
         # A value an outlined (checkpointed) segment hands on is a getitem standing for a traced node.
         for i in range(count):
@@ -374,6 +415,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
                 self._user_keys,
                 tensors,
                 constants=set(self._constants),
+                held=self._held_chains,
             )
             self._stages.append(module)
             # Static shapes: torch's pipelining would otherwise infer them by running a microbatch
@@ -460,6 +502,9 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
             with torch.enable_grad():
                 loss = self.forward(*args, **kwargs)
             return pytree.tree_map(lambda value: value.detach() if isinstance(value, torch.Tensor) else value, loss)
+        made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for module in self._stages:
+            module.start_step(train, made)
         if not train:
             # schedule.eval() with return_outputs=False: merging the per-microbatch losses by
             # concatenation, which eval() would do, fails on scalars (and is not needed).
@@ -474,6 +519,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
             p.grad = None
         try:
             self._schedule.step(target=target, losses=losses, return_outputs=False, **user)
+            _reduce_held(made)
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(self._num_microbatches)
@@ -645,6 +691,18 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         load_model_state_dict(self, state_dict, strict=False)
         stale_model.stepped(self)  # the model passed to compile is behind it now
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _reduce_held(made: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Send each held leaf's gradient, the sum over the step's microbatches, back through its
+    chain (one all-reduce a parameter and axis, into the parameter's ``.grad``), last made first,
+    as a backward would; each leaf's gradient is dropped once sent."""
+    for value, leaf in reversed(list(made.values())):
+        grad = getattr(leaf, "summed", None)
+        grad = leaf.grad if grad is None else grad.to(value.dtype)
+        leaf.grad = leaf.summed = None
+        if grad is not None:
+            torch.autograd.backward(value, grad)
 
 
 def _returned_name(split: torch.fx.GraphModule) -> str:

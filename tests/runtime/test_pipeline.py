@@ -22,6 +22,7 @@ from autopar.cost.cluster import get_cluster
 from autopar.cost.memory import param_state_bytes
 from autopar.errors import InputError, ModelError, UsageError
 from autopar.ir.pipeline import first_microbatch, stage_mesh_of
+from autopar.ops import collectives
 from autopar.passes.split import split_into_stages, stage_io, stage_wiring
 from autopar.runtime.pipeline import _stage_view
 from autopar.runtime.tools.launch import max_rel_diff
@@ -274,11 +275,53 @@ def _mlp_plans() -> dict[str, str]:
     return {"one": one.to_json(), "auto": auto.to_json()}
 
 
+def _collectives(pm) -> int:
+    """The collectives in the graphs of every stage (checkpointed segments' too) and in the
+    parameters' held chains (``passes.held``)."""
+    graphs = [m for m in pm.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    graphs += [chain for _, chain in pm._held_chains.chains.values()]
+    return sum(1 for gm in graphs for n in gm.graph.nodes if getattr(n.target, "__module__", "") == "autopar.ops.collectives")
+
+
+def _count_grad_syncs(pm, batch) -> int:
+    """How many gradient all-reduces (``allreduce_grad``'s backward) one training call runs."""
+    count = [0]
+    backward = collectives._AllReduceGrad.backward
+
+    def counted(ctx, grad):
+        count[0] += 1
+        return backward(ctx, grad)
+
+    collectives._AllReduceGrad.backward = staticmethod(counted)
+    try:
+        pm(*batch)
+    finally:
+        collectives._AllReduceGrad.backward = staticmethod(backward)
+    return count[0]
+
+
 def _run_pipelines(
-    rank: int, world: int, plans: dict[str, str], mlp_plans: dict[str, str], flat_text: str, drop_text: str, path: str
+    rank: int,
+    world: int,
+    plans: dict[str, str],
+    mlp_plans: dict[str, str],
+    flat_text: str,
+    drop_text: str,
+    ddp_text: str,
+    path: str,
 ) -> dict:
     torch.manual_seed(0)
     results = {}
+    # Replicated on the stage mesh's second axis, 4 microbatches: each trainable parameter's
+    # gradient is all-reduced once a step (their sum), not once a microbatch.
+    model = _gpt()
+    batch = example_batch("gpt", BATCH, seed=1)
+    pm = autopar.compile(copy.deepcopy(model), (2, 2), example_inputs=batch, plan=autopar.Plan.from_json(ddp_text))
+    results["syncs"] = {
+        "counted": _count_grad_syncs(pm, batch),
+        "params": sum(1 for p in pm.parameters() if p.requires_grad),
+        **step_against_eager(pm, model, batch),
+    }
     for label, text in plans.items():
         mesh = RUNS[label][0]
         model = _gpt()
@@ -295,7 +338,7 @@ def _run_pipelines(
             "grad_rel": max_rel_diff(pm.full_grads(), eager_grads(eager)),
             "untouched_before_backward": all(g is None for g in grads_before_backward),
             "stage": pm.stage_index,
-            "collectives": sum(1 for n in pm.graph.nodes if getattr(n.target, "__module__", "") == "autopar.ops.collectives"),
+            "collectives": _collectives(pm),
         }
         try:
             loss.backward()
@@ -468,12 +511,25 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
     flat = autopar.hand_plan("fsdp", _gpt(), (4,), example_inputs=example_batch("gpt", BATCH, seed=1), cluster="cpu")
     drop = autopar.plan(DropMLP().to(DTYPE), (2, 2), example_inputs=_drop_batch(), cluster="cpu", pipeline=2, num_microbatches=2)
     assert all(drop.nodes[n].outs[0][1].is_replicate() for n in ("dropout", "dropout_1")), "the test needs whole dropouts"
+    ddp = _plan((2, 2), 2, 4)
+    assert all(p.is_replicate() for spec in ddp.params.values() for p in spec), "the test needs replicated parameters"
     results = rank_pool(4).run(
-        _run_pipelines, plans, _mlp_plans(), flat.to_json(), drop.to_json(), str(tmp_path / "ckpt"), timeout_s=400
+        _run_pipelines,
+        plans,
+        _mlp_plans(),
+        flat.to_json(),
+        drop.to_json(),
+        ddp.to_json(),
+        str(tmp_path / "ckpt"),
+        timeout_s=400,
     )
     # the ranks that hold the parameter name it; the others stop with them
     assert any("['head.bias'] were frozen" in by_label["drop"]["unfrozen"] for by_label in results), results
     for rank, by_label in enumerate(results):
+        syncs = by_label.pop("syncs")
+        assert syncs["counted"] == syncs["params"] > 0, f"rank {rank}: {syncs['counted']} all-reduces for {syncs}"
+        assert math.isclose(*syncs["loss"], rel_tol=TOL), f"rank {rank}: {syncs['loss']}"
+        assert max(syncs["grad_rel"].values()) < TOL, f"rank {rank}: {syncs['grad_rel']}"
         drop = by_label.pop("drop")
         assert math.isfinite(drop["per_stage"]), drop
         assert "draw different random numbers" in drop["per_rank"] and "torch.manual_seed(seed)" in drop["per_rank"], drop

@@ -1,0 +1,134 @@
+"""The held-parameter pass of a pipeline: a parameter's gradient sync once per step.
+
+A pipelined step runs each stage's graph once per microbatch. Where a parameter is replicated on
+a stage-mesh axis, its use reads ``allreduce_grad(param)`` (the precision policy's cast first,
+where there is one): in every microbatch's backward, that graph all-reduced the microbatch's
+gradient. This pass takes such chains (the parameter's casts and ``allreduce_grad`` nodes, each
+reading the one before) out of the graph: the chain's last value becomes a new placeholder,
+``held_<node>``, and ``HeldChains`` keeps the chain as a small graph of its own, which the
+runtime runs once per step (``runtime.pipeline``). Every microbatch reads one detached leaf of
+it; their gradients sum in that leaf, and one backward through the chain at the end of the step
+reduces the sum, as DDP's ``no_sync`` and torchtitan's pipeline stages do. The cost model prices
+the gradient sync once per step (``solver.planners.stage_costs.per_step_graph``), and now the
+runtime runs what it prices.
+
+A parameter's all-gather (FSDP on a stage-mesh axis) stays in the graph: it is gathered in each
+microbatch, as priced. A chain of casts alone stays too (holding its copy all step would cost
+memory that nothing prices). Under ZBV, whose schedule computes weight gradients for the stage
+module's parameters only, the pass is not run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from autopar.ir.plan import Plan
+from autopar.ops import collectives
+
+HELD_PREFIX = "held_"
+
+
+@dataclass
+class HeldChains:
+    """What ``hold_param_collectives`` took out of the graph: for each new placeholder, the
+    parameter placeholder it starts from and the chain's graph (one input, one output)."""
+
+    params: frozenset[str]  # the names of the parameter placeholders the pass may hold
+    chains: dict[str, tuple[str, torch.fx.GraphModule]] = field(default_factory=dict)
+
+    def source(self, name: str) -> str:
+        """The parameter placeholder that held placeholder ``name`` is computed from (``name``
+        itself where it is not held)."""
+        return self.chains[name][0] if name in self.chains else name
+
+
+def _pure(node: torch.fx.Node) -> bool:
+    """A call that only computes one tensor: no random draw, no write to its inputs."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        return (
+            not schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in target.tags
+            and [str(r.type) for r in schema.returns] == ["Tensor"]
+        )
+    return target is collectives.allreduce_grad
+
+
+def _constant(node: torch.fx.Node, known: dict[torch.fx.Node, bool]) -> bool:
+    """Whether ``node`` holds the same value in every microbatch without reading an input (an
+    ``arange`` of positions, a tensor attribute)."""
+    if node not in known:
+        known[node] = node.op == "get_attr" or (_pure(node) and all(_constant(n, known) for n in node.all_input_nodes))
+    return known[node]
+
+
+def _chain(placeholder: torch.fx.Node, order: dict[torch.fx.Node, int], keep: set[str]) -> list[torch.fx.Node]:
+    """The nodes that compute from ``placeholder`` and constants alone (the precision policy's
+    cast, ``allreduce_grad``, a position embedding's lookup), in graph order; none named in
+    ``keep`` (the bounds of the memory plan's segments, which must stay in the graph)."""
+    members: set[torch.fx.Node] = set()
+    known: dict[torch.fx.Node, bool] = {}
+    frontier = [placeholder]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in members or user.name in keep or not _pure(user):
+                continue
+            if all(n is placeholder or n in members or _constant(n, known) for n in user.all_input_nodes):
+                members.add(user)
+                frontier.append(user)
+    return sorted(members, key=order.__getitem__)
+
+
+def _chain_module(
+    gm: torch.fx.GraphModule, placeholder: torch.fx.Node, end: torch.fx.Node, order: dict[torch.fx.Node, int]
+) -> torch.fx.GraphModule:
+    """The graph that computes ``end`` from ``placeholder``: the nodes ``end`` reads, copied."""
+    needed: set[torch.fx.Node] = set()
+    stack = [end]
+    while stack:
+        node = stack.pop()
+        if node is not placeholder and node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    graph = torch.fx.Graph()
+    env = {placeholder: graph.placeholder(placeholder.name)}
+    for node in sorted(needed, key=order.__getitem__):
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(env[end])
+    return torch.fx.GraphModule(gm, graph)
+
+
+def hold_param_collectives(gm: torch.fx.GraphModule, plan: Plan, held: HeldChains) -> torch.fx.GraphModule:
+    """Replace each parameter's chain of casts and ``allreduce_grad`` (one at least) by new
+    placeholders for its ends, and record the chains in ``held`` (module docstring)."""
+    graph = gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    segments = (*plan.memory.checkpoint, *plan.memory.offload_activations) if plan.memory is not None else ()
+    keep = {name for segment in segments for name in (segment.first, segment.last)}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1] if placeholders else None
+    for placeholder in placeholders:
+        if placeholder.name not in held.params:
+            continue
+        members = _chain(placeholder, order, keep)
+        if not any(node.target is collectives.allreduce_grad for node in members):
+            continue
+        inside = set(members)
+        for end in [node for node in members if any(user not in inside for user in node.users)]:
+            with graph.inserting_after(last):
+                new = graph.placeholder(HELD_PREFIX + end.name)
+            new.meta = {key: value for key, value in end.meta.items() if key != "autopar"}
+            held.chains[new.name] = (placeholder.name, _chain_module(gm, placeholder, end, order))
+            end.replace_all_uses_with(new, delete_user_cb=lambda user, inside=inside: user not in inside)
+            last = new
+        for node in reversed(members):
+            if not node.users:
+                graph.erase_node(node)
+    return gm
