@@ -71,6 +71,10 @@ class StagePlan:
     bubble_fraction: float  # share of the step the devices of a stage sit idle, on average
     virtual_stages: int = 1  # model stages per rank group: 1, or more under MULTI_STAGE_SCHEDULES
     reason: str = ""  # why the planner chose this schedule, microbatches and stage count
+    # The parameters a stage gathers are gathered once a step and held whole through every
+    # microbatch, their gradients summed whole and reduce-scattered once (torchtitan's FSDP under
+    # a pipeline); False: gathered, and reduced, in each microbatch (``passes.held``).
+    hold_gathered: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -80,6 +84,11 @@ class StagePlan:
         if self.virtual_stages < 1 or len(self.stages) % self.virtual_stages:
             raise PlanError(
                 f"{len(self.stages)} stages cannot be {self.virtual_stages} virtual stages per rank group: re-plan, or fix the plan file"
+            )
+        if self.hold_gathered and self.schedule == "ZBV":
+            raise PlanError(
+                "hold_gathered=True under schedule 'ZBV', whose weight-gradient passes need the gathers in the "
+                "microbatches' graphs: re-plan, or fix the plan file (hold_gathered false, or another schedule)"
             )
         if (self.virtual_stages > 1) != (self.schedule in MULTI_STAGE_SCHEDULES):
             raise PlanError(
@@ -111,6 +120,7 @@ class StagePlan:
             "stages": [stage.to_json() for stage in self.stages],
             "virtual_stages": self.virtual_stages,
             "reason": self.reason,
+            **({"hold_gathered": True} if self.hold_gathered else {}),
         }
 
     @classmethod
@@ -124,6 +134,7 @@ class StagePlan:
             bubble_fraction=float(data["bubble_fraction"]),
             virtual_stages=int(data.get("virtual_stages", 1)),
             reason=str(data.get("reason", "")),
+            hold_gathered=bool(data.get("hold_gathered", False)),
         )
 
 

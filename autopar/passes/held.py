@@ -1,21 +1,25 @@
-"""The held-parameter pass of a pipeline: a parameter's gradient sync once per step.
+"""The held-parameter pass of a pipeline: a parameter's collectives once a step, not per microbatch.
 
 A pipelined step runs each stage's graph once per microbatch. Where a parameter is replicated on
 a stage-mesh axis, its use reads ``allreduce_grad(param)`` (the precision policy's cast first,
-where there is one): in every microbatch's backward, that graph all-reduced the microbatch's
-gradient. This pass takes such chains (the parameter's casts and ``allreduce_grad`` nodes, each
-reading the one before) out of the graph: the chain's last value becomes a new placeholder,
-``held_<node>``, and ``HeldChains`` keeps the chain as a small graph of its own, which the
-runtime runs once per step (``runtime.pipeline``). Every microbatch reads one detached leaf of
-it; their gradients sum in that leaf, and one backward through the chain at the end of the step
-reduces the sum, as DDP's ``no_sync`` and torchtitan's pipeline stages do. The cost model prices
-the gradient sync once per step (``solver.planners.stage_costs.per_step_graph``), and now the
-runtime runs what it prices.
+where there is one): every microbatch's backward would all-reduce its gradient. This pass takes
+such chains out of the graph (the nodes that compute from the parameter and constants alone:
+casts, ``allreduce_grad``, a position table's lookup): each chain's last value becomes a new
+placeholder, ``held_<node>``, and ``HeldChains`` keeps the chain as a small graph of its own,
+which the runtime runs once a step (``runtime.pipeline``). Every microbatch reads one detached
+leaf of it; their gradients sum in that leaf, and one backward through the chain at the end of
+the step reduces the sum, as DDP's ``no_sync`` and torchtitan's pipeline stages do. The cost
+model prices that sync once a step (``solver.planners.stage_costs``).
 
-A parameter's all-gather (FSDP on a stage-mesh axis) stays in the graph: it is gathered in each
-microbatch, as priced. A chain of casts alone stays too (holding its copy all step would cost
-memory that nothing prices). Under ZBV, whose schedule computes weight gradients for the stage
-module's parameters only, the pass is not run.
+A parameter sharded on a stage-mesh axis (FSDP) is gathered by ``all_gather`` and its gradient
+summed by ``allreduce_grad``: the pair becomes ``gather_param``, whose backward reduce-scatters
+(half the bytes of an all-reduce and a chunk). Under ``StagePlan.hold_gathered`` its chain is
+held too: gathered once a step and kept whole through every microbatch, its gradient summed whole
+and reduce-scattered once (torchtitan's FSDP under a pipeline, which the stage planner prices and
+chooses where it pays); otherwise it is gathered and reduced in each microbatch. A chain of casts
+alone stays in the graph (holding its copy all step would cost memory nothing prices). Under ZBV,
+whose schedule computes weight gradients for the stage module's parameters only, the pass is not
+run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.fx
 
 from autopar.ir.plan import Plan
 from autopar.ops import collectives
+from autopar.trace import is_param_cast
 
 HELD_PREFIX = "held_"
 
@@ -37,7 +42,12 @@ class HeldChains:
     parameter placeholder it starts from and the chain's graph (one input, one output)."""
 
     params: frozenset[str]  # the names of the parameter placeholders the pass may hold
+    gathers: bool = False  # hold gathered parameters too (``StagePlan.hold_gathered``)
     chains: dict[str, tuple[str, torch.fx.GraphModule]] = field(default_factory=dict)
+
+    def collectives(self) -> tuple:
+        """The collectives a held chain may run."""
+        return (collectives.allreduce_grad, collectives.gather_param) if self.gathers else (collectives.allreduce_grad,)
 
     def source(self, name: str) -> str:
         """The parameter placeholder that held placeholder ``name`` is computed from (``name``
@@ -45,8 +55,9 @@ class HeldChains:
         return self.chains[name][0] if name in self.chains else name
 
 
-def _pure(node: torch.fx.Node) -> bool:
-    """A call that only computes one tensor: no random draw, no write to its inputs."""
+def _pure(node: torch.fx.Node, held: tuple = (collectives.allreduce_grad,)) -> bool:
+    """A call that only computes one tensor (no random draw, no write to its inputs), or one of
+    the ``held`` collectives."""
     if node.op != "call_function":
         return False
     target = node.target
@@ -57,7 +68,7 @@ def _pure(node: torch.fx.Node) -> bool:
             and torch.Tag.nondeterministic_seeded not in target.tags
             and [str(r.type) for r in schema.returns] == ["Tensor"]
         )
-    return target is collectives.allreduce_grad
+    return target in held
 
 
 def _constant(node: torch.fx.Node, known: dict[torch.fx.Node, bool]) -> bool:
@@ -68,7 +79,7 @@ def _constant(node: torch.fx.Node, known: dict[torch.fx.Node, bool]) -> bool:
     return known[node]
 
 
-def _chain(placeholder: torch.fx.Node, order: dict[torch.fx.Node, int], keep: set[str]) -> list[torch.fx.Node]:
+def _chain(placeholder: torch.fx.Node, order: dict[torch.fx.Node, int], keep: set[str], held: tuple) -> list[torch.fx.Node]:
     """The nodes that compute from ``placeholder`` and constants alone (the precision policy's
     cast, ``allreduce_grad``, a position embedding's lookup), in graph order; none named in
     ``keep`` (the bounds of the memory plan's segments, which must stay in the graph)."""
@@ -78,7 +89,7 @@ def _chain(placeholder: torch.fx.Node, order: dict[torch.fx.Node, int], keep: se
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if user in members or user.name in keep or not _pure(user):
+            if user in members or user.name in keep or not _pure(user, held):
                 continue
             if all(n is placeholder or n in members or _constant(n, known) for n in user.all_input_nodes):
                 members.add(user)
@@ -105,10 +116,37 @@ def _chain_module(
     return torch.fx.GraphModule(gm, graph)
 
 
+def _pair_gathers(graph: torch.fx.Graph, params: frozenset[str]) -> None:
+    """A parameter's ``all_gather`` whose one user sums its gradient on the same axis becomes
+    ``gather_param``: the reduce-scatter FSDP runs in backward, where the pair all-reduced the
+    whole gradient and kept this rank's chunk (twice the bytes)."""
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is collectives.all_gather and len(node.args) == 3):
+            continue
+        source = node.args[0]
+        if isinstance(source, torch.fx.Node) and is_param_cast(source):
+            source = source.all_input_nodes[0]
+        users = list(node.users)
+        if not (isinstance(source, torch.fx.Node) and source.op == "placeholder" and source.name in params and len(users) == 1):
+            continue
+        (summed,) = users
+        if summed.target is not collectives.allreduce_grad or summed.args[1] != node.args[2]:
+            continue
+        reduce_dtype = summed.args[2] if len(summed.args) > 2 else summed.kwargs.get("reduce_dtype")
+        with graph.inserting_before(node):
+            paired = graph.call_function(collectives.gather_param, (*node.args, reduce_dtype))
+        paired.meta = dict(summed.meta)
+        summed.replace_all_uses_with(paired)
+        graph.erase_node(summed)
+        graph.erase_node(node)
+
+
 def hold_param_collectives(gm: torch.fx.GraphModule, plan: Plan, held: HeldChains) -> torch.fx.GraphModule:
-    """Replace each parameter's chain of casts and ``allreduce_grad`` (one at least) by new
-    placeholders for its ends, and record the chains in ``held`` (module docstring)."""
+    """Pair each parameter's gather with its gradient's sum (``_pair_gathers``), then replace
+    each parameter's chain of casts and held collectives (one at least) by new placeholders for
+    its ends, and record the chains in ``held`` (module docstring)."""
     graph = gm.graph
+    _pair_gathers(graph, held.params)
     order = {node: i for i, node in enumerate(graph.nodes)}
     segments = (*plan.memory.checkpoint, *plan.memory.offload_activations) if plan.memory is not None else ()
     keep = {name for segment in segments for name in (segment.first, segment.last)}
@@ -117,8 +155,8 @@ def hold_param_collectives(gm: torch.fx.GraphModule, plan: Plan, held: HeldChain
     for placeholder in placeholders:
         if placeholder.name not in held.params:
             continue
-        members = _chain(placeholder, order, keep)
-        if not any(node.target is collectives.allreduce_grad for node in members):
+        members = _chain(placeholder, order, keep, held.collectives())
+        if not any(node.target in (collectives.allreduce_grad, collectives.gather_param) for node in members):
             continue
         inside = set(members)
         for end in [node for node in members if any(user not in inside for user in node.users)]:

@@ -235,7 +235,7 @@ def compile_pipeline(
     position, _ = loss_output(traced)
     # ZBV computes weight gradients for the stage modules' parameters only: its graphs keep the syncs.
     params = frozenset(gi.name for gi in traced.inputs if gi.kind == "param")
-    held = HeldChains(params) if stages.schedule != "ZBV" else None
+    held = HeldChains(params, gathers=stages.hold_gathered) if stages.schedule != "ZBV" else None
     passes = [
         *default_passes(groups, held=held),
         functools.partial(return_only, position=position),

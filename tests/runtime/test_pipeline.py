@@ -283,21 +283,38 @@ def _collectives(pm) -> int:
     return sum(1 for gm in graphs for n in gm.graph.nodes if getattr(n.target, "__module__", "") == "autopar.ops.collectives")
 
 
-def _count_grad_syncs(pm, batch) -> int:
-    """How many gradient all-reduces (``allreduce_grad``'s backward) one training call runs."""
-    count = [0]
-    backward = collectives._AllReduceGrad.backward
+def _count_calls(pm, batch, functions: dict[str, tuple[type, str]]) -> dict[str, int]:
+    """How many times one training call runs each autograd function's forward or backward
+    (label → (class, "forward" or "backward"))."""
+    counts = dict.fromkeys(functions, 0)
+    originals = [(cls, method, getattr(cls, method)) for cls, method in functions.values()]
+    for label, (cls, method, original) in zip(functions, originals):
 
-    def counted(ctx, grad):
-        count[0] += 1
-        return backward(ctx, grad)
+        def counted(ctx, *args, _original=original, _label=label):
+            counts[_label] += 1
+            return _original(ctx, *args)
 
-    collectives._AllReduceGrad.backward = staticmethod(counted)
+        setattr(cls, method, staticmethod(counted))
     try:
         pm(*batch)
     finally:
-        collectives._AllReduceGrad.backward = staticmethod(backward)
-    return count[0]
+        for cls, method, original in originals:
+            setattr(cls, method, staticmethod(original))
+    return counts
+
+
+def _fsdp_held(ddp: str) -> str:
+    """The plan ``ddp`` (JSON) with every layer's matrix sharded on the stage mesh's second axis (FSDP) and the
+    gathered parameters held through the step (``hold_gathered``)."""
+    data = json.loads(ddp)
+    data["pipeline"]["hold_gathered"] = True
+    placeholders = {n.replace(".", "_"): n for n in data["params"]}
+    for name, node in data["nodes"].items():
+        fqn = placeholders.get(name.removeprefix("p_"))
+        if node["op"] == "param" and fqn is not None and ".h." in fqn and len(node["shape"][0]) == 2:
+            node["out"] = [["R", "S(0)"]]
+            data["params"][fqn] = ["R", "S(0)"]
+    return json.dumps(data)
 
 
 def _run_pipelines(
@@ -317,9 +334,21 @@ def _run_pipelines(
     model = _gpt()
     batch = example_batch("gpt", BATCH, seed=1)
     pm = autopar.compile(copy.deepcopy(model), (2, 2), example_inputs=batch, plan=autopar.Plan.from_json(ddp_text))
+    counts = _count_calls(pm, batch, {"syncs": (collectives._AllReduceGrad, "backward")})
     results["syncs"] = {
-        "counted": _count_grad_syncs(pm, batch),
+        "counted": counts["syncs"],
         "params": sum(1 for p in pm.parameters() if p.requires_grad),
+        **step_against_eager(pm, model, batch),
+    }
+    # The same with FSDP on that axis, gathered parameters held: each is gathered once a step,
+    # and its gradient reduce-scattered once (the sum of the microbatches'), where the graph would
+    # gather in every microbatch.
+    model = _gpt()
+    pm = autopar.compile(copy.deepcopy(model), (2, 2), example_inputs=batch, plan=autopar.Plan.from_json(_fsdp_held(ddp_text)))
+    functions = {"gathers": (collectives._GatherParam, "forward"), "scatters": (collectives._GatherParam, "backward")}
+    results["held"] = {
+        **_count_calls(pm, batch, functions),
+        "sharded": sum(1 for fqn, _ in pm.named_parameters() if pm.plan.params[fqn][1].is_shard()),
         **step_against_eager(pm, model, batch),
     }
     for label, text in plans.items():
@@ -530,6 +559,10 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
         assert syncs["counted"] == syncs["params"] > 0, f"rank {rank}: {syncs['counted']} all-reduces for {syncs}"
         assert math.isclose(*syncs["loss"], rel_tol=TOL), f"rank {rank}: {syncs['loss']}"
         assert max(syncs["grad_rel"].values()) < TOL, f"rank {rank}: {syncs['grad_rel']}"
+        held = by_label.pop("held")
+        assert held["gathers"] == held["scatters"] == held["sharded"] > 0, f"rank {rank}: {held}"
+        assert math.isclose(*held["loss"], rel_tol=TOL), f"rank {rank}: {held['loss']}"
+        assert max(held["grad_rel"].values()) < TOL, f"rank {rank}: {held['grad_rel']}"
         drop = by_label.pop("drop")
         assert math.isfinite(drop["per_stage"]), drop
         assert "draw different random numbers" in drop["per_rank"] and "torch.manual_seed(seed)" in drop["per_rank"], drop

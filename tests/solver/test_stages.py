@@ -278,3 +278,73 @@ def test_the_stage_dp_prices_each_parameter_reduction_once_at_its_bucketed_price
     per_use_total = sum(per_use[name][choice[name]] for name in per_use)
     assert per_use_total > bucketed  # one latency per use costs more than one bucket slot per parameter
     assert float(units.sync.sum()) == pytest.approx(bucketed, rel=1e-9)
+
+
+def _stage_costs(mesh, precision=None, model="gpt"):
+    """A 2-layer zoo ``model``'s stage graph on ``mesh`` (cpu preset, 16 sequences) with its op
+    split, layers and fastest plan."""
+    from autopar.ir.options import precision_policy
+    from autopar.solver.planners.stage_costs import CandidateSolver, build_stage_graph, split_op_costs
+
+    cpu = get_cluster("cpu")
+    policy = precision_policy(precision) if precision else None
+    traced = trace(build_model(model, n_layer=2), example_batch(model, 16), None, policy)
+    graph = build_stage_graph(traced, mesh, cpu, optimizer_dtype=torch.float32 if precision else None)
+    split = split_op_costs(graph, cpu)
+    choice = CandidateSolver(graph, split, 4, 30.0, "highs").fastest()[0].solution.choice
+    return graph, split, cluster_layers(traced), choice, cpu
+
+
+def test_a_cast_parameters_gradient_sync_is_priced_once_a_step():
+    # Under bf16-mixed every weight is read through its cast: the gradient all-reduce of that cast
+    # is the parameter's, which the pipeline runs once a step (passes.held); priced per
+    # microbatch, it made DP inside a stage look M times dearer than it runs. (A Llama's casts
+    # are ops of their own, not followers of their parameters, as a GPT's are.)
+    from autopar.solver.planners.stage_costs import unit_costs
+    from autopar.solver.problem.gathered import cast_of_param
+
+    graph, split, layers, choice, cpu = _stage_costs((4,), "bf16-mixed", "llama")
+    casts = [n for n in graph.order if graph.choices[n].kind == "op" and cast_of_param(graph.choices, n)]
+    assert casts and all(graph.choices[n].follower_of is None for n in casts)
+    synced = [n for n in split.sync if split.sync[n][choice[n]] > 0]
+    assert synced and any(p in casts for n in synced for p, _ in graph.choices[n].inputs)
+    assert float(unit_costs(graph, layers, split, choice, cpu).sync.sum()) > 0
+
+
+def test_fsdp_laid_over_a_plan_and_held_moves_its_gathers_to_the_step():
+    # FSDP over the data-parallel plan of a stage mesh (stage_costs.fsdp_overlay): every matrix
+    # sharded, its uses as they were. Held (StagePlan.hold_gathered), its gathers and
+    # reduce-scatters are paid once a step (sync), not per microbatch (own), and its whole bytes
+    # are held all step (static).
+    from autopar.solver.planners.stage_costs import fsdp_overlay, unit_costs
+
+    graph, split, layers, choice, cpu = _stage_costs((4,))
+    overlaid = fsdp_overlay(graph, choice, 0)
+    params = [n for n in graph.order if graph.choices[n].kind == "param" and len(graph.choices[n].out_shapes[0]) == 2]
+    spec = lambda c, n: graph.choices[n].strategies[c[n]].outs[0]  # noqa: E731
+    assert all(spec(choice, n)[0].is_replicate() for n in params), "the fastest plan on the cpu preset replicates"
+    assert overlaid is not None and all(spec(overlaid, n)[0].is_shard() for n in params)
+    for n in graph.order:  # the uses take what they took
+        if graph.choices[n].kind not in ("param",) and graph.choices[n].follower_of is None:
+            assert overlaid[n] == choice[n], n
+    plain = unit_costs(graph, layers, split, overlaid, cpu)
+    held = unit_costs(graph, layers, split, overlaid, cpu, hold=True)
+    moved = float(plain.own.sum() - held.own.sum())
+    assert moved > 0 and float(held.sync.sum() - plain.sync.sum()) == pytest.approx(moved, rel=1e-9)
+    assert float(held.static.sum()) > float(plain.static.sum())
+    assert float(held.saved.sum() + held.transient.sum()) <= float(plain.saved.sum() + plain.transient.sum())
+    assert fsdp_overlay(graph, overlaid, 0) is None  # nothing left to shard on that axis
+
+
+def test_hold_gathered_round_trips_and_is_refused_under_zbv():
+    from autopar.errors import PlanError
+    from autopar.ir.pipeline import StagePlan
+
+    plan = autopar.plan(
+        build_model("gpt", n_layer=2), (2,), example_inputs=example_batch("gpt", 4), cluster="cpu", pipeline=2, num_microbatches=2
+    )
+    held = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, hold_gathered=True))
+    assert Plan.from_json(held.to_json()).pipeline.hold_gathered
+    assert "hold_gathered" not in plan.to_json()  # plans that do not hold read as before
+    with pytest.raises(PlanError, match="hold_gathered=True under schedule 'ZBV'"):
+        StagePlan.from_json({**held.pipeline.to_json(), "schedule": "ZBV", "virtual_stages": 1})

@@ -15,7 +15,10 @@ run once per microbatch (× M), gradient synchronisation of parameters once per 
 Then, where memory binds, again with memory priced into the objective at a few
 rates, which gives leaner plans (``CandidateSolver``). Each solution is a *candidate* intra-stage plan; a stage takes the fastest
 candidate that fits its memory. So the ILP is solved a handful of times per stage mesh, never
-per layer range: identical layer ranges share one solution.
+per layer range: identical layer ranges share one solution. Where memory binds, the stage
+planner adds a second ILP that prices a parameter's resharding once a step too, and the fastest
+plans with FSDP laid over them (``fsdp_overlay``): candidates for stages that hold their
+gathered parameters (``StagePlan.hold_gathered``; ``unit_costs(..., hold=True)`` prices them).
 
 Per-layer prices (``unit_costs``). Under a candidate every unit gets, in seconds per
 microbatch: ``own`` (its ops' forward and backward, and the resharding between its own ops and
@@ -41,6 +44,7 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
@@ -50,6 +54,7 @@ from autopar.rules import op_info
 from autopar.solver.problem.choices import Choice, ChoiceGraph, Offers, build_choice_graph, layer_key
 from autopar.solver.problem.edges import EdgePrices
 from autopar.solver.problem.gathered import PREFIX as GATHERED
+from autopar.solver.problem.gathered import cast_of_param
 from autopar.solver.problem.ilp import ShardingILP, Solution
 from autopar.solver.problem.op_prices import grad_sync_axes, grad_sync_cost
 from autopar.solver.problem.priced import PriceTable
@@ -154,11 +159,13 @@ class Candidate:
     solution: Solution
     memory_weight: float | None  # the fraction f of ``CandidateSolver`` (None: the fastest plan)
     units: UnitCosts | None = None
+    held_units: UnitCosts | None = None  # its stages holding their gathered parameters (None: it gathers none)
 
 
-def per_step_graph(graph: ChoiceGraph, split: OpSplit, num_microbatches: int) -> ChoiceGraph:
+def per_step_graph(graph: ChoiceGraph, split: OpSplit, num_microbatches: int, hold: bool = False) -> ChoiceGraph:
     """``graph`` priced per step of M microbatches: compute and resharding × M, parameter
-    gradient synchronisation × 1 (see the module docstring)."""
+    gradient synchronisation × 1 (see the module docstring). ``hold``: a parameter's resharding
+    × 1 too, as a stage that holds its gathered parameters runs it (``StagePlan.hold_gathered``)."""
     m = float(num_microbatches)
     choices = {}
     # Identical ops share their tables and their sync lists (``split_op_costs``): reprice each
@@ -175,6 +182,9 @@ def per_step_graph(graph: ChoiceGraph, split: OpSplit, num_microbatches: int) ->
     scaled: dict[int, dict] = {}
     edges = []
     for edge in graph.edges:
+        if hold and cast_of_param(graph.choices, edge.producer) is not None:
+            edges.append(edge)
+            continue
         table = scaled.get(id(edge.price))
         if table is None:
             price = edge.price
@@ -200,13 +210,19 @@ def split_op_costs(graph: ChoiceGraph, cluster: ClusterSpec) -> OpSplit:
     rooted: dict[str, bool] = {}
 
     def param_rooted(name: str) -> bool:
+        # a parameter, an op that follows one (a view), or a precision policy's cast of one: its
+        # gradient's sync is the parameter's, once a step (``passes.held`` runs it so)
         if name not in rooted:
             choice = graph.choices[name]
-            rooted[name] = choice.kind == "param" or (
-                choice.kind == "op"
-                and choice.follower_of is not None
-                and len(choice.inputs) == 1
-                and param_rooted(choice.inputs[0][0])
+            rooted[name] = (
+                choice.kind == "param"
+                or cast_of_param(graph.choices, name) is not None
+                or (
+                    choice.kind == "op"
+                    and choice.follower_of is not None
+                    and len(choice.inputs) == 1
+                    and param_rooted(choice.inputs[0][0])
+                )
             )
         return rooted[name]
 
@@ -269,12 +285,13 @@ class CandidateSolver:
         solver: str,
         ladder: tuple[float, ...] = LADDER,
         mode: str = "lagrangian",
+        hold: bool = False,
     ):
         if mode not in CANDIDATE_MODES:
             raise ConfigError(f"candidates must be one of {CANDIDATE_MODES}, got {mode!r}")
         self.graph, self.time_limit_s, self.solver, self.ladder = graph, time_limit_s, solver, ladder
         self.mode = mode
-        self.ilp = ShardingILP(per_step_graph(graph, split, num_microbatches), None)
+        self.ilp = ShardingILP(per_step_graph(graph, split, num_microbatches, hold), None)
         self.solves = 0
         self.laddered = False
 
@@ -348,6 +365,68 @@ class CandidateSolver:
         return found
 
 
+def fsdp_overlay(graph: ChoiceGraph, choice: dict[str, int], axis: int) -> dict[str, int] | None:
+    """``choice`` with each trainable parameter it replicates on mesh ``axis`` sharded there (on
+    its first dim that can be, a precision policy's cast following), its uses unchanged: FSDP laid
+    over a plan, as torchtitan lays it over tensor parallelism. A parameter stays as it was where
+    no strategy shards it so, or an edge to a use prices no gather to what the use takes. None
+    when no parameter changes."""
+    followers: dict[str, list[str]] = {}
+    out_edges: dict[str, list] = {}
+    for name in graph.order:
+        producer = graph.choices[name].follower_of
+        if producer is not None:
+            followers.setdefault(producer, []).append(name)
+    for edge in graph.edges:
+        out_edges.setdefault(edge.producer, []).append(edge)
+    overlaid = dict(choice)
+    for name in graph.order:
+        param = graph.choices[name]
+        if param.kind != "param" or not param.requires_grad or not param.out_shapes:
+            continue
+        spec = param.strategies[choice[name]].outs[0]
+        if not isinstance(spec[axis], Replicate):
+            continue
+        for dim in range(len(param.out_shapes[0])):
+            want = tuple(Shard(dim) if a == axis else p for a, p in enumerate(spec))
+            picked = _overlaid(graph, name, want, overlaid, followers, out_edges)
+            if picked is not None:
+                overlaid.update(picked)
+                break
+    return overlaid if overlaid != choice else None
+
+
+def _overlaid(graph: ChoiceGraph, name: str, want, choice: dict[str, int], followers, out_edges) -> dict[str, int] | None:
+    """The strategies that give parameter ``name`` the spec ``want``, and its followers theirs,
+    where every edge out of them prices the move to what its use takes; else None."""
+    index = next((i for i, s in enumerate(graph.choices[name].strategies) if s.outs[0] == want), None)
+    if index is None:
+        return None
+    picked = {name: index}
+    stack = [name]
+    while stack:
+        producer = stack.pop()
+        outs = graph.choices[producer].strategies[picked[producer]].outs
+        for follower in followers.get(producer, ()):
+            node = graph.choices[follower]
+            spec = outs[node.inputs[0][1]]
+            found = next((i for i, s in enumerate(node.strategies) if s.ins[0] == spec), None)
+            if found is None:
+                return None
+            picked[follower] = found
+            stack.append(follower)
+    for producer, index in picked.items():
+        outs = graph.choices[producer].strategies[index].outs
+        for edge in out_edges.get(producer, ()):
+            if edge.consumer in picked:
+                continue
+            src = outs[edge.out_index]
+            dst = graph.choices[edge.consumer].strategies[choice[edge.consumer]].ins[edge.in_index]
+            if src != dst and edge.price.get((src, dst)) is None:
+                return None
+    return picked
+
+
 # A memory bound no plan reaches (solvers read 1e30 as infinite).
 _NO_BOUND = 1e30
 
@@ -373,8 +452,22 @@ class UnitCosts:
     shared: list[tuple[float, frozenset[int]]]  # (bytes, units) of parameters several units use
 
 
-def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[str, int], cluster: ClusterSpec) -> UnitCosts:
-    """Per-unit seconds and bytes of the plan ``choice`` on ``graph`` (module docstring)."""
+def _held_gather(graph: ChoiceGraph, edge, src, dst) -> bool:
+    """Whether ``edge`` gathers a parameter (or its cast) on some axes and changes nothing else:
+    what a pipeline that holds its gathered parameters (``StagePlan.hold_gathered``) runs once a step."""
+    if cast_of_param(graph.choices, edge.producer) is None:
+        return False
+    return all(s == d or (isinstance(s, Shard) and isinstance(d, Replicate)) for s, d in zip(src, dst))
+
+
+def unit_costs(
+    graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[str, int], cluster: ClusterSpec, hold: bool = False
+) -> UnitCosts:
+    """Per-unit seconds and bytes of the plan ``choice`` on ``graph`` (module docstring).
+    ``hold``: the stage gathers its parameters once a step and holds them, with their summed
+    gradients, through every microbatch (``StagePlan.hold_gathered``): their gathers and
+    reduce-scatters move from ``own`` (per microbatch) to ``sync`` (per step), and their whole
+    bytes from the microbatches' activations to ``static``."""
     num = layers.num_blocks + 2
     mesh = graph.mesh_shape
     zeros = lambda: np.zeros(num)  # noqa: E731
@@ -410,6 +503,9 @@ def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[
         if pu == -2:
             consumers.setdefault(edge.producer, set()).add(cu)
         if pu == -2 or pu == cu:
+            if hold and seconds and _held_gather(graph, edge, src, dst):
+                sync[cu + 1] += seconds
+                continue
             own[cu + 1] += seconds
             if seconds:
                 cost = comm.transition_cost(src, dst, edge.shape, edge.dtype, mesh, cluster, edge.requires_grad, edge.grad_dtype)
@@ -430,14 +526,15 @@ def unit_costs(graph: ChoiceGraph, layers: Layers, split: OpSplit, choice: dict[
         producer = graph.choices[producer_name]
         spec = producer.strategies[choice[producer_name]].outs[out_index]
         stash[cu + 1] += memory.local_bytes(producer.out_shapes[out_index], producer.out_dtypes[out_index], spec, mesh)
-    static, saved, transient, shared = _memory(graph, layers, choice, consumers, unit_of, num)
+    static, saved, transient, shared = _memory(graph, layers, choice, consumers, unit_of, num, hold)
     return UnitCosts(own, prev, pre, fwd, sync, static, saved, transient, stash, prev_bytes, pre_bytes, shared)
 
 
-def _memory(graph: ChoiceGraph, layers: Layers, choice: dict[str, int], consumers, unit_of, num: int):
+def _memory(graph: ChoiceGraph, layers: Layers, choice: dict[str, int], consumers, unit_of, num: int, hold: bool = False):
     timeline = graph.timeline
     end = len(timeline.names) - 1  # the end of forward
     static_of: dict[str, float] = {}
+    held: dict[str, dict[str, float]] = {}  # under ``hold``: gathered parameter → its largest size by kind
     curves = np.zeros((num, timeline.num_times + 1))
     bytes_of = graph.bytes_of(choice)
     for interval in timeline.intervals:
@@ -446,11 +543,18 @@ def _memory(graph: ChoiceGraph, layers: Layers, choice: dict[str, int], consumer
             static_of[interval.node] = static_of.get(interval.node, 0.0) + size
             continue
         owner = interval.node.removeprefix(GATHERED)  # a gathered parameter: its placeholder's
+        if hold and owner != interval.node:
+            sizes = held.setdefault(owner, {})
+            sizes[interval.kind] = max(sizes.get(interval.kind, 0.0), size)
+            continue
         u = unit_of(owner)
         if u == -2:  # a placeholder's activation gradient (or a gathered one): charge its first consumer
             u = min(consumers.get(owner, {0}))
         curves[u + 1, interval.start] += size
         curves[u + 1, interval.end + 1] -= size
+    for owner, sizes in held.items():  # held all step: the whole parameter, and its summed gradient
+        whole = sizes.get("gathered", 0.0)
+        static_of[owner] = static_of.get(owner, 0.0) + whole + sizes.get("comm_buffer", whole)
     curves = np.cumsum(curves, axis=1)[:, :-1]
     saved = curves[:, end].copy()
     transient = np.maximum(curves.max(axis=1) - saved, 0.0)
@@ -498,6 +602,7 @@ __all__ = [
     "unit_costs",
     "build_stage_graph",
     "per_step_graph",
+    "fsdp_overlay",
     "PRE",
     "POST",
 ]

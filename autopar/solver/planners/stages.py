@@ -21,6 +21,10 @@ Sets and data
                   static + k · stash + max (saved + transient)  (r = 1: keeps only each layer's
                   inputs per microbatch and recomputes one layer at a time)
     sync(a, b, c) the per-step gradient all-reduces of the stage's parameters
+    h ∈ {0, 1}    whether every stage holds its gathered parameters through the step
+                  (``StagePlan.hold_gathered``): their gathers and reduce-scatters move from t
+                  (per microbatch) to sync (per step), their whole bytes and summed gradients
+                  into static; the DP runs once for each h and the faster wins
 
 Stage i of S (0-based) holds k_i = min(S − i, M) microbatches under 1F1B. For a range it takes
 the fastest (c, r) with mem ≤ budget: t_i(a, b) (∞ if none fits).
@@ -88,6 +92,7 @@ from autopar.solver.planners.stage_costs import (
     UnitCosts,
     build_stage_graph,
     cluster_layers,
+    fsdp_overlay,
     split_op_costs,
     unit_costs,
 )
@@ -134,6 +139,7 @@ class StageChoice:
     sync_s: float
     memory_bytes: float
     in_flight: int
+    hold: bool = False  # gathers its parameters once a step and holds them (``StagePlan.hold_gathered``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +230,10 @@ class StageSearch:
     reason: str = ""
 
     @property
+    def hold_gathered(self) -> bool:
+        return any(stage.hold for stage in self.stages)
+
+    @property
     def bubble_fraction(self) -> float:
         sync = [0.0] * self.num_stages
         for j, stage in enumerate(self.stages):
@@ -250,55 +260,100 @@ class _MeshCosts:
             traced, stage_mesh, cluster, settings.optimizer_dtype, settings.forced, settings.optimizer
         )
         self.split: OpSplit = split_op_costs(self.graph, cluster)
+        self._settings = settings
+        self.solver = self._solver(settings, hold=False)
+        self.solvers = [self.solver]
+        self.rep = _representatives(layers.num_blocks, num_layers)
+        self.num_layers = num_layers
+        self.candidates: list[Candidate] = []
+        self.options: list[tuple[int, bool, bool]] = []  # (candidate, recompute, hold gathered parameters)
+        self.matrices: list[dict[str, np.ndarray]] = []
+        self._fastest = [self.solver.fastest()]
+        self._add(self._fastest[0])
+
+    def _solver(self, settings: StageSettings, hold: bool) -> CandidateSolver:
         kwargs = {} if settings.ladder is None else {"ladder": settings.ladder}
-        self.solver = CandidateSolver(
+        return CandidateSolver(
             self.graph,
             self.split,
             settings.num_microbatches,
             settings.time_limit_s,
             settings.solver,
             mode=settings.candidates,
+            hold=hold,
             **kwargs,
         )
-        self.rep = _representatives(layers.num_blocks, num_layers)
-        self.num_layers = num_layers
-        self.candidates: list[Candidate] = []
-        self.options: list[tuple[int, bool]] = []
-        self.matrices: list[dict[str, np.ndarray]] = []
-        self._add(self.solver.fastest())
 
     @property
     def ilp_solves(self) -> int:
-        return self.solver.solves
+        return sum(solver.solves for solver in self.solvers)
 
     def add_leaner(self) -> bool:
-        """Solve the leaner candidates (once); whether any was found."""
+        """Solve the leaner candidates (once); whether any was found. Where memory binds, a
+        second ILP prices a parameter's gathers once a step, as a stage that holds its gathered
+        parameters runs them (``StagePlan.hold_gathered``): its candidates shard the parameters
+        (FSDP's memory) that the first one would gather in every microbatch. One device per
+        stage gathers nothing."""
         if self.solver.laddered or not self.candidates:
             return False
-        found = self.solver.leaner(self.candidates[0])
-        self._add(found)
-        return bool(found)
+        added = len(self.candidates)
+        if math.prod(self.stage_mesh) > 1:
+            self.solvers.append(self._solver(self._settings, hold=True))
+            self._fastest.append(self.solvers[-1].fastest())
+            self._add(self._fastest[-1])
+        for solver, fastest in zip(self.solvers, self._fastest):
+            if fastest:
+                self._add(solver.leaner(fastest[0]))
+                self._add(self._overlays(fastest[0]))
+        return len(self.candidates) > added
+
+    def _overlays(self, fastest: Candidate) -> list[Candidate]:
+        """``fastest`` with FSDP laid over it on each stage-mesh axis (``stage_costs.fsdp_overlay``):
+        the layout teams run (tensor parallel in a node, FSDP across), which no rung of the
+        Lagrangian need reach."""
+        found = []
+        for axis, size in enumerate(self.stage_mesh):
+            choice = fsdp_overlay(self.graph, fastest.solution.choice, axis) if size > 1 else None
+            if choice is not None:
+                found.append(Candidate(dataclasses.replace(fastest.solution, choice=choice), None))
+        return found
 
     def _add(self, candidates: list[Candidate]) -> None:
+        known = {tuple(sorted(c.solution.choice.items())) for c in self.candidates}
         for candidate in candidates:
+            if tuple(sorted(candidate.solution.choice.items())) in known:
+                continue
             index = len(self.candidates)
             self.candidates.append(candidate)
-            candidate.units = unit_costs(self.graph, self.layers, self.split, candidate.solution.choice, self.cluster)
-            for remat in (False, True) if self.remat else (False,):
-                self.options.append((index, remat))
-                self.matrices.append(_option_matrices(candidate.units, self.rep, self.num_layers, remat))
+            choice = candidate.solution.choice
+            candidate.units = unit_costs(self.graph, self.layers, self.split, choice, self.cluster)
+            held = unit_costs(self.graph, self.layers, self.split, choice, self.cluster, hold=True)
+            candidate.held_units = held if not np.array_equal(held.sync, candidate.units.sync) else None
+            for hold, units in ((False, candidate.units), (True, candidate.held_units)):
+                if units is None:
+                    continue
+                for remat in (False, True) if self.remat else (False,):
+                    self.options.append((index, remat, hold))
+                    self.matrices.append(_option_matrices(units, self.rep, self.num_layers, remat))
 
-    def best(self, in_flight: int, budget: float | None, send) -> tuple[np.ndarray, np.ndarray]:
-        """(t, option) matrices over [a, b): the fastest option that fits with k in flight."""
+    def holds(self) -> bool:
+        """Whether some candidate gathers parameters, which a stage may hold through the step."""
+        return any(hold for _, _, hold in self.options)
+
+    def best(self, in_flight: int, budget: float | None, send, hold: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(t, option) matrices over [a, b): the fastest option that fits with k in flight
+        (among the options that hold gathered parameters, or among those that do not)."""
         best_t = None
         best_o = None
         for o, mat in enumerate(self.matrices):
+            if self.options[o][2] != hold:
+                continue
             t = mat["time"] + send(mat)
             if budget is not None:
                 need = mat["static"] + in_flight * mat["per_microbatch"] + mat["peak"]
                 t = np.where(fits(need, budget), t, np.inf)
             if best_t is None:
-                best_t, best_o = t, np.zeros(t.shape, dtype=int)
+                best_t, best_o = t, np.full(t.shape, o, dtype=int)
             else:
                 better = t < best_t
                 best_t = np.where(better, t, best_t)
@@ -471,12 +526,12 @@ def _price(
         return None, math.inf, []
     send = _sender(stage_mesh, full, cluster)
 
-    def solve(limit):
+    def solve(limit, hold):
         per_k = {}
         for i in range(S):
             k = min(S - i, M)
             if k not in per_k:
-                per_k[k] = mesh_costs.best(k, limit, send)
+                per_k[k] = mesh_costs.best(k, limit, send, hold)
         tables = [per_k[min(S - i, M)][0] for i in range(S)]
         options = [per_k[min(S - i, M)][1] for i in range(S)]
 
@@ -485,7 +540,7 @@ def _price(
             for i in range(S):
                 a, b = bounds[i], bounds[i + 1]
                 o = int(options[i][a, b])
-                c, r = mesh_costs.options[o]
+                c, r, h = mesh_costs.options[o]
                 mat = mesh_costs.matrices[o]
                 k = min(S - i, M)
                 out.append(
@@ -497,6 +552,7 @@ def _price(
                         float(mat["sync"][a, b]),
                         float(mat["static"][a, b] + k * mat["per_microbatch"][a, b] + mat["peak"][a, b]),
                         k,
+                        h,
                     )
                 )
             return out
@@ -514,9 +570,16 @@ def _price(
             found = _search_partition(tables, M, score)
         return (None, []) if found is None else (found[0], stages_of(found[1]))
 
-    value, stages = solve(budget)
-    bound = value if budget is None else solve(None)[0]
-    return value, (math.inf if bound is None else bound), stages
+    # Every stage holds its gathered parameters, or none does (``StagePlan.hold_gathered``).
+    holds = (False, True) if mesh_costs.holds() else (False,)
+    value, stages, bound = None, [], math.inf
+    for hold in holds:
+        found, chosen = solve(budget, hold)
+        if found is not None and (value is None or found < value):
+            value, stages = found, chosen
+        unbounded = found if budget is None else solve(None, hold)[0]
+        bound = min(bound, math.inf if unbounded is None else unbounded)
+    return value, bound, stages
 
 
 def _balanced_bounds(num_layers: int, num_chunks: int) -> list[int]:
@@ -546,8 +609,9 @@ def price_chunks(
     groups = [schedules.group_of(schedule, S, j) for j in range(S * v)]
     best: tuple[float, list[StageChoice]] | None = None
     for o, mat in enumerate(mesh_costs.matrices):
-        c, remat = mesh_costs.options[o]
-        if (remat and schedule == "ZBV") or recompute not in (None, remat):
+        c, remat, hold = mesh_costs.options[o]
+        # ZBV's weight passes need the gathers in the microbatches' graphs (``passes.held``)
+        if ((remat or hold) and schedule == "ZBV") or recompute not in (None, remat):
             continue
         seconds = mat["time"] + send(mat)
         times = [float(seconds[a, b]) for a, b in ranges]
@@ -568,7 +632,7 @@ def price_chunks(
             best = (
                 value,
                 [
-                    StageChoice((a, b), c, remat, t, sy, memory[g], schedules.in_flight(schedule, S, v, M, g))
+                    StageChoice((a, b), c, remat, t, sy, memory[g], schedules.in_flight(schedule, S, v, M, g), hold)
                     for (a, b), t, sy, g in zip(ranges, times, syncs, groups)
                 ],
             )
@@ -808,9 +872,10 @@ def _checkpointing(layers: Layers, search: StageSearch, mesh_costs: _MeshCosts) 
             before.append(chosen.memory_bytes)
             continue
         a, b = chosen.layers
-        plain = mesh_costs.matrices[mesh_costs.options.index((chosen.candidate, False))]
+        plain = mesh_costs.matrices[mesh_costs.options.index((chosen.candidate, False, chosen.hold))]
         before.append(float(plain["static"][a, b] + chosen.in_flight * plain["per_microbatch"][a, b] + plain["peak"][a, b]))
-        units = mesh_costs.candidates[chosen.candidate].units
+        candidate = mesh_costs.candidates[chosen.candidate]
+        units = candidate.held_units if chosen.hold else candidate.units
         recompute = 0.0
         for u in range(-1 if a == 0 else a, L + 1 if b == L else b):
             at = int(mesh_costs.rep[u + 1])  # the traced unit that prices it (itself, unless planned deeper)
@@ -912,6 +977,7 @@ def _assemble(
         bubble_fraction=search.bubble_fraction,
         virtual_stages=search.virtual_stages,
         reason=search.reason,
+        hold_gathered=search.hold_gathered,
     )
     # The whole-graph figures of ``plan_from_solution`` describe one microbatch run as a single
     # stage on the stage mesh: kept apart, so that they are not read as the pipeline's step.

@@ -1,0 +1,78 @@
+"""The held-parameter pass of a pipeline (``autopar.passes.held``), on the rewritten graphs alone.
+
+Single process: the passes only name process groups, so the graphs are built with stand-in names.
+The runs that these graphs make equal to eager are in tests/runtime/test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import pytest
+import torch
+
+import autopar
+from autopar.ir.pipeline import first_microbatch
+from autopar.ops import collectives
+from autopar.passes import default_passes, run_passes
+from autopar.passes.held import HeldChains
+from autopar.passes.split import return_only, split_into_stages
+from autopar.runtime.pipeline import _stage_view, loss_output
+from autopar.trace import trace
+from autopar.zoo.models import example_batch
+from tests.runtime.test_pipeline import BATCH, _fsdp_held, _gpt, _plan
+
+
+@pytest.fixture(scope="module")
+def ddp() -> autopar.Plan:
+    """Two stages on mesh (2, 2), four microbatches; every parameter replicated in the stages."""
+    return _plan((2, 2), 2, 4)
+
+
+def _rewritten(plan: autopar.Plan) -> tuple[torch.fx.GraphModule, HeldChains]:
+    traced = trace(_gpt(), *first_microbatch(example_batch("gpt", BATCH, seed=1), None, plan.pipeline.num_microbatches))
+    held = HeldChains(frozenset(gi.name for gi in traced.inputs if gi.kind == "param"), gathers=plan.pipeline.hold_gathered)
+    passes = [
+        *default_passes(("axis0", "axis1"), held=held),
+        functools.partial(return_only, position=loss_output(traced)[0]),
+        functools.partial(split_into_stages, stages=plan.pipeline),
+    ]
+    return run_passes(copy.deepcopy(traced.gm), _stage_view(plan), passes), held
+
+
+def _targets(gm: torch.fx.GraphModule) -> list:
+    """The call targets of every graph under ``gm``: the stages, and their checkpointed segments."""
+    return [n.target for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
+
+
+def _chain_targets(held: HeldChains) -> list:
+    return [n.target for _, chain in held.chains.values() for n in chain.graph.nodes]
+
+
+def test_a_replicated_parameters_gradient_sync_leaves_the_microbatch_graphs(ddp):
+    split, held = _rewritten(ddp)
+    assert collectives.allreduce_grad not in _targets(split)
+    params = len(held.params) - 1  # the head is tied to the embedding: one tensor
+    assert len({source for source, _ in held.chains.values()}) == params
+    assert _chain_targets(held).count(collectives.allreduce_grad) >= params
+    weight = torch.randn(4, 4)
+    for _, chain in held.chains.values():
+        if [n.target for n in chain.graph.nodes if n.op == "call_function"] == [collectives.allreduce_grad]:
+            assert torch.equal(chain(weight), weight)  # an identity in forward: the sum is its backward's
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_sharded_parameters_gather_pairs_with_its_reduce_scatter_and_is_held_on_demand(ddp, hold):
+    data = json.loads(_fsdp_held(ddp.to_json()))
+    data["pipeline"]["hold_gathered"] = hold
+    split, held = _rewritten(autopar.Plan.from_json(json.dumps(data)))
+    in_graphs, in_chains = _targets(split), _chain_targets(held)
+    sharded = sum(1 for spec in data["params"].values() if spec == ["R", "S(0)"])
+    assert sharded == 24
+    # every gather of a parameter is FSDP's pair (its backward a reduce-scatter, not an
+    # all-reduce of the whole gradient and a chunk); held, it leaves the microbatch graphs
+    assert in_graphs.count(collectives.gather_param) == (0 if hold else sharded)
+    assert in_chains.count(collectives.gather_param) == (sharded if hold else 0)
+    assert collectives.allreduce_grad not in in_graphs
