@@ -22,7 +22,7 @@ from autopar.passes.split import return_only, split_into_stages
 from autopar.runtime.pipeline import _stage_view, loss_output
 from autopar.trace import trace
 from autopar.zoo.models import example_batch
-from tests.runtime.test_pipeline import BATCH, _fsdp_held, _gpt, _plan
+from tests.runtime.test_pipeline import BATCH, _gpt, _plan, fsdp_in_stages
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,7 @@ def test_a_replicated_parameters_gradient_sync_leaves_the_microbatch_graphs(ddp)
 
 @pytest.mark.parametrize("hold", [False, True])
 def test_a_sharded_parameters_gather_pairs_with_its_reduce_scatter_and_is_held_on_demand(ddp, hold):
-    data = json.loads(_fsdp_held(ddp.to_json()))
-    data["pipeline"]["hold_gathered"] = hold
+    data = json.loads(fsdp_in_stages(ddp.to_json(), hold))
     split, held = _rewritten(autopar.Plan.from_json(json.dumps(data)))
     in_graphs, in_chains = _targets(split), _chain_targets(held)
     sharded = sum(1 for spec in data["params"].values() if spec == ["R", "S(0)"])

@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +32,9 @@ from autopar.solver.planners.stages import StageSettings, plan_stages
 from autopar.trace import trace
 from autopar.zoo.models import GPT, build_model, example_batch
 from tests.conftest import eager_grads, step_against_eager
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_pipeline import fsdp_in_stages  # noqa: E402  (the layout the benchmark times)
 
 # No biases and float64, as in test_parallel: AdamW's first step turns rounding noise in
 # exactly-zero gradients into full-size steps of either sign.
@@ -303,20 +308,6 @@ def _count_calls(pm, batch, functions: dict[str, tuple[type, str]]) -> dict[str,
     return counts
 
 
-def _fsdp_held(ddp: str) -> str:
-    """The plan ``ddp`` (JSON) with every layer's matrix sharded on the stage mesh's second axis (FSDP) and the
-    gathered parameters held through the step (``hold_gathered``)."""
-    data = json.loads(ddp)
-    data["pipeline"]["hold_gathered"] = True
-    placeholders = {n.replace(".", "_"): n for n in data["params"]}
-    for name, node in data["nodes"].items():
-        fqn = placeholders.get(name.removeprefix("p_"))
-        if node["op"] == "param" and fqn is not None and ".h." in fqn and len(node["shape"][0]) == 2:
-            node["out"] = [["R", "S(0)"]]
-            data["params"][fqn] = ["R", "S(0)"]
-    return json.dumps(data)
-
-
 def _run_pipelines(
     rank: int,
     world: int,
@@ -344,7 +335,9 @@ def _run_pipelines(
     # and its gradient reduce-scattered once (the sum of the microbatches'), where the graph would
     # gather in every microbatch.
     model = _gpt()
-    pm = autopar.compile(copy.deepcopy(model), (2, 2), example_inputs=batch, plan=autopar.Plan.from_json(_fsdp_held(ddp_text)))
+    pm = autopar.compile(
+        copy.deepcopy(model), (2, 2), example_inputs=batch, plan=autopar.Plan.from_json(fsdp_in_stages(ddp_text, hold=True))
+    )
     functions = {"gathers": (collectives._GatherParam, "forward"), "scatters": (collectives._GatherParam, "backward")}
     results["held"] = {
         **_count_calls(pm, batch, functions),

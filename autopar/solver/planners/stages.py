@@ -268,8 +268,8 @@ class _MeshCosts:
         self.candidates: list[Candidate] = []
         self.options: list[tuple[int, bool, bool]] = []  # (candidate, recompute, hold gathered parameters)
         self.matrices: list[dict[str, np.ndarray]] = []
-        self._fastest = [self.solver.fastest()]
-        self._add(self._fastest[0])
+        self._fastest = self.solver.fastest()
+        self._add(self._fastest)
 
     def _solver(self, settings: StageSettings, hold: bool) -> CandidateSolver:
         kwargs = {} if settings.ladder is None else {"ladder": settings.ladder}
@@ -289,22 +289,25 @@ class _MeshCosts:
         return sum(solver.solves for solver in self.solvers)
 
     def add_leaner(self) -> bool:
-        """Solve the leaner candidates (once); whether any was found. Where memory binds, a
-        second ILP prices a parameter's gathers once a step, as a stage that holds its gathered
-        parameters runs them (``StagePlan.hold_gathered``): its candidates shard the parameters
-        (FSDP's memory) that the first one would gather in every microbatch. One device per
-        stage gathers nothing."""
+        """Solve the leaner candidates (once); whether any was found. Beside the Lagrangian
+        rungs: on a stage mesh of several devices, the fastest plan of a second ILP that prices
+        a parameter's resharding once a step, as a stage that holds its gathered parameters runs
+        it (``StagePlan.hold_gathered``), and each fastest plan with FSDP laid over it
+        (``_overlays``). (The second ILP's own rungs changed none of the plans autopar chose for
+        bench_alpa's jobs and the 405B job, at 1.5 to 2.5 times their planning time.)"""
         if self.solver.laddered or not self.candidates:
             return False
         added = len(self.candidates)
+        fastest = list(self._fastest)
+        if fastest:
+            self._add(self.solver.leaner(fastest[0]))
         if math.prod(self.stage_mesh) > 1:
             self.solvers.append(self._solver(self._settings, hold=True))
-            self._fastest.append(self.solvers[-1].fastest())
-            self._add(self._fastest[-1])
-        for solver, fastest in zip(self.solvers, self._fastest):
-            if fastest:
-                self._add(solver.leaner(fastest[0]))
-                self._add(self._overlays(fastest[0]))
+            held = self.solvers[-1].fastest()
+            self._add(held)
+            fastest += held
+        for plan in fastest:
+            self._add(self._overlays(plan))
         return len(self.candidates) > added
 
     def _overlays(self, fastest: Candidate) -> list[Candidate]:
