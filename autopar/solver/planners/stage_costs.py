@@ -49,7 +49,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.cost import comm, compute, memory
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError
-from autopar.ir.options import DEFAULT_OPTIMIZER
+from autopar.ir.options import DEFAULT_OPTIMIZER, CommOptions
 from autopar.rules import op_info
 from autopar.solver.problem.choices import Choice, ChoiceGraph, Offers, build_choice_graph, layer_key
 from autopar.solver.problem.edges import EdgePrices
@@ -369,8 +369,8 @@ def fsdp_overlay(graph: ChoiceGraph, choice: dict[str, int], axis: int) -> dict[
     """``choice`` with each trainable parameter it replicates on mesh ``axis`` sharded there (on
     its first dim that can be, a precision policy's cast following), its uses unchanged: FSDP laid
     over a plan, as torchtitan lays it over tensor parallelism. A parameter stays as it was where
-    no strategy shards it so, or an edge to a use prices no gather to what the use takes. None
-    when no parameter changes."""
+    no strategy shards it so, where an edge to a use prices no gather to what the use takes, and
+    where it is tied to another. None when no parameter changes."""
     followers: dict[str, list[str]] = {}
     out_edges: dict[str, list] = {}
     for name in graph.order:
@@ -380,9 +380,10 @@ def fsdp_overlay(graph: ChoiceGraph, choice: dict[str, int], axis: int) -> dict[
     for edge in graph.edges:
         out_edges.setdefault(edge.producer, []).append(edge)
     overlaid = dict(choice)
+    tied = {name for names in graph.ties for name in names}  # one tensor, one placement: left as they are
     for name in graph.order:
         param = graph.choices[name]
-        if param.kind != "param" or not param.requires_grad or not param.out_shapes:
+        if param.kind != "param" or not param.requires_grad or not param.out_shapes or name in tied:
             continue
         spec = param.strategies[choice[name]].outs[0]
         if not isinstance(spec[axis], Replicate):
@@ -582,9 +583,18 @@ def build_stage_graph(
     the step is priced for)."""
     start = time.perf_counter()
     dtype = {} if optimizer_dtype is None else {"optimizer_dtype": optimizer_dtype}
-    # padded=False: a pipeline stage holds plain, equal shards (runtime.padded)
+    # padded=False: a pipeline stage holds plain, equal shards (runtime.padded). Its graph gathers a
+    # parameter where a use needs it, and autograd keeps the gathered tensor for that microbatch's
+    # backward (``passes.held``): no reshard after forward, so each microbatch in flight holds one.
     graph = build_choice_graph(
-        traced, stage_mesh, cluster, forced=forced, optimizer=optimizer, offers=Offers(padded=False), **dtype
+        traced,
+        stage_mesh,
+        cluster,
+        forced=forced,
+        optimizer=optimizer,
+        offers=Offers(padded=False),
+        comm=CommOptions(reshard_after_forward=False),
+        **dtype,
     )
     log.debug("stage mesh %s: choice graph in %.2f s", stage_mesh, time.perf_counter() - start)
     # A pipeline stage holds its parameters as plain shards: its optimizer step pays no DTensor dispatch.

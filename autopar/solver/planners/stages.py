@@ -324,8 +324,10 @@ class _MeshCosts:
     def _add(self, candidates: list[Candidate]) -> None:
         known = {tuple(sorted(c.solution.choice.items())) for c in self.candidates}
         for candidate in candidates:
-            if tuple(sorted(candidate.solution.choice.items())) in known:
+            key = tuple(sorted(candidate.solution.choice.items()))
+            if key in known:
                 continue
+            known.add(key)
             index = len(self.candidates)
             self.candidates.append(candidate)
             choice = candidate.solution.choice
