@@ -315,11 +315,12 @@ def _run_pipelines(
     mlp_plans: dict[str, str],
     flat_text: str,
     drop_text: str,
-    ddp_text: str,
+    layouts: tuple[str, str],
     path: str,
 ) -> dict:
     torch.manual_seed(0)
     results = {}
+    ddp_text, planned_text = layouts
     # Replicated on the stage mesh's second axis, 4 microbatches: each trainable parameter's
     # gradient is all-reduced once a step (their sum), not once a microbatch.
     model = _gpt()
@@ -344,6 +345,10 @@ def _run_pipelines(
         "sharded": sum(1 for fqn, _ in pm.named_parameters() if pm.plan.params[fqn][1].is_shard()),
         **step_against_eager(pm, model, batch),
     }
+    # The planner's own plan that holds, with checkpointed layers that read the held parameters.
+    model = _gpt()
+    pm = autopar.compile(copy.deepcopy(model), (2, 2), example_inputs=batch, plan=autopar.Plan.from_json(planned_text))
+    results["planned_held"] = step_against_eager(pm, model, batch)
     for label, text in plans.items():
         mesh = RUNS[label][0]
         model = _gpt()
@@ -535,13 +540,16 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
     assert all(drop.nodes[n].outs[0][1].is_replicate() for n in ("dropout", "dropout_1")), "the test needs whole dropouts"
     ddp = _plan((2, 2), 2, 4)
     assert all(p.is_replicate() for spec in ddp.params.values() for p in spec), "the test needs replicated parameters"
+    # under 55% of the state the planner shards, holds what it gathers, and recomputes layers
+    held = _plan((2, 2), 2, 4, _tight_budget() * 0.55 / 0.9)
+    assert held.pipeline.hold_gathered and held.memory.checkpoint, "the test needs a plan that holds and recomputes"
     results = rank_pool(4).run(
         _run_pipelines,
         plans,
         _mlp_plans(),
         flat.to_json(),
         drop.to_json(),
-        ddp.to_json(),
+        (ddp.to_json(), held.to_json()),
         str(tmp_path / "ckpt"),
         timeout_s=400,
     )
@@ -552,6 +560,9 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
         assert syncs["counted"] == syncs["params"] > 0, f"rank {rank}: {syncs['counted']} all-reduces for {syncs}"
         assert math.isclose(*syncs["loss"], rel_tol=TOL), f"rank {rank}: {syncs['loss']}"
         assert max(syncs["grad_rel"].values()) < TOL, f"rank {rank}: {syncs['grad_rel']}"
+        planned = by_label.pop("planned_held")
+        assert math.isclose(*planned["loss"], rel_tol=TOL), f"rank {rank}: {planned['loss']}"
+        assert max(planned["grad_rel"].values()) < TOL, f"rank {rank}: {planned['grad_rel']}"
         held = by_label.pop("held")
         assert held["gathers"] == held["scatters"] == held["sharded"] > 0, f"rank {rank}: {held}"
         assert math.isclose(*held["loss"], rel_tol=TOL), f"rank {rank}: {held['loss']}"
