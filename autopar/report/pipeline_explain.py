@@ -49,6 +49,7 @@ def explain_pipeline_json(plan: Plan) -> dict[str, Any]:
         "bubble": _BUBBLE_TEXT.get(stages.schedule, ""),
         "reason": stages.reason,
         "grad_sync_s": _field(plan.predicted, "grad_sync_s"),
+        "hold_gathered": stages.hold_gathered,
         "stages": [
             {
                 "index": s.index,
@@ -82,6 +83,11 @@ def explain_pipeline_text(plan: Plan) -> str:
         + (f" (gradient sync {info['grad_sync_s'] * 1e3:.4f} ms of it)" if info["grad_sync_s"] is not None else "")
         + f", bubble {info['bubble_fraction']:.1%}: {info['bubble']}",
     ]
+    if info["hold_gathered"]:
+        lines.append(
+            "  the stages gather the parameters they shard once a step and hold them, with their summed gradients, "
+            "through every microbatch (hold_gathered; reduce-scattered once, in the gradient sync)"
+        )
     if "bubble_with_twice_the_microbatches" in info:
         lines.append(
             f"    with {2 * info['num_microbatches']} microbatches (each half as large, stage times halved) the "

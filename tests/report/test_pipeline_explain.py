@@ -42,3 +42,17 @@ def test_explain_a_pipelined_plan(capsys, pipelined):
 def test_explain_a_node_of_a_pipelined_plan_points_to_the_pipeline(capsys, pipelined):
     assert main(["explain", str(pipelined), "embedding"]) != 0
     assert f"`autopar explain {pipelined}` explains its schedule" in capsys.readouterr().err
+
+
+def test_explain_says_when_the_stages_hold_their_gathered_parameters(capsys, pipelined, tmp_path):
+    capsys.readouterr()
+    assert main(["explain", str(pipelined)]) == 0
+    assert "hold_gathered" not in capsys.readouterr().out
+    data = json.loads(pipelined.read_text())
+    data["pipeline"]["hold_gathered"] = True
+    held = tmp_path / "held.json"
+    held.write_text(json.dumps(data))
+    assert main(["explain", str(held)]) == 0
+    assert "gather the parameters they shard once a step and hold them" in capsys.readouterr().out
+    assert main(["explain", str(held), "pipeline", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hold_gathered"] is True
