@@ -116,22 +116,28 @@ def _chain_module(
     return torch.fx.GraphModule(gm, graph)
 
 
-def _pair_gathers(graph: torch.fx.Graph, params: frozenset[str]) -> None:
+def _pair_gathers(graph: torch.fx.Graph, params: frozenset[str], keep: set[str]) -> None:
     """A parameter's ``all_gather`` whose one user sums its gradient on the same axis becomes
     ``gather_param``: the reduce-scatter FSDP runs in backward, where the pair all-reduced the
-    whole gradient and kept this rank's chunk (twice the bytes)."""
+    whole gradient and kept this rank's chunk (twice the bytes). Unused aliases of the gather (a
+    precision policy's cast moved past it) go with it, unless ``keep`` names them."""
     for node in list(graph.nodes):
         if not (node.op == "call_function" and node.target is collectives.all_gather and len(node.args) == 3):
             continue
         source = node.args[0]
         if isinstance(source, torch.fx.Node) and is_param_cast(source):
             source = source.all_input_nodes[0]
-        users = list(node.users)
+        unused = [user for user in node.users if not user.users and user.target is torch.ops.aten.alias.default]
+        users = [user for user in node.users if user not in unused]
         if not (isinstance(source, torch.fx.Node) and source.op == "placeholder" and source.name in params and len(users) == 1):
             continue
         (summed,) = users
         if summed.target is not collectives.allreduce_grad or summed.args[1] != node.args[2]:
             continue
+        if any(user.name in keep for user in unused):
+            continue
+        for user in unused:
+            graph.erase_node(user)
         reduce_dtype = summed.args[2] if len(summed.args) > 2 else summed.kwargs.get("reduce_dtype")
         with graph.inserting_before(node):
             paired = graph.call_function(collectives.gather_param, (*node.args, reduce_dtype))
@@ -146,10 +152,10 @@ def hold_param_collectives(gm: torch.fx.GraphModule, plan: Plan, held: HeldChain
     each parameter's chain of casts and held collectives (one at least) by new placeholders for
     its ends, and record the chains in ``held`` (module docstring)."""
     graph = gm.graph
-    _pair_gathers(graph, held.params)
-    order = {node: i for i, node in enumerate(graph.nodes)}
     segments = (*plan.memory.checkpoint, *plan.memory.offload_activations) if plan.memory is not None else ()
     keep = {name for segment in segments for name in (segment.first, segment.last)}
+    _pair_gathers(graph, held.params, keep)
+    order = {node: i for i, node in enumerate(graph.nodes)}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     last = placeholders[-1] if placeholders else None
     for placeholder in placeholders:
