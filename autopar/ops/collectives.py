@@ -709,6 +709,18 @@ class _GatherParam(torch.autograd.Function):
         return _reduce_scatter(grad.to(ctx.reduce_dtype), ctx.dim, ctx.group_name).to(grad.dtype), None, None, None
 
 
+class _GatherCastParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group_name, reduce_dtype, param_dtype):
+        ctx.dim, ctx.group_name, ctx.reduce_dtype, ctx.dtype = dim, group_name, reduce_dtype or x.dtype, x.dtype
+        return _all_gather(x.to(param_dtype), dim, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_double_backward(grad)
+        return _reduce_scatter(grad.to(ctx.reduce_dtype), ctx.dim, ctx.group_name).to(ctx.dtype), None, None, None, None
+
+
 @_guarded("all-to-all (rows)")
 def _all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str) -> torch.Tensor:
     return _waited(funcol.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), group_name))
@@ -793,6 +805,16 @@ def gather_param(
         with torch.fx.traceback.annotate({LAYER_ANNOTATION: layer}):
             return _GatherParam.apply(x, dim, group_name, reduce_dtype)
     return _GatherParam.apply(x, dim, group_name, reduce_dtype)
+
+
+def gather_cast_param(
+    x: torch.Tensor, dim: int, group_name: str, reduce_dtype: torch.dtype | None, param_dtype: torch.dtype
+) -> torch.Tensor:
+    """FSDP2's mixed-precision pair: this rank's shard (the master dtype) cast to ``param_dtype``
+    and all-gathered in it (half the bytes of gathering the master), the whole gradient cast to
+    ``reduce_dtype`` (the shard's dtype where None) and reduce-scattered, the shard's gradient
+    in the shard's dtype. The same numbers as casting ``gather_param``'s result."""
+    return _GatherCastParam.apply(x, dim, group_name, reduce_dtype, param_dtype)
 
 
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:

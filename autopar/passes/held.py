@@ -34,6 +34,7 @@ from autopar.ops import collectives
 from autopar.trace import is_param_cast
 
 HELD_PREFIX = "held_"
+_GATHERS = (collectives.gather_param, collectives.gather_cast_param)
 
 
 @dataclass
@@ -47,7 +48,9 @@ class HeldChains:
 
     def collectives(self) -> tuple:
         """The collectives a held chain may run."""
-        return (collectives.allreduce_grad, collectives.gather_param) if self.gathers else (collectives.allreduce_grad,)
+        if self.gathers:
+            return (collectives.allreduce_grad, collectives.gather_param, collectives.gather_cast_param)
+        return (collectives.allreduce_grad,)
 
     def source(self, name: str) -> str:
         """The parameter placeholder that held placeholder ``name`` is computed from (``name``
@@ -139,10 +142,19 @@ def _pair_gathers(graph: torch.fx.Graph, params: frozenset[str], keep: set[str])
         for user in unused:
             graph.erase_node(user)
         reduce_dtype = summed.args[2] if len(summed.args) > 2 else summed.kwargs.get("reduce_dtype")
-        with graph.inserting_before(node):
-            paired = graph.call_function(collectives.gather_param, (*node.args, reduce_dtype))
-        paired.meta = dict(summed.meta)
-        summed.replace_all_uses_with(paired)
+        (cast,) = summed.users if len(summed.users) == 1 else (None,)
+        if cast is not None and is_param_cast(cast) and cast.name not in keep and node.args[0] is source:
+            # the master gathered, then cast: gather the cast (FSDP2's param_dtype)
+            with graph.inserting_before(node):
+                paired = graph.call_function(collectives.gather_cast_param, (*node.args, reduce_dtype, cast.kwargs["dtype"]))
+            paired.meta = {key: value for key, value in cast.meta.items() if key != "autopar"}
+            cast.replace_all_uses_with(paired)
+            graph.erase_node(cast)
+        else:
+            with graph.inserting_before(node):
+                paired = graph.call_function(collectives.gather_param, (*node.args, reduce_dtype))
+            paired.meta = dict(summed.meta)
+            summed.replace_all_uses_with(paired)
         graph.erase_node(summed)
         graph.erase_node(node)
 
@@ -162,7 +174,7 @@ def hold_param_collectives(gm: torch.fx.GraphModule, plan: Plan, held: HeldChain
         if placeholder.name not in held.params:
             continue
         members = _chain(placeholder, order, keep, held.collectives())
-        if not any(node.target in (collectives.allreduce_grad, collectives.gather_param) for node in members):
+        if not any(node.target in (collectives.allreduce_grad, *_GATHERS) for node in members):
             continue
         inside = set(members)
         for end in [node for node in members if any(user not in inside for user in node.users)]:

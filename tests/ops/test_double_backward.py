@@ -21,6 +21,7 @@ def _ops(group: str):
         "all_to_all": lambda x: collectives.all_to_all(x, 0, 1, group),
         "allreduce_grad": lambda x: collectives.allreduce_grad(x, group),
         "gather_param": lambda x: collectives.gather_param(x, 0, group),
+        "gather_cast_param": lambda x: collectives.gather_cast_param(x, 0, group, None, x.dtype),
     }
 
 
@@ -48,3 +49,14 @@ def test_the_vocab_parallel_loss_refuses_it_too(world_of_one):
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits, target))
     with pytest.raises(UsageError, match="gradient of a gradient"):
         torch.autograd.grad(loss, logits, create_graph=True)
+
+
+def test_a_cast_gather_moves_the_cast_and_gives_the_master_its_gradient(world_of_one):
+    """``gather_cast_param`` (a pipeline's FSDP under a precision policy): the cast is gathered,
+    and the master shard's gradient is reduced in ``reduce_dtype`` and handed back in its own."""
+    master = torch.randn(4, 3, dtype=torch.float32, requires_grad=True)
+    whole = collectives.gather_cast_param(master, 0, world_of_one, torch.float32, torch.bfloat16)
+    assert whole.dtype == torch.bfloat16 and torch.equal(whole, master.detach().to(torch.bfloat16))
+    grad = torch.randn(4, 3).to(torch.bfloat16)
+    whole.backward(grad)
+    assert master.grad.dtype == torch.float32 and torch.equal(master.grad, grad.float())

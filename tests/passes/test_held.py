@@ -81,13 +81,13 @@ def test_a_sharded_parameters_gather_pairs_with_its_reduce_scatter_and_is_held_o
 
 
 def test_gathers_pair_under_a_precision_policy():
-    # bf16-mixed leaves an unused alias of each gathered parameter (its cast, moved past the
-    # gather): the pair is made all the same, the alias dropped
+    # bf16-mixed leaves an unused alias of each gathered parameter and its cast after the gather:
+    # the pair is made all the same, the alias dropped, and the cast gathered (FSDP2's param_dtype)
     model = build_model("gpt", seed=0, n_layer=4, bias=False)
     options = dict(example_inputs=example_batch("gpt", BATCH, seed=1), cluster="cpu", pipeline=2, num_microbatches=4)
     plan = autopar.plan(model, (2, 2), precision="bf16-mixed", **options)
     split, _ = _rewritten(autopar.Plan.from_json(fsdp_in_stages(plan.to_json(), hold=False)), model)
     targets = _targets(split)
-    assert targets.count(collectives.gather_param) == 24
+    assert targets.count(collectives.gather_cast_param) == 24 and collectives.gather_param not in targets
     gathered = [n for m in split.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
     assert not [n for n in gathered if n.target is collectives.all_gather and n.args[0].op == "placeholder"]

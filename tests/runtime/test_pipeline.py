@@ -315,12 +315,12 @@ def _run_pipelines(
     mlp_plans: dict[str, str],
     flat_text: str,
     drop_text: str,
-    layouts: tuple[str, str],
+    layouts: tuple[str, str, str],
     path: str,
 ) -> dict:
     torch.manual_seed(0)
     results = {}
-    ddp_text, planned_text = layouts
+    ddp_text, planned_text, mixed_text = layouts
     # Replicated on the stage mesh's second axis, 4 microbatches: each trainable parameter's
     # gradient is all-reduced once a step (their sum), not once a microbatch.
     model = _gpt()
@@ -349,6 +349,20 @@ def _run_pipelines(
     model = _gpt()
     pm = autopar.compile(copy.deepcopy(model), (2, 2), example_inputs=batch, plan=autopar.Plan.from_json(planned_text))
     results["planned_held"] = step_against_eager(pm, model, batch)
+    # bf16-mixed: FSDP in the stages gathers each master's bf16 cast and reduce-scatters its
+    # gradient in fp32 (``collectives.gather_cast_param``), held or not: the same loss as the
+    # stages that hold the parameters whole, and their gradients but for bf16 rounding (those
+    # round the step's fp32 sum to bf16 before their fp32 all-reduce, and its result again).
+    mixed = {}
+    for label, text in (("ddp", mixed_text), *((f"fsdp_{h}", fsdp_in_stages(mixed_text, hold=h)) for h in (False, True))):
+        pm = autopar.compile(_gpt().float(), (2, 2), example_inputs=batch, plan=autopar.Plan.from_json(text))
+        loss = pm(*batch)
+        loss.backward()
+        mixed[label] = (loss.item(), pm.full_grads())
+    results["mixed"] = {
+        label: (mixed[label][0], mixed["ddp"][0], max(max_rel_diff(mixed[label][1], mixed["ddp"][1]).values()))
+        for label in ("fsdp_False", "fsdp_True")
+    }
     for label, text in plans.items():
         mesh = RUNS[label][0]
         model = _gpt()
@@ -543,13 +557,23 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
     # under 55% of the state the planner shards, holds what it gathers, and recomputes layers
     held = _plan((2, 2), 2, 4, _tight_budget() * 0.55 / 0.9)
     assert held.pipeline.hold_gathered and held.memory.checkpoint, "the test needs a plan that holds and recomputes"
+    mixed = autopar.plan(
+        _gpt().float(),
+        (2, 2),
+        example_inputs=example_batch("gpt", BATCH, seed=1),
+        cluster="cpu",
+        pipeline=2,
+        num_microbatches=4,
+        precision="bf16-mixed",
+    )
+    assert all(p.is_replicate() for spec in mixed.params.values() for p in spec), "the test needs replicated parameters"
     results = rank_pool(4).run(
         _run_pipelines,
         plans,
         _mlp_plans(),
         flat.to_json(),
         drop.to_json(),
-        (ddp.to_json(), held.to_json()),
+        (ddp.to_json(), held.to_json(), mixed.to_json()),
         str(tmp_path / "ckpt"),
         timeout_s=400,
     )
@@ -560,6 +584,8 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
         assert syncs["counted"] == syncs["params"] > 0, f"rank {rank}: {syncs['counted']} all-reduces for {syncs}"
         assert math.isclose(*syncs["loss"], rel_tol=TOL), f"rank {rank}: {syncs['loss']}"
         assert max(syncs["grad_rel"].values()) < TOL, f"rank {rank}: {syncs['grad_rel']}"
+        for label, (loss, want, grad) in by_label.pop("mixed").items():
+            assert loss == want and grad < 1e-2, f"rank {rank} bf16-mixed {label}: loss {loss} vs {want}, grads {grad:.2e}"
         planned = by_label.pop("planned_held")
         assert math.isclose(*planned["loss"], rel_tol=TOL), f"rank {rank}: {planned['loss']}"
         assert max(planned["grad_rel"].values()) < TOL, f"rank {rank}: {planned['grad_rel']}"
