@@ -13,7 +13,8 @@ model prices that sync once a step (``solver.planners.stage_costs``).
 
 A parameter sharded on a stage-mesh axis (FSDP) is gathered by ``all_gather`` and its gradient
 summed by ``allreduce_grad``: the pair becomes ``gather_param``, whose backward reduce-scatters
-(half the bytes of an all-reduce and a chunk). Under ``StagePlan.hold_gathered`` its chain is
+(half the bytes of an all-reduce and a chunk), or, under a precision policy, ``gather_cast_param``
+(FSDP2's mixed precision: the master's cast gathered, the gradient reduced in ``reduce_dtype``). Under ``StagePlan.hold_gathered`` its chain is
 held too: gathered once a step and kept whole through every microbatch, its gradient summed whole
 and reduce-scattered once (torchtitan's FSDP under a pipeline, which the stage planner prices and
 chooses where it pays); otherwise it is gathered and reduced in each microbatch. A chain of casts
@@ -122,8 +123,9 @@ def _chain_module(
 def _pair_gathers(graph: torch.fx.Graph, params: frozenset[str], keep: set[str]) -> None:
     """A parameter's ``all_gather`` whose one user sums its gradient on the same axis becomes
     ``gather_param``: the reduce-scatter FSDP runs in backward, where the pair all-reduced the
-    whole gradient and kept this rank's chunk (twice the bytes). Unused aliases of the gather (a
-    precision policy's cast moved past it) go with it, unless ``keep`` names them."""
+    whole gradient and kept this rank's chunk (twice the bytes); ``gather_cast_param`` where a
+    precision policy's cast of the master follows the sum (the cast is gathered, half the bytes).
+    Unused aliases of the gather (the cast, moved past it) go with it, unless ``keep`` names them."""
     for node in list(graph.nodes):
         if not (node.op == "call_function" and node.target is collectives.all_gather and len(node.args) == 3):
             continue
