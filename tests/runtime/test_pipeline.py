@@ -4,7 +4,10 @@ runs on gloo against eager PyTorch.
 The multi-process test is ONE 4-rank spawn that runs every pipelined configuration: 2 stages on
 mesh (2, 2) with 2 and 4 microbatches (1F1B), and 4 stages on mesh (4, 1) with 2 microbatches
 (GPipe, since there are fewer microbatches than stages), and a dropout model whose stage ranks must
-draw alike. Plans are made here, in the parent, and
+draw alike; and where a stage's parameter collectives run (``passes.held``): DDP in the stages
+(one all-reduce a parameter a step), FSDP with its gathered parameters held (one gather and one
+reduce-scatter a parameter a step), the planner's own held plan, and FSDP under bf16-mixed against
+DDP under it. Plans are made here, in the parent, and
 handed to the ranks as JSON, so the ranks do not compete for the two cores while solving.
 """
 
