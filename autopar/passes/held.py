@@ -26,6 +26,7 @@ run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -57,6 +58,39 @@ class HeldChains:
         """The parameter placeholder that held placeholder ``name`` is computed from (``name``
         itself where it is not held)."""
         return self.chains[name][0] if name in self.chains else name
+
+
+class DirectSync(NamedTuple):
+    """How a held chain's backward reduces its parameter's gradient, where that is all it does
+    (``sync_groups``): ``all_reduce`` over each of ``groups``, or ``reduce_scatter`` along ``dim``
+    over its one group, in ``dtype`` (None: the summed gradient's)."""
+
+    kind: str
+    groups: tuple[str, ...]
+    dtype: torch.dtype | None
+    dim: int = 0
+
+
+def sync_groups(chain: torch.fx.GraphModule) -> DirectSync | None:
+    """How ``chain``'s backward reduces its parameter's gradient where it does nothing else
+    (``allreduce_grad`` over each group in one reduce dtype, or one gather, with a precision
+    policy's cast before or after): the runtime runs it on the step's summed gradient directly,
+    without rounding the sum to the value's dtype first, the all-reduces in buckets
+    (``runtime.pipeline``). None for any other chain."""
+    calls = [n for n in chain.graph.nodes if n.op == "call_function"]
+    if calls and is_param_cast(calls[0]):
+        calls = calls[1:]
+    elif calls and is_param_cast(calls[-1]):
+        calls = calls[:-1]
+    if len(calls) == 1 and calls[0].target in _GATHERS:
+        _, dim, group, reduce_dtype, *_ = calls[0].args
+        return DirectSync("reduce_scatter", (group,), reduce_dtype, dim)
+    if not calls or any(n.target is not collectives.allreduce_grad for n in calls):
+        return None
+    dtypes = {n.args[2] if len(n.args) > 2 else n.kwargs.get("reduce_dtype") for n in calls}
+    if len(dtypes) != 1:
+        return None
+    return DirectSync("all_reduce", tuple(n.args[1] for n in calls), dtypes.pop())
 
 
 def _pure(node: torch.fx.Node, held: tuple = (collectives.allreduce_grad,)) -> bool:

@@ -51,7 +51,7 @@ import dataclasses
 import functools
 import logging
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,8 +71,9 @@ from autopar.ir.data import DataLayout
 from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
+from autopar.ops import collectives
 from autopar.passes import default_passes, run_passes
-from autopar.passes.held import HeldChains
+from autopar.passes.held import DirectSync, HeldChains, sync_groups
 from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
 from autopar.runtime import stale_model
 from autopar.runtime.attribute_guard import AttributeGuard
@@ -136,6 +137,7 @@ class _StageModule(torch.nn.Module):
         self._loss_name, self._user_keys = loss_name, user_keys  # schedule kwarg key → placeholder
         # the held chains this stage reads (``passes.held``), and their values for this step (``start_step``)
         self._chains = {name: held.chains[name] for name in inputs if name in held.chains}
+        self._syncs = {name: sync_groups(chain) for name, (_, chain) in self._chains.items()}
         self.step_values: dict[str, torch.Tensor] = {}
         sources = {source for source, _ in self._chains.values()}
         self.held = torch.nn.Module()
@@ -152,20 +154,21 @@ class _StageModule(torch.nn.Module):
                 self.held.register_buffer(name, value)
             self._held_names.append(name)
 
-    def start_step(self, train: bool, made: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def start_step(self, train: bool, made: dict[str, _Held]) -> None:
         """Run this stage's held chains for a step: every microbatch reads a detached leaf of
-        each value, whose gradient sums theirs (``PipelineParallelModule._reduce_held`` sends it
-        back through the chain). ``made``: name → (value, leaf), shared by this rank's stages."""
+        each value, whose gradient sums theirs (``_reduce_held`` sends it back through the
+        chain). ``made``: name → its ``_Held``, shared by this rank's stages."""
         self.step_values = {}
         for name, (source, chain) in self._chains.items():
             if name not in made:
                 param = getattr(self.held, source)
                 with torch.set_grad_enabled(train):
                     value = chain(param)
-                made[name] = (value, value.detach().requires_grad_(value.requires_grad))
+                leaf = value.detach().requires_grad_(value.requires_grad)
+                made[name] = _Held(value, leaf, param, self._syncs[name])
                 if value.requires_grad and value.dtype != param.dtype:
-                    _sum_in(made[name][1], param.dtype)
-            self.step_values[name] = made[name][1]
+                    _sum_in(leaf, param.dtype)
+            self.step_values[name] = made[name].leaf
 
     def forward(self, *received: torch.Tensor, **user: Any) -> Any:
         env: dict[str, Any] = dict(zip(self._received, received))
@@ -178,6 +181,21 @@ class _StageModule(torch.nn.Module):
         if self._sent is None:
             return env[self._loss_name]
         return tuple(env[name].contiguous() for name in self._sent)
+
+
+class _Held(NamedTuple):
+    """One held chain's step: its value (with the chain's graph), the leaf the microbatches read,
+    its parameter, and its all-reduces where it only sums the gradient (``passes.held.sync_groups``)."""
+
+    value: torch.Tensor
+    leaf: torch.Tensor
+    param: torch.Tensor
+    syncs: DirectSync | None
+
+
+# Bytes of summed gradients all-reduced by one collective at the end of a pipelined step (as
+# DDP's buckets, beside which the chains' own backward would run one collective a parameter).
+HELD_BUCKET_BYTES = 32 * 2**20
 
 
 def _sum_in(leaf: torch.Tensor, dtype: torch.dtype) -> None:
@@ -693,16 +711,63 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def _reduce_held(made: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _reduce_held(made: dict[str, _Held]) -> None:
     """Send each held leaf's gradient, the sum over the step's microbatches, back through its
-    chain (one all-reduce a parameter and axis, into the parameter's ``.grad``), last made first,
-    as a backward would; each leaf's gradient is dropped once sent."""
-    for value, leaf in reversed(list(made.values())):
+    chain into the parameter's ``.grad``, last made first, as a backward would; each leaf's
+    gradient is dropped once sent. A chain that only reduces the gradient (``_Held.syncs``) is not
+    run backward: the sum, in the dtype it was summed in, is reduced in the chain's reduce dtype
+    (all-reduces with the others of their groups, in buckets of ``HELD_BUCKET_BYTES``; a
+    gather's reduce-scatter alone) and added to the parameter's ``.grad``: one rounding fewer
+    than the chain's backward under a precision policy (which takes the value's dtype), and one
+    all-reduce a bucket, not a parameter."""
+    summed: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for held in reversed(list(made.values())):
+        leaf = held.leaf
         grad = getattr(leaf, "summed", None)
-        grad = leaf.grad if grad is None else grad.to(value.dtype)
+        grad = leaf.grad if grad is None else grad
         leaf.grad = leaf.summed = None
-        if grad is not None:
-            torch.autograd.backward(value, grad)
+        if grad is None:
+            continue
+        sync = held.syncs
+        if sync is None:
+            torch.autograd.backward(held.value, grad.to(held.value.dtype))
+        elif sync.kind == "reduce_scatter":
+            (group,) = sync.groups
+            _add_grad(held.param, collectives.no_grad_reduce_scatter(grad.to(sync.dtype or grad.dtype), sync.dim, group))
+        else:
+            summed.setdefault((sync.groups, sync.dtype or grad.dtype), []).append((held.param, grad))
+    for (groups, dtype), pairs in summed.items():
+        for bucket in _buckets(pairs, dtype):
+            flat = torch.cat([grad.reshape(-1).to(dtype) for _, grad in bucket])
+            for group in groups:
+                flat = collectives.no_grad_all_reduce(flat, group)
+            at = 0
+            for param, grad in bucket:
+                _add_grad(param, flat[at : at + grad.numel()].view(grad.shape))
+                at += grad.numel()
+
+
+def _add_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Accumulate ``grad`` (a reduced gradient, perhaps a view of a bucket) into ``param.grad``
+    in the parameter's dtype."""
+    if param.grad is None:
+        param.grad = grad.to(param.dtype, copy=True)
+    else:
+        param.grad.add_(grad)
+
+
+def _buckets(pairs: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> list[list]:
+    """``pairs`` in runs of at most ``HELD_BUCKET_BYTES`` (one pair at least) in ``dtype``."""
+    buckets: list[list] = [[]]
+    size = 0
+    for pair in pairs:
+        nbytes = pair[1].numel() * dtype.itemsize
+        if buckets[-1] and size + nbytes > HELD_BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(pair)
+        size += nbytes
+    return buckets
 
 
 def _returned_name(split: torch.fx.GraphModule) -> str:
