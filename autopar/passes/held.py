@@ -50,9 +50,7 @@ class HeldChains:
 
     def collectives(self) -> tuple:
         """The collectives a held chain may run."""
-        if self.gathers:
-            return (collectives.allreduce_grad, collectives.gather_param, collectives.gather_cast_param)
-        return (collectives.allreduce_grad,)
+        return (collectives.allreduce_grad, *_GATHERS) if self.gathers else (collectives.allreduce_grad,)
 
     def source(self, name: str) -> str:
         """The parameter placeholder that held placeholder ``name`` is computed from (``name``
@@ -62,7 +60,7 @@ class HeldChains:
 
 class DirectSync(NamedTuple):
     """How a held chain's backward reduces its parameter's gradient, where that is all it does
-    (``sync_groups``): ``all_reduce`` over each of ``groups``, or ``reduce_scatter`` along ``dim``
+    (``direct_sync``): ``all_reduce`` over each of ``groups``, or ``reduce_scatter`` along ``dim``
     over its one group, in ``dtype`` (None: the summed gradient's)."""
 
     kind: str
@@ -71,7 +69,7 @@ class DirectSync(NamedTuple):
     dim: int = 0
 
 
-def sync_groups(chain: torch.fx.GraphModule) -> DirectSync | None:
+def direct_sync(chain: torch.fx.GraphModule) -> DirectSync | None:
     """How ``chain``'s backward reduces its parameter's gradient where it does nothing else
     (``allreduce_grad`` over each group in one reduce dtype, or one gather, with a precision
     policy's cast before or after): the runtime runs it on the step's summed gradient directly,

@@ -72,8 +72,9 @@ from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
 from autopar.ops import collectives
+from autopar.ops.params import add_grad
 from autopar.passes import default_passes, run_passes
-from autopar.passes.held import DirectSync, HeldChains, sync_groups
+from autopar.passes.held import DirectSync, HeldChains, direct_sync
 from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
 from autopar.runtime import stale_model
 from autopar.runtime.attribute_guard import AttributeGuard
@@ -137,7 +138,7 @@ class _StageModule(torch.nn.Module):
         self._loss_name, self._user_keys = loss_name, user_keys  # schedule kwarg key → placeholder
         # the held chains this stage reads (``passes.held``), and their values for this step (``start_step``)
         self._chains = {name: held.chains[name] for name in inputs if name in held.chains}
-        self._syncs = {name: sync_groups(chain) for name, (_, chain) in self._chains.items()}
+        self._syncs = {name: direct_sync(chain) for name, (_, chain) in self._chains.items()}
         self.step_values: dict[str, torch.Tensor] = {}
         sources = {source for source, _ in self._chains.values()}
         self.held = torch.nn.Module()
@@ -185,12 +186,12 @@ class _StageModule(torch.nn.Module):
 
 class _Held(NamedTuple):
     """One held chain's step: its value (with the chain's graph), the leaf the microbatches read,
-    its parameter, and its all-reduces where it only sums the gradient (``passes.held.sync_groups``)."""
+    its parameter, and its reduction where that is all its backward does (``passes.held.direct_sync``)."""
 
     value: torch.Tensor
     leaf: torch.Tensor
     param: torch.Tensor
-    syncs: DirectSync | None
+    sync: DirectSync | None
 
 
 # Bytes of summed gradients all-reduced by one collective at the end of a pipelined step (as
@@ -520,7 +521,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
             with torch.enable_grad():
                 loss = self.forward(*args, **kwargs)
             return pytree.tree_map(lambda value: value.detach() if isinstance(value, torch.Tensor) else value, loss)
-        made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        made: dict[str, _Held] = {}
         for module in self._stages:
             module.start_step(train, made)
         if not train:
@@ -714,7 +715,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
 def _reduce_held(made: dict[str, _Held]) -> None:
     """Send each held leaf's gradient, the sum over the step's microbatches, back through its
     chain into the parameter's ``.grad``, last made first, as a backward would; each leaf's
-    gradient is dropped once sent. A chain that only reduces the gradient (``_Held.syncs``) is not
+    gradient is dropped once sent. A chain that only reduces the gradient (``_Held.sync``) is not
     run backward: the sum, in the dtype it was summed in, is reduced in the chain's reduce dtype
     (all-reduces with the others of their groups, in buckets of ``HELD_BUCKET_BYTES``; a
     gather's reduce-scatter alone) and added to the parameter's ``.grad``: one rounding fewer
@@ -728,12 +729,12 @@ def _reduce_held(made: dict[str, _Held]) -> None:
         leaf.grad = leaf.summed = None
         if grad is None:
             continue
-        sync = held.syncs
+        sync = held.sync
         if sync is None:
             torch.autograd.backward(held.value, grad.to(held.value.dtype))
         elif sync.kind == "reduce_scatter":
             (group,) = sync.groups
-            _add_grad(held.param, collectives.no_grad_reduce_scatter(grad.to(sync.dtype or grad.dtype), sync.dim, group))
+            add_grad(held.param, collectives.no_grad_reduce_scatter(grad.to(sync.dtype or grad.dtype), sync.dim, group))
         else:
             summed.setdefault((sync.groups, sync.dtype or grad.dtype), []).append((held.param, grad))
     for (groups, dtype), pairs in summed.items():
@@ -742,18 +743,9 @@ def _reduce_held(made: dict[str, _Held]) -> None:
             for group in groups:
                 flat = collectives.no_grad_all_reduce(flat, group)
             at = 0
-            for param, grad in bucket:
-                _add_grad(param, flat[at : at + grad.numel()].view(grad.shape))
+            for param, grad in bucket:  # a .grad set here is a view of the bucket, as DDP's are
+                add_grad(param, flat[at : at + grad.numel()].view(grad.shape))
                 at += grad.numel()
-
-
-def _add_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Accumulate ``grad`` (a reduced gradient, perhaps a view of a bucket) into ``param.grad``
-    in the parameter's dtype."""
-    if param.grad is None:
-        param.grad = grad.to(param.dtype, copy=True)
-    else:
-        param.grad.add_(grad)
 
 
 def _buckets(pairs: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> list[list]:
