@@ -881,5 +881,10 @@ def no_grad_all_gather(x: torch.Tensor, dim: int, group_name: str, blocks: int =
     return _gather(x, dim, group_name, blocks)
 
 
+def no_grad_chunk(x: torch.Tensor, dim: int, group_name: str, blocks: int = 1) -> torch.Tensor:
+    """R → S(dim) (or S(dim)/blocks) outside autograd: this rank's piece, contiguous."""
+    return _chunk(x, dim, group_name, blocks)
+
+
 def no_grad_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _all_reduce(x, group_name)

@@ -14,9 +14,10 @@ model prices that sync once a step (``solver.planners.stage_costs``).
 A parameter sharded on a stage-mesh axis (FSDP) is gathered by ``all_gather`` and its gradient
 summed by ``allreduce_grad``: the pair becomes ``gather_param``, whose backward reduce-scatters
 (half the bytes of an all-reduce and a chunk), or, under a precision policy, ``gather_cast_param``
-(FSDP2's mixed precision: the master's cast gathered, the gradient reduced in ``reduce_dtype``). Under ``StagePlan.hold_gathered`` its chain is
-held too: gathered once a step and kept whole through every microbatch, its gradient summed whole
-and reduce-scattered once (torchtitan's FSDP under a pipeline, which the stage planner prices and
+(FSDP2's mixed precision: the master's cast gathered, the gradient reduced in ``reduce_dtype``);
+gathered on several axes, each axis's pair alike. Under ``StagePlan.hold_gathered`` its chain (every
+gather of it) is held too: gathered once a step and kept whole through every microbatch, its
+gradient summed whole and reduce-scattered once (torchtitan's FSDP under a pipeline, which the stage planner prices and
 chooses where it pays); otherwise it is gathered and reduced in each microbatch. A chain of casts
 alone stays in the graph (holding its copy all step would cost memory nothing prices). Under ZBV,
 whose schedule computes weight gradients for the stage module's parameters only, the pass is not
@@ -50,7 +51,7 @@ class HeldChains:
 
     def collectives(self) -> tuple:
         """The collectives a held chain may run."""
-        return (collectives.allreduce_grad, *_GATHERS) if self.gathers else (collectives.allreduce_grad,)
+        return (collectives.allreduce_grad, collectives.all_gather, *_GATHERS) if self.gathers else (collectives.allreduce_grad,)
 
     def source(self, name: str) -> str:
         """The parameter placeholder that held placeholder ``name`` is computed from (``name``
@@ -60,35 +61,48 @@ class HeldChains:
 
 class DirectSync(NamedTuple):
     """How a held chain's backward reduces its parameter's gradient, where that is all it does
-    (``direct_sync``): ``all_reduce`` over each of ``groups``, or ``reduce_scatter`` along ``dim``
-    over its one group, in ``dtype`` (None: the summed gradient's)."""
+    (``direct_sync``), in ``dtype`` (None: the summed gradient's): ``all_reduce`` over each of
+    ``groups`` (bucketed with the others of the same groups), or ``scatter``: ``steps`` in
+    order, each ``("reduce_scatter", group, dim)``, ``("chunk", group, dim, blocks)`` or
+    ``("all_reduce", group)`` (the backward of a gather on several axes)."""
 
     kind: str
     groups: tuple[str, ...]
     dtype: torch.dtype | None
-    dim: int = 0
+    steps: tuple[tuple, ...] = ()
+
+
+_SUMS = (collectives.allreduce_grad, *_GATHERS)
 
 
 def direct_sync(chain: torch.fx.GraphModule) -> DirectSync | None:
     """How ``chain``'s backward reduces its parameter's gradient where it does nothing else
-    (``allreduce_grad`` over each group in one reduce dtype, or one gather, with a precision
-    policy's cast before or after): the runtime runs it on the step's summed gradient directly,
-    without rounding the sum to the value's dtype first, the all-reduces in buckets
-    (``runtime.pipeline``). None for any other chain."""
+    (``allreduce_grad`` over each group, or gathers with the sums of some of their axes, in one
+    reduce dtype, with a precision policy's cast before or after): the runtime runs it on the
+    step's summed gradient directly, without rounding the sum to the value's dtype first, the
+    all-reduces in buckets (``runtime.pipeline``). None for any other chain."""
     calls = [n for n in chain.graph.nodes if n.op == "call_function"]
     if calls and is_param_cast(calls[0]):
         calls = calls[1:]
     elif calls and is_param_cast(calls[-1]):
         calls = calls[:-1]
-    if len(calls) == 1 and calls[0].target in _GATHERS:
-        _, dim, group, reduce_dtype, *_ = calls[0].args
-        return DirectSync("reduce_scatter", (group,), reduce_dtype, dim)
-    if not calls or any(n.target is not collectives.allreduce_grad for n in calls):
+    if not calls or any(n.target not in (*_SUMS, collectives.all_gather) for n in calls):
         return None
-    dtypes = {n.args[2] if len(n.args) > 2 else n.kwargs.get("reduce_dtype") for n in calls}
+    dtypes = {_reduce_dtype(n) for n in calls if n.target in _SUMS}
     if len(dtypes) != 1:
         return None
-    return DirectSync("all_reduce", tuple(n.args[1] for n in calls), dtypes.pop())
+    dtype = dtypes.pop()
+    if all(n.target is collectives.allreduce_grad for n in calls):
+        return DirectSync("all_reduce", tuple(n.args[1] for n in calls), dtype)
+    steps = []
+    for node in reversed(calls):  # the backward's order
+        if node.target is collectives.allreduce_grad:
+            steps.append(("all_reduce", node.args[1]))
+        elif node.target is collectives.all_gather:
+            steps.append(("chunk", node.args[2], node.args[1], node.args[3] if len(node.args) > 3 else 1))
+        else:
+            steps.append(("reduce_scatter", node.args[2], node.args[1]))
+    return DirectSync("scatter", (), dtype, tuple(steps))
 
 
 def _pure(node: torch.fx.Node, held: tuple = (collectives.allreduce_grad,)) -> bool:
@@ -152,45 +166,87 @@ def _chain_module(
     return torch.fx.GraphModule(gm, graph)
 
 
+def _dead_aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [user for user in node.users if not user.users and user.target is torch.ops.aten.alias.default]
+
+
+def _gathers_then_sums(first: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
+    """The ``all_gather``s in a row from ``first`` (one live user each: a parameter gathered on
+    several axes), then the ``allreduce_grad``s in a row after them."""
+    gathers, node = [first], first
+    while True:
+        users = [user for user in node.users if user not in _dead_aliases(node)]
+        if len(users) != 1:
+            return gathers, []
+        (node,) = users
+        if node.target is not collectives.all_gather or len(node.args) != 3:
+            break
+        gathers.append(node)
+    sums = []
+    while node.target is collectives.allreduce_grad:
+        sums.append(node)
+        if len(node.users) != 1:
+            break
+        (node,) = node.users
+    return gathers, sums
+
+
+def _reduce_dtype(summed: torch.fx.Node):
+    """The dtype the gradient of ``summed`` (``allreduce_grad`` or a gather's pair) is reduced in."""
+    position = 2 if summed.target is collectives.allreduce_grad else 3
+    return summed.args[position] if len(summed.args) > position else summed.kwargs.get("reduce_dtype")
+
+
 def _pair_gathers(graph: torch.fx.Graph, params: frozenset[str], keep: set[str]) -> None:
-    """A parameter's ``all_gather`` whose one user sums its gradient on the same axis becomes
-    ``gather_param``: the reduce-scatter FSDP runs in backward, where the pair all-reduced the
-    whole gradient and kept this rank's chunk (twice the bytes); ``gather_cast_param`` where a
-    precision policy's cast of the master follows the sum (the cast is gathered, half the bytes).
-    Unused aliases of the gather (the cast, moved past it) go with it, unless ``keep`` names them."""
+    """A parameter's ``all_gather`` on an axis whose gradient is then summed on the same axis
+    becomes ``gather_param``: the reduce-scatter FSDP runs in backward, where the pair all-reduced
+    the whole gradient and kept this rank's chunk (twice the bytes); ``gather_cast_param`` where a
+    precision policy's cast of the master follows the sums (the cast is gathered, half the bytes).
+    On several axes each pair is made alike (a sum commutes with another axis's chunk), and a
+    gather with no sum on its axis stays (its backward takes the chunk). Unused aliases of the
+    gathers (the cast, moved past them) go with them, unless ``keep`` names them."""
+    gone: set[torch.fx.Node] = set()  # the later gathers of a chain, paired with the first
     for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target is collectives.all_gather and len(node.args) == 3):
+        if node in gone or not (node.op == "call_function" and node.target is collectives.all_gather and len(node.args) == 3):
             continue
         source = node.args[0]
         if isinstance(source, torch.fx.Node) and is_param_cast(source):
             source = source.all_input_nodes[0]
-        unused = [user for user in node.users if not user.users and user.target is torch.ops.aten.alias.default]
-        users = [user for user in node.users if user not in unused]
-        if not (isinstance(source, torch.fx.Node) and source.op == "placeholder" and source.name in params and len(users) == 1):
+        if not (isinstance(source, torch.fx.Node) and source.op == "placeholder" and source.name in params):
             continue
-        (summed,) = users
-        if summed.target is not collectives.allreduce_grad or summed.args[1] != node.args[2]:
+        gathers, sums = _gathers_then_sums(node)
+        by_group = {summed.args[1]: summed for summed in reversed(sums)}
+        pairs = [(gather, by_group[gather.args[2]]) for gather in gathers if gather.args[2] in by_group]
+        dead = [alias for gather in gathers for alias in _dead_aliases(gather)]
+        if not pairs or len({_reduce_dtype(summed) for summed in sums}) != 1 or any(a.name in keep for a in dead):
             continue
-        if any(user.name in keep for user in unused):
-            continue
-        for user in unused:
-            graph.erase_node(user)
-        reduce_dtype = summed.args[2] if len(summed.args) > 2 else summed.kwargs.get("reduce_dtype")
-        (cast,) = summed.users if len(summed.users) == 1 else (None,)
-        if cast is not None and is_param_cast(cast) and cast.name not in keep and node.args[0] is source:
-            # the master gathered, then cast: gather the cast (FSDP2's param_dtype)
-            with graph.inserting_before(node):
-                paired = graph.call_function(collectives.gather_cast_param, (*node.args, reduce_dtype, cast.kwargs["dtype"]))
-            paired.meta = {key: value for key, value in cast.meta.items() if key != "autopar"}
-            cast.replace_all_uses_with(paired)
+        for alias in dead:
+            graph.erase_node(alias)
+        reduce_dtype = _reduce_dtype(sums[0])
+        (cast,) = sums[-1].users if len(sums[-1].users) == 1 else (None,)
+        # the cast goes before the gathers where its backward (into the master's dtype) stays the
+        # last: one pair, the first gather's, and no other sum (each sums in its input's dtype)
+        fuse = len(pairs) == len(sums) == 1 and pairs[0][0] is node and node.args[0] is source
+        if not (fuse and cast is not None and is_param_cast(cast) and cast.name not in keep):
+            cast = None
+        for gather, summed in pairs:
+            summed.replace_all_uses_with(summed.args[0])
+            graph.erase_node(summed)
+            with graph.inserting_before(gather):
+                if cast is not None and gather is node:  # the master gathered, then cast: gather the cast (FSDP2's param_dtype)
+                    paired = graph.call_function(
+                        collectives.gather_cast_param, (*gather.args, reduce_dtype, cast.kwargs["dtype"])
+                    )
+                else:
+                    paired = graph.call_function(collectives.gather_param, (*gather.args, reduce_dtype))
+            paired.meta = {**gather.meta, **summed.meta}
+            gather.replace_all_uses_with(paired)
+            graph.erase_node(gather)
+            gone.add(gather)
+        if cast is not None:
+            cast.replace_all_uses_with(cast.args[0])
+            cast.args[0].meta = {key: value for key, value in cast.meta.items() if key != "autopar"}
             graph.erase_node(cast)
-        else:
-            with graph.inserting_before(node):
-                paired = graph.call_function(collectives.gather_param, (*node.args, reduce_dtype))
-            paired.meta = dict(summed.meta)
-            summed.replace_all_uses_with(paired)
-        graph.erase_node(summed)
-        graph.erase_node(node)
 
 
 def hold_param_collectives(gm: torch.fx.GraphModule, plan: Plan, held: HeldChains) -> torch.fx.GraphModule:
@@ -208,7 +264,7 @@ def hold_param_collectives(gm: torch.fx.GraphModule, plan: Plan, held: HeldChain
         if placeholder.name not in held.params:
             continue
         members = _chain(placeholder, order, keep, held.collectives())
-        if not any(node.target in (collectives.allreduce_grad, *_GATHERS) for node in members):
+        if not any(node.target in held.collectives() for node in members):
             continue
         inside = set(members)
         for end in [node for node in members if any(user not in inside for user in node.users)]:

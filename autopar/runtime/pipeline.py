@@ -718,7 +718,7 @@ def _reduce_held(made: dict[str, _Held]) -> None:
     gradient is dropped once sent. A chain that only reduces the gradient (``_Held.sync``) is not
     run backward: the sum, in the dtype it was summed in, is reduced in the chain's reduce dtype
     (all-reduces with the others of their groups, in buckets of ``HELD_BUCKET_BYTES``; a
-    gather's reduce-scatter alone) and added to the parameter's ``.grad``: one rounding fewer
+    gather's reduce-scatter, with the chunks of its other axes, alone) and added to the parameter's ``.grad``: one rounding fewer
     than the chain's backward under a precision policy (which takes the value's dtype), and one
     all-reduce a bucket, not a parameter."""
     summed: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -732,9 +732,8 @@ def _reduce_held(made: dict[str, _Held]) -> None:
         sync = held.sync
         if sync is None:
             torch.autograd.backward(held.value, grad.to(held.value.dtype))
-        elif sync.kind == "reduce_scatter":
-            (group,) = sync.groups
-            add_grad(held.param, collectives.no_grad_reduce_scatter(grad.to(sync.dtype or grad.dtype), sync.dim, group))
+        elif sync.kind == "scatter":
+            add_grad(held.param, _scatter(grad.to(sync.dtype or grad.dtype), sync.steps))
         else:
             summed.setdefault((sync.groups, sync.dtype or grad.dtype), []).append((held.param, grad))
     for (groups, dtype), pairs in summed.items():
@@ -746,6 +745,18 @@ def _reduce_held(made: dict[str, _Held]) -> None:
             for param, grad in bucket:  # a .grad set here is a view of the bucket, as DDP's are
                 add_grad(param, flat[at : at + grad.numel()].view(grad.shape))
                 at += grad.numel()
+
+
+def _scatter(grad: torch.Tensor, steps: tuple[tuple, ...]) -> torch.Tensor:
+    """``grad`` through a held gather chain's backward (``DirectSync.steps``), outside autograd."""
+    for kind, group, *rest in steps:
+        if kind == "reduce_scatter":
+            grad = collectives.no_grad_reduce_scatter(grad, rest[0], group)
+        elif kind == "chunk":
+            grad = collectives.no_grad_chunk(grad, rest[0], group, rest[1])
+        else:
+            grad = collectives.no_grad_all_reduce(grad, group)
+    return grad
 
 
 def _buckets(pairs: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> list[list]:

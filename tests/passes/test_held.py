@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import types
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from autopar.ir.options import precision_policy
 from autopar.ir.pipeline import first_microbatch
 from autopar.ops import collectives
 from autopar.passes import default_passes, run_passes
-from autopar.passes.held import HeldChains
+from autopar.passes.held import HeldChains, hold_param_collectives
 from autopar.passes.split import return_only, split_into_stages
 from autopar.runtime.pipeline import _stage_view, loss_output
 from autopar.trace import trace
@@ -91,3 +92,23 @@ def test_gathers_pair_under_a_precision_policy():
     assert targets.count(collectives.gather_cast_param) == 24 and collectives.gather_param not in targets
     gathered = [n for m in split.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
     assert not [n for n in gathered if n.target is collectives.all_gather and n.args[0].op == "placeholder"]
+
+
+@pytest.mark.parametrize("gathers", [False, True])
+def test_a_parameter_gathered_on_two_axes_pairs_its_sum_and_is_held_whole(gathers):
+    # as insert_collectives writes a gather on two axes whose gradient is summed on the first:
+    # that axis's pair becomes gather_param, the other gather stays (its backward a chunk), and a
+    # stage that holds what it gathers holds both (the stage planner prices the whole gather held)
+    graph = torch.fx.Graph()
+    x, param = graph.placeholder("x"), graph.placeholder("p_w")
+    gathered = graph.call_function(collectives.all_gather, (param, 1, "axis0"))
+    gathered = graph.call_function(collectives.all_gather, (gathered, 0, "axis1"))
+    summed = graph.call_function(collectives.allreduce_grad, (gathered, "axis0"))
+    graph.output(graph.call_function(torch.ops.aten.mm.default, (x, summed)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    held = HeldChains(frozenset({"p_w"}), gathers=gathers)
+    hold_param_collectives(gm, types.SimpleNamespace(memory=None), held)
+    in_graph = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    pair = [collectives.gather_param, collectives.all_gather]
+    assert in_graph == ([] if gathers else pair) + [torch.ops.aten.mm.default]
+    assert _chain_targets(held)[1:-1] == (pair if gathers else [])

@@ -740,3 +740,45 @@ def test_cli_plans_a_pipeline(capsys, tmp_path):
         == 0
     )
     assert "Pipeline:" in capsys.readouterr().out
+
+
+def _two_axis_gathers(rank: int, world: int) -> list[str]:
+    """A parameter gathered on both axes of mesh (2, 2), its gradient summed on the first: the
+    pairs ``passes.held`` makes, and the held sync's direct path, against the graph as written."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.passes.held import _pair_gathers, direct_sync
+    from autopar.runtime.pipeline import _scatter
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    first, second = mesh.get_group(0).group_name, mesh.get_group(1).group_name
+    graph = torch.fx.Graph()
+    param = graph.placeholder("p_w")
+    gathered = graph.call_function(collectives.all_gather, (param, 1, first))
+    gathered = graph.call_function(collectives.all_gather, (gathered, 0, second))
+    graph.output(graph.call_function(collectives.allreduce_grad, (gathered, first)))
+    written = torch.fx.GraphModule(torch.nn.Module(), graph)
+    paired = torch.fx.GraphModule(torch.nn.Module(), copy.deepcopy(graph))
+    _pair_gathers(paired.graph, frozenset({"p_w"}), set())
+    paired.recompile()
+    targets = [n.target for n in paired.graph.nodes if n.op == "call_function"]
+    assert targets == [collectives.gather_param, collectives.all_gather], targets
+    generator = torch.Generator().manual_seed(rank)
+    shard, grad = torch.randn(3, 4, dtype=DTYPE, generator=generator), torch.randn(6, 8, dtype=DTYPE, generator=generator)
+    grads = []
+    for gm in (written, paired):
+        leaf = shard.clone().requires_grad_()
+        value = gm(leaf)
+        value.backward(grad)
+        grads.append(leaf.grad)
+    sync = direct_sync(paired)
+    assert sync is not None and sync.kind == "scatter", sync
+    grads.append(_scatter(grad, sync.steps))
+    assert torch.allclose(grads[0], grads[1], atol=1e-12) and torch.allclose(grads[0], grads[2], atol=1e-12)
+    assert torch.equal(value, written(shard))
+    return [str(t) for t in targets]
+
+
+@pytest.mark.multiproc
+def test_a_parameter_gathered_on_two_axes_pairs_each_sum_and_syncs_directly(rank_pool):
+    assert all(rank_pool(4).run(_two_axis_gathers, timeout_s=120))
