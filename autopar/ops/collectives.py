@@ -418,6 +418,14 @@ def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group_name: str):
     return _reduce_scatter_into(out, x, group=group, async_op=True)
 
 
+def start_reduce_scatter_along(x: torch.Tensor, dim: int, group_name: str):
+    """(work, out): ``out`` = chunk ``rank`` along ``dim`` of the sum of ``x`` over the group
+    once the work is waited for (``dim``'s size divisible by the group's)."""
+    k = group_size(group_name)
+    out = torch.empty(x.chunk(k, dim)[0].shape, dtype=x.dtype, device=x.device)
+    return start_reduce_scatter(out, _pieces(x, dim, k).view(-1), group_name), out
+
+
 @_guarded("all-gather (parameter)")
 def start_all_gather(out: torch.Tensor, x: torch.Tensor, group_name: str):
     """``out`` = every rank's ``x`` concatenated along dim 0; returns the work."""

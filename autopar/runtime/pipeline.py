@@ -51,14 +51,13 @@ import dataclasses
 import functools
 import logging
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -71,16 +70,15 @@ from autopar.ir.data import DataLayout
 from autopar.ir.pipeline import group_of, stage_mesh_of, stage_ranks
 from autopar.ir.plan import Plan
 from autopar.ir.spec import local_shape
-from autopar.ops import collectives
-from autopar.ops.params import add_grad
 from autopar.passes import default_passes, run_passes
-from autopar.passes.held import DirectSync, HeldChains, direct_sync
+from autopar.passes.held import HeldChains, direct_sync
 from autopar.passes.split import return_only, split_into_stages, stage_io, stage_submodule, stage_wiring
 from autopar.runtime import stale_model
 from autopar.runtime.attribute_guard import AttributeGuard
 from autopar.runtime.base import ShardedModule, attach, model_tensors
 from autopar.runtime.checkpoint import device_mesh, load_model_state_dict
 from autopar.runtime.data import RandomOps, random_ops, start_check
+from autopar.runtime.held_sync import Held, HeldReducer, HeldSyncStage, sum_in
 from autopar.runtime.hook_guard import HookGuard
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, checkpoint_shards, seeded_shards
 from autopar.runtime.microbatch_loss import label_counts
@@ -140,6 +138,7 @@ class _StageModule(torch.nn.Module):
         self._chains = {name: held.chains[name] for name in inputs if name in held.chains}
         self._syncs = {name: direct_sync(chain) for name, (_, chain) in self._chains.items()}
         self.step_values: dict[str, torch.Tensor] = {}
+        self.reducer: HeldReducer | None = None  # this step's, while the schedule runs
         sources = {source for source, _ in self._chains.values()}
         self.held = torch.nn.Module()
         self._held_names: list[str] = []
@@ -155,10 +154,10 @@ class _StageModule(torch.nn.Module):
                 self.held.register_buffer(name, value)
             self._held_names.append(name)
 
-    def start_step(self, train: bool, made: dict[str, _Held]) -> None:
+    def start_step(self, train: bool, made: dict[str, Held]) -> None:
         """Run this stage's held chains for a step: every microbatch reads a detached leaf of
-        each value, whose gradient sums theirs (``_reduce_held`` sends it back through the
-        chain). ``made``: name → its ``_Held``, shared by this rank's stages."""
+        each value, whose gradient sums theirs (``runtime.held_sync`` reduces it). ``made``: name →
+        its ``Held``, shared by this rank's stages."""
         self.step_values = {}
         for name, (source, chain) in self._chains.items():
             if name not in made:
@@ -166,9 +165,9 @@ class _StageModule(torch.nn.Module):
                 with torch.set_grad_enabled(train):
                     value = chain(param)
                 leaf = value.detach().requires_grad_(value.requires_grad)
-                made[name] = _Held(value, leaf, param, self._syncs[name])
+                made[name] = Held(value, leaf, param, self._syncs[name])
                 if value.requires_grad and value.dtype != param.dtype:
-                    _sum_in(leaf, param.dtype)
+                    sum_in(leaf, param.dtype)
             self.step_values[name] = made[name].leaf
 
     def forward(self, *received: torch.Tensor, **user: Any) -> Any:
@@ -182,35 +181,6 @@ class _StageModule(torch.nn.Module):
         if self._sent is None:
             return env[self._loss_name]
         return tuple(env[name].contiguous() for name in self._sent)
-
-
-class _Held(NamedTuple):
-    """One held chain's step: its value (with the chain's graph), the leaf the microbatches read,
-    its parameter, and its reduction where that is all its backward does (``passes.held.direct_sync``)."""
-
-    value: torch.Tensor
-    leaf: torch.Tensor
-    param: torch.Tensor
-    sync: DirectSync | None
-
-
-# Bytes of summed gradients all-reduced by one collective at the end of a pipelined step (as
-# DDP's buckets, beside which the chains' own backward would run one collective a parameter).
-HELD_BUCKET_BYTES = 32 * 2**20
-
-
-def _sum_in(leaf: torch.Tensor, dtype: torch.dtype) -> None:
-    """Sum the microbatches' gradients of ``leaf`` (a cast parameter's) in ``dtype``, the
-    parameter's own, as FSDP2 accumulates unsharded gradients in its reduce dtype: each
-    accumulated gradient moves into ``leaf.summed``."""
-
-    def move(tensor: torch.Tensor) -> None:
-        grad = tensor.grad.to(dtype)
-        tensor.grad = None
-        summed = getattr(tensor, "summed", None)
-        tensor.summed = grad if summed is None else summed.add_(grad)
-
-    leaf.register_post_accumulate_grad_hook(move)
 
 
 class _HeldGradients(torch.autograd.Function):
@@ -445,7 +415,7 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
             else:
                 example_out = tuple(self._example(nodes[name], plan) for name in sent[index])
             pipeline_stages.append(
-                PipelineStage(
+                HeldSyncStage(
                     module, index, count, self._device, input_args=example_in, output_args=example_out, group=self._line
                 )
             )
@@ -521,9 +491,10 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
             with torch.enable_grad():
                 loss = self.forward(*args, **kwargs)
             return pytree.tree_map(lambda value: value.detach() if isinstance(value, torch.Tensor) else value, loss)
-        made: dict[str, _Held] = {}
+        made: dict[str, Held] = {}
         for module in self._stages:
             module.start_step(train, made)
+            module.reducer = None
         if not train:
             # schedule.eval() with return_outputs=False: merging the per-microbatch losses by
             # concatenation, which eval() would do, fails on scalars (and is not needed).
@@ -536,15 +507,21 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
+        readers = {name: [m for m in self._stages if name in m.step_values] for name in made}
+        reducer = HeldReducer(made, readers)
         try:
+            for module in self._stages:
+                module.reducer = reducer
             self._schedule.step(target=target, losses=losses, return_outputs=False, **user)
-            _reduce_held(made)
+            reducer.finish()
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(self._num_microbatches)
             self._sum_shared_grads()
             held = [p.grad for p in params]
         finally:
+            for module in self._stages:
+                module.reducer = None
             for p, grad in zip(params, saved):
                 p.grad = grad
         loss = self._broadcast_loss(losses)
@@ -710,67 +687,6 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         load_model_state_dict(self, state_dict, strict=False)
         stale_model.stepped(self)  # the model passed to compile is behind it now
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-
-def _reduce_held(made: dict[str, _Held]) -> None:
-    """Send each held leaf's gradient, the sum over the step's microbatches, back through its
-    chain into the parameter's ``.grad``, last made first, as a backward would; each leaf's
-    gradient is dropped once sent. A chain that only reduces the gradient (``_Held.sync``) is not
-    run backward: the sum, in the dtype it was summed in, is reduced in the chain's reduce dtype
-    (all-reduces with the others of their groups, in buckets of ``HELD_BUCKET_BYTES``; a
-    gather's reduce-scatter, with the chunks of its other axes, alone) and added to the parameter's ``.grad``: one rounding fewer
-    than the chain's backward under a precision policy (which takes the value's dtype), and one
-    all-reduce a bucket, not a parameter."""
-    summed: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for held in reversed(list(made.values())):
-        leaf = held.leaf
-        grad = getattr(leaf, "summed", None)
-        grad = leaf.grad if grad is None else grad
-        leaf.grad = leaf.summed = None
-        if grad is None:
-            continue
-        sync = held.sync
-        if sync is None:
-            torch.autograd.backward(held.value, grad.to(held.value.dtype))
-        elif sync.kind == "scatter":
-            add_grad(held.param, _scatter(grad.to(sync.dtype or grad.dtype), sync.steps))
-        else:
-            summed.setdefault((sync.groups, sync.dtype or grad.dtype), []).append((held.param, grad))
-    for (groups, dtype), pairs in summed.items():
-        for bucket in _buckets(pairs, dtype):
-            flat = torch.cat([grad.reshape(-1).to(dtype) for _, grad in bucket])
-            for group in groups:
-                flat = collectives.no_grad_all_reduce(flat, group)
-            at = 0
-            for param, grad in bucket:  # a .grad set here is a view of the bucket, as DDP's are
-                add_grad(param, flat[at : at + grad.numel()].view(grad.shape))
-                at += grad.numel()
-
-
-def _scatter(grad: torch.Tensor, steps: tuple[tuple, ...]) -> torch.Tensor:
-    """``grad`` through a held gather chain's backward (``DirectSync.steps``), outside autograd."""
-    for kind, group, *rest in steps:
-        if kind == "reduce_scatter":
-            grad = collectives.no_grad_reduce_scatter(grad, rest[0], group)
-        elif kind == "chunk":
-            grad = collectives.no_grad_chunk(grad, rest[0], group, rest[1])
-        else:
-            grad = collectives.no_grad_all_reduce(grad, group)
-    return grad
-
-
-def _buckets(pairs: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> list[list]:
-    """``pairs`` in runs of at most ``HELD_BUCKET_BYTES`` (one pair at least) in ``dtype``."""
-    buckets: list[list] = [[]]
-    size = 0
-    for pair in pairs:
-        nbytes = pair[1].numel() * dtype.itemsize
-        if buckets[-1] and size + nbytes > HELD_BUCKET_BYTES:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(pair)
-        size += nbytes
-    return buckets
 
 
 def _returned_name(split: torch.fx.GraphModule) -> str:

@@ -13,6 +13,7 @@ handed to the ranks as JSON, so the ranks do not compete for the two cores while
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -311,6 +312,28 @@ def _count_calls(pm, batch, functions: dict[str, tuple[type, str]]) -> dict[str,
     return counts
 
 
+@contextlib.contextmanager
+def _held_starts():
+    """The held sums' reductions started (``runtime.held_sync``): (kind, elements, whether the
+    schedule was still running: before ``HeldReducer.finish``)."""
+    from autopar.runtime.held_sync import HeldReducer
+
+    started: list[tuple[str, int, bool]] = []
+    finishing = []
+    all_reduce, reduce_scatter, finish = collectives.start_all_reduce, collectives.start_reduce_scatter, HeldReducer.finish
+    collectives.start_all_reduce = lambda x, group: (
+        started.append(("all_reduce", x.numel(), not finishing)) or all_reduce(x, group)
+    )
+    collectives.start_reduce_scatter = lambda out, x, group: (
+        started.append(("reduce_scatter", x.numel(), not finishing)) or reduce_scatter(out, x, group)
+    )
+    HeldReducer.finish = lambda self: finishing.append(True) or finish(self)
+    try:
+        yield started
+    finally:
+        collectives.start_all_reduce, collectives.start_reduce_scatter, HeldReducer.finish = all_reduce, reduce_scatter, finish
+
+
 def _run_pipelines(
     rank: int,
     world: int,
@@ -329,16 +352,12 @@ def _run_pipelines(
     model = _gpt()
     batch = example_batch("gpt", BATCH, seed=1)
     pm = autopar.compile(copy.deepcopy(model), (2, 2), example_inputs=batch, plan=autopar.Plan.from_json(ddp_text))
-    buckets = []
-    all_reduce = collectives.no_grad_all_reduce
-    collectives.no_grad_all_reduce = lambda x, group: buckets.append(x.numel()) or all_reduce(x, group)
-    try:
+    with _held_starts() as started:
         counts = _count_calls(pm, batch, {"syncs": (collectives._AllReduceGrad, "backward")})
-    finally:
-        collectives.no_grad_all_reduce = all_reduce
     results["syncs"] = {
         "per_microbatch": counts["syncs"],
-        "buckets": buckets,
+        "buckets": [numel for kind, numel, _ in started if kind == "all_reduce"],
+        "in_schedule": [during for _, _, during in started],
         "elements": sum(p.numel() for p in pm.parameters() if p.requires_grad),
         **step_against_eager(pm, model, batch),
     }
@@ -350,16 +369,12 @@ def _run_pipelines(
         copy.deepcopy(model), (2, 2), example_inputs=batch, plan=autopar.Plan.from_json(fsdp_in_stages(ddp_text, hold=True))
     )
     functions = {"gathers": (collectives._GatherParam, "forward"), "scatters": (collectives._GatherParam, "backward")}
-    scatters = []
-    reduce_scatter = collectives.no_grad_reduce_scatter  # the held sums' (``runtime.pipeline._reduce_held``)
-    collectives.no_grad_reduce_scatter = lambda x, dim, group: scatters.append(dim) or reduce_scatter(x, dim, group)
-    try:
+    with _held_starts() as started:
         counts = _count_calls(pm, batch, functions)
-    finally:
-        collectives.no_grad_reduce_scatter = reduce_scatter
-    counts["scatters"] += len(scatters)
+    counts["scatters"] += sum(1 for kind, _, _ in started if kind == "reduce_scatter")
     results["held"] = {
         **counts,
+        "in_schedule": [during for _, _, during in started],
         "sharded": sum(1 for fqn, _ in pm.named_parameters() if pm.plan.params[fqn][1].is_shard()),
         **step_against_eager(pm, model, batch),
     }
@@ -602,6 +617,8 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
         # once a step: one bucket of summed gradients, and through autograd only the chains that
         # compute (the position table's lookup, whose output's gradient is summed): fewer than M = 4
         assert len(syncs["buckets"]) == 1 and 0 < syncs["buckets"][0] <= syncs["elements"], f"rank {rank}: {syncs}"
+        # started in the stage's last backward, not after the schedule (``runtime.held_sync``)
+        assert all(syncs["in_schedule"]) and all(held_in := by_label["held"]["in_schedule"]), f"rank {rank}: {held_in}"
         assert syncs["per_microbatch"] < 4, f"rank {rank}: {syncs['per_microbatch']} gradient all-reduces in a step"
         assert math.isclose(*syncs["loss"], rel_tol=TOL), f"rank {rank}: {syncs['loss']}"
         assert max(syncs["grad_rel"].values()) < TOL, f"rank {rank}: {syncs['grad_rel']}"
@@ -748,7 +765,7 @@ def _two_axis_gathers(rank: int, world: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.passes.held import _pair_gathers, direct_sync
-    from autopar.runtime.pipeline import _scatter
+    from autopar.runtime.held_sync import _scatter_steps
 
     mesh = init_device_mesh("cpu", (2, 2))
     first, second = mesh.get_group(0).group_name, mesh.get_group(1).group_name
@@ -773,7 +790,7 @@ def _two_axis_gathers(rank: int, world: int) -> list[str]:
         grads.append(leaf.grad)
     sync = direct_sync(paired)
     assert sync is not None and sync.kind == "scatter", sync
-    grads.append(_scatter(grad, sync.steps))
+    grads.append(_scatter_steps(grad, sync.steps))
     assert torch.allclose(grads[0], grads[1], atol=1e-12) and torch.allclose(grads[0], grads[2], atol=1e-12)
     assert torch.equal(value, written(shard))
     return [str(t) for t in targets]
