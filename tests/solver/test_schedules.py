@@ -58,6 +58,22 @@ def test_step_formulas():
     assert schedules.virtual_counts("ZBV", 4, 8, 6) == [], "ZB-V needs two layers per group"
 
 
+def test_interleaved_syncs_hide_behind_the_backward_of_the_groups_later_chunks():
+    # 2 groups of 3 chunks (t = 3, f = 1: 2 s of backward each); the last microbatch's backward
+    # runs group 0's chunks 4, 2, 0: chunk 4's sync starts 4 s before the group's last backward
+    # ends, chunk 2's 2 s before, chunk 0's at it, one after another on the link
+    times, forwards = [3.0] * 6, [1.0] * 6
+    assert schedules.exposed_syncs("Interleaved1F1B", 2, times, forwards, [1.0] * 6) == [1.0, 1.0]
+    # 3 s each: chunk 4's ends at -1, chunk 2's at 2 (it waits for the link), chunk 0's at 5
+    assert schedules.exposed_syncs("Interleaved1F1B", 2, times, forwards, [3.0] * 6) == [5.0, 5.0]
+    assert schedules.exposed_syncs("Interleaved1F1B", 2, times, forwards, [0.0, 0, 0, 0, 5.0, 0]) == [1.0, 0.0]
+    # one chunk a group, and ZBV (whose stages sync in their graphs): the whole sync
+    assert schedules.exposed_syncs("1F1B", 3, [3.0] * 3, [1.0] * 3, [1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert schedules.exposed_syncs("ZBV", 2, [3.0] * 4, [1.0] * 4, [1.0] * 4) == [2.0, 2.0]
+    body = 8 * 9 + 1 * 3
+    assert schedules.step_time("Interleaved1F1B", 2, 8, times, forwards, [3.0] * 6) == pytest.approx(body + 5.0)
+
+
 @pytest.fixture(scope="module")
 def deep_plan() -> autopar.Plan:
     """A 16-layer GPT on 4 stages with every schedule allowed and a slow network: per-microbatch

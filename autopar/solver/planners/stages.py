@@ -140,6 +140,7 @@ class StageChoice:
     memory_bytes: float
     in_flight: int
     hold: bool = False  # gathers its parameters once a step and holds them (``StagePlan.hold_gathered``)
+    forward_s: float = 0.0  # of ``time_s``, the forward's (where the schedule's sync overlap reads it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,12 +236,10 @@ class StageSearch:
 
     @property
     def bubble_fraction(self) -> float:
-        sync = [0.0] * self.num_stages
-        for j, stage in enumerate(self.stages):
-            sync[schedules.group_of(self.schedule, self.num_stages, j)] += stage.sync_s
-        return schedules.bubble(
-            self.num_stages, self.num_microbatches, [s.time_s for s in self.stages], self.step_time_s - max(sync)
-        )
+        times = [s.time_s for s in self.stages]
+        forwards, syncs = [s.forward_s for s in self.stages], [s.sync_s for s in self.stages]
+        exposed = schedules.exposed_syncs(self.schedule, self.num_stages, times, forwards, syncs)
+        return schedules.bubble(self.num_stages, self.num_microbatches, times, self.step_time_s - max(exposed))
 
 
 class _MeshCosts:
@@ -632,13 +631,14 @@ def price_chunks(
         if not all(math.isfinite(t) for t in times) or (budget is not None and max(memory) > budget * (1 + 1e-9)):
             continue
         syncs = [float(mat["sync"][a, b]) for a, b in ranges]
-        value = schedules.step_time(schedule, S, M, times, [float(mat["fwd"][a, b]) for a, b in ranges], syncs)
+        forwards = [float(mat["fwd"][a, b]) for a, b in ranges]
+        value = schedules.step_time(schedule, S, M, times, forwards, syncs)
         if best is None or value < best[0]:
             best = (
                 value,
                 [
-                    StageChoice((a, b), c, remat, t, sy, memory[g], schedules.in_flight(schedule, S, v, M, g), hold)
-                    for (a, b), t, sy, g in zip(ranges, times, syncs, groups)
+                    StageChoice((a, b), c, remat, t, sy, memory[g], schedules.in_flight(schedule, S, v, M, g), hold, f)
+                    for (a, b), t, sy, f, g in zip(ranges, times, syncs, forwards, groups)
                 ],
             )
     return (None, []) if best is None else best

@@ -21,12 +21,18 @@ ZBV (v = 2; chunks r and 2S − 1 − r on group r; torch's ScheduleZBVZeroBubbl
     in flight on every group: min(2M, 2S) chunk-microbatches (ZB-V's peak equals 1F1B's first stage).
     Not with recomputation, whose backward runs the forward again before it can split.
 
-The gradient synchronisation, max over groups of the sum over its chunks, is added once per step.
-Bubble: the share of the step a group sits idle, 1 − M · Σ_j t_j / (S · (step − sync)).
+The gradient synchronisation is added once per step, its part exposed on the slowest group
+(``exposed_syncs``): a chunk's sync starts as the chunk's last backward ends (``runtime.held_sync``)
+and the group's syncs run one after another, hidden by the backward of its chunks still to come
+(idle time between them not counted). Under Interleaved1F1B the last microbatch's backward runs
+a group's chunks from the last to the first, so all but the last chunk's sync may hide; with one
+chunk a group (and under ZBV, whose stages sync in their graphs) the whole sync is exposed.
+Bubble: the share of the step a group sits idle, 1 − M · Σ_j t_j / (S · (step − exposed sync)).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from autopar.ir.pipeline import MULTI_STAGE_SCHEDULES, PLANNED_SCHEDULES, group_of, schedule_for
@@ -73,10 +79,8 @@ def step_time(
     """Seconds of one step (module docstring); per chunk ``times``, ``forwards`` and ``syncs``."""
     S, M = num_groups, num_microbatches
     per_group = [0.0] * S
-    sync = [0.0] * S
-    for j, (t, s) in enumerate(zip(times, syncs)):
+    for j, t in enumerate(times):
         per_group[group_of(schedule, S, j)] += t
-        sync[group_of(schedule, S, j)] += s
     if schedule in ("1F1B", "GPipe"):
         body = sum(times) + (M - 1) * max(times)
     elif schedule == "Interleaved1F1B":
@@ -84,7 +88,26 @@ def step_time(
     else:
         idle = max(max(f + (t - f) / 2 - (t - f), 0.0) for t, f in zip(times, forwards))
         body = M * max(per_group) + (S - 1) * idle
-    return body + max(sync)
+    return body + max(exposed_syncs(schedule, S, times, forwards, syncs))
+
+
+def exposed_syncs(
+    schedule: str, num_groups: int, times: Sequence[float], forwards: Sequence[float], syncs: Sequence[float]
+) -> list[float]:
+    """Per group, the seconds its gradient syncs run past its last computation (module docstring)."""
+    exposed = []
+    for r in range(num_groups):
+        chunks = [j for j in range(len(times)) if group_of(schedule, num_groups, j) == r]
+        if schedule != "Interleaved1F1B":
+            exposed.append(sum(syncs[j] for j in chunks))
+            continue
+        later = sum(times[j] - forwards[j] for j in chunks)  # backward still to run, the last microbatch's
+        link = -math.inf  # when the group's last sync started so far ends, from its last backward's end
+        for j in sorted(chunks, reverse=True):
+            later -= times[j] - forwards[j]
+            link = max(link, -later) + syncs[j]
+        exposed.append(max(link, 0.0))
+    return exposed
 
 
 def bubble(num_groups: int, num_microbatches: int, times: Sequence[float], step_without_sync: float) -> float:
@@ -93,4 +116,4 @@ def bubble(num_groups: int, num_microbatches: int, times: Sequence[float], step_
     return max(0.0, 1.0 - num_microbatches * sum(times) / (num_groups * step_without_sync))
 
 
-__all__ = ["ALL_SCHEDULES", "group_of", "in_flight", "virtual_counts", "step_time", "bubble", "schedule_for"]
+__all__ = ["ALL_SCHEDULES", "group_of", "in_flight", "virtual_counts", "step_time", "exposed_syncs", "bubble", "schedule_for"]
