@@ -11,12 +11,13 @@ reduction then, asynchronously, so that it runs while the rank computes the rest
   accumulated once per backward call: one autograd graph, recomputed segments included), the
   all-reduces in buckets of ``HELD_BUCKET_BYTES`` per group and dtype, as DDP's reducer fills its
   buckets in backward order; a gather's reduce-scatter on its own, as FSDP2's;
-* what is left (a chain whose backward does more than reduce; a bucket not yet full) when the
-  stage's last backward returns: before the backward of the stage that follows it on this rank,
-  which it then overlaps (interleaved schedules hold several stages a rank);
-* anything else (a leaf no last backward reached) at ``finish``, which waits for every reduction
-  and adds each result into its parameter's ``.grad`` in the reduce dtype's sum (one rounding
-  fewer than a backward through the chain under a precision policy, which takes the value's dtype).
+* what is left (a bucket with a gradient that did not come: a parameter this step did not use)
+  when the stage's last backward returns: before the backward of the stage that follows it on
+  this rank, which it then overlaps (interleaved schedules hold several stages a rank);
+* anything else (a chain whose backward does more than reduce, through autograd) at ``finish``,
+  which waits for every reduction and adds each result into its parameter's ``.grad`` in the
+  reduce dtype's sum (one rounding fewer than a backward through the chain under a precision
+  policy, which takes the value's dtype).
 
 A leaf accumulated again after its reduction started would be a sum missing a part: the hook
 raises instead (``InternalError``). The stage planner prices the same overlap
@@ -105,7 +106,6 @@ class HeldReducer:
         self._pending: list[_Pending] = []
         self._later: list[str] = []  # chains whose backward does more than reduce
         self.final: Any = None  # the stage module running its last backward, if one is
-        self.launches = 0
         for name in reversed(list(made)):
             held = made[name]
             if held.sync is None or held.sync.kind != "all_reduce":
@@ -182,7 +182,6 @@ class HeldReducer:
         flat = torch.cat([grad.reshape(-1).to(dtype) for _, grad in pairs])
         for group in groups[1:]:  # a second data-parallel axis: summed first
             flat = collectives.no_grad_all_reduce(flat, group)
-        self.launches += 1
 
         def finish() -> list[tuple[torch.Tensor, torch.Tensor]]:
             out, at = [], 0
@@ -203,7 +202,6 @@ class HeldReducer:
             local = _scatter_steps(grad, (last,))
             self._pending.append(_Pending(None, group, lambda: [(param, local)]))
             return
-        self.launches += 1
         work, out = collectives.start_reduce_scatter_along(grad, rest[0], group)
         self._pending.append(_Pending(work, group, lambda: [(param, out)]))
 
@@ -225,13 +223,14 @@ class HeldSyncStage(PipelineStage):
     it runs its last backward of the step (``last_backward``, where torch starts a DDP or FSDP
     stage's reductions)."""
 
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, *args: Any, **kwargs: Any):
         reducer = getattr(self.submod, "reducer", None)
+        last_backward = kwargs.get("last_backward", args[0] if args else False)
         if reducer is None or not last_backward:
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, *args, **kwargs)
         reducer.final = self.submod
         try:
-            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, *args, **kwargs)
         finally:
             reducer.final = None
         reducer.stage_done(self.submod)
