@@ -2,7 +2,9 @@
 
 - ``localize_shapes``: size arguments (view, reshape, expand, ...) become local sizes.
 - ``use_kernels``: ops whose chosen strategy names a kernel call that kernel instead; custom ops
-  with a differentiable eager implementation (``ops.kernels.EAGER_IMPLEMENTATIONS``) call it.
+  with a differentiable eager implementation (``ops.kernels.EAGER_IMPLEMENTATIONS``) call it;
+  attention whose mask is computed from the graph's inputs (a padding mask from the batch)
+  attends causally where the mask, at run time, is only causal (``ops.causal_mask``).
 - ``insert_collectives``: wherever a producer's spec differs from what its consumer takes, the
   steps of ``spec.transition_steps`` are inserted as explicit collective nodes; where an
   replicated input feeds a split computation, an ``allreduce_grad`` node is inserted so the
@@ -20,6 +22,7 @@ import torch.fx
 from autopar.ir.plan import NodePlan, Plan
 from autopar.ir.spec import local_shape, transition_steps
 from autopar.ops import collectives, get_kernel
+from autopar.ops.causal_mask import attention_causal_when_it_is
 from autopar.ops.kernels import EAGER_IMPLEMENTATIONS
 from autopar.rules.registry import SIZE_ARGS, Strategy, localize_kwargs, normalized_kwargs, tensor_meta
 from autopar.solver.problem.op_prices import grad_sync_axes
@@ -62,6 +65,8 @@ def use_kernels(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str]) -> 
         if decision.kernel is None:
             if node.target in EAGER_IMPLEMENTATIONS:
                 node.target = EAGER_IMPLEMENTATIONS[node.target]
+            elif node.target is torch.ops.aten.scaled_dot_product_attention.default and _mask_from_data(node):
+                node.target = attention_causal_when_it_is
             continue
         kernel = get_kernel(decision.kernel)
         kw = normalized_kwargs(node)
@@ -70,6 +75,25 @@ def use_kernels(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str]) -> 
         node.args = ()
         node.kwargs = kw
     return gm
+
+
+def _mask_from_data(node: torch.fx.Node) -> bool:
+    """Whether the SDPA call ``node`` passes a mask computed from the graph's inputs (the
+    placeholders: the batch, or a buffer), not causal already: one that ``trace.attention``
+    could not prove causal, which a call may still find causal (``ops.causal_mask``)."""
+    kw = normalized_kwargs(node)
+    mask = kw.get("attn_mask")
+    if not isinstance(mask, torch.fx.Node) or kw.get("is_causal"):
+        return False
+    seen, stack = set(), [mask]
+    while stack:
+        value = stack.pop()
+        if value.op == "placeholder":
+            return True
+        if value not in seen:
+            seen.add(value)
+            stack.extend(value.all_input_nodes)
+    return False
 
 
 def insert_collectives(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str]) -> torch.fx.GraphModule:

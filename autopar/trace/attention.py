@@ -300,18 +300,24 @@ def _meaning(mask: Any, call: torch.fx.Node) -> tuple[bool, str | None]:
             return False, f"its shape {tuple(mask.shape)} broadcasts the scores {scores} to a larger shape"
     except RuntimeError:
         return False, f"its shape {tuple(mask.shape)} does not broadcast to the scores {scores}"
-    allowed = _allowed(_unexpanded(mask))
+    allowed = allowed_positions(mask)
     if allowed is None:
         return False, "an additive mask with entries other than 0, -inf and the dtype's lowest value"
     if bool(allowed.all()):
         return False, None
-    # Compared over the mask's own leading dims, not the scores' (batch × heads × q × k elements,
-    # billions for a large batch): each of the scores' entries reads one of these.
-    plane = (*allowed.shape[:-2], scores[-2], scores[-1])
-    causal = torch.ones(scores[-2], scores[-1], dtype=torch.bool).tril()
-    if torch.equal(allowed.expand(plane), causal.expand(plane)):
+    if is_causal_pattern(allowed, scores[-2], scores[-1]):
         return True, None
     return False, "it is neither the causal mask of the query and key positions nor empty (a window, padding, ...)"
+
+
+def is_causal_pattern(allowed: torch.Tensor, queries: int, keys: int) -> bool:
+    """Whether ``allowed`` (``allowed_positions``) is the mask ``is_causal=True`` means for
+    ``queries`` × ``keys`` scores, in every leading index. Compared over the mask's own leading
+    dims, not the scores' (batch × heads × q × k elements, billions for a large batch): each of
+    the scores' entries reads one of these."""
+    plane = (*allowed.shape[:-2], queries, keys)
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=allowed.device).tril()
+    return torch.equal(allowed.expand(plane), causal.expand(plane))
 
 
 def _scores(call: torch.fx.Node) -> tuple:
@@ -330,8 +336,10 @@ def _unexpanded(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
-    """The positions ``mask`` lets attend, or None for an additive mask that would shift scores."""
+def allowed_positions(mask: torch.Tensor) -> torch.Tensor | None:
+    """The positions ``mask`` lets attend (its copies along expanded dims left out:
+    ``_unexpanded``), or None for an additive mask that would shift scores."""
+    mask = _unexpanded(mask)
     if mask.dtype == torch.bool:
         return mask
     if not mask.is_floating_point():

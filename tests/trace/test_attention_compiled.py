@@ -43,6 +43,10 @@ def _padding(kwargs: dict) -> dict:
     return {**kwargs, "attention_mask": mask}
 
 
+def _positions(ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(ids.shape[1]).expand_as(ids)
+
+
 def _hf_case(name: str):
     from tests.zoo import hf_models
 
@@ -52,6 +56,14 @@ def _hf_case(name: str):
         "qwen2": lambda: hf_models.qwen2(batch_size=2),
         "llama-padding": lambda: (lambda m, kw: (m, _padding(kw)))(*hf_models.llama(batch_size=2)),
         "mistral-sliding-window": lambda: hf_models.mistral(batch_size=2, sliding_window=4),
+        # masks built from the batch, which eager skips where the batch pads nothing: the compiled
+        # module attends causally where the mask is causal at run time (``ops.causal_mask``)
+        "llama-all-ones": lambda: (lambda m, kw: (m, {**kw, "attention_mask": torch.ones_like(kw["input_ids"])}))(
+            *hf_models.llama(batch_size=2)
+        ),
+        "llama-position-ids": lambda: (lambda m, kw: (m, {**kw, "position_ids": _positions(kw["input_ids"])}))(
+            *hf_models.llama(batch_size=2)
+        ),
         "bert": lambda: hf_models.bert(batch_size=2),  # an encoder: its all-true mask is dropped
     }
     return builders[name]()
@@ -69,6 +81,8 @@ TOL = 1e-10  # float64
         ("qwen2", False),
         ("bert", False),
         ("llama-padding", True),
+        ("llama-all-ones", False),
+        ("llama-position-ids", False),
         ("mistral-sliding-window", True),
     ],
 )
@@ -96,3 +110,37 @@ def test_hf_attention_passes_the_mask_eager_passes_and_trains_as_eager(world_of_
             optimizer.zero_grad()
     for fqn, value in pm.full_state_dict().items():
         torch.testing.assert_close(value, eager.state_dict()[fqn], rtol=TOL, atol=TOL, msg=f"{name}: {fqn} after {STEPS} steps")
+
+
+def test_a_batch_mask_attends_causally_only_in_the_calls_that_pad_nothing(world_of_one):
+    # compiled with an all-ones attention_mask, then called with padded and unpadded batches in
+    # turn: each call masks where eager does, and trains as eager
+    model, kwargs = hf_models_llama()
+    model = model.double()
+    eager = copy.deepcopy(model)
+    unpadded = {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
+    pm = autopar.compile(model, (1,), example_kwargs=unpadded, cluster="cpu")
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pm, eager)]
+    for step, batch in enumerate([unpadded, _padding(kwargs), unpadded, _padding(kwargs)]):
+        with _SdpaCalls() as compiled_calls:
+            loss = pm(**batch).loss
+        with _SdpaCalls() as eager_calls:
+            want = eager(**batch).loss
+        assert eager_calls.masks == [step % 2 == 1] * 2, eager_calls.masks
+        assert compiled_calls.masks == eager_calls.masks, (
+            f"step {step}: compiled {compiled_calls.masks}, eager {eager_calls.masks}"
+        )
+        torch.testing.assert_close(loss, want, rtol=TOL, atol=TOL, msg=f"loss at step {step}")
+        loss.backward()
+        want.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for fqn, value in pm.full_state_dict().items():
+        torch.testing.assert_close(value, eager.state_dict()[fqn], rtol=TOL, atol=TOL, msg=f"{fqn} after 4 steps")
+
+
+def hf_models_llama():
+    from tests.zoo import hf_models
+
+    return hf_models.llama(batch_size=2)
