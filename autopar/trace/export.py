@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import TreeSpec
 
 from autopar.errors import ConfigTypeError, TraceError
@@ -148,6 +149,7 @@ def trace(
         raise TraceError.from_export_error(model, error) from error
     if checkpoints.calls:
         notes.append(checkpoints.note())
+    _refuse_data_dependent_sizes(exported.graph_module, model)
     exported, written_back = _functionalize_aliased_writes(exported)
 
     gm = exported.graph_module
@@ -180,6 +182,29 @@ def trace(
         checkpointed=checkpoints.layers,
         **_read_fields(model, read),
     )
+
+
+def _refuse_data_dependent_sizes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """A ``TraceError`` where an op of the graph makes a tensor whose size the data decides (an
+    unbacked size: boolean-mask indexing, ``nonzero``, a split by counts computed in forward):
+    the planner shards, prices and checks fixed shapes, and such an op would reach it as a crash
+    in a rule. Export traces these; eager runs them. (A mixture of experts that routes that way
+    inside a stacked-experts module is one op here, ``trace.moe``, and is not refused.)"""
+    for node in gm.graph.nodes:
+        symbols = free_unbacked_symbols(node.meta.get("val"))
+        if not symbols:
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        path, kind = next(reversed(stack.values()), ("", None))
+        where = f" in {path or 'the model'} ({getattr(kind, '__name__', kind) or type(model).__name__})"
+        raise TraceError(
+            f"could not plan {type(model).__name__}: {node.target}{where} gives a size that depends on the data "
+            f"({', '.join(sorted(map(str, symbols)))}), not on the input shapes; autopar plans, shards and prices "
+            "fixed shapes. Compute it with sizes that shapes decide: a mask with torch.where or "
+            "masked_fill instead of boolean indexing or nonzero, a fixed capacity padded per expert instead of "
+            "a split by counts (a mixture of experts whose experts are one stacked module is traced as one op "
+            "and planned: docs/long-sequences-and-experts.md), or keep that module out of the compiled model"
+        )
 
 
 def _graph_inputs(exported, gm: torch.fx.GraphModule) -> tuple[list[GraphInput], dict[str, torch.Tensor]]:

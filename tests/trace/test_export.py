@@ -45,6 +45,30 @@ def test_data_dependent_control_flow_names_the_line():
     assert "torch.where" in str(info.value)
 
 
+class _Routed(torch.nn.Module):
+    """Sizes the data decides, as a mixture of experts or an adapter may compute them."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.gate = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.gate(x)
+        if self.how == "mask":
+            return h[h > 0].sum()
+        rows = torch.nonzero(h.sum(1) > 0).squeeze(1)  # the rows routed here
+        return h.index_select(0, rows).sum()
+
+
+@pytest.mark.parametrize("how", ["mask", "nonzero"])
+def test_a_size_the_data_decides_is_refused_naming_the_op_the_module_and_the_fix(how):
+    # export traces these (an unbacked size); planning a fixed shape for them crashed in a rule
+    with pytest.raises(TraceError, match=r"gives a size that depends on the data \(u\d+") as info:
+        trace(_Routed(how), (torch.randn(6, 4),))
+    assert "_Routed" in str(info.value) and "torch.where" in str(info.value), info.value
+
+
 class _RotaryLike(torch.nn.Module):
     """A table computed under no_grad with autocast off (as Hugging Face rotary embeddings do),
     then used by a parameterized layer."""
