@@ -12,7 +12,10 @@ trainers of the same weights:
 - ``eager``: the model as it is (Hugging Face calls SDPA with ``is_causal=True``, no mask);
 - ``autopar``: ``autopar.compile(model, mesh=(1,))``, whose trace turns the mask back;
 - ``autopar_masked``: the same with the pass switched off, so SDPA gets the traced mask (what
-  autopar ran before the pass).
+  autopar ran before the pass);
+- ``eager_attention_mask``, ``autopar_attention_mask``: eager and autopar called with an
+  ``attention_mask`` of ones, as ``Trainer`` passes for unpadded batches: the traced mask is built
+  from it, and each call checks it (``autopar.ops.causal_mask``), as eager checks it.
 
 For each: how many SDPA calls one forward makes and how many pass a mask (recorded with a
 ``TorchFunctionMode``), the median step time over ``--repeat`` steps (CUDA events; wall time on a
@@ -157,6 +160,11 @@ def run(device: torch.device, tiny: bool, full: bool, repeat: int, out: Path) ->
     with mock.patch("autopar.trace.export.causal_attention", lambda gm, constants=None: 0):
         masked = autopar.compile(copy.deepcopy(model), (1,), example_kwargs=kwargs)
     rows.append(_measure("autopar_masked", masked, kwargs, device, repeat))
+    del masked
+    padded = {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
+    rows.append(_measure("eager_attention_mask", copy.deepcopy(model), padded, device, repeat))
+    from_batch = autopar.compile(copy.deepcopy(model), (1,), example_kwargs=padded)
+    rows.append(_measure("autopar_attention_mask", from_batch, padded, device, repeat))
     eager_s = rows[0]["step_ms"]
     for row in rows:
         row["vs_eager"] = round(row["step_ms"] / eager_s, 3)
@@ -177,7 +185,7 @@ def main() -> int:
         torch.cuda.set_device(0)
     with one_rank(device, "29541"):
         rows = run(device, args.tiny, args.full, args.repeat, Path(args.out))
-    return 0 if rows[1]["masked_calls"] == 0 else 1
+    return 0 if rows[1]["masked_calls"] == rows[-1]["masked_calls"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def _is_causal(mask: torch.Tensor, queries: int, keys: int) -> bool:
 def _has_values(mask: torch.Tensor) -> bool:
     """Whether the mask's values can be read here: not on the meta device, not a fake tensor,
     not while torch.compile traces (a data-dependent branch there would break its graph)."""
-    return mask.device.type != "meta" and not is_fake(mask) and not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and mask.device.type != "meta" and not is_fake(mask)
 
 
 def attention_causal_when_it_is(
