@@ -147,8 +147,7 @@ def trace(
         raise
     except Exception as error:  # export raises many types; all mean "cannot trace"
         raise TraceError.from_export_error(model, error) from error
-    if checkpoints.calls:
-        notes.append(checkpoints.note())
+    notes += [checkpoints.note()] if checkpoints.calls else []
     _refuse_data_dependent_sizes(exported.graph_module, model)
     exported, written_back = _functionalize_aliased_writes(exported)
 

@@ -69,9 +69,14 @@ def head_split_budget() -> float:
     return 0.8 * tight_budget("gpt2") / 0.9
 
 
-def _compile_and_compare(name: str, batch_size: int, budget: float | None, plan: str | None = None) -> dict:
-    """Plan (or take ``plan``, a plan's JSON), compile and run one step of ``name`` on this rank."""
+def _compile_and_compare(name: str, batch_size: int, budget: float | None, plan: str | None = None, padded_rows: int = 0) -> dict:
+    """Plan (or take ``plan``, a plan's JSON), compile and run one step of ``name`` on this rank;
+    with ``padded_rows``, an ``attention_mask`` that pads the last rows of the batch (left padding)."""
     model, kwargs = {**BUILDERS, **COVERAGE}[name](batch_size=batch_size)
+    if padded_rows:
+        mask = torch.ones_like(kwargs["input_ids"])
+        mask[-padded_rows:, :3] = 0
+        kwargs = {**kwargs, "attention_mask": mask}
     eager = copy.deepcopy(model)
     plan = None if plan is None else autopar.Plan.from_json(plan)
     pm = autopar.compile(
@@ -91,7 +96,18 @@ def _compile_and_compare(name: str, batch_size: int, budget: float | None, plan:
         "local_param_bytes": pm.local_param_bytes(),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in eager.parameters()),
         "plan_hash": pm.plan.hash,
+        "masked_calls": _masked_calls(pm, kwargs),
     }
+
+
+def _masked_calls(pm, kwargs: dict) -> list[bool]:
+    """Whether each of this rank's attention calls passed a mask (``ops.causal_mask``: a mask
+    from the batch is kept only where this rank's rows pad)."""
+    from tests.trace.test_attention_compiled import _SdpaCalls
+
+    with torch.no_grad(), _SdpaCalls() as calls:
+        pm(**kwargs)
+    return calls.masks
 
 
 def _run(rank: int, world: int, budgets: dict[str, float], head_split: str) -> dict:
@@ -103,6 +119,9 @@ def _run(rank: int, world: int, budgets: dict[str, float], head_split: str) -> d
     # (with memory to spare the cpu preset keeps these tiny models replicated).
     for name in COVERAGE:
         results[f"{name}_tight"] = _compile_and_compare(name, TIGHT_BATCH, budgets[name])
+    # LLaMA with the batch's last rows padded: a rank whose rows pad nothing attends causally,
+    # the others with the mask (``ops.causal_mask``), and together they train as eager.
+    results["llama_padded"] = _compile_and_compare("llama", AMPLE_BATCH, None, padded_rows=AMPLE_BATCH // 4)
     # GPT-2 with c_attn split by heads (strided shards: strided gathers, chunks and local splits).
     results["gpt2_heads"] = _compile_and_compare("gpt2", TIGHT_BATCH, None, plan=head_split)
     return results
@@ -135,6 +154,8 @@ def test_hf_models_match_eager_on_mesh_2x2_with_ample_and_tight_budgets(rank_poo
     # ranks above ran strided gathers, chunks and local splits against eager.
     strided = [fqn for fqn, spec in results[0]["gpt2_heads"]["params"].items() if any("/" in p for p in spec)]
     assert any("c_attn.weight" in fqn for fqn in strided), results[0]["gpt2_heads"]["params"]
+    padded = [any(by_label["llama_padded"]["masked_calls"]) for by_label in results]
+    assert any(padded) and not all(padded), f"the batch's padded rows on some ranks only: {padded}"
     # GPT-2's MLP is worth tensor parallelism on the cpu preset even with memory to spare.
     assert results[0]["gpt2"]["collectives"], "gpt2: the ample plan should shard on the cpu preset"
 
