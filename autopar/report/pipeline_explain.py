@@ -49,6 +49,7 @@ def explain_pipeline_json(plan: Plan) -> dict[str, Any]:
         "bubble": _BUBBLE_TEXT.get(stages.schedule, ""),
         "reason": stages.reason,
         "grad_sync_s": _field(plan.predicted, "grad_sync_s"),
+        "exposed_grad_sync_s": _field(plan.predicted, "exposed_grad_sync_s"),
         "hold_gathered": stages.hold_gathered,
         "stages": [
             {
@@ -80,7 +81,7 @@ def explain_pipeline_text(plan: Plan) -> str:
         f"each on stage mesh {tuple(info['stage_mesh'])}, running {v} model stage{'s' if v > 1 else ''} "
         f"({info['model_stages']} in all), {info['num_microbatches']} microbatches per step",
         f"  predicted step {info['step_time_s'] * 1e3:.4f} ms"
-        + (f" (gradient sync {info['grad_sync_s'] * 1e3:.4f} ms of it)" if info["grad_sync_s"] is not None else "")
+        + _sync_words(info["grad_sync_s"], info["exposed_grad_sync_s"])
         + f", bubble {info['bubble_fraction']:.1%}: {info['bubble']}",
     ]
     if info["hold_gathered"]:
@@ -118,6 +119,15 @@ def explain_pipeline_text(plan: Plan) -> str:
     if info["reason"]:
         lines += ["", f"  why: {info['reason']}"]
     return "\n".join(lines)
+
+
+def _sync_words(sync_s: float | None, exposed_s: float | None) -> str:
+    """The gradient sync in the step's line: all of it, or the part the backward does not hide."""
+    if sync_s is None:
+        return ""
+    if exposed_s is None or exposed_s >= sync_s * (1 - 1e-9):
+        return f" (gradient sync {sync_s * 1e3:.4f} ms of it)"
+    return f" (gradient sync {sync_s * 1e3:.4f} ms, {exposed_s * 1e3:.4f} ms of it after the last backward)"
 
 
 __all__ = ["explain_pipeline_text", "explain_pipeline_json"]

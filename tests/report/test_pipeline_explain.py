@@ -56,3 +56,11 @@ def test_explain_says_when_the_stages_hold_their_gathered_parameters(capsys, pip
     assert "gather the parameters they shard once a step and hold them" in capsys.readouterr().out
     assert main(["explain", str(held), "pipeline", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["hold_gathered"] is True
+
+
+def test_the_step_line_says_what_of_the_gradient_sync_the_backward_does_not_hide():
+    from autopar.report.pipeline_explain import _sync_words
+
+    assert _sync_words(None, None) == ""
+    assert _sync_words(0.002, 0.002) == " (gradient sync 2.0000 ms of it)"  # one stage a rank group: all of it
+    assert _sync_words(0.002, 0.0005) == " (gradient sync 2.0000 ms, 0.5000 ms of it after the last backward)"

@@ -989,11 +989,15 @@ def _assemble(
     whole = ("compute_s", "reshard_s", "comm_bytes", "comm_bytes_per_axis")
     unpipelined = base.predicted.to_json()
     optimizer_s = _stages_optimizer_s(graph, choice, search, stages, cluster)
+    syncs, forwards = [s.sync_s for s in search.stages], [s.forward_s for s in search.stages]
+    groups = [schedules.group_of(search.schedule, search.num_stages, j) for j in range(len(syncs))]
     predicted = Prediction(
         step_time_s=search.step_time_s + optimizer_s,
         peak_memory_bytes=int(max(s.memory_bytes for s in search.stages)),
         stage_time_s=tuple(times),
-        grad_sync_s=max(s.sync_s for s in search.stages),
+        # the slowest rank group's syncs, and what of them its backward does not hide
+        grad_sync_s=max(sum(sy for sy, g in zip(syncs, groups) if g == r) for r in range(search.num_stages)),
+        exposed_grad_sync_s=max(schedules.exposed_syncs(search.schedule, search.num_stages, times, forwards, syncs)),
         recompute=tuple(s.remat for s in search.stages),
         one_microbatch_unpipelined={key: unpipelined[key] for key in whole if key in unpipelined},
         optimizer_s=optimizer_s,
