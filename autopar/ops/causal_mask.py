@@ -37,7 +37,10 @@ def _is_causal(mask: torch.Tensor, queries: int, keys: int) -> bool:
     if ref is not None and ref() is mask and (version, last_queries, last_keys) == (mask._version, queries, keys):
         return causal
     allowed = allowed_positions(mask)
-    causal = allowed is not None and is_causal_pattern(allowed, queries, keys)
+    try:
+        causal = allowed is not None and is_causal_pattern(allowed, queries, keys)
+    except RuntimeError:  # a mask that does not broadcast to these scores: SDPA says so itself
+        causal = False
     _LAST[:] = [weakref.ref(mask), mask._version, queries, keys, causal]
     return causal
 
