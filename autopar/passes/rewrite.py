@@ -27,6 +27,7 @@ from autopar.ops.kernels import EAGER_IMPLEMENTATIONS
 from autopar.rules.registry import SIZE_ARGS, Strategy, localize_kwargs, normalized_kwargs, tensor_meta
 from autopar.solver.problem.op_prices import grad_sync_axes
 from autopar.trace import requires_grad
+from autopar.trace.attention import ancestors
 
 # Views become reshapes: export drops a .contiguous() when the traced tensor happened to be
 # contiguous, but a resharded local tensor may not be, and then view() fails. reshape() is the
@@ -85,15 +86,7 @@ def _mask_from_data(node: torch.fx.Node) -> bool:
     mask = kw.get("attn_mask")
     if not isinstance(mask, torch.fx.Node) or kw.get("is_causal"):
         return False
-    seen, stack = set(), [mask]
-    while stack:
-        value = stack.pop()
-        if value.op == "placeholder":
-            return True
-        if value not in seen:
-            seen.add(value)
-            stack.extend(value.all_input_nodes)
-    return False
+    return any(value.op == "placeholder" for value in ancestors([mask]))
 
 
 def insert_collectives(gm: torch.fx.GraphModule, plan: Plan, groups: Sequence[str]) -> torch.fx.GraphModule:

@@ -494,7 +494,6 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
         made: dict[str, Held] = {}
         for module in self._stages:
             module.start_step(train, made)
-            module.reducer = None
         if not train:
             # schedule.eval() with return_outputs=False: merging the per-microbatch losses by
             # concatenation, which eval() would do, fails on scalars (and is not needed).

@@ -76,7 +76,7 @@ def causal_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor
     if not calls:
         return 0
     # In-place writes change what a later read sees, so they are computed too (with what they read).
-    needed = _ancestors([mask for mask, _ in calls.values()] + [n for n in gm.graph.nodes if written(n)])
+    needed = ancestors([mask for mask, _ in calls.values()] + [n for n in gm.graph.nodes if written(n)])
     values = _Values(gm, constants or {})
     rewritten, masks = 0, []
     meanings: dict[tuple, tuple[bool, str | None]] = {}  # every layer's call reads one mask: proved once
@@ -156,7 +156,8 @@ def _drop_mask(node: torch.fx.Node, mask_argument: str, causal: bool) -> None:
         _set_argument(node, "is_causal", True)
 
 
-def _ancestors(nodes) -> set[torch.fx.Node]:
+def ancestors(nodes) -> set[torch.fx.Node]:
+    """``nodes`` and every node they are computed from."""
     found: set[torch.fx.Node] = set()
     stack = list(nodes)
     while stack:

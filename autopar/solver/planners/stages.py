@@ -237,9 +237,13 @@ class StageSearch:
     @property
     def bubble_fraction(self) -> float:
         times = [s.time_s for s in self.stages]
-        forwards, syncs = [s.forward_s for s in self.stages], [s.sync_s for s in self.stages]
-        exposed = schedules.exposed_syncs(self.schedule, self.num_stages, times, forwards, syncs)
-        return schedules.bubble(self.num_stages, self.num_microbatches, times, self.step_time_s - max(exposed))
+        return schedules.bubble(self.num_stages, self.num_microbatches, times, self.step_time_s - max(self.exposed_syncs()))
+
+    def exposed_syncs(self) -> list[float]:
+        """Per rank group, what of its gradient syncs its backward does not hide (``schedules.exposed_syncs``)."""
+        stages = self.stages
+        times, forwards = [s.time_s for s in stages], [s.forward_s for s in stages]
+        return schedules.exposed_syncs(self.schedule, self.num_stages, times, forwards, [s.sync_s for s in stages])
 
 
 class _MeshCosts:
@@ -989,7 +993,7 @@ def _assemble(
     whole = ("compute_s", "reshard_s", "comm_bytes", "comm_bytes_per_axis")
     unpipelined = base.predicted.to_json()
     optimizer_s = _stages_optimizer_s(graph, choice, search, stages, cluster)
-    syncs, forwards = [s.sync_s for s in search.stages], [s.forward_s for s in search.stages]
+    syncs = [s.sync_s for s in search.stages]
     groups = [schedules.group_of(search.schedule, search.num_stages, j) for j in range(len(syncs))]
     predicted = Prediction(
         step_time_s=search.step_time_s + optimizer_s,
@@ -997,7 +1001,7 @@ def _assemble(
         stage_time_s=tuple(times),
         # the slowest rank group's syncs, and what of them its backward does not hide
         grad_sync_s=max(sum(sy for sy, g in zip(syncs, groups) if g == r) for r in range(search.num_stages)),
-        exposed_grad_sync_s=max(schedules.exposed_syncs(search.schedule, search.num_stages, times, forwards, syncs)),
+        exposed_grad_sync_s=max(search.exposed_syncs()),
         recompute=tuple(s.remat for s in search.stages),
         one_microbatch_unpipelined={key: unpipelined[key] for key in whole if key in unpipelined},
         optimizer_s=optimizer_s,
