@@ -67,6 +67,8 @@ def test_interleaved_syncs_hide_behind_the_backward_of_the_groups_later_chunks()
     # 3 s each: chunk 4's ends at -1, chunk 2's at 2 (it waits for the link), chunk 0's at 5
     assert schedules.exposed_syncs("Interleaved1F1B", 2, times, forwards, [3.0] * 6) == [5.0, 5.0]
     assert schedules.exposed_syncs("Interleaved1F1B", 2, times, forwards, [0.0, 0, 0, 0, 5.0, 0]) == [1.0, 0.0]
+    # a chunk whose forward prices above its time hides nothing, and shows no more than its sync
+    assert schedules.exposed_syncs("Interleaved1F1B", 1, [1.0, 3.0], [2.0, 1.0], [1.0, 0.0]) == [1.0]
     # one chunk a group, and ZBV (whose stages sync in their graphs): the whole sync
     assert schedules.exposed_syncs("1F1B", 3, [3.0] * 3, [1.0] * 3, [1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert schedules.exposed_syncs("ZBV", 2, [3.0] * 4, [1.0] * 4, [1.0] * 4) == [2.0, 2.0]

@@ -101,10 +101,13 @@ def exposed_syncs(
         if schedule != "Interleaved1F1B":
             exposed.append(sum(syncs[j] for j in chunks))
             continue
-        later = sum(times[j] - forwards[j] for j in chunks)  # backward still to run, the last microbatch's
+        # a chunk's backward (its time less its forward: none below zero, where a stage's time
+        # leaves out a forward its own cost counts), still to run in the last microbatch's
+        backward = {j: max(times[j] - forwards[j], 0.0) for j in chunks}
+        later = sum(backward.values())
         link = -math.inf  # when the group's last sync started so far ends, from its last backward's end
         for j in sorted(chunks, reverse=True):
-            later -= times[j] - forwards[j]
+            later -= backward[j]
             link = max(link, -later) + syncs[j]
         exposed.append(max(link, 0.0))
     return exposed
