@@ -32,6 +32,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from autopar.errors import InputError, ModelError
 from autopar.trace import TracedModel
+from autopar.trace.attention import ancestors
 
 aten = torch.ops.aten
 
@@ -98,7 +99,8 @@ class LabelCounts:
 def label_counts(traced: TracedModel, loss_node: torch.fx.Node) -> LabelCounts | None:
     """The counter for ``loss_node``'s mean-reduced target loss (module docstring), or None where
     the loss has none whose target the inputs give. Raises for a loss summed over its targets."""
-    found = [n for n in _ancestors(loss_node) if n.op == "call_function" and n.target in _TARGET_LOSSES]
+    needed = ancestors([loss_node])
+    found = [n for n in loss_node.graph.nodes if n in needed and n.op == "call_function" and n.target in _TARGET_LOSSES]
     user = [gi.name for gi in traced.inputs if gi.kind == "user"]
     counters = []
     for node in found:
@@ -123,20 +125,9 @@ def label_counts(traced: TracedModel, loss_node: torch.fx.Node) -> LabelCounts |
     return LabelCounts(chain, ignore_index, str(node.target), _scales_only(loss_node, node))
 
 
-def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
-    seen: dict[torch.fx.Node, None] = {}
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen[n] = None
-            stack.extend(n.all_input_nodes)
-    return list(seen)
-
-
 def _chain(gm: torch.fx.GraphModule, target: torch.fx.Node, user: list[str]) -> torch.fx.GraphModule | None:
     """A graph from the user inputs to ``target``, or None where ``target`` reads anything else."""
-    needed = set(_ancestors(target))
+    needed = ancestors([target])
     if any(n.op == "placeholder" and n.name not in user or n.op not in ("placeholder", "call_function") for n in needed):
         return None
     graph = torch.fx.Graph()
