@@ -107,6 +107,9 @@ ZERO = CommCost(0.0, 0.0, 0.0)
 
 # A parameter gradient is reduced in a bucket with others (``ops.buckets``).
 DEFAULT_BUCKET_CAP_BYTES = CommOptions().bucket_cap_bytes
+# Bytes of summed gradients a pipeline's held sync all-reduces in one collective
+# (``runtime.held_sync``); the stage planner prices its last bucket as exposed.
+HELD_BUCKET_BYTES = 32 * 2**20
 # The bus bandwidth NCCL's tree reaches, as a fraction of the ring's (``tuning.cc``:
 # ``busBw = min(busBw * .9, maxTreeBw)``; .92 in NCCL 2.19+).
 TREE_BANDWIDTH_FRACTION = 0.9

@@ -78,6 +78,12 @@ def step_temporary(cluster: ClusterSpec, optimizer: str = DEFAULT_OPTIMIZER) -> 
 def stepped_tensors(intervals: Iterable, bytes_of: Callable[[str], float]) -> list[float]:
     """``fused_bytes`` (module docstring) of each parameter the optimizer steps, from the liveness
     walk's intervals (``cost.liveness.Interval``): parameters that have a gradient."""
+    return [fused for fused, _ in stepped_params(intervals, bytes_of).values()]
+
+
+def stepped_params(intervals: Iterable, bytes_of: Callable[[str], float]) -> dict[str, tuple[float, float]]:
+    """Per parameter the optimizer steps (one that has a gradient), its ``fused_bytes`` and its
+    gradient's bytes, from the liveness walk's intervals as ``stepped_tensors``."""
     param: dict[str, float] = {}
     grad: dict[str, float] = {}
     state: dict[str, float] = {}
@@ -85,7 +91,7 @@ def stepped_tensors(intervals: Iterable, bytes_of: Callable[[str], float]) -> li
         table = {"param": param, "grad": grad, "optimizer_state": state}.get(iv.kind)
         if table is not None:
             table[iv.node] = table.get(iv.node, 0.0) + iv.factor * bytes_of(iv.node)
-    return [2 * param.get(node, 0.0) + size + 2 * state.get(node, 0.0) for node, size in grad.items()]
+    return {node: (2 * param.get(node, 0.0) + size + 2 * state.get(node, 0.0), size) for node, size in grad.items()}
 
 
 def tensor_step_s(fused_bytes: float, cluster: ClusterSpec, implementation: str, mesh_shape: Sequence[int] = (1,)) -> float:

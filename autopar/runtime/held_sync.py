@@ -32,14 +32,15 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.pipelining import PipelineStage
 
+from autopar.cost import comm
 from autopar.errors import InternalError
 from autopar.ops import collectives
 from autopar.ops.params import add_grad
 from autopar.passes.held import DirectSync
 
 # Bytes of summed gradients all-reduced by one collective (as DDP's buckets, beside which the
-# chains' own backward would run one collective a parameter).
-HELD_BUCKET_BYTES = 32 * 2**20
+# chains' own backward would run one collective a parameter), as the stage planner prices them.
+HELD_BUCKET_BYTES = comm.HELD_BUCKET_BYTES
 
 
 class Held(NamedTuple):

@@ -25,7 +25,9 @@ microbatch: ``own`` (its ops' forward and backward, and the resharding between i
 from parameters), ``prev`` (resharding of values coming from the previous block) and
 ``pre`` (of values coming from ``pre``); ``fwd`` (the forward part of ``own``, paid again when
 the stage recomputes activations); ``sync`` (the per-step gradient reductions of its
-parameters, each parameter once at its bucketed price, as the ILP prices them). Bytes per device: ``static`` (its parameters, their gradients and optimizer
+parameters, each parameter once at its bucketed price, as the ILP prices them), the gradient
+bytes those reductions carry (their buckets), and the optimizer step of its parameters
+(``cost.optimizer.tensor_step_s``; a tied parameter in every stage that uses it). Bytes per device: ``static`` (its parameters, their gradients and optimizer
 state, and user inputs), ``saved`` (activations alive at the end of forward, kept per microbatch
 in flight), ``transient`` (the peak of its own activations and gradients above ``saved``),
 ``stash`` (its input activations: what a recomputing stage keeps per microbatch), and the
@@ -47,6 +49,7 @@ import numpy as np
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost import comm, compute, memory
+from autopar.cost import optimizer as step_cost
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError
 from autopar.ir.options import DEFAULT_OPTIMIZER, CommOptions
@@ -451,6 +454,12 @@ class UnitCosts:
     prev_bytes: np.ndarray  # (forward, backward) global bytes received from the previous block
     pre_bytes: np.ndarray  # (forward, backward) global bytes received from pre
     shared: list[tuple[float, frozenset[int]]]  # (bytes, units) of parameters several units use
+    # The optimizer step (``_steps``): per unit, the seconds and count of the parameters it steps
+    # alone, and the gradient bytes it syncs; (seconds, units) of those several units use.
+    optimizer: np.ndarray
+    optimizer_tensors: np.ndarray
+    synced_bytes: np.ndarray
+    shared_steps: list[tuple[float, frozenset[int]]]
 
 
 def _held_gather(graph: ChoiceGraph, edge, src, dst) -> bool:
@@ -484,6 +493,7 @@ def unit_costs(
         return output_unit if graph.choices[name].kind == "output" else -2  # -2: a placeholder
 
     groups, per_use = graph.param_sync_groups()
+    synced = {param for group in groups.values() if group.needed(choice) for param in group.params}
     for name in graph.order:
         u = unit_of(name)
         if u == -2:
@@ -506,6 +516,7 @@ def unit_costs(
         if pu == -2 or pu == cu:
             if hold and seconds and _held_gather(graph, edge, src, dst):
                 sync[cu + 1] += seconds
+                synced.add(cast_of_param(graph.choices, edge.producer))
                 continue
             own[cu + 1] += seconds
             if seconds:
@@ -528,7 +539,37 @@ def unit_costs(
         spec = producer.strategies[choice[producer_name]].outs[out_index]
         stash[cu + 1] += memory.local_bytes(producer.out_shapes[out_index], producer.out_dtypes[out_index], spec, mesh)
     static, saved, transient, shared = _memory(graph, layers, choice, consumers, unit_of, num, hold)
-    return UnitCosts(own, prev, pre, fwd, sync, static, saved, transient, stash, prev_bytes, pre_bytes, shared)
+    steps = _steps(graph, choice, consumers, synced, cluster, num)
+    return UnitCosts(own, prev, pre, fwd, sync, static, saved, transient, stash, prev_bytes, pre_bytes, shared, *steps)
+
+
+def _steps(
+    graph: ChoiceGraph, choice: dict[str, int], consumers: dict[str, set[int]], synced: set[str], cluster: ClusterSpec, num: int
+):
+    """``UnitCosts``' optimizer fields: each parameter the optimizer steps costs its
+    ``cost.optimizer.tensor_step_s`` in the unit of its consumers (in every stage holding one of
+    them, where several units use it: a tied embedding); its gradient's bytes count towards the
+    buckets of its first consumer's unit where its gradient is synced (``synced``), as ``sync``."""
+    implementation = step_cost.implementation(cluster, graph.optimizer)
+    leader = {member: names[0] for names in graph.ties for member in names}
+    used: dict[str, set[int]] = {}
+    for name, units in consumers.items():
+        used.setdefault(leader.get(name, name), set()).update(units)
+    optimizer, tensors, synced_bytes = np.zeros(num), np.zeros(num), np.zeros(num)
+    shared: list[tuple[float, frozenset[int]]] = []
+    for name, (fused, grad) in step_cost.stepped_params(graph.timeline.intervals, graph.bytes_of(choice)).items():
+        if leader.get(name, name) != name:
+            continue  # a tied parameter is stepped once, as its first name
+        seconds = step_cost.tensor_step_s(fused, cluster, implementation, graph.mesh_shape)
+        units = used.get(name) or {-1}
+        if name in synced or any(member in synced for member, first in leader.items() if first == name):
+            synced_bytes[min(units) + 1] += grad
+        if len(units) == 1:
+            optimizer[min(units) + 1] += seconds
+            tensors[min(units) + 1] += 1
+        else:
+            shared.append((seconds, frozenset(units)))
+    return optimizer, tensors, synced_bytes, shared
 
 
 def _memory(graph: ChoiceGraph, layers: Layers, choice: dict[str, int], consumers, unit_of, num: int, hold: bool = False):

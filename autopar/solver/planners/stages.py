@@ -29,15 +29,18 @@ Sets and data
 Stage i of S (0-based) holds k_i = min(S − i, M) microbatches under 1F1B. For a range it takes
 the fastest (c, r) with mem ≤ budget: t_i(a, b) (∞ if none fits).
 
-Objective (1F1B step time)
+Objective (the 1F1B step)
     min over S, stage mesh, 0 = a_0 < a_1 < ... < a_S = L of
-        Σ_i t_i(a_i, a_{i+1}) + (M − 1) · max_i t_i(a_i, a_{i+1}) + max_i sync_i
+        Σ_i t_i(a_i, a_{i+1}) + (M − 1) · max_i t_i(a_i, a_{i+1}) + exposed sync + max_i opt_i
+    (the syncs that the drain and each stage's last backward do not hide,
+    ``solver.pricing.schedules``; opt_i the optimizer step of stage i's parameters, which every
+    group runs at once after the flush)
 
 Dynamic program (per S and stage mesh). For a cap T on the slowest stage,
     F_0(b) = t_0(0, b),  F_i(b) = min_{a < b} F_{i−1}(a) + t_i(a, b)   over t ≤ T,
 and Σ = F_{S−1}(L). T runs over the distinct stage times from the smallest feasible one upward,
 and stops once Σ(T = ∞) + (M − 1) · T cannot beat the best step found (Alpa's enumeration of
-t_max, with an exact stopping rule). The gradient synchronisation term is added to each
+t_max, with an exact stopping rule). The synchronisation and optimizer terms are added to each
 candidate partition found, not optimised inside the DP.
 
 Each stage mesh starts with its fastest candidate only. Its leaner candidates are solved
@@ -65,6 +68,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar.cost import comm
 from autopar.cost import optimizer as step_cost
 from autopar.cost.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasibleError, MeshError, ModelError
@@ -106,25 +110,6 @@ from autopar.trace import TracedModel
 log = logging.getLogger("autopar")
 
 
-def _stages_optimizer_s(graph: ChoiceGraph, choice: dict[str, int], search: StageSearch, stages: list[Stage], cluster) -> float:
-    """The optimizer step after the pipeline's flush: every rank group steps the parameters of
-    its stages (several, under an interleaved schedule) at once, so the step waits for the
-    slowest group's (``cost.optimizer``)."""
-    leader = {member: group[0] for group in graph.ties for member in group}
-    held: dict[int, set[str]] = {}
-    for stage in stages:
-        used = {producer for name in stage.nodes if name in graph.choices for producer, _ in graph.choices[name].inputs}
-        params = {leader.get(name, name) for name in used | set(stage.nodes)}  # the walk keys ties by their leader
-        held.setdefault(schedules.group_of(search.schedule, search.num_stages, stage.index), set()).update(params)
-    bytes_of = graph.bytes_of(choice)
-    implementation = step_cost.implementation(cluster, graph.optimizer)
-    slowest = 0.0
-    for nodes in held.values():
-        stepped = step_cost.stepped_tensors([iv for iv in graph.timeline.intervals if iv.node in nodes], bytes_of)
-        slowest = max(slowest, step_cost.adamw_step_s(stepped, cluster, implementation, tuple(search.stage_mesh)))
-    return slowest
-
-
 __all__ = ["plan_stages", "search_stages", "StageSettings", "price_chunks", "StageSearch", "StageChoice", "check_pipeline_args"]
 
 
@@ -141,6 +126,8 @@ class StageChoice:
     in_flight: int
     hold: bool = False  # gathers its parameters once a step and holds them (``StagePlan.hold_gathered``)
     forward_s: float = 0.0  # of ``time_s``, the forward's (where the schedule's sync overlap reads it)
+    early_s: float = 0.0  # of ``sync_s``, what may run during its last backward (all but the last bucket)
+    optimizer_s: float = 0.0  # its parameters' optimizer step
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,15 +222,44 @@ class StageSearch:
         return any(stage.hold for stage in self.stages)
 
     @property
+    def optimizer_s(self) -> float:
+        """The optimizer step after the flush: every rank group steps its chunks' parameters at
+        once, so the step waits for the slowest group's."""
+        return _groups_optimizer_s(self.schedule, self.num_stages, self.stages)
+
+    @property
     def bubble_fraction(self) -> float:
         times = [s.time_s for s in self.stages]
-        return schedules.bubble(self.num_stages, self.num_microbatches, times, self.step_time_s - max(self.exposed_syncs()))
+        pipeline_s = self.step_time_s - max(self.exposed_syncs()) - self.optimizer_s
+        return schedules.bubble(self.num_stages, self.num_microbatches, times, pipeline_s)
 
     def exposed_syncs(self) -> list[float]:
         """Per rank group, what of its gradient syncs its backward does not hide (``schedules.exposed_syncs``)."""
-        stages = self.stages
-        times, forwards = [s.time_s for s in stages], [s.forward_s for s in stages]
-        return schedules.exposed_syncs(self.schedule, self.num_stages, times, forwards, [s.sync_s for s in stages])
+        return schedules.exposed_syncs(self.schedule, self.num_stages, *_chunk_columns(self.stages))
+
+
+def _chunk_columns(chunks: Sequence[StageChoice]) -> tuple[list[float], ...]:
+    """Per chunk: its time, forward, sync and early sync (``schedules.step_time``'s columns)."""
+    return (
+        [c.time_s for c in chunks],
+        [c.forward_s for c in chunks],
+        [c.sync_s for c in chunks],
+        [c.early_s for c in chunks],
+    )
+
+
+def _groups_optimizer_s(schedule: str, num_groups: int, chunks: Sequence[StageChoice]) -> float:
+    per_group = [0.0] * num_groups
+    for j, chunk in enumerate(chunks):
+        per_group[schedules.group_of(schedule, num_groups, j)] += chunk.optimizer_s
+    return max(per_group)
+
+
+def _step_s(schedule: str, num_groups: int, num_microbatches: int, chunks: Sequence[StageChoice]) -> float:
+    """One step of ``chunks`` under ``schedule``: the pipeline's (``schedules.step_time``) and the
+    slowest group's optimizer step after it."""
+    pipeline_s = schedules.step_time(schedule, num_groups, num_microbatches, *_chunk_columns(chunks))
+    return pipeline_s + _groups_optimizer_s(schedule, num_groups, chunks)
 
 
 class _MeshCosts:
@@ -344,6 +360,31 @@ class _MeshCosts:
                     self.options.append((index, remat, hold))
                     self.matrices.append(_option_matrices(units, self.rep, self.num_layers, remat))
 
+    def chunk(self, option: int, bounds: tuple[int, int], time_s: float, memory_bytes: float, in_flight: int) -> StageChoice:
+        """Layers ``bounds`` under ``option`` as one chunk of a pipeline, taking ``time_s`` a
+        microbatch (sends included) and ``memory_bytes`` with ``in_flight`` microbatches held."""
+        c, remat, hold = self.options[option]
+        mat, (a, b) = self.matrices[option], bounds
+        floor = step_cost.list_kernels_floor_s(
+            int(mat["optimizer_tensors"][a, b]),
+            self.cluster,
+            step_cost.implementation(self.cluster, self.graph.optimizer),
+            self.stage_mesh,
+        )
+        return StageChoice(
+            (a, b),
+            c,
+            remat,
+            time_s,
+            float(mat["sync"][a, b]),
+            memory_bytes,
+            in_flight,
+            hold,
+            forward_s=float(mat["fwd"][a, b]),
+            early_s=float(mat["early"][a, b]),
+            optimizer_s=max(float(mat["optimizer"][a, b]), floor),
+        )
+
     def holds(self) -> bool:
         """Whether some candidate gathers parameters, which a stage may hold through the step."""
         return any(hold for _, _, hold in self.options)
@@ -398,6 +439,15 @@ def _bounds(num_layers: int):
     return lo, hi
 
 
+def _holds_any(positions: frozenset[int], rep: np.ndarray, num_layers: int) -> np.ndarray:
+    """Over (a, b): 1 where the range holds one of the traced units ``positions`` (unit - 1), else 0."""
+    lo, hi = _bounds(num_layers)
+    p = np.zeros(num_layers + 2)
+    p[np.nonzero(np.isin(rep - 1, list(positions)))[0]] = 1.0
+    count = np.concatenate([[0.0], np.cumsum(p)])
+    return ((count[hi][None, :] - count[lo][:, None]) > 0).astype(float)
+
+
 def _option_matrices(units: UnitCosts, rep: np.ndarray, num_layers: int, remat: bool) -> dict[str, np.ndarray]:
     """Matrices over (a, b) of one option's stage time, sync, memory terms and crossing bytes."""
     L = num_layers
@@ -426,13 +476,14 @@ def _option_matrices(units: UnitCosts, rep: np.ndarray, num_layers: int, remat: 
     time_s = ranged(total) - starts_late * (units.prev[rep][lo][:, None] + ranged(units.pre))
     if remat:
         time_s = time_s + ranged(units.fwd)
-    static = ranged(units.static)
-    real_units = [set(np.nonzero(np.isin(rep - 1, list(us)))[0]) for _, us in units.shared]
-    for (size, _), positions in zip(units.shared, real_units):
-        p = np.zeros(L + 2)
-        p[list(positions)] = 1.0
-        count = np.concatenate([[0.0], np.cumsum(p)])
-        static = static + size * ((count[hi][None, :] - count[lo][:, None]) > 0)
+    static = ranged(units.static) + sum((size * _holds_any(us, rep, L) for size, us in units.shared), np.zeros((L, L + 1)))
+    optimizer, tensors = ranged(units.optimizer), ranged(units.optimizer_tensors)
+    for seconds, us in units.shared_steps:
+        held = _holds_any(us, rep, L)
+        optimizer, tensors = optimizer + seconds * held, tensors + held
+    # All but the last bucket of a stage's synced gradients may sync during its backward.
+    sync, synced = ranged(units.sync), ranged(units.synced_bytes)
+    last_bucket = sync * np.minimum(1.0, comm.HELD_BUCKET_BYTES / np.maximum(synced, 1.0))
     if remat:
         per_microbatch = ranged(units.stash)
         peak = range_max(units.saved + units.transient)
@@ -447,7 +498,10 @@ def _option_matrices(units: UnitCosts, rep: np.ndarray, num_layers: int, remat: 
     inf = np.where(valid, 0.0, np.inf)
     return {
         "time": time_s + inf,
-        "sync": ranged(units.sync),
+        "sync": sync,
+        "early": sync - last_bucket,
+        "optimizer": optimizer,
+        "optimizer_tensors": tensors,
         "static": static,
         "fwd": ranged(units.fwd),
         "per_microbatch": per_microbatch,
@@ -548,27 +602,14 @@ def _price(
             for i in range(S):
                 a, b = bounds[i], bounds[i + 1]
                 o = int(options[i][a, b])
-                c, r, h = mesh_costs.options[o]
                 mat = mesh_costs.matrices[o]
                 k = min(S - i, M)
-                out.append(
-                    StageChoice(
-                        (a, b),
-                        c,
-                        r,
-                        float(tables[i][a, b]),
-                        float(mat["sync"][a, b]),
-                        float(mat["static"][a, b] + k * mat["per_microbatch"][a, b] + mat["peak"][a, b]),
-                        k,
-                        h,
-                    )
-                )
+                memory_bytes = float(mat["static"][a, b] + k * mat["per_microbatch"][a, b] + mat["peak"][a, b])
+                out.append(mesh_costs.chunk(o, (a, b), float(tables[i][a, b]), memory_bytes, k))
             return out
 
         def score(bounds: list[int]) -> float:
-            chosen = stages_of(bounds)
-            times = [s.time_s for s in chosen]
-            return sum(times) + (M - 1) * max(times) + max(s.sync_s for s in chosen)
+            return _step_s(schedule_for(S, M), S, M, stages_of(bounds))
 
         if forced_layers is not None:
             bounds = list(forced_layers)
@@ -634,17 +675,13 @@ def price_chunks(
             )
         if not all(math.isfinite(t) for t in times) or (budget is not None and max(memory) > budget * (1 + 1e-9)):
             continue
-        syncs = [float(mat["sync"][a, b]) for a, b in ranges]
-        forwards = [float(mat["fwd"][a, b]) for a, b in ranges]
-        value = schedules.step_time(schedule, S, M, times, forwards, syncs)
+        chunks = [
+            mesh_costs.chunk(o, (a, b), t, memory[g], schedules.in_flight(schedule, S, v, M, g))
+            for (a, b), t, g in zip(ranges, times, groups)
+        ]
+        value = _step_s(schedule, S, M, chunks)
         if best is None or value < best[0]:
-            best = (
-                value,
-                [
-                    StageChoice((a, b), c, remat, t, sy, memory[g], schedules.in_flight(schedule, S, v, M, g), hold, f)
-                    for (a, b), t, sy, f, g in zip(ranges, times, syncs, forwards, groups)
-                ],
-            )
+            best = (value, chunks)
     return (None, []) if best is None else best
 
 
@@ -982,7 +1019,7 @@ def _assemble(
         schedule=search.schedule,
         stage_mesh=tuple(search.stage_mesh),
         stages=tuple(stages),
-        step_time_s=search.step_time_s,
+        step_time_s=search.step_time_s - search.optimizer_s,
         bubble_fraction=search.bubble_fraction,
         virtual_stages=search.virtual_stages,
         reason=search.reason,
@@ -992,11 +1029,10 @@ def _assemble(
     # stage on the stage mesh: kept apart, so that they are not read as the pipeline's step.
     whole = ("compute_s", "reshard_s", "comm_bytes", "comm_bytes_per_axis")
     unpipelined = base.predicted.to_json()
-    optimizer_s = _stages_optimizer_s(graph, choice, search, stages, cluster)
     syncs = [s.sync_s for s in search.stages]
     groups = [schedules.group_of(search.schedule, search.num_stages, j) for j in range(len(syncs))]
     predicted = Prediction(
-        step_time_s=search.step_time_s + optimizer_s,
+        step_time_s=search.step_time_s,
         peak_memory_bytes=int(max(s.memory_bytes for s in search.stages)),
         stage_time_s=tuple(times),
         # the slowest rank group's syncs, and what of them its backward does not hide
@@ -1004,7 +1040,7 @@ def _assemble(
         exposed_grad_sync_s=max(search.exposed_syncs()),
         recompute=tuple(s.remat for s in search.stages),
         one_microbatch_unpipelined={key: unpipelined[key] for key in whole if key in unpipelined},
-        optimizer_s=optimizer_s,
+        optimizer_s=search.optimizer_s,
     )
     solver_info = dataclasses.replace(
         base.solver,

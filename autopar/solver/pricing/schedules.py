@@ -22,11 +22,13 @@ ZBV (v = 2; chunks r and 2S − 1 − r on group r; torch's ScheduleZBVZeroBubbl
     Not with recomputation, whose backward runs the forward again before it can split.
 
 The gradient synchronisation is added once per step, its part exposed on the slowest group
-(``exposed_syncs``): a chunk's sync starts as the chunk's last backward ends (``runtime.held_sync``)
-and the group's syncs run one after another, hidden by the backward of its chunks still to come
-(idle time between them not counted). Under Interleaved1F1B the last microbatch's backward runs
-a group's chunks from the last to the first, so all but the last chunk's sync may hide; with one
-chunk a group (and under ZBV, whose stages sync in their graphs) the whole sync is exposed.
+(``exposed_syncs``). The step's last microbatch runs its backward through the chunks from the last
+to the first, one after another, so chunk j's last backward ends Σ_{i<j} b_j before the step's
+compute does (b_j = t_j − f_j): a group's syncs run while the chunks below it still compute (the
+drain). A chunk's syncs start in its last backward as its gradients become final
+(``runtime.held_sync``), in buckets: all but the last bucket may run during that backward
+(``early``, at most the backward itself), and a group's syncs run one after another (idle time
+between them not counted). Under ZBV, whose stages sync in their graphs, the whole sync is exposed.
 Bubble: the share of the step a group sits idle, 1 − M · Σ_j t_j / (S · (step − exposed sync)).
 """
 
@@ -75,8 +77,10 @@ def step_time(
     times: Sequence[float],
     forwards: Sequence[float],
     syncs: Sequence[float],
+    early: Sequence[float] | None = None,
 ) -> float:
-    """Seconds of one step (module docstring); per chunk ``times``, ``forwards`` and ``syncs``."""
+    """Seconds of one step (module docstring); per chunk ``times``, ``forwards``, ``syncs`` and
+    ``early`` (the seconds of its syncs that may run during its own last backward; none if None)."""
     S, M = num_groups, num_microbatches
     per_group = [0.0] * S
     for j, t in enumerate(times):
@@ -88,27 +92,31 @@ def step_time(
     else:
         idle = max(max(f + (t - f) / 2 - (t - f), 0.0) for t, f in zip(times, forwards))
         body = M * max(per_group) + (S - 1) * idle
-    return body + max(exposed_syncs(schedule, S, times, forwards, syncs))
+    return body + max(exposed_syncs(schedule, S, times, forwards, syncs, early))
 
 
 def exposed_syncs(
-    schedule: str, num_groups: int, times: Sequence[float], forwards: Sequence[float], syncs: Sequence[float]
+    schedule: str,
+    num_groups: int,
+    times: Sequence[float],
+    forwards: Sequence[float],
+    syncs: Sequence[float],
+    early: Sequence[float] | None = None,
 ) -> list[float]:
-    """Per group, the seconds its gradient syncs run past its last computation (module docstring)."""
+    """Per group, the seconds its gradient syncs run past the step's last computation (module
+    docstring); ``early`` as ``step_time``'s."""
+    if schedule == "ZBV":
+        return [sum(sy for j, sy in enumerate(syncs) if group_of(schedule, num_groups, j) == r) for r in range(num_groups)]
+    # a chunk's backward (its time less its forward: none below zero, where a stage's time leaves
+    # out a forward its own cost counts), and when its last one ends, from the step's compute end
+    backward = [max(t - f, 0.0) for t, f in zip(times, forwards)]
+    ends = [-sum(backward[:j]) for j in range(len(times))]
+    early = [0.0] * len(times) if early is None else early
     exposed = []
     for r in range(num_groups):
-        chunks = [j for j in range(len(times)) if group_of(schedule, num_groups, j) == r]
-        if schedule != "Interleaved1F1B":
-            exposed.append(sum(syncs[j] for j in chunks))
-            continue
-        # a chunk's backward (its time less its forward: none below zero, where a stage's time
-        # leaves out a forward its own cost counts), still to run in the last microbatch's
-        backward = {j: max(times[j] - forwards[j], 0.0) for j in chunks}
-        later = sum(backward.values())
-        link = -math.inf  # when the group's last sync started so far ends, from its last backward's end
-        for j in sorted(chunks, reverse=True):
-            later -= backward[j]
-            link = max(link, -later) + syncs[j]
+        link = -math.inf  # when the group's syncs started so far end
+        for j in sorted((j for j in range(len(times)) if group_of(schedule, num_groups, j) == r), reverse=True):
+            link = max(link, ends[j] - min(max(early[j], 0.0), backward[j], syncs[j])) + syncs[j]
         exposed.append(max(link, 0.0))
     return exposed
 
