@@ -357,7 +357,9 @@ def _achieved_terms(info, flops, moved, split, peak, cluster, factor) -> tuple[f
     split over the rank's compute share. Each of the ``factor`` kernels (forward, backward)
     takes at least the launch overhead."""
     rates = cluster.rates
-    got = achieved(rates, rate_kind(info), flops / split, info.kw)
+    # under inductor the graph is traced without the batch's values: the mask's kernel runs
+    example_mask = info.example_mask if cluster.executor != "inductor" else None
+    got = achieved(rates, rate_kind(info), flops / split, info.kw, example_mask)
     flops_s = got.work * flops / split / (peak * got.efficiency)
     memory_s = moved / split / (cluster.memory_bandwidth_bytes_per_s * rates.memory_efficiency)
     if factor > 1 and got.backward_slowdown != 1:

@@ -124,9 +124,13 @@ class ComputeRates:
         return cls(**data)
 
 
-def mask_kind(kw: Mapping[str, Any]) -> str:
+def mask_kind(kw: Mapping[str, Any], example_mask: str | None = None) -> str:
     """ "causal", "masked" or "full" for an attention op's arguments (``OpInfo.kw``): a
-    materialized ``attn_mask`` wins over ``is_causal`` (the kernel that takes a mask runs)."""
+    materialized ``attn_mask`` wins over ``is_causal`` (the kernel that takes a mask runs), except
+    where the example batch makes the mask causal (``example_mask``, ``OpInfo.example_mask``),
+    which the runtime attends without."""
+    if example_mask == "causal":
+        return "causal"
     if kw.get("attn_mask") is not None or kw.get("attn_bias") is not None:  # attn_bias: the fused kernels' name
         return "masked"
     return "causal" if kw.get("is_causal") else "full"
@@ -141,13 +145,16 @@ class Achieved:
     backward_slowdown: float = 1.0
 
 
-def achieved(rates: ComputeRates, kind: str, local_flops: float, kw: Mapping[str, Any]) -> Achieved:
+def achieved(
+    rates: ComputeRates, kind: str, local_flops: float, kw: Mapping[str, Any], example_mask: str | None = None
+) -> Achieved:
     """What an op of ``kind`` ("matmul", "attention" or "other") reaches; ``local_flops`` is its
-    FLOPs on one rank, ``kw`` its arguments (for the attention mask)."""
+    FLOPs on one rank, ``kw`` its arguments and ``example_mask`` (``mask_kind``) for the
+    attention mask."""
     if kind == "matmul":
         return Achieved(1.0, rates.matmul_fraction(local_flops))
     if kind == "attention":
-        mask = mask_kind(kw)
+        mask = mask_kind(kw, example_mask)
         if mask == "causal":
             return Achieved(rates.causal_work, rates.attention_efficiency)
         if mask == "masked":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.errors import InternalError
 from autopar.ir.spec import Placement, Spec, axis_cut
+from autopar.trace.attention import EXAMPLE_MASK
 
 aten = torch.ops.aten
 
@@ -56,6 +58,9 @@ class OpInfo:
     inputs: tuple[TensorArg, ...]
     out_shapes: tuple[tuple[int, ...], ...]
     out_is_tuple: bool
+    # "causal" for an attention call whose mask the example batch makes causal, which the runtime
+    # then attends without (``trace.attention.causal_for_the_example``); None otherwise.
+    example_mask: str | None = None
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -442,7 +447,9 @@ def normalized_kwargs(node: torch.fx.Node) -> dict[str, Any]:
 def op_info(node: torch.fx.Node) -> OpInfo:
     """The rule-facing view of a call_function node (shapes come from FakeTensor metadata)."""
     kw = {name: _to_value(value) for name, value in normalized_kwargs(node).items()}
-    return op_info_from_values(node.name, node.target, kw, node.meta.get("val"))
+    info = op_info_from_values(node.name, node.target, kw, node.meta.get("val"))
+    example_mask = node.meta.get(EXAMPLE_MASK)
+    return info if example_mask is None else dataclasses.replace(info, example_mask=example_mask)
 
 
 # The recursive helpers below are module functions, not closures: a closure that calls itself

@@ -84,11 +84,7 @@ def causal_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor
         for node in list(gm.graph.nodes):
             if node in calls:
                 mask, mask_argument = calls[node]
-                scores = _scores(node)  # (a symbolic size is not hashable: such a call is not proved anyway)
-                key = (mask, scores) if all(isinstance(size, int) for size in scores) else None
-                if key is None or key not in meanings:
-                    meanings[key] = _meaning(values.get(mask), node)
-                causal, reason = meanings[key]
+                causal, reason = _known_meaning(meanings, values, mask, node)
                 if reason is None:
                     _drop_mask(node, mask_argument, causal)
                     masks.append(mask)
@@ -111,6 +107,52 @@ def causal_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor
         len(masks) - rewritten,
     )
     return len(masks)
+
+
+# ``node.meta`` key of an SDPA call whose mask, computed from the graph's inputs, is the causal mask
+# of its positions for the example inputs (``causal_for_the_example``).
+EXAMPLE_MASK = "autopar_example_mask"
+
+
+def causal_for_the_example(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> int:
+    """Mark each ``aten.scaled_dot_product_attention`` call whose mask the graph computes from its
+    inputs and which, for the example ``inputs`` (placeholder name → real tensor), is exactly the
+    causal mask (``node.meta[EXAMPLE_MASK] = "causal"``): such a call keeps its mask in the graph
+    (another batch may pad), and the runtime attends causally in the calls where the mask is
+    causal (``ops.causal_mask``), so the cost model prices the example's kernel. A mask that needs
+    a gradient stays a mask at run time and is not marked. Returns how many calls are marked."""
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    calls = {n: found[0] for n in gm.graph.nodes if n.target is sdpa and (found := _masked_attention(n)) is not None}
+    calls = {n: mask for n, mask in calls.items() if not getattr(mask.meta.get("val"), "requires_grad", False)}
+    if not calls or not inputs:
+        return 0
+    needed = ancestors(list(calls.values()) + [n for n in gm.graph.nodes if written(n)])
+    values = _Values(gm, {**constants, **inputs})
+    marked, meanings = 0, {}
+    try:
+        for node in gm.graph.nodes:
+            if node in calls:
+                if _known_meaning(meanings, values, calls[node], node) == (True, None):
+                    node.meta[EXAMPLE_MASK] = "causal"
+                    marked += 1
+            elif node in needed or written(node) or node.target in _VMAP_LEVELS:
+                values.evaluate(node)
+                if written(node):
+                    meanings.clear()
+    finally:
+        values.leave_vmap()
+    log.info("autopar: %d attention calls attend causally for the example inputs (their mask is the causal one)", marked)
+    return marked
+
+
+def _known_meaning(meanings: dict, values: _Values, mask: torch.fx.Node, call: torch.fx.Node) -> tuple[bool, str | None]:
+    """``_meaning`` of ``mask`` for ``call``, computed once per mask and scores shape while no
+    in-place write intervenes (``meanings``: every layer's call reads one mask)."""
+    scores = _scores(call)  # (a symbolic size is not hashable: such a call is not proved anyway)
+    key = (mask, scores) if all(isinstance(size, int) for size in scores) else None
+    if key is None or key not in meanings:
+        meanings[key] = _meaning(values.get(mask), call)
+    return meanings[key]
 
 
 def _masked_attention(node: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import is_fake
 from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import TreeSpec
@@ -27,7 +29,7 @@ from torch.utils._pytree import TreeSpec
 from autopar.errors import ConfigTypeError, TraceError
 from autopar.ir.options import MixedPrecision, to_dtype
 from autopar.trace.aliases import independent_inputs
-from autopar.trace.attention import causal_attention, written
+from autopar.trace.attention import causal_attention, causal_for_the_example, written
 from autopar.trace.checkpoints import model_checkpoints
 from autopar.trace.fake import fake_tensors, has_meta_tensors
 from autopar.trace.functions import functions_as_one_op
@@ -159,7 +161,7 @@ def trace(
     _drop_assertions(gm)
     notes += _dense_embedding_grads(gm)
     inputs, constants = _graph_inputs(exported, gm)
-    causal_attention(gm, constants)  # a traced causal mask back to SDPA's is_causal (trace.attention)
+    _attention_masks(gm, constants, inputs, (example_inputs, example_kwargs or {}))
     if precision is not None and precision.casts:
         _cast_parameters(gm, inputs, precision)
     renamed = canonical_names(gm)
@@ -181,6 +183,23 @@ def trace(
         checkpointed=checkpoints.layers,
         **_read_fields(model, read),
     )
+
+
+def _attention_masks(gm: torch.fx.GraphModule, constants: dict, inputs: list[GraphInput], example: tuple) -> None:
+    """A traced causal mask back to SDPA's ``is_causal``, and a mask from the batch marked where
+    the ``example`` batch makes it causal (``trace.attention``). The example's leaves are the
+    user inputs in order; meta and fake tensors hold no values to check."""
+    causal_attention(gm, constants)
+    leaves = pytree.tree_leaves(example)
+    users = [i.name for i in inputs if i.kind == "user"]
+    if len(leaves) != len(users):
+        return
+    real = {
+        name: value
+        for name, value in zip(users, leaves)
+        if isinstance(value, torch.Tensor) and not value.is_meta and not is_fake(value)
+    }
+    causal_for_the_example(gm, constants, real)
 
 
 def _refuse_data_dependent_sizes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:

@@ -71,6 +71,30 @@ def test_attention_is_priced_by_its_mask_kind():
     assert compute_cost_s(causal, three, (1,), cluster, True) == pytest.approx(3 * flops * 0.5 / (0.5 * peak))
 
 
+def test_a_mask_the_example_makes_causal_is_priced_causal_where_the_runtime_checks_it():
+    # A mask from the batch that the example batch makes causal (trace.attention.causal_for_the_example):
+    # the runtime attends without it in such calls (ops.causal_mask), but not under inductor,
+    # which traces the graph without the batch's values.
+    masked = _sdpa(attn_mask=meta(1024, 1024, dtype=torch.bool))
+    seen = dataclasses.replace(masked, example_mask="causal")
+    assert (mask_kind(masked.kw, masked.example_mask), mask_kind(seen.kw, seen.example_mask)) == ("masked", "causal")
+    cluster = with_rates(
+        attention_efficiency=0.5, causal_work=0.5, masked_attention_efficiency=0.25, masked_backward_slowdown=3.0
+    )
+    four = Strategy(ins=((R,), (R,), (R,), (R,)), outs=((R,),))
+    three = Strategy(ins=((R,), (R,), (R,)), outs=((R,),))
+    causal = _sdpa(is_causal=True)
+    for grad in (False, True):
+        assert compute_cost_s(seen, four, (1,), cluster, grad) == pytest.approx(
+            compute_cost_s(causal, three, (1,), cluster, grad)
+        )
+        inductor = dataclasses.replace(cluster, executor="inductor")
+        assert compute_cost_s(seen, four, (1,), inductor, grad) == pytest.approx(
+            compute_cost_s(masked, four, (1,), inductor, grad)
+        )
+        assert compute_cost_s(seen, four, (1,), cluster, grad) < compute_cost_s(masked, four, (1,), cluster, grad)
+
+
 def test_memory_bound_ops_and_the_launch_floor():
     cluster = with_rates(memory_efficiency=0.5, launch_overhead_s=1e-5)
     one = Strategy(ins=((R,),), outs=((R,),))

@@ -22,7 +22,7 @@ from autopar.ir.spec import S as Shard
 from autopar.runtime.tools.numerics import check_numerics
 from autopar.solver import solve
 from autopar.trace import trace
-from autopar.trace.attention import causal_attention
+from autopar.trace.attention import EXAMPLE_MASK, causal_attention
 
 L, S, E, HEADS = 6, 6, 8, 2
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -302,3 +302,38 @@ def test_rewritten_hf_attention_runs_sharded_as_eager(mesh, spec, kernel):
     assert names and all(plan.nodes[name].kernel == kernel for name in names)
     result = check_numerics(model, plan, (), kwargs, tolerance=1e-10)
     assert result.ok, result.text()
+
+
+def _padded_from_data(x, q_len, k_len):
+    return _tril_bool(x, q_len, k_len) & (x.sum(-1)[:, :, :, None] > 0)  # some rows of random data pad
+
+
+def _example_masks(traced) -> list[str | None]:
+    from autopar.rules.registry import op_info
+
+    calls = [n for n in traced.gm.graph.nodes if n.target is SDPA]
+    assert [op_info(n).example_mask for n in calls] == [n.meta.get(EXAMPLE_MASK) for n in calls]
+    return [n.meta.get(EXAMPLE_MASK) for n in calls]
+
+
+def test_a_mask_from_the_batch_is_marked_causal_where_the_example_makes_it_so():
+    # The mask stays in the graph (another batch may pad), and the runtime attends causally in the
+    # calls where it is causal (ops.causal_mask): the cost model prices the example's kernel.
+    torch.manual_seed(0)
+    x = torch.randn(2, S, E)
+    assert _example_masks(trace(_Attention(_from_data), (x,))) == ["causal"] * 2
+    assert _sdpa_calls(trace(_Attention(_from_data), (x,))) == ["mask"] * 2
+    assert _example_masks(trace(_Attention(_padded_from_data), (x,))) == [None] * 2
+    assert _example_masks(trace(_Attention(_sliding_window), (x,))) == [None] * 2  # no input: proved (kept) at trace
+    assert _example_masks(trace(_Attention(_from_data).to("meta"), (x.to("meta"),))) == [None] * 2  # no values
+
+
+def test_hugging_face_masks_from_an_unpadded_batch_are_priced_causal():
+    from tests.zoo import hf_models
+
+    model, kwargs = hf_models.llama(batch_size=2)
+    ones = {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
+    padded = {**kwargs, "attention_mask": ones["attention_mask"].clone()}
+    padded["attention_mask"][0, :3] = 0
+    assert _example_masks(trace(model, (), ones)) == ["causal"] * 2
+    assert _example_masks(trace(model, (), padded)) == [None] * 2

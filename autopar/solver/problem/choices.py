@@ -57,6 +57,7 @@ from autopar.solver.problem.optimizer_terms import dtensor_price, step_prices
 from autopar.solver.problem.padded_casts import padded_cast_strategies
 from autopar.solver.problem.priced import PricedStrategy, PriceTable
 from autopar.trace import TracedModel, requires_grad
+from autopar.trace.attention import EXAMPLE_MASK
 
 
 @dataclass
@@ -743,6 +744,7 @@ def _op_choice(node, choices, mesh_shape, cluster, cache: dict, infos: dict, pru
     key = (
         info.target,
         kw_text,
+        info.example_mask,
         info.out_shapes,
         out_dtypes,
         needs_grad,
@@ -784,6 +786,7 @@ def _op_info(node: torch.fx.Node, seen: dict) -> tuple[OpInfo, list[torch.fx.Nod
     graph holds every object in a key while the choices are built."""
     places: dict[torch.fx.Node, int] = {}  # each distinct argument node -> its place
     key = (node.target, _structure(node.args, places), _structure(node.kwargs, places), id(node.meta.get("val")))
+    key += (node.meta.get(EXAMPLE_MASK),)
     hit = seen.get(key)
     if hit is None:
         info, input_nodes = op_info(node), tensor_input_nodes(node)
