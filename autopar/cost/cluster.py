@@ -35,8 +35,9 @@ benchmarks/README.md). ``local_cluster()`` (what ``compile`` prices without a ``
 "cpu-gloo" preset (gloo's links measured on one host) with the host's cores
 (``os.sched_getaffinity``); offline, say it on a spec:
 ``dataclasses.replace(get_cluster("cpu-gloo"), compute_slots_per_node=2)`` or
-``"compute_slots_per_node": 2`` in a cluster file. (A pipeline's stages are priced on their stage
-mesh, so there the share counts one stage's ranks, not all the ranks on the node: optimistic.)
+``"compute_slots_per_node": 2`` in a cluster file. A pipeline's stages are priced on their stage
+mesh, one of ``concurrent_meshes`` that run side by side: a node holds that many times a stage's
+ranks (up to ``devices_per_node``), whose share is then the whole pipeline's.
 
 Two more links price offload (``autopar.ir.memory``): ``host_link`` between a device and its host's
 memory (PCIe), and ``disk_link`` between the host and local disk (NVMe). A spec without a
@@ -151,6 +152,9 @@ class ClusterSpec:
     # How many ranks a node runs at full speed at once (its CPU cores over threads per rank);
     # None: every device computes on its own (see the module docstring, ``compute_share``).
     compute_slots_per_node: int | None = None
+    # How many meshes like the one priced run at once on the same nodes: a pipeline's stage
+    # meshes (``ranks_per_node``: what shares a node's compute slots). 1 for a whole mesh.
+    concurrent_meshes: int = 1
     # The executor the plan is priced for (``EXECUTORS``); compile sets it from its ``compiler``.
     executor: str = "eager"
     # What kernels reach of the peaks (``cost.rates``); None: the plain roofline against them.
@@ -202,6 +206,7 @@ class ClusterSpec:
             raise ClusterSpecError(f"{owner}.disk_link must be a LinkSpec, got {self.disk_link!r}")
         if self.compute_slots_per_node is not None:
             _positive_int(owner, "compute_slots_per_node", self.compute_slots_per_node)
+        _positive_int(owner, "concurrent_meshes", self.concurrent_meshes)
         _positive_int(owner, "nics_per_node", self.nics_per_node)
         if self.compute not in COMPUTE_MODES:
             raise ClusterSpecError(f"{owner}.compute must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
@@ -234,8 +239,9 @@ class ClusterSpec:
         return self.memory_bytes - self.memory_reserve_bytes
 
     def ranks_per_node(self, mesh_shape: Sequence[int]) -> int:
-        """Ranks a mesh puts on one node: its size, up to ``devices_per_node`` (row-major fill)."""
-        return min(math.prod(mesh_shape), self.devices_per_node)
+        """Ranks a mesh puts on one node: its size (times ``concurrent_meshes``: a pipeline's stages
+        side by side), up to ``devices_per_node`` (row-major fill)."""
+        return min(math.prod(mesh_shape) * self.concurrent_meshes, self.devices_per_node)
 
     def compute_share(self, mesh_shape: Sequence[int]) -> float:
         """The fraction of a device's compute each rank of ``mesh_shape`` gets:
@@ -303,6 +309,7 @@ class ClusterSpec:
             **({"host_link": self.host_link.to_json()} if self.host_link is not None else {}),
             **({"disk_link": self.disk_link.to_json()} if self.disk_link != DEFAULT_DISK_LINK else {}),
             **({"compute_slots_per_node": self.compute_slots_per_node} if self.compute_slots_per_node is not None else {}),
+            **({"concurrent_meshes": self.concurrent_meshes} if self.concurrent_meshes != 1 else {}),
             **({"executor": self.executor} if self.executor != "eager" else {}),
             **({"rates": self.rates.to_json()} if self.rates is not None else {}),
             **({"dtensor_op_s": self.dtensor_op_s} if self.dtensor_op_s else {}),
@@ -324,6 +331,7 @@ class ClusterSpec:
             "host_link",
             "disk_link",
             "compute_slots_per_node",
+            "concurrent_meshes",
             "executor",
             "rates",
             "dtensor_op_s",

@@ -117,6 +117,15 @@ def adamw_step_s(
     return max(terms, list_kernels_floor_s(len(fused_bytes), cluster, implementation, mesh_shape))
 
 
+def accumulate_s(grad_bytes: float, cluster: ClusterSpec, mesh_shape: Sequence[int] = (1,)) -> float:
+    """Seconds to add one microbatch's gradient of ``grad_bytes`` into the step's sum (autograd's
+    in-place add: the sum and the gradient read, the sum written), memory-bound at a rank's share
+    of its device: what a pipeline pays per parameter in each microbatch but the first."""
+    rates = cluster.rates
+    bandwidth = cluster.memory_bandwidth_bytes_per_s * (rates.memory_efficiency if rates is not None else 1.0)
+    return 3 * grad_bytes / bandwidth / cluster.compute_share(mesh_shape)
+
+
 def list_kernels_floor_s(num_tensors: int, cluster: ClusterSpec, implementation: str, mesh_shape: Sequence[int] = (1,)) -> float:
     """The least time the fused or foreach kinds take over ``num_tensors`` tensors: one launch
     per tensor (foreach: each list op is launched per chunk of tensors) or one launch (fused);

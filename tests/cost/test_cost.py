@@ -521,6 +521,22 @@ def test_ranks_beyond_the_compute_slots_share_a_device():
         ClusterSpec.from_json({**cluster.to_json(), "compute_slots_per_node": 0})
 
 
+def test_a_pipelines_stage_meshes_share_the_nodes_slots():
+    # Two pipeline stages of (1, 2) on mesh (2, 2): each stage's graph is priced on its stage mesh,
+    # but all four ranks share the node's 2 slots, as the whole mesh's would.
+    import dataclasses
+
+    two = dataclasses.replace(round_cluster(), compute_slots_per_node=2)
+    stage = dataclasses.replace(two, concurrent_meshes=2)
+    assert stage.ranks_per_node((1, 2)) == two.ranks_per_node((2, 2)) == 4
+    assert stage.compute_share((1, 2)) == two.compute_share((2, 2)) == 0.5 and two.compute_share((1, 2)) == 1.0
+    assert stage.axis_link((1, 2), 1) == two.axis_link((2, 2), 1)
+    assert dataclasses.replace(round_cluster(), concurrent_meshes=8).ranks_per_node((4,)) == 8  # up to a node's devices
+    assert ClusterSpec.from_json(stage.to_json()) == stage and "concurrent_meshes" not in two.to_json()
+    with pytest.raises(ValueError, match="concurrent_meshes must be an integer >= 1"):
+        ClusterSpec.from_json({**two.to_json(), "concurrent_meshes": 0})
+
+
 def test_cpu_cluster_counts_this_hosts_cores(monkeypatch):
     import dataclasses
 

@@ -390,3 +390,39 @@ def test_the_search_steps_each_groups_parameters_and_a_tied_one_in_both():
     assert read[0] & read[1], "the tied table is read by both stages"
     assert [s.optimizer_s for s in search.stages] == pytest.approx(per_group, rel=1e-9)
     assert search.optimizer_s == pytest.approx(max(per_group), rel=1e-9)
+
+
+def test_each_microbatch_but_the_first_adds_its_gradients_into_the_steps_sum():
+    # A pipelined step sums every microbatch's gradients into one (passes.held): each microbatch
+    # after the first reads the sum and its own gradient and writes the sum, memory-bound. The
+    # tied table is summed in both stages that hold it.
+    from autopar.cost import comm
+    from autopar.cost import optimizer as step_cost
+    from autopar.solver.planners.stages import _option_matrices
+
+    cpu = get_cluster("cpu")
+    traced = trace(build_model("gpt", n_layer=2), example_batch("gpt", 8))
+    _, costs = search_stages(traced, (2,), cpu, StageSettings(num_microbatches=4, num_stages=2))
+    mesh_costs = costs[(1,)]
+    graph, candidate = mesh_costs.graph, mesh_costs.candidates[0]
+    units = candidate.units
+    grads = step_cost.stepped_params(graph.timeline.intervals, graph.bytes_of(candidate.solution.choice))
+    expected = sum(comm.copy_s(3 * grad, cpu) for _, grad in grads.values())
+    shared = [added for _, added, us in units.shared_steps]
+    assert len(shared) == 1, "the tied table, read by the first unit and the last"
+    assert float(units.accumulate.sum()) + shared[0] == pytest.approx(expected, rel=1e-9)
+    L = mesh_costs.num_layers
+    times = {m: _option_matrices(units, mesh_costs.rep, L, False, m)["time"] for m in (1, 4)}
+    assert times[4][0, L] - times[1][0, L] == pytest.approx(3 / 4 * expected, rel=1e-9)  # one stage: the table once
+    first, last = (times[4] - times[1])[0, 1], (times[4] - times[1])[1, L]  # two stages: each sums it
+    assert first + last == pytest.approx(3 / 4 * (expected + shared[0]), rel=1e-9)
+
+
+def test_a_stage_shares_the_hosts_slots_with_the_other_stages():
+    # CPU ranks beyond the host's cores share them (ClusterSpec.compute_share): a stage mesh of 2
+    # ranks in a pipeline of 2 stages computes at the share of 4 ranks, as the whole mesh would.
+    two = dataclasses.replace(get_cluster("cpu-gloo"), compute_slots_per_node=2)
+    traced = trace(build_model("gpt", n_layer=2), example_batch("gpt", 8))
+    _, costs = search_stages(traced, (2, 2), two, StageSettings(num_microbatches=2, num_stages=2))
+    (stage_mesh,) = costs
+    assert stage_mesh == (1, 2) and costs[stage_mesh].cluster.compute_share(stage_mesh) == two.compute_share((2, 2)) == 0.5

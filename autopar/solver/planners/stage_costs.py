@@ -26,8 +26,10 @@ from parameters), ``prev`` (resharding of values coming from the previous block)
 ``pre`` (of values coming from ``pre``); ``fwd`` (the forward part of ``own``, paid again when
 the stage recomputes activations); ``sync`` (the per-step gradient reductions of its
 parameters, each parameter once at its bucketed price, as the ILP prices them), the gradient
-bytes those reductions carry (their buckets), and the optimizer step of its parameters
-(``cost.optimizer.tensor_step_s``; a tied parameter in every stage that uses it). Bytes per device: ``static`` (its parameters, their gradients and optimizer
+bytes those reductions carry (their buckets), the optimizer step of its parameters
+(``cost.optimizer.tensor_step_s``; a tied parameter in every stage that uses it), and the seconds
+a microbatch takes to add its parameters' gradients into the step's sums (``accumulate``, which
+a stage pays in all but its first microbatch). Bytes per device: ``static`` (its parameters, their gradients and optimizer
 state, and user inputs), ``saved`` (activations alive at the end of forward, kept per microbatch
 in flight), ``transient`` (the peak of its own activations and gradients above ``saved``),
 ``stash`` (its input activations: what a recomputing stage keeps per microbatch), and the
@@ -195,17 +197,25 @@ def per_step_graph(graph: ChoiceGraph, split: OpSplit, num_microbatches: int, ho
                 price.scaled(m) if isinstance(price, EdgePrices) else {k: (m * s, b) for k, (s, b) in price.items()}
             )
         edges.append(dataclasses.replace(edge, price=table))
+    # Each microbatch but the first adds its gradients into the step's sums: a parameter's price,
+    # by its placement, beside its optimizer step.
+    steps = dict(graph.optimizer_s)
+    for name, seconds in split.accumulate.items():
+        steps[name] = [o + (m - 1) * a for o, a in zip(steps.get(name, [0.0] * len(seconds)), seconds)]
     # A stage's gathers are not scheduled across microbatches as one step's are: priced per edge.
-    return dataclasses.replace(graph, choices=choices, edges=edges, overlap=None)
+    return dataclasses.replace(graph, choices=choices, edges=edges, overlap=None, optimizer_s=steps)
 
 
 @dataclass
 class OpSplit:
     """Per node and strategy: seconds of parameter-gradient all-reduces (once per step) and of
-    the forward pass (paid again under recomputation)."""
+    the forward pass (paid again under recomputation); per parameter the optimizer steps and its
+    strategy, the seconds a microbatch's gradient takes to add into the step's sum
+    (``cost.optimizer.accumulate_s``: in each microbatch but the first)."""
 
     sync: dict[str, list[float]]
     forward: dict[str, list[float]]
+    accumulate: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
 def split_op_costs(graph: ChoiceGraph, cluster: ClusterSpec) -> OpSplit:
@@ -244,7 +254,21 @@ def split_op_costs(graph: ChoiceGraph, cluster: ClusterSpec) -> OpSplit:
                 choice, grads, params, mesh, cluster, tuple(graph.choices[p].kind == "param" for p, _ in choice.inputs)
             )
         sync[name], forward[name] = cache[key]
-    return OpSplit(sync, forward)
+    return OpSplit(sync, forward, _accumulate(graph, cluster))
+
+
+def _accumulate(graph: ChoiceGraph, cluster: ClusterSpec) -> dict[str, list[float]]:
+    """``OpSplit.accumulate``: each stepped parameter's gradient bytes (its local bytes times its
+    "grad" intervals' factors) under each strategy, added in place."""
+    factor: dict[str, float] = {}
+    for iv in graph.timeline.intervals:
+        if iv.kind == "grad":
+            factor[iv.node] = factor.get(iv.node, 0.0) + iv.factor
+    return {
+        name: [step_cost.accumulate_s(f * p.memory_bytes, cluster, graph.mesh_shape) for p in graph.choices[name].priced]
+        for name, f in factor.items()
+        if name in graph.choices
+    }
 
 
 def _split(choice: Choice, grads, params, mesh, cluster, placeholders) -> tuple[list[float], list[float]]:
@@ -454,12 +478,14 @@ class UnitCosts:
     prev_bytes: np.ndarray  # (forward, backward) global bytes received from the previous block
     pre_bytes: np.ndarray  # (forward, backward) global bytes received from pre
     shared: list[tuple[float, frozenset[int]]]  # (bytes, units) of parameters several units use
-    # The optimizer step (``_steps``): per unit, the seconds and count of the parameters it steps
-    # alone, and the gradient bytes it syncs; (seconds, units) of those several units use.
+    # The parameters' step (``_steps``): per unit, the optimizer's seconds and count of the
+    # parameters it steps alone, the seconds a microbatch's gradients take to add into the step's
+    # sum, and the gradient bytes it syncs; (optimizer s, adding s, units) of those several use.
     optimizer: np.ndarray
     optimizer_tensors: np.ndarray
+    accumulate: np.ndarray
     synced_bytes: np.ndarray
-    shared_steps: list[tuple[float, frozenset[int]]]
+    shared_steps: list[tuple[float, float, frozenset[int]]]
 
 
 def _held_gather(graph: ChoiceGraph, edge, src, dst) -> bool:
@@ -539,37 +565,46 @@ def unit_costs(
         spec = producer.strategies[choice[producer_name]].outs[out_index]
         stash[cu + 1] += memory.local_bytes(producer.out_shapes[out_index], producer.out_dtypes[out_index], spec, mesh)
     static, saved, transient, shared = _memory(graph, layers, choice, consumers, unit_of, num, hold)
-    steps = _steps(graph, choice, consumers, synced, cluster, num)
+    steps = _steps(graph, split, choice, consumers, synced, cluster, num)
     return UnitCosts(own, prev, pre, fwd, sync, static, saved, transient, stash, prev_bytes, pre_bytes, shared, *steps)
 
 
 def _steps(
-    graph: ChoiceGraph, choice: dict[str, int], consumers: dict[str, set[int]], synced: set[str], cluster: ClusterSpec, num: int
+    graph: ChoiceGraph,
+    split: OpSplit,
+    choice: dict[str, int],
+    consumers: dict[str, set[int]],
+    synced: set[str],
+    cluster: ClusterSpec,
+    num: int,
 ):
-    """``UnitCosts``' optimizer fields: each parameter the optimizer steps costs its
+    """``UnitCosts``' step fields. Each parameter the optimizer steps costs its
     ``cost.optimizer.tensor_step_s`` in the unit of its consumers (in every stage holding one of
-    them, where several units use it: a tied embedding); its gradient's bytes count towards the
-    buckets of its first consumer's unit where its gradient is synced (``synced``), as ``sync``."""
+    them, where several units use it: a tied embedding), and each microbatch but the first adds
+    its gradient into the step's sum there (``OpSplit.accumulate``). Its gradient's bytes count
+    towards the buckets of its first consumer's unit where it is synced (``synced``), as ``sync``."""
     implementation = step_cost.implementation(cluster, graph.optimizer)
     leader = {member: names[0] for names in graph.ties for member in names}
     used: dict[str, set[int]] = {}
     for name, units in consumers.items():
         used.setdefault(leader.get(name, name), set()).update(units)
-    optimizer, tensors, synced_bytes = np.zeros(num), np.zeros(num), np.zeros(num)
-    shared: list[tuple[float, frozenset[int]]] = []
+    optimizer, tensors, accumulate, synced_bytes = np.zeros(num), np.zeros(num), np.zeros(num), np.zeros(num)
+    shared: list[tuple[float, float, frozenset[int]]] = []
     for name, (fused, grad) in step_cost.stepped_params(graph.timeline.intervals, graph.bytes_of(choice)).items():
         if leader.get(name, name) != name:
             continue  # a tied parameter is stepped once, as its first name
         seconds = step_cost.tensor_step_s(fused, cluster, implementation, graph.mesh_shape)
+        adding = split.accumulate[name][choice[name]] if name in split.accumulate else 0.0
         units = used.get(name) or {-1}
         if name in synced or any(member in synced for member, first in leader.items() if first == name):
             synced_bytes[min(units) + 1] += grad
         if len(units) == 1:
             optimizer[min(units) + 1] += seconds
             tensors[min(units) + 1] += 1
+            accumulate[min(units) + 1] += adding
         else:
-            shared.append((seconds, frozenset(units)))
-    return optimizer, tensors, synced_bytes, shared
+            shared.append((seconds, adding, frozenset(units)))
+    return optimizer, tensors, accumulate, synced_bytes, shared
 
 
 def _memory(graph: ChoiceGraph, layers: Layers, choice: dict[str, int], consumers, unit_of, num: int, hold: bool = False):

@@ -280,6 +280,7 @@ class _MeshCosts:
         )
         self.split: OpSplit = split_op_costs(self.graph, cluster)
         self._settings = settings
+        self.implementation = step_cost.implementation(cluster, self.graph.optimizer)  # the optimizer step's
         self.solver = self._solver(settings, hold=False)
         self.solvers = [self.solver]
         self.rep = _representatives(layers.num_blocks, num_layers)
@@ -358,19 +359,17 @@ class _MeshCosts:
                     continue
                 for remat in (False, True) if self.remat else (False,):
                     self.options.append((index, remat, hold))
-                    self.matrices.append(_option_matrices(units, self.rep, self.num_layers, remat))
+                    self.matrices.append(
+                        _option_matrices(units, self.rep, self.num_layers, remat, self._settings.num_microbatches)
+                    )
 
     def chunk(self, option: int, bounds: tuple[int, int], time_s: float, memory_bytes: float, in_flight: int) -> StageChoice:
         """Layers ``bounds`` under ``option`` as one chunk of a pipeline, taking ``time_s`` a
         microbatch (sends included) and ``memory_bytes`` with ``in_flight`` microbatches held."""
         c, remat, hold = self.options[option]
         mat, (a, b) = self.matrices[option], bounds
-        floor = step_cost.list_kernels_floor_s(
-            int(mat["optimizer_tensors"][a, b]),
-            self.cluster,
-            step_cost.implementation(self.cluster, self.graph.optimizer),
-            self.stage_mesh,
-        )
+        tensors = int(mat["optimizer_tensors"][a, b])
+        floor = step_cost.list_kernels_floor_s(tensors, self.cluster, self.implementation, self.stage_mesh)
         return StageChoice(
             (a, b),
             c,
@@ -448,7 +447,9 @@ def _holds_any(positions: frozenset[int], rep: np.ndarray, num_layers: int) -> n
     return ((count[hi][None, :] - count[lo][:, None]) > 0).astype(float)
 
 
-def _option_matrices(units: UnitCosts, rep: np.ndarray, num_layers: int, remat: bool) -> dict[str, np.ndarray]:
+def _option_matrices(
+    units: UnitCosts, rep: np.ndarray, num_layers: int, remat: bool, num_microbatches: int
+) -> dict[str, np.ndarray]:
     """Matrices over (a, b) of one option's stage time, sync, memory terms and crossing bytes."""
     L = num_layers
     lo, hi = _bounds(L)
@@ -477,10 +478,12 @@ def _option_matrices(units: UnitCosts, rep: np.ndarray, num_layers: int, remat: 
     if remat:
         time_s = time_s + ranged(units.fwd)
     static = ranged(units.static) + sum((size * _holds_any(us, rep, L) for size, us in units.shared), np.zeros((L, L + 1)))
-    optimizer, tensors = ranged(units.optimizer), ranged(units.optimizer_tensors)
-    for seconds, us in units.shared_steps:
+    optimizer, tensors, adding = ranged(units.optimizer), ranged(units.optimizer_tensors), ranged(units.accumulate)
+    for seconds, added, us in units.shared_steps:
         held = _holds_any(us, rep, L)
-        optimizer, tensors = optimizer + seconds * held, tensors + held
+        optimizer, tensors, adding = optimizer + seconds * held, tensors + held, adding + added * held
+    # every microbatch but the first adds its gradients into the step's sums
+    time_s = time_s + adding * (num_microbatches - 1) / num_microbatches
     # All but the last bucket of a stage's synced gradients may sync during its backward.
     sync, synced = ranged(units.sync), ranged(units.synced_bytes)
     last_bucket = sync * np.minimum(1.0, comm.HELD_BUCKET_BYTES / np.maximum(synced, 1.0))
@@ -728,7 +731,10 @@ def search_stages(
     costs: dict[tuple[int, ...], _MeshCosts] = {}
     for _, stage_mesh in combos:
         if stage_mesh not in costs:
-            costs[stage_mesh] = _MeshCosts(traced, layers, stage_mesh, cluster, num_layers, settings)
+            # the other stages' ranks share the nodes (on a CPU host, its cores: ``compute_share``)
+            copies = (math.prod(mesh_shape) if mesh_shape is not None else settings.devices) // math.prod(stage_mesh)
+            stage_cluster = dataclasses.replace(cluster, concurrent_meshes=copies)
+            costs[stage_mesh] = _MeshCosts(traced, layers, stage_mesh, stage_cluster, num_layers, settings)
     results = _price_combos(combos, costs, settings, cluster)
     priced = {
         (S, mesh, schedule_for(S, settings.num_microbatches), 1): (value, found)
