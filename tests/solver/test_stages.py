@@ -414,7 +414,7 @@ def test_each_microbatch_but_the_first_adds_its_gradients_into_the_steps_sum():
     L = mesh_costs.num_layers
     times = {m: _option_matrices(units, mesh_costs.rep, L, False, m)["time"] for m in (1, 4)}
     assert times[4][0, L] - times[1][0, L] == pytest.approx(3 / 4 * expected, rel=1e-9)  # one stage: the table once
-    first, last = (times[4] - times[1])[0, 1], (times[4] - times[1])[1, L]  # two stages: each sums it
+    first, last = (times[4][a, b] - times[1][a, b] for a, b in ((0, 1), (1, L)))  # two stages: each sums it
     assert first + last == pytest.approx(3 / 4 * (expected + shared[0]), rel=1e-9)
 
 

@@ -450,7 +450,8 @@ def _holds_any(positions: frozenset[int], rep: np.ndarray, num_layers: int) -> n
 def _option_matrices(
     units: UnitCosts, rep: np.ndarray, num_layers: int, remat: bool, num_microbatches: int
 ) -> dict[str, np.ndarray]:
-    """Matrices over (a, b) of one option's stage time, sync, memory terms and crossing bytes."""
+    """Matrices over (a, b) of one option's stage time (a microbatch's, with its share of the
+    gradient sums of ``num_microbatches``), sync, optimizer, memory terms and crossing bytes."""
     L = num_layers
     lo, hi = _bounds(L)
     valid = lo[:, None] < hi[None, :]

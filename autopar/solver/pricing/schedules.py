@@ -23,7 +23,7 @@ ZBV (v = 2; chunks r and 2S − 1 − r on group r; torch's ScheduleZBVZeroBubbl
 
 The gradient synchronisation is added once per step, its part exposed on the slowest group
 (``exposed_syncs``). The step's last microbatch runs its backward through the chunks from the last
-to the first, one after another, so chunk j's last backward ends Σ_{i<j} b_j before the step's
+to the first, one after another, so chunk j's last backward ends Σ_{i<j} b_i before the step's
 compute does (b_j = t_j − f_j): a group's syncs run while the chunks below it still compute (the
 drain). A chunk's syncs start in its last backward as its gradients become final
 (``runtime.held_sync``), in buckets: all but the last bucket may run during that backward
