@@ -243,7 +243,7 @@ def pipeline_lines(plan: Plan) -> list[str]:
         "",
         f"Pipeline: {stages.num_stages} stages x {stages.num_microbatches} microbatches, schedule {stages.schedule}"
         f"{f' ({stages.virtual_stages} virtual stages per rank group)' if stages.virtual_stages > 1 else ''}, "
-        f"stage mesh {tuple(stages.stage_mesh)}; step {stages.step_time_s * 1e3:.3f} ms, "
+        f"stage mesh {tuple(stages.stage_mesh)}; schedule's step {stages.step_time_s * 1e3:.3f} ms (the optimizer's after it), "
         f"bubble {stages.bubble_fraction:.1%} (specs below are per stage)",
         *([f"  why: {stages.reason}"] if stages.reason else []),
         f"  {'stage':>5}  {'layers':<9} {'ranks':<16} {'nodes':>6} {'ms/microbatch':>13} {'memory':>11}",

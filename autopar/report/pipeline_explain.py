@@ -48,6 +48,8 @@ def explain_pipeline_json(plan: Plan) -> dict[str, Any]:
         "bubble_fraction": stages.bubble_fraction,
         "bubble": _BUBBLE_TEXT.get(stages.schedule, ""),
         "reason": stages.reason,
+        "predicted_step_s": _field(plan.predicted, "step_time_s"),  # with the optimizer step after the flush
+        "optimizer_s": _field(plan.predicted, "optimizer_s"),
         "grad_sync_s": _field(plan.predicted, "grad_sync_s"),
         "exposed_grad_sync_s": _field(plan.predicted, "exposed_grad_sync_s"),
         "hold_gathered": stages.hold_gathered,
@@ -80,9 +82,7 @@ def explain_pipeline_text(plan: Plan) -> str:
         f"  schedule {info['schedule']}: {info['rank_groups']} rank groups (mesh axis 0 cut into {info['rank_groups']}), "
         f"each on stage mesh {tuple(info['stage_mesh'])}, running {v} model stage{'s' if v > 1 else ''} "
         f"({info['model_stages']} in all), {info['num_microbatches']} microbatches per step",
-        f"  predicted step {info['step_time_s'] * 1e3:.4f} ms"
-        + _sync_words(info["grad_sync_s"], info["exposed_grad_sync_s"])
-        + f", bubble {info['bubble_fraction']:.1%}: {info['bubble']}",
+        _step_words(info) + f", bubble {info['bubble_fraction']:.1%}: {info['bubble']}",
     ]
     if info["hold_gathered"]:
         lines.append(
@@ -119,6 +119,16 @@ def explain_pipeline_text(plan: Plan) -> str:
     if info["reason"]:
         lines += ["", f"  why: {info['reason']}"]
     return "\n".join(lines)
+
+
+def _step_words(info: dict[str, Any]) -> str:
+    """The step's line: the whole step, the schedule's part with its gradient sync, and the
+    optimizer step every rank group runs after the flush (where the plan records them)."""
+    schedule = f"{info['step_time_s'] * 1e3:.4f} ms" + _sync_words(info["grad_sync_s"], info["exposed_grad_sync_s"])
+    whole, optimizer = info["predicted_step_s"], info["optimizer_s"]
+    if whole is None or optimizer is None:
+        return f"  predicted step {schedule}"
+    return f"  predicted step {whole * 1e3:.4f} ms: the schedule's {schedule}, then the optimizer step's {optimizer * 1e3:.4f} ms"
 
 
 def _sync_words(sync_s: float | None, exposed_s: float | None) -> str:

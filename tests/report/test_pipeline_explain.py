@@ -29,6 +29,10 @@ def test_explain_a_pipelined_plan(capsys, pipelined):
     assert f"bubble {plan['bubble_fraction']:.1%}" in out and "warm-up and drain" in out
     assert "with 8 microbatches" in out, "1F1B's bubble shrinks with more microbatches: say by how much"
     assert f"why: {plan['reason']}" in out
+    predicted = json.loads(pipelined.read_text())["predicted"]
+    assert f"predicted step {predicted['step_time_s'] * 1e3:.4f} ms: the schedule's {plan['step_time_s'] * 1e3:.4f} ms" in out
+    assert f"then the optimizer step's {predicted['optimizer_s'] * 1e3:.4f} ms" in out
+    assert f"{predicted['step_time_s']:.4g} s per step" in plan["reason"], "the search compares whole steps"
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
     assert [row[:2] for row in rows] == [["0", "0"], ["1", "1"]] and [row[-1] for row in rows] == ["no", "no"]
 
