@@ -426,3 +426,37 @@ def test_a_stage_shares_the_hosts_slots_with_the_other_stages():
     _, costs = search_stages(traced, (2, 2), two, StageSettings(num_microbatches=2, num_stages=2))
     (stage_mesh,) = costs
     assert stage_mesh == (1, 2) and costs[stage_mesh].cluster.compute_share(stage_mesh) == two.compute_share((2, 2)) == 0.5
+
+
+def test_all_but_a_stages_last_bucket_may_sync_during_its_backward():
+    # runtime.held_sync all-reduces a stage's summed gradients in buckets of HELD_BUCKET_BYTES as
+    # its last backward makes them final: the last bucket waits for the backward's end.
+    import numpy as np
+
+    from autopar.cost.comm import HELD_BUCKET_BYTES
+    from autopar.solver.planners.stage_costs import UnitCosts
+    from autopar.solver.planners.stages import _option_matrices
+
+    zeros = np.zeros(4)  # pre, two blocks, post
+    mib = HELD_BUCKET_BYTES / 32
+    units = UnitCosts(
+        *(zeros,) * 4,
+        sync=np.array([0.0, 1.0, 1.0, 0.0]),
+        static=zeros,
+        saved=zeros,
+        transient=zeros,
+        stash=zeros,
+        prev_bytes=np.zeros((4, 2)),
+        pre_bytes=np.zeros((4, 2)),
+        shared=[],
+        optimizer=zeros,
+        optimizer_tensors=zeros,
+        accumulate=zeros,
+        synced_bytes=np.array([0.0, 48 * mib, 16 * mib, 0.0]),
+        shared_steps=[],
+    )
+    early = _option_matrices(units, np.arange(4), 2, False, 4)["early"]
+    # both blocks: 2 s over 64 MiB, the last 32 MiB of it (1 s) after the backward
+    assert early[0, 2] == pytest.approx(1.0)
+    assert early[0, 1] == pytest.approx(1 - 32 / 48)  # block 0 alone: 48 MiB, a bucket and a half
+    assert early[1, 2] == pytest.approx(0.0)  # block 1 alone: 16 MiB, one bucket, all of it after
