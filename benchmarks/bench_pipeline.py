@@ -8,8 +8,8 @@ AdamW on mesh (2, 2): two pipeline stages (1F1B, M microbatches), each on a stag
 Three layouts of the same stages, each compiled with ``autopar.compile(..., plan=...)`` and run
 for ``--steps`` steps after two warm-up steps (median):
 
-* ``ddp``: the planner's plan on the ``cpu`` preset, every parameter replicated in the stage (its
-  gradient all-reduced once a step: ``passes.held``);
+* ``ddp``: the planner's plan for this host (``SPEC``, as ``compile`` prices it), every
+  parameter replicated in the stage (its gradient all-reduced once a step: ``passes.held``);
 * ``fsdp``: every layer's matrix sharded on the stage mesh's second axis, gathered (and its
   gradient reduce-scattered) in each microbatch;
 * ``fsdp_held``: the same, its gathered parameters held through the step
@@ -84,11 +84,11 @@ def _steps(rank: int, world: int, texts: dict[str, str], steps: int) -> dict[str
 def run(microbatches: int, steps: int) -> dict:
     model = build_model("gpt", seed=0, **CONFIG)
     batch = example_batch("gpt", BATCH, seed=1)
-    plan = autopar.plan(model, MESH, example_inputs=batch, cluster="cpu", pipeline=STAGES, num_microbatches=microbatches)
+    plan = autopar.plan(model, MESH, example_inputs=batch, cluster=SPEC, pipeline=STAGES, num_microbatches=microbatches)
     if not all(p.is_replicate() for spec in plan.params.values() for p in spec):
         raise SystemExit(
-            f"at {microbatches} microbatches the cpu preset's plan shards a parameter, but the ddp layout needs "
-            "every one replicated: use --microbatches 8 or more"
+            f"at {microbatches} microbatches this host's plan shards a parameter, but the ddp layout needs "
+            "every one replicated: use other --microbatches"
         )
     texts = {
         "ddp": plan.to_json(),
