@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -75,28 +76,16 @@ def causal_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor
     calls = {node: found for node in gm.graph.nodes if (found := _masked_attention(node)) is not None}
     if not calls:
         return 0
-    # In-place writes change what a later read sees, so they are computed too (with what they read).
-    needed = ancestors([mask for mask, _ in calls.values()] + [n for n in gm.graph.nodes if written(n)])
-    values = _Values(gm, constants or {})
     rewritten, masks = 0, []
-    meanings: dict[tuple, tuple[bool, str | None]] = {}  # every layer's call reads one mask: proved once
-    try:
-        for node in list(gm.graph.nodes):
-            if node in calls:
-                mask, mask_argument = calls[node]
-                causal, reason = _known_meaning(meanings, values, mask, node)
-                if reason is None:
-                    _drop_mask(node, mask_argument, causal)
-                    masks.append(mask)
-                    rewritten += causal
-                else:
-                    log.debug("autopar: %s keeps its mask %s: %s", node.name, mask.name, reason)
-            elif node in needed or written(node) or node.target in _VMAP_LEVELS:
-                values.evaluate(node)
-                if written(node):  # an in-place write may change a mask already proved
-                    meanings.clear()
-    finally:
-        values.leave_vmap()
+    masks_of = {node: mask for node, (mask, _) in calls.items()}
+    for node, (causal, reason) in _meanings(gm, masks_of, constants or {}):
+        mask, mask_argument = calls[node]
+        if reason is None:
+            _drop_mask(node, mask_argument, causal)
+            masks.append(mask)
+            rewritten += causal
+        else:
+            log.debug("autopar: %s keeps its mask %s: %s", node.name, mask.name, reason)
     if rewritten:
         _erase_unread(gm.graph, masks)
         gm.recompile()
@@ -126,33 +115,39 @@ def causal_for_the_example(gm: torch.fx.GraphModule, constants: dict[str, torch.
     calls = {n: mask for n, mask in calls.items() if not getattr(mask.meta.get("val"), "requires_grad", False)}
     if not calls or not inputs:
         return 0
-    needed = ancestors(list(calls.values()) + [n for n in gm.graph.nodes if written(n)])
-    values = _Values(gm, {**constants, **inputs})
-    marked, meanings = 0, {}
-    try:
-        for node in gm.graph.nodes:
-            if node in calls:
-                if _known_meaning(meanings, values, calls[node], node) == (True, None):
-                    node.meta[EXAMPLE_MASK] = "causal"
-                    marked += 1
-            elif node in needed or written(node) or node.target in _VMAP_LEVELS:
-                values.evaluate(node)
-                if written(node):
-                    meanings.clear()
-    finally:
-        values.leave_vmap()
+    marked = 0
+    for node, meaning in _meanings(gm, calls, {**constants, **inputs}):
+        if meaning == (True, None):
+            node.meta[EXAMPLE_MASK] = "causal"
+            marked += 1
     log.info("autopar: %d attention calls attend causally for the example inputs (their mask is the causal one)", marked)
     return marked
 
 
-def _known_meaning(meanings: dict, values: _Values, mask: torch.fx.Node, call: torch.fx.Node) -> tuple[bool, str | None]:
-    """``_meaning`` of ``mask`` for ``call``, computed once per mask and scores shape while no
-    in-place write intervenes (``meanings``: every layer's call reads one mask)."""
-    scores = _scores(call)  # (a symbolic size is not hashable: such a call is not proved anyway)
-    key = (mask, scores) if all(isinstance(size, int) for size in scores) else None
-    if key is None or key not in meanings:
-        meanings[key] = _meaning(values.get(mask), call)
-    return meanings[key]
+def _meanings(
+    gm: torch.fx.GraphModule, calls: dict[torch.fx.Node, torch.fx.Node], known: dict[str, torch.Tensor]
+) -> Iterator[tuple[torch.fx.Node, tuple[bool, str | None]]]:
+    """Each call of ``calls`` (call → its mask node) in graph order with ``_meaning`` of its mask,
+    the graph's values computed on the way from the placeholders ``known`` names (``_Values``).
+    The caller may rewrite a call it is handed (the walk holds the node list it started with)."""
+    # In-place writes change what a later read sees, so they are computed too (with what they read).
+    needed = ancestors(list(calls.values()) + [n for n in gm.graph.nodes if written(n)])
+    values = _Values(gm, known)
+    meanings: dict[Any, tuple[bool, str | None]] = {}  # every layer's call reads one mask: proved once
+    try:
+        for node in list(gm.graph.nodes):
+            if node in calls:
+                scores = _scores(node)  # (a symbolic size is not hashable: such a call is not proved anyway)
+                key = (calls[node], scores) if all(isinstance(size, int) for size in scores) else None
+                if key is None or key not in meanings:
+                    meanings[key] = _meaning(values.get(calls[node]), node)
+                yield node, meanings[key]
+            elif node in needed or written(node) or node.target in _VMAP_LEVELS:
+                values.evaluate(node)
+                if written(node):  # an in-place write may change a mask already proved
+                    meanings.clear()
+    finally:
+        values.leave_vmap()
 
 
 def _masked_attention(node: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
