@@ -590,13 +590,14 @@ def _steps(
         used.setdefault(leader.get(name, name), set()).update(units)
     optimizer, tensors, accumulate, synced_bytes = np.zeros(num), np.zeros(num), np.zeros(num), np.zeros(num)
     shared: list[tuple[float, float, frozenset[int]]] = []
+    synced = {leader.get(name, name) for name in synced}  # a tied parameter's sync is its first name's
     for name, (fused, grad) in step_cost.stepped_params(graph.timeline.intervals, graph.bytes_of(choice)).items():
         if leader.get(name, name) != name:
             continue  # a tied parameter is stepped once, as its first name
         seconds = step_cost.tensor_step_s(fused, cluster, implementation, graph.mesh_shape)
         adding = split.accumulate[name][choice[name]] if name in split.accumulate else 0.0
         units = used.get(name) or {-1}
-        if name in synced or any(member in synced for member, first in leader.items() if first == name):
+        if name in synced:
             synced_bytes[min(units) + 1] += grad
         if len(units) == 1:
             optimizer[min(units) + 1] += seconds

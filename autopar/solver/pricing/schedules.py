@@ -34,6 +34,7 @@ Bubble: the share of the step a group sits idle, 1 − M · Σ_j t_j / (S · (st
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -110,15 +111,13 @@ def exposed_syncs(
     # a chunk's backward (its time less its forward: none below zero, where a stage's time leaves
     # out a forward its own cost counts), and when its last one ends, from the step's compute end
     backward = [max(t - f, 0.0) for t, f in zip(times, forwards)]
-    ends = [-sum(backward[:j]) for j in range(len(times))]
+    ends = [-done for done in itertools.accumulate(backward[:-1], initial=0.0)]
     early = [0.0] * len(times) if early is None else early
-    exposed = []
-    for r in range(num_groups):
-        link = -math.inf  # when the group's syncs started so far end
-        for j in sorted((j for j in range(len(times)) if group_of(schedule, num_groups, j) == r), reverse=True):
-            link = max(link, ends[j] - min(max(early[j], 0.0), backward[j], syncs[j])) + syncs[j]
-        exposed.append(max(link, 0.0))
-    return exposed
+    links = [-math.inf] * num_groups  # per group, when its syncs started so far end
+    for j in reversed(range(len(times))):  # each group's chunks, the earliest ending first
+        r = group_of(schedule, num_groups, j)
+        links[r] = max(links[r], ends[j] - min(max(early[j], 0.0), backward[j], syncs[j])) + syncs[j]
+    return [max(link, 0.0) for link in links]
 
 
 def bubble(num_groups: int, num_microbatches: int, times: Sequence[float], step_without_sync: float) -> float:
