@@ -14,7 +14,7 @@ import contextlib
 import enum
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -314,18 +314,23 @@ class ShardedModule(NotPickled, torch.nn.Module):
 
         Same names (tied names both present, sharing one tensor, as in the model's own state
         dict; non-persistent buffers left out), so ``model.load_state_dict(pm.full_state_dict())``
-        loads into the unsharded model.
+        loads into the unsharded model. A parameter the plan offloads is gathered on the device
+        one at a time and handed back in host memory, where the whole model may fit when the
+        device does not hold it.
         """
         self._check_shard_data()
         self._agree_on_gather()
+        offloaded: Collection[str] = ()
         if self._offloader is not None:
             self._offloader.store.take_back()  # weights loaded in place into state_dict()'s copies
+            offloaded = self._offloader.params
         out: dict[str, torch.Tensor] = {}
         whole: dict[str, torch.Tensor] = {}
         for fqn in self._state_keys:
             canonical = self._traced.ties.get(fqn, fqn)
             if canonical not in whole:
-                whole[canonical] = self._gather(fqn, self._local(fqn) if self._contributes(fqn) else None)
+                value = self._gather(fqn, self._local(fqn) if self._contributes(fqn) else None)
+                whole[canonical] = value.cpu() if canonical in offloaded and value is not None else value
             out[fqn] = whole[canonical]
         return out
 

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autopar.errors import CheckpointError
 from autopar.ir.spec import Spec, piece_shape, shard_tensor
@@ -85,9 +86,15 @@ def device_mesh(mesh_shape: tuple[int, ...], groups: tuple[str, ...], ranks: lis
 
 
 def to_dtensor(local: torch.Tensor, spec: Spec, full_shape: tuple[int, ...], mesh: DeviceMesh) -> DTensor:
-    """``local`` (this rank's shard under ``spec``) as a DTensor that shares its storage."""
-    stride = torch.empty(full_shape, device="meta").stride()
-    return DTensor.from_local(local.detach(), mesh, spec, run_check=False, shape=torch.Size(full_shape), stride=stride)
+    """``local`` (this rank's shard under ``spec``) as a DTensor that shares its storage, on the
+    device it lies on. ``DTensor.from_local`` would move a tensor on another device than the
+    mesh's: a host copy of an offloaded shard is wrapped as it is instead, as FSDP2 wraps its
+    CPU-offloaded parameters (DCP saves and loads such shards where they lie)."""
+    shape, stride = torch.Size(full_shape), torch.empty(full_shape, device="meta").stride()
+    if local.device.type not in (mesh.device_type, "meta"):
+        meta = TensorMeta(shape, stride, local.dtype)
+        return DTensor(local.detach(), DTensorSpec(mesh, tuple(spec), tensor_meta=meta), requires_grad=False)
+    return DTensor.from_local(local.detach(), mesh, spec, run_check=False, shape=shape, stride=stride)
 
 
 def model_state_dict(pm: ParallelModule) -> dict[str, DTensor]:
@@ -105,8 +112,8 @@ def model_state_dict(pm: ParallelModule) -> dict[str, DTensor]:
         canonical = pm.ties.get(fqn, fqn)
         offloaded = offloader is not None and canonical in offloader.params
         local = copies.get(canonical) if offloaded else None
-        if local is None:
-            local = pm.local_shard(fqn)
+        if local is None:  # an offloaded shard's copy is read to the host: the device has no room for them all
+            local = offloader.store.get_on_host(param_key(canonical)) if offloaded else pm.local_shard(fqn)
         if id(local) not in made:  # tied names share one DTensor, as they share one tensor
             made[id(local)] = to_dtensor(local, pm.plan.params[fqn], pm.full_shape(fqn), mesh)
             if offloaded:  # a copy read from the store: what dcp.load writes into it goes back
@@ -482,6 +489,9 @@ def _optimizer_target(pm: ParallelModule, optimizer: torch.optim.Optimizer, meta
             fqn = names[id(param)]
             prefix = f"{_OPTIM}.state.{fqn}."
             entries = {}
+            # state the plan offloads is read to the host, where the optimizer's step moves it to its store
+            offloaded = pm.offloader is not None and pm.ties.get(fqn, fqn) in pm.offloader.states
+            device = torch.device("cpu") if offloaded else param.device
             for key, meta in metadata.items():
                 name = key[len(prefix) :]
                 if not key.startswith(prefix) or "." in name:
@@ -493,11 +503,11 @@ def _optimizer_target(pm: ParallelModule, optimizer: torch.optim.Optimizer, meta
                     local = torch.empty(
                         piece_shape(meta.size, spec, pm.coordinate, pm.shard_mesh_shape),
                         dtype=meta.properties.dtype,
-                        device=param.device,
+                        device=device,
                     )
                     entries[name] = to_dtensor(local, spec, pm.full_shape(fqn), mesh)
                 else:
-                    entries[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=param.device)
+                    entries[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=device)
             if entries:
                 state[fqn] = entries
     groups = []

@@ -104,15 +104,19 @@ class AdamW(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def state_in_hand(self) -> Iterator[None]:
-        """Inside, ``self.state`` holds every moment, the offloaded ones read from the store (for
-        ``state_dict()`` and ``autopar.checkpoint.save``); after, it holds them as before."""
+        """Inside, ``self.state`` holds every moment, the offloaded ones read from the store to
+        the host, where the device need not hold them all (for ``state_dict()`` and
+        ``autopar.checkpoint.save``); after, it holds them as before."""
         self._stow()
         kept = {}
         for fqn, param in self.params:
             state = self.state.get(param)
             if state and self._offloaded("states", fqn):
                 kept[param] = state
-                self.state[param] = {**state, **{name: self.offloader.store.get(state_key(name, fqn)) for name in MOMENTS}}
+                self.state[param] = {
+                    **state,
+                    **{name: self.offloader.store.get_on_host(state_key(name, fqn)) for name in MOMENTS},
+                }
         try:
             yield
         finally:

@@ -143,6 +143,20 @@ class Store:
         self._wait_write(key)
         return self._handed_over(self._load(key))
 
+    def get_on_host(self, key: str) -> torch.Tensor:
+        """A fresh tensor in host memory holding ``key``'s value, read without passing through
+        the device: a state dict's copy of an offloaded tensor, which the device may have no room
+        for (the plan offloaded it because it does not fit there). ``get`` on a host device."""
+        with self._lock:
+            future = self._pending.pop(key, None)
+        if future is not None:  # a prefetch already read it onto the device
+            return future.result().to("cpu")
+        self._wait_write(key)
+        shape, dtype = self.meta[key]
+        out = self._read_on_host(key, shape, dtype)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
     def _handed_over(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, read on the store's stream, now used on the caller's: its memory must not
         go back to the store's stream while the caller's kernels may still read it."""
@@ -201,6 +215,9 @@ class Store:
     def _read(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def _read_on_host(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
     def close(self) -> None:
         self.flush()
         self._pool.shutdown(wait=True)
@@ -225,6 +242,9 @@ class HostStore(Store):
 
     def _read(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return self._tensors[key].to(self.device, non_blocking=self._pin, copy=True)
+
+    def _read_on_host(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype).copy_(self._tensors[key])  # pageable: it may live long
 
     def delete(self, key: str) -> None:
         super().delete(key)
@@ -322,6 +342,10 @@ class DiskStore(Store):
 
     def _read(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"
+        out = self._read_on_host(key, shape, dtype, pin)
+        return out.to(self.device, non_blocking=pin) if self.device.type != "cpu" else out
+
+    def _read_on_host(self, key: str, shape: torch.Size, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
         num_bytes = math.prod(shape) * dtype.itemsize
         fd = self._fd(key)
         if self.direct:
@@ -336,7 +360,7 @@ class DiskStore(Store):
             if got <= 0:
                 raise OSError(f"offload file for {key!r} in {self.path} is shorter than its tensor")
             offset += got
-        return out.to(self.device, non_blocking=pin) if self.device.type != "cpu" else out
+        return out
 
     def delete(self, key: str) -> None:
         super().delete(key)

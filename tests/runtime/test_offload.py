@@ -15,8 +15,10 @@ like the reference's) would give. Losses come back in bf16 (spacing 0.8% near 5)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -292,6 +294,18 @@ def test_a_loop_that_clips_accumulates_and_zeroes_the_module_trains_as_eager(wor
         torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=f"{fqn} after {STEPS} steps")
 
 
+@contextlib.contextmanager
+def _device_reads(pm) -> Iterator[list[str]]:
+    """The keys of ``pm``'s offload store read onto the compute device inside (``Store.get``)."""
+    store, reads = pm.offloader.store, []
+    get = store.get
+    store.get = lambda key: reads.append(key) or get(key)
+    try:
+        yield reads
+    finally:
+        del store.get
+
+
 def test_autopar_adamw_is_a_torch_optimizer_that_schedules_saves_and_resumes(world_of_one, tmp_path):
     # An offloading module's documented optimizer under what a fine-tuning loop does: an LR
     # schedule, a checkpoint of module and optimizer (the offloaded moments read from the store)
@@ -322,14 +336,21 @@ def test_autopar_adamw_is_a_torch_optimizer_that_schedules_saves_and_resumes(wor
     reference = trainer(eager, torch.optim.AdamW)
     train(pm, 2)
     train(reference, 2)
-    saved = pm[1].state_dict()
+    with _device_reads(pm[0]) as reads:  # a state dict's offloaded tensors go to the host, not the device
+        saved = pm[1].state_dict()
+        model_state = pm[0].state_dict()
+        autopar.checkpoint.save(tmp_path / "ckpt", pm[0], pm[1])
+    assert reads == [], "the device has no room for every offloaded tensor at once"
     want = reference[1].state_dict()
     assert len(saved["state"]) == len(want["state"]) and saved["param_groups"][0]["lr"] == want["param_groups"][0]["lr"]
-    autopar.checkpoint.save(tmp_path / "ckpt", pm[0], pm[1])
+    for fqn in plan.memory.offloaded("param"):
+        torch.testing.assert_close(model_state[fqn].to_local(), eager.state_dict()[fqn], rtol=1e-10, atol=1e-10)
     resumed = trainer(
         autopar.compile(fresh, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path / 'b'}"), autopar.optim.AdamW
     )
-    autopar.checkpoint.load(tmp_path / "ckpt", resumed[0], resumed[1])
+    with _device_reads(resumed[0]) as reads:
+        autopar.checkpoint.load(tmp_path / "ckpt", resumed[0], resumed[1])
+    assert reads == []
     resumed[2].load_state_dict(pm[2].state_dict())
     train(resumed, 2)
     train(reference, 2)
@@ -387,3 +408,19 @@ def test_a_shorter_graph_the_memory_decisions_do_not_fit_is_refused_naming_the_p
         PlanError, match=r"other shapes than the example's: this plan offloads.*node x is not.*Pad every training batch"
     ):
         pm(*(t[:, :16].contiguous() for t in batch))
+
+
+def test_a_host_copy_stays_on_the_host_in_a_dtensor_of_a_device_mesh(world_of_one):
+    # An offloaded shard's state-dict copy lies on the host; on a GPU mesh DTensor.from_local
+    # would move it onto the device, every one of them at once (the device has no room for them).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from autopar.runtime.checkpoint import to_dtensor
+
+    on_gpu = copy.copy(init_device_mesh("cpu", (1,)))
+    on_gpu._device_type = "cuda"  # as the mesh of a GPU run
+    local = torch.arange(12.0).reshape(3, 4)
+    got = to_dtensor(local, (Shard(0),), (3, 4), on_gpu)
+    assert got.to_local().device.type == "cpu" and got.to_local().data_ptr() == local.data_ptr()
+    assert got.shape == (3, 4) and got.placements == (Shard(0),) and got.device_mesh is on_gpu

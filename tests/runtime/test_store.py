@@ -133,3 +133,24 @@ def test_a_kept_cast_follows_every_write_of_its_master(tmp_path, kind):
     store.delete("param/w")
     assert key not in store and "param/w" not in store
     store.close()
+
+
+@pytest.mark.parametrize("kind", ["host", "disk", "buffered"])
+def test_a_read_on_the_host_is_a_fresh_copy_that_never_touches_the_device(tmp_path, kind, monkeypatch):
+    # A state dict of an offloading module reads every offloaded tensor at once: on a GPU they
+    # must land in host memory (the plan offloaded them because the device has no room), not on
+    # the device, which ``get`` reads to (``_read``, failed here to show it is not used).
+    from autopar.runtime.store import HostStore
+
+    store = HostStore() if kind == "host" else DiskStore(tmp_path / "offload", direct=kind == "disk")
+    value = torch.randn(1000, 3, dtype=torch.float64)
+    store.put("state/w", value)
+    store.put("behind", value + 1, wait=False)
+    monkeypatch.setattr(type(store), "_read", lambda *args: pytest.fail("read onto the compute device"))
+    for key, want in (("state/w", value), ("behind", value + 1)):
+        got = store.get_on_host(key)
+        assert got.device.type == "cpu" and got.dtype == want.dtype and torch.equal(got, want)
+        got.zero_()  # the caller's own copy: the store keeps its value
+    monkeypatch.undo()
+    assert torch.equal(store.get("state/w"), value)
+    store.close()
