@@ -262,6 +262,40 @@ class ShardedModule(NotPickled, torch.nn.Module):
         tensor's storage (or the offload store's copy), which checkpoint loading writes in place."""
         return self._local(fqn)
 
+    # -- the model's names ------------------------------------------------------------------------
+    # ``named_parameters()`` names the model's tensors as eager does (``model.layers.0...``, no
+    # ``module.``); its modules are named alike, so that code pairing modules with parameters by
+    # name finds them: Hugging Face Trainer's weight-decay groups (``get_parameter_names`` walks
+    # ``named_children()``) put every parameter in the no-decay group when the two disagreed.
+
+    def named_children(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        """The model's own children under the model's own names, as eager's ``named_children()``."""
+        return self.module.named_children()
+
+    def named_modules(
+        self, memo: set[torch.nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.nn.Module]]:
+        """This module as the model's root, then the model's modules under the model's own names,
+        as eager's ``named_modules()`` (the compiled graph's modules are not the model's)."""
+        memo = set() if memo is None else memo
+        if remove_duplicate:
+            if self in memo:
+                return
+            memo.update((self, self.module))
+        yield prefix, self
+        for name, child in self.module.named_children():
+            yield from child.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
+
+    def train(self, mode: bool = True) -> ShardedModule:
+        """``torch.nn.Module.train`` over what this module holds (the model and the graph), which
+        ``named_children()`` no longer lists."""
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        self.training = mode
+        for module in self._modules.values():
+            module.train(mode)
+        return self
+
     def state_dict_keys(self) -> list[str]:
         """The names of ``state_dict()``: those of the original model's ``state_dict()``."""
         return list(self._state_keys)

@@ -51,6 +51,25 @@ def test_the_models_attributes_and_methods_reach_through(gpt_pair):
     assert torch.equal(pm.module(*batch)[1], pm(*batch)[1])
 
 
+def test_modules_are_named_as_the_parameters_are(gpt_pair):
+    # Code that pairs modules with parameters by name: Hugging Face Trainer's weight-decay groups
+    # walk named_children() and keep the names named_parameters() gives; with ``module.`` in front
+    # of the first only, every parameter went to the no-decay group, without a word.
+    pm, eager, _ = gpt_pair
+    assert [n for n, _ in pm.named_children()] == [n for n, _ in eager.named_children()]
+    names = [(n, type(m).__name__.removeprefix("Distributed")) for n, m in pm.named_modules()]
+    assert names[1:] == [(n, type(m).__name__) for n, m in eager.named_modules()][1:] and names[0][0] == ""
+
+    def paired(model):  # each parameter's name from its module's (a tied one under both)
+        return {f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules() for pn, _ in m.named_parameters(recurse=False)}
+
+    assert paired(pm) == paired(eager) and {n for n, _ in pm.named_parameters()} <= paired(pm)
+    pm.eval()  # train() and eval() still reach the graph and the model
+    assert not pm.training and not pm.module.training and not pm.graph_module.training
+    pm.train()
+    assert all(m.training for m in (pm, pm.module, pm.graph_module, pm.transformer.h[0]))
+
+
 def test_the_state_dict_of_the_model_is_whole_and_loads_into_a_plain_model(gpt_pair):
     pm, eager, _ = gpt_pair
     state = pm.module.state_dict()
