@@ -18,6 +18,7 @@ from autopar.runtime.agreement import check_rank_agreement, resolve_plan
 from autopar.runtime.compile_checks import check_carried_state, warn_set_attributes
 from autopar.runtime.materialize import FromCheckpoint, SeededInit
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.optim import own_parameters
 from autopar.runtime.optim_guard import hold_to_optimizer
 from autopar.runtime.padded import check_padded_plan
 from autopar.runtime.pipeline import PipelineParallelModule, compile_pipeline
@@ -67,6 +68,7 @@ def build_module(
     budget = memory_budget(options, cluster)
     priced = implementation(cluster, chosen.optimizer)
     hold_to_optimizer(dict(module.named_parameters()), chosen.optimizer, priced, budget, chosen.predicted.peak_memory_bytes)
+    own_parameters(module)  # autopar.optim.AdamW(module.parameters()) finds the module
     free_traced(model)
     stale_model.watch(model, module)
     return module

@@ -66,8 +66,9 @@ class ParallelModule(ModelAttributes, ShardedModule):
     model. The graph runs on the local shards (``autopar.ops.params.LocalLeaf``). Where the plan
     replicates every parameter they are plain tensors, as DDP's are. Buffers are held as local
     shards; ``state_dict()`` shows every entry as a DTensor, for torch.distributed.checkpoint
-    (``autopar.runtime.checkpoint``). A parameter the plan offloads is an empty plain stub whose
-    shard lives in the offload store (step it with ``autopar.optim.AdamW``).
+    (``autopar.runtime.checkpoint``). A parameter the plan offloads is an empty plain stub (its
+    shard's dims, none of its elements: its first is 0) whose shard lives in the offload store
+    (step it with ``autopar.optim.AdamW``).
     """
 
     _compiled_graph = None  # under compiler="inductor": runtime.compiled.CompiledGraph (run_compiled)
@@ -187,7 +188,9 @@ class ParallelModule(ModelAttributes, ShardedModule):
                     local = local.clone()
             if offloaded:
                 offloader.store.put(param_key(canonical), local)
-                local = torch.empty(0, dtype=local.dtype, device=local.device)
+                # no element, but the shard's dims past the first: what code that groups parameters by
+                # their dims sees (weight decay for matrices, ``p.dim() >= 2``) is the parameter's
+                local = torch.empty((0, *local.shape[1:]), dtype=local.dtype, device=local.device)
                 if not self._plain_params:
                     offloader.whole[canonical] = functools.partial(
                         to_dtensor, spec=plan.params[fqn], full_shape=tuple(full[fqn].shape), mesh=self.device_mesh

@@ -1,8 +1,8 @@
 """Optimizers that step each parameter where its state lives.
 
-``autopar.optim.AdamW(pm, lr=...)`` is ``torch.optim.AdamW`` (the same update, element for
-element) for a ``ParallelModule`` whose plan offloads parameters, gradients or optimizer state
-(``plan.memory``). It steps one parameter at a time: it reads what is offloaded of that
+``autopar.optim.AdamW(pm.parameters(), lr=...)`` (or ``AdamW(pm, ...)``) is ``torch.optim.AdamW``
+(the same arguments, param groups included, and the same update, element for element) for a
+``ParallelModule`` whose plan offloads parameters, gradients or optimizer state (``plan.memory``). It steps one parameter at a time: it reads what is offloaded of that
 parameter (value, gradient, exp_avg, exp_avg_sq) from the offload store onto the compute
 device, updates it, writes back what is offloaded, and frees it before the next parameter; with
 prefetch it reads the next parameter's tensors, and writes the last one's, on the store's thread
@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.errors import ConfigError
 from autopar.ops.params import as_like, local_of
@@ -31,18 +33,20 @@ from autopar.runtime.offload import grad_key, param_key
 
 class AdamW(torch.optim.Optimizer):
     """AdamW over a ParallelModule's parameters, offload-aware (see the module docstring). A
-    ``torch.optim.Optimizer``: one param group over the module's parameters, which torch's
-    schedulers, ``state_dict()``/``load_state_dict()`` and ``autopar.checkpoint`` read and write;
-    each parameter's state is torch AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``), so a state
-    saved by either loads into the other. Where the plan offloads it, it lives in the store and
-    ``state_dict()`` reads it back; state put in ``self.state`` (a load) goes to the store at the
-    next step."""
+    ``torch.optim.Optimizer`` that takes what ``torch.optim.AdamW`` takes: the module's parameters
+    or param groups of them (``AdamW(pm.parameters(), lr=...)``; Hugging Face Trainer's groups,
+    which leave biases and norms out of the weight decay), or the module itself (one group of its
+    trainable parameters). torch's schedulers, ``state_dict()``/``load_state_dict()`` and
+    ``autopar.checkpoint`` read and write it; each parameter's state is torch AdamW's (``step``,
+    ``exp_avg``, ``exp_avg_sq``), so a state saved by either loads into the other. Where the plan
+    offloads it, it lives in the store and ``state_dict()`` reads it back; state put in
+    ``self.state`` (a load) goes to the store at the next step."""
 
     steps_offloaded_state = True  # for ``runtime.optim_guard``: what this optimizer steps is the plan's own
 
     def __init__(
         self,
-        module: Any,
+        params: Any,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -50,19 +54,21 @@ class AdamW(torch.optim.Optimizer):
     ):
         if not lr >= 0 or not eps >= 0 or not all(0 <= b < 1 for b in betas):
             raise ConfigError(f"AdamW needs lr >= 0, eps >= 0 and betas in [0, 1), got lr={lr}, eps={eps}, betas={betas}")
-        ties = getattr(module, "ties", None) or {}  # a ParallelModule's tied names; none on a plain module
-        self.params: list[tuple[str, torch.nn.Parameter]] = []
-        seen: set[int] = set()
-        for name, param in module.named_parameters(remove_duplicate=False):
-            fqn = name.removeprefix("module.")
-            fqn = ties.get(fqn, fqn)
-            if id(param) in seen or not param.requires_grad:
-                continue
-            seen.add(id(param))
-            self.params.append((fqn, param))
-        super().__init__(
-            [param for _, param in self.params], {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        )
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        if isinstance(params, torch.nn.Module):
+            module = params
+            names = _canonical_names(module)
+            trainable = {id(p): p for _, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+            super().__init__(list(trainable.values()), defaults)
+        else:
+            super().__init__(params, defaults)
+            module = _owner([p for group in self.param_groups for p in group["params"]])
+            names = _canonical_names(module) if module is not None else {}
+        # (FQN, parameter) in the groups' order; a tensor of no compiled module keeps its state resident
+        self.params: list[tuple[str, torch.nn.Parameter]] = [
+            (names.get(id(p), f"<parameter {k} of no compiled module>"), p)
+            for k, p in enumerate(p for group in self.param_groups for p in group["params"])
+        ]
         self.module = module
         self.offloader = getattr(module, "offloader", None)
         self._fqns = {id(param): fqn for fqn, param in self.params}
@@ -187,6 +193,39 @@ class AdamW(torch.optim.Optimizer):
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
+# parameter -> a weak reference to the compiled module that holds it (``own_parameters``)
+_OWNERS = WeakIdKeyDictionary()
+
+
+def own_parameters(module: torch.nn.Module) -> None:
+    """Record ``module`` (a compiled module) as the owner of its parameters, so that ``AdamW``
+    built from them, as ``torch.optim.AdamW`` is, finds the module whose plan may offload them."""
+    ref = weakref.ref(module)
+    for param in module.parameters():
+        _OWNERS[param] = ref
+
+
+def _owner(params: list[torch.Tensor]) -> Any:
+    """The one compiled module that holds ``params`` (None: none does); two are refused."""
+    owners = {id(m): m for m in (ref() for ref in (_OWNERS.get(p) for p in params) if ref is not None) if m is not None}
+    if len(owners) > 1:
+        raise ConfigError(
+            f"AdamW got the parameters of {len(owners)} compiled modules: build one optimizer per module "
+            "(each steps its parameters where its own plan keeps their state)"
+        )
+    return next(iter(owners.values()), None)
+
+
+def _canonical_names(module: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) -> its FQN in the original model (a tied one's canonical name), as the plan
+    and the offload store name it."""
+    ties = getattr(module, "ties", None) or {}  # a ParallelModule's tied names; none on a plain module
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        fqn = name.removeprefix("module.")
+        names.setdefault(id(param), ties.get(fqn, fqn))
+    return names
+
 
 def state_key(name: str, fqn: str) -> str:
     """The store key of moment ``name`` of parameter ``fqn``."""
@@ -206,4 +245,4 @@ def _adamw_update(param, grad, exp_avg, exp_avg_sq, step: int, lr, betas, eps, w
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "own_parameters"]

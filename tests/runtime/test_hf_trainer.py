@@ -105,10 +105,11 @@ def test_the_compiled_module_shows_the_model_forward_signature() -> None:
 
 def test_trainer_steps_an_offloading_module_with_autopar_adamw_as_eager(world_of_one, tmp_path) -> None:
     # A plan that offloads parameters, gradients and AdamW state, stepped by the optimizer it
-    # needs, given to Trainer with Trainer's own scheduler (warmup, linear), clipping (0.5) and
-    # zero_grad, then an evaluation; batches padded to their longest row. Before, Trainer failed making the
-    # scheduler (autopar.optim.AdamW had no param_groups), and its clipping saw the resident
-    # gradients alone.
+    # needs, which Trainer builds over its own param groups (weight decay 0.1, none on the norms),
+    # with Trainer's own scheduler (warmup, linear), clipping (0.5) and zero_grad, then an
+    # evaluation; batches padded to their longest row. Before, Trainer failed making the
+    # scheduler (autopar.optim.AdamW had no param_groups), its clipping saw the resident
+    # gradients alone, and autopar.optim.AdamW took one group: the norms decayed too.
     import copy
 
     from transformers import Trainer
@@ -125,20 +126,20 @@ def test_trainer_steps_an_offloading_module_with_autopar_adamw_as_eager(world_of
     assert {entry.kind for entry in plan.memory.offload} == {"param", "grad", "optimizer_state"}
     pm = autopar.compile(model, (1,), example_kwargs=batch, plan=plan, offload=f"disk:{tmp_path / 'store'}")
     runs = {}
-    for name, module, optimizer in (
-        ("compiled", pm, autopar.optim.AdamW(pm, lr=1e-2, weight_decay=0.0)),
-        ("eager", eager, torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.0)),
-    ):
+    for name, module, optimizer in (("compiled", pm, autopar.optim.AdamW), ("eager", eager, torch.optim.AdamW)):
         args = job.arguments(str(tmp_path / name), distributed=False, save=False)
+        args.weight_decay = 0.1
         trainer = Trainer(
             model=module,
             args=args,
             train_dataset=job.dataset(32, 1),
             eval_dataset=job.dataset(job.GLOBAL_ROWS, 2),
             data_collator=job.pad_to_longest,
-            optimizers=(optimizer, None),
+            optimizer_cls_and_kwargs=(optimizer, {"lr": 1e-2}),
         )
         trainer.train()
+        groups = trainer.optimizer.param_groups
+        assert [group["weight_decay"] for group in groups] == [0.1, 0.0] and all(group["params"] for group in groups)
         runs[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         runs[name].append(trainer.evaluate()["eval_loss"])  # in eval mode: a graph of its own
     assert len(runs["eager"]) == 5 and runs["compiled"] == pytest.approx(runs["eager"], rel=1e-10, abs=0)

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.errors import UsageError
+from autopar.errors import ConfigError, UsageError
 from autopar.zoo.models import GPT
 from tests.conftest import PolicyReference
 
@@ -292,6 +292,39 @@ def test_a_loop_that_clips_accumulates_and_zeroes_the_module_trains_as_eager(wor
     want = eager.state_dict()
     for fqn, value in pm.full_state_dict().items():
         torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=f"{fqn} after {STEPS} steps")
+
+
+def test_autopar_adamw_takes_torch_adamws_arguments(world_of_one, tmp_path):
+    # The class swapped, the arguments kept: param groups with their own weight decay and lr over
+    # an offloading module step as torch's AdamW over the same groups of the eager model.
+    model, batch, plan = _float64_offload_plan()
+    eager, other = copy.deepcopy(model), copy.deepcopy(model)
+    pm = autopar.compile(model, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path / 'a'}")
+
+    def groups(module):  # nanoGPT's: decay the matrices, not the biases and norms
+        params = dict(module.named_parameters())
+        return [
+            {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-2},
+        ]
+
+    opt, eager_opt = autopar.optim.AdamW(groups(pm), lr=1e-2), torch.optim.AdamW(groups(eager), lr=1e-2)
+    # an offloaded parameter's stub has its dims (no elements), so it falls in its own group
+    assert any(fqn in plan.memory.offloaded("param") and p.numel() == 0 and p.dim() == 2 for fqn, p in opt.params)
+    assert [[n for n, p in eager.named_parameters() if any(p is q for q in g["params"])] for g in eager_opt.param_groups] == [
+        [n for n, p in pm.named_parameters() if any(p is q for q in g["params"])] for g in opt.param_groups
+    ]
+    for _ in range(2):
+        for module, optimizer in ((pm, opt), (eager, eager_opt)):
+            module(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    want = eager.state_dict()
+    for fqn, value in pm.full_state_dict().items():
+        torch.testing.assert_close(value, want[fqn], rtol=1e-10, atol=1e-10, msg=fqn)
+    second = autopar.compile(other, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path / 'b'}")
+    with pytest.raises(ConfigError, match="parameters of 2 compiled modules: build one optimizer per module"):
+        autopar.optim.AdamW([*pm.parameters(), *second.parameters()])
 
 
 @contextlib.contextmanager
