@@ -290,7 +290,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
         """``torch.nn.Module.train`` over what this module holds (the model and the graph), which
         ``named_children()`` no longer lists."""
         if not isinstance(mode, bool):
-            raise ValueError("training mode is expected to be boolean")
+            raise ConfigTypeError(f"train(mode) takes True or False, got {mode!r}; eval() is train(False)")
         self.training = mode
         for module in self._modules.values():
             module.train(mode)
