@@ -2,7 +2,8 @@
 
 ``autopar.optim.AdamW(pm.parameters(), lr=...)`` (or ``AdamW(pm, ...)``) is ``torch.optim.AdamW``
 (the same arguments, param groups included, and the same update, element for element) for a
-``ParallelModule`` whose plan offloads parameters, gradients or optimizer state (``plan.memory``). It steps one parameter at a time: it reads what is offloaded of that
+``ParallelModule`` whose plan offloads parameters, gradients or optimizer state
+(``plan.memory``). It steps one parameter at a time: it reads what is offloaded of that
 parameter (value, gradient, exp_avg, exp_avg_sq) from the offload store onto the compute
 device, updates it, writes back what is offloaded, and frees it before the next parameter; with
 prefetch it reads the next parameter's tensors, and writes the last one's, on the store's thread
@@ -207,7 +208,12 @@ def own_parameters(module: torch.nn.Module) -> None:
 
 def _owner(params: list[torch.Tensor]) -> Any:
     """The one compiled module that holds ``params`` (None: none does); two are refused."""
-    owners = {id(m): m for m in (ref() for ref in (_OWNERS.get(p) for p in params) if ref is not None) if m is not None}
+    owners: dict[int, Any] = {}
+    for param in params:
+        ref = _OWNERS.get(param)
+        module = ref() if ref is not None else None
+        if module is not None:
+            owners[id(module)] = module
     if len(owners) > 1:
         raise ConfigError(
             f"AdamW got the parameters of {len(owners)} compiled modules: build one optimizer per module "

@@ -154,8 +154,9 @@ def _refuse(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None
                     f"{entry[2]} the plan offloads (plan.memory): a torch optimizer would keep its state on the "
                     "device, over the memory budget, or skip a parameter whose gradient lives in the offload store. "
                     "Step the module with autopar.optim.AdamW, which takes the same arguments as torch.optim.AdamW "
-                    "(parameters or param groups, lr=...) and steps each parameter where its state lives; or plan without offloading parameters, gradients and optimizer state "
-                    '(offload="off", checkpointing=True), or with a larger memory_budget.'
+                    "(parameters or param groups, lr=...) and steps each parameter where its state lives; or plan "
+                    'without offloading parameters, gradients and optimizer state (offload="off", checkpointing=True), '
+                    "or with a larger memory_budget."
                 )
 
 
