@@ -52,10 +52,34 @@ class AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ):
+        """``torch.optim.AdamW``'s arguments. ``foreach`` and ``fused`` choose torch's kernels over
+        many tensors: this steps one tensor at a time either way (the same update). ``amsgrad``,
+        ``capturable`` and ``differentiable`` are refused: it keeps two moments a parameter, as
+        the plan priced, and steps outside autograd and CUDA graphs."""
         if not lr >= 0 or not eps >= 0 or not all(0 <= b < 1 for b in betas):
             raise ConfigError(f"AdamW needs lr >= 0, eps >= 0 and betas in [0, 1), got lr={lr}, eps={eps}, betas={betas}")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        refused = [
+            name
+            for name, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable))
+            if value
+        ]
+        if refused:
+            raise ConfigError(
+                f"autopar.optim.AdamW does not take {', '.join(f'{name}=True' for name in refused)}: it keeps AdamW's two "
+                "moments a parameter where the plan put them, outside autograd and CUDA graphs. Where the plan offloads "
+                "nothing, torch.optim.AdamW takes them; an offloading plan is priced for two moments (plan with "
+                'offload="off", or without the option)'
+            )
+        del foreach, fused  # kernel choices: one tensor at a time here, the same update
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         if isinstance(params, torch.nn.Module):
             module = params
             names = _canonical_names(module)
@@ -154,7 +178,8 @@ class AdamW(torch.optim.Optimizer):
             first = next(((fqn, p) for fqn, p in params if any(self._offloaded(kind, fqn) for kind in kinds)), None)
             if first is not None:
                 self._prefetch(*first)
-        stale_model.stepped(self.module)  # the model passed to compile is behind it now
+        if self.module is not None:
+            stale_model.stepped(self.module)  # the model passed to compile is behind it now
         groups = {id(p): group for group in self.param_groups for p in group["params"]}
         for k, (fqn, param) in enumerate(params):
             if prefetch and k + 1 < len(params):
@@ -182,6 +207,7 @@ class AdamW(torch.optim.Optimizer):
             exp_avg, exp_avg_sq = (local_of(state[name]) for name in MOMENTS)
         state["step"] += 1
         lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        grad = -grad if group.get("maximize", False) else grad  # (a group loaded from before the option has none)
         _adamw_update(value, grad, exp_avg, exp_avg_sq, int(state["step"]), lr, betas, eps, weight_decay)
         if offloaded_state:  # with prefetch, written behind the next parameter's update
             for name, moment in zip(MOMENTS, (exp_avg, exp_avg_sq), strict=True):

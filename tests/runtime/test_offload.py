@@ -327,6 +327,26 @@ def test_autopar_adamw_takes_torch_adamws_arguments(world_of_one, tmp_path):
         autopar.optim.AdamW([*pm.parameters(), *second.parameters()])
 
 
+def test_autopar_adamw_takes_the_rest_of_torch_adamws_signature():
+    # named parameters, maximize, and the kernel choices (foreach, fused) as torch's AdamW takes
+    # them; what it cannot keep as the plan priced (amsgrad's third moment) is refused by name.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    opt = autopar.optim.AdamW(model.named_parameters(), lr=1e-2, maximize=True, fused=True, foreach=False)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, maximize=True)
+    for _ in range(3):
+        for module, optimizer in ((model, opt), (eager, eager_opt)):
+            module(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for got, want in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ConfigError, match="does not take amsgrad=True"):
+        autopar.optim.AdamW(model.parameters(), amsgrad=True)
+
+
 @contextlib.contextmanager
 def _device_reads(pm) -> Iterator[list[str]]:
     """The keys of ``pm``'s offload store read onto the compute device inside (``Store.get``)."""
