@@ -89,14 +89,30 @@ class AdamW(torch.optim.Optimizer):
             super().__init__(params, defaults)
             module = _owner([p for group in self.param_groups for p in group["params"]])
             names = _canonical_names(module) if module is not None else {}
-        # (FQN, parameter) in the groups' order; a tensor of no compiled module keeps its state resident
-        self.params: list[tuple[str, torch.nn.Parameter]] = [
-            (names.get(id(p), f"<parameter {k} of no compiled module>"), p)
-            for k, p in enumerate(p for group in self.param_groups for p in group["params"])
-        ]
         self.module = module
         self.offloader = getattr(module, "offloader", None)
-        self._fqns = {id(param): fqn for fqn, param in self.params}
+        self._names = names
+
+    @property
+    def params(self) -> list[tuple[str, torch.Tensor]]:
+        """(FQN, parameter) of every group's parameters in order, a group added since included; a
+        tensor of no compiled module is named by its place (its state stays resident)."""
+        flat = (p for group in self.param_groups for p in group["params"])
+        return [(self._names.get(id(p), f"<parameter {k} of no compiled module>"), p) for k, p in enumerate(flat)]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's; a group added after construction (layers unfrozen as training goes) is stepped
+        as the first ones are, so its parameters must be of this optimizer's compiled module."""
+        super().add_param_group(param_group)
+        if "_names" not in self.__dict__:  # from torch's __init__: the owner is found after
+            return
+        owner = _owner(self.param_groups[-1]["params"])
+        if owner is not None and owner is not self.module:
+            self.param_groups.pop()  # refused: the optimizer stays as it was
+            raise ConfigError(
+                "add_param_group got parameters of another compiled module than this optimizer's first groups: "
+                "build one optimizer per module (each steps its parameters where its own plan keeps their state)"
+            )
 
     def _offloaded(self, kind: str, fqn: str) -> bool:
         return self.offloader is not None and fqn in getattr(self.offloader, kind)

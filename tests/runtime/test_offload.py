@@ -308,7 +308,8 @@ def test_autopar_adamw_takes_torch_adamws_arguments(world_of_one, tmp_path):
             {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-2},
         ]
 
-    opt, eager_opt = autopar.optim.AdamW(groups(pm), lr=1e-2), torch.optim.AdamW(groups(eager), lr=1e-2)
+    opt, eager_opt = autopar.optim.AdamW(groups(pm)[:1], lr=1e-2), torch.optim.AdamW(groups(eager), lr=1e-2)
+    opt.add_param_group(groups(pm)[1])  # added after construction, as a loop unfreezing layers does
     # an offloaded parameter's stub has its dims (no elements), so it falls in its own group
     assert any(fqn in plan.memory.offloaded("param") and p.numel() == 0 and p.dim() == 2 for fqn, p in opt.params)
     assert [[n for n, p in eager.named_parameters() if any(p is q for q in g["params"])] for g in eager_opt.param_groups] == [
@@ -325,6 +326,9 @@ def test_autopar_adamw_takes_torch_adamws_arguments(world_of_one, tmp_path):
     second = autopar.compile(other, (1,), example_inputs=batch, plan=plan, offload=f"disk:{tmp_path / 'b'}")
     with pytest.raises(ConfigError, match="parameters of 2 compiled modules: build one optimizer per module"):
         autopar.optim.AdamW([*pm.parameters(), *second.parameters()])
+    with pytest.raises(ConfigError, match="parameters of another compiled module"):
+        opt.add_param_group({"params": list(second.parameters())})
+    assert len(opt.param_groups) == 2
 
 
 def test_autopar_adamw_takes_the_rest_of_torch_adamws_signature():
