@@ -66,18 +66,7 @@ class AdamW(torch.optim.Optimizer):
         the plan priced, and steps outside autograd and CUDA graphs."""
         if not lr >= 0 or not eps >= 0 or not all(0 <= b < 1 for b in betas):
             raise ConfigError(f"AdamW needs lr >= 0, eps >= 0 and betas in [0, 1), got lr={lr}, eps={eps}, betas={betas}")
-        refused = [
-            name
-            for name, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable))
-            if value
-        ]
-        if refused:
-            raise ConfigError(
-                f"autopar.optim.AdamW does not take {', '.join(f'{name}=True' for name in refused)}: it keeps AdamW's two "
-                "moments a parameter where the plan put them, outside autograd and CUDA graphs. Where the plan offloads "
-                "nothing, torch.optim.AdamW takes them; an offloading plan is priced for two moments (plan with "
-                'offload="off", or without the option)'
-            )
+        _refuse_options({"amsgrad": amsgrad, "capturable": capturable, "differentiable": differentiable})
         del foreach, fused  # kernel choices: one tensor at a time here, the same update
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         if isinstance(params, torch.nn.Module):
@@ -174,6 +163,10 @@ class AdamW(torch.optim.Optimizer):
             return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's; a state saved by a torch AdamW with an option this one does not step
+        (``amsgrad``: a third moment) is refused before anything is loaded."""
+        for group in state_dict.get("param_groups", ()):
+            _refuse_options({name: group.get(name, False) for name in _REFUSED})
         super().load_state_dict(state_dict)
         self._stow()
 
@@ -235,6 +228,20 @@ class AdamW(torch.optim.Optimizer):
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+_REFUSED = ("amsgrad", "capturable", "differentiable")  # torch AdamW's options that AdamW here does not step
+
+
+def _refuse_options(options: dict[str, Any]) -> None:
+    """ConfigError naming the options of ``_REFUSED`` set in ``options``."""
+    refused = [name for name in _REFUSED if options.get(name)]
+    if refused:
+        raise ConfigError(
+            f"autopar.optim.AdamW does not take {', '.join(f'{name}=True' for name in refused)}: it keeps AdamW's two "
+            "moments a parameter where the plan put them, outside autograd and CUDA graphs. Where the plan offloads "
+            "nothing, torch.optim.AdamW takes them; an offloading plan is priced for two moments (plan with "
+            'offload="off", or without the option)'
+        )
+
 
 # parameter -> a weak reference to the compiled module that holds it (``own_parameters``)
 _OWNERS = WeakIdKeyDictionary()
