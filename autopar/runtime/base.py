@@ -286,6 +286,13 @@ class ShardedModule(NotPickled, torch.nn.Module):
         for name, child in self.module.named_children():
             yield from child.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
 
+    def apply(self, fn: Callable[[torch.nn.Module], None]) -> ShardedModule:
+        """``torch.nn.Module.apply`` over the model's modules, its root (``pm.module``, of the
+        model's class) included, as on the eager model, then this module."""
+        self.module.apply(fn)
+        fn(self)
+        return self
+
     def train(self, mode: bool = True) -> ShardedModule:
         """``torch.nn.Module.train`` over what this module holds (the model and the graph), which
         ``named_children()`` no longer lists."""

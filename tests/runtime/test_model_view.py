@@ -64,6 +64,10 @@ def test_modules_are_named_as_the_parameters_are(gpt_pair):
         return {f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules() for pn, _ in m.named_parameters(recurse=False)}
 
     assert paired(pm) == paired(eager) and {n for n, _ in pm.named_parameters()} <= paired(pm)
+    seen, want = [], []
+    pm.apply(lambda m: seen.append(type(m).__name__.removeprefix("Distributed")))  # the model's modules, root too
+    eager.apply(lambda m: want.append(type(m).__name__))
+    assert seen[:-1] == want and seen[-1] == type(pm).__name__
     pm.eval()  # train() and eval() still reach the graph and the model
     assert not pm.training and not pm.module.training and not pm.graph_module.training
     pm.train()
