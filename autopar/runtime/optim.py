@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, ConfigTypeError
 from autopar.ops.params import as_like, local_of
 from autopar.runtime import stale_model
 from autopar.runtime.offload import grad_key, param_key
@@ -55,19 +55,22 @@ class AdamW(torch.optim.Optimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
-        foreach: bool | None = None,
-        capturable: bool = False,
-        differentiable: bool = False,
-        fused: bool | None = None,
+        **kernels: bool | None,
     ):
-        """``torch.optim.AdamW``'s arguments. ``foreach`` and ``fused`` choose torch's kernels over
-        many tensors: this steps one tensor at a time either way (the same update). ``amsgrad``,
-        ``capturable`` and ``differentiable`` are refused: it keeps two moments a parameter, as
-        the plan priced, and steps outside autograd and CUDA graphs."""
+        """``torch.optim.AdamW``'s arguments. ``kernels``: torch's ``foreach`` and ``fused``, which
+        choose its kernels over many tensors (this steps one tensor at a time either way: the same
+        update), and ``capturable`` and ``differentiable``. ``amsgrad``, ``capturable`` and
+        ``differentiable`` are refused: it keeps two moments a parameter, as the plan priced, and
+        steps outside autograd and CUDA graphs."""
         if not lr >= 0 or not eps >= 0 or not all(0 <= b < 1 for b in betas):
             raise ConfigError(f"AdamW needs lr >= 0, eps >= 0 and betas in [0, 1), got lr={lr}, eps={eps}, betas={betas}")
-        _refuse_options({"amsgrad": amsgrad, "capturable": capturable, "differentiable": differentiable})
-        del foreach, fused  # kernel choices: one tensor at a time here, the same update
+        unknown = sorted(set(kernels) - set(_KERNELS))
+        if unknown:
+            raise ConfigTypeError(
+                f"AdamW got unexpected keyword arguments {unknown}: it takes torch.optim.AdamW's (lr, betas, eps, "
+                f"weight_decay, amsgrad, maximize, {', '.join(_KERNELS)})"
+            )
+        _refuse_options({"amsgrad": amsgrad, **kernels})
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         if isinstance(params, torch.nn.Module):
             module = params
@@ -229,6 +232,7 @@ class AdamW(torch.optim.Optimizer):
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _REFUSED = ("amsgrad", "capturable", "differentiable")  # torch AdamW's options that AdamW here does not step
+_KERNELS = ("foreach", "fused", "capturable", "differentiable")  # torch AdamW's choices of its kernels
 
 
 def _refuse_options(options: dict[str, Any]) -> None:

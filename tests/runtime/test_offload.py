@@ -349,6 +349,10 @@ def test_autopar_adamw_takes_the_rest_of_torch_adamws_signature():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ConfigError, match="does not take amsgrad=True"):
         autopar.optim.AdamW(model.parameters(), amsgrad=True)
+    with pytest.raises(ConfigError, match=r"does not take capturable=True"):
+        autopar.optim.AdamW(model.parameters(), capturable=True)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['momentum'\]"):
+        autopar.optim.AdamW(model.parameters(), momentum=0.9)
     saved = torch.optim.AdamW(eager.parameters(), amsgrad=True).state_dict()  # a state it would not step
     with pytest.raises(ConfigError, match="does not take amsgrad=True"):
         opt.load_state_dict(saved)
