@@ -76,6 +76,7 @@ def arguments(output_dir: str, distributed: bool, max_steps: int = 4, save: bool
         accelerator_config={"split_batches": True, "dispatch_batches": True} if distributed else None,
         max_steps=max_steps,
         learning_rate=1e-2,
+        weight_decay=0.1,  # Trainer's groups: none on the norms (they pair modules and parameters by name)
         max_grad_norm=0.5,
         logging_steps=1,
         save_strategy="steps" if save else "no",  # Trainer's own checkpoints, every 2 steps

