@@ -397,11 +397,15 @@ class ShardedModule(NotPickled, torch.nn.Module):
 
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor | None]:
-        """Every parameter's gradient, gathered whole, under the model's original names."""
+        """Every parameter's gradient, gathered whole, under the model's original names; one the
+        plan offloads in host memory (gathered on the device one at a time), as in
+        ``full_state_dict``."""
+        offloaded = self._offloader.grads if self._offloader is not None else ()
         out: dict[str, torch.Tensor | None] = {}
         for fqn, kind in self._fqns():
             if kind == "param":
-                out[fqn] = self._gather(fqn, self._grad(fqn) if self._contributes(fqn) else None)
+                value = self._gather(fqn, self._grad(fqn) if self._contributes(fqn) else None)
+                out[fqn] = value.cpu() if value is not None and self._traced.ties.get(fqn, fqn) in offloaded else value
         return out
 
     @torch.no_grad()
