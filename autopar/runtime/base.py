@@ -370,8 +370,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
         for fqn in self._state_keys:
             canonical = self._traced.ties.get(fqn, fqn)
             if canonical not in whole:
-                value = self._gather(fqn, self._local(fqn) if self._contributes(fqn) else None)
-                whole[canonical] = value.cpu() if canonical in offloaded and value is not None else value
+                whole[canonical] = self._gathered(fqn, self._local(fqn) if self._contributes(fqn) else None, offloaded)
             out[fqn] = whole[canonical]
         return out
 
@@ -398,15 +397,21 @@ class ShardedModule(NotPickled, torch.nn.Module):
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's gradient, gathered whole, under the model's original names; one the
-        plan offloads in host memory (gathered on the device one at a time), as in
-        ``full_state_dict``."""
+        plan offloads in host memory, as in ``full_state_dict`` (``_gathered``)."""
         offloaded = self._offloader.grads if self._offloader is not None else ()
         out: dict[str, torch.Tensor | None] = {}
         for fqn, kind in self._fqns():
             if kind == "param":
-                value = self._gather(fqn, self._grad(fqn) if self._contributes(fqn) else None)
-                out[fqn] = value.cpu() if value is not None and self._traced.ties.get(fqn, fqn) in offloaded else value
+                out[fqn] = self._gathered(fqn, self._grad(fqn) if self._contributes(fqn) else None, offloaded)
         return out
+
+    def _gathered(self, fqn: str, local: torch.Tensor | None, offloaded: Collection[str]) -> torch.Tensor | None:
+        """``_gather``'s whole tensor of ``fqn``, in host memory where the plan offloads it (its
+        canonical name in ``offloaded``): gathered on the device one at a time, never all there."""
+        value = self._gather(fqn, local)
+        if value is not None and self._traced.ties.get(fqn, fqn) in offloaded:
+            return value.cpu()
+        return value
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
