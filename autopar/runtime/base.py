@@ -128,16 +128,17 @@ def flatten_inputs(
     return flat
 
 
+def spec_children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    """A tree spec's children (``TreeSpec.children()`` from torch 2.10; ``children_specs`` before)."""
+    return spec.children() if hasattr(spec, "children") else spec.children_specs
+
+
 def call_mismatch(args, kwargs, in_spec, names: list[str]) -> str:
     """What differs between a call and the example inputs, by argument name (``names``: the user
     inputs' names in flattening order, which name the positional arguments that are tensors)."""
-
-    def children(spec):  # TreeSpec.children() from torch 2.10; children_specs before
-        return spec.children() if hasattr(spec, "children") else spec.children_specs
-
-    args_spec, kwargs_spec = children(in_spec)
+    args_spec, kwargs_spec = spec_children(in_spec)
     num_args = args_spec.num_children
-    leaves = all(child.is_leaf() for child in children(args_spec)) and len(names) >= num_args
+    leaves = all(child.is_leaf() for child in spec_children(args_spec)) and len(names) >= num_args
     positional = list(names[:num_args]) if leaves else [f"#{i + 1}" for i in range(num_args)]
     expected_kwargs = list(kwargs_spec.context or [])
     problems = [f"missing argument {name!r}" for name in positional[len(args) :] if name not in kwargs]
@@ -200,10 +201,8 @@ class ShardedModule(NotPickled, torch.nn.Module):
         held = {gi.fqn for gi in traced.inputs if gi.kind in ("param", "buffer")}
         # The original state_dict()'s names, in its order: tied names, no non-persistent buffers.
         self._state_keys = [k for k in model.state_dict(keep_vars=True) if k in held or k in traced.ties]
-        self._user_metas = _user_metas(traced, num_microbatches)
-        placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
-        # user inputs traced as requiring grad: the plan sums their gradients over the ranks that share them
-        self._grad_inputs = {gi.name for gi in traced.inputs if gi.kind == "user" and requires_grad(placeholders[gi.name])}
+        self._user_metas = user_metas(traced, num_microbatches)
+        self._grad_inputs = grad_inputs(traced)
         self._written_inputs = written_inputs(traced.gm)  # a call may not alias these (trace.aliases)
         self._shape_hint = " (its example inputs)"
 
@@ -538,12 +537,21 @@ class ShardedModule(NotPickled, torch.nn.Module):
             is_sharded(placement) or index == 0 for placement, index in zip(spec, self._coordinate)
         )
 
-    def _user_inputs(self, args: tuple, kwargs: dict, metas: list | None = None, flattened: Flattened | None = None) -> list[Any]:
+    def _user_inputs(
+        self,
+        args: tuple,
+        kwargs: dict,
+        metas: list | None = None,
+        flattened: Flattened | None = None,
+        traced: TracedModel | None = None,
+    ) -> list[Any]:
         """The user inputs of a call, flat in graph order, checked against the planned ones
-        (``metas``: those of a graph for other input shapes, ``runtime.shapes``; ``flattened``:
-        the call's ``tree_flatten``, where the caller made it)."""
+        (``metas`` and ``traced``: those of a graph for other input shapes or arguments,
+        ``runtime.shapes``; ``flattened``: the call's ``tree_flatten``, where the caller made it)."""
         metas = self._user_metas if metas is None else metas
-        flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in metas], flattened)
+        traced = self._traced if traced is None else traced
+        grads = self._grad_inputs if traced is self._traced else grad_inputs(traced)
+        flat = flatten_inputs(args, kwargs, traced.in_spec, [name for name, _, _ in metas], flattened)
         check_call_aliases(flat, [name for name, _, _ in metas], self._written_inputs)
         if self._plan.precision is not None:  # floating inputs in param_dtype, as traced
             flat = [self._plan.precision.cast_inputs(value) for value in flat]
@@ -558,12 +566,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
                     f"input {name!r} is on the meta device, which holds no values: meta inputs can plan and "
                     "compile (as example inputs), but a call computes; pass real tensors"
                 )
-            if (
-                value.requires_grad
-                and name not in self._grad_inputs
-                and torch.is_grad_enabled()
-                and math.prod(self._mesh_shape) > 1
-            ):
+            if value.requires_grad and name not in grads and torch.is_grad_enabled() and math.prod(self._mesh_shape) > 1:
                 raise InputError(
                     f"input {name!r} requires grad, but the example input {name!r} did not when the module was "
                     "planned: its gradient would not be summed over the ranks that share it, and would be wrong. "
@@ -646,7 +649,13 @@ def _check_constant(name: str, value: Any, entry: Any) -> None:
         )
 
 
-def _user_metas(traced: TracedModel, num_microbatches: int) -> list[tuple[str, Any, Any]]:
+def grad_inputs(traced: TracedModel) -> set[str]:
+    """The user inputs traced as requiring grad: the plan sums their gradients over the ranks that share them."""
+    placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+    return {gi.name for gi in traced.inputs if gi.kind == "user" and requires_grad(placeholders[gi.name])}
+
+
+def user_metas(traced: TracedModel, num_microbatches: int) -> list[tuple[str, Any, Any]]:
     """(name, shape, dtype) of each user input a call takes (``constant_entry``, None for an
     argument that is not a tensor: the graph holds its example value, ``runtime.shapes``)."""
     placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}

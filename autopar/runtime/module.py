@@ -25,7 +25,17 @@ from autopar.ops.params import LocalLeaf, adopt_in_backward_optimizers, local_of
 from autopar.passes.schedule import bind_parameters
 from autopar.runtime import autograd_calls, loaded_state, originals, shapes, stale_model, trainer_saves
 from autopar.runtime.attribute_guard import AttributeGuard
-from autopar.runtime.base import Flattened, ShardedModule, attach, flatten_inputs, has, lookup, model_tensors, takes
+from autopar.runtime.base import (
+    Flattened,
+    ShardedModule,
+    attach,
+    flatten_inputs,
+    has,
+    lookup,
+    model_tensors,
+    takes,
+    user_metas,
+)
 from autopar.runtime.checkpoint import load_model_state_dict, to_dtensor
 from autopar.runtime.compiled import run_eager, under_autocast, warn_not_compiled
 from autopar.runtime.data import RandomOps, random_ops, start_check, writes_state
@@ -44,6 +54,7 @@ from autopar.runtime.modes import (
 )
 from autopar.runtime.offload import param_key
 from autopar.runtime.optim_guard import watch_shard_data
+from autopar.runtime.signature import forward_signature
 from autopar.trace import TracedModel
 
 log = logging.getLogger("autopar")
@@ -116,6 +127,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         self._by_shape: dict[tuple[ModeKey, shapes.ShapeKey], ModeGraph] = {}
         self._shape_attrs: set[str] = set()
         self._shape_metas: dict[str, list] = {}
+        self._signature = forward_signature(model)  # lays out a call that passes the example's arguments another way
         self._data = plan.data_layout
         if self._data.per_rank:
             self._expect_per_rank_rows()
@@ -316,9 +328,12 @@ class ParallelModule(ModelAttributes, ShardedModule):
             )
         writes, random = facts
         flattened = pytree.tree_flatten((args, kwargs))  # once a call: the check reads the same leaves
+        if flattened[1] != self._traced.in_spec:  # other arguments, or the example's passed another way
+            args, kwargs, flattened = self._as_example_call(args, kwargs, flattened)
         leaves = flattened[0]
-        # Inputs of other shapes than the mode graph's run a graph of their own (runtime.shapes).
-        key = shapes.shape_key(leaves)
+        # Inputs of other shapes or arguments than the mode graph's run a graph of their own (runtime.shapes).
+        same = flattened[1] == self._traced.in_spec
+        key = shapes.shape_key(leaves) if same else shapes.call_key(flattened[1], leaves)
         run, new = self._shape_graph(run, mode, key)
         flat, settle = start_check(
             lambda: self._check_call(run, new, args, kwargs, flattened),
@@ -334,7 +349,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         if new:  # every rank agrees on the shapes (the settle raises where one differs) before all plan them
             settle()
             run = self._make_shape_graph(mode, key, args, kwargs)
-            flat = self._user_inputs(args, kwargs, self._shape_metas[run.attr])
+            flat = self._user_inputs(args, kwargs, self._shape_metas[run.attr], flattened, run.traced)
         # The data check settles before the graph's first collective, or at the end (runtime.data),
         # or before the graph where it writes buffers in place.
         if writes:
@@ -401,16 +416,30 @@ class ParallelModule(ModelAttributes, ShardedModule):
         cached = self._by_shape.get((mode, key))
         return (run, True) if cached is None else (cached, False)
 
-    def _check_call(self, run: ModeGraph, new: bool, args: tuple, kwargs: dict, flattened: Flattened | None = None) -> list[Any]:
-        """The call's flat user inputs, checked against its graph's (or, for new shapes, the planned maximum)."""
+    def _check_call(self, run: ModeGraph, new: bool, args: tuple, kwargs: dict, flattened: Flattened) -> list[Any]:
+        """The call's flat user inputs, checked against its graph's (or, for new shapes or
+        arguments, the planned maximum)."""
         if run.attr not in self._shape_attrs and not new:
             return self._user_inputs(args, kwargs, flattened=flattened)
-        flat = shapes.check_within(args, kwargs, self._traced, self._user_metas, self._shape_hint)
-        return flat if new else self._user_inputs(args, kwargs, self._shape_metas[run.attr])
+        if not new:  # a graph of its own, made before: its inputs are exactly its trace's
+            return self._user_inputs(args, kwargs, self._shape_metas[run.attr], flattened, run.traced)
+        if flattened[1] != self._traced.in_spec:  # other arguments than the example's
+            metas, hint = self._user_metas, self._shape_hint
+            return shapes.check_arguments_within(self._signature, args, kwargs, flattened[0], self._traced, metas, hint)
+        return shapes.check_within(args, kwargs, self._traced, self._user_metas, self._shape_hint)
+
+    def _as_example_call(self, args: tuple, kwargs: dict, flattened: Flattened) -> tuple[tuple, dict, Flattened]:
+        """A call whose arguments' structure is not the example inputs': laid out as the example's
+        where it passes the same arguments another way (``shapes.relaid``), else as it is."""
+        laid = shapes.relaid(self._signature, self._traced.in_spec, args, kwargs)
+        if laid is None:
+            return args, kwargs, flattened
+        return laid[0], laid[1], pytree.tree_flatten(laid)
 
     @torch._dynamo.disable(reason="traces and plans a graph per input shape once, outside a user's torch.compile(pm)")
     def _make_shape_graph(self, mode: ModeKey, key: shapes.ShapeKey, args: tuple, kwargs: dict) -> ModeGraph:
-        examples = shapes.examples_of(args, kwargs, self._user_metas, self._data)
+        other = shapes.is_call_key(key)  # other arguments than the example's: their inputs are the new trace's
+        examples = shapes.examples_of(args, kwargs, None if other else self._user_metas, self._data)
         assert self._build_mode is not None
         traced, gm, plan = shapes.timed_build(
             key, describe_mode(mode), lambda: self._build_mode(mode, examples), len(self._by_shape)
@@ -421,8 +450,22 @@ class ParallelModule(ModelAttributes, ShardedModule):
         self.add_module(run.attr, gm.train(mode.training))
         self._by_shape[(mode, key)] = run
         self._shape_attrs.add(run.attr)
-        self._shape_metas[run.attr] = [(name, shape, dtype) for (name, _, dtype), shape in zip(self._user_metas, key)]
+        if other:
+            self._shape_metas[run.attr] = self._call_metas(traced, plan)
+        else:
+            self._shape_metas[run.attr] = [(name, shape, dtype) for (name, _, dtype), shape in zip(self._user_metas, key)]
         return run
+
+    def _call_metas(self, traced: TracedModel, plan: Plan) -> list[tuple[str, Any, Any]]:
+        """The user inputs a call of ``traced``'s arguments passes (``runtime.base.user_metas``):
+        under ``batch="per_rank"``, a data-parallel rank's rows of each batched one."""
+        layout, metas = plan.data_layout, user_metas(traced, 1)
+        if not layout.per_rank or layout.size == 1:
+            return metas
+        return [
+            (name, (shape[0] // layout.size, *shape[1:]) if name in layout.inputs else shape, dtype)
+            for name, shape, dtype in metas
+        ]
 
     def _evaluates_locally(self, args: tuple, kwargs: dict, mode: ModeKey) -> bool:
         """In eval mode under ``torch.no_grad()``, a plan that keeps every tensor whole on every

@@ -16,11 +16,18 @@ from typing import Any
 import torch
 
 
+def forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
+    """``inspect.signature(model.forward)``, or None for a builtin or C forward, which has none."""
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+
 def adopt_signature(pm: torch.nn.Module, model: torch.nn.Module) -> None:
     """Make ``inspect.signature(pm.forward)`` that of ``model.forward`` (nothing where it has none)."""
-    try:
-        signature = inspect.signature(model.forward)
-    except (TypeError, ValueError):  # a builtin or C forward: keep the module's own
+    signature = forward_signature(model)
+    if signature is None:  # keep the module's own
         return
     base = type(pm)
     run = base.forward

@@ -6,17 +6,20 @@ Other values of arguments that are not tensors get graphs of their own, as other
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 from autopar.errors import InputError
 from autopar.ir.data import DataLayout
 from autopar.runtime.base import _check_constant, constant_entry
-from autopar.runtime.shapes import examples_of, key_number, shape_key
+from autopar.runtime.shapes import call_key, examples_of, is_call_key, key_number, relaid, shape_key
 from tests.runtime.hf_trainer_job import SEQ, VOCAB, tiny_llama
 
 ROWS = 4
@@ -208,6 +211,130 @@ def test_other_values_of_arguments_that_are_not_tensors_run_graphs_of_their_own(
         assert result["param_diff"] < 1e-12
         assert result["graphs"] == 3, "one graph per new set of values, cached"
         assert "passed inputs of different shapes (or other values of an argument" in result["disagreed"], result
+
+
+def _nanogpt():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "nanogpt"))
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig()).double()
+
+
+def _steps(model, batches, calls, own_rows: bool = False) -> list[float]:
+    """AdamW steps, each on a loss the way ``calls`` says: the model's (called with its targets), or
+    one on the logits of a call without them (nanoGPT's forward then gives the last position's).
+    ``own_rows``: each rank passes its rows (the losses are the mean over the ranks)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for (x, y), call in zip(batches, calls):
+        if call == "targets":
+            loss = model(x, y)[1]
+        elif call == "keywords":  # the same arguments, by keyword in another order
+            loss = model(targets=y, idx=x)[1]
+        else:
+            logits = model(x)[0]
+            loss = torch.nn.functional.cross_entropy(logits[:, -1], y[:, -1])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        if own_rows:
+            torch.distributed.all_reduce(loss)
+            loss /= torch.distributed.get_world_size()
+        losses.append(loss.item())
+    return losses
+
+
+def _param_diff(pm, eager) -> float:
+    full = pm.full_state_dict()
+    return max(float((full[name] - p).abs().max()) for name, p in eager.state_dict().items() if name in full)
+
+
+def _run_arguments(rank: int, world: int) -> dict:
+    """nanoGPT's model compiled with its targets, called without them (a loss on its logits, its
+    own generate()) and with them by keyword, on an FSDP plan (every rank the whole batch) and on
+    the solver's under batch='per_rank' (each rank its rows), against eager; and Hugging Face's
+    generate(), which passes other arguments than the example's, on an FSDP plan."""
+    import autopar
+    from autopar.errors import InputError
+
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 128, (4, 32), generator=generator),) * 2 for _ in range(4)]
+    batches = [(x, torch.roll(x, -1, 1)) for x, _ in batches]
+    calls = ["targets", "logits", "keywords", "logits"]
+    fsdp = autopar.hand_plan("fsdp", _nanogpt(), (world,), example_inputs=batches[0], cluster="cpu")
+    sharded = autopar.compile(_nanogpt(), (world,), example_inputs=batches[0], plan=fsdp)
+    per_rank = autopar.compile(_nanogpt(), (world,), example_inputs=batches[0], data=autopar.DataOptions(batch="per_rank"))
+    rows = [tuple(t[rank * 2 : rank * 2 + 2] for t in batch) for batch in batches]
+    eager, eager_rows = _nanogpt(), _nanogpt()
+    result = {
+        "sharded": (_steps(sharded, batches, calls), _steps(eager, batches, calls)),
+        "per_rank": (_steps(per_rank, rows, calls, own_rows=True), _steps(eager_rows, batches, calls)),
+        "param_diff": max(_param_diff(sharded, eager), _param_diff(per_rank, eager_rows)),
+        "sharded_params": sum(any(p.is_shard() for p in spec) for spec in fsdp.params.values()),
+        "data_parallel": per_rank.data_parallel_size,
+    }
+    sharded.eval(), eager.eval()
+    with torch.no_grad():
+        torch.manual_seed(5)  # generate() samples: every rank alike
+        tokens = sharded.generate(batches[0][0][:, :8], max_new_tokens=3)
+        torch.manual_seed(5)
+        result["generated"] = (tokens, eager.generate(batches[0][0][:, :8], max_new_tokens=3))
+    result["graphs"] = len(sharded._by_shape)
+    llama = _llama()
+    ids = torch.randint(3, VOCAB, (ROWS, SEQ), generator=generator)
+    example = {"input_ids": ids, "labels": ids}
+    plan = autopar.hand_plan("fsdp", llama, (world,), example_kwargs=example, cluster="cpu")
+    pm = autopar.compile(copy.deepcopy(llama), (world,), example_kwargs=example, plan=plan).eval()
+    llama.eval()
+    prompt = ids[:2, :5]
+    result["hf_generated"] = (
+        pm.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=False),
+        llama.generate(prompt, max_new_tokens=3, do_sample=False),
+    )
+    try:
+        pm.generate(prompt, max_new_tokens=3, do_sample=False)
+        result["cached"] = "ran"
+    except InputError as error:
+        result["cached"] = str(error)
+    return result
+
+
+@pytest.mark.multiproc
+def test_calls_with_other_arguments_than_the_examples_run_graphs_of_their_own(rank_pool) -> None:
+    """A module compiled with its targets, called without them, refused the call ("missing
+    argument 'targets'"), and so did its own generate() under a plan that shards parameters, and
+    the same arguments passed by keyword in another order."""
+    pytest.importorskip("transformers")
+    for result in rank_pool(2).run(_run_arguments, timeout_s=300):
+        assert result["sharded_params"] > 0 and result["data_parallel"] == 2
+        assert result["param_diff"] < 1e-10
+        for plan in ("sharded", "per_rank"):
+            got, want = result[plan]
+            assert got == pytest.approx(want, rel=1e-10), (plan, got, want)
+        # the train graph without targets; the eval graphs of the three lengths generate() calls at
+        assert result["graphs"] == 4, "the same arguments by keyword run the compiled graph"
+        assert torch.equal(*result["generated"]), result["generated"]
+        assert torch.equal(*result["hf_generated"]), result["hf_generated"]
+        assert "generate(..., use_cache=False)" in result["cached"], result["cached"]
+
+
+def test_the_same_arguments_passed_another_way_are_laid_out_as_the_examples() -> None:
+    def forward(idx, targets=None, *, scale=1.0, **rest):
+        pass
+
+    signature = inspect.signature(forward)
+    x, y = torch.zeros(2), torch.ones(2)
+    planned = pytree.tree_flatten(((x, y), {"scale": 2.0}))[1]
+    assert relaid(signature, planned, (), {"scale": 2.0, "targets": y, "idx": x}) == ((x, y), {"scale": 2.0})
+    assert relaid(signature, planned, (x,), {"targets": y, "scale": 2.0}) == ((x, y), {"scale": 2.0})
+    assert relaid(signature, planned, (x,), {"scale": 2.0}) is None  # targets left out: other arguments
+    assert relaid(signature, planned, (x, y), {"scale": 2.0, "mask": x}) is None  # one added
+    assert relaid(None, planned, (x,), {"targets": y, "scale": 2.0}) is None  # no signature to tell
+    key = call_key(pytree.tree_flatten(((x,), {"scale": 2.0}))[1], [x, 2.0])
+    assert is_call_key(key) and not is_call_key(shape_key([x, 2.0])) and key[1:] == shape_key([x, 2.0])
+    assert key_number(key) != key_number(shape_key([x, 2.0]))
 
 
 def test_per_rank_examples_repeat_the_rows_to_the_whole_batch() -> None:
