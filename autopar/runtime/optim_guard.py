@@ -143,6 +143,7 @@ def _refuse(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None
         _hold(optimizer)
     if holds_leaves():
         _check_shard_data(optimizer)
+        _refuse_zero(optimizer)
     if not _GUARDED:
         return
     for group in optimizer.param_groups:
@@ -158,6 +159,24 @@ def _refuse(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None
                     'without offloading parameters, gradients and optimizer state (offload="off", checkpointing=True), '
                     "or with a larger memory_budget."
                 )
+
+
+def _refuse_zero(optimizer: torch.optim.Optimizer) -> None:
+    """torch's ``ZeroRedundancyOptimizer`` steps its part of the parameters on each rank, then
+    broadcasts each rank's part whole: over DTensor parameters it stepped its part and then failed
+    at the broadcast (torch's ``NotImplementedError`` for ``c10d.broadcast_``), the ranks' weights
+    by then different. Refused before it steps, with the fix."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return
+    if any(isinstance(param, DTensor) for group in optimizer.param_groups for param in group["params"]):
+        raise ConfigError(
+            "torch's ZeroRedundancyOptimizer over a compiled module whose plan shards its parameters: it broadcasts "
+            "whole parameters between ranks, which no rank holds, and the plan already shards the optimizer "
+            "state with them. Step a plain optimizer (torch.optim.AdamW(pm.parameters(), ...)), or compile with a "
+            'plan that replicates every parameter (autopar.hand_plan("ddp", ...)), over which ZeroRedundancyOptimizer runs'
+        )
 
 
 def _check_shard_data(optimizer: torch.optim.Optimizer) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import autopar
+from autopar.errors import ConfigError
 from autopar.ops.params import add_grad, as_like, local_of
 from autopar.runtime.tools.launch import max_rel_diff as rel_diffs
 from autopar.zoo.models import build_model, example_batch
@@ -118,9 +119,33 @@ def _pipelined(rank: int, plan: autopar.Plan) -> dict:
     return {"norms": norms, "state_rel": max_rel_diff(pm.full_state_dict(), eager.state_dict())}
 
 
+def _zero(rank: int) -> dict:
+    """torch's ZeroRedundancyOptimizer (a DDP script's ZeRO-1) over a plan that replicates every
+    parameter, against eager; over one that shards them, what its step raised, and whether a
+    weight moved."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    out = {}
+    for kind in ("ddp", "fsdp"):
+        model = build_model("gpt", seed=0, bias=False).to(DTYPE)
+        eager = copy.deepcopy(model)
+        plan = autopar.hand_plan(kind, model, (2,), example_inputs=_batch(1), cluster="cpu")
+        pm = autopar.compile(model, (2,), example_inputs=_batch(1), plan=plan)
+        opt = ZeroRedundancyOptimizer(pm.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+        opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+        before = pm.full_state_dict()
+        try:
+            _train(pm, eager, opt, opt_eager, lambda: pm.clip_grad_norm_(0.05))
+            out[kind] = max_rel_diff(pm.full_state_dict(), eager.state_dict())
+        except ConfigError as error:
+            out[kind] = (str(error), max_rel_diff(pm.full_state_dict(), before))
+    return out
+
+
 def _all_cases(rank: int, world: int, pipelined: autopar.Plan) -> dict:
     out = {case: _loop(rank, *case) for case in CASES[world]}
     if world == 2:
+        out["zero"] = _zero(rank)
         out["get_state_dict"] = _get_state_dict(rank)
         out["hooks"] = _hooks((2,))
     else:
@@ -148,6 +173,18 @@ def test_torch_clip_and_optimizers_match_eager(results, world, case) -> None:
             assert got == pytest.approx(want, rel=1e-9), result["norms"]
         assert result["state_rel"] < TOL
     assert case[0] == "ddp" or per_rank[0]["sharded"]  # the plan shards something, so a part's norm would differ
+
+
+@pytest.mark.multiproc
+def test_zero_redundancy_optimizer_steps_replicated_parameters_and_refuses_shards(results) -> None:
+    """Over DTensor parameters it stepped its own part on each rank, then failed in its broadcast
+    with torch's NotImplementedError (c10d.broadcast_), the ranks' weights by then apart."""
+    for by_case in results[2]:
+        replicated, sharded = by_case["zero"]["ddp"], by_case["zero"]["fsdp"]
+        assert replicated < TOL
+        message, moved = sharded
+        assert "ZeroRedundancyOptimizer" in message and "torch.optim.AdamW(pm.parameters()" in message, message
+        assert moved == 0.0, "refused before it stepped"
 
 
 def _get_state_dict(rank: int) -> dict:
