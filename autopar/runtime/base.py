@@ -191,6 +191,7 @@ class ShardedModule(NotPickled, torch.nn.Module):
         self._device_mesh: Any = None
         self._offloader = offloader
         self.graph_module = graph_module
+        self._model_name = model._get_name()
         self.module = self._holder(model)
         originals.watch(model, self)  # an optimizer stepping the model's own parameters is refused
         full = model_tensors(model)
@@ -266,6 +267,16 @@ class ShardedModule(NotPickled, torch.nn.Module):
     # ``module.``); its modules are named alike, so that code pairing modules with parameters by
     # name finds them: Hugging Face Trainer's weight-decay groups (``get_parameter_names`` walks
     # ``named_children()``) put every parameter in the no-decay group when the two disagreed.
+
+    def _get_name(self) -> str:
+        """The model's name, as eager's ``_get_name()`` gives it: code that tells models apart by it
+        treats this module as the model (Hugging Face Trainer's label smoother shifts the labels of
+        a causal LM by it; with the module's own class name it smoothed unshifted labels, another
+        loss than eager's, without a word)."""
+        return self._model_name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({super().__repr__()})"
 
     def named_children(self) -> Iterator[tuple[str, torch.nn.Module]]:
         """The model's own children under the model's own names, as eager's ``named_children()``."""

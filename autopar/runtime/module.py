@@ -83,10 +83,8 @@ class ParallelModule(ModelAttributes, ShardedModule):
     """
 
     _compiled_graph = None  # under compiler="inductor": runtime.compiled.CompiledGraph (run_compiled)
-    # Hugging Face Trainer and accelerate (docs/huggingface.md): the loss is the whole batch's mean, so
-    # Trainer passes no num_items_in_batch and scales nothing by the process count; accelerate's
-    # prepare_model returns a module it has prepared as it is, so it wraps none in DDP.
-    accepts_loss_kwargs = False
+    # Hugging Face Trainer and accelerate (docs/huggingface.md): accelerate's prepare_model returns a
+    # module it has prepared as it is, so it wraps none in DDP.
     _is_accelerate_prepared = True
     _num_calls = 0  # calls that ran the graph: the ranks compare it (runtime.data.check_same_call)
 
@@ -306,6 +304,17 @@ class ParallelModule(ModelAttributes, ShardedModule):
             self.add_module(run.attr, gm.train(mode.training))
         self._modes[mode] = run
         return run
+
+    @property
+    def accepts_loss_kwargs(self) -> bool:
+        """Whether Hugging Face Trainer passes ``num_items_in_batch`` (the label tokens of every rank's
+        rows) and multiplies the loss by the process count, as for a model under DDP (Trainer reads it
+        once, as it is made). Not where the model computes the loss, which is the whole batch's mean
+        already; yes for a Trainer whose label smoother computes it from each rank's logits
+        (``label_smoothing_factor``): without the count each rank's loss was its own tokens' mean,
+        and the step their mean, not eager's (nor DDP's) where ranks hold unequal numbers of tokens."""
+        trainer = trainer_saves.calling_trainer()
+        return trainer is not None and bool(getattr(trainer.args, "label_smoothing_factor", 0.0))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hook_guard.check()

@@ -64,7 +64,7 @@ def _check_trainer(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     if optimizer in _CHECKED:
         return
     _CHECKED[optimizer] = True
-    trainer = _calling_trainer()
+    trainer = calling_trainer()
     if trainer is None:
         return
     strategy = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy))
@@ -83,7 +83,7 @@ def _check_trainer(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
         )
 
 
-def _calling_trainer() -> Any:
+def calling_trainer() -> Any:
     """The ``transformers.Trainer`` whose method is on the stack above this call, or None."""
     module = sys.modules.get("transformers.trainer")
     if module is None:

@@ -65,11 +65,12 @@ def example_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def arguments(output_dir: str, distributed: bool, max_steps: int = 4, save: bool = True):
+def arguments(output_dir: str, distributed: bool, max_steps: int = 4, save: bool = True, label_smoothing: float = 0.0):
     from transformers import TrainingArguments
 
     return TrainingArguments(
         output_dir=output_dir,
+        label_smoothing_factor=label_smoothing,
         per_device_train_batch_size=GLOBAL_ROWS,
         per_device_eval_batch_size=GLOBAL_ROWS,
         # Rank 0 collates each global batch (one padded length) and sends each rank its rows.
@@ -93,15 +94,24 @@ def arguments(output_dir: str, distributed: bool, max_steps: int = 4, save: bool
     )
 
 
-def run(model, output_dir: str, distributed: bool, resume: str | None = None, callbacks=(), save: bool = True) -> dict:
+def run(
+    model,
+    output_dir: str,
+    distributed: bool,
+    resume: str | None = None,
+    callbacks=(),
+    save: bool = True,
+    label_smoothing: float = 0.0,
+) -> dict:
     """Train to step 4 with clipping and a scheduler (from step 0, or resumed from the checkpoint
     ``resume``), saving checkpoints every 2 steps where ``save``, then evaluate; the logged losses
-    of steps 1 to 4."""
+    of steps 1 to 4. ``label_smoothing``: Trainer's label smoother computes the loss on the
+    logits of a call without the labels."""
     from transformers import Trainer
 
     trainer = Trainer(
         model=model,
-        args=arguments(output_dir, distributed, save=save),
+        args=arguments(output_dir, distributed, save=save, label_smoothing=label_smoothing),
         train_dataset=dataset(32, 1),
         # One eval batch: over several, accelerate 1.15's split and dispatched loader keeps only a process's share
         # of the last batch's gathered losses (a model-independent weighting, DDP's too).

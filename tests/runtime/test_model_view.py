@@ -49,6 +49,8 @@ def test_the_models_attributes_and_methods_reach_through(gpt_pair):
         _ = pm.nothing
     # calling the model (pm.module(...), self(...) in its methods) runs the compiled forward
     assert torch.equal(pm.module(*batch)[1], pm(*batch)[1])
+    # the model's name, as code that tells models apart by it reads it (Trainer's label smoother)
+    assert pm._get_name() == eager._get_name() == "GPT" and repr(pm).startswith("ParallelModule(GPT(")
 
 
 def test_modules_are_named_as_the_parameters_are(gpt_pair):
