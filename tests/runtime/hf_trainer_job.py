@@ -102,11 +102,13 @@ def run(
     callbacks=(),
     save: bool = True,
     label_smoothing: float = 0.0,
+    own_loss: bool = False,
 ) -> dict:
     """Train to step 4 with clipping and a scheduler (from step 0, or resumed from the checkpoint
     ``resume``), saving checkpoints every 2 steps where ``save``, then evaluate; the logged losses
-    of steps 1 to 4. ``label_smoothing``: Trainer's label smoother computes the loss on the
-    logits of a call without the labels."""
+    of steps 1 to 4. ``label_smoothing`` (Trainer's label smoother) or ``own_loss`` (a
+    ``compute_loss_func``, the causal LM loss): Trainer computes the loss on the logits of a call
+    without the labels."""
     from transformers import Trainer
 
     trainer = Trainer(
@@ -118,10 +120,19 @@ def run(
         eval_dataset=dataset(GLOBAL_ROWS, 2),
         data_collator=pad_to_longest,
         callbacks=list(callbacks),
+        compute_loss_func=causal_lm_loss if own_loss else None,
     )
     trainer.train(resume_from_checkpoint=resume)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {"losses": losses, "eval_loss": trainer.evaluate()["eval_loss"], "columns": trainer._signature_columns}
+
+
+def causal_lm_loss(outputs, labels, num_items_in_batch=None):
+    """A ``compute_loss_func``: the model's own loss, from its logits and the labels Trainer kept."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    logits = outputs["logits"]
+    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], num_items_in_batch=num_items_in_batch)
 
 
 def predictions(model, output_dir: str, distributed: bool):

@@ -4,8 +4,9 @@ evaluates with the losses of the same Trainer run on one process (batches padded
 longest row), keeps the dataset's columns the model's forward names, and accelerate wraps nothing
 in DDP. Its own checkpoints (every 2 steps, saved by every rank through
 ``autopar.checkpoint.trainer_callback()``) resume with Trainer's ``resume_from_checkpoint`` to the
-same losses, in a run without the callback that saves nothing; Trainer's label smoothing (its own
-loss on the logits of a call without the labels) has the one-process run's losses; ``Trainer.predict`` gathers the
+same losses, in a run without the callback that saves nothing; Trainer's label smoothing and a
+``compute_loss_func`` (its own loss on the logits of a call without the labels) have the one-process
+run's losses; ``Trainer.predict`` gathers the
 logits of the one-process run (each rank's own rows, as DDP's model returns them); the weights of the last checkpoint and of ``pm.module.save_pretrained`` load with
 ``from_pretrained`` and equal the one-process run's."""
 
@@ -51,19 +52,18 @@ def _compiled_run(rank: int, world: int, output_dir: str) -> dict:
     resumed = job.run(pm, f"{output_dir}/compiled", distributed=True, resume=f"{output_dir}/compiled/checkpoint-2", save=False)
     result["resumed_losses"], result["resumed_eval_loss"] = resumed["losses"], resumed["eval_loss"]
     result["predictions"] = job.predictions(pm, f"{output_dir}/compiled", distributed=True)
-    # Trainer's label smoother computes the loss from each rank's rows of the logits (a call without
-    # the labels), normalized by the label tokens of every rank, as under DDP.
-    smoothed = autopar.compile(
-        job.tiny_llama(),
-        mesh=(world,),
-        example_kwargs=job.example_batch(),
-        cluster="cpu",
-        data=autopar.DataOptions(batch="per_rank"),
-        memory_budget=job.SHARDING_BUDGET,
-    )
-    result["smoothed_losses"] = job.run(smoothed, f"{output_dir}/smoothed", distributed=True, save=False, label_smoothing=0.1)[
-        "losses"
-    ]
+    # Trainer's label smoother, and a compute_loss_func, compute the loss from each rank's rows of the
+    # logits (a call without the labels), normalized by the label tokens of every rank, as under DDP.
+    for name, how in (("smoothed", {"label_smoothing": 0.1}), ("own_loss", {"own_loss": True})):
+        fresh = autopar.compile(
+            job.tiny_llama(),
+            mesh=(world,),
+            example_kwargs=job.example_batch(),
+            cluster="cpu",
+            data=autopar.DataOptions(batch="per_rank"),
+            memory_budget=job.SHARDING_BUDGET,
+        )
+        result[f"{name}_losses"] = job.run(fresh, f"{output_dir}/{name}", distributed=True, save=False, **how)["losses"]
     return result
 
 
@@ -76,6 +76,7 @@ def test_trainer_on_two_ranks_has_the_losses_of_one_process(rank_pool, tmp_path)
     assert len(eager["losses"]) == 4
     predictions = job.predictions(eager_model, str(tmp_path / "eager"), distributed=False)
     smoothed = job.run(job.tiny_llama(), str(tmp_path / "smoothed"), distributed=False, save=False, label_smoothing=0.1)
+    own_loss = job.run(job.tiny_llama(), str(tmp_path / "own_loss"), distributed=False, save=False, own_loss=True)
     from transformers import LlamaForCausalLM
 
     for saved_dir in ("saved", "compiled/checkpoint-4"):
@@ -100,6 +101,7 @@ def test_trainer_on_two_ranks_has_the_losses_of_one_process(rank_pool, tmp_path)
         assert result["shapes"] >= 1  # batches padded to other lengths than the example ran too
         # each rank's tokens' mean, averaged over the ranks, before Trainer counted the tokens of all ranks
         assert result["smoothed_losses"] == pytest.approx(smoothed["losses"], rel=1e-6)
+        assert result["own_loss_losses"] == pytest.approx(own_loss["losses"], rel=1e-6)
 
 
 def test_the_compiled_module_shows_the_model_forward_signature() -> None:
