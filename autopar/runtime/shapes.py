@@ -65,6 +65,10 @@ def shape_key(leaves: list[Any]) -> ShapeKey:
     return tuple(tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else constant_entry(leaf) for leaf in leaves)
 
 
+# Graphs of other shapes, arguments or values after which a module says that each costs a plan.
+MANY_GRAPHS = 16
+
+
 @functools.lru_cache(maxsize=4096)
 def key_number(key: ShapeKey) -> float:
     """A float64-exact number that differs, almost surely, between two shape keys: the same on
@@ -239,4 +243,11 @@ def timed_build(key: ShapeKey, mode: str, build: Callable[[], Any], cached: int)
         time.perf_counter() - start,
         cached + 1,
     )
+    if cached + 1 == MANY_GRAPHS:
+        log.warning(
+            "autopar: %d graphs traced and planned for calls of other shapes, arguments or values than the example "
+            "inputs', each once: every new one costs a trace and a plan. Pad batches to a few lengths (a collator's "
+            "pad_to_multiple_of), and pass a value that changes at every call (a step, a temperature) as a tensor",
+            MANY_GRAPHS,
+        )
     return made

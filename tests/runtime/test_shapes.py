@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import os
 import subprocess
 import sys
@@ -19,7 +20,16 @@ import torch.utils._pytree as pytree
 from autopar.errors import InputError
 from autopar.ir.data import DataLayout
 from autopar.runtime.base import _check_constant, constant_entry
-from autopar.runtime.shapes import call_key, examples_of, is_call_key, key_number, relaid, shape_key
+from autopar.runtime.shapes import (
+    MANY_GRAPHS,
+    call_key,
+    examples_of,
+    is_call_key,
+    key_number,
+    relaid,
+    shape_key,
+    timed_build,
+)
 from tests.runtime.hf_trainer_job import SEQ, VOCAB, tiny_llama
 
 ROWS = 4
@@ -121,6 +131,15 @@ def test_loop_over_changing_shapes_and_greedy_decoding_match_eager(rank_pool) ->
         assert torch.equal(result["generated"], result["eager_generated"])
     # 12, 8 and the last 3 rows: three train graphs; decoding's lengths 5 to 8: four eval graphs
     assert results[0]["graphs"] == 7
+
+
+def test_many_graphs_of_other_shapes_say_what_each_costs(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        for cached in range(MANY_GRAPHS + 2):
+            timed_build(((4, cached + 1),), "train", lambda: None, cached)
+    warned = [record for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warned) == 1 and "pass a value that changes at every call" in warned[0].getMessage()
+    assert sum("traced and planned the train graph" in record.getMessage() for record in caplog.records) == MANY_GRAPHS + 2
 
 
 def test_shape_key_numbers_are_stable_and_tell_shapes_apart() -> None:
