@@ -337,11 +337,12 @@ class ParallelModule(ModelAttributes, ShardedModule):
             )
         writes, random = facts
         flattened = pytree.tree_flatten((args, kwargs))  # once a call: the check reads the same leaves
-        if flattened[1] != self._traced.in_spec:  # other arguments, or the example's passed another way
+        same = flattened[1] == self._traced.in_spec
+        if not same:  # other arguments, or the example's passed another way
             args, kwargs, flattened = self._as_example_call(args, kwargs, flattened)
+            same = flattened[1] == self._traced.in_spec
         leaves = flattened[0]
         # Inputs of other shapes or arguments than the mode graph's run a graph of their own (runtime.shapes).
-        same = flattened[1] == self._traced.in_spec
         key = shapes.shape_key(leaves) if same else shapes.call_key(flattened[1], leaves)
         run, new = self._shape_graph(run, mode, key)
         flat, settle = start_check(
