@@ -38,6 +38,7 @@ per such parameter per step.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -165,10 +166,10 @@ def _refuse_zero(optimizer: torch.optim.Optimizer) -> None:
     """torch's ``ZeroRedundancyOptimizer`` steps its part of the parameters on each rank, then
     broadcasts each rank's part whole: over DTensor parameters it stepped its part and then failed
     at the broadcast (torch's ``NotImplementedError`` for ``c10d.broadcast_``), the ranks' weights
-    by then different. Refused before it steps, with the fix."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+    by then different. Refused before it steps, with the fix. (Looked up where a script imported
+    it: importing ``torch.distributed.optim`` loads some 600 modules, not for every step hook.)"""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is None or not isinstance(optimizer, zero.ZeroRedundancyOptimizer):
         return
     if any(isinstance(param, DTensor) for group in optimizer.param_groups for param in group["params"]):
         raise ConfigError(
