@@ -495,7 +495,9 @@ class ParallelModule(ModelAttributes, ShardedModule):
         return not self._data.per_rank or not self._graph_takes(args, kwargs)
 
     def _graph_takes(self, args: tuple, kwargs: dict) -> bool:
-        """Whether a call's arguments have the planned structure and shapes."""
+        """Whether a call's arguments have the planned structure (passed as the example's, or another
+        way: ``shapes.relaid``) and shapes."""
+        args, kwargs = shapes.relaid(self._signature, self._traced.in_spec, args, kwargs) or (args, kwargs)
         try:
             flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in self._user_metas])
         except ValueError:

@@ -294,6 +294,11 @@ def _run_arguments(rank: int, world: int) -> dict:
         "sharded_params": sum(any(p.is_shard() for p in spec) for spec in fsdp.params.values()),
         "data_parallel": per_rank.data_parallel_size,
     }
+    # evaluation of a rank's rows by keyword: the call the graph takes (the global batch's loss), as by position
+    per_rank.eval(), eager_rows.eval()
+    with torch.no_grad():
+        by_keyword = per_rank(targets=rows[0][1], idx=rows[0][0])[1].item()
+        result["per_rank_eval"] = (by_keyword, per_rank(*rows[0])[1].item(), eager_rows(*batches[0])[1].item())
     sharded.eval(), eager.eval()
     with torch.no_grad():
         torch.manual_seed(5)  # generate() samples: every rank alike
@@ -329,6 +334,8 @@ def test_calls_with_other_arguments_than_the_examples_run_graphs_of_their_own(ra
     for result in rank_pool(2).run(_run_arguments, timeout_s=300):
         assert result["sharded_params"] > 0 and result["data_parallel"] == 2
         assert result["param_diff"] < 1e-10
+        by_keyword, by_position, whole_batch = result["per_rank_eval"]
+        assert by_keyword == by_position == pytest.approx(whole_batch, rel=1e-10)
         for plan in ("sharded", "per_rank"):
             got, want = result[plan]
             assert got == pytest.approx(want, rel=1e-10), (plan, got, want)
