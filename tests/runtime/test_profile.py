@@ -71,3 +71,20 @@ def test_profile_spawn_writes_a_spec_that_plan_accepts(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     plan = autopar.plan(model, (2,), example_inputs=(torch.randn(4, 8),), cluster=path)
     assert plan.cluster == loaded.name
+
+
+def test_an_axis_whose_times_fall_with_size_is_measured_once_more(monkeypatch):
+    """A burst of load on a shared host (another job's step) made one size's all-reduces slower
+    than the next size's, and the profile failed with 'do not grow with size'."""
+    from autopar.errors import ClusterSpecError
+    from autopar.runtime.tools import profile
+
+    sizes = [4096, 65536, 1048576, 4194304]
+    noisy, clean = [1.9e-3, 6.5e-3, 2.5e-3, 3.7e-3], [1.0e-4, 2.0e-4, 1.2e-3, 4.5e-3]
+    rounds = iter([noisy, clean])
+    monkeypatch.setattr(profile, "_time_all_reduces", lambda *args: next(rounds))
+    times, link = profile._fitted_axis(sizes, None, torch.device("cpu"), 5, 2)
+    assert times == clean and link == fit_alpha_beta(sizes, clean, 2)
+    rounds = iter([noisy, noisy])  # twice: the error names the fix
+    with pytest.raises(ClusterSpecError, match="do not grow with size"):
+        profile._fitted_axis(sizes, None, torch.device("cpu"), 5, 2)

@@ -134,14 +134,33 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float], k: in
     return LinkSpec(latency_s=latency_s, bandwidth_bytes_per_s=bandwidth)
 
 
-def _time_all_reduce(num_bytes: int, group: Any, device: torch.device, repeats: int) -> float:
-    """The slowest rank's median seconds for an all-reduce of ``num_bytes`` on ``group``."""
-    x = torch.ones(max(num_bytes // 4, 1), device=device)
+def _time_all_reduces(sizes_bytes: Sequence[int], group: Any, device: torch.device, repeats: int) -> list[float]:
+    """The slowest rank's median seconds for an all-reduce of each of ``sizes_bytes`` on ``group``,
+    timed in rounds over the sizes: a burst of load on a shared host slows one round of every
+    size, not every repeat of one size (which made times fall with size and the fit fail)."""
+    tensors = [torch.ones(max(n // 4, 1), device=device) for n in sizes_bytes]
+    for x in tensors:  # warm-up
+        time_call(lambda x=x: dist.all_reduce(x, group=group), device, repeats=1, warmup=1)
     dist.barrier()
-    seconds = time_call(lambda: dist.all_reduce(x, group=group), device, repeats=repeats, warmup=2)
-    slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+    rounds = [
+        [time_call(lambda x=x: dist.all_reduce(x, group=group), device, repeats=1, warmup=0) for x in tensors]
+        for _ in range(repeats)
+    ]
+    medians = [statistics.median(times[i] for times in rounds) for i in range(len(tensors))]
+    slowest = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest.item())
+    return [float(t) for t in slowest.tolist()]
+
+
+def _fitted_axis(sizes_bytes: Sequence[int], group: Any, device: torch.device, repeats: int, size: int):
+    """(times, fitted link) of one mesh axis; measured once more where the times do not grow with
+    size (every rank sees the slowest rank's times, so all retry or none do)."""
+    times = _time_all_reduces(sizes_bytes, group, device, repeats)
+    try:
+        return times, fit_alpha_beta(sizes_bytes, times, size)
+    except ClusterSpecError:
+        times = _time_all_reduces(sizes_bytes, group, device, repeats)
+        return times, fit_alpha_beta(sizes_bytes, times, size)
 
 
 def measure_axes(
@@ -163,17 +182,8 @@ def measure_axes(
         if size == 1:
             out.append({"axis": axis, "size": size, "times_s": [], "link": None})
             continue
-        group = _resolve_process_group(name)
-        times = [_time_all_reduce(n, group, device, repeats) for n in sizes_bytes]
-        out.append(
-            {
-                "axis": axis,
-                "size": size,
-                "sizes_bytes": list(sizes_bytes),
-                "times_s": times,
-                "link": fit_alpha_beta(sizes_bytes, times, size),
-            }
-        )
+        times, link = _fitted_axis(sizes_bytes, _resolve_process_group(name), device, repeats, size)
+        out.append({"axis": axis, "size": size, "sizes_bytes": list(sizes_bytes), "times_s": times, "link": link})
     return out
 
 
