@@ -29,7 +29,6 @@ from autopar.runtime.base import (
     Flattened,
     ShardedModule,
     attach,
-    flatten_inputs,
     has,
     lookup,
     model_tensors,
@@ -236,10 +235,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
 
     def _expect_per_rank_rows(self) -> None:
         """A call passes this data-parallel rank's rows of each batched input."""
-        self._user_metas = [
-            (name, (shape[0] // self._data.size, *shape[1:]) if name in self._data.inputs else shape, dtype)
-            for name, shape, dtype in self._user_metas
-        ]
+        self._user_metas = shapes.rank_rows(self._user_metas, self._data)
         self._shape_hint = (
             f" (batch='per_rank': 1/{self._data.size} of the example inputs' batch, the rows of "
             f"data-parallel rank {self.data_parallel_rank} of {self._data.size})"
@@ -336,11 +332,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
                 random_ops(run.traced.gm, run.plan, self._coordinate),
             )
         writes, random = facts
-        flattened = pytree.tree_flatten((args, kwargs))  # once a call: the check reads the same leaves
-        same = flattened[1] == self._traced.in_spec
-        if not same:  # other arguments, or the example's passed another way
-            args, kwargs, flattened = self._as_example_call(args, kwargs, flattened)
-            same = flattened[1] == self._traced.in_spec
+        args, kwargs, flattened, same = self._laid_out(args, kwargs)  # once a call: the check reads the same leaves
         leaves = flattened[0]
         # Inputs of other shapes or arguments than the mode graph's run a graph of their own (runtime.shapes).
         key = shapes.shape_key(leaves) if same else shapes.call_key(flattened[1], leaves)
@@ -438,13 +430,17 @@ class ParallelModule(ModelAttributes, ShardedModule):
             return shapes.check_arguments_within(self._signature, args, kwargs, flattened[0], self._traced, metas, hint)
         return shapes.check_within(args, kwargs, self._traced, self._user_metas, self._shape_hint)
 
-    def _as_example_call(self, args: tuple, kwargs: dict, flattened: Flattened) -> tuple[tuple, dict, Flattened]:
-        """A call whose arguments' structure is not the example inputs': laid out as the example's
-        where it passes the same arguments another way (``shapes.relaid``), else as it is."""
+    def _laid_out(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, Flattened, bool]:
+        """The call's arguments, their ``tree_flatten`` and whether their structure is the example
+        inputs': laid out as the example's where it passes the same arguments another way
+        (``shapes.relaid``, looked for only where the structure differs), else as they are."""
+        flattened = pytree.tree_flatten((args, kwargs))
+        if flattened[1] == self._traced.in_spec:
+            return args, kwargs, flattened, True
         laid = shapes.relaid(self._signature, self._traced.in_spec, args, kwargs)
-        if laid is None:
-            return args, kwargs, flattened
-        return laid[0], laid[1], pytree.tree_flatten(laid)
+        if laid is None:  # other arguments than the example's
+            return args, kwargs, flattened, False
+        return laid[0], laid[1], pytree.tree_flatten(laid), True
 
     @torch._dynamo.disable(reason="traces and plans a graph per input shape once, outside a user's torch.compile(pm)")
     def _make_shape_graph(self, mode: ModeKey, key: shapes.ShapeKey, args: tuple, kwargs: dict) -> ModeGraph:
@@ -470,12 +466,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         """The user inputs a call of ``traced``'s arguments passes (``runtime.base.user_metas``):
         under ``batch="per_rank"``, a data-parallel rank's rows of each batched one."""
         layout, metas = plan.data_layout, user_metas(traced, 1)
-        if not layout.per_rank or layout.size == 1:
-            return metas
-        return [
-            (name, (shape[0] // layout.size, *shape[1:]) if name in layout.inputs else shape, dtype)
-            for name, shape, dtype in metas
-        ]
+        return shapes.rank_rows(metas, layout) if layout.per_rank and layout.size > 1 else metas
 
     def _evaluates_locally(self, args: tuple, kwargs: dict, mode: ModeKey) -> bool:
         """In eval mode under ``torch.no_grad()``, a plan that keeps every tensor whole on every
@@ -497,12 +488,8 @@ class ParallelModule(ModelAttributes, ShardedModule):
     def _graph_takes(self, args: tuple, kwargs: dict) -> bool:
         """Whether a call's arguments have the planned structure (passed as the example's, or another
         way: ``shapes.relaid``) and shapes."""
-        args, kwargs = shapes.relaid(self._signature, self._traced.in_spec, args, kwargs) or (args, kwargs)
-        try:
-            flat = flatten_inputs(args, kwargs, self._traced.in_spec, [name for name, _, _ in self._user_metas])
-        except ValueError:
-            return False
-        return all(takes(value, shape) for value, (_, shape, _) in zip(flat, self._user_metas))
+        _, _, (flat, _), same = self._laid_out(args, kwargs)
+        return same and all(takes(value, shape) for value, (_, shape, _) in zip(flat, self._user_metas))
 
     def _local_model(self) -> torch.nn.Module:
         eager = _LOCAL_MODELS.get(self)  # not an attribute: a deepcopy of pm makes its own

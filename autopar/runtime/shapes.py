@@ -134,6 +134,14 @@ def _bound(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> di
     return given
 
 
+def rank_rows(metas: Metas, layout: DataLayout) -> Metas:
+    """``metas`` as a call under ``batch="per_rank"`` passes them: a data-parallel rank's rows of
+    each batched input (``layout.inputs``)."""
+    return [
+        (name, (shape[0] // layout.size, *shape[1:]) if name in layout.inputs else shape, dtype) for name, shape, dtype in metas
+    ]
+
+
 def metas_key(metas: Metas) -> ShapeKey:
     """The shape key a call matching ``metas`` has."""
     return tuple(shape for _, shape, _ in metas)
