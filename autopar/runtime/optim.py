@@ -109,6 +109,10 @@ class AdamW(torch.optim.Optimizer):
     def _offloaded(self, kind: str, fqn: str) -> bool:
         return self.offloader is not None and fqn in getattr(self.offloader, kind)
 
+    def _offloads_any(self, fqn: str) -> bool:
+        """Whether the plan offloads anything of parameter ``fqn``: its value, gradient or state."""
+        return any(self._offloaded(kind, fqn) for kind in ("params", "grads", "states"))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for _, param in self.params:
             param.grad = None
@@ -125,17 +129,17 @@ class AdamW(torch.optim.Optimizer):
             for name in MOMENTS:
                 store.prefetch(state_key(name, fqn))
 
-    def _stepping_order(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """Parameters whose tensors live on the device first, offloaded ones last: with prefetch
-        the first offloaded read then runs behind the resident updates instead of stalling the
-        step (each parameter's update is its own, so the order changes no number)."""
-        kinds = ("params", "grads", "states")
-        return sorted(self.params, key=lambda item: any(self._offloaded(kind, item[0]) for kind in kinds))
+    def _stepping_order(self, params: list[tuple[str, torch.Tensor]] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """``params`` (``self.params``, where the caller has none), those whose tensors live on the
+        device first, offloaded ones last: with prefetch the first offloaded read then runs behind
+        the resident updates instead of stalling the step (each parameter's update is its own, so
+        the order changes no number)."""
+        return sorted(self.params if params is None else params, key=lambda item: self._offloads_any(item[0]))
 
-    def _stow(self) -> None:
+    def _stow(self, params: list[tuple[str, torch.Tensor]] | None = None) -> None:
         """Move the moments of parameters whose state the plan offloads from ``self.state`` (where a
-        load put them) to the store."""
-        for fqn, param in self.params:
+        load put them) to the store (``params``: ``self.params``, where the caller has it)."""
+        for fqn, param in self.params if params is None else params:
             state = self.state.get(param)
             if state and self._offloaded("states", fqn) and any(name in state for name in MOMENTS):
                 for name in MOMENTS:
@@ -179,15 +183,15 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._stow()
+        params = self.params  # once a step: derived from the groups
+        self._stow(params)
         store = self.offloader.store if self.offloader is not None else None
         if store is not None:
             store.take_back()  # weights loaded in place into pm.state_dict()'s copies (dcp.load)
+            params = self._stepping_order(params)
         prefetch = self.offloader is not None and self.offloader.memory.prefetch
-        params = self._stepping_order() if store is not None else self.params
         if prefetch:  # the first offloaded parameter's read, behind the resident updates
-            kinds = ("params", "grads", "states")
-            first = next(((fqn, p) for fqn, p in params if any(self._offloaded(kind, fqn) for kind in kinds)), None)
+            first = next(((fqn, p) for fqn, p in params if self._offloads_any(fqn)), None)
             if first is not None:
                 self._prefetch(*first)
         if self.module is not None:
