@@ -7,13 +7,14 @@ from __future__ import annotations
 import gc
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from autopar.cost.cluster import ClusterSpec
 from autopar.cost.optimizer import implementation
 from autopar.ir.options import PlanOptions
 from autopar.ir.pipeline import first_microbatch
 from autopar.ir.plan import Plan
-from autopar.runtime import checkpoint, stale_model
+from autopar.runtime import checkpoint, clip_calls, grad_scaling, stale_model
 from autopar.runtime.agreement import check_rank_agreement, resolve_plan
 from autopar.runtime.compile_checks import check_carried_state, warn_set_attributes
 from autopar.runtime.materialize import FromCheckpoint, SeededInit
@@ -69,6 +70,10 @@ def build_module(
     priced = implementation(cluster, chosen.optimizer)
     hold_to_optimizer(dict(module.named_parameters()), chosen.optimizer, priced, budget, chosen.predicted.peak_memory_bytes)
     own_parameters(module)  # autopar.optim.AdamW(module.parameters()) finds the module
+    if pipelined or any(isinstance(p, DTensor) for p in module.parameters()):
+        grad_scaling.watch(module.parameters())  # each rank holds part of the gradients: GradScaler skips on all or none
+    if pipelined:
+        clip_calls.watch(module)  # torch's clip_grad_norm_(pm.parameters()) clips by the whole model's norm
     free_traced(model)
     stale_model.watch(model, module)
     return module

@@ -28,6 +28,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import autopar
+from autopar.errors import UsageError
 from autopar.zoo.models import build_model, example_batch
 
 MESH = (2, 2)
@@ -351,3 +352,77 @@ def test_training_loop_equals_eager(rank_pool, tmp_path) -> None:
     # Coverage, not numerics: the cpu preset's plans split the batch on no axis (CNN under fsdp),
     # one (GPT) and both (CNN under ddp). Should the cost model change that, change the models' sizes.
     assert set(sizes.values()) >= {1, 2, 4}, f"data-parallel sizes of the loops: {sizes}"
+
+
+def _scaled_loop(rank: int, world: int, kind: str, fused: bool) -> dict:
+    """torch's ``GradScaler`` loop (``unscale_``, torch's ``clip_grad_norm_`` on the module's
+    parameters, ``step``, ``update``) on the zoo GPT under hand plan ``kind`` or 2 pipeline stages,
+    against eager, with an overflow in the second step's gradient of one parameter, which some
+    ranks hold alone: a piece the plan splits (the optimizer's first parameter one it replicates,
+    so the finding must reach the ranks of the other pieces), or the last stage's."""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.set_default_dtype(torch.float64)
+    batches = [example_batch("gpt", GLOBAL_BATCH, seed=seed) for seed in range(3)]
+    if kind == "pipeline":
+        pm = autopar.compile(_model("gpt", 0), MESH, example_inputs=batches[0], cluster="cpu", pipeline=2, num_microbatches=2)
+    else:
+        plan = autopar.hand_plan(kind, _model("gpt", 0), MESH, example_inputs=batches[0], cluster="cpu")
+        pm = autopar.compile(_model("gpt", 0), MESH, example_inputs=batches[0], plan=plan)
+    eager = _model("gpt", 0)
+    specs = {name: getattr(p, "placements", ()) for name, p in pm.named_parameters()}
+    order = sorted(specs, key=lambda name: sum(not p.is_replicate() for p in specs[name]))  # most replicated first
+    first = specs[order[0]]
+    if kind == "pipeline":
+        split = [name for name, _ in eager.named_parameters() if ".h." in name][-1]  # the last block's
+    else:
+        split = next(name for name in order if any(p.is_shard() and f.is_replicate() for p, f in zip(specs[name], first)))
+    out = {"first": first, "split": specs.get(split, "not here")}
+    for label, model in (("pm", pm), ("eager", eager)):
+        params = dict(model.named_parameters())
+        names = order + [name for name in params if name not in specs]  # eager's: all of them, a stage's first
+        optimizer = torch.optim.AdamW([params[name] for name in names], lr=1e-2, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        losses, scales, norms = [], [], []
+        for step, batch in enumerate(batches):
+            loss = model(*batch)
+            scaler.scale(loss).backward()
+            if step == 1 and split in params:
+                grad = params[split].grad
+                overflow = torch.zeros(grad.shape)
+                overflow.view(-1)[0] = float("inf")
+                grad.add_(
+                    distribute_tensor(overflow, grad.device_mesh, grad.placements) if label == "pm" and specs[split] else overflow
+                )
+            scaler.unscale_(optimizer)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            scales.append(scaler.get_scale())
+        out[label] = (losses, scales, norms)
+    full = pm.full_state_dict()
+    out["params"] = _rel(full, eager.state_dict())
+    pm(*batches[0]).backward()
+    try:  # a part of a stage's parameters with a gradient: refused on every rank
+        torch.nn.utils.clip_grad_norm_(list(pm.parameters())[1:], 1.0)
+        out["part"] = "clipped"
+    except UsageError as error:
+        out["part"] = str(error)
+    return out
+
+
+@pytest.mark.multiproc
+def test_grad_scaler_and_clip_decide_as_eager_on_every_rank(rank_pool) -> None:
+    for kind, fused in (("megatron", False), ("tp_fsdp", True), ("pipeline", False)):
+        for rank, got in enumerate(rank_pool(4).run(_scaled_loop, kind, fused, timeout_s=300)):
+            where = f"rank {rank} under {kind} (first parameter {got['first']}, overflow in one of {got['split']})"
+            assert got["pm"][1] == got["eager"][1] == [1024.0, 512.0, 512.0], f"{where}: scales {got['pm'][1]}"
+            assert got["pm"][0] == pytest.approx(got["eager"][0], rel=1e-9), where
+            assert got["pm"][2] == pytest.approx(got["eager"][2], rel=1e-9), f"{where}: clip norms"
+            assert got["params"] < TOL, f"{where}: parameters off by {got['params']:.2e} from eager"
+            if kind == "pipeline":
+                assert "pm.clip_grad_norm_(max_norm)" in got["part"], got["part"]
+            else:  # DTensor parameters: torch's clip of a part is that part's norm, as in eager
+                assert got["part"] == "clipped", got["part"]
