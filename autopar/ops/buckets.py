@@ -262,6 +262,21 @@ class GradBuckets(torch.nn.Module):
         """Elements of unreduced gradients held for the next synced backward (``pm.no_sync()``)."""
         return sum(flat.numel() for flat in self._held.values())
 
+    def release_held(self) -> None:
+        """Reduce now what ``pm.no_sync()`` holds back, for a graph of other shapes or arguments
+        whose backward comes next (every rank calls it at that call): each ``.grad`` that was a view
+        of a held buffer is then its reduced sum, a gradient as any other, which the next backward
+        adds to (it reduces its own part, held or not), as the micro-steps' sum eager has."""
+        for index in sorted(self._held):
+            flat = self._held.pop(index)
+            for group in self.buckets[index].groups:
+                collectives.wait(collectives.start_all_reduce(flat, group), group)
+            self._held_written.pop(index, None)
+            for slot in self.buckets[index].slots:
+                view = self._views.pop(slot.key, None)
+                if view is not None:
+                    _held_grads.pop(id(view), None)
+
     def _holds(self, index: int) -> bool:
         """Whether bucket ``index`` can be held back: an all-reduce whose parameters' ``.grad``
         can be views of it (same dtype, written by it alone, none set by anything else now)."""

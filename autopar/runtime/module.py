@@ -414,7 +414,8 @@ class ParallelModule(ModelAttributes, ShardedModule):
         if key == shapes.metas_key(self._user_metas) or self._build_mode is None:
             return run, False
         if torch.is_grad_enabled() and self.training:
-            shapes.refuse_held_gradients(self._no_sync_buckets())
+            for buckets in self._no_sync_buckets():  # its graph reduces its own gradients: reduce the held ones first
+                buckets.release_held()
         cached = self._by_shape.get((mode, key))
         return (run, True) if cached is None else (cached, False)
 

@@ -223,19 +223,6 @@ def examples_of(args: tuple, kwargs: dict, metas: Metas | None, layout: DataLayo
     return tuple(args), dict(kwargs)
 
 
-def refuse_held_gradients(buckets: list[Any]) -> None:
-    """A graph for other shapes reduces its gradients with buckets of its own, which know nothing of
-    those ``pm.no_sync()`` holds back in the planned shape's buckets: refused while any are held,
-    rather than stepping on gradients that part of the ranks never summed."""
-    if any(not bucket.sync or bucket.held_numel for bucket in buckets):
-        raise InputError(
-            "a backward under pm.no_sync() (gradient accumulation) ran inputs of other shapes than the example "
-            "inputs: the planned shape's gradient buckets hold this rank's unreduced gradients, which another "
-            "shape's graph does not reduce. Pass every micro-batch of one accumulated step in the example inputs' "
-            "shapes (pad them), or accumulate without no_sync() (every backward reduces)"
-        )
-
-
 def timed_build(key: ShapeKey, mode: str, build: Callable[[], Any], cached: int) -> Any:
     """``build()``, with the one log line that says which shapes were planned and how long it took."""
     start = time.perf_counter()

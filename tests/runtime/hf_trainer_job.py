@@ -65,12 +65,15 @@ def example_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def arguments(output_dir: str, distributed: bool, max_steps: int = 4, save: bool = True, label_smoothing: float = 0.0):
+def arguments(
+    output_dir: str, distributed: bool, max_steps: int = 4, save: bool = True, label_smoothing: float = 0.0, accumulation: int = 1
+):
     from transformers import TrainingArguments
 
     return TrainingArguments(
         output_dir=output_dir,
         label_smoothing_factor=label_smoothing,
+        gradient_accumulation_steps=accumulation,  # above 1: micro-steps under pm.no_sync(), as under DDP
         per_device_train_batch_size=GLOBAL_ROWS,
         per_device_eval_batch_size=GLOBAL_ROWS,
         # Rank 0 collates each global batch (one padded length) and sends each rank its rows.
@@ -103,17 +106,18 @@ def run(
     save: bool = True,
     label_smoothing: float = 0.0,
     own_loss: bool = False,
+    accumulation: int = 1,
 ) -> dict:
     """Train to step 4 with clipping and a scheduler (from step 0, or resumed from the checkpoint
     ``resume``), saving checkpoints every 2 steps where ``save``, then evaluate; the logged losses
     of steps 1 to 4. ``label_smoothing`` (Trainer's label smoother) or ``own_loss`` (a
     ``compute_loss_func``, the causal LM loss): Trainer computes the loss on the logits of a call
-    without the labels."""
+    without the labels. ``accumulation``: Trainer's gradient accumulation steps."""
     from transformers import Trainer
 
     trainer = Trainer(
         model=model,
-        args=arguments(output_dir, distributed, save=save, label_smoothing=label_smoothing),
+        args=arguments(output_dir, distributed, save=save, label_smoothing=label_smoothing, accumulation=accumulation),
         train_dataset=dataset(32, 1),
         # One eval batch: over several, accelerate 1.15's split and dispatched loader keeps only a process's share
         # of the last batch's gathered losses (a model-independent weighting, DDP's too).
