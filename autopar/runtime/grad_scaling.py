@@ -11,8 +11,8 @@ a 2-stage pipeline). DTensor's own handler of the check combines the ranks' find
 the mesh dims that split the *first* gradient of each list.
 
 ``watch`` registers the parameters of a module that shards some or pipelines (a module that
-replicates every parameter holds the whole, equal gradient on every rank, as DDP does), and
-``install`` (once a process) wraps ``_unscale_grads_`` so that, for an optimizer over any of them,
+replicates every parameter holds the whole, equal gradient on every rank, as DDP does) and wraps
+``_unscale_grads_`` once a process, so that, for an optimizer over any of them,
 the findings are combined (their max, one scalar all-reduce over the world) before ``step``
 reads them: every rank skips where eager skips, since an overflow in any rank's piece is one in
 eager's gradient. Other optimizers pay a dictionary check per parameter until one is found.

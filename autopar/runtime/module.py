@@ -123,6 +123,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         # Graphs for calls of other input shapes (runtime.shapes), by (mode, shapes).
         self._by_shape: dict[tuple[ModeKey, shapes.ShapeKey], ModeGraph] = {}
         self._shape_attrs: set[str] = set()
+        self._buckets_of: dict[str, list[GradBuckets]] = {}  # mode graph attribute -> its gradient buckets
         self._shape_metas: dict[str, list] = {}
         self._signature = forward_signature(model)  # lays out a call that passes the example's arguments another way
         self._data = plan.data_layout
@@ -219,6 +220,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         """Run the graph of the mode it was compiled in with ``runner`` (``runtime.compiled.graph_runner``:
         inductor's compiled graph) instead of op by op; None runs it op by op."""
         self._compiled_graph = runner
+        self._buckets_of.clear()  # which graph's buckets no_sync() holds back changes with it
 
     def shard_like(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
         """A copy of this rank's shard of ``whole`` (a tensor of parameter ``fqn``'s whole shape,
@@ -364,7 +366,18 @@ class ParallelModule(ModelAttributes, ShardedModule):
         finally:  # also where the graph failed: other data is then the likelier cause, and is raised
             collectives.before_next_collective(None)
             settle()
+        if torch.is_grad_enabled() and self.training:
+            self._release_held(run)
         return pytree.tree_unflatten(self._as_ddp_in_backward(outputs, run, rows), run.traced.out_spec)
+
+    def _release_held(self, run: ModeGraph) -> None:
+        """Reduce the gradients ``no_sync()`` holds back in another graph's buckets than ``run``'s
+        (one of other shapes, arguments or mode), whose backward would add its own reduced ones
+        into those unreduced ``.grad`` views: every rank ran this call's check, so all are here."""
+        for attr, buckets in self._mode_buckets().items():
+            if attr != run.attr:
+                for bucket in buckets:
+                    bucket.release_held()
 
     def _as_ddp_in_backward(self, outputs: Sequence[Any], run: ModeGraph, rows: collectives.RowGrads | None) -> list[Any]:
         """``outputs``, under ``batch="per_rank"`` each that may get a gradient made to give DDP's
@@ -413,9 +426,6 @@ class ParallelModule(ModelAttributes, ShardedModule):
         they are its own, a cached one, or (``True``) one still to make."""
         if key == shapes.metas_key(self._user_metas) or self._build_mode is None:
             return run, False
-        if torch.is_grad_enabled() and self.training:
-            for buckets in self._no_sync_buckets():  # its graph reduces its own gradients: reduce the held ones first
-                buckets.release_held()
         cached = self._by_shape.get((mode, key))
         return (run, True) if cached is None else (cached, False)
 
@@ -511,10 +521,18 @@ class ParallelModule(ModelAttributes, ShardedModule):
 
     def _no_sync_buckets(self) -> list[GradBuckets]:
         """The gradient buckets of the graphs that run op by op (a compiled graph reduces inside)."""
-        graphs = [getattr(self, attr) for attr in {run.attr for run in self._modes.values()}]
-        if self._compiled_graph is not None:
-            graphs = [gm for gm in graphs if gm is not self.graph_module]
-        return [m for gm in graphs for m in gm.modules() if isinstance(m, GradBuckets)]
+        return [bucket for buckets in self._mode_buckets().values() for bucket in buckets]
+
+    def _mode_buckets(self) -> dict[str, list[GradBuckets]]:
+        """``_no_sync_buckets`` by the attribute of their mode graph (each found once)."""
+        out = {}
+        for attr in {run.attr for run in self._modes.values()}:
+            if attr not in self._buckets_of:
+                gm = getattr(self, attr)
+                compiled = self._compiled_graph is not None and gm is self.graph_module
+                self._buckets_of[attr] = [] if compiled else [m for m in gm.modules() if isinstance(m, GradBuckets)]
+            out[attr] = self._buckets_of[attr]
+        return out
 
     def _graph_values(self, run: ModeGraph, flat: list[Any]) -> list[Any]:
         """The graph's inputs in order: each parameter's local leaf, buffers, constants, the user's."""
