@@ -263,10 +263,12 @@ class GradBuckets(torch.nn.Module):
         return sum(flat.numel() for flat in self._held.values())
 
     def release_held(self) -> None:
-        """Reduce now what ``pm.no_sync()`` holds back, before another graph's backward (of other
-        shapes, arguments or mode) adds into those ``.grad`` views; every rank calls it after the
-        same call. Each such ``.grad`` is then its reduced sum, a gradient as any other, which the
-        next backward adds to (it reduces its own part, held or not): the micro-steps' sum eager has."""
+        """Reduce now what ``pm.no_sync()`` holds back, and hold nothing more until it is turned
+        off again, before another graph's backward (of other shapes, arguments or mode) adds into
+        those ``.grad`` views, or runs in the same backward as this graph; every rank calls it after
+        the same call. Each such ``.grad`` is then its reduced sum, a gradient as any other, which
+        the next backward adds to (reducing its own part): the micro-steps' sum eager has."""
+        self.sync = True
         for index in sorted(self._held):
             flat = self._held.pop(index)
             for group in self.buckets[index].groups:

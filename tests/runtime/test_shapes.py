@@ -85,10 +85,12 @@ def _run_shapes(rank: int, world: int) -> dict:
     eager_grads: list[dict] = []
     eager_losses = _train(eager, batches, lambda m: eager_grads.append({n: p.grad.clone() for n, p in m.named_parameters()}))
     # Accumulation over shapes under DDP's no_sync() (Trainer's, with a padding collator): the
-    # planned shape's held gradients are reduced before another shape's graph runs.
+    # planned shape's held gradients are reduced before another shape's graph runs, and nothing is
+    # held where both shapes run in one backward.
     for micro, model_ in enumerate((pm, eager)):
         sync = model_.no_sync() if micro == 0 else contextlib.nullcontext()
         with sync:
+            (model_(**batches[0]).loss + model_(**batches[1]).loss).backward()
             for index in (0, 1, 0, 2):
                 model_(**batches[index]).loss.backward()
         model_(**batches[3]).loss.backward()
