@@ -14,7 +14,7 @@ from autopar.cost.optimizer import implementation
 from autopar.ir.options import PlanOptions
 from autopar.ir.pipeline import first_microbatch
 from autopar.ir.plan import Plan
-from autopar.runtime import checkpoint, clip_calls, grad_scaling, stale_model
+from autopar.runtime import checkpoint, grad_scaling, stage_calls, stale_model
 from autopar.runtime.agreement import check_rank_agreement, resolve_plan
 from autopar.runtime.compile_checks import check_carried_state, warn_set_attributes
 from autopar.runtime.materialize import FromCheckpoint, SeededInit
@@ -73,7 +73,7 @@ def build_module(
     if pipelined or any(isinstance(p, DTensor) for p in module.parameters()):
         grad_scaling.watch(module.parameters())  # each rank holds part of the gradients: GradScaler skips on all or none
     if pipelined:
-        clip_calls.watch(module)  # torch's clip_grad_norm_(pm.parameters()) clips by the whole model's norm
+        stage_calls.watch(module)  # torch's clip over pm.parameters() clips by the whole model's norm; LBFGS refused
     free_traced(model)
     stale_model.watch(model, module)
     return module

@@ -194,6 +194,13 @@ class _HeldGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: the schedule's gradients have no graph to follow
+            raise UsageError(
+                "a gradient of a gradient (torch.autograd.grad(..., create_graph=True), as a gradient penalty takes) "
+                "through a pipelined module: its schedule ran the backward in the call, so the gradients it hands "
+                "out have no graph and the penalty would not train, without a word. Compile without pipeline=, or "
+                "compute the penalty outside the compiled module"
+            )
         grads = ctx.saved_tensors
         held = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
         return (None, None, *([None] * ctx.num_params), *held)
@@ -455,6 +462,15 @@ class PipelineParallelModule(ModelAttributes, ShardedModule):
     @property
     def stage_index(self) -> int:
         return self._stage_index
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise UsageError(
+            "copy.deepcopy of a pipelined module (torch.optim.swa_utils.AveragedModel makes one of pm or pm.module): "
+            "its schedule holds process groups no copy can share. Average the weights yourself: avg = "
+            "[p.detach().clone() for p in pm.parameters()], then torch._foreach_lerp_(avg, [p.detach() for p in "
+            "pm.parameters()], 1 - decay) after each step, and copy them in under torch.no_grad() to evaluate (each "
+            "rank averages its stage's parameters); or compile without pipeline=, where AveragedModel(pm) runs"
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hook_guard.check()

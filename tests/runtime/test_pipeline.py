@@ -547,6 +547,20 @@ def _run_pipelines(
         results["skip"]["model_clip"] = "ran"
     except UsageError as error:
         results["skip"]["model_clip"] = str(error)
+    # A gradient of a gradient (the schedule's gradients have no graph), a copy (AveragedModel) and
+    # LBFGS: each refused, where the penalty trained nothing, the copy failed on a process group and
+    # LBFGS stepped on one stage's dot products.
+    attempts = {
+        "create_graph": lambda: torch.autograd.grad(pm(*batch), list(pm.parameters()), create_graph=True),
+        "deepcopy": lambda: copy.deepcopy(pm.module),
+        "lbfgs": lambda: torch.optim.LBFGS(pm.parameters()).step(lambda: pm(*batch)),  # dot products over one stage
+    }
+    for label, attempt in attempts.items():
+        try:
+            attempt()
+            results["skip"][label] = "ran"
+        except UsageError as error:
+            results["skip"][label] = str(error)
     # Dropout on a tensor both ranks of a stage hold whole: their generators must be in step
     # (ranks of different stages may differ); a call whose are not is refused on every rank.
     drop = {}
@@ -667,6 +681,9 @@ def test_pipelines_match_eager(rank_pool, tmp_path):
         assert max(skip["loaded_rel"].values()) == 0, f"rank {rank} skip: load_state_dict {skip['loaded_rel']}"
         assert max(skip["model_loaded_rel"].values()) == 0, f"rank {rank} skip: the model's {skip['model_loaded_rel']}"
         assert "(a pipeline)" in skip["model_clip"] and "pm.clip_grad_norm_" in skip["model_clip"], skip["model_clip"]
+        assert "create_graph=True" in skip["create_graph"] and "without pipeline=" in skip["create_graph"], skip
+        assert "AveragedModel" in skip["deepcopy"] and "_foreach_lerp_" in skip["deepcopy"], skip["deepcopy"]
+        assert "LBFGS" in skip["lbfgs"] and "without pipeline=" in skip["lbfgs"], skip["lbfgs"]
         held = by_label["4x1_m2"]
         view = held.pop("view")
         assert view["class"] == "DistributedGPT" and view["is_model"] and view["attributes"] and view["state_keys"], view
