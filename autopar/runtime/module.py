@@ -23,7 +23,7 @@ from autopar.ops import collectives
 from autopar.ops.buckets import GradBuckets
 from autopar.ops.params import LocalLeaf, adopt_in_backward_optimizers, local_of
 from autopar.passes.schedule import bind_parameters
-from autopar.runtime import autograd_calls, loaded_state, originals, shapes, stale_model, trainer_saves
+from autopar.runtime import autograd_calls, loaded_state, originals, scalar_reads, shapes, stale_model, trainer_saves
 from autopar.runtime.attribute_guard import AttributeGuard
 from autopar.runtime.base import (
     Flattened,
@@ -141,6 +141,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         self._leaves = {fqn: leaves.setdefault(id(p), LocalLeaf(p, fqn)) for fqn, p in made.items() if isinstance(p, DTensor)}
         watch_shard_data(leaves.values())  # a step after a .data assignment, which a DTensor ignores
         autograd_calls.install()  # grad and backward(inputs=) reach the leaves; grad into a bucket is refused
+        scalar_reads.install()  # .item() of a reduction over a shard is refused, not this rank's part
         if offloader is not None:
             offloader.attach_grad_hooks(
                 {traced.ties.get(fqn, fqn): p for fqn, p in made.items() if isinstance(p, torch.nn.Parameter)}

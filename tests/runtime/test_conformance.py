@@ -410,6 +410,16 @@ def _scaled_loop(rank: int, world: int, kind: str, fused: bool) -> dict:
         out["part"] = "clipped"
     except UsageError as error:
         out["part"] = str(error)
+    grad = dict(pm.named_parameters())[split].grad if split in specs else None
+    try:  # a number read out of a reduction over a piece of a gradient: refused where it is a piece
+        out["read"] = None if grad is None else (float(grad.norm()), bool(torch.isfinite(grad).all()))
+    except UsageError as error:
+        out["read"] = str(error)
+    if isinstance(grad, DTensor):
+        out["whole_norm"] = float(grad.norm().full_tensor())  # the fix it names
+        pm.zero_grad()
+        eager(*batches[0]).backward()
+        out["eager_norm"] = float(dict(eager.named_parameters())[split].grad.norm())
     return out
 
 
@@ -424,5 +434,8 @@ def test_grad_scaler_and_clip_decide_as_eager_on_every_rank(rank_pool) -> None:
             assert got["params"] < TOL, f"{where}: parameters off by {got['params']:.2e} from eager"
             if kind == "pipeline":
                 assert "pm.clip_grad_norm_(max_norm)" in got["part"], got["part"]
+                assert got["read"] is None or isinstance(got["read"], tuple), got["read"]  # a stage's whole tensors
             else:  # DTensor parameters: torch's clip of a part is that part's norm, as in eager
                 assert got["part"] == "clipped", got["part"]
+                assert ".full_tensor()" in got["read"] and "Partial" in got["read"], got["read"]
+                assert got["whole_norm"] == pytest.approx(got["eager_norm"], rel=1e-9)
