@@ -226,7 +226,11 @@ class ParallelModule(ModelAttributes, ShardedModule):
     def shard_like(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
         """A copy of this rank's shard of ``whole`` (a tensor of parameter ``fqn``'s whole shape,
         such as its optimizer state) as a tensor of the parameter's kind: a DTensor with its
-        placements, or a plain tensor where the plan replicates every parameter."""
+        placements, or a plain tensor where the plan replicates every parameter. A DTensor (state
+        saved from an optimizer over a compiled module's parameters) is gathered first: every rank
+        calls it then."""
+        if isinstance(whole, DTensor):
+            whole = whole.full_tensor()
         local = self._cut(fqn, whole.to(local_of(self.held_tensor(fqn)).device)).clone()
         if self._plain_params:
             return local

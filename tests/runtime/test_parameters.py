@@ -142,10 +142,35 @@ def _zero(rank: int) -> dict:
     return out
 
 
+def _prewrap_resume(rank: int) -> float:
+    """How far from eager's four steps an FSDP run is that trains two steps, saves its optimizer's
+    state (DTensors), and resumes it into an optimizer built on a new model before its compile (a
+    DDP script's resume), two more steps: the state is cut to the new module's shards at the first
+    step, where it failed inside torch ("local_tensor ... got DTensor")."""
+    import io
+
+    model = build_model("gpt", seed=0, bias=False).to(DTYPE)
+    eager = copy.deepcopy(model)
+    plan = autopar.hand_plan("fsdp", model, (2,), example_inputs=_batch(1), cluster="cpu")
+    pm = autopar.compile(model, (2,), example_inputs=_batch(1), plan=plan)
+    opt, opt_eager = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    _train(pm, eager, opt, opt_eager, lambda: pm.clip_grad_norm_(0.05))
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)  # each rank its own shards, as a script saves with torch.save
+    resumed = build_model("gpt", seed=1, bias=False).to(DTYPE)
+    resumed.load_state_dict(pm.full_state_dict())
+    opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)  # before the wrap
+    pm = autopar.compile(resumed, (2,), example_inputs=_batch(1), plan=plan)
+    opt.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+    _train(pm, eager, opt, opt_eager, lambda: pm.clip_grad_norm_(0.05))
+    return max_rel_diff(pm.full_state_dict(), eager.state_dict())
+
+
 def _all_cases(rank: int, world: int, pipelined: autopar.Plan) -> dict:
     out = {case: _loop(rank, *case) for case in CASES[world]}
     if world == 2:
         out["zero"] = _zero(rank)
+        out["prewrap_resume"] = _prewrap_resume(rank)
         out["get_state_dict"] = _get_state_dict(rank)
         out["hooks"] = _hooks((2,))
     else:
@@ -229,6 +254,12 @@ def _get_state_dict(rank: int) -> dict:
     )
     result["params_after_set"] = max_rel_diff(pm.full_state_dict(), eager.state_dict())
     return result
+
+
+@pytest.mark.multiproc
+def test_a_sharded_optimizer_state_resumes_into_an_optimizer_built_before_the_wrap(results) -> None:
+    for rank, out in enumerate(results[2]):
+        assert out["prewrap_resume"] < TOL, f"rank {rank}: {out['prewrap_resume']:.2e} off eager's weights"
 
 
 @pytest.mark.multiproc
