@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import GradientEdge
 from torch.distributed.tensor import DTensor
 
@@ -47,6 +48,7 @@ def install() -> None:
 
 
 def _backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):
+    _refuse_tracing_placeholders(tensors)
     if inputs is None:
         return _TORCH["backward"](tensors, grad_tensors, retain_graph, create_graph, grad_variables)
     inputs = inputs if isinstance(inputs, dict) else _items(inputs)  # a generator is read once
@@ -56,6 +58,22 @@ def _backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
         return _TORCH["backward"](tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs=_as_leaves(inputs)[0])
     finally:
         BACKWARD_INPUTS[0] = named
+
+
+def _refuse_tracing_placeholders(tensors: Any) -> None:
+    """A backward of a FakeTensor outside any tracing: a value made from what a forward hook (or
+    other code the model runs) kept while autopar traced it, such as an activation stored for an
+    auxiliary loss. Its backward ran and wrote gradients computed from no data, without a word."""
+    if isinstance(tensors, torch.Tensor):
+        tensors = (tensors,)
+    fake = [t for t in tensors if isinstance(t, FakeTensor)] if isinstance(tensors, (tuple, list)) else []
+    if fake and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+        raise UsageError(
+            "backward of a tensor made from a tracing placeholder (a FakeTensor): something the model ran while "
+            "autopar traced it kept a tensor, such as a forward hook that stores an activation for a loss, and that "
+            "code does not run at each call (the compiled graph does). Return what the loss needs from the model's "
+            "forward (or from the hook, which is traced), or remove the hook before autopar.compile"
+        )
 
 
 def _grad(

@@ -214,6 +214,23 @@ def test_a_hook_registered_before_compile_is_traced(world_of_one):
     handle.remove()
 
 
+def test_a_loss_on_an_activation_a_hook_stored_while_tracing_is_refused_at_backward(world_of_one):
+    """A hook that stores an activation for an auxiliary loss ran only while tracing: the stored
+    tensor is a tracing placeholder, whose backward wrote gradients from no data, without a word."""
+    torch.manual_seed(0)
+    model = Scaled().double()
+    store = {}
+    handle = model.fc.register_forward_hook(lambda mod, args, out: store.__setitem__("activation", out))
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pm = autopar.compile(model, mesh=(1,), example_inputs=(x,))
+    loss = pm(x) + 0.1 * store["activation"].pow(2).mean()
+    with pytest.raises(UsageError, match="tracing placeholder.*forward hook that stores an activation"):
+        loss.backward()
+    pm(x).backward()  # the model's own loss trains as before
+    assert all(p.grad is not None for p in pm.parameters())
+    handle.remove()
+
+
 def test_a_guarded_hook_stays_and_cannot_be_removed():
     model = Scaled()
     handle = model.fc.register_forward_hook(lambda mod, args, out: out * 3)
