@@ -16,7 +16,7 @@ from autopar.ir.pipeline import first_microbatch
 from autopar.ir.plan import Plan
 from autopar.runtime import checkpoint, grad_scaling, stage_calls, stale_model
 from autopar.runtime.agreement import check_rank_agreement, resolve_plan
-from autopar.runtime.compile_checks import check_carried_state, warn_set_attributes
+from autopar.runtime.compile_checks import check_carried_state, warn_batch_statistics, warn_set_attributes
 from autopar.runtime.materialize import FromCheckpoint, SeededInit
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.optim import own_parameters
@@ -58,6 +58,7 @@ def build_module(
     # (``cluster`` is priced for ``compiler``'s executor: under inductor, whose traced gathers are
     # unpadded, the planner offers no padded shard, ``choices.build_choice_graph``)
     chosen = resolve_plan(plan, traced, mesh_shape, cluster, options, split_batch=split_batch)
+    warn_batch_statistics(model, chosen)
     check_rank_agreement(chosen)
     check_padded_plan(chosen, traced, options, compiler)
     if pipelined:

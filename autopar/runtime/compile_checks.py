@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from autopar.errors import ConfigError, ConfigTypeError, MeshError, ModelError, PlanError
 from autopar.ir.options import MixedPrecision, PlanOptions, to_dtype
+from autopar.ir.plan import Plan
 from autopar.ops import collectives
 from autopar.runtime.compiled import check_compiler
 from autopar.runtime.materialize import FromCheckpoint, SeededInit, has_meta_tensors
@@ -163,6 +164,28 @@ def warn_set_attributes(traced: TracedModel) -> None:
             "the values they had at compile. Return such values from forward instead",
             ", ".join(repr(n) for n in names[:3]),
             f" and {len(names) - 3} more" if len(names) > 3 else "",
+        )
+
+
+def warn_batch_statistics(model: torch.nn.Module, plan: Plan) -> None:
+    """Say that batch norm takes the whole batch's statistics where each rank passes its own rows
+    (``batch="per_rank"``): eager's on the whole batch and SyncBatchNorm's, not DDP's per-rank
+    ones, which a DDP script with plain BatchNorm had (0.1 apart after three steps of a small CNN)."""
+    if not plan.data_layout.per_rank or plan.data_layout.size == 1:
+        return
+    names = [
+        name or "the model"
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
+    ]
+    if names:
+        log.warning(
+            "autopar: batch norm %s%s normalizes over the whole batch, all %d data-parallel ranks' rows (eager's on "
+            "that batch, and SyncBatchNorm's), not over each rank's rows as under DDP: results equal eager's, not "
+            "DDP's (nn.SyncBatchNorm.convert_sync_batchnorm(model) before compile says so and silences this)",
+            ", ".join(repr(n) for n in names[:3]),
+            f" and {len(names) - 3} more" if len(names) > 3 else "",
+            plan.data_layout.size,
         )
 
 

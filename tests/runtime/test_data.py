@@ -358,3 +358,20 @@ def test_an_all_reduce_rides_only_where_every_rank_of_its_group_carried_it(world
     other[data._RIDE : data._RIDE + 2] = 0.0
     assert ride(torch.tensor([1.5, 2.0])) == (None, True)
     assert ride(torch.ones(data.RIDE_SLOTS + 1)) == (None, False)
+
+
+@pytest.mark.parametrize("batch, sync, said", [("per_rank", False, True), ("per_rank", True, False), ("whole", False, False)])
+def test_batch_norm_over_per_rank_rows_says_it_takes_the_whole_batch(caplog, batch, sync, said) -> None:
+    """Where each rank passes its own rows, a plain BatchNorm takes every rank's rows' statistics
+    (eager's, SyncBatchNorm's), not its own as under DDP: said at compile, once per compile."""
+    import types
+
+    from autopar.runtime.compile_checks import warn_batch_statistics
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    if sync:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    plan = types.SimpleNamespace(data_layout=DataLayout(batch, (0,), (2,)))
+    with caplog.at_level("WARNING", logger="autopar"):
+        warn_batch_statistics(model, plan)
+    assert ("'1' normalizes over the whole batch, all 2 data-parallel ranks' rows" in caplog.text) == said, caplog.text
