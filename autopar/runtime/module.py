@@ -312,14 +312,27 @@ class ParallelModule(ModelAttributes, ShardedModule):
     def accepts_loss_kwargs(self) -> bool:
         """Whether Hugging Face Trainer passes ``num_items_in_batch`` (the label tokens of every rank's
         rows) and multiplies the loss by the process count, as for a model under DDP (Trainer reads it
-        once, as it is made). Not where the model computes the loss, which is the whole batch's mean
-        already; yes for a Trainer whose label smoother computes it from each rank's logits
-        (``label_smoothing_factor``): without the count each rank's loss was its own tokens' mean,
-        and the step their mean, not eager's (nor DDP's) where ranks hold unequal numbers of tokens."""
+        once, as it is made). Yes for a Trainer whose label smoother computes the loss from each
+        rank's logits (``label_smoothing_factor``): without the count each rank's loss was its own
+        tokens' mean, and the step their mean, not eager's (nor DDP's) where ranks hold unequal
+        numbers of tokens. Yes where Trainer accumulates (``gradient_accumulation_steps`` > 1) over a
+        model that takes the count: each micro-batch's loss is its tokens' sum over the whole step's
+        count, as one process's, not its own mean (0.1 apart in weights after four steps of padded
+        micro-batches); a call divides the count by the factor Trainer multiplies the loss by
+        (``trainer_saves.per_process_count``), since the model's loss is the whole batch's already.
+        Not otherwise: the model's loss is the whole batch's mean."""
         trainer = trainer_saves.calling_trainer()
-        return trainer is not None and bool(getattr(trainer.args, "label_smoothing_factor", 0.0))
+        if trainer is None:
+            return False
+        if getattr(trainer.args, "label_smoothing_factor", 0.0):
+            return True
+        return getattr(trainer.args, "gradient_accumulation_steps", 1) > 1 and trainer_saves.takes_loss_kwargs(
+            self.module, self._signature
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if "num_items_in_batch" in kwargs:  # Hugging Face Trainer's count, for a loss it scales after
+            kwargs = trainer_saves.per_process_count(kwargs)
         self._hook_guard.check()
         adopt_in_backward_optimizers(self)
         self._attribute_guard.check()

@@ -20,6 +20,7 @@ would fail on the first DTensor with "invalid python storage"). So:
 
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 from typing import Any
@@ -81,6 +82,28 @@ def _check_trainer(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
             f"compiled module's weights are shards (DTensors) on every rank that rank 0 cannot gather by itself: "
             f"refused at the first step rather than at the first save. {_FIX}; or save_strategy='no'"
         )
+
+
+def takes_loss_kwargs(model: torch.nn.Module, signature: inspect.Signature | None) -> bool:
+    """Trainer's test of whether ``model`` takes ``num_items_in_batch``: its ``accepts_loss_kwargs``,
+    else a ``**kwargs`` in its forward (``signature``)."""
+    declared = getattr(type(model), "accepts_loss_kwargs", None)
+    if declared is not None:
+        return bool(declared)
+    return signature is not None and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+
+
+def per_process_count(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the ``num_items_in_batch`` a Trainer passes (every rank's label tokens)
+    multiplied by the factor Trainer then multiplies the model's loss by (its process count, where
+    it averages tokens across devices), since the compiled module's loss sums the whole batch
+    already: the loss Trainer backpropagates is then one process's. Unchanged outside a Trainer."""
+    trainer = calling_trainer()
+    if trainer is None or not getattr(trainer.args, "average_tokens_across_devices", False):
+        return kwargs
+    factor = trainer.accelerator.num_processes // trainer.get_tp_size()
+    count = kwargs["num_items_in_batch"]
+    return kwargs if factor == 1 or count is None else {**kwargs, "num_items_in_batch": count * factor}
 
 
 def calling_trainer() -> Any:

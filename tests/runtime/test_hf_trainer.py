@@ -56,7 +56,12 @@ def _compiled_run(rank: int, world: int, output_dir: str) -> dict:
     # logits (a call without the labels), normalized by the label tokens of every rank, as under DDP.
     # The smoother's run accumulates 2 micro-steps under pm.no_sync(): the planned graph's held
     # gradients are reduced before the graph of the call without labels runs.
-    for name, how in (("smoothed", {"label_smoothing": 0.1, "accumulation": 2}), ("own_loss", {"own_loss": True})):
+    runs = {
+        "smoothed": {"label_smoothing": 0.1, "accumulation": 2},
+        "own_loss": {"own_loss": True},
+        "accumulated": {"accumulation": 2},
+    }
+    for name, how in runs.items():
         fresh = autopar.compile(
             job.tiny_llama(),
             mesh=(world,),
@@ -81,6 +86,7 @@ def test_trainer_on_two_ranks_has_the_losses_of_one_process(rank_pool, tmp_path)
         job.tiny_llama(), str(tmp_path / "smoothed"), distributed=False, save=False, label_smoothing=0.1, accumulation=2
     )
     own_loss = job.run(job.tiny_llama(), str(tmp_path / "own_loss"), distributed=False, save=False, own_loss=True)
+    accumulated = job.run(job.tiny_llama(), str(tmp_path / "accumulated"), distributed=False, save=False, accumulation=2)
     from transformers import LlamaForCausalLM
 
     for saved_dir in ("saved", "compiled/checkpoint-4"):
@@ -106,6 +112,9 @@ def test_trainer_on_two_ranks_has_the_losses_of_one_process(rank_pool, tmp_path)
         # each rank's tokens' mean, averaged over the ranks, before Trainer counted the tokens of all ranks
         assert result["smoothed_losses"] == pytest.approx(smoothed["losses"], rel=1e-6)
         assert result["own_loss_losses"] == pytest.approx(own_loss["losses"], rel=1e-6)
+        # the model's own loss over accumulated micro-batches of unequal token counts: each divided by
+        # the whole step's count (Trainer's num_items_in_batch), as in one process
+        assert result["accumulated_losses"] == pytest.approx(accumulated["losses"], rel=1e-6)
 
 
 def test_the_compiled_module_shows_the_model_forward_signature() -> None:
