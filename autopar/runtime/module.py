@@ -318,7 +318,7 @@ class ParallelModule(ModelAttributes, ShardedModule):
         numbers of tokens. Yes where Trainer accumulates (``gradient_accumulation_steps`` > 1) over a
         model that takes the count: each micro-batch's loss is its tokens' sum over the whole step's
         count, as one process's, not its own mean (0.1 apart in weights after four steps of padded
-        micro-batches); a call divides the count by the factor Trainer multiplies the loss by
+        micro-batches); a call multiplies the count by the factor Trainer multiplies the loss by
         (``trainer_saves.per_process_count``), since the model's loss is the whole batch's already.
         Not otherwise: the model's loss is the whole batch's mean."""
         trainer = trainer_saves.calling_trainer()
