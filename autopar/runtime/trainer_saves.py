@@ -97,8 +97,9 @@ def per_process_count(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` with the ``num_items_in_batch`` a Trainer passes (every rank's label tokens)
     multiplied by the factor Trainer then multiplies the model's loss by (its process count, where
     it averages tokens across devices), since the compiled module's loss sums the whole batch
-    already: the loss Trainer backpropagates is then one process's. Unchanged outside a Trainer."""
-    trainer = calling_trainer()
+    already: the loss Trainer backpropagates is then one process's. Unchanged outside Trainer's own
+    ``compute_loss`` (a subclass's scales its loss as it chooses)."""
+    trainer = calling_trainer("compute_loss")
     if trainer is None or not getattr(trainer.args, "average_tokens_across_devices", False):
         return kwargs
     factor = trainer.accelerator.num_processes // trainer.get_tp_size()
@@ -106,8 +107,9 @@ def per_process_count(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs if factor == 1 or count is None else {**kwargs, "num_items_in_batch": count * factor}
 
 
-def calling_trainer() -> Any:
-    """The ``transformers.Trainer`` whose method is on the stack above this call, or None."""
+def calling_trainer(method: str | None = None) -> Any:
+    """The ``transformers.Trainer`` whose method is on the stack above this call (the nearest one,
+    and only where it is its own ``method``, where one is named), or None."""
     module = sys.modules.get("transformers.trainer")
     if module is None:
         return None
@@ -117,6 +119,6 @@ def calling_trainer() -> Any:
             return None
         candidate = frame.f_locals.get("self") if frame.f_globals.get("__name__") == "transformers.trainer" else None
         if isinstance(candidate, module.Trainer):
-            return candidate
+            return candidate if method is None or frame.f_code.co_name == method else None
         frame = frame.f_back
     return None
