@@ -72,7 +72,7 @@ def build_module(
     hold_to_optimizer(dict(module.named_parameters()), chosen.optimizer, priced, budget, chosen.predicted.peak_memory_bytes)
     own_parameters(module)  # autopar.optim.AdamW(module.parameters()) finds the module
     if pipelined or any(isinstance(p, DTensor) for p in module.parameters()):
-        grad_scaling.watch(module.parameters())  # each rank holds part of the gradients: GradScaler skips on all or none
+        grad_scaling.watch(module)  # each rank holds part of the gradients: GradScaler skips on all or none
     if pipelined:
         stage_calls.watch(module)  # torch's clip over pm.parameters() clips by the whole model's norm; LBFGS refused
     free_traced(model)

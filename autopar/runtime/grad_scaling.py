@@ -10,46 +10,42 @@ eager under Megatron's layout, whose norms are replicated beside its split proje
 a 2-stage pipeline). DTensor's own handler of the check combines the ranks' findings only over
 the mesh dims that split the *first* gradient of each list.
 
-``watch`` registers the parameters of a module that shards some or pipelines (a module that
-replicates every parameter holds the whole, equal gradient on every rank, as DDP does) and wraps
-``_unscale_grads_`` once a process, so that, for an optimizer over any of them,
-the findings are combined (their max, one scalar all-reduce over the world) before ``step``
-reads them: every rank skips where eager skips, since an overflow in any rank's piece is one in
-eager's gradient. Other optimizers pay a dictionary check per parameter until one is found.
+``watch`` registers a module that shards some parameters or pipelines (one that replicates every
+parameter holds the whole, equal gradient on every rank, as DDP does) and wraps
+``_unscale_grads_`` once a process, so that, for an optimizer over any of its parameters (found
+by ``optim.owner_of``), the findings are combined (their max, one scalar all-reduce over the world)
+before ``step`` reads them: every rank skips where eager skips, since an overflow in any rank's
+piece is one in eager's gradient. Other optimizers pay an owner lookup per parameter.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-_WATCHED: dict[int, weakref.ref] = {}  # id(parameter) -> a weak reference to it
+from autopar.runtime.optim import owner_of
+
+_WATCHED: weakref.WeakSet = weakref.WeakSet()  # modules whose ranks each hold a part of the gradients
 _TORCH: dict[str, Any] = {}  # GradScaler's own _unscale_grads_, once wrapped
 
 
-def watch(params: Iterable[torch.Tensor]) -> None:
-    """Combine every rank's finding for an optimizer over any of ``params`` (and wrap
+def watch(module: torch.nn.Module) -> None:
+    """Combine every rank's finding for an optimizer over any of ``module``'s parameters (and wrap
     ``GradScaler`` once a process)."""
-    for param in params:
-        _WATCHED[id(param)] = weakref.ref(param, functools.partial(_forget, id(param)))
+    _WATCHED.add(module)
     if not _TORCH:
         scaler = torch.amp.GradScaler
         _TORCH["unscale"] = scaler._unscale_grads_
         scaler._unscale_grads_ = functools.wraps(_TORCH["unscale"])(_unscale_grads_)
 
 
-def _forget(key: int, _ref: weakref.ref) -> None:
-    _WATCHED.pop(key, None)
-
-
 def _unscale_grads_(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict[torch.device, torch.Tensor]:
     found = _TORCH["unscale"](self, optimizer, *args, **kwargs)
-    if any(id(param) in _WATCHED for group in optimizer.param_groups for param in group["params"]):
+    if any(owner_of(param) in _WATCHED for group in optimizer.param_groups for param in group["params"]):
         anywhere = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for flag in found.values():
             torch.maximum(anywhere, flag.to(anywhere.device), out=anywhere)

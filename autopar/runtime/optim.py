@@ -263,12 +263,17 @@ def own_parameters(module: torch.nn.Module) -> None:
         _OWNERS[param] = ref
 
 
+def owner_of(param: torch.Tensor) -> Any:
+    """The live compiled module that holds ``param``, or None."""
+    ref = _OWNERS.get(param)
+    return ref() if ref is not None else None
+
+
 def _owner(params: list[torch.Tensor]) -> Any:
     """The one compiled module that holds ``params`` (None: none does); two are refused."""
     owners: dict[int, Any] = {}
     for param in params:
-        ref = _OWNERS.get(param)
-        module = ref() if ref is not None else None
+        module = owner_of(param)
         if module is not None:
             owners[id(module)] = module
     if len(owners) > 1:
@@ -308,4 +313,4 @@ def _adamw_update(param, grad, exp_avg, exp_avg_sq, step: int, lr, betas, eps, w
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
-__all__ = ["AdamW", "own_parameters"]
+__all__ = ["AdamW", "own_parameters", "owner_of"]

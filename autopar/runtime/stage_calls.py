@@ -8,13 +8,13 @@ weights 0.0027 off eager after three steps, without a word; ``torch.optim.LBFGS`
 come from dot products over every gradient, trained 0.77 off eager (a plan without stages holds
 DTensor parameters, on which torch computes over the whole model).
 
-``watch`` (from each pipelined module) registers the module by its parameters; once a process it
-wraps torch's ``clip_grad_norm_`` under the names scripts call it by
-(``torch.nn.utils.clip_grad_norm_``, ``torch.nn.utils.clip_grad.clip_grad_norm_``, which Hugging
-Face's ``accelerate`` and nanoGPT call) and registers an optimizer step pre-hook. A clip over a
+``watch`` (from each pipelined module) registers the module, which its parameters lead to through
+``optim.owner_of``; once a process it wraps torch's ``clip_grad_norm_`` under the names scripts
+call it by (``torch.nn.utils.clip_grad_norm_``, ``torch.nn.utils.clip_grad.clip_grad_norm_``, which
+Hugging Face's ``accelerate`` and nanoGPT call) and registers an optimizer step pre-hook. A clip over a
 pipelined module's parameters runs the module's own ``clip_grad_norm_`` (the whole model's norm,
 the same on every rank) where they hold every gradient the module has, and is refused naming it
-where they hold a part; any other call is torch's own, after a dictionary check per parameter.
+where they hold a part; any other call is torch's own, after an owner lookup per parameter.
 Code that bound torch's function to another name before the first ``compile`` (``from
 torch.nn.utils import clip_grad_norm_``) calls torch's own. The first step of an ``LBFGS`` over a
 pipelined module's parameters is refused, naming a plan without stages.
@@ -32,18 +32,16 @@ import torch.nn.utils.clip_grad as clip_grad
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.errors import UsageError
+from autopar.runtime.optim import owner_of
 
-_OWNERS: dict[int, weakref.ref] = {}  # id(parameter) -> a weak reference to its pipelined module
+_PIPELINED: weakref.WeakSet = weakref.WeakSet()  # the pipelined modules of this process
 _TORCH: dict[str, Any] = {}  # torch's own clip_grad_norm_, once wrapped
 
 
 def watch(module: torch.nn.Module) -> None:
     """Route ``clip_grad_norm_`` over ``module``'s parameters to ``module.clip_grad_norm_``, and
     refuse an ``LBFGS`` over them."""
-    owner = weakref.ref(module)
-    for param in module.parameters():
-        _OWNERS[id(param)] = owner
-    weakref.finalize(module, _forget, [id(param) for param in module.parameters()])
+    _PIPELINED.add(module)
     if not _TORCH:
         _TORCH["clip"] = clip_grad.clip_grad_norm_
         wrapped = functools.wraps(_TORCH["clip"])(_clip_grad_norm_)
@@ -62,13 +60,8 @@ def _refuse_lbfgs(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -
 
 
 def _owner(params: list[torch.Tensor]) -> torch.nn.Module | None:
-    """The pipelined module that holds any of ``params``, while it lives."""
-    return next((ref() for ref in map(_OWNERS.get, map(id, params)) if ref is not None and ref() is not None), None)
-
-
-def _forget(keys: list[int]) -> None:
-    for key in keys:
-        _OWNERS.pop(key, None)
+    """The live pipelined module that holds any of ``params`` (``optim.owner_of``), or None."""
+    return next((module for module in map(owner_of, params) if module in _PIPELINED), None)
 
 
 def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
